@@ -1,0 +1,308 @@
+"""The engine loop: requests in, scheduler steps through an executor, text deltas out.
+
+Single-threaded by design: the server calls `step()` from one dedicated thread and hands it
+requests and aborts through a queue. Importing this module does not import torch; the model is
+loaded inside `LLMEngine.from_args`, so the CLI and the server start fast until a model is needed.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from servelab.core.plan import TokenLogprobs
+from servelab.core.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from servelab.errors import InvalidArgument, RequestTooLong
+
+if TYPE_CHECKING:
+    from servelab.core.config import SchedulerConfig
+    from servelab.core.plan import Executor
+    from servelab.core.scheduler import Scheduler
+    from servelab.engine.tokenizer import Tokenizer
+
+DEFAULT_MAX_MODEL_LEN = 8192  # CPU default: longer contexts are possible but unusably slow here
+DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
+DTYPES = ("bfloat16", "float16", "float32")
+DEVICES = ("cpu", "cuda")
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None  # GGUF file or HF model dir; None = the bundled SmolLM2-135M-Instruct Q4_1 GGUF
+    dtype: str | None = None  # "bfloat16" | "float16" | "float32"; None = bf16 where the CPU supports it, else fp32
+    device: str = "cpu"  # "cpu" | "cuda"
+    max_model_len: int | None = None  # None = min(model max context, DEFAULT_MAX_MODEL_LEN)
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_waiting: int | None = None
+    policy: str = "chunked"  # | "prefill-first"
+    order: str = "fcfs"  # | "priority"
+    enable_prefix_caching: bool = True
+    block_size: int = 16
+    num_blocks: int | None = None  # None = derived from kv_cache_memory_bytes
+    kv_cache_memory_bytes: int | None = None  # None = DEFAULT_KV_CACHE_MEMORY_BYTES
+    seed: int = 0
+    served_model_name: str | None = None
+
+    def validate(self) -> None:
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise InvalidArgument(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}", param="dtype")
+        if self.device not in DEVICES:
+            raise InvalidArgument(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}", param="device")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) < 1:
+                raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}", param=name)
+        for name in ("max_model_len", "num_blocks", "kv_cache_memory_bytes", "max_waiting"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise InvalidArgument(f"{name} must be >= 1, got {value}", param=name)
+
+
+@dataclass
+class EngineOutput:
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str  # incremental, UTF-8 safe, stop strings removed
+    finished: bool
+    finish_reason: FinishReason | None
+    logprobs: list[TokenLogprobs] | None
+    seq: Sequence
+
+
+@dataclass
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float  # 0..1
+    num_blocks_total: int
+    num_blocks_free: int
+    num_preemptions: int
+    prefix_cache_hits: int  # tokens served from the prefix cache, total
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache, total
+
+
+@dataclass(slots=True)
+class _RequestState:
+    """Per-request text state: detokenizer and stop-string matcher."""
+
+    seq: Sequence
+    detokenizer: object
+    stop_checker: object | None
+    text_len_sent: int = 0
+    pending_text: str = ""  # decoded but held back: it may be the start of a stop string
+    output_text: str = field(default="")
+
+
+class LLMEngine:
+    def __init__(
+        self,
+        executor: Executor,
+        tokenizer: Tokenizer,
+        scheduler_config: SchedulerConfig,
+        model_name: str,
+    ):
+        from servelab.core.scheduler import Scheduler
+
+        self.executor = executor
+        self.tokenizer = tokenizer
+        self.scheduler_config = scheduler_config
+        self.scheduler: Scheduler = Scheduler(scheduler_config)
+        self.model_name = model_name
+        self.max_model_len: int = scheduler_config.max_model_len
+        self.vocab_size: int = getattr(executor, "vocab_size", None) or tokenizer.vocab_size
+        self.model_spec = None  # the spec the roofline uses, set by from_args when known
+        self._requests: dict[str, _RequestState] = {}
+        self._aborted: list[EngineOutput] = []
+        self._prefix_cache_hits = 0
+        self._prefix_cache_queries = 0
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_args(cls, args: EngineArgs) -> LLMEngine:
+        from servelab.core.config import SchedulerConfig
+        from servelab.engine.bundled import bundled_model_path
+        from servelab.engine.kv_cache import PagedKVCache
+        from servelab.engine.model_executor import ModelExecutor
+        from servelab.engine.weights import load_model, resolve_dtype
+
+        args.validate()
+        path = args.model or str(bundled_model_path())
+        dtype = resolve_dtype(args.dtype, args.device)
+        loaded = load_model(path, dtype=dtype, device=args.device)
+        config = loaded.config
+
+        max_model_len = args.max_model_len or min(config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        if max_model_len > config.max_position_embeddings:
+            raise InvalidArgument(
+                f"max_model_len={max_model_len} exceeds the model's context of {config.max_position_embeddings} tokens",
+                param="max_model_len",
+            )
+        block_bytes = PagedKVCache.bytes_per_block(config, args.block_size, dtype)
+        if args.num_blocks is not None:
+            num_blocks = args.num_blocks
+        else:
+            num_blocks = (args.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES) // block_bytes
+            if num_blocks < 1:
+                raise InvalidArgument(
+                    f"kv_cache_memory_bytes={args.kv_cache_memory_bytes} holds no KV block "
+                    f"(one block of {args.block_size} tokens needs {block_bytes} bytes)",
+                    param="kv_cache_memory_bytes",
+                )
+        capacity_tokens = num_blocks * args.block_size
+        if capacity_tokens < max_model_len:
+            if args.max_model_len is not None:
+                raise InvalidArgument(
+                    f"max_model_len={max_model_len} does not fit the KV cache of {num_blocks} blocks x "
+                    f"{args.block_size} tokens = {capacity_tokens} tokens; raise num_blocks or kv_cache_memory_bytes",
+                    param="max_model_len",
+                )
+            max_model_len = capacity_tokens  # a small cache asked for explicitly bounds the context
+
+        kv_cache = PagedKVCache(config, num_blocks, args.block_size, dtype=dtype, device=args.device)
+        executor = ModelExecutor(loaded.model, kv_cache, seed=args.seed)
+        scheduler_config = SchedulerConfig(
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=max_model_len,
+            block_size=args.block_size,
+            num_blocks=num_blocks,
+            policy=args.policy,
+            order=args.order,
+            enable_prefix_caching=args.enable_prefix_caching,
+            max_waiting=args.max_waiting,
+        )
+        name = args.served_model_name or loaded.name
+        engine = cls(executor, loaded.tokenizer, scheduler_config, name)
+        engine.model_spec = loaded.spec
+        return engine
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        arrival_s: float | None = None,
+    ) -> Sequence:
+        """Tokenizes a str prompt (no chat template: callers render chats with
+        tokenizer.apply_chat_template first), checks limits, queues. Raises RequestTooLong /
+        QueueFull / InvalidArgument with clear messages."""
+        if request_id in self._requests:
+            raise InvalidArgument(f"request id {request_id!r} is already in use", param="request_id")
+        params.validate()
+        if isinstance(prompt, str):
+            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+            bos = self.tokenizer.bos_token_id
+            # A rendered chat template already starts with BOS; adding one more confuses the model.
+            if bos is not None and len(token_ids) > 1 and token_ids[0] == token_ids[1] == bos:
+                token_ids = token_ids[1:]
+        else:
+            token_ids = [int(t) for t in prompt]
+            bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
+            if bad is not None:
+                raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
+        if not token_ids:
+            raise InvalidArgument("prompt is empty: it must hold at least one token", param="prompt")
+        if len(token_ids) + params.max_tokens > self.max_model_len:
+            raise RequestTooLong(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the request asks for "
+                f"{len(token_ids) + params.max_tokens} ({len(token_ids)} in the prompt, {params.max_tokens} in the "
+                f"completion); shorten the prompt or lower max_tokens",
+                param="max_tokens",
+            )
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=token_ids,
+            params=params,
+            arrival_s=time.perf_counter() if arrival_s is None else arrival_s,
+            priority=priority,
+            eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+        )
+        self.scheduler.add(seq, seq.arrival_s)  # raises QueueFull / RequestTooLong for the KV pool
+        self._requests[request_id] = self._new_state(seq)
+        return seq
+
+    def _new_state(self, seq: Sequence) -> _RequestState:
+        from servelab.engine.detokenizer import IncrementalDetokenizer, StopChecker
+
+        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, skip_special_tokens=True)
+        checker = StopChecker(list(seq.params.stop)) if seq.params.stop else None
+        return _RequestState(seq=seq, detokenizer=detok, stop_checker=checker)
+
+    def abort(self, request_id: str) -> bool:
+        """Cancels a request; its stream gets one last output with finish_reason ABORT on the next step."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return False
+        self.scheduler.abort(request_id)
+        seq = state.seq
+        self._aborted.append(
+            EngineOutput(request_id, [], "", True, seq.finish_reason or FinishReason.ABORT, None, seq)
+        )
+        return True
+
+    def has_unfinished(self) -> bool:
+        return bool(self._aborted) or self.scheduler.num_running + self.scheduler.num_waiting > 0
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[EngineOutput]:
+        outputs, self._aborted = self._aborted, []
+        now = time.perf_counter()
+        plan = self.scheduler.schedule(now)
+        if plan.is_empty:
+            return outputs
+        result = self.executor.execute(plan)
+        for request_output in self.scheduler.update(plan, result, time.perf_counter()):
+            out = self._process(request_output)
+            if out is not None:
+                outputs.append(out)
+        return outputs
+
+    def _process(self, ro) -> EngineOutput | None:
+        state = self._requests.get(ro.request_id)
+        if state is None:  # aborted while its step ran
+            return None
+        seq = state.seq
+        finished, reason = ro.finished, ro.finish_reason
+        text = state.detokenizer.add(ro.new_token_ids) if ro.new_token_ids else ""
+        if state.stop_checker is not None and not (finished and reason is FinishReason.STOP and seq.stop_reason is not None and isinstance(seq.stop_reason, str)):
+            check_stop = seq.num_output_tokens >= seq.params.min_tokens
+            emit, stop = state.stop_checker.feed(text, check=check_stop, final=finished)
+            if stop is not None and not finished:
+                self.scheduler.finish(seq.request_id, FinishReason.STOP, time.perf_counter(), stop)
+                finished, reason = True, FinishReason.STOP
+            elif stop is not None:
+                seq.finish_reason = reason = FinishReason.STOP
+                seq.stop_reason = stop
+            text = emit
+        state.output_text += text
+        if finished:
+            self._requests.pop(ro.request_id, None)
+        if not (ro.new_token_ids or finished):
+            return None
+        return EngineOutput(ro.request_id, list(ro.new_token_ids), text, finished, reason, ro.logprobs, seq)
+
+    def output_text(self, request_id: str) -> str | None:
+        state = self._requests.get(request_id)
+        return None if state is None else state.output_text
+
+    def stats(self) -> EngineStats:
+        sch = self.scheduler
+        bm = sch.block_manager
+        total = self.scheduler_config.num_blocks
+        return EngineStats(
+            num_running=sch.num_running,
+            num_waiting=sch.num_waiting,
+            kv_cache_usage=float(bm.usage),
+            num_blocks_total=total,
+            num_blocks_free=int(bm.num_free_blocks),
+            num_preemptions=int(sch.num_preemptions),
+            prefix_cache_hits=int(getattr(bm, "prefix_cache_hit_tokens", 0)),
+            prefix_cache_queries=int(getattr(bm, "prefix_cache_query_tokens", 0)),
+        )
