@@ -1,0 +1,92 @@
+"""Arrival processes: when each request is sent.
+
+Open loop (a rate): inter-arrival gaps are gamma-distributed with shape = burstiness and
+scale = 1 / (rate × burstiness), as vLLM's `bench serve` defines it. The mean gap is always
+1/rate; burstiness 1 is a Poisson process, < 1 is burstier, > 1 smoother, and infinity is a
+constant rate. A rate of infinity sends every request at t = 0.
+
+Closed loop (a concurrency): C clients each send their next request when the previous one
+ends, so there are no arrival times to draw; the driver (simulator or bench client) decides
+them as requests complete.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from servelab.errors import InvalidArgument
+
+KINDS = ("poisson", "gamma", "constant", "closed")
+
+
+@dataclass(frozen=True, slots=True)
+class ArrivalProcess:
+    kind: str
+    rate_per_s: float = math.inf
+    burstiness: float = 1.0
+    concurrency: int | None = None  # closed loop: the number of clients
+
+    @classmethod
+    def create(
+        cls,
+        rate: float | None,
+        concurrency: int | None = None,
+        burstiness: float = 1.0,
+        kind: str | None = None,
+    ) -> ArrivalProcess:
+        """Pick the process from the flags: a concurrency without a rate is closed loop; a rate
+        with burstiness 1 is Poisson, infinite burstiness constant, anything else gamma."""
+        if rate is not None and not rate > 0:
+            raise InvalidArgument(f"rate must be > 0 requests/s, got {rate}", param="rate")
+        if concurrency is not None and concurrency < 1:
+            raise InvalidArgument(f"concurrency must be >= 1, got {concurrency}", param="concurrency")
+        if not burstiness > 0:
+            raise InvalidArgument(f"burstiness must be > 0, got {burstiness}", param="burstiness")
+        if kind is not None and kind not in KINDS:
+            raise InvalidArgument(f"arrival process must be one of {', '.join(KINDS)}, got {kind!r}")
+        if kind is None:
+            if rate is None and concurrency is not None:
+                kind = "closed"
+            elif math.isinf(burstiness):
+                kind = "constant"
+            elif burstiness == 1.0:
+                kind = "poisson"
+            else:
+                kind = "gamma"
+        if kind == "closed" and concurrency is None:
+            raise InvalidArgument("a closed-loop workload needs a concurrency (--concurrency C)")
+        if kind == "poisson" and burstiness != 1.0:
+            raise InvalidArgument(f"a Poisson process has burstiness 1, got {burstiness}; use gamma")
+        return cls(kind, math.inf if rate is None else float(rate), float(burstiness), concurrency)
+
+    @property
+    def closed_loop(self) -> bool:
+        return self.kind == "closed"
+
+    def arrival_times_s(self, rng: np.random.Generator, n: int) -> np.ndarray | None:
+        """Send times of n requests (the first gap is drawn too, as in vLLM); None in closed loop."""
+        if self.kind == "closed":
+            return None
+        if math.isinf(self.rate_per_s):
+            return np.zeros(n)
+        if self.kind == "constant":
+            gaps = np.full(n, 1.0 / self.rate_per_s)
+        elif self.kind == "poisson":
+            gaps = rng.exponential(1.0 / self.rate_per_s, size=n)
+        else:
+            gaps = rng.gamma(self.burstiness, 1.0 / (self.rate_per_s * self.burstiness), size=n)
+        return np.cumsum(gaps)
+
+    def describe(self) -> str:
+        if self.kind == "closed":
+            return f"closed loop, concurrency {self.concurrency}"
+        rate = "inf" if math.isinf(self.rate_per_s) else f"{self.rate_per_s:g}"
+        text = f"{self.kind} at {rate} req/s"
+        if self.kind == "gamma":
+            text += f" (burstiness {self.burstiness:g})"
+        if self.concurrency is not None:
+            text += f", at most {self.concurrency} in flight"
+        return text

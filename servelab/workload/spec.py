@@ -1,0 +1,197 @@
+"""A workload: how many requests, when they arrive and how long they are. Seeded and reproducible."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from servelab.errors import InvalidArgument
+from servelab.workload.arrivals import ArrivalProcess
+from servelab.workload.datasets import Tokenizer, load_sharegpt, load_trace
+from servelab.workload.lengths import LengthDist
+
+DEFAULT_NUM_REQUESTS = 1000
+DEFAULT_INPUT_LEN = "1024"
+DEFAULT_OUTPUT_LEN = "256"
+
+# Independent random streams, so that changing (say) the length distribution does not move
+# the arrival times of the same seed.
+_STREAM_ARRIVALS, _STREAM_INPUT, _STREAM_OUTPUT, _STREAM_GROUPS, _STREAM_DATASET = range(5)
+
+
+@dataclass(slots=True)
+class RequestSpec:
+    index: int
+    arrival_s: float | None  # None in closed loop: sent when a client becomes free
+    prompt_tokens: int
+    output_tokens: int
+    prefix_tokens: int = 0  # the first prefix_tokens of the prompt are shared within prefix_group
+    prefix_group: int = 0
+    prompt_text: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "arrival_s": self.arrival_s,
+            "prompt_tokens": self.prompt_tokens,
+            "output_tokens": self.output_tokens,
+            "prefix_tokens": self.prefix_tokens,
+            "prefix_group": self.prefix_group,
+        }
+
+
+@dataclass(slots=True)
+class WorkloadSpec:
+    """`rate` (requests/s) makes an open-loop workload; `concurrency` alone a closed loop; both: open
+    loop with at most `concurrency` requests in flight (as vLLM's --max-concurrency). Neither:
+    every request at t = 0. `input_len`/`output_len` are LengthDist strings; with a dataset or a
+    trace they default to the file's lengths (an explicit `output_len` overrides a dataset's)."""
+
+    num_requests: int | None = None  # None: 1000, or every row of a trace
+    rate: float | None = None
+    concurrency: int | None = None
+    burstiness: float = 1.0
+    input_len: str | LengthDist | None = None
+    output_len: str | LengthDist | None = None
+    shared_prefix_fraction: float = 0.0
+    num_prefix_groups: int = 1
+    seed: int = 0
+    dataset: str | None = None
+    trace: str | None = None
+    arrival: str | None = None  # force "poisson" | "gamma" | "constant" | "closed"
+    _arrivals: ArrivalProcess = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._arrivals = ArrivalProcess.create(self.rate, self.concurrency, self.burstiness, self.arrival)
+        if self.num_requests is not None and self.num_requests < 1:
+            raise InvalidArgument(f"num_requests must be >= 1, got {self.num_requests}", param="num_requests")
+        if not 0.0 <= self.shared_prefix_fraction < 1.0:
+            raise InvalidArgument(
+                f"shared prefix fraction must be in [0, 1), got {self.shared_prefix_fraction}", param="shared_prefix"
+            )
+        if self.num_prefix_groups < 1:
+            raise InvalidArgument(f"num_prefix_groups must be >= 1, got {self.num_prefix_groups}")
+        if self.dataset and self.trace:
+            raise InvalidArgument("give either a dataset (--dataset) or a trace (--trace), not both")
+        if self.trace and self.rate is not None:
+            raise InvalidArgument("a trace carries its own arrival times; drop --rate (or use --concurrency)")
+        if self.trace and self.input_len is not None:
+            raise InvalidArgument("a trace carries its own prompt lengths; drop --input-len")
+        if self.dataset and self.input_len is not None:
+            raise InvalidArgument("a dataset gives the prompt lengths; drop --input-len")
+        # Parse now so a bad string fails before any work is done.
+        if self.input_len is not None:
+            self.input_len = LengthDist.parse(self.input_len, name="input length")
+        if self.output_len is not None:
+            self.output_len = LengthDist.parse(self.output_len, name="output length")
+
+    @property
+    def arrivals(self) -> ArrivalProcess:
+        return self._arrivals
+
+    @property
+    def input_dist(self) -> LengthDist:
+        return self.input_len or LengthDist.parse(DEFAULT_INPUT_LEN)  # type: ignore[return-value]
+
+    @property
+    def output_dist(self) -> LengthDist:
+        return self.output_len or LengthDist.parse(DEFAULT_OUTPUT_LEN)  # type: ignore[return-value]
+
+    def _rng(self, stream: int) -> np.random.Generator:
+        return np.random.default_rng([self.seed, stream])
+
+    def generate(self, tokenizer: Tokenizer | None = None) -> list[RequestSpec]:
+        if self.trace:
+            return self._from_trace()
+        n = self.num_requests or DEFAULT_NUM_REQUESTS
+        texts: list[str | None] = [None] * n
+        if self.dataset:
+            convs = load_sharegpt(self.dataset, tokenizer)
+            rng = self._rng(_STREAM_DATASET)
+            # Without replacement while the file lasts (as vLLM's bench), with replacement past that.
+            picks = rng.permutation(len(convs))[:n] if n <= len(convs) else rng.integers(len(convs), size=n)
+            prompt = np.array([convs[i].prompt_tokens for i in picks], dtype=np.int64)
+            output = np.array([convs[i].output_tokens for i in picks], dtype=np.int64)
+            texts = [convs[i].prompt_text for i in picks]
+            if self.output_len is not None:
+                output = self.output_dist.sample(self._rng(_STREAM_OUTPUT), n)
+        else:
+            prompt = self.input_dist.sample(self._rng(_STREAM_INPUT), n)
+            output = self.output_dist.sample(self._rng(_STREAM_OUTPUT), n)
+        arrivals = self._arrivals.arrival_times_s(self._rng(_STREAM_ARRIVALS), n)
+        # One prefix length for the whole workload, like a system prompt: a fraction of the mean
+        # prompt, cut short only where a prompt is shorter (each prompt keeps one token of its own).
+        prefix_len = int(self.shared_prefix_fraction * float(prompt.mean()))
+        prefix = np.minimum(prefix_len, prompt - 1)
+        groups = self._rng(_STREAM_GROUPS).integers(self.num_prefix_groups, size=n)
+        return [
+            RequestSpec(
+                index=i,
+                arrival_s=None if arrivals is None else float(arrivals[i]),
+                prompt_tokens=int(prompt[i]),
+                output_tokens=int(output[i]),
+                prefix_tokens=int(prefix[i]),
+                prefix_group=int(groups[i]),
+                prompt_text=texts[i],
+            )
+            for i in range(n)
+        ]
+
+    def _from_trace(self) -> list[RequestSpec]:
+        rows = load_trace(self.trace)  # type: ignore[arg-type]
+        if self.num_requests is not None:
+            rows = rows[: self.num_requests]
+        closed = self._arrivals.closed_loop
+        output = None
+        if self.output_len is not None:
+            output = self.output_dist.sample(self._rng(_STREAM_OUTPUT), len(rows))
+        specs = []
+        for i, row in enumerate(rows):
+            prefix, group = row.prefix_tokens, row.prefix_group
+            if self.shared_prefix_fraction > 0 and prefix == 0:
+                prefix = min(int(row.prompt_tokens * self.shared_prefix_fraction), row.prompt_tokens - 1)
+            specs.append(
+                RequestSpec(
+                    index=i,
+                    arrival_s=None if closed else row.arrival_s,
+                    prompt_tokens=row.prompt_tokens,
+                    output_tokens=row.output_tokens if output is None else int(output[i]),
+                    prefix_tokens=prefix,
+                    prefix_group=group,
+                    prompt_text=row.prompt_text,
+                )
+            )
+        return specs
+
+    def to_dict(self) -> dict[str, Any]:
+        """Everything that defines the workload, for a run's `config`."""
+        return {
+            "num_requests": self.num_requests,
+            "arrival": self._arrivals.kind,
+            "rate": None if self.rate is None or math.isinf(self.rate) else self.rate,
+            "concurrency": self.concurrency,
+            "burstiness": self.burstiness if math.isfinite(self.burstiness) else "inf",
+            "input_len": None if self.input_len is None else str(self.input_len),
+            "output_len": None if self.output_len is None else str(self.output_len),
+            "shared_prefix_fraction": self.shared_prefix_fraction,
+            "num_prefix_groups": self.num_prefix_groups,
+            "seed": self.seed,
+            "dataset": None if self.dataset is None else str(Path(self.dataset)),
+            "trace": None if self.trace is None else str(Path(self.trace)),
+        }
+
+    def describe(self) -> str:
+        if self.trace:
+            lengths = f"trace {self.trace}"
+        elif self.dataset:
+            lengths = f"dataset {self.dataset}"
+        else:
+            lengths = f"{self.input_dist} in, {self.output_dist} out"
+        text = f"{self.num_requests or DEFAULT_NUM_REQUESTS} requests, {lengths}, {self._arrivals.describe()}"
+        if self.shared_prefix_fraction:
+            text += f", {self.shared_prefix_fraction:.0%} shared prefix in {self.num_prefix_groups} group(s)"
+        return text

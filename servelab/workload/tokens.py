@@ -1,0 +1,39 @@
+"""Synthetic prompt token ids for a RequestSpec: reproducible, and identical over the shared
+prefix of every request in the same prefix group, so the prefix cache hits as it would on real
+traffic with a common system prompt."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from servelab.workload.spec import RequestSpec
+
+_M1 = np.uint64(0xBF58476D1CE4E5B9)
+_M2 = np.uint64(0x94D049BB133111EB)
+_S30, _S27, _S31 = np.uint64(30), np.uint64(27), np.uint64(31)
+_GOLDEN = 0x9E3779B97F4A7C15
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    # splitmix64's finaliser: a counter in, well-spread bits out; position i does not depend on
+    # how many tokens are drawn, so a longer prefix of the same group extends a shorter one.
+    x = (x ^ (x >> _S30)) * _M1
+    x = (x ^ (x >> _S27)) * _M2
+    return x ^ (x >> _S31)
+
+
+def _stream(key: int, n: int, vocab_size: int) -> list[int]:
+    base = np.uint64((key * _GOLDEN) & _MASK)
+    with np.errstate(over="ignore"):
+        x = _mix(np.arange(n, dtype=np.uint64) + base)
+    return (x % np.uint64(vocab_size)).astype(np.int64).tolist()
+
+
+def token_ids_for(spec: RequestSpec, vocab_size: int, seed: int = 0) -> list[int]:
+    if vocab_size < 2:
+        raise ValueError(f"vocab_size must be >= 2, got {vocab_size}")
+    # Distinct key spaces for group prefixes and per-request suffixes.
+    prefix = _stream((seed << 40) ^ (1 << 39) ^ spec.prefix_group, spec.prefix_tokens, vocab_size)
+    suffix = _stream((seed << 40) ^ spec.index, spec.prompt_tokens - spec.prefix_tokens, vocab_size)
+    return prefix + suffix

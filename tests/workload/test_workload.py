@@ -1,0 +1,195 @@
+import argparse
+import json
+import math
+
+import numpy as np
+import pytest
+
+from servelab.errors import InvalidArgument, NotFound
+from servelab.workload import (
+    ArrivalProcess,
+    LengthDist,
+    RequestSpec,
+    WorkloadSpec,
+    add_workload_arguments,
+    token_ids_for,
+    workload_from_args,
+)
+
+
+def rng(seed=0):
+    return np.random.default_rng(seed)
+
+
+@pytest.mark.parametrize(
+    "text, kind, mean",
+    [("1024", "fixed", 1024), ("512-2048", "uniform", 1280), ("uniform:512,2048", "uniform", 1280),
+     ("lognormal:1024,0.5", "lognormal", 1024)],
+)
+def test_length_forms_parse_and_sample_the_asked_mean(text, kind, mean):
+    dist = LengthDist.parse(text)
+    assert dist.kind == kind
+    values = dist.sample(rng(), 20000)
+    assert values.min() >= 1
+    assert abs(values.mean() - mean) / mean < 0.02
+    if kind == "uniform":
+        assert values.min() == 512 and values.max() == 2048
+
+
+def test_lognormal_sigma_is_the_spread():
+    narrow = LengthDist.parse("lognormal:1000,0.1").sample(rng(), 20000)
+    wide = LengthDist.parse("lognormal:1000,1.0").sample(rng(), 20000)
+    assert np.std(np.log(narrow)) == pytest.approx(0.1, rel=0.1)
+    assert np.std(np.log(wide)) == pytest.approx(1.0, rel=0.1)
+
+
+@pytest.mark.parametrize("bad", ["", "abc", "0", "10-5", "uniform:5", "lognormal:100,-1", "lognormal:0,0.5"])
+def test_bad_lengths_name_the_input(bad):
+    with pytest.raises(InvalidArgument, match="input length"):
+        LengthDist.parse(bad, name="input length")
+
+
+def test_poisson_gaps_have_the_rate_and_unit_cv():
+    times = ArrivalProcess.create(rate=10.0).arrival_times_s(rng(), 50000)
+    gaps = np.diff(times)
+    assert gaps.mean() == pytest.approx(0.1, rel=0.03)
+    assert gaps.std() / gaps.mean() == pytest.approx(1.0, rel=0.05)
+
+
+def test_gamma_burstiness_as_vllm_defines_it():
+    # shape = burstiness, scale = 1/(rate*burstiness): mean 1/rate, CV = 1/sqrt(burstiness)
+    proc = ArrivalProcess.create(rate=4.0, burstiness=0.25)
+    assert proc.kind == "gamma"
+    gaps = np.diff(proc.arrival_times_s(rng(), 100000))
+    assert gaps.mean() == pytest.approx(0.25, rel=0.05)
+    assert gaps.std() / gaps.mean() == pytest.approx(2.0, rel=0.05)
+
+
+def test_constant_and_infinite_rate_and_closed_loop():
+    const = ArrivalProcess.create(rate=5.0, burstiness=math.inf)
+    assert const.kind == "constant"
+    assert np.allclose(np.diff(const.arrival_times_s(rng(), 10)), 0.2)
+    assert ArrivalProcess.create(rate=math.inf).arrival_times_s(rng(), 3).tolist() == [0, 0, 0]
+    closed = ArrivalProcess.create(rate=None, concurrency=8)
+    assert closed.closed_loop and closed.arrival_times_s(rng(), 5) is None
+
+
+@pytest.mark.parametrize("kwargs", [dict(rate=0), dict(rate=-1), dict(rate=1, burstiness=0), dict(rate=None, concurrency=0)])
+def test_bad_arrivals_are_rejected(kwargs):
+    with pytest.raises(InvalidArgument):
+        ArrivalProcess.create(**kwargs)
+
+
+def test_same_seed_same_workload_and_streams_are_independent():
+    a = WorkloadSpec(200, rate=3.0, input_len="100-900", output_len="lognormal:200,0.7", seed=7).generate()
+    b = WorkloadSpec(200, rate=3.0, input_len="100-900", output_len="lognormal:200,0.7", seed=7).generate()
+    c = WorkloadSpec(200, rate=3.0, input_len="100-900", output_len="lognormal:200,0.7", seed=8).generate()
+    assert a == b and a != c
+    # Changing only the output lengths must not move the arrivals or the prompts.
+    d = WorkloadSpec(200, rate=3.0, input_len="100-900", output_len="64", seed=7).generate()
+    assert [r.arrival_s for r in a] == [r.arrival_s for r in d]
+    assert [r.prompt_tokens for r in a] == [r.prompt_tokens for r in d]
+
+
+def test_closed_loop_has_no_arrival_times():
+    reqs = WorkloadSpec(10, concurrency=4).generate()
+    assert all(r.arrival_s is None for r in reqs)
+    assert [r.prompt_tokens for r in reqs] == [1024] * 10 and [r.output_tokens for r in reqs] == [256] * 10
+
+
+def test_shared_prefix_tokens_are_shared_within_a_group_only():
+    reqs = WorkloadSpec(40, rate=1.0, input_len="1000", shared_prefix_fraction=0.5, num_prefix_groups=2).generate()
+    assert all(r.prefix_tokens == 500 for r in reqs)
+    assert {r.prefix_group for r in reqs} == {0, 1}
+    ids = [token_ids_for(r, 32000) for r in reqs]
+    assert all(len(t) == 1000 for t in ids)
+    first = {}
+    for r, t in zip(reqs, ids):
+        first.setdefault(r.prefix_group, t)
+        assert t[:500] == first[r.prefix_group][:500]
+    g0 = next(t for r, t in zip(reqs, ids) if r.prefix_group == 0)
+    g1 = next(t for r, t in zip(reqs, ids) if r.prefix_group == 1)
+    assert g0[:500] != g1[:500]
+    # The unique parts differ between requests.
+    assert len({tuple(t[500:]) for t in ids}) == len(ids)
+    assert all(0 <= x < 32000 for t in ids for x in t)
+
+
+def test_token_ids_reproducible_and_prefix_consistent_across_lengths():
+    a = RequestSpec(0, 0.0, prompt_tokens=300, output_tokens=1, prefix_tokens=200, prefix_group=3)
+    b = RequestSpec(1, 0.0, prompt_tokens=150, output_tokens=1, prefix_tokens=100, prefix_group=3)
+    assert token_ids_for(a, 1000) == token_ids_for(a, 1000)
+    assert token_ids_for(a, 1000)[:100] == token_ids_for(b, 1000)[:100]
+    assert token_ids_for(a, 1000, seed=1) != token_ids_for(a, 1000)
+
+
+def write_sharegpt(path, n=20):
+    entries = []
+    for i in range(n):
+        entries.append(
+            {"id": str(i), "conversations": [
+                {"from": "human", "value": " ".join(["word"] * (6 + 3 * i))},
+                {"from": "gpt", "value": " ".join(["answer"] * (30 + i))},
+            ]}
+        )
+    entries.append({"id": "short", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]})
+    entries.append({"id": "one-turn", "conversations": [{"from": "human", "value": "only a question here"}]})
+    path.write_text(json.dumps(entries))
+
+
+def test_sharegpt_lengths_from_words_or_a_tokenizer(tmp_path):
+    path = tmp_path / "sg.json"
+    write_sharegpt(path)
+    reqs = WorkloadSpec(20, rate=1.0, dataset=str(path)).generate()
+    assert len(reqs) == 20
+    # 4/3 tokens per word; the too-short and one-turn entries are dropped.
+    prompts = sorted(r.prompt_tokens for r in reqs)
+    assert prompts == sorted(round((6 + 3 * i) * 4 / 3) for i in range(20))
+    assert all(r.prompt_text and r.prompt_text.startswith("word") for r in reqs)
+    exact = WorkloadSpec(20, rate=1.0, dataset=str(path)).generate(tokenizer=lambda s: list(range(len(s.split()))))
+    assert sorted(r.prompt_tokens for r in exact) == sorted(6 + 3 * i for i in range(20))
+    # More requests than conversations: drawn again.
+    assert len(WorkloadSpec(50, rate=1.0, dataset=str(path)).generate()) == 50
+    # An explicit output length overrides the dataset's.
+    assert {r.output_tokens for r in WorkloadSpec(5, rate=1.0, dataset=str(path), output_len="7").generate()} == {7}
+
+
+def test_trace_gives_arrivals_and_lengths(tmp_path):
+    path = tmp_path / "t.jsonl"
+    rows = [{"arrival_s": 2.0, "prompt_tokens": 50, "output_tokens": 5},
+            {"arrival_s": 0.5, "prompt_tokens": 70, "output_tokens": 9, "prefix_tokens": 10, "prefix_group": 2}]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    reqs = WorkloadSpec(trace=str(path)).generate()
+    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in reqs] == [(0.5, 70, 9), (2.0, 50, 5)]
+    assert reqs[0].prefix_tokens == 10 and reqs[0].prefix_group == 2
+    assert len(WorkloadSpec(num_requests=1, trace=str(path)).generate()) == 1
+    assert all(r.arrival_s is None for r in WorkloadSpec(trace=str(path), concurrency=2).generate())
+
+
+def test_bad_files_get_clear_errors(tmp_path):
+    with pytest.raises(NotFound, match="no such file"):
+        WorkloadSpec(trace=str(tmp_path / "missing.jsonl")).generate()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"arrival_s": 0, "prompt_tokens": 5}\n')
+    with pytest.raises(InvalidArgument, match="line 1: missing field 'output_tokens'"):
+        WorkloadSpec(trace=str(bad)).generate()
+    with pytest.raises(InvalidArgument, match="drop --rate"):
+        WorkloadSpec(trace=str(bad), rate=2.0)
+
+
+def test_cli_flags_round_trip():
+    parser = argparse.ArgumentParser()
+    add_workload_arguments(parser)
+    args = parser.parse_args(
+        ["--rate", "5", "--burstiness", "0.5", "--num-requests", "30", "--input-len", "lognormal:800,0.3",
+         "--output-len", "10-20", "--shared-prefix", "0.25", "--seed", "3"]
+    )
+    spec = workload_from_args(args)
+    assert spec.arrivals.kind == "gamma" and spec.num_requests == 30 and spec.seed == 3
+    reqs = spec.generate()
+    assert len(reqs) == 30 and all(10 <= r.output_tokens <= 20 for r in reqs)
+    assert spec.to_dict()["input_len"] == "lognormal:800,0.3"
+    with pytest.raises(InvalidArgument, match="--rate must be > 0"):
+        workload_from_args(parser.parse_args(["--rate", "0"]))
+    with pytest.raises(InvalidArgument, match="--input-len"):
+        workload_from_args(parser.parse_args(["--input-len", "x"]))
