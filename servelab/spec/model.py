@@ -1,0 +1,308 @@
+"""The shape of a decoder-only transformer (Llama family: Llama, Mistral, Qwen2, Mixtral) and the
+catalog of well-known models.
+
+Everything the cost model needs is here: parameter counts (total and active per token), and KV
+bytes per token. Counts assume the Llama block: RMSNorm, attention with grouped KV heads (GQA),
+SwiGLU MLP (gate, up, down), optional MoE routing over SwiGLU experts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from servelab.errors import InvalidArgument, NotFound
+from servelab.spec.dtypes import kv_dtype as _kv_dtype
+from servelab.spec.dtypes import weight_dtype as _weight_dtype
+
+# HF `model_type` -> whether the attention projections carry a bias (Qwen2 has q/k/v bias).
+_HF_MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": True, "mixtral": False}
+# GGUF `general.architecture` values we read; llama.cpp files Mistral and Mixtral under "llama".
+_GGUF_ARCHS = {"llama": False, "qwen2": True}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSpec:
+    name: str
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    ffn_size: int  # intermediate size of one (expert) SwiGLU MLP
+    vocab_size: int
+    tie_embeddings: bool
+    max_context: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None = None
+    rms_norm_eps: float = 1e-5
+    qkv_bias: bool = False
+    num_experts: int = 1  # 1 for a dense model
+    num_active_experts: int = 1  # experts each token is routed to
+    architecture: str = "llama"
+
+    def __post_init__(self) -> None:
+        for field_name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
+                           "ffn_size", "vocab_size", "max_context", "num_experts", "num_active_experts"):
+            value = getattr(self, field_name)
+            if not isinstance(value, int) or value <= 0:
+                raise InvalidArgument(f"model {self.name!r}: {field_name} must be a positive integer, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise InvalidArgument(
+                f"model {self.name!r}: num_heads ({self.num_heads}) must be a multiple of "
+                f"num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.num_active_experts > self.num_experts:
+            raise InvalidArgument(
+                f"model {self.name!r}: num_active_experts ({self.num_active_experts}) exceeds "
+                f"num_experts ({self.num_experts})"
+            )
+
+    # rope_scaling is a dict, so the generated hash would fail; the other fields identify a spec.
+    def __hash__(self) -> int:
+        return hash((self.name, self.num_layers, self.hidden_size, self.num_heads, self.num_kv_heads,
+                     self.head_dim, self.ffn_size, self.vocab_size, self.num_experts))
+
+    # ---- parameter counts -------------------------------------------------------------------
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 1
+
+    @property
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def lm_head_params(self) -> int:
+        """Parameters of the output projection; with tied embeddings it is the embedding matrix."""
+        return self.vocab_size * self.hidden_size
+
+    @property
+    def attention_params_per_layer(self) -> int:
+        q_dim = self.num_heads * self.head_dim
+        kv_dim = self.num_kv_heads * self.head_dim
+        params = self.hidden_size * (q_dim + 2 * kv_dim) + q_dim * self.hidden_size
+        if self.qkv_bias:
+            params += q_dim + 2 * kv_dim
+        return params
+
+    @property
+    def expert_params_per_layer(self) -> int:
+        """One SwiGLU MLP: gate and up (hidden -> ffn) and down (ffn -> hidden)."""
+        return 3 * self.hidden_size * self.ffn_size
+
+    @property
+    def router_params_per_layer(self) -> int:
+        return self.hidden_size * self.num_experts if self.is_moe else 0
+
+    @property
+    def norm_params_per_layer(self) -> int:
+        return 2 * self.hidden_size
+
+    @property
+    def num_params(self) -> int:
+        per_layer = (self.attention_params_per_layer + self.num_experts * self.expert_params_per_layer
+                     + self.router_params_per_layer + self.norm_params_per_layer)
+        output = 0 if self.tie_embeddings else self.lm_head_params
+        return self.num_layers * per_layer + self.embedding_params + output + self.hidden_size
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters one token touches (MoE: only its routed experts)."""
+        inactive = (self.num_experts - self.num_active_experts) * self.expert_params_per_layer
+        return self.num_params - self.num_layers * inactive
+
+    @property
+    def matmul_params_per_token(self) -> int:
+        """Active parameters that multiply each token, excluding the LM head (which only runs
+        for positions that produce logits) and the input embedding (a row gather, not a matmul)."""
+        per_layer = (self.attention_params_per_layer + self.num_active_experts * self.expert_params_per_layer
+                     + self.router_params_per_layer)
+        return self.num_layers * per_layer
+
+    def weight_bytes(self, dtype: str = "bf16") -> float:
+        return self.num_params * _weight_dtype(dtype).bytes_per_element
+
+    def kv_bytes_per_token(self, kv_dtype: str = "bf16") -> float:
+        """K and V for every layer: 2 × layers × KV heads × head_dim × bytes. GQA counts KV heads,
+        not attention heads, which is what makes Llama 3's KV cache 4× smaller than MHA's."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * _kv_dtype(kv_dtype).bytes_per_element
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["num_params"] = self.num_params
+        data["num_active_params"] = self.num_active_params
+        data["kv_bytes_per_token_bf16"] = self.kv_bytes_per_token("bf16")
+        return data
+
+    # ---- constructors -----------------------------------------------------------------------
+    @classmethod
+    def from_hf_config(cls, config: Mapping[str, Any] | str | os.PathLike[str], *, name: str | None = None) -> ModelSpec:
+        """From a Hugging Face `config.json` (a dict, the file, or the model directory)."""
+        if not isinstance(config, Mapping):
+            path = os.fspath(config)
+            if os.path.isdir(path):
+                path = os.path.join(path, "config.json")
+            if not os.path.isfile(path):
+                raise NotFound(f"config file {path!r} does not exist", param="config")
+            try:
+                with open(path, encoding="utf-8") as f:
+                    config = json.load(f)
+            except (OSError, json.JSONDecodeError) as exc:
+                raise InvalidArgument(f"cannot read {path!r} as JSON: {exc}", param="config") from None
+            if name is None:
+                name = os.path.basename(os.path.dirname(os.path.abspath(path))) or None
+        config = dict(config)
+        model_type = config.get("model_type")
+        if model_type not in _HF_MODEL_TYPES:
+            raise InvalidArgument(
+                f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(_HF_MODEL_TYPES)}",
+                param="config",
+            )
+
+        def need(key: str) -> Any:
+            if key not in config:
+                raise InvalidArgument(f"config.json ({model_type}) lacks the required key {key!r}", param="config")
+            return config[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        num_experts = int(config.get("num_local_experts") or 1)
+        return cls(
+            name=name or config.get("_name_or_path") or model_type,
+            num_layers=int(need("num_hidden_layers")),
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            ffn_size=int(need("intermediate_size")),
+            vocab_size=int(need("vocab_size")),
+            tie_embeddings=bool(config.get("tie_word_embeddings", False)),
+            max_context=int(need("max_position_embeddings")),
+            rope_theta=float(config.get("rope_theta", 10000.0)),
+            rope_scaling=dict(config["rope_scaling"]) if config.get("rope_scaling") else None,
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            qkv_bias=bool(config.get("attention_bias", _HF_MODEL_TYPES[model_type])),
+            num_experts=num_experts,
+            num_active_experts=int(config.get("num_experts_per_tok") or 1) if num_experts > 1 else 1,
+            architecture=model_type,
+        )
+
+    @classmethod
+    def from_gguf_metadata(cls, metadata: Mapping[str, Any], *, name: str | None = None,
+                           tie_embeddings: bool | None = None) -> ModelSpec:
+        """From GGUF metadata (see `gguf_metadata`). GGUF metadata does not say whether the
+        embeddings are tied (the file simply has no `output.weight` tensor), so pass
+        `tie_embeddings`, or use `from_gguf(path)`, which looks at the tensors; unknown -> untied."""
+        arch = metadata.get("general.architecture", "llama")
+        if arch not in _GGUF_ARCHS:
+            raise InvalidArgument(
+                f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_GGUF_ARCHS)}", param="model"
+            )
+
+        def get(key: str, default: Any = None, required: bool = False) -> Any:
+            value = metadata.get(f"{arch}.{key}", default)
+            if required and value is None:
+                raise InvalidArgument(f"GGUF metadata lacks the required key {arch}.{key!r}", param="model")
+            return value
+
+        hidden = int(get("embedding_length", required=True))
+        heads = int(get("attention.head_count", required=True))
+        tokens = metadata.get("tokenizer.ggml.tokens")
+        vocab = len(tokens) if tokens is not None else get("vocab_size", required=True)
+        scaling = None
+        if get("rope.scaling.type") not in (None, "none"):
+            scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor"),
+                       "original_max_position_embeddings": get("rope.scaling.original_context_length")}
+        num_experts = int(get("expert_count") or 1)
+        return cls(
+            name=name or metadata.get("general.name") or arch,
+            num_layers=int(get("block_count", required=True)),
+            hidden_size=hidden,
+            num_heads=heads,
+            num_kv_heads=int(get("attention.head_count_kv") or heads),
+            head_dim=int(get("attention.key_length") or hidden // heads),
+            ffn_size=int(get("feed_forward_length", required=True)),
+            vocab_size=int(vocab),
+            tie_embeddings=bool(tie_embeddings) if tie_embeddings is not None else False,
+            max_context=int(get("context_length", required=True)),
+            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_scaling=scaling,
+            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            qkv_bias=_GGUF_ARCHS[arch],
+            num_experts=num_experts,
+            num_active_experts=int(get("expert_used_count") or 1) if num_experts > 1 else 1,
+            architecture=arch,
+        )
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str], *, name: str | None = None) -> ModelSpec:
+        from servelab.spec.gguf_meta import gguf_header
+
+        metadata, tensor_names = gguf_header(path)
+        return cls.from_gguf_metadata(metadata, name=name, tie_embeddings="output.weight" not in tensor_names)
+
+
+# ---- catalog ------------------------------------------------------------------------------------
+# Values are the models' public Hugging Face config.json files (repository named per entry).
+
+_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                 "original_max_position_embeddings": 8192}
+_LLAMA32_ROPE = {**_LLAMA31_ROPE, "factor": 32.0}
+
+MODELS: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        # meta-llama/Llama-3.1-8B
+        ModelSpec("llama-3.1-8b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                  ffn_size=14336, vocab_size=128256, tie_embeddings=False, max_context=131072,
+                  rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, rms_norm_eps=1e-5),
+        # meta-llama/Llama-3.1-70B
+        ModelSpec("llama-3.1-70b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
+                  ffn_size=28672, vocab_size=128256, tie_embeddings=False, max_context=131072,
+                  rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, rms_norm_eps=1e-5),
+        # meta-llama/Llama-3.1-405B
+        ModelSpec("llama-3.1-405b", num_layers=126, hidden_size=16384, num_heads=128, num_kv_heads=8, head_dim=128,
+                  ffn_size=53248, vocab_size=128256, tie_embeddings=False, max_context=131072,
+                  rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, rms_norm_eps=1e-5),
+        # meta-llama/Llama-3.2-1B
+        ModelSpec("llama-3.2-1b", num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64,
+                  ffn_size=8192, vocab_size=128256, tie_embeddings=True, max_context=131072,
+                  rope_theta=500000.0, rope_scaling=_LLAMA32_ROPE, rms_norm_eps=1e-5),
+        # meta-llama/Llama-3.2-3B
+        ModelSpec("llama-3.2-3b", num_layers=28, hidden_size=3072, num_heads=24, num_kv_heads=8, head_dim=128,
+                  ffn_size=8192, vocab_size=128256, tie_embeddings=True, max_context=131072,
+                  rope_theta=500000.0, rope_scaling=_LLAMA32_ROPE, rms_norm_eps=1e-5),
+        # mistralai/Mistral-7B-Instruct-v0.3 (v0.3: 32768-token vocab, no sliding window)
+        ModelSpec("mistral-7b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                  ffn_size=14336, vocab_size=32768, tie_embeddings=False, max_context=32768,
+                  rope_theta=1000000.0, rms_norm_eps=1e-5, architecture="mistral"),
+        # mistralai/Mixtral-8x7B-v0.1
+        ModelSpec("mixtral-8x7b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
+                  ffn_size=14336, vocab_size=32000, tie_embeddings=False, max_context=32768,
+                  rope_theta=1000000.0, rms_norm_eps=1e-5, num_experts=8, num_active_experts=2,
+                  architecture="mixtral"),
+        # Qwen/Qwen2.5-7B-Instruct
+        ModelSpec("qwen2.5-7b", num_layers=28, hidden_size=3584, num_heads=28, num_kv_heads=4, head_dim=128,
+                  ffn_size=18944, vocab_size=152064, tie_embeddings=False, max_context=32768,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6, qkv_bias=True, architecture="qwen2"),
+        # Qwen/Qwen2.5-72B-Instruct
+        ModelSpec("qwen2.5-72b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
+                  ffn_size=29568, vocab_size=152064, tie_embeddings=False, max_context=32768,
+                  rope_theta=1000000.0, rms_norm_eps=1e-6, qkv_bias=True, architecture="qwen2"),
+        # HuggingFaceTB/SmolLM2-135M (the bundled model)
+        ModelSpec("smollm2-135m", num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
+                  ffn_size=1536, vocab_size=49152, tie_embeddings=True, max_context=8192,
+                  rope_theta=100000.0, rms_norm_eps=1e-5),
+    )
+}
+
+
+def get_model(name: str) -> ModelSpec:
+    try:
+        return MODELS[name.lower()]
+    except KeyError:
+        raise InvalidArgument(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}", param="model") from None
