@@ -1,0 +1,189 @@
+"""Next-token sampling for a batch: penalties, greedy, temperature, top-k, top-p, min-p, seeds, logprobs.
+
+The sampler runs every step for every running sequence (up to a few hundred rows of a ~50k-150k
+vocabulary), so everything is batched over rows; only a request with its own seed gets a row of
+random numbers drawn on its own, from a generator seeded by (seed, output tokens so far). That
+makes a seeded request's output independent of what else shares the batch, and reproducible
+across preemption (recompute keeps the output tokens, hence the step index).
+
+Sampling uses the exponential race: argmax(p_i / E_i) with E_i ~ Exp(1) i.i.d. is a draw from p.
+It needs no cumulative sum or sort, works on unnormalised probabilities, and each row's draw
+depends only on that row's random numbers.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from servelab.core.plan import TokenLogprobs
+from servelab.core.sequence import Sequence
+
+# Temperatures below this are treated as greedy: dividing by ~0 overflows and means argmax anyway.
+_GREEDY_TEMPERATURE = 1e-5
+_MASK = float("-inf")
+_SEED_MIX = 0x9E3779B97F4A7C15  # golden-ratio increment (splitmix64) to decorrelate per-step seeds
+_U64 = (1 << 64) - 1
+
+
+def _step_seed(seed: int, step: int) -> int:
+    """A well-mixed 63-bit seed for request seed `seed` at output token index `step` (splitmix64)."""
+    z = (seed * _SEED_MIX + (step + 1) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _U64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _U64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+class Sampler:
+    """Chooses one token per row of `logits`; row i belongs to `seqs[i]`."""
+
+    def __init__(self, seed: int = 0):
+        # Unseeded requests share this generator: reproducible run to run, but their draws do
+        # depend on batch composition (as in vLLM).
+        self._generator = torch.Generator().manual_seed(seed)
+
+    def sample(
+        self, logits: torch.Tensor, seqs: list[Sequence]
+    ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+        """Token ids, and per row its logprobs (None where the request did not ask), or None
+        when no request in the batch asked for logprobs."""
+        n, vocab = logits.shape
+        if n != len(seqs):
+            raise ValueError(f"logits has {n} rows but {len(seqs)} sequences were given")
+        if logits.dtype != torch.float32:
+            logits = logits.float()
+        params = [s.params for s in seqs]
+
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        # Logprobs are reported for the model's distribution, before penalties and temperature
+        # (vLLM's default "raw_logprobs").
+        raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
+
+        logits = self._apply_penalties(logits, seqs)
+        logits = self._apply_min_tokens(logits, seqs)
+
+        greedy_rows = [i for i, p in enumerate(params) if p.temperature < _GREEDY_TEMPERATURE]
+        if len(greedy_rows) == n:
+            token_ids = logits.argmax(dim=-1)
+        else:
+            token_ids = torch.empty(n, dtype=torch.long)
+            if greedy_rows:
+                token_ids[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
+            random_rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_TEMPERATURE]
+            token_ids[random_rows] = self._sample_random(logits, seqs, random_rows)
+
+        tokens: list[int] = token_ids.tolist()
+        if raw_logprobs is None:
+            return tokens, None
+        return tokens, self._logprobs(raw_logprobs, logprob_rows, tokens, params, n)
+
+    # ------------------------------------------------------------------ logits transforms
+
+    @staticmethod
+    def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """OpenAI semantics over the output tokens so far: logit -= frequency * count + presence * (count > 0)."""
+        rows = [
+            i for i, s in enumerate(seqs) if (s.params.presence_penalty or s.params.frequency_penalty) and s.num_output_tokens
+        ]
+        if not rows:
+            return logits
+        outputs = [seqs[i].output_token_ids for i in rows]
+        width = max(len(o) for o in outputs)
+        index = torch.tensor([o + [0] * (width - len(o)) for o in outputs], dtype=torch.long)
+        weight = torch.tensor([[1.0] * len(o) + [0.0] * (width - len(o)) for o in outputs])
+        counts = torch.zeros(len(rows), logits.shape[1]).scatter_add_(1, index, weight)
+        frequency = torch.tensor([seqs[i].params.frequency_penalty for i in rows]).unsqueeze(1)
+        presence = torch.tensor([seqs[i].params.presence_penalty for i in rows]).unsqueeze(1)
+        logits = logits.clone()
+        logits[rows] -= frequency * counts + presence * (counts > 0).float()
+        return logits
+
+    @staticmethod
+    def _apply_min_tokens(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """Until a request has min_tokens outputs, its EOS and stop token ids cannot be sampled."""
+        cloned = False
+        for i, s in enumerate(seqs):
+            p = s.params
+            if p.min_tokens and s.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(s.eos_token_ids))
+                banned = [t for t in banned if 0 <= t < logits.shape[1]]
+                if banned:
+                    if not cloned:
+                        logits, cloned = logits.clone(), True
+                    logits[i, banned] = _MASK
+        return logits
+
+    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
+        params = [seqs[i].params for i in rows]
+        vocab = logits.shape[1]
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32).unsqueeze(1)
+        x = (logits if len(rows) == logits.shape[0] else logits[rows]) / temperature
+
+        topk_rows = [j for j, p in enumerate(params) if 0 < p.top_k < vocab]
+        if topk_rows:
+            x[topk_rows] = _top_k_mask(x[topk_rows], [params[j].top_k for j in topk_rows])
+        topp_rows = [j for j, p in enumerate(params) if p.top_p < 1.0]
+        if topp_rows:
+            x[topp_rows] = _top_p_mask(x[topp_rows], [params[j].top_p for j in topp_rows])
+
+        probs = torch.softmax(x, dim=-1)
+        minp_rows = [j for j, p in enumerate(params) if p.min_p > 0.0]
+        if minp_rows:
+            probs[minp_rows] = _min_p_mask(probs[minp_rows], [params[j].min_p for j in minp_rows])
+
+        noise = torch.empty_like(probs)
+        unseeded = [j for j, p in enumerate(params) if p.seed is None]
+        if len(unseeded) == len(rows):
+            noise.exponential_(generator=self._generator)
+        else:
+            if unseeded:
+                noise[unseeded] = torch.empty(len(unseeded), vocab).exponential_(generator=self._generator)
+            for j, p in enumerate(params):
+                if p.seed is not None:
+                    seq = seqs[rows[j]]
+                    g = torch.Generator().manual_seed(_step_seed(p.seed, seq.num_output_tokens))
+                    noise[j] = torch.empty(vocab).exponential_(generator=g)
+        return (probs / noise).argmax(dim=-1)
+
+    # ------------------------------------------------------------------ logprobs
+
+    @staticmethod
+    def _logprobs(
+        raw_logprobs: torch.Tensor, rows: list[int], tokens: list[int], params: list, n: int
+    ) -> list[TokenLogprobs | None]:
+        out: list[TokenLogprobs | None] = [None] * n
+        chosen = raw_logprobs.gather(1, torch.tensor([[tokens[i]] for i in rows])).squeeze(1).tolist()
+        top_n = max(params[i].logprobs for i in rows)
+        top_values: list[list[float]] = [[] for _ in rows]
+        top_ids: list[list[int]] = [[] for _ in rows]
+        if top_n > 0:
+            values, ids = torch.topk(raw_logprobs, min(top_n, raw_logprobs.shape[1]), dim=-1)
+            top_values, top_ids = values.tolist(), ids.tolist()
+        for j, i in enumerate(rows):
+            k = params[i].logprobs
+            out[i] = TokenLogprobs(tokens[i], chosen[j], list(zip(top_ids[j][:k], top_values[j][:k])))
+        return out
+
+
+def _top_k_mask(x: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    """Keep each row's k largest logits (ties with the k-th are kept too); no full sort."""
+    k = torch.tensor(ks, dtype=torch.long).unsqueeze(1)
+    top = torch.topk(x, max(ks), dim=-1).values
+    threshold = top.gather(1, k - 1)
+    return x.masked_fill(x < threshold, _MASK)
+
+
+def _top_p_mask(x: torch.Tensor, ps: list[float]) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose probability reaches p (nucleus)."""
+    sorted_x, order = torch.sort(x, dim=-1, descending=True)
+    sorted_probs = torch.softmax(sorted_x, dim=-1)
+    mass_before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    drop = mass_before >= torch.tensor(ps, dtype=torch.float32).unsqueeze(1)
+    drop[:, 0] = False  # the most likely token always stays
+    sorted_x = sorted_x.masked_fill(drop, _MASK)
+    return torch.empty_like(x).scatter_(1, order, sorted_x)
+
+
+def _min_p_mask(probs: torch.Tensor, min_ps: list[float]) -> torch.Tensor:
+    """Drop tokens less likely than min_p times the most likely one."""
+    threshold = probs.max(dim=-1, keepdim=True).values * torch.tensor(min_ps, dtype=torch.float32).unsqueeze(1)
+    return probs.masked_fill(probs < threshold, 0.0)

@@ -1,0 +1,486 @@
+"""Tokenizer and chat template, from a HF `tokenizer.json` directory or from GGUF metadata.
+
+Both paths end in a HF `tokenizers.Tokenizer` (Rust, fast). A GGUF carries no `tokenizer.json`,
+only llama.cpp's description of one: the vocabulary, the merges, a pre-tokenizer *name*
+(`tokenizer.ggml.pre`) and special token ids. We rebuild the byte-level BPE from those; the
+pre-tokenizer name maps to the split regex llama.cpp uses for it (llama-vocab.cpp), because the
+same merges give different ids if the text is split differently before BPE.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from datetime import datetime
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import Tokenizer as HFTokenizer
+
+from servelab.errors import InvalidArgument, NotFound
+
+# --------------------------------------------------------------------------------------------
+# GGUF metadata reader (header only).
+#
+# gguf.GGUFReader parses every tensor descriptor and wraps each of the ~100k vocabulary strings
+# in a numpy view: seconds for a 49k vocabulary. Walking the key/value section with struct over an
+# mmap and stopping before the tensor table takes a small fraction of that.
+# --------------------------------------------------------------------------------------------
+
+_GGUF_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """All key/value metadata of a GGUF file as plain Python values (arrays as lists)."""
+    path = Path(path)
+    if not path.is_file():
+        raise NotFound(f"GGUF file not found: {path}")
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise InvalidArgument(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
+        version, _tensor_count, kv_count = struct.unpack_from("<IQQ", buf, 4)
+        if version not in (2, 3):
+            raise InvalidArgument(f"{path}: GGUF version {version} is not supported (supported: 2, 3)")
+        pos = 24
+        metadata: dict[str, Any] = {}
+        for _ in range(kv_count):
+            key, pos = _read_gguf_string(buf, pos)
+            (value_type,) = struct.unpack_from("<I", buf, pos)
+            metadata[key], pos = _read_gguf_value(buf, pos + 4, value_type, path)
+    return metadata
+
+
+def _read_gguf_string(buf: mmap.mmap, pos: int) -> tuple[str, int]:
+    (length,) = struct.unpack_from("<Q", buf, pos)
+    end = pos + 8 + length
+    raw = buf[pos + 8 : end]
+    try:
+        return raw.decode("utf-8"), end
+    except UnicodeDecodeError:  # llama.cpp writes some SPM byte pieces raw; keep going
+        return raw.decode("utf-8", errors="replace"), end
+
+
+def _read_gguf_value(buf: mmap.mmap, pos: int, value_type: int, path: Path) -> tuple[Any, int]:
+    fmt = _GGUF_SCALAR_FORMATS.get(value_type)
+    if fmt is not None:
+        (value,) = struct.unpack_from("<" + fmt, buf, pos)
+        return value, pos + struct.calcsize(fmt)
+    if value_type == _GGUF_STRING:
+        return _read_gguf_string(buf, pos)
+    if value_type == _GGUF_ARRAY:
+        element_type, count = struct.unpack_from("<IQ", buf, pos)
+        pos += 12
+        fmt = _GGUF_SCALAR_FORMATS.get(element_type)
+        if fmt is not None:
+            values = list(struct.unpack_from(f"<{count}{fmt}", buf, pos))
+            return values, pos + count * struct.calcsize(fmt)
+        if element_type == _GGUF_STRING:
+            strings = []
+            unpack_len = struct.Struct("<Q").unpack_from
+            for _ in range(count):
+                (length,) = unpack_len(buf, pos)
+                raw = buf[pos + 8 : pos + 8 + length]
+                try:
+                    strings.append(raw.decode("utf-8"))
+                except UnicodeDecodeError:
+                    strings.append(raw.decode("utf-8", errors="replace"))
+                pos += 8 + length
+            return strings, pos
+        values = []
+        for _ in range(count):
+            value, pos = _read_gguf_value(buf, pos, element_type, path)
+            values.append(value)
+        return values, pos
+    raise InvalidArgument(f"{path}: unknown GGUF metadata value type {value_type}")
+
+
+# --------------------------------------------------------------------------------------------
+# Pre-tokenizers for byte-level BPE GGUFs, keyed by `tokenizer.ggml.pre`.
+# The regexes are llama.cpp's / the original tokenizer.json's (they are facts of the vocabulary).
+# --------------------------------------------------------------------------------------------
+
+_GPT2_SPLIT = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_GPT4O_SPLIT = (
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?"
+    r"|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n/]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# name -> (split regex, split digits one by one first, BPE ignore_merges)
+# ignore_merges: a pre-token that is itself in the vocabulary is taken whole (llama3's
+# tokenizer.json sets it and llama.cpp honours it for that family).
+_BPE_PRE_TOKENIZERS: dict[str, tuple[str, bool, bool]] = {
+    "default": (_GPT2_SPLIT, False, False),
+    "gpt2": (_GPT2_SPLIT, False, False),
+    "gpt-2": (_GPT2_SPLIT, False, False),
+    "llama3": (_LLAMA3_SPLIT, False, True),
+    "llama-v3": (_LLAMA3_SPLIT, False, True),
+    "llama-bpe": (_LLAMA3_SPLIT, False, True),
+    "smaug-bpe": (_LLAMA3_SPLIT, False, False),
+    "dbrx": (_LLAMA3_SPLIT, False, False),
+    "falcon3": (_LLAMA3_SPLIT, False, False),
+    "qwen2": (_QWEN2_SPLIT, False, False),
+    "deepseek-r1-qwen": (_QWEN2_SPLIT, False, False),
+    "megrez": (_QWEN2_SPLIT, False, False),
+    "gpt-4o": (_GPT4O_SPLIT, False, False),
+    "llama4": (_GPT4O_SPLIT, False, False),
+    # The StarCoder family (SmolLM's vocabulary comes from it) splits every digit on its own
+    # before the GPT-2 regex.
+    "smollm": (_GPT2_SPLIT, True, False),
+    "starcoder": (_GPT2_SPLIT, True, False),
+    "refact": (_GPT2_SPLIT, True, False),
+    "codeshell": (_GPT2_SPLIT, True, False),
+}
+
+SUPPORTED_GGUF_PRE_TOKENIZERS = tuple(sorted(_BPE_PRE_TOKENIZERS))
+
+# llama.cpp token types
+_TOKEN_TYPE_CONTROL = 3
+_TOKEN_TYPE_USER_DEFINED = 4
+
+# Chat templates end a turn with one of these; when the template uses one and it is not the
+# declared EOS, generation must stop on it too (SmolLM2/Qwen: <|im_end|>, Llama 3: <|eot_id|>).
+_END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>")
+
+
+@lru_cache(maxsize=1)
+def _byte_level_alphabet() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable unicode character map (as in tokenizers' ByteLevel)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    chars = list(printable)
+    n = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(printable, chars)}
+
+
+class Tokenizer:
+    """Text <-> token ids, special tokens and the chat template of one model."""
+
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        *,
+        bos_token_id: int | None,
+        eos_token_ids: Sequence[int],
+        chat_template: str | None = None,
+        bos_token: str | None = None,
+        eos_token: str | None = None,
+        pad_token_id: int | None = None,
+        name: str = "",
+    ):
+        self.backend = backend
+        self.bos_token_id = bos_token_id
+        self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
+        self.eos_token_id: int | None = self.eos_token_ids[0] if self.eos_token_ids else None
+        self.pad_token_id = pad_token_id
+        self.chat_template = chat_template
+        self.bos_token = bos_token if bos_token is not None else self._token_or_none(bos_token_id)
+        self.eos_token = eos_token if eos_token is not None else self._token_or_none(self.eos_token_id)
+        self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
+        self.name = name
+        self._compiled_template: Any = None
+
+    def _token_or_none(self, token_id: int | None) -> str | None:
+        return None if token_id is None else self.backend.id_to_token(token_id)
+
+    # ---------------------------------------------------------------- encode / decode
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of `text`. Special tokens written in the text (e.g. `<|im_start|>` from a
+        rendered chat template) are recognised either way; `add_special_tokens` adds the BOS/EOS
+        the model's post-processor asks for."""
+        if not isinstance(text, str):
+            raise InvalidArgument(f"prompt must be a string, got {type(text).__name__}", param="prompt")
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def id_to_token(self, i: int) -> str | None:
+        return self.backend.id_to_token(i)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+    # ---------------------------------------------------------------- chat template
+
+    def apply_chat_template(
+        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any
+    ) -> str:
+        """Render a chat (OpenAI-style messages) to the prompt text the model was trained on."""
+        if self.chat_template is None:
+            raise InvalidArgument(
+                f"model {self.name or '(unnamed)'} has no chat template; send a plain completion prompt instead",
+                param="messages",
+            )
+        if self._compiled_template is None:
+            self._compiled_template = _jinja_env().from_string(self.chat_template)
+        import jinja2
+
+        try:
+            return self._compiled_template.render(
+                messages=_normalise_messages(messages),
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+                **template_kwargs,
+            )
+        except jinja2.TemplateError as e:
+            raise InvalidArgument(f"chat template failed to render the messages: {e}", param="messages") from e
+
+    # ---------------------------------------------------------------- constructors
+
+    @classmethod
+    def from_hf_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """Load `tokenizer.json` (+ `tokenizer_config.json`, `chat_template.jinja`,
+        `generation_config.json` when present) from a HF model directory."""
+        path = Path(path)
+        tokenizer_file = path / "tokenizer.json"
+        if not tokenizer_file.is_file():
+            raise NotFound(f"no tokenizer.json in {path} (only fast HF tokenizers are supported)")
+        backend = HFTokenizer.from_file(str(tokenizer_file))
+        config = _read_json(path / "tokenizer_config.json")
+        generation_config = _read_json(path / "generation_config.json")
+
+        chat_template = config.get("chat_template")
+        if isinstance(chat_template, list):  # [{"name": "default", "template": ...}, {"name": "tool_use", ...}]
+            by_name = {t.get("name"): t.get("template") for t in chat_template if isinstance(t, dict)}
+            chat_template = by_name.get("default") or next(iter(by_name.values()), None)
+        jinja_file = path / "chat_template.jinja"
+        if chat_template is None and jinja_file.is_file():
+            chat_template = jinja_file.read_text(encoding="utf-8")
+
+        bos_token = _token_content(config.get("bos_token"))
+        eos_token = _token_content(config.get("eos_token"))
+        pad_token = _token_content(config.get("pad_token"))
+        bos_id = backend.token_to_id(bos_token) if bos_token else None
+        eos_ids: list[int] = []
+        if eos_token and backend.token_to_id(eos_token) is not None:
+            eos_ids.append(backend.token_to_id(eos_token))
+        gen_eos = generation_config.get("eos_token_id")
+        if isinstance(gen_eos, int):
+            eos_ids.append(gen_eos)
+        elif isinstance(gen_eos, list):
+            eos_ids.extend(int(i) for i in gen_eos)
+        if bos_id is None and isinstance(generation_config.get("bos_token_id"), int):
+            bos_id = generation_config["bos_token_id"]
+        eos_ids.extend(_end_of_turn_ids(backend, chat_template))
+        return cls(
+            backend,
+            bos_token_id=bos_id,
+            eos_token_ids=eos_ids,
+            chat_template=chat_template,
+            bos_token=bos_token,
+            eos_token=eos_token,
+            pad_token_id=backend.token_to_id(pad_token) if pad_token else None,
+            name=path.name,
+        )
+
+    @classmethod
+    def from_gguf(cls, path_or_metadata: str | os.PathLike[str] | Mapping[str, Any]) -> Tokenizer:
+        """Build the tokenizer a GGUF file describes. Accepts the file path or its metadata as a
+        mapping of plain Python values (what `read_gguf_metadata` returns)."""
+        if isinstance(path_or_metadata, Mapping):
+            metadata, source = path_or_metadata, str(path_or_metadata.get("general.name", "GGUF metadata"))
+        else:
+            metadata, source = read_gguf_metadata(path_or_metadata), str(path_or_metadata)
+
+        model_type = metadata.get("tokenizer.ggml.model")
+        if model_type != "gpt2":
+            raise InvalidArgument(
+                f"{source}: tokenizer.ggml.model {model_type!r} is not supported; servelab builds byte-level BPE "
+                f"('gpt2') tokenizers from GGUF. Use the model's HF directory (tokenizer.json) instead."
+            )
+        pre = metadata.get("tokenizer.ggml.pre", "default")
+        if pre not in _BPE_PRE_TOKENIZERS:
+            raise InvalidArgument(
+                f"{source}: pre-tokenizer tokenizer.ggml.pre={pre!r} is not supported "
+                f"(supported: {', '.join(SUPPORTED_GGUF_PRE_TOKENIZERS)}). Use the model's HF directory instead."
+            )
+        split_regex, split_digits, ignore_merges = _BPE_PRE_TOKENIZERS[pre]
+
+        tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+        token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+        merges: list[str] = metadata.get("tokenizer.ggml.merges") or []
+
+        alphabet = _byte_level_alphabet()
+        alphabet_chars = set(alphabet.values())
+        vocab: dict[str, int] = {}
+        for i, token in enumerate(tokens):
+            # Vocabulary entries are stored in the byte-level spelling; an entry written in plain
+            # text (some converters do this for added tokens) is respelled so BPE can reach it.
+            if not set(token) <= alphabet_chars:
+                token = "".join(alphabet[b] for b in token.encode("utf-8"))
+            vocab.setdefault(token, i)
+        merge_pairs = []
+        for m in merges:
+            left, sep, right = m.partition(" ")
+            if sep:
+                merge_pairs.append((left, right))
+
+        bpe = models.BPE(vocab=vocab, merges=merge_pairs, ignore_merges=ignore_merges)
+        backend = HFTokenizer(bpe)
+        splits: list[Any] = []
+        if split_digits:
+            splits.append(pre_tokenizers.Digits(individual_digits=True))
+        splits.append(pre_tokenizers.Split(Regex(split_regex), behavior="isolated", invert=False))
+        splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+        backend.pre_tokenizer = pre_tokenizers.Sequence(splits)
+        backend.decoder = decoders.ByteLevel()
+
+        # Control tokens (<|im_start|>, <|eot_id|>, ...) must be matched whole in text and are
+        # skipped when decoding with skip_special_tokens; user-defined ones are matched whole but
+        # kept in decoded text.
+        special = [
+            AddedToken(t, special=True, normalized=False)
+            for t, kind in zip(tokens, token_types)
+            if kind == _TOKEN_TYPE_CONTROL and set(t) <= alphabet_chars
+        ]
+        user_defined = [
+            AddedToken(t, special=False, normalized=False)
+            for t, kind in zip(tokens, token_types)
+            if kind == _TOKEN_TYPE_USER_DEFINED
+        ]
+        if special:
+            backend.add_special_tokens(special)
+        if user_defined:
+            backend.add_tokens(user_defined)
+
+        bos_id = metadata.get("tokenizer.ggml.bos_token_id")
+        eos_id = metadata.get("tokenizer.ggml.eos_token_id")
+        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+        add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
+        template_single, template_pair, special_pairs = "$A", "$A $B", []
+        if add_bos and bos_id is not None:
+            template_single, template_pair = f"{tokens[bos_id]} {template_single}", f"{tokens[bos_id]} $A $B"
+            special_pairs.append((tokens[bos_id], bos_id))
+        if add_eos and eos_id is not None:
+            template_single, template_pair = f"{template_single} {tokens[eos_id]}", f"{template_pair} {tokens[eos_id]}"
+            special_pairs.append((tokens[eos_id], eos_id))
+        if special_pairs:
+            backend.post_processor = processors.TemplateProcessing(
+                single=template_single, pair=template_pair, special_tokens=list(dict.fromkeys(special_pairs))
+            )
+
+        chat_template = metadata.get("tokenizer.chat_template")
+        eos_ids = [eos_id] if eos_id is not None else []
+        for key in ("tokenizer.ggml.eot_token_id", "tokenizer.ggml.eom_token_id"):
+            if metadata.get(key) is not None:
+                eos_ids.append(metadata[key])
+        eos_ids.extend(_end_of_turn_ids(backend, chat_template))
+        pad_id = metadata.get("tokenizer.ggml.padding_token_id")
+        return cls(
+            backend,
+            bos_token_id=bos_id,
+            eos_token_ids=eos_ids,
+            chat_template=chat_template,
+            pad_token_id=pad_id,
+            name=str(metadata.get("general.name") or Path(str(source)).stem),
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """A GGUF file or a HF model directory, whichever `path` is."""
+        p = Path(path)
+        if p.is_dir():
+            return cls.from_hf_dir(p)
+        if p.is_file() and p.suffix.lower() == ".gguf":
+            return cls.from_gguf(p)
+        raise NotFound(f"no tokenizer at {p}: expected a .gguf file or a directory with tokenizer.json")
+
+
+def _end_of_turn_ids(backend: HFTokenizer, chat_template: str | None) -> list[int]:
+    if not chat_template:
+        return []
+    ids = []
+    for token in _END_OF_TURN_TOKENS:
+        token_id = backend.token_to_id(token)
+        # "<|endoftext|>" and "</s>" only count when the template itself closes turns with them.
+        if token_id is not None and token in chat_template:
+            ids.append(token_id)
+    return ids
+
+
+def _token_content(token: Any) -> str | None:
+    if isinstance(token, dict):  # {"content": "<s>", "lstrip": false, ...}
+        return token.get("content")
+    return token if isinstance(token, str) else None
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise InvalidArgument(f"{path} is not valid JSON: {e}") from e
+
+
+def _normalise_messages(messages: Any) -> list[dict[str, Any]]:
+    """Check the messages and flatten OpenAI content parts ([{"type": "text", ...}]) to a string,
+    which is what most chat templates expect."""
+    if not isinstance(messages, list) or not messages:
+        raise InvalidArgument("messages must be a non-empty list of {role, content} objects", param="messages")
+    out = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not isinstance(message.get("role"), str):
+            raise InvalidArgument(f"messages[{i}] must be an object with a string 'role'", param="messages")
+        message = dict(message)
+        content = message.get("content")
+        if isinstance(content, list):
+            texts = []
+            for j, part in enumerate(content):
+                if not isinstance(part, Mapping) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise InvalidArgument(
+                        f"messages[{i}].content[{j}]: only text parts ({{'type': 'text', 'text': ...}}) are supported",
+                        param="messages",
+                    )
+                texts.append(part["text"])
+            message["content"] = "".join(texts)
+        elif content is None:
+            message["content"] = ""
+        elif not isinstance(content, str):
+            raise InvalidArgument(f"messages[{i}].content must be a string or a list of text parts", param="messages")
+        out.append(message)
+    return out
+
+
+def _raise_template_exception(message: str) -> None:
+    raise InvalidArgument(f"chat template rejected the messages: {message}", param="messages")
+
+
+def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+
+
+@lru_cache(maxsize=1)
+def _jinja_env() -> Any:
+    """The environment HF renders chat templates in: sandboxed, trim/lstrip blocks, loop
+    controls, `tojson`, `raise_exception` and `strftime_now`."""
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_template_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    return env
