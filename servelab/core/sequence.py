@@ -101,6 +101,13 @@ class Sequence:
     token_times_s: list[float] = field(default_factory=list)
     finished_s: float | None = None
 
+    # Prefix-cache bookkeeping owned by the BlockManager. `block_hashes[i]` is the chained hash of
+    # full block i of `token_ids`; it is computed once, when the block fills, and stays valid
+    # across preemption because token_ids only ever grow. `num_committed_blocks` counts the
+    # leading entries of `block_table` already published to (or taken from) the prefix cache.
+    block_hashes: list[int] = field(default_factory=list, repr=False)
+    num_committed_blocks: int = field(default=0, repr=False)
+
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)

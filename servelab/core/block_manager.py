@@ -1,0 +1,253 @@
+"""The paged KV cache as bookkeeping: block pool, reference counts, block tables, prefix cache.
+
+No tensor lives here. A block is an id in [0, num_blocks); the engine maps block b, offset o to
+KV slot `b * block_size + o`. Each sequence's `block_table` lists its blocks in position order.
+
+Prefix caching (as in vLLM V1): a full block is identified by a hash chained over its tokens and
+its parent block's hash, so equal hashes mean equal prefixes (up to a 64-bit hash collision, the
+same trade vLLM's builtin hash makes). When a sequence's block fills and its KV is computed, the
+block is published under its hash. A new sequence looks its full blocks up in order and reuses
+every hit, computing only the rest. A block whose last owner is freed keeps its hash and stays
+reusable ("cached free") until it is evicted to make room, least recently used first.
+
+Free blocks live in two pools: never-hashed blocks (any order) are handed out first, so cached
+content is evicted only when nothing else is free; cached free blocks sit in an LRU order.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+from servelab.core.sequence import Sequence
+from servelab.errors import InvalidArgument
+
+# Parent "hash" of a sequence's first block. Any fixed int works; it only has to be shared.
+_ROOT_HASH = 0x5E4E1AB
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise InvalidArgument(f"num_blocks must be >= 1, got {num_blocks}", param="num_blocks")
+        if block_size < 1:
+            raise InvalidArgument(f"block_size must be >= 1, got {block_size}", param="block_size")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+
+        self._ref_counts: list[int] = [0] * num_blocks
+        self._block_hash: list[int | None] = [None] * num_blocks
+        self._hash_to_block: dict[int, int] = {}
+        # Popping from the end hands out low ids first: easier to read in tests and traces.
+        self._free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))
+        self._free_cached: OrderedDict[int, None] = OrderedDict()  # first = least recently used
+        self._owners: dict[str, Sequence] = {}
+
+        self.prefix_cache_hits = 0  # tokens served from the cache
+        self.prefix_cache_queries = 0  # tokens looked up
+        self.num_evictions = 0  # cached blocks whose content was dropped to make room
+
+    # ---- usage figures -------------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks no live sequence holds, cached free blocks included (they can be evicted)."""
+        return len(self._free_uncached) + len(self._free_cached)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free_uncached) - len(self._free_cached)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        """Blocks holding a published prefix, in use or free."""
+        return len(self._hash_to_block)
+
+    @property
+    def num_evictable_blocks(self) -> int:
+        """Cached blocks that no live sequence holds: reusable until evicted."""
+        return len(self._free_cached)
+
+    @property
+    def usage(self) -> float:
+        return self.num_used_blocks / self.num_blocks
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def num_blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    # ---- prefix cache lookup -------------------------------------------------------------------
+
+    def _update_block_hashes(self, seq: Sequence) -> None:
+        """Extend seq.block_hashes to every full block of seq.token_ids; each block is hashed once."""
+        hashes = seq.block_hashes
+        bs = self.block_size
+        num_full = len(seq.token_ids) // bs
+        if len(hashes) >= num_full:
+            return
+        tokens = seq.token_ids
+        parent = hashes[-1] if hashes else _ROOT_HASH
+        for i in range(len(hashes), num_full):
+            parent = hash((parent, tuple(tokens[i * bs : (i + 1) * bs])))
+            hashes.append(parent)
+
+    def find_cached_prefix(self, seq: Sequence) -> list[int]:
+        """Blocks holding the longest cached prefix of seq's tokens (no side effects).
+
+        At least one token is left to compute: the step that computes it produces the logits to
+        sample from, so a fully cached sequence still recomputes its last block.
+        """
+        if not self.enable_prefix_caching:
+            return []
+        self._update_block_hashes(seq)
+        max_blocks = (len(seq.token_ids) - 1) // self.block_size
+        hits: list[int] = []
+        lookup = self._hash_to_block
+        for h in seq.block_hashes[:max_blocks]:
+            block = lookup.get(h)
+            if block is None:
+                break
+            hits.append(block)
+        return hits
+
+    # ---- allocation ----------------------------------------------------------------------------
+
+    def can_allocate(self, seq: Sequence, cached_blocks: list[int], num_tokens: int) -> bool:
+        """Whether `allocate(seq, cached_blocks, num_tokens)` would succeed."""
+        num_new = self.num_blocks_for(num_tokens) - len(cached_blocks)
+        # A hit on a cached *free* block takes it out of the free pool too.
+        num_revived = sum(1 for b in cached_blocks if self._ref_counts[b] == 0)
+        return num_new + num_revived <= self.num_free_blocks
+
+    def allocate(self, seq: Sequence, cached_blocks: list[int], num_tokens: int) -> bool:
+        """Give a sequence with no blocks the cached prefix `cached_blocks` (from
+        find_cached_prefix) plus fresh blocks up to `num_tokens` positions. Counts the prefix-cache
+        query. Returns False, changing nothing, when the pool is short."""
+        if seq.block_table:
+            raise RuntimeError(f"sequence {seq.request_id!r} already holds blocks")
+        if not self.can_allocate(seq, cached_blocks, num_tokens):
+            return False
+        refs = self._ref_counts
+        # Take the hits first so that the fresh allocation below cannot evict them.
+        for b in cached_blocks:
+            if refs[b] == 0:
+                del self._free_cached[b]
+            refs[b] += 1
+        table = seq.block_table
+        table.extend(cached_blocks)
+        for _ in range(self.num_blocks_for(num_tokens) - len(cached_blocks)):
+            table.append(self._take_free_block())
+        seq.num_committed_blocks = len(cached_blocks)
+        self._owners[seq.request_id] = seq
+        if self.enable_prefix_caching:
+            self.prefix_cache_queries += len(seq.token_ids)
+            self.prefix_cache_hits += len(cached_blocks) * self.block_size
+        return True
+
+    def append_slots(self, seq: Sequence, num_tokens: int) -> bool:
+        """Grow seq's block table to cover `num_tokens` positions. Returns False, changing nothing,
+        when the pool is short."""
+        table = seq.block_table
+        num_new = self.num_blocks_for(num_tokens) - len(table)
+        if num_new <= 0:
+            return True
+        if num_new > len(self._free_uncached) + len(self._free_cached):
+            return False
+        for _ in range(num_new):
+            table.append(self._take_free_block())
+        return True
+
+    def _take_free_block(self) -> int:
+        if self._free_uncached:
+            block = self._free_uncached.pop()
+        else:
+            block, _ = self._free_cached.popitem(last=False)
+            del self._hash_to_block[self._block_hash[block]]  # type: ignore[index]
+            self._block_hash[block] = None
+            self.num_evictions += 1
+        self._ref_counts[block] = 1
+        return block
+
+    def commit_computed_blocks(self, seq: Sequence) -> None:
+        """Publish seq's blocks that are full and computed, generated tokens included, so that a
+        later request with the same prefix, or this one after preemption, reuses them."""
+        bs = self.block_size
+        num_full = seq.num_computed_tokens // bs
+        start = seq.num_committed_blocks
+        if num_full <= start:
+            return
+        seq.num_committed_blocks = num_full
+        if not self.enable_prefix_caching:
+            return
+        self._update_block_hashes(seq)
+        table = seq.block_table
+        hashes = seq.block_hashes
+        block_hash = self._block_hash
+        lookup = self._hash_to_block
+        for i in range(start, num_full):
+            block = table[i]
+            if block_hash[block] is not None:
+                continue
+            h = hashes[i]
+            # Two sequences can compute the same prefix in the same step; the first published
+            # copy wins and the duplicate stays private (freed uncached).
+            if h not in lookup:
+                lookup[h] = block
+                block_hash[block] = h
+
+    def free(self, seq: Sequence) -> None:
+        """Release seq's blocks. Cached blocks stay reusable; the table's tail goes to the LRU
+        end first, so a chain is evicted from its tail and its shared head survives longest."""
+        if self._owners.pop(seq.request_id, None) is None:
+            if seq.block_table:
+                raise RuntimeError(f"sequence {seq.request_id!r} holds blocks this manager did not give")
+            return
+        refs = self._ref_counts
+        block_hash = self._block_hash
+        for block in reversed(seq.block_table):
+            refs[block] -= 1
+            if refs[block] == 0:
+                if block_hash[block] is None:
+                    self._free_uncached.append(block)
+                else:
+                    self._free_cached[block] = None
+        seq.block_table.clear()
+        seq.num_committed_blocks = 0
+
+    # ---- checks --------------------------------------------------------------------------------
+
+    def owners(self) -> list[Sequence]:
+        return list(self._owners.values())
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the pool is inconsistent: a block both free and owned, a
+        reference count that does not match the block tables, a leaked or double-freed block,
+        or a hash map out of step with the blocks."""
+        expected = [0] * self.num_blocks
+        for seq in self._owners.values():
+            assert len(set(seq.block_table)) == len(seq.block_table), f"{seq.request_id}: block twice in a table"
+            for b in seq.block_table:
+                expected[b] += 1
+        assert expected == self._ref_counts, "reference counts differ from the block tables"
+        free_uncached = set(self._free_uncached)
+        free_cached = set(self._free_cached)
+        assert len(free_uncached) == len(self._free_uncached), "a block is twice in the free pool"
+        assert not free_uncached & free_cached, "a block is in both free pools"
+        free = free_uncached | free_cached
+        for b in range(self.num_blocks):
+            owned = self._ref_counts[b] > 0
+            assert owned != (b in free), f"block {b} is {'both free and owned' if owned else 'leaked'}"
+        for b in free_uncached:
+            assert self._block_hash[b] is None, f"uncached free block {b} has a hash"
+        for b in free_cached:
+            assert self._block_hash[b] is not None, f"cached free block {b} has no hash"
+        for h, b in self._hash_to_block.items():
+            assert self._block_hash[b] == h, f"hash map points to block {b} holding another hash"
+        assert sum(h is not None for h in self._block_hash) == len(self._hash_to_block), "stale block hash"

@@ -1,0 +1,416 @@
+"""Continuous batching: which sequences run each step, and how many tokens each processes.
+
+`schedule(now)` builds a StepPlan under the token budget, the sequence budget and the KV pool;
+an executor runs it; `update(plan, result, now)` appends the sampled tokens, applies the stop
+conditions, frees what finished and returns the events a streaming server needs.
+
+Policies:
+- `chunked` (vLLM V1 / Sarathi-Serve): running sequences first (a decode is 1 token; a prompt
+  still being prefilled continues with its next chunk), then waiting prompts in order, each
+  taking a chunk of whatever token budget is left. A long prompt spans several steps, so it never
+  holds the running decodes back by more than one step's budget.
+- `prefill-first` (vLLM V0 default): if waiting prompts can be admitted, the step is prefill-only
+  and runs whole prompts; decodes wait for a step without new prompts. Kept to show the stall.
+
+Preemption is by recompute: when a running sequence needs a block and none is free, the newest
+running sequence (lowest priority under `priority`) loses its blocks and goes back to the front
+of the waiting queue; its prompt plus the tokens generated so far are prefilled again later,
+cheaply when its blocks are still in the prefix cache.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from bisect import insort
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from servelab.core.block_manager import BlockManager
+from servelab.core.config import SchedulerConfig
+from servelab.core.plan import RequestOutput, ScheduledSeq, StepPlan, StepResult
+from servelab.core.sequence import FinishReason, Sequence, SequenceStatus
+from servelab.errors import InvalidArgument, NotFound, QueueFull, RequestTooLong
+
+_RUNNING = SequenceStatus.RUNNING
+_WAITING = SequenceStatus.WAITING
+_FINISHED = SequenceStatus.FINISHED
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float  # fraction of blocks held by live sequences
+    num_free_blocks: int
+    num_used_blocks: int
+    num_cached_blocks: int
+    prefix_cache_hits: int  # tokens
+    prefix_cache_queries: int  # tokens
+    num_preemptions: int
+    num_finished: int
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, *, keep_finished: int = 1024) -> None:
+        config.validate()
+        self.config = config
+        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self._chunked = config.policy == "chunked"
+        self._by_priority = config.order == "priority"
+        # Both orders use one heap keyed by _order_key: fcfs keys on admission order alone, so a
+        # preempted sequence (older than everything still waiting) comes out first again.
+        self._waiting: list[tuple[tuple, Sequence]] = []
+        self._num_waiting = 0  # aborted entries stay in the heap until popped
+        self.running: list[Sequence] = []  # sorted by _order_key: the tail is preempted first
+        self._live: dict[str, Sequence] = {}
+        self._keys: dict[str, tuple] = {}
+        self._recent_finished: OrderedDict[str, Sequence] = OrderedDict()
+        self._keep_finished = keep_finished
+        self._counter = itertools.count()
+        self.num_preemptions = 0
+        self.num_finished = 0
+        self._kv_capacity_tokens = config.num_blocks * config.block_size
+
+    # ---- introspection -------------------------------------------------------------------------
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    def has_unfinished(self) -> bool:
+        return bool(self._live)
+
+    def get(self, request_id: str) -> Sequence | None:
+        """A live request, or one of the last `keep_finished` finished ones; None if unknown."""
+        seq = self._live.get(request_id)
+        return seq if seq is not None else self._recent_finished.get(request_id)
+
+    def waiting(self) -> list[Sequence]:
+        """Waiting sequences in the order they would be admitted (a copy; for inspection)."""
+        return [s for _, s in sorted(self._waiting, key=lambda e: e[0]) if s.status is _WAITING]
+
+    def stats(self) -> SchedulerStats:
+        bm = self.block_manager
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=self._num_waiting,
+            kv_usage=bm.usage,
+            num_free_blocks=bm.num_free_blocks,
+            num_used_blocks=bm.num_used_blocks,
+            num_cached_blocks=bm.num_cached_blocks,
+            prefix_cache_hits=bm.prefix_cache_hits,
+            prefix_cache_queries=bm.prefix_cache_queries,
+            num_preemptions=self.num_preemptions,
+            num_finished=self.num_finished,
+        )
+
+    # ---- admission -----------------------------------------------------------------------------
+
+    def add(self, seq: Sequence, now: float | None = None) -> None:
+        """Queue a new request, or raise (changing nothing) if it can never run or the queue is full.
+
+        `arrival_s` is set to `now` when it still holds the default 0.0, so a caller that stamped
+        the true arrival time (the simulator, the driver) keeps it.
+        """
+        cfg = self.config
+        rid = seq.request_id
+        if rid in self._live or rid in self._recent_finished:
+            raise InvalidArgument(f"request id {rid!r} is already in use", param="request_id")
+        if seq.status is not _WAITING or seq.num_computed_tokens or seq.block_table or seq.num_output_tokens:
+            raise InvalidArgument(f"request {rid!r} is not a fresh sequence (status {seq.status.value})")
+        num_prompt = seq.num_prompt_tokens
+        if num_prompt < 1:
+            raise InvalidArgument(f"request {rid!r}: the prompt must hold at least 1 token", param="prompt")
+        max_tokens = seq.params.max_tokens
+        if num_prompt + max_tokens > cfg.max_model_len:
+            raise RequestTooLong(
+                f"request {rid!r}: prompt of {num_prompt} tokens + max_tokens {max_tokens} = "
+                f"{num_prompt + max_tokens} exceeds max_model_len {cfg.max_model_len}",
+                param="max_tokens",
+            )
+        if num_prompt > self._kv_capacity_tokens:
+            raise RequestTooLong(
+                f"request {rid!r}: prompt of {num_prompt} tokens can never fit the KV cache pool of "
+                f"{self._kv_capacity_tokens} tokens ({cfg.num_blocks} blocks x {cfg.block_size})",
+                param="prompt",
+            )
+        if cfg.max_waiting is not None and self._num_waiting >= cfg.max_waiting:
+            raise QueueFull(
+                f"request {rid!r} rejected: the waiting queue is full (max_waiting={cfg.max_waiting}); retry later",
+                param="max_waiting",
+            )
+        if now is not None and seq.arrival_s == 0.0:
+            seq.arrival_s = now
+        order = next(self._counter)
+        key = (seq.priority, seq.arrival_s, order) if self._by_priority else (order,)
+        self._keys[rid] = key
+        self._live[rid] = seq
+        self._push_waiting(seq)
+
+    def _push_waiting(self, seq: Sequence) -> None:
+        heapq.heappush(self._waiting, (self._keys[seq.request_id], seq))
+        self._num_waiting += 1
+
+    def _peek_waiting(self) -> Sequence | None:
+        heap = self._waiting
+        while heap:
+            seq = heap[0][1]
+            if seq.status is _WAITING:
+                return seq
+            heapq.heappop(heap)  # finished (aborted) while waiting
+        return None
+
+    # ---- scheduling ----------------------------------------------------------------------------
+
+    def schedule(self, now: float) -> StepPlan:
+        """The next step. Call update() with its result before scheduling again."""
+        cfg = self.config
+        bm = self.block_manager
+        bs = cfg.block_size
+        plan = StepPlan(block_size=bs)
+        scheduled = plan.scheduled
+        budget = cfg.max_num_batched_tokens
+        max_seqs = cfg.max_num_seqs
+
+        if not self._chunked and self._num_waiting and self._schedule_waiting(plan, budget, now, whole=True):
+            return plan  # prefill-first: a prefill-only step
+
+        running = self.running
+        preempted = plan.preempted
+        i = 0
+        while i < len(running) and budget > 0 and len(scheduled) < max_seqs:
+            seq = running[i]
+            start = seq.num_computed_tokens
+            num_known = len(seq.token_ids)
+            n = num_known - start
+            if n > budget:
+                n = budget
+            end = start + n
+            if end > len(seq.block_table) * bs and not bm.append_slots(seq, end):
+                victim = None
+                while victim is not seq:
+                    victim = running.pop()
+                    self._preempt(victim)
+                    preempted.append(victim)
+                    if bm.append_slots(seq, end):
+                        break
+                if victim is seq:
+                    break  # it was the newest left; nothing more to run this step
+            scheduled.append(ScheduledSeq(seq, n, start, end == num_known))
+            budget -= n
+            i += 1
+        plan.num_batched_tokens = cfg.max_num_batched_tokens - budget
+
+        # As vLLM: a step that had to preempt admits nobody new; the pool is already short.
+        if self._chunked and not preempted and self._num_waiting:
+            self._schedule_waiting(plan, budget, now, whole=False)
+        return plan
+
+    def _schedule_waiting(self, plan: StepPlan, budget: int, now: float, *, whole: bool) -> bool:
+        """Admit waiting sequences in order while budgets and blocks allow. `whole`: whole prompts
+        only (the first may exceed the token budget), else chunks of the remaining budget."""
+        cfg = self.config
+        bm = self.block_manager
+        scheduled = plan.scheduled
+        running = self.running
+        max_seqs = cfg.max_num_seqs
+        admitted = False
+        while budget > 0 and len(running) < max_seqs and len(scheduled) < max_seqs:
+            seq = self._peek_waiting()
+            if seq is None:
+                break
+            hits = bm.find_cached_prefix(seq)
+            num_cached = len(hits) * cfg.block_size
+            n = len(seq.token_ids) - num_cached
+            if whole:
+                if scheduled and n > budget:
+                    break
+            elif n > budget:
+                n = budget
+            if not bm.allocate(seq, hits, num_cached + n):
+                break  # head-of-line blocking keeps the order: nobody overtakes it
+            heapq.heappop(self._waiting)
+            self._num_waiting -= 1
+            seq.status = _RUNNING
+            seq.num_computed_tokens = num_cached
+            seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
+            if seq.first_scheduled_s is None:
+                seq.first_scheduled_s = now
+            insort(running, seq, key=self._key_of)
+            scheduled.append(ScheduledSeq(seq, n, num_cached, num_cached + n == len(seq.token_ids)))
+            plan.num_batched_tokens += n
+            budget -= n
+            admitted = True
+        return admitted
+
+    def _key_of(self, seq: Sequence) -> tuple:
+        return self._keys[seq.request_id]
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.block_manager.free(seq)
+        seq.num_computed_tokens = 0
+        seq.status = _WAITING
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        self._push_waiting(seq)
+
+    # ---- results -------------------------------------------------------------------------------
+
+    def update(self, plan: StepPlan, result: StepResult, now: float) -> list[RequestOutput]:
+        """Apply an executed step: advance computed tokens, append sampled tokens, stop, free.
+
+        Returns one RequestOutput per request that gained a token or finished this step.
+        """
+        sampled = result.sampled_token_ids
+        if len(sampled) != len(plan.scheduled):
+            raise ValueError(
+                f"StepResult has {len(sampled)} sampled tokens for a plan of {len(plan.scheduled)} sequences"
+            )
+        logprobs = result.logprobs
+        bm = self.block_manager
+        bs = self.config.block_size
+        max_model_len = self.config.max_model_len
+        kv_capacity = self._kv_capacity_tokens
+        outputs: list[RequestOutput] = []
+        any_finished = False
+        for i, ss in enumerate(plan.scheduled):
+            seq = ss.seq
+            if seq.status is not _RUNNING:
+                continue  # aborted or finished by the engine while the step ran
+            seq.num_computed_tokens = computed = ss.start_pos + ss.num_tokens
+            if computed >= (seq.num_committed_blocks + 1) * bs:
+                bm.commit_computed_blocks(seq)
+            if not ss.samples:
+                continue
+            token = sampled[i]
+            if token is None:
+                self._finish(seq, FinishReason.ERROR, now)
+                any_finished = True
+                outputs.append(RequestOutput(seq.request_id, [], True, FinishReason.ERROR, seq))
+                continue
+            seq.token_ids.append(token)
+            seq.token_times_s.append(now)
+            if seq.first_token_s is None:
+                seq.first_token_s = now
+            params = seq.params
+            num_output = len(seq.token_ids) - seq.num_prompt_tokens
+            reason = None
+            if num_output >= params.min_tokens:
+                if not params.ignore_eos and token in seq.eos_token_ids:
+                    reason = FinishReason.STOP
+                elif token in params.stop_token_ids:
+                    reason = FinishReason.STOP
+                    seq.stop_reason = token
+            if reason is None and (
+                num_output >= params.max_tokens
+                or len(seq.token_ids) >= max_model_len
+                # The next decode would need a KV slot past the whole pool.
+                or len(seq.token_ids) > kv_capacity
+            ):
+                reason = FinishReason.LENGTH
+            lp = logprobs[i] if logprobs is not None else None
+            if reason is not None:
+                self._finish(seq, reason, now)
+                any_finished = True
+                outputs.append(RequestOutput(seq.request_id, [token], True, reason, seq, None if lp is None else [lp]))
+            else:
+                outputs.append(RequestOutput(seq.request_id, [token], False, None, seq, None if lp is None else [lp]))
+        if any_finished:
+            self.running = [s for s in self.running if s.status is _RUNNING]
+        return outputs
+
+    def _finish(self, seq: Sequence, reason: FinishReason, now: float | None) -> None:
+        """Mark finished and free blocks. The caller removes it from `running`."""
+        if seq.status is _WAITING:
+            self._num_waiting -= 1  # its heap entry is dropped lazily
+        seq.status = _FINISHED
+        seq.finish_reason = reason
+        seq.finished_s = now
+        self.block_manager.free(seq)
+        rid = seq.request_id
+        del self._live[rid]
+        del self._keys[rid]
+        self.num_finished += 1
+        if self._keep_finished > 0:
+            self._recent_finished[rid] = seq
+            if len(self._recent_finished) > self._keep_finished:
+                self._recent_finished.popitem(last=False)
+
+    def _finish_now(self, request_id: str, reason: FinishReason, now: float | None, action: str) -> bool:
+        seq = self._live.get(request_id)
+        if seq is None:
+            done = self._recent_finished.get(request_id)
+            if done is not None:
+                return False
+            raise NotFound(f"cannot {action} request {request_id!r}: no such request", param="request_id")
+        was_running = seq.status is _RUNNING
+        self._finish(seq, reason, now)
+        if was_running:
+            self.running.remove(seq)
+        return True
+
+    def abort(self, request_id: str, now: float | None = None, *, strict: bool = False) -> bool:
+        """Cancel a request in any state and free its blocks. Returns True if it was live.
+
+        An already finished or unknown request changes nothing: False by default (a client that
+        disconnects after its last token is normal), or NotFound naming why with `strict=True`.
+        """
+        if not strict:
+            try:
+                return self._finish_now(request_id, FinishReason.ABORT, now, "abort")
+            except NotFound:
+                return False
+        seq = self._recent_finished.get(request_id)
+        if seq is not None and request_id not in self._live:
+            raise NotFound(
+                f"cannot abort request {request_id!r}: it already finished "
+                f"({seq.finish_reason.value if seq.finish_reason else 'unknown'})",
+                param="request_id",
+            )
+        return self._finish_now(request_id, FinishReason.ABORT, now, "abort")
+
+    def finish(
+        self, request_id: str, reason: FinishReason, now: float | None = None, stop_reason: int | str | None = None
+    ) -> bool:
+        """End a live request from outside (a stop string matched, an engine error). Frees its
+        blocks at once. False if it had already finished; NotFound if the id is unknown."""
+        seq = self._live.get(request_id)
+        if self._finish_now(request_id, reason, now, "finish"):
+            if stop_reason is not None:
+                seq.stop_reason = stop_reason  # type: ignore[union-attr]
+            return True
+        return False
+
+    # ---- checks --------------------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """Raise AssertionError if the scheduler's state is inconsistent (used by tests)."""
+        bm = self.block_manager
+        bm.check_invariants()
+        running_ids = [s.request_id for s in self.running]
+        assert len(set(running_ids)) == len(running_ids), "a sequence runs twice"
+        assert len(self.running) <= self.config.max_num_seqs, "more running sequences than max_num_seqs"
+        keys = [self._keys[s.request_id] for s in self.running]
+        assert keys == sorted(keys), "running is out of order"
+        waiting = [s for _, s in self._waiting if s.status is _WAITING]
+        assert len(waiting) == self._num_waiting, "waiting count is off"
+        assert not set(running_ids) & {s.request_id for s in waiting}, "a sequence is both running and waiting"
+        for s in self.running:
+            assert s.status is _RUNNING
+            assert s.num_computed_tokens < len(s.token_ids), f"{s.request_id}: nothing left to compute"
+            assert len(s.block_table) * bm.block_size >= s.num_computed_tokens, f"{s.request_id}: KV beyond its blocks"
+        for s in waiting:
+            assert not s.block_table and s.num_computed_tokens == 0, f"{s.request_id}: waiting but holds KV"
+        live = set(running_ids) | {s.request_id for s in waiting}
+        assert live == set(self._live), "live requests are neither running nor waiting"
+        owners = {s.request_id for s in bm.owners()}
+        assert owners <= set(running_ids), "a non-running sequence owns blocks"
