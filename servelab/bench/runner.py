@@ -1,0 +1,186 @@
+"""Drive a list of requests against a server: open-loop at planned send times, or closed-loop at
+a fixed concurrency, optionally for a fixed duration and with an early stop.
+
+Open loop: every send time is planned before the run starts (from the workload's arrival
+process) and each request leaves at its planned time, whatever the server is doing; the planned
+and actual send times are both kept, so client lateness is visible instead of silently becoming
+part of the server's latency. Closed loop: `concurrency` workers each send their next request
+the moment their previous one ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+from servelab.bench.client import BenchRequest, OpenAIStreamClient, StreamResult
+
+# Checked on every completion and on this period: a saturated level can stall completions.
+_ABORT_POLL_S = 0.25
+
+
+@dataclass(slots=True)
+class InFlight:
+    """A request that has been sent and has not finished: what an early-stop rule may look at."""
+
+    send_s: float
+    first_token_s: float | None = None
+
+
+@dataclass(slots=True)
+class RunOutcome:
+    results: list[StreamResult]
+    start_s: float  # absolute perf_counter at the start of the run; planned times are relative to it
+    end_s: float
+    aborted: bool = False  # stopped early by `should_abort`
+    abort_reason: str = ""
+    cancelled: int = 0  # requests in flight when the run was stopped early (not in `results`)
+
+    @property
+    def duration_s(self) -> float:
+        return self.end_s - self.start_s
+
+
+# should_abort(finished results, in-flight requests, now) -> reason to stop, or "" to go on
+AbortRule = Callable[[list[StreamResult], list[InFlight], float], str]
+
+
+@dataclass(slots=True)
+class _State:
+    results: list[StreamResult] = field(default_factory=list)
+    in_flight: dict[int, InFlight] = field(default_factory=dict)
+    abort_reason: str = ""
+
+
+async def run_load(
+    client: OpenAIStreamClient,
+    requests: Sequence[BenchRequest] | Iterator[BenchRequest],
+    *,
+    concurrency: int | None = None,
+    duration_s: float | None = None,
+    should_abort: AbortRule | None = None,
+    on_result: Callable[[StreamResult], None] | None = None,
+) -> RunOutcome:
+    """Run every request (or until `duration_s` has passed: nothing new is sent after it, and
+    what is in flight is allowed to finish). Requests with `planned_send_s` set are open-loop;
+    `concurrency` caps the requests in flight (closed loop when no send times are planned)."""
+    state = _State()
+    start_s = time.perf_counter()
+    stop_sending = asyncio.Event()
+    open_loop = not isinstance(requests, Iterator) and any(r.planned_send_s is not None for r in requests)
+    if not open_loop and concurrency is None:
+        raise ValueError("closed-loop runs need a concurrency")
+
+    def past_deadline() -> bool:
+        return duration_s is not None and time.perf_counter() - start_s >= duration_s
+
+    async def one(request: BenchRequest, planned_s: float | None) -> None:
+        key = request.index
+        state.in_flight[key] = tracker = InFlight(send_s=time.perf_counter())
+
+        def first_token(at_s: float) -> None:
+            tracker.first_token_s = at_s
+
+        try:
+            result = await client.stream(request, planned_send_s=planned_s, on_first_token=first_token)
+        finally:
+            state.in_flight.pop(key, None)
+        state.results.append(result)
+        if on_result is not None:
+            on_result(result)
+        check_abort()
+
+    def check_abort() -> None:
+        if should_abort is None or state.abort_reason:
+            return
+        reason = should_abort(state.results, list(state.in_flight.values()), time.perf_counter())
+        if reason:
+            state.abort_reason = reason
+            stop_sending.set()
+
+    async def watchdog() -> None:
+        while not stop_sending.is_set():
+            await asyncio.sleep(_ABORT_POLL_S)
+            check_abort()
+
+    tasks: set[asyncio.Task[None]] = set()
+
+    async def open_loop_dispatch() -> None:
+        limit = asyncio.Semaphore(concurrency) if concurrency else None
+        for request in requests:
+            planned_abs = start_s + (request.planned_send_s or 0.0)
+            delay = planned_abs - time.perf_counter()
+            if delay > 0:
+                try:
+                    await asyncio.wait_for(stop_sending.wait(), timeout=delay)
+                except TimeoutError:
+                    pass
+            if stop_sending.is_set() or past_deadline():
+                break
+            if limit is not None:
+                await limit.acquire()
+
+            async def guarded(req: BenchRequest = request, planned: float = planned_abs) -> None:
+                try:
+                    await one(req, planned)
+                finally:
+                    if limit is not None:
+                        limit.release()
+
+            task = asyncio.create_task(guarded())
+            tasks.add(task)
+            task.add_done_callback(tasks.discard)
+
+    async def closed_loop_worker(source: Iterator[BenchRequest]) -> None:
+        for request in source:  # a shared iterator: each request is taken by exactly one worker
+            if stop_sending.is_set() or past_deadline():
+                return
+            await one(request, None)
+
+    dog = asyncio.create_task(watchdog()) if should_abort is not None else None
+    cancelled = 0
+    try:
+        if open_loop:
+            await open_loop_dispatch()
+            if tasks:
+                pending = asyncio.gather(*list(tasks))
+                aborted = asyncio.create_task(stop_sending.wait())
+                await asyncio.wait({pending, aborted}, return_when=asyncio.FIRST_COMPLETED)
+                aborted.cancel()
+                if not pending.done():
+                    cancelled = len(state.in_flight)
+                    pending.cancel()
+                    try:
+                        await pending
+                    except asyncio.CancelledError:
+                        pass
+        else:
+            source = iter(requests)
+            assert concurrency is not None
+            workers = [asyncio.create_task(closed_loop_worker(source)) for _ in range(concurrency)]
+            gathered = asyncio.gather(*workers)
+            aborted = asyncio.create_task(stop_sending.wait())
+            await asyncio.wait({gathered, aborted}, return_when=asyncio.FIRST_COMPLETED)
+            aborted.cancel()
+            if not gathered.done():
+                cancelled = len(state.in_flight)
+                gathered.cancel()
+                try:
+                    await gathered
+                except asyncio.CancelledError:
+                    pass
+    finally:
+        stop_sending.set()
+        if dog is not None:
+            dog.cancel()
+    end_s = max((r.end_s for r in state.results), default=time.perf_counter())
+    return RunOutcome(
+        results=sorted(state.results, key=lambda r: r.index),
+        start_s=start_s,
+        end_s=end_s if not state.abort_reason else time.perf_counter(),
+        aborted=bool(state.abort_reason),
+        abort_reason=state.abort_reason,
+        cancelled=cancelled,
+    )
