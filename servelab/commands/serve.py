@@ -1,0 +1,190 @@
+"""`servelab serve`: the OpenAI-compatible server (FastAPI + uvicorn) over the real engine."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import signal
+import socket
+import sys
+import time
+
+from servelab.errors import InvalidArgument
+from servelab.units import parse_duration_s
+
+HELP = "serve a model over an OpenAI-compatible HTTP API"
+
+_BYTES = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_BYTE_SCALE = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_bytes(text: str, *, name: str) -> int:
+    """'1GiB' -> 1073741824, '512MB' -> 512000000, '4096' -> 4096."""
+    match = _BYTES.match(text)
+    if not match:
+        raise InvalidArgument(f"{name}: cannot parse {text!r} as a size in bytes (examples: 1GiB, 512MiB, 4096)")
+    value = int(float(match.group(1)) * _BYTE_SCALE[(match.group(2) or "b").lower()])
+    if value < 1:
+        raise InvalidArgument(f"{name}: must be at least 1 byte, got {text!r}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    net = parser.add_argument_group("network")
+    net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    net.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
+    net.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize")
+    net.add_argument("--shutdown-timeout", default="30s",
+                     help="on SIGTERM, how long running requests may take to finish before they are aborted "
+                          "(default 30s)")  # fmt: skip
+    net.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
+    net.add_argument("--no-lab", action="store_true", help="do not mount the lessons at /lab")
+
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=None,
+                       help="GGUF file or HF model directory (default: the bundled SmolLM2-135M-Instruct Q4_1)")  # fmt: skip
+    model.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: from the model)")
+    model.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                       help="compute dtype (default: bfloat16 where the CPU supports it, else float32)")  # fmt: skip
+    model.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default cpu)")
+    model.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests (default 0)")
+
+    limits = parser.add_argument_group("engine and limits")
+    limits.add_argument("--max-model-len", type=int, default=None,
+                        help="longest prompt + completion in tokens (default: the model's, at most 8192)")  # fmt: skip
+    limits.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch (default 256)")
+    limits.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                        help="token budget of one step (default 2048)")  # fmt: skip
+    limits.add_argument("--max-waiting-requests", type=int, default=None,
+                        help="bound on the waiting queue; beyond it requests get 503 + Retry-After (default: unbounded)")  # fmt: skip
+    limits.add_argument("--policy", choices=["chunked", "prefill-first"], default="chunked",
+                        help="scheduling policy (default chunked prefill)")  # fmt: skip
+    limits.add_argument("--order", choices=["fcfs", "priority"], default="fcfs",
+                        help="waiting-queue order; 'priority' honours the request's 'priority' field (default fcfs)")  # fmt: skip
+    limits.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    limits.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+    limits.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: from --kv-cache-memory)")
+    limits.add_argument("--kv-cache-memory", default=None, help="memory for the KV cache, e.g. 1GiB (default 1GiB)")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    if not 0 <= args.port < 65536:
+        raise InvalidArgument(f"--port: must be in [0, 65535], got {args.port}")
+    for flag in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "block_size",
+                 "num_blocks"):  # fmt: skip
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise InvalidArgument(f"--{flag.replace('_', '-')}: must be >= 1, got {value}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise InvalidArgument("--api-key: must not be empty")
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    """Bind before loading the model: a taken port should fail in a second, not after a load."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise InvalidArgument(f"--host/--port: cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _setup_logging(level: str) -> logging.Logger:
+    logger = logging.getLogger("servelab")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        # The same shape as uvicorn's lines, so the log reads as one.
+        handler.setFormatter(logging.Formatter("%(levelname)-9s %(message)s"))
+        logger.addHandler(handler)
+        logger.propagate = False
+    logger.setLevel(level.upper())
+    return logger
+
+
+def run(args: argparse.Namespace) -> int:
+    _check_args(args)
+    shutdown_timeout_s = parse_duration_s(args.shutdown_timeout, name="--shutdown-timeout")
+    kv_bytes = parse_bytes(args.kv_cache_memory, name="--kv-cache-memory") if args.kv_cache_memory else None
+    log = _setup_logging(args.log_level)
+
+    import uvicorn
+
+    from servelab.engine.llm_engine import EngineArgs, LLMEngine
+    from servelab.server.app import create_app, mount_lab
+
+    engine_args = EngineArgs(
+        model=args.model,
+        dtype=args.dtype,
+        device=args.device,
+        max_model_len=args.max_model_len,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_waiting=args.max_waiting_requests,
+        policy=args.policy,
+        order=args.order,
+        enable_prefix_caching=not args.no_prefix_caching,
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        kv_cache_memory_bytes=kv_bytes,
+        seed=args.seed,
+        served_model_name=args.served_model_name,
+    )
+    engine_args.validate()
+    sock = _bind(args.host, args.port)
+    port = sock.getsockname()[1]
+
+    t0 = time.perf_counter()
+    engine = LLMEngine.from_args(engine_args)
+    cfg = engine.scheduler_config
+    log.info("servelab: loaded %s (%s) in %.1f s", engine.model_name, args.model or "bundled model", time.perf_counter() - t0)
+    log.info(
+        "servelab: max_model_len=%d, KV cache %d blocks x %d tokens = %d tokens, max_num_seqs=%d, "
+        "max_num_batched_tokens=%d, policy=%s, order=%s, prefix caching %s, max waiting %s",
+        engine.max_model_len, cfg.num_blocks, cfg.block_size, cfg.num_blocks * cfg.block_size, cfg.max_num_seqs,
+        cfg.max_num_batched_tokens, cfg.policy, cfg.order, "on" if cfg.enable_prefix_caching else "off",
+        "unbounded" if cfg.max_waiting is None else cfg.max_waiting,
+    )  # fmt: skip
+
+    app = create_app(engine, api_key=args.api_key)
+    state = app.state.servelab
+    lab = not args.no_lab and mount_lab(app)
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            if not state.draining:
+                log.info("servelab: signal %d: draining (no new requests; %.0f s for running ones)", sig,
+                         shutdown_timeout_s)  # fmt: skip
+            state.begin_drain()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(
+        app,
+        log_level=args.log_level,
+        access_log=not args.no_access_log,
+        timeout_graceful_shutdown=shutdown_timeout_s,
+        lifespan="on",
+    )
+    server = _Server(config)
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    log.info(
+        "servelab: serving %r on http://%s:%d (OpenAI API at /v1, metrics at /metrics%s; Ctrl-C or SIGTERM to stop)",
+        engine.model_name, host, port, ", lessons at /lab/" if lab else "",
+    )  # fmt: skip
+    # uvicorn re-raises the signal it caught once it has shut down cleanly; with these handlers
+    # in place that re-raise is a no-op, so a graceful SIGTERM exits 0 as a supervisor expects.
+    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run(sockets=[sock])
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+        sock.close()
+    log.info("servelab: stopped")
+    return 0

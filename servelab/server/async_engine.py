@@ -1,0 +1,306 @@
+"""The bridge between asyncio (HTTP) and the single-threaded engine.
+
+One background thread owns the `LLMEngine` and is the only code that ever touches it: it runs
+`step()` back to back while there is work, and sleeps on its command queue when there is none
+(no busy spin). The event loop hands it requests and aborts through that thread-safe queue;
+the thread hands outputs back with one `loop.call_soon_threadsafe` per step, which puts them on
+unbounded per-request asyncio queues. Neither side ever waits for the other: a slow client
+only lets its own queue grow (bounded by its max_tokens), and a long step only delays the
+admission of new requests, never the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from servelab.core.sequence import SamplingParams
+from servelab.errors import ServelabError
+
+if TYPE_CHECKING:
+    from servelab.engine.llm_engine import EngineOutput, EngineStats, LLMEngine
+
+logger = logging.getLogger("servelab.server")
+
+
+class EngineFailure(ServelabError):
+    """A step raised: the requests in flight are aborted, the engine keeps serving."""
+
+    http_status = 500
+    error_type = "internal_server_error"
+
+
+class EngineStopped(ServelabError):
+    http_status = 503
+    error_type = "server_overloaded"
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    priority: int = 0
+    arrival_s: float | None = None
+
+
+@dataclass(slots=True)
+class _Add:
+    requests: list[EngineRequest]
+    future: concurrent.futures.Future
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_ids: list[str]
+
+
+@dataclass(slots=True)
+class _Stop:
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass(slots=True)
+class _Failed:
+    request_id: str
+    error: ServelabError
+
+
+OutputObserver = Callable[["EngineOutput"], None]
+
+
+class AsyncEngine:
+    """Owns an LLMEngine in one thread; `submit` and `RequestStream` are its asyncio face."""
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._sinks: dict[str, asyncio.Queue] = {}  # request id -> its consumer's queue (loop thread only)
+        self._observers: list[OutputObserver] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._live: set[str] = set()  # request ids the engine holds (engine thread only)
+        self.stats: EngineStats = engine.stats()  # a snapshot the engine thread refreshes after each step
+        self.num_steps = 0
+        self.num_step_failures = 0
+
+    # ---- lifecycle (event loop) ---------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread = threading.Thread(target=self._run, name="servelab-engine", daemon=True)
+        self._thread.start()
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def add_observer(self, observer: OutputObserver) -> None:
+        """Called on the engine thread right after each step, for every output of every request
+        (even after its client left), while the sequence's timestamps are exactly those of that
+        step. Observers must be quick and thread-safe (prometheus_client's metrics are)."""
+        self._observers.append(observer)
+
+    async def stop(self) -> None:
+        """Abort whatever is still in flight and end the engine thread."""
+        if not self.is_running:
+            return
+        command = _Stop()
+        self._commands.put(command)
+        await asyncio.to_thread(command.done.wait)
+        await asyncio.to_thread(self._thread.join)
+        # Whoever still waits would wait forever: tell them.
+        stopped = EngineStopped("the server is shutting down; the request was aborted")
+        self._dispatch([_Failed(rid, stopped) for rid in list(self._sinks)])
+
+    # ---- requests (event loop) -------------------------------------------------------------
+
+    async def submit(self, requests: list[EngineRequest]) -> RequestStream:
+        """Admit the requests together (the n choices of one client request share a prompt, so
+        they are all admitted or none is). Admission errors (RequestTooLong, QueueFull,
+        InvalidArgument ...) are raised here, before any response has started, so the HTTP side
+        can still answer them with a proper status code."""
+        if not self.is_running:
+            raise EngineStopped("the engine is not running")
+        sink: asyncio.Queue = asyncio.Queue()
+        request_ids = [r.request_id for r in requests]
+        for rid in request_ids:
+            if rid in self._sinks:
+                raise ServelabError(f"request id {rid!r} is already in flight")
+        for rid in request_ids:
+            self._sinks[rid] = sink
+        stream = RequestStream(self, request_ids, sink)
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        self._commands.put(_Add(requests, future))
+        try:
+            await asyncio.wrap_future(future)
+        except BaseException:
+            # Also when admission itself was cancelled: the engine may have admitted them meanwhile.
+            stream.close()
+            raise
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._sinks.pop(rid, None)
+        self._commands.put(_Abort(list(request_ids)))
+
+    def _dispatch(self, outputs: list[EngineOutput | _Failed]) -> None:
+        for out in outputs:
+            sink = self._sinks.get(out.request_id)
+            if sink is not None:
+                sink.put_nowait(out)
+
+    # ---- the step loop (engine thread) ------------------------------------------------------
+
+    def _post(self, outputs: list) -> None:
+        if not outputs or self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._dispatch, outputs)
+        except RuntimeError:  # the loop closed under us during interpreter shutdown
+            pass
+
+    def _run(self) -> None:
+        engine = self.engine
+        while True:
+            commands = []
+            if not engine.has_unfinished():
+                commands.append(self._commands.get())  # idle: sleep until a command arrives
+            while True:
+                try:
+                    commands.append(self._commands.get_nowait())
+                except queue.Empty:
+                    break
+            stop = None
+            for command in commands:
+                if isinstance(command, _Add):
+                    self._admit(command)
+                elif isinstance(command, _Abort):
+                    for rid in command.request_ids:
+                        self._abort_one(rid)
+                elif isinstance(command, _Stop):
+                    stop = command
+            if stop is not None:
+                for rid in list(self._live):
+                    self._abort_one(rid)
+                self._refresh_stats()
+                stop.done.set()
+                return
+            if engine.has_unfinished():
+                self._step()
+            self._refresh_stats()
+
+    def _admit(self, command: _Add) -> None:
+        if command.future.cancelled():
+            return
+        admitted: list[str] = []
+        try:
+            for r in command.requests:
+                self.engine.add_request(
+                    r.request_id, r.prompt, r.params, priority=r.priority, arrival_s=r.arrival_s
+                )
+                admitted.append(r.request_id)
+                self._live.add(r.request_id)
+        except BaseException as exc:
+            # All or nothing: n choices are one request to the client.
+            for rid in admitted:
+                self._abort_one(rid)
+            if not isinstance(exc, ServelabError):
+                logger.exception("add_request failed")
+                exc = EngineFailure(f"the engine could not admit the request: {type(exc).__name__}: {exc}")
+            command.future.set_exception(exc)
+            return
+        command.future.set_result(None)
+
+    def _abort_one(self, request_id: str) -> None:
+        self._live.discard(request_id)
+        try:
+            self.engine.abort(request_id)
+        except Exception:
+            logger.exception("abort of %s failed", request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            # Never let one bad step take the server down: fail the requests in flight, free
+            # their blocks, keep serving the next ones.
+            self.num_step_failures += 1
+            logger.exception("engine step failed; aborting %d request(s) in flight", len(self._live))
+            error = EngineFailure(f"the engine failed during a step ({type(exc).__name__}: {exc}); request aborted")
+            failed = [_Failed(rid, error) for rid in sorted(self._live)]
+            for f in failed:
+                self._abort_one(f.request_id)
+            self._post(failed)
+            time.sleep(0.01)  # a step that fails every time must not spin the CPU
+            return
+        self.num_steps += 1
+        for out in outputs:
+            if out.finished:
+                self._live.discard(out.request_id)
+            for observer in self._observers:
+                try:
+                    observer(out)
+                except Exception:  # a metrics bug must not lose a client's tokens
+                    logger.exception("output observer failed")
+        self._post(outputs)
+
+    def _refresh_stats(self) -> None:
+        try:
+            self.stats = self.engine.stats()
+        except Exception:
+            logger.exception("engine.stats() failed")
+
+
+class RequestStream:
+    """The outputs of one client request's engine requests, in the order the engine made them.
+
+    Iterate it to get outputs until every request has finished; `close()` (idempotent, also
+    called when iteration ends early, e.g. on a client disconnect that cancels the task) aborts
+    the ones still running, which returns their KV blocks to the pool."""
+
+    def __init__(self, engine: AsyncEngine, request_ids: list[str], sink: asyncio.Queue):
+        self._engine = engine
+        self.request_ids = request_ids
+        self._sink = sink
+        self._unfinished = set(request_ids)
+        self._closed = False
+
+    async def __aiter__(self) -> AsyncIterator[EngineOutput]:
+        try:
+            while self._unfinished:
+                item = await self._sink.get()
+                if isinstance(item, _Failed):
+                    self._unfinished.discard(item.request_id)
+                    raise item.error
+                if item.finished:
+                    self._unfinished.discard(item.request_id)
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        if self._unfinished:
+            self._engine.abort(sorted(self._unfinished))
+            self._unfinished.clear()
+        else:
+            for rid in self.request_ids:
+                self._engine._sinks.pop(rid, None)
+
+    def __del__(self) -> None:
+        # Safety net for a response that was dropped before its body ever started.
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,154 @@
+"""Every failure answers with OpenAI's error JSON: {"error": {"message", "type", "param", "code"}}.
+
+Clients (the official SDKs included) turn that shape into typed exceptions with the message
+intact, so the message must name the input and the limit. Nothing here ever touches the engine:
+a bad request is rejected before it reaches the step loop.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from typing import TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from servelab.errors import InvalidArgument, QueueFull, ServelabError
+
+logger = logging.getLogger("servelab.server")
+
+RETRY_AFTER_S = 1  # a full waiting queue drains in about one request's latency on this engine
+
+_TYPE_BY_STATUS = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    500: "internal_server_error",
+    503: "server_overloaded",
+}
+
+
+class Unauthorized(ServelabError):
+    http_status = 401
+    error_type = "authentication_error"
+
+
+class ServerDraining(ServelabError):
+    """The server got SIGTERM: it finishes what it has and takes nothing new."""
+
+    http_status = 503
+    error_type = "server_overloaded"
+
+
+def error_response(
+    status: int,
+    message: str,
+    *,
+    error_type: str | None = None,
+    param: str | None = None,
+    code: str | int | None = None,
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
+    body = {
+        "error": {
+            "message": message,
+            "type": error_type or _TYPE_BY_STATUS.get(status, "invalid_request_error"),
+            "param": param,
+            "code": code if code is not None else status,
+        }
+    }
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def error_json(exc: ServelabError) -> dict:
+    """The same body, for an error that happens after a stream has started (sent as an SSE event)."""
+    return {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}}
+
+
+def from_servelab_error(exc: ServelabError) -> JSONResponse:
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.http_status == 503 else None
+    return error_response(
+        exc.http_status, exc.message, error_type=exc.error_type, param=exc.param, code=exc.code, headers=headers
+    )
+
+
+def validation_message(exc: ValidationError | RequestValidationError) -> tuple[str, str | None]:
+    """pydantic's errors -> one readable line and the offending parameter."""
+    errors = exc.errors()
+    parts = []
+    for err in errors[:3]:
+        loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+        where = ".".join(loc) or "request body"
+        value = err.get("input")
+        shown = "" if isinstance(value, dict) else f" (got {json.dumps(value, default=str)[:80]})"
+        parts.append(f"{where}: {err.get('msg', 'invalid value')}{shown}")
+    if len(errors) > 3:
+        parts.append(f"... and {len(errors) - 3} more")
+    first_loc = [str(p) for p in errors[0].get("loc", ()) if p != "body"] if errors else []
+    return "; ".join(parts), (first_loc[0] if first_loc else None)
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+async def parse_body(request: Request, model_cls: type[M]) -> M:
+    """Raw bytes -> UTF-8 -> JSON -> model, each step with its own 400 message."""
+    raw = await request.body()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidArgument(f"request body is not valid UTF-8: byte {exc.start} ({raw[exc.start:exc.start + 1]!r})")
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")
+    if not isinstance(obj, dict):
+        raise InvalidArgument(f"request body must be a JSON object, got {type(obj).__name__}")
+    try:
+        return model_cls.model_validate(obj)
+    except ValidationError as exc:
+        message, param = validation_message(exc)
+        raise InvalidArgument(message, param=param) from None
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServelabError)
+    async def _servelab(_: Request, exc: ServelabError) -> JSONResponse:
+        return from_servelab_error(exc)
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = validation_message(exc)
+        return error_response(400, message, param=param)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message = exc.detail if isinstance(exc.detail, str) else str(exc.detail)
+        if exc.status_code == 404:
+            message = f"no route {request.method} {request.url.path}"
+        elif exc.status_code == 405:
+            message = f"method {request.method} is not allowed on {request.url.path}"
+        return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _internal(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error while handling a request")
+        return error_response(500, f"internal server error: {type(exc).__name__}: {exc}")
+
+
+__all__ = [
+    "QueueFull",
+    "ServerDraining",
+    "Unauthorized",
+    "error_json",
+    "error_response",
+    "from_servelab_error",
+    "install_error_handlers",
+    "parse_body",
+]

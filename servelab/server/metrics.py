@@ -1,0 +1,116 @@
+"""Prometheus metrics for `GET /metrics`, named in parallel with vLLM's (`vllm:` -> `servelab:`).
+
+Per-request latencies are observed from the engine's own timestamps (time.perf_counter() on the
+engine thread), as each output reaches the event loop: TTFT and queue time with the first
+token, inter-token latencies as tokens arrive, E2E at the finish. Engine-wide state (running,
+waiting, KV usage, preemptions, prefix-cache totals) is read at scrape time from the snapshot
+the step loop refreshes, so a scrape never touches the engine itself. Each app gets its own
+CollectorRegistry: several servers can live in one process (tests do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from servelab.engine.llm_engine import EngineOutput, EngineStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+# The same buckets as vLLM, so dashboards built for one read the other.
+TTFT_BUCKETS_S = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                  20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]  # fmt: skip
+ITL_BUCKETS_S = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0]  # fmt: skip
+REQUEST_BUCKETS_S = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
+                     240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
+
+
+class _EngineStatsCollector(Collector):
+    """Gauges and monotonic totals straight from the latest EngineStats snapshot."""
+
+    def __init__(self, model_name: str, get_stats: Callable[[], EngineStats]):
+        self.model_name = model_name
+        self.get_stats = get_stats
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self.get_stats()
+        labels = ["model_name"]
+        values = [self.model_name]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            family = CounterMetricFamily(name, doc, labels=labels)
+            family.add_metric(values, value)
+            return family
+
+        yield gauge("servelab:num_requests_running", "Requests in the running batch.", stats.num_running)
+        yield gauge("servelab:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
+        yield gauge("servelab:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", stats.kv_cache_usage)
+        yield gauge("servelab:kv_cache_blocks_total", "KV-cache blocks in the pool.", stats.num_blocks_total)
+        yield gauge("servelab:kv_cache_blocks_free", "KV-cache blocks free (cached prefixes count as free).",
+                    stats.num_blocks_free)  # fmt: skip
+        yield counter("servelab:num_preemptions", "Preemptions (by recompute) since start.", stats.num_preemptions)
+        yield counter("servelab:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
+                      stats.prefix_cache_hits)  # fmt: skip
+        yield counter("servelab:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                      stats.prefix_cache_queries)  # fmt: skip
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, get_stats: Callable[[], EngineStats]):
+        self.registry = CollectorRegistry(auto_describe=True)
+        self.model_name = model_name
+        labels = ["model_name"]
+        r = self.registry
+        self.ttft = Histogram("servelab:time_to_first_token_seconds", "Time to first token (arrival to first token).",
+                              labels, buckets=TTFT_BUCKETS_S, registry=r)  # fmt: skip
+        self.itl = Histogram("servelab:inter_token_latency_seconds", "Gaps between consecutive output tokens.",
+                             labels, buckets=ITL_BUCKETS_S, registry=r)  # fmt: skip
+        self.e2e = Histogram("servelab:e2e_request_latency_seconds", "Arrival to last token.",
+                             labels, buckets=REQUEST_BUCKETS_S, registry=r)  # fmt: skip
+        self.queue_time = Histogram("servelab:request_queue_time_seconds", "Arrival to first scheduled.",
+                                    labels, buckets=REQUEST_BUCKETS_S, registry=r)  # fmt: skip
+        self.prompt_tokens = Counter("servelab:prompt_tokens", "Prompt tokens of requests that started generating.",
+                                     labels, registry=r)  # fmt: skip
+        self.generation_tokens = Counter("servelab:generation_tokens", "Generated tokens.", labels, registry=r)
+        self.request_success = Counter("servelab:request_success", "Requests finished, by finish reason.",
+                                       ["model_name", "finished_reason"], registry=r)  # fmt: skip
+        r.register(_EngineStatsCollector(model_name, get_stats))
+        self._labels = {"model_name": model_name}
+
+    def observe(self, out: EngineOutput) -> None:
+        seq = out.seq
+        k = len(out.new_token_ids)
+        labels = self._labels
+        if k:
+            self.generation_tokens.labels(**labels).inc(k)
+            n_out = seq.num_output_tokens
+            if n_out == k:  # these are the request's first tokens
+                self.prompt_tokens.labels(**labels).inc(seq.num_prompt_tokens)
+                if seq.first_token_s is not None:
+                    self.ttft.labels(**labels).observe(max(0.0, seq.first_token_s - seq.arrival_s))
+                if seq.first_scheduled_s is not None:
+                    self.queue_time.labels(**labels).observe(max(0.0, seq.first_scheduled_s - seq.arrival_s))
+            times = seq.token_times_s
+            # The gaps that end at this output's tokens (the first token has none).
+            first = max(1, len(times) - k)
+            for i in range(first, len(times)):
+                self.itl.labels(**labels).observe(max(0.0, times[i] - times[i - 1]))
+        if out.finished:
+            reason = out.finish_reason.value if out.finish_reason is not None else "unknown"
+            self.request_success.labels(model_name=self.model_name, finished_reason=reason).inc()
+            if seq.finished_s is not None:
+                self.e2e.labels(**labels).observe(max(0.0, seq.finished_s - seq.arrival_s))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
