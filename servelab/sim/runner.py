@@ -1,0 +1,270 @@
+"""The simulator's Python API: `simulate(SimConfig(...), workload) -> SimResult`.
+
+Used by `servelab sim`, the capacity planner and the lab. Imports no torch.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from servelab.core.config import SchedulerConfig
+from servelab.cost.memory import MemoryPlan
+from servelab.cost.step_cost import StepCostModel
+from servelab.errors import DoesNotFit, InvalidArgument, RequestTooLong
+from servelab.metrics import SLO, RequestRecord, Summary, summarize
+from servelab.metrics.summary import Dist
+from servelab.sim.cluster import ClusterSim, StepTrace
+from servelab.sim.router import ROUTERS
+from servelab.spec.hardware import HardwareSpec, get_hardware
+from servelab.spec.model import ModelSpec, get_model
+from servelab.workload import RequestSpec, WorkloadSpec
+
+# A 400 Gb/s NIC per GPU (InfiniBand NDR / RoCE), the usual fabric between serving nodes.
+DEFAULT_LINK_BYTES_PER_S_PER_DEVICE = 50e9
+DEFAULT_LINK_LATENCY_S = 0.5e-3
+
+
+@dataclass(slots=True)
+class SimConfig:
+    model: str | ModelSpec = "llama-3.1-8b"
+    hardware: str | HardwareSpec = "h100-sxm"
+    tp: int = 1
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    replicas: int = 1
+    disagg: tuple[int, int] | None = None  # (prefill replicas, decode replicas) instead of `replicas`
+    router: str = "round-robin"
+    policy: str = "chunked"  # or "prefill-first"
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int | None = None  # None: the model's context length
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    memory_fraction: float = 0.9
+    num_blocks: int | None = None  # override the KV pool per replica (None: from the memory plan)
+    link_bandwidth_bytes_per_s: float | None = None  # prefill→decode link; None: 50 GB/s per device
+    link_latency_s: float = DEFAULT_LINK_LATENCY_S
+    efficiency: Any = None  # servelab.cost.roofline.Efficiency; None: its defaults
+    cost_model: StepCostModel | None = None  # replaces the roofline (e.g. a calibrated profile)
+    slo: SLO | None = None
+
+    def __post_init__(self) -> None:
+        if self.disagg is not None:
+            p, d = self.disagg
+            if p < 1 or d < 1:
+                raise InvalidArgument(f"disaggregation needs >= 1 prefill and >= 1 decode replica, got {p}:{d}")
+        elif self.replicas < 1:
+            raise InvalidArgument(f"replicas must be >= 1, got {self.replicas}", param="replicas")
+        if self.router not in ROUTERS:
+            raise InvalidArgument(f"router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
+        if self.link_bandwidth_bytes_per_s is not None and not self.link_bandwidth_bytes_per_s > 0:
+            raise InvalidArgument(f"link bandwidth must be > 0 bytes/s, got {self.link_bandwidth_bytes_per_s}")
+        if self.link_latency_s < 0:
+            raise InvalidArgument(f"link latency must be >= 0 s, got {self.link_latency_s}")
+
+    @property
+    def model_spec(self) -> ModelSpec:
+        return self.model if isinstance(self.model, ModelSpec) else get_model(self.model)
+
+    @property
+    def hardware_spec(self) -> HardwareSpec:
+        return self.hardware if isinstance(self.hardware, HardwareSpec) else get_hardware(self.hardware)
+
+    @property
+    def num_replicas(self) -> int:
+        return sum(self.disagg) if self.disagg else self.replicas
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_replicas * self.tp
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model_spec.name,
+            "hardware": self.hardware_spec.name,
+            "tp": self.tp,
+            "weight_dtype": self.weight_dtype,
+            "kv_dtype": self.kv_dtype,
+            "replicas": None if self.disagg else self.replicas,
+            "disagg": None if self.disagg is None else f"{self.disagg[0]}:{self.disagg[1]}",
+            "num_devices": self.num_devices,
+            "router": self.router,
+            "scheduler": self.policy,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+            "max_num_seqs": self.max_num_seqs,
+            "max_model_len": self.max_model_len,
+            "block_size": self.block_size,
+            "enable_prefix_caching": self.enable_prefix_caching,
+            "memory_fraction": self.memory_fraction,
+            "num_blocks": self.num_blocks,
+            "link_bandwidth_bytes_per_s": self.link_bandwidth_bytes_per_s,
+            "link_latency_s": self.link_latency_s,
+            "cost_model": "roofline" if self.cost_model is None else type(self.cost_model).__name__,
+            "slo": None if self.slo is None else self.slo.to_dict(),
+        }
+
+
+@dataclass(slots=True)
+class SimResult:
+    records: list[RequestRecord]
+    summary: Summary
+    trace: StepTrace
+    replica_stats: list[dict[str, Any]]
+    config: dict[str, Any]
+    kv_transfer_s: Dist = field(default_factory=Dist)
+    kv_transfer_bytes: float = 0.0
+    wall_s: float = 0.0
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.trace)
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"summary": self.summary.to_dict(), "config": self.config}
+        out["replicas"] = self.replica_stats
+        if self.config.get("disagg"):
+            out["kv_transfer"] = {"time_s": self.kv_transfer_s.to_dict(), "total_bytes": self.kv_transfer_bytes}
+        out["sim"] = {"steps": self.num_steps, "wall_s": self.wall_s}
+        return out
+
+
+def build_cost_model(config: SimConfig) -> StepCostModel:
+    if config.cost_model is not None:
+        return config.cost_model
+    from servelab.cost.roofline import Efficiency, Roofline
+
+    return Roofline(
+        config.model_spec,
+        config.hardware_spec,
+        weight_dtype=config.weight_dtype,
+        kv_dtype=config.kv_dtype,
+        tp=config.tp,
+        efficiency=config.efficiency if config.efficiency is not None else Efficiency(),
+    )
+
+
+def scheduler_config(config: SimConfig) -> SchedulerConfig:
+    """One replica's scheduler: the KV pool is what the memory plan leaves after the weights."""
+    model = config.model_spec
+    num_blocks = config.num_blocks
+    if num_blocks is None:
+        plan = MemoryPlan(model, config.hardware_spec, config.weight_dtype, config.kv_dtype, config.tp,
+                          config.memory_fraction)
+        plan.require_weights_fit()
+        num_blocks = plan.kv_capacity_tokens // config.block_size
+        if num_blocks < 1:
+            raise DoesNotFit(f"{plan.describe()}: no room left for even one KV block after the weights")
+    return SchedulerConfig(
+        num_blocks=num_blocks,
+        block_size=config.block_size,
+        max_num_batched_tokens=config.max_num_batched_tokens,
+        max_num_seqs=config.max_num_seqs,
+        max_model_len=config.max_model_len or model.max_context,
+        policy=config.policy,
+        enable_prefix_caching=config.enable_prefix_caching,
+    )
+
+
+def _check_lengths(requests: list[RequestSpec], sched: SchedulerConfig) -> None:
+    """Refuse up front, naming the request, rather than fail requests one by one mid-run."""
+    limit = sched.max_model_len
+    pool = sched.num_blocks * sched.block_size
+    for r in requests:
+        if r.prompt_tokens + r.output_tokens > limit:
+            raise RequestTooLong(
+                f"request {r.index}: prompt {r.prompt_tokens} + output {r.output_tokens} tokens exceeds "
+                f"max_model_len {limit}; shorten --input-len/--output-len or raise --max-model-len"
+            )
+        if r.prompt_tokens > pool:
+            raise RequestTooLong(
+                f"request {r.index}: prompt of {r.prompt_tokens} tokens can never fit a replica's KV pool "
+                f"of {pool} tokens"
+            )
+
+
+def simulate(
+    config: SimConfig,
+    workload: WorkloadSpec | list[RequestSpec],
+    progress: bool = False,
+    concurrency: int | None = None,
+) -> SimResult:
+    """Run a workload through the simulated cluster. With a list of RequestSpec, `concurrency`
+    caps requests in flight (a closed loop when they carry no arrival times)."""
+    if isinstance(workload, WorkloadSpec):
+        requests = workload.generate()
+        concurrency = workload.concurrency
+        seed = workload.seed
+    else:
+        requests = list(workload)
+        seed = 0
+    if not requests:
+        raise InvalidArgument("the workload has no requests")
+    if requests[0].arrival_s is None and concurrency is None:
+        raise InvalidArgument("requests without arrival times need a concurrency (closed loop)")
+    model = config.model_spec
+    sched = scheduler_config(config)
+    _check_lengths(requests, sched)
+    cost_model = build_cost_model(config)
+    if config.disagg:
+        # On the decode side a transferred prompt costs nothing to "prefill", so give it a budget
+        # that admits any prompt in one step rather than dribbling it in over several.
+        decode_budget = max(config.max_num_batched_tokens, sched.max_model_len + config.max_num_seqs)
+        decode = SchedulerConfig(**{**_fields(sched), "max_num_batched_tokens": decode_budget})
+        pools = {"prefill": (config.disagg[0], sched), "decode": (config.disagg[1], decode)}
+    else:
+        pools = {"mixed": (config.replicas, sched)}
+    link_bw = config.link_bandwidth_bytes_per_s or DEFAULT_LINK_BYTES_PER_S_PER_DEVICE * config.tp
+    sim = ClusterSim(
+        pools,
+        cost_model,
+        router=config.router,
+        vocab_size=model.vocab_size,
+        seed=seed,
+        kv_bytes_per_token=model.kv_bytes_per_token(config.kv_dtype),
+        link_bandwidth_bytes_per_s=link_bw,
+        link_latency_s=config.link_latency_s,
+    )
+    bar = None
+    if progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(requests), unit="req", desc="simulating", file=sys.stderr, mininterval=0.5)
+    start = time.perf_counter()
+    try:
+        out = sim.run(requests, concurrency, on_done=None if bar is None else bar.update)
+    finally:
+        if bar is not None:
+            bar.close()
+    wall_s = time.perf_counter() - start
+    preemptions = sum(r.scheduler.num_preemptions for r in out.replicas)
+    summary = summarize(out.records, out.duration_s, config.num_devices, config.slo, preemptions)
+    cfg = config.to_dict()
+    cfg["max_model_len"] = sched.max_model_len
+    cfg["num_blocks"] = sched.num_blocks
+    cfg["kv_capacity_tokens"] = sched.num_blocks * sched.block_size
+    if config.disagg:
+        cfg["link_bandwidth_bytes_per_s"] = link_bw
+    if isinstance(workload, WorkloadSpec):
+        cfg["workload"] = workload.to_dict()
+    else:
+        cfg["workload"] = {"num_requests": len(requests), "concurrency": concurrency, "source": "request list"}
+    return SimResult(
+        records=out.records,
+        summary=summary,
+        trace=out.trace,
+        replica_stats=[r.stats() for r in out.replicas],
+        config=cfg,
+        kv_transfer_s=Dist.of(out.kv_transfer_s),
+        kv_transfer_bytes=out.kv_transfer_bytes,
+        wall_s=wall_s,
+    )
+
+
+def _fields(cfg: SchedulerConfig) -> dict[str, Any]:
+    return {name: getattr(cfg, name) for name in cfg.__dataclass_fields__}
+
+
+__all__ = ["SimConfig", "SimResult", "simulate", "build_cost_model", "scheduler_config"]
