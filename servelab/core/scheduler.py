@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+from itertools import repeat
 from bisect import insort
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -186,9 +187,12 @@ class Scheduler:
 
         running = self.running
         preempted = plan.preempted
-        i = 0
-        while i < len(running) and budget > 0 and len(scheduled) < max_seqs:
-            seq = running[i]
+        append = scheduled.append
+        # len(running) <= max_num_seqs always (admission keeps it), so only the token budget binds.
+        # Popping victims off the tail while iterating is safe: the iterator stops earlier.
+        for seq in running:
+            if budget <= 0:
+                break
             start = seq.num_computed_tokens
             num_known = len(seq.token_ids)
             n = num_known - start
@@ -196,18 +200,10 @@ class Scheduler:
                 n = budget
             end = start + n
             if end > len(seq.block_table) * bs and not bm.append_slots(seq, end):
-                victim = None
-                while victim is not seq:
-                    victim = running.pop()
-                    self._preempt(victim)
-                    preempted.append(victim)
-                    if bm.append_slots(seq, end):
-                        break
-                if victim is seq:
-                    break  # it was the newest left; nothing more to run this step
-            scheduled.append(ScheduledSeq(seq, n, start, end == num_known))
+                if not self._preempt_until_fits(seq, end, preempted):
+                    break  # it was the newest left; nothing more runs this step
+            append(ScheduledSeq(seq, n, start, end == num_known))
             budget -= n
-            i += 1
         plan.num_batched_tokens = cfg.max_num_batched_tokens - budget
 
         # As vLLM: a step that had to preempt admits nobody new; the pool is already short.
@@ -255,6 +251,19 @@ class Scheduler:
     def _key_of(self, seq: Sequence) -> tuple:
         return self._keys[seq.request_id]
 
+    def _preempt_until_fits(self, seq: Sequence, num_tokens: int, preempted: list[Sequence]) -> bool:
+        """Preempt from the tail of `running` until seq's table covers num_tokens positions.
+        False if seq itself had to go."""
+        running = self.running
+        while True:
+            victim = running.pop()
+            self._preempt(victim)
+            preempted.append(victim)
+            if victim is seq:
+                return False
+            if self.block_manager.append_slots(seq, num_tokens):
+                return True
+
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
@@ -275,58 +284,70 @@ class Scheduler:
             raise ValueError(
                 f"StepResult has {len(sampled)} sampled tokens for a plan of {len(plan.scheduled)} sequences"
             )
-        logprobs = result.logprobs
         bm = self.block_manager
         bs = self.config.block_size
-        max_model_len = self.config.max_model_len
-        kv_capacity = self._kv_capacity_tokens
+        # A sequence this long stops: at max_model_len, or when its next decode would need a KV
+        # slot past the whole pool.
+        len_cap = min(self.config.max_model_len, self._kv_capacity_tokens + 1)
+        logprobs = result.logprobs if result.logprobs is not None else repeat(None)
         outputs: list[RequestOutput] = []
+        append_output = outputs.append
+        output = RequestOutput
+        running_status = _RUNNING
         any_finished = False
-        for i, ss in enumerate(plan.scheduled):
+        for ss, token, lp in zip(plan.scheduled, sampled, logprobs):
             seq = ss.seq
-            if seq.status is not _RUNNING:
+            if seq.status is not running_status:
                 continue  # aborted or finished by the engine while the step ran
             seq.num_computed_tokens = computed = ss.start_pos + ss.num_tokens
             if computed >= (seq.num_committed_blocks + 1) * bs:
                 bm.commit_computed_blocks(seq)
             if not ss.samples:
                 continue
-            token = sampled[i]
             if token is None:
                 self._finish(seq, FinishReason.ERROR, now)
                 any_finished = True
-                outputs.append(RequestOutput(seq.request_id, [], True, FinishReason.ERROR, seq))
+                append_output(RequestOutput(seq.request_id, [], True, FinishReason.ERROR, seq))
                 continue
-            seq.token_ids.append(token)
+            token_ids = seq.token_ids
+            token_ids.append(token)
             seq.token_times_s.append(now)
             if seq.first_token_s is None:
                 seq.first_token_s = now
+            num_tokens = len(token_ids)
             params = seq.params
-            num_output = len(seq.token_ids) - seq.num_prompt_tokens
-            reason = None
-            if num_output >= params.min_tokens:
-                if not params.ignore_eos and token in seq.eos_token_ids:
-                    reason = FinishReason.STOP
-                elif token in params.stop_token_ids:
-                    reason = FinishReason.STOP
-                    seq.stop_reason = token
-            if reason is None and (
-                num_output >= params.max_tokens
-                or len(seq.token_ids) >= max_model_len
-                # The next decode would need a KV slot past the whole pool.
-                or len(seq.token_ids) > kv_capacity
+            if (
+                num_tokens - seq.num_prompt_tokens >= params.max_tokens
+                or num_tokens >= len_cap
+                or token in seq.eos_token_ids
+                or token in params.stop_token_ids
             ):
-                reason = FinishReason.LENGTH
-            lp = logprobs[i] if logprobs is not None else None
-            if reason is not None:
-                self._finish(seq, reason, now)
-                any_finished = True
-                outputs.append(RequestOutput(seq.request_id, [token], True, reason, seq, None if lp is None else [lp]))
-            else:
-                outputs.append(RequestOutput(seq.request_id, [token], False, None, seq, None if lp is None else [lp]))
+                reason = self._stop_reason(seq, token, len_cap)
+                if reason is not None:
+                    self._finish(seq, reason, now)
+                    any_finished = True
+                    append_output(RequestOutput(seq.request_id, [token], True, reason, seq, None if lp is None else [lp]))
+                    continue
+            append_output(output(seq.request_id, [token], False, None, seq, None if lp is None else [lp]))
         if any_finished:
             self.running = [s for s in self.running if s.status is _RUNNING]
         return outputs
+
+    @staticmethod
+    def _stop_reason(seq: Sequence, token: int, len_cap: int) -> FinishReason | None:
+        """Why seq stops after sampling `token`, in vLLM's order: EOS and stop tokens (once
+        min_tokens are out), then the length limits. Sets seq.stop_reason for a stop token."""
+        params = seq.params
+        num_output = len(seq.token_ids) - seq.num_prompt_tokens
+        if num_output >= params.min_tokens:
+            if not params.ignore_eos and token in seq.eos_token_ids:
+                return FinishReason.STOP
+            if token in params.stop_token_ids:
+                seq.stop_reason = token
+                return FinishReason.STOP
+        if num_output >= params.max_tokens or len(seq.token_ids) >= len_cap:
+            return FinishReason.LENGTH
+        return None
 
     def _finish(self, seq: Sequence, reason: FinishReason, now: float | None) -> None:
         """Mark finished and free blocks. The caller removes it from `running`."""
