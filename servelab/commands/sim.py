@@ -1,0 +1,142 @@
+"""`servelab sim`: simulate serving a model on an accelerator with the engine's own scheduler."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from servelab.errors import InvalidArgument
+from servelab.units import parse_duration_s
+
+HELP = "simulate serving a model on an accelerator (same scheduler, cost-model executor)"
+
+
+def _disagg(text: str) -> tuple[int, int]:
+    try:
+        p, d = (int(x) for x in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected P:D (prefill:decode replicas, e.g. 1:3), got {text!r}") from None
+    return p, d
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from servelab.workload import add_workload_arguments
+
+    g = parser.add_argument_group("deployment")
+    g.add_argument("--model", default="llama-3.1-8b", help="catalog model (see `servelab models`)")
+    g.add_argument("--hardware", default="h100-sxm", help="catalog accelerator (see `servelab hardware`)")
+    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per replica (default 1)")
+    g.add_argument("--dtype", default="bf16", help="weight dtype: bf16, fp16, fp8, int8, int4 (default bf16)")
+    g.add_argument("--kv-dtype", default="bf16", help="KV cache dtype: bf16, fp16, fp8 (default bf16)")
+    layout = g.add_mutually_exclusive_group()
+    layout.add_argument("--replicas", type=int, default=1, help="colocated replicas behind the router (default 1)")
+    layout.add_argument("--disagg", type=_disagg, default=None, metavar="P:D", help="P prefill and D decode replicas")
+    g.add_argument("--router", default="round-robin", help="round-robin | least-outstanding | least-kv")
+    g.add_argument("--link-bandwidth", type=float, default=None, metavar="GB_PER_S",
+                   help="prefill→decode KV link per replica in GB/s (default 50 per device)")
+    g.add_argument("--link-latency", default="0.5ms", help="KV transfer latency (default 0.5ms)")
+    s = parser.add_argument_group("scheduler")
+    s.add_argument("--scheduler", default="chunked", help="chunked | prefill-first (default chunked)")
+    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (default 2048)")
+    s.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once (default 256)")
+    s.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
+    s.add_argument("--num-blocks", type=int, default=None, help="KV blocks per replica (default: from the memory plan)")
+    s.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    add_workload_arguments(parser)
+    o = parser.add_argument_group("output")
+    o.add_argument("--slo-ttft", default=None, help="TTFT target per request, e.g. 500ms")
+    o.add_argument("--slo-tpot", default=None, help="TPOT target per request, e.g. 50ms")
+    o.add_argument("--slo-e2e", default=None, help="end-to-end latency target per request, e.g. 20s")
+    o.add_argument("--json", action="store_true", help="print one JSON object (summary, config) instead of a table")
+    o.add_argument("--requests-out", default=None, metavar="FILE.jsonl", help="write one JSON line per request")
+    o.add_argument("--plot-dir", default=None, metavar="DIR", help="write PNG plots (step timeline, CDFs, KV usage)")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _slo(args: argparse.Namespace):  # noqa: ANN202
+    from servelab.metrics import SLO
+
+    values = {
+        name: None if getattr(args, f"slo_{name}") is None else parse_duration_s(getattr(args, f"slo_{name}"), name=f"--slo-{name}")
+        for name in ("ttft", "tpot", "e2e")
+    }
+    if all(v is None for v in values.values()):
+        return None
+    for name, v in values.items():
+        if v is not None and v <= 0:
+            raise InvalidArgument(f"--slo-{name} must be > 0, got {getattr(args, f'slo_{name}')!r}")
+    return SLO(ttft_s=values["ttft"], tpot_s=values["tpot"], e2e_s=values["e2e"])
+
+
+def config_from_args(args: argparse.Namespace):  # noqa: ANN201
+    from servelab.sim import SimConfig
+    from servelab.spec.hardware import get_hardware
+    from servelab.spec.model import get_model
+
+    for name in ("tp", "replicas", "max_num_batched_tokens", "max_num_seqs"):
+        if getattr(args, name) < 1:
+            raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise InvalidArgument(f"--max-model-len must be >= 1, got {args.max_model_len}")
+    if args.link_bandwidth is not None and not args.link_bandwidth > 0:
+        raise InvalidArgument(f"--link-bandwidth must be > 0 GB/s, got {args.link_bandwidth:g}")
+    return SimConfig(
+        model=get_model(args.model),
+        hardware=get_hardware(args.hardware),
+        tp=args.tp,
+        weight_dtype=args.dtype,
+        kv_dtype=args.kv_dtype,
+        replicas=args.replicas,
+        disagg=args.disagg,
+        router=args.router,
+        policy=args.scheduler,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        num_blocks=args.num_blocks,
+        enable_prefix_caching=not args.no_prefix_caching,
+        link_bandwidth_bytes_per_s=None if args.link_bandwidth is None else args.link_bandwidth * 1e9,
+        link_latency_s=parse_duration_s(args.link_latency, name="--link-latency"),
+        slo=_slo(args),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from servelab.metrics import format_summary_table
+    from servelab.sim import simulate
+    from servelab.workload import workload_from_args
+
+    config = config_from_args(args)
+    workload = workload_from_args(args)
+    if workload.rate is None and workload.concurrency is None and workload.trace is None:
+        raise InvalidArgument("give a load: --rate R (requests/s), --concurrency C, or --trace FILE")
+    progress = not (args.json or args.no_progress) and sys.stderr.isatty()
+    result = simulate(config, workload, progress=progress)
+    if args.requests_out:
+        with open(args.requests_out, "w", encoding="utf-8") as f:
+            for record in result.records:
+                f.write(json.dumps(record.to_dict()) + "\n")
+    plots = []
+    if args.plot_dir:
+        from servelab.sim.plots import write_plots
+
+        plots = write_plots(result, args.plot_dir)
+    if args.json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return 0
+    c = result.config
+    layout = f"disagg {c['disagg']} (prefill:decode)" if c["disagg"] else f"{c['replicas']} replica(s)"
+    print(f"{c['model']} on {c['hardware']} x{c['num_devices']} (tp={c['tp']}, {layout}, {c['scheduler']}, "
+          f"KV pool {c['kv_capacity_tokens']:,} tokens per replica)")
+    print(f"workload: {workload.describe()}")
+    print()
+    print(format_summary_table(result.summary))
+    if c["disagg"]:
+        t = result.kv_transfer_s
+        print(f"\nKV transfer (prefill→decode): mean {t.mean * 1e3:.2f} ms, p99 {t.p99 * 1e3:.2f} ms, "
+              f"{result.kv_transfer_bytes / 1e9:.1f} GB in total")
+    print(f"\nsimulated {result.num_steps:,} steps in {result.wall_s:.1f} s of wall time")
+    for path in plots:
+        print(f"wrote {path}")
+    return 0
