@@ -1,0 +1,240 @@
+"""`servelab roofline`: what a decode step costs at each batch size, and why.
+
+One row per batch size: step time (= TPOT), tokens/s per user and in total, which roof binds,
+arithmetic intensity, and whether weights plus KV fit in memory. The header gives the seed's
+peak-rate figures (weights streamed once, one token's compute, the ridge) beside the predictions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from typing import Any
+
+from servelab.errors import InvalidArgument
+from servelab.units import parse_duration_s, parse_int_list
+
+HELP = "roofline cost of decode/prefill steps for a model on an accelerator"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True,
+                        help="catalog model (see `servelab models`), an HF config.json (or its directory) or a .gguf file")
+    parser.add_argument("--hardware", required=True, help="catalog accelerator (see `servelab hardware`)")
+    parser.add_argument("--dtype", default="bf16", help="weight dtype: bf16, fp16, fp8, int8, int4 (default bf16)")
+    parser.add_argument("--kv-dtype", default="bf16", help="KV cache dtype: bf16, fp16, fp8 (default bf16)")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    parser.add_argument("--batch", default="1,8,64", help="comma-separated decode batch sizes (default 1,8,64)")
+    parser.add_argument("--context", type=int, default=2048, help="tokens of context per sequence (default 2048)")
+    parser.add_argument("--prompt-len", type=int, default=None, metavar="N",
+                        help="also estimate the prefill time (TTFT) of an N-token prompt")
+    parser.add_argument("--memory-fraction", type=float, default=0.9,
+                        help="share of device memory for weights + KV cache (default 0.9)")
+    parser.add_argument("--no-fit-check", action="store_true",
+                        help="show batches that do not fit in memory (fits=no) instead of failing")
+    e = parser.add_argument_group("efficiency (defaults fitted to the seed's measurements)")
+    e.add_argument("--bandwidth-fraction", type=float, default=None, help="achievable share of peak bandwidth (0.70)")
+    e.add_argument("--compute-fraction", type=float, default=None, help="achievable share of peak FLOP/s (0.60)")
+    e.add_argument("--step-overhead", default=None, help="fixed cost per step, e.g. 150us (default 0.15ms)")
+    parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
+    parser.add_argument("--plot", default=None, metavar="FILE.png",
+                        help="plot tokens/s per user and in total against batch size")
+
+
+def load_model(text: str):  # noqa: ANN201 - ModelSpec, imported lazily
+    """A catalog name, an HF config.json (or a directory holding one), or a GGUF file."""
+    from servelab.spec.model import ModelSpec, get_model
+
+    if text.endswith(".gguf"):
+        return ModelSpec.from_gguf(text)
+    if text.endswith(".json") or os.path.isdir(text):
+        return ModelSpec.from_hf_config(text)
+    return get_model(text)
+
+
+def _efficiency(args: argparse.Namespace):  # noqa: ANN202
+    from dataclasses import replace
+
+    from servelab.cost.roofline import Efficiency
+
+    eff = Efficiency()
+    changes: dict[str, float] = {}
+    if args.bandwidth_fraction is not None:
+        changes["bandwidth_fraction"] = args.bandwidth_fraction
+    if args.compute_fraction is not None:
+        changes["compute_fraction"] = args.compute_fraction
+    if args.step_overhead is not None:
+        changes["step_overhead_s"] = parse_duration_s(args.step_overhead, name="--step-overhead")
+    return replace(eff, **changes) if changes else eff
+
+
+def build(args: argparse.Namespace):  # noqa: ANN201 - (Roofline, batches)
+    from servelab.cost.roofline import Roofline
+    from servelab.spec.hardware import get_hardware
+
+    batches = parse_int_list(args.batch, name="--batch")
+    if args.context < 1:
+        raise InvalidArgument(f"--context must be at least 1 token, got {args.context}")
+    if args.prompt_len is not None and args.prompt_len < 1:
+        raise InvalidArgument(f"--prompt-len must be at least 1 token, got {args.prompt_len}")
+    model = load_model(args.model)
+    roofline = Roofline(model, get_hardware(args.hardware), weight_dtype=args.dtype, kv_dtype=args.kv_dtype,
+                        tp=args.tp, efficiency=_efficiency(args), memory_fraction=args.memory_fraction)
+    if args.context > model.max_context:
+        raise InvalidArgument(f"--context {args.context} exceeds {model.name}'s maximum context of {model.max_context} tokens")
+    if args.prompt_len is not None and args.prompt_len > model.max_context:
+        raise InvalidArgument(
+            f"--prompt-len {args.prompt_len} exceeds {model.name}'s maximum context of {model.max_context} tokens"
+        )
+    if not args.no_fit_check:
+        roofline.memory.require_fit(max(batches), args.context)
+    return roofline, batches
+
+
+def rows(roofline: Any, batches: list[int], context: int, prompt_len: int | None) -> list[dict[str, Any]]:
+    plan = roofline.memory
+    prefill = roofline.prefill(prompt_len) if prompt_len else None
+    out = []
+    for batch in batches:
+        cost = roofline.decode(batch, context)
+        row: dict[str, Any] = {
+            "batch": batch,
+            "context": context,
+            "step_time_s": cost.time_s,
+            "tokens_per_s_per_user": 1.0 / cost.time_s,
+            "tokens_per_s_total": batch / cost.time_s,
+            "bound": cost.bound,
+            "arithmetic_intensity": cost.arithmetic_intensity,
+            "ridge_flops_per_byte": cost.ridge_flops_per_byte,
+            "weight_bytes": plan.weight_bytes_per_device,
+            "kv_bytes": plan.kv_bytes(batch, context),
+            "fits": plan.fits(batch, context),
+            "flops": cost.flops,
+            "bytes_moved": cost.total_bytes,
+            "kv_read_bytes": cost.kv_read_bytes,
+            "compute_time_s": cost.compute_time_s,
+            "memory_time_s": cost.memory_time_s,
+            "comm_time_s": cost.comm_time_s,
+            "peak_compute_time_s": cost.peak_compute_time_s,
+            "peak_memory_time_s": cost.peak_memory_time_s,
+        }
+        if prefill is not None:
+            row["prompt_len"] = prompt_len
+            row["prefill_time_s"] = prefill.time_s
+        out.append(row)
+    return out
+
+
+def _compute_bound_note(roofline: Any, context: int) -> str:
+    batch = roofline.compute_bound_batch(context)
+    limit = roofline.memory.max_batch(context)
+    if batch is not None:
+        where = "within" if batch <= limit else "beyond"
+        return (f"compute-bound from batch {batch:,} at context {context} ({where} the memory limit of "
+                f"batch {limit:,})")
+    # Each extra sequence adds its KV reads and its FLOPs; below the ridge they never catch up.
+    big = 1 << 16
+    a, b = roofline.decode(big, context), roofline.decode(big + 1, context)
+    flops, nbytes = b.flops - a.flops, b.total_bytes - a.total_bytes
+    return (f"never compute-bound at context {context}: each sequence adds {nbytes / 1e6:,.0f} MB of KV and "
+            f"activation traffic for {flops / 1e9:.1f} GFLOP ({flops / nbytes:.0f} FLOP/byte, below the ridge)")
+
+
+def _header(roofline: Any, context: int) -> list[str]:
+    m, hw, plan, eff = roofline.model, roofline.hardware, roofline.memory, roofline.efficiency
+    devices = f"{roofline.tp}× " if roofline.tp > 1 else ""
+    return [
+        f"{m.name} on {devices}{hw.name}: {roofline.weight_dtype} weights, {roofline.kv_dtype} KV cache, "
+        f"decode at context {context}",
+        f"peak: weights {plan.weight_bytes_per_device / 1e9:.2f} GB/device stream once in "
+        f"{roofline.weight_stream_time_s * 1e3:.2f} ms at {hw.bandwidth_bytes_per_s / 1e12:.2f} TB/s; "
+        f"one token's compute {roofline.token_compute_time_s * 1e3:.4f} ms at "
+        f"{roofline.peak_flops_per_s / 1e12:,.0f} TFLOPS; ridge {roofline.ridge_flops_per_byte:.0f} FLOP/byte",
+        f"memory: KV {plan.kv_bytes_per_token_per_device:,.0f} bytes/token/device; {plan.kv_capacity_bytes / 1e9:.1f} GB "
+        f"left at {plan.memory_fraction:.0%} of {hw.memory_bytes / 1e9:.0f} GB = {plan.kv_capacity_tokens:,} tokens "
+        f"= batch {plan.max_batch(context):,} at context {context}",
+        f"predicted at {eff.bandwidth_fraction:.0%} of peak bandwidth, {eff.compute_fraction:.0%} of peak compute, "
+        f"{eff.step_overhead_s * 1e3:.2f} ms per step",
+    ]
+
+
+def _table(table_rows: list[dict[str, Any]]) -> str:
+    from servelab.commands._table import render_table
+
+    headers = ["batch", "step ms", "tok/s/user", "tok/s total", "bound", "FLOP/byte", "weights GB", "KV GB", "fits"]
+    body = [
+        [r["batch"], f"{r['step_time_s'] * 1e3:.2f}", f"{r['tokens_per_s_per_user']:,.1f}",
+         f"{r['tokens_per_s_total']:,.0f}", r["bound"], f"{r['arithmetic_intensity']:,.1f}",
+         f"{r['weight_bytes'] / 1e9:.2f}", f"{r['kv_bytes'] / 1e9:.2f}", "yes" if r["fits"] else "no"]
+        for r in table_rows
+    ]
+    return render_table(headers, body, left=(4, 8))
+
+
+def plot(roofline: Any, batches: list[int], context: int, path: str) -> None:
+    directory = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(directory):
+        raise InvalidArgument(f"--plot: directory {directory!r} does not exist")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    limit = roofline.memory.max_batch(context)
+    ridge_batch = roofline.compute_bound_batch(context)
+    top = max([*batches, limit, ridge_batch or 1]) * 2
+    sweep = sorted({max(1, round(2 ** (i / 8))) for i in range(int(8 * top.bit_length()) + 1)} | set(batches))
+    times = [roofline.decode(b, context).time_s for b in sweep]
+
+    fig, ax_total = plt.subplots(figsize=(8, 5))
+    ax_user = ax_total.twinx()
+    ax_total.plot(sweep, [b / t for b, t in zip(sweep, times)], color="tab:blue", label="tokens/s total")
+    ax_user.plot(sweep, [1 / t for t in times], color="tab:orange", label="tokens/s per user")
+    ax_total.scatter(batches, [b / roofline.decode(b, context).time_s for b in batches], color="tab:blue", zorder=3)
+    ax_user.scatter(batches, [1 / roofline.decode(b, context).time_s for b in batches], color="tab:orange", zorder=3)
+    if limit >= 1:
+        ax_total.axvline(limit, color="tab:red", linestyle="--", label=f"memory limit: batch {limit:,}")
+        ax_total.axvspan(limit, sweep[-1], color="tab:red", alpha=0.07)
+    if ridge_batch is not None:
+        ax_total.axvline(ridge_batch, color="tab:green", linestyle=":",
+                         label=f"compute-bound from batch {ridge_batch:,} (ridge {roofline.ridge_flops_per_byte:.0f} FLOP/B)")
+    else:
+        ax_total.plot([], [], color="tab:green", linestyle=":",
+                      label=f"never reaches the ridge ({roofline.ridge_flops_per_byte:.0f} FLOP/B) at this context")
+    ax_total.set_xscale("log", base=2)
+    ax_total.set_xlabel("decode batch size")
+    ax_total.set_ylabel("tokens/s total", color="tab:blue")
+    ax_user.set_ylabel("tokens/s per user", color="tab:orange")
+    ax_user.set_ylim(bottom=0)
+    ax_total.set_ylim(bottom=0)
+    m, hw = roofline.model, roofline.hardware
+    ax_total.set_title(f"{m.name} on {hw.name} ({roofline.weight_dtype}, tp={roofline.tp}), context {context}")
+    handles = ax_total.get_legend_handles_labels()
+    handles_user = ax_user.get_legend_handles_labels()
+    ax_total.legend(handles[0] + handles_user[0], handles[1] + handles_user[1], loc="center left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    roofline, batches = build(args)
+    table_rows = rows(roofline, batches, args.context, args.prompt_len)
+    if args.plot:
+        plot(roofline, batches, args.context, args.plot)
+    if args.json:
+        print(json.dumps(table_rows, indent=2))
+        return 0
+    print("\n".join(_header(roofline, args.context)))
+    print()
+    print(_table(table_rows))
+    print()
+    print(_compute_bound_note(roofline, args.context))
+    if args.prompt_len:
+        cost = roofline.prefill(args.prompt_len)
+        print(f"prefill of a {args.prompt_len:,}-token prompt: {cost.time_s * 1e3:.1f} ms (TTFT estimate), "
+              f"{cost.bound}-bound, {cost.arithmetic_intensity:,.0f} FLOP/byte")
+    if args.plot:
+        print(f"plot written to {args.plot}")
+    return 0
