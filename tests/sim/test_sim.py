@@ -1,0 +1,155 @@
+import json
+
+import numpy as np
+import pytest
+
+from servelab.cli import main
+from servelab.core.plan import ScheduledSeq, StepPlan
+from servelab.core.sequence import SamplingParams, Sequence
+from servelab.sim import SimConfig, simulate
+from servelab.sim.executor import SimExecutor
+from servelab.workload import RequestSpec, WorkloadSpec
+
+
+class LinearCost:
+    """1 ms per step plus 10 us per query token: simple enough to check the clock by hand."""
+
+    def __init__(self):
+        self.shapes = []
+
+    def step_time_s(self, shape):
+        self.shapes.append(list(shape))
+        return 1e-3 + 1e-5 * sum(q for q, _ in shape)
+
+
+def seq(rid, n):
+    return Sequence(rid, list(range(n)), SamplingParams(max_tokens=4, ignore_eos=True))
+
+
+def test_executor_times_the_shape_and_skips_preloaded_kv():
+    cost = LinearCost()
+    ex = SimExecutor(cost, sampled_token_id=7)
+    a, b = seq("a", 100), seq("b", 50)
+    plan = StepPlan([ScheduledSeq(a, 100, 0, True), ScheduledSeq(b, 1, 49, True)], 101)
+    res = ex.execute(plan)
+    assert cost.shapes[-1] == [(100, 100), (1, 50)]
+    assert res.duration_s == pytest.approx(1e-3 + 101e-5)
+    assert res.sampled_token_ids == [7, 7]
+    # KV of the first 99 prompt tokens arrived from a prefill replica: only the last one is computed.
+    ex.preloaded["a"] = 99
+    res = ex.execute(StepPlan([ScheduledSeq(a, 100, 0, True)], 100))
+    assert cost.shapes[-1] == [(1, 100)] and "a" not in ex.preloaded
+    # A chunk that does not sample returns None for it.
+    assert ex.execute(StepPlan([ScheduledSeq(b, 10, 0, False)], 10)).sampled_token_ids == [None]
+
+
+def test_virtual_clock_matches_hand_computed_times():
+    cost = LinearCost()
+    reqs = [RequestSpec(0, 0.5, prompt_tokens=100, output_tokens=3)]
+    r = simulate(SimConfig(cost_model=cost, num_blocks=64), reqs).records[0]
+    prefill = 1e-3 + 100e-5
+    decode = 1e-3 + 1e-5
+    assert r.first_token_s == pytest.approx(0.5 + prefill)
+    assert list(r.token_times_s) == pytest.approx([0.5 + prefill, 0.5 + prefill + decode, 0.5 + prefill + 2 * decode])
+    assert r.queue_s == 0.0
+
+
+def test_closed_loop_never_exceeds_its_concurrency():
+    wl = WorkloadSpec(60, concurrency=5, input_len="64-256", output_len="8-64", seed=2)
+    result = simulate(SimConfig(cost_model=LinearCost(), num_blocks=2000), wl)
+    assert result.summary.completed == 60
+    events = sorted([(r.arrival_s, 1) for r in result.records] + [(r.end_s, -1) for r in result.records],
+                    key=lambda e: (e[0], e[1]))
+    in_flight = peak = 0
+    for _, d in events:
+        in_flight += d
+        peak = max(peak, in_flight)
+    assert peak == 5
+
+
+def test_capped_open_loop_sends_when_a_slot_frees():
+    reqs = [RequestSpec(i, 0.0, prompt_tokens=32, output_tokens=10) for i in range(4)]
+    result = simulate(SimConfig(cost_model=LinearCost(), num_blocks=100), reqs, concurrency=2)
+    arrivals = sorted(r.arrival_s for r in result.records)
+    assert arrivals[:2] == [0.0, 0.0] and arrivals[2] > 0
+
+
+@pytest.mark.parametrize("router", ["round-robin", "least-outstanding", "least-kv"])
+def test_routers_spread_load_over_replicas(router):
+    wl = WorkloadSpec(200, rate=400.0, input_len="128", output_len="32", seed=0)
+    result = simulate(SimConfig(cost_model=LinearCost(), replicas=4, router=router, num_blocks=4000), wl)
+    finished = [s["finished"] for s in result.replica_stats]
+    assert sum(finished) == 200
+    assert min(finished) >= 30, finished
+    assert result.summary.num_devices == 4
+
+
+def test_disagg_tokens_come_from_the_decode_pool():
+    wl = WorkloadSpec(20, rate=5.0, input_len="200", output_len="10", seed=0)
+    result = simulate(SimConfig(cost_model=LinearCost(), disagg=(1, 2), num_blocks=1000), wl)
+    assert result.summary.completed == 20
+    assert all(r.output_tokens == 10 for r in result.records)
+    stats = {s["role"]: s for s in result.replica_stats}
+    assert stats["prefill"]["finished"] == 20
+    assert result.kv_transfer_bytes > 0 and result.kv_transfer_s.mean > 0
+    assert result.to_dict()["kv_transfer"]["total_bytes"] == result.kv_transfer_bytes
+
+
+def test_prefix_sharing_shows_in_cached_tokens():
+    wl = WorkloadSpec(30, rate=2.0, input_len="1024", output_len="4", shared_prefix_fraction=0.75, seed=0)
+    result = simulate(SimConfig(cost_model=LinearCost(), num_blocks=4000), wl)
+    cached = [r.num_cached_tokens for r in result.records]
+    assert max(cached) >= 736  # 768 shared tokens, in whole 16-token blocks
+    assert result.replica_stats[0]["prefix_cache_hit_rate"] > 0.5
+
+
+def run_cli(capsys, *argv):
+    code = main(["sim", *argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_json_schema_requests_out_and_plots(tmp_path, capsys):
+    reqs_out = tmp_path / "reqs.jsonl"
+    code, out, _ = run_cli(capsys, "--rate", "5", "--num-requests", "40", "--input-len", "256", "--output-len", "32",
+                           "--slo-ttft", "500ms", "--slo-tpot", "50ms", "--json",
+                           "--requests-out", str(reqs_out), "--plot-dir", str(tmp_path / "plots"))
+    assert code == 0
+    doc = json.loads(out)
+    s = doc["summary"]
+    for key in ("num_requests", "completed", "duration_s", "request_throughput", "output_throughput",
+                "output_throughput_per_device", "preemptions", "goodput", "slo_attainment"):
+        assert key in s
+    for metric in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
+        assert set(s[metric]) == {"mean", "p50", "p90", "p95", "p99", "max"}
+    assert s["completed"] == 40 and s["slo_attainment"] == 1.0
+    assert doc["config"]["model"] == "llama-3.1-8b" and doc["config"]["workload"]["rate"] == 5.0
+    lines = reqs_out.read_text().splitlines()
+    assert len(lines) == 40 and json.loads(lines[0])["output_tokens"] == 32
+    for name in ("step_timeline.png", "latency_cdf.png", "kv_usage.png"):
+        assert (tmp_path / "plots" / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_table(capsys):
+    code, out, _ = run_cli(capsys, "--disagg", "1:1", "--rate", "2", "--num-requests", "10")
+    assert code == 0
+    assert "TTFT" in out and "KV transfer" in out and "x2" in out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--model", "gpt-9", "--rate", "1"], "unknown model"),
+        (["--rate", "0"], "--rate must be > 0"),
+        (["--rate", "-3"], "--rate must be > 0"),
+        (["--rate", "1", "--input-len", "9000", "--max-model-len", "8192"], "exceeds max_model_len 8192"),
+        (["--model", "llama-3.1-70b", "--rate", "1"], "weights take"),
+        (["--num-requests", "3"], "give a load"),
+        (["--rate", "1", "--scheduler", "fastest"], "policy must be one of"),
+        (["--rate", "1", "--slo-ttft", "soon"], "--slo-ttft"),
+    ],
+)
+def test_cli_bad_input_exits_2_with_a_clear_message(capsys, argv, message):
+    code, _, err = run_cli(capsys, *argv, "--num-requests", "3") if "--num-requests" not in argv else run_cli(capsys, *argv)
+    assert code == 2
+    assert message in err and "Traceback" not in err
