@@ -1,0 +1,242 @@
+"""Capacity search: the highest load whose percentile TTFT/TPOT meet the targets.
+
+Generic over a `measure(load) -> Summary` callable, so the same search runs against a real
+server (`servelab bench --find-capacity`) and against the simulator (`servelab plan`). The load
+is a concurrency (integer, the default) or a request rate. The search doubles from `start` until
+a level fails, then bisects between the last passing and the first failing level until they are
+within the tolerance (1 for concurrency; a relative 5% for rate). It assumes that a level that
+fails would fail at any higher load, which holds for a stable server and a fixed workload.
+
+A level passes when at most (100 - percentile)% of its requests failed outright and the
+percentile TTFT (and TPOT, E2E) of the completed requests is at most the target. Capacity is
+reported as output tokens/s per device at the highest passing level.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from servelab.errors import InvalidArgument
+from servelab.metrics import SLO, Summary
+
+SearchMode = Literal["concurrency", "rate"]
+SUPPORTED_PERCENTILES = (50, 90, 95, 99)
+DEFAULT_RATE_TOLERANCE = 0.05
+_MAX_LEVELS = 40  # a search that has not converged by then is bisecting towards an infeasible SLO
+
+
+@dataclass(slots=True)
+class LevelRun:
+    """What `measure` may return instead of a bare Summary: a level stopped early (clearly
+    saturated) carries the reason, and its summary covers the requests that finished."""
+
+    summary: Summary
+    stopped_early: str = ""
+
+
+@dataclass(slots=True)
+class Level:
+    load: float
+    summary: Summary
+    passed: bool
+    reason: str  # why it failed (empty when it passed)
+    stopped_early: str = ""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "load": self.load,
+            "passed": self.passed,
+            "reason": self.reason,
+            "stopped_early": self.stopped_early or None,
+            "summary": self.summary.to_dict(),
+        }
+
+
+@dataclass(slots=True)
+class CapacityResult:
+    mode: SearchMode
+    percentile: int
+    slo: SLO
+    levels: list[Level] = field(default_factory=list)  # in the order measured
+    best: Level | None = None  # highest passing level
+    first_failing: Level | None = None  # lowest failing level above `best`
+    reached_max_load: bool = False  # passed at max_load: capacity is at least that
+
+    @property
+    def capacity_load(self) -> float | None:
+        return None if self.best is None else self.best.load
+
+    @property
+    def tokens_per_s_per_device(self) -> float | None:
+        return None if self.best is None else self.best.summary.output_throughput_per_device
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode,
+            "percentile": self.percentile,
+            "slo": self.slo.to_dict(),
+            "capacity_load": self.capacity_load,
+            "output_tokens_per_s_per_device": self.tokens_per_s_per_device,
+            "requests_per_s": None if self.best is None else self.best.summary.request_throughput,
+            "reached_max_load": self.reached_max_load,
+            "best": None if self.best is None else self.best.to_dict(),
+            "first_failing": None if self.first_failing is None else self.first_failing.to_dict(),
+            "levels": [
+                {"load": lv.load, "passed": lv.passed, "reason": lv.reason, "stopped_early": lv.stopped_early or None}
+                for lv in self.levels
+            ],
+        }
+
+    def describe(self) -> str:
+        unit = "concurrency" if self.mode == "concurrency" else "req/s"
+        targets = _targets(self.slo, self.percentile)
+        if self.best is None:
+            first = self.levels[0] if self.levels else None
+            why = f" (at the lowest load tried, {first.load:g}: {first.reason})" if first else ""
+            return f"no load meets {targets}{why}"
+        s = self.best.summary
+        text = (
+            f"capacity at {targets}: {unit} {self.best.load:g} -> {s.output_throughput_per_device:,.1f} output tok/s "
+            f"per device, {s.request_throughput:.2f} req/s"
+        )
+        if self.reached_max_load:
+            text += f" (still passing at the search's maximum load {self.best.load:g})"
+        elif self.first_failing is not None:
+            text += f"; fails at {self.first_failing.load:g} ({self.first_failing.reason})"
+        return text
+
+
+def _targets(slo: SLO, percentile: int) -> str:
+    parts = []
+    for label, value in (("TTFT", slo.ttft_s), ("TPOT", slo.tpot_s), ("E2E", slo.e2e_s)):
+        if value is not None:
+            parts.append(f"p{percentile} {label} <= {value * 1e3:g} ms")
+    return ", ".join(parts)
+
+
+def check_percentile(percentile: int) -> int:
+    if percentile not in SUPPORTED_PERCENTILES:
+        raise InvalidArgument(f"--percentile must be one of {', '.join(map(str, SUPPORTED_PERCENTILES))}, got {percentile}")
+    return percentile
+
+
+def slo_check(summary: Summary, slo: SLO, percentile: int) -> tuple[bool, str]:
+    """(passed, reason it failed)."""
+    check_percentile(percentile)
+    if summary.num_requests == 0 or summary.completed == 0:
+        return False, "no request completed"
+    allowed_failures = (100 - percentile) / 100.0
+    if summary.failed / summary.num_requests > allowed_failures:
+        return False, f"{summary.failed}/{summary.num_requests} requests failed"
+    key = f"p{percentile}"
+    for label, target, dist in (
+        ("TTFT", slo.ttft_s, summary.ttft_s),
+        ("TPOT", slo.tpot_s, summary.tpot_s),
+        ("E2E", slo.e2e_s, summary.e2e_s),
+    ):
+        if target is None:
+            continue
+        value = getattr(dist, key)
+        if value is None:
+            continue  # e.g. TPOT of one-token outputs: nothing to miss
+        if value > target:
+            return False, f"{key} {label} {value * 1e3:.1f} ms > {target * 1e3:g} ms"
+    return True, ""
+
+
+def certainly_fails(violators: int, failures: int, total: int, percentile: int) -> bool:
+    """True when the level's outcome is already decided, whatever the unfinished requests do.
+
+    With numpy's linear interpolation the p-quantile of n values exceeds a target as soon as the
+    value at index floor(p (n - 1)) does, i.e. once n - floor(p (n - 1)) of them exceed it; that
+    count only grows with n, so using the level's planned total is safe when some requests fail
+    and drop out of the percentile. `violators` are requests known to miss a target (finished
+    over it, or still waiting for a first token past the TTFT target)."""
+    if total <= 0:
+        return False
+    if failures > (100 - percentile) / 100.0 * total:
+        return True
+    return violators >= total - math.floor(percentile / 100.0 * (total - 1))
+
+
+def find_capacity(
+    measure: Callable[[float], Summary | LevelRun],
+    slo: SLO,
+    *,
+    percentile: int = 90,
+    mode: SearchMode = "concurrency",
+    start: float | None = None,
+    max_load: float | None = None,
+    tolerance: float | None = None,
+    on_level: Callable[[Level], None] | None = None,
+) -> CapacityResult:
+    """Double from `start`, then bisect. `tolerance`: absolute for concurrency (default 1, the
+    exact boundary), relative to the failing load for rate (default 0.05)."""
+    check_percentile(percentile)
+    if slo.is_empty:
+        raise InvalidArgument("a capacity search needs at least one target: --slo-ttft and/or --slo-tpot")
+    if mode not in ("concurrency", "rate"):
+        raise InvalidArgument(f"--search must be 'concurrency' or 'rate', got {mode!r}")
+    integer = mode == "concurrency"
+    load = float(start if start is not None else 1.0)
+    if not load > 0:
+        raise InvalidArgument(f"the search's start load must be > 0, got {load:g}")
+    if integer:
+        load = float(max(1, round(load)))
+    if max_load is not None and max_load < load:
+        raise InvalidArgument(f"the search's maximum load {max_load:g} is below its start {load:g}")
+    if tolerance is None:
+        tolerance = 1.0 if integer else DEFAULT_RATE_TOLERANCE
+    if not tolerance > 0:
+        raise InvalidArgument(f"the search tolerance must be > 0, got {tolerance:g}")
+    result = CapacityResult(mode=mode, percentile=percentile, slo=slo)
+
+    def run(at: float) -> Level:
+        out = measure(int(at) if integer else at)
+        run_ = out if isinstance(out, LevelRun) else LevelRun(out)
+        passed, reason = slo_check(run_.summary, slo, percentile)
+        if run_.stopped_early and passed:
+            # A partial level is only ever stopped because it was failing; trust that.
+            passed, reason = False, run_.stopped_early
+        level = Level(at, run_.summary, passed, reason or run_.stopped_early, run_.stopped_early)
+        result.levels.append(level)
+        if on_level is not None:
+            on_level(level)
+        return level
+
+    # Phase 1: double until a level fails (or the maximum load passes).
+    while len(result.levels) < _MAX_LEVELS:
+        level = run(load)
+        if not level.passed:
+            result.first_failing = level
+            break
+        result.best = level
+        if max_load is not None and load >= max_load:
+            result.reached_max_load = True
+            return result
+        load = load * 2 if max_load is None else min(load * 2, max_load)
+    if result.first_failing is None:
+        return result
+
+    # Phase 2: bisect between the highest pass (or 0) and the lowest fail.
+    lo = result.best.load if result.best is not None else 0.0
+    hi = result.first_failing.load
+    floor_load = 1.0 if integer else hi * 2.0**-10  # below this, the SLO is infeasible
+    while len(result.levels) < _MAX_LEVELS:
+        gap_ok = (hi - lo) <= tolerance if integer else (hi - lo) <= tolerance * hi
+        if gap_ok or hi <= floor_load:
+            break
+        mid = math.floor((lo + hi) / 2) if integer else (lo + hi) / 2
+        if integer and (mid <= lo or mid >= hi):
+            break
+        if integer and mid < 1:
+            break
+        level = run(mid)
+        if level.passed:
+            lo, result.best = mid, level
+        else:
+            hi, result.first_failing = mid, level
+    return result

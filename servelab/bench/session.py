@@ -1,0 +1,224 @@
+"""One benchmark run against a server, end to end: workload -> prompts -> timed streams ->
+shared summary. `BenchSession` keeps the client, tokenizer and prompt builder across the levels
+of a capacity search, so connections and the tokenizer are set up once."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import sys
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from servelab.bench.capacity import LevelRun, certainly_fails
+from servelab.bench.client import BenchRequest, OpenAIStreamClient, StreamResult
+from servelab.bench.prompts import PromptBuilder
+from servelab.bench.records import ClientReport, to_records
+from servelab.bench.runner import AbortRule, InFlight, run_load
+from servelab.errors import InvalidArgument
+from servelab.metrics import SLO, RequestRecord, Summary, summarize
+from servelab.workload import RequestSpec, WorkloadSpec
+
+
+@dataclass(slots=True)
+class BenchRun:
+    summary: Summary
+    records: list[RequestRecord]
+    results: list[StreamResult]
+    report: ClientReport
+    stopped_early: str = ""
+    cancelled: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class BenchSession:
+    def __init__(
+        self,
+        client: OpenAIStreamClient,
+        prompts: PromptBuilder,
+        *,
+        num_devices: int = 1,
+        slo: SLO | None = None,
+        progress: bool = False,
+    ) -> None:
+        self.client = client
+        self.prompts = prompts
+        self.num_devices = num_devices
+        self.slo = slo
+        self.progress = progress
+        self._round = 0  # every run gets fresh prompt texts, so no prompt repeats across runs
+
+    async def resolve_model(self) -> str:
+        models = await self.client.list_models()  # raises ServerUnreachable
+        if self.client.model is None:
+            if not models:
+                raise InvalidArgument(
+                    f"the server at {self.client.base_url} lists no model at /v1/models; name one with --model"
+                )
+            self.client.model = models[0]
+        return self.client.model
+
+    def _requests(self, specs: list[RequestSpec], cycle: bool) -> Iterator[BenchRequest]:
+        """BenchRequests for the specs; `cycle` repeats the specs with new prompt texts (for
+        closed-loop runs bounded by a duration rather than a count)."""
+        base_round = self._round
+        rounds = itertools.count() if cycle else range(1)
+        for r in rounds:
+            for spec in specs:
+                yield BenchRequest(
+                    index=r * len(specs) + spec.index,
+                    prompt=self.prompts.prompt_for(spec, base_round + r),
+                    prompt_tokens=spec.prompt_tokens,
+                    output_tokens=spec.output_tokens,
+                    planned_send_s=spec.arrival_s,
+                )
+
+    async def run(
+        self,
+        workload: WorkloadSpec,
+        *,
+        duration_s: float | None = None,
+        warmup: int = 0,
+        early_stop: bool = False,
+        percentile: int = 90,
+        label: str = "",
+    ) -> BenchRun:
+        specs = workload.generate(tokenizer=self.prompts.count_tokens if self.prompts.exact else None)
+        open_loop = specs[0].arrival_s is not None
+        if not open_loop and workload.concurrency is None:
+            raise InvalidArgument("give a load: --rate R (requests/s) or --concurrency C")
+        if warmup > 0:
+            await self._warmup(specs, warmup, workload.concurrency)
+        self._round += 1_000
+        if open_loop:
+            if duration_s is not None:
+                specs = [s for s in specs if s.arrival_s is not None and s.arrival_s < duration_s]
+            requests: list[BenchRequest] | Iterator[BenchRequest] = list(self._requests(specs, cycle=False))
+            total: int | None = len(specs)
+        else:
+            requests = self._requests(specs, cycle=duration_s is not None)
+            total = None if duration_s is not None else len(specs)
+        rule = _saturation_rule(self.slo, percentile, total) if (early_stop and self.slo and total) else None
+        bar = None
+        if self.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=total, unit="req", desc=label or "benchmarking", file=sys.stderr, mininterval=0.25,
+                       leave=False)
+        try:
+            outcome = await run_load(
+                self.client,
+                requests,
+                concurrency=workload.concurrency,
+                duration_s=duration_s,
+                should_abort=rule,
+                on_result=None if bar is None else (lambda _r: bar.update(1)),
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+        records, report = to_records(
+            outcome.results,
+            outcome.start_s,
+            self.prompts.count_tokens if self.prompts.exact else None,
+            check_prompt_tokens=self.client.endpoint == "completions" and self.prompts.exact,
+        )
+        summary = summarize(records, outcome.duration_s, self.num_devices, self.slo)
+        return BenchRun(summary, records, outcome.results, report, outcome.abort_reason, outcome.cancelled)
+
+    async def _warmup(self, specs: list[RequestSpec], n: int, concurrency: int | None) -> None:
+        """Requests that open the connections and wake the server; never measured."""
+        self._round += 1
+        warm = [replace(s, arrival_s=None) for s in itertools.islice(itertools.cycle(specs), n)]
+        warm = [replace(s, index=i) for i, s in enumerate(warm)]
+        width = min(n, concurrency or n)
+        await run_load(self.client, self._requests(warm, cycle=False), concurrency=width)
+
+    def measure_fn(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        base: WorkloadSpec,
+        mode: str,
+        percentile: int,
+        *,
+        warmup: int = 0,
+        duration_s: float | None = None,
+        runs: list[tuple[float, BenchRun]] | None = None,
+    ) -> Callable[[float], LevelRun]:
+        """A synchronous `measure(load) -> LevelRun` for the capacity search, driving `loop`:
+        each level runs a workload like `base` at that load. Without --num-requests a level has
+        max(64, 8 x concurrency) requests, or 30 s worth at a rate, so it reaches a steady state."""
+
+        def measure(load: float) -> LevelRun:
+            if mode == "concurrency":
+                n = base.num_requests or max(64, 8 * int(load))
+                workload = replace_workload(base, concurrency=int(load), rate=None, num_requests=n)
+            else:
+                n = base.num_requests or max(64, math.ceil(30 * load))
+                workload = replace_workload(base, rate=float(load), num_requests=n)
+            out = loop.run_until_complete(
+                self.run(
+                    workload,
+                    duration_s=duration_s,
+                    warmup=warmup,
+                    early_stop=True,
+                    percentile=percentile,
+                    label=f"{mode} {load:g}",
+                )
+            )
+            if runs is not None:
+                runs.append((load, out))
+            return LevelRun(out.summary, out.stopped_early)
+
+        return measure
+
+
+def replace_workload(base: WorkloadSpec, **changes: Any) -> WorkloadSpec:
+    fields = {
+        name: getattr(base, name)
+        for name in (
+            "num_requests", "rate", "concurrency", "burstiness", "input_len", "output_len",
+            "shared_prefix_fraction", "num_prefix_groups", "seed", "dataset", "trace", "arrival",
+        )
+    }
+    fields.update(changes)
+    return WorkloadSpec(**fields)
+
+
+def _saturation_rule(slo: SLO, percentile: int, total: int) -> AbortRule:
+    """Stop a level once it is certain to miss the percentile target (see certainly_fails):
+    requests that finished over a target, plus requests still waiting for their first token
+    past the TTFT target, are enough on their own."""
+
+    def rule(results: list[StreamResult], in_flight: list[InFlight], now: float) -> str:
+        failures = sum(1 for r in results if not r.success)
+        violators = 0
+        for r in results:
+            if not r.success or r.first_token_s is None:
+                continue
+            if slo.ttft_s is not None and r.first_token_s - r.send_s > slo.ttft_s:
+                violators += 1
+                continue
+            n = r.usage_output_tokens or len(r.token_times_s)
+            if slo.tpot_s is not None and n > 1 and (r.token_times_s[-1] - r.first_token_s) / (n - 1) > slo.tpot_s:
+                violators += 1
+                continue
+            if slo.e2e_s is not None and r.token_times_s[-1] - r.send_s > slo.e2e_s:
+                violators += 1
+        for f in in_flight:
+            waited_s = now - f.send_s
+            if (slo.ttft_s is not None and f.first_token_s is None and waited_s > slo.ttft_s) or (
+                slo.e2e_s is not None and waited_s > slo.e2e_s
+            ):
+                violators += 1
+        if certainly_fails(violators, failures, total, percentile):
+            return (
+                f"stopped early: {violators} requests over target and {failures} failed of {total} "
+                f"already decide p{percentile}"
+            )
+        return ""
+
+    return rule
+
