@@ -114,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     kv_bytes = parse_bytes(args.kv_cache_memory, name="--kv-cache-memory") if args.kv_cache_memory else None
     log = _setup_logging(args.log_level)
 
+    import prometheus_client
     import uvicorn
 
     from servelab.engine.llm_engine import EngineArgs, LLMEngine
@@ -152,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
         "unbounded" if cfg.max_waiting is None else cfg.max_waiting,
     )  # fmt: skip
 
+    # The *_created series double /metrics and no dashboard reads them (vLLM drops them too).
+    prometheus_client.disable_created_metrics()
     app = create_app(engine, api_key=args.api_key)
     state = app.state.servelab
     lab = not args.no_lab and mount_lab(app)

@@ -534,8 +534,6 @@ class ChatRenderer(_Renderer):
         )
 
 
-__all__ = ["ServerState", "create_app", "encode_prompt", "mount_lab"]
-
 
 def mount_lab(app: FastAPI) -> bool:
     """Mount the lessons at /lab when `servelab.lab` is installed; its live panel reads this
@@ -549,8 +547,12 @@ def mount_lab(app: FastAPI) -> bool:
         from servelab.lab.app import create_lab_app
 
         lab = create_lab_app(engine_metrics_source=lambda: state.metrics.render().decode())
-    except Exception:
-        logger.exception("the lab could not be mounted at /lab; serving the API without it")
+    except Exception as exc:
+        logger.warning("the lab could not be mounted at /lab (%s: %s); serving the API without it",
+                       type(exc).__name__, exc)  # fmt: skip
         return False
     app.mount("/lab", lab)
     return True
+
+
+__all__ = ["ServerState", "create_app", "encode_prompt", "mount_lab"]
