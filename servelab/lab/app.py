@@ -1,0 +1,95 @@
+"""The lab's FastAPI app: the page, its static files, and the JSON API behind every chart.
+
+`servelab lab` serves it on its own; `servelab serve` mounts it at `/lab` and passes
+`engine_metrics_source`, a callable that returns the running engine's own figures (see
+`servelab.lab.live`), which feeds the live engine panel.
+"""
+
+from __future__ import annotations
+
+import importlib.resources
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+
+from servelab.errors import NotFound, ServelabError
+from servelab.lab.live import EngineMetricsSource, read_engine_stats
+from servelab.lab.params import Params
+
+_STATIC_FILES = {"lab.js": "text/javascript", "lab.css": "text/css"}
+
+
+def plotly_js_path() -> Path:
+    """plotly.js as bundled inside the `plotly` Python package: the lab works offline and the
+    repository does not carry a 4 MB copy of it."""
+    path = Path(str(importlib.resources.files("plotly") / "package_data" / "plotly.min.js"))
+    if not path.is_file():
+        raise RuntimeError(f"plotly.min.js not found at {path}; reinstall the 'plotly' package")
+    return path
+
+
+def _static_dir() -> Path:
+    return Path(str(importlib.resources.files("servelab.lab") / "static"))
+
+
+def _error_response(exc: ServelabError) -> JSONResponse:
+    body = {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param}}
+    return JSONResponse(body, status_code=exc.http_status)
+
+
+def create_lab_app(engine_metrics_source: EngineMetricsSource | None = None) -> FastAPI:
+    """The lab as an ASGI app. Mount it anywhere (`app.mount("/lab", create_lab_app(...))`): the
+    page addresses its API and files by relative URLs."""
+    from servelab.lab import api  # the lesson registry imports the cost model; keep app import cheap
+
+    app = FastAPI(title="servelab lab", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.engine_metrics_source = engine_metrics_source
+
+    @app.exception_handler(ServelabError)
+    async def _servelab_error(_: Request, exc: ServelabError) -> JSONResponse:
+        return _error_response(exc)
+
+    @app.get("/", response_class=HTMLResponse)
+    def index(request: Request) -> Response:
+        # Relative URLs only resolve under the mount when the page's own URL ends in a slash.
+        if not request.url.path.endswith("/"):
+            return Response(status_code=307, headers={"location": request.url.path + "/"})
+        html = (_static_dir() / "index.html").read_text(encoding="utf-8")
+        return HTMLResponse(html)
+
+    @app.get("/static/plotly.min.js")
+    def plotly_js() -> FileResponse:
+        return FileResponse(plotly_js_path(), media_type="text/javascript")
+
+    @app.get("/static/{name}")
+    def static(name: str) -> FileResponse:
+        if name not in _STATIC_FILES:
+            raise NotFound(f"static file {name!r} does not exist")
+        return FileResponse(_static_dir() / name, media_type=_STATIC_FILES[name])
+
+    @app.get("/api/catalog")
+    def catalog() -> dict[str, Any]:
+        return api.catalog()
+
+    @app.get("/api/lessons/{name}")
+    def lesson(name: str, request: Request) -> dict[str, Any]:
+        return api.run_lesson(name, Params(request.query_params))
+
+    @app.get("/api/live")
+    def live() -> dict[str, Any]:
+        source: Callable[[], Any] | None = app.state.engine_metrics_source
+        if source is None:
+            raise NotFound("no engine here: the live view works when the lab runs inside `servelab serve` (at /lab)")
+        return read_engine_stats(source)
+
+    @app.get("/api/health")
+    def health() -> dict[str, Any]:
+        return {"live": app.state.engine_metrics_source is not None, "lessons": list(api.LESSONS)}
+
+    return app
+
+

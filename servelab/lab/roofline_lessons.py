@@ -1,0 +1,263 @@
+"""Lessons answered by the roofline alone: the two workloads (1), batching (2), memory (6)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from servelab.cost import MemoryPlan, Roofline, StepCost
+from servelab.errors import DoesNotFit
+from servelab.lab.common import MAX_TOKENS, Setup, fmt, gb, ms, powers_of_two, setup_from, stat
+from servelab.lab.params import Params
+from servelab.spec import ModelSpec
+
+MAX_BATCH = 4096
+
+
+def _point(cost: StepCost) -> dict[str, Any]:
+    return {
+        "time_ms": ms(cost.time_s),
+        "flops": cost.flops,
+        "bytes": cost.total_bytes,
+        "intensity": cost.arithmetic_intensity,
+        # Where the step lands on the roofline chart: the FLOP rate it actually achieves.
+        "achieved_tflops": cost.flops / cost.time_s / 1e12 if cost.time_s else 0.0,
+        "compute_ms": ms(cost.compute_time_s),
+        "memory_ms": ms(cost.memory_time_s),
+        "bound": cost.bound,
+    }
+
+
+def roofline_curve(rl: Roofline) -> dict[str, list[float]]:
+    """Attainable FLOP/s at the datasheet peaks: bandwidth × intensity up to the ridge, then flat."""
+    intensity = np.logspace(-1, 5, 61)
+    ridge = rl.ridge_flops_per_byte
+    intensity = np.unique(np.append(intensity, ridge))
+    attainable = np.minimum(rl.peak_flops_per_s, intensity * rl.peak_bandwidth_bytes_per_s) / 1e12
+    return {"intensity": intensity.tolist(), "attainable_tflops": attainable.tolist()}
+
+
+def two_workloads(p: Params) -> dict[str, Any]:
+    s = setup_from(p)
+    prompt_len = p.int("prompt_len", 2048, lo=1, hi=MAX_TOKENS)
+    batch = p.int("batch", 1, lo=1, hi=MAX_BATCH)
+    rl = s.roofline()
+    prefill = rl.prefill(prompt_len)
+    decode = rl.decode(batch, prompt_len)
+    # A decode step at this batch and context needs their KV resident; say why if it is not.
+    rl.memory.require_fit(batch, prompt_len)
+    lengths = [n for n in powers_of_two(16, s.model.max_context)]
+    if prompt_len not in lengths:
+        lengths = sorted([*lengths, prompt_len])
+    sweep = {
+        "prompt_len": lengths,
+        "prefill_ms": [ms(rl.prefill(n).time_s) for n in lengths],
+        "decode_step_ms": [ms(rl.decode(batch, n).time_s) for n in lengths],
+    }
+    ridge = rl.ridge_flops_per_byte
+    ratio = prefill.time_s / decode.time_s
+    return {
+        "config": {**s.to_dict(), "prompt_len": prompt_len, "batch": batch},
+        "prefill": _point(prefill),
+        "decode": _point(decode),
+        "phases": {
+            "label": [f"prefill {prompt_len:,} tokens", f"one decode step (batch {batch})"],
+            "time_ms": [ms(prefill.time_s), ms(decode.time_s)],
+            "bound": [f"{prefill.bound}-bound", f"{decode.bound}-bound"],
+        },
+        "ridge_flops_per_byte": ridge,
+        "ridge_label": f"{ridge:.0f} FLOP/byte",
+        "roofline": roofline_curve(rl),
+        "sweep": sweep,
+        "stats": [
+            stat("prefill time (TTFT floor)", fmt(ms(prefill.time_s), "ms")),
+            stat("one decode step (TPOT)", fmt(ms(decode.time_s), "ms")),
+            stat("weights streamed once at peak bandwidth", fmt(ms(rl.weight_stream_time_s), "ms")),
+            stat("compute per token at peak", fmt(ms(rl.token_compute_time_s), "ms")),
+            stat("prefill intensity", fmt(prefill.arithmetic_intensity, "FLOP/B")),
+            stat("decode intensity", fmt(decode.arithmetic_intensity, "FLOP/B")),
+            stat("ridge", fmt(ridge, "FLOP/B")),
+        ],
+        "notice": (
+            f"prefill of {prompt_len:,} tokens is {prefill.bound}-bound at {fmt(prefill.arithmetic_intensity)} "
+            f"FLOP/byte and takes {fmt(ratio)}x as long as one decode step, which sits at "
+            f"{fmt(decode.arithmetic_intensity)} FLOP/byte, {fmt(ridge / decode.arithmetic_intensity)}x below "
+            f"the ridge of {ridge:.0f}: decode waits on memory."
+        ),
+    }
+
+
+def batching(p: Params) -> dict[str, Any]:
+    s = setup_from(p)
+    batch = p.int("batch", 64, lo=1, hi=MAX_BATCH)
+    context = p.int("context", 2048, lo=1, hi=MAX_TOKENS)
+    rl = s.roofline()
+    plan = rl.memory
+    batches = powers_of_two(1, 1024)
+    if batch not in batches:
+        batches = sorted([*batches, batch])
+    costs = [rl.decode(b, context) for b in batches]
+    sweep = {
+        "batch": batches,
+        "step_ms": [ms(c.time_s) for c in costs],
+        "tokens_per_s_per_user": [1.0 / c.time_s for c in costs],
+        "tokens_per_s_total": [b / c.time_s for b, c in zip(batches, costs)],
+        "weight_gb": [gb(c.weight_bytes) for c in costs],
+        "kv_gb": [gb(c.kv_read_bytes + c.kv_write_bytes) for c in costs],
+        "compute_ms": [ms(c.compute_time_s) for c in costs],
+        "memory_ms": [ms(c.memory_time_s) for c in costs],
+        "bound": [c.bound for c in costs],
+        "fits": [plan.fits(b, context) for b in batches],
+    }
+    chosen = rl.decode(batch, context)
+    crossover = rl.compute_bound_batch(context)
+    fits = plan.fits(batch, context)
+    reason = None
+    if not fits:
+        try:
+            plan.require_fit(batch, context)
+        except DoesNotFit as exc:
+            reason = exc.message
+    memory = {
+        "capacity_gb": gb(plan.usable_bytes),
+        "capacity_label": f"{gb(plan.usable_bytes):.1f} GB ({plan.memory_fraction:.0%} of {gb(s.hardware.memory_bytes):.0f} GB)",
+        "weights_gb": gb(plan.weight_bytes_per_device),
+        "kv_gb": gb(plan.kv_bytes(batch, context)),
+        "fits": fits,
+        "max_batch": plan.max_batch(context) if plan.weights_fit else 0,
+        "reason": reason,
+    }
+    selected = {
+        "batch": batch,
+        "step_ms": ms(chosen.time_s),
+        "tokens_per_s_per_user": 1.0 / chosen.time_s,
+        "tokens_per_s_total": batch / chosen.time_s,
+        "weight_gb": gb(chosen.weight_bytes),
+        "kv_gb": gb(chosen.kv_read_bytes + chosen.kv_write_bytes),
+        "intensity": chosen.arithmetic_intensity,
+        "bound": chosen.bound,
+    }
+    one = costs[0]
+    if crossover is None:
+        crossing = "at this context each sequence's KV adds more bytes than its FLOPs can cover: no batch becomes compute-bound"
+    else:
+        crossing = f"compute catches up with bandwidth at batch {crossover:,}"
+    notice = (
+        f"batch {batch} runs {fmt(selected['tokens_per_s_total'])} tokens/s in total but "
+        f"{fmt(selected['tokens_per_s_per_user'])} per user (batch 1: {fmt(1.0 / one.time_s)}); "
+        f"KV is {fmt(100 * selected['kv_gb'] / (selected['kv_gb'] + selected['weight_gb']))}% of the bytes; {crossing}."
+    )
+    return {
+        "config": {**s.to_dict(), "batch": batch, "context": context},
+        "sweep": sweep,
+        "selected": selected,
+        "crossover_batch": crossover,
+        "memory": memory,
+        "warning": reason,
+        "stats": [
+            stat("step time", fmt(selected["step_ms"], "ms")),
+            stat("tokens/s per user", fmt(selected["tokens_per_s_per_user"])),
+            stat("tokens/s in total", fmt(selected["tokens_per_s_total"])),
+            stat("weights / KV read per step", f"{fmt(selected['weight_gb'])} / {fmt(selected['kv_gb'])} GB"),
+            stat("compute catches up at batch", "never" if crossover is None else f"{crossover:,}"),
+            stat("largest batch that fits", f"{memory['max_batch']:,}"),
+        ],
+        "notice": notice,
+    }
+
+
+def full_attention(model: ModelSpec) -> ModelSpec:
+    """The same model with one KV head per attention head (multi-head attention, no GQA)."""
+    return dataclasses.replace(model, name=f"{model.name} (full attention)", num_kv_heads=model.num_heads)
+
+
+def batch_at_tpot(rl: Roofline, context: int, max_batch: int, tpot_s: float) -> int:
+    """Largest batch no larger than `max_batch` whose decode step at `context` takes at most
+    `tpot_s` (0 if not even batch 1 does). Step time grows with the batch, so bisect."""
+    if max_batch < 1 or rl.decode(1, context).time_s > tpot_s:
+        return 0
+    low, high = 1, max_batch  # low meets the target
+    if rl.decode(high, context).time_s <= tpot_s:
+        return high
+    while high - low > 1:
+        mid = (low + high) // 2
+        if rl.decode(mid, context).time_s <= tpot_s:
+            low = mid
+        else:
+            high = mid
+    return low
+
+
+VARIANT_WEIGHT_DTYPES = ("bf16", "fp8", "int4")
+VARIANT_KV_DTYPES = ("bf16", "fp8")
+
+
+def memory(p: Params) -> dict[str, Any]:
+    s = setup_from(p)
+    attention = p.choice("attention", "gqa", ("gqa", "full"))
+    context = p.int("context", 8192, lo=1, hi=MAX_TOKENS)
+    tpot_ms = p.float("tpot_ms", 50.0, lo=1.0, hi=10_000.0)
+    s.roofline()._check_context(context, "context")  # noqa: SLF001 - the roofline's own limit and message
+    combos = [(w, k, a) for a in ("gqa", "full") for w in VARIANT_WEIGHT_DTYPES for k in VARIANT_KV_DTYPES]
+    chosen = (s.weight_dtype, s.kv_dtype, attention)
+    if chosen not in combos:
+        combos.append(chosen)
+    variants: dict[str, list[Any]] = {k: [] for k in (
+        "label", "weight_dtype", "kv_dtype", "attention", "selected", "weights_gb", "kv_kb_per_token",
+        "max_batch", "batch_at_tpot", "step_ms_at_tpot", "tokens_per_s_per_gpu")}
+    for w, k, a in combos:
+        model = s.model if a == "gqa" else full_attention(s.model)
+        plan = MemoryPlan(model, s.hardware, w, k, s.tp)
+        rl = Roofline(model, s.hardware, w, k, s.tp)
+        max_batch = plan.max_batch(context) if plan.weights_fit else 0
+        b = batch_at_tpot(rl, context, max_batch, tpot_ms / 1e3)
+        step_s = rl.decode(b, context).time_s if b else None
+        variants["label"].append(f"W {w} · KV {k} · {'GQA' if a == 'gqa' else 'full'}")
+        variants["weight_dtype"].append(w)
+        variants["kv_dtype"].append(k)
+        variants["attention"].append(a)
+        variants["selected"].append((w, k, a) == chosen)
+        variants["weights_gb"].append(gb(plan.weight_bytes_per_device))
+        variants["kv_kb_per_token"].append(plan.kv_bytes_per_token_per_device / 1e3)
+        variants["max_batch"].append(max_batch)
+        variants["batch_at_tpot"].append(b)
+        variants["step_ms_at_tpot"].append(None if step_s is None else ms(step_s))
+        variants["tokens_per_s_per_gpu"].append(0.0 if step_s is None else b / step_s / s.tp)
+    i = combos.index(chosen)
+    pick = {key: values[i] for key, values in variants.items()}
+    model = s.model if attention == "gqa" else full_attention(s.model)
+    plan = MemoryPlan(model, s.hardware, s.weight_dtype, s.kv_dtype, s.tp)
+    warning = None
+    if not plan.weights_fit:
+        try:
+            plan.require_weights_fit()
+        except DoesNotFit as exc:
+            warning = exc.message
+    elif pick["max_batch"] == 0:
+        warning = (f"{plan.describe()}: not even one sequence of {context:,} tokens fits the "
+                   f"{plan.kv_capacity_tokens:,}-token KV cache left after the weights")
+    best = max(range(len(combos)), key=lambda j: variants["tokens_per_s_per_gpu"][j])
+    if pick["batch_at_tpot"]:
+        yours = (f"your choice fits {pick['max_batch']:,} sequences of {context:,} tokens and serves "
+                 f"{fmt(pick['tokens_per_s_per_gpu'])} tokens/s per GPU at batch {pick['batch_at_tpot']:,} within "
+                 f"{fmt(tpot_ms)} ms TPOT")
+    else:
+        yours = f"your choice cannot meet {fmt(tpot_ms)} ms TPOT at {context:,} tokens of context"
+    notice = (f"{yours}; {variants['label'][best]} serves {fmt(variants['tokens_per_s_per_gpu'][best])}. "
+              f"Full attention needs {s.model.num_heads // s.model.num_kv_heads}x the KV per token of GQA here.")
+    return {
+        "config": {**s.to_dict(), "attention": attention, "context": context, "tpot_ms": tpot_ms},
+        "variants": variants,
+        "selected": pick,
+        "warning": warning,
+        "stats": [
+            stat("weights per device", fmt(pick["weights_gb"], "GB")),
+            stat("KV per token", fmt(pick["kv_kb_per_token"], "kB")),
+            stat("largest batch at this context", f"{pick['max_batch']:,}"),
+            stat("batch within the TPOT target", f"{pick['batch_at_tpot']:,}"),
+            stat("tokens/s per GPU at the target", fmt(pick["tokens_per_s_per_gpu"])),
+        ],
+        "notice": notice,
+    }

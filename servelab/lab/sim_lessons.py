@@ -1,0 +1,310 @@
+"""Lessons answered by the simulator (the engine's own scheduler on the roofline): TTFT and TPOT
+as SLOs (3), chunked prefill (4), disaggregated serving (5).
+
+Each runs a small workload (a few hundred requests at most) so that it answers in about a
+second; results are cached per parameter set, and the simulation is deterministic (seed 0), so
+a cached answer is the answer.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+from typing import Any
+
+import numpy as np
+
+from servelab.lab.common import Setup, fmt, ms, setup_from, stat
+from servelab.lab.params import Params
+from servelab.metrics import SLO, RequestRecord
+from servelab.sim import SimConfig, SimResult, simulate
+from servelab.workload import RequestSpec, WorkloadSpec
+
+SLO_NUM_REQUESTS = 200
+DISAGG_NUM_REQUESTS = 100
+CDF_POINTS = 201
+
+
+def _sim_config(s: Setup, **kwargs: Any) -> SimConfig:
+    return SimConfig(model=s.model, hardware=s.hardware, tp=s.tp, weight_dtype=s.weight_dtype,
+                     kv_dtype=s.kv_dtype, **kwargs)
+
+
+def cdf(values: list[float] | np.ndarray, scale: float = 1e3) -> dict[str, Any]:
+    """Empirical CDF in ms: every sample when there are few, else CDF_POINTS quantiles."""
+    arr = np.sort(np.asarray(values, dtype=np.float64)) * scale
+    if arr.size == 0:
+        return {"x": [], "cdf": [], "count": 0}
+    if arr.size <= CDF_POINTS:
+        return {"x": arr.tolist(), "cdf": (np.arange(1, arr.size + 1) / arr.size).tolist(), "count": int(arr.size)}
+    q = np.linspace(0.0, 1.0, CDF_POINTS)
+    return {"x": np.quantile(arr, q).tolist(), "cdf": q.tolist(), "count": int(arr.size)}
+
+
+def _percentiles_ms(dist: Any) -> dict[str, float]:
+    return {k: getattr(dist, k) * 1e3 for k in ("p50", "p90", "p99") if getattr(dist, k) is not None}
+
+
+def _itl_gaps_s(records: list[RequestRecord]) -> np.ndarray:
+    gaps = [np.diff(np.asarray(r.token_times_s)) for r in records if r.success and len(r.token_times_s) > 1]
+    return np.concatenate(gaps) if gaps else np.empty(0)
+
+
+# ---- 3. TTFT and TPOT as SLOs -------------------------------------------------------------------
+
+def _spread(center: int, name: str) -> str:
+    # Requests vary in length (half to 1.5x the chosen length) so the distributions have a shape.
+    low, high = max(1, center // 2), max(1, center * 3 // 2)
+    return f"{low}-{high}" if high > low else str(center)
+
+
+@lru_cache(maxsize=64)
+def _slo_run(s_key: tuple, rate: float, prompt_len: int, output_len: int, ttft_s: float, tpot_s: float) -> SimResult:
+    s = _setup_from_key(s_key)
+    workload = WorkloadSpec(num_requests=SLO_NUM_REQUESTS, rate=rate, input_len=_spread(prompt_len, "prompt"),
+                            output_len=_spread(output_len, "output"), seed=0)
+    return simulate(_sim_config(s, slo=SLO(ttft_s=ttft_s, tpot_s=tpot_s)), workload)
+
+
+def _key(s: Setup) -> tuple:
+    return (s.model.name, s.hardware.name, s.weight_dtype, s.kv_dtype, s.tp)
+
+
+def _setup_from_key(key: tuple) -> Setup:
+    model, hardware, w, k, tp = key
+    return setup_from(Params({"model": model, "hardware": hardware, "weight_dtype": w, "kv_dtype": k, "tp": str(tp)}))
+
+
+def _check_len(s: Setup, prompt_len: int, output_len: int, *, spread: float = 1.5) -> None:
+    from servelab.errors import InvalidArgument
+
+    longest = int((prompt_len + output_len) * spread)
+    if longest > s.model.max_context:
+        raise InvalidArgument(
+            f"prompt_len + output_len: the longest request ({longest:,} tokens with the spread) exceeds "
+            f"{s.model.name}'s maximum context of {s.model.max_context:,} tokens", param="prompt_len")
+
+
+def slo(p: Params) -> dict[str, Any]:
+    s = setup_from(p)
+    rate = p.float("rate", 8.0, lo=0.1, hi=1000.0)
+    ttft_slo_ms = p.float("ttft_slo_ms", 500.0, lo=1.0, hi=600_000.0)
+    tpot_slo_ms = p.float("tpot_slo_ms", 50.0, lo=1.0, hi=10_000.0)
+    prompt_len = p.int("prompt_len", 1024, lo=1, hi=131072)
+    output_len = p.int("output_len", 128, lo=2, hi=8192)
+    _check_len(s, prompt_len, output_len)
+    s.memory().require_weights_fit()
+    result = _slo_run(_key(s), rate, prompt_len, output_len, ttft_slo_ms / 1e3, tpot_slo_ms / 1e3)
+    sm = result.summary
+    ok = [r for r in result.records if r.success]
+    ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
+    tpots = [r.tpot_s for r in ok if r.tpot_s is not None]
+    n = len(result.records)
+    ttft_ok = sum(1 for r in result.records if r.success and r.ttft_s is not None and r.ttft_s <= ttft_slo_ms / 1e3)
+    tpot_ok = sum(1 for r in result.records if r.success and (r.tpot_s is None or r.tpot_s <= tpot_slo_ms / 1e3))
+    attainment = {"ttft": ttft_ok / n, "tpot": tpot_ok / n, "both": sm.slo_attainment}
+    ttft_cdf = {**cdf(ttfts), "percentiles": _percentiles_ms(sm.ttft_s)}
+    tpot_cdf = {**cdf(tpots), "percentiles": _percentiles_ms(sm.tpot_s)}
+    p90_ttft, p90_tpot = ttft_cdf["percentiles"].get("p90"), tpot_cdf["percentiles"].get("p90")
+    verdict = "meets" if (p90_ttft or math.inf) <= ttft_slo_ms and (p90_tpot or math.inf) <= tpot_slo_ms else "misses"
+    return {
+        "config": {**s.to_dict(), "rate": rate, "prompt_len": prompt_len, "output_len": output_len,
+                   "num_requests": SLO_NUM_REQUESTS},
+        "ttft_slo_ms": ttft_slo_ms,
+        "tpot_slo_ms": tpot_slo_ms,
+        "ttft_ms": ttft_cdf,
+        "tpot_ms": tpot_cdf,
+        "attainment": attainment,
+        "goodput_rps": sm.goodput,
+        "request_throughput_rps": sm.request_throughput,
+        "output_tokens_per_s": sm.output_throughput,
+        "summary": sm.to_dict(),
+        "stats": [
+            stat("p50 / p90 / p99 TTFT", " / ".join(fmt(v, "") for v in ttft_cdf["percentiles"].values()) + " ms"),
+            stat("p50 / p90 / p99 TPOT", " / ".join(fmt(v, "") for v in tpot_cdf["percentiles"].values()) + " ms"),
+            stat("SLO attainment (both)", fmt(100 * (sm.slo_attainment or 0.0), "%")),
+            stat("goodput", fmt(sm.goodput or 0.0, "req/s")),
+            stat("throughput", f"{fmt(sm.request_throughput)} req/s, {fmt(sm.output_throughput)} tok/s"),
+        ],
+        "notice": (
+            f"at {fmt(rate)} req/s the p90 TTFT is {fmt(p90_ttft or math.nan)} ms and p90 TPOT "
+            f"{fmt(p90_tpot or math.nan)} ms: the deployment {verdict} the p90 targets; "
+            f"{fmt(100 * (sm.slo_attainment or 0.0))}% of requests meet both, a goodput of "
+            f"{fmt(sm.goodput or 0.0)} of {fmt(sm.request_throughput)} req/s."
+        ),
+    }
+
+
+# ---- 4. Chunked prefill ---------------------------------------------------------------------------
+
+SHORT_PROMPT = 256  # the decoding users' prompts
+
+
+def _chunk_requests(s: Setup, prompt_len: int, decode_batch: int, chunk_tokens: int) -> tuple[list[RequestSpec], float]:
+    """`decode_batch` users start at t=0; the long prompt arrives once they are decoding, and
+    they keep decoding well past its prefill (whichever policy runs it)."""
+    rl = s.roofline()
+    step_s = rl.decode(decode_batch, SHORT_PROMPT + 64).time_s
+    warmup_s = 2 * rl.prefill(SHORT_PROMPT, decode_batch).time_s + 10 * step_s
+    long_prefill_s = rl.prefill(prompt_len).time_s
+    chunks = math.ceil(prompt_len / chunk_tokens)
+    busy_s = warmup_s + 1.5 * long_prefill_s + chunks * step_s
+    output = min(4000, math.ceil(busy_s / step_s) + 30)
+    users = [RequestSpec(i, 0.0, SHORT_PROMPT, output) for i in range(decode_batch)]
+    return [*users, RequestSpec(decode_batch, warmup_s, prompt_len, 8)], warmup_s
+
+
+@lru_cache(maxsize=32)
+def _chunk_runs(s_key: tuple, prompt_len: int, decode_batch: int, chunk_tokens: int) -> tuple[dict, dict, float]:
+    s = _setup_from_key(s_key)
+    requests, arrival_s = _chunk_requests(s, prompt_len, decode_batch, chunk_tokens)
+    runs = {}
+    for policy in ("prefill-first", "chunked"):
+        config = _sim_config(s, policy=policy, max_num_batched_tokens=chunk_tokens,
+                             max_num_seqs=max(256, decode_batch + 1), enable_prefix_caching=False)
+        runs[policy] = simulate(config, requests, concurrency=len(requests))
+    return runs["prefill-first"], runs["chunked"], arrival_s
+
+
+def _timeline(result: SimResult, long_id: str, window: tuple[float, float], label: str) -> dict[str, Any]:
+    lo, hi = window
+    t = result.trace
+    start = np.frombuffer(t.start_s, dtype=np.float64)
+    dur = np.frombuffer(t.duration_s, dtype=np.float64)
+    prefill = np.frombuffer(t.num_tokens, dtype=np.int32) - np.frombuffer(t.num_decode, dtype=np.int32)
+    keep = (start + dur >= lo) & (start <= hi)
+    users_t, users_seq, long_t, long_seq = [], [], [], []
+    max_gap_s = 0.0
+    long_record = None
+    for r in result.records:
+        times = np.asarray(r.token_times_s)
+        if r.request_id == long_id:
+            long_record = r
+            sel = times[(times >= lo) & (times <= hi)]
+            long_t.extend((sel * 1e3).tolist())
+            long_seq.extend([int(r.request_id)] * sel.size)
+            continue
+        if times.size > 1:
+            # Only gaps while the long prompt is in the system are the lesson's stall.
+            gaps = np.diff(times)
+            in_window = (times[1:] >= lo) & (times[:-1] <= hi)
+            if in_window.any():
+                max_gap_s = max(max_gap_s, float(gaps[in_window].max()))
+        sel = times[(times >= lo) & (times <= hi)]
+        users_t.extend((sel * 1e3).tolist())
+        users_seq.extend([int(r.request_id)] * sel.size)
+    return {
+        "label": label,
+        "steps": {"start_ms": (start[keep] * 1e3).tolist(), "duration_ms": (dur[keep] * 1e3).tolist(),
+                  "prefill_tokens": prefill[keep].tolist()},
+        "tokens": {"time_ms": users_t, "seq": users_seq},
+        "long_tokens": {"time_ms": long_t, "seq": long_seq},
+        "max_user_gap_ms": max_gap_s * 1e3,
+        "long_ttft_ms": None if long_record is None or long_record.ttft_s is None else long_record.ttft_s * 1e3,
+        "longest_step_ms": float(dur[keep].max() * 1e3) if keep.any() else 0.0,
+    }
+
+
+def chunked_prefill(p: Params) -> dict[str, Any]:
+    s = setup_from(p)
+    prompt_len = p.int("prompt_len", 8192, lo=1, hi=32768)
+    decode_batch = p.int("decode_batch", 16, lo=1, hi=64)
+    chunk_tokens = p.int("chunk_tokens", 512, lo=16, hi=65536)
+    s.roofline()._check_context(prompt_len + 8, "prompt length")  # noqa: SLF001 - the roofline's own limit
+    s.memory().require_fit(decode_batch + 1, max(prompt_len, 4096))
+    first, chunked, arrival_s = _chunk_runs(_key(s), prompt_len, decode_batch, chunk_tokens)
+    long_id = str(decode_batch)
+    ends = [max(r.token_times_s[0] for r in res.records if r.request_id == long_id) for res in (first, chunked)]
+    step_s = s.roofline().decode(decode_batch, SHORT_PROMPT).time_s
+    window = (max(0.0, arrival_s - 8 * step_s), max(ends) + 10 * step_s)
+    a = _timeline(first, long_id, window, "prefill-first")
+    b = _timeline(chunked, long_id, window, f"chunked ({chunk_tokens} tokens/step)")
+    return {
+        "config": {**s.to_dict(), "prompt_len": prompt_len, "decode_batch": decode_batch, "chunk_tokens": chunk_tokens},
+        "long_arrival_ms": arrival_s * 1e3,
+        "time_range_ms": [window[0] * 1e3, window[1] * 1e3],
+        "prefill_first": a,
+        "chunked": b,
+        "stats": [
+            stat("prefill-first: worst gap between a user's tokens", fmt(a["max_user_gap_ms"], "ms")),
+            stat("chunked: worst gap between a user's tokens", fmt(b["max_user_gap_ms"], "ms")),
+            stat("long prompt TTFT, prefill-first / chunked", f"{fmt(a['long_ttft_ms'])} / {fmt(b['long_ttft_ms'])} ms"),
+        ],
+        "notice": (
+            f"prefill-first stalls every decoding user for {fmt(a['max_user_gap_ms'])} ms while the "
+            f"{prompt_len:,}-token prompt runs in one step; chunked prefill caps the worst gap at "
+            f"{fmt(b['max_user_gap_ms'])} ms, and the long prompt's TTFT goes from {fmt(a['long_ttft_ms'])} to "
+            f"{fmt(b['long_ttft_ms'])} ms."
+        ),
+    }
+
+
+# ---- 5. Disaggregated serving -------------------------------------------------------------------------
+
+@lru_cache(maxsize=32)
+def _disagg_runs(s_key: tuple, rate: float, prefill_gpus: int, decode_gpus: int, link_bytes_per_s: float,
+                 prompt_len: int, output_len: int) -> tuple[SimResult, SimResult]:
+    s = _setup_from_key(s_key)
+    workload = WorkloadSpec(num_requests=DISAGG_NUM_REQUESTS, rate=rate, input_len=_spread(prompt_len, "prompt"),
+                            output_len=_spread(output_len, "output"), seed=0)
+    colocated = simulate(_sim_config(s, replicas=prefill_gpus + decode_gpus), workload)
+    split = simulate(_sim_config(s, disagg=(prefill_gpus, decode_gpus), link_bandwidth_bytes_per_s=link_bytes_per_s),
+                     workload)
+    return colocated, split
+
+
+def _side(result: SimResult, label: str) -> dict[str, Any]:
+    sm = result.summary
+    ok = [r for r in result.records if r.success]
+    return {
+        "label": label,
+        "ttft_ms": {**cdf([r.ttft_s for r in ok if r.ttft_s is not None]), "percentiles": _percentiles_ms(sm.ttft_s)},
+        "itl_ms": {**cdf(_itl_gaps_s(result.records)), "percentiles": _percentiles_ms(sm.itl_s)},
+        "tpot_ms": _percentiles_ms(sm.tpot_s),
+        "output_tokens_per_s_per_gpu": sm.output_throughput_per_device,
+        "kv_transfer_ms": None if result.kv_transfer_s.mean is None else _percentiles_ms(result.kv_transfer_s),
+    }
+
+
+def disaggregated(p: Params) -> dict[str, Any]:
+    s = setup_from(p)
+    rate = p.float("rate", 6.0, lo=0.1, hi=1000.0)
+    prefill_gpus = p.int("prefill_gpus", 1, lo=1, hi=7)
+    decode_gpus = p.int("decode_gpus", 1, lo=1, hi=7)
+    link_gbps = p.float("link_gbps", 50.0, lo=1.0, hi=2000.0)
+    prompt_len = p.int("prompt_len", 2048, lo=1, hi=131072)
+    output_len = p.int("output_len", 128, lo=2, hi=8192)
+    if prefill_gpus + decode_gpus > 8:
+        from servelab.errors import InvalidArgument
+
+        raise InvalidArgument(f"prefill_gpus + decode_gpus: at most 8 replicas, got {prefill_gpus + decode_gpus}",
+                              param="decode_gpus")
+    _check_len(s, prompt_len, output_len)
+    s.memory().require_weights_fit()
+    colocated, split = _disagg_runs(_key(s), rate, prefill_gpus, decode_gpus, link_gbps * 1e9, prompt_len, output_len)
+    n = prefill_gpus + decode_gpus
+    a = _side(colocated, f"colocated ({n} replicas)")
+    b = _side(split, f"disaggregated {prefill_gpus}P:{decode_gpus}D")
+    kv = b["kv_transfer_ms"] or {}
+    return {
+        "config": {**s.to_dict(), "rate": rate, "prefill_gpus": prefill_gpus, "decode_gpus": decode_gpus,
+                   "link_gbps": link_gbps, "prompt_len": prompt_len, "output_len": output_len,
+                   "num_requests": DISAGG_NUM_REQUESTS},
+        "colocated": a,
+        "disaggregated": b,
+        "stats": [
+            stat("p90 TTFT colocated / split", f"{fmt(a['ttft_ms']['percentiles'].get('p90'))} / "
+                 f"{fmt(b['ttft_ms']['percentiles'].get('p90'))} ms"),
+            stat("p99 ITL colocated / split", f"{fmt(a['itl_ms']['percentiles'].get('p99'))} / "
+                 f"{fmt(b['itl_ms']['percentiles'].get('p99'))} ms"),
+            stat("KV transfer p50 / p99", f"{fmt(kv.get('p50', math.nan))} / {fmt(kv.get('p99', math.nan))} ms"),
+            stat("output tok/s per GPU colocated / split", f"{fmt(a['output_tokens_per_s_per_gpu'])} / "
+                 f"{fmt(b['output_tokens_per_s_per_gpu'])}"),
+        ],
+        "notice": (
+            f"the split's p99 inter-token latency is {fmt(b['itl_ms']['percentiles'].get('p99'))} ms against "
+            f"{fmt(a['itl_ms']['percentiles'].get('p99'))} ms colocated, because no prefill interrupts its decodes; "
+            f"its p90 TTFT of {fmt(b['ttft_ms']['percentiles'].get('p90'))} ms (vs "
+            f"{fmt(a['ttft_ms']['percentiles'].get('p90'))}) includes a median {fmt(kv.get('p50', math.nan))} ms KV transfer."
+        ),
+    }
