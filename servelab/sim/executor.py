@@ -24,23 +24,27 @@ class SimExecutor:
 
     def execute(self, plan: StepPlan) -> StepResult:
         token = self.sampled_token_id
-        shape: list[tuple[int, int]] = []
-        sampled: list[int | None] = []
-        num_decode = 0
+        scheduled = plan.scheduled
+        sampled: list[int | None] = [token if s.samples else None for s in scheduled]
+        if self.preloaded:
+            shape = self._shape_after_preloaded(plan)
+        else:
+            # The hot path (every step of a colocated run): comprehensions, no per-item branching.
+            shape = [(s.num_tokens, s.start_pos + s.num_tokens) for s in scheduled]
+        self.last_num_decode = sum(1 for q, _ in shape if q == 1)
+        return StepResult(sampled, self.cost_model.step_time_s(shape) if shape else 0.0)
+
+    def _shape_after_preloaded(self, plan: StepPlan) -> list[tuple[int, int]]:
         preloaded = self.preloaded
+        shape = []
         for s in plan.scheduled:
             n = s.num_tokens
             end = s.start_pos + n
-            if preloaded:
-                done = preloaded.get(s.seq.request_id)
-                if done is not None:
-                    if end >= done:
-                        del preloaded[s.seq.request_id]
-                    n = end - max(s.start_pos, done)
+            done = preloaded.get(s.seq.request_id)
+            if done is not None:
+                if end >= done:
+                    del preloaded[s.seq.request_id]
+                n = end - max(s.start_pos, done)
             if n > 0:
                 shape.append((n, end))
-                if n == 1:
-                    num_decode += 1
-            sampled.append(token if s.samples else None)
-        self.last_num_decode = num_decode
-        return StepResult(sampled, self.cost_model.step_time_s(shape) if shape else 0.0)
+        return shape
