@@ -206,7 +206,7 @@ class ModelSpec:
         def get(key: str, default: Any = None, required: bool = False) -> Any:
             value = metadata.get(f"{arch}.{key}", default)
             if required and value is None:
-                raise InvalidArgument(f"GGUF metadata lacks the required key {arch}.{key!r}", param="model")
+                raise InvalidArgument(f"GGUF metadata lacks the required key '{arch}.{key}'", param="model")
             return value
 
         hidden = int(get("embedding_length", required=True))

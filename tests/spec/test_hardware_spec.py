@@ -1,0 +1,66 @@
+import re
+from pathlib import Path
+
+import pytest
+
+import servelab.spec.hardware as hardware_module
+from servelab.errors import InvalidArgument
+from servelab.spec import HARDWARE, get_hardware, kv_dtype, weight_dtype
+
+
+def test_seed_figures_for_h100_h200_a100():
+    h100 = get_hardware("h100-sxm")
+    assert h100.memory_bytes == 80e9
+    assert h100.bandwidth_bytes_per_s == 3.35e12
+    assert h100.peak_flops["bf16"] == pytest.approx(989e12, rel=0.01)
+    assert 280 <= h100.ridge_flops_per_byte("bf16") <= 310
+    h200 = get_hardware("h200")
+    assert (h200.memory_bytes, h200.bandwidth_bytes_per_s) == (141e9, 4.8e12)
+    a100 = get_hardware("a100-80gb")
+    assert a100.bandwidth_bytes_per_s == pytest.approx(2.039e12)
+    assert a100.peak_flops["bf16"] == 312e12
+
+
+def test_catalog_is_complete_and_consistent():
+    assert {"h100-sxm", "h200", "a100-80gb", "l4", "l40s", "mi300x", "b200"} <= set(HARDWARE)
+    for hw in HARDWARE.values():
+        assert hw.memory_bytes > 0 and hw.bandwidth_bytes_per_s > 0 and hw.interconnect_bytes_per_s > 0
+        assert hw.peak_flops["bf16"] > 0
+        # 8-bit tensor cores run at twice the 16-bit rate on every part that has them
+        for dtype in ("fp8", "int8"):
+            if dtype in hw.peak_flops:
+                assert hw.peak_flops[dtype] == pytest.approx(2 * hw.peak_flops["bf16"], rel=0.02)
+
+
+def test_every_entry_cites_its_public_source():
+    source = Path(hardware_module.__file__).read_text()
+    for name in HARDWARE:
+        before = source[: source.index(f'"{name}": HardwareSpec(')].splitlines()
+        before.pop()  # the indentation in front of the entry itself
+        comment = []
+        while before and before[-1].strip().startswith("#"):
+            comment.insert(0, before.pop().strip())
+        assert re.search(r"(datasheet|spec) \((?:nvidia|amd)\.com/", " ".join(comment)), name
+
+
+def test_missing_8bit_tensor_cores_fall_back_to_bf16():
+    a100 = get_hardware("a100-80gb")
+    assert a100.peak_flops_per_s("fp8") == a100.peak_flops["bf16"]
+    assert get_hardware("h100-sxm").peak_flops_per_s("fp8") == pytest.approx(2 * 989.4e12, rel=1e-3)
+
+
+def test_unknown_hardware_names_the_choices():
+    with pytest.raises(InvalidArgument) as err:
+        get_hardware("h300")
+    assert "h300" in err.value.message and "h100-sxm" in err.value.message and "mi300x" in err.value.message
+
+
+def test_dtypes():
+    assert [weight_dtype(n).bytes_per_element for n in ("bf16", "fp16", "fp8", "int8", "int4")] == [2, 2, 1, 1, 0.5]
+    assert weight_dtype("int4").compute_dtype == "bf16"  # weight-only: dequantized to bf16
+    assert weight_dtype("fp8").compute_dtype == "fp8"
+    assert kv_dtype("fp8").bytes_per_element == 1 and kv_dtype("bf16").bytes_per_element == 2
+    with pytest.raises(InvalidArgument, match="int3.*bf16, fp16, fp8, int8, int4"):
+        weight_dtype("int3")
+    with pytest.raises(InvalidArgument, match="int4.*bf16"):
+        kv_dtype("int4")
