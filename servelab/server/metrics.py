@@ -87,6 +87,12 @@ class ServerMetrics:
                                        ["model_name", "finished_reason"], registry=r)  # fmt: skip
         r.register(_EngineStatsCollector(model_name, get_stats))
         self._labels = {"model_name": model_name}
+        # Export zeros from the start: a series that appears only after the first request
+        # makes rate() and "count went up by N" comparisons wrong.
+        for metric in (self.ttft, self.itl, self.e2e, self.queue_time, self.prompt_tokens, self.generation_tokens):
+            metric.labels(**self._labels)
+        for reason in ("stop", "length", "abort"):
+            self.request_success.labels(model_name=model_name, finished_reason=reason)
 
     def observe(self, out: EngineOutput) -> None:
         seq = out.seq

@@ -32,7 +32,10 @@ class SleepyExecutor:
     def __init__(self, vocab_size: int, *, step_sleep_s: float = 0.002, fail_steps: set[int] | None = None):
         from servelab.core.fake_executor import FakeExecutor
 
-        self.inner = FakeExecutor(vocab_size=vocab_size, token_offset=10)
+        # Tokens depend on the position only, not on the request id: a test can learn a
+        # completion with one request and predict it in the next.
+        span = vocab_size - 10
+        self.inner = FakeExecutor(vocab_size=vocab_size, token_fn=lambda seq, pos: 10 + (pos * 7919) % span)
         self.vocab_size = vocab_size
         self.step_sleep_s = step_sleep_s
         self.fail_steps = fail_steps or set()

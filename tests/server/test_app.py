@@ -1,0 +1,221 @@
+"""The HTTP layer in process (FastAPI TestClient), over a real LLMEngine with a fake executor:
+protocol shapes, every error answer, auth, draining, and surviving a failing step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from fastapi.testclient import TestClient
+from prometheus_client.parser import text_string_to_metric_families
+
+from servelab.server.app import create_app
+
+
+@pytest.fixture
+def client(fake_engine):
+    with TestClient(create_app(fake_engine(max_model_len=128))) as c:
+        yield c
+
+
+def _error(resp, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def _sse(resp) -> list:
+    """The `data:` payloads of an SSE body, `[DONE]` kept as a string."""
+    assert resp.headers["content-type"].startswith("text/event-stream")
+    events = [block for block in resp.text.split("\n\n") if block]
+    assert all(e.startswith("data: ") for e in events), events
+    return [e[6:] if e[6:] == "[DONE]" else json.loads(e[6:]) for e in events]
+
+
+def _metric(text: str, name: str, sample: str | None = None, **labels: str) -> float:
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == (sample or name) and all(s.labels.get(k) == v for k, v in labels.items()):
+                return s.value
+    raise KeyError(name)
+
+
+# ------------------------------------------------------------------------------- happy paths
+
+
+def test_completion_usage_and_length_finish(client):
+    prompt_ids = client.post("/tokenize", json={"prompt": "hello world"}).json()["tokens"]
+    resp = client.post("/v1/completions", json={"prompt": "hello world", "max_tokens": 7, "ignore_eos": True})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["object"] == "text_completion" and body["model"] == "fake-model"
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 7, "total_tokens": len(prompt_ids) + 7}
+
+
+def test_stop_string_finishes_with_stop_and_is_cut(client):
+    body = {"prompt": "hello world", "max_tokens": 12, "ignore_eos": True}
+    full = client.post("/v1/completions", json=body).json()["choices"][0]["text"]
+    stop = next(ch for ch in full[len(full) // 2 :] if ch.isalnum())
+    resp = client.post("/v1/completions", json={**body, "stop": [stop]}).json()
+    assert resp["choices"][0]["finish_reason"] == "stop"
+    assert resp["choices"][0]["text"] == full[: full.index(stop)]
+    assert resp["usage"]["completion_tokens"] < 12
+
+
+def test_n_choices_and_prompt_lists(client):
+    resp = client.post("/v1/completions", json={"prompt": ["hello", "the quick brown fox"], "n": 2, "max_tokens": 3,
+                                                "ignore_eos": True, "seed": 1})  # fmt: skip
+    body = resp.json()
+    assert sorted(c["index"] for c in body["choices"]) == [0, 1, 2, 3]
+    p1 = client.post("/tokenize", json={"prompt": "hello"}).json()["count"]
+    p2 = client.post("/tokenize", json={"prompt": "the quick brown fox"}).json()["count"]
+    # A prompt counts once however many choices share it, as OpenAI counts it.
+    assert body["usage"] == {"prompt_tokens": p1 + p2, "completion_tokens": 12, "total_tokens": p1 + p2 + 12}
+
+
+def test_chat_streaming_events_end_in_done_with_usage(client):
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"}]
+    prompt_tokens = client.post("/tokenize", json={"messages": messages}).json()["count"]
+    resp = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 5, "ignore_eos": True,
+                                                     "stream": True, "stream_options": {"include_usage": True}})  # fmt: skip
+    events = _sse(resp)
+    assert events[-1] == "[DONE]"
+    chunks = events[:-1]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
+    finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+    assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
+    usage_chunk = chunks[-1]
+    assert usage_chunk["choices"] == []
+    assert usage_chunk["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 5, "total_tokens": prompt_tokens + 5}
+    assert all(c["usage"] is None for c in chunks[:-1])
+
+    plain = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 5, "ignore_eos": True}).json()
+    assert plain["usage"] == usage_chunk["usage"]
+    assert plain["choices"][0]["message"]["role"] == "assistant"
+
+
+def test_completion_stream_without_usage_has_no_usage_chunk(client):
+    events = _sse(client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 3, "stream": True}))
+    assert events[-1] == "[DONE]"
+    assert all(e["choices"] for e in events[:-1])
+    assert events[-2]["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_tokenize_detokenize_round_trip_and_models(client):
+    text = "the quick brown fox jumps over the lazy dog"
+    ids = client.post("/tokenize", json={"prompt": text}).json()["tokens"]
+    assert client.post("/detokenize", json={"tokens": ids}).json() == {"prompt": text}
+    models = client.get("/v1/models").json()
+    assert models["object"] == "list" and models["data"][0]["id"] == "fake-model"
+    assert models["data"][0]["max_model_len"] == 128
+    assert client.get("/health").status_code == 200
+
+
+# ------------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("body", "param", "needle"),
+    [
+        ({"prompt": "x", "max_tokens": -3}, "max_tokens", "-3"),
+        ({"prompt": "x", "temperature": -0.5}, "temperature", "-0.5"),
+        ({"prompt": "x", "top_p": 0}, "top_p", "(0, 1]"),
+        ({"prompt": "x", "top_p": 1.5}, "top_p", "1.5"),
+        ({"prompt": "x", "n": 0}, "n", "got 0"),
+        ({"prompt": "x", "temperature": "hot"}, "temperature", "hot"),
+        ({"prompt": "x", "max_tokens": 2.5}, "max_tokens", "2.5"),
+        ({"prompt": 5}, "prompt", "prompt"),
+        ({"max_tokens": 3}, "prompt", "prompt"),
+        ({"prompt": "x", "stream": "yes"}, "stream", "stream"),
+        ({"prompt": [1, 99999]}, "prompt", "99999"),
+        ({"prompt": []}, "prompt", "empty"),
+        ({"prompt": "x", "presence_penalty": 3}, "presence_penalty", "[-2, 2]"),
+    ],
+)
+def test_bad_values_answer_400_naming_the_parameter(client, body, param, needle):
+    err = _error(client.post("/v1/completions", json=body), 400)
+    assert err["type"] == "invalid_request_error"
+    assert err["param"] == param
+    assert needle in err["message"]
+
+
+def test_prompt_over_the_context_names_both_numbers(client):
+    long_prompt = list(range(10, 10 + 120))
+    err = _error(client.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 20}), 400)
+    assert "128" in err["message"] and "140" in err["message"] and "120" in err["message"]
+    err = _error(client.post("/v1/completions", json={"prompt": list(range(10, 150)), "max_tokens": 1}), 400)
+    assert "128" in err["message"] and "140" in err["message"]
+    err = _error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "fox " * 200}]}), 400)
+    assert "128" in err["message"]
+
+
+def test_malformed_json_wrong_shape_and_invalid_utf8(client):
+    headers = {"content-type": "application/json"}
+    err = _error(client.post("/v1/completions", content=b'{"prompt": "x",', headers=headers), 400)
+    assert "not valid JSON" in err["message"]
+    err = _error(client.post("/v1/completions", content=b'["prompt"]', headers=headers), 400)
+    assert "JSON object" in err["message"]
+    err = _error(client.post("/v1/chat/completions", content=b'{"messages": [{"role": "user", "content": "\xc3\x28"}]}',
+                             headers=headers), 400)  # fmt: skip
+    assert "UTF-8" in err["message"]
+    err = _error(client.post("/v1/chat/completions", json={"messages": [{"role": "robot", "content": "hi"}]}), 400)
+    assert err["param"] == "messages"
+    err = _error(client.post("/v1/chat/completions", json={"messages": []}), 400)
+    assert err["param"] == "messages"
+
+
+def test_unknown_model_and_route_answer_404(client):
+    err = _error(client.post("/v1/completions", json={"prompt": "x", "model": "gpt-9"}), 404)
+    assert "gpt-9" in err["message"] and "fake-model" in err["message"] and err["code"] == "model_not_found"
+    _error(client.post("/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}), 404)
+    _error(client.get("/v1/nothing"), 404)
+    _error(client.get("/v1/completions"), 405)
+
+
+def test_api_key(fake_engine):
+    with TestClient(create_app(fake_engine(), api_key="sk-right")) as c:
+        body = {"prompt": "x", "max_tokens": 2}
+        assert _error(c.post("/v1/completions", json=body), 401)["type"] == "authentication_error"
+        _error(c.post("/v1/completions", json=body, headers={"Authorization": "Bearer sk-wrong"}), 401)
+        _error(c.get("/v1/models"), 401)
+        _error(c.post("/tokenize", json={"prompt": "x"}), 401)
+        assert c.post("/v1/completions", json=body, headers={"Authorization": "Bearer sk-right"}).status_code == 200
+        assert c.get("/health").status_code == 200 and c.get("/metrics").status_code == 200
+
+
+def test_draining_server_answers_503_with_retry_after(fake_engine):
+    app = create_app(fake_engine())
+    with TestClient(app) as c:
+        app.state.servelab.begin_drain()
+        resp = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2})
+        err = _error(resp, 503)
+        assert "shutting down" in err["message"] and resp.headers["retry-after"] == "1"
+        assert c.get("/health").status_code == 503
+
+
+def test_a_failing_step_answers_500_and_the_next_request_succeeds(fake_engine):
+    app = create_app(fake_engine(fail_steps={2}))
+    with TestClient(app) as c:
+        err = _error(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 5}), 500)
+        assert "injected failure" in err["message"]
+        events = _sse(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 5, "stream": True, "ignore_eos": True}))
+        assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
+        assert c.get("/health").status_code == 200
+
+
+def test_metrics_count_every_request(client):
+    before = client.get("/metrics").text
+    ttft0 = _metric(before, "servelab:time_to_first_token_seconds", "servelab:time_to_first_token_seconds_count")
+    gen0 = _metric(before, "servelab:generation_tokens", "servelab:generation_tokens_total")
+    for max_tokens in (2, 3, 4):
+        client.post("/v1/completions", json={"prompt": "hi", "max_tokens": max_tokens, "ignore_eos": True})
+    client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 2, "ignore_eos": True})
+    after = client.get("/metrics").text
+    assert _metric(after, "servelab:time_to_first_token_seconds", "servelab:time_to_first_token_seconds_count") == ttft0 + 5
+    assert _metric(after, "servelab:generation_tokens", "servelab:generation_tokens_total") == gen0 + 2 + 3 + 4 + 4
+    assert _metric(after, "servelab:request_success", "servelab:request_success_total", finished_reason="length") >= 5
+    assert _metric(after, "servelab:num_requests_running") == 0
+    assert _metric(after, "servelab:kv_cache_usage_perc") == 0
