@@ -214,7 +214,7 @@ def memory(p: Params) -> dict[str, Any]:
         max_batch = plan.max_batch(context) if plan.weights_fit else 0
         b = batch_at_tpot(rl, context, max_batch, tpot_ms / 1e3)
         step_s = rl.decode(b, context).time_s if b else None
-        variants["label"].append(f"W {w} · KV {k} · {'GQA' if a == 'gqa' else 'full'}")
+        variants["label"].append(f"W {w}<br>KV {k}<br>{'GQA' if a == 'gqa' else 'full'}")
         variants["weight_dtype"].append(w)
         variants["kv_dtype"].append(k)
         variants["attention"].append(a)
@@ -245,7 +245,8 @@ def memory(p: Params) -> dict[str, Any]:
                  f"{fmt(tpot_ms)} ms TPOT")
     else:
         yours = f"your choice cannot meet {fmt(tpot_ms)} ms TPOT at {context:,} tokens of context"
-    notice = (f"{yours}; {variants['label'][best]} serves {fmt(variants['tokens_per_s_per_gpu'][best])}. "
+    best_label = variants["label"][best].replace("<br>", " · ")
+    notice = (f"{yours}; {best_label} serves {fmt(variants['tokens_per_s_per_gpu'][best])}. "
               f"Full attention needs {s.model.num_heads // s.model.num_kv_heads}x the KV per token of GQA here.")
     return {
         "config": {**s.to_dict(), "attention": attention, "context": context, "tpot_ms": tpot_ms},

@@ -73,7 +73,7 @@ const LESSONS = [
             { x: d.sweep.batch, y: d.sweep.tokens_per_s_per_user, mode: "lines+markers", name: "tokens/s per user", yaxis: "y2" },
             { x: [d.selected.batch], y: [d.selected.tokens_per_s_total], mode: "markers", name: "your batch", marker: { size: 14, symbol: "star", color: "#c62828" } },
           ],
-          layout: baseLayout("Throughput in total and per user", "batch size", "total tokens/s", { xaxis: LOG_X, rest: {
+          layout: baseLayout("Throughput in total and per user", "batch size", "total tokens/s", { xaxis: LOG_X, rest: { margin: { l: 64, r: 64, t: 44, b: 52 },
             yaxis2: { title: { text: "tokens/s per user" }, overlaying: "y", side: "right", rangemode: "tozero" },
             shapes: d.crossover_batch ? [{ type: "line", x0: d.crossover_batch, x1: d.crossover_batch, y0: 0, y1: 1, yref: "paper", line: { dash: "dash", color: "#999" } }] : [],
             annotations: d.crossover_batch ? [{ x: Math.log10(d.crossover_batch), y: 1, yref: "paper", yanchor: "bottom", showarrow: false, text: "compute catches up: batch " + d.crossover_batch }] : [] } }) }) },
@@ -83,9 +83,9 @@ const LESSONS = [
             { type: "bar", x: d.sweep.batch.map(String), y: d.sweep.kv_gb, name: "KV read" },
             { x: d.sweep.batch.map(String), y: d.sweep.step_ms, mode: "lines+markers", name: "step time (ms)", yaxis: "y2", line: { color: "#c62828" } },
           ],
-          layout: baseLayout("Bytes per decode step: weights vs KV", "batch size", "GB read per step", { rest: { barmode: "stack",
+          layout: baseLayout("Bytes per decode step: weights vs KV", "batch size", "GB read per step", { xaxis: { type: "category" }, rest: { barmode: "stack", margin: { l: 64, r: 64, t: 44, b: 52 },
             yaxis2: { title: { text: "step time (ms)" }, overlaying: "y", side: "right", rangemode: "tozero" } } }) }) },
-      { id: "memory", wide: true, make: (d) => ({
+      { id: "memory", wide: true, short: true, make: (d) => ({
           data: [
             { type: "bar", orientation: "h", y: ["memory"], x: [d.memory.weights_gb], name: "weights", marker: { color: "#2d6cdf" } },
             { type: "bar", orientation: "h", y: ["memory"], x: [d.memory.kv_gb], name: "KV cache at this batch and context",
@@ -132,7 +132,7 @@ const LESSONS = [
       { id: "steps-" + mode, make: (d) => ({
           data: [{ type: "bar", x: d[mode].steps.start_ms, y: d[mode].steps.duration_ms, width: d[mode].steps.duration_ms, offset: 0,
                    marker: { color: d[mode].steps.prefill_tokens.map((t) => (t > 0 ? "#c62828" : "#2d6cdf")) },
-                   text: d[mode].steps.prefill_tokens.map((t) => (t > 0 ? t + " prefill tokens" : "decode only")), name: "step" }],
+                   hovertext: d[mode].steps.prefill_tokens.map((t) => (t > 0 ? t + " prefill tokens" : "decode only")), name: "step" }],
           layout: baseLayout(d[mode].label + ": step durations (red = carries prefill)", "time (ms)", "step duration (ms)",
             { rest: { xaxis: { title: { text: "time (ms)" }, range: d.time_range_ms } } }) }) },
       { id: "tokens-" + mode, make: (d) => ({
@@ -158,7 +158,7 @@ const LESSONS = [
           layout: baseLayout("TTFT (disaggregated includes the KV transfer)", "TTFT (ms)", "fraction of requests") }) },
       { id: "itl", make: (d) => ({
           data: [...cdfTraces(d.colocated.itl_ms, d.colocated.label, "#2d6cdf"), ...cdfTraces(d.disaggregated.itl_ms, d.disaggregated.label, "#e07b00")],
-          layout: baseLayout("Inter-token latency", "ITL (ms)", "fraction of token gaps") }) },
+          layout: baseLayout("Inter-token latency", "ITL (ms, log scale)", "fraction of token gaps", { xaxis: { type: "log" } }) }) },
     ],
   },
   {
@@ -171,10 +171,10 @@ const LESSONS = [
     charts: [
       { id: "max-batch", make: (d) => ({
           data: [{ type: "bar", x: d.variants.label, y: d.variants.max_batch, marker: { color: d.variants.selected.map((s) => (s ? "#c62828" : "#2d6cdf")) }, name: "largest batch" }],
-          layout: baseLayout("Largest batch that fits at this context", "", "sequences") }) },
+          layout: baseLayout("Largest batch that fits at this context", "", "sequences", { rest: { margin: { l: 64, r: 20, t: 44, b: 80 } } }) }) },
       { id: "capacity", make: (d) => ({
           data: [{ type: "bar", x: d.variants.label, y: d.variants.tokens_per_s_per_gpu, marker: { color: d.variants.selected.map((s) => (s ? "#c62828" : "#43a047")) }, name: "tokens/s" }],
-          layout: baseLayout("Capacity at the TPOT target (tokens/s per GPU)", "", "tokens/s") }) },
+          layout: baseLayout("Capacity at the TPOT target (tokens/s per GPU)", "", "tokens/s", { rest: { margin: { l: 64, r: 20, t: 44, b: 80 } } }) }) },
     ],
   },
   {
@@ -376,7 +376,7 @@ function openLesson(id, values) {
   for (const chart of lesson.charts) {
     const div = document.createElement("div");
     div.id = "chart-" + chart.id;
-    div.className = "chart" + (chart.wide ? " wide" : "");
+    div.className = "chart" + (chart.wide ? " wide" : "") + (chart.short ? " short" : "");
     charts.appendChild(div);
   }
   refresh();

@@ -1,0 +1,321 @@
+"""The lab's JSON API: every lesson's numbers are the roofline's or the simulator's, and bad
+parameters get a 400 that names the parameter."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from servelab.cost import MemoryPlan, Roofline
+from servelab.lab.roofline_lessons import full_attention
+from servelab.metrics import SLO
+from servelab.sim import SimConfig, simulate
+from servelab.spec import get_hardware, get_model
+from servelab.workload import WorkloadSpec
+
+MODEL, HW = get_model("llama-3.1-8b"), get_hardware("h100-sxm")
+
+
+def rl(model=MODEL, hw=HW, w="bf16", k="bf16", tp=1) -> Roofline:
+    return Roofline(model, hw, w, k, tp)
+
+
+def get(client, lesson: str, **params) -> dict:
+    response = client.get(f"/api/lessons/{lesson}", params=params)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def error(client, lesson: str, status: int = 400, **params) -> str:
+    response = client.get(f"/api/lessons/{lesson}", params=params)
+    assert response.status_code == status, response.text
+    return response.json()["error"]["message"]
+
+
+# ---- catalog and page -------------------------------------------------------------------------
+
+def test_catalog_lists_the_catalogs_and_seed_defaults(client):
+    cat = client.get("/api/catalog").json()
+    assert {m["name"] for m in cat["models"]} >= {"llama-3.1-8b", "llama-3.1-70b"}
+    assert "h100-sxm" in {h["name"] for h in cat["hardware"]}
+    assert cat["weight_dtypes"][0] == "bf16" and "fp8" in cat["kv_dtypes"]
+    assert len(cat["lessons"]) == 7
+    for lesson in cat["lessons"]:
+        d = cat["defaults"][lesson]
+        assert (d["model"], d["hardware"], d["weight_dtype"], d["kv_dtype"]) == ("llama-3.1-8b", "h100-sxm", "bf16", "bf16")
+
+
+def test_page_and_static_files_are_served_offline(client):
+    page = client.get("/")
+    assert page.status_code == 200
+    assert 'src="static/plotly.min.js"' in page.text
+    assert "http://" not in page.text and "https://" not in page.text  # nothing from a CDN
+    import plotly
+
+    bundled = (__import__("pathlib").Path(plotly.__file__).parent / "package_data" / "plotly.min.js").read_bytes()
+    js = client.get("/static/plotly.min.js")
+    assert js.status_code == 200 and js.content == bundled
+    assert client.get("/static/lab.js").status_code == 200
+    assert client.get("/static/lab.css").headers["content-type"].startswith("text/css")
+    assert client.get("/static/secrets.txt").status_code == 404
+
+
+def test_unknown_lesson_is_404_naming_the_lessons(client):
+    message = error(client, "nope", status=404)
+    assert "nope" in message and "batching" in message
+
+
+# ---- 1. two workloads -----------------------------------------------------------------------
+
+def test_two_workloads_is_the_roofline(client):
+    d = get(client, "two-workloads", prompt_len=2048, batch=1)
+    r = rl()
+    prefill, decode = r.prefill(2048), r.decode(1, 2048)
+    assert d["prefill"]["time_ms"] == pytest.approx(prefill.time_s * 1e3)
+    assert d["decode"]["time_ms"] == pytest.approx(decode.time_s * 1e3)
+    assert d["phases"]["time_ms"] == pytest.approx([prefill.time_s * 1e3, decode.time_s * 1e3])
+    assert d["prefill"]["intensity"] == pytest.approx(prefill.arithmetic_intensity)
+    assert d["decode"]["achieved_tflops"] == pytest.approx(decode.flops / decode.time_s / 1e12)
+    assert d["ridge_flops_per_byte"] == pytest.approx(r.ridge_flops_per_byte)
+    # The seed's figures: intensity ~1 at batch 1 against a ridge of ~300; prefill is compute-bound.
+    assert d["decode"]["intensity"] == pytest.approx(1.0, abs=0.2)
+    assert 250 < d["ridge_flops_per_byte"] < 350
+    assert (d["prefill"]["bound"], d["decode"]["bound"]) == ("compute", "memory")
+    i = d["sweep"]["prompt_len"].index(8192)
+    assert d["sweep"]["prefill_ms"][i] == pytest.approx(r.prefill(8192).time_s * 1e3)
+    # The roofline curve is min(peak, bandwidth x intensity) at the datasheet peaks.
+    x, y = d["roofline"]["intensity"], d["roofline"]["attainable_tflops"]
+    for xi, yi in zip(x, y):
+        assert yi == pytest.approx(min(r.peak_flops_per_s, xi * r.peak_bandwidth_bytes_per_s) / 1e12)
+    assert "below the ridge" in d["notice"]
+
+
+def test_two_workloads_other_model_hardware_and_dtype(client):
+    d = get(client, "two-workloads", model="qwen2.5-7b", hardware="a100-80gb", weight_dtype="fp8", kv_dtype="fp8",
+            prompt_len=1000, batch=8)
+    r = Roofline(get_model("qwen2.5-7b"), get_hardware("a100-80gb"), "fp8", "fp8")
+    assert d["decode"]["time_ms"] == pytest.approx(r.decode(8, 1000).time_s * 1e3)
+    assert 1000 in d["sweep"]["prompt_len"]
+
+
+@pytest.mark.parametrize(
+    "params, needle",
+    [
+        ({"batch": "0"}, "batch: must be between 1 and 4096"),
+        ({"batch": "abc"}, "batch: 'abc' is not an integer"),
+        ({"prompt_len": "200000"}, "exceeds llama-3.1-8b's maximum context"),
+        ({"model": "gpt-9"}, "model: unknown value 'gpt-9'"),
+        ({"weight_dtype": "fp4"}, "weight_dtype: unknown value"),
+        ({"tp": "3"}, "tp: unknown value '3'"),
+        ({"model": "llama-3.1-70b"}, "the weights take"),  # does not fit one H100: says why
+        ({"batch": "4096", "prompt_len": "8192"}, "the limit at this context is batch"),
+    ],
+)
+def test_two_workloads_bad_parameters(client, params, needle):
+    assert needle in error(client, "two-workloads", **params)
+
+
+def test_tp_that_does_not_divide_the_heads_is_a_400(client):
+    assert "does not divide" in error(client, "two-workloads", model="smollm2-135m", tp="2")
+
+
+# ---- 2. batching ----------------------------------------------------------------------------
+
+def test_batching_is_the_roofline_and_reproduces_the_seed(client):
+    d = get(client, "batching", batch=64, context=2048)
+    r = rl()
+    for b, total, user, kv in zip(d["sweep"]["batch"], d["sweep"]["tokens_per_s_total"],
+                                  d["sweep"]["tokens_per_s_per_user"], d["sweep"]["kv_gb"]):
+        c = r.decode(b, 2048)
+        assert total == pytest.approx(b / c.time_s)
+        assert user == pytest.approx(1 / c.time_s)
+        assert kv == pytest.approx((c.kv_read_bytes + c.kv_write_bytes) / 1e9)
+    sel = d["selected"]
+    # seed: ~70 tok/s per user and ~4,500 in total at batch 64, 2K contexts; ~150 at batch 1
+    assert sel["tokens_per_s_per_user"] == pytest.approx(70, rel=0.1)
+    assert sel["tokens_per_s_total"] == pytest.approx(4500, rel=0.1)
+    assert d["sweep"]["tokens_per_s_total"][0] == pytest.approx(150, rel=0.1)
+    plan = MemoryPlan(MODEL, HW)
+    assert d["memory"]["fits"] is True
+    assert d["memory"]["max_batch"] == plan.max_batch(2048)
+    assert d["memory"]["kv_gb"] == pytest.approx(plan.kv_bytes(64, 2048) / 1e9)
+    assert d["crossover_batch"] == r.compute_bound_batch(2048)
+    assert d["warning"] is None
+
+
+def test_batching_crossover_exists_at_short_context(client):
+    d = get(client, "batching", batch=8, context=64)
+    assert d["crossover_batch"] == rl().compute_bound_batch(64) is not None
+    assert rl().decode(d["crossover_batch"], 64).bound == "compute"
+    assert 8 in d["sweep"]["batch"]
+
+
+def test_batching_memory_bar_says_why_it_does_not_fit(client):
+    d = get(client, "batching", batch=512, context=8192)
+    assert d["memory"]["fits"] is False
+    assert "the limit at this context is batch" in d["warning"]
+    assert d["memory"]["max_batch"] == MemoryPlan(MODEL, HW).max_batch(8192)
+    big = get(client, "batching", model="llama-3.1-70b")
+    assert big["memory"]["fits"] is False and "the weights take" in big["warning"]
+    assert get(client, "batching", model="llama-3.1-70b", tp="4")["memory"]["fits"] is True
+
+
+@pytest.mark.parametrize("params", [{"batch": "-1"}, {"context": "0"}, {"context": "2.5"}, {"hardware": "tpu"}])
+def test_batching_bad_parameters(client, params):
+    name = next(iter(params))
+    assert error(client, "batching", **params).startswith(name)
+
+
+# ---- 6. memory ------------------------------------------------------------------------------
+
+def test_memory_variants_are_the_memory_plan_and_roofline(client):
+    d = get(client, "memory", context=8192, tpot_ms=50)
+    v = d["variants"]
+    assert sum(v["selected"]) == 1 and v["selected"][0]
+    for w, k, a, max_batch, b, tps in zip(v["weight_dtype"], v["kv_dtype"], v["attention"], v["max_batch"],
+                                          v["batch_at_tpot"], v["tokens_per_s_per_gpu"]):
+        model = MODEL if a == "gqa" else full_attention(MODEL)
+        plan = MemoryPlan(model, HW, w, k)
+        assert max_batch == plan.max_batch(8192)
+        r = Roofline(model, HW, w, k)
+        # The largest batch within the TPOT target: it meets it, and one more either misses or does not fit.
+        assert b >= 1
+        assert r.decode(b, 8192).time_s <= 0.050
+        assert b == max_batch or r.decode(b + 1, 8192).time_s > 0.050
+        assert tps == pytest.approx(b / r.decode(b, 8192).time_s)
+    kv = dict(zip(zip(v["weight_dtype"], v["kv_dtype"], v["attention"]), v["kv_kb_per_token"]))
+    assert kv[("bf16", "bf16", "full")] == pytest.approx(4 * kv[("bf16", "bf16", "gqa")])  # 32 heads vs 8 KV heads
+    assert kv[("bf16", "fp8", "gqa")] == pytest.approx(kv[("bf16", "bf16", "gqa")] / 2)
+
+
+def test_memory_selected_variant_follows_the_controls(client):
+    d = get(client, "memory", weight_dtype="int8", kv_dtype="fp8", attention="full", context=4096, tpot_ms=30)
+    i = d["variants"]["selected"].index(True)
+    assert (d["variants"]["weight_dtype"][i], d["variants"]["kv_dtype"][i], d["variants"]["attention"][i]) == (
+        "int8", "fp8", "full")
+    assert d["selected"]["max_batch"] == MemoryPlan(full_attention(MODEL), HW, "int8", "fp8").max_batch(4096)
+
+
+def test_memory_tight_target_and_bad_parameters(client):
+    d = get(client, "memory", tpot_ms=1)  # below even one weight read
+    assert all(b == 0 for b in d["variants"]["batch_at_tpot"])
+    assert "cannot meet" in d["notice"]
+    assert "attention: unknown value" in error(client, "memory", attention="mqa")
+    assert error(client, "memory", tpot_ms="0").startswith("tpot_ms: must be between")
+    assert error(client, "memory", tpot_ms="nan").startswith("tpot_ms")
+    assert "maximum context" in error(client, "memory", context=500000)
+    too_big = get(client, "memory", model="llama-3.1-405b")
+    assert "the weights take" in too_big["warning"]
+
+
+# ---- 3. SLOs -----------------------------------------------------------------------------------
+
+def test_slo_numbers_are_the_simulators(client):
+    d = get(client, "slo", rate=12, ttft_slo_ms=100, tpot_slo_ms=12, prompt_len=1024, output_len=128)
+    slo = SLO(ttft_s=0.1, tpot_s=0.012)
+    result = simulate(SimConfig(slo=slo), WorkloadSpec(num_requests=d["config"]["num_requests"], rate=12,
+                                                       input_len="512-1536", output_len="64-192", seed=0))
+    sm = result.summary
+    assert d["ttft_ms"]["percentiles"]["p90"] == pytest.approx(sm.ttft_s.p90 * 1e3)
+    assert d["tpot_ms"]["percentiles"]["p99"] == pytest.approx(sm.tpot_s.p99 * 1e3)
+    assert d["goodput_rps"] == pytest.approx(sm.goodput)
+    assert d["attainment"]["both"] == pytest.approx(sm.slo_attainment)
+    ttfts = sorted(r.ttft_s * 1e3 for r in result.records if r.success)
+    assert d["ttft_ms"]["x"] == pytest.approx(ttfts)
+    assert d["ttft_ms"]["cdf"][-1] == 1.0
+    ttft_ok = sum(r.ttft_s <= 0.1 for r in result.records if r.success) / len(result.records)
+    assert d["attainment"]["ttft"] == pytest.approx(ttft_ok)
+    assert 0 < sm.slo_attainment < 1  # the targets chosen to bind
+
+
+def test_slo_higher_rate_raises_tail_latency(client):
+    low = get(client, "slo", rate=2)
+    high = get(client, "slo", rate=40)
+    assert high["ttft_ms"]["percentiles"]["p90"] > low["ttft_ms"]["percentiles"]["p90"]
+    assert high["tpot_ms"]["percentiles"]["p90"] > low["tpot_ms"]["percentiles"]["p90"]
+
+
+@pytest.mark.parametrize("params, needle", [
+    ({"rate": "0"}, "rate: must be between 0.1 and 1000"),
+    ({"output_len": "1"}, "output_len: must be between 2"),
+    ({"prompt_len": "100000", "output_len": "8000"}, "exceeds llama-3.1-8b's maximum context"),
+    ({"model": "llama-3.1-70b"}, "the weights take"),
+])
+def test_slo_bad_parameters(client, params, needle):
+    assert needle in error(client, "slo", **params)
+
+
+# ---- 4. chunked prefill -----------------------------------------------------------------------------
+
+def test_chunked_prefill_shows_the_stall_and_its_fix(client):
+    d = get(client, "chunked-prefill", prompt_len=8192, decode_batch=16, chunk_tokens=512)
+    first, chunked = d["prefill_first"], d["chunked"]
+    # Prefill-first runs the long prompt alone in one step: exactly the roofline's prefill.
+    i = first["steps"]["prefill_tokens"].index(8192)
+    assert first["steps"]["duration_ms"][i] == pytest.approx(rl().prefill(8192).time_s * 1e3)
+    assert max(first["steps"]["duration_ms"]) == first["longest_step_ms"]
+    # Chunked never puts more than the budget into one step.
+    assert max(chunked["steps"]["prefill_tokens"]) <= 512
+    assert sum(chunked["steps"]["prefill_tokens"]) >= 8192
+    # Every decoding user stalls for the whole prefill without chunking.
+    assert first["max_user_gap_ms"] >= rl().prefill(8192).time_s * 1e3
+    assert chunked["max_user_gap_ms"] < first["max_user_gap_ms"] / 5
+    assert set(first["tokens"]["seq"]) == set(range(16))
+    assert first["long_tokens"]["seq"] and set(first["long_tokens"]["seq"]) == {16}
+    lo, hi = d["time_range_ms"]
+    assert all(lo <= t <= hi for t in first["tokens"]["time_ms"])
+
+
+def test_chunked_prefill_bad_parameters(client):
+    assert error(client, "chunked-prefill", chunk_tokens=8).startswith("chunk_tokens: must be between 16")
+    assert error(client, "chunked-prefill", decode_batch=1000).startswith("decode_batch: must be between 1 and 64")
+    assert "smollm2-135m's maximum context" in error(client, "chunked-prefill", model="smollm2-135m", prompt_len=16384)
+
+
+# ---- 5. disaggregated ---------------------------------------------------------------------------------
+
+def test_disaggregated_is_the_simulators(client):
+    d = get(client, "disaggregated", rate=6, prefill_gpus=1, decode_gpus=1, link_gbps=50, prompt_len=2048,
+            output_len=128)
+    n = d["config"]["num_requests"]
+    workload = WorkloadSpec(num_requests=n, rate=6, input_len="1024-3072", output_len="64-192", seed=0)
+    colocated = simulate(SimConfig(replicas=2), workload)
+    split = simulate(SimConfig(disagg=(1, 1), link_bandwidth_bytes_per_s=50e9), workload)
+    assert d["colocated"]["ttft_ms"]["percentiles"]["p90"] == pytest.approx(colocated.summary.ttft_s.p90 * 1e3)
+    assert d["disaggregated"]["ttft_ms"]["percentiles"]["p90"] == pytest.approx(split.summary.ttft_s.p90 * 1e3)
+    assert d["disaggregated"]["itl_ms"]["percentiles"]["p99"] == pytest.approx(split.summary.itl_s.p99 * 1e3)
+    assert d["disaggregated"]["kv_transfer_ms"]["p50"] == pytest.approx(split.kv_transfer_s.p50 * 1e3)
+    # The lesson's claim: decode never waits on a prefill, so the ITL tail shrinks; TTFT pays the transfer.
+    assert d["disaggregated"]["itl_ms"]["percentiles"]["p99"] < d["colocated"]["itl_ms"]["percentiles"]["p99"]
+    assert d["disaggregated"]["kv_transfer_ms"]["p50"] > 0
+    x = d["colocated"]["itl_ms"]["x"]
+    assert x == sorted(x) and len(x) == 201
+
+
+def test_disaggregated_slower_link_costs_ttft(client):
+    fast = get(client, "disaggregated", link_gbps=400)
+    slow = get(client, "disaggregated", link_gbps=2)
+    assert slow["disaggregated"]["kv_transfer_ms"]["p50"] > 10 * fast["disaggregated"]["kv_transfer_ms"]["p50"]
+    assert slow["disaggregated"]["ttft_ms"]["percentiles"]["p50"] > fast["disaggregated"]["ttft_ms"]["percentiles"]["p50"]
+
+
+def test_disaggregated_bad_parameters(client):
+    assert "at most 8 replicas" in error(client, "disaggregated", prefill_gpus=4, decode_gpus=6)
+    assert error(client, "disaggregated", link_gbps="fast").startswith("link_gbps: 'fast' is not a number")
+
+
+# ---- helpers -------------------------------------------------------------------------------------
+
+def test_cdf_of_many_samples_uses_quantiles():
+    from servelab.lab.sim_lessons import CDF_POINTS, cdf
+
+    values = np.random.default_rng(0).exponential(size=5000)
+    out = cdf(values, scale=1.0)
+    assert len(out["x"]) == CDF_POINTS and out["count"] == 5000
+    assert out["x"][0] == pytest.approx(values.min()) and out["x"][-1] == pytest.approx(values.max())
+    assert out["x"][100] == pytest.approx(float(np.median(values)))
+    few = cdf([3.0, 1.0, 2.0], scale=1.0)
+    assert few["x"] == [1.0, 2.0, 3.0] and few["cdf"] == pytest.approx([1 / 3, 2 / 3, 1.0])
+    assert math.isclose(few["cdf"][-1], 1.0)
