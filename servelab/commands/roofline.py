@@ -154,8 +154,8 @@ def _header(roofline: Any, context: int) -> list[str]:
         f"memory: KV {plan.kv_bytes_per_token_per_device:,.0f} bytes/token/device; {plan.kv_capacity_bytes / 1e9:.1f} GB "
         f"left at {plan.memory_fraction:.0%} of {hw.memory_bytes / 1e9:.0f} GB = {plan.kv_capacity_tokens:,} tokens "
         f"= batch {plan.max_batch(context):,} at context {context}",
-        f"predicted at {eff.bandwidth_fraction:.0%} of peak bandwidth, {eff.compute_fraction:.0%} of peak compute, "
-        f"{eff.step_overhead_s * 1e3:.2f} ms per step",
+        f"predicted at {eff.bandwidth_fraction:.0%} of peak bandwidth and {eff.compute_fraction:.0%} of peak compute "
+        f"(ridge {roofline.achievable_ridge_flops_per_byte:.0f} FLOP/byte), {eff.step_overhead_s * 1e3:.2f} ms per step",
     ]
 
 

@@ -135,6 +135,12 @@ class Roofline:
         """One token through every active parameter at the datasheet peak (the seed's 0.016 ms)."""
         return (self._flops_per_token + self._flops_per_seq) / self.peak_flops_per_s
 
+    @property
+    def achievable_ridge_flops_per_byte(self) -> float:
+        """The intensity at which a step turns compute-bound at the achievable rates, which is
+        where `StepCost.bound` flips (below the datasheet ridge when compute falls short more)."""
+        return self._flops_per_s / self._bytes_per_s
+
     # ---- pricing a step ---------------------------------------------------------------------
     def _weight_bytes(self, num_tokens: int) -> float:
         if self._num_experts == 1:

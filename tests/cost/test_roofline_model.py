@@ -70,6 +70,9 @@ def test_breakdown_is_consistent():
     assert s.compute_time_s == pytest.approx(s.peak_compute_time_s / eff.compute_fraction)
     assert s.memory_time_s == pytest.approx(s.peak_memory_time_s / eff.bandwidth_fraction)
     assert s.bound == ("compute" if s.compute_time_s > s.memory_time_s else "memory")
+    for batch in (1, 300, 600, 2000):  # the bound flips at the ridge of the achievable rates
+        d = r.decode(batch, 64)
+        assert (d.bound == "compute") == (d.arithmetic_intensity > r.achievable_ridge_flops_per_byte)
     assert set(s.to_dict()) >= {"time_s", "flops", "bound", "arithmetic_intensity", "ridge_flops_per_byte"}
 
 
