@@ -8,11 +8,12 @@ loaded inside `LLMEngine.from_args`, so the CLI and the server start fast until 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from servelab.core.plan import TokenLogprobs
-from servelab.core.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from servelab.core.plan import RequestOutput, TokenLogprobs
+from servelab.core.sequence import FinishReason, SamplingParams, Sequence
+from servelab.engine.detokenizer import RequestTextStream
 from servelab.errors import InvalidArgument, RequestTooLong
 
 if TYPE_CHECKING:
@@ -84,14 +85,11 @@ class EngineStats:
 
 @dataclass(slots=True)
 class _RequestState:
-    """Per-request text state: detokenizer and stop-string matcher."""
+    """Per-request text state: the detokenizer and stop-string matcher, and the text so far."""
 
     seq: Sequence
-    detokenizer: object
-    stop_checker: object | None
-    text_len_sent: int = 0
-    pending_text: str = ""  # decoded but held back: it may be the start of a stop string
-    output_text: str = field(default="")
+    stream: RequestTextStream
+    output_text: str = ""
 
 
 class LLMEngine:
@@ -228,11 +226,8 @@ class LLMEngine:
         return seq
 
     def _new_state(self, seq: Sequence) -> _RequestState:
-        from servelab.engine.detokenizer import IncrementalDetokenizer, StopChecker
-
-        detok = IncrementalDetokenizer(self.tokenizer, seq.prompt_token_ids, skip_special_tokens=True)
-        checker = StopChecker(list(seq.params.stop)) if seq.params.stop else None
-        return _RequestState(seq=seq, detokenizer=detok, stop_checker=checker)
+        stream = RequestTextStream(self.tokenizer, seq.prompt_token_ids, seq.params.stop, skip_special_tokens=True)
+        return _RequestState(seq=seq, stream=stream)
 
     def abort(self, request_id: str) -> bool:
         """Cancels a request; its stream gets one last output with finish_reason ABORT on the next step."""
@@ -264,28 +259,28 @@ class LLMEngine:
                 outputs.append(out)
         return outputs
 
-    def _process(self, ro) -> EngineOutput | None:
+    def _process(self, ro: RequestOutput) -> EngineOutput | None:
         state = self._requests.get(ro.request_id)
         if state is None:  # aborted while its step ran
             return None
         seq = state.seq
         finished, reason = ro.finished, ro.finish_reason
-        text = state.detokenizer.add(ro.new_token_ids) if ro.new_token_ids else ""
-        if state.stop_checker is not None and not (finished and reason is FinishReason.STOP and seq.stop_reason is not None and isinstance(seq.stop_reason, str)):
-            check_stop = seq.num_output_tokens >= seq.params.min_tokens
-            emit, stop = state.stop_checker.feed(text, check=check_stop, final=finished)
-            if stop is not None and not finished:
+        delta = state.stream.add(ro.new_token_ids) if ro.new_token_ids else None
+        text = delta.text if delta is not None else ""
+        stop = delta.stop if delta is not None else None
+        if stop is None and finished:
+            tail = state.stream.flush()  # held-back text was not a stop string after all (or is one now)
+            text += tail.text
+            stop = tail.stop
+        if stop is not None:
+            if not finished:
                 self.scheduler.finish(seq.request_id, FinishReason.STOP, time.perf_counter(), stop)
-                finished, reason = True, FinishReason.STOP
-            elif stop is not None:
-                seq.finish_reason = reason = FinishReason.STOP
-                seq.stop_reason = stop
-            text = emit
+            seq.finish_reason = reason = FinishReason.STOP
+            seq.stop_reason = stop
+            finished = True
         state.output_text += text
         if finished:
             self._requests.pop(ro.request_id, None)
-        if not (ro.new_token_ids or finished):
-            return None
         return EngineOutput(ro.request_id, list(ro.new_token_ids), text, finished, reason, ro.logprobs, seq)
 
     def output_text(self, request_id: str) -> str | None:
@@ -293,16 +288,14 @@ class LLMEngine:
         return None if state is None else state.output_text
 
     def stats(self) -> EngineStats:
-        sch = self.scheduler
-        bm = sch.block_manager
-        total = self.scheduler_config.num_blocks
+        s = self.scheduler.stats()
         return EngineStats(
-            num_running=sch.num_running,
-            num_waiting=sch.num_waiting,
-            kv_cache_usage=float(bm.usage),
-            num_blocks_total=total,
-            num_blocks_free=int(bm.num_free_blocks),
-            num_preemptions=int(sch.num_preemptions),
-            prefix_cache_hits=int(getattr(bm, "prefix_cache_hit_tokens", 0)),
-            prefix_cache_queries=int(getattr(bm, "prefix_cache_query_tokens", 0)),
+            num_running=s.num_running,
+            num_waiting=s.num_waiting,
+            kv_cache_usage=float(s.kv_usage),
+            num_blocks_total=self.scheduler_config.num_blocks,
+            num_blocks_free=int(s.num_free_blocks),
+            num_preemptions=int(s.num_preemptions),
+            prefix_cache_hits=int(s.prefix_cache_hits),
+            prefix_cache_queries=int(s.prefix_cache_queries),
         )

@@ -1,0 +1,52 @@
+"""The paged KV cache: per layer, K and V of shape [num_blocks, block_size, kv_heads, head_dim].
+
+The scheduler's block manager owns which blocks belong to whom; this module owns only the
+memory. A token at position p of a sequence lives at flat slot
+`block_table[p // block_size] * block_size + p % block_size`, so the model sees each layer as a
+flat [num_blocks * block_size, kv_heads, head_dim] array and writes with one index_copy_.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from servelab.engine.model import ModelConfig
+from servelab.errors import DoesNotFit
+
+
+def dtype_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class PagedKVCache:
+    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, *, dtype: torch.dtype, device: str = "cpu"):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.num_layers = config.num_layers
+        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        try:
+            # empty, not zeros: pages are touched only as blocks fill, so a generous default pool
+            # costs no start-up time. Only block 0 must hold finite values: padded (masked) keys
+            # of batched decode attention point at slot 0, and NaN * 0 would still poison the sum.
+            self.k = torch.empty(shape, dtype=dtype, device=device)
+            self.v = torch.empty(shape, dtype=dtype, device=device)
+            self.k[:, 0].zero_()
+            self.v[:, 0].zero_()
+        except RuntimeError as exc:  # out of memory: a configuration error, not a crash
+            raise DoesNotFit(
+                f"KV cache of {num_blocks} blocks x {block_size} tokens needs "
+                f"{self.bytes_per_block(config, block_size, dtype) * num_blocks / 2**30:.2f} GiB "
+                f"on {device}, which cannot be allocated ({exc}); lower num_blocks or kv_cache_memory_bytes"
+            ) from exc
+        flat = (config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
+        self.k_layers = list(self.k.view(flat).unbind(0))
+        self.v_layers = list(self.v.view(flat).unbind(0))
+
+    @staticmethod
+    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+        """K and V of one block across every layer."""
+        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype_size(dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.nbytes + self.v.nbytes

@@ -1,0 +1,243 @@
+"""A Llama-family decoder written for serving: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), SmolLM.
+
+One forward pass takes a flattened batch of tokens from mixed prefill chunks and decodes
+(varlen). Each token carries its position and its KV slot; K/V go into the paged cache and each
+sequence attends over its own blocks. Only the positions that sample get logits.
+
+Shapes follow the HF checkpoint layout (weights are [out, in]) with Q/K/V fused into one matrix
+and gate/up into another, so a layer is four GEMMs. RoPE uses the HF rotate-half convention.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from servelab.errors import InvalidArgument
+
+
+@dataclass(slots=True)
+class ModelConfig:
+    """What the math needs. Built from an HF config.json or GGUF metadata by `weights`."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    architecture: str = "llama"
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+def rope_inv_freq(config: ModelConfig, freq_divisors: torch.Tensor | None = None) -> torch.Tensor:
+    """Inverse frequencies (fp32, [head_dim/2]), with llama3 / linear scaling applied like HF does."""
+    dim = config.head_dim
+    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if freq_divisors is not None:  # GGUF stores llama3 scaling as precomputed per-dimension divisors
+        return inv_freq / freq_divisors.float()
+    scaling = config.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / float(scaling["factor"])
+    if kind == "llama3":
+        factor = float(scaling["factor"])
+        low_freq_factor = float(scaling["low_freq_factor"])
+        high_freq_factor = float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+        low_freq_wavelen = old_len / low_freq_factor
+        high_freq_wavelen = old_len / high_freq_factor
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+        return torch.where(is_medium, smoothed, scaled)
+    raise InvalidArgument(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
+
+
+@dataclass(slots=True)
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    qkv_bias: torch.Tensor | None
+    o: torch.Tensor  # [hidden, q_size]
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Per-step tensors shared by every layer; built once by the executor.
+
+    Tokens are ordered: all decode tokens first (one per sequence), then the prefill chunks.
+    Decodes attend in one batched SDPA over a padded gather of their context; each prefill chunk
+    attends on its own (there are few per step and they are long, so padding them would waste).
+    """
+
+    positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [T] int64: flat KV slot per token
+    num_decodes: int
+    decode_ctx_slots: torch.Tensor | None  # [B, max_ctx] flat slots of each decode's context (padded with 0)
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_ctx] bool: True where the key is real
+    # Prefill chunks: (token offset in the batch, num tokens, start_pos, context slots [ctx] or None when start_pos == 0)
+    prefills: list[tuple[int, int, int, torch.Tensor | None]]
+    logits_indices: torch.Tensor  # [S] rows of the hidden states that sample
+
+
+class LlamaModel:
+    """Weights plus a forward pass; holds no per-request state (that lives in the KV cache)."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        embed: torch.Tensor,
+        layers: list[LayerWeights],
+        final_norm: torch.Tensor,
+        lm_head: torch.Tensor,
+        rope_freq_divisors: torch.Tensor | None = None,
+    ):
+        self.config = config
+        self.embed = embed
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.dtype = embed.dtype
+        self.device = embed.device
+        self.inv_freq = rope_inv_freq(config, rope_freq_divisors).to(self.device)
+        self._rope_len = 0
+        self._cos = self._sin = torch.empty(0)
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.lm_head.shape[0]
+
+    def num_parameters(self) -> int:
+        n = self.embed.numel() + self.final_norm.numel()
+        if self.lm_head.data_ptr() != self.embed.data_ptr():
+            n += self.lm_head.numel()
+        for layer in self.layers:
+            n += sum(t.numel() for t in (layer.input_norm, layer.qkv, layer.o, layer.post_norm, layer.gate_up, layer.down))
+            n += 0 if layer.qkv_bias is None else layer.qkv_bias.numel()
+        return n
+
+    def weight_bytes(self) -> int:
+        """Bytes one decode step reads: every weight once (the embedding row gather is negligible
+        unless the head is tied to it, and then it is read by the head)."""
+        return (self.num_parameters() - (0 if self.lm_head.data_ptr() == self.embed.data_ptr() else self.embed.numel())) * self.embed.element_size()
+
+    def _rope_tables(self, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if max_pos > self._rope_len:
+            n = max(max_pos, 2 * self._rope_len, 4096)
+            # Same fp32 arithmetic as HF's rotary embedding, so positions far out agree bit for bit.
+            freqs = torch.arange(n, device=self.device, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
+            emb = torch.cat((freqs, freqs), dim=-1)
+            self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+            self._rope_len = n
+        return self._cos, self._sin
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # Variance in fp32 as HF does: bf16 squares lose too much.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
+        return weight * xf.to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: list[torch.Tensor],
+        v_cache: list[torch.Tensor],
+    ) -> torch.Tensor:
+        """Returns fp32 logits [S, vocab] for the rows in `meta.logits_indices`.
+
+        `k_cache[l]` / `v_cache[l]` are flat views [num_slots, kv_heads, head_dim] of layer l's cache.
+        """
+        cfg = self.config
+        T = input_ids.shape[0]
+        H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        cos_table, sin_table = self._rope_tables(int(meta.positions.max()) + 1)
+        cos = cos_table[meta.positions].unsqueeze(1)  # [T, 1, D]
+        sin = sin_table[meta.positions].unsqueeze(1)
+        half = D // 2
+
+        def rope(x: torch.Tensor) -> torch.Tensor:
+            rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+            return x * cos + rotated * sin
+
+        x = self.embed[input_ids]
+        for li, layer in enumerate(self.layers):
+            h = self._rms_norm(x, layer.input_norm)
+            qkv = F.linear(h, layer.qkv, layer.qkv_bias)
+            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
+            q = rope(q.view(T, H, D))
+            k = rope(k.view(T, KV, D))
+            v = v.view(T, KV, D)
+            kc, vc = k_cache[li], v_cache[li]
+            kc.index_copy_(0, meta.slots, k)
+            vc.index_copy_(0, meta.slots, v)
+            attn = self._attention(q, k, v, kc, vc, meta)  # [T, H * D]
+            x = x + F.linear(attn, layer.o)
+            h = self._rms_norm(x, layer.post_norm)
+            gate, up = F.linear(h, layer.gate_up).chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate) * up, layer.down)
+        x = x[meta.logits_indices]
+        x = self._rms_norm(x, self.final_norm)
+        return F.linear(x, self.lm_head).float()
+
+    def _attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        cfg = self.config
+        H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        out = torch.empty(q.shape[0], H * D, dtype=q.dtype, device=q.device)
+        B = meta.num_decodes
+        if B:
+            qd = q[:B].unsqueeze(2)  # [B, H, 1, D]
+            kd = kc[meta.decode_ctx_slots].transpose(1, 2)  # [B, KV, ctx, D]
+            vd = vc[meta.decode_ctx_slots].transpose(1, 2)
+            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=H != KV)
+            out[:B] = o.reshape(B, H * D)
+        for offset, n, start_pos, ctx_slots in meta.prefills:
+            qp = q[offset : offset + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
+            if ctx_slots is None:  # the chunk is the whole context: plain causal attention
+                kp = k[offset : offset + n].transpose(0, 1).unsqueeze(0)
+                vp = v[offset : offset + n].transpose(0, 1).unsqueeze(0)
+                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=H != KV)
+            else:  # earlier context is in the cache (a previous chunk or a prefix-cache hit)
+                ctx = ctx_slots.shape[0]
+                kp = kc[ctx_slots].transpose(0, 1).unsqueeze(0)
+                vp = vc[ctx_slots].transpose(0, 1).unsqueeze(0)
+                qpos = torch.arange(start_pos, start_pos + n, device=q.device)[:, None]
+                mask = torch.arange(ctx, device=q.device)[None, :] <= qpos
+                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale, enable_gqa=H != KV)
+            out[offset : offset + n] = o[0].transpose(0, 1).reshape(n, H * D)
+        return out

@@ -1,0 +1,112 @@
+"""`ModelExecutor`: the core's Executor carried out by the real model.
+
+It turns a StepPlan into flat tensors (tokens, positions, KV slots, per-sequence context slots),
+runs one forward pass and samples. Decodes go first in the flat batch so they attend together in
+one padded SDPA; prefill chunks follow, each attending on its own.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+from servelab.core.plan import StepPlan, StepResult, TokenLogprobs
+from servelab.engine.kv_cache import PagedKVCache
+from servelab.engine.model import AttentionMetadata, LlamaModel
+from servelab.engine.sampler import Sampler
+
+
+class ModelExecutor:
+    def __init__(self, model: LlamaModel, kv_cache: PagedKVCache, *, seed: int = 0, sampler: Sampler | None = None):
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sampler = sampler or Sampler(seed)
+        self.block_size = kv_cache.block_size
+        self.device = model.device
+        self._offsets = torch.arange(self.block_size, dtype=torch.int64)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.vocab_size
+
+    def _slots(self, block_table: list[int], num_positions: int) -> torch.Tensor:
+        """Flat KV slots of positions 0..num_positions-1 of one sequence."""
+        nb = -(-num_positions // self.block_size)
+        bt = torch.tensor(block_table[:nb], dtype=torch.int64)
+        return (bt[:, None] * self.block_size + self._offsets).view(-1)[:num_positions]
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        t0 = time.perf_counter()
+        if plan.block_size != self.block_size:
+            raise ValueError(f"plan block_size {plan.block_size} != KV cache block_size {self.block_size}")
+        entries = plan.scheduled
+        decodes = [i for i, s in enumerate(entries) if s.num_tokens == 1]
+        prefills = [i for i, s in enumerate(entries) if s.num_tokens > 1]
+        bs = self.block_size
+
+        input_ids: list[int] = []
+        positions: list[torch.Tensor] = []
+        slots: list[torch.Tensor] = []
+        row_of_last: dict[int, int] = {}
+
+        meta_decode_slots = meta_decode_mask = None
+        if decodes:
+            B = len(decodes)
+            ctx_lens = [entries[i].start_pos + 1 for i in decodes]
+            max_ctx = max(ctx_lens)
+            max_blocks = -(-max_ctx // bs)
+            table = torch.zeros(B, max_blocks, dtype=torch.int64)
+            for row, i in enumerate(decodes):
+                s = entries[i]
+                bt = s.seq.block_table[: -(-(s.start_pos + 1) // bs)]
+                table[row, : len(bt)] = torch.tensor(bt, dtype=torch.int64)
+                input_ids.append(s.seq.token_ids[s.start_pos])
+                row_of_last[i] = row
+            ctx = torch.tensor(ctx_lens, dtype=torch.int64)
+            all_slots = (table[:, :, None] * bs + self._offsets).view(B, -1)[:, :max_ctx]
+            # Padded keys point at slot 0 (a real slot of some block) and are masked out.
+            meta_decode_mask = (torch.arange(max_ctx)[None, :] < ctx[:, None]).view(B, 1, 1, max_ctx)
+            meta_decode_slots = all_slots * meta_decode_mask.view(B, max_ctx)
+            pos = ctx - 1
+            positions.append(pos)
+            slots.append(all_slots.gather(1, pos[:, None]).view(-1))
+
+        prefill_meta = []
+        offset = len(decodes)
+        for i in prefills:
+            s = entries[i]
+            n, start = s.num_tokens, s.start_pos
+            input_ids.extend(s.seq.token_ids[start : start + n])
+            seq_slots = self._slots(s.seq.block_table, start + n)
+            positions.append(torch.arange(start, start + n, dtype=torch.int64))
+            slots.append(seq_slots[start:])
+            prefill_meta.append((offset, n, start, None if start == 0 else seq_slots.to(self.device)))
+            row_of_last[i] = offset + n - 1
+            offset += n
+
+        sampling = [i for i in range(len(entries)) if entries[i].samples]
+        dev = self.device
+        meta = AttentionMetadata(
+            positions=torch.cat(positions).to(dev),
+            slots=torch.cat(slots).to(dev),
+            num_decodes=len(decodes),
+            decode_ctx_slots=None if meta_decode_slots is None else meta_decode_slots.to(dev),
+            decode_mask=None if meta_decode_mask is None else meta_decode_mask.to(dev),
+            prefills=prefill_meta,
+            logits_indices=torch.tensor([row_of_last[i] for i in sampling], dtype=torch.int64, device=dev),
+        )
+        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        logits = self.model.forward(ids, meta, self.kv_cache.k_layers, self.kv_cache.v_layers)
+
+        sampled: list[int | None] = [None] * len(entries)
+        logprobs: list[TokenLogprobs | None] | None = None
+        if sampling:
+            tokens, lps = self.sampler.sample(logits.cpu() if dev.type != "cpu" else logits, [entries[i].seq for i in sampling])
+            for i, tok in zip(sampling, tokens):
+                sampled[i] = tok
+            if lps is not None:
+                logprobs = [None] * len(entries)
+                for i, lp in zip(sampling, lps):
+                    logprobs[i] = lp
+        return StepResult(sampled, time.perf_counter() - t0, logprobs)
