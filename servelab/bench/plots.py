@@ -91,3 +91,30 @@ def write_capacity_plot(result: CapacityResult, path: str | Path) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def write_frontier_plot(rows, path: str | Path, title: str = "") -> Path:  # noqa: ANN001
+    """For each configuration, the measured levels as (tokens/s per user, tokens/s per device):
+    the trade-off batching makes between one user's speed and the device's total."""
+    plt = _plt()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for row in rows:
+        if not row.frontier:
+            continue
+        users, devices, passed = zip(*sorted(row.frontier))
+        (line,) = ax.plot(users, devices, lw=1, label=f"{row.hardware} tp={row.tp}")
+        ax.scatter([u for u, p in zip(users, passed) if p], [d for d, p in zip(devices, passed) if p],
+                   color=line.get_color(), s=18)
+        ax.scatter([u for u, p in zip(users, passed) if not p], [d for d, p in zip(devices, passed) if not p],
+                   color=line.get_color(), s=18, facecolors="none")
+    ax.set_xlabel("output tokens/s per user (1 / mean TPOT)")
+    ax.set_ylabel("output tokens/s per device")
+    ax.set_title(title or "throughput frontier (filled: meets the SLO)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,211 @@
+"""Capacity planning on the simulator: for each (accelerator, TP) that fits, the capacity search of
+`servelab.bench.capacity` run against `servelab.sim`, turned into tokens/s per device, devices for
+a target request rate and dollars per million output tokens.
+
+Each configuration is independent, so they run in parallel worker processes; a worker gets only
+plain data (names, numbers, strings) and returns a plain dict.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from servelab.bench.capacity import CapacityResult, find_capacity
+from servelab.errors import DoesNotFit, InvalidArgument, RequestTooLong
+from servelab.metrics import SLO
+from servelab.workload import WorkloadSpec
+
+
+@dataclass(slots=True)
+class PlanRow:
+    hardware: str
+    tp: int
+    fits: bool
+    reason: str = ""  # why it does not fit, or why no load meets the SLO
+    capacity_concurrency: float | None = None
+    tokens_per_s_per_device: float | None = None
+    requests_per_s: float | None = None  # per replica (tp devices) at the capacity
+    ttft_s: float | None = None  # percentile TTFT at the capacity
+    tpot_s: float | None = None  # percentile TPOT at the capacity
+    price_per_device_hour: float | None = None
+    devices_needed: int | None = None  # for the target request rate
+    cost_per_million_output_tokens: float | None = None
+    capacity: dict[str, Any] | None = None  # the full CapacityResult.to_dict()
+    frontier: list[tuple[float, float, bool]] = field(default_factory=list)  # (tok/s/user, tok/s/device, passed)
+
+    @property
+    def meets_slo(self) -> bool:
+        return self.fits and self.tokens_per_s_per_device is not None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "hardware": self.hardware,
+            "tp": self.tp,
+            "fits": self.fits,
+            "reason": self.reason or None,
+            "capacity_concurrency": self.capacity_concurrency,
+            "output_tokens_per_s_per_device": self.tokens_per_s_per_device,
+            "requests_per_s_per_replica": self.requests_per_s,
+            "ttft_s": self.ttft_s,
+            "tpot_s": self.tpot_s,
+            "price_per_device_hour": self.price_per_device_hour,
+            "devices_needed": self.devices_needed,
+            "cost_per_million_output_tokens": self.cost_per_million_output_tokens,
+            "capacity": self.capacity,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class PlanJob:
+    """Everything one worker needs, as plain picklable data."""
+
+    model: str
+    hardware: str
+    tp: int
+    slo: SLO
+    percentile: int
+    workload: dict[str, Any]  # WorkloadSpec fields, without the load
+    weight_dtype: str = "bf16"
+    kv_dtype: str = "bf16"
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_concurrency: int | None = None
+    target_rate: float | None = None
+    price_per_device_hour: float | None = None
+
+
+def cost_per_million_tokens(price_per_device_hour: float, tokens_per_s_per_device: float) -> float:
+    return price_per_device_hour / (tokens_per_s_per_device * 3600.0) * 1e6
+
+
+def plan_one(job: PlanJob) -> PlanRow:
+    """Memory check, then the capacity search on the simulator. Never raises for a configuration
+    that cannot serve: the row says why."""
+    from servelab.cost.memory import MemoryPlan
+    from servelab.sim import SimConfig, simulate
+    from servelab.spec.hardware import get_hardware
+    from servelab.spec.model import get_model
+
+    model, hardware = get_model(job.model), get_hardware(job.hardware)
+    row = PlanRow(hardware=hardware.name, tp=job.tp, fits=False, price_per_device_hour=job.price_per_device_hour)
+    try:
+        memory = MemoryPlan(model, hardware, job.weight_dtype, job.kv_dtype, job.tp)
+        memory.require_weights_fit()
+        base = WorkloadSpec(**job.workload)
+        longest = max(s.prompt_tokens + s.output_tokens for s in base.generate())
+        memory.require_fit(1, longest)
+    except (DoesNotFit, InvalidArgument) as exc:
+        row.reason = exc.message
+        return row
+    row.fits = True
+    config = SimConfig(
+        model=model,
+        hardware=hardware,
+        tp=job.tp,
+        weight_dtype=job.weight_dtype,
+        kv_dtype=job.kv_dtype,
+        max_num_seqs=job.max_num_seqs,
+        max_num_batched_tokens=job.max_num_batched_tokens,
+        slo=job.slo,
+    )
+    fixed_n = job.workload.get("num_requests")
+
+    def measure(concurrency: float):  # noqa: ANN202
+        c = int(concurrency)
+        n = fixed_n or max(100, 4 * c)  # enough requests per client to pass the start-up burst
+        workload = WorkloadSpec(**{**job.workload, "num_requests": n, "concurrency": c, "rate": None})
+        return simulate(config, workload).summary
+
+    # Beyond a few times max_num_seqs the extra requests only queue: TTFT grows, TPOT does not.
+    max_load = job.max_concurrency or 4 * job.max_num_seqs
+    if fixed_n:
+        max_load = min(max_load, fixed_n)  # more clients than requests changes nothing
+    try:
+        result = find_capacity(measure, job.slo, percentile=job.percentile, mode="concurrency", max_load=max_load)
+    except (RequestTooLong, DoesNotFit) as exc:
+        row.fits = False
+        row.reason = exc.message
+        return row
+    fill_row(row, result, job)
+    return row
+
+
+def fill_row(row: PlanRow, result: CapacityResult, job: PlanJob) -> None:
+    row.capacity = result.to_dict()
+    key = f"p{job.percentile}"
+    for level in sorted(result.levels, key=lambda lv: lv.load):
+        s = level.summary
+        per_user = None if s.tpot_s.mean in (None, 0) else 1.0 / s.tpot_s.mean
+        if per_user is not None:
+            row.frontier.append((per_user, s.output_throughput_per_device, level.passed))
+    if result.best is None:
+        row.reason = result.describe()
+        return
+    s = result.best.summary
+    row.capacity_concurrency = result.best.load
+    row.tokens_per_s_per_device = s.output_throughput_per_device
+    row.requests_per_s = s.request_throughput
+    row.ttft_s = getattr(s.ttft_s, key)
+    row.tpot_s = getattr(s.tpot_s, key)
+    if job.target_rate is not None and s.request_throughput > 0:
+        row.devices_needed = math.ceil(job.target_rate / s.request_throughput) * job.tp
+    if job.price_per_device_hour is not None and s.output_throughput_per_device > 0:
+        row.cost_per_million_output_tokens = cost_per_million_tokens(
+            job.price_per_device_hour, s.output_throughput_per_device
+        )
+    if result.reached_max_load:
+        row.reason = f"still meets the SLO at concurrency {result.best.load:g} (the search's maximum)"
+
+
+def rank(rows: list[PlanRow]) -> list[PlanRow]:
+    """Serving rows first (cheapest per token, else most tokens/s per device), then rows that
+    fit but meet no SLO, then rows that do not fit."""
+
+    def key(row: PlanRow) -> tuple:
+        if row.meets_slo:
+            cost = row.cost_per_million_output_tokens
+            return (0, cost if cost is not None else 0.0, -(row.tokens_per_s_per_device or 0.0))
+        return (1 if row.fits else 2, 0.0, 0.0)
+
+    return sorted(rows, key=key)
+
+
+def run_plan(jobs: list[PlanJob], workers: int | None = None) -> list[PlanRow]:
+    """All jobs, in parallel processes when there is more than one."""
+    if not jobs:
+        return []
+    if len(jobs) == 1 or workers == 1:
+        return [plan_one(j) for j in jobs]
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        return list(pool.map(plan_one, jobs))
+
+
+def parse_prices(text: str | None, hardware: list[str]) -> dict[str, float]:
+    """'h100-sxm=2.5,h200=3.4' -> {...}; the catalog's price fills in any accelerator not named."""
+    from servelab.spec.hardware import get_hardware
+
+    prices: dict[str, float] = {}
+    for name in hardware:
+        catalog = get_hardware(name).price_per_hour_usd
+        if catalog is not None:
+            prices[get_hardware(name).name] = catalog
+    if text:
+        for item in (t.strip() for t in text.split(",") if t.strip()):
+            name, sep, value = item.partition("=")
+            if not sep:
+                raise InvalidArgument(f"--price: expected NAME=DOLLARS_PER_DEVICE_HOUR, got {item!r}")
+            try:
+                price = float(value)
+            except ValueError:
+                raise InvalidArgument(f"--price: {value!r} is not a number (in {item!r})") from None
+            if not price > 0:
+                raise InvalidArgument(f"--price: must be > 0 $/device-hour, got {item!r}")
+            prices[get_hardware(name.strip()).name] = price
+    return prices
+
+
+__all__ = ["PlanJob", "PlanRow", "cost_per_million_tokens", "parse_prices", "plan_one", "rank",
+           "run_plan"]

@@ -1,0 +1,136 @@
+"""`servelab plan`: capacity at an SLO across accelerators and TP degrees, on the simulator."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from servelab.errors import InvalidArgument
+from servelab.units import parse_duration_s, parse_int_list, parse_str_list
+
+HELP = "capacity plan: tokens/s per device at an SLO across hardware and TP"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from servelab.workload import add_workload_arguments
+
+    g = parser.add_argument_group("deployments to compare")
+    g.add_argument("--model", default="llama-3.1-8b", help="catalog model (see `servelab models`)")
+    g.add_argument("--hardware", default="h100-sxm", help="comma list of catalog accelerators, e.g. h100-sxm,h200")
+    g.add_argument("--tp", default="1", help="comma list of tensor-parallel degrees, e.g. 1,2,4,8 (default 1)")
+    g.add_argument("--dtype", default="bf16", help="weight dtype (default bf16)")
+    g.add_argument("--kv-dtype", default="bf16", help="KV cache dtype (default bf16)")
+    g.add_argument("--max-num-seqs", type=int, default=256, help="scheduler's most running sequences (default 256)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (default 2048)")
+    t = parser.add_argument_group("targets")
+    t.add_argument("--slo-tpot", default=None, help="TPOT target, e.g. 50ms")
+    t.add_argument("--slo-ttft", default=None, help="TTFT target, e.g. 1s")
+    t.add_argument("--percentile", type=int, default=90, help="percentile the targets apply to (default 90)")
+    t.add_argument("--target-rate", type=float, default=None, help="requests/s to serve: report devices needed")
+    t.add_argument("--price", default=None, help="$/device-hour, e.g. h100-sxm=2.5,h200=3.5 (default: the catalog's)")
+    t.add_argument("--max-concurrency", type=int, default=None, help="search ceiling (default 4 x --max-num-seqs)")
+    add_workload_arguments(parser)
+    o = parser.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object")
+    o.add_argument("--plot", default=None, metavar="FILE.png", help="per-user vs per-device throughput frontier")
+    o.add_argument("--workers", type=int, default=None, help="worker processes (default: one per CPU)")
+
+
+def run(args: argparse.Namespace) -> int:
+    from servelab.bench.capacity import check_percentile
+    from servelab.bench.planner import PlanJob, parse_prices, rank, run_plan
+    from servelab.metrics import SLO
+    from servelab.spec.hardware import get_hardware
+    from servelab.spec.model import get_model
+
+    model = get_model(args.model)
+    hardware = [get_hardware(h).name for h in parse_str_list(args.hardware)]
+    if not hardware:
+        raise InvalidArgument("--hardware: give at least one accelerator, e.g. h100-sxm,h200")
+    tps = parse_int_list(args.tp, name="--tp")
+    check_percentile(args.percentile)
+    targets = {k: None if getattr(args, f"slo_{k}") is None else parse_duration_s(getattr(args, f"slo_{k}"),
+                                                                                   name=f"--slo-{k}")
+               for k in ("ttft", "tpot")}
+    if all(v is None for v in targets.values()):
+        raise InvalidArgument("give at least one target: --slo-tpot (e.g. 50ms) and/or --slo-ttft (e.g. 1s)")
+    slo = SLO(ttft_s=targets["ttft"], tpot_s=targets["tpot"])
+    if args.target_rate is not None and not args.target_rate > 0:
+        raise InvalidArgument(f"--target-rate must be > 0 requests/s, got {args.target_rate:g}")
+    if args.rate is not None or args.concurrency is not None or args.trace is not None:
+        raise InvalidArgument("plan searches the load itself: drop --rate/--concurrency/--trace")
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) < 1:
+            raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.workers is not None and args.workers < 1:
+        raise InvalidArgument(f"--workers must be >= 1, got {args.workers}")
+    from servelab.workload import workload_from_args
+
+    spec = workload_from_args(args)  # validates the workload flags
+    workload = {
+        "num_requests": spec.num_requests,
+        "burstiness": spec.burstiness,
+        "input_len": args.input_len,
+        "output_len": args.output_len,
+        "shared_prefix_fraction": spec.shared_prefix_fraction,
+        "num_prefix_groups": spec.num_prefix_groups,
+        "seed": spec.seed,
+        "dataset": spec.dataset,
+    }
+    prices = parse_prices(args.price, hardware)
+    jobs = [
+        PlanJob(model=model.name, hardware=h, tp=tp, slo=slo, percentile=args.percentile, workload=workload,
+                weight_dtype=args.dtype, kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=args.max_num_batched_tokens, max_concurrency=args.max_concurrency,
+                target_rate=args.target_rate, price_per_device_hour=prices.get(h))
+        for h in hardware
+        for tp in tps
+    ]
+    rows = rank(run_plan(jobs, workers=args.workers or min(len(jobs), os.cpu_count() or 1)))
+    if args.plot:
+        from servelab.bench.plots import write_frontier_plot
+
+        write_frontier_plot(rows, args.plot, title=f"{model.name}: per-user vs per-device throughput")
+    if args.json:
+        print(json.dumps({"model": model.name, "slo": slo.to_dict(), "percentile": args.percentile,
+                          "target_rate": args.target_rate, "workload": workload,
+                          "configs": [r.to_dict() for r in rows]}, indent=2))
+        return 0
+    print(_table(rows, model.name, slo, args))
+    if args.plot:
+        print(f"wrote {args.plot}")
+    return 0
+
+
+def _table(rows, model: str, slo, args: argparse.Namespace) -> str:  # noqa: ANN001
+    from servelab.commands._table import render_table
+
+    key = f"p{args.percentile}"
+    targets = ", ".join(f"{key} {n} <= {v * 1e3:g} ms" for n, v in (("TTFT", slo.ttft_s), ("TPOT", slo.tpot_s))
+                        if v is not None)
+    lines = [f"{model}: capacity at {targets} (simulated; input {args.input_len or 1024}, output "
+             f"{args.output_len or 256} tokens)", ""]
+    headers = ["hardware", "tp", "concurrency", "tok/s/device", "req/s", f"{key} TTFT", f"{key} TPOT", "$/dev-h",
+               "$/M tok"]
+    if args.target_rate is not None:
+        headers.append(f"devices @ {args.target_rate:g} req/s")
+    table_rows, notes = [], []
+    for r in rows:
+        if not r.meets_slo:
+            notes.append(f"{r.hardware} tp={r.tp}: {'does not fit: ' if not r.fits else ''}{r.reason}")
+            continue
+        row = [r.hardware, r.tp, f"{r.capacity_concurrency:g}", f"{r.tokens_per_s_per_device:,.0f}",
+               f"{r.requests_per_s:.2f}", f"{r.ttft_s * 1e3:.0f} ms", f"{r.tpot_s * 1e3:.1f} ms",
+               "-" if r.price_per_device_hour is None else f"{r.price_per_device_hour:.2f}",
+               "-" if r.cost_per_million_output_tokens is None else f"{r.cost_per_million_output_tokens:.3f}"]
+        if args.target_rate is not None:
+            row.append("-" if r.devices_needed is None else r.devices_needed)
+        table_rows.append(row)
+        if r.reason:
+            notes.append(f"{r.hardware} tp={r.tp}: {r.reason}")
+    if table_rows:
+        lines.append(render_table(headers, table_rows, left=(0,)))
+    if notes:
+        lines += ["", "notes:"] + [f"  {n}" for n in notes]
+    return "\n".join(lines)
