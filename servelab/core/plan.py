@@ -27,6 +27,11 @@ class ScheduledSeq:
     def context_len(self) -> int:
         return self.start_pos + self.num_tokens
 
+    def slots(self, block_size: int) -> list[int]:
+        """KV slot of each token of the chunk (the engine's slot mapping)."""
+        table = self.seq.block_table
+        return [table[p // block_size] * block_size + p % block_size for p in range(self.start_pos, self.context_len)]
+
 
 @dataclass(slots=True)
 class StepPlan:
