@@ -1,0 +1,84 @@
+"""`servelab plan`: memory fit, capacity rows, ranking, cost arithmetic, CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from servelab.bench.planner import PlanJob, cost_per_million_tokens, parse_prices, plan_one, rank
+from servelab.cli import main as cli_main
+from servelab.errors import InvalidArgument, NotFound
+from servelab.metrics import SLO
+
+WORKLOAD = {"num_requests": 24, "input_len": "256", "output_len": "16", "seed": 0}
+
+
+def _job(**kw) -> PlanJob:
+    base = dict(model="llama-3.1-8b", hardware="h100-sxm", tp=1, slo=SLO(tpot_s=0.030, ttft_s=1.0), percentile=90,
+                workload=WORKLOAD, target_rate=10.0, price_per_device_hour=3.0)
+    base.update(kw)
+    return PlanJob(**base)
+
+
+def test_a_configuration_that_does_not_fit_is_ranked_last_with_the_reason():
+    too_big = plan_one(_job(model="llama-3.1-70b", tp=1))  # 141 GB of BF16 weights on an 80 GB device
+    assert not too_big.fits and too_big.tokens_per_s_per_device is None
+    assert "weights take" in too_big.reason and "80.0 GB" in too_big.reason
+    ok = plan_one(_job())
+    assert ok.fits and ok.meets_slo
+    assert [r.hardware for r in rank([too_big, ok])] == ["h100-sxm", "h100-sxm"]
+    assert rank([too_big, ok])[0] is ok
+
+
+def test_capacity_row_arithmetic():
+    row = plan_one(_job())
+    assert row.capacity_concurrency >= 1
+    assert row.tpot_s <= 0.030 and row.ttft_s <= 1.0
+    assert row.cost_per_million_output_tokens == pytest.approx(3.0 / (row.tokens_per_s_per_device * 3600) * 1e6)
+    assert row.devices_needed == math.ceil(10.0 / row.requests_per_s) * 1
+    assert row.capacity["best"]["summary"]["output_throughput_per_device"] == row.tokens_per_s_per_device
+    assert row.frontier, "the levels give the per-user vs per-device frontier"
+
+
+def test_tp_that_does_not_divide_the_heads_is_reported_not_raised():
+    row = plan_one(_job(tp=3))
+    assert not row.fits and "tp=3" in row.reason
+
+
+def test_cost_per_million_tokens():
+    assert cost_per_million_tokens(3.6, 1000.0) == pytest.approx(1.0)
+
+
+def test_prices():
+    prices = parse_prices("h200=4.5", ["h100-sxm", "h200"])
+    assert prices["h200"] == 4.5 and prices["h100-sxm"] > 0  # the catalog's price fills in
+    with pytest.raises(InvalidArgument, match="--price"):
+        parse_prices("h200", ["h200"])
+    with pytest.raises(InvalidArgument, match="not a number"):
+        parse_prices("h200=cheap", ["h200"])
+    with pytest.raises((InvalidArgument, NotFound)):
+        parse_prices("tpu-v9=1", ["h200"])
+
+
+def test_plan_cli_json_runs_configurations_in_parallel(capsys):
+    rc = cli_main(["plan", "--model", "llama-3.1-70b", "--hardware", "h100-sxm,h200", "--tp", "1,4",
+                   "--slo-tpot", "60ms", "--slo-ttft", "2s", "--num-requests", "16", "--input-len", "256",
+                   "--output-len", "8", "--target-rate", "5", "--json", "--workers", "2"])
+    assert rc == 0
+    data = json.loads(capsys.readouterr().out)
+    rows = {(c["hardware"], c["tp"]): c for c in data["configs"]}
+    assert set(rows) == {("h100-sxm", 1), ("h100-sxm", 4), ("h200", 1), ("h200", 4)}
+    assert not rows[("h100-sxm", 1)]["fits"] and "weights" in rows[("h100-sxm", 1)]["reason"]
+    assert rows[("h200", 4)]["fits"] and rows[("h200", 4)]["output_tokens_per_s_per_device"] > 0
+    assert data["configs"][-1]["fits"] is False  # the non-fitting one is ranked last
+
+
+def test_plan_cli_errors(capsys):
+    assert cli_main(["plan", "--hardware", "h100-sxm", "--tp", "1"]) == 2
+    assert "--slo-tpot" in capsys.readouterr().err
+    assert cli_main(["plan", "--hardware", "nope", "--slo-tpot", "50ms"]) == 2
+    assert "nope" in capsys.readouterr().err
+    assert cli_main(["plan", "--slo-tpot", "50ms", "--concurrency", "4"]) == 2
+    assert "searches the load itself" in capsys.readouterr().err
