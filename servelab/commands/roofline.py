@@ -42,7 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="plot tokens/s per user and in total against batch size")
 
 
-def load_model(text: str):  # noqa: ANN201 - ModelSpec, imported lazily
+def load_model(text: str) -> Any:  # a ModelSpec; imported lazily
     """A catalog name, an HF config.json (or a directory holding one), or a GGUF file."""
     from servelab.spec.model import ModelSpec, get_model
 
@@ -53,7 +53,7 @@ def load_model(text: str):  # noqa: ANN201 - ModelSpec, imported lazily
     return get_model(text)
 
 
-def _efficiency(args: argparse.Namespace):  # noqa: ANN202
+def _efficiency(args: argparse.Namespace) -> Any:
     from dataclasses import replace
 
     from servelab.cost.roofline import Efficiency
@@ -69,7 +69,7 @@ def _efficiency(args: argparse.Namespace):  # noqa: ANN202
     return replace(eff, **changes) if changes else eff
 
 
-def build(args: argparse.Namespace):  # noqa: ANN201 - (Roofline, batches)
+def build(args: argparse.Namespace) -> tuple[Any, list[int]]:  # (Roofline, batches)
     from servelab.cost.roofline import Roofline
     from servelab.spec.hardware import get_hardware
 
@@ -145,17 +145,17 @@ def _header(roofline: Any, context: int) -> list[str]:
     m, hw, plan, eff = roofline.model, roofline.hardware, roofline.memory, roofline.efficiency
     devices = f"{roofline.tp}× " if roofline.tp > 1 else ""
     return [
-        f"{m.name} on {devices}{hw.name}: {roofline.weight_dtype} weights, {roofline.kv_dtype} KV cache, "
-        f"decode at context {context}",
-        f"peak: weights {plan.weight_bytes_per_device / 1e9:.2f} GB/device stream once in "
-        f"{roofline.weight_stream_time_s * 1e3:.2f} ms at {hw.bandwidth_bytes_per_s / 1e12:.2f} TB/s; "
-        f"one token's compute {roofline.token_compute_time_s * 1e3:.4f} ms at "
-        f"{roofline.peak_flops_per_s / 1e12:,.0f} TFLOPS; ridge {roofline.ridge_flops_per_byte:.0f} FLOP/byte",
-        f"memory: KV {plan.kv_bytes_per_token_per_device:,.0f} bytes/token/device; {plan.kv_capacity_bytes / 1e9:.1f} GB "
-        f"left at {plan.memory_fraction:.0%} of {hw.memory_bytes / 1e9:.0f} GB = {plan.kv_capacity_tokens:,} tokens "
-        f"= batch {plan.max_batch(context):,} at context {context}",
-        f"predicted at {eff.bandwidth_fraction:.0%} of peak bandwidth and {eff.compute_fraction:.0%} of peak compute "
-        f"(ridge {roofline.achievable_ridge_flops_per_byte:.0f} FLOP/byte), {eff.step_overhead_s * 1e3:.2f} ms per step",
+        (f"{m.name} on {devices}{hw.name}: {roofline.weight_dtype} weights, {roofline.kv_dtype} KV cache, "
+         f"decode at context {context}"),
+        (f"peak: weights {plan.weight_bytes_per_device / 1e9:.2f} GB/device stream once in "
+         f"{roofline.weight_stream_time_s * 1e3:.2f} ms at {hw.bandwidth_bytes_per_s / 1e12:.2f} TB/s; "
+         f"one token's compute {roofline.token_compute_time_s * 1e3:.4f} ms at "
+         f"{roofline.peak_flops_per_s / 1e12:,.0f} TFLOPS; ridge {roofline.ridge_flops_per_byte:.0f} FLOP/byte"),
+        (f"memory: KV {plan.kv_bytes_per_token_per_device:,.0f} bytes/token/device; {plan.kv_capacity_bytes / 1e9:.1f} GB "
+         f"left at {plan.memory_fraction:.0%} of {hw.memory_bytes / 1e9:.0f} GB = {plan.kv_capacity_tokens:,} tokens "
+         f"= batch {plan.max_batch(context):,} at context {context}"),
+        (f"predicted at {eff.bandwidth_fraction:.0%} of peak bandwidth and {eff.compute_fraction:.0%} of peak compute "
+         f"(ridge {roofline.achievable_ridge_flops_per_byte:.0f} FLOP/byte), {eff.step_overhead_s * 1e3:.2f} ms per step"),
     ]
 
 

@@ -180,6 +180,7 @@ class Roofline:
                        + num_tokens * self._activation_bytes_per_token)
         compute_s = flops / self._flops_per_s
         memory_s = total_bytes / self._bytes_per_s
+        # a conditional, not max(): this line runs millions of times per simulation
         return ((compute_s if compute_s > memory_s else memory_s) + num_tokens * self._comm_s_per_token
                 + self._comm_s_per_step + self._overhead_s)
 

