@@ -12,6 +12,7 @@ ratio says how far the scheduler is from the floor of "touch every sequence once
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 import time
@@ -98,10 +99,14 @@ def main(argv: list[str] | None = None) -> int:
         floor_medians.append(statistics.median(time_floor(args.seqs, args.steps)))
     step_s = statistics.median(step_medians)
     floor_s = statistics.median(floor_medians)
-    print(f"python {sys.version.split()[0]}, {args.seqs} decoding sequences, {args.steps} steps x {args.repeats} repeats")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(
+        f"python {sys.version.split()[0]}, {os.cpu_count()} cpus, load average {load:.1f}; "
+        f"{args.seqs} decoding sequences, {args.steps} steps x {args.repeats} repeats"
+    )
     print(f"schedule()+update() per decode step: median {step_s * 1e3:.3f} ms "
           f"(repeats: {', '.join(f'{m * 1e3:.3f}' for m in step_medians)} ms)")
-    print(f"  per sequence: {step_s / args.seqs * 1e6:.2f} us")
+    print(f"  per sequence: {step_s / args.seqs * 1e6:.2f} us; quietest repeat {min(step_medians) * 1e3:.3f} ms")
     print(f"floor (one object per sequence): median {floor_s * 1e3:.3f} ms; ratio {step_s / floor_s:.1f}x")
     print(f"target < 0.5 ms: {'met' if step_s < 0.5e-3 else 'NOT met'}")
     return 0
