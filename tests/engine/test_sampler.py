@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from servelab.core.sequence import SamplingParams, Sequence
-from servelab.engine.sampler import Sampler, _min_p_mask, _top_k_mask, _top_p_mask
+from servelab.engine.sampler import Sampler, _min_p_mask, _top_k_mask, _top_p_mask, _top_p_mask_sorted
 
 
 def seq(outputs: tuple[int, ...] = (), eos: tuple[int, ...] = (), **params) -> Sequence:
@@ -39,6 +39,21 @@ def test_top_p_mask_keeps_the_smallest_nucleus():
     assert kept[1] == [True, True, False, True]  # needs 0.15 as well to reach 0.85
     assert kept[2] == [False, True, False, False]  # the top token alone reaches 0.4
     assert torch.equal(out[0, 1], x[0, 1])
+
+
+def test_top_p_candidate_shortcut_matches_the_full_sort():
+    """Large vocabularies look for the nucleus among the top candidates first; rows whose nucleus
+    is wider (a flat distribution) fall back to sorting. Both must give the same mask."""
+    torch.manual_seed(0)
+    peaked = torch.randn(3, 5000) * 6  # nucleus of a few tokens
+    flat = torch.randn(2, 5000) * 0.1  # nucleus of thousands of tokens
+    x = torch.cat([peaked, flat])
+    ps = [0.9, 0.5, 0.99, 0.9, 0.3]
+    out = _top_p_mask(x.clone(), ps)
+    reference = _top_p_mask_sorted(x.clone(), torch.tensor(ps).unsqueeze(1))
+    assert torch.equal(torch.isinf(out), torch.isinf(reference))
+    kept = (~torch.isinf(out)).sum(dim=-1).tolist()
+    assert max(kept[:3]) < 256 < min(kept[3:])  # both paths were exercised
 
 
 def test_min_p_mask_is_relative_to_the_top_probability():
