@@ -164,14 +164,16 @@ def run(args: argparse.Namespace) -> int:
             if not state.draining:
                 log.info("servelab: signal %d: draining (no new requests; %.0f s for running ones)", sig,
                          shutdown_timeout_s)  # fmt: skip
-            state.begin_drain()
+            state.begin_drain(grace_s=shutdown_timeout_s)
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(
         app,
         log_level=args.log_level,
         access_log=not args.no_access_log,
-        timeout_graceful_shutdown=shutdown_timeout_s,
+        # The app itself aborts what is left when the grace period ends (its clients get an error
+        # event and [DONE]); uvicorn's own cancellation is only the backstop.
+        timeout_graceful_shutdown=shutdown_timeout_s + 5,
         lifespan="on",
     )
     server = _Server(config)

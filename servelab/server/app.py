@@ -24,7 +24,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from servelab.core.sequence import FinishReason, SamplingParams
 from servelab.errors import InvalidArgument, NotFound, RequestTooLong, ServelabError
 from servelab.server import protocol as p
-from servelab.server.async_engine import AsyncEngine, EngineFailure, EngineRequest, RequestStream
+from servelab.server.async_engine import AsyncEngine, EngineFailure, EngineRequest, EngineStopped, RequestStream
 from servelab.server.http_errors import (
     ServerDraining,
     Unauthorized,
@@ -55,9 +55,24 @@ class ServerState:
     model_name: str = ""
     started_s: float = field(default_factory=time.time)
     draining: bool = False  # set on SIGTERM: finish what is running, take nothing new
+    loop: asyncio.AbstractEventLoop | None = None
 
-    def begin_drain(self) -> None:
+    def begin_drain(self, grace_s: float | None = None) -> None:
+        """Stop taking requests; after `grace_s`, abort those still running so that their
+        clients get an error event and a clean end of stream (None: let them run on).
+        Safe to call from a signal handler on the event loop's thread."""
+        if self.draining:
+            return
         self.draining = True
+        if grace_s is not None and self.loop is not None:
+            self.loop.call_soon_threadsafe(self.loop.call_later, grace_s, self._abort_after_grace)
+
+    def _abort_after_grace(self) -> None:
+        n = self.async_engine.abort_all(
+            EngineStopped("the server shut down before this request finished (shutdown grace period over)")
+        )
+        if n:
+            logger.info("servelab: grace period over: aborted %d request(s) still running", n)
 
 
 def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) -> FastAPI:
@@ -82,6 +97,7 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
             from servelab.engine.llm_engine import LLMEngine
 
             attach(await asyncio.to_thread(LLMEngine.from_args, engine))
+        state.loop = asyncio.get_running_loop()
         state.async_engine.start()
         try:
             yield

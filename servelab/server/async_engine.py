@@ -147,6 +147,15 @@ class AsyncEngine:
             raise
         return stream
 
+    def abort_all(self, error: ServelabError) -> int:
+        """End every request in flight with `error` (its consumer sees it; the engine frees the
+        blocks). Used when the shutdown grace period runs out. Returns how many were aborted."""
+        request_ids = list(self._sinks)
+        self._dispatch([_Failed(rid, error) for rid in request_ids])
+        if request_ids:
+            self.abort(request_ids)
+        return len(request_ids)
+
     def abort(self, request_ids: list[str]) -> None:
         for rid in request_ids:
             self._sinks.pop(rid, None)
