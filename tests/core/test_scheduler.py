@@ -7,7 +7,7 @@ import random
 import zlib
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
 from servelab.core.config import SchedulerConfig
@@ -610,7 +610,7 @@ def check_outcome(s: Scheduler, seqs, finished, rejected, aborted) -> None:
 
 request_strategy = st.fixed_dictionaries(
     {
-        "arrival_s": st.floats(0, 0.2),
+        "arrival_s": st.floats(0, 0.05),
         "prompt_len": st.integers(1, 40),
         "prefix": st.sampled_from([[], list(range(500, 516)), list(range(600, 630))]),
         "max_tokens": st.integers(1, 24),
@@ -639,13 +639,20 @@ def test_random_workloads_keep_every_invariant(
     workload, num_blocks, block_size, budget, max_num_seqs, policy, order, caching, max_waiting
 ):
     capacity = num_blocks * block_size
+    # Scale requests to the pool so that most are admitted and contend for it (and preempt).
+    max_model_len = min(capacity, 80)
+    for w in workload:
+        if len(w["prefix"]) > max_model_len // 3:
+            w["prefix"] = []
+        w["prompt_len"] = max(1, w["prompt_len"] * max_model_len // 80)
+        w["max_tokens"] = max(1, w["max_tokens"] * max_model_len // 80)
     cfg = SchedulerConfig(
         num_blocks=num_blocks,
         block_size=block_size,
         max_num_batched_tokens=budget,
         max_num_seqs=max_num_seqs,
         # Within the pool, so only max_tokens or a stop token can end a request that is admitted.
-        max_model_len=min(capacity, 80),
+        max_model_len=max_model_len,
         max_waiting=max_waiting,
         policy=policy,
         order=order,
@@ -653,6 +660,7 @@ def test_random_workloads_keep_every_invariant(
     )
     s, seqs, finished, rejected, aborted = run_workload(cfg, workload)
     check_outcome(s, seqs, finished, rejected, aborted)
+    target(float(s.num_preemptions), label="preemptions")  # steer generation towards contention
 
 
 def test_ten_thousand_random_requests_through_a_tiny_pool():
