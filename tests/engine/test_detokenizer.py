@@ -11,7 +11,10 @@ from hypothesis import strategies as st
 from servelab.engine.detokenizer import IncrementalDetokenizer, RequestTextStream, StopChecker
 from servelab.engine.tokenizer import Tokenizer
 
-from test_tokenizer import gguf_metadata_from, train_bpe
+try:  # tests/engine as a package or as a plain directory on sys.path
+    from .test_tokenizer import gguf_metadata_from, train_bpe
+except ImportError:
+    from test_tokenizer import gguf_metadata_from, train_bpe
 
 MULTIBYTE = ["ζωή Ωμέγα", "日本語のテキスト", "emoji 😀 and 👩‍💻 and 🇫🇷!", "Привет, мир", "∑∫√∞ → ←", "e\u0301 中文"]
 

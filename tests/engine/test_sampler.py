@@ -225,6 +225,10 @@ def test_seeded_rows_follow_the_distribution_too():
     assert not math.isnan(sum(counts))
 
 
+def test_empty_batch():
+    assert Sampler().sample(torch.zeros(0, 10), []) == ([], None)
+
+
 def test_mismatched_rows_are_rejected():
     with pytest.raises(ValueError, match="2 rows but 1 sequences"):
         Sampler().sample(torch.zeros(2, 4), [seq()])

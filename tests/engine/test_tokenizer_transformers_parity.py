@@ -15,7 +15,10 @@ from tokenizers import pre_tokenizers
 
 from servelab.engine.tokenizer import Tokenizer
 
-from test_tokenizer import bundled_gguf, varied_strings
+try:  # tests/engine as a package or as a plain directory on sys.path
+    from .test_tokenizer import bundled_gguf, varied_strings
+except ImportError:
+    from test_tokenizer import bundled_gguf, varied_strings
 
 pytestmark = [
     pytest.mark.slow,  # transformers' GGUF tokenizer conversion takes several seconds
