@@ -76,7 +76,8 @@ def create_lab_app(engine_metrics_source: EngineMetricsSource | None = None) -> 
         return api.catalog()
 
     @app.get("/api/lessons/{name}")
-    def lesson(name: str, request: Request) -> dict[str, Any]:
+    def lesson(name: str, request: Request) -> Any:
+        # A dict, or a ready response (the capacity plan answers 202 while it runs).
         return api.run_lesson(name, Params(request.query_params))
 
     @app.get("/api/live")

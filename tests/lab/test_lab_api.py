@@ -319,3 +319,46 @@ def test_cdf_of_many_samples_uses_quantiles():
     few = cdf([3.0, 1.0, 2.0], scale=1.0)
     assert few["x"] == [1.0, 2.0, 3.0] and few["cdf"] == pytest.approx([1 / 3, 2 / 3, 1.0])
     assert math.isclose(few["cdf"][-1], 1.0)
+
+
+# ---- 7. capacity ---------------------------------------------------------------------------------
+
+def _wait_done(client, **params) -> dict:
+    import time
+
+    deadline = time.monotonic() + 600
+    while time.monotonic() < deadline:
+        response = client.get("/api/lessons/capacity", params=params)
+        if response.status_code == 200:
+            return response.json()
+        assert response.status_code == 202, response.text
+        progress = response.json()
+        assert progress["status"] == "running" and 0 <= progress["done"] <= progress["total"]
+        time.sleep(0.5)
+    raise AssertionError("the capacity plan did not finish")
+
+
+def test_capacity_is_the_planners_result(client):
+    from servelab.bench.planner import PlanJob, plan_one
+    from servelab.lab.capacity_lesson import PLAN_NUM_REQUESTS, PLAN_PERCENTILE
+
+    d = _wait_done(client, tpot_ms=50, prompt_len=512, output_len=32)
+    plan = d["plan"]
+    assert set(plan["hardware"]) == set(__import__("servelab.spec", fromlist=["HARDWARE"]).HARDWARE)
+    i = plan["hardware"].index("h100-sxm")
+    job = PlanJob(model="llama-3.1-8b", hardware="h100-sxm", tp=1, slo=SLO(tpot_s=0.05), percentile=PLAN_PERCENTILE,
+                  workload={"num_requests": PLAN_NUM_REQUESTS, "input_len": "512", "output_len": "32", "seed": 0},
+                  max_concurrency=PLAN_NUM_REQUESTS, price_per_device_hour=HW.price_per_hour_usd)
+    row = plan_one(job)
+    assert plan["tokens_per_s_per_gpu"][i] == pytest.approx(row.tokens_per_s_per_device)
+    assert plan["usd_per_million_tokens"][i] == pytest.approx(row.cost_per_million_output_tokens)
+    assert plan["usd_per_million_tokens"][i] == pytest.approx(
+        HW.price_per_hour_usd / (row.tokens_per_s_per_device * 3600) * 1e6)
+    # Ranked cheapest first among the accelerators that meet the target.
+    costs = [c for c, ok in zip(plan["usd_per_million_tokens"], plan["meets_slo"]) if ok]
+    assert costs == sorted(costs)
+
+
+def test_capacity_bad_parameters(client):
+    assert error(client, "capacity", tpot_ms="0").startswith("tpot_ms: must be between 1")
+    assert "maximum context" in error(client, "capacity", prompt_len=131072, output_len=100)

@@ -347,6 +347,12 @@ async function refresh() {
     const response = await fetch(url);
     const body = await response.json();
     if (seq !== state.seq) return; // a newer request superseded this one
+    if (response.status === 202) {
+      // A long computation (the capacity plan) is running on the server: show progress, poll.
+      $("notice").textContent = body.message;
+      setTimeout(() => { if (seq === state.seq) refresh(); }, 700);
+      return;
+    }
     if (!response.ok) {
       showError((body.error && body.error.message) || response.statusText);
       window.lab.errors += 1;

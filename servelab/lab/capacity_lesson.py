@@ -1,0 +1,153 @@
+"""Lesson 7: capacity and cost across accelerators, the capacity planner's own result
+(`servelab.bench.planner`, the same code as `servelab plan`).
+
+A plan is a capacity search on the simulator for every accelerator, which takes far longer than
+one HTTP request should wait. So the first request for a parameter set starts the plan in the
+background and answers 202 with its progress; the page polls until the 200 with the result.
+Finished plans stay cached for the life of the process (they are deterministic).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import threading
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+from servelab.lab.common import fmt, setup_from, stat
+from servelab.lab.params import Params
+from servelab.metrics import SLO
+from servelab.spec import HARDWARE
+
+# Small on purpose: each accelerator's search runs ~10 simulations of this many requests.
+PLAN_NUM_REQUESTS = 64
+PLAN_PERCENTILE = 90
+
+
+@dataclass(slots=True)
+class _PlanState:
+    total: int
+    rows: dict[str, Any] = field(default_factory=dict)  # hardware name -> PlanRow
+    error: str | None = None
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+_PLANS: dict[tuple, _PlanState] = {}
+_LOCK = threading.Lock()
+
+
+def _jobs(key: tuple) -> list[Any]:
+    from servelab.bench.planner import PlanJob
+
+    model, w, k, tp, tpot_ms, prompt_len, output_len = key
+    workload = {"num_requests": PLAN_NUM_REQUESTS, "input_len": str(prompt_len), "output_len": str(output_len), "seed": 0}
+    return [
+        PlanJob(model=model, hardware=hw.name, tp=tp, slo=SLO(tpot_s=tpot_ms / 1e3), percentile=PLAN_PERCENTILE,
+                workload=workload, weight_dtype=w, kv_dtype=k, max_concurrency=PLAN_NUM_REQUESTS,
+                price_per_device_hour=hw.price_per_hour_usd)
+        for hw in HARDWARE.values()
+    ]
+
+
+def _run(key: tuple, state: _PlanState) -> None:
+    from servelab.bench.planner import plan_one
+
+    try:
+        jobs = _jobs(key)
+        workers = max(1, min(len(jobs), (os.cpu_count() or 1)))
+        # spawn, not fork: this runs beside the web server's threads.
+        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+            futures = {pool.submit(plan_one, job): job.hardware for job in jobs}
+            for future in as_completed(futures):
+                state.rows[futures[future]] = future.result()
+    except Exception as exc:  # reported to the page; the next request retries
+        state.error = f"{type(exc).__name__}: {exc}"
+    finally:
+        state.done.set()
+
+
+def plan_for(key: tuple, wait: bool = False) -> _PlanState:
+    with _LOCK:
+        state = _PLANS.get(key)
+        if state is None or (state.done.is_set() and state.error):
+            state = _PlanState(total=len(HARDWARE))
+            _PLANS[key] = state
+            threading.Thread(target=_run, args=(key, state), daemon=True, name="lab-plan").start()
+    if wait:
+        state.done.wait()
+    return state
+
+
+def capacity(p: Params) -> dict[str, Any] | JSONResponse:
+    s = setup_from(p)
+    tpot_ms = p.float("tpot_ms", 50.0, lo=1.0, hi=10_000.0)
+    prompt_len = p.int("prompt_len", 1024, lo=1, hi=131072)
+    output_len = p.int("output_len", 128, lo=2, hi=8192)
+    s.roofline()._check_context(prompt_len + output_len, "prompt_len + output_len")  # noqa: SLF001
+    key = (s.model.name, s.weight_dtype, s.kv_dtype, s.tp, tpot_ms, prompt_len, output_len)
+    state = plan_for(key)
+    if not state.done.is_set():
+        return JSONResponse({"status": "running", "done": len(state.rows), "total": state.total,
+                             "message": f"planning: {len(state.rows)} of {state.total} accelerators simulated"},
+                            status_code=202)
+    if state.error:
+        from servelab.errors import ServelabError
+
+        raise ServelabError(f"the capacity plan failed: {state.error}")
+    return result(s, key, state, tpot_ms, prompt_len, output_len)
+
+
+def result(s: Any, key: tuple, state: _PlanState, tpot_ms: float, prompt_len: int, output_len: int) -> dict[str, Any]:
+    from servelab.bench.planner import rank
+
+    rows = rank([state.rows[name] for name in HARDWARE if name in state.rows])
+    plan: dict[str, list[Any]] = {k: [] for k in (
+        "hardware", "tp", "fits", "meets_slo", "tokens_per_s_per_gpu", "usd_per_million_tokens", "concurrency",
+        "tpot_ms", "price_per_gpu_hour", "at_search_max", "config", "reason")}
+    for r in rows:
+        at_max = "search's maximum" in (r.reason or "")
+        plan["hardware"].append(r.hardware)
+        plan["tp"].append(r.tp)
+        plan["fits"].append(r.fits)
+        plan["meets_slo"].append(r.meets_slo)
+        plan["tokens_per_s_per_gpu"].append(r.tokens_per_s_per_device or 0.0)
+        plan["usd_per_million_tokens"].append(r.cost_per_million_output_tokens)
+        plan["concurrency"].append(r.capacity_concurrency)
+        plan["tpot_ms"].append(None if r.tpot_s is None else r.tpot_s * 1e3)
+        plan["price_per_gpu_hour"].append(r.price_per_device_hour)
+        plan["at_search_max"].append(at_max)
+        if r.meets_slo:
+            plan["config"].append(f"{'≥ ' if at_max else ''}{r.capacity_concurrency:g} users")
+        else:
+            plan["config"].append("does not fit" if not r.fits else "misses the target")
+        plan["reason"].append(r.reason or None)
+    serving = [r for r in rows if r.meets_slo]
+    warning = None
+    if not serving:
+        reasons = "; ".join(f"{r.hardware}: {r.reason}" for r in rows)
+        warning = f"no accelerator serves {s.model.name} within {fmt(tpot_ms)} ms TPOT: {reasons}"
+    if serving:
+        cheapest = serving[0]
+        fastest = max(serving, key=lambda r: r.tokens_per_s_per_device or 0.0)
+        notice = (f"{fastest.hardware} serves the most tokens/s per GPU ({fmt(fastest.tokens_per_s_per_device)}), "
+                  f"but {cheapest.hardware} is cheapest at ${fmt(cheapest.cost_per_million_output_tokens or 0.0)} per "
+                  f"million output tokens; capacity is tokens/s per GPU at the TPOT target, not QPS.")
+    else:
+        notice = "nothing meets the target: loosen the TPOT target, shorten the requests, or raise TP."
+    return {
+        "status": "done",
+        "config": {**s.to_dict(), "tpot_ms": tpot_ms, "prompt_len": prompt_len, "output_len": output_len,
+                   "num_requests": PLAN_NUM_REQUESTS, "percentile": PLAN_PERCENTILE},
+        "plan": plan,
+        "warning": warning,
+        "stats": [
+            stat("target", f"p{PLAN_PERCENTILE} TPOT ≤ {fmt(tpot_ms)} ms"),
+            stat("accelerators that meet it", f"{len(serving)} of {len(rows)}"),
+            stat("search", f"concurrency up to {PLAN_NUM_REQUESTS}, {PLAN_NUM_REQUESTS} requests per level"),
+        ],
+        "notice": notice,
+    }

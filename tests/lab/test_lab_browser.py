@@ -1,0 +1,242 @@
+"""The lab in headless Chromium: every lesson draws the API's numbers, follows its controls, shows
+no console errors, and explains bad input. A screenshot per lesson lands in the test's tmp folder.
+
+Uses Debian's `chromium` (installed by `make test`) through Playwright's Python API with
+`executable_path`; skipped, with the reason, where no such browser exists."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import threading
+import time
+from pathlib import Path
+from urllib.parse import urlencode
+
+import httpx
+import pytest
+
+pytestmark = [pytest.mark.browser, pytest.mark.slow]
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+# lesson -> (control to move, its new value, [(chart id, trace index, axis, path in the API's JSON)])
+LESSONS = {
+    "two-workloads": ("prompt_len", "4096", [("times", 0, "y", "phases.time_ms"),
+                                             ("prefill-sweep", 0, "y", "sweep.prefill_ms"),
+                                             ("roofline", 2, "x", "decode.intensity")]),
+    "batching": ("context", "8192", [("throughput", 0, "y", "sweep.tokens_per_s_total"),
+                                     ("throughput", 1, "y", "sweep.tokens_per_s_per_user"),
+                                     ("bytes", 1, "y", "sweep.kv_gb"), ("memory", 1, "x", "memory.kv_gb")]),
+    "slo": ("rate", "20", [("ttft-cdf", 0, "x", "ttft_ms.x"), ("tpot-cdf", 0, "x", "tpot_ms.x")]),
+    "chunked-prefill": ("chunk_tokens", "1024", [("steps-chunked", 0, "y", "chunked.steps.duration_ms"),
+                                                 ("tokens-prefill_first", 0, "x", "prefill_first.tokens.time_ms")]),
+    "disaggregated": ("link_gbps", "5", [("ttft", 1, "x", "disaggregated.ttft_ms.x"),
+                                         ("itl", 0, "x", "colocated.itl_ms.x")]),
+    "memory": ("context", "32768", [("max-batch", 0, "y", "variants.max_batch"),
+                                    ("capacity", 0, "y", "variants.tokens_per_s_per_gpu")]),
+    "capacity": ("output_len", "16", [("tokens-per-gpu", 0, "y", "plan.tokens_per_s_per_gpu"),
+                                      ("cost", 0, "y", "plan.usd_per_million_tokens")]),
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Server:
+    def __init__(self, app):
+        import uvicorn
+
+        self.port = _free_port()
+        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 30
+        while not self.server.started:
+            assert time.monotonic() < deadline, "lab server did not start"
+            time.sleep(0.05)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if CHROMIUM is None:
+        pytest.skip("no chromium on PATH (install Debian's `chromium`; `make test` does)")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="playwright (test extra) not installed")
+    with sync_api.sync_playwright() as pw:
+        b = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def lab_server():
+    from servelab.lab.app import create_lab_app
+
+    server = _Server(create_lab_app())
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def page(browser):
+    context = browser.new_context(viewport={"width": 1400, "height": 1000})
+    page = context.new_page()
+    page.console_problems = []
+    page.on("console", lambda m: m.type in ("error", "warning") and page.console_problems.append(m.text))
+    page.on("pageerror", lambda e: page.console_problems.append(str(e)))
+    # Offline: any request that leaves the lab server is a failure.
+    page.outside_requests = []
+    page.on("request", lambda r: r.url.startswith("http://127.0.0.1") or page.outside_requests.append(r.url))
+    yield page
+    context.close()
+
+
+def _dig(data, path: str):
+    for part in path.split("."):
+        data = data[part]
+    return data if isinstance(data, list) else [data]
+
+
+def _wait_render(page, after: int, timeout_s: float = 300) -> None:
+    page.wait_for_function(f"Number(document.body.dataset.renders || 0) > {after}", timeout=timeout_s * 1000)
+
+
+def _renders(page) -> int:
+    return int(page.evaluate("Number(document.body.dataset.renders || 0)"))
+
+
+def _api(server: _Server, lesson: str, params: dict) -> dict:
+    deadline = time.monotonic() + 300
+    while True:
+        r = httpx.get(f"{server.url}/api/lessons/{lesson}", params=params, timeout=300)
+        if r.status_code != 202 or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _chart_matches_api(page, server, lesson: str, checks) -> dict:
+    params = dict(page.evaluate("Object.fromEntries(new URLSearchParams(location.search))"))
+    params.pop("lesson")
+    data = _api(server, lesson, params)
+    for chart, trace, axis, path in checks:
+        drawn = page.evaluate(f"document.getElementById('chart-{chart}').data[{trace}].{axis}")
+        expected = _dig(data, path)
+        assert len(drawn) == len(expected) > 0, (lesson, chart, path)
+        for got, want in zip(drawn, expected):  # None (no figure) draws as a gap
+            assert got == (None if want is None else pytest.approx(want, rel=1e-12, abs=1e-12)), (lesson, chart, path)
+    return data
+
+
+@pytest.mark.parametrize("lesson", list(LESSONS))
+def test_lesson_draws_the_apis_numbers_and_follows_its_control(page, lab_server, lesson, tmp_path):
+    control, value, checks = LESSONS[lesson]
+    page.goto(f"{lab_server.url}/?lesson={lesson}")
+    _wait_render(page, 0)
+    before = _chart_matches_api(page, lab_server, lesson, checks)
+    assert page.locator("#notice").inner_text().strip()
+    chart, trace, axis, path = checks[0]
+    drawn_before = page.evaluate(f"document.getElementById('chart-{chart}').data[{trace}].{axis}")
+
+    n = _renders(page)
+    page.fill(f"#ctl-{control}", value)
+    page.dispatch_event(f"#ctl-{control}", "change")
+    _wait_render(page, n)
+    assert f"{control}={value}" in page.url  # the URL holds the state
+    after = _chart_matches_api(page, lab_server, lesson, checks)
+    drawn_after = page.evaluate(f"document.getElementById('chart-{chart}').data[{trace}].{axis}")
+    assert drawn_after != drawn_before and _dig(after, path) != _dig(before, path)
+    assert page.locator("#error").is_hidden()
+    page.screenshot(path=str(tmp_path / f"lab-{lesson}.png"), full_page=True)
+    assert (tmp_path / f"lab-{lesson}.png").stat().st_size > 10_000
+    assert page.console_problems == []
+    assert page.outside_requests == []
+
+
+def test_shared_url_restores_the_view(page, lab_server):
+    page.goto(f"{lab_server.url}/?" + urlencode({"lesson": "batching", "batch": 16, "context": 512,
+                                                  "hardware": "h200", "weight_dtype": "fp8"}))
+    _wait_render(page, 0)
+    assert page.input_value("#ctl-batch") == "16" and page.input_value("#ctl-hardware") == "h200"
+    assert page.locator("nav a.active").inner_text().startswith("2.")
+    _chart_matches_api(page, lab_server, "batching", LESSONS["batching"][2])
+    assert page.console_problems == []
+
+
+def test_bad_input_and_configs_that_do_not_fit_say_why(page, lab_server, tmp_path):
+    page.goto(f"{lab_server.url}/?lesson=batching")
+    _wait_render(page, 0)
+    # The form refuses a value out of range without asking the server.
+    page.fill("#ctl-batch", "0")
+    page.dispatch_event("#ctl-batch", "change")
+    page.wait_for_selector("#error:not([hidden])")
+    assert "batch size" in page.locator("#error").inner_text()
+    assert page.locator("#charts").is_hidden()
+    # A model that does not fit: the memory bar turns red and the warning says why.
+    n = _renders(page)
+    page.fill("#ctl-batch", "64")
+    page.select_option("#ctl-model", "llama-3.1-70b")
+    page.dispatch_event("#ctl-model", "change")
+    _wait_render(page, n)
+    assert "the weights take" in page.locator("#warning").inner_text()
+    colour = page.evaluate("document.getElementById('chart-memory').data[1].marker.color")
+    assert colour == "#c62828"
+    page.screenshot(path=str(tmp_path / "lab-does-not-fit.png"), full_page=True)
+    # The server's own 400 is shown in place of the charts.
+    page.goto(f"{lab_server.url}/?lesson=two-workloads&model=llama-3.1-70b")
+    page.wait_for_function("Number(document.body.dataset.errors || 0) > 0")
+    assert "the weights take" in page.locator("#error").inner_text()
+    # A failed fetch (400) logs a console error in Chromium; nothing else may.
+    assert all("400" in p for p in page.console_problems), page.console_problems
+
+
+def test_live_panel_shows_the_engines_figures(browser, tmp_path):
+    from servelab.lab.app import create_lab_app
+
+    stats = {"running": 3, "waiting": 1, "kv_usage": 0.4,
+             "ttft_s": {"le": [0.05, 0.1, float("inf")], "counts": [5, 2, 0]},
+             "itl_s": {"le": [0.01, 0.02, float("inf")], "counts": [40, 3, 1]}}
+    server = _Server(create_lab_app(engine_metrics_source=lambda: dict(stats)))
+    try:
+        context = browser.new_context(viewport={"width": 1400, "height": 1000})
+        page = context.new_page()
+        problems = []
+        page.on("console", lambda m: m.type == "error" and problems.append(m.text))
+        page.goto(f"{server.url}/?lesson=live")
+        _wait_render(page, 0)
+        assert page.locator("nav a.live").count() == 1
+        assert page.evaluate("document.getElementById('chart-live-queue').data[0].y") == [3, 1]
+        assert page.evaluate("document.getElementById('chart-live-ttft').data[0].y") == [5, 2, 0]
+        stats["running"] = 9  # the engine moves on; the panel follows within its poll interval
+        page.wait_for_function("document.getElementById('chart-live-queue').data[0].y[0] === 9", timeout=10_000)
+        page.screenshot(path=str(tmp_path / "lab-live.png"), full_page=True)
+        assert problems == []
+        context.close()
+    finally:
+        server.stop()
+
+
+def test_screenshot_of_the_batching_lesson_for_the_readme(page, lab_server, tmp_path):
+    """Regenerates docs/img/lab-batching.png when SERVELAB_UPDATE_SCREENSHOTS=1."""
+    import os
+
+    page.goto(f"{lab_server.url}/?lesson=batching")
+    _wait_render(page, 0)
+    out = tmp_path / "lab-batching.png"
+    page.screenshot(path=str(out), full_page=True)
+    if os.environ.get("SERVELAB_UPDATE_SCREENSHOTS") == "1":
+        target = Path(__file__).resolve().parents[2] / "docs" / "img" / "lab-batching.png"
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(out, target)
+    assert out.stat().st_size > 10_000
