@@ -6,7 +6,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: serve test venv install install-test clean
+.PHONY: serve test venv install install-test browser clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -31,7 +31,16 @@ install-test: $(VENV)/.installed-test $(VENV)/.model-installed
 serve: install
 	$(BIN)/servelab serve --host $(HOST) --port $(PORT)
 
-test: install-test
+# The lab's browser test drives Debian's chromium. Install it when missing and apt-get is usable
+# (root); otherwise that test skips itself and says why.
+browser:
+	@if [ ! -x /usr/bin/chromium ] && command -v apt-get >/dev/null 2>&1 && [ "$$(id -u)" = 0 ]; then \
+		echo "installing chromium for the lab's browser test"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+			|| echo "could not install chromium; the browser test will be skipped"; \
+	fi
+
+test: install-test browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 clean:
