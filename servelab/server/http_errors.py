@@ -66,15 +66,21 @@ def error_response(
     return JSONResponse(body, status_code=status, headers=headers)
 
 
+def _code(exc: ServelabError) -> str | int:
+    # A class-level code (RequestTooLong's "context_length_exceeded", as OpenAI names it) is
+    # shadowed by the instance's None unless the raiser passed one.
+    return exc.code if exc.code is not None else getattr(type(exc), "code", None) or exc.http_status
+
+
 def error_json(exc: ServelabError) -> dict:
     """The same body, for an error that happens after a stream has started (sent as an SSE event)."""
-    return {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": exc.code}}
+    return {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param, "code": _code(exc)}}
 
 
 def from_servelab_error(exc: ServelabError) -> JSONResponse:
     headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.http_status == 503 else None
     return error_response(
-        exc.http_status, exc.message, error_type=exc.error_type, param=exc.param, code=exc.code, headers=headers
+        exc.http_status, exc.message, error_type=exc.error_type, param=exc.param, code=_code(exc), headers=headers
     )
 
 

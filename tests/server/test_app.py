@@ -146,6 +146,7 @@ def test_prompt_over_the_context_names_both_numbers(client):
     long_prompt = list(range(10, 10 + 120))
     err = _error(client.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 20}), 400)
     assert "128" in err["message"] and "140" in err["message"] and "120" in err["message"]
+    assert err["code"] == "context_length_exceeded"  # as OpenAI names it
     err = _error(client.post("/v1/completions", json={"prompt": list(range(10, 150)), "max_tokens": 1}), 400)
     assert "128" in err["message"] and "140" in err["message"]
     err = _error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "fox " * 200}]}), 400)
