@@ -7,9 +7,21 @@ from servelab.core.block_manager import BlockManager
 from servelab.core.config import SchedulerConfig
 from servelab.core.driver import VirtualClock, WallClock, run_to_completion
 from servelab.core.fake_executor import FakeExecutor
-from servelab.core.plan import Executor, RequestOutput, ScheduledSeq, StepPlan, StepResult, TokenLogprobs
+from servelab.core.plan import (
+    Executor,
+    RequestOutput,
+    ScheduledSeq,
+    StepPlan,
+    StepResult,
+    TokenLogprobs,
+)
 from servelab.core.scheduler import Scheduler, SchedulerStats
-from servelab.core.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from servelab.core.sequence import (
+    FinishReason,
+    SamplingParams,
+    Sequence,
+    SequenceStatus,
+)
 
 __all__ = [
     "BlockManager",

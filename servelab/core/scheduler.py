@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import heapq
 import itertools
-from itertools import repeat
 from bisect import insort
 from collections import OrderedDict
 from dataclasses import dataclass
+from itertools import repeat
 
 from servelab.core.block_manager import BlockManager
 from servelab.core.config import SchedulerConfig
@@ -180,7 +180,6 @@ class Scheduler:
         plan = StepPlan(block_size=bs)
         scheduled = plan.scheduled
         budget = cfg.max_num_batched_tokens
-        max_seqs = cfg.max_num_seqs
 
         if not self._chunked and self._num_waiting and self._schedule_waiting(plan, budget, now, whole=True):
             return plan  # prefill-first: a prefill-only step
@@ -196,12 +195,15 @@ class Scheduler:
             start = seq.num_computed_tokens
             num_known = len(seq.token_ids)
             n = num_known - start
-            if n > budget:
+            if n > budget:  # noqa: PLR1730 -- a compare is cheaper than min() on this hot path
                 n = budget
             end = start + n
-            if end > len(seq.block_table) * bs and not bm.append_slots(seq, end):
-                if not self._preempt_until_fits(seq, end, preempted):
-                    break  # it was the newest left; nothing more runs this step
+            if (
+                end > len(seq.block_table) * bs
+                and not bm.append_slots(seq, end)
+                and not self._preempt_until_fits(seq, end, preempted)
+            ):
+                break  # seq itself was the newest left and was preempted: nothing more runs
             append(ScheduledSeq(seq, n, start, end == num_known))
             budget -= n
         plan.num_batched_tokens = cfg.max_num_batched_tokens - budget

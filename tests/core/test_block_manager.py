@@ -113,7 +113,7 @@ def test_cached_blocks_survive_their_first_owner():
 
 def test_never_cached_blocks_go_first_and_cached_ones_are_evicted_lru():
     bm = BlockManager(num_blocks=10, block_size=4)
-    x, y, z = seq("x", range(0, 9)), seq("y", range(100, 109)), seq("z", range(200, 209))
+    x, y, z = seq("x", range(9)), seq("y", range(100, 109)), seq("z", range(200, 209))
     for s in (x, y, z):  # 2 full blocks + 1 partial each
         admit(bm, s)
     for s in (x, y, z):  # freed in this order: x is least recently used
@@ -122,12 +122,12 @@ def test_never_cached_blocks_go_first_and_cached_ones_are_evicted_lru():
     # 4 never-hashed blocks are handed out before any cached content is dropped.
     filler = seq("f", range(500, 516))
     admit(bm, filler)
-    assert bm.num_evictions == 0 and len(bm.find_cached_prefix(seq("x1", range(0, 9)))) == 2
+    assert bm.num_evictions == 0 and len(bm.find_cached_prefix(seq("x1", range(9)))) == 2
     # Two more blocks evict x's chain (tail first), and nothing of y or z.
     more = seq("g", range(600, 608))
     assert bm.allocate(more, [], 8)
     assert bm.num_evictions == 2
-    assert bm.find_cached_prefix(seq("x2", range(0, 9))) == []
+    assert bm.find_cached_prefix(seq("x2", range(9))) == []
     assert len(bm.find_cached_prefix(seq("y2", range(100, 109)))) == 2
     assert len(bm.find_cached_prefix(seq("z2", range(200, 209)))) == 2
     bm.check_invariants()
@@ -135,19 +135,19 @@ def test_never_cached_blocks_go_first_and_cached_ones_are_evicted_lru():
 
 def test_a_hit_refreshes_a_block_in_lru_order():
     bm = BlockManager(num_blocks=4, block_size=4)
-    x, y = seq("x", range(0, 5)), seq("y", range(100, 105))
+    x, y = seq("x", range(5)), seq("y", range(100, 105))
     admit(bm, x)
     admit(bm, y)
     bm.free(x)
     bm.free(y)  # LRU order now: x's block, then y's
-    reuse = seq("x-again", range(0, 6))
+    reuse = seq("x-again", range(6))
     assert admit(bm, reuse) == 4  # x's block is used again ...
     bm.free(reuse)  # ... and goes back behind y's
     pressure = seq("p", range(900, 908))
     assert bm.allocate(pressure, [], 8)  # 2 uncached blocks exist; 0 evictions
     assert bm.allocate(seq("q", range(950, 954)), [], 4)  # now the LRU cached block goes: y's
     assert bm.find_cached_prefix(seq("y2", range(100, 105))) == []
-    assert len(bm.find_cached_prefix(seq("x3", range(0, 5)))) == 1
+    assert len(bm.find_cached_prefix(seq("x3", range(5)))) == 1
     bm.check_invariants()
 
 

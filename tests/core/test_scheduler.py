@@ -3,6 +3,7 @@ errors, abort, stop conditions, and property tests over random workloads."""
 
 from __future__ import annotations
 
+import itertools
 import random
 import zlib
 
@@ -15,7 +16,12 @@ from servelab.core.driver import run_to_completion
 from servelab.core.fake_executor import FakeExecutor
 from servelab.core.plan import StepPlan, StepResult, TokenLogprobs
 from servelab.core.scheduler import Scheduler
-from servelab.core.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from servelab.core.sequence import (
+    FinishReason,
+    SamplingParams,
+    Sequence,
+    SequenceStatus,
+)
 from servelab.errors import InvalidArgument, NotFound, QueueFull, RequestTooLong
 
 
@@ -206,7 +212,7 @@ def decode_gaps_when_a_long_prompt_arrives(policy: str) -> tuple[float, float, i
     gaps = []
     for d in decoders:
         times = d.token_times_s[marks[d.request_id] - 1 :]
-        gaps += [b - a for a, b in zip(times, times[1:])]
+        gaps += [b - a for a, b in itertools.pairwise(times)]
     full_step_s = ex.step_s + ex.per_token_s * budget
     return max(gaps), full_step_s, steps
 
@@ -690,6 +696,5 @@ def test_ten_thousand_random_requests_through_a_tiny_pool():
     )
     s, seqs, finished, rejected, aborted = run_workload(cfg, workload, full_check_every=25)
     check_outcome(s, seqs, finished, rejected, aborted)
-    print(f"finished {len(finished)}, rejected {len(rejected)}, aborted {len(aborted)}, preemptions {s.num_preemptions}, hit rate {s.stats().prefix_cache_hit_rate:.2f}")
     assert len(finished) >= 9000 and s.num_preemptions > 100 and aborted
     assert s.block_manager.prefix_cache_hits > 0
