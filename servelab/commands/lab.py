@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import socket
 
 from servelab.errors import InvalidArgument
 
@@ -21,10 +22,24 @@ def run(args: argparse.Namespace) -> int:
 
     from servelab.lab.app import create_lab_app
 
+    _check_can_listen(args.host, args.port)
     app = create_lab_app()
     print(f"servelab lab: open http://{args.host}:{args.port}/ (works offline; Ctrl-C to stop)", flush=True)
-    try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
-    except OSError as exc:  # port taken, address not available: a user error, not a traceback
-        raise InvalidArgument(f"--port: cannot listen on {args.host}:{args.port}: {exc.strerror or exc}") from None
+    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0
+
+
+def _check_can_listen(host: str, port: int) -> None:
+    """uvicorn logs a bind failure and exits 3; say it in one line, naming the address, instead."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        raise InvalidArgument(f"--host: cannot resolve {host!r}: {exc.strerror}", param="host") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise InvalidArgument(
+                f"--port: cannot listen on {host}:{port}: {exc.strerror or exc}", param="port") from None
