@@ -187,3 +187,53 @@ def write_tiny_llama(
     (path / "config.json").write_text(json.dumps(config, indent=2))
     (path / "generation_config.json").write_text(json.dumps({"eos_token_id": eos_id}))
     return path
+
+
+# ------------------------------------------------------------------ model-level test helpers
+
+
+def prefill_logits(model, token_ids: list[int], *, chunk: int | None = None, block_size: int = 16):
+    """fp32 logits at every position of `token_ids`, computed through a paged cache.
+
+    With `chunk`, the prompt goes in chunks of that many tokens (each after the first attends to
+    the earlier ones through the cache); `chunk=1` runs every token through the decode path.
+    """
+    import torch
+
+    from servelab.engine.kv_cache import PagedKVCache
+    from servelab.engine.model import AttentionMetadata
+
+    T = len(token_ids)
+    nb = -(-T // block_size) + 1
+    kv = PagedKVCache(model.config, nb + 3, block_size, dtype=model.dtype)
+    # A scrambled block table, so a wrong slot computation cannot pass by accident.
+    table = list(range(nb + 2, 2, -1))
+    slot = lambda p: table[p // block_size] * block_size + p % block_size  # noqa: E731
+    chunk = chunk or T
+    out = []
+    for start in range(0, T, chunk):
+        n = min(chunk, T - start)
+        ids = torch.tensor(token_ids[start : start + n])
+        slots = torch.tensor([slot(p) for p in range(start, start + n)])
+        if n == 1:
+            ctx = torch.tensor([[slot(p) for p in range(start + 1)]])
+            meta = AttentionMetadata(
+                positions=torch.tensor([start]), slots=slots, num_decodes=1,
+                decode_ctx_slots=ctx, decode_mask=torch.ones(1, 1, 1, start + 1, dtype=torch.bool),
+                prefills=[], logits_indices=torch.tensor([0]),
+            )
+        else:
+            ctx = None if start == 0 else torch.tensor([slot(p) for p in range(start + n)])
+            meta = AttentionMetadata(
+                positions=torch.arange(start, start + n), slots=slots, num_decodes=0,
+                decode_ctx_slots=None, decode_mask=None, prefills=[(0, n, start, ctx)],
+                logits_indices=torch.arange(n),
+            )
+        out.append(model.forward(ids, meta, kv.k_layers, kv.v_layers))
+    return torch.cat(out)
+
+
+
+def max_rel_diff(ours, ref) -> float:
+    """Largest absolute difference relative to the largest reference logit."""
+    return float((ours.float() - ref.float()).abs().max() / ref.float().abs().max())
