@@ -25,7 +25,9 @@ class SchedulerConfig:
     - `order`: `fcfs` admits in arrival order; `priority` admits by (priority, arrival), lower
       priority value first, and preempts the lowest-priority running sequence first.
     - `max_waiting`: bound of the waiting queue (None = unbounded); a full queue rejects new
-      requests with QueueFull.
+      requests with QueueFull. Preempted requests always go back to the queue, even past it.
+    - A request must satisfy prompt + max_tokens <= `max_model_len` and prompt <= the KV pool;
+      one whose output outgrows the pool stops with LENGTH when its next token has no slot.
     """
 
     num_blocks: int
