@@ -1,0 +1,75 @@
+"""Engine flags shared by `servelab generate` and `servelab chat` (no torch at import)."""
+
+from __future__ import annotations
+
+import argparse
+
+from servelab.core.sequence import SamplingParams
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="GGUF file or HF model directory (default: the bundled SmolLM2-135M-Instruct Q4_1)")
+    g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
+                   help="compute dtype (default: bfloat16 where the CPU has native bf16, else float32)")
+    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    g.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: min(model, 8192))")
+    g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+
+
+def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default: 0.7)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None, help="per-request seed: the same seed gives the same text")
+    g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
+
+
+def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        seed=args.seed,
+        stop=list(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def build_engine(args: argparse.Namespace):
+    from servelab.engine.llm_engine import EngineArgs, LLMEngine
+    from servelab.errors import InvalidArgument
+
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InvalidArgument(f"--threads must be >= 1, got {args.threads}", param="threads")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return LLMEngine.from_args(
+        EngineArgs(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+    )
+
+
+def timing_line(seq, engine) -> str:
+    """One line: tokens, finish reason, TTFT, TPOT, tokens/s (DESIGN.md's definitions)."""
+    a = seq.arrival_s
+    n = seq.num_output_tokens
+    parts = [f"{seq.num_prompt_tokens} prompt + {n} output tokens ({seq.finish_reason.value if seq.finish_reason else '?'})"]
+    if seq.first_token_s is not None:
+        ttft = seq.first_token_s - a
+        parts.append(f"TTFT {ttft * 1e3:.1f} ms")
+        e2e = seq.token_times_s[-1] - a
+        if n > 1:
+            parts.append(f"TPOT {(e2e - ttft) / (n - 1) * 1e3:.1f} ms")
+            parts.append(f"{(n - 1) / (e2e - ttft):.1f} tok/s decode")
+        parts.append(f"E2E {e2e:.2f} s")
+    dtype = getattr(getattr(engine.executor, "model", None), "dtype", None)
+    parts.append(f"{engine.model_name}" + (f", {str(dtype).removeprefix('torch.')}" if dtype is not None else ""))
+    return "[" + " | ".join(parts) + "]"

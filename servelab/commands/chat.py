@@ -1,0 +1,74 @@
+"""`servelab chat`: an interactive terminal chat that streams tokens as they come.
+
+Type a message and press Enter. `/reset` forgets the conversation, `/exit` (or Ctrl-D) quits,
+Ctrl-C stops the reply being generated.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from servelab.commands._engine_cli import (
+    add_engine_arguments,
+    add_sampling_arguments,
+    build_engine,
+    sampling_params_from,
+    timing_line,
+)
+
+HELP = "interactive chat in the terminal, streaming tokens"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--system", default=None, help="system message")
+    parser.add_argument("--stats", action="store_true", help="print a timing line after each reply")
+    add_sampling_arguments(parser, max_tokens=512)
+    add_engine_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    params = sampling_params_from(args)
+    engine = build_engine(args)
+    system = [{"role": "system", "content": args.system}] if args.system else []
+    messages: list[dict] = list(system)
+    interactive = sys.stdin.isatty()
+    print(f"servelab chat with {engine.model_name} — /reset to start over, /exit or Ctrl-D to quit", file=sys.stderr)
+    turn = 0
+    while True:
+        try:
+            line = input("you> " if interactive else "")
+        except EOFError:
+            print(file=sys.stderr)
+            return 0
+        line = line.strip()
+        if not line:
+            continue
+        if line in ("/exit", "/quit"):
+            return 0
+        if line == "/reset":
+            messages = list(system)
+            print("(conversation reset)", file=sys.stderr)
+            continue
+        messages.append({"role": "user", "content": line})
+        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        rid = f"chat-{turn}"
+        turn += 1
+        seq = engine.add_request(rid, prompt, params)
+        reply: list[str] = []
+        sys.stdout.write("assistant> " if interactive else "")
+        try:
+            while engine.has_unfinished():
+                for out in engine.step():
+                    reply.append(out.text_delta)
+                    sys.stdout.write(out.text_delta)
+                    sys.stdout.flush()
+        except KeyboardInterrupt:
+            engine.abort(rid)
+            while engine.has_unfinished():
+                engine.step()
+            sys.stdout.write(" [stopped]")
+        print()
+        messages.append({"role": "assistant", "content": "".join(reply)})
+        if args.stats:
+            print(timing_line(seq, engine), file=sys.stderr)
