@@ -1,0 +1,147 @@
+"""LLMEngine on the tiny model: streaming text, stop strings, aborts, limits and their errors,
+seeded sampling, logprobs, stats; and the offline LLM API."""
+
+from __future__ import annotations
+
+import pytest
+
+from servelab.core.sequence import FinishReason, SamplingParams
+from servelab.engine.llm_engine import EngineArgs
+from servelab.errors import InvalidArgument, NotFound, QueueFull, RequestTooLong
+
+PROMPT = "The model is fast and the cache is"
+
+
+def _drain(engine) -> dict[str, list]:
+    outs: dict[str, list] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    return outs
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_engine_factory):
+    return tiny_engine_factory()
+
+
+def test_streamed_deltas_add_up_to_the_decoded_output(engine):
+    seq = engine.add_request("s", PROMPT, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True))
+    outs = _drain(engine)["s"]
+    assert [t for o in outs for t in o.new_token_ids] == seq.output_token_ids
+    assert "".join(o.text_delta for o in outs) == engine.tokenizer.decode(seq.output_token_ids)
+    assert outs[-1].finished and outs[-1].finish_reason is FinishReason.LENGTH
+    assert not any(o.finished for o in outs[:-1])
+    assert seq.first_token_s is not None and seq.finished_s >= seq.first_token_s >= seq.arrival_s
+
+
+def test_stop_string_ends_the_request_and_is_not_emitted(engine):
+    greedy = SamplingParams(max_tokens=30, temperature=0, ignore_eos=True)
+    engine.add_request("full", PROMPT, greedy)
+    full = "".join(o.text_delta for o in _drain(engine)["full"])
+    stop = full[10:13]
+    assert stop.strip(), f"pick a visible stop string from {full!r}"
+    seq = engine.add_request("stop", PROMPT, SamplingParams(max_tokens=30, temperature=0, ignore_eos=True, stop=[stop]))
+    outs = _drain(engine)["stop"]
+    text = "".join(o.text_delta for o in outs)
+    assert text == full[: full.index(stop)]
+    assert outs[-1].finish_reason is FinishReason.STOP and seq.stop_reason == stop
+    assert seq.num_output_tokens < 30
+    assert engine.stats().num_blocks_free == engine.stats().num_blocks_total  # blocks given back
+
+
+def test_abort_frees_blocks_and_reports_abort(engine):
+    engine.add_request("a", PROMPT, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
+    engine.step()
+    assert engine.stats().num_running == 1 and engine.stats().kv_cache_usage > 0
+    assert engine.abort("a") is True
+    assert engine.abort("a") is False
+    outs = _drain(engine)["a"]
+    assert outs[-1].finished and outs[-1].finish_reason is FinishReason.ABORT
+    assert engine.stats().num_running == 0 and engine.stats().kv_cache_usage == 0
+
+
+def test_limits_raise_clear_errors(tiny_engine_factory):
+    engine = tiny_engine_factory(max_model_len=64, max_waiting=1)
+    with pytest.raises(RequestTooLong, match="maximum context length is 64"):
+        engine.add_request("long", list(range(3, 60)), SamplingParams(max_tokens=10))
+    with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+        engine.add_request("bad", [1, 2, 10**6], SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidArgument, match="empty"):
+        engine.add_request("empty", "", SamplingParams(max_tokens=1))
+    engine.add_request("q1", PROMPT, SamplingParams(max_tokens=1))
+    with pytest.raises(QueueFull, match="max_waiting=1"):
+        engine.add_request("q2", PROMPT, SamplingParams(max_tokens=1))
+    with pytest.raises(InvalidArgument, match="already in use"):
+        engine.add_request("q1", PROMPT, SamplingParams(max_tokens=1))
+    _drain(engine)
+
+
+def test_engine_args_errors_name_the_input(tiny_llama, tmp_path):
+    from servelab.engine.llm_engine import LLMEngine
+
+    with pytest.raises(InvalidArgument, match="dtype"):
+        LLMEngine.from_args(EngineArgs(model=str(tiny_llama), dtype="int3"))
+    with pytest.raises(NotFound, match="does not exist"):
+        LLMEngine.from_args(EngineArgs(model=str(tmp_path / "nope.gguf")))
+    bogus = tmp_path / "bogus.gguf"
+    bogus.write_bytes(b"not a gguf at all")
+    with pytest.raises(InvalidArgument, match="not a GGUF file"):
+        LLMEngine.from_args(EngineArgs(model=str(bogus)))
+    with pytest.raises(InvalidArgument, match="exceeds the model's context"):
+        LLMEngine.from_args(EngineArgs(model=str(tiny_llama), max_model_len=10**6))
+    with pytest.raises(InvalidArgument, match="does not fit the KV cache"):
+        LLMEngine.from_args(EngineArgs(model=str(tiny_llama), num_blocks=2, block_size=16, max_model_len=256))
+
+
+def test_defaults_kv_pool_and_context(tiny_engine_factory):
+    engine = tiny_engine_factory()
+    assert engine.max_model_len == 2048  # min(model context 2048, 8192)
+    cfg = engine.executor.model.config
+    per_block = 2 * cfg.num_layers * 16 * cfg.num_kv_heads * cfg.head_dim * 4
+    assert engine.stats().num_blocks_total == (1 << 30) // per_block
+
+
+def test_seeded_sampling_ignores_batch_company(engine):
+    params = SamplingParams(max_tokens=20, temperature=1.0, seed=1234, ignore_eos=True)
+    alone = engine.add_request("x", PROMPT, params)
+    _drain(engine)
+    crowd = engine.add_request("y", PROMPT, params)
+    for i in range(5):
+        engine.add_request(f"c{i}", f"{i} hello world", SamplingParams(max_tokens=20, temperature=1.0))
+    _drain(engine)
+    assert crowd.output_token_ids == alone.output_token_ids
+    other = engine.add_request("z", PROMPT, SamplingParams(max_tokens=20, temperature=1.0, seed=99, ignore_eos=True))
+    _drain(engine)
+    assert other.output_token_ids != alone.output_token_ids
+
+
+def test_logprobs_come_back_per_token(engine):
+    seq = engine.add_request("lp", PROMPT, SamplingParams(max_tokens=5, temperature=0, logprobs=3, ignore_eos=True))
+    outs = _drain(engine)["lp"]
+    lps = [lp for o in outs for lp in (o.logprobs or [])]
+    assert [lp.token_id for lp in lps] == seq.output_token_ids
+    for lp in lps:  # greedy: the sampled token is the top alternative
+        assert len(lp.top) == 3 and lp.top[0][0] == lp.token_id and lp.logprob <= 0
+
+
+def test_offline_llm_generate_prompts_and_chats(tiny_llama):
+    from servelab.engine.llm import LLM
+
+    llm = LLM(model=str(tiny_llama), dtype="float32")
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    chat = [{"role": "user", "content": "hello world"}]
+    outs = llm.generate([PROMPT, chat, llm.tokenizer.encode("what is the")], params)
+    assert len(outs) == 3
+    for out in outs:
+        assert len(out.token_ids) == 8 and out.finish_reason is FinishReason.LENGTH
+        assert out.text == llm.tokenizer.decode(out.token_ids)
+        t = out.timings
+        assert 0 <= t.queue_s <= t.ttft_s <= t.e2e_s and t.tpot_s > 0 and len(t.itl_s) == 7
+    assert outs[1].prompt_token_ids == llm.tokenizer.encode(llm.tokenizer.apply_chat_template(chat))
+    assert llm.generate(PROMPT, params)[0].token_ids == outs[0].token_ids  # same alone as in the batch
+    assert llm.chat(chat, params)[0].token_ids == outs[1].token_ids
+    with pytest.raises(InvalidArgument, match="prompt 1"):
+        llm.generate(["ok", 3.5], params)
+    with pytest.raises(InvalidArgument, match="unknown engine argument"):
+        LLM(model=str(tiny_llama), colour="blue")
