@@ -22,6 +22,7 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from servelab.core.sequence import FinishReason, SamplingParams
+from servelab.engine.llm_engine import EngineArgs  # no torch at import: the model loads in from_args
 from servelab.errors import InvalidArgument, NotFound, RequestTooLong, ServelabError
 from servelab.server import protocol as p
 from servelab.server.async_engine import AsyncEngine, EngineFailure, EngineRequest, EngineStopped, RequestStream
@@ -37,7 +38,7 @@ from servelab.server.sse import DONE, sse_event
 
 if TYPE_CHECKING:
     from servelab.core.plan import TokenLogprobs
-    from servelab.engine.llm_engine import EngineArgs, EngineOutput, LLMEngine
+    from servelab.engine.llm_engine import EngineOutput, LLMEngine
 
 logger = logging.getLogger("servelab.server")
 
@@ -88,7 +89,7 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
         state.metrics = ServerMetrics(llm.model_name, lambda: state.async_engine.stats)
         state.async_engine.add_observer(state.metrics.observe)
 
-    if not _is_engine_args(engine):
+    if not isinstance(engine, EngineArgs):
         attach(engine)
 
     @asynccontextmanager
@@ -96,7 +97,7 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
         if state.engine is None:
             from servelab.engine.llm_engine import LLMEngine
 
-            attach(await asyncio.to_thread(LLMEngine.from_args, engine))
+            attach(await asyncio.to_thread(LLMEngine.from_args, engine))  # before the port opens
         state.loop = asyncio.get_running_loop()
         state.async_engine.start()
         try:
@@ -174,8 +175,6 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
         if req.suffix:
             raise InvalidArgument("suffix is not supported", param="suffix")
         prompts = completion_prompts(req.prompt)
-        if req.max_tokens is None:
-            raise InvalidArgument("max_tokens must be an integer >= 1, got null", param="max_tokens")
         request_id = "cmpl-" + uuid.uuid4().hex
         engine_requests = build_requests(request_id, prompts, req, req.max_tokens, req.logprobs, arrival_s)
         stream = await state.async_engine.submit(engine_requests)
@@ -197,15 +196,6 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
         )
         prompt_ids = encode_prompt(state.engine, text)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        if max_tokens is None:
-            # As OpenAI and vLLM do: without a limit, the completion may use the rest of the context.
-            max_tokens = state.engine.max_model_len - len(prompt_ids)
-            if max_tokens < 1:
-                raise RequestTooLong(
-                    f"this model's maximum context length is {state.engine.max_model_len} tokens, but the "
-                    f"messages have {len(prompt_ids)} tokens, which leaves no room for the completion",
-                    param="messages",
-                )
         top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         request_id = "chatcmpl-" + uuid.uuid4().hex
         engine_requests = build_requests(request_id, [prompt_ids], req, max_tokens, top_logprobs, arrival_s)
@@ -248,10 +238,12 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
         request_id: str,
         prompts: list[str | list[int]],
         req: p.CompletionRequest | p.ChatCompletionRequest,
-        max_tokens: int,
+        max_tokens: int | None,
         logprobs: int | None,
         arrival_s: float,
     ) -> list[EngineRequest]:
+        """One engine request per prompt and choice. `max_tokens=None` lets each completion use
+        the rest of the context, as OpenAI and vLLM do."""
         if req.n < 1 or req.n > MAX_N:
             raise InvalidArgument(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -261,12 +253,20 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
                 check_token_ids(prompt, "prompt")
             else:
                 prompt = encode_prompt(state.engine, prompt)
+            limit = state.engine.max_model_len
+            room = max_tokens if max_tokens is not None else limit - len(prompt)
+            if max_tokens is None and room < 1:
+                raise RequestTooLong(
+                    f"this model's maximum context length is {limit} tokens, but the prompt has {len(prompt)} "
+                    f"tokens, which leaves no room for the completion",
+                    param="messages" if isinstance(req, p.ChatCompletionRequest) else "prompt",
+                )
             for j in range(req.n):
                 index = i * req.n + j
                 # Distinct but reproducible seeds for the choices of one seeded request.
                 seed = None if req.seed is None else req.seed + index
                 params = SamplingParams(
-                    max_tokens=max_tokens,
+                    max_tokens=room,
                     temperature=1.0 if req.temperature is None else req.temperature,
                     top_p=1.0 if req.top_p is None else req.top_p,
                     top_k=0 if req.top_k in (None, -1) else req.top_k,
@@ -284,10 +284,6 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
         return out
 
     return app
-
-
-def _is_engine_args(obj: Any) -> bool:
-    return type(obj).__name__ == "EngineArgs"
 
 
 def encode_prompt(engine: LLMEngine, text: str, *, add_special_tokens: bool = True) -> list[int]:

@@ -64,6 +64,15 @@ def test_stop_string_finishes_with_stop_and_is_cut(client):
     assert resp["usage"]["completion_tokens"] < 12
 
 
+def test_no_max_tokens_means_the_rest_of_the_context(client):
+    n_prompt = client.post("/tokenize", json={"prompt": "hello world"}).json()["count"]
+    body = client.post("/v1/completions", json={"prompt": "hello world", "max_tokens": None, "ignore_eos": True}).json()
+    assert body["usage"]["completion_tokens"] == 128 - n_prompt
+    assert body["choices"][0]["finish_reason"] == "length"
+    err = _error(client.post("/v1/completions", json={"prompt": list(range(10, 138)), "max_tokens": None}), 400)
+    assert "128" in err["message"] and err["param"] == "prompt"
+
+
 def test_n_choices_and_prompt_lists(client):
     resp = client.post("/v1/completions", json={"prompt": ["hello", "the quick brown fox"], "n": 2, "max_tokens": 3,
                                                 "ignore_eos": True, "seed": 1})  # fmt: skip
@@ -220,3 +229,15 @@ def test_metrics_count_every_request(client):
     assert _metric(after, "servelab:request_success", "servelab:request_success_total", finished_reason="length") >= 5
     assert _metric(after, "servelab:num_requests_running") == 0
     assert _metric(after, "servelab:kv_cache_usage_perc") == 0
+
+
+@pytest.mark.slow
+def test_engine_args_load_the_model_at_startup(tiny_model_dir):
+    from servelab.engine.llm_engine import EngineArgs
+
+    app = create_app(EngineArgs(model=str(tiny_model_dir), num_blocks=64, max_model_len=256))
+    assert app.state.servelab.engine is None  # nothing loads until the server starts
+    with TestClient(app) as c:
+        body = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3, "ignore_eos": True}).json()
+        assert body["model"] == tiny_model_dir.name and body["usage"]["completion_tokens"] == 3
+        assert c.get("/v1/models").json()["data"][0]["max_model_len"] == 256

@@ -271,6 +271,17 @@ def test_disconnect_mid_stream_aborts_and_frees_the_kv_blocks(server, client):
     assert client.completions.create(model=MODEL, prompt="next", max_tokens=2).usage.completion_tokens >= 1
 
 
+def test_disconnect_before_a_non_streamed_answer_aborts_too(server):
+    idle = wait_until_idle(server.url)
+    aborted0 = m(idle, "servelab:request_success_total", finished_reason="abort")
+    with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
+        httpx.post(f"{server.url}/v1/completions", json={"prompt": "a long answer", "max_tokens": 400, "ignore_eos": True},
+                   timeout=httpx.Timeout(10, read=1.0))  # fmt: skip
+    after = wait_until_idle(server.url, timeout_s=20)
+    assert m(after, "servelab:request_success_total", finished_reason="abort") == aborted0 + 1
+    assert m(after, "servelab:kv_cache_usage_perc") == m(idle, "servelab:kv_cache_usage_perc")
+
+
 # ------------------------------------------------------------------------------- metrics
 
 
