@@ -226,7 +226,7 @@ def test_32_concurrent_streams_complete_with_correct_usage_and_batch(server):
         await aclient.close()
         return single, single_s, many, many_s
 
-    single, single_s, many, many_s = asyncio.run(main())
+    _, single_s, many, many_s = asyncio.run(main())
     assert len(many) == 32
     for (n_content, finish, usage), n_prompt in zip(many, prompt_tokens):
         assert finish == "length" and n_content > 0
