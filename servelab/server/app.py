@@ -178,7 +178,7 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
         request_id = "cmpl-" + uuid.uuid4().hex
         engine_requests = build_requests(request_id, prompts, req, req.max_tokens, req.logprobs, arrival_s)
         stream = await state.async_engine.submit(engine_requests)
-        renderer = CompletionRenderer(state, request_id, req, engine_requests, len(prompts))
+        renderer = CompletionRenderer(state, request_id, req, engine_requests)
         if req.stream:
             return sse_response(renderer.stream(stream))
         return await collect_unless_disconnected(request, renderer.collect(stream))
@@ -365,13 +365,12 @@ class _Choice:
 class _Renderer:
     """Shared by both endpoints: choices by engine request id, usage, stream plumbing."""
 
-    def __init__(self, state: ServerState, request_id: str, req: Any, engine_requests: list[EngineRequest], n_prompts: int):
+    def __init__(self, state: ServerState, request_id: str, req: Any, engine_requests: list[EngineRequest]):
         self.state = state
         self.request_id = request_id
         self.req = req
         self.created = p.now_s()
         self.choices = {r.request_id: _Choice(index=i) for i, r in enumerate(engine_requests)}
-        self.n_prompts = n_prompts
         self.n = req.n
 
     def update(self, out: EngineOutput) -> _Choice:
@@ -481,9 +480,6 @@ class CompletionRenderer(_Renderer):
 
 
 class ChatRenderer(_Renderer):
-    def __init__(self, state: ServerState, request_id: str, req: Any, engine_requests: list[EngineRequest]):
-        super().__init__(state, request_id, req, engine_requests, 1)
-
     def _logprobs(self, items: list[TokenLogprobs]) -> p.ChatLogprobs:
         tokenizer = self.state.engine.tokenizer
         content = []

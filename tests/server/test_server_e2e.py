@@ -4,7 +4,9 @@ official `openai` client and httpx."""
 from __future__ import annotations
 
 import asyncio
+import json
 import signal
+import socket
 import threading
 import time
 
@@ -280,6 +282,26 @@ def test_disconnect_before_a_non_streamed_answer_aborts_too(server):
     after = wait_until_idle(server.url, timeout_s=20)
     assert m(after, "servelab:request_success_total", finished_reason="abort") == aborted0 + 1
     assert m(after, "servelab:kv_cache_usage_perc") == m(idle, "servelab:kv_cache_usage_perc")
+
+
+def test_a_client_that_never_reads_does_not_hold_up_the_engine(server, client):
+    idle = wait_until_idle(server.url)
+    length0 = m(idle, "servelab:request_success_total", finished_reason="length")
+    body = json.dumps({"prompt": "stream to nobody", "max_tokens": 100, "stream": True, "ignore_eos": True}).encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sleeper:
+        sleeper.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # reads nothing, buffers little
+        sleeper.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                        b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
+        ttft0 = m(idle, "servelab:time_to_first_token_seconds_count")
+        deadline = time.monotonic() + 30
+        while m(metrics(server.url), "servelab:time_to_first_token_seconds_count") == ttft0:
+            assert time.monotonic() < deadline, "the sleeper's request never started"
+            time.sleep(0.05)
+        # Another client is served meanwhile ...
+        assert client.completions.create(model=MODEL, prompt="me first", max_tokens=3).usage.completion_tokens >= 1
+        # ... and the sleeper's request runs to its end in the engine while its client reads nothing.
+        after = wait_until_idle(server.url, timeout_s=60)
+        assert m(after, "servelab:request_success_total", finished_reason="length") >= length0 + 1
 
 
 # ------------------------------------------------------------------------------- metrics
