@@ -39,6 +39,13 @@ class StepPlan:
     num_batched_tokens: int = 0
     preempted: list[Sequence] = field(default_factory=list)  # preempted while building this plan
     block_size: int = 16
+    # Sums over shape() that the scheduler keeps while it builds the plan (`sums_kept`), so that
+    # the simulator prices a step without another pass over `scheduled` (it prices hundreds of
+    # thousands). A plan built by hand leaves them unset and shape_totals() computes them.
+    context_tokens: int = 0  # Σ context length (start_pos + num_tokens)
+    attention_pairs: int = 0  # Σ causal (query, key) pairs: q·c − q(q−1)/2 per sequence
+    num_decode_seqs: int = 0  # entries with exactly one query token
+    sums_kept: bool = False
 
     @property
     def is_empty(self) -> bool:
@@ -47,6 +54,25 @@ class StepPlan:
     def shape(self) -> list[tuple[int, int]]:
         """(query tokens, context length) per sequence: the cost model's input."""
         return [(s.num_tokens, s.start_pos + s.num_tokens) for s in self.scheduled]
+
+    def shape_totals(self) -> tuple[int, int, int, int, int]:
+        """(query tokens, sequences, Σ context, Σ attended pairs, decode sequences) of shape().
+
+        A chunk of q query tokens at context c attends to (c − q) cached keys plus i + 1 of its
+        own for query i: q·c − q(q−1)/2 pairs (c for a decode). The same sums as
+        `Roofline.totals(plan.shape())`, read from the running sums when the scheduler kept them."""
+        if self.sums_kept:
+            return (self.num_batched_tokens, len(self.scheduled), self.context_tokens, self.attention_pairs,
+                    self.num_decode_seqs)
+        num_tokens = context = pairs = decodes = 0
+        for s in self.scheduled:
+            q = s.num_tokens
+            c = s.start_pos + q
+            num_tokens += q
+            context += c
+            pairs += q * c - (q * (q - 1) >> 1)
+            decodes += q == 1
+        return num_tokens, len(self.scheduled), context, pairs, decodes
 
 
 @dataclass(slots=True)

@@ -76,6 +76,9 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_finished = 0
         self._kv_capacity_tokens = config.num_blocks * config.block_size
+        # A sequence this long stops: at max_model_len, or when its next decode would need a KV
+        # slot past the whole pool.
+        self._len_cap = min(config.max_model_len, self._kv_capacity_tokens + 1)
 
     # ---- introspection -------------------------------------------------------------------------
 
@@ -151,6 +154,10 @@ class Scheduler:
             )
         if now is not None and seq.arrival_s == 0.0:
             seq.arrival_s = now
+        params = seq.params
+        seq.stop_check_num_tokens = min(num_prompt + max_tokens, self._len_cap)
+        stop_ids = params.stop_token_ids if params.ignore_eos else (*seq.eos_token_ids, *params.stop_token_ids)
+        seq.stop_check_token_ids = frozenset(stop_ids)
         order = next(self._counter)
         key = (seq.priority, seq.arrival_s, order) if self._by_priority else (order,)
         self._keys[rid] = key
@@ -177,7 +184,7 @@ class Scheduler:
         cfg = self.config
         bm = self.block_manager
         bs = cfg.block_size
-        plan = StepPlan(block_size=bs)
+        plan = StepPlan(block_size=bs, sums_kept=True)
         scheduled = plan.scheduled
         budget = cfg.max_num_batched_tokens
 
@@ -187,6 +194,10 @@ class Scheduler:
         running = self.running
         preempted = plan.preempted
         append = scheduled.append
+        # The shape's sums, kept here for the cost model (see StepPlan.shape_totals). A decode (the
+        # common entry) attends to exactly its context, so it only adds to `context_tokens`; a
+        # prefill chunk adds what its causal pairs exceed that by.
+        context_tokens = chunk_extra_pairs = num_chunks = 0
         # len(running) <= max_num_seqs always (admission keeps it), so only the token budget binds.
         # Popping victims off the tail while iterating is safe: the iterator stops earlier.
         for seq in running:
@@ -198,6 +209,7 @@ class Scheduler:
             if n > budget:  # noqa: PLR1730 -- a compare is cheaper than min() on this hot path
                 n = budget
             end = start + n
+            # A decode needs a new block only when its last one is full (every block_size steps).
             if (
                 end > len(seq.block_table) * bs
                 and not bm.append_slots(seq, end)
@@ -206,7 +218,15 @@ class Scheduler:
                 break  # seq itself was the newest left and was preempted: nothing more runs
             append(ScheduledSeq(seq, n, start, end == num_known))
             budget -= n
+            context_tokens += end
+            if n != 1:
+                chunk_extra_pairs += (n - 1) * end - (n * (n - 1) >> 1)
+                num_chunks += 1
         plan.num_batched_tokens = cfg.max_num_batched_tokens - budget
+        plan.context_tokens += context_tokens
+        plan.attention_pairs += context_tokens + chunk_extra_pairs
+        # `scheduled` holds only this loop's entries: a prefill-first step that admitted returned above.
+        plan.num_decode_seqs += len(scheduled) - num_chunks
 
         # As vLLM: a step that had to preempt admits nobody new; the pool is already short.
         if self._chunked and not preempted and self._num_waiting:
@@ -244,8 +264,13 @@ class Scheduler:
             if seq.first_scheduled_s is None:
                 seq.first_scheduled_s = now
             insort(running, seq, key=self._key_of)
-            scheduled.append(ScheduledSeq(seq, n, num_cached, num_cached + n == len(seq.token_ids)))
+            end = num_cached + n
+            scheduled.append(ScheduledSeq(seq, n, num_cached, end == len(seq.token_ids)))
             plan.num_batched_tokens += n
+            plan.context_tokens += end
+            plan.attention_pairs += n * end - (n * (n - 1) >> 1)
+            if n == 1:
+                plan.num_decode_seqs += 1
             budget -= n
             admitted = True
         return admitted
@@ -276,61 +301,61 @@ class Scheduler:
 
     # ---- results -------------------------------------------------------------------------------
 
-    def update(self, plan: StepPlan, result: StepResult, now: float) -> list[RequestOutput]:
+    def update(
+        self, plan: StepPlan, result: StepResult, now: float, *, finished_only: bool = False
+    ) -> list[RequestOutput]:
         """Apply an executed step: advance computed tokens, append sampled tokens, stop, free.
 
-        Returns one RequestOutput per request that gained a token or finished this step.
+        Returns one RequestOutput per request that gained a token or finished this step, or with
+        `finished_only` (the simulator, which streams nothing) only those that finished: building
+        an output per token is a large share of a decode step's cost in pure Python.
         """
+        scheduled = plan.scheduled
         sampled = result.sampled_token_ids
-        if len(sampled) != len(plan.scheduled):
+        if len(sampled) != len(scheduled):
             raise ValueError(
-                f"StepResult has {len(sampled)} sampled tokens for a plan of {len(plan.scheduled)} sequences"
+                f"StepResult has {len(sampled)} sampled tokens for a plan of {len(scheduled)} sequences"
             )
         bm = self.block_manager
         bs = self.config.block_size
-        # A sequence this long stops: at max_model_len, or when its next decode would need a KV
-        # slot past the whole pool.
-        len_cap = min(self.config.max_model_len, self._kv_capacity_tokens + 1)
+        len_cap = self._len_cap
         logprobs = result.logprobs if result.logprobs is not None else repeat(None)
         outputs: list[RequestOutput] = []
         append_output = outputs.append
         output = RequestOutput
+        stream = not finished_only
         running_status = _RUNNING
         any_finished = False
-        for ss, token, lp in zip(plan.scheduled, sampled, logprobs):
+        for ss, token, lp in zip(scheduled, sampled, logprobs):
             seq = ss.seq
             if seq.status is not running_status:
                 continue  # aborted or finished by the engine while the step ran
             seq.num_computed_tokens = computed = ss.start_pos + ss.num_tokens
-            if computed >= (seq.num_committed_blocks + 1) * bs:
+            if computed >= (seq.num_committed_blocks + 1) * bs:  # a block filled: publish it
                 bm.commit_computed_blocks(seq)
             if not ss.samples:
                 continue
             if token is None:
                 self._finish(seq, FinishReason.ERROR, now)
                 any_finished = True
-                append_output(RequestOutput(seq.request_id, [], True, FinishReason.ERROR, seq))
+                append_output(output(seq.request_id, [], True, FinishReason.ERROR, seq))
                 continue
             token_ids = seq.token_ids
             token_ids.append(token)
-            seq.token_times_s.append(now)
+            seq.token_times_s.append(now)  # every token's time: the simulator's ITL needs them
             if seq.first_token_s is None:
                 seq.first_token_s = now
-            num_tokens = len(token_ids)
-            params = seq.params
-            if (
-                num_tokens - seq.num_prompt_tokens >= params.max_tokens
-                or num_tokens >= len_cap
-                or token in seq.eos_token_ids
-                or token in params.stop_token_ids
-            ):
+            # One compare and one set lookup screen the token (see Sequence.stop_check_*);
+            # _stop_reason decides whether and why it really stops.
+            if len(token_ids) >= seq.stop_check_num_tokens or token in seq.stop_check_token_ids:
                 reason = self._stop_reason(seq, token, len_cap)
                 if reason is not None:
                     self._finish(seq, reason, now)
                     any_finished = True
-                    append_output(RequestOutput(seq.request_id, [token], True, reason, seq, None if lp is None else [lp]))
+                    append_output(output(seq.request_id, [token], True, reason, seq, None if lp is None else [lp]))
                     continue
-            append_output(output(seq.request_id, [token], False, None, seq, None if lp is None else [lp]))
+            if stream:
+                append_output(output(seq.request_id, [token], False, None, seq, None if lp is None else [lp]))
         if any_finished:
             self.running = [s for s in self.running if s.status is _RUNNING]
         return outputs

@@ -108,6 +108,14 @@ class Sequence:
     block_hashes: list[int] = field(default_factory=list, repr=False)
     num_committed_blocks: int = field(default=0, repr=False)
 
+    # Set by Scheduler.add so that update() screens each sampled token with one compare and one
+    # set lookup: a token can only end the sequence if the sequence reached `stop_check_num_tokens`
+    # (max_tokens or the scheduler's length cap) or the token is in `stop_check_token_ids` (EOS
+    # unless ignore_eos, and the stop token ids). Scheduler._stop_reason then applies the full
+    # rules (min_tokens, which reason); these two fields only decide when to ask it.
+    stop_check_num_tokens: int = field(default=0, init=False, repr=False)
+    stop_check_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
+
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)

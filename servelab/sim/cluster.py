@@ -156,7 +156,7 @@ class ClusterSim:
         now = 0.0
         heappush, heappop = heapq.heappush, heapq.heappop
 
-        def push(t: float, kind: int, a, b=None) -> None:  # noqa: ANN001
+        def push(t: float, kind: int, a, b=None) -> None:
             nonlocal counter
             counter += 1
             heappush(events, (t, counter, kind, a, b))
@@ -269,7 +269,8 @@ class ClusterSim:
             if kind == _STEP_DONE:
                 replica: Replica = a
                 plan, result = b
-                outputs = replica.scheduler.update(plan, result, now)
+                # Only finished requests matter here: nothing streams in a simulation.
+                outputs = replica.scheduler.update(plan, result, now, finished_only=True)
                 for out in outputs:
                     if out.finished:
                         on_finished(replica, out.seq, now)

@@ -8,13 +8,18 @@ end at their sampled output length because the simulator sends them with
 from __future__ import annotations
 
 from servelab.core.plan import StepPlan, StepResult
-# The roofline implements it; a calibrated profile can replace it. Only `step_time_s` is used.
+
+# The roofline implements it; a calibrated profile can replace it. `step_time_s` is required;
+# `time_from_totals`, where a model offers it, is the fast path.
 from servelab.cost.step_cost import StepCostModel
 
 
 class SimExecutor:
     def __init__(self, cost_model: StepCostModel, sampled_token_id: int = 1) -> None:
         self.cost_model = cost_model
+        # A cost model that prices a step from its sums (the roofline) is fed the plan's running
+        # sums directly: no shape list per step. Others get shape(); both give the same time.
+        self._time_from_totals = getattr(cost_model, "time_from_totals", None)
         self.sampled_token_id = sampled_token_id
         # Disaggregated decode side: request id -> prompt tokens whose KV arrived over the link.
         # Those positions cost nothing here; the first chunk past them ends the entry (after a
@@ -26,13 +31,21 @@ class SimExecutor:
         token = self.sampled_token_id
         scheduled = plan.scheduled
         sampled: list[int | None] = [token if s.samples else None for s in scheduled]
+        if not scheduled:
+            self.last_num_decode = 0
+            return StepResult(sampled, 0.0)
         if self.preloaded:
             shape = self._shape_after_preloaded(plan)
-        else:
-            # The hot path (every step of a colocated run): comprehensions, no per-item branching.
-            shape = [(s.num_tokens, s.start_pos + s.num_tokens) for s in scheduled]
-        self.last_num_decode = sum(1 for q, _ in shape if q == 1)
-        return StepResult(sampled, self.cost_model.step_time_s(shape) if shape else 0.0)
+            self.last_num_decode = sum(1 for q, _ in shape if q == 1)
+            return StepResult(sampled, self.cost_model.step_time_s(shape) if shape else 0.0)
+        if self._time_from_totals is None:
+            shape = plan.shape()
+            self.last_num_decode = sum(1 for q, _ in shape if q == 1)
+            return StepResult(sampled, self.cost_model.step_time_s(shape))
+        # The hot path (every step of a colocated run on the roofline): the scheduler's sums.
+        num_tokens, num_seqs, context_tokens, pairs, num_decode = plan.shape_totals()
+        self.last_num_decode = num_decode
+        return StepResult(sampled, self._time_from_totals(num_tokens, num_seqs, context_tokens, pairs))
 
     def _shape_after_preloaded(self, plan: StepPlan) -> list[tuple[int, int]]:
         preloaded = self.preloaded

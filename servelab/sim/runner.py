@@ -267,4 +267,4 @@ def _fields(cfg: SchedulerConfig) -> dict[str, Any]:
     return {name: getattr(cfg, name) for name in cfg.__dataclass_fields__}
 
 
-__all__ = ["SimConfig", "SimResult", "simulate", "build_cost_model", "scheduler_config"]
+__all__ = ["SimConfig", "SimResult", "build_cost_model", "scheduler_config", "simulate"]

@@ -479,6 +479,47 @@ def test_update_returns_stream_events_and_timestamps():
     assert a.finished_s == 4.0 and a.token_times_s == [2.0, 4.0]
 
 
+def test_finished_only_update_changes_no_state_only_the_events():
+    """The simulator's mode: the same sequences, tokens, times and frees; events only for ends."""
+
+    def drive(finished_only: bool) -> tuple[list, list, list]:
+        s = Scheduler(config(num_blocks=12, max_num_batched_tokens=16, max_num_seqs=4))
+        seqs = [
+            make_seq(f"r{i}", 5 + 3 * i, 3 + 2 * i, base=100 * i, stop_token_ids=[7], min_tokens=1) for i in range(6)
+        ]
+        for q in seqs:
+            s.add(q, now=0.0)
+        executor = FakeExecutor(token_fn=lambda q, pos: 7 if (q.request_id, pos) == ("r2", 15) else 3 + pos % 4)
+        now, events = 0.0, []
+        while s.has_unfinished():
+            plan = s.schedule(now)
+            result = executor.execute(plan)
+            now += result.duration_s
+            events += [(e.request_id, e.new_token_ids, e.finish_reason) for e in s.update(
+                plan, result, now, finished_only=finished_only) if e.finished or not finished_only]
+            s.check_invariants()
+        state = [(q.token_ids, q.token_times_s, q.finish_reason, q.stop_reason, q.num_preemptions) for q in seqs]
+        streamed = [e for e in events if e[2] is None]
+        return state, [e for e in events if e[2] is not None], streamed
+
+    state, finished, streamed = drive(False)
+    fast_state, fast_finished, fast_streamed = drive(True)
+    assert fast_state == state and fast_finished == finished
+    assert streamed and not fast_streamed
+    assert ("r2", [7], FinishReason.STOP) in finished  # a stop token ends it before max_tokens
+    assert any(n for *_, n in state), "the small pool should have preempted someone"
+
+
+def test_stop_checks_are_set_at_admission():
+    s = Scheduler(config(num_blocks=4, block_size=4, max_model_len=64))  # a 16-token pool
+    a = make_seq("a", 6, 20, stop_token_ids=[9], eos_token_ids=(2,))
+    b = make_seq("b", 6, 5, stop_token_ids=[9], ignore_eos=True, eos_token_ids=(2,))
+    s.add(a)
+    s.add(b)
+    assert (a.stop_check_num_tokens, a.stop_check_token_ids) == (17, frozenset({2, 9}))  # the pool caps a at 17
+    assert (b.stop_check_num_tokens, b.stop_check_token_ids) == (11, frozenset({9}))  # EOS ignored
+
+
 def test_a_missing_sample_ends_the_request_with_error():
     s = Scheduler(config())
     a = make_seq("a")
@@ -518,6 +559,16 @@ class CheckingExecutor(FakeExecutor):
             assert plan.num_batched_tokens <= cfg.max_num_batched_tokens or len(plan.scheduled) == 1
         assert len(plan.scheduled) <= cfg.max_num_seqs
         assert len({id(x.seq) for x in plan.scheduled}) == len(plan.scheduled), "a sequence twice in a step"
+        # The sums the scheduler kept while planning are those of the shape, computed afresh.
+        shape = plan.shape()
+        assert plan.sums_kept
+        assert plan.shape_totals() == (
+            sum(q for q, _ in shape),
+            len(shape),
+            sum(c for _, c in shape),
+            sum(q * c - q * (q - 1) // 2 for q, c in shape),
+            sum(q == 1 for q, _ in shape),
+        )
         for x in plan.scheduled:
             q = x.seq
             assert q.status is SequenceStatus.RUNNING and x.num_tokens >= 1

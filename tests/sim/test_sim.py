@@ -1,6 +1,5 @@
 import json
 
-import numpy as np
 import pytest
 
 from servelab.cli import main
@@ -41,6 +40,33 @@ def test_executor_times_the_shape_and_skips_preloaded_kv():
     assert cost.shapes[-1] == [(1, 100)] and "a" not in ex.preloaded
     # A chunk that does not sample returns None for it.
     assert ex.execute(StepPlan([ScheduledSeq(b, 10, 0, False)], 10)).sampled_token_ids == [None]
+
+
+def test_executor_prices_the_schedulers_sums_as_the_roofline_prices_the_shape():
+    """The roofline hot path (plan sums -> time_from_totals) gives the very time of step_time_s(shape)."""
+    from servelab.core.config import SchedulerConfig
+    from servelab.core.scheduler import Scheduler
+    from servelab.cost.roofline import Roofline
+    from servelab.spec.hardware import get_hardware
+    from servelab.spec.model import get_model
+
+    roofline = Roofline(get_model("llama-3.1-8b"), get_hardware("h100-sxm"))
+    ex = SimExecutor(roofline)
+    s = Scheduler(SchedulerConfig(num_blocks=400, block_size=16, max_num_batched_tokens=300, max_num_seqs=8))
+    for i in range(12):
+        s.add(Sequence(f"r{i}", list(range(i, i + 40 + 37 * i)), SamplingParams(max_tokens=5 + i, ignore_eos=True)), 0.0)
+    now, kinds = 0.0, set()
+    while s.has_unfinished():
+        plan = s.schedule(now)
+        shape = plan.shape()
+        res = ex.execute(plan)
+        assert res.duration_s == roofline.step_time_s(shape)
+        assert plan.shape_totals()[:4] == Roofline.totals(shape)
+        assert ex.last_num_decode == sum(q == 1 for q, _ in shape)
+        kinds.add((ex.last_num_decode > 0, ex.last_num_decode < len(shape)))
+        now += res.duration_s
+        s.update(plan, res, now, finished_only=True)
+    assert kinds >= {(True, False), (True, True), (False, True)}  # decode-only, mixed and prefill-only steps
 
 
 def test_virtual_clock_matches_hand_computed_times():
