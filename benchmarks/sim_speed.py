@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import os
 import pstats
 import time
 
@@ -39,9 +40,10 @@ def main() -> None:
     rate = args.load * capacity
     wl = WorkloadSpec(args.num_requests, rate=rate, input_len="1024", output_len="256", seed=0)
 
-    start = time.perf_counter()
+    load_start = os.getloadavg()[0]
+    start, cpu_start = time.perf_counter(), time.process_time()
     result = simulate(config, wl)
-    wall = time.perf_counter() - start
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     s = result.summary
     print(f"run: {args.num_requests:,} requests at {rate:.2f} req/s ({args.load:.0%} of capacity)")
     print(f"  simulated {s.duration_s:,.0f} s: {s.completed:,} completed, {s.output_throughput:,.0f} output tok/s, "
@@ -49,6 +51,9 @@ def main() -> None:
     print(f"  wall {wall:.1f} s (loop {result.wall_s:.1f} s): {args.num_requests / wall:,.0f} simulated requests/s, "
           f"{result.num_steps:,} steps, {result.num_steps / wall:,.0f} steps/s, "
           f"{wall / result.num_steps * 1e6:.0f} us per step")
+    # CPU time is what this process got; on a shared machine wall time also counts waiting for a core.
+    print(f"  cpu {cpu:.1f} s ({cpu / result.num_steps * 1e6:.0f} us per step); "
+          f"load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
 
     prof = cProfile.Profile()
     small = WorkloadSpec(args.profile_requests, rate=rate, input_len="1024", output_len="256", seed=0)

@@ -94,9 +94,17 @@ class BlockManager:
             return
         tokens = seq.token_ids
         parent = hashes[-1] if hashes else _ROOT_HASH
-        for i in range(len(hashes), num_full):
-            parent = hash((parent, tuple(tokens[i * bs : (i + 1) * bs])))
-            hashes.append(parent)
+        start = len(hashes) * bs
+        if num_full - len(hashes) == 1:  # a decode filled one block
+            hashes.append(hash((parent, hash(tuple(tokens[start : start + bs])))))
+            return
+        # A prompt: 64 blocks for 1,024 tokens. The grouper idiom (itertools recipes) cuts the
+        # tokens into block_size-tuples and hashes them in C; only the chaining runs in Python.
+        # Both paths compute hash((parent hash, hash(block's tokens))).
+        append = hashes.append
+        for block_hash in map(hash, zip(*[iter(tokens[start : num_full * bs])] * bs)):
+            parent = hash((parent, block_hash))
+            append(parent)
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding the longest cached prefix of seq's tokens (no side effects).

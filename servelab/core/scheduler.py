@@ -36,6 +36,7 @@ from servelab.errors import InvalidArgument, NotFound, QueueFull, RequestTooLong
 _RUNNING = SequenceStatus.RUNNING
 _WAITING = SequenceStatus.WAITING
 _FINISHED = SequenceStatus.FINISHED
+_NO_STOP_IDS: frozenset[int] = frozenset()
 
 
 @dataclass(slots=True)
@@ -157,7 +158,8 @@ class Scheduler:
         params = seq.params
         seq.stop_check_num_tokens = min(num_prompt + max_tokens, self._len_cap)
         stop_ids = params.stop_token_ids if params.ignore_eos else (*seq.eos_token_ids, *params.stop_token_ids)
-        seq.stop_check_token_ids = frozenset(stop_ids)
+        # Sequences without stop ids (every simulated one) share one set: it stays in cache.
+        seq.stop_check_token_ids = frozenset(stop_ids) if stop_ids else _NO_STOP_IDS
         order = next(self._counter)
         key = (seq.priority, seq.arrival_s, order) if self._by_priority else (order,)
         self._keys[rid] = key

@@ -198,3 +198,21 @@ def test_check_invariants_catches_a_leaked_block():
     bm._free_uncached.pop()  # a block nobody owns and nobody can allocate
     with pytest.raises(AssertionError, match="leaked"):
         bm.check_invariants()
+
+
+def test_block_hashes_are_the_same_one_block_at_a_time_or_all_at_once():
+    """A decode hashes one block when it fills, a prompt all its blocks at once: the chains agree."""
+    bm = BlockManager(num_blocks=64, block_size=4)
+    tokens = list(range(100, 141))  # 10 full blocks and one token
+    whole = seq("whole", tokens)
+    bm.find_cached_prefix(whole)
+    grown = seq("grown", tokens[:3])
+    for t in tokens[3:]:
+        grown.token_ids.append(t)
+        bm.find_cached_prefix(grown)
+    assert len(whole.block_hashes) == 10 and len(set(whole.block_hashes)) == 10
+    assert grown.block_hashes == whole.block_hashes
+    other = seq("other", tokens[:20] + [7] + tokens[21:])  # differs in block 5 only
+    bm.find_cached_prefix(other)
+    assert other.block_hashes[:5] == whole.block_hashes[:5]
+    assert not set(other.block_hashes[5:]) & set(whole.block_hashes)
