@@ -122,6 +122,10 @@ class LlamaModel:
         self.layers = layers
         self.final_norm = final_norm
         self.lm_head = lm_head
+        # [hidden, vocab], contiguous: for the few rows that sample, `x @ W^T` over a
+        # pre-transposed head streams it about twice as fast as F.linear on [vocab, hidden]
+        # (measured on the 49152 x 576 head of SmolLM2, fp32, AVX2). Costs one extra copy.
+        self.lm_head_t = lm_head.t().contiguous()
         self.dtype = embed.dtype
         self.device = embed.device
         self.inv_freq = rope_inv_freq(config, rope_freq_divisors).to(self.device)
@@ -158,6 +162,8 @@ class LlamaModel:
         return self._cos, self._sin
 
     def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op instead of seven: the norm runs 61 times a step
+            return F.rms_norm(x, weight.shape, weight, self.config.rms_norm_eps)
         # Variance in fp32 as HF does: bf16 squares lose too much.
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
@@ -183,7 +189,7 @@ class LlamaModel:
         sin = sin_table[meta.positions].unsqueeze(1)
         half = D // 2
 
-        def rope(x: torch.Tensor) -> torch.Tensor:
+        def rope(x: torch.Tensor) -> torch.Tensor:  # [T, heads, D]: Q and K heads together
             rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
             return x * cos + rotated * sin
 
@@ -191,10 +197,9 @@ class LlamaModel:
         for li, layer in enumerate(self.layers):
             h = self._rms_norm(x, layer.input_norm)
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
-            q, k, v = qkv.split([cfg.q_size, cfg.kv_size, cfg.kv_size], dim=-1)
-            q = rope(q.view(T, H, D))
-            k = rope(k.view(T, KV, D))
-            v = v.view(T, KV, D)
+            qk = rope(qkv[:, : cfg.q_size + cfg.kv_size].view(T, H + KV, D))
+            q, k = qk[:, :H], qk[:, H:]
+            v = qkv[:, cfg.q_size + cfg.kv_size :].view(T, KV, D)
             kc, vc = k_cache[li], v_cache[li]
             kc.index_copy_(0, meta.slots, k)
             vc.index_copy_(0, meta.slots, v)
@@ -205,7 +210,7 @@ class LlamaModel:
             x = x + F.linear(F.silu(gate) * up, layer.down)
         x = x[meta.logits_indices]
         x = self._rms_norm(x, self.final_norm)
-        return F.linear(x, self.lm_head).float()
+        return (x @ self.lm_head_t).float()
 
     def _attention(
         self,

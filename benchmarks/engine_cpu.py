@@ -1,0 +1,196 @@
+"""servelab's engine vs HF transformers on CPU, side by side in one run, on the bundled model.
+
+Three figures per engine, timed interleaved (servelab, HF, servelab, HF, ...) because the
+machine is shared and noisy; we report medians and the ratios servelab / HF:
+
+- decode_b1:   batch-1 decode tokens/s (after a 32-token prompt; prefill excluded)
+- decode_b32:  total output tokens/s for 32 concurrent sequences of 128 new tokens each
+               (prefill of the 32 prompts included, as a client would see it)
+- prefill_512: prompt tokens/s for one 512-token prompt (time to the first token)
+
+It also reports model bandwidth utilisation at batch 1: the bytes a decode step must read
+(every weight once, plus the KV cache) / step time / the memory bandwidth measured here.
+
+    python benchmarks/engine_cpu.py [--dtype bfloat16] [--rounds 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from servelab.core.sequence import SamplingParams
+from servelab.engine.bundled import bundled_model_path
+from servelab.engine.llm_engine import EngineArgs, LLMEngine
+
+B1_PROMPT, B1_NEW = 32, 64
+B32_SEQS, B32_PROMPT, B32_NEW = 32, 32, 128
+PREFILL_LEN = 512
+
+
+def prompt_ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(200, 40000, (n,), generator=g).tolist()
+
+
+def measure_bandwidth_bytes_per_s(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Read bandwidth: sum over a tensor far larger than the caches (median of repeats)."""
+    x = torch.ones(size_bytes // 4, dtype=torch.float32)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t)
+    return size_bytes / statistics.median(times)
+
+
+# ------------------------------------------------------------------------------------- servelab
+
+
+class Servelab:
+    name = "servelab"
+
+    def __init__(self, dtype: str):
+        # Prefix caching off: every round reuses the same prompts and must not be served from cache.
+        self.engine = LLMEngine.from_args(
+            EngineArgs(dtype=dtype, enable_prefix_caching=False, max_num_seqs=64, max_num_batched_tokens=2048)
+        )
+        self.model = self.engine.executor.model
+        self._n = 0
+
+    def _run(self, prompts: list[list[int]], new_tokens: int):
+        seqs = []
+        now = time.perf_counter()
+        for p in prompts:
+            self._n += 1
+            params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True)
+            seqs.append(self.engine.add_request(f"b{self._n}", p, params, arrival_s=now))
+        while self.engine.has_unfinished():
+            self.engine.step()
+        return seqs, time.perf_counter() - now
+
+    def decode_b1(self) -> float:
+        (seq,), _ = self._run([prompt_ids(B1_PROMPT, 1)], B1_NEW + 1)
+        t = seq.token_times_s
+        return (len(t) - 1) / (t[-1] - t[0])
+
+    def decode_b32(self) -> float:
+        seqs, wall = self._run([prompt_ids(B32_PROMPT, 100 + i) for i in range(B32_SEQS)], B32_NEW)
+        return sum(s.num_output_tokens for s in seqs) / wall
+
+    def prefill_512(self) -> float:
+        (seq,), _ = self._run([prompt_ids(PREFILL_LEN, 7)], 1)
+        return PREFILL_LEN / (seq.first_token_s - seq.arrival_s)
+
+
+# ------------------------------------------------------------------------------------- HF
+
+
+class HF:
+    name = "hf"
+
+    def __init__(self, dtype: str):
+        import transformers
+
+        path = bundled_model_path()
+        self.model = transformers.AutoModelForCausalLM.from_pretrained(
+            str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)
+        ).eval()
+        self.pad = 2
+
+    @torch.inference_mode()
+    def _generate(self, ids: torch.Tensor, mask: torch.Tensor, new: int) -> float:
+        t = time.perf_counter()
+        self.model.generate(
+            input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
+            do_sample=False, pad_token_id=self.pad,
+        )
+        return time.perf_counter() - t
+
+    def decode_b1(self) -> float:
+        ids = torch.tensor([prompt_ids(B1_PROMPT, 1)])
+        mask = torch.ones_like(ids)
+        # Decode alone: generating N+1 tokens minus generating 1 (the prefill and first token).
+        t_all = self._generate(ids, mask, B1_NEW + 1)
+        t_one = self._generate(ids, mask, 1)
+        return B1_NEW / (t_all - t_one)
+
+    def decode_b32(self) -> float:
+        ids = torch.tensor([prompt_ids(B32_PROMPT, 100 + i) for i in range(B32_SEQS)])
+        return B32_SEQS * B32_NEW / self._generate(ids, torch.ones_like(ids), B32_NEW)
+
+    def prefill_512(self) -> float:
+        ids = torch.tensor([prompt_ids(PREFILL_LEN, 7)])
+        return PREFILL_LEN / self._generate(ids, torch.ones_like(ids), 1)
+
+
+# ------------------------------------------------------------------------------------- main
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads for both engines (default: torch's)")
+    parser.add_argument("--only", default="decode_b1,decode_b32,prefill_512", help="comma-separated subset")
+    parser.add_argument("--no-hf", action="store_true", help="servelab only (no ratios)")
+    parser.add_argument("--json", action="store_true", help="print the raw figures as one JSON object on the last line")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    metrics = [m for m in args.only.split(",") if m]
+
+    engines = [Servelab(args.dtype)] + ([] if args.no_hf else [HF(args.dtype)])
+    for e in engines:  # warm-up: first calls allocate, fault pages in and pick kernels
+        e.decode_b1()
+        e.prefill_512()
+    bandwidth = measure_bandwidth_bytes_per_s()
+
+    results: dict[str, dict[str, list[float]]] = {e.name: {m: [] for m in metrics} for e in engines}
+    for r in range(args.rounds):
+        for m in metrics:
+            for e in engines if r % 2 == 0 else reversed(engines):  # alternate who goes first
+                value = getattr(e, m)()
+                results[e.name][m].append(value)
+                print(f"round {r + 1} {m:12s} {e.name:9s} {value:9.1f} tok/s", file=sys.stderr)
+
+    medians = {name: {m: statistics.median(v) for m, v in ms.items()} for name, ms in results.items()}
+    ratios = {}
+    if "hf" in medians:
+        ratios = {m: medians["servelab"][m] / medians["hf"][m] for m in metrics}
+
+    model = engines[0].model
+    step_bytes = model.weight_bytes()
+    mbu = None
+    if "decode_b1" in metrics:
+        step_s = 1.0 / medians["servelab"]["decode_b1"]
+        mbu = step_bytes / step_s / bandwidth
+
+    print(f"\nservelab engine vs HF transformers on CPU — bundled SmolLM2-135M-Instruct, {args.dtype}, "
+          f"{torch.get_num_threads()} threads, {args.rounds} interleaved rounds (medians)")
+    print(f"{'metric':14s} {'servelab':>12s} {'HF':>12s} {'ratio':>8s}")
+    for m in metrics:
+        hf = medians.get("hf", {}).get(m)
+        print(f"{m:14s} {medians['servelab'][m]:10.1f}/s {'' if hf is None else f'{hf:10.1f}/s':>12s} "
+              f"{'' if m not in ratios else f'{ratios[m]:7.2f}x':>8s}")
+    print(f"measured read bandwidth: {bandwidth / 1e9:.1f} GB/s; bytes per decode step: {step_bytes / 1e6:.0f} MB")
+    if mbu is not None:
+        print(f"model bandwidth utilisation at batch 1: {mbu * 100:.0f}%")
+    if args.json:
+        print(json.dumps({
+            "dtype": args.dtype, "threads": torch.get_num_threads(), "rounds": args.rounds,
+            "servelab": medians["servelab"], "hf": medians.get("hf"), "ratios": ratios,
+            "raw": results, "bandwidth_bytes_per_s": bandwidth, "decode_step_bytes": step_bytes,
+            "mbu_b1": mbu,
+        }))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
