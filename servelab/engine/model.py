@@ -122,10 +122,11 @@ class LlamaModel:
         self.layers = layers
         self.final_norm = final_norm
         self.lm_head = lm_head
-        # [hidden, vocab], contiguous: for the few rows that sample, `x @ W^T` over a
-        # pre-transposed head streams it about twice as fast as F.linear on [vocab, hidden]
-        # (measured on the 49152 x 576 head of SmolLM2, fp32, AVX2). Costs one extra copy.
-        self.lm_head_t = lm_head.t().contiguous()
+        # fp32: for the few rows that sample, `x @ W^T` over a pre-transposed [hidden, vocab]
+        # head streams it about twice as fast as F.linear on [vocab, hidden] (measured on
+        # SmolLM2's 49152 x 576 head, AVX2). In bf16 without native bf16 kernels the same
+        # product is 10x slower than F.linear, so other dtypes keep F.linear. One extra copy.
+        self.lm_head_t = lm_head.t().contiguous() if lm_head.dtype == torch.float32 else None
         self.dtype = embed.dtype
         self.device = embed.device
         self.inv_freq = rope_inv_freq(config, rope_freq_divisors).to(self.device)
@@ -210,7 +211,9 @@ class LlamaModel:
             x = x + F.linear(F.silu(gate) * up, layer.down)
         x = x[meta.logits_indices]
         x = self._rms_norm(x, self.final_norm)
-        return (x @ self.lm_head_t).float()
+        if self.lm_head_t is not None:
+            return x @ self.lm_head_t
+        return F.linear(x, self.lm_head).float()
 
     def _attention(
         self,
