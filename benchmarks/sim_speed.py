@@ -2,8 +2,9 @@
 
 Llama 3.1 8B on one H100 SXM, 1,024 tokens in and 256 out, Poisson arrivals at a fraction
 (default 80%) of the capacity that this same simulator measures first in an overloaded run.
-Then a shorter profiled run splits the wall time between the scheduler (schedule + update, in
-core) and everything else (the SimExecutor and roofline, the event loop, token ids, metrics).
+Then a shorter run splits the wall time between the scheduler (schedule + update, in core; the
+KV-block and prefix-cache work inside them shown apart), the SimExecutor with the roofline, the
+workload's synthetic token ids and the rest (event loop, requests, records, metrics).
 
     .venv/bin/python benchmarks/sim_speed.py --num-requests 100000
 """
@@ -11,12 +12,15 @@ core) and everything else (the SimExecutor and roofline, the event loop, token i
 from __future__ import annotations
 
 import argparse
-import cProfile
 import os
-import pstats
 import time
+from collections.abc import Callable
+from typing import Any
 
-from servelab.sim import SimConfig, simulate
+from servelab.core.block_manager import BlockManager
+from servelab.core.scheduler import Scheduler
+from servelab.sim import SimConfig, cluster, simulate
+from servelab.sim.executor import SimExecutor
 from servelab.workload import WorkloadSpec
 
 
@@ -24,6 +28,45 @@ def capacity_req_per_s(config: SimConfig, n: int) -> float:
     # Everything at once: the steady state is the saturated throughput.
     wl = WorkloadSpec(n, rate=None, concurrency=None, input_len="1024", output_len="256", seed=0)
     return simulate(config, wl).summary.request_throughput
+
+
+def time_split(config: SimConfig, workload: WorkloadSpec) -> tuple[dict[str, float], float]:
+    """Where a run's wall time goes, from perf_counter wrappers around the calls of interest.
+
+    Not cProfile: its hook fires on every call, C calls included, and so inflates code made of
+    many small calls (the scheduler) several times over. A wrapper costs about a microsecond per
+    call, a few per step. The prefix-cache and KV-block work is part of schedule/update and is
+    also shown on its own."""
+    spent = dict.fromkeys(("schedule", "update", "executor", "token ids (workload)", "block manager"), 0.0)
+    targets = [
+        (Scheduler, "schedule", "schedule"), (Scheduler, "update", "update"),
+        (SimExecutor, "execute", "executor"), (cluster, "token_ids_for", "token ids (workload)"),
+    ] + [(BlockManager, name, "block manager") for name in (
+        "find_cached_prefix", "allocate", "append_slots", "commit_computed_blocks", "free")]
+    originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
+
+    def timed(fn: Callable, label: str) -> Callable:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[label] += time.perf_counter() - t0
+        return wrapper
+
+    for (owner, name, label), (_, _, fn) in zip(targets, originals):
+        setattr(owner, name, timed(fn, label))
+    try:
+        start = time.perf_counter()
+        simulate(config, workload)
+        total = time.perf_counter() - start
+    finally:
+        for owner, name, fn in originals:
+            setattr(owner, name, fn)
+    blocks = spent.pop("block manager")
+    spent["rest (event loop, requests, records, metrics)"] = total - sum(spent.values())
+    spent["of which KV blocks and prefix cache (inside schedule/update)"] = blocks
+    return spent, total
 
 
 def main() -> None:
@@ -55,22 +98,10 @@ def main() -> None:
     print(f"  cpu {cpu:.1f} s ({cpu / result.num_steps * 1e6:.0f} us per step); "
           f"load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
 
-    prof = cProfile.Profile()
     small = WorkloadSpec(args.profile_requests, rate=rate, input_len="1024", output_len="256", seed=0)
-    prof.enable()
-    simulate(config, small)
-    prof.disable()
-    stats = pstats.Stats(prof)
-    total = stats.total_tt  # type: ignore[attr-defined]
-    sched = 0.0
-    for (filename, _, name), (_, _, _, cumtime, _) in stats.stats.items():  # type: ignore[attr-defined]
-        if filename.endswith("core/scheduler.py") and name in ("schedule", "update"):
-            sched += cumtime
-    print(f"profile ({args.profile_requests:,} requests, under cProfile): scheduler.schedule+update "
-          f"{sched / total:.0%} of the time, the rest (executor, roofline, event loop, workload, metrics) "
-          f"{1 - sched / total:.0%}")
-    stats.sort_stats("tottime").print_stats(8)
-
+    shares, total = time_split(config, small)
+    print(f"split of a {args.profile_requests:,}-request run ({total:.1f} s, perf_counter around the calls): "
+          + ", ".join(f"{name} {t / total:.0%}" for name, t in shares.items()))
 
 if __name__ == "__main__":
     main()
