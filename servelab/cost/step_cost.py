@@ -46,7 +46,12 @@ class StepCost:
 
 @runtime_checkable
 class StepCostModel(Protocol):
-    """Anything that prices a step: the roofline, or a profile calibrated on measurements."""
+    """Anything that prices a step: the roofline, or a profile calibrated on measurements.
+
+    A model may also offer `time_from_totals(num_tokens, num_seqs, context_tokens, pairs)` (the
+    sums of `Roofline.totals(shape)`); the simulator then prices steps from the scheduler's running
+    sums and never builds the shape. It must return exactly what `step_time_s` returns for a
+    shape with those sums (a subclass that overrides one must override the other)."""
 
     def step_time_s(self, shape: Shape) -> float: ...
 
