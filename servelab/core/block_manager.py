@@ -36,7 +36,9 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
 
         self._ref_counts: list[int] = [0] * num_blocks
-        self._block_hash: list[int | None] = [None] * num_blocks
+        # Published blocks only, both ways. Dicts rather than a list of optional hashes so that
+        # publishing a prompt's 64 blocks is two C-level dict.update calls (see commit).
+        self._block_hash: dict[int, int] = {}
         self._hash_to_block: dict[int, int] = {}
         # Popping from the end hands out low ids first: easier to read in tests and traces.
         self._free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))
@@ -178,8 +180,7 @@ class BlockManager:
             block = self._free_uncached.pop()
         else:
             block, _ = self._free_cached.popitem(last=False)
-            del self._hash_to_block[self._block_hash[block]]  # type: ignore[index]
-            self._block_hash[block] = None
+            del self._hash_to_block[self._block_hash.pop(block)]
             self.num_evictions += 1
         self._ref_counts[block] = 1
         return block
@@ -201,8 +202,7 @@ class BlockManager:
             block_hash = self._block_hash
             for _ in range(count - num_uncached):
                 block, _ = popitem(last=False)
-                del lookup[block_hash[block]]  # type: ignore[index]
-                block_hash[block] = None
+                del lookup[block_hash.pop(block)]
                 blocks.append(block)
             self.num_evictions += count - num_uncached
         refs = self._ref_counts
@@ -221,18 +221,35 @@ class BlockManager:
         seq.num_committed_blocks = num_full
         if not self.enable_prefix_caching:
             return
-        self._update_block_hashes(seq)
-        table = seq.block_table
         hashes = seq.block_hashes
+        if len(hashes) == start and num_full - start == 1:
+            # A decode filled one block (16 times per 256-token output): hash it here rather
+            # than through _update_block_hashes, the same value in one call fewer.
+            end = num_full * bs
+            hashes.append(hash((hashes[-1] if start else _ROOT_HASH, hash(tuple(seq.token_ids[end - bs : end])))))
+        else:
+            self._update_block_hashes(seq)
+        table = seq.block_table
         block_hash = self._block_hash
         lookup = self._hash_to_block
-        for i in range(start, num_full):
-            block = table[i]
-            if block_hash[block] is not None:
-                continue
-            h = hashes[i]
-            # Two sequences can compute the same prefix in the same step; the first published
-            # copy wins and the duplicate stays private (freed uncached).
+        # Blocks past num_committed_blocks were taken fresh (no hash) and only their one owner
+        # can publish them (check_invariants asserts it), so publishing is just recording the
+        # pairs. Two sequences can compute the same prefix in the same step; the first published
+        # copy wins and the duplicate stays private (freed uncached).
+        if num_full - start == 1:  # a decode filled one block: the common call
+            h = hashes[start]
+            if h not in lookup:
+                block = table[start]
+                lookup[h] = block
+                block_hash[block] = h
+            return
+        new_hashes = hashes[start:num_full]
+        if lookup.keys().isdisjoint(new_hashes):  # a prompt no one else computed: all in C
+            new_blocks = table[start:num_full]
+            lookup.update(zip(new_hashes, new_blocks))
+            block_hash.update(zip(new_blocks, new_hashes))
+            return
+        for block, h in zip(table[start:num_full], new_hashes):
             if h not in lookup:
                 lookup[h] = block
                 block_hash[block] = h
@@ -252,10 +269,10 @@ class BlockManager:
             ref = refs[block] - 1
             refs[block] = ref
             if ref == 0:
-                if block_hash[block] is None:
-                    free_uncached.append(block)
-                else:
+                if block in block_hash:
                     free_cached[block] = None
+                else:
+                    free_uncached.append(block)
         seq.block_table.clear()
         seq.num_committed_blocks = 0
 
@@ -271,6 +288,8 @@ class BlockManager:
         expected = [0] * self.num_blocks
         for seq in self._owners.values():
             assert len(set(seq.block_table)) == len(seq.block_table), f"{seq.request_id}: block twice in a table"
+            unpublished = seq.block_table[seq.num_committed_blocks :]
+            assert not set(unpublished) & self._block_hash.keys(), f"{seq.request_id}: uncommitted block has a hash"
             for b in seq.block_table:
                 expected[b] += 1
         assert expected == self._ref_counts, "reference counts differ from the block tables"
@@ -283,9 +302,9 @@ class BlockManager:
             owned = self._ref_counts[b] > 0
             assert owned != (b in free), f"block {b} is {'both free and owned' if owned else 'leaked'}"
         for b in free_uncached:
-            assert self._block_hash[b] is None, f"uncached free block {b} has a hash"
+            assert b not in self._block_hash, f"uncached free block {b} has a hash"
         for b in free_cached:
-            assert self._block_hash[b] is not None, f"cached free block {b} has no hash"
+            assert b in self._block_hash, f"cached free block {b} has no hash"
         for h, b in self._hash_to_block.items():
-            assert self._block_hash[b] == h, f"hash map points to block {b} holding another hash"
-        assert sum(h is not None for h in self._block_hash) == len(self._hash_to_block), "stale block hash"
+            assert self._block_hash.get(b) == h, f"hash map points to block {b} holding another hash"
+        assert len(self._block_hash) == len(self._hash_to_block), "stale block hash"

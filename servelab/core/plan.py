@@ -45,6 +45,7 @@ class StepPlan:
     context_tokens: int = 0  # Σ context length (start_pos + num_tokens)
     attention_pairs: int = 0  # Σ causal (query, key) pairs: q·c − q(q−1)/2 per sequence
     num_decode_seqs: int = 0  # entries with exactly one query token
+    num_sampling_seqs: int = 0  # entries with `samples` set (a simulator step samples for all)
     sums_kept: bool = False
 
     @property

@@ -58,9 +58,17 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, *, keep_finished: int = 1024) -> None:
+    def __init__(
+        self, config: SchedulerConfig, *, keep_finished: int = 1024, reuse_plan_entries: bool = False
+    ) -> None:
+        """`reuse_plan_entries` (the simulator): every plan reuses one ScheduledSeq per sequence,
+        rewritten in place, instead of allocating one per sequence and step (the largest single
+        cost of a decode step in pure Python). Only for a caller that is done with a plan
+        (executed and passed to update) before it calls schedule() again, as the simulator is:
+        the next schedule() changes the entries of the previous plan."""
         config.validate()
         self.config = config
+        self._reuse_entries = reuse_plan_entries
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self._chunked = config.policy == "chunked"
         self._by_priority = config.order == "priority"
@@ -196,6 +204,7 @@ class Scheduler:
         running = self.running
         preempted = plan.preempted
         append = scheduled.append
+        reuse = self._reuse_entries
         # The shape's sums, kept here for the cost model (see StepPlan.shape_totals). A decode (the
         # common entry) attends to exactly its context, so it only adds to `context_tokens`; a
         # prefill chunk adds what its causal pairs exceed that by.
@@ -218,7 +227,14 @@ class Scheduler:
                 and not self._preempt_until_fits(seq, end, preempted)
             ):
                 break  # seq itself was the newest left and was preempted: nothing more runs
-            append(ScheduledSeq(seq, n, start, end == num_known))
+            if reuse:
+                entry = seq.plan_entry
+                entry.num_tokens = n  # type: ignore[union-attr]
+                entry.start_pos = start  # type: ignore[union-attr]
+                entry.samples = end == num_known  # type: ignore[union-attr]
+                append(entry)
+            else:
+                append(ScheduledSeq(seq, n, start, end == num_known))
             budget -= n
             context_tokens += end
             if n != 1:
@@ -229,6 +245,9 @@ class Scheduler:
         plan.attention_pairs += context_tokens + chunk_extra_pairs
         # `scheduled` holds only this loop's entries: a prefill-first step that admitted returned above.
         plan.num_decode_seqs += len(scheduled) - num_chunks
+        # Every entry samples except one the token budget cut short, which ends the loop: only
+        # the last entry can be a non-sampling chunk.
+        plan.num_sampling_seqs += len(scheduled) - (1 if scheduled and not scheduled[-1].samples else 0)
 
         # As vLLM: a step that had to preempt admits nobody new; the pool is already short.
         if self._chunked and not preempted and self._num_waiting:
@@ -267,7 +286,11 @@ class Scheduler:
                 seq.first_scheduled_s = now
             insort(running, seq, key=self._key_of)
             end = num_cached + n
-            scheduled.append(ScheduledSeq(seq, n, num_cached, end == len(seq.token_ids)))
+            entry = ScheduledSeq(seq, n, num_cached, end == len(seq.token_ids))
+            if self._reuse_entries:
+                seq.plan_entry = entry
+            scheduled.append(entry)
+            plan.num_sampling_seqs += entry.samples
             plan.num_batched_tokens += n
             plan.context_tokens += end
             plan.attention_pairs += n * end - (n * (n - 1) >> 1)
@@ -295,6 +318,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.block_manager.free(seq)
+        seq.plan_entry = None  # re-admission makes a new one; no seq <-> entry cycle meanwhile
         seq.num_computed_tokens = 0
         seq.status = _WAITING
         seq.num_preemptions += 1
@@ -386,6 +410,7 @@ class Scheduler:
         seq.finish_reason = reason
         seq.finished_s = now
         self.block_manager.free(seq)
+        seq.plan_entry = None  # break the seq <-> entry cycle: refcounting frees both at once
         rid = seq.request_id
         del self._live[rid]
         del self._keys[rid]

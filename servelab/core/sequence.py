@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from servelab.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from servelab.core.plan import ScheduledSeq
 
 
 class SequenceStatus(enum.Enum):
@@ -115,6 +119,10 @@ class Sequence:
     # rules (min_tokens, which reason); these two fields only decide when to ask it.
     stop_check_num_tokens: int = field(default=0, init=False, repr=False)
     stop_check_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
+
+    # Only under Scheduler(reuse_plan_entries=True) (the simulator): the one ScheduledSeq that
+    # every plan reuses for this sequence, rewritten each step instead of allocated.
+    plan_entry: ScheduledSeq | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)

@@ -114,8 +114,10 @@ class ClusterSim:
         for role, (count, config) in pools.items():
             pool = []
             for _ in range(count):
+                # Each plan is executed and passed to update() before the replica schedules again
+                # (see start_step and _STEP_DONE), so plans may reuse their entries.
                 replica = Replica(
-                    len(self.replicas), role, Scheduler(config, keep_finished=0), SimExecutor(cost_model, 1)
+                    len(self.replicas), role, Scheduler(config, keep_finished=0, reuse_plan_entries=True), SimExecutor(cost_model, 1)
                 )
                 pool.append(replica)
                 self.replicas.append(replica)

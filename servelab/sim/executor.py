@@ -30,7 +30,10 @@ class SimExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         token = self.sampled_token_id
         scheduled = plan.scheduled
-        sampled: list[int | None] = [token if s.samples else None for s in scheduled]
+        if plan.sums_kept and plan.num_sampling_seqs == len(scheduled):
+            sampled: list[int | None] = [token] * len(scheduled)  # every entry samples: no pass
+        else:
+            sampled = [token if s.samples else None for s in scheduled]
         if not scheduled:
             self.last_num_decode = 0
             return StepResult(sampled, 0.0)
