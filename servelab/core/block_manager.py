@@ -164,26 +164,25 @@ class BlockManager:
         """Grow seq's block table to cover `num_tokens` positions. Returns False, changing nothing,
         when the pool is short."""
         table = seq.block_table
-        num_new = self.num_blocks_for(num_tokens) - len(table)
+        num_new = -(-num_tokens // self.block_size) - len(table)
         if num_new <= 0:
             return True
         if num_new > len(self._free_uncached) + len(self._free_cached):
             return False
-        if num_new == 1:  # a decode step crossing into a new block: the common case
-            table.append(self._take_free_block())
+        if num_new == 1:
+            # A decode step crossing into a new block (once per block_size tokens of every
+            # output): _take_free_blocks(1) inlined, since a call costs as much as the work.
+            if self._free_uncached:
+                block = self._free_uncached.pop()
+            else:
+                block, _ = self._free_cached.popitem(last=False)
+                del self._hash_to_block[self._block_hash.pop(block)]
+                self.num_evictions += 1
+            self._ref_counts[block] = 1
+            table.append(block)
         else:
             table.extend(self._take_free_blocks(num_new))
         return True
-
-    def _take_free_block(self) -> int:
-        if self._free_uncached:
-            block = self._free_uncached.pop()
-        else:
-            block, _ = self._free_cached.popitem(last=False)
-            del self._hash_to_block[self._block_hash.pop(block)]
-            self.num_evictions += 1
-        self._ref_counts[block] = 1
-        return block
 
     def _take_free_blocks(self, count: int) -> list[int]:
         """`count` free blocks (the caller checked there are enough): never-hashed ones first, from

@@ -569,6 +569,7 @@ class CheckingExecutor(FakeExecutor):
             sum(q * c - q * (q - 1) // 2 for q, c in shape),
             sum(q == 1 for q, _ in shape),
         )
+        assert plan.num_sampling_seqs == sum(x.samples for x in plan.scheduled)
         for x in plan.scheduled:
             q = x.seq
             assert q.status is SequenceStatus.RUNNING and x.num_tokens >= 1
@@ -588,8 +589,10 @@ def small_token_fn(seq: Sequence, position: int) -> int:
     return (zlib.crc32(seq.request_id.encode()) + position * 7) % 23
 
 
-def run_workload(cfg: SchedulerConfig, workload: list[dict], *, full_check_every: int = 1) -> tuple:
-    s = Scheduler(cfg)
+def run_workload(
+    cfg: SchedulerConfig, workload: list[dict], *, full_check_every: int = 1, reuse_plan_entries: bool = False
+) -> tuple:
+    s = Scheduler(cfg, reuse_plan_entries=reuse_plan_entries)
     executor = CheckingExecutor(s, full_check_every, token_fn=small_token_fn)
     seqs, abort_at = [], {}
     for i, w in enumerate(workload):
@@ -749,3 +752,42 @@ def test_ten_thousand_random_requests_through_a_tiny_pool():
     check_outcome(s, seqs, finished, rejected, aborted)
     assert len(finished) >= 9000 and s.num_preemptions > 100 and aborted
     assert s.block_manager.prefix_cache_hits > 0
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    workload=st.lists(request_strategy, min_size=1, max_size=20),
+    num_blocks=st.integers(4, 40),
+    block_size=st.sampled_from([1, 2, 4]),
+    budget=st.integers(1, 64),
+    max_num_seqs=st.integers(1, 8),
+    policy=st.sampled_from(["chunked", "prefill-first"]),
+    caching=st.booleans(),
+)
+def test_reused_plan_entries_schedule_exactly_as_fresh_ones(
+    workload, num_blocks, block_size, budget, max_num_seqs, policy, caching
+):
+    # The simulator's mode rewrites one ScheduledSeq per sequence; it must change no decision.
+    cfg = SchedulerConfig(
+        num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+        max_model_len=min(num_blocks * block_size, 80), policy=policy, enable_prefix_caching=caching,
+    )
+    capacity = num_blocks * block_size
+    for w in workload:
+        w["prompt_len"] = max(1, min(w["prompt_len"], capacity // 2 - len(w["prefix"])))
+        w["prefix"] = w["prefix"][: max(0, capacity // 2 - 1)]
+        w["max_tokens"] = max(1, min(w["max_tokens"], cfg.max_model_len - w["prompt_len"] - len(w["prefix"])))
+    runs = [run_workload(cfg, [dict(w) for w in workload], full_check_every=5, reuse_plan_entries=reuse)
+            for reuse in (False, True)]
+
+    def outcome(run):
+        s, seqs, finished, rejected, aborted = run
+        return (
+            [(q.request_id, q.output_token_ids, q.token_times_s, q.finish_reason, q.num_preemptions,
+              q.first_scheduled_s, q.num_cached_tokens) for q in seqs],
+            [q.request_id for q in finished], sorted(aborted), s.num_preemptions,
+            s.block_manager.prefix_cache_hits, s.block_manager.num_evictions,
+        )
+
+    assert outcome(runs[0]) == outcome(runs[1])
+    assert all(q.plan_entry is None for q in runs[1][1])  # no sequence <-> entry cycle is left behind
