@@ -785,7 +785,8 @@ def test_reused_plan_entries_schedule_exactly_as_fresh_ones(
         return (
             [(q.request_id, q.output_token_ids, q.token_times_s, q.finish_reason, q.num_preemptions,
               q.first_scheduled_s, q.num_cached_tokens) for q in seqs],
-            [q.request_id for q in finished], sorted(aborted), s.num_preemptions,
+            [q.request_id for q in finished], sorted(aborted), sorted(q.request_id for q, _ in rejected),
+            s.num_preemptions,
             s.block_manager.prefix_cache_hits, s.block_manager.num_evictions,
         )
 
