@@ -103,6 +103,12 @@ def validation_message(exc: ValidationError | RequestValidationError) -> tuple[s
 M = TypeVar("M", bound=BaseModel)
 
 
+def _reject_non_finite(constant: str) -> float:
+    # Python's json accepts NaN and Infinity, JSON does not; a NaN temperature passes every range
+    # check (all comparisons are false) and would fail the step of every request in the batch.
+    raise InvalidArgument(f"request body is not valid JSON: {constant} is not a JSON number; send a finite number")
+
+
 async def parse_body(request: Request, model_cls: type[M]) -> M:
     """Raw bytes -> UTF-8 -> JSON -> model, each step with its own 400 message."""
     raw = await request.body()
@@ -111,7 +117,7 @@ async def parse_body(request: Request, model_cls: type[M]) -> M:
     except UnicodeDecodeError as exc:
         raise InvalidArgument(f"request body is not valid UTF-8: byte {exc.start} ({raw[exc.start:exc.start + 1]!r})")
     try:
-        obj = json.loads(text)
+        obj = json.loads(text, parse_constant=_reject_non_finite)
     except json.JSONDecodeError as exc:
         raise InvalidArgument(f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")
     if not isinstance(obj, dict):

@@ -177,6 +177,16 @@ def test_malformed_json_wrong_shape_and_invalid_utf8(client):
     assert err["param"] == "messages"
 
 
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_non_finite_numbers_are_not_json(client, constant):
+    # A NaN temperature passes every range check (comparisons with NaN are false) and used to
+    # fail the step, and with it every other request in the batch.
+    body = '{"prompt": "x", "max_tokens": 2, "temperature": %s}' % constant
+    err = _error(client.post("/v1/completions", content=body, headers={"content-type": "application/json"}), 400)
+    assert constant in err["message"] and "not a JSON number" in err["message"]
+    assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
 def test_unknown_model_and_route_answer_404(client):
     err = _error(client.post("/v1/completions", json={"prompt": "x", "model": "gpt-9"}), 404)
     assert "gpt-9" in err["message"] and "fake-model" in err["message"] and err["code"] == "model_not_found"
