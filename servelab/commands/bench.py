@@ -79,6 +79,11 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InvalidArgument(f"--request-timeout must be > 0, got {args.request_timeout!r}")
     if args.max_load is not None and not args.max_load > 0:
         raise InvalidArgument(f"--max-load must be > 0, got {args.max_load:g}")
+    from servelab.commands._outputs import check_output_dir, check_output_file
+
+    check_output_file(args.save_result, "--save-result")
+    check_output_file(args.requests_out, "--requests-out")
+    check_output_dir(args.plot_dir, "--plot-dir")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -65,6 +65,9 @@ def run(args: argparse.Namespace) -> int:
             raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.workers is not None and args.workers < 1:
         raise InvalidArgument(f"--workers must be >= 1, got {args.workers}")
+    from servelab.commands._outputs import check_output_file
+
+    check_output_file(args.plot, "--plot")
     from servelab.workload import workload_from_args
 
     spec = workload_from_args(args)  # validates the workload flags

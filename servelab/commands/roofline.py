@@ -173,9 +173,9 @@ def _table(table_rows: list[dict[str, Any]]) -> str:
 
 
 def plot(roofline: Any, batches: list[int], context: int, path: str) -> None:
-    directory = os.path.dirname(os.path.abspath(path))
-    if not os.path.isdir(directory):
-        raise InvalidArgument(f"--plot: directory {directory!r} does not exist")
+    from servelab.commands._outputs import check_output_file
+
+    check_output_file(path, "--plot")
     import matplotlib
 
     matplotlib.use("Agg")

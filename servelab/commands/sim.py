@@ -107,8 +107,12 @@ def run(args: argparse.Namespace) -> int:
     from servelab.sim import simulate
     from servelab.workload import workload_from_args
 
+    from servelab.commands._outputs import check_output_dir, check_output_file
+
     config = config_from_args(args)
     workload = workload_from_args(args)
+    check_output_file(args.requests_out, "--requests-out")
+    check_output_dir(args.plot_dir, "--plot-dir")
     if workload.rate is None and workload.concurrency is None and workload.trace is None:
         raise InvalidArgument("give a load: --rate R (requests/s), --concurrency C, or --trace FILE")
     progress = not (args.json or args.no_progress) and sys.stderr.isatty()

@@ -75,6 +75,9 @@ class WorkloadSpec:
             )
         if self.num_prefix_groups < 1:
             raise InvalidArgument(f"num_prefix_groups must be >= 1, got {self.num_prefix_groups}")
+        if self.seed < 0:
+            # numpy's generators take only non-negative seeds; say so instead of its traceback.
+            raise InvalidArgument(f"seed must be >= 0, got {self.seed}", param="seed")
         if self.dataset and self.trace:
             raise InvalidArgument("give either a dataset (--dataset) or a trace (--trace), not both")
         if self.trace and self.rate is not None:
