@@ -103,11 +103,10 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201
 
 
 def run(args: argparse.Namespace) -> int:
+    from servelab.commands._outputs import check_output_dir, check_output_file
     from servelab.metrics import format_summary_table
     from servelab.sim import simulate
     from servelab.workload import workload_from_args
-
-    from servelab.commands._outputs import check_output_dir, check_output_file
 
     config = config_from_args(args)
     workload = workload_from_args(args)

@@ -181,7 +181,7 @@ def test_malformed_json_wrong_shape_and_invalid_utf8(client):
 def test_non_finite_numbers_are_not_json(client, constant):
     # A NaN temperature passes every range check (comparisons with NaN are false) and used to
     # fail the step, and with it every other request in the batch.
-    body = '{"prompt": "x", "max_tokens": 2, "temperature": %s}' % constant
+    body = '{"prompt": "x", "max_tokens": 2, "temperature": ' + constant + "}"
     err = _error(client.post("/v1/completions", content=body, headers={"content-type": "application/json"}), 400)
     assert constant in err["message"] and "not a JSON number" in err["message"]
     assert client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
