@@ -234,7 +234,16 @@ class OpenAIStreamClient:
                     break
                 try:
                     chunk = json.loads(data)
-                except ValueError:
+                    if not isinstance(chunk, dict):
+                        raise TypeError("a chunk is a JSON object")
+                    if not chunk.get("error"):
+                        if chunk.get("usage"):
+                            _read_usage(chunk["usage"], result)
+                        text = _chunk_text(chunk, result)
+                # Valid JSON of the wrong shape (a number, choices that are not objects ...) is as
+                # broken as invalid JSON: a failure with its reason, never an exception that would
+                # lose the request from the run.
+                except (ValueError, TypeError, AttributeError):
                     result.error = f"malformed stream chunk: {data[:80].decode('utf-8', 'replace')!r}"
                     result.end_s = now
                     return
@@ -242,9 +251,6 @@ class OpenAIStreamClient:
                     result.error = f"error in stream: {_error_message(json.dumps(chunk))}"
                     result.end_s = now
                     return
-                if chunk.get("usage"):
-                    _read_usage(chunk["usage"], result)
-                text = _chunk_text(chunk, result)
                 if text:
                     if result.first_token_s is None:
                         result.first_token_s = now

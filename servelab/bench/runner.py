@@ -85,6 +85,13 @@ async def run_load(
 
         try:
             result = await client.stream(request, planned_send_s=planned_s, on_first_token=first_token)
+        except Exception as exc:  # noqa: BLE001
+            # stream() records every failure it knows; anything else still counts as a failed
+            # request with its reason, rather than vanishing from the run with its task.
+            result = StreamResult(index=request.index, planned_send_s=planned_s, send_s=tracker.send_s,
+                                  end_s=time.perf_counter(), prompt_tokens_planned=request.prompt_tokens,
+                                  output_tokens_planned=request.output_tokens,
+                                  error=f"client error: {type(exc).__name__}: {exc}")  # fmt: skip
         finally:
             state.in_flight.pop(key, None)
         state.results.append(result)
@@ -139,38 +146,33 @@ async def run_load(
                 return
             await one(request, None)
 
+    async def until_done_or_aborted(work: asyncio.Future[list[None]]) -> int:
+        """Wait for `work`; if the abort rule fires first, cancel it. Returns the requests cut off."""
+        aborted = asyncio.create_task(stop_sending.wait())
+        await asyncio.wait({work, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        aborted.cancel()
+        if work.done():
+            return 0
+        cut_off = len(state.in_flight)
+        work.cancel()
+        try:
+            await work
+        except asyncio.CancelledError:
+            pass
+        return cut_off
+
     dog = asyncio.create_task(watchdog()) if should_abort is not None else None
     cancelled = 0
     try:
         if open_loop:
             await open_loop_dispatch()
             if tasks:
-                pending = asyncio.gather(*list(tasks))
-                aborted = asyncio.create_task(stop_sending.wait())
-                await asyncio.wait({pending, aborted}, return_when=asyncio.FIRST_COMPLETED)
-                aborted.cancel()
-                if not pending.done():
-                    cancelled = len(state.in_flight)
-                    pending.cancel()
-                    try:
-                        await pending
-                    except asyncio.CancelledError:
-                        pass
+                cancelled = await until_done_or_aborted(asyncio.gather(*list(tasks)))
         else:
             source = iter(requests)
             assert concurrency is not None
             workers = [asyncio.create_task(closed_loop_worker(source)) for _ in range(concurrency)]
-            gathered = asyncio.gather(*workers)
-            aborted = asyncio.create_task(stop_sending.wait())
-            await asyncio.wait({gathered, aborted}, return_when=asyncio.FIRST_COMPLETED)
-            aborted.cancel()
-            if not gathered.done():
-                cancelled = len(state.in_flight)
-                gathered.cancel()
-                try:
-                    await gathered
-                except asyncio.CancelledError:
-                    pass
+            cancelled = await until_done_or_aborted(asyncio.gather(*workers))
     finally:
         stop_sending.set()
         if dog is not None:
