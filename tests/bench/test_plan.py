@@ -82,3 +82,26 @@ def test_plan_cli_errors(capsys):
     assert "nope" in capsys.readouterr().err
     assert cli_main(["plan", "--slo-tpot", "50ms", "--concurrency", "4"]) == 2
     assert "searches the load itself" in capsys.readouterr().err
+
+
+def test_the_start_up_wave_does_not_decide_the_capacity():
+    # Closed loop: all 34 clients send at t = 0 and their 1,024-token prompts queue behind one
+    # another (up to ~1.5 s of TTFT), a burst no sustained load sees. Counted, that wave alone
+    # decides a p90 TTFT when it is a quarter of the samples.
+    from servelab.bench.planner import steady_state_summary
+    from servelab.sim import SimConfig, simulate
+    from servelab.spec import get_hardware, get_model
+    from servelab.workload import WorkloadSpec
+
+    config = SimConfig(model=get_model("llama-3.1-70b"), hardware=get_hardware("h100-sxm"), tp=8)
+    c = 34
+    result = simulate(config, WorkloadSpec(num_requests=5 * c, concurrency=c, input_len="1024", output_len="256"))
+    steady = steady_state_summary(result, first_measured=c, slo=None)
+    assert result.summary.ttft_s.p90 > 0.8  # the burst, counted (a fifth of the samples here)
+    assert steady.ttft_s.p90 < 0.3 and steady.num_requests == 4 * c
+    assert steady.tpot_s.p90 == pytest.approx(result.summary.tpot_s.p90, rel=0.05)  # decode is steady either way
+    assert steady.duration_s < result.summary.duration_s
+
+    row = plan_one(_job(model="llama-3.1-70b", tp=8, slo=SLO(tpot_s=0.050, ttft_s=1.0),
+                        workload={"input_len": "1024", "output_len": "256", "seed": 0}))  # fmt: skip
+    assert row.meets_slo and row.capacity_concurrency > 2 * c  # was 34: the burst's TTFT, not the SLO's
