@@ -57,8 +57,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch (default 256)")
     limits.add_argument("--max-num-batched-tokens", type=int, default=2048,
                         help="token budget of one step (default 2048)")  # fmt: skip
-    limits.add_argument("--max-waiting-requests", type=int, default=None,
-                        help="bound on the waiting queue; beyond it requests get 503 + Retry-After (default: unbounded)")  # fmt: skip
+    # Bounded by default: an overloaded server should shed load with 503s that clients retry,
+    # not queue without limit while every TTFT grows; 0 lifts the bound.
+    limits.add_argument("--max-waiting-requests", type=int, default=4096,
+                        help="bound on the waiting queue; beyond it requests get 503 + Retry-After (default 4096; 0 = unbounded)")  # fmt: skip
     limits.add_argument("--policy", choices=["chunked", "prefill-first"], default="chunked",
                         help="scheduling policy (default chunked prefill)")  # fmt: skip
     limits.add_argument("--order", choices=["fcfs", "priority"], default="fcfs",
@@ -73,8 +75,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check_args(args: argparse.Namespace) -> None:
     if not 0 <= args.port < 65536:
         raise InvalidArgument(f"--port: must be in [0, 65535], got {args.port}")
-    for flag in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting_requests", "block_size",
-                 "num_blocks"):  # fmt: skip
+    if args.max_waiting_requests < 0:
+        raise InvalidArgument(f"--max-waiting-requests: must be >= 0 (0 = unbounded), got {args.max_waiting_requests}")
+    for flag in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
         value = getattr(args, flag)
         if value is not None and value < 1:
             raise InvalidArgument(f"--{flag.replace('_', '-')}: must be >= 1, got {value}")
@@ -127,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
-        max_waiting=args.max_waiting_requests,
+        max_waiting=args.max_waiting_requests or None,
         policy=args.policy,
         order=args.order,
         enable_prefix_caching=not args.no_prefix_caching,
