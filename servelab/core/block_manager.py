@@ -243,6 +243,9 @@ class BlockManager:
                 block_hash[block] = h
             return
         new_hashes = hashes[start:num_full]
+        # One chain's hashes are distinct (each covers a longer prefix) barring a 64-bit
+        # collision, the assumption the whole cache makes; so if none is published yet, every
+        # pair can be recorded at once.
         if lookup.keys().isdisjoint(new_hashes):  # a prompt no one else computed: all in C
             new_blocks = table[start:num_full]
             lookup.update(zip(new_hashes, new_blocks))
