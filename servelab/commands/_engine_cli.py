@@ -16,6 +16,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: min(model, 8192))")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    g.add_argument("--quantization", choices=["int8"], default=None,
+                   help="int8: int8 linears on CPU, ~2x faster here but approximate and not batch-invariant (default: off)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
@@ -62,7 +64,10 @@ def build_engine(args: argparse.Namespace):
 
         torch.set_num_threads(args.threads)
     return LLMEngine.from_args(
-        EngineArgs(model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len)
+        EngineArgs(
+            model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+            quantization=args.quantization,
+        )
     )
 
 

@@ -26,6 +26,7 @@ DEFAULT_MAX_MODEL_LEN = 8192  # CPU default: longer contexts are possible but un
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 DTYPES = ("bfloat16", "float16", "float32")
 DEVICES = ("cpu", "cuda")
+QUANTIZATIONS = ("int8",)  # mirrors servelab.engine.quantization, which imports torch
 
 
 @dataclass
@@ -45,12 +46,25 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None  # None = DEFAULT_KV_CACHE_MEMORY_BYTES
     seed: int = 0
     served_model_name: str | None = None
+    # None = weights in the compute dtype; "int8" = opt-in int8 linears on CPU (fp32 compute,
+    # ~2x faster GEMMs here, numerics change and are not batch-invariant: see engine/quantization.py)
+    quantization: str | None = None
 
     def validate(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise InvalidArgument(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}", param="dtype")
         if self.device not in DEVICES:
             raise InvalidArgument(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}", param="device")
+        if self.quantization is not None:
+            if self.quantization not in QUANTIZATIONS:
+                raise InvalidArgument(
+                    f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset), got {self.quantization!r}",
+                    param="quantization",
+                )
+            if self.device != "cpu":
+                raise InvalidArgument(f"quantization {self.quantization!r} runs on cpu only, got device {self.device!r}", param="quantization")
+            if self.dtype not in (None, "float32"):
+                raise InvalidArgument(f"quantization {self.quantization!r} computes in float32, got dtype {self.dtype!r}", param="dtype")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}", param=name)
@@ -127,8 +141,13 @@ class LLMEngine:
 
         args.validate()
         path = args.model or str(bundled_model_path())
-        dtype = resolve_dtype(args.dtype, args.device)
+        dtype = resolve_dtype("float32" if args.quantization else args.dtype, args.device)
         loaded = load_model(path, dtype=dtype, device=args.device)
+        if args.quantization == "int8":
+            from servelab.engine.quantization import check_int8_supported
+
+            check_int8_supported()
+            loaded.model.quantize_int8()
         config = loaded.config
 
         max_model_len = args.max_model_len or min(config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
