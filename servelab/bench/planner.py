@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 from servelab.bench.capacity import CapacityResult, find_capacity
 from servelab.errors import DoesNotFit, InvalidArgument, RequestTooLong
-from servelab.metrics import SLO, Summary, summarize
+from servelab.metrics import SLO, Summary
+from servelab.metrics import steady_state_summary as summarize_steady
 from servelab.workload import WorkloadSpec
 
 if TYPE_CHECKING:
@@ -141,14 +142,11 @@ def plan_one(job: PlanJob) -> PlanRow:
 
 
 def steady_state_summary(result: SimResult, *, first_measured: int, slo: SLO | None) -> Summary:
-    """The summary of requests `first_measured` and later (by index), over the time from the first
-    of them being sent to the last of them finishing."""
-    measured = [r for r in result.records if int(r.request_id) >= first_measured]
-    if not measured:
-        return result.summary
-    start_s = min(r.arrival_s for r in measured)
-    end_s = max((t for r in measured if (t := r.last_token_s) is not None), default=start_s)
-    return summarize(measured, end_s - start_s, result.summary.num_devices, slo, result.summary.preemptions)
+    """The simulated run's summary without its first `first_measured` requests (the start-up
+    wave); the whole run's when nothing is left."""
+    steady = summarize_steady(result.records, skip_first=first_measured, num_devices=result.summary.num_devices,
+                              slo=slo, preemptions=result.summary.preemptions)
+    return result.summary if steady is None else steady
 
 
 def fill_row(row: PlanRow, result: CapacityResult, job: PlanJob) -> None:

@@ -27,6 +27,7 @@ class InFlight:
 
     send_s: float
     first_token_s: float | None = None
+    index: int = -1  # the request's index: an early-stop rule may leave the start-up wave out
 
 
 @dataclass(slots=True)
@@ -78,7 +79,7 @@ async def run_load(
 
     async def one(request: BenchRequest, planned_s: float | None) -> None:
         key = request.index
-        state.in_flight[key] = tracker = InFlight(send_s=time.perf_counter())
+        state.in_flight[key] = tracker = InFlight(send_s=time.perf_counter(), index=key)
 
         def first_token(at_s: float) -> None:
             tracker.first_token_s = at_s

@@ -18,7 +18,7 @@ from servelab.bench.prompts import PromptBuilder
 from servelab.bench.records import ClientReport, to_records
 from servelab.bench.runner import AbortRule, InFlight, run_load
 from servelab.errors import InvalidArgument
-from servelab.metrics import SLO, RequestRecord, Summary, summarize
+from servelab.metrics import SLO, RequestRecord, Summary, steady_state_summary, summarize
 from servelab.workload import RequestSpec, WorkloadSpec
 
 
@@ -31,6 +31,10 @@ class BenchRun:
     stopped_early: str = ""
     cancelled: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
+    # Closed loop: the summary without the start-up wave (the first `startup_requests` requests,
+    # sent by all clients at once); None for open loop or when nothing follows the wave.
+    steady: Summary | None = None
+    startup_requests: int = 0
 
 
 class BenchSession:
@@ -84,11 +88,22 @@ class BenchSession:
         early_stop: bool = False,
         percentile: int = 90,
         label: str = "",
+        startup_wave_extra: bool = False,
     ) -> BenchRun:
+        """Run the workload. Closed loop: the first `concurrency` requests (all clients at once) are
+        the start-up wave; `BenchRun.steady` summarizes the rest. `startup_wave_extra` sends the
+        wave on top of the workload's requests and keeps it out of the early-stop rule, so the
+        steady summary covers `num_requests` requests (the capacity search's levels)."""
+        open_loop = workload.rate is not None or workload.trace is not None
+        wave = 0 if open_loop or workload.concurrency is None else workload.concurrency
+        if startup_wave_extra and wave and workload.num_requests is not None:
+            workload = replace_workload(workload, num_requests=workload.num_requests + wave)
         specs = workload.generate(tokenizer=self.prompts.count_tokens if self.prompts.exact else None)
         open_loop = specs[0].arrival_s is not None
         if not open_loop and workload.concurrency is None:
             raise InvalidArgument("give a load: --rate R (requests/s) or --concurrency C")
+        if open_loop:
+            wave = 0
         if warmup > 0:
             await self._warmup(specs, warmup, workload.concurrency)
         self._round += 1_000
@@ -100,7 +115,14 @@ class BenchSession:
         else:
             requests = self._requests(specs, cycle=duration_s is not None)
             total = None if duration_s is not None else len(specs)
-        rule = _saturation_rule(self.slo, percentile, total) if (early_stop and self.slo and total) else None
+        # The early stop judges the requests that will be measured: without the wave when it is
+        # sent on top of them, with it otherwise (then the whole run is what is reported).
+        skip = wave if startup_wave_extra else 0
+        rule = (
+            _saturation_rule(self.slo, percentile, total - skip, skip_below=skip)
+            if (early_stop and self.slo and total and total > skip)
+            else None
+        )
         bar = None
         if self.progress:
             from tqdm import tqdm
@@ -126,7 +148,11 @@ class BenchSession:
             check_prompt_tokens=self.client.endpoint == "completions" and self.prompts.exact,
         )
         summary = summarize(records, outcome.duration_s, self.num_devices, self.slo)
-        return BenchRun(summary, records, outcome.results, report, outcome.abort_reason, outcome.cancelled)
+        steady = (
+            steady_state_summary(records, skip_first=wave, num_devices=self.num_devices, slo=self.slo) if wave else None
+        )
+        return BenchRun(summary, records, outcome.results, report, outcome.abort_reason, outcome.cancelled,
+                        steady=steady, startup_requests=wave)  # fmt: skip
 
     async def _warmup(self, specs: list[RequestSpec], n: int, concurrency: int | None) -> None:
         """Requests that open the connections and wake the server; never measured."""
@@ -149,7 +175,10 @@ class BenchSession:
     ) -> Callable[[float], LevelRun]:
         """A synchronous `measure(load) -> LevelRun` for the capacity search, driving `loop`:
         each level runs a workload like `base` at that load. Without --num-requests a level has
-        max(64, 8 x concurrency) requests, or 30 s worth at a rate, so it reaches a steady state."""
+        max(64, 8 x concurrency) requests, or 30 s worth at a rate, so it reaches a steady state.
+        At a concurrency C, a first wave of C requests (all clients at once) runs on top of those
+        and is not measured: it only says how the server absorbs a burst of C prompts, and at 8
+        requests per client it is 1/8 of the samples, enough to decide a p90 TTFT by itself."""
 
         def measure(load: float) -> LevelRun:
             if mode == "concurrency":
@@ -166,11 +195,12 @@ class BenchSession:
                     early_stop=True,
                     percentile=percentile,
                     label=f"{mode} {load:g}",
+                    startup_wave_extra=True,
                 )
             )
             if runs is not None:
                 runs.append((load, out))
-            return LevelRun(out.summary, out.stopped_early)
+            return LevelRun(out.summary if out.steady is None else out.steady, out.stopped_early)
 
         return measure
 
@@ -187,12 +217,15 @@ def replace_workload(base: WorkloadSpec, **changes: Any) -> WorkloadSpec:
     return WorkloadSpec(**fields)
 
 
-def _saturation_rule(slo: SLO, percentile: int, total: int) -> AbortRule:
+def _saturation_rule(slo: SLO, percentile: int, total: int, *, skip_below: int = 0) -> AbortRule:
     """Stop a level once it is certain to miss the percentile target (see certainly_fails):
     requests that finished over a target, plus requests still waiting for their first token
-    past the TTFT target, are enough on their own."""
+    past the TTFT target, are enough on their own. `total` counts the measured requests; those
+    with an index below `skip_below` (the unmeasured start-up wave) are not looked at."""
 
     def rule(results: list[StreamResult], in_flight: list[InFlight], now: float) -> str:
+        results = [r for r in results if r.index >= skip_below]
+        in_flight = [f for f in in_flight if f.index >= skip_below]
         failures = sum(1 for r in results if not r.success)
         violators = 0
         for r in results:

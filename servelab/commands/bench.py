@@ -167,6 +167,11 @@ def _report_run(args: argparse.Namespace, result, config: dict[str, Any], worklo
     from servelab.metrics import format_summary_table
 
     out = {"summary": result.summary.to_dict(), "config": config, "client": result.report.to_dict()}
+    if result.steady is not None:
+        # Closed loop: the run without its start-up wave (all clients at once), reported beside the
+        # whole run's summary, which stays what vLLM's `bench serve` reports.
+        out["steady_state"] = {"startup_requests_excluded": result.startup_requests,
+                               "summary": result.steady.to_dict()}  # fmt: skip
     _write_outputs(args, out, result.records, result.results)
     plots = []
     if args.plot_dir:
@@ -179,6 +184,11 @@ def _report_run(args: argparse.Namespace, result, config: dict[str, Any], worklo
         print(f"{config['model']} at {config['base_url']} ({config['endpoint']}), {workload.describe()}")
         print()
         print(format_summary_table(result.summary))
+        if result.steady is not None:
+            st = result.steady
+            print(f"\nwithout the start-up wave (the first {result.startup_requests} requests, sent at once): "
+                  f"{st.num_requests} requests, {st.output_throughput:,.1f} output tok/s, p90 TTFT "
+                  f"{_ms(st.ttft_s.p90).strip()}, p90 TPOT {_ms(st.tpot_s.p90).strip()}")
         extra = result.report.lines()
         if extra:
             print()

@@ -7,6 +7,10 @@ Per request, relative to the moment the request body has been read:
   - chat only: a role-only chunk immediately (must NOT count as the first token),
   - output token k (k = 1..max_tokens) at ttft + (k - 1) * tpot, one token per chunk,
   - then a usage chunk and `data: [DONE]`.
+With `--prefill-ms P`, prompts are prefilled one at a time, P each, before the TTFT delay: a
+request's first token waits for the prefills queued ahead of it, as on a real server, so a burst
+of simultaneous requests (a closed loop's start-up wave) sees TTFTs of P, 2P, ... while a steady
+stream of spread-out arrivals sees about P.
 Behaviour switches, by a word in the prompt: FAIL -> HTTP 500; DROP -> the connection is closed
 after 2 tokens; HANG -> nothing is ever sent; BADUSAGE -> usage reports one token too many.
 """
@@ -20,9 +24,11 @@ import time
 
 
 class MockServer:
-    def __init__(self, ttft_s: float, tpot_s: float, log_path: str | None) -> None:
+    def __init__(self, ttft_s: float, tpot_s: float, log_path: str | None, prefill_s: float = 0.0) -> None:
         self.ttft_s = ttft_s
         self.tpot_s = tpot_s
+        self.prefill_s = prefill_s
+        self.prefill_free_s = 0.0  # when the one prefill "unit" finishes its queue (perf_counter)
         # One JSON line per finished stream: what the server actually did, stamped with the same
         # system-wide monotonic clock (perf_counter) that the client uses.
         self.log = open(log_path, "a", buffering=1) if log_path else None
@@ -75,12 +81,16 @@ class MockServer:
         if chat:
             event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
             await writer.drain()
+        first_s = received_s + self.ttft_s
+        if self.prefill_s > 0:
+            self.prefill_free_s = max(received_s, self.prefill_free_s) + self.prefill_s
+            first_s = self.prefill_free_s + self.ttft_s
         write_times_s: list[float] = []
         loop = asyncio.get_running_loop()
         # Absolute deadlines, so one late wake-up does not shift every later token.
         offset = loop.time() - time.perf_counter()
         for k in range(n):
-            due = received_s + self.ttft_s + k * self.tpot_s + offset
+            due = first_s + k * self.tpot_s + offset
             delay = due - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -109,9 +119,10 @@ async def main() -> None:
     parser.add_argument("--port", type=int, default=0)
     parser.add_argument("--ttft-ms", type=float, default=50.0)
     parser.add_argument("--tpot-ms", type=float, default=20.0)
+    parser.add_argument("--prefill-ms", type=float, default=0.0, help="serial prefill time per request")
     parser.add_argument("--log", default=None, help="JSONL file of the server-side timestamps")
     args = parser.parse_args()
-    mock = MockServer(args.ttft_ms / 1e3, args.tpot_ms / 1e3, args.log)
+    mock = MockServer(args.ttft_ms / 1e3, args.tpot_ms / 1e3, args.log, args.prefill_ms / 1e3)
     server = await asyncio.start_server(mock.handle, "127.0.0.1", args.port, backlog=1024)
     print(f"PORT {server.sockets[0].getsockname()[1]}", flush=True)
     async with server:

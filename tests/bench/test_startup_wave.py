@@ -1,0 +1,93 @@
+"""A closed loop's start-up wave (all C clients at once) is run but not measured by the capacity
+search, and is reported apart from the steady state in a plain run."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from servelab.bench.capacity import find_capacity
+from servelab.bench.client import OpenAIStreamClient, StreamResult
+from servelab.bench.prompts import PromptBuilder
+from servelab.bench.runner import InFlight
+from servelab.bench.session import BenchSession, _saturation_rule
+from servelab.metrics import SLO, RequestRecord, steady_state_summary
+from servelab.workload import WorkloadSpec
+
+MOCK = Path(__file__).with_name("mock_openai_server.py")
+
+
+def _record(i: int, sent_s: float, ttft_s: float) -> RequestRecord:
+    times = [sent_s + ttft_s + 0.01 * k for k in range(4)]
+    return RequestRecord(str(i), sent_s, None, times[0], times, times[-1], 8, 4)
+
+
+def test_steady_state_summary_leaves_out_the_first_requests_and_their_time():
+    # A wave of 4 queued prompts (TTFT 1..4 s) at t = 0, then 8 spread-out requests at 0.1 s.
+    records = [_record(i, 0.0, 1.0 + i) for i in range(4)] + [_record(4 + i, 5.0 + i, 0.1) for i in range(8)]
+    steady = steady_state_summary(records, skip_first=4)
+    assert steady.num_requests == 8 and steady.ttft_s.max == pytest.approx(0.1)
+    assert steady.duration_s == pytest.approx(12.13 - 5.0)  # first measured send to last measured token
+    assert steady_state_summary(records[:4], skip_first=4) is None
+
+
+def _result(index: int, ttft_s: float) -> StreamResult:
+    return StreamResult(index=index, planned_send_s=None, send_s=0.0, end_s=ttft_s + 0.1,
+                        prompt_tokens_planned=8, output_tokens_planned=4, first_token_s=ttft_s,
+                        token_times_s=[ttft_s + 0.01 * k for k in range(4)], usage_output_tokens=4, success=True)  # fmt: skip
+
+
+def test_early_stop_ignores_the_unmeasured_wave():
+    slo = SLO(ttft_s=0.5)
+    # 10 measured requests at p90: 2 violators decide it. The wave's 4 slow ones must not count.
+    rule = _saturation_rule(slo, 90, total=10, skip_below=4)
+    wave = [_result(i, 2.0) for i in range(4)]
+    assert rule(wave + [_result(4, 0.1)], [InFlight(send_s=0.0, index=3)], 5.0) == ""
+    assert rule(wave + [_result(4, 2.0)], [InFlight(send_s=0.0, index=5)], 5.0) != ""  # 2 measured violators
+    assert _saturation_rule(slo, 90, total=10)(wave, [], 5.0) != ""  # counted, the wave alone would stop it
+
+
+@pytest.fixture(scope="module")
+def queueing_server():
+    # Serial 10 ms prefills, 50 ms per output token: a burst of C simultaneous prompts waits up to
+    # C x 10 ms for a first token, while a closed loop's spread-out later requests wait ~10 ms
+    # until C x 10 ms exceeds a request's 400 ms decode (C ~ 40).
+    proc = subprocess.Popen([sys.executable, str(MOCK), "--ttft-ms", "0", "--tpot-ms", "50", "--prefill-ms", "10"],
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        yield f"http://127.0.0.1:{int(proc.stdout.readline().split()[1])}"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.slow
+def test_capacity_search_is_not_decided_by_the_start_up_wave(queueing_server):
+    # p90 TTFT <= 40 ms. Counted, the wave (1/8 of a level's 8 x C requests, TTFTs 10, 20, ...,
+    # C x 10 ms) puts p90 TTFT near C x 2 ms: the search stopped at ~19. In the steady state the
+    # capacity is ~43 (C x 10 ms - 400 ms <= 40 ms).
+    slo = SLO(ttft_s=0.040)
+    loop = asyncio.new_event_loop()
+    client = OpenAIStreamClient(queueing_server, model="mock-model", max_connections=64)
+    session = BenchSession(client, PromptBuilder(None, seed=0), slo=slo)
+    try:
+        runs: list = []
+        base = WorkloadSpec(num_requests=None, concurrency=1, input_len="8", output_len="9", seed=0)
+        measure = session.measure_fn(loop, base, "concurrency", 90, warmup=0, runs=runs)
+        result = find_capacity(measure, slo, percentile=90, start=12, max_load=64, tolerance=4)
+    finally:
+        loop.run_until_complete(client.aclose())
+        loop.close()
+    assert result.best is not None and result.best.load >= 32, result.describe()
+    assert result.first_failing is not None and result.first_failing.load <= 56, result.describe()
+    at_best = next(out for load, out in runs if load == result.best.load)
+    c = int(result.best.load)
+    # The wave ran (c more requests than measured, its last prompt queued behind c - 1 others) ...
+    assert at_best.startup_requests == c and at_best.summary.num_requests == 9 * c
+    assert at_best.summary.ttft_s.max > 0.5 * c * 0.010
+    # ... and the level was judged without it.
+    assert result.best.summary.num_requests == 8 * c and result.best.summary.ttft_s.p90 <= 0.040
