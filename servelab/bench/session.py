@@ -18,7 +18,13 @@ from servelab.bench.prompts import PromptBuilder
 from servelab.bench.records import ClientReport, to_records
 from servelab.bench.runner import AbortRule, InFlight, run_load
 from servelab.errors import InvalidArgument
-from servelab.metrics import SLO, RequestRecord, Summary, steady_state_summary, summarize
+from servelab.metrics import (
+    SLO,
+    RequestRecord,
+    Summary,
+    steady_state_summary,
+    summarize,
+)
 from servelab.workload import RequestSpec, WorkloadSpec
 
 
