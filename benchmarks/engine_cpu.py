@@ -11,13 +11,17 @@ machine is shared and noisy; we report medians and the ratios servelab / HF:
 It also reports model bandwidth utilisation at batch 1: the bytes a decode step must read
 (every weight once, plus the KV cache) / step time / the memory bandwidth measured here.
 
-    python benchmarks/engine_cpu.py [--dtype bfloat16] [--rounds 3] [--json]
+    python benchmarks/engine_cpu.py [--dtype bfloat16] [--rounds 3] [--json] [--quantization int8]
+
+`--quantization int8` runs servelab with its opt-in int8 linears against HF in the same
+--dtype: a different-numerics comparison, reported separately from the default one.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -56,10 +60,11 @@ def measure_bandwidth_bytes_per_s(size_bytes: int = 1 << 30, repeats: int = 5) -
 class Servelab:
     name = "servelab"
 
-    def __init__(self, dtype: str):
+    def __init__(self, dtype: str, quantization: str | None = None):
         # Prefix caching off: every round reuses the same prompts and must not be served from cache.
         self.engine = LLMEngine.from_args(
-            EngineArgs(dtype=dtype, enable_prefix_caching=False, max_num_seqs=64, max_num_batched_tokens=2048)
+            EngineArgs(dtype=dtype, enable_prefix_caching=False, max_num_seqs=64, max_num_batched_tokens=2048,
+                       quantization=quantization)
         )
         self.model = self.engine.executor.model
         self._n = 0
@@ -141,12 +146,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="decode_b1,decode_b32,prefill_512", help="comma-separated subset")
     parser.add_argument("--no-hf", action="store_true", help="servelab only (no ratios)")
     parser.add_argument("--json", action="store_true", help="print the raw figures as one JSON object on the last line")
+    parser.add_argument("--quantization", choices=["int8"], default=None, help="servelab's opt-in int8 linears (HF unchanged)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     metrics = [m for m in args.only.split(",") if m]
 
-    engines = [Servelab(args.dtype)] + ([] if args.no_hf else [HF(args.dtype)])
+    engines = [Servelab(args.dtype, args.quantization)] + ([] if args.no_hf else [HF(args.dtype)])
     for e in engines:  # warm-up: first calls allocate, fault pages in and pick kernels
         e.decode_b1()
         e.prefill_512()
@@ -172,7 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         step_s = 1.0 / medians["servelab"]["decode_b1"]
         mbu = step_bytes / step_s / bandwidth
 
-    print(f"\nservelab engine vs HF transformers on CPU — bundled SmolLM2-135M-Instruct, {args.dtype}, "
+    quant = f", servelab quantization {args.quantization}" if args.quantization else ""
+    print(f"\nservelab engine vs HF transformers on CPU — bundled SmolLM2-135M-Instruct, {args.dtype}{quant}, "
           f"{torch.get_num_threads()} threads, {args.rounds} interleaved rounds (medians)")
     print(f"{'metric':14s} {'servelab':>12s} {'HF':>12s} {'ratio':>8s}")
     for m in metrics:
@@ -182,12 +189,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"measured read bandwidth: {bandwidth / 1e9:.1f} GB/s; bytes per decode step: {step_bytes / 1e6:.0f} MB")
     if mbu is not None:
         print(f"model bandwidth utilisation at batch 1: {mbu * 100:.0f}%")
+    print("load average at the end (1/5/15 min): " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     if args.json:
         print(json.dumps({
-            "dtype": args.dtype, "threads": torch.get_num_threads(), "rounds": args.rounds,
+            "dtype": args.dtype, "quantization": args.quantization, "threads": torch.get_num_threads(), "rounds": args.rounds,
             "servelab": medians["servelab"], "hf": medians.get("hf"), "ratios": ratios,
             "raw": results, "bandwidth_bytes_per_s": bandwidth, "decode_step_bytes": step_bytes,
-            "mbu_b1": mbu,
+            "mbu_b1": mbu, "load_average": list(os.getloadavg()),
         }))
     return 0
 

@@ -1,9 +1,12 @@
-"""The paged KV cache: per layer, K and V of shape [num_blocks, block_size, kv_heads, head_dim].
+"""The paged KV cache: per layer, K and V of shape [kv_heads, num_blocks * block_size, head_dim].
 
 The scheduler's block manager owns which blocks belong to whom; this module owns only the
 memory. A token at position p of a sequence lives at flat slot
-`block_table[p // block_size] * block_size + p % block_size`, so the model sees each layer as a
-flat [num_blocks * block_size, kv_heads, head_dim] array and writes with one index_copy_.
+`block_table[p // block_size] * block_size + p % block_size`, so the model sees each layer as
+[kv_heads, num_slots, head_dim], writes with one index_copy_ along the slots and gathers with
+one index_select. Heads outermost, so that what a gather returns is already SDPA's
+[kv_heads, ctx, head_dim] with each head's keys contiguous: with slots outermost the gathered
+keys were strided by kv_heads, and gather + SDPA took 13% longer (32 decodes x 160 tokens).
 """
 
 from __future__ import annotations
@@ -23,24 +26,23 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_layers = config.num_layers
-        shape = (config.num_layers, num_blocks, block_size, config.num_kv_heads, config.head_dim)
+        shape = (config.num_layers, config.num_kv_heads, num_blocks * block_size, config.head_dim)
         try:
             # empty, not zeros: pages are touched only as blocks fill, so a generous default pool
             # costs no start-up time. Only block 0 must hold finite values: padded (masked) keys
             # of batched decode attention point at slot 0, and NaN * 0 would still poison the sum.
             self.k = torch.empty(shape, dtype=dtype, device=device)
             self.v = torch.empty(shape, dtype=dtype, device=device)
-            self.k[:, 0].zero_()
-            self.v[:, 0].zero_()
+            self.k[:, :, :block_size].zero_()
+            self.v[:, :, :block_size].zero_()
         except RuntimeError as exc:  # out of memory: a configuration error, not a crash
             raise DoesNotFit(
                 f"KV cache of {num_blocks} blocks x {block_size} tokens needs "
                 f"{self.bytes_per_block(config, block_size, dtype) * num_blocks / 2**30:.2f} GiB "
                 f"on {device}, which cannot be allocated ({exc}); lower num_blocks or kv_cache_memory_bytes"
             ) from exc
-        flat = (config.num_layers, num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        self.k_layers = list(self.k.view(flat).unbind(0))
-        self.v_layers = list(self.v.view(flat).unbind(0))
+        self.k_layers = list(self.k.unbind(0))
+        self.v_layers = list(self.v.unbind(0))
 
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:

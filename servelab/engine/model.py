@@ -76,6 +76,9 @@ def rope_inv_freq(config: ModelConfig, freq_divisors: torch.Tensor | None = None
     raise InvalidArgument(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
 
 
+# Up to this many sampling rows the pre-transposed fp32 head is faster (see LlamaModel.__init__).
+_MAX_ROWS_FOR_TRANSPOSED_HEAD = 2
+
 # A linear's weight: a tensor [out, in], or packed int8 under the opt-in int8 quantization.
 Weight = torch.Tensor | Int8Linear
 
@@ -140,10 +143,12 @@ class LlamaModel:
         self.layers = layers
         self.final_norm = final_norm
         self.lm_head = lm_head
-        # fp32: for the few rows that sample, `x @ W^T` over a pre-transposed [hidden, vocab]
-        # head streams it about twice as fast as F.linear on [vocab, hidden] (measured on
-        # SmolLM2's 49152 x 576 head, AVX2). In bf16 without native bf16 kernels the same
-        # product is 10x slower than F.linear, so other dtypes keep F.linear. One extra copy.
+        # fp32: for one or two sampling rows, `x @ W^T` over a pre-transposed [hidden, vocab]
+        # head streams it about twice as fast as F.linear on [vocab, hidden] (SmolLM2's
+        # 49152 x 576 head, AVX2, 1 thread: 8 vs 15 ms at 1 row, 17 vs 32 ms at 2); from 4 rows
+        # on MKL's F.linear wins (4: 38 vs 55 ms, 32: 82 vs 100 ms), so the choice is per step.
+        # In bf16 without native bf16 kernels `x @ W^T` is 10x slower than F.linear, so other
+        # dtypes keep F.linear. One extra copy of the head.
         self.lm_head_t = lm_head.t().contiguous() if lm_head.dtype == torch.float32 else None
         self.lm_head_int8: Int8Linear | None = None
         self.dtype = embed.dtype
@@ -222,7 +227,7 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Returns fp32 logits [S, vocab] for the rows in `meta.logits_indices`.
 
-        `k_cache[l]` / `v_cache[l]` are flat views [num_slots, kv_heads, head_dim] of layer l's cache.
+        `k_cache[l]` / `v_cache[l]` are layer l's cache, [kv_heads, num_slots, head_dim].
         """
         cfg = self.config
         T = input_ids.shape[0]
@@ -244,8 +249,8 @@ class LlamaModel:
             q, k = qk[:, :H], qk[:, H:]
             v = qkv[:, cfg.q_size + cfg.kv_size :].view(T, KV, D)
             kc, vc = k_cache[li], v_cache[li]
-            kc.index_copy_(0, meta.slots, k)
-            vc.index_copy_(0, meta.slots, v)
+            kc.index_copy_(1, meta.slots, k.transpose(0, 1))
+            vc.index_copy_(1, meta.slots, v.transpose(0, 1))
             attn = self._attention(q, k, v, kc, vc, meta)  # [T, H * D]
             x = x + linear(attn, layer.o)
             h = self._rms_norm(x, layer.post_norm)
@@ -255,7 +260,7 @@ class LlamaModel:
         x = self._rms_norm(x, self.final_norm)
         if self.lm_head_int8 is not None:
             return self.lm_head_int8(x)
-        if self.lm_head_t is not None:
+        if self.lm_head_t is not None and x.shape[0] <= _MAX_ROWS_FOR_TRANSPOSED_HEAD:
             return x @ self.lm_head_t
         return F.linear(x, self.lm_head).float()
 
@@ -278,8 +283,8 @@ class LlamaModel:
             # advanced-indexing kernel took 1.13 ms for K+V of 32 x 48 slots against 0.13 ms for
             # index_select (1 thread, this AVX2 host), and the gather runs twice per layer.
             flat_slots = meta.decode_ctx_slots.view(-1)
-            kd = kc.index_select(0, flat_slots).view(B, -1, KV, D).transpose(1, 2)  # [B, KV, ctx, D]
-            vd = vc.index_select(0, flat_slots).view(B, -1, KV, D).transpose(1, 2)
+            kd = kc.index_select(1, flat_slots).view(KV, B, -1, D).transpose(0, 1)  # [B, KV, ctx, D]
+            vd = vc.index_select(1, flat_slots).view(KV, B, -1, D).transpose(0, 1)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=H != KV)
             out[:B] = o.reshape(B, H * D)
         for offset, n, start_pos, ctx_slots in meta.prefills:
@@ -290,8 +295,8 @@ class LlamaModel:
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=H != KV)
             else:  # earlier context is in the cache (a previous chunk or a prefix-cache hit)
                 ctx = ctx_slots.shape[0]
-                kp = kc.index_select(0, ctx_slots).transpose(0, 1).unsqueeze(0)
-                vp = vc.index_select(0, ctx_slots).transpose(0, 1).unsqueeze(0)
+                kp = kc.index_select(1, ctx_slots).unsqueeze(0)  # [1, KV, ctx, D]
+                vp = vc.index_select(1, ctx_slots).unsqueeze(0)
                 qpos = torch.arange(start_pos, start_pos + n, device=q.device)[:, None]
                 mask = torch.arange(ctx, device=q.device)[None, :] <= qpos
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale, enable_gqa=H != KV)
