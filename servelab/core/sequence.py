@@ -52,7 +52,7 @@ class SamplingParams:
         # Comparisons are written so that NaN fails them: a NaN that got through would fail
         # the whole batch's step, not just this request.
         if not self.temperature >= 0 or self.temperature == float("inf"):
-            raise InvalidArgument(f"temperature must be >= 0 and finite, got {self.temperature}", param="temperature")
+            raise InvalidArgument(f"temperature must be a finite number >= 0, got {self.temperature}", param="temperature")
         if not 0 < self.top_p <= 1:
             raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if self.top_k < 0:
