@@ -33,11 +33,12 @@ def test_generate_json_and_chat_template(tiny_llama, capsys):
     "argv, message",
     [
         (["--max-tokens", "0"], "max_tokens must be >= 1"),
-        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--temperature", "-1"], "temperature must be a finite number >= 0"),
         (["--temperature", "nan"], "--temperature must be a finite number"),
         (["--top-p", "inf"], "--top-p must be a finite number"),
         (["--model", "/nonexistent/model.gguf"], "does not exist"),
         (["--system", "be brief"], "--system needs --chat"),
+        (["--quantization", "int8", "--dtype", "bfloat16"], "quantization 'int8' computes in float32"),
     ],
 )
 def test_generate_user_errors_exit_2_with_a_message(tiny_llama, capsys, argv, message):

@@ -76,6 +76,15 @@ def test_int8_engine_generates(tiny_engine_factory):
     assert all(len(s.output_token_ids) == 8 for s in seqs)
 
 
+def test_generate_cli_takes_quantization_int8(tiny_llama, capsys):
+    from servelab.cli import main
+
+    rc = main(["generate", "--model", str(tiny_llama), "--quantization", "int8", "--prompt", "hello",
+               "--max-tokens", "4", "--temperature", "0", "--ignore-eos", "--json"])
+    assert rc == 0
+    assert '"token_ids"' in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_bundled_model_answers_the_same_in_int8():
     texts = []
