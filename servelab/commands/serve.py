@@ -48,6 +48,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: from the model)")
     model.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                        help="compute dtype (default: bfloat16 where the CPU supports it, else float32)")  # fmt: skip
+    model.add_argument("--quantization", choices=["int8"], default=None,
+                       help="int8: int8 linears on CPU, ~2x faster here but approximate and not batch-invariant (default: off)")  # fmt: skip
     model.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default cpu)")
     model.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests (default 0)")
 
@@ -126,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
     engine_args = EngineArgs(
         model=args.model,
         dtype=args.dtype,
+        quantization=args.quantization,
         device=args.device,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

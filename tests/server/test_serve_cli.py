@@ -27,6 +27,7 @@ def serve(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
         (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
         (["--shutdown-timeout", "soon"], "--shutdown-timeout"),
         (["--api-key", " "], "--api-key"),
+        (["--quantization", "int8", "--dtype", "bfloat16"], "quantization 'int8' computes in float32"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(args, needle):
