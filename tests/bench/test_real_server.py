@@ -72,4 +72,5 @@ def test_fifty_requests_complete_and_usage_matches(tiny_server, tmp_path, capsys
         assert row["usage_output_tokens"] == row["planned_output_tokens"] == row["output_tokens"]
         assert row["usage_prompt_tokens"] == row["planned_prompt_tokens"]
         assert len(row["token_times_s"]) == row["output_tokens"]
-    assert summary["ttft_s"]["p50"] > 0 and summary["tpot_s"]["p50"] > 0
+    # A tiny model's tokens can reach the client in one read (TPOT 0), so only order is asserted.
+    assert summary["e2e_s"]["p50"] >= summary["ttft_s"]["p50"] > 0 and summary["tpot_s"]["p50"] >= 0
