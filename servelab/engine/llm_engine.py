@@ -213,11 +213,7 @@ class LLMEngine:
             raise InvalidArgument(f"request id {request_id!r} is already in use", param="request_id")
         params.validate()
         if isinstance(prompt, str):
-            token_ids = self.tokenizer.encode(prompt, add_special_tokens=True)
-            bos = self.tokenizer.bos_token_id
-            # A rendered chat template already starts with BOS; adding one more confuses the model.
-            if bos is not None and len(token_ids) > 1 and token_ids[0] == token_ids[1] == bos:
-                token_ids = token_ids[1:]
+            token_ids = self.tokenizer.encode_prompt(prompt)
         else:
             token_ids = [int(t) for t in prompt]
             bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)

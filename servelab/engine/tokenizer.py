@@ -212,6 +212,15 @@ class Tokenizer:
             raise InvalidArgument(f"prompt must be a string, got {type(text).__name__}", param="prompt")
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of a prompt as the engine runs it: `encode`, minus a doubled BOS (a rendered
+        chat template already starts with BOS; adding one more confuses the model)."""
+        ids = self.encode(text, add_special_tokens=add_special_tokens)
+        bos = self.bos_token_id
+        if bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
+            ids = ids[1:]
+        return ids
+
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

@@ -287,18 +287,9 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
 
 
 def encode_prompt(engine: LLMEngine, text: str, *, add_special_tokens: bool = True) -> list[int]:
-    """Token ids of a text prompt, exactly as `LLMEngine.add_request` would make them, so that
-    usage, limits and /tokenize agree with what the engine runs."""
-    own = getattr(engine, "encode_prompt", None)
-    if own is not None and add_special_tokens:
-        return own(text)
-    tokenizer = engine.tokenizer
-    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
-    bos = tokenizer.bos_token_id
-    # A rendered chat template already starts with BOS; the engine drops the doubled one.
-    if bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
-        ids = ids[1:]
-    return ids
+    """Token ids of a text prompt, exactly as `LLMEngine.add_request` makes them, so that usage,
+    limits and /tokenize agree with what the engine runs."""
+    return engine.tokenizer.encode_prompt(text, add_special_tokens=add_special_tokens)
 
 
 # -------------------------------------------------------------------- request plumbing

@@ -300,3 +300,15 @@ def test_chat_template_errors(chat_tok):
     broken = Tokenizer(chat_tok.backend, bos_token_id=None, eos_token_ids=(), chat_template="{{ messages[0].x.y }}")
     with pytest.raises(InvalidArgument, match="chat template failed"):
         broken.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_encode_prompt_drops_a_doubled_bos_only(tmp_path):
+    from servelab.engine.testing import write_tiny_llama
+
+    tok = Tokenizer.from_hf_dir(write_tiny_llama(tmp_path / "m"))
+    bos = tok.bos_token_id = 5  # the tiny tokenizer has no BOS of its own
+    doubled = [bos, bos, 7]
+    tok.encode = lambda _text, add_special_tokens=False: list(doubled)  # a template that starts with BOS, plus the added one
+    assert tok.encode_prompt("x") == [bos, 7]
+    doubled[:] = [bos, 7]
+    assert tok.encode_prompt("x") == [bos, 7]  # a single BOS stays
