@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import math
 
 from servelab.core.sequence import SamplingParams
 
@@ -33,14 +32,7 @@ def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) 
 
 
 def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
-    from servelab.errors import InvalidArgument
-
-    for name in ("temperature", "top_p", "min_p"):
-        value = getattr(args, name)
-        # argparse takes "nan"; a NaN passes every range check (comparisons are false) and then
-        # breaks sampling mid-generation.
-        if not math.isfinite(value):
-            raise InvalidArgument(f"--{name.replace('_', '-')} must be a finite number, got {value}", param=name)
+    # argparse takes "nan" and "inf"; SamplingParams' range checks reject them (NaN-safe).
     return SamplingParams(
         max_tokens=args.max_tokens,
         temperature=args.temperature,

@@ -34,8 +34,8 @@ def test_generate_json_and_chat_template(tiny_llama, capsys):
     [
         (["--max-tokens", "0"], "max_tokens must be >= 1"),
         (["--temperature", "-1"], "temperature must be a finite number >= 0"),
-        (["--temperature", "nan"], "--temperature must be a finite number"),
-        (["--top-p", "inf"], "--top-p must be a finite number"),
+        (["--temperature", "nan"], "temperature must be a finite number >= 0, got nan"),
+        (["--top-p", "inf"], "top_p must be in (0, 1], got inf"),
         (["--model", "/nonexistent/model.gguf"], "does not exist"),
         (["--system", "be brief"], "--system needs --chat"),
         (["--quantization", "int8", "--dtype", "bfloat16"], "quantization 'int8' computes in float32"),
