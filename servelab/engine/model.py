@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from servelab.engine import native
 from servelab.engine.quantization import Int8Linear
 from servelab.errors import InvalidArgument
 
@@ -112,13 +113,19 @@ class AttentionMetadata:
     """Per-step tensors shared by every layer; built once by the executor.
 
     Tokens are ordered: all decode tokens first (one per sequence), then the prefill chunks.
-    Decodes attend in one batched SDPA over a padded gather of their context; each prefill chunk
-    attends on its own (there are few per step and they are long, so padding them would waste).
+    Decodes attend together: in the native kernel straight from their block tables, otherwise in
+    one batched SDPA over a padded gather of their context. Each prefill chunk attends on its own
+    (there are few per step and they are long, so padding them would waste).
     """
 
     positions: torch.Tensor  # [T] int64
     slots: torch.Tensor  # [T] int64: flat KV slot per token
     num_decodes: int
+    block_size: int
+    decode_block_table: torch.Tensor | None  # [B, max_blocks] int64 (padded with 0)
+    decode_ctx_lens: torch.Tensor | None  # [B] int64: context length including the new token
+    decode_max_ctx: int
+    # For the SDPA path only (None when the model uses the native kernel):
     decode_ctx_slots: torch.Tensor | None  # [B, max_ctx] flat slots of each decode's context (padded with 0)
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_ctx] bool: True where the key is real
     # Prefill chunks: (token offset in the batch, num tokens, start_pos, context slots [ctx] or None when start_pos == 0)
@@ -157,6 +164,12 @@ class LlamaModel:
         self._rope_len = 0
         self._cos = self._sin = torch.empty(0)
         self.scale = 1.0 / math.sqrt(config.head_dim)
+        # Decode attention in C straight from the block pool (engine/native.py), on CPU in fp32
+        # when a C compiler is there: 2-3x faster than gather + SDPA at 32 sequences. Elsewhere
+        # (CUDA, bf16, no compiler) the gather + SDPA path; the same values up to summation order.
+        self.native_decode_attention = (
+            native.decode_attention_kernel() if self.device.type == "cpu" and self.dtype == torch.float32 else None
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -277,7 +290,12 @@ class LlamaModel:
         H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         out = torch.empty(q.shape[0], H * D, dtype=q.dtype, device=q.device)
         B = meta.num_decodes
-        if B:
+        if B and self.native_decode_attention is not None:
+            native.decode_attention(
+                self.native_decode_attention, q[:B], kc, vc, meta.decode_block_table, meta.decode_ctx_lens,
+                meta.decode_max_ctx, meta.block_size, self.scale, out[:B],
+            )
+        elif B:
             qd = q[:B].unsqueeze(2)  # [B, H, 1, D]
             # index_select over the flat slot list, not kc[slots_2d]: the same copy, but the
             # advanced-indexing kernel took 1.13 ms for K+V of 32 x 48 slots against 0.13 ms for

@@ -50,6 +50,8 @@ class ModelExecutor:
         slots: list[torch.Tensor] = []
         row_of_last: dict[int, int] = {}
 
+        table = ctx = None
+        max_ctx = 0
         meta_decode_slots = meta_decode_mask = None
         if decodes:
             B = len(decodes)
@@ -64,13 +66,14 @@ class ModelExecutor:
                 input_ids.append(s.seq.token_ids[s.start_pos])
                 row_of_last[i] = row
             ctx = torch.tensor(ctx_lens, dtype=torch.int64)
-            all_slots = (table[:, :, None] * bs + self._offsets).view(B, -1)[:, :max_ctx]
-            # Padded keys point at slot 0 (a real slot of some block) and are masked out.
-            meta_decode_mask = (torch.arange(max_ctx)[None, :] < ctx[:, None]).view(B, 1, 1, max_ctx)
-            meta_decode_slots = all_slots * meta_decode_mask.view(B, max_ctx)
             pos = ctx - 1
             positions.append(pos)
-            slots.append(all_slots.gather(1, pos[:, None]).view(-1))
+            slots.append(table.gather(1, (pos // bs)[:, None]).view(-1) * bs + pos % bs)
+            if self.model.native_decode_attention is None:  # the gather + SDPA path wants flat slots and a mask
+                all_slots = (table[:, :, None] * bs + self._offsets).view(B, -1)[:, :max_ctx]
+                # Padded keys point at slot 0 (a real slot of some block) and are masked out.
+                meta_decode_mask = (torch.arange(max_ctx)[None, :] < ctx[:, None]).view(B, 1, 1, max_ctx)
+                meta_decode_slots = all_slots * meta_decode_mask.view(B, max_ctx)
 
         prefill_meta = []
         offset = len(decodes)
@@ -91,6 +94,10 @@ class ModelExecutor:
             positions=torch.cat(positions).to(dev),
             slots=torch.cat(slots).to(dev),
             num_decodes=len(decodes),
+            block_size=bs,
+            decode_block_table=None if table is None else table.to(dev),
+            decode_ctx_lens=None if ctx is None else ctx.to(dev),
+            decode_max_ctx=max_ctx,
             decode_ctx_slots=None if meta_decode_slots is None else meta_decode_slots.to(dev),
             decode_mask=None if meta_decode_mask is None else meta_decode_mask.to(dev),
             prefills=prefill_meta,

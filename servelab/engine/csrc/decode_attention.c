@@ -1,0 +1,179 @@
+/* Decode attention over the paged KV cache, fp32, one query token per sequence.
+ *
+ * Why a kernel of our own: in pure PyTorch a decode step must first gather each sequence's keys
+ * and values out of the block pool into a padded [B, kv_heads, ctx, head_dim] copy (written,
+ * then read again) and then run SDPA, whose CPU kernel is built for many query rows and is
+ * inefficient at one. This loop reads each key and value row once, straight from its block,
+ * for all the query heads that share it (grouped-query attention), and writes nothing but the
+ * output. Plain C, built on first use by servelab/engine/native.py; the arithmetic is fp32
+ * throughout (max-subtracted softmax, like SDPA), only the summation order differs.
+ *
+ * Layouts (all contiguous unless a stride is given):
+ *   q        [B, num_kv_heads * group, head_dim], row stride q_stride floats between sequences
+ *   k, v     [num_kv_heads, num_slots, head_dim]: one layer of the pool; slot = block * block_size + offset
+ *   blocks   [B, max_blocks] int64 block table; ctx_lens [B] int64 (>= 1)
+ *   out      [B, num_kv_heads * group * head_dim]
+ *   scratch  group * max(ctx_lens) floats
+ */
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+/* Eight independent partial sums so the compiler vectorizes the dot product without being
+ * allowed to reassociate floating point (no -ffast-math). */
+static inline float dot(const float *a, const float *b, int64_t n) {
+    float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+    float s = 0.0f;
+    for (; i < n; i++) s += a[i] * b[i];
+    return s + ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+#ifdef __AVX2__
+/* The eight horizontal sums of a0..a7 as one vector: [sum(a0), ..., sum(a7)]. */
+static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
+    __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+}
+
+/* q . k_i for eight consecutive key rows (row stride D, D a multiple of 8): one query load
+ * feeds eight FMAs, and the eight reductions share one hadd tree. */
+static inline __m256 dot8(const float *q, const float *k, int64_t D) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 x = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + d), a0);
+        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + D + d), a1);
+        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * D + d), a2);
+        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * D + d), a3);
+        a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 4 * D + d), a4);
+        a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 5 * D + d), a5);
+        a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 6 * D + d), a6);
+        a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 7 * D + d), a7);
+    }
+    return hsum8(a0, a1, a2, a3, a4, a5, a6, a7);
+}
+
+/* exp for x <= 0 (softmax after subtracting the max), Cephes' polynomial as in SSE/AVX
+ * mathfun: relative error ~1e-7, like the vectorized exp inside SDPA's CPU kernel. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));  /* below this expf underflows to ~0 anyway */
+    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
+    fx = _mm256_floor_ps(fx);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    const __m256 z = _mm256_mul_ps(x, x);
+    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
+    y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+#endif
+
+/* s[0..n) = exp(s - max(s)); returns the sum. */
+static float softmax_numerators(float *s, int64_t n) {
+    float m = s[0];
+    for (int64_t c = 1; c < n; c++) m = s[c] > m ? s[c] : m;
+    float sum = 0.0f;
+    int64_t c = 0;
+#ifdef __AVX2__
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 vsum = _mm256_setzero_ps();
+    for (; c + 8 <= n; c += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), vm));
+        _mm256_storeu_ps(s + c, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vsum);
+    sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+#endif
+    for (; c < n; c++) {
+        s[c] = expf(s[c] - m);
+        sum += s[c];
+    }
+    return sum;
+}
+
+void servelab_decode_attention_f32(
+    const float *q, int64_t q_stride,
+    const float *k, const float *v, int64_t num_slots,
+    const int64_t *blocks, int64_t max_blocks, int64_t block_size,
+    const int64_t *ctx_lens, int64_t batch,
+    int64_t num_kv_heads, int64_t group, int64_t head_dim, float scale,
+    float *scratch, float *out)
+{
+    const int64_t D = head_dim, G = group;
+    for (int64_t b = 0; b < batch; b++) {
+        const int64_t ctx = ctx_lens[b];
+        const int64_t *table = blocks + b * max_blocks;
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            const float *kh = k + h * num_slots * D;
+            const float *vh = v + h * num_slots * D;
+            const float *qh = q + b * q_stride + h * G * D;
+            float *oh = out + (b * num_kv_heads + h) * G * D;
+            /* scores[g * ctx + c] = q_g . k_c * scale, walking the sequence's blocks in order */
+            for (int64_t c0 = 0; c0 < ctx; c0 += block_size) {
+                const float *kb = kh + table[c0 / block_size] * block_size * D;
+                const int64_t n = ctx - c0 < block_size ? ctx - c0 : block_size;
+                for (int64_t g = 0; g < G; g++) {
+                    float *s = scratch + g * ctx + c0;
+                    int64_t i = 0;
+#ifdef __AVX2__
+                    if (D % 8 == 0)
+                        for (; i + 8 <= n; i += 8)
+                            _mm256_storeu_ps(s + i, _mm256_mul_ps(dot8(qh + g * D, kb + i * D, D), _mm256_set1_ps(scale)));
+#endif
+                    for (; i < n; i++) s[i] = dot(qh + g * D, kb + i * D, D) * scale;
+                }
+            }
+            float inv_sum[G > 0 ? G : 1];
+            for (int64_t g = 0; g < G; g++) inv_sum[g] = 1.0f / softmax_numerators(scratch + g * ctx, ctx);
+            /* out_g = sum_c p[g, c] * v_c / sum_c p[g, c] */
+            memset(oh, 0, (size_t)(G * D) * sizeof(float));
+            for (int64_t c0 = 0; c0 < ctx; c0 += block_size) {
+                const float *vb = vh + table[c0 / block_size] * block_size * D;
+                const int64_t n = ctx - c0 < block_size ? ctx - c0 : block_size;
+                for (int64_t g = 0; g < G; g++) {
+                    const float *p = scratch + g * ctx + c0;
+                    float *o = oh + g * D;
+                    int64_t d = 0;
+#ifdef __AVX2__
+                    /* 32 output dims stay in four registers while the block's rows stream by */
+                    for (; d + 32 <= D; d += 32) {
+                        __m256 o0 = _mm256_loadu_ps(o + d), o1 = _mm256_loadu_ps(o + d + 8);
+                        __m256 o2 = _mm256_loadu_ps(o + d + 16), o3 = _mm256_loadu_ps(o + d + 24);
+                        for (int64_t i = 0; i < n; i++) {
+                            const __m256 pi = _mm256_set1_ps(p[i]);
+                            const float *vr = vb + i * D + d;
+                            o0 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr), o0);
+                            o1 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr + 8), o1);
+                            o2 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr + 16), o2);
+                            o3 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr + 24), o3);
+                        }
+                        _mm256_storeu_ps(o + d, o0);
+                        _mm256_storeu_ps(o + d + 8, o1);
+                        _mm256_storeu_ps(o + d + 16, o2);
+                        _mm256_storeu_ps(o + d + 24, o3);
+                    }
+#endif
+                    for (; d < D; d++)
+                        for (int64_t i = 0; i < n; i++) o[d] += p[i] * vb[i * D + d];
+                }
+            }
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t d = 0; d < D; d++) oh[g * D + d] *= inv_sum[g];
+        }
+    }
+}

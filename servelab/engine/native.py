@@ -1,0 +1,121 @@
+"""Native CPU kernels: plain C built on first use with the system C compiler, loaded with ctypes.
+
+Only decode attention lives here (csrc/decode_attention.c: why it beats gather + SDPA is in
+that file). The shared library is cached under $SERVELAB_CACHE_DIR, else
+$XDG_CACHE_HOME/servelab, else ~/.cache/servelab, keyed by a hash of the source, the compiler
+and its flags, so a build costs about a second once per machine. Everything here is optional:
+without a C compiler (or with SERVELAB_NATIVE=0) `decode_attention_kernel()` returns None and
+the model attends in PyTorch, with the same results up to fp32 summation order.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from collections.abc import Callable
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+_SOURCE = "decode_attention.c"
+_SYMBOL = "servelab_decode_attention_f32"
+
+_lock = threading.Lock()
+_kernel: Callable[..., None] | None = None
+_loaded = False
+load_error: str | None = None  # why the native kernel is not in use, for diagnostics and docs
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("SERVELAB_CACHE_DIR"):
+        return Path(os.environ["SERVELAB_CACHE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "servelab"
+
+
+def _flags() -> list[str]:
+    # No -ffast-math: it may set flush-to-zero for the whole process when the library loads, and
+    # the kernel is written to vectorize without reassociation. FMA contraction is allowed.
+    flags = ["-O3", "-std=gnu99", "-shared", "-fPIC", "-ffp-contract=fast"]
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        flags += ["-mavx2", "-mfma"]
+    return flags
+
+
+def _build() -> ctypes.CDLL:
+    source = resources.files("servelab.engine").joinpath("csrc", _SOURCE).read_bytes()
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    flags = _flags()
+    key = hashlib.sha256(source + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    out_dir = _cache_dir()
+    lib_path = out_dir / f"decode_attention-{key}.so"
+    if not lib_path.exists():
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
+            src = Path(tmp) / _SOURCE
+            src.write_bytes(source)
+            tmp_lib = Path(tmp) / lib_path.name
+            proc = subprocess.run([cc, *flags, str(src), "-o", str(tmp_lib), "-lm"], capture_output=True, text=True)
+            if proc.returncode != 0:
+                raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:500]}")
+            os.replace(tmp_lib, lib_path)  # atomic: concurrent builders each install a whole file
+    lib = ctypes.CDLL(str(lib_path))
+    fn = getattr(lib, _SYMBOL)
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ptr]
+    fn.restype = None
+    return fn
+
+
+def decode_attention_kernel() -> Callable[..., None] | None:
+    """The loaded C function, or None (and `load_error` says why) when it cannot be used here."""
+    global _kernel, _loaded, load_error
+    with _lock:
+        if not _loaded:
+            _loaded = True
+            if os.environ.get("SERVELAB_NATIVE", "1") == "0":
+                load_error = "disabled by SERVELAB_NATIVE=0"
+            else:
+                try:
+                    _kernel = _build()
+                except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                    load_error = str(exc)
+        return _kernel
+
+
+def decode_attention(
+    kernel: Callable[..., None],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_table: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    max_ctx: int,
+    block_size: int,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """out[b] = attention of q[b] over the first ctx_lens[b] positions of sequence b's blocks.
+
+    q: [B, H, D] fp32 with unit stride in its last two dims (any row stride); k, v: one layer of
+    the pool, [kv_heads, slots, D] contiguous; block_table [B, max_blocks] and ctx_lens [B]
+    int64 contiguous; out: [B, H * D] contiguous. Nothing is checked beyond shapes' consistency
+    at the call sites: the caller (the model) builds all of these itself.
+    """
+    B, H, D = q.shape
+    kv_heads = k.shape[0]
+    scratch = torch.empty((H // kv_heads) * max_ctx, dtype=torch.float32)
+    kernel(
+        q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.shape[1],
+        block_table.data_ptr(), block_table.shape[1], block_size,
+        ctx_lens.data_ptr(), B, kv_heads, H // kv_heads, D, scale,
+        scratch.data_ptr(), out.data_ptr(),
+    )

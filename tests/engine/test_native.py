@@ -1,0 +1,90 @@
+"""The native decode-attention kernel against a plain per-sequence reference, the model with and
+without it, and a failed build falling back with its reason recorded."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from servelab.engine import native
+from servelab.engine.testing import prefill_logits
+from servelab.engine.weights import load_model
+
+
+@pytest.fixture(scope="module")
+def kernel():
+    fn = native.decode_attention_kernel()
+    if fn is None:
+        pytest.skip(f"native kernel unavailable here: {native.load_error}")
+    return fn
+
+
+def _reference(q, kc, vc, tables, ctx_lens, block_size, scale):
+    """Each sequence alone: gather its keys slot by slot, SDPA with the KV heads repeated."""
+    B, H, D = q.shape
+    KV = kc.shape[0]
+    out = []
+    for b in range(B):
+        slots = torch.tensor([tables[b][p // block_size] * block_size + p % block_size for p in range(ctx_lens[b])])
+        k = kc[:, slots].repeat_interleave(H // KV, dim=0)  # [H, ctx, D]
+        v = vc[:, slots].repeat_interleave(H // KV, dim=0)
+        out.append(F.scaled_dot_product_attention(q[b][:, None], k, v, scale=scale)[:, 0].reshape(-1))
+    return torch.stack(out)
+
+
+@pytest.mark.parametrize(
+    "kv_heads,group,head_dim,block_size,ctx_lens",
+    [
+        (3, 3, 64, 16, [1, 15, 16, 17, 96, 160]),  # SmolLM2's shape; block edges
+        (2, 4, 128, 16, [5, 33, 250]),  # Llama-3-like head_dim
+        (1, 1, 24, 7, [1, 6, 7, 8, 50]),  # odd block size, head_dim not a multiple of 32 (scalar tails)
+        (4, 2, 40, 32, [3, 64, 65, 1000]),  # head_dim 40: vector body plus a tail
+    ],
+)
+def test_kernel_matches_per_sequence_attention(kernel, kv_heads, group, head_dim, block_size, ctx_lens):
+    g = torch.Generator().manual_seed(0)
+    B, H = len(ctx_lens), kv_heads * group
+    max_blocks = -(-max(ctx_lens) // block_size)
+    num_blocks = B * max_blocks + 5
+    kc = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=g)
+    vc = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=g)
+    # Scrambled, disjoint block tables padded with 0, as the executor builds them.
+    perm = torch.randperm(num_blocks - 1, generator=g) + 1
+    tables = [perm[b * max_blocks : (b + 1) * max_blocks].tolist() for b in range(B)]
+    table = torch.zeros(B, max_blocks, dtype=torch.int64)
+    for b, n in enumerate(ctx_lens):
+        table[b, : -(-n // block_size)] = torch.tensor(tables[b][: -(-n // block_size)])
+    # q as a strided view, like the model's q slice of its fused QK tensor.
+    q = torch.randn(B, H + kv_heads, head_dim, generator=g)[:, :H] * 3
+    scale = 1.0 / math.sqrt(head_dim)
+    out = torch.full((B, H * head_dim), float("nan"))
+    native.decode_attention(kernel, q, kc, vc, table, torch.tensor(ctx_lens), max(ctx_lens), block_size, scale, out)
+    ref = _reference(q, kc, vc, tables, ctx_lens, block_size, scale)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
+def test_model_gives_the_same_logits_with_and_without_the_kernel(kernel, tiny_llama):
+    model = load_model(tiny_llama, dtype=torch.float32).model
+    assert model.native_decode_attention is not None
+    ids = [int(t) for t in torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(2))]
+    with_kernel = prefill_logits(model, ids, chunk=1)  # every token through the decode path
+    model.native_decode_attention = None
+    without = prefill_logits(model, ids, chunk=1)
+    torch.testing.assert_close(with_kernel, without, rtol=1e-5, atol=1e-5)
+
+
+def test_a_failed_build_falls_back_and_says_why(monkeypatch, tmp_path):
+    monkeypatch.setattr(native, "_loaded", False)
+    monkeypatch.setattr(native, "_kernel", None)
+    monkeypatch.setattr(native, "load_error", None)
+    monkeypatch.setenv("SERVELAB_CACHE_DIR", str(tmp_path))
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    assert native.decode_attention_kernel() is None
+    assert "false failed" in native.load_error
+    monkeypatch.setattr(native, "_loaded", False)
+    monkeypatch.setenv("SERVELAB_NATIVE", "0")
+    assert native.decode_attention_kernel() is None
+    assert "SERVELAB_NATIVE=0" in native.load_error
