@@ -36,9 +36,10 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
 
         self._ref_counts: list[int] = [0] * num_blocks
-        # Published blocks only, both ways. Dicts rather than a list of optional hashes so that
-        # publishing a prompt's 64 blocks is two C-level dict.update calls (see commit).
-        self._block_hash: dict[int, int] = {}
+        # Published blocks, both ways: block -> hash (None: unpublished) and hash -> block. The
+        # first is a list: the simulator publishes and evicts millions of blocks, and an index
+        # into a list is far cheaper than a dict operation on a large, churning dict.
+        self._block_hash: list[int | None] = [None] * num_blocks
         self._hash_to_block: dict[int, int] = {}
         # Popping from the end hands out low ids first: easier to read in tests and traces.
         self._free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))
@@ -176,7 +177,8 @@ class BlockManager:
                 block = self._free_uncached.pop()
             else:
                 block, _ = self._free_cached.popitem(last=False)
-                del self._hash_to_block[self._block_hash.pop(block)]
+                del self._hash_to_block[self._block_hash[block]]
+                self._block_hash[block] = None
                 self.num_evictions += 1
             self._ref_counts[block] = 1
             table.append(block)
@@ -201,7 +203,8 @@ class BlockManager:
             block_hash = self._block_hash
             for _ in range(count - num_uncached):
                 block, _ = popitem(last=False)
-                del lookup[block_hash.pop(block)]
+                del lookup[block_hash[block]]
+                block_hash[block] = None
                 blocks.append(block)
             self.num_evictions += count - num_uncached
         refs = self._ref_counts
@@ -235,25 +238,19 @@ class BlockManager:
         # can publish them (check_invariants asserts it), so publishing is just recording the
         # pairs. Two sequences can compute the same prefix in the same step; the first published
         # copy wins and the duplicate stays private (freed uncached).
+        # setdefault publishes a hash unless a block holds it already and returns the holder:
+        # one dict operation per block (these dicts are large, and each lookup is a cache miss).
         if num_full - start == 1:  # a decode filled one block: the common call
             h = hashes[start]
-            if h not in lookup:
-                block = table[start]
-                lookup[h] = block
+            block = table[start]
+            if lookup.setdefault(h, block) == block:
                 block_hash[block] = h
             return
         new_hashes = hashes[start:num_full]
-        # One chain's hashes are distinct (each covers a longer prefix) barring a 64-bit
-        # collision, the assumption the whole cache makes; so if none is published yet, every
-        # pair can be recorded at once.
-        if lookup.keys().isdisjoint(new_hashes):  # a prompt no one else computed: all in C
-            new_blocks = table[start:num_full]
-            lookup.update(zip(new_hashes, new_blocks))
-            block_hash.update(zip(new_blocks, new_hashes))
-            return
-        for block, h in zip(table[start:num_full], new_hashes):
-            if h not in lookup:
-                lookup[h] = block
+        new_blocks = table[start:num_full]
+        holders = list(map(lookup.setdefault, new_hashes, new_blocks))
+        for block, h, holder in zip(new_blocks, new_hashes, holders):
+            if holder == block:  # else another copy of this prefix was published first
                 block_hash[block] = h
 
     def free(self, seq: Sequence) -> None:
@@ -271,7 +268,7 @@ class BlockManager:
             ref = refs[block] - 1
             refs[block] = ref
             if ref == 0:
-                if block in block_hash:
+                if block_hash[block] is not None:
                     free_cached[block] = None
                 else:
                     free_uncached.append(block)
@@ -291,7 +288,7 @@ class BlockManager:
         for seq in self._owners.values():
             assert len(set(seq.block_table)) == len(seq.block_table), f"{seq.request_id}: block twice in a table"
             unpublished = seq.block_table[seq.num_committed_blocks :]
-            assert not set(unpublished) & self._block_hash.keys(), f"{seq.request_id}: uncommitted block has a hash"
+            assert all(self._block_hash[b] is None for b in unpublished), f"{seq.request_id}: uncommitted block has a hash"
             for b in seq.block_table:
                 expected[b] += 1
         assert expected == self._ref_counts, "reference counts differ from the block tables"
@@ -304,9 +301,10 @@ class BlockManager:
             owned = self._ref_counts[b] > 0
             assert owned != (b in free), f"block {b} is {'both free and owned' if owned else 'leaked'}"
         for b in free_uncached:
-            assert b not in self._block_hash, f"uncached free block {b} has a hash"
+            assert self._block_hash[b] is None, f"uncached free block {b} has a hash"
         for b in free_cached:
-            assert b in self._block_hash, f"cached free block {b} has no hash"
+            assert self._block_hash[b] is not None, f"cached free block {b} has no hash"
         for h, b in self._hash_to_block.items():
-            assert self._block_hash.get(b) == h, f"hash map points to block {b} holding another hash"
-        assert len(self._block_hash) == len(self._hash_to_block), "stale block hash"
+            assert self._block_hash[b] == h, f"hash map points to block {b} holding another hash"
+        num_published = sum(h is not None for h in self._block_hash)
+        assert num_published == len(self._hash_to_block), "stale block hash"

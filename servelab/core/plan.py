@@ -47,10 +47,19 @@ class StepPlan:
     num_decode_seqs: int = 0  # entries with exactly one query token
     num_sampling_seqs: int = 0  # entries with `samples` set (a simulator step samples for all)
     sums_kept: bool = False
+    # Scheduler(implicit_decode_token=...) only (the simulator): steady decodes that run this step
+    # without an entry in `scheduled`. The sums above include them (one query token each, at
+    # their context); `shape()` and `scheduled` do not.
+    num_implicit_decodes: int = 0
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.num_implicit_decodes
+
+    @property
+    def num_seqs(self) -> int:
+        """Sequences in the step, implicit decodes included."""
+        return len(self.scheduled) + self.num_implicit_decodes
 
     def shape(self) -> list[tuple[int, int]]:
         """(query tokens, context length) per sequence: the cost model's input."""
@@ -63,8 +72,8 @@ class StepPlan:
         own for query i: q·c − q(q−1)/2 pairs (c for a decode). The same sums as
         `Roofline.totals(plan.shape())`, read from the running sums when the scheduler kept them."""
         if self.sums_kept:
-            return (self.num_batched_tokens, len(self.scheduled), self.context_tokens, self.attention_pairs,
-                    self.num_decode_seqs)
+            return (self.num_batched_tokens, len(self.scheduled) + self.num_implicit_decodes, self.context_tokens,
+                    self.attention_pairs, self.num_decode_seqs)
         num_tokens = context = pairs = decodes = 0
         for s in self.scheduled:
             q = s.num_tokens

@@ -16,6 +16,16 @@ Preemption is by recompute: when a running sequence needs a block and none is fr
 running sequence (lowest priority under `priority`) loses its blocks and goes back to the front
 of the waiting queue; its prompt plus the tokens generated so far are prefilled again later,
 cheaply when its blocks are still in the prefix cache.
+
+Implicit decodes (the simulator, `implicit_decode_token`): when the executor samples one known
+token for every sequence, a steady decode's next steps are predictable: one token a step, no
+new block until its last one fills, no stop until its length limit. Such a sequence leaves the
+per-step loops: the plan carries it as a count and sums, every step that runs it appends one
+time to the scheduler's implicit clock, and it becomes an ordinary entry again on the step its
+block fills or it finishes (its wake tick), or when it is preempted, aborted or cut by the token
+budget, at which point its tokens, token times and computed count catch up from the clock. The
+decisions and timestamps are exactly those of the explicit loops (a property test compares
+them); a step costs the few sequences that need attention instead of every running one.
 """
 
 from __future__ import annotations
@@ -59,13 +69,24 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(
-        self, config: SchedulerConfig, *, keep_finished: int = 1024, reuse_plan_entries: bool = False
+        self,
+        config: SchedulerConfig,
+        *,
+        keep_finished: int = 1024,
+        reuse_plan_entries: bool = False,
+        implicit_decode_token: int | None = None,
     ) -> None:
         """`reuse_plan_entries` (the simulator): every plan reuses one ScheduledSeq per sequence,
         rewritten in place, instead of allocating one per sequence and step (the largest single
         cost of a decode step in pure Python). Only for a caller that is done with a plan
         (executed and passed to update) before it calls schedule() again, as the simulator is:
-        the next schedule() changes the entries of the previous plan."""
+        the next schedule() changes the entries of the previous plan.
+
+        `implicit_decode_token` (the simulator): the executor samples this token id for every
+        entry, so steady decodes run implicitly (see the module docstring). The executor must
+        price a plan from its sums (`shape_totals`), and update() then returns finished requests
+        only, as with `finished_only=True`; a running sequence's token list and times are up to
+        date only after `sync()`."""
         config.validate()
         self.config = config
         self._reuse_entries = reuse_plan_entries
@@ -88,6 +109,16 @@ class Scheduler:
         # A sequence this long stops: at max_model_len, or when its next decode would need a KV
         # slot past the whole pool.
         self._len_cap = min(config.max_model_len, self._kv_capacity_tokens + 1)
+        # Implicit decodes. `_clock[i]` is the end time of the i-th step that ran implicit
+        # decodes; an implicit sequence at tick c has gained c - implicit_from tokens. Its context
+        # at tick c is (len(token_ids) - implicit_from) + c, so `_implicit_base` sums the former
+        # and the plan's context sum is base + count * c with no pass over the sequences.
+        self._implicit_token = implicit_decode_token
+        self._clock: list[float] = []
+        self._num_implicit = 0
+        self._implicit_base = 0
+        self._wake: dict[int, list[Sequence]] = {}  # tick -> sequences that wake at it
+        self._explicit: list[Sequence] = []  # running sequences that are not implicit, in `running` order
 
     # ---- introspection -------------------------------------------------------------------------
 
@@ -205,15 +236,30 @@ class Scheduler:
         preempted = plan.preempted
         append = scheduled.append
         reuse = self._reuse_entries
+        implicit = self._implicit_token is not None
+        if implicit:
+            tick = len(self._clock)
+            seqs, cutting = self._implicit_step_order(tick, budget)
+        else:
+            seqs, cutting = running, False
+        last = None
         # The shape's sums, kept here for the cost model (see StepPlan.shape_totals). A decode (the
         # common entry) attends to exactly its context, so it only adds to `context_tokens`; a
         # prefill chunk adds what its causal pairs exceed that by.
         context_tokens = chunk_extra_pairs = num_chunks = 0
         # len(running) <= max_num_seqs always (admission keeps it), so only the token budget binds.
         # Popping victims off the tail while iterating is safe: the iterator stops earlier.
-        for seq in running:
+        for seq in seqs:
             if budget <= 0:
                 break
+            if implicit:
+                if seq.implicit_from >= 0:  # only when the budget may cut (see _implicit_step_order)
+                    budget -= 1
+                    last = seq
+                    continue
+                if seq.status is not _RUNNING:
+                    continue  # preempted by an earlier entry of this step
+                last = seq
             start = seq.num_computed_tokens
             num_known = len(seq.token_ids)
             n = num_known - start
@@ -240,14 +286,24 @@ class Scheduler:
             if n != 1:
                 chunk_extra_pairs += (n - 1) * end - (n * (n - 1) >> 1)
                 num_chunks += 1
+        num_implicit = 0
+        if implicit:
+            if cutting:
+                self._explicit_after(last)  # the budget ran out before them: they skip this step
+            else:
+                budget -= self._num_implicit
+            num_implicit = plan.num_implicit_decodes = self._num_implicit
+            context_tokens += self._implicit_base + num_implicit * tick
         plan.num_batched_tokens = cfg.max_num_batched_tokens - budget
         plan.context_tokens += context_tokens
         plan.attention_pairs += context_tokens + chunk_extra_pairs
         # `scheduled` holds only this loop's entries: a prefill-first step that admitted returned above.
-        plan.num_decode_seqs += len(scheduled) - num_chunks
+        plan.num_decode_seqs += len(scheduled) + num_implicit - num_chunks
         # Every entry samples except one the token budget cut short, which ends the loop: only
         # the last entry can be a non-sampling chunk.
-        plan.num_sampling_seqs += len(scheduled) - (1 if scheduled and not scheduled[-1].samples else 0)
+        plan.num_sampling_seqs += (
+            len(scheduled) + num_implicit - (1 if scheduled and not scheduled[-1].samples else 0)
+        )
 
         # As vLLM: a step that had to preempt admits nobody new; the pool is already short.
         if self._chunked and not preempted and self._num_waiting:
@@ -285,6 +341,8 @@ class Scheduler:
             if seq.first_scheduled_s is None:
                 seq.first_scheduled_s = now
             insort(running, seq, key=self._key_of)
+            if self._implicit_token is not None:
+                insort(self._explicit, seq, key=self._key_of)
             end = num_cached + n
             entry = ScheduledSeq(seq, n, num_cached, end == len(seq.token_ids))
             if self._reuse_entries:
@@ -317,6 +375,8 @@ class Scheduler:
                 return True
 
     def _preempt(self, seq: Sequence) -> None:
+        if self._implicit_token is not None:
+            self._leave_running(seq)
         self.block_manager.free(seq)
         seq.plan_entry = None  # re-admission makes a new one; no seq <-> entry cycle meanwhile
         seq.num_computed_tokens = 0
@@ -324,6 +384,106 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self._push_waiting(seq)
+
+    # ---- implicit decodes (the simulator) ------------------------------------------------------
+
+    def _implicit_step_order(self, tick: int, budget: int) -> tuple[list[Sequence], bool]:
+        """The sequences the running loop must visit at `tick`, and whether the token budget may
+        cut the step short. Sequences whose wake tick it is become explicit first. If every
+        running sequence's whole need fits the budget, only the explicit ones need a visit;
+        otherwise the loop walks all of `running`, implicit ones costing one token each, so that
+        the cut falls where the explicit loop would put it."""
+        woken = self._wake.pop(tick, None)
+        if woken:
+            explicit = self._explicit
+            key = self._key_of
+            for seq in woken:
+                if seq.implicit_from >= 0 and seq.implicit_wake == tick:
+                    self._catch_up(seq)
+                    insort(explicit, seq, key=key)
+        need = self._num_implicit
+        for seq in self._explicit:
+            need += len(seq.token_ids) - seq.num_computed_tokens
+        if need <= budget:
+            return list(self._explicit), False  # a copy: preemption edits the list
+        return self.running, True
+
+    def _explicit_after(self, last: Sequence | None) -> None:
+        """After a step the token budget cut: implicit sequences past `last` did not run."""
+        running = self.running
+        if last is None:
+            rest = running
+        elif last.status is _RUNNING:
+            rest = running[running.index(last) + 1 :]
+        else:
+            return  # `last` was preempted, and everything after it before it
+        explicit = self._explicit
+        key = self._key_of
+        for seq in rest:
+            if seq.implicit_from >= 0:
+                self._catch_up(seq)
+                insort(explicit, seq, key=key)
+
+    def _catch_up(self, seq: Sequence) -> None:
+        """Bring an implicit sequence's tokens, times and computed count up to the last completed
+        tick and make it explicit (the caller puts it in `_explicit` if it stays running)."""
+        start = seq.implicit_from
+        token_ids = seq.token_ids
+        num_known = len(token_ids)
+        self._num_implicit -= 1
+        self._implicit_base -= num_known - start
+        seq.implicit_from = -1
+        clock = self._clock
+        gained = len(clock) - start
+        if gained > 0:
+            token_ids.extend(repeat(self._implicit_token, gained))
+            seq.token_times_s.extend(clock[start:])
+            seq.num_computed_tokens = num_known - 1 + gained
+
+    def _go_implicit(self, seq: Sequence) -> None:
+        """After update() gave seq a token: run it implicitly from the next tick if it is a
+        steady decode (the implicit token cannot stop it, its next step needs no block) that will
+        not wake at once."""
+        num_known = len(seq.token_ids)
+        table_end = len(seq.block_table) * self.config.block_size
+        if num_known > table_end or self._implicit_token in seq.stop_check_token_ids:
+            return
+        tick = len(self._clock)
+        # Its context at tick t is num_known + (t - tick): the last block fills at table_end (its
+        # update publishes it, the next step needs a block) and the sequence reaches its length
+        # limit one tick before its context does.
+        wake = tick + min(table_end - num_known, seq.stop_check_num_tokens - num_known - 1)
+        if wake <= tick:
+            return
+        seq.implicit_from = tick
+        seq.implicit_wake = wake
+        self._num_implicit += 1
+        self._implicit_base += num_known - tick
+        bucket = self._wake.get(wake)
+        if bucket is None:
+            self._wake[wake] = [seq]
+        else:
+            bucket.append(seq)
+        self._explicit.remove(seq)
+
+    def _leave_running(self, seq: Sequence) -> None:
+        """A running sequence is preempted or finishes: out of the implicit bookkeeping."""
+        if seq.implicit_from >= 0:
+            self._catch_up(seq)
+        else:
+            self._explicit.remove(seq)
+
+    def sync(self) -> None:
+        """Bring every implicit decode up to date (tokens, times, computed counts) and make it
+        explicit. For inspection and tests; the simulator never needs it."""
+        if self._implicit_token is None:
+            return
+        explicit = self._explicit
+        for seq in self.running:
+            if seq.implicit_from >= 0:
+                self._catch_up(seq)
+        explicit[:] = self.running
+        self._wake.clear()
 
     # ---- results -------------------------------------------------------------------------------
 
@@ -349,6 +509,11 @@ class Scheduler:
         outputs: list[RequestOutput] = []
         append_output = outputs.append
         output = RequestOutput
+        implicit = self._implicit_token is not None
+        if implicit:
+            finished_only = True
+            if plan.num_implicit_decodes:
+                self._clock.append(now)  # every implicit decode gained a token at `now`
         stream = not finished_only
         running_status = _RUNNING
         finished: list[Sequence] = []
@@ -382,6 +547,8 @@ class Scheduler:
                     continue
             if stream:
                 append_output(output(seq.request_id, [token], False, None, seq, None if lp is None else [lp]))
+            elif implicit:
+                self._go_implicit(seq)
         # Usually one or two of ~100 finish in a step: list.remove (a C scan by identity, order
         # kept) is cheaper than rebuilding the list in Python.
         for seq in finished:
@@ -408,6 +575,8 @@ class Scheduler:
         """Mark finished and free blocks. The caller removes it from `running`."""
         if seq.status is _WAITING:
             self._num_waiting -= 1  # its heap entry is dropped lazily
+        elif self._implicit_token is not None and seq.status is _RUNNING:
+            self._leave_running(seq)
         seq.status = _FINISHED
         seq.finish_reason = reason
         seq.finished_s = now
@@ -491,3 +660,15 @@ class Scheduler:
         assert live == set(self._live), "live requests are neither running nor waiting"
         owners = {s.request_id for s in bm.owners()}
         assert owners <= set(running_ids), "a non-running sequence owns blocks"
+        if self._implicit_token is not None:
+            implicit = [s for s in self.running if s.implicit_from >= 0]
+            assert self._explicit == [s for s in self.running if s.implicit_from < 0], "explicit list out of step"
+            assert self._num_implicit == len(implicit), "implicit count is off"
+            assert self._implicit_base == sum(len(s.token_ids) - s.implicit_from for s in implicit), "implicit sums off"
+            tick = len(self._clock)
+            for s in implicit:
+                # Its context at the next tick still fits its blocks, and it wakes before it
+                # needs a block or stops.
+                next_end = len(s.token_ids) + tick - s.implicit_from
+                assert next_end <= len(s.block_table) * bm.block_size, f"{s.request_id}: implicit past its blocks"
+                assert s.implicit_wake >= tick and s in self._wake.get(s.implicit_wake, ()), f"{s.request_id}: no wake"

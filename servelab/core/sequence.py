@@ -126,6 +126,14 @@ class Sequence:
     # every plan reuses for this sequence, rewritten each step instead of allocated.
     plan_entry: ScheduledSeq | None = field(default=None, init=False, repr=False)
 
+    # Only under Scheduler(implicit_decode_token=...) (the simulator): while >= 0 this sequence
+    # is a steady decode advanced implicitly, one token per step of the scheduler's implicit
+    # clock from tick `implicit_from` on; `token_ids`, `token_times_s` and `num_computed_tokens`
+    # hold its state at that tick and catch up when it wakes (tick `implicit_wake`: its block
+    # fills or it finishes), is preempted or aborted, or on Scheduler.sync().
+    implicit_from: int = field(default=-1, init=False, repr=False)
+    implicit_wake: int = field(default=-1, init=False, repr=False)
+
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
         self.num_prompt_tokens = len(self.prompt_token_ids)

@@ -27,7 +27,7 @@ from servelab.errors import ServelabError
 from servelab.metrics import RequestRecord
 from servelab.sim.executor import SimExecutor, StepCostModel
 from servelab.sim.router import Router
-from servelab.workload import RequestSpec, token_ids_for
+from servelab.workload import RequestSpec, simulated_prompt
 
 _ARRIVE, _STEP_DONE, _KV_ARRIVE = 0, 1, 2
 
@@ -79,6 +79,7 @@ class _Request:
     spec: RequestSpec
     sent_s: float
     prompt_token_ids: list[int]
+    prompt_block_hashes: list[int]
     first_scheduled_s: float | None = None
     num_cached_tokens: int = 0
     transfer_s: float = 0.0
@@ -102,7 +103,6 @@ class ClusterSim:
         cost_model: StepCostModel,
         *,
         router: str = "round-robin",
-        vocab_size: int = 32000,
         seed: int = 0,
         kv_bytes_per_token: float = 0.0,
         link_bandwidth_bytes_per_s: float = float("inf"),
@@ -111,14 +111,17 @@ class ClusterSim:
         """`pools` maps a role ("mixed", or "prefill" and "decode") to (replica count, config)."""
         self.replicas: list[Replica] = []
         self.pools: dict[str, list[Replica]] = {}
+        # Every simulated token is this id, so steady decodes can run implicitly; that needs a
+        # cost model that prices a step from its sums (the roofline does).
+        token = 1
+        implicit = token if getattr(cost_model, "time_from_totals", None) is not None else None
         for role, (count, config) in pools.items():
             pool = []
             for _ in range(count):
                 # Each plan is executed and passed to update() before the replica schedules again
                 # (see start_step and _STEP_DONE), so plans may reuse their entries.
-                replica = Replica(
-                    len(self.replicas), role, Scheduler(config, keep_finished=0, reuse_plan_entries=True), SimExecutor(cost_model, 1)
-                )
+                scheduler = Scheduler(config, keep_finished=0, reuse_plan_entries=True, implicit_decode_token=implicit)
+                replica = Replica(len(self.replicas), role, scheduler, SimExecutor(cost_model, token))
                 pool.append(replica)
                 self.replicas.append(replica)
             self.pools[role] = pool
@@ -126,7 +129,11 @@ class ClusterSim:
         self.entry_pool = self.pools["prefill" if self.disagg else "mixed"]
         self.entry_router = Router(router)
         self.decode_router = Router(router)
-        self.vocab_size = vocab_size
+        # Simulated prompts carry their block hashes, so every pool must cut blocks alike.
+        sizes = {config.block_size for _, config in pools.values()}
+        if len(sizes) != 1:
+            raise ValueError(f"all pools must share one block size, got {sorted(sizes)}")
+        self.block_size = sizes.pop()
         self.seed = seed
         self.kv_bytes_per_token = kv_bytes_per_token
         self.link_bandwidth_bytes_per_s = link_bandwidth_bytes_per_s
@@ -177,7 +184,7 @@ class ClusterSim:
             trace.replica.append(replica.index)
             trace.start_s.append(t)
             trace.duration_s.append(dur)
-            trace.num_seqs.append(len(plan.scheduled))
+            trace.num_seqs.append(plan.num_seqs)
             trace.num_decode.append(replica.executor.last_num_decode)
             trace.num_tokens.append(plan.num_batched_tokens)
             trace.kv_usage.append(sched.block_manager.usage)
@@ -218,12 +225,13 @@ class ClusterSim:
         def send(spec: RequestSpec, t: float) -> None:
             nonlocal in_flight
             in_flight += 1
-            ids = token_ids_for(spec, self.vocab_size, self.seed)
-            req = _Request(spec, t, ids)
+            ids, hashes = simulated_prompt(spec, self.block_size, self.seed)
+            req = _Request(spec, t, ids, hashes)
             rid = str(spec.index)
             live[rid] = req
             max_tokens = 1 if self.disagg else spec.output_tokens
             seq = Sequence(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_s=t)
+            seq.block_hashes = list(hashes)  # the prefix cache would compute the same identities
             replica = self.entry_router.pick(self.entry_pool)
             req.prefill_replica = replica
             add_to(replica, seq, req, t)
@@ -294,6 +302,7 @@ class ClusterSim:
                     rid, req.prompt_token_ids, SamplingParams(max_tokens=req.spec.output_tokens, ignore_eos=True),
                     arrival_s=req.sent_s,
                 )
+                seq.block_hashes = list(req.prompt_block_hashes)
                 replica.executor.preloaded[rid] = req.spec.prompt_tokens - 1
                 if not add_to(replica, seq, req, now):
                     replica.executor.preloaded.pop(rid, None)

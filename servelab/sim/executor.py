@@ -8,6 +8,7 @@ end at their sampled output length because the simulator sends them with
 from __future__ import annotations
 
 from servelab.core.plan import StepPlan, StepResult
+from servelab.cost.roofline import Roofline
 
 # The roofline implements it; a calibrated profile can replace it. `step_time_s` is required;
 # `time_from_totals`, where a model offers it, is the fast path.
@@ -30,17 +31,25 @@ class SimExecutor:
     def execute(self, plan: StepPlan) -> StepResult:
         token = self.sampled_token_id
         scheduled = plan.scheduled
-        if plan.sums_kept and plan.num_sampling_seqs == len(scheduled):
+        implicit = plan.num_implicit_decodes
+        if plan.sums_kept and plan.num_sampling_seqs == len(scheduled) + implicit:
             sampled: list[int | None] = [token] * len(scheduled)  # every entry samples: no pass
         else:
             sampled = [token if s.samples else None for s in scheduled]
-        if not scheduled:
+        if plan.is_empty:
             self.last_num_decode = 0
             return StepResult(sampled, 0.0)
         if self.preloaded:
             shape = self._shape_after_preloaded(plan)
-            self.last_num_decode = sum(1 for q, _ in shape if q == 1)
-            return StepResult(sampled, self.cost_model.step_time_s(shape) if shape else 0.0)
+            self.last_num_decode = sum(1 for q, _ in shape if q == 1) + implicit
+            if not implicit:
+                return StepResult(sampled, self.cost_model.step_time_s(shape) if shape else 0.0)
+            # Implicit decodes (one query token each) come as sums: the totals path prices both.
+            num_tokens, num_seqs, context_tokens, pairs = Roofline.totals(shape)
+            implicit_context = plan.context_tokens - sum(s.start_pos + s.num_tokens for s in scheduled)
+            return StepResult(sampled, self._time_from_totals(  # type: ignore[misc]
+                num_tokens + implicit, num_seqs + implicit, context_tokens + implicit_context,
+                pairs + implicit_context))
         if self._time_from_totals is None:
             shape = plan.shape()
             self.last_num_decode = sum(1 for q, _ in shape if q == 1)

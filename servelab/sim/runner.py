@@ -221,7 +221,6 @@ def simulate(
         pools,
         cost_model,
         router=config.router,
-        vocab_size=model.vocab_size,
         seed=seed,
         kv_bytes_per_token=model.kv_bytes_per_token(config.kv_dtype),
         link_bandwidth_bytes_per_s=link_bw,

@@ -5,7 +5,7 @@ from servelab.workload.arrivals import ArrivalProcess
 from servelab.workload.datasets import estimate_tokens, load_sharegpt, load_trace
 from servelab.workload.lengths import LengthDist
 from servelab.workload.spec import RequestSpec, WorkloadSpec
-from servelab.workload.tokens import token_ids_for
+from servelab.workload.tokens import simulated_prompt, token_ids_for
 
 __all__ = [
     "ArrivalProcess",
@@ -16,6 +16,7 @@ __all__ = [
     "estimate_tokens",
     "load_sharegpt",
     "load_trace",
+    "simulated_prompt",
     "token_ids_for",
     "workload_from_args",
 ]

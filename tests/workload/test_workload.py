@@ -12,6 +12,7 @@ from servelab.workload import (
     RequestSpec,
     WorkloadSpec,
     add_workload_arguments,
+    simulated_prompt,
     token_ids_for,
     workload_from_args,
 )
@@ -193,3 +194,39 @@ def test_cli_flags_round_trip():
         workload_from_args(parser.parse_args(["--rate", "0"]))
     with pytest.raises(InvalidArgument, match="--input-len"):
         workload_from_args(parser.parse_args(["--input-len", "x"]))
+
+
+def test_simulated_prompt_blocks_are_equal_exactly_when_the_real_tokens_make_them_equal():
+    # The simulator's stand-in prompt must tell blocks apart as the prefix cache would with
+    # token_ids_for's tokens: block i of two requests equal (same chained hash) iff equal here.
+    from servelab.core.block_manager import BlockManager
+    from servelab.core.sequence import SamplingParams, Sequence
+
+    rng = __import__("random").Random(7)
+    bs = 16
+    specs = []
+    for i in range(60):
+        prompt = rng.choice([40, 100, 160, 161, 200, 300])
+        prefix = min(prompt, rng.choice([0, 0, 48, 100, 150, 300]))
+        specs.append(RequestSpec(i, 0.0, prompt_tokens=prompt, output_tokens=1, prefix_tokens=prefix,
+                                 prefix_group=rng.randint(0, 2)))
+    bm = BlockManager(1, bs)
+    real, stand_in = {}, {}
+    for spec in specs:
+        seq = Sequence(str(spec.index), token_ids_for(spec, 50000, seed=3), SamplingParams())
+        bm._update_block_hashes(seq)
+        ids, hashes = simulated_prompt(spec, bs, seed=3)
+        assert len(ids) == spec.prompt_tokens and len(hashes) == spec.prompt_tokens // bs == len(seq.block_hashes)
+        for i, (h_real, h_sim) in enumerate(zip(seq.block_hashes, hashes)):
+            real[(spec.index, i)] = h_real
+            stand_in[(spec.index, i)] = h_sim
+    keys = list(real)
+    same_real = {(a, b) for a in keys for b in keys if real[a] == real[b]}
+    same_sim = {(a, b) for a in keys for b in keys if stand_in[a] == stand_in[b]}
+    assert same_real == same_sim
+    assert len(same_real) > len(keys)  # some blocks are shared, so the check has teeth
+    # The stand-in ids tell a request's own tokens from every other request's and group's.
+    tags = {spec.index: set(simulated_prompt(spec, bs)[0][spec.prefix_tokens:]) for spec in specs
+            if spec.prompt_tokens > spec.prefix_tokens}
+    assert all(len(t) == 1 for t in tags.values()) and len({t.pop() for t in tags.values()}) == len(tags)
+    assert simulated_prompt(specs[0], bs, seed=1)[1] != simulated_prompt(specs[0], bs, seed=2)[1]

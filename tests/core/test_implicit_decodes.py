@@ -1,0 +1,216 @@
+"""Implicit decodes (the simulator's mode) decide exactly what the explicit loops decide.
+
+Two schedulers run the same random workload, one with `implicit_decode_token` and one without,
+against an executor that samples that token for every entry and whose step time depends on the
+plan's sums. Every step's sums and preemptions, every request's tokens, token times, finish
+reason and timestamps, and the block tables and prefix-cache counters must match; a mid-run
+`sync()` must give the explicit scheduler's exact state and change nothing after it.
+"""
+
+from __future__ import annotations
+
+import random
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from servelab.core.config import SchedulerConfig
+from servelab.core.plan import StepResult
+from servelab.core.scheduler import Scheduler
+from servelab.core.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
+from servelab.errors import ServelabError
+
+TOKEN = 7  # what the executor samples, every time
+
+
+def build(workload: list[dict]) -> list[Sequence]:
+    seqs = []
+    for i, w in enumerate(workload):
+        params = SamplingParams(
+            max_tokens=w["max_tokens"],
+            stop_token_ids=w["stop"],
+            ignore_eos=w["ignore_eos"],
+            min_tokens=min(w["min_tokens"], w["max_tokens"]),
+        )
+        # Identical prompts (same prefix, no own part) fill identical blocks in the same steps:
+        # the prefix cache's first-published-wins rule then depends on the order of commits.
+        own = [100 + (i * 13 + j) % 50 for j in range(w["prompt_len"])] if w["own"] else []
+        prompt = (w["prefix"] + own) or [5]
+        seqs.append(Sequence(f"r{i}", prompt, params, arrival_s=w["arrival_s"], priority=w["priority"],
+                             eos_token_ids=w["eos"]))
+    return seqs
+
+
+def snapshot(s: Scheduler) -> list[tuple]:
+    return [(q.request_id, list(q.token_ids), list(q.token_times_s), q.num_computed_tokens, list(q.block_table),
+             q.num_committed_blocks) for q in s.running]
+
+
+def drive(cfg: SchedulerConfig, workload: list[dict], *, implicit: bool, sync_every: int) -> dict:
+    s = Scheduler(cfg, reuse_plan_entries=implicit, implicit_decode_token=TOKEN if implicit else None)
+    seqs = build(workload)
+    pending = sorted(seqs, key=lambda q: q.arrival_s)
+    added_at: dict[str, int] = {}
+    abort_after = {f"r{i}": w["abort_after"] for i, w in enumerate(workload) if w["abort_after"] is not None}
+    steps, snapshots, rejected = [], [], []
+    coverage = {"implicit_steps": 0, "implicit_steps_at_full_budget": 0}
+    now, step = 0.0, 0
+    while True:
+        while pending and pending[0].arrival_s <= now:
+            q = pending.pop(0)
+            try:
+                s.add(q, now)
+                added_at[q.request_id] = step
+            except ServelabError:
+                rejected.append(q.request_id)
+        for rid, k in list(abort_after.items()):
+            if rid in added_at and step - added_at[rid] >= k:
+                del abort_after[rid]
+                s.abort(rid, now)
+        if not s.has_unfinished():
+            if not pending:
+                break
+            now = pending[0].arrival_s
+            continue
+        plan = s.schedule(now)
+        assert not plan.is_empty, "live requests but an empty step"
+        totals = (*plan.shape_totals(), plan.num_sampling_seqs, tuple(q.request_id for q in plan.preempted))
+        duration = 1e-3 + 1e-5 * totals[0] + 1e-6 * totals[1] + 1e-7 * totals[2] + 1e-8 * totals[3]
+        now += duration
+        s.update(plan, StepResult([TOKEN if e.samples else None for e in plan.scheduled], duration), now,
+                 finished_only=True)
+        steps.append(totals)
+        if plan.num_implicit_decodes:
+            coverage["implicit_steps"] += 1
+            coverage["implicit_steps_at_full_budget"] += plan.num_batched_tokens == cfg.max_num_batched_tokens
+        step += 1
+        assert step < 20_000, "runaway"
+        if step % sync_every == 0:
+            if implicit:
+                s.sync()
+            s.check_invariants()
+            snapshots.append(snapshot(s))
+    s.check_invariants()
+    bm = s.block_manager
+    assert bm.num_used_blocks == 0 and not s.running
+    return {
+        "steps": steps,
+        "snapshots": snapshots,
+        "rejected": rejected,
+        "seqs": [(q.request_id, q.token_ids, q.token_times_s, q.finish_reason, q.status, q.num_preemptions,
+                  q.first_scheduled_s, q.first_token_s, q.finished_s, q.num_cached_tokens, q.stop_reason)
+                 for q in seqs],
+        "counters": (s.num_preemptions, s.num_finished, bm.prefix_cache_hits, bm.prefix_cache_queries,
+                     bm.num_evictions, bm.num_cached_blocks),
+        "coverage": coverage,
+    }
+
+
+COMPARED = ("steps", "snapshots", "rejected", "seqs", "counters")
+
+
+request_strategy = st.fixed_dictionaries(
+    {
+        "arrival_s": st.sampled_from([0.0, 0.0, 0.004, 0.01, 0.03]),
+        "prompt_len": st.integers(1, 40),
+        "own": st.booleans(),
+        "prefix": st.sampled_from([[], list(range(500, 516)), list(range(600, 637))]),
+        "max_tokens": st.integers(1, 40),
+        "min_tokens": st.integers(0, 3),
+        # TOKEN as a stop or EOS id keeps those requests explicit and stops them early.
+        "stop": st.sampled_from([[], [], [1], [TOKEN]]),
+        "eos": st.sampled_from([(0,), (0,), (TOKEN,)]),
+        "ignore_eos": st.booleans(),
+        "priority": st.integers(0, 2),
+        "abort_after": st.one_of(st.none(), st.none(), st.none(), st.integers(0, 30)),
+    }
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    workload=st.lists(request_strategy, min_size=1, max_size=16),
+    num_blocks=st.integers(6, 60),
+    block_size=st.sampled_from([1, 2, 4, 8]),
+    budget=st.integers(1, 80),
+    max_num_seqs=st.integers(1, 10),
+    policy=st.sampled_from(["chunked", "prefill-first"]),
+    order=st.sampled_from(["fcfs", "priority"]),
+    caching=st.booleans(),
+    sync_every=st.sampled_from([3, 7, 1000]),
+)
+def test_implicit_decodes_match_the_explicit_loops(
+    workload, num_blocks, block_size, budget, max_num_seqs, policy, order, caching, sync_every
+):
+    cfg = SchedulerConfig(
+        num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
+        max_model_len=min(num_blocks * block_size, 90), policy=policy, order=order, enable_prefix_caching=caching,
+    )
+    explicit = drive(cfg, workload, implicit=False, sync_every=sync_every)
+    implicit = drive(cfg, workload, implicit=True, sync_every=sync_every)
+    for key in COMPARED:
+        assert implicit[key] == explicit[key], key
+
+
+def test_seeded_random_workloads_match_and_reach_the_hard_cases():
+    # Hypothesis shrinks towards small cases; these 150 seeded ones are larger and are checked to
+    # reach what is hard to get right: steps where the token budget binds with implicit decodes
+    # in the batch (the cut must fall where the explicit loop puts it), preemption, and reuse.
+    rng = random.Random(20261129)
+    totals = {"implicit_steps": 0, "implicit_steps_at_full_budget": 0, "preemptions": 0, "hits": 0}
+    for _ in range(150):
+        workload = [{
+            "arrival_s": rng.choice([0.0, 0.0, 0.004, 0.01, 0.03]), "prompt_len": rng.randint(1, 40),
+            "own": rng.random() < 0.5, "prefix": rng.choice([[], list(range(500, 516)), list(range(600, 637))]),
+            "max_tokens": rng.randint(1, 40), "min_tokens": rng.randint(0, 3),
+            "stop": rng.choice([[], [], [1], [TOKEN]]), "eos": rng.choice([(0,), (0,), (TOKEN,)]),
+            "ignore_eos": rng.random() < 0.5, "priority": rng.randint(0, 2),
+            "abort_after": rng.choice([None, None, None, rng.randint(0, 30)]),
+        } for _ in range(rng.randint(1, 16))]
+        num_blocks, block_size = rng.randint(6, 60), rng.choice([1, 2, 4, 8])
+        cfg = SchedulerConfig(
+            num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=rng.randint(1, 80),
+            max_num_seqs=rng.randint(1, 10), max_model_len=min(num_blocks * block_size, 90),
+            policy=rng.choice(["chunked", "prefill-first"]), order=rng.choice(["fcfs", "priority"]),
+            enable_prefix_caching=rng.random() < 0.5,
+        )
+        sync_every = rng.choice([5, 1000])
+        explicit = drive(cfg, workload, implicit=False, sync_every=sync_every)
+        implicit = drive(cfg, workload, implicit=True, sync_every=sync_every)
+        for key in COMPARED:
+            assert implicit[key] == explicit[key], key
+        for key in ("implicit_steps", "implicit_steps_at_full_budget"):
+            totals[key] += implicit["coverage"][key]
+        totals["preemptions"] += implicit["counters"][0]
+        totals["hits"] += implicit["counters"][2]
+    assert totals["implicit_steps"] > 1000 and totals["implicit_steps_at_full_budget"] > 20
+    assert totals["preemptions"] > 50 and totals["hits"] > 0
+
+
+def test_a_steady_batch_runs_implicitly_and_catches_up_exactly():
+    # 8 requests of 200 tokens in one pool: after their prefill every step is 8 implicit decodes,
+    # and each request wakes only when its block fills (every 16 steps) or it finishes.
+    cfg = SchedulerConfig(num_blocks=400, block_size=16, max_num_batched_tokens=512, max_num_seqs=8)
+    workload = [dict(arrival_s=0.0, prompt_len=40, own=True, prefix=[], max_tokens=200, min_tokens=0, stop=[],
+                     eos=(0,), ignore_eos=True, priority=0, abort_after=None) for _ in range(8)]
+    s = Scheduler(cfg, reuse_plan_entries=True, implicit_decode_token=TOKEN)
+    seqs = build(workload)
+    for q in seqs:
+        s.add(q, 0.0)
+    now, implicit_counts, step_ends = 0.0, [], []
+    while s.has_unfinished():
+        plan = s.schedule(now)
+        implicit_counts.append(plan.num_implicit_decodes)
+        now += 0.01
+        step_ends.append(now)
+        s.update(plan, StepResult([TOKEN if e.samples else None for e in plan.scheduled], 0.01), now)
+        s.check_invariants()
+    assert len(implicit_counts) == 200  # one prefill step (which samples) and 199 decodes
+    assert implicit_counts[0] == 0 and max(implicit_counts) == 8
+    # Most steps carry every sequence implicitly; a few have one awake at its block boundary.
+    assert sum(c == 8 for c in implicit_counts) > 150
+    for q in seqs:
+        assert q.status is SequenceStatus.FINISHED and q.finish_reason is FinishReason.LENGTH
+        assert q.output_token_ids == [TOKEN] * 200
+        assert q.token_times_s == step_ends and q.finished_s == step_ends[-1]
+    assert s.block_manager.num_used_blocks == 0
