@@ -164,12 +164,11 @@ class LlamaModel:
         self._rope_len = 0
         self._cos = self._sin = torch.empty(0)
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        # Decode attention in C straight from the block pool (engine/native.py), on CPU in fp32
-        # when a C compiler is there: 2-3x faster than gather + SDPA at 32 sequences. Elsewhere
-        # (CUDA, bf16, no compiler) the gather + SDPA path; the same values up to summation order.
-        self.native_decode_attention = (
-            native.decode_attention_kernel() if self.device.type == "cpu" and self.dtype == torch.float32 else None
-        )
+        # On CPU in fp32, when a C compiler is there (engine/native.py): decode attention in C
+        # straight from the block pool (2-3x faster than gather + SDPA at 32 sequences), and the
+        # residual add + RMSNorm and SwiGLU in one pass each. Elsewhere (CUDA, bf16, no
+        # compiler) the PyTorch path; the same values up to fp32 summation order.
+        self.native = native.native_kernels() if self.device.type == "cpu" and self.dtype == torch.float32 else None
 
     @property
     def vocab_size(self) -> int:
@@ -230,6 +229,16 @@ class LlamaModel:
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
         return weight * xf.to(x.dtype)
 
+    def _add_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, RMSNorm(x + delta) * weight); the native kernel adds in place, in one pass."""
+        if self.native is not None:
+            return x, native.add_rms_norm(self.native, x, delta, weight, self.config.rms_norm_eps)
+        if delta is not None:
+            x = x + delta
+        return x, self._rms_norm(x, weight)
+
     @torch.inference_mode()
     def forward(
         self,
@@ -255,8 +264,9 @@ class LlamaModel:
             return x * cos + rotated * sin
 
         x = self.embed.index_select(0, input_ids)
+        delta: torch.Tensor | None = None  # the residual stream's pending addend: x + delta is the true x
         for li, layer in enumerate(self.layers):
-            h = self._rms_norm(x, layer.input_norm)
+            x, h = self._add_norm(x, delta, layer.input_norm)
             qkv = linear(h, layer.qkv, layer.qkv_bias)
             qk = rope(qkv[:, : cfg.q_size + cfg.kv_size].view(T, H + KV, D))
             q, k = qk[:, :H], qk[:, H:]
@@ -265,11 +275,15 @@ class LlamaModel:
             kc.index_copy_(1, meta.slots, k.transpose(0, 1))
             vc.index_copy_(1, meta.slots, v.transpose(0, 1))
             attn = self._attention(q, k, v, kc, vc, meta)  # [T, H * D]
-            x = x + linear(attn, layer.o)
-            h = self._rms_norm(x, layer.post_norm)
-            gate, up = linear(h, layer.gate_up).chunk(2, dim=-1)
-            x = x + linear(F.silu(gate) * up, layer.down)
-        x = x[meta.logits_indices]
+            x, h = self._add_norm(x, linear(attn, layer.o), layer.post_norm)
+            gate_up = linear(h, layer.gate_up)
+            if self.native is not None:
+                act = native.silu_mul(self.native, gate_up)
+            else:
+                gate, up = gate_up.chunk(2, dim=-1)
+                act = F.silu(gate) * up
+            delta = linear(act, layer.down)
+        x = x[meta.logits_indices] + delta[meta.logits_indices]
         x = self._rms_norm(x, self.final_norm)
         if self.lm_head_int8 is not None:
             return self.lm_head_int8(x)
@@ -290,9 +304,9 @@ class LlamaModel:
         H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         out = torch.empty(q.shape[0], H * D, dtype=q.dtype, device=q.device)
         B = meta.num_decodes
-        if B and self.native_decode_attention is not None:
+        if B and self.native is not None:
             native.decode_attention(
-                self.native_decode_attention, q[:B], kc, vc, meta.decode_block_table, meta.decode_ctx_lens,
+                self.native, q[:B], kc, vc, meta.decode_block_table, meta.decode_ctx_lens,
                 meta.decode_max_ctx, meta.block_size, self.scale, out[:B],
             )
         elif B:

@@ -69,7 +69,7 @@ class ModelExecutor:
             pos = ctx - 1
             positions.append(pos)
             slots.append(table.gather(1, (pos // bs)[:, None]).view(-1) * bs + pos % bs)
-            if self.model.native_decode_attention is None:  # the gather + SDPA path wants flat slots and a mask
+            if self.model.native is None:  # the gather + SDPA path wants flat slots and a mask
                 all_slots = (table[:, :, None] * bs + self._offsets).view(B, -1)[:, :max_ctx]
                 # Padded keys point at slot 0 (a real slot of some block) and are masked out.
                 meta_decode_mask = (torch.arange(max_ctx)[None, :] < ctx[:, None]).view(B, 1, 1, max_ctx)

@@ -1,11 +1,11 @@
 """Native CPU kernels: plain C built on first use with the system C compiler, loaded with ctypes.
 
-Only decode attention lives here (csrc/decode_attention.c: why it beats gather + SDPA is in
-that file). The shared library is cached under $SERVELAB_CACHE_DIR, else
+Decode attention (csrc/decode_attention.c: why it beats gather + SDPA is in that file) and the
+per-layer elementwise ops (csrc/layer_ops.c: residual add + RMSNorm, SwiGLU). The shared library is cached under $SERVELAB_CACHE_DIR, else
 $XDG_CACHE_HOME/servelab, else ~/.cache/servelab, keyed by a hash of the source, the compiler
 and its flags, so a build costs about a second once per machine. Everything here is optional:
-without a C compiler (or with SERVELAB_NATIVE=0) `decode_attention_kernel()` returns None and
-the model attends in PyTorch, with the same results up to fp32 summation order.
+without a C compiler (or with SERVELAB_NATIVE=0) `native_kernels()` returns None and
+the model runs its PyTorch path, with the same results up to fp32 summation order.
 """
 
 from __future__ import annotations
@@ -18,16 +18,17 @@ import subprocess
 import tempfile
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
 import torch
 
-_SOURCE = "decode_attention.c"
-_SYMBOL = "servelab_decode_attention_f32"
+_SOURCES = ("decode_attention.c", "layer_ops.c")
+_HEADERS = ("vec_exp.h",)
 
 _lock = threading.Lock()
-_kernel: Callable[..., None] | None = None
+_kernel: NativeKernels | None = None
 _loaded = False
 load_error: str | None = None  # why the native kernel is not in use, for diagnostics and docs
 
@@ -48,35 +49,55 @@ def _flags() -> list[str]:
     return flags
 
 
-def _build() -> ctypes.CDLL:
-    source = resources.files("servelab.engine").joinpath("csrc", _SOURCE).read_bytes()
+@dataclass(frozen=True, slots=True)
+class NativeKernels:
+    """The C entry points (ctypes functions with argtypes set)."""
+
+    decode_attention: Callable[..., None]
+    add_rms_norm: Callable[..., None]
+    silu_mul: Callable[..., None]
+
+
+def _build() -> NativeKernels:
+    csrc = resources.files("servelab.engine").joinpath("csrc")
+    sources = {name: csrc.joinpath(name).read_bytes() for name in _SOURCES + _HEADERS}
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
     flags = _flags()
-    key = hashlib.sha256(source + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(sources.values()) + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
     out_dir = _cache_dir()
-    lib_path = out_dir / f"decode_attention-{key}.so"
+    lib_path = out_dir / f"servelab_native-{key}.so"
     if not lib_path.exists():
         out_dir.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=out_dir) as tmp:
-            src = Path(tmp) / _SOURCE
-            src.write_bytes(source)
+            for name, text in sources.items():
+                (Path(tmp) / name).write_bytes(text)
+            paths = [str(Path(tmp) / name) for name in _SOURCES]
             tmp_lib = Path(tmp) / lib_path.name
-            proc = subprocess.run([cc, *flags, str(src), "-o", str(tmp_lib), "-lm"], capture_output=True, text=True)
+            proc = subprocess.run([cc, *flags, *paths, "-o", str(tmp_lib), "-lm"], capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:500]}")
             os.replace(tmp_lib, lib_path)  # atomic: concurrent builders each install a whole file
     lib = ctypes.CDLL(str(lib_path))
-    fn = getattr(lib, _SYMBOL)
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, i64, ptr, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, ctypes.c_float, ptr, ptr]
-    fn.restype = None
-    return fn
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+
+    def fn(name: str, *argtypes) -> Callable[..., None]:
+        f = getattr(lib, name)
+        f.argtypes, f.restype = list(argtypes), None
+        return f
+
+    return NativeKernels(
+        decode_attention=fn(
+            "servelab_decode_attention_f32", ptr, i64, ptr, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, f32, ptr, ptr
+        ),
+        add_rms_norm=fn("servelab_add_rms_norm_f32", ptr, ptr, ptr, ptr, i64, i64, f32),
+        silu_mul=fn("servelab_silu_mul_f32", ptr, ptr, i64, i64),
+    )
 
 
-def decode_attention_kernel() -> Callable[..., None] | None:
-    """The loaded C function, or None (and `load_error` says why) when it cannot be used here."""
+def native_kernels() -> NativeKernels | None:
+    """The loaded C kernels, or None (and `load_error` says why) when they cannot be used here."""
     global _kernel, _loaded, load_error
     with _lock:
         if not _loaded:
@@ -92,7 +113,7 @@ def decode_attention_kernel() -> Callable[..., None] | None:
 
 
 def decode_attention(
-    kernel: Callable[..., None],
+    kernels: NativeKernels,
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -113,9 +134,30 @@ def decode_attention(
     B, H, D = q.shape
     kv_heads = k.shape[0]
     scratch = torch.empty((H // kv_heads) * max_ctx, dtype=torch.float32)
-    kernel(
+    kernels.decode_attention(
         q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.shape[1],
         block_table.data_ptr(), block_table.shape[1], block_size,
         ctx_lens.data_ptr(), B, kv_heads, H // kv_heads, D, scale,
         scratch.data_ptr(), out.data_ptr(),
     )
+
+
+def add_rms_norm(
+    kernels: NativeKernels, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """x += delta (in place, when given), then RMSNorm(x) * weight as a new tensor. All fp32
+    contiguous [rows, hidden] (weight [hidden])."""
+    out = torch.empty_like(x)
+    kernels.add_rms_norm(
+        x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
+        x.shape[0], x.shape[1], eps,
+    )
+    return out
+
+
+def silu_mul(kernels: NativeKernels, gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of a contiguous fp32 [rows, 2 * inter] gate/up output, as [rows, inter]."""
+    rows, two_inter = gate_up.shape
+    out = torch.empty(rows, two_inter // 2, dtype=gate_up.dtype, device=gate_up.device)
+    kernels.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, two_inter // 2)
+    return out

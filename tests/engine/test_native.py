@@ -16,7 +16,7 @@ from servelab.engine.weights import load_model
 
 @pytest.fixture(scope="module")
 def kernel():
-    fn = native.decode_attention_kernel()
+    fn = native.native_kernels()
     if fn is None:
         pytest.skip(f"native kernel unavailable here: {native.load_error}")
     return fn
@@ -68,10 +68,10 @@ def test_kernel_matches_per_sequence_attention(kernel, kv_heads, group, head_dim
 
 def test_model_gives_the_same_logits_with_and_without_the_kernel(kernel, tiny_llama):
     model = load_model(tiny_llama, dtype=torch.float32).model
-    assert model.native_decode_attention is not None
+    assert model.native is not None
     ids = [int(t) for t in torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(2))]
     with_kernel = prefill_logits(model, ids, chunk=1)  # every token through the decode path
-    model.native_decode_attention = None
+    model.native = None
     without = prefill_logits(model, ids, chunk=1)
     torch.testing.assert_close(with_kernel, without, rtol=1e-5, atol=1e-5)
 
@@ -82,9 +82,26 @@ def test_a_failed_build_falls_back_and_says_why(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "load_error", None)
     monkeypatch.setenv("SERVELAB_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    assert native.decode_attention_kernel() is None
+    assert native.native_kernels() is None
     assert "false failed" in native.load_error
     monkeypatch.setattr(native, "_loaded", False)
     monkeypatch.setenv("SERVELAB_NATIVE", "0")
-    assert native.decode_attention_kernel() is None
+    assert native.native_kernels() is None
     assert "SERVELAB_NATIVE=0" in native.load_error
+
+
+@pytest.mark.parametrize("rows,hidden", [(1, 576), (7, 37), (32, 64)])
+def test_add_rms_norm_and_silu_mul_match_pytorch(kernel, rows, hidden):
+    g = torch.Generator().manual_seed(rows)
+    x, delta, w = torch.randn(rows, hidden, generator=g), torch.randn(rows, hidden, generator=g), torch.randn(hidden, generator=g)
+    expected_x = x + delta
+    expected = F.rms_norm(expected_x, (hidden,), w, 1e-6)
+    got = native.add_rms_norm(kernel, x, delta, w, 1e-6)
+    torch.testing.assert_close(x, expected_x, rtol=0, atol=0)  # the residual add happened in place
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(native.add_rms_norm(kernel, x, None, w, 1e-6), expected, rtol=1e-5, atol=1e-5)
+    # SwiGLU over a fused gate/up output, with gate values far out on both sides of the exp range
+    gate_up = torch.randn(rows, 2 * hidden, generator=g) * 4
+    gate_up[0, 0], gate_up[0, 1] = -200.0, 200.0
+    expected_act = F.silu(gate_up[:, :hidden]) * gate_up[:, hidden:]
+    torch.testing.assert_close(native.silu_mul(kernel, gate_up), expected_act, rtol=1e-5, atol=1e-5)

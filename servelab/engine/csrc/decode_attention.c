@@ -18,9 +18,8 @@
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+
+#include "vec_exp.h"
 
 /* Eight independent partial sums so the compiler vectorizes the dot product without being
  * allowed to reassociate floating point (no -ffast-math). */
@@ -60,25 +59,6 @@ static inline __m256 dot8(const float *q, const float *k, int64_t D) {
     return hsum8(a0, a1, a2, a3, a4, a5, a6, a7);
 }
 
-/* exp for x <= 0 (softmax after subtracting the max), Cephes' polynomial as in SSE/AVX
- * mathfun: relative error ~1e-7, like the vectorized exp inside SDPA's CPU kernel. */
-static inline __m256 exp8(__m256 x) {
-    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));  /* below this expf underflows to ~0 anyway */
-    __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
-    fx = _mm256_floor_ps(fx);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
-    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
-    const __m256 z = _mm256_mul_ps(x, x);
-    __m256 y = _mm256_set1_ps(1.9875691500E-4f);
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073E-3f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894E-2f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459E-1f));
-    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201E-1f));
-    y = _mm256_fmadd_ps(y, z, _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
 #endif
 
 /* s[0..n) = exp(s - max(s)); returns the sum. */
