@@ -12,11 +12,16 @@ reusable ("cached free") until it is evicted to make room, least recently used f
 
 Free blocks live in two pools: never-hashed blocks (any order) are handed out first, so cached
 content is evicted only when nothing else is free; cached free blocks sit in an LRU order.
+
+The LRU is a queue of runs: the cached blocks one `free` released, table tail first. A prompt's
+allocation evicts ~64 blocks from the front runs with slices and one map() over dict.pop, and a
+free appends one run, instead of an OrderedDict operation per block; the simulator runs millions
+of blocks through here. A prefix hit on a cached free block takes it out of its run.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
 
 from servelab.core.sequence import Sequence
 from servelab.errors import InvalidArgument
@@ -43,7 +48,10 @@ class BlockManager:
         self._hash_to_block: dict[int, int] = {}
         # Popping from the end hands out low ids first: easier to read in tests and traces.
         self._free_uncached: list[int] = list(range(num_blocks - 1, -1, -1))
-        self._free_cached: OrderedDict[int, None] = OrderedDict()  # first = least recently used
+        # Cached free blocks, least recently used first: runs of blocks, each run in LRU order.
+        self._lru: deque[list[int]] = deque()
+        self._run_of: list[list[int] | None] = [None] * num_blocks  # a cached free block's run
+        self._num_free_cached = 0
         self._owners: dict[str, Sequence] = {}
 
         self.prefix_cache_hits = 0  # tokens served from the cache
@@ -55,11 +63,11 @@ class BlockManager:
     @property
     def num_free_blocks(self) -> int:
         """Blocks no live sequence holds, cached free blocks included (they can be evicted)."""
-        return len(self._free_uncached) + len(self._free_cached)
+        return len(self._free_uncached) + self._num_free_cached
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free_uncached) - len(self._free_cached)
+        return self.num_blocks - len(self._free_uncached) - self._num_free_cached
 
     @property
     def num_cached_blocks(self) -> int:
@@ -69,7 +77,7 @@ class BlockManager:
     @property
     def num_evictable_blocks(self) -> int:
         """Cached blocks that no live sequence holds: reusable until evicted."""
-        return len(self._free_cached)
+        return self._num_free_cached
 
     @property
     def usage(self) -> float:
@@ -149,7 +157,8 @@ class BlockManager:
         # Take the hits first so that the fresh allocation below cannot evict them.
         for b in cached_blocks:
             if refs[b] == 0:
-                del self._free_cached[b]
+                self._run_of[b].remove(b)  # type: ignore[union-attr]  # out of the LRU
+                self._num_free_cached -= 1
             refs[b] += 1
         table = seq.block_table
         table.extend(cached_blocks)
@@ -168,17 +177,25 @@ class BlockManager:
         num_new = -(-num_tokens // self.block_size) - len(table)
         if num_new <= 0:
             return True
-        if num_new > len(self._free_uncached) + len(self._free_cached):
+        if num_new > len(self._free_uncached) + self._num_free_cached:
             return False
         if num_new == 1:
             # A decode step crossing into a new block (once per block_size tokens of every
             # output): _take_free_blocks(1) inlined, since a call costs as much as the work.
             if self._free_uncached:
                 block = self._free_uncached.pop()
-            else:
-                block, _ = self._free_cached.popitem(last=False)
+            else:  # _evict(1), inlined
+                lru = self._lru
+                run = lru[0]
+                while not run:  # emptied by prefix hits
+                    lru.popleft()
+                    run = lru[0]
+                block = run.pop(0)
+                if not run:
+                    lru.popleft()
                 del self._hash_to_block[self._block_hash[block]]
                 self._block_hash[block] = None
+                self._num_free_cached -= 1
                 self.num_evictions += 1
             self._ref_counts[block] = 1
             table.append(block)
@@ -198,19 +215,34 @@ class BlockManager:
         blocks.reverse()  # the order pop() would hand them out
         del uncached[len(uncached) - num_uncached :]
         if count > num_uncached:
-            popitem = self._free_cached.popitem
-            lookup = self._hash_to_block
-            block_hash = self._block_hash
-            for _ in range(count - num_uncached):
-                block, _ = popitem(last=False)
-                del lookup[block_hash[block]]
-                block_hash[block] = None
-                blocks.append(block)
-            self.num_evictions += count - num_uncached
+            blocks += self._evict(count - num_uncached)
         refs = self._ref_counts
         for block in blocks:
             refs[block] = 1
         return blocks
+
+    def _evict(self, count: int) -> list[int]:
+        """Drop the content of the `count` least recently used cached free blocks (the caller
+        checked there are enough) and return them."""
+        lru = self._lru
+        evicted: list[int] = []
+        while len(evicted) < count:
+            run = lru[0]
+            take = count - len(evicted)
+            if take >= len(run):
+                evicted += run
+                lru.popleft()
+            else:
+                evicted += run[:take]
+                del run[:take]
+        block_hash = self._block_hash
+        hashes = [block_hash[b] for b in evicted]
+        for b in evicted:
+            block_hash[b] = None
+        list(map(self._hash_to_block.pop, hashes))
+        self._num_free_cached -= count
+        self.num_evictions += count
+        return evicted
 
     def commit_computed_blocks(self, seq: Sequence) -> None:
         """Publish seq's blocks that are full and computed, generated tokens included, so that a
@@ -263,15 +295,21 @@ class BlockManager:
         refs = self._ref_counts
         block_hash = self._block_hash
         free_uncached = self._free_uncached
-        free_cached = self._free_cached
+        run: list[int] = []
         for block in reversed(seq.block_table):
             ref = refs[block] - 1
             refs[block] = ref
             if ref == 0:
                 if block_hash[block] is not None:
-                    free_cached[block] = None
+                    run.append(block)
                 else:
                     free_uncached.append(block)
+        if run:
+            run_of = self._run_of
+            for block in run:
+                run_of[block] = run
+            self._lru.append(run)
+            self._num_free_cached += len(run)
         seq.block_table.clear()
         seq.num_committed_blocks = 0
 
@@ -293,7 +331,10 @@ class BlockManager:
                 expected[b] += 1
         assert expected == self._ref_counts, "reference counts differ from the block tables"
         free_uncached = set(self._free_uncached)
-        free_cached = set(self._free_cached)
+        lru_blocks = [b for run in self._lru for b in run]
+        free_cached = set(lru_blocks)
+        assert len(free_cached) == len(lru_blocks) == self._num_free_cached, "LRU runs out of step"
+        assert all(self._run_of[b] is run for run in self._lru for b in run), "a block's run is stale"
         assert len(free_uncached) == len(self._free_uncached), "a block is twice in the free pool"
         assert not free_uncached & free_cached, "a block is in both free pools"
         free = free_uncached | free_cached

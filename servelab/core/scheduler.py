@@ -36,6 +36,7 @@ from bisect import insort
 from collections import OrderedDict
 from dataclasses import dataclass
 from itertools import repeat
+from operator import attrgetter
 
 from servelab.core.block_manager import BlockManager
 from servelab.core.config import SchedulerConfig
@@ -47,6 +48,9 @@ _RUNNING = SequenceStatus.RUNNING
 _WAITING = SequenceStatus.WAITING
 _FINISHED = SequenceStatus.FINISHED
 _NO_STOP_IDS: frozenset[int] = frozenset()
+# `running` and the waiting heap are ordered by Sequence.order_key: (admission counter,) under
+# fcfs, (priority, arrival, counter) under priority. An attrgetter keeps insort's key in C.
+_order_key = attrgetter("order_key")
 
 
 @dataclass(slots=True)
@@ -99,7 +103,6 @@ class Scheduler:
         self._num_waiting = 0  # aborted entries stay in the heap until popped
         self.running: list[Sequence] = []  # sorted by _order_key: the tail is preempted first
         self._live: dict[str, Sequence] = {}
-        self._keys: dict[str, tuple] = {}
         self._recent_finished: OrderedDict[str, Sequence] = OrderedDict()
         self._keep_finished = keep_finished
         self._counter = itertools.count()
@@ -201,12 +204,12 @@ class Scheduler:
         seq.stop_check_token_ids = frozenset(stop_ids) if stop_ids else _NO_STOP_IDS
         order = next(self._counter)
         key = (seq.priority, seq.arrival_s, order) if self._by_priority else (order,)
-        self._keys[rid] = key
+        seq.order_key = key
         self._live[rid] = seq
         self._push_waiting(seq)
 
     def _push_waiting(self, seq: Sequence) -> None:
-        heapq.heappush(self._waiting, (self._keys[seq.request_id], seq))
+        heapq.heappush(self._waiting, (seq.order_key, seq))
         self._num_waiting += 1
 
     def _peek_waiting(self) -> Sequence | None:
@@ -273,6 +276,20 @@ class Scheduler:
                 and not self._preempt_until_fits(seq, end, preempted)
             ):
                 break  # seq itself was the newest left and was preempted: nothing more runs
+            if (
+                implicit
+                and n == 1
+                and end == num_known
+                and seq.first_token_s is not None
+                and self._go_implicit(seq, tick, num_known)
+            ):
+                # A decode (not a prompt's last token, whose update stamps the first token) that
+                # can run implicitly from this very step, typically one that just took its new
+                # block: no entry; the implicit sums below count it, and so does the budget (here
+                # while walking all of `running`, else with the others below).
+                if cutting:
+                    budget -= 1
+                continue
             if reuse:
                 entry = seq.plan_entry
                 entry.num_tokens = n  # type: ignore[union-attr]
@@ -340,9 +357,9 @@ class Scheduler:
             seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
             if seq.first_scheduled_s is None:
                 seq.first_scheduled_s = now
-            insort(running, seq, key=self._key_of)
+            insort(running, seq, key=_order_key)
             if self._implicit_token is not None:
-                insort(self._explicit, seq, key=self._key_of)
+                insort(self._explicit, seq, key=_order_key)
             end = num_cached + n
             entry = ScheduledSeq(seq, n, num_cached, end == len(seq.token_ids))
             if self._reuse_entries:
@@ -357,9 +374,6 @@ class Scheduler:
             budget -= n
             admitted = True
         return admitted
-
-    def _key_of(self, seq: Sequence) -> tuple:
-        return self._keys[seq.request_id]
 
     def _preempt_until_fits(self, seq: Sequence, num_tokens: int, preempted: list[Sequence]) -> bool:
         """Preempt from the tail of `running` until seq's table covers num_tokens positions.
@@ -396,7 +410,7 @@ class Scheduler:
         woken = self._wake.pop(tick, None)
         if woken:
             explicit = self._explicit
-            key = self._key_of
+            key = _order_key
             for seq in woken:
                 if seq.implicit_from >= 0 and seq.implicit_wake == tick:
                     self._catch_up(seq)
@@ -418,7 +432,7 @@ class Scheduler:
         else:
             return  # `last` was preempted, and everything after it before it
         explicit = self._explicit
-        key = self._key_of
+        key = _order_key
         for seq in rest:
             if seq.implicit_from >= 0:
                 self._catch_up(seq)
@@ -440,21 +454,20 @@ class Scheduler:
             seq.token_times_s.extend(clock[start:])
             seq.num_computed_tokens = num_known - 1 + gained
 
-    def _go_implicit(self, seq: Sequence) -> None:
-        """After update() gave seq a token: run it implicitly from the next tick if it is a
-        steady decode (the implicit token cannot stop it, its next step needs no block) that will
-        not wake at once."""
-        num_known = len(seq.token_ids)
+    def _go_implicit(self, seq: Sequence, tick: int, num_known: int) -> bool:
+        """Run a running decode implicitly from `tick`, at which its context is `num_known`
+        (its token count then), if that is steady: the implicit token cannot stop it, its blocks
+        cover that context, and it would not wake at once. Called by update() after a sampled
+        token (for the next tick) and by schedule() after a decode got its block (for this one)."""
         table_end = len(seq.block_table) * self.config.block_size
         if num_known > table_end or self._implicit_token in seq.stop_check_token_ids:
-            return
-        tick = len(self._clock)
+            return False
         # Its context at tick t is num_known + (t - tick): the last block fills at table_end (its
         # update publishes it, the next step needs a block) and the sequence reaches its length
         # limit one tick before its context does.
         wake = tick + min(table_end - num_known, seq.stop_check_num_tokens - num_known - 1)
         if wake <= tick:
-            return
+            return False
         seq.implicit_from = tick
         seq.implicit_wake = wake
         self._num_implicit += 1
@@ -465,6 +478,7 @@ class Scheduler:
         else:
             bucket.append(seq)
         self._explicit.remove(seq)
+        return True
 
     def _leave_running(self, seq: Sequence) -> None:
         """A running sequence is preempted or finishes: out of the implicit bookkeeping."""
@@ -548,7 +562,7 @@ class Scheduler:
             if stream:
                 append_output(output(seq.request_id, [token], False, None, seq, None if lp is None else [lp]))
             elif implicit:
-                self._go_implicit(seq)
+                self._go_implicit(seq, len(self._clock), len(token_ids))
         # Usually one or two of ~100 finish in a step: list.remove (a C scan by identity, order
         # kept) is cheaper than rebuilding the list in Python.
         for seq in finished:
@@ -584,7 +598,6 @@ class Scheduler:
         seq.plan_entry = None  # break the seq <-> entry cycle: refcounting frees both at once
         rid = seq.request_id
         del self._live[rid]
-        del self._keys[rid]
         self.num_finished += 1
         if self._keep_finished > 0:
             self._recent_finished[rid] = seq
@@ -645,7 +658,7 @@ class Scheduler:
         running_ids = [s.request_id for s in self.running]
         assert len(set(running_ids)) == len(running_ids), "a sequence runs twice"
         assert len(self.running) <= self.config.max_num_seqs, "more running sequences than max_num_seqs"
-        keys = [self._keys[s.request_id] for s in self.running]
+        keys = [s.order_key for s in self.running]
         assert keys == sorted(keys), "running is out of order"
         waiting = [s for _, s in self._waiting if s.status is _WAITING]
         assert len(waiting) == self._num_waiting, "waiting count is off"
