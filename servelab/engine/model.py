@@ -255,8 +255,9 @@ class LlamaModel:
         T = input_ids.shape[0]
         H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         cos_table, sin_table = self._rope_tables(int(meta.positions.max()) + 1)
-        cos = cos_table.index_select(0, meta.positions).unsqueeze(1)  # [T, 1, D]
-        sin = sin_table.index_select(0, meta.positions).unsqueeze(1)
+        if self.native is None:  # the native kernel reads the tables by position itself
+            cos = cos_table.index_select(0, meta.positions).unsqueeze(1)  # [T, 1, D]
+            sin = sin_table.index_select(0, meta.positions).unsqueeze(1)
         half = D // 2
 
         def rope(x: torch.Tensor) -> torch.Tensor:  # [T, heads, D]: Q and K heads together
@@ -268,12 +269,18 @@ class LlamaModel:
         for li, layer in enumerate(self.layers):
             x, h = self._add_norm(x, delta, layer.input_norm)
             qkv = linear(h, layer.qkv, layer.qkv_bias)
-            qk = rope(qkv[:, : cfg.q_size + cfg.kv_size].view(T, H + KV, D))
-            q, k = qk[:, :H], qk[:, H:]
-            v = qkv[:, cfg.q_size + cfg.kv_size :].view(T, KV, D)
             kc, vc = k_cache[li], v_cache[li]
-            kc.index_copy_(1, meta.slots, k.transpose(0, 1))
-            vc.index_copy_(1, meta.slots, v.transpose(0, 1))
+            if self.native is not None:  # RoPE in place and the K/V store, one pass
+                native.rope_store_kv(self.native, qkv, H, KV, D, cos_table, sin_table, meta.positions, meta.slots, kc, vc)
+                q = qkv[:, : cfg.q_size].view(T, H, D)
+                k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(T, KV, D)
+                v = qkv[:, cfg.q_size + cfg.kv_size :].view(T, KV, D)
+            else:
+                qk = rope(qkv[:, : cfg.q_size + cfg.kv_size].view(T, H + KV, D))
+                q, k = qk[:, :H], qk[:, H:]
+                v = qkv[:, cfg.q_size + cfg.kv_size :].view(T, KV, D)
+                kc.index_copy_(1, meta.slots, k.transpose(0, 1))
+                vc.index_copy_(1, meta.slots, v.transpose(0, 1))
             attn = self._attention(q, k, v, kc, vc, meta)  # [T, H * D]
             x, h = self._add_norm(x, linear(attn, layer.o), layer.post_norm)
             gate_up = linear(h, layer.gate_up)

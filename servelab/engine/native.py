@@ -1,7 +1,8 @@
 """Native CPU kernels: plain C built on first use with the system C compiler, loaded with ctypes.
 
 Decode attention (csrc/decode_attention.c: why it beats gather + SDPA is in that file) and the
-per-layer elementwise ops (csrc/layer_ops.c: residual add + RMSNorm, SwiGLU). The shared library is cached under $SERVELAB_CACHE_DIR, else
+per-layer elementwise ops (csrc/layer_ops.c: residual add + RMSNorm, SwiGLU, RoPE with the
+K/V store). The shared library is cached under $SERVELAB_CACHE_DIR, else
 $XDG_CACHE_HOME/servelab, else ~/.cache/servelab, keyed by a hash of the source, the compiler
 and its flags, so a build costs about a second once per machine. Everything here is optional:
 without a C compiler (or with SERVELAB_NATIVE=0) `native_kernels()` returns None and
@@ -56,6 +57,7 @@ class NativeKernels:
     decode_attention: Callable[..., None]
     add_rms_norm: Callable[..., None]
     silu_mul: Callable[..., None]
+    rope_store_kv: Callable[..., None]
 
 
 def _build() -> NativeKernels:
@@ -93,6 +95,7 @@ def _build() -> NativeKernels:
         ),
         add_rms_norm=fn("servelab_add_rms_norm_f32", ptr, ptr, ptr, ptr, i64, i64, f32),
         silu_mul=fn("servelab_silu_mul_f32", ptr, ptr, i64, i64),
+        rope_store_kv=fn("servelab_rope_store_kv_f32", ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64),
     )
 
 
@@ -161,3 +164,25 @@ def silu_mul(kernels: NativeKernels, gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty(rows, two_inter // 2, dtype=gate_up.dtype, device=gate_up.device)
     kernels.silu_mul(gate_up.data_ptr(), out.data_ptr(), rows, two_inter // 2)
     return out
+
+
+def rope_store_kv(
+    kernels: NativeKernels,
+    qkv: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    slots: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+) -> None:
+    """RoPE in place on the Q and K heads of a contiguous fp32 qkv [T, (H + 2 KV) * D], then each
+    token's K and V into its slot of one layer of the pool ([KV, slots, D]). cos/sin: contiguous
+    [max_pos, D] tables covering every position; positions and slots: [T] int64."""
+    kernels.rope_store_kv(
+        qkv.data_ptr(), qkv.shape[0], qkv.shape[1], num_heads, num_kv_heads, head_dim,
+        cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1],
+    )

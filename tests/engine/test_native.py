@@ -66,14 +66,17 @@ def test_kernel_matches_per_sequence_attention(kernel, kv_heads, group, head_dim
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
 
 
-def test_model_gives_the_same_logits_with_and_without_the_kernel(kernel, tiny_llama):
+def test_model_gives_the_same_logits_with_and_without_the_kernels(kernel, tiny_llama):
+    """Every kernel in the model's forward (RoPE + K/V store, add + RMSNorm, SwiGLU, decode
+    attention) against the PyTorch path, through whole prefills, chunks and decodes."""
     model = load_model(tiny_llama, dtype=torch.float32).model
     assert model.native is not None
     ids = [int(t) for t in torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(2))]
-    with_kernel = prefill_logits(model, ids, chunk=1)  # every token through the decode path
+    chunkings = (None, 7, 1)  # one pass; chunks attending to the cache; every token a decode
+    with_kernels = [prefill_logits(model, ids, chunk=c) for c in chunkings]
     model.native = None
-    without = prefill_logits(model, ids, chunk=1)
-    torch.testing.assert_close(with_kernel, without, rtol=1e-5, atol=1e-5)
+    for c, got in zip(chunkings, with_kernels):
+        torch.testing.assert_close(got, prefill_logits(model, ids, chunk=c), rtol=1e-5, atol=1e-5)
 
 
 def test_a_failed_build_falls_back_and_says_why(monkeypatch, tmp_path):

@@ -7,6 +7,7 @@
  */
 #include <math.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "vec_exp.h"
 
@@ -50,5 +51,37 @@ void servelab_silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64
         }
 #endif
         for (; j < inter; j++) o[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+}
+
+/* RoPE (HF rotate-half convention) in place on the Q and K heads of a fused QKV output, then
+ * the token's K and V rows stored into its slot of the layer's pool: what were seven PyTorch
+ * ops a layer (cat, neg, two muls, add, two index_copy_), in one pass.
+ *   qkv       [T, row_stride]: q heads, then k heads, then v heads, head_dim each
+ *   cos, sin  [max_pos, head_dim] tables; positions, slots [T] int64
+ *   k, v      [num_kv_heads, num_slots, head_dim] */
+void servelab_rope_store_kv_f32(float *qkv, int64_t T, int64_t row_stride, int64_t num_heads, int64_t num_kv_heads,
+                                int64_t head_dim, const float *cos, const float *sin, const int64_t *positions,
+                                const int64_t *slots, float *k, float *v, int64_t num_slots)
+{
+    const int64_t D = head_dim, half = head_dim / 2;
+    for (int64_t t = 0; t < T; t++) {
+        float *row = qkv + t * row_stride;
+        const float *c = cos + positions[t] * D;
+        const float *s = sin + positions[t] * D;
+        for (int64_t hh = 0; hh < num_heads + num_kv_heads; hh++) {
+            float *x = row + hh * D;
+            for (int64_t i = 0; i < half; i++) {
+                const float x1 = x[i], x2 = x[i + half];
+                x[i] = x1 * c[i] - x2 * s[i];
+                x[i + half] = x2 * c[i + half] + x1 * s[i + half];
+            }
+        }
+        const float *kr = row + num_heads * D;
+        const float *vr = kr + num_kv_heads * D;
+        for (int64_t h = 0; h < num_kv_heads; h++) {
+            memcpy(k + (h * num_slots + slots[t]) * D, kr + h * D, (size_t)D * sizeof(float));
+            memcpy(v + (h * num_slots + slots[t]) * D, vr + h * D, (size_t)D * sizeof(float));
+        }
     }
 }
