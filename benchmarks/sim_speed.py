@@ -37,10 +37,10 @@ def time_split(config: SimConfig, workload: WorkloadSpec) -> tuple[dict[str, flo
     many small calls (the scheduler) several times over. A wrapper costs about a microsecond per
     call, a few per step. The prefix-cache and KV-block work is part of schedule/update and is
     also shown on its own."""
-    spent = dict.fromkeys(("schedule", "update", "executor", "token ids (workload)", "block manager"), 0.0)
+    spent = dict.fromkeys(("schedule", "update", "executor", "prompts (workload)", "block manager"), 0.0)
     targets = [
         (Scheduler, "schedule", "schedule"), (Scheduler, "update", "update"),
-        (SimExecutor, "execute", "executor"), (cluster, "token_ids_for", "token ids (workload)"),
+        (SimExecutor, "execute", "executor"), (cluster, "simulated_prompt", "prompts (workload)"),
     ] + [(BlockManager, name, "block manager") for name in (
         "find_cached_prefix", "allocate", "append_slots", "commit_computed_blocks", "free")]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]

@@ -285,6 +285,22 @@ class BlockManager:
             if holder == block:  # else another copy of this prefix was published first
                 block_hash[block] = h
 
+    def commit_next_block(self, seq: Sequence, tokens_hash: int) -> None:
+        """Publish seq's next full block, whose tokens hash to `tokens_hash` (the hash of their
+        tuple), as commit_computed_blocks would once it is computed: for a caller that does not
+        hold the tokens in `seq.token_ids` yet (the scheduler's implicit decodes)."""
+        index = seq.num_committed_blocks
+        seq.num_committed_blocks = index + 1
+        if not self.enable_prefix_caching:
+            return
+        hashes = seq.block_hashes
+        if len(hashes) == index:
+            hashes.append(hash((hashes[-1] if index else _ROOT_HASH, tokens_hash)))
+        h = hashes[index]
+        block = seq.block_table[index]
+        if self._hash_to_block.setdefault(h, block) == block:
+            self._block_hash[block] = h
+
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks. Cached blocks stay reusable; the table's tail goes to the LRU
         end first, so a chain is evicted from its tail and its shared head survives longest."""

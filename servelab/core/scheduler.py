@@ -21,11 +21,13 @@ Implicit decodes (the simulator, `implicit_decode_token`): when the executor sam
 token for every sequence, a steady decode's next steps are predictable: one token a step, no
 new block until its last one fills, no stop until its length limit. Such a sequence leaves the
 per-step loops: the plan carries it as a count and sums, every step that runs it appends one
-time to the scheduler's implicit clock, and it becomes an ordinary entry again on the step its
-block fills or it finishes (its wake tick), or when it is preempted, aborted or cut by the token
-budget, at which point its tokens, token times and computed count catch up from the clock. The
-decisions and timestamps are exactly those of the explicit loops (a property test compares
-them); a step costs the few sequences that need attention instead of every running one.
+time to the scheduler's implicit clock. It is touched only when something happens to it, in
+the order the explicit loops would touch it: update() publishes its block when the block fills
+(or finishes it at its length limit), and the next schedule() gives it a new block. It becomes
+an ordinary entry again only when it is preempted, aborted or cut by the token budget, at which
+point its tokens, token times and computed count catch up from the clock. The decisions and
+timestamps are exactly those of the explicit loops (property tests compare them); a step costs
+the few sequences that need attention instead of every running one.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ import itertools
 from bisect import insort
 from collections import OrderedDict
 from dataclasses import dataclass
-from itertools import repeat
+from collections.abc import Iterable
+from itertools import chain, repeat
 from operator import attrgetter
 
 from servelab.core.block_manager import BlockManager
@@ -51,6 +54,12 @@ _NO_STOP_IDS: frozenset[int] = frozenset()
 # `running` and the waiting heap are ordered by Sequence.order_key: (admission counter,) under
 # fcfs, (priority, arrival, counter) under priority. An attrgetter keeps insort's key in C.
 _order_key = attrgetter("order_key")
+# update() items: (entry, token, logprobs), or (sequence, _WAKE, None) for an implicit event.
+_WAKE = object()
+
+
+def _entry_order_key(item: tuple) -> tuple:
+    return item[0].order_key if item[1] is _WAKE else item[0].seq.order_key
 
 
 @dataclass(slots=True)
@@ -120,7 +129,10 @@ class Scheduler:
         self._clock: list[float] = []
         self._num_implicit = 0
         self._implicit_base = 0
-        self._wake: dict[int, list[Sequence]] = {}  # tick -> sequences that wake at it
+        self._wake: dict[int, list[Sequence]] = {}  # tick -> sequences whose block fills or that finish then
+        self._needs_block: list[Sequence] = []  # implicit, block just filled: a new one next step, in key order
+        self._num_running_entries = 0  # entries of the last plan from running sequences (the rest admitted)
+        self._full_implicit_block_hash = hash((implicit_decode_token,) * config.block_size)
         self._explicit: list[Sequence] = []  # running sequences that are not implicit, in `running` order
 
     # ---- introspection -------------------------------------------------------------------------
@@ -242,7 +254,7 @@ class Scheduler:
         implicit = self._implicit_token is not None
         if implicit:
             tick = len(self._clock)
-            seqs, cutting = self._implicit_step_order(tick, budget)
+            seqs, cutting = self._implicit_step_order(budget)
         else:
             seqs, cutting = running, False
         last = None
@@ -256,9 +268,12 @@ class Scheduler:
             if budget <= 0:
                 break
             if implicit:
-                if seq.implicit_from >= 0:  # only when the budget may cut (see _implicit_step_order)
-                    budget -= 1
-                    last = seq
+                if seq.implicit_from >= 0:
+                    if seq.implicit_needs_block and not self._implicit_take_block(seq, tick, preempted):
+                        break  # seq itself was the newest left and was preempted: nothing more runs
+                    if cutting:
+                        budget -= 1
+                        last = seq
                     continue
                 if seq.status is not _RUNNING:
                     continue  # preempted by an earlier entry of this step
@@ -305,6 +320,7 @@ class Scheduler:
                 num_chunks += 1
         num_implicit = 0
         if implicit:
+            self._num_running_entries = len(scheduled)
             if cutting:
                 self._explicit_after(last)  # the budget ran out before them: they skip this step
             else:
@@ -401,26 +417,74 @@ class Scheduler:
 
     # ---- implicit decodes (the simulator) ------------------------------------------------------
 
-    def _implicit_step_order(self, tick: int, budget: int) -> tuple[list[Sequence], bool]:
-        """The sequences the running loop must visit at `tick`, and whether the token budget may
-        cut the step short. Sequences whose wake tick it is become explicit first. If every
-        running sequence's whole need fits the budget, only the explicit ones need a visit;
-        otherwise the loop walks all of `running`, implicit ones costing one token each, so that
-        the cut falls where the explicit loop would put it."""
-        woken = self._wake.pop(tick, None)
-        if woken:
-            explicit = self._explicit
-            key = _order_key
-            for seq in woken:
-                if seq.implicit_from >= 0 and seq.implicit_wake == tick:
-                    self._catch_up(seq)
-                    insort(explicit, seq, key=key)
+    def _implicit_step_order(self, budget: int) -> tuple[Iterable[Sequence], bool]:
+        """The sequences the running loop must visit, in `running` order, and whether the token
+        budget may cut the step short. If every running sequence's whole need fits the budget,
+        only the explicit ones and the implicit ones that need a block are visited; otherwise
+        the loop walks all of `running`, implicit ones costing one token each, so that the cut
+        falls where the explicit loop would put it."""
         need = self._num_implicit
         for seq in self._explicit:
             need += len(seq.token_ids) - seq.num_computed_tokens
-        if need <= budget:
-            return list(self._explicit), False  # a copy: preemption edits the list
-        return self.running, True
+        needs_block = self._needs_block
+        if needs_block:
+            self._needs_block = []
+        if need > budget:
+            return self.running, True
+        explicit = list(self._explicit)  # a copy: preemption edits the list
+        if not needs_block:
+            return explicit, False
+        needs_block = [s for s in needs_block if s.implicit_needs_block]
+        if not explicit:
+            return needs_block, False
+        return sorted(explicit + needs_block, key=_order_key), False  # both few, both in key order
+
+    def _implicit_take_block(self, seq: Sequence, tick: int, preempted: list[Sequence]) -> bool:
+        """An implicit sequence whose block filled last step takes a new one, as the explicit loop
+        would (preempting from the tail if the pool is short), and waits for its next event.
+        False if it was preempted itself."""
+        end = len(seq.token_ids) + tick - seq.implicit_from
+        if not self.block_manager.append_slots(seq, end) and not self._preempt_until_fits(seq, end, preempted):
+            return False
+        seq.implicit_needs_block = False
+        self._schedule_wake(seq, tick, end)
+        return True
+
+    def _schedule_wake(self, seq: Sequence, tick: int, end: int) -> None:
+        """File an implicit sequence, whose context at `tick` is `end`, under the tick of its next
+        event: its last block fills (update publishes it; the next step needs a new one) or it
+        reaches its length limit, one tick before its context would."""
+        wake = tick + min(len(seq.block_table) * self.config.block_size - end, seq.stop_check_num_tokens - end - 1)
+        seq.implicit_wake = wake
+        bucket = self._wake.get(wake)
+        if bucket is None:
+            self._wake[wake] = [seq]
+        else:
+            bucket.append(seq)
+
+    def _wake_implicit(self, seq: Sequence, now: float, finished: list[Sequence], outputs: list[RequestOutput]) -> None:
+        """update() at an implicit sequence's event tick, at its place in the step's order: publish
+        the block that filled, and finish it at its length limit or mark it for a new block."""
+        tick = len(self._clock) - 1
+        token = self._implicit_token
+        num_known = len(seq.token_ids)
+        end = num_known + tick - seq.implicit_from  # its computed count after this step
+        bs = self.config.block_size
+        if end >= (seq.num_committed_blocks + 1) * bs:  # its last block filled: publish it
+            if end - bs >= num_known:
+                block_tokens_hash = self._full_implicit_block_hash
+            else:
+                block_tokens_hash = hash((*seq.token_ids[end - bs :], *repeat(token, end - num_known)))
+            self.block_manager.commit_next_block(seq, block_tokens_hash)
+        if end + 1 >= seq.stop_check_num_tokens:
+            # The implicit token cannot stop it: only the length limit ends it.
+            self._finish(seq, FinishReason.LENGTH, now)  # catches it up, this step's token included
+            finished.append(seq)
+            outputs.append(RequestOutput(seq.request_id, [token], True, FinishReason.LENGTH, seq))
+        else:
+            seq.implicit_needs_block = True
+            seq.implicit_wake = -1
+            self._needs_block.append(seq)
 
     def _explicit_after(self, last: Sequence | None) -> None:
         """After a step the token budget cut: implicit sequences past `last` did not run."""
@@ -447,6 +511,7 @@ class Scheduler:
         self._num_implicit -= 1
         self._implicit_base -= num_known - start
         seq.implicit_from = -1
+        seq.implicit_needs_block = False
         clock = self._clock
         gained = len(clock) - start
         if gained > 0:
@@ -460,23 +525,16 @@ class Scheduler:
         cover that context, and it would not wake at once. Called by update() after a sampled
         token (for the next tick) and by schedule() after a decode got its block (for this one)."""
         table_end = len(seq.block_table) * self.config.block_size
-        if num_known > table_end or self._implicit_token in seq.stop_check_token_ids:
-            return False
-        # Its context at tick t is num_known + (t - tick): the last block fills at table_end (its
-        # update publishes it, the next step needs a block) and the sequence reaches its length
-        # limit one tick before its context does.
-        wake = tick + min(table_end - num_known, seq.stop_check_num_tokens - num_known - 1)
-        if wake <= tick:
-            return False
+        if (
+            num_known > table_end
+            or num_known + 1 >= seq.stop_check_num_tokens
+            or self._implicit_token in seq.stop_check_token_ids
+        ):
+            return False  # it needs a block or stops at this very step: the loops handle that
         seq.implicit_from = tick
-        seq.implicit_wake = wake
         self._num_implicit += 1
         self._implicit_base += num_known - tick
-        bucket = self._wake.get(wake)
-        if bucket is None:
-            self._wake[wake] = [seq]
-        else:
-            bucket.append(seq)
+        self._schedule_wake(seq, tick, num_known)
         self._explicit.remove(seq)
         return True
 
@@ -498,6 +556,7 @@ class Scheduler:
                 self._catch_up(seq)
         explicit[:] = self.running
         self._wake.clear()
+        self._needs_block.clear()
 
     # ---- results -------------------------------------------------------------------------------
 
@@ -524,14 +583,22 @@ class Scheduler:
         append_output = outputs.append
         output = RequestOutput
         implicit = self._implicit_token is not None
+        entries: Iterable[tuple] = zip(scheduled, sampled, logprobs)
         if implicit:
             finished_only = True
             if plan.num_implicit_decodes:
+                tick = len(self._clock)
                 self._clock.append(now)  # every implicit decode gained a token at `now`
+                woken = self._wake.pop(tick, None)
+                if woken:
+                    entries = self._merge_woken(woken, tick, scheduled, sampled)
         stream = not finished_only
         running_status = _RUNNING
         finished: list[Sequence] = []
-        for ss, token, lp in zip(scheduled, sampled, logprobs):
+        for ss, token, lp in entries:
+            if token is _WAKE:
+                self._wake_implicit(ss, now, finished, outputs)
+                continue
             seq = ss.seq
             if seq.status is not running_status:
                 continue  # aborted or finished by the engine while the step ran
@@ -568,6 +635,22 @@ class Scheduler:
         for seq in finished:
             self.running.remove(seq)
         return outputs
+
+    def _merge_woken(
+        self, woken: list[Sequence], tick: int, scheduled: list[ScheduledSeq], sampled: list[int | None]
+    ) -> Iterable[tuple]:
+        """The step's entries with the implicit sequences whose event is at `tick` put where the
+        explicit loop would meet them: among the running sequences' entries in `running` order,
+        before the entries of sequences admitted this step. (No logprobs: the simulator's.)"""
+        due = [(seq, _WAKE, None) for seq in woken if seq.implicit_from >= 0 and seq.implicit_wake == tick]
+        num_running = self._num_running_entries
+        admitted = zip(scheduled[num_running:], sampled[num_running:], repeat(None))
+        if not num_running:  # the usual case: every running sequence is implicit
+            due.sort(key=_entry_order_key)
+            return chain(due, admitted)
+        due += zip(scheduled[:num_running], sampled[:num_running], repeat(None))
+        due.sort(key=_entry_order_key)
+        return chain(due, admitted)
 
     @staticmethod
     def _stop_reason(seq: Sequence, token: int, len_cap: int) -> FinishReason | None:
@@ -680,8 +763,12 @@ class Scheduler:
             assert self._implicit_base == sum(len(s.token_ids) - s.implicit_from for s in implicit), "implicit sums off"
             tick = len(self._clock)
             for s in implicit:
-                # Its context at the next tick still fits its blocks, and it wakes before it
-                # needs a block or stops.
+                # Its context at the next tick fits its blocks, or its block just filled and it
+                # is queued for a new one; otherwise it has an event ahead.
                 next_end = len(s.token_ids) + tick - s.implicit_from
-                assert next_end <= len(s.block_table) * bm.block_size, f"{s.request_id}: implicit past its blocks"
-                assert s.implicit_wake >= tick and s in self._wake.get(s.implicit_wake, ()), f"{s.request_id}: no wake"
+                table_end = len(s.block_table) * bm.block_size
+                if s.implicit_needs_block:
+                    assert next_end == table_end + 1 and s in self._needs_block, f"{s.request_id}: lost its block"
+                else:
+                    assert next_end <= table_end, f"{s.request_id}: implicit past its blocks"
+                    assert s.implicit_wake >= tick and s in self._wake.get(s.implicit_wake, ()), f"{s.request_id}: no wake"

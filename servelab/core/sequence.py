@@ -131,10 +131,12 @@ class Sequence:
     # Only under Scheduler(implicit_decode_token=...) (the simulator): while >= 0 this sequence
     # is a steady decode advanced implicitly, one token per step of the scheduler's implicit
     # clock from tick `implicit_from` on; `token_ids`, `token_times_s` and `num_computed_tokens`
-    # hold its state at that tick and catch up when it wakes (tick `implicit_wake`: its block
-    # fills or it finishes), is preempted or aborted, or on Scheduler.sync().
+    # hold its state at that tick and catch up when it finishes, is preempted, aborted or cut by
+    # the budget, or on Scheduler.sync(). At tick `implicit_wake` its block fills or it finishes;
+    # `implicit_needs_block` marks one whose block filled and that takes a new one next step.
     implicit_from: int = field(default=-1, init=False, repr=False)
     implicit_wake: int = field(default=-1, init=False, repr=False)
+    implicit_needs_block: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
