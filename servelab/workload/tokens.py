@@ -64,7 +64,11 @@ def simulated_prompt(spec: RequestSpec, block_size: int, seed: int = 0) -> tuple
     own_tag = -3 - 2 * spec.index
     token_ids = [prefix_tag] * num_prefix + [own_tag] * num_own
     shared_blocks = num_prefix // block_size
-    # Python's hash of a tuple of ints is the same in every process (only str hashes are salted).
-    hashes = [hash((seed, 0, spec.prefix_group, i)) for i in range(shared_blocks)]
-    hashes += [hash((seed, 1, spec.index, i)) for i in range(shared_blocks, spec.prompt_tokens // block_size)]
+    # Block i of a group or request is its base + i: a random 64-bit base (Python's hash of a
+    # tuple of ints is the same in every process; only str hashes are salted) keeps two ranges
+    # apart barring a 64-bit coincidence, and range() builds the list in C.
+    group_base = hash((seed, 0, spec.prefix_group))
+    own_base = hash((seed, 1, spec.index))
+    hashes = list(range(group_base, group_base + shared_blocks))
+    hashes += range(own_base + shared_blocks, own_base + spec.prompt_tokens // block_size)
     return token_ids, hashes
