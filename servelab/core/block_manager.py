@@ -22,6 +22,7 @@ of blocks through here. A prefix hit on a cached free block takes it out of its 
 from __future__ import annotations
 
 from collections import deque
+from operator import itemgetter
 
 from servelab.core.sequence import Sequence
 from servelab.errors import InvalidArgument
@@ -236,7 +237,7 @@ class BlockManager:
                 evicted += run[:take]
                 del run[:take]
         block_hash = self._block_hash
-        hashes = [block_hash[b] for b in evicted]
+        hashes = _gather(block_hash, evicted)
         for b in evicted:
             block_hash[b] = None
         list(map(self._hash_to_block.pop, hashes))
@@ -311,15 +312,31 @@ class BlockManager:
         refs = self._ref_counts
         block_hash = self._block_hash
         free_uncached = self._free_uncached
-        run: list[int] = []
-        for block in reversed(seq.block_table):
-            ref = refs[block] - 1
-            refs[block] = ref
-            if ref == 0:
-                if block_hash[block] is not None:
-                    run.append(block)
-                else:
-                    free_uncached.append(block)
+        table = seq.block_table
+        tail_first = table[::-1]
+        hashes = _gather(block_hash, tail_first)
+        unpublished = hashes.count(None)
+        only_tail_unpublished = unpublished == 0 or (unpublished == 1 and hashes[0] is None)
+        if only_tail_unpublished and _gather(refs, table).count(1) == len(table):
+            # The common case, in C-level passes: no block shared, all published but perhaps the
+            # partly filled last one (the head of tail_first).
+            for block in table:
+                refs[block] = 0
+            if unpublished:
+                free_uncached.append(tail_first[0])
+                run = tail_first[1:]
+            else:
+                run = tail_first
+        else:
+            run = []
+            for block in tail_first:
+                ref = refs[block] - 1
+                refs[block] = ref
+                if ref == 0:
+                    if block_hash[block] is not None:
+                        run.append(block)
+                    else:
+                        free_uncached.append(block)
         if run:
             run_of = self._run_of
             for block in run:
@@ -365,3 +382,11 @@ class BlockManager:
             assert self._block_hash[b] == h, f"hash map points to block {b} holding another hash"
         num_published = sum(h is not None for h in self._block_hash)
         assert num_published == len(self._hash_to_block), "stale block hash"
+
+
+def _gather(values: list, indices: list[int]) -> tuple:
+    """values[i] for each i, as a tuple, in one C call (itemgetter returns a bare value for one
+    index and cannot take none)."""
+    if len(indices) > 1:
+        return itemgetter(*indices)(values)
+    return tuple(values[i] for i in indices)
