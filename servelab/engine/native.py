@@ -130,16 +130,16 @@ def decode_attention(
     """out[b] = attention of q[b] over the first ctx_lens[b] positions of sequence b's blocks.
 
     q: [B, H, D] fp32 with unit stride in its last two dims (any row stride); k, v: one layer of
-    the pool, [kv_heads, slots, D] contiguous; block_table [B, max_blocks] and ctx_lens [B]
-    int64 contiguous; out: [B, H * D] contiguous. Nothing is checked beyond shapes' consistency
-    at the call sites: the caller (the model) builds all of these itself.
+    the pool, [kv_heads, slots, D] contiguous; block_table [B, max_blocks] int64 with unit
+    column stride and ctx_lens [B] int64 contiguous; out: [B, H * D] contiguous. Nothing is
+    checked: the caller (the model) builds all of these itself.
     """
     B, H, D = q.shape
     kv_heads = k.shape[0]
     scratch = torch.empty((H // kv_heads) * max_ctx, dtype=torch.float32)
     kernels.decode_attention(
         q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.shape[1],
-        block_table.data_ptr(), block_table.shape[1], block_size,
+        block_table.data_ptr(), block_table.stride(0), block_size,
         ctx_lens.data_ptr(), B, kv_heads, H // kv_heads, D, scale,
         scratch.data_ptr(), out.data_ptr(),
     )

@@ -11,7 +11,7 @@
  * Layouts (all contiguous unless a stride is given):
  *   q        [B, num_kv_heads * group, head_dim], row stride q_stride floats between sequences
  *   k, v     [num_kv_heads, num_slots, head_dim]: one layer of the pool; slot = block * block_size + offset
- *   blocks   [B, max_blocks] int64 block table; ctx_lens [B] int64 (>= 1)
+ *   blocks   [B, max_blocks] int64 block table, row stride table_stride; ctx_lens [B] int64 (>= 1)
  *   out      [B, num_kv_heads * group * head_dim]
  *   scratch  group * max(ctx_lens) floats
  */
@@ -89,7 +89,7 @@ static float softmax_numerators(float *s, int64_t n) {
 void servelab_decode_attention_f32(
     const float *q, int64_t q_stride,
     const float *k, const float *v, int64_t num_slots,
-    const int64_t *blocks, int64_t max_blocks, int64_t block_size,
+    const int64_t *blocks, int64_t table_stride, int64_t block_size,
     const int64_t *ctx_lens, int64_t batch,
     int64_t num_kv_heads, int64_t group, int64_t head_dim, float scale,
     float *scratch, float *out)
@@ -97,12 +97,33 @@ void servelab_decode_attention_f32(
     const int64_t D = head_dim, G = group;
     for (int64_t b = 0; b < batch; b++) {
         const int64_t ctx = ctx_lens[b];
-        const int64_t *table = blocks + b * max_blocks;
+        const int64_t *table = blocks + b * table_stride;
         for (int64_t h = 0; h < num_kv_heads; h++) {
             const float *kh = k + h * num_slots * D;
             const float *vh = v + h * num_slots * D;
             const float *qh = q + b * q_stride + h * G * D;
             float *oh = out + (b * num_kv_heads + h) * G * D;
+#ifdef __AVX2__
+            /* The blocks are scattered through the pool and each (sequence, head) is a short
+             * walk, so the hardware prefetcher never gets going: ask for the next pair's keys
+             * and values (into L2) while this one computes. */
+            {
+                const int64_t nb = h + 1 < num_kv_heads ? b : b + 1, nh = h + 1 < num_kv_heads ? h + 1 : 0;
+                if (nb < batch) {
+                    const int64_t *nt = blocks + nb * table_stride;
+                    const float *nk = k + nh * num_slots * D, *nv = v + nh * num_slots * D;
+                    for (int64_t c0 = 0; c0 < ctx_lens[nb]; c0 += block_size) {
+                        const int64_t rows = ctx_lens[nb] - c0 < block_size ? ctx_lens[nb] - c0 : block_size;
+                        const char *kb = (const char *)(nk + nt[c0 / block_size] * block_size * D);
+                        const char *vb = (const char *)(nv + nt[c0 / block_size] * block_size * D);
+                        for (int64_t off = 0; off < rows * D * 4; off += 64) {
+                            _mm_prefetch(kb + off, _MM_HINT_T1);
+                            _mm_prefetch(vb + off, _MM_HINT_T1);
+                        }
+                    }
+                }
+            }
+#endif
             /* scores[g * ctx + c] = q_g . k_c * scale, walking the sequence's blocks in order */
             for (int64_t c0 = 0; c0 < ctx; c0 += block_size) {
                 const float *kb = kh + table[c0 / block_size] * block_size * D;
