@@ -165,9 +165,9 @@ class LlamaModel:
         self._cos = self._sin = torch.empty(0)
         self.scale = 1.0 / math.sqrt(config.head_dim)
         # On CPU in fp32, when a C compiler is there (engine/native.py): decode attention in C
-        # straight from the block pool (2-3x faster than gather + SDPA at 32 sequences), and the
-        # residual add + RMSNorm and SwiGLU in one pass each. Elsewhere (CUDA, bf16, no
-        # compiler) the PyTorch path; the same values up to fp32 summation order.
+        # straight from the block pool (2-3x faster than gather + SDPA at 32 sequences), and
+        # RoPE + K/V store, residual add + RMSNorm and SwiGLU in one pass each. Elsewhere (CUDA,
+        # bf16, no compiler) the PyTorch path; the same values up to fp32 summation order.
         self.native = native.native_kernels() if self.device.type == "cpu" and self.dtype == torch.float32 else None
 
     @property

@@ -108,3 +108,23 @@ def test_add_rms_norm_and_silu_mul_match_pytorch(kernel, rows, hidden):
     gate_up[0, 0], gate_up[0, 1] = -200.0, 200.0
     expected_act = F.silu(gate_up[:, :hidden]) * gate_up[:, hidden:]
     torch.testing.assert_close(native.silu_mul(kernel, gate_up), expected_act, rtol=1e-5, atol=1e-5)
+
+
+def test_engine_generates_the_same_tokens_on_the_pytorch_path(kernel, tiny_engine_factory):
+    """The executor's two metadata shapes (block tables for the kernel; flat slots and a mask for
+    gather + SDPA) drive the same greedy tokens for a batch of mixed-length prompts."""
+    from servelab.core.sequence import SamplingParams
+
+    outputs = []
+    for use_native in (True, False):
+        engine = tiny_engine_factory(enable_prefix_caching=False)
+        if not use_native:
+            engine.executor.model.native = None
+        seqs = [
+            engine.add_request(f"r{i}", list(range(10 + i, 10 + i + n)), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+            for i, n in enumerate((3, 17, 40, 9))
+        ]
+        while engine.has_unfinished():
+            engine.step()
+        outputs.append([s.output_token_ids for s in seqs])
+    assert outputs[0] == outputs[1]
