@@ -222,21 +222,41 @@ def test_32_concurrent_streams_complete_with_correct_usage_and_batch(server):
         results = await asyncio.gather(*(one(p) for p in prompts))
         return results, time.perf_counter() - t0
 
+    async def peak_running(done: asyncio.Event) -> float:
+        # The running batch as /metrics reports it, sampled while the streams run.
+        peak = 0.0
+        async with httpx.AsyncClient(timeout=10) as http:
+            while not done.is_set():
+                text = (await http.get(f"{server.url}/metrics")).text
+                for family in text_string_to_metric_families(text):
+                    for sample in family.samples:
+                        if sample.name == "servelab:num_requests_running":
+                            peak = max(peak, sample.value)
+                await asyncio.sleep(0.005)
+        return peak
+
     async def main():
         single, single_s = await timed(prompts[:1])
+        done = asyncio.Event()
+        poller = asyncio.create_task(peak_running(done))
         many, many_s = await timed(prompts)
+        done.set()
         await aclient.close()
-        return single, single_s, many, many_s
+        return single, single_s, many, many_s, await poller
 
-    _, single_s, many, many_s = asyncio.run(main())
+    _, single_s, many, many_s, peak = asyncio.run(main())
     assert len(many) == 32
     for (n_content, finish, usage), n_prompt in zip(many, prompt_tokens):
         assert finish == "length" and n_content > 0
         assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (n_prompt, max_tokens, n_prompt + max_tokens)
+    # Batching: the 32 streams share the engine's steps (one running batch, not a queue of
+    # one-at-a-time requests), and so together outrun one stream. How far depends on how much
+    # of a token's cost is the model's: on this tiny model with native kernels the HTTP/SSE
+    # path per token is comparable to the step, so the throughput check is only "faster".
+    assert peak >= 16, peak
     single_tps = max_tokens / single_s
     total_tps = 32 * max_tokens / many_s
-    # Batching: 32 streams share each step, so total throughput is far above one stream's.
-    assert total_tps > 2 * single_tps, (single_tps, total_tps)
+    assert total_tps > single_tps, (single_tps, total_tps)
     wait_until_idle(server.url)
 
 
