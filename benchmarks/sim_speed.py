@@ -4,7 +4,7 @@ Llama 3.1 8B on one H100 SXM, 1,024 tokens in and 256 out, Poisson arrivals at a
 (default 80%) of the capacity that this same simulator measures first in an overloaded run.
 Then a shorter run splits the wall time between the scheduler (schedule + update, in core; the
 KV-block and prefix-cache work inside them shown apart), the SimExecutor with the roofline, the
-workload's synthetic token ids and the rest (event loop, requests, records, metrics).
+workload's stand-in prompts and the rest (event loop, requests, records, metrics).
 
     .venv/bin/python benchmarks/sim_speed.py --num-requests 100000
 """
