@@ -253,43 +253,34 @@ class BlockManager:
         start = seq.num_committed_blocks
         if num_full <= start:
             return
+        if num_full - start == 1:  # a decode filled one block: the common call
+            end = num_full * bs
+            self.commit_next_block(seq, hash(tuple(seq.token_ids[end - bs : end])))
+            return
         seq.num_committed_blocks = num_full
         if not self.enable_prefix_caching:
             return
+        self._update_block_hashes(seq)
         hashes = seq.block_hashes
-        if len(hashes) == start and num_full - start == 1:
-            # A decode filled one block (16 times per 256-token output): hash it here rather
-            # than through _update_block_hashes, the same value in one call fewer.
-            end = num_full * bs
-            hashes.append(hash((hashes[-1] if start else _ROOT_HASH, hash(tuple(seq.token_ids[end - bs : end])))))
-        else:
-            self._update_block_hashes(seq)
         table = seq.block_table
         block_hash = self._block_hash
-        lookup = self._hash_to_block
         # Blocks past num_committed_blocks were taken fresh (no hash) and only their one owner
         # can publish them (check_invariants asserts it), so publishing is just recording the
         # pairs. Two sequences can compute the same prefix in the same step; the first published
-        # copy wins and the duplicate stays private (freed uncached).
-        # setdefault publishes a hash unless a block holds it already and returns the holder:
-        # one dict operation per block (these dicts are large, and each lookup is a cache miss).
-        if num_full - start == 1:  # a decode filled one block: the common call
-            h = hashes[start]
-            block = table[start]
-            if lookup.setdefault(h, block) == block:
-                block_hash[block] = h
-            return
+        # copy wins and the duplicate stays private (freed uncached). setdefault publishes a hash
+        # unless a block holds it already and returns the holder: one dict operation per block.
         new_hashes = hashes[start:num_full]
         new_blocks = table[start:num_full]
-        holders = list(map(lookup.setdefault, new_hashes, new_blocks))
+        holders = list(map(self._hash_to_block.setdefault, new_hashes, new_blocks))
         for block, h, holder in zip(new_blocks, new_hashes, holders):
             if holder == block:  # else another copy of this prefix was published first
                 block_hash[block] = h
 
     def commit_next_block(self, seq: Sequence, tokens_hash: int) -> None:
         """Publish seq's next full block, whose tokens hash to `tokens_hash` (the hash of their
-        tuple), as commit_computed_blocks would once it is computed: for a caller that does not
-        hold the tokens in `seq.token_ids` yet (the scheduler's implicit decodes)."""
+        tuple): commit_computed_blocks for one block, and for a caller that does not hold the
+        tokens in `seq.token_ids` yet (the scheduler's implicit decodes). A block hashed before
+        (this sequence was preempted and recomputed) keeps its hash."""
         index = seq.num_committed_blocks
         seq.num_committed_blocks = index + 1
         if not self.enable_prefix_caching:

@@ -643,14 +643,10 @@ class Scheduler:
         explicit loop would meet them: among the running sequences' entries in `running` order,
         before the entries of sequences admitted this step. (No logprobs: the simulator's.)"""
         due = [(seq, _WAKE, None) for seq in woken if seq.implicit_from >= 0 and seq.implicit_wake == tick]
-        num_running = self._num_running_entries
-        admitted = zip(scheduled[num_running:], sampled[num_running:], repeat(None))
-        if not num_running:  # the usual case: every running sequence is implicit
-            due.sort(key=_entry_order_key)
-            return chain(due, admitted)
+        num_running = self._num_running_entries  # usually 0: every running sequence is implicit
         due += zip(scheduled[:num_running], sampled[:num_running], repeat(None))
         due.sort(key=_entry_order_key)
-        return chain(due, admitted)
+        return chain(due, zip(scheduled[num_running:], sampled[num_running:], repeat(None)))
 
     @staticmethod
     def _stop_reason(seq: Sequence, token: int, len_cap: int) -> FinishReason | None:

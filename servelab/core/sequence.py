@@ -120,9 +120,9 @@ class Sequence:
     # unless ignore_eos, and the stop token ids). Scheduler._stop_reason then applies the full
     # rules (min_tokens, which reason); these two fields only decide when to ask it.
     stop_check_num_tokens: int = field(default=0, init=False, repr=False)
+    stop_check_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
     # The scheduler's admission/preemption order key, set by Scheduler.add (see _order_key there).
     order_key: tuple = field(default=(), init=False, repr=False)
-    stop_check_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
 
     # Only under Scheduler(reuse_plan_entries=True) (the simulator): the one ScheduledSeq that
     # every plan reuses for this sequence, rewritten each step instead of allocated.
