@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 
 from servelab.engine import native
+from servelab.engine.block_quant import MAX_ROWS as _MAX_ROWS_FOR_PACKED
+from servelab.engine.block_quant import BlockQuantLinear
 from servelab.engine.quantization import Int8Linear
 from servelab.errors import InvalidArgument
 
@@ -80,18 +82,25 @@ def rope_inv_freq(config: ModelConfig, freq_divisors: torch.Tensor | None = None
 # Up to this many sampling rows the pre-transposed fp32 head is faster (see LlamaModel.__init__).
 _MAX_ROWS_FOR_TRANSPOSED_HEAD = 2
 
-# A linear's weight: a tensor [out, in], or packed int8 under the opt-in int8 quantization.
-Weight = torch.Tensor | Int8Linear
+# A linear's weight: a tensor [out, in]; that tensor with its GGUF blocks (block_quant.py); or
+# packed int8 under the opt-in int8 quantization.
+Weight = torch.Tensor | BlockQuantLinear | Int8Linear
 
 
 def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     if isinstance(weight, torch.Tensor):
         return F.linear(x, weight, bias)
+    if isinstance(weight, BlockQuantLinear):
+        return weight(x, bias)
     return weight(x)  # an Int8Linear carries its bias packed with it
 
 
 def _nbytes(weight: Weight) -> int:
-    return weight.nbytes if isinstance(weight, Int8Linear) else weight.numel() * weight.element_size()
+    return weight.numel() * weight.element_size() if isinstance(weight, torch.Tensor) else weight.nbytes
+
+
+def _dense(weight: Weight) -> torch.Tensor:
+    return weight.dense if isinstance(weight, BlockQuantLinear) else weight
 
 
 @dataclass(slots=True)
@@ -144,6 +153,7 @@ class LlamaModel:
         final_norm: torch.Tensor,
         lm_head: torch.Tensor,
         rope_freq_divisors: torch.Tensor | None = None,
+        lm_head_packed: BlockQuantLinear | None = None,
     ):
         self.config = config
         self.embed = embed
@@ -155,8 +165,12 @@ class LlamaModel:
         # 49152 x 576 head, AVX2, 1 thread: 8 vs 15 ms at 1 row, 17 vs 32 ms at 2); from 4 rows
         # on MKL's F.linear wins (4: 38 vs 55 ms, 32: 82 vs 100 ms), so the choice is per step.
         # In bf16 without native bf16 kernels `x @ W^T` is 10x slower than F.linear, so other
-        # dtypes keep F.linear. One extra copy of the head.
-        self.lm_head_t = lm_head.t().contiguous() if lm_head.dtype == torch.float32 else None
+        # dtypes keep F.linear. One extra copy of the head, unless it came block-quantized: then
+        # up to block_quant.MAX_ROWS rows read the packed blocks (SmolLM2's Q8_0 head: ~4 ms).
+        self.lm_head_packed = lm_head_packed
+        self.lm_head_t = (
+            lm_head.t().contiguous() if lm_head.dtype == torch.float32 and lm_head_packed is None else None
+        )
         self.lm_head_int8: Int8Linear | None = None
         self.dtype = embed.dtype
         self.device = embed.device
@@ -184,13 +198,13 @@ class LlamaModel:
         if self.dtype != torch.float32:
             raise InvalidArgument(f"quantization 'int8' computes in float32, not {self.dtype}", param="dtype")
         for layer in self.layers:
-            layer.qkv = Int8Linear.from_weight(layer.qkv, layer.qkv_bias)
+            layer.qkv = Int8Linear.from_weight(_dense(layer.qkv), layer.qkv_bias)
             layer.qkv_bias = None
-            layer.o = Int8Linear.from_weight(layer.o)
-            layer.gate_up = Int8Linear.from_weight(layer.gate_up)
-            layer.down = Int8Linear.from_weight(layer.down)
+            layer.o = Int8Linear.from_weight(_dense(layer.o))
+            layer.gate_up = Int8Linear.from_weight(_dense(layer.gate_up))
+            layer.down = Int8Linear.from_weight(_dense(layer.down))
         self.lm_head_int8 = Int8Linear.from_weight(self.lm_head)
-        self.lm_head_t = None
+        self.lm_head_t = self.lm_head_packed = None
 
     def num_parameters(self) -> int:
         n = self.embed.numel() + self.final_norm.numel()
@@ -204,7 +218,7 @@ class LlamaModel:
     def weight_bytes(self) -> int:
         """Bytes one decode step reads: every weight once (the embedding row gather is negligible;
         the head is read whole even when tied to the embedding)."""
-        head = self.lm_head_int8 if self.lm_head_int8 is not None else self.lm_head
+        head = self.lm_head_int8 or self.lm_head_packed or self.lm_head
         n = _nbytes(head) + _nbytes(self.final_norm)
         for layer in self.layers:
             n += _nbytes(layer.input_norm) + _nbytes(layer.post_norm) + sum(_nbytes(w) for w in layer.linears())
@@ -294,6 +308,8 @@ class LlamaModel:
         x = self._rms_norm(x, self.final_norm)
         if self.lm_head_int8 is not None:
             return self.lm_head_int8(x)
+        if self.lm_head_packed is not None and x.shape[0] <= _MAX_ROWS_FOR_PACKED:
+            return self.lm_head_packed(x)
         if self.lm_head_t is not None and x.shape[0] <= _MAX_ROWS_FOR_TRANSPOSED_HEAD:
             return x @ self.lm_head_t
         return F.linear(x, self.lm_head).float()

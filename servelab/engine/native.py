@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = ("decode_attention.c", "layer_ops.c")
+_SOURCES = ("decode_attention.c", "layer_ops.c", "block_quant_linear.c")
 _HEADERS = ("vec_exp.h",)
 
 _lock = threading.Lock()
@@ -46,7 +46,7 @@ def _flags() -> list[str]:
     # the kernel is written to vectorize without reassociation. FMA contraction is allowed.
     flags = ["-O3", "-std=gnu99", "-shared", "-fPIC", "-ffp-contract=fast"]
     if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        flags += ["-mavx2", "-mfma"]
+        flags += ["-mavx2", "-mfma", "-mf16c"]
     return flags
 
 
@@ -58,6 +58,8 @@ class NativeKernels:
     add_rms_norm: Callable[..., None]
     silu_mul: Callable[..., None]
     rope_store_kv: Callable[..., None]
+    block_quant_linear: Callable[..., None]
+    block_dequant: Callable[..., None]
 
 
 def _build() -> NativeKernels:
@@ -96,6 +98,10 @@ def _build() -> NativeKernels:
         add_rms_norm=fn("servelab_add_rms_norm_f32", ptr, ptr, ptr, ptr, i64, i64, f32),
         silu_mul=fn("servelab_silu_mul_f32", ptr, ptr, i64, i64),
         rope_store_kv=fn("servelab_rope_store_kv_f32", ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64),
+        block_quant_linear=fn(
+            "servelab_block_quant_linear_f32", i64, ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr
+        ),
+        block_dequant=fn("servelab_block_dequant_f32", i64, ptr, i64, i64, i64, i64, ptr),
     )
 
 

@@ -16,6 +16,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from servelab.engine import block_quant, native
 from servelab.engine.model import LayerWeights, LlamaModel, ModelConfig
 from servelab.errors import InvalidArgument, NotFound
 
@@ -77,8 +78,22 @@ def _build_model(
     dtype: torch.dtype,
     device: str,
     rope_freq_divisors: torch.Tensor | None = None,
+    get_packed: Callable[[str], tuple[int, torch.Tensor] | None] | None = None,
 ) -> LlamaModel:
-    """`get(name)` returns an fp32/fp16 CPU tensor in HF layout for an HF-style name, or None."""
+    """`get(name)` returns an fp32/fp16 CPU tensor in HF layout for an HF-style name, or None.
+    `get_packed(name)`, for GGUF files, returns the same weight's (ggml type, raw rows
+    [out, row_bytes] uint8) when it is block-quantized, for block_quant's few-row kernels."""
+    kernels = None
+    if get_packed is not None and dtype == torch.float32 and device == "cpu":
+        kernels = native.native_kernels()
+
+    def linear(names: list[str]) -> torch.Tensor | block_quant.BlockQuantLinear:
+        dense = cast(torch.cat([need(n) for n in names], dim=0)) if len(names) > 1 else cast(need(names[0]))
+        parts = None
+        if kernels is not None:
+            found = [get_packed(n) for n in names]
+            parts = None if any(p is None for p in found) else found
+        return block_quant.pack(dense, parts, kernels)
 
     def need(name: str) -> torch.Tensor:
         t = get(name)
@@ -92,26 +107,30 @@ def _build_model(
     layers = []
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        qkv = torch.cat([need(p + f"self_attn.{n}_proj.weight") for n in "qkv"], dim=0)
         bias = None
         if config.qkv_bias:
             bias = cast(torch.cat([need(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0))
-        gate_up = torch.cat([need(p + "mlp.gate_proj.weight"), need(p + "mlp.up_proj.weight")], dim=0)
         layers.append(
             LayerWeights(
                 input_norm=cast(need(p + "input_layernorm.weight")),
-                qkv=cast(qkv),
+                qkv=linear([p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
                 qkv_bias=bias,
-                o=cast(need(p + "self_attn.o_proj.weight")),
+                o=linear([p + "self_attn.o_proj.weight"]),
                 post_norm=cast(need(p + "post_attention_layernorm.weight")),
-                gate_up=cast(gate_up),
-                down=cast(need(p + "mlp.down_proj.weight")),
+                gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                down=linear([p + "mlp.down_proj.weight"]),
             )
         )
     embed = cast(need("model.embed_tokens.weight"))
     head = None if config.tie_word_embeddings else get("lm_head.weight")
     lm_head = embed if head is None else cast(head)
-    return LlamaModel(config, embed, layers, cast(need("model.norm.weight")), lm_head, rope_freq_divisors)
+    head_name = "model.embed_tokens.weight" if head is None else "lm_head.weight"
+    head_parts = None if kernels is None or (part := get_packed(head_name)) is None else [part]
+    packed_head = block_quant.pack(lm_head, head_parts, kernels)
+    return LlamaModel(
+        config, embed, layers, cast(need("model.norm.weight")), lm_head, rope_freq_divisors,
+        lm_head_packed=packed_head if isinstance(packed_head, block_quant.BlockQuantLinear) else None,
+    )
 
 
 def _spec_from(kind: str, source: Any, **kwargs: Any) -> Any:
@@ -464,10 +483,21 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
             w = unpermute_rope_rows(w, config.num_kv_heads)
         return w
 
+    def get_packed(name: str) -> tuple[int, torch.Tensor] | None:
+        t = by_hf.get(name)
+        if t is None or t.tensor_type not in block_quant.GGUF_BLOCK_FORMATS:
+            return None
+        rows = torch.from_numpy(np.array(t.data, copy=True)).reshape(t.shape[-1], -1)  # [out, row_bytes]
+        if permuted and name.endswith("q_proj.weight"):
+            rows = unpermute_rope_rows(rows, config.num_heads)
+        elif permuted and name.endswith("k_proj.weight"):
+            rows = unpermute_rope_rows(rows, config.num_kv_heads)
+        return t.tensor_type, rows
+
     divisors = None
     if "rope_freqs.weight" in tensors:  # llama 3.1's scaling, stored as per-dimension divisors
         divisors = dequantize_gguf_tensor(tensors["rope_freqs.weight"]).reshape(-1)
-    model = _build_model(config, get, dtype, device, divisors)
+    model = _build_model(config, get, dtype, device, divisors, get_packed)
     tokenizer = Tokenizer.from_gguf(metadata)
     name = path.name[: -len(".gguf")] if path.name.endswith(".gguf") else path.name
     spec = _spec_from("gguf", metadata, name=name, tie_embeddings=config.tie_word_embeddings)

@@ -1,0 +1,99 @@
+"""Linears that also keep their GGUF block-quantized weights, for decode steps with few rows.
+
+A GGUF model's weights arrive block-quantized (SmolLM2's layers as Q4_1, 5 bits a weight; its
+head as Q8_0). The loader dequantizes them to fp32, the exact values transformers computes, and
+the model multiplies in fp32. A decode step with one or a few sequences is bound by the bytes of
+weights it reads, and fp32 reads 4-6x more than the file holds; so for such steps the C kernel
+in csrc/block_quant_linear.c multiplies straight from the packed blocks (expanding them in
+registers) while steps with many rows, which are compute-bound, keep MKL's GEMM over the fp32
+copy. Same weights, fp32 sums either way: only the rounding order differs, so this is on by
+default, unlike the approximate `--quantization int8`. Costs the packed copy's memory (~100 MB
+for SmolLM2, a quarter of its fp32 weights).
+
+Formats: Q8_0, Q4_0, Q4_1 (32 weights a block). Others (K-quants, F16, ...) keep the fp32 path.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from servelab.engine import native
+
+# ggml type id -> (our kernel's format code, bytes per 32-weight block)
+GGUF_BLOCK_FORMATS = {8: (0, 34), 2: (1, 18), 3: (2, 20)}  # Q8_0, Q4_0, Q4_1
+FORMAT_NAMES = {0: "Q8_0", 1: "Q4_0", 2: "Q4_1"}
+
+# Up to this many rows a step uses the packed weights. Measured on this AVX2 host (1 thread, all
+# 210 of SmolLM2's Q4_1 matrices from DRAM): packed 16 / 19 / 26 ms at 1 / 2 / 4 rows against
+# MKL's fp32 54 / 88 / 100 ms; about level at 24-32 rows.
+MAX_ROWS = 16
+
+
+@dataclass(slots=True)
+class BlockQuantLinear:
+    """y = x @ W^T (+ bias): `dense` is W in fp32 [out, in]; `packed` the same W as GGUF blocks,
+    [out, in / 32 * block_bytes] uint8, row o holding output o's blocks."""
+
+    dense: torch.Tensor
+    packed: torch.Tensor
+    fmt: int  # a key of FORMAT_NAMES
+    kernels: native.NativeKernels
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.shape[0]
+        if rows > MAX_ROWS or rows == 0:
+            return F.linear(x, self.dense, bias)
+        x = x.contiguous()
+        out_features, in_features = self.dense.shape
+        y = torch.empty(rows, out_features, dtype=torch.float32)
+        scratch = torch.empty(max(in_features, rows * (in_features // 32)), dtype=torch.float32)
+        self.kernels.block_quant_linear(
+            self.fmt, self.packed.data_ptr(), self.packed.shape[1], in_features, 0, out_features,
+            x.data_ptr(), rows, None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
+            scratch.data_ptr(),
+        )
+        return y
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.dense.shape
+
+    def numel(self) -> int:
+        return self.dense.numel()
+
+    @property
+    def format_name(self) -> str:
+        return FORMAT_NAMES[self.fmt]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a step with few rows reads: the packed blocks."""
+        return self.packed.numel()
+
+    def dequantize(self) -> torch.Tensor:
+        """The packed blocks expanded by the kernel, [out, in] fp32 (tests check it equals `dense`)."""
+        out_features, in_features = self.dense.shape
+        w = torch.empty(out_features, in_features, dtype=torch.float32)
+        self.kernels.block_dequant(self.fmt, self.packed.data_ptr(), self.packed.shape[1], in_features, 0, out_features, w.data_ptr())
+        return w
+
+
+def pack(
+    dense: torch.Tensor, parts: list[tuple[int, torch.Tensor]] | None, kernels: native.NativeKernels | None
+) -> torch.Tensor | BlockQuantLinear:
+    """`dense` alone, or with its packed form when every part (ggml type, [rows, row_bytes] uint8,
+    concatenated along rows in order) is one supported format, the weight is fp32 on the CPU and
+    the kernels are there."""
+    if kernels is None or parts is None or dense.dtype != torch.float32 or dense.device.type != "cpu":
+        return dense
+    types = {t for t, _ in parts}
+    if len(types) != 1 or (gtype := types.pop()) not in GGUF_BLOCK_FORMATS:
+        return dense
+    fmt, block_bytes = GGUF_BLOCK_FORMATS[gtype]
+    packed = torch.cat([rows for _, rows in parts], dim=0).contiguous()
+    if packed.shape != (dense.shape[0], dense.shape[1] // 32 * block_bytes) or dense.shape[1] % 32:
+        return dense
+    return BlockQuantLinear(dense, packed, fmt, kernels)

@@ -1,0 +1,249 @@
+/* y = x @ W^T for a weight kept in its GGUF block-quantized form, fp32 activations and sums.
+ *
+ * Why: a decode step with few rows reads every weight once and does two flops with each, so it
+ * is bound by the bytes it streams. SmolLM2's GGUF stores its layers as Q4_1 (5 bits a weight)
+ * and its head as Q8_0 (8.5 bits); dequantized to fp32 they are 32 bits, 4-6x the bytes. Here
+ * each block's quants are widened to fp32 in registers and used for up to four activation rows
+ * at once, so the weights stream in their packed size. The weights are the values the loader's
+ * dequantization produces (servelab_block_dequant_f32 writes them out, and tests check they
+ * are bit-identical), so this is the fp32 model with another summation order, not an
+ * approximation. With many rows the work is compute-bound and MKL's fp32 GEMM over the
+ * dequantized copy wins; the model picks per call (block_quant.py).
+ *
+ * Block formats (ggml), 32 weights a block, a row of W is in/32 consecutive blocks:
+ *   Q8_0  fp16 d, int8 q[32]                 w = d * q
+ *   Q4_0  fp16 d, uint8 qs[16]               w = d * (nibble - 8)
+ *   Q4_1  fp16 d, fp16 m, uint8 qs[16]       w = d * nibble + m
+ * where byte j of qs holds element j in its low nibble and element j + 16 in its high nibble.
+ */
+#include <stdint.h>
+#include <string.h>
+#ifdef __AVX2__
+#include <immintrin.h>
+#endif
+
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+
+static inline float fp16_to_f32(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    uint32_t bits;
+    if (exp == 0x1f) {
+        bits = sign | 0x7f800000u | (man << 13);
+    } else if (exp != 0) {
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    } else if (man == 0) {
+        bits = sign;
+    } else { /* subnormal: normalise */
+        int e = -1;
+        uint32_t m = man;
+        do { e++; m <<= 1; } while (!(m & 0x400));
+        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+/* One row of nblocks blocks -> nblocks * 32 floats. */
+static void dequant_row(int64_t qtype, const uint8_t *row, int64_t nblocks, float *dst) {
+    for (int64_t b = 0; b < nblocks; b++, dst += 32) {
+        if (qtype == Q8_0) {
+            const uint8_t *blk = row + b * 34;
+            const float d = fp16_to_f32(blk);
+            const int8_t *q = (const int8_t *)(blk + 2);
+#ifdef __AVX2__
+            const __m256 vd = _mm256_set1_ps(d);
+            for (int j = 0; j < 32; j += 8) {
+                const __m128i q8 = _mm_loadl_epi64((const __m128i *)(q + j));
+                _mm256_storeu_ps(dst + j, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8))));
+            }
+#else
+            for (int j = 0; j < 32; j++) dst[j] = d * (float)q[j];
+#endif
+        } else {
+            const int has_min = qtype == Q4_1;
+            const uint8_t *blk = row + b * (has_min ? 20 : 18);
+            const float d = fp16_to_f32(blk);
+            const float m = has_min ? fp16_to_f32(blk + 2) : 0.0f;
+            const uint8_t *qs = blk + (has_min ? 4 : 2);
+#ifdef __AVX2__
+            const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
+            const __m128i mask = _mm_set1_epi8(0x0f);
+            const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
+            const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
+            const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m), off = _mm256_set1_ps(has_min ? 0.0f : 8.0f);
+            for (int j = 0; j < 4; j++) {
+                const __m256 n = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j])), off);
+                /* d * n, then + m: two roundings, as the loader's dequantization does */
+                __m256 w = _mm256_mul_ps(vd, n);
+                __asm__("" : "+x"(w)); /* keeps -ffp-contract from fusing the add into an FMA */
+                _mm256_storeu_ps(dst + 8 * j, has_min ? _mm256_add_ps(w, vm) : w);
+            }
+#else
+            const float off = has_min ? 0.0f : 8.0f;
+            for (int j = 0; j < 16; j++) {
+                volatile float w_lo = d * ((float)(qs[j] & 0x0f) - off), w_hi = d * ((float)(qs[j] >> 4) - off);
+                dst[j] = has_min ? w_lo + m : w_lo;
+                dst[j + 16] = has_min ? w_hi + m : w_hi;
+            }
+#endif
+        }
+    }
+}
+
+/* Block sizes in bytes, and where the quants start. */
+static inline int64_t block_bytes(int64_t qtype) { return qtype == Q8_0 ? 34 : qtype == Q4_1 ? 20 : 18; }
+
+/* Per block, sum_i w_i x_i = d * sum_i q_i x_i + m * sum_i x_i with q the raw quant (int8, or a
+ * nibble 0..15) and m the block's offset (Q4_1: m; Q4_0: -8 d; Q8_0: 0). So the weights need no
+ * multiply or add of their own, only a conversion to float: that halves the work a block costs
+ * (the kernel is bound by those instructions, not by memory, on two AVX2 cores). The result is
+ * the fp32 dot product with the dequantized weights up to rounding order, like any other GEMM. */
+static inline float block_offset(int64_t qtype, const uint8_t *blk, float d) {
+    return qtype == Q4_1 ? fp16_to_f32(blk + 2) : qtype == Q4_0 ? -8.0f * d : 0.0f;
+}
+
+#ifdef __AVX2__
+/* The 32 raw quants of a block as four vectors of eight floats. */
+static inline void block_quants(int64_t qtype, const uint8_t *blk, __m256 q[4]) {
+    if (qtype == Q8_0) {
+        for (int j = 0; j < 4; j++)
+            q[j] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + 8 * j))));
+        return;
+    }
+    /* Each half of the 16 quant bytes zero-extended straight from memory to eight dwords; the
+     * low nibbles are elements 0-7 / 8-15, the high nibbles 16-23 / 24-31. (Fewer shuffles than
+     * splitting a 16-byte load: shuffles were what bound this loop on Zen 3.) */
+    const uint8_t *qs = blk + (qtype == Q4_1 ? 4 : 2);
+    const __m256i mask = _mm256_set1_epi32(0x0f);
+    const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
+    const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
+    q[0] = _mm256_cvtepi32_ps(_mm256_and_si256(b0, mask));
+    q[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b1, mask));
+    q[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b0, 4));
+    q[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b1, 4));
+}
+
+static inline float hsum(__m256 s) {
+    __m128 h = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+    h = _mm_add_ss(h, _mm_movehdup_ps(h));
+    return _mm_cvtss_f32(h);
+}
+
+/* NR (1..4) rows x against output rows [o_begin, o_end); xsum [NR, nblocks] holds each row's
+ * per-block sums. Named accumulators, not arrays, so that they stay in registers. */
+static inline void fused_rows(int64_t qtype, int NR, const uint8_t *w, int64_t row_bytes, int64_t in_features,
+                              int64_t o_begin, int64_t o_end, const float *x, const float *xsum,
+                              const float *bias, float *y, int64_t y_stride) {
+    const int64_t nblocks = in_features / 32, bb = block_bytes(qtype);
+    const int64_t s1 = in_features, s2 = 2 * in_features, s3 = 3 * in_features;
+    for (int64_t o = o_begin; o < o_end; o++) {
+        const uint8_t *row = w + o * row_bytes;
+        __m256 t0 = _mm256_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;
+        float m0 = 0.0f, m1 = 0.0f, m2 = 0.0f, m3 = 0.0f;
+        for (int64_t b = 0; b < nblocks; b++) {
+            const uint8_t *blk = row + b * bb;
+            __m256 q[4];
+            block_quants(qtype, blk, q);
+            const float d = fp16_to_f32(blk);
+            const __m256 vd = _mm256_set1_ps(d);
+            const float *xb = x + b * 32;
+            /* two chains per row inside a block, then one FMA into the row's total */
+#define SL_ROW(T, M, OFF, R)                                                                       \
+            {                                                                                      \
+                __m256 e = _mm256_mul_ps(q[0], _mm256_loadu_ps(xb + (OFF)));                       \
+                __m256 f = _mm256_mul_ps(q[1], _mm256_loadu_ps(xb + (OFF) + 8));                   \
+                e = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(xb + (OFF) + 16), e);                    \
+                f = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(xb + (OFF) + 24), f);                    \
+                T = _mm256_fmadd_ps(vd, _mm256_add_ps(e, f), T);                                   \
+                if (qtype != Q8_0) M += mo * xsum[(R) * nblocks + b];                              \
+            }
+            const float mo = block_offset(qtype, blk, d);
+            SL_ROW(t0, m0, 0, 0)
+            if (NR > 1) SL_ROW(t1, m1, s1, 1)
+            if (NR > 2) SL_ROW(t2, m2, s2, 2)
+            if (NR > 3) SL_ROW(t3, m3, s3, 3)
+#undef SL_ROW
+        }
+        const float bo = bias ? bias[o] : 0.0f;
+        y[o] = hsum(t0) + m0 + bo;
+        if (NR > 1) y[y_stride + o] = hsum(t1) + m1 + bo;
+        if (NR > 2) y[2 * y_stride + o] = hsum(t2) + m2 + bo;
+        if (NR > 3) y[3 * y_stride + o] = hsum(t3) + m3 + bo;
+    }
+}
+
+/* The switches give the compiler one specialised loop per (format, row count). */
+static void fused(int64_t qtype, int64_t nr, const uint8_t *w, int64_t row_bytes, int64_t in_features,
+                  int64_t o_begin, int64_t o_end, const float *x, const float *xsum, const float *bias, float *y,
+                  int64_t y_stride) {
+#define SL_ROWS(QT)                                                                                         \
+    switch (nr) {                                                                                           \
+    case 1: fused_rows(QT, 1, w, row_bytes, in_features, o_begin, o_end, x, xsum, bias, y, y_stride); break; \
+    case 2: fused_rows(QT, 2, w, row_bytes, in_features, o_begin, o_end, x, xsum, bias, y, y_stride); break; \
+    case 3: fused_rows(QT, 3, w, row_bytes, in_features, o_begin, o_end, x, xsum, bias, y, y_stride); break; \
+    default: fused_rows(QT, 4, w, row_bytes, in_features, o_begin, o_end, x, xsum, bias, y, y_stride); break; \
+    }
+    switch (qtype) {
+    case Q8_0: SL_ROWS(Q8_0) break;
+    case Q4_0: SL_ROWS(Q4_0) break;
+    default: SL_ROWS(Q4_1) break;
+    }
+#undef SL_ROWS
+}
+#endif
+
+/* y[r, o] = sum_i W[o, i] * x[r, i] (+ bias[o]) for output rows o in [o_begin, o_end), all rows.
+ *   w        the packed weight, out_features rows of row_bytes bytes (in_features / 32 blocks)
+ *   x        [rows, in_features] contiguous; y [rows, y_stride] (writes columns o_begin..o_end)
+ *   bias     NULL or [out_features]
+ *   scratch  max(in_features, rows * in_features / 32) floats
+ */
+void servelab_block_quant_linear_f32(int64_t qtype, const uint8_t *w, int64_t row_bytes, int64_t in_features,
+                                     int64_t o_begin, int64_t o_end, const float *x, int64_t rows,
+                                     const float *bias, float *y, int64_t y_stride, float *scratch)
+{
+#ifdef __AVX2__
+    const int64_t nblocks = in_features / 32;
+    for (int64_t r = 0; r < rows; r++)  /* each row's per-block sums, for the offset term */
+        for (int64_t b = 0; b < nblocks; b++) {
+            const float *xb = x + r * in_features + b * 32;
+            __m256 s = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(xb), _mm256_loadu_ps(xb + 8)),
+                                     _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
+            scratch[r * nblocks + b] = hsum(s);
+        }
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
+        const int64_t nr = rows - r0 < 4 ? rows - r0 : 4;
+        fused(qtype, nr, w, row_bytes, in_features, o_begin, o_end, x + r0 * in_features, scratch + r0 * nblocks,
+              bias, y + r0 * y_stride, y_stride);
+    }
+#else
+    const int64_t nblocks = in_features / 32;
+    for (int64_t o = o_begin; o < o_end; o++) {
+        dequant_row(qtype, w + o * row_bytes, nblocks, scratch);
+        const float b = bias ? bias[o] : 0.0f;
+        for (int64_t r = 0; r < rows; r++) {
+            const float *xr = x + r * in_features;
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int64_t i = 0; i < in_features; i += 8)
+                for (int j = 0; j < 8; j++) acc[j] += scratch[i + j] * xr[i + j];
+            y[r * y_stride + o] = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + b;
+        }
+    }
+#endif
+}
+
+/* The rows of a packed weight dequantized into out [o_end - o_begin, in_features] (for tests). */
+void servelab_block_dequant_f32(int64_t qtype, const uint8_t *w, int64_t row_bytes, int64_t in_features,
+                                int64_t o_begin, int64_t o_end, float *out)
+{
+    for (int64_t o = o_begin; o < o_end; o++)
+        dequant_row(qtype, w + o * row_bytes, in_features / 32, out + (o - o_begin) * in_features);
+}

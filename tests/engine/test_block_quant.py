@@ -1,0 +1,148 @@
+"""Linears that keep their GGUF blocks (engine/block_quant.py, csrc/block_quant_linear.c): the
+kernel's weights are bit-identical to the loader's dequantization, its products match fp32
+F.linear, the portable (non-AVX2) build agrees too, and a GGUF model gives the same logits with
+and without the packed path."""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+from importlib import resources
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from servelab.engine import block_quant, native
+from servelab.engine.block_quant import BlockQuantLinear
+from servelab.engine.testing import max_rel_diff, prefill_logits
+from servelab.engine.weights import GGUFTensor, dequantize_gguf_tensor, load_model
+
+from .test_weights import _write_gguf
+
+FORMATS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    k = native.native_kernels()
+    if k is None:
+        pytest.skip(f"native kernels unavailable here: {native.load_error}")
+    return k
+
+
+def _packed(fmt: str, out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(raw blocks [out, row_bytes] uint8, the loader's fp32 dequantization [out, in]) of a random
+    weight with an offset (so Q4_1's minimum matters) quantized by the gguf package."""
+    rng = np.random.default_rng(seed)
+    w = (rng.standard_normal((out_features, in_features)) * 0.05 + rng.uniform(-0.02, 0.02)).astype(np.float32)
+    qt = gguf.GGMLQuantizationType[fmt]
+    raw = gguf.quants.quantize(w, qt).view(np.uint8).reshape(out_features, -1)
+    dense = dequantize_gguf_tensor(GGUFTensor("w", (in_features, out_features), int(qt), raw))
+    return torch.from_numpy(raw.copy()), dense
+
+
+def _check(linear: BlockQuantLinear, rows: int, with_bias: bool, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    out_features, in_features = linear.dense.shape
+    x = torch.randn(rows, in_features, generator=g)
+    bias = torch.randn(out_features, generator=g) if with_bias else None
+    got = linear(x, bias)
+    ref = F.linear(x.double(), linear.dense.double(), None if bias is None else bias.double())
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    # fp32 sums of ~in_features terms in another order: errors of a few ulps of the row's scale
+    assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("in_features", [32, 96, 576])
+def test_kernel_weights_are_the_loaders_and_products_match_fp32(kernels, fmt, in_features):
+    raw, dense = _packed(fmt, 37, in_features, seed=in_features)
+    linear = block_quant.pack(dense, [(FORMATS[fmt], raw)], kernels)
+    assert isinstance(linear, BlockQuantLinear) and linear.format_name == fmt
+    assert torch.equal(linear.dequantize(), dense)  # bit for bit, Q4_1's d * q + m included
+    for rows in (1, 2, 3, 4, 5, 8, 9, block_quant.MAX_ROWS):  # every row-group size and remainder
+        _check(linear, rows, with_bias=rows % 2 == 1, seed=rows)
+
+
+def test_many_rows_take_the_dense_gemm(kernels):
+    raw, dense = _packed("Q4_1", 8, 64, seed=1)
+    linear = block_quant.pack(dense, [(3, raw)], kernels)
+    linear.packed.zero_()  # garbage in the packed copy: only the fp32 path can still be right
+    x = torch.randn(block_quant.MAX_ROWS + 1, 64)
+    assert torch.equal(linear(x), F.linear(x, dense))
+    assert not torch.allclose(linear(x[:1]), F.linear(x[:1], dense))  # ...and few rows do read it
+
+
+def test_parts_that_cannot_be_packed_stay_dense(kernels):
+    raw8, dense8 = _packed("Q8_0", 4, 64, seed=2)
+    raw4, dense4 = _packed("Q4_1", 4, 64, seed=3)
+    both = torch.cat([dense8, dense4])
+    assert block_quant.pack(both, [(8, raw8), (3, raw4)], kernels) is both  # mixed formats (fused QKV)
+    assert block_quant.pack(dense8, [(12, raw8)], kernels) is dense8  # Q4_K: not handled
+    assert block_quant.pack(dense8, [(8, raw8)], None) is dense8  # no kernels
+    assert block_quant.pack(dense8, None, kernels) is dense8  # not from a GGUF block format
+    assert isinstance(block_quant.pack(dense8.bfloat16(), [(8, raw8)], kernels), torch.Tensor)
+    fused = block_quant.pack(both[:8], [(8, raw8), (8, raw8)], kernels)
+    assert isinstance(fused, BlockQuantLinear) and torch.equal(fused.dequantize(), torch.cat([dense8, dense8]))
+
+
+def test_portable_build_without_avx2_agrees(tmp_path):
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        pytest.skip("no C compiler")
+    src = resources.files("servelab.engine").joinpath("csrc/block_quant_linear.c")
+    lib_path = tmp_path / "bq_portable.so"
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-mno-avx2", str(src), "-o", str(lib_path)], check=True)
+    lib = ctypes.CDLL(str(lib_path))
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lin = lib.servelab_block_quant_linear_f32
+    lin.argtypes, lin.restype = [i64, ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr], None
+    deq = lib.servelab_block_dequant_f32
+    deq.argtypes, deq.restype = [i64, ptr, i64, i64, i64, i64, ptr], None
+    for fmt, code in (("Q8_0", 0), ("Q4_0", 1), ("Q4_1", 2)):
+        raw, dense = _packed(fmt, 11, 96, seed=code)
+        w = torch.empty_like(dense)
+        deq(code, raw.data_ptr(), raw.shape[1], 96, 0, 11, w.data_ptr())
+        assert torch.equal(w, dense), fmt
+        x, y = torch.randn(3, 96), torch.empty(3, 11)
+        scratch = torch.empty(96)
+        lin(code, raw.data_ptr(), raw.shape[1], 96, 0, 11, x.data_ptr(), 3, None, y.data_ptr(), 11, scratch.data_ptr())
+        ref = F.linear(x.double(), dense.double())
+        assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), fmt
+
+
+def _strip_packed(model) -> None:
+    for layer in model.layers:
+        for name in ("qkv", "o", "gate_up", "down"):
+            w = getattr(layer, name)
+            if isinstance(w, BlockQuantLinear):
+                setattr(layer, name, w.dense)
+    model.lm_head_packed = None
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_gguf_model_gives_the_same_logits_with_its_packed_weights(kernels, tiny_llama, tmp_path, fmt):
+    path = _write_gguf(tiny_llama, tmp_path / f"tiny-{fmt}.gguf", fmt)
+    packed = load_model(path, dtype=torch.float32).model
+    dense = load_model(path, dtype=torch.float32).model
+    _strip_packed(dense)
+    layer = packed.layers[0]
+    assert all(isinstance(w, BlockQuantLinear) and w.format_name == fmt for w in layer.linears())
+    assert packed.lm_head_packed is not None and packed.lm_head_t is None
+    assert packed.weight_bytes() < dense.weight_bytes() / 3  # what a few-row step streams
+    ids = list(range(3, 70))
+    for chunk in (1, 7):  # decode steps (1 row) and 7-row chunks (a 4-row group plus 3)
+        ours, ref = prefill_logits(packed, ids, chunk=chunk), prefill_logits(dense, ids, chunk=chunk)
+        assert max_rel_diff(ours, ref) <= 1e-5
+        assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+
+
+def test_fp16_and_hf_models_have_no_packed_weights(tiny_llama, tmp_path):
+    assert all(isinstance(w, torch.Tensor) for w in load_model(tiny_llama, dtype=torch.float32).model.layers[0].linears())
+    path = _write_gguf(tiny_llama, tmp_path / "tiny-f16.gguf", "F16")
+    model = load_model(path, dtype=torch.float32).model
+    assert all(isinstance(w, torch.Tensor) for w in model.layers[0].linears()) and model.lm_head_packed is None
