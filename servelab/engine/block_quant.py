@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from servelab.engine import native
+from servelab.engine.quantization import Int8Linear
 
 # ggml type id -> (our kernel's format code, bytes per 32-weight block)
 GGUF_BLOCK_FORMATS = {8: (0, 34), 2: (1, 18), 3: (2, 20)}  # Q8_0, Q4_0, Q4_1
@@ -34,35 +35,43 @@ MAX_ROWS = 16
 
 @dataclass(slots=True)
 class BlockQuantLinear:
-    """y = x @ W^T (+ bias): `dense` is W in fp32 [out, in]; `packed` the same W as GGUF blocks,
-    [out, in / 32 * block_bytes] uint8, row o holding output o's blocks."""
+    """y = x @ W^T (+ bias). `packed` is W as GGUF blocks, [out, in / 32 * block_bytes] uint8 (row
+    o holds output o's blocks), used for up to MAX_ROWS rows; `many_rows` serves bigger steps:
+    W in fp32 [out, in], or under the opt-in `--quantization int8` its Int8Linear (no bias)."""
 
-    dense: torch.Tensor
     packed: torch.Tensor
     fmt: int  # a key of FORMAT_NAMES
     kernels: native.NativeKernels
+    many_rows: torch.Tensor | Int8Linear
+    shape: tuple[int, int]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
         if rows > MAX_ROWS or rows == 0:
-            return F.linear(x, self.dense, bias)
+            if isinstance(self.many_rows, torch.Tensor):
+                return F.linear(x, self.many_rows, bias)
+            y = self.many_rows(x)
+            return y if bias is None else y + bias
         x = x.contiguous()
-        out_features, in_features = self.dense.shape
+        out_features, in_features = self.shape
+        threads = torch.get_num_threads()
         y = torch.empty(rows, out_features, dtype=torch.float32)
-        scratch = torch.empty(max(in_features, rows * (in_features // 32)), dtype=torch.float32)
+        scratch = torch.empty(rows * (in_features // 32) + threads * in_features, dtype=torch.float32)
         self.kernels.block_quant_linear(
-            self.fmt, self.packed.data_ptr(), self.packed.shape[1], in_features, 0, out_features,
-            x.data_ptr(), rows, None if bias is None else bias.data_ptr(), y.data_ptr(), out_features,
-            scratch.data_ptr(),
+            self.fmt, self.packed.data_ptr(), self.packed.shape[1], in_features, out_features,
+            x.data_ptr(), rows, None if bias is None else bias.data_ptr(), y.data_ptr(), scratch.data_ptr(), threads,
         )
         return y
 
     @property
-    def shape(self) -> torch.Size:
-        return self.dense.shape
+    def dense(self) -> torch.Tensor:
+        """W in fp32 (not kept under int8 quantization: `dequantize()` rebuilds it)."""
+        if not isinstance(self.many_rows, torch.Tensor):
+            raise ValueError("this linear keeps int8 weights for many rows, not fp32 ones")
+        return self.many_rows
 
     def numel(self) -> int:
-        return self.dense.numel()
+        return self.shape[0] * self.shape[1]
 
     @property
     def format_name(self) -> str:
@@ -75,7 +84,7 @@ class BlockQuantLinear:
 
     def dequantize(self) -> torch.Tensor:
         """The packed blocks expanded by the kernel, [out, in] fp32 (tests check it equals `dense`)."""
-        out_features, in_features = self.dense.shape
+        out_features, in_features = self.shape
         w = torch.empty(out_features, in_features, dtype=torch.float32)
         self.kernels.block_dequant(self.fmt, self.packed.data_ptr(), self.packed.shape[1], in_features, 0, out_features, w.data_ptr())
         return w
@@ -96,4 +105,4 @@ def pack(
     packed = torch.cat([rows for _, rows in parts], dim=0).contiguous()
     if packed.shape != (dense.shape[0], dense.shape[1] // 32 * block_bytes) or dense.shape[1] % 32:
         return dense
-    return BlockQuantLinear(dense, packed, fmt, kernels)
+    return BlockQuantLinear(packed, fmt, kernels, dense, (dense.shape[0], dense.shape[1]))

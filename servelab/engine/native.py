@@ -1,8 +1,9 @@
 """Native CPU kernels: plain C built on first use with the system C compiler, loaded with ctypes.
 
-Decode attention (csrc/decode_attention.c: why it beats gather + SDPA is in that file) and the
+Decode attention (csrc/decode_attention.c: why it beats gather + SDPA is in that file), the
 per-layer elementwise ops (csrc/layer_ops.c: residual add + RMSNorm, SwiGLU, RoPE with the
-K/V store). The shared library is cached under $SERVELAB_CACHE_DIR, else
+K/V store) and few-row linears over GGUF blocks (csrc/block_quant_linear.c). Attention and the
+linears split their work over torch.get_num_threads() threads of our own pool (csrc/parallel.c). The shared library is cached under $SERVELAB_CACHE_DIR, else
 $XDG_CACHE_HOME/servelab, else ~/.cache/servelab, keyed by a hash of the source, the compiler
 and its flags, so a build costs about a second once per machine. Everything here is optional:
 without a C compiler (or with SERVELAB_NATIVE=0) `native_kernels()` returns None and
@@ -25,8 +26,8 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = ("decode_attention.c", "layer_ops.c", "block_quant_linear.c")
-_HEADERS = ("vec_exp.h",)
+_SOURCES = ("decode_attention.c", "layer_ops.c", "block_quant_linear.c", "parallel.c")
+_HEADERS = ("vec_exp.h", "parallel.h")
 
 _lock = threading.Lock()
 _kernel: NativeKernels | None = None
@@ -79,7 +80,7 @@ def _build() -> NativeKernels:
                 (Path(tmp) / name).write_bytes(text)
             paths = [str(Path(tmp) / name) for name in _SOURCES]
             tmp_lib = Path(tmp) / lib_path.name
-            proc = subprocess.run([cc, *flags, *paths, "-o", str(tmp_lib), "-lm"], capture_output=True, text=True)
+            proc = subprocess.run([cc, *flags, *paths, "-o", str(tmp_lib), "-lm", "-lpthread"], capture_output=True, text=True)
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:500]}")
             os.replace(tmp_lib, lib_path)  # atomic: concurrent builders each install a whole file
@@ -93,13 +94,14 @@ def _build() -> NativeKernels:
 
     return NativeKernels(
         decode_attention=fn(
-            "servelab_decode_attention_f32", ptr, i64, ptr, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, f32, ptr, ptr
+            "servelab_decode_attention_f32",
+            ptr, i64, ptr, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, f32, ptr, i64, ptr, i64,
         ),
         add_rms_norm=fn("servelab_add_rms_norm_f32", ptr, ptr, ptr, ptr, i64, i64, f32),
         silu_mul=fn("servelab_silu_mul_f32", ptr, ptr, i64, i64),
         rope_store_kv=fn("servelab_rope_store_kv_f32", ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64),
         block_quant_linear=fn(
-            "servelab_block_quant_linear_f32", i64, ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr
+            "servelab_block_quant_linear_f32", i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64
         ),
         block_dequant=fn("servelab_block_dequant_f32", i64, ptr, i64, i64, i64, i64, ptr),
     )
@@ -142,12 +144,14 @@ def decode_attention(
     """
     B, H, D = q.shape
     kv_heads = k.shape[0]
-    scratch = torch.empty((H // kv_heads) * max_ctx, dtype=torch.float32)
+    threads = torch.get_num_threads()  # the (sequence, KV head) pairs are split over as many
+    per_part = (H // kv_heads) * max_ctx
+    scratch = torch.empty(threads * per_part, dtype=torch.float32)
     kernels.decode_attention(
         q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.shape[1],
         block_table.data_ptr(), block_table.stride(0), block_size,
         ctx_lens.data_ptr(), B, kv_heads, H // kv_heads, D, scale,
-        scratch.data_ptr(), out.data_ptr(),
+        scratch.data_ptr(), per_part, out.data_ptr(), threads,
     )
 
 

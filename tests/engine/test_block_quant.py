@@ -68,6 +68,23 @@ def test_kernel_weights_are_the_loaders_and_products_match_fp32(kernels, fmt, in
         _check(linear, rows, with_bias=rows % 2 == 1, seed=rows)
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_threads_split_the_outputs_without_changing_a_bit(kernels, fmt):
+    raw, dense = _packed(fmt, 1000, 576, seed=5)  # big enough for the pool to use every thread
+    linear = block_quant.pack(dense, [(FORMATS[fmt], raw)], kernels)
+    x = torch.randn(5, 576)
+    before = torch.get_num_threads()
+    try:
+        results = []
+        for threads in (1, 2, 3, 7):
+            torch.set_num_threads(threads)
+            results.append(linear(x))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(r, results[0]) for r in results)  # each output is one thread's sum
+    _check(linear, 5, with_bias=False, seed=0)
+
+
 def test_many_rows_take_the_dense_gemm(kernels):
     raw, dense = _packed("Q4_1", 8, 64, seed=1)
     linear = block_quant.pack(dense, [(3, raw)], kernels)
@@ -94,23 +111,25 @@ def test_portable_build_without_avx2_agrees(tmp_path):
     cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         pytest.skip("no C compiler")
-    src = resources.files("servelab.engine").joinpath("csrc/block_quant_linear.c")
+    csrc = resources.files("servelab.engine").joinpath("csrc")
+    sources = [str(csrc.joinpath(name)) for name in ("block_quant_linear.c", "parallel.c")]
     lib_path = tmp_path / "bq_portable.so"
-    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-mno-avx2", str(src), "-o", str(lib_path)], check=True)
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-mno-avx2", *sources, "-o", str(lib_path), "-lpthread"], check=True)
     lib = ctypes.CDLL(str(lib_path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lin = lib.servelab_block_quant_linear_f32
-    lin.argtypes, lin.restype = [i64, ptr, i64, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr], None
+    lin.argtypes, lin.restype = [i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64], None
     deq = lib.servelab_block_dequant_f32
     deq.argtypes, deq.restype = [i64, ptr, i64, i64, i64, i64, ptr], None
     for fmt, code in (("Q8_0", 0), ("Q4_0", 1), ("Q4_1", 2)):
-        raw, dense = _packed(fmt, 11, 96, seed=code)
+        raw, dense = _packed(fmt, 200, 384, seed=code)
         w = torch.empty_like(dense)
-        deq(code, raw.data_ptr(), raw.shape[1], 96, 0, 11, w.data_ptr())
+        deq(code, raw.data_ptr(), raw.shape[1], 384, 0, 200, w.data_ptr())
         assert torch.equal(w, dense), fmt
-        x, y = torch.randn(3, 96), torch.empty(3, 11)
-        scratch = torch.empty(96)
-        lin(code, raw.data_ptr(), raw.shape[1], 96, 0, 11, x.data_ptr(), 3, None, y.data_ptr(), 11, scratch.data_ptr())
+        x, y = torch.randn(3, 384), torch.empty(3, 200)
+        threads = 2  # 200 x 384 weights are enough for the pool to split the outputs in two
+        scratch = torch.empty(3 * 12 + threads * 384)
+        lin(code, raw.data_ptr(), raw.shape[1], 384, 200, x.data_ptr(), 3, None, y.data_ptr(), scratch.data_ptr(), threads)
         ref = F.linear(x.double(), dense.double())
         assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), fmt
 
@@ -146,3 +165,26 @@ def test_fp16_and_hf_models_have_no_packed_weights(tiny_llama, tmp_path):
     path = _write_gguf(tiny_llama, tmp_path / "tiny-f16.gguf", "F16")
     model = load_model(path, dtype=torch.float32).model
     assert all(isinstance(w, torch.Tensor) for w in model.layers[0].linears()) and model.lm_head_packed is None
+
+
+def test_int8_quantization_keeps_the_exact_packed_path_for_few_rows(kernels, tiny_llama, tmp_path):
+    from servelab.engine.quantization import Int8Linear, check_int8_supported
+
+    try:
+        check_int8_supported()
+    except Exception as exc:
+        pytest.skip(str(exc))
+    path = _write_gguf(tiny_llama, tmp_path / "tiny-q4_1.gguf", "Q4_1")
+    exact = load_model(path, dtype=torch.float32).model
+    int8 = load_model(path, dtype=torch.float32).model
+    int8.quantize_int8()
+    assert all(isinstance(w, BlockQuantLinear) and isinstance(w.many_rows, Int8Linear) for w in int8.layers[0].linears())
+    with pytest.raises(ValueError):
+        int8.layers[0].qkv.dense  # noqa: B018 - the fp32 copy is gone
+    ids = list(range(3, 40))
+    # decode steps and 4-row chunks: the packed blocks, the same arithmetic as without int8
+    assert torch.equal(prefill_logits(int8, ids, chunk=1), prefill_logits(exact, ids, chunk=1))
+    assert torch.equal(prefill_logits(int8, ids, chunk=4), prefill_logits(exact, ids, chunk=4))
+    # a 37-row prefill goes through the int8 GEMMs: close, not equal
+    whole_int8, whole = prefill_logits(int8, ids), prefill_logits(exact, ids)
+    assert 0 < max_rel_diff(whole_int8, whole) < 0.1

@@ -64,6 +64,16 @@ def test_kernel_matches_per_sequence_attention(kernel, kv_heads, group, head_dim
     native.decode_attention(kernel, q, kc, vc, table, torch.tensor(ctx_lens), max(ctx_lens), block_size, scale, out)
     ref = _reference(q, kc, vc, tables, ctx_lens, block_size, scale)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    # Our thread pool splits the (sequence, KV head) pairs; each pair's arithmetic is unchanged.
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3, 5):
+            torch.set_num_threads(threads)
+            again = torch.full_like(out, float("nan"))
+            native.decode_attention(kernel, q, kc, vc, table, torch.tensor(ctx_lens), max(ctx_lens), block_size, scale, again)
+            assert torch.equal(again, out), threads
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_model_gives_the_same_logits_with_and_without_the_kernels(kernel, tiny_llama):

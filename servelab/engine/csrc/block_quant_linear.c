@@ -18,6 +18,8 @@
  */
 #include <stdint.h>
 #include <string.h>
+
+#include "parallel.h"
 #ifdef __AVX2__
 #include <immintrin.h>
 #endif
@@ -200,18 +202,55 @@ static void fused(int64_t qtype, int64_t nr, const uint8_t *w, int64_t row_bytes
 }
 #endif
 
-/* y[r, o] = sum_i W[o, i] * x[r, i] (+ bias[o]) for output rows o in [o_begin, o_end), all rows.
+struct linear_job {
+    int64_t qtype, row_bytes, in_features, rows, y_stride;
+    const uint8_t *w;
+    const float *x, *bias, *xsum;
+    float *y, *scratch;
+};
+
+/* Output rows [begin, end) for every activation row. */
+static void linear_part(const void *ctx, int64_t part, int64_t begin, int64_t end) {
+    const struct linear_job *j = ctx;
+#ifdef __AVX2__
+    (void)part;
+    const int64_t nblocks = j->in_features / 32;
+    for (int64_t r0 = 0; r0 < j->rows; r0 += 4) {
+        const int64_t nr = j->rows - r0 < 4 ? j->rows - r0 : 4;
+        fused(j->qtype, nr, j->w, j->row_bytes, j->in_features, begin, end, j->x + r0 * j->in_features,
+              j->xsum + r0 * nblocks, j->bias, j->y + r0 * j->y_stride, j->y_stride);
+    }
+#else
+    const int64_t nblocks = j->in_features / 32, n = j->in_features;
+    float *row = j->scratch + part * n;
+    for (int64_t o = begin; o < end; o++) {
+        dequant_row(j->qtype, j->w + o * j->row_bytes, nblocks, row);
+        const float b = j->bias ? j->bias[o] : 0.0f;
+        for (int64_t r = 0; r < j->rows; r++) {
+            const float *xr = j->x + r * n;
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int64_t i = 0; i < n; i += 8)
+                for (int k = 0; k < 8; k++) acc[k] += row[i + k] * xr[i + k];
+            j->y[r * j->y_stride + o] = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + b;
+        }
+    }
+#endif
+}
+
+/* y[r, o] = sum_i W[o, i] * x[r, i] (+ bias[o]) for all out_features outputs and all rows, the
+ * outputs split over up to `threads` threads (parallel.c).
  *   w        the packed weight, out_features rows of row_bytes bytes (in_features / 32 blocks)
- *   x        [rows, in_features] contiguous; y [rows, y_stride] (writes columns o_begin..o_end)
+ *   x        [rows, in_features] contiguous; y [rows, out_features] contiguous
  *   bias     NULL or [out_features]
- *   scratch  max(in_features, rows * in_features / 32) floats
+ *   scratch  rows * in_features / 32 floats, plus threads * in_features floats without AVX2
  */
 void servelab_block_quant_linear_f32(int64_t qtype, const uint8_t *w, int64_t row_bytes, int64_t in_features,
-                                     int64_t o_begin, int64_t o_end, const float *x, int64_t rows,
-                                     const float *bias, float *y, int64_t y_stride, float *scratch)
+                                     int64_t out_features, const float *x, int64_t rows, const float *bias,
+                                     float *y, float *scratch, int64_t threads)
 {
-#ifdef __AVX2__
     const int64_t nblocks = in_features / 32;
+    struct linear_job job = {qtype, row_bytes, in_features, rows, out_features, w, x, bias, scratch, y, scratch};
+#ifdef __AVX2__
     for (int64_t r = 0; r < rows; r++)  /* each row's per-block sums, for the offset term */
         for (int64_t b = 0; b < nblocks; b++) {
             const float *xb = x + r * in_features + b * 32;
@@ -219,25 +258,10 @@ void servelab_block_quant_linear_f32(int64_t qtype, const uint8_t *w, int64_t ro
                                      _mm256_add_ps(_mm256_loadu_ps(xb + 16), _mm256_loadu_ps(xb + 24)));
             scratch[r * nblocks + b] = hsum(s);
         }
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-        const int64_t nr = rows - r0 < 4 ? rows - r0 : 4;
-        fused(qtype, nr, w, row_bytes, in_features, o_begin, o_end, x + r0 * in_features, scratch + r0 * nblocks,
-              bias, y + r0 * y_stride, y_stride);
-    }
-#else
-    const int64_t nblocks = in_features / 32;
-    for (int64_t o = o_begin; o < o_end; o++) {
-        dequant_row(qtype, w + o * row_bytes, nblocks, scratch);
-        const float b = bias ? bias[o] : 0.0f;
-        for (int64_t r = 0; r < rows; r++) {
-            const float *xr = x + r * in_features;
-            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            for (int64_t i = 0; i < in_features; i += 8)
-                for (int j = 0; j < 8; j++) acc[j] += scratch[i + j] * xr[i + j];
-            y[r * y_stride + o] = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + b;
-        }
-    }
 #endif
+    /* a part of at least ~32k weights (~10 us), so that waking a worker pays */
+    const int64_t max_parts = out_features * in_features / 32768;
+    sl_parallel_for(linear_part, &job, out_features, threads < max_parts ? threads : max_parts);
 }
 
 /* The rows of a packed weight dequantized into out [o_end - o_begin, in_features] (for tests). */

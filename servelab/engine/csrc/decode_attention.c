@@ -19,6 +19,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "parallel.h"
 #include "vec_exp.h"
 
 /* Eight independent partial sums so the compiler vectorizes the dot product without being
@@ -86,95 +87,129 @@ static float softmax_numerators(float *s, int64_t n) {
     return sum;
 }
 
+struct attention_job {
+    const float *q, *k, *v;
+    int64_t q_stride, num_slots;
+    const int64_t *blocks;
+    int64_t table_stride, block_size;
+    const int64_t *ctx_lens;
+    int64_t batch, num_kv_heads, group, head_dim;
+    float scale;
+    float *scratch;  /* group * max_ctx floats per part */
+    int64_t scratch_per_part;
+    float *out;
+};
+
+/* (sequence, KV head) pairs [begin, end) in order, pair = b * num_kv_heads + h. */
+static void attention_part(const void *ctx_, int64_t part, int64_t begin, int64_t end)
+{
+    const struct attention_job *j = ctx_;
+    const float *q = j->q, *k = j->k, *v = j->v;
+    const int64_t q_stride = j->q_stride, num_slots = j->num_slots, table_stride = j->table_stride;
+    const int64_t block_size = j->block_size, batch = j->batch, num_kv_heads = j->num_kv_heads;
+    const int64_t *blocks = j->blocks, *ctx_lens = j->ctx_lens;
+    const float scale = j->scale;
+    float *scratch = j->scratch + part * j->scratch_per_part, *out = j->out;
+    const int64_t D = j->head_dim, G = j->group;
+    for (int64_t pair = begin; pair < end; pair++) {
+        const int64_t b = pair / num_kv_heads, h = pair % num_kv_heads;
+        const int64_t ctx = ctx_lens[b];
+        const int64_t *table = blocks + b * table_stride;
+        const float *kh = k + h * num_slots * D;
+        const float *vh = v + h * num_slots * D;
+        const float *qh = q + b * q_stride + h * G * D;
+        float *oh = out + (b * num_kv_heads + h) * G * D;
+#ifdef __AVX2__
+        /* The blocks are scattered through the pool and each (sequence, head) is a short
+         * walk, so the hardware prefetcher never gets going: ask for the next pair's keys
+         * and values (into L2) while this one computes. */
+        {
+            const int64_t nb = h + 1 < num_kv_heads ? b : b + 1, nh = h + 1 < num_kv_heads ? h + 1 : 0;
+            if (nb < batch && nb * num_kv_heads + nh < end) {
+                const int64_t *nt = blocks + nb * table_stride;
+                const float *nk = k + nh * num_slots * D, *nv = v + nh * num_slots * D;
+                for (int64_t c0 = 0; c0 < ctx_lens[nb]; c0 += block_size) {
+                    const int64_t rows = ctx_lens[nb] - c0 < block_size ? ctx_lens[nb] - c0 : block_size;
+                    const char *kb = (const char *)(nk + nt[c0 / block_size] * block_size * D);
+                    const char *vb = (const char *)(nv + nt[c0 / block_size] * block_size * D);
+                    for (int64_t off = 0; off < rows * D * 4; off += 64) {
+                        _mm_prefetch(kb + off, _MM_HINT_T1);
+                        _mm_prefetch(vb + off, _MM_HINT_T1);
+                    }
+                }
+            }
+        }
+#endif
+        /* scores[g * ctx + c] = q_g . k_c * scale, walking the sequence's blocks in order */
+        for (int64_t c0 = 0; c0 < ctx; c0 += block_size) {
+            const float *kb = kh + table[c0 / block_size] * block_size * D;
+            const int64_t n = ctx - c0 < block_size ? ctx - c0 : block_size;
+            for (int64_t g = 0; g < G; g++) {
+                float *s = scratch + g * ctx + c0;
+                int64_t i = 0;
+#ifdef __AVX2__
+                if (D % 8 == 0)
+                    for (; i + 8 <= n; i += 8)
+                        _mm256_storeu_ps(s + i, _mm256_mul_ps(dot8(qh + g * D, kb + i * D, D), _mm256_set1_ps(scale)));
+#endif
+                for (; i < n; i++) s[i] = dot(qh + g * D, kb + i * D, D) * scale;
+            }
+        }
+        float inv_sum[G > 0 ? G : 1];
+        for (int64_t g = 0; g < G; g++) inv_sum[g] = 1.0f / softmax_numerators(scratch + g * ctx, ctx);
+        /* out_g = sum_c p[g, c] * v_c / sum_c p[g, c] */
+        memset(oh, 0, (size_t)(G * D) * sizeof(float));
+        for (int64_t c0 = 0; c0 < ctx; c0 += block_size) {
+            const float *vb = vh + table[c0 / block_size] * block_size * D;
+            const int64_t n = ctx - c0 < block_size ? ctx - c0 : block_size;
+            for (int64_t g = 0; g < G; g++) {
+                const float *p = scratch + g * ctx + c0;
+                float *o = oh + g * D;
+                int64_t d = 0;
+#ifdef __AVX2__
+                /* 32 output dims stay in four registers while the block's rows stream by */
+                for (; d + 32 <= D; d += 32) {
+                    __m256 o0 = _mm256_loadu_ps(o + d), o1 = _mm256_loadu_ps(o + d + 8);
+                    __m256 o2 = _mm256_loadu_ps(o + d + 16), o3 = _mm256_loadu_ps(o + d + 24);
+                    for (int64_t i = 0; i < n; i++) {
+                        const __m256 pi = _mm256_set1_ps(p[i]);
+                        const float *vr = vb + i * D + d;
+                        o0 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr), o0);
+                        o1 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr + 8), o1);
+                        o2 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr + 16), o2);
+                        o3 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr + 24), o3);
+                    }
+                    _mm256_storeu_ps(o + d, o0);
+                    _mm256_storeu_ps(o + d + 8, o1);
+                    _mm256_storeu_ps(o + d + 16, o2);
+                    _mm256_storeu_ps(o + d + 24, o3);
+                }
+#endif
+                for (; d < D; d++)
+                    for (int64_t i = 0; i < n; i++) o[d] += p[i] * vb[i * D + d];
+            }
+        }
+        for (int64_t g = 0; g < G; g++)
+            for (int64_t d = 0; d < D; d++) oh[g * D + d] *= inv_sum[g];
+    }
+}
+
+/* Decode attention for `batch` sequences, the (sequence, KV head) pairs split over up to
+ * `threads` threads (parallel.c); scratch holds threads * group * max(ctx_lens) floats. */
 void servelab_decode_attention_f32(
     const float *q, int64_t q_stride,
     const float *k, const float *v, int64_t num_slots,
     const int64_t *blocks, int64_t table_stride, int64_t block_size,
     const int64_t *ctx_lens, int64_t batch,
     int64_t num_kv_heads, int64_t group, int64_t head_dim, float scale,
-    float *scratch, float *out)
+    float *scratch, int64_t scratch_per_part, float *out, int64_t threads)
 {
-    const int64_t D = head_dim, G = group;
-    for (int64_t b = 0; b < batch; b++) {
-        const int64_t ctx = ctx_lens[b];
-        const int64_t *table = blocks + b * table_stride;
-        for (int64_t h = 0; h < num_kv_heads; h++) {
-            const float *kh = k + h * num_slots * D;
-            const float *vh = v + h * num_slots * D;
-            const float *qh = q + b * q_stride + h * G * D;
-            float *oh = out + (b * num_kv_heads + h) * G * D;
-#ifdef __AVX2__
-            /* The blocks are scattered through the pool and each (sequence, head) is a short
-             * walk, so the hardware prefetcher never gets going: ask for the next pair's keys
-             * and values (into L2) while this one computes. */
-            {
-                const int64_t nb = h + 1 < num_kv_heads ? b : b + 1, nh = h + 1 < num_kv_heads ? h + 1 : 0;
-                if (nb < batch) {
-                    const int64_t *nt = blocks + nb * table_stride;
-                    const float *nk = k + nh * num_slots * D, *nv = v + nh * num_slots * D;
-                    for (int64_t c0 = 0; c0 < ctx_lens[nb]; c0 += block_size) {
-                        const int64_t rows = ctx_lens[nb] - c0 < block_size ? ctx_lens[nb] - c0 : block_size;
-                        const char *kb = (const char *)(nk + nt[c0 / block_size] * block_size * D);
-                        const char *vb = (const char *)(nv + nt[c0 / block_size] * block_size * D);
-                        for (int64_t off = 0; off < rows * D * 4; off += 64) {
-                            _mm_prefetch(kb + off, _MM_HINT_T1);
-                            _mm_prefetch(vb + off, _MM_HINT_T1);
-                        }
-                    }
-                }
-            }
-#endif
-            /* scores[g * ctx + c] = q_g . k_c * scale, walking the sequence's blocks in order */
-            for (int64_t c0 = 0; c0 < ctx; c0 += block_size) {
-                const float *kb = kh + table[c0 / block_size] * block_size * D;
-                const int64_t n = ctx - c0 < block_size ? ctx - c0 : block_size;
-                for (int64_t g = 0; g < G; g++) {
-                    float *s = scratch + g * ctx + c0;
-                    int64_t i = 0;
-#ifdef __AVX2__
-                    if (D % 8 == 0)
-                        for (; i + 8 <= n; i += 8)
-                            _mm256_storeu_ps(s + i, _mm256_mul_ps(dot8(qh + g * D, kb + i * D, D), _mm256_set1_ps(scale)));
-#endif
-                    for (; i < n; i++) s[i] = dot(qh + g * D, kb + i * D, D) * scale;
-                }
-            }
-            float inv_sum[G > 0 ? G : 1];
-            for (int64_t g = 0; g < G; g++) inv_sum[g] = 1.0f / softmax_numerators(scratch + g * ctx, ctx);
-            /* out_g = sum_c p[g, c] * v_c / sum_c p[g, c] */
-            memset(oh, 0, (size_t)(G * D) * sizeof(float));
-            for (int64_t c0 = 0; c0 < ctx; c0 += block_size) {
-                const float *vb = vh + table[c0 / block_size] * block_size * D;
-                const int64_t n = ctx - c0 < block_size ? ctx - c0 : block_size;
-                for (int64_t g = 0; g < G; g++) {
-                    const float *p = scratch + g * ctx + c0;
-                    float *o = oh + g * D;
-                    int64_t d = 0;
-#ifdef __AVX2__
-                    /* 32 output dims stay in four registers while the block's rows stream by */
-                    for (; d + 32 <= D; d += 32) {
-                        __m256 o0 = _mm256_loadu_ps(o + d), o1 = _mm256_loadu_ps(o + d + 8);
-                        __m256 o2 = _mm256_loadu_ps(o + d + 16), o3 = _mm256_loadu_ps(o + d + 24);
-                        for (int64_t i = 0; i < n; i++) {
-                            const __m256 pi = _mm256_set1_ps(p[i]);
-                            const float *vr = vb + i * D + d;
-                            o0 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr), o0);
-                            o1 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr + 8), o1);
-                            o2 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr + 16), o2);
-                            o3 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr + 24), o3);
-                        }
-                        _mm256_storeu_ps(o + d, o0);
-                        _mm256_storeu_ps(o + d + 8, o1);
-                        _mm256_storeu_ps(o + d + 16, o2);
-                        _mm256_storeu_ps(o + d + 24, o3);
-                    }
-#endif
-                    for (; d < D; d++)
-                        for (int64_t i = 0; i < n; i++) o[d] += p[i] * vb[i * D + d];
-                }
-            }
-            for (int64_t g = 0; g < G; g++)
-                for (int64_t d = 0; d < D; d++) oh[g * D + d] *= inv_sum[g];
-        }
-    }
+    struct attention_job job = {q, k, v, q_stride, num_slots, blocks, table_stride, block_size, ctx_lens, batch,
+                                num_kv_heads, group, head_dim, scale, scratch, scratch_per_part, out};
+    /* a part of at least ~64k key and value elements (~10 us), so that waking a worker pays */
+    int64_t work = 0;
+    for (int64_t b = 0; b < batch; b++) work += ctx_lens[b];
+    work *= num_kv_heads * head_dim * 2;
+    const int64_t max_parts = work / 65536;
+    sl_parallel_for(attention_part, &job, batch * num_kv_heads, threads < max_parts ? threads : max_parts);
 }

@@ -1,0 +1,12 @@
+/* A small persistent thread pool for the native kernels (parallel.c). */
+#pragma once
+#include <stdint.h>
+
+/* task(ctx, part, begin, end) runs a contiguous range of [0, n); `part` < parts numbers it
+ * (for per-thread scratch). */
+typedef void (*sl_task)(const void *ctx, int64_t part, int64_t begin, int64_t end);
+
+/* Runs task over [0, n) in up to `threads` parts, the calling thread taking part 0, and returns
+ * when all are done. One part (inline, no pool) when threads <= 1, n <= 1, or another caller
+ * holds the pool. */
+void sl_parallel_for(sl_task task, const void *ctx, int64_t n, int64_t threads);
