@@ -27,9 +27,10 @@ from servelab.engine.quantization import Int8Linear
 GGUF_BLOCK_FORMATS = {8: (0, 34), 2: (1, 18), 3: (2, 20)}  # Q8_0, Q4_0, Q4_1
 FORMAT_NAMES = {0: "Q8_0", 1: "Q4_0", 2: "Q4_1"}
 
-# Up to this many rows a step uses the packed weights. Measured on this AVX2 host (1 thread, all
-# 210 of SmolLM2's Q4_1 matrices from DRAM): packed 16 / 19 / 26 ms at 1 / 2 / 4 rows against
-# MKL's fp32 54 / 88 / 100 ms; about level at 24-32 rows.
+# Up to this many rows a step uses the packed weights. Measured on this AVX2 host over all 210 of
+# SmolLM2's Q4_1 matrices (weights from DRAM), packed vs MKL's fp32 GEMM: 1 thread 16 / 56 /
+# 113 / 172 ms vs 54 / 124 / 157 / 172 ms at 1 / 8 / 16 / 24 rows; 2 threads 11 / 47 / 66 / 107
+# vs 46 / 117 / 99 / 108 ms. Level at about 24 rows either way.
 MAX_ROWS = 16
 
 
