@@ -1,14 +1,16 @@
-"""Linears that also keep their GGUF block-quantized weights, for decode steps with few rows.
+"""Linears that also keep their GGUF block-quantized weights, for steps of up to 128 rows.
 
 A GGUF model's weights arrive block-quantized (SmolLM2's layers as Q4_1, 5 bits a weight; its
 head as Q8_0). The loader dequantizes them to fp32, the exact values transformers computes, and
 the model multiplies in fp32. A decode step with one or a few sequences is bound by the bytes of
-weights it reads, and fp32 reads 4-6x more than the file holds; so for such steps the C kernel
-in csrc/block_quant_linear.c multiplies straight from the packed blocks (expanding them in
-registers) while steps with many rows, which are compute-bound, keep MKL's GEMM over the fp32
-copy. Same weights, fp32 sums either way: only the rounding order differs, so this is on by
-default, unlike the approximate `--quantization int8`. Costs the packed copy's memory (~100 MB
-for SmolLM2, a quarter of its fp32 weights).
+weights it reads, and fp32 reads 4-6x more than the file holds; so up to four rows the C kernel
+in csrc/block_quant_linear.c multiplies straight from the packed blocks, widening them in
+registers. From five rows on the work becomes compute-bound, and a second kernel expands 48
+outputs' weights at a time to fp32 in L2 and runs a register-blocked 4 x 3 kernel over them,
+~1.7x MKL's fp32 GEMM at 32 rows on this AVX2 host; from ~256 rows MKL's GEMM over the fp32 copy
+is ahead, so calls above 128 rows use it. Same weights, fp32 sums either way: only the rounding
+order differs, so this is on by default, unlike the approximate `--quantization int8`. Costs the
+packed copy's memory (~100 MB for SmolLM2, a quarter of its fp32 weights).
 
 Formats: Q8_0, Q4_0, Q4_1 (32 weights a block). Others (K-quants, F16, ...) keep the fp32 path.
 """
@@ -27,17 +29,19 @@ from servelab.engine.quantization import Int8Linear
 GGUF_BLOCK_FORMATS = {8: (0, 34), 2: (1, 18), 3: (2, 20)}  # Q8_0, Q4_0, Q4_1
 FORMAT_NAMES = {0: "Q8_0", 1: "Q4_0", 2: "Q4_1"}
 
-# Up to this many rows a step uses the packed weights. Measured on this AVX2 host over all 210 of
-# SmolLM2's Q4_1 matrices (weights from DRAM), packed vs MKL's fp32 GEMM: 1 thread 16 / 56 /
-# 113 / 172 ms vs 54 / 124 / 157 / 172 ms at 1 / 8 / 16 / 24 rows; 2 threads 11 / 47 / 66 / 107
-# vs 46 / 117 / 99 / 108 ms. Level at about 24 rows either way.
-MAX_ROWS = 16
+# Rows per call, over all 210 of SmolLM2's Q4_1 matrices (weights from DRAM, this AVX2 host, 1
+# thread; MKL's fp32 GEMM over the dequantized copy in brackets):
+#   in-register kernel  1 / 4 / 8 / 16 rows: 16 / 31 / 56 / 113 ms  (54 / 113 / 124 / 157)
+#   panel kernel        4 / 8 / 32 / 128 / 256: 35 / 48 / 107 / 437 / 950 ms  (115 / 134 / 183 / 481 / 860)
+FUSED_MAX_ROWS = 4  # up to here the in-register kernel, then the panel kernel
+MAX_ROWS = 128  # above this MKL (it pulls ahead by 256 rows)
+INT8_MAX_ROWS = 16  # under --quantization int8, fbgemm's int8 GEMM takes over above this
 
 
 @dataclass(slots=True)
 class BlockQuantLinear:
     """y = x @ W^T (+ bias). `packed` is W as GGUF blocks, [out, in / 32 * block_bytes] uint8 (row
-    o holds output o's blocks), used for up to MAX_ROWS rows; `many_rows` serves bigger steps:
+    o holds output o's blocks), used for up to `max_rows` rows; `many_rows` serves bigger steps:
     W in fp32 [out, in], or under the opt-in `--quantization int8` its Int8Linear (no bias)."""
 
     packed: torch.Tensor
@@ -48,7 +52,7 @@ class BlockQuantLinear:
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
-        if rows > MAX_ROWS or rows == 0:
+        if rows > self.max_rows or rows == 0:
             if isinstance(self.many_rows, torch.Tensor):
                 return F.linear(x, self.many_rows, bias)
             y = self.many_rows(x)
@@ -57,12 +61,23 @@ class BlockQuantLinear:
         out_features, in_features = self.shape
         threads = torch.get_num_threads()
         y = torch.empty(rows, out_features, dtype=torch.float32)
-        scratch = torch.empty(rows * (in_features // 32) + threads * in_features, dtype=torch.float32)
-        self.kernels.block_quant_linear(
+        b = None if bias is None else bias.data_ptr()
+        if rows <= FUSED_MAX_ROWS:
+            scratch = torch.empty(rows * (in_features // 32) + threads * in_features, dtype=torch.float32)
+            kernel = self.kernels.block_quant_linear
+        else:
+            scratch = torch.empty(threads * 48 * in_features, dtype=torch.float32)  # a 48-output panel each
+            kernel = self.kernels.block_quant_gemm
+        kernel(
             self.fmt, self.packed.data_ptr(), self.packed.shape[1], in_features, out_features,
-            x.data_ptr(), rows, None if bias is None else bias.data_ptr(), y.data_ptr(), scratch.data_ptr(), threads,
+            x.data_ptr(), rows, b, y.data_ptr(), scratch.data_ptr(), threads,
         )
         return y
+
+    @property
+    def max_rows(self) -> int:
+        """The most rows a call takes from the packed blocks."""
+        return MAX_ROWS if isinstance(self.many_rows, torch.Tensor) else INT8_MAX_ROWS
 
     @property
     def dense(self) -> torch.Tensor:

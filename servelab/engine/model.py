@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from servelab.engine import native
-from servelab.engine.block_quant import MAX_ROWS as _MAX_ROWS_FOR_PACKED
 from servelab.engine.block_quant import BlockQuantLinear
 from servelab.engine.quantization import Int8Linear
 from servelab.errors import InvalidArgument
@@ -171,7 +170,7 @@ class LlamaModel:
         # on MKL's F.linear wins (4: 38 vs 55 ms, 32: 82 vs 100 ms), so the choice is per step.
         # In bf16 without native bf16 kernels `x @ W^T` is 10x slower than F.linear, so other
         # dtypes keep F.linear. One extra copy of the head, unless it came block-quantized: then
-        # up to block_quant.MAX_ROWS rows read the packed blocks (SmolLM2's Q8_0 head: ~4 ms).
+        # up to block_quant.MAX_ROWS rows read the packed blocks (SmolLM2's Q8_0 head: ~4 ms at 1 row).
         self.lm_head_packed = lm_head_packed
         self.lm_head_t = (
             lm_head.t().contiguous() if lm_head.dtype == torch.float32 and lm_head_packed is None else None
@@ -208,6 +207,8 @@ class LlamaModel:
                 layer.qkv, layer.qkv_bias = Int8Linear.from_weight(layer.qkv, layer.qkv_bias), None
             layer.qkv, layer.o, layer.gate_up, layer.down = (_int8(w) for w in layer.linears())
         self.lm_head_int8 = Int8Linear.from_weight(self.lm_head)
+        if self.lm_head_packed is not None:  # its fp32 path is now the int8 head's
+            self.lm_head_packed.many_rows = self.lm_head_int8
         self.lm_head_t = None
 
     def num_parameters(self) -> int:
@@ -310,7 +311,7 @@ class LlamaModel:
             delta = linear(act, layer.down)
         x = x[meta.logits_indices] + delta[meta.logits_indices]
         x = self._rms_norm(x, self.final_norm)
-        if self.lm_head_packed is not None and x.shape[0] <= _MAX_ROWS_FOR_PACKED:
+        if self.lm_head_packed is not None and x.shape[0] <= self.lm_head_packed.max_rows:
             return self.lm_head_packed(x)
         if self.lm_head_int8 is not None:
             return self.lm_head_int8(x)

@@ -60,6 +60,7 @@ class NativeKernels:
     silu_mul: Callable[..., None]
     rope_store_kv: Callable[..., None]
     block_quant_linear: Callable[..., None]
+    block_quant_gemm: Callable[..., None]
     block_dequant: Callable[..., None]
 
 
@@ -102,6 +103,9 @@ def _build() -> NativeKernels:
         rope_store_kv=fn("servelab_rope_store_kv_f32", ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64),
         block_quant_linear=fn(
             "servelab_block_quant_linear_f32", i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64
+        ),
+        block_quant_gemm=fn(
+            "servelab_block_quant_gemm_f32", i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64
         ),
         block_dequant=fn("servelab_block_dequant_f32", i64, ptr, i64, i64, i64, i64, ptr),
     )

@@ -64,7 +64,8 @@ def test_kernel_weights_are_the_loaders_and_products_match_fp32(kernels, fmt, in
     linear = block_quant.pack(dense, [(FORMATS[fmt], raw)], kernels)
     assert isinstance(linear, BlockQuantLinear) and linear.format_name == fmt
     assert torch.equal(linear.dequantize(), dense)  # bit for bit, Q4_1's d * q + m included
-    for rows in (1, 2, 3, 4, 5, 8, 9, block_quant.MAX_ROWS):  # every row-group size and remainder
+    # both kernels (up to 4 rows, then 48-output panels), every row-group size and remainder
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13, 33, block_quant.MAX_ROWS):
         _check(linear, rows, with_bias=rows % 2 == 1, seed=rows)
 
 
@@ -72,17 +73,18 @@ def test_kernel_weights_are_the_loaders_and_products_match_fp32(kernels, fmt, in
 def test_threads_split_the_outputs_without_changing_a_bit(kernels, fmt):
     raw, dense = _packed(fmt, 1000, 576, seed=5)  # big enough for the pool to use every thread
     linear = block_quant.pack(dense, [(FORMATS[fmt], raw)], kernels)
-    x = torch.randn(5, 576)
     before = torch.get_num_threads()
-    try:
-        results = []
-        for threads in (1, 2, 3, 7):
-            torch.set_num_threads(threads)
-            results.append(linear(x))
-    finally:
-        torch.set_num_threads(before)
-    assert all(torch.equal(r, results[0]) for r in results)  # each output is one thread's sum
-    _check(linear, 5, with_bias=False, seed=0)
+    for rows in (3, 21):  # the in-register kernel, the panel kernel
+        x = torch.randn(rows, 576)
+        try:
+            results = []
+            for threads in (1, 2, 3, 7):
+                torch.set_num_threads(threads)
+                results.append(linear(x))
+        finally:
+            torch.set_num_threads(before)
+        assert all(torch.equal(r, results[0]) for r in results)  # each output is one thread's sum
+        _check(linear, rows, with_bias=rows % 2 == 1, seed=rows)
 
 
 def test_many_rows_take_the_dense_gemm(kernels):
@@ -91,7 +93,8 @@ def test_many_rows_take_the_dense_gemm(kernels):
     linear.packed.zero_()  # garbage in the packed copy: only the fp32 path can still be right
     x = torch.randn(block_quant.MAX_ROWS + 1, 64)
     assert torch.equal(linear(x), F.linear(x, dense))
-    assert not torch.allclose(linear(x[:1]), F.linear(x[:1], dense))  # ...and few rows do read it
+    for rows in (1, 5, block_quant.MAX_ROWS):  # ...and both packed kernels do read it
+        assert not torch.allclose(linear(x[:rows]), F.linear(x[:rows], dense))
 
 
 def test_parts_that_cannot_be_packed_stay_dense(kernels):
@@ -119,6 +122,8 @@ def test_portable_build_without_avx2_agrees(tmp_path):
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lin = lib.servelab_block_quant_linear_f32
     lin.argtypes, lin.restype = [i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64], None
+    gemm = lib.servelab_block_quant_gemm_f32
+    gemm.argtypes, gemm.restype = lin.argtypes, None
     deq = lib.servelab_block_dequant_f32
     deq.argtypes, deq.restype = [i64, ptr, i64, i64, i64, i64, ptr], None
     for fmt, code in (("Q8_0", 0), ("Q4_0", 1), ("Q4_1", 2)):
@@ -131,6 +136,10 @@ def test_portable_build_without_avx2_agrees(tmp_path):
         scratch = torch.empty(3 * 12 + threads * 384)
         lin(code, raw.data_ptr(), raw.shape[1], 384, 200, x.data_ptr(), 3, None, y.data_ptr(), scratch.data_ptr(), threads)
         ref = F.linear(x.double(), dense.double())
+        assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), fmt
+        bias, panels = torch.randn(200), torch.empty(threads * 48 * 384)
+        gemm(code, raw.data_ptr(), raw.shape[1], 384, 200, x.data_ptr(), 3, bias.data_ptr(), y.data_ptr(), panels.data_ptr(), threads)
+        ref = ref + bias.double()
         assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), fmt
 
 
@@ -154,7 +163,7 @@ def test_gguf_model_gives_the_same_logits_with_its_packed_weights(kernels, tiny_
     assert packed.lm_head_packed is not None and packed.lm_head_t is None
     assert packed.weight_bytes() < dense.weight_bytes() / 3  # what a few-row step streams
     ids = list(range(3, 70))
-    for chunk in (1, 7):  # decode steps (1 row) and 7-row chunks (a 4-row group plus 3)
+    for chunk in (1, 3, 7):  # decode steps (1 row), the in-register kernel's 3 rows, the panels' 7
         ours, ref = prefill_logits(packed, ids, chunk=chunk), prefill_logits(dense, ids, chunk=chunk)
         assert max_rel_diff(ours, ref) <= 1e-5
         assert torch.equal(ours.argmax(-1), ref.argmax(-1))
