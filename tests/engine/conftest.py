@@ -17,3 +17,14 @@ def tiny_engine_factory(tiny_llama):
         return LLMEngine.from_args(EngineArgs(model=str(tiny_llama), **kwargs))
 
     return make
+
+
+@pytest.fixture(scope="session")
+def kernel():
+    """The native C kernels (engine/native.py); tests that need them skip where they cannot build."""
+    from servelab.engine import native
+
+    fn = native.native_kernels()
+    if fn is None:
+        pytest.skip(f"native kernels unavailable here: {native.load_error}")
+    return fn

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from servelab.engine import block_quant, native
+from servelab.engine import block_quant
 from servelab.engine.block_quant import BlockQuantLinear
 from servelab.engine.testing import max_rel_diff, prefill_logits
 from servelab.engine.weights import GGUFTensor, dequantize_gguf_tensor, load_model
@@ -24,14 +24,6 @@ from servelab.engine.weights import GGUFTensor, dequantize_gguf_tensor, load_mod
 from .test_weights import _write_gguf
 
 FORMATS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    k = native.native_kernels()
-    if k is None:
-        pytest.skip(f"native kernels unavailable here: {native.load_error}")
-    return k
 
 
 def _packed(fmt: str, out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,20 +51,20 @@ def _check(linear: BlockQuantLinear, rows: int, with_bias: bool, seed: int) -> N
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 @pytest.mark.parametrize("in_features", [32, 96, 576])
-def test_kernel_weights_are_the_loaders_and_products_match_fp32(kernels, fmt, in_features):
+def test_kernel_weights_are_the_loaders_and_products_match_fp32(kernel, fmt, in_features):
     raw, dense = _packed(fmt, 37, in_features, seed=in_features)
-    linear = block_quant.pack(dense, [(FORMATS[fmt], raw)], kernels)
+    linear = block_quant.pack(dense, [(FORMATS[fmt], raw)], kernel)
     assert isinstance(linear, BlockQuantLinear) and linear.format_name == fmt
     assert torch.equal(linear.dequantize(), dense)  # bit for bit, Q4_1's d * q + m included
-    # both kernels (up to 4 rows, then 48-output panels), every row-group size and remainder
+    # both kernel (up to 4 rows, then 48-output panels), every row-group size and remainder
     for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13, 33, block_quant.MAX_ROWS):
         _check(linear, rows, with_bias=rows % 2 == 1, seed=rows)
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
-def test_threads_split_the_outputs_without_changing_a_bit(kernels, fmt):
+def test_threads_split_the_outputs_without_changing_a_bit(kernel, fmt):
     raw, dense = _packed(fmt, 1000, 576, seed=5)  # big enough for the pool to use every thread
-    linear = block_quant.pack(dense, [(FORMATS[fmt], raw)], kernels)
+    linear = block_quant.pack(dense, [(FORMATS[fmt], raw)], kernel)
     before = torch.get_num_threads()
     for rows in (3, 21):  # the in-register kernel, the panel kernel
         x = torch.randn(rows, 576)
@@ -87,26 +79,26 @@ def test_threads_split_the_outputs_without_changing_a_bit(kernels, fmt):
         _check(linear, rows, with_bias=rows % 2 == 1, seed=rows)
 
 
-def test_many_rows_take_the_dense_gemm(kernels):
+def test_many_rows_take_the_dense_gemm(kernel):
     raw, dense = _packed("Q4_1", 8, 64, seed=1)
-    linear = block_quant.pack(dense, [(3, raw)], kernels)
+    linear = block_quant.pack(dense, [(3, raw)], kernel)
     linear.packed.zero_()  # garbage in the packed copy: only the fp32 path can still be right
     x = torch.randn(block_quant.MAX_ROWS + 1, 64)
     assert torch.equal(linear(x), F.linear(x, dense))
-    for rows in (1, 5, block_quant.MAX_ROWS):  # ...and both packed kernels do read it
+    for rows in (1, 5, block_quant.MAX_ROWS):  # ...and both packed kernel do read it
         assert not torch.allclose(linear(x[:rows]), F.linear(x[:rows], dense))
 
 
-def test_parts_that_cannot_be_packed_stay_dense(kernels):
+def test_parts_that_cannot_be_packed_stay_dense(kernel):
     raw8, dense8 = _packed("Q8_0", 4, 64, seed=2)
     raw4, dense4 = _packed("Q4_1", 4, 64, seed=3)
     both = torch.cat([dense8, dense4])
-    assert block_quant.pack(both, [(8, raw8), (3, raw4)], kernels) is both  # mixed formats (fused QKV)
-    assert block_quant.pack(dense8, [(12, raw8)], kernels) is dense8  # Q4_K: not handled
-    assert block_quant.pack(dense8, [(8, raw8)], None) is dense8  # no kernels
-    assert block_quant.pack(dense8, None, kernels) is dense8  # not from a GGUF block format
-    assert isinstance(block_quant.pack(dense8.bfloat16(), [(8, raw8)], kernels), torch.Tensor)
-    fused = block_quant.pack(both[:8], [(8, raw8), (8, raw8)], kernels)
+    assert block_quant.pack(both, [(8, raw8), (3, raw4)], kernel) is both  # mixed formats (fused QKV)
+    assert block_quant.pack(dense8, [(12, raw8)], kernel) is dense8  # Q4_K: not handled
+    assert block_quant.pack(dense8, [(8, raw8)], None) is dense8  # no kernel
+    assert block_quant.pack(dense8, None, kernel) is dense8  # not from a GGUF block format
+    assert isinstance(block_quant.pack(dense8.bfloat16(), [(8, raw8)], kernel), torch.Tensor)
+    fused = block_quant.pack(both[:8], [(8, raw8), (8, raw8)], kernel)
     assert isinstance(fused, BlockQuantLinear) and torch.equal(fused.dequantize(), torch.cat([dense8, dense8]))
 
 
@@ -153,7 +145,7 @@ def _strip_packed(model) -> None:
 
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
-def test_gguf_model_gives_the_same_logits_with_its_packed_weights(kernels, tiny_llama, tmp_path, fmt):
+def test_gguf_model_gives_the_same_logits_with_its_packed_weights(kernel, tiny_llama, tmp_path, fmt):
     path = _write_gguf(tiny_llama, tmp_path / f"tiny-{fmt}.gguf", fmt)
     packed = load_model(path, dtype=torch.float32).model
     dense = load_model(path, dtype=torch.float32).model
@@ -176,12 +168,13 @@ def test_fp16_and_hf_models_have_no_packed_weights(tiny_llama, tmp_path):
     assert all(isinstance(w, torch.Tensor) for w in model.layers[0].linears()) and model.lm_head_packed is None
 
 
-def test_int8_quantization_keeps_the_exact_packed_path_for_few_rows(kernels, tiny_llama, tmp_path):
+def test_int8_quantization_keeps_the_exact_packed_path_for_few_rows(kernel, tiny_llama, tmp_path):
     from servelab.engine.quantization import Int8Linear, check_int8_supported
+    from servelab.errors import InvalidArgument
 
     try:
         check_int8_supported()
-    except Exception as exc:
+    except InvalidArgument as exc:
         pytest.skip(str(exc))
     path = _write_gguf(tiny_llama, tmp_path / "tiny-q4_1.gguf", "Q4_1")
     exact = load_model(path, dtype=torch.float32).model

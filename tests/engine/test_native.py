@@ -14,14 +14,6 @@ from servelab.engine.testing import prefill_logits
 from servelab.engine.weights import load_model
 
 
-@pytest.fixture(scope="module")
-def kernel():
-    fn = native.native_kernels()
-    if fn is None:
-        pytest.skip(f"native kernel unavailable here: {native.load_error}")
-    return fn
-
-
 def _reference(q, kc, vc, tables, ctx_lens, block_size, scale):
     """Each sequence alone: gather its keys slot by slot, SDPA with the KV heads repeated."""
     B, H, D = q.shape
