@@ -12,7 +12,8 @@ is ahead, so calls above 128 rows use it. Same weights, fp32 sums either way: on
 order differs, so this is on by default, unlike the approximate `--quantization int8`. Costs the
 packed copy's memory (~100 MB for SmolLM2, a quarter of its fp32 weights).
 
-Formats: Q8_0, Q4_0, Q4_1 (32 weights a block). Others (K-quants, F16, ...) keep the fp32 path.
+Formats: Q8_0, Q4_0, Q4_1 (32 weights a block; both kernels) and Q4_K, Q6_K (256; the panel
+kernel, also for one row). Others (Q5_K, F16, ...) keep the fp32 path.
 """
 
 from __future__ import annotations
@@ -25,9 +26,10 @@ import torch.nn.functional as F
 from servelab.engine import native
 from servelab.engine.quantization import Int8Linear
 
-# ggml type id -> (our kernel's format code, bytes per 32-weight block)
-GGUF_BLOCK_FORMATS = {8: (0, 34), 2: (1, 18), 3: (2, 20)}  # Q8_0, Q4_0, Q4_1
-FORMAT_NAMES = {0: "Q8_0", 1: "Q4_0", 2: "Q4_1"}
+# ggml type id -> (our kernel's format code, weights a block, bytes a block)
+GGUF_BLOCK_FORMATS = {8: (0, 32, 34), 2: (1, 32, 18), 3: (2, 32, 20), 12: (3, 256, 144), 14: (4, 256, 210)}
+FORMAT_NAMES = {0: "Q8_0", 1: "Q4_0", 2: "Q4_1", 3: "Q4_K", 4: "Q6_K"}
+_K_QUANTS = (3, 4)  # the panel kernel only: the in-register one knows the 32-weight formats
 
 # Rows per call, over all 210 of SmolLM2's Q4_1 matrices (weights from DRAM, this AVX2 host, 1
 # thread; MKL's fp32 GEMM over the dequantized copy in brackets):
@@ -62,7 +64,7 @@ class BlockQuantLinear:
         threads = torch.get_num_threads()
         y = torch.empty(rows, out_features, dtype=torch.float32)
         b = None if bias is None else bias.data_ptr()
-        if rows <= FUSED_MAX_ROWS:
+        if rows <= FUSED_MAX_ROWS and self.fmt not in _K_QUANTS:
             scratch = torch.empty(rows * (in_features // 32) + threads * in_features, dtype=torch.float32)
             kernel = self.kernels.block_quant_linear
         else:
@@ -117,8 +119,8 @@ def pack(
     types = {t for t, _ in parts}
     if len(types) != 1 or (gtype := types.pop()) not in GGUF_BLOCK_FORMATS:
         return dense
-    fmt, block_bytes = GGUF_BLOCK_FORMATS[gtype]
+    fmt, block_weights, block_bytes = GGUF_BLOCK_FORMATS[gtype]
     packed = torch.cat([rows for _, rows in parts], dim=0).contiguous()
-    if packed.shape != (dense.shape[0], dense.shape[1] // 32 * block_bytes) or dense.shape[1] % 32:
+    if packed.shape != (dense.shape[0], dense.shape[1] // block_weights * block_bytes) or dense.shape[1] % block_weights:
         return dense
     return BlockQuantLinear(packed, fmt, kernels, dense, (dense.shape[0], dense.shape[1]))

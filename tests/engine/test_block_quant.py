@@ -23,16 +23,24 @@ from servelab.engine.weights import GGUFTensor, dequantize_gguf_tensor, load_mod
 
 from .test_weights import _write_gguf
 
-FORMATS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3}
+FORMATS = {"Q8_0": 8, "Q4_0": 2, "Q4_1": 3, "Q4_K": 12, "Q6_K": 14}
+K_QUANTS = {"Q4_K": (144, [0, 2]), "Q6_K": (210, [208])}  # block bytes, where the fp16 scales sit
 
 
 def _packed(fmt: str, out_features: int, in_features: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(raw blocks [out, row_bytes] uint8, the loader's fp32 dequantization [out, in]) of a random
     weight with an offset (so Q4_1's minimum matters) quantized by the gguf package."""
     rng = np.random.default_rng(seed)
-    w = (rng.standard_normal((out_features, in_features)) * 0.05 + rng.uniform(-0.02, 0.02)).astype(np.float32)
     qt = gguf.GGMLQuantizationType[fmt]
-    raw = gguf.quants.quantize(w, qt).view(np.uint8).reshape(out_features, -1)
+    if fmt in K_QUANTS:  # gguf cannot quantize these: random blocks with sane fp16 scales
+        block_bytes, f16_at = K_QUANTS[fmt]
+        raw = rng.integers(0, 256, size=(out_features * in_features // 256, block_bytes), dtype=np.uint8)
+        for at in f16_at:
+            raw[:, at : at + 2] = rng.uniform(0.001, 0.05, size=len(raw)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        raw = raw.reshape(out_features, -1)
+    else:
+        w = (rng.standard_normal((out_features, in_features)) * 0.05 + rng.uniform(-0.02, 0.02)).astype(np.float32)
+        raw = gguf.quants.quantize(w, qt).view(np.uint8).reshape(out_features, -1)
     dense = dequantize_gguf_tensor(GGUFTensor("w", (in_features, out_features), int(qt), raw))
     return torch.from_numpy(raw.copy()), dense
 
@@ -49,13 +57,15 @@ def _check(linear: BlockQuantLinear, rows: int, with_bias: bool, seed: int) -> N
     assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
-@pytest.mark.parametrize("in_features", [32, 96, 576])
+@pytest.mark.parametrize(
+    ("fmt", "in_features"),
+    [(fmt, n) for fmt in FORMATS for n in ((256, 512) if fmt in K_QUANTS else (32, 96, 512))],
+)
 def test_kernel_weights_are_the_loaders_and_products_match_fp32(kernel, fmt, in_features):
     raw, dense = _packed(fmt, 37, in_features, seed=in_features)
     linear = block_quant.pack(dense, [(FORMATS[fmt], raw)], kernel)
     assert isinstance(linear, BlockQuantLinear) and linear.format_name == fmt
-    assert torch.equal(linear.dequantize(), dense)  # bit for bit, Q4_1's d * q + m included
+    assert torch.equal(linear.dequantize(), dense)  # bit for bit, Q4_1's d * q + m and Q4_K's included
     # both kernel (up to 4 rows, then 48-output panels), every row-group size and remainder
     for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13, 33, block_quant.MAX_ROWS):
         _check(linear, rows, with_bias=rows % 2 == 1, seed=rows)
@@ -63,11 +73,11 @@ def test_kernel_weights_are_the_loaders_and_products_match_fp32(kernel, fmt, in_
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_threads_split_the_outputs_without_changing_a_bit(kernel, fmt):
-    raw, dense = _packed(fmt, 1000, 576, seed=5)  # big enough for the pool to use every thread
+    raw, dense = _packed(fmt, 1000, 512, seed=5)  # big enough for the pool to use every thread
     linear = block_quant.pack(dense, [(FORMATS[fmt], raw)], kernel)
     before = torch.get_num_threads()
-    for rows in (3, 21):  # the in-register kernel, the panel kernel
-        x = torch.randn(rows, 576)
+    for rows in (3, 21):  # the in-register kernel (but K-quants), the panel kernel
+        x = torch.randn(rows, 512)
         try:
             results = []
             for threads in (1, 2, 3, 7):

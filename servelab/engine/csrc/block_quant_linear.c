@@ -24,7 +24,8 @@
 #include <immintrin.h>
 #endif
 
-enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2 };
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4 };
+
 
 static inline float fp16_to_f32(const uint8_t *p) {
     uint16_t h;
@@ -52,8 +53,71 @@ static inline float fp16_to_f32(const uint8_t *p) {
 #endif
 }
 
-/* One row of nblocks blocks -> nblocks * 32 floats. */
+/* Keeps the compiler from fusing a product into the add that follows (-ffp-contract): the
+ * K-quant weights must be rounded exactly as the loader rounds them. */
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define SL_ROUNDED(v) __asm__("" : "+x"(v))
+#else
+#define SL_ROUNDED(v) do { volatile float sl_tmp_ = (v); (v) = sl_tmp_; } while (0)
+#endif
+
+/* ggml's 6-bit scale and min j of a Q4_K block (get_scale_min_k4). */
+static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* One 256-weight K-quant block -> 256 floats, with the loader's (the gguf package's) roundings:
+ * Q4_K w = (d * sc) * q - dmin * m; Q6_K w = (d * sc) * q. */
+static void dequant_k_block(int64_t qtype, const uint8_t *blk, float *dst) {
+    if (qtype == Q4_K) {
+        const float d = fp16_to_f32(blk), dmin = fp16_to_f32(blk + 2);
+        const uint8_t *scales = blk + 4, *q = blk + 16;
+        for (int j = 0; j < 4; j++, q += 32, dst += 64) {
+            int sc, m;
+            scale_min_k4(2 * j, scales, &sc, &m);
+            const float d1 = d * (float)sc, m1 = dmin * (float)m;
+            scale_min_k4(2 * j + 1, scales, &sc, &m);
+            const float d2 = d * (float)sc, m2 = dmin * (float)m;
+            for (int l = 0; l < 32; l++) {
+                float lo = d1 * (float)(q[l] & 0xF), hi = d2 * (float)(q[l] >> 4);
+                SL_ROUNDED(lo);
+                SL_ROUNDED(hi);
+                dst[l] = lo - m1;
+                dst[32 + l] = hi - m2;
+            }
+        }
+    } else { /* Q6_K: ql[128], qh[64], int8 scales[16], fp16 d */
+        const uint8_t *ql = blk, *qh = blk + 128;
+        const int8_t *sc = (const int8_t *)(blk + 192);
+        const float d = fp16_to_f32(blk + 208);
+        for (int n = 0; n < 2; n++, ql += 64, qh += 32, sc += 8, dst += 128)
+            for (int l = 0; l < 32; l++) {
+                const int is = l / 16;
+                const int q1 = ((ql[l] & 0xF) | (((qh[l] >> 0) & 3) << 4)) - 32;
+                const int q2 = ((ql[l + 32] & 0xF) | (((qh[l] >> 2) & 3) << 4)) - 32;
+                const int q3 = ((ql[l] >> 4) | (((qh[l] >> 4) & 3) << 4)) - 32;
+                const int q4 = ((ql[l + 32] >> 4) | (((qh[l] >> 6) & 3) << 4)) - 32;
+                dst[l] = (d * (float)sc[is]) * (float)q1;
+                dst[l + 32] = (d * (float)sc[is + 2]) * (float)q2;
+                dst[l + 64] = (d * (float)sc[is + 4]) * (float)q3;
+                dst[l + 96] = (d * (float)sc[is + 6]) * (float)q4;
+            }
+    }
+}
+
+/* One row of nblocks 32-weight blocks (nblocks / 8 K-quant blocks) -> nblocks * 32 floats. */
 static void dequant_row(int64_t qtype, const uint8_t *row, int64_t nblocks, float *dst) {
+    if (qtype == Q4_K || qtype == Q6_K) {
+        const int64_t kb = qtype == Q4_K ? 144 : 210;
+        for (int64_t b = 0; b < nblocks / 8; b++) dequant_k_block(qtype, row + b * kb, dst + b * 256);
+        return;
+    }
     for (int64_t b = 0; b < nblocks; b++, dst += 32) {
         if (qtype == Q8_0) {
             const uint8_t *blk = row + b * 34;
