@@ -82,7 +82,7 @@ def _build_model(
 ) -> LlamaModel:
     """`get(name)` returns an fp32/fp16 CPU tensor in HF layout for an HF-style name, or None.
     `get_packed(name)`, for GGUF files, returns the same weight's (ggml type, raw rows
-    [out, row_bytes] uint8) when it is block-quantized, for block_quant's few-row kernels."""
+    [out, row_bytes] uint8) when it is block-quantized, for block_quant's kernels."""
     kernels = None
     if get_packed is not None and dtype == torch.float32 and device == "cpu":
         kernels = native.native_kernels()
