@@ -5,10 +5,11 @@ per-layer elementwise ops (csrc/layer_ops.c: residual add + RMSNorm, SwiGLU, RoP
 K/V store) and linears straight from GGUF blocks (csrc/block_quant_linear.c, used by
 block_quant.py). Attention and the linears split their work over torch.get_num_threads()
 threads of our own pool (csrc/parallel.c). The shared library is cached under
-$SERVELAB_CACHE_DIR, else $XDG_CACHE_HOME/servelab, else ~/.cache/servelab, keyed by a hash of the source, the compiler
-and its flags, so a build costs about a second once per machine. Everything here is optional:
-without a C compiler (or with SERVELAB_NATIVE=0) `native_kernels()` returns None and
-the model runs its PyTorch path, with the same results up to fp32 summation order.
+$SERVELAB_CACHE_DIR, else $XDG_CACHE_HOME/servelab, else ~/.cache/servelab, keyed by a hash of
+the source, the compiler and its flags, so a build costs about a second once per machine.
+Everything here is optional: without a C compiler (or with SERVELAB_NATIVE=0) `native_kernels()`
+returns None and the model runs its PyTorch path (and MKL over the fp32 weights), with the same
+results up to fp32 summation order.
 """
 
 from __future__ import annotations
