@@ -13,7 +13,8 @@ order differs, so this is on by default, unlike the approximate `--quantization 
 packed copy's memory (~100 MB for SmolLM2, a quarter of its fp32 weights).
 
 Formats: Q8_0, Q4_0, Q4_1 (32 weights a block; both kernels) and Q4_K, Q6_K (256; the panel
-kernel, also for one row). Others (Q5_K, F16, ...) keep the fp32 path.
+kernel, also for one row). A fused matrix whose parts differ in format keeps one packed segment
+per run of a format. Others (Q5_K, F16, ...) keep the fp32 path.
 """
 
 from __future__ import annotations
@@ -41,13 +42,23 @@ INT8_MAX_ROWS = 16  # under --quantization int8, fbgemm's int8 GEMM takes over a
 
 
 @dataclass(slots=True)
-class BlockQuantLinear:
-    """y = x @ W^T (+ bias). `packed` is W as GGUF blocks, [out, in / 32 * block_bytes] uint8 (row
-    o holds output o's blocks), used for up to `max_rows` rows; `many_rows` serves bigger steps:
-    W in fp32 [out, in], or under the opt-in `--quantization int8` its Int8Linear (no bias)."""
+class PackedRows:
+    """Outputs [start, start + len(data)) of a weight as GGUF blocks of one format: `data` is
+    [rows, in / block_weights * block_bytes] uint8, row o holding output start + o's blocks."""
 
-    packed: torch.Tensor
     fmt: int  # a key of FORMAT_NAMES
+    data: torch.Tensor
+    start: int
+
+
+@dataclass(slots=True)
+class BlockQuantLinear:
+    """y = x @ W^T (+ bias). `segments` hold W as GGUF blocks (one per run of outputs in one
+    format: a fused QKV may mix Q4_K and Q6_K), used for up to `max_rows` rows; `many_rows` serves
+    bigger steps: W in fp32 [out, in], or under the opt-in `--quantization int8` its Int8Linear
+    (no bias)."""
+
+    segments: tuple[PackedRows, ...]
     kernels: native.NativeKernels
     many_rows: torch.Tensor | Int8Linear
     shape: tuple[int, int]
@@ -63,17 +74,19 @@ class BlockQuantLinear:
         out_features, in_features = self.shape
         threads = torch.get_num_threads()
         y = torch.empty(rows, out_features, dtype=torch.float32)
-        b = None if bias is None else bias.data_ptr()
-        if rows <= FUSED_MAX_ROWS and self.fmt not in _K_QUANTS:
+        fused = rows <= FUSED_MAX_ROWS and all(seg.fmt not in _K_QUANTS for seg in self.segments)
+        if fused:
             scratch = torch.empty(rows * (in_features // 32) + threads * in_features, dtype=torch.float32)
             kernel = self.kernels.block_quant_linear
         else:
             scratch = torch.empty(threads * 48 * in_features, dtype=torch.float32)  # a 48-output panel each
             kernel = self.kernels.block_quant_gemm
-        kernel(
-            self.fmt, self.packed.data_ptr(), self.packed.shape[1], in_features, out_features,
-            x.data_ptr(), rows, b, y.data_ptr(), scratch.data_ptr(), threads,
-        )
+        for seg in self.segments:  # each writes its columns of y (4 bytes an fp32)
+            kernel(
+                seg.fmt, seg.data.data_ptr(), seg.data.shape[1], in_features, seg.data.shape[0],
+                x.data_ptr(), rows, None if bias is None else bias.data_ptr() + 4 * seg.start,
+                y.data_ptr() + 4 * seg.start, out_features, scratch.data_ptr(), threads,
+            )
         return y
 
     @property
@@ -93,34 +106,49 @@ class BlockQuantLinear:
 
     @property
     def format_name(self) -> str:
-        return FORMAT_NAMES[self.fmt]
+        """The blocks' format, e.g. "Q4_1" (formats joined with "+" when they differ by outputs)."""
+        return "+".join(FORMAT_NAMES[seg.fmt] for seg in self.segments)
 
     @property
     def nbytes(self) -> int:
         """Bytes a step with few rows reads: the packed blocks."""
-        return self.packed.numel()
+        return sum(seg.data.numel() for seg in self.segments)
 
     def dequantize(self) -> torch.Tensor:
         """The packed blocks expanded by the kernel, [out, in] fp32 (tests check it equals `dense`)."""
         out_features, in_features = self.shape
         w = torch.empty(out_features, in_features, dtype=torch.float32)
-        self.kernels.block_dequant(self.fmt, self.packed.data_ptr(), self.packed.shape[1], in_features, 0, out_features, w.data_ptr())
+        for seg in self.segments:
+            n = seg.data.shape[0]
+            self.kernels.block_dequant(seg.fmt, seg.data.data_ptr(), seg.data.shape[1], in_features, 0, n, w[seg.start :].data_ptr())
         return w
 
 
 def pack(
     dense: torch.Tensor, parts: list[tuple[int, torch.Tensor]] | None, kernels: native.NativeKernels | None
 ) -> torch.Tensor | BlockQuantLinear:
-    """`dense` alone, or with its packed form when every part (ggml type, [rows, row_bytes] uint8,
-    concatenated along rows in order) is one supported format, the weight is fp32 on the CPU and
-    the kernels are there."""
+    """`dense` alone, or with its packed form when every part (ggml type, [rows, row_bytes] uint8;
+    the parts are dense's rows in order) is a supported format, the weight is fp32 on the CPU and
+    the kernels are there. Consecutive parts of one format share a segment."""
     if kernels is None or parts is None or dense.dtype != torch.float32 or dense.device.type != "cpu":
         return dense
-    types = {t for t, _ in parts}
-    if len(types) != 1 or (gtype := types.pop()) not in GGUF_BLOCK_FORMATS:
+    out_features, in_features = dense.shape
+    runs: list[tuple[int, list[torch.Tensor]]] = []
+    for gtype, rows in parts:
+        if gtype not in GGUF_BLOCK_FORMATS:
+            return dense
+        _, block_weights, block_bytes = GGUF_BLOCK_FORMATS[gtype]
+        if in_features % block_weights or rows.shape[1] != in_features // block_weights * block_bytes:
+            return dense
+        if runs and runs[-1][0] == gtype:
+            runs[-1][1].append(rows)
+        else:
+            runs.append((gtype, [rows]))
+    segments, start = [], 0
+    for gtype, chunks in runs:
+        data = torch.cat(chunks, dim=0).contiguous()
+        segments.append(PackedRows(GGUF_BLOCK_FORMATS[gtype][0], data, start))
+        start += data.shape[0]
+    if start != out_features:
         return dense
-    fmt, block_weights, block_bytes = GGUF_BLOCK_FORMATS[gtype]
-    packed = torch.cat([rows for _, rows in parts], dim=0).contiguous()
-    if packed.shape != (dense.shape[0], dense.shape[1] // block_weights * block_bytes) or dense.shape[1] % block_weights:
-        return dense
-    return BlockQuantLinear(packed, fmt, kernels, dense, (dense.shape[0], dense.shape[1]))
+    return BlockQuantLinear(tuple(segments), kernels, dense, (out_features, in_features))

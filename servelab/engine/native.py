@@ -104,10 +104,10 @@ def _build() -> NativeKernels:
         silu_mul=fn("servelab_silu_mul_f32", ptr, ptr, i64, i64),
         rope_store_kv=fn("servelab_rope_store_kv_f32", ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64),
         block_quant_linear=fn(
-            "servelab_block_quant_linear_f32", i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64
+            "servelab_block_quant_linear_f32", i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, i64
         ),
         block_quant_gemm=fn(
-            "servelab_block_quant_gemm_f32", i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64
+            "servelab_block_quant_gemm_f32", i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, i64
         ),
         block_dequant=fn("servelab_block_dequant_f32", i64, ptr, i64, i64, i64, i64, ptr),
     )

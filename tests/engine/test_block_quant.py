@@ -92,24 +92,39 @@ def test_threads_split_the_outputs_without_changing_a_bit(kernel, fmt):
 def test_many_rows_take_the_dense_gemm(kernel):
     raw, dense = _packed("Q4_1", 8, 64, seed=1)
     linear = block_quant.pack(dense, [(3, raw)], kernel)
-    linear.packed.zero_()  # garbage in the packed copy: only the fp32 path can still be right
+    for seg in linear.segments:
+        seg.data.zero_()  # garbage in the packed copy: only the fp32 path can still be right
     x = torch.randn(block_quant.MAX_ROWS + 1, 64)
     assert torch.equal(linear(x), F.linear(x, dense))
-    for rows in (1, 5, block_quant.MAX_ROWS):  # ...and both packed kernel do read it
+    for rows in (1, 5, block_quant.MAX_ROWS):  # ...and both packed kernels do read it
         assert not torch.allclose(linear(x[:rows]), F.linear(x[:rows], dense))
+
+
+@pytest.mark.parametrize(
+    ("formats", "in_features"),
+    [(["Q8_0", "Q4_1", "Q4_1"], 64), (["Q4_K", "Q4_K", "Q6_K"], 256)],  # a fused QKV of Q4_K_M mixes these
+)
+def test_parts_in_different_formats_pack_as_segments(kernel, formats, in_features):
+    parts = [_packed(fmt, n, in_features, seed=n) for fmt, n in zip(formats, (5, 3, 7))]
+    dense = torch.cat([d for _, d in parts])
+    linear = block_quant.pack(dense, [(FORMATS[fmt], raw) for fmt, (raw, _) in zip(formats, parts)], kernel)
+    assert isinstance(linear, BlockQuantLinear) and len(linear.segments) == 2
+    assert linear.format_name == f"{formats[0]}+{formats[2]}"
+    expected_starts = [0, 5] if formats[0] != formats[1] else [0, 8]  # runs of one format share a segment
+    assert [seg.start for seg in linear.segments] == expected_starts
+    assert torch.equal(linear.dequantize(), dense)
+    for rows in (1, 3, 6, 20):  # the in-register kernel (legacy formats), then panels
+        _check(linear, rows, with_bias=True, seed=rows)
 
 
 def test_parts_that_cannot_be_packed_stay_dense(kernel):
     raw8, dense8 = _packed("Q8_0", 4, 64, seed=2)
-    raw4, dense4 = _packed("Q4_1", 4, 64, seed=3)
-    both = torch.cat([dense8, dense4])
-    assert block_quant.pack(both, [(8, raw8), (3, raw4)], kernel) is both  # mixed formats (fused QKV)
-    assert block_quant.pack(dense8, [(12, raw8)], kernel) is dense8  # Q4_K: not handled
-    assert block_quant.pack(dense8, [(8, raw8)], None) is dense8  # no kernel
+    assert block_quant.pack(dense8, [(13, raw8)], kernel) is dense8  # Q5_K: not handled
+    assert block_quant.pack(dense8, [(8, raw8), (13, raw8)], kernel) is dense8  # one part unhandled
+    assert block_quant.pack(dense8, [(8, raw8[:3])], kernel) is dense8  # rows missing
+    assert block_quant.pack(dense8, [(8, raw8)], None) is dense8  # no kernels
     assert block_quant.pack(dense8, None, kernel) is dense8  # not from a GGUF block format
     assert isinstance(block_quant.pack(dense8.bfloat16(), [(8, raw8)], kernel), torch.Tensor)
-    fused = block_quant.pack(both[:8], [(8, raw8), (8, raw8)], kernel)
-    assert isinstance(fused, BlockQuantLinear) and torch.equal(fused.dequantize(), torch.cat([dense8, dense8]))
 
 
 def test_portable_build_without_avx2_agrees(tmp_path):
@@ -123,7 +138,7 @@ def test_portable_build_without_avx2_agrees(tmp_path):
     lib = ctypes.CDLL(str(lib_path))
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lin = lib.servelab_block_quant_linear_f32
-    lin.argtypes, lin.restype = [i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, ptr, i64], None
+    lin.argtypes, lin.restype = [i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, i64], None
     gemm = lib.servelab_block_quant_gemm_f32
     gemm.argtypes, gemm.restype = lin.argtypes, None
     deq = lib.servelab_block_dequant_f32
@@ -136,11 +151,11 @@ def test_portable_build_without_avx2_agrees(tmp_path):
         x, y = torch.randn(3, 384), torch.empty(3, 200)
         threads = 2  # 200 x 384 weights are enough for the pool to split the outputs in two
         scratch = torch.empty(3 * 12 + threads * 384)
-        lin(code, raw.data_ptr(), raw.shape[1], 384, 200, x.data_ptr(), 3, None, y.data_ptr(), scratch.data_ptr(), threads)
+        lin(code, raw.data_ptr(), raw.shape[1], 384, 200, x.data_ptr(), 3, None, y.data_ptr(), 200, scratch.data_ptr(), threads)
         ref = F.linear(x.double(), dense.double())
         assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), fmt
         bias, panels = torch.randn(200), torch.empty(threads * 48 * 384)
-        gemm(code, raw.data_ptr(), raw.shape[1], 384, 200, x.data_ptr(), 3, bias.data_ptr(), y.data_ptr(), panels.data_ptr(), threads)
+        gemm(code, raw.data_ptr(), raw.shape[1], 384, 200, x.data_ptr(), 3, bias.data_ptr(), y.data_ptr(), 200, panels.data_ptr(), threads)
         ref = ref + bias.double()
         assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), fmt
 

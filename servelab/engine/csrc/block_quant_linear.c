@@ -304,15 +304,15 @@ static void linear_part(const void *ctx, int64_t part, int64_t begin, int64_t en
 /* y[r, o] = sum_i W[o, i] * x[r, i] (+ bias[o]) for all out_features outputs and all rows, the
  * outputs split over up to `threads` threads (parallel.c).
  *   w        the packed weight, out_features rows of row_bytes bytes (in_features / 32 blocks)
- *   x        [rows, in_features] contiguous; y [rows, out_features] contiguous
+ *   x        [rows, in_features] contiguous; y [rows, y_stride] (columns 0..out_features written)
  *   bias     NULL or [out_features]
  *   scratch  rows * in_features / 32 floats, plus threads * in_features floats without AVX2
  */
 void servelab_block_quant_linear_f32(int64_t qtype, const uint8_t *w, int64_t row_bytes, int64_t in_features,
                                      int64_t out_features, const float *x, int64_t rows, const float *bias,
-                                     float *y, float *scratch, int64_t threads)
+                                     float *y, int64_t y_stride, float *scratch, int64_t threads)
 {
-    struct linear_job job = {qtype, row_bytes, in_features, rows, out_features, w, x, bias, scratch, y, scratch};
+    struct linear_job job = {qtype, row_bytes, in_features, rows, y_stride, w, x, bias, scratch, y, scratch};
 #ifdef __AVX2__
     const int64_t nblocks = in_features / 32;
     for (int64_t r = 0; r < rows; r++)  /* each row's per-block sums, for the offset term */
@@ -371,7 +371,7 @@ static void panel_rows(const float *panel, int64_t no, int64_t in, const float *
 #endif
 
 struct gemm_job {
-    int64_t qtype, row_bytes, in_features, out_features, rows;
+    int64_t qtype, row_bytes, in_features, out_features, rows, y_stride;
     const uint8_t *w;
     const float *x, *bias;
     float *y, *scratch;
@@ -386,7 +386,7 @@ static void gemm_part(const void *ctx, int64_t part, int64_t begin, int64_t end)
         const int64_t o0 = p * PANEL, no = out - o0 < PANEL ? out - o0 : PANEL;
         for (int64_t o = 0; o < no; o++) dequant_row(j->qtype, j->w + (o0 + o) * j->row_bytes, in / 32, panel + o * in);
 #ifdef __AVX2__
-        panel_rows(panel, no, in, j->x, j->rows, j->bias, o0, j->y, out);
+        panel_rows(panel, no, in, j->x, j->rows, j->bias, o0, j->y, j->y_stride);
 #else
         for (int64_t r = 0; r < j->rows; r++)
             for (int64_t o = 0; o < no; o++) {
@@ -394,7 +394,7 @@ static void gemm_part(const void *ctx, int64_t part, int64_t begin, int64_t end)
                 float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
                 for (int64_t i = 0; i < in; i += 8)
                     for (int k = 0; k < 8; k++) acc[k] += wo[i + k] * xr[i + k];
-                j->y[r * out + o0 + o] = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+                j->y[r * j->y_stride + o0 + o] = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
                                          + (j->bias ? j->bias[o0 + o] : 0.0f);
             }
 #endif
@@ -405,9 +405,9 @@ static void gemm_part(const void *ctx, int64_t part, int64_t begin, int64_t end)
  * for more rows; scratch holds threads * 48 * in_features floats. */
 void servelab_block_quant_gemm_f32(int64_t qtype, const uint8_t *w, int64_t row_bytes, int64_t in_features,
                                    int64_t out_features, const float *x, int64_t rows, const float *bias, float *y,
-                                   float *scratch, int64_t threads)
+                                   int64_t y_stride, float *scratch, int64_t threads)
 {
-    struct gemm_job job = {qtype, row_bytes, in_features, out_features, rows, w, x, bias, y, scratch};
+    struct gemm_job job = {qtype, row_bytes, in_features, out_features, rows, y_stride, w, x, bias, y, scratch};
     sl_parallel_for(gemm_part, &job, (out_features + PANEL - 1) / PANEL, threads);
 }
 
