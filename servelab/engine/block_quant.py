@@ -39,6 +39,7 @@ _K_QUANTS = (3, 4)  # the panel kernel only: the in-register one knows the 32-we
 FUSED_MAX_ROWS = 4  # up to here the in-register kernel, then the panel kernel
 MAX_ROWS = 128  # above this MKL (it pulls ahead by 256 rows)
 INT8_MAX_ROWS = 16  # under --quantization int8, fbgemm's int8 GEMM takes over above this
+PANEL_OUTPUTS = 48  # outputs the panel kernel expands at a time (PANEL in the C file)
 
 
 @dataclass(slots=True)
@@ -79,7 +80,7 @@ class BlockQuantLinear:
             scratch = torch.empty(rows * (in_features // 32) + threads * in_features, dtype=torch.float32)
             kernel = self.kernels.block_quant_linear
         else:
-            scratch = torch.empty(threads * 48 * in_features, dtype=torch.float32)  # a 48-output panel each
+            scratch = torch.empty(threads * PANEL_OUTPUTS * in_features, dtype=torch.float32)  # a panel each
             kernel = self.kernels.block_quant_gemm
         for seg in self.segments:  # each writes its columns of y (4 bytes an fp32)
             kernel(

@@ -66,7 +66,7 @@ def test_kernel_weights_are_the_loaders_and_products_match_fp32(kernel, fmt, in_
     linear = block_quant.pack(dense, [(FORMATS[fmt], raw)], kernel)
     assert isinstance(linear, BlockQuantLinear) and linear.format_name == fmt
     assert torch.equal(linear.dequantize(), dense)  # bit for bit, Q4_1's d * q + m and Q4_K's included
-    # both kernel (up to 4 rows, then 48-output panels), every row-group size and remainder
+    # both kernels (up to 4 rows, then 48-output panels), every row-group size and remainder
     for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13, 33, block_quant.MAX_ROWS):
         _check(linear, rows, with_bias=rows % 2 == 1, seed=rows)
 
@@ -154,7 +154,7 @@ def test_portable_build_without_avx2_agrees(tmp_path):
         lin(code, raw.data_ptr(), raw.shape[1], 384, 200, x.data_ptr(), 3, None, y.data_ptr(), 200, scratch.data_ptr(), threads)
         ref = F.linear(x.double(), dense.double())
         assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), fmt
-        bias, panels = torch.randn(200), torch.empty(threads * 48 * 384)
+        bias, panels = torch.randn(200), torch.empty(threads * block_quant.PANEL_OUTPUTS * 384)
         gemm(code, raw.data_ptr(), raw.shape[1], 384, 200, x.data_ptr(), 3, bias.data_ptr(), y.data_ptr(), 200, panels.data_ptr(), threads)
         ref = ref + bias.double()
         assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), fmt

@@ -2,19 +2,23 @@
  *
  * Why: a decode step with few rows reads every weight once and does two flops with each, so it
  * is bound by the bytes it streams. SmolLM2's GGUF stores its layers as Q4_1 (5 bits a weight)
- * and its head as Q8_0 (8.5 bits); dequantized to fp32 they are 32 bits, 4-6x the bytes. Here
- * each block's quants are widened to fp32 in registers and used for up to four activation rows
- * at once, so the weights stream in their packed size. The weights are the values the loader's
- * dequantization produces (servelab_block_dequant_f32 writes them out, and tests check they
- * are bit-identical), so this is the fp32 model with another summation order, not an
- * approximation. With many rows the work is compute-bound and MKL's fp32 GEMM over the
- * dequantized copy wins; the model picks per call (block_quant.py).
+ * and its head as Q8_0 (8.5 bits); dequantized to fp32 they are 32 bits, 4-6x the bytes. Two
+ * kernels multiply straight from the blocks:
+ *   - servelab_block_quant_linear_f32 (up to four rows at a time, 32-weight formats): each
+ *     block's quants are widened to fp32 in registers and used for every row;
+ *   - servelab_block_quant_gemm_f32 (more rows, every format here): 48 outputs' weights are
+ *     expanded to fp32 (L2) once and a register-blocked 4-row x 3-output kernel runs over them.
+ * The weights are the values the loader's dequantization produces (servelab_block_dequant_f32
+ * writes them out, and tests check they are bit-identical), so this is the fp32 model with
+ * another summation order, not an approximation. block_quant.py picks the kernel per call, and
+ * MKL's fp32 GEMM over the dequantized copy for the largest calls.
  *
- * Block formats (ggml), 32 weights a block, a row of W is in/32 consecutive blocks:
- *   Q8_0  fp16 d, int8 q[32]                 w = d * q
- *   Q4_0  fp16 d, uint8 qs[16]               w = d * (nibble - 8)
- *   Q4_1  fp16 d, fp16 m, uint8 qs[16]       w = d * nibble + m
- * where byte j of qs holds element j in its low nibble and element j + 16 in its high nibble.
+ * Block formats (ggml); a row of W is its blocks in order:
+ *   Q8_0  32 weights: fp16 d, int8 q[32]                 w = d * q
+ *   Q4_0  32 weights: fp16 d, uint8 qs[16]               w = d * (nibble - 8)
+ *   Q4_1  32 weights: fp16 d, fp16 m, uint8 qs[16]       w = d * nibble + m
+ *         (byte j of qs holds element j in its low nibble and element j + 16 in its high one)
+ *   Q4_K, Q6_K  256 weights with 6-bit / 8-bit sub-block scales (dequant_k_block)
  */
 #include <stdint.h>
 #include <string.h>
@@ -53,8 +57,8 @@ static inline float fp16_to_f32(const uint8_t *p) {
 #endif
 }
 
-/* Keeps the compiler from fusing a product into the add that follows (-ffp-contract): the
- * K-quant weights must be rounded exactly as the loader rounds them. */
+/* Keeps the compiler from fusing a product into the add that follows (-ffp-contract): Q4_1's and
+ * Q4_K's weights must be rounded exactly as the loader rounds them. */
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #define SL_ROUNDED(v) __asm__("" : "+x"(v))
 #else
@@ -148,13 +152,15 @@ static void dequant_row(int64_t qtype, const uint8_t *row, int64_t nblocks, floa
                 const __m256 n = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j])), off);
                 /* d * n, then + m: two roundings, as the loader's dequantization does */
                 __m256 w = _mm256_mul_ps(vd, n);
-                __asm__("" : "+x"(w)); /* keeps -ffp-contract from fusing the add into an FMA */
+                SL_ROUNDED(w);
                 _mm256_storeu_ps(dst + 8 * j, has_min ? _mm256_add_ps(w, vm) : w);
             }
 #else
             const float off = has_min ? 0.0f : 8.0f;
             for (int j = 0; j < 16; j++) {
-                volatile float w_lo = d * ((float)(qs[j] & 0x0f) - off), w_hi = d * ((float)(qs[j] >> 4) - off);
+                float w_lo = d * ((float)(qs[j] & 0x0f) - off), w_hi = d * ((float)(qs[j] >> 4) - off);
+                SL_ROUNDED(w_lo);
+                SL_ROUNDED(w_hi);
                 dst[j] = has_min ? w_lo + m : w_lo;
                 dst[j + 16] = has_min ? w_hi + m : w_hi;
             }
@@ -163,7 +169,7 @@ static void dequant_row(int64_t qtype, const uint8_t *row, int64_t nblocks, floa
     }
 }
 
-/* Block sizes in bytes, and where the quants start. */
+/* Bytes of a 32-weight block. */
 static inline int64_t block_bytes(int64_t qtype) { return qtype == Q8_0 ? 34 : qtype == Q4_1 ? 20 : 18; }
 
 /* Per block, sum_i w_i x_i = d * sum_i q_i x_i + m * sum_i x_i with q the raw quant (int8, or a
@@ -266,6 +272,23 @@ static void fused(int64_t qtype, int64_t nr, const uint8_t *w, int64_t row_bytes
 }
 #endif
 
+#ifndef __AVX2__
+/* Without AVX2: y[r, o0 + o] = dequantized rows w[o] . x[r] (+ bias), eight partial sums so the
+ * compiler can vectorize without reassociating. */
+static void scalar_rows(const float *w, int64_t no, int64_t in, const float *x, int64_t rows, const float *bias,
+                        int64_t o0, float *y, int64_t y_stride) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t o = 0; o < no; o++) {
+            const float *xr = x + r * in, *wo = w + o * in;
+            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+            for (int64_t i = 0; i < in; i += 8)
+                for (int k = 0; k < 8; k++) acc[k] += wo[i + k] * xr[i + k];
+            y[r * y_stride + o0 + o] = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
+                                       + (bias ? bias[o0 + o] : 0.0f);
+        }
+}
+#endif
+
 struct linear_job {
     int64_t qtype, row_bytes, in_features, rows, y_stride;
     const uint8_t *w;
@@ -285,18 +308,10 @@ static void linear_part(const void *ctx, int64_t part, int64_t begin, int64_t en
               j->xsum + r0 * nblocks, j->bias, j->y + r0 * j->y_stride, j->y_stride);
     }
 #else
-    const int64_t nblocks = j->in_features / 32, n = j->in_features;
-    float *row = j->scratch + part * n;
+    float *row = j->scratch + part * j->in_features;
     for (int64_t o = begin; o < end; o++) {
-        dequant_row(j->qtype, j->w + o * j->row_bytes, nblocks, row);
-        const float b = j->bias ? j->bias[o] : 0.0f;
-        for (int64_t r = 0; r < j->rows; r++) {
-            const float *xr = j->x + r * n;
-            float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            for (int64_t i = 0; i < n; i += 8)
-                for (int k = 0; k < 8; k++) acc[k] += row[i + k] * xr[i + k];
-            j->y[r * j->y_stride + o] = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + b;
-        }
+        dequant_row(j->qtype, j->w + o * j->row_bytes, j->in_features / 32, row);
+        scalar_rows(row, 1, j->in_features, j->x, j->rows, j->bias, o, j->y, j->y_stride);
     }
 #endif
 }
@@ -388,15 +403,7 @@ static void gemm_part(const void *ctx, int64_t part, int64_t begin, int64_t end)
 #ifdef __AVX2__
         panel_rows(panel, no, in, j->x, j->rows, j->bias, o0, j->y, j->y_stride);
 #else
-        for (int64_t r = 0; r < j->rows; r++)
-            for (int64_t o = 0; o < no; o++) {
-                const float *xr = j->x + r * in, *wo = panel + o * in;
-                float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-                for (int64_t i = 0; i < in; i += 8)
-                    for (int k = 0; k < 8; k++) acc[k] += wo[i + k] * xr[i + k];
-                j->y[r * j->y_stride + o0 + o] = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]))
-                                         + (j->bias ? j->bias[o0 + o] : 0.0f);
-            }
+        scalar_rows(panel, no, in, j->x, j->rows, j->bias, o0, j->y, j->y_stride);
 #endif
     }
 }

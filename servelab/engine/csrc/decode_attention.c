@@ -13,7 +13,7 @@
  *   k, v     [num_kv_heads, num_slots, head_dim]: one layer of the pool; slot = block * block_size + offset
  *   blocks   [B, max_blocks] int64 block table, row stride table_stride; ctx_lens [B] int64 (>= 1)
  *   out      [B, num_kv_heads * group * head_dim]
- *   scratch  group * max(ctx_lens) floats
+ *   scratch  group * max(ctx_lens) floats per thread (scratch_per_part apart)
  */
 #include <math.h>
 #include <stdint.h>
@@ -106,7 +106,7 @@ static void attention_part(const void *ctx_, int64_t part, int64_t begin, int64_
     const struct attention_job *j = ctx_;
     const float *q = j->q, *k = j->k, *v = j->v;
     const int64_t q_stride = j->q_stride, num_slots = j->num_slots, table_stride = j->table_stride;
-    const int64_t block_size = j->block_size, batch = j->batch, num_kv_heads = j->num_kv_heads;
+    const int64_t block_size = j->block_size, num_kv_heads = j->num_kv_heads;
     const int64_t *blocks = j->blocks, *ctx_lens = j->ctx_lens;
     const float scale = j->scale;
     float *scratch = j->scratch + part * j->scratch_per_part, *out = j->out;
@@ -125,7 +125,7 @@ static void attention_part(const void *ctx_, int64_t part, int64_t begin, int64_
          * and values (into L2) while this one computes. */
         {
             const int64_t nb = h + 1 < num_kv_heads ? b : b + 1, nh = h + 1 < num_kv_heads ? h + 1 : 0;
-            if (nb < batch && nb * num_kv_heads + nh < end) {
+            if (nb < j->batch && nb * num_kv_heads + nh < end) {
                 const int64_t *nt = blocks + nb * table_stride;
                 const float *nk = k + nh * num_slots * D, *nv = v + nh * num_slots * D;
                 for (int64_t c0 = 0; c0 < ctx_lens[nb]; c0 += block_size) {
