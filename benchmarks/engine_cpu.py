@@ -12,9 +12,11 @@ It also reports model bandwidth utilisation at batch 1: the bytes a decode step 
 (every weight once, plus the KV cache) / step time / the memory bandwidth measured here.
 
     python benchmarks/engine_cpu.py [--dtype bfloat16] [--rounds 3] [--json] [--quantization int8]
+                                    [--kv-cache-dtype float16]
 
 `--quantization int8` runs servelab with its opt-in int8 linears against HF in the same
---dtype: a different-numerics comparison, reported separately from the default one.
+--dtype: a different-numerics comparison, reported separately from the default one; so is
+`--kv-cache-dtype float16` (servelab's KV cache in fp16 under fp32 compute; HF keeps --dtype).
 """
 
 from __future__ import annotations
@@ -60,11 +62,11 @@ def measure_bandwidth_bytes_per_s(size_bytes: int = 1 << 30, repeats: int = 5) -
 class Servelab:
     name = "servelab"
 
-    def __init__(self, dtype: str, quantization: str | None = None):
+    def __init__(self, dtype: str, quantization: str | None = None, kv_cache_dtype: str = "auto"):
         # Prefix caching off: every round reuses the same prompts and must not be served from cache.
         self.engine = LLMEngine.from_args(
             EngineArgs(dtype=dtype, enable_prefix_caching=False, max_num_seqs=64, max_num_batched_tokens=2048,
-                       quantization=quantization)
+                       quantization=quantization, kv_cache_dtype=kv_cache_dtype)
         )
         self.model = self.engine.executor.model
         self._n = 0
@@ -147,12 +149,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-hf", action="store_true", help="servelab only (no ratios)")
     parser.add_argument("--json", action="store_true", help="print the raw figures as one JSON object on the last line")
     parser.add_argument("--quantization", choices=["int8"], default=None, help="servelab's opt-in int8 linears (HF unchanged)")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
+                        help="servelab's KV cache storage (HF unchanged)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     metrics = [m for m in args.only.split(",") if m]
 
-    engines = [Servelab(args.dtype, args.quantization)] + ([] if args.no_hf else [HF(args.dtype)])
+    engines = [Servelab(args.dtype, args.quantization, args.kv_cache_dtype)] + ([] if args.no_hf else [HF(args.dtype)])
     for e in engines:  # warm-up: first calls allocate, fault pages in and pick kernels
         e.decode_b1()
         e.prefill_512()
@@ -179,6 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         mbu = step_bytes / step_s / bandwidth
 
     quant = f", servelab quantization {args.quantization}" if args.quantization else ""
+    quant += f", servelab KV cache {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
     print(f"\nservelab engine vs HF transformers on CPU — bundled SmolLM2-135M-Instruct, {args.dtype}{quant}, "
           f"{torch.get_num_threads()} threads, {args.rounds} interleaved rounds (medians)")
     print(f"{'metric':14s} {'servelab':>12s} {'HF':>12s} {'ratio':>8s}")
@@ -192,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     print("load average at the end (1/5/15 min): " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     if args.json:
         print(json.dumps({
-            "dtype": args.dtype, "quantization": args.quantization, "threads": torch.get_num_threads(), "rounds": args.rounds,
+            "dtype": args.dtype, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype, "threads": torch.get_num_threads(), "rounds": args.rounds,
             "servelab": medians["servelab"], "hf": medians.get("hf"), "ratios": ratios,
             "raw": results, "bandwidth_bytes_per_s": bandwidth, "decode_step_bytes": step_bytes,
             "mbu_b1": mbu, "load_average": list(os.getloadavg()),

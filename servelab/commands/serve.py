@@ -50,6 +50,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="compute dtype (default: bfloat16 where the CPU supports it, else float32)")  # fmt: skip
     model.add_argument("--quantization", choices=["int8"], default=None,
                        help="int8: int8 linears on CPU, ~2x faster here but approximate and not batch-invariant (default: off)")  # fmt: skip
+    model.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
+                       help="KV cache storage (default auto: the compute dtype); 16 bits hold twice the tokens of fp32")  # fmt: skip
     model.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default cpu)")
     model.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests (default 0)")
 
@@ -129,6 +131,7 @@ def run(args: argparse.Namespace) -> int:
         model=args.model,
         dtype=args.dtype,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,
@@ -152,9 +155,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = engine.scheduler_config
     log.info("servelab: loaded %s (%s) in %.1f s", engine.model_name, args.model or "bundled model", time.perf_counter() - t0)
     log.info(
-        "servelab: max_model_len=%d, KV cache %d blocks x %d tokens = %d tokens, max_num_seqs=%d, "
+        "servelab: max_model_len=%d, KV cache %d blocks x %d tokens = %d tokens (%s), max_num_seqs=%d, "
         "max_num_batched_tokens=%d, policy=%s, order=%s, prefix caching %s, max waiting %s",
-        engine.max_model_len, cfg.num_blocks, cfg.block_size, cfg.num_blocks * cfg.block_size, cfg.max_num_seqs,
+        engine.max_model_len, cfg.num_blocks, cfg.block_size, cfg.num_blocks * cfg.block_size,
+        str(getattr(getattr(engine.executor, "kv_cache", None), "dtype", "?")).removeprefix("torch."), cfg.max_num_seqs,
         cfg.max_num_batched_tokens, cfg.policy, cfg.order, "on" if cfg.enable_prefix_caching else "off",
         "unbounded" if cfg.max_waiting is None else cfg.max_waiting,
     )  # fmt: skip

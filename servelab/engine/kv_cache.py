@@ -26,6 +26,7 @@ class PagedKVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_layers = config.num_layers
+        self.dtype = dtype
         shape = (config.num_layers, config.num_kv_heads, num_blocks * block_size, config.head_dim)
         try:
             # empty, not zeros: pages are touched only as blocks fill, so a generous default pool

@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 DEFAULT_MAX_MODEL_LEN = 8192  # CPU default: longer contexts are possible but unusably slow here
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 DTYPES = ("bfloat16", "float16", "float32")
+KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: the compute dtype
 DEVICES = ("cpu", "cuda")
 QUANTIZATIONS = ("int8",)  # mirrors servelab.engine.quantization, which imports torch
 
@@ -49,10 +50,19 @@ class EngineArgs:
     # None = weights in the compute dtype; "int8" = opt-in int8 linears on CPU (fp32 compute,
     # ~2x faster GEMMs here, numerics change and are not batch-invariant: see engine/quantization.py)
     quantization: str | None = None
+    # The KV cache's storage dtype: "auto" = the compute dtype. A 16-bit cache under fp32 compute
+    # holds twice the tokens in the same memory and halves the bytes decode attention reads;
+    # keys and values are rounded to it as they are stored (see LlamaModel.forward).
+    kv_cache_dtype: str = "auto"
 
     def validate(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
             raise InvalidArgument(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}", param="dtype")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise InvalidArgument(
+                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
+                param="kv_cache_dtype",
+            )
         if self.device not in DEVICES:
             raise InvalidArgument(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}", param="device")
         if self.quantization is not None:
@@ -133,6 +143,8 @@ class LLMEngine:
 
     @classmethod
     def from_args(cls, args: EngineArgs) -> LLMEngine:
+        import torch
+
         from servelab.core.config import SchedulerConfig
         from servelab.engine.bundled import bundled_model_path
         from servelab.engine.kv_cache import PagedKVCache
@@ -156,7 +168,8 @@ class LLMEngine:
                 f"max_model_len={max_model_len} exceeds the model's context of {config.max_position_embeddings} tokens",
                 param="max_model_len",
             )
-        block_bytes = PagedKVCache.bytes_per_block(config, args.block_size, dtype)
+        kv_dtype = dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
+        block_bytes = PagedKVCache.bytes_per_block(config, args.block_size, kv_dtype)
         if args.num_blocks is not None:
             num_blocks = args.num_blocks
         else:
@@ -177,7 +190,7 @@ class LLMEngine:
                 )
             max_model_len = capacity_tokens  # a small cache asked for explicitly bounds the context
 
-        kv_cache = PagedKVCache(config, num_blocks, args.block_size, dtype=dtype, device=args.device)
+        kv_cache = PagedKVCache(config, num_blocks, args.block_size, dtype=kv_dtype, device=args.device)
         executor = ModelExecutor(loaded.model, kv_cache, seed=args.seed)
         scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,

@@ -268,7 +268,10 @@ class LlamaModel:
     ) -> torch.Tensor:
         """Returns fp32 logits [S, vocab] for the rows in `meta.logits_indices`.
 
-        `k_cache[l]` / `v_cache[l]` are layer l's cache, [kv_heads, num_slots, head_dim].
+        `k_cache[l]` / `v_cache[l]` are layer l's cache, [kv_heads, num_slots, head_dim], in the
+        compute dtype or another (a 16-bit cache under fp32 compute): values are rounded to it as
+        they are stored and every attention reads them back from it, so a token attends to the
+        same keys whether they were computed in this step or an earlier one.
         """
         cfg = self.config
         T = input_ids.shape[0]
@@ -298,8 +301,8 @@ class LlamaModel:
                 qk = rope(qkv[:, : cfg.q_size + cfg.kv_size].view(T, H + KV, D))
                 q, k = qk[:, :H], qk[:, H:]
                 v = qkv[:, cfg.q_size + cfg.kv_size :].view(T, KV, D)
-                kc.index_copy_(1, meta.slots, k.transpose(0, 1))
-                vc.index_copy_(1, meta.slots, v.transpose(0, 1))
+                kc.index_copy_(1, meta.slots, k.transpose(0, 1).to(kc.dtype))
+                vc.index_copy_(1, meta.slots, v.transpose(0, 1).to(vc.dtype))
             attn = self._attention(q, k, v, kc, vc, meta)  # [T, H * D]
             x, h = self._add_norm(x, linear(attn, layer.o), layer.post_norm)
             gate_up = linear(h, layer.gate_up)
@@ -343,8 +346,8 @@ class LlamaModel:
             # advanced-indexing kernel took 1.13 ms for K+V of 32 x 48 slots against 0.13 ms for
             # index_select (1 thread, this AVX2 host), and the gather runs twice per layer.
             flat_slots = meta.decode_ctx_slots.view(-1)
-            kd = kc.index_select(1, flat_slots).view(KV, B, -1, D).transpose(0, 1)  # [B, KV, ctx, D]
-            vd = vc.index_select(1, flat_slots).view(KV, B, -1, D).transpose(0, 1)
+            kd = kc.index_select(1, flat_slots).view(KV, B, -1, D).transpose(0, 1).to(q.dtype)  # [B, KV, ctx, D]
+            vd = vc.index_select(1, flat_slots).view(KV, B, -1, D).transpose(0, 1).to(q.dtype)
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=H != KV)
             out[:B] = o.reshape(B, H * D)
         for offset, n, start_pos, ctx_slots in meta.prefills:
@@ -352,11 +355,13 @@ class LlamaModel:
             if ctx_slots is None:  # the chunk is the whole context: plain causal attention
                 kp = k[offset : offset + n].transpose(0, 1).unsqueeze(0)
                 vp = v[offset : offset + n].transpose(0, 1).unsqueeze(0)
+                if kc.dtype != q.dtype:  # the values the cache holds, as a later chunk will read them
+                    kp, vp = kp.to(kc.dtype).to(q.dtype), vp.to(vc.dtype).to(q.dtype)
                 o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=H != KV)
             else:  # earlier context is in the cache (a previous chunk or a prefix-cache hit)
                 ctx = ctx_slots.shape[0]
-                kp = kc.index_select(1, ctx_slots).unsqueeze(0)  # [1, KV, ctx, D]
-                vp = vc.index_select(1, ctx_slots).unsqueeze(0)
+                kp = kc.index_select(1, ctx_slots).unsqueeze(0).to(q.dtype)  # [1, KV, ctx, D]
+                vp = vc.index_select(1, ctx_slots).unsqueeze(0).to(q.dtype)
                 qpos = torch.arange(start_pos, start_pos + n, device=q.device)[:, None]
                 mask = torch.arange(ctx, device=q.device)[None, :] <= qpos
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale, enable_gqa=H != KV)

@@ -1,8 +1,8 @@
 """Native CPU kernels: plain C built on first use with the system C compiler, loaded with ctypes.
 
-Decode attention (csrc/decode_attention.c: why it beats gather + SDPA is in that file), the
-per-layer elementwise ops (csrc/layer_ops.c: residual add + RMSNorm, SwiGLU, RoPE with the
-K/V store) and linears straight from GGUF blocks (csrc/block_quant_linear.c, used by
+Decode attention over an fp32, fp16 or bf16 KV cache (csrc/decode_attention.c: why it beats
+gather + SDPA is in that file), the per-layer elementwise ops (csrc/layer_ops.c: residual add +
+RMSNorm, SwiGLU, RoPE with the K/V store) and linears straight from GGUF blocks (csrc/block_quant_linear.c, used by
 block_quant.py). Attention and the linears split their work over torch.get_num_threads()
 threads of our own pool (csrc/parallel.c). The shared library is cached under
 $SERVELAB_CACHE_DIR, else $XDG_CACHE_HOME/servelab, else ~/.cache/servelab, keyed by a hash of
@@ -29,7 +29,9 @@ from pathlib import Path
 import torch
 
 _SOURCES = ("decode_attention.c", "layer_ops.c", "block_quant_linear.c", "parallel.c")
-_HEADERS = ("vec_exp.h", "parallel.h")
+_HEADERS = ("vec_exp.h", "parallel.h", "half.h")
+# KV-cache dtypes the attention and K/V-store kernels read and write (their kv_format codes)
+KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 _lock = threading.Lock()
 _kernel: NativeKernels | None = None
@@ -97,12 +99,12 @@ def _build() -> NativeKernels:
 
     return NativeKernels(
         decode_attention=fn(
-            "servelab_decode_attention_f32",
-            ptr, i64, ptr, ptr, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, f32, ptr, i64, ptr, i64,
+            "servelab_decode_attention",
+            ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, f32, ptr, i64, ptr, i64,
         ),
         add_rms_norm=fn("servelab_add_rms_norm_f32", ptr, ptr, ptr, ptr, i64, i64, f32),
         silu_mul=fn("servelab_silu_mul_f32", ptr, ptr, i64, i64),
-        rope_store_kv=fn("servelab_rope_store_kv_f32", ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64),
+        rope_store_kv=fn("servelab_rope_store_kv", ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64),
         block_quant_linear=fn(
             "servelab_block_quant_linear_f32", i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, i64
         ),
@@ -144,9 +146,9 @@ def decode_attention(
     """out[b] = attention of q[b] over the first ctx_lens[b] positions of sequence b's blocks.
 
     q: [B, H, D] fp32 with unit stride in its last two dims (any row stride); k, v: one layer of
-    the pool, [kv_heads, slots, D] contiguous; block_table [B, max_blocks] int64 with unit
-    column stride and ctx_lens [B] int64 contiguous; out: [B, H * D] contiguous. Nothing is
-    checked: the caller (the model) builds all of these itself.
+    the pool, [kv_heads, slots, D] contiguous, in a KV_FORMATS dtype; block_table [B, max_blocks]
+    int64 with unit column stride and ctx_lens [B] int64 contiguous; out: [B, H * D] contiguous.
+    Nothing is checked: the caller (the model) builds all of these itself.
     """
     B, H, D = q.shape
     kv_heads = k.shape[0]
@@ -154,7 +156,7 @@ def decode_attention(
     per_part = (H // kv_heads) * max_ctx
     scratch = torch.empty(threads * per_part, dtype=torch.float32)
     kernels.decode_attention(
-        q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.shape[1],
+        q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.shape[1], KV_FORMATS[k.dtype],
         block_table.data_ptr(), block_table.stride(0), block_size,
         ctx_lens.data_ptr(), B, kv_heads, H // kv_heads, D, scale,
         scratch.data_ptr(), per_part, out.data_ptr(), threads,
@@ -196,9 +198,11 @@ def rope_store_kv(
     v: torch.Tensor,
 ) -> None:
     """RoPE in place on the Q and K heads of a contiguous fp32 qkv [T, (H + 2 KV) * D], then each
-    token's K and V into its slot of one layer of the pool ([KV, slots, D]). cos/sin: contiguous
-    [max_pos, D] tables covering every position; positions and slots: [T] int64."""
+    token's K and V into its slot of one layer of the pool ([KV, slots, D], a KV_FORMATS dtype:
+    rounded to nearest even as torch's casts round). cos/sin: contiguous [max_pos, D] tables
+    covering every position; positions and slots: [T] int64."""
     kernels.rope_store_kv(
-        qkv.data_ptr(), qkv.shape[0], qkv.shape[1], num_heads, num_kv_heads, head_dim,
-        cos.data_ptr(), sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1],
+        qkv.data_ptr(), qkv.shape[0], qkv.shape[1], num_heads, num_kv_heads, head_dim, cos.data_ptr(),
+        sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1],
+        KV_FORMATS[k.dtype],
     )

@@ -192,8 +192,9 @@ def write_tiny_llama(
 # ------------------------------------------------------------------ model-level test helpers
 
 
-def prefill_logits(model, token_ids: list[int], *, chunk: int | None = None, block_size: int = 16):
-    """fp32 logits at every position of `token_ids`, computed through a paged cache.
+def prefill_logits(model, token_ids: list[int], *, chunk: int | None = None, block_size: int = 16, kv_dtype=None):
+    """fp32 logits at every position of `token_ids`, computed through a paged cache (in
+    `kv_dtype`, default the model's dtype).
 
     With `chunk`, the prompt goes in chunks of that many tokens (each after the first attends to
     the earlier ones through the cache); `chunk=1` runs every token through the decode path.
@@ -205,7 +206,7 @@ def prefill_logits(model, token_ids: list[int], *, chunk: int | None = None, blo
 
     T = len(token_ids)
     nb = -(-T // block_size) + 1
-    kv = PagedKVCache(model.config, nb + 3, block_size, dtype=model.dtype)
+    kv = PagedKVCache(model.config, nb + 3, block_size, dtype=kv_dtype or model.dtype)
     # A scrambled block table, so a wrong slot computation cannot pass by accident.
     table = list(range(nb + 2, 2, -1))
     slot = lambda p: table[p // block_size] * block_size + p % block_size  # noqa: E731

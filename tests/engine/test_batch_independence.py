@@ -1,5 +1,6 @@
 """A request's greedy output does not depend on what else the engine does: alone, in a batch of
-16, with its prompt chunked, after a preemption, and with a prefix-cache hit."""
+16, with its prompt chunked, after a preemption, and with a prefix-cache hit; with the KV cache
+in the compute dtype and in fp16."""
 
 from __future__ import annotations
 
@@ -20,9 +21,19 @@ def _run(engine, prompts: dict[str, list[int]], params=GREEDY) -> dict:
     return seqs
 
 
+@pytest.fixture(scope="module", params=["auto", "float16"])
+def kv_cache_dtype(request):
+    return request.param
+
+
 @pytest.fixture(scope="module")
-def target(tiny_engine_factory):
-    engine = tiny_engine_factory()
+def factory(tiny_engine_factory, kv_cache_dtype):
+    return lambda **kwargs: tiny_engine_factory(kv_cache_dtype=kv_cache_dtype, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def target(factory):
+    engine = factory()
     ids = engine.tokenizer.encode("The quick brown fox jumps over the lazy dog and the server answers fast")
     alone = _run(engine, {"t": ids})["t"]
     assert alone.num_output_tokens == GREEDY.max_tokens
@@ -34,25 +45,25 @@ def _others(n: int, seed: int = 0) -> dict[str, list[int]]:
     return {f"o{i}": [rng.randrange(3, 500) for _ in range(rng.randint(5, 60))] for i in range(n)}
 
 
-def test_same_output_in_a_batch_of_16(tiny_engine_factory, target):
+def test_same_output_in_a_batch_of_16(factory, target):
     ids, expected = target
-    engine = tiny_engine_factory()
+    engine = factory()
     prompts = _others(15)
     prompts["t"] = ids  # admitted last: shares every step with the others
     assert _run(engine, prompts)["t"].output_token_ids == expected
 
 
-def test_same_output_with_the_prompt_chunked(tiny_engine_factory, target):
+def test_same_output_with_the_prompt_chunked(factory, target):
     ids, expected = target
-    engine = tiny_engine_factory(max_num_batched_tokens=5)
+    engine = factory(max_num_batched_tokens=5)
     prompts = _others(3, seed=1)
     prompts["t"] = ids
     assert _run(engine, prompts)["t"].output_token_ids == expected
 
 
-def test_same_output_after_a_preemption(tiny_engine_factory, target):
+def test_same_output_after_a_preemption(factory, target):
     ids, expected = target
-    engine = tiny_engine_factory(num_blocks=16, block_size=4, enable_prefix_caching=False)
+    engine = factory(num_blocks=16, block_size=4, enable_prefix_caching=False)
     prompts = _others(5, seed=2)
     prompts = {k: v[:20] for k, v in prompts.items()}
     prompts["t"] = ids  # the newest: the first to be preempted when blocks run out
@@ -62,9 +73,9 @@ def test_same_output_after_a_preemption(tiny_engine_factory, target):
     assert seq.output_token_ids == expected
 
 
-def test_same_output_with_a_prefix_cache_hit(tiny_engine_factory, target):
+def test_same_output_with_a_prefix_cache_hit(factory, target):
     ids, expected = target
-    engine = tiny_engine_factory(block_size=4)
+    engine = factory(block_size=4)
     _run(engine, {"warm": ids[:-2] + [7, 8, 9]})  # shares all but the last few prompt tokens
     seq = _run(engine, {"t": ids})["t"]
     assert seq.num_cached_tokens >= 8

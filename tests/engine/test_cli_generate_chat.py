@@ -21,6 +21,13 @@ def test_generate_prints_text_and_a_timing_line(tiny_llama, capsys):
     assert re.search(r"\d+ prompt \+ 6 output tokens \(length\) \| TTFT [\d.]+ ms \| TPOT [\d.]+ ms \| [\d.]+ tok/s", timing)
 
 
+def test_generate_with_a_16_bit_kv_cache_says_so(tiny_llama, capsys):
+    rc = main(["generate", "--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-dtype", "float16",
+               "--prompt", "hello world", "--max-tokens", "3", "--temperature", "0", "--ignore-eos"])
+    assert rc == 0
+    assert "float32, KV cache float16]" in capsys.readouterr().out
+
+
 def test_generate_json_and_chat_template(tiny_llama, capsys):
     rc = main(["generate", "--model", str(tiny_llama), "--dtype", "float32", "--prompt", "hi", "--chat", "--json",
                "--max-tokens", "4", "--temperature", "0", "--ignore-eos"])

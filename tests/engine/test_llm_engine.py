@@ -102,6 +102,23 @@ def test_defaults_kv_pool_and_context(tiny_engine_factory):
     assert engine.stats().num_blocks_total == (1 << 30) // per_block
 
 
+def test_a_16_bit_kv_cache_holds_twice_the_blocks(tiny_engine_factory, tiny_llama):
+    import torch
+
+    fp32 = tiny_engine_factory(kv_cache_memory_bytes=1 << 24)
+    for kv_dtype in ("float16", "bfloat16"):
+        half = tiny_engine_factory(kv_cache_memory_bytes=1 << 24, kv_cache_dtype=kv_dtype)
+        assert half.executor.model.dtype == torch.float32  # compute stays fp32
+        assert half.executor.kv_cache.dtype == getattr(torch, kv_dtype)
+        assert half.stats().num_blocks_total == 2 * fp32.stats().num_blocks_total
+        assert half.executor.kv_cache.nbytes == fp32.executor.kv_cache.nbytes
+        seq = half.add_request("r", PROMPT, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
+        _drain(half)
+        assert seq.num_output_tokens == 5 and half.stats().num_blocks_free == half.stats().num_blocks_total
+    with pytest.raises(InvalidArgument, match="kv_cache_dtype must be one of auto, bfloat16, float16, float32, got 'fp8'"):
+        tiny_engine_factory(kv_cache_dtype="fp8")
+
+
 def test_seeded_sampling_ignores_batch_company(engine):
     params = SamplingParams(max_tokens=20, temperature=1.0, seed=1234, ignore_eos=True)
     alone = engine.add_request("x", PROMPT, params)

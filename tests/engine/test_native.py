@@ -1,9 +1,14 @@
-"""The native decode-attention kernel against a plain per-sequence reference, the model with and
-without it, and a failed build falling back with its reason recorded."""
+"""The native decode-attention kernel against a plain per-sequence reference (over fp32, fp16 and
+bf16 caches), the K/V store rounding as torch rounds, the model with and without the kernels, a
+portable build, and a failed build falling back with its reason recorded."""
 
 from __future__ import annotations
 
+import ctypes
 import math
+import shutil
+import subprocess
+from importlib import resources
 
 import pytest
 import torch
@@ -23,7 +28,7 @@ def _reference(q, kc, vc, tables, ctx_lens, block_size, scale):
         slots = torch.tensor([tables[b][p // block_size] * block_size + p % block_size for p in range(ctx_lens[b])])
         k = kc[:, slots].repeat_interleave(H // KV, dim=0)  # [H, ctx, D]
         v = vc[:, slots].repeat_interleave(H // KV, dim=0)
-        out.append(F.scaled_dot_product_attention(q[b][:, None], k, v, scale=scale)[:, 0].reshape(-1))
+        out.append(F.scaled_dot_product_attention(q[b][:, None], k.float(), v.float(), scale=scale)[:, 0].reshape(-1))
     return torch.stack(out)
 
 
@@ -36,13 +41,14 @@ def _reference(q, kc, vc, tables, ctx_lens, block_size, scale):
         (4, 2, 40, 32, [3, 64, 65, 1000]),  # head_dim 40: vector body plus a tail
     ],
 )
-def test_kernel_matches_per_sequence_attention(kernel, kv_heads, group, head_dim, block_size, ctx_lens):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_kernel_matches_per_sequence_attention(kernel, kv_heads, group, head_dim, block_size, ctx_lens, kv_dtype):
     g = torch.Generator().manual_seed(0)
     B, H = len(ctx_lens), kv_heads * group
     max_blocks = -(-max(ctx_lens) // block_size)
     num_blocks = B * max_blocks + 5
-    kc = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=g)
-    vc = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=g)
+    kc = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=g).to(kv_dtype)
+    vc = torch.randn(kv_heads, num_blocks * block_size, head_dim, generator=g).to(kv_dtype)
     # Scrambled, disjoint block tables padded with 0, as the executor builds them.
     perm = torch.randperm(num_blocks - 1, generator=g) + 1
     tables = [perm[b * max_blocks : (b + 1) * max_blocks].tolist() for b in range(B)]
@@ -68,17 +74,102 @@ def test_kernel_matches_per_sequence_attention(kernel, kv_heads, group, head_dim
         torch.set_num_threads(before)
 
 
-def test_model_gives_the_same_logits_with_and_without_the_kernels(kernel, tiny_llama):
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_model_gives_the_same_logits_with_and_without_the_kernels(kernel, tiny_llama, kv_dtype):
     """Every kernel in the model's forward (RoPE + K/V store, add + RMSNorm, SwiGLU, decode
-    attention) against the PyTorch path, through whole prefills, chunks and decodes."""
+    attention) against the PyTorch path, through whole prefills, chunks and decodes; with a
+    16-bit cache both paths round K and V the same way and read them back the same way."""
     model = load_model(tiny_llama, dtype=torch.float32).model
     assert model.native is not None
     ids = [int(t) for t in torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(2))]
     chunkings = (None, 7, 1)  # one pass; chunks attending to the cache; every token a decode
-    with_kernels = [prefill_logits(model, ids, chunk=c) for c in chunkings]
+    with_kernels = [prefill_logits(model, ids, chunk=c, kv_dtype=kv_dtype) for c in chunkings]
     model.native = None
-    for c, got in zip(chunkings, with_kernels):
-        torch.testing.assert_close(got, prefill_logits(model, ids, chunk=c), rtol=1e-5, atol=1e-5)
+    without = [prefill_logits(model, ids, chunk=c, kv_dtype=kv_dtype) for c in chunkings]
+    if kv_dtype == torch.float32:
+        for got, ref in zip(with_kernels, without):
+            torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+        return
+    # Rounding to 16 bits turns fp32 summation-order differences (~1e-7) into a different 16-bit
+    # value now and then, so the paths and chunkings agree to well within what the 16-bit cache
+    # itself changes against an fp32 one (which must stay small).
+    exact = prefill_logits(model, ids, kv_dtype=torch.float32)
+    cache_error = (with_kernels[0] - exact).abs().max()
+    assert 0 < cache_error <= 0.02 * exact.abs().max()
+    for got in with_kernels + without:
+        assert (got - with_kernels[0]).abs().max() <= cache_error / 2
+
+
+def _store_inputs() -> torch.Tensor:
+    """fp32 values that exercise 16-bit rounding: ordinary, ties, fp16 subnormals and
+    underflow, the fp16 overflow edge (65504 .. 65520 and past it), bf16 carries. (No infinities:
+    RoPE multiplies each value's partner by sin = 0, and inf * 0 is NaN.)"""
+    g = torch.Generator().manual_seed(5)
+    ordinary = torch.randn(4000, generator=g) * torch.logspace(-9, 6, 4000)
+    bits = torch.randint(0, 2**31 - 1, (4000,), generator=g, dtype=torch.int64).to(torch.int32)
+    raw = bits.view(torch.float32)
+    raw = torch.where(raw.isfinite(), raw, torch.zeros_like(raw))
+    special = torch.tensor([
+        0.0, -0.0, 1.0, -1.0, 1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8, 1 + 3 * 2**-8,  # fp16 / bf16 ties
+        2**-24, 2**-25, 1.5 * 2**-25, 3 * 2**-25, 2**-14, 2**-14 - 2**-25, 6e-8, 1e-10,
+        65504.0, 65519.0, 65520.0, 7e4, -7e4, 3.4e38, 3.3961e38,
+    ])
+    return torch.cat([ordinary, raw, special, -special])
+
+
+def _check_store(store, kv_dtype):
+    """store(qkv, cos, sin, positions, slots, k, v) writes K/V rows; with cos = 1 and sin = 0 the
+    rotation leaves the values as they are, and the cache must hold exactly torch's casts."""
+    values = _store_inputs()
+    D, KV, H = 8, 1, 1
+    T = values.numel() // (2 * D)
+    kv_vals = values[: T * 2 * D].view(T, 2, D)
+    qkv = torch.cat([torch.zeros(T, H * D), kv_vals.reshape(T, 2 * D)], dim=1).contiguous()
+    cos, sin = torch.ones(1, D), torch.zeros(1, D)
+    positions, slots = torch.zeros(T, dtype=torch.int64), torch.randperm(T)
+    k = torch.empty(KV, T, D, dtype=kv_dtype)
+    v = torch.empty(KV, T, D, dtype=kv_dtype)
+    store(qkv, cos, sin, positions, slots, k, v)
+    rotated = qkv[:, H * D :].view(T, 2, D)  # the K values after the kernel's RoPE, V untouched
+    torch.testing.assert_close(rotated, kv_vals, rtol=0, atol=0)  # (up to the sign of a zero)
+    assert torch.equal(k[0, slots].view(torch.int16), rotated[:, 0].to(kv_dtype).view(torch.int16))
+    assert torch.equal(v[0, slots].view(torch.int16), rotated[:, 1].to(kv_dtype).view(torch.int16))
+
+
+@pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
+def test_kv_store_rounds_as_torch_does(kernel, kv_dtype):
+    _check_store(lambda *a: native.rope_store_kv(kernel, a[0], 1, 1, 8, *a[1:]), kv_dtype)
+
+
+def test_portable_build_rounds_and_attends_the_same(tmp_path):
+    """Without AVX2 / F16C the 16-bit conversions are our scalar code (half.h): the same bits as
+    torch's casts, and decode attention over a 16-bit cache still matches the reference."""
+    cc = shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
+    if cc is None:
+        pytest.skip("no C compiler")
+    csrc = resources.files("servelab.engine").joinpath("csrc")
+    sources = [str(csrc.joinpath(n)) for n in ("decode_attention.c", "layer_ops.c", "parallel.c")]
+    lib_path = tmp_path / "portable.so"
+    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-mno-avx2", "-mno-f16c", *sources, "-o", str(lib_path), "-lm", "-lpthread"], check=True)
+    lib = ctypes.CDLL(str(lib_path))
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    store = lib.servelab_rope_store_kv
+    store.argtypes, store.restype = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64], None
+    attend = lib.servelab_decode_attention
+    attend.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, f32, ptr, i64, ptr, i64]
+    attend.restype = None
+    fake = native.NativeKernels(attend, None, None, store, None, None, None)
+    for kv_dtype in (torch.float16, torch.bfloat16):
+        _check_store(lambda *a: native.rope_store_kv(fake, a[0], 1, 1, 8, *a[1:]), kv_dtype)
+        g = torch.Generator().manual_seed(1)
+        kc = torch.randn(2, 40 * 8, 24, generator=g).to(kv_dtype)
+        vc = torch.randn(2, 40 * 8, 24, generator=g).to(kv_dtype)
+        tables = [list(range(30, 20, -1)), list(range(1, 11))]
+        ctx_lens = [73, 9]
+        q = torch.randn(2, 6, 24, generator=g)
+        out = torch.empty(2, 6 * 24)
+        native.decode_attention(fake, q, kc, vc, torch.tensor(tables), torch.tensor(ctx_lens), 73, 8, 0.2, out)
+        torch.testing.assert_close(out, _reference(q, kc, vc, tables, ctx_lens, 8, 0.2), rtol=1e-5, atol=1e-5)
 
 
 def test_a_failed_build_falls_back_and_says_why(monkeypatch, tmp_path):

@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half.h"
 #include "parallel.h"
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -34,27 +35,7 @@ enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4 };
 static inline float fp16_to_f32(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
-#if defined(__F16C__)
-    return _cvtsh_ss(h);
-#else
-    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
-    uint32_t bits;
-    if (exp == 0x1f) {
-        bits = sign | 0x7f800000u | (man << 13);
-    } else if (exp != 0) {
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    } else if (man == 0) {
-        bits = sign;
-    } else { /* subnormal: normalise */
-        int e = -1;
-        uint32_t m = man;
-        do { e++; m <<= 1; } while (!(m & 0x400));
-        bits = sign | ((uint32_t)(112 - e) << 23) | ((m & 0x3ff) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-#endif
+    return sl_f16_to_f32(h);
 }
 
 /* Keeps the compiler from fusing a product into the add that follows (-ffp-contract): Q4_1's and

@@ -1,4 +1,5 @@
-/* Decode attention over the paged KV cache, fp32, one query token per sequence.
+/* Decode attention over the paged KV cache, one query token per sequence: fp32 arithmetic over
+ * keys and values stored as fp32, fp16 or bf16.
  *
  * Why a kernel of our own: in pure PyTorch a decode step must first gather each sequence's keys
  * and values out of the block pool into a padded [B, kv_heads, ctx, head_dim] copy (written,
@@ -6,68 +7,170 @@
  * inefficient at one. This loop reads each key and value row once, straight from its block,
  * for all the query heads that share it (grouped-query attention), and writes nothing but the
  * output. Plain C, built on first use by servelab/engine/native.py; the arithmetic is fp32
- * throughout (max-subtracted softmax, like SDPA), only the summation order differs.
+ * throughout (max-subtracted softmax, like SDPA), only the summation order differs. A 16-bit
+ * cache is widened to fp32 as it is loaded: the values are exactly those torch's
+ * `.float()` gives.
  *
  * Layouts (all contiguous unless a stride is given):
- *   q        [B, num_kv_heads * group, head_dim], row stride q_stride floats between sequences
- *   k, v     [num_kv_heads, num_slots, head_dim]: one layer of the pool; slot = block * block_size + offset
+ *   q        [B, num_kv_heads * group, head_dim] fp32, row stride q_stride floats between sequences
+ *   k, v     [num_kv_heads, num_slots, head_dim] in kv_format: one layer of the pool;
+ *            slot = block * block_size + offset
  *   blocks   [B, max_blocks] int64 block table, row stride table_stride; ctx_lens [B] int64 (>= 1)
- *   out      [B, num_kv_heads * group * head_dim]
+ *   out      [B, num_kv_heads * group * head_dim] fp32
  *   scratch  group * max(ctx_lens) floats per thread (scratch_per_part apart)
  */
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
 
+#include "half.h"
 #include "parallel.h"
 #include "vec_exp.h"
 
-/* Eight independent partial sums so the compiler vectorizes the dot product without being
- * allowed to reassociate floating point (no -ffast-math). */
-static inline float dot(const float *a, const float *b, int64_t n) {
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 }; /* kv_format, as native.py passes it */
+
+#define SL_INLINE static inline __attribute__((always_inline))
+
+SL_INLINE int64_t kv_size(int fmt) { return fmt == KV_F32 ? 4 : 2; }
+
+/* Element i of a cache tensor in fmt, as fp32. */
+SL_INLINE float load1(const void *base, int64_t i, int fmt) {
+    if (fmt == KV_F32) return ((const float *)base)[i];
+    const uint16_t h = ((const uint16_t *)base)[i];
+    return fmt == KV_F16 ? sl_f16_to_f32(h) : sl_bf16_to_f32(h);
+}
+
+/* q . k_i (k row i of a cache tensor, starting at element `at`) with eight independent partial
+ * sums, so that the compiler vectorizes without reassociating (no -ffast-math). */
+SL_INLINE float dot(const float *q, const void *k, int64_t at, int64_t n, int fmt) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
     int64_t i = 0;
     for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+        for (int j = 0; j < 8; j++) acc[j] += q[i + j] * load1(k, at + i + j, fmt);
     float s = 0.0f;
-    for (; i < n; i++) s += a[i] * b[i];
+    for (; i < n; i++) s += q[i] * load1(k, at + i, fmt);
     return s + ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
 #ifdef __AVX2__
-/* The eight horizontal sums of a0..a7 as one vector: [sum(a0), ..., sum(a7)]. */
-static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5, __m256 a6, __m256 a7) {
-    __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
-    __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
-    return _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
+/* Elements [i, i + 8) of a cache tensor in fmt, widened to fp32 (F16C comes with AVX2 in our build). */
+SL_INLINE __m256 load8(const void *base, int64_t i, int fmt) {
+    if (fmt == KV_F32) return _mm256_loadu_ps((const float *)base + i);
+    const __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)base + i));
+    if (fmt == KV_F16) return _mm256_cvtph_ps(h);
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* q . k_i for eight consecutive key rows (row stride D, D a multiple of 8): one query load
- * feeds eight FMAs, and the eight reductions share one hadd tree. */
-static inline __m256 dot8(const float *q, const float *k, int64_t D) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    for (int64_t d = 0; d < D; d += 8) {
-        const __m256 x = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + d), a0);
-        a1 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + D + d), a1);
-        a2 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 2 * D + d), a2);
-        a3 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 3 * D + d), a3);
-        a4 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 4 * D + d), a4);
-        a5 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 5 * D + d), a5);
-        a6 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 6 * D + d), a6);
-        a7 = _mm256_fmadd_ps(x, _mm256_loadu_ps(k + 7 * D + d), a7);
+/* Walks the next (sequence, head) pair's key and value rows, pulling a few into L2 at a time
+ * from inside this pair's loops. Its blocks are scattered through the pool and each pair is a
+ * short walk, so the hardware prefetcher never gets going; asked for all at once (~800
+ * prefetches for 96 tokens), they stalled the core: spread out, a 32 x 96 layer took ~13% less. */
+struct row_prefetch {
+    const char *k, *v;
+    const int64_t *table;
+    int64_t block_size, row_bytes, ctx, t;
+};
+
+SL_INLINE void prefetch_rows(struct row_prefetch *pf, int64_t n) {
+    for (; n > 0 && pf->t < pf->ctx; n--, pf->t++) {
+        const int64_t slot = pf->table[pf->t / pf->block_size] * pf->block_size + pf->t % pf->block_size;
+        const char *kr = pf->k + slot * pf->row_bytes, *vr = pf->v + slot * pf->row_bytes;
+        for (int64_t off = 0; off < pf->row_bytes; off += 64) {
+            _mm_prefetch(kr + off, _MM_HINT_T1);
+            _mm_prefetch(vr + off, _MM_HINT_T1);
+        }
     }
-    return hsum8(a0, a1, a2, a3, a4, a5, a6, a7);
 }
 
+/* [sum(a), sum(b), sum(c), sum(d)] */
+SL_INLINE __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+/* Scores of four consecutive key rows (from element `at`, row stride D, D a multiple of 8) for
+ * up to three query heads q0..q2 at once: each key load feeds three FMAs. s_g[0..4) = scale *
+ * q_g . k_i; absent heads alias q0 and are computed, not stored. */
+SL_INLINE void qk_tile(const float *q0, const float *q1, const float *q2, int64_t ng, const void *k, int64_t at,
+                       int64_t D, float scale, float *s0, float *s1, float *s2, int fmt) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    __m256 a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+    for (int64_t d = 0; d < D; d += 8) {
+        const __m256 k0 = load8(k, at + d, fmt), k1 = load8(k, at + D + d, fmt);
+        const __m256 k2 = load8(k, at + 2 * D + d, fmt), k3 = load8(k, at + 3 * D + d, fmt);
+        __m256 x = _mm256_loadu_ps(q0 + d);
+        a00 = _mm256_fmadd_ps(x, k0, a00); a01 = _mm256_fmadd_ps(x, k1, a01);
+        a02 = _mm256_fmadd_ps(x, k2, a02); a03 = _mm256_fmadd_ps(x, k3, a03);
+        x = _mm256_loadu_ps(q1 + d);
+        a10 = _mm256_fmadd_ps(x, k0, a10); a11 = _mm256_fmadd_ps(x, k1, a11);
+        a12 = _mm256_fmadd_ps(x, k2, a12); a13 = _mm256_fmadd_ps(x, k3, a13);
+        x = _mm256_loadu_ps(q2 + d);
+        a20 = _mm256_fmadd_ps(x, k0, a20); a21 = _mm256_fmadd_ps(x, k1, a21);
+        a22 = _mm256_fmadd_ps(x, k2, a22); a23 = _mm256_fmadd_ps(x, k3, a23);
+    }
+    const __m128 vs = _mm_set1_ps(scale);
+    _mm_storeu_ps(s0, _mm_mul_ps(hsum4(a00, a01, a02, a03), vs));
+    if (ng > 1) _mm_storeu_ps(s1, _mm_mul_ps(hsum4(a10, a11, a12, a13), vs));
+    if (ng > 2) _mm_storeu_ps(s2, _mm_mul_ps(hsum4(a20, a21, a22, a23), vs));
+}
+
+/* out_g[0..32) = inv_g * sum_c p_g[c] * v_c[d0..d0 + 32) over the sequence's blocks, for up to
+ * three heads at once: each value load feeds three FMAs, and the twelve accumulators are
+ * independent chains. Summed over c in order from zero, like the scalar loop. Absent heads
+ * alias p0 and are not stored. One row of the next pair is prefetched every other token. */
+SL_INLINE void pv_tile(const float *p0, const float *p1, const float *p2, int64_t ng, const void *v, int64_t vh,
+                       const int64_t *table, int64_t block_size, int64_t ctx, int64_t D, const float *inv,
+                       float *o0, float *o1, float *o2, struct row_prefetch *pf, int fmt) {
+    __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    __m256 a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+    for (int64_t c0 = 0; c0 < ctx; c0 += block_size) {
+        const int64_t vb = vh + table[c0 / block_size] * block_size * D;
+        const int64_t n = ctx - c0 < block_size ? ctx - c0 : block_size;
+        for (int64_t i = 0; i < n; i++) {
+            if (i & 1) prefetch_rows(pf, 1);
+            const int64_t vr = vb + i * D;
+            const __m256 v0 = load8(v, vr, fmt), v1 = load8(v, vr + 8, fmt);
+            const __m256 v2 = load8(v, vr + 16, fmt), v3 = load8(v, vr + 24, fmt);
+            __m256 p = _mm256_broadcast_ss(p0 + c0 + i);
+            a00 = _mm256_fmadd_ps(p, v0, a00); a01 = _mm256_fmadd_ps(p, v1, a01);
+            a02 = _mm256_fmadd_ps(p, v2, a02); a03 = _mm256_fmadd_ps(p, v3, a03);
+            p = _mm256_broadcast_ss(p1 + c0 + i);
+            a10 = _mm256_fmadd_ps(p, v0, a10); a11 = _mm256_fmadd_ps(p, v1, a11);
+            a12 = _mm256_fmadd_ps(p, v2, a12); a13 = _mm256_fmadd_ps(p, v3, a13);
+            p = _mm256_broadcast_ss(p2 + c0 + i);
+            a20 = _mm256_fmadd_ps(p, v0, a20); a21 = _mm256_fmadd_ps(p, v1, a21);
+            a22 = _mm256_fmadd_ps(p, v2, a22); a23 = _mm256_fmadd_ps(p, v3, a23);
+        }
+    }
+#define SL_STORE(O, I, A0, A1, A2, A3)                                                                   \
+    {                                                                                                    \
+        const __m256 s = _mm256_set1_ps(inv[I]);                                                         \
+        _mm256_storeu_ps(O, _mm256_mul_ps(A0, s)); _mm256_storeu_ps(O + 8, _mm256_mul_ps(A1, s));         \
+        _mm256_storeu_ps(O + 16, _mm256_mul_ps(A2, s)); _mm256_storeu_ps(O + 24, _mm256_mul_ps(A3, s));   \
+    }
+    SL_STORE(o0, 0, a00, a01, a02, a03)
+    if (ng > 1) SL_STORE(o1, 1, a10, a11, a12, a13)
+    if (ng > 2) SL_STORE(o2, 2, a20, a21, a22, a23)
+#undef SL_STORE
+}
 #endif
 
 /* s[0..n) = exp(s - max(s)); returns the sum. */
 static float softmax_numerators(float *s, int64_t n) {
     float m = s[0];
-    for (int64_t c = 1; c < n; c++) m = s[c] > m ? s[c] : m;
-    float sum = 0.0f;
     int64_t c = 0;
+#ifdef __AVX2__
+    if (n >= 8) {
+        __m256 vmax = _mm256_loadu_ps(s);
+        for (c = 8; c + 8 <= n; c += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + c));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vmax);
+        for (int i = 0; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
+    }
+#endif
+    for (; c < n; c++) m = s[c] > m ? s[c] : m;
+    float sum = 0.0f;
+    c = 0;
 #ifdef __AVX2__
     const __m256 vm = _mm256_set1_ps(m);
     __m256 vsum = _mm256_setzero_ps();
@@ -88,7 +191,8 @@ static float softmax_numerators(float *s, int64_t n) {
 }
 
 struct attention_job {
-    const float *q, *k, *v;
+    const float *q;
+    const void *k, *v;
     int64_t q_stride, num_slots;
     const int64_t *blocks;
     int64_t table_stride, block_size;
@@ -100,11 +204,12 @@ struct attention_job {
     float *out;
 };
 
-/* (sequence, KV head) pairs [begin, end) in order, pair = b * num_kv_heads + h. */
-static void attention_part(const void *ctx_, int64_t part, int64_t begin, int64_t end)
+/* (sequence, KV head) pairs [begin, end) in order, pair = b * num_kv_heads + h; one copy per
+ * cache format (fmt is a constant in each). Cache offsets are in elements. */
+SL_INLINE void attention_pairs(const struct attention_job *j, int64_t part, int64_t begin, int64_t end, int fmt)
 {
-    const struct attention_job *j = ctx_;
-    const float *q = j->q, *k = j->k, *v = j->v;
+    const float *q = j->q;
+    const void *k = j->k, *v = j->v;
     const int64_t q_stride = j->q_stride, num_slots = j->num_slots, table_stride = j->table_stride;
     const int64_t block_size = j->block_size, num_kv_heads = j->num_kv_heads;
     const int64_t *blocks = j->blocks, *ctx_lens = j->ctx_lens;
@@ -115,90 +220,86 @@ static void attention_part(const void *ctx_, int64_t part, int64_t begin, int64_
         const int64_t b = pair / num_kv_heads, h = pair % num_kv_heads;
         const int64_t ctx = ctx_lens[b];
         const int64_t *table = blocks + b * table_stride;
-        const float *kh = k + h * num_slots * D;
-        const float *vh = v + h * num_slots * D;
+        const int64_t kh = h * num_slots * D, vh = kh; /* this head's slots, in elements */
         const float *qh = q + b * q_stride + h * G * D;
         float *oh = out + (b * num_kv_heads + h) * G * D;
 #ifdef __AVX2__
-        /* The blocks are scattered through the pool and each (sequence, head) is a short
-         * walk, so the hardware prefetcher never gets going: ask for the next pair's keys
-         * and values (into L2) while this one computes. */
-        {
-            const int64_t nb = h + 1 < num_kv_heads ? b : b + 1, nh = h + 1 < num_kv_heads ? h + 1 : 0;
-            if (nb < j->batch && nb * num_kv_heads + nh < end) {
-                const int64_t *nt = blocks + nb * table_stride;
-                const float *nk = k + nh * num_slots * D, *nv = v + nh * num_slots * D;
-                for (int64_t c0 = 0; c0 < ctx_lens[nb]; c0 += block_size) {
-                    const int64_t rows = ctx_lens[nb] - c0 < block_size ? ctx_lens[nb] - c0 : block_size;
-                    const char *kb = (const char *)(nk + nt[c0 / block_size] * block_size * D);
-                    const char *vb = (const char *)(nv + nt[c0 / block_size] * block_size * D);
-                    for (int64_t off = 0; off < rows * D * 4; off += 64) {
-                        _mm_prefetch(kb + off, _MM_HINT_T1);
-                        _mm_prefetch(vb + off, _MM_HINT_T1);
-                    }
-                }
-            }
+        struct row_prefetch pf = {(const char *)k, (const char *)v, NULL, block_size, D * kv_size(fmt), 0, 0};
+        if (pair + 1 < end) {
+            const int64_t nb = (pair + 1) / num_kv_heads, nh = (pair + 1) % num_kv_heads;
+            pf.k += nh * num_slots * D * kv_size(fmt);
+            pf.v += nh * num_slots * D * kv_size(fmt);
+            pf.table = blocks + nb * table_stride;
+            pf.ctx = ctx_lens[nb];
         }
 #endif
         /* scores[g * ctx + c] = q_g . k_c * scale, walking the sequence's blocks in order */
         for (int64_t c0 = 0; c0 < ctx; c0 += block_size) {
-            const float *kb = kh + table[c0 / block_size] * block_size * D;
+            const int64_t kb = kh + table[c0 / block_size] * block_size * D;
             const int64_t n = ctx - c0 < block_size ? ctx - c0 : block_size;
-            for (int64_t g = 0; g < G; g++) {
-                float *s = scratch + g * ctx + c0;
-                int64_t i = 0;
+            int64_t i = 0;
 #ifdef __AVX2__
-                if (D % 8 == 0)
-                    for (; i + 8 <= n; i += 8)
-                        _mm256_storeu_ps(s + i, _mm256_mul_ps(dot8(qh + g * D, kb + i * D, D), _mm256_set1_ps(scale)));
+            if (D % 8 == 0)
+                for (int64_t g = 0; g < G; g += 3) {
+                    const int64_t ng = G - g < 3 ? G - g : 3;
+                    const float *q0 = qh + g * D, *q1 = q0 + (ng > 1) * D, *q2 = q0 + (ng > 2) * 2 * D;
+                    float *s0 = scratch + g * ctx + c0;
+                    for (i = 0; i + 4 <= n; i += 4) {
+                        prefetch_rows(&pf, 1);
+                        qk_tile(q0, q1, q2, ng, k, kb + i * D, D, scale, s0 + i, s0 + ctx + i, s0 + 2 * ctx + i, fmt);
+                    }
+                }
 #endif
-                for (; i < n; i++) s[i] = dot(qh + g * D, kb + i * D, D) * scale;
-            }
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t t = i; t < n; t++) scratch[g * ctx + c0 + t] = dot(qh + g * D, k, kb + t * D, D, fmt) * scale;
         }
         float inv_sum[G > 0 ? G : 1];
         for (int64_t g = 0; g < G; g++) inv_sum[g] = 1.0f / softmax_numerators(scratch + g * ctx, ctx);
         /* out_g = sum_c p[g, c] * v_c / sum_c p[g, c] */
-        memset(oh, 0, (size_t)(G * D) * sizeof(float));
-        for (int64_t c0 = 0; c0 < ctx; c0 += block_size) {
-            const float *vb = vh + table[c0 / block_size] * block_size * D;
-            const int64_t n = ctx - c0 < block_size ? ctx - c0 : block_size;
-            for (int64_t g = 0; g < G; g++) {
-                const float *p = scratch + g * ctx + c0;
-                float *o = oh + g * D;
-                int64_t d = 0;
+        int64_t d0 = 0;
 #ifdef __AVX2__
-                /* 32 output dims stay in four registers while the block's rows stream by */
-                for (; d + 32 <= D; d += 32) {
-                    __m256 o0 = _mm256_loadu_ps(o + d), o1 = _mm256_loadu_ps(o + d + 8);
-                    __m256 o2 = _mm256_loadu_ps(o + d + 16), o3 = _mm256_loadu_ps(o + d + 24);
-                    for (int64_t i = 0; i < n; i++) {
-                        const __m256 pi = _mm256_set1_ps(p[i]);
-                        const float *vr = vb + i * D + d;
-                        o0 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr), o0);
-                        o1 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr + 8), o1);
-                        o2 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr + 16), o2);
-                        o3 = _mm256_fmadd_ps(pi, _mm256_loadu_ps(vr + 24), o3);
-                    }
-                    _mm256_storeu_ps(o + d, o0);
-                    _mm256_storeu_ps(o + d + 8, o1);
-                    _mm256_storeu_ps(o + d + 16, o2);
-                    _mm256_storeu_ps(o + d + 24, o3);
-                }
-#endif
-                for (; d < D; d++)
-                    for (int64_t i = 0; i < n; i++) o[d] += p[i] * vb[i * D + d];
+        for (; d0 + 32 <= D; d0 += 32)
+            for (int64_t g = 0; g < G; g += 3) {
+                const int64_t ng = G - g < 3 ? G - g : 3;
+                const float *p0 = scratch + g * ctx, *p1 = p0 + (ng > 1) * ctx, *p2 = p0 + (ng > 2) * 2 * ctx;
+                float *o0 = oh + g * D + d0;
+                pv_tile(p0, p1, p2, ng, v, vh + d0, table, block_size, ctx, D, inv_sum + g, o0, o0 + D, o0 + 2 * D,
+                        &pf, fmt);
             }
+#endif
+        if (d0 < D) { /* the dims the tiles did not cover (all of them without AVX2) */
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t d = d0; d < D; d++) oh[g * D + d] = 0.0f;
+            for (int64_t c0 = 0; c0 < ctx; c0 += block_size) {
+                const int64_t vb = vh + table[c0 / block_size] * block_size * D;
+                const int64_t n = ctx - c0 < block_size ? ctx - c0 : block_size;
+                for (int64_t g = 0; g < G; g++)
+                    for (int64_t d = d0; d < D; d++)
+                        for (int64_t i = 0; i < n; i++)
+                            oh[g * D + d] += scratch[g * ctx + c0 + i] * load1(v, vb + i * D + d, fmt);
+            }
+            for (int64_t g = 0; g < G; g++)
+                for (int64_t d = d0; d < D; d++) oh[g * D + d] *= inv_sum[g];
         }
-        for (int64_t g = 0; g < G; g++)
-            for (int64_t d = 0; d < D; d++) oh[g * D + d] *= inv_sum[g];
     }
 }
 
+static void attention_f32(const void *j, int64_t part, int64_t begin, int64_t end) {
+    attention_pairs(j, part, begin, end, KV_F32);
+}
+static void attention_f16(const void *j, int64_t part, int64_t begin, int64_t end) {
+    attention_pairs(j, part, begin, end, KV_F16);
+}
+static void attention_bf16(const void *j, int64_t part, int64_t begin, int64_t end) {
+    attention_pairs(j, part, begin, end, KV_BF16);
+}
+
 /* Decode attention for `batch` sequences, the (sequence, KV head) pairs split over up to
- * `threads` threads (parallel.c); scratch holds threads * group * max(ctx_lens) floats. */
-void servelab_decode_attention_f32(
+ * `threads` threads (parallel.c); scratch holds threads * group * max(ctx_lens) floats.
+ * kv_format: 0 fp32, 1 fp16, 2 bf16 (k and v). */
+void servelab_decode_attention(
     const float *q, int64_t q_stride,
-    const float *k, const float *v, int64_t num_slots,
+    const void *k, const void *v, int64_t num_slots, int64_t kv_format,
     const int64_t *blocks, int64_t table_stride, int64_t block_size,
     const int64_t *ctx_lens, int64_t batch,
     int64_t num_kv_heads, int64_t group, int64_t head_dim, float scale,
@@ -211,5 +312,6 @@ void servelab_decode_attention_f32(
     for (int64_t b = 0; b < batch; b++) work += ctx_lens[b];
     work *= num_kv_heads * head_dim * 2;
     const int64_t max_parts = work / 65536;
-    sl_parallel_for(attention_part, &job, batch * num_kv_heads, threads < max_parts ? threads : max_parts);
+    sl_parallel_for(kv_format == KV_F16 ? attention_f16 : kv_format == KV_BF16 ? attention_bf16 : attention_f32, &job,
+                    batch * num_kv_heads, threads < max_parts ? threads : max_parts);
 }

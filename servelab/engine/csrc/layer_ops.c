@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half.h"
 #include "vec_exp.h"
 
 /* If delta is non-NULL, x += delta first (the residual add, in place); then
@@ -54,17 +55,37 @@ void servelab_silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64
     }
 }
 
+/* One head's row of n fp32 values into a cache row in kv_format (0 fp32, 1 fp16, 2 bf16),
+ * rounded to nearest even as torch's .half() / .bfloat16() round. */
+static void store_row(void *dst, const float *src, int64_t n, int64_t kv_format) {
+    if (kv_format == 0) {
+        memcpy(dst, src, (size_t)n * sizeof(float));
+        return;
+    }
+    uint16_t *d = dst;
+    int64_t i = 0;
+    if (kv_format == 1) {
+#ifdef __AVX2__
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+        for (; i < n; i++) d[i] = sl_f32_to_f16(src[i]);
+    } else {
+        for (; i < n; i++) d[i] = sl_f32_to_bf16(src[i]);
+    }
+}
+
 /* RoPE (HF rotate-half convention) in place on the Q and K heads of a fused QKV output, then
  * the token's K and V rows stored into its slot of the layer's pool: what were seven PyTorch
  * ops a layer (cat, neg, two muls, add, two index_copy_), in one pass.
  *   qkv       [T, row_stride]: q heads, then k heads, then v heads, head_dim each
  *   cos, sin  [max_pos, head_dim] tables; positions, slots [T] int64
- *   k, v      [num_kv_heads, num_slots, head_dim] */
-void servelab_rope_store_kv_f32(float *qkv, int64_t T, int64_t row_stride, int64_t num_heads, int64_t num_kv_heads,
-                                int64_t head_dim, const float *cos, const float *sin, const int64_t *positions,
-                                const int64_t *slots, float *k, float *v, int64_t num_slots)
+ *   k, v      [num_kv_heads, num_slots, head_dim] in kv_format (store_row) */
+void servelab_rope_store_kv(float *qkv, int64_t T, int64_t row_stride, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, const float *cos, const float *sin, const int64_t *positions,
+                            const int64_t *slots, void *k, void *v, int64_t num_slots, int64_t kv_format)
 {
-    const int64_t D = head_dim, half = head_dim / 2;
+    const int64_t D = head_dim, half = head_dim / 2, row_bytes = D * (kv_format == 0 ? 4 : 2);
     for (int64_t t = 0; t < T; t++) {
         float *row = qkv + t * row_stride;
         const float *c = cos + positions[t] * D;
@@ -80,8 +101,9 @@ void servelab_rope_store_kv_f32(float *qkv, int64_t T, int64_t row_stride, int64
         const float *kr = row + num_heads * D;
         const float *vr = kr + num_kv_heads * D;
         for (int64_t h = 0; h < num_kv_heads; h++) {
-            memcpy(k + (h * num_slots + slots[t]) * D, kr + h * D, (size_t)D * sizeof(float));
-            memcpy(v + (h * num_slots + slots[t]) * D, vr + h * D, (size_t)D * sizeof(float));
+            const int64_t at = (h * num_slots + slots[t]) * row_bytes;
+            store_row((char *)k + at, kr + h * D, D, kv_format);
+            store_row((char *)v + at, vr + h * D, D, kv_format);
         }
     }
 }
