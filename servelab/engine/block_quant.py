@@ -38,7 +38,9 @@ _K_QUANTS = (3, 4)  # the panel kernel only: the in-register one knows the 32-we
 #   panel kernel        4 / 8 / 32 / 128 / 256: 35 / 48 / 107 / 437 / 950 ms  (115 / 134 / 183 / 481 / 860)
 FUSED_MAX_ROWS = 4  # up to here the in-register kernel, then the panel kernel
 MAX_ROWS = 128  # above this MKL (it pulls ahead by 256 rows)
-INT8_MAX_ROWS = 16  # under --quantization int8, fbgemm's int8 GEMM takes over above this
+# Under --quantization int8, fbgemm's int8 GEMM takes over above this: all 121 matrices, 1 thread,
+# packed / int8 at 1 row 20 / 22-25 ms, 2 rows 21-32 / 19-23, 3 rows 25-28 / 21-27, 8 rows 55-102 / 29-44.
+INT8_MAX_ROWS = 1
 PANEL_OUTPUTS = 48  # outputs the panel kernel expands at a time (PANEL in the C file)
 
 

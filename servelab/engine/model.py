@@ -99,8 +99,9 @@ def _nbytes(weight: Weight) -> int:
 
 
 def _int8(weight: Weight) -> Weight:
-    """The opt-in int8 form of a linear. A GGUF-packed one keeps its exact packed path for few
-    rows (faster than fbgemm there: it reads 5 bits a weight, not 8) and goes int8 above that."""
+    """The opt-in int8 form of a linear. A GGUF-packed one keeps its exact packed path for
+    one-row steps (batch-1 decode: level with fbgemm there, reading 5 bits a weight, not 8) and
+    goes int8 above that (block_quant.INT8_MAX_ROWS)."""
     if isinstance(weight, BlockQuantLinear):
         weight.many_rows = Int8Linear.from_weight(weight.dense)
         return weight
@@ -199,7 +200,7 @@ class LlamaModel:
     def quantize_int8(self) -> None:
         """Opt-in: every linear and the LM head become packed int8 (see `quantization`); the
         embedding and norms stay in the compute dtype. Numerics change, so the default never does
-        this. Linears kept as GGUF blocks keep that exact path for steps of few rows (_int8)."""
+        this. Linears kept as GGUF blocks keep that exact path for one-row steps (_int8)."""
         if self.dtype != torch.float32:
             raise InvalidArgument(f"quantization 'int8' computes in float32, not {self.dtype}", param="dtype")
         for layer in self.layers:
