@@ -18,7 +18,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", choices=["int8"], default=None,
                    help="int8: int8 linears on CPU, ~2x faster here but approximate and not batch-invariant (default: off)")
     g.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
-                   help="KV cache storage (default auto: the compute dtype); 16 bits hold twice the tokens of fp32")
+                   help="KV cache storage (default auto: the compute dtype); 16 bits hold twice the tokens of fp32 "
+                        "(float16 saturates to inf above 65504, bfloat16 keeps fp32's range with fewer bits)")
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:

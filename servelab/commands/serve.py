@@ -51,7 +51,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--quantization", choices=["int8"], default=None,
                        help="int8: int8 linears on CPU, ~2x faster here but approximate and not batch-invariant (default: off)")  # fmt: skip
     model.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
-                       help="KV cache storage (default auto: the compute dtype); 16 bits hold twice the tokens of fp32")  # fmt: skip
+                       help="KV cache storage (default auto: the compute dtype); 16 bits hold twice the tokens of fp32 "
+                        "(float16 saturates to inf above 65504, bfloat16 keeps fp32's range with fewer bits)")  # fmt: skip
     model.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default cpu)")
     model.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests (default 0)")
 

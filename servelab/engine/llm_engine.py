@@ -52,7 +52,8 @@ class EngineArgs:
     quantization: str | None = None
     # The KV cache's storage dtype: "auto" = the compute dtype. A 16-bit cache under fp32 compute
     # holds twice the tokens in the same memory and halves the bytes decode attention reads;
-    # keys and values are rounded to it as they are stored (see LlamaModel.forward).
+    # keys and values are rounded to it as they are stored (see LlamaModel.forward); fp16 saturates
+    # to inf above 65504, bf16 keeps fp32's range.
     kv_cache_dtype: str = "auto"
 
     def validate(self) -> None:

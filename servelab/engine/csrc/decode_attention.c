@@ -243,10 +243,11 @@ SL_INLINE void attention_pairs(const struct attention_job *j, int64_t part, int6
                 for (int64_t g = 0; g < G; g += 3) {
                     const int64_t ng = G - g < 3 ? G - g : 3;
                     const float *q0 = qh + g * D, *q1 = q0 + (ng > 1) * D, *q2 = q0 + (ng > 2) * 2 * D;
-                    float *s0 = scratch + g * ctx + c0;
+                    /* absent heads' rows alias s0 (never stored: not even formed past the scratch) */
+                    float *s0 = scratch + g * ctx + c0, *s1 = s0 + (ng > 1) * ctx, *s2 = s0 + (ng > 2) * 2 * ctx;
                     for (i = 0; i + 4 <= n; i += 4) {
                         prefetch_rows(&pf, 1);
-                        qk_tile(q0, q1, q2, ng, k, kb + i * D, D, scale, s0 + i, s0 + ctx + i, s0 + 2 * ctx + i, fmt);
+                        qk_tile(q0, q1, q2, ng, k, kb + i * D, D, scale, s0 + i, s1 + i, s2 + i, fmt);
                     }
                 }
 #endif
@@ -262,9 +263,8 @@ SL_INLINE void attention_pairs(const struct attention_job *j, int64_t part, int6
             for (int64_t g = 0; g < G; g += 3) {
                 const int64_t ng = G - g < 3 ? G - g : 3;
                 const float *p0 = scratch + g * ctx, *p1 = p0 + (ng > 1) * ctx, *p2 = p0 + (ng > 2) * 2 * ctx;
-                float *o0 = oh + g * D + d0;
-                pv_tile(p0, p1, p2, ng, v, vh + d0, table, block_size, ctx, D, inv_sum + g, o0, o0 + D, o0 + 2 * D,
-                        &pf, fmt);
+                float *o0 = oh + g * D + d0, *o1 = o0 + (ng > 1) * D, *o2 = o0 + (ng > 2) * 2 * D;
+                pv_tile(p0, p1, p2, ng, v, vh + d0, table, block_size, ctx, D, inv_sum + g, o0, o1, o2, &pf, fmt);
             }
 #endif
         if (d0 < D) { /* the dims the tiles did not cover (all of them without AVX2) */

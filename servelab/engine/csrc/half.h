@@ -1,6 +1,7 @@
 /* 16-bit floats: fp16 (IEEE half) and bf16 to and from fp32, scalar, rounding to nearest even
- * like PyTorch's .half() / .bfloat16(), so a value stored by C and one stored by torch have the
- * same bits. Used for GGUF block scales and for a KV cache kept in 16 bits. */
+ * like PyTorch's .half() / .bfloat16(), so a finite value stored by C and one stored by torch
+ * have the same bits (NaN stays NaN, its payload is not kept). Used for GGUF block scales and for
+ * a KV cache kept in 16 bits. */
 #pragma once
 #include <stdint.h>
 #include <string.h>
@@ -62,6 +63,6 @@ static inline float sl_bf16_to_f32(uint16_t h) { return sl_bits_f32((uint32_t)h 
 
 static inline uint16_t sl_f32_to_bf16(float f) {
     const uint32_t x = sl_f32_bits(f);
-    if ((x & 0x7fffffff) > 0x7f800000) return 0x7fc0; /* NaN, as torch writes it */
+    if ((x & 0x7fffffff) > 0x7f800000) return 0x7fc0; /* NaN: a quiet one */
     return (uint16_t)(sl_round_even(x >> 16, x & 0xffff, 0x8000));
 }
