@@ -86,7 +86,13 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
         state.engine = llm
         state.model_name = llm.model_name
         state.async_engine = AsyncEngine(llm)
-        state.metrics = ServerMetrics(llm.model_name, lambda: state.async_engine.stats)
+        kv = getattr(llm.executor, "kv_cache", None)  # absent on a simulated executor
+        cache_info = {
+            "block_size": str(llm.scheduler_config.block_size),
+            "num_blocks": str(llm.scheduler_config.num_blocks),
+            "cache_dtype": "none" if kv is None else str(kv.dtype).removeprefix("torch."),
+        }
+        state.metrics = ServerMetrics(llm.model_name, lambda: state.async_engine.stats, cache_info)
         state.async_engine.add_observer(state.metrics.observe)
 
     if not isinstance(engine, EngineArgs):

@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -67,7 +67,7 @@ class _EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, get_stats: Callable[[], EngineStats]):
+    def __init__(self, model_name: str, get_stats: Callable[[], EngineStats], cache_info: dict[str, str] | None = None):
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         labels = ["model_name"]
@@ -86,6 +86,10 @@ class ServerMetrics:
         self.request_success = Counter("servelab:request_success", "Requests finished, by finish reason.",
                                        ["model_name", "finished_reason"], registry=r)  # fmt: skip
         r.register(_EngineStatsCollector(model_name, get_stats))
+        if cache_info:  # like vLLM's cache_config_info: what the KV gauges above are counting
+            info = Gauge("servelab:cache_config_info", "KV cache configuration, as labels (the value is 1).",
+                         ["model_name", *sorted(cache_info)], registry=r)  # fmt: skip
+            info.labels(model_name=model_name, **cache_info).set(1)
         self._labels = {"model_name": model_name}
         # Export zeros from the start: a series that appears only after the first request
         # makes rate() and "count went up by N" comparisons wrong.

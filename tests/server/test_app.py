@@ -239,6 +239,8 @@ def test_metrics_count_every_request(client):
     assert _metric(after, "servelab:request_success", "servelab:request_success_total", finished_reason="length") >= 5
     assert _metric(after, "servelab:num_requests_running") == 0
     assert _metric(after, "servelab:kv_cache_usage_perc") == 0
+    # no KV cache behind the fake executor: the configuration still names the pool
+    assert _metric(after, "servelab:cache_config_info", block_size="16", num_blocks="64", cache_dtype="none") == 1
 
 
 @pytest.mark.slow

@@ -48,7 +48,9 @@ def wait_until_idle(url: str, timeout_s: float = 30.0) -> dict:
 
 @pytest.fixture(scope="module")
 def server(server_launcher, tiny_model_dir):
-    return server_launcher(tiny_model_dir, "--max-model-len", "512", "--num-blocks", "256", "--max-num-seqs", "64")
+    # A 16-bit KV cache, so the flag is exercised from the command line through the whole server.
+    return server_launcher(tiny_model_dir, "--max-model-len", "512", "--num-blocks", "256", "--max-num-seqs", "64",
+                           "--kv-cache-dtype", "float16")  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -350,6 +352,7 @@ def test_metrics_parse_and_count_every_request(server, client):
     completion_total += r.usage.completion_tokens
     requests += 2
     after = metrics(server.url)
+    assert m(after, "servelab:cache_config_info", block_size="16", cache_dtype="float16", num_blocks="256") == 1
     assert m(after, "servelab:time_to_first_token_seconds_count") == ttft0 + requests
     assert m(after, "servelab:e2e_request_latency_seconds_count") == e2e0 + requests
     assert m(after, "servelab:request_queue_time_seconds_count") == queue0 + requests
