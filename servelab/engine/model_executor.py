@@ -7,6 +7,7 @@ one padded SDPA; prefill chunks follow, each attending on its own.
 
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -15,6 +16,8 @@ from servelab.core.plan import StepPlan, StepResult, TokenLogprobs
 from servelab.engine.kv_cache import PagedKVCache
 from servelab.engine.model import AttentionMetadata, LlamaModel
 from servelab.engine.sampler import Sampler
+
+logger = logging.getLogger("servelab.engine")
 
 
 class ModelExecutor:
@@ -112,6 +115,13 @@ class ModelExecutor:
             tokens, lps = self.sampler.sample(logits.cpu() if dev.type != "cpu" else logits, [entries[i].seq for i in sampling])
             for i, tok in zip(sampling, tokens):
                 sampled[i] = tok
+                if tok is None:  # the scheduler ends the request with finish reason "error"
+                    logger.warning(
+                        "request %s: the model produced non-finite logits (NaN or inf); ending it with an error%s",
+                        entries[i].seq.request_id,
+                        " (an fp16 KV cache holds values up to 65504: try --kv-cache-dtype bfloat16)"
+                        if self.kv_cache.dtype == torch.float16 else "",
+                    )
             if lps is not None:
                 logprobs = [None] * len(entries)
                 for i, lp in zip(sampling, lps):

@@ -43,14 +43,22 @@ class Sampler:
 
     def sample(
         self, logits: torch.Tensor, seqs: list[Sequence]
-    ) -> tuple[list[int], list[TokenLogprobs | None] | None]:
+    ) -> tuple[list[int | None], list[TokenLogprobs | None] | None]:
         """Token ids, and per row its logprobs (None where the request did not ask), or None
-        when no request in the batch asked for logprobs."""
+        when no request in the batch asked for logprobs.
+
+        A row whose logits are not all finite (the model overflowed: NaN or inf) gets None, not
+        a token: the scheduler then ends that request with finish reason "error", and the rest
+        of the batch goes on (a NaN row would otherwise sample an id past the vocabulary)."""
         n, vocab = logits.shape
         if n != len(seqs):
             raise ValueError(f"logits has {n} rows but {len(seqs)} sequences were given")
         if logits.dtype != torch.float32:
             logits = logits.float()
+        bad_rows = (~torch.isfinite(logits).all(dim=-1)).nonzero().flatten().tolist()
+        if bad_rows:
+            logits = logits.clone()
+            logits[bad_rows] = 0.0  # sampled like any row, then discarded
         params = [s.params for s in seqs]
 
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
@@ -71,10 +79,13 @@ class Sampler:
             random_rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_TEMPERATURE]
             token_ids[random_rows] = self._sample_random(logits, seqs, random_rows)
 
-        tokens: list[int] = token_ids.tolist()
-        if raw_logprobs is None:
-            return tokens, None
-        return tokens, self._logprobs(raw_logprobs, logprob_rows, tokens, params, n)
+        tokens: list[int | None] = token_ids.tolist()
+        logprobs = None if raw_logprobs is None else self._logprobs(raw_logprobs, logprob_rows, tokens, params, n)
+        for i in bad_rows:
+            tokens[i] = None
+            if logprobs is not None:
+                logprobs[i] = None
+        return tokens, logprobs
 
     # ------------------------------------------------------------------ logits transforms
 

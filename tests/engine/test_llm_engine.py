@@ -119,6 +119,38 @@ def test_a_16_bit_kv_cache_holds_twice_the_blocks(tiny_engine_factory, tiny_llam
         tiny_engine_factory(kv_cache_dtype="fp8")
 
 
+def test_a_request_whose_logits_go_non_finite_ends_with_an_error_and_frees_its_blocks(tiny_engine_factory, caplog):
+    """An overflowing model (e.g. K/V past fp16's 65504 in an fp16 cache) yields NaN logits: that
+    request finishes with "error", its blocks go back, the others in the batch carry on."""
+    import torch
+
+    engine = tiny_engine_factory(kv_cache_dtype="float16")
+    model = engine.executor.model
+    forward = model.forward
+    poisoned: set[int] = set()
+
+    def poisoning_forward(ids, meta, *args):
+        logits = forward(ids, meta, *args)
+        if engine.scheduler.num_running == 2 and not poisoned:  # first decode step of both: poison row 0
+            poisoned.add(0)
+            logits = logits.clone()
+            logits[0, 5] = float("nan")
+        return logits
+
+    model.forward = poisoning_forward
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    a = engine.add_request("a", PROMPT, params)
+    b = engine.add_request("b", PROMPT + " fast", params)
+    with caplog.at_level("WARNING", logger="servelab.engine"):
+        _drain(engine)
+    errored = [s for s in (a, b) if s.finish_reason is FinishReason.ERROR]
+    assert len(errored) == 1 and poisoned
+    other = b if errored[0] is a else a
+    assert other.finish_reason is FinishReason.LENGTH and other.num_output_tokens == 6
+    assert engine.stats().num_blocks_free == engine.stats().num_blocks_total
+    assert "non-finite logits" in caplog.text and "try --kv-cache-dtype bfloat16" in caplog.text
+
+
 def test_seeded_sampling_ignores_batch_company(engine):
     params = SamplingParams(max_tokens=20, temperature=1.0, seed=1234, ignore_eos=True)
     alone = engine.add_request("x", PROMPT, params)

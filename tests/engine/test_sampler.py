@@ -103,6 +103,21 @@ def test_greedy_is_argmax_in_a_mixed_batch():
     assert all_greedy == logits.argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_a_row_with_non_finite_logits_gets_no_token(bad):
+    torch.manual_seed(1)
+    logits = torch.randn(4, 300)
+    logits[1, 7] = bad
+    logits[3] = bad
+    before = logits.clone()
+    seqs = [seq(temperature=0.0), seq(temperature=1.0, logprobs=2), seq(temperature=0.7, top_p=0.9, logprobs=1),
+            seq(temperature=1.0, seed=3)]
+    tokens, logprobs = Sampler().sample(logits, seqs)
+    assert tokens[1] is None and tokens[3] is None and logprobs[1] is None  # the scheduler ends them: "error"
+    assert tokens[0] == logits[0].argmax().item() and 0 <= tokens[2] < 300 and logprobs[2].token_id == tokens[2]
+    assert torch.equal(logits.nan_to_num(), before.nan_to_num())  # the caller's logits are untouched
+
+
 def test_bf16_logits_and_input_not_modified():
     logits = torch.randn(3, 50).to(torch.bfloat16)
     before = logits.clone()
