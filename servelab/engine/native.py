@@ -2,8 +2,8 @@
 
 Decode attention over an fp32, fp16 or bf16 KV cache (csrc/decode_attention.c: why it beats
 gather + SDPA is in that file), the per-layer elementwise ops (csrc/layer_ops.c: residual add +
-RMSNorm, SwiGLU, RoPE with the K/V store) and linears straight from GGUF blocks (csrc/block_quant_linear.c, used by
-block_quant.py). Attention and the linears split their work over torch.get_num_threads()
+RMSNorm, SwiGLU, RoPE with the K/V store; and the sampler's row-wise argmax) and linears
+straight from GGUF blocks (csrc/block_quant_linear.c, used by block_quant.py). Attention and the linears split their work over torch.get_num_threads()
 threads of our own pool (csrc/parallel.c). The shared library is cached under
 $SERVELAB_CACHE_DIR, else $XDG_CACHE_HOME/servelab, else ~/.cache/servelab, keyed by a hash of
 the source, the compiler and its flags, so a build costs about a second once per machine.
@@ -66,6 +66,7 @@ class NativeKernels:
     block_quant_linear: Callable[..., None]
     block_quant_gemm: Callable[..., None]
     block_dequant: Callable[..., None]
+    argmax_rows: Callable[..., None]
 
 
 def _build() -> NativeKernels:
@@ -112,6 +113,7 @@ def _build() -> NativeKernels:
             "servelab_block_quant_gemm_f32", i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, i64
         ),
         block_dequant=fn("servelab_block_dequant_f32", i64, ptr, i64, i64, i64, i64, ptr),
+        argmax_rows=fn("servelab_argmax_rows_f32", ptr, i64, i64, ptr, i64),
     )
 
 
@@ -206,3 +208,12 @@ def rope_store_kv(
         sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1],
         KV_FORMATS[k.dtype],
     )
+
+
+def argmax_rows(kernels: NativeKernels, x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) of a contiguous, NaN-free fp32 [rows, n] (the first index of each row's
+    largest value, as torch gives it), int64 [rows]."""
+    rows, n = x.shape
+    out = torch.empty(rows, dtype=torch.int64)
+    kernels.argmax_rows(x.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads())
+    return out

@@ -146,7 +146,8 @@ def test_kv_store_rounds_as_torch_does(kernel, kv_dtype):
 
 def test_portable_build_rounds_and_attends_the_same(tmp_path):
     """Without AVX2 / F16C the 16-bit conversions are our scalar code (half.h): the same bits as
-    torch's casts, and decode attention over a 16-bit cache still matches the reference."""
+    torch's casts, decode attention over a 16-bit cache still matches the reference, and the
+    scalar argmax agrees with torch's."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         pytest.skip("no C compiler")
@@ -163,7 +164,11 @@ def test_portable_build_rounds_and_attends_the_same(tmp_path):
     attend = lib.servelab_decode_attention
     attend.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, f32, ptr, i64, ptr, i64]
     attend.restype = None
-    fake = native.NativeKernels(attend, None, None, store, None, None, None)
+    argmax = lib.servelab_argmax_rows_f32
+    argmax.argtypes, argmax.restype = [ptr, i64, i64, ptr, i64], None
+    fake = native.NativeKernels(attend, None, None, store, None, None, None, argmax)
+    for x in _argmax_cases():
+        assert torch.equal(native.argmax_rows(fake, x), x.argmax(dim=-1))
     for kv_dtype in (torch.float16, torch.bfloat16):
         _check_store(lambda *a: native.rope_store_kv(fake, a[0], 1, 1, 8, *a[1:]), kv_dtype)
         g = torch.Generator().manual_seed(1)
@@ -206,6 +211,29 @@ def test_add_rms_norm_and_silu_mul_match_pytorch(kernel, rows, hidden):
     gate_up[0, 0], gate_up[0, 1] = -200.0, 200.0
     expected_act = F.silu(gate_up[:, :hidden]) * gate_up[:, hidden:]
     torch.testing.assert_close(native.silu_mul(kernel, gate_up), expected_act, rtol=1e-5, atol=1e-5)
+
+
+def _argmax_cases() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(9)
+    wide = torch.randn(33, 49152, generator=g)
+    wide[3, 40000] = wide[3, 17] = 100.0  # a tie: the first index wins, as in torch
+    wide[4] = float("-inf")  # every token masked
+    wide[5, :] = 0.0
+    wide[6, 49151] = 1e30  # the last element
+    wide[7, 100:] = float("-inf")
+    return [wide, torch.randn(5, 7, generator=g), torch.randn(3, 37, generator=g), torch.randn(1, 1, generator=g),
+            torch.randint(0, 3, (4, 1000), generator=g).float()]  # many ties
+
+
+def test_argmax_rows_matches_torch(kernel):
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            for x in _argmax_cases():
+                assert torch.equal(native.argmax_rows(kernel, x), x.argmax(dim=-1)), (threads, x.shape)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_engine_generates_the_same_tokens_on_the_pytorch_path(kernel, tiny_engine_factory):
