@@ -6,11 +6,6 @@ and without the packed path."""
 from __future__ import annotations
 
 import ctypes
-import os
-import platform
-import shutil
-import subprocess
-from importlib import resources
 
 import gguf
 import numpy as np
@@ -129,17 +124,8 @@ def test_parts_that_cannot_be_packed_stay_dense(kernel):
     assert isinstance(block_quant.pack(dense8.bfloat16(), [(8, raw8)], kernel), torch.Tensor)
 
 
-def test_portable_build_without_avx2_agrees(tmp_path):
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        pytest.skip("no C compiler")
-    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386"):
-        pytest.skip("the portable build is an x86 build without AVX2; other hosts build that way anyway")
-    csrc = resources.files("servelab.engine").joinpath("csrc")
-    sources = [str(csrc.joinpath(name)) for name in ("block_quant_linear.c", "parallel.c")]
-    lib_path = tmp_path / "bq_portable.so"
-    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-mno-avx2", *sources, "-o", str(lib_path), "-lpthread"], check=True)
-    lib = ctypes.CDLL(str(lib_path))
+def test_portable_build_without_avx2_agrees(portable_build):
+    lib = portable_build("block_quant_linear.c", "parallel.c")
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lin = lib.servelab_block_quant_linear_f32
     lin.argtypes, lin.restype = [i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, i64], None

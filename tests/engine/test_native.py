@@ -6,11 +6,6 @@ from __future__ import annotations
 
 import ctypes
 import math
-import os
-import platform
-import shutil
-import subprocess
-from importlib import resources
 
 import pytest
 import torch
@@ -144,20 +139,11 @@ def test_kv_store_rounds_as_torch_does(kernel, kv_dtype):
     _check_store(lambda *a: native.rope_store_kv(kernel, a[0], 1, 1, 8, *a[1:]), kv_dtype)
 
 
-def test_portable_build_rounds_and_attends_the_same(tmp_path):
+def test_portable_build_rounds_and_attends_the_same(portable_build):
     """Without AVX2 / F16C the 16-bit conversions are our scalar code (half.h): the same bits as
     torch's casts, decode attention over a 16-bit cache still matches the reference, and the
     scalar argmax agrees with torch's."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        pytest.skip("no C compiler")
-    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386"):
-        pytest.skip("the portable build is an x86 build without AVX2; other hosts build that way anyway")
-    csrc = resources.files("servelab.engine").joinpath("csrc")
-    sources = [str(csrc.joinpath(n)) for n in ("decode_attention.c", "layer_ops.c", "parallel.c")]
-    lib_path = tmp_path / "portable.so"
-    subprocess.run([cc, "-O2", "-shared", "-fPIC", "-mno-avx2", "-mno-f16c", *sources, "-o", str(lib_path), "-lm", "-lpthread"], check=True)
-    lib = ctypes.CDLL(str(lib_path))
+    lib = portable_build("decode_attention.c", "layer_ops.c", "parallel.c")
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     store = lib.servelab_rope_store_kv
     store.argtypes, store.restype = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64], None
