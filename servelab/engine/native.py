@@ -3,8 +3,9 @@
 Decode attention over an fp32, fp16 or bf16 KV cache (csrc/decode_attention.c: why it beats
 gather + SDPA is in that file), the per-layer elementwise ops (csrc/layer_ops.c: residual add +
 RMSNorm, SwiGLU, RoPE with the K/V store; and the sampler's row-wise argmax) and linears
-straight from GGUF blocks (csrc/block_quant_linear.c, used by block_quant.py). Attention and the linears split their work over torch.get_num_threads()
-threads of our own pool (csrc/parallel.c). The shared library is cached under
+straight from GGUF blocks (csrc/block_quant_linear.c, used by block_quant.py). Attention, the
+linears and the argmax split their work over torch.get_num_threads() threads of our own pool
+(csrc/parallel.c). The shared library is cached under
 $SERVELAB_CACHE_DIR, else $XDG_CACHE_HOME/servelab, else ~/.cache/servelab, keyed by a hash of
 the source, the compiler and its flags, so a build costs about a second once per machine.
 Everything here is optional: without a C compiler (or with SERVELAB_NATIVE=0) `native_kernels()`
@@ -30,7 +31,7 @@ import torch
 
 _SOURCES = ("decode_attention.c", "layer_ops.c", "block_quant_linear.c", "parallel.c")
 _HEADERS = ("vec_exp.h", "parallel.h", "half.h")
-# KV-cache dtypes the attention and K/V-store kernels read and write (their kv_format codes)
+# KV-cache dtypes the attention and K/V-store kernels read and write (their kv_format codes, half.h)
 KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 _lock = threading.Lock()

@@ -27,11 +27,7 @@
 #include "parallel.h"
 #include "vec_exp.h"
 
-enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 }; /* kv_format, as native.py passes it */
-
 #define SL_INLINE static inline __attribute__((always_inline))
-
-SL_INLINE int64_t kv_size(int fmt) { return fmt == KV_F32 ? 4 : 2; }
 
 /* Element i of a cache tensor in fmt, as fp32. */
 SL_INLINE float load1(const void *base, int64_t i, int fmt) {
@@ -224,11 +220,11 @@ SL_INLINE void attention_pairs(const struct attention_job *j, int64_t part, int6
         const float *qh = q + b * q_stride + h * G * D;
         float *oh = out + (b * num_kv_heads + h) * G * D;
 #ifdef __AVX2__
-        struct row_prefetch pf = {(const char *)k, (const char *)v, NULL, block_size, D * kv_size(fmt), 0, 0};
+        struct row_prefetch pf = {(const char *)k, (const char *)v, NULL, block_size, D * sl_kv_size(fmt), 0, 0};
         if (pair + 1 < end) {
             const int64_t nb = (pair + 1) / num_kv_heads, nh = (pair + 1) % num_kv_heads;
-            pf.k += nh * num_slots * D * kv_size(fmt);
-            pf.v += nh * num_slots * D * kv_size(fmt);
+            pf.k += nh * num_slots * D * sl_kv_size(fmt);
+            pf.v += nh * num_slots * D * sl_kv_size(fmt);
             pf.table = blocks + nb * table_stride;
             pf.ctx = ctx_lens[nb];
         }

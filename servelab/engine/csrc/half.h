@@ -9,6 +9,10 @@
 #include <immintrin.h>
 #endif
 
+/* A KV cache's storage format, as native.py's KV_FORMATS passes it, and its bytes an element. */
+enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
+static inline int64_t sl_kv_size(int64_t kv_format) { return kv_format == KV_F32 ? 4 : 2; }
+
 static inline uint32_t sl_f32_bits(float f) {
     uint32_t u;
     memcpy(&u, &f, 4);

@@ -57,16 +57,16 @@ void servelab_silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64
     }
 }
 
-/* One head's row of n fp32 values into a cache row in kv_format (0 fp32, 1 fp16, 2 bf16),
+/* One head's row of n fp32 values into a cache row in kv_format (half.h's KV_F32 / F16 / BF16),
  * rounded to nearest even as torch's .half() / .bfloat16() round. */
 static void store_row(void *dst, const float *src, int64_t n, int64_t kv_format) {
-    if (kv_format == 0) {
+    if (kv_format == KV_F32) {
         memcpy(dst, src, (size_t)n * sizeof(float));
         return;
     }
     uint16_t *d = dst;
     int64_t i = 0;
-    if (kv_format == 1) {
+    if (kv_format == KV_F16) {
 #ifdef __AVX2__
         for (; i + 8 <= n; i += 8)
             _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
@@ -87,7 +87,7 @@ void servelab_rope_store_kv(float *qkv, int64_t T, int64_t row_stride, int64_t n
                             int64_t head_dim, const float *cos, const float *sin, const int64_t *positions,
                             const int64_t *slots, void *k, void *v, int64_t num_slots, int64_t kv_format)
 {
-    const int64_t D = head_dim, half = head_dim / 2, row_bytes = D * (kv_format == 0 ? 4 : 2);
+    const int64_t D = head_dim, half = head_dim / 2, row_bytes = D * sl_kv_size(kv_format);
     for (int64_t t = 0; t < T; t++) {
         float *row = qkv + t * row_stride;
         const float *c = cos + positions[t] * D;
