@@ -25,7 +25,6 @@ import torch
 import torch.nn.functional as F
 
 from servelab.engine import native
-from servelab.engine.quantization import Int8Linear
 
 # ggml type id -> (our kernel's format code, weights a block, bytes a block)
 GGUF_BLOCK_FORMATS = {8: (0, 32, 34), 2: (1, 32, 18), 3: (2, 32, 20), 12: (3, 256, 144), 14: (4, 256, 210)}
@@ -38,9 +37,6 @@ _K_QUANTS = (3, 4)  # the panel kernel only: the in-register one knows the 32-we
 #   panel kernel        4 / 8 / 32 / 128 / 256: 35 / 48 / 107 / 437 / 950 ms  (115 / 134 / 183 / 481 / 860)
 FUSED_MAX_ROWS = 4  # up to here the in-register kernel, then the panel kernel
 MAX_ROWS = 128  # above this MKL (it pulls ahead by 256 rows)
-# Under --quantization int8, fbgemm's int8 GEMM takes over above this: all 121 matrices, 1 thread,
-# packed / int8 at 1 row 20 / 22-25 ms, 2 rows 21-32 / 19-23, 3 rows 25-28 / 21-27, 8 rows 55-102 / 29-44.
-INT8_MAX_ROWS = 1
 PANEL_OUTPUTS = 48  # outputs the panel kernel expands at a time (PANEL in the C file)
 
 
@@ -57,22 +53,19 @@ class PackedRows:
 @dataclass(slots=True)
 class BlockQuantLinear:
     """y = x @ W^T (+ bias). `segments` hold W as GGUF blocks (one per run of outputs in one
-    format: a fused QKV may mix Q4_K and Q6_K), used for up to `max_rows` rows; `many_rows` serves
-    bigger steps: W in fp32 [out, in], or under the opt-in `--quantization int8` its Int8Linear
-    (no bias)."""
+    format: a fused QKV may mix Q4_K and Q6_K), used for up to MAX_ROWS rows; `dense`, W in fp32
+    [out, in], serves bigger steps. (Under `--quantization int8` every row count goes int8, and
+    the model drops this.)"""
 
     segments: tuple[PackedRows, ...]
     kernels: native.NativeKernels
-    many_rows: torch.Tensor | Int8Linear
+    dense: torch.Tensor
     shape: tuple[int, int]
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
-        if rows > self.max_rows or rows == 0:
-            if isinstance(self.many_rows, torch.Tensor):
-                return F.linear(x, self.many_rows, bias)
-            y = self.many_rows(x)
-            return y if bias is None else y + bias
+        if rows > MAX_ROWS or rows == 0:
+            return F.linear(x, self.dense, bias)
         x = x.contiguous()
         out_features, in_features = self.shape
         threads = torch.get_num_threads()
@@ -91,18 +84,6 @@ class BlockQuantLinear:
                 y.data_ptr() + 4 * seg.start, out_features, scratch.data_ptr(), threads,
             )
         return y
-
-    @property
-    def max_rows(self) -> int:
-        """The most rows a call takes from the packed blocks."""
-        return MAX_ROWS if isinstance(self.many_rows, torch.Tensor) else INT8_MAX_ROWS
-
-    @property
-    def dense(self) -> torch.Tensor:
-        """W in fp32 (not kept under int8 quantization: `dequantize()` rebuilds it)."""
-        if not isinstance(self.many_rows, torch.Tensor):
-            raise ValueError("this linear keeps int8 weights for many rows, not fp32 ones")
-        return self.many_rows
 
     def numel(self) -> int:
         return self.shape[0] * self.shape[1]

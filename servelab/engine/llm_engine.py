@@ -155,11 +155,12 @@ class LLMEngine:
         args.validate()
         path = args.model or str(bundled_model_path())
         dtype = resolve_dtype("float32" if args.quantization else args.dtype, args.device)
-        loaded = load_model(path, dtype=dtype, device=args.device)
         if args.quantization == "int8":
             from servelab.engine.quantization import check_int8_supported
 
-            check_int8_supported()
+            check_int8_supported()  # before the minutes of loading
+        loaded = load_model(path, dtype=dtype, device=args.device)
+        if args.quantization == "int8":
             loaded.model.quantize_int8()
         config = loaded.config
 

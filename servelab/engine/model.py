@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from servelab.engine import native
+from servelab.engine import block_quant, native
 from servelab.engine.block_quant import BlockQuantLinear
 from servelab.engine.quantization import Int8Linear
 from servelab.errors import InvalidArgument
@@ -82,7 +82,7 @@ def rope_inv_freq(config: ModelConfig, freq_divisors: torch.Tensor | None = None
 _MAX_ROWS_FOR_TRANSPOSED_HEAD = 2
 
 # A linear's weight: a tensor [out, in]; that tensor with its GGUF blocks (block_quant.py); or
-# packed int8 under the opt-in int8 quantization.
+# int8 codes under the opt-in int8 quantization (quantization.py).
 Weight = torch.Tensor | BlockQuantLinear | Int8Linear
 
 
@@ -98,14 +98,8 @@ def _nbytes(weight: Weight) -> int:
     return weight.numel() * weight.element_size() if isinstance(weight, torch.Tensor) else weight.nbytes
 
 
-def _int8(weight: Weight) -> Weight:
-    """The opt-in int8 form of a linear. A GGUF-packed one keeps its exact packed path for
-    one-row steps (batch-1 decode: level with fbgemm there, reading 5 bits a weight, not 8) and
-    goes int8 above that (block_quant.INT8_MAX_ROWS)."""
-    if isinstance(weight, BlockQuantLinear):
-        weight.many_rows = Int8Linear.from_weight(weight.dense)
-        return weight
-    return weight if isinstance(weight, Int8Linear) else Int8Linear.from_weight(weight)
+def _dense(weight: Weight) -> torch.Tensor:
+    return weight.dense if isinstance(weight, BlockQuantLinear) else weight
 
 
 @dataclass(slots=True)
@@ -198,19 +192,20 @@ class LlamaModel:
         return None if self.lm_head_int8 is None else "int8"
 
     def quantize_int8(self) -> None:
-        """Opt-in: every linear and the LM head become packed int8 (see `quantization`); the
+        """Opt-in: every linear and the LM head become int8 (see `quantization`), at every row count,
+        so the output stays batch-invariant; the fp32 and GGUF-block copies are dropped. The
         embedding and norms stay in the compute dtype. Numerics change, so the default never does
-        this. Linears kept as GGUF blocks keep that exact path for one-row steps (_int8)."""
-        if self.dtype != torch.float32:
-            raise InvalidArgument(f"quantization 'int8' computes in float32, not {self.dtype}", param="dtype")
+        this."""
+        if self.dtype != torch.float32 or self.device.type != "cpu":
+            raise InvalidArgument(
+                f"quantization 'int8' computes in float32 on the CPU, not {self.dtype} on {self.device.type}",
+                param="dtype",
+            )
         for layer in self.layers:
-            if not isinstance(layer.qkv, BlockQuantLinear):  # the bias goes into the int8 pack
-                layer.qkv, layer.qkv_bias = Int8Linear.from_weight(layer.qkv, layer.qkv_bias), None
-            layer.qkv, layer.o, layer.gate_up, layer.down = (_int8(w) for w in layer.linears())
+            layer.qkv, layer.qkv_bias = Int8Linear.from_weight(_dense(layer.qkv), layer.qkv_bias), None
+            layer.o, layer.gate_up, layer.down = (Int8Linear.from_weight(_dense(w)) for w in (layer.o, layer.gate_up, layer.down))
         self.lm_head_int8 = Int8Linear.from_weight(self.lm_head)
-        if self.lm_head_packed is not None:  # its fp32 path is now the int8 head's
-            self.lm_head_packed.many_rows = self.lm_head_int8
-        self.lm_head_t = None
+        self.lm_head_packed = self.lm_head_t = None
 
     def num_parameters(self) -> int:
         n = self.embed.numel() + self.final_norm.numel()
@@ -224,7 +219,7 @@ class LlamaModel:
     def weight_bytes(self) -> int:
         """Bytes one decode step reads: every weight once (the embedding row gather is negligible;
         the head is read whole even when tied to the embedding)."""
-        head = self.lm_head_packed or self.lm_head_int8 or self.lm_head
+        head = self.lm_head_int8 or self.lm_head_packed or self.lm_head
         n = _nbytes(head) + _nbytes(self.final_norm)
         for layer in self.layers:
             n += _nbytes(layer.input_norm) + _nbytes(layer.post_norm) + sum(_nbytes(w) for w in layer.linears())
@@ -315,10 +310,10 @@ class LlamaModel:
             delta = linear(act, layer.down)
         x = x[meta.logits_indices] + delta[meta.logits_indices]
         x = self._rms_norm(x, self.final_norm)
-        if self.lm_head_packed is not None and x.shape[0] <= self.lm_head_packed.max_rows:
-            return self.lm_head_packed(x)
         if self.lm_head_int8 is not None:
             return self.lm_head_int8(x)
+        if self.lm_head_packed is not None and x.shape[0] <= block_quant.MAX_ROWS:
+            return self.lm_head_packed(x)
         if self.lm_head_t is not None and x.shape[0] <= _MAX_ROWS_FOR_TRANSPOSED_HEAD:
             return x @ self.lm_head_t
         return F.linear(x, self.lm_head).float()

@@ -2,15 +2,16 @@
 
 Decode attention over an fp32, fp16 or bf16 KV cache (csrc/decode_attention.c: why it beats
 gather + SDPA is in that file), the per-layer elementwise ops (csrc/layer_ops.c: residual add +
-RMSNorm, SwiGLU, RoPE with the K/V store; and the sampler's row-wise argmax) and linears
-straight from GGUF blocks (csrc/block_quant_linear.c, used by block_quant.py). Attention, the
-linears and the argmax split their work over torch.get_num_threads() threads of our own pool
-(csrc/parallel.c). The shared library is cached under
-$SERVELAB_CACHE_DIR, else $XDG_CACHE_HOME/servelab, else ~/.cache/servelab, keyed by a hash of
-the source, the compiler and its flags, so a build costs about a second once per machine.
-Everything here is optional: without a C compiler (or with SERVELAB_NATIVE=0) `native_kernels()`
-returns None and the model runs its PyTorch path (and MKL over the fp32 weights), with the same
-results up to fp32 summation order.
+RMSNorm, SwiGLU, RoPE with the K/V store; and the sampler's row-wise argmax), linears straight
+from GGUF blocks (csrc/block_quant_linear.c, used by block_quant.py) and the opt-in int8 linears
+(csrc/int8_linear.c, used by quantization.py). Attention, the linears and the argmax split their
+work over torch.get_num_threads() threads of our own pool (csrc/parallel.c). The shared library
+is cached under $SERVELAB_CACHE_DIR, else $XDG_CACHE_HOME/servelab, else ~/.cache/servelab, keyed
+by a hash of the source, the compiler and its flags, so a build costs about a second once per
+machine. Everything here is optional: without a C compiler (or with SERVELAB_NATIVE=0)
+`native_kernels()` returns None and the model runs its PyTorch path (and MKL over the fp32
+weights), with the same results up to fp32 summation order; only `--quantization int8` then
+reports that it cannot run.
 """
 
 from __future__ import annotations
@@ -29,8 +30,8 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = ("decode_attention.c", "layer_ops.c", "block_quant_linear.c", "parallel.c")
-_HEADERS = ("vec_exp.h", "parallel.h", "half.h")
+_SOURCES = ("decode_attention.c", "layer_ops.c", "block_quant_linear.c", "int8_linear.c", "parallel.c")
+_HEADERS = ("vec_exp.h", "parallel.h", "half.h", "fp.h")
 # KV-cache dtypes the attention and K/V-store kernels read and write (their kv_format codes, half.h)
 KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
@@ -68,6 +69,8 @@ class NativeKernels:
     block_quant_gemm: Callable[..., None]
     block_dequant: Callable[..., None]
     argmax_rows: Callable[..., None]
+    int8_linear: Callable[..., int]
+    int8_quantize_rows: Callable[..., None]
 
 
 def _build() -> NativeKernels:
@@ -94,9 +97,9 @@ def _build() -> NativeKernels:
     lib = ctypes.CDLL(str(lib_path))
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
-    def fn(name: str, *argtypes) -> Callable[..., None]:
+    def fn(name: str, *argtypes, restype=None) -> Callable[..., None]:
         f = getattr(lib, name)
-        f.argtypes, f.restype = list(argtypes), None
+        f.argtypes, f.restype = list(argtypes), restype
         return f
 
     return NativeKernels(
@@ -115,6 +118,8 @@ def _build() -> NativeKernels:
         ),
         block_dequant=fn("servelab_block_dequant_f32", i64, ptr, i64, i64, i64, i64, ptr),
         argmax_rows=fn("servelab_argmax_rows_f32", ptr, i64, i64, ptr, i64),
+        int8_linear=fn("servelab_int8_linear_f32", ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64, restype=ctypes.c_int),
+        int8_quantize_rows=fn("servelab_int8_quantize_rows_f32", ptr, i64, i64, i64, ptr, ptr, ptr),
     )
 
 

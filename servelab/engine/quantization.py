@@ -1,68 +1,112 @@
 """Opt-in int8 linears for CPU (`EngineArgs(quantization="int8")`, `--quantization int8`).
 
 Why: decode on a CPU is bound by the bytes of weights it streams, and batched decode and prefill
-by the GEMMs. fbgemm's dynamic-quantized linear keeps each weight as int8 with one scale per
-output channel (a quarter of the fp32 bytes) and quantizes the activations per tensor on the
-fly, then multiplies in int8 with AVX2 kernels. Measured on this AVX2 host (1 thread, all 121
-SmolLM2-135M matrices, weights streamed from DRAM): batch 1 54 -> 25 ms, 32 rows 306 -> 154 ms,
-512 rows (one layer) 95 -> 53 ms. `torch._weight_int8pack_mm` (int8 weights, fp32 activations)
-would keep the activations exact but has no AVX2 kernel: 4x *slower* than fp32 here.
+by the GEMMs. Here each weight is a 7-bit code with a scale and zero point per output channel
+(a quarter of the fp32 bytes), each activation row is quantized to int8 on the fly, and the C
+kernel in csrc/int8_linear.c (the why of 7 and 8 bits, and of a scale per 64 inputs, is there)
+multiplies them with AVX2's integer multiply-adds. Measured on this AVX2 host, 1 thread, SmolLM2-135M's shapes: 1.2-1.3x
+fbgemm's dynamic int8 linear (which this replaced) at 32 rows, 1.1-1.3x at 512, 1.3-1.9x at 2-8;
+fbgemm itself was ~2x fp32 at 32 rows. `torch._weight_int8pack_mm` (int8 weights, fp32
+activations) would keep the activations exact but has no AVX2 kernel: 4x *slower* than fp32 here.
 
-What it costs: numerics. Each linear's output moves by ~1-2% relative (7-bit activations,
-`reduce_range`, because AVX2's int8 multiply-add saturates int16 sums), and since the activation
-scale is per tensor, a row's result depends on the other rows in the step: int8 output is not
-batch-invariant, unlike the default fp32 path. Hence opt-in, and benchmarked separately.
+What it costs: numerics. Each linear's output moves by about 1% relative, so the default never
+does this. What it keeps: every integer sum is exact and each activation row has its own scales,
+so a row's result does not depend on the other rows of the step (fbgemm's per-tensor activation
+scale did): greedy output under int8 is the same whatever else is in the batch.
 """
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass
 
 import torch
 
+from servelab.engine import native
 from servelab.errors import InvalidArgument
 
 QUANTIZATIONS = ("int8",)
+PANEL = 16  # outputs a packed panel holds (NP in csrc/int8_linear.c)
+GROUP = 64  # inputs one activation scale covers (G there); packed rows are padded to a multiple
+MAX_CODE = 127  # weights are 7-bit codes (see csrc/int8_linear.c)
 
 
-def check_int8_supported() -> None:
-    engines = torch.backends.quantized.supported_engines
-    if not {"x86", "fbgemm"} & set(engines):
+def check_int8_supported() -> native.NativeKernels:
+    """The native kernels the int8 linears run on, or a clear error where they cannot load."""
+    kernels = native.native_kernels()
+    if kernels is None:
         raise InvalidArgument(
-            f"quantization 'int8' needs torch's x86/fbgemm quantized engine, which this build lacks "
-            f"(supported engines: {', '.join(engines)})",
+            f"quantization 'int8' needs servelab's native CPU kernels, unavailable here: {native.load_error}",
             param="quantization",
         )
+    return kernels
+
+
+def quantize_weight(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """W [out, in] -> (codes uint8 [out, in] in [0, 127], scale fp32 [out], zero point int32 [out])
+    with W ~ scale * (codes - zero). The range of each row includes 0, so 0 is exact."""
+    w = weight.detach().float()
+    lo, hi = w.amin(dim=1).clamp(max=0), w.amax(dim=1).clamp(min=0)
+    scale = (hi - lo) / MAX_CODE
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero row: codes 0, zero 0
+    zero = torch.round(-lo / scale).clamp(0, MAX_CODE)
+    codes = (torch.round(w / scale[:, None]) + zero[:, None]).clamp(0, MAX_CODE)
+    return codes.to(torch.uint8), scale.contiguous(), zero.to(torch.int32)
 
 
 @dataclass(slots=True)
 class Int8Linear:
-    """y = x @ W^T + b with W stored as packed int8 (per output channel scales)."""
+    """y = x @ W^T + b, W as 7-bit codes packed in panels for csrc/int8_linear.c."""
 
-    packed: torch.ScriptObject
+    packed: torch.Tensor  # uint8 [out_pad / 16, kp / 4, 16, 4] (see the C file)
+    scale: torch.Tensor  # fp32 [out_pad]; padding rows 0
+    zero: torch.Tensor  # int32 [out_pad]
+    bias: torch.Tensor | None  # fp32 [out]
     shape: tuple[int, int]  # [out, in] as the fp32 weight was
-    has_bias: bool = False
+    kernels: native.NativeKernels
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
-        w = weight.detach().float().contiguous()
-        scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12).double()
-        zero_points = torch.zeros(w.shape[0], dtype=torch.long)
-        with warnings.catch_warnings():  # torch flags quantized tensor creation as deprecated; the kernels remain
-            warnings.simplefilter("ignore")
-            qweight = torch.quantize_per_channel(w, scales, zero_points, 0, torch.qint8)
-            packed = torch.ops.quantized.linear_prepack(qweight, None if bias is None else bias.float())
-        return cls(packed, (w.shape[0], w.shape[1]), bias is not None)
+        kernels = check_int8_supported()
+        out_features, in_features = weight.shape
+        codes, scale, zero = quantize_weight(weight)
+        out_pad, kp = -(-out_features // PANEL) * PANEL, -(-in_features // GROUP) * GROUP
+        padded = torch.zeros(out_pad, kp, dtype=torch.uint8)
+        padded[:out_features, :in_features] = codes
+        packed = padded.view(out_pad // PANEL, PANEL, kp // 4, 4).transpose(1, 2).contiguous()
+        pad = out_pad - out_features
+        scale = torch.cat([scale, scale.new_zeros(pad)])
+        zero = torch.cat([zero, zero.new_zeros(pad)])
+        b = None if bias is None else bias.detach().float().contiguous()
+        return cls(packed, scale, zero, b, (out_features, in_features), kernels)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.quantized.linear_dynamic(x, self.packed, True)
+        out_features, in_features = self.shape
+        x = x.float().contiguous()
+        rows = x.shape[0]
+        y = torch.empty(rows, out_features, dtype=torch.float32)
+        if rows == 0:
+            return y
+        rc = self.kernels.int8_linear(
+            self.packed.data_ptr(), self.scale.data_ptr(), self.zero.data_ptr(),
+            None if self.bias is None else self.bias.data_ptr(), in_features, self.packed.shape[1] * 4,
+            out_features, x.data_ptr(), rows, y.data_ptr(), torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError(f"int8 linear: no memory for {rows} x {in_features} quantized activations")
+        return y
+
+    def dequantize(self) -> torch.Tensor:
+        """The W [out, in] fp32 the codes stand for (for tests and accuracy checks)."""
+        out_features, in_features = self.shape
+        codes = self.packed.transpose(1, 2).reshape(-1, self.packed.shape[1] * 4)[:out_features, :in_features]
+        return self.scale[:out_features, None] * (codes.float() - self.zero[:out_features, None].float())
 
     def numel(self) -> int:
-        """Parameters, the packed bias included."""
-        return self.shape[0] * (self.shape[1] + self.has_bias)
+        """Parameters, the bias included."""
+        return self.shape[0] * (self.shape[1] + (self.bias is not None))
 
     @property
     def nbytes(self) -> int:
-        out, n_in = self.shape
-        return out * n_in + 8 * out + 4 * out * self.has_bias  # int8 weights, fp64 scales, fp32 bias
+        """Bytes a call reads: the codes, scales and zero points (and the bias)."""
+        n = self.packed.numel() + 4 * self.scale.numel() + 4 * self.zero.numel()
+        return n + (0 if self.bias is None else 4 * self.bias.numel())

@@ -1,6 +1,6 @@
 """A request's greedy output does not depend on what else the engine does: alone, in a batch of
 16, with its prompt chunked, after a preemption, and with a prefix-cache hit; with the KV cache
-in the compute dtype and in fp16."""
+in the compute dtype and in fp16, and under int8 linears."""
 
 from __future__ import annotations
 
@@ -21,14 +21,25 @@ def _run(engine, prompts: dict[str, list[int]], params=GREEDY) -> dict:
     return seqs
 
 
-@pytest.fixture(scope="module", params=["auto", "float16"])
-def kv_cache_dtype(request):
-    return request.param
+VARIANTS = {
+    "fp32": {},
+    "fp16-kv": {"kv_cache_dtype": "float16"},
+    # int8 linears: each activation row has its own scale and the integer sums are exact
+    "int8": {"quantization": "int8", "kv_cache_dtype": "float16"},
+}
 
 
-@pytest.fixture(scope="module")
-def factory(tiny_engine_factory, kv_cache_dtype):
-    return lambda **kwargs: tiny_engine_factory(kv_cache_dtype=kv_cache_dtype, **kwargs)
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def factory(request, tiny_engine_factory):
+    if "quantization" in VARIANTS[request.param]:
+        from servelab.engine.quantization import check_int8_supported
+        from servelab.errors import InvalidArgument
+
+        try:
+            check_int8_supported()
+        except InvalidArgument as exc:
+            pytest.skip(str(exc))
+    return lambda **kwargs: tiny_engine_factory(**VARIANTS[request.param], **kwargs)
 
 
 @pytest.fixture(scope="module")

@@ -183,25 +183,21 @@ def test_fp16_and_hf_models_have_no_packed_weights(tiny_llama, tmp_path):
     assert all(isinstance(w, torch.Tensor) for w in model.layers[0].linears()) and model.lm_head_packed is None
 
 
-def test_int8_quantization_keeps_the_exact_packed_path_for_one_row(kernel, tiny_llama, tmp_path):
-    from servelab.engine.quantization import Int8Linear, check_int8_supported
-    from servelab.errors import InvalidArgument
+def test_int8_quantization_replaces_the_packed_blocks_at_every_row_count(kernel, tiny_llama, tmp_path):
+    """Under int8 a GGUF model's linears and head are int8 for one row too (batch invariance needs
+    one arithmetic whatever the step's size), and the packed and fp32 copies are dropped."""
+    from servelab.engine.quantization import Int8Linear
 
-    try:
-        check_int8_supported()
-    except InvalidArgument as exc:
-        pytest.skip(str(exc))
     path = _write_gguf(tiny_llama, tmp_path / "tiny-q4_1.gguf", "Q4_1")
     exact = load_model(path, dtype=torch.float32).model
     int8 = load_model(path, dtype=torch.float32).model
+    assert all(isinstance(w, BlockQuantLinear) for w in int8.layers[0].linears())
     int8.quantize_int8()
-    assert all(isinstance(w, BlockQuantLinear) and isinstance(w.many_rows, Int8Linear) for w in int8.layers[0].linears())
-    with pytest.raises(ValueError):
-        int8.layers[0].qkv.dense  # noqa: B018 - the fp32 copy is gone
+    assert all(isinstance(w, Int8Linear) for layer in int8.layers for w in layer.linears())
+    assert int8.lm_head_packed is None and isinstance(int8.lm_head_int8, Int8Linear)
     ids = list(range(3, 40))
-    # one-row steps: the packed blocks, the same arithmetic as without int8
-    assert torch.equal(prefill_logits(int8, ids, chunk=1), prefill_logits(exact, ids, chunk=1))
-    # 2-row chunks and a 37-row prefill go through the int8 GEMMs: close, not equal
-    for chunk in (2, None):
-        got, ref = prefill_logits(int8, ids, chunk=chunk), prefill_logits(exact, ids, chunk=chunk)
-        assert 0 < max_rel_diff(got, ref) < 0.1
+    one_row = prefill_logits(int8, ids, chunk=1)
+    assert 0 < max_rel_diff(one_row, prefill_logits(exact, ids, chunk=1)) < 0.1
+    # each row has its own activation scales: a 37-row prefill gives what one row at a time gives,
+    # up to attention's fp32 summation order
+    assert max_rel_diff(prefill_logits(int8, ids), one_row) < 1e-4

@@ -152,7 +152,8 @@ def test_portable_build_rounds_and_attends_the_same(portable_build):
     attend.restype = None
     argmax = lib.servelab_argmax_rows_f32
     argmax.argtypes, argmax.restype = [ptr, i64, i64, ptr, i64], None
-    fake = native.NativeKernels(attend, None, None, store, None, None, None, argmax)
+    only = {"decode_attention": attend, "rope_store_kv": store, "argmax_rows": argmax}
+    fake = native.NativeKernels(**{**dict.fromkeys(native.NativeKernels.__slots__), **only})
     for x in _argmax_cases():
         assert torch.equal(native.argmax_rows(fake, x), x.argmax(dim=-1))
     for kv_dtype in (torch.float16, torch.bfloat16):

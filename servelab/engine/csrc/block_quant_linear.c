@@ -23,6 +23,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "fp.h"  /* SL_ROUNDED: Q4_1's and Q4_K's weights round exactly as the loader's */
 #include "half.h"
 #include "parallel.h"
 #ifdef __AVX2__
@@ -37,14 +38,6 @@ static inline float fp16_to_f32(const uint8_t *p) {
     memcpy(&h, p, 2);
     return sl_f16_to_f32(h);
 }
-
-/* Keeps the compiler from fusing a product into the add that follows (-ffp-contract): Q4_1's and
- * Q4_K's weights must be rounded exactly as the loader rounds them. */
-#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
-#define SL_ROUNDED(v) __asm__("" : "+x"(v))
-#else
-#define SL_ROUNDED(v) do { volatile float sl_tmp_ = (v); (v) = sl_tmp_; } while (0)
-#endif
 
 /* ggml's 6-bit scale and min j of a Q4_K block (get_scale_min_k4). */
 static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
