@@ -347,6 +347,16 @@ class LlamaModel:
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=H != KV)
             out[:B] = o.reshape(B, H * D)
         for offset, n, start_pos, ctx_slots in meta.prefills:
+            if self.native is not None:  # in C, 1.6x SDPA's flash kernel at 512 tokens (csrc/prefill_attention.c)
+                if ctx_slots is None:  # the chunk is the whole context
+                    kp, vp = k[offset : offset + n], v[offset : offset + n]  # [n, KV, D] views of qkv
+                    if kc.dtype != q.dtype:  # the values the cache holds, as a later chunk will read them
+                        kp, vp = kp.to(kc.dtype).to(q.dtype), vp.to(vc.dtype).to(q.dtype)
+                else:  # earlier context is in the cache (a previous chunk or a prefix-cache hit)
+                    kp = kc.index_select(1, ctx_slots).to(q.dtype).transpose(0, 1)  # [ctx, KV, D]
+                    vp = vc.index_select(1, ctx_slots).to(q.dtype).transpose(0, 1)
+                out[offset : offset + n] = native.prefill_attention(self.native, q[offset : offset + n], kp, vp, start_pos, self.scale)
+                continue
             qp = q[offset : offset + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
             if ctx_slots is None:  # the chunk is the whole context: plain causal attention
                 kp = k[offset : offset + n].transpose(0, 1).unsqueeze(0)

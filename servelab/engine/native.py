@@ -1,9 +1,10 @@
 """Native CPU kernels: plain C built on first use with the system C compiler, loaded with ctypes.
 
 Decode attention over an fp32, fp16 or bf16 KV cache (csrc/decode_attention.c: why it beats
-gather + SDPA is in that file), the per-layer elementwise ops (csrc/layer_ops.c: residual add +
-RMSNorm, SwiGLU, RoPE with the K/V store; and the sampler's row-wise argmax), linears straight
-from GGUF blocks (csrc/block_quant_linear.c, used by block_quant.py) and the opt-in int8 linears
+gather + SDPA is in that file), causal prefill attention (csrc/prefill_attention.c), the
+per-layer elementwise ops (csrc/layer_ops.c: residual add + RMSNorm, SwiGLU, RoPE with the K/V
+store; and the sampler's row-wise argmax), linears straight from GGUF blocks
+(csrc/block_quant_linear.c, used by block_quant.py) and the opt-in int8 linears
 (csrc/int8_linear.c, used by quantization.py). Attention, the linears and the argmax split their
 work over torch.get_num_threads() threads of our own pool (csrc/parallel.c). The shared library
 is cached under $SERVELAB_CACHE_DIR, else $XDG_CACHE_HOME/servelab, else ~/.cache/servelab, keyed
@@ -30,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = ("decode_attention.c", "layer_ops.c", "block_quant_linear.c", "int8_linear.c", "parallel.c")
+_SOURCES = ("decode_attention.c", "prefill_attention.c", "layer_ops.c", "block_quant_linear.c", "int8_linear.c", "parallel.c")
 _HEADERS = ("vec_exp.h", "parallel.h", "half.h", "fp.h")
 # KV-cache dtypes the attention and K/V-store kernels read and write (their kv_format codes, half.h)
 KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -62,6 +63,7 @@ class NativeKernels:
     """The C entry points (ctypes functions with argtypes set)."""
 
     decode_attention: Callable[..., None]
+    prefill_attention: Callable[..., None]
     add_rms_norm: Callable[..., None]
     silu_mul: Callable[..., None]
     rope_store_kv: Callable[..., None]
@@ -106,6 +108,9 @@ def _build() -> NativeKernels:
         decode_attention=fn(
             "servelab_decode_attention",
             ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, f32, ptr, i64, ptr, i64,
+        ),
+        prefill_attention=fn(
+            "servelab_prefill_attention_f32", ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, ptr, ptr, i64
         ),
         add_rms_norm=fn("servelab_add_rms_norm_f32", ptr, ptr, ptr, ptr, i64, i64, f32),
         silu_mul=fn("servelab_silu_mul_f32", ptr, ptr, i64, i64),
@@ -169,6 +174,31 @@ def decode_attention(
         ctx_lens.data_ptr(), B, kv_heads, H // kv_heads, D, scale,
         scratch.data_ptr(), per_part, out.data_ptr(), threads,
     )
+
+
+# the C kernel's block sizes (csrc/prefill_attention.c), for its scratch
+_PREFILL_QB, _PREFILL_KB, _PREFILL_KP = 32, 64, 16
+
+
+def prefill_attention(
+    kernels: NativeKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float
+) -> torch.Tensor:
+    """Causal attention of a prefill chunk as [n, H * D]: q [n, H, D] at positions start_pos ..
+    start_pos + n - 1 over k, v [start_pos + n, KV, D] (any strides with unit stride in D, and
+    for q also between heads). All fp32."""
+    n, H, D = q.shape
+    ctx, KV, _ = k.shape
+    assert q.stride(2) == 1 and q.stride(1) == D and k.stride(2) == 1 and k.stride() == v.stride()
+    threads = torch.get_num_threads()
+    ctx_pad = -(-ctx // _PREFILL_KP) * _PREFILL_KP
+    per_part = _PREFILL_QB * _PREFILL_KB + _PREFILL_QB * D + 3 * _PREFILL_QB + D
+    scratch = torch.empty(KV * ctx_pad * D + threads * per_part, dtype=torch.float32)
+    out = torch.empty(n, H * D, dtype=torch.float32)
+    kernels.prefill_attention(
+        q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), n, start_pos, H, KV, D,
+        scale, out.data_ptr(), scratch.data_ptr(), threads,
+    )
+    return out
 
 
 def add_rms_norm(

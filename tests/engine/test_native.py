@@ -1,6 +1,7 @@
 """The native decode-attention kernel against a plain per-sequence reference (over fp32, fp16 and
-bf16 caches), the K/V store rounding as torch rounds, the model with and without the kernels, a
-portable build, and a failed build falling back with its reason recorded."""
+bf16 caches), the prefill-attention kernel against SDPA, the K/V store rounding as torch rounds,
+the model with and without the kernels, a portable build, and a failed build falling back with
+its reason recorded."""
 
 from __future__ import annotations
 
@@ -134,6 +135,48 @@ def _check_store(store, kv_dtype):
     assert torch.equal(v[0, slots].view(torch.int16), rotated[:, 1].to(kv_dtype).view(torch.int16))
 
 
+def _prefill_reference(q, k, v, start_pos, scale):
+    """SDPA with an explicit causal mask by position: q [n, H, D], k/v [ctx, KV, D]."""
+    n, ctx = q.shape[0], k.shape[0]
+    mask = torch.arange(ctx)[None, :] <= torch.arange(start_pos, start_pos + n)[:, None]
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=scale,
+        enable_gqa=True,
+    )
+    return o[0].transpose(0, 1).reshape(n, -1)
+
+
+# (heads, kv_heads, head_dim): SmolLM2's; no grouping with a head_dim that leaves vector tails
+PREFILL_SHAPES = [(9, 3, 64), (4, 4, 40), (8, 2, 128)]
+# (start_pos, n): one row, whole prompts across the 32-row / 64-key blocks, later chunks over a
+# cached context that starts mid-block
+PREFILL_CHUNKS = [(0, 1), (0, 33), (0, 200), (60, 40), (100, 130), (5, 3)]
+
+
+def _prefill_cases():
+    g = torch.Generator().manual_seed(0)
+    for heads, kv_heads, dim in PREFILL_SHAPES:
+        for start, n in PREFILL_CHUNKS:
+            ctx = start + n
+            qkv = torch.randn(n, heads + 2 * kv_heads, dim, generator=g)  # q strided inside a fused qkv
+            q = qkv[:, :heads]
+            k, v = torch.randn(ctx, kv_heads, dim, generator=g), torch.randn(ctx, kv_heads, dim, generator=g)
+            if start:  # a later chunk reads the cache as [KV, ctx, D] transposed
+                k, v = k.transpose(0, 1).contiguous().transpose(0, 1), v.transpose(0, 1).contiguous().transpose(0, 1)
+            yield q, k, v, start
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_kernel_matches_sdpa(kernel, threads):
+    torch.set_num_threads(threads)
+    try:
+        for q, k, v, start in _prefill_cases():
+            want = _prefill_reference(q, k, v, start, 0.3)
+            torch.testing.assert_close(native.prefill_attention(kernel, q, k, v, start, 0.3), want, rtol=2e-5, atol=2e-5)
+    finally:
+        torch.set_num_threads(1)
+
+
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
 def test_kv_store_rounds_as_torch_does(kernel, kv_dtype):
     _check_store(lambda *a: native.rope_store_kv(kernel, a[0], 1, 1, 8, *a[1:]), kv_dtype)
@@ -141,9 +184,9 @@ def test_kv_store_rounds_as_torch_does(kernel, kv_dtype):
 
 def test_portable_build_rounds_and_attends_the_same(portable_build):
     """Without AVX2 / F16C the 16-bit conversions are our scalar code (half.h): the same bits as
-    torch's casts, decode attention over a 16-bit cache still matches the reference, and the
-    scalar argmax agrees with torch's."""
-    lib = portable_build("decode_attention.c", "layer_ops.c", "parallel.c")
+    torch's casts, decode attention over a 16-bit cache still matches the reference, the scalar
+    argmax agrees with torch's and the scalar prefill attention with SDPA."""
+    lib = portable_build("decode_attention.c", "prefill_attention.c", "layer_ops.c", "parallel.c")
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     store = lib.servelab_rope_store_kv
     store.argtypes, store.restype = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64], None
@@ -152,10 +195,15 @@ def test_portable_build_rounds_and_attends_the_same(portable_build):
     attend.restype = None
     argmax = lib.servelab_argmax_rows_f32
     argmax.argtypes, argmax.restype = [ptr, i64, i64, ptr, i64], None
-    only = {"decode_attention": attend, "rope_store_kv": store, "argmax_rows": argmax}
+    prefill = lib.servelab_prefill_attention_f32
+    prefill.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, ptr, ptr, i64]
+    prefill.restype = None
+    only = {"decode_attention": attend, "rope_store_kv": store, "argmax_rows": argmax, "prefill_attention": prefill}
     fake = native.NativeKernels(**{**dict.fromkeys(native.NativeKernels.__slots__), **only})
     for x in _argmax_cases():
         assert torch.equal(native.argmax_rows(fake, x), x.argmax(dim=-1))
+    for q, k, v, start in _prefill_cases():
+        torch.testing.assert_close(native.prefill_attention(fake, q, k, v, start, 0.3), _prefill_reference(q, k, v, start, 0.3), rtol=2e-5, atol=2e-5)
     for kv_dtype in (torch.float16, torch.bfloat16):
         _check_store(lambda *a: native.rope_store_kv(fake, a[0], 1, 1, 8, *a[1:]), kv_dtype)
         g = torch.Generator().manual_seed(1)

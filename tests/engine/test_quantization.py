@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from servelab.core.sequence import SamplingParams
-from servelab.engine.llm_engine import EngineArgs, LLMEngine
 from servelab.engine import native
+from servelab.engine.llm_engine import EngineArgs, LLMEngine
 from servelab.engine.quantization import GROUP, Int8Linear, quantize_weight
 from servelab.engine.testing import max_rel_diff, prefill_logits, write_tiny_llama
 from servelab.engine.weights import load_model
