@@ -6,6 +6,13 @@ import argparse
 
 from servelab.core.sequence import SamplingParams
 
+# shared with `servelab serve`
+QUANTIZATION_HELP = "int8: int8 linears on CPU, 2-6x faster than fp32 here, approximate but batch-invariant (default: off)"
+KV_CACHE_DTYPE_HELP = (
+    "KV cache storage (default auto: the compute dtype); 16 bits hold twice the tokens of fp32 "
+    "(float16 saturates to inf above 65504, bfloat16 keeps fp32's range with fewer bits)"
+)
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
@@ -15,11 +22,8 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: min(model, 8192))")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    g.add_argument("--quantization", choices=["int8"], default=None,
-                   help="int8: int8 linears on CPU, ~2x faster here but approximate and not batch-invariant (default: off)")
-    g.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
-                   help="KV cache storage (default auto: the compute dtype); 16 bits hold twice the tokens of fp32 "
-                        "(float16 saturates to inf above 65504, bfloat16 keeps fp32's range with fewer bits)")
+    g.add_argument("--quantization", choices=["int8"], default=None, help=QUANTIZATION_HELP)
+    g.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto", help=KV_CACHE_DTYPE_HELP)
 
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:

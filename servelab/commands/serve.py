@@ -10,6 +10,7 @@ import socket
 import sys
 import time
 
+from servelab.commands._engine_cli import KV_CACHE_DTYPE_HELP, QUANTIZATION_HELP
 from servelab.errors import InvalidArgument
 from servelab.units import parse_duration_s
 
@@ -48,11 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: from the model)")
     model.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                        help="compute dtype (default: bfloat16 where the CPU supports it, else float32)")  # fmt: skip
-    model.add_argument("--quantization", choices=["int8"], default=None,
-                       help="int8: int8 linears on CPU, ~2x faster here but approximate and not batch-invariant (default: off)")  # fmt: skip
+    model.add_argument("--quantization", choices=["int8"], default=None, help=QUANTIZATION_HELP)
     model.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
-                       help="KV cache storage (default auto: the compute dtype); 16 bits hold twice the tokens of fp32 "
-                        "(float16 saturates to inf above 65504, bfloat16 keeps fp32's range with fewer bits)")  # fmt: skip
+                       help=KV_CACHE_DTYPE_HELP)
     model.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default cpu)")
     model.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests (default 0)")
 

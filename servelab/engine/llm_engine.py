@@ -48,7 +48,8 @@ class EngineArgs:
     seed: int = 0
     served_model_name: str | None = None
     # None = weights in the compute dtype; "int8" = opt-in int8 linears on CPU (fp32 compute,
-    # ~2x faster GEMMs here, numerics change and are not batch-invariant: see engine/quantization.py)
+    # 2-6x faster linears than fp32 here; numerics change, output stays batch-invariant: see
+    # engine/quantization.py)
     quantization: str | None = None
     # The KV cache's storage dtype: "auto" = the compute dtype. A 16-bit cache under fp32 compute
     # holds twice the tokens in the same memory and halves the bytes decode attention reads;
