@@ -201,6 +201,8 @@ class LlamaModel:
                 f"quantization 'int8' computes in float32 on the CPU, not {self.dtype} on {self.device.type}",
                 param="dtype",
             )
+        if self.lm_head_int8 is not None:  # already done
+            return
         for layer in self.layers:
             layer.qkv, layer.qkv_bias = Int8Linear.from_weight(_dense(layer.qkv), layer.qkv_bias), None
             layer.o, layer.gate_up, layer.down = (Int8Linear.from_weight(_dense(w)) for w in (layer.o, layer.gate_up, layer.down))

@@ -72,7 +72,6 @@ class NativeKernels:
     block_dequant: Callable[..., None]
     argmax_rows: Callable[..., None]
     int8_linear: Callable[..., int]
-    int8_quantize_rows: Callable[..., None]
 
 
 def _build() -> NativeKernels:
@@ -124,7 +123,6 @@ def _build() -> NativeKernels:
         block_dequant=fn("servelab_block_dequant_f32", i64, ptr, i64, i64, i64, i64, ptr),
         argmax_rows=fn("servelab_argmax_rows_f32", ptr, i64, i64, ptr, i64),
         int8_linear=fn("servelab_int8_linear_f32", ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64, restype=ctypes.c_int),
-        int8_quantize_rows=fn("servelab_int8_quantize_rows_f32", ptr, i64, i64, i64, ptr, ptr, ptr),
     )
 
 
@@ -188,7 +186,15 @@ def prefill_attention(
     for q also between heads). All fp32."""
     n, H, D = q.shape
     ctx, KV, _ = k.shape
-    assert q.stride(2) == 1 and q.stride(1) == D and k.stride(2) == 1 and k.stride() == v.stride()
+    if not (
+        q.dtype == k.dtype == v.dtype == torch.float32 and H % KV == 0 and ctx >= start_pos + n
+        and k.shape == v.shape and k.shape[2] == D and k.stride() == v.stride()
+        and q.stride(2) == 1 and q.stride(1) == D and k.stride(2) == 1
+    ):  # fmt: skip
+        raise ValueError(
+            f"prefill_attention: q {tuple(q.shape)} {q.dtype} at {start_pos}, k {tuple(k.shape)}, v {tuple(v.shape)}: "
+            "want fp32 q [n, H, D] and k, v [>= start_pos + n, KV, D] with the same strides, H a multiple of KV"
+        )
     threads = torch.get_num_threads()
     ctx_pad = -(-ctx // _PREFILL_KP) * _PREFILL_KP
     per_part = _PREFILL_QB * _PREFILL_KB + _PREFILL_QB * D + 3 * _PREFILL_QB + D

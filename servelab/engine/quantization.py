@@ -81,6 +81,8 @@ class Int8Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out_features, in_features = self.shape
+        if x.dim() != 2 or x.shape[1] != in_features:
+            raise ValueError(f"int8 linear takes [rows, {in_features}], got {tuple(x.shape)}")
         x = x.float().contiguous()
         rows = x.shape[0]
         y = torch.empty(rows, out_features, dtype=torch.float32)

@@ -146,8 +146,9 @@ def _prefill_reference(q, k, v, start_pos, scale):
     return o[0].transpose(0, 1).reshape(n, -1)
 
 
-# (heads, kv_heads, head_dim): SmolLM2's; no grouping with a head_dim that leaves vector tails
-PREFILL_SHAPES = [(9, 3, 64), (4, 4, 40), (8, 2, 128)]
+# (heads, kv_heads, head_dim): SmolLM2's; no grouping with head_dims that leave vector tails
+# (40) and scalar ones (33)
+PREFILL_SHAPES = [(9, 3, 64), (4, 4, 40), (8, 2, 128), (2, 1, 33)]
 # (start_pos, n): one row, whole prompts across the 32-row / 64-key blocks, later chunks over a
 # cached context that starts mid-block
 PREFILL_CHUNKS = [(0, 1), (0, 33), (0, 200), (60, 40), (100, 130), (5, 3)]
@@ -166,7 +167,7 @@ def _prefill_cases():
             yield q, k, v, start
 
 
-@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("threads", [1, 2, 3])
 def test_prefill_kernel_matches_sdpa(kernel, threads):
     torch.set_num_threads(threads)
     try:
@@ -175,6 +176,28 @@ def test_prefill_kernel_matches_sdpa(kernel, threads):
             torch.testing.assert_close(native.prefill_attention(kernel, q, k, v, start, 0.3), want, rtol=2e-5, atol=2e-5)
     finally:
         torch.set_num_threads(1)
+
+
+def _check_prefill_nan(kernels):
+    """A NaN in one key makes exactly the rows that see it NaN (the sampler then reports them)."""
+    g = torch.Generator().manual_seed(9)
+    q, k, v = torch.randn(40, 4, 16, generator=g), torch.randn(40, 2, 16, generator=g), torch.randn(40, 2, 16, generator=g)
+    k[17, 1, 3] = float("nan")  # KV head 1: query heads 2 and 3, positions 17 on
+    out = native.prefill_attention(kernels, q, k, v, 0, 0.25).view(40, 4, 16)
+    assert out[17:, 2:].isnan().all(dim=-1).all()
+    assert out[:17].isfinite().all() and out[:, :2].isfinite().all()
+
+
+def test_prefill_kernel_keeps_nan_where_it_belongs(kernel):
+    _check_prefill_nan(kernel)
+
+
+def test_prefill_wrapper_rejects_inconsistent_shapes(kernel):
+    q, k = torch.randn(8, 4, 16), torch.randn(8, 2, 16)
+    with pytest.raises(ValueError, match="prefill_attention"):
+        native.prefill_attention(kernel, q, k[:5], k[:5], 0, 0.25)  # fewer keys than positions
+    with pytest.raises(ValueError, match="multiple of KV"):
+        native.prefill_attention(kernel, q[:, :3], k, k, 0, 0.25)  # 3 query heads over 2 KV heads
 
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
@@ -204,6 +227,7 @@ def test_portable_build_rounds_and_attends_the_same(portable_build):
         assert torch.equal(native.argmax_rows(fake, x), x.argmax(dim=-1))
     for q, k, v, start in _prefill_cases():
         torch.testing.assert_close(native.prefill_attention(fake, q, k, v, start, 0.3), _prefill_reference(q, k, v, start, 0.3), rtol=2e-5, atol=2e-5)
+    _check_prefill_nan(fake)
     for kv_dtype in (torch.float16, torch.bfloat16):
         _check_store(lambda *a: native.rope_store_kv(fake, a[0], 1, 1, 8, *a[1:]), kv_dtype)
         g = torch.Generator().manual_seed(1)

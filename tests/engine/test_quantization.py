@@ -110,17 +110,34 @@ def test_int8_kernel_is_exactly_the_stated_integer_arithmetic(kernel):
 
 def test_int8_kernel_gives_the_same_bits_on_any_number_of_threads_and_rows(kernel):
     g = torch.Generator().manual_seed(5)
-    lin = Int8Linear.from_weight(torch.randn(200, 96, generator=g))
+    lin = Int8Linear.from_weight(torch.randn(200, 96, generator=g))  # 13 panels, the last partial
     x = torch.randn(23, 96, generator=g)
     torch.set_num_threads(1)
     try:
         one = lin(x)
-        torch.set_num_threads(2)
-        assert torch.equal(lin(x), one)
+        for threads in (2, 3):
+            torch.set_num_threads(threads)
+            assert torch.equal(lin(x), one)
     finally:
         torch.set_num_threads(1)
-    # a row's result is its own: alone or with 22 others
+    # a row's result is its own: alone or with 22 others, and after the scratch buffer has grown
+    # for a bigger call
     assert all(torch.equal(lin(x[i : i + 1]), one[i : i + 1]) for i in range(0, 23, 5))
+    lin(torch.randn(300, 96, generator=g))
+    assert torch.equal(lin(x[:7]), one[:7])
+
+
+def test_int8_linear_rejects_a_wrong_input_width(kernel):
+    lin = Int8Linear.from_weight(torch.randn(16, 128))
+    with pytest.raises(ValueError, match=r"\[rows, 128\]"):
+        lin(torch.randn(3, 64))
+
+
+def test_quantizing_a_model_twice_is_a_no_op(models):
+    _, q = models
+    head = q.lm_head_int8
+    q.quantize_int8()
+    assert q.lm_head_int8 is head
 
 
 def test_non_finite_inputs_give_nan_rows_and_leave_the_others_alone(kernel):

@@ -282,10 +282,3 @@ int servelab_int8_linear_f32(const uint8_t *w, const float *w_scale, const int32
     sl_parallel_for(int8_part, &job, (out + NP - 1) / NP, threads);
     return 0;
 }
-
-/* The activation quantization alone, for tests: q [rows, kp], scales [rows, kp / 64], sums [rows]. */
-void servelab_int8_quantize_rows_f32(const float *x, int64_t rows, int64_t in, int64_t kp, int8_t *q, float *scales,
-                                     float *sums)
-{
-    for (int64_t m = 0; m < rows; m++) quantize_row(x + m * in, in, kp, q + m * kp, scales + m * (kp / G), sums + m);
-}

@@ -153,6 +153,7 @@ static void prefill_part(const void *ctx, int64_t part, int64_t begin, int64_t e
     float *O = S + QB * KB;                               /* [QB][D] */
     float *m = O + QB * D, *l = m + QB, *alpha = l + QB; /* per row: running max and sum, rescale factor */
     float *dummy = alpha + QB;                           /* [D]: the second row of an odd block's last pair */
+    memset(dummy, 0, sizeof(float) * (size_t)D);       /* written, never read; 0 * garbage could be NaN */
     for (int64_t u = begin; u < end; u++) {
         const int64_t h = u / j->blocks, i0 = (u % j->blocks) * QB;
         const int64_t rows = j->n - i0 < QB ? j->n - i0 : QB, kh = h / group;

@@ -6,8 +6,9 @@
 /* exp of eight floats in [-87.3, 88.3] (clamped to it), Cephes' polynomial as in SSE/AVX
  * mathfun: relative error ~1e-7, like the vectorized exp inside PyTorch's CPU kernels. */
 static inline __m256 exp8(__m256 x) {
-    /* below -87.3 expf is ~0 anyway; above 88.3 it overflows, and 2^128 has no float exponent */
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+    /* below -87.3 expf is ~0 anyway; above 88.3 it overflows, and 2^128 has no float exponent.
+     * x goes second: max/min return their second operand when one is NaN, so NaN stays NaN. */
+    x = _mm256_min_ps(_mm256_set1_ps(88.3f), _mm256_max_ps(_mm256_set1_ps(-87.3f), x));
     __m256 fx = _mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f));
     fx = _mm256_floor_ps(fx);
     x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
