@@ -28,6 +28,7 @@ import statistics
 import sys
 import time
 
+import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch loads (servelab/__init__.py)
 import torch
 
 from servelab.core.sequence import SamplingParams
@@ -195,12 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     if mbu is not None:
         print(f"model bandwidth utilisation at batch 1: {mbu * 100:.0f}%")
     print("load average at the end (1/5/15 min): " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} for both engines (one process; servelab sets PASSIVE unless set)")
     if args.json:
         print(json.dumps({
             "dtype": args.dtype, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype, "threads": torch.get_num_threads(), "rounds": args.rounds,
             "servelab": medians["servelab"], "hf": medians.get("hf"), "ratios": ratios,
             "raw": results, "bandwidth_bytes_per_s": bandwidth, "decode_step_bytes": step_bytes,
-            "mbu_b1": mbu, "load_average": list(os.getloadavg()),
+            "mbu_b1": mbu, "load_average": list(os.getloadavg()), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         }))
     return 0
 

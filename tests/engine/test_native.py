@@ -313,3 +313,20 @@ def test_engine_generates_the_same_tokens_on_the_pytorch_path(kernel, tiny_engin
             engine.step()
         outputs.append([s.output_token_ids for s in seqs])
     assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("preset, want", [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_importing_servelab_makes_idle_openmp_threads_wait_passively(preset, want):
+    """servelab/__init__.py sets OMP_WAIT_POLICY (before torch loads libgomp) so that torch's idle
+    OpenMP threads do not spin on the cores our kernels' pool needs; a user's own setting wins."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if preset:
+        env["OMP_WAIT_POLICY"] = preset
+    code = "import os, servelab, torch; print(os.environ['OMP_WAIT_POLICY'])"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == want
