@@ -153,37 +153,7 @@ SL_INLINE void pv_tile(const float *p0, const float *p1, const float *p2, int64_
 
 /* s[0..n) = exp(s - max(s)); returns the sum. */
 static float softmax_numerators(float *s, int64_t n) {
-    float m = s[0];
-    int64_t c = 0;
-#ifdef __AVX2__
-    if (n >= 8) {
-        __m256 vmax = _mm256_loadu_ps(s);
-        for (c = 8; c + 8 <= n; c += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + c));
-        float lanes[8];
-        _mm256_storeu_ps(lanes, vmax);
-        for (int i = 0; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
-    }
-#endif
-    for (; c < n; c++) m = s[c] > m ? s[c] : m;
-    float sum = 0.0f;
-    c = 0;
-#ifdef __AVX2__
-    const __m256 vm = _mm256_set1_ps(m);
-    __m256 vsum = _mm256_setzero_ps();
-    for (; c + 8 <= n; c += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), vm));
-        _mm256_storeu_ps(s + c, e);
-        vsum = _mm256_add_ps(vsum, e);
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, vsum);
-    sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
-#endif
-    for (; c < n; c++) {
-        s[c] = expf(s[c] - m);
-        sum += s[c];
-    }
-    return sum;
+    return sl_exp_sub_sum_f32(s, n, sl_max_f32(s, n, s[0]));
 }
 
 struct attention_job {

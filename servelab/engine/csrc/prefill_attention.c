@@ -106,41 +106,14 @@ static void pv2(const float *P0, const float *P1, const float *v, int64_t v_stri
 }
 
 /* Row r of a score block -> probabilities in place, against the running max m and sum l; returns
- * the factor the row's earlier output must be scaled by (0 on the first block). Keys from `visible` on are masked. */
+ * the factor the row's earlier output must be scaled by (0 on the first block). Keys from
+ * `visible` on are masked. */
 static float softmax_row(float *S, int64_t keys, int64_t visible, float *m, float *l) {
-    float mx = -INFINITY;
-    int64_t c = 0;
-#ifdef __AVX2__
-    if (visible >= 8) {
-        __m256 vmx = _mm256_loadu_ps(S);
-        for (c = 8; c + 8 <= visible; c += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(S + c));
-        float lanes[8];
-        _mm256_storeu_ps(lanes, vmx);
-        for (int i = 0; i < 8; i++) mx = lanes[i] > mx ? lanes[i] : mx;
-    }
-#endif
-    for (; c < visible; c++) mx = S[c] > mx ? S[c] : mx;
-    const float m_new = mx > *m ? mx : *m;
+    const int64_t n = visible > 0 ? visible : 0;
+    const float m_new = sl_max_f32(S, n, *m);
     const float alpha = expf(*m - m_new); /* 0 while *m is -inf */
-    float sum = 0.f;
-    c = 0;
-#ifdef __AVX2__
-    const __m256 vm = _mm256_set1_ps(m_new);
-    __m256 vsum = _mm256_setzero_ps();
-    for (; c + 8 <= visible; c += 8) {
-        const __m256 p = exp8(_mm256_sub_ps(_mm256_loadu_ps(S + c), vm));
-        _mm256_storeu_ps(S + c, p);
-        vsum = _mm256_add_ps(vsum, p);
-    }
-    float lanes[8];
-    _mm256_storeu_ps(lanes, vsum);
-    for (int i = 0; i < 8; i++) sum += lanes[i];
-#endif
-    for (; c < visible; c++) {
-        S[c] = expf(S[c] - m_new);
-        sum += S[c];
-    }
-    for (; c < keys; c++) S[c] = 0.f;
+    const float sum = sl_exp_sub_sum_f32(S, n, m_new);
+    for (int64_t c = n; c < keys; c++) S[c] = 0.f;
     *m = m_new;
     *l = *l * alpha + sum;
     return alpha;

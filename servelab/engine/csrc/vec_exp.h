@@ -1,5 +1,8 @@
-/* Vectorized exp shared by the kernels (AVX2 only; callers keep a scalar expf tail). */
+/* Vectorized exp shared by the kernels (exp8: AVX2 only; callers keep a scalar expf tail), and the
+ * two passes of a softmax over a row of scores that both attention kernels run. */
 #pragma once
+#include <math.h>
+#include <stdint.h>
 #ifdef __AVX2__
 #include <immintrin.h>
 
@@ -25,3 +28,43 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 #endif
+
+/* The largest of init and s[0 .. n). */
+static inline float sl_max_f32(const float *s, int64_t n, float init) {
+    float m = init;
+    int64_t c = 0;
+#ifdef __AVX2__
+    if (n >= 8) {
+        __m256 vmax = _mm256_loadu_ps(s);
+        for (c = 8; c + 8 <= n; c += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + c));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, vmax);
+        for (int i = 0; i < 8; i++) m = lanes[i] > m ? lanes[i] : m;
+    }
+#endif
+    for (; c < n; c++) m = s[c] > m ? s[c] : m;
+    return m;
+}
+
+/* s[0 .. n) = exp(s - m) in place; returns their sum. */
+static inline float sl_exp_sub_sum_f32(float *s, int64_t n, float m) {
+    float sum = 0.0f;
+    int64_t c = 0;
+#ifdef __AVX2__
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 vsum = _mm256_setzero_ps();
+    for (; c + 8 <= n; c += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + c), vm));
+        _mm256_storeu_ps(s + c, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float lanes[8];
+    _mm256_storeu_ps(lanes, vsum);
+    sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+#endif
+    for (; c < n; c++) {
+        s[c] = expf(s[c] - m);
+        sum += s[c];
+    }
+    return sum;
+}
