@@ -349,29 +349,23 @@ class LlamaModel:
             o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=H != KV)
             out[:B] = o.reshape(B, H * D)
         for offset, n, start_pos, ctx_slots in meta.prefills:
-            if self.native is not None:  # in C, 1.6x SDPA's flash kernel at 512 tokens (csrc/prefill_attention.c)
-                if ctx_slots is None:  # the chunk is the whole context
-                    kp, vp = k[offset : offset + n], v[offset : offset + n]  # [n, KV, D] views of qkv
-                    if kc.dtype != q.dtype:  # the values the cache holds, as a later chunk will read them
-                        kp, vp = kp.to(kc.dtype).to(q.dtype), vp.to(vc.dtype).to(q.dtype)
-                else:  # earlier context is in the cache (a previous chunk or a prefix-cache hit)
-                    kp = kc.index_select(1, ctx_slots).to(q.dtype).transpose(0, 1)  # [ctx, KV, D]
-                    vp = vc.index_select(1, ctx_slots).to(q.dtype).transpose(0, 1)
-                out[offset : offset + n] = native.prefill_attention(self.native, q[offset : offset + n], kp, vp, start_pos, self.scale)
-                continue
-            qp = q[offset : offset + n].transpose(0, 1).unsqueeze(0)  # [1, H, n, D]
-            if ctx_slots is None:  # the chunk is the whole context: plain causal attention
-                kp = k[offset : offset + n].transpose(0, 1).unsqueeze(0)
-                vp = v[offset : offset + n].transpose(0, 1).unsqueeze(0)
+            qp = q[offset : offset + n]  # [n, H, D]
+            if ctx_slots is None:  # the chunk is the whole context
+                kp, vp = k[offset : offset + n], v[offset : offset + n]  # [n, KV, D]
                 if kc.dtype != q.dtype:  # the values the cache holds, as a later chunk will read them
                     kp, vp = kp.to(kc.dtype).to(q.dtype), vp.to(vc.dtype).to(q.dtype)
-                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=H != KV)
             else:  # earlier context is in the cache (a previous chunk or a prefix-cache hit)
-                ctx = ctx_slots.shape[0]
-                kp = kc.index_select(1, ctx_slots).unsqueeze(0).to(q.dtype)  # [1, KV, ctx, D]
-                vp = vc.index_select(1, ctx_slots).unsqueeze(0).to(q.dtype)
+                kp = kc.index_select(1, ctx_slots).to(q.dtype).transpose(0, 1)  # [ctx, KV, D]
+                vp = vc.index_select(1, ctx_slots).to(q.dtype).transpose(0, 1)
+            if self.native is not None:  # in C: 1.6x SDPA's flash kernel at 512 tokens (csrc/prefill_attention.c)
+                out[offset : offset + n] = native.prefill_attention(self.native, qp, kp, vp, start_pos, self.scale)
+                continue
+            qp, kp, vp = (t.transpose(0, 1).unsqueeze(0) for t in (qp, kp, vp))  # [1, heads, tokens, D]
+            if ctx_slots is None:  # plain causal attention
+                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=H != KV)
+            else:
                 qpos = torch.arange(start_pos, start_pos + n, device=q.device)[:, None]
-                mask = torch.arange(ctx, device=q.device)[None, :] <= qpos
+                mask = torch.arange(kp.shape[2], device=q.device)[None, :] <= qpos
                 o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale, enable_gqa=H != KV)
             out[offset : offset + n] = o[0].transpose(0, 1).reshape(n, H * D)
         return out
