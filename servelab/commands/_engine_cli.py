@@ -83,9 +83,12 @@ def timing_line(seq, engine) -> str:
             parts.append(f"TPOT {(e2e - ttft) / (n - 1) * 1e3:.1f} ms")
             parts.append(f"{(n - 1) / (e2e - ttft):.1f} tok/s decode")
         parts.append(f"E2E {e2e:.2f} s")
-    dtype = getattr(getattr(engine.executor, "model", None), "dtype", None)
+    model = getattr(engine.executor, "model", None)
+    dtype = getattr(model, "dtype", None)
     kv = getattr(getattr(engine.executor, "kv_cache", None), "dtype", dtype)
     dtypes = "" if dtype is None else f", {str(dtype).removeprefix('torch.')}"
+    if getattr(model, "quantization", None):
+        dtypes += f", {model.quantization} linears"
     if kv != dtype:
         dtypes += f", KV cache {str(kv).removeprefix('torch.')}"
     parts.append(f"{engine.model_name}{dtypes}")

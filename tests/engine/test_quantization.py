@@ -214,6 +214,10 @@ def test_generate_cli_takes_quantization_int8(kernel, tiny_llama, capsys):
                "--max-tokens", "4", "--temperature", "0", "--ignore-eos", "--json"])
     assert rc == 0
     assert '"token_ids"' in capsys.readouterr().out
+    rc = main(["generate", "--model", str(tiny_llama), "--quantization", "int8", "--prompt", "hello",
+               "--max-tokens", "2", "--temperature", "0", "--ignore-eos"])
+    assert rc == 0
+    assert "float32, int8 linears]" in capsys.readouterr().out  # the timing line says what ran
 
 
 @pytest.mark.slow
