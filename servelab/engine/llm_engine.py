@@ -27,7 +27,7 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 DTYPES = ("bfloat16", "float16", "float32")
 KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: the compute dtype
 DEVICES = ("cpu", "cuda")
-QUANTIZATIONS = ("int8",)  # mirrors servelab.engine.quantization, which imports torch
+QUANTIZATIONS = ("int8",)  # engine/quantization.py implements them (it imports torch; this module does not)
 
 
 @dataclass
