@@ -140,6 +140,7 @@ class LLMEngine:
         self._aborted: list[EngineOutput] = []
         self._prefix_cache_hits = 0
         self._prefix_cache_queries = 0
+        self.last_step_num_tokens = 0  # query tokens the last step ran (the metrics' iteration tokens)
 
     # ------------------------------------------------------------------ construction
 
@@ -281,6 +282,7 @@ class LLMEngine:
         outputs, self._aborted = self._aborted, []
         now = time.perf_counter()
         plan = self.scheduler.schedule(now)
+        self.last_step_num_tokens = plan.num_batched_tokens
         if plan.is_empty:
             return outputs
         result = self.executor.execute(plan)

@@ -13,8 +13,8 @@ import hmac
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Awaitable, Iterator
+from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -92,8 +92,9 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
             "num_blocks": str(llm.scheduler_config.num_blocks),
             "cache_dtype": "none" if kv is None else str(kv.dtype).removeprefix("torch."),
         }
-        state.metrics = ServerMetrics(llm.model_name, lambda: state.async_engine.stats, cache_info)
+        state.metrics = ServerMetrics(llm.model_name, lambda: state.async_engine.stats, cache_info, llm.max_model_len)
         state.async_engine.add_observer(state.metrics.observe)
+        state.async_engine.add_step_observer(state.metrics.observe_step)
 
     if not isinstance(engine, EngineArgs):
         attach(engine)
@@ -253,6 +254,11 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
         if req.n < 1 or req.n > MAX_N:
             raise InvalidArgument(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        # Errors name the field the client sent, not our internal name for it.
+        chat = isinstance(req, p.ChatCompletionRequest)
+        prompt_param = "messages" if chat else "prompt"
+        max_tokens_param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+        as_sent = {"max_tokens": max_tokens_param, "logprobs": "top_logprobs" if chat else "logprobs"}
         out = []
         for i, prompt in enumerate(prompts):
             if not isinstance(prompt, str):
@@ -260,36 +266,57 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
             else:
                 prompt = encode_prompt(state.engine, prompt)
             limit = state.engine.max_model_len
-            room = max_tokens if max_tokens is not None else limit - len(prompt)
-            if max_tokens is None and room < 1:
+            if len(prompt) >= limit:
                 raise RequestTooLong(
                     f"this model's maximum context length is {limit} tokens, but the prompt has {len(prompt)} "
-                    f"tokens, which leaves no room for the completion",
-                    param="messages" if isinstance(req, p.ChatCompletionRequest) else "prompt",
+                    f"tokens, which leaves no room for the completion; shorten the {prompt_param}",
+                    param=prompt_param,
                 )
+            if max_tokens is not None and len(prompt) + max_tokens > limit:
+                raise RequestTooLong(
+                    f"this model's maximum context length is {limit} tokens, but the request asks for "
+                    f"{len(prompt) + max_tokens} ({len(prompt)} in the prompt, {max_tokens} in the completion); "
+                    f"lower {max_tokens_param} to at most {limit - len(prompt)}",
+                    param=max_tokens_param,
+                )
+            room = max_tokens if max_tokens is not None else limit - len(prompt)
             for j in range(req.n):
                 index = i * req.n + j
                 # Distinct but reproducible seeds for the choices of one seeded request.
                 seed = None if req.seed is None else req.seed + index
-                params = SamplingParams(
-                    max_tokens=room,
-                    temperature=1.0 if req.temperature is None else req.temperature,
-                    top_p=1.0 if req.top_p is None else req.top_p,
-                    top_k=0 if req.top_k in (None, -1) else req.top_k,
-                    min_p=req.min_p,
-                    presence_penalty=req.presence_penalty,
-                    frequency_penalty=req.frequency_penalty,
-                    seed=seed,
-                    stop=stop,
-                    stop_token_ids=list(req.stop_token_ids or []),
-                    ignore_eos=req.ignore_eos,
-                    logprobs=logprobs,
-                    min_tokens=req.min_tokens,
-                )
+                with renamed_params(as_sent):
+                    params = SamplingParams(
+                        max_tokens=room,
+                        temperature=1.0 if req.temperature is None else req.temperature,
+                        top_p=1.0 if req.top_p is None else req.top_p,
+                        top_k=0 if req.top_k in (None, -1) else req.top_k,
+                        min_p=req.min_p,
+                        presence_penalty=req.presence_penalty,
+                        frequency_penalty=req.frequency_penalty,
+                        seed=seed,
+                        stop=stop,
+                        stop_token_ids=list(req.stop_token_ids or []),
+                        ignore_eos=req.ignore_eos,
+                        logprobs=logprobs,
+                        min_tokens=req.min_tokens,
+                    )
                 out.append(EngineRequest(f"{request_id}-{index}", prompt, params, req.priority, arrival_s))
         return out
 
     return app
+
+
+@contextmanager
+def renamed_params(as_sent: dict[str, str]) -> Iterator[None]:
+    """Re-raise SamplingParams' InvalidArgument under the name the client used for that field."""
+    try:
+        yield
+    except InvalidArgument as exc:
+        new = as_sent.get(exc.param or "")
+        if new is None or new == exc.param:
+            raise
+        message = new + exc.message.removeprefix(exc.param) if exc.message.startswith(exc.param) else exc.message
+        raise InvalidArgument(message, param=new) from None
 
 
 def encode_prompt(engine: LLMEngine, text: str, *, add_special_tokens: bool = True) -> list[int]:
@@ -356,6 +383,7 @@ class _Choice:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int | None = None  # set from the first output, after the prompt's admission
     logprobs: list[TokenLogprobs] = field(default_factory=list)
 
 
@@ -378,26 +406,35 @@ class _Renderer:
             choice.logprobs.extend(out.logprobs)
         choice.prompt_tokens = out.seq.num_prompt_tokens
         choice.completion_tokens = out.seq.num_output_tokens
+        if choice.cached_tokens is None:
+            # The first admission's hits: a preemption's recompute is the server's business, not the client's.
+            choice.cached_tokens = out.seq.num_cached_tokens
         if out.finished:
             choice.finish_reason = finish_reason_str(out.finish_reason)
         return choice
 
     def usage(self) -> p.UsageInfo:
         # OpenAI counts a prompt once however many choices share it.
-        prompt_tokens = sum(c.prompt_tokens for c in self.choices.values() if c.index % self.n == 0)
+        firsts = [c for c in self.choices.values() if c.index % self.n == 0]
+        prompt_tokens = sum(c.prompt_tokens for c in firsts)
         completion_tokens = sum(c.completion_tokens for c in self.choices.values())
+        cached_tokens = sum(c.cached_tokens or 0 for c in firsts)
         return p.UsageInfo(
-            prompt_tokens=prompt_tokens, completion_tokens=completion_tokens, total_tokens=prompt_tokens + completion_tokens
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached_tokens),
         )
 
     async def stream(self, stream: RequestStream) -> AsyncIterator[str]:
+        # Nothing goes out before the first token exists: a client stamps TTFT at the first chunk.
         try:
-            for event in self.opening_events():
-                yield event
             async for out in stream:
                 choice = self.update(out)
                 chunk = self.chunk(choice, out)
                 if chunk is not None:
+                    if self.req.continuous_usage:
+                        chunk["usage"] = p.dump(self.usage())
                     yield sse_event(chunk)
             if self.req.include_usage:
                 yield sse_event(self.usage_chunk())
@@ -406,9 +443,6 @@ class _Renderer:
         finally:
             stream.close()
         yield DONE
-
-    def opening_events(self) -> list[str]:
-        return []
 
     async def collect(self, stream: RequestStream) -> Response:
         try:
@@ -477,6 +511,10 @@ class CompletionRenderer(_Renderer):
 
 
 class ChatRenderer(_Renderer):
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self._opened: set[int] = set()  # choices whose role has been sent
+
     def _logprobs(self, items: list[TokenLogprobs]) -> p.ChatLogprobs:
         tokenizer = self.state.engine.tokenizer
         content = []
@@ -496,18 +534,18 @@ class ChatRenderer(_Renderer):
             )
         )
 
-    def opening_events(self) -> list[str]:
-        # OpenAI opens every choice with the role before any content.
-        return [
-            sse_event(self._chunk([p.ChatStreamChoice(index=c.index, delta=p.DeltaMessage(role="assistant", content=""))]))
-            for c in sorted(self.choices.values(), key=lambda c: c.index)
-        ]
-
     def chunk(self, choice: _Choice, out: EngineOutput) -> dict | None:
-        if not (out.text_delta or out.finished or out.logprobs):
+        # As vLLM and OpenAI: a choice's first chunk carries the role with its first token's
+        # text (empty while the detokenizer holds back a partial character or stop string).
+        opening = choice.index not in self._opened
+        if not (opening or out.text_delta or out.finished or out.logprobs):
             return None
+        self._opened.add(choice.index)
         logprobs = self._logprobs(out.logprobs) if self.req.logprobs and out.logprobs else None
-        delta = p.DeltaMessage(content=out.text_delta) if out.text_delta else p.DeltaMessage()
+        if opening:
+            delta = p.DeltaMessage(role="assistant", content=out.text_delta)
+        else:
+            delta = p.DeltaMessage(content=out.text_delta) if out.text_delta else p.DeltaMessage()
         return self._chunk(
             [
                 p.ChatStreamChoice(

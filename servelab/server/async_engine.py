@@ -84,6 +84,7 @@ class AsyncEngine:
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._sinks: dict[str, asyncio.Queue] = {}  # request id -> its consumer's queue (loop thread only)
         self._observers: list[OutputObserver] = []
+        self._step_observers: list[Callable[[int], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._live: set[str] = set()  # request ids the engine holds (engine thread only)
@@ -107,6 +108,10 @@ class AsyncEngine:
         (even after its client left), while the sequence's timestamps are exactly those of that
         step. Observers must be quick and thread-safe (prometheus_client's metrics are)."""
         self._observers.append(observer)
+
+    def add_step_observer(self, observer: Callable[[int], None]) -> None:
+        """Called on the engine thread after each step that ran, with its number of query tokens."""
+        self._step_observers.append(observer)
 
     async def stop(self) -> None:
         """Abort whatever is still in flight and end the engine thread."""
@@ -252,6 +257,12 @@ class AsyncEngine:
             time.sleep(0.01)  # a step that fails every time must not spin the CPU
             return
         self.num_steps += 1
+        num_tokens = self.engine.last_step_num_tokens
+        for step_observer in self._step_observers if num_tokens else ():
+            try:
+                step_observer(num_tokens)
+            except Exception:
+                logger.exception("step observer failed")
         for out in outputs:
             if out.finished:
                 self._live.discard(out.request_id)

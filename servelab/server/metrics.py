@@ -18,6 +18,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
+    from servelab.core.sequence import Sequence
     from servelab.engine.llm_engine import EngineOutput, EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -29,6 +30,19 @@ ITL_BUCKETS_S = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
                  40.0, 80.0]  # fmt: skip
 REQUEST_BUCKETS_S = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                      240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
+ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+
+
+def buckets_1_2_5(max_value: int) -> list[int]:
+    """1, 2, 5, 10, 20, 50 ... up to max_value: vLLM's buckets for token counts."""
+    out, scale = [], 1
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * scale
+            if value > max_value:
+                return out
+            out.append(value)
+        scale *= 10
 
 
 class _EngineStatsCollector(Collector):
@@ -67,7 +81,13 @@ class _EngineStatsCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, get_stats: Callable[[], EngineStats], cache_info: dict[str, str] | None = None):
+    def __init__(
+        self,
+        model_name: str,
+        get_stats: Callable[[], EngineStats],
+        cache_info: dict[str, str] | None = None,
+        max_model_len: int = 8192,
+    ):
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
         labels = ["model_name"]
@@ -80,6 +100,28 @@ class ServerMetrics:
                              labels, buckets=REQUEST_BUCKETS_S, registry=r)  # fmt: skip
         self.queue_time = Histogram("servelab:request_queue_time_seconds", "Arrival to first scheduled.",
                                     labels, buckets=REQUEST_BUCKETS_S, registry=r)  # fmt: skip
+        # vLLM's per-request phases, observed when a request finishes (see docs/metrics.md).
+        self.request_tpot = Histogram("servelab:request_time_per_output_token_seconds",
+                                      "Per request: decode time / (output tokens - 1); 0 for one token.",
+                                      labels, buckets=ITL_BUCKETS_S, registry=r)  # fmt: skip
+        self.prefill_time = Histogram("servelab:request_prefill_time_seconds", "First scheduled to first token.",
+                                      labels, buckets=REQUEST_BUCKETS_S, registry=r)  # fmt: skip
+        self.decode_time = Histogram("servelab:request_decode_time_seconds", "First token to last token.",
+                                     labels, buckets=REQUEST_BUCKETS_S, registry=r)  # fmt: skip
+        self.inference_time = Histogram("servelab:request_inference_time_seconds", "First scheduled to last token.",
+                                        labels, buckets=REQUEST_BUCKETS_S, registry=r)  # fmt: skip
+        token_buckets = buckets_1_2_5(max_model_len)
+        self.request_prompt_tokens = Histogram("servelab:request_prompt_tokens", "Prompt tokens per finished request.",
+                                               labels, buckets=token_buckets, registry=r)  # fmt: skip
+        self.request_generation_tokens = Histogram("servelab:request_generation_tokens",
+                                                   "Generated tokens per finished request.",
+                                                   labels, buckets=token_buckets, registry=r)  # fmt: skip
+        self.request_max_tokens = Histogram("servelab:request_params_max_tokens",
+                                            "The max_tokens the engine ran each finished request with.",
+                                            labels, buckets=token_buckets, registry=r)  # fmt: skip
+        self.iteration_tokens = Histogram("servelab:iteration_tokens_total",
+                                          "Tokens per engine step (prefill chunk tokens + decode tokens).",
+                                          labels, buckets=ITERATION_TOKEN_BUCKETS, registry=r)  # fmt: skip
         self.prompt_tokens = Counter("servelab:prompt_tokens", "Prompt tokens of requests that started generating.",
                                      labels, registry=r)  # fmt: skip
         self.generation_tokens = Counter("servelab:generation_tokens", "Generated tokens.", labels, registry=r)
@@ -93,7 +135,10 @@ class ServerMetrics:
         self._labels = {"model_name": model_name}
         # Export zeros from the start: a series that appears only after the first request
         # makes rate() and "count went up by N" comparisons wrong.
-        for metric in (self.ttft, self.itl, self.e2e, self.queue_time, self.prompt_tokens, self.generation_tokens):
+        for metric in (self.ttft, self.itl, self.e2e, self.queue_time, self.prompt_tokens, self.generation_tokens,
+                       self.request_tpot, self.prefill_time, self.decode_time, self.inference_time,
+                       self.request_prompt_tokens, self.request_generation_tokens, self.request_max_tokens,
+                       self.iteration_tokens):  # fmt: skip
             metric.labels(**self._labels)
         for reason in ("stop", "length", "abort"):
             self.request_success.labels(model_name=model_name, finished_reason=reason)
@@ -121,6 +166,28 @@ class ServerMetrics:
             self.request_success.labels(model_name=self.model_name, finished_reason=reason).inc()
             if seq.finished_s is not None:
                 self.e2e.labels(**labels).observe(max(0.0, seq.finished_s - seq.arrival_s))
+            self._observe_finished(seq)
+
+    def _observe_finished(self, seq: Sequence) -> None:
+        """vLLM's per-request phase histograms; a request aborted before its first token has no
+        phases and is left out of them, as it is of TTFT."""
+        labels = self._labels
+        n_out = seq.num_output_tokens
+        self.request_prompt_tokens.labels(**labels).observe(seq.num_prompt_tokens)
+        self.request_generation_tokens.labels(**labels).observe(n_out)
+        self.request_max_tokens.labels(**labels).observe(seq.params.max_tokens)
+        if seq.first_token_s is None or seq.first_scheduled_s is None or not seq.token_times_s:
+            return
+        last_s = seq.token_times_s[-1]
+        decode_s = max(0.0, last_s - seq.first_token_s)
+        self.prefill_time.labels(**labels).observe(max(0.0, seq.first_token_s - seq.first_scheduled_s))
+        self.decode_time.labels(**labels).observe(decode_s)
+        self.inference_time.labels(**labels).observe(max(0.0, last_s - seq.first_scheduled_s))
+        self.request_tpot.labels(**labels).observe(decode_s / (n_out - 1) if n_out > 1 else 0.0)
+
+    def observe_step(self, num_tokens: int) -> None:
+        """Called on the engine thread after each step with the tokens it ran."""
+        self.iteration_tokens.labels(**self._labels).observe(num_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

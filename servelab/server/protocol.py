@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_serializer
 
 # --------------------------------------------------------------------------------------------
 # Requests
@@ -26,6 +26,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM extension: usage on every chunk (GuideLLM sends it)
 
 
 class _SamplingFields(_Request):
@@ -53,6 +54,10 @@ class _SamplingFields(_Request):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return bool(self.include_usage and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_SamplingFields):
@@ -117,10 +122,15 @@ def now_s() -> int:
     return int(time.time())
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails | None = None
 
 
 class CompletionLogprobs(BaseModel):
@@ -184,6 +194,11 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+
+    @model_serializer
+    def _without_nulls(self) -> dict[str, Any]:
+        # OpenAI omits a delta's absent keys ("role" after the first chunk) rather than sending null.
+        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
 
 
 class ChatStreamChoice(BaseModel):

@@ -51,7 +51,8 @@ def test_completion_usage_and_length_finish(client):
     body = resp.json()
     assert body["object"] == "text_completion" and body["model"] == "fake-model"
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 7, "total_tokens": len(prompt_ids) + 7}
+    assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 7, "total_tokens": len(prompt_ids) + 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_stop_string_finishes_with_stop_and_is_cut(client):
@@ -81,7 +82,8 @@ def test_n_choices_and_prompt_lists(client):
     p1 = client.post("/tokenize", json={"prompt": "hello"}).json()["count"]
     p2 = client.post("/tokenize", json={"prompt": "the quick brown fox"}).json()["count"]
     # A prompt counts once however many choices share it, as OpenAI counts it.
-    assert body["usage"] == {"prompt_tokens": p1 + p2, "completion_tokens": 12, "total_tokens": p1 + p2 + 12}
+    assert {k: body["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")} == {
+        "prompt_tokens": p1 + p2, "completion_tokens": 12, "total_tokens": p1 + p2 + 12}
 
 
 def test_chat_streaming_events_end_in_done_with_usage(client):
@@ -92,17 +94,18 @@ def test_chat_streaming_events_end_in_done_with_usage(client):
     events = _sse(resp)
     assert events[-1] == "[DONE]"
     chunks = events[:-1]
-    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"  # with the first token (test_api_parity)
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
     finishes = [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
     assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
     usage_chunk = chunks[-1]
     assert usage_chunk["choices"] == []
-    assert usage_chunk["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 5, "total_tokens": prompt_tokens + 5}
+    assert usage_chunk["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 5, "total_tokens": prompt_tokens + 5,
+                                    "prompt_tokens_details": {"cached_tokens": 0}}
     assert all(c["usage"] is None for c in chunks[:-1])
 
     plain = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 5, "ignore_eos": True}).json()
-    assert plain["usage"] == usage_chunk["usage"]
+    assert plain["usage"] == {**usage_chunk["usage"], "prompt_tokens_details": {"cached_tokens": 16}}  # the same prompt again
     assert plain["choices"][0]["message"]["role"] == "assistant"
 
 
