@@ -92,6 +92,7 @@ class TokenLogprobs:
     token_id: int
     logprob: float
     top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # 1 + how many tokens the model rated higher (prompt logprobs report it)
 
 
 @dataclass(slots=True)
@@ -102,6 +103,9 @@ class StepResult:
     sampled_token_ids: list[int | None]
     duration_s: float = 0.0
     logprobs: list[TokenLogprobs | None] | None = None
+    # (index into plan.scheduled, logprobs of the prompt tokens this step scored, in order) for
+    # the sequences that asked for prompt logprobs; update() appends them to seq.prompt_logprobs.
+    prompt_logprobs: list[tuple[int, list[TokenLogprobs]]] | None = None
 
 
 class Executor(Protocol):

@@ -356,7 +356,7 @@ class Scheduler:
             seq = self._peek_waiting()
             if seq is None:
                 break
-            hits = bm.find_cached_prefix(seq)
+            hits = [] if seq.needs_prompt_logprobs else bm.find_cached_prefix(seq)
             num_cached = len(hits) * cfg.block_size
             n = len(seq.token_ids) - num_cached
             if whole:
@@ -578,6 +578,9 @@ class Scheduler:
         bm = self.block_manager
         bs = self.config.block_size
         len_cap = self._len_cap
+        if result.prompt_logprobs:
+            for i, scored in result.prompt_logprobs:
+                scheduled[i].seq.prompt_logprobs.extend(scored)
         logprobs = result.logprobs if result.logprobs is not None else repeat(None)
         outputs: list[RequestOutput] = []
         append_output = outputs.append

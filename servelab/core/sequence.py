@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING
 from servelab.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from servelab.core.plan import ScheduledSeq
+    from servelab.core.plan import ScheduledSeq, TokenLogprobs
+
+MAX_LOGPROBS = 20  # top alternatives per token, for logprobs and prompt_logprobs (OpenAI's limit)
 
 
 class SequenceStatus(enum.Enum):
@@ -42,6 +44,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top alternatives to return (0 = only the sampled token)
     min_tokens: int = 0
+    # vLLM's prompt_logprobs: the logprob of every prompt token after the first, with this many
+    # top alternatives (0 = only the prompt's own token); None = not computed.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -63,8 +68,10 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise InvalidArgument(f"{name} must be in [-2, 2], got {value}", param=name)
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise InvalidArgument(f"logprobs must be in [0, 20], got {self.logprobs}", param="logprobs")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise InvalidArgument(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", param=name)
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise InvalidArgument(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}", param="min_tokens"
@@ -113,6 +120,9 @@ class Sequence:
     # leading entries of `block_table` already published to (or taken from) the prefix cache.
     block_hashes: list[int] = field(default_factory=list, repr=False)
     num_committed_blocks: int = field(default=0, repr=False)
+    # With params.prompt_logprobs: entry j is prompt token j + 1's logprobs, filled chunk by
+    # chunk as the prefill runs (the first prompt token has none).
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list, repr=False)
 
     # Set by Scheduler.add so that update() screens each sampled token with one compare and one
     # set lookup: a token can only end the sequence if the sequence reached `stop_check_num_tokens`
@@ -153,6 +163,12 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Prompt positions whose logits are still to be scored: such a sequence must not skip
+        them through the prefix cache (as vLLM disables reuse for it)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

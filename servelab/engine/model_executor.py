@@ -92,6 +92,19 @@ class ModelExecutor:
             offset += n
 
         sampling = [i for i in range(len(entries)) if entries[i].samples]
+        # Rows whose logits score prompt tokens (vLLM's prompt_logprobs): row of position p
+        # predicts token p + 1. Positions already scored (before a preemption) are skipped.
+        scored: list[tuple[int, int, int]] = []  # (entry, first position, number of rows)
+        scored_rows: list[int] = []
+        for i, s in enumerate(entries):
+            seq = s.seq
+            if seq.needs_prompt_logprobs:
+                lo = max(s.start_pos, len(seq.prompt_logprobs))
+                hi = min(s.start_pos + s.num_tokens, seq.num_prompt_tokens - 1)
+                if lo < hi:
+                    first_row = row_of_last[i] - (s.num_tokens - 1)
+                    scored.append((i, lo, hi - lo))
+                    scored_rows.extend(range(first_row + lo - s.start_pos, first_row + hi - s.start_pos))
         dev = self.device
         meta = AttentionMetadata(
             positions=torch.cat(positions).to(dev),
@@ -104,10 +117,14 @@ class ModelExecutor:
             decode_ctx_slots=None if meta_decode_slots is None else meta_decode_slots.to(dev),
             decode_mask=None if meta_decode_mask is None else meta_decode_mask.to(dev),
             prefills=prefill_meta,
-            logits_indices=torch.tensor([row_of_last[i] for i in sampling], dtype=torch.int64, device=dev),
+            logits_indices=torch.tensor([row_of_last[i] for i in sampling] + scored_rows, dtype=torch.int64, device=dev),
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         logits = self.model.forward(ids, meta, self.kv_cache.k_layers, self.kv_cache.v_layers)
+        prompt_logprobs = None
+        if scored:
+            prompt_logprobs = _score_prompt(logits[len(sampling) :], entries, scored)
+            logits = logits[: len(sampling)]
 
         sampled: list[int | None] = [None] * len(entries)
         logprobs: list[TokenLogprobs | None] | None = None
@@ -126,4 +143,34 @@ class ModelExecutor:
                 logprobs = [None] * len(entries)
                 for i, lp in zip(sampling, lps):
                     logprobs[i] = lp
-        return StepResult(sampled, time.perf_counter() - t0, logprobs)
+        return StepResult(sampled, time.perf_counter() - t0, logprobs, prompt_logprobs)
+
+
+def _score_prompt(
+    logits: torch.Tensor, entries: list, scored: list[tuple[int, int, int]]
+) -> list[tuple[int, list[TokenLogprobs]]]:
+    """Logprob, rank and top alternatives of each scored prompt token, from the model's raw
+    distribution (as vLLM reports prompt logprobs)."""
+    logprobs = torch.log_softmax(logits.float().cpu(), dim=-1)
+    targets = torch.tensor(
+        [entries[i].seq.token_ids[p + 1] for i, lo, n in scored for p in range(lo, lo + n)], dtype=torch.int64
+    )
+    chosen = logprobs.gather(1, targets[:, None])
+    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+    chosen_list = chosen.squeeze(1).tolist()
+    top_n = max(entries[i].seq.params.prompt_logprobs for i, _, _ in scored)
+    top_values: list[list[float]] = [[] for _ in chosen_list]
+    top_ids: list[list[int]] = [[] for _ in chosen_list]
+    if top_n > 0:
+        values, ids = torch.topk(logprobs, min(top_n, logprobs.shape[1]), dim=-1)
+        top_values, top_ids = values.tolist(), ids.tolist()
+    out = []
+    row = 0
+    for i, _, n in scored:
+        k = entries[i].seq.params.prompt_logprobs
+        items = []
+        for r in range(row, row + n):
+            items.append(TokenLogprobs(int(targets[r]), chosen_list[r], list(zip(top_ids[r][:k], top_values[r][:k])), ranks[r]))
+        out.append((i, items))
+        row += n
+    return out

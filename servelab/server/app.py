@@ -34,10 +34,12 @@ from servelab.server.http_errors import (
     parse_body,
 )
 from servelab.server.metrics import CONTENT_TYPE, ServerMetrics
+from servelab.server.prompt_scoring import echoed_logprobs, prompt_logprobs_wanted, token_text, vllm_prompt_logprobs
 from servelab.server.sse import DONE, sse_event
 
 if TYPE_CHECKING:
     from servelab.core.plan import TokenLogprobs
+    from servelab.core.sequence import Sequence
     from servelab.engine.llm_engine import EngineOutput, LLMEngine
 
 logger = logging.getLogger("servelab.server")
@@ -177,15 +179,21 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
         req = await parse_body(request, p.CompletionRequest)
         check_accepting()
         check_model(req.model)
-        if req.echo:
-            raise InvalidArgument("echo=true is not supported", param="echo")
         if req.suffix:
             raise InvalidArgument("suffix is not supported", param="suffix")
+        if req.max_tokens == 0 and not req.echo:
+            raise InvalidArgument("max_tokens must be >= 1 (0 only with echo=true, to score the prompt)", param="max_tokens")
         prompts = completion_prompts(req.prompt)
+        prompt_logprobs = prompt_logprobs_wanted(
+            prompt_logprobs=req.prompt_logprobs, echo_logprobs=req.logprobs if req.echo else None, stream=req.stream
+        )
         request_id = "cmpl-" + uuid.uuid4().hex
-        engine_requests = build_requests(request_id, prompts, req, req.max_tokens, req.logprobs, arrival_s)
+        # echo with max_tokens 0 runs one token (the engine samples after every prefill) and drops it.
+        max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
+        engine_requests = build_requests(request_id, prompts, req, max_tokens, req.logprobs, arrival_s, prompt_logprobs)
         stream = await state.async_engine.submit(engine_requests)
-        renderer = CompletionRenderer(state, request_id, req, engine_requests)
+        echo_texts = [p_ if isinstance(p_, str) else state.engine.tokenizer.decode(p_) for p_ in prompts] if req.echo else None
+        renderer = CompletionRenderer(state, request_id, req, engine_requests, echo_texts=echo_texts)
         if req.stream:
             return sse_response(renderer.stream(stream))
         return await collect_unless_disconnected(request, renderer.collect(stream))
@@ -204,8 +212,9 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
         prompt_ids = encode_prompt(state.engine, text)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+        prompt_logprobs = prompt_logprobs_wanted(prompt_logprobs=req.prompt_logprobs, echo_logprobs=None, stream=req.stream)
         request_id = "chatcmpl-" + uuid.uuid4().hex
-        engine_requests = build_requests(request_id, [prompt_ids], req, max_tokens, top_logprobs, arrival_s)
+        engine_requests = build_requests(request_id, [prompt_ids], req, max_tokens, top_logprobs, arrival_s, prompt_logprobs)
         stream = await state.async_engine.submit(engine_requests)
         renderer = ChatRenderer(state, request_id, req, engine_requests)
         if req.stream:
@@ -248,6 +257,7 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
         max_tokens: int | None,
         logprobs: int | None,
         arrival_s: float,
+        prompt_logprobs: int | None = None,
     ) -> list[EngineRequest]:
         """One engine request per prompt and choice. `max_tokens=None` lets each completion use
         the rest of the context, as OpenAI and vLLM do."""
@@ -298,6 +308,7 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
                         stop_token_ids=list(req.stop_token_ids or []),
                         ignore_eos=req.ignore_eos,
                         logprobs=logprobs,
+                        prompt_logprobs=prompt_logprobs,
                         min_tokens=req.min_tokens,
                     )
                 out.append(EngineRequest(f"{request_id}-{index}", prompt, params, req.priority, arrival_s))
@@ -372,9 +383,6 @@ def finish_reason_str(reason: FinishReason | None) -> str | None:
     return reason.value  # "stop" | "length" | "abort"
 
 
-def token_text(tokenizer: Any, token_id: int) -> str:
-    return tokenizer.decode([token_id], skip_special_tokens=False)
-
 
 @dataclass
 class _Choice:
@@ -385,6 +393,7 @@ class _Choice:
     completion_tokens: int = 0
     cached_tokens: int | None = None  # set from the first output, after the prompt's admission
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    seq: Sequence | None = None
 
 
 class _Renderer:
@@ -397,15 +406,22 @@ class _Renderer:
         self.created = p.now_s()
         self.choices = {r.request_id: _Choice(index=i) for i, r in enumerate(engine_requests)}
         self.n = req.n
+        self.prompt_only = getattr(req, "echo", False) and req.max_tokens == 0
 
     def update(self, out: EngineOutput) -> _Choice:
         choice = self.choices[out.request_id]
+        choice.seq = out.seq
+        choice.prompt_tokens = out.seq.num_prompt_tokens
+        if self.prompt_only:
+            # echo with max_tokens 0: the one token the engine had to sample is not the client's.
+            out.text_delta, out.logprobs = "", None
+            choice.completion_tokens = 0
+        else:
+            choice.completion_tokens = out.seq.num_output_tokens
         if out.text_delta:
             choice.text.append(out.text_delta)
         if out.logprobs:
             choice.logprobs.extend(out.logprobs)
-        choice.prompt_tokens = out.seq.num_prompt_tokens
-        choice.completion_tokens = out.seq.num_output_tokens
         if choice.cached_tokens is None:
             # The first admission's hits: a preemption's recompute is the server's business, not the client's.
             choice.cached_tokens = out.seq.num_cached_tokens
@@ -454,24 +470,48 @@ class _Renderer:
 
 
 class CompletionRenderer(_Renderer):
-    def _logprobs(self, choice_logprobs: list[TokenLogprobs], offset: int) -> p.CompletionLogprobs:
+    def __init__(self, *args: Any, echo_texts: list[str] | None = None):
+        super().__init__(*args)
+        self.echo_texts = echo_texts  # per prompt, when the client asked for echo
+        self._opened: set[int] = set()
+
+    def _logprobs(self, items: list[tuple[int, float | None, list[tuple[int, float]] | None]], offset: int) -> p.CompletionLogprobs:
         tokenizer = self.state.engine.tokenizer
         out = p.CompletionLogprobs()
-        for lp in choice_logprobs:
-            text = token_text(tokenizer, lp.token_id)
+        for token_id, logprob, top in items:
+            text = token_text(tokenizer, token_id)
             out.tokens.append(text)
-            out.token_logprobs.append(lp.logprob)
-            out.top_logprobs.append({token_text(tokenizer, t): v for t, v in lp.top})
+            out.token_logprobs.append(logprob)
+            out.top_logprobs.append(None if top is None else {token_text(tokenizer, t): v for t, v in top})
             out.text_offset.append(offset)
             offset += len(text)
         return out
 
-    def chunk(self, choice: _Choice, out: EngineOutput) -> dict | None:
-        if not (out.text_delta or out.finished or out.logprobs):
+    def _echo(self, choice: _Choice) -> tuple[str, list]:
+        """The prompt's text and its logprob items, for a choice's first chunk or whole answer."""
+        if self.echo_texts is None:
+            return "", []
+        text = self.echo_texts[choice.index // self.n]
+        items = echoed_logprobs(choice.seq, self.req.logprobs) if self.req.logprobs is not None else []
+        return text, items
+
+    def _prompt_logprobs(self, choice: _Choice) -> list | None:
+        if self.req.prompt_logprobs is None or choice.seq is None:
             return None
+        return vllm_prompt_logprobs(self.state.engine.tokenizer, choice.seq, self.req.prompt_logprobs)
+
+    def chunk(self, choice: _Choice, out: EngineOutput) -> dict | None:
+        opening = self.echo_texts is not None and choice.index not in self._opened
+        if not (opening or out.text_delta or out.finished or out.logprobs):
+            return None
+        self._opened.add(choice.index)
+        echo_text, echo_items = self._echo(choice) if opening else ("", [])
         logprobs = None
-        if self.req.logprobs is not None and out.logprobs:
-            logprobs = self._logprobs(out.logprobs, sum(len(t) for t in choice.text) - len(out.text_delta))
+        if self.req.logprobs is not None and (out.logprobs or echo_items):
+            offset = sum(len(t) for t in choice.text) - len(out.text_delta)
+            offset += len(self.echo_texts[choice.index // self.n]) if self.echo_texts is not None and not opening else 0
+            items = [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs or []]
+            logprobs = self._logprobs(echo_items + items, offset)
         body = p.CompletionResponse(
             id=self.request_id,
             created=self.created,
@@ -479,7 +519,7 @@ class CompletionRenderer(_Renderer):
             choices=[
                 p.CompletionChoice(
                     index=choice.index,
-                    text=out.text_delta,
+                    text=echo_text + out.text_delta,
                     logprobs=logprobs,
                     finish_reason=choice.finish_reason if out.finished else None,
                 )
@@ -494,15 +534,19 @@ class CompletionRenderer(_Renderer):
         return p.dump(body)
 
     def response(self) -> dict:
-        choices = [
-            p.CompletionChoice(
-                index=c.index,
-                text="".join(c.text),
-                logprobs=self._logprobs(c.logprobs, 0) if self.req.logprobs is not None else None,
-                finish_reason=c.finish_reason,
+        choices = []
+        for c in sorted(self.choices.values(), key=lambda c: c.index):
+            echo_text, echo_items = self._echo(c)
+            items = echo_items + [(lp.token_id, lp.logprob, lp.top) for lp in c.logprobs]
+            choices.append(
+                p.CompletionChoice(
+                    index=c.index,
+                    text=echo_text + "".join(c.text),
+                    logprobs=self._logprobs(items, 0) if self.req.logprobs is not None else None,
+                    finish_reason=c.finish_reason,
+                    prompt_logprobs=self._prompt_logprobs(c),
+                )
             )
-            for c in sorted(self.choices.values(), key=lambda c: c.index)
-        ]
         return p.dump(
             p.CompletionResponse(
                 id=self.request_id, created=self.created, model=self.state.model_name, choices=choices, usage=self.usage()
@@ -570,9 +614,14 @@ class ChatRenderer(_Renderer):
             )
             for c in sorted(self.choices.values(), key=lambda c: c.index)
         ]
+        first = min(self.choices.values(), key=lambda c: c.index)
+        prompt_logprobs = None
+        if self.req.prompt_logprobs is not None and first.seq is not None:
+            prompt_logprobs = vllm_prompt_logprobs(self.state.engine.tokenizer, first.seq, self.req.prompt_logprobs)
         return p.dump(
             p.ChatCompletionResponse(
-                id=self.request_id, created=self.created, model=self.state.model_name, choices=choices, usage=self.usage()
+                id=self.request_id, created=self.created, model=self.state.model_name, choices=choices,
+                usage=self.usage(), prompt_logprobs=prompt_logprobs,
             )
         )
 

@@ -66,6 +66,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None  # top alternatives per token
     echo: bool = False
     suffix: str | None = None
+    prompt_logprobs: int | None = None  # vLLM extension: score the prompt, with this many alternatives
 
 
 class ContentPart(_Request):
@@ -93,6 +94,7 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True  # vLLM extension
+    prompt_logprobs: int | None = None  # vLLM extension
 
     def template_messages(self) -> list[dict[str, str]]:
         # Chat templates know system/user/assistant; OpenAI's newer "developer" role is a system prompt.
@@ -145,6 +147,7 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's extra
 
 
 class CompletionResponse(BaseModel):
@@ -189,6 +192,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: UsageInfo
+    prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's extra
 
 
 class DeltaMessage(BaseModel):

@@ -1,0 +1,51 @@
+"""The prompt's own logprobs on the wire: completions' `echo` with `logprobs` (OpenAI's legacy
+shape, what evaluation harnesses read to score loglikelihoods) and vLLM's `prompt_logprobs`
+extra. The engine scores the prompt during prefill (SamplingParams.prompt_logprobs); this module
+only decides how many alternatives to ask for and renders what came back."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from servelab.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    from servelab.core.plan import TokenLogprobs
+    from servelab.core.sequence import Sequence
+
+
+def prompt_logprobs_wanted(*, prompt_logprobs: int | None, echo_logprobs: int | None, stream: bool) -> int | None:
+    """How many top alternatives the engine must score each prompt token with (None: no scoring)."""
+    if prompt_logprobs is not None and stream:
+        # As vLLM: the extra belongs to a whole answer, not to a chunk.
+        raise InvalidArgument("prompt_logprobs is not available with stream=true", param="prompt_logprobs")
+    wanted = [k for k in (prompt_logprobs, echo_logprobs) if k is not None]
+    return max(wanted) if wanted else None
+
+
+def token_text(tokenizer: Any, token_id: int) -> str:
+    return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def vllm_prompt_logprobs(tokenizer: Any, seq: Sequence, k: int) -> list[dict[str, dict] | None]:
+    """vLLM's shape: None for the first token, then {token id: {logprob, rank, decoded_token}}
+    holding the prompt's own token and its top-k alternatives."""
+    out: list[dict[str, dict] | None] = [None]
+    for lp in seq.prompt_logprobs:
+        entry = {str(lp.token_id): _entry(tokenizer, lp.token_id, lp.logprob, lp.rank)}
+        for rank, (t, v) in enumerate(lp.top[:k], start=1):
+            entry.setdefault(str(t), _entry(tokenizer, t, v, rank))
+        out.append(entry)
+    return out
+
+
+def _entry(tokenizer: Any, token_id: int, logprob: float, rank: int | None) -> dict:
+    return {"logprob": logprob, "rank": rank, "decoded_token": token_text(tokenizer, token_id)}
+
+
+def echoed_logprobs(seq: Sequence, k: int) -> list[tuple[int, float | None, list[tuple[int, float]] | None]]:
+    """(token id, logprob, top-k) for every prompt token, the first one without logprobs, as
+    OpenAI's echo returns them."""
+    first: list[tuple[int, float | None, list[tuple[int, float]] | None]] = [(seq.prompt_token_ids[0], None, None)]
+    scored: list[TokenLogprobs] = seq.prompt_logprobs
+    return first + [(lp.token_id, lp.logprob, lp.top[:k]) for lp in scored]

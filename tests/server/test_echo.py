@@ -1,0 +1,92 @@
+"""Completions' echo + logprobs and vLLM's prompt_logprobs over HTTP, on a real tiny model in fp32:
+the way evaluation harnesses score a continuation's loglikelihood."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from fastapi.testclient import TestClient
+
+from servelab.server.app import create_app
+
+
+@pytest.fixture(scope="module")
+def served(tiny_model_dir):
+    from servelab.engine.llm_engine import EngineArgs, LLMEngine
+
+    engine = LLMEngine.from_args(EngineArgs(model=str(tiny_model_dir), dtype="float32", num_blocks=64,
+                                            max_num_batched_tokens=16))  # chunked prefill  # fmt: skip
+    with TestClient(create_app(engine)) as client:
+        yield client, engine
+
+
+def _reference(engine, ids: list[int]) -> torch.Tensor:
+    from servelab.engine.testing import prefill_logits
+
+    return torch.log_softmax(prefill_logits(engine.executor.model, ids).float(), dim=-1)
+
+
+PROMPT = "The quick brown fox jumps over the lazy dog and the cache is fast"
+
+
+def test_echo_with_max_tokens_0_scores_the_prompt(served):
+    client, engine = served
+    ids = client.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    body = client.post("/v1/completions", json={"prompt": PROMPT, "echo": True, "logprobs": 2, "max_tokens": 0}).json()
+    choice = body["choices"][0]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 0 and body["usage"]["prompt_tokens"] == len(ids)
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [engine.tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    ref = _reference(engine, ids)
+    want = [ref[p, ids[p + 1]].item() for p in range(len(ids) - 1)]
+    assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-4)
+    assert all(len(top) <= 2 for top in lp["top_logprobs"][1:])
+    assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
+    # the loglikelihood of a continuation: the sum over its tokens
+    assert sum(lp["token_logprobs"][-5:]) == pytest.approx(sum(want[-5:]), abs=1e-4)
+
+
+def test_echo_with_generation_streams_the_prompt_first(served):
+    client, _ = served
+    body = {"prompt": PROMPT, "echo": True, "logprobs": 0, "max_tokens": 3, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    resp = client.post("/v1/completions", json=body)
+    chunks = [json.loads(e[6:]) for e in resp.text.split("\n\n") if e.startswith("data: {")]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    plain = client.post("/v1/completions", json={**body, "stream": False}).json()["choices"][0]
+    assert text.startswith(PROMPT) and text == plain["text"]
+    n_prompt = client.post("/tokenize", json={"prompt": PROMPT}).json()["count"]
+    tokens = [t for c in chunks for t in c["choices"][0]["logprobs"]["tokens"]]
+    assert len(tokens) == n_prompt + 3 == len(plain["logprobs"]["tokens"])
+
+
+def test_vllm_prompt_logprobs_on_completions_and_chat(served):
+    client, engine = served
+    ids = client.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    body = client.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 1, "prompt_logprobs": 1}).json()
+    plp = body["choices"][0]["prompt_logprobs"]
+    assert len(plp) == len(ids) and plp[0] is None
+    ref = _reference(engine, ids)
+    for p, entry in enumerate(plp[1:]):
+        own = entry[str(ids[p + 1])]
+        assert own["logprob"] == pytest.approx(ref[p, ids[p + 1]].item(), abs=1e-4)
+        assert own["rank"] == int((ref[p] > ref[p, ids[p + 1]]).sum()) + 1
+        assert any(v["rank"] == 1 for v in entry.values())
+    messages = [{"role": "user", "content": "hello there"}]
+    n_chat = client.post("/tokenize", json={"messages": messages}).json()["count"]
+    chat = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, "prompt_logprobs": 0}).json()
+    assert len(chat["prompt_logprobs"]) == n_chat and chat["prompt_logprobs"][0] is None
+
+
+def test_scoring_errors_name_the_field(served):
+    client, _ = served
+    err = client.post("/v1/completions", json={"prompt": "x", "max_tokens": 0}).json()["error"]
+    assert err["param"] == "max_tokens" and "echo" in err["message"]
+    err = client.post("/v1/completions", json={"prompt": "x", "prompt_logprobs": 1, "stream": True}).json()["error"]
+    assert err["param"] == "prompt_logprobs"
+    err = client.post("/v1/completions", json={"prompt": "x", "prompt_logprobs": 30}).json()["error"]
+    assert err["param"] == "prompt_logprobs" and "30" in err["message"]
