@@ -9,6 +9,7 @@ import argparse
 import importlib
 import sys
 
+from servelab import __version__
 from servelab.errors import ServelabError
 
 # name -> one-line help; the module is servelab.commands.<name>
@@ -35,6 +36,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
         prog="servelab",
         description="An LLM serving engine that knows its own economics.",
     )
+    parser.add_argument("--version", action="version", version=f"servelab {__version__}",
+                        help="print servelab's version and exit")  # fmt: skip
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_text in COMMANDS.items():
         sub = subparsers.add_parser(name, help=help_text, description=help_text)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from servelab.core.sequence import SamplingParams
+from servelab.engine.generation_config import SOURCE_HELP, sampling_default
 
 # shared with `servelab serve`
 QUANTIZATION_HELP = "int8: int8 linears on CPU, 2-6x faster than fp32 here, approximate but batch-invariant (default: off)"
@@ -19,33 +20,48 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default=None, help="GGUF file or HF model directory (default: the bundled SmolLM2-135M-Instruct Q4_1)")
     g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
                    help="compute dtype (default: bfloat16 where the CPU has native bf16, else float32)")
-    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default: cpu)")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: min(model, 8192))")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--quantization", choices=["int8"], default=None, help=QUANTIZATION_HELP)
     g.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto", help=KV_CACHE_DTYPE_HELP)
 
 
+def _default_help(key: str) -> str:
+    # The same defaults as the API: one source (generation_config.py, SamplingParams).
+    return f"(default: {SOURCE_HELP} {getattr(SamplingParams(), key)}, as the API)"
+
+
 def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens)
-    g.add_argument("--temperature", type=float, default=0.7, help="0 = greedy (default: 0.7)")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=0)
-    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"most tokens to generate (default: {max_tokens})")
+    g.add_argument("--temperature", type=float, default=None, help="0 = greedy " + _default_help("temperature"))
+    g.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep the smallest set of tokens "
+                   "whose probability reaches this " + _default_help("top_p"))  # fmt: skip
+    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens, 0 = off " + _default_help("top_k"))
+    g.add_argument("--min-p", type=float, default=None,
+                   help="drop tokens below this fraction of the top token's probability " + _default_help("min_p"))
     g.add_argument("--seed", type=int, default=None, help="per-request seed: the same seed gives the same text")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
 
-def sampling_params_from(args: argparse.Namespace) -> SamplingParams:
+def sampling_params_from(args: argparse.Namespace, defaults: dict[str, float] | None = None) -> SamplingParams:
+    """The flags given, else `defaults` (the model's generation_config), else SamplingParams'.
+    Called once before the model loads (to fail fast on a bad flag) and once after."""
     # argparse takes "nan" and "inf"; SamplingParams' range checks reject them (NaN-safe).
+    defaults = defaults or {}
+
+    def pick(key: str) -> float:
+        value = getattr(args, key)
+        return sampling_default(defaults, key) if value is None else value
+
     return SamplingParams(
         max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
+        temperature=pick("temperature"),
+        top_p=pick("top_p"),
+        top_k=pick("top_k"),
+        min_p=pick("min_p"),
         seed=args.seed,
         stop=list(args.stop),
         ignore_eos=args.ignore_eos,

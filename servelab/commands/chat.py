@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     params = sampling_params_from(args)
     engine = build_engine(args)
+    params = sampling_params_from(args, engine.sampling_defaults)
     system = [{"role": "system", "content": args.system}] if args.system else []
     messages: list[dict] = list(system)
     interactive = sys.stdin.isatty()

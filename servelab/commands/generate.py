@@ -33,6 +33,7 @@ def run(args: argparse.Namespace) -> int:
     if args.system is not None and not args.chat:
         raise InvalidArgument("--system needs --chat", param="system")
     engine = build_engine(args)
+    params = sampling_params_from(args, engine.sampling_defaults)
     prompt: str = args.prompt
     if args.chat:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [

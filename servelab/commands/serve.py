@@ -33,6 +33,11 @@ def parse_bytes(text: str, *, name: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.epilog = (
+        "Sampling defaults: a request that leaves temperature, top_p, top_k or min_p out gets the value "
+        "the model's generation_config.json sets, else temperature 1.0, top_p 1.0, top_k and min_p off "
+        "(as OpenAI and vLLM; `generate` and `chat` use the same)."
+    )
     net = parser.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     net.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
@@ -73,7 +78,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     limits.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: from --kv-cache-memory)")
     limits.add_argument("--kv-cache-memory", default=None, help="memory for the KV cache, e.g. 1GiB (default 1GiB)")
-    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info")
+    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
+                        help="server log verbosity (default: info)")
 
 
 def _check_args(args: argparse.Namespace) -> None:

@@ -136,6 +136,8 @@ class LLMEngine:
         self.max_model_len: int = scheduler_config.max_model_len
         self.vocab_size: int = getattr(executor, "vocab_size", None) or tokenizer.vocab_size
         self.model_spec = None  # the spec the roofline uses, set by from_args when known
+        # Sampling fields the model's generation_config.json sets (generation_config.py), set by from_args.
+        self.sampling_defaults: dict[str, float] = {}
         self._requests: dict[str, _RequestState] = {}
         self._aborted: list[EngineOutput] = []
         self._prefix_cache_hits = 0
@@ -150,6 +152,7 @@ class LLMEngine:
 
         from servelab.core.config import SchedulerConfig
         from servelab.engine.bundled import bundled_model_path
+        from servelab.engine.generation_config import load_sampling_defaults
         from servelab.engine.kv_cache import PagedKVCache
         from servelab.engine.model_executor import ModelExecutor
         from servelab.engine.weights import load_model, resolve_dtype
@@ -210,6 +213,7 @@ class LLMEngine:
         name = args.served_model_name or loaded.name
         engine = cls(executor, loaded.tokenizer, scheduler_config, name)
         engine.model_spec = loaded.spec
+        engine.sampling_defaults = load_sampling_defaults(path)
         return engine
 
     # ------------------------------------------------------------------ requests

@@ -19,9 +19,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from servelab import __version__
 from servelab.core.sequence import FinishReason, SamplingParams
+from servelab.engine.generation_config import sampling_default
 from servelab.engine.llm_engine import EngineArgs  # no torch at import: the model loads in from_args
 from servelab.errors import InvalidArgument, NotFound, RequestTooLong, ServelabError
 from servelab.server import protocol as p
@@ -114,7 +117,9 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
         finally:
             await state.async_engine.stop()
 
-    app = FastAPI(title="servelab", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
+    # /docs and /openapi.json are served by the routes below, behind the same API key as the rest.
+    app = FastAPI(title="servelab", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url=None)  # fmt: skip
     app.state.servelab = state
     install_error_handlers(app)
 
@@ -141,6 +146,18 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version", dependencies=auth)
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})
+
+    @app.get("/openapi.json", dependencies=auth, include_in_schema=False)
+    async def openapi() -> Response:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", dependencies=auth, include_in_schema=False)
+    async def docs() -> Response:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="servelab API")
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> Response:
@@ -269,6 +286,11 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
         prompt_param = "messages" if chat else "prompt"
         max_tokens_param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
         as_sent = {"max_tokens": max_tokens_param, "logprobs": "top_logprobs" if chat else "logprobs"}
+        defaults = state.engine.sampling_defaults
+
+        def default(key: str) -> float:
+            return sampling_default(defaults, key)
+
         out = []
         for i, prompt in enumerate(prompts):
             if not isinstance(prompt, str):
@@ -297,10 +319,10 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
                 with renamed_params(as_sent):
                     params = SamplingParams(
                         max_tokens=room,
-                        temperature=1.0 if req.temperature is None else req.temperature,
-                        top_p=1.0 if req.top_p is None else req.top_p,
-                        top_k=0 if req.top_k in (None, -1) else req.top_k,
-                        min_p=req.min_p,
+                        temperature=default("temperature") if req.temperature is None else req.temperature,
+                        top_p=default("top_p") if req.top_p is None else req.top_p,
+                        top_k=default("top_k") if req.top_k is None else 0 if req.top_k == -1 else req.top_k,
+                        min_p=req.min_p if "min_p" in req.model_fields_set else default("min_p"),
                         presence_penalty=req.presence_penalty,
                         frequency_penalty=req.frequency_penalty,
                         seed=seed,

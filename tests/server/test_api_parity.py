@@ -244,3 +244,45 @@ def test_one_token_requests_observe_a_tpot_of_zero_as_vllm_does(client):
 def test_1_2_5_buckets():
     assert buckets_1_2_5(128) == [1, 2, 5, 10, 20, 50, 100]
     assert buckets_1_2_5(1000) == [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000]
+
+
+# ------------------------------------------------------------------------------- small things
+
+
+def test_version_docs_and_openapi_go_through_the_api_key(fake_engine):
+    from servelab import __version__
+
+    with TestClient(create_app(fake_engine(), api_key="sk-right")) as c:
+        for path in ("/version", "/docs", "/openapi.json"):
+            assert _error(c.get(path), 401)["type"] == "authentication_error", path
+        auth = {"Authorization": "Bearer sk-right"}
+        assert c.get("/version", headers=auth).json() == {"version": __version__}
+        assert "swagger" in c.get("/docs", headers=auth).text.lower()
+        spec = c.get("/openapi.json", headers=auth).json()
+        assert spec["info"]["version"] == __version__ and "/v1/chat/completions" in spec["paths"]
+    with TestClient(create_app(fake_engine())) as c:
+        assert c.get("/version").json() == {"version": __version__}
+
+
+def test_a_request_without_sampling_fields_takes_the_models_generation_config(fake_engine):
+    engine = fake_engine()
+    engine.sampling_defaults = {"temperature": 0.25, "top_k": 7}
+    seen = []
+    inner = engine.executor.execute
+    engine.executor.execute = lambda plan: (seen.extend(s.seq.params for s in plan.scheduled), inner(plan))[1]
+    with TestClient(create_app(engine)) as c:
+        c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+        c.post("/v1/completions", json={"prompt": "y", "max_tokens": 1, "temperature": 0.9, "top_k": -1})
+    assert (seen[0].temperature, seen[0].top_k, seen[0].top_p) == (0.25, 7, 1.0)
+    assert (seen[-1].temperature, seen[-1].top_k) == (0.9, 0)
+
+
+def test_generation_config_defaults_are_read_from_the_model_dir(tmp_path):
+    from servelab.engine.generation_config import load_sampling_defaults
+
+    assert load_sampling_defaults(tmp_path) == {}
+    (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9, "do_sample": True,
+                                                                 "max_new_tokens": 5}))  # fmt: skip
+    assert load_sampling_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.9}
+    (tmp_path / "generation_config.json").write_text("{broken")
+    assert load_sampling_defaults(tmp_path) == {}
