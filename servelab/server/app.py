@@ -27,6 +27,7 @@ from servelab.core.sequence import FinishReason, SamplingParams
 from servelab.engine.generation_config import sampling_default
 from servelab.engine.llm_engine import EngineArgs  # no torch at import: the model loads in from_args
 from servelab.errors import InvalidArgument, NotFound, RequestTooLong, ServelabError
+from servelab.server import fields
 from servelab.server import protocol as p
 from servelab.server.async_engine import AsyncEngine, EngineFailure, EngineRequest, EngineStopped, RequestStream
 from servelab.server.http_errors import (
@@ -36,6 +37,7 @@ from servelab.server.http_errors import (
     install_error_handlers,
     parse_body,
 )
+from servelab.server.fields import refuse_non_text_parts, refuse_unsupported
 from servelab.server.metrics import CONTENT_TYPE, ServerMetrics
 from servelab.server.prompt_scoring import echoed_logprobs, prompt_logprobs_wanted, token_text, vllm_prompt_logprobs
 from servelab.server.sse import DONE, sse_event
@@ -196,8 +198,7 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
         req = await parse_body(request, p.CompletionRequest)
         check_accepting()
         check_model(req.model)
-        if req.suffix:
-            raise InvalidArgument("suffix is not supported", param="suffix")
+        refuse_unsupported(req, fields.COMPLETIONS)
         if req.max_tokens == 0 and not req.echo:
             raise InvalidArgument("max_tokens must be >= 1 (0 only with echo=true, to score the prompt)", param="max_tokens")
         prompts = completion_prompts(req.prompt)
@@ -221,6 +222,8 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
         req = await parse_body(request, p.ChatCompletionRequest)
         check_accepting()
         check_model(req.model)
+        refuse_unsupported(req, fields.CHAT)
+        refuse_non_text_parts(req.messages)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidArgument("top_logprobs needs logprobs=true", param="top_logprobs")
         text = state.engine.tokenizer.apply_chat_template(

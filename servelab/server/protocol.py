@@ -3,8 +3,8 @@
 Requests are validated strictly (a string where a number belongs is a 400, not a silent
 coercion); values that pass the types but fall outside a range are checked by
 `SamplingParams.validate`, so the server, the offline API and the CLI share one set of limits
-and messages. Fields OpenAI accepts but servelab does not act on (`user`, `logit_bias` ...) are
-accepted and ignored, as vLLM does, so stock clients work unchanged.
+and messages. What servelab does with each field OpenAI defines (honoured, informational or
+refused) is decided in `fields.py`; fields it has never heard of pass, as in vLLM.
 """
 
 from __future__ import annotations
@@ -65,7 +65,6 @@ class CompletionRequest(_SamplingFields):
     max_tokens: int | None = 16  # OpenAI's default for /v1/completions
     logprobs: int | None = None  # top alternatives per token
     echo: bool = False
-    suffix: str | None = None
     prompt_logprobs: int | None = None  # vLLM extension: score the prompt, with this many alternatives
 
 

@@ -286,3 +286,53 @@ def test_generation_config_defaults_are_read_from_the_model_dir(tmp_path):
     assert load_sampling_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.9}
     (tmp_path / "generation_config.json").write_text("{broken")
     assert load_sampling_defaults(tmp_path) == {}
+
+
+# ------------------------------------------------------------------------------- honoured or refused
+
+from servelab.server import fields as F  # noqa: E402
+from servelab.server import protocol as P  # noqa: E402
+
+# Honoured by the structured-outputs branch (issue 22 items 3-4), which declares them in
+# protocol.py; until it is merged they are the only honoured fields this branch does not declare.
+PENDING_MERGE = {"logit_bias", "allowed_token_ids", "bad_words", "structured_outputs", "response_format", "tools",
+                 "tool_choice", "parallel_tool_calls"}  # fmt: skip
+ROUTES = [("/v1/chat/completions", F.CHAT, P.ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]}),
+          ("/v1/completions", F.COMPLETIONS, P.CompletionRequest, {"prompt": "hi"})]  # fmt: skip
+
+
+@pytest.mark.parametrize(("route", "table", "model", "base"), ROUTES)
+def test_every_refused_field_is_a_400_naming_it(client, route, table, model, base):
+    refused = [name for name, rule in table.items() if rule.status is F.Status.REFUSED]
+    assert refused
+    for name in refused:
+        err = _error(client.post(route, json={**base, "max_tokens": 2, name: {"servelab": "test"}}), 400)
+        assert err["param"] == name and name in err["message"] and table[name].note in err["message"], name
+        for neutral in table[name].neutral:  # null or the default asks for nothing and passes
+            assert client.post(route, json={**base, "max_tokens": 2, name: neutral}).status_code == 200, (name, neutral)
+
+
+@pytest.mark.parametrize(("route", "table", "model", "base"), ROUTES)
+def test_the_table_and_the_protocol_agree(route, table, model, base):
+    declared = set(model.model_fields)
+    assert declared <= set(table), f"fields the protocol takes but the table does not list: {declared - set(table)}"
+    kept = {n for n, r in table.items() if r.status is F.Status.HONOURED}
+    assert kept - PENDING_MERGE <= declared, f"honoured but not declared: {kept - PENDING_MERGE - declared}"
+    assert not {n for n, r in table.items() if r.status is F.Status.REFUSED} & declared
+
+
+def test_image_and_audio_parts_are_refused_text_parts_are_joined(client):
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, image]}]
+    err = _error(client.post("/v1/chat/completions", json={"messages": messages}), 400)
+    assert "text only" in err["message"] and err["param"] == "messages[0].content[1].type"
+    messages = [{"role": "user", "content": [{"type": "text", "text": "hello "}, {"type": "text", "text": "there"}]}]
+    assert client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 2}).status_code == 200
+
+
+def test_readme_field_table_is_the_code_table():
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    for table in (F.CHAT, F.COMPLETIONS):
+        assert F.markdown_table(table) in readme

@@ -1,0 +1,150 @@
+"""Every request field OpenAI defines for /v1/chat/completions and /v1/completions (and the vLLM
+extensions servelab takes), and what servelab does with it: honoured, informational (an
+identifier or hint that does not change the answer) or refused with the reason. Validation is
+driven from these tables, the README's table is this one, and a test sends every refused field,
+so a field cannot be silently ignored: a client that asks for something it would not get gets
+a 400 naming the field instead of a 200 with something else.
+
+Fields outside the tables (from newer clients or other servers) are still accepted, as vLLM
+accepts them, so that stock clients keep working.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+
+from servelab.errors import InvalidArgument
+
+
+class Status(enum.Enum):
+    HONOURED = "honoured"
+    INFORMATIONAL = "informational"  # accepted; it names or tags the request and changes nothing in the answer
+    REFUSED = "refused"
+
+
+@dataclass(frozen=True, slots=True)
+class FieldRule:
+    status: Status
+    note: str  # what servelab does with it, or why it is refused
+    # Values of a refused field that ask for nothing (null, the default), which clients that fill
+    # in every field send: those pass.
+    neutral: tuple[Any, ...] = (None,)
+
+    def asks_for_something(self, value: Any) -> bool:
+        return not any(value == n and type(value) is type(n) for n in self.neutral)
+
+
+def _h(note: str) -> FieldRule:
+    return FieldRule(Status.HONOURED, note)
+
+
+def _i(note: str) -> FieldRule:
+    return FieldRule(Status.INFORMATIONAL, note)
+
+
+def _r(note: str, *neutral: Any) -> FieldRule:
+    return FieldRule(Status.REFUSED, note, (None, *neutral))
+
+
+_STRUCTURED = "constrained decoding (structured outputs)"
+
+COMMON: dict[str, FieldRule] = {
+    "model": _h("must name the served model (404 otherwise); may be left out"),
+    "n": _h(f"choices per prompt, each its own sequence"),
+    "temperature": _h("default: the model's generation_config.json, else 1.0"),
+    "top_p": _h("default: the model's generation_config.json, else 1.0"),
+    "stop": _h("up to any number of stop strings, cut from the text"),
+    "seed": _h("per-request generator; choice i uses seed + i"),
+    "presence_penalty": _h("in [-2, 2]"),
+    "frequency_penalty": _h("in [-2, 2]"),
+    "stream": _h("server-sent events; the first chunk comes with the first token"),
+    "stream_options": _h("include_usage, and vLLM's continuous_usage_stats"),
+    "logit_bias": _h(f"token id -> bias in [-100, 100], before every sampling method ({_STRUCTURED} branch)"),
+    "user": _i("an end-user identifier; not stored"),
+    # vLLM extensions
+    "top_k": _h("vLLM extension: 0 or -1 = off"),
+    "min_p": _h("vLLM extension"),
+    "ignore_eos": _h("vLLM extension"),
+    "priority": _h("vLLM extension: lower runs first under --order priority"),
+    "stop_token_ids": _h("vLLM extension"),
+    "min_tokens": _h("vLLM extension"),
+    "prompt_logprobs": _h("vLLM extension: logprobs of the prompt's tokens (not with stream)"),
+    "allowed_token_ids": _h(f"vLLM extension ({_STRUCTURED} branch)"),
+    "bad_words": _h(f"vLLM extension ({_STRUCTURED} branch)"),
+    "structured_outputs": _h(f"vLLM extension: regex, choice, grammar ({_STRUCTURED} branch)"),
+}
+
+CHAT: dict[str, FieldRule] = {
+    **COMMON,
+    "messages": _h("text content only: image, audio and file parts are refused"),
+    "max_tokens": _h("deprecated by OpenAI for max_completion_tokens; default: the rest of the context"),
+    "max_completion_tokens": _h("default: the rest of the context"),
+    "logprobs": _h("the sampled tokens' logprobs"),
+    "top_logprobs": _h("0-20 alternatives per token, with logprobs=true"),
+    "add_generation_prompt": _h("vLLM extension"),
+    "response_format": _h(f"json_object, json_schema ({_STRUCTURED} branch)"),
+    "tools": _h(f"function tools ({_STRUCTURED} branch)"),
+    "tool_choice": _h(f"none, auto, required or a named function ({_STRUCTURED} branch)"),
+    "parallel_tool_calls": _h(f"({_STRUCTURED} branch)"),
+    "metadata": _i("tags for stored completions; nothing is stored"),
+    "safety_identifier": _i("an end-user identifier; not stored"),
+    "prompt_cache_key": _i("a cache-routing hint; the prefix cache works on the tokens themselves"),
+    "prompt_cache_retention": _i("a cache-retention hint; cached prefixes live until their blocks are needed"),
+    "service_tier": _i("one tier here; the answer reports none"),
+    "store": _r("servelab stores no completions", False),
+    "audio": _r("this model takes and returns text only"),
+    "modalities": _r("this model returns text only", ["text"]),
+    "prediction": _r("predicted outputs (speculative decoding from a given text) are not implemented"),
+    "reasoning_effort": _r("this model does not reason before it answers"),
+    "verbosity": _r("this model has no verbosity control"),
+    "web_search_options": _r("servelab has no web search"),
+    "functions": _r("the deprecated functions API is not implemented; use tools"),
+    "function_call": _r("the deprecated functions API is not implemented; use tool_choice"),
+}
+
+COMPLETIONS: dict[str, FieldRule] = {
+    **COMMON,
+    "prompt": _h("a string, a list of token ids, or a list of either"),
+    "max_tokens": _h("default 16, as OpenAI; 0 only with echo"),
+    "logprobs": _h("0-20 alternatives per token"),
+    "echo": _h("the prompt before the completion; with logprobs, the prompt's logprobs (first: null)"),
+    "best_of": _r("server-side best-of-n is not implemented; ask for n choices and rank them", 1),
+    "suffix": _r("insertion (fill-in-the-middle) is not implemented", ""),
+}
+
+# Content part types a text model takes; the others are refused by name.
+TEXT_PART_TYPES = frozenset({"text"})
+
+
+def refuse_unsupported(req: BaseModel, table: dict[str, FieldRule]) -> None:
+    """400 naming the first refused field the request asks for something with."""
+    sent = {name: getattr(req, name) for name in req.model_fields_set}
+    sent.update(req.model_extra or {})
+    for name, value in sent.items():
+        rule = table.get(name)
+        if rule is not None and rule.status is Status.REFUSED and rule.asks_for_something(value):
+            raise InvalidArgument(f"{name} is not supported: {rule.note}", param=name)
+
+
+def refuse_non_text_parts(messages: list[Any]) -> None:
+    """Image, audio and file parts would be dropped from the prompt: refuse them instead."""
+    for i, message in enumerate(messages):
+        if isinstance(message.content, list):
+            for j, part in enumerate(message.content):
+                if part.type not in TEXT_PART_TYPES:
+                    raise InvalidArgument(
+                        f"messages[{i}].content[{j}] is a {part.type!r} part: this model takes text only",
+                        param=f"messages[{i}].content[{j}].type",
+                    )
+
+
+def markdown_table(table: dict[str, FieldRule]) -> str:
+    """The README's field table, written from the same rules the server applies."""
+    rows = ["| field | status | notes |", "|---|---|---|"]
+    for name, rule in table.items():
+        rows.append(f"| `{name}` | {rule.status.value} | {rule.note} |")
+    return "\n".join(rows)
