@@ -157,6 +157,15 @@ class OpenAIStreamClient:
         except (KeyError, TypeError, AttributeError):
             return []
 
+    async def metrics_text(self) -> str | None:
+        """GET /metrics at the server's root (Prometheus text), or None when it has none."""
+        try:
+            async with asyncio.timeout(10.0):
+                async with self._http().get(self.base_url.removesuffix("/v1") + "/metrics") as response:
+                    return await response.text() if response.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, OSError, UnicodeDecodeError):
+            return None
+
     def payload(self, request: BenchRequest) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model,

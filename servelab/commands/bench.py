@@ -157,16 +157,33 @@ def _run(args: argparse.Namespace, workload, slo, loop: asyncio.AbstractEventLoo
             from servelab.bench.session import replace_workload
 
             workload = replace_workload(workload, num_requests=int(workload.rate * duration_s * 1.5) + 16)
+        before = loop.run_until_complete(_prefix_cache_counters(session.client))
         result = loop.run_until_complete(session.run(workload, duration_s=duration_s, warmup=args.warmup))
+        after = loop.run_until_complete(_prefix_cache_counters(session.client))
     finally:
         loop.run_until_complete(session.client.aclose())
-    return _report_run(args, result, config, workload)
+    from servelab.bench.prefix_cache import PrefixCacheReport
+
+    shared = workload.shared_prefix_fraction > 0 or workload.trace is not None or workload.dataset is not None
+    cache = PrefixCacheReport.between(before, after, shared_prefixes_asked=shared, endpoint=args.endpoint)
+    return _report_run(args, result, config, workload, cache)
 
 
-def _report_run(args: argparse.Namespace, result, config: dict[str, Any], workload) -> int:  # noqa: ANN001
+async def _prefix_cache_counters(client):  # noqa: ANN001, ANN202
+    from servelab.bench.prefix_cache import parse_counters
+
+    text = await client.metrics_text()
+    return None if text is None else parse_counters(text)
+
+
+def _report_run(args: argparse.Namespace, result, config: dict[str, Any], workload, cache=None) -> int:  # noqa: ANN001
     from servelab.metrics import format_summary_table
 
     out = {"summary": result.summary.to_dict(), "config": config, "client": result.report.to_dict()}
+    if cache is not None:  # the server's prefix-cache counters over the run (warm-up included)
+        out["server_prefix_cache"] = cache.to_dict()
+        if cache.unexpected:
+            print("\n".join(cache.lines()[1:]), file=sys.stderr)
     if result.steady is not None:
         # Closed loop: the run without its start-up wave (all clients at once), reported beside the
         # whole run's summary, which stays what vLLM's `bench serve` reports.
@@ -189,7 +206,7 @@ def _report_run(args: argparse.Namespace, result, config: dict[str, Any], worklo
             print(f"\nwithout the start-up wave (the first {result.startup_requests} requests, sent at once): "
                   f"{st.num_requests} requests, {st.output_throughput:,.1f} output tok/s, p90 TTFT "
                   f"{_ms(st.ttft_s.p90).strip()}, p90 TPOT {_ms(st.tpot_s.p90).strip()}")
-        extra = result.report.lines()
+        extra = result.report.lines() + ([] if cache is None else cache.lines()[:1])
         if extra:
             print()
             print("\n".join(extra))

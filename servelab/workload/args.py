@@ -50,7 +50,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-groups", type=int, default=1, help="number of distinct shared prefixes (default 1)")
     load.add_argument("--trace", default=None, help="JSONL trace: arrival_s, prompt_tokens, output_tokens per line")
     g.add_argument("--dataset", default=None, help="ShareGPT-format JSON file to draw prompt/output lengths from")
-    g.add_argument("--seed", type=int, default=0, help="random seed (default 0)")
+    g.add_argument("--seed", type=int, default=0,
+                   help="seed of the lengths, arrivals and prompt texts (default 0: the same requests every run; "
+                        "vary it between bench runs against one server, or its prefix cache serves the repeats)")  # fmt: skip
 
 
 def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:

@@ -74,3 +74,22 @@ def test_fifty_requests_complete_and_usage_matches(tiny_server, tmp_path, capsys
         assert len(row["token_times_s"]) == row["output_tokens"]
     # A tiny model's tokens can reach the client in one read (TPOT 0), so only order is asserted.
     assert summary["e2e_s"]["p50"] >= summary["ttft_s"]["p50"] > 0 and summary["tpot_s"]["p50"] >= 0
+
+
+@pytest.mark.slow
+def test_a_repeated_seed_is_reported_as_prefix_cache_hits(tiny_server, capsys):
+    url, model_dir = tiny_server
+    argv = ["bench", "--base-url", url, "--concurrency", "4", "--num-requests", "6", "--input-len", "40-60",
+            "--output-len", "2", "--tokenizer", str(model_dir), "--json", "--seed", "4242"]  # fmt: skip
+
+    def run(*extra: str) -> tuple[dict, str]:
+        assert cli_main(argv + list(extra)) == 0
+        captured = capsys.readouterr()
+        return json.loads(captured.out)["server_prefix_cache"], captured.err
+
+    first, err = run()
+    assert first["hit_tokens"] == 0 and first["query_tokens"] > 0 and "warning" not in err
+    second, err = run()  # the same prompts again
+    assert second["unexpected"] and second["hit_tokens"] >= 6 * 32 and "--seed" in err
+    third, err = run("--seed", "4243")
+    assert third["hit_tokens"] == 0 and "warning" not in err
