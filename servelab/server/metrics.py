@@ -2,7 +2,9 @@
 
 Per-request latencies are observed from the engine's own timestamps (time.perf_counter() on the
 engine thread), as each output reaches the event loop: TTFT and queue time with the first
-token, inter-token latencies as tokens arrive, E2E at the finish. Engine-wide state (running,
+token, inter-token latencies as tokens arrive, E2E and vLLM's per-request phases (prefill,
+decode, inference time, TPOT, token counts) at the finish, and tokens per step after each step.
+docs/metrics.md defines every series. Engine-wide state (running,
 waiting, KV usage, preemptions, prefix-cache totals) is read at scrape time from the snapshot
 the step loop refreshes, so a scrape never touches the engine itself. Each app gets its own
 CollectorRegistry: several servers can live in one process (tests do).
