@@ -54,7 +54,7 @@ _STRUCTURED = "constrained decoding (structured outputs)"
 
 COMMON: dict[str, FieldRule] = {
     "model": _h("must name the served model (404 otherwise); may be left out"),
-    "n": _h(f"choices per prompt, each its own sequence"),
+    "n": _h("choices per prompt, each its own sequence"),
     "temperature": _h("default: the model's generation_config.json, else 1.0"),
     "top_p": _h("default: the model's generation_config.json, else 1.0"),
     "stop": _h("up to any number of stop strings, cut from the text"),

@@ -11,6 +11,8 @@ from fastapi.testclient import TestClient
 
 from servelab.server.app import create_app
 
+pytestmark = pytest.mark.slow  # loads a real (tiny) model
+
 
 @pytest.fixture(scope="module")
 def served(tiny_model_dir):
