@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import struct
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -198,6 +200,16 @@ class Tokenizer:
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.name = name
         self._compiled_template: Any = None
+        # Text a client sends is encoded by a twin that reads special-token text as plain text,
+        # so that only the chat template's own markers become control tokens.
+        self._plain = HFTokenizer.from_str(backend.to_str())
+        self._plain.encode_special_tokens = True
+        special = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special and t.content}
+        self.special_token_ids: dict[str, int] = special  # text -> id of every special (control) token
+        self._special_text = (
+            re.compile("|".join(re.escape(t) for t in sorted(special, key=len, reverse=True))) if special else None
+        )
+        self._post_processor_ids = self._ids_added_by_post_processor()
 
     def _token_or_none(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.backend.id_to_token(token_id)
@@ -215,10 +227,74 @@ class Tokenizer:
     def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt as the engine runs it: `encode`, minus a doubled BOS (a rendered
         chat template already starts with BOS; adding one more confuses the model)."""
-        ids = self.encode(text, add_special_tokens=add_special_tokens)
+        return self._without_doubled_bos(self.encode(text, add_special_tokens=add_special_tokens))
+
+    def encode_user_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text a client sent (a completion prompt): like `encode_prompt`, except
+        that special-token text in it (`<|im_start|>` ...) is tokenized as the plain text it is,
+        so a client can never forge a control token. Token-id prompts remain the way to send one."""
+        if not isinstance(text, str):
+            raise InvalidArgument(f"prompt must be a string, got {type(text).__name__}", param="prompt")
+        return self._with_post_processor(self._plain.encode(text, add_special_tokens=False).ids, add_special_tokens)
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+        """Token ids of a chat, rendered by the template, where only the template's own markers
+        are special tokens: special-token text inside a message's content stays plain text.
+
+        Messages without such text take exactly `encode_prompt(apply_chat_template(...))` (the
+        path whose output matches transformers'). Otherwise each special-token text in a content
+        is swapped for a sentinel before rendering; the rendered text is split at the special
+        tokens left (the template's), and the pieces between are encoded as plain text with the
+        sentinels turned back into the text they stand for."""
+        messages = _normalise_messages(messages)
+        pattern = self._special_text
+        if pattern is None or not any(pattern.search(m["content"]) for m in messages):
+            text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+            return self.encode_prompt(text)
+        nonce = uuid.uuid4().hex
+        sentinel = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
+        originals: list[str] = []
+
+        def escape(match: re.Match[str]) -> str:
+            originals.append(match.group(0))
+            return f"\ue000{nonce}:{len(originals) - 1}\ue001"
+
+        escaped = [{**m, "content": pattern.sub(escape, m["content"])} for m in messages]
+        rendered = self.apply_chat_template(escaped, add_generation_prompt, **template_kwargs)
+        ids: list[int] = []
+        pos = 0
+        for marker in pattern.finditer(rendered):
+            ids += self._encode_plain_piece(rendered[pos : marker.start()], sentinel, originals)
+            ids.append(self.special_token_ids[marker.group(0)])
+            pos = marker.end()
+        ids += self._encode_plain_piece(rendered[pos:], sentinel, originals)
+        return self._with_post_processor(ids, True)
+
+    def _encode_plain_piece(self, piece: str, sentinel: re.Pattern[str], originals: list[str]) -> list[int]:
+        if not piece:
+            return []
+        text = sentinel.sub(lambda m: originals[int(m.group(1))], piece)
+        return self._plain.encode(text, add_special_tokens=False).ids
+
+    def _ids_added_by_post_processor(self) -> tuple[list[int], list[int]]:
+        """The ids the post-processor puts before and after a sequence (BOS, EOS), learnt from a probe."""
+        bare = self.backend.encode("a", add_special_tokens=False).ids
+        full = self.backend.encode("a", add_special_tokens=True).ids
+        for start in range(len(full) - len(bare) + 1):
+            if full[start : start + len(bare)] == bare:
+                return full[:start], full[start + len(bare) :]
+        return [], []
+
+    def _with_post_processor(self, ids: list[int], add_special_tokens: bool) -> list[int]:
+        if add_special_tokens:
+            prefix, suffix = self._post_processor_ids
+            ids = [*prefix, *ids, *suffix]
+        return self._without_doubled_bos(ids)
+
+    def _without_doubled_bos(self, ids: list[int]) -> list[int]:
         bos = self.bos_token_id
         if bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
-            ids = ids[1:]
+            return ids[1:]
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
