@@ -210,6 +210,10 @@ class Tokenizer:
             re.compile("|".join(re.escape(t) for t in sorted(special, key=len, reverse=True))) if special else None
         )
         self._post_processor_ids = self._ids_added_by_post_processor()
+        # An unknown token may stand for a word of any length: then no bound holds.
+        has_unk = getattr(backend.model, "unk_token", None) is not None
+        longest = max((len(t.encode("utf-8")) for t in backend.get_vocab(with_added_tokens=True)), default=0)
+        self._max_bytes_per_token: int | None = None if has_unk or not longest else 2 * longest
 
     def _token_or_none(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.backend.id_to_token(token_id)
@@ -237,7 +241,18 @@ class Tokenizer:
             raise InvalidArgument(f"prompt must be a string, got {type(text).__name__}", param="prompt")
         return self._with_post_processor(self._plain.encode(text, add_special_tokens=False).ids, add_special_tokens)
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any) -> list[int]:
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on the token count of `text`, without tokenizing it (tokenizing costs about
+        a second of CPU per MB): no token covers more bytes than twice the longest vocabulary entry
+        (twice: a normalizer may shorten text). 0 when no bound holds."""
+        if self._max_bytes_per_token is None:
+            return 0
+        return -(-len(text.encode("utf-8", errors="surrogatepass")) // self._max_bytes_per_token)
+
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, add_special_tokens: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
         """Token ids of a chat, rendered by the template, where only the template's own markers
         are special tokens: special-token text inside a message's content stays plain text.
 
@@ -250,7 +265,7 @@ class Tokenizer:
         pattern = self._special_text
         if pattern is None or not any(pattern.search(m["content"]) for m in messages):
             text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
-            return self.encode_prompt(text)
+            return self.encode_prompt(text, add_special_tokens)
         nonce = uuid.uuid4().hex
         sentinel = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
         originals: list[str] = []
@@ -268,7 +283,7 @@ class Tokenizer:
             ids.append(self.special_token_ids[marker.group(0)])
             pos = marker.end()
         ids += self._encode_plain_piece(rendered[pos:], sentinel, originals)
-        return self._with_post_processor(ids, True)
+        return self._with_post_processor(ids, add_special_tokens)
 
     def _encode_plain_piece(self, piece: str, sentinel: re.Pattern[str], originals: list[str]) -> list[int]:
         if not piece:

@@ -1,0 +1,168 @@
+"""What every request passes before a route: the API key on every route but /health and
+/metrics (the lab included), 415 for the content types browsers POST cross-site, CORS only when
+asked for, the body limit (413), and an event loop that stays free while big inputs are handled."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import httpx
+import pytest
+from fastapi.testclient import TestClient
+
+from servelab.server.app import create_app, mount_lab
+from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES
+
+KEY = {"Authorization": "Bearer sk-right"}
+
+
+@pytest.fixture
+def keyed(fake_engine):
+    app = create_app(fake_engine(), api_key="sk-right")
+    assert mount_lab(app)
+    with TestClient(app) as c:
+        yield c
+
+
+@pytest.mark.parametrize("method,path", [
+    ("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
+    ("POST", "/detokenize"), ("GET", "/lab/"), ("GET", "/lab/api/catalog"), ("GET", "/lab/api/lessons/batching"),
+    ("GET", "/lab/static/lab.js"), ("GET", "/openapi.json"), ("GET", "/no-such-route"),
+])  # fmt: skip
+def test_the_api_key_covers_every_route(keyed, method, path):
+    for headers in ({}, {"Authorization": "Bearer sk-wrong"}, {"Authorization": "sk-right"}):
+        r = keyed.request(method, path, headers=headers, json={})
+        assert r.status_code == 401, (path, headers, r.text)
+        assert r.json()["error"]["type"] == "authentication_error"
+        assert "Authorization: Bearer" in r.json()["error"]["message"]
+    assert keyed.request(method, path, headers=KEY, json={}).status_code != 401
+
+
+def test_health_and_metrics_stay_open(keyed):
+    assert keyed.get("/health").status_code == 200
+    assert keyed.get("/metrics").status_code == 200
+    assert keyed.get("/lab/api/catalog", headers=KEY).status_code == 200
+
+
+@pytest.mark.parametrize("content_type", [
+    "text/plain", "text/plain;charset=UTF-8", "application/x-www-form-urlencoded", "multipart/form-data; boundary=x",
+    "TEXT/PLAIN",
+])  # fmt: skip
+def test_browser_simple_content_types_get_415_showing_the_header(fake_engine, content_type):
+    with TestClient(create_app(fake_engine())) as c:
+        r = c.post("/v1/completions", content=b'{"prompt": "hi", "max_tokens": 1}', headers={"Content-Type": content_type})
+        assert r.status_code == 415, r.text
+        assert "Content-Type: application/json" in r.json()["error"]["message"]
+        ok = c.post("/v1/completions", content=b'{"prompt": "hi", "max_tokens": 1}',
+                    headers={"Content-Type": "application/json"})  # fmt: skip
+        assert ok.status_code == 200
+
+
+def test_no_cors_headers_unless_origins_are_allowed(fake_engine):
+    origin = {"Origin": "https://evil.example"}
+    with TestClient(create_app(fake_engine())) as c:
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers=origin)
+        assert r.status_code == 200 and not any(h.startswith("access-control-") for h in r.headers)
+        pre = c.options("/v1/completions", headers={**origin, "Access-Control-Request-Method": "POST"})
+        assert "access-control-allow-origin" not in pre.headers
+    app = create_app(fake_engine(), api_key="sk-right", allowed_origins=["https://app.example"])
+    with TestClient(app) as c:
+        good = {"Origin": "https://app.example"}
+        pre = c.options("/v1/completions", headers={**good, "Access-Control-Request-Method": "POST",
+                                                     "Access-Control-Request-Headers": "authorization,content-type"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://app.example"
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers={**good, **KEY})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers={**origin, **KEY})
+        assert "access-control-allow-origin" not in r.headers
+
+
+def test_bodies_over_the_limit_get_413_declared_or_chunked(fake_engine):
+    with TestClient(create_app(fake_engine(), max_request_bytes=1000)) as c:
+        body = b'{"prompt": "' + b"x" * 2000 + b'"}'
+        r = c.post("/v1/completions", content=body, headers={"Content-Type": "application/json"})
+        assert r.status_code == 413, r.text
+        assert "1,000 bytes" in r.json()["error"]["message"] and "--max-request-bytes" in r.json()["error"]["message"]
+
+        def chunks():  # no Content-Length: counted as it arrives
+            for i in range(0, len(body), 100):
+                yield body[i : i + 100]
+
+        r = c.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"})
+        assert r.status_code == 413, r.text
+        ok = c.post("/v1/completions", json={"prompt": "x" * 100, "max_tokens": 1})
+        assert ok.status_code == 200
+    assert DEFAULT_MAX_REQUEST_BYTES == 4 * 2**20
+
+
+async def _health_latencies_while(app, work) -> tuple[list[float], httpx.Response]:
+    """Run `work(client)` and poll /health meanwhile; each poll's latency in seconds."""
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test", timeout=120) as client:
+            task = asyncio.ensure_future(work(client))
+            latencies = []
+            while not task.done():
+                t0 = time.perf_counter()
+                assert (await client.get("/health")).status_code == 200
+                latencies.append(time.perf_counter() - t0)
+                await asyncio.sleep(0.01)
+            return latencies, task.result()
+
+
+def test_health_answers_within_100ms_while_a_10mb_request_is_rejected(fake_engine):
+    prompt = "The quick brown fox jumps over the lazy dog. " * (10_000_000 // 45)
+    body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1}
+
+    async def post_chunked(client: httpx.AsyncClient) -> httpx.Response:
+        raw = httpx.Request("POST", "/", json=body).content
+
+        async def chunks():
+            for i in range(0, len(raw), 1 << 16):
+                yield raw[i : i + (1 << 16)]
+                await asyncio.sleep(0)
+
+        return await client.post("/v1/chat/completions", content=chunks(), headers={"Content-Type": "application/json"})
+
+    # Over the default limit, sent without a Content-Length: refused once 4 MiB have arrived.
+    latencies, r = asyncio.run(_health_latencies_while(create_app(fake_engine()), post_chunked))
+    assert r.status_code == 413, r.text
+    assert latencies and max(latencies) < 0.1, max(latencies)
+
+    # Within a raised limit: parsed, rendered and tokenized (or refused as too long) off the loop.
+    async def post(client: httpx.AsyncClient) -> httpx.Response:
+        return await client.post("/v1/chat/completions", json=body)
+
+    latencies, r = asyncio.run(_health_latencies_while(create_app(fake_engine(), max_request_bytes=32 << 20), post))
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
+    assert "256 tokens" in r.json()["error"]["message"]
+    assert latencies and max(latencies) < 0.1, max(latencies)
+
+
+def test_tokenizing_runs_off_the_event_loop(fake_engine):
+    """However slow a prompt is to tokenize, the loop answers meanwhile (a slow tokenizer stands in
+    for a big prompt on a slow host)."""
+    engine = fake_engine()
+    tokenizer = engine.tokenizer
+    slow_chat, slow_text = tokenizer.encode_chat, tokenizer.encode_user_text
+
+    def slowly(fn):
+        def run(*args, **kwargs):
+            time.sleep(0.5)
+            return fn(*args, **kwargs)
+
+        return run
+
+    tokenizer.encode_chat, tokenizer.encode_user_text = slowly(slow_chat), slowly(slow_text)
+
+    async def work(client: httpx.AsyncClient) -> httpx.Response:
+        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        completion = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        tokenize = client.post("/tokenize", json={"prompt": "hi"})
+        responses = await asyncio.gather(chat, completion, tokenize)
+        assert [r.status_code for r in responses] == [200, 200, 200], [r.text for r in responses]
+        return responses[0]
+
+    latencies, _ = asyncio.run(_health_latencies_while(create_app(engine), work))
+    assert len(latencies) >= 5 and max(latencies) < 0.1, latencies
