@@ -44,6 +44,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger("servelab.server")
 
 MAX_N = 128  # choices per request: more is almost surely a client bug, and each one is a sequence
+# Stop checks run on the engine thread for every token of every request, so one request's long
+# stop list would slow everyone's steps: 1,000 stops of 1,000 characters cost ~5 ms per token,
+# 64 of 256 at most ~0.05 ms (docs/limits-and-safety.md). OpenAI allows 4 stop strings.
+MAX_STOP = 64  # stop strings, and stop token ids, per request
+MAX_STOP_CHARS = 256  # characters per stop string
 
 
 @dataclass
@@ -240,6 +245,17 @@ def create_app(
         if bad is not None:
             raise InvalidArgument(f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
 
+    def check_stops(stop: list[str], stop_token_ids: list[int]) -> None:
+        for param, values in (("stop", stop), ("stop_token_ids", stop_token_ids)):
+            if len(values) > MAX_STOP:
+                raise InvalidArgument(f"{param} has {len(values)} entries; at most {MAX_STOP} are allowed", param=param)
+        longest = max(stop, key=len, default="")
+        if len(longest) > MAX_STOP_CHARS:
+            raise InvalidArgument(
+                f"stop: a stop string has {len(longest)} characters; at most {MAX_STOP_CHARS} are allowed", param="stop"
+            )
+        check_token_ids(stop_token_ids, "stop_token_ids")
+
     def completion_prompts(prompt: str | list) -> list[str | list[int]]:
         if isinstance(prompt, str):
             return [prompt]
@@ -295,6 +311,7 @@ def create_app(
         if req.n < 1 or req.n > MAX_N:
             raise InvalidArgument(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        check_stops(stop, list(req.stop_token_ids or []))
         out = []
         for i, prompt in enumerate(prompts):  # token ids, checked
             limit = state.engine.max_model_len

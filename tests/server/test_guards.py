@@ -184,3 +184,23 @@ def test_client_text_never_becomes_special_tokens_but_token_ids_may(fake_engine)
         assert chat.json()["usage"]["prompt_tokens"] > len(clean)  # the forged markers are many plain tokens
         by_id = c.post("/v1/completions", json={"prompt": [*sorted(special), 20, 21], "max_tokens": 1})
         assert by_id.status_code == 200 and by_id.json()["usage"]["prompt_tokens"] == len(special) + 2
+
+
+def test_stop_lists_are_bounded(fake_engine):
+    from servelab.server.app import MAX_STOP, MAX_STOP_CHARS
+
+    body = {"prompt": "hello", "max_tokens": 2}
+    with TestClient(create_app(fake_engine())) as c:
+        many = c.post("/v1/completions", json={**body, "stop": [f"s{i}" for i in range(1000)]})
+        assert many.status_code == 400 and f"at most {MAX_STOP}" in many.json()["error"]["message"], many.text
+        assert many.json()["error"]["param"] == "stop"
+        long = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                    "stop": "x" * (MAX_STOP_CHARS + 1)})  # fmt: skip
+        assert long.status_code == 400 and f"at most {MAX_STOP_CHARS}" in long.json()["error"]["message"]
+        ids = c.post("/v1/completions", json={**body, "stop_token_ids": list(range(MAX_STOP + 1))})
+        assert ids.status_code == 400 and ids.json()["error"]["param"] == "stop_token_ids"
+        outside = c.post("/v1/completions", json={**body, "stop_token_ids": [10**6], "min_tokens": 1})
+        assert outside.status_code == 400 and "outside the vocabulary" in outside.json()["error"]["message"]
+        most = c.post("/v1/completions", json={**body, "stop": ["x" * MAX_STOP_CHARS] * MAX_STOP,
+                                               "stop_token_ids": list(range(MAX_STOP))})  # fmt: skip
+        assert most.status_code == 200, most.text
