@@ -74,6 +74,7 @@ class CapacityPlanner:
         self.max_cached = max(max_cached, max_running)
         self._plans: OrderedDict[tuple, _PlanState] = OrderedDict()
         self._pool: ProcessPoolExecutor | None = None
+        self._retiring: threading.Thread | None = None  # shuts an idle pool down
         # Re-entrant: a future that is already done runs its callback in the submitting thread.
         self._lock = threading.RLock()
 
@@ -117,6 +118,9 @@ class CapacityPlanner:
         from servelab.bench.planner import plan_one
 
         if self._pool is None:
+            if self._retiring is not None:  # never two pools' processes at once
+                self._retiring.join()
+                self._retiring = None
             # spawn, not fork: this runs beside the web server's threads.
             self._pool = ProcessPoolExecutor(max_workers=self.max_workers,
                                              mp_context=multiprocessing.get_context("spawn"))  # fmt: skip
@@ -137,8 +141,10 @@ class CapacityPlanner:
                 return
             state.done.set()
             if self.num_running == 0 and self._pool is not None:
-                # Idle: give the worker processes back; the next plan starts a new pool.
-                self._pool.shutdown(wait=False)
+                # Idle: give the worker processes back; the next plan starts a new pool. Not
+                # here, though: this callback runs on the pool's own management thread.
+                self._retiring = threading.Thread(target=self._pool.shutdown, name="lab-plan-pool-shutdown")
+                self._retiring.start()
                 self._pool = None
 
     def _evict(self) -> None:

@@ -29,8 +29,16 @@ def _wait_done(client: TestClient, params: dict, timeout_s: float = 120) -> None
     raise AssertionError("the capacity plan did not finish")
 
 
+def _wait_no_children(timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not multiprocessing.active_children()
+
+
 @pytest.mark.slow
 def test_plans_share_one_bounded_pool_queue_and_cache():
+    _wait_no_children()  # other tests' pools
     app = create_lab_app()
     planner = app.state.capacity_planner = CapacityPlanner(max_workers=1, max_running=1, max_cached=2)
     client = TestClient(app)
@@ -41,11 +49,7 @@ def test_plans_share_one_bounded_pool_queue_and_cache():
     assert busy.headers["retry-after"] == "5" and "1 capacity plans" in busy.json()["error"]["message"]
     _wait_done(client, _params(2))
 
-    # Idle again: the worker processes are given back.
-    deadline = time.monotonic() + 30
-    while multiprocessing.active_children() and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert not multiprocessing.active_children()
+    _wait_no_children()  # idle again: the worker processes are given back
 
     _wait_done(client, _params(3))
     _wait_done(client, _params(4))
