@@ -39,11 +39,6 @@ _TYPE_BY_STATUS = {
 }
 
 
-class Unauthorized(ServelabError):
-    http_status = 401
-    error_type = "authentication_error"
-
-
 class ServerDraining(ServelabError):
     """The server got SIGTERM: it finishes what it has and takes nothing new."""
 
@@ -207,7 +202,6 @@ def install_error_handlers(app: FastAPI) -> None:
 __all__ = [
     "QueueFull",
     "ServerDraining",
-    "Unauthorized",
     "error_json",
     "error_response",
     "from_servelab_error",

@@ -212,3 +212,16 @@ def test_stop_lists_are_bounded(fake_engine):
         most = c.post("/v1/completions", json={**body, "stop": ["x" * MAX_STOP_CHARS] * MAX_STOP,
                                                "stop_token_ids": list(range(MAX_STOP))})  # fmt: skip
         assert most.status_code == 200, most.text
+
+
+def test_detokenizing_a_long_list_runs_off_the_event_loop(fake_engine):
+    engine = fake_engine()
+    tokens = list(range(3, 500)) * 1600  # ~800k ids, near what a 4 MiB body holds
+
+    async def work(client: httpx.AsyncClient) -> httpx.Response:
+        r = await client.post("/detokenize", json={"tokens": tokens})
+        assert r.status_code == 200 and r.json()["prompt"] == engine.tokenizer.backend.decode(tokens), r.text[:200]
+        return r
+
+    latencies, _ = asyncio.run(_health_latencies_while(create_app(engine), work))
+    _assert_responsive(latencies)
