@@ -246,9 +246,9 @@ class Tokenizer:
         return self._with_post_processor(_encode_releasing_gil(self._plain, text, False), add_special_tokens)
 
     def min_num_tokens(self, text: str) -> int:
-        """A lower bound on the token count of `text`, without tokenizing it (tokenizing costs about
-        a second of CPU per MB): no token covers more bytes than twice the longest vocabulary entry
-        (twice: a normalizer may shorten text). 0 when no bound holds."""
+        """A lower bound on the token count of `text`, without tokenizing it: no token covers more
+        bytes than twice the longest vocabulary entry (twice: a normalizer may shorten text). 0
+        when no bound holds."""
         if self._max_bytes_per_token is None:
             return 0
         return -(-len(text.encode("utf-8", errors="surrogatepass")) // self._max_bytes_per_token)
@@ -319,7 +319,7 @@ class Tokenizer:
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
         ids = list(ids)
         if len(ids) > _DECODE_RELEASING_GIL_FROM:
-            # `decode` holds the GIL throughout (0.5 s for 800k ids); `decode_batch` releases it.
+            # `decode` holds the GIL throughout; `decode_batch` releases it.
             return self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
@@ -517,8 +517,8 @@ class Tokenizer:
 
 
 def _encode_releasing_gil(backend: HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    # tokenizers' `encode` holds the GIL for the whole encoding (0.6 s for 900 kB of text with
-    # the test tokenizer); `encode_batch` releases it, so the server's other threads run meanwhile.
+    # tokenizers' `encode` holds the GIL for the whole encoding; `encode_batch` releases it, so
+    # the server's event loop runs meanwhile.
     return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 

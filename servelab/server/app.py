@@ -44,9 +44,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("servelab.server")
 
 MAX_N = 128  # choices per request: more is almost surely a client bug, and each one is a sequence
-# Stop checks run on the engine thread for every token of every request, so one request's long
-# stop list would slow everyone's steps: 1,000 stops of 1,000 characters cost ~5 ms per token,
-# 64 of 256 at most ~0.05 ms (docs/limits-and-safety.md). OpenAI allows 4 stop strings.
+# Stop strings are matched on the engine thread for every token of every request, so one
+# request's long list would slow everyone's steps (figures in docs/limits-and-safety.md).
 MAX_STOP = 64  # stop strings, and stop token ids, per request
 MAX_STOP_CHARS = 256  # characters per stop string
 
@@ -266,7 +265,7 @@ def create_app(
         return list(prompt)
 
     def check_fits_untokenized(text: str, param: str) -> None:
-        # A prompt that cannot fit is refused before it costs a second of CPU per MB to tokenize.
+        # Refused before tokenizing, the costliest step of a big prompt that could never run anyway.
         limit = state.engine.max_model_len
         at_least = state.engine.tokenizer.min_num_tokens(text)
         if at_least > limit:

@@ -2,8 +2,8 @@
 
 Parsing a large body, rendering the chat template, tokenizing and detokenizing take time in
 proportion to the input; on the event loop they would stall /health and every stream for as
-long (a 10 MB prompt once froze the server for 33 s). They run here instead, on a small pool
-of threads: the tokenizers library releases the GIL, so the loop keeps its pace meanwhile.
+long (docs/limits-and-safety.md). They run here instead, on a small pool of threads; the
+tokenizer's calls release the GIL (see `engine/tokenizer.py`), so the loop keeps its pace.
 """
 
 from __future__ import annotations
