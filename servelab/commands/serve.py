@@ -197,7 +197,10 @@ def run(args: argparse.Namespace) -> int:
             log.info("servelab: signal %d: draining (new requests get 503; %.0f s for running ones)", sig,
                      shutdown_timeout_s)  # fmt: skip
             state.begin_drain(grace_s=shutdown_timeout_s)
-            state.loop.call_soon_threadsafe(asyncio.ensure_future, self._exit_when_drained())
+            state.loop.call_soon_threadsafe(self._watch_drain)
+
+        def _watch_drain(self) -> None:
+            self._drain_task = asyncio.ensure_future(self._exit_when_drained())  # held: the loop keeps weak refs
 
         async def _exit_when_drained(self) -> None:
             # The grace-period abort ends what is left at shutdown_timeout_s; the extra second
