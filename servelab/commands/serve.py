@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import re
 import signal
@@ -12,7 +13,8 @@ import time
 
 from servelab.commands._engine_cli import KV_CACHE_DTYPE_HELP, QUANTIZATION_HELP
 from servelab.errors import InvalidArgument
-from servelab.units import parse_duration_s
+from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES, OPEN_PATHS
+from servelab.units import parse_duration_s, parse_str_list
 
 HELP = "serve a model over an OpenAI-compatible HTTP API"
 
@@ -41,7 +43,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net = parser.add_argument_group("network")
     net.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     net.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
-    net.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1, /tokenize, /detokenize")
+    net.add_argument("--api-key", default=None,
+                     help=f"require 'Authorization: Bearer KEY' on every route but {' and '.join(sorted(OPEN_PATHS))} "
+                          "(the lab at /lab included)")  # fmt: skip
+    net.add_argument("--allowed-origins", default=None,
+                     help="comma-separated origins whose web pages may call the API (CORS), e.g. "
+                          "https://app.example.com; default: none, no CORS headers are sent")  # fmt: skip
+    net.add_argument("--max-request-bytes", default=None,
+                     help=f"largest request body; larger ones get 413 before they are read "
+                          f"(default {DEFAULT_MAX_REQUEST_BYTES // 2**20}MiB)")  # fmt: skip
     net.add_argument("--shutdown-timeout", default="30s",
                      help="on SIGTERM, how long running requests may take to finish before they are aborted "
                           "(default 30s)")  # fmt: skip
@@ -125,6 +135,11 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     shutdown_timeout_s = parse_duration_s(args.shutdown_timeout, name="--shutdown-timeout")
     kv_bytes = parse_bytes(args.kv_cache_memory, name="--kv-cache-memory") if args.kv_cache_memory else None
+    max_request_bytes = (
+        parse_bytes(args.max_request_bytes, name="--max-request-bytes") if args.max_request_bytes
+        else DEFAULT_MAX_REQUEST_BYTES
+    )  # fmt: skip
+    allowed_origins = parse_str_list(args.allowed_origins) if args.allowed_origins else None
     log = _setup_logging(args.log_level)
 
     import prometheus_client
@@ -171,17 +186,33 @@ def run(args: argparse.Namespace) -> int:
 
     # The *_created series double /metrics and no dashboard reads them (vLLM drops them too).
     prometheus_client.disable_created_metrics()
-    app = create_app(engine, api_key=args.api_key)
+    app = create_app(engine, api_key=args.api_key, max_request_bytes=max_request_bytes, allowed_origins=allowed_origins)
     state = app.state.servelab
     lab = not args.no_lab and mount_lab(app)
 
     class _Server(uvicorn.Server):
+        """Drains before uvicorn shuts down: uvicorn closes the listening socket as soon as it
+        is told to exit, so the first signal only starts the drain (new requests get 503 +
+        Retry-After, not connection refused) and uvicorn is told once nothing runs or the grace
+        period is over. A second signal stops at once."""
+
         def handle_exit(self, sig: int, frame: object) -> None:
-            if not state.draining:
-                log.info("servelab: signal %d: draining (no new requests; %.0f s for running ones)", sig,
-                         shutdown_timeout_s)  # fmt: skip
+            if state.draining or state.loop is None:
+                super().handle_exit(sig, frame)
+                return
+            log.info("servelab: signal %d: draining (new requests get 503; %.0f s for running ones)", sig,
+                     shutdown_timeout_s)  # fmt: skip
             state.begin_drain(grace_s=shutdown_timeout_s)
-            super().handle_exit(sig, frame)
+            state.loop.call_soon_threadsafe(self._watch_drain)
+
+        def _watch_drain(self) -> None:
+            self._drain_task = asyncio.ensure_future(self._exit_when_drained())  # held: the loop keeps weak refs
+
+        async def _exit_when_drained(self) -> None:
+            # The grace-period abort ends what is left at shutdown_timeout_s; the extra second
+            # lets those error events reach their clients.
+            await state.wait_drained(shutdown_timeout_s + 1.0)
+            self.should_exit = True
 
     config = uvicorn.Config(
         app,

@@ -12,7 +12,9 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import struct
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -148,6 +150,10 @@ _BPE_PRE_TOKENIZERS: dict[str, tuple[str, bool, bool]] = {
 
 SUPPORTED_GGUF_PRE_TOKENIZERS = tuple(sorted(_BPE_PRE_TOKENIZERS))
 
+# Below this many ids `decode` (the streaming detokenizer's few-token windows) skips the batch
+# call's overhead; above it, other threads must not wait for the decode.
+_DECODE_RELEASING_GIL_FROM = 1024
+
 # llama.cpp token types
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
@@ -198,6 +204,20 @@ class Tokenizer:
         self.vocab_size: int = backend.get_vocab_size(with_added_tokens=True)
         self.name = name
         self._compiled_template: Any = None
+        # Text a client sends is encoded by a twin that reads special-token text as plain text,
+        # so that only the chat template's own markers become control tokens.
+        self._plain = HFTokenizer.from_str(backend.to_str())
+        self._plain.encode_special_tokens = True
+        special = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special and t.content}
+        self.special_token_ids: dict[str, int] = special  # text -> id of every special (control) token
+        self._special_text = (
+            re.compile("|".join(re.escape(t) for t in sorted(special, key=len, reverse=True))) if special else None
+        )
+        self._post_processor_ids = self._ids_added_by_post_processor()
+        # An unknown token may stand for a word of any length: then no bound holds.
+        has_unk = getattr(backend.model, "unk_token", None) is not None
+        longest = max((len(t.encode("utf-8")) for t in backend.get_vocab(with_added_tokens=True)), default=0)
+        self._max_bytes_per_token: int | None = None if has_unk or not longest else 2 * longest
 
     def _token_or_none(self, token_id: int | None) -> str | None:
         return None if token_id is None else self.backend.id_to_token(token_id)
@@ -210,19 +230,98 @@ class Tokenizer:
         the model's post-processor asks for."""
         if not isinstance(text, str):
             raise InvalidArgument(f"prompt must be a string, got {type(text).__name__}", param="prompt")
-        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        return _encode_releasing_gil(self.backend, text, add_special_tokens)
 
     def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of a prompt as the engine runs it: `encode`, minus a doubled BOS (a rendered
         chat template already starts with BOS; adding one more confuses the model)."""
-        ids = self.encode(text, add_special_tokens=add_special_tokens)
+        return self._without_doubled_bos(self.encode(text, add_special_tokens=add_special_tokens))
+
+    def encode_user_text(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of text a client sent (a completion prompt): like `encode_prompt`, except
+        that special-token text in it (`<|im_start|>` ...) is tokenized as the plain text it is,
+        so a client can never forge a control token. Token-id prompts remain the way to send one."""
+        if not isinstance(text, str):
+            raise InvalidArgument(f"prompt must be a string, got {type(text).__name__}", param="prompt")
+        return self._with_post_processor(_encode_releasing_gil(self._plain, text, False), add_special_tokens)
+
+    def min_num_tokens(self, text: str) -> int:
+        """A lower bound on the token count of `text`, without tokenizing it: no token covers more
+        bytes than twice the longest vocabulary entry (twice: a normalizer may shorten text). 0
+        when no bound holds."""
+        if self._max_bytes_per_token is None:
+            return 0
+        return -(-len(text.encode("utf-8", errors="surrogatepass")) // self._max_bytes_per_token)
+
+    def encode_chat(
+        self, messages: list[dict], add_generation_prompt: bool = True, add_special_tokens: bool = True,
+        **template_kwargs: Any,
+    ) -> list[int]:
+        """Token ids of a chat, rendered by the template, where only the template's own markers
+        are special tokens: special-token text inside a message's content stays plain text.
+
+        Messages without such text take exactly `encode_prompt(apply_chat_template(...))` (the
+        path whose output matches transformers'). Otherwise each special-token text in a content
+        is swapped for a sentinel before rendering; the rendered text is split at the special
+        tokens left (the template's), and the pieces between are encoded as plain text with the
+        sentinels turned back into the text they stand for."""
+        messages = _normalise_messages(messages)
+        pattern = self._special_text
+        if pattern is None or not any(pattern.search(m["content"]) for m in messages):
+            text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
+            return self.encode_prompt(text, add_special_tokens)
+        nonce = uuid.uuid4().hex
+        sentinel = re.compile(f"\ue000{nonce}:(\\d+)\ue001")
+        originals: list[str] = []
+
+        def escape(match: re.Match[str]) -> str:
+            originals.append(match.group(0))
+            return f"\ue000{nonce}:{len(originals) - 1}\ue001"
+
+        escaped = [{**m, "content": pattern.sub(escape, m["content"])} for m in messages]
+        rendered = self.apply_chat_template(escaped, add_generation_prompt, **template_kwargs)
+        ids: list[int] = []
+        pos = 0
+        for marker in pattern.finditer(rendered):
+            ids += self._encode_plain_piece(rendered[pos : marker.start()], sentinel, originals)
+            ids.append(self.special_token_ids[marker.group(0)])
+            pos = marker.end()
+        ids += self._encode_plain_piece(rendered[pos:], sentinel, originals)
+        return self._with_post_processor(ids, add_special_tokens)
+
+    def _encode_plain_piece(self, piece: str, sentinel: re.Pattern[str], originals: list[str]) -> list[int]:
+        if not piece:
+            return []
+        text = sentinel.sub(lambda m: originals[int(m.group(1))], piece)
+        return _encode_releasing_gil(self._plain, text, False)
+
+    def _ids_added_by_post_processor(self) -> tuple[list[int], list[int]]:
+        """The ids the post-processor puts before and after a sequence (BOS, EOS), learnt from a probe."""
+        bare = self.backend.encode("a", add_special_tokens=False).ids
+        full = self.backend.encode("a", add_special_tokens=True).ids
+        for start in range(len(full) - len(bare) + 1):
+            if full[start : start + len(bare)] == bare:
+                return full[:start], full[start + len(bare) :]
+        return [], []
+
+    def _with_post_processor(self, ids: list[int], add_special_tokens: bool) -> list[int]:
+        if add_special_tokens:
+            prefix, suffix = self._post_processor_ids
+            ids = [*prefix, *ids, *suffix]
+        return self._without_doubled_bos(ids)
+
+    def _without_doubled_bos(self, ids: list[int]) -> list[int]:
         bos = self.bos_token_id
         if bos is not None and len(ids) > 1 and ids[0] == ids[1] == bos:
-            ids = ids[1:]
+            return ids[1:]
         return ids
 
     def decode(self, ids: Iterable[int], skip_special_tokens: bool = True) -> str:
-        return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        ids = list(ids)
+        if len(ids) > _DECODE_RELEASING_GIL_FROM:
+            # `decode` holds the GIL throughout; `decode_batch` releases it.
+            return self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def id_to_token(self, i: int) -> str | None:
         return self.backend.id_to_token(i)
@@ -415,6 +514,12 @@ class Tokenizer:
         if p.is_file() and p.suffix.lower() == ".gguf":
             return cls.from_gguf(p)
         raise NotFound(f"no tokenizer at {p}: expected a .gguf file or a directory with tokenizer.json")
+
+
+def _encode_releasing_gil(backend: HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    # tokenizers' `encode` holds the GIL for the whole encoding; `encode_batch` releases it, so
+    # the server's event loop runs meanwhile.
+    return backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
 
 
 def _end_of_turn_ids(backend: HFTokenizer, chat_template: str | None) -> list[int]:

@@ -9,13 +9,16 @@ configuration does not fit.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from servelab.errors import NotFound
 from servelab.lab import roofline_lessons
 from servelab.lab.common import TP_CHOICES, common_defaults
 from servelab.lab.params import Params
 from servelab.spec import HARDWARE, KV_DTYPES, MODELS, WEIGHT_DTYPES
+
+if TYPE_CHECKING:
+    from servelab.lab.capacity_lesson import CapacityPlanner
 
 LessonFn = Callable[[Params], dict[str, Any]]
 
@@ -30,20 +33,14 @@ def _sim(name: str) -> LessonFn:
     return run
 
 
-def _capacity(p: Params) -> dict[str, Any]:
-    from servelab.lab import capacity_lesson
-
-    return capacity_lesson.capacity(p)
-
-
-LESSONS: dict[str, LessonFn] = {
+LESSONS: dict[str, LessonFn | None] = {
     "two-workloads": roofline_lessons.two_workloads,
     "batching": roofline_lessons.batching,
     "slo": _sim("slo"),
     "chunked-prefill": _sim("chunked_prefill"),
     "disaggregated": _sim("disaggregated"),
     "memory": roofline_lessons.memory,
-    "capacity": _capacity,
+    "capacity": None,  # needs the lab's CapacityPlanner: see run_lesson
 }
 
 # The controls' starting values, per lesson (the API's own defaults are the same).
@@ -73,9 +70,13 @@ def catalog() -> dict[str, Any]:
     }
 
 
-def run_lesson(name: str, params: Params) -> dict[str, Any]:
+def run_lesson(name: str, params: Params, planner: CapacityPlanner) -> dict[str, Any]:
     try:
         fn = LESSONS[name]
     except KeyError:
         raise NotFound(f"no lesson {name!r}; the lessons are: {', '.join(LESSONS)}") from None
+    if fn is None:
+        from servelab.lab import capacity_lesson
+
+        return capacity_lesson.capacity(params, planner)
     return fn(params)

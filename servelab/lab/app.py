@@ -37,17 +37,22 @@ def _static_dir() -> Path:
 
 
 def _error_response(exc: ServelabError) -> JSONResponse:
+    from servelab.lab.capacity_lesson import RETRY_AFTER_S
+
     body = {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param}}
-    return JSONResponse(body, status_code=exc.http_status)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.http_status == 429 else None
+    return JSONResponse(body, status_code=exc.http_status, headers=headers)
 
 
 def create_lab_app(engine_metrics_source: EngineMetricsSource | None = None) -> FastAPI:
     """The lab as an ASGI app. Mount it anywhere (`app.mount("/lab", create_lab_app(...))`): the
     page addresses its API and files by relative URLs."""
     from servelab.lab import api  # the lesson registry imports the cost model; keep app import cheap
+    from servelab.lab.capacity_lesson import CapacityPlanner
 
     app = FastAPI(title="servelab lab", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine_metrics_source = engine_metrics_source
+    app.state.capacity_planner = CapacityPlanner()
 
     @app.exception_handler(ServelabError)
     async def _servelab_error(_: Request, exc: ServelabError) -> JSONResponse:
@@ -78,7 +83,7 @@ def create_lab_app(engine_metrics_source: EngineMetricsSource | None = None) -> 
     @app.get("/api/lessons/{name}")
     def lesson(name: str, request: Request) -> Any:
         # A dict, or a ready response (the capacity plan answers 202 while it runs).
-        return api.run_lesson(name, Params(request.query_params))
+        return api.run_lesson(name, Params(request.query_params), app.state.capacity_planner)
 
     @app.get("/api/live")
     def live() -> dict[str, Any]:

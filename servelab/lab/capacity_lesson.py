@@ -4,7 +4,11 @@
 A plan is a capacity search on the simulator for every accelerator, which takes far longer than
 one HTTP request should wait. So the first request for a parameter set starts the plan in the
 background and answers 202 with its progress; the page polls until the 200 with the result.
-Finished plans stay cached for the life of the process (they are deterministic).
+
+Every plan of one lab runs on its `CapacityPlanner`: one process pool (started on demand, shut
+down when idle), at most MAX_RUNNING_PLANS plans at once (429 beyond), and an LRU cache of the
+last MAX_CACHED_PLANS results (plans are deterministic). A lab reachable by anyone must not
+start processes per distinct URL, nor remember every URL forever.
 """
 
 from __future__ import annotations
@@ -12,12 +16,14 @@ from __future__ import annotations
 import multiprocessing
 import os
 import threading
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from collections import OrderedDict
+from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi.responses import JSONResponse
 
+from servelab.errors import ServelabError
 from servelab.lab.common import fmt, setup_from, stat
 from servelab.lab.params import Params
 from servelab.metrics import SLO
@@ -26,6 +32,14 @@ from servelab.spec import HARDWARE
 # Small on purpose: each accelerator's search runs ~10 simulations of this many requests.
 PLAN_NUM_REQUESTS = 64
 PLAN_PERCENTILE = 90
+MAX_RUNNING_PLANS = 2  # each keeps the whole pool busy for seconds; more would only queue
+MAX_CACHED_PLANS = 64  # a plan's result is a few kB
+RETRY_AFTER_S = 5
+
+
+class LabBusy(ServelabError):
+    http_status = 429
+    error_type = "rate_limit_exceeded"
 
 
 @dataclass(slots=True)
@@ -34,10 +48,7 @@ class _PlanState:
     rows: dict[str, Any] = field(default_factory=dict)  # hardware name -> PlanRow
     error: str | None = None
     done: threading.Event = field(default_factory=threading.Event)
-
-
-_PLANS: dict[tuple, _PlanState] = {}
-_LOCK = threading.Lock()
+    remaining: int = 0
 
 
 def _jobs(key: tuple) -> list[Any]:
@@ -53,50 +64,120 @@ def _jobs(key: tuple) -> list[Any]:
     ]
 
 
-def _run(key: tuple, state: _PlanState) -> None:
-    from servelab.bench.planner import plan_one
+class CapacityPlanner:
+    """The capacity plans of one lab: a bounded pool, a bounded queue, a bounded cache."""
 
-    try:
-        jobs = _jobs(key)
-        workers = max(1, min(len(jobs), (os.cpu_count() or 1)))
-        # spawn, not fork: this runs beside the web server's threads.
-        with ProcessPoolExecutor(max_workers=workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-            futures = {pool.submit(plan_one, job): job.hardware for job in jobs}
-            for future in as_completed(futures):
-                state.rows[futures[future]] = future.result()
-    except Exception as exc:  # reported to the page; the next request retries
-        state.error = f"{type(exc).__name__}: {exc}"
-    finally:
-        state.done.set()
+    def __init__(self, *, max_workers: int | None = None, max_running: int = MAX_RUNNING_PLANS,
+                 max_cached: int = MAX_CACHED_PLANS):  # fmt: skip
+        self.max_workers = max_workers or max(1, min(len(HARDWARE), os.cpu_count() or 1))
+        self.max_running = max_running
+        self.max_cached = max(max_cached, max_running)
+        self._plans: OrderedDict[tuple, _PlanState] = OrderedDict()
+        self._pool: ProcessPoolExecutor | None = None
+        self._retiring: threading.Thread | None = None  # shuts an idle pool down
+        # Re-entrant: a future that is already done runs its callback in the submitting thread.
+        self._lock = threading.RLock()
+
+    @property
+    def num_running(self) -> int:
+        with self._lock:
+            return sum(1 for state in self._plans.values() if not state.done.is_set())
+
+    @property
+    def num_processes(self) -> int:
+        with self._lock:
+            return 0 if self._pool is None else len(self._pool._processes or {})  # noqa: SLF001
+
+    def plan_for(self, key: tuple, wait: bool = False) -> _PlanState:
+        with self._lock:
+            state = self._plans.get(key)
+            if state is not None and not (state.done.is_set() and state.error):
+                self._plans.move_to_end(key)
+            else:
+                state = self._start(key)
+        if wait:
+            state.done.wait()
+        return state
+
+    def _start(self, key: tuple) -> _PlanState:
+        if self.num_running >= self.max_running:
+            raise LabBusy(
+                f"the lab is already running {self.max_running} capacity plans (the most it runs at once); "
+                f"retry in {RETRY_AFTER_S} s"
+            )
+        state = _PlanState(total=len(HARDWARE))
+        self._plans[key] = state
+        self._plans.move_to_end(key)
+        self._evict()
+        try:
+            jobs = _jobs(key)
+        except Exception as exc:  # reported to the page; the next request retries
+            state.error = f"{type(exc).__name__}: {exc}"
+            state.done.set()
+            return state
+        from servelab.bench.planner import plan_one
+
+        if self._pool is None:
+            if self._retiring is not None:  # never two pools' processes at once
+                self._retiring.join()
+                self._retiring = None
+            # spawn, not fork: this runs beside the web server's threads.
+            self._pool = ProcessPoolExecutor(max_workers=self.max_workers,
+                                             mp_context=multiprocessing.get_context("spawn"))  # fmt: skip
+        state.remaining = len(jobs)
+        for job in jobs:
+            future = self._pool.submit(plan_one, job)
+            future.add_done_callback(lambda f, hw=job.hardware: self._job_done(state, hw, f))
+        return state
+
+    def _job_done(self, state: _PlanState, hardware: str, future: Future) -> None:
+        with self._lock:
+            try:
+                state.rows[hardware] = future.result()
+            except Exception as exc:
+                state.error = state.error or f"{type(exc).__name__}: {exc}"
+            state.remaining -= 1
+            if state.remaining > 0:
+                return
+            state.done.set()
+            if self.num_running == 0 and self._pool is not None:
+                # Idle: give the worker processes back; the next plan starts a new pool. Not
+                # here, though: this callback runs on the pool's own management thread.
+                self._retiring = threading.Thread(target=self._pool.shutdown, name="lab-plan-pool-shutdown")
+                self._retiring.start()
+                self._pool = None
+
+    def _evict(self) -> None:
+        while len(self._plans) > self.max_cached:
+            oldest = next((k for k, s in self._plans.items() if s.done.is_set()), None)
+            if oldest is None:
+                return
+            del self._plans[oldest]
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._plans)
+
+    def close(self) -> None:
+        with self._lock:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False, cancel_futures=True)
+                self._pool = None
 
 
-def plan_for(key: tuple, wait: bool = False) -> _PlanState:
-    with _LOCK:
-        state = _PLANS.get(key)
-        if state is None or (state.done.is_set() and state.error):
-            state = _PlanState(total=len(HARDWARE))
-            _PLANS[key] = state
-            threading.Thread(target=_run, args=(key, state), daemon=True, name="lab-plan").start()
-    if wait:
-        state.done.wait()
-    return state
-
-
-def capacity(p: Params) -> dict[str, Any] | JSONResponse:
+def capacity(p: Params, planner: CapacityPlanner) -> dict[str, Any] | JSONResponse:
     s = setup_from(p)
     tpot_ms = p.float("tpot_ms", 50.0, lo=1.0, hi=10_000.0)
     prompt_len = p.int("prompt_len", 1024, lo=1, hi=131072)
     output_len = p.int("output_len", 128, lo=2, hi=8192)
     s.roofline()._check_context(prompt_len + output_len, "prompt_len + output_len")  # noqa: SLF001
     key = (s.model.name, s.weight_dtype, s.kv_dtype, s.tp, tpot_ms, prompt_len, output_len)
-    state = plan_for(key)
+    state = planner.plan_for(key)
     if not state.done.is_set():
         return JSONResponse({"status": "running", "done": len(state.rows), "total": state.total,
                              "message": f"planning: {len(state.rows)} of {state.total} accelerators simulated"},
                             status_code=202)
     if state.error:
-        from servelab.errors import ServelabError
-
         raise ServelabError(f"the capacity plan failed: {state.error}")
     return result(s, key, state, tpot_ms, prompt_len, output_len)
 

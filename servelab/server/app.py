@@ -9,7 +9,6 @@ response starts, with OpenAI's error JSON; nothing a client does can stop the st
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 import uuid
@@ -18,7 +17,8 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -30,15 +30,16 @@ from servelab.errors import InvalidArgument, NotFound, RequestTooLong, ServelabE
 from servelab.server import fields
 from servelab.server import protocol as p
 from servelab.server.async_engine import AsyncEngine, EngineFailure, EngineRequest, EngineStopped, RequestStream
+from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from servelab.server.http_errors import (
     ServerDraining,
-    Unauthorized,
     error_json,
     install_error_handlers,
     parse_body,
 )
 from servelab.server.fields import refuse_non_text_parts, refuse_unsupported
 from servelab.server.metrics import CONTENT_TYPE, ServerMetrics
+from servelab.server.offload import Offload
 from servelab.server.prompt_scoring import echoed_logprobs, prompt_logprobs_wanted, token_text, vllm_prompt_logprobs
 from servelab.server.sse import DONE, sse_event
 
@@ -50,6 +51,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger("servelab.server")
 
 MAX_N = 128  # choices per request: more is almost surely a client bug, and each one is a sequence
+# Stop strings are matched on the engine thread for every token of every request, so one
+# request's long list would slow everyone's steps (figures in docs/limits-and-safety.md).
+MAX_STOP = 64  # stop strings, and stop token ids, per request
+MAX_STOP_CHARS = 256  # characters per stop string
 
 
 @dataclass
@@ -64,6 +69,7 @@ class ServerState:
     started_s: float = field(default_factory=time.time)
     draining: bool = False  # set on SIGTERM: finish what is running, take nothing new
     loop: asyncio.AbstractEventLoop | None = None
+    offload: Offload = field(default_factory=Offload)  # parsing, templating, (de)tokenizing
 
     def begin_drain(self, grace_s: float | None = None) -> None:
         """Stop taking requests; after `grace_s`, abort those still running so that their
@@ -75,6 +81,13 @@ class ServerState:
         if grace_s is not None and self.loop is not None:
             self.loop.call_soon_threadsafe(self.loop.call_later, grace_s, self._abort_after_grace)
 
+    async def wait_drained(self, timeout_s: float) -> None:
+        """Return once no request is in flight in the engine, or after `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.async_engine is not None and self.async_engine.num_in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+
     def _abort_after_grace(self) -> None:
         n = self.async_engine.abort_all(
             EngineStopped("the server shut down before this request finished (shutdown grace period over)")
@@ -83,10 +96,18 @@ class ServerState:
             logger.info("servelab: grace period over: aborted %d request(s) still running", n)
 
 
-def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) -> FastAPI:
+def create_app(
+    engine: LLMEngine | EngineArgs,
+    *,
+    api_key: str | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+    allowed_origins: list[str] | None = None,
+) -> FastAPI:
     """The app, ready for uvicorn. `engine` is a built LLMEngine, or EngineArgs to build one at
     start-up (the model then loads before the port opens). `app.state.servelab` is the
-    ServerState; the lab (or anything else) can mount itself on the returned app."""
+    ServerState; the lab (or anything else) can mount itself on the returned app. `api_key`
+    guards every route but /health and /metrics, mounts included; CORS headers are sent only
+    for `allowed_origins`."""
     state = ServerState(api_key=api_key)
 
     def attach(llm: LLMEngine) -> None:
@@ -118,22 +139,19 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
             yield
         finally:
             await state.async_engine.stop()
+            state.offload.shutdown()
 
     # /docs and /openapi.json are served by the routes below, behind the same API key as the rest.
     app = FastAPI(title="servelab", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
                   openapi_url=None)  # fmt: skip
     app.state.servelab = state
     install_error_handlers(app)
+    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
+    if allowed_origins:  # outermost, so that preflights and refusals carry the CORS headers
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
+                           allow_headers=["*"])  # fmt: skip
 
-    async def require_api_key(request: Request) -> None:
-        if state.api_key is None:
-            return
-        header = request.headers.get("authorization", "")
-        scheme, _, token = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
-            raise Unauthorized("missing or wrong API key: send the header 'Authorization: Bearer <key>'")
-
-    auth = [Depends(require_api_key)]
+    auth: list[Any] = []  # route dependencies; the API key is RequestGuard's, for every route at once
 
     # ---------------------------------------------------------------- info routes
 
@@ -168,49 +186,47 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
 
     @app.post("/tokenize", dependencies=auth)
     async def tokenize(request: Request) -> Response:
-        req = await parse_body(request, p.TokenizeRequest)
+        req = await parse_body(request, p.TokenizeRequest, state.offload)
         check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise InvalidArgument("send exactly one of 'prompt' or 'messages'", param="prompt")
         tokenizer = state.engine.tokenizer
         if req.messages is not None:
-            text = tokenizer.apply_chat_template(
-                [{"role": m.role, "content": m.text()} for m in req.messages],
-                add_generation_prompt=req.add_generation_prompt,
-            )
-            ids = encode_prompt(state.engine, text, add_special_tokens=req.add_special_tokens)
+            messages = [{"role": m.role, "content": m.text()} for m in req.messages]
+            ids = await state.offload.run(tokenizer.encode_chat, messages, req.add_generation_prompt,
+                                          req.add_special_tokens)  # fmt: skip
         else:
-            ids = encode_prompt(state.engine, req.prompt, add_special_tokens=req.add_special_tokens)
+            ids = await state.offload.run(encode_prompt, state.engine, req.prompt,
+                                          add_special_tokens=req.add_special_tokens)  # fmt: skip
         return JSONResponse({"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids})
 
     @app.post("/detokenize", dependencies=auth)
     async def detokenize(request: Request) -> Response:
-        req = await parse_body(request, p.DetokenizeRequest)
+        req = await parse_body(request, p.DetokenizeRequest, state.offload)
         check_model(req.model)
-        check_token_ids(req.tokens, "tokens")
-        return JSONResponse({"prompt": state.engine.tokenizer.decode(req.tokens)})
+        return JSONResponse({"prompt": await state.offload.run(detokenize_checked, req.tokens)})
 
     # ---------------------------------------------------------------- generation routes
 
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: Request) -> Response:
         arrival_s = time.perf_counter()
-        req = await parse_body(request, p.CompletionRequest)
+        req = await parse_body(request, p.CompletionRequest, state.offload)
         check_accepting()
         check_model(req.model)
         refuse_unsupported(req, fields.COMPLETIONS)
         if req.max_tokens == 0 and not req.echo:
             raise InvalidArgument("max_tokens must be >= 1 (0 only with echo=true, to score the prompt)", param="max_tokens")
-        prompts = completion_prompts(req.prompt)
         prompt_logprobs = prompt_logprobs_wanted(
             prompt_logprobs=req.prompt_logprobs, echo_logprobs=req.logprobs if req.echo else None, stream=req.stream
         )
+        prompts = await state.offload.run(completion_prompt_ids, req.prompt)
         request_id = "cmpl-" + uuid.uuid4().hex
         # echo with max_tokens 0 runs one token (the engine samples after every prefill) and drops it.
         max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
         engine_requests = build_requests(request_id, prompts, req, max_tokens, req.logprobs, arrival_s, prompt_logprobs)
+        echo_texts = await state.offload.run(echo_prompt_texts, req.prompt) if req.echo else None
         stream = await state.async_engine.submit(engine_requests)
-        echo_texts = [p_ if isinstance(p_, str) else state.engine.tokenizer.decode(p_) for p_ in prompts] if req.echo else None
         renderer = CompletionRenderer(state, request_id, req, engine_requests, echo_texts=echo_texts)
         if req.stream:
             return sse_response(renderer.stream(stream))
@@ -219,17 +235,14 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
     @app.post("/v1/chat/completions", dependencies=auth)
     async def chat_completions(request: Request) -> Response:
         arrival_s = time.perf_counter()
-        req = await parse_body(request, p.ChatCompletionRequest)
+        req = await parse_body(request, p.ChatCompletionRequest, state.offload)
         check_accepting()
         check_model(req.model)
         refuse_unsupported(req, fields.CHAT)
         refuse_non_text_parts(req.messages)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidArgument("top_logprobs needs logprobs=true", param="top_logprobs")
-        text = state.engine.tokenizer.apply_chat_template(
-            req.template_messages(), add_generation_prompt=req.add_generation_prompt
-        )
-        prompt_ids = encode_prompt(state.engine, text)
+        prompt_ids = await state.offload.run(chat_prompt_ids, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         prompt_logprobs = prompt_logprobs_wanted(prompt_logprobs=req.prompt_logprobs, echo_logprobs=None, stream=req.stream)
@@ -261,6 +274,17 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
         if bad is not None:
             raise InvalidArgument(f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
 
+    def check_stops(stop: list[str], stop_token_ids: list[int]) -> None:
+        for param, values in (("stop", stop), ("stop_token_ids", stop_token_ids)):
+            if len(values) > MAX_STOP:
+                raise InvalidArgument(f"{param} has {len(values)} entries; at most {MAX_STOP} are allowed", param=param)
+        longest = max(stop, key=len, default="")
+        if len(longest) > MAX_STOP_CHARS:
+            raise InvalidArgument(
+                f"stop: a stop string has {len(longest)} characters; at most {MAX_STOP_CHARS} are allowed", param="stop"
+            )
+        check_token_ids(stop_token_ids, "stop_token_ids")
+
     def completion_prompts(prompt: str | list) -> list[str | list[int]]:
         if isinstance(prompt, str):
             return [prompt]
@@ -270,9 +294,46 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
             return [list(prompt)]
         return list(prompt)
 
+    def check_fits_untokenized(text: str, param: str) -> None:
+        # Refused before tokenizing, the costliest step of a big prompt that could never run anyway.
+        limit = state.engine.max_model_len
+        at_least = state.engine.tokenizer.min_num_tokens(text)
+        if at_least > limit:
+            raise RequestTooLong(
+                f"this model's maximum context length is {limit} tokens, but the prompt has {len(text):,} "
+                f"characters, which are at least {at_least:,} tokens",
+                param=param,
+            )
+
+    def chat_prompt_ids(req: p.ChatCompletionRequest) -> list[int]:
+        """Blocking (runs on state.offload): the chat's token ids, markers only from the template."""
+        messages = req.template_messages()
+        check_fits_untokenized("".join(m["content"] for m in messages), "messages")
+        return state.engine.tokenizer.encode_chat(messages, req.add_generation_prompt)
+
+    def completion_prompt_ids(prompt: str | list) -> list[list[int]]:
+        """Blocking (runs on state.offload): every prompt as checked token ids."""
+        out = []
+        for one in completion_prompts(prompt):
+            if isinstance(one, str):
+                check_fits_untokenized(one, "prompt")
+                out.append(encode_prompt(state.engine, one))
+            else:
+                check_token_ids(one, "prompt")
+                out.append(one)
+        return out
+
+    def echo_prompt_texts(prompt: str | list) -> list[str]:
+        """Blocking (runs on state.offload): each prompt as the client sent it, for echo."""
+        return [one if isinstance(one, str) else state.engine.tokenizer.decode(one) for one in completion_prompts(prompt)]
+
+    def detokenize_checked(tokens: list[int]) -> str:
+        check_token_ids(tokens, "tokens")
+        return state.engine.tokenizer.decode(tokens)
+
     def build_requests(
         request_id: str,
-        prompts: list[str | list[int]],
+        prompts: list[list[int]],
         req: p.CompletionRequest | p.ChatCompletionRequest,
         max_tokens: int | None,
         logprobs: int | None,
@@ -284,6 +345,7 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
         if req.n < 1 or req.n > MAX_N:
             raise InvalidArgument(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        check_stops(stop, list(req.stop_token_ids or []))
         # Errors name the field the client sent, not our internal name for it.
         chat = isinstance(req, p.ChatCompletionRequest)
         prompt_param = "messages" if chat else "prompt"
@@ -295,11 +357,7 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
             return sampling_default(defaults, key)
 
         out = []
-        for i, prompt in enumerate(prompts):
-            if not isinstance(prompt, str):
-                check_token_ids(prompt, "prompt")
-            else:
-                prompt = encode_prompt(state.engine, prompt)
+        for i, prompt in enumerate(prompts):  # token ids, checked
             limit = state.engine.max_model_len
             if len(prompt) >= limit:
                 raise RequestTooLong(
@@ -356,9 +414,10 @@ def renamed_params(as_sent: dict[str, str]) -> Iterator[None]:
 
 
 def encode_prompt(engine: LLMEngine, text: str, *, add_special_tokens: bool = True) -> list[int]:
-    """Token ids of a text prompt, exactly as `LLMEngine.add_request` makes them, so that usage,
-    limits and /tokenize agree with what the engine runs."""
-    return engine.tokenizer.encode_prompt(text, add_special_tokens=add_special_tokens)
+    """Token ids of a client's text prompt, the same for /v1/completions and /tokenize so that
+    usage and limits agree with what the engine runs. Special-token text in it stays plain
+    text (a client sends token ids to send control tokens)."""
+    return engine.tokenizer.encode_user_text(text, add_special_tokens=add_special_tokens)
 
 
 # -------------------------------------------------------------------- request plumbing

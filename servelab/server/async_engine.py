@@ -89,6 +89,7 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self._live: set[str] = set()  # request ids the engine holds (engine thread only)
         self.stats: EngineStats = engine.stats()  # a snapshot the engine thread refreshes after each step
+        self.death: BaseException | None = None  # what ended the engine thread, if not a stop
         self.num_steps = 0
         self.num_step_failures = 0
 
@@ -101,7 +102,12 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        return self._thread is not None and self._thread.is_alive() and self.death is None
+
+    @property
+    def num_in_flight(self) -> int:
+        """Engine requests whose client still waits for outputs (event loop thread)."""
+        return len(self._sinks)
 
     def add_observer(self, observer: OutputObserver) -> None:
         """Called on the engine thread right after each step, for every output of every request
@@ -183,6 +189,34 @@ class AsyncEngine:
             pass
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:  # noqa: BLE001 - whatever it was, nobody must wait forever
+            self.death = exc
+            logger.critical("the engine thread died (%s: %s); failing every request in flight",
+                            type(exc).__name__, exc, exc_info=exc)  # fmt: skip
+            if self._loop is not None:
+                try:
+                    self._loop.call_soon_threadsafe(self._fail_everything, exc)
+                except RuntimeError:  # the loop is closed: nobody is waiting
+                    pass
+
+    def _fail_everything(self, exc: BaseException) -> None:
+        """After the engine thread died (event loop thread): every open stream gets an error, and
+        so does every admission still queued (`submit` refuses new ones from now on)."""
+        error = EngineFailure(f"the engine stopped ({type(exc).__name__}: {exc}); the request was aborted")
+        self._dispatch([_Failed(rid, error) for rid in list(self._sinks)])
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(command, _Add) and not command.future.done():
+                command.future.set_exception(error)
+            elif isinstance(command, _Stop):
+                command.done.set()
+
+    def _serve(self) -> None:
         engine = self.engine
         while True:
             commands = []

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import TypeVar
+import math
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -18,6 +19,9 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from servelab.errors import InvalidArgument, QueueFull, ServelabError
+
+if TYPE_CHECKING:
+    from servelab.server.offload import Offload
 
 logger = logging.getLogger("servelab.server")
 
@@ -29,14 +33,10 @@ _TYPE_BY_STATUS = {
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
+    415: "invalid_request_error",
     500: "internal_server_error",
     503: "server_overloaded",
 }
-
-
-class Unauthorized(ServelabError):
-    http_status = 401
-    error_type = "authentication_error"
 
 
 class ServerDraining(ServelabError):
@@ -109,24 +109,69 @@ def _reject_non_finite(constant: str) -> float:
     raise InvalidArgument(f"request body is not valid JSON: {constant} is not a JSON number; send a finite number")
 
 
-async def parse_body(request: Request, model_cls: type[M]) -> M:
-    """Raw bytes -> UTF-8 -> JSON -> model, each step with its own 400 message."""
-    raw = await request.body()
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):  # 1e400 parses as inf: the same hole as Infinity
+        raise InvalidArgument(f"request body: the number {text[:40]} is out of range; send a finite number")
+    return value
+
+
+def _lone_surrogate(obj: Any) -> str | None:
+    """Where the first string holding a lone UTF-16 surrogate is (JSON's \\ud800 escapes make
+    them; they are not Unicode text, and the tokenizer cannot take them). Iterative: the body
+    may be nested as deep as the JSON parser allows."""
+    stack: list[tuple[Any, str]] = [(obj, "")]
+    while stack:
+        value, where = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                return where or "request body"
+        elif isinstance(value, dict):
+            stack.extend((v, f"{where}.{k}" if where else str(k)) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]") for i, v in enumerate(value))
+    return None
+
+
+def decode_body(raw: bytes, model_cls: type[M]) -> M:
+    """Raw bytes -> UTF-8 -> JSON -> model, each step with its own 400 message. Blocking:
+    proportional to the body's size, so the app runs it off the event loop."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InvalidArgument(f"request body is not valid UTF-8: byte {exc.start} ({raw[exc.start:exc.start + 1]!r})")
     try:
-        obj = json.loads(text, parse_constant=_reject_non_finite)
+        obj = json.loads(text, parse_constant=_reject_non_finite, parse_float=_finite_float)
     except json.JSONDecodeError as exc:
         raise InvalidArgument(f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")
+    except RecursionError:
+        raise InvalidArgument("request body is nested too deeply to parse; no request needs more than a few levels") from None
+    except ValueError as exc:  # an integer of more than 4,300 digits
+        raise InvalidArgument(f"request body is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):
         raise InvalidArgument(f"request body must be a JSON object, got {type(obj).__name__}")
+    if "\\u" in text and (where := _lone_surrogate(obj)) is not None:
+        raise InvalidArgument(
+            f"{where}: contains a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is not Unicode text",
+            param=where.partition(".")[0].partition("[")[0],
+        )
     try:
         return model_cls.model_validate(obj)
     except ValidationError as exc:
         message, param = validation_message(exc)
         raise InvalidArgument(message, param=param) from None
+    except RecursionError:
+        raise InvalidArgument("request body is nested too deeply to validate") from None
+
+
+async def parse_body(request: Request, model_cls: type[M], offload: Offload | None = None) -> M:
+    """Read the body on the loop; decode and validate it on `offload` when given."""
+    raw = await request.body()
+    if offload is None:
+        return decode_body(raw, model_cls)
+    return await offload.run(decode_body, raw, model_cls)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -157,10 +202,10 @@ def install_error_handlers(app: FastAPI) -> None:
 __all__ = [
     "QueueFull",
     "ServerDraining",
-    "Unauthorized",
     "error_json",
     "error_response",
     "from_servelab_error",
+    "decode_body",
     "install_error_handlers",
     "parse_body",
 ]

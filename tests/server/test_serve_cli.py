@@ -27,6 +27,7 @@ def serve(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
         (["--kv-cache-memory", "lots"], "--kv-cache-memory"),
         (["--shutdown-timeout", "soon"], "--shutdown-timeout"),
         (["--api-key", " "], "--api-key"),
+        (["--max-request-bytes", "huge"], "--max-request-bytes"),
         (["--quantization", "int8", "--dtype", "bfloat16"], "quantization 'int8' computes in float32"),
     ],
 )

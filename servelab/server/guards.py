@@ -1,0 +1,108 @@
+"""The checks every HTTP request passes before any route sees it: the API key, the content type
+of a POST, and the size of the body.
+
+One ASGI middleware, in front of the whole app (the lab and any other mount included), so that
+no route can forget a check. Each refusal is OpenAI-style error JSON that names the limit or the
+header to send.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
+from servelab.errors import ServelabError
+from servelab.server.http_errors import error_response
+
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # 4 MiB: ~1M tokens of text, far past any context we serve
+
+# Routes a load balancer or Prometheus reaches without the key (documented in limits-and-safety.md).
+OPEN_PATHS = frozenset({"/health", "/metrics"})
+
+# The content types a browser may POST cross-site without a CORS preflight; a JSON API that
+# accepted them would serve any web page its user opens.
+BROWSER_SIMPLE_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"})
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class RequestTooLarge(ServelabError):
+    http_status = 413
+    error_type = "invalid_request_error"
+    code = "request_too_large"
+
+
+def _too_large_message(limit: int) -> str:
+    return (
+        f"request body is larger than this server's limit of {limit:,} bytes (--max-request-bytes); "
+        "send a shorter prompt"
+    )
+
+
+class RequestGuard:
+    """API key (all routes but OPEN_PATHS), 415 for browser-simple POSTs, and the body limit:
+    413 from Content-Length before a byte of the body is read, or, for a chunked upload, as
+    soon as the bytes read pass the limit (raised from `receive`, so the route answers it)."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str | None, max_request_bytes: int):
+        self.app = app
+        self.api_key = api_key
+        self.max_request_bytes = max_request_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        refusal = self._refusal(scope, headers)
+        if refusal is not None:
+            await refusal(scope, receive, send)
+            return
+        await self.app(scope, self._counting(receive), send)
+
+    def _refusal(self, scope: Scope, headers: dict[str, str]) -> Any:
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorised(headers):
+            return error_response(
+                401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                error_type="authentication_error",
+            )  # fmt: skip
+        if scope["method"] in ("POST", "PUT", "PATCH"):
+            content_type = headers.get("content-type", "")
+            media_type = content_type.partition(";")[0].strip().lower()
+            if media_type in BROWSER_SIMPLE_TYPES:
+                return error_response(
+                    415, f"Content-Type {content_type!r} is not accepted: the body must be JSON, sent with the "
+                         "header 'Content-Type: application/json'",
+                    code="unsupported_media_type",
+                )  # fmt: skip
+        length = headers.get("content-length")
+        if length is not None and length.strip().isdigit() and int(length) > self.max_request_bytes:
+            return error_response(413, _too_large_message(self.max_request_bytes), code=RequestTooLarge.code)
+        return None
+
+    def _authorised(self, headers: dict[str, str]) -> bool:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+    def _counting(self, receive: Receive) -> Receive:
+        limit = self.max_request_bytes
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > limit:
+                    raise RequestTooLarge(_too_large_message(limit))
+            return message
+
+        return counted
+
+
+__all__ = ["BROWSER_SIMPLE_TYPES", "DEFAULT_MAX_REQUEST_BYTES", "OPEN_PATHS", "RequestGuard", "RequestTooLarge"]

@@ -1,0 +1,59 @@
+"""The capacity lesson's plans run on one bounded pool with a bounded queue (429 beyond it) and an
+LRU cache: distinct URLs can neither start processes without limit nor fill memory forever."""
+
+from __future__ import annotations
+
+import multiprocessing
+import time
+
+import pytest
+from fastapi.testclient import TestClient
+
+from servelab.lab.app import create_lab_app
+from servelab.lab.capacity_lesson import CapacityPlanner
+
+
+def _params(output_len: int) -> dict:
+    return {"tpot_ms": 50, "prompt_len": 16, "output_len": output_len}
+
+
+def _wait_done(client: TestClient, params: dict, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        r = client.get("/api/lessons/capacity", params=params)
+        if r.status_code == 200:
+            return
+        assert r.status_code == 202, r.text
+        assert len(multiprocessing.active_children()) <= 1  # the one pool's one worker, never more
+        time.sleep(0.2)
+    raise AssertionError("the capacity plan did not finish")
+
+
+def _wait_no_children(timeout_s: float = 30) -> None:
+    deadline = time.monotonic() + timeout_s
+    while multiprocessing.active_children() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not multiprocessing.active_children()
+
+
+@pytest.mark.slow
+def test_plans_share_one_bounded_pool_queue_and_cache():
+    _wait_no_children()  # other tests' pools
+    app = create_lab_app()
+    planner = app.state.capacity_planner = CapacityPlanner(max_workers=1, max_running=1, max_cached=2)
+    client = TestClient(app)
+
+    assert client.get("/api/lessons/capacity", params=_params(2)).status_code == 202
+    busy = client.get("/api/lessons/capacity", params=_params(3))
+    assert busy.status_code == 429, busy.text
+    assert busy.headers["retry-after"] == "5" and "1 capacity plans" in busy.json()["error"]["message"]
+    _wait_done(client, _params(2))
+
+    _wait_no_children()  # idle again: the worker processes are given back
+
+    _wait_done(client, _params(3))
+    _wait_done(client, _params(4))
+    assert len(planner) == 2  # the oldest result (output_len 2) was dropped ...
+    assert client.get("/api/lessons/capacity", params=_params(2)).status_code == 202  # ... so it plans again
+    _wait_done(client, _params(2))
+    planner.close()
