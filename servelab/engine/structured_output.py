@@ -10,6 +10,7 @@ loop nor the step loop waits for a compilation.
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
@@ -25,6 +26,7 @@ if TYPE_CHECKING:
 # Compiled grammars kept (least recently used dropped first): a server that sees a new schema per
 # request must not grow without bound; a grammar takes ~1-20 ms to compile again.
 _CACHE_ENTRIES = 256
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
 def _vocab_bytes(tokenizer: Tokenizer) -> list[bytes]:
@@ -138,6 +140,7 @@ class StructuredOutputBackend:
                 compiled = compiler.compile_grammar(spec.value)
         except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses with its parser's message
             message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            message = _LOG_PREFIX.sub("", message)  # "[11:44:40] /project/cpp/x.cc:94: " says nothing to a client
             raise InvalidArgument(f"{spec.source}: the {spec.kind} constraint does not compile: {message}", param=spec.source) from e
         with self._lock:
             self._compiled[spec] = compiled

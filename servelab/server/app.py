@@ -35,6 +35,7 @@ from servelab.server.http_errors import (
 )
 from servelab.server.metrics import CONTENT_TYPE, ServerMetrics
 from servelab.server.sse import DONE, sse_event
+from servelab.server.structured import ToolCallStream, ToolPlan, parse_tool_calls, sampling_kwargs, tool_plan
 
 if TYPE_CHECKING:
     from servelab.core.plan import TokenLogprobs
@@ -56,6 +57,7 @@ class ServerState:
     model_name: str = ""
     started_s: float = field(default_factory=time.time)
     draining: bool = False  # set on SIGTERM: finish what is running, take nothing new
+    tool_call_parser: str | None = None  # reads tool calls out of text for tool_choice "auto"
     loop: asyncio.AbstractEventLoop | None = None
 
     def begin_drain(self, grace_s: float | None = None) -> None:
@@ -76,11 +78,13 @@ class ServerState:
             logger.info("servelab: grace period over: aborted %d request(s) still running", n)
 
 
-def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) -> FastAPI:
+def create_app(
+    engine: LLMEngine | EngineArgs, *, api_key: str | None = None, tool_call_parser: str | None = None
+) -> FastAPI:
     """The app, ready for uvicorn. `engine` is a built LLMEngine, or EngineArgs to build one at
     start-up (the model then loads before the port opens). `app.state.servelab` is the
     ServerState; the lab (or anything else) can mount itself on the returned app."""
-    state = ServerState(api_key=api_key)
+    state = ServerState(api_key=api_key, tool_call_parser=tool_call_parser)
 
     def attach(llm: LLMEngine) -> None:
         state.engine = llm
@@ -183,6 +187,7 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
         prompts = completion_prompts(req.prompt)
         request_id = "cmpl-" + uuid.uuid4().hex
         engine_requests = build_requests(request_id, prompts, req, req.max_tokens, req.logprobs, arrival_s)
+        await prepare_logits_processors(engine_requests)
         stream = await state.async_engine.submit(engine_requests)
         renderer = CompletionRenderer(state, request_id, req, engine_requests)
         if req.stream:
@@ -197,21 +202,31 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
         check_model(req.model)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidArgument("top_logprobs needs logprobs=true", param="top_logprobs")
+        plan = tool_plan(req, state.tool_call_parser)
+        tools = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if req.tools else {}
         text = state.engine.tokenizer.apply_chat_template(
-            req.template_messages(), add_generation_prompt=req.add_generation_prompt
+            req.template_messages(), add_generation_prompt=req.add_generation_prompt, **tools
         )
         prompt_ids = encode_prompt(state.engine, text)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         request_id = "chatcmpl-" + uuid.uuid4().hex
         engine_requests = build_requests(request_id, [prompt_ids], req, max_tokens, top_logprobs, arrival_s)
+        await prepare_logits_processors(engine_requests)
         stream = await state.async_engine.submit(engine_requests)
-        renderer = ChatRenderer(state, request_id, req, engine_requests)
+        renderer = ChatRenderer(state, request_id, req, engine_requests, plan)
         if req.stream:
             return sse_response(renderer.stream(stream))
         return await collect_unless_disconnected(request, renderer.collect(stream))
 
     # ---------------------------------------------------------------- helpers bound to state
+
+    async def prepare_logits_processors(engine_requests: list[EngineRequest]) -> None:
+        """Token ids checked and the grammar compiled on a worker thread (the choices of one
+        request share their params), so neither the event loop nor the step loop compiles."""
+        params = engine_requests[0].params
+        if params.edits_logits:
+            await asyncio.to_thread(state.engine.prepare_logits_processors, params)
 
     def check_accepting() -> None:
         if state.draining:
@@ -253,6 +268,7 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
         if req.n < 1 or req.n > MAX_N:
             raise InvalidArgument(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        edits = sampling_kwargs(req)
         out = []
         for i, prompt in enumerate(prompts):
             if not isinstance(prompt, str):
@@ -285,6 +301,7 @@ def create_app(engine: LLMEngine | EngineArgs, *, api_key: str | None = None) ->
                     ignore_eos=req.ignore_eos,
                     logprobs=logprobs,
                     min_tokens=req.min_tokens,
+                    **edits,
                 )
                 out.append(EngineRequest(f"{request_id}-{index}", prompt, params, req.priority, arrival_s))
         return out
@@ -477,6 +494,12 @@ class CompletionRenderer(_Renderer):
 
 
 class ChatRenderer(_Renderer):
+    def __init__(self, state: ServerState, request_id: str, req: Any, engine_requests: list[EngineRequest],
+                 plan: ToolPlan | None = None):  # fmt: skip
+        super().__init__(state, request_id, req, engine_requests)
+        self.plan = plan  # tool calls: how the answer's text becomes them
+        self.tool_streams = {} if plan is None else {c.index: ToolCallStream(plan) for c in self.choices.values()}
+
     def _logprobs(self, items: list[TokenLogprobs]) -> p.ChatLogprobs:
         tokenizer = self.state.engine.tokenizer
         content = []
@@ -507,31 +530,41 @@ class ChatRenderer(_Renderer):
         if not (out.text_delta or out.finished or out.logprobs):
             return None
         logprobs = self._logprobs(out.logprobs) if self.req.logprobs and out.logprobs else None
-        delta = p.DeltaMessage(content=out.text_delta) if out.text_delta else p.DeltaMessage()
+        finish_reason = choice.finish_reason if out.finished else None
+        if self.plan is not None:
+            tools = self.tool_streams[choice.index]
+            delta = tools.feed(out.text_delta, out.finished)
+            if delta is None and not out.finished and logprobs is None:
+                return None
+            delta = delta or p.DeltaMessage()
+            if tools.num_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        else:
+            delta = p.DeltaMessage(content=out.text_delta) if out.text_delta else p.DeltaMessage()
         return self._chunk(
-            [
-                p.ChatStreamChoice(
-                    index=choice.index,
-                    delta=delta,
-                    logprobs=logprobs,
-                    finish_reason=choice.finish_reason if out.finished else None,
-                )
-            ]
+            [p.ChatStreamChoice(index=choice.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)]
         )
 
     def usage_chunk(self) -> dict:
         return self._chunk([], usage=self.usage())
 
+    def _choice(self, c: _Choice) -> p.ChatChoice:
+        content: str | None = "".join(c.text)
+        calls: list[p.ToolCall] = []
+        finish_reason = c.finish_reason
+        if self.plan is not None:
+            content, calls = parse_tool_calls(self.plan, content)
+            if calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return p.ChatChoice(
+            index=c.index,
+            message=p.ChatMessageOut(content=content, tool_calls=calls),
+            logprobs=self._logprobs(c.logprobs) if self.req.logprobs else None,
+            finish_reason=finish_reason,
+        )
+
     def response(self) -> dict:
-        choices = [
-            p.ChatChoice(
-                index=c.index,
-                message=p.ChatMessageOut(content="".join(c.text)),
-                logprobs=self._logprobs(c.logprobs) if self.req.logprobs else None,
-                finish_reason=c.finish_reason,
-            )
-            for c in sorted(self.choices.values(), key=lambda c: c.index)
-        ]
+        choices = [self._choice(c) for c in sorted(self.choices.values(), key=lambda c: c.index)]
         return p.dump(
             p.ChatCompletionResponse(
                 id=self.request_id, created=self.created, model=self.state.model_name, choices=choices, usage=self.usage()

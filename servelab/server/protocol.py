@@ -3,8 +3,10 @@
 Requests are validated strictly (a string where a number belongs is a 400, not a silent
 coercion); values that pass the types but fall outside a range are checked by
 `SamplingParams.validate`, so the server, the offline API and the CLI share one set of limits
-and messages. Fields OpenAI accepts but servelab does not act on (`user`, `logit_bias` ...) are
-accepted and ignored, as vLLM does, so stock clients work unchanged.
+and messages. Fields OpenAI accepts but servelab does not act on (`user` ...) are accepted and
+ignored, as vLLM does, so stock clients work unchanged. `logit_bias`, `allowed_token_ids`,
+`bad_words`, `response_format`, `tools` and the structured-output extras are honoured: see
+server/structured.py.
 """
 
 from __future__ import annotations
@@ -28,6 +30,51 @@ class StreamOptions(_Request):
     include_usage: bool = False
 
 
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")  # "schema" shadows BaseModel's
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs` extra: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+
+
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class _SamplingFields(_Request):
     """The sampling parameters common to both endpoints (OpenAI names, vLLM extensions)."""
 
@@ -49,6 +96,16 @@ class _SamplingFields(_Request):
     priority: int = 0  # lower runs first when the server's order is "priority"
     stop_token_ids: list[int] | None = None
     min_tokens: int = 0
+    # Logit edits and output constraints (server/structured.py turns them into SamplingParams).
+    logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a string) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names for structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -88,12 +145,20 @@ class ChatCompletionRequest(_SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True  # vLLM extension
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         # Chat templates know system/user/assistant; OpenAI's newer "developer" role is a system prompt.
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages
-        ]
+        # Tool-using templates (Hermes, Qwen2.5) also render earlier calls and results.
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for key in ("tool_calls", "tool_call_id"):
+                if m.model_extra and m.model_extra.get(key) is not None:
+                    message[key] = m.model_extra[key]
+            out.append(message)
+        return out
 
 
 class TokenizeRequest(_Request):
@@ -137,6 +202,29 @@ class CompletionChoice(BaseModel):
     finish_reason: Literal["stop", "length", "abort"] | None = None
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -162,14 +250,15 @@ class ChatLogprobs(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -184,13 +273,14 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = Field(default=None, exclude_if=lambda v: v is None)  # OpenAI omits it
 
 
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):
