@@ -52,7 +52,12 @@ class Sampler:
 
         A row whose logits are not all finite (the model overflowed: NaN or inf) gets None, not
         a token: the scheduler then ends that request with finish reason "error", and the rest
-        of the batch goes on (a NaN row would otherwise sample an id past the vocabulary)."""
+        of the batch goes on (a NaN row would otherwise sample an id past the vocabulary). So
+        does a row whose logits processors fail (its grammar rejects its output).
+
+        The rows of requests with logit edits (logit_bias, a grammar ...) are edited in `logits`
+        itself: the executor does not read them afterwards, and copying a whole batch's logits
+        for a few constrained rows would slow every row."""
         n, vocab = logits.shape
         if n != len(seqs):
             raise ValueError(f"logits has {n} rows but {len(seqs)} sequences were given")
@@ -74,7 +79,7 @@ class Sampler:
         logits = self._apply_penalties(logits, seqs)
         logits = self._apply_min_tokens(logits, seqs)
         if self.logits_processors is not None:  # logit_bias, allowed_token_ids, bad_words, grammars
-            logits, failed_rows = self.logits_processors.apply(logits, seqs)
+            failed_rows = self.logits_processors.apply(logits, seqs)  # in place: see sample()'s docstring
             if failed_rows:
                 logits[failed_rows] = 0.0  # sampled like any row, then discarded
                 bad_rows = sorted(set(bad_rows) | set(failed_rows))

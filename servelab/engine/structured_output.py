@@ -99,6 +99,7 @@ class StructuredOutputBackend:
         self._xgr: Any = None
         self._compiler: Any = None
         self._compiled: OrderedDict[StructuredOutputSpec, Any] = OrderedDict()
+        self._bitmask: torch.Tensor | None = None  # used by the step loop's thread only
 
     def _ready(self) -> tuple[Any, Any]:
         with self._lock:
@@ -152,8 +153,11 @@ class StructuredOutputBackend:
         compiled = self.compile(spec)
         return GrammarMatcherState(self._xgr, compiled)
 
-    def allocate_bitmask(self, rows: int) -> torch.Tensor:
-        return self._xgr.allocate_token_bitmask(rows, self._vocab_size)
+    def bitmask(self, rows: int) -> torch.Tensor:
+        """A bitmask of at least `rows` rows, reused step to step (the fills overwrite whole rows)."""
+        if self._bitmask is None or self._bitmask.shape[0] < rows:
+            self._bitmask = self._xgr.allocate_token_bitmask(max(rows, 64), self._vocab_size)
+        return self._bitmask
 
     def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
         self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self._vocab_size, indices=rows)
