@@ -156,7 +156,7 @@ def test_a_bad_word_loses_its_last_token_only_after_its_prefix(processors, token
 def test_a_row_left_with_no_token_ends_alone(processors, tokenizer):
     word = tokenizer.encode("Paris")
     assert len(word) == 1
-    logits = random_logits(2, tokenizer.vocab_size)
+    logits = random_logits(3, tokenizer.vocab_size)
     stuck = make_seq(tokenizer, temperature=1.0, allowed_token_ids=word, bad_words=["Paris"])
     fine = make_seq(tokenizer, rid="s", temperature=0)
     digits_only = StructuredOutputSpec("regex", "[0-9]+")
