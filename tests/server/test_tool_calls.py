@@ -57,3 +57,50 @@ def test_required_builds_an_any_of_over_the_tools():
     })  # fmt: skip
     schema = json.loads(output_spec(req).value)
     assert [s["properties"]["name"] for s in schema["anyOf"]] == [{"const": "a"}, {"const": "b"}]
+
+
+# ------------------------------------------------------------------------------ through the server
+
+
+def scripted_app(tiny_model_dir, text: str, **app_kwargs):
+    """The server over a fake executor whose every answer is `text`, then EOS."""
+    from servelab.core.config import SchedulerConfig
+    from servelab.core.fake_executor import FakeExecutor
+    from servelab.engine.llm_engine import LLMEngine
+    from servelab.engine.tokenizer import Tokenizer
+    from servelab.server.app import create_app
+
+    tokenizer = Tokenizer.from_hf_dir(tiny_model_dir)
+    script = tokenizer.encode(text)
+    assert tokenizer.decode(script) == text
+
+    def token_fn(seq, position):
+        i = position - seq.num_prompt_tokens
+        return script[i] if i < len(script) else tokenizer.eos_token_id
+
+    executor = FakeExecutor(vocab_size=tokenizer.vocab_size, token_fn=token_fn)
+    config = SchedulerConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256)
+    return create_app(LLMEngine(executor, tokenizer, config, "fake-model"), **app_kwargs)
+
+
+def test_auto_tool_choice_with_the_hermes_parser(tiny_model_dir):
+    from fastapi.testclient import TestClient
+
+    answer = 'ok <tool_call>{"name": "get_weather", "arguments": {"city": "Paris"}}</tool_call>'
+    body = {"messages": [{"role": "user", "content": "weather?"}], "max_tokens": 100,
+            "tools": [{"type": "function", "function": {"name": "get_weather"}}]}  # fmt: skip
+    with TestClient(scripted_app(tiny_model_dir, answer)) as c:
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    with TestClient(scripted_app(tiny_model_dir, answer, tool_call_parser="hermes")) as c:
+        choice = c.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "ok"
+        (call,) = choice["message"]["tool_calls"]
+        assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+        events = [line[6:] for line in c.post("/v1/chat/completions", json={**body, "stream": True}).text.splitlines()
+                  if line.startswith("data: ") and line != "data: [DONE]"]  # fmt: skip
+        chunks = [json.loads(e)["choices"][0] for e in events]
+        content = "".join(ch["delta"].get("content") or "" for ch in chunks)
+        calls = [d for ch in chunks for d in ch["delta"].get("tool_calls") or []]
+        assert content.strip() == "ok" and [d["function"]["name"] for d in calls] == ["get_weather"]
+        assert chunks[-1]["finish_reason"] == "tool_calls"
