@@ -174,6 +174,8 @@ def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[p.Tool
         return text, []
     if plan.forced_name is not None:
         return None, [_call(plan.forced_name, text)]
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
+        return text, []  # the grammar makes this shape; stay safe if a client's schema allowed another
     return None, [_call(obj["name"], obj["arguments"])]
 
 
