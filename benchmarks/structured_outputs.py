@@ -10,7 +10,7 @@ unconstrained rows should pay nothing. The script times, on the same engine in o
 
 Runs alternate between the variants and report medians, so machine noise hits them alike.
 
-    .venv/bin/python benchmarks/structured_outputs.py [--seqs 32] [--constrained 4] [--steps 40] [--repeats 3]
+    .venv/bin/python benchmarks/structured_outputs.py [--seqs 32] [--constrained 4] [--steps 40] [--repeats 3] [--sampler-only]
 """
 
 from __future__ import annotations
@@ -56,15 +56,22 @@ def time_sampler(engine: LLMEngine, n: int, k: int, steps: int) -> dict[str, flo
         ),
     }
     times: dict[str, list[float]] = {name: [] for name in seqs}
+    hook = f"  of which the hook, {k} rows"
+    times[hook] = []
     gen = torch.Generator().manual_seed(0)
     for _ in range(steps):
         logits = torch.randn(n, vocab, generator=gen) * 3
         for name, (sampler, batch) in seqs.items():
             t0 = time.perf_counter()
-            tokens, _ = sampler.sample(logits, batch)
+            tokens, _ = sampler.sample(logits.clone(), batch)
             times[name].append(time.perf_counter() - t0)
             for s, t in zip(batch, tokens):
                 s.token_ids.append(t)
+        # The hook alone on the constrained batch (its matchers already saw this step's tokens).
+        edited = logits.clone()
+        t0 = time.perf_counter()
+        processors.apply(edited, seqs[f"hook, {k} constrained"][1])
+        times[hook].append(time.perf_counter() - t0)
     return {name: statistics.median(v) * 1e3 for name, v in times.items()}
 
 
@@ -100,6 +107,7 @@ def main() -> None:
     ap.add_argument("--constrained", type=int, default=4)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--sampler-only", action="store_true", help="skip the engine steps (one model load, not two)")
     args = ap.parse_args()
     n, k = args.seqs, args.constrained
 
@@ -109,13 +117,16 @@ def main() -> None:
         return engine
 
     # Two engines (the same model twice), so that their steps can alternate.
-    engines = {"0 constrained": (load(), 0), f"{k} constrained": (load(), k)}
+    first = load()
     print(f"{n} sequences, {k} constrained; torch threads {torch.get_num_threads()}")
-    sampler_runs = [time_sampler(engines["0 constrained"][0], n, k, args.steps) for _ in range(args.repeats)]
-    step_runs = [time_engine_steps(engines, n, args.steps, f"r{r}") for r in range(args.repeats)]
+    sampler_runs = [time_sampler(first, n, k, args.steps) for _ in range(args.repeats)]
     print("sampler.sample() on random logits, median ms per call:")
     for name in sampler_runs[0]:
-        print(f"  {name:24s} {statistics.median(run[name] for run in sampler_runs):8.2f}")
+        print(f"  {name:28s} {statistics.median(run[name] for run in sampler_runs):8.2f}")
+    if args.sampler_only:
+        return
+    engines = {"0 constrained": (first, 0), f"{k} constrained": (load(), k)}
+    step_runs = [time_engine_steps(engines, n, args.steps, f"r{r}") for r in range(args.repeats)]
     print("engine decode step (forward + sample), median ms:")
     base = statistics.median(run["0 constrained"] for run in step_runs)
     for name in step_runs[0]:
