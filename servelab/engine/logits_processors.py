@@ -85,7 +85,7 @@ class LogitsProcessors:
                 self._ban_bad_words(row, seq, state.bad_words)
             if state.matcher is not None:
                 # Before this step the matcher sees the tokens sampled since its last step.
-                if not state.matcher.sync(seq.output_token_ids):
+                if not state.matcher.sync(seq.token_ids, seq.num_prompt_tokens):
                     logger.warning("request %s: its grammar rejects its output so far; ending it with an error", seq.request_id)
                     failed.append(i)
                 elif state.matcher.matcher.is_terminated():

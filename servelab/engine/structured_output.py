@@ -74,11 +74,12 @@ class GrammarMatcherState:
         self.matcher = xgr.GrammarMatcher(compiled)
         self.num_accepted = 0
 
-    def sync(self, output_token_ids: list[int]) -> bool:
-        """Accept the unseen output tokens; False if the grammar rejects one."""
-        if len(output_token_ids) < self.num_accepted:
+    def sync(self, token_ids: list[int], num_prompt_tokens: int) -> bool:
+        """Accept the output tokens (those of `token_ids` after the prompt) not seen yet; False
+        if the grammar rejects one. Slices from the first unseen token: no copy of the output."""
+        if len(token_ids) - num_prompt_tokens < self.num_accepted:
             self.matcher, self.num_accepted = self._xgr.GrammarMatcher(self._compiled), 0
-        for token_id in output_token_ids[self.num_accepted :]:
+        for token_id in token_ids[num_prompt_tokens + self.num_accepted :]:
             if self.matcher.is_terminated():
                 # Only more stop tokens can follow the end (a request with ignore_eos samples them).
                 if token_id not in self.matcher.stop_token_ids:

@@ -237,8 +237,8 @@ def test_the_matcher_follows_the_output_after_recompute(processors, tokenizer):
     assert processors.apply(a, [followed]) == [] and processors.apply(b, [fresh]) == []
     assert torch.equal(torch.isinf(a), torch.isinf(b)) and torch.isinf(a).any()
     state = followed.logits_state.matcher
-    shorter = followed.output_token_ids[:3]
-    assert state.sync(shorter) and state.num_accepted == 3  # rebuilt and replayed
+    shorter = followed.token_ids[: followed.num_prompt_tokens + 3]
+    assert state.sync(shorter, followed.num_prompt_tokens) and state.num_accepted == 3  # rebuilt and replayed
 
 
 def test_a_grammar_rejecting_a_row_ends_only_that_row(processors, tokenizer):
