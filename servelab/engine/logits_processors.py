@@ -63,10 +63,19 @@ class LogitsProcessors:
 
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         """Edits the rows that ask for it in place (a copy of the whole batch's logits would cost
-        every row, constrained or not) and returns the rows that cannot be sampled."""
+        every row, constrained or not) and returns the rows that cannot be sampled, zeroed so
+        that they sample harmlessly before the sampler discards them."""
         rows = [i for i, s in enumerate(seqs) if s.params.edits_logits]
         if not rows:
             return []
+        # The model's forward runs under inference_mode, and its logits may only be edited in place there.
+        with torch.inference_mode():
+            failed = self._apply(logits, seqs, rows)
+            if failed:
+                logits[failed] = 0.0
+        return failed
+
+    def _apply(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> list[int]:
         failed: list[int] = []
         masked: list[int] = []  # rows whose grammar mask goes into the bitmask
         for i in rows:

@@ -81,7 +81,6 @@ class Sampler:
         if self.logits_processors is not None:  # logit_bias, allowed_token_ids, bad_words, grammars
             failed_rows = self.logits_processors.apply(logits, seqs)  # in place: see sample()'s docstring
             if failed_rows:
-                logits[failed_rows] = 0.0  # sampled like any row, then discarded
                 bad_rows = sorted(set(bad_rows) | set(failed_rows))
 
         greedy_rows = [i for i, p in enumerate(params) if p.temperature < _GREEDY_TEMPERATURE]

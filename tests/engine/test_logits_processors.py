@@ -273,3 +273,15 @@ def test_constrained_requests_survive_preemption(tiny_engine_factory):
     for s in seqs:
         assert s.finish_reason.value == "stop", s.finish_reason
         assert re.fullmatch(pattern, engine.tokenizer.decode(s.output_token_ids)), engine.tokenizer.decode(s.output_token_ids)
+
+
+def test_the_models_inference_tensors_are_edited(processors, tokenizer):
+    """The model's forward runs under inference_mode; its logits reach the sampler as inference
+    tensors, which torch lets no one edit in place outside that mode."""
+    with torch.inference_mode():
+        logits = random_logits(2, tokenizer.vocab_size)
+    paris = tokenizer.encode("Paris")  # allowed and banned: nothing left, so the failed row is zeroed too
+    seqs = [make_seq(tokenizer, temperature=0, logit_bias={42: 100}),
+            make_seq(tokenizer, rid="s", temperature=1.0, allowed_token_ids=paris, bad_words=["Paris"])]  # fmt: skip
+    tokens, _ = Sampler(0, processors).sample(logits, seqs)
+    assert tokens == [42, None]
