@@ -81,17 +81,24 @@ class SamplingParams:
             )
         for token_id, bias in self.logit_bias.items():
             if not isinstance(token_id, int) or token_id < 0:
-                raise InvalidArgument(f"logit_bias: key {token_id!r} is not a token id (an integer >= 0)", param="logit_bias")
+                raise InvalidArgument(
+                    f"logit_bias: key {token_id!r} is not a token id (an integer >= 0)", param="logit_bias"
+                )
             if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
                 raise InvalidArgument(
-                    f"logit_bias[{token_id}] must be in [-{LOGIT_BIAS_LIMIT}, {LOGIT_BIAS_LIMIT}], got {bias}", param="logit_bias"
+                    f"logit_bias[{token_id}] must be in [-{LOGIT_BIAS_LIMIT}, {LOGIT_BIAS_LIMIT}], got {bias}",
+                    param="logit_bias",
                 )
         if self.allowed_token_ids is not None:
             if not self.allowed_token_ids:
-                raise InvalidArgument("allowed_token_ids must not be empty (leave it out to allow every token)", param="allowed_token_ids")
+                raise InvalidArgument(
+                    "allowed_token_ids must not be empty (leave it out to allow every token)", param="allowed_token_ids"
+                )
             bad = next((t for t in self.allowed_token_ids if not isinstance(t, int) or t < 0), None)
             if bad is not None:
-                raise InvalidArgument(f"allowed_token_ids: {bad!r} is not a token id (an integer >= 0)", param="allowed_token_ids")
+                raise InvalidArgument(
+                    f"allowed_token_ids: {bad!r} is not a token id (an integer >= 0)", param="allowed_token_ids"
+                )
         bad_word = next((w for w in self.bad_words if not isinstance(w, str) or not w.strip()), None)
         if bad_word is not None:
             raise InvalidArgument(f"bad_words: {bad_word!r} is not a non-blank string", param="bad_words")
