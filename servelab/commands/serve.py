@@ -14,6 +14,7 @@ import time
 from servelab.commands._engine_cli import KV_CACHE_DTYPE_HELP, QUANTIZATION_HELP
 from servelab.errors import InvalidArgument
 from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES, OPEN_PATHS
+from servelab.server.tool_parsers import TOOL_CALL_PARSERS
 from servelab.units import parse_duration_s, parse_str_list
 
 HELP = "serve a model over an OpenAI-compatible HTTP API"
@@ -69,6 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help=KV_CACHE_DTYPE_HELP)
     model.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default cpu)")
     model.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests (default 0)")
+    model.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
+                       help="read tool calls out of the model's text for tool_choice 'auto' (hermes: "
+                            "<tool_call>{json}</tool_call>, as Qwen2.5 writes); without it, 'auto' is refused "
+                            "and 'required' or a named function still work")  # fmt: skip
 
     limits = parser.add_argument_group("engine and limits")
     limits.add_argument("--max-model-len", type=int, default=None,
@@ -186,7 +191,13 @@ def run(args: argparse.Namespace) -> int:
 
     # The *_created series double /metrics and no dashboard reads them (vLLM drops them too).
     prometheus_client.disable_created_metrics()
-    app = create_app(engine, api_key=args.api_key, max_request_bytes=max_request_bytes, allowed_origins=allowed_origins)
+    app = create_app(
+        engine,
+        api_key=args.api_key,
+        max_request_bytes=max_request_bytes,
+        allowed_origins=allowed_origins,
+        tool_call_parser=args.tool_call_parser,
+    )
     state = app.state.servelab
     lab = not args.no_lab and mount_lab(app)
 

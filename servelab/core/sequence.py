@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from servelab.core.structured_output import StructuredOutputSpec
 from servelab.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -18,6 +19,10 @@ class SequenceStatus(enum.Enum):
     WAITING = "waiting"  # never scheduled, or preempted and back in the queue
     RUNNING = "running"
     FINISHED = "finished"
+
+
+# OpenAI's range for logit_bias values: -100 bans a token in practice, +100 all but forces it.
+LOGIT_BIAS_LIMIT = 100
 
 
 class FinishReason(str, enum.Enum):
@@ -47,6 +52,11 @@ class SamplingParams:
     # vLLM's prompt_logprobs: the logprob of every prompt token after the first, with this many
     # top alternatives (0 = only the prompt's own token); None = not computed.
     prompt_logprobs: int | None = None
+    # Logit edits applied before every sampling method, greedy included (engine/logits_processors.py).
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    allowed_token_ids: list[int] | None = None  # only these may be sampled
+    bad_words: list[str] = field(default_factory=list)  # never completed in the output
+    structured_output: StructuredOutputSpec | None = None
 
     def __post_init__(self) -> None:
         self.validate()
@@ -76,6 +86,41 @@ class SamplingParams:
             raise InvalidArgument(
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}", param="min_tokens"
             )
+        for token_id, bias in self.logit_bias.items():
+            if not isinstance(token_id, int) or token_id < 0:
+                raise InvalidArgument(
+                    f"logit_bias: key {token_id!r} is not a token id (an integer >= 0)", param="logit_bias"
+                )
+            if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise InvalidArgument(
+                    f"logit_bias[{token_id}] must be in [-{LOGIT_BIAS_LIMIT}, {LOGIT_BIAS_LIMIT}], got {bias}",
+                    param="logit_bias",
+                )
+        if self.allowed_token_ids is not None:
+            if not self.allowed_token_ids:
+                raise InvalidArgument(
+                    "allowed_token_ids must not be empty (leave it out to allow every token)", param="allowed_token_ids"
+                )
+            bad = next((t for t in self.allowed_token_ids if not isinstance(t, int) or t < 0), None)
+            if bad is not None:
+                raise InvalidArgument(
+                    f"allowed_token_ids: {bad!r} is not a token id (an integer >= 0)", param="allowed_token_ids"
+                )
+        bad_word = next((w for w in self.bad_words if not isinstance(w, str) or not w.strip()), None)
+        if bad_word is not None:
+            raise InvalidArgument(f"bad_words: {bad_word!r} is not a non-blank string", param="bad_words")
+
+    def validate_token_ids(self, vocab_size: int) -> None:
+        """The token ids a request names must be in the model's vocabulary (known to the engine only)."""
+        for param, ids in (("logit_bias", self.logit_bias), ("allowed_token_ids", self.allowed_token_ids or ())):
+            bad = next((t for t in ids if t >= vocab_size), None)
+            if bad is not None:
+                raise InvalidArgument(f"{param}: token id {bad} is outside the vocabulary [0, {vocab_size})", param=param)
+
+    @property
+    def edits_logits(self) -> bool:
+        """Whether the logits processors have work for this request (read every step: keep it cheap)."""
+        return bool(self.logit_bias or self.allowed_token_ids or self.bad_words or self.structured_output)
 
     @property
     def greedy(self) -> bool:
@@ -107,6 +152,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
+    # The engine's per-request logits-processor state (bad-word token ids, grammar matcher);
+    # opaque here so that core stays free of torch and the grammar engine, and dropped with the sequence.
+    logits_state: object | None = field(default=None, repr=False)
 
     # Timestamps (seconds on the driver's clock: wall clock in the engine, virtual in the sim).
     first_scheduled_s: float | None = None

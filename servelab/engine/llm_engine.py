@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from servelab.core.config import SchedulerConfig
     from servelab.core.plan import Executor
     from servelab.core.scheduler import Scheduler
+    from servelab.engine.logits_processors import LogitsProcessors
     from servelab.engine.tokenizer import Tokenizer
 
 DEFAULT_MAX_MODEL_LEN = 8192  # CPU default: longer contexts are possible but unusably slow here
@@ -125,6 +126,7 @@ class LLMEngine:
         tokenizer: Tokenizer,
         scheduler_config: SchedulerConfig,
         model_name: str,
+        logits_processors: LogitsProcessors | None = None,
     ):
         from servelab.core.scheduler import Scheduler
 
@@ -138,6 +140,9 @@ class LLMEngine:
         self.model_spec = None  # the spec the roofline uses, set by from_args when known
         # Sampling fields the model's generation_config.json sets (generation_config.py), set by from_args.
         self.sampling_defaults: dict[str, float] = {}
+        # logit_bias, allowed_token_ids, bad_words, structured outputs: the sampler applies them;
+        # None where the executor samples no real logits (a simulated or fake one).
+        self.logits_processors = logits_processors
         self._requests: dict[str, _RequestState] = {}
         self._aborted: list[EngineOutput] = []
         self._prefix_cache_hits = 0
@@ -154,7 +159,9 @@ class LLMEngine:
         from servelab.engine.bundled import bundled_model_path
         from servelab.engine.generation_config import load_sampling_defaults
         from servelab.engine.kv_cache import PagedKVCache
+        from servelab.engine.logits_processors import LogitsProcessors
         from servelab.engine.model_executor import ModelExecutor
+        from servelab.engine.sampler import Sampler
         from servelab.engine.weights import load_model, resolve_dtype
 
         args.validate()
@@ -198,7 +205,8 @@ class LLMEngine:
             max_model_len = capacity_tokens  # a small cache asked for explicitly bounds the context
 
         kv_cache = PagedKVCache(config, num_blocks, args.block_size, dtype=kv_dtype, device=args.device)
-        executor = ModelExecutor(loaded.model, kv_cache, seed=args.seed)
+        processors = LogitsProcessors(loaded.tokenizer, loaded.model.vocab_size)
+        executor = ModelExecutor(loaded.model, kv_cache, sampler=Sampler(args.seed, processors))
         scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens,
@@ -211,7 +219,7 @@ class LLMEngine:
             max_waiting=args.max_waiting,
         )
         name = args.served_model_name or loaded.name
-        engine = cls(executor, loaded.tokenizer, scheduler_config, name)
+        engine = cls(executor, loaded.tokenizer, scheduler_config, name, processors)
         engine.model_spec = loaded.spec
         engine.sampling_defaults = load_sampling_defaults(path)
         return engine
@@ -233,6 +241,7 @@ class LLMEngine:
         if request_id in self._requests:
             raise InvalidArgument(f"request id {request_id!r} is already in use", param="request_id")
         params.validate()
+        self.prepare_logits_processors(params)
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode_prompt(prompt)
         else:
@@ -260,6 +269,20 @@ class LLMEngine:
         self.scheduler.add(seq, seq.arrival_s)  # raises QueueFull / RequestTooLong for the KV pool
         self._requests[request_id] = self._new_state(seq)
         return seq
+
+    def prepare_logits_processors(self, params: SamplingParams) -> None:
+        """Checks token ids against the vocabulary and compiles the request's grammar (cached).
+        The server calls it on a worker thread before admission, so that add_request, on the
+        step loop's thread, finds the grammar compiled."""
+        if not params.edits_logits:
+            return
+        if self.logits_processors is None:
+            raise InvalidArgument(
+                "this engine does not sample real logits, so logit_bias, allowed_token_ids, bad_words and "
+                "structured outputs are not available",
+                param="logit_bias" if params.logit_bias else "structured_outputs",
+            )
+        self.logits_processors.prepare(params)
 
     def _new_state(self, seq: Sequence) -> _RequestState:
         stream = RequestTextStream(self.tokenizer, seq.prompt_token_ids, seq.params.stop, skip_special_tokens=True)

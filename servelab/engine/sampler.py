@@ -18,6 +18,7 @@ import torch
 from servelab.core.plan import TokenLogprobs
 from servelab.core.sequence import Sequence
 from servelab.engine import native
+from servelab.engine.logits_processors import LogitsProcessors
 
 # Temperatures below this are treated as greedy: dividing by ~0 overflows and means argmax anyway.
 _GREEDY_TEMPERATURE = 1e-5
@@ -37,10 +38,11 @@ def _step_seed(seed: int, step: int) -> int:
 class Sampler:
     """Chooses one token per row of `logits`; row i belongs to `seqs[i]`."""
 
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, logits_processors: LogitsProcessors | None = None):
         # Unseeded requests share this generator: reproducible run to run, but their draws do
         # depend on batch composition (as in vLLM).
         self._generator = torch.Generator().manual_seed(seed)
+        self.logits_processors = logits_processors
 
     def sample(
         self, logits: torch.Tensor, seqs: list[Sequence]
@@ -50,7 +52,12 @@ class Sampler:
 
         A row whose logits are not all finite (the model overflowed: NaN or inf) gets None, not
         a token: the scheduler then ends that request with finish reason "error", and the rest
-        of the batch goes on (a NaN row would otherwise sample an id past the vocabulary)."""
+        of the batch goes on (a NaN row would otherwise sample an id past the vocabulary). So
+        does a row whose logits processors fail (its grammar rejects its output).
+
+        The rows of requests with logit edits (logit_bias, a grammar ...) are edited in `logits`
+        itself: the executor does not read them afterwards, and copying a whole batch's logits
+        for a few constrained rows would slow every row."""
         n, vocab = logits.shape
         if n != len(seqs):
             raise ValueError(f"logits has {n} rows but {len(seqs)} sequences were given")
@@ -71,6 +78,10 @@ class Sampler:
 
         logits = self._apply_penalties(logits, seqs)
         logits = self._apply_min_tokens(logits, seqs)
+        if self.logits_processors is not None:  # logit_bias, allowed_token_ids, bad_words, grammars
+            failed_rows = self.logits_processors.apply(logits, seqs)  # in place: see sample()'s docstring
+            if failed_rows:
+                bad_rows = sorted(set(bad_rows) | set(failed_rows))
 
         greedy_rows = [i for i, p in enumerate(params) if p.temperature < _GREEDY_TEMPERATURE]
         if len(greedy_rows) == n:

@@ -42,6 +42,7 @@ from servelab.server.metrics import CONTENT_TYPE, ServerMetrics
 from servelab.server.offload import Offload
 from servelab.server.prompt_scoring import echoed_logprobs, prompt_logprobs_wanted, token_text, vllm_prompt_logprobs
 from servelab.server.sse import DONE, sse_event
+from servelab.server.structured import ToolCallStream, ToolPlan, parse_tool_calls, sampling_kwargs, tool_plan
 
 if TYPE_CHECKING:
     from servelab.core.plan import TokenLogprobs
@@ -68,6 +69,7 @@ class ServerState:
     model_name: str = ""
     started_s: float = field(default_factory=time.time)
     draining: bool = False  # set on SIGTERM: finish what is running, take nothing new
+    tool_call_parser: str | None = None  # reads tool calls out of text for tool_choice "auto"
     loop: asyncio.AbstractEventLoop | None = None
     offload: Offload = field(default_factory=Offload)  # parsing, templating, (de)tokenizing
 
@@ -102,13 +104,14 @@ def create_app(
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     allowed_origins: list[str] | None = None,
+    tool_call_parser: str | None = None,
 ) -> FastAPI:
     """The app, ready for uvicorn. `engine` is a built LLMEngine, or EngineArgs to build one at
     start-up (the model then loads before the port opens). `app.state.servelab` is the
     ServerState; the lab (or anything else) can mount itself on the returned app. `api_key`
     guards every route but /health and /metrics, mounts included; CORS headers are sent only
-    for `allowed_origins`."""
-    state = ServerState(api_key=api_key)
+    for `allowed_origins`; `tool_call_parser` ("hermes") enables tool_choice "auto"."""
+    state = ServerState(api_key=api_key, tool_call_parser=tool_call_parser)
 
     def attach(llm: LLMEngine) -> None:
         state.engine = llm
@@ -225,6 +228,7 @@ def create_app(
         # echo with max_tokens 0 runs one token (the engine samples after every prefill) and drops it.
         max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
         engine_requests = build_requests(request_id, prompts, req, max_tokens, req.logprobs, arrival_s, prompt_logprobs)
+        await prepare_logits_processors(engine_requests)
         echo_texts = await state.offload.run(echo_prompt_texts, req.prompt) if req.echo else None
         stream = await state.async_engine.submit(engine_requests)
         renderer = CompletionRenderer(state, request_id, req, engine_requests, echo_texts=echo_texts)
@@ -242,19 +246,28 @@ def create_app(
         refuse_non_text_parts(req.messages)
         if req.top_logprobs is not None and not req.logprobs:
             raise InvalidArgument("top_logprobs needs logprobs=true", param="top_logprobs")
+        plan = tool_plan(req, state.tool_call_parser)
         prompt_ids = await state.offload.run(chat_prompt_ids, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
         prompt_logprobs = prompt_logprobs_wanted(prompt_logprobs=req.prompt_logprobs, echo_logprobs=None, stream=req.stream)
         request_id = "chatcmpl-" + uuid.uuid4().hex
         engine_requests = build_requests(request_id, [prompt_ids], req, max_tokens, top_logprobs, arrival_s, prompt_logprobs)
+        await prepare_logits_processors(engine_requests)
         stream = await state.async_engine.submit(engine_requests)
-        renderer = ChatRenderer(state, request_id, req, engine_requests)
+        renderer = ChatRenderer(state, request_id, req, engine_requests, plan)
         if req.stream:
             return sse_response(renderer.stream(stream))
         return await collect_unless_disconnected(request, renderer.collect(stream))
 
     # ---------------------------------------------------------------- helpers bound to state
+
+    async def prepare_logits_processors(engine_requests: list[EngineRequest]) -> None:
+        """Token ids checked and the grammar compiled on a worker thread (the choices of one
+        request share their params), so neither the event loop nor the step loop compiles."""
+        params = engine_requests[0].params
+        if params.edits_logits:
+            await asyncio.to_thread(state.engine.prepare_logits_processors, params)
 
     def check_accepting() -> None:
         if state.draining:
@@ -309,7 +322,8 @@ def create_app(
         """Blocking (runs on state.offload): the chat's token ids, markers only from the template."""
         messages = req.template_messages()
         check_fits_untokenized("".join(m["content"] for m in messages), "messages")
-        return state.engine.tokenizer.encode_chat(messages, req.add_generation_prompt)
+        tools = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if req.tools else {}
+        return state.engine.tokenizer.encode_chat(messages, req.add_generation_prompt, **tools)
 
     def completion_prompt_ids(prompt: str | list) -> list[list[int]]:
         """Blocking (runs on state.offload): every prompt as checked token ids."""
@@ -346,6 +360,7 @@ def create_app(
             raise InvalidArgument(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         check_stops(stop, list(req.stop_token_ids or []))
+        edits = sampling_kwargs(req)
         # Errors name the field the client sent, not our internal name for it.
         chat = isinstance(req, p.ChatCompletionRequest)
         prompt_param = "messages" if chat else "prompt"
@@ -393,6 +408,7 @@ def create_app(
                         logprobs=logprobs,
                         prompt_logprobs=prompt_logprobs,
                         min_tokens=req.min_tokens,
+                        **edits,
                     )
                 out.append(EngineRequest(f"{request_id}-{index}", prompt, params, req.priority, arrival_s))
         return out
@@ -639,8 +655,11 @@ class CompletionRenderer(_Renderer):
 
 
 class ChatRenderer(_Renderer):
-    def __init__(self, *args: Any):
-        super().__init__(*args)
+    def __init__(self, state: ServerState, request_id: str, req: Any, engine_requests: list[EngineRequest],
+                 plan: ToolPlan | None = None):  # fmt: skip
+        super().__init__(state, request_id, req, engine_requests)
+        self.plan = plan  # tool calls: how the answer's text becomes them
+        self.tool_streams = {} if plan is None else {c.index: ToolCallStream(plan) for c in self.choices.values()}
         self._opened: set[int] = set()  # choices whose role has been sent
 
     def _logprobs(self, items: list[TokenLogprobs]) -> p.ChatLogprobs:
@@ -668,36 +687,49 @@ class ChatRenderer(_Renderer):
         opening = choice.index not in self._opened
         if not (opening or out.text_delta or out.finished or out.logprobs):
             return None
-        self._opened.add(choice.index)
         logprobs = self._logprobs(out.logprobs) if self.req.logprobs and out.logprobs else None
-        if opening:
-            delta = p.DeltaMessage(role="assistant", content=out.text_delta)
+        finish_reason = choice.finish_reason if out.finished else None
+        if self.plan is not None:
+            tools = self.tool_streams[choice.index]
+            delta = tools.feed(out.text_delta, out.finished)
+            if delta is None and not out.finished and logprobs is None:
+                return None  # text held back until it is known to be (or not be) a tool call
+            delta = delta or p.DeltaMessage()
+            if tools.num_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
         else:
-            delta = p.DeltaMessage(content=out.text_delta) if out.text_delta else p.DeltaMessage()
+            delta = p.DeltaMessage(content=out.text_delta)
+        if opening:
+            delta.role = "assistant"
+            if delta.content is None and delta.tool_calls is None:
+                delta.content = ""
+        elif delta.content == "":
+            delta.content = None
+        self._opened.add(choice.index)
         return self._chunk(
-            [
-                p.ChatStreamChoice(
-                    index=choice.index,
-                    delta=delta,
-                    logprobs=logprobs,
-                    finish_reason=choice.finish_reason if out.finished else None,
-                )
-            ]
+            [p.ChatStreamChoice(index=choice.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)]
         )
 
     def usage_chunk(self) -> dict:
         return self._chunk([], usage=self.usage())
 
+    def _choice(self, c: _Choice) -> p.ChatChoice:
+        content: str | None = "".join(c.text)
+        calls: list[p.ToolCall] = []
+        finish_reason = c.finish_reason
+        if self.plan is not None:
+            content, calls = parse_tool_calls(self.plan, content)
+            if calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return p.ChatChoice(
+            index=c.index,
+            message=p.ChatMessageOut(content=content, tool_calls=calls),
+            logprobs=self._logprobs(c.logprobs) if self.req.logprobs else None,
+            finish_reason=finish_reason,
+        )
+
     def response(self) -> dict:
-        choices = [
-            p.ChatChoice(
-                index=c.index,
-                message=p.ChatMessageOut(content="".join(c.text)),
-                logprobs=self._logprobs(c.logprobs) if self.req.logprobs else None,
-                finish_reason=c.finish_reason,
-            )
-            for c in sorted(self.choices.values(), key=lambda c: c.index)
-        ]
+        choices = [self._choice(c) for c in sorted(self.choices.values(), key=lambda c: c.index)]
         first = min(self.choices.values(), key=lambda c: c.index)
         prompt_logprobs = None
         if self.req.prompt_logprobs is not None and first.seq is not None:

@@ -50,20 +50,19 @@ def _r(note: str, *neutral: Any) -> FieldRule:
     return FieldRule(Status.REFUSED, note, (None, *neutral))
 
 
-_STRUCTURED = "constrained decoding (structured outputs)"
-
 COMMON: dict[str, FieldRule] = {
     "model": _h("must name the served model (404 otherwise); may be left out"),
     "n": _h("choices per prompt, each its own sequence"),
     "temperature": _h("default: the model's generation_config.json, else 1.0"),
     "top_p": _h("default: the model's generation_config.json, else 1.0"),
-    "stop": _h("up to any number of stop strings, cut from the text"),
+    "stop": _h("up to 64 stop strings of at most 256 characters, cut from the text"),
     "seed": _h("per-request generator; choice i uses seed + i"),
     "presence_penalty": _h("in [-2, 2]"),
     "frequency_penalty": _h("in [-2, 2]"),
     "stream": _h("server-sent events; the first chunk comes with the first token"),
     "stream_options": _h("include_usage, and vLLM's continuous_usage_stats"),
-    "logit_bias": _h(f"token id -> bias in [-100, 100], before every sampling method ({_STRUCTURED} branch)"),
+    "logit_bias": _h("token id -> bias in [-100, 100], before every sampling method"),
+    "response_format": _h("text, json_object, json_schema (constrained by xgrammar)"),
     "user": _i("an end-user identifier; not stored"),
     # vLLM extensions
     "top_k": _h("vLLM extension: 0 or -1 = off"),
@@ -73,9 +72,13 @@ COMMON: dict[str, FieldRule] = {
     "stop_token_ids": _h("vLLM extension"),
     "min_tokens": _h("vLLM extension"),
     "prompt_logprobs": _h("vLLM extension: logprobs of the prompt's tokens (not with stream)"),
-    "allowed_token_ids": _h(f"vLLM extension ({_STRUCTURED} branch)"),
-    "bad_words": _h(f"vLLM extension ({_STRUCTURED} branch)"),
-    "structured_outputs": _h(f"vLLM extension: regex, choice, grammar ({_STRUCTURED} branch)"),
+    "allowed_token_ids": _h("vLLM extension: only these ids may be sampled"),
+    "bad_words": _h("vLLM extension: words never completed in the output"),
+    "structured_outputs": _h("vLLM extension: one of json, regex, choice, grammar, json_object"),
+    "guided_json": _h("vLLM's older name for structured_outputs.json"),
+    "guided_regex": _h("vLLM's older name for structured_outputs.regex"),
+    "guided_choice": _h("vLLM's older name for structured_outputs.choice"),
+    "guided_grammar": _h("vLLM's older name for structured_outputs.grammar"),
 }
 
 CHAT: dict[str, FieldRule] = {
@@ -86,10 +89,9 @@ CHAT: dict[str, FieldRule] = {
     "logprobs": _h("the sampled tokens' logprobs"),
     "top_logprobs": _h("0-20 alternatives per token, with logprobs=true"),
     "add_generation_prompt": _h("vLLM extension"),
-    "response_format": _h(f"json_object, json_schema ({_STRUCTURED} branch)"),
-    "tools": _h(f"function tools ({_STRUCTURED} branch)"),
-    "tool_choice": _h(f"none, auto, required or a named function ({_STRUCTURED} branch)"),
-    "parallel_tool_calls": _h(f"({_STRUCTURED} branch)"),
+    "tools": _h("function tools, shown to the chat template"),
+    "tool_choice": _h("none, required or a named function (constrained); auto with --tool-call-parser"),
+    "parallel_tool_calls": _i("an answer holds at most one tool call, which both values allow"),
     "metadata": _i("tags for stored completions; nothing is stored"),
     "safety_identifier": _i("an end-user identifier; not stored"),
     "prompt_cache_key": _i("a cache-routing hint; the prefix cache works on the tokens themselves"),

@@ -4,7 +4,9 @@ Requests are validated strictly (a string where a number belongs is a 400, not a
 coercion); values that pass the types but fall outside a range are checked by
 `SamplingParams.validate`, so the server, the offline API and the CLI share one set of limits
 and messages. What servelab does with each field OpenAI defines (honoured, informational or
-refused) is decided in `fields.py`; fields it has never heard of pass, as in vLLM.
+refused) is decided in `fields.py`; fields it has never heard of pass, as in vLLM. `logit_bias`,
+`allowed_token_ids`, `bad_words`, `response_format`, `tools` and the structured-output extras
+are honoured by server/structured.py.
 """
 
 from __future__ import annotations
@@ -29,6 +31,51 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False  # vLLM extension: usage on every chunk (GuideLLM sends it)
 
 
+class JsonSchemaFormat(_Request):
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+    name: str
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(default=None, alias="schema")  # "schema" shadows BaseModel's
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(_Request):
+    """vLLM's `structured_outputs` extra: exactly one of these."""
+
+    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+    model_config = ConfigDict(strict=True, extra="allow", populate_by_name=True)
+
+
+class FunctionDefinition(_Request):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Request):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Request):
+    name: str
+
+
+class NamedToolChoice(_Request):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class _SamplingFields(_Request):
     """The sampling parameters common to both endpoints (OpenAI names, vLLM extensions)."""
 
@@ -50,6 +97,16 @@ class _SamplingFields(_Request):
     priority: int = 0  # lower runs first when the server's order is "priority"
     stop_token_ids: list[int] | None = None
     min_tokens: int = 0
+    # Logit edits and output constraints (server/structured.py turns them into SamplingParams).
+    logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a string) -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
+    guided_json: dict[str, Any] | str | None = None  # vLLM's older names for structured_outputs
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -94,12 +151,20 @@ class ChatCompletionRequest(_SamplingFields):
     top_logprobs: int | None = None
     add_generation_prompt: bool = True  # vLLM extension
     prompt_logprobs: int | None = None  # vLLM extension
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
-    def template_messages(self) -> list[dict[str, str]]:
+    def template_messages(self) -> list[dict[str, Any]]:
         # Chat templates know system/user/assistant; OpenAI's newer "developer" role is a system prompt.
-        return [
-            {"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in self.messages
-        ]
+        # Tool-using templates (Hermes, Qwen2.5) also render earlier calls and results.
+        out: list[dict[str, Any]] = []
+        for m in self.messages:
+            message: dict[str, Any] = {"role": "system" if m.role == "developer" else m.role, "content": m.text()}
+            for key in ("tool_calls", "tool_call_id"):
+                if m.model_extra and m.model_extra.get(key) is not None:
+                    message[key] = m.model_extra[key]
+            out.append(message)
+        return out
 
 
 class TokenizeRequest(_Request):
@@ -149,6 +214,29 @@ class CompletionChoice(BaseModel):
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's extra
 
 
+class FunctionCall(BaseModel):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta
+
+
 class CompletionResponse(BaseModel):
     id: str
     object: Literal["text_completion"] = "text_completion"
@@ -174,14 +262,15 @@ class ChatLogprobs(BaseModel):
 
 class ChatMessageOut(BaseModel):
     role: Literal["assistant"] = "assistant"
-    content: str
+    content: str | None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -197,18 +286,20 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
     @model_serializer
     def _without_nulls(self) -> dict[str, Any]:
         # OpenAI omits a delta's absent keys ("role" after the first chunk) rather than sending null.
-        return {k: v for k, v in (("role", self.role), ("content", self.content)) if v is not None}
+        present = (("role", self.role), ("content", self.content), ("tool_calls", self.tool_calls))
+        return {k: v for k, v in present if v is not None}
 
 
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
 
 
 class ChatCompletionChunk(BaseModel):

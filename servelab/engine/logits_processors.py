@@ -1,0 +1,157 @@
+"""Per-request logit edits made before sampling: logit_bias, allowed_token_ids, bad_words and
+structured-output grammars.
+
+The sampler calls `LogitsProcessors.apply` once per step. Rows whose request asks for none of
+these are not touched (one attribute test each), so a batch pays only for its constrained rows.
+A row that cannot go on (its grammar rejects a token it already has, or no token is left to
+sample) is reported back and ends alone with finish reason "error"; the rest of the batch samples.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from servelab.core.sequence import SamplingParams, Sequence
+from servelab.engine.structured_output import GrammarMatcherState, StructuredOutputBackend
+from servelab.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger("servelab.engine")
+
+_MASK = float("-inf")
+
+
+@dataclass(slots=True)
+class _RowState:
+    """What a request's edits need each step, built on its first sampled token."""
+
+    bias_ids: torch.Tensor | None
+    bias_values: torch.Tensor | None
+    allowed_ids: torch.Tensor | None
+    bad_words: list[list[int]]
+    matcher: GrammarMatcherState | None
+
+
+def bad_word_token_ids(tokenizer: Tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's rule: each word's tokens as written at the start of a text and after a space
+    (the second only where the space makes a different first token of the same length)."""
+    out: list[list[int]] = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        out.append(bare)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            out.append(spaced)
+    return [ids for ids in out if ids]
+
+
+class LogitsProcessors:
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.structured = StructuredOutputBackend(tokenizer, vocab_size)
+
+    def prepare(self, params: SamplingParams) -> None:
+        """Admission-time work: token ids checked against the vocabulary, the grammar compiled
+        (cached; milliseconds to compile, seconds for the first one, which imports xgrammar: the
+        server calls this on a worker thread). Raises InvalidArgument naming the field."""
+        params.validate_token_ids(self.vocab_size)
+        if params.structured_output is not None:
+            self.structured.compile(params.structured_output)
+
+    def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        """Edits the rows that ask for it in place (a copy of the whole batch's logits would cost
+        every row, constrained or not) and returns the rows that cannot be sampled, zeroed so
+        that they sample harmlessly before the sampler discards them."""
+        rows = [i for i, s in enumerate(seqs) if s.params.edits_logits]
+        if not rows:
+            return []
+        # The model's forward runs under inference_mode, and its logits may only be edited in place there.
+        with torch.inference_mode():
+            failed = self._apply(logits, seqs, rows)
+            if failed:
+                logits[failed] = 0.0
+        return failed
+
+    def _apply(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> list[int]:
+        failed: list[int] = []
+        masked: list[int] = []  # rows whose grammar mask goes into the bitmask
+        for i in rows:
+            seq = seqs[i]
+            state = seq.logits_state
+            if state is None:
+                state = seq.logits_state = self._new_state(seq.params)
+            row = logits[i]
+            if state.bias_ids is not None:
+                row[state.bias_ids] += state.bias_values
+            if state.allowed_ids is not None:
+                kept = row[state.allowed_ids]
+                row.fill_(_MASK)
+                row[state.allowed_ids] = kept
+            if state.bad_words:
+                self._ban_bad_words(row, seq, state.bad_words)
+            if state.matcher is not None:
+                # Before this step the matcher sees the tokens sampled since its last step.
+                if not state.matcher.sync(seq.token_ids, seq.num_prompt_tokens):
+                    logger.warning("request %s: its grammar rejects its output so far; ending it with an error", seq.request_id)
+                    failed.append(i)
+                elif state.matcher.matcher.is_terminated():
+                    stop = [t for t in seq.eos_token_ids if t < self.vocab_size]
+                    kept = row[stop]
+                    row.fill_(_MASK)
+                    row[stop] = kept
+                else:
+                    masked.append(i)
+        bitmask = None
+        if masked:
+            bitmask = self.structured.bitmask(logits.shape[0])
+            for i in masked:
+                seqs[i].logits_state.matcher.matcher.fill_next_token_bitmask(bitmask, i)
+            self.structured.apply_bitmask(logits, bitmask, masked)
+        for i in rows:
+            if i not in failed and self._leaves_no_token(logits, i, seqs[i], bitmask if i in masked else None):
+                logger.warning("request %s: its constraints leave no token to sample; ending it with an error",
+                               seqs[i].request_id)  # fmt: skip
+                failed.append(i)
+        return failed
+
+    @staticmethod
+    def _leaves_no_token(logits: torch.Tensor, i: int, seq: Sequence, bitmask: torch.Tensor | None) -> bool:
+        """Whether row i has no finite logit left. Told from the few entries that can still be
+        finite where possible: a whole-row reduction over 50k logits per row per step is what
+        the hook must not cost (a bias is finite, and a few bad words cannot ban everything)."""
+        state, params = seq.logits_state, seq.params
+        if state.matcher is None:
+            if state.allowed_ids is None:
+                return False
+            return bool(torch.isneginf(logits[i, state.allowed_ids]).all())
+        if bitmask is not None and state.allowed_ids is None and not state.bad_words and not params.min_tokens:
+            return not bool(bitmask[i].any())  # nothing else masks: the grammar's tokens are the row's
+        return bool(torch.isneginf(logits[i].max()))
+
+    def _new_state(self, params: SamplingParams) -> _RowState:
+        bias_ids = bias_values = allowed = None
+        if params.logit_bias:
+            bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+            bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+        if params.allowed_token_ids:
+            allowed = torch.tensor(sorted(set(params.allowed_token_ids)), dtype=torch.long)
+        bad_words = bad_word_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
+        matcher = None
+        if params.structured_output is not None:
+            matcher = self.structured.new_matcher(params.structured_output)
+        return _RowState(bias_ids, bias_values, allowed, bad_words, matcher)
+
+    @staticmethod
+    def _ban_bad_words(row: torch.Tensor, seq: Sequence, bad_words: list[list[int]]) -> None:
+        """A bad word's last token is banned when the output so far ends with the rest of it."""
+        tokens, start = seq.token_ids, seq.num_prompt_tokens
+        n_out = len(tokens) - start
+        for ids in bad_words:
+            prefix = len(ids) - 1
+            if prefix > n_out:
+                continue
+            if prefix == 0 or tokens[len(tokens) - prefix :] == ids[:-1]:
+                row[ids[-1]] = _MASK

@@ -1,0 +1,164 @@
+"""Structured outputs with xgrammar: grammars compiled once per constraint, one matcher per request.
+
+xgrammar (the grammar engine of vLLM and SGLang) precomputes, per grammar, which tokens of the
+vocabulary each grammar state admits, so a step's mask is a ~0.1 ms bitmask fill per constrained
+row. It imports transformers (seconds), so it is imported on the first constrained request, not
+with the engine; the server compiles on a worker thread before admission, so neither the event
+loop nor the step loop waits for a compilation.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from collections import OrderedDict
+from typing import TYPE_CHECKING, Any
+
+from servelab.core.structured_output import StructuredOutputSpec
+from servelab.errors import InvalidArgument
+
+if TYPE_CHECKING:
+    import torch
+
+    from servelab.engine.tokenizer import Tokenizer
+
+# Compiled grammars kept (least recently used dropped first): a server that sees a new schema per
+# request must not grow without bound; a grammar takes ~1-20 ms to compile again.
+_CACHE_ENTRIES = 256
+_LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+def _vocab_bytes(tokenizer: Tokenizer) -> list[bytes]:
+    """Each token's bytes as it appears in text (b"" for special tokens, which grammars never emit).
+
+    Byte-level BPE (GPT-2, Llama 3, Qwen, SmolLM) spells bytes with printable stand-ins;
+    SentencePiece writes a space as U+2581 and unprintable bytes as <0xNN>."""
+    from tokenizers import decoders
+
+    from servelab.engine.tokenizer import _byte_level_alphabet
+
+    special = {i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special}
+    byte_level = isinstance(tokenizer.backend.decoder, decoders.ByteLevel)
+    inverse = {c: b for b, c in _byte_level_alphabet().items()}
+    out: list[bytes] = []
+    for i in range(tokenizer.vocab_size):
+        piece = tokenizer.id_to_token(i)
+        if piece is None or i in special:
+            out.append(b"")
+        elif byte_level:
+            out.append(bytes(inverse[c] for c in piece) if all(c in inverse for c in piece) else piece.encode())
+        elif len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            out.append(bytes([int(piece[3:5], 16)]))
+        else:
+            out.append(piece.replace("\u2581", " ").encode())
+    return out
+
+
+def _choice_grammar(choices: tuple[str, ...]) -> str:
+    # JSON string escapes are valid EBNF string literals in xgrammar.
+    return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+class GrammarMatcherState:
+    """A request's matcher, kept in step with its output tokens.
+
+    The sampler hook calls `sync` before each mask: it feeds the matcher the output tokens it has
+    not seen (the token sampled last step, or a whole output after preemption by recompute) and
+    rebuilds it if the output ever got shorter, so the matcher cannot drift from the sequence."""
+
+    __slots__ = ("_compiled", "_xgr", "matcher", "num_accepted")
+
+    def __init__(self, xgr: Any, compiled: Any):
+        self._xgr, self._compiled = xgr, compiled
+        self.matcher = xgr.GrammarMatcher(compiled)
+        self.num_accepted = 0
+
+    def sync(self, token_ids: list[int], num_prompt_tokens: int) -> bool:
+        """Accept the output tokens (those of `token_ids` after the prompt) not seen yet; False
+        if the grammar rejects one. Slices from the first unseen token: no copy of the output."""
+        if len(token_ids) - num_prompt_tokens < self.num_accepted:
+            self.matcher, self.num_accepted = self._xgr.GrammarMatcher(self._compiled), 0
+        for token_id in token_ids[num_prompt_tokens + self.num_accepted :]:
+            if self.matcher.is_terminated():
+                # Only more stop tokens can follow the end (a request with ignore_eos samples them).
+                if token_id not in self.matcher.stop_token_ids:
+                    return False
+            elif not self.matcher.accept_token(token_id):
+                return False
+            self.num_accepted += 1
+        return True
+
+
+class StructuredOutputBackend:
+    """One per engine: the tokenizer's view for xgrammar, the compiler and its cache."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+        self._tokenizer = tokenizer
+        self._vocab_size = vocab_size
+        self._lock = threading.Lock()
+        self._xgr: Any = None
+        self._compiler: Any = None
+        self._compiled: OrderedDict[StructuredOutputSpec, Any] = OrderedDict()
+        self._bitmask: torch.Tensor | None = None  # used by the step loop's thread only
+
+    def _ready(self) -> tuple[Any, Any]:
+        with self._lock:
+            if self._compiler is None:
+                import xgrammar as xgr
+
+                info = xgr.TokenizerInfo(
+                    _vocab_bytes(self._tokenizer),
+                    xgr.VocabType.RAW,
+                    vocab_size=self._vocab_size,
+                    stop_token_ids=list(self._tokenizer.eos_token_ids),
+                )
+                # Our own LRU caches by spec; xgrammar's cache is unbounded by default.
+                self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+                self._xgr = xgr
+            return self._xgr, self._compiler
+
+    def compile(self, spec: StructuredOutputSpec) -> Any:
+        """The compiled grammar of `spec` (cached); InvalidArgument naming the field on a bad one."""
+        with self._lock:
+            compiled = self._compiled.get(spec)
+            if compiled is not None:
+                self._compiled.move_to_end(spec)
+                return compiled
+        xgr, compiler = self._ready()
+        try:
+            if spec.kind == "json":
+                # Compact JSON (no free whitespace): a small model allowed any whitespace can spend
+                # its whole max_tokens on newlines; OpenAI's strict mode is compact too.
+                compiled = compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+            elif spec.kind == "json_object":
+                # An object, as OpenAI's JSON mode promises (the builtin JSON grammar allows any value).
+                compiled = compiler.compile_json_schema('{"type":"object"}', any_whitespace=False)
+            elif spec.kind == "regex":
+                compiled = compiler.compile_regex(spec.value)
+            elif spec.kind == "choice":
+                compiled = compiler.compile_grammar(_choice_grammar(spec.value))
+            else:
+                compiled = compiler.compile_grammar(spec.value)
+        except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses with its parser's message
+            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            message = _LOG_PREFIX.sub("", message)  # "[11:44:40] /project/cpp/x.cc:94: " says nothing to a client
+            raise InvalidArgument(f"{spec.source}: the {spec.kind} constraint does not compile: {message}", param=spec.source) from e
+        with self._lock:
+            self._compiled[spec] = compiled
+            while len(self._compiled) > _CACHE_ENTRIES:
+                self._compiled.popitem(last=False)
+        return compiled
+
+    def new_matcher(self, spec: StructuredOutputSpec) -> GrammarMatcherState:
+        compiled = self.compile(spec)
+        return GrammarMatcherState(self._xgr, compiled)
+
+    def bitmask(self, rows: int) -> torch.Tensor:
+        """A bitmask of at least `rows` rows, reused step to step (the fills overwrite whole rows)."""
+        if self._bitmask is None or self._bitmask.shape[0] < rows:
+            self._bitmask = self._xgr.allocate_token_bitmask(max(rows, 64), self._vocab_size)
+        return self._bitmask
+
+    def apply_bitmask(self, logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+        self._xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self._vocab_size, indices=rows)

@@ -1,0 +1,120 @@
+"""End to end on the bundled model: a real `servelab serve`, the official `openai` client, and
+logit_bias, json_schema, tool calls and structured_outputs. Every JSON answer is parsed and
+validated against its schema."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+pytestmark = pytest.mark.slow
+jsonschema = pytest.importorskip("jsonschema")
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 20}}, "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"tz": {"type": "string", "maxLength": 20}}, "required": ["tz"]}}},
+]  # fmt: skip
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def client(server_launcher) -> openai.OpenAI:
+    from servelab.engine.bundled import bundled_model_path
+
+    try:
+        path = bundled_model_path()
+    except Exception as e:
+        pytest.skip(f"bundled model unavailable: {e}")
+    server = server_launcher(path, "--max-model-len", "512", "--dtype", "float32")
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def model(client) -> str:
+    return client.models.list().data[0].id
+
+
+def test_logit_bias_bans_and_forces_tokens(client):
+    prompt = "The capital of France is"
+    plain = client.completions.create(model=model(client), prompt=prompt, max_tokens=3, temperature=0)
+    assert plain.choices[0].text.startswith(" Paris")
+    paris = str(7042)  # " Paris" in SmolLM2's vocabulary
+    banned = client.completions.create(model=model(client), prompt=prompt, max_tokens=3, temperature=0, logit_bias={paris: -100})
+    assert "Paris" not in banned.choices[0].text
+    forced = client.chat.completions.create(model=model(client), messages=ASK, max_tokens=2, temperature=0,
+                                            logit_bias={"33": 100})  # fmt: skip
+    assert forced.choices[0].message.content == "11"  # token 33 is "1"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model(client), prompt=prompt, max_tokens=1, logit_bias={paris: 101})
+    assert e.value.body["param"] == "logit_bias" and "[-100, 100]" in e.value.body["message"]
+
+
+def test_json_schema_answers_validate(client):
+    fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    r = client.chat.completions.create(model=model(client), messages=[{"role": "user", "content": "A person as JSON."}],
+                                       max_tokens=60, temperature=0.7, seed=1, n=3, response_format=fmt)  # fmt: skip
+    for c in r.choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content), PERSON)
+    cut = client.chat.completions.create(model=model(client), messages=[{"role": "user", "content": "JSON please"}],
+                                         max_tokens=3, temperature=0, response_format={"type": "json_object"})  # fmt: skip
+    assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content.startswith("{")
+
+
+def test_required_tool_call(client):
+    r = client.chat.completions.create(model=model(client), messages=ASK, max_tokens=40, temperature=0,
+                                       tools=TOOLS, tool_choice="required")  # fmt: skip
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    tool = next(t for t in TOOLS if t["function"]["name"] == call.function.name)
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_named_tool_call_streams_its_arguments(client):
+    stream = client.chat.completions.create(model=model(client), messages=ASK, max_tokens=40, temperature=0, stream=True,
+                                            tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})  # fmt: skip
+    names, arguments, finish = [], "", None
+    for chunk in stream:
+        for c in chunk.choices:
+            for d in c.delta.tool_calls or []:
+                assert d.index == 0
+                names += [d.function.name] if d.function.name else []
+                arguments += d.function.arguments or ""
+            finish = c.finish_reason or finish
+    assert names == ["get_time"] and finish == "tool_calls"
+    jsonschema.validate(json.loads(arguments), TOOLS[1]["function"]["parameters"])
+
+
+def test_auto_tool_choice_without_a_parser_is_refused_and_none_is_text(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=model(client), messages=ASK, max_tokens=4, tools=TOOLS)
+    assert e.value.body["param"] == "tool_choice" and "--tool-call-parser" in e.value.body["message"]
+    r = client.chat.completions.create(model=model(client), messages=ASK, max_tokens=4, temperature=0, tools=TOOLS, tool_choice="none")
+    assert r.choices[0].message.content and not r.choices[0].message.tool_calls
+
+
+def test_structured_outputs_extras(client):
+    r = client.completions.create(model=model(client), prompt="The capital of France is", max_tokens=8, temperature=0,
+                                  extra_body={"structured_outputs": {"choice": ["Lyon", "Marseille"]}})  # fmt: skip
+    assert r.choices[0].text in ("Lyon", "Marseille") and r.choices[0].finish_reason == "stop"
+    r = client.completions.create(model=model(client), prompt="Zip code:", max_tokens=8, temperature=1.0, seed=3,
+                                  extra_body={"guided_regex": "[0-9]{5}"})  # fmt: skip
+    assert r.choices[0].text.isdigit() and len(r.choices[0].text) == 5
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model(client), prompt="x", max_tokens=4, extra_body={"guided_regex": "[a-"})
+    assert e.value.body["param"] == "guided_regex" and "does not compile" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model(client), prompt="x", max_tokens=4,
+                                  extra_body={"guided_regex": "a", "structured_outputs": {"regex": "b"}})  # fmt: skip
+    assert "only one output constraint" in e.value.body["message"]
