@@ -484,6 +484,22 @@ def finish_reason_str(reason: FinishReason | None) -> str | None:
 
 
 
+def _visible_logprobs(out: EngineOutput) -> list[TokenLogprobs]:
+    """The logprobs of the tokens the client sees: an EOS that ended the request is not in the
+    text (special tokens are skipped), so its entry would not join to the content."""
+    logprobs, seq = out.logprobs, out.seq
+    last = logprobs[-1].token_id
+    if (
+        out.finished
+        and out.finish_reason is FinishReason.STOP
+        and not seq.params.ignore_eos
+        and last in seq.eos_token_ids
+        and seq.output_token_ids[-1:] == [last]
+    ):
+        return logprobs[:-1]
+    return logprobs
+
+
 @dataclass
 class _Choice:
     index: int
@@ -521,6 +537,7 @@ class _Renderer:
         if out.text_delta:
             choice.text.append(out.text_delta)
         if out.logprobs:
+            out.logprobs = _visible_logprobs(out)  # streamed chunks read it too
             choice.logprobs.extend(out.logprobs)
         if choice.cached_tokens is None:
             # The first admission's hits: a preemption's recompute is the server's business, not the client's.
