@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
             print("(conversation reset)", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
-        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt = engine.tokenizer.encode_chat(messages, add_generation_prompt=True)
         rid = f"chat-{turn}"
         turn += 1
         seq = engine.add_request(rid, prompt, params)

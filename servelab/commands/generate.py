@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
             {"role": "user", "content": prompt}
         ]
-        prompt = engine.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        prompt = engine.tokenizer.encode_chat(messages, add_generation_prompt=True)
     seq = engine.add_request("generate-0", prompt, params)
     text = []
     while engine.has_unfinished():

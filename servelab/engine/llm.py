@@ -109,9 +109,10 @@ class LLM:
         return self
 
     def render(self, prompt: Prompt) -> str | list[int]:
-        """A chat becomes text through the model's chat template; text and ids pass through."""
+        """A chat becomes token ids through the model's chat template (special tokens only from the
+        template, never from message text); text and ids pass through."""
         if _is_chat(prompt):
-            return self.tokenizer.apply_chat_template(prompt, add_generation_prompt=True)
+            return self.tokenizer.encode_chat(prompt, add_generation_prompt=True)
         return prompt  # type: ignore[return-value]
 
     def generate(
