@@ -17,10 +17,12 @@ from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import swagger_ui_bundle
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.staticfiles import StaticFiles
 
 from servelab import __version__
 from servelab.core.sequence import FinishReason, SamplingParams
@@ -178,9 +180,18 @@ def create_app(
     async def openapi() -> Response:
         return JSONResponse(app.openapi())
 
+    # Swagger UI's files come from a package, not a CDN: the page works on a machine offline.
+    app.mount("/docs/static", StaticFiles(directory=swagger_ui_bundle.swagger_ui_path), name="swagger-ui")
+
     @app.get("/docs", dependencies=auth, include_in_schema=False)
     async def docs() -> Response:
-        return get_swagger_ui_html(openapi_url="/openapi.json", title="servelab API")
+        return get_swagger_ui_html(
+            openapi_url="/openapi.json",
+            title="servelab API",
+            swagger_js_url="/docs/static/swagger-ui-bundle.js",
+            swagger_css_url="/docs/static/swagger-ui.css",
+            swagger_favicon_url="/docs/static/favicon-32x32.png",
+        )
 
     @app.get("/v1/models", dependencies=auth)
     async def models() -> Response:

@@ -3,6 +3,8 @@ per-request metrics, usage details, and errors that name the field the client se
 
 from __future__ import annotations
 
+import re
+
 import json
 import socket
 import threading
@@ -257,7 +259,14 @@ def test_version_docs_and_openapi_go_through_the_api_key(fake_engine):
             assert _error(c.get(path), 401)["type"] == "authentication_error", path
         auth = {"Authorization": "Bearer sk-right"}
         assert c.get("/version", headers=auth).json() == {"version": __version__}
-        assert "swagger" in c.get("/docs", headers=auth).text.lower()
+        page = c.get("/docs", headers=auth).text
+        assert "swagger" in page.lower()
+        # Every file the page loads is served here (the machine may be offline): no CDN.
+        assets = re.findall(r"""(?:src|href)=['"]([^'"]+)['"]""", page)
+        assert assets and all(a.startswith("/docs/static/") for a in assets), assets
+        for asset in assets:
+            assert c.get(asset, headers=auth).status_code == 200, asset
+            assert c.get(asset).status_code == 401, asset
         spec = c.get("/openapi.json", headers=auth).json()
         assert spec["info"]["version"] == __version__ and "/v1/chat/completions" in spec["paths"]
     with TestClient(create_app(fake_engine())) as c:
