@@ -18,6 +18,12 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+# A cap well above any useful value. Without one, 1e39 passed as a Python float overflowed to inf
+# in the sampler's fp32, turned a masked logit's -inf / inf into NaN and sampled an id past the
+# vocabulary (issue 15).
+MAX_TEMPERATURE = 100.0
+
+
 class FinishReason(str, enum.Enum):
     STOP = "stop"  # EOS, a stop token id or a stop string
     LENGTH = "length"  # max_tokens (or max_model_len) reached
@@ -51,8 +57,10 @@ class SamplingParams:
             raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}", param="max_tokens")
         # Comparisons are written so that NaN fails them: a NaN that got through would fail
         # the whole batch's step, not just this request.
-        if not self.temperature >= 0 or self.temperature == float("inf"):
-            raise InvalidArgument(f"temperature must be a finite number >= 0, got {self.temperature}", param="temperature")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidArgument(
+                f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature}", param="temperature"
+            )
         if not 0 < self.top_p <= 1:
             raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if self.top_k < 0:

@@ -7,6 +7,7 @@ loaded inside `LLMEngine.from_args`, so the CLI and the server start fast until 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -21,6 +22,8 @@ if TYPE_CHECKING:
     from servelab.core.plan import Executor
     from servelab.core.scheduler import Scheduler
     from servelab.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger("servelab.engine")
 
 DEFAULT_MAX_MODEL_LEN = 8192  # CPU default: longer contexts are possible but unusably slow here
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
@@ -235,6 +238,11 @@ class LLMEngine:
             bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(
+                f"stop_token_ids holds {bad}, outside the vocabulary [0, {self.vocab_size})", param="stop_token_ids"
+            )
         if not token_ids:
             raise InvalidArgument("prompt is empty: it must hold at least one token", param="prompt")
         if len(token_ids) + params.max_tokens > self.max_model_len:
@@ -285,7 +293,10 @@ class LLMEngine:
             return outputs
         result = self.executor.execute(plan)
         for request_output in self.scheduler.update(plan, result, time.perf_counter()):
-            out = self._process(request_output)
+            try:
+                out = self._process(request_output)
+            except Exception as exc:  # detokenizing or stop-string matching: only this request ends
+                out = self._fail(request_output.request_id, exc)
             if out is not None:
                 outputs.append(out)
         return outputs
@@ -313,6 +324,21 @@ class LLMEngine:
         if finished:
             self._requests.pop(ro.request_id, None)
         return EngineOutput(ro.request_id, list(ro.new_token_ids), text, finished, reason, ro.logprobs, seq)
+
+    def _fail(self, request_id: str, exc: Exception) -> EngineOutput | None:
+        """End one request with finish reason "error" after its output could not be processed."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return None
+        logger.error(
+            "request %s: processing its output raised %s: %s; ending it with an error",
+            request_id, type(exc).__name__, exc, exc_info=exc,
+        )  # fmt: skip
+        seq = state.seq
+        if not seq.is_finished:
+            self.scheduler.finish(request_id, FinishReason.ERROR, time.perf_counter())
+        seq.finish_reason = FinishReason.ERROR  # also when it had just finished: its text is incomplete
+        return EngineOutput(request_id, [], "", True, FinishReason.ERROR, None, seq)
 
     def output_text(self, request_id: str) -> str | None:
         state = self._requests.get(request_id)

@@ -40,8 +40,8 @@ def test_generate_json_and_chat_template(tiny_llama, capsys):
     "argv, message",
     [
         (["--max-tokens", "0"], "max_tokens must be >= 1"),
-        (["--temperature", "-1"], "temperature must be a finite number >= 0"),
-        (["--temperature", "nan"], "temperature must be a finite number >= 0, got nan"),
+        (["--temperature", "-1"], "temperature must be a number in [0, 100]"),
+        (["--temperature", "nan"], "temperature must be a number in [0, 100], got nan"),
         (["--top-p", "inf"], "top_p must be in (0, 1], got inf"),
         (["--model", "/nonexistent/model.gguf"], "does not exist"),
         (["--system", "be brief"], "--system needs --chat"),
