@@ -59,6 +59,10 @@ class EngineArgs:
     # keys and values are rounded to it as they are stored (see LlamaModel.forward); fp16 saturates
     # to inf above 65504, bf16 keeps fp32's range.
     kv_cache_dtype: str = "auto"
+    # Greedy output bit-identical whatever else is in the batch, however prompts are chunked and
+    # across preemption: every row count and decode take the same kernels (engine/model.py,
+    # make_batch_invariant); CPU, fp32 compute (bf16 is refused, the default dtype becomes fp32).
+    deterministic: bool = False
 
     def validate(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -80,6 +84,15 @@ class EngineArgs:
                 raise InvalidArgument(f"quantization {self.quantization!r} runs on cpu only, got device {self.device!r}", param="quantization")
             if self.dtype not in (None, "float32"):
                 raise InvalidArgument(f"quantization {self.quantization!r} computes in float32, got dtype {self.dtype!r}", param="dtype")
+        if self.deterministic:
+            if self.device != "cpu":
+                raise InvalidArgument(f"deterministic mode runs on cpu only, got device {self.device!r}", param="deterministic")
+            if self.dtype not in (None, "float32"):
+                raise InvalidArgument(
+                    f"deterministic mode computes in float32 (the bf16 and fp16 paths are not batch-invariant), "
+                    f"got dtype {self.dtype!r}",
+                    param="dtype",
+                )
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}", param=name)
@@ -158,7 +171,7 @@ class LLMEngine:
 
         args.validate()
         path = args.model or str(bundled_model_path())
-        dtype = resolve_dtype("float32" if args.quantization else args.dtype, args.device)
+        dtype = resolve_dtype("float32" if args.quantization or args.deterministic else args.dtype, args.device)
         if args.quantization == "int8":
             from servelab.engine.quantization import check_int8_supported
 
@@ -166,6 +179,13 @@ class LLMEngine:
         loaded = load_model(path, dtype=dtype, device=args.device)
         if args.quantization == "int8":
             loaded.model.quantize_int8()
+        if args.deterministic:
+            loaded.model.make_batch_invariant()
+            logger.info(
+                "deterministic mode: float32 compute%s, every batch size on one kernel per linear, decode "
+                "attention in the prefill kernel's order: greedy output is bit-identical whatever the batch",
+                "" if args.dtype else " (chosen for it: bf16 is not batch-invariant)",
+            )
         config = loaded.config
 
         max_model_len = args.max_model_len or min(config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
