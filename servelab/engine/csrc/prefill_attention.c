@@ -133,7 +133,7 @@ static void attend_rows(const float *const *qr_all, const int64_t *pos, int64_t 
     float *m = O + QB * D, *l = m + QB, *alpha = l + QB; /* per row: running max and sum, rescale factor */
     float *dummy = alpha + QB;                           /* [D]: the second row of an odd block's last pair */
     memset(dummy, 0, sizeof(float) * (size_t)D);       /* written, never read; 0 * garbage could be NaN */
-    memset(O, 0, sizeof(float) * (size_t)(QB * D));
+    memset(O, 0, sizeof(float) * (size_t)(rows * D)); /* only the rows in use are read */
     int64_t key_end = 0;
     for (int64_t r = 0; r < rows; r++) {
         m[r] = -INFINITY, l[r] = 0.f;
@@ -228,10 +228,32 @@ struct paged_job {
     int64_t scratch_per_part;
 };
 
-static inline float kv_load(const void *base, int64_t i, int64_t fmt) {
-    if (fmt == KV_F32) return ((const float *)base)[i];
-    const uint16_t h = ((const uint16_t *)base)[i];
-    return fmt == KV_F16 ? sl_f16_to_f32(h) : sl_bf16_to_f32(h);
+/* One (sequence, KV head)'s context into the thread's scratch, widened to fp32: keys as K^T
+ * panels ([t / KP][d][t % KP], zero past ctx), values as rows. One copy per cache format (fmt
+ * is a constant in each), so the inner loops have no branch. */
+static inline __attribute__((always_inline)) void gather_context(const struct paged_job *j, int64_t head,
+                                                                 const int64_t *table, int64_t ctx, float *kt,
+                                                                 float *vv, int64_t fmt) {
+    const int64_t D = j->dim, ctx_pad = (ctx + KP - 1) / KP * KP;
+    for (int64_t t = 0; t < ctx_pad; t++) {
+        float *panel = kt + (t / KP) * D * KP + t % KP;
+        if (t >= ctx) {
+            for (int64_t d = 0; d < D; d++) panel[d * KP] = 0.f;
+            continue;
+        }
+        const int64_t at = head + (table[t / j->block_size] * j->block_size + t % j->block_size) * D;
+        if (fmt == KV_F32) {
+            const float *kr = (const float *)j->k + at;
+            for (int64_t d = 0; d < D; d++) panel[d * KP] = kr[d];
+            memcpy(vv + t * D, (const float *)j->v + at, sizeof(float) * (size_t)D);
+        } else {
+            const uint16_t *kr = (const uint16_t *)j->k + at, *vr = (const uint16_t *)j->v + at;
+            for (int64_t d = 0; d < D; d++) {
+                panel[d * KP] = fmt == KV_F16 ? sl_f16_to_f32(kr[d]) : sl_bf16_to_f32(kr[d]);
+                vv[t * D + d] = fmt == KV_F16 ? sl_f16_to_f32(vr[d]) : sl_bf16_to_f32(vr[d]);
+            }
+        }
+    }
 }
 
 static void paged_part(const void *ctx, int64_t part, int64_t begin, int64_t end) {
@@ -240,19 +262,11 @@ static void paged_part(const void *ctx, int64_t part, int64_t begin, int64_t end
     float *kt = j->scratch + part * j->scratch_per_part, *vv = kt + ctx_pad_max * D, *work = vv + j->max_ctx * D;
     for (int64_t pair = begin; pair < end; pair++) {
         const int64_t b = pair / j->num_kv_heads, h = pair % j->num_kv_heads, ctx = j->ctx_lens[b];
-        const int64_t *table = j->blocks + b * j->table_stride;
-        const int64_t head = h * j->num_slots * D, ctx_pad = (ctx + KP - 1) / KP * KP;
-        for (int64_t t = 0; t < ctx_pad; t++) {
-            float *panel = kt + (t / KP) * D * KP + t % KP;
-            if (t >= ctx) {
-                for (int64_t d = 0; d < D; d++) panel[d * KP] = 0.f;
-                continue;
-            }
-            const int64_t at = head + (table[t / j->block_size] * j->block_size + t % j->block_size) * D;
-            for (int64_t d = 0; d < D; d++) {
-                panel[d * KP] = kv_load(j->k, at + d, j->kv_format);
-                vv[t * D + d] = kv_load(j->v, at + d, j->kv_format);
-            }
+        const int64_t *table = j->blocks + b * j->table_stride, head = h * j->num_slots * D;
+        switch (j->kv_format) {
+        case KV_F16: gather_context(j, head, table, ctx, kt, vv, KV_F16); break;
+        case KV_BF16: gather_context(j, head, table, ctx, kt, vv, KV_BF16); break;
+        default: gather_context(j, head, table, ctx, kt, vv, KV_F32); break;
         }
         const float *qr[QB];
         float *out[QB];
