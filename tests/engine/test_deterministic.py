@@ -123,17 +123,28 @@ def _runs(make, prompts: list[list[int]], max_tokens: int, pressured_blocks: int
     return runs
 
 
-def _tiny(tiny_llama, deterministic: bool):
+def _tiny(tiny_llama, deterministic: bool, **variant):
     def make(**kwargs):
         return LLMEngine.from_args(
-            EngineArgs(model=str(tiny_llama), dtype="float32", deterministic=deterministic, block_size=4, **kwargs)
+            EngineArgs(model=str(tiny_llama), dtype="float32", deterministic=deterministic, block_size=4, **variant, **kwargs)
         )
 
     return make
 
 
-def test_tiny_model_is_bit_identical_alone_batched_chunked_and_preempted(tiny_llama):
-    make = _tiny(tiny_llama, deterministic=True)
+VARIANTS = {"fp32": {}, "fp16-kv": {"kv_cache_dtype": "float16"}, "int8": {"quantization": "int8"}}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_tiny_model_is_bit_identical_alone_batched_chunked_and_preempted(tiny_llama, variant):
+    if variant == "int8":
+        from servelab.engine.quantization import check_int8_supported
+
+        try:
+            check_int8_supported()
+        except InvalidArgument as exc:
+            pytest.skip(str(exc))
+    make = _tiny(tiny_llama, deterministic=True, **VARIANTS[variant])
     runs = _runs(make, _prompts(12, (3, 40), vocab=make().vocab_size), max_tokens=20, pressured_blocks=40)
     for name in ("batched", "chunked", "preempted"):
         assert runs[name] == runs["alone"], name

@@ -394,6 +394,73 @@ static void panel_rows(const float *panel, int64_t no, int64_t in, const float *
 }
 #endif
 
+#ifdef __AVX2__
+/* A 32-weight block's weights as four vectors of eight floats, rounded exactly as dequant_row
+ * writes them (d * q; d * (q - 8); d * q, then + m). */
+static inline __attribute__((always_inline)) void block_weights(int64_t qtype, const uint8_t *blk, __m256 w[4]) {
+    __m256 q[4];
+    block_quants(qtype, blk, q);
+    const __m256 vd = _mm256_set1_ps(fp16_to_f32(blk));
+    const __m256 vm = _mm256_set1_ps(qtype == Q4_1 ? fp16_to_f32(blk + 2) : 0.0f);
+    for (int j = 0; j < 4; j++) {
+        __m256 v = _mm256_mul_ps(vd, qtype == Q4_0 ? _mm256_sub_ps(q[j], _mm256_set1_ps(8.0f)) : q[j]);
+        SL_ROUNDED(v);
+        w[j] = qtype == Q4_1 ? _mm256_add_ps(v, vm) : v;
+    }
+}
+
+/* 1-3 rows against outputs [o0, o0 + no) of a 32-weight format, two outputs at a time: the
+ * panel kernel's sums bit for bit (the same weights, the same FMA chain over k ascending, the
+ * same horizontal sum), with the weights dequantized in registers instead of expanded into a
+ * panel in memory, which at so few rows cost more than the products (deterministic mode's
+ * decode: 1.5-2x per matrix at one row). */
+static inline __attribute__((always_inline)) void exact_rows(int64_t qtype, int NR, const uint8_t *w, int64_t row_bytes,
+                                                             int64_t in, int64_t o0, int64_t no, const float *x,
+                                                             const float *bias, float *y, int64_t y_stride) {
+    const int64_t nblocks = in / 32, bb = block_bytes(qtype);
+    for (int64_t j = 0; j < no; j += 2) {
+        const int two = j + 1 < no;
+        const uint8_t *r0 = w + (o0 + j) * row_bytes, *r1 = two ? r0 + row_bytes : r0;
+        __m256 a[3][2];
+        for (int r = 0; r < 3; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nblocks; b++) {
+            __m256 w0[4], w1[4];
+            block_weights(qtype, r0 + b * bb, w0);
+            block_weights(qtype, r1 + b * bb, w1);
+            for (int r = 0; r < NR; r++) {
+                const float *xb = x + r * in + b * 32;
+                for (int i = 0; i < 4; i++) {
+                    const __m256 xx = _mm256_loadu_ps(xb + 8 * i);
+                    a[r][0] = _mm256_fmadd_ps(xx, w0[i], a[r][0]);
+                    a[r][1] = _mm256_fmadd_ps(xx, w1[i], a[r][1]);
+                }
+            }
+        }
+        for (int r = 0; r < NR; r++)
+            for (int c = 0; c <= two; c++) {
+                const int64_t o = o0 + j + c;
+                y[r * y_stride + o] = hsum(a[r][c]) + (bias ? bias[o] : 0.0f);
+            }
+    }
+}
+
+static void exact(int64_t qtype, int64_t nr, const uint8_t *w, int64_t row_bytes, int64_t in, int64_t o0, int64_t no,
+                  const float *x, const float *bias, float *y, int64_t y_stride) {
+#define SL_EXACT(QT)                                                                                 \
+    switch (nr) {                                                                                    \
+    case 1: exact_rows(QT, 1, w, row_bytes, in, o0, no, x, bias, y, y_stride); break;                \
+    case 2: exact_rows(QT, 2, w, row_bytes, in, o0, no, x, bias, y, y_stride); break;                \
+    default: exact_rows(QT, 3, w, row_bytes, in, o0, no, x, bias, y, y_stride); break;               \
+    }
+    switch (qtype) {
+    case Q8_0: SL_EXACT(Q8_0) break;
+    case Q4_0: SL_EXACT(Q4_0) break;
+    default: SL_EXACT(Q4_1) break;
+    }
+#undef SL_EXACT
+}
+#endif
+
 struct gemm_job {
     int64_t qtype, row_bytes, in_features, out_features, rows, y_stride;
     const uint8_t *w;
@@ -408,6 +475,12 @@ static void gemm_part(const void *ctx, int64_t part, int64_t begin, int64_t end)
     float *scratch = j->scratch + part * PANEL * in;
     for (int64_t p = begin; p < end; p++) {
         const int64_t o0 = p * PANEL, no = out - o0 < PANEL ? out - o0 : PANEL;
+#ifdef __AVX2__
+        if (j->rows < 4 && j->qtype <= Q4_1) { /* few rows: the same sums without the panel */
+            exact(j->qtype, j->rows, j->w, j->row_bytes, in, o0, no, j->x, j->bias, j->y, j->y_stride);
+            continue;
+        }
+#endif
         const float *panel = scratch;
         if (j->qtype == F32) /* already fp32: the panel is the weight's own rows */
             panel = (const float *)(j->w + o0 * j->row_bytes);
