@@ -64,5 +64,7 @@ def test_four_streams_survive_one_failing_request(tiny_model_dir, monkeypatch):
         assert bad[-1] == "[DONE]" and set(bad[-2]) == {"error"}
         assert bad[-2]["error"]["type"] == "internal_server_error"
         assert "failed while generating this request" in bad[-2]["error"]["message"]
+        resp = c.post("/v1/completions", json=_body(9, seed=BAD_SEED, stream=False))  # not streamed: a 500
+        assert resp.status_code == 500 and "failed while generating this request" in resp.json()["error"]["message"]
         assert c.get("/health").status_code == 200
         assert engine.stats().num_blocks_free == engine.stats().num_blocks_total
