@@ -17,6 +17,8 @@ It also reports model bandwidth utilisation at batch 1: the bytes a decode step 
 `--quantization int8` runs servelab with its opt-in int8 linears against HF in the same
 --dtype: a different-numerics comparison, reported separately from the default one; so is
 `--kv-cache-dtype float16` (servelab's KV cache in fp16 under fp32 compute; HF keeps --dtype).
+`--deterministic` adds a third engine, servelab in deterministic mode (float32, its other flags
+as given), interleaved with the others, and reports what the mode costs: its figures / servelab's.
 """
 
 from __future__ import annotations
@@ -61,13 +63,13 @@ def measure_bandwidth_bytes_per_s(size_bytes: int = 1 << 30, repeats: int = 5) -
 
 
 class Servelab:
-    name = "servelab"
-
-    def __init__(self, dtype: str, quantization: str | None = None, kv_cache_dtype: str = "auto"):
+    def __init__(self, dtype: str, quantization: str | None = None, kv_cache_dtype: str = "auto", deterministic: bool = False):
+        self.name = "deterministic" if deterministic else "servelab"
         # Prefix caching off: every round reuses the same prompts and must not be served from cache.
         self.engine = LLMEngine.from_args(
-            EngineArgs(dtype=dtype, enable_prefix_caching=False, max_num_seqs=64, max_num_batched_tokens=2048,
-                       quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+            EngineArgs(dtype="float32" if deterministic else dtype, enable_prefix_caching=False, max_num_seqs=64,
+                       max_num_batched_tokens=2048, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                       deterministic=deterministic)
         )
         self.model = self.engine.executor.model
         self._n = 0
@@ -152,12 +154,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantization", choices=["int8"], default=None, help="servelab's opt-in int8 linears (HF unchanged)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="servelab's KV cache storage (HF unchanged)")
+    parser.add_argument("--deterministic", action="store_true", help="also servelab in deterministic mode: its cost")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     metrics = [m for m in args.only.split(",") if m]
 
-    engines = [Servelab(args.dtype, args.quantization, args.kv_cache_dtype)] + ([] if args.no_hf else [HF(args.dtype)])
+    engines = [Servelab(args.dtype, args.quantization, args.kv_cache_dtype)]
+    if args.deterministic:
+        engines.append(Servelab(args.dtype, args.quantization, args.kv_cache_dtype, deterministic=True))
+    engines += [] if args.no_hf else [HF(args.dtype)]
     for e in engines:  # warm-up: first calls allocate, fault pages in and pick kernels
         e.decode_b1()
         e.prefill_512()
@@ -175,6 +181,9 @@ def main(argv: list[str] | None = None) -> int:
     ratios = {}
     if "hf" in medians:
         ratios = {m: medians["servelab"][m] / medians["hf"][m] for m in metrics}
+    det_ratios = {}
+    if "deterministic" in medians:
+        det_ratios = {m: medians["deterministic"][m] / medians["servelab"][m] for m in metrics}
 
     model = engines[0].model
     step_bytes = model.weight_bytes()
@@ -192,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
         hf = medians.get("hf", {}).get(m)
         print(f"{m:14s} {medians['servelab'][m]:10.1f}/s {'' if hf is None else f'{hf:10.1f}/s':>12s} "
               f"{'' if m not in ratios else f'{ratios[m]:7.2f}x':>8s}")
+    for m in det_ratios:
+        print(f"{m:14s} deterministic {medians['deterministic'][m]:10.1f}/s = {det_ratios[m]:.2f}x servelab's")
     print(f"measured read bandwidth: {bandwidth / 1e9:.1f} GB/s; bytes per decode step: {step_bytes / 1e6:.0f} MB")
     if mbu is not None:
         print(f"model bandwidth utilisation at batch 1: {mbu * 100:.0f}%")
@@ -201,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({
             "dtype": args.dtype, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype, "threads": torch.get_num_threads(), "rounds": args.rounds,
             "servelab": medians["servelab"], "hf": medians.get("hf"), "ratios": ratios,
+            "deterministic": medians.get("deterministic"), "deterministic_ratios": det_ratios,
             "raw": results, "bandwidth_bytes_per_s": bandwidth, "decode_step_bytes": step_bytes,
             "mbu_b1": mbu, "load_average": list(os.getloadavg()), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         }))

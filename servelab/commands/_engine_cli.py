@@ -14,6 +14,11 @@ KV_CACHE_DTYPE_HELP = (
     "(float16 saturates to inf above 65504, bfloat16 keeps fp32's range with fewer bits)"
 )
 
+DETERMINISTIC_HELP = (
+    "greedy output bit-identical whatever else is in the batch, however prompts are chunked and across "
+    "preemption: one kernel for every batch size, float32 compute, CPU only; slower (docs/benchmarks.md)"
+)
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
@@ -25,6 +30,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--quantization", choices=["int8"], default=None, help=QUANTIZATION_HELP)
     g.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto", help=KV_CACHE_DTYPE_HELP)
+    g.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
 
 
 def _default_help(key: str) -> str:
@@ -81,7 +87,7 @@ def build_engine(args: argparse.Namespace):
     return LLMEngine.from_args(
         EngineArgs(
             model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-            quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
+            quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, deterministic=args.deterministic,
         )
     )
 
@@ -105,6 +111,8 @@ def timing_line(seq, engine) -> str:
     dtypes = "" if dtype is None else f", {str(dtype).removeprefix('torch.')}"
     if getattr(model, "quantization", None):
         dtypes += f", {model.quantization} linears"
+    if getattr(model, "batch_invariant", False):
+        dtypes += ", deterministic"
     if kv != dtype:
         dtypes += f", KV cache {str(kv).removeprefix('torch.')}"
     parts.append(f"{engine.model_name}{dtypes}")

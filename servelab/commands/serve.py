@@ -11,7 +11,7 @@ import socket
 import sys
 import time
 
-from servelab.commands._engine_cli import KV_CACHE_DTYPE_HELP, QUANTIZATION_HELP
+from servelab.commands._engine_cli import DETERMINISTIC_HELP, KV_CACHE_DTYPE_HELP, QUANTIZATION_HELP
 from servelab.errors import InvalidArgument
 from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES, OPEN_PATHS
 from servelab.server.tool_parsers import TOOL_CALL_PARSERS
@@ -69,6 +69,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                        help=KV_CACHE_DTYPE_HELP)
     model.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default cpu)")
+    model.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
     model.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests (default 0)")
     model.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
                        help="read tool calls out of the model's text for tool_choice 'auto' (hermes: "
@@ -158,6 +159,7 @@ def run(args: argparse.Namespace) -> int:
         dtype=args.dtype,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        deterministic=args.deterministic,
         device=args.device,
         max_model_len=args.max_model_len,
         max_num_seqs=args.max_num_seqs,

@@ -23,6 +23,8 @@ class SequenceStatus(enum.Enum):
 
 # OpenAI's range for logit_bias values: -100 bans a token in practice, +100 all but forces it.
 LOGIT_BIAS_LIMIT = 100
+# Far above any useful temperature: 1e39 overflowed to inf in the sampler's fp32 and made a NaN row.
+MAX_TEMPERATURE = 100.0
 
 
 class FinishReason(str, enum.Enum):
@@ -66,8 +68,10 @@ class SamplingParams:
             raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}", param="max_tokens")
         # Comparisons are written so that NaN fails them: a NaN that got through would fail
         # the whole batch's step, not just this request.
-        if not self.temperature >= 0 or self.temperature == float("inf"):
-            raise InvalidArgument(f"temperature must be a finite number >= 0, got {self.temperature}", param="temperature")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise InvalidArgument(
+                f"temperature must be a number in [0, {MAX_TEMPERATURE:g}], got {self.temperature}", param="temperature"
+            )
         if not 0 < self.top_p <= 1:
             raise InvalidArgument(f"top_p must be in (0, 1], got {self.top_p}", param="top_p")
         if self.top_k < 0:

@@ -19,7 +19,7 @@ per run of a format. Others (Q5_K, F16, ...) keep the fp32 path.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -28,8 +28,9 @@ from servelab.engine import native
 
 # ggml type id -> (our kernel's format code, weights a block, bytes a block)
 GGUF_BLOCK_FORMATS = {8: (0, 32, 34), 2: (1, 32, 18), 3: (2, 32, 20), 12: (3, 256, 144), 14: (4, 256, 210)}
-FORMAT_NAMES = {0: "Q8_0", 1: "Q4_0", 2: "Q4_1", 3: "Q4_K", 4: "Q6_K"}
-_K_QUANTS = (3, 4)  # the panel kernel only: the in-register one knows the 32-weight formats
+FORMAT_NAMES = {0: "Q8_0", 1: "Q4_0", 2: "Q4_1", 3: "Q4_K", 4: "Q6_K", 5: "F32"}
+_FUSED_FORMATS = (0, 1, 2)  # the in-register kernel's; the panel kernel takes every format
+_F32 = 5  # a plain fp32 weight, run through the panel kernel (deterministic mode only)
 
 # Rows per call, over all 210 of SmolLM2's Q4_1 matrices (weights from DRAM, this AVX2 host, 1
 # thread; MKL's fp32 GEMM over the dequantized copy in brackets):
@@ -61,16 +62,23 @@ class BlockQuantLinear:
     kernels: native.NativeKernels
     dense: torch.Tensor
     shape: tuple[int, int]
+    # Deterministic mode: the panel kernel for every row count, so a row's result never depends
+    # on how many rows share the call (the in-register kernel, the panel kernel and MKL each sum
+    # in their own order).
+    invariant: bool = False
+
+    def batch_invariant(self) -> BlockQuantLinear:
+        return replace(self, invariant=True)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         rows = x.shape[0]
-        if rows > MAX_ROWS or rows == 0:
+        if rows == 0 or (rows > MAX_ROWS and not self.invariant):
             return F.linear(x, self.dense, bias)
         x = x.contiguous()
         out_features, in_features = self.shape
         threads = torch.get_num_threads()
         y = torch.empty(rows, out_features, dtype=torch.float32)
-        fused = rows <= FUSED_MAX_ROWS and all(seg.fmt not in _K_QUANTS for seg in self.segments)
+        fused = rows <= FUSED_MAX_ROWS and not self.invariant and all(seg.fmt in _FUSED_FORMATS for seg in self.segments)
         if fused:
             scratch = torch.empty(rows * (in_features // 32) + threads * in_features, dtype=torch.float32)
             kernel = self.kernels.block_quant_linear
@@ -106,6 +114,22 @@ class BlockQuantLinear:
             n = seg.data.shape[0]
             self.kernels.block_dequant(seg.fmt, seg.data.data_ptr(), seg.data.shape[1], in_features, 0, n, w[seg.start :].data_ptr())
         return w
+
+
+def batch_invariant(weight: torch.Tensor | BlockQuantLinear, kernels: native.NativeKernels) -> BlockQuantLinear:
+    """A linear whose every row count runs the panel kernel: a packed weight as it is, a dense
+    fp32 one as a single F32 segment (no copy)."""
+    if isinstance(weight, BlockQuantLinear):
+        return weight.batch_invariant()
+    out_features, in_features = weight.shape
+    if weight.dtype != torch.float32 or weight.device.type != "cpu" or in_features % 32:
+        raise ValueError(
+            f"a batch-invariant linear needs an fp32 CPU weight with a multiple of 32 inputs, got {weight.dtype} "
+            f"{tuple(weight.shape)} on {weight.device.type}"
+        )
+    weight = weight.contiguous()
+    data = weight.view(torch.uint8).view(out_features, in_features * 4)
+    return BlockQuantLinear((PackedRows(_F32, data, 0),), kernels, weight, (out_features, in_features), invariant=True)
 
 
 def pack(

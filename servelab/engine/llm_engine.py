@@ -7,6 +7,7 @@ loaded inside `LLMEngine.from_args`, so the CLI and the server start fast until 
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -22,6 +23,8 @@ if TYPE_CHECKING:
     from servelab.core.scheduler import Scheduler
     from servelab.engine.logits_processors import LogitsProcessors
     from servelab.engine.tokenizer import Tokenizer
+
+logger = logging.getLogger("servelab.engine")
 
 DEFAULT_MAX_MODEL_LEN = 8192  # CPU default: longer contexts are possible but unusably slow here
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
@@ -57,6 +60,10 @@ class EngineArgs:
     # keys and values are rounded to it as they are stored (see LlamaModel.forward); fp16 saturates
     # to inf above 65504, bf16 keeps fp32's range.
     kv_cache_dtype: str = "auto"
+    # Greedy output bit-identical whatever else is in the batch, however prompts are chunked and
+    # across preemption: every row count and decode take the same kernels (engine/model.py,
+    # make_batch_invariant); CPU, fp32 compute (bf16 is refused, the default dtype becomes fp32).
+    deterministic: bool = False
 
     def validate(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -78,6 +85,15 @@ class EngineArgs:
                 raise InvalidArgument(f"quantization {self.quantization!r} runs on cpu only, got device {self.device!r}", param="quantization")
             if self.dtype not in (None, "float32"):
                 raise InvalidArgument(f"quantization {self.quantization!r} computes in float32, got dtype {self.dtype!r}", param="dtype")
+        if self.deterministic:
+            if self.device != "cpu":
+                raise InvalidArgument(f"deterministic mode runs on cpu only, got device {self.device!r}", param="deterministic")
+            if self.dtype not in (None, "float32"):
+                raise InvalidArgument(
+                    f"deterministic mode computes in float32 (the bf16 and fp16 paths are not batch-invariant), "
+                    f"got dtype {self.dtype!r}",
+                    param="dtype",
+                )
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) < 1:
                 raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}", param=name)
@@ -166,7 +182,7 @@ class LLMEngine:
 
         args.validate()
         path = args.model or str(bundled_model_path())
-        dtype = resolve_dtype("float32" if args.quantization else args.dtype, args.device)
+        dtype = resolve_dtype("float32" if args.quantization or args.deterministic else args.dtype, args.device)
         if args.quantization == "int8":
             from servelab.engine.quantization import check_int8_supported
 
@@ -174,6 +190,13 @@ class LLMEngine:
         loaded = load_model(path, dtype=dtype, device=args.device)
         if args.quantization == "int8":
             loaded.model.quantize_int8()
+        if args.deterministic:
+            loaded.model.make_batch_invariant()
+            logger.info(
+                "deterministic mode: float32 compute%s, every batch size on one kernel per linear, decode "
+                "attention in the prefill kernel's order: greedy output is bit-identical whatever the batch",
+                "" if args.dtype else " (chosen for it: bf16 is not batch-invariant)",
+            )
         config = loaded.config
 
         max_model_len = args.max_model_len or min(config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
@@ -249,6 +272,11 @@ class LLMEngine:
             bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
+        bad = next((t for t in params.stop_token_ids if not 0 <= t < self.vocab_size), None)
+        if bad is not None:
+            raise InvalidArgument(
+                f"stop_token_ids holds {bad}, outside the vocabulary [0, {self.vocab_size})", param="stop_token_ids"
+            )
         if not token_ids:
             raise InvalidArgument("prompt is empty: it must hold at least one token", param="prompt")
         if len(token_ids) + params.max_tokens > self.max_model_len:
@@ -314,7 +342,10 @@ class LLMEngine:
             return outputs
         result = self.executor.execute(plan)
         for request_output in self.scheduler.update(plan, result, time.perf_counter()):
-            out = self._process(request_output)
+            try:
+                out = self._process(request_output)
+            except Exception as exc:  # detokenizing or stop-string matching: only this request ends
+                out = self._fail(request_output.request_id, exc)
             if out is not None:
                 outputs.append(out)
         return outputs
@@ -342,6 +373,21 @@ class LLMEngine:
         if finished:
             self._requests.pop(ro.request_id, None)
         return EngineOutput(ro.request_id, list(ro.new_token_ids), text, finished, reason, ro.logprobs, seq)
+
+    def _fail(self, request_id: str, exc: Exception) -> EngineOutput | None:
+        """End one request with finish reason "error" after its output could not be processed."""
+        state = self._requests.pop(request_id, None)
+        if state is None:
+            return None
+        logger.error(
+            "request %s: processing its output raised %s: %s; ending it with an error",
+            request_id, type(exc).__name__, exc, exc_info=exc,
+        )  # fmt: skip
+        seq = state.seq
+        if not seq.is_finished:
+            self.scheduler.finish(request_id, FinishReason.ERROR, time.perf_counter())
+        seq.finish_reason = FinishReason.ERROR  # also when it had just finished: its text is incomplete
+        return EngineOutput(request_id, [], "", True, FinishReason.ERROR, None, seq)
 
     def output_text(self, request_id: str) -> str | None:
         state = self._requests.get(request_id)

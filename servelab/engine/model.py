@@ -171,6 +171,7 @@ class LlamaModel:
             lm_head.t().contiguous() if lm_head.dtype == torch.float32 and lm_head_packed is None else None
         )
         self.lm_head_int8: Int8Linear | None = None
+        self.batch_invariant = False  # deterministic mode (make_batch_invariant)
         self.dtype = embed.dtype
         self.device = embed.device
         self.inv_freq = rope_inv_freq(config, rope_freq_divisors).to(self.device)
@@ -208,6 +209,36 @@ class LlamaModel:
             layer.o, layer.gate_up, layer.down = (Int8Linear.from_weight(_dense(w)) for w in (layer.o, layer.gate_up, layer.down))
         self.lm_head_int8 = Int8Linear.from_weight(self.lm_head)
         self.lm_head_packed = self.lm_head_t = None
+
+    def make_batch_invariant(self) -> None:
+        """Deterministic mode: each row's result depends on that row alone, bit for bit, whatever
+        the batch, the chunking of its prompt or whether it is decoded or recomputed. Every linear
+        and the head take one kernel for every row count (block_quant's panel kernel; int8 ones
+        already do), decode attention takes the prefill kernel's order (native.paged_attention),
+        and the final norm the native per-row one. Costs speed (docs/benchmarks.md)."""
+        kernels = self.native
+        if kernels is None:
+            raise InvalidArgument(
+                f"deterministic mode needs float32 compute on the CPU with servelab's native kernels "
+                f"(here: {self.dtype} on {self.device.type}"
+                f"{', native kernels unavailable: ' + str(native.load_error) if native.load_error else ''})",
+                param="deterministic",
+            )
+
+        def invariant(weight: Weight) -> Weight:
+            if isinstance(weight, Int8Linear):
+                return weight
+            try:
+                return block_quant.batch_invariant(weight, kernels)
+            except ValueError as exc:
+                raise InvalidArgument(f"deterministic mode cannot run this model: {exc}", param="deterministic") from exc
+
+        for layer in self.layers:
+            layer.qkv, layer.o, layer.gate_up, layer.down = (invariant(w) for w in layer.linears())
+        if self.lm_head_int8 is None:
+            self.lm_head_packed = invariant(self.lm_head_packed or self.lm_head)
+            self.lm_head_t = None
+        self.batch_invariant = True
 
     def num_parameters(self) -> int:
         n = self.embed.numel() + self.final_norm.numel()
@@ -311,10 +342,13 @@ class LlamaModel:
                 act = F.silu(gate) * up
             delta = linear(act, layer.down)
         x = x[meta.logits_indices] + delta[meta.logits_indices]
-        x = self._rms_norm(x, self.final_norm)
+        if self.batch_invariant:  # torch's norm may reduce a row differently by row count
+            x = native.add_rms_norm(self.native, x, None, self.final_norm, self.config.rms_norm_eps)
+        else:
+            x = self._rms_norm(x, self.final_norm)
         if self.lm_head_int8 is not None:
             return self.lm_head_int8(x)
-        if self.lm_head_packed is not None and x.shape[0] <= block_quant.MAX_ROWS:
+        if self.lm_head_packed is not None and (x.shape[0] <= block_quant.MAX_ROWS or self.batch_invariant):
             return self.lm_head_packed(x)
         if self.lm_head_t is not None and x.shape[0] <= _MAX_ROWS_FOR_TRANSPOSED_HEAD:
             return x @ self.lm_head_t
@@ -333,7 +367,12 @@ class LlamaModel:
         H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         out = torch.empty(q.shape[0], H * D, dtype=q.dtype, device=q.device)
         B = meta.num_decodes
-        if B and self.native is not None:
+        if B and self.batch_invariant:  # the prefill kernel's order: decoded = recomputed, bit for bit
+            native.paged_attention(
+                self.native, q[:B], kc, vc, meta.decode_block_table, meta.decode_ctx_lens,
+                meta.decode_max_ctx, meta.block_size, self.scale, out[:B],
+            )
+        elif B and self.native is not None:
             native.decode_attention(
                 self.native, q[:B], kc, vc, meta.decode_block_table, meta.decode_ctx_lens,
                 meta.decode_max_ctx, meta.block_size, self.scale, out[:B],

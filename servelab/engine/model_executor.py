@@ -15,9 +15,11 @@ import torch
 from servelab.core.plan import StepPlan, StepResult, TokenLogprobs
 from servelab.engine.kv_cache import PagedKVCache
 from servelab.engine.model import AttentionMetadata, LlamaModel
+from servelab.engine.row_isolation import NON_FINITE_LOGITS, sample_isolated
 from servelab.engine.sampler import Sampler
 
 logger = logging.getLogger("servelab.engine")
+NON_FINITE_HINT = " (an fp16 KV cache holds values up to 65504: try --kv-cache-dtype bfloat16)"
 
 
 class ModelExecutor:
@@ -129,19 +131,17 @@ class ModelExecutor:
         sampled: list[int | None] = [None] * len(entries)
         logprobs: list[TokenLogprobs | None] | None = None
         if sampling:
-            tokens, lps = self.sampler.sample(logits.cpu() if dev.type != "cpu" else logits, [entries[i].seq for i in sampling])
-            for i, tok in zip(sampling, tokens):
+            rows = sample_isolated(
+                self.sampler, logits.cpu() if dev.type != "cpu" else logits, [entries[i].seq for i in sampling], self.vocab_size
+            )
+            for j, reason in rows.errors.items():  # the scheduler ends these with finish reason "error"
+                hint = NON_FINITE_HINT if reason == NON_FINITE_LOGITS and self.kv_cache.dtype == torch.float16 else ""
+                logger.warning("request %s: %s; ending it with an error%s", entries[sampling[j]].seq.request_id, reason, hint)
+            for i, tok in zip(sampling, rows.tokens):
                 sampled[i] = tok
-                if tok is None:  # the scheduler ends the request with finish reason "error"
-                    logger.warning(
-                        "request %s: the model produced non-finite logits (NaN or inf); ending it with an error%s",
-                        entries[i].seq.request_id,
-                        " (an fp16 KV cache holds values up to 65504: try --kv-cache-dtype bfloat16)"
-                        if self.kv_cache.dtype == torch.float16 else "",
-                    )
-            if lps is not None:
+            if rows.logprobs is not None:
                 logprobs = [None] * len(entries)
-                for i, lp in zip(sampling, lps):
+                for i, lp in zip(sampling, rows.logprobs):
                     logprobs[i] = lp
         return StepResult(sampled, time.perf_counter() - t0, logprobs, prompt_logprobs)
 

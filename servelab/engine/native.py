@@ -64,6 +64,7 @@ class NativeKernels:
 
     decode_attention: Callable[..., None]
     prefill_attention: Callable[..., None]
+    paged_attention: Callable[..., None]
     add_rms_norm: Callable[..., None]
     silu_mul: Callable[..., None]
     rope_store_kv: Callable[..., None]
@@ -110,6 +111,10 @@ def _build() -> NativeKernels:
         ),
         prefill_attention=fn(
             "servelab_prefill_attention_f32", ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, ptr, ptr, i64
+        ),
+        paged_attention=fn(
+            "servelab_paged_attention_f32",
+            ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, f32, ptr, ptr, i64, i64,
         ),
         add_rms_norm=fn("servelab_add_rms_norm_f32", ptr, ptr, ptr, ptr, i64, i64, f32),
         silu_mul=fn("servelab_silu_mul_f32", ptr, ptr, i64, i64),
@@ -205,6 +210,34 @@ def prefill_attention(
         scale, out.data_ptr(), scratch.data_ptr(), threads,
     )
     return out
+
+
+def paged_attention(
+    kernels: NativeKernels,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    block_table: torch.Tensor,
+    ctx_lens: torch.Tensor,
+    max_ctx: int,
+    block_size: int,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """decode_attention's contract, computed in prefill_attention's order: out[b] has exactly the
+    bits prefill_attention gives a query at position ctx_lens[b] - 1 over the same keys and
+    values. Deterministic mode's decode attention (slower: it packs each context first)."""
+    B, H, D = q.shape
+    kv_heads = k.shape[0]
+    threads = torch.get_num_threads()
+    ctx_pad = -(-max_ctx // _PREFILL_KP) * _PREFILL_KP
+    per_part = ctx_pad * D + max_ctx * D + _PREFILL_QB * _PREFILL_KB + _PREFILL_QB * D + 3 * _PREFILL_QB + D
+    scratch = torch.empty(threads * per_part, dtype=torch.float32)
+    kernels.paged_attention(
+        q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.shape[1], KV_FORMATS[k.dtype],
+        block_table.data_ptr(), block_table.stride(0), block_size, ctx_lens.data_ptr(), B, kv_heads, H // kv_heads, D,
+        max_ctx, scale, out.data_ptr(), scratch.data_ptr(), per_part, threads,
+    )
 
 
 def add_rms_norm(

@@ -1,6 +1,8 @@
 import math
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from servelab.core.sequence import SamplingParams
 from servelab.errors import InvalidArgument
@@ -12,6 +14,8 @@ from servelab.errors import InvalidArgument
         ("temperature", math.nan),
         ("temperature", math.inf),
         ("temperature", -0.1),
+        ("temperature", 1e39),  # issue 15: overflowed the sampler's fp32 to inf and sampled past the vocabulary
+        ("temperature", 100.5),
         ("top_p", math.nan),
         ("top_p", 0.0),
         ("top_p", 1.5),
@@ -34,3 +38,24 @@ def test_defaults_and_edges_are_accepted():
     SamplingParams()
     SamplingParams(temperature=0.0, top_p=1.0, min_p=1.0, presence_penalty=-2.0, frequency_penalty=2.0, logprobs=0)
     assert SamplingParams(temperature=0).greedy
+
+
+def test_the_temperature_cap_is_named_in_the_message():
+    SamplingParams(temperature=100.0)
+    with pytest.raises(InvalidArgument, match=r"temperature must be a number in \[0, 100\], got 1e\+39"):
+        SamplingParams(temperature=1e39)
+
+
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty")
+
+
+@given(field=st.sampled_from(_FLOAT_FIELDS), value=st.floats(allow_nan=True, allow_infinity=True, width=64))
+def test_every_accepted_float_is_finite_and_fits_fp32(field, value):
+    """What validation lets through reaches the sampler as fp32: it must stay finite there."""
+    try:
+        params = SamplingParams(**{field: value})
+    except InvalidArgument as exc:
+        assert exc.param == field
+        return
+    accepted = getattr(params, field)
+    assert math.isfinite(accepted) and abs(accepted) <= 100.0

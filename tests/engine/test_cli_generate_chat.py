@@ -28,6 +28,13 @@ def test_generate_with_a_16_bit_kv_cache_says_so(tiny_llama, capsys):
     assert "float32, KV cache float16]" in capsys.readouterr().out
 
 
+def test_generate_deterministic_says_so(tiny_llama, capsys):
+    rc = main(["generate", "--model", str(tiny_llama), "--deterministic", "--prompt", "hello world",
+               "--max-tokens", "3", "--temperature", "0", "--ignore-eos"])  # fmt: skip
+    assert rc == 0
+    assert "float32, deterministic]" in capsys.readouterr().out
+
+
 def test_generate_json_and_chat_template(tiny_llama, capsys):
     rc = main(["generate", "--model", str(tiny_llama), "--dtype", "float32", "--prompt", "hi", "--chat", "--json",
                "--max-tokens", "4", "--temperature", "0", "--ignore-eos"])
@@ -40,12 +47,13 @@ def test_generate_json_and_chat_template(tiny_llama, capsys):
     "argv, message",
     [
         (["--max-tokens", "0"], "max_tokens must be >= 1"),
-        (["--temperature", "-1"], "temperature must be a finite number >= 0"),
-        (["--temperature", "nan"], "temperature must be a finite number >= 0, got nan"),
+        (["--temperature", "-1"], "temperature must be a number in [0, 100]"),
+        (["--temperature", "nan"], "temperature must be a number in [0, 100], got nan"),
         (["--top-p", "inf"], "top_p must be in (0, 1], got inf"),
         (["--model", "/nonexistent/model.gguf"], "does not exist"),
         (["--system", "be brief"], "--system needs --chat"),
         (["--quantization", "int8", "--dtype", "bfloat16"], "quantization 'int8' computes in float32"),
+        (["--deterministic", "--dtype", "bfloat16"], "deterministic mode computes in float32"),
     ],
 )
 def test_generate_user_errors_exit_2_with_a_message(tiny_llama, capsys, argv, message):

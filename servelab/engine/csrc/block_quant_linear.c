@@ -30,7 +30,9 @@
 #include <immintrin.h>
 #endif
 
-enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4 };
+/* F32: a plain fp32 weight (row_bytes = 4 * in_features), panel kernel only: deterministic mode
+ * runs every linear through that kernel, whatever its format (block_quant.py). */
+enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4, F32 = 5 };
 
 
 static inline float fp16_to_f32(const uint8_t *p) {
@@ -91,6 +93,10 @@ static void dequant_k_block(int64_t qtype, const uint8_t *blk, float *dst) {
 
 /* One row of nblocks 32-weight blocks (nblocks / 8 K-quant blocks) -> nblocks * 32 floats. */
 static void dequant_row(int64_t qtype, const uint8_t *row, int64_t nblocks, float *dst) {
+    if (qtype == F32) {
+        memcpy(dst, row, sizeof(float) * (size_t)(nblocks * 32));
+        return;
+    }
     if (qtype == Q4_K || qtype == Q6_K) {
         const int64_t kb = qtype == Q4_K ? 144 : 210;
         for (int64_t b = 0; b < nblocks / 8; b++) dequant_k_block(qtype, row + b * kb, dst + b * 256);
@@ -325,14 +331,42 @@ void servelab_block_quant_linear_f32(int64_t qtype, const uint8_t *w, int64_t ro
 #define PANEL 48
 
 #ifdef __AVX2__
+/* One row against the panel, six outputs at a time: for the rows past a multiple of four (all of
+ * them in a step of 1-3 rows), which panel_rows' 4-row tiles would compute four times over. Each
+ * output's sum is the same chain of FMAs in the same order as in panel_rows, so a row's result
+ * does not depend on how many rows the call has. */
+static void panel_row(const float *panel, int64_t no, int64_t in, const float *x, const float *bias, int64_t o0,
+                      float *y) {
+    for (int64_t j = 0; j < no; j += 6) {
+        const int64_t nj = no - j < 6 ? no - j : 6;
+        const float *w[6];
+        for (int b = 0; b < 6; b++) w[b] = panel + (j + (b < nj ? b : 0)) * in; /* absent outputs alias the first */
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+        for (int64_t k = 0; k < in; k += 8) {
+            const __m256 xx = _mm256_loadu_ps(x + k);
+            a0 = _mm256_fmadd_ps(xx, _mm256_loadu_ps(w[0] + k), a0);
+            a1 = _mm256_fmadd_ps(xx, _mm256_loadu_ps(w[1] + k), a1);
+            a2 = _mm256_fmadd_ps(xx, _mm256_loadu_ps(w[2] + k), a2);
+            a3 = _mm256_fmadd_ps(xx, _mm256_loadu_ps(w[3] + k), a3);
+            a4 = _mm256_fmadd_ps(xx, _mm256_loadu_ps(w[4] + k), a4);
+            a5 = _mm256_fmadd_ps(xx, _mm256_loadu_ps(w[5] + k), a5);
+        }
+        const float sums[6] = {hsum(a0), hsum(a1), hsum(a2), hsum(a3), hsum(a4), hsum(a5)};
+        for (int64_t b = 0; b < nj; b++) {
+            const int64_t o = o0 + j + b;
+            y[o] = sums[b] + (bias ? bias[o] : 0.0f);
+        }
+    }
+}
+
 static void panel_rows(const float *panel, int64_t no, int64_t in, const float *x, int64_t rows, const float *bias,
                        int64_t o0, float *y, int64_t out) {
-    for (int64_t r0 = 0; r0 < rows; r0 += 4) {
-        const int64_t nr = rows - r0 < 4 ? rows - r0 : 4;
-        /* missing rows / outputs alias the first one: computed, never stored */
-        const float *x0 = x + r0 * in, *x1 = x0 + (nr > 1) * in, *x2 = x0 + (nr > 2) * 2 * in, *x3 = x0 + (nr > 3) * 3 * in;
+    for (int64_t r0 = 0; r0 + 4 <= rows; r0 += 4) { /* tiles of four rows, then panel_row for the rest */
+        const int64_t nr = 4;
+        const float *x0 = x + r0 * in, *x1 = x0 + in, *x2 = x0 + 2 * in, *x3 = x0 + 3 * in;
         for (int64_t j = 0; j < no; j += 3) {
             const int64_t nj = no - j < 3 ? no - j : 3;
+            /* missing outputs alias the first one: computed, never stored */
             const float *w0 = panel + j * in, *w1 = w0 + (nj > 1) * in, *w2 = w0 + (nj > 2) * 2 * in;
             __m256 a00 = _mm256_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
             __m256 a20 = a00, a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
@@ -356,6 +390,74 @@ static void panel_rows(const float *panel, int64_t no, int64_t in, const float *
                 }
         }
     }
+    for (int64_t r = rows / 4 * 4; r < rows; r++) panel_row(panel, no, in, x + r * in, bias, o0, y + r * out);
+}
+#endif
+
+#ifdef __AVX2__
+/* A 32-weight block's weights as four vectors of eight floats, rounded exactly as dequant_row
+ * writes them (d * q; d * (q - 8); d * q, then + m). */
+static inline __attribute__((always_inline)) void block_weights(int64_t qtype, const uint8_t *blk, __m256 w[4]) {
+    __m256 q[4];
+    block_quants(qtype, blk, q);
+    const __m256 vd = _mm256_set1_ps(fp16_to_f32(blk));
+    const __m256 vm = _mm256_set1_ps(qtype == Q4_1 ? fp16_to_f32(blk + 2) : 0.0f);
+    for (int j = 0; j < 4; j++) {
+        __m256 v = _mm256_mul_ps(vd, qtype == Q4_0 ? _mm256_sub_ps(q[j], _mm256_set1_ps(8.0f)) : q[j]);
+        SL_ROUNDED(v);
+        w[j] = qtype == Q4_1 ? _mm256_add_ps(v, vm) : v;
+    }
+}
+
+/* 1-3 rows against outputs [o0, o0 + no) of a 32-weight format, two outputs at a time: the
+ * panel kernel's sums bit for bit (the same weights, the same FMA chain over k ascending, the
+ * same horizontal sum), with the weights dequantized in registers instead of expanded into a
+ * panel in memory, which at so few rows cost more than the products (deterministic mode's
+ * decode: 1.5-2x per matrix at one row). */
+static inline __attribute__((always_inline)) void exact_rows(int64_t qtype, int NR, const uint8_t *w, int64_t row_bytes,
+                                                             int64_t in, int64_t o0, int64_t no, const float *x,
+                                                             const float *bias, float *y, int64_t y_stride) {
+    const int64_t nblocks = in / 32, bb = block_bytes(qtype);
+    for (int64_t j = 0; j < no; j += 2) {
+        const int two = j + 1 < no;
+        const uint8_t *r0 = w + (o0 + j) * row_bytes, *r1 = two ? r0 + row_bytes : r0;
+        __m256 a[3][2];
+        for (int r = 0; r < 3; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+        for (int64_t b = 0; b < nblocks; b++) {
+            __m256 w0[4], w1[4];
+            block_weights(qtype, r0 + b * bb, w0);
+            block_weights(qtype, r1 + b * bb, w1);
+            for (int r = 0; r < NR; r++) {
+                const float *xb = x + r * in + b * 32;
+                for (int i = 0; i < 4; i++) {
+                    const __m256 xx = _mm256_loadu_ps(xb + 8 * i);
+                    a[r][0] = _mm256_fmadd_ps(xx, w0[i], a[r][0]);
+                    a[r][1] = _mm256_fmadd_ps(xx, w1[i], a[r][1]);
+                }
+            }
+        }
+        for (int r = 0; r < NR; r++)
+            for (int c = 0; c <= two; c++) {
+                const int64_t o = o0 + j + c;
+                y[r * y_stride + o] = hsum(a[r][c]) + (bias ? bias[o] : 0.0f);
+            }
+    }
+}
+
+static void exact(int64_t qtype, int64_t nr, const uint8_t *w, int64_t row_bytes, int64_t in, int64_t o0, int64_t no,
+                  const float *x, const float *bias, float *y, int64_t y_stride) {
+#define SL_EXACT(QT)                                                                                 \
+    switch (nr) {                                                                                    \
+    case 1: exact_rows(QT, 1, w, row_bytes, in, o0, no, x, bias, y, y_stride); break;                \
+    case 2: exact_rows(QT, 2, w, row_bytes, in, o0, no, x, bias, y, y_stride); break;                \
+    default: exact_rows(QT, 3, w, row_bytes, in, o0, no, x, bias, y, y_stride); break;               \
+    }
+    switch (qtype) {
+    case Q8_0: SL_EXACT(Q8_0) break;
+    case Q4_0: SL_EXACT(Q4_0) break;
+    default: SL_EXACT(Q4_1) break;
+    }
+#undef SL_EXACT
 }
 #endif
 
@@ -370,10 +472,20 @@ struct gemm_job {
 static void gemm_part(const void *ctx, int64_t part, int64_t begin, int64_t end) {
     const struct gemm_job *j = ctx;
     const int64_t in = j->in_features, out = j->out_features;
-    float *panel = j->scratch + part * PANEL * in;
+    float *scratch = j->scratch + part * PANEL * in;
     for (int64_t p = begin; p < end; p++) {
         const int64_t o0 = p * PANEL, no = out - o0 < PANEL ? out - o0 : PANEL;
-        for (int64_t o = 0; o < no; o++) dequant_row(j->qtype, j->w + (o0 + o) * j->row_bytes, in / 32, panel + o * in);
+#ifdef __AVX2__
+        if (j->rows < 4 && j->qtype <= Q4_1) { /* few rows: the same sums without the panel */
+            exact(j->qtype, j->rows, j->w, j->row_bytes, in, o0, no, j->x, j->bias, j->y, j->y_stride);
+            continue;
+        }
+#endif
+        const float *panel = scratch;
+        if (j->qtype == F32) /* already fp32: the panel is the weight's own rows */
+            panel = (const float *)(j->w + o0 * j->row_bytes);
+        else
+            for (int64_t o = 0; o < no; o++) dequant_row(j->qtype, j->w + (o0 + o) * j->row_bytes, in / 32, scratch + o * in);
 #ifdef __AVX2__
         panel_rows(panel, no, in, j->x, j->rows, j->bias, o0, j->y, j->y_stride);
 #else

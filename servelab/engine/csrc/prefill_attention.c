@@ -15,6 +15,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "half.h"
 #include "parallel.h"
 #include "vec_exp.h"
 #ifdef __AVX2__
@@ -119,46 +120,67 @@ static float softmax_row(float *S, int64_t keys, int64_t visible, float *m, floa
     return alpha;
 }
 
-static void prefill_part(const void *ctx, int64_t part, int64_t begin, int64_t end) {
-    const struct prefill_job *j = ctx;
-    const int64_t D = j->dim, group = j->heads / j->kv_heads;
-    float *S = j->scratch + part * j->scratch_per_part; /* [QB][KB] scores, then probabilities */
+/* Attention of `rows` (<= QB) query rows over keys [0, max position + 1): row r is at qr[r],
+ * sits at position pos[r] (sees keys 0 .. pos[r]) and writes out[r]. kt: K^T panels from key 0
+ * ([t / KP][d][t % KP]); v: key t's row at v + t * v_stride. scratch: QB * KB + QB * D + 3 * QB + D
+ * floats. Both the prefill kernel and the paged one (deterministic decode) run their rows through
+ * this one routine: a row's arithmetic depends only on its position and its keys, never on the
+ * other rows or how the prompt was chunked, so a token gets the same bits decoded or recomputed. */
+static void attend_rows(const float *const *qr_all, const int64_t *pos, int64_t rows, const float *kt, const float *v,
+                        int64_t v_stride, int64_t D, float scale, float *const *out, float *scratch) {
+    float *S = scratch;                                   /* [QB][KB] scores, then probabilities */
     float *O = S + QB * KB;                               /* [QB][D] */
     float *m = O + QB * D, *l = m + QB, *alpha = l + QB; /* per row: running max and sum, rescale factor */
     float *dummy = alpha + QB;                           /* [D]: the second row of an odd block's last pair */
     memset(dummy, 0, sizeof(float) * (size_t)D);       /* written, never read; 0 * garbage could be NaN */
+    memset(O, 0, sizeof(float) * (size_t)(rows * D)); /* only the rows in use are read */
+    int64_t key_end = 0;
+    for (int64_t r = 0; r < rows; r++) {
+        m[r] = -INFINITY, l[r] = 0.f;
+        key_end = pos[r] + 1 > key_end ? pos[r] + 1 : key_end;
+    }
+    for (int64_t k0 = 0; k0 < key_end; k0 += KB) {
+        const int64_t keys = key_end - k0 < KB ? key_end - k0 : KB;
+        const int64_t keys_pad = (keys + KP - 1) / KP * KP;
+        for (int64_t r = 0; r < rows; r += 4) { /* a short block's last rows repeat its last row */
+            const float *qr[4];
+            for (int i = 0; i < 4; i++) qr[i] = qr_all[r + i < rows ? r + i : rows - 1];
+            scores4(qr, kt + k0 * D, keys_pad, D, scale, S + r * KB);
+        }
+        for (int64_t r = 0; r < rows; r++) {
+            int64_t visible = pos[r] + 1 - k0; /* keys <= the row's position */
+            visible = visible < keys ? visible : keys;
+            alpha[r] = softmax_row(S + r * KB, keys, visible, m + r, l + r);
+        }
+        for (int64_t r = 0; r < rows; r += 2) {
+            const int pair = r + 1 < rows;
+            pv2(S + r * KB, S + (pair ? r + 1 : r) * KB, v + k0 * v_stride, v_stride, keys, D, O + r * D,
+                pair ? O + (r + 1) * D : dummy, alpha[r], pair ? alpha[r + 1] : 0.f);
+        }
+    }
+    for (int64_t r = 0; r < rows; r++) {
+        const float inv = 1.f / l[r];
+        for (int64_t d = 0; d < D; d++) out[r][d] = O[r * D + d] * inv;
+    }
+}
+
+static void prefill_part(const void *ctx, int64_t part, int64_t begin, int64_t end) {
+    const struct prefill_job *j = ctx;
+    const int64_t D = j->dim, group = j->heads / j->kv_heads;
+    float *scratch = j->scratch + part * j->scratch_per_part;
     for (int64_t u = begin; u < end; u++) {
         const int64_t h = u / j->blocks, i0 = (u % j->blocks) * QB;
         const int64_t rows = j->n - i0 < QB ? j->n - i0 : QB, kh = h / group;
-        const float *kt = j->kt + kh * j->ctx_pad * D;
-        const float *v = j->v + kh * j->v_head_stride;
-        memset(O, 0, sizeof(float) * (size_t)(QB * D));
-        for (int64_t r = 0; r < rows; r++) m[r] = -INFINITY, l[r] = 0.f;
-        const int64_t key_end = j->start + i0 + rows; /* the block's last row sees keys < key_end */
-        for (int64_t k0 = 0; k0 < key_end; k0 += KB) {
-            const int64_t keys = key_end - k0 < KB ? key_end - k0 : KB;
-            const int64_t keys_pad = (keys + KP - 1) / KP * KP;
-            for (int64_t r = 0; r < rows; r += 4) { /* a short block's last rows repeat its last row (QB % 4 == 0) */
-                const float *qr[4];
-                for (int i = 0; i < 4; i++) qr[i] = j->q + (i0 + (r + i < rows ? r + i : rows - 1)) * j->q_stride + h * D;
-                scores4(qr, kt + k0 * D, keys_pad, D, j->scale, S + r * KB);
-            }
-            for (int64_t r = 0; r < rows; r++) {
-                int64_t visible = j->start + i0 + r + 1 - k0; /* keys <= the row's position */
-                visible = visible < keys ? visible : keys;
-                alpha[r] = softmax_row(S + r * KB, keys, visible, m + r, l + r);
-            }
-            for (int64_t r = 0; r < rows; r += 2) {
-                const int pair = r + 1 < rows;
-                pv2(S + r * KB, S + (pair ? r + 1 : r) * KB, v + k0 * j->v_stride, j->v_stride, keys, D, O + r * D,
-                    pair ? O + (r + 1) * D : dummy, alpha[r], pair ? alpha[r + 1] : 0.f);
-            }
-        }
+        const float *qr[QB];
+        float *out[QB];
+        int64_t pos[QB];
         for (int64_t r = 0; r < rows; r++) {
-            float *dst = j->out + (i0 + r) * j->heads * D + h * D;
-            const float inv = 1.f / l[r];
-            for (int64_t d = 0; d < D; d++) dst[d] = O[r * D + d] * inv;
+            qr[r] = j->q + (i0 + r) * j->q_stride + h * D;
+            out[r] = j->out + (i0 + r) * j->heads * D + h * D;
+            pos[r] = j->start + i0 + r;
         }
+        attend_rows(qr, pos, rows, j->kt + kh * j->ctx_pad * D, j->v + kh * j->v_head_stride, j->v_stride, D, j->scale,
+                    out, scratch);
     }
 }
 
@@ -183,4 +205,93 @@ void servelab_prefill_attention_f32(const float *q, int64_t q_stride, const floa
     struct prefill_job job = {q, v, kt, q_stride, kv_stride, kv_head_stride, ctx_pad, n, start, heads, kv_heads, dim,
                               blocks, scale, out, scratch + kv_heads * ctx_pad * dim, QB * KB + QB * dim + 3 * QB + dim};
     sl_parallel_for(prefill_part, &job, heads * blocks, threads);
+}
+
+/* The paged kernel: one query token per sequence (a decode), each attending over its own blocks
+ * of the KV cache like servelab_decode_attention, but through attend_rows, so that its output has
+ * exactly the bits the prefill kernel gives the same token at the same position (decode's own
+ * kernel sums in another order). Deterministic mode's decode path. Per (sequence, KV head): the
+ * context's keys are packed into K^T panels and its values gathered (both widened to fp32) in
+ * the thread's scratch, then the group's query heads attend as rows at one position.
+ * scratch per part: ctx_pad * D (K^T) + max_ctx * D (V) + QB * KB + QB * D + 3 * QB + D floats,
+ * ctx_pad = max_ctx rounded up to KP. */
+struct paged_job {
+    const float *q;
+    const void *k, *v;
+    int64_t q_stride, num_slots, kv_format;
+    const int64_t *blocks;
+    int64_t table_stride, block_size;
+    const int64_t *ctx_lens;
+    int64_t num_kv_heads, group, dim, max_ctx;
+    float scale;
+    float *out, *scratch;
+    int64_t scratch_per_part;
+};
+
+/* One (sequence, KV head)'s context into the thread's scratch, widened to fp32: keys as K^T
+ * panels ([t / KP][d][t % KP], zero past ctx), values as rows. One copy per cache format (fmt
+ * is a constant in each), so the inner loops have no branch. */
+static inline __attribute__((always_inline)) void gather_context(const struct paged_job *j, int64_t head,
+                                                                 const int64_t *table, int64_t ctx, float *kt,
+                                                                 float *vv, int64_t fmt) {
+    const int64_t D = j->dim, ctx_pad = (ctx + KP - 1) / KP * KP;
+    for (int64_t t = 0; t < ctx_pad; t++) {
+        float *panel = kt + (t / KP) * D * KP + t % KP;
+        if (t >= ctx) {
+            for (int64_t d = 0; d < D; d++) panel[d * KP] = 0.f;
+            continue;
+        }
+        const int64_t at = head + (table[t / j->block_size] * j->block_size + t % j->block_size) * D;
+        if (fmt == KV_F32) {
+            const float *kr = (const float *)j->k + at;
+            for (int64_t d = 0; d < D; d++) panel[d * KP] = kr[d];
+            memcpy(vv + t * D, (const float *)j->v + at, sizeof(float) * (size_t)D);
+        } else {
+            const uint16_t *kr = (const uint16_t *)j->k + at, *vr = (const uint16_t *)j->v + at;
+            for (int64_t d = 0; d < D; d++) {
+                panel[d * KP] = fmt == KV_F16 ? sl_f16_to_f32(kr[d]) : sl_bf16_to_f32(kr[d]);
+                vv[t * D + d] = fmt == KV_F16 ? sl_f16_to_f32(vr[d]) : sl_bf16_to_f32(vr[d]);
+            }
+        }
+    }
+}
+
+static void paged_part(const void *ctx, int64_t part, int64_t begin, int64_t end) {
+    const struct paged_job *j = ctx;
+    const int64_t D = j->dim, G = j->group, ctx_pad_max = (j->max_ctx + KP - 1) / KP * KP;
+    float *kt = j->scratch + part * j->scratch_per_part, *vv = kt + ctx_pad_max * D, *work = vv + j->max_ctx * D;
+    for (int64_t pair = begin; pair < end; pair++) {
+        const int64_t b = pair / j->num_kv_heads, h = pair % j->num_kv_heads, ctx = j->ctx_lens[b];
+        const int64_t *table = j->blocks + b * j->table_stride, head = h * j->num_slots * D;
+        switch (j->kv_format) {
+        case KV_F16: gather_context(j, head, table, ctx, kt, vv, KV_F16); break;
+        case KV_BF16: gather_context(j, head, table, ctx, kt, vv, KV_BF16); break;
+        default: gather_context(j, head, table, ctx, kt, vv, KV_F32); break;
+        }
+        const float *qr[QB];
+        float *out[QB];
+        int64_t pos[QB];
+        for (int64_t g0 = 0; g0 < G; g0 += QB) {
+            const int64_t rows = G - g0 < QB ? G - g0 : QB;
+            for (int64_t r = 0; r < rows; r++) {
+                qr[r] = j->q + b * j->q_stride + (h * G + g0 + r) * D;
+                out[r] = j->out + (b * j->num_kv_heads * G + h * G + g0 + r) * D;
+                pos[r] = ctx - 1;
+            }
+            attend_rows(qr, pos, rows, kt, vv, D, D, j->scale, out, work);
+        }
+    }
+}
+
+/* Same layouts as servelab_decode_attention (q [B, KV * group, D] with row stride q_stride; k, v
+ * one layer of the pool in kv_format; block table and ctx_lens; out [B, KV * group * D]). */
+void servelab_paged_attention_f32(const float *q, int64_t q_stride, const void *k, const void *v, int64_t num_slots,
+                                  int64_t kv_format, const int64_t *blocks, int64_t table_stride, int64_t block_size,
+                                  const int64_t *ctx_lens, int64_t batch, int64_t num_kv_heads, int64_t group,
+                                  int64_t head_dim, int64_t max_ctx, float scale, float *out, float *scratch,
+                                  int64_t scratch_per_part, int64_t threads)
+{
+    struct paged_job job = {q, k, v, q_stride, num_slots, kv_format, blocks, table_stride, block_size, ctx_lens,
+                            num_kv_heads, group, head_dim, max_ctx, scale, out, scratch, scratch_per_part};
+    sl_parallel_for(paged_part, &job, batch * num_kv_heads, threads);
 }
