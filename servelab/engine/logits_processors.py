@@ -9,7 +9,6 @@ sample) is reported back and ends alone with finish reason "error"; the rest of 
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 import torch
@@ -18,7 +17,6 @@ from servelab.core.sequence import SamplingParams, Sequence
 from servelab.engine.structured_output import GrammarMatcherState, StructuredOutputBackend
 from servelab.engine.tokenizer import Tokenizer
 
-logger = logging.getLogger("servelab.engine")
 
 _MASK = float("-inf")
 
@@ -61,22 +59,22 @@ class LogitsProcessors:
         if params.structured_output is not None:
             self.structured.compile(params.structured_output)
 
-    def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+    def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, str]:
         """Edits the rows that ask for it in place (a copy of the whole batch's logits would cost
-        every row, constrained or not) and returns the rows that cannot be sampled, zeroed so
-        that they sample harmlessly before the sampler discards them."""
+        every row, constrained or not) and returns the rows that cannot be sampled, with why,
+        zeroed so that they sample harmlessly before the sampler discards them."""
         rows = [i for i, s in enumerate(seqs) if s.params.edits_logits]
         if not rows:
-            return []
+            return {}
         # The model's forward runs under inference_mode, and its logits may only be edited in place there.
         with torch.inference_mode():
             failed = self._apply(logits, seqs, rows)
             if failed:
-                logits[failed] = 0.0
+                logits[list(failed)] = 0.0
         return failed
 
-    def _apply(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> list[int]:
-        failed: list[int] = []
+    def _apply(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> dict[int, str]:
+        failed: dict[int, str] = {}
         masked: list[int] = []  # rows whose grammar mask goes into the bitmask
         for i in rows:
             seq = seqs[i]
@@ -95,8 +93,7 @@ class LogitsProcessors:
             if state.matcher is not None:
                 # Before this step the matcher sees the tokens sampled since its last step.
                 if not state.matcher.sync(seq.token_ids, seq.num_prompt_tokens):
-                    logger.warning("request %s: its grammar rejects its output so far; ending it with an error", seq.request_id)
-                    failed.append(i)
+                    failed[i] = "its grammar rejects its output so far"
                 elif state.matcher.matcher.is_terminated():
                     stop = [t for t in seq.eos_token_ids if t < self.vocab_size]
                     kept = row[stop]
@@ -112,9 +109,7 @@ class LogitsProcessors:
             self.structured.apply_bitmask(logits, bitmask, masked)
         for i in rows:
             if i not in failed and self._leaves_no_token(logits, i, seqs[i], bitmask if i in masked else None):
-                logger.warning("request %s: its constraints leave no token to sample; ending it with an error",
-                               seqs[i].request_id)  # fmt: skip
-                failed.append(i)
+                failed[i] = "its constraints leave no token to sample"
         return failed
 
     @staticmethod

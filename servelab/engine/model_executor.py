@@ -15,8 +15,8 @@ import torch
 from servelab.core.plan import StepPlan, StepResult, TokenLogprobs
 from servelab.engine.kv_cache import PagedKVCache
 from servelab.engine.model import AttentionMetadata, LlamaModel
-from servelab.engine.row_isolation import NON_FINITE_LOGITS, sample_isolated
-from servelab.engine.sampler import Sampler
+from servelab.engine.row_isolation import sample_isolated
+from servelab.engine.sampler import NON_FINITE_LOGITS, Sampler
 
 logger = logging.getLogger("servelab.engine")
 NON_FINITE_HINT = " (an fp16 KV cache holds values up to 65504: try --kv-cache-dtype bfloat16)"

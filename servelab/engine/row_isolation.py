@@ -19,12 +19,10 @@ import torch
 
 from servelab.core.plan import TokenLogprobs
 from servelab.core.sequence import Sequence
-from servelab.engine.sampler import Sampler
+from servelab.engine.sampler import NON_FINITE_LOGITS, Sampler
 
 logger = logging.getLogger("servelab.engine")
 
-# The sampler's own per-row error: it returns None for a row whose logits are not all finite.
-NON_FINITE_LOGITS = "the model produced non-finite logits (NaN or inf)"
 
 
 @dataclass(slots=True)
@@ -38,7 +36,7 @@ def sample_isolated(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence]
     """sampler.sample(logits, seqs), with each row's failure confined to that row."""
     try:
         tokens, logprobs = sampler.sample(logits, seqs)
-        rows = SampledRows(list(tokens), None if logprobs is None else list(logprobs))
+        rows = SampledRows(list(tokens), None if logprobs is None else list(logprobs), dict(sampler.row_errors))
     except Exception as exc:
         logger.warning(
             "sampling a batch of %d rows raised %s: %s; sampling each row alone to find the failing request(s)",
@@ -65,6 +63,8 @@ def _row_by_row(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence]) ->
         except Exception as exc:
             rows.errors[i] = f"sampling raised {type(exc).__name__}: {exc}"
             continue
+        if 0 in sampler.row_errors:
+            rows.errors[i] = sampler.row_errors[0]
         rows.tokens[i] = tokens[0]
         if logprobs is not None:
             if rows.logprobs is None:

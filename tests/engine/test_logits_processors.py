@@ -161,8 +161,11 @@ def test_a_row_left_with_no_token_ends_alone(processors, tokenizer):
     fine = make_seq(tokenizer, rid="s", temperature=0)
     digits_only = StructuredOutputSpec("regex", "[0-9]+")
     no_overlap = make_seq(tokenizer, rid="t", temperature=1.0, allowed_token_ids=word, structured_output=digits_only)
-    tokens, _ = Sampler(0, processors).sample(logits, [stuck, fine, no_overlap])
+    sampler = Sampler(0, processors)
+    tokens, _ = sampler.sample(logits, [stuck, fine, no_overlap])
     assert tokens[0] is None and tokens[1] == logits[1].argmax().item() and tokens[2] is None
+    # The executor's log line says why: the constraints, not the model's logits.
+    assert sampler.row_errors == {0: "its constraints leave no token to sample", 2: "its constraints leave no token to sample"}
 
 
 # ------------------------------------------------------------------------------ grammars
@@ -234,7 +237,7 @@ def test_the_matcher_follows_the_output_after_recompute(processors, tokenizer):
     fresh = make_seq(tokenizer, followed.output_token_ids, temperature=0, structured_output=spec)
     logits = random_logits(1, tokenizer.vocab_size, seed=7)
     a, b = logits.clone(), logits.clone()
-    assert processors.apply(a, [followed]) == [] and processors.apply(b, [fresh]) == []
+    assert processors.apply(a, [followed]) == {} and processors.apply(b, [fresh]) == {}
     assert torch.equal(torch.isinf(a), torch.isinf(b)) and torch.isinf(a).any()
     state = followed.logits_state.matcher
     shorter = followed.token_ids[: followed.num_prompt_tokens + 3]
@@ -245,8 +248,10 @@ def test_a_grammar_rejecting_a_row_ends_only_that_row(processors, tokenizer):
     spec = StructuredOutputSpec("regex", "[0-9]+")
     broken = make_seq(tokenizer, tokenizer.encode("abc"), temperature=0, structured_output=spec)  # not digits
     fine = make_seq(tokenizer, rid="s", temperature=0, structured_output=spec)
-    tokens, _ = Sampler(0, processors).sample(random_logits(2, tokenizer.vocab_size), [broken, fine])
+    sampler = Sampler(0, processors)
+    tokens, _ = sampler.sample(random_logits(2, tokenizer.vocab_size), [broken, fine])
     assert tokens[0] is None and re.fullmatch("[0-9]+", tokenizer.decode([tokens[1]]))
+    assert sampler.row_errors == {0: "its grammar rejects its output so far"}
 
 
 def test_max_tokens_mid_json_is_cut_not_closed(processors, tokenizer):
