@@ -56,6 +56,9 @@ class EngineArgs:
     # keys and values are rounded to it as they are stored (see LlamaModel.forward); fp16 saturates
     # to inf above 65504, bf16 keeps fp32's range.
     kv_cache_dtype: str = "auto"
+    # True: the KV pool's memory is made resident at start (a server: flat RSS, a pool too big
+    # fails at once); False: pages are touched as blocks first fill (fast start for offline use)
+    kv_cache_prefault: bool = False
 
     def validate(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -193,7 +196,9 @@ class LLMEngine:
                 )
             max_model_len = capacity_tokens  # a small cache asked for explicitly bounds the context
 
-        kv_cache = PagedKVCache(config, num_blocks, args.block_size, dtype=kv_dtype, device=args.device)
+        kv_cache = PagedKVCache(
+            config, num_blocks, args.block_size, dtype=kv_dtype, device=args.device, prefault=args.kv_cache_prefault
+        )
         executor = ModelExecutor(loaded.model, kv_cache, seed=args.seed)
         scheduler_config = SchedulerConfig(
             max_num_seqs=args.max_num_seqs,
