@@ -173,6 +173,7 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_memory_bytes=kv_bytes,
         seed=args.seed,
         served_model_name=args.served_model_name,
+        kv_cache_prefault=True,  # a long-lived process: its memory is claimed at start, RSS stays flat
     )
     engine_args.validate()
     sock = _bind(args.host, args.port)

@@ -22,20 +22,34 @@ def dtype_size(dtype: torch.dtype) -> int:
 
 
 class PagedKVCache:
-    def __init__(self, config: ModelConfig, num_blocks: int, block_size: int, *, dtype: torch.dtype, device: str = "cpu"):
+    def __init__(
+        self,
+        config: ModelConfig,
+        num_blocks: int,
+        block_size: int,
+        *,
+        dtype: torch.dtype,
+        device: str = "cpu",
+        prefault: bool = False,
+    ):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.num_layers = config.num_layers
         self.dtype = dtype
         shape = (config.num_layers, config.num_kv_heads, num_blocks * block_size, config.head_dim)
         try:
-            # empty, not zeros: pages are touched only as blocks fill, so a generous default pool
-            # costs no start-up time. Only block 0 must hold finite values: padded (masked) keys
-            # of batched decode attention point at slot 0, and NaN * 0 would still poison the sum.
+            # empty, then zero only what must be: without prefault, pages are touched only as
+            # blocks fill, so a generous pool costs no start-up time. A server prefaults (~1 s
+            # per GiB here): lazily, its RSS crept up to the pool size over its first minutes of
+            # traffic as never-used blocks were handed out (docs/benchmarks.md, Soak), and a pool
+            # too big for the machine failed mid-service instead of at start. Block 0 must hold
+            # finite values either way: padded (masked) keys of batched decode attention point
+            # at slot 0, and NaN * 0 would still poison the sum.
             self.k = torch.empty(shape, dtype=dtype, device=device)
             self.v = torch.empty(shape, dtype=dtype, device=device)
-            self.k[:, :, :block_size].zero_()
-            self.v[:, :, :block_size].zero_()
+            extent = num_blocks * block_size if prefault else block_size
+            self.k[:, :, :extent].zero_()
+            self.v[:, :, :extent].zero_()
         except RuntimeError as exc:  # out of memory: a configuration error, not a crash
             raise DoesNotFit(
                 f"KV cache of {num_blocks} blocks x {block_size} tokens needs "

@@ -64,6 +64,9 @@ class EngineArgs:
     # across preemption: every row count and decode take the same kernels (engine/model.py,
     # make_batch_invariant); CPU, fp32 compute (bf16 is refused, the default dtype becomes fp32).
     deterministic: bool = False
+    # True: the KV pool's memory is made resident at start (a server: flat RSS, a pool too big
+    # fails at once); False: pages are touched as blocks first fill (fast start for offline use)
+    kv_cache_prefault: bool = False
 
     def validate(self) -> None:
         if self.dtype is not None and self.dtype not in DTYPES:
@@ -227,7 +230,9 @@ class LLMEngine:
                 )
             max_model_len = capacity_tokens  # a small cache asked for explicitly bounds the context
 
-        kv_cache = PagedKVCache(config, num_blocks, args.block_size, dtype=kv_dtype, device=args.device)
+        kv_cache = PagedKVCache(
+            config, num_blocks, args.block_size, dtype=kv_dtype, device=args.device, prefault=args.kv_cache_prefault
+        )
         processors = LogitsProcessors(loaded.tokenizer, loaded.model.vocab_size)
         executor = ModelExecutor(loaded.model, kv_cache, sampler=Sampler(args.seed, processors))
         scheduler_config = SchedulerConfig(

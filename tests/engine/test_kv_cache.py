@@ -1,0 +1,47 @@
+"""The KV pool's memory: lazily touched by default, resident from the start when prefaulted."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import sys
+
+import pytest
+import torch
+
+from servelab.engine.kv_cache import PagedKVCache
+from servelab.engine.model import ModelConfig
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) residency is read on Linux")
+
+CONFIG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                     head_dim=64)  # fmt: skip
+
+
+def resident_fraction(t: torch.Tensor) -> float:
+    """The share of the tensor's pages that are in RAM, by mincore(2)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = mmap.PAGESIZE
+    start = t.data_ptr() // page * page
+    length = t.data_ptr() + t.nbytes - start
+    pages = -(-length // page)
+    vec = ctypes.create_string_buffer(pages)
+    assert libc.mincore(start, length, vec) == 0, ctypes.get_errno()
+    return sum(b & 1 for b in vec.raw) / pages
+
+
+# 2 x 32 MiB per pool: above glibc's mmap threshold, so each pool is a fresh mapping.
+NUM_BLOCKS = 32 * 2**20 // (CONFIG.num_layers * CONFIG.num_kv_heads * 16 * CONFIG.head_dim * 4)
+
+
+def test_a_prefaulted_pool_is_resident_from_the_start():
+    kv = PagedKVCache(CONFIG, NUM_BLOCKS, 16, dtype=torch.float32, prefault=True)
+    assert resident_fraction(kv.k) == 1.0 and resident_fraction(kv.v) == 1.0
+    assert not kv.k.any() and not kv.v.any()
+
+
+def test_a_lazy_pool_touches_little_and_keeps_slot_0_finite():
+    kv = PagedKVCache(CONFIG, NUM_BLOCKS, 16, dtype=torch.float32)
+    assert resident_fraction(kv.k) < 0.1
+    assert not kv.k[:, :, :16].any() and not kv.v[:, :, :16].any()
