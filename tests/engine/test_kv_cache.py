@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import ctypes
 import mmap
+import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -31,17 +34,35 @@ def resident_fraction(t: torch.Tensor) -> float:
     return sum(b & 1 for b in vec.raw) / pages
 
 
-# 2 x 32 MiB per pool: above glibc's mmap threshold, so each pool is a fresh mapping.
+# 2 x 32 MiB per pool: above glibc's initial mmap threshold, so each pool is a fresh mapping.
 NUM_BLOCKS = 32 * 2**20 // (CONFIG.num_layers * CONFIG.num_kv_heads * 16 * CONFIG.head_dim * 4)
 
 
+def _in_a_fresh_process(check: str) -> None:
+    """Run `check` in a new interpreter: in a long test process, earlier tests' large frees move
+    glibc's mmap threshold and a pool may then reuse pages already touched."""
+    script = textwrap.dedent(f"""
+        import torch
+        from tests.engine.test_kv_cache import CONFIG, NUM_BLOCKS, resident_fraction
+        from servelab.engine.kv_cache import PagedKVCache
+        {check}
+    """)
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", script], cwd=root, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
 def test_a_prefaulted_pool_is_resident_from_the_start():
-    kv = PagedKVCache(CONFIG, NUM_BLOCKS, 16, dtype=torch.float32, prefault=True)
-    assert resident_fraction(kv.k) == 1.0 and resident_fraction(kv.v) == 1.0
-    assert not kv.k.any() and not kv.v.any()
+    _in_a_fresh_process("""
+        kv = PagedKVCache(CONFIG, NUM_BLOCKS, 16, dtype=torch.float32, prefault=True)
+        assert resident_fraction(kv.k) == 1.0 and resident_fraction(kv.v) == 1.0, "not resident"
+        assert not kv.k.any() and not kv.v.any()
+    """)
 
 
 def test_a_lazy_pool_touches_little_and_keeps_slot_0_finite():
-    kv = PagedKVCache(CONFIG, NUM_BLOCKS, 16, dtype=torch.float32)
-    assert resident_fraction(kv.k) < 0.1
-    assert not kv.k[:, :, :16].any() and not kv.v[:, :, :16].any()
+    _in_a_fresh_process("""
+        kv = PagedKVCache(CONFIG, NUM_BLOCKS, 16, dtype=torch.float32)
+        assert resident_fraction(kv.k) < 0.1, resident_fraction(kv.k)
+        assert not kv.k[:, :, :16].any() and not kv.v[:, :, :16].any()
+    """)
