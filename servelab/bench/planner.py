@@ -11,16 +11,13 @@ from __future__ import annotations
 import math
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from servelab.bench.capacity import CapacityResult, find_capacity
 from servelab.errors import DoesNotFit, InvalidArgument, RequestTooLong
-from servelab.metrics import SLO, Summary
-from servelab.metrics import steady_state_summary as summarize_steady
+from servelab.bench.binding import Binding, Observed, binding_limit, observe
+from servelab.metrics import SLO
 from servelab.workload import WorkloadSpec
-
-if TYPE_CHECKING:
-    from servelab.sim import SimResult
 
 
 @dataclass(slots=True)
@@ -38,6 +35,7 @@ class PlanRow:
     devices_needed: int | None = None  # for the target request rate
     cost_per_million_output_tokens: float | None = None
     capacity: dict[str, Any] | None = None  # the full CapacityResult.to_dict()
+    binding: Binding | None = None  # which limit set the capacity: the SLO, --max-num-seqs or the KV cache
     frontier: list[tuple[float, float, bool]] = field(default_factory=list)  # (tok/s/user, tok/s/device, passed)
 
     @property
@@ -58,6 +56,7 @@ class PlanRow:
             "price_per_device_hour": self.price_per_device_hour,
             "devices_needed": self.devices_needed,
             "cost_per_million_output_tokens": self.cost_per_million_output_tokens,
+            "binding_limit": None if self.binding is None else self.binding.to_dict(),
             "capacity": self.capacity,
         }
 
@@ -116,6 +115,7 @@ def plan_one(job: PlanJob) -> PlanRow:
         slo=job.slo,
     )
     fixed_n = job.workload.get("num_requests")
+    observed: dict[int, Observed] = {}
 
     def measure(concurrency: float):  # noqa: ANN202
         c = int(concurrency)
@@ -124,8 +124,11 @@ def plan_one(job: PlanJob) -> PlanRow:
         # another: a start-up burst no sustained load sees, yet with 4 requests per client a
         # quarter of the samples, enough to decide a p90 TTFT on its own. Like `servelab bench
         # --warmup`, the first wave runs (it fills the batch) but is not measured.
+        # `simulate` leaves a closed loop's wave out of its steady-state summary by default.
         workload = WorkloadSpec(**{**job.workload, "num_requests": n + c, "concurrency": c, "rate": None})
-        return steady_state_summary(simulate(config, workload), first_measured=c, slo=job.slo)
+        result = simulate(config, workload)
+        observed[c] = observe(result)
+        return result.steady_or_whole
 
     # Beyond a few times max_num_seqs the extra requests only queue: TTFT grows, TPOT does not.
     max_load = job.max_concurrency or 4 * job.max_num_seqs
@@ -138,15 +141,8 @@ def plan_one(job: PlanJob) -> PlanRow:
         row.reason = exc.message
         return row
     fill_row(row, result, job)
+    row.binding = binding_limit(result, observed, max_num_seqs=job.max_num_seqs, request_tokens=longest)
     return row
-
-
-def steady_state_summary(result: SimResult, *, first_measured: int, slo: SLO | None) -> Summary:
-    """The simulated run's summary without its first `first_measured` requests (the start-up
-    wave); the whole run's when nothing is left."""
-    steady = summarize_steady(result.records, skip_first=first_measured, num_devices=result.summary.num_devices,
-                              slo=slo, preemptions=result.summary.preemptions)
-    return result.summary if steady is None else steady
 
 
 def fill_row(row: PlanRow, result: CapacityResult, job: PlanJob) -> None:

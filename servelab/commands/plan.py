@@ -115,7 +115,7 @@ def _table(rows, model: str, slo, args: argparse.Namespace) -> str:  # noqa: ANN
     lines = [f"{model}: capacity at {targets} (simulated; input {args.input_len or 1024}, output "
              f"{args.output_len or 256} tokens)", ""]
     headers = ["hardware", "tp", "concurrency", "tok/s/device", "req/s", f"{key} TTFT", f"{key} TPOT", "$/dev-h",
-               "$/M tok"]
+               "$/M tok", "bound by"]
     if args.target_rate is not None:
         headers.append(f"devices @ {args.target_rate:g} req/s")
     table_rows, notes = [], []
@@ -126,11 +126,15 @@ def _table(rows, model: str, slo, args: argparse.Namespace) -> str:  # noqa: ANN
         row = [r.hardware, r.tp, f"{r.capacity_concurrency:g}", f"{r.tokens_per_s_per_device:,.0f}",
                f"{r.requests_per_s:.2f}", f"{r.ttft_s * 1e3:.0f} ms", f"{r.tpot_s * 1e3:.1f} ms",
                "-" if r.price_per_device_hour is None else f"{r.price_per_device_hour:.2f}",
-               "-" if r.cost_per_million_output_tokens is None else f"{r.cost_per_million_output_tokens:.3f}"]
+               "-" if r.cost_per_million_output_tokens is None else f"{r.cost_per_million_output_tokens:.3f}",
+               "-" if r.binding is None else r.binding.limit]
         if args.target_rate is not None:
             row.append("-" if r.devices_needed is None else r.devices_needed)
         table_rows.append(row)
-        if r.reason:
+        if r.binding is not None and r.binding.limit != "slo":
+            # The reason already says "still meets the SLO at the search's maximum" in other words.
+            notes.append(f"{r.hardware} tp={r.tp}: bound by {r.binding.detail}")
+        elif r.reason:
             notes.append(f"{r.hardware} tp={r.tp}: {r.reason}")
     if table_rows:
         lines.append(render_table(headers, table_rows, left=(0,)))

@@ -45,6 +45,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     s.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
     add_workload_arguments(parser)
     o = parser.add_argument_group("output")
+    o.add_argument("--warmup", default=None, metavar="N|DURATION",
+                   help="leave out of the steady-state summary the first N requests (e.g. 50) or those "
+                        "arriving in the first DURATION (e.g. 30s); default: a closed loop's start-up wave "
+                        "(--concurrency requests), nothing for an open loop; 0: no steady-state summary")
     o.add_argument("--slo-ttft", default=None, help="TTFT target per request, e.g. 500ms")
     o.add_argument("--slo-tpot", default=None, help="TPOT target per request, e.g. 50ms")
     o.add_argument("--slo-e2e", default=None, help="end-to-end latency target per request, e.g. 20s")
@@ -67,6 +71,20 @@ def _slo(args: argparse.Namespace):  # noqa: ANN202
         if v is not None and v <= 0:
             raise InvalidArgument(f"--slo-{name} must be > 0, got {getattr(args, f'slo_{name}')!r}")
     return SLO(ttft_s=values["ttft"], tpot_s=values["tpot"], e2e_s=values["e2e"])
+
+
+def parse_warmup(text: str | None) -> tuple[int | None, float]:
+    """'50' -> (50 requests, 0 s); '30s' -> (0 requests, 30 s); None -> (None: the default, 0 s)."""
+    if text is None:
+        return None, 0.0
+    stripped = text.strip()
+    if stripped.isdigit():
+        return int(stripped), 0.0
+    try:
+        return 0, parse_duration_s(stripped, name="--warmup")
+    except InvalidArgument:
+        raise InvalidArgument(f"--warmup: expected a request count (e.g. 50) or a duration with a unit "
+                              f"(e.g. 30s), got {text!r}") from None
 
 
 def config_from_args(args: argparse.Namespace):  # noqa: ANN201
@@ -110,12 +128,16 @@ def run(args: argparse.Namespace) -> int:
 
     config = config_from_args(args)
     workload = workload_from_args(args)
+    warmup_requests, warmup_s = parse_warmup(args.warmup)
     check_output_file(args.requests_out, "--requests-out")
     check_output_dir(args.plot_dir, "--plot-dir")
     if workload.rate is None and workload.concurrency is None and workload.trace is None:
         raise InvalidArgument("give a load: --rate R (requests/s), --concurrency C, or --trace FILE")
     progress = not (args.json or args.no_progress) and sys.stderr.isatty()
-    result = simulate(config, workload, progress=progress)
+    result = simulate(config, workload, progress=progress, warmup_requests=warmup_requests, warmup_s=warmup_s)
+    if result.steady is None and (warmup_requests or warmup_s):
+        raise InvalidArgument(f"--warmup {args.warmup} leaves no request to summarize "
+                              f"(the run has {result.summary.num_requests})")
     if args.requests_out:
         with open(args.requests_out, "w", encoding="utf-8") as f:
             for record in result.records:
@@ -135,6 +157,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"workload: {workload.describe()}")
     print()
     print(format_summary_table(result.summary))
+    if result.steady is not None:
+        print(f"\n{_steady_title(result, args.warmup is None)}\n")
+        print(format_summary_table(result.steady))
     if c["disagg"]:
         t = result.kv_transfer_s
         print(f"\nKV transfer (prefill→decode): mean {t.mean * 1e3:.2f} ms, p99 {t.p99 * 1e3:.2f} ms, "
@@ -143,3 +168,12 @@ def run(args: argparse.Namespace) -> int:
     for path in plots:
         print(f"wrote {path}")
     return 0
+
+
+def _steady_title(result, default: bool) -> str:  # noqa: ANN001
+    n = result.warmup_requests_excluded
+    if result.warmup_s:
+        what = f"the {n} requests arriving in the first {result.warmup_s:g} s"
+    else:
+        what = f"the first {n} requests" + (", the start-up wave sent at once" if default else "")
+    return f"steady state (without {what}):"

@@ -199,19 +199,20 @@ def steady_state_summary(
     records: Iterable[RequestRecord],
     *,
     skip_first: int,
+    after_s: float = 0.0,
     num_devices: int = 1,
     slo: SLO | None = None,
     preemptions: int = 0,
 ) -> Summary | None:
     """The summary of a closed-loop run without its start-up wave: the requests numbered
     `skip_first` and later (`request_id` is the request's index in send order, as the simulator
-    and the bench client number them), over the time from the first of them being sent to the
-    last of them finishing. None when no request is left.
+    and the bench client number them) that arrived at or after `after_s`, over the time from the
+    first of them being sent to the last of them finishing. None when no request is left.
 
     A closed loop at concurrency C starts all C clients at once, so those C prompts queue behind
     one another: a burst no sustained load sees, yet a large enough share of a short run's
     samples to decide a p90 TTFT on its own."""
-    measured = [r for r in records if int(r.request_id) >= skip_first]
+    measured = [r for r in records if int(r.request_id) >= skip_first and r.arrival_s >= after_s]
     if not measured:
         return None
     start_s = min(r.arrival_s for r in measured)

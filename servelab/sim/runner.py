@@ -14,7 +14,7 @@ from servelab.core.config import SchedulerConfig
 from servelab.cost.memory import MemoryPlan
 from servelab.cost.step_cost import StepCostModel
 from servelab.errors import DoesNotFit, InvalidArgument, RequestTooLong
-from servelab.metrics import SLO, RequestRecord, Summary, summarize
+from servelab.metrics import SLO, RequestRecord, Summary, steady_state_summary, summarize
 from servelab.metrics.summary import Dist
 from servelab.sim.cluster import ClusterSim, StepTrace
 from servelab.sim.router import ROUTERS
@@ -117,6 +117,11 @@ class SimResult:
     kv_transfer_s: Dist = field(default_factory=Dist)
     kv_transfer_bytes: float = 0.0
     wall_s: float = 0.0
+    # The run without its warm-up (by default a closed loop's start-up wave: all clients at once),
+    # as `servelab bench` and `servelab plan` report it; None when nothing is excluded or left.
+    steady: Summary | None = None
+    warmup_requests_excluded: int = 0
+    warmup_s: float = 0.0
 
     @property
     def num_steps(self) -> int:
@@ -127,8 +132,25 @@ class SimResult:
         out["replicas"] = self.replica_stats
         if self.config.get("disagg"):
             out["kv_transfer"] = {"time_s": self.kv_transfer_s.to_dict(), "total_bytes": self.kv_transfer_bytes}
+        if self.steady is not None:
+            out["steady_state"] = {"startup_requests_excluded": self.warmup_requests_excluded,
+                                   "warmup_s": self.warmup_s, "summary": self.steady.to_dict()}  # fmt: skip
         out["sim"] = {"steps": self.num_steps, "wall_s": self.wall_s}
         return out
+
+    @property
+    def steady_or_whole(self) -> Summary:
+        return self.summary if self.steady is None else self.steady
+
+    @property
+    def peak_running(self) -> int:
+        """Most sequences in one replica's step over the run."""
+        return max(self.trace.num_seqs, default=0)
+
+    @property
+    def peak_kv_usage(self) -> float:
+        """Highest fraction of a replica's KV pool in use at a step's start over the run."""
+        return max(self.trace.kv_usage, default=0.0)
 
 
 def build_cost_model(config: SimConfig) -> StepCostModel:
@@ -190,9 +212,15 @@ def simulate(
     workload: WorkloadSpec | list[RequestSpec],
     progress: bool = False,
     concurrency: int | None = None,
+    warmup_requests: int | None = None,
+    warmup_s: float = 0.0,
 ) -> SimResult:
     """Run a workload through the simulated cluster. With a list of RequestSpec, `concurrency`
-    caps requests in flight (a closed loop when they carry no arrival times)."""
+    caps requests in flight (a closed loop when they carry no arrival times).
+
+    The steady-state summary leaves out the first `warmup_requests` requests (default: a closed
+    loop's start-up wave, `concurrency` requests; none for an open loop) and those arriving
+    before `warmup_s`."""
     if isinstance(workload, WorkloadSpec):
         requests = workload.generate()
         concurrency = workload.concurrency
@@ -202,8 +230,13 @@ def simulate(
         seed = 0
     if not requests:
         raise InvalidArgument("the workload has no requests")
-    if requests[0].arrival_s is None and concurrency is None:
+    closed_loop = requests[0].arrival_s is None
+    if closed_loop and concurrency is None:
         raise InvalidArgument("requests without arrival times need a concurrency (closed loop)")
+    if warmup_requests is None:
+        warmup_requests = concurrency if closed_loop else 0
+    if warmup_requests < 0 or warmup_s < 0:
+        raise InvalidArgument(f"the warm-up must be >= 0, got {warmup_requests} requests, {warmup_s:g} s")
     model = config.model_spec
     sched = scheduler_config(config)
     _check_lengths(requests, sched)
@@ -240,6 +273,10 @@ def simulate(
     wall_s = time.perf_counter() - start
     preemptions = sum(r.scheduler.num_preemptions for r in out.replicas)
     summary = summarize(out.records, out.duration_s, config.num_devices, config.slo, preemptions)
+    steady = None
+    if warmup_requests or warmup_s:
+        steady = steady_state_summary(out.records, skip_first=warmup_requests, after_s=warmup_s,
+                                      num_devices=config.num_devices, slo=config.slo, preemptions=preemptions)
     cfg = config.to_dict()
     cfg["max_model_len"] = sched.max_model_len
     cfg["num_blocks"] = sched.num_blocks
@@ -259,6 +296,9 @@ def simulate(
         kv_transfer_s=Dist.of(out.kv_transfer_s),
         kv_transfer_bytes=out.kv_transfer_bytes,
         wall_s=wall_s,
+        steady=steady,
+        warmup_requests_excluded=0 if steady is None else summary.num_requests - steady.num_requests,
+        warmup_s=warmup_s,
     )
 
 

@@ -88,7 +88,6 @@ def test_the_start_up_wave_does_not_decide_the_capacity():
     # Closed loop: all 34 clients send at t = 0 and their 1,024-token prompts queue behind one
     # another (up to ~1.5 s of TTFT), a burst no sustained load sees. Counted, that wave alone
     # decides a p90 TTFT when it is a quarter of the samples.
-    from servelab.bench.planner import steady_state_summary
     from servelab.sim import SimConfig, simulate
     from servelab.spec import get_hardware, get_model
     from servelab.workload import WorkloadSpec
@@ -96,7 +95,7 @@ def test_the_start_up_wave_does_not_decide_the_capacity():
     config = SimConfig(model=get_model("llama-3.1-70b"), hardware=get_hardware("h100-sxm"), tp=8)
     c = 34
     result = simulate(config, WorkloadSpec(num_requests=5 * c, concurrency=c, input_len="1024", output_len="256"))
-    steady = steady_state_summary(result, first_measured=c, slo=None)
+    steady = result.steady
     assert result.summary.ttft_s.p90 > 0.8  # the burst, counted (a fifth of the samples here)
     assert steady.ttft_s.p90 < 0.3 and steady.num_requests == 4 * c
     assert steady.tpot_s.p90 == pytest.approx(result.summary.tpot_s.p90, rel=0.05)  # decode is steady either way
@@ -105,3 +104,56 @@ def test_the_start_up_wave_does_not_decide_the_capacity():
     row = plan_one(_job(model="llama-3.1-70b", tp=8, slo=SLO(tpot_s=0.050, ttft_s=1.0),
                         workload={"input_len": "1024", "output_len": "256", "seed": 0}))  # fmt: skip
     assert row.meets_slo and row.capacity_concurrency > 2 * c  # was 34: the burst's TTFT, not the SLO's
+
+
+# Which limit set the capacity: one case each, each judged on the level that decided the search.
+SHORT = {"num_requests": 24, "input_len": "256", "output_len": "16", "seed": 0}
+
+
+def test_a_capacity_capped_by_max_num_seqs_says_so():
+    row = plan_one(_job(max_num_seqs=4, workload=SHORT))
+    b = row.binding
+    assert row.meets_slo and b.limit == "max-num-seqs"
+    assert b.max_num_seqs == 4 and b.peak_running == 4 and b.at_concurrency > 4
+    assert "--max-num-seqs 4" in b.detail and row.to_dict()["binding_limit"]["limit"] == "max-num-seqs"
+
+
+def test_a_capacity_capped_by_the_kv_cache_says_so():
+    # An L4 keeps ~42k tokens of Llama-3.1-8B KV after the weights: ten 4,160-token requests.
+    row = plan_one(_job(hardware="l4", slo=SLO(tpot_s=0.5, ttft_s=20.0),
+                        workload={"num_requests": 24, "input_len": "4096", "output_len": "64", "seed": 0}))
+    b = row.binding
+    assert row.meets_slo and b.limit == "kv-cache"
+    assert b.peak_running < b.at_concurrency and b.peak_running < b.max_num_seqs
+    assert (1 - b.peak_kv_usage) * b.kv_capacity_tokens < 4160
+    assert f"{b.kv_capacity_tokens:,} tokens" in b.detail
+
+
+def test_a_capacity_set_by_the_slo_says_so():
+    row = plan_one(_job(slo=SLO(tpot_s=0.012), workload=SHORT))
+    b = row.binding
+    assert row.meets_slo and b.limit == "slo", b
+    assert b.peak_running < b.max_num_seqs and b.preemptions == 0
+    assert "p90 TPOT" in b.detail and b.at_concurrency == row.capacity_concurrency + 1
+
+
+def test_a_search_that_never_failed_is_bound_by_its_maximum():
+    row = plan_one(_job(workload=SHORT))  # 24 requests: the search stops at concurrency 24
+    assert row.binding.limit == "search-maximum" and row.binding.at_concurrency == 24
+
+
+def test_no_binding_when_no_load_meets_the_slo():
+    row = plan_one(_job(slo=SLO(tpot_s=0.001), workload=SHORT))
+    assert row.fits and not row.meets_slo and row.binding is None
+
+
+def test_plan_cli_names_the_binding_limit(capsys):
+    args = ["plan", "--hardware", "h100-sxm", "--slo-tpot", "30ms", "--slo-ttft", "1s", "--max-num-seqs", "4",
+            "--num-requests", "24", "--input-len", "256", "--output-len", "16", "--workers", "1"]
+    assert cli_main(args) == 0
+    out = capsys.readouterr().out
+    assert "bound by" in out and "max-num-seqs" in out
+    assert "bound by --max-num-seqs 4: at concurrency 16 the running batch peaked at 4 sequences" in out
+    assert cli_main([*args, "--json"]) == 0
+    config = json.loads(capsys.readouterr().out)["configs"][0]
+    assert config["binding_limit"]["limit"] == "max-num-seqs" and config["binding_limit"]["peak_running"] == 4

@@ -181,9 +181,57 @@ def test_cli_table(capsys):
         (["--num-requests", "3"], "give a load"),
         (["--rate", "1", "--scheduler", "fastest"], "policy must be one of"),
         (["--rate", "1", "--slo-ttft", "soon"], "--slo-ttft"),
+        (["--rate", "1", "--warmup", "soon"], "--warmup: expected a request count (e.g. 50) or a duration"),
+        (["--rate", "1", "--warmup", "3"], "--warmup 3 leaves no request to summarize (the run has 3)"),
     ],
 )
 def test_cli_bad_input_exits_2_with_a_clear_message(capsys, argv, message):
     code, _, err = run_cli(capsys, *argv, "--num-requests", "3") if "--num-requests" not in argv else run_cli(capsys, *argv)
     assert code == 2
     assert message in err and "Traceback" not in err
+
+
+# Steady state: a closed loop's start-up wave (all clients at once) left out, as bench and plan do.
+STEADY_LOAD = ["--input-len", "2048", "--output-len", "64", "--seed", "0"]
+
+
+def test_sim_steady_state_leaves_out_the_start_up_wave_and_matches_plan(capsys):
+    from servelab.bench.planner import PlanJob, plan_one
+    from servelab.metrics import SLO
+
+    n = 64
+    row = plan_one(PlanJob(model="llama-3.1-8b", hardware="h100-sxm", tp=1, slo=SLO(ttft_s=0.5, tpot_s=0.05),
+                           percentile=90, workload={"num_requests": n, "input_len": "2048", "output_len": "64",
+                                                    "seed": 0}))  # fmt: skip
+    c = int(row.capacity_concurrency)
+    assert c >= 8
+    code, out, _ = run_cli(capsys, "--concurrency", str(c), "--num-requests", str(n + c), *STEADY_LOAD,
+                           "--slo-ttft", "500ms", "--slo-tpot", "50ms", "--json")
+    assert code == 0
+    doc = json.loads(out)
+    whole, steady = doc["summary"], doc["steady_state"]["summary"]
+    assert doc["steady_state"]["startup_requests_excluded"] == c and steady["num_requests"] == n
+    # The wave's c prompts of 2,048 tokens queue behind one another: counted, they decide the p90.
+    assert whole["ttft_s"]["p90"] > 1.5 * steady["ttft_s"]["p90"]
+    assert steady["ttft_s"]["p90"] <= 0.5 < whole["ttft_s"]["p90"]
+    assert steady == row.capacity["best"]["summary"]  # plan measured exactly this level
+
+
+def test_sim_warmup_by_count_and_by_time(capsys):
+    code, out, _ = run_cli(capsys, "--rate", "20", "--num-requests", "60", *STEADY_LOAD, "--json")
+    assert code == 0 and "steady_state" not in json.loads(out)  # an open loop has no start-up wave
+    code, out, _ = run_cli(capsys, "--rate", "20", "--num-requests", "60", *STEADY_LOAD, "--warmup", "10",
+                           "--json", "--requests-out", "/dev/null")
+    st = json.loads(out)["steady_state"]
+    assert st["startup_requests_excluded"] == 10 and st["summary"]["num_requests"] == 50
+    code, out, _ = run_cli(capsys, "--rate", "20", "--num-requests", "60", *STEADY_LOAD, "--warmup", "1s", "--json")
+    doc = json.loads(out)
+    st = doc["steady_state"]
+    assert st["warmup_s"] == 1.0 and 0 < st["startup_requests_excluded"] < 60
+    assert st["summary"]["num_requests"] + st["startup_requests_excluded"] == 60
+    assert st["summary"]["duration_s"] < doc["summary"]["duration_s"]
+    code, out, _ = run_cli(capsys, "--concurrency", "8", "--num-requests", "24", *STEADY_LOAD, "--warmup", "0",
+                           "--json")
+    assert "steady_state" not in json.loads(out)
+    code, out, _ = run_cli(capsys, "--concurrency", "8", "--num-requests", "24", *STEADY_LOAD)
+    assert "steady state (without the first 8 requests, the start-up wave sent at once):" in out
