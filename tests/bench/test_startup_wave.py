@@ -35,6 +35,14 @@ def test_steady_state_summary_leaves_out_the_first_requests_and_their_time():
     assert steady_state_summary(records[:4], skip_first=4) is None
 
 
+def test_steady_state_summary_by_time_leaves_out_what_arrived_before_it():
+    records = [_record(i, 0.0, 1.0 + i) for i in range(4)] + [_record(4 + i, 5.0 + i, 0.1) for i in range(8)]
+    by_time = steady_state_summary(records, skip_first=0, after_s=5.0)
+    assert by_time == steady_state_summary(records, skip_first=4)  # the same 8 requests, the same window
+    assert steady_state_summary(records, skip_first=0, after_s=7.0).num_requests == 6
+    assert steady_state_summary(records, skip_first=0, after_s=100.0) is None
+
+
 def _result(index: int, ttft_s: float) -> StreamResult:
     return StreamResult(index=index, planned_send_s=None, send_s=0.0, end_s=ttft_s + 0.1,
                         prompt_tokens_planned=8, output_tokens_planned=4, first_token_s=ttft_s,
