@@ -13,9 +13,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from servelab.bench.binding import Binding, Observed, binding_limit, observe
 from servelab.bench.capacity import CapacityResult, find_capacity
 from servelab.errors import DoesNotFit, InvalidArgument, RequestTooLong
-from servelab.bench.binding import Binding, Observed, binding_limit, observe
 from servelab.metrics import SLO
 from servelab.workload import WorkloadSpec
 
@@ -35,7 +35,7 @@ class PlanRow:
     devices_needed: int | None = None  # for the target request rate
     cost_per_million_output_tokens: float | None = None
     capacity: dict[str, Any] | None = None  # the full CapacityResult.to_dict()
-    binding: Binding | None = None  # which limit set the capacity: the SLO, --max-num-seqs or the KV cache
+    binding: Binding | None = None  # which limit set the capacity (SLO, --max-num-seqs, KV cache, search max)
     frontier: list[tuple[float, float, bool]] = field(default_factory=list)  # (tok/s/user, tok/s/device, passed)
 
     @property
