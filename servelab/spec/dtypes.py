@@ -19,8 +19,6 @@ class DType:
 
 
 WEIGHT_DTYPES: dict[str, DType] = {
-    # Full precision: no tensor-core path; peak_flops "fp32" where the hardware gives one.
-    "fp32": DType("fp32", 4.0, "fp32"),
     "bf16": DType("bf16", 2.0, "bf16"),
     # FP16 and BF16 tensor-core rates are equal on every accelerator in the catalog.
     "fp16": DType("fp16", 2.0, "bf16"),
@@ -30,14 +28,17 @@ WEIGHT_DTYPES: dict[str, DType] = {
     # Weight-only INT4 (AWQ/GPTQ-style): dequantized to BF16 inside the kernel, so it saves bytes
     # but computes at the BF16 rate. Group scales (~3% more bytes) are ignored.
     "int4": DType("int4", 0.5, "bf16"),
+    # Full precision, as CPUs run it: priced at peak_flops["fp32"] (see HardwareSpec). Last, so
+    # that lists of choices keep bf16 first.
+    "fp32": DType("fp32", 4.0, "fp32"),
 }
 
 KV_DTYPES: dict[str, DType] = {
-    # The engine's KV cache on CPUs without native bf16.
-    "fp32": DType("fp32", 4.0, "fp32"),
     "bf16": DType("bf16", 2.0, "bf16"),
     "fp16": DType("fp16", 2.0, "bf16"),
     "fp8": DType("fp8", 1.0, "fp8"),
+    # The engine's KV cache on CPUs without native bf16.
+    "fp32": DType("fp32", 4.0, "fp32"),
 }
 
 # llama.cpp's weight block formats (GGML type names). Q8_1 and Q8_K are left out: ggml uses them
