@@ -76,3 +76,12 @@ def test_plan_takes_files_with_their_price_and_refuses_tp_without_a_link(capsys,
     assert set(rows) == {("h200", 1), ("h200", 3), ("my-box", 1), ("my-box", 3)}
     assert rows[("my-box", 1)]["fits"] and rows[("my-box", 1)]["price_per_device_hour"] == 0.25
     assert not rows[("my-box", 3)]["fits"] and "device-to-device link" in rows[("my-box", 3)]["reason"]
+
+
+def test_plan_price_names_a_file_by_its_hardware_name(capsys, box):
+    argv = ["plan", "--model", "smollm2-135m", "--hardware", box, "--slo-tpot", "200ms", "--num-requests", "4",
+            "--input-len", "32", "--output-len", "4", "--max-concurrency", "2", "--json", "--workers", "1"]
+    for price in ("my-box=0.5", f"{box}=0.5"):
+        assert main([*argv, "--price", price]) == 0
+        (row,) = json.loads(capsys.readouterr().out)["configs"]
+        assert row["price_per_device_hour"] == 0.5
