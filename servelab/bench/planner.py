@@ -200,10 +200,10 @@ def parse_prices(text: str | None, hardware: list[str]) -> dict[str, float]:
     from servelab.spec.hardware import get_hardware
 
     prices: dict[str, float] = {}
-    for name in hardware:
-        catalog = get_hardware(name).price_per_hour_usd
-        if catalog is not None:
-            prices[get_hardware(name).name] = catalog
+    specs = [get_hardware(name) for name in hardware]
+    for spec in specs:
+        if spec.price_per_hour_usd is not None:
+            prices[spec.name] = spec.price_per_hour_usd
     if text:
         for item in (t.strip() for t in text.split(",") if t.strip()):
             name, sep, value = item.partition("=")
@@ -215,7 +215,9 @@ def parse_prices(text: str | None, hardware: list[str]) -> dict[str, float]:
                 raise InvalidArgument(f"--price: {value!r} is not a number (in {item!r})") from None
             if not price > 0:
                 raise InvalidArgument(f"--price: must be > 0 $/device-hour, got {item!r}")
-            prices[get_hardware(name.strip()).name] = price
+            # a hardware file's name (my-box) as well as its path or a catalog name
+            name = name.strip()
+            prices[name if name in {s.name for s in specs} else get_hardware(name).name] = price
     return prices
 
 

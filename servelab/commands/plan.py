@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     g = parser.add_argument_group("deployments to compare")
     g.add_argument("--model", default="llama-3.1-8b", help="catalog model (see `servelab models`)")
-    g.add_argument("--hardware", default="h100-sxm", help="comma list of catalog accelerators, e.g. h100-sxm,h200")
+    g.add_argument("--hardware", default="h100-sxm", help="comma list of catalog accelerators or JSON hardware files, e.g. h100-sxm,h200,generic-cpu.json")
     g.add_argument("--tp", default="1", help="comma list of tensor-parallel degrees, e.g. 1,2,4,8 (default 1)")
     g.add_argument("--dtype", default="bf16", help="weight dtype (default bf16)")
     g.add_argument("--kv-dtype", default="bf16", help="KV cache dtype (default bf16)")
@@ -41,11 +41,11 @@ def run(args: argparse.Namespace) -> int:
     from servelab.bench.capacity import check_percentile
     from servelab.bench.planner import PlanJob, parse_prices, rank, run_plan
     from servelab.metrics import SLO
-    from servelab.spec.hardware import get_hardware
+    from servelab.spec.hardware import get_hardware, hardware_ref
     from servelab.spec.model import get_model
 
     model = get_model(args.model)
-    hardware = [get_hardware(h).name for h in parse_str_list(args.hardware)]
+    hardware = [hardware_ref(h) for h in parse_str_list(args.hardware)]
     if not hardware:
         raise InvalidArgument("--hardware: give at least one accelerator, e.g. h100-sxm,h200")
     tps = parse_int_list(args.tp, name="--tp")
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         PlanJob(model=model.name, hardware=h, tp=tp, slo=slo, percentile=args.percentile, workload=workload,
                 weight_dtype=args.dtype, kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_concurrency=args.max_concurrency,
-                target_rate=args.target_rate, price_per_device_hour=prices.get(h))
+                target_rate=args.target_rate, price_per_device_hour=prices.get(get_hardware(h).name))
         for h in hardware
         for tp in tps
     ]

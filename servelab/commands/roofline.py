@@ -21,9 +21,9 @@ HELP = "roofline cost of decode/prefill steps for a model on an accelerator"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="catalog model (see `servelab models`), an HF config.json (or its directory) or a .gguf file")
-    parser.add_argument("--hardware", required=True, help="catalog accelerator (see `servelab hardware`)")
-    parser.add_argument("--dtype", default="bf16", help="weight dtype: bf16, fp16, fp8, int8, int4 (default bf16)")
-    parser.add_argument("--kv-dtype", default="bf16", help="KV cache dtype: bf16, fp16, fp8 (default bf16)")
+    parser.add_argument("--hardware", required=True, help="catalog accelerator (see `servelab hardware`) or a JSON hardware file")
+    parser.add_argument("--dtype", default="bf16", help="weight dtype: fp32, bf16, fp16, fp8, int8, int4 or a GGUF block format (q4_0 ... q6_k) (default bf16)")
+    parser.add_argument("--kv-dtype", default="bf16", help="KV cache dtype: fp32, bf16, fp16, fp8 (default bf16)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     parser.add_argument("--batch", default="1,8,64", help="comma-separated decode batch sizes (default 1,8,64)")
     parser.add_argument("--context", type=int, default=2048, help="tokens of context per sequence (default 2048)")
@@ -148,9 +148,9 @@ def _header(roofline: Any, context: int) -> list[str]:
         (f"{m.name} on {devices}{hw.name}: {roofline.weight_dtype} weights, {roofline.kv_dtype} KV cache, "
          f"decode at context {context}"),
         (f"peak: weights {plan.weight_bytes_per_device / 1e9:.2f} GB/device stream once in "
-         f"{roofline.weight_stream_time_s * 1e3:.2f} ms at {hw.bandwidth_bytes_per_s / 1e12:.2f} TB/s; "
+         f"{roofline.weight_stream_time_s * 1e3:.2f} ms at {hw.bandwidth_bytes_per_s / 1e12:.3g} TB/s; "
          f"one token's compute {roofline.token_compute_time_s * 1e3:.4f} ms at "
-         f"{roofline.peak_flops_per_s / 1e12:,.0f} TFLOPS; ridge {roofline.ridge_flops_per_byte:.0f} FLOP/byte"),
+         f"{roofline.peak_flops_per_s / 1e12:,.4g} TFLOPS; ridge {roofline.ridge_flops_per_byte:.0f} FLOP/byte"),
         (f"memory: KV {plan.kv_bytes_per_token_per_device:,.0f} bytes/token/device; {plan.kv_capacity_bytes / 1e9:.1f} GB "
          f"left at {plan.memory_fraction:.0%} of {hw.memory_bytes / 1e9:.0f} GB = {plan.kv_capacity_tokens:,} tokens "
          f"= batch {plan.max_batch(context):,} at context {context}"),

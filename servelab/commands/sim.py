@@ -25,10 +25,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     g = parser.add_argument_group("deployment")
     g.add_argument("--model", default="llama-3.1-8b", help="catalog model (see `servelab models`)")
-    g.add_argument("--hardware", default="h100-sxm", help="catalog accelerator (see `servelab hardware`)")
+    g.add_argument("--hardware", default="h100-sxm", help="catalog accelerator (see `servelab hardware`) or a JSON hardware file")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per replica (default 1)")
-    g.add_argument("--dtype", default="bf16", help="weight dtype: bf16, fp16, fp8, int8, int4 (default bf16)")
-    g.add_argument("--kv-dtype", default="bf16", help="KV cache dtype: bf16, fp16, fp8 (default bf16)")
+    g.add_argument("--dtype", default="bf16", help="weight dtype: fp32, bf16, fp16, fp8, int8, int4 or a GGUF block format (q4_0 ... q6_k) (default bf16)")
+    g.add_argument("--kv-dtype", default="bf16", help="KV cache dtype: fp32, bf16, fp16, fp8 (default bf16)")
     layout = g.add_mutually_exclusive_group()
     layout.add_argument("--replicas", type=int, default=1, help="colocated replicas behind the router (default 1)")
     layout.add_argument("--disagg", type=_disagg, default=None, metavar="P:D", help="P prefill and D decode replicas")

@@ -50,6 +50,9 @@ class MemoryPlan:
 
     def __post_init__(self) -> None:
         check_tp(self.model, self.tp)
+        if self.tp > 1 and self.hardware.interconnect_bytes_per_s is None:
+            raise InvalidArgument(f"tp={self.tp} needs a device-to-device link, and {self.hardware.name} has no "
+                                  "interconnect_bytes_per_s; use tp=1", param="tp")
         _weight_dtype(self.weight_dtype)
         _kv_dtype(self.kv_dtype)
         if not 0.0 < self.memory_fraction <= 1.0:

@@ -116,6 +116,7 @@ class Roofline:
         # Tensor parallelism: two all-reduces of the hidden state per layer (after attention and
         # after the MLP). A ring all-reduce sends 2(tp-1)/tp of the buffer over each link.
         if tp > 1:
+            assert hardware.interconnect_bytes_per_s is not None  # MemoryPlan refuses tp > 1 without one
             ring_bytes_per_token = 2 * m.num_layers * m.hidden_size * ACTIVATION_BYTES * 2 * (tp - 1) / tp
             self._comm_s_per_token = ring_bytes_per_token / (hardware.interconnect_bytes_per_s * eff.interconnect_fraction)
             self._comm_s_per_step = 2 * m.num_layers * eff.allreduce_latency_s

@@ -1,9 +1,11 @@
 """Storage dtypes for weights and the KV cache: bytes per element, and which tensor-core rate a
-weight dtype computes at."""
+weight dtype computes at. GGUF block formats (q4_1, q6_k, ...) take their bits per weight from the
+gguf package's block layouts, loaded only when one is asked for (it pulls in numpy)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 
 from servelab.errors import InvalidArgument
 
@@ -26,25 +28,47 @@ WEIGHT_DTYPES: dict[str, DType] = {
     # Weight-only INT4 (AWQ/GPTQ-style): dequantized to BF16 inside the kernel, so it saves bytes
     # but computes at the BF16 rate. Group scales (~3% more bytes) are ignored.
     "int4": DType("int4", 0.5, "bf16"),
+    # Full precision, as CPUs run it: priced at peak_flops["fp32"] (see HardwareSpec). Last, so
+    # that lists of choices keep bf16 first.
+    "fp32": DType("fp32", 4.0, "fp32"),
 }
 
 KV_DTYPES: dict[str, DType] = {
     "bf16": DType("bf16", 2.0, "bf16"),
     "fp16": DType("fp16", 2.0, "bf16"),
     "fp8": DType("fp8", 1.0, "fp8"),
+    # The engine's KV cache on CPUs without native bf16.
+    "fp32": DType("fp32", 4.0, "fp32"),
 }
+
+# llama.cpp's weight block formats (GGML type names). Q8_1 and Q8_K are left out: ggml uses them
+# only for activations. Weight-only: dequantized inside the kernel, so they compute at the 16-bit
+# rate, like int4; the bytes include each block's scales (Q4_1: 32 weights in 20 bytes = 5 bits).
+GGUF_WEIGHT_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
 
 # Activations stay in 16-bit whatever the weight format.
 ACTIVATION_BYTES = 2.0
 
 
+@cache
+def gguf_block_dtype(name: str) -> DType:
+    """A GGUF block format as a DType: bytes per weight = bytes per block / weights per block."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    weights_per_block, bytes_per_block = GGML_QUANT_SIZES[GGMLQuantizationType[name.upper()]]
+    return DType(name, bytes_per_block / weights_per_block, "bf16")
+
+
 def weight_dtype(name: str) -> DType:
-    try:
-        return WEIGHT_DTYPES[name.lower()]
-    except KeyError:
-        raise InvalidArgument(
-            f"unknown weight dtype {name!r}; choose one of: {', '.join(WEIGHT_DTYPES)}", param="dtype"
-        ) from None
+    key = name.lower()
+    if key in WEIGHT_DTYPES:
+        return WEIGHT_DTYPES[key]
+    if key in GGUF_WEIGHT_FORMATS:
+        return gguf_block_dtype(key)
+    raise InvalidArgument(
+        f"unknown weight dtype {name!r}; choose one of: {', '.join([*WEIGHT_DTYPES, *GGUF_WEIGHT_FORMATS])}",
+        param="dtype",
+    )
 
 
 def kv_dtype(name: str) -> DType:

@@ -30,14 +30,18 @@ class HardwareSpec:
     bandwidth_bytes_per_s: float
     # dense FLOP/s per compute dtype: "bf16", "fp8", "int8" (int8 in OP/s)
     peak_flops: dict[str, float] = field(hash=False)
-    interconnect_bytes_per_s: float
+    # None: no device-to-device link (a CPU host), so tensor parallelism is refused.
+    interconnect_bytes_per_s: float | None = None
     price_per_hour_usd: float | None = None
     description: str = ""
 
     def peak_flops_per_s(self, compute_dtype: str = "bf16") -> float:
         """The matmul rate for a compute dtype. Hardware without FP8/INT8 tensor cores (A100 has no
-        FP8) runs such weights weight-only: dequantized to BF16, at the BF16 rate."""
-        return self.peak_flops.get(compute_dtype) or self.peak_flops["bf16"]
+        FP8) runs such weights weight-only: dequantized to BF16, at the BF16 rate. Without an fp32
+        entry, fp32 matmuls run on TF32 tensor cores: half the dense BF16 rate on every catalog part."""
+        if compute_dtype in self.peak_flops:
+            return self.peak_flops[compute_dtype]
+        return self.peak_flops["bf16"] / 2 if compute_dtype == "fp32" else self.peak_flops["bf16"]
 
     def ridge_flops_per_byte(self, compute_dtype: str = "bf16") -> float:
         """Arithmetic intensity above which a kernel is compute-bound at peak rates."""
@@ -133,9 +137,24 @@ HARDWARE: dict[str, HardwareSpec] = {
 
 
 def get_hardware(name: str) -> HardwareSpec:
+    """A catalog name, or a path to a JSON hardware file (see servelab/spec/hardware_file.py)."""
+    from servelab.spec.hardware_file import is_hardware_file, load_hardware_file, shipped_files
+
+    if is_hardware_file(name):
+        return load_hardware_file(name)
     try:
         return HARDWARE[name.lower()]
     except KeyError:
         raise InvalidArgument(
-            f"unknown hardware {name!r}; choose one of: {', '.join(HARDWARE)}", param="hardware"
+            f"unknown hardware {name!r}; choose one of: {', '.join(HARDWARE)}, or a JSON hardware file "
+            f"(shipped: {', '.join(shipped_files())})", param="hardware"
         ) from None
+
+
+def hardware_ref(text: str) -> str:
+    """Validate a --hardware value and return what names it across processes: the catalog name, or
+    the hardware file's resolved path."""
+    from servelab.spec.hardware_file import is_hardware_file, resolve_path
+
+    spec = get_hardware(text)
+    return str(resolve_path(text)) if is_hardware_file(text) else spec.name
