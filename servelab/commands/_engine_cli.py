@@ -20,11 +20,15 @@ DETERMINISTIC_HELP = (
 )
 
 
+DTYPE_HELP = ("compute dtype (default: float32 on a CPU, where all of servelab's fast kernels compute; "
+              "bfloat16, else float16, on CUDA)")
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file or HF model directory (default: the bundled SmolLM2-135M-Instruct Q4_1)")
     g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
-                   help="compute dtype (default: bfloat16 where the CPU has native bf16, else float32)")
+                   help=DTYPE_HELP)
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default: cpu)")
     g.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: min(model, 8192))")
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")

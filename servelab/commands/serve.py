@@ -11,7 +11,7 @@ import socket
 import sys
 import time
 
-from servelab.commands._engine_cli import DETERMINISTIC_HELP, KV_CACHE_DTYPE_HELP, QUANTIZATION_HELP
+from servelab.commands._engine_cli import DETERMINISTIC_HELP, DTYPE_HELP, KV_CACHE_DTYPE_HELP, QUANTIZATION_HELP
 from servelab.errors import InvalidArgument
 from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES, OPEN_PATHS
 from servelab.server.tool_parsers import TOOL_CALL_PARSERS
@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="GGUF file or HF model directory (default: the bundled SmolLM2-135M-Instruct Q4_1)")  # fmt: skip
     model.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: from the model)")
     model.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
-                       help="compute dtype (default: bfloat16 where the CPU supports it, else float32)")  # fmt: skip
+                       help=DTYPE_HELP)
     model.add_argument("--quantization", choices=["int8"], default=None, help=QUANTIZATION_HELP)
     model.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
                        help=KV_CACHE_DTYPE_HELP)

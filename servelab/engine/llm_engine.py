@@ -37,7 +37,7 @@ QUANTIZATIONS = ("int8",)  # engine/quantization.py implements them (it imports 
 @dataclass
 class EngineArgs:
     model: str | None = None  # GGUF file or HF model dir; None = the bundled SmolLM2-135M-Instruct Q4_1 GGUF
-    dtype: str | None = None  # "bfloat16" | "float16" | "float32"; None = bf16 where the CPU supports it, else fp32
+    dtype: str | None = None  # "bfloat16" | "float16" | "float32"; None = fp32 on a CPU, bf16 (else fp16) on CUDA
     device: str = "cpu"  # "cpu" | "cuda"
     max_model_len: int | None = None  # None = min(model max context, DEFAULT_MAX_MODEL_LEN)
     max_num_seqs: int = 256
@@ -181,11 +181,13 @@ class LLMEngine:
         from servelab.engine.logits_processors import LogitsProcessors
         from servelab.engine.model_executor import ModelExecutor
         from servelab.engine.sampler import Sampler
-        from servelab.engine.weights import load_model, resolve_dtype
+        from servelab.engine.weights import CPU_AUTO_DTYPE_REASON, load_model, resolve_dtype
 
         args.validate()
         path = args.model or str(bundled_model_path())
         dtype = resolve_dtype("float32" if args.quantization or args.deterministic else args.dtype, args.device)
+        if args.dtype is None and args.device == "cpu" and not (args.quantization or args.deterministic):
+            logger.info("dtype auto -> float32: %s", CPU_AUTO_DTYPE_REASON)
         if args.quantization == "int8":
             from servelab.engine.quantization import check_int8_supported
 
