@@ -192,6 +192,9 @@ def test_bad_input_and_configs_that_do_not_fit_say_why(page, lab_server, tmp_pat
     assert "the weights take" in page.locator("#warning").inner_text()
     colour = page.evaluate("document.getElementById('chart-memory').data[1].marker.color")
     assert colour == "#c62828"
+    # ... and the sweep charts shade every batch, naming why.
+    texts = [a["text"] for a in page.evaluate("document.getElementById('chart-throughput').layout.annotations")]
+    assert "the weights alone do not fit" in texts, texts
     page.screenshot(path=str(tmp_path / "lab-does-not-fit.png"), full_page=True)
     # Lesson 1 handles it the same way: it still draws, shades the no-fit contexts, and says why.
     page.goto(f"{lab_server.url}/?lesson=two-workloads&batch=4096&prompt_len=8192")

@@ -34,18 +34,18 @@ const logAxis = (...series) => {
 };
 // The region beyond a limit, shaded and named: [lo, hi] in the axis's data coordinates.
 const NO_FIT = "rgba(198, 40, 40, 0.12)";
-const limitShade = (x0, x1, text, color, labelX, yShift) => ({
+// Labels sit at the plot's right edge, inside it, so a narrow shade never pushes its name off the chart.
+const limitShade = (x0, x1, text, color, yShift) => ({
   shape: { type: "rect", xref: "x", yref: "paper", x0, x1, y0: 0, y1: 1, fillcolor: color, line: { width: 0 }, layer: "below" },
-  annotation: { x: labelX, y: 1 - (yShift || 0), xref: "x", yref: "paper", xanchor: "left", yanchor: "top", text, showarrow: false,
+  annotation: { x: 1, y: 1 - (yShift || 0), xref: "paper", yref: "paper", xanchor: "right", yanchor: "top", text, showarrow: false,
                 font: { size: 11, color: color === NO_FIT ? "#c62828" : "#555" }, bgcolor: "rgba(255,255,255,0.7)" },
 });
 // Shades for the batching charts: beyond the KV-cache limit (red) and beyond the compute ridge (grey).
-const batchShades = (d, toX, last, logX) => {
+const batchShades = (d, toX, last) => {
   const out = [];
   const mem = d.limits.memory, comp = d.limits.compute;
-  const pos = (b) => (logX ? Math.log10(b) : b);
-  if (comp && comp.batch <= last.batch) out.push(limitShade(toX(comp.batch, "lo"), last.x, comp.label, "rgba(120,120,120,0.12)", pos(toX(comp.batch, "lo")), 0.1));
-  if (mem.batch < last.batch) out.push(limitShade(toX(mem.batch, "hi"), last.x, mem.label, NO_FIT, pos(toX(mem.batch, "hi")), 0));
+  if (comp && comp.batch <= last.batch) out.push(limitShade(toX(comp.batch, "lo"), last.x, comp.label, "rgba(120,120,120,0.12)", 0.09));
+  if (mem.batch < last.batch) out.push(limitShade(toX(mem.batch, "hi"), last.x, mem.label, NO_FIT, 0));
   return out;
 };
 const baseLayout = (title, x, y, extra) => Object.assign({
@@ -66,6 +66,18 @@ const pctShapes = (pcts, color, yref) => Object.entries(pcts).map(([k, v]) => ({
 const pctAnnotations = (pcts, color) => Object.entries(pcts).map(([k, v], i) => ({
   x: v, y: 0.08 + 0.1 * i, yref: "paper", text: k, showarrow: false, font: { color, size: 11 }, xanchor: "left",
 }));
+
+// One bar per dtype/attention variant; on a phone the bars lie down so their 3-line labels stay readable.
+const variantBars = (d, values, color, name, title, unit, narrow) => {
+  const colors = d.variants.selected.map((s) => (s ? "#c62828" : color));
+  if (!narrow)
+    return { data: [{ type: "bar", x: d.variants.label, y: values, marker: { color: colors }, name }],
+             layout: baseLayout(title, "", unit, { rest: { margin: { l: 64, r: 20, t: 44, b: 80 } } }) };
+  const labels = d.variants.label.map((l) => l.replace(/<br>/g, " · "));
+  return { data: [{ type: "bar", orientation: "h", y: labels, x: values, marker: { color: colors }, name }],
+           layout: baseLayout(title, unit, "", { yaxis: { autorange: "reversed", tickfont: { size: 10 } },
+             rest: { height: 520, margin: { l: 130, r: 12, t: 60, b: 52 } } }) };
+};
 
 const LESSONS = [
   {
@@ -101,7 +113,7 @@ const LESSONS = [
             // Beyond the context at which this batch's KV fits, the decode step cannot run: shade it.
             const lens = d.sweep.prompt_len, lim = d.limits.context, maxL = Math.max(...lens);
             const x0 = Math.max(lim.prompt_len, Math.min(...lens) / 1.5);
-            const shades = lim.prompt_len < maxL ? [limitShade(x0, maxL * 1.5, lim.label, NO_FIT, Math.log10(x0))] : [];
+            const shades = lim.prompt_len < maxL ? [limitShade(x0, maxL * 1.5, lim.label, NO_FIT)] : [];
             return baseLayout("Prefill grows with the prompt; a decode step barely moves", "prompt length (tokens)", "time (ms)",
               { xaxis: pow2Axis(lens), yaxis: Object.assign(logAxis(d.sweep.prefill_ms, d.sweep.decode_step_ms), { rangemode: "normal" }),
                 rest: { shapes: shades.map((s) => s.shape), annotations: shades.map((s) => s.annotation) } });
@@ -125,7 +137,7 @@ const LESSONS = [
           layout: (() => {
             const maxB = Math.max(...d.sweep.batch), minB = Math.min(...d.sweep.batch);
             // A log axis has no 0: a limit of batch 0 (the weights alone do not fit) shades from the left edge.
-            const shades = batchShades(d, (b) => Math.max(b, minB / 1.5), { batch: maxB, x: maxB * 1.5 }, true);
+            const shades = batchShades(d, (b) => Math.max(b, minB / 1.5), { batch: maxB, x: maxB * 1.5 });
             return baseLayout("Throughput in total and per user", "batch size", "total tokens/s", { xaxis: pow2Axis(d.sweep.batch), rest: { margin: { l: 64, r: 64, t: 44, b: 52 },
               yaxis2: { title: { text: "tokens/s per user" }, overlaying: "y", side: "right", rangemode: "tozero", tickmode: "auto", nticks: 6, showgrid: false },
               shapes: shades.map((s) => s.shape), annotations: shades.map((s) => s.annotation) } });
@@ -140,7 +152,7 @@ const LESSONS = [
             // Category positions: a limit between two swept batches shades from the first one past it.
             const n = d.sweep.batch.length;
             const idx = (b, side) => { const i = d.sweep.batch.findIndex((x) => (side === "hi" ? x > b : x >= b)); return (i < 0 ? n : i) - 0.5; };
-            const shades = batchShades(d, idx, { batch: d.sweep.batch[n - 1], x: n - 0.5 }, false);
+            const shades = batchShades(d, idx, { batch: d.sweep.batch[n - 1], x: n - 0.5 });
             return baseLayout("Bytes per decode step: weights vs KV", "batch size", "GB read per step", { xaxis: { type: "category" }, rest: { barmode: "stack", margin: { l: 64, r: 64, t: 44, b: 52 },
               yaxis2: { title: { text: "step time (ms)" }, overlaying: "y", side: "right", rangemode: "tozero", tickmode: "auto", nticks: 6, showgrid: false },
               shapes: shades.map((s) => s.shape), annotations: shades.map((s) => s.annotation) } });
@@ -229,12 +241,10 @@ const LESSONS = [
     ],
     controls: [...COMMON, pick("attention", "attention", ["gqa", "full"]), num("context", "context length (tokens)"), num("tpot_ms", "TPOT target (ms)")],
     charts: [
-      { id: "max-batch", make: (d) => ({
-          data: [{ type: "bar", x: d.variants.label, y: d.variants.max_batch, marker: { color: d.variants.selected.map((s) => (s ? "#c62828" : "#2d6cdf")) }, name: "largest batch" }],
-          layout: baseLayout("Largest batch that fits at this context", "", "sequences", { rest: { margin: { l: 64, r: 20, t: 44, b: 80 } } }) }) },
-      { id: "capacity", make: (d) => ({
-          data: [{ type: "bar", x: d.variants.label, y: d.variants.tokens_per_s_per_gpu, marker: { color: d.variants.selected.map((s) => (s ? "#c62828" : "#43a047")) }, name: "tokens/s" }],
-          layout: baseLayout("Capacity at the TPOT target (tokens/s per GPU)", "", "tokens/s", { rest: { margin: { l: 64, r: 20, t: 44, b: 80 } } }) }) },
+      { id: "max-batch", make: (d, narrow) => variantBars(d, d.variants.max_batch, "#2d6cdf", "largest batch",
+          "Largest batch that fits at this context", "sequences", narrow) },
+      { id: "capacity", make: (d, narrow) => variantBars(d, d.variants.tokens_per_s_per_gpu, "#43a047", "tokens/s",
+          "Capacity at the TPOT target (tokens/s per GPU)", "tokens/s", narrow) },
     ],
   },
   {
@@ -389,7 +399,15 @@ function render(lesson, data) {
     summary.appendChild(div);
   }
   for (const chart of lesson.charts) {
-    const fig = chart.make(data);
+    const narrow = $("chart-" + chart.id).clientWidth < 520;
+    const fig = chart.make(data, narrow);
+    const title = fig.layout.title;
+    if (title && title.text && narrow) {
+      // Plotly titles never wrap: on a phone, break a long one at its colon so it is not clipped.
+      title.text = title.text.replace(": ", ":<br>");
+      title.font = Object.assign({}, title.font, { size: 13 });
+      fig.layout.margin = Object.assign({ l: 64, r: 20, b: 52 }, fig.layout.margin, { t: 60 });
+    }
     Plotly.react("chart-" + chart.id, fig.data, fig.layout, { displaylogo: false, responsive: true });
   }
   window.lab.last = { lesson: lesson.id, data };
