@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from servelab.errors import NotFound
 from servelab.lab import roofline_lessons
 from servelab.lab.common import TP_CHOICES, common_defaults
+from servelab.lab.limits import published as published_limits
 from servelab.lab.params import Params
 from servelab.spec import HARDWARE, KV_DTYPES, MODELS, WEIGHT_DTYPES
 
@@ -66,6 +67,8 @@ def catalog() -> dict[str, Any]:
         "kv_dtypes": list(KV_DTYPES),
         "tp": [int(t) for t in TP_CHOICES],
         "lessons": list(LESSONS),
+        # The forms' min/max: the same bounds the lessons validate against.
+        "limits": published_limits(),
         "defaults": {name: {**common_defaults(), **values} for name, values in LESSON_DEFAULTS.items()},
     }
 

@@ -25,6 +25,7 @@ from fastapi.responses import JSONResponse
 
 from servelab.errors import ServelabError
 from servelab.lab.common import fmt, setup_from, stat
+from servelab.lab.limits import bounds
 from servelab.lab.params import Params
 from servelab.metrics import SLO
 from servelab.spec import HARDWARE
@@ -167,9 +168,9 @@ class CapacityPlanner:
 
 def capacity(p: Params, planner: CapacityPlanner) -> dict[str, Any] | JSONResponse:
     s = setup_from(p)
-    tpot_ms = p.float("tpot_ms", 50.0, lo=1.0, hi=10_000.0)
-    prompt_len = p.int("prompt_len", 1024, lo=1, hi=131072)
-    output_len = p.int("output_len", 128, lo=2, hi=8192)
+    tpot_ms = p.float("tpot_ms", 50.0, **bounds("capacity", "tpot_ms"))
+    prompt_len = p.int("prompt_len", 1024, **bounds("capacity", "prompt_len"))
+    output_len = p.int("output_len", 128, **bounds("capacity", "output_len"))
     s.roofline()._check_context(prompt_len + output_len, "prompt_len + output_len")  # noqa: SLF001
     key = (s.model.name, s.weight_dtype, s.kv_dtype, s.tp, tpot_ms, prompt_len, output_len)
     state = planner.plan_for(key)

@@ -17,7 +17,6 @@ DEFAULT_MODEL = "llama-3.1-8b"
 DEFAULT_HARDWARE = "h100-sxm"
 DEFAULT_DTYPE = "bf16"
 TP_CHOICES = ("1", "2", "4", "8")
-MAX_TOKENS = 1 << 20  # the form's bound; the model's own max_context is checked by the roofline
 
 
 @dataclass(slots=True)

@@ -9,11 +9,10 @@ import numpy as np
 
 from servelab.cost import MemoryPlan, Roofline, StepCost
 from servelab.errors import DoesNotFit
-from servelab.lab.common import MAX_TOKENS, Setup, fmt, gb, ms, powers_of_two, setup_from, stat
+from servelab.lab.common import Setup, fmt, gb, ms, powers_of_two, setup_from, stat
+from servelab.lab.limits import bounds
 from servelab.lab.params import Params
 from servelab.spec import ModelSpec
-
-MAX_BATCH = 4096
 
 
 def _point(cost: StepCost) -> dict[str, Any]:
@@ -41,13 +40,20 @@ def roofline_curve(rl: Roofline) -> dict[str, list[float]]:
 
 def two_workloads(p: Params) -> dict[str, Any]:
     s = setup_from(p)
-    prompt_len = p.int("prompt_len", 2048, lo=1, hi=MAX_TOKENS)
-    batch = p.int("batch", 1, lo=1, hi=MAX_BATCH)
+    prompt_len = p.int("prompt_len", 2048, **bounds("two-workloads", "prompt_len"))
+    batch = p.int("batch", 1, **bounds("two-workloads", "batch"))
     rl = s.roofline()
     prefill = rl.prefill(prompt_len)
     decode = rl.decode(batch, prompt_len)
-    # A decode step at this batch and context needs their KV resident; say why if it is not.
-    rl.memory.require_fit(batch, prompt_len)
+    # A decode step at this batch and context needs their KV resident. Where it is not, the
+    # lesson still draws (a no-fit shade on the sweep) and the warning says what to change.
+    plan = rl.memory
+    fit_context = plan.kv_capacity_tokens // batch if plan.weights_fit else 0
+    warning = None
+    try:
+        plan.require_fit(batch, prompt_len)
+    except DoesNotFit as exc:
+        warning = exc.message
     lengths = [n for n in powers_of_two(16, s.model.max_context)]
     if prompt_len not in lengths:
         lengths = sorted([*lengths, prompt_len])
@@ -67,6 +73,11 @@ def two_workloads(p: Params) -> dict[str, Any]:
             "time_ms": [ms(prefill.time_s), ms(decode.time_s)],
             "bound": [f"{prefill.bound}-bound", f"{decode.bound}-bound"],
         },
+        "warning": warning,
+        "limits": {"context": {
+            "prompt_len": fit_context,
+            "label": (f"KV cache full: batch {batch:,} fits up to {fit_context:,} tokens" if plan.weights_fit
+                      else "the weights alone do not fit")}},
         "ridge_flops_per_byte": ridge,
         "ridge_label": f"{ridge:.0f} FLOP/byte",
         "roofline": roofline_curve(rl),
@@ -91,8 +102,8 @@ def two_workloads(p: Params) -> dict[str, Any]:
 
 def batching(p: Params) -> dict[str, Any]:
     s = setup_from(p)
-    batch = p.int("batch", 64, lo=1, hi=MAX_BATCH)
-    context = p.int("context", 2048, lo=1, hi=MAX_TOKENS)
+    batch = p.int("batch", 64, **bounds("batching", "batch"))
+    context = p.int("context", 2048, **bounds("batching", "context"))
     rl = s.roofline()
     plan = rl.memory
     batches = powers_of_two(1, 1024)
@@ -149,9 +160,16 @@ def batching(p: Params) -> dict[str, Any]:
         f"{fmt(selected['tokens_per_s_per_user'])} per user (batch 1: {fmt(1.0 / one.time_s)}); "
         f"KV is {fmt(100 * selected['kv_gb'] / (selected['kv_gb'] + selected['weight_gb']))}% of the bytes; {crossing}."
     )
+    # Where the sweep crosses a limit, the charts shade beyond it and name it.
+    limits = {
+        "memory": ({"batch": memory["max_batch"], "label": f"KV cache full at batch {memory['max_batch']:,}"}
+                   if plan.weights_fit else {"batch": 0, "label": "the weights alone do not fit"}),
+        "compute": None if crossover is None else {"batch": crossover, "label": f"compute-bound from batch {crossover:,}"},
+    }
     return {
         "config": {**s.to_dict(), "batch": batch, "context": context},
         "sweep": sweep,
+        "limits": limits,
         "selected": selected,
         "crossover_batch": crossover,
         "memory": memory,
@@ -197,8 +215,8 @@ VARIANT_KV_DTYPES = ("bf16", "fp8")
 def memory(p: Params) -> dict[str, Any]:
     s = setup_from(p)
     attention = p.choice("attention", "gqa", ("gqa", "full"))
-    context = p.int("context", 8192, lo=1, hi=MAX_TOKENS)
-    tpot_ms = p.float("tpot_ms", 50.0, lo=1.0, hi=10_000.0)
+    context = p.int("context", 8192, **bounds("memory", "context"))
+    tpot_ms = p.float("tpot_ms", 50.0, **bounds("memory", "tpot_ms"))
     s.roofline()._check_context(context, "context")  # noqa: SLF001 - the roofline's own limit and message
     combos = [(w, k, a) for a in ("gqa", "full") for w in VARIANT_WEIGHT_DTYPES for k in VARIANT_KV_DTYPES]
     chosen = (s.weight_dtype, s.kv_dtype, attention)

@@ -14,7 +14,9 @@ from typing import Any
 
 import numpy as np
 
+from servelab.errors import DoesNotFit
 from servelab.lab.common import Setup, fmt, ms, setup_from, stat
+from servelab.lab.limits import bounds
 from servelab.lab.params import Params
 from servelab.metrics import SLO, RequestRecord
 from servelab.sim import SimConfig, SimResult, simulate
@@ -87,11 +89,11 @@ def _check_len(s: Setup, prompt_len: int, output_len: int, *, spread: float = 1.
 
 def slo(p: Params) -> dict[str, Any]:
     s = setup_from(p)
-    rate = p.float("rate", 8.0, lo=0.1, hi=1000.0)
-    ttft_slo_ms = p.float("ttft_slo_ms", 500.0, lo=1.0, hi=600_000.0)
-    tpot_slo_ms = p.float("tpot_slo_ms", 50.0, lo=1.0, hi=10_000.0)
-    prompt_len = p.int("prompt_len", 1024, lo=1, hi=131072)
-    output_len = p.int("output_len", 128, lo=2, hi=8192)
+    rate = p.float("rate", 8.0, **bounds("slo", "rate"))
+    ttft_slo_ms = p.float("ttft_slo_ms", 500.0, **bounds("slo", "ttft_slo_ms"))
+    tpot_slo_ms = p.float("tpot_slo_ms", 50.0, **bounds("slo", "tpot_slo_ms"))
+    prompt_len = p.int("prompt_len", 1024, **bounds("slo", "prompt_len"))
+    output_len = p.int("output_len", 128, **bounds("slo", "output_len"))
     _check_len(s, prompt_len, output_len)
     s.memory().require_weights_fit()
     result = _slo_run(_key(s), rate, prompt_len, output_len, ttft_slo_ms / 1e3, tpot_slo_ms / 1e3)
@@ -154,6 +156,22 @@ def _chunk_requests(s: Setup, prompt_len: int, decode_batch: int, chunk_tokens: 
     return [*users, RequestSpec(decode_batch, warmup_s, prompt_len, 8)], warmup_s
 
 
+def _require_kv_fit(s: Setup, requests: list[RequestSpec], _arrival_s: float) -> None:
+    """All requests are resident at once, each at its own final context (the users' short prompts
+    plus their outputs, the long prompt plus its few tokens): their sum must fit the KV cache."""
+    plan = s.memory()
+    plan.require_weights_fit()
+    need = sum(r.prompt_tokens + r.output_tokens for r in requests)
+    if need > plan.kv_capacity_tokens:
+        users = requests[:-1]
+        per_user = users[0].prompt_tokens + users[0].output_tokens if users else 0
+        raise DoesNotFit(
+            f"{plan.describe()}: {len(users)} decoding users at {per_user:,} tokens each plus the "
+            f"{requests[-1].prompt_tokens:,}-token prompt need {need:,} tokens of KV cache, but "
+            f"{plan.kv_capacity_tokens:,} fit after the weights; lower prompt_len or decode_batch, "
+            f"or use fp8 KV, a larger tp or a bigger accelerator")
+
+
 @lru_cache(maxsize=32)
 def _chunk_runs(s_key: tuple, prompt_len: int, decode_batch: int, chunk_tokens: int) -> tuple[dict, dict, float]:
     s = _setup_from_key(s_key)
@@ -207,11 +225,11 @@ def _timeline(result: SimResult, long_id: str, window: tuple[float, float], labe
 
 def chunked_prefill(p: Params) -> dict[str, Any]:
     s = setup_from(p)
-    prompt_len = p.int("prompt_len", 8192, lo=1, hi=32768)
-    decode_batch = p.int("decode_batch", 16, lo=1, hi=64)
-    chunk_tokens = p.int("chunk_tokens", 512, lo=16, hi=65536)
+    prompt_len = p.int("prompt_len", 8192, **bounds("chunked-prefill", "prompt_len"))
+    decode_batch = p.int("decode_batch", 16, **bounds("chunked-prefill", "decode_batch"))
+    chunk_tokens = p.int("chunk_tokens", 512, **bounds("chunked-prefill", "chunk_tokens"))
     s.roofline()._check_context(prompt_len + 8, "prompt length")  # noqa: SLF001 - the roofline's own limit
-    s.memory().require_fit(decode_batch + 1, max(prompt_len, 4096))
+    _require_kv_fit(s, *_chunk_requests(s, prompt_len, decode_batch, chunk_tokens))
     first, chunked, arrival_s = _chunk_runs(_key(s), prompt_len, decode_batch, chunk_tokens)
     long_id = str(decode_batch)
     ends = [max(r.token_times_s[0] for r in res.records if r.request_id == long_id) for res in (first, chunked)]
@@ -268,12 +286,12 @@ def _side(result: SimResult, label: str) -> dict[str, Any]:
 
 def disaggregated(p: Params) -> dict[str, Any]:
     s = setup_from(p)
-    rate = p.float("rate", 6.0, lo=0.1, hi=1000.0)
-    prefill_gpus = p.int("prefill_gpus", 1, lo=1, hi=7)
-    decode_gpus = p.int("decode_gpus", 1, lo=1, hi=7)
-    link_gbps = p.float("link_gbps", 50.0, lo=1.0, hi=2000.0)
-    prompt_len = p.int("prompt_len", 2048, lo=1, hi=131072)
-    output_len = p.int("output_len", 128, lo=2, hi=8192)
+    rate = p.float("rate", 6.0, **bounds("disaggregated", "rate"))
+    prefill_gpus = p.int("prefill_gpus", 1, **bounds("disaggregated", "prefill_gpus"))
+    decode_gpus = p.int("decode_gpus", 1, **bounds("disaggregated", "decode_gpus"))
+    link_gbps = p.float("link_gbps", 50.0, **bounds("disaggregated", "link_gbps"))
+    prompt_len = p.int("prompt_len", 2048, **bounds("disaggregated", "prompt_len"))
+    output_len = p.int("output_len", 128, **bounds("disaggregated", "output_len"))
     if prefill_gpus + decode_gpus > 8:
         from servelab.errors import InvalidArgument
 

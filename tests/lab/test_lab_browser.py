@@ -192,11 +192,20 @@ def test_bad_input_and_configs_that_do_not_fit_say_why(page, lab_server, tmp_pat
     assert "the weights take" in page.locator("#warning").inner_text()
     colour = page.evaluate("document.getElementById('chart-memory').data[1].marker.color")
     assert colour == "#c62828"
+    # ... and the sweep charts shade every batch, naming why.
+    texts = [a["text"] for a in page.evaluate("document.getElementById('chart-throughput').layout.annotations")]
+    assert "the weights alone do not fit" in texts, texts
     page.screenshot(path=str(tmp_path / "lab-does-not-fit.png"), full_page=True)
+    # Lesson 1 handles it the same way: it still draws, shades the no-fit contexts, and says why.
+    page.goto(f"{lab_server.url}/?lesson=two-workloads&batch=4096&prompt_len=8192")
+    _wait_render(page, 0)
+    assert "the limit at this context is batch" in page.locator("#warning").inner_text()
+    texts = [a["text"] for a in page.evaluate("document.getElementById('chart-prefill-sweep').layout.annotations")]
+    assert any(t.startswith("KV cache full: batch 4,096 fits up to") for t in texts), texts
     # The server's own 400 is shown in place of the charts.
-    page.goto(f"{lab_server.url}/?lesson=two-workloads&model=llama-3.1-70b")
+    page.goto(f"{lab_server.url}/?lesson=two-workloads&model=smollm2-135m&tp=2")
     page.wait_for_function("Number(document.body.dataset.errors || 0) > 0")
-    assert "the weights take" in page.locator("#error").inner_text()
+    assert "does not divide" in page.locator("#error").inner_text()
     # A failed fetch (400) logs a console error in Chromium; nothing else may.
     assert all("400" in p for p in page.console_problems), page.console_problems
 
@@ -240,3 +249,66 @@ def test_screenshot_of_the_batching_lesson_for_the_readme(page, lab_server, tmp_
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(out, target)
     assert out.stat().st_size > 10_000
+
+
+VIEWPORTS = {"desktop": {"width": 1280, "height": 800}, "phone": {"width": 390, "height": 844}}
+
+
+@pytest.mark.parametrize("size", list(VIEWPORTS))
+def test_every_lesson_fits_the_screen_width(browser, lab_server, size, tmp_path):
+    """No sideways scroll at either size; SERVELAB_UPDATE_SCREENSHOTS=1 refreshes docs/img/lab-<lesson>-<size>.png."""
+    import os
+
+    context = browser.new_context(viewport=VIEWPORTS[size])
+    page = context.new_page()
+    try:
+        for lesson in LESSONS:
+            page.goto(f"{lab_server.url}/?lesson={lesson}")
+            _wait_render(page, 0)
+            page.wait_for_timeout(300)  # Plotly's responsive resize
+            widths = page.evaluate("[document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+            assert widths[0] <= widths[1], (lesson, size, widths)
+            out = tmp_path / f"lab-{lesson}-{size}.png"
+            page.screenshot(path=str(out), full_page=True)
+            if os.environ.get("SERVELAB_UPDATE_SCREENSHOTS") == "1":
+                shutil.copyfile(out, Path(__file__).resolve().parents[2] / "docs" / "img" / out.name)
+    finally:
+        context.close()
+
+
+def test_batching_defaults_shade_and_name_the_no_fit_region(page, lab_server):
+    page.goto(f"{lab_server.url}/?lesson=batching")
+    _wait_render(page, 0)
+    for chart in ("throughput", "bytes"):
+        layout = page.evaluate(f"document.getElementById('chart-{chart}').layout")
+        rects = [s for s in layout["shapes"] if s["type"] == "rect" and "198, 40, 40" in s["fillcolor"]]
+        assert len(rects) == 1, (chart, layout["shapes"])
+        texts = [a["text"] for a in layout["annotations"]]
+        assert "KV cache full at batch 208" in texts, (chart, texts)
+    # On the log-x throughput chart the shade starts at batch 208 and runs past the last swept batch.
+    rect = next(s for s in page.evaluate("document.getElementById('chart-throughput').layout.shapes") if s["type"] == "rect")
+    assert rect["x0"] == 208 and rect["x1"] > 1024
+    # Powers of two are labelled as such, not "16.384k".
+    ticks = page.evaluate("document.getElementById('chart-throughput').layout.xaxis.ticktext")
+    assert "1K" in ticks and not any("." in t for t in ticks)
+
+
+def test_form_limits_are_the_apis(page, lab_server):
+    limits = httpx.get(f"{lab_server.url}/api/catalog").json()["limits"]
+    page.goto(f"{lab_server.url}/?lesson=chunked-prefill")
+    _wait_render(page, 0)
+    assert page.get_attribute("#ctl-decode_batch", "max") == "64"
+    assert page.get_attribute("#ctl-prompt_len", "max") == "32768"
+    for lesson in LESSONS:
+        page.goto(f"{lab_server.url}/?lesson={lesson}")
+        page.wait_for_selector("#controls input")
+        for name, lim in limits[lesson].items():
+            got = page.evaluate(f"[document.getElementById('ctl-{name}').min, document.getElementById('ctl-{name}').max]")
+            assert [float(v) for v in got] == [lim["min"], lim["max"]], (lesson, name)
+    # The form refuses what the API would (65 users) without asking the server.
+    page.goto(f"{lab_server.url}/?lesson=chunked-prefill")
+    _wait_render(page, 0)
+    page.fill("#ctl-decode_batch", "65")
+    page.dispatch_event("#ctl-decode_batch", "change")
+    page.wait_for_selector("#error:not([hidden])")
+    assert "allowed 1 to 64" in page.locator("#error").inner_text()
