@@ -32,7 +32,7 @@ class Grid:
 GRIDS = {
     # Decode scenarios prefill their batch first, which dominates the time: contexts stay short.
     "coarse": Grid(chunk=128, prefill_lens=(16, 64, 128, 256), decode_batches=(1, 4, 8),
-                   decode_contexts=(32, 96), decode_steps=3, repeats=3),
+                   decode_contexts=(32, 64), decode_steps=3, repeats=3),
     "full": Grid(chunk=512, prefill_lens=(16, 32, 64, 128, 256, 512, 2048), decode_batches=(1, 2, 4, 8, 16, 32),
                  decode_contexts=(64, 256, 1024, 2048), decode_steps=6, repeats=5),
 }
