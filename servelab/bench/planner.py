@@ -78,10 +78,17 @@ class PlanJob:
     max_concurrency: int | None = None
     target_rate: float | None = None
     price_per_device_hour: float | None = None
+    profile: str | None = None  # a `servelab calibrate` profile's path: it prices the steps
 
 
 def cost_per_million_tokens(price_per_device_hour: float, tokens_per_s_per_device: float) -> float:
     return price_per_device_hour / (tokens_per_s_per_device * 3600.0) * 1e6
+
+
+def _profile_cost(path: str):  # noqa: ANN202
+    from servelab.cost.profile import ProfileStepCost, load_profile
+
+    return ProfileStepCost.from_profile(load_profile(path))  # no model check: `plan` made it once
 
 
 def plan_one(job: PlanJob) -> PlanRow:
@@ -113,6 +120,7 @@ def plan_one(job: PlanJob) -> PlanRow:
         max_num_seqs=job.max_num_seqs,
         max_num_batched_tokens=job.max_num_batched_tokens,
         slo=job.slo,
+        cost_model=None if job.profile is None else _profile_cost(job.profile),
     )
     fixed_n = job.workload.get("num_requests")
     observed: dict[int, Observed] = {}

@@ -21,6 +21,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", default="1", help="comma list of tensor-parallel degrees, e.g. 1,2,4,8 (default 1)")
     g.add_argument("--dtype", default="bf16", help="weight dtype (default bf16)")
     g.add_argument("--kv-dtype", default="bf16", help="KV cache dtype (default bf16)")
+    g.add_argument("--profile", default=None, metavar="FILE.json",
+                   help="price steps with a `servelab calibrate` profile instead of the roofline")
     g.add_argument("--max-num-seqs", type=int, default=256, help="scheduler's most running sequences (default 256)")
     g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (default 2048)")
     t = parser.add_argument_group("targets")
@@ -81,12 +83,17 @@ def run(args: argparse.Namespace) -> int:
         "seed": spec.seed,
         "dataset": spec.dataset,
     }
+    if args.profile is not None:
+        from servelab.cost.profile import load_profile
+
+        load_profile(args.profile, model=model.name)  # fail (or warn) once, here, not in every worker
     prices = parse_prices(args.price, hardware)
     jobs = [
         PlanJob(model=model.name, hardware=h, tp=tp, slo=slo, percentile=args.percentile, workload=workload,
                 weight_dtype=args.dtype, kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=args.max_num_batched_tokens, max_concurrency=args.max_concurrency,
-                target_rate=args.target_rate, price_per_device_hour=prices.get(get_hardware(h).name))
+                target_rate=args.target_rate, price_per_device_hour=prices.get(get_hardware(h).name),
+                profile=args.profile)
         for h in hardware
         for tp in tps
     ]

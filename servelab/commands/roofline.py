@@ -37,6 +37,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--bandwidth-fraction", type=float, default=None, help="achievable share of peak bandwidth (0.70)")
     e.add_argument("--compute-fraction", type=float, default=None, help="achievable share of peak FLOP/s (0.60)")
     e.add_argument("--step-overhead", default=None, help="fixed cost per step, e.g. 150us (default 0.15ms)")
+    parser.add_argument("--profile", default=None, metavar="FILE.json",
+                        help="also print a `servelab calibrate` profile's measured-fit step times beside the roofline's")
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="plot tokens/s per user and in total against batch size")
@@ -218,9 +220,22 @@ def plot(roofline: Any, batches: list[int], context: int, path: str) -> None:
     plt.close(fig)
 
 
+def _add_profile(args: argparse.Namespace, model_name: str, table_rows: list[dict[str, Any]]) -> Any:
+    """Adds the profile's predicted step (and prefill) times to each row; returns the cost model."""
+    from servelab.cost.profile import ProfileStepCost, load_profile
+
+    cost = ProfileStepCost.from_profile(load_profile(args.profile, model=model_name))
+    for row in table_rows:
+        row["profile_step_time_s"] = cost.step_time_s([(1, row["context"])] * row["batch"])
+        if "prompt_len" in row:
+            row["profile_prefill_time_s"] = cost.step_time_s([(row["prompt_len"], row["prompt_len"])])
+    return cost
+
+
 def run(args: argparse.Namespace) -> int:
     roofline, batches = build(args)
     table_rows = rows(roofline, batches, args.context, args.prompt_len)
+    profile = None if args.profile is None else _add_profile(args, roofline.model.name, table_rows)
     if args.plot:
         plot(roofline, batches, args.context, args.plot)
     if args.json:
@@ -229,6 +244,13 @@ def run(args: argparse.Namespace) -> int:
     print("\n".join(_header(roofline, args.context)))
     print()
     print(_table(table_rows))
+    if profile is not None:
+        print(f"\nmeasured (profile {args.profile}, its host, not {roofline.hardware.name}): decode step at context "
+              f"{args.context}: " + ", ".join(f"batch {r['batch']} {r['profile_step_time_s'] * 1e3:.2f} ms"
+                                              for r in table_rows))
+        if args.prompt_len:
+            print(f"measured prefill of a {args.prompt_len:,}-token prompt in one step: "
+                  f"{table_rows[0]['profile_prefill_time_s'] * 1e3:.1f} ms")
     print()
     print(_compute_bound_note(roofline, args.context))
     if args.prompt_len:

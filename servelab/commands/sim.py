@@ -27,6 +27,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="llama-3.1-8b", help="catalog model (see `servelab models`)")
     g.add_argument("--hardware", default="h100-sxm", help="catalog accelerator (see `servelab hardware`) or a JSON hardware file")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per replica (default 1)")
+    g.add_argument("--profile", default=None, metavar="FILE.json",
+                   help="price steps with a `servelab calibrate` profile instead of the roofline")
     g.add_argument("--dtype", default="bf16", help="weight dtype: fp32, bf16, fp16, fp8, int8, int4 or a GGUF block format (q4_0 ... q6_k) (default bf16)")
     g.add_argument("--kv-dtype", default="bf16", help="KV cache dtype: fp32, bf16, fp16, fp8 (default bf16)")
     layout = g.add_mutually_exclusive_group()
@@ -99,8 +101,15 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201
         raise InvalidArgument(f"--max-model-len must be >= 1, got {args.max_model_len}")
     if args.link_bandwidth is not None and not args.link_bandwidth > 0:
         raise InvalidArgument(f"--link-bandwidth must be > 0 GB/s, got {args.link_bandwidth:g}")
+    model = get_model(args.model)
+    cost_model = None
+    if args.profile is not None:
+        from servelab.cost.profile import ProfileStepCost, load_profile
+
+        cost_model = ProfileStepCost.from_profile(load_profile(args.profile, model=model.name))
     return SimConfig(
-        model=get_model(args.model),
+        model=model,
+        cost_model=cost_model,
         hardware=get_hardware(args.hardware),
         tp=args.tp,
         weight_dtype=args.dtype,

@@ -1,0 +1,203 @@
+"""`servelab calibrate`: time the real engine on a grid of step shapes, fit a step-cost model, and
+write a profile that `sim`, `plan` and `roofline` read with `--profile`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from servelab.commands._engine_cli import add_engine_arguments
+from servelab.errors import InvalidArgument
+
+HELP = "time the engine on a grid of step shapes and write a step-cost profile for sim/plan/roofline"
+
+
+@dataclass(frozen=True, slots=True)
+class Grid:
+    chunk: int  # the scheduler's token budget: prompts longer than it prefill in chunks of it
+    prefill_lens: tuple[int, ...]  # fresh prompts (one step each when <= chunk, else chunked)
+    decode_batches: tuple[int, ...]
+    decode_contexts: tuple[int, ...]
+    decode_steps: int  # decode steps timed per (batch, context)
+    repeats: int  # each scenario runs this often; a step's time is the median
+
+
+GRIDS = {
+    # Decode scenarios prefill their batch first, which dominates the time: contexts stay short.
+    "coarse": Grid(chunk=128, prefill_lens=(16, 64, 128, 256), decode_batches=(1, 4, 8),
+                   decode_contexts=(32, 64), decode_steps=3, repeats=3),
+    "full": Grid(chunk=512, prefill_lens=(16, 32, 64, 128, 256, 512, 2048), decode_batches=(1, 2, 4, 8, 16, 32),
+                 decode_contexts=(64, 256, 1024, 2048), decode_steps=6, repeats=5),
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_engine_arguments(parser)
+    parser.add_argument("--out", required=True, metavar="FILE.json", help="where to write the profile")
+    parser.add_argument("--grid", choices=list(GRIDS), default="coarse",
+                        help="coarse: about 30 s on the bundled model; full: minutes (default coarse)")
+
+
+def _timed(engine: Any, log: list[tuple[tuple[int, int, int, int], float]]) -> None:
+    """Wraps the executor so that every step's shape sums and wall time are logged."""
+    from servelab.cost.roofline import Roofline
+
+    execute = engine.executor.execute
+
+    def timed_execute(plan):  # noqa: ANN001, ANN202
+        t0 = time.perf_counter()
+        result = execute(plan)
+        elapsed = time.perf_counter() - t0
+        if not plan.is_empty:
+            log.append((Roofline.totals(plan.shape()), elapsed))
+        return result
+
+    engine.executor.execute = timed_execute
+
+
+def _scenario(engine: Any, prompts: list[tuple[int, int]], late: list[tuple[int, int]], rng: random.Random) -> None:
+    """Runs (prompt length, output tokens) requests to the end; `late` ones join after 2 steps
+    (mixed prefill + decode steps)."""
+    from servelab.core.sequence import SamplingParams
+
+    def add(n: int, out: int) -> None:
+        ids = [rng.randrange(engine.vocab_size) for _ in range(n)]
+        engine.add_request(f"cal-{rng.getrandbits(48):x}", ids, SamplingParams(max_tokens=out, ignore_eos=True,
+                                                                                temperature=0.0))
+
+    for n, out in prompts:
+        add(n, out)
+    steps = 0
+    while engine.has_unfinished():
+        engine.step()
+        steps += 1
+        if steps == 2:
+            for n, out in late:
+                add(n, out)
+
+
+def scenarios(grid: Grid, max_len: int) -> list[tuple[list[tuple[int, int]], list[tuple[int, int]]]]:
+    out: list[tuple[list[tuple[int, int]], list[tuple[int, int]]]] = []
+    out += [([(n, 1)], []) for n in grid.prefill_lens if n + 1 <= max_len]
+    for c in grid.decode_contexts:
+        if c + grid.decode_steps + 1 > max_len:
+            continue
+        out += [([(c, grid.decode_steps + 1)] * b, []) for b in grid.decode_batches]
+        # mixed: a decode batch that a fresh prompt joins
+        out.append(([(c, grid.decode_steps + 3)] * max(grid.decode_batches), [(min(grid.chunk, c), 1)]))
+    return out
+
+
+def measure(engine: Any, grid: Grid, seed: int = 0) -> list[dict[str, float]]:
+    """Every step of every scenario, the median of `grid.repeats` runs after one warm-up run."""
+    log: list[tuple[tuple[int, int, int, int], float]] = []
+    _timed(engine, log)
+    rng = random.Random(seed)
+    plan = scenarios(grid, engine.max_model_len)
+    if not plan:
+        raise InvalidArgument(f"no calibration shape fits max_model_len={engine.max_model_len}")
+    _scenario(engine, *plan[0], rng)  # warm-up: first-touch of the KV pool, kernel builds
+    measurements: list[dict[str, float]] = []
+    for prompts, late in plan:
+        runs = []
+        for _ in range(grid.repeats):
+            log.clear()
+            _scenario(engine, prompts, late, rng)
+            runs.append(list(log))
+        for steps in zip(*runs):
+            shapes = {s for s, _ in steps}
+            if len(shapes) != 1:  # a run scheduled differently: not one shape, not a median
+                continue
+            tokens, seqs, ctx, pairs = steps[0][0]
+            measurements.append({"num_tokens": tokens, "num_seqs": seqs, "context_tokens": ctx, "pairs": pairs,
+                                 "time_s": statistics.median(t for _, t in steps)})
+    return measurements
+
+
+def host_info() -> dict[str, Any]:
+    cpu, flags = platform.processor() or platform.machine(), ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                key, _, value = line.partition(":")
+                if key.strip() == "model name" and cpu == (platform.processor() or platform.machine()):
+                    cpu = value.strip()
+                elif key.strip() == "flags" and not flags:
+                    flags = value
+    except OSError:
+        pass
+    wanted = ("avx", "avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "f16c", "fma", "neon", "asimd")
+    import torch
+
+    return {"cpu": cpu, "flags": [f for f in wanted if f in flags.split()], "cpu_count": os.cpu_count(),
+            "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
+            "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+
+
+def build_profile(engine: Any, args: argparse.Namespace, grid_name: str, measurements: list[dict[str, float]],
+                  wall_s: float) -> dict[str, Any]:
+    from servelab.cost.profile import PROFILE_FORMAT, PROFILE_VERSION, fit
+
+    model = getattr(engine.executor, "model", None)
+    spec = engine.model_spec
+    kv = getattr(getattr(engine.executor, "kv_cache", None), "dtype", None)
+    return {
+        "format": PROFILE_FORMAT,
+        "version": PROFILE_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": host_info(),
+        "device": args.device,
+        "model": spec.name if spec is not None else engine.model_name,
+        "model_path": args.model,
+        "num_layers": None if spec is None else spec.num_layers,
+        "dtype": str(getattr(model, "dtype", args.dtype)).removeprefix("torch."),
+        "quantization": args.quantization,
+        "kv_cache_dtype": str(kv).removeprefix("torch."),
+        "engine_flags": {k: getattr(args, k) for k in ("model", "dtype", "device", "max_model_len", "threads",
+                                                        "quantization", "kv_cache_dtype", "deterministic")},
+        "grid": grid_name,
+        "calibration_wall_s": wall_s,
+        "fit": fit(measurements),
+        "measurements": measurements,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    from servelab.commands._outputs import check_output_file
+    from servelab.engine.llm_engine import EngineArgs, LLMEngine
+
+    check_output_file(args.out, "--out")
+    if args.threads is not None:
+        if args.threads < 1:
+            raise InvalidArgument(f"--threads must be >= 1, got {args.threads}", param="threads")
+        import torch
+
+        torch.set_num_threads(args.threads)
+    grid = GRIDS[args.grid]
+    engine = LLMEngine.from_args(EngineArgs(
+        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, deterministic=args.deterministic,
+        max_num_batched_tokens=grid.chunk, enable_prefix_caching=False,  # the same shapes every repeat
+    ))
+    t0 = time.perf_counter()
+    measurements = measure(engine, grid)
+    profile = build_profile(engine, args, args.grid, measurements, time.perf_counter() - t0)
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(profile, f, indent=1)
+    f_ = profile["fit"]
+    print(f"{profile['model']} ({profile['dtype']}, KV {profile['kv_cache_dtype']}) on {profile['host']['cpu']}: "
+          f"{len(measurements)} step shapes in {profile['calibration_wall_s']:.1f} s")
+    for name, value in f_["coefficients"].items():
+        print(f"  {name:<20} {value * 1e6:12.4f} µs   ({f_['units'][name]})")
+    h = f_["heldout"]
+    print(f"held-out error ({h['count']} steps, every {f_['holdout_every']}th): median {h['median_abs_pct']:.1f}%, "
+          f"max {h['max_abs_pct']:.1f}%")
+    print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,91 @@
+"""`servelab calibrate` on a tiny random model writes a profile; `sim`/`plan`/`roofline --profile` use it."""
+
+import json
+
+import pytest
+
+from servelab.cli import main
+from servelab.commands import calibrate
+from servelab.cost.profile import TERMS, load_profile
+
+COEFS = {"per_step_s": 0.002, "per_token_s": 5e-5, "per_seq_s": 1e-4, "per_context_token_s": 2e-7, "per_pair_s": 1e-8}
+
+
+@pytest.fixture
+def profile_file(tmp_path):
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps({"format": "servelab-profile", "version": 1, "model": "smollm2-135m",
+                                "fit": {"coefficients": COEFS}}))
+    return str(path)
+
+
+def test_calibrate_tiny_model_writes_a_valid_profile(tmp_path, monkeypatch, capsys):
+    from servelab.engine.testing import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "tiny")
+    tiny = calibrate.Grid(chunk=32, prefill_lens=(8, 32, 64), decode_batches=(1, 4), decode_contexts=(16, 48),
+                          decode_steps=3, repeats=2)
+    monkeypatch.setitem(calibrate.GRIDS, "coarse", tiny)
+    out = tmp_path / "p.json"
+    assert main(["calibrate", "--model", str(model), "--dtype", "float32", "--out", str(out)]) == 0
+    assert "held-out error" in capsys.readouterr().out
+    profile = load_profile(str(out))
+    fit = profile["fit"]
+    assert set(fit["coefficients"]) == set(TERMS)
+    assert all(v >= 0 for v in fit["coefficients"].values()) and fit["coefficients"]["per_step_s"] > 0
+    assert fit["heldout"]["count"] >= 3 and fit["heldout"]["median_abs_pct"] >= 0
+    assert profile["host"]["cpu"] and profile["dtype"] == "float32" and profile["kv_cache_dtype"] == "float32"
+    ms = profile["measurements"]
+    # prefill chunks (64 tokens in chunks of 32), decode batches of 4 and a mixed step are all there
+    assert any(m["num_tokens"] == 32 and m["context_tokens"] == 64 for m in ms)
+    assert any(m["num_seqs"] == 4 and m["num_tokens"] == 4 for m in ms)
+    assert any(m["num_seqs"] > 1 and m["num_tokens"] > m["num_seqs"] for m in ms)
+    assert all(m["time_s"] > 0 for m in ms)
+
+
+def test_sim_profile_prices_each_step_by_the_formula(profile_file, tmp_path):
+    records = tmp_path / "r.jsonl"
+    assert main(["sim", "--model", "smollm2-135m", "--hardware", "generic-cpu.json", "--dtype", "fp32",
+                 "--kv-dtype", "fp32", "--profile", profile_file, "--concurrency", "1", "--num-requests", "1",
+                 "--input-len", "100", "--output-len", "3", "--requests-out", str(records), "--no-progress"]) == 0
+    r = json.loads(records.read_text())
+    c = COEFS
+    prefill = c["per_step_s"] + 100 * c["per_token_s"] + c["per_seq_s"] + 100 * c["per_context_token_s"] \
+        + (100 * 100 - 100 * 99 // 2) * c["per_pair_s"]
+    decode = c["per_step_s"] + c["per_token_s"] + c["per_seq_s"] + 101 * (c["per_context_token_s"] + c["per_pair_s"])
+    assert r["ttft_s"] == pytest.approx(prefill, rel=1e-9)
+    assert r["token_times_s"][1] - r["token_times_s"][0] == pytest.approx(decode, rel=1e-9)
+
+
+def test_roofline_and_plan_take_a_profile(profile_file, capsys):
+    assert main(["roofline", "--model", "smollm2-135m", "--hardware", "generic-cpu.json", "--dtype", "fp32",
+                 "--kv-dtype", "fp32", "--batch", "1,4", "--context", "100", "--profile", profile_file, "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    c = COEFS
+    expected = c["per_step_s"] + 4 * (c["per_token_s"] + c["per_seq_s"] + 100 * (c["per_context_token_s"] + c["per_pair_s"]))
+    assert rows[1]["profile_step_time_s"] == pytest.approx(expected, rel=1e-12)
+    assert main(["plan", "--model", "smollm2-135m", "--hardware", "generic-cpu.json", "--dtype", "fp32",
+                 "--kv-dtype", "fp32", "--profile", profile_file, "--slo-tpot", "10ms", "--input-len", "64",
+                 "--output-len", "8", "--num-requests", "20", "--max-concurrency", "8", "--workers", "1",
+                 "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["configs"][0]
+    # the profile's decode step at batch 1 is ~2.2 ms: within a 10 ms TPOT target, so capacity > 1
+    assert row["tpot_s"] is not None and row["tpot_s"] <= 0.010 and row["capacity_concurrency"] >= 1
+
+
+@pytest.mark.parametrize("cmd", [
+    ["sim", "--model", "smollm2-135m", "--hardware", "generic-cpu.json", "--concurrency", "1", "--num-requests", "1"],
+    ["roofline", "--model", "smollm2-135m", "--hardware", "generic-cpu.json"],
+    ["plan", "--model", "smollm2-135m", "--hardware", "generic-cpu.json", "--slo-tpot", "10ms"],
+])
+def test_bad_profile_is_a_clear_cli_error(cmd, tmp_path, capsys):
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"format": "servelab-profile", "version": 1, "fit": {"coefficients": {}}}))
+    assert main([*cmd, "--profile", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert f"--profile {bad}" in err and "lacks per_step_s" in err
+
+
+def test_calibrate_refuses_an_unwritable_out(tmp_path, capsys):
+    assert main(["calibrate", "--out", str(tmp_path / "no" / "dir" / "p.json")]) == 2
+    assert "--out" in capsys.readouterr().err
