@@ -126,7 +126,7 @@ class ProfileStepCost:
                         kv_read_bytes=0.0, kv_write_bytes=0.0, activation_bytes=0.0, total_bytes=0.0,
                         compute_time_s=0.0, memory_time_s=0.0, comm_time_s=0.0,
                         overhead_s=self.per_step_s if num_tokens else 0.0, peak_compute_time_s=0.0,
-                        peak_memory_time_s=0.0, bound="compute", arithmetic_intensity=0.0,
+                        peak_memory_time_s=0.0, bound="measured", arithmetic_intensity=0.0,
                         ridge_flops_per_byte=0.0)
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 Shape = Sequence[tuple[int, int]]
-Bound = Literal["memory", "compute"]
+Bound = Literal["memory", "compute", "measured"]  # measured: a calibrated profile, which knows no split
 
 
 @dataclass(slots=True)
