@@ -34,6 +34,10 @@ class SampledRows:
 
 def sample_isolated(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], vocab_size: int) -> SampledRows:
     """sampler.sample(logits, seqs), with each row's failure confined to that row."""
+    # The sampler edits constrained rows (logit_bias, grammars ...) in place: keep them as the
+    # model made them, so that a retry row by row does not apply the edits twice.
+    edited = [i for i, s in enumerate(seqs) if s.params.edits_logits]
+    original = logits[edited].clone() if edited else None
     try:
         tokens, logprobs = sampler.sample(logits, seqs)
         rows = SampledRows(list(tokens), None if logprobs is None else list(logprobs), dict(sampler.row_errors))
@@ -42,6 +46,9 @@ def sample_isolated(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence]
             "sampling a batch of %d rows raised %s: %s; sampling each row alone to find the failing request(s)",
             len(seqs), type(exc).__name__, exc,
         )  # fmt: skip
+        if original is not None:
+            with torch.inference_mode():  # the model's logits are inference tensors
+                logits[edited] = original
         rows = _row_by_row(sampler, logits, seqs)
     for i, token in enumerate(rows.tokens):
         if token is None:

@@ -278,7 +278,7 @@ def create_app(
         request share their params), so neither the event loop nor the step loop compiles."""
         params = engine_requests[0].params
         if params.edits_logits:
-            await asyncio.to_thread(state.engine.prepare_logits_processors, params)
+            await state.offload.run(state.engine.prepare_logits_processors, params)
 
     def check_accepting() -> None:
         if state.draining:

@@ -225,12 +225,20 @@ class ToolCall(BaseModel):
     function: FunctionCall
 
 
-class FunctionCallDelta(BaseModel):
+class _WithoutNulls(BaseModel):
+    """OpenAI omits a delta's absent keys rather than sending null."""
+
+    @model_serializer(mode="wrap")
+    def _without_nulls(self, handler: Any) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class FunctionCallDelta(_WithoutNulls):
     name: str | None = None
     arguments: str | None = None
 
 
-class ToolCallDelta(BaseModel):
+class ToolCallDelta(_WithoutNulls):
     index: int
     id: str | None = None
     type: Literal["function"] | None = None
@@ -283,16 +291,10 @@ class ChatCompletionResponse(BaseModel):
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's extra
 
 
-class DeltaMessage(BaseModel):
+class DeltaMessage(_WithoutNulls):
     role: Literal["assistant"] | None = None
     content: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
-
-    @model_serializer
-    def _without_nulls(self) -> dict[str, Any]:
-        # OpenAI omits a delta's absent keys ("role" after the first chunk) rather than sending null.
-        present = (("role", self.role), ("content", self.content), ("tool_calls", self.tool_calls))
-        return {k: v for k, v in present if v is not None}
 
 
 class ChatStreamChoice(BaseModel):

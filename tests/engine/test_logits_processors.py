@@ -290,3 +290,23 @@ def test_the_models_inference_tensors_are_edited(processors, tokenizer):
             make_seq(tokenizer, rid="s", temperature=1.0, allowed_token_ids=paris, bad_words=["Paris"])]  # fmt: skip
     tokens, _ = Sampler(0, processors).sample(logits, seqs)
     assert tokens == [42, None]
+
+
+def test_a_retry_row_by_row_does_not_apply_logit_bias_twice(processors, tokenizer):
+    """When the batched sample raises after the in-place edits, each row is sampled again alone:
+    from the model's logits, not from already-biased ones."""
+    from servelab.engine.row_isolation import sample_isolated
+
+    class FailsOnBatches(Sampler):
+        def sample(self, logits, seqs):
+            tokens, logprobs = super().sample(logits, seqs)  # edits the constrained rows in place
+            if len(seqs) > 1:
+                raise RuntimeError("injected fault after the edits")
+            return tokens, logprobs
+
+    logits = torch.zeros(2, tokenizer.vocab_size)
+    logits[:, 5] = 10.0
+    biased = make_seq(tokenizer, temperature=0, logit_bias={3: 6.0})  # 6 < 10: still token 5, if applied once
+    plain = make_seq(tokenizer, rid="s", temperature=0)
+    rows = sample_isolated(FailsOnBatches(0, processors), logits, [biased, plain], tokenizer.vocab_size)
+    assert rows.tokens == [5, 5] and not rows.errors

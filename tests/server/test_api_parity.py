@@ -343,3 +343,14 @@ def test_readme_field_table_is_the_code_table():
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     for table in (F.CHAT, F.COMPLETIONS):
         assert F.markdown_table(table) in readme
+
+
+def test_stream_deltas_omit_absent_keys_at_every_depth():
+    # A client that concatenates tool-call arguments must never meet a null.
+    first = P.DeltaMessage(role="assistant", tool_calls=[
+        P.ToolCallDelta(index=0, id="call_1", type="function", function=P.FunctionCallDelta(name="f"))])  # fmt: skip
+    later = P.DeltaMessage(tool_calls=[P.ToolCallDelta(index=0, function=P.FunctionCallDelta(arguments='{"a"'))])
+    assert P.dump(first) == {"role": "assistant",
+                             "tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "f"}}]}
+    assert P.dump(later) == {"tool_calls": [{"index": 0, "function": {"arguments": '{"a"'}}]}
+    assert P.dump(P.DeltaMessage(content="")) == {"content": ""}
