@@ -146,24 +146,37 @@ class ModelExecutor:
         return StepResult(sampled, time.perf_counter() - t0, logprobs, prompt_logprobs)
 
 
+_SCORE_SLICE_ROWS = 256
+
+
 def _score_prompt(
     logits: torch.Tensor, entries: list, scored: list[tuple[int, int, int]]
 ) -> list[tuple[int, list[TokenLogprobs]]]:
     """Logprob, rank and top alternatives of each scored prompt token, from the model's raw
     distribution (as vLLM reports prompt logprobs)."""
-    logprobs = torch.log_softmax(logits.float().cpu(), dim=-1)
     targets = torch.tensor(
         [entries[i].seq.token_ids[p + 1] for i, lo, n in scored for p in range(lo, lo + n)], dtype=torch.int64
     )
-    chosen = logprobs.gather(1, targets[:, None])
-    ranks = ((logprobs > chosen).sum(dim=-1) + 1).tolist()
-    chosen_list = chosen.squeeze(1).tolist()
-    top_n = max(entries[i].seq.params.prompt_logprobs for i, _, _ in scored)
-    top_values: list[list[float]] = [[] for _ in chosen_list]
-    top_ids: list[list[int]] = [[] for _ in chosen_list]
-    if top_n > 0:
-        values, ids = torch.topk(logprobs, min(top_n, logprobs.shape[1]), dim=-1)
-        top_values, top_ids = values.tolist(), ids.tolist()
+    top_n = min(max(entries[i].seq.params.prompt_logprobs for i, _, _ in scored), logits.shape[1])
+    chosen_list: list[float] = []
+    ranks: list[int] = []
+    top_values: list[list[float]] = []
+    top_ids: list[list[int]] = []
+    # In slices of rows: a 2,048-token chunk's full-vocabulary log-softmax and comparison would
+    # each be another copy of its logits (~400 MB at a 49k vocabulary).
+    for start in range(0, logits.shape[0], _SCORE_SLICE_ROWS):
+        stop = start + _SCORE_SLICE_ROWS
+        logprobs = torch.log_softmax(logits[start:stop].float().cpu(), dim=-1)
+        chosen = logprobs.gather(1, targets[start:stop, None])
+        ranks += ((logprobs > chosen).sum(dim=-1) + 1).tolist()
+        chosen_list += chosen.squeeze(1).tolist()
+        if top_n > 0:
+            values, ids = torch.topk(logprobs, top_n, dim=-1)
+            top_values += values.tolist()
+            top_ids += ids.tolist()
+        else:
+            top_values += [[] for _ in range(logprobs.shape[0])]
+            top_ids += [[] for _ in range(logprobs.shape[0])]
     out = []
     row = 0
     for i, _, n in scored:

@@ -53,6 +53,16 @@ def test_prompt_logprobs_equal_the_models_log_softmax(tiny_engine_factory, refer
     assert sum(lp.logprob for lp in seq.prompt_logprobs[cont]) == pytest.approx(want, abs=1e-4)
 
 
+@pytest.mark.parametrize("top", [0, 3])
+def test_prompt_logprobs_scored_in_row_slices_are_the_same(tiny_engine_factory, reference, monkeypatch, top):
+    from servelab.engine import model_executor
+
+    monkeypatch.setattr(model_executor, "_SCORE_SLICE_ROWS", 5)  # 52 scored rows: 10 slices and a tail of 2
+    engine = tiny_engine_factory(num_blocks=64)
+    seq = _run(engine, "r", PROMPT, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=top))
+    _check(seq, reference, top=top)
+
+
 def test_a_cached_prefix_is_not_skipped_for_prompt_logprobs(tiny_engine_factory, reference):
     engine = tiny_engine_factory(num_blocks=64)
     warm = _run(engine, "warm", PROMPT, SamplingParams(max_tokens=1, temperature=0))
