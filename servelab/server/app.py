@@ -555,6 +555,8 @@ class _Renderer:
             choice.cached_tokens = out.seq.num_cached_tokens
         if out.finished:
             choice.finish_reason = finish_reason_str(out.finish_reason)
+            if self.prompt_only and choice.finish_reason == "stop":
+                choice.finish_reason = "length"  # the dropped token's EOS or stop is not the client's
         return choice
 
     def usage(self) -> p.UsageInfo:

@@ -92,3 +92,11 @@ def test_scoring_errors_name_the_field(served):
     assert err["param"] == "prompt_logprobs"
     err = client.post("/v1/completions", json={"prompt": "x", "prompt_logprobs": 30}).json()["error"]
     assert err["param"] == "prompt_logprobs" and "30" in err["message"]
+
+
+def test_echo_with_max_tokens_0_finishes_with_length_even_if_the_dropped_token_is_eos(served):
+    client, engine = served
+    eos = engine.tokenizer.eos_token_ids[0]
+    body = {"prompt": PROMPT, "echo": True, "max_tokens": 0, "logit_bias": {str(eos): 100}}
+    choice = client.post("/v1/completions", json=body).json()["choices"][0]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
