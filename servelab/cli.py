@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "sim": "simulate serving a model on an accelerator (same scheduler, cost-model executor)",
     "plan": "capacity plan: tokens/s per device at an SLO across hardware and TP",
     "calibrate": "time the engine on a grid of step shapes and write a step-cost profile for sim/plan/roofline",
+    "validate": "bench a live server, replay the run in the simulator with a profile, and print the errors",
     "roofline": "roofline cost of decode/prefill steps for a model on an accelerator",
     "models": "list the model catalog",
     "hardware": "list the accelerator catalog",

@@ -15,7 +15,8 @@ from servelab.units import parse_duration_s
 HELP = "load-test any OpenAI-compatible server (TTFT, TPOT, goodput, capacity)"
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_load_arguments(parser: argparse.ArgumentParser) -> None:
+    """The server, workload and run flags: what `bench` and `validate` share."""
     from servelab.workload import add_workload_arguments
 
     g = parser.add_argument_group("server")
@@ -37,6 +38,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     r.add_argument("--slo-ttft", default=None, help="TTFT target per request, e.g. 2s")
     r.add_argument("--slo-tpot", default=None, help="TPOT target per request, e.g. 50ms")
     r.add_argument("--slo-e2e", default=None, help="end-to-end latency target per request, e.g. 20s")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    add_load_arguments(parser)
     c = parser.add_argument_group("capacity search")
     c.add_argument("--find-capacity", action="store_true",
                    help="search the highest load meeting the SLO targets at --percentile")
@@ -52,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _slo(args: argparse.Namespace):  # noqa: ANN202
+def slo_from_args(args: argparse.Namespace):  # noqa: ANN202
     from servelab.metrics import SLO
 
     values = {}
@@ -66,7 +71,7 @@ def _slo(args: argparse.Namespace):  # noqa: ANN202
     return SLO(ttft_s=values["ttft"], tpot_s=values["tpot"], e2e_s=values["e2e"])
 
 
-def _check_args(args: argparse.Namespace) -> None:
+def check_load_args(args: argparse.Namespace) -> None:
     if args.warmup < 0:
         raise InvalidArgument(f"--warmup must be >= 0, got {args.warmup}")
     if args.num_devices < 1:
@@ -77,6 +82,10 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InvalidArgument(f"--duration must be > 0, got {args.duration!r}")
     if not parse_duration_s(args.request_timeout, name="--request-timeout") > 0:
         raise InvalidArgument(f"--request-timeout must be > 0, got {args.request_timeout!r}")
+
+
+def _check_args(args: argparse.Namespace) -> None:
+    check_load_args(args)
     if args.max_load is not None and not args.max_load > 0:
         raise InvalidArgument(f"--max-load must be > 0, got {args.max_load:g}")
     from servelab.commands._outputs import check_output_dir, check_output_file
@@ -91,7 +100,7 @@ def run(args: argparse.Namespace) -> int:
     from servelab.workload import workload_from_args
 
     _check_args(args)
-    slo = _slo(args)
+    slo = slo_from_args(args)
     workload = workload_from_args(args)
     if args.find_capacity:
         check_percentile(args.percentile)
@@ -106,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         loop.close()
 
 
-def _session(args: argparse.Namespace, slo, max_connections: int | None):  # noqa: ANN001, ANN202
+def make_session(args: argparse.Namespace, slo, max_connections: int | None):  # noqa: ANN001, ANN202
     from servelab.bench.client import OpenAIStreamClient
     from servelab.bench.prompts import PromptBuilder, load_tokenizer
     from servelab.bench.session import BenchSession
@@ -134,9 +143,9 @@ def _run(args: argparse.Namespace, workload, slo, loop: asyncio.AbstractEventLoo
     if args.find_capacity:
         # The pool must hold the largest level; None (unbounded) when the load is a rate.
         cap = None if args.search == "rate" else int(args.max_load or 1 << 16)
-        session = _session(args, slo, cap)
+        session = make_session(args, slo, cap)
     else:
-        session = _session(args, slo, workload.concurrency)
+        session = make_session(args, slo, workload.concurrency)
     try:
         model = loop.run_until_complete(session.resolve_model())
         config = {

@@ -43,6 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="FILE.json", help="where to write the profile")
     parser.add_argument("--grid", choices=list(GRIDS), default="coarse",
                         help="coarse: about 30 s on the bundled model; full: minutes (default coarse)")
+    parser.add_argument("--hardware-out", default=None, metavar="FILE.json",
+                        help="also measure this host (memory, copy bandwidth, matmul rates) and write it as a "
+                             "hardware file for --hardware")
 
 
 def _timed(engine: Any, log: list[tuple[tuple[int, int, int, int], float]]) -> None:
@@ -174,6 +177,7 @@ def run(args: argparse.Namespace) -> int:
     from servelab.engine.llm_engine import EngineArgs, LLMEngine
 
     check_output_file(args.out, "--out")
+    check_output_file(args.hardware_out, "--hardware-out")
     if args.threads is not None:
         if args.threads < 1:
             raise InvalidArgument(f"--threads must be >= 1, got {args.threads}", param="threads")
@@ -200,4 +204,25 @@ def run(args: argparse.Namespace) -> int:
     print(f"held-out error ({h['count']} steps, every {f_['holdout_every']}th): median {h['median_abs_pct']:.1f}%, "
           f"max {h['max_abs_pct']:.1f}%")
     print(f"wrote {args.out}")
+    if args.hardware_out:
+        write_hardware_file(args.hardware_out, profile["host"])
     return 0
+
+
+def write_hardware_file(path: str, host: dict[str, Any]) -> None:
+    """This host as a hardware file, checked by the same parser that reads --hardware files."""
+    import re
+
+    from servelab.engine.host_probe import probe_hardware
+    from servelab.spec.hardware_file import parse_hardware
+
+    name = "host-" + (re.sub(r"[^a-z0-9]+", "-", host["cpu"].lower()).strip("-") or "cpu")
+    data = probe_hardware(name, f"measured by servelab calibrate on {time.strftime('%Y-%m-%d')} with "
+                                f"{host['torch_threads']} threads: a streaming copy and 1024^3 matmuls (achieved "
+                                f"rates, not datasheet peaks)")
+    spec = parse_hardware(data, source=path, default_name=name)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1)
+    print(f"{spec.name}: {spec.memory_bytes / 1e9:.1f} GB, copy bandwidth {spec.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
+          f"matmul fp32 {spec.peak_flops['fp32'] / 1e9:.0f} GFLOP/s, bf16 {spec.peak_flops['bf16'] / 1e9:.0f} GFLOP/s")
+    print(f"wrote {path} (use it with --hardware {path})")

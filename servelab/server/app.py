@@ -125,7 +125,12 @@ def create_app(
             "num_blocks": str(llm.scheduler_config.num_blocks),
             "cache_dtype": "none" if kv is None else str(kv.dtype).removeprefix("torch."),
         }
-        state.metrics = ServerMetrics(llm.model_name, lambda: state.async_engine.stats, cache_info, llm.max_model_len)
+        sc = llm.scheduler_config
+        scheduler_info = {"max_num_seqs": str(sc.max_num_seqs), "max_num_batched_tokens": str(sc.max_num_batched_tokens),
+                          "max_model_len": str(sc.max_model_len), "policy": sc.policy,
+                          "enable_prefix_caching": str(sc.enable_prefix_caching).lower()}
+        state.metrics = ServerMetrics(llm.model_name, lambda: state.async_engine.stats, cache_info, llm.max_model_len,
+                                      scheduler_info)
         state.async_engine.add_observer(state.metrics.observe)
         state.async_engine.add_step_observer(state.metrics.observe_step)
 

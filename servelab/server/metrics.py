@@ -89,6 +89,7 @@ class ServerMetrics:
         get_stats: Callable[[], EngineStats],
         cache_info: dict[str, str] | None = None,
         max_model_len: int = 8192,
+        scheduler_info: dict[str, str] | None = None,
     ):
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
@@ -134,6 +135,10 @@ class ServerMetrics:
             info = Gauge("servelab:cache_config_info", "KV cache configuration, as labels (the value is 1).",
                          ["model_name", *sorted(cache_info)], registry=r)  # fmt: skip
             info.labels(model_name=model_name, **cache_info).set(1)
+        if scheduler_info:  # the scheduler's budgets: what `servelab validate` replays the run under
+            sched = Gauge("servelab:scheduler_config_info", "Scheduler configuration, as labels (the value is 1).",
+                          ["model_name", *sorted(scheduler_info)], registry=r)  # fmt: skip
+            sched.labels(model_name=model_name, **scheduler_info).set(1)
         self._labels = {"model_name": model_name}
         # Export zeros from the start: a series that appears only after the first request
         # makes rate() and "count went up by N" comparisons wrong.

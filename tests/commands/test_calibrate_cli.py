@@ -92,3 +92,30 @@ def test_bad_profile_is_a_clear_cli_error(cmd, tmp_path, capsys):
 def test_calibrate_refuses_an_unwritable_out(tmp_path, capsys):
     assert main(["calibrate", "--out", str(tmp_path / "no" / "dir" / "p.json")]) == 2
     assert "--out" in capsys.readouterr().err
+
+
+def test_calibrate_writes_a_hardware_file_for_this_host(tmp_path, monkeypatch, capsys):
+    from servelab.engine import host_probe
+    from servelab.engine.testing import write_tiny_llama
+    from servelab.spec.hardware_file import load_hardware_file
+
+    model = write_tiny_llama(tmp_path / "tiny")
+    tiny = calibrate.Grid(chunk=32, prefill_lens=(8, 32), decode_batches=(1, 2), decode_contexts=(16,),
+                          decode_steps=2, repeats=1)
+    monkeypatch.setitem(calibrate.GRIDS, "coarse", tiny)
+    real_probe = host_probe.probe_hardware
+    monkeypatch.setattr(host_probe, "probe_hardware",
+                        lambda name, description: real_probe(name, description, size_bytes=16 << 20, n=256, repeats=2))
+    hw = tmp_path / "host.json"
+    assert main(["calibrate", "--model", str(model), "--dtype", "float32", "--out", str(tmp_path / "p.json"),
+                 "--hardware-out", str(hw)]) == 0
+    assert f"use it with --hardware {hw}" in capsys.readouterr().out
+    spec = load_hardware_file(str(hw))
+    assert spec.name.startswith("host-")
+    # a 2015 laptop to a big server: the probe measured something real, in the right units
+    assert 1e9 < spec.bandwidth_bytes_per_s < 5e12 and 1e9 < spec.memory_bytes < 1e14
+    assert 1e8 < spec.peak_flops["fp32"] < 1e15 and spec.peak_flops["bf16"] >= spec.peak_flops["fp32"]
+    # and the cost model takes it
+    assert main(["roofline", "--model", "smollm2-135m", "--hardware", str(hw), "--dtype", "fp32",
+                 "--kv-dtype", "fp32", "--batch", "1", "--json"]) == 0
+

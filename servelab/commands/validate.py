@@ -1,0 +1,136 @@
+"""`servelab validate`: run `bench` against a live server, replay exactly that run through the
+simulator with a calibrated profile, and print measured against predicted, metric by metric."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from servelab.errors import InvalidArgument
+from servelab.units import parse_duration_s
+
+HELP = "bench a live server, replay the run in the simulator with a profile, and print the errors"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from servelab.commands.bench import add_load_arguments
+
+    add_load_arguments(parser)
+    g = parser.add_argument_group("prediction")
+    g.add_argument("--profile", required=True, metavar="FILE.json",
+                   help="the `servelab calibrate` profile of the server's model and host")
+    g.add_argument("--sim-model", default=None, metavar="NAME",
+                   help="catalog model for the simulator (default: the one the profile's model name matches)")
+    o = parser.add_argument_group("output")
+    o.add_argument("--json", action="store_true", help="print one JSON object: both summaries and the errors")
+    o.add_argument("--save-result", default=None, metavar="FILE", help="write the JSON result to FILE")
+    o.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _sim_model(profile: dict[str, Any], name: str | None, served_model: str):  # noqa: ANN202
+    """The catalog ModelSpec to simulate: named, or matched from the profile's (or server's) model name."""
+    from servelab.cost.profile import same_model
+    from servelab.spec.model import MODELS, get_model
+
+    if name is not None:
+        return get_model(name)
+    for candidate in (str(profile.get("model", "")), served_model):
+        matches = [spec for key, spec in MODELS.items() if same_model(key, candidate)]
+        if len(matches) == 1:
+            return matches[0]
+    raise InvalidArgument(f"no catalog model matches the profile's model {profile.get('model')!r}; "
+                          f"name one with --sim-model (see `servelab models`)")
+
+
+def sim_config(profile: dict[str, Any], server: dict[str, str], model, slo):  # noqa: ANN001, ANN201
+    """The simulator set up as the server is: its KV pool, budgets and policy, priced by the profile."""
+    from servelab.cost.profile import ProfileStepCost
+    from servelab.sim import SimConfig
+
+    return SimConfig(
+        model=model,
+        cost_model=ProfileStepCost.from_profile(profile),
+        num_blocks=int(server["num_blocks"]),
+        block_size=int(server["block_size"]),
+        max_num_seqs=int(server["max_num_seqs"]),
+        max_num_batched_tokens=int(server["max_num_batched_tokens"]),
+        max_model_len=int(server["max_model_len"]),
+        policy=server.get("policy", "chunked"),
+        enable_prefix_caching=server.get("enable_prefix_caching", "true") == "true",
+        slo=slo,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    from servelab.commands._outputs import check_output_file
+    from servelab.commands.bench import check_load_args, slo_from_args
+    from servelab.cost.profile import load_profile
+    from servelab.workload import workload_from_args
+
+    check_load_args(args)
+    check_output_file(args.save_result, "--save-result")
+    profile = load_profile(args.profile)
+    slo = slo_from_args(args)
+    workload = workload_from_args(args)
+    if workload.rate is None and workload.concurrency is None and workload.trace is None:
+        raise InvalidArgument("give a load: --rate R (requests/s), --concurrency C, or --trace FILE")
+    loop = asyncio.new_event_loop()
+    try:
+        measured, server, served_model = loop.run_until_complete(_measure(args, workload, slo))
+    finally:
+        loop.close()
+    return _predict_and_report(args, profile, workload, slo, measured, server, served_model)
+
+
+async def _measure(args: argparse.Namespace, workload, slo):  # noqa: ANN001, ANN202
+    from servelab.bench.fidelity import check_server_config, server_config
+    from servelab.commands.bench import make_session
+
+    session = make_session(args, slo, workload.concurrency)
+    try:
+        model = await session.resolve_model()
+        server = server_config(await session.client.metrics_text())
+        check_server_config(server, session.client.base_url)
+        duration_s = None if args.duration is None else parse_duration_s(args.duration, name="--duration")
+        result = await session.run(workload, duration_s=duration_s, warmup=args.warmup)
+    finally:
+        await session.client.aclose()
+    return result, server, model
+
+
+def _predict_and_report(args, profile, workload, slo, measured, server, served_model) -> int:  # noqa: ANN001
+    from servelab.bench.fidelity import compare, format_comparison, replay_trace
+    from servelab.metrics import format_summary_table
+    from servelab.sim import simulate
+
+    trace = replay_trace(measured.records)
+    model = _sim_model(profile, args.sim_model, served_model)
+    predicted = simulate(sim_config(profile, server, model, slo), trace)
+    rows = compare(measured.summary, predicted.summary)
+    out = {
+        "config": {"base_url": args.base_url, "model": served_model, "sim_model": model.name,
+                   "profile": args.profile, "profile_model": profile.get("model"), "server": server,
+                   "workload": workload.to_dict(), "replayed_requests": len(trace),
+                   "failed_requests": measured.summary.failed},
+        "measured": measured.summary.to_dict(),
+        "simulated": predicted.summary.to_dict(),
+        "comparison": [r.to_dict() for r in rows],
+    }
+    if args.save_result:
+        Path(args.save_result).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    if args.json:
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"{served_model} at {args.base_url}, {workload.describe()}; replayed {len(trace)} requests at their "
+          f"measured send times through the simulator with {args.profile}")
+    if measured.summary.failed:
+        print(f"note: {measured.summary.failed} requests failed on the server and are not replayed", file=sys.stderr)
+    print()
+    print(format_comparison(rows))
+    print("\nsimulated run:")
+    print(format_summary_table(predicted.summary))
+    return 0

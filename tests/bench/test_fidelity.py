@@ -1,0 +1,64 @@
+"""Replaying a measured run through the simulator: the server's configuration, the trace, the errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from servelab.bench.fidelity import Row, check_server_config, compare, replay_trace, server_config
+from servelab.errors import InvalidArgument
+from servelab.metrics import RequestRecord, summarize
+
+METRICS_TEXT = """\
+# HELP servelab:cache_config_info KV cache configuration, as labels (the value is 1).
+# TYPE servelab:cache_config_info gauge
+servelab:cache_config_info{block_size="16",cache_dtype="float32",model_name="m",num_blocks="512"} 1.0
+servelab:scheduler_config_info{enable_prefix_caching="true",max_model_len="2048",max_num_batched_tokens="256",\
+max_num_seqs="8",model_name="m",policy="chunked"} 1.0
+servelab:num_requests_running{model_name="m"} 0.0
+"""
+
+
+def test_server_config_reads_both_info_gauges():
+    cfg = server_config(METRICS_TEXT)
+    assert cfg == {"block_size": "16", "cache_dtype": "float32", "num_blocks": "512", "enable_prefix_caching": "true",
+                   "max_model_len": "2048", "max_num_batched_tokens": "256", "max_num_seqs": "8", "policy": "chunked"}
+    check_server_config(cfg, "http://x")
+
+
+@pytest.mark.parametrize("text", [None, "", 'vllm:cache_config_info{block_size="16"} 1.0\n'])
+def test_a_server_without_its_configuration_is_refused_by_name(text):
+    with pytest.raises(InvalidArgument, match="does not publish its scheduler configuration.*num_blocks"):
+        check_server_config(server_config(text), "http://x")
+
+
+def _record(i: int, arrival: float, ok: bool = True, out: int = 4) -> RequestRecord:
+    times = [arrival + 0.1 + 0.02 * k for k in range(out)] if ok else []
+    return RequestRecord(f"r{i}", arrival, None, times[0] if times else None, times, times[-1] if times else arrival,
+                         prompt_tokens=10 + i, output_tokens=out if ok else 0, success=ok)
+
+
+def test_replay_trace_keeps_send_times_and_lengths_of_successful_requests():
+    recs = [_record(0, 0.5), _record(1, 0.2), _record(2, 0.9, ok=False), _record(3, 1.4, out=7)]
+    trace = replay_trace(recs)
+    assert [(s.arrival_s, s.prompt_tokens, s.output_tokens) for s in trace] == [
+        (0.0, 11, 4), (pytest.approx(0.3), 10, 4), (pytest.approx(1.2), 13, 7)]
+    assert [s.index for s in trace] == [0, 1, 2]
+    with pytest.raises(InvalidArgument, match="no successful request"):
+        replay_trace([_record(0, 0.0, ok=False)])
+
+
+def test_compare_gives_signed_errors_and_target_verdicts():
+    measured = summarize([_record(i, 0.1 * i) for i in range(5)], 1.0)
+    slower = [RequestRecord(r.request_id, r.arrival_s, None, r.first_token_s + 0.1,
+                            [t + 0.1 for t in r.token_times_s], r.end_s + 0.1, r.prompt_tokens, r.output_tokens)
+              for r in (_record(i, 0.1 * i) for i in range(5))]
+    simulated = summarize(slower, 1.0)
+    rows = {r.metric: r for r in compare(measured, simulated)}
+    # TTFT 100 ms measured, 200 ms simulated: +100%, outside the 20% target
+    assert rows["TTFT p50"].error_pct == pytest.approx(100.0)
+    assert rows["TTFT p50"].within_target is False
+    # the gaps between tokens are the same: TPOT exact, within its 10% target
+    assert rows["TPOT p50"].error_pct == pytest.approx(0.0, abs=1e-9)
+    assert rows["TPOT p50"].within_target is True
+    assert "goodput req/s" not in rows  # no SLO: neither side has a goodput
+    assert Row("x", 0.0, 1.0).error_pct is None and Row("x", None, 1.0).error_pct is None

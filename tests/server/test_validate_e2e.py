@@ -1,0 +1,51 @@
+"""`calibrate` -> `validate` end to end on the bundled model: a coarse profile, a real
+`servelab serve`, a short bench run replayed through the simulator. This checks the loop and the
+report, not the accuracy (docs/fidelity.md records that)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from servelab.cli import main
+from servelab.commands import calibrate
+
+pytestmark = pytest.mark.slow
+
+
+def test_calibrate_then_validate_against_a_live_server(server_launcher, tmp_path, monkeypatch, capsys):
+    from servelab.engine.bundled import bundled_model_path
+
+    try:
+        path = bundled_model_path()
+    except Exception as e:
+        pytest.skip(f"bundled model unavailable: {e}")
+    small = calibrate.Grid(chunk=64, prefill_lens=(16, 64, 128), decode_batches=(1, 2, 4), decode_contexts=(32, 96),
+                           decode_steps=3, repeats=2)
+    monkeypatch.setitem(calibrate.GRIDS, "coarse", small)
+    profile = tmp_path / "profile.json"
+    assert main(["calibrate", "--model", str(path), "--dtype", "float32", "--max-model-len", "512",
+                 "--out", str(profile)]) == 0
+    capsys.readouterr()
+    server = server_launcher(path, "--max-model-len", "512", "--dtype", "float32", "--max-num-seqs", "4")
+    saved = tmp_path / "validate.json"
+    assert main(["validate", "--base-url", server.url, "--profile", str(profile), "--concurrency", "2",
+                 "--num-requests", "6", "--input-len", "24", "--output-len", "6", "--seed", "3",
+                 "--save-result", str(saved), "--no-progress"]) == 0
+    text = capsys.readouterr().out
+    print(text)
+    for metric in ("TTFT p50", "TPOT p50", "ITL p90", "output tok/s"):
+        assert metric in text
+    out = json.loads(saved.read_text())
+    cfg = out["config"]
+    assert cfg["replayed_requests"] == 6 and cfg["sim_model"] == "smollm2-135m"
+    # the simulator ran the server's own budgets and KV pool, read from /metrics
+    assert cfg["server"]["max_num_seqs"] == "4" and int(cfg["server"]["num_blocks"]) > 0
+    assert out["measured"]["completed"] == out["simulated"]["completed"] == 6
+    for side in ("measured", "simulated"):  # the same 6 x 6 output tokens on both sides
+        assert out[side]["output_throughput"] * out[side]["duration_s"] == pytest.approx(36)
+    rows = {r["metric"]: r for r in out["comparison"]}
+    assert rows["TPOT p50"]["measured"] > 0 and rows["TPOT p50"]["simulated"] > 0
+    assert rows["TPOT p50"]["error_pct"] == pytest.approx(
+        (rows["TPOT p50"]["simulated"] - rows["TPOT p50"]["measured"]) / rows["TPOT p50"]["measured"] * 100)
