@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from servelab.engine.testing import write_tiny_llama
+    from tests.tiny_models import write_tiny_llama
 
     return write_tiny_llama(tmp_path_factory.mktemp("server-model") / "tiny-llama")
 
