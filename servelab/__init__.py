@@ -4,14 +4,10 @@ import os
 
 __version__ = "0.1.0"
 
-# The engine's C kernels split their work over a thread pool of their own (engine/csrc/parallel.c)
-# next to torch's OpenMP threads. Left to its default, libgomp keeps an idle thread spinning for a
-# while after each parallel region, on the core our pool's worker needs next. At --threads 2 on
-# the 2-core development machine (int8, fp16 KV cache) batch-1 decode ran 41 tok/s with the
-# default against 58-63 with passive waiting, a 512-token prefill 428-459 against 650-680 tok/s,
-# 32 sequences 258-314 against 300-371. The runtime reads this when it loads, so it is set here,
-# before anything in servelab imports torch; a value already in the environment wins, and a
-# program that imported torch first keeps torch's default.
+# The engine's C kernels run their own thread pool beside torch's OpenMP threads, and libgomp's
+# default keeps an idle thread spinning on the core that pool needs next (figures in
+# docs/benchmarks.md, "Our own thread pool for the kernels"). The runtime reads this when torch
+# loads, so it is set before servelab imports torch; a value already in the environment wins.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 

@@ -10,12 +10,16 @@ import signal
 import socket
 import sys
 import time
+from typing import TYPE_CHECKING
 
 from servelab.commands._engine_cli import DETERMINISTIC_HELP, DTYPE_HELP, KV_CACHE_DTYPE_HELP, QUANTIZATION_HELP
 from servelab.errors import InvalidArgument
 from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES, OPEN_PATHS
 from servelab.server.tool_parsers import TOOL_CALL_PARSERS
 from servelab.units import parse_duration_s, parse_str_list
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
 
 HELP = "serve a model over an OpenAI-compatible HTTP API"
 
@@ -137,6 +141,27 @@ def _setup_logging(level: str) -> logging.Logger:
     return logger
 
 
+def mount_lab(app: FastAPI) -> bool:
+    """Mount the lessons at /lab on the server's app when `servelab.lab` is installed; its live
+    panel reads this server's own /metrics text. A broken lab never stops the API from serving."""
+    import importlib.util
+
+    if importlib.util.find_spec("servelab.lab") is None:
+        return False
+    state = app.state.servelab
+    try:
+        from servelab.lab.app import create_lab_app
+
+        lab = create_lab_app(engine_metrics_source=lambda: state.metrics.render().decode())
+    except Exception as exc:
+        logging.getLogger("servelab.server").warning(
+            "the lab could not be mounted at /lab (%s: %s); serving the API without it", type(exc).__name__, exc
+        )
+        return False
+    app.mount("/lab", lab)
+    return True
+
+
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
     shutdown_timeout_s = parse_duration_s(args.shutdown_timeout, name="--shutdown-timeout")
@@ -152,7 +177,7 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from servelab.engine.llm_engine import EngineArgs, LLMEngine
-    from servelab.server.app import create_app, mount_lab
+    from servelab.server.app import create_app
 
     engine_args = EngineArgs(
         model=args.model,

@@ -164,8 +164,6 @@ class LLMEngine:
         self.logits_processors = logits_processors
         self._requests: dict[str, _RequestState] = {}
         self._aborted: list[EngineOutput] = []
-        self._prefix_cache_hits = 0
-        self._prefix_cache_queries = 0
         self.last_step_num_tokens = 0  # query tokens the last step ran (the metrics' iteration tokens)
 
     # ------------------------------------------------------------------ construction

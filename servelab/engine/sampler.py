@@ -66,7 +66,7 @@ class Sampler:
         if logits.dtype != torch.float32:
             logits = logits.float()
         # A NaN or an inf anywhere makes the row's sum non-finite (so would logits beyond ~1e33,
-        # which are no better): 0.19 ms for 32 x 49152, where isfinite(logits).all(-1) took 10.6.
+        # which are no better); one sum per row is far cheaper than isfinite(logits).all(-1).
         bad_rows = (~torch.isfinite(logits.sum(dim=-1))).nonzero().flatten().tolist()
         self.row_errors = dict.fromkeys(bad_rows, NON_FINITE_LOGITS)
         if bad_rows:

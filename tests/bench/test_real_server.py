@@ -21,7 +21,7 @@ _SERVING = re.compile(r"serving .* on http://127\.0\.0\.1:(\d+)")
 
 @pytest.fixture(scope="module")
 def tiny_server(tmp_path_factory):
-    from servelab.engine.testing import write_tiny_llama
+    from tests.tiny_models import write_tiny_llama
 
     root = tmp_path_factory.mktemp("bench-real")
     model_dir = write_tiny_llama(root / "tiny-llama")

@@ -20,7 +20,7 @@ def profile_file(tmp_path):
 
 
 def test_calibrate_tiny_model_writes_a_valid_profile(tmp_path, monkeypatch, capsys):
-    from servelab.engine.testing import write_tiny_llama
+    from tests.tiny_models import write_tiny_llama
 
     model = write_tiny_llama(tmp_path / "tiny")
     tiny = calibrate.Grid(chunk=32, prefill_lens=(8, 32, 64), decode_batches=(1, 4), decode_contexts=(16, 48),
@@ -96,7 +96,7 @@ def test_calibrate_refuses_an_unwritable_out(tmp_path, capsys):
 
 def test_calibrate_writes_a_hardware_file_for_this_host(tmp_path, monkeypatch, capsys):
     from servelab.engine import host_probe
-    from servelab.engine.testing import write_tiny_llama
+    from tests.tiny_models import write_tiny_llama
     from servelab.spec.hardware_file import load_hardware_file
 
     model = write_tiny_llama(tmp_path / "tiny")

@@ -1,6 +1,6 @@
 import pytest
 
-from servelab.engine.testing import write_tiny_llama
+from tests.tiny_models import write_tiny_llama
 
 
 @pytest.fixture(scope="session")

@@ -9,10 +9,8 @@ import torch
 
 from servelab.core.sequence import SamplingParams
 from servelab.engine.llm_engine import EngineArgs, LLMEngine
-from servelab.engine.testing import write_tiny_llama
 from servelab.engine.weights import load_model
-
-from servelab.engine.testing import max_rel_diff, prefill_logits
+from tests.tiny_models import max_rel_diff, prefill_logits, write_tiny_llama
 
 transformers = pytest.importorskip("transformers")
 

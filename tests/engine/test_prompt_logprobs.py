@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from servelab.core.sequence import SamplingParams
-from servelab.engine.testing import prefill_logits
+from tests.tiny_models import prefill_logits
 
 PROMPT = [int(t) for t in torch.randint(5, 500, (53,), generator=torch.Generator().manual_seed(7))]
 

@@ -303,7 +303,7 @@ def test_chat_template_errors(chat_tok):
 
 
 def test_encode_prompt_drops_a_doubled_bos_only(tmp_path):
-    from servelab.engine.testing import write_tiny_llama
+    from tests.tiny_models import write_tiny_llama
 
     tok = Tokenizer.from_hf_dir(write_tiny_llama(tmp_path / "m"))
     bos = tok.bos_token_id = 5  # the tiny tokenizer has no BOS of its own

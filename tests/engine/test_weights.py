@@ -13,9 +13,9 @@ gguf = pytest.importorskip("gguf")
 
 from servelab.engine.bundled import bundled_model_path  # noqa: E402
 from servelab.engine.llm_engine import EngineArgs, LLMEngine  # noqa: E402
-from servelab.engine.testing import max_rel_diff, prefill_logits  # noqa: E402
 from servelab.engine.weights import GGUFTensor, dequantize_gguf_tensor, load_model, unpermute_rope_rows  # noqa: E402
 from servelab.errors import InvalidArgument, NotFound  # noqa: E402
+from tests.tiny_models import max_rel_diff, prefill_logits  # noqa: E402
 
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])

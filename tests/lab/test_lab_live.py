@@ -77,9 +77,10 @@ def test_lab_mounted_in_the_real_server_shows_its_requests(tmp_path):
     from servelab.core.config import SchedulerConfig
     from servelab.core.fake_executor import FakeExecutor
     from servelab.engine.llm_engine import LLMEngine
-    from servelab.engine.testing import write_tiny_llama
+    from tests.tiny_models import write_tiny_llama
     from servelab.engine.tokenizer import Tokenizer
-    from servelab.server.app import create_app, mount_lab
+    from servelab.commands.serve import mount_lab
+    from servelab.server.app import create_app
 
     model_dir = write_tiny_llama(tmp_path / "tiny")
     tokenizer = Tokenizer.from_hf_dir(model_dir)

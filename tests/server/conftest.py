@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from servelab.engine.testing import write_tiny_llama
+    from tests.tiny_models import write_tiny_llama
 
     return write_tiny_llama(tmp_path_factory.mktemp("server-model") / "tiny-llama")
 
@@ -99,13 +99,14 @@ class ServerProcess:
 _SERVING = re.compile(r"serving .* on http://127\.0\.0\.1:(\d+)")
 
 
-def launch_server(model_dir: Path, log_dir: Path, *args: str, timeout_s: float = 180.0) -> ServerProcess:
-    """`python -m servelab serve --port 0 ...`: the OS picks a free port and the log names it."""
+def launch_server(model_dir: Path, log_dir: Path, *args: str, timeout_s: float = 180.0, lab: bool = False) -> ServerProcess:
+    """`python -m servelab serve --port 0 ...`: the OS picks a free port and the log names it.
+    The lab stays unmounted unless `lab`."""
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"server-{time.monotonic_ns()}.log"
     log = open(log_path, "wb")
     cmd = [sys.executable, "-m", "servelab", "serve", "--model", str(model_dir), "--port", "0",
-           "--no-access-log", "--no-lab", *args]  # fmt: skip
+           "--no-access-log", *([] if lab else ["--no-lab"]), *args]  # fmt: skip
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     log.close()
@@ -134,8 +135,8 @@ def server_launcher(tmp_path_factory: pytest.TempPathFactory):
     started: list[ServerProcess] = []
     log_dir = tmp_path_factory.mktemp("server-logs")
 
-    def launch(model_dir: Path, *args: str) -> ServerProcess:
-        server = launch_server(model_dir, log_dir, *args)
+    def launch(model_dir: Path, *args: str, lab: bool = False) -> ServerProcess:
+        server = launch_server(model_dir, log_dir, *args, lab=lab)
         started.append(server)
         return server
 

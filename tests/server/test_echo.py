@@ -25,7 +25,7 @@ def served(tiny_model_dir):
 
 
 def _reference(engine, ids: list[int]) -> torch.Tensor:
-    from servelab.engine.testing import prefill_logits
+    from tests.tiny_models import prefill_logits
 
     return torch.log_softmax(prefill_logits(engine.executor.model, ids).float(), dim=-1)
 

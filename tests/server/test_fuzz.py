@@ -15,7 +15,8 @@ from fastapi.testclient import TestClient
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from servelab.server.app import MAX_N, create_app
+from servelab.server.app import create_app
+from servelab.server.engine_requests import MAX_N
 
 ROUTES = {
     "/v1/completions": {"prompt": "hello", "max_tokens": 4},

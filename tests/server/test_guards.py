@@ -11,7 +11,8 @@ import httpx
 import pytest
 from fastapi.testclient import TestClient
 
-from servelab.server.app import create_app, mount_lab
+from servelab.commands.serve import mount_lab
+from servelab.server.app import create_app
 
 KEY = {"Authorization": "Bearer sk-right"}
 
@@ -195,7 +196,7 @@ def test_client_text_never_becomes_special_tokens_but_token_ids_may(fake_engine)
 
 
 def test_stop_lists_are_bounded(fake_engine):
-    from servelab.server.app import MAX_STOP, MAX_STOP_CHARS
+    from servelab.server.engine_requests import MAX_STOP, MAX_STOP_CHARS
 
     body = {"prompt": "hello", "max_tokens": 2}
     with TestClient(create_app(fake_engine())) as c:

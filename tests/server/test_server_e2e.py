@@ -376,7 +376,7 @@ def test_metrics_parse_and_count_every_request(server, client):
 @pytest.fixture(scope="module")
 def small_server(server_launcher, tiny_model_dir):
     return server_launcher(tiny_model_dir, "--max-num-seqs", "1", "--max-waiting-requests", "1", "--api-key", "sk-test",
-                           "--max-request-bytes", "64KiB", "--allowed-origins", "https://app.example")  # fmt: skip
+                           "--max-request-bytes", "64KiB", "--allowed-origins", "https://app.example", lab=True)  # fmt: skip
 
 
 def test_api_key_is_required(small_server):
@@ -389,6 +389,15 @@ def test_api_key_is_required(small_server):
     good = openai.OpenAI(base_url=f"{small_server.url}/v1", api_key="sk-test", max_retries=0)
     assert good.completions.create(model=MODEL, prompt="x", max_tokens=2).usage.completion_tokens >= 1
     assert httpx.get(f"{small_server.url}/health").status_code == 200
+
+
+def test_serve_mounts_the_lab_behind_the_api_key(small_server):
+    assert "lessons at /lab/" in small_server.log()
+    assert httpx.get(f"{small_server.url}/lab/").status_code == 401
+    page = httpx.get(f"{small_server.url}/lab/", headers={"Authorization": "Bearer sk-test"})
+    assert page.status_code == 200 and "servelab lab" in page.text
+    live = httpx.get(f"{small_server.url}/lab/api/health", headers={"Authorization": "Bearer sk-test"})
+    assert live.json()["live"] is True  # the lab reads this server's own metrics
 
 
 def test_body_limit_and_cors_flags(small_server):

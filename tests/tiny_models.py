@@ -1,5 +1,6 @@
-"""A real, tiny Llama-family model written on the spot, so tests of every package can run the
-engine end to end without downloading anything.
+"""Test helpers (not part of the package): a real, tiny Llama-family model written on the spot,
+so tests of every package can run the engine end to end without downloading anything, and
+`prefill_logits` / `max_rel_diff` to compare the model's logits with a reference.
 
 `write_tiny_llama` writes an HF-format directory: `config.json`, `model.safetensors` (random
 weights), `tokenizer.json` (a byte-level BPE trained in-process) and `tokenizer_config.json`
@@ -233,7 +234,6 @@ def prefill_logits(model, token_ids: list[int], *, chunk: int | None = None, blo
             )
         out.append(model.forward(ids, meta, kv.k_layers, kv.v_layers))
     return torch.cat(out)
-
 
 
 def max_rel_diff(ours, ref) -> float:

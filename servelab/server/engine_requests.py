@@ -1,0 +1,133 @@
+"""An OpenAI request, its prompts already token ids, as `EngineRequest`s: one per prompt and
+choice, with the sampling parameters the client asked for (or the model's defaults) and every
+limit checked before anything reaches the engine."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from servelab.core.sequence import SamplingParams
+from servelab.engine.generation_config import sampling_default
+from servelab.errors import InvalidArgument, RequestTooLong
+from servelab.server import protocol as p
+from servelab.server.async_engine import EngineRequest
+from servelab.server.prompts import check_token_ids
+from servelab.server.structured import sampling_kwargs
+
+if TYPE_CHECKING:
+    from servelab.engine.llm_engine import LLMEngine
+    from servelab.server.offload import Offload
+
+MAX_N = 128  # choices per request: more is almost surely a client bug, and each one is a sequence
+# Stop strings are matched on the engine thread for every token of every request, so one
+# request's long list would slow everyone's steps (figures in docs/limits-and-safety.md).
+MAX_STOP = 64  # stop strings, and stop token ids, per request
+MAX_STOP_CHARS = 256  # characters per stop string
+
+
+def check_stops(engine: LLMEngine, stop: list[str], stop_token_ids: list[int]) -> None:
+    for param, values in (("stop", stop), ("stop_token_ids", stop_token_ids)):
+        if len(values) > MAX_STOP:
+            raise InvalidArgument(f"{param} has {len(values)} entries; at most {MAX_STOP} are allowed", param=param)
+    longest = max(stop, key=len, default="")
+    if len(longest) > MAX_STOP_CHARS:
+        raise InvalidArgument(
+            f"stop: a stop string has {len(longest)} characters; at most {MAX_STOP_CHARS} are allowed", param="stop"
+        )
+    check_token_ids(engine, stop_token_ids, "stop_token_ids")
+
+
+def build_requests(
+    engine: LLMEngine,
+    request_id: str,
+    prompts: list[list[int]],
+    req: p.CompletionRequest | p.ChatCompletionRequest,
+    max_tokens: int | None,
+    logprobs: int | None,
+    arrival_s: float,
+    prompt_logprobs: int | None = None,
+) -> list[EngineRequest]:
+    """One engine request per prompt and choice. `max_tokens=None` lets each completion use
+    the rest of the context, as OpenAI and vLLM do."""
+    if req.n < 1 or req.n > MAX_N:
+        raise InvalidArgument(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    check_stops(engine, stop, list(req.stop_token_ids or []))
+    edits = sampling_kwargs(req)
+    # Errors name the field the client sent, not our internal name for it.
+    chat = isinstance(req, p.ChatCompletionRequest)
+    prompt_param = "messages" if chat else "prompt"
+    max_tokens_param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+    as_sent = {"max_tokens": max_tokens_param, "logprobs": "top_logprobs" if chat else "logprobs"}
+    defaults = engine.sampling_defaults
+
+    def default(key: str) -> float:
+        return sampling_default(defaults, key)
+
+    out = []
+    for i, prompt in enumerate(prompts):  # token ids, checked
+        limit = engine.max_model_len
+        if len(prompt) >= limit:
+            raise RequestTooLong(
+                f"this model's maximum context length is {limit} tokens, but the prompt has {len(prompt)} "
+                f"tokens, which leaves no room for the completion; shorten the {prompt_param}",
+                param=prompt_param,
+            )
+        if max_tokens is not None and len(prompt) + max_tokens > limit:
+            raise RequestTooLong(
+                f"this model's maximum context length is {limit} tokens, but the request asks for "
+                f"{len(prompt) + max_tokens} ({len(prompt)} in the prompt, {max_tokens} in the completion); "
+                f"lower {max_tokens_param} to at most {limit - len(prompt)}",
+                param=max_tokens_param,
+            )
+        room = max_tokens if max_tokens is not None else limit - len(prompt)
+        for j in range(req.n):
+            index = i * req.n + j
+            # Distinct but reproducible seeds for the choices of one seeded request.
+            seed = None if req.seed is None else req.seed + index
+            with renamed_params(as_sent):
+                params = SamplingParams(
+                    max_tokens=room,
+                    temperature=default("temperature") if req.temperature is None else req.temperature,
+                    top_p=default("top_p") if req.top_p is None else req.top_p,
+                    top_k=default("top_k") if req.top_k is None else 0 if req.top_k == -1 else req.top_k,
+                    min_p=req.min_p if "min_p" in req.model_fields_set else default("min_p"),
+                    presence_penalty=req.presence_penalty,
+                    frequency_penalty=req.frequency_penalty,
+                    seed=seed,
+                    stop=stop,
+                    stop_token_ids=list(req.stop_token_ids or []),
+                    ignore_eos=req.ignore_eos,
+                    logprobs=logprobs,
+                    prompt_logprobs=prompt_logprobs,
+                    min_tokens=req.min_tokens,
+                    **edits,
+                )
+            out.append(EngineRequest(f"{request_id}-{index}", prompt, params, req.priority, arrival_s))
+    return out
+
+
+@contextmanager
+def renamed_params(as_sent: dict[str, str]) -> Iterator[None]:
+    """Re-raise SamplingParams' InvalidArgument under the name the client used for that field."""
+    try:
+        yield
+    except InvalidArgument as exc:
+        new = as_sent.get(exc.param or "")
+        if new is None or new == exc.param:
+            raise
+        message = new + exc.message.removeprefix(exc.param) if exc.message.startswith(exc.param) else exc.message
+        raise InvalidArgument(message, param=new) from None
+
+
+async def prepare_logits_processors(engine: LLMEngine, offload: Offload, engine_requests: list[EngineRequest]) -> None:
+    """Token ids checked and the grammar compiled on a worker thread (the choices of one
+    request share their params), so neither the event loop nor the step loop compiles."""
+    params = engine_requests[0].params
+    if params.edits_logits:
+        await offload.run(engine.prepare_logits_processors, params)
+
+
+__all__ = ["MAX_N", "MAX_STOP", "MAX_STOP_CHARS", "build_requests", "check_stops", "prepare_logits_processors"]

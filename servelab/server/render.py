@@ -1,0 +1,313 @@
+"""Engine outputs as OpenAI answers: one JSON response, or SSE chunks as tokens arrive, for
+/v1/completions (`CompletionRenderer`) and /v1/chat/completions (`ChatRenderer`)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from fastapi.responses import JSONResponse, Response
+
+from servelab.core.sequence import FinishReason
+from servelab.errors import ServelabError
+from servelab.server import protocol as p
+from servelab.server.async_engine import EngineFailure, EngineRequest, RequestStream
+from servelab.server.http_errors import error_json
+from servelab.server.prompt_scoring import echoed_logprobs, token_text, vllm_prompt_logprobs
+from servelab.server.sse import DONE, sse_event
+from servelab.server.structured import ToolCallStream, ToolPlan, parse_tool_calls
+
+if TYPE_CHECKING:
+    from servelab.core.plan import TokenLogprobs
+    from servelab.core.sequence import Sequence
+    from servelab.engine.llm_engine import EngineOutput
+    from servelab.server.state import ServerState
+
+
+def finish_reason_str(reason: FinishReason | None) -> str | None:
+    if reason is None:
+        return None
+    if reason is FinishReason.ERROR:
+        raise EngineFailure("the engine failed while generating this request")
+    return reason.value  # "stop" | "length" | "abort"
+
+
+def _visible_logprobs(out: EngineOutput) -> list[TokenLogprobs]:
+    """The logprobs of the tokens the client sees: an EOS that ended the request is not in the
+    text (special tokens are skipped), so its entry would not join to the content."""
+    logprobs, seq = out.logprobs, out.seq
+    last = logprobs[-1].token_id
+    if (
+        out.finished
+        and out.finish_reason is FinishReason.STOP
+        and not seq.params.ignore_eos
+        and last in seq.eos_token_ids
+        and seq.output_token_ids[-1:] == [last]
+    ):
+        return logprobs[:-1]
+    return logprobs
+
+
+@dataclass
+class _Choice:
+    index: int
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int | None = None  # set from the first output, after the prompt's admission
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    seq: Sequence | None = None
+
+
+class _Renderer:
+    """Shared by both endpoints: choices by engine request id, usage, stream plumbing."""
+
+    def __init__(self, state: ServerState, request_id: str, req: Any, engine_requests: list[EngineRequest]):
+        self.state = state
+        self.request_id = request_id
+        self.req = req
+        self.created = p.now_s()
+        self.choices = {r.request_id: _Choice(index=i) for i, r in enumerate(engine_requests)}
+        self.n = req.n
+        self.prompt_only = getattr(req, "echo", False) and req.max_tokens == 0
+
+    def update(self, out: EngineOutput) -> _Choice:
+        choice = self.choices[out.request_id]
+        choice.seq = out.seq
+        choice.prompt_tokens = out.seq.num_prompt_tokens
+        if self.prompt_only:
+            # echo with max_tokens 0: the one token the engine had to sample is not the client's.
+            out.text_delta, out.logprobs = "", None
+            choice.completion_tokens = 0
+        else:
+            choice.completion_tokens = out.seq.num_output_tokens
+        if out.text_delta:
+            choice.text.append(out.text_delta)
+        if out.logprobs:
+            out.logprobs = _visible_logprobs(out)  # streamed chunks read it too
+            choice.logprobs.extend(out.logprobs)
+        if choice.cached_tokens is None:
+            # The first admission's hits: a preemption's recompute is the server's business, not the client's.
+            choice.cached_tokens = out.seq.num_cached_tokens
+        if out.finished:
+            choice.finish_reason = finish_reason_str(out.finish_reason)
+            if self.prompt_only and choice.finish_reason == "stop":
+                choice.finish_reason = "length"  # the dropped token's EOS or stop is not the client's
+        return choice
+
+    def usage(self) -> p.UsageInfo:
+        # OpenAI counts a prompt once however many choices share it.
+        firsts = [c for c in self.choices.values() if c.index % self.n == 0]
+        prompt_tokens = sum(c.prompt_tokens for c in firsts)
+        completion_tokens = sum(c.completion_tokens for c in self.choices.values())
+        cached_tokens = sum(c.cached_tokens or 0 for c in firsts)
+        return p.UsageInfo(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached_tokens),
+        )
+
+    async def stream(self, stream: RequestStream) -> AsyncIterator[str]:
+        # Nothing goes out before the first token exists: a client stamps TTFT at the first chunk.
+        try:
+            async for out in stream:
+                choice = self.update(out)
+                chunk = self.chunk(choice, out)
+                if chunk is not None:
+                    if self.req.continuous_usage:
+                        chunk["usage"] = p.dump(self.usage())
+                    yield sse_event(chunk)
+            if self.req.include_usage:
+                yield sse_event(self.usage_chunk())
+        except ServelabError as exc:
+            yield sse_event(error_json(exc))
+        finally:
+            stream.close()
+        yield DONE
+
+    async def collect(self, stream: RequestStream) -> Response:
+        try:
+            async for out in stream:
+                self.update(out)
+        finally:
+            stream.close()
+        return JSONResponse(self.response())
+
+
+class CompletionRenderer(_Renderer):
+    def __init__(self, *args: Any, echo_texts: list[str] | None = None):
+        super().__init__(*args)
+        self.echo_texts = echo_texts  # per prompt, when the client asked for echo
+        self._opened: set[int] = set()
+
+    def _logprobs(self, items: list[tuple[int, float | None, list[tuple[int, float]] | None]], offset: int) -> p.CompletionLogprobs:
+        tokenizer = self.state.engine.tokenizer
+        out = p.CompletionLogprobs()
+        for token_id, logprob, top in items:
+            text = token_text(tokenizer, token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(logprob)
+            out.top_logprobs.append(None if top is None else {token_text(tokenizer, t): v for t, v in top})
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+    def _echo(self, choice: _Choice) -> tuple[str, list]:
+        """The prompt's text and its logprob items, for a choice's first chunk or whole answer."""
+        if self.echo_texts is None:
+            return "", []
+        text = self.echo_texts[choice.index // self.n]
+        items = echoed_logprobs(choice.seq, self.req.logprobs) if self.req.logprobs is not None else []
+        return text, items
+
+    def _prompt_logprobs(self, choice: _Choice) -> list | None:
+        if self.req.prompt_logprobs is None or choice.seq is None:
+            return None
+        return vllm_prompt_logprobs(self.state.engine.tokenizer, choice.seq, self.req.prompt_logprobs)
+
+    def chunk(self, choice: _Choice, out: EngineOutput) -> dict | None:
+        opening = self.echo_texts is not None and choice.index not in self._opened
+        if not (opening or out.text_delta or out.finished or out.logprobs):
+            return None
+        self._opened.add(choice.index)
+        echo_text, echo_items = self._echo(choice) if opening else ("", [])
+        logprobs = None
+        if self.req.logprobs is not None and (out.logprobs or echo_items):
+            offset = sum(len(t) for t in choice.text) - len(out.text_delta)
+            offset += len(self.echo_texts[choice.index // self.n]) if self.echo_texts is not None and not opening else 0
+            items = [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs or []]
+            logprobs = self._logprobs(echo_items + items, offset)
+        body = p.CompletionResponse(
+            id=self.request_id,
+            created=self.created,
+            model=self.state.model_name,
+            choices=[
+                p.CompletionChoice(
+                    index=choice.index,
+                    text=echo_text + out.text_delta,
+                    logprobs=logprobs,
+                    finish_reason=choice.finish_reason if out.finished else None,
+                )
+            ],
+        )
+        return p.dump(body)
+
+    def usage_chunk(self) -> dict:
+        body = p.CompletionResponse(
+            id=self.request_id, created=self.created, model=self.state.model_name, choices=[], usage=self.usage()
+        )
+        return p.dump(body)
+
+    def response(self) -> dict:
+        choices = []
+        for c in sorted(self.choices.values(), key=lambda c: c.index):
+            echo_text, echo_items = self._echo(c)
+            items = echo_items + [(lp.token_id, lp.logprob, lp.top) for lp in c.logprobs]
+            choices.append(
+                p.CompletionChoice(
+                    index=c.index,
+                    text=echo_text + "".join(c.text),
+                    logprobs=self._logprobs(items, 0) if self.req.logprobs is not None else None,
+                    finish_reason=c.finish_reason,
+                    prompt_logprobs=self._prompt_logprobs(c),
+                )
+            )
+        return p.dump(
+            p.CompletionResponse(
+                id=self.request_id, created=self.created, model=self.state.model_name, choices=choices, usage=self.usage()
+            )
+        )
+
+
+class ChatRenderer(_Renderer):
+    def __init__(self, state: ServerState, request_id: str, req: Any, engine_requests: list[EngineRequest],
+                 plan: ToolPlan | None = None):  # fmt: skip
+        super().__init__(state, request_id, req, engine_requests)
+        self.plan = plan  # tool calls: how the answer's text becomes them
+        self.tool_streams = {} if plan is None else {c.index: ToolCallStream(plan) for c in self.choices.values()}
+        self._opened: set[int] = set()  # choices whose role has been sent
+
+    def _logprobs(self, items: list[TokenLogprobs]) -> p.ChatLogprobs:
+        tokenizer = self.state.engine.tokenizer
+        content = []
+        for lp in items:
+            text = token_text(tokenizer, lp.token_id)
+            top = [
+                p.TopLogprob(token=(t_text := token_text(tokenizer, t)), logprob=v, bytes=list(t_text.encode()))
+                for t, v in lp.top
+            ]
+            content.append(p.ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top))
+        return p.ChatLogprobs(content=content)
+
+    def _chunk(self, choices: list[p.ChatStreamChoice], usage: p.UsageInfo | None = None) -> dict:
+        return p.dump(
+            p.ChatCompletionChunk(
+                id=self.request_id, created=self.created, model=self.state.model_name, choices=choices, usage=usage
+            )
+        )
+
+    def chunk(self, choice: _Choice, out: EngineOutput) -> dict | None:
+        # As vLLM and OpenAI: a choice's first chunk carries the role with its first token's
+        # text (empty while the detokenizer holds back a partial character or stop string).
+        opening = choice.index not in self._opened
+        if not (opening or out.text_delta or out.finished or out.logprobs):
+            return None
+        logprobs = self._logprobs(out.logprobs) if self.req.logprobs and out.logprobs else None
+        finish_reason = choice.finish_reason if out.finished else None
+        if self.plan is not None:
+            tools = self.tool_streams[choice.index]
+            delta = tools.feed(out.text_delta, out.finished)
+            if delta is None and not out.finished and logprobs is None:
+                return None  # text held back until it is known to be (or not be) a tool call
+            delta = delta or p.DeltaMessage()
+            if tools.num_calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        else:
+            delta = p.DeltaMessage(content=out.text_delta)
+        if opening:
+            delta.role = "assistant"
+            if delta.content is None and delta.tool_calls is None:
+                delta.content = ""
+        elif delta.content == "":
+            delta.content = None
+        self._opened.add(choice.index)
+        return self._chunk(
+            [p.ChatStreamChoice(index=choice.index, delta=delta, logprobs=logprobs, finish_reason=finish_reason)]
+        )
+
+    def usage_chunk(self) -> dict:
+        return self._chunk([], usage=self.usage())
+
+    def _choice(self, c: _Choice) -> p.ChatChoice:
+        content: str | None = "".join(c.text)
+        calls: list[p.ToolCall] = []
+        finish_reason = c.finish_reason
+        if self.plan is not None:
+            content, calls = parse_tool_calls(self.plan, content)
+            if calls and finish_reason == "stop":
+                finish_reason = "tool_calls"
+        return p.ChatChoice(
+            index=c.index,
+            message=p.ChatMessageOut(content=content, tool_calls=calls),
+            logprobs=self._logprobs(c.logprobs) if self.req.logprobs else None,
+            finish_reason=finish_reason,
+        )
+
+    def response(self) -> dict:
+        choices = [self._choice(c) for c in sorted(self.choices.values(), key=lambda c: c.index)]
+        first = min(self.choices.values(), key=lambda c: c.index)
+        prompt_logprobs = None
+        if self.req.prompt_logprobs is not None and first.seq is not None:
+            prompt_logprobs = vllm_prompt_logprobs(self.state.engine.tokenizer, first.seq, self.req.prompt_logprobs)
+        return p.dump(
+            p.ChatCompletionResponse(
+                id=self.request_id, created=self.created, model=self.state.model_name, choices=choices,
+                usage=self.usage(), prompt_logprobs=prompt_logprobs,
+            )
+        )
+
+
+__all__ = ["ChatRenderer", "CompletionRenderer"]

@@ -1,0 +1,114 @@
+"""/v1/completions and /v1/chat/completions: check the request, submit one engine request per
+prompt and choice, and answer as one JSON body or as an SSE stream."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Awaitable
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from servelab.errors import InvalidArgument
+from servelab.server import fields
+from servelab.server import protocol as p
+from servelab.server.engine_requests import build_requests, prepare_logits_processors
+from servelab.server.fields import refuse_non_text_parts, refuse_unsupported
+from servelab.server.http_errors import parse_body
+from servelab.server.prompt_scoring import prompt_logprobs_wanted
+from servelab.server.prompts import chat_prompt_ids, completion_prompt_ids, echo_prompt_texts
+from servelab.server.render import ChatRenderer, CompletionRenderer
+from servelab.server.sse import sse_response
+from servelab.server.state import State
+from servelab.server.structured import tool_plan
+
+logger = logging.getLogger("servelab.server")
+
+router = APIRouter()
+
+
+@router.post("/v1/completions")
+async def completions(request: Request, state: State) -> Response:
+    arrival_s = time.perf_counter()
+    req = await parse_body(request, p.CompletionRequest, state.offload)
+    state.check_accepting()
+    state.check_model(req.model)
+    refuse_unsupported(req, fields.COMPLETIONS)
+    if req.max_tokens == 0 and not req.echo:
+        raise InvalidArgument("max_tokens must be >= 1 (0 only with echo=true, to score the prompt)", param="max_tokens")
+    prompt_logprobs = prompt_logprobs_wanted(
+        prompt_logprobs=req.prompt_logprobs, echo_logprobs=req.logprobs if req.echo else None, stream=req.stream
+    )
+    engine = state.engine
+    prompts = await state.offload.run(completion_prompt_ids, engine, req.prompt)
+    request_id = "cmpl-" + uuid.uuid4().hex
+    # echo with max_tokens 0 runs one token (the engine samples after every prefill) and drops it.
+    max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
+    engine_requests = build_requests(engine, request_id, prompts, req, max_tokens, req.logprobs, arrival_s,
+                                     prompt_logprobs)  # fmt: skip
+    await prepare_logits_processors(engine, state.offload, engine_requests)
+    echo_texts = await state.offload.run(echo_prompt_texts, engine, req.prompt) if req.echo else None
+    stream = await state.async_engine.submit(engine_requests)
+    renderer = CompletionRenderer(state, request_id, req, engine_requests, echo_texts=echo_texts)
+    if req.stream:
+        return sse_response(renderer.stream(stream))
+    return await collect_unless_disconnected(request, renderer.collect(stream))
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request, state: State) -> Response:
+    arrival_s = time.perf_counter()
+    req = await parse_body(request, p.ChatCompletionRequest, state.offload)
+    state.check_accepting()
+    state.check_model(req.model)
+    refuse_unsupported(req, fields.CHAT)
+    refuse_non_text_parts(req.messages)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise InvalidArgument("top_logprobs needs logprobs=true", param="top_logprobs")
+    plan = tool_plan(req, state.tool_call_parser)
+    engine = state.engine
+    prompt_ids = await state.offload.run(chat_prompt_ids, engine, req)
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    prompt_logprobs = prompt_logprobs_wanted(prompt_logprobs=req.prompt_logprobs, echo_logprobs=None, stream=req.stream)
+    request_id = "chatcmpl-" + uuid.uuid4().hex
+    engine_requests = build_requests(engine, request_id, [prompt_ids], req, max_tokens, top_logprobs, arrival_s,
+                                     prompt_logprobs)  # fmt: skip
+    await prepare_logits_processors(engine, state.offload, engine_requests)
+    stream = await state.async_engine.submit(engine_requests)
+    renderer = ChatRenderer(state, request_id, req, engine_requests, plan)
+    if req.stream:
+        return sse_response(renderer.stream(stream))
+    return await collect_unless_disconnected(request, renderer.collect(stream))
+
+
+async def collect_unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
+    """A non-streaming request whose client hangs up is aborted too, not left to run to max_tokens."""
+    task = asyncio.ensure_future(work)
+
+    async def wait_for_disconnect() -> None:
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(wait_for_disconnect())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()
+    try:
+        await task
+    except (asyncio.CancelledError, Exception):
+        pass
+    logger.info("client disconnected; request aborted")
+    return Response(status_code=499)

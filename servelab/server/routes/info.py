@@ -1,0 +1,39 @@
+"""Liveness, Prometheus metrics, version and the model list: what operators and SDKs poll."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter
+from fastapi.responses import JSONResponse, Response
+
+from servelab import __version__
+from servelab.server import protocol as p
+from servelab.server.http_errors import ServerDraining
+from servelab.server.metrics import CONTENT_TYPE
+from servelab.server.state import State
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(state: State) -> Response:
+    if state.draining:
+        raise ServerDraining("the server is shutting down")
+    if state.async_engine is None or not state.async_engine.is_running:
+        raise ServerDraining("the engine is not running")
+    return JSONResponse({"status": "ok"})
+
+
+@router.get("/metrics")
+async def metrics(state: State) -> Response:
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/version")
+async def version() -> Response:
+    return JSONResponse({"version": __version__})
+
+
+@router.get("/v1/models")
+async def models(state: State) -> Response:
+    card = p.ModelCard(id=state.model_name, created=int(state.started_s), max_model_len=state.engine.max_model_len)
+    return JSONResponse(p.dump(p.ModelList(data=[card])))

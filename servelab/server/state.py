@@ -1,0 +1,108 @@
+"""What the routes of one app share: the engine, its async driver, the metrics, the drain flag.
+
+One `ServerState` per app (several apps can live in one process), kept on `app.state.servelab`
+and handed to routes by the `State` dependency.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Annotated
+
+from fastapi import Depends, Request
+
+from servelab.errors import NotFound
+from servelab.server.async_engine import AsyncEngine, EngineStopped
+from servelab.server.http_errors import ServerDraining
+from servelab.server.metrics import ServerMetrics
+from servelab.server.offload import Offload
+
+if TYPE_CHECKING:
+    from servelab.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger("servelab.server")
+
+
+@dataclass
+class ServerState:
+    """What the routes share. One per app: several apps can live in one process."""
+
+    api_key: str | None
+    engine: LLMEngine | None = None
+    async_engine: AsyncEngine | None = None
+    metrics: ServerMetrics | None = None
+    model_name: str = ""
+    started_s: float = field(default_factory=time.time)
+    draining: bool = False  # set on SIGTERM: finish what is running, take nothing new
+    tool_call_parser: str | None = None  # reads tool calls out of text for tool_choice "auto"
+    loop: asyncio.AbstractEventLoop | None = None
+    offload: Offload = field(default_factory=Offload)  # parsing, templating, (de)tokenizing
+
+    def attach(self, llm: LLMEngine) -> None:
+        """Serve `llm`: its async driver and the metrics that observe it."""
+        self.engine = llm
+        self.model_name = llm.model_name
+        self.async_engine = AsyncEngine(llm)
+        kv = getattr(llm.executor, "kv_cache", None)  # absent on a simulated executor
+        cache_info = {
+            "block_size": str(llm.scheduler_config.block_size),
+            "num_blocks": str(llm.scheduler_config.num_blocks),
+            "cache_dtype": "none" if kv is None else str(kv.dtype).removeprefix("torch."),
+        }
+        sc = llm.scheduler_config
+        scheduler_info = {"max_num_seqs": str(sc.max_num_seqs), "max_num_batched_tokens": str(sc.max_num_batched_tokens),
+                          "max_model_len": str(sc.max_model_len), "policy": sc.policy,
+                          "enable_prefix_caching": str(sc.enable_prefix_caching).lower()}
+        self.metrics = ServerMetrics(llm.model_name, lambda: self.async_engine.stats, cache_info, llm.max_model_len,
+                                     scheduler_info)
+        self.async_engine.add_observer(self.metrics.observe)
+        self.async_engine.add_step_observer(self.metrics.observe_step)
+
+    def check_accepting(self) -> None:
+        if self.draining:
+            raise ServerDraining("the server is shutting down and takes no new requests; retry on another replica")
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise NotFound(
+                f"the model {model!r} does not exist; this server serves {self.model_name!r}",
+                param="model",
+                code="model_not_found",
+            )
+
+    def begin_drain(self, grace_s: float | None = None) -> None:
+        """Stop taking requests; after `grace_s`, abort those still running so that their
+        clients get an error event and a clean end of stream (None: let them run on).
+        Safe to call from a signal handler on the event loop's thread."""
+        if self.draining:
+            return
+        self.draining = True
+        if grace_s is not None and self.loop is not None:
+            self.loop.call_soon_threadsafe(self.loop.call_later, grace_s, self._abort_after_grace)
+
+    async def wait_drained(self, timeout_s: float) -> None:
+        """Return once no request is in flight in the engine, or after `timeout_s`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self.async_engine is not None and self.async_engine.num_in_flight and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+
+    def _abort_after_grace(self) -> None:
+        n = self.async_engine.abort_all(
+            EngineStopped("the server shut down before this request finished (shutdown grace period over)")
+        )
+        if n:
+            logger.info("servelab: grace period over: aborted %d request(s) still running", n)
+
+
+async def server_state(request: Request) -> ServerState:
+    # async: a plain def dependency would run on a worker thread, for every request.
+    return request.app.state.servelab
+
+
+State = Annotated[ServerState, Depends(server_state)]  # a route's parameter type for its app's state
+
+__all__ = ["ServerState", "State", "server_state"]
