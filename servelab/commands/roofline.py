@@ -33,10 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of device memory for weights + KV cache (default 0.9)")
     parser.add_argument("--no-fit-check", action="store_true",
                         help="show batches that do not fit in memory (fits=no) instead of failing")
-    e = parser.add_argument_group("efficiency (defaults fitted to the seed's measurements)")
-    e.add_argument("--bandwidth-fraction", type=float, default=None, help="achievable share of peak bandwidth (0.70)")
-    e.add_argument("--compute-fraction", type=float, default=None, help="achievable share of peak FLOP/s (0.60)")
-    e.add_argument("--step-overhead", default=None, help="fixed cost per step, e.g. 150us (default 0.15ms)")
+    e = parser.add_argument_group("efficiency (defaults fitted to published measurements: docs/fidelity.md)")
+    e.add_argument("--bandwidth-fraction", type=float, default=None, help="achievable share of peak bandwidth")
+    e.add_argument("--compute-fraction", type=float, default=None, help="achievable share of peak FLOP/s")
+    e.add_argument("--step-overhead", default=None, help="fixed cost per step besides the per-layer one, e.g. 150us")
     parser.add_argument("--profile", default=None, metavar="FILE.json",
                         help="also print a `servelab calibrate` profile's measured-fit step times beside the roofline's")
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
@@ -156,9 +156,20 @@ def _header(roofline: Any, context: int) -> list[str]:
         (f"memory: KV {plan.kv_bytes_per_token_per_device:,.0f} bytes/token/device; {plan.kv_capacity_bytes / 1e9:.1f} GB "
          f"left at {plan.memory_fraction:.0%} of {hw.memory_bytes / 1e9:.0f} GB = {plan.kv_capacity_tokens:,} tokens "
          f"= batch {plan.max_batch(context):,} at context {context}"),
-        (f"predicted at {eff.bandwidth_fraction:.0%} of peak bandwidth and {eff.compute_fraction:.0%} of peak compute "
-         f"(ridge {roofline.achievable_ridge_flops_per_byte:.0f} FLOP/byte), {eff.step_overhead_s * 1e3:.2f} ms per step"),
+        _efficiency_line(roofline),
     ]
+
+
+def _efficiency_line(roofline: Any) -> str:
+    eff, m = roofline.efficiency, roofline.model
+    fmt = eff.for_format(roofline.weight_dtype)
+    bandwidth = (f"{fmt.bandwidth_fraction:.0%} of peak bandwidth for {roofline.weight_dtype} weights and "
+                 f"{eff.bandwidth_fraction:.0%} for the rest" if fmt.bandwidth_fraction != eff.bandwidth_fraction
+                 else f"{eff.bandwidth_fraction:.0%} of peak bandwidth")
+    fixed_s = eff.step_overhead_s + m.num_layers * eff.per_layer_overhead_s
+    return (f"predicted at {bandwidth} and {fmt.compute_fraction:.0%} of peak compute (ridge "
+            f"{roofline.achievable_ridge_flops_per_byte:.0f} FLOP/byte), {fixed_s * 1e3:.2f} ms per step "
+            f"({m.num_layers} layers) + {eff.per_seq_overhead_s * 1e6:.1f} us per sequence")
 
 
 def _table(table_rows: list[dict[str, Any]]) -> str:

@@ -4,18 +4,22 @@ A step moves bytes (the weights once, every sequence's KV cache, the new KV, act
 does FLOPs (2 per active parameter per token, plus attention). Its time is whichever of the two
 takes longer at achievable rates, plus tensor-parallel all-reduces and fixed overheads:
 
-    time = max(flops / (peak_flops × compute_fraction), bytes / (bandwidth × bandwidth_fraction))
-           + all-reduce time + step_overhead_s + num_layers × per_layer_overhead_s
+    time = max(flops / (peak_flops × compute_fraction[format]),
+               weight_bytes / (bandwidth × bandwidth_fraction[format]) + other_bytes / (bandwidth × bandwidth_fraction))
+           + all-reduce time + step_overhead_s + num_layers × per_layer_overhead_s + num_seqs × per_seq_overhead_s
 
 The simulator prices millions of steps, so everything that depends only on (model, hardware,
 dtypes, tp) is folded into a handful of per-token and per-step constants at construction, and a
-step reduces to four sums over its shape. See docs/cost-model.md for the formulas.
+step reduces to four sums over its shape. See docs/cost-model.md for the formulas and
+docs/fidelity.md for the published measurements the defaults are fitted to.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from operator import mul
+from types import MappingProxyType
 
 from servelab.cost.memory import DEFAULT_MEMORY_FRACTION, MemoryPlan, kv_heads_per_device
 from servelab.cost.step_cost import Shape, StepCost
@@ -26,41 +30,80 @@ from servelab.spec.hardware import HardwareSpec
 from servelab.spec.model import ModelSpec
 
 
+def _check_fraction(name: str, value: float) -> None:
+    if not 0.0 < value <= 1.0:
+        raise InvalidArgument(f"efficiency {name} must be in (0, 1], got {value}", param=name)
+
+
+@dataclass(frozen=True, slots=True)
+class FormatEfficiency:
+    """How well the kernels of one quantized weight format run, against the same datasheet
+    peaks as BF16. A quantized GEMV/GEMM must unpack and rescale every weight (dequantization),
+    and its kernels are younger than the BF16 ones, so a format's bytes and FLOPs are not simply
+    cheaper: the part of the dequantization a memory-bound step cannot hide behind its loads shows
+    up as a lower `bandwidth_fraction` for the weight stream; at large batch, as a lower
+    `compute_fraction` (published batch-1 data cannot tell the two causes apart)."""
+
+    bandwidth_fraction: float
+    compute_fraction: float
+
+    def __post_init__(self) -> None:
+        _check_fraction("bandwidth_fraction", self.bandwidth_fraction)
+        _check_fraction("compute_fraction", self.compute_fraction)
+
+
+# Fitted with BF16's terms by benchmarks/fit_published.py (docs/fidelity.md, "Published measurements").
+_DEFAULT_FORMATS: Mapping[str, FormatEfficiency] = MappingProxyType({
+    "int8": FormatEfficiency(bandwidth_fraction=0.72, compute_fraction=0.68),
+    "int4": FormatEfficiency(bandwidth_fraction=0.50, compute_fraction=0.68),
+    "fp8": FormatEfficiency(bandwidth_fraction=0.55, compute_fraction=0.45),
+})
+
+
 @dataclass(frozen=True, slots=True)
 class Efficiency:
-    """How far below the datasheet a real engine runs. The defaults are fitted to the seed's
-    measured figures for Llama 3.1 8B (BF16, H100 SXM):
+    """How far below the datasheet a real engine runs. Every default is fitted by
+    benchmarks/fit_published.py to the training half of benchmarks/published_measurements.json
+    (the seed's figures included); docs/fidelity.md lists every point and its error.
 
-    - bandwidth_fraction 0.70, step_overhead_s 0.15 ms: a batch-1 decode step moves ~15.2 GB (the
-      weights less the input-embedding table, which is gathered row by row rather than streamed,
-      plus a little KV and activation traffic) and a batch-64 step at 2K contexts 32.7 GB (17.2 GB
-      of it KV). The seed's measured 150 tok/s (6.67 ms per step) and 4,500 tok/s in total
-      (14.2 ms per step) are two equations in two unknowns; they solve to 70% of 3.35 TB/s plus
-      ~0.15 ms per step. (Counting all 16 GB at batch 1 and no overhead, as the seed's
-      back-of-envelope does, the same 150 tok/s against a 208 tok/s bound reads as 72%.)
-    - compute_fraction 0.6: the seed has no compute-bound figure; 55-65% of the dense peak is
-      what large BF16 GEMMs in prefill typically reach on Hopper.
-    - per_layer_overhead_s 0: per-layer launch gaps are folded into the per-step overhead
-      (CUDA graphs); calibration can split them for deep, small models.
-    - interconnect_fraction 0.7 and allreduce_latency_s 5 µs: NCCL ring all-reduce bus bandwidth
-      on NVLink is ~70% of the link rate, and a small all-reduce costs a few microseconds.
+    - bandwidth_fraction: achieved fraction of HBM bandwidth for BF16 weights, KV and activations.
+    - compute_fraction: achieved fraction of the dense tensor-core peak for BF16 matmuls.
+    - step_overhead_s: fixed cost of a step (launching the graph, sampling, scheduling).
+    - per_layer_overhead_s: fixed cost per layer per step: its ~10 kernels' launch gaps and tails,
+      which a deep model pays more of (kernel launches are not priced apart: with a fixed kernel
+      count per layer the two are one parameter).
+    - per_seq_overhead_s: CPU work per sequence per step (sampling, stop checks, detokenizing,
+      batch bookkeeping), which grows with the batch.
+    - interconnect_fraction, allreduce_latency_s: a ring all-reduce of the hidden state runs at this
+      fraction of the link rate, after a fixed latency per all-reduce (two per layer).
+    - formats: per quantized weight format (`int8`, `int4`, `fp8`), its kernels' own fractions;
+      formats not listed (BF16, FP16, FP32, GGUF blocks) use the two above.
     """
 
-    bandwidth_fraction: float = 0.70
-    compute_fraction: float = 0.6
-    step_overhead_s: float = 1.5e-4
-    per_layer_overhead_s: float = 0.0
+    bandwidth_fraction: float = 0.88
+    compute_fraction: float = 0.68
+    step_overhead_s: float = 0.0
+    per_layer_overhead_s: float = 6.6e-5
+    per_seq_overhead_s: float = 7.7e-6
     interconnect_fraction: float = 0.7
-    allreduce_latency_s: float = 5e-6
+    allreduce_latency_s: float = 3.6e-6
+    formats: Mapping[str, FormatEfficiency] = field(default_factory=lambda: dict(_DEFAULT_FORMATS), hash=False)
 
     def __post_init__(self) -> None:
         for name in ("bandwidth_fraction", "compute_fraction", "interconnect_fraction"):
-            value = getattr(self, name)
-            if not 0.0 < value <= 1.0:
-                raise InvalidArgument(f"efficiency {name} must be in (0, 1], got {value}", param=name)
-        for name in ("step_overhead_s", "per_layer_overhead_s", "allreduce_latency_s"):
+            _check_fraction(name, getattr(self, name))
+        for name in ("step_overhead_s", "per_layer_overhead_s", "per_seq_overhead_s", "allreduce_latency_s"):
             if getattr(self, name) < 0:
                 raise InvalidArgument(f"efficiency {name} must be >= 0, got {getattr(self, name)}", param=name)
+        for name, fmt in self.formats.items():
+            if not isinstance(fmt, FormatEfficiency):
+                raise InvalidArgument(f"efficiency formats[{name!r}] must be a FormatEfficiency, got {fmt!r}",
+                                      param="formats")
+
+    def for_format(self, weight_dtype: str) -> FormatEfficiency:
+        """The (bandwidth, compute) fractions a weight format's kernels reach."""
+        fmt = self.formats.get(weight_dtype.lower())
+        return fmt if fmt is not None else FormatEfficiency(self.bandwidth_fraction, self.compute_fraction)
 
 
 class Roofline:
@@ -77,13 +120,15 @@ class Roofline:
         self.efficiency = eff = efficiency or Efficiency()
         self.memory = MemoryPlan(model, hardware, weight_dtype, kv_dtype, tp, memory_fraction)  # validates
         wdt = _weight_dtype(weight_dtype)
+        fmt = eff.for_format(weight_dtype)
         m = model
 
         self.peak_flops_per_s = hardware.peak_flops_per_s(wdt.compute_dtype)
         self.peak_bandwidth_bytes_per_s = hardware.bandwidth_bytes_per_s
         self.ridge_flops_per_byte = self.peak_flops_per_s / self.peak_bandwidth_bytes_per_s
-        self._flops_per_s = self.peak_flops_per_s * eff.compute_fraction
-        self._bytes_per_s = self.peak_bandwidth_bytes_per_s * eff.bandwidth_fraction
+        self._flops_per_s = self.peak_flops_per_s * fmt.compute_fraction
+        self._bytes_per_s = self.peak_bandwidth_bytes_per_s * eff.bandwidth_fraction  # KV and activations
+        self._weight_bytes_per_s = self.peak_bandwidth_bytes_per_s * fmt.bandwidth_fraction
 
         # FLOPs: 2 per matmul parameter per token; the LM head runs once per sequence (only the
         # last position of a step produces logits); attention does QK^T and PV, 2 FLOPs each per
@@ -117,13 +162,26 @@ class Roofline:
         # after the MLP). A ring all-reduce sends 2(tp-1)/tp of the buffer over each link.
         if tp > 1:
             assert hardware.interconnect_bytes_per_s is not None  # MemoryPlan refuses tp > 1 without one
-            ring_bytes_per_token = 2 * m.num_layers * m.hidden_size * ACTIVATION_BYTES * 2 * (tp - 1) / tp
-            self._comm_s_per_token = ring_bytes_per_token / (hardware.interconnect_bytes_per_s * eff.interconnect_fraction)
-            self._comm_s_per_step = 2 * m.num_layers * eff.allreduce_latency_s
+            self._ring_bytes_per_token = 2 * m.num_layers * m.hidden_size * ACTIVATION_BYTES * 2 * (tp - 1) / tp
+            self._allreduces_per_step = 2 * m.num_layers
+            self._comm_s_per_token = self._ring_bytes_per_token / (hardware.interconnect_bytes_per_s
+                                                                   * eff.interconnect_fraction)
         else:
+            self._ring_bytes_per_token = 0.0
+            self._allreduces_per_step = 0
             self._comm_s_per_token = 0.0
-            self._comm_s_per_step = 0.0
+        self._comm_s_per_step = self._allreduces_per_step * eff.allreduce_latency_s
         self._overhead_s = eff.step_overhead_s + m.num_layers * eff.per_layer_overhead_s
+        self._per_seq_s = eff.per_seq_overhead_s
+
+        # The hot path's constants: seconds per unit of each of a step's four sums.
+        self._compute_s_per_token = self._flops_per_token / self._flops_per_s
+        self._compute_s_per_seq = self._flops_per_seq / self._flops_per_s
+        self._compute_s_per_pair = self._flops_per_attention_pair / self._flops_per_s
+        self._dense_weight_s = self._dense_weight_bytes / self._weight_bytes_per_s
+        self._expert_s_all_layers = self._expert_bytes_all_layers / self._weight_bytes_per_s
+        self._memory_s_per_context_token = self.kv_bytes_per_token / self._bytes_per_s
+        self._memory_s_per_token = (self.kv_bytes_per_token + self._activation_bytes_per_token) / self._bytes_per_s
 
     # ---- the seed's headline figures --------------------------------------------------------
     @property
@@ -143,12 +201,14 @@ class Roofline:
         return self._flops_per_s / self._bytes_per_s
 
     # ---- pricing a step ---------------------------------------------------------------------
+    def _expert_hit_fraction(self, num_tokens: int) -> float:
+        # Expected fraction of experts hit by at least one of the step's tokens (per layer).
+        return 1.0 - self._expert_miss_prob ** num_tokens
+
     def _weight_bytes(self, num_tokens: int) -> float:
         if self._num_experts == 1:
             return self._dense_weight_bytes
-        # Expected fraction of experts hit by at least one of the step's tokens (per layer).
-        hit = 1.0 - self._expert_miss_prob ** num_tokens
-        return self._dense_weight_bytes + self._expert_bytes_all_layers * hit
+        return self._dense_weight_bytes + self._expert_bytes_all_layers * self._expert_hit_fraction(num_tokens)
 
     @staticmethod
     def totals(shape: Shape) -> tuple[int, int, int, int]:
@@ -175,15 +235,46 @@ class Roofline:
         """The hot path: a step's time from its four sums (a simulator can keep them running)."""
         if num_tokens == 0:
             return 0.0
-        flops = (num_tokens * self._flops_per_token + num_seqs * self._flops_per_seq
-                 + pairs * self._flops_per_attention_pair)
-        total_bytes = (self._weight_bytes(num_tokens) + (context_tokens + num_tokens) * self.kv_bytes_per_token
-                       + num_tokens * self._activation_bytes_per_token)
-        compute_s = flops / self._flops_per_s
-        memory_s = total_bytes / self._bytes_per_s
+        compute_s = (num_tokens * self._compute_s_per_token + num_seqs * self._compute_s_per_seq
+                     + pairs * self._compute_s_per_pair)
+        weight_s = self._dense_weight_s
+        if self._num_experts != 1:
+            weight_s += self._expert_s_all_layers * (1.0 - self._expert_miss_prob ** num_tokens)
+        memory_s = weight_s + context_tokens * self._memory_s_per_context_token + num_tokens * self._memory_s_per_token
         # a conditional, not max(): this line runs millions of times per simulation
         return ((compute_s if compute_s > memory_s else memory_s) + num_tokens * self._comm_s_per_token
-                + self._comm_s_per_step + self._overhead_s)
+                + self._comm_s_per_step + self._overhead_s + num_seqs * self._per_seq_s)
+
+    def time_terms(self, num_tokens: int, num_seqs: int, context_tokens: int,
+                   pairs: int) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+        """A step's time split by the Efficiency parameter each part scales with, for fitting:
+        (compute side, memory side, added). A fraction's term is multiplied by 1 / fraction, an
+        overhead's by its value, and
+
+            time = max(Σ compute side, Σ memory side) + Σ added
+
+
+        gives `time_from_totals` (its test holds the two together). Keys are Efficiency field
+        names; a quantized format's are `formats.<name>.bandwidth_fraction` / `.compute_fraction`."""
+        if num_tokens == 0:
+            return {}, {}, {}
+        fmt_key = f"formats.{self.weight_dtype.lower()}." if self.weight_dtype.lower() in self.efficiency.formats else ""
+        flops = (num_tokens * self._flops_per_token + num_seqs * self._flops_per_seq
+                 + pairs * self._flops_per_attention_pair)
+        other_bytes = context_tokens * self.kv_bytes_per_token + num_tokens * (
+            self.kv_bytes_per_token + self._activation_bytes_per_token)
+        bw = self.peak_bandwidth_bytes_per_s
+        weight_s = self._weight_bytes(num_tokens) / bw
+        memory = {"bandwidth_fraction": other_bytes / bw}
+        memory[fmt_key + "bandwidth_fraction"] = memory.get(fmt_key + "bandwidth_fraction", 0.0) + weight_s
+        added = {"step_overhead_s": 1.0, "per_layer_overhead_s": float(self.model.num_layers),
+                 "per_seq_overhead_s": float(num_seqs)}
+        if self._allreduces_per_step:
+            link = self.hardware.interconnect_bytes_per_s
+            assert link is not None
+            added["allreduce_latency_s"] = float(self._allreduces_per_step)
+            added["interconnect_fraction"] = num_tokens * self._ring_bytes_per_token / link
+        return {fmt_key + "compute_fraction": flops / self.peak_flops_per_s}, memory, added
 
     def step(self, shape: Shape) -> StepCost:
         return self.cost_from_totals(*self.totals(shape))
@@ -197,10 +288,10 @@ class Roofline:
         activation = num_tokens * self._activation_bytes_per_token
         total_bytes = weight_bytes + kv_read + kv_write + activation
         compute_s = flops / self._flops_per_s
-        memory_s = total_bytes / self._bytes_per_s
+        memory_s = weight_bytes / self._weight_bytes_per_s + (kv_read + kv_write + activation) / self._bytes_per_s
         if num_tokens:
             comm_s = num_tokens * self._comm_s_per_token + self._comm_s_per_step
-            overhead_s = self._overhead_s
+            overhead_s = self._overhead_s + num_seqs * self._per_seq_s
         else:
             comm_s = overhead_s = 0.0
         return StepCost(

@@ -297,6 +297,18 @@ MODELS: dict[str, ModelSpec] = {
         ModelSpec("smollm2-135m", num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
                   ffn_size=1536, vocab_size=49152, tie_embeddings=True, max_context=8192,
                   rope_theta=100000.0, rms_norm_eps=1e-5),
+        # meta-llama/Llama-2-7b-hf (multi-head attention: 32 KV heads); in docs/fidelity.md's measurements
+        ModelSpec("llama-2-7b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32, head_dim=128,
+                  ffn_size=11008, vocab_size=32000, tie_embeddings=False, max_context=4096,
+                  rope_theta=10000.0, rms_norm_eps=1e-5),
+        # meta-llama/Llama-2-13b-hf
+        ModelSpec("llama-2-13b", num_layers=40, hidden_size=5120, num_heads=40, num_kv_heads=40, head_dim=128,
+                  ffn_size=13824, vocab_size=32000, tie_embeddings=False, max_context=4096,
+                  rope_theta=10000.0, rms_norm_eps=1e-5),
+        # meta-llama/Llama-2-70b-hf
+        ModelSpec("llama-2-70b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
+                  ffn_size=28672, vocab_size=32000, tie_embeddings=False, max_context=4096,
+                  rope_theta=10000.0, rms_norm_eps=1e-5),
     )
 }
 

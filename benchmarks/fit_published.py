@@ -1,0 +1,271 @@
+"""Fit the roofline's Efficiency to published measurements, and report it on a held-out test set.
+
+benchmarks/published_measurements.json holds published figures (gpt-fast's README, TensorRT-LLM's
+performance tables, the seed's own) with their setups, each marked `train` or `test`. This script
+fits servelab.cost.Efficiency's terms to the training points only, then prices every point with
+the fitted model and prints the tables of docs/fidelity.md ("Published measurements").
+
+    .venv/bin/python benchmarks/fit_published.py              # fit, compare with the defaults, print tables
+    .venv/bin/python benchmarks/fit_published.py --markdown   # the tables for docs/fidelity.md
+
+The fit is least squares on relative error with every term non-negative (fractions are fitted as
+1/fraction >= 1, so none exceeds the datasheet). A step's time is max(compute, memory) + added
+terms; the max is linearised by fixing, for every step, the side that binds under the current
+parameters, and the fit repeats until the parameters stop moving.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Any
+
+from servelab.cost.profile import nnls
+from servelab.cost.roofline import Efficiency, FormatEfficiency, Roofline
+from servelab.spec.hardware import get_hardware
+from servelab.spec.model import get_model
+
+DATA = Path(__file__).with_name("published_measurements.json")
+# Decode steps of a long run are priced in this many groups while fitting (every term is linear in
+# the context, so a group's midpoint stands for it exactly while its side of the max holds).
+FIT_GROUPS = 32
+# The training set cannot identify these, so the fit holds them (docs/fidelity.md says why).
+HELD: dict[str, float] = {
+    # Every training TP point is at batch 1, where an all-reduce moves kilobytes: latency, not bytes.
+    "interconnect_fraction": 0.7,
+}
+FORMATS = ("int8", "int4", "fp8")
+DEFAULT_BOUND_PCT = 15.0
+
+
+def load(path: Path = DATA) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def roofline(point: dict[str, Any], efficiency: Efficiency) -> Roofline:
+    return Roofline(get_model(point["model"]), get_hardware(point["hardware"]), weight_dtype=point["weight_dtype"],
+                    kv_dtype=point["kv_dtype"], tp=point["tp"], efficiency=efficiency)
+
+
+def steps(point: dict[str, Any], groups: int | None = None) -> list[tuple[int, tuple[int, int, int, int]]]:
+    """(how many, step totals) for the steps of a point's run; with `groups`, decode steps are
+    merged into at most that many groups priced at their mean context."""
+    run = point["run"]
+    b = run["batch"]
+    if run["kind"] == "decode_step":
+        return [(1, (b, b, b * run["context"], b * run["context"]))]
+    prompt, out = run["input_len"], run["output_len"]
+    first = Roofline.totals([(prompt, prompt)] * b)
+    decode_contexts = list(range(prompt + 1, prompt + out))  # the context each decode step attends to
+    if groups is None or len(decode_contexts) <= groups:
+        return [(1, first)] + [(1, (b, b, b * c, b * c)) for c in decode_contexts]
+    out_steps = [(1, first)]
+    size = math.ceil(len(decode_contexts) / groups)
+    for start in range(0, len(decode_contexts), size):
+        chunk = decode_contexts[start:start + size]
+        mean_ctx = sum(chunk) / len(chunk)  # exact: every term is linear in the context
+        out_steps.append((len(chunk), (b, b, b * mean_ctx, b * mean_ctx)))  # type: ignore[arg-type]
+    return out_steps
+
+
+def run_time_s(point: dict[str, Any], r: Roofline) -> float:
+    return sum(n * r.time_from_totals(*totals) for n, totals in steps(point))
+
+
+def metric_from_time(point: dict[str, Any], time_s: float) -> float:
+    run, metric = point["run"], point["metric"]
+    tokens = run["batch"] * (run.get("output_len", 1))
+    if metric == "output_tok_s":
+        return tokens / time_s
+    if metric == "output_tok_s_per_gpu":
+        return tokens / time_s / point["tp"]
+    if metric == "ttft_ms":
+        return time_s * 1e3
+    raise ValueError(f"{point['id']}: unknown metric {metric!r}")
+
+
+def published_time_s(point: dict[str, Any]) -> float:
+    """The wall time of the run that the published figure implies."""
+    run, metric, value = point["run"], point["metric"], point["value"]
+    tokens = run["batch"] * (run.get("output_len", 1))
+    if metric == "output_tok_s":
+        return tokens / value
+    if metric == "output_tok_s_per_gpu":
+        return tokens / (value * point["tp"])
+    if metric == "ttft_ms":
+        return value / 1e3
+    raise ValueError(f"{point['id']}: unknown metric {metric!r}")
+
+
+def predict(point: dict[str, Any], efficiency: Efficiency) -> float:
+    return metric_from_time(point, run_time_s(point, roofline(point, efficiency)))
+
+
+def error_pct(point: dict[str, Any], efficiency: Efficiency) -> float:
+    return (predict(point, efficiency) - point["value"]) / point["value"] * 100.0
+
+
+# ---- the fit ---------------------------------------------------------------------------------
+PARAMS = ("bandwidth_fraction", "compute_fraction", *(f"formats.{f}.bandwidth_fraction" for f in FORMATS),
+          *(f"formats.{f}.compute_fraction" for f in FORMATS), "step_overhead_s", "per_layer_overhead_s",
+          "per_seq_overhead_s", "allreduce_latency_s", "interconnect_fraction")
+
+
+def is_fraction(name: str) -> bool:
+    return name.endswith("_fraction")
+
+
+def get_param(eff: Efficiency, name: str) -> float:
+    if name.startswith("formats."):
+        _, fmt, attr = name.split(".")
+        return getattr(eff.for_format(fmt), attr)
+    return getattr(eff, name)
+
+
+def with_params(eff: Efficiency, values: dict[str, float]) -> Efficiency:
+    top = {k: v for k, v in values.items() if not k.startswith("formats.")}
+    formats = dict(eff.formats)
+    for fmt in FORMATS:
+        cur = eff.for_format(fmt)
+        formats[fmt] = FormatEfficiency(values.get(f"formats.{fmt}.bandwidth_fraction", cur.bandwidth_fraction),
+                                        values.get(f"formats.{fmt}.compute_fraction", cur.compute_fraction))
+    return replace(eff, **top, formats=formats)
+
+
+def _row(point: dict[str, Any], eff: Efficiency) -> tuple[dict[str, float], tuple[str, ...]]:
+    """The point's run time as Σ coefficient × term, each step on the side of the max that binds
+    under `eff`; also which side each step took (the fit stops when these stop changing)."""
+    r = roofline(point, eff)
+    row: dict[str, float] = {}
+    sides = []
+    for n, totals in steps(point, FIT_GROUPS):
+        compute, memory, added = r.time_terms(*totals)
+        c = sum(v / get_param(eff, k) for k, v in compute.items())
+        m = sum(v / get_param(eff, k) for k, v in memory.items())
+        side = compute if c > m else memory
+        sides.append("c" if c > m else "m")
+        for k, v in (*side.items(), *added.items()):
+            row[k] = row.get(k, 0.0) + n * v
+    return row, tuple(sides)
+
+
+def fit(points: list[dict[str, Any]], start: Efficiency | None = None, held: dict[str, float] | None = None,
+        max_rounds: int = 500, tol: float = 1e-9) -> Efficiency:
+    """Efficiency fitted to `points` (relative least squares, all terms >= 0, fractions <= 1)."""
+    import numpy as np
+
+    held = HELD if held is None else held
+    eff = with_params(start or Efficiency(), held)
+    previous: list[float] | None = None
+    for _ in range(max_rounds):
+        rows, _sides = zip(*(_row(p, eff) for p in points))
+        free = [k for k in PARAMS if k not in held and any(row.get(k, 0.0) for row in rows)]
+        a = np.array([[row.get(k, 0.0) for k in free] for row in rows])
+        y = np.array([published_time_s(p) for p in points])
+        # Held terms and the "1" of every 1/fraction = 1 + x move to the target side.
+        fixed = np.array([sum(v * (1.0 / held[k] if is_fraction(k) else held[k]) for k, v in row.items() if k in held)
+                          + sum(v for k, v in row.items() if k in free and is_fraction(k)) for row in rows])
+        target = (y - fixed) / y
+        a_rel = a / y[:, None]
+        scale = np.abs(a_rel).max(axis=0)
+        scale[scale == 0] = 1.0
+        x = nnls(a_rel / scale, target) / scale
+        values = {k: (1.0 / (1.0 + v) if is_fraction(k) else float(v)) for k, v in zip(free, x)}
+        eff = with_params(eff, values)
+        current = [get_param(eff, k) for k in PARAMS]
+        if previous is not None and all(math.isclose(a, b, rel_tol=tol, abs_tol=1e-15) for a, b in zip(current, previous)):
+            break
+        previous = current
+    # Weight-only formats have no compute-bound training point: they keep the 16-bit fraction.
+    untouched = {f"formats.{f}.compute_fraction": eff.compute_fraction for f in FORMATS
+                 if not any(p["weight_dtype"] == f for p in points if _has_compute_bound_step(p, eff))}
+    return with_params(eff, untouched)
+
+
+def _has_compute_bound_step(point: dict[str, Any], eff: Efficiency) -> bool:
+    return "c" in _row(point, eff)[1]
+
+
+def rounded(eff: Efficiency, digits: int = 2) -> Efficiency:
+    """The fit at `digits` significant figures: what the committed defaults hold."""
+    def sig(v: float) -> float:
+        return float(f"{v:.{digits}g}") if v else 0.0
+    return with_params(eff, {k: sig(get_param(eff, k)) for k in PARAMS})
+
+
+# ---- reporting -------------------------------------------------------------------------------
+def describe(point: dict[str, Any]) -> str:
+    run = point["run"]
+    shape = (f"b{run['batch']} ctx {run['context']}" if run["kind"] == "decode_step"
+             else f"b{run['batch']} {run['input_len']}/{run['output_len']}")
+    return (f"{point['model']} {point['weight_dtype']}/kv {point['kv_dtype']} {point['hardware']} tp{point['tp']} "
+            f"{shape}")
+
+
+def number(v: float) -> str:
+    return f"{v:,.0f}" if v >= 1000 else f"{v:.4g}"
+
+
+def table(points: list[dict[str, Any]], eff: Efficiency, markdown: bool, notes: dict[str, str]) -> list[str]:
+    """One line per point; an exception's reason goes into `notes` once, keyed by a letter."""
+    lines = []
+    if markdown:
+        lines += ["| source | setup | metric | published | predicted | error | bound |",
+                  "|---|---|---|---:|---:|---:|---:|"]
+    for p in points:
+        pred, err = predict(p, eff), error_pct(p, eff)
+        bound = p.get("bound_pct", DEFAULT_BOUND_PCT)
+        mark = ""
+        if "why" in p:
+            letter = next((k for k, v in notes.items() if v == p["why"]), None) or chr(ord("a") + len(notes))
+            notes[letter] = p["why"]
+            mark = f" ({letter})"
+        flag = "" if abs(err) <= bound else " !"
+        if markdown:
+            lines.append(f"| {p['source']} | {describe(p)} | {p['metric']} | {number(p['value'])} | {number(pred)} | "
+                         f"{err:+.1f}%{flag} | {bound:g}%{mark} |")
+        else:
+            lines.append(f"{p['source']:17} {describe(p):62} {p['metric']:21} {number(p['value']):>9} "
+                         f"{number(pred):>9} {err:+6.1f}%{flag} {bound:g}%{mark}")
+    return lines
+
+
+def summary(points: list[dict[str, Any]], eff: Efficiency) -> str:
+    errs = sorted(abs(error_pct(p, eff)) for p in points)
+    return (f"{len(errs)} points: median |error| {errs[len(errs) // 2]:.1f}%, max {errs[-1]:.1f}%, "
+            f"{sum(e <= DEFAULT_BOUND_PCT for e in errs)} within {DEFAULT_BOUND_PCT:.0f}%")
+
+
+def efficiency_lines(eff: Efficiency) -> list[str]:
+    out = [f"  {f.name} = {getattr(eff, f.name)!r}" for f in fields(eff) if f.name != "formats"]
+    out += [f"  formats[{k!r}] = {v!r}" for k, v in sorted(eff.formats.items())]
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--markdown", action="store_true", help="print docs/fidelity.md's tables")
+    args = parser.parse_args()
+    data = load(args.data)
+    train = [p for p in data["points"] if p["set"] == "train"]
+    test = [p for p in data["points"] if p["set"] == "test"]
+    fitted = rounded(fit(train))
+    print("fitted (2 significant figures):", *efficiency_lines(fitted), sep="\n")
+    default = Efficiency()
+    drift = [k for k in PARAMS if not math.isclose(get_param(default, k), get_param(fitted, k), rel_tol=1e-9)]
+    print("the committed defaults " + ("match the fit" if not drift else f"differ from the fit in: {', '.join(drift)}"))
+    notes: dict[str, str] = {}
+    for name, pts in (("TRAINING", train), ("TEST", test)):
+        print(f"\n{name} ({summary(pts, fitted)})")
+        print("\n".join(table(pts, fitted, args.markdown, notes)))
+    print("\nWhy the bounds above 15%:")
+    print("\n".join(f"- ({k}) {v}" for k, v in notes.items()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,185 @@
+"""The roofline against published measurements (benchmarks/published_measurements.json): the
+committed Efficiency defaults are what benchmarks/fit_published.py fits to the training set, every
+test-set point is within its documented bound, and each fitted term prices a step in the
+direction it should."""
+
+import importlib.util
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from servelab.cost import Efficiency, Roofline
+from servelab.cost.roofline import FormatEfficiency
+from servelab.spec import get_hardware, get_model
+
+_SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "fit_published.py"
+_spec = importlib.util.spec_from_file_location("fit_published", _SCRIPT)
+assert _spec is not None and _spec.loader is not None
+fp = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(fp)
+
+DATA = fp.load()
+TRAIN = [p for p in DATA["points"] if p["set"] == "train"]
+TEST = [p for p in DATA["points"] if p["set"] == "test"]
+H100 = get_hardware("h100-sxm")
+
+
+@pytest.fixture(scope="module")
+def fitted() -> Efficiency:
+    return fp.fit(TRAIN)
+
+
+def test_the_fit_reproduces_the_committed_defaults(fitted):
+    committed, refit = Efficiency(), fp.rounded(fitted)
+    drift = {k: (fp.get_param(committed, k), fp.get_param(refit, k)) for k in fp.PARAMS
+             if not math.isclose(fp.get_param(committed, k), fp.get_param(refit, k), rel_tol=1e-9)}
+    assert not drift, f"Efficiency defaults differ from the fit (committed, fitted): {drift}"
+
+
+def test_the_fit_does_not_depend_on_where_it_starts(fitted):
+    seed_era = Efficiency(bandwidth_fraction=0.7, compute_fraction=0.6, step_overhead_s=1.5e-4, per_layer_overhead_s=0.0,
+                          allreduce_latency_s=5e-6,
+                          formats={f: FormatEfficiency(0.7, 0.6) for f in fp.FORMATS})
+    assert fp.rounded(fp.fit(TRAIN, start=seed_era)) == fp.rounded(fitted)
+
+
+@pytest.mark.parametrize("points", [TRAIN, TEST], ids=["training", "test"])
+def test_every_point_is_within_its_documented_bound(points):
+    for p in points:
+        bound = p.get("bound_pct", fp.DEFAULT_BOUND_PCT)
+        if bound > fp.DEFAULT_BOUND_PCT:
+            assert len(p.get("why", "")) > 40, f"{p['id']}: a bound above 15% needs its reason"
+        err = fp.error_pct(p, Efficiency())
+        assert abs(err) <= bound, f"{p['id']}: {err:+.1f}% (bound {bound}%)"
+    # the exceptions stay exceptions: most points meet the issue's 15%
+    assert sum("bound_pct" in p for p in points) <= len(points) // 3
+
+
+def test_the_data_is_well_formed_and_the_split_is_honest():
+    ids = [p["id"] for p in DATA["points"]]
+    assert len(ids) == len(set(ids))
+    for p in DATA["points"]:
+        assert p["set"] in ("train", "test") and p["source"] in DATA["sources"]
+        fp.roofline(p, Efficiency())  # model, hardware, dtypes and tp are expressible
+    train_models = {p["model"] for p in TRAIN}
+    train_hardware = {p["hardware"] for p in TRAIN}
+    assert {p["model"] for p in TEST} - train_models, "the test set holds models the fit never saw"
+    assert {p["hardware"] for p in TEST} - train_hardware, "and hardware it never saw"
+    assert {p["weight_dtype"] for p in TRAIN} >= {"bf16", "fp16", "int8", "int4", "fp8"}
+
+
+# ---- the terms the fit uses are the roofline's own ---------------------------------------------
+MODELS = ["llama-3.1-8b", "llama-2-70b", "mixtral-8x7b", "llama-2-7b"]
+fractions = st.floats(0.05, 1.0)
+
+
+@st.composite
+def efficiencies(draw) -> Efficiency:
+    return Efficiency(
+        bandwidth_fraction=draw(fractions), compute_fraction=draw(fractions),
+        step_overhead_s=draw(st.floats(0, 1e-3)), per_layer_overhead_s=draw(st.floats(0, 1e-4)),
+        per_seq_overhead_s=draw(st.floats(0, 1e-4)),
+        interconnect_fraction=draw(fractions), allreduce_latency_s=draw(st.floats(0, 2e-5)),
+        formats={f: FormatEfficiency(draw(fractions), draw(fractions)) for f in fp.FORMATS})
+
+
+shapes = st.lists(st.tuples(st.integers(1, 600), st.integers(0, 3000)).map(lambda qc: (qc[0], qc[0] + qc[1])),
+                  min_size=1, max_size=12)
+
+
+@settings(max_examples=150, deadline=None)
+@given(eff=efficiencies(), shape=shapes, model=st.sampled_from(MODELS), tp=st.sampled_from([1, 2, 8]),
+       dtype=st.sampled_from(["bf16", "fp8", "int8", "int4", "q4_0"]))
+def test_time_terms_add_up_to_the_step_time(eff, shape, model, tp, dtype):
+    r = Roofline(get_model(model), H100, weight_dtype=dtype, tp=tp, efficiency=eff)
+    totals = Roofline.totals(shape)
+    compute, memory, added = r.time_terms(*totals)
+    c = sum(v / fp.get_param(eff, k) for k, v in compute.items())
+    m = sum(v / fp.get_param(eff, k) for k, v in memory.items())
+    rest = sum(v / fp.get_param(eff, k) if fp.is_fraction(k) else v * fp.get_param(eff, k) for k, v in added.items())
+    expected = max(c, m) + rest
+    assert r.time_from_totals(*totals) == pytest.approx(expected, rel=1e-9)
+    assert r.step(shape).time_s == pytest.approx(expected, rel=1e-9)
+
+
+# ---- each new term moves a step's price the way it should ---------------------------------------
+def price(shape, model="llama-3.1-8b", tp=1, dtype="bf16", **changes) -> float:
+    eff = replace(Efficiency(), **changes)
+    return Roofline(get_model(model), H100, weight_dtype=dtype, tp=tp, efficiency=eff).step_time_s(shape)
+
+
+decode_batches = st.integers(1, 256).map(lambda b: [(1, 1024)] * b)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=shapes, extra=st.floats(1e-6, 1e-4))
+def test_per_layer_cost_grows_with_depth(shape, extra):
+    base8, base70 = price(shape), price(shape, model="llama-2-70b", tp=8)
+    more8 = price(shape, per_layer_overhead_s=Efficiency().per_layer_overhead_s + extra)
+    more70 = price(shape, model="llama-2-70b", tp=8, per_layer_overhead_s=Efficiency().per_layer_overhead_s + extra)
+    assert more8 - base8 == pytest.approx(32 * extra, rel=1e-6)
+    assert more70 - base70 == pytest.approx(80 * extra, rel=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=decode_batches, extra=st.floats(1e-7, 1e-4))
+def test_per_sequence_cost_grows_with_the_batch(shape, extra):
+    assert price(shape, per_seq_overhead_s=extra) - price(shape, per_seq_overhead_s=0.0) == pytest.approx(
+        len(shape) * extra, rel=1e-6)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=shapes, latency=st.floats(1e-6, 5e-5), frac=st.floats(0.05, 0.99))
+def test_all_reduces_cost_latency_and_link_time_under_tp_only(shape, latency, frac):
+    eff = Efficiency()
+    assert price(shape, tp=4, allreduce_latency_s=eff.allreduce_latency_s + latency) > price(shape, tp=4)
+    assert price(shape, tp=4, interconnect_fraction=frac / 2) > price(shape, tp=4, interconnect_fraction=frac)
+    assert price(shape, tp=1, allreduce_latency_s=latency, interconnect_fraction=frac) == price(shape, tp=1)
+
+
+@settings(max_examples=40, deadline=None)
+@given(shape=shapes, dtype=st.sampled_from(fp.FORMATS), frac=st.floats(0.05, 0.99))
+def test_a_formats_kernel_efficiency_prices_only_that_format(shape, dtype, frac):
+    own = dict(Efficiency().formats)
+    mine = own[dtype]
+    slower_bw = {**own, dtype: FormatEfficiency(min(frac, mine.bandwidth_fraction) / 2, mine.compute_fraction)}
+    slower_compute = {**own, dtype: FormatEfficiency(mine.bandwidth_fraction, frac / 2)}
+    faster_compute = {**own, dtype: FormatEfficiency(mine.bandwidth_fraction, frac)}
+    r = Roofline(get_model("llama-3.1-8b"), H100, weight_dtype=dtype)
+    # the max() hides a change on the side that does not bind; on the side that does, it shows
+    memory_bound = r.step(shape).bound == "memory"
+    base, slower = price(shape, dtype=dtype), price(shape, dtype=dtype, formats=slower_bw)
+    assert slower > base if memory_bound else slower >= base
+    fast = Roofline(get_model("llama-3.1-8b"), H100, weight_dtype=dtype,
+                    efficiency=replace(Efficiency(), formats=faster_compute))
+    slow_c, fast_c = price(shape, dtype=dtype, formats=slower_compute), price(shape, dtype=dtype, formats=faster_compute)
+    assert slow_c > fast_c if fast.step(shape).bound == "compute" else slow_c >= fast_c
+    for other in ("bf16", "fp16", "q4_0"):  # formats without an entry keep the 16-bit fractions
+        assert price(shape, dtype=other, formats=slower_bw) == price(shape, dtype=other)
+        assert price(shape, dtype=other, formats=slower_compute) == price(shape, dtype=other)
+
+
+def test_quantized_formats_are_priced_by_their_own_fractions():
+    # at batch 1 every format is memory-bound: its weight stream runs at its own fraction
+    r = {d: Roofline(get_model("llama-2-7b"), get_hardware("a100-80gb"), weight_dtype=d) for d in ("bf16", "int8", "int4")}
+    eff = Efficiency()
+    weights = {d: r[d].decode(1, 64).weight_bytes for d in r}
+    assert weights["int8"] == pytest.approx(weights["bf16"] / 2) and weights["int4"] == pytest.approx(weights["bf16"] / 4)
+    t = {d: r[d].decode(1, 64).memory_time_s for d in r}
+    kv_act = t["bf16"] - weights["bf16"] / (r["bf16"].peak_bandwidth_bytes_per_s * eff.bandwidth_fraction)
+    for d in ("int8", "int4"):
+        frac = eff.for_format(d).bandwidth_fraction
+        assert t[d] == pytest.approx(kv_act + weights[d] / (r[d].peak_bandwidth_bytes_per_s * frac))
+    # ... so int4 saves less than its 4x in bytes: the published 1.9x of gpt-fast, not 4x
+    assert 1.5 < r["bf16"].decode(1, 64).time_s / r["int4"].decode(1, 64).time_s < 2.5
+
+
+def test_new_terms_are_checked():
+    with pytest.raises(Exception, match="per_seq_overhead_s"):
+        Efficiency(per_seq_overhead_s=-1e-6)
+    with pytest.raises(Exception, match="bandwidth_fraction"):
+        FormatEfficiency(bandwidth_fraction=0.0, compute_fraction=0.5)
