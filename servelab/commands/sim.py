@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
 from servelab.errors import InvalidArgument
 from servelab.units import parse_duration_s
 
@@ -38,13 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--link-bandwidth", type=float, default=None, metavar="GB_PER_S",
                    help="prefill→decode KV link per replica in GB/s (default 50 per device)")
     g.add_argument("--link-latency", default="0.5ms", help="KV transfer latency (default 0.5ms)")
-    s = parser.add_argument_group("scheduler")
-    s.add_argument("--scheduler", default="chunked", help="chunked | prefill-first (default chunked)")
-    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (default 2048)")
-    s.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once (default 256)")
-    s.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
-    s.add_argument("--num-blocks", type=int, default=None, help="KV blocks per replica (default: from the memory plan)")
-    s.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    s = parser.add_argument_group("scheduler (per replica)")
+    add_scheduler_arguments(
+        s, ("policy", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_blocks", "enable_prefix_caching"),
+        unset={"max_model_len": "the model's", "num_blocks": "from the memory plan"},
+    )
     add_workload_arguments(parser)
     o = parser.add_argument_group("output")
     o.add_argument("--warmup", default=None, metavar="N|DURATION",
@@ -94,11 +93,10 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201
     from servelab.spec.hardware import get_hardware
     from servelab.spec.model import get_model
 
-    for name in ("tp", "replicas", "max_num_batched_tokens", "max_num_seqs"):
+    for name in ("tp", "replicas"):
         if getattr(args, name) < 1:
             raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.max_model_len is not None and args.max_model_len < 1:
-        raise InvalidArgument(f"--max-model-len must be >= 1, got {args.max_model_len}")
+    scheduler = scheduler_config_from_args(args)
     if args.link_bandwidth is not None and not args.link_bandwidth > 0:
         raise InvalidArgument(f"--link-bandwidth must be > 0 GB/s, got {args.link_bandwidth:g}")
     model = get_model(args.model)
@@ -117,12 +115,7 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201
         replicas=args.replicas,
         disagg=args.disagg,
         router=args.router,
-        policy=args.scheduler,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        num_blocks=args.num_blocks,
-        enable_prefix_caching=not args.no_prefix_caching,
+        scheduler=scheduler,
         link_bandwidth_bytes_per_s=None if args.link_bandwidth is None else args.link_bandwidth * 1e9,
         link_latency_s=parse_duration_s(args.link_latency, name="--link-latency"),
         slo=_slo(args),
