@@ -18,6 +18,7 @@ from servelab.bench.capacity import CapacityResult, find_capacity
 from servelab.core.config import SchedulerConfig
 from servelab.errors import DoesNotFit, InvalidArgument, RequestTooLong
 from servelab.metrics import SLO
+from servelab.spec.dtypes import DEFAULT_DTYPE
 from servelab.workload import WorkloadSpec
 
 
@@ -72,8 +73,8 @@ class PlanJob:
     slo: SLO
     percentile: int
     workload: dict[str, Any]  # WorkloadSpec fields, without the load
-    weight_dtype: str = "bf16"
-    kv_dtype: str = "bf16"
+    weight_dtype: str = DEFAULT_DTYPE
+    kv_dtype: str = DEFAULT_DTYPE
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # one replica's
     max_concurrency: int | None = None
     target_rate: float | None = None

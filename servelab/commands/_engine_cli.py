@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from servelab.commands._dtype_cli import add_engine_dtype_arguments
 from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
 from servelab.core.sequence import SamplingParams
 from servelab.engine.llm_engine import DEFAULT_MAX_MODEL_LEN
@@ -12,10 +13,6 @@ from servelab.engine.generation_config import SOURCE_HELP, sampling_default
 
 # shared with `servelab serve`
 QUANTIZATION_HELP = "int8: int8 linears on CPU, 2-6x faster than fp32 here, approximate but batch-invariant (default: off)"
-KV_CACHE_DTYPE_HELP = (
-    "KV cache storage (default auto: the compute dtype); 16 bits hold twice the tokens of fp32 "
-    "(float16 saturates to inf above 65504, bfloat16 keeps fp32's range with fewer bits)"
-)
 
 DETERMINISTIC_HELP = (
     "greedy output bit-identical whatever else is in the batch, however prompts are chunked and across "
@@ -23,20 +20,14 @@ DETERMINISTIC_HELP = (
 )
 
 
-DTYPE_HELP = ("compute dtype (default: float32 on a CPU, where all of servelab's fast kernels compute; "
-              "bfloat16, else float16, on CUDA)")
-
-
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file or HF model directory (default: the bundled SmolLM2-135M-Instruct Q4_1)")
-    g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
-                   help=DTYPE_HELP)
+    add_engine_dtype_arguments(g)
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default: cpu)")
     add_scheduler_arguments(g, ("max_model_len",), unset={"max_model_len": f"the model's, at most {DEFAULT_MAX_MODEL_LEN}"})
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--quantization", choices=["int8"], default=None, help=QUANTIZATION_HELP)
-    g.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto", help=KV_CACHE_DTYPE_HELP)
     g.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
 
 

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 
+from servelab.commands._dtype_cli import add_cost_dtype_arguments, cost_dtypes
 from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
 from servelab.errors import InvalidArgument
 from servelab.units import parse_duration_s, parse_int_list, parse_str_list
@@ -20,8 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="llama-3.1-8b", help="catalog model (see `servelab models`)")
     g.add_argument("--hardware", default="h100-sxm", help="comma list of catalog accelerators or JSON hardware files, e.g. h100-sxm,h200,generic-cpu.json")
     g.add_argument("--tp", default="1", help="comma list of tensor-parallel degrees, e.g. 1,2,4,8 (default 1)")
-    g.add_argument("--dtype", default="bf16", help="weight dtype (default bf16)")
-    g.add_argument("--kv-dtype", default="bf16", help="KV cache dtype (default bf16)")
+    add_cost_dtype_arguments(g)
     g.add_argument("--profile", default=None, metavar="FILE.json",
                    help="price steps with a `servelab calibrate` profile instead of the roofline")
     add_scheduler_arguments(g, ("max_num_seqs", "max_num_batched_tokens"))
@@ -63,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     if args.rate is not None or args.concurrency is not None or args.trace is not None:
         raise InvalidArgument("plan searches the load itself: drop --rate/--concurrency/--trace")
     scheduler = scheduler_config_from_args(args)
+    weight, kv = cost_dtypes(args)
     if args.workers is not None and args.workers < 1:
         raise InvalidArgument(f"--workers must be >= 1, got {args.workers}")
     from servelab.commands._outputs import check_output_file
@@ -88,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     prices = parse_prices(args.price, hardware)
     jobs = [
         PlanJob(model=model.name, hardware=h, tp=tp, slo=slo, percentile=args.percentile, workload=workload,
-                weight_dtype=args.dtype, kv_dtype=args.kv_dtype, scheduler=scheduler, max_concurrency=args.max_concurrency,
+                weight_dtype=weight, kv_dtype=kv, scheduler=scheduler, max_concurrency=args.max_concurrency,
                 target_rate=args.target_rate, price_per_device_hour=prices.get(get_hardware(h).name),
                 profile=args.profile)
         for h in hardware

@@ -11,7 +11,8 @@ import socket
 import sys
 import time
 
-from servelab.commands._engine_cli import DETERMINISTIC_HELP, DTYPE_HELP, KV_CACHE_DTYPE_HELP, QUANTIZATION_HELP
+from servelab.commands._dtype_cli import add_engine_dtype_arguments
+from servelab.commands._engine_cli import DETERMINISTIC_HELP, QUANTIZATION_HELP
 from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
 from servelab.engine.llm_engine import DEFAULT_MAX_MODEL_LEN
 from servelab.errors import InvalidArgument
@@ -65,11 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", default=None,
                        help="GGUF file or HF model directory (default: the bundled SmolLM2-135M-Instruct Q4_1)")  # fmt: skip
     model.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: from the model)")
-    model.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
-                       help=DTYPE_HELP)
+    add_engine_dtype_arguments(model)
     model.add_argument("--quantization", choices=["int8"], default=None, help=QUANTIZATION_HELP)
-    model.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
-                       help=KV_CACHE_DTYPE_HELP)
     model.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default cpu)")
     model.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
     model.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests (default 0)")

@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from servelab.commands._dtype_cli import add_cost_dtype_arguments, cost_dtypes
 from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
 from servelab.errors import InvalidArgument
 from servelab.units import parse_duration_s
@@ -30,8 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per replica (default 1)")
     g.add_argument("--profile", default=None, metavar="FILE.json",
                    help="price steps with a `servelab calibrate` profile instead of the roofline")
-    g.add_argument("--dtype", default="bf16", help="weight dtype: fp32, bf16, fp16, fp8, int8, int4 or a GGUF block format (q4_0 ... q6_k) (default bf16)")
-    g.add_argument("--kv-dtype", default="bf16", help="KV cache dtype: fp32, bf16, fp16, fp8 (default bf16)")
+    add_cost_dtype_arguments(g)
     layout = g.add_mutually_exclusive_group()
     layout.add_argument("--replicas", type=int, default=1, help="colocated replicas behind the router (default 1)")
     layout.add_argument("--disagg", type=_disagg, default=None, metavar="P:D", help="P prefill and D decode replicas")
@@ -97,6 +97,7 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201
         if getattr(args, name) < 1:
             raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     scheduler = scheduler_config_from_args(args)
+    weight, kv = cost_dtypes(args)
     if args.link_bandwidth is not None and not args.link_bandwidth > 0:
         raise InvalidArgument(f"--link-bandwidth must be > 0 GB/s, got {args.link_bandwidth:g}")
     model = get_model(args.model)
@@ -110,8 +111,8 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201
         cost_model=cost_model,
         hardware=get_hardware(args.hardware),
         tp=args.tp,
-        weight_dtype=args.dtype,
-        kv_dtype=args.kv_dtype,
+        weight_dtype=weight,
+        kv_dtype=kv,
         replicas=args.replicas,
         disagg=args.disagg,
         router=args.router,

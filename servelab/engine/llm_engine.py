@@ -17,6 +17,7 @@ from servelab.core.plan import RequestOutput, TokenLogprobs
 from servelab.core.sequence import FinishReason, SamplingParams, Sequence
 from servelab.engine.detokenizer import RequestTextStream
 from servelab.errors import InvalidArgument, RequestTooLong
+from servelab.spec.dtypes import FLOAT_DTYPES, canonical_dtype, require_supported
 
 if TYPE_CHECKING:
     from servelab.core.plan import Executor
@@ -28,7 +29,7 @@ logger = logging.getLogger("servelab.engine")
 
 DEFAULT_MAX_MODEL_LEN = 8192  # CPU default: longer contexts are possible but unusably slow here
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
-DTYPES = ("bfloat16", "float16", "float32")
+DTYPES = FLOAT_DTYPES  # the compute dtypes; names in spec/dtypes.py's vocabulary
 KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: the compute dtype
 DEVICES = ("cpu", "cuda")
 QUANTIZATIONS = ("int8",)  # engine/quantization.py implements them (it imports torch; this module does not)
@@ -37,7 +38,7 @@ QUANTIZATIONS = ("int8",)  # engine/quantization.py implements them (it imports 
 @dataclass
 class EngineArgs:
     model: str | None = None  # GGUF file or HF model dir; None = the bundled SmolLM2-135M-Instruct Q4_1 GGUF
-    dtype: str | None = None  # "bfloat16" | "float16" | "float32"; None = fp32 on a CPU, bf16 (else fp16) on CUDA
+    dtype: str | None = None  # "bfloat16" | "float16" | "float32"; None (or "auto") = fp32 on a CPU, bf16 (else fp16) on CUDA
     device: str = "cpu"  # "cpu" | "cuda"
     # Budgets, policy and KV block size. num_blocks None = derived from kv_cache_memory_bytes;
     # max_model_len None = min(model max context, DEFAULT_MAX_MODEL_LEN).
@@ -62,6 +63,11 @@ class EngineArgs:
     # fails at once); False: pages are touched as blocks first fill (fast start for offline use)
     kv_cache_prefault: bool = False
 
+    def __post_init__(self) -> None:
+        # One vocabulary (spec/dtypes.py): old spellings such as "bf16" name the same dtype.
+        self.dtype = None if self.dtype in (None, "auto") else canonical_dtype(self.dtype)
+        self.kv_cache_dtype = canonical_dtype(self.kv_cache_dtype)
+
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
         """Flat keywords, as `LLM(...)` takes them (vLLM's style): the scheduler's knobs
@@ -77,13 +83,9 @@ class EngineArgs:
         return cls(**kwargs)
 
     def validate(self) -> None:
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise InvalidArgument(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}", param="dtype")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise InvalidArgument(
-                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
-                param="kv_cache_dtype",
-            )
+        if self.dtype is not None:
+            require_supported(self.dtype, DTYPES, param="dtype", by="the engine")
+        require_supported(self.kv_cache_dtype, KV_CACHE_DTYPES, param="kv_cache_dtype", by="the engine")
         if self.device not in DEVICES:
             raise InvalidArgument(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}", param="device")
         if self.quantization is not None:

@@ -18,6 +18,7 @@ from servelab.metrics import SLO, RequestRecord, Summary, steady_state_summary, 
 from servelab.metrics.summary import Dist
 from servelab.sim.cluster import ClusterSim, StepTrace
 from servelab.sim.router import ROUTERS
+from servelab.spec.dtypes import DEFAULT_DTYPE, canonical_dtype
 from servelab.spec.hardware import HardwareSpec, get_hardware
 from servelab.spec.model import ModelSpec, get_model
 from servelab.workload import RequestSpec, WorkloadSpec
@@ -32,8 +33,8 @@ class SimConfig:
     model: str | ModelSpec = "llama-3.1-8b"
     hardware: str | HardwareSpec = "h100-sxm"
     tp: int = 1
-    weight_dtype: str = "bf16"
-    kv_dtype: str = "bf16"
+    weight_dtype: str = DEFAULT_DTYPE  # spec/dtypes.py's names; old spellings ("bf16") are read as their new one
+    kv_dtype: str = DEFAULT_DTYPE
     replicas: int = 1
     disagg: tuple[int, int] | None = None  # (prefill replicas, decode replicas) instead of `replicas`
     router: str = "round-robin"
@@ -48,6 +49,7 @@ class SimConfig:
     slo: SLO | None = None
 
     def __post_init__(self) -> None:
+        self.weight_dtype, self.kv_dtype = canonical_dtype(self.weight_dtype), canonical_dtype(self.kv_dtype)
         if self.disagg is not None:
             p, d = self.disagg
             if p < 1 or d < 1:

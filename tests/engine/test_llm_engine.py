@@ -115,7 +115,7 @@ def test_a_16_bit_kv_cache_holds_twice_the_blocks(tiny_engine_factory, tiny_llam
         seq = half.add_request("r", PROMPT, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
         _drain(half)
         assert seq.num_output_tokens == 5 and half.stats().num_blocks_free == half.stats().num_blocks_total
-    with pytest.raises(InvalidArgument, match="kv_cache_dtype must be one of auto, bfloat16, float16, float32, got 'fp8'"):
+    with pytest.raises(InvalidArgument, match=r"the engine cannot use KV-cache dtype 'fp8': it supports auto, bfloat16, float16, float32; the cost model"):
         tiny_engine_factory(kv_cache_dtype="fp8")
 
 
