@@ -8,8 +8,8 @@ from typing import Any
 from servelab.commands._dtype_cli import add_engine_dtype_arguments
 from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
 from servelab.core.sequence import SamplingParams
-from servelab.engine.llm_engine import DEFAULT_MAX_MODEL_LEN
 from servelab.engine.generation_config import SOURCE_HELP, sampling_default
+from servelab.engine.llm_engine import DEFAULT_MAX_MODEL_LEN
 
 # shared with `servelab serve`
 QUANTIZATION_HELP = "int8: int8 linears on CPU, 2-6x faster than fp32 here, approximate but batch-invariant (default: off)"
