@@ -9,7 +9,7 @@ from servelab.commands._dtype_cli import add_engine_dtype_arguments
 from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
 from servelab.core.sequence import SamplingParams
 from servelab.engine.generation_config import SOURCE_HELP, sampling_default
-from servelab.engine.llm_engine import DEFAULT_MAX_MODEL_LEN
+from servelab.engine.llm_engine import DEFAULT_MAX_MODEL_LEN, EngineArgs
 
 # shared with `servelab serve`
 QUANTIZATION_HELP = "int8: int8 linears on CPU, 2-6x faster than fp32 here, approximate but batch-invariant (default: off)"
@@ -83,10 +83,8 @@ def set_threads(args: argparse.Namespace) -> None:
         torch.set_num_threads(args.threads)
 
 
-def engine_args_from(args: argparse.Namespace, **knobs: Any):  # noqa: ANN201 (EngineArgs, imported lazily)
+def engine_args_from(args: argparse.Namespace, **knobs: Any) -> EngineArgs:
     """EngineArgs from the engine flags; `knobs` override the scheduler's (calibrate fixes its budget)."""
-    from servelab.engine.llm_engine import EngineArgs
-
     return EngineArgs(
         model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, deterministic=args.deterministic,
