@@ -65,15 +65,17 @@ class EngineArgs:
 
     def __post_init__(self) -> None:
         # One vocabulary (spec/dtypes.py): old spellings such as "bf16" name the same dtype.
-        self.dtype = None if self.dtype in (None, "auto") else canonical_dtype(self.dtype)
-        self.kv_cache_dtype = canonical_dtype(self.kv_cache_dtype)
+        if isinstance(self.dtype, str):
+            self.dtype = None if self.dtype.strip().lower() == "auto" else canonical_dtype(self.dtype)
+        if isinstance(self.kv_cache_dtype, str):
+            self.kv_cache_dtype = canonical_dtype(self.kv_cache_dtype)
 
     @classmethod
     def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
         """Flat keywords, as `LLM(...)` takes them (vLLM's style): the scheduler's knobs
         (`max_num_seqs=...`) go into `scheduler`, the rest are EngineArgs fields."""
         knobs = {k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.__dataclass_fields__}
-        unknown = set(kwargs) - set(cls.__dataclass_fields__) - {"scheduler"}
+        unknown = set(kwargs) - set(cls.__dataclass_fields__)
         if unknown:
             raise InvalidArgument(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
         if knobs and "scheduler" in kwargs:

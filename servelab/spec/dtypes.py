@@ -70,6 +70,8 @@ def gguf_block_dtype(name: str) -> DType:
 def canonical_dtype(name: str) -> str:
     """The canonical spelling of a dtype name: 'BF16' -> 'bfloat16'; unknown names pass through
     (lower-cased) for the lookup that follows to refuse."""
+    if not isinstance(name, str):
+        raise InvalidArgument(f"a dtype is a name such as {DEFAULT_DTYPE!r}, got {name!r}", param="dtype")
     key = name.strip().lower()
     return DEPRECATED_ALIASES.get(key, key)
 
