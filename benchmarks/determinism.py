@@ -74,14 +74,14 @@ def main() -> None:
     }
     results: dict[str, dict] = {}
     t = time.perf_counter()
-    engine = LLMEngine.from_args(EngineArgs(**base))
+    engine = LLMEngine.from_args(EngineArgs.from_kwargs(**base))
     batch = prompts(engine, args.prompts)
     reference = [generate(engine, [ids], args.max_tokens, f"alone{i}")[0][0] for i, ids in enumerate(batch)]
     results["alone"] = {"tokens": 0, "logprob_bits": 0, "preemptions": 0, "seconds": round(time.perf_counter() - t, 1)}
     outputs = {}
     for name, kwargs in runs.items():
         t = time.perf_counter()
-        engine = LLMEngine.from_args(EngineArgs(**kwargs))
+        engine = LLMEngine.from_args(EngineArgs.from_kwargs(**kwargs))
         outputs[name], preemptions = generate(engine, batch, args.max_tokens, name)
         results[name] = {**differ(outputs[name], reference), "preemptions": preemptions, "seconds": round(time.perf_counter() - t, 1)}
     results["preempted vs batched"] = differ(outputs["preempted"], outputs["batched"])

@@ -67,7 +67,7 @@ class Servelab:
         self.name = "deterministic" if deterministic else "servelab"
         # Prefix caching off: every round reuses the same prompts and must not be served from cache.
         self.engine = LLMEngine.from_args(
-            EngineArgs(dtype="float32" if deterministic else dtype, enable_prefix_caching=False, max_num_seqs=64,
+            EngineArgs.from_kwargs(dtype="float32" if deterministic else dtype, enable_prefix_caching=False, max_num_seqs=64,
                        max_num_batched_tokens=2048, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
                        deterministic=deterministic)
         )

@@ -19,6 +19,7 @@ import json
 import struct
 from typing import Any
 
+from servelab.core.config import SchedulerConfig
 from servelab.sim import SimConfig, simulate
 from servelab.workload import WorkloadSpec
 
@@ -31,7 +32,7 @@ def configs(n: int) -> dict[str, tuple[SimConfig, WorkloadSpec]]:
                          num_prefix_groups=4, seed=1),
         ),
         "prefill-first": (
-            SimConfig(policy="prefill-first"),
+            SimConfig(scheduler=SchedulerConfig(policy="prefill-first")),
             WorkloadSpec(n, rate=20.0, input_len="512-2048", output_len="lognormal:200,0.6", seed=2),
         ),
         "disaggregated-2:1": (
@@ -39,12 +40,12 @@ def configs(n: int) -> dict[str, tuple[SimConfig, WorkloadSpec]]:
             WorkloadSpec(n, rate=25.0, input_len="1024", output_len="256", shared_prefix_fraction=0.25, seed=3),
         ),
         "preempting": (
-            SimConfig(num_blocks=1200, max_num_batched_tokens=1024),
+            SimConfig(scheduler=SchedulerConfig(num_blocks=1200, max_num_batched_tokens=1024)),
             WorkloadSpec(n, rate=None, concurrency=None, input_len="lognormal:700,0.5", output_len="64-600",
                          seed=4),
         ),
         "closed-loop-2-replicas": (
-            SimConfig(replicas=2, router="least-kv", block_size=32),
+            SimConfig(replicas=2, router="least-kv", scheduler=SchedulerConfig(block_size=32)),
             WorkloadSpec(n, concurrency=96, input_len="uniform:100,3000", output_len="1-400", seed=5),
         ),
     }

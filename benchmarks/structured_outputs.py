@@ -112,7 +112,7 @@ def main() -> None:
     n, k = args.seqs, args.constrained
 
     def load() -> LLMEngine:
-        engine = LLMEngine.from_args(EngineArgs(dtype="float32", max_num_seqs=n, max_model_len=1024))
+        engine = LLMEngine.from_args(EngineArgs.from_kwargs(dtype="float32", max_num_seqs=n, max_model_len=1024))
         engine.prepare_logits_processors(params(True, 1))  # xgrammar import and compile: not per step
         return engine
 

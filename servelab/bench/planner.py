@@ -15,8 +15,10 @@ from typing import Any
 
 from servelab.bench.binding import Binding, Observed, binding_limit, observe
 from servelab.bench.capacity import CapacityResult, find_capacity
+from servelab.core.config import SchedulerConfig
 from servelab.errors import DoesNotFit, InvalidArgument, RequestTooLong
 from servelab.metrics import SLO
+from servelab.spec.dtypes import DEFAULT_DTYPE
 from servelab.workload import WorkloadSpec
 
 
@@ -71,10 +73,9 @@ class PlanJob:
     slo: SLO
     percentile: int
     workload: dict[str, Any]  # WorkloadSpec fields, without the load
-    weight_dtype: str = "bf16"
-    kv_dtype: str = "bf16"
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
+    weight_dtype: str = DEFAULT_DTYPE
+    kv_dtype: str = DEFAULT_DTYPE
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # one replica's
     max_concurrency: int | None = None
     target_rate: float | None = None
     price_per_device_hour: float | None = None
@@ -117,8 +118,7 @@ def plan_one(job: PlanJob) -> PlanRow:
         tp=job.tp,
         weight_dtype=job.weight_dtype,
         kv_dtype=job.kv_dtype,
-        max_num_seqs=job.max_num_seqs,
-        max_num_batched_tokens=job.max_num_batched_tokens,
+        scheduler=job.scheduler,
         slo=job.slo,
         cost_model=None if job.profile is None else _profile_cost(job.profile),
     )
@@ -139,7 +139,7 @@ def plan_one(job: PlanJob) -> PlanRow:
         return result.steady_or_whole
 
     # Beyond a few times max_num_seqs the extra requests only queue: TTFT grows, TPOT does not.
-    max_load = job.max_concurrency or 4 * job.max_num_seqs
+    max_load = job.max_concurrency or 4 * job.scheduler.max_num_seqs
     if fixed_n:
         max_load = min(max_load, fixed_n)  # more clients than requests changes nothing
     try:
@@ -149,7 +149,7 @@ def plan_one(job: PlanJob) -> PlanRow:
         row.reason = exc.message
         return row
     fill_row(row, result, job)
-    row.binding = binding_limit(result, observed, max_num_seqs=job.max_num_seqs, request_tokens=longest)
+    row.binding = binding_limit(result, observed, max_num_seqs=job.scheduler.max_num_seqs, request_tokens=longest)
     return row
 
 

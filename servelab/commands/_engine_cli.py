@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import argparse
+from typing import Any
 
+from servelab.commands._dtype_cli import add_engine_dtype_arguments
+from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
 from servelab.core.sequence import SamplingParams
 from servelab.engine.generation_config import SOURCE_HELP, sampling_default
+from servelab.engine.llm_engine import DEFAULT_MAX_MODEL_LEN, EngineArgs
 
 # shared with `servelab serve`
 QUANTIZATION_HELP = "int8: int8 linears on CPU, 2-6x faster than fp32 here, approximate but batch-invariant (default: off)"
-KV_CACHE_DTYPE_HELP = (
-    "KV cache storage (default auto: the compute dtype); 16 bits hold twice the tokens of fp32 "
-    "(float16 saturates to inf above 65504, bfloat16 keeps fp32's range with fewer bits)"
-)
 
 DETERMINISTIC_HELP = (
     "greedy output bit-identical whatever else is in the batch, however prompts are chunked and across "
@@ -20,20 +20,14 @@ DETERMINISTIC_HELP = (
 )
 
 
-DTYPE_HELP = ("compute dtype (default: float32 on a CPU, where all of servelab's fast kernels compute; "
-              "bfloat16, else float16, on CUDA)")
-
-
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
     g.add_argument("--model", default=None, help="GGUF file or HF model directory (default: the bundled SmolLM2-135M-Instruct Q4_1)")
-    g.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
-                   help=DTYPE_HELP)
+    add_engine_dtype_arguments(g)
     g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default: cpu)")
-    g.add_argument("--max-model-len", type=int, default=None, help="context limit in tokens (default: min(model, 8192))")
+    add_scheduler_arguments(g, ("max_model_len",), unset={"max_model_len": f"the model's, at most {DEFAULT_MAX_MODEL_LEN}"})
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--quantization", choices=["int8"], default=None, help=QUANTIZATION_HELP)
-    g.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto", help=KV_CACHE_DTYPE_HELP)
     g.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
 
 
@@ -78,8 +72,7 @@ def sampling_params_from(args: argparse.Namespace, defaults: dict[str, float] | 
     )
 
 
-def build_engine(args: argparse.Namespace):
-    from servelab.engine.llm_engine import EngineArgs, LLMEngine
+def set_threads(args: argparse.Namespace) -> None:
     from servelab.errors import InvalidArgument
 
     if args.threads is not None:
@@ -88,12 +81,23 @@ def build_engine(args: argparse.Namespace):
         import torch
 
         torch.set_num_threads(args.threads)
-    return LLMEngine.from_args(
-        EngineArgs(
-            model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-            quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, deterministic=args.deterministic,
-        )
-    )
+
+
+def engine_args_from(args: argparse.Namespace, **knobs: Any) -> EngineArgs:
+    """EngineArgs from the engine flags; `knobs` override the scheduler's (calibrate fixes its budget)."""
+    return EngineArgs(
+        model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype, deterministic=args.deterministic,
+        scheduler=scheduler_config_from_args(args, **knobs),
+    )  # fmt: skip
+
+
+def build_engine(args: argparse.Namespace):
+    from servelab.engine.llm_engine import LLMEngine
+
+    engine_args = engine_args_from(args)
+    set_threads(args)
+    return LLMEngine.from_args(engine_args)
 
 
 def timing_line(seq, engine) -> str:

@@ -13,7 +13,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from servelab.commands._engine_cli import add_engine_arguments
+from servelab.commands._engine_cli import add_engine_arguments, engine_args_from, set_threads
 from servelab.errors import InvalidArgument
 
 HELP = "time the engine on a grid of step shapes and write a step-cost profile for sim/plan/roofline"
@@ -174,22 +174,15 @@ def build_profile(engine: Any, args: argparse.Namespace, grid_name: str, measure
 
 def run(args: argparse.Namespace) -> int:
     from servelab.commands._outputs import check_output_file
-    from servelab.engine.llm_engine import EngineArgs, LLMEngine
+    from servelab.engine.llm_engine import LLMEngine
 
     check_output_file(args.out, "--out")
     check_output_file(args.hardware_out, "--hardware-out")
-    if args.threads is not None:
-        if args.threads < 1:
-            raise InvalidArgument(f"--threads must be >= 1, got {args.threads}", param="threads")
-        import torch
-
-        torch.set_num_threads(args.threads)
     grid = GRIDS[args.grid]
-    engine = LLMEngine.from_args(EngineArgs(
-        model=args.model, dtype=args.dtype, device=args.device, max_model_len=args.max_model_len,
-        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, deterministic=args.deterministic,
-        max_num_batched_tokens=grid.chunk, enable_prefix_caching=False,  # the same shapes every repeat
-    ))
+    # the same shapes every repeat: no prefix cache, the grid's budget
+    engine_args = engine_args_from(args, max_num_batched_tokens=grid.chunk, enable_prefix_caching=False)
+    set_threads(args)
+    engine = LLMEngine.from_args(engine_args)
     t0 = time.perf_counter()
     measurements = measure(engine, grid)
     profile = build_profile(engine, args, args.grid, measurements, time.perf_counter() - t0)

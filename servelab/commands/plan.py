@@ -6,6 +6,8 @@ import argparse
 import json
 import os
 
+from servelab.commands._dtype_cli import add_cost_dtype_arguments, cost_dtypes
+from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
 from servelab.errors import InvalidArgument
 from servelab.units import parse_duration_s, parse_int_list, parse_str_list
 
@@ -19,12 +21,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="llama-3.1-8b", help="catalog model (see `servelab models`)")
     g.add_argument("--hardware", default="h100-sxm", help="comma list of catalog accelerators or JSON hardware files, e.g. h100-sxm,h200,generic-cpu.json")
     g.add_argument("--tp", default="1", help="comma list of tensor-parallel degrees, e.g. 1,2,4,8 (default 1)")
-    g.add_argument("--dtype", default="bf16", help="weight dtype (default bf16)")
-    g.add_argument("--kv-dtype", default="bf16", help="KV cache dtype (default bf16)")
+    add_cost_dtype_arguments(g)
     g.add_argument("--profile", default=None, metavar="FILE.json",
                    help="price steps with a `servelab calibrate` profile instead of the roofline")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="scheduler's most running sequences (default 256)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (default 2048)")
+    add_scheduler_arguments(g, ("max_num_seqs", "max_num_batched_tokens"))
     t = parser.add_argument_group("targets")
     t.add_argument("--slo-tpot", default=None, help="TPOT target, e.g. 50ms")
     t.add_argument("--slo-ttft", default=None, help="TTFT target, e.g. 1s")
@@ -62,9 +62,8 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgument(f"--target-rate must be > 0 requests/s, got {args.target_rate:g}")
     if args.rate is not None or args.concurrency is not None or args.trace is not None:
         raise InvalidArgument("plan searches the load itself: drop --rate/--concurrency/--trace")
-    for name in ("max_num_seqs", "max_num_batched_tokens"):
-        if getattr(args, name) < 1:
-            raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    scheduler = scheduler_config_from_args(args)
+    weight, kv = cost_dtypes(args)
     if args.workers is not None and args.workers < 1:
         raise InvalidArgument(f"--workers must be >= 1, got {args.workers}")
     from servelab.commands._outputs import check_output_file
@@ -90,8 +89,7 @@ def run(args: argparse.Namespace) -> int:
     prices = parse_prices(args.price, hardware)
     jobs = [
         PlanJob(model=model.name, hardware=h, tp=tp, slo=slo, percentile=args.percentile, workload=workload,
-                weight_dtype=args.dtype, kv_dtype=args.kv_dtype, max_num_seqs=args.max_num_seqs,
-                max_num_batched_tokens=args.max_num_batched_tokens, max_concurrency=args.max_concurrency,
+                weight_dtype=weight, kv_dtype=kv, scheduler=scheduler, max_concurrency=args.max_concurrency,
                 target_rate=args.target_rate, price_per_device_hour=prices.get(get_hardware(h).name),
                 profile=args.profile)
         for h in hardware

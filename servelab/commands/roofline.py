@@ -12,6 +12,7 @@ import json
 import os
 from typing import Any
 
+from servelab.commands._dtype_cli import add_cost_dtype_arguments, cost_dtypes
 from servelab.errors import InvalidArgument
 from servelab.units import parse_duration_s, parse_int_list
 
@@ -22,8 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="catalog model (see `servelab models`), an HF config.json (or its directory) or a .gguf file")
     parser.add_argument("--hardware", required=True, help="catalog accelerator (see `servelab hardware`) or a JSON hardware file")
-    parser.add_argument("--dtype", default="bf16", help="weight dtype: fp32, bf16, fp16, fp8, int8, int4 or a GGUF block format (q4_0 ... q6_k) (default bf16)")
-    parser.add_argument("--kv-dtype", default="bf16", help="KV cache dtype: fp32, bf16, fp16, fp8 (default bf16)")
+    add_cost_dtype_arguments(parser)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     parser.add_argument("--batch", default="1,8,64", help="comma-separated decode batch sizes (default 1,8,64)")
     parser.add_argument("--context", type=int, default=2048, help="tokens of context per sequence (default 2048)")
@@ -81,7 +81,8 @@ def build(args: argparse.Namespace) -> tuple[Any, list[int]]:  # (Roofline, batc
     if args.prompt_len is not None and args.prompt_len < 1:
         raise InvalidArgument(f"--prompt-len must be at least 1 token, got {args.prompt_len}")
     model = load_model(args.model)
-    roofline = Roofline(model, get_hardware(args.hardware), weight_dtype=args.dtype, kv_dtype=args.kv_dtype,
+    weight, kv = cost_dtypes(args)
+    roofline = Roofline(model, get_hardware(args.hardware), weight_dtype=weight, kv_dtype=kv,
                         tp=args.tp, efficiency=_efficiency(args), memory_fraction=args.memory_fraction)
     if args.context > model.max_context:
         raise InvalidArgument(f"--context {args.context} exceeds {model.name}'s maximum context of {model.max_context} tokens")

@@ -12,7 +12,10 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from servelab.commands._engine_cli import DETERMINISTIC_HELP, DTYPE_HELP, KV_CACHE_DTYPE_HELP, QUANTIZATION_HELP
+from servelab.commands._dtype_cli import add_engine_dtype_arguments
+from servelab.commands._engine_cli import DETERMINISTIC_HELP, QUANTIZATION_HELP
+from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
+from servelab.engine.llm_engine import DEFAULT_MAX_MODEL_LEN
 from servelab.errors import InvalidArgument
 from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES, OPEN_PATHS
 from servelab.server.tool_parsers import TOOL_CALL_PARSERS
@@ -67,11 +70,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--model", default=None,
                        help="GGUF file or HF model directory (default: the bundled SmolLM2-135M-Instruct Q4_1)")  # fmt: skip
     model.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: from the model)")
-    model.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default=None,
-                       help=DTYPE_HELP)
+    add_engine_dtype_arguments(model)
     model.add_argument("--quantization", choices=["int8"], default=None, help=QUANTIZATION_HELP)
-    model.add_argument("--kv-cache-dtype", choices=["auto", "bfloat16", "float16", "float32"], default="auto",
-                       help=KV_CACHE_DTYPE_HELP)
     model.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default cpu)")
     model.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
     model.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests (default 0)")
@@ -81,22 +81,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "and 'required' or a named function still work")  # fmt: skip
 
     limits = parser.add_argument_group("engine and limits")
-    limits.add_argument("--max-model-len", type=int, default=None,
-                        help="longest prompt + completion in tokens (default: the model's, at most 8192)")  # fmt: skip
-    limits.add_argument("--max-num-seqs", type=int, default=256, help="most sequences in one batch (default 256)")
-    limits.add_argument("--max-num-batched-tokens", type=int, default=2048,
-                        help="token budget of one step (default 2048)")  # fmt: skip
-    # Bounded by default: an overloaded server should shed load with 503s that clients retry,
-    # not queue without limit while every TTFT grows; 0 lifts the bound.
-    limits.add_argument("--max-waiting-requests", type=int, default=4096,
-                        help="bound on the waiting queue; beyond it requests get 503 + Retry-After (default 4096; 0 = unbounded)")  # fmt: skip
-    limits.add_argument("--policy", choices=["chunked", "prefill-first"], default="chunked",
-                        help="scheduling policy (default chunked prefill)")  # fmt: skip
-    limits.add_argument("--order", choices=["fcfs", "priority"], default="fcfs",
-                        help="waiting-queue order; 'priority' honours the request's 'priority' field (default fcfs)")  # fmt: skip
-    limits.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
-    limits.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
-    limits.add_argument("--num-blocks", type=int, default=None, help="KV blocks in the pool (default: from --kv-cache-memory)")
+    add_scheduler_arguments(
+        limits,
+        ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "policy", "order",
+         "enable_prefix_caching", "block_size", "num_blocks"),
+        # Bounded by default: an overloaded server should shed load with 503s that clients retry,
+        # not queue without limit while every TTFT grows; 0 lifts the bound.
+        defaults={"max_waiting": 4096},
+        unset={"max_model_len": f"the model's, at most {DEFAULT_MAX_MODEL_LEN}", "num_blocks": "from --kv-cache-memory"},
+    )  # fmt: skip
     limits.add_argument("--kv-cache-memory", default=None, help="memory for the KV cache, e.g. 1GiB (default 1GiB)")
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
                         help="server log verbosity (default: info)")
@@ -105,12 +98,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _check_args(args: argparse.Namespace) -> None:
     if not 0 <= args.port < 65536:
         raise InvalidArgument(f"--port: must be in [0, 65535], got {args.port}")
-    if args.max_waiting_requests < 0:
-        raise InvalidArgument(f"--max-waiting-requests: must be >= 0 (0 = unbounded), got {args.max_waiting_requests}")
-    for flag in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size", "num_blocks"):
-        value = getattr(args, flag)
-        if value is not None and value < 1:
-            raise InvalidArgument(f"--{flag.replace('_', '-')}: must be >= 1, got {value}")
     if args.api_key is not None and not args.api_key.strip():
         raise InvalidArgument("--api-key: must not be empty")
 
@@ -164,6 +151,7 @@ def mount_lab(app: FastAPI) -> bool:
 
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
+    scheduler = scheduler_config_from_args(args)  # bad knobs fail here, before the port and the model
     shutdown_timeout_s = parse_duration_s(args.shutdown_timeout, name="--shutdown-timeout")
     kv_bytes = parse_bytes(args.kv_cache_memory, name="--kv-cache-memory") if args.kv_cache_memory else None
     max_request_bytes = (
@@ -186,15 +174,7 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_dtype=args.kv_cache_dtype,
         deterministic=args.deterministic,
         device=args.device,
-        max_model_len=args.max_model_len,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_waiting=args.max_waiting_requests or None,
-        policy=args.policy,
-        order=args.order,
-        enable_prefix_caching=not args.no_prefix_caching,
-        block_size=args.block_size,
-        num_blocks=args.num_blocks,
+        scheduler=scheduler,
         kv_cache_memory_bytes=kv_bytes,
         seed=args.seed,
         served_model_name=args.served_model_name,

@@ -6,6 +6,8 @@ import argparse
 import json
 import sys
 
+from servelab.commands._dtype_cli import add_cost_dtype_arguments, cost_dtypes
+from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
 from servelab.errors import InvalidArgument
 from servelab.units import parse_duration_s
 
@@ -29,8 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per replica (default 1)")
     g.add_argument("--profile", default=None, metavar="FILE.json",
                    help="price steps with a `servelab calibrate` profile instead of the roofline")
-    g.add_argument("--dtype", default="bf16", help="weight dtype: fp32, bf16, fp16, fp8, int8, int4 or a GGUF block format (q4_0 ... q6_k) (default bf16)")
-    g.add_argument("--kv-dtype", default="bf16", help="KV cache dtype: fp32, bf16, fp16, fp8 (default bf16)")
+    add_cost_dtype_arguments(g)
     layout = g.add_mutually_exclusive_group()
     layout.add_argument("--replicas", type=int, default=1, help="colocated replicas behind the router (default 1)")
     layout.add_argument("--disagg", type=_disagg, default=None, metavar="P:D", help="P prefill and D decode replicas")
@@ -38,13 +39,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--link-bandwidth", type=float, default=None, metavar="GB_PER_S",
                    help="prefill→decode KV link per replica in GB/s (default 50 per device)")
     g.add_argument("--link-latency", default="0.5ms", help="KV transfer latency (default 0.5ms)")
-    s = parser.add_argument_group("scheduler")
-    s.add_argument("--scheduler", default="chunked", help="chunked | prefill-first (default chunked)")
-    s.add_argument("--max-num-batched-tokens", type=int, default=2048, help="token budget per step (default 2048)")
-    s.add_argument("--max-num-seqs", type=int, default=256, help="most sequences running at once (default 256)")
-    s.add_argument("--max-model-len", type=int, default=None, help="context limit (default: the model's)")
-    s.add_argument("--num-blocks", type=int, default=None, help="KV blocks per replica (default: from the memory plan)")
-    s.add_argument("--no-prefix-caching", action="store_true", help="disable the prefix cache")
+    s = parser.add_argument_group("scheduler (per replica)")
+    add_scheduler_arguments(
+        s, ("policy", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_blocks", "enable_prefix_caching"),
+        unset={"max_model_len": "the model's", "num_blocks": "from the memory plan"},
+    )
     add_workload_arguments(parser)
     o = parser.add_argument_group("output")
     o.add_argument("--warmup", default=None, metavar="N|DURATION",
@@ -94,11 +93,11 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201
     from servelab.spec.hardware import get_hardware
     from servelab.spec.model import get_model
 
-    for name in ("tp", "replicas", "max_num_batched_tokens", "max_num_seqs"):
+    for name in ("tp", "replicas"):
         if getattr(args, name) < 1:
             raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.max_model_len is not None and args.max_model_len < 1:
-        raise InvalidArgument(f"--max-model-len must be >= 1, got {args.max_model_len}")
+    scheduler = scheduler_config_from_args(args)
+    weight, kv = cost_dtypes(args)
     if args.link_bandwidth is not None and not args.link_bandwidth > 0:
         raise InvalidArgument(f"--link-bandwidth must be > 0 GB/s, got {args.link_bandwidth:g}")
     model = get_model(args.model)
@@ -112,17 +111,12 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201
         cost_model=cost_model,
         hardware=get_hardware(args.hardware),
         tp=args.tp,
-        weight_dtype=args.dtype,
-        kv_dtype=args.kv_dtype,
+        weight_dtype=weight,
+        kv_dtype=kv,
         replicas=args.replicas,
         disagg=args.disagg,
         router=args.router,
-        policy=args.scheduler,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        num_blocks=args.num_blocks,
-        enable_prefix_caching=not args.no_prefix_caching,
+        scheduler=scheduler,
         link_bandwidth_bytes_per_s=None if args.link_bandwidth is None else args.link_bandwidth * 1e9,
         link_latency_s=parse_duration_s(args.link_latency, name="--link-latency"),
         slo=_slo(args),

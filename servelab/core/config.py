@@ -1,13 +1,26 @@
-"""Scheduler configuration: budgets, KV pool size and policy. Pure Python."""
+"""Scheduler configuration: budgets, KV pool size and policy. Pure Python.
+
+`SchedulerConfig` is the one definition of the scheduler's knobs: the engine's `EngineArgs`, the
+simulator's `SimConfig` and the planner's `PlanJob` contain one, and the CLI flags are generated
+from its fields (`servelab.commands._scheduler_cli`), so a default or a help line lives here only.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
+from typing import Any
 
 from servelab.errors import InvalidArgument
 
 POLICIES = ("chunked", "prefill-first")
 ORDERS = ("fcfs", "priority")
+
+
+def knob(help: str, **cli: Any) -> dict[str, Any]:
+    """Field metadata: the flag's help line (its default is added from the field) and CLI hints:
+    `flag` (default --field-name), `choices`, `zero_is_none` (the flag's 0 means None),
+    `deprecated_flags` (old spellings kept as aliases)."""
+    return {"help": help, **cli}
 
 
 @dataclass(slots=True)
@@ -28,24 +41,50 @@ class SchedulerConfig:
       requests with QueueFull. Preempted requests always go back to the queue, even past it.
     - A request must satisfy prompt + max_tokens <= `max_model_len` and prompt <= the KV pool;
       one whose output outgrows the pool stops with LENGTH when its next token has no slot.
+    - `num_blocks` and `max_model_len` may be None while the config is a user's request: the
+      owner (the engine from its KV memory and model, the simulator from its memory plan) fills
+      them in with `resolve` before a `Scheduler` takes the config.
     """
 
-    num_blocks: int
-    block_size: int = 16
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int = 8192
-    max_waiting: int | None = None
-    policy: str = "chunked"
-    order: str = "fcfs"
-    enable_prefix_caching: bool = True
+    num_blocks: int | None = field(default=None, metadata=knob("KV blocks in the pool"))
+    block_size: int = field(default=16, metadata=knob("tokens per KV block"))
+    max_num_batched_tokens: int = field(default=2048, metadata=knob("token budget of one step"))
+    max_num_seqs: int = field(default=256, metadata=knob("most sequences running at once"))
+    max_model_len: int | None = field(default=None, metadata=knob("longest prompt + completion in tokens"))
+    max_waiting: int | None = field(
+        default=None,
+        metadata=knob("bound on the waiting queue; beyond it requests are refused (503 + Retry-After)",
+                      flag="--max-waiting-requests", zero_is_none=True),
+    )  # fmt: skip
+    policy: str = field(
+        default="chunked",
+        metadata=knob("scheduling policy: chunked (chunked prefill) or prefill-first (whole prompts first)",
+                      choices=POLICIES, deprecated_flags=("--scheduler",)),
+    )  # fmt: skip
+    order: str = field(
+        default="fcfs",
+        metadata=knob("waiting-queue order: fcfs, or priority (honours the request's 'priority' field)",
+                      choices=ORDERS),
+    )  # fmt: skip
+    enable_prefix_caching: bool = field(default=True, metadata=knob("disable the prefix cache",
+                                                                     flag="--no-prefix-caching"))
 
     def __post_init__(self) -> None:
-        self.validate()
+        self.validate(resolved=False)
 
-    def validate(self) -> None:
+    def validate(self, *, resolved: bool = True) -> None:
+        """Checks every knob; `resolved` (as a Scheduler needs it) also requires the KV pool size
+        and the context limit to be known."""
+        for name in ("num_blocks", "max_model_len"):
+            if resolved and getattr(self, name) is None:
+                raise InvalidArgument(
+                    f"{name} is unset: the engine or the simulator sizes it (SchedulerConfig.resolve) "
+                    f"before a scheduler starts", param=name,
+                )  # fmt: skip
         for name in ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             value = getattr(self, name)
+            if value is None and name in ("num_blocks", "max_model_len"):
+                continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"{name} must be an integer >= 1, got {value!r}", param=name)
         if self.max_waiting is not None and (
@@ -62,6 +101,14 @@ class SchedulerConfig:
         if self.order not in ORDERS:
             raise InvalidArgument(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}", param="order")
 
+    def resolve(self, *, num_blocks: int, max_model_len: int) -> SchedulerConfig:
+        """A copy with the pool size and context limit the owner derived, ready for a Scheduler."""
+        resolved = replace(self, num_blocks=num_blocks, max_model_len=max_model_len)
+        resolved.validate()
+        return resolved
+
     @property
     def kv_capacity_tokens(self) -> int:
+        if self.num_blocks is None:
+            raise InvalidArgument("num_blocks is unset: the KV pool has no size yet", param="num_blocks")
         return self.num_blocks * self.block_size

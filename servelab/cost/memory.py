@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from servelab.errors import DoesNotFit, InvalidArgument
+from servelab.spec.dtypes import DEFAULT_DTYPE
 from servelab.spec.dtypes import kv_dtype as _kv_dtype
 from servelab.spec.dtypes import weight_dtype as _weight_dtype
 from servelab.spec.hardware import HardwareSpec
@@ -43,8 +44,8 @@ def _gb(n_bytes: float) -> str:
 class MemoryPlan:
     model: ModelSpec
     hardware: HardwareSpec
-    weight_dtype: str = "bf16"
-    kv_dtype: str = "bf16"
+    weight_dtype: str = DEFAULT_DTYPE
+    kv_dtype: str = DEFAULT_DTYPE
     tp: int = 1
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
 
@@ -53,8 +54,9 @@ class MemoryPlan:
         if self.tp > 1 and self.hardware.interconnect_bytes_per_s is None:
             raise InvalidArgument(f"tp={self.tp} needs a device-to-device link, and {self.hardware.name} has no "
                                   "interconnect_bytes_per_s; use tp=1", param="tp")
-        _weight_dtype(self.weight_dtype)
-        _kv_dtype(self.kv_dtype)
+        # validated, and named in the canonical spelling ("bf16" -> "bfloat16")
+        object.__setattr__(self, "weight_dtype", _weight_dtype(self.weight_dtype).name)
+        object.__setattr__(self, "kv_dtype", _kv_dtype(self.kv_dtype).name)
         if not 0.0 < self.memory_fraction <= 1.0:
             raise InvalidArgument(f"memory fraction must be in (0, 1], got {self.memory_fraction}",
                                   param="memory_fraction")

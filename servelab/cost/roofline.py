@@ -24,7 +24,7 @@ from types import MappingProxyType
 from servelab.cost.memory import DEFAULT_MEMORY_FRACTION, MemoryPlan, kv_heads_per_device
 from servelab.cost.step_cost import Shape, StepCost
 from servelab.errors import InvalidArgument
-from servelab.spec.dtypes import ACTIVATION_BYTES
+from servelab.spec.dtypes import ACTIVATION_BYTES, DEFAULT_DTYPE
 from servelab.spec.dtypes import weight_dtype as _weight_dtype
 from servelab.spec.hardware import HardwareSpec
 from servelab.spec.model import ModelSpec
@@ -109,16 +109,15 @@ class Efficiency:
 class Roofline:
     """Prices a step of `model` on `tp` devices of `hardware`. Bytes and FLOPs are per device."""
 
-    def __init__(self, model: ModelSpec, hardware: HardwareSpec, weight_dtype: str = "bf16",
-                 kv_dtype: str = "bf16", tp: int = 1, efficiency: Efficiency | None = None,
+    def __init__(self, model: ModelSpec, hardware: HardwareSpec, weight_dtype: str = DEFAULT_DTYPE,
+                 kv_dtype: str = DEFAULT_DTYPE, tp: int = 1, efficiency: Efficiency | None = None,
                  memory_fraction: float = DEFAULT_MEMORY_FRACTION) -> None:
         self.model = model
         self.hardware = hardware
-        self.weight_dtype = weight_dtype
-        self.kv_dtype = kv_dtype
         self.tp = tp
         self.efficiency = eff = efficiency or Efficiency()
         self.memory = MemoryPlan(model, hardware, weight_dtype, kv_dtype, tp, memory_fraction)  # validates
+        self.weight_dtype, self.kv_dtype = self.memory.weight_dtype, self.memory.kv_dtype  # canonical names
         wdt = _weight_dtype(weight_dtype)
         fmt = eff.for_format(weight_dtype)
         m = model

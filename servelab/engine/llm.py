@@ -90,13 +90,11 @@ def _normalise_prompts(prompts: Any) -> list[Prompt]:
 
 
 class LLM:
-    """An engine for offline batches. Keyword arguments are `EngineArgs` fields."""
+    """An engine for offline batches. Keyword arguments are `EngineArgs` fields and the
+    scheduler's knobs (`SchedulerConfig` fields, e.g. `max_num_seqs=8`)."""
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any):
-        unknown = set(engine_kwargs) - set(EngineArgs.__dataclass_fields__)
-        if unknown:
-            raise InvalidArgument(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
-        self.engine = LLMEngine.from_args(EngineArgs(model=model, **engine_kwargs))
+        self.engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=model, **engine_kwargs))
         self.tokenizer = self.engine.tokenizer
         self._ids = itertools.count()
 

@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+from servelab.core.config import SchedulerConfig
 from servelab.core.plan import RequestOutput, TokenLogprobs
 from servelab.core.sequence import FinishReason, SamplingParams, Sequence
 from servelab.engine.detokenizer import RequestTextStream
 from servelab.errors import InvalidArgument, RequestTooLong
+from servelab.spec.dtypes import FLOAT_DTYPES, canonical_dtype, require_supported
 
 if TYPE_CHECKING:
-    from servelab.core.config import SchedulerConfig
     from servelab.core.plan import Executor
     from servelab.core.scheduler import Scheduler
     from servelab.engine.logits_processors import LogitsProcessors
@@ -28,7 +29,7 @@ logger = logging.getLogger("servelab.engine")
 
 DEFAULT_MAX_MODEL_LEN = 8192  # CPU default: longer contexts are possible but unusably slow here
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
-DTYPES = ("bfloat16", "float16", "float32")
+DTYPES = FLOAT_DTYPES  # the compute dtypes; names in spec/dtypes.py's vocabulary
 KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: the compute dtype
 DEVICES = ("cpu", "cuda")
 QUANTIZATIONS = ("int8",)  # engine/quantization.py implements them (it imports torch; this module does not)
@@ -37,17 +38,11 @@ QUANTIZATIONS = ("int8",)  # engine/quantization.py implements them (it imports 
 @dataclass
 class EngineArgs:
     model: str | None = None  # GGUF file or HF model dir; None = the bundled SmolLM2-135M-Instruct Q4_1 GGUF
-    dtype: str | None = None  # "bfloat16" | "float16" | "float32"; None = fp32 on a CPU, bf16 (else fp16) on CUDA
+    dtype: str | None = None  # "bfloat16" | "float16" | "float32"; None (or "auto") = fp32 on a CPU, bf16 (else fp16) on CUDA
     device: str = "cpu"  # "cpu" | "cuda"
-    max_model_len: int | None = None  # None = min(model max context, DEFAULT_MAX_MODEL_LEN)
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 2048
-    max_waiting: int | None = None
-    policy: str = "chunked"  # | "prefill-first"
-    order: str = "fcfs"  # | "priority"
-    enable_prefix_caching: bool = True
-    block_size: int = 16
-    num_blocks: int | None = None  # None = derived from kv_cache_memory_bytes
+    # Budgets, policy and KV block size. num_blocks None = derived from kv_cache_memory_bytes;
+    # max_model_len None = min(model max context, DEFAULT_MAX_MODEL_LEN).
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     kv_cache_memory_bytes: int | None = None  # None = DEFAULT_KV_CACHE_MEMORY_BYTES
     seed: int = 0
     served_model_name: str | None = None
@@ -68,14 +63,31 @@ class EngineArgs:
     # fails at once); False: pages are touched as blocks first fill (fast start for offline use)
     kv_cache_prefault: bool = False
 
+    def __post_init__(self) -> None:
+        # One vocabulary (spec/dtypes.py): old spellings such as "bf16" name the same dtype.
+        if isinstance(self.dtype, str):
+            self.dtype = None if self.dtype.strip().lower() == "auto" else canonical_dtype(self.dtype)
+        if isinstance(self.kv_cache_dtype, str):
+            self.kv_cache_dtype = canonical_dtype(self.kv_cache_dtype)
+
+    @classmethod
+    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
+        """Flat keywords, as `LLM(...)` takes them (vLLM's style): the scheduler's knobs
+        (`max_num_seqs=...`) go into `scheduler`, the rest are EngineArgs fields."""
+        knobs = {k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.__dataclass_fields__}
+        unknown = set(kwargs) - set(cls.__dataclass_fields__)
+        if unknown:
+            raise InvalidArgument(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+        if knobs and "scheduler" in kwargs:
+            raise InvalidArgument(f"give either scheduler= or {', '.join(sorted(knobs))}, not both", param="scheduler")
+        if knobs:
+            kwargs["scheduler"] = SchedulerConfig(**knobs)
+        return cls(**kwargs)
+
     def validate(self) -> None:
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise InvalidArgument(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}", param="dtype")
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            raise InvalidArgument(
-                f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}",
-                param="kv_cache_dtype",
-            )
+        if self.dtype is not None:
+            require_supported(self.dtype, DTYPES, param="dtype", by="the engine")
+        require_supported(self.kv_cache_dtype, KV_CACHE_DTYPES, param="kv_cache_dtype", by="the engine")
         if self.device not in DEVICES:
             raise InvalidArgument(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}", param="device")
         if self.quantization is not None:
@@ -97,13 +109,11 @@ class EngineArgs:
                     f"got dtype {self.dtype!r}",
                     param="dtype",
                 )
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
-            if getattr(self, name) < 1:
-                raise InvalidArgument(f"{name} must be >= 1, got {getattr(self, name)}", param=name)
-        for name in ("max_model_len", "num_blocks", "kv_cache_memory_bytes", "max_waiting"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise InvalidArgument(f"{name} must be >= 1, got {value}", param=name)
+        self.scheduler.validate(resolved=False)
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
+            raise InvalidArgument(
+                f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}", param="kv_cache_memory_bytes"
+            )
 
 
 @dataclass
@@ -172,7 +182,6 @@ class LLMEngine:
     def from_args(cls, args: EngineArgs) -> LLMEngine:
         import torch
 
-        from servelab.core.config import SchedulerConfig
         from servelab.engine.bundled import bundled_model_path
         from servelab.engine.generation_config import load_sampling_defaults
         from servelab.engine.kv_cache import PagedKVCache
@@ -202,50 +211,41 @@ class LLMEngine:
             )
         config = loaded.config
 
-        max_model_len = args.max_model_len or min(config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        knobs = args.scheduler
+        max_model_len = knobs.max_model_len or min(config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         if max_model_len > config.max_position_embeddings:
             raise InvalidArgument(
                 f"max_model_len={max_model_len} exceeds the model's context of {config.max_position_embeddings} tokens",
                 param="max_model_len",
             )
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
-        block_bytes = PagedKVCache.bytes_per_block(config, args.block_size, kv_dtype)
-        if args.num_blocks is not None:
-            num_blocks = args.num_blocks
+        block_bytes = PagedKVCache.bytes_per_block(config, knobs.block_size, kv_dtype)
+        if knobs.num_blocks is not None:
+            num_blocks = knobs.num_blocks
         else:
             num_blocks = (args.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES) // block_bytes
             if num_blocks < 1:
                 raise InvalidArgument(
                     f"kv_cache_memory_bytes={args.kv_cache_memory_bytes} holds no KV block "
-                    f"(one block of {args.block_size} tokens needs {block_bytes} bytes)",
+                    f"(one block of {knobs.block_size} tokens needs {block_bytes} bytes)",
                     param="kv_cache_memory_bytes",
                 )
-        capacity_tokens = num_blocks * args.block_size
+        capacity_tokens = num_blocks * knobs.block_size
         if capacity_tokens < max_model_len:
-            if args.max_model_len is not None:
+            if knobs.max_model_len is not None:
                 raise InvalidArgument(
                     f"max_model_len={max_model_len} does not fit the KV cache of {num_blocks} blocks x "
-                    f"{args.block_size} tokens = {capacity_tokens} tokens; raise num_blocks or kv_cache_memory_bytes",
+                    f"{knobs.block_size} tokens = {capacity_tokens} tokens; raise num_blocks or kv_cache_memory_bytes",
                     param="max_model_len",
                 )
             max_model_len = capacity_tokens  # a small cache asked for explicitly bounds the context
 
         kv_cache = PagedKVCache(
-            config, num_blocks, args.block_size, dtype=kv_dtype, device=args.device, prefault=args.kv_cache_prefault
+            config, num_blocks, knobs.block_size, dtype=kv_dtype, device=args.device, prefault=args.kv_cache_prefault
         )
         processors = LogitsProcessors(loaded.tokenizer, loaded.model.vocab_size)
         executor = ModelExecutor(loaded.model, kv_cache, sampler=Sampler(args.seed, processors))
-        scheduler_config = SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=max_model_len,
-            block_size=args.block_size,
-            num_blocks=num_blocks,
-            policy=args.policy,
-            order=args.order,
-            enable_prefix_caching=args.enable_prefix_caching,
-            max_waiting=args.max_waiting,
-        )
+        scheduler_config = knobs.resolve(num_blocks=num_blocks, max_model_len=max_model_len)
         name = args.served_model_name or loaded.name
         engine = cls(executor, loaded.tokenizer, scheduler_config, name, processors)
         engine.model_spec = loaded.spec

@@ -19,8 +19,9 @@ import torch
 from servelab.engine import block_quant, native
 from servelab.engine.model import LayerWeights, LlamaModel, ModelConfig
 from servelab.errors import InvalidArgument, NotFound
+from servelab.spec.dtypes import FLOAT_DTYPES
 
-DTYPE_NAMES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPE_NAMES = {name: getattr(torch, name) for name in FLOAT_DTYPES}  # spec/dtypes.py names them
 SUPPORTED_GGUF_ARCHS = ("llama", "mistral", "qwen2")
 SUPPORTED_HF_TYPES = ("llama", "mistral", "qwen2")
 

@@ -12,10 +12,10 @@ from typing import Any
 from servelab.cost import MemoryPlan, Roofline
 from servelab.lab.params import Params
 from servelab.spec import HARDWARE, KV_DTYPES, MODELS, WEIGHT_DTYPES, HardwareSpec, ModelSpec, get_hardware, get_model
+from servelab.spec.dtypes import DEFAULT_DTYPE, DEPRECATED_ALIASES, canonical_dtype
 
 DEFAULT_MODEL = "llama-3.1-8b"
 DEFAULT_HARDWARE = "h100-sxm"
-DEFAULT_DTYPE = "bf16"
 TP_CHOICES = ("1", "2", "4", "8")
 
 
@@ -45,8 +45,9 @@ class Setup:
 def setup_from(p: Params) -> Setup:
     model = get_model(p.choice("model", DEFAULT_MODEL, list(MODELS)))
     hardware = get_hardware(p.choice("hardware", DEFAULT_HARDWARE, list(HARDWARE)))
-    weight_dtype = p.choice("weight_dtype", DEFAULT_DTYPE, list(WEIGHT_DTYPES))
-    kv_dtype = p.choice("kv_dtype", DEFAULT_DTYPE, list(KV_DTYPES))
+    # old spellings ("bf16") are accepted and read as their canonical name
+    weight_dtype = canonical_dtype(p.choice("weight_dtype", DEFAULT_DTYPE, [*WEIGHT_DTYPES, *DEPRECATED_ALIASES]))
+    kv_dtype = canonical_dtype(p.choice("kv_dtype", DEFAULT_DTYPE, [*KV_DTYPES, *DEPRECATED_ALIASES]))
     tp = int(p.choice("tp", "1", TP_CHOICES))
     return Setup(model, hardware, weight_dtype, kv_dtype, tp)
 

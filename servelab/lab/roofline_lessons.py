@@ -208,8 +208,8 @@ def batch_at_tpot(rl: Roofline, context: int, max_batch: int, tpot_s: float) -> 
     return low
 
 
-VARIANT_WEIGHT_DTYPES = ("bf16", "fp8", "int4")
-VARIANT_KV_DTYPES = ("bf16", "fp8")
+VARIANT_WEIGHT_DTYPES = ("bfloat16", "fp8", "int4")
+VARIANT_KV_DTYPES = ("bfloat16", "fp8")
 
 
 def memory(p: Params) -> dict[str, Any]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from servelab.core.config import SchedulerConfig
 from servelab.errors import DoesNotFit
 from servelab.lab.common import Setup, fmt, ms, setup_from, stat
 from servelab.lab.limits import bounds
@@ -178,8 +179,9 @@ def _chunk_runs(s_key: tuple, prompt_len: int, decode_batch: int, chunk_tokens: 
     requests, arrival_s = _chunk_requests(s, prompt_len, decode_batch, chunk_tokens)
     runs = {}
     for policy in ("prefill-first", "chunked"):
-        config = _sim_config(s, policy=policy, max_num_batched_tokens=chunk_tokens,
-                             max_num_seqs=max(256, decode_batch + 1), enable_prefix_caching=False)
+        config = _sim_config(s, scheduler=SchedulerConfig(policy=policy, max_num_batched_tokens=chunk_tokens,
+                                                          max_num_seqs=max(256, decode_batch + 1),
+                                                          enable_prefix_caching=False))
         runs[policy] = simulate(config, requests, concurrency=len(requests))
     return runs["prefill-first"], runs["chunked"], arrival_s
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from servelab.core.config import SchedulerConfig
@@ -18,6 +18,7 @@ from servelab.metrics import SLO, RequestRecord, Summary, steady_state_summary, 
 from servelab.metrics.summary import Dist
 from servelab.sim.cluster import ClusterSim, StepTrace
 from servelab.sim.router import ROUTERS
+from servelab.spec.dtypes import DEFAULT_DTYPE, canonical_dtype
 from servelab.spec.hardware import HardwareSpec, get_hardware
 from servelab.spec.model import ModelSpec, get_model
 from servelab.workload import RequestSpec, WorkloadSpec
@@ -32,19 +33,15 @@ class SimConfig:
     model: str | ModelSpec = "llama-3.1-8b"
     hardware: str | HardwareSpec = "h100-sxm"
     tp: int = 1
-    weight_dtype: str = "bf16"
-    kv_dtype: str = "bf16"
+    weight_dtype: str = DEFAULT_DTYPE  # spec/dtypes.py's names; old spellings ("bf16") are read as their new one
+    kv_dtype: str = DEFAULT_DTYPE
     replicas: int = 1
     disagg: tuple[int, int] | None = None  # (prefill replicas, decode replicas) instead of `replicas`
     router: str = "round-robin"
-    policy: str = "chunked"  # or "prefill-first"
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 256
-    max_model_len: int | None = None  # None: the model's context length
-    block_size: int = 16
-    enable_prefix_caching: bool = True
+    # One replica's scheduler. num_blocks None: the KV pool from the memory plan; max_model_len
+    # None: the model's context length.
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     memory_fraction: float = 0.9
-    num_blocks: int | None = None  # override the KV pool per replica (None: from the memory plan)
     link_bandwidth_bytes_per_s: float | None = None  # prefill→decode link; None: 50 GB/s per device
     link_latency_s: float = DEFAULT_LINK_LATENCY_S
     efficiency: Any = None  # servelab.cost.roofline.Efficiency; None: its defaults
@@ -52,6 +49,7 @@ class SimConfig:
     slo: SLO | None = None
 
     def __post_init__(self) -> None:
+        self.weight_dtype, self.kv_dtype = canonical_dtype(self.weight_dtype), canonical_dtype(self.kv_dtype)
         if self.disagg is not None:
             p, d = self.disagg
             if p < 1 or d < 1:
@@ -92,14 +90,14 @@ class SimConfig:
             "disagg": None if self.disagg is None else f"{self.disagg[0]}:{self.disagg[1]}",
             "num_devices": self.num_devices,
             "router": self.router,
-            "scheduler": self.policy,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "max_num_seqs": self.max_num_seqs,
-            "max_model_len": self.max_model_len,
-            "block_size": self.block_size,
-            "enable_prefix_caching": self.enable_prefix_caching,
+            "scheduler": self.scheduler.policy,
+            "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
+            "max_num_seqs": self.scheduler.max_num_seqs,
+            "max_model_len": self.scheduler.max_model_len,
+            "block_size": self.scheduler.block_size,
+            "enable_prefix_caching": self.scheduler.enable_prefix_caching,
             "memory_fraction": self.memory_fraction,
-            "num_blocks": self.num_blocks,
+            "num_blocks": self.scheduler.num_blocks,
             "link_bandwidth_bytes_per_s": self.link_bandwidth_bytes_per_s,
             "link_latency_s": self.link_latency_s,
             "cost_model": "roofline" if self.cost_model is None else type(self.cost_model).__name__,
@@ -171,23 +169,16 @@ def build_cost_model(config: SimConfig) -> StepCostModel:
 def scheduler_config(config: SimConfig) -> SchedulerConfig:
     """One replica's scheduler: the KV pool is what the memory plan leaves after the weights."""
     model = config.model_spec
-    num_blocks = config.num_blocks
+    num_blocks = config.scheduler.num_blocks
     if num_blocks is None:
         plan = MemoryPlan(model, config.hardware_spec, config.weight_dtype, config.kv_dtype, config.tp,
                           config.memory_fraction)
         plan.require_weights_fit()
-        num_blocks = plan.kv_capacity_tokens // config.block_size
+        num_blocks = plan.kv_capacity_tokens // config.scheduler.block_size
         if num_blocks < 1:
             raise DoesNotFit(f"{plan.describe()}: no room left for even one KV block after the weights")
-    return SchedulerConfig(
-        num_blocks=num_blocks,
-        block_size=config.block_size,
-        max_num_batched_tokens=config.max_num_batched_tokens,
-        max_num_seqs=config.max_num_seqs,
-        max_model_len=config.max_model_len or model.max_context,
-        policy=config.policy,
-        enable_prefix_caching=config.enable_prefix_caching,
-    )
+    return config.scheduler.resolve(num_blocks=num_blocks,
+                                    max_model_len=config.scheduler.max_model_len or model.max_context)
 
 
 def _check_lengths(requests: list[RequestSpec], sched: SchedulerConfig) -> None:
@@ -244,8 +235,8 @@ def simulate(
     if config.disagg:
         # On the decode side a transferred prompt costs nothing to "prefill", so give it a budget
         # that admits any prompt in one step rather than dribbling it in over several.
-        decode_budget = max(config.max_num_batched_tokens, sched.max_model_len + config.max_num_seqs)
-        decode = SchedulerConfig(**{**_fields(sched), "max_num_batched_tokens": decode_budget})
+        decode_budget = max(sched.max_num_batched_tokens, sched.max_model_len + sched.max_num_seqs)
+        decode = replace(sched, max_num_batched_tokens=decode_budget)
         pools = {"prefill": (config.disagg[0], sched), "decode": (config.disagg[1], decode)}
     else:
         pools = {"mixed": (config.replicas, sched)}
@@ -300,10 +291,6 @@ def simulate(
         warmup_requests_excluded=0 if steady is None else summary.num_requests - steady.num_requests,
         warmup_s=warmup_s,
     )
-
-
-def _fields(cfg: SchedulerConfig) -> dict[str, Any]:
-    return {name: getattr(cfg, name) for name in cfg.__dataclass_fields__}
 
 
 __all__ = ["SimConfig", "SimResult", "build_cost_model", "scheduler_config", "simulate"]

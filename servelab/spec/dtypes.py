@@ -18,10 +18,18 @@ class DType:
     compute_dtype: str
 
 
+# The one dtype vocabulary of every command, the engine and the cost model: vLLM's spelling
+# (--dtype bfloat16, --kv-cache-dtype fp8). The names torch computes in, which the engine runs:
+FLOAT_DTYPES = ("bfloat16", "float16", "float32")
+# Old spellings, still accepted; the CLI prints a deprecation note naming the canonical one.
+DEPRECATED_ALIASES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+# The cost model's default: the seed's example serves Llama 3.1 8B in BF16.
+DEFAULT_DTYPE = "bfloat16"
+
 WEIGHT_DTYPES: dict[str, DType] = {
-    "bf16": DType("bf16", 2.0, "bf16"),
+    "bfloat16": DType("bfloat16", 2.0, "bf16"),
     # FP16 and BF16 tensor-core rates are equal on every accelerator in the catalog.
-    "fp16": DType("fp16", 2.0, "bf16"),
+    "float16": DType("float16", 2.0, "bf16"),
     # W8A8: activations are quantized too, so the matmuls run at the FP8 / INT8 rate.
     "fp8": DType("fp8", 1.0, "fp8"),
     "int8": DType("int8", 1.0, "int8"),
@@ -29,16 +37,16 @@ WEIGHT_DTYPES: dict[str, DType] = {
     # but computes at the BF16 rate. Group scales (~3% more bytes) are ignored.
     "int4": DType("int4", 0.5, "bf16"),
     # Full precision, as CPUs run it: priced at peak_flops["fp32"] (see HardwareSpec). Last, so
-    # that lists of choices keep bf16 first.
-    "fp32": DType("fp32", 4.0, "fp32"),
+    # that lists of choices keep bfloat16 first.
+    "float32": DType("float32", 4.0, "fp32"),
 }
 
 KV_DTYPES: dict[str, DType] = {
-    "bf16": DType("bf16", 2.0, "bf16"),
-    "fp16": DType("fp16", 2.0, "bf16"),
+    "bfloat16": DType("bfloat16", 2.0, "bf16"),
+    "float16": DType("float16", 2.0, "bf16"),
     "fp8": DType("fp8", 1.0, "fp8"),
     # The engine's KV cache on CPUs without native bf16.
-    "fp32": DType("fp32", 4.0, "fp32"),
+    "float32": DType("float32", 4.0, "fp32"),
 }
 
 # llama.cpp's weight block formats (GGML type names). Q8_1 and Q8_K are left out: ggml uses them
@@ -59,22 +67,50 @@ def gguf_block_dtype(name: str) -> DType:
     return DType(name, bytes_per_block / weights_per_block, "bf16")
 
 
+def canonical_dtype(name: str) -> str:
+    """The canonical spelling of a dtype name: 'BF16' -> 'bfloat16'; unknown names pass through
+    (lower-cased) for the lookup that follows to refuse."""
+    if not isinstance(name, str):
+        raise InvalidArgument(f"a dtype is a name such as {DEFAULT_DTYPE!r}, got {name!r}", param="dtype")
+    key = name.strip().lower()
+    return DEPRECATED_ALIASES.get(key, key)
+
+
+def weight_dtype_names() -> list[str]:
+    return [*WEIGHT_DTYPES, *GGUF_WEIGHT_FORMATS]
+
+
 def weight_dtype(name: str) -> DType:
-    key = name.lower()
+    key = canonical_dtype(name)
     if key in WEIGHT_DTYPES:
         return WEIGHT_DTYPES[key]
     if key in GGUF_WEIGHT_FORMATS:
         return gguf_block_dtype(key)
     raise InvalidArgument(
-        f"unknown weight dtype {name!r}; choose one of: {', '.join([*WEIGHT_DTYPES, *GGUF_WEIGHT_FORMATS])}",
-        param="dtype",
+        f"unknown weight dtype {name!r}; choose one of: {', '.join(weight_dtype_names())}", param="dtype"
     )
 
 
 def kv_dtype(name: str) -> DType:
     try:
-        return KV_DTYPES[name.lower()]
+        return KV_DTYPES[canonical_dtype(name)]
     except KeyError:
         raise InvalidArgument(
-            f"unknown KV-cache dtype {name!r}; choose one of: {', '.join(KV_DTYPES)}", param="kv_dtype"
+            f"unknown KV-cache dtype {name!r}; choose one of: {', '.join(KV_DTYPES)}", param="kv_cache_dtype"
         ) from None
+
+
+def require_supported(name: str, supported: tuple[str, ...], *, param: str, by: str) -> str:
+    """`name` in canonical spelling if `by` (e.g. 'the engine') can act on it. A name the cost model
+    knows but `by` cannot run gets an error that says so, not 'unknown'."""
+    key = canonical_dtype(name)
+    if key in supported:
+        return key
+    known = (key in WEIGHT_DTYPES or key in GGUF_WEIGHT_FORMATS) if param == "dtype" else key in KV_DTYPES
+    what = "weight dtype" if param == "dtype" else "KV-cache dtype"
+    if known:
+        raise InvalidArgument(
+            f"{by} cannot use {what} {name!r}: it supports {', '.join(supported)}; the cost model "
+            f"(sim, plan, roofline) prices {key}", param=param,
+        )  # fmt: skip
+    raise InvalidArgument(f"unknown {what} {name!r}; {by} supports {', '.join(supported)}", param=param)

@@ -9,6 +9,7 @@ import pytest
 
 from servelab.bench.planner import PlanJob, cost_per_million_tokens, parse_prices, plan_one, rank
 from servelab.cli import main as cli_main
+from servelab.core.config import SchedulerConfig
 from servelab.errors import InvalidArgument, NotFound
 from servelab.metrics import SLO
 
@@ -111,7 +112,7 @@ SHORT = {"num_requests": 24, "input_len": "256", "output_len": "16", "seed": 0}
 
 
 def test_a_capacity_capped_by_max_num_seqs_says_so():
-    row = plan_one(_job(max_num_seqs=4, workload=SHORT))
+    row = plan_one(_job(scheduler=SchedulerConfig(max_num_seqs=4), workload=SHORT))
     b = row.binding
     assert row.meets_slo and b.limit == "max-num-seqs"
     assert b.max_num_seqs == 4 and b.peak_running == 4 and b.at_concurrency > 4

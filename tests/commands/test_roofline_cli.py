@@ -101,7 +101,7 @@ def test_model_from_an_hf_config_file(tmp_path: Path, capsys):
     (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--batch", "1,x"], "--batch: 'x' is not an integer"),
     (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--context", "200000"], "maximum context of 131072"),
     (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--dtype", "fp4"], "unknown weight dtype 'fp4'"),
-    (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--kv-dtype", "int4"], "unknown KV-cache dtype"),
+    (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--kv-cache-dtype", "int4"], "unknown KV-cache dtype"),
     (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--bandwidth-fraction", "2"], "bandwidth_fraction"),
 ])
 def test_bad_input_is_a_one_line_error_with_status_2(capsys, args, needle):

@@ -21,6 +21,7 @@ def make_seq(rid: str, prompt_len: int, max_tokens: int, arrival_s: float = 0.0)
 def scheduler(**kw) -> Scheduler:
     kw.setdefault("num_blocks", 128)
     kw.setdefault("block_size", 4)
+    kw.setdefault("max_model_len", 8192)
     return Scheduler(SchedulerConfig(**kw))
 
 

@@ -190,7 +190,7 @@ def test_seeded_random_workloads_match_and_reach_the_hard_cases():
 def test_a_steady_batch_runs_implicitly_and_catches_up_exactly():
     # 8 requests of 200 tokens in one pool: after their prefill every step is 8 implicit decodes,
     # and each request wakes only when its block fills (every 16 steps) or it finishes.
-    cfg = SchedulerConfig(num_blocks=400, block_size=16, max_num_batched_tokens=512, max_num_seqs=8)
+    cfg = SchedulerConfig(num_blocks=400, block_size=16, max_num_batched_tokens=512, max_num_seqs=8, max_model_len=8192)
     workload = [dict(arrival_s=0.0, prompt_len=40, own=True, prefix=[], max_tokens=200, min_tokens=0, stop=[],
                      eos=(0,), ignore_eos=True, priority=0, abort_after=None) for _ in range(8)]
     s = Scheduler(cfg, reuse_plan_entries=True, implicit_decode_token=TOKEN)

@@ -33,6 +33,7 @@ def make_seq(rid: str, prompt_len: int = 8, max_tokens: int = 4, *, base: int = 
 def config(**kw) -> SchedulerConfig:
     kw.setdefault("num_blocks", 256)
     kw.setdefault("block_size", 4)
+    kw.setdefault("max_model_len", 8192)
     return SchedulerConfig(**kw)
 
 

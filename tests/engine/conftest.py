@@ -14,7 +14,7 @@ def tiny_engine_factory(tiny_llama):
 
     def make(**kwargs):
         kwargs.setdefault("dtype", "float32")
-        return LLMEngine.from_args(EngineArgs(model=str(tiny_llama), **kwargs))
+        return LLMEngine.from_args(EngineArgs.from_kwargs(model=str(tiny_llama), **kwargs))
 
     return make
 

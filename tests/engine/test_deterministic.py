@@ -126,7 +126,7 @@ def _runs(make, prompts: list[list[int]], max_tokens: int, pressured_blocks: int
 def _tiny(tiny_llama, deterministic: bool, **variant):
     def make(**kwargs):
         return LLMEngine.from_args(
-            EngineArgs(model=str(tiny_llama), dtype="float32", deterministic=deterministic, block_size=4, **variant, **kwargs)
+            EngineArgs.from_kwargs(model=str(tiny_llama), dtype="float32", deterministic=deterministic, block_size=4, **variant, **kwargs)
         )
 
     return make
@@ -161,7 +161,7 @@ def test_without_the_flag_the_bits_do_depend_on_the_batch(tiny_llama, kernel):
 @pytest.mark.slow
 def test_bundled_model_is_bit_identical_alone_batched_chunked_and_preempted():
     def make(**kwargs):
-        return LLMEngine.from_args(EngineArgs(deterministic=True, max_model_len=128, **kwargs))
+        return LLMEngine.from_args(EngineArgs.from_kwargs(deterministic=True, max_model_len=128, **kwargs))
 
     # 10 blocks of 16 tokens hold ~3 of the 6 sequences at full length: the rest get preempted
     runs = _runs(make, _prompts(6, (8, 40), vocab=40000), max_tokens=12, pressured_blocks=10)

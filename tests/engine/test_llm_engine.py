@@ -89,9 +89,9 @@ def test_engine_args_errors_name_the_input(tiny_llama, tmp_path):
     with pytest.raises(InvalidArgument, match="not a GGUF file"):
         LLMEngine.from_args(EngineArgs(model=str(bogus)))
     with pytest.raises(InvalidArgument, match="exceeds the model's context"):
-        LLMEngine.from_args(EngineArgs(model=str(tiny_llama), max_model_len=10**6))
+        LLMEngine.from_args(EngineArgs.from_kwargs(model=str(tiny_llama), max_model_len=10**6))
     with pytest.raises(InvalidArgument, match="does not fit the KV cache"):
-        LLMEngine.from_args(EngineArgs(model=str(tiny_llama), num_blocks=2, block_size=16, max_model_len=256))
+        LLMEngine.from_args(EngineArgs.from_kwargs(model=str(tiny_llama), num_blocks=2, block_size=16, max_model_len=256))
 
 
 def test_defaults_kv_pool_and_context(tiny_engine_factory):
@@ -115,7 +115,7 @@ def test_a_16_bit_kv_cache_holds_twice_the_blocks(tiny_engine_factory, tiny_llam
         seq = half.add_request("r", PROMPT, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
         _drain(half)
         assert seq.num_output_tokens == 5 and half.stats().num_blocks_free == half.stats().num_blocks_total
-    with pytest.raises(InvalidArgument, match="kv_cache_dtype must be one of auto, bfloat16, float16, float32, got 'fp8'"):
+    with pytest.raises(InvalidArgument, match=r"the engine cannot use KV-cache dtype 'fp8': it supports auto, bfloat16, float16, float32; the cost model"):
         tiny_engine_factory(kv_cache_dtype="fp8")
 
 
@@ -223,6 +223,6 @@ def test_auto_dtype_is_float32_on_a_cpu_even_with_native_bf16(tiny_llama, monkey
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
     assert resolve_dtype(None, "cpu") is torch.float32
     with caplog.at_level(logging.INFO, logger="servelab.engine"):
-        engine = LLMEngine.from_args(EngineArgs(model=str(tiny_llama), num_blocks=16))
+        engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=str(tiny_llama), num_blocks=16))
     assert engine.executor.model.dtype == torch.float32
     assert any(r.getMessage().startswith("dtype auto -> float32: ") for r in caplog.records)

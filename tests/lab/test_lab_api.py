@@ -40,11 +40,11 @@ def test_catalog_lists_the_catalogs_and_seed_defaults(client):
     cat = client.get("/api/catalog").json()
     assert {m["name"] for m in cat["models"]} >= {"llama-3.1-8b", "llama-3.1-70b"}
     assert "h100-sxm" in {h["name"] for h in cat["hardware"]}
-    assert cat["weight_dtypes"][0] == "bf16" and "fp8" in cat["kv_dtypes"]
+    assert cat["weight_dtypes"][0] == "bfloat16" and "fp8" in cat["kv_dtypes"]
     assert len(cat["lessons"]) == 7
     for lesson in cat["lessons"]:
         d = cat["defaults"][lesson]
-        assert (d["model"], d["hardware"], d["weight_dtype"], d["kv_dtype"]) == ("llama-3.1-8b", "h100-sxm", "bf16", "bf16")
+        assert (d["model"], d["hardware"], d["weight_dtype"], d["kv_dtype"]) == ("llama-3.1-8b", "h100-sxm", "bfloat16", "bfloat16")
 
 
 def test_page_and_static_files_are_served_offline(client):
@@ -168,6 +168,15 @@ def test_batching_bad_parameters(client, params):
 
 # ---- 6. memory ------------------------------------------------------------------------------
 
+def test_old_dtype_spellings_still_work_and_read_as_the_canonical_names(client):
+    old = get(client, "memory", context=8192, tpot_ms=50, weight_dtype="bf16", kv_dtype="fp16")
+    new = get(client, "memory", context=8192, tpot_ms=50, weight_dtype="bfloat16", kv_dtype="float16")
+    assert old == new
+    v = new["variants"]
+    chosen = [(w, k) for w, k, sel in zip(v["weight_dtype"], v["kv_dtype"], v["selected"]) if sel]
+    assert chosen == [("bfloat16", "float16")]
+
+
 def test_memory_variants_are_the_memory_plan_and_roofline(client):
     d = get(client, "memory", context=8192, tpot_ms=50)
     v = d["variants"]
@@ -184,8 +193,8 @@ def test_memory_variants_are_the_memory_plan_and_roofline(client):
         assert b == max_batch or r.decode(b + 1, 8192).time_s > 0.050
         assert tps == pytest.approx(b / r.decode(b, 8192).time_s)
     kv = dict(zip(zip(v["weight_dtype"], v["kv_dtype"], v["attention"]), v["kv_kb_per_token"]))
-    assert kv[("bf16", "bf16", "full")] == pytest.approx(4 * kv[("bf16", "bf16", "gqa")])  # 32 heads vs 8 KV heads
-    assert kv[("bf16", "fp8", "gqa")] == pytest.approx(kv[("bf16", "bf16", "gqa")] / 2)
+    assert kv[("bfloat16", "bfloat16", "full")] == pytest.approx(4 * kv[("bfloat16", "bfloat16", "gqa")])  # 32 heads vs 8 KV heads
+    assert kv[("bfloat16", "fp8", "gqa")] == pytest.approx(kv[("bfloat16", "bfloat16", "gqa")] / 2)
 
 
 def test_memory_selected_variant_follows_the_controls(client):

@@ -250,7 +250,7 @@ def test_metrics_count_every_request(client):
 def test_engine_args_load_the_model_at_startup(tiny_model_dir):
     from servelab.engine.llm_engine import EngineArgs
 
-    app = create_app(EngineArgs(model=str(tiny_model_dir), num_blocks=64, max_model_len=256))
+    app = create_app(EngineArgs.from_kwargs(model=str(tiny_model_dir), num_blocks=64, max_model_len=256))
     assert app.state.servelab.engine is None  # nothing loads until the server starts
     with TestClient(app) as c:
         body = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3, "ignore_eos": True}).json()
@@ -262,7 +262,7 @@ def test_chat_logprobs_join_to_the_content_when_eos_ends_it(tiny_model_dir):
     """The EOS that ends a choice is not in its text, so it has no logprobs entry either."""
     from servelab.engine.llm_engine import EngineArgs
 
-    with TestClient(create_app(EngineArgs(model=str(tiny_model_dir), num_blocks=64, max_model_len=256))) as c:
+    with TestClient(create_app(EngineArgs.from_kwargs(model=str(tiny_model_dir), num_blocks=64, max_model_len=256))) as c:
         eos = c.app.state.servelab.engine.tokenizer.eos_token_ids[0]
         # +100 on EOS: the third token is EOS once min_tokens lets it through.
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "min_tokens": 2, "temperature": 0,

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.slow  # loads a real (tiny) model
 def served(tiny_model_dir):
     from servelab.engine.llm_engine import EngineArgs, LLMEngine
 
-    engine = LLMEngine.from_args(EngineArgs(model=str(tiny_model_dir), dtype="float32", num_blocks=64,
+    engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=str(tiny_model_dir), dtype="float32", num_blocks=64,
                                             max_num_batched_tokens=16))  # chunked prefill  # fmt: skip
     with TestClient(create_app(engine)) as client:
         yield client, engine

@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from servelab.core.config import SchedulerConfig
 from servelab.cost.roofline import Roofline
 from servelab.sim import SimConfig, simulate
 from servelab.spec.hardware import get_hardware
@@ -18,7 +19,7 @@ def long_prompt_joins_decoders(policy, budget):
     # 32 sequences are decoding when one 8,000-token prompt arrives.
     reqs = [RequestSpec(i, 0.0, prompt_tokens=128, output_tokens=300) for i in range(32)]
     reqs.append(RequestSpec(32, 0.5, prompt_tokens=8000, output_tokens=1))
-    cfg = SimConfig(policy=policy, max_num_batched_tokens=budget, max_model_len=8192)
+    cfg = SimConfig(scheduler=SchedulerConfig(policy=policy, max_num_batched_tokens=budget, max_model_len=8192))
     result = simulate(cfg, reqs)
     assert result.summary.completed == 33
     gaps = gaps_of(result.records, {str(i) for i in range(32)})
@@ -85,7 +86,7 @@ def test_disaggregation_keeps_decode_clean_and_pays_the_transfer_in_ttft():
 def test_same_seed_same_results_and_kv_pressure_preempts_but_completes():
     wl = WorkloadSpec(120, concurrency=48, input_len="256-768", output_len="64-384", seed=3)
     # 300 blocks x 16 = 4,800 tokens of KV for 48 clients of up to 1,152 tokens each.
-    cfg = SimConfig(num_blocks=300)
+    cfg = SimConfig(scheduler=SchedulerConfig(num_blocks=300))
     a, b = simulate(cfg, wl), simulate(cfg, wl)
     assert a.summary.to_dict() == b.summary.to_dict()
     assert [list(r.token_times_s) for r in a.records] == [list(r.token_times_s) for r in b.records]

@@ -3,6 +3,7 @@ import json
 import pytest
 
 from servelab.cli import main
+from servelab.core.config import SchedulerConfig
 from servelab.core.plan import ScheduledSeq, StepPlan
 from servelab.core.sequence import SamplingParams, Sequence
 from servelab.sim import SimConfig, simulate
@@ -54,7 +55,7 @@ def test_executor_prices_the_schedulers_sums_as_the_roofline_prices_the_shape():
     ex = SimExecutor(roofline)
     # As the simulator runs it: plan entries reused from step to step.
     s = Scheduler(
-        SchedulerConfig(num_blocks=400, block_size=16, max_num_batched_tokens=300, max_num_seqs=8),
+        SchedulerConfig(num_blocks=400, block_size=16, max_num_batched_tokens=300, max_num_seqs=8, max_model_len=8192),
         reuse_plan_entries=True,
     )
     for i in range(12):
@@ -80,7 +81,7 @@ def test_executor_prices_the_schedulers_sums_as_the_roofline_prices_the_shape():
 def test_virtual_clock_matches_hand_computed_times():
     cost = LinearCost()
     reqs = [RequestSpec(0, 0.5, prompt_tokens=100, output_tokens=3)]
-    r = simulate(SimConfig(cost_model=cost, num_blocks=64), reqs).records[0]
+    r = simulate(SimConfig(cost_model=cost, scheduler=SchedulerConfig(num_blocks=64)), reqs).records[0]
     prefill = 1e-3 + 100e-5
     decode = 1e-3 + 1e-5
     assert r.first_token_s == pytest.approx(0.5 + prefill)
@@ -90,7 +91,7 @@ def test_virtual_clock_matches_hand_computed_times():
 
 def test_closed_loop_never_exceeds_its_concurrency():
     wl = WorkloadSpec(60, concurrency=5, input_len="64-256", output_len="8-64", seed=2)
-    result = simulate(SimConfig(cost_model=LinearCost(), num_blocks=2000), wl)
+    result = simulate(SimConfig(cost_model=LinearCost(), scheduler=SchedulerConfig(num_blocks=2000)), wl)
     assert result.summary.completed == 60
     events = sorted([(r.arrival_s, 1) for r in result.records] + [(r.end_s, -1) for r in result.records],
                     key=lambda e: (e[0], e[1]))
@@ -103,7 +104,7 @@ def test_closed_loop_never_exceeds_its_concurrency():
 
 def test_capped_open_loop_sends_when_a_slot_frees():
     reqs = [RequestSpec(i, 0.0, prompt_tokens=32, output_tokens=10) for i in range(4)]
-    result = simulate(SimConfig(cost_model=LinearCost(), num_blocks=100), reqs, concurrency=2)
+    result = simulate(SimConfig(cost_model=LinearCost(), scheduler=SchedulerConfig(num_blocks=100)), reqs, concurrency=2)
     arrivals = sorted(r.arrival_s for r in result.records)
     assert arrivals[:2] == [0.0, 0.0] and arrivals[2] > 0
 
@@ -111,7 +112,7 @@ def test_capped_open_loop_sends_when_a_slot_frees():
 @pytest.mark.parametrize("router", ["round-robin", "least-outstanding", "least-kv"])
 def test_routers_spread_load_over_replicas(router):
     wl = WorkloadSpec(200, rate=400.0, input_len="128", output_len="32", seed=0)
-    result = simulate(SimConfig(cost_model=LinearCost(), replicas=4, router=router, num_blocks=4000), wl)
+    result = simulate(SimConfig(cost_model=LinearCost(), replicas=4, router=router, scheduler=SchedulerConfig(num_blocks=4000)), wl)
     finished = [s["finished"] for s in result.replica_stats]
     assert sum(finished) == 200
     assert min(finished) >= 30, finished
@@ -120,7 +121,7 @@ def test_routers_spread_load_over_replicas(router):
 
 def test_disagg_tokens_come_from_the_decode_pool():
     wl = WorkloadSpec(20, rate=5.0, input_len="200", output_len="10", seed=0)
-    result = simulate(SimConfig(cost_model=LinearCost(), disagg=(1, 2), num_blocks=1000), wl)
+    result = simulate(SimConfig(cost_model=LinearCost(), disagg=(1, 2), scheduler=SchedulerConfig(num_blocks=1000)), wl)
     assert result.summary.completed == 20
     assert all(r.output_tokens == 10 for r in result.records)
     stats = {s["role"]: s for s in result.replica_stats}
@@ -131,7 +132,7 @@ def test_disagg_tokens_come_from_the_decode_pool():
 
 def test_prefix_sharing_shows_in_cached_tokens():
     wl = WorkloadSpec(30, rate=2.0, input_len="1024", output_len="4", shared_prefix_fraction=0.75, seed=0)
-    result = simulate(SimConfig(cost_model=LinearCost(), num_blocks=4000), wl)
+    result = simulate(SimConfig(cost_model=LinearCost(), scheduler=SchedulerConfig(num_blocks=4000)), wl)
     cached = [r.num_cached_tokens for r in result.records]
     assert max(cached) >= 736  # 768 shared tokens, in whole 16-token blocks
     assert result.replica_stats[0]["prefix_cache_hit_rate"] > 0.5

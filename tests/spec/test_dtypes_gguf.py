@@ -78,7 +78,7 @@ def test_fp32_compute_rate():
 
 
 def test_unknown_dtype_lists_the_gguf_formats():
-    with pytest.raises(InvalidArgument, match=r"unknown weight dtype 'q3_0'.*fp32.*q4_1.*q6_k"):
+    with pytest.raises(InvalidArgument, match=r"unknown weight dtype 'q3_0'.*float32.*q4_1.*q6_k"):
         weight_dtype("q3_0")
-    with pytest.raises(InvalidArgument, match=r"unknown KV-cache dtype 'q4_1'.*fp32"):
+    with pytest.raises(InvalidArgument, match=r"unknown KV-cache dtype 'q4_1'.*float32"):
         kv_dtype("q4_1")  # block formats are weight-only

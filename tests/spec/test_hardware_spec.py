@@ -60,7 +60,7 @@ def test_dtypes():
     assert weight_dtype("int4").compute_dtype == "bf16"  # weight-only: dequantized to bf16
     assert weight_dtype("fp8").compute_dtype == "fp8"
     assert kv_dtype("fp8").bytes_per_element == 1 and kv_dtype("bf16").bytes_per_element == 2
-    with pytest.raises(InvalidArgument, match="int3.*bf16, fp16, fp8, int8, int4"):
+    with pytest.raises(InvalidArgument, match="int3.*bfloat16, float16, fp8, int8, int4"):
         weight_dtype("int3")
-    with pytest.raises(InvalidArgument, match="int4.*bf16"):
+    with pytest.raises(InvalidArgument, match="int4.*bfloat16"):
         kv_dtype("int4")
