@@ -10,7 +10,7 @@ import torch
 from servelab.core.sequence import SamplingParams
 from servelab.engine.llm_engine import EngineArgs, LLMEngine
 from servelab.engine.testing import write_tiny_llama
-from servelab.engine.weights import load_model
+from servelab.engine.loader import load_model
 
 from servelab.engine.testing import max_rel_diff, prefill_logits
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from servelab.engine import native
 from servelab.engine.testing import prefill_logits
-from servelab.engine.weights import load_model
+from servelab.engine.loader import load_model
 
 
 def _reference(q, kc, vc, tables, ctx_lens, block_size, scale):

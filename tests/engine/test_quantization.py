@@ -16,7 +16,7 @@ from servelab.engine import native
 from servelab.engine.llm_engine import EngineArgs, LLMEngine
 from servelab.engine.quantization import GROUP, Int8Linear, quantize_weight
 from servelab.engine.testing import max_rel_diff, prefill_logits, write_tiny_llama
-from servelab.engine.weights import load_model
+from servelab.engine.loader import load_model
 from servelab.errors import InvalidArgument
 
 VARIANTS = {"llama": {}, "qwen2-tied-bias": {"qkv_bias": True, "tie_embeddings": True, "kv_heads": 1}}
