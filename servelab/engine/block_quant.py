@@ -25,12 +25,17 @@ import torch
 import torch.nn.functional as F
 
 from servelab.engine import native
+from servelab.spec.ggml_types import GGML_TYPE_BY_NAME, GGML_TYPES, Kernel
 
+# Views of ggml's type table (spec/ggml_types.py) in the shapes the kernels use.
 # ggml type id -> (our kernel's format code, weights a block, bytes a block)
-GGUF_BLOCK_FORMATS = {8: (0, 32, 34), 2: (1, 32, 18), 3: (2, 32, 20), 12: (3, 256, 144), 14: (4, 256, 210)}
-FORMAT_NAMES = {0: "Q8_0", 1: "Q4_0", 2: "Q4_1", 3: "Q4_K", 4: "Q6_K", 5: "F32"}
-_FUSED_FORMATS = (0, 1, 2)  # the in-register kernel's; the panel kernel takes every format
-_F32 = 5  # a plain fp32 weight, run through the panel kernel (deterministic mode only)
+GGUF_BLOCK_FORMATS = {
+    t.type_id: (t.kernel_code, t.block_weights, t.block_bytes)
+    for t in GGML_TYPES if t.kernel_code is not None and t.is_block_format
+}
+FORMAT_NAMES = {t.kernel_code: t.name for t in GGML_TYPES if t.kernel_code is not None}
+_FUSED_FORMATS = tuple(t.kernel_code for t in GGML_TYPES if t.kernel is Kernel.PANEL_AND_ROWS)
+_F32 = GGML_TYPE_BY_NAME["F32"].kernel_code  # a plain fp32 weight, through the panel kernel (deterministic mode)
 
 # Rows per call, over all 210 of SmolLM2's Q4_1 matrices (weights from DRAM, this AVX2 host, 1
 # thread; MKL's fp32 GEMM over the dequantized copy in brackets):

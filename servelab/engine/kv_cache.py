@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from servelab.engine.model import ModelConfig
 from servelab.errors import DoesNotFit
+from servelab.spec.model import ModelSpec
 
 
 def dtype_size(dtype: torch.dtype) -> int:
@@ -24,7 +24,7 @@ def dtype_size(dtype: torch.dtype) -> int:
 class PagedKVCache:
     def __init__(
         self,
-        config: ModelConfig,
+        config: ModelSpec,
         num_blocks: int,
         block_size: int,
         *,
@@ -60,7 +60,7 @@ class PagedKVCache:
         self.v_layers = list(self.v.unbind(0))
 
     @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    def bytes_per_block(config: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
         """K and V of one block across every layer."""
         return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype_size(dtype)
 

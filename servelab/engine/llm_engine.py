@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from servelab.core.scheduler import Scheduler
     from servelab.engine.logits_processors import LogitsProcessors
     from servelab.engine.tokenizer import Tokenizer
+    from servelab.spec.model import ModelSpec
 
 logger = logging.getLogger("servelab.engine")
 
@@ -166,7 +167,9 @@ class LLMEngine:
         self.model_name = model_name
         self.max_model_len: int = scheduler_config.max_model_len
         self.vocab_size: int = getattr(executor, "vocab_size", None) or tokenizer.vocab_size
-        self.model_spec = None  # the spec the roofline uses, set by from_args when known
+        # The model's description (its shape, for the engine and the cost model), set by from_args;
+        # None for an engine over a simulated or fake executor.
+        self.model_spec: ModelSpec | None = None
         # Sampling fields the model's generation_config.json sets (generation_config.py), set by from_args.
         self.sampling_defaults: dict[str, float] = {}
         # logit_bias, allowed_token_ids, bad_words, structured outputs: the sampler applies them;
@@ -185,10 +188,11 @@ class LLMEngine:
         from servelab.engine.bundled import bundled_model_path
         from servelab.engine.generation_config import load_sampling_defaults
         from servelab.engine.kv_cache import PagedKVCache
+        from servelab.engine.loader import load_model, servable_context
         from servelab.engine.logits_processors import LogitsProcessors
         from servelab.engine.model_executor import ModelExecutor
         from servelab.engine.sampler import Sampler
-        from servelab.engine.weights import CPU_AUTO_DTYPE_REASON, load_model, resolve_dtype
+        from servelab.engine.weights import CPU_AUTO_DTYPE_REASON, resolve_dtype
 
         args.validate()
         path = args.model or str(bundled_model_path())
@@ -209,17 +213,17 @@ class LLMEngine:
                 "attention in the prefill kernel's order: greedy output is bit-identical whatever the batch",
                 "" if args.dtype else " (chosen for it: bf16 is not batch-invariant)",
             )
-        config = loaded.config
-
+        spec = loaded.spec
         knobs = args.scheduler
-        max_model_len = knobs.max_model_len or min(config.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
-        if max_model_len > config.max_position_embeddings:
+        model_context = servable_context(spec)
+        max_model_len = knobs.max_model_len or min(model_context, DEFAULT_MAX_MODEL_LEN)
+        if max_model_len > model_context:
             raise InvalidArgument(
-                f"max_model_len={max_model_len} exceeds the model's context of {config.max_position_embeddings} tokens",
+                f"max_model_len={max_model_len} exceeds the model's context of {model_context} tokens",
                 param="max_model_len",
             )
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
-        block_bytes = PagedKVCache.bytes_per_block(config, knobs.block_size, kv_dtype)
+        block_bytes = PagedKVCache.bytes_per_block(spec, knobs.block_size, kv_dtype)
         if knobs.num_blocks is not None:
             num_blocks = knobs.num_blocks
         else:
@@ -241,14 +245,14 @@ class LLMEngine:
             max_model_len = capacity_tokens  # a small cache asked for explicitly bounds the context
 
         kv_cache = PagedKVCache(
-            config, num_blocks, knobs.block_size, dtype=kv_dtype, device=args.device, prefault=args.kv_cache_prefault
+            spec, num_blocks, knobs.block_size, dtype=kv_dtype, device=args.device, prefault=args.kv_cache_prefault
         )
         processors = LogitsProcessors(loaded.tokenizer, loaded.model.vocab_size)
         executor = ModelExecutor(loaded.model, kv_cache, sampler=Sampler(args.seed, processors))
         scheduler_config = knobs.resolve(num_blocks=num_blocks, max_model_len=max_model_len)
         name = args.served_model_name or loaded.name
         engine = cls(executor, loaded.tokenizer, scheduler_config, name, processors)
-        engine.model_spec = loaded.spec
+        engine.model_spec = spec
         engine.sampling_defaults = load_sampling_defaults(path)
         return engine
 

@@ -20,37 +20,10 @@ from servelab.engine import block_quant, native
 from servelab.engine.block_quant import BlockQuantLinear
 from servelab.engine.quantization import Int8Linear
 from servelab.errors import InvalidArgument
+from servelab.spec.model import ModelSpec
 
 
-@dataclass(slots=True)
-class ModelConfig:
-    """What the math needs. Built from an HF config.json or GGUF metadata by `weights`."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    rope_scaling: dict | None = None
-    max_position_embeddings: int = 4096
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = False
-    architecture: str = "llama"
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-
-def rope_inv_freq(config: ModelConfig, freq_divisors: torch.Tensor | None = None) -> torch.Tensor:
+def rope_inv_freq(config: ModelSpec, freq_divisors: torch.Tensor | None = None) -> torch.Tensor:
     """Inverse frequencies (fp32, [head_dim/2]), with llama3 / linear scaling applied like HF does."""
     dim = config.head_dim
     inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
@@ -146,7 +119,7 @@ class LlamaModel:
 
     def __init__(
         self,
-        config: ModelConfig,
+        config: ModelSpec,
         embed: torch.Tensor,
         layers: list[LayerWeights],
         final_norm: torch.Tensor,

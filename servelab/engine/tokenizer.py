@@ -10,10 +10,8 @@ same merges give different ids if the text is split differently before BPE.
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import re
-import struct
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
@@ -25,82 +23,7 @@ from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, proc
 from tokenizers import Tokenizer as HFTokenizer
 
 from servelab.errors import InvalidArgument, NotFound
-
-# --------------------------------------------------------------------------------------------
-# GGUF metadata reader (header only).
-#
-# gguf.GGUFReader parses every tensor descriptor and wraps each of the ~100k vocabulary strings
-# in a numpy view: seconds for a 49k vocabulary. Walking the key/value section with struct over an
-# mmap and stopping before the tensor table takes a small fraction of that.
-# --------------------------------------------------------------------------------------------
-
-_GGUF_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """All key/value metadata of a GGUF file as plain Python values (arrays as lists)."""
-    path = Path(path)
-    if not path.is_file():
-        raise NotFound(f"GGUF file not found: {path}")
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != b"GGUF":
-            raise InvalidArgument(f"{path} is not a GGUF file (it does not start with the GGUF magic bytes)")
-        version, _tensor_count, kv_count = struct.unpack_from("<IQQ", buf, 4)
-        if version not in (2, 3):
-            raise InvalidArgument(f"{path}: GGUF version {version} is not supported (supported: 2, 3)")
-        pos = 24
-        metadata: dict[str, Any] = {}
-        for _ in range(kv_count):
-            key, pos = _read_gguf_string(buf, pos)
-            (value_type,) = struct.unpack_from("<I", buf, pos)
-            metadata[key], pos = _read_gguf_value(buf, pos + 4, value_type, path)
-    return metadata
-
-
-def _read_gguf_string(buf: mmap.mmap, pos: int) -> tuple[str, int]:
-    (length,) = struct.unpack_from("<Q", buf, pos)
-    end = pos + 8 + length
-    raw = buf[pos + 8 : end]
-    try:
-        return raw.decode("utf-8"), end
-    except UnicodeDecodeError:  # llama.cpp writes some SPM byte pieces raw; keep going
-        return raw.decode("utf-8", errors="replace"), end
-
-
-def _read_gguf_value(buf: mmap.mmap, pos: int, value_type: int, path: Path) -> tuple[Any, int]:
-    fmt = _GGUF_SCALAR_FORMATS.get(value_type)
-    if fmt is not None:
-        (value,) = struct.unpack_from("<" + fmt, buf, pos)
-        return value, pos + struct.calcsize(fmt)
-    if value_type == _GGUF_STRING:
-        return _read_gguf_string(buf, pos)
-    if value_type == _GGUF_ARRAY:
-        element_type, count = struct.unpack_from("<IQ", buf, pos)
-        pos += 12
-        fmt = _GGUF_SCALAR_FORMATS.get(element_type)
-        if fmt is not None:
-            values = list(struct.unpack_from(f"<{count}{fmt}", buf, pos))
-            return values, pos + count * struct.calcsize(fmt)
-        if element_type == _GGUF_STRING:
-            strings = []
-            unpack_len = struct.Struct("<Q").unpack_from
-            for _ in range(count):
-                (length,) = unpack_len(buf, pos)
-                raw = buf[pos + 8 : pos + 8 + length]
-                try:
-                    strings.append(raw.decode("utf-8"))
-                except UnicodeDecodeError:
-                    strings.append(raw.decode("utf-8", errors="replace"))
-                pos += 8 + length
-            return strings, pos
-        values = []
-        for _ in range(count):
-            value, pos = _read_gguf_value(buf, pos, element_type, path)
-            values.append(value)
-        return values, pos
-    raise InvalidArgument(f"{path}: unknown GGUF metadata value type {value_type}")
-
+from servelab.spec.gguf_reader import gguf_metadata
 
 # --------------------------------------------------------------------------------------------
 # Pre-tokenizers for byte-level BPE GGUFs, keyed by `tokenizer.ggml.pre`.
@@ -406,11 +329,11 @@ class Tokenizer:
     @classmethod
     def from_gguf(cls, path_or_metadata: str | os.PathLike[str] | Mapping[str, Any]) -> Tokenizer:
         """Build the tokenizer a GGUF file describes. Accepts the file path or its metadata as a
-        mapping of plain Python values (what `read_gguf_metadata` returns)."""
+        mapping of plain Python values (what `spec.gguf_reader.gguf_metadata` returns)."""
         if isinstance(path_or_metadata, Mapping):
             metadata, source = path_or_metadata, str(path_or_metadata.get("general.name", "GGUF metadata"))
         else:
-            metadata, source = read_gguf_metadata(path_or_metadata), str(path_or_metadata)
+            metadata, source = gguf_metadata(path_or_metadata), str(path_or_metadata)
 
         model_type = metadata.get("tokenizer.ggml.model")
         if model_type != "gpt2":

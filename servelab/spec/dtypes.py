@@ -1,6 +1,6 @@
 """Storage dtypes for weights and the KV cache: bytes per element, and which tensor-core rate a
-weight dtype computes at. GGUF block formats (q4_1, q6_k, ...) take their bits per weight from the
-gguf package's block layouts, loaded only when one is asked for (it pulls in numpy)."""
+weight dtype computes at. GGUF block formats (q4_1, q6_k, ...) take their bits per weight from
+ggml's type table (ggml_types.py)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from functools import cache
 
 from servelab.errors import InvalidArgument
+from servelab.spec.ggml_types import GGML_TYPE_BY_NAME, GGML_TYPES
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,10 +50,10 @@ KV_DTYPES: dict[str, DType] = {
     "float32": DType("float32", 4.0, "fp32"),
 }
 
-# llama.cpp's weight block formats (GGML type names). Q8_1 and Q8_K are left out: ggml uses them
-# only for activations. Weight-only: dequantized inside the kernel, so they compute at the 16-bit
-# rate, like int4; the bytes include each block's scales (Q4_1: 32 weights in 20 bytes = 5 bits).
-GGUF_WEIGHT_FORMATS = ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
+# llama.cpp's weight block formats (GGML type names, lower case). Weight-only: dequantized inside
+# the kernel, so they compute at the 16-bit rate, like int4; the bytes include each block's scales
+# (Q4_1: 32 weights in 20 bytes = 5 bits).
+GGUF_WEIGHT_FORMATS = tuple(t.name.lower() for t in GGML_TYPES if t.weight_format)
 
 # Activations stay in 16-bit whatever the weight format.
 ACTIVATION_BYTES = 2.0
@@ -61,10 +62,7 @@ ACTIVATION_BYTES = 2.0
 @cache
 def gguf_block_dtype(name: str) -> DType:
     """A GGUF block format as a DType: bytes per weight = bytes per block / weights per block."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-    weights_per_block, bytes_per_block = GGML_QUANT_SIZES[GGMLQuantizationType[name.upper()]]
-    return DType(name, bytes_per_block / weights_per_block, "bf16")
+    return DType(name, GGML_TYPE_BY_NAME[name.upper()].bytes_per_weight, "bf16")
 
 
 def canonical_dtype(name: str) -> str:

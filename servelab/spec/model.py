@@ -1,16 +1,16 @@
-"""The shape of a decoder-only transformer (Llama family: Llama, Mistral, Qwen2, Mixtral) and the
-catalog of well-known models.
+"""The one description of a decoder-only transformer (Llama family: Llama, Mistral, Qwen2,
+Mixtral), parsed from an HF `config.json` or GGUF metadata, and the catalog of well-known models.
 
-Everything the cost model needs is here: parameter counts (total and active per token), and KV
-bytes per token. Counts assume the Llama block: RMSNorm, attention with grouped KV heads (GQA),
-SwiGLU MLP (gate, up, down), optional MoE routing over SwiGLU experts.
+The cost model reads its parameter counts and KV bytes per token; the engine builds its model,
+RoPE and KV cache from the same fields. Counts assume the Llama block: RMSNorm, attention with
+grouped KV heads (GQA), SwiGLU MLP (gate, up, down), optional MoE routing over SwiGLU experts.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -18,10 +18,14 @@ from servelab.errors import InvalidArgument, NotFound
 from servelab.spec.dtypes import kv_dtype as _kv_dtype
 from servelab.spec.dtypes import weight_dtype as _weight_dtype
 
-# HF `model_type` -> whether the attention projections carry a bias (Qwen2 has q/k/v bias).
+# HF `model_type` -> whether Q/K/V always carry a bias (Qwen2's do, whatever `attention_bias` says).
 _HF_MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": True, "mixtral": False}
-# GGUF `general.architecture` values we read; llama.cpp files Mistral and Mixtral under "llama".
-_GGUF_ARCHS = {"llama": False, "qwen2": True}
+# GGUF `general.architecture` values we read; llama.cpp files Mistral and Mixtral under "llama"
+# (older converters wrote "mistral").
+_GGUF_ARCHS = {"llama": False, "mistral": False, "qwen2": True}
+# HF model types whose `sliding_window` applies unless `use_sliding_window` says otherwise
+# (Qwen2 configs carry a window they do not use).
+_HF_SLIDING_BY_DEFAULT = ("mistral", "mixtral")
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +47,7 @@ class ModelSpec:
     num_experts: int = 1  # 1 for a dense model
     num_active_experts: int = 1  # experts each token is routed to
     architecture: str = "llama"
+    sliding_window: int | None = None  # tokens each query attends back over; None: the whole context
 
     def __post_init__(self) -> None:
         for field_name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
@@ -66,6 +71,17 @@ class ModelSpec:
         return hash((self.name, self.num_layers, self.hidden_size, self.num_heads, self.num_kv_heads,
                      self.head_dim, self.ffn_size, self.vocab_size, self.num_experts))
 
+    # ---- shapes -----------------------------------------------------------------------------
+    @property
+    def q_size(self) -> int:
+        """Rows of the Q projection: attention heads x head_dim."""
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Rows of the K (and of the V) projection: KV heads x head_dim."""
+        return self.num_kv_heads * self.head_dim
+
     # ---- parameter counts -------------------------------------------------------------------
     @property
     def is_moe(self) -> bool:
@@ -82,8 +98,7 @@ class ModelSpec:
 
     @property
     def attention_params_per_layer(self) -> int:
-        q_dim = self.num_heads * self.head_dim
-        kv_dim = self.num_kv_heads * self.head_dim
+        q_dim, kv_dim = self.q_size, self.kv_size
         params = self.hidden_size * (q_dim + 2 * kv_dim) + q_dim * self.hidden_size
         if self.qkv_bias:
             params += q_dim + 2 * kv_dim
@@ -171,6 +186,9 @@ class ModelSpec:
         hidden = int(need("hidden_size"))
         heads = int(need("num_attention_heads"))
         num_experts = int(config.get("num_local_experts") or 1)
+        window = config.get("sliding_window")
+        if not config.get("use_sliding_window", model_type in _HF_SLIDING_BY_DEFAULT):
+            window = None
         return cls(
             name=name or config.get("_name_or_path") or model_type,
             num_layers=int(need("num_hidden_layers")),
@@ -185,18 +203,20 @@ class ModelSpec:
             rope_theta=float(config.get("rope_theta", 10000.0)),
             rope_scaling=dict(config["rope_scaling"]) if config.get("rope_scaling") else None,
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-            qkv_bias=bool(config.get("attention_bias", _HF_MODEL_TYPES[model_type])),
+            qkv_bias=_HF_MODEL_TYPES[model_type] or bool(config.get("attention_bias", False)),
             num_experts=num_experts,
             num_active_experts=int(config.get("num_experts_per_tok") or 1) if num_experts > 1 else 1,
             architecture=model_type,
+            sliding_window=int(window) if window else None,
         )
 
     @classmethod
     def from_gguf_metadata(cls, metadata: Mapping[str, Any], *, name: str | None = None,
-                           tie_embeddings: bool | None = None) -> ModelSpec:
-        """From GGUF metadata (see `gguf_metadata`). GGUF metadata does not say whether the
-        embeddings are tied (the file simply has no `output.weight` tensor), so pass
-        `tie_embeddings`, or use `from_gguf(path)`, which looks at the tensors; unknown -> untied."""
+                           tensor_shapes: Mapping[str, Sequence[int]] | None = None) -> ModelSpec:
+        """From GGUF metadata and, where known, the tensors' shapes in ggml order (a GGUF file's
+        index: see `from_gguf`). Only the tensors tell whether the embeddings are tied (the file
+        has no `output.weight`) and whether Q/K/V carry a bias; without them: untied, and the
+        bias the architecture usually has."""
         arch = metadata.get("general.architecture", "llama")
         if arch not in _GGUF_ARCHS:
             raise InvalidArgument(
@@ -211,8 +231,14 @@ class ModelSpec:
 
         hidden = int(get("embedding_length", required=True))
         heads = int(get("attention.head_count", required=True))
+        shapes = tensor_shapes or {}
         tokens = metadata.get("tokenizer.ggml.tokens")
-        vocab = len(tokens) if tokens is not None else get("vocab_size", required=True)
+        if "token_embd.weight" in shapes:  # [hidden, vocab] in ggml order: the rows the model has
+            vocab = shapes["token_embd.weight"][1]
+        elif get("vocab_size") is not None or tokens is None:
+            vocab = get("vocab_size", required=True)
+        else:
+            vocab = len(tokens)
         scaling = None
         if get("rope.scaling.type") not in (None, "none"):
             scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor"),
@@ -224,15 +250,15 @@ class ModelSpec:
             hidden_size=hidden,
             num_heads=heads,
             num_kv_heads=int(get("attention.head_count_kv") or heads),
-            head_dim=int(get("attention.key_length") or hidden // heads),
+            head_dim=int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads),
             ffn_size=int(get("feed_forward_length", required=True)),
             vocab_size=int(vocab),
-            tie_embeddings=bool(tie_embeddings) if tie_embeddings is not None else False,
+            tie_embeddings=bool(shapes) and "output.weight" not in shapes,
             max_context=int(get("context_length", required=True)),
             rope_theta=float(get("rope.freq_base", 10000.0)),
             rope_scaling=scaling,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
-            qkv_bias=_GGUF_ARCHS[arch],
+            qkv_bias=("blk.0.attn_q.bias" in shapes) if "blk.0.attn_q.weight" in shapes else _GGUF_ARCHS[arch],
             num_experts=num_experts,
             num_active_experts=int(get("expert_used_count") or 1) if num_experts > 1 else 1,
             architecture=arch,
@@ -240,10 +266,11 @@ class ModelSpec:
 
     @classmethod
     def from_gguf(cls, path: str | os.PathLike[str], *, name: str | None = None) -> ModelSpec:
-        from servelab.spec.gguf_meta import gguf_header
+        from servelab.spec.gguf_reader import read_gguf
 
-        metadata, tensor_names = gguf_header(path)
-        return cls.from_gguf_metadata(metadata, name=name, tie_embeddings="output.weight" not in tensor_names)
+        gguf = read_gguf(path)
+        shapes = {t.name: t.shape for t in gguf.tensors.values()}
+        return cls.from_gguf_metadata(gguf.metadata, name=name, tensor_shapes=shapes)
 
 
 # ---- catalog ------------------------------------------------------------------------------------

@@ -15,8 +15,9 @@ import torch.nn.functional as F
 
 from servelab.engine import block_quant
 from servelab.engine.block_quant import BlockQuantLinear
-from servelab.engine.weights import GGUFTensor, dequantize_gguf_tensor, load_model
 from tests.tiny_models import max_rel_diff, prefill_logits
+from servelab.engine.loader import load_model
+from servelab.engine.weight_layout import GGUFTensor, dequantize_gguf_tensor
 
 from .test_weights import _write_gguf
 

@@ -9,7 +9,8 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from servelab.engine.weights import GGUFTensor, dequantize_gguf_tensor, read_gguf_tensors  # noqa: E402
+from servelab.engine.loader import read_gguf_tensors  # noqa: E402
+from servelab.engine.weight_layout import GGUFTensor, dequantize_gguf_tensor  # noqa: E402
 
 QK_K = 256
 

@@ -13,12 +13,12 @@ import pytest
 import torch
 
 from servelab.engine.kv_cache import PagedKVCache
-from servelab.engine.model import ModelConfig
+from servelab.spec.model import ModelSpec
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) residency is read on Linux")
 
-CONFIG = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
-                     head_dim=64)  # fmt: skip
+CONFIG = ModelSpec("tiny", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=64, ffn_size=128,
+                   vocab_size=64, tie_embeddings=False, max_context=2048, rope_theta=10000.0)  # fmt: skip
 
 
 def resident_fraction(t: torch.Tensor) -> float:

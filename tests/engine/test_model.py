@@ -9,8 +9,10 @@ import torch
 
 from servelab.core.sequence import SamplingParams
 from servelab.engine.llm_engine import EngineArgs, LLMEngine
-from servelab.engine.weights import load_model
-from tests.tiny_models import max_rel_diff, prefill_logits, write_tiny_llama
+from tests.tiny_models import write_tiny_llama
+from servelab.engine.loader import load_model
+
+from tests.tiny_models import max_rel_diff, prefill_logits
 
 transformers = pytest.importorskip("transformers")
 

@@ -13,8 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from servelab.engine import native
-from servelab.engine.weights import load_model
 from tests.tiny_models import prefill_logits
+from servelab.engine.loader import load_model
 
 
 def _reference(q, kc, vc, tables, ctx_lens, block_size, scale):

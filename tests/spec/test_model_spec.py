@@ -120,7 +120,16 @@ def test_from_hf_config_file_matches_catalog(tmp_path: Path, config, catalog_nam
 
 def test_from_hf_config_qwen2_has_qkv_bias_and_llama_does_not():
     assert ModelSpec.from_hf_config(QWEN25_7B).qkv_bias
+    assert ModelSpec.from_hf_config({**QWEN25_7B, "attention_bias": False}).qkv_bias  # Qwen2's are always there
     assert not ModelSpec.from_hf_config(LLAMA_31_8B).qkv_bias
+
+
+def test_from_hf_config_reads_the_sliding_window_where_it_applies():
+    assert ModelSpec.from_hf_config(MISTRAL_7B_V03).sliding_window is None
+    v01 = ModelSpec.from_hf_config({**MISTRAL_7B_V03, "sliding_window": 4096})  # Mistral-7B-v0.1
+    assert (v01.sliding_window, v01.max_context) == (4096, 32768)
+    assert ModelSpec.from_hf_config(QWEN25_7B).sliding_window is None  # use_sliding_window: false
+    assert ModelSpec.from_hf_config({**QWEN25_7B, "use_sliding_window": True}).sliding_window == 131072
 
 
 def test_from_hf_config_errors_name_the_problem(tmp_path: Path):

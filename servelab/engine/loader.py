@@ -1,0 +1,121 @@
+"""Loading a model: find its files, read its description (spec.ModelSpec) and tensors, and hand
+them to weight_layout to build the model. A GGUF file goes through the one GGUF reader
+(spec/gguf_reader.py), its tensors memory-mapped; an HF directory through `safetensors`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from servelab.engine.model import LlamaModel, rope_inv_freq
+from servelab.engine.tokenizer import Tokenizer
+from servelab.engine.weight_layout import GGUFTensor, build_model, dequantize_gguf_tensor, gguf_getters
+from servelab.errors import InvalidArgument, NotFound
+from servelab.spec.gguf_reader import GGUFFile, read_gguf
+from servelab.spec.model import ModelSpec
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: Tokenizer
+    spec: ModelSpec  # the one description of the model, the engine's and the cost model's
+    name: str
+    path: Path
+
+
+def check_device(device: str) -> None:
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise InvalidArgument(f"device={device!r} was asked for but no CUDA device is available", param="device")
+
+
+def load_model(path: str | Path, *, dtype: torch.dtype, device: str = "cpu") -> LoadedModel:
+    """Loads a GGUF file or an HF model directory; raises NotFound / InvalidArgument naming the path."""
+    check_device(device)
+    p = Path(path)
+    if not p.exists():
+        raise NotFound(f"model {str(path)!r} does not exist (give a .gguf file or an HF model directory)", param="model")
+    if p.is_dir():
+        return _load_hf_dir(p, dtype, device)
+    return _load_gguf(p, dtype, device)
+
+
+def servable_context(spec: ModelSpec) -> int:
+    """The longest context the engine serves this model at. There is no sliding-window attention
+    here: beyond the window we would be wrong, so stop at it."""
+    if spec.sliding_window is None:
+        return spec.max_context
+    return min(spec.max_context, spec.sliding_window)
+
+
+def check_servable(spec: ModelSpec) -> None:
+    """What the spec can describe but the engine cannot run, refused before any weight is read."""
+    if spec.architecture not in SUPPORTED_ARCHITECTURES or spec.is_moe:
+        kind = f"{spec.num_experts}-expert MoE" if spec.is_moe else repr(spec.architecture)
+        raise InvalidArgument(
+            f"model {spec.name!r}: architecture {kind} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
+            param="model",
+        )
+    if spec.qkv_bias and spec.architecture != "qwen2":
+        raise InvalidArgument("attention_bias=true (bias on every attention projection) is not supported", param="model")
+    rope_inv_freq(spec)  # raises on a RoPE scaling the model does not implement
+
+
+# ---------------------------------------------------------------------------------------- HF
+
+
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
+    from safetensors import safe_open
+
+    if not (path / "config.json").exists():
+        raise NotFound(f"model directory {str(path)!r} has no config.json", param="model")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise NotFound(f"model directory {str(path)!r} has no *.safetensors weights", param="model")
+    spec = ModelSpec.from_hf_config(path, name=path.name)
+    check_servable(spec)
+
+    handles = [safe_open(str(f), framework="pt") for f in files]
+    where = {name: h for h in handles for name in h.keys()}
+
+    def get(name: str) -> torch.Tensor | None:
+        h = where.get(name)
+        return None if h is None else h.get_tensor(name)
+
+    model = build_model(spec, get, dtype, device)
+    return LoadedModel(model, Tokenizer.from_hf_dir(path), spec, path.name, path)
+
+
+# ---------------------------------------------------------------------------------------- GGUF
+
+
+def read_gguf_tensors(path: Path) -> tuple[GGUFFile, dict[str, GGUFTensor]]:
+    """The file's header, and its tensors as views into the memory-mapped file (not copied)."""
+    gguf = read_gguf(path)
+    raw = np.memmap(path, dtype=np.uint8, mode="r")
+    tensors = {
+        name: GGUFTensor(name, t.shape, t.ggml_type.type_id,
+                         raw[t.offset : t.offset + t.nbytes].reshape(t.num_rows, -1))
+        for name, t in gguf.tensors.items()
+    }
+    return gguf, tensors
+
+
+def _load_gguf(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
+    gguf, tensors = read_gguf_tensors(path)
+    name = path.name[: -len(".gguf")] if path.name.endswith(".gguf") else path.name
+    spec = ModelSpec.from_gguf_metadata(gguf.metadata, name=name,
+                                        tensor_shapes={n: t.shape for n, t in gguf.tensors.items()})
+    check_servable(spec)
+    get, get_packed = gguf_getters(spec, tensors)
+    divisors = None
+    if "rope_freqs.weight" in tensors:  # llama 3.1's scaling, stored as per-dimension divisors
+        divisors = dequantize_gguf_tensor(tensors["rope_freqs.weight"]).reshape(-1)
+    model = build_model(spec, get, dtype, device, divisors, get_packed)
+    return LoadedModel(model, Tokenizer.from_gguf(gguf.metadata), spec, name, path)

@@ -1,0 +1,238 @@
+"""Weights into the model's layout: HF and GGUF tensor names onto our layers, llama.cpp's RoPE row
+order undone, GGUF blocks dequantized, Q/K/V and gate/up fused, and block-quantized copies kept
+for the CPU kernels.
+
+llama.cpp's converter permutes the rows of Q and K of `llama`-architecture models so that its
+interleaved RoPE applies; we undo that permutation so the HF rotate-half convention holds and the
+same model code serves both formats.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from servelab.engine import block_quant, native
+from servelab.engine.model import LayerWeights, LlamaModel
+from servelab.errors import InvalidArgument
+from servelab.spec.ggml_types import GGML_TYPE_BY_ID, GGML_TYPE_BY_NAME
+from servelab.spec.model import ModelSpec
+
+# `get(name)`: an fp32/fp16 CPU tensor in HF layout for an HF-style name, or None.
+TensorGetter = Callable[[str], torch.Tensor | None]
+# `get_packed(name)`: a block-quantized weight's (ggml type id, raw rows [out, row_bytes] uint8).
+PackedGetter = Callable[[str], tuple[int, torch.Tensor] | None]
+
+# GGUF architectures whose Q and K rows llama.cpp's converter permuted.
+ROPE_PERMUTED_ARCHS = ("llama", "mistral")
+
+
+def build_model(
+    spec: ModelSpec,
+    get: TensorGetter,
+    dtype: torch.dtype,
+    device: str,
+    rope_freq_divisors: torch.Tensor | None = None,
+    get_packed: PackedGetter | None = None,
+) -> LlamaModel:
+    """The model from its weights by HF name; `get_packed`, for GGUF files, gives block-quantized
+    weights' raw blocks for block_quant's kernels."""
+    kernels = None
+    if get_packed is not None and dtype == torch.float32 and device == "cpu":
+        kernels = native.native_kernels()
+
+    def linear(names: list[str]) -> torch.Tensor | block_quant.BlockQuantLinear:
+        dense = cast(torch.cat([need(n) for n in names], dim=0)) if len(names) > 1 else cast(need(names[0]))
+        parts = None
+        if kernels is not None:
+            found = [get_packed(n) for n in names]
+            parts = None if any(p is None for p in found) else found
+        return block_quant.pack(dense, parts, kernels)
+
+    def need(name: str) -> torch.Tensor:
+        t = get(name)
+        if t is None:
+            raise InvalidArgument(f"model weights lack the tensor {name!r}", param="model")
+        return t
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device=device, dtype=dtype).contiguous()
+
+    layers = []
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        bias = None
+        if spec.qkv_bias:
+            bias = cast(torch.cat([need(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0))
+        layers.append(
+            LayerWeights(
+                input_norm=cast(need(p + "input_layernorm.weight")),
+                qkv=linear([p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
+                qkv_bias=bias,
+                o=linear([p + "self_attn.o_proj.weight"]),
+                post_norm=cast(need(p + "post_attention_layernorm.weight")),
+                gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
+                down=linear([p + "mlp.down_proj.weight"]),
+            )
+        )
+    embed = cast(need("model.embed_tokens.weight"))
+    head = None if spec.tie_embeddings else get("lm_head.weight")
+    lm_head = embed if head is None else cast(head)
+    head_name = "model.embed_tokens.weight" if head is None else "lm_head.weight"
+    head_parts = None if kernels is None or (part := get_packed(head_name)) is None else [part]
+    packed_head = block_quant.pack(lm_head, head_parts, kernels)
+    return LlamaModel(
+        spec, embed, layers, cast(need("model.norm.weight")), lm_head, rope_freq_divisors,
+        lm_head_packed=packed_head if isinstance(packed_head, block_quant.BlockQuantLinear) else None,
+    )
+
+
+# ---------------------------------------------------------------------------------------- GGUF
+
+_GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_GGUF_TOP_NAMES = {
+    "token_embd.weight": "model.embed_tokens.weight",
+    "output_norm.weight": "model.norm.weight",
+    "output.weight": "lm_head.weight",
+}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """The HF checkpoint's name for a GGUF tensor name; None for tensors the model does not use."""
+    if gguf_name in _GGUF_TOP_NAMES:
+        return _GGUF_TOP_NAMES[gguf_name]
+    if gguf_name.startswith("blk."):
+        _, idx, rest = gguf_name.split(".", 2)
+        if rest in _GGUF_LAYER_NAMES:
+            return f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+    return None
+
+
+def unpermute_rope_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Inverse of llama.cpp's convert permute: per head, rows (0, half, 1, half+1, ...) back to halves."""
+    rows = w.shape[0]
+    return w.reshape(n_heads, rows // n_heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@dataclass(slots=True)
+class GGUFTensor:
+    name: str
+    shape: tuple[int, ...]  # ggml order: shape[0] is the contiguous (input) dimension
+    tensor_type: int  # ggml type id (spec/ggml_types.py)
+    data: np.ndarray  # raw bytes [rows, row_bytes] (uint8), a view into the memory-mapped file
+
+
+def gguf_getters(spec: ModelSpec, tensors: dict[str, GGUFTensor]) -> tuple[TensorGetter, PackedGetter]:
+    """`build_model`'s getters over a GGUF file's tensors: HF names, RoPE rows in HF order; dense
+    weights dequantized to fp32, packed ones as the file's blocks."""
+    by_hf = {hf: t for name, t in tensors.items() if (hf := hf_name(name)) is not None}
+    permuted = spec.architecture in ROPE_PERMUTED_ARCHS
+
+    def rope_rows(name: str, w: torch.Tensor) -> torch.Tensor:
+        if permuted and name.endswith(("q_proj.weight", "q_proj.bias")):
+            return unpermute_rope_rows(w, spec.num_heads)
+        if permuted and name.endswith(("k_proj.weight", "k_proj.bias")):
+            return unpermute_rope_rows(w, spec.num_kv_heads)
+        return w
+
+    def get(name: str) -> torch.Tensor | None:
+        t = by_hf.get(name)
+        return None if t is None else rope_rows(name, dequantize_gguf_tensor(t))
+
+    def get_packed(name: str) -> tuple[int, torch.Tensor] | None:
+        t = by_hf.get(name)
+        if t is None or t.tensor_type not in block_quant.GGUF_BLOCK_FORMATS:
+            return None
+        rows = torch.from_numpy(np.array(t.data, copy=True)).reshape(t.shape[-1], -1)  # [out, row_bytes]
+        return t.tensor_type, rope_rows(name, rows)
+
+    return get, get_packed
+
+
+def dequantize_gguf_tensor(t: GGUFTensor) -> torch.Tensor:
+    """A GGUF tensor as an fp32 CPU tensor in row-major [out, in] (ggml's shape reversed)."""
+    ggml_type = GGML_TYPE_BY_ID.get(t.tensor_type)
+    if ggml_type is None:
+        raise InvalidArgument(f"GGUF tensor {t.name!r} has unknown ggml type id {t.tensor_type}", param="model")
+    shape = tuple(reversed(t.shape))
+    fast = _FAST_DEQUANT.get(ggml_type.name)
+    if fast is not None:
+        return fast(torch.from_numpy(np.array(t.data, copy=True))).reshape(shape)
+    import gguf  # numpy reference dequantization of the formats we do not do in torch
+
+    try:
+        arr = gguf.quants.dequantize(t.data, gguf.GGMLQuantizationType(t.tensor_type))
+    except (NotImplementedError, ValueError) as exc:
+        raise InvalidArgument(
+            f"GGUF tensor {t.name!r} has quantization {ggml_type.name}, which gguf cannot dequantize", param="model"
+        ) from exc
+    return torch.from_numpy(np.array(arr, dtype=np.float32, copy=True).reshape(shape))
+
+
+# The gguf package dequantizes in numpy, block group by block group: ~10 s for SmolLM2's Q4_1.
+# The common legacy formats in torch take a fraction of a second; the rest go through gguf.
+def _blocks(raw: torch.Tensor, type_name: str) -> torch.Tensor:
+    return raw.reshape(-1, GGML_TYPE_BY_NAME[type_name].block_bytes)
+
+
+def _scale(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    return blocks[:, at : at + 2].contiguous().view(torch.float16).float()  # [n, 1]
+
+
+def _nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """16 bytes -> 32 values: low nibbles are elements 0..15, high nibbles 16..31."""
+    return torch.cat((qs & 0x0F, qs >> 4), dim=1).float()
+
+
+def _dequant_q8_0(raw: torch.Tensor) -> torch.Tensor:
+    b = _blocks(raw, "Q8_0")
+    return _scale(b, 0) * b[:, 2:].contiguous().view(torch.int8).float()
+
+
+def _dequant_q4_0(raw: torch.Tensor) -> torch.Tensor:
+    b = _blocks(raw, "Q4_0")
+    return _scale(b, 0) * (_nibbles(b[:, 2:]) - 8.0)
+
+
+def _dequant_q4_1(raw: torch.Tensor) -> torch.Tensor:
+    b = _blocks(raw, "Q4_1")
+    return _scale(b, 0) * _nibbles(b[:, 4:]) + _scale(b, 2)
+
+
+def _dequant_f32(raw: torch.Tensor) -> torch.Tensor:
+    return raw.view(torch.float32)
+
+
+def _dequant_f16(raw: torch.Tensor) -> torch.Tensor:
+    return raw.view(torch.float16).float()
+
+
+def _dequant_bf16(raw: torch.Tensor) -> torch.Tensor:
+    return raw.view(torch.bfloat16).float()
+
+
+# ggml type name -> dequantization in torch.
+_FAST_DEQUANT = {
+    "F32": _dequant_f32,
+    "F16": _dequant_f16,
+    "BF16": _dequant_bf16,
+    "Q8_0": _dequant_q8_0,
+    "Q4_0": _dequant_q4_0,
+    "Q4_1": _dequant_q4_1,
+}
