@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from servelab.core.structured_output import StructuredOutputSpec
 from servelab.errors import InvalidArgument
-
-if TYPE_CHECKING:
-    from servelab.core.plan import ScheduledSeq, TokenLogprobs
 
 MAX_LOGPROBS = 20  # top alternatives per token, for logprobs and prompt_logprobs (OpenAI's limit)
 
@@ -32,6 +28,16 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens (or max_model_len) reached
     ABORT = "abort"  # cancelled by the client or the server
     ERROR = "error"  # failed inside the engine
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprob of the sampled token and the top-N alternatives (token id -> logprob)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # 1 + how many tokens the model rated higher (prompt logprobs report it)
 
 
 @dataclass(slots=True)
@@ -148,7 +154,6 @@ class Sequence:
     eos_token_ids: tuple[int, ...] = ()
 
     token_ids: list[int] = field(init=False)
-    num_prompt_tokens: int = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (last admission)
     block_table: list[int] = field(default_factory=list)
@@ -162,7 +167,6 @@ class Sequence:
 
     # Timestamps (seconds on the driver's clock: wall clock in the engine, virtual in the sim).
     first_scheduled_s: float | None = None
-    first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     finished_s: float | None = None
 
@@ -186,23 +190,17 @@ class Sequence:
     # The scheduler's admission/preemption order key, set by Scheduler.add (see _order_key there).
     order_key: tuple = field(default=(), init=False, repr=False)
 
-    # Only under Scheduler(reuse_plan_entries=True) (the simulator): the one ScheduledSeq that
-    # every plan reuses for this sequence, rewritten each step instead of allocated.
-    plan_entry: ScheduledSeq | None = field(default=None, init=False, repr=False)
-
-    # Only under Scheduler(implicit_decode_token=...) (the simulator): while >= 0 this sequence
-    # is a steady decode advanced implicitly, one token per step of the scheduler's implicit
-    # clock from tick `implicit_from` on; `token_ids`, `token_times_s` and `num_computed_tokens`
-    # hold its state at that tick and catch up when it finishes, is preempted, aborted or cut by
-    # the budget, or on Scheduler.sync(). At tick `implicit_wake` its block fills or it finishes;
-    # `implicit_needs_block` marks one whose block filled and that takes a new one next step.
-    implicit_from: int = field(default=-1, init=False, repr=False)
-    implicit_wake: int = field(default=-1, init=False, repr=False)
-    implicit_needs_block: bool = field(default=False, init=False, repr=False)
-
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def first_token_s(self) -> float | None:
+        """When the first output token was sampled (every token's time is kept)."""
+        return self.token_times_s[0] if self.token_times_s else None
 
     @property
     def num_tokens(self) -> int:

@@ -26,6 +26,7 @@ from servelab.core.sequence import SamplingParams, Sequence
 from servelab.errors import ServelabError
 from servelab.metrics import RequestRecord
 from servelab.sim.executor import SimExecutor, StepCostModel
+from servelab.sim.implicit_decodes import ImplicitDecodeScheduler, SimSequence
 from servelab.sim.router import Router
 from servelab.workload import RequestSpec, simulated_prompt
 
@@ -114,13 +115,14 @@ class ClusterSim:
         # Every simulated token is this id, so steady decodes can run implicitly; that needs a
         # cost model that prices a step from its sums (the roofline does).
         token = 1
-        implicit = token if getattr(cost_model, "time_from_totals", None) is not None else None
+        implicit = getattr(cost_model, "time_from_totals", None) is not None
         for role, (count, config) in pools.items():
             pool = []
             for _ in range(count):
-                # Each plan is executed and passed to update() before the replica schedules again
-                # (see start_step and _STEP_DONE), so plans may reuse their entries.
-                scheduler = Scheduler(config, keep_finished=0, reuse_plan_entries=True, implicit_decode_token=implicit)
+                scheduler = (
+                    ImplicitDecodeScheduler(config, token, keep_finished=0) if implicit
+                    else Scheduler(config, keep_finished=0)
+                )
                 replica = Replica(len(self.replicas), role, scheduler, SimExecutor(cost_model, token))
                 pool.append(replica)
                 self.replicas.append(replica)
@@ -230,7 +232,7 @@ class ClusterSim:
             rid = str(spec.index)
             live[rid] = req
             max_tokens = 1 if self.disagg else spec.output_tokens
-            seq = Sequence(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_s=t)
+            seq = SimSequence(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_s=t)
             seq.block_hashes = list(hashes)  # the prefix cache would compute the same identities
             replica = self.entry_router.pick(self.entry_pool)
             req.prefill_replica = replica
@@ -298,7 +300,7 @@ class ClusterSim:
                 req: _Request = a
                 rid = str(req.spec.index)
                 replica = self.decode_router.pick(self.pools["decode"])
-                seq = Sequence(
+                seq = SimSequence(
                     rid, req.prompt_token_ids, SamplingParams(max_tokens=req.spec.output_tokens, ignore_eos=True),
                     arrival_s=req.sent_s,
                 )
