@@ -40,7 +40,6 @@ from servelab.errors import InvalidArgument, NotFound, QueueFull, RequestTooLong
 _RUNNING = SequenceStatus.RUNNING
 _WAITING = SequenceStatus.WAITING
 _FINISHED = SequenceStatus.FINISHED
-_NO_STOP_IDS: frozenset[int] = frozenset()
 # `running` and the waiting heap are ordered by Sequence.order_key: (admission counter,) under
 # fcfs, (priority, arrival, counter) under priority. An attrgetter keeps insort's key in C.
 by_order = attrgetter("order_key")
@@ -161,11 +160,6 @@ class Scheduler:
             )
         if now is not None and seq.arrival_s == 0.0:
             seq.arrival_s = now
-        params = seq.params
-        seq.stop_check_num_tokens = min(num_prompt + max_tokens, self._len_cap)
-        stop_ids = params.stop_token_ids if params.ignore_eos else (*seq.eos_token_ids, *params.stop_token_ids)
-        # Sequences without stop ids (every simulated one) share one set: it stays in cache.
-        seq.stop_check_token_ids = frozenset(stop_ids) if stop_ids else _NO_STOP_IDS
         order = next(self._counter)
         key = (seq.priority, seq.arrival_s, order) if self._by_priority else (order,)
         seq.order_key = key
@@ -359,18 +353,20 @@ class Scheduler:
         token_ids = seq.token_ids
         token_ids.append(token)
         seq.token_times_s.append(now)  # every token's time: the simulator's ITL needs them
-        # One compare and one set lookup screen the token (see Sequence.stop_check_*);
-        # _stop_reason decides whether and why it really stops.
-        if len(token_ids) >= seq.stop_check_num_tokens or token in seq.stop_check_token_ids:
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self._finish(seq, reason, now)
-                finished.append(seq)
-                outputs.append(RequestOutput(seq.request_id, [token], True, reason, seq, None if lp is None else [lp]))
-                return False
+        reason = self._stop_reason(seq, token)
+        if reason is not None:
+            self._finish(seq, reason, now)
+            finished.append(seq)
+            outputs.append(RequestOutput(seq.request_id, [token], True, reason, seq, None if lp is None else [lp]))
+            return False
         if stream:
             outputs.append(RequestOutput(seq.request_id, [token], False, None, seq, None if lp is None else [lp]))
         return True
+
+    def length_limit(self, seq: Sequence) -> int:
+        """The token count at which seq stops: max_tokens, max_model_len, or a next decode that
+        would need a KV slot past the whole pool."""
+        return min(seq.num_prompt_tokens + seq.params.max_tokens, self._len_cap)
 
     def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
         """Why seq stops after sampling `token`, in vLLM's order: EOS and stop tokens (once
@@ -383,7 +379,7 @@ class Scheduler:
             if token in params.stop_token_ids:
                 seq.stop_reason = token
                 return FinishReason.STOP
-        if num_output >= params.max_tokens or len(seq.token_ids) >= self._len_cap:
+        if len(seq.token_ids) >= self.length_limit(seq):
             return FinishReason.LENGTH
         return None
 

@@ -180,14 +180,7 @@ class Sequence:
     # chunk as the prefill runs (the first prompt token has none).
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list, repr=False)
 
-    # Set by Scheduler.add so that update() screens each sampled token with one compare and one
-    # set lookup: a token can only end the sequence if the sequence reached `stop_check_num_tokens`
-    # (max_tokens or the scheduler's length cap) or the token is in `stop_check_token_ids` (EOS
-    # unless ignore_eos, and the stop token ids). Scheduler._stop_reason then applies the full
-    # rules (min_tokens, which reason); these two fields only decide when to ask it.
-    stop_check_num_tokens: int = field(default=0, init=False, repr=False)
-    stop_check_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
-    # The scheduler's admission/preemption order key, set by Scheduler.add (see _order_key there).
+    # The scheduler's admission/preemption order key, set by Scheduler.add (see by_order there).
     order_key: tuple = field(default=(), init=False, repr=False)
 
     def __post_init__(self) -> None:

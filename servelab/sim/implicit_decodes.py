@@ -44,6 +44,9 @@ class SimSequence(Sequence):
     implicit_from: int = field(default=-1, init=False, repr=False)
     implicit_wake: int = field(default=-1, init=False, repr=False)
     implicit_needs_block: bool = field(default=False, init=False, repr=False)
+    # Set at admission: the token count at which it stops by length, or 0 if the implicit token
+    # would stop it (an EOS or stop id): such a sequence never runs implicitly.
+    implicit_limit: int = field(default=0, init=False, repr=False)
 
 
 @dataclass(slots=True)
@@ -93,6 +96,9 @@ class ImplicitDecodeScheduler(Scheduler):
         if not isinstance(seq, SimSequence):
             raise TypeError(f"ImplicitDecodeScheduler runs SimSequence, got {type(seq).__name__} ({seq.request_id!r})")
         super().add(seq, now)
+        params = seq.params
+        stops = self._token in params.stop_token_ids or (not params.ignore_eos and self._token in seq.eos_token_ids)
+        seq.implicit_limit = 0 if stops else self.length_limit(seq)
 
     # ---- hooks of the core Scheduler -----------------------------------------------------------
 
@@ -215,7 +221,7 @@ class ImplicitDecodeScheduler(Scheduler):
         """File an implicit sequence, whose context at `tick` is `end`, under the tick of its next
         event: its last block fills (update publishes it; the next step needs a new one) or it
         reaches its length limit, one tick before its context would."""
-        wake = tick + min(len(seq.block_table) * self.config.block_size - end, seq.stop_check_num_tokens - end - 1)
+        wake = tick + min(len(seq.block_table) * self.config.block_size - end, seq.implicit_limit - end - 1)
         seq.implicit_wake = wake
         bucket = self._wake.get(wake)
         if bucket is None:
@@ -251,7 +257,7 @@ class ImplicitDecodeScheduler(Scheduler):
             else:
                 block_tokens_hash = hash((*seq.token_ids[end - bs :], *repeat(token, end - num_known)))
             self.block_manager.commit_next_block(seq, block_tokens_hash)
-        if end + 1 >= seq.stop_check_num_tokens:
+        if end + 1 >= seq.implicit_limit:
             # The implicit token cannot stop it: only the length limit ends it.
             self._finish(seq, FinishReason.LENGTH, now)  # catches it up, this step's token included
             finished.append(seq)
@@ -301,8 +307,7 @@ class ImplicitDecodeScheduler(Scheduler):
         table_end = len(seq.block_table) * self.config.block_size
         if (
             num_known > table_end
-            or num_known + 1 >= seq.stop_check_num_tokens
-            or self._token in seq.stop_check_token_ids
+            or num_known + 1 >= seq.implicit_limit  # also when the implicit token would stop it
         ):
             return False  # it needs a block or stops at this very step: the core loops handle that
         seq.implicit_from = tick

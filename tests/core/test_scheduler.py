@@ -511,14 +511,10 @@ def test_finished_only_update_changes_no_state_only_the_events():
     assert any(n for *_, n in state), "the small pool should have preempted someone"
 
 
-def test_stop_checks_are_set_at_admission():
+def test_the_length_limit_is_max_tokens_or_the_kv_pool():
     s = Scheduler(config(num_blocks=4, block_size=4, max_model_len=64))  # a 16-token pool
-    a = make_seq("a", 6, 20, stop_token_ids=[9], eos_token_ids=(2,))
-    b = make_seq("b", 6, 5, stop_token_ids=[9], ignore_eos=True, eos_token_ids=(2,))
-    s.add(a)
-    s.add(b)
-    assert (a.stop_check_num_tokens, a.stop_check_token_ids) == (17, frozenset({2, 9}))  # the pool caps a at 17
-    assert (b.stop_check_num_tokens, b.stop_check_token_ids) == (11, frozenset({9}))  # EOS ignored
+    assert s.length_limit(make_seq("a", 6, 20)) == 17  # its 17th token would need a 17th slot
+    assert s.length_limit(make_seq("b", 6, 5)) == 11  # prompt + max_tokens
 
 
 def test_a_missing_sample_ends_the_request_with_error():
