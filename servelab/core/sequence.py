@@ -165,7 +165,7 @@ class Sequence:
     # opaque here so that core stays free of torch and the grammar engine, and dropped with the sequence.
     logits_state: object | None = field(default=None, repr=False)
 
-    # Timestamps (seconds on the driver's clock: wall clock in the engine, virtual in the sim).
+    # Timestamps (seconds on the caller's clock: wall clock in the engine, virtual in the sim).
     first_scheduled_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     finished_s: float | None = None

@@ -277,3 +277,10 @@ def test_the_simulator_gives_the_core_schedulers_results(case):
     assert outcome(fast) == outcome(plain)
     if case == "preempting":
         assert sum(r["preemptions"] for r in fast.replica_stats) > 0
+
+
+def test_it_runs_only_sequences_that_carry_the_implicit_state():
+    s = ImplicitDecodeScheduler(SchedulerConfig(num_blocks=8, block_size=4), TOKEN)
+    with pytest.raises(TypeError, match="runs SimSequence, got Sequence"):
+        s.add(Sequence("r0", [1, 2, 3], SamplingParams(max_tokens=2)), 0.0)
+    assert not s.has_unfinished()
