@@ -20,13 +20,19 @@ import sys
 import time
 
 from servelab.core.config import SchedulerConfig
-from servelab.core.fake_executor import FakeExecutor
-from servelab.core.plan import ScheduledSeq
+from servelab.core.plan import ScheduledSeq, StepPlan, StepResult
 from servelab.core.scheduler import Scheduler
 from servelab.core.sequence import SamplingParams, Sequence
 
 
-def build(num_seqs: int, prompt_len: int, max_tokens: int) -> tuple[Scheduler, FakeExecutor, float]:
+class OneTokenExecutor:
+    """Samples token 100 for every entry that samples, in 5 ms of virtual time (never timed)."""
+
+    def execute(self, plan: StepPlan) -> StepResult:
+        return StepResult([100 if s.samples else None for s in plan.scheduled], 0.005)
+
+
+def build(num_seqs: int, prompt_len: int, max_tokens: int) -> tuple[Scheduler, OneTokenExecutor, float]:
     block_size = 16
     blocks_per_seq = -(-(prompt_len + max_tokens) // block_size)
     config = SchedulerConfig(
@@ -37,7 +43,7 @@ def build(num_seqs: int, prompt_len: int, max_tokens: int) -> tuple[Scheduler, F
         max_model_len=prompt_len + max_tokens,
     )
     scheduler = Scheduler(config)
-    executor = FakeExecutor()
+    executor = OneTokenExecutor()
     for i in range(num_seqs):
         prompt = [(i * 31 + j) % 30000 + 100 for j in range(prompt_len)]  # distinct: no prefix hits
         scheduler.add(Sequence(f"req-{i}", prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True)), 0.0)

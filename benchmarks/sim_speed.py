@@ -6,7 +6,7 @@ Then a shorter run splits the wall time between the scheduler (schedule + update
 KV-block and prefix-cache work inside them shown apart), the SimExecutor with the roofline, the
 workload's stand-in prompts and the rest (event loop, requests, records, metrics).
 
-    .venv/bin/python benchmarks/sim_speed.py --num-requests 100000
+    .venv/bin/python benchmarks/sim_speed.py --num-requests 100000 [--core-scheduler]
 """
 
 from __future__ import annotations
@@ -15,13 +15,29 @@ import argparse
 import os
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 from servelab.core.block_manager import BlockManager
 from servelab.core.scheduler import Scheduler
 from servelab.sim import SimConfig, cluster, simulate
+from servelab.sim.runner import build_cost_model
 from servelab.sim.executor import SimExecutor
 from servelab.workload import WorkloadSpec
+
+
+class ShapeOnly:
+    """The roofline without `time_from_totals`: ClusterSim then runs the core Scheduler (the same
+    decisions, every running sequence in every step) and the executor prices each step's shape."""
+
+    def __init__(self, cost_model: Any) -> None:
+        self.cost_model = cost_model
+
+    def step_time_s(self, shape: Any) -> float:
+        return self.cost_model.step_time_s(shape)
+
+    def step(self, shape: Any) -> Any:
+        return self.cost_model.step(shape)
 
 
 def capacity_req_per_s(config: SimConfig, n: int) -> float:
@@ -74,12 +90,16 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=100_000)
     parser.add_argument("--load", type=float, default=0.8, help="fraction of capacity (default 0.8)")
     parser.add_argument("--profile-requests", type=int, default=3000)
+    parser.add_argument("--core-scheduler", action="store_true",
+                        help="time the core Scheduler, without the simulator's implicit decodes")
     args = parser.parse_args()
     config = SimConfig(model="llama-3.1-8b", hardware="h100-sxm")
 
     t0 = time.perf_counter()
     capacity = capacity_req_per_s(config, 4000)
     print(f"capacity (saturated, 4,000 requests): {capacity:.2f} req/s  [{time.perf_counter() - t0:.1f} s wall]")
+    if args.core_scheduler:
+        config = replace(config, cost_model=ShapeOnly(build_cost_model(config)))
     rate = args.load * capacity
     wl = WorkloadSpec(args.num_requests, rate=rate, input_len="1024", output_len="256", seed=0)
 

@@ -5,8 +5,6 @@ Pure Python (no torch, no numpy): the simulator and the bench client import it t
 
 from servelab.core.block_manager import BlockManager
 from servelab.core.config import SchedulerConfig
-from servelab.core.driver import VirtualClock, WallClock, run_to_completion
-from servelab.core.fake_executor import FakeExecutor
 from servelab.core.plan import (
     Executor,
     RequestOutput,
@@ -26,7 +24,6 @@ from servelab.core.sequence import (
 __all__ = [
     "BlockManager",
     "Executor",
-    "FakeExecutor",
     "FinishReason",
     "RequestOutput",
     "SamplingParams",
@@ -39,7 +36,4 @@ __all__ = [
     "StepPlan",
     "StepResult",
     "TokenLogprobs",
-    "VirtualClock",
-    "WallClock",
-    "run_to_completion",
 ]

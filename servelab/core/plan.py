@@ -5,7 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from servelab.core.sequence import FinishReason, Sequence
+from servelab.core.sequence import FinishReason, Sequence, TokenLogprobs
+
+__all__ = ["Executor", "RequestOutput", "ScheduledSeq", "StepPlan", "StepResult", "TokenLogprobs"]
 
 
 @dataclass(slots=True)
@@ -39,27 +41,14 @@ class StepPlan:
     num_batched_tokens: int = 0
     preempted: list[Sequence] = field(default_factory=list)  # preempted while building this plan
     block_size: int = 16
-    # Sums over shape() that the scheduler keeps while it builds the plan (`sums_kept`), so that
-    # the simulator prices a step without another pass over `scheduled` (it prices hundreds of
-    # thousands). A plan built by hand leaves them unset and shape_totals() computes them.
-    context_tokens: int = 0  # Σ context length (start_pos + num_tokens)
-    attention_pairs: int = 0  # Σ causal (query, key) pairs: q·c − q(q−1)/2 per sequence
-    num_decode_seqs: int = 0  # entries with exactly one query token
-    num_sampling_seqs: int = 0  # entries with `samples` set (a simulator step samples for all)
-    sums_kept: bool = False
-    # Scheduler(implicit_decode_token=...) only (the simulator): steady decodes that run this step
-    # without an entry in `scheduled`. The sums above include them (one query token each, at
-    # their context); `shape()` and `scheduled` do not.
-    num_implicit_decodes: int = 0
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled and not self.num_implicit_decodes
+        return not self.scheduled
 
     @property
     def num_seqs(self) -> int:
-        """Sequences in the step, implicit decodes included."""
-        return len(self.scheduled) + self.num_implicit_decodes
+        return len(self.scheduled)
 
     def shape(self) -> list[tuple[int, int]]:
         """(query tokens, context length) per sequence: the cost model's input."""
@@ -70,10 +59,7 @@ class StepPlan:
 
         A chunk of q query tokens at context c attends to (c − q) cached keys plus i + 1 of its
         own for query i: q·c − q(q−1)/2 pairs (c for a decode). The same sums as
-        `Roofline.totals(plan.shape())`, read from the running sums when the scheduler kept them."""
-        if self.sums_kept:
-            return (self.num_batched_tokens, len(self.scheduled) + self.num_implicit_decodes, self.context_tokens,
-                    self.attention_pairs, self.num_decode_seqs)
+        `Roofline.totals(plan.shape())`, plus the count of one-token entries."""
         num_tokens = context = pairs = decodes = 0
         for s in self.scheduled:
             q = s.num_tokens
@@ -83,16 +69,6 @@ class StepPlan:
             pairs += q * c - (q * (q - 1) >> 1)
             decodes += q == 1
         return num_tokens, len(self.scheduled), context, pairs, decodes
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    """Logprob of the sampled token and the top-N alternatives (token id -> logprob)."""
-
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]] = field(default_factory=list)
-    rank: int | None = None  # 1 + how many tokens the model rated higher (prompt logprobs report it)
 
 
 @dataclass(slots=True)

@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 from servelab.core.structured_output import StructuredOutputSpec
 from servelab.errors import InvalidArgument
-
-if TYPE_CHECKING:
-    from servelab.core.plan import ScheduledSeq, TokenLogprobs
 
 MAX_LOGPROBS = 20  # top alternatives per token, for logprobs and prompt_logprobs (OpenAI's limit)
 
@@ -32,6 +28,16 @@ class FinishReason(str, enum.Enum):
     LENGTH = "length"  # max_tokens (or max_model_len) reached
     ABORT = "abort"  # cancelled by the client or the server
     ERROR = "error"  # failed inside the engine
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprob of the sampled token and the top-N alternatives (token id -> logprob)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
+    rank: int | None = None  # 1 + how many tokens the model rated higher (prompt logprobs report it)
 
 
 @dataclass(slots=True)
@@ -148,7 +154,6 @@ class Sequence:
     eos_token_ids: tuple[int, ...] = ()
 
     token_ids: list[int] = field(init=False)
-    num_prompt_tokens: int = field(init=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (last admission)
     block_table: list[int] = field(default_factory=list)
@@ -160,9 +165,8 @@ class Sequence:
     # opaque here so that core stays free of torch and the grammar engine, and dropped with the sequence.
     logits_state: object | None = field(default=None, repr=False)
 
-    # Timestamps (seconds on the driver's clock: wall clock in the engine, virtual in the sim).
+    # Timestamps (seconds on the caller's clock: wall clock in the engine, virtual in the sim).
     first_scheduled_s: float | None = None
-    first_token_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     finished_s: float | None = None
 
@@ -176,33 +180,20 @@ class Sequence:
     # chunk as the prefill runs (the first prompt token has none).
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list, repr=False)
 
-    # Set by Scheduler.add so that update() screens each sampled token with one compare and one
-    # set lookup: a token can only end the sequence if the sequence reached `stop_check_num_tokens`
-    # (max_tokens or the scheduler's length cap) or the token is in `stop_check_token_ids` (EOS
-    # unless ignore_eos, and the stop token ids). Scheduler._stop_reason then applies the full
-    # rules (min_tokens, which reason); these two fields only decide when to ask it.
-    stop_check_num_tokens: int = field(default=0, init=False, repr=False)
-    stop_check_token_ids: frozenset[int] = field(default=frozenset(), init=False, repr=False)
-    # The scheduler's admission/preemption order key, set by Scheduler.add (see _order_key there).
+    # The scheduler's admission/preemption order key, set by Scheduler.add (see by_order there).
     order_key: tuple = field(default=(), init=False, repr=False)
-
-    # Only under Scheduler(reuse_plan_entries=True) (the simulator): the one ScheduledSeq that
-    # every plan reuses for this sequence, rewritten each step instead of allocated.
-    plan_entry: ScheduledSeq | None = field(default=None, init=False, repr=False)
-
-    # Only under Scheduler(implicit_decode_token=...) (the simulator): while >= 0 this sequence
-    # is a steady decode advanced implicitly, one token per step of the scheduler's implicit
-    # clock from tick `implicit_from` on; `token_ids`, `token_times_s` and `num_computed_tokens`
-    # hold its state at that tick and catch up when it finishes, is preempted, aborted or cut by
-    # the budget, or on Scheduler.sync(). At tick `implicit_wake` its block fills or it finishes;
-    # `implicit_needs_block` marks one whose block filled and that takes a new one next step.
-    implicit_from: int = field(default=-1, init=False, repr=False)
-    implicit_wake: int = field(default=-1, init=False, repr=False)
-    implicit_needs_block: bool = field(default=False, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.prompt_token_ids)
-        self.num_prompt_tokens = len(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def first_token_s(self) -> float | None:
+        """When the first output token was sampled (every token's time is kept)."""
+        return self.token_times_s[0] if self.token_times_s else None
 
     @property
     def num_tokens(self) -> int:

@@ -1,8 +1,10 @@
 """The discrete-event loop: arrivals, step completions and KV transfers on a virtual clock.
 
-Each replica runs the engine's own Scheduler; a step is planned at time t, timed by the
-SimExecutor's cost model and completes at t + duration, when `Scheduler.update` appends the
-tokens (so token times are step end times). Nothing sleeps: the clock jumps from event to event.
+Each replica runs the engine's own Scheduler (as ImplicitDecodeScheduler, which decides the same
+but skips steady decodes, when the cost model prices a step from its sums); a step is planned at
+time t, timed by the SimExecutor's cost model and completes at t + duration, when
+`Scheduler.update` appends the tokens (so token times are step end times). Nothing sleeps: the
+clock jumps from event to event. `ClusterRun` is one run: its state and one method per event.
 
 Disaggregated mode: a request first runs on a prefill replica with max_tokens=1 (its sampled
 token is dropped, as a vLLM disaggregation proxy does). Its KV then crosses the prefill
@@ -19,18 +21,18 @@ from array import array
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from servelab.core.config import SchedulerConfig
+from servelab.core.plan import StepPlan, StepResult
 from servelab.core.scheduler import Scheduler
 from servelab.core.sequence import SamplingParams, Sequence
 from servelab.errors import ServelabError
 from servelab.metrics import RequestRecord
 from servelab.sim.executor import SimExecutor, StepCostModel
+from servelab.sim.implicit_decodes import ImplicitDecodeScheduler, SimSequence
 from servelab.sim.router import Router
 from servelab.workload import RequestSpec, simulated_prompt
-
-_ARRIVE, _STEP_DONE, _KV_ARRIVE = 0, 1, 2
-
 
 @dataclass(slots=True, eq=False)
 class Replica:
@@ -114,13 +116,14 @@ class ClusterSim:
         # Every simulated token is this id, so steady decodes can run implicitly; that needs a
         # cost model that prices a step from its sums (the roofline does).
         token = 1
-        implicit = token if getattr(cost_model, "time_from_totals", None) is not None else None
+        implicit = getattr(cost_model, "time_from_totals", None) is not None
         for role, (count, config) in pools.items():
             pool = []
             for _ in range(count):
-                # Each plan is executed and passed to update() before the replica schedules again
-                # (see start_step and _STEP_DONE), so plans may reuse their entries.
-                scheduler = Scheduler(config, keep_finished=0, reuse_plan_entries=True, implicit_decode_token=implicit)
+                scheduler = (
+                    ImplicitDecodeScheduler(config, token, keep_finished=0) if implicit
+                    else Scheduler(config, keep_finished=0)
+                )
                 replica = Replica(len(self.replicas), role, scheduler, SimExecutor(cost_model, token))
                 pool.append(replica)
                 self.replicas.append(replica)
@@ -146,169 +149,194 @@ class ClusterSim:
         on_done: Callable[[int], None] | None = None,
     ) -> LoopResult:
         """`concurrency` caps requests in flight; with no arrival times it is a closed loop."""
-        events: list[tuple] = []
-        counter = 0
-        trace = StepTrace()
-        records: list[RequestRecord] = []
-        live: dict[str, _Request] = {}
-        transfers: list[float] = []
-        transfer_bytes = 0.0
-        in_flight = 0
-        pending: deque[RequestSpec] = deque()
-        closed = bool(requests) and requests[0].arrival_s is None
-        if closed:
-            pending.extend(requests)
-            arrivals: list[RequestSpec] = []
+        return ClusterRun(self, requests, concurrency, on_done).run()
+
+
+class ClusterRun:
+    """One run of a ClusterSim: the event queue and the run's state as attributes, one method per
+    event kind (`arrive`, `step_done`, `kv_arrive`). An event is (time, serial, handler, a, b);
+    the serial breaks ties in the order events were pushed."""
+
+    def __init__(
+        self,
+        sim: ClusterSim,
+        requests: list[RequestSpec],
+        concurrency: int | None,
+        on_done: Callable[[int], None] | None,
+    ) -> None:
+        self.sim = sim
+        self.concurrency = concurrency
+        self.on_done = on_done
+        self.events: list[tuple] = []
+        self.counter = 0
+        self.now = 0.0
+        self.trace = StepTrace()
+        self.records: list[RequestRecord] = []
+        self.live: dict[str, _Request] = {}
+        self.transfers: list[float] = []
+        self.transfer_bytes = 0.0
+        self.in_flight = 0
+        self.pending: deque[RequestSpec] = deque()
+        self.closed = bool(requests) and requests[0].arrival_s is None
+        if self.closed:
+            self.pending.extend(requests)
+            self.arrivals: list[RequestSpec] = []
         else:
-            arrivals = sorted(requests, key=lambda r: (r.arrival_s, r.index))
-        next_arrival = 0
-        now = 0.0
-        heappush, heappop = heapq.heappush, heapq.heappop
+            self.arrivals = sorted(requests, key=lambda r: (r.arrival_s, r.index))
+        self.next_arrival = 0
 
-        def push(t: float, kind: int, a, b=None) -> None:
-            nonlocal counter
-            counter += 1
-            heappush(events, (t, counter, kind, a, b))
-
-        def start_step(replica: Replica, t: float) -> None:
-            sched = replica.scheduler
-            plan = sched.schedule(t)
-            if plan.is_empty:
-                replica.busy = False
-                return
-            result = replica.executor.execute(plan)
-            dur = result.duration_s
-            replica.busy = True
-            replica.num_steps += 1
-            replica.busy_s += dur
-            trace.replica.append(replica.index)
-            trace.start_s.append(t)
-            trace.duration_s.append(dur)
-            trace.num_seqs.append(plan.num_seqs)
-            trace.num_decode.append(replica.executor.last_num_decode)
-            trace.num_tokens.append(plan.num_batched_tokens)
-            trace.kv_usage.append(sched.block_manager.usage)
-            push(t + dur, _STEP_DONE, replica, (plan, result))
-
-        def kick(replica: Replica, t: float) -> None:
-            if not replica.busy:
-                start_step(replica, t)
-
-        def fail(req: _Request, t: float, error: str) -> None:
-            records.append(
-                RequestRecord(
-                    str(req.spec.index), req.sent_s, req.first_scheduled_s, None, array("d"), t,
-                    req.spec.prompt_tokens, 0, success=False, error=error,
-                )
-            )
-            finish_client(req, t)
-
-        def finish_client(req: _Request, t: float) -> None:
-            nonlocal in_flight
-            del live[str(req.spec.index)]
-            in_flight -= 1
-            if on_done is not None:
-                on_done(1)
-            if pending and (closed or in_flight < (concurrency or 0)):
-                send(pending.popleft(), t)
-
-        def add_to(replica: Replica, seq: Sequence, req: _Request, t: float) -> bool:
-            try:
-                replica.scheduler.add(seq, t)
-            except ServelabError as exc:
-                fail(req, t, exc.message)
-                return False
-            replica.outstanding += 1
-            kick(replica, t)
-            return True
-
-        def send(spec: RequestSpec, t: float) -> None:
-            nonlocal in_flight
-            in_flight += 1
-            ids, hashes = simulated_prompt(spec, self.block_size, self.seed)
-            req = _Request(spec, t, ids, hashes)
-            rid = str(spec.index)
-            live[rid] = req
-            max_tokens = 1 if self.disagg else spec.output_tokens
-            seq = Sequence(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_s=t)
-            seq.block_hashes = list(hashes)  # the prefix cache would compute the same identities
-            replica = self.entry_router.pick(self.entry_pool)
-            req.prefill_replica = replica
-            add_to(replica, seq, req, t)
-
-        def on_finished(replica: Replica, seq: Sequence, t: float) -> None:
-            nonlocal transfer_bytes
-            replica.outstanding -= 1
-            req = live[seq.request_id]
-            if req.first_scheduled_s is None:
-                req.first_scheduled_s = seq.first_scheduled_s
-                req.num_cached_tokens = seq.num_cached_tokens
-            if replica.role == "prefill":
-                nbytes = self.kv_bytes_per_token * req.spec.prompt_tokens
-                start = max(t, replica.link_free_s)
-                wire_s = nbytes / self.link_bandwidth_bytes_per_s
-                replica.link_free_s = start + wire_s
-                done = start + wire_s + self.link_latency_s
-                req.transfer_s = done - t
-                transfers.append(done - t)
-                transfer_bytes += nbytes
-                push(done, _KV_ARRIVE, req)
-                return
-            times = array("d", seq.token_times_s)
-            ok = seq.finish_reason is not None and seq.finish_reason.value == "length"
-            records.append(
-                RequestRecord(
-                    seq.request_id, req.sent_s, req.first_scheduled_s, seq.first_token_s, times, t,
-                    req.spec.prompt_tokens, seq.num_output_tokens, success=ok,
-                    error=None if ok else f"finished with {seq.finish_reason}",
-                    num_cached_tokens=req.num_cached_tokens,
-                )
-            )
-            finish_client(req, t)
-
+    def run(self) -> LoopResult:
         # Closed loop and capped open loop start with as many requests as the cap allows.
-        if closed:
-            for _ in range(min(concurrency or len(pending), len(pending))):
-                send(pending.popleft(), 0.0)
-        if arrivals:
-            push(arrivals[0].arrival_s, _ARRIVE, arrivals[0])
-            next_arrival = 1
-
+        pending = self.pending
+        if self.closed:
+            for _ in range(min(self.concurrency or len(pending), len(pending))):
+                self.send(pending.popleft(), 0.0)
+        if self.arrivals:
+            self.push(self.arrivals[0].arrival_s, self.arrive, self.arrivals[0])
+            self.next_arrival = 1
+        events, heappop = self.events, heapq.heappop
         while events:
-            now, _, kind, a, b = heappop(events)
-            if kind == _STEP_DONE:
-                replica: Replica = a
-                plan, result = b
-                # Only finished requests matter here: nothing streams in a simulation.
-                outputs = replica.scheduler.update(plan, result, now, finished_only=True)
-                for out in outputs:
-                    if out.finished:
-                        on_finished(replica, out.seq, now)
-                start_step(replica, now)
-            elif kind == _ARRIVE:
-                if next_arrival < len(arrivals):
-                    nxt = arrivals[next_arrival]
-                    push(nxt.arrival_s, _ARRIVE, nxt)
-                    next_arrival += 1
-                if concurrency is not None and in_flight >= concurrency:
-                    pending.append(a)
-                else:
-                    send(a, now)
-            else:  # _KV_ARRIVE on the decode side
-                req: _Request = a
-                rid = str(req.spec.index)
-                replica = self.decode_router.pick(self.pools["decode"])
-                seq = Sequence(
-                    rid, req.prompt_token_ids, SamplingParams(max_tokens=req.spec.output_tokens, ignore_eos=True),
-                    arrival_s=req.sent_s,
-                )
-                seq.block_hashes = list(req.prompt_block_hashes)
-                replica.executor.preloaded[rid] = req.spec.prompt_tokens - 1
-                if not add_to(replica, seq, req, now):
-                    replica.executor.preloaded.pop(rid, None)
-
+            self.now, _, handler, a, b = heappop(events)
+            handler(a, b)
         # Anything still live never got a step (a scheduler that cannot make progress): count it.
         pending.clear()
-        for req in list(live.values()):
-            fail(req, now, "never completed: the simulation ran out of events")
-        return LoopResult(records, now, trace, self.replicas, transfers, transfer_bytes)
+        for req in list(self.live.values()):
+            self.fail(req, self.now, "never completed: the simulation ran out of events")
+        return LoopResult(self.records, self.now, self.trace, self.sim.replicas, self.transfers, self.transfer_bytes)
+
+    def push(self, t: float, handler: Callable[[Any, Any], None], a: Any, b: Any = None) -> None:
+        self.counter += 1
+        heapq.heappush(self.events, (t, self.counter, handler, a, b))
+
+    # ---- events --------------------------------------------------------------------------------
+
+    def arrive(self, spec: RequestSpec, _: None) -> None:
+        """A request of an open loop arrives: queue the next arrival, then send or hold this one."""
+        if self.next_arrival < len(self.arrivals):
+            nxt = self.arrivals[self.next_arrival]
+            self.push(nxt.arrival_s, self.arrive, nxt)
+            self.next_arrival += 1
+        if self.concurrency is not None and self.in_flight >= self.concurrency:
+            self.pending.append(spec)
+        else:
+            self.send(spec, self.now)
+
+    def step_done(self, replica: Replica, step: tuple[StepPlan, StepResult]) -> None:
+        """A replica's step ends: apply it, hand on what finished, start the next step."""
+        now = self.now
+        plan, result = step
+        # Only finished requests matter here: nothing streams in a simulation.
+        for out in replica.scheduler.update(plan, result, now, finished_only=True):
+            if out.finished:
+                self.request_finished(replica, out.seq, now)  # type: ignore[arg-type]
+        self.start_step(replica, now)
+
+    def kv_arrive(self, req: _Request, _: None) -> None:
+        """A prefilled request's KV reaches the decode pool: it joins a decode replica."""
+        sim = self.sim
+        rid = str(req.spec.index)
+        replica = sim.decode_router.pick(sim.pools["decode"])
+        seq = SimSequence(
+            rid, req.prompt_token_ids, SamplingParams(max_tokens=req.spec.output_tokens, ignore_eos=True),
+            arrival_s=req.sent_s,
+        )
+        seq.block_hashes = list(req.prompt_block_hashes)
+        replica.executor.preloaded[rid] = req.spec.prompt_tokens - 1
+        if not self.add_to(replica, seq, req, self.now):
+            replica.executor.preloaded.pop(rid, None)
+
+    # ---- actions -------------------------------------------------------------------------------
+
+    def start_step(self, replica: Replica, t: float) -> None:
+        sched = replica.scheduler
+        plan = sched.schedule(t)
+        if plan.is_empty:
+            replica.busy = False
+            return
+        result = replica.executor.execute(plan)
+        dur = result.duration_s
+        replica.busy = True
+        replica.num_steps += 1
+        replica.busy_s += dur
+        trace = self.trace
+        trace.replica.append(replica.index)
+        trace.start_s.append(t)
+        trace.duration_s.append(dur)
+        trace.num_seqs.append(plan.num_seqs)
+        trace.num_decode.append(replica.executor.last_num_decode)
+        trace.num_tokens.append(plan.num_batched_tokens)
+        trace.kv_usage.append(sched.block_manager.usage)
+        self.push(t + dur, self.step_done, replica, (plan, result))
+
+    def send(self, spec: RequestSpec, t: float) -> None:
+        sim = self.sim
+        self.in_flight += 1
+        ids, hashes = simulated_prompt(spec, sim.block_size, sim.seed)
+        req = _Request(spec, t, ids, hashes)
+        rid = str(spec.index)
+        self.live[rid] = req
+        max_tokens = 1 if sim.disagg else spec.output_tokens
+        seq = SimSequence(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_s=t)
+        seq.block_hashes = list(hashes)  # the prefix cache would compute the same identities
+        replica = sim.entry_router.pick(sim.entry_pool)
+        req.prefill_replica = replica
+        self.add_to(replica, seq, req, t)
+
+    def add_to(self, replica: Replica, seq: Sequence, req: _Request, t: float) -> bool:
+        try:
+            replica.scheduler.add(seq, t)
+        except ServelabError as exc:
+            self.fail(req, t, exc.message)
+            return False
+        replica.outstanding += 1
+        if not replica.busy:
+            self.start_step(replica, t)
+        return True
+
+    def request_finished(self, replica: Replica, seq: Sequence, t: float) -> None:
+        """A request finished on a replica: its KV leaves a prefill replica, else it is done."""
+        sim = self.sim
+        replica.outstanding -= 1
+        req = self.live[seq.request_id]
+        if req.first_scheduled_s is None:
+            req.first_scheduled_s = seq.first_scheduled_s
+            req.num_cached_tokens = seq.num_cached_tokens
+        if replica.role == "prefill":
+            nbytes = sim.kv_bytes_per_token * req.spec.prompt_tokens
+            start = max(t, replica.link_free_s)
+            wire_s = nbytes / sim.link_bandwidth_bytes_per_s
+            replica.link_free_s = start + wire_s
+            done = start + wire_s + sim.link_latency_s
+            req.transfer_s = done - t
+            self.transfers.append(done - t)
+            self.transfer_bytes += nbytes
+            self.push(done, self.kv_arrive, req)
+            return
+        times = array("d", seq.token_times_s)
+        ok = seq.finish_reason is not None and seq.finish_reason.value == "length"
+        self.records.append(
+            RequestRecord(
+                seq.request_id, req.sent_s, req.first_scheduled_s, seq.first_token_s, times, t,
+                req.spec.prompt_tokens, seq.num_output_tokens, success=ok,
+                error=None if ok else f"finished with {seq.finish_reason}",
+                num_cached_tokens=req.num_cached_tokens,
+            )
+        )
+        self.finish_client(req, t)
+
+    def fail(self, req: _Request, t: float, error: str) -> None:
+        self.records.append(
+            RequestRecord(
+                str(req.spec.index), req.sent_s, req.first_scheduled_s, None, array("d"), t,
+                req.spec.prompt_tokens, 0, success=False, error=error,
+            )
+        )
+        self.finish_client(req, t)
+
+    def finish_client(self, req: _Request, t: float) -> None:
+        del self.live[str(req.spec.index)]
+        self.in_flight -= 1
+        if self.on_done is not None:
+            self.on_done(1)
+        if self.pending and (self.closed or self.in_flight < (self.concurrency or 0)):
+            self.send(self.pending.popleft(), t)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from servelab.core.plan import StepPlan, StepResult
 from servelab.cost.roofline import Roofline
+from servelab.sim.implicit_decodes import ImplicitStepPlan
 
 # The roofline implements it; a calibrated profile can replace it. `step_time_s` is required;
 # `time_from_totals`, where a model offers it, is the fast path.
@@ -18,8 +19,8 @@ from servelab.cost.step_cost import StepCostModel
 class SimExecutor:
     def __init__(self, cost_model: StepCostModel, sampled_token_id: int = 1) -> None:
         self.cost_model = cost_model
-        # A cost model that prices a step from its sums (the roofline) is fed the plan's running
-        # sums directly: no shape list per step. Others get shape(); both give the same time.
+        # A cost model that prices a step from its sums (the roofline) is fed the plan's sums
+        # (implicit decodes included): no shape list per step. Others get shape(); both give the same time.
         self._time_from_totals = getattr(cost_model, "time_from_totals", None)
         self.sampled_token_id = sampled_token_id
         # Disaggregated decode side: request id -> prompt tokens whose KV arrived over the link.
@@ -30,15 +31,11 @@ class SimExecutor:
 
     def execute(self, plan: StepPlan) -> StepResult:
         token = self.sampled_token_id
-        scheduled = plan.scheduled
-        implicit = plan.num_implicit_decodes
-        if plan.sums_kept and plan.num_sampling_seqs == len(scheduled) + implicit:
-            sampled: list[int | None] = [token] * len(scheduled)  # every entry samples: no pass
-        else:
-            sampled = [token if s.samples else None for s in scheduled]
+        sampled: list[int | None] = [token if s.samples else None for s in plan.scheduled]
         if plan.is_empty:
             self.last_num_decode = 0
             return StepResult(sampled, 0.0)
+        implicit = plan.num_implicit_decodes if isinstance(plan, ImplicitStepPlan) else 0
         if self.preloaded:
             shape = self._shape_after_preloaded(plan)
             self.last_num_decode = sum(1 for q, _ in shape if q == 1) + implicit
@@ -46,7 +43,7 @@ class SimExecutor:
                 return StepResult(sampled, self.cost_model.step_time_s(shape) if shape else 0.0)
             # Implicit decodes (one query token each) come as sums: the totals path prices both.
             num_tokens, num_seqs, context_tokens, pairs = Roofline.totals(shape)
-            implicit_context = plan.context_tokens - sum(s.start_pos + s.num_tokens for s in scheduled)
+            implicit_context = plan.implicit_context_tokens  # type: ignore[attr-defined]
             return StepResult(sampled, self._time_from_totals(  # type: ignore[misc]
                 num_tokens + implicit, num_seqs + implicit, context_tokens + implicit_context,
                 pairs + implicit_context))
@@ -54,7 +51,7 @@ class SimExecutor:
             shape = plan.shape()
             self.last_num_decode = sum(1 for q, _ in shape if q == 1)
             return StepResult(sampled, self.cost_model.step_time_s(shape))
-        # The hot path (every step of a colocated run on the roofline): the scheduler's sums.
+        # The hot path (every step of a colocated run on the roofline): the plan's sums.
         num_tokens, num_seqs, context_tokens, pairs, num_decode = plan.shape_totals()
         self.last_num_decode = num_decode
         return StepResult(sampled, self._time_from_totals(num_tokens, num_seqs, context_tokens, pairs))

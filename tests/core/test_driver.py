@@ -1,4 +1,5 @@
-"""run_to_completion: arrivals on the clock, virtual and wall time, rejections, hooks."""
+"""The test driver, run_to_completion, and the scheduler under it: arrivals on the virtual clock,
+queue time, rejections, hooks, determinism under preemption."""
 
 from __future__ import annotations
 
@@ -7,11 +8,11 @@ import zlib
 import pytest
 
 from servelab.core.config import SchedulerConfig
-from servelab.core.driver import DriverStats, VirtualClock, WallClock, run_to_completion
-from servelab.core.fake_executor import FakeExecutor
 from servelab.core.scheduler import Scheduler
 from servelab.core.sequence import FinishReason, SamplingParams, Sequence
 from servelab.errors import QueueFull, RequestTooLong
+from tests.driver import DriverStats, run_to_completion
+from tests.fake_executor import FakeExecutor
 
 
 def make_seq(rid: str, prompt_len: int, max_tokens: int, arrival_s: float = 0.0) -> Sequence:
@@ -112,22 +113,3 @@ def test_same_workload_same_result_with_and_without_preemption():
     tight, some = run(16)
     assert none == 0 and some > 0
     assert roomy == tight
-
-
-def test_wall_clock_stamps_real_time():
-    clock = WallClock()
-    finished = run_to_completion(
-        scheduler(), FakeExecutor(), [make_seq("a", 4, 3), make_seq("b", 4, 2, arrival_s=0.02)], clock=clock
-    )
-    b = next(q for q in finished if q.request_id == "b")
-    assert b.first_scheduled_s >= 0.02  # waited for the arrival in real time
-    assert 0.02 <= clock.now() < 5.0
-
-
-def test_virtual_clock():
-    clock = VirtualClock(start_s=1.0)
-    clock.advance(0.5)
-    clock.wait_until(1.2)  # never goes back
-    assert clock.now() == 1.5
-    clock.wait_until(3.0)
-    assert clock.now() == 3.0

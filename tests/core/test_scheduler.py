@@ -12,8 +12,6 @@ from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
 from servelab.core.config import SchedulerConfig
-from servelab.core.driver import run_to_completion
-from servelab.core.fake_executor import FakeExecutor
 from servelab.core.plan import StepPlan, StepResult, TokenLogprobs
 from servelab.core.scheduler import Scheduler
 from servelab.core.sequence import (
@@ -23,6 +21,9 @@ from servelab.core.sequence import (
     SequenceStatus,
 )
 from servelab.errors import InvalidArgument, NotFound, QueueFull, RequestTooLong
+from tests.driver import run_to_completion
+from tests.fake_executor import FakeExecutor
+from tests.scheduler_checks import check_invariants
 
 
 def make_seq(rid: str, prompt_len: int = 8, max_tokens: int = 4, *, base: int = 1000, **kw) -> Sequence:
@@ -50,7 +51,7 @@ class Stepper:
         result = self.executor.execute(plan)
         self.now += result.duration_s
         outputs = self.scheduler.update(plan, result, self.now)
-        self.scheduler.check_invariants()
+        check_invariants(self.scheduler)
         return plan, outputs
 
     def run(self, max_steps: int = 10_000) -> None:
@@ -367,7 +368,7 @@ def test_abort_in_every_state_frees_blocks():
     assert a.finished_s == 1.0 and a.block_table == []
     assert not s.has_unfinished() and s.num_waiting == 0 and s.num_running == 0
     assert s.block_manager.num_used_blocks == 0
-    s.check_invariants()
+    check_invariants(s)
 
 
 def test_abort_of_a_finished_or_unknown_request_is_a_clear_error_and_loses_nothing():
@@ -400,7 +401,7 @@ def test_abort_while_the_step_runs_drops_its_result():
     outputs = s.update(plan, result, 0.2)
     assert [o.request_id for o in outputs] == ["b"]
     assert a.output_token_ids == [] and a.finish_reason is FinishReason.ABORT
-    s.check_invariants()
+    check_invariants(s)
 
 
 def test_finish_from_the_engine_on_a_stop_string():
@@ -498,7 +499,7 @@ def test_finished_only_update_changes_no_state_only_the_events():
             now += result.duration_s
             events += [(e.request_id, e.new_token_ids, e.finish_reason) for e in s.update(
                 plan, result, now, finished_only=finished_only) if e.finished or not finished_only]
-            s.check_invariants()
+            check_invariants(s)
         state = [(q.token_ids, q.token_times_s, q.finish_reason, q.stop_reason, q.num_preemptions) for q in seqs]
         streamed = [e for e in events if e[2] is None]
         return state, [e for e in events if e[2] is not None], streamed
@@ -511,14 +512,10 @@ def test_finished_only_update_changes_no_state_only_the_events():
     assert any(n for *_, n in state), "the small pool should have preempted someone"
 
 
-def test_stop_checks_are_set_at_admission():
+def test_the_length_limit_is_max_tokens_or_the_kv_pool():
     s = Scheduler(config(num_blocks=4, block_size=4, max_model_len=64))  # a 16-token pool
-    a = make_seq("a", 6, 20, stop_token_ids=[9], eos_token_ids=(2,))
-    b = make_seq("b", 6, 5, stop_token_ids=[9], ignore_eos=True, eos_token_ids=(2,))
-    s.add(a)
-    s.add(b)
-    assert (a.stop_check_num_tokens, a.stop_check_token_ids) == (17, frozenset({2, 9}))  # the pool caps a at 17
-    assert (b.stop_check_num_tokens, b.stop_check_token_ids) == (11, frozenset({9}))  # EOS ignored
+    assert s.length_limit(make_seq("a", 6, 20)) == 17  # its 17th token would need a 17th slot
+    assert s.length_limit(make_seq("b", 6, 5)) == 11  # prompt + max_tokens
 
 
 def test_a_missing_sample_ends_the_request_with_error():
@@ -560,9 +557,7 @@ class CheckingExecutor(FakeExecutor):
             assert plan.num_batched_tokens <= cfg.max_num_batched_tokens or len(plan.scheduled) == 1
         assert len(plan.scheduled) <= cfg.max_num_seqs
         assert len({id(x.seq) for x in plan.scheduled}) == len(plan.scheduled), "a sequence twice in a step"
-        # The sums the scheduler kept while planning are those of the shape, computed afresh.
         shape = plan.shape()
-        assert plan.sums_kept
         assert plan.shape_totals() == (
             sum(q for q, _ in shape),
             len(shape),
@@ -570,7 +565,6 @@ class CheckingExecutor(FakeExecutor):
             sum(q * c - q * (q - 1) // 2 for q, c in shape),
             sum(q == 1 for q, _ in shape),
         )
-        assert plan.num_sampling_seqs == sum(x.samples for x in plan.scheduled)
         for x in plan.scheduled:
             q = x.seq
             assert q.status is SequenceStatus.RUNNING and x.num_tokens >= 1
@@ -581,7 +575,7 @@ class CheckingExecutor(FakeExecutor):
             if q.num_computed_tokens == q.num_tokens - 1 and q.num_output_tokens:
                 assert x.num_tokens == 1  # a decode
         if self.num_steps % self.full_check_every == 0:
-            self.scheduler.check_invariants()  # no block both free and owned, no leak
+            check_invariants(self.scheduler)  # no block both free and owned, no leak
         return super().execute(plan)
 
 
@@ -591,9 +585,9 @@ def small_token_fn(seq: Sequence, position: int) -> int:
 
 
 def run_workload(
-    cfg: SchedulerConfig, workload: list[dict], *, full_check_every: int = 1, reuse_plan_entries: bool = False
+    cfg: SchedulerConfig, workload: list[dict], *, full_check_every: int = 1
 ) -> tuple:
-    s = Scheduler(cfg, reuse_plan_entries=reuse_plan_entries)
+    s = Scheduler(cfg)
     executor = CheckingExecutor(s, full_check_every, token_fn=small_token_fn)
     seqs, abort_at = [], {}
     for i, w in enumerate(workload):
@@ -628,7 +622,7 @@ def run_workload(
             if was_live:
                 aborted.add(rid)
         if steps[0] % full_check_every == 0:
-            s.check_invariants()
+            check_invariants(s)
 
     finished = run_to_completion(
         s, executor, seqs, on_step=on_step, on_reject=lambda q, e: rejected.append((q, e)), max_steps=200_000
@@ -753,43 +747,3 @@ def test_ten_thousand_random_requests_through_a_tiny_pool():
     check_outcome(s, seqs, finished, rejected, aborted)
     assert len(finished) >= 9000 and s.num_preemptions > 100 and aborted
     assert s.block_manager.prefix_cache_hits > 0
-
-
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    workload=st.lists(request_strategy, min_size=1, max_size=20),
-    num_blocks=st.integers(4, 40),
-    block_size=st.sampled_from([1, 2, 4]),
-    budget=st.integers(1, 64),
-    max_num_seqs=st.integers(1, 8),
-    policy=st.sampled_from(["chunked", "prefill-first"]),
-    caching=st.booleans(),
-)
-def test_reused_plan_entries_schedule_exactly_as_fresh_ones(
-    workload, num_blocks, block_size, budget, max_num_seqs, policy, caching
-):
-    # The simulator's mode rewrites one ScheduledSeq per sequence; it must change no decision.
-    cfg = SchedulerConfig(
-        num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-        max_model_len=min(num_blocks * block_size, 80), policy=policy, enable_prefix_caching=caching,
-    )
-    capacity = num_blocks * block_size
-    for w in workload:
-        w["prompt_len"] = max(1, min(w["prompt_len"], capacity // 2 - len(w["prefix"])))
-        w["prefix"] = w["prefix"][: max(0, capacity // 2 - 1)]
-        w["max_tokens"] = max(1, min(w["max_tokens"], cfg.max_model_len - w["prompt_len"] - len(w["prefix"])))
-    runs = [run_workload(cfg, [dict(w) for w in workload], full_check_every=5, reuse_plan_entries=reuse)
-            for reuse in (False, True)]
-
-    def outcome(run):
-        s, seqs, finished, rejected, aborted = run
-        return (
-            [(q.request_id, q.output_token_ids, q.token_times_s, q.finish_reason, q.num_preemptions,
-              q.first_scheduled_s, q.num_cached_tokens) for q in seqs],
-            [q.request_id for q in finished], sorted(aborted), sorted(q.request_id for q, _ in rejected),
-            s.num_preemptions,
-            s.block_manager.prefix_cache_hits, s.block_manager.num_evictions,
-        )
-
-    assert outcome(runs[0]) == outcome(runs[1])
-    assert all(q.plan_entry is None for q in runs[1][1])  # no sequence <-> entry cycle is left behind

@@ -9,6 +9,7 @@ import random
 import pytest
 
 from servelab.core.sequence import SamplingParams
+from tests.scheduler_checks import check_invariants
 
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
 
@@ -17,7 +18,7 @@ def _run(engine, prompts: dict[str, list[int]], params=GREEDY) -> dict:
     seqs = {rid: engine.add_request(rid, ids, params) for rid, ids in prompts.items()}
     while engine.has_unfinished():
         engine.step()
-    engine.scheduler.check_invariants()
+    check_invariants(engine.scheduler)
     return seqs
 
 

@@ -18,6 +18,7 @@ from servelab.core.sequence import SamplingParams
 from servelab.engine import block_quant, native
 from servelab.engine.llm_engine import EngineArgs, LLMEngine
 from servelab.errors import InvalidArgument
+from tests.scheduler_checks import check_invariants
 
 from .test_block_quant import FORMATS, _packed
 
@@ -107,7 +108,7 @@ def _generate(engine: LLMEngine, prompts: list[list[int]], max_tokens: int, tag:
     while engine.has_unfinished():
         for out in engine.step():
             logprobs[out.request_id] += [lp.logprob for lp in out.logprobs or []]
-    engine.scheduler.check_invariants()
+    check_invariants(engine.scheduler)
     return [(s.output_token_ids, logprobs[s.request_id]) for s in seqs], sum(s.num_preemptions for s in seqs)
 
 

@@ -17,6 +17,7 @@ from servelab.core.sequence import FinishReason, SamplingParams
 from servelab.engine.detokenizer import RequestTextStream
 from servelab.engine.sampler import Sampler
 from servelab.errors import InvalidArgument
+from tests.scheduler_checks import check_invariants
 
 BAD = "r3"
 
@@ -45,7 +46,7 @@ def _run(engine, setup=None, prefix: str = "") -> dict[str, tuple[list[int], Fin
             if out.finished:
                 finished[out.request_id] = out.finish_reason
     assert not engine.has_unfinished(), "a request hung"
-    engine.scheduler.check_invariants()
+    check_invariants(engine.scheduler)
     stats = engine.stats()
     assert stats.num_blocks_free == stats.num_blocks_total, "a KV block leaked"
     assert set(finished) == set(seqs)

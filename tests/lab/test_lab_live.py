@@ -75,7 +75,7 @@ def test_parse_sums_histograms_over_label_sets():
 def test_lab_mounted_in_the_real_server_shows_its_requests(tmp_path):
     """`servelab serve` mounts the lab at /lab; after a completion the live panel shows it."""
     from servelab.core.config import SchedulerConfig
-    from servelab.core.fake_executor import FakeExecutor
+    from tests.fake_executor import FakeExecutor
     from servelab.engine.llm_engine import LLMEngine
     from tests.tiny_models import write_tiny_llama
     from servelab.engine.tokenizer import Tokenizer

@@ -30,7 +30,7 @@ class SleepyExecutor:
     on a real model) and optionally raising on chosen steps (to show the server survives)."""
 
     def __init__(self, vocab_size: int, *, step_sleep_s: float = 0.002, fail_steps: set[int] | None = None):
-        from servelab.core.fake_executor import FakeExecutor
+        from tests.fake_executor import FakeExecutor
 
         # Tokens depend on the position only, not on the request id: a test can learn a
         # completion with one request and predict it in the next.

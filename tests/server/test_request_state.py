@@ -56,13 +56,13 @@ def test_finished_abandoned_cancelled_and_rejected_requests_leave_no_state(fake_
             await asyncio.sleep(0.01)
         scheduler = engine.scheduler
         left = (dict(bridge._sinks), set(bridge._live), dict(engine._requests), list(engine._aborted),
-                dict(scheduler._live), dict(scheduler._wake), dict(scheduler.block_manager._owners),
+                dict(scheduler._live), dict(scheduler.block_manager._owners),
                 bridge.stats)  # fmt: skip
         await bridge.stop()
         return left
 
-    sinks, live, requests, aborted, scheduled, wake, owners, stats = asyncio.run(asyncio.wait_for(main(), 60))
+    sinks, live, requests, aborted, scheduled, owners, stats = asyncio.run(asyncio.wait_for(main(), 60))
     assert sinks == {} and live == set() and requests == {} and aborted == []
-    assert scheduled == {} and wake == {} and owners == {}
+    assert scheduled == {} and owners == {}
     assert stats.num_running == 0 and stats.num_waiting == 0
     assert stats.num_blocks_free == stats.num_blocks_total

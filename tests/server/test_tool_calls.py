@@ -65,7 +65,7 @@ def test_required_builds_an_any_of_over_the_tools():
 def scripted_app(tiny_model_dir, text: str, **app_kwargs):
     """The server over a fake executor whose every answer is `text`, then EOS."""
     from servelab.core.config import SchedulerConfig
-    from servelab.core.fake_executor import FakeExecutor
+    from tests.fake_executor import FakeExecutor
     from servelab.engine.llm_engine import LLMEngine
     from servelab.engine.tokenizer import Tokenizer
     from servelab.server.app import create_app

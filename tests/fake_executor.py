@@ -1,4 +1,4 @@
-"""A deterministic executor for tests, benchmarks and examples: no model, no randomness.
+"""A deterministic executor for tests: no model, no randomness.
 
 The token sampled at position p of request r is a pure function of (r, p), so a sequence that is
 preempted and recomputed produces exactly the output it would have produced without preemption,

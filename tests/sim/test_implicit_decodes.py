@@ -1,8 +1,7 @@
-"""Implicit decodes (the simulator's mode) decide exactly what the explicit loops decide.
+"""The simulator's ImplicitDecodeScheduler decides exactly what the core Scheduler decides.
 
-Two schedulers run the same random workload, one with `implicit_decode_token` and one without,
-against an executor that samples that token for every entry and whose step time depends on the
-plan's sums. Every step's sums and preemptions, every request's tokens, token times, finish
+Both run the same random workload against an executor that samples one token for every entry
+and whose step time depends on the plan's sums. Every step's sums and preemptions, every request's tokens, token times, finish
 reason and timestamps, and the block tables and prefix-cache counters must match; a mid-run
 `sync()` must give the explicit scheduler's exact state and change nothing after it.
 """
@@ -10,7 +9,9 @@ reason and timestamps, and the block tables and prefix-cache counters must match
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -19,11 +20,13 @@ from servelab.core.plan import StepResult
 from servelab.core.scheduler import Scheduler
 from servelab.core.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from servelab.errors import ServelabError
+from servelab.sim.implicit_decodes import ImplicitDecodeScheduler, ImplicitStepPlan, SimSequence
+from tests.scheduler_checks import check_invariants
 
 TOKEN = 7  # what the executor samples, every time
 
 
-def build(workload: list[dict]) -> list[Sequence]:
+def build(workload: list[dict], cls: type[Sequence] = SimSequence) -> list[Sequence]:
     seqs = []
     for i, w in enumerate(workload):
         params = SamplingParams(
@@ -36,9 +39,13 @@ def build(workload: list[dict]) -> list[Sequence]:
         # the prefix cache's first-published-wins rule then depends on the order of commits.
         own = [100 + (i * 13 + j) % 50 for j in range(w["prompt_len"])] if w["own"] else []
         prompt = (w["prefix"] + own) or [5]
-        seqs.append(Sequence(f"r{i}", prompt, params, arrival_s=w["arrival_s"], priority=w["priority"],
+        seqs.append(cls(f"r{i}", prompt, params, arrival_s=w["arrival_s"], priority=w["priority"],
                              eos_token_ids=w["eos"]))
     return seqs
+
+
+def num_implicit(plan) -> int:
+    return plan.num_implicit_decodes if isinstance(plan, ImplicitStepPlan) else 0
 
 
 def snapshot(s: Scheduler) -> list[tuple]:
@@ -47,8 +54,8 @@ def snapshot(s: Scheduler) -> list[tuple]:
 
 
 def drive(cfg: SchedulerConfig, workload: list[dict], *, implicit: bool, sync_every: int) -> dict:
-    s = Scheduler(cfg, reuse_plan_entries=implicit, implicit_decode_token=TOKEN if implicit else None)
-    seqs = build(workload)
+    s = ImplicitDecodeScheduler(cfg, TOKEN) if implicit else Scheduler(cfg)
+    seqs = build(workload, SimSequence if implicit else Sequence)
     pending = sorted(seqs, key=lambda q: q.arrival_s)
     added_at: dict[str, int] = {}
     abort_after = {f"r{i}": w["abort_after"] for i, w in enumerate(workload) if w["abort_after"] is not None}
@@ -74,23 +81,24 @@ def drive(cfg: SchedulerConfig, workload: list[dict], *, implicit: bool, sync_ev
             continue
         plan = s.schedule(now)
         assert not plan.is_empty, "live requests but an empty step"
-        totals = (*plan.shape_totals(), plan.num_sampling_seqs, tuple(q.request_id for q in plan.preempted))
+        num_sampling = sum(e.samples for e in plan.scheduled) + num_implicit(plan)
+        totals = (*plan.shape_totals(), num_sampling, tuple(q.request_id for q in plan.preempted))
         duration = 1e-3 + 1e-5 * totals[0] + 1e-6 * totals[1] + 1e-7 * totals[2] + 1e-8 * totals[3]
         now += duration
         s.update(plan, StepResult([TOKEN if e.samples else None for e in plan.scheduled], duration), now,
                  finished_only=True)
         steps.append(totals)
-        if plan.num_implicit_decodes:
+        if num_implicit(plan):
             coverage["implicit_steps"] += 1
             coverage["implicit_steps_at_full_budget"] += plan.num_batched_tokens == cfg.max_num_batched_tokens
         step += 1
         assert step < 20_000, "runaway"
         if step % sync_every == 0:
-            if implicit:
+            if isinstance(s, ImplicitDecodeScheduler):
                 s.sync()
-            s.check_invariants()
+            check_invariants(s)
             snapshots.append(snapshot(s))
-    s.check_invariants()
+    check_invariants(s)
     bm = s.block_manager
     assert bm.num_used_blocks == 0 and not s.running
     return {
@@ -193,7 +201,7 @@ def test_a_steady_batch_runs_implicitly_and_catches_up_exactly():
     cfg = SchedulerConfig(num_blocks=400, block_size=16, max_num_batched_tokens=512, max_num_seqs=8, max_model_len=8192)
     workload = [dict(arrival_s=0.0, prompt_len=40, own=True, prefix=[], max_tokens=200, min_tokens=0, stop=[],
                      eos=(0,), ignore_eos=True, priority=0, abort_after=None) for _ in range(8)]
-    s = Scheduler(cfg, reuse_plan_entries=True, implicit_decode_token=TOKEN)
+    s = ImplicitDecodeScheduler(cfg, TOKEN)
     seqs = build(workload)
     for q in seqs:
         s.add(q, 0.0)
@@ -204,7 +212,7 @@ def test_a_steady_batch_runs_implicitly_and_catches_up_exactly():
         now += 0.01
         step_ends.append(now)
         s.update(plan, StepResult([TOKEN if e.samples else None for e in plan.scheduled], 0.01), now)
-        s.check_invariants()
+        check_invariants(s)
     assert len(implicit_counts) == 200  # one prefill step (which samples) and 199 decodes
     assert implicit_counts[0] == 0 and max(implicit_counts) == 8
     # Most steps carry every sequence implicitly; a few have one awake at its block boundary.
@@ -214,3 +222,65 @@ def test_a_steady_batch_runs_implicitly_and_catches_up_exactly():
         assert q.output_token_ids == [TOKEN] * 200
         assert q.token_times_s == step_ends and q.finished_s == step_ends[-1]
     assert s.block_manager.num_used_blocks == 0
+
+
+class ShapeOnly:
+    """The roofline without its `time_from_totals`: the simulator then runs the core Scheduler,
+    and prices each step from its shape (the same time for the same sums)."""
+
+    def __init__(self, roofline) -> None:
+        self.roofline = roofline
+
+    def step_time_s(self, shape):
+        return self.roofline.step_time_s(shape)
+
+    def step(self, shape):
+        return self.roofline.step(shape)
+
+
+def outcome(result) -> tuple:
+    trace = result.trace
+    return (
+        sorted((r.to_dict() for r in result.records), key=lambda d: int(d["request_id"])),
+        [list(getattr(trace, name)) for name in ("replica", "start_s", "duration_s", "num_seqs", "num_decode",
+                                                 "num_tokens", "kv_usage")],
+        result.replica_stats,
+    )
+
+
+@pytest.mark.parametrize("case", ["shared-prefix", "preempting", "disaggregated"])
+def test_the_simulator_gives_the_core_schedulers_results(case):
+    # The same seeded workloads through ClusterSim twice: with ImplicitDecodeScheduler (the
+    # roofline offers time_from_totals) and with the core Scheduler (ShapeOnly hides it). Every
+    # record, token time and trace row must be the same.
+    from servelab.sim import SimConfig, simulate
+    from servelab.sim.cluster import ClusterSim
+    from servelab.sim.runner import build_cost_model, scheduler_config
+    from servelab.workload import WorkloadSpec
+
+    config, workload = {
+        "shared-prefix": (SimConfig(block_size=16), WorkloadSpec(
+            120, rate=40.0, input_len="300-900", output_len="20-200", shared_prefix_fraction=0.5,
+            num_prefix_groups=3, seed=11)),
+        "preempting": (SimConfig(num_blocks=300, max_num_batched_tokens=512), WorkloadSpec(
+            80, rate=None, concurrency=None, input_len="lognormal:400,0.5", output_len="16-300", seed=12)),
+        "disaggregated": (SimConfig(disagg=(1, 1)), WorkloadSpec(
+            80, rate=30.0, input_len="512", output_len="1-150", shared_prefix_fraction=0.25, seed=13)),
+    }[case]
+    roofline = build_cost_model(config)
+    sched = scheduler_config(config)
+    assert type(ClusterSim({"mixed": (1, sched)}, roofline).replicas[0].scheduler) is ImplicitDecodeScheduler
+    assert type(ClusterSim({"mixed": (1, sched)}, ShapeOnly(roofline)).replicas[0].scheduler) is Scheduler
+    fast = simulate(config, workload)
+    plain = simulate(replace(config, cost_model=ShapeOnly(roofline)), workload)
+    assert fast.num_steps == plain.num_steps
+    assert outcome(fast) == outcome(plain)
+    if case == "preempting":
+        assert sum(r["preemptions"] for r in fast.replica_stats) > 0
+
+
+def test_it_runs_only_sequences_that_carry_the_implicit_state():
+    s = ImplicitDecodeScheduler(SchedulerConfig(num_blocks=8, block_size=4), TOKEN)
+    with pytest.raises(TypeError, match="runs SimSequence, got Sequence"):
+        s.add(Sequence("r0", [1, 2, 3], SamplingParams(max_tokens=2)), 0.0)
+    assert not s.has_unfinished()

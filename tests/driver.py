@@ -1,14 +1,12 @@
-"""Run requests to completion on any executor: the loop the offline API and the simulator build on.
+"""Run requests to completion through a scheduler and an executor, on a virtual clock (tests).
 
     add arrivals due by now -> schedule(now) -> execute(plan) -> advance the clock -> update(...)
 
-With the default VirtualClock, time is what the executor says a step took, so a fake or
-cost-model executor gives a simulated timeline; with WallClock it is real time (the engine).
+Time is what the executor says a step took, and jumps to the next arrival when nothing runs.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -18,41 +16,6 @@ from servelab.core.sequence import Sequence
 from servelab.errors import ServelabError
 
 
-class VirtualClock:
-    """Simulated time: jumps by each step's reported duration and straight to the next arrival."""
-
-    def __init__(self, start_s: float = 0.0) -> None:
-        self._now_s = start_s
-
-    def now(self) -> float:
-        return self._now_s
-
-    def advance(self, duration_s: float) -> None:
-        self._now_s += duration_s
-
-    def wait_until(self, t_s: float) -> None:
-        self._now_s = max(self._now_s, t_s)
-
-
-class WallClock:
-    """Real time since construction; a step's duration has already passed when it returns."""
-
-    def __init__(self) -> None:
-        self._t0 = time.perf_counter()
-
-    def now(self) -> float:
-        return time.perf_counter() - self._t0
-
-    def advance(self, duration_s: float) -> None:
-        pass
-
-    def wait_until(self, t_s: float) -> None:
-        delay = t_s - self.now()
-        if delay > 0:
-            time.sleep(delay)
-
-
-Clock = VirtualClock | WallClock
 StepHook = Callable[[StepPlan, StepResult, list[RequestOutput]], None]
 RejectHook = Callable[[Sequence, ServelabError], None]
 
@@ -69,7 +32,6 @@ def run_to_completion(
     executor: Executor,
     seqs: Iterable[Sequence],
     *,
-    clock: Clock | None = None,
     on_step: StepHook | None = None,
     on_reject: RejectHook | None = None,
     max_steps: int | None = None,
@@ -82,14 +44,13 @@ def run_to_completion(
     without one, the error propagates. `on_step(plan, result, outputs)` runs after each update
     and may add or abort requests through the scheduler. `max_steps` guards against a runaway loop.
     """
-    clock = clock if clock is not None else VirtualClock()
+    now = 0.0
     stats = stats if stats is not None else DriverStats()
     pending = sorted(seqs, key=lambda s: s.arrival_s)
     next_arrival = 0
     finished: list[Sequence] = []
     outstanding: dict[str, Sequence] = {}  # added, not yet reported finished
     while True:
-        now = clock.now()
         while next_arrival < len(pending) and pending[next_arrival].arrival_s <= now:
             seq = pending[next_arrival]
             next_arrival += 1
@@ -104,7 +65,7 @@ def run_to_completion(
         if not scheduler.has_unfinished():
             if next_arrival == len(pending):
                 break
-            clock.wait_until(pending[next_arrival].arrival_s)
+            now = max(now, pending[next_arrival].arrival_s)
             continue
         if max_steps is not None and stats.num_steps >= max_steps:
             raise RuntimeError(f"run_to_completion: still unfinished after max_steps={max_steps} steps")
@@ -116,8 +77,8 @@ def run_to_completion(
                 f"{scheduler.num_waiting} waiting requests"
             )
         result = executor.execute(plan)
-        clock.advance(result.duration_s)
-        outputs = scheduler.update(plan, result, clock.now())
+        now += result.duration_s
+        outputs = scheduler.update(plan, result, now)
         stats.num_steps += 1
         for out in outputs:
             if out.finished and out.seq is not None:
@@ -130,6 +91,6 @@ def run_to_completion(
                 # The hook aborted or finished some: report them too.
                 for rid in [rid for rid, s in outstanding.items() if s.is_finished]:
                     finished.append(outstanding.pop(rid))
-    stats.end_s = clock.now()
+    stats.end_s = now
     return finished
 

@@ -1,0 +1,328 @@
+"""Implicit decodes: the simulator's scheduler, which skips the steps where nothing happens.
+
+When the executor samples one known token for every sequence (the simulator's), a steady
+decode's next steps are predictable: one token a step, no new block until its last one fills,
+no stop until its length limit. Such a sequence leaves the per-step loops: the plan carries it
+as a count and a context sum, and every step that runs it appends one time to the scheduler's
+implicit clock. It is touched only when something happens to it, in the order the core
+Scheduler's loops would touch it: `update()` publishes its block when the block fills (or
+finishes it at its length limit), and the next `schedule()` gives it a new block. It becomes an
+ordinary entry again only when it is preempted, aborted or cut by the token budget, at which
+point its tokens, token times and computed count catch up from the clock. The decisions and
+timestamps are exactly those of the core Scheduler (tests/sim/test_implicit_decodes.py compares
+them); a step costs the few sequences that need attention instead of every running one.
+"""
+
+from __future__ import annotations
+
+from bisect import insort
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from itertools import chain, repeat
+
+from servelab.core.config import SchedulerConfig
+from servelab.core.plan import RequestOutput, ScheduledSeq, StepPlan, StepResult
+from servelab.core.scheduler import Scheduler, by_order
+from servelab.core.sequence import FinishReason, Sequence, SequenceStatus
+
+_RUNNING = SequenceStatus.RUNNING
+_WAKE = object()  # update() items: (entry, token), or (sequence, _WAKE) for an implicit event
+
+
+def _item_order_key(item: tuple) -> tuple:
+    return item[0].order_key if item[1] is _WAKE else item[0].seq.order_key
+
+
+@dataclass(slots=True, eq=False)
+class SimSequence(Sequence):
+    """A Sequence with the implicit-decode state. While `implicit_from` >= 0 it is a steady
+    decode advanced implicitly, one token per tick of the scheduler's clock from that tick on;
+    `token_ids`, `token_times_s` and `num_computed_tokens` hold its state at that tick. At tick
+    `implicit_wake` its block fills or it finishes; `implicit_needs_block` marks one whose block
+    filled and that takes a new one next step."""
+
+    implicit_from: int = field(default=-1, init=False, repr=False)
+    implicit_wake: int = field(default=-1, init=False, repr=False)
+    implicit_needs_block: bool = field(default=False, init=False, repr=False)
+    # Set at admission: the token count at which it stops by length, or 0 if the implicit token
+    # would stop it (an EOS or stop id): such a sequence never runs implicitly.
+    implicit_limit: int = field(default=0, init=False, repr=False)
+
+
+@dataclass(slots=True)
+class ImplicitStepPlan(StepPlan):
+    """A plan plus the steady decodes that run without an entry in `scheduled`: one query token
+    each, at contexts that sum to `implicit_context_tokens`. `shape()` leaves them out;
+    `shape_totals()` and `num_batched_tokens` count them."""
+
+    num_implicit_decodes: int = 0
+    implicit_context_tokens: int = 0
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.num_implicit_decodes
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.scheduled) + self.num_implicit_decodes
+
+    def shape_totals(self) -> tuple[int, int, int, int, int]:
+        num_tokens, num_seqs, context, pairs, decodes = StepPlan.shape_totals(self)
+        n, implicit_context = self.num_implicit_decodes, self.implicit_context_tokens
+        return num_tokens + n, num_seqs + n, context + implicit_context, pairs + implicit_context, decodes + n
+
+
+class ImplicitDecodeScheduler(Scheduler):
+    def __init__(self, config: SchedulerConfig, token: int, *, keep_finished: int = 1024) -> None:
+        """`token`: the id the executor samples for every entry (with no logprobs). The executor
+        must price a plan from `shape_totals()`; update() returns finished requests only, and a
+        running sequence's tokens and times are up to date only after `sync()`."""
+        super().__init__(config, keep_finished=keep_finished)
+        self._token = token
+        # `_clock[i]` is the end time of the i-th step that ran implicit decodes; an implicit
+        # sequence at tick c has gained c - implicit_from tokens. Its context at tick c is
+        # (len(token_ids) - implicit_from) + c, so `_implicit_base` sums the former and the
+        # plan's context sum is base + count * c with no pass over the sequences.
+        self._clock: list[float] = []
+        self._num_implicit = 0
+        self._implicit_base = 0
+        self._wake: dict[int, list[SimSequence]] = {}  # tick -> sequences whose block fills or that finish then
+        self._needs_block: list[SimSequence] = []  # block just filled: a new one next step, in key order
+        self._num_running_entries = 0  # entries of the last plan from running sequences (the rest admitted)
+        self._full_block_hash = hash((token,) * config.block_size)
+        self._explicit: list[SimSequence] = []  # running sequences that are not implicit, in `running` order
+
+    def add(self, seq: Sequence, now: float | None = None) -> None:
+        if not isinstance(seq, SimSequence):
+            raise TypeError(f"ImplicitDecodeScheduler runs SimSequence, got {type(seq).__name__} ({seq.request_id!r})")
+        super().add(seq, now)
+        params = seq.params
+        stops = self._token in params.stop_token_ids or (not params.ignore_eos and self._token in seq.eos_token_ids)
+        seq.implicit_limit = 0 if stops else self.length_limit(seq)
+
+    # ---- hooks of the core Scheduler -----------------------------------------------------------
+
+    def _new_plan(self) -> ImplicitStepPlan:
+        return ImplicitStepPlan(block_size=self.config.block_size)
+
+    def _start_running(self, seq: SimSequence) -> None:  # type: ignore[override]
+        super()._start_running(seq)
+        insort(self._explicit, seq, key=by_order)
+
+    def _leave_running(self, seq: SimSequence) -> None:  # type: ignore[override]
+        if seq.implicit_from >= 0:
+            self._catch_up(seq)
+        else:
+            self._explicit.remove(seq)
+
+    def _schedule_running(self, plan: ImplicitStepPlan, budget: int) -> int:  # type: ignore[override]
+        tick = len(self._clock)
+        scheduled = plan.scheduled
+        preempted = plan.preempted
+        seqs, cutting = self._step_order(budget)
+        last = None
+        for seq in seqs:
+            if budget <= 0:
+                break
+            if seq.implicit_from >= 0:
+                if seq.implicit_needs_block and not self._take_block(seq, tick, preempted):
+                    break  # seq itself was the newest left and was preempted: nothing more runs
+                if cutting:
+                    budget -= 1
+                    last = seq
+                continue
+            if seq.status is not _RUNNING:
+                continue  # preempted by an earlier entry of this step
+            last = seq
+            entry = self._next_chunk(seq, budget, preempted)
+            if entry is None:
+                break
+            if (
+                entry.num_tokens == 1
+                and entry.samples
+                and seq.first_token_s is not None
+                and self._go_implicit(seq, tick, entry.start_pos + 1)
+            ):
+                # A decode (not a prompt's last token, whose update stamps the first token) that
+                # can run implicitly from this very step, typically one that just took its new
+                # block: no entry; the implicit count covers it, and so does the budget (here
+                # while walking all of `running`, else with the others below).
+                if cutting:
+                    budget -= 1
+                continue
+            scheduled.append(entry)
+            budget -= entry.num_tokens
+        self._num_running_entries = len(scheduled)
+        if cutting:
+            self._explicit_after(last)  # the budget ran out before them: they skip this step
+        else:
+            budget -= self._num_implicit
+        plan.num_implicit_decodes = count = self._num_implicit
+        plan.implicit_context_tokens = self._implicit_base + count * tick
+        return budget
+
+    def _apply(  # type: ignore[override]
+        self, plan: ImplicitStepPlan, result: StepResult, now: float, outputs: list[RequestOutput],
+        finished: list[Sequence], *, stream: bool,
+    ) -> None:
+        scheduled = plan.scheduled
+        sampled = result.sampled_token_ids
+        items: Iterable[tuple] = zip(scheduled, sampled)
+        if plan.num_implicit_decodes:
+            tick = len(self._clock)
+            self._clock.append(now)  # every implicit decode gained a token at `now`
+            woken = self._wake.pop(tick, None)
+            if woken:
+                items = self._merge_woken(woken, tick, scheduled, sampled)
+        apply_entry = self._apply_entry
+        for entry, token in items:
+            if token is _WAKE:
+                self._wake_implicit(entry, now, finished, outputs)
+            elif apply_entry(entry, token, None, now, outputs, finished, False):
+                seq = entry.seq
+                self._go_implicit(seq, len(self._clock), len(seq.token_ids))
+
+    # ---- implicit decodes ----------------------------------------------------------------------
+
+    def _step_order(self, budget: int) -> tuple[Iterable[SimSequence], bool]:
+        """The sequences the running loop must visit, in `running` order, and whether the token
+        budget may cut the step short. If every running sequence's whole need fits the budget,
+        only the explicit ones and the implicit ones that need a block are visited; otherwise
+        the loop walks all of `running`, implicit ones costing one token each, so that the cut
+        falls where the core loop would put it."""
+        need = self._num_implicit
+        for seq in self._explicit:
+            need += len(seq.token_ids) - seq.num_computed_tokens
+        needs_block = self._needs_block
+        if needs_block:
+            self._needs_block = []
+        if need > budget:
+            return self.running, True  # type: ignore[return-value]
+        explicit = list(self._explicit)  # a copy: preemption edits the list
+        if not needs_block:
+            return explicit, False
+        needs_block = [s for s in needs_block if s.implicit_needs_block]
+        if not explicit:
+            return needs_block, False
+        return sorted(explicit + needs_block, key=by_order), False  # both few, both in key order
+
+    def _take_block(self, seq: SimSequence, tick: int, preempted: list[Sequence]) -> bool:
+        """An implicit sequence whose block filled last step takes a new one, as the core loop
+        would (preempting from the tail if the pool is short), and waits for its next event.
+        False if it was preempted itself."""
+        end = len(seq.token_ids) + tick - seq.implicit_from
+        if not self.block_manager.append_slots(seq, end) and not self._preempt_until_fits(seq, end, preempted):
+            return False
+        seq.implicit_needs_block = False
+        self._schedule_wake(seq, tick, end)
+        return True
+
+    def _schedule_wake(self, seq: SimSequence, tick: int, end: int) -> None:
+        """File an implicit sequence, whose context at `tick` is `end`, under the tick of its next
+        event: its last block fills (update publishes it; the next step needs a new one) or it
+        reaches its length limit, one tick before its context would."""
+        wake = tick + min(len(seq.block_table) * self.config.block_size - end, seq.implicit_limit - end - 1)
+        seq.implicit_wake = wake
+        bucket = self._wake.get(wake)
+        if bucket is None:
+            self._wake[wake] = [seq]
+        else:
+            bucket.append(seq)
+
+    def _merge_woken(
+        self, woken: list[SimSequence], tick: int, scheduled: list[ScheduledSeq], sampled: list[int | None]
+    ) -> Iterable[tuple]:
+        """The step's entries with the implicit sequences whose event is at `tick` put where the
+        core loop would meet them: among the running sequences' entries in `running` order,
+        before the entries of sequences admitted this step."""
+        due: list[tuple] = [(seq, _WAKE) for seq in woken if seq.implicit_from >= 0 and seq.implicit_wake == tick]
+        num_running = self._num_running_entries  # usually 0: every running sequence is implicit
+        due += zip(scheduled[:num_running], sampled[:num_running])
+        due.sort(key=_item_order_key)
+        return chain(due, zip(scheduled[num_running:], sampled[num_running:]))
+
+    def _wake_implicit(
+        self, seq: SimSequence, now: float, finished: list[Sequence], outputs: list[RequestOutput]
+    ) -> None:
+        """update() at an implicit sequence's event tick, at its place in the step's order: publish
+        the block that filled, and finish it at its length limit or mark it for a new block."""
+        tick = len(self._clock) - 1
+        token = self._token
+        num_known = len(seq.token_ids)
+        end = num_known + tick - seq.implicit_from  # its computed count after this step
+        bs = self.config.block_size
+        if end >= (seq.num_committed_blocks + 1) * bs:  # its last block filled: publish it
+            if end - bs >= num_known:
+                block_tokens_hash = self._full_block_hash
+            else:
+                block_tokens_hash = hash((*seq.token_ids[end - bs :], *repeat(token, end - num_known)))
+            self.block_manager.commit_next_block(seq, block_tokens_hash)
+        if end + 1 >= seq.implicit_limit:
+            # The implicit token cannot stop it: only the length limit ends it.
+            self._finish(seq, FinishReason.LENGTH, now)  # catches it up, this step's token included
+            finished.append(seq)
+            outputs.append(RequestOutput(seq.request_id, [token], True, FinishReason.LENGTH, seq))
+        else:
+            seq.implicit_needs_block = True
+            seq.implicit_wake = -1
+            self._needs_block.append(seq)
+
+    def _explicit_after(self, last: SimSequence | None) -> None:
+        """After a step the token budget cut: implicit sequences past `last` did not run."""
+        running = self.running
+        if last is None:
+            rest = running
+        elif last.status is _RUNNING:
+            rest = running[running.index(last) + 1 :]
+        else:
+            return  # `last` was preempted, and everything after it before it
+        explicit = self._explicit
+        for seq in rest:
+            if seq.implicit_from >= 0:  # type: ignore[attr-defined]
+                self._catch_up(seq)  # type: ignore[arg-type]
+                insort(explicit, seq, key=by_order)  # type: ignore[arg-type]
+
+    def _catch_up(self, seq: SimSequence) -> None:
+        """Bring an implicit sequence's tokens, times and computed count up to the last completed
+        tick and make it explicit (the caller puts it in `_explicit` if it stays running)."""
+        start = seq.implicit_from
+        token_ids = seq.token_ids
+        num_known = len(token_ids)
+        self._num_implicit -= 1
+        self._implicit_base -= num_known - start
+        seq.implicit_from = -1
+        seq.implicit_needs_block = False
+        clock = self._clock
+        gained = len(clock) - start
+        if gained > 0:
+            token_ids.extend(repeat(self._token, gained))
+            seq.token_times_s.extend(clock[start:])
+            seq.num_computed_tokens = num_known - 1 + gained
+
+    def _go_implicit(self, seq: SimSequence, tick: int, num_known: int) -> bool:
+        """Run a running decode implicitly from `tick`, at which its context is `num_known`
+        (its token count then), if that is steady: the implicit token cannot stop it, its blocks
+        cover that context, and it would not wake at once. Called by update() after a sampled
+        token (for the next tick) and by schedule() after a decode got its block (for this one)."""
+        table_end = len(seq.block_table) * self.config.block_size
+        if (
+            num_known > table_end
+            or num_known + 1 >= seq.implicit_limit  # also when the implicit token would stop it
+        ):
+            return False  # it needs a block or stops at this very step: the core loops handle that
+        seq.implicit_from = tick
+        self._num_implicit += 1
+        self._implicit_base += num_known - tick
+        self._schedule_wake(seq, tick, num_known)
+        self._explicit.remove(seq)
+        return True
+
+    def sync(self) -> None:
+        """Bring every implicit decode up to date (tokens, times, computed counts) and make it
+        explicit. For inspection and tests; the simulator never needs it."""
+        for seq in self.running:
+            if seq.implicit_from >= 0:  # type: ignore[attr-defined]
+                self._catch_up(seq)  # type: ignore[arg-type]
+        self._explicit[:] = self.running  # type: ignore[assignment]
+        self._wake.clear()
+        self._needs_block.clear()
