@@ -259,10 +259,10 @@ def test_the_simulator_gives_the_core_schedulers_results(case):
     from servelab.workload import WorkloadSpec
 
     config, workload = {
-        "shared-prefix": (SimConfig(block_size=16), WorkloadSpec(
+        "shared-prefix": (SimConfig(scheduler=SchedulerConfig(block_size=16)), WorkloadSpec(
             120, rate=40.0, input_len="300-900", output_len="20-200", shared_prefix_fraction=0.5,
             num_prefix_groups=3, seed=11)),
-        "preempting": (SimConfig(num_blocks=300, max_num_batched_tokens=512), WorkloadSpec(
+        "preempting": (SimConfig(scheduler=SchedulerConfig(num_blocks=300, max_num_batched_tokens=512)), WorkloadSpec(
             80, rate=None, concurrency=None, input_len="lognormal:400,0.5", output_len="16-300", seed=12)),
         "disaggregated": (SimConfig(disagg=(1, 1)), WorkloadSpec(
             80, rate=30.0, input_len="512", output_len="1-150", shared_prefix_fraction=0.25, seed=13)),
@@ -280,7 +280,7 @@ def test_the_simulator_gives_the_core_schedulers_results(case):
 
 
 def test_it_runs_only_sequences_that_carry_the_implicit_state():
-    s = ImplicitDecodeScheduler(SchedulerConfig(num_blocks=8, block_size=4), TOKEN)
+    s = ImplicitDecodeScheduler(SchedulerConfig(num_blocks=8, block_size=4, max_model_len=64), TOKEN)
     with pytest.raises(TypeError, match="runs SimSequence, got Sequence"):
         s.add(Sequence("r0", [1, 2, 3], SamplingParams(max_tokens=2)), 0.0)
     assert not s.has_unfinished()
