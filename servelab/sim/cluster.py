@@ -46,6 +46,10 @@ class Replica:
     busy_s: float = 0.0
     link_free_s: float = 0.0  # prefill replicas: when the outgoing KV link is free
 
+    @property
+    def kv_usage(self) -> float:
+        return self.scheduler.block_manager.usage
+
     def stats(self) -> dict:
         s = self.scheduler.stats()
         return {

@@ -3,12 +3,22 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol, TypeVar
 
 from servelab.errors import InvalidArgument
 
-if TYPE_CHECKING:
-    from servelab.sim.cluster import Replica
+
+class Routable(Protocol):
+    """What a router reads of a replica."""
+
+    index: int
+    outstanding: int  # requests routed to it and not finished
+
+    @property
+    def kv_usage(self) -> float: ...  # fraction of its KV pool in use
+
+
+R = TypeVar("R", bound=Routable)
 
 ROUTERS = ("round-robin", "least-outstanding", "least-kv")
 
@@ -20,7 +30,7 @@ class Router:
         self.kind = kind
         self._next = 0
 
-    def pick(self, replicas: Sequence[Replica]) -> Replica:
+    def pick(self, replicas: Sequence[R]) -> R:
         if len(replicas) == 1:
             return replicas[0]
         if self.kind == "round-robin":
@@ -31,4 +41,4 @@ class Router:
             return min(replicas, key=lambda r: (r.outstanding, r.index))
         # least-kv: the emptiest KV pool; requests already queued count too, or a burst that
         # arrives within one step would all land on the same replica.
-        return min(replicas, key=lambda r: (r.scheduler.block_manager.usage, r.outstanding, r.index))
+        return min(replicas, key=lambda r: (r.kv_usage, r.outstanding, r.index))

@@ -20,30 +20,6 @@ def test_core_imports_neither_torch_nor_numpy():
     assert out.stdout.strip() == ""
 
 
-def test_core_modules_import_each_other_one_way():
-    # Every import counts, those under TYPE_CHECKING included: a cycle there is still a cycle
-    # for a reader (and for the next refactor that makes it real).
-    package = Path(servelab.core.__file__).parent
-    graph: dict[str, set[str]] = {}
-    for path in package.glob("*.py"):
-        if path.stem == "__init__":
-            continue
-        imported = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("servelab.core."):
-                imported.add(node.module.rsplit(".", 1)[1])
-        graph[path.stem] = imported
-
-    def reaches(start: str, target: str, seen: set[str]) -> bool:
-        for nxt in graph.get(start, ()):
-            if nxt == target or (nxt not in seen and reaches(nxt, target, seen | {nxt})):
-                return True
-        return False
-
-    assert graph["plan"] >= {"sequence"}  # the check below sees the imports it should
-    assert [m for m in graph if reaches(m, m, set())] == []
-
-
 def test_slots_follow_the_block_table():
     from servelab.core.plan import ScheduledSeq
     from servelab.core.sequence import SamplingParams, Sequence
