@@ -2,12 +2,8 @@
 
 from __future__ import annotations
 
-import ast
 import subprocess
 import sys
-from pathlib import Path
-
-import servelab.core
 
 
 def test_core_imports_neither_torch_nor_numpy():
