@@ -8,8 +8,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from servelab.core.config import SchedulerConfig
+from servelab.cost.profile import ProfileStepCost
 from servelab.errors import InvalidArgument
-from servelab.metrics import RequestRecord, Summary
+from servelab.metrics import SLO, RequestRecord, Summary
+from servelab.sim import SimConfig
+from servelab.spec import ModelSpec
 from servelab.workload import RequestSpec
 
 # The server's configuration, as Prometheus info gauges (labels carry the values).
@@ -55,6 +59,20 @@ def check_server_config(config: dict[str, str], base_url: str) -> None:
             f"the server at {base_url} does not publish its scheduler configuration at /metrics "
             f"(missing {', '.join(missing)}); validate needs a `servelab serve` server"
         )
+
+
+def sim_config(profile: dict[str, Any], server: dict[str, str], model: ModelSpec, slo: SLO | None) -> SimConfig:
+    """The simulator set up as the server is (its KV pool, budgets, policy and order), priced by the profile."""
+    scheduler = SchedulerConfig(
+        num_blocks=int(server["num_blocks"]),
+        block_size=int(server["block_size"]),
+        max_num_seqs=int(server["max_num_seqs"]),
+        max_num_batched_tokens=int(server["max_num_batched_tokens"]),
+        max_model_len=int(server["max_model_len"]),
+        enable_prefix_caching=server.get("enable_prefix_caching", "true") == "true",
+        **{k: server[k] for k in ("policy", "order") if k in server},
+    )
+    return SimConfig(model=model, cost_model=ProfileStepCost.from_profile(profile), scheduler=scheduler, slo=slo)
 
 
 def replay_trace(records: Sequence[RequestRecord]) -> list[RequestSpec]:

@@ -46,25 +46,6 @@ def _sim_model(profile: dict[str, Any], name: str | None, served_model: str):  #
                           f"name one with --sim-model (see `servelab models`)")
 
 
-def sim_config(profile: dict[str, Any], server: dict[str, str], model, slo):  # noqa: ANN001, ANN201
-    """The simulator set up as the server is: its KV pool, budgets and policy, priced by the profile."""
-    from servelab.cost.profile import ProfileStepCost
-    from servelab.sim import SimConfig
-
-    return SimConfig(
-        model=model,
-        cost_model=ProfileStepCost.from_profile(profile),
-        num_blocks=int(server["num_blocks"]),
-        block_size=int(server["block_size"]),
-        max_num_seqs=int(server["max_num_seqs"]),
-        max_num_batched_tokens=int(server["max_num_batched_tokens"]),
-        max_model_len=int(server["max_model_len"]),
-        policy=server.get("policy", "chunked"),
-        enable_prefix_caching=server.get("enable_prefix_caching", "true") == "true",
-        slo=slo,
-    )
-
-
 def run(args: argparse.Namespace) -> int:
     from servelab.commands._outputs import check_output_file
     from servelab.commands.bench import check_load_args, slo_from_args
@@ -103,7 +84,7 @@ async def _measure(args: argparse.Namespace, workload, slo):  # noqa: ANN001, AN
 
 
 def _predict_and_report(args, profile, workload, slo, measured, server, served_model) -> int:  # noqa: ANN001
-    from servelab.bench.fidelity import compare, format_comparison, replay_trace
+    from servelab.bench.fidelity import compare, format_comparison, replay_trace, sim_config
     from servelab.metrics import format_summary_table
     from servelab.sim import simulate
 

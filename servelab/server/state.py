@@ -54,7 +54,7 @@ class ServerState:
         }
         sc = llm.scheduler_config
         scheduler_info = {"max_num_seqs": str(sc.max_num_seqs), "max_num_batched_tokens": str(sc.max_num_batched_tokens),
-                          "max_model_len": str(sc.max_model_len), "policy": sc.policy,
+                          "max_model_len": str(sc.max_model_len), "policy": sc.policy, "order": sc.order,
                           "enable_prefix_caching": str(sc.enable_prefix_caching).lower()}
         self.metrics = ServerMetrics(llm.model_name, lambda: self.async_engine.stats, cache_info, llm.max_model_len,
                                      scheduler_info)

@@ -62,3 +62,19 @@ def test_compare_gives_signed_errors_and_target_verdicts():
     assert rows["TPOT p50"].within_target is True
     assert "goodput req/s" not in rows  # no SLO: neither side has a goodput
     assert Row("x", 0.0, 1.0).error_pct is None and Row("x", None, 1.0).error_pct is None
+
+
+def test_the_replay_runs_the_servers_scheduler_priced_by_the_profile():
+    from servelab.bench.fidelity import sim_config
+    from servelab.sim import simulate
+    from servelab.spec import get_model
+
+    coefs = {"per_step_s": 0.01, "per_token_s": 0.001, "per_seq_s": 0.0, "per_context_token_s": 0.0, "per_pair_s": 0.0}
+    config = sim_config({"fit": {"coefficients": coefs}}, server_config(METRICS_TEXT), get_model("smollm2-135m"), None)
+    sched = config.scheduler
+    assert (sched.num_blocks, sched.block_size, sched.max_num_seqs, sched.max_num_batched_tokens,
+            sched.max_model_len, sched.policy, sched.enable_prefix_caching) == (512, 16, 8, 256, 2048, "chunked", True)
+    trace = replay_trace([_record(0, 0.0, out=3)])
+    r = simulate(config, trace).records[0]
+    # a 10-token prompt in one step (0.01 + 10 * 0.001), then two decode steps of 0.011 s each
+    assert r.ttft_s == pytest.approx(0.02) and r.e2e_s == pytest.approx(0.042)
