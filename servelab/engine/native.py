@@ -188,20 +188,22 @@ def native_kernels(level: str | None = None) -> NativeKernels | None:
     the default level)."""
     global load_error
     name = level or best_level()
-    with _lock:
-        if name not in _builds:
-            reason = unavailable_reason(name)
-            if reason is None:
-                try:
-                    _builds[name] = _build(_LEVELS[name])
-                except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                    reason = str(exc)
-            if reason is not None:
-                _builds[name] = reason
-        found = _builds[name]
-        if level is None:
-            load_error = found if isinstance(found, str) else None
-        return None if isinstance(found, str) else found
+    found = _builds.get(name)  # without the lock: the sampler asks every step
+    if found is None:
+        with _lock:
+            if name not in _builds:
+                reason = unavailable_reason(name)
+                if reason is None:
+                    try:
+                        _builds[name] = _build(_LEVELS[name])
+                    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                        reason = str(exc)
+                if reason is not None:
+                    _builds[name] = reason
+            found = _builds[name]
+    if level is None:
+        load_error = found if isinstance(found, str) else None
+    return None if isinstance(found, str) else found
 
 
 def kernels_unavailable(level: str | None = None) -> str | None:
