@@ -191,6 +191,7 @@ class LlamaModel:
             layer.qkv, layer.o, layer.gate_up, layer.down = (int8(w) for w in layer.linears())
         self.lm_head = int8(self.lm_head)
         self.quantization = "int8"
+        self.use_ops(self.ops)  # the new linears on the ops' kernels
 
     def make_batch_invariant(self) -> None:
         """Deterministic mode: the invariant ops (engine/ops.py, InvariantOps) and linears. Costs

@@ -5,8 +5,8 @@ engine/linear.py): residual add + RMSNorm, RoPE with the K/V store, paged attent
 Implementations:
 
 - `TorchOps`: plain PyTorch, any device and dtype. The reference, and what CUDA runs.
-- `NativeOps`: our C kernels (engine/native.py) for fp32 on the CPU, built for one ISA level.
-  The same values as TorchOps up to fp32 summation order.
+- `NativeOps`: our C kernels (engine/native.py) for fp32 on the CPU, built for one ISA level
+  (the linears' own kernels too). The same values as TorchOps up to fp32 summation order.
 - `InvariantOps`: `--deterministic`. NativeOps with every row's arithmetic independent of the
   rest of the batch: decode attention in the prefill kernel's order, the per-row final norm,
   and every linear on one kernel for every row count.
@@ -17,6 +17,7 @@ NativeOps over another build (native.ISA_LEVELS), or as a subclass where it need
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -156,6 +157,12 @@ class NativeOps(TorchOps):
         self.level = level
         self.name = f"native-{level}"
 
+    def prepare_linear(self, linear: Linear) -> Linear:
+        # the linears' own C kernels at this ISA level too (the loader packs with the best one's)
+        if isinstance(linear, (block_quant.BlockQuantLinear, Int8Linear)):
+            return replace(linear, kernels=self.kernels)
+        return linear
+
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -206,6 +213,7 @@ class InvariantOps(NativeOps):
         self.name = f"invariant-{level}"
 
     def prepare_linear(self, linear: Linear) -> Linear:
+        linear = super().prepare_linear(linear)
         if isinstance(linear, Int8Linear):  # already one kernel for every row count
             return linear
         try:  # the panel kernel for every row count

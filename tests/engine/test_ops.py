@@ -22,29 +22,41 @@ from servelab.engine.weights import load_model
 from servelab.errors import InvalidArgument
 
 from .test_block_quant import FORMATS, _packed
+from .test_weights import _write_gguf
 
 CPU = torch.device("cpu")
 
 
+@pytest.fixture(scope="module", params=["hf", "gguf-q4_1"])
+def tiny_model(request, tiny_llama, tmp_path_factory):
+    """The tiny model as HF safetensors (dense linears), or as a Q4_1 GGUF (packed linears)."""
+    if request.param == "hf":
+        return tiny_llama
+    return _write_gguf(tiny_llama, tmp_path_factory.mktemp("ops") / "tiny-q4_1.gguf", "Q4_1")
+
+
 @pytest.fixture(scope="module")
-def reference_logits(tiny_llama):
-    model = load_model(tiny_llama, dtype=torch.float32).model
+def reference_logits(tiny_model):
+    model = load_model(tiny_model, dtype=torch.float32).model
     model.use_ops(TorchOps())
     ids = [int(t) for t in torch.randint(0, 500, (45,), generator=torch.Generator().manual_seed(4))]
     return ids, {chunk: prefill_logits(model, ids, chunk=chunk) for chunk in (None, 7, 1)}
 
 
 @pytest.mark.parametrize("name", OPS_NAMES)
-def test_every_ops_implementation_gives_the_reference_logits(tiny_llama, reference_logits, name):
+def test_every_ops_implementation_gives_the_reference_logits(tiny_model, reference_logits, name):
     """Whole prefill, chunks over the cache, and every token a decode: the same logits as the
-    PyTorch reference up to fp32 summation order, and the same greedy tokens."""
+    PyTorch reference up to fp32 summation order, and the same greedy tokens; the linears run
+    the ops' own build of the kernels."""
     try:
         ops = make_ops(name, CPU, torch.float32)
     except OpsUnavailable as exc:
         pytest.skip(f"{name}: {exc}")
-    model = load_model(tiny_llama, dtype=torch.float32).model
+    model = load_model(tiny_model, dtype=torch.float32).model
     model.use_ops(ops)
     assert model.ops is ops and model.batch_invariant == name.startswith("invariant")
+    if name != "torch":  # linears with C kernels of their own run the ops' build of them
+        assert all(getattr(lin, "kernels", ops.kernels) is ops.kernels for lin in (*model.layers[0].linears(), model.lm_head))
     ids, reference = reference_logits
     for chunk, want in reference.items():
         got = prefill_logits(model, ids, chunk=chunk)
