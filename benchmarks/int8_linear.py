@@ -44,8 +44,8 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     model = load_model(str(bundled_model_path()), dtype=torch.float32).model
-    dense = [w.dense if hasattr(w, "dense") else w for layer in model.layers for w in layer.linears()]
-    dense.append(model.lm_head)
+    dense = [w.dequantize() for layer in model.layers for w in layer.linears()]
+    dense.append(model.lm_head.dequantize())
     engines = {
         "servelab": [Int8Linear.from_weight(w) for w in dense],
         "fbgemm": [fbgemm_linear(w) for w in dense],

@@ -1,16 +1,14 @@
-"""Linears that also keep their GGUF block-quantized weights, for steps of up to 128 rows.
+"""Linears that keep their GGUF block-quantized weights, for steps of up to 128 rows.
 
-A GGUF model's weights arrive block-quantized (SmolLM2's layers as Q4_1, 5 bits a weight; its
-head as Q8_0). The loader dequantizes them to fp32, the exact values transformers computes, and
-the model multiplies in fp32. A decode step with one or a few sequences is bound by the bytes of
-weights it reads, and fp32 reads 4-6x more than the file holds; so up to four rows the C kernel
-in csrc/block_quant_linear.c multiplies straight from the packed blocks, widening them in
-registers. From five rows on the work becomes compute-bound, and a second kernel expands 48
-outputs' weights at a time to fp32 in L2 and runs a register-blocked 4 x 3 kernel over them,
-~1.7x MKL's fp32 GEMM at 32 rows on this AVX2 host; from ~256 rows MKL's GEMM over the fp32 copy
-is ahead, so calls above 128 rows use it. Same weights, fp32 sums either way: only the rounding
-order differs, so this is on by default, unlike the approximate `--quantization int8`. Costs the
-packed copy's memory (~100 MB for SmolLM2, a quarter of its fp32 weights).
+A GGUF model's weights arrive block-quantized (SmolLM2's layers as Q4_1, its head as Q8_0). The
+loader dequantizes them to fp32, the exact values transformers computes, and a step with few
+rows is bound by the bytes of weights it reads, 4-6x more in fp32 than in the file. So the C
+kernels in csrc/block_quant_linear.c multiply straight from the packed blocks: up to
+FUSED_MAX_ROWS rows widening them in registers, then expanding PANEL_OUTPUTS outputs at a time to
+fp32 for a register-blocked GEMM; above MAX_ROWS MKL's GEMM over the fp32 copy is faster. Same
+weights, fp32 sums either way (only the rounding order differs), so this is on by default,
+unlike the approximate `--quantization int8`. Costs the packed copy's memory. Timings:
+docs/benchmarks.md, "GGUF blocks kept packed".
 
 Formats: Q8_0, Q4_0, Q4_1 (32 weights a block; both kernels) and Q4_K, Q6_K (256; the panel
 kernel, also for one row). A fused matrix whose parts differ in format keeps one packed segment
@@ -26,6 +24,7 @@ import torch.nn.functional as F
 
 from servelab.engine import native
 from servelab.spec.ggml_types import GGML_TYPE_BY_NAME, GGML_TYPES, Kernel
+from servelab.engine.linear import DenseLinear
 
 # Views of ggml's type table (spec/ggml_types.py) in the shapes the kernels use.
 # ggml type id -> (our kernel's format code, weights a block, bytes a block)
@@ -37,10 +36,7 @@ FORMAT_NAMES = {t.kernel_code: t.name for t in GGML_TYPES if t.kernel_code is no
 _FUSED_FORMATS = tuple(t.kernel_code for t in GGML_TYPES if t.kernel is Kernel.PANEL_AND_ROWS)
 _F32 = GGML_TYPE_BY_NAME["F32"].kernel_code  # a plain fp32 weight, through the panel kernel (deterministic mode)
 
-# Rows per call, over all 210 of SmolLM2's Q4_1 matrices (weights from DRAM, this AVX2 host, 1
-# thread; MKL's fp32 GEMM over the dequantized copy in brackets):
-#   in-register kernel  1 / 4 / 8 / 16 rows: 16 / 31 / 56 / 113 ms  (54 / 113 / 124 / 157)
-#   panel kernel        4 / 8 / 32 / 128 / 256: 35 / 48 / 107 / 437 / 950 ms  (115 / 134 / 183 / 481 / 860)
+# Where one kernel overtakes the other, measured over SmolLM2's matrices (docs/benchmarks.md).
 FUSED_MAX_ROWS = 4  # up to here the in-register kernel, then the panel kernel
 MAX_ROWS = 128  # above this MKL (it pulls ahead by 256 rows)
 PANEL_OUTPUTS = 48  # outputs the panel kernel expands at a time (PANEL in the C file)
@@ -60,8 +56,7 @@ class PackedRows:
 class BlockQuantLinear:
     """y = x @ W^T (+ bias). `segments` hold W as GGUF blocks (one per run of outputs in one
     format: a fused QKV may mix Q4_K and Q6_K), used for up to MAX_ROWS rows; `dense`, W in fp32
-    [out, in], serves bigger steps. (Under `--quantization int8` every row count goes int8, and
-    the model drops this.)"""
+    [out, in], serves bigger steps."""
 
     segments: tuple[PackedRows, ...]
     kernels: native.NativeKernels
@@ -71,14 +66,12 @@ class BlockQuantLinear:
     # on how many rows share the call (the in-register kernel, the panel kernel and MKL each sum
     # in their own order).
     invariant: bool = False
+    bias: torch.Tensor | None = None  # fp32 [out]
 
-    def batch_invariant(self) -> BlockQuantLinear:
-        return replace(self, invariant=True)
-
-    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0]
         if rows == 0 or (rows > MAX_ROWS and not self.invariant):
-            return F.linear(x, self.dense, bias)
+            return F.linear(x, self.dense, self.bias)
         x = x.contiguous()
         out_features, in_features = self.shape
         threads = torch.get_num_threads()
@@ -90,16 +83,17 @@ class BlockQuantLinear:
         else:
             scratch = torch.empty(threads * PANEL_OUTPUTS * in_features, dtype=torch.float32)  # a panel each
             kernel = self.kernels.block_quant_gemm
+        bias = None if self.bias is None else self.bias.data_ptr()
         for seg in self.segments:  # each writes its columns of y (4 bytes an fp32)
             kernel(
                 seg.fmt, seg.data.data_ptr(), seg.data.shape[1], in_features, seg.data.shape[0],
-                x.data_ptr(), rows, None if bias is None else bias.data_ptr() + 4 * seg.start,
+                x.data_ptr(), rows, None if bias is None else bias + 4 * seg.start,
                 y.data_ptr() + 4 * seg.start, out_features, scratch.data_ptr(), threads,
             )
         return y
 
     def numel(self) -> int:
-        return self.shape[0] * self.shape[1]
+        return self.shape[0] * self.shape[1] + (0 if self.bias is None else self.bias.numel())
 
     @property
     def format_name(self) -> str:
@@ -108,8 +102,9 @@ class BlockQuantLinear:
 
     @property
     def nbytes(self) -> int:
-        """Bytes a step with few rows reads: the packed blocks."""
-        return sum(seg.data.numel() for seg in self.segments)
+        """Bytes a step with few rows reads: the packed blocks (and the bias)."""
+        bias = 0 if self.bias is None else 4 * self.bias.numel()
+        return sum(seg.data.numel() for seg in self.segments) + bias
 
     def dequantize(self) -> torch.Tensor:
         """The packed blocks expanded by the kernel, [out, in] fp32 (tests check it equals `dense`)."""
@@ -121,38 +116,41 @@ class BlockQuantLinear:
         return w
 
 
-def batch_invariant(weight: torch.Tensor | BlockQuantLinear, kernels: native.NativeKernels) -> BlockQuantLinear:
+def batch_invariant(weight: BlockQuantLinear | DenseLinear, kernels: native.NativeKernels) -> BlockQuantLinear:
     """A linear whose every row count runs the panel kernel: a packed weight as it is, a dense
-    fp32 one as a single F32 segment (no copy)."""
+    fp32 one as a single F32 segment (no copy). ValueError for a weight the kernel cannot take."""
     if isinstance(weight, BlockQuantLinear):
-        return weight.batch_invariant()
-    out_features, in_features = weight.shape
-    if weight.dtype != torch.float32 or weight.device.type != "cpu" or in_features % 32:
+        return replace(weight, invariant=True)
+    dense = weight.weight
+    out_features, in_features = dense.shape
+    if dense.dtype != torch.float32 or dense.device.type != "cpu" or in_features % 32:
         raise ValueError(
-            f"a batch-invariant linear needs an fp32 CPU weight with a multiple of 32 inputs, got {weight.dtype} "
-            f"{tuple(weight.shape)} on {weight.device.type}"
+            f"a batch-invariant linear needs an fp32 CPU weight with a multiple of 32 inputs, got {dense.dtype} "
+            f"{tuple(dense.shape)} on {dense.device.type}"
         )
-    weight = weight.contiguous()
-    data = weight.view(torch.uint8).view(out_features, in_features * 4)
-    return BlockQuantLinear((PackedRows(_F32, data, 0),), kernels, weight, (out_features, in_features), invariant=True)
+    dense = dense.contiguous()
+    data = dense.view(torch.uint8).view(out_features, in_features * 4)
+    return BlockQuantLinear(
+        (PackedRows(_F32, data, 0),), kernels, dense, (out_features, in_features), invariant=True, bias=weight.bias
+    )
 
 
 def pack(
     dense: torch.Tensor, parts: list[tuple[int, torch.Tensor]] | None, kernels: native.NativeKernels | None
-) -> torch.Tensor | BlockQuantLinear:
-    """`dense` alone, or with its packed form when every part (ggml type, [rows, row_bytes] uint8;
-    the parts are dense's rows in order) is a supported format, the weight is fp32 on the CPU and
-    the kernels are there. Consecutive parts of one format share a segment."""
+) -> BlockQuantLinear | DenseLinear:
+    """`dense` with its packed form when every part (ggml type, [rows, row_bytes] uint8; the
+    parts are dense's rows in order) is a supported format, the weight is fp32 on the CPU and the
+    kernels are there; else `dense` alone. Consecutive parts of one format share a segment."""
     if kernels is None or parts is None or dense.dtype != torch.float32 or dense.device.type != "cpu":
-        return dense
+        return DenseLinear(dense)
     out_features, in_features = dense.shape
     runs: list[tuple[int, list[torch.Tensor]]] = []
     for gtype, rows in parts:
         if gtype not in GGUF_BLOCK_FORMATS:
-            return dense
+            return DenseLinear(dense)
         _, block_weights, block_bytes = GGUF_BLOCK_FORMATS[gtype]
         if in_features % block_weights or rows.shape[1] != in_features // block_weights * block_bytes:
-            return dense
+            return DenseLinear(dense)
         if runs and runs[-1][0] == gtype:
             runs[-1][1].append(rows)
         else:
@@ -163,5 +161,5 @@ def pack(
         segments.append(PackedRows(GGUF_BLOCK_FORMATS[gtype][0], data, start))
         start += data.shape[0]
     if start != out_features:
-        return dense
+        return DenseLinear(dense)
     return BlockQuantLinear(tuple(segments), kernels, dense, (out_features, in_features))

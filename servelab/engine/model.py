@@ -11,13 +11,13 @@ and gate/up into another, so a layer is four GEMMs. RoPE uses the HF rotate-half
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import InitVar, dataclass, replace
 
 import torch
-import torch.nn.functional as F
 
-from servelab.engine import block_quant, native
-from servelab.engine.block_quant import BlockQuantLinear
+from servelab.engine import linear
+from servelab.engine.linear import Linear
+from servelab.engine.ops import Ops, select_ops
 from servelab.engine.quantization import Int8Linear
 from servelab.errors import InvalidArgument
 from servelab.spec.model import ModelSpec
@@ -51,41 +51,23 @@ def rope_inv_freq(config: ModelSpec, freq_divisors: torch.Tensor | None = None) 
     raise InvalidArgument(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
 
 
-# Up to this many sampling rows the pre-transposed fp32 head is faster (see LlamaModel.__init__).
-_MAX_ROWS_FOR_TRANSPOSED_HEAD = 2
-
-# A linear's weight: a tensor [out, in]; that tensor with its GGUF blocks (block_quant.py); or
-# int8 codes under the opt-in int8 quantization (quantization.py).
-Weight = torch.Tensor | BlockQuantLinear | Int8Linear
-
-
-def linear(x: torch.Tensor, weight: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
-    if isinstance(weight, torch.Tensor):
-        return F.linear(x, weight, bias)
-    if isinstance(weight, BlockQuantLinear):
-        return weight(x, bias)
-    return weight(x)  # an Int8Linear carries its bias packed with it
-
-
-def _nbytes(weight: Weight) -> int:
-    return weight.numel() * weight.element_size() if isinstance(weight, torch.Tensor) else weight.nbytes
-
-
-def _dense(weight: Weight) -> torch.Tensor:
-    return weight.dense if isinstance(weight, BlockQuantLinear) else weight
-
-
 @dataclass(slots=True)
 class LayerWeights:
-    input_norm: torch.Tensor
-    qkv: Weight  # [q_size + 2 * kv_size, hidden]
-    qkv_bias: torch.Tensor | None  # None once packed into an Int8Linear qkv
-    o: Weight  # [hidden, q_size]
-    post_norm: torch.Tensor
-    gate_up: Weight  # [2 * intermediate, hidden]
-    down: Weight  # [hidden, intermediate]
+    """One decoder layer: its two norms' weights and its four linears (engine/linear.py)."""
 
-    def linears(self) -> tuple[Weight, ...]:
+    input_norm: torch.Tensor
+    qkv: Linear  # [q_size + 2 * kv_size, hidden], with the qkv bias when the model has one
+    o: Linear  # [hidden, q_size]
+    post_norm: torch.Tensor
+    gate_up: Linear  # [2 * intermediate, hidden]
+    down: Linear  # [hidden, intermediate]
+    qkv_bias: InitVar[torch.Tensor | None] = None  # as the loader hands it over: folded into qkv
+
+    def __post_init__(self, qkv_bias: torch.Tensor | None) -> None:
+        if qkv_bias is not None:
+            self.qkv = replace(self.qkv, bias=qkv_bias)
+
+    def linears(self) -> tuple[Linear, ...]:
         return (self.qkv, self.o, self.gate_up, self.down)
 
 
@@ -115,7 +97,11 @@ class AttentionMetadata:
 
 
 class LlamaModel:
-    """Weights plus a forward pass; holds no per-request state (that lives in the KV cache)."""
+    """Weights plus a forward pass; holds no per-request state (that lives in the KV cache).
+
+    The kernels come from `self.ops` (engine/ops.py), chosen once at load from the device, the
+    dtype and the CPU; the linears are objects that pick their own kernel (engine/linear.py).
+    """
 
     def __init__(
         self,
@@ -125,45 +111,38 @@ class LlamaModel:
         final_norm: torch.Tensor,
         lm_head: torch.Tensor,
         rope_freq_divisors: torch.Tensor | None = None,
-        lm_head_packed: BlockQuantLinear | None = None,
+        lm_head_packed: Linear | None = None,
+        ops: Ops | None = None,
     ):
         self.config = config
         self.embed = embed
         self.layers = layers
         self.final_norm = final_norm
-        self.lm_head = lm_head
-        # fp32: for one or two sampling rows, `x @ W^T` over a pre-transposed [hidden, vocab]
-        # head streams it about twice as fast as F.linear on [vocab, hidden] (SmolLM2's
-        # 49152 x 576 head, AVX2, 1 thread: 8 vs 15 ms at 1 row, 17 vs 32 ms at 2); from 4 rows
-        # on MKL's F.linear wins (4: 38 vs 55 ms, 32: 82 vs 100 ms), so the choice is per step.
-        # In bf16 without native bf16 kernels `x @ W^T` is 10x slower than F.linear, so other
-        # dtypes keep F.linear. One extra copy of the head, unless it came block-quantized: then
-        # up to block_quant.MAX_ROWS rows read the packed blocks (SmolLM2's Q8_0 head: ~4 ms at 1 row).
-        self.lm_head_packed = lm_head_packed
-        self.lm_head_t = (
-            lm_head.t().contiguous() if lm_head.dtype == torch.float32 and lm_head_packed is None else None
-        )
-        self.lm_head_int8: Int8Linear | None = None
-        self.batch_invariant = False  # deterministic mode (make_batch_invariant)
+        self.lm_head = linear.lm_head(lm_head, lm_head_packed)
+        self.tied_head = lm_head.data_ptr() == embed.data_ptr()
+        self.quantization: str | None = None  # "int8" after quantize_int8
         self.dtype = embed.dtype
         self.device = embed.device
         self.inv_freq = rope_inv_freq(config, rope_freq_divisors).to(self.device)
         self._rope_len = 0
         self._cos = self._sin = torch.empty(0)
         self.scale = 1.0 / math.sqrt(config.head_dim)
-        # On CPU in fp32, when a C compiler is there (engine/native.py): decode attention in C
-        # straight from the block pool (2-3x faster than gather + SDPA at 32 sequences), and
-        # RoPE + K/V store, residual add + RMSNorm and SwiGLU in one pass each. Elsewhere (CUDA,
-        # bf16, no compiler) the PyTorch path; the same values up to fp32 summation order.
-        self.native = native.native_kernels() if self.device.type == "cpu" and self.dtype == torch.float32 else None
+        self.use_ops(ops or select_ops(self.device, self.dtype))
+
+    def use_ops(self, ops: Ops) -> None:
+        """Run on `ops` from now on; every linear is prepared for them."""
+        self.ops = ops
+        for layer in self.layers:
+            layer.qkv, layer.o, layer.gate_up, layer.down = (ops.prepare_linear(w) for w in layer.linears())
+        self.lm_head = ops.prepare_linear(self.lm_head)
 
     @property
     def vocab_size(self) -> int:
         return self.lm_head.shape[0]
 
     @property
-    def quantization(self) -> str | None:
-        return None if self.lm_head_int8 is None else "int8"
+    def batch_invariant(self) -> bool:
+        return self.ops.batch_invariant
 
     def quantize_int8(self) -> None:
         """Opt-in: every linear and the LM head become int8 (see `quantization`), at every row count,
@@ -175,61 +154,35 @@ class LlamaModel:
                 f"quantization 'int8' computes in float32 on the CPU, not {self.dtype} on {self.device.type}",
                 param="dtype",
             )
-        if self.lm_head_int8 is not None:  # already done
+        if self.quantization == "int8":
             return
+
+        def int8(w: Linear) -> Int8Linear:
+            return Int8Linear.from_weight(w.dequantize(), w.bias)
+
         for layer in self.layers:
-            layer.qkv, layer.qkv_bias = Int8Linear.from_weight(_dense(layer.qkv), layer.qkv_bias), None
-            layer.o, layer.gate_up, layer.down = (Int8Linear.from_weight(_dense(w)) for w in (layer.o, layer.gate_up, layer.down))
-        self.lm_head_int8 = Int8Linear.from_weight(self.lm_head)
-        self.lm_head_packed = self.lm_head_t = None
+            layer.qkv, layer.o, layer.gate_up, layer.down = (int8(w) for w in layer.linears())
+        self.lm_head = int8(self.lm_head)
+        self.quantization = "int8"
+        self.use_ops(self.ops)  # the new linears on the ops' kernels
 
     def make_batch_invariant(self) -> None:
-        """Deterministic mode: each row's result depends on that row alone, bit for bit, whatever
-        the batch, the chunking of its prompt or whether it is decoded or recomputed. Every linear
-        and the head take one kernel for every row count (block_quant's panel kernel; int8 ones
-        already do), decode attention takes the prefill kernel's order (native.paged_attention),
-        and the final norm the native per-row one. Costs speed (docs/benchmarks.md)."""
-        kernels = self.native
-        if kernels is None:
-            raise InvalidArgument(
-                f"deterministic mode needs float32 compute on the CPU with servelab's native kernels "
-                f"(here: {self.dtype} on {self.device.type}"
-                f"{', native kernels unavailable: ' + str(native.load_error) if native.load_error else ''})",
-                param="deterministic",
-            )
-
-        def invariant(weight: Weight) -> Weight:
-            if isinstance(weight, Int8Linear):
-                return weight
-            try:
-                return block_quant.batch_invariant(weight, kernels)
-            except ValueError as exc:
-                raise InvalidArgument(f"deterministic mode cannot run this model: {exc}", param="deterministic") from exc
-
-        for layer in self.layers:
-            layer.qkv, layer.o, layer.gate_up, layer.down = (invariant(w) for w in layer.linears())
-        if self.lm_head_int8 is None:
-            self.lm_head_packed = invariant(self.lm_head_packed or self.lm_head)
-            self.lm_head_t = None
-        self.batch_invariant = True
+        """Deterministic mode: the invariant ops (engine/ops.py, InvariantOps) and linears. Costs
+        speed (docs/benchmarks.md)."""
+        self.use_ops(select_ops(self.device, self.dtype, deterministic=True))
 
     def num_parameters(self) -> int:
-        n = self.embed.numel() + self.final_norm.numel()
-        if self.lm_head.data_ptr() != self.embed.data_ptr():
-            n += self.lm_head.numel()
+        n = self.embed.numel() + self.final_norm.numel() + (0 if self.tied_head else self.lm_head.numel())
         for layer in self.layers:
             n += layer.input_norm.numel() + layer.post_norm.numel() + sum(w.numel() for w in layer.linears())
-            n += 0 if layer.qkv_bias is None else layer.qkv_bias.numel()
         return n
 
     def weight_bytes(self) -> int:
         """Bytes one decode step reads: every weight once (the embedding row gather is negligible;
         the head is read whole even when tied to the embedding)."""
-        head = self.lm_head_int8 or self.lm_head_packed or self.lm_head
-        n = _nbytes(head) + _nbytes(self.final_norm)
+        n = self.lm_head.nbytes + _nbytes(self.final_norm)
         for layer in self.layers:
-            n += _nbytes(layer.input_norm) + _nbytes(layer.post_norm) + sum(_nbytes(w) for w in layer.linears())
-            n += 0 if layer.qkv_bias is None else _nbytes(layer.qkv_bias)
+            n += _nbytes(layer.input_norm) + _nbytes(layer.post_norm) + sum(w.nbytes for w in layer.linears())
         return n
 
     def _rope_tables(self, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,24 +194,6 @@ class LlamaModel:
             self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
             self._rope_len = n
         return self._cos, self._sin
-
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # one fused op instead of seven: the norm runs 61 times a step
-            return F.rms_norm(x, weight.shape, weight, self.config.rms_norm_eps)
-        # Variance in fp32 as HF does: bf16 squares lose too much.
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.config.rms_norm_eps)
-        return weight * xf.to(x.dtype)
-
-    def _add_norm(
-        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x + delta, RMSNorm(x + delta) * weight); the native kernel adds in place, in one pass."""
-        if self.native is not None:
-            return x, native.add_rms_norm(self.native, x, delta, weight, self.config.rms_norm_eps)
-        if delta is not None:
-            x = x + delta
-        return x, self._rms_norm(x, weight)
 
     @torch.inference_mode()
     def forward(
@@ -275,109 +210,23 @@ class LlamaModel:
         they are stored and every attention reads them back from it, so a token attends to the
         same keys whether they were computed in this step or an earlier one.
         """
-        cfg = self.config
-        T = input_ids.shape[0]
-        H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        cos_table, sin_table = self._rope_tables(int(meta.positions.max()) + 1)
-        if self.native is None:  # the native kernel reads the tables by position itself
-            cos = cos_table.index_select(0, meta.positions).unsqueeze(1)  # [T, 1, D]
-            sin = sin_table.index_select(0, meta.positions).unsqueeze(1)
-        half = D // 2
-
-        def rope(x: torch.Tensor) -> torch.Tensor:  # [T, heads, D]: Q and K heads together
-            rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-            return x * cos + rotated * sin
+        cfg, ops = self.config, self.ops
+        eps, heads = cfg.rms_norm_eps, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
+        rotary = ops.rotary(*self._rope_tables(int(meta.positions.max()) + 1), meta.positions)
 
         x = self.embed.index_select(0, input_ids)
         delta: torch.Tensor | None = None  # the residual stream's pending addend: x + delta is the true x
-        for li, layer in enumerate(self.layers):
-            x, h = self._add_norm(x, delta, layer.input_norm)
-            qkv = linear(h, layer.qkv, layer.qkv_bias)
-            kc, vc = k_cache[li], v_cache[li]
-            if self.native is not None:  # RoPE in place and the K/V store, one pass
-                native.rope_store_kv(self.native, qkv, H, KV, D, cos_table, sin_table, meta.positions, meta.slots, kc, vc)
-                q = qkv[:, : cfg.q_size].view(T, H, D)
-                k = qkv[:, cfg.q_size : cfg.q_size + cfg.kv_size].view(T, KV, D)
-                v = qkv[:, cfg.q_size + cfg.kv_size :].view(T, KV, D)
-            else:
-                qk = rope(qkv[:, : cfg.q_size + cfg.kv_size].view(T, H + KV, D))
-                q, k = qk[:, :H], qk[:, H:]
-                v = qkv[:, cfg.q_size + cfg.kv_size :].view(T, KV, D)
-                kc.index_copy_(1, meta.slots, k.transpose(0, 1).to(kc.dtype))
-                vc.index_copy_(1, meta.slots, v.transpose(0, 1).to(vc.dtype))
-            attn = self._attention(q, k, v, kc, vc, meta)  # [T, H * D]
-            x, h = self._add_norm(x, linear(attn, layer.o), layer.post_norm)
-            gate_up = linear(h, layer.gate_up)
-            if self.native is not None:
-                act = native.silu_mul(self.native, gate_up)
-            else:
-                gate, up = gate_up.chunk(2, dim=-1)
-                act = F.silu(gate) * up
-            delta = linear(act, layer.down)
-        x = x[meta.logits_indices] + delta[meta.logits_indices]
-        if self.batch_invariant:  # torch's norm may reduce a row differently by row count
-            x = native.add_rms_norm(self.native, x, None, self.final_norm, self.config.rms_norm_eps)
-        else:
-            x = self._rms_norm(x, self.final_norm)
-        if self.lm_head_int8 is not None:
-            return self.lm_head_int8(x)
-        if self.lm_head_packed is not None and (x.shape[0] <= block_quant.MAX_ROWS or self.batch_invariant):
-            return self.lm_head_packed(x)
-        if self.lm_head_t is not None and x.shape[0] <= _MAX_ROWS_FOR_TRANSPOSED_HEAD:
-            return x @ self.lm_head_t
-        return F.linear(x, self.lm_head).float()
+        for layer, kc, vc in zip(self.layers, k_cache, v_cache):
+            x, h = ops.add_rms_norm(x, delta, layer.input_norm, eps)
+            q, k, v = ops.rope_store_kv(layer.qkv(h), rotary, meta.slots, kc, vc, *heads)
+            attn = ops.attention(q, k, v, kc, vc, meta, self.scale)
+            x, h = ops.add_rms_norm(x, layer.o(attn), layer.post_norm, eps)
+            delta = layer.down(ops.silu_mul(layer.gate_up(h)))
 
-    def _attention(
-        self,
-        q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
-        kc: torch.Tensor,
-        vc: torch.Tensor,
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        cfg = self.config
-        H, KV, D = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        out = torch.empty(q.shape[0], H * D, dtype=q.dtype, device=q.device)
-        B = meta.num_decodes
-        if B and self.batch_invariant:  # the prefill kernel's order: decoded = recomputed, bit for bit
-            native.paged_attention(
-                self.native, q[:B], kc, vc, meta.decode_block_table, meta.decode_ctx_lens,
-                meta.decode_max_ctx, meta.block_size, self.scale, out[:B],
-            )
-        elif B and self.native is not None:
-            native.decode_attention(
-                self.native, q[:B], kc, vc, meta.decode_block_table, meta.decode_ctx_lens,
-                meta.decode_max_ctx, meta.block_size, self.scale, out[:B],
-            )
-        elif B:
-            qd = q[:B].unsqueeze(2)  # [B, H, 1, D]
-            # index_select over the flat slot list, not kc[slots_2d]: the same copy, but the
-            # advanced-indexing kernel took 1.13 ms for K+V of 32 x 48 slots against 0.13 ms for
-            # index_select (1 thread, this AVX2 host), and the gather runs twice per layer.
-            flat_slots = meta.decode_ctx_slots.view(-1)
-            kd = kc.index_select(1, flat_slots).view(KV, B, -1, D).transpose(0, 1).to(q.dtype)  # [B, KV, ctx, D]
-            vd = vc.index_select(1, flat_slots).view(KV, B, -1, D).transpose(0, 1).to(q.dtype)
-            o = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=meta.decode_mask, scale=self.scale, enable_gqa=H != KV)
-            out[:B] = o.reshape(B, H * D)
-        for offset, n, start_pos, ctx_slots in meta.prefills:
-            qp = q[offset : offset + n]  # [n, H, D]
-            if ctx_slots is None:  # the chunk is the whole context
-                kp, vp = k[offset : offset + n], v[offset : offset + n]  # [n, KV, D]
-                if kc.dtype != q.dtype:  # the values the cache holds, as a later chunk will read them
-                    kp, vp = kp.to(kc.dtype).to(q.dtype), vp.to(vc.dtype).to(q.dtype)
-            else:  # earlier context is in the cache (a previous chunk or a prefix-cache hit)
-                kp = kc.index_select(1, ctx_slots).to(q.dtype).transpose(0, 1)  # [ctx, KV, D]
-                vp = vc.index_select(1, ctx_slots).to(q.dtype).transpose(0, 1)
-            if self.native is not None:  # in C: 1.6x SDPA's flash kernel at 512 tokens (csrc/prefill_attention.c)
-                out[offset : offset + n] = native.prefill_attention(self.native, qp, kp, vp, start_pos, self.scale)
-                continue
-            qp, kp, vp = (t.transpose(0, 1).unsqueeze(0) for t in (qp, kp, vp))  # [1, heads, tokens, D]
-            if ctx_slots is None:  # plain causal attention
-                o = F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=self.scale, enable_gqa=H != KV)
-            else:
-                qpos = torch.arange(start_pos, start_pos + n, device=q.device)[:, None]
-                mask = torch.arange(kp.shape[2], device=q.device)[None, :] <= qpos
-                o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=self.scale, enable_gqa=H != KV)
-            out[offset : offset + n] = o[0].transpose(0, 1).reshape(n, H * D)
-        return out
+        rows = meta.logits_indices
+        x = ops.rms_norm(x[rows] + delta[rows], self.final_norm, eps)
+        return self.lm_head(x).float()
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()

@@ -1,8 +1,8 @@
 """`ModelExecutor`: the core's Executor carried out by the real model.
 
 It turns a StepPlan into flat tensors (tokens, positions, KV slots, per-sequence context slots),
-runs one forward pass and samples. Decodes go first in the flat batch so they attend together in
-one padded SDPA; prefill chunks follow, each attending on its own.
+runs one forward pass and samples. Decodes go first in the flat batch so they attend together
+(from their block tables, or in one padded SDPA); prefill chunks follow, each on its own.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ class ModelExecutor:
             pos = ctx - 1
             positions.append(pos)
             slots.append(table.gather(1, (pos // bs)[:, None]).view(-1) * bs + pos % bs)
-            if self.model.native is None:  # the gather + SDPA path wants flat slots and a mask
+            if not self.model.ops.reads_block_tables:  # gather + SDPA wants flat slots and a mask
                 all_slots = (table[:, :, None] * bs + self._offsets).view(B, -1)[:, :max_ctx]
                 # Padded keys point at slot 0 (a real slot of some block) and are masked out.
                 meta_decode_mask = (torch.arange(max_ctx)[None, :] < ctx[:, None]).view(B, 1, 1, max_ctx)

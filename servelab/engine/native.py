@@ -1,18 +1,18 @@
 """Native CPU kernels: plain C built on first use with the system C compiler, loaded with ctypes.
 
-Decode attention over an fp32, fp16 or bf16 KV cache (csrc/decode_attention.c: why it beats
-gather + SDPA is in that file), causal prefill attention (csrc/prefill_attention.c), the
-per-layer elementwise ops (csrc/layer_ops.c: residual add + RMSNorm, SwiGLU, RoPE with the K/V
-store; and the sampler's row-wise argmax), linears straight from GGUF blocks
-(csrc/block_quant_linear.c, used by block_quant.py) and the opt-in int8 linears
-(csrc/int8_linear.c, used by quantization.py). Attention, the linears and the argmax split their
-work over torch.get_num_threads() threads of our own pool (csrc/parallel.c). The shared library
-is cached under $SERVELAB_CACHE_DIR, else $XDG_CACHE_HOME/servelab, else ~/.cache/servelab, keyed
-by a hash of the source, the compiler and its flags, so a build costs about a second once per
-machine. Everything here is optional: without a C compiler (or with SERVELAB_NATIVE=0)
-`native_kernels()` returns None and the model runs its PyTorch path (and MKL over the fp32
-weights), with the same results up to fp32 summation order; only `--quantization int8` then
-reports that it cannot run.
+Decode attention over an fp32, fp16 or bf16 KV cache (csrc/decode_attention.c), causal prefill
+attention (csrc/prefill_attention.c), the per-layer elementwise ops (csrc/layer_ops.c: residual
+add + RMSNorm, SwiGLU, RoPE with the K/V store; and the sampler's row-wise argmax), linears
+straight from GGUF blocks (csrc/block_quant_linear.c, used by block_quant.py) and the opt-in int8
+linears (csrc/int8_linear.c, used by quantization.py). Attention, the linears and the argmax
+split their work over torch.get_num_threads() threads of our own pool (csrc/parallel.c).
+
+The same sources are built once per ISA level (ISA_LEVELS: the compiler flags and the CPU
+features they need); `native_kernels()` loads the best level this CPU has. Each build is cached
+under $SERVELAB_CACHE_DIR, else $XDG_CACHE_HOME/servelab, else ~/.cache/servelab, keyed by a hash
+of the sources, the compiler and its flags, so it costs a compile once per machine. Everything
+here is optional: without a C compiler (or with SERVELAB_NATIVE=0) `native_kernels()` returns
+None, `load_error` says why, and the model runs on the PyTorch ops (engine/ops.py).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -37,9 +38,62 @@ _HEADERS = ("vec_exp.h", "parallel.h", "half.h", "fp.h")
 KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
 _lock = threading.Lock()
-_kernel: NativeKernels | None = None
-_loaded = False
-load_error: str | None = None  # why the native kernel is not in use, for diagnostics and docs
+_builds: dict[str, NativeKernels | str] = {}  # ISA level -> its kernels, or why they cannot load
+load_error: str | None = None  # why the default level's kernels are not in use, for diagnostics
+
+
+@dataclass(frozen=True, slots=True)
+class IsaLevel:
+    """One build of the kernels: the compiler flags, and the CPU features their instructions need."""
+
+    name: str
+    cflags: tuple[str, ...]
+    needs: frozenset[str]
+
+
+def _is_x86() -> bool:
+    return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+# Lowest first; native_kernels() takes the last one the CPU has. A new level (AVX-512, VNNI,
+# BF16: issue 18) is a row here and the #ifdefs in csrc that use its instructions.
+ISA_LEVELS = (
+    # the scalar paths: runs on any CPU (on x86, nothing past the baseline even if the compiler
+    # defaults to more)
+    IsaLevel("portable", ("-mno-avx2", "-mno-fma", "-mno-f16c") if _is_x86() else (), frozenset()),
+    IsaLevel("avx2", ("-mavx2", "-mfma", "-mf16c"), frozenset({"avx2", "fma", "f16c"})),
+)
+_LEVELS = {level.name: level for level in ISA_LEVELS}
+
+# What torch's CPU probe (cpuinfo) reports, as the features our levels name.
+_CAPABILITY_FEATURES = {
+    "AVX2": frozenset({"avx2", "fma", "f16c"}),
+    "AVX512": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+}
+
+
+def cpu_features() -> frozenset[str]:
+    """The CPU features this process may use, as torch's dispatch sees them (ATEN_CPU_CAPABILITY
+    can lower them)."""
+    return _CAPABILITY_FEATURES.get(torch.backends.cpu.get_cpu_capability(), frozenset())
+
+
+def unavailable_reason(level: str) -> str | None:
+    """Why the kernels of ISA level `level` cannot run here (None: they can, if they build)."""
+    if os.environ.get("SERVELAB_NATIVE", "1") == "0":
+        return "disabled by SERVELAB_NATIVE=0"
+    if level not in _LEVELS:
+        return f"unknown ISA level {level!r} (known: {', '.join(_LEVELS)})"
+    missing = _LEVELS[level].needs - cpu_features()
+    if missing:
+        return f"this CPU lacks {', '.join(sorted(missing))} (torch reports {torch.backends.cpu.get_cpu_capability()})"
+    return None
+
+
+def best_level() -> str:
+    """The highest ISA level this CPU has."""
+    features = cpu_features()
+    return [level.name for level in ISA_LEVELS if level.needs <= features][-1]
 
 
 def _cache_dir() -> Path:
@@ -49,13 +103,10 @@ def _cache_dir() -> Path:
     return Path(base) / "servelab"
 
 
-def _flags() -> list[str]:
+def _flags(level: IsaLevel) -> list[str]:
     # No -ffast-math: it may set flush-to-zero for the whole process when the library loads, and
-    # the kernel is written to vectorize without reassociation. FMA contraction is allowed.
-    flags = ["-O3", "-std=gnu99", "-shared", "-fPIC", "-ffp-contract=fast"]
-    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
-        flags += ["-mavx2", "-mfma", "-mf16c"]
-    return flags
+    # the kernels are written to vectorize without reassociation. FMA contraction is allowed.
+    return ["-O3", "-std=gnu99", "-shared", "-fPIC", "-ffp-contract=fast", *level.cflags]
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,13 +126,13 @@ class NativeKernels:
     int8_linear: Callable[..., int]
 
 
-def _build() -> NativeKernels:
+def _build(level: IsaLevel) -> NativeKernels:
     csrc = resources.files("servelab.engine").joinpath("csrc")
     sources = {name: csrc.joinpath(name).read_bytes() for name in _SOURCES + _HEADERS}
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
-    flags = _flags()
+    flags = _flags(level)
     key = hashlib.sha256(b"".join(sources.values()) + cc.encode() + " ".join(flags).encode()).hexdigest()[:16]
     out_dir = _cache_dir()
     lib_path = out_dir / f"servelab_native-{key}.so"
@@ -131,20 +182,35 @@ def _build() -> NativeKernels:
     )
 
 
-def native_kernels() -> NativeKernels | None:
-    """The loaded C kernels, or None (and `load_error` says why) when they cannot be used here."""
-    global _kernel, _loaded, load_error
-    with _lock:
-        if not _loaded:
-            _loaded = True
-            if os.environ.get("SERVELAB_NATIVE", "1") == "0":
-                load_error = "disabled by SERVELAB_NATIVE=0"
-            else:
-                try:
-                    _kernel = _build()
-                except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-                    load_error = str(exc)
-        return _kernel
+def native_kernels(level: str | None = None) -> NativeKernels | None:
+    """The C kernels built for ISA level `level` (default: the best this CPU has), or None when
+    they cannot be used here; then `kernels_unavailable(level)` says why (and `load_error`, for
+    the default level)."""
+    global load_error
+    name = level or best_level()
+    found = _builds.get(name)  # without the lock: the sampler asks every step
+    if found is None:
+        with _lock:
+            if name not in _builds:
+                reason = unavailable_reason(name)
+                if reason is None:
+                    try:
+                        _builds[name] = _build(_LEVELS[name])
+                    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+                        reason = str(exc)
+                if reason is not None:
+                    _builds[name] = reason
+            found = _builds[name]
+    if level is None:
+        load_error = found if isinstance(found, str) else None
+    return None if isinstance(found, str) else found
+
+
+def kernels_unavailable(level: str | None = None) -> str | None:
+    """Why native_kernels(level) is None (None when it is not)."""
+    native_kernels(level)
+    found = _builds.get(level or best_level())
+    return found if isinstance(found, str) else None
 
 
 def decode_attention(

@@ -4,17 +4,13 @@ Why: decode on a CPU is bound by the bytes of weights it streams, and batched de
 by the GEMMs. Here each weight is a 7-bit code with a scale and zero point per output channel
 (a quarter of the fp32 bytes), each activation row is quantized to int8 on the fly, and the C
 kernel in csrc/int8_linear.c (the why of 7 and 8 bits, and of a scale per 64 inputs, is there)
-multiplies them with AVX2's integer multiply-adds. All 121 SmolLM2-135M matrices, 1 thread
-(benchmarks/int8_linear.py): 4.6x fp32 at 1 row, 3.1x at 32, 2.1x at 512; against fbgemm's
-dynamic int8 linear, which this replaced, 1.6x at 1 row, 1.4x at 2, level at 8-32, 1.3x at 512.
-`torch._weight_int8pack_mm` (int8 weights, fp32 activations) would keep the activations exact
-but has no AVX2 kernel: 4x *slower* than fp32 here.
+multiplies them with integer multiply-adds. Speed against fp32, fbgemm and torch's own int8
+kernels: docs/benchmarks.md, "Opt-in int8 linears".
 
-What it costs: numerics. Each linear's output moves by 1-2.5% relative on the bundled model, so
-the default never does this. What it keeps: every integer sum is exact and each activation row
-has its own scales, so a row's result does not depend on the other rows of the step (fbgemm's
-per-tensor activation scale did): greedy output under int8 is the same whatever else is in the
-batch.
+What it costs: numerics (each linear's output moves by a percent or two), so the default never
+does this. What it keeps: every integer sum is exact and each activation row has its own scales,
+so a row's result does not depend on the other rows of the step: greedy output under int8 is the
+same whatever else is in the batch.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ and without the packed path."""
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 
 import gguf
 import numpy as np
@@ -15,9 +16,10 @@ import torch.nn.functional as F
 
 from servelab.engine import block_quant
 from servelab.engine.block_quant import BlockQuantLinear
-from tests.tiny_models import max_rel_diff, prefill_logits
+from servelab.engine.linear import DenseLinear, TransposedHead
 from servelab.engine.loader import load_model
 from servelab.engine.weight_layout import GGUFTensor, dequantize_gguf_tensor
+from tests.tiny_models import max_rel_diff, prefill_logits
 
 from .test_weights import _write_gguf
 
@@ -48,7 +50,7 @@ def _check(linear: BlockQuantLinear, rows: int, with_bias: bool, seed: int) -> N
     out_features, in_features = linear.dense.shape
     x = torch.randn(rows, in_features, generator=g)
     bias = torch.randn(out_features, generator=g) if with_bias else None
-    got = linear(x, bias)
+    got = replace(linear, bias=bias)(x)
     ref = F.linear(x.double(), linear.dense.double(), None if bias is None else bias.double())
     assert got.shape == (rows, out_features) and got.dtype == torch.float32
     # fp32 sums of ~in_features terms in another order: errors of a few ulps of the row's scale
@@ -117,12 +119,15 @@ def test_parts_in_different_formats_pack_as_segments(kernel, formats, in_feature
 
 def test_parts_that_cannot_be_packed_stay_dense(kernel):
     raw8, dense8 = _packed("Q8_0", 4, 64, seed=2)
-    assert block_quant.pack(dense8, [(13, raw8)], kernel) is dense8  # Q5_K: not handled
-    assert block_quant.pack(dense8, [(8, raw8), (13, raw8)], kernel) is dense8  # one part unhandled
-    assert block_quant.pack(dense8, [(8, raw8[:3])], kernel) is dense8  # rows missing
-    assert block_quant.pack(dense8, [(8, raw8)], None) is dense8  # no kernels
-    assert block_quant.pack(dense8, None, kernel) is dense8  # not from a GGUF block format
-    assert isinstance(block_quant.pack(dense8.bfloat16(), [(8, raw8)], kernel), torch.Tensor)
+    def stays_dense(linear) -> bool:
+        return isinstance(linear, DenseLinear) and linear.weight is dense8
+
+    assert stays_dense(block_quant.pack(dense8, [(13, raw8)], kernel))  # Q5_K: not handled
+    assert stays_dense(block_quant.pack(dense8, [(8, raw8), (13, raw8)], kernel))  # one part unhandled
+    assert stays_dense(block_quant.pack(dense8, [(8, raw8[:3])], kernel))  # rows missing
+    assert stays_dense(block_quant.pack(dense8, [(8, raw8)], None))  # no kernels
+    assert stays_dense(block_quant.pack(dense8, None, kernel))  # not from a GGUF block format
+    assert isinstance(block_quant.pack(dense8.bfloat16(), [(8, raw8)], kernel), DenseLinear)
 
 
 def test_portable_build_without_avx2_agrees(portable_build):
@@ -156,8 +161,8 @@ def _strip_packed(model) -> None:
         for name in ("qkv", "o", "gate_up", "down"):
             w = getattr(layer, name)
             if isinstance(w, BlockQuantLinear):
-                setattr(layer, name, w.dense)
-    model.lm_head_packed = None
+                setattr(layer, name, DenseLinear(w.dense, w.bias))
+    model.lm_head = TransposedHead(model.lm_head.dense)  # what an fp32 head without blocks gets
 
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
@@ -168,7 +173,7 @@ def test_gguf_model_gives_the_same_logits_with_its_packed_weights(kernel, tiny_l
     _strip_packed(dense)
     layer = packed.layers[0]
     assert all(isinstance(w, BlockQuantLinear) and w.format_name == fmt for w in layer.linears())
-    assert packed.lm_head_packed is not None and packed.lm_head_t is None
+    assert isinstance(packed.lm_head, BlockQuantLinear)  # picked at load, for every row count
     assert packed.weight_bytes() < dense.weight_bytes() / 3  # what a few-row step streams
     ids = list(range(3, 70))
     for chunk in (1, 3, 7):  # decode steps (1 row), the in-register kernel's 3 rows, the panels' 7
@@ -178,10 +183,11 @@ def test_gguf_model_gives_the_same_logits_with_its_packed_weights(kernel, tiny_l
 
 
 def test_fp16_and_hf_models_have_no_packed_weights(tiny_llama, tmp_path):
-    assert all(isinstance(w, torch.Tensor) for w in load_model(tiny_llama, dtype=torch.float32).model.layers[0].linears())
+    assert all(isinstance(w, DenseLinear) for w in load_model(tiny_llama, dtype=torch.float32).model.layers[0].linears())
     path = _write_gguf(tiny_llama, tmp_path / "tiny-f16.gguf", "F16")
     model = load_model(path, dtype=torch.float32).model
-    assert all(isinstance(w, torch.Tensor) for w in model.layers[0].linears()) and model.lm_head_packed is None
+    assert all(isinstance(w, DenseLinear) for w in model.layers[0].linears())
+    assert isinstance(model.lm_head, TransposedHead)
 
 
 def test_int8_quantization_replaces_the_packed_blocks_at_every_row_count(kernel, tiny_llama, tmp_path):
@@ -195,7 +201,7 @@ def test_int8_quantization_replaces_the_packed_blocks_at_every_row_count(kernel,
     assert all(isinstance(w, BlockQuantLinear) for w in int8.layers[0].linears())
     int8.quantize_int8()
     assert all(isinstance(w, Int8Linear) for layer in int8.layers for w in layer.linears())
-    assert int8.lm_head_packed is None and isinstance(int8.lm_head_int8, Int8Linear)
+    assert isinstance(int8.lm_head, Int8Linear)
     ids = list(range(3, 40))
     one_row = prefill_logits(int8, ids, chunk=1)
     assert 0 < max_rel_diff(one_row, prefill_logits(exact, ids, chunk=1)) < 0.1

@@ -10,12 +10,14 @@ bundled Q4_1 model.
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
 
 from servelab.core.sequence import SamplingParams
 from servelab.engine import block_quant, native
+from servelab.engine.linear import DenseLinear
 from servelab.engine.llm_engine import EngineArgs, LLMEngine
 from servelab.errors import InvalidArgument
 from tests.scheduler_checks import check_invariants
@@ -29,16 +31,17 @@ ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 33, block_quant.MAX_ROWS + 1, 300)
 def test_an_invariant_linear_gives_each_row_its_bits_alone(kernel, fmt):
     in_features = 256 if fmt in ("Q4_K", "Q6_K") else 96
     if fmt == "F32":
-        weight = block_quant.batch_invariant(torch.randn(53, in_features), kernel)
+        linear = DenseLinear(torch.randn(53, in_features))
     else:
         raw, dense = _packed(fmt, 53, in_features, seed=3)
-        weight = block_quant.pack(dense, [(FORMATS[fmt], raw)], kernel).batch_invariant()
+        linear = block_quant.pack(dense, [(FORMATS[fmt], raw)], kernel)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(max(ROW_COUNTS), in_features, generator=g)
     bias = torch.randn(53, generator=g)
-    alone = torch.cat([weight(x[i : i + 1], bias) for i in range(x.shape[0])])
+    weight = block_quant.batch_invariant(replace(linear, bias=bias), kernel)
+    alone = torch.cat([weight(x[i : i + 1]) for i in range(x.shape[0])])
     for rows in ROW_COUNTS:  # the in-register kernel's, the panel kernel's and MKL's row counts
-        assert torch.equal(weight(x[:rows], bias), alone[:rows]), rows
+        assert torch.equal(weight(x[:rows]), alone[:rows]), rows
     ref = torch.nn.functional.linear(x.double(), weight.dense.double(), bias.double())
     assert (alone.double() - ref).abs().max() <= 1e-5 * ref.abs().max()  # the fp32 product, in one order
 

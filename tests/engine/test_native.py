@@ -13,8 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from servelab.engine import native
-from tests.tiny_models import prefill_logits
 from servelab.engine.loader import load_model
+from servelab.engine.ops import NativeOps, TorchOps, select_ops
+from tests.tiny_models import prefill_logits
 
 
 def _reference(q, kc, vc, tables, ctx_lens, block_size, scale):
@@ -78,11 +79,11 @@ def test_model_gives_the_same_logits_with_and_without_the_kernels(kernel, tiny_l
     attention) against the PyTorch path, through whole prefills, chunks and decodes; with a
     16-bit cache both paths round K and V the same way and read them back the same way."""
     model = load_model(tiny_llama, dtype=torch.float32).model
-    assert model.native is not None
+    assert isinstance(model.ops, NativeOps)
     ids = [int(t) for t in torch.randint(0, 500, (40,), generator=torch.Generator().manual_seed(2))]
     chunkings = (None, 7, 1)  # one pass; chunks attending to the cache; every token a decode
     with_kernels = [prefill_logits(model, ids, chunk=c, kv_dtype=kv_dtype) for c in chunkings]
-    model.native = None
+    model.use_ops(TorchOps())
     without = [prefill_logits(model, ids, chunk=c, kv_dtype=kv_dtype) for c in chunkings]
     if kv_dtype == torch.float32:
         for got, ref in zip(with_kernels, without):
@@ -242,14 +243,14 @@ def test_portable_build_rounds_and_attends_the_same(portable_build):
 
 
 def test_a_failed_build_falls_back_and_says_why(monkeypatch, tmp_path):
-    monkeypatch.setattr(native, "_loaded", False)
-    monkeypatch.setattr(native, "_kernel", None)
+    monkeypatch.setattr(native, "_builds", {})
     monkeypatch.setattr(native, "load_error", None)
     monkeypatch.setenv("SERVELAB_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     assert native.native_kernels() is None
     assert "false failed" in native.load_error
-    monkeypatch.setattr(native, "_loaded", False)
+    assert type(select_ops(torch.device("cpu"), torch.float32)) is TorchOps  # the model runs on PyTorch
+    monkeypatch.setattr(native, "_builds", {})
     monkeypatch.setenv("SERVELAB_NATIVE", "0")
     assert native.native_kernels() is None
     assert "SERVELAB_NATIVE=0" in native.load_error
@@ -304,7 +305,7 @@ def test_engine_generates_the_same_tokens_on_the_pytorch_path(kernel, tiny_engin
     for use_native in (True, False):
         engine = tiny_engine_factory(enable_prefix_caching=False)
         if not use_native:
-            engine.executor.model.native = None
+            engine.executor.model.use_ops(TorchOps())
         seqs = [
             engine.add_request(f"r{i}", list(range(10 + i, 10 + i + n)), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
             for i, n in enumerate((3, 17, 40, 9))

@@ -170,8 +170,8 @@ static inline void block_quants(int64_t qtype, const uint8_t *blk, __m256 q[4]) 
         return;
     }
     /* Each half of the 16 quant bytes zero-extended straight from memory to eight dwords; the
-     * low nibbles are elements 0-7 / 8-15, the high nibbles 16-23 / 24-31. (Fewer shuffles than
-     * splitting a 16-byte load: shuffles were what bound this loop on Zen 3.) */
+     * low nibbles are elements 0-7 / 8-15, the high nibbles 16-23 / 24-31: fewer shuffles than
+     * splitting a 16-byte load, and shuffles bound this loop. */
     const uint8_t *qs = blk + (qtype == Q4_1 ? 4 : 2);
     const __m256i mask = _mm256_set1_epi32(0x0f);
     const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
@@ -325,9 +325,8 @@ void servelab_block_quant_linear_f32(int64_t qtype, const uint8_t *w, int64_t ro
 
 /* More rows: the weights of PANEL outputs at a time are expanded to fp32 once (into L2), then a
  * register-blocked 4-row x 3-output kernel runs over them (12 accumulators, every weight and
- * activation load feeding three or four FMAs). Measured over all of SmolLM2's Q4_1 matrices,
- * 1 thread: 8 / 16 / 32 / 128 rows in 48 / 79 / 107 / 437 ms against MKL's fp32 GEMM 134 / 148 /
- * 183 / 481 ms (64 GFLOP/s at 32 rows, MKL 37); MKL is ahead from ~256 rows. */
+ * activation load feeding three or four FMAs). Ahead of MKL's fp32 GEMM up to ~256 rows
+ * (docs/benchmarks.md, "GGUF blocks kept packed"). */
 #define PANEL 48
 
 #ifdef __AVX2__
@@ -413,7 +412,7 @@ static inline __attribute__((always_inline)) void block_weights(int64_t qtype, c
  * panel kernel's sums bit for bit (the same weights, the same FMA chain over k ascending, the
  * same horizontal sum), with the weights dequantized in registers instead of expanded into a
  * panel in memory, which at so few rows cost more than the products (deterministic mode's
- * decode: 1.5-2x per matrix at one row). */
+ * decode). */
 static inline __attribute__((always_inline)) void exact_rows(int64_t qtype, int NR, const uint8_t *w, int64_t row_bytes,
                                                              int64_t in, int64_t o0, int64_t no, const float *x,
                                                              const float *bias, float *y, int64_t y_stride) {

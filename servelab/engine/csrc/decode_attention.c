@@ -59,8 +59,8 @@ SL_INLINE __m256 load8(const void *base, int64_t i, int fmt) {
 
 /* Walks the next (sequence, head) pair's key and value rows, pulling a few into L2 at a time
  * from inside this pair's loops. Its blocks are scattered through the pool and each pair is a
- * short walk, so the hardware prefetcher never gets going; asked for all at once (~800
- * prefetches for 96 tokens), they stalled the core: spread out, a 32 x 96 layer took ~13% less. */
+ * short walk, so the hardware prefetcher never gets going; asked for all at once, the
+ * prefetches stalled the core (docs/benchmarks.md). */
 struct row_prefetch {
     const char *k, *v;
     const int64_t *table;

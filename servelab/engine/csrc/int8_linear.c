@@ -8,16 +8,15 @@
  * 7-bit per output channel, qw in [0, 127] with zero point zw and scale sw, so w ~ sw * (qw - zw).
  *
  * Why groups: a model's activations have outlier channels (SmolLM2's down projection sees rows
- * whose largest value is 60x their median one), and one scale per row spends the 8 bits on them.
- * On SmolLM2-135M over 400 tokens of text, against fp32 logits: KL 0.044 with a scale per row,
- * 0.018 per 64 inputs (0.016 per 32, 0.014 with exact activations). Per group, each tile's int32
- * sums are scaled into fp32 accumulators every 64 inputs.
+ * whose largest value is far above their median one), and one scale per row spends the 8 bits
+ * on them (the accuracy of each choice: docs/benchmarks.md). Per group, each tile's int32 sums
+ * are scaled into fp32 accumulators every 64 inputs.
  *
  * Why 7-bit weights: AVX2's int8 multiply, vpmaddubsw, multiplies unsigned bytes by signed ones
  * and adds each pair into a saturating int16. Two products of 127 * 127 sum to 32258, which
  * fits; 255 * 127 twice does not, which is why fbgemm drops its activations to 7 bits
  * (`reduce_range`). Here the weights take the unsigned side and the 7 bits, and the activations
- * keep 8 (measured the other way round: KL 0.061 against 0.044, both with a scale per row).
+ * keep 8 (the other way round measured less accurate).
  * A second multiply, vpmaddwd by ones, widens the pairs to int32.
  *
  * The integer sums are exact and the fp32 steps are the same operations in the same order in
@@ -131,8 +130,7 @@ static void quantize_row(const float *x, int64_t in, int64_t kp, int8_t *q, floa
 #ifdef __AVX2__
 /* acc + the sums of four products of w's unsigned and b's signed bytes, per int32 lane. In one asm
  * statement so that its int16 temporary lives only here: written as intrinsics, gcc issued all
- * ten of a tile's vpmaddubsw first and spilled six accumulators to the stack every iteration
- * (measured: about 30% slower). */
+ * ten of a tile's vpmaddubsw first and spilled six accumulators to the stack every iteration. */
 static inline __m256i dot4(__m256i acc, __m256i w, __m256i b, __m256i ones) {
 #if defined(__GNUC__)
     __m256i t;

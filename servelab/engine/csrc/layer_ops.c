@@ -1,10 +1,9 @@
 /* The per-layer elementwise work of a decoder layer, fp32, one pass over memory each.
  *
  * Why: in PyTorch, F.rms_norm on fp32 runs as ~7 ops (pow, mean, add, rsqrt, mul, ...) and
- * silu(gate) * up as two, each a dispatch of ~10 us plus a pass over memory. At batch 1 those
- * ~35 small ops a layer were about 15% of a decode step; at 32 sequences an RMSNorm call took
- * ~140 us for 32 x 576 values. These loops do the same arithmetic in fp32 in one pass. The
- * sampler's greedy argmax over the vocabulary lives here too (servelab_argmax_rows_f32).
+ * silu(gate) * up as two, each a dispatch plus a pass over memory (what they cost:
+ * docs/benchmarks.md). These loops do the same arithmetic in fp32 in one pass. The sampler's
+ * greedy argmax over the vocabulary lives here too (servelab_argmax_rows_f32).
  */
 #include <math.h>
 #include <stdint.h>
@@ -160,8 +159,8 @@ static void argmax_part(const void *ctx, int64_t part, int64_t begin, int64_t en
 
 /* out[r] = the first index of the largest value of row r of a contiguous fp32 [rows, n], as
  * torch.argmax gives it, rows split over up to `threads` threads. The rows must hold no NaN (the
- * sampler sets non-finite rows aside first). torch's CPU argmax ran ~1.5 GB/s here: 2-4 ms for
- * 32 rows of a 49,152-token vocabulary, every greedy step. */
+ * sampler sets non-finite rows aside first). Faster than torch's CPU argmax, which runs every
+ * greedy step. */
 void servelab_argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t *out, int64_t threads)
 {
     struct argmax_job job = {x, n, out};

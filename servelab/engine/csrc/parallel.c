@@ -2,7 +2,7 @@
  *
  * Why not OpenMP: torch ships its own OpenMP runtime, and a second one in the same process
  * would bring its own threads competing for the same cores. Why not a thread per call: a
- * decode step calls these kernels ~150 times, and creating threads costs ~20 us each time. So
+ * decode step calls these kernels ~150 times, and creating threads costs more than a job. So
  * workers are created once, spin briefly after each job (the next call usually comes within
  * tens of microseconds) and then sleep on a condition variable, leaving the cores to torch's
  * own threads during its GEMMs.
@@ -25,9 +25,8 @@
 
 #define SL_MAX_WORKERS 63
 /* A worker spins this long for the next job before it sleeps. Short: after our attention
- * kernel come torch's GEMMs, whose OpenMP threads want the cores back (measured at 2 threads,
- * int8, 32 sequences: 100 us of spinning cost more than the parallel attention saved; 20 us and
- * 0 were level, and batch-1 decode, ~150 calls a step, was the same at 0, 20 and 100 us). */
+ * kernel come torch's GEMMs, whose OpenMP threads want the cores back (docs/benchmarks.md, "Our
+ * own thread pool"). */
 #define SL_SPIN_NS 20000
 
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;  /* held by the dispatching caller */

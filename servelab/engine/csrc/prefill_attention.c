@@ -1,9 +1,9 @@
 /* Causal attention for a prefill chunk, fp32: query rows at positions start .. start + n - 1 over
  * keys 0 .. start + n - 1 (grouped-query: query head h reads KV head h / (H / KV)).
  *
- * Why not SDPA: torch's CPU flash-attention kernel ran ~12-17 ms a layer for SmolLM2's 512-token
- * prompt (1 thread, AVX2), about 12 GFLOP/s, a quarter of the prefill. Blocked the same way
- * (flash attention: online softmax, nothing n x n in memory), with register-tiled FMA loops:
+ * Why not SDPA: torch's CPU flash-attention kernel is slow at this size (docs/benchmarks.md).
+ * Blocked the same way (flash attention: online softmax, nothing n x n in memory), with
+ * register-tiled FMA loops:
  *   - scores: 4 query rows x 16 keys in eight accumulators, over K transposed into panels of 16
  *     keys ([d][16], packed once per call) so each d is two vector loads and eight FMAs;
  *   - output: 2 rows x 32 dims of O += P V in eight accumulators, a V row's four vectors and

@@ -1,0 +1,82 @@
+"""Two servelab checkouts on the bundled model, interleaved round by round: did a change cost speed?
+
+One warm worker process per checkout runs that checkout's own `benchmarks/engine_cpu.py`
+measurements (decode_b1, decode_b32, prefill_512; fp32, as engine_cpu.py defines them); the
+rounds alternate who goes first, and only one worker runs at a time. Besides the wall-clock
+rates it reports each rate over the worker's CPU time, which a loaded machine disturbs less.
+
+    git archive <old-rev> | tar -x -C /tmp/servelab-old
+    python benchmarks/engine_ab.py /tmp/servelab-old . [--rounds 5] [--threads 1]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+METRICS = ("decode_b1", "decode_b32", "prefill_512")
+
+WORKER = r"""
+import json, sys, time
+sys.path.insert(0, "benchmarks")
+import servelab  # noqa: F401 - before torch, as engine_cpu.py does
+import torch
+torch.set_num_threads(int(sys.argv[1]))
+from engine_cpu import Servelab
+s = Servelab("float32")
+s.decode_b1(); s.prefill_512()  # warm-up
+print("ready", flush=True)
+for line in sys.stdin:
+    cpu, wall = time.process_time(), time.perf_counter()
+    rate = getattr(s, line.strip())()
+    print(json.dumps([rate, (time.perf_counter() - wall) / max(time.process_time() - cpu, 1e-9)]), flush=True)
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("old", help="the checkout to compare against (its root)")
+    parser.add_argument("new", help="the checkout under test (its root)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args(argv)
+    trees = [os.path.abspath(args.old), os.path.abspath(args.new)]
+    workers = {}
+    for tree in trees:
+        workers[tree] = subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(args.threads)], cwd=tree, env=dict(os.environ, PYTHONPATH=tree),
+            text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        )
+    for tree, worker in workers.items():
+        if worker.stdout.readline().strip() != "ready":
+            raise SystemExit(f"the worker for {tree} did not start")
+    wall = {t: {m: [] for m in METRICS} for t in trees}
+    cpu = {t: {m: [] for m in METRICS} for t in trees}
+    for r in range(args.rounds):
+        for m in METRICS:
+            for tree in trees if r % 2 == 0 else trees[::-1]:
+                workers[tree].stdin.write(m + "\n")
+                workers[tree].stdin.flush()
+                rate, wall_per_cpu = json.loads(workers[tree].stdout.readline())
+                wall[tree][m].append(rate)
+                cpu[tree][m].append(rate * wall_per_cpu)
+        print(f"round {r + 1}: " + "; ".join(f"{m} {wall[trees[0]][m][-1]:.1f} / {wall[trees[1]][m][-1]:.1f}" for m in METRICS))
+    for worker in workers.values():
+        worker.stdin.close()
+        worker.wait()
+    for label, rates in (("wall clock", wall), ("CPU time", cpu)):
+        old = {m: statistics.median(rates[trees[0]][m]) for m in METRICS}
+        new = {m: statistics.median(rates[trees[1]][m]) for m in METRICS}
+        print(f"{label:10s} medians, old / new (tok/s): "
+              + "; ".join(f"{m} {old[m]:.1f} / {new[m]:.1f} = {new[m] / old[m]:.3f}x" for m in METRICS))
+    print(f"{args.threads} thread(s), {args.rounds} rounds; load average at the end: "
+          + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

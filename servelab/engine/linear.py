@@ -1,0 +1,95 @@
+"""The one interface every linear layer of the model has: `y = lin(x)` for x [rows, in].
+
+A linear carries its weight in whatever form it was loaded or quantized to (a dense tensor here;
+GGUF blocks in block_quant.BlockQuantLinear; int8 codes in quantization.Int8Linear) and its bias,
+and picks its own kernel per call. The model holds linear objects and calls them; it never asks
+which kind it holds.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+
+
+class Linear(Protocol):
+    shape: tuple[int, int]  # [out, in], as the dense weight is
+    bias: torch.Tensor | None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a call with few rows reads (the weight in the form it is read, and the bias)."""
+        ...
+
+    def numel(self) -> int:
+        """Parameters, the bias included."""
+        ...
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight [out, in] in fp32."""
+        ...
+
+
+def _bytes(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.numel() * t.element_size()
+
+
+@dataclass(slots=True)
+class DenseLinear:
+    """A plain weight [out, in] in the compute dtype: torch's GEMM (MKL on CPU, cuBLAS on CUDA)."""
+
+    weight: torch.Tensor
+    bias: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.weight.shape[0], self.weight.shape[1])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.weight) + _bytes(self.bias)
+
+    def numel(self) -> int:
+        return self.weight.numel() + (0 if self.bias is None else self.bias.numel())
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float()
+
+
+# Up to this many rows the transposed head is faster than F.linear (docs/benchmarks.md).
+TRANSPOSED_HEAD_MAX_ROWS = 2
+
+
+@dataclass(slots=True)
+class TransposedHead(DenseLinear):
+    """An fp32 LM head on the CPU: for the one or two rows of a small decode step, `x @ W^T`
+    over a pre-transposed copy streams the head faster than MKL's F.linear; more rows take
+    F.linear. Costs one more copy of the head."""
+
+    weight_t: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        self.weight_t = self.weight.t().contiguous()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[0] <= TRANSPOSED_HEAD_MAX_ROWS and self.bias is None:
+            return x @ self.weight_t
+        return F.linear(x, self.weight, self.bias)
+
+
+def lm_head(weight: torch.Tensor, packed: Linear | None) -> Linear:
+    """The LM head's linear, chosen once at load: its GGUF blocks when it came packed (they pick
+    their own kernel by row count); a transposed copy for fp32 on the CPU; else plain F.linear."""
+    if packed is not None:
+        return packed
+    if weight.dtype == torch.float32 and weight.device.type == "cpu":
+        return TransposedHead(weight)
+    return DenseLinear(weight)

@@ -1,0 +1,281 @@
+"""The kernels a decoder layer runs, behind one object chosen once at load.
+
+The model calls an `Ops` for everything but its linears (which are objects of their own,
+engine/linear.py): residual add + RMSNorm, RoPE with the K/V store, paged attention, SwiGLU.
+Implementations:
+
+- `TorchOps`: plain PyTorch, any device and dtype. The reference, and what CUDA runs.
+- `NativeOps`: our C kernels (engine/native.py) for fp32 on the CPU, built for one ISA level
+  (the linears' own kernels too). The same values as TorchOps up to fp32 summation order.
+- `InvariantOps`: `--deterministic`. NativeOps with every row's arithmetic independent of the
+  rest of the batch: decode attention in the prefill kernel's order, the per-row final norm,
+  and every linear on one kernel for every row count.
+
+`select_ops` picks one from the device, the dtype and the CPU; a new ISA level arrives as a
+NativeOps over another build (native.ISA_LEVELS), or as a subclass where it needs other calls.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from servelab.engine import block_quant, native
+from servelab.engine.linear import Linear
+from servelab.engine.quantization import Int8Linear
+from servelab.errors import InvalidArgument
+
+
+class OpsUnavailable(Exception):
+    """An ops implementation that cannot run here; the message says why."""
+
+
+class TorchOps:
+    """The reference: PyTorch ops over any device and dtype."""
+
+    name = "torch"
+    batch_invariant = False
+    # Decode attention reads the block tables itself; else the executor passes each decode's
+    # context as flat slots and a mask (AttentionMetadata).
+    reads_block_tables = False
+
+    def __repr__(self) -> str:
+        return f"<ops {self.name}>"
+
+    def prepare_linear(self, linear: Linear) -> Linear:
+        """The linear as these ops run it (deterministic mode swaps in invariant kernels)."""
+        return linear
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op instead of seven
+            return F.rms_norm(x, weight.shape, weight, eps)
+        # Variance in fp32 as HF does: bf16 squares lose too much.
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return weight * xf.to(x.dtype)
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, RMSNorm(x + delta) * weight); delta None adds nothing."""
+        if delta is not None:
+            x = x + delta
+        return x, self.rms_norm(x, weight, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """SwiGLU of a fused [rows, 2 * inter] gate/up output."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def rotary(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> Any:
+        """Per step, from the [max_pos, D] tables: what rope_store_kv needs for these positions."""
+        return cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
+
+    def rope_store_kv(
+        self, qkv: torch.Tensor, rotary: Any, slots: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+        num_heads: int, num_kv_heads: int, head_dim: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """RoPE (HF rotate-half) on Q and K of a fused qkv [T, (H + 2 KV) * D], K and V stored into
+        their slots of one layer's cache; returns q [T, H, D], k and v [T, KV, D]."""
+        T, H, KV, D = qkv.shape[0], num_heads, num_kv_heads, head_dim
+        cos, sin = rotary
+        x = qkv[:, : (H + KV) * D].view(T, H + KV, D)
+        rotated = torch.cat((-x[..., D // 2 :], x[..., : D // 2]), dim=-1)
+        qk = x * cos + rotated * sin
+        q, k = qk[:, :H], qk[:, H:]
+        v = qkv[:, (H + KV) * D :].view(T, KV, D)
+        kc.index_copy_(1, slots, k.transpose(0, 1).to(kc.dtype))
+        vc.index_copy_(1, slots, v.transpose(0, 1).to(vc.dtype))
+        return q, k, v
+
+    def attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+        meta: Any, scale: float,
+    ) -> torch.Tensor:
+        """[T, H * D]: the decodes (the first meta.num_decodes tokens) over their blocks of the
+        cache, then each prefill chunk over its context. `meta`: model.AttentionMetadata."""
+        T, H, D = q.shape
+        out = torch.empty(T, H * D, dtype=q.dtype, device=q.device)
+        B = meta.num_decodes
+        if B:
+            self.decode_attention(q[:B], kc, vc, meta, scale, out[:B])
+        for offset, n, start_pos, ctx_slots in meta.prefills:
+            if ctx_slots is None:  # the chunk is the whole context
+                kp, vp = k[offset : offset + n], v[offset : offset + n]  # [n, KV, D]
+                if kc.dtype != q.dtype:  # the values the cache holds, as a later chunk will read them
+                    kp, vp = kp.to(kc.dtype).to(q.dtype), vp.to(vc.dtype).to(q.dtype)
+            else:  # earlier context is in the cache (a previous chunk or a prefix-cache hit)
+                kp = kc.index_select(1, ctx_slots).to(q.dtype).transpose(0, 1)  # [ctx, KV, D]
+                vp = vc.index_select(1, ctx_slots).to(q.dtype).transpose(0, 1)
+            out[offset : offset + n] = self.prefill_attention(q[offset : offset + n], kp, vp, start_pos, scale)
+        return out
+
+    def decode_attention(
+        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: Any, scale: float, out: torch.Tensor
+    ) -> None:
+        """out [B, H * D] = each decode's query q [B, H, D] over its context: one batched SDPA
+        over a padded gather of the contexts."""
+        B, H, D = q.shape
+        KV = kc.shape[0]
+        # index_select over the flat slot list: the same copy as kc[slots_2d], several times faster
+        flat_slots = meta.decode_ctx_slots.view(-1)
+        kd = kc.index_select(1, flat_slots).view(KV, B, -1, D).transpose(0, 1).to(q.dtype)  # [B, KV, ctx, D]
+        vd = vc.index_select(1, flat_slots).view(KV, B, -1, D).transpose(0, 1).to(q.dtype)
+        o = F.scaled_dot_product_attention(
+            q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=H != KV
+        )
+        out.copy_(o.reshape(B, H * D))
+
+    def prefill_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float
+    ) -> torch.Tensor:
+        """Causal attention [n, H * D] of q [n, H, D] at positions start_pos.. over k, v [ctx, KV, D]."""
+        n, H, D = q.shape
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, tokens, D]
+        gqa = H != k.shape[1]
+        if start_pos == 0:  # plain causal attention
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
+        else:
+            qpos = torch.arange(start_pos, start_pos + n, device=q.device)[:, None]
+            mask = torch.arange(k.shape[2], device=q.device)[None, :] <= qpos
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+        return o[0].transpose(0, 1).reshape(n, H * D)
+
+
+class NativeOps(TorchOps):
+    """Our C kernels, fp32 on the CPU, built for one ISA level: one pass each for add + RMSNorm,
+    SwiGLU and RoPE + K/V store; decode attention straight from the block pool; blocked prefill
+    attention. The final norm stays torch's fused one."""
+
+    reads_block_tables = True
+
+    def __init__(self, kernels: native.NativeKernels, level: str):
+        self.kernels = kernels
+        self.level = level
+        self.name = f"native-{level}"
+
+    def prepare_linear(self, linear: Linear) -> Linear:
+        # the linears' own C kernels at this ISA level too (the loader packs with the best one's)
+        if isinstance(linear, (block_quant.BlockQuantLinear, Int8Linear)):
+            return replace(linear, kernels=self.kernels)
+        return linear
+
+    def add_rms_norm(
+        self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return x, native.add_rms_norm(self.kernels, x, delta, weight, eps)  # the add is in place
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return native.silu_mul(self.kernels, gate_up)
+
+    def rotary(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> Any:
+        return cos, sin, positions  # the kernel reads the tables by position itself
+
+    def rope_store_kv(
+        self, qkv: torch.Tensor, rotary: Any, slots: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+        num_heads: int, num_kv_heads: int, head_dim: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        T, H, KV, D = qkv.shape[0], num_heads, num_kv_heads, head_dim
+        cos, sin, positions = rotary
+        native.rope_store_kv(self.kernels, qkv, H, KV, D, cos, sin, positions, slots, kc, vc)  # RoPE in place
+        return (
+            qkv[:, : H * D].view(T, H, D),
+            qkv[:, H * D : (H + KV) * D].view(T, KV, D),
+            qkv[:, (H + KV) * D :].view(T, KV, D),
+        )
+
+    def decode_attention(
+        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: Any, scale: float, out: torch.Tensor
+    ) -> None:
+        native.decode_attention(
+            self.kernels, q, kc, vc, meta.decode_block_table, meta.decode_ctx_lens, meta.decode_max_ctx,
+            meta.block_size, scale, out,
+        )
+
+    def prefill_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float
+    ) -> torch.Tensor:
+        return native.prefill_attention(self.kernels, q, k, v, start_pos, scale)
+
+
+class InvariantOps(NativeOps):
+    """Deterministic mode: each row's result depends on that row alone, bit for bit, whatever the
+    batch, the chunking of its prompt or whether it is decoded or recomputed. Costs speed
+    (docs/benchmarks.md, "Deterministic mode")."""
+
+    batch_invariant = True
+
+    def __init__(self, kernels: native.NativeKernels, level: str):
+        super().__init__(kernels, level)
+        self.name = f"invariant-{level}"
+
+    def prepare_linear(self, linear: Linear) -> Linear:
+        linear = super().prepare_linear(linear)
+        if isinstance(linear, Int8Linear):  # already one kernel for every row count
+            return linear
+        try:  # the panel kernel for every row count
+            return block_quant.batch_invariant(linear, self.kernels)
+        except ValueError as exc:
+            raise InvalidArgument(f"deterministic mode cannot run this model: {exc}", param="deterministic") from exc
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # torch's norm may reduce a row differently by row count; the native one never does
+        return native.add_rms_norm(self.kernels, x, None, weight, eps)
+
+    def decode_attention(
+        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: Any, scale: float, out: torch.Tensor
+    ) -> None:
+        # the prefill kernel's order: a token decoded gets the bits it gets recomputed
+        native.paged_attention(
+            self.kernels, q, kc, vc, meta.decode_block_table, meta.decode_ctx_lens, meta.decode_max_ctx,
+            meta.block_size, scale, out,
+        )
+
+
+Ops = TorchOps  # the interface: TorchOps's methods, which the others override
+
+# Every implementation by name, for make_ops and the tests; "native-*" and "invariant-*" for
+# each ISA level of native.ISA_LEVELS.
+OPS_NAMES = (
+    "torch",
+    *(f"native-{level.name}" for level in native.ISA_LEVELS),
+    *(f"invariant-{level.name}" for level in native.ISA_LEVELS),
+)
+
+
+def make_ops(name: str, device: torch.device, dtype: torch.dtype) -> Ops:
+    """The implementation called `name` (an OPS_NAMES entry) for a model on `device` in `dtype`;
+    OpsUnavailable, saying why, where it cannot run."""
+    if name == "torch":
+        return TorchOps()
+    kind, _, level = name.partition("-")
+    if kind not in ("native", "invariant") or level not in {lv.name for lv in native.ISA_LEVELS}:
+        raise ValueError(f"unknown ops {name!r} (known: {', '.join(OPS_NAMES)})")
+    if device.type != "cpu" or dtype != torch.float32:
+        raise OpsUnavailable(f"servelab's native kernels compute in float32 on the CPU, not {dtype} on {device.type}")
+    kernels = native.native_kernels(level)
+    if kernels is None:
+        raise OpsUnavailable(f"native kernels for {level} unavailable: {native.kernels_unavailable(level)}")
+    return (InvariantOps if kind == "invariant" else NativeOps)(kernels, level)
+
+
+def select_ops(device: torch.device, dtype: torch.dtype, *, deterministic: bool = False) -> Ops:
+    """The ops a model on `device` in `dtype` runs: the C kernels at this CPU's best ISA level
+    for fp32 on the CPU where they build, else PyTorch; `deterministic` wants the invariant ones
+    (InvalidArgument where they cannot run)."""
+    level = native.best_level()
+    if deterministic:
+        try:
+            return make_ops(f"invariant-{level}", device, dtype)
+        except OpsUnavailable as exc:
+            raise InvalidArgument(
+                f"deterministic mode needs float32 compute on the CPU with servelab's native kernels ({exc})",
+                param="deterministic",
+            ) from exc
+    try:
+        return make_ops(f"native-{level}", device, dtype)
+    except OpsUnavailable:
+        return TorchOps()
