@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from servelab.engine import block_quant, native
+from servelab.engine.linear import Linear
 from servelab.engine.model import LayerWeights, LlamaModel
 from servelab.errors import InvalidArgument
 from servelab.spec.ggml_types import GGML_TYPE_BY_ID, GGML_TYPE_BY_NAME
@@ -44,7 +45,7 @@ def build_model(
     if get_packed is not None and dtype == torch.float32 and device == "cpu":
         kernels = native.native_kernels()
 
-    def linear(names: list[str]) -> torch.Tensor | block_quant.BlockQuantLinear:
+    def linear(names: list[str]) -> Linear:
         dense = cast(torch.cat([need(n) for n in names], dim=0)) if len(names) > 1 else cast(need(names[0]))
         parts = None
         if kernels is not None:
