@@ -98,8 +98,8 @@ class BlockManager:
     # ---- prefix cache lookup -------------------------------------------------------------------
 
     def _update_block_hashes(self, seq: Sequence) -> None:
-        """Extend seq.block_hashes to every full block of seq.token_ids; each block is hashed once."""
-        hashes = seq.block_hashes
+        """Extend seq.prefix.hashes to every full block of seq.token_ids; each block is hashed once."""
+        hashes = seq.prefix.hashes
         bs = self.block_size
         num_full = len(seq.token_ids) // bs
         if len(hashes) >= num_full:
@@ -130,7 +130,7 @@ class BlockManager:
         max_blocks = (len(seq.token_ids) - 1) // self.block_size
         hits: list[int] = []
         lookup = self._hash_to_block
-        for h in seq.block_hashes[:max_blocks]:
+        for h in seq.prefix.hashes[:max_blocks]:
             block = lookup.get(h)
             if block is None:
                 break
@@ -164,7 +164,7 @@ class BlockManager:
         table = seq.block_table
         table.extend(cached_blocks)
         table.extend(self._take_free_blocks(self.num_blocks_for(num_tokens) - len(cached_blocks)))
-        seq.num_committed_blocks = len(cached_blocks)
+        seq.prefix.num_committed = len(cached_blocks)
         self._owners[seq.request_id] = seq
         if self.enable_prefix_caching:
             self.prefix_cache_queries += len(seq.token_ids)
@@ -250,21 +250,21 @@ class BlockManager:
         later request with the same prefix, or this one after preemption, reuses them."""
         bs = self.block_size
         num_full = seq.num_computed_tokens // bs
-        start = seq.num_committed_blocks
+        start = seq.prefix.num_committed
         if num_full <= start:
             return
         if num_full - start == 1:  # a decode filled one block: the common call
             end = num_full * bs
             self.commit_next_block(seq, hash(tuple(seq.token_ids[end - bs : end])))
             return
-        seq.num_committed_blocks = num_full
+        seq.prefix.num_committed = num_full
         if not self.enable_prefix_caching:
             return
         self._update_block_hashes(seq)
-        hashes = seq.block_hashes
+        hashes = seq.prefix.hashes
         table = seq.block_table
         block_hash = self._block_hash
-        # Blocks past num_committed_blocks were taken fresh (no hash) and only their one owner
+        # Blocks past prefix.num_committed were taken fresh (no hash) and only their one owner
         # can publish them (check_invariants asserts it), so publishing is just recording the
         # pairs. Two sequences can compute the same prefix in the same step; the first published
         # copy wins and the duplicate stays private (freed uncached). setdefault publishes a hash
@@ -281,11 +281,11 @@ class BlockManager:
         tuple): commit_computed_blocks for one block, and for a caller that does not hold the
         tokens in `seq.token_ids` yet (the scheduler's implicit decodes). A block hashed before
         (this sequence was preempted and recomputed) keeps its hash."""
-        index = seq.num_committed_blocks
-        seq.num_committed_blocks = index + 1
+        index = seq.prefix.num_committed
+        seq.prefix.num_committed = index + 1
         if not self.enable_prefix_caching:
             return
-        hashes = seq.block_hashes
+        hashes = seq.prefix.hashes
         if len(hashes) == index:
             hashes.append(hash((hashes[-1] if index else _ROOT_HASH, tokens_hash)))
         h = hashes[index]
@@ -335,7 +335,7 @@ class BlockManager:
             self._lru.append(run)
             self._num_free_cached += len(run)
         seq.block_table.clear()
-        seq.num_committed_blocks = 0
+        seq.prefix.num_committed = 0
 
     # ---- checks --------------------------------------------------------------------------------
 
@@ -349,7 +349,7 @@ class BlockManager:
         expected = [0] * self.num_blocks
         for seq in self._owners.values():
             assert len(set(seq.block_table)) == len(seq.block_table), f"{seq.request_id}: block twice in a table"
-            unpublished = seq.block_table[seq.num_committed_blocks :]
+            unpublished = seq.block_table[seq.prefix.num_committed :]
             assert all(self._block_hash[b] is None for b in unpublished), f"{seq.request_id}: uncommitted block has a hash"
             for b in seq.block_table:
                 expected[b] += 1

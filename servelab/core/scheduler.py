@@ -341,7 +341,7 @@ class Scheduler:
         if seq.status is not _RUNNING:
             return False  # aborted or finished by the engine while the step ran
         seq.num_computed_tokens = computed = entry.start_pos + entry.num_tokens
-        if computed >= (seq.num_committed_blocks + 1) * self.config.block_size:  # a block filled: publish it
+        if computed >= (seq.prefix.num_committed + 1) * self.config.block_size:  # a block filled: publish it
             self.block_manager.commit_computed_blocks(seq)
         if not entry.samples:
             return False

@@ -137,6 +137,17 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+@dataclass(slots=True)
+class PrefixState:
+    """The BlockManager's prefix-cache bookkeeping for one sequence. `hashes[i]` is the chained hash
+    of full block i of its token_ids: computed once, when the block fills, and valid across
+    preemption because token_ids only grow. `num_committed` counts the leading entries of its
+    block_table already published to (or taken from) the prefix cache."""
+
+    hashes: list[int] = field(default_factory=list)
+    num_committed: int = 0
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     """One request's tokens and lifecycle. `token_ids` holds prompt then output.
@@ -161,21 +172,14 @@ class Sequence:
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     num_preemptions: int = 0
-    # The engine's per-request logits-processor state (bad-word token ids, grammar matcher);
-    # opaque here so that core stays free of torch and the grammar engine, and dropped with the sequence.
-    logits_state: object | None = field(default=None, repr=False)
 
     # Timestamps (seconds on the caller's clock: wall clock in the engine, virtual in the sim).
     first_scheduled_s: float | None = None
     token_times_s: list[float] = field(default_factory=list)
     finished_s: float | None = None
 
-    # Prefix-cache bookkeeping owned by the BlockManager. `block_hashes[i]` is the chained hash of
-    # full block i of `token_ids`; it is computed once, when the block fills, and stays valid
-    # across preemption because token_ids only ever grow. `num_committed_blocks` counts the
-    # leading entries of `block_table` already published to (or taken from) the prefix cache.
-    block_hashes: list[int] = field(default_factory=list, repr=False)
-    num_committed_blocks: int = field(default=0, repr=False)
+    # The BlockManager's prefix-cache bookkeeping (see PrefixState).
+    prefix: PrefixState = field(default_factory=PrefixState, repr=False)
     # With params.prompt_logprobs: entry j is prompt token j + 1's logprobs, filled chunk by
     # chunk as the prefill runs (the first prompt token has none).
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list, repr=False)

@@ -325,9 +325,15 @@ class LLMEngine:
         stream = RequestTextStream(self.tokenizer, seq.prompt_token_ids, seq.params.stop, skip_special_tokens=True)
         return _RequestState(seq=seq, stream=stream)
 
+    def _forget(self, request_id: str) -> _RequestState | None:
+        """Drop an ending request's engine-side state: its text stream and its logits-processor rows."""
+        if self.logits_processors is not None:
+            self.logits_processors.release(request_id)
+        return self._requests.pop(request_id, None)
+
     def abort(self, request_id: str) -> bool:
         """Cancels a request; its stream gets one last output with finish_reason ABORT on the next step."""
-        state = self._requests.pop(request_id, None)
+        state = self._forget(request_id)
         if state is None:
             return False
         self.scheduler.abort(request_id)
@@ -380,12 +386,12 @@ class LLMEngine:
             finished = True
         state.output_text += text
         if finished:
-            self._requests.pop(ro.request_id, None)
+            self._forget(ro.request_id)
         return EngineOutput(ro.request_id, list(ro.new_token_ids), text, finished, reason, ro.logprobs, seq)
 
     def _fail(self, request_id: str, exc: Exception) -> EngineOutput | None:
         """End one request with finish reason "error" after its output could not be processed."""
-        state = self._requests.pop(request_id, None)
+        state = self._forget(request_id)
         if state is None:
             return None
         logger.error(

@@ -50,6 +50,12 @@ class LogitsProcessors:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.structured = StructuredOutputBackend(tokenizer, vocab_size)
+        # Per request (by id): the edits' tensors and the grammar matcher, built at its first
+        # sampled row and kept across preemption; the engine releases it when the request ends.
+        self._rows: dict[str, _RowState] = {}
+
+    def release(self, request_id: str) -> None:
+        self._rows.pop(request_id, None)
 
     def prepare(self, params: SamplingParams) -> None:
         """Admission-time work: token ids checked against the vocabulary, the grammar compiled
@@ -78,9 +84,9 @@ class LogitsProcessors:
         masked: list[int] = []  # rows whose grammar mask goes into the bitmask
         for i in rows:
             seq = seqs[i]
-            state = seq.logits_state
+            state = self._rows.get(seq.request_id)
             if state is None:
-                state = seq.logits_state = self._new_state(seq.params)
+                state = self._rows[seq.request_id] = self._new_state(seq.params)
             row = logits[i]
             if state.bias_ids is not None:
                 row[state.bias_ids] += state.bias_values
@@ -105,19 +111,18 @@ class LogitsProcessors:
         if masked:
             bitmask = self.structured.bitmask(logits.shape[0])
             for i in masked:
-                seqs[i].logits_state.matcher.matcher.fill_next_token_bitmask(bitmask, i)
+                self._rows[seqs[i].request_id].matcher.matcher.fill_next_token_bitmask(bitmask, i)
             self.structured.apply_bitmask(logits, bitmask, masked)
         for i in rows:
             if i not in failed and self._leaves_no_token(logits, i, seqs[i], bitmask if i in masked else None):
                 failed[i] = "its constraints leave no token to sample"
         return failed
 
-    @staticmethod
-    def _leaves_no_token(logits: torch.Tensor, i: int, seq: Sequence, bitmask: torch.Tensor | None) -> bool:
+    def _leaves_no_token(self, logits: torch.Tensor, i: int, seq: Sequence, bitmask: torch.Tensor | None) -> bool:
         """Whether row i has no finite logit left. Told from the few entries that can still be
         finite where possible: a whole-row reduction over 50k logits per row per step is what
         the hook must not cost (a bias is finite, and a few bad words cannot ban everything)."""
-        state, params = seq.logits_state, seq.params
+        state, params = self._rows[seq.request_id], seq.params
         if state.matcher is None:
             if state.allowed_ids is None:
                 return False

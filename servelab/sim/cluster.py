@@ -244,7 +244,7 @@ class ClusterRun:
             rid, req.prompt_token_ids, SamplingParams(max_tokens=req.spec.output_tokens, ignore_eos=True),
             arrival_s=req.sent_s,
         )
-        seq.block_hashes = list(req.prompt_block_hashes)
+        seq.prefix.hashes = list(req.prompt_block_hashes)
         replica.executor.preloaded[rid] = req.spec.prompt_tokens - 1
         if not self.add_to(replica, seq, req, self.now):
             replica.executor.preloaded.pop(rid, None)
@@ -281,7 +281,7 @@ class ClusterRun:
         self.live[rid] = req
         max_tokens = 1 if sim.disagg else spec.output_tokens
         seq = SimSequence(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_s=t)
-        seq.block_hashes = list(hashes)  # the prefix cache would compute the same identities
+        seq.prefix.hashes = list(hashes)  # the prefix cache would compute the same identities
         replica = sim.entry_router.pick(sim.entry_pool)
         req.prefill_replica = replica
         self.add_to(replica, seq, req, t)

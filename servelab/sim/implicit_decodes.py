@@ -251,7 +251,7 @@ class ImplicitDecodeScheduler(Scheduler):
         num_known = len(seq.token_ids)
         end = num_known + tick - seq.implicit_from  # its computed count after this step
         bs = self.config.block_size
-        if end >= (seq.num_committed_blocks + 1) * bs:  # its last block filled: publish it
+        if end >= (seq.prefix.num_committed + 1) * bs:  # its last block filled: publish it
             if end - bs >= num_known:
                 block_tokens_hash = self._full_block_hash
             else:

@@ -210,9 +210,9 @@ def test_block_hashes_are_the_same_one_block_at_a_time_or_all_at_once():
     for t in tokens[3:]:
         grown.token_ids.append(t)
         bm.find_cached_prefix(grown)
-    assert len(whole.block_hashes) == 10 and len(set(whole.block_hashes)) == 10
-    assert grown.block_hashes == whole.block_hashes
+    assert len(whole.prefix.hashes) == 10 and len(set(whole.prefix.hashes)) == 10
+    assert grown.prefix.hashes == whole.prefix.hashes
     other = seq("other", tokens[:20] + [7] + tokens[21:])  # differs in block 5 only
     bm.find_cached_prefix(other)
-    assert other.block_hashes[:5] == whole.block_hashes[:5]
-    assert not set(other.block_hashes[5:]) & set(whole.block_hashes)
+    assert other.prefix.hashes[:5] == whole.prefix.hashes[:5]
+    assert not set(other.prefix.hashes[5:]) & set(whole.prefix.hashes)

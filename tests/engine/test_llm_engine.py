@@ -226,3 +226,17 @@ def test_auto_dtype_is_float32_on_a_cpu_even_with_native_bf16(tiny_llama, monkey
         engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=str(tiny_llama), num_blocks=16))
     assert engine.executor.model.dtype == torch.float32
     assert any(r.getMessage().startswith("dtype auto -> float32: ") for r in caplog.records)
+
+
+def test_logits_processor_state_ends_with_its_request(engine):
+    """Each request's logit-edit state lives in the engine's processors, by id, and goes when the
+    request ends: finished, stopped by a string, or aborted mid-run."""
+    biased = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logit_bias={5: 3.0})
+    engine.add_request("done", PROMPT, biased)
+    engine.add_request("cut", PROMPT, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True, logit_bias={5: 3.0}))
+    engine.step()
+    assert set(engine.logits_processors._rows) == {"done", "cut"}
+    engine.abort("cut")
+    assert set(engine.logits_processors._rows) == {"done"}
+    _drain(engine)
+    assert engine.logits_processors._rows == {}

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import json
 import re
 
@@ -36,8 +38,12 @@ def processors(tokenizer) -> LogitsProcessors:
     return LogitsProcessors(tokenizer, tokenizer.vocab_size)
 
 
+_IDS = itertools.count()
+
+
 def make_seq(tokenizer, outputs=(), rid="r", **params) -> Sequence:
-    s = Sequence(rid, [1, 2, 3], SamplingParams(**params), eos_token_ids=tuple(tokenizer.eos_token_ids))
+    # unique ids: the module's processors keep per-request state by id, as the engine's do
+    s = Sequence(f"{rid}-{next(_IDS)}", [1, 2, 3], SamplingParams(**params), eos_token_ids=tuple(tokenizer.eos_token_ids))
     s.token_ids.extend(outputs)
     return s
 
@@ -239,7 +245,7 @@ def test_the_matcher_follows_the_output_after_recompute(processors, tokenizer):
     a, b = logits.clone(), logits.clone()
     assert processors.apply(a, [followed]) == {} and processors.apply(b, [fresh]) == {}
     assert torch.equal(torch.isinf(a), torch.isinf(b)) and torch.isinf(a).any()
-    state = followed.logits_state.matcher
+    state = processors._rows[followed.request_id].matcher
     shorter = followed.token_ids[: followed.num_prompt_tokens + 3]
     assert state.sync(shorter, followed.num_prompt_tokens) and state.num_accepted == 3  # rebuilt and replayed
 

@@ -50,7 +50,7 @@ def num_implicit(plan) -> int:
 
 def snapshot(s: Scheduler) -> list[tuple]:
     return [(q.request_id, list(q.token_ids), list(q.token_times_s), q.num_computed_tokens, list(q.block_table),
-             q.num_committed_blocks) for q in s.running]
+             q.prefix.num_committed) for q in s.running]
 
 
 def drive(cfg: SchedulerConfig, workload: list[dict], *, implicit: bool, sync_every: int) -> dict:

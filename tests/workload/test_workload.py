@@ -216,8 +216,8 @@ def test_simulated_prompt_blocks_are_equal_exactly_when_the_real_tokens_make_the
         seq = Sequence(str(spec.index), token_ids_for(spec, 50000, seed=3), SamplingParams())
         bm._update_block_hashes(seq)
         ids, hashes = simulated_prompt(spec, bs, seed=3)
-        assert len(ids) == spec.prompt_tokens and len(hashes) == spec.prompt_tokens // bs == len(seq.block_hashes)
-        for i, (h_real, h_sim) in enumerate(zip(seq.block_hashes, hashes)):
+        assert len(ids) == spec.prompt_tokens and len(hashes) == spec.prompt_tokens // bs == len(seq.prefix.hashes)
+        for i, (h_real, h_sim) in enumerate(zip(seq.prefix.hashes, hashes)):
             real[(spec.index, i)] = h_real
             stand_in[(spec.index, i)] = h_sim
     keys = list(real)
