@@ -1,7 +1,8 @@
-"""Consistency checks of a scheduler's state, for tests: they read its private bookkeeping."""
+"""Consistency checks of a scheduler's and a block manager's state, for tests: they read private bookkeeping."""
 
 from __future__ import annotations
 
+from servelab.core.block_manager import BlockManager
 from servelab.core.scheduler import Scheduler
 from servelab.core.sequence import SequenceStatus
 from servelab.sim.implicit_decodes import ImplicitDecodeScheduler
@@ -10,7 +11,7 @@ from servelab.sim.implicit_decodes import ImplicitDecodeScheduler
 def check_invariants(s: Scheduler) -> None:
     """Raise AssertionError if the scheduler's state is inconsistent."""
     bm = s.block_manager
-    bm.check_invariants()
+    check_block_manager(bm)
     running_ids = [q.request_id for q in s.running]
     assert len(set(running_ids)) == len(running_ids), "a sequence runs twice"
     assert len(s.running) <= s.config.max_num_seqs, "more running sequences than max_num_seqs"
@@ -27,7 +28,7 @@ def check_invariants(s: Scheduler) -> None:
         assert not q.block_table and q.num_computed_tokens == 0, f"{q.request_id}: waiting but holds KV"
     live = set(running_ids) | {q.request_id for q in waiting}
     assert live == set(s._live), "live requests are neither running nor waiting"
-    owners = {q.request_id for q in bm.owners()}
+    owners = {q.request_id for q in bm._owners.values()}
     assert owners <= set(running_ids), "a non-running sequence owns blocks"
     if isinstance(s, ImplicitDecodeScheduler):
         check_implicit_invariants(s)
@@ -51,3 +52,41 @@ def check_implicit_invariants(s: ImplicitDecodeScheduler) -> None:
         else:
             assert next_end <= table_end, f"{q.request_id}: implicit past its blocks"
             assert q.implicit_wake >= tick and q in s._wake.get(q.implicit_wake, ()), f"{q.request_id}: no wake"
+
+
+def check_block_manager(bm: BlockManager) -> None:
+    """Raise AssertionError if the pool is inconsistent: a block both free and owned, a
+    reference count that does not match the block tables, a leaked or double-freed block,
+    or a hash map out of step with the blocks."""
+    expected = [0] * bm.num_blocks
+    for seq in bm._owners.values():
+        assert len(set(seq.block_table)) == len(seq.block_table), f"{seq.request_id}: block twice in a table"
+        unpublished = seq.block_table[seq.prefix.num_committed :]
+        assert all(bm._block_hash[b] is None for b in unpublished), f"{seq.request_id}: uncommitted block has a hash"
+        for b in seq.block_table:
+            expected[b] += 1
+    assert expected == bm._ref_counts, "reference counts differ from the block tables"
+    free_uncached = set(bm._free_uncached)
+    lru_blocks = [b for run in bm._lru for b in run]
+    free_cached = set(lru_blocks)
+    assert len(free_cached) == len(lru_blocks) == bm._num_free_cached, "LRU runs out of step"
+    assert all(bm._run_of[b] is run for run in bm._lru for b in run), "a block's run is stale"
+    assert len(free_uncached) == len(bm._free_uncached), "a block is twice in the free pool"
+    assert not free_uncached & free_cached, "a block is in both free pools"
+    free = free_uncached | free_cached
+    for b in range(bm.num_blocks):
+        owned = bm._ref_counts[b] > 0
+        assert owned != (b in free), f"block {b} is {'both free and owned' if owned else 'leaked'}"
+    for b in free_uncached:
+        assert bm._block_hash[b] is None, f"uncached free block {b} has a hash"
+    for b in free_cached:
+        assert bm._block_hash[b] is not None, f"cached free block {b} has no hash"
+    for h, b in bm._hash_to_block.items():
+        assert bm._block_hash[b] == h, f"hash map points to block {b} holding another hash"
+    num_published = sum(h is not None for h in bm._block_hash)
+    assert num_published == len(bm._hash_to_block), "stale block hash"
+
+
+def waiting_in_order(s: Scheduler) -> list:
+    """The waiting sequences in the order they would be admitted."""
+    return [q for _, q in sorted(s._waiting, key=lambda e: e[0]) if q.status is SequenceStatus.WAITING]

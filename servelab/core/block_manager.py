@@ -265,7 +265,7 @@ class BlockManager:
         table = seq.block_table
         block_hash = self._block_hash
         # Blocks past prefix.num_committed were taken fresh (no hash) and only their one owner
-        # can publish them (check_invariants asserts it), so publishing is just recording the
+        # can publish them (tests/scheduler_checks.py asserts it), so publishing is just recording the
         # pairs. Two sequences can compute the same prefix in the same step; the first published
         # copy wins and the duplicate stays private (freed uncached). setdefault publishes a hash
         # unless a block holds it already and returns the holder: one dict operation per block.
@@ -338,42 +338,6 @@ class BlockManager:
         seq.prefix.num_committed = 0
 
     # ---- checks --------------------------------------------------------------------------------
-
-    def owners(self) -> list[Sequence]:
-        return list(self._owners.values())
-
-    def check_invariants(self) -> None:
-        """Raise AssertionError if the pool is inconsistent: a block both free and owned, a
-        reference count that does not match the block tables, a leaked or double-freed block,
-        or a hash map out of step with the blocks."""
-        expected = [0] * self.num_blocks
-        for seq in self._owners.values():
-            assert len(set(seq.block_table)) == len(seq.block_table), f"{seq.request_id}: block twice in a table"
-            unpublished = seq.block_table[seq.prefix.num_committed :]
-            assert all(self._block_hash[b] is None for b in unpublished), f"{seq.request_id}: uncommitted block has a hash"
-            for b in seq.block_table:
-                expected[b] += 1
-        assert expected == self._ref_counts, "reference counts differ from the block tables"
-        free_uncached = set(self._free_uncached)
-        lru_blocks = [b for run in self._lru for b in run]
-        free_cached = set(lru_blocks)
-        assert len(free_cached) == len(lru_blocks) == self._num_free_cached, "LRU runs out of step"
-        assert all(self._run_of[b] is run for run in self._lru for b in run), "a block's run is stale"
-        assert len(free_uncached) == len(self._free_uncached), "a block is twice in the free pool"
-        assert not free_uncached & free_cached, "a block is in both free pools"
-        free = free_uncached | free_cached
-        for b in range(self.num_blocks):
-            owned = self._ref_counts[b] > 0
-            assert owned != (b in free), f"block {b} is {'both free and owned' if owned else 'leaked'}"
-        for b in free_uncached:
-            assert self._block_hash[b] is None, f"uncached free block {b} has a hash"
-        for b in free_cached:
-            assert self._block_hash[b] is not None, f"cached free block {b} has no hash"
-        for h, b in self._hash_to_block.items():
-            assert self._block_hash[b] == h, f"hash map points to block {b} holding another hash"
-        num_published = sum(h is not None for h in self._block_hash)
-        assert num_published == len(self._hash_to_block), "stale block hash"
-
 
 def _gather(values: list, indices: list[int]) -> tuple:
     """values[i] for each i, as a tuple, in one C call (itemgetter returns a bare value for one

@@ -104,10 +104,6 @@ class Scheduler:
         seq = self._live.get(request_id)
         return seq if seq is not None else self._recent_finished.get(request_id)
 
-    def waiting(self) -> list[Sequence]:
-        """Waiting sequences in the order they would be admitted (a copy; for inspection)."""
-        return [s for _, s in sorted(self._waiting, key=lambda e: e[0]) if s.status is _WAITING]
-
     def stats(self) -> SchedulerStats:
         bm = self.block_manager
         return SchedulerStats(

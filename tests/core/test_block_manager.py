@@ -7,6 +7,7 @@ import pytest
 from servelab.core.block_manager import BlockManager
 from servelab.core.sequence import SamplingParams, Sequence
 from servelab.errors import InvalidArgument
+from tests.scheduler_checks import check_block_manager
 
 
 def seq(rid: str, tokens: list[int]) -> Sequence:
@@ -34,10 +35,10 @@ def test_allocate_and_free_return_the_pool_whole():
     assert len(a.block_table) == 4 and bm.num_used_blocks == 4
     assert bm.append_slots(a, 16)  # still inside block 4
     assert len(a.block_table) == 4
-    bm.check_invariants()
+    check_block_manager(bm)
     bm.free(a)
     assert a.block_table == [] and bm.num_free_blocks == 8 and bm.usage == 0.0
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 def test_short_pool_changes_nothing():
@@ -49,7 +50,7 @@ def test_short_pool_changes_nothing():
     assert b.block_table == [] and bm.num_free_blocks == 1
     assert not bm.append_slots(a, 20)  # needs 2 more blocks, 1 free
     assert len(a.block_table) == 3 and bm.num_free_blocks == 1
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 def test_invalid_sizes_are_clear_errors():
@@ -70,7 +71,7 @@ def test_second_request_sharing_a_1000_token_prefix_computes_only_its_suffix():
     assert len(set(b.block_table[125:]) & set(a.block_table)) == 0
     assert bm.prefix_cache_hits == 1000
     assert bm.prefix_cache_queries == 1050 + 1030
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 def test_default_block_size_shares_every_full_block_of_the_prefix():
@@ -108,7 +109,7 @@ def test_cached_blocks_survive_their_first_owner():
     assert admit(bm, b) == 16
     assert b.block_table[:4] == shared
     assert bm.num_evictable_blocks == 0  # revived: held again
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 def test_never_cached_blocks_go_first_and_cached_ones_are_evicted_lru():
@@ -130,7 +131,7 @@ def test_never_cached_blocks_go_first_and_cached_ones_are_evicted_lru():
     assert bm.find_cached_prefix(seq("x2", range(9))) == []
     assert len(bm.find_cached_prefix(seq("y2", range(100, 109)))) == 2
     assert len(bm.find_cached_prefix(seq("z2", range(200, 209)))) == 2
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 def test_a_hit_refreshes_a_block_in_lru_order():
@@ -148,7 +149,7 @@ def test_a_hit_refreshes_a_block_in_lru_order():
     assert bm.allocate(seq("q", range(950, 954)), [], 4)  # now the LRU cached block goes: y's
     assert bm.find_cached_prefix(seq("y2", range(100, 105))) == []
     assert len(bm.find_cached_prefix(seq("x3", range(5)))) == 1
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 def test_generated_tokens_fill_cacheable_blocks():
@@ -174,7 +175,7 @@ def test_duplicate_content_computed_twice_stays_private():
     bm.free(a)
     bm.free(b)
     assert bm.num_free_blocks == 8 and bm.num_cached_blocks == 1
-    bm.check_invariants()
+    check_block_manager(bm)
 
 
 def test_without_prefix_caching_nothing_is_shared_or_counted():
@@ -190,14 +191,14 @@ def test_check_invariants_catches_a_block_both_free_and_owned():
     admit(bm, a)
     bm._free_uncached.append(a.block_table[0])  # corrupt on purpose
     with pytest.raises(AssertionError, match="free"):
-        bm.check_invariants()
+        check_block_manager(bm)
 
 
 def test_check_invariants_catches_a_leaked_block():
     bm = BlockManager(num_blocks=4, block_size=4)
     bm._free_uncached.pop()  # a block nobody owns and nobody can allocate
     with pytest.raises(AssertionError, match="leaked"):
-        bm.check_invariants()
+        check_block_manager(bm)
 
 
 def test_block_hashes_are_the_same_one_block_at_a_time_or_all_at_once():

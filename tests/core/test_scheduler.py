@@ -23,7 +23,7 @@ from servelab.core.sequence import (
 from servelab.errors import InvalidArgument, NotFound, QueueFull, RequestTooLong
 from tests.driver import run_to_completion
 from tests.fake_executor import FakeExecutor
-from tests.scheduler_checks import check_invariants
+from tests.scheduler_checks import check_block_manager, check_invariants, waiting_in_order
 
 
 def make_seq(rid: str, prompt_len: int = 8, max_tokens: int = 4, *, base: int = 1000, **kw) -> Sequence:
@@ -106,7 +106,7 @@ def test_full_queue_rejects_new_requests_and_keeps_the_queued_ones():
     s.add(make_seq("b"))
     with pytest.raises(QueueFull, match=r"waiting queue is full \(max_waiting=2\)"):
         s.add(make_seq("c"))
-    assert [q.request_id for q in s.waiting()] == ["a", "b"]
+    assert [q.request_id for q in waiting_in_order(s)] == ["a", "b"]
     Stepper(s).step()  # both admitted: the queue has room again
     s.add(make_seq("c"))
     Stepper(s).run()
@@ -327,7 +327,7 @@ def test_priority_order_admits_by_priority_then_arrival():
     s.add(make_seq("late-low", priority=5, arrival_s=1.0))
     s.add(make_seq("early-low", priority=5, arrival_s=0.5))
     s.add(make_seq("high", priority=-1, arrival_s=2.0))
-    assert [q.request_id for q in s.waiting()] == ["high", "early-low", "late-low"]
+    assert [q.request_id for q in waiting_in_order(s)] == ["high", "early-low", "late-low"]
     order = []
     st_ = Stepper(s)
     while s.has_unfinished():
@@ -654,8 +654,8 @@ def check_outcome(s: Scheduler, seqs, finished, rejected, aborted) -> None:
         assert q.arrival_s <= q.first_scheduled_s <= q.first_token_s <= q.finished_s
         assert len(q.token_times_s) == len(out)
     bm = s.block_manager
-    assert bm.num_free_blocks == cfg.num_blocks and bm.num_used_blocks == 0 and not bm.owners()
-    bm.check_invariants()
+    assert bm.num_free_blocks == cfg.num_blocks and bm.num_used_blocks == 0 and not bm._owners
+    check_block_manager(bm)
     assert not s.has_unfinished() and s.num_waiting == 0 and s.num_running == 0
     if cfg.order == "fcfs":  # no starvation: admission never overtakes
         admitted = [q for q in seqs if q.request_id not in rejected_ids and q.first_scheduled_s is not None]
