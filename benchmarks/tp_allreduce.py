@@ -10,7 +10,10 @@ sizes, and the engine's step time at TP=1 and TP=N on the bundled model.
 - the cost model's all-reduce term beside them: cost/roofline.py's Efficiency.allreduce_latency_s
   per all-reduce (two per layer), and the step's all-reduce count.
 
-    python benchmarks/tp_allreduce.py [--ranks 2] [--tp 3] [--iters 50] [--json]
+- `--check`: also 64 greedy tokens at TP=1 and TP=N on the bundled model (equal?), and the
+  largest difference of their logits over the whole sequence (tests do this on tiny models).
+
+    python benchmarks/tp_allreduce.py [--ranks 2] [--tp 3] [--iters 50] [--check] [--json]
 """
 
 from __future__ import annotations
@@ -87,11 +90,37 @@ def step_times(tp: int, decodes: int = 32) -> dict:
         engine.close()
 
 
+def check_bundled(tp: int) -> dict:
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from tests.tiny_models import prefill_logits
+
+    engines = {n: LLMEngine.from_args(EngineArgs(tensor_parallel_size=n)) for n in (1, tp)}
+    try:
+        seqs = {}
+        for n, engine in engines.items():
+            ids = engine.tokenizer.encode_prompt("The history of the river Seine begins")
+            engine.add_request("a", ids, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+            out: list[int] = []
+            while engine.has_unfinished():
+                for o in engine.step():
+                    out += o.new_token_ids
+            seqs[n] = ids + out
+        logits = {n: prefill_logits(e.executor.model, seqs[1]) for n, e in engines.items()}
+        return {"greedy_64_equal": seqs[1] == seqs[tp], "max_abs_logit_diff": float((logits[1] - logits[tp]).abs().max()),
+                "max_abs_logit": float(logits[1].abs().max())}  # fmt: skip
+    finally:
+        for e in engines.values():
+            e.close()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, default=2, help="processes in the all-reduce timing")
     ap.add_argument("--tp", type=int, default=3, help="tensor-parallel size of the step timing (divides 9)")
     ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--check", action="store_true", help="greedy tokens and logits, TP=N against TP=1")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
@@ -101,6 +130,8 @@ def main() -> None:
         "allreduce": allreduce_table(args.ranks, args.iters),
         "steps": [step_times(1), step_times(args.tp)],
     }
+    if args.check:
+        result["check"] = check_bundled(args.tp)
     layers = 30  # the bundled model's
     eff = Efficiency()
     result["cost_model"] = {"allreduce_latency_us": eff.allreduce_latency_s * 1e6, "allreduces_per_step": 2 * layers,
@@ -117,6 +148,8 @@ def main() -> None:
     c = result["cost_model"]
     print(f"cost model: {c['allreduces_per_step']} all-reduces/step x {c['allreduce_latency_us']:.1f} us = "
           f"{c['modelled_latency_per_step_ms']:.3f} ms of latency per step")  # fmt: skip
+    if args.check:
+        print(f"TP={args.tp} against TP=1: {result['check']}")
 
 
 if __name__ == "__main__":

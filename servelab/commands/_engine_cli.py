@@ -128,6 +128,8 @@ def timing_line(seq, engine) -> str:
         dtypes += f", {model.quantization} linears"
     if getattr(model, "batch_invariant", False):
         dtypes += ", deterministic"
+    if (group := getattr(model, "group", None)) is not None:
+        dtypes += f", tensor parallel {group.size}"
     if kv != dtype:
         dtypes += f", KV cache {str(kv).removeprefix('torch.')}"
     parts.append(f"{engine.model_name}{dtypes}")
