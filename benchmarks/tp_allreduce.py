@@ -1,7 +1,7 @@
 """Tensor parallelism's communication on this host: gloo all-reduce at the engine's message
 sizes, and the engine's step time at TP=1 and TP=N on the bundled model.
 
-- all-reduce: `--ranks` processes on 127.0.0.1 (gloo, as the engine's ranks), each all-reducing
+- all-reduce: `--ranks` processes (2 and 3 by default) on 127.0.0.1 (gloo, as the engine's ranks), each all-reducing
   an fp32 [tokens, hidden] buffer: the message of one row-parallel layer for a step of that many
   tokens. Median latency over `--iters`, and the algorithm bandwidth (buffer bytes / time).
 - step time: the engine on the bundled model (SmolLM2-135M: 9 heads, 3 KV heads, so N must
@@ -13,7 +13,7 @@ sizes, and the engine's step time at TP=1 and TP=N on the bundled model.
 - `--check`: also 64 greedy tokens at TP=1 and TP=N on the bundled model (equal?), and the
   largest difference of their logits over the whole sequence (tests do this on tiny models).
 
-    python benchmarks/tp_allreduce.py [--ranks 2] [--tp 3] [--iters 50] [--check] [--json]
+    python benchmarks/tp_allreduce.py [--ranks 2 3] [--tp 3] [--iters 50] [--check] [--json]
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ def check_bundled(tp: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ranks", type=int, default=2, help="processes in the all-reduce timing")
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 3], help="processes in the all-reduce timing")
     ap.add_argument("--tp", type=int, default=3, help="tensor-parallel size of the step timing (divides 9)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--check", action="store_true", help="greedy tokens and logits, TP=N against TP=1")
@@ -127,7 +127,7 @@ def main() -> None:
     load = os.getloadavg()
     result = {
         "host": {"cpus": os.cpu_count(), "loadavg_1_5_15": load, "torch_threads": torch.get_num_threads()},
-        "allreduce": allreduce_table(args.ranks, args.iters),
+        "allreduce": {ranks: allreduce_table(ranks, args.iters) for ranks in args.ranks},
         "steps": [step_times(1), step_times(args.tp)],
     }
     if args.check:
@@ -140,9 +140,10 @@ def main() -> None:
         print(json.dumps(result, indent=2))
         return
     print(f"host: {result['host']}")
-    print(f"gloo all-reduce, {args.ranks} ranks, fp32 [tokens, {HIDDEN}]:")
-    for r in result["allreduce"]:
-        print(f"  {r['tokens']:>4} tokens {r['bytes']:>9} B  {r['median_us']:9.1f} us  {r['algbw_MB_s']:8.1f} MB/s")
+    for ranks, rows in result["allreduce"].items():
+        print(f"gloo all-reduce, {ranks} ranks, fp32 [tokens, {HIDDEN}]:")
+        for r in rows:
+            print(f"  {r['tokens']:>4} tokens {r['bytes']:>9} B  {r['median_us']:9.1f} us  {r['algbw_MB_s']:8.1f} MB/s")
     for s in result["steps"]:
         print(f"TP={s['tp']}: prefill 128 tokens {s['prefill_128_ms']:.1f} ms, decode batch 1 {s['decode_b1_ms']:.1f} ms/step")
     c = result["cost_model"]
