@@ -33,6 +33,8 @@ IDLE_TIMEOUT = timedelta(days=30)  # the step broadcast: workers wait this long 
 class RankFailed(RuntimeError):
     """A tensor-parallel rank died or stopped answering: the engine cannot step any more."""
 
+    engine_unusable = True  # the server's engine thread stops on it (every request fails, health 503)
+
 
 def free_port() -> int:
     with socket.socket() as s:
