@@ -234,11 +234,7 @@ class LLMEngine:
                 "" if args.dtype else " (chosen for it: bf16 is not batch-invariant)",
             )
         spec = loaded.spec
-        model: Any = loaded.model
-        if tp > 1:
-            from servelab.engine.parallel.group import start_tensor_parallel
-
-            model = start_tensor_parallel(loaded.model, spec, tp, (path, dtype, args, os.getpid()))
+        model: Any = loaded.model  # under tensor parallelism, rank 0's shard until the workers start
         knobs = args.scheduler
         model_context = servable_context(spec)
         max_model_len = knobs.max_model_len or min(model_context, DEFAULT_MAX_MODEL_LEN)
@@ -272,8 +268,11 @@ class LLMEngine:
         kv_cache = PagedKVCache(
             model.config, num_blocks, knobs.block_size, dtype=kv_dtype, device=args.device, prefault=args.kv_cache_prefault
         )
-        if tp > 1:  # the workers build the same pool for their heads
-            model.group.broadcast((num_blocks, knobs.block_size, kv_dtype, args.kv_cache_prefault))
+        if tp > 1:  # last, so a configuration error leaves no process behind
+            from servelab.engine.parallel.group import start_tensor_parallel
+
+            model = start_tensor_parallel(loaded.model, spec, tp, (path, dtype, args, os.getpid()))
+            model.group.broadcast((num_blocks, knobs.block_size, kv_dtype, args.kv_cache_prefault))  # their pools
         processors = LogitsProcessors(loaded.tokenizer, model.vocab_size)
         executor = ModelExecutor(model, kv_cache, sampler=Sampler(args.seed, processors))
         scheduler_config = knobs.resolve(num_blocks=num_blocks, max_model_len=max_model_len)

@@ -121,7 +121,8 @@ class TensorParallelGroup:
                     pass
             dist.destroy_process_group()
         for w in self.workers:
-            w.join(timeout=5)
+            if self.failure is None:  # asked to stop; after a failure the survivors wait on a dead group
+                w.join(timeout=5)
             if w.is_alive():
                 w.kill()
                 w.join()
