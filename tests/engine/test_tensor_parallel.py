@@ -123,8 +123,11 @@ def models(tmp_path_factory):
 # TP=4 over 2 KV heads replicates them; four processes on a small host: fewer tokens
 @pytest.mark.parametrize(("model", "tp", "max_tokens"), [("4q2kv", 2, 64), ("9q3kv", 3, 64), ("4q2kv", 4, 16)])
 def test_tp_greedy_output_and_logits_equal_tp1(models, model, tp, max_tokens):
+    import torch
+
     prompts = [[5, 17, 42, 9, 300, 7, 88], [11, 12, 13]]
     engines = {}
+    threads = torch.get_num_threads()
     try:
         for n in (1, tp):
             engines[n] = _engine(models[model], n)
@@ -137,6 +140,7 @@ def test_tp_greedy_output_and_logits_equal_tp1(models, model, tp, max_tokens):
     finally:
         for e in engines.values():
             e.close()
+    assert torch.get_num_threads() == threads  # rank 0's share of the host's threads is given back
 
 
 @pytest.mark.slow

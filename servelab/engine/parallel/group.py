@@ -60,6 +60,8 @@ class TensorParallelGroup:
         from servelab.engine.parallel.worker import worker_main
 
         self.size = size
+        self.host_threads = torch.get_num_threads()  # rank 0 runs on its share; close gives them back
+        torch.set_num_threads(threads_per_rank)
         self.failure: str | None = None
         port = free_port()
         ctx = mp.get_context("spawn")
@@ -126,6 +128,7 @@ class TensorParallelGroup:
             if w.is_alive():
                 w.kill()
                 w.join()
+        torch.set_num_threads(self.host_threads)
         atexit.unregister(self.close)
 
 
@@ -151,8 +154,6 @@ def start_tensor_parallel(model: Any, spec: Any, size: int, worker_args: tuple) 
     """Starts ranks 1..size-1 (each loads its own shard: worker.worker_main(..., *worker_args))
     and makes `model`, rank 0's shard, its part of the whole. The host's torch threads are split
     between the ranks, which share its cores."""
-    threads = max(1, torch.get_num_threads() // size)
-    torch.set_num_threads(threads)
-    group = TensorParallelGroup(size, worker_args, threads)
+    group = TensorParallelGroup(size, worker_args, max(1, torch.get_num_threads() // size))
     parallelize(model, Shard(spec, 0, size), dist.group.WORLD)
     return TensorParallelModel(model, group)
