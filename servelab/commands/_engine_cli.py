@@ -19,6 +19,11 @@ DETERMINISTIC_HELP = (
     "preemption: one kernel for every batch size, float32 compute, CPU only; slower (docs/benchmarks.md)"
 )
 
+TENSOR_PARALLEL_HELP = (
+    "split the model across N processes on this host (Megatron sharding, gloo): each holds 1/N of the "
+    "weights and of the KV cache; the host's threads are shared between them (default: 1)"
+)
+
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("engine")
@@ -29,6 +34,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     g.add_argument("--quantization", choices=["int8"], default=None, help=QUANTIZATION_HELP)
     g.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
+    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help=TENSOR_PARALLEL_HELP)
 
 
 def _default_help(key: str) -> str:
@@ -88,6 +94,7 @@ def engine_args_from(args: argparse.Namespace, **knobs: Any) -> EngineArgs:
     return EngineArgs(
         model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype, deterministic=args.deterministic,
+        tensor_parallel_size=args.tensor_parallel_size,
         scheduler=scheduler_config_from_args(args, **knobs),
     )  # fmt: skip
 
@@ -121,6 +128,8 @@ def timing_line(seq, engine) -> str:
         dtypes += f", {model.quantization} linears"
     if getattr(model, "batch_invariant", False):
         dtypes += ", deterministic"
+    if (group := getattr(model, "group", None)) is not None:
+        dtypes += f", tensor parallel {group.size}"
     if kv != dtype:
         dtypes += f", KV cache {str(kv).removeprefix('torch.')}"
     parts.append(f"{engine.model_name}{dtypes}")

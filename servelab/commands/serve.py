@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING
 
 from servelab.commands._dtype_cli import add_engine_dtype_arguments
-from servelab.commands._engine_cli import DETERMINISTIC_HELP, QUANTIZATION_HELP
+from servelab.commands._engine_cli import DETERMINISTIC_HELP, QUANTIZATION_HELP, TENSOR_PARALLEL_HELP
 from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
 from servelab.engine.llm_engine import DEFAULT_MAX_MODEL_LEN
 from servelab.errors import InvalidArgument
@@ -74,6 +74,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--quantization", choices=["int8"], default=None, help=QUANTIZATION_HELP)
     model.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default cpu)")
     model.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
+    model.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help=TENSOR_PARALLEL_HELP)
     model.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests (default 0)")
     model.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
                        help="read tool calls out of the model's text for tool_choice 'auto' (hermes: "
@@ -173,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         deterministic=args.deterministic,
+        tensor_parallel_size=args.tensor_parallel_size,
         device=args.device,
         scheduler=scheduler,
         kv_cache_memory_bytes=kv_bytes,

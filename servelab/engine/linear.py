@@ -8,6 +8,7 @@ which kind it holds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -93,3 +94,10 @@ def lm_head(weight: torch.Tensor, packed: Linear | None) -> Linear:
     if weight.dtype == torch.float32 and weight.device.type == "cpu":
         return TransposedHead(weight)
     return DenseLinear(weight)
+
+
+def map_weight(fn: Callable[[Linear], Linear], lin: Linear) -> Linear:
+    """`fn` applied to the linear that holds the weight, inside any wrapper that adds
+    communication around it (engine/parallel/layers.py: such a wrapper has `inner` and `with_inner`)."""
+    inner = getattr(lin, "inner", None)
+    return fn(lin) if inner is None else lin.with_inner(map_weight(fn, inner))

@@ -8,6 +8,7 @@ loaded inside `LLMEngine.from_args`, so the CLI and the server start fast until 
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -63,6 +64,9 @@ class EngineArgs:
     # True: the KV pool's memory is made resident at start (a server: flat RSS, a pool too big
     # fails at once); False: pages are touched as blocks first fill (fast start for offline use)
     kv_cache_prefault: bool = False
+    # Ranks the model is split across (Megatron sharding, engine/parallel/): each rank a process
+    # on this host joined by gloo, holding its heads' KV cache; kv_cache_memory_bytes is per rank.
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         # One vocabulary (spec/dtypes.py): old spellings such as "bf16" name the same dtype.
@@ -110,11 +114,28 @@ class EngineArgs:
                     f"got dtype {self.dtype!r}",
                     param="dtype",
                 )
+        if self.tensor_parallel_size < 1:
+            raise InvalidArgument(
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}", param="tensor_parallel_size"
+            )
+        if self.tensor_parallel_size > 1 and self.device != "cpu":
+            raise InvalidArgument(
+                f"tensor parallelism runs on cpu (gloo) only so far, got device {self.device!r}", param="device"
+            )
         self.scheduler.validate(resolved=False)
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise InvalidArgument(
                 f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}", param="kv_cache_memory_bytes"
             )
+
+
+def apply_model_options(model: Any, args: EngineArgs) -> None:
+    """What EngineArgs change in a loaded model (engine.model.LlamaModel); every tensor-parallel
+    rank applies the same."""
+    if args.quantization == "int8":
+        model.quantize_int8()
+    if args.deterministic:
+        model.make_batch_invariant()
 
 
 @dataclass
@@ -203,17 +224,17 @@ class LLMEngine:
             from servelab.engine.quantization import check_int8_supported
 
             check_int8_supported()  # before the minutes of loading
-        loaded = load_model(path, dtype=dtype, device=args.device)
-        if args.quantization == "int8":
-            loaded.model.quantize_int8()
+        tp = args.tensor_parallel_size
+        loaded = load_model(path, dtype=dtype, device=args.device, tp_rank=0, tp_size=tp)
+        apply_model_options(loaded.model, args)
         if args.deterministic:
-            loaded.model.make_batch_invariant()
             logger.info(
                 "deterministic mode: float32 compute%s, every batch size on one kernel per linear, decode "
                 "attention in the prefill kernel's order: greedy output is bit-identical whatever the batch",
                 "" if args.dtype else " (chosen for it: bf16 is not batch-invariant)",
             )
         spec = loaded.spec
+        model: Any = loaded.model  # under tensor parallelism, rank 0's shard until the workers start
         knobs = args.scheduler
         model_context = servable_context(spec)
         max_model_len = knobs.max_model_len or min(model_context, DEFAULT_MAX_MODEL_LEN)
@@ -223,7 +244,7 @@ class LLMEngine:
                 param="max_model_len",
             )
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
-        block_bytes = PagedKVCache.bytes_per_block(spec, knobs.block_size, kv_dtype)
+        block_bytes = PagedKVCache.bytes_per_block(model.config, knobs.block_size, kv_dtype)  # this rank's heads
         if knobs.num_blocks is not None:
             num_blocks = knobs.num_blocks
         else:
@@ -245,16 +266,27 @@ class LLMEngine:
             max_model_len = capacity_tokens  # a small cache asked for explicitly bounds the context
 
         kv_cache = PagedKVCache(
-            spec, num_blocks, knobs.block_size, dtype=kv_dtype, device=args.device, prefault=args.kv_cache_prefault
+            model.config, num_blocks, knobs.block_size, dtype=kv_dtype, device=args.device, prefault=args.kv_cache_prefault
         )
-        processors = LogitsProcessors(loaded.tokenizer, loaded.model.vocab_size)
-        executor = ModelExecutor(loaded.model, kv_cache, sampler=Sampler(args.seed, processors))
+        if tp > 1:  # last, so a configuration error leaves no process behind
+            from servelab.engine.parallel.group import start_tensor_parallel
+
+            model = start_tensor_parallel(loaded.model, spec, tp, (path, dtype, args, os.getpid()))
+            model.group.broadcast((num_blocks, knobs.block_size, kv_dtype, args.kv_cache_prefault))  # their pools
+        processors = LogitsProcessors(loaded.tokenizer, model.vocab_size)
+        executor = ModelExecutor(model, kv_cache, sampler=Sampler(args.seed, processors))
         scheduler_config = knobs.resolve(num_blocks=num_blocks, max_model_len=max_model_len)
         name = args.served_model_name or loaded.name
         engine = cls(executor, loaded.tokenizer, scheduler_config, name, processors)
         engine.model_spec = spec
         engine.sampling_defaults = load_sampling_defaults(path)
         return engine
+
+    def close(self) -> None:
+        """Stops what the engine started besides itself (tensor-parallel workers); idempotent."""
+        close = getattr(getattr(self.executor, "model", None), "close", None)
+        if close is not None:
+            close()
 
     # ------------------------------------------------------------------ requests
 

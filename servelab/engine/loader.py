@@ -35,15 +35,27 @@ def check_device(device: str) -> None:
         raise InvalidArgument(f"device={device!r} was asked for but no CUDA device is available", param="device")
 
 
-def load_model(path: str | Path, *, dtype: torch.dtype, device: str = "cpu") -> LoadedModel:
-    """Loads a GGUF file or an HF model directory; raises NotFound / InvalidArgument naming the path."""
+def load_model(
+    path: str | Path, *, dtype: torch.dtype, device: str = "cpu", tp_rank: int = 0, tp_size: int = 1
+) -> LoadedModel:
+    """Loads a GGUF file or an HF model directory; raises NotFound / InvalidArgument naming the path.
+    With `tp_size` > 1, only rank `tp_rank`'s shard (engine/parallel/sharding.py): the model is
+    that rank's, `spec` still the whole model's."""
     check_device(device)
     p = Path(path)
     if not p.exists():
         raise NotFound(f"model {str(path)!r} does not exist (give a .gguf file or an HF model directory)", param="model")
     if p.is_dir():
-        return _load_hf_dir(p, dtype, device)
-    return _load_gguf(p, dtype, device)
+        return _load_hf_dir(p, dtype, device, tp_rank, tp_size)
+    return _load_gguf(p, dtype, device, tp_rank, tp_size)
+
+
+def _shard(spec: ModelSpec, tp_rank: int, tp_size: int):
+    if tp_size == 1:
+        return None
+    from servelab.engine.parallel.sharding import Shard
+
+    return Shard(spec, tp_rank, tp_size)
 
 
 def servable_context(spec: ModelSpec) -> int:
@@ -70,7 +82,7 @@ def check_servable(spec: ModelSpec) -> None:
 # ---------------------------------------------------------------------------------------- HF
 
 
-def _load_hf_dir(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
+def _load_hf_dir(path: Path, dtype: torch.dtype, device: str, tp_rank: int, tp_size: int) -> LoadedModel:
     from safetensors import safe_open
 
     if not (path / "config.json").exists():
@@ -88,7 +100,11 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
         h = where.get(name)
         return None if h is None else h.get_tensor(name)
 
-    model = build_model(spec, get, dtype, device)
+    if (shard := _shard(spec, tp_rank, tp_size)) is not None:
+        from servelab.engine.parallel.shard_loading import safetensors_getter
+
+        get = safetensors_getter(where, shard)
+    model = build_model(spec if shard is None else shard.local_spec(), get, dtype, device)
     return LoadedModel(model, Tokenizer.from_hf_dir(path), spec, path.name, path)
 
 
@@ -107,15 +123,20 @@ def read_gguf_tensors(path: Path) -> tuple[GGUFFile, dict[str, GGUFTensor]]:
     return gguf, tensors
 
 
-def _load_gguf(path: Path, dtype: torch.dtype, device: str) -> LoadedModel:
+def _load_gguf(path: Path, dtype: torch.dtype, device: str, tp_rank: int, tp_size: int) -> LoadedModel:
     gguf, tensors = read_gguf_tensors(path)
     name = path.name[: -len(".gguf")] if path.name.endswith(".gguf") else path.name
     spec = ModelSpec.from_gguf_metadata(gguf.metadata, name=name,
                                         tensor_shapes={n: t.shape for n, t in gguf.tensors.items()})
     check_servable(spec)
-    get, get_packed = gguf_getters(spec, tensors)
+    model_spec = spec
+    if (shard := _shard(spec, tp_rank, tp_size)) is not None:
+        from servelab.engine.parallel.shard_loading import shard_gguf_tensors
+
+        tensors, model_spec = shard_gguf_tensors(tensors, shard), shard.local_spec()
+    get, get_packed = gguf_getters(model_spec, tensors)
     divisors = None
     if "rope_freqs.weight" in tensors:  # llama 3.1's scaling, stored as per-dimension divisors
         divisors = dequantize_gguf_tensor(tensors["rope_freqs.weight"]).reshape(-1)
-    model = build_model(spec, get, dtype, device, divisors, get_packed)
+    model = build_model(model_spec, get, dtype, device, divisors, get_packed)
     return LoadedModel(model, Tokenizer.from_gguf(gguf.metadata), spec, name, path)

@@ -11,7 +11,9 @@ and gate/up into another, so a layer is four GEMMs. RoPE uses the HF rotate-half
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import InitVar, dataclass, replace
+from functools import partial
 
 import torch
 
@@ -116,6 +118,8 @@ class LlamaModel:
     ):
         self.config = config
         self.embed = embed
+        # token ids -> rows; under tensor parallelism a vocab-parallel lookup (engine/parallel)
+        self.embedding: Callable[[torch.Tensor], torch.Tensor] = partial(torch.index_select, embed, 0)
         self.layers = layers
         self.final_norm = final_norm
         self.lm_head = linear.lm_head(lm_head, lm_head_packed)
@@ -132,9 +136,10 @@ class LlamaModel:
     def use_ops(self, ops: Ops) -> None:
         """Run on `ops` from now on; every linear is prepared for them."""
         self.ops = ops
+        prepare = partial(linear.map_weight, ops.prepare_linear)
         for layer in self.layers:
-            layer.qkv, layer.o, layer.gate_up, layer.down = (ops.prepare_linear(w) for w in layer.linears())
-        self.lm_head = ops.prepare_linear(self.lm_head)
+            layer.qkv, layer.o, layer.gate_up, layer.down = (prepare(w) for w in layer.linears())
+        self.lm_head = prepare(self.lm_head)
 
     @property
     def vocab_size(self) -> int:
@@ -161,8 +166,8 @@ class LlamaModel:
             return Int8Linear.from_weight(w.dequantize(), w.bias)
 
         for layer in self.layers:
-            layer.qkv, layer.o, layer.gate_up, layer.down = (int8(w) for w in layer.linears())
-        self.lm_head = int8(self.lm_head)
+            layer.qkv, layer.o, layer.gate_up, layer.down = (linear.map_weight(int8, w) for w in layer.linears())
+        self.lm_head = linear.map_weight(int8, self.lm_head)
         self.quantization = "int8"
         self.use_ops(self.ops)  # the new linears on the ops' kernels
 
@@ -214,7 +219,7 @@ class LlamaModel:
         eps, heads = cfg.rms_norm_eps, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         rotary = ops.rotary(*self._rope_tables(int(meta.positions.max()) + 1), meta.positions)
 
-        x = self.embed.index_select(0, input_ids)
+        x = self.embedding(input_ids)
         delta: torch.Tensor | None = None  # the residual stream's pending addend: x + delta is the true x
         for layer, kc, vc in zip(self.layers, k_cache, v_cache):
             x, h = ops.add_rms_norm(x, delta, layer.input_norm, eps)

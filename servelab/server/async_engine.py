@@ -279,6 +279,8 @@ class AsyncEngine:
         try:
             outputs = self.engine.step()
         except Exception as exc:
+            if getattr(exc, "engine_unusable", False):  # e.g. a tensor-parallel rank died: no step can run again
+                raise
             # Never let one bad step take the server down: fail the requests in flight, free
             # their blocks, keep serving the next ones.
             self.num_step_failures += 1

@@ -18,7 +18,14 @@ class _Fatal(BaseException):
     """Not an Exception: what `except Exception` in the step loop does not catch."""
 
 
-@pytest.mark.parametrize("fatal", [_Fatal("injected"), SystemExit(3), KeyboardInterrupt()])
+def _rank_failed() -> Exception:
+    from servelab.engine.parallel.group import RankFailed
+
+    return RankFailed("tensor-parallel rank failure: rank 1 exited with code -9")
+
+
+# RankFailed is an Exception, but no step can run after it: the engine stops as for the others
+@pytest.mark.parametrize("fatal", [_Fatal("injected"), SystemExit(3), KeyboardInterrupt(), _rank_failed()])
 def test_engine_thread_death_ends_every_stream_and_turns_health_503(fake_engine, fatal):
     engine = fake_engine(step_sleep_s=0.005)
     step = engine.step

@@ -1,0 +1,157 @@
+"""Tensor parallelism's communication on this host: gloo all-reduce at the engine's message
+sizes, and the engine's step time at TP=1 and TP=N on the bundled model.
+
+- all-reduce: `--ranks` processes (2 and 3 by default) on 127.0.0.1 (gloo, as the engine's ranks), each all-reducing
+  an fp32 [tokens, hidden] buffer: the message of one row-parallel layer for a step of that many
+  tokens. Median latency over `--iters`, and the algorithm bandwidth (buffer bytes / time).
+- step time: the engine on the bundled model (SmolLM2-135M: 9 heads, 3 KV heads, so N must
+  divide 9; default 3), one 128-token prefill step and the median batch-1 decode step, TP=1
+  then TP=N, with the host's torch threads split between the ranks as the engine does.
+- the cost model's all-reduce term beside them: cost/roofline.py's Efficiency.allreduce_latency_s
+  per all-reduce (two per layer), and the step's all-reduce count.
+
+- `--check`: also 64 greedy tokens at TP=1 and TP=N on the bundled model (equal?), and the
+  largest difference of their logits over the whole sequence (tests do this on tiny models).
+
+    python benchmarks/tp_allreduce.py [--ranks 2 3] [--tp 3] [--iters 50] [--check] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch loads (servelab/__init__.py)
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from servelab.core.sequence import SamplingParams
+from servelab.cost.roofline import Efficiency
+from servelab.engine.bundled import bundled_model_path
+from servelab.engine.llm_engine import EngineArgs, LLMEngine
+from servelab.engine.parallel.group import free_port
+
+HIDDEN = 576  # the bundled model's hidden size
+TOKENS = (1, 8, 32, 128, 512)
+
+
+def _allreduce_rank(rank: int, ranks: int, port: int, iters: int, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
+    rows = []
+    for tokens in TOKENS:
+        x = torch.randn(tokens, HIDDEN)
+        for _ in range(5):
+            dist.all_reduce(x)
+        times = []
+        for _ in range(iters):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(x)
+            times.append(time.perf_counter() - t0)
+        med = statistics.median(times)
+        rows.append({"tokens": tokens, "bytes": x.numel() * 4, "median_us": med * 1e6,
+                     "algbw_MB_s": x.numel() * 4 / med / 1e6})  # fmt: skip
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(rows, f)
+    dist.destroy_process_group()
+
+
+def allreduce_table(ranks: int, iters: int) -> list[dict]:
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        out = f.name
+    mp.spawn(_allreduce_rank, args=(ranks, free_port(), iters, out), nprocs=ranks, join=True)
+    with open(out) as f:
+        rows = json.load(f)
+    os.unlink(out)
+    return rows
+
+
+def step_times(tp: int, decodes: int = 32) -> dict:
+    engine = LLMEngine.from_args(EngineArgs(tensor_parallel_size=tp))
+    try:
+        engine.add_request("warm", list(range(100, 116)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+        while engine.has_unfinished():
+            engine.step()
+        engine.add_request("r", list(range(200, 328)), SamplingParams(max_tokens=decodes + 1, temperature=0, ignore_eos=True))
+        times = []
+        while engine.has_unfinished():
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        return {"tp": tp, "prefill_128_ms": times[0] * 1e3, "decode_b1_ms": statistics.median(times[1:]) * 1e3}
+    finally:
+        engine.close()
+
+
+def check_bundled(tp: int) -> dict:
+    import sys
+
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from tests.tiny_models import prefill_logits
+
+    engines = {n: LLMEngine.from_args(EngineArgs(tensor_parallel_size=n)) for n in (1, tp)}
+    try:
+        seqs = {}
+        for n, engine in engines.items():
+            ids = engine.tokenizer.encode_prompt("The history of the river Seine begins")
+            engine.add_request("a", ids, SamplingParams(max_tokens=64, temperature=0, ignore_eos=True))
+            out: list[int] = []
+            while engine.has_unfinished():
+                for o in engine.step():
+                    out += o.new_token_ids
+            seqs[n] = ids + out
+        logits = {n: prefill_logits(e.executor.model, seqs[1]) for n, e in engines.items()}
+        return {"greedy_64_equal": seqs[1] == seqs[tp], "max_abs_logit_diff": float((logits[1] - logits[tp]).abs().max()),
+                "max_abs_logit": float(logits[1].abs().max())}  # fmt: skip
+    finally:
+        for e in engines.values():
+            e.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ranks", type=int, nargs="+", default=[2, 3], help="processes in the all-reduce timing")
+    ap.add_argument("--tp", type=int, default=3, help="tensor-parallel size of the step timing (divides 9)")
+    ap.add_argument("--iters", type=int, default=50)
+    ap.add_argument("--check", action="store_true", help="greedy tokens and logits, TP=N against TP=1")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    load = os.getloadavg()
+    result = {
+        "host": {"cpus": os.cpu_count(), "loadavg_1_5_15": load, "torch_threads": torch.get_num_threads()},
+        "allreduce": {ranks: allreduce_table(ranks, args.iters) for ranks in args.ranks},
+        "steps": [step_times(1), step_times(args.tp)],
+    }
+    if args.check:
+        result["check"] = check_bundled(args.tp)
+    layers = 30  # the bundled model's
+    eff = Efficiency()
+    result["cost_model"] = {"allreduce_latency_us": eff.allreduce_latency_s * 1e6, "allreduces_per_step": 2 * layers,
+                            "modelled_latency_per_step_ms": 2 * layers * eff.allreduce_latency_s * 1e3}  # fmt: skip
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"host: {result['host']}")
+    for ranks, rows in result["allreduce"].items():
+        print(f"gloo all-reduce, {ranks} ranks, fp32 [tokens, {HIDDEN}]:")
+        for r in rows:
+            print(f"  {r['tokens']:>4} tokens {r['bytes']:>9} B  {r['median_us']:9.1f} us  {r['algbw_MB_s']:8.1f} MB/s")
+    for s in result["steps"]:
+        print(f"TP={s['tp']}: prefill 128 tokens {s['prefill_128_ms']:.1f} ms, decode batch 1 {s['decode_b1_ms']:.1f} ms/step")
+    c = result["cost_model"]
+    print(f"cost model: {c['allreduces_per_step']} all-reduces/step x {c['allreduce_latency_us']:.1f} us = "
+          f"{c['modelled_latency_per_step_ms']:.3f} ms of latency per step")  # fmt: skip
+    if args.check:
+        print(f"TP={args.tp} against TP=1: {result['check']}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,159 @@
+"""Rank 0's side of a tensor-parallel group: it starts the workers, joins them in a gloo
+process group on 127.0.0.1, and before each forward broadcasts the step's inputs.
+
+The scheduler runs only here. One step is one broadcast of the forward's inputs (token ids and
+AttentionMetadata, as one pickled object) followed by the forward itself, whose collectives
+(engine/parallel/layers.py) every rank runs in the same order; rank 0 samples from the gathered
+logits. Two groups: the step broadcast waits as long as the engine idles, so it has its own
+group with a long timeout; the forward's collectives time out after COLLECTIVE_TIMEOUT_S, so a
+stuck rank fails loudly instead of hanging. A rank that died is found before each step.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import socket
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from servelab.engine.parallel.layers import parallelize
+from servelab.engine.parallel.sharding import Shard
+
+logger = logging.getLogger("servelab.engine")
+
+COLLECTIVE_TIMEOUT_S = 60.0  # a forward's collective (and the start) waits no longer for a rank
+IDLE_TIMEOUT = timedelta(days=30)  # the step broadcast: workers wait this long for the next step
+
+
+class RankFailed(RuntimeError):
+    """A tensor-parallel rank died or stopped answering: the engine cannot step any more."""
+
+    engine_unusable = True  # the server's engine thread stops on it (every request fails, health 503)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_groups(rank: int, size: int, port: int) -> Any:
+    """Joins the default (compute) group and returns the control group; every rank calls it."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size,
+        timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+    )  # fmt: skip
+    return dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+
+
+class TensorParallelGroup:
+    """Workers 1..size-1 and the process groups, from start to close."""
+
+    def __init__(self, size: int, worker_args: tuple, threads_per_rank: int):
+        if dist.is_initialized():
+            raise RankFailed("this process already holds a torch.distributed group: one tensor-parallel engine per process")
+        from servelab.engine.parallel.worker import worker_main
+
+        self.size = size
+        self.host_threads = torch.get_num_threads()  # rank 0 runs on its share; close gives them back
+        torch.set_num_threads(threads_per_rank)
+        self.failure: str | None = None
+        port = free_port()
+        ctx = mp.get_context("spawn")
+        self.workers = [
+            ctx.Process(target=worker_main, args=(rank, size, port, threads_per_rank, *worker_args),
+                        name=f"servelab-tp-rank{rank}", daemon=True)  # fmt: skip
+            for rank in range(1, size)
+        ]
+        for w in self.workers:
+            w.start()
+        try:
+            self.control = init_groups(0, size, port)
+        except Exception as exc:
+            self.close()
+            raise RankFailed(f"tensor-parallel group of {size} did not form on 127.0.0.1:{port}: {exc}") from exc
+        atexit.register(self.close)
+
+    def check_alive(self) -> None:
+        if self.failure is not None:
+            raise RankFailed(self.failure)
+        dead = [(r, w.exitcode) for r, w in enumerate(self.workers, start=1) if not w.is_alive()]
+        if dead:
+            self._fail(", ".join(f"rank {r} exited with code {code}" for r, code in dead))
+
+    def _fail(self, why: str, exc: BaseException | None = None) -> None:
+        self.failure = f"tensor-parallel rank failure: {why}; the engine cannot continue"
+        logger.error(self.failure)
+        self.close()
+        raise RankFailed(self.failure) from exc
+
+    def broadcast(self, obj: Any) -> None:
+        """One object from rank 0 to every worker (the step's inputs, or None to stop)."""
+        self.check_alive()
+        try:
+            dist.broadcast_object_list([obj], src=0, group=self.control)
+        except RuntimeError as exc:
+            self.check_alive()
+            self._fail(f"broadcast failed ({exc})", exc)
+
+    def forward(self, model: Any, *inputs: Any) -> torch.Tensor:
+        """Rank 0's forward, with the workers running theirs on the same inputs."""
+        self.broadcast(inputs[:2])
+        try:
+            return model.forward(*inputs)
+        except RuntimeError as exc:
+            self.check_alive()  # a rank that died: RankFailed naming it
+            if not any(word in str(exc).lower() for word in ("gloo", "connection", "timed out", "timeout")):
+                raise  # not a collective's failure
+            self._fail(f"a collective failed ({exc})", exc)
+            raise  # unreachable: _fail raises
+
+    def close(self) -> None:
+        """Stops the workers (asking first, then killing) and leaves the process groups."""
+        if dist.is_initialized():
+            if self.failure is None and all(w.is_alive() for w in self.workers):
+                try:
+                    dist.broadcast_object_list([None], src=0, group=self.control)
+                except RuntimeError:
+                    pass
+            dist.destroy_process_group()
+        for w in self.workers:
+            if self.failure is None:  # asked to stop; after a failure the survivors wait on a dead group
+                w.join(timeout=5)
+            if w.is_alive():
+                w.kill()
+                w.join()
+        torch.set_num_threads(self.host_threads)
+        atexit.unregister(self.close)
+
+
+class TensorParallelModel:
+    """Rank 0's model as the executor sees it: the rank's shard, whose forward first hands the
+    step to the workers. Everything else is the shard model's."""
+
+    def __init__(self, model: Any, group: TensorParallelGroup):
+        self.model = model
+        self.group = group
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def forward(self, *inputs: Any) -> torch.Tensor:
+        return self.group.forward(self.model, *inputs)
+
+    def close(self) -> None:
+        self.group.close()
+
+
+def start_tensor_parallel(model: Any, spec: Any, size: int, worker_args: tuple) -> TensorParallelModel:
+    """Starts ranks 1..size-1 (each loads its own shard: worker.worker_main(..., *worker_args))
+    and makes `model`, rank 0's shard, its part of the whole. The host's torch threads are split
+    between the ranks, which share its cores."""
+    group = TensorParallelGroup(size, worker_args, max(1, torch.get_num_threads() // size))
+    parallelize(model, Shard(spec, 0, size), dist.group.WORLD)
+    return TensorParallelModel(model, group)
