@@ -90,7 +90,9 @@ def test_capacity_search_is_not_decided_by_the_start_up_wave(queueing_server):
     finally:
         loop.run_until_complete(client.aclose())
         loop.close()
-    assert result.best is not None and result.best.load >= 32, result.describe()
+    # >= 26, not the ~43 of an idle host: client-side jitter on a loaded 2-core machine costs a
+    # few ms of TTFT; counting the wave would stop the search near 19 however idle the host.
+    assert result.best is not None and result.best.load >= 26, result.describe()
     assert result.first_failing is not None and result.first_failing.load <= 56, result.describe()
     at_best = next(out for load, out in runs if load == result.best.load)
     c = int(result.best.load)
