@@ -77,7 +77,7 @@ def queueing_server():
 def test_capacity_search_is_not_decided_by_the_start_up_wave(queueing_server):
     # p90 TTFT <= 40 ms. Counted, the wave (1/8 of a level's 8 x C requests, TTFTs 10, 20, ...,
     # C x 10 ms) puts p90 TTFT near C x 2 ms: the search stopped at ~19. In the steady state the
-    # capacity is ~43 (C x 10 ms - 400 ms <= 40 ms).
+    # capacity on an idle host is ~43 (C x 10 ms - 400 ms <= 40 ms).
     slo = SLO(ttft_s=0.040)
     loop = asyncio.new_event_loop()
     client = OpenAIStreamClient(queueing_server, model="mock-model", max_connections=64)
@@ -90,9 +90,13 @@ def test_capacity_search_is_not_decided_by_the_start_up_wave(queueing_server):
     finally:
         loop.run_until_complete(client.aclose())
         loop.close()
-    # >= 26, not the ~43 of an idle host: client-side jitter on a loaded 2-core machine costs a
-    # few ms of TTFT; counting the wave would stop the search near 19 however idle the host.
-    assert result.best is not None and result.best.load >= 26, result.describe()
+    assert result.best is not None and result.best.load >= 16, result.describe()
+    # Levels the steady state passes and the whole run (wave counted) fails: had the wave been
+    # counted, the search would have stopped below them. Judged within each run, so a loaded host
+    # (client jitter costs a few ms of TTFT, and moves the capacity itself) cannot flip it.
+    decided_by_wave = [load for load, out in runs
+                       if out.steady is not None and out.steady.ttft_s.p90 <= 0.040 < out.summary.ttft_s.p90]
+    assert decided_by_wave and max(decided_by_wave) <= result.best.load, result.describe()
     assert result.first_failing is not None and result.first_failing.load <= 56, result.describe()
     at_best = next(out for load, out in runs if load == result.best.load)
     c = int(result.best.load)
