@@ -3,9 +3,9 @@ bandwidth and the peak fp32 / bf16 / int8 matmul rates torch reaches here.
 
     python benchmarks/host_limits.py [--threads N] [--json]
 
-bf16 and int8 are what this torch build does with them on this CPU (oneDNN for bf16; for int8 the
-faster of torch._int_mm and fbgemm's dynamic int8 linear): on a core without native bf16 that is
-an emulation, and the figure says so by being low. A rate torch has no CPU kernel for is reported
+Each rate is the best this torch build reaches on this CPU: the faster of torch.mm and a linear
+layer for fp32 and bf16, of torch._int_mm and fbgemm's dynamic int8 linear for int8. On a core
+without native bf16 that is an emulation, and the figure says so by being low. A rate torch has no CPU kernel for is reported
 as missing, not guessed. These are what torch reaches, not the silicon's datasheet peak: a
 hand-written kernel can beat them (a fraction over 100% says so).
 """
@@ -45,12 +45,15 @@ def _best_of(*rates: float | None) -> float | None:
 
 
 def measure_host_limits() -> HostLimits:
-    matmul = host_probe.matmul_flops_per_s
+    def floating(dtype: torch.dtype) -> float | None:
+        return _best_of(*(host_probe.peak_rate(lambda n: rate(dtype, n, repeats=3))
+                          for rate in (host_probe.matmul_flops_per_s, host_probe.linear_flops_per_s)))
+
     return HostLimits(
         read_bandwidth_bytes_per_s=host_probe.read_bandwidth_bytes_per_s(),
         peak_ops_per_s={
-            "fp32": host_probe.peak_rate(lambda n: matmul(torch.float32, n, repeats=3)),
-            "bf16": host_probe.peak_rate(lambda n: matmul(torch.bfloat16, n, repeats=3)),
+            "fp32": floating(torch.float32),
+            "bf16": floating(torch.bfloat16),
             "int8": _best_of(host_probe.peak_rate(lambda n: host_probe.int_mm_ops_per_s(n, repeats=3)),
                              host_probe.peak_rate(lambda n: host_probe.fbgemm_int8_ops_per_s(n, repeats=3))),
         },

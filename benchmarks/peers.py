@@ -166,7 +166,9 @@ class LlamaCppPeer:
     def __init__(self, threads: int, omp_wait_policy: str) -> None:
         if importlib.util.find_spec("llama_cpp") is None:
             raise ImportError("no module named 'llama_cpp'")
-        env = {**os.environ, "OMP_WAIT_POLICY": omp_wait_policy}  # not this process's PASSIVE
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}  # not this process's PASSIVE
+        if omp_wait_policy != "unset":
+            env["OMP_WAIT_POLICY"] = omp_wait_policy
         worker = Path(__file__).resolve().parent / "peers_llama_cpp.py"
         self.log = tempfile.TemporaryFile("w+")  # llama.cpp's own logging, shown if the worker dies
         self.proc = subprocess.Popen(
@@ -242,8 +244,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="threads for every engine (default: torch's, usually the cores)")
     parser.add_argument("--only", default=",".join(METRICS), help="comma-separated subset of " + ", ".join(METRICS))
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ", ".join(ENGINES))
-    parser.add_argument("--llama-omp-wait-policy", default="ACTIVE", choices=["ACTIVE", "PASSIVE"],
-                        help="OMP_WAIT_POLICY of the llama.cpp worker")
+    parser.add_argument("--llama-omp-wait-policy", default="ACTIVE", choices=["ACTIVE", "PASSIVE", "unset"],
+                        help="OMP_WAIT_POLICY of the llama.cpp worker (unset: libgomp's default, spin a while then sleep)")
     parser.add_argument("--json", action="store_true", help="print the raw figures as one JSON object on the last line")
     args = parser.parse_args(argv)
     args.only = _subset(parser, "--only", args.only, METRICS)

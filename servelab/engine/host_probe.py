@@ -42,6 +42,14 @@ def matmul_flops_per_s(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> f
     return 2 * n**3 / _best_s(lambda: torch.mm(a, b), repeats)
 
 
+def linear_flops_per_s(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
+    """The same multiply as a linear layer (x @ W^T): oneDNN's emulated bf16 takes a path there
+    ~10x faster than torch.mm's on an AVX2 core, and a peak is the best torch reaches."""
+    x = torch.randn(n, n).to(dtype)
+    w = torch.randn(n, n).to(dtype)
+    return 2 * n**3 / _best_s(lambda: torch.nn.functional.linear(x, w), repeats)
+
+
 def int_mm_ops_per_s(n: int = 1024, repeats: int = 5) -> float | None:
     """torch._int_mm (int8 x int8 -> int32), or None where it has no CPU kernel. Some builds run a
     slow fallback, hence fbgemm's rate below as well."""
