@@ -207,9 +207,16 @@ class LlamaCppPeer:
         return self._call(op="prefill", prompt=workloads.prompt_ids(workloads.PREFILL_LEN, 7))
 
     def close(self) -> None:
+        """Never leave a stopped worker behind, whatever interrupted the run."""
+        if self.proc.poll() is not None:
+            return
         self.proc.send_signal(signal.SIGCONT)
         self.proc.stdin.close()  # the worker's loop ends at EOF
-        self.proc.wait(timeout=30)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def vllm_note() -> str:
@@ -295,20 +302,21 @@ def main(argv: list[str] | None = None) -> int:
 
     notes = [vllm_note()]
     engines = []
-    for name in args.engines:
-        try:
-            engines.append(make_engine(name, threads, args.llama_omp_wait_policy))
-        except ImportError as e:  # a peer not installed: say so, time the others
-            notes.append(f"{name}: not installed ({e}); skipped (make bench-peers installs it)")
-    for e in engines:  # warm-up: first calls allocate, fault pages in and pick kernels
-        e.decode_b1()
-        e.prefill_512()
-    limits = measure_host_limits()  # every engine idle (llama.cpp stopped)
-
-    results = interleave(engines, args.only, args.rounds, log)
-    for e in engines:
-        if isinstance(e, LlamaCppPeer):
-            e.close()
+    try:
+        for name in args.engines:
+            try:
+                engines.append(make_engine(name, threads, args.llama_omp_wait_policy))
+            except ImportError as e:  # a peer not installed: say so, time the others
+                notes.append(f"{name}: not installed ({e}); skipped (make bench-peers installs it)")
+        for e in engines:  # warm-up: first calls allocate, fault pages in and pick kernels
+            e.decode_b1()
+            e.prefill_512()
+        limits = measure_host_limits()  # every engine idle (llama.cpp stopped)
+        results = interleave(engines, args.only, args.rounds, log)
+    finally:
+        for e in engines:
+            if isinstance(e, LlamaCppPeer):
+                e.close()
     medians = medians_of(results)
     profiles = {e.name: e.profile for e in engines}
     model = ModelSpec.from_gguf(bundled_model_path())
