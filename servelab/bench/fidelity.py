@@ -75,14 +75,16 @@ def sim_config(profile: dict[str, Any], server: dict[str, str], model: ModelSpec
     return SimConfig(model=model, cost_model=ProfileStepCost.from_profile(profile), scheduler=scheduler, slo=slo)
 
 
-def replay_trace(records: Sequence[RequestRecord]) -> list[RequestSpec]:
-    """The measured run as an open-loop trace: each successful request at its actual send time,
-    with the prompt and output lengths the server reported."""
+def replay_trace(records: Sequence[RequestRecord], closed_loop: bool = False) -> list[RequestSpec]:
+    """The measured run as a trace: each successful request with the prompt and output lengths
+    the server reported, in the order it was sent. Open loop: at its actual send time. Closed
+    loop: no times, sent when a simulated client frees up (a closed loop replayed at fixed times
+    would feed the simulator's own error back into its arrivals)."""
     ok = sorted((r for r in records if r.success and r.output_tokens > 0), key=lambda r: r.arrival_s)
     if not ok:
         raise InvalidArgument("the measured run has no successful request to replay")
     t0 = ok[0].arrival_s
-    return [RequestSpec(index=i, arrival_s=r.arrival_s - t0, prompt_tokens=r.prompt_tokens,
+    return [RequestSpec(index=i, arrival_s=None if closed_loop else r.arrival_s - t0, prompt_tokens=r.prompt_tokens,
                         output_tokens=r.output_tokens) for i, r in enumerate(ok)]
 
 

@@ -88,14 +88,18 @@ def _predict_and_report(args, profile, workload, slo, measured, server, served_m
     from servelab.metrics import format_summary_table
     from servelab.sim import simulate
 
-    trace = replay_trace(measured.records)
+    # a closed loop replays as a closed loop at the same concurrency; an open loop at its send times
+    closed = workload.rate is None and workload.trace is None
+    trace = replay_trace(measured.records, closed_loop=closed)
     model = _sim_model(profile, args.sim_model, served_model)
-    predicted = simulate(sim_config(profile, server, model, slo), trace)
+    predicted = simulate(sim_config(profile, server, model, slo), trace,
+                         concurrency=workload.concurrency if closed else None)
     rows = compare(measured.summary, predicted.summary)
     out = {
         "config": {"base_url": args.base_url, "model": served_model, "sim_model": model.name,
                    "profile": args.profile, "profile_model": profile.get("model"), "server": server,
                    "workload": workload.to_dict(), "replayed_requests": len(trace),
+                   "replay": f"closed loop, concurrency {workload.concurrency}" if closed else "measured send times",
                    "failed_requests": measured.summary.failed},
         "measured": measured.summary.to_dict(),
         "simulated": predicted.summary.to_dict(),
@@ -106,8 +110,9 @@ def _predict_and_report(args, profile, workload, slo, measured, server, served_m
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    print(f"{served_model} at {args.base_url}, {workload.describe()}; replayed {len(trace)} requests at their "
-          f"measured send times through the simulator with {args.profile}")
+    how = f"in a closed loop at concurrency {workload.concurrency}" if closed else "at their measured send times"
+    print(f"{served_model} at {args.base_url}, {workload.describe()}; replayed {len(trace)} requests {how} "
+          f"through the simulator with {args.profile}")
     if measured.summary.failed:
         print(f"note: {measured.summary.failed} requests failed on the server and are not replayed", file=sys.stderr)
     print()

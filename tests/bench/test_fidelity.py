@@ -43,6 +43,9 @@ def test_replay_trace_keeps_send_times_and_lengths_of_successful_requests():
     assert [(s.arrival_s, s.prompt_tokens, s.output_tokens) for s in trace] == [
         (0.0, 11, 4), (pytest.approx(0.3), 10, 4), (pytest.approx(1.2), 13, 7)]
     assert [s.index for s in trace] == [0, 1, 2]
+    # a closed loop replays without times, in the order it was sent
+    closed = replay_trace(recs, closed_loop=True)
+    assert [(s.arrival_s, s.prompt_tokens) for s in closed] == [(None, 11), (None, 10), (None, 13)]
     with pytest.raises(InvalidArgument, match="no successful request"):
         replay_trace([_record(0, 0.0, ok=False)])
 
