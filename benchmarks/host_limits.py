@@ -45,15 +45,11 @@ def _best_of(*rates: float | None) -> float | None:
 
 
 def measure_host_limits() -> HostLimits:
-    def floating(dtype: torch.dtype) -> float | None:
-        return _best_of(*(host_probe.peak_rate(lambda n: rate(dtype, n, repeats=3))
-                          for rate in (host_probe.matmul_flops_per_s, host_probe.linear_flops_per_s)))
-
     return HostLimits(
         read_bandwidth_bytes_per_s=host_probe.read_bandwidth_bytes_per_s(),
         peak_ops_per_s={
-            "fp32": floating(torch.float32),
-            "bf16": floating(torch.bfloat16),
+            "fp32": host_probe.peak_float_flops_per_s(torch.float32),
+            "bf16": host_probe.peak_float_flops_per_s(torch.bfloat16),
             "int8": _best_of(host_probe.peak_rate(lambda n: host_probe.int_mm_ops_per_s(n, repeats=3)),
                              host_probe.peak_rate(lambda n: host_probe.fbgemm_int8_ops_per_s(n, repeats=3))),
         },

@@ -44,7 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grid", choices=list(GRIDS), default="coarse",
                         help="coarse: about 30 s on the bundled model; full: minutes (default coarse)")
     parser.add_argument("--hardware-out", default=None, metavar="FILE.json",
-                        help="also measure this host (memory, copy bandwidth, matmul rates) and write it as a "
+                        help="also measure this host (memory, read bandwidth, matmul rates) and write it as a "
                              "hardware file for --hardware")
 
 
@@ -213,11 +213,11 @@ def write_hardware_file(path: str, host: dict[str, Any]) -> None:
 
     name = "host-" + (re.sub(r"[^a-z0-9]+", "-", host["cpu"].lower()).strip("-") or "cpu")
     data = probe_hardware(name, f"measured by servelab calibrate on {time.strftime('%Y-%m-%d')} with "
-                                f"{host['torch_threads']} threads: a streaming copy and 1024^3 matmuls (achieved "
+                                f"{host['torch_threads']} threads: a streaming read and the best torch matmul (achieved "
                                 f"rates, not datasheet peaks)")
     spec = parse_hardware(data, source=path, default_name=name)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f, indent=1)
-    print(f"{spec.name}: {spec.memory_bytes / 1e9:.1f} GB, copy bandwidth {spec.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
+    print(f"{spec.name}: {spec.memory_bytes / 1e9:.1f} GB, read bandwidth {spec.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
           f"matmul fp32 {spec.peak_flops['fp32'] / 1e9:.0f} GFLOP/s, bf16 {spec.peak_flops['bf16'] / 1e9:.0f} GFLOP/s")
     print(f"wrote {path} (use it with --hardware {path})")

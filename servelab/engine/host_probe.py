@@ -22,13 +22,6 @@ def _best_s(fn: Callable[[], Any], repeats: int) -> float:
     return best
 
 
-def memory_bandwidth_bytes_per_s(size_bytes: int = 256 << 20, repeats: int = 5) -> float:
-    """Streaming copy of a buffer larger than any cache: bytes read + bytes written per second."""
-    src = torch.ones(size_bytes // 4, dtype=torch.float32)
-    dst = torch.empty_like(src)
-    return 2 * size_bytes / _best_s(lambda: dst.copy_(src), repeats)
-
-
 def read_bandwidth_bytes_per_s(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
     """Streaming read (a sum over a buffer larger than any cache): what a decode step's weight
     stream can reach at best, where the copy above also pays for its writes."""
@@ -94,16 +87,25 @@ def memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def probe_hardware(name: str, description: str, *, size_bytes: int = 256 << 20, n: int = 1024,
-                   repeats: int = 5) -> dict[str, Any]:
-    """A hardware file's fields for this host. bf16 is the cost model's 16-bit rate: where the CPU
-    has no native bf16 matmul (slower than fp32), its fp32 rate stands in, as the format asks."""
-    fp32 = matmul_flops_per_s(torch.float32, n, repeats)
-    bf16 = matmul_flops_per_s(torch.bfloat16, n, repeats)
+def peak_float_flops_per_s(dtype: torch.dtype, sizes: tuple[int, ...] = (256, 512, 1024, 2048),
+                           repeats: int = 3) -> float | None:
+    """The faster of torch.mm and a linear layer at the best size: the rate torch reaches here."""
+    rates = [peak_rate(lambda n: rate(dtype, n, repeats=repeats), sizes)
+             for rate in (matmul_flops_per_s, linear_flops_per_s)]
+    return max((r for r in rates if r is not None), default=None)
+
+
+def probe_hardware(name: str, description: str, *, size_bytes: int = 1 << 30,
+                   sizes: tuple[int, ...] = (256, 512, 1024, 2048), repeats: int = 3) -> dict[str, Any]:
+    """A hardware file's fields for this host: streaming read bandwidth (what a decode step's
+    weights are priced at) and the peak matmul rates. bf16 is the cost model's 16-bit rate: where
+    the CPU has no native bf16 matmul (slower than fp32), its fp32 rate stands in, as the format asks."""
+    fp32 = peak_float_flops_per_s(torch.float32, sizes, repeats) or 0.0
+    bf16 = peak_float_flops_per_s(torch.bfloat16, sizes, repeats) or 0.0
     return {
         "name": name,
         "description": description,
         "memory_bytes": memory_bytes(),
-        "bandwidth_bytes_per_s": memory_bandwidth_bytes_per_s(size_bytes, repeats),
+        "bandwidth_bytes_per_s": read_bandwidth_bytes_per_s(size_bytes, repeats),
         "peak_flops": {"fp32": fp32, "bf16": max(bf16, fp32)},
     }

@@ -105,7 +105,8 @@ def test_calibrate_writes_a_hardware_file_for_this_host(tmp_path, monkeypatch, c
     monkeypatch.setitem(calibrate.GRIDS, "coarse", tiny)
     real_probe = host_probe.probe_hardware
     monkeypatch.setattr(host_probe, "probe_hardware",
-                        lambda name, description: real_probe(name, description, size_bytes=16 << 20, n=256, repeats=2))
+                        lambda name, description: real_probe(name, description, size_bytes=16 << 20, sizes=(128, 256),
+                                                                   repeats=2))
     hw = tmp_path / "host.json"
     assert main(["calibrate", "--model", str(model), "--dtype", "float32", "--out", str(tmp_path / "p.json"),
                  "--hardware-out", str(hw)]) == 0
