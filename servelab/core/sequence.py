@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from servelab.core.structured_output import StructuredOutputSpec
 from servelab.errors import InvalidArgument
@@ -65,9 +66,22 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] = field(default_factory=list)  # never completed in the output
     structured_output: StructuredOutputSpec | None = None
+    # The engine's compiled form of `structured_output`, attached before admission (off the step
+    # loop) so that the step loop never compiles, even if the compile cache dropped it since. An
+    # opaque handle into this process's grammar engine: copies and pickles leave it behind.
+    compiled_grammar: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        state["compiled_grammar"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
 
     def validate(self) -> None:
         if self.max_tokens < 1:

@@ -60,10 +60,11 @@ class LogitsProcessors:
     def prepare(self, params: SamplingParams) -> None:
         """Admission-time work: token ids checked against the vocabulary, the grammar compiled
         (cached; milliseconds to compile, seconds for the first one, which imports xgrammar: the
-        server calls this on a worker thread). Raises InvalidArgument naming the field."""
+        server calls this on a worker thread) and attached to the params, so the step loop
+        never compiles. Raises InvalidArgument naming the field."""
         params.validate_token_ids(self.vocab_size)
-        if params.structured_output is not None:
-            self.structured.compile(params.structured_output)
+        if params.structured_output is not None and params.compiled_grammar is None:
+            params.compiled_grammar = self.structured.compile(params.structured_output)
 
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, str]:
         """Edits the rows that ask for it in place (a copy of the whole batch's logits would cost
@@ -141,7 +142,9 @@ class LogitsProcessors:
         bad_words = bad_word_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         matcher = None
         if params.structured_output is not None:
-            matcher = self.structured.new_matcher(params.structured_output)
+            if params.compiled_grammar is None:  # a request that skipped add_request's prepare
+                self.prepare(params)
+            matcher = self.structured.new_matcher(params.compiled_grammar)
         return _RowState(bias_ids, bias_values, allowed, bad_words, matcher)
 
     @staticmethod

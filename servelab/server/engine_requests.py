@@ -123,11 +123,16 @@ def renamed_params(as_sent: dict[str, str]) -> Iterator[None]:
 
 
 async def prepare_logits_processors(engine: LLMEngine, offload: Offload, engine_requests: list[EngineRequest]) -> None:
-    """Token ids checked and the grammar compiled on a worker thread (the choices of one
-    request share their params), so neither the event loop nor the step loop compiles."""
-    params = engine_requests[0].params
-    if params.edits_logits:
-        await offload.run(engine.prepare_logits_processors, params)
+    """Token ids checked and the grammar compiled on a worker thread and attached to every
+    choice's params (one compile: the cache serves the others), so neither the event loop nor
+    the step loop compiles."""
+    if engine_requests[0].params.edits_logits:
+
+        def prepare_all() -> None:
+            for r in engine_requests:
+                engine.prepare_logits_processors(r.params)
+
+        await offload.run(prepare_all)
 
 
 __all__ = ["MAX_N", "MAX_STOP", "MAX_STOP_CHARS", "build_requests", "check_stops", "prepare_logits_processors"]

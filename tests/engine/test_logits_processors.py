@@ -316,3 +316,59 @@ def test_a_retry_row_by_row_does_not_apply_logit_bias_twice(processors, tokenize
     plain = make_seq(tokenizer, rid="s", temperature=0)
     rows = sample_isolated(FailsOnBatches(0, processors), logits, [biased, plain], tokenizer.vocab_size)
     assert rows.tokens == [5, 5] and not rows.errors
+
+
+def test_the_step_loop_never_compiles_a_grammar_evicted_after_its_preparation(tiny_engine_factory, monkeypatch):
+    """The server compiles a request's grammar on a worker thread before admission; were the
+    cache to drop it before the step loop admits the request, the step loop must not compile
+    it again (it travels with the request)."""
+    import threading
+
+    from servelab.engine import structured_output
+
+    monkeypatch.setattr(structured_output, "_CACHE_ENTRIES", 1)
+    engine = tiny_engine_factory(num_blocks=16)
+    backend = engine.logits_processors.structured
+    wanted = SamplingParams(max_tokens=8, temperature=0, structured_output=StructuredOutputSpec("regex", "[a-z]{3}"))
+    other = SamplingParams(max_tokens=8, structured_output=StructuredOutputSpec("regex", "[0-9]{3}"))
+
+    def on_worker(params: SamplingParams) -> None:
+        worker = threading.Thread(target=engine.prepare_logits_processors, args=(params,), name="worker")
+        worker.start()
+        worker.join()
+
+    on_worker(wanted)
+    compiled_on: list[str] = []
+    real_compiler = backend._compiler
+
+    class CountingCompiler:
+        def __getattr__(self, name):
+            attr = getattr(real_compiler, name)
+            if not name.startswith("compile_"):
+                return attr
+
+            def counted(*args, **kwargs):
+                compiled_on.append(threading.current_thread().name)
+                return attr(*args, **kwargs)
+
+            return counted
+
+    backend._compiler = CountingCompiler()
+    on_worker(other)  # evicts `wanted` from the one-entry cache
+    assert compiled_on == ["worker"]
+    seq = engine.add_request("r", [5, 6, 7], wanted)  # on this thread: the step loop's
+    while engine.has_unfinished():
+        engine.step()
+    assert compiled_on == ["worker"], "the step loop compiled a grammar"
+    assert re.fullmatch("[a-z]{3}", engine.tokenizer.decode(seq.output_token_ids))
+
+
+def test_params_copies_leave_the_compiled_grammar_behind(processors):
+    import copy
+    import pickle
+
+    params = SamplingParams(structured_output=StructuredOutputSpec("regex", "[a-z]+"))
+    processors.prepare(params)
+    assert params.compiled_grammar is not None
+    for clone in (pickle.loads(pickle.dumps(params)), copy.copy(params)):
+        assert clone.compiled_grammar is None and clone.structured_output == params.structured_output
