@@ -61,6 +61,9 @@ class SamplingParams:
     # vLLM's prompt_logprobs: the logprob of every prompt token after the first, with this many
     # top alternatives (0 = only the prompt's own token); None = not computed.
     prompt_logprobs: int | None = None
+    # Only the prompt is wanted (completions' echo with max_tokens 0): the one token the engine
+    # samples after the prefill is dropped by the caller, and metrics do not count it.
+    prompt_only: bool = False
     # Logit edits applied before every sampling method, greedy included (engine/logits_processors.py).
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # only these may be sampled

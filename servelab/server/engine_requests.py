@@ -50,7 +50,9 @@ def build_requests(
     prompt_logprobs: int | None = None,
 ) -> list[EngineRequest]:
     """One engine request per prompt and choice. `max_tokens=None` lets each completion use
-    the rest of the context, as OpenAI and vLLM do."""
+    the rest of the context, as OpenAI and vLLM do. `prompt_logprobs` is asked of a prompt's
+    first choice only: its scores serve every choice (the renderer reads them there), so the
+    prompt is scored once, and the other choices may use the prefix cache."""
     if req.n < 1 or req.n > MAX_N:
         raise InvalidArgument(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
@@ -62,6 +64,8 @@ def build_requests(
     max_tokens_param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
     as_sent = {"max_tokens": max_tokens_param, "logprobs": "top_logprobs" if chat else "logprobs"}
     defaults = engine.sampling_defaults
+    # echo with max_tokens 0: the route runs one token, which no one sees.
+    prompt_only = bool(getattr(req, "echo", False)) and req.max_tokens == 0
 
     def default(key: str) -> float:
         return sampling_default(defaults, key)
@@ -101,7 +105,8 @@ def build_requests(
                     stop_token_ids=list(req.stop_token_ids or []),
                     ignore_eos=req.ignore_eos,
                     logprobs=logprobs,
-                    prompt_logprobs=prompt_logprobs,
+                    prompt_logprobs=prompt_logprobs if j == 0 else None,
+                    prompt_only=prompt_only,
                     min_tokens=req.min_tokens,
                     **edits,
                 )

@@ -19,7 +19,7 @@ from servelab.server.engine_requests import build_requests, prepare_logits_proce
 from servelab.server.fields import refuse_non_text_parts, refuse_unsupported
 from servelab.server.http_errors import parse_body
 from servelab.server.prompt_scoring import prompt_logprobs_wanted
-from servelab.server.prompts import chat_prompt_ids, completion_prompt_ids, echo_prompt_texts
+from servelab.server.prompts import chat_prompt_ids, completion_prompt_ids, echo_prompts
 from servelab.server.render import ChatRenderer, CompletionRenderer
 from servelab.server.sse import sse_response
 from servelab.server.state import State
@@ -50,9 +50,11 @@ async def completions(request: Request, state: State) -> Response:
     engine_requests = build_requests(engine, request_id, prompts, req, max_tokens, req.logprobs, arrival_s,
                                      prompt_logprobs)  # fmt: skip
     await prepare_logits_processors(engine, state.offload, engine_requests)
-    echo_texts = await state.offload.run(echo_prompt_texts, engine, req.prompt) if req.echo else None
+    echoes = None
+    if req.echo:
+        echoes = await state.offload.run(echo_prompts, engine, req.prompt, prompts, req.logprobs is not None)
     stream = await state.async_engine.submit(engine_requests)
-    renderer = CompletionRenderer(state, request_id, req, engine_requests, echo_texts=echo_texts)
+    renderer = CompletionRenderer(state, request_id, req, engine_requests, echoes=echoes)
     if req.stream:
         return sse_response(renderer.stream(stream))
     return await collect_unless_disconnected(request, renderer.collect(stream))
