@@ -59,6 +59,21 @@ def test_browser_simple_content_types_get_415_showing_the_header(fake_engine, co
         assert ok.status_code == 200
 
 
+def test_a_post_without_a_json_content_type_gets_415(fake_engine):
+    """A browser's fetch of a Blob without a type sends no Content-Type and no CORS preflight:
+    only JSON types are served (application/json, or a +json type)."""
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    with TestClient(create_app(fake_engine())) as c:
+        for headers in ({}, {"Content-Type": ""}, {"Content-Type": "application/octet-stream"}, {"Content-Type": "text/json"}):
+            r = c.post("/v1/completions", content=body, headers=headers)
+            assert r.status_code == 415, (headers, r.text)
+            error = r.json()["error"]
+            assert "Content-Type: application/json" in error["message"] and error["code"] == "unsupported_media_type"
+        assert "no Content-Type" in c.post("/tokenize", content=b'{"prompt": "hi"}').json()["error"]["message"]
+        for media_type in ("application/json", "Application/JSON; charset=utf-8", "application/vnd.api+json"):
+            assert c.post("/v1/completions", content=body, headers={"Content-Type": media_type}).status_code == 200
+
+
 def test_no_cors_headers_unless_origins_are_allowed(fake_engine):
     origin = {"Origin": "https://evil.example"}
     with TestClient(create_app(fake_engine())) as c:
