@@ -230,6 +230,23 @@ def test_stop_lists_are_bounded(fake_engine):
         assert most.status_code == 200, most.text
 
 
+def test_bad_words_lists_are_bounded(fake_engine):
+    """Bad words are tokenized and matched on the engine thread, for every step of the request:
+    10,000 of them cost 1.3 s of tokenizing there and 5.6 ms per step (docs/limits-and-safety.md)."""
+    from servelab.server.engine_requests import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS
+
+    body = {"prompt": "hello", "max_tokens": 2}
+    with TestClient(create_app(fake_engine())) as c:
+        many = c.post("/v1/completions", json={**body, "bad_words": [f"w{i}" for i in range(10_000)]}).json()["error"]
+        assert many["param"] == "bad_words" and f"at most {MAX_BAD_WORDS}" in many["message"]
+        long = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                    "bad_words": ["x" * (MAX_BAD_WORD_CHARS + 1)]}).json()["error"]  # fmt: skip
+        assert long["param"] == "bad_words" and f"at most {MAX_BAD_WORD_CHARS}" in long["message"]
+        # at the limits: past these checks (this engine has no logits to edit, hence its own 400)
+        most = c.post("/v1/completions", json={**body, "bad_words": ["x" * MAX_BAD_WORD_CHARS] * MAX_BAD_WORDS})
+        assert "at most" not in most.json()["error"]["message"]
+
+
 def test_detokenizing_a_long_list_runs_off_the_event_loop(fake_engine):
     engine = fake_engine()
     tokens = list(range(3, 500)) * 1600  # ~800k ids, near what a 4 MiB body holds
