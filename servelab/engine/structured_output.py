@@ -4,7 +4,7 @@ xgrammar (the grammar engine of vLLM and SGLang) precomputes, per grammar, which
 vocabulary each grammar state admits, so a step's mask is a ~0.1 ms bitmask fill per constrained
 row. It imports transformers (seconds), so it is imported on the first constrained request, not
 with the engine; the server compiles on a worker thread before admission and the compiled grammar
-travels with the request (SamplingParams.compiled_grammar), so neither the event loop nor the step
+travels with the request (SamplingParams.prepared_edits), so neither the event loop nor the step
 loop waits for a compilation, even when the cache has dropped that grammar since.
 """
 

@@ -43,6 +43,17 @@ def check_stops(engine: LLMEngine, stop: list[str], stop_token_ids: list[int]) -
     check_token_ids(engine, stop_token_ids, "stop_token_ids")
 
 
+def check_token_id_lists(engine: LLMEngine, req: p.CompletionRequest | p.ChatCompletionRequest) -> None:
+    """A list of token ids longer than the vocabulary repeats itself: refused before its entries
+    are checked one by one (the body limit lets it hold ~10^6)."""
+    vocab = engine.tokenizer.vocab_size
+    for param, ids in (("logit_bias", req.logit_bias), ("allowed_token_ids", req.allowed_token_ids)):
+        if ids is not None and len(ids) > vocab:
+            raise InvalidArgument(
+                f"{param} has {len(ids):,} entries; at most {vocab} (the vocabulary's size) are allowed", param=param
+            )
+
+
 def check_bad_words(bad_words: list[str]) -> None:
     if len(bad_words) > MAX_BAD_WORDS:
         raise InvalidArgument(
@@ -75,6 +86,7 @@ def build_requests(
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     check_stops(engine, stop, list(req.stop_token_ids or []))
     check_bad_words(list(req.bad_words or []))
+    check_token_id_lists(engine, req)
     edits = sampling_kwargs(req)
     # Errors name the field the client sent, not our internal name for it.
     chat = isinstance(req, p.ChatCompletionRequest)
@@ -88,7 +100,8 @@ def build_requests(
     def default(key: str) -> float:
         return sampling_default(defaults, key)
 
-    out = []
+    out: list[EngineRequest] = []
+    first: SamplingParams | None = None
     for i, prompt in enumerate(prompts):  # token ids, checked
         limit = engine.max_model_len
         if len(prompt) >= limit:
@@ -109,25 +122,29 @@ def build_requests(
             index = i * req.n + j
             # Distinct but reproducible seeds for the choices of one seeded request.
             seed = None if req.seed is None else req.seed + index
+            scoring = prompt_logprobs if j == 0 else None
             with renamed_params(as_sent):
-                params = SamplingParams(
-                    max_tokens=room,
-                    temperature=default("temperature") if req.temperature is None else req.temperature,
-                    top_p=default("top_p") if req.top_p is None else req.top_p,
-                    top_k=default("top_k") if req.top_k is None else 0 if req.top_k == -1 else req.top_k,
-                    min_p=req.min_p if "min_p" in req.model_fields_set else default("min_p"),
-                    presence_penalty=req.presence_penalty,
-                    frequency_penalty=req.frequency_penalty,
-                    seed=seed,
-                    stop=stop,
-                    stop_token_ids=list(req.stop_token_ids or []),
-                    ignore_eos=req.ignore_eos,
-                    logprobs=logprobs,
-                    prompt_logprobs=prompt_logprobs if j == 0 else None,
-                    prompt_only=prompt_only,
-                    min_tokens=req.min_tokens,
-                    **edits,
-                )
+                if first is not None:  # the first's, checked once: its lists may be long
+                    params = first.sibling(seed=seed, max_tokens=room, prompt_logprobs=scoring)
+                else:
+                    params = first = SamplingParams(
+                        max_tokens=room,
+                        temperature=default("temperature") if req.temperature is None else req.temperature,
+                        top_p=default("top_p") if req.top_p is None else req.top_p,
+                        top_k=default("top_k") if req.top_k is None else 0 if req.top_k == -1 else req.top_k,
+                        min_p=req.min_p if "min_p" in req.model_fields_set else default("min_p"),
+                        presence_penalty=req.presence_penalty,
+                        frequency_penalty=req.frequency_penalty,
+                        seed=seed,
+                        stop=stop,
+                        stop_token_ids=list(req.stop_token_ids or []),
+                        ignore_eos=req.ignore_eos,
+                        logprobs=logprobs,
+                        prompt_logprobs=scoring,
+                        prompt_only=prompt_only,
+                        min_tokens=req.min_tokens,
+                        **edits,
+                    )
             out.append(EngineRequest(f"{request_id}-{index}", prompt, params, req.priority, arrival_s))
     return out
 
@@ -146,16 +163,12 @@ def renamed_params(as_sent: dict[str, str]) -> Iterator[None]:
 
 
 async def prepare_logits_processors(engine: LLMEngine, offload: Offload, engine_requests: list[EngineRequest]) -> None:
-    """Token ids checked and the grammar compiled on a worker thread and attached to every
-    choice's params (one compile: the cache serves the others), so neither the event loop nor
-    the step loop compiles."""
-    if engine_requests[0].params.edits_logits:
-
-        def prepare_all() -> None:
-            for r in engine_requests:
-                engine.prepare_logits_processors(r.params)
-
-        await offload.run(prepare_all)
+    """Token ids checked, bad words tokenized and the grammar compiled on a worker thread, once
+    for all the choices (siblings of the first), so neither the event loop nor the step loop
+    does it."""
+    first, *siblings = (r.params for r in engine_requests)
+    if first.edits_logits:
+        await offload.run(engine.prepare_logits_processors, first, *siblings)
 
 
 __all__ = [
@@ -166,6 +179,7 @@ __all__ = [
     "MAX_STOP_CHARS",
     "build_requests",
     "check_bad_words",
+    "check_token_id_lists",
     "check_stops",
     "prepare_logits_processors",
 ]

@@ -363,12 +363,51 @@ def test_the_step_loop_never_compiles_a_grammar_evicted_after_its_preparation(ti
     assert re.fullmatch("[a-z]{3}", engine.tokenizer.decode(seq.output_token_ids))
 
 
-def test_params_copies_leave_the_compiled_grammar_behind(processors):
+def test_params_copies_leave_the_prepared_edits_behind(processors):
     import copy
     import pickle
 
-    params = SamplingParams(structured_output=StructuredOutputSpec("regex", "[a-z]+"))
+    params = SamplingParams(structured_output=StructuredOutputSpec("regex", "[a-z]+"), bad_words=["x"])
     processors.prepare(params)
-    assert params.compiled_grammar is not None
+    assert params.prepared_edits is not None
     for clone in (pickle.loads(pickle.dumps(params)), copy.copy(params)):
-        assert clone.compiled_grammar is None and clone.structured_output == params.structured_output
+        assert clone.prepared_edits is None and clone.structured_output == params.structured_output
+
+
+def test_siblings_share_the_first_choices_preparation(processors, tokenizer):
+    first = SamplingParams(logit_bias={5: 1.0}, allowed_token_ids=list(range(100)), bad_words=["Paris"],
+                           structured_output=StructuredOutputSpec("regex", "[a-z]+"))  # fmt: skip
+    siblings = [first.sibling(seed=i, max_tokens=8, prompt_logprobs=None) for i in range(3)]
+    other = SamplingParams(bad_words=["London"])  # not a sibling: prepared on its own
+    processors.prepare(first, *siblings, other)
+    assert all(s.prepared_edits is first.prepared_edits for s in siblings)
+    assert other.prepared_edits is not first.prepared_edits
+    assert other.prepared_edits.bad_words == bad_word_token_ids(tokenizer, ["London"])
+    assert [s.seed for s in siblings] == [0, 1, 2] and siblings[0].max_tokens == 8
+    with pytest.raises(InvalidArgument, match="min_tokens"):
+        SamplingParams(min_tokens=4, max_tokens=8).sibling(seed=None, max_tokens=2, prompt_logprobs=None)
+
+
+def test_the_step_loop_never_tokenizes_bad_words(tiny_engine_factory):
+    import threading
+
+    engine = tiny_engine_factory(num_blocks=16)
+    params = SamplingParams(max_tokens=4, temperature=0, bad_words=["hello", "world"])
+    worker = threading.Thread(target=engine.prepare_logits_processors, args=(params,))
+    worker.start()
+    worker.join()
+    tokenized_on: list[str] = []
+    real_encode = engine.tokenizer.encode
+
+    def encode(*args, **kwargs):
+        tokenized_on.append(threading.current_thread().name)
+        return real_encode(*args, **kwargs)
+
+    engine.tokenizer.encode = encode
+    try:
+        engine.add_request("r", [5, 6, 7], params)
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        del engine.tokenizer.encode
+    assert tokenized_on == []

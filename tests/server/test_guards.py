@@ -247,6 +247,44 @@ def test_bad_words_lists_are_bounded(fake_engine):
         assert "at most" not in most.json()["error"]["message"]
 
 
+def test_long_token_id_lists_neither_hold_the_loop_nor_are_checked_per_choice(fake_engine):
+    """allowed_token_ids and logit_bias can hold ~10^6 entries inside the body limit; each
+    choice's params used to check them again, on the event loop (~0.5 s each at 10^6, n=128).
+    A list longer than the vocabulary is refused at once; one as long is checked once, off the
+    loop, whatever n."""
+    engine = fake_engine()
+    vocab = engine.tokenizer.vocab_size
+    body = {"prompt": "hello", "max_tokens": 1, "n": 128}
+    with TestClient(create_app(engine)) as c:
+        for field, value in (("allowed_token_ids", [1] * (vocab + 1)),
+                             ("logit_bias", {str(i): 1 for i in range(vocab + 1)})):  # fmt: skip
+            err = c.post("/v1/completions", json={**body, field: value}).json()["error"]
+            assert err["param"] == field and f"at most {vocab}" in err["message"], err
+
+    from servelab.core import sequence
+
+    checks = 0
+    real = sequence.SamplingParams.validate
+
+    def counting(self):
+        nonlocal checks
+        checks += bool(self.allowed_token_ids)  # (defaults are read from plain SamplingParams())
+        return real(self)
+
+    sequence.SamplingParams.validate = counting
+    try:
+        async def post(client: httpx.AsyncClient) -> httpx.Response:
+            return await client.post("/v1/completions", json={**body, "allowed_token_ids": list(range(vocab))})
+
+        latencies, r = asyncio.run(_health_latencies_while(create_app(engine), post))
+    finally:
+        sequence.SamplingParams.validate = real
+    # this engine edits no logits: past every check, its own 400
+    assert r.status_code == 400 and "does not sample real logits" in r.json()["error"]["message"], r.text
+    assert checks == 1
+    _assert_responsive(latencies)
+
+
 def test_detokenizing_a_long_list_runs_off_the_event_loop(fake_engine):
     engine = fake_engine()
     tokens = list(range(3, 500)) * 1600  # ~800k ids, near what a 4 MiB body holds

@@ -47,8 +47,9 @@ async def completions(request: Request, state: State) -> Response:
     request_id = "cmpl-" + uuid.uuid4().hex
     # echo with max_tokens 0 runs one token (the engine samples after every prefill) and drops it.
     max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
-    engine_requests = build_requests(engine, request_id, prompts, req, max_tokens, req.logprobs, arrival_s,
-                                     prompt_logprobs)  # fmt: skip
+    # Off the loop: the checks are in proportion to the lists a request may send.
+    engine_requests = await state.offload.run(build_requests, engine, request_id, prompts, req, max_tokens,
+                                              req.logprobs, arrival_s, prompt_logprobs)  # fmt: skip
     await prepare_logits_processors(engine, state.offload, engine_requests)
     echoes = None
     if req.echo:
@@ -77,8 +78,8 @@ async def chat_completions(request: Request, state: State) -> Response:
     top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     prompt_logprobs = prompt_logprobs_wanted(prompt_logprobs=req.prompt_logprobs, echo_logprobs=None, stream=req.stream)
     request_id = "chatcmpl-" + uuid.uuid4().hex
-    engine_requests = build_requests(engine, request_id, [prompt_ids], req, max_tokens, top_logprobs, arrival_s,
-                                     prompt_logprobs)  # fmt: skip
+    engine_requests = await state.offload.run(build_requests, engine, request_id, [prompt_ids], req, max_tokens,
+                                              top_logprobs, arrival_s, prompt_logprobs)  # fmt: skip
     await prepare_logits_processors(engine, state.offload, engine_requests)
     stream = await state.async_engine.submit(engine_requests)
     renderer = ChatRenderer(state, request_id, req, engine_requests, plan)
