@@ -78,8 +78,12 @@ class LogitsProcessors:
             params.validate_token_ids(self.vocab_size)
             params.prepared_edits = self._prepare(params)
         for other in siblings:
-            same = (other.logit_bias is params.logit_bias and other.allowed_token_ids is params.allowed_token_ids
-                    and other.bad_words is params.bad_words and other.structured_output == params.structured_output)  # fmt: skip
+            same = (
+                other.logit_bias is params.logit_bias
+                and other.allowed_token_ids is params.allowed_token_ids
+                and other.bad_words is params.bad_words
+                and other.structured_output == params.structured_output
+            )
             if same and other.prepared_edits is None:
                 other.prepared_edits = params.prepared_edits
             else:

@@ -79,7 +79,7 @@ class RequestGuard:
         if scope["method"] in ("POST", "PUT", "PATCH"):
             content_type = headers.get("content-type")
             if not is_json_media_type((content_type or "").partition(";")[0].strip().lower()):
-                sent = "this request has no Content-Type" if not content_type else f"Content-Type {content_type!r} is not accepted"
+                sent = f"Content-Type {content_type!r} is not accepted" if content_type else "this request has no Content-Type"
                 return error_response(
                     415, f"{sent}: the body must be JSON, sent with the header 'Content-Type: application/json'",
                     code="unsupported_media_type",

@@ -184,7 +184,8 @@ class CompletionRenderer(_Renderer):
             base = len(prompt.text)
             scorer = self._scorer(choice)
             if echo and scorer is not None:
-                for (token_id, logprob, top), offset in zip(echoed_logprobs(scorer, self.req.logprobs), prompt.text_offsets or ()):
+                items = echoed_logprobs(scorer, self.req.logprobs)
+                for (token_id, logprob, top), offset in zip(items, prompt.text_offsets or ()):
                     add(token_id, logprob, top, offset)
         for lp, offset in zip(choice.logprobs[start:], choice.text_offsets[start:]):
             add(lp.token_id, lp.logprob, lp.top[: self.req.logprobs], base + offset)

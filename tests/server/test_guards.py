@@ -64,7 +64,8 @@ def test_a_post_without_a_json_content_type_gets_415(fake_engine):
     only JSON types are served (application/json, or a +json type)."""
     body = b'{"prompt": "hi", "max_tokens": 1}'
     with TestClient(create_app(fake_engine())) as c:
-        for headers in ({}, {"Content-Type": ""}, {"Content-Type": "application/octet-stream"}, {"Content-Type": "text/json"}):
+        for sent in (None, "", "application/octet-stream", "text/json"):
+            headers = {} if sent is None else {"Content-Type": sent}
             r = c.post("/v1/completions", content=body, headers=headers)
             assert r.status_code == 415, (headers, r.text)
             error = r.json()["error"]
