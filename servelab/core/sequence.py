@@ -104,7 +104,10 @@ class SamplingParams:
                 f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}", param="min_tokens"
             )
 
-    def validate(self) -> None:
+    def validate(self, *, lists: bool = True) -> None:
+        """Every value in range. `lists=False` skips the per-entry checks of logit_bias,
+        allowed_token_ids and bad_words (in proportion to their length, up to the vocabulary's),
+        for params whose lists were checked when they were prepared."""
         self._validate_lengths()
         # Comparisons are written so that NaN fails them: a NaN that got through would fail
         # the whole batch's step, not just this request.
@@ -126,6 +129,10 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise InvalidArgument(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", param=name)
+        if lists:
+            self._validate_lists()
+
+    def _validate_lists(self) -> None:
         for token_id, bias in self.logit_bias.items():
             if not isinstance(token_id, int) or token_id < 0:
                 raise InvalidArgument(

@@ -304,7 +304,7 @@ class LLMEngine:
         QueueFull / InvalidArgument with clear messages."""
         if request_id in self._requests:
             raise InvalidArgument(f"request id {request_id!r} is already in use", param="request_id")
-        params.validate()
+        params.validate(lists=params.prepared_edits is None)  # prepared: its lists were checked then
         self.prepare_logits_processors(params)
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode_prompt(prompt)

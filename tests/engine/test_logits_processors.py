@@ -411,3 +411,29 @@ def test_the_step_loop_never_tokenizes_bad_words(tiny_engine_factory):
     finally:
         del engine.tokenizer.encode
     assert tokenized_on == []
+
+
+def test_the_step_loop_does_no_per_entry_work_on_a_prepared_requests_lists(tiny_engine_factory):
+    """A request's lists may be as long as the vocabulary, for each of up to 128 choices: once
+    prepared (off the step loop), add_request and the steps must not walk them again."""
+    import threading
+
+    class CountingList(list):
+        walks = 0
+
+        def __iter__(self):
+            CountingList.walks += 1
+            return super().__iter__()
+
+    engine = tiny_engine_factory(num_blocks=32)
+    first = SamplingParams(max_tokens=3, temperature=1.0, seed=0, allowed_token_ids=CountingList(range(5, 300)))
+    siblings = [first.sibling(seed=i, max_tokens=3, prompt_logprobs=None) for i in range(1, 4)]
+    worker = threading.Thread(target=engine.prepare_logits_processors, args=(first, *siblings))
+    worker.start()
+    worker.join()
+    CountingList.walks = 0
+    seqs = [engine.add_request(f"r{i}", [5, 6, 7], p) for i, p in enumerate([first, *siblings])]
+    while engine.has_unfinished():
+        engine.step()
+    assert CountingList.walks == 0
+    assert all(5 <= t < 300 for s in seqs for t in s.output_token_ids)
