@@ -18,7 +18,7 @@ from servelab.bench.capacity import CapacityResult, find_capacity
 from servelab.core.config import SchedulerConfig
 from servelab.errors import DoesNotFit, InvalidArgument, RequestTooLong
 from servelab.metrics import SLO
-from servelab.spec.dtypes import DEFAULT_DTYPE
+from servelab.spec.dtypes import DEFAULT_DTYPE, kv_dtype_alias
 from servelab.workload import WorkloadSpec
 
 
@@ -63,6 +63,7 @@ class PlanRow:
         }
 
 
+@kv_dtype_alias  # the old name of kv_cache_dtype
 @dataclass(frozen=True, slots=True)
 class PlanJob:
     """Everything one worker needs, as plain picklable data."""
@@ -74,7 +75,7 @@ class PlanJob:
     percentile: int
     workload: dict[str, Any]  # WorkloadSpec fields, without the load
     weight_dtype: str = DEFAULT_DTYPE
-    kv_dtype: str = DEFAULT_DTYPE
+    kv_cache_dtype: str = DEFAULT_DTYPE
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)  # one replica's
     max_concurrency: int | None = None
     target_rate: float | None = None
@@ -103,7 +104,7 @@ def plan_one(job: PlanJob) -> PlanRow:
     model, hardware = get_model(job.model), get_hardware(job.hardware)
     row = PlanRow(hardware=hardware.name, tp=job.tp, fits=False, price_per_device_hour=job.price_per_device_hour)
     try:
-        memory = MemoryPlan(model, hardware, job.weight_dtype, job.kv_dtype, job.tp)
+        memory = MemoryPlan(model, hardware, job.weight_dtype, job.kv_cache_dtype, job.tp)
         memory.require_weights_fit()
         base = WorkloadSpec(**job.workload)
         longest = max(s.prompt_tokens + s.output_tokens for s in base.generate())
@@ -117,7 +118,7 @@ def plan_one(job: PlanJob) -> PlanRow:
         hardware=hardware,
         tp=job.tp,
         weight_dtype=job.weight_dtype,
-        kv_dtype=job.kv_dtype,
+        kv_cache_dtype=job.kv_cache_dtype,
         scheduler=job.scheduler,
         slo=job.slo,
         cost_model=None if job.profile is None else _profile_cost(job.profile),

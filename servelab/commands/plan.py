@@ -89,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
     prices = parse_prices(args.price, hardware)
     jobs = [
         PlanJob(model=model.name, hardware=h, tp=tp, slo=slo, percentile=args.percentile, workload=workload,
-                weight_dtype=weight, kv_dtype=kv, scheduler=scheduler, max_concurrency=args.max_concurrency,
+                weight_dtype=weight, kv_cache_dtype=kv, scheduler=scheduler, max_concurrency=args.max_concurrency,
                 target_rate=args.target_rate, price_per_device_hour=prices.get(get_hardware(h).name),
                 profile=args.profile)
         for h in hardware

@@ -112,7 +112,7 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201
         hardware=get_hardware(args.hardware),
         tp=args.tp,
         weight_dtype=weight,
-        kv_dtype=kv,
+        kv_cache_dtype=kv,
         replicas=args.replicas,
         disagg=args.disagg,
         router=args.router,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import copy
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from servelab.core.structured_output import StructuredOutputSpec
 from servelab.errors import InvalidArgument
@@ -60,18 +62,53 @@ class SamplingParams:
     # vLLM's prompt_logprobs: the logprob of every prompt token after the first, with this many
     # top alternatives (0 = only the prompt's own token); None = not computed.
     prompt_logprobs: int | None = None
+    # Only the prompt is wanted (completions' echo with max_tokens 0): the one token the engine
+    # samples after the prefill is dropped by the caller, and metrics do not count it.
+    prompt_only: bool = False
     # Logit edits applied before every sampling method, greedy included (engine/logits_processors.py).
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] = field(default_factory=list)  # never completed in the output
     structured_output: StructuredOutputSpec | None = None
+    # The engine's admission-time work for the edits above (their tensors, the bad words' token
+    # ids, the compiled grammar), attached off the step loop so that the step loop neither
+    # tokenizes nor compiles, even if the compile cache dropped the grammar since. An opaque
+    # handle into this process's engine: copies and pickles leave it behind.
+    prepared_edits: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self.validate()
 
-    def validate(self) -> None:
+    def __getstate__(self) -> dict[str, Any]:
+        state = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        state["prepared_edits"] = None
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
+
+    def sibling(self, *, seed: int | None, max_tokens: int, prompt_logprobs: int | None) -> SamplingParams:
+        """Another choice (or prompt) of the same request: these params, sharing their lists (which
+        may be long, and were checked once), with its own seed, length and prompt scoring."""
+        twin = copy.copy(self)
+        twin.seed, twin.max_tokens, twin.prompt_logprobs = seed, max_tokens, prompt_logprobs
+        twin._validate_lengths()
+        return twin
+
+    def _validate_lengths(self) -> None:
         if self.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}", param="max_tokens")
+        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
+            raise InvalidArgument(
+                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}", param="min_tokens"
+            )
+
+    def validate(self, *, lists: bool = True) -> None:
+        """Every value in range. `lists=False` skips the per-entry checks of logit_bias,
+        allowed_token_ids and bad_words (in proportion to their length, up to the vocabulary's),
+        for params whose lists were checked when they were prepared."""
+        self._validate_lengths()
         # Comparisons are written so that NaN fails them: a NaN that got through would fail
         # the whole batch's step, not just this request.
         if not 0 <= self.temperature <= MAX_TEMPERATURE:
@@ -92,10 +129,10 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:
                 raise InvalidArgument(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}", param=name)
-        if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
-            raise InvalidArgument(
-                f"min_tokens must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}", param="min_tokens"
-            )
+        if lists:
+            self._validate_lists()
+
+    def _validate_lists(self) -> None:
         for token_id, bias in self.logit_bias.items():
             if not isinstance(token_id, int) or token_id < 0:
                 raise InvalidArgument(

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from servelab.errors import DoesNotFit, InvalidArgument
 from servelab.spec.dtypes import DEFAULT_DTYPE
 from servelab.spec.dtypes import kv_dtype as _kv_dtype
+from servelab.spec.dtypes import kv_dtype_alias
 from servelab.spec.dtypes import weight_dtype as _weight_dtype
 from servelab.spec.hardware import HardwareSpec
 from servelab.spec.model import ModelSpec
@@ -40,12 +41,13 @@ def _gb(n_bytes: float) -> str:
     return f"{n_bytes / 1e9:.1f} GB"
 
 
+@kv_dtype_alias  # the old name of kv_cache_dtype
 @dataclass(frozen=True, slots=True)
 class MemoryPlan:
     model: ModelSpec
     hardware: HardwareSpec
     weight_dtype: str = DEFAULT_DTYPE
-    kv_dtype: str = DEFAULT_DTYPE
+    kv_cache_dtype: str = DEFAULT_DTYPE
     tp: int = 1
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
 
@@ -56,7 +58,7 @@ class MemoryPlan:
                                   "interconnect_bytes_per_s; use tp=1", param="tp")
         # validated, and named in the canonical spelling ("bf16" -> "bfloat16")
         object.__setattr__(self, "weight_dtype", _weight_dtype(self.weight_dtype).name)
-        object.__setattr__(self, "kv_dtype", _kv_dtype(self.kv_dtype).name)
+        object.__setattr__(self, "kv_cache_dtype", _kv_dtype(self.kv_cache_dtype).name)
         if not 0.0 < self.memory_fraction <= 1.0:
             raise InvalidArgument(f"memory fraction must be in (0, 1], got {self.memory_fraction}",
                                   param="memory_fraction")
@@ -69,7 +71,7 @@ class MemoryPlan:
     @property
     def kv_bytes_per_token_per_device(self) -> float:
         m = self.model
-        return 2 * m.num_layers * kv_heads_per_device(m, self.tp) * m.head_dim * _kv_dtype(self.kv_dtype).bytes_per_element
+        return 2 * m.num_layers * kv_heads_per_device(m, self.tp) * m.head_dim * _kv_dtype(self.kv_cache_dtype).bytes_per_element
 
     @property
     def usable_bytes(self) -> float:
@@ -101,7 +103,7 @@ class MemoryPlan:
 
     def describe(self) -> str:
         return (f"{self.model.name} on {self.hardware.name} ({self.weight_dtype} weights, "
-                f"{self.kv_dtype} KV, tp={self.tp})")
+                f"{self.kv_cache_dtype} KV, tp={self.tp})")
 
     def require_weights_fit(self) -> None:
         if not self.weights_fit:

@@ -117,7 +117,7 @@ class Roofline:
         self.tp = tp
         self.efficiency = eff = efficiency or Efficiency()
         self.memory = MemoryPlan(model, hardware, weight_dtype, kv_dtype, tp, memory_fraction)  # validates
-        self.weight_dtype, self.kv_dtype = self.memory.weight_dtype, self.memory.kv_dtype  # canonical names
+        self.weight_dtype, self.kv_dtype = self.memory.weight_dtype, self.memory.kv_cache_dtype  # canonical names
         wdt = _weight_dtype(weight_dtype)
         fmt = eff.for_format(weight_dtype)
         m = model

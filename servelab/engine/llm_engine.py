@@ -304,7 +304,7 @@ class LLMEngine:
         QueueFull / InvalidArgument with clear messages."""
         if request_id in self._requests:
             raise InvalidArgument(f"request id {request_id!r} is already in use", param="request_id")
-        params.validate()
+        params.validate(lists=params.prepared_edits is None)  # prepared: its lists were checked then
         self.prepare_logits_processors(params)
         if isinstance(prompt, str):
             token_ids = self.tokenizer.encode_prompt(prompt)
@@ -339,19 +339,21 @@ class LLMEngine:
         self._requests[request_id] = self._new_state(seq)
         return seq
 
-    def prepare_logits_processors(self, params: SamplingParams) -> None:
-        """Checks token ids against the vocabulary and compiles the request's grammar (cached).
-        The server calls it on a worker thread before admission, so that add_request, on the
-        step loop's thread, finds the grammar compiled."""
-        if not params.edits_logits:
+    def prepare_logits_processors(self, params: SamplingParams, *siblings: SamplingParams) -> None:
+        """Checks token ids against the vocabulary, tokenizes bad words and compiles the grammar
+        (cached), attached to the params (`siblings`, the request's other choices, share it). The
+        server calls it on a worker thread before admission, so that add_request, on the step
+        loop's thread, finds the work done."""
+        if not params.edits_logits or params.prepared_edits is not None and not siblings:
             return
         if self.logits_processors is None:
+            asked = [f for f in ("logit_bias", "allowed_token_ids", "bad_words") if getattr(params, f)]
             raise InvalidArgument(
                 "this engine does not sample real logits, so logit_bias, allowed_token_ids, bad_words and "
                 "structured outputs are not available",
-                param="logit_bias" if params.logit_bias else "structured_outputs",
+                param=asked[0] if asked else params.structured_output.source,
             )
-        self.logits_processors.prepare(params)
+        self.logits_processors.prepare(params, *siblings)
 
     def _new_state(self, seq: Sequence) -> _RequestState:
         stream = RequestTextStream(self.tokenizer, seq.prompt_token_ids, seq.params.stop, skip_special_tokens=True)

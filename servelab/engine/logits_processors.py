@@ -10,6 +10,7 @@ sample) is reported back and ends alone with finish reason "error"; the rest of 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -21,14 +22,23 @@ from servelab.engine.tokenizer import Tokenizer
 _MASK = float("-inf")
 
 
-@dataclass(slots=True)
-class _RowState:
-    """What a request's edits need each step, built on its first sampled token."""
+@dataclass(frozen=True, slots=True)
+class PreparedEdits:
+    """A request's edits as the step loop applies them, built at admission off the step loop
+    (SamplingParams.prepared_edits): read-only, so the choices of one request share one."""
 
     bias_ids: torch.Tensor | None
     bias_values: torch.Tensor | None
     allowed_ids: torch.Tensor | None
-    bad_words: list[list[int]]
+    bad_words: list[list[int]]  # token ids, as written and after a space
+    compiled_grammar: Any  # xgrammar's, or None
+
+
+@dataclass(slots=True)
+class _RowState:
+    """A request's edits and its own grammar matcher, set up on its first sampled token."""
+
+    edits: PreparedEdits
     matcher: GrammarMatcherState | None
 
 
@@ -57,13 +67,40 @@ class LogitsProcessors:
     def release(self, request_id: str) -> None:
         self._rows.pop(request_id, None)
 
-    def prepare(self, params: SamplingParams) -> None:
-        """Admission-time work: token ids checked against the vocabulary, the grammar compiled
-        (cached; milliseconds to compile, seconds for the first one, which imports xgrammar: the
-        server calls this on a worker thread). Raises InvalidArgument naming the field."""
-        params.validate_token_ids(self.vocab_size)
+    def prepare(self, params: SamplingParams, *siblings: SamplingParams) -> None:
+        """Admission-time work, attached to the params as PreparedEdits: token ids checked
+        against the vocabulary, their tensors built, bad words tokenized, the grammar compiled
+        (cached; milliseconds, seconds for the first one, which imports xgrammar). The server
+        calls this on a worker thread, so the step loop neither tokenizes nor compiles.
+        `siblings` (other choices made by SamplingParams.sibling, sharing its lists) share the
+        work. Raises InvalidArgument naming the field."""
+        if params.prepared_edits is None:
+            params.validate_token_ids(self.vocab_size)
+            params.prepared_edits = self._prepare(params)
+        for other in siblings:
+            same = (
+                other.logit_bias is params.logit_bias
+                and other.allowed_token_ids is params.allowed_token_ids
+                and other.bad_words is params.bad_words
+                and other.structured_output == params.structured_output
+            )
+            if same and other.prepared_edits is None:
+                other.prepared_edits = params.prepared_edits
+            else:
+                self.prepare(other)
+
+    def _prepare(self, params: SamplingParams) -> PreparedEdits:
+        bias_ids = bias_values = allowed = None
+        if params.logit_bias:
+            bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
+            bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
+        if params.allowed_token_ids:
+            allowed = torch.tensor(sorted(set(params.allowed_token_ids)), dtype=torch.long)
+        bad_words = bad_word_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
+        compiled = None
         if params.structured_output is not None:
-            self.structured.compile(params.structured_output)
+            compiled = self.structured.compile(params.structured_output)
+        return PreparedEdits(bias_ids, bias_values, allowed, bad_words, compiled)
 
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, str]:
         """Edits the rows that ask for it in place (a copy of the whole batch's logits would cost
@@ -87,15 +124,15 @@ class LogitsProcessors:
             state = self._rows.get(seq.request_id)
             if state is None:
                 state = self._rows[seq.request_id] = self._new_state(seq.params)
-            row = logits[i]
-            if state.bias_ids is not None:
-                row[state.bias_ids] += state.bias_values
-            if state.allowed_ids is not None:
-                kept = row[state.allowed_ids]
+            row, edits = logits[i], state.edits
+            if edits.bias_ids is not None:
+                row[edits.bias_ids] += edits.bias_values
+            if edits.allowed_ids is not None:
+                kept = row[edits.allowed_ids]
                 row.fill_(_MASK)
-                row[state.allowed_ids] = kept
-            if state.bad_words:
-                self._ban_bad_words(row, seq, state.bad_words)
+                row[edits.allowed_ids] = kept
+            if edits.bad_words:
+                self._ban_bad_words(row, seq, edits.bad_words)
             if state.matcher is not None:
                 # Before this step the matcher sees the tokens sampled since its last step.
                 if not state.matcher.sync(seq.token_ids, seq.num_prompt_tokens):
@@ -123,26 +160,21 @@ class LogitsProcessors:
         finite where possible: a whole-row reduction over 50k logits per row per step is what
         the hook must not cost (a bias is finite, and a few bad words cannot ban everything)."""
         state, params = self._rows[seq.request_id], seq.params
+        allowed_ids = state.edits.allowed_ids
         if state.matcher is None:
-            if state.allowed_ids is None:
+            if allowed_ids is None:
                 return False
-            return bool(torch.isneginf(logits[i, state.allowed_ids]).all())
-        if bitmask is not None and state.allowed_ids is None and not state.bad_words and not params.min_tokens:
+            return bool(torch.isneginf(logits[i, allowed_ids]).all())
+        if bitmask is not None and allowed_ids is None and not state.edits.bad_words and not params.min_tokens:
             return not bool(bitmask[i].any())  # nothing else masks: the grammar's tokens are the row's
         return bool(torch.isneginf(logits[i].max()))
 
     def _new_state(self, params: SamplingParams) -> _RowState:
-        bias_ids = bias_values = allowed = None
-        if params.logit_bias:
-            bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
-            bias_values = torch.tensor(list(params.logit_bias.values()), dtype=torch.float32)
-        if params.allowed_token_ids:
-            allowed = torch.tensor(sorted(set(params.allowed_token_ids)), dtype=torch.long)
-        bad_words = bad_word_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
-        matcher = None
-        if params.structured_output is not None:
-            matcher = self.structured.new_matcher(params.structured_output)
-        return _RowState(bias_ids, bias_values, allowed, bad_words, matcher)
+        if params.prepared_edits is None:  # a caller that skipped add_request's prepare
+            self.prepare(params)
+        edits: PreparedEdits = params.prepared_edits
+        matcher = None if edits.compiled_grammar is None else self.structured.new_matcher(edits.compiled_grammar)
+        return _RowState(edits, matcher)
 
     @staticmethod
     def _ban_bad_words(row: torch.Tensor, seq: Sequence, bad_words: list[list[int]]) -> None:

@@ -3,8 +3,9 @@
 xgrammar (the grammar engine of vLLM and SGLang) precomputes, per grammar, which tokens of the
 vocabulary each grammar state admits, so a step's mask is a ~0.1 ms bitmask fill per constrained
 row. It imports transformers (seconds), so it is imported on the first constrained request, not
-with the engine; the server compiles on a worker thread before admission, so neither the event
-loop nor the step loop waits for a compilation.
+with the engine; the server compiles on a worker thread before admission and the compiled grammar
+travels with the request (SamplingParams.prepared_edits), so neither the event loop nor the step
+loop waits for a compilation, even when the cache has dropped that grammar since.
 """
 
 from __future__ import annotations
@@ -150,8 +151,8 @@ class StructuredOutputBackend:
                 self._compiled.popitem(last=False)
         return compiled
 
-    def new_matcher(self, spec: StructuredOutputSpec) -> GrammarMatcherState:
-        compiled = self.compile(spec)
+    def new_matcher(self, compiled: Any) -> GrammarMatcherState:
+        """A matcher over a grammar `compile` returned (kept by the request, not looked up)."""
         return GrammarMatcherState(self._xgr, compiled)
 
     def bitmask(self, rows: int) -> torch.Tensor:

@@ -59,7 +59,7 @@ def _jobs(key: tuple) -> list[Any]:
     workload = {"num_requests": PLAN_NUM_REQUESTS, "input_len": str(prompt_len), "output_len": str(output_len), "seed": 0}
     return [
         PlanJob(model=model, hardware=hw.name, tp=tp, slo=SLO(tpot_s=tpot_ms / 1e3), percentile=PLAN_PERCENTILE,
-                workload=workload, weight_dtype=w, kv_dtype=k, max_concurrency=PLAN_NUM_REQUESTS,
+                workload=workload, weight_dtype=w, kv_cache_dtype=k, max_concurrency=PLAN_NUM_REQUESTS,
                 price_per_device_hour=hw.price_per_hour_usd)
         for hw in HARDWARE.values()
     ]

@@ -30,7 +30,7 @@ CDF_POINTS = 201
 
 def _sim_config(s: Setup, **kwargs: Any) -> SimConfig:
     return SimConfig(model=s.model, hardware=s.hardware, tp=s.tp, weight_dtype=s.weight_dtype,
-                     kv_dtype=s.kv_dtype, **kwargs)
+                     kv_cache_dtype=s.kv_dtype, **kwargs)
 
 
 def cdf(values: list[float] | np.ndarray, scale: float = 1e3) -> dict[str, Any]:

@@ -25,6 +25,10 @@ MAX_N = 128  # choices per request: more is almost surely a client bug, and each
 # request's long list would slow everyone's steps (figures in docs/limits-and-safety.md).
 MAX_STOP = 64  # stop strings, and stop token ids, per request
 MAX_STOP_CHARS = 256  # characters per stop string
+# Bad words likewise: tokenized on the engine thread and matched every step (10,000 of them
+# cost 1.3 s of tokenizing there, then 5.6 ms per step; 64 cost 18 ms and 0.07 ms).
+MAX_BAD_WORDS = 64
+MAX_BAD_WORD_CHARS = 256
 
 
 def check_stops(engine: LLMEngine, stop: list[str], stop_token_ids: list[int]) -> None:
@@ -39,6 +43,30 @@ def check_stops(engine: LLMEngine, stop: list[str], stop_token_ids: list[int]) -
     check_token_ids(engine, stop_token_ids, "stop_token_ids")
 
 
+def check_token_id_lists(engine: LLMEngine, req: p.CompletionRequest | p.ChatCompletionRequest) -> None:
+    """A list of token ids longer than the vocabulary repeats itself: refused before its entries
+    are checked one by one (the body limit lets it hold ~10^6)."""
+    vocab = engine.tokenizer.vocab_size
+    for param, ids in (("logit_bias", req.logit_bias), ("allowed_token_ids", req.allowed_token_ids)):
+        if ids is not None and len(ids) > vocab:
+            raise InvalidArgument(
+                f"{param} has {len(ids):,} entries; at most {vocab} (the vocabulary's size) are allowed", param=param
+            )
+
+
+def check_bad_words(bad_words: list[str]) -> None:
+    if len(bad_words) > MAX_BAD_WORDS:
+        raise InvalidArgument(
+            f"bad_words has {len(bad_words)} entries; at most {MAX_BAD_WORDS} are allowed", param="bad_words"
+        )
+    longest = max(bad_words, key=lambda w: len(w) if isinstance(w, str) else 0, default="")
+    if isinstance(longest, str) and len(longest) > MAX_BAD_WORD_CHARS:
+        raise InvalidArgument(
+            f"bad_words: a word has {len(longest)} characters; at most {MAX_BAD_WORD_CHARS} are allowed",
+            param="bad_words",
+        )
+
+
 def build_requests(
     engine: LLMEngine,
     request_id: str,
@@ -50,11 +78,15 @@ def build_requests(
     prompt_logprobs: int | None = None,
 ) -> list[EngineRequest]:
     """One engine request per prompt and choice. `max_tokens=None` lets each completion use
-    the rest of the context, as OpenAI and vLLM do."""
+    the rest of the context, as OpenAI and vLLM do. `prompt_logprobs` is asked of a prompt's
+    first choice only: its scores serve every choice (the renderer reads them there), so the
+    prompt is scored once, and the other choices may use the prefix cache."""
     if req.n < 1 or req.n > MAX_N:
         raise InvalidArgument(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     check_stops(engine, stop, list(req.stop_token_ids or []))
+    check_bad_words(list(req.bad_words or []))
+    check_token_id_lists(engine, req)
     edits = sampling_kwargs(req)
     # Errors name the field the client sent, not our internal name for it.
     chat = isinstance(req, p.ChatCompletionRequest)
@@ -62,11 +94,14 @@ def build_requests(
     max_tokens_param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
     as_sent = {"max_tokens": max_tokens_param, "logprobs": "top_logprobs" if chat else "logprobs"}
     defaults = engine.sampling_defaults
+    # echo with max_tokens 0: the route runs one token, which no one sees.
+    prompt_only = bool(getattr(req, "echo", False)) and req.max_tokens == 0
 
     def default(key: str) -> float:
         return sampling_default(defaults, key)
 
-    out = []
+    out: list[EngineRequest] = []
+    first: SamplingParams | None = None
     for i, prompt in enumerate(prompts):  # token ids, checked
         limit = engine.max_model_len
         if len(prompt) >= limit:
@@ -87,24 +122,29 @@ def build_requests(
             index = i * req.n + j
             # Distinct but reproducible seeds for the choices of one seeded request.
             seed = None if req.seed is None else req.seed + index
+            scoring = prompt_logprobs if j == 0 else None
             with renamed_params(as_sent):
-                params = SamplingParams(
-                    max_tokens=room,
-                    temperature=default("temperature") if req.temperature is None else req.temperature,
-                    top_p=default("top_p") if req.top_p is None else req.top_p,
-                    top_k=default("top_k") if req.top_k is None else 0 if req.top_k == -1 else req.top_k,
-                    min_p=req.min_p if "min_p" in req.model_fields_set else default("min_p"),
-                    presence_penalty=req.presence_penalty,
-                    frequency_penalty=req.frequency_penalty,
-                    seed=seed,
-                    stop=stop,
-                    stop_token_ids=list(req.stop_token_ids or []),
-                    ignore_eos=req.ignore_eos,
-                    logprobs=logprobs,
-                    prompt_logprobs=prompt_logprobs,
-                    min_tokens=req.min_tokens,
-                    **edits,
-                )
+                if first is not None:  # the first's, checked once: its lists may be long
+                    params = first.sibling(seed=seed, max_tokens=room, prompt_logprobs=scoring)
+                else:
+                    params = first = SamplingParams(
+                        max_tokens=room,
+                        temperature=default("temperature") if req.temperature is None else req.temperature,
+                        top_p=default("top_p") if req.top_p is None else req.top_p,
+                        top_k=default("top_k") if req.top_k is None else 0 if req.top_k == -1 else req.top_k,
+                        min_p=req.min_p if "min_p" in req.model_fields_set else default("min_p"),
+                        presence_penalty=req.presence_penalty,
+                        frequency_penalty=req.frequency_penalty,
+                        seed=seed,
+                        stop=stop,
+                        stop_token_ids=list(req.stop_token_ids or []),
+                        ignore_eos=req.ignore_eos,
+                        logprobs=logprobs,
+                        prompt_logprobs=scoring,
+                        prompt_only=prompt_only,
+                        min_tokens=req.min_tokens,
+                        **edits,
+                    )
             out.append(EngineRequest(f"{request_id}-{index}", prompt, params, req.priority, arrival_s))
     return out
 
@@ -123,11 +163,23 @@ def renamed_params(as_sent: dict[str, str]) -> Iterator[None]:
 
 
 async def prepare_logits_processors(engine: LLMEngine, offload: Offload, engine_requests: list[EngineRequest]) -> None:
-    """Token ids checked and the grammar compiled on a worker thread (the choices of one
-    request share their params), so neither the event loop nor the step loop compiles."""
-    params = engine_requests[0].params
-    if params.edits_logits:
-        await offload.run(engine.prepare_logits_processors, params)
+    """Token ids checked, bad words tokenized and the grammar compiled on a worker thread, once
+    for all the choices (siblings of the first), so neither the event loop nor the step loop
+    does it."""
+    first, *siblings = (r.params for r in engine_requests)
+    if first.edits_logits:
+        await offload.run(engine.prepare_logits_processors, first, *siblings)
 
 
-__all__ = ["MAX_N", "MAX_STOP", "MAX_STOP_CHARS", "build_requests", "check_stops", "prepare_logits_processors"]
+__all__ = [
+    "MAX_BAD_WORDS",
+    "MAX_BAD_WORD_CHARS",
+    "MAX_N",
+    "MAX_STOP",
+    "MAX_STOP_CHARS",
+    "build_requests",
+    "check_bad_words",
+    "check_token_id_lists",
+    "check_stops",
+    "prepare_logits_processors",
+]

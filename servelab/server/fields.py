@@ -18,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from servelab.errors import InvalidArgument
+from servelab.server.engine_requests import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS, MAX_STOP, MAX_STOP_CHARS
 
 
 class Status(enum.Enum):
@@ -55,7 +56,7 @@ COMMON: dict[str, FieldRule] = {
     "n": _h("choices per prompt, each its own sequence"),
     "temperature": _h("default: the model's generation_config.json, else 1.0"),
     "top_p": _h("default: the model's generation_config.json, else 1.0"),
-    "stop": _h("up to 64 stop strings of at most 256 characters, cut from the text"),
+    "stop": _h(f"up to {MAX_STOP} stop strings of at most {MAX_STOP_CHARS} characters, cut from the text"),
     "seed": _h("per-request generator; choice i uses seed + i"),
     "presence_penalty": _h("in [-2, 2]"),
     "frequency_penalty": _h("in [-2, 2]"),
@@ -73,7 +74,8 @@ COMMON: dict[str, FieldRule] = {
     "min_tokens": _h("vLLM extension"),
     "prompt_logprobs": _h("vLLM extension: logprobs of the prompt's tokens (not with stream)"),
     "allowed_token_ids": _h("vLLM extension: only these ids may be sampled"),
-    "bad_words": _h("vLLM extension: words never completed in the output"),
+    "bad_words": _h(f"vLLM extension: up to {MAX_BAD_WORDS} words of at most {MAX_BAD_WORD_CHARS} characters, "
+                    "never completed in the output"),
     "structured_outputs": _h("vLLM extension: one of json, regex, choice, grammar, json_object"),
     "guided_json": _h("vLLM's older name for structured_outputs.json"),
     "guided_regex": _h("vLLM's older name for structured_outputs.regex"),

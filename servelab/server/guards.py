@@ -1,5 +1,5 @@
 """The checks every HTTP request passes before any route sees it: the API key, the content type
-of a POST, and the size of the body.
+of a POST (JSON only), and the size of the body.
 
 One ASGI middleware, in front of the whole app (the lab and any other mount included), so that
 no route can forget a check. Each refusal is OpenAI-style error JSON that names the limit or the
@@ -20,9 +20,14 @@ DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # 4 MiB: ~1M tokens of text, far past any
 # Routes a load balancer or Prometheus reaches without the key (documented in limits-and-safety.md).
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
-# The content types a browser may POST cross-site without a CORS preflight; a JSON API that
-# accepted them would serve any web page its user opens.
-BROWSER_SIMPLE_TYPES = frozenset({"text/plain", "application/x-www-form-urlencoded", "multipart/form-data"})
+
+def is_json_media_type(media_type: str) -> bool:
+    """application/json or a structured-syntax +json type (RFC 6839), lowercased, without
+    parameters. Browsers POST text/plain, forms and a Blob without a type (no Content-Type at
+    all) cross-site without a CORS preflight; a JSON API that took them would serve any web page
+    its user opens, so everything but JSON is refused."""
+    return media_type == "application/json" or (media_type.startswith("application/") and media_type.endswith("+json"))
+
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -45,7 +50,7 @@ def _too_large_message(limit: int) -> str:
 
 
 class RequestGuard:
-    """API key (all routes but OPEN_PATHS), 415 for browser-simple POSTs, and the body limit:
+    """API key (all routes but OPEN_PATHS), 415 for a POST body that is not JSON, and the body limit:
     413 from Content-Length before a byte of the body is read, or, for a chunked upload, as
     soon as the bytes read pass the limit (raised from `receive`, so the route answers it)."""
 
@@ -72,12 +77,11 @@ class RequestGuard:
                 error_type="authentication_error",
             )  # fmt: skip
         if scope["method"] in ("POST", "PUT", "PATCH"):
-            content_type = headers.get("content-type", "")
-            media_type = content_type.partition(";")[0].strip().lower()
-            if media_type in BROWSER_SIMPLE_TYPES:
+            content_type = headers.get("content-type")
+            if not is_json_media_type((content_type or "").partition(";")[0].strip().lower()):
+                sent = f"Content-Type {content_type!r} is not accepted" if content_type else "this request has no Content-Type"
                 return error_response(
-                    415, f"Content-Type {content_type!r} is not accepted: the body must be JSON, sent with the "
-                         "header 'Content-Type: application/json'",
+                    415, f"{sent}: the body must be JSON, sent with the header 'Content-Type: application/json'",
                     code="unsupported_media_type",
                 )  # fmt: skip
         length = headers.get("content-length")
@@ -105,4 +109,4 @@ class RequestGuard:
         return counted
 
 
-__all__ = ["BROWSER_SIMPLE_TYPES", "DEFAULT_MAX_REQUEST_BYTES", "OPEN_PATHS", "RequestGuard", "RequestTooLarge"]
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "OPEN_PATHS", "RequestGuard", "RequestTooLarge", "is_json_media_type"]

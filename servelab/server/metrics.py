@@ -152,7 +152,8 @@ class ServerMetrics:
 
     def observe(self, out: EngineOutput) -> None:
         seq = out.seq
-        k = len(out.new_token_ids)
+        # A prompt-only request's one token is dropped before the client: it generated nothing.
+        k = 0 if seq.params.prompt_only else len(out.new_token_ids)
         labels = self._labels
         if k:
             self.generation_tokens.labels(**labels).inc(k)
@@ -179,7 +180,7 @@ class ServerMetrics:
         """vLLM's per-request phase histograms; a request aborted before its first token has no
         phases and is left out of them, as it is of TTFT."""
         labels = self._labels
-        n_out = seq.num_output_tokens
+        n_out = 0 if seq.params.prompt_only else seq.num_output_tokens
         self.request_prompt_tokens.labels(**labels).observe(seq.num_prompt_tokens)
         self.request_generation_tokens.labels(**labels).observe(n_out)
         self.request_max_tokens.labels(**labels).observe(seq.params.max_tokens)

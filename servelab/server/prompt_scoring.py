@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from servelab.engine.detokenizer import IncrementalDetokenizer
 from servelab.errors import InvalidArgument
 
 if TYPE_CHECKING:
@@ -25,6 +26,18 @@ def prompt_logprobs_wanted(*, prompt_logprobs: int | None, echo_logprobs: int | 
 
 def token_text(tokenizer: Any, token_id: int) -> str:
     return tokenizer.decode([token_id], skip_special_tokens=False)
+
+
+def token_text_offsets(tokenizer: Any, token_ids: list[int], text_len: int) -> list[int]:
+    """Where each token starts in the text the ids decode to: the length of the text complete
+    before it, as the streaming detokenizer emits it (the tokens of one split UTF-8 character
+    share its offset; special tokens add no text), so that offsets index the echoed text."""
+    detokenizer = IncrementalDetokenizer(tokenizer, [])
+    out = []
+    for token_id in token_ids:
+        out.append(min(len(detokenizer.text), text_len))
+        detokenizer.add([token_id])
+    return out
 
 
 def vllm_prompt_logprobs(tokenizer: Any, seq: Sequence, k: int) -> list[dict[str, dict] | None]:

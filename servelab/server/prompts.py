@@ -6,9 +6,11 @@ not on the event loop. Every refusal names the field the client sent and the lim
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from servelab.errors import InvalidArgument, RequestTooLong
+from servelab.server.prompt_scoring import token_text_offsets
 
 if TYPE_CHECKING:
     from servelab.engine.llm_engine import LLMEngine
@@ -73,9 +75,22 @@ def completion_prompt_ids(engine: LLMEngine, prompt: str | list) -> list[list[in
     return out
 
 
-def echo_prompt_texts(engine: LLMEngine, prompt: str | list) -> list[str]:
-    """Blocking: each prompt as the client sent it, for echo."""
-    return [one if isinstance(one, str) else engine.tokenizer.decode(one) for one in completion_prompts(prompt)]
+@dataclass(frozen=True, slots=True)
+class EchoPrompt:
+    """A prompt as echoed: its text, and where each of its tokens starts in that text (with
+    logprobs only)."""
+
+    text: str
+    text_offsets: list[int] | None = None
+
+
+def echo_prompts(engine: LLMEngine, prompt: str | list, prompt_ids: list[list[int]], offsets: bool) -> list[EchoPrompt]:
+    """Blocking: each prompt as the client sent it, for echo, with its tokens' offsets if asked."""
+    out = []
+    for one, ids in zip(completion_prompts(prompt), prompt_ids):
+        text = one if isinstance(one, str) else engine.tokenizer.decode(one)
+        out.append(EchoPrompt(text, token_text_offsets(engine.tokenizer, ids, len(text)) if offsets else None))
+    return out
 
 
 def detokenize_checked(engine: LLMEngine, tokens: list[int]) -> str:
@@ -91,6 +106,7 @@ __all__ = [
     "completion_prompt_ids",
     "completion_prompts",
     "detokenize_checked",
-    "echo_prompt_texts",
+    "EchoPrompt",
+    "echo_prompts",
     "encode_prompt",
 ]

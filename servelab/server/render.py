@@ -15,6 +15,7 @@ from servelab.server import protocol as p
 from servelab.server.async_engine import EngineFailure, EngineRequest, RequestStream
 from servelab.server.http_errors import error_json
 from servelab.server.prompt_scoring import echoed_logprobs, token_text, vllm_prompt_logprobs
+from servelab.server.prompts import EchoPrompt
 from servelab.server.sse import DONE, sse_event
 from servelab.server.structured import ToolCallStream, ToolPlan, parse_tool_calls
 
@@ -58,6 +59,10 @@ class _Choice:
     completion_tokens: int = 0
     cached_tokens: int | None = None  # set from the first output, after the prompt's admission
     logprobs: list[TokenLogprobs] = field(default_factory=list)
+    # Per logprobs entry: where its token starts in the output text, i.e. the length of the text
+    # emitted before the step that made it (the same whether streamed or not).
+    text_offsets: list[int] = field(default_factory=list)
+    text_len: int = 0
     seq: Sequence | None = None
 
 
@@ -71,7 +76,7 @@ class _Renderer:
         self.created = p.now_s()
         self.choices = {r.request_id: _Choice(index=i) for i, r in enumerate(engine_requests)}
         self.n = req.n
-        self.prompt_only = getattr(req, "echo", False) and req.max_tokens == 0
+        self.prompt_only = engine_requests[0].params.prompt_only
 
     def update(self, out: EngineOutput) -> _Choice:
         choice = self.choices[out.request_id]
@@ -83,11 +88,13 @@ class _Renderer:
             choice.completion_tokens = 0
         else:
             choice.completion_tokens = out.seq.num_output_tokens
-        if out.text_delta:
-            choice.text.append(out.text_delta)
         if out.logprobs:
             out.logprobs = _visible_logprobs(out)  # streamed chunks read it too
             choice.logprobs.extend(out.logprobs)
+            choice.text_offsets.extend([choice.text_len] * len(out.logprobs))
+        if out.text_delta:
+            choice.text.append(out.text_delta)
+            choice.text_len += len(out.text_delta)
         if choice.cached_tokens is None:
             # The first admission's hits: a preemption's recompute is the server's business, not the client's.
             choice.cached_tokens = out.seq.num_cached_tokens
@@ -138,56 +145,74 @@ class _Renderer:
 
 
 class CompletionRenderer(_Renderer):
-    def __init__(self, *args: Any, echo_texts: list[str] | None = None):
-        super().__init__(*args)
-        self.echo_texts = echo_texts  # per prompt, when the client asked for echo
-        self._opened: set[int] = set()
+    """Echo: a choice's first chunk (or whole answer) starts with its prompt and, with logprobs,
+    the prompt's scores. A prompt is scored by its first choice only (engine_requests), so the
+    other choices read the scores there; a streamed choice that opens before they are complete
+    waits (its chunks accumulate) rather than send a short list."""
 
-    def _logprobs(self, items: list[tuple[int, float | None, list[tuple[int, float]] | None]], offset: int) -> p.CompletionLogprobs:
+    def __init__(self, *args: Any, echoes: list[EchoPrompt] | None = None):
+        super().__init__(*args)
+        self.echoes = echoes  # per prompt, when the client asked for echo
+        self._by_index = {c.index: c for c in self.choices.values()}
+        self._sent: dict[int, tuple[int, int]] = {}  # choice index -> text pieces, logprobs entries sent
+
+    def _scorer(self, choice: _Choice) -> Sequence | None:
+        """The sequence that scored this choice's prompt: its prompt's first choice."""
+        return self._by_index[choice.index - choice.index % self.n].seq
+
+    def _echo_ready(self, choice: _Choice) -> bool:
+        if self.req.logprobs is None:
+            return True
+        scorer = self._scorer(choice)
+        return scorer is not None and not scorer.needs_prompt_logprobs
+
+    def _logprobs(self, choice: _Choice, echo: bool, start: int) -> p.CompletionLogprobs:
+        """Logprobs of the echoed prompt (if `echo`) then of the output from entry `start`, each
+        token with its offset in the choice's whole text."""
         tokenizer = self.state.engine.tokenizer
         out = p.CompletionLogprobs()
-        for token_id, logprob, top in items:
-            text = token_text(tokenizer, token_id)
-            out.tokens.append(text)
+
+        def add(token_id: int, logprob: float | None, top: list[tuple[int, float]] | None, offset: int) -> None:
+            out.tokens.append(token_text(tokenizer, token_id))
             out.token_logprobs.append(logprob)
             out.top_logprobs.append(None if top is None else {token_text(tokenizer, t): v for t, v in top})
             out.text_offset.append(offset)
-            offset += len(text)
+
+        base = 0
+        if self.echoes is not None:
+            prompt = self.echoes[choice.index // self.n]
+            base = len(prompt.text)
+            scorer = self._scorer(choice)
+            if echo and scorer is not None:
+                items = echoed_logprobs(scorer, self.req.logprobs)
+                for (token_id, logprob, top), offset in zip(items, prompt.text_offsets or ()):
+                    add(token_id, logprob, top, offset)
+        for lp, offset in zip(choice.logprobs[start:], choice.text_offsets[start:]):
+            add(lp.token_id, lp.logprob, lp.top[: self.req.logprobs], base + offset)
         return out
 
-    def _echo(self, choice: _Choice) -> tuple[str, list]:
-        """The prompt's text and its logprob items, for a choice's first chunk or whole answer."""
-        if self.echo_texts is None:
-            return "", []
-        text = self.echo_texts[choice.index // self.n]
-        items = echoed_logprobs(choice.seq, self.req.logprobs) if self.req.logprobs is not None else []
-        return text, items
-
-    def _prompt_logprobs(self, choice: _Choice) -> list | None:
-        if self.req.prompt_logprobs is None or choice.seq is None:
-            return None
-        return vllm_prompt_logprobs(self.state.engine.tokenizer, choice.seq, self.req.prompt_logprobs)
-
     def chunk(self, choice: _Choice, out: EngineOutput) -> dict | None:
-        opening = self.echo_texts is not None and choice.index not in self._opened
-        if not (opening or out.text_delta or out.finished or out.logprobs):
+        index = choice.index
+        opening = self.echoes is not None and index not in self._sent
+        if opening and not out.finished and not self._echo_ready(choice):
+            return None  # its prompt's scores are not all in yet
+        pieces, entries = self._sent.get(index, (0, 0))
+        text = "".join(choice.text[pieces:])
+        new_entries = len(choice.logprobs) > entries
+        if not (opening or text or out.finished or new_entries):
             return None
-        self._opened.add(choice.index)
-        echo_text, echo_items = self._echo(choice) if opening else ("", [])
+        self._sent[index] = (len(choice.text), len(choice.logprobs))
         logprobs = None
-        if self.req.logprobs is not None and (out.logprobs or echo_items):
-            offset = sum(len(t) for t in choice.text) - len(out.text_delta)
-            offset += len(self.echo_texts[choice.index // self.n]) if self.echo_texts is not None and not opening else 0
-            items = [(lp.token_id, lp.logprob, lp.top) for lp in out.logprobs or []]
-            logprobs = self._logprobs(echo_items + items, offset)
+        if self.req.logprobs is not None and (opening or new_entries):
+            logprobs = self._logprobs(choice, opening, entries)
         body = p.CompletionResponse(
             id=self.request_id,
             created=self.created,
             model=self.state.model_name,
             choices=[
                 p.CompletionChoice(
-                    index=choice.index,
-                    text=echo_text + out.text_delta,
+                    index=index,
+                    text=(self.echoes[index // self.n].text if opening else "") + text,
                     logprobs=logprobs,
                     finish_reason=choice.finish_reason if out.finished else None,
                 )
@@ -203,16 +228,20 @@ class CompletionRenderer(_Renderer):
 
     def response(self) -> dict:
         choices = []
+        tokenizer = self.state.engine.tokenizer
         for c in sorted(self.choices.values(), key=lambda c: c.index):
-            echo_text, echo_items = self._echo(c)
-            items = echo_items + [(lp.token_id, lp.logprob, lp.top) for lp in c.logprobs]
+            echo_text = self.echoes[c.index // self.n].text if self.echoes is not None else ""
+            scorer = self._scorer(c)
+            prompt_logprobs = None
+            if self.req.prompt_logprobs is not None and scorer is not None:
+                prompt_logprobs = vllm_prompt_logprobs(tokenizer, scorer, self.req.prompt_logprobs)
             choices.append(
                 p.CompletionChoice(
                     index=c.index,
                     text=echo_text + "".join(c.text),
-                    logprobs=self._logprobs(items, 0) if self.req.logprobs is not None else None,
+                    logprobs=self._logprobs(c, True, 0) if self.req.logprobs is not None else None,
                     finish_reason=c.finish_reason,
-                    prompt_logprobs=self._prompt_logprobs(c),
+                    prompt_logprobs=prompt_logprobs,
                 )
             )
         return p.dump(

@@ -164,16 +164,17 @@ def _parse_auto(parser: str, text: str) -> tuple[str | None, list[p.ToolCall]]:
 
 
 def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[p.ToolCall]]:
-    """(content, tool calls) of a finished answer. Output that does not parse (cut by max_tokens)
-    stays content, with no calls."""
+    """(content, tool calls) of a finished answer. A named function's answer is its call whatever
+    its arguments' completeness (as vLLM; cut by max_tokens, finish_reason says "length"); any
+    other output that does not parse stays content, with no calls."""
     if plan.parser is not None:
         return _parse_auto(plan.parser, text)
+    if plan.forced_name is not None:
+        return None, [_call(plan.forced_name, text)]
     try:
         obj = json.loads(text)
     except json.JSONDecodeError:
         return text, []
-    if plan.forced_name is not None:
-        return None, [_call(plan.forced_name, text)]
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
         return text, []  # the grammar makes this shape; stay safe if a client's schema allowed another
     return None, [_call(obj["name"], obj["arguments"])]

@@ -18,7 +18,7 @@ from servelab.metrics import SLO, RequestRecord, Summary, steady_state_summary, 
 from servelab.metrics.summary import Dist
 from servelab.sim.cluster import ClusterSim, StepTrace
 from servelab.sim.router import ROUTERS
-from servelab.spec.dtypes import DEFAULT_DTYPE, canonical_dtype
+from servelab.spec.dtypes import DEFAULT_DTYPE, canonical_dtype, kv_dtype_alias
 from servelab.spec.hardware import HardwareSpec, get_hardware
 from servelab.spec.model import ModelSpec, get_model
 from servelab.workload import RequestSpec, WorkloadSpec
@@ -28,13 +28,14 @@ DEFAULT_LINK_BYTES_PER_S_PER_DEVICE = 50e9
 DEFAULT_LINK_LATENCY_S = 0.5e-3
 
 
+@kv_dtype_alias  # the old name of kv_cache_dtype
 @dataclass(slots=True)
 class SimConfig:
     model: str | ModelSpec = "llama-3.1-8b"
     hardware: str | HardwareSpec = "h100-sxm"
     tp: int = 1
     weight_dtype: str = DEFAULT_DTYPE  # spec/dtypes.py's names; old spellings ("bf16") are read as their new one
-    kv_dtype: str = DEFAULT_DTYPE
+    kv_cache_dtype: str = DEFAULT_DTYPE
     replicas: int = 1
     disagg: tuple[int, int] | None = None  # (prefill replicas, decode replicas) instead of `replicas`
     router: str = "round-robin"
@@ -49,7 +50,7 @@ class SimConfig:
     slo: SLO | None = None
 
     def __post_init__(self) -> None:
-        self.weight_dtype, self.kv_dtype = canonical_dtype(self.weight_dtype), canonical_dtype(self.kv_dtype)
+        self.weight_dtype, self.kv_cache_dtype = canonical_dtype(self.weight_dtype), canonical_dtype(self.kv_cache_dtype)
         if self.disagg is not None:
             p, d = self.disagg
             if p < 1 or d < 1:
@@ -85,7 +86,7 @@ class SimConfig:
             "hardware": self.hardware_spec.name,
             "tp": self.tp,
             "weight_dtype": self.weight_dtype,
-            "kv_dtype": self.kv_dtype,
+            "kv_cache_dtype": self.kv_cache_dtype,
             "replicas": None if self.disagg else self.replicas,
             "disagg": None if self.disagg is None else f"{self.disagg[0]}:{self.disagg[1]}",
             "num_devices": self.num_devices,
@@ -160,7 +161,7 @@ def build_cost_model(config: SimConfig) -> StepCostModel:
         config.model_spec,
         config.hardware_spec,
         weight_dtype=config.weight_dtype,
-        kv_dtype=config.kv_dtype,
+        kv_dtype=config.kv_cache_dtype,
         tp=config.tp,
         efficiency=config.efficiency if config.efficiency is not None else Efficiency(),
     )
@@ -171,7 +172,7 @@ def scheduler_config(config: SimConfig) -> SchedulerConfig:
     model = config.model_spec
     num_blocks = config.scheduler.num_blocks
     if num_blocks is None:
-        plan = MemoryPlan(model, config.hardware_spec, config.weight_dtype, config.kv_dtype, config.tp,
+        plan = MemoryPlan(model, config.hardware_spec, config.weight_dtype, config.kv_cache_dtype, config.tp,
                           config.memory_fraction)
         plan.require_weights_fit()
         num_blocks = plan.kv_capacity_tokens // config.scheduler.block_size
@@ -246,7 +247,7 @@ def simulate(
         cost_model,
         router=config.router,
         seed=seed,
-        kv_bytes_per_token=model.kv_bytes_per_token(config.kv_dtype),
+        kv_bytes_per_token=model.kv_bytes_per_token(config.kv_cache_dtype),
         link_bandwidth_bytes_per_s=link_bw,
         link_latency_s=config.link_latency_s,
     )

@@ -4,8 +4,11 @@ ggml's type table (ggml_types.py)."""
 
 from __future__ import annotations
 
+import functools
+import warnings
 from dataclasses import dataclass
 from functools import cache
+from typing import Any, TypeVar
 
 from servelab.errors import InvalidArgument
 from servelab.spec.ggml_types import GGML_TYPE_BY_NAME, GGML_TYPES
@@ -112,3 +115,35 @@ def require_supported(name: str, supported: tuple[str, ...], *, param: str, by: 
             f"(sim, plan, roofline) prices {key}", param=param,
         )  # fmt: skip
     raise InvalidArgument(f"unknown {what} {name!r}; {by} supports {', '.join(supported)}", param=param)
+
+
+T = TypeVar("T")
+
+
+def _warn_kv_dtype(cls: type) -> None:
+    warnings.warn(f"{cls.__name__}.kv_dtype is deprecated; use kv_cache_dtype (the name EngineArgs and the CLI use)",
+                  DeprecationWarning, stacklevel=3)  # fmt: skip
+
+
+def kv_dtype_alias(cls: type[T]) -> type[T]:
+    """Class decorator for a dataclass whose `kv_cache_dtype` field was called `kv_dtype`: the old
+    name still works as a keyword and as an attribute, with a DeprecationWarning."""
+    init = cls.__init__
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        if "kv_dtype" in kwargs:
+            if "kv_cache_dtype" in kwargs:
+                raise TypeError(f"{cls.__name__}() got both kv_dtype and kv_cache_dtype; send only kv_cache_dtype")
+            _warn_kv_dtype(cls)
+            kwargs["kv_cache_dtype"] = kwargs.pop("kv_dtype")
+        init(self, *args, **kwargs)
+
+    def old_name(self: Any) -> str:
+        _warn_kv_dtype(cls)
+        return self.kv_cache_dtype
+
+    cls.__init__ = __init__  # type: ignore[method-assign]
+    cls.kv_dtype = property(old_name)  # type: ignore[attr-defined]
+    return cls
+

@@ -34,7 +34,7 @@ def test_smaller_dtypes_and_tp_leave_more_room():
     tp4 = MemoryPlan(model, H100, tp=4)
     assert tp4.weight_bytes_per_device == pytest.approx(bf16.weight_bytes_per_device / 4)
     assert tp4.kv_bytes_per_token_per_device == bf16.kv_bytes_per_token_per_device / 4
-    kv8 = MemoryPlan(model, H100, tp=4, kv_dtype="fp8")
+    kv8 = MemoryPlan(model, H100, tp=4, kv_cache_dtype="fp8")
     assert kv8.max_batch(8192) >= 2 * tp4.max_batch(8192)
 
 

@@ -316,3 +316,124 @@ def test_a_retry_row_by_row_does_not_apply_logit_bias_twice(processors, tokenize
     plain = make_seq(tokenizer, rid="s", temperature=0)
     rows = sample_isolated(FailsOnBatches(0, processors), logits, [biased, plain], tokenizer.vocab_size)
     assert rows.tokens == [5, 5] and not rows.errors
+
+
+def test_the_step_loop_never_compiles_a_grammar_evicted_after_its_preparation(tiny_engine_factory, monkeypatch):
+    """The server compiles a request's grammar on a worker thread before admission; were the
+    cache to drop it before the step loop admits the request, the step loop must not compile
+    it again (it travels with the request)."""
+    import threading
+
+    from servelab.engine import structured_output
+
+    monkeypatch.setattr(structured_output, "_CACHE_ENTRIES", 1)
+    engine = tiny_engine_factory(num_blocks=16)
+    backend = engine.logits_processors.structured
+    wanted = SamplingParams(max_tokens=8, temperature=0, structured_output=StructuredOutputSpec("regex", "[a-z]{3}"))
+    other = SamplingParams(max_tokens=8, structured_output=StructuredOutputSpec("regex", "[0-9]{3}"))
+
+    def on_worker(params: SamplingParams) -> None:
+        worker = threading.Thread(target=engine.prepare_logits_processors, args=(params,), name="worker")
+        worker.start()
+        worker.join()
+
+    on_worker(wanted)
+    compiled_on: list[str] = []
+    real_compiler = backend._compiler
+
+    class CountingCompiler:
+        def __getattr__(self, name):
+            attr = getattr(real_compiler, name)
+            if not name.startswith("compile_"):
+                return attr
+
+            def counted(*args, **kwargs):
+                compiled_on.append(threading.current_thread().name)
+                return attr(*args, **kwargs)
+
+            return counted
+
+    backend._compiler = CountingCompiler()
+    on_worker(other)  # evicts `wanted` from the one-entry cache
+    assert compiled_on == ["worker"]
+    seq = engine.add_request("r", [5, 6, 7], wanted)  # on this thread: the step loop's
+    while engine.has_unfinished():
+        engine.step()
+    assert compiled_on == ["worker"], "the step loop compiled a grammar"
+    assert re.fullmatch("[a-z]{3}", engine.tokenizer.decode(seq.output_token_ids))
+
+
+def test_params_copies_leave_the_prepared_edits_behind(processors):
+    import copy
+    import pickle
+
+    params = SamplingParams(structured_output=StructuredOutputSpec("regex", "[a-z]+"), bad_words=["x"])
+    processors.prepare(params)
+    assert params.prepared_edits is not None
+    for clone in (pickle.loads(pickle.dumps(params)), copy.copy(params)):
+        assert clone.prepared_edits is None and clone.structured_output == params.structured_output
+
+
+def test_siblings_share_the_first_choices_preparation(processors, tokenizer):
+    first = SamplingParams(logit_bias={5: 1.0}, allowed_token_ids=list(range(100)), bad_words=["Paris"],
+                           structured_output=StructuredOutputSpec("regex", "[a-z]+"))  # fmt: skip
+    siblings = [first.sibling(seed=i, max_tokens=8, prompt_logprobs=None) for i in range(3)]
+    other = SamplingParams(bad_words=["London"])  # not a sibling: prepared on its own
+    processors.prepare(first, *siblings, other)
+    assert all(s.prepared_edits is first.prepared_edits for s in siblings)
+    assert other.prepared_edits is not first.prepared_edits
+    assert other.prepared_edits.bad_words == bad_word_token_ids(tokenizer, ["London"])
+    assert [s.seed for s in siblings] == [0, 1, 2] and siblings[0].max_tokens == 8
+    with pytest.raises(InvalidArgument, match="min_tokens"):
+        SamplingParams(min_tokens=4, max_tokens=8).sibling(seed=None, max_tokens=2, prompt_logprobs=None)
+
+
+def test_the_step_loop_never_tokenizes_bad_words(tiny_engine_factory):
+    import threading
+
+    engine = tiny_engine_factory(num_blocks=16)
+    params = SamplingParams(max_tokens=4, temperature=0, bad_words=["hello", "world"])
+    worker = threading.Thread(target=engine.prepare_logits_processors, args=(params,))
+    worker.start()
+    worker.join()
+    tokenized_on: list[str] = []
+    real_encode = engine.tokenizer.encode
+
+    def encode(*args, **kwargs):
+        tokenized_on.append(threading.current_thread().name)
+        return real_encode(*args, **kwargs)
+
+    engine.tokenizer.encode = encode
+    try:
+        engine.add_request("r", [5, 6, 7], params)
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        del engine.tokenizer.encode
+    assert tokenized_on == []
+
+
+def test_the_step_loop_does_no_per_entry_work_on_a_prepared_requests_lists(tiny_engine_factory):
+    """A request's lists may be as long as the vocabulary, for each of up to 128 choices: once
+    prepared (off the step loop), add_request and the steps must not walk them again."""
+    import threading
+
+    class CountingList(list):
+        walks = 0
+
+        def __iter__(self):
+            CountingList.walks += 1
+            return super().__iter__()
+
+    engine = tiny_engine_factory(num_blocks=32)
+    first = SamplingParams(max_tokens=3, temperature=1.0, seed=0, allowed_token_ids=CountingList(range(5, 300)))
+    siblings = [first.sibling(seed=i, max_tokens=3, prompt_logprobs=None) for i in range(1, 4)]
+    worker = threading.Thread(target=engine.prepare_logits_processors, args=(first, *siblings))
+    worker.start()
+    worker.join()
+    CountingList.walks = 0
+    seqs = [engine.add_request(f"r{i}", [5, 6, 7], p) for i, p in enumerate([first, *siblings])]
+    while engine.has_unfinished():
+        engine.step()
+    assert CountingList.walks == 0
+    assert all(5 <= t < 300 for s in seqs for t in s.output_token_ids)

@@ -100,3 +100,101 @@ def test_echo_with_max_tokens_0_finishes_with_length_even_if_the_dropped_token_i
     body = {"prompt": PROMPT, "echo": True, "max_tokens": 0, "logit_bias": {str(eos): 100}}
     choice = client.post("/v1/completions", json=body).json()["choices"][0]
     assert choice["text"] == PROMPT and choice["finish_reason"] == "length"
+
+
+def _post(client, body: dict) -> dict:
+    r = client.post("/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def _streamed(client, body: dict) -> dict[int, dict]:
+    """Per choice: its text and its logprobs lists, concatenated over the stream."""
+    resp = client.post("/v1/completions", json={**body, "stream": True})
+    out: dict[int, dict] = {}
+    for event in resp.text.split("\n\n"):
+        if not event.startswith("data: {"):
+            continue
+        for c in json.loads(event[6:])["choices"]:
+            acc = out.setdefault(c["index"], {"text": "", "tokens": [], "token_logprobs": [], "text_offset": []})
+            acc["text"] += c["text"]
+            for key in ("tokens", "token_logprobs", "text_offset"):
+                acc[key] += (c["logprobs"] or {}).get(key, [])
+    return out
+
+
+def test_n_choices_score_their_prompt_once(served, monkeypatch):
+    from servelab.engine import model_executor
+
+    client, _ = served
+    ids = client.post("/tokenize", json={"prompt": PROMPT}).json()["tokens"]
+    scored_rows: list[int] = []
+    real = model_executor._score_prompt
+
+    def counting(logits, entries, scored):
+        scored_rows.append(sum(n for _, _, n in scored))
+        return real(logits, entries, scored)
+
+    monkeypatch.setattr(model_executor, "_score_prompt", counting)
+    body = {"prompt": PROMPT, "echo": True, "logprobs": 2, "max_tokens": 2, "temperature": 1.0, "seed": 5}
+    one = _post(client, {**body, "prompt_logprobs": 1})["choices"][0]
+    assert sum(scored_rows) == len(ids) - 1
+    scored_rows.clear()
+    three = _post(client, {**body, "prompt_logprobs": 1, "n": 3})["choices"]
+    assert sum(scored_rows) == len(ids) - 1  # once, not once per choice
+    # the same values, to fp32 noise (the batches differ)
+    want = [{t: v["logprob"] for t, v in entry.items()} for entry in one["prompt_logprobs"][1:]]
+    for c in three:
+        assert c["prompt_logprobs"][0] is None
+        got = [{t: v["logprob"] for t, v in entry.items()} for entry in c["prompt_logprobs"][1:]]
+        assert [sorted(g) for g in got] == [sorted(w) for w in want]
+        assert [g[t] for g in got for t in sorted(g)] == pytest.approx([w[t] for w in want for t in sorted(w)], abs=1e-4)
+        for key in ("tokens", "text_offset"):
+            assert c["logprobs"][key][: len(ids)] == one["logprobs"][key][: len(ids)]
+        assert c["logprobs"]["token_logprobs"][1 : len(ids)] == pytest.approx(
+            one["logprobs"]["token_logprobs"][1 : len(ids)], abs=1e-4)
+    scored_rows.clear()
+    streamed = _streamed(client, {**body, "n": 3})
+    assert sum(scored_rows) == len(ids) - 1 and sorted(streamed) == [0, 1, 2]
+    for c in streamed.values():
+        assert c["tokens"][: len(ids)] == one["logprobs"]["tokens"][: len(ids)]
+        assert c["token_logprobs"][1 : len(ids)] == pytest.approx(one["logprobs"]["token_logprobs"][1 : len(ids)], abs=1e-4)
+
+
+def test_text_offsets_agree_between_stream_and_whole_answer_across_split_characters(served):
+    client, engine = served
+    prompt = "Smile \U0001F642 ok \u00e9t\u00e9"
+    ids = client.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
+    pieces = [engine.tokenizer.decode([t]) for t in ids]
+    assert any("\ufffd" in piece for piece in pieces), "the prompt should split a character over tokens"
+    answer = "\U0001F642\u00e9\U0001F642"
+    body = {"prompt": prompt, "echo": True, "logprobs": 0, "max_tokens": 16, "temperature": 0,
+            "structured_outputs": {"choice": [answer]}}  # fmt: skip
+    whole = _post(client, body)["choices"][0]
+    streamed = _streamed(client, body)[0]
+    text, lp = whole["text"], whole["logprobs"]
+    assert text == prompt + answer == streamed["text"]
+    for key in ("tokens", "token_logprobs", "text_offset"):
+        assert streamed[key] == lp[key], key
+    offsets = lp["text_offset"]
+    assert offsets == sorted(offsets) and offsets[0] == 0 and offsets[len(ids)] == len(prompt)
+    assert all(0 <= o <= len(text) for o in offsets)
+    for token, offset in zip(lp["tokens"], offsets):  # a whole token's text starts at its offset
+        if "\ufffd" not in token:
+            assert text[offset : offset + len(token)] == token
+
+
+def _generation_tokens(client) -> float:
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith("servelab:generation_tokens_total{"):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError("no servelab:generation_tokens_total in /metrics")
+
+
+def test_echo_with_max_tokens_0_counts_no_generated_token(served):
+    client, _ = served
+    before = _generation_tokens(client)
+    _post(client, {"prompt": PROMPT, "echo": True, "logprobs": 0, "max_tokens": 0})
+    assert _generation_tokens(client) == before
+    _post(client, {"prompt": PROMPT, "max_tokens": 2, "ignore_eos": True})
+    assert _generation_tokens(client) == before + 2

@@ -59,6 +59,22 @@ def test_browser_simple_content_types_get_415_showing_the_header(fake_engine, co
         assert ok.status_code == 200
 
 
+def test_a_post_without_a_json_content_type_gets_415(fake_engine):
+    """A browser's fetch of a Blob without a type sends no Content-Type and no CORS preflight:
+    only JSON types are served (application/json, or a +json type)."""
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    with TestClient(create_app(fake_engine())) as c:
+        for sent in (None, "", "application/octet-stream", "text/json"):
+            headers = {} if sent is None else {"Content-Type": sent}
+            r = c.post("/v1/completions", content=body, headers=headers)
+            assert r.status_code == 415, (headers, r.text)
+            error = r.json()["error"]
+            assert "Content-Type: application/json" in error["message"] and error["code"] == "unsupported_media_type"
+        assert "no Content-Type" in c.post("/tokenize", content=b'{"prompt": "hi"}').json()["error"]["message"]
+        for media_type in ("application/json", "Application/JSON; charset=utf-8", "application/vnd.api+json"):
+            assert c.post("/v1/completions", content=body, headers={"Content-Type": media_type}).status_code == 200
+
+
 def test_no_cors_headers_unless_origins_are_allowed(fake_engine):
     origin = {"Origin": "https://evil.example"}
     with TestClient(create_app(fake_engine())) as c:
@@ -213,6 +229,61 @@ def test_stop_lists_are_bounded(fake_engine):
         most = c.post("/v1/completions", json={**body, "stop": ["x" * MAX_STOP_CHARS] * MAX_STOP,
                                                "stop_token_ids": list(range(MAX_STOP))})  # fmt: skip
         assert most.status_code == 200, most.text
+
+
+def test_bad_words_lists_are_bounded(fake_engine):
+    """Bad words are tokenized and matched on the engine thread, for every step of the request:
+    10,000 of them cost 1.3 s of tokenizing there and 5.6 ms per step (docs/limits-and-safety.md)."""
+    from servelab.server.engine_requests import MAX_BAD_WORD_CHARS, MAX_BAD_WORDS
+
+    body = {"prompt": "hello", "max_tokens": 2}
+    with TestClient(create_app(fake_engine())) as c:
+        many = c.post("/v1/completions", json={**body, "bad_words": [f"w{i}" for i in range(10_000)]}).json()["error"]
+        assert many["param"] == "bad_words" and f"at most {MAX_BAD_WORDS}" in many["message"]
+        long = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                                    "bad_words": ["x" * (MAX_BAD_WORD_CHARS + 1)]}).json()["error"]  # fmt: skip
+        assert long["param"] == "bad_words" and f"at most {MAX_BAD_WORD_CHARS}" in long["message"]
+        # at the limits: past these checks (this engine has no logits to edit, hence its own 400)
+        most = c.post("/v1/completions", json={**body, "bad_words": ["x" * MAX_BAD_WORD_CHARS] * MAX_BAD_WORDS})
+        assert "at most" not in most.json()["error"]["message"]
+
+
+def test_long_token_id_lists_neither_hold_the_loop_nor_are_checked_per_choice(fake_engine):
+    """allowed_token_ids and logit_bias can hold ~10^6 entries inside the body limit; each
+    choice's params used to check them again, on the event loop (~0.5 s each at 10^6, n=128).
+    A list longer than the vocabulary is refused at once; one as long is checked once, off the
+    loop, whatever n."""
+    engine = fake_engine()
+    vocab = engine.tokenizer.vocab_size
+    body = {"prompt": "hello", "max_tokens": 1, "n": 128}
+    with TestClient(create_app(engine)) as c:
+        for field, value in (("allowed_token_ids", [1] * (vocab + 1)),
+                             ("logit_bias", {str(i): 1 for i in range(vocab + 1)})):  # fmt: skip
+            err = c.post("/v1/completions", json={**body, field: value}).json()["error"]
+            assert err["param"] == field and f"at most {vocab}" in err["message"], err
+
+    from servelab.core import sequence
+
+    checks = 0
+    real = sequence.SamplingParams.validate
+
+    def counting(self):
+        nonlocal checks
+        checks += bool(self.allowed_token_ids)  # (defaults are read from plain SamplingParams())
+        return real(self)
+
+    sequence.SamplingParams.validate = counting
+    try:
+        async def post(client: httpx.AsyncClient) -> httpx.Response:
+            return await client.post("/v1/completions", json={**body, "allowed_token_ids": list(range(vocab))})
+
+        latencies, r = asyncio.run(_health_latencies_while(create_app(engine), post))
+    finally:
+        sequence.SamplingParams.validate = real
+    # this engine edits no logits: past every check, its own 400
+    assert r.status_code == 400 and "does not sample real logits" in r.json()["error"]["message"], r.text
+    assert checks == 1
+    _assert_responsive(latencies)
 
 
 def test_detokenizing_a_long_list_runs_off_the_event_loop(fake_engine):

@@ -5,6 +5,7 @@ validated against its schema."""
 from __future__ import annotations
 
 import json
+import re
 
 import openai
 import pytest
@@ -56,6 +57,20 @@ def test_logit_bias_bans_and_forces_tokens(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model(client), prompt=prompt, max_tokens=1, logit_bias={paris: 101})
     assert e.value.body["param"] == "logit_bias" and "[-100, 100]" in e.value.body["message"]
+
+
+def test_allowed_token_ids_and_bad_words(client):
+    prompt = "The capital of France is"
+    paris, one = 7042, 33  # " Paris" and "1" in SmolLM2's vocabulary
+    r = client.completions.create(model=model(client), prompt=prompt, max_tokens=4, temperature=1.0, seed=2,
+                                  extra_body={"allowed_token_ids": [paris, one], "ignore_eos": True})  # fmt: skip
+    assert re.fullmatch(r"( Paris|1)+", r.choices[0].text), r.choices[0].text
+    r = client.completions.create(model=model(client), prompt=prompt, max_tokens=3, temperature=0,
+                                  extra_body={"bad_words": ["Paris"]})  # fmt: skip
+    assert "Paris" not in r.choices[0].text
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=model(client), prompt=prompt, max_tokens=1, extra_body={"allowed_token_ids": []})
+    assert e.value.body["param"] == "allowed_token_ids"
 
 
 def test_json_schema_answers_validate(client):
@@ -118,3 +133,17 @@ def test_structured_outputs_extras(client):
         client.completions.create(model=model(client), prompt="x", max_tokens=4,
                                   extra_body={"guided_regex": "a", "structured_outputs": {"regex": "b"}})  # fmt: skip
     assert "only one output constraint" in e.value.body["message"]
+
+
+def test_a_named_call_cut_by_max_tokens_through_the_openai_client(client):
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    whole = client.chat.completions.create(model=model(client), messages=ASK, max_tokens=3, temperature=0, tools=TOOLS,
+                                           tool_choice=named).choices[0]  # fmt: skip
+    assert whole.finish_reason == "length" and whole.message.content is None
+    (call,) = whole.message.tool_calls
+    arguments = ""
+    for chunk in client.chat.completions.create(model=model(client), messages=ASK, max_tokens=3, temperature=0,
+                                                tools=TOOLS, tool_choice=named, stream=True):  # fmt: skip
+        for c in chunk.choices:
+            arguments += "".join(d.function.arguments or "" for d in c.delta.tool_calls or [])
+    assert call.function.name == "get_weather" and call.function.arguments == arguments

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from servelab.server import protocol as p
 from servelab.server.structured import ToolCallStream, ToolPlan, output_spec, parse_tool_calls
 from servelab.server.tool_parsers import parse_hermes
@@ -104,3 +106,68 @@ def test_auto_tool_choice_with_the_hermes_parser(tiny_model_dir):
         calls = [d for ch in chunks for d in ch["delta"].get("tool_calls") or []]
         assert content.strip() == "ok" and [d["function"]["name"] for d in calls] == ["get_weather"]
         assert chunks[-1]["finish_reason"] == "tool_calls"
+
+
+# ------------------------------------------------------------- forced calls cut by max_tokens
+
+
+@pytest.fixture(scope="module")
+def tiny_client(tiny_model_dir):
+    """The server over the tiny real model (its logits go through the grammar)."""
+    from fastapi.testclient import TestClient
+
+    from servelab.engine.llm_engine import EngineArgs, LLMEngine
+    from servelab.server.app import create_app
+
+    engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=str(tiny_model_dir), dtype="float32", num_blocks=64))
+    with TestClient(create_app(engine)) as client:
+        yield client
+
+
+def _streamed_choice(client, body: dict) -> dict:
+    """A streamed chat answer put together as the non-streamed one reads."""
+    events = [line[6:] for line in client.post("/v1/chat/completions", json={**body, "stream": True}).text.splitlines()
+              if line.startswith("data: {")]  # fmt: skip
+    chunks = [json.loads(e)["choices"][0] for e in events]
+    content = "".join(ch["delta"].get("content") or "" for ch in chunks) or None
+    calls: dict[int, dict] = {}
+    for d in (d for ch in chunks for d in ch["delta"].get("tool_calls") or []):
+        call = calls.setdefault(d["index"], {"name": "", "arguments": ""})
+        call["name"] += d["function"].get("name") or ""
+        call["arguments"] += d["function"].get("arguments") or ""
+    finish = [ch["finish_reason"] for ch in chunks if ch["finish_reason"]]
+    return {"content": content, "calls": [calls[i] for i in sorted(calls)], "finish_reason": finish[-1]}
+
+
+def _whole_choice(client, body: dict) -> dict:
+    choice = client.post("/v1/chat/completions", json=body).json()["choices"][0]
+    calls = [c["function"] for c in choice["message"].get("tool_calls") or []]
+    return {"content": choice["message"]["content"], "calls": calls, "finish_reason": choice["finish_reason"]}
+
+
+CUT_TOOLS = [{"type": "function", "function": {"name": "lookup", "parameters": {
+    "type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}}}]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_a_named_call_cut_by_max_tokens_is_a_call_in_both_modes(tiny_client):
+    # As vLLM: the named function's call, its arguments whatever was generated, finish "length".
+    body = {"messages": [{"role": "user", "content": "find it"}], "max_tokens": 3, "temperature": 0,
+            "tools": CUT_TOOLS, "tool_choice": {"type": "function", "function": {"name": "lookup"}}}  # fmt: skip
+    whole, streamed = _whole_choice(tiny_client, body), _streamed_choice(tiny_client, body)
+    assert whole["finish_reason"] == "length" and whole["content"] is None
+    (call,) = whole["calls"]
+    assert call["name"] == "lookup" and call["arguments"].startswith("{")
+    with pytest.raises(json.JSONDecodeError):
+        json.loads(call["arguments"])  # really cut
+    assert streamed == whole
+
+
+@pytest.mark.slow
+def test_a_required_call_cut_by_max_tokens_is_content_in_both_modes(tiny_client):
+    # Which function was meant is not known before the JSON is whole: the text stays content.
+    body = {"messages": [{"role": "user", "content": "find it"}], "max_tokens": 3, "temperature": 0,
+            "tools": CUT_TOOLS, "tool_choice": "required"}  # fmt: skip
+    whole, streamed = _whole_choice(tiny_client, body), _streamed_choice(tiny_client, body)
+    assert whole["finish_reason"] == "length" and whole["calls"] == [] and whole["content"].startswith("{")
+    assert streamed == whole

@@ -19,7 +19,7 @@ from servelab.server.engine_requests import build_requests, prepare_logits_proce
 from servelab.server.fields import refuse_non_text_parts, refuse_unsupported
 from servelab.server.http_errors import parse_body
 from servelab.server.prompt_scoring import prompt_logprobs_wanted
-from servelab.server.prompts import chat_prompt_ids, completion_prompt_ids, echo_prompt_texts
+from servelab.server.prompts import chat_prompt_ids, completion_prompt_ids, echo_prompts
 from servelab.server.render import ChatRenderer, CompletionRenderer
 from servelab.server.sse import sse_response
 from servelab.server.state import State
@@ -47,12 +47,15 @@ async def completions(request: Request, state: State) -> Response:
     request_id = "cmpl-" + uuid.uuid4().hex
     # echo with max_tokens 0 runs one token (the engine samples after every prefill) and drops it.
     max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
-    engine_requests = build_requests(engine, request_id, prompts, req, max_tokens, req.logprobs, arrival_s,
-                                     prompt_logprobs)  # fmt: skip
+    # Off the loop: the checks are in proportion to the lists a request may send.
+    engine_requests = await state.offload.run(build_requests, engine, request_id, prompts, req, max_tokens,
+                                              req.logprobs, arrival_s, prompt_logprobs)  # fmt: skip
     await prepare_logits_processors(engine, state.offload, engine_requests)
-    echo_texts = await state.offload.run(echo_prompt_texts, engine, req.prompt) if req.echo else None
+    echoes = None
+    if req.echo:
+        echoes = await state.offload.run(echo_prompts, engine, req.prompt, prompts, req.logprobs is not None)
     stream = await state.async_engine.submit(engine_requests)
-    renderer = CompletionRenderer(state, request_id, req, engine_requests, echo_texts=echo_texts)
+    renderer = CompletionRenderer(state, request_id, req, engine_requests, echoes=echoes)
     if req.stream:
         return sse_response(renderer.stream(stream))
     return await collect_unless_disconnected(request, renderer.collect(stream))
@@ -75,8 +78,8 @@ async def chat_completions(request: Request, state: State) -> Response:
     top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     prompt_logprobs = prompt_logprobs_wanted(prompt_logprobs=req.prompt_logprobs, echo_logprobs=None, stream=req.stream)
     request_id = "chatcmpl-" + uuid.uuid4().hex
-    engine_requests = build_requests(engine, request_id, [prompt_ids], req, max_tokens, top_logprobs, arrival_s,
-                                     prompt_logprobs)  # fmt: skip
+    engine_requests = await state.offload.run(build_requests, engine, request_id, [prompt_ids], req, max_tokens,
+                                              top_logprobs, arrival_s, prompt_logprobs)  # fmt: skip
     await prepare_logits_processors(engine, state.offload, engine_requests)
     stream = await state.async_engine.submit(engine_requests)
     renderer = ChatRenderer(state, request_id, req, engine_requests, plan)
