@@ -108,6 +108,10 @@ class WorkerLoop:
         threading.Thread(target=self._heartbeat, name="servelab-worker-beat", daemon=True).start()
         try:
             return self._serve()
+        except PeerLost as exc:  # a send failed: the front end is gone
+            logger.error("servelab worker: the front end is gone (%s); aborting %d request(s), exiting", exc,
+                         len(self.live))  # fmt: skip
+            return 1
         finally:
             self.stopping.set()
             for rid in list(self.live):
