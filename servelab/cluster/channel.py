@@ -106,7 +106,7 @@ class Link:
             try:
                 dist.isend(header, dst=self.peer, group=self.group, tag=TAG_HEADER).wait(timeout)
                 dist.isend(body, dst=self.peer, group=self.group, tag=TAG_PAYLOAD).wait(timeout)
-            except RuntimeError as exc:
+            except (RuntimeError, ValueError) as exc:
                 raise self._lost(exc) from exc
 
     def recv(self, timeout_s: float = PEER_TIMEOUT_S) -> Any:
@@ -120,7 +120,7 @@ class Link:
             dist.irecv(header, src=self.peer, group=self.group, tag=TAG_HEADER).wait(timeout)
             body = torch.empty(int(header.item()), dtype=torch.uint8)
             dist.irecv(body, src=self.peer, group=self.group, tag=TAG_PAYLOAD).wait(timeout)
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:  # ValueError: the group was destroyed meanwhile
             raise self._lost(exc) from exc
         return pickle.loads(body.numpy().tobytes())
 
