@@ -79,7 +79,10 @@ def _build(config: m.WorkerConfig, rank: int, link: Link) -> LLMEngine | None:
     try:
         return LLMEngine.from_args(config.engine_args)
     except Exception as exc:
-        logger.exception("servelab worker %d: the engine did not start", rank)
+        if isinstance(exc, ServelabError):  # a bad model or flag: its message says it all
+            logger.error("servelab worker %d: the engine did not start: %s", rank, exc.message)
+        else:
+            logger.exception("servelab worker %d: the engine did not start", rank)
         link.send(m.WorkerFailed(rank, m.WireError.of(exc)))
         return None
 
