@@ -144,3 +144,24 @@ def test_aborts_and_early_exits_leak_no_block_on_any_worker(fake_engine):
         stats = engine.stats()
         assert stats.num_blocks_free == stats.num_blocks_total and stats.num_running == stats.num_waiting == 0
         assert not engine._requests
+
+
+def test_admission_errors_come_back_as_themselves_and_leave_nothing(fake_engine):
+    from servelab.errors import RequestTooLong
+
+    async def main(driver):
+        driver.start()
+        with pytest.raises(RequestTooLong, match="maximum context length is 64 tokens"):
+            await driver.submit([_req("long", 40)])  # 40-token prompt + 40 > 64
+        assert not driver._remote and not driver._sinks
+        assert all(w.outstanding == 0 for w in driver.workers)
+        stream = await driver.submit([_req("n-0", 3), _req("n-1", 5)])  # n choices: one worker, together
+        assert {r.worker.index for r in driver._remote.values()} == {1}
+        per_request: dict[str, int] = {}
+        for out in await _collect(stream):
+            per_request[out.request_id] = per_request.get(out.request_id, 0) + len(out.new_token_ids)
+        assert per_request == {"n-0": 3, "n-1": 5}
+        await driver.stop()
+
+    cluster, _, _ = memory_cluster(fake_engine, 2, max_model_len=64)
+    run(main(cluster))
