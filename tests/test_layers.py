@@ -20,11 +20,13 @@ ALLOWED: dict[str, set[str]] = {
     "engine": {"core", "spec"},
     "sim": {"core", "cost", "spec", "workload", "metrics"},
     "server": {"core", "engine", "spec", "metrics", "<top>"},
+    # data-parallel workers: the engine in each, the server's driver interface and sim's router at the front
+    "cluster": {"core", "engine", "spec", "server", "sim"},
     # the load generator builds exact-length prompts with the engine's tokenizer (imported lazily)
     "bench": {"core", "workload", "metrics", "sim", "cost", "spec", "engine"},
     "lab": {"core", "bench", "sim", "cost", "spec", "workload", "metrics"},
-    "commands": {"bench", "core", "cost", "engine", "lab", "metrics", "server", "sim", "spec", "workload",
-                 "<top>"},
+    "commands": {"bench", "cluster", "core", "cost", "engine", "lab", "metrics", "server", "sim", "spec",
+                 "workload", "<top>"},
     "cli": {"<top>", "commands"},
     "__main__": {"cli"},
     "<top>": {"engine"},
