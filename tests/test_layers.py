@@ -19,11 +19,13 @@ ALLOWED: dict[str, set[str]] = {
     "cost": {"spec"},
     "engine": {"core", "spec"},
     "sim": {"core", "cost", "spec", "workload", "metrics"},
+    # worker processes and their front ends; the router policies are the simulator's
+    "cluster": {"core", "engine", "spec", "sim"},
     "server": {"core", "engine", "spec", "metrics", "<top>"},
     # the load generator builds exact-length prompts with the engine's tokenizer (imported lazily)
     "bench": {"core", "workload", "metrics", "sim", "cost", "spec", "engine"},
     "lab": {"core", "bench", "sim", "cost", "spec", "workload", "metrics"},
-    "commands": {"bench", "core", "cost", "engine", "lab", "metrics", "server", "sim", "spec", "workload",
+    "commands": {"bench", "cluster", "core", "cost", "engine", "lab", "metrics", "server", "sim", "spec", "workload",
                  "<top>"},
     "cli": {"<top>", "commands"},
     "__main__": {"cli"},
