@@ -19,7 +19,7 @@ from datetime import timedelta
 from typing import Any
 
 from servelab.cluster.disagg_worker import WireOutput, WorkerSpec, worker_main
-from servelab.cluster.kv_transfer import DEFAULT_TIMEOUT_S, GRANULARITIES
+from servelab.cluster.kv_transfer import DEFAULT_TIMEOUT_S, GRANULARITIES, pair_groups
 from servelab.errors import InvalidArgument, ServelabError
 from servelab.sim.router import Router
 
@@ -89,7 +89,7 @@ class DisaggCluster:
         self.workers: list[Worker] = []
         for rank in range(1, world):
             role = "prefill" if rank <= num_prefill else "decode"
-            spec = WorkerSpec(role, engine_args, world, port, threads, kv_timeout_s, granularity, os.getpid())
+            spec = WorkerSpec(role, engine_args, world, num_prefill, port, threads, kv_timeout_s, granularity, os.getpid())
             process = ctx.Process(target=worker_main, args=(rank, spec), name=f"servelab-{role}-{rank}", daemon=True)
             process.start()
             self.workers.append(Worker(rank, role, process))
@@ -100,6 +100,7 @@ class DisaggCluster:
             dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=world,
                                     timeout=timedelta(seconds=START_TIMEOUT_S))  # fmt: skip
             self.channel = Channel([w.index for w in self.workers], dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT))
+            pair_groups(*spec.pools(), kv_timeout_s)  # collective: the workers' transfer groups
             self._wait_ready()
         except BaseException:
             self.close()
@@ -232,6 +233,7 @@ class DisaggCluster:
         import torch.distributed as dist
 
         if self.channel is not None:
+            self.channel.closing = True  # the workers' connections close as they leave
             for w in self.workers:
                 if w.lost is None and w.process.is_alive():
                     try:
@@ -243,8 +245,6 @@ class DisaggCluster:
             if w.process.is_alive():
                 w.process.kill()
                 w.process.join()
-        if self.channel is not None:
-            self.channel.closing = True
         if dist.is_initialized():
             dist.destroy_process_group()
 

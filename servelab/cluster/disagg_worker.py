@@ -60,11 +60,17 @@ class WorkerSpec:
     role: str  # "prefill" | "decode"
     engine_args: Any  # EngineArgs
     world_size: int
+    num_prefill: int  # ranks 1..num_prefill prefill, the rest decode
     port: int
     threads: int
     kv_timeout_s: float
     granularity: str
     parent_pid: int
+
+
+    def pools(self) -> tuple[list[int], list[int]]:
+        """(prefill ranks, decode ranks)."""
+        return list(range(1, self.num_prefill + 1)), list(range(self.num_prefill + 1, self.world_size))
 
 
 def _error(rid: str, why: str) -> WireOutput:
@@ -88,7 +94,7 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
     import torch.distributed as dist
 
     from servelab.cluster.disagg_channel import IDLE_TIMEOUT, Channel
-    from servelab.cluster.kv_transfer import KVLayout
+    from servelab.cluster.kv_transfer import KVLayout, pair_groups
     from servelab.engine.llm_engine import LLMEngine
 
     threading.Thread(target=_exit_when_orphaned, args=(spec.parent_pid,), daemon=True).start()
@@ -96,23 +102,29 @@ def worker_main(rank: int, spec: WorkerSpec) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec.port}", rank=rank,
                             world_size=spec.world_size, timeout=timedelta(seconds=spec.kv_timeout_s))  # fmt: skip
     control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
+    kv_groups = pair_groups(*spec.pools(), spec.kv_timeout_s)
     channel = Channel([r for r in range(spec.world_size) if r != rank], control)
     try:
         engine = LLMEngine.from_args(spec.engine_args)
     except Exception as exc:
         channel.send(FRONT_END, ("failed", f"{type(exc).__name__}: {exc}"))
-        channel.closing = True
-        dist.destroy_process_group()
-        return
+        _leave(channel)
     kv = engine.executor.kv_cache
     channel.send(FRONT_END, ("ready", KVLayout.of(kv), engine.scheduler_config.num_blocks))
-    loop = (PrefillLoop if spec.role == "prefill" else DecodeLoop)(engine, channel, spec)
+    loop = (PrefillLoop if spec.role == "prefill" else DecodeLoop)(engine, channel, spec, kv_groups)
     try:
         loop.run()
     finally:
-        channel.closing = True
-        loop.transfers.shutdown(wait=False, cancel_futures=True)
-        dist.destroy_process_group()
+        _leave(channel)
+
+
+def _leave(channel: Any) -> None:
+    """Exits the process without tearing the process groups down: the receiver threads still wait
+    inside gloo, and destroying a group under them aborts the process. The peers see the closed
+    connections."""
+    channel.closing = True
+    logging.shutdown()
+    os._exit(0)
 
 
 @dataclass(slots=True)
@@ -138,9 +150,10 @@ class _Offer:
 class _Loop:
     """The engine loop both roles share: messages in, a step, outputs out, transfers done."""
 
-    def __init__(self, engine: Any, channel: Any, spec: WorkerSpec):
+    def __init__(self, engine: Any, channel: Any, spec: WorkerSpec, kv_groups: dict[int, Any]):
         from servelab.cluster.kv_transfer import KVLayout
 
+        self.kv_groups = kv_groups  # peer rank -> the pair's transfer group
         self.engine = engine
         self.channel = channel
         self.spec = spec
@@ -213,8 +226,8 @@ class _Loop:
 
 
 class PrefillLoop(_Loop):
-    def __init__(self, engine: Any, channel: Any, spec: WorkerSpec):
-        super().__init__(engine, channel, spec)
+    def __init__(self, engine: Any, channel: Any, spec: WorkerSpec, kv_groups: dict[int, Any]):
+        super().__init__(engine, channel, spec, kv_groups)
         self.decode_rank: dict[str, int] = {}  # requests in the engine -> their decode worker
         self.held: dict[str, _Held] = {}
 
@@ -249,7 +262,8 @@ class PrefillLoop(_Loop):
         from servelab.cluster.kv_transfer import send_blocks
 
         future = self.transfers.submit(send_blocks, self.kv, blocks, held.decode_rank, tag=tag,
-                                       timeout_s=self.spec.kv_timeout_s, granularity=self.spec.granularity)  # fmt: skip
+                                       timeout_s=self.spec.kv_timeout_s, granularity=self.spec.granularity,
+                                       group=self.kv_groups[held.decode_rank])  # fmt: skip
         self.in_flight[future] = rid
 
     def on_outputs(self, outputs: list) -> None:
@@ -294,8 +308,8 @@ class PrefillLoop(_Loop):
 
 
 class DecodeLoop(_Loop):
-    def __init__(self, engine: Any, channel: Any, spec: WorkerSpec):
-        super().__init__(engine, channel, spec)
+    def __init__(self, engine: Any, channel: Any, spec: WorkerSpec, kv_groups: dict[int, Any]):
+        super().__init__(engine, channel, spec, kv_groups)
         self.offers: list[_Offer] = []  # in arrival order; the head waits for blocks
         self.receiving: dict[str, bool] = {}  # request -> aborted while its KV is on its way
         self.tags = itertools.count(1)
@@ -338,7 +352,7 @@ class DecodeLoop(_Loop):
             tag = next(self.tags)
             future = self.transfers.submit(_timed, recv_blocks, self.kv, seq.block_table[first_block:], offer.src,
                                            tag=tag, timeout_s=self.spec.kv_timeout_s,
-                                           granularity=self.spec.granularity)  # fmt: skip
+                                           granularity=self.spec.granularity, group=self.kv_groups[offer.src])  # fmt: skip
             self.in_flight[future] = (offer, seq, time.perf_counter() - offer.arrived_s)
             self.receiving[offer.rid] = False
             if not self.send(offer.src, ("go", offer.rid, tag, first_block)):

@@ -8,8 +8,9 @@ receive up front and writes each piece into its cache as it lands. docs/disaggre
 measures both.
 
 Every wait has a deadline: a peer that died fails the transfer at once (gloo sees the closed
-connection), one that stopped answering fails it after `timeout_s`. gloo then closes the pair,
-so a timed-out peer stays unusable for transfers; the workers treat it as lost.
+connection), one that stopped answering fails it after `timeout_s`. A timeout makes gloo close
+every connection of that process group, so each prefill/decode pair gets a group of its own
+(pair_groups): a stuck peer takes down only its own pair's transfers, not its other peers'.
 """
 
 from __future__ import annotations
@@ -47,6 +48,19 @@ class KVLayout:
     def of(cls, kv: PagedKVCache) -> KVLayout:
         layers, kv_heads, _, head_dim = kv.k.shape
         return cls(layers, kv_heads, head_dim, kv.block_size, str(kv.dtype).removeprefix("torch."))
+
+
+def pair_groups(prefill_ranks: list[int], decode_ranks: list[int], timeout_s: float) -> dict[int, Any]:
+    """One gloo group per (prefill, decode) pair, for its KV transfers. Every rank of the world
+    calls it, in the same order (new_group is collective); returns this rank's peers' groups."""
+    me = dist.get_rank()
+    groups = {}
+    for p in prefill_ranks:
+        for d in decode_ranks:
+            group = dist.new_group([p, d], backend="gloo", timeout=timedelta(seconds=timeout_s))
+            if me in (p, d):
+                groups[d if me == p else p] = group
+    return groups
 
 
 def _check_granularity(granularity: str) -> None:
