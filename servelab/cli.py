@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "models": "list the model catalog",
     "hardware": "list the accelerator catalog",
     "lab": "interactive lessons on inference economics in the browser",
+    "worker": "an engine worker that joins a `serve --external-workers` front end (another host)",
 }
 
 

@@ -19,14 +19,14 @@ ALLOWED: dict[str, set[str]] = {
     "cost": {"spec"},
     "engine": {"core", "spec"},
     "sim": {"core", "cost", "spec", "workload", "metrics"},
-    # worker processes and their front ends; the router policies are the simulator's
-    "cluster": {"core", "engine", "spec", "sim"},
     "server": {"core", "engine", "spec", "metrics", "<top>"},
+    # data-parallel workers: the engine in each, the server's driver interface and sim's router at the front
+    "cluster": {"core", "engine", "spec", "server", "sim"},
     # the load generator builds exact-length prompts with the engine's tokenizer (imported lazily)
     "bench": {"core", "workload", "metrics", "sim", "cost", "spec", "engine"},
     "lab": {"core", "bench", "sim", "cost", "spec", "workload", "metrics"},
-    "commands": {"bench", "cluster", "core", "cost", "engine", "lab", "metrics", "server", "sim", "spec", "workload",
-                 "<top>"},
+    "commands": {"bench", "cluster", "core", "cost", "engine", "lab", "metrics", "server", "sim", "spec",
+                 "workload", "<top>"},
     "cli": {"<top>", "commands"},
     "__main__": {"cli"},
     "<top>": {"engine"},

@@ -12,6 +12,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from servelab.commands._cluster_cli import add_cluster_arguments, check_cluster_flags, uses_cluster
 from servelab.commands._dtype_cli import add_engine_dtype_arguments
 from servelab.commands._engine_cli import DETERMINISTIC_HELP, QUANTIZATION_HELP, TENSOR_PARALLEL_HELP
 from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
@@ -92,11 +93,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         unset={"max_model_len": f"the model's, at most {DEFAULT_MAX_MODEL_LEN}", "num_blocks": "from --kv-cache-memory"},
     )  # fmt: skip
     limits.add_argument("--kv-cache-memory", default=None, help="memory for the KV cache, e.g. 1GiB (default 1GiB)")
+    add_cluster_arguments(parser)
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
                         help="server log verbosity (default: info)")
 
 
 def _check_args(args: argparse.Namespace) -> None:
+    check_cluster_flags(args)
     if not 0 <= args.port < 65536:
         raise InvalidArgument(f"--port: must be in [0, 65535], got {args.port}")
     if args.api_key is not None and not args.api_key.strip():
@@ -187,7 +190,14 @@ def run(args: argparse.Namespace) -> int:
     port = sock.getsockname()[1]
 
     t0 = time.perf_counter()
-    engine = LLMEngine.from_args(engine_args)
+    driver = None
+    if uses_cluster(args):
+        from servelab.commands._cluster_cli import start_cluster_from_args
+
+        driver = start_cluster_from_args(args, engine_args)
+        engine = driver.engine
+    else:
+        engine = LLMEngine.from_args(engine_args)
     cfg = engine.scheduler_config
     log.info("servelab: loaded %s (%s) in %.1f s", engine.model_name, args.model or "bundled model", time.perf_counter() - t0)
     log.info(
@@ -207,6 +217,7 @@ def run(args: argparse.Namespace) -> int:
         max_request_bytes=max_request_bytes,
         allowed_origins=allowed_origins,
         tool_call_parser=args.tool_call_parser,
+        driver=driver,
     )
     state = app.state.servelab
     lab = not args.no_lab and mount_lab(app)

@@ -9,6 +9,7 @@ import sys
 from servelab.commands._dtype_cli import add_cost_dtype_arguments, cost_dtypes
 from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
 from servelab.errors import InvalidArgument
+from servelab.sim.router import ROUTERS
 from servelab.units import parse_duration_s
 
 HELP = "simulate serving a model on an accelerator (same scheduler, cost-model executor)"
@@ -35,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     layout = g.add_mutually_exclusive_group()
     layout.add_argument("--replicas", type=int, default=1, help="colocated replicas behind the router (default 1)")
     layout.add_argument("--disagg", type=_disagg, default=None, metavar="P:D", help="P prefill and D decode replicas")
-    g.add_argument("--router", default="round-robin", help="round-robin | least-outstanding | least-kv")
+    g.add_argument("--router", default="round-robin", help=" | ".join(ROUTERS))
     g.add_argument("--link-bandwidth", type=float, default=None, metavar="GB_PER_S",
                    help="prefill→decode KV link per replica in GB/s (default 50 per device)")
     g.add_argument("--link-latency", default="0.5ms", help="KV transfer latency (default 0.5ms)")

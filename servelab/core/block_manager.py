@@ -31,6 +31,20 @@ from servelab.errors import InvalidArgument
 _ROOT_HASH = 0x5E4E1AB
 
 
+def chain_block_hashes(token_ids: list[int], block_size: int, parent: int = _ROOT_HASH) -> list[int]:
+    """The prefix cache's identity of every full block of `token_ids`: hash((parent's, hash(block's
+    tokens))), chained from `parent` (the root for a prompt's start). Python hashes tuples of ints
+    alike in every process, so a router in another process computes the same identities."""
+    # A prompt: 64 blocks for 1,024 tokens. The grouper idiom (itertools recipes) cuts the
+    # tokens into block_size-tuples and hashes them in C; only the chaining runs in Python.
+    out = []
+    append = out.append
+    for block_hash in map(hash, zip(*[iter(token_ids)] * block_size)):
+        parent = hash((parent, block_hash))
+        append(parent)
+    return out
+
+
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
         if num_blocks < 1:
@@ -110,13 +124,7 @@ class BlockManager:
         if num_full - len(hashes) == 1:  # a decode filled one block
             hashes.append(hash((parent, hash(tuple(tokens[start : start + bs])))))
             return
-        # A prompt: 64 blocks for 1,024 tokens. The grouper idiom (itertools recipes) cuts the
-        # tokens into block_size-tuples and hashes them in C; only the chaining runs in Python.
-        # Both paths compute hash((parent hash, hash(block's tokens))).
-        append = hashes.append
-        for block_hash in map(hash, zip(*[iter(tokens[start : num_full * bs])] * bs)):
-            parent = hash((parent, block_hash))
-            append(parent)
+        hashes += chain_block_hashes(tokens[start : num_full * bs], bs, parent)
 
     def find_cached_prefix(self, seq: Sequence) -> list[int]:
         """Blocks holding the longest cached prefix of seq's tokens (no side effects).

@@ -26,6 +26,7 @@ from servelab.server.state import ServerState
 
 if TYPE_CHECKING:
     from servelab.engine.llm_engine import LLMEngine
+    from servelab.server.async_engine import AsyncEngine
 
 
 def create_app(
@@ -35,16 +36,18 @@ def create_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     allowed_origins: list[str] | None = None,
     tool_call_parser: str | None = None,
+    driver: AsyncEngine | None = None,
 ) -> FastAPI:
     """The app, ready for uvicorn. `engine` is a built LLMEngine, or EngineArgs to build one at
     start-up (the model then loads before the port opens). `app.state.servelab` is the
     ServerState; anything else (the lab, under `servelab serve`) can mount itself on the
     returned app. `api_key` guards every route but /health and /metrics, mounts included; CORS
     headers are sent only for `allowed_origins`; `tool_call_parser` ("hermes") enables
-    tool_choice "auto"."""
+    tool_choice "auto"; `driver` replaces the AsyncEngine over `engine` (servelab.cluster's
+    front end, whose `engine` only tokenizes)."""
     state = ServerState(api_key=api_key, tool_call_parser=tool_call_parser)
     if not isinstance(engine, EngineArgs):
-        state.attach(engine)
+        state.attach(engine, driver)
 
     # /docs and /openapi.json are served by the docs router, behind the same API key as the rest.
     app = FastAPI(title="servelab", version=__version__, lifespan=_lifespan(state, engine), docs_url=None,

@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from servelab.core.sequence import SamplingParams
 from servelab.errors import ServelabError
@@ -68,7 +68,9 @@ class _Stop:
 
 
 @dataclass(slots=True)
-class _Failed:
+class Failed:
+    """Ends one request's stream with an error (its consumer raises it)."""
+
     request_id: str
     error: ServelabError
 
@@ -129,7 +131,7 @@ class AsyncEngine:
         await asyncio.to_thread(self._thread.join)
         # Whoever still waits would wait forever: tell them.
         stopped = EngineStopped("the server is shutting down; the request was aborted")
-        self._dispatch([_Failed(rid, stopped) for rid in list(self._sinks)])
+        self._dispatch([Failed(rid, stopped) for rid in list(self._sinks)])
 
     # ---- requests (event loop) -------------------------------------------------------------
 
@@ -162,17 +164,21 @@ class AsyncEngine:
         """End every request in flight with `error` (its consumer sees it; the engine frees the
         blocks). Used when the shutdown grace period runs out. Returns how many were aborted."""
         request_ids = list(self._sinks)
-        self._dispatch([_Failed(rid, error) for rid in request_ids])
+        self._dispatch([Failed(rid, error) for rid in request_ids])
         if request_ids:
             self.abort(request_ids)
         return len(request_ids)
 
     def abort(self, request_ids: list[str]) -> None:
-        for rid in request_ids:
-            self._sinks.pop(rid, None)
+        self.release(request_ids)
         self._commands.put(_Abort(list(request_ids)))
 
-    def _dispatch(self, outputs: list[EngineOutput | _Failed]) -> None:
+    def release(self, request_ids: list[str]) -> None:
+        """Forget the consumers of finished requests (a RequestStream that has closed)."""
+        for rid in request_ids:
+            self._sinks.pop(rid, None)
+
+    def _dispatch(self, outputs: list[EngineOutput | Failed]) -> None:
         for out in outputs:
             sink = self._sinks.get(out.request_id)
             if sink is not None:
@@ -205,7 +211,7 @@ class AsyncEngine:
         """After the engine thread died (event loop thread): every open stream gets an error, and
         so does every admission still queued (`submit` refuses new ones from now on)."""
         error = EngineFailure(f"the engine stopped ({type(exc).__name__}: {exc}); the request was aborted")
-        self._dispatch([_Failed(rid, error) for rid in list(self._sinks)])
+        self._dispatch([Failed(rid, error) for rid in list(self._sinks)])
         while True:
             try:
                 command = self._commands.get_nowait()
@@ -286,7 +292,7 @@ class AsyncEngine:
             self.num_step_failures += 1
             logger.exception("engine step failed; aborting %d request(s) in flight", len(self._live))
             error = EngineFailure(f"the engine failed during a step ({type(exc).__name__}: {exc}); request aborted")
-            failed = [_Failed(rid, error) for rid in sorted(self._live)]
+            failed = [Failed(rid, error) for rid in sorted(self._live)]
             for f in failed:
                 self._abort_one(f.request_id)
             self._post(failed)
@@ -316,6 +322,14 @@ class AsyncEngine:
             logger.exception("engine.stats() failed")
 
 
+class StreamSource(Protocol):
+    """What a RequestStream needs of its engine driver (AsyncEngine, or cluster.ClusterEngine)."""
+
+    def abort(self, request_ids: list[str]) -> None: ...
+
+    def release(self, request_ids: list[str]) -> None: ...
+
+
 class RequestStream:
     """The outputs of one client request's engine requests, in the order the engine made them.
 
@@ -323,7 +337,7 @@ class RequestStream:
     called when iteration ends early, e.g. on a client disconnect that cancels the task) aborts
     the ones still running, which returns their KV blocks to the pool."""
 
-    def __init__(self, engine: AsyncEngine, request_ids: list[str], sink: asyncio.Queue):
+    def __init__(self, engine: StreamSource, request_ids: list[str], sink: asyncio.Queue):
         self._engine = engine
         self.request_ids = request_ids
         self._sink = sink
@@ -334,7 +348,7 @@ class RequestStream:
         try:
             while self._unfinished:
                 item = await self._sink.get()
-                if isinstance(item, _Failed):
+                if isinstance(item, Failed):
                     self._unfinished.discard(item.request_id)
                     raise item.error
                 if item.finished:
@@ -351,8 +365,7 @@ class RequestStream:
             self._engine.abort(sorted(self._unfinished))
             self._unfinished.clear()
         else:
-            for rid in self.request_ids:
-                self._engine._sinks.pop(rid, None)
+            self._engine.release(self.request_ids)
 
     def __del__(self) -> None:
         # Safety net for a response that was dropped before its body ever started.

@@ -47,39 +47,58 @@ def buckets_1_2_5(max_value: int) -> list[int]:
         scale *= 10
 
 
-class _EngineStatsCollector(Collector):
-    """Gauges and monotonic totals straight from the latest EngineStats snapshot."""
+WorkerStats = Callable[[], "dict[str, EngineStats | None]"]  # worker rank -> its stats (None: failed)
 
-    def __init__(self, model_name: str, get_stats: Callable[[], EngineStats]):
+
+class _EngineStatsCollector(Collector):
+    """Gauges and monotonic totals straight from the latest EngineStats snapshot. Behind
+    data-parallel workers, these are the sums over the live workers, and each worker's own
+    values are exported again under `servelab:worker_<name>` with a `worker` label (docs/metrics.md),
+    so that sum() over a series never counts a worker twice."""
+
+    def __init__(self, model_name: str, get_stats: Callable[[], EngineStats], worker_stats: WorkerStats | None = None):
         self.model_name = model_name
         self.get_stats = get_stats
+        self.worker_stats = worker_stats
 
     def collect(self) -> Iterator[Metric]:
-        stats = self.get_stats()
-        labels = ["model_name"]
-        values = [self.model_name]
+        yield from self._families("servelab:", ["model_name"], [([self.model_name], self.get_stats())])
+        if self.worker_stats is None:
+            return
+        per_worker = self.worker_stats()
+        up = GaugeMetricFamily("servelab:worker_up", "1 while the data-parallel worker serves, 0 once it failed.",
+                               labels=["model_name", "worker"])  # fmt: skip
+        for worker, stats in per_worker.items():
+            up.add_metric([self.model_name, worker], 0.0 if stats is None else 1.0)
+        yield up
+        live = [([self.model_name, worker], stats) for worker, stats in per_worker.items() if stats is not None]
+        yield from self._families("servelab:worker_", ["model_name", "worker"], live)
 
-        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(name, doc, labels=labels)
-            family.add_metric(values, value)
+    @staticmethod
+    def _families(prefix: str, labels: list[str], rows: list[tuple[list[str], EngineStats]]) -> Iterator[Metric]:
+        def gauge(name: str, doc: str, value: Callable[[EngineStats], float]) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(prefix + name.removeprefix("servelab:"), doc, labels=labels)
+            for values, stats in rows:
+                family.add_metric(values, value(stats))
             return family
 
-        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
-            family = CounterMetricFamily(name, doc, labels=labels)
-            family.add_metric(values, value)
+        def counter(name: str, doc: str, value: Callable[[EngineStats], float]) -> CounterMetricFamily:
+            family = CounterMetricFamily(prefix + name.removeprefix("servelab:"), doc, labels=labels)
+            for values, stats in rows:
+                family.add_metric(values, value(stats))
             return family
 
-        yield gauge("servelab:num_requests_running", "Requests in the running batch.", stats.num_running)
-        yield gauge("servelab:num_requests_waiting", "Requests waiting to be scheduled.", stats.num_waiting)
-        yield gauge("servelab:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", stats.kv_cache_usage)
-        yield gauge("servelab:kv_cache_blocks_total", "KV-cache blocks in the pool.", stats.num_blocks_total)
+        yield gauge("servelab:num_requests_running", "Requests in the running batch.", lambda s: s.num_running)
+        yield gauge("servelab:num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting)
+        yield gauge("servelab:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", lambda s: s.kv_cache_usage)
+        yield gauge("servelab:kv_cache_blocks_total", "KV-cache blocks in the pool.", lambda s: s.num_blocks_total)
         yield gauge("servelab:kv_cache_blocks_free", "KV-cache blocks free (cached prefixes count as free).",
-                    stats.num_blocks_free)  # fmt: skip
-        yield counter("servelab:num_preemptions", "Preemptions (by recompute) since start.", stats.num_preemptions)
+                    lambda s: s.num_blocks_free)  # fmt: skip
+        yield counter("servelab:num_preemptions", "Preemptions (by recompute) since start.", lambda s: s.num_preemptions)
         yield counter("servelab:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
-                      stats.prefix_cache_hits)  # fmt: skip
+                      lambda s: s.prefix_cache_hits)  # fmt: skip
         yield counter("servelab:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
-                      stats.prefix_cache_queries)  # fmt: skip
+                      lambda s: s.prefix_cache_queries)  # fmt: skip
 
 
 class ServerMetrics:
@@ -90,6 +109,7 @@ class ServerMetrics:
         cache_info: dict[str, str] | None = None,
         max_model_len: int = 8192,
         scheduler_info: dict[str, str] | None = None,
+        worker_stats: WorkerStats | None = None,
     ):
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
@@ -130,7 +150,7 @@ class ServerMetrics:
         self.generation_tokens = Counter("servelab:generation_tokens", "Generated tokens.", labels, registry=r)
         self.request_success = Counter("servelab:request_success", "Requests finished, by finish reason.",
                                        ["model_name", "finished_reason"], registry=r)  # fmt: skip
-        r.register(_EngineStatsCollector(model_name, get_stats))
+        r.register(_EngineStatsCollector(model_name, get_stats, worker_stats))
         if cache_info:  # like vLLM's cache_config_info: what the KV gauges above are counting
             info = Gauge("servelab:cache_config_info", "KV cache configuration, as labels (the value is 1).",
                          ["model_name", *sorted(cache_info)], registry=r)  # fmt: skip

@@ -41,11 +41,12 @@ class ServerState:
     loop: asyncio.AbstractEventLoop | None = None
     offload: Offload = field(default_factory=Offload)  # parsing, templating, (de)tokenizing
 
-    def attach(self, llm: LLMEngine) -> None:
-        """Serve `llm`: its async driver and the metrics that observe it."""
+    def attach(self, llm: LLMEngine, driver: AsyncEngine | None = None) -> None:
+        """Serve `llm`: its async driver (an AsyncEngine over it unless given, e.g. the
+        front end of data-parallel workers, whose `llm` runs no model) and the metrics."""
         self.engine = llm
         self.model_name = llm.model_name
-        self.async_engine = AsyncEngine(llm)
+        self.async_engine = driver or AsyncEngine(llm)
         kv = getattr(llm.executor, "kv_cache", None)  # absent on a simulated executor
         cache_info = {
             "block_size": str(llm.scheduler_config.block_size),
@@ -57,7 +58,7 @@ class ServerState:
                           "max_model_len": str(sc.max_model_len), "policy": sc.policy, "order": sc.order,
                           "enable_prefix_caching": str(sc.enable_prefix_caching).lower()}
         self.metrics = ServerMetrics(llm.model_name, lambda: self.async_engine.stats, cache_info, llm.max_model_len,
-                                     scheduler_info)
+                                     scheduler_info, getattr(self.async_engine, "worker_stats", None))
         self.async_engine.add_observer(self.metrics.observe)
         self.async_engine.add_step_observer(self.metrics.observe_step)
 

@@ -282,7 +282,7 @@ class ClusterRun:
         max_tokens = 1 if sim.disagg else spec.output_tokens
         seq = SimSequence(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_s=t)
         seq.prefix.hashes = list(hashes)  # the prefix cache would compute the same identities
-        replica = sim.entry_router.pick(sim.entry_pool)
+        replica = sim.entry_router.pick(sim.entry_pool, hashes)
         req.prefill_replica = replica
         self.add_to(replica, seq, req, t)
 

@@ -20,7 +20,8 @@ async def health(state: State) -> Response:
         raise ServerDraining("the server is shutting down")
     if state.async_engine is None or not state.async_engine.is_running:
         raise ServerDraining("the engine is not running")
-    return JSONResponse({"status": "ok"})
+    health = getattr(state.async_engine, "health", None)  # data-parallel workers: "ok" or "degraded"
+    return JSONResponse(health() if health is not None else {"status": "ok"})
 
 
 @router.get("/metrics")

@@ -1,0 +1,420 @@
+"""The front end's engine driver: `ClusterEngine` has AsyncEngine's interface (submit, abort,
+observers, stats), so the server's routes do not change, but each request runs on one of N
+worker processes, chosen by servelab.sim.router's Router.
+
+Per worker, two threads move messages: a sender (the event loop never blocks on a link; it
+sends a heartbeat when idle) and a receiver. Everything else happens on the event loop thread:
+the receiver posts each message there, where the request's copy of its Sequence is brought up
+to date from the worker's output, the observers (metrics) see an EngineOutput as they would
+from one engine, and the client's queue gets it. A worker whose link fails (the process died,
+or it said nothing for PEER_TIMEOUT_S) fails only its own requests; the router stops choosing
+it, and `health()` reports the cluster degraded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from servelab.cluster import messages as m
+from servelab.cluster.channel import HEARTBEAT_S, Link, PeerLost, leave
+from servelab.core.block_manager import chain_block_hashes
+from servelab.core.sequence import FinishReason, Sequence, SequenceStatus
+from servelab.engine.llm_engine import EngineOutput, EngineStats
+from servelab.errors import ServelabError
+from servelab.server.async_engine import EngineFailure, EngineRequest, EngineStopped, Failed, RequestStream
+from servelab.sim.router import Router
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from servelab.engine.llm_engine import LLMEngine
+
+logger = logging.getLogger("servelab.cluster")
+
+STOP_WAIT_S = 10.0  # how long a stopping front end waits for a worker to exit before killing it
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    """One worker as the front end sees it; a `Routable` for the router."""
+
+    index: int  # its rank
+    link: Link
+    ready: m.WorkerReady
+    process: Any = None  # a local worker's multiprocessing.Process; None for an external one
+    outstanding: int = 0  # requests sent to it and not finished
+    stats: EngineStats | None = None  # its latest, from its outputs and heartbeats
+    failure: str | None = None
+    sends: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    @property
+    def alive(self) -> bool:
+        return self.failure is None
+
+    @property
+    def kv_usage(self) -> float:
+        return self.stats.kv_cache_usage if self.stats is not None else 0.0
+
+    @property
+    def role(self) -> str:
+        """Where disaggregation plugs in: the front end would pick prefill workers for new
+        requests and decode workers for their KV (every worker is "mixed" here)."""
+        return self.ready.role
+
+
+@dataclass(slots=True)
+class _Remote:
+    seq: Sequence  # the front end's copy, brought up to date from the worker's outputs
+    worker: WorkerHandle
+
+
+class ClusterEngine:
+    """N engine workers behind one router, with AsyncEngine's interface for the server."""
+
+    def __init__(self, shell: LLMEngine, workers: list[WorkerHandle], router: Router):
+        self.engine = shell  # tokenizer, limits and names; it runs no model
+        self.workers = workers
+        self.router = router
+        self.block_size = shell.scheduler_config.block_size
+        self._sinks: dict[str, asyncio.Queue] = {}
+        self._remote: dict[str, _Remote] = {}
+        self._admissions: dict[int, tuple[asyncio.Future, WorkerHandle, list[str]]] = {}
+        self._batches = itertools.count()
+        self._observers: list[Callable[[EngineOutput], None]] = []
+        self._step_observers: list[Callable[[int], None]] = []
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self.stopped = False
+        self.num_steps = 0
+        self.num_step_failures = 0
+        for w in workers:
+            w.stats = w.stats or _empty_stats(shell)
+            for target, name in ((self._send_loop, "send"), (self._recv_loop, "recv")):
+                thread = threading.Thread(target=target, args=(w,), name=f"servelab-dp{w.index}-{name}", daemon=True)
+                w.threads.append(thread)
+                thread.start()
+
+    # ---- AsyncEngine's interface ------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+
+    @property
+    def is_running(self) -> bool:
+        return self._loop is not None and not self.stopped and any(w.alive for w in self.workers)
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._sinks)
+
+    def add_observer(self, observer: Callable[[EngineOutput], None]) -> None:
+        """Called on the event loop thread for every output of every request (as AsyncEngine's
+        are on its engine thread), with the request's Sequence copy up to date."""
+        self._observers.append(observer)
+
+    def add_step_observer(self, observer: Callable[[int], None]) -> None:
+        self._step_observers.append(observer)
+
+    @property
+    def stats(self) -> EngineStats:
+        """The sum over the live workers (KV usage: the blocks in use over all their blocks)."""
+        live = [w.stats for w in self.workers if w.alive and w.stats is not None]
+        total = sum(s.num_blocks_total for s in live)
+        return EngineStats(
+            num_running=sum(s.num_running for s in live),
+            num_waiting=sum(s.num_waiting for s in live),
+            kv_cache_usage=sum(s.kv_cache_usage * s.num_blocks_total for s in live) / total if total else 0.0,
+            num_blocks_total=total,
+            num_blocks_free=sum(s.num_blocks_free for s in live),
+            num_preemptions=sum(s.num_preemptions for s in live),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in live),
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in live),
+        )
+
+    def worker_stats(self) -> dict[str, EngineStats | None]:
+        """Each worker's latest stats by rank (None once it failed), for /metrics' worker label."""
+        return {str(w.index): (w.stats if w.alive else None) for w in self.workers}
+
+    def health(self) -> dict[str, Any]:
+        """/health's body: "ok", or "degraded" while some worker has failed (all failed: the
+        engine is not running, and /health answers 503)."""
+        workers = [
+            {"rank": w.index, "host": w.ready.host, "pid": w.ready.pid, "role": w.role,
+             "status": "ok" if w.alive else "failed", "outstanding": w.outstanding,
+             **({} if w.alive else {"error": w.failure})}
+            for w in self.workers
+        ]  # fmt: skip
+        degraded = any(not w.alive for w in self.workers)
+        return {"status": "degraded" if degraded else "ok", "workers": workers}
+
+    async def submit(self, requests: list[EngineRequest]) -> RequestStream:
+        """Route the requests (the n choices of one client request, all to one worker) and
+        admit them there; the worker's admission errors are raised here, as AsyncEngine's are."""
+        if not self.is_running:
+            raise EngineStopped("the engine is not running")
+        request_ids = [r.request_id for r in requests]
+        for rid in request_ids:
+            if rid in self._sinks or rid in self._remote:
+                raise ServelabError(f"request id {rid!r} is already in flight")
+        prompts = [self._token_ids(r.prompt) for r in requests]
+        hashes = chain_block_hashes(prompts[0], self.block_size) if self.router.kind == "prefix-affinity" else ()
+        worker = self.router.pick([w for w in self.workers if w.alive], hashes)
+        now = time.perf_counter()
+        wire = []
+        eos = tuple(self.engine.tokenizer.eos_token_ids)
+        for r, ids in zip(requests, prompts):
+            arrival = now if r.arrival_s is None else r.arrival_s
+            seq = Sequence(r.request_id, ids, r.params, arrival_s=arrival, priority=r.priority, eos_token_ids=eos)
+            self._remote[r.request_id] = _Remote(seq, worker)
+            wire.append(m.WireRequest(r.request_id, ids, r.params, r.priority, now - arrival))
+        sink: asyncio.Queue = asyncio.Queue()
+        for rid in request_ids:
+            self._sinks[rid] = sink
+        stream = RequestStream(self, request_ids, sink)
+        batch = next(self._batches)
+        future = asyncio.get_running_loop().create_future()
+        self._admissions[batch] = (future, worker, request_ids)
+        worker.outstanding += len(requests)
+        worker.sends.put(m.AddRequests(batch, wire))
+        try:
+            await future
+        except BaseException:
+            stream.close()  # also when admission was cancelled: the worker may have admitted them
+            raise
+        return stream
+
+    def abort(self, request_ids: list[str]) -> None:
+        """Stop the requests; each keeps its record until its worker confirms with a final
+        output (so the metrics count it), or fails."""
+        self.release(request_ids)
+        by_worker: dict[int, list[str]] = {}
+        for rid in request_ids:
+            remote = self._remote.get(rid)
+            if remote is not None and remote.worker.alive:
+                by_worker.setdefault(remote.worker.index, []).append(rid)
+        for w in self.workers:
+            if w.index in by_worker:
+                w.sends.put(m.Abort(by_worker[w.index]))
+
+    def release(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._sinks.pop(rid, None)
+
+    def abort_all(self, error: ServelabError) -> int:
+        request_ids = list(self._sinks)
+        self._dispatch([Failed(rid, error) for rid in request_ids])
+        if request_ids:
+            self.abort(request_ids)
+        return len(request_ids)
+
+    async def stop(self) -> None:
+        """Tell every worker to stop, wait for the local ones to exit, and fail what is left."""
+        if self.stopped:
+            return
+        self.stopped = True
+        for w in self.workers:
+            if w.alive:
+                w.sends.put(m.Stop())
+            w.sends.put(None)  # ends the sender thread
+        await asyncio.to_thread(self._join_workers)
+        stopped = EngineStopped("the server is shutting down; the request was aborted")
+        self._dispatch([Failed(rid, stopped) for rid in list(self._sinks)])
+        leave()
+
+    def close(self) -> None:
+        """Synchronous stop, for a front end that never served (start-up failed after launch)."""
+        self.stopped = True
+        for w in self.workers:
+            if w.alive:
+                w.sends.put(m.Stop())
+            w.sends.put(None)
+        self._join_workers()
+        leave()
+
+    # ---- messages (event loop thread) -------------------------------------------------------
+
+    def _token_ids(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            return self.engine.tokenizer.encode_prompt(prompt)
+        return [int(t) for t in prompt]
+
+    def _dispatch(self, items: list[EngineOutput | Failed]) -> None:
+        for item in items:
+            sink = self._sinks.get(item.request_id)
+            if sink is not None:
+                sink.put_nowait(item)
+
+    def _on_message(self, w: WorkerHandle, message: Any) -> None:
+        if isinstance(message, m.Outputs):
+            self._on_outputs(w, message)
+        elif isinstance(message, m.Admitted):
+            self._on_admitted(message)
+        elif isinstance(message, m.RequestsFailed):
+            self.num_step_failures += 1
+            error = EngineFailure(f"worker {w.index}: the engine failed during a step ({message.error.message}); "
+                                  "request aborted")  # fmt: skip
+            self._end(message.request_ids, error)
+        else:
+            logger.warning("worker %d sent an unexpected %s", w.index, type(message).__name__)
+
+    def _on_admitted(self, message: m.Admitted) -> None:
+        future, worker, request_ids = self._admissions.pop(message.batch, (None, None, []))
+        if message.error is not None:
+            for rid in request_ids:  # never admitted: no final output will come
+                if self._remote.pop(rid, None) is not None:
+                    worker.outstanding -= 1
+            error = message.error.known() or EngineFailure(
+                f"worker {worker.index} could not admit the request: {message.error.message}")
+            if future is not None and not future.done():
+                future.set_exception(error)
+            return
+        if future is not None and not future.done():
+            future.set_result(None)
+
+    def _on_outputs(self, w: WorkerHandle, message: m.Outputs) -> None:
+        if message.num_tokens:
+            self.num_steps += 1
+            for step_observer in self._step_observers:
+                try:
+                    step_observer(message.num_tokens)
+                except Exception:
+                    logger.exception("step observer failed")
+        outputs = []
+        for wire in message.outputs:
+            remote = self._remote.get(wire.request_id)
+            if remote is None:
+                continue
+            out = _apply(remote.seq, wire)
+            if out.finished:
+                del self._remote[wire.request_id]
+                remote.worker.outstanding -= 1
+            self._observe(out)
+            outputs.append(out)
+        self._dispatch(outputs)
+
+    def _observe(self, out: EngineOutput) -> None:
+        for observer in self._observers:
+            try:
+                observer(out)
+            except Exception:  # a metrics bug must not lose a client's tokens
+                logger.exception("output observer failed")
+
+    def _end(self, request_ids: list[str], error: ServelabError) -> None:
+        """End requests whose worker cannot finish them: the metrics see finish reason error,
+        the clients get `error`."""
+        for rid in request_ids:
+            remote = self._remote.pop(rid, None)
+            if remote is None:
+                continue
+            remote.worker.outstanding -= 1
+            seq = remote.seq
+            seq.finish_reason = FinishReason.ERROR
+            seq.status = SequenceStatus.FINISHED
+            self._observe(EngineOutput(rid, [], "", True, FinishReason.ERROR, None, seq))
+        self._dispatch([Failed(rid, error) for rid in request_ids])
+
+    def _lost(self, w: WorkerHandle, why: str) -> None:
+        if w.failure is not None:
+            return
+        w.failure = why
+        if self.stopped:
+            return
+        survivors = sum(x.alive for x in self.workers)
+        logger.error("servelab: worker %d failed (%s); failing its %d request(s); %d of %d worker(s) serve on",
+                     w.index, why, w.outstanding, survivors, len(self.workers))  # fmt: skip
+        error = EngineFailure(f"worker {w.index} failed ({why}); the request was aborted")
+        for batch, (future, worker, _) in list(self._admissions.items()):
+            if worker is w:
+                del self._admissions[batch]
+                if not future.done():
+                    future.set_exception(error)
+        self._end([rid for rid, r in self._remote.items() if r.worker is w], error)
+        w.outstanding = 0
+        w.sends.put(None)
+        if w.process is not None and w.process.is_alive():  # wedged, not dead: it must not linger
+            w.process.kill()
+
+    # ---- link threads -------------------------------------------------------------------------
+
+    def _post(self, fn: Callable[..., None], *args: Any) -> None:
+        loop = self._loop
+        if loop is None:  # before start(): no request exists yet, nothing else runs
+            if fn == self._lost:
+                fn(*args)
+            return
+        try:
+            loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop closed under us during shutdown
+            pass
+
+    def _send_loop(self, w: WorkerHandle) -> None:
+        while True:
+            try:
+                message = w.sends.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                message = m.Heartbeat()
+            if message is None:
+                return
+            try:
+                w.link.send(message)
+            except PeerLost as exc:
+                self._post(self._lost, w, str(exc))
+                return
+
+    def _recv_loop(self, w: WorkerHandle) -> None:
+        while True:
+            try:
+                message = w.link.recv()
+            except PeerLost as exc:
+                self._post(self._lost, w, str(exc))
+                return
+            if isinstance(message, m.Heartbeat):
+                w.stats = message.stats or w.stats
+                continue
+            if isinstance(message, m.Outputs):
+                w.stats = message.stats
+            self._post(self._on_message, w, message)
+
+    def _join_workers(self) -> None:
+        for w in self.workers:
+            if w.process is not None:
+                w.process.join(timeout=STOP_WAIT_S)
+                if w.process.is_alive():
+                    w.process.kill()
+                    w.process.join()
+        for w in self.workers:
+            for thread in w.threads:
+                thread.join(timeout=STOP_WAIT_S if w.process is None else 1.0)
+
+
+def _apply(seq: Sequence, wire: m.WireOutput) -> EngineOutput:
+    """Brings the front end's copy of a Sequence up to date with one output, as the worker's
+    own Sequence was when it made it, and returns the EngineOutput the server reads."""
+    arrival = seq.arrival_s
+    seq.token_ids.extend(wire.new_token_ids)
+    seq.token_times_s.extend(arrival + t for t in wire.token_offsets_s)
+    if wire.first_scheduled_offset_s is not None:
+        seq.first_scheduled_s = arrival + wire.first_scheduled_offset_s
+    if wire.finished_offset_s is not None:
+        seq.finished_s = arrival + wire.finished_offset_s
+    seq.num_cached_tokens = wire.num_cached_tokens
+    seq.stop_reason = wire.stop_reason
+    seq.prompt_logprobs.extend(wire.prompt_logprobs)
+    reason = None if wire.finish_reason is None else FinishReason(wire.finish_reason)
+    if wire.finished:
+        seq.finish_reason = reason
+        seq.status = SequenceStatus.FINISHED
+    return EngineOutput(wire.request_id, list(wire.new_token_ids), wire.text_delta, wire.finished, reason,
+                        wire.logprobs, seq)  # fmt: skip
+
+
+def _empty_stats(shell: LLMEngine) -> EngineStats:
+    n = shell.scheduler_config.num_blocks
+    return EngineStats(0, 0, 0.0, n, n, 0, 0, 0)

@@ -1,0 +1,193 @@
+"""Forming a cluster: start the local workers (or wait for external ones to join), hand every
+worker the engine configuration, wait until each has built its engine, and build the front end:
+a ClusterEngine over the workers and the shell LLMEngine the server reads its tokenizer, limits
+and names from (it loads the tokenizer, never the weights)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+from servelab.cluster import messages as m
+from servelab.cluster.channel import JOIN_TIMEOUT_S, PeerLost, Rendezvous, join, leave
+from servelab.cluster.front_end import ClusterEngine, WorkerHandle
+from servelab.errors import InvalidArgument, ServelabError
+from servelab.sim.router import Router
+
+if TYPE_CHECKING:
+    from servelab.engine.llm_engine import EngineArgs, LLMEngine
+
+logger = logging.getLogger("servelab.cluster")
+
+
+class ClusterFailed(ServelabError):
+    """The workers did not all join or start."""
+
+    http_status = 503
+    error_type = "server_overloaded"
+
+
+class _FrontEndExecutor:
+    """The shell engine's executor: the model runs on the workers, never here."""
+
+    def __init__(self, vocab_size: int, kv_cache_dtype: str):
+        self.vocab_size = vocab_size
+        self.kv_cache = _KVCacheInfo(kv_cache_dtype)
+
+    def execute(self, plan: Any) -> Any:
+        raise RuntimeError("the front end runs no model: its workers do")
+
+
+class _KVCacheInfo:
+    def __init__(self, dtype: str):
+        self.dtype = dtype  # what the workers' caches hold, for /metrics' cache_config_info
+
+
+def check_cluster_args(data_parallel: int, tensor_parallel_size: int) -> None:
+    if data_parallel < 1:
+        raise InvalidArgument(f"--data-parallel must be >= 1, got {data_parallel}", param="data_parallel")
+    if tensor_parallel_size > 1:
+        raise InvalidArgument(
+            "--data-parallel with --tensor-parallel-size > 1 is not supported yet (a worker cannot be a "
+            "tensor-parallel group); use one or the other",
+            param="tensor_parallel_size",
+        )
+
+
+def start_cluster(
+    engine_args: EngineArgs,
+    data_parallel: int,
+    *,
+    router: str = "least-outstanding",
+    master_addr: str = "127.0.0.1",
+    master_port: int | None = None,
+    external: bool = False,
+    join_timeout_s: float = JOIN_TIMEOUT_S,
+) -> ClusterEngine:
+    """N workers and this process as rank 0. Local workers are spawned here and share the host's
+    cores; `external` ones are started elsewhere (`servelab worker`) and must join within
+    `join_timeout_s`. Raises ClusterFailed (and leaves no process behind) if any does not."""
+    check_cluster_args(data_parallel, engine_args.tensor_parallel_size)
+    route = Router(router)
+    if external and master_port is None:
+        raise InvalidArgument("--external-workers needs --master-port: the workers must know where to join",
+                              param="master_port")  # fmt: skip
+    from servelab.engine.parallel.group import free_port
+
+    port = master_port or free_port()
+    world = data_parallel + 1
+    processes = {} if external else _spawn_local(master_addr, port, world, join_timeout_s)
+    try:
+        links = join(Rendezvous(master_addr, port, world, 0, join_timeout_s))
+    except Exception as exc:
+        _kill(processes)
+        leave()
+        raise ClusterFailed(f"the cluster of {data_parallel} worker(s) did not form at {master_addr}:{port} "
+                            f"within {join_timeout_s:g} s: {exc}") from exc  # fmt: skip
+    logger.info("servelab: %d worker(s) joined at %s:%d; building their engines", data_parallel, master_addr, port)
+    try:
+        threads = None if external else max(1, (os.cpu_count() or 1) // data_parallel)
+        for link in links.values():
+            link.send(m.WorkerConfig(engine_args, "mixed", threads))
+        readies = {rank: _ready(rank, link.recv(timeout_s=join_timeout_s)) for rank, link in links.items()}
+        first = _check_alike(readies)
+        shell = _shell_engine(engine_args, first)
+    except BaseException as exc:
+        for link in links.values():
+            try:
+                link.send(m.Stop(), timeout_s=2.0)
+            except PeerLost:
+                pass
+        _kill(processes)
+        leave()
+        if isinstance(exc, PeerLost):
+            raise ClusterFailed(f"a worker was lost while it started: {exc}") from exc
+        raise
+    workers = [WorkerHandle(rank, links[rank], readies[rank], processes.get(rank)) for rank in sorted(links)]
+    return ClusterEngine(shell, workers, route)
+
+
+def _spawn_local(addr: str, port: int, world: int, join_timeout_s: float) -> dict[int, Any]:
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    processes = {}
+    for rank in range(1, world):
+        rdv = Rendezvous(addr, port, world, rank, join_timeout_s)
+        p = ctx.Process(target=run_local_worker, args=(rdv, os.getpid()), name=f"servelab-worker{rank}", daemon=True)
+        p.start()
+        processes[rank] = p
+    return processes
+
+
+def run_local_worker(rdv: Rendezvous, parent_pid: int) -> None:
+    """A spawned worker's entry point: the parent's log format, exit status from worker_main."""
+    import signal
+
+    from servelab.cluster.worker import worker_main
+
+    # Ctrl-C reaches the whole process group: the front end drains and then stops its workers,
+    # which must keep serving meanwhile (they also exit if the front end dies)
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
+    _log_to_stderr(f"worker{rdv.rank}")
+    sys.exit(worker_main(rdv, parent_pid))
+
+
+def _log_to_stderr(name: str) -> None:
+    log = logging.getLogger("servelab")
+    if not log.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"%(levelname)-9s [{name}] %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+def _kill(processes: dict[int, Any]) -> None:
+    for p in processes.values():
+        if p.is_alive():
+            p.kill()
+        p.join()
+
+
+def _ready(rank: int, message: Any) -> m.WorkerReady:
+    if isinstance(message, m.WorkerReady):
+        return message
+    if isinstance(message, m.WorkerFailed):
+        known = message.error.known()
+        if known is not None:
+            known.message = f"worker {rank}: {known.message}"
+            known.args = (known.message,)
+            raise known
+        raise ClusterFailed(f"worker {rank} could not build its engine: {message.error.message}")
+    raise ClusterFailed(f"worker {rank} answered {type(message).__name__} instead of being ready")
+
+
+def _check_alike(readies: dict[int, m.WorkerReady]) -> m.WorkerReady:
+    """Every worker must serve the same model under the same limits (a front end has one
+    tokenizer and one max_model_len)."""
+    first = readies[min(readies)]
+    for rank, r in readies.items():
+        a, b = asdict(r.scheduler_config), asdict(first.scheduler_config)
+        if (r.model_name, r.vocab_size, a) != (first.model_name, first.vocab_size, b):
+            raise ClusterFailed(f"worker {rank} built a different engine from worker {first.rank} "
+                                f"({r.model_name}, {a} vs {first.model_name}, {b})")  # fmt: skip
+    return first
+
+
+def _shell_engine(engine_args: EngineArgs, ready: m.WorkerReady) -> LLMEngine:
+    from servelab.engine.bundled import bundled_model_path
+    from servelab.engine.llm_engine import LLMEngine
+    from servelab.engine.logits_processors import LogitsProcessors
+    from servelab.engine.tokenizer import Tokenizer
+
+    tokenizer = Tokenizer.from_pretrained(engine_args.model or bundled_model_path())
+    processors = LogitsProcessors(tokenizer, ready.vocab_size)
+    shell = LLMEngine(_FrontEndExecutor(ready.vocab_size, ready.kv_cache_dtype), tokenizer, ready.scheduler_config,
+                      ready.model_name, processors)  # fmt: skip
+    shell.sampling_defaults = dict(ready.sampling_defaults)
+    return shell

@@ -1,0 +1,156 @@
+"""What travels on a link: small pickled dataclasses. Times cross processes (and hosts, whose
+clocks differ) as offsets from the request's arrival, never as clock readings: the front end
+sends a request's age, and the worker answers with its timestamps relative to that arrival."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from servelab.errors import ServelabError
+
+if TYPE_CHECKING:
+    from servelab.core.config import SchedulerConfig
+    from servelab.core.plan import TokenLogprobs
+    from servelab.core.sequence import SamplingParams
+    from servelab.engine.llm_engine import EngineArgs, EngineStats
+
+ROLES = ("mixed",)  # a worker's role; disaggregation adds "prefill" and "decode"
+
+
+# ---- front end -> worker ------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class WorkerConfig:
+    """The first message a worker gets: the engine to build (the front end's flags)."""
+
+    engine_args: EngineArgs
+    role: str = "mixed"
+    threads: int | None = None  # torch threads; None: torch's choice (a host of its own)
+
+
+@dataclass(slots=True)
+class WireRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    age_s: float  # how long ago it arrived at the front end
+
+
+@dataclass(slots=True)
+class AddRequests:
+    """All admitted or none (the n choices of one client request); answered by Admitted."""
+
+    batch: int
+    requests: list[WireRequest]
+
+
+@dataclass(slots=True)
+class Abort:
+    request_ids: list[str]
+
+
+@dataclass(slots=True)
+class Stop:
+    """Abort everything and exit."""
+
+
+@dataclass(slots=True)
+class Heartbeat:
+    """Sent when nothing else went for HEARTBEAT_S; the worker's carries its stats."""
+
+    stats: EngineStats | None = None
+
+
+# ---- worker -> front end ------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class WireError:
+    """A ServelabError across the link: its class name, message and fields."""
+
+    kind: str
+    message: str
+    param: str | None = None
+    code: str | None = None
+
+    @classmethod
+    def of(cls, exc: BaseException) -> WireError:
+        if isinstance(exc, ServelabError):
+            return cls(type(exc).__name__, exc.message, exc.param, exc.code)
+        return cls("", f"{type(exc).__name__}: {exc}")
+
+    def known(self) -> ServelabError | None:
+        """The same error, when it is one of servelab.errors' (else None: the front end decides)."""
+        import servelab.errors
+
+        kind = getattr(servelab.errors, self.kind, None) if self.kind else None
+        if isinstance(kind, type) and issubclass(kind, ServelabError):
+            return kind(self.message, param=self.param, code=self.code)
+        return None
+
+
+@dataclass(slots=True)
+class WorkerReady:
+    """The engine is built: what the front end needs to serve in its name."""
+
+    rank: int
+    model_name: str
+    scheduler_config: SchedulerConfig  # resolved: num_blocks, max_model_len
+    vocab_size: int
+    kv_cache_dtype: str
+    sampling_defaults: dict[str, float]
+    pid: int
+    host: str
+    role: str = "mixed"
+
+
+@dataclass(slots=True)
+class WorkerFailed:
+    """The worker could not start (e.g. the model does not load there)."""
+
+    rank: int
+    error: WireError
+
+
+@dataclass(slots=True)
+class Admitted:
+    batch: int
+    error: WireError | None = None
+
+
+@dataclass(slots=True)
+class WireOutput:
+    """One EngineOutput, less the Sequence: the front end keeps its own copy of that."""
+
+    request_id: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None
+    logprobs: list[TokenLogprobs] | None
+    token_offsets_s: list[float]  # the new tokens' times, from arrival
+    first_scheduled_offset_s: float | None
+    finished_offset_s: float | None
+    num_cached_tokens: int
+    stop_reason: int | str | None
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # entries new since the last output
+
+
+@dataclass(slots=True)
+class Outputs:
+    """One step's outputs, the step's query tokens, and the engine's stats after it."""
+
+    outputs: list[WireOutput]
+    num_tokens: int
+    stats: EngineStats
+
+
+@dataclass(slots=True)
+class RequestsFailed:
+    """A step raised: these requests ended with an error (the worker keeps serving)."""
+
+    request_ids: list[str]
+    error: WireError

@@ -1,0 +1,239 @@
+"""What an engine worker process runs: join the cluster, build the LLMEngine the front end
+describes, then step it while there is work, fed by its link to the front end.
+
+Three threads: the step loop (the only one that touches the engine), a receiver that turns the
+link's messages into commands, and a heartbeat that sends the latest stats whenever nothing
+else went for HEARTBEAT_S, so that the front end can tell a busy worker from a dead one even
+during a long step. A worker whose front end is gone (link closed or silent) aborts its
+requests and exits; one started by a local front end also exits when that process does.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from servelab.cluster import messages as m
+from servelab.cluster.channel import HEARTBEAT_S, Link, PeerLost, Rendezvous, join, leave
+from servelab.errors import ServelabError
+
+if TYPE_CHECKING:
+    from servelab.engine.llm_engine import EngineOutput, LLMEngine
+
+logger = logging.getLogger("servelab.cluster")
+
+
+class _LinkLost:
+    def __init__(self, why: str):
+        self.why = why
+
+
+def _exit_when_orphaned(parent: int) -> None:
+    # a front end killed outright cannot stop its local workers; they must not linger
+    while os.getppid() == parent:
+        time.sleep(1.0)
+    os._exit(1)
+
+
+def worker_main(rdv: Rendezvous, parent_pid: int | None = None) -> int:
+    """The whole life of worker `rdv.rank`; returns its exit status (0: told to stop)."""
+    if parent_pid is not None:
+        threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
+    links = join(rdv)
+    link = links[0]
+    try:
+        config = link.recv(timeout_s=rdv.timeout_s)
+        if isinstance(config, m.Stop):
+            return 0
+        engine = _build(config, rdv.rank, link)
+        if engine is None:
+            return 1
+        link.send(m.WorkerReady(
+            rank=rdv.rank, model_name=engine.model_name, scheduler_config=engine.scheduler_config,
+            vocab_size=engine.vocab_size, kv_cache_dtype=_kv_dtype(engine),
+            sampling_defaults=dict(engine.sampling_defaults), pid=os.getpid(), host=socket.gethostname(),
+            role=config.role,
+        ))  # fmt: skip
+        logger.info("servelab worker %d: serving %s (%d KV blocks) for the front end", rdv.rank, engine.model_name,
+                    engine.scheduler_config.num_blocks)  # fmt: skip
+        return WorkerLoop(engine, link).run()
+    except PeerLost as exc:
+        logger.error("servelab worker %d: the front end is gone (%s); exiting", rdv.rank, exc)
+        return 1
+    finally:
+        leave()
+
+
+def _build(config: m.WorkerConfig, rank: int, link: Link) -> LLMEngine | None:
+    import torch
+
+    from servelab.engine.llm_engine import LLMEngine
+
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    try:
+        return LLMEngine.from_args(config.engine_args)
+    except Exception as exc:
+        logger.exception("servelab worker %d: the engine did not start", rank)
+        link.send(m.WorkerFailed(rank, m.WireError.of(exc)))
+        return None
+
+
+def _kv_dtype(engine: LLMEngine) -> str:
+    kv = getattr(engine.executor, "kv_cache", None)
+    return "none" if kv is None else str(kv.dtype).removeprefix("torch.")
+
+
+class WorkerLoop:
+    """The engine's step loop, commanded over a link."""
+
+    def __init__(self, engine: LLMEngine, link: Link):
+        self.engine = engine
+        self.link = link
+        self.commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self.live: set[str] = set()
+        self.arrival_s: dict[str, float] = {}  # request id -> its arrival on this worker's clock
+        self.prompt_lp_sent: dict[str, int] = {}  # request id -> prompt logprob entries already sent
+        self.stats = engine.stats()
+        self.last_sent_s = time.monotonic()
+        self.stopping = threading.Event()
+
+    def run(self) -> int:
+        threading.Thread(target=self._receive, name="servelab-worker-recv", daemon=True).start()
+        threading.Thread(target=self._heartbeat, name="servelab-worker-beat", daemon=True).start()
+        try:
+            return self._serve()
+        finally:
+            self.stopping.set()
+            for rid in list(self.live):
+                self._abort_one(rid)
+            self.engine.close()
+
+    # ---- threads besides the step loop --------------------------------------------------------
+
+    def _receive(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                self.commands.put(self.link.recv())
+            except PeerLost as exc:
+                self.commands.put(_LinkLost(str(exc)))
+                return
+
+    def _heartbeat(self) -> None:
+        while not self.stopping.wait(HEARTBEAT_S / 2):
+            if time.monotonic() - self.last_sent_s >= HEARTBEAT_S:
+                try:
+                    self._send(m.Heartbeat(self.stats))
+                except PeerLost:
+                    return
+
+    def _send(self, message: Any) -> None:
+        self.link.send(message)
+        self.last_sent_s = time.monotonic()
+
+    # ---- the step loop --------------------------------------------------------------------------
+
+    def _serve(self) -> int:
+        engine = self.engine
+        while True:
+            commands = []
+            if not engine.has_unfinished():
+                commands.append(self.commands.get())  # idle: sleep until a command arrives
+            while True:
+                try:
+                    commands.append(self.commands.get_nowait())
+                except queue.Empty:
+                    break
+            for command in commands:
+                if isinstance(command, m.AddRequests):
+                    self._admit(command)
+                elif isinstance(command, m.Abort):
+                    for rid in command.request_ids:
+                        self._abort_one(rid)
+                elif isinstance(command, m.Stop):
+                    return 0
+                elif isinstance(command, _LinkLost):
+                    logger.error("servelab worker: the front end is gone (%s); aborting %d request(s), exiting",
+                                 command.why, len(self.live))  # fmt: skip
+                    return 1
+            if engine.has_unfinished():
+                self._step()
+
+    def _admit(self, command: m.AddRequests) -> None:
+        now = time.perf_counter()
+        admitted: list[str] = []
+        try:
+            for r in command.requests:
+                arrival = now - max(0.0, r.age_s)
+                self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, priority=r.priority,
+                                        arrival_s=arrival)  # fmt: skip
+                admitted.append(r.request_id)
+                self.live.add(r.request_id)
+                self.arrival_s[r.request_id] = arrival
+        except Exception as exc:  # all or nothing: n choices are one request to the client
+            for rid in admitted:
+                self._abort_one(rid)
+            if not isinstance(exc, ServelabError):
+                logger.exception("add_request failed")
+            self._send(m.Admitted(command.batch, m.WireError.of(exc)))
+            return
+        self.stats = self.engine.stats()
+        self._send(m.Admitted(command.batch))
+
+    def _abort_one(self, request_id: str) -> None:
+        self.live.discard(request_id)
+        try:
+            self.engine.abort(request_id)
+        except Exception:
+            logger.exception("abort of %s failed", request_id)
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:
+            if getattr(exc, "engine_unusable", False):
+                raise
+            logger.exception("engine step failed; aborting %d request(s) in flight", len(self.live))
+            failed = sorted(self.live)
+            for rid in failed:
+                self._abort_one(rid)
+                self._forget(rid)
+            self.stats = self.engine.stats()
+            self._send(m.RequestsFailed(failed, m.WireError.of(exc)))
+            time.sleep(0.01)  # a step that fails every time must not spin the CPU
+            return
+        num_tokens = self.engine.last_step_num_tokens
+        self.stats = self.engine.stats()
+        if outputs or num_tokens:
+            self._send(m.Outputs([self._wire(out) for out in outputs], num_tokens, self.stats))
+
+    def _forget(self, request_id: str) -> None:
+        self.arrival_s.pop(request_id, None)
+        self.prompt_lp_sent.pop(request_id, None)
+
+    def _wire(self, out: EngineOutput) -> m.WireOutput:
+        seq = out.seq
+        rid = out.request_id
+        arrival = self.arrival_s.get(rid, seq.arrival_s)
+        k = len(out.new_token_ids)
+        times = seq.token_times_s[-k:] if k else []
+        sent = self.prompt_lp_sent.get(rid, 0)
+        new_prompt_lp = seq.prompt_logprobs[sent:]
+        if new_prompt_lp:
+            self.prompt_lp_sent[rid] = len(seq.prompt_logprobs)
+        if out.finished:
+            self.live.discard(rid)
+            self._forget(rid)
+        return m.WireOutput(
+            request_id=rid, new_token_ids=list(out.new_token_ids), text_delta=out.text_delta, finished=out.finished,
+            finish_reason=None if out.finish_reason is None else out.finish_reason.value, logprobs=out.logprobs,
+            token_offsets_s=[t - arrival for t in times],
+            first_scheduled_offset_s=None if seq.first_scheduled_s is None else seq.first_scheduled_s - arrival,
+            finished_offset_s=None if seq.finished_s is None else seq.finished_s - arrival,
+            num_cached_tokens=seq.num_cached_tokens, stop_reason=seq.stop_reason, prompt_logprobs=list(new_prompt_lp),
+        )  # fmt: skip

@@ -1,0 +1,71 @@
+"""`serve`'s data-parallel flags and `worker`'s rendezvous flags (no torch at import)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import TYPE_CHECKING
+
+from servelab.errors import InvalidArgument
+from servelab.sim.router import ROUTERS
+from servelab.units import parse_duration_s
+
+if TYPE_CHECKING:
+    from servelab.cluster.front_end import ClusterEngine
+    from servelab.engine.llm_engine import EngineArgs
+
+DEFAULT_ROUTER = "least-outstanding"
+DEFAULT_JOIN_TIMEOUT = "5m"
+
+
+def add_rendezvous_arguments(group: argparse._ArgumentGroup, *, role: str) -> None:
+    group.add_argument("--master-addr", default=None,
+                       help=f"address of the front end's rendezvous (rank 0); {role}")  # fmt: skip
+    group.add_argument("--master-port", type=int, default=None, help=f"port of the rendezvous; {role}")
+    group.add_argument("--join-timeout", default=DEFAULT_JOIN_TIMEOUT,
+                       help=f"how long to wait for every rank to join and build its engine (default {DEFAULT_JOIN_TIMEOUT})")  # fmt: skip
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data parallelism (docs/multi-worker.md)")
+    g.add_argument("--data-parallel", type=int, default=1, metavar="N",
+                   help="N engine worker processes behind this front end, each with the whole model and its own "
+                        "KV cache (default 1: the engine runs in the server's process)")  # fmt: skip
+    g.add_argument("--router", choices=ROUTERS, default=DEFAULT_ROUTER,
+                   help=f"which worker gets a request (default {DEFAULT_ROUTER})")
+    g.add_argument("--external-workers", action="store_true",
+                   help="start no worker here: wait for N `servelab worker` processes (other hosts) to join at "
+                        "--master-addr:--master-port")  # fmt: skip
+    add_rendezvous_arguments(g, role="default 127.0.0.1 and a free port (local workers only)")
+
+
+def uses_cluster(args: argparse.Namespace) -> bool:
+    return args.data_parallel > 1 or args.external_workers
+
+
+def check_cluster_flags(args: argparse.Namespace) -> None:
+    from servelab.cluster.launch import check_cluster_args
+
+    check_cluster_args(args.data_parallel, args.tensor_parallel_size)
+    if not uses_cluster(args) and (args.master_addr or args.master_port):
+        raise InvalidArgument("--master-addr/--master-port: only with --data-parallel N > 1 or --external-workers")
+    if args.router != DEFAULT_ROUTER and not uses_cluster(args):
+        raise InvalidArgument("--router: only with --data-parallel N > 1 (one engine needs no router)")
+    if args.external_workers and args.master_port is None:
+        raise InvalidArgument("--external-workers: needs --master-port (and --master-addr, the address the workers "
+                              "reach this host at), so the workers know where to join")  # fmt: skip
+    parse_duration_s(args.join_timeout, name="--join-timeout")
+
+
+def start_cluster_from_args(args: argparse.Namespace, engine_args: EngineArgs) -> ClusterEngine:
+    from servelab.cluster.launch import start_cluster
+
+    log = logging.getLogger("servelab")
+    addr = args.master_addr or "127.0.0.1"
+    driver = start_cluster(
+        engine_args, args.data_parallel, router=args.router, master_addr=addr, master_port=args.master_port,
+        external=args.external_workers, join_timeout_s=parse_duration_s(args.join_timeout, name="--join-timeout"),
+    )  # fmt: skip
+    log.info("servelab: %d data-parallel worker(s) (%s), router %s", len(driver.workers),
+             ", ".join(f"rank {w.index} on {w.ready.host} pid {w.ready.pid}" for w in driver.workers), args.router)  # fmt: skip
+    return driver

@@ -1,0 +1,42 @@
+"""The data-parallel flags of `serve` and `worker`: refused combinations exit 2 with one line
+naming the flag, before any port is bound or model loaded."""
+
+from __future__ import annotations
+
+import pytest
+
+from servelab.cli import main
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["serve", "--data-parallel", "0"], "--data-parallel must be >= 1, got 0"),
+    (["serve", "--data-parallel", "2", "--tensor-parallel-size", "2"],
+     "--data-parallel with --tensor-parallel-size > 1 is not supported yet"),
+    (["serve", "--router", "least-kv"], "--router: only with --data-parallel N > 1"),
+    (["serve", "--master-port", "29500"], "--master-addr/--master-port: only with --data-parallel N > 1"),
+    (["serve", "--external-workers"], "--external-workers: needs --master-port"),
+    (["serve", "--data-parallel", "2", "--join-timeout", "soon"], "--join-timeout"),
+    (["worker", "--master-addr", "h", "--master-port", "29500", "--world-size", "3", "--rank", "0"],
+     "--rank: 0 is the front end"),
+    (["worker", "--master-addr", "h", "--master-port", "29500", "--world-size", "3", "--rank", "3"],
+     r"rank must be in [0, 2] for world size 3"),
+])  # fmt: skip
+def test_bad_cluster_flags_exit_2_naming_the_flag(argv, message, capsys, monkeypatch):
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.startswith(f"servelab {argv[0]}: error:"), err
+
+
+def test_worker_without_rendezvous_names_the_missing_variable(capsys, monkeypatch):
+    for var in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    assert main(["worker", "--master-port", "29500"]) == 2
+    assert "--master-addr is not given and MASTER_ADDR is not set" in capsys.readouterr().err
+
+
+def test_router_choices_come_from_the_shared_router(capsys):
+    with pytest.raises(SystemExit):
+        main(["serve", "--data-parallel", "2", "--router", "random"])
+    assert "prefix-affinity" in capsys.readouterr().err

@@ -1,0 +1,205 @@
+"""`servelab serve --data-parallel 2` end to end, every process on 127.0.0.1 (the same code as
+separate hosts): greedy output equals one engine's, aborts leak no KV block on any worker, a
+killed worker fails only its own requests, and a `servelab worker` joins through env://."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.conftest import REPO, launch_server
+
+pytestmark = pytest.mark.slow
+
+SERVER_FLAGS = ("--num-blocks", "256", "--max-model-len", "1100", "--seed", "0")
+PROMPTS = [[11 + i, 40 + 3 * i, 7, 99 - i, 23] * (1 + i) for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.tiny_models import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("dp-model") / "tiny-llama")
+
+
+@pytest.fixture(scope="module")
+def dp_server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    server = launch_server(tiny_dir, tmp_path_factory.mktemp("dp-logs"), "--data-parallel", "2", *SERVER_FLAGS)
+    yield server
+    pids = [w["pid"] for w in httpx.get(server.url + "/health").json()["workers"]]
+    assert server.stop() == 0, server.log()
+    assert _gone(pids, timeout_s=10), f"worker processes {pids} outlived the server"
+
+
+def _gone(pids: list[int], timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = []
+        for pid in pids:
+            try:
+                os.kill(pid, 0)
+                alive.append(pid)
+            except ProcessLookupError:
+                pass
+        if not alive:
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _metric(text: str, name: str) -> dict[str, float]:
+    """worker label -> value of `name` (the unlabelled total under key "")."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            labels, value = line[len(name) + 1 :].rsplit("} ", 1)
+            worker = next((p.split("=")[1].strip('"') for p in labels.split(",") if p.startswith("worker=")), "")
+            out[worker] = float(value)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_texts(tiny_dir: Path) -> list[str]:
+    return _reference_texts(tiny_dir, 24)
+
+
+def _reference_texts(tiny_dir: Path, max_tokens: int) -> list[str]:
+    """One in-process engine, the same flags: what greedy decoding must give."""
+    from servelab.core.config import SchedulerConfig
+    from servelab.core.sequence import SamplingParams
+    from servelab.engine.llm_engine import EngineArgs, LLMEngine
+
+    engine = LLMEngine.from_args(EngineArgs(model=str(tiny_dir), seed=0,
+                                            scheduler=SchedulerConfig(num_blocks=256, max_model_len=1100)))  # fmt: skip
+    for i, ids in enumerate(PROMPTS):
+        engine.add_request(str(i), ids, SamplingParams(max_tokens=max_tokens, temperature=0.0))
+    texts = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            texts[out.request_id] = texts.get(out.request_id, "") + out.text_delta
+    return [texts[str(i)] for i in range(len(PROMPTS))]
+
+
+def test_greedy_output_through_two_workers_equals_one_engine(dp_server, reference_texts):
+    def complete(ids: list[int]) -> str:
+        body = {"prompt": ids, "max_tokens": 24, "temperature": 0}
+        r = httpx.post(dp_server.url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        texts = list(pool.map(complete, PROMPTS))
+    assert texts == reference_texts
+    queries = _metric(httpx.get(dp_server.url + "/metrics").text, "servelab:worker_prefix_cache_queries_total")
+    assert queries["1"] > 0 and queries["2"] > 0, queries  # both workers served
+
+
+def test_aborts_leak_no_kv_block_on_any_worker(dp_server):
+    url = dp_server.url
+    body = {"prompt": "the quick brown fox", "max_tokens": 400, "ignore_eos": True, "stream": True}
+
+    def stream_then_leave(_: int) -> int:
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = (line for line in r.iter_lines() if line)
+            return sum(1 for _, _ in zip(range(3), lines))  # three chunks, then disconnect
+
+    def complete(_: int) -> str:
+        return httpx.post(url + "/v1/completions", json={"prompt": "hello", "max_tokens": 5}, timeout=60).json()
+
+    with ThreadPoolExecutor(8) as pool:
+        left = list(pool.map(stream_then_leave, range(6)))
+        done = list(pool.map(complete, range(4)))
+    assert left == [3] * 6 and all(d["choices"][0]["finish_reason"] for d in done)
+    deadline = time.monotonic() + 15
+    while True:  # the workers report their pools with each step and heartbeat
+        text = httpx.get(url + "/metrics").text
+        free, total = _metric(text, "servelab:worker_kv_cache_blocks_free"), _metric(text, "servelab:worker_kv_cache_blocks_total")
+        running = _metric(text, "servelab:num_requests_running")
+        if (free == total and running == {"": 0.0}) or time.monotonic() > deadline:
+            break
+        time.sleep(0.3)
+    assert free == total == {"1": 256.0, "2": 256.0}, (free, total)
+    assert running == {"": 0.0}
+    assert _metric(text, "servelab:request_success_total")  # labelled by reason; present
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+def test_a_killed_worker_fails_only_its_requests(dp_server):
+    url = dp_server.url
+    body = {"prompt": "hello world", "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    health = httpx.get(url + "/health").json()
+    pid = {w["rank"]: w["pid"] for w in health["workers"]}
+    client = httpx.Client(timeout=120)
+    streams = []
+    for _ in range(2):  # least-outstanding: the second goes to the other worker
+        ctx = client.stream("POST", url + "/v1/completions", json=body)
+        r = ctx.__enter__()
+        lines = (line for line in r.iter_lines() if line)
+        streams.append((ctx, [next(lines)], lines))
+    assert [w["outstanding"] for w in httpx.get(url + "/health").json()["workers"]] == [1, 1]
+    os.kill(pid[2], signal.SIGKILL)
+    t0 = time.monotonic()
+    endings = []
+    for ctx, events, lines in streams:
+        events.extend(lines)
+        ctx.__exit__(None, None, None)
+        assert events[-1] == "data: [DONE]"
+        endings.append(json.loads(events[-2].removeprefix("data: ")))
+    errors = [e["error"] for e in endings if "error" in e]
+    finished = [e["choices"][0]["finish_reason"] for e in endings if "choices" in e]
+    assert len(errors) == 1 and "worker 2 failed" in errors[0]["message"], endings
+    assert errors[0]["type"] == "internal_server_error"
+    assert finished == ["length"]  # the other worker's stream ran to its end
+    assert time.monotonic() - t0 < 60
+    health = httpx.get(url + "/health")
+    assert health.status_code == 200
+    states = {w["rank"]: w["status"] for w in health.json()["workers"]}
+    assert health.json()["status"] == "degraded" and states == {1: "ok", 2: "failed"}
+    for _ in range(3):  # the router sends nothing to the dead worker
+        r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200, r.text
+    text = httpx.get(url + "/metrics").text
+    assert _metric(text, "servelab:worker_up") == {"1": 1.0, "2": 0.0}
+    client.close()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_a_worker_joins_through_env_rendezvous(tiny_dir, reference_texts, tmp_path):
+    port = _free_port()
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="1", WORLD_SIZE="2",
+               PYTHONUNBUFFERED="1")  # fmt: skip
+    log = open(tmp_path / "worker.log", "wb")
+    worker = subprocess.Popen([sys.executable, "-m", "servelab", "worker", "--join-timeout", "120s"],
+                              stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env)  # fmt: skip
+    log.close()
+    try:
+        server = launch_server(tiny_dir, tmp_path, "--external-workers", "--master-addr", "127.0.0.1",
+                               "--master-port", str(port), *SERVER_FLAGS)  # fmt: skip
+        try:
+            workers = httpx.get(server.url + "/health").json()["workers"]
+            assert [(w["rank"], w["pid"], w["status"]) for w in workers] == [(1, worker.pid, "ok")]
+            r = httpx.post(server.url + "/v1/completions", json={"prompt": PROMPTS[0], "max_tokens": 24,
+                                                                 "temperature": 0}, timeout=60)  # fmt: skip
+            assert r.json()["choices"][0]["text"] == reference_texts[0]
+        finally:
+            assert server.stop() == 0, server.log()
+        assert worker.wait(timeout=30) == 0, (tmp_path / "worker.log").read_text()
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait()
