@@ -1,21 +1,22 @@
-"""What a prefill or a decode worker of a disaggregated cluster runs (cluster/disagg.py starts
-them). Rank 0 is the front end; each worker owns one LLMEngine.
+"""Prefill and decode workers (`servelab serve --disagg P:D`): cluster/worker.py's step loop,
+plus a link to each peer of the other pool and a thread that moves KV blocks.
 
 A request's journey:
-1. front end -> prefill worker `add`: the prompt runs there, chunked as usual, and samples the
-   first token. A request that ends on it (EOS, max_tokens=1, a stop string) ends there.
-2. Otherwise the prefill worker detaches it, holding its KV blocks, and `offer`s it to the
-   decode worker the front end chose (prompt, first token, sampling parameters, KV layout).
+1. The front end sends it to a prefill worker, naming the decode worker its router chose. The
+   prompt runs there, chunked as usual, and samples the first token. A request that ends on it
+   (EOS, max_tokens=1, a stop string) ends there.
+2. Otherwise the prefill worker detaches it, holding its KV blocks, and sends the decode worker
+   an Offer (prompt, first token, sampling parameters, KV layout).
 3. The decode worker queues offers in order and reserves blocks for the head one when its pool
-   and sequence budget allow (back-pressure: a busy decode pool leaves the prefill worker
-   holding finished prefills, its own pool then fills and it admits no more; nothing is
-   dropped). Prompt blocks it already caches are not sent. It answers `go` with a tag and posts
-   the receives; the prefill worker sends (cluster/kv_transfer.py) and releases its hold.
+   and sequence budget allow. Back-pressure: a busy decode pool leaves the prefill worker holding
+   finished prefills, whose blocks fill its pool, so it admits no more; nothing is dropped.
+   Prompt blocks the decode worker already caches are not sent. It answers Go with a tag and
+   posts the receives; the prefill worker sends (cluster/kv_transfer.py), then frees its hold.
 4. The decode worker writes the blocks, starts the sequence as prefilled and streams every token
-   from the first on. A transfer that fails frees the reservation on one side, the hold on the
-   other, and ends the request with an error; so does a lost peer.
-An abort reaches both workers; a request between them is dropped once the decode side answers.
-KV moves on a transfer thread, so neither engine loop waits for the wire.
+   from the first on (TTFT includes the transfer, as in `sim --disagg`).
+A transfer that fails frees the hold on one side and the reservation on the other, and ends
+the request with an error; so does a lost peer. An abort goes to both workers; a request
+between them ends once the decode side has answered, so no transfer is ever left half-posted.
 """
 
 from __future__ import annotations
@@ -23,370 +24,373 @@ from __future__ import annotations
 import itertools
 import logging
 import os
-import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from servelab.cluster import messages as m
+from servelab.cluster.channel import FIRST_DATA_TAG, Link, PeerLost
+from servelab.cluster.disagg_config import DisaggConfig
+from servelab.cluster.kv_transfer import KVLayout
+from servelab.cluster.worker import WorkerLoop
+
+if TYPE_CHECKING:
+    from servelab.engine.llm_engine import EngineOutput, LLMEngine
 
 logger = logging.getLogger("servelab.cluster")
 
-FRONT_END = 0
-_IDLE_POLL_S = 0.02  # how long an idle worker waits for a message before looking again
+PEER_IDLE_S = 30 * 86400.0  # a peer link may be quiet for as long as the cluster idles; a dead peer shows at once
+
+
+# ---- between a prefill and a decode worker --------------------------------------------------------
 
 
 @dataclass(slots=True)
-class WireOutput:
-    """An EngineOutput as it crosses to the front end (no Sequence object)."""
+class Offer:
+    """Prefill -> decode: a prefilled request whose KV is held for it."""
 
     request_id: str
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None
-    logprobs: list | None = None
-    error: str | None = None  # why a request ended with finish_reason "error"
-    kv_bytes: int | None = None  # set on a transferred request's first output
-    transfer_s: float | None = None
-    queue_s: float | None = None  # decode side: from offer to reservation
+    prompt_token_ids: list[int]
+    first_token_id: int
+    params: Any
+    first_logprobs: Any
+    age_s: float  # since the request's arrival at the front end
+    first_scheduled_offset_s: float  # from arrival to its first step on the prefill worker
+    layout: KVLayout
 
 
 @dataclass(slots=True)
-class WorkerSpec:
-    """What a worker process needs besides its rank."""
+class Go:
+    """Decode -> prefill: blocks are reserved and the receives posted; send from block `first_block`."""
 
-    role: str  # "prefill" | "decode"
-    engine_args: Any  # EngineArgs
-    world_size: int
-    num_prefill: int  # ranks 1..num_prefill prefill, the rest decode
-    port: int
-    threads: int
-    kv_timeout_s: float
-    granularity: str
-    parent_pid: int
+    request_id: str
+    tag: int
+    first_block: int
 
 
-    def pools(self) -> tuple[list[int], list[int]]:
-        """(prefill ranks, decode ranks)."""
-        return list(range(1, self.num_prefill + 1)), list(range(self.num_prefill + 1, self.world_size))
+@dataclass(slots=True)
+class Refuse:
+    """Decode -> prefill: drop the hold; `error` ends the request (None: it was aborted)."""
+
+    request_id: str
+    error: str | None
 
 
-def _error(rid: str, why: str) -> WireOutput:
-    return WireOutput(rid, [], "", True, "error", error=why)
+# ---- commands on a worker's queue (besides the front end's) ---------------------------------------
 
 
-def _wire(o: Any) -> WireOutput:
-    reason = None if o.finish_reason is None else o.finish_reason.value
-    return WireOutput(o.request_id, list(o.new_token_ids), o.text_delta, o.finished, reason, o.logprobs)
+@dataclass(slots=True)
+class _FromPeer:
+    src: int
+    message: Any
 
 
-def _exit_when_orphaned(parent: int) -> None:
-    # a front end killed outright cannot stop its workers; they must not linger
-    while os.getppid() == parent:
-        time.sleep(1.0)
-    os._exit(1)
+@dataclass(slots=True)
+class _PeerGone:
+    src: int
+    why: str
 
 
-def worker_main(rank: int, spec: WorkerSpec) -> None:
-    import torch
-    import torch.distributed as dist
-
-    from servelab.cluster.disagg_channel import IDLE_TIMEOUT, Channel
-    from servelab.cluster.kv_transfer import KVLayout, pair_groups
-    from servelab.engine.llm_engine import LLMEngine
-
-    threading.Thread(target=_exit_when_orphaned, args=(spec.parent_pid,), daemon=True).start()
-    torch.set_num_threads(spec.threads)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{spec.port}", rank=rank,
-                            world_size=spec.world_size, timeout=timedelta(seconds=spec.kv_timeout_s))  # fmt: skip
-    control = dist.new_group(backend="gloo", timeout=IDLE_TIMEOUT)
-    kv_groups = pair_groups(*spec.pools(), spec.kv_timeout_s)
-    channel = Channel([r for r in range(spec.world_size) if r != rank], control)
-    try:
-        engine = LLMEngine.from_args(spec.engine_args)
-    except Exception as exc:
-        channel.send(FRONT_END, ("failed", f"{type(exc).__name__}: {exc}"))
-        _leave(channel)
-    kv = engine.executor.kv_cache
-    channel.send(FRONT_END, ("ready", KVLayout.of(kv), engine.scheduler_config.num_blocks))
-    loop = (PrefillLoop if spec.role == "prefill" else DecodeLoop)(engine, channel, spec, kv_groups)
-    try:
-        loop.run()
-    finally:
-        _leave(channel)
+class _Bye:
+    """A worker that leaves: the last message on a peer link."""
 
 
-def _leave(channel: Any) -> None:
-    """Exits the process without tearing the process groups down: the receiver threads still wait
-    inside gloo, and destroying a group under them aborts the process. The peers see the closed
-    connections."""
-    channel.closing = True
-    logging.shutdown()
-    os._exit(0)
+class _Wake:
+    """A transfer finished: look at it."""
 
 
 @dataclass(slots=True)
 class _Held:
-    """A finished prefill waiting for its decode worker: its blocks stay held here."""
-
     decode_rank: int
     blocks: list[int]
     aborted: bool = False
 
 
 @dataclass(slots=True)
-class _Offer:
+class _Pending:
     src: int
-    rid: str
-    prompt: list[int]
-    first_token: int
-    params: Any
-    logprobs: Any
+    offer: Offer
     arrived_s: float = field(default_factory=time.perf_counter)
 
 
-class _Loop:
-    """The engine loop both roles share: messages in, a step, outputs out, transfers done."""
+def disagg_loop(engine: LLMEngine, link: Link, config: m.WorkerConfig, rank: int) -> WorkerLoop:
+    """The loop of a prefill or decode worker, its transfer groups formed."""
+    disagg: DisaggConfig = config.disagg
+    groups = disagg.join_transfer_groups()
+    peers = {peer: Link(peer, group) for peer, group in groups.items()}
+    cls = PrefillLoop if config.role == "prefill" else DecodeLoop
+    return cls(engine, link, disagg, peers)
 
-    def __init__(self, engine: Any, channel: Any, spec: WorkerSpec, kv_groups: dict[int, Any]):
-        from servelab.cluster.kv_transfer import KVLayout
 
-        self.kv_groups = kv_groups  # peer rank -> the pair's transfer group
-        self.engine = engine
-        self.channel = channel
-        self.spec = spec
+class _DisaggLoop(WorkerLoop):
+    def __init__(self, engine: LLMEngine, link: Link, disagg: DisaggConfig, peers: dict[int, Link]):
+        super().__init__(engine, link)
+        self.disagg = disagg
+        self.peers = peers
         self.kv = engine.executor.kv_cache
         self.layout = KVLayout.of(self.kv)
-        self.transfers = ThreadPoolExecutor(1, thread_name_prefix="servelab-kv")
+        self.transfers = ThreadPoolExecutor(1, thread_name_prefix="servelab-kv")  # one at a time: they share the link
         self.in_flight: dict[Future, Any] = {}
-        self.outbox: list[WireOutput] = []
-        self.running = True
 
-    def run(self) -> None:
-        while self.running:
-            idle = not self.engine.has_unfinished() and not self.in_flight
-            self._drain(block=idle)
-            if self.engine.has_unfinished():
-                self.on_outputs(self.engine.step())
-            for future in [f for f in self.in_flight if f.done()]:
-                self.on_transfer_done(self.in_flight.pop(future), future)
-            self.admit()
-            self._flush()
-
-    def _drain(self, block: bool) -> None:
-        from servelab.cluster.disagg_channel import PeerLost
-
+    def run(self) -> int:
+        receivers = [threading.Thread(target=self._receive_peer, args=(peer,), name=f"servelab-peer{peer.peer}",
+                                      daemon=True) for peer in self.peers.values()]  # fmt: skip
+        for thread in receivers:
+            thread.start()
         try:
-            item = self.channel.inbox.get(timeout=_IDLE_POLL_S) if block else self.channel.inbox.get_nowait()
-        except queue.Empty:
-            return
-        while True:
-            src, message = item
-            if isinstance(message, PeerLost):
-                self.on_peer_lost(src, message.why)
-            elif message[0] == "stop":
-                self.running = False
-            elif message[0] == "stats":
-                bm = self.engine.scheduler.block_manager
-                self.send(FRONT_END, ("stats", {"num_blocks": bm.num_blocks, "num_free_blocks": bm.num_free_blocks}))
-            else:
-                self.on_message(src, message)
+            code = super().run()
+        finally:
+            self.transfers.shutdown(wait=False, cancel_futures=True)
+        # Leaving a process group while a thread waits in it aborts the process: each peer is told
+        # goodbye, which ends its receiver for us, and ours end on theirs (or on their exit).
+        for peer in self.peers.values():
             try:
-                item = self.channel.inbox.get_nowait()
-            except queue.Empty:
-                return
+                peer.send(_Bye(), timeout_s=2.0)
+            except PeerLost:
+                pass
+        for thread in receivers:
+            thread.join(timeout=5.0)
+        if any(thread.is_alive() for thread in receivers):
+            logger.warning("servelab worker: a peer did not say goodbye; exiting without leaving the groups")
+            logging.shutdown()
+            os._exit(code)
+        return code
 
-    def send(self, dst: int, message: Any) -> bool:
+    def _receive_peer(self, peer: Link) -> None:
+        while True:
+            try:
+                message = peer.recv(timeout_s=PEER_IDLE_S)
+            except PeerLost as exc:
+                if not self.stopping.is_set():
+                    self.commands.put(_PeerGone(peer.peer, str(exc)))
+                return
+            if isinstance(message, _Bye):
+                return
+            self.commands.put(_FromPeer(peer.peer, message))
+
+    def _to_peer(self, rank: int, message: Any) -> bool:
         try:
-            self.channel.send(dst, message)
+            self.peers[rank].send(message)
             return True
-        except RuntimeError as exc:
-            if dst == FRONT_END:
-                self.running = False  # nobody to serve
-            else:
-                self.on_peer_lost(dst, str(exc))
+        except PeerLost as exc:
+            self.commands.put(_PeerGone(rank, str(exc)))
             return False
 
-    def _flush(self) -> None:
-        if self.outbox:
-            outputs, self.outbox = self.outbox, []
-            self.send(FRONT_END, ("out", outputs, self.engine.scheduler.block_manager.usage))
+    def _transfer(self, key: Any, fn: Any, *args: Any, **kwargs: Any) -> None:
+        future = self.transfers.submit(_timed, fn, *args, **kwargs)
+        future.add_done_callback(lambda _: self.commands.put(_Wake()))  # an idle loop sleeps on commands
+        self.in_flight[future] = key
 
-    def on_peer_lost(self, src: int, why: str) -> None:
-        if src == FRONT_END:
-            self.running = False
+    def _fail(self, request_ids: list[str], why: str) -> None:
+        if request_ids:
+            self._send(m.RequestsFailed(request_ids, m.WireError("", why), in_step=False))
 
-    # the role's parts
-    def on_message(self, src: int, message: tuple) -> None: ...
-    def on_outputs(self, outputs: list) -> None: ...
-    def on_transfer_done(self, what: Any, future: Future) -> None: ...
-    def admit(self) -> None: ...
+    def _final(self, request_id: str, reason: str) -> None:
+        """A request's last output, sent for one that ended outside the engine."""
+        wire = m.WireOutput(request_id, [], "", True, reason, None, [], None, None, 0, None)
+        self._send(m.Outputs([wire], 0, self.stats))
+
+    def _on_command(self, command: Any) -> None:
+        if isinstance(command, _FromPeer):
+            self._on_peer(command.src, command.message)
+        elif isinstance(command, _PeerGone):
+            logger.error("servelab worker: peer rank %d lost (%s)", command.src, command.why)
+            self._on_peer_gone(command.src, command.why)
+        elif not isinstance(command, _Wake):
+            super()._on_command(command)
+
+    def _after_step(self) -> None:
+        for future in [f for f in self.in_flight if f.done()]:
+            self._on_transfer_done(self.in_flight.pop(future), future)
+
+    def _on_peer(self, src: int, message: Any) -> None: ...
+    def _on_peer_gone(self, src: int, why: str) -> None: ...
+    def _on_transfer_done(self, key: Any, future: Future) -> None: ...
 
 
-class PrefillLoop(_Loop):
-    def __init__(self, engine: Any, channel: Any, spec: WorkerSpec, kv_groups: dict[int, Any]):
-        super().__init__(engine, channel, spec, kv_groups)
+class PrefillLoop(_DisaggLoop):
+    def __init__(self, *args: Any):
+        super().__init__(*args)
         self.decode_rank: dict[str, int] = {}  # requests in the engine -> their decode worker
-        self.held: dict[str, _Held] = {}
+        self.held: dict[str, _Held] = {}  # prefilled, waiting for (or in) their transfer
 
-    def on_message(self, src: int, message: tuple) -> None:
-        kind, rid = message[0], message[1]
-        if kind == "add":
-            _, _, prompt, params, decode_rank = message
-            try:
-                self.engine.add_request(rid, prompt, params)
-                self.decode_rank[rid] = decode_rank
-            except Exception as exc:  # the engine's own checks: a clear message for the client
-                self.outbox.append(_error(rid, f"{type(exc).__name__}: {exc}"))
-        elif kind == "abort":
-            if rid in self.held:
-                self.held[rid].aborted = True  # released when the decode worker answers
-            else:
-                self.engine.abort(rid)
-        elif kind == "go":
-            _, _, tag, first_block = message
-            held = self.held[rid]
-            self._start_send(rid, held, held.blocks[first_block:], tag)
-        elif kind == "refuse":
-            why = message[2]
-            held = self.held.pop(rid)
-            self.engine.release_held(held.blocks)
-            if why is not None and not held.aborted:
-                self.outbox.append(_error(rid, why))
-            elif held.aborted:
-                self.outbox.append(WireOutput(rid, [], "", True, "abort"))
+    def _admit(self, command: m.AddRequests) -> None:
+        for r in command.requests:
+            self.decode_rank[r.request_id] = r.decode_rank
+        super()._admit(command)
+        for r in command.requests:
+            if r.request_id not in self.live:  # refused
+                self.decode_rank.pop(r.request_id, None)
 
-    def _start_send(self, rid: str, held: _Held, blocks: list[int], tag: int) -> None:
+    def _take_outputs(self, outputs: list[EngineOutput]) -> list[EngineOutput]:
+        kept = []
+        for out in outputs:
+            rid = out.request_id
+            if out.finished or not out.new_token_ids or rid not in self.decode_rank:
+                if out.finished:
+                    self.decode_rank.pop(rid, None)
+                kept.append(out)
+                continue
+            # the first token, and the request goes on: its decoding is the decode worker's
+            seq = out.seq
+            dst = self.decode_rank.pop(rid)
+            arrival = self.arrival_s.get(rid, seq.arrival_s)
+            age_s = time.perf_counter() - arrival
+            scheduled = (seq.first_scheduled_s or arrival) - arrival
+            self.held[rid] = _Held(dst, self.engine.detach_prefilled(rid))
+            self.live.discard(rid)
+            self._forget(rid)
+            offer = Offer(rid, list(seq.prompt_token_ids), seq.last_token_id, seq.params, out.logprobs, age_s, scheduled,
+                          self.layout)  # fmt: skip
+            if not self._to_peer(dst, offer):
+                self._drop_held(rid, f"decode worker {dst} is lost")
+        return kept
+
+    def _drop_held(self, rid: str, error: str | None) -> None:
+        held = self.held.pop(rid)
+        self.engine.release_held(held.blocks)
+        self.stats = self.engine.stats()
+        if held.aborted:
+            self._final(rid, "abort")
+        elif error is not None:
+            self._fail([rid], error)
+
+    def _abort_one(self, request_id: str) -> None:
+        held = self.held.get(request_id)
+        if held is not None:
+            held.aborted = True  # ends when the decode worker answers: a Go must still be served
+        else:
+            self.decode_rank.pop(request_id, None)
+            super()._abort_one(request_id)
+
+    def _on_peer(self, src: int, message: Any) -> None:
         from servelab.cluster.kv_transfer import send_blocks
 
-        future = self.transfers.submit(send_blocks, self.kv, blocks, held.decode_rank, tag=tag,
-                                       timeout_s=self.spec.kv_timeout_s, granularity=self.spec.granularity,
-                                       group=self.kv_groups[held.decode_rank])  # fmt: skip
-        self.in_flight[future] = rid
+        held = self.held.get(message.request_id)
+        if held is None:
+            logger.warning("servelab worker: %s for unknown request %s", type(message).__name__, message.request_id)
+        elif isinstance(message, Go):
+            self._transfer(message.request_id, send_blocks, self.kv, held.blocks[message.first_block :], src,
+                           tag=message.tag, timeout_s=self.disagg.kv_timeout_s, granularity=self.disagg.granularity,
+                           group=self.peers[src].group)  # fmt: skip
+        elif isinstance(message, Refuse):
+            self._drop_held(message.request_id, message.error)
 
-    def on_outputs(self, outputs: list) -> None:
-        for o in outputs:
-            if o.finished or not o.new_token_ids:
-                self.decode_rank.pop(o.request_id, None)
-                self.outbox.append(_wire(o))
-                continue
-            # the first token, and the request goes on: its decoding belongs to the decode worker
-            rid = o.request_id
-            seq = o.seq
-            dst = self.decode_rank.pop(rid)
-            held = self.held[rid] = _Held(dst, self.engine.detach_prefilled(rid))
-            offer = ("offer", rid, list(seq.prompt_token_ids), seq.last_token_id, seq.params, o.logprobs, self.layout)
-            if not self.send(dst, offer):
-                self._fail_held(rid, held, f"decode worker rank {dst} is lost")
-
-    def on_transfer_done(self, rid: str, future: Future) -> None:
-        held = self.held.pop(rid)
-        self.engine.release_held(held.blocks)  # sent, or failed: either way the blocks are ours again
+    def _on_transfer_done(self, rid: str, future: Future) -> None:
         exc = future.exception()
-        if exc is not None:
-            logger.error("request %s: %s", rid, exc)
-            self.outbox.append(_error(rid, f"KV transfer to decode worker rank {held.decode_rank} failed: {exc}"))
+        if exc is None:
+            self.held[rid].aborted = False  # sent: the decode worker ends it, aborted or not
+        self._drop_held(rid, None if exc is None else f"KV transfer to decode worker {self.held[rid].decode_rank} failed: {exc}")
 
-    def _fail_held(self, rid: str, held: _Held, why: str) -> None:
-        self.held.pop(rid, None)
-        self.engine.release_held(held.blocks)
-        self.outbox.append(_error(rid, why))
-
-    def on_peer_lost(self, src: int, why: str) -> None:
-        super().on_peer_lost(src, why)
-        sending = set(self.in_flight.values())
-        for rid, held in list(self.held.items()):
-            if held.decode_rank == src and rid not in sending:  # a send in flight fails by itself
-                self._fail_held(rid, held, f"decode worker rank {src} is lost ({why})")
-        for rid, dst in list(self.decode_rank.items()):
-            if dst == src:
-                self.engine.abort(rid)
-                self.decode_rank.pop(rid)
-                self.outbox.append(_error(rid, f"decode worker rank {src} is lost ({why})"))
+    def _on_peer_gone(self, src: int, why: str) -> None:
+        sending = set(self.in_flight.values())  # those fail by themselves
+        for rid in [r for r, h in self.held.items() if h.decode_rank == src and r not in sending]:
+            self._drop_held(rid, f"decode worker {src} is lost ({why})")
+        doomed = [rid for rid, dst in self.decode_rank.items() if dst == src]
+        for rid in doomed:
+            super()._abort_one(rid)
+            self.decode_rank.pop(rid)
+            self._forget(rid)
+        self._fail(doomed, f"decode worker {src} is lost ({why})")
 
 
-class DecodeLoop(_Loop):
-    def __init__(self, engine: Any, channel: Any, spec: WorkerSpec, kv_groups: dict[int, Any]):
-        super().__init__(engine, channel, spec, kv_groups)
-        self.offers: list[_Offer] = []  # in arrival order; the head waits for blocks
+class DecodeLoop(_DisaggLoop):
+    def __init__(self, *args: Any):
+        super().__init__(*args)
+        self.offers: deque[_Pending] = deque()  # in arrival order; the head waits for blocks
         self.receiving: dict[str, bool] = {}  # request -> aborted while its KV is on its way
-        self.tags = itertools.count(1)
-        # request -> (KV bytes, transfer s, queue s), until its first output carries them
-        self.transfer_stats: dict[str, tuple[int, float, float]] = {}
+        self.aborted_early: set[str] = set()  # aborts that overtook their offer
+        self.tags = itertools.count(FIRST_DATA_TAG)
+        self.transfer_records: dict[str, m.KVTransferRecord] = {}  # until the first output carries it
 
-    def on_message(self, src: int, message: tuple) -> None:
-        kind, rid = message[0], message[1]
-        if kind == "offer":
-            _, _, prompt, first_token, params, logprobs, layout = message
-            if layout != self.layout:
-                self.send(src, ("refuse", rid, f"KV layouts differ: prefill {layout}, decode {self.layout}"))
-                return
-            self.offers.append(_Offer(src, rid, prompt, first_token, params, logprobs))
-        elif kind == "abort":
-            offer = next((o for o in self.offers if o.rid == rid), None)
-            if offer is not None:
-                self.offers.remove(offer)
-                self.send(offer.src, ("refuse", rid, None))  # the prefill worker reports the abort
-            elif rid in self.receiving:
-                self.receiving[rid] = True
-            else:
-                self.engine.abort(rid)
+    def _on_peer(self, src: int, message: Any) -> None:
+        if not isinstance(message, Offer):
+            logger.warning("servelab worker: unexpected %s from rank %d", type(message).__name__, src)
+        elif message.request_id in self.aborted_early:
+            self.aborted_early.discard(message.request_id)
+            self._to_peer(src, Refuse(message.request_id, None))
+        elif message.layout != self.layout:
+            self._to_peer(src, Refuse(message.request_id, f"KV layouts differ: prefill {message.layout}, decode {self.layout}"))
+        else:
+            self.offers.append(_Pending(src, message))
 
-    def admit(self) -> None:
+    def _abort_one(self, request_id: str) -> None:
+        pending = next((p for p in self.offers if p.offer.request_id == request_id), None)
+        if pending is not None:
+            self.offers.remove(pending)
+            self._to_peer(pending.src, Refuse(request_id, None))  # the prefill worker ends it
+        elif request_id in self.receiving:
+            self.receiving[request_id] = True
+        elif request_id in self.live:
+            super()._abort_one(request_id)
+        elif len(self.aborted_early) < 10_000:  # bounded: an abort for a request that never comes
+            self.aborted_early.add(request_id)
+
+    def _after_step(self) -> None:
+        super()._after_step()
+        self._reserve()
+
+    def _reserve(self) -> None:
         from servelab.cluster.kv_transfer import recv_blocks
 
         while self.offers:
-            offer = self.offers[0]
+            pending = self.offers[0]
+            offer = pending.offer
             try:
-                seq = self.engine.reserve_prefilled(offer.rid, offer.prompt, offer.first_token, offer.params)
-            except Exception as exc:  # can never fit this worker: fail it now rather than hold it forever
-                self.offers.pop(0)
-                self.send(offer.src, ("refuse", offer.rid, f"{type(exc).__name__}: {exc}"))
+                seq = self.engine.reserve_prefilled(offer.request_id, offer.prompt_token_ids, offer.first_token_id,
+                                                    offer.params)  # fmt: skip
+            except Exception as exc:  # can never fit here: end it now rather than hold it forever
+                self.offers.popleft()
+                self._to_peer(pending.src, Refuse(offer.request_id, f"decode worker: {exc}"))
                 continue
             if seq is None:
                 return  # back-pressure: the head waits, and nobody overtakes it
-            self.offers.pop(0)
+            self.offers.popleft()
             first_block = seq.num_cached_tokens // self.kv.block_size
             tag = next(self.tags)
-            future = self.transfers.submit(_timed, recv_blocks, self.kv, seq.block_table[first_block:], offer.src,
-                                           tag=tag, timeout_s=self.spec.kv_timeout_s,
-                                           granularity=self.spec.granularity, group=self.kv_groups[offer.src])  # fmt: skip
-            self.in_flight[future] = (offer, seq, time.perf_counter() - offer.arrived_s)
-            self.receiving[offer.rid] = False
-            if not self.send(offer.src, ("go", offer.rid, tag, first_block)):
-                pass  # the receive fails by itself on the lost peer
+            self.receiving[offer.request_id] = False
+            queue_s = time.perf_counter() - pending.arrived_s
+            self._transfer((pending, seq, queue_s), recv_blocks, self.kv, seq.block_table[first_block:], pending.src,
+                           tag=tag, timeout_s=self.disagg.kv_timeout_s, granularity=self.disagg.granularity,
+                           group=self.peers[pending.src].group)  # fmt: skip
+            self.stats = self.engine.stats()
+            self._to_peer(pending.src, Go(offer.request_id, tag, first_block))  # if lost, the receive fails by itself
 
-    def on_transfer_done(self, what: Any, future: Future) -> None:
-        offer, seq, queue_s = what
-        aborted = self.receiving.pop(offer.rid)
+    def _on_transfer_done(self, key: Any, future: Future) -> None:
+        pending, seq, queue_s = key
+        offer = pending.offer
+        rid = offer.request_id
+        aborted = self.receiving.pop(rid)
         exc = future.exception()
         if exc is not None or aborted:
             self.engine.cancel_prefilled(seq)
+            self.stats = self.engine.stats()
             if aborted:
-                self.outbox.append(WireOutput(offer.rid, [], "", True, "abort"))
+                self._final(rid, "abort")
             else:
-                logger.error("request %s: %s", offer.rid, exc)
-                self.outbox.append(_error(offer.rid, f"KV transfer from prefill worker rank {offer.src} failed: {exc}"))
+                self._fail([rid], f"KV transfer from prefill worker {pending.src} failed: {exc}")
             return
-        num_bytes, seconds = future.result()
-        self.engine.start_prefilled(seq, None if not offer.logprobs else offer.logprobs[0])
-        self.transfer_stats[offer.rid] = (num_bytes, seconds, queue_s)
+        num_bytes, transfer_s = future.result()
+        self.engine.start_prefilled(seq, offer.first_logprobs[0] if offer.first_logprobs else None)
+        self.live.add(rid)
+        self.arrival_s[rid] = arrival = pending.arrived_s - offer.age_s
+        seq.first_scheduled_s = arrival + offer.first_scheduled_offset_s  # its queueing was the prefill side's
+        self.transfer_records[rid] = m.KVTransferRecord(num_bytes, transfer_s, queue_s)
 
-    def on_outputs(self, outputs: list) -> None:
-        for o in outputs:
-            wire = _wire(o)
-            stats = self.transfer_stats.pop(o.request_id, None)
-            if stats is not None:
-                wire.kv_bytes, wire.transfer_s, wire.queue_s = stats
-            self.outbox.append(wire)
+    def _wire(self, out: EngineOutput) -> m.WireOutput:
+        record = self.transfer_records.pop(out.request_id, None)
+        wire = super()._wire(out)
+        wire.kv_transfer = record
+        return wire
 
-    def on_peer_lost(self, src: int, why: str) -> None:
-        super().on_peer_lost(src, why)
-        for offer in [o for o in self.offers if o.src == src]:
-            self.offers.remove(offer)
-            self.outbox.append(_error(offer.rid, f"prefill worker rank {src} is lost ({why})"))
+    def _on_peer_gone(self, src: int, why: str) -> None:
+        lost = [p for p in self.offers if p.src == src]
+        for p in lost:
+            self.offers.remove(p)
+        self._fail([p.offer.request_id for p in lost], f"prefill worker {src} is lost ({why})")
 
 
 def _timed(fn: Any, *args: Any, **kwargs: Any) -> tuple[int, float]:

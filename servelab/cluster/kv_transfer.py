@@ -23,11 +23,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from servelab.cluster.disagg_config import DEFAULT_KV_TRANSFER_TIMEOUT_S, GRANULARITIES
 from servelab.engine.kv_cache import PagedKVCache
 from servelab.errors import InvalidArgument
 
-GRANULARITIES = ("layer", "block")
-DEFAULT_TIMEOUT_S = 30.0  # a whole request's KV; a peer's step (it answers between steps) must fit in it
 
 
 class KVTransferError(RuntimeError):
@@ -84,7 +83,7 @@ def _wait_all(works: list[tuple[Any, torch.Tensor]], deadline: float, on_arrival
 
 
 def send_blocks(
-    kv: PagedKVCache, block_ids: list[int], dst: int, *, tag: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+    kv: PagedKVCache, block_ids: list[int], dst: int, *, tag: int, timeout_s: float = DEFAULT_KV_TRANSFER_TIMEOUT_S,
     granularity: str = "layer", group: Any = None,
 ) -> int:  # fmt: skip
     """Sends the KV of `block_ids` to rank `dst`, whose recv_blocks waits with the same tag and
@@ -109,7 +108,7 @@ def send_blocks(
 
 
 def recv_blocks(
-    kv: PagedKVCache, block_ids: list[int], src: int, *, tag: int, timeout_s: float = DEFAULT_TIMEOUT_S,
+    kv: PagedKVCache, block_ids: list[int], src: int, *, tag: int, timeout_s: float = DEFAULT_KV_TRANSFER_TIMEOUT_S,
     granularity: str = "layer", group: Any = None,
 ) -> int:  # fmt: skip
     """Receives send_blocks' KV into this cache's `block_ids` (reserved by the caller). Returns

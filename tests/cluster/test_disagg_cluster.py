@@ -1,102 +1,151 @@
-"""A real disaggregated cluster: a front end (this process), prefill and decode worker processes
-joined by gloo on 127.0.0.1, the tiny random model, KV blocks sent point-to-point."""
+"""`servelab serve --disagg 1:1` end to end, every process on 127.0.0.1: greedy output equals one
+engine's in fp32 and with a float16 KV cache, a decode pool that is full back-pressures the
+prefill worker without dropping anything, aborts leak no KV block on either worker, a killed
+decode worker fails only the requests it holds; and a KV transfer fails by its deadline."""
 
 from __future__ import annotations
 
+import json
 import os
+import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
+import httpx
 import pytest
 
-from servelab.core.sequence import SamplingParams
+from tests.server.conftest import launch_server
 
-GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-PROMPTS = [[(7 * i + j) % 400 + 3 for j in range(20 + 9 * i)] for i in range(8)]  # 20..83 tokens
-
-
-def _args(path, **kwargs):
-    from servelab.engine.llm_engine import EngineArgs
-
-    return EngineArgs.from_kwargs(model=str(path), dtype="float32", **kwargs)
+FLAGS = ("--disagg", "1:1", "--num-blocks", "64", "--max-model-len", "1024", "--seed", "0")
+PROMPTS = [[11 + i, 40 + 3 * i, 7, 99 - i, 23] * (1 + 2 * i) for i in range(6)]  # 5..55 tokens
 
 
-def _single(path, prompts, **kwargs) -> dict[str, list[int]]:
-    from servelab.engine.llm_engine import LLMEngine
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.tiny_models import write_tiny_llama
 
-    engine = LLMEngine.from_args(_args(path, **kwargs))
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, GREEDY)
-    out: dict[str, list[int]] = {}
+    return write_tiny_llama(tmp_path_factory.mktemp("disagg-model") / "tiny-llama")
+
+
+def _reference(tiny_dir: Path, **knobs) -> list[str]:
+    from servelab.core.sequence import SamplingParams
+    from servelab.engine.llm_engine import EngineArgs, LLMEngine
+
+    engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=str(tiny_dir), seed=0, num_blocks=64, max_model_len=1024,
+                                                        **knobs))  # fmt: skip
+    for i, ids in enumerate(PROMPTS):
+        engine.add_request(str(i), ids, SamplingParams(max_tokens=24, temperature=0.0))
+    texts = {}
     while engine.has_unfinished():
-        for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.new_token_ids)
+        for out in engine.step():
+            texts[out.request_id] = texts.get(out.request_id, "") + out.text_delta
+    return [texts[str(i)] for i in range(len(PROMPTS))]
+
+
+def _complete_all(url: str) -> list[str]:
+    def complete(ids: list[int]) -> str:
+        r = httpx.post(url + "/v1/completions", json={"prompt": ids, "max_tokens": 24, "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+        return r.json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(complete, PROMPTS))
+
+
+def _metric(text: str, name: str) -> dict[str, float]:
+    """worker label -> value of `name` (the unlabelled total under key "")."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            labels, value = line[len(name) :].rsplit(" ", 1)
+            worker = next((p.split("=")[1].strip('"}') for p in labels.strip("{}").split(",") if p.startswith("worker=")), "")
+            out[worker] = float(value)
     return out
 
 
-def _drain(cluster, timeout_s: float = 120.0) -> dict[str, list]:
-    """Every output until no request is left, by request."""
-    outputs: dict[str, list] = {}
-    deadline = time.monotonic() + timeout_s
-    while cluster.has_unfinished():
-        assert time.monotonic() < deadline, f"requests hung: {sorted(cluster._routes)}"
-        for o in cluster.poll(0.5):
-            outputs.setdefault(o.request_id, []).append(o)
-    return outputs
-
-
-def _tokens(outputs: list) -> list[int]:
-    return [t for o in outputs for t in o.new_token_ids]
+def _wait_pools_full(url: str) -> tuple[dict, dict]:
+    deadline = time.monotonic() + 15
+    while True:  # the workers report their pools with each step and heartbeat
+        text = httpx.get(url + "/metrics").text
+        free, total = _metric(text, "servelab:worker_kv_cache_blocks_free"), _metric(text, "servelab:worker_kv_cache_blocks_total")
+        if free == total or time.monotonic() > deadline:
+            return free, total
+        time.sleep(0.3)
 
 
 @pytest.mark.slow
-def test_fp16_kv_through_a_short_decode_pool_with_an_abort(tiny_llama):
-    """Greedy tokens after the transfer equal one engine's with a float16 KV cache, while the
-    decode pool (12 blocks, 2-3 requests) back-pressures the prefill side: nothing is dropped,
-    some transfers wait for blocks. An aborted request ends as aborted; every block comes back."""
-    from servelab.cluster.disagg import DisaggCluster
+def test_fp16_kv_through_a_two_sequence_decode_pool_equals_one_engine(tiny_dir, tmp_path):
+    """With --max-num-seqs 2 the decode worker takes 2 of the 6 requests at a time: the others'
+    prefills wait on the prefill worker, holding their blocks, and none is dropped."""
+    knobs = ("--kv-cache-dtype", "float16", "--max-num-seqs", "2")
+    want = _reference(tiny_dir, kv_cache_dtype="float16", max_num_seqs=2)
+    server = launch_server(tiny_dir, tmp_path, *FLAGS, *knobs)
+    try:
+        assert _complete_all(server.url) == want
+        text = httpx.get(server.url + "/metrics").text
+        queued = _metric(text, "servelab:kv_transfer_decode_queue_seconds_sum")[""]
+        assert queued > 0.05, queued  # offers waited for the decode worker's sequence budget
+        assert _metric(text, "servelab:kv_transfer_seconds_count")[""] == len(PROMPTS)
+        assert _wait_pools_full(server.url)[0] == {"1": 64.0, "2": 64.0}
+    finally:
+        assert server.stop() == 0, server.log()
 
-    knobs = {"kv_cache_dtype": "float16", "num_blocks": 12}
-    want = _single(tiny_llama, PROMPTS, **knobs)
-    with DisaggCluster(_args(tiny_llama, **knobs), 1, 1) as cluster:
-        for i, p in enumerate(PROMPTS):
-            cluster.add_request(str(i), p, GREEDY)
-        cluster.add_request("gone", PROMPTS[0], SamplingParams(max_tokens=150, temperature=0, ignore_eos=True))
-        cluster.abort("gone")
-        got = _drain(cluster)
-        assert {rid: _tokens(outs) for rid, outs in got.items() if rid != "gone"} == want
-        assert got["gone"][-1].finish_reason == "abort", got["gone"][-1].error
-        firsts = [outs[0] for rid, outs in got.items() if rid != "gone"]
-        assert all(o.kv_bytes and o.transfer_s is not None for o in firsts)
-        assert max(o.queue_s for o in firsts) > 0.01  # some waited for decode blocks
-        stats = cluster.stats()
-    assert [s["num_free_blocks"] for s in stats.values()] == [12, 12]
+
+@pytest.fixture(scope="module")
+def disagg_server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    server = launch_server(tiny_dir, tmp_path_factory.mktemp("disagg-logs"), *FLAGS)
+    yield server
+    server.stop()
 
 
 @pytest.mark.slow
-def test_greedy_output_equals_one_engine_and_a_lost_decode_worker_fails_only_its_requests(tiny_llama):
-    from servelab.cluster.disagg import ClusterFailed, DisaggCluster
+def test_greedy_output_equals_one_engine(disagg_server, tiny_dir):
+    assert _complete_all(disagg_server.url) == _reference(tiny_dir)
+    workers = httpx.get(disagg_server.url + "/health").json()["workers"]
+    assert [(w["rank"], w["role"]) for w in workers] == [(1, "prefill"), (2, "decode")]
+    text = httpx.get(disagg_server.url + "/metrics").text
+    assert _metric(text, "servelab:kv_transfer_bytes_sum")[""] > 0
 
-    want = _single(tiny_llama, PROMPTS[:3], num_blocks=64)
-    with DisaggCluster(_args(tiny_llama, num_blocks=64), 1, 1) as cluster:
-        for i, p in enumerate(PROMPTS[:3]):
-            cluster.add_request(str(i), p, GREEDY)
-        assert {rid: _tokens(outs) for rid, outs in _drain(cluster).items()} == want
 
-        long = SamplingParams(max_tokens=400, temperature=0, ignore_eos=True)
-        for i, p in enumerate(PROMPTS[:3]):
-            cluster.add_request(f"long{i}", p, long)
-        while not any(o.new_token_ids for o in cluster.poll(0.5)):
-            pass  # decoding has begun
-        decode = cluster.workers[1]
-        decode.process.kill()
-        t0 = time.monotonic()
-        got = _drain(cluster, timeout_s=30)
-        assert time.monotonic() - t0 < 10
-        assert {outs[-1].finish_reason for outs in got.values()} == {"error"}
-        assert all("decode worker rank 2" in outs[-1].error for outs in got.values())
-        assert cluster.stats() == {1: {"num_blocks": 64, "num_free_blocks": 64}}  # nothing held on the prefill side
-        with pytest.raises(ClusterFailed, match="no decode worker is left"):
-            cluster.add_request("after", [1, 2, 3], GREEDY)
+@pytest.mark.slow
+def test_aborts_leak_no_kv_block_on_either_worker(disagg_server):
+    url = disagg_server.url
+
+    def stream_then_leave(i: int) -> int:
+        body = {"prompt": PROMPTS[i % 6], "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = (line for line in r.iter_lines() if line)
+            return sum(1 for _, _ in zip(range(i % 3 + 1), lines))  # a chunk or three, then disconnect
+
+    with ThreadPoolExecutor(8) as pool:
+        left = list(pool.map(stream_then_leave, range(8)))
+    assert left == [i % 3 + 1 for i in range(8)]
+    free, total = _wait_pools_full(url)
+    assert free == total == {"1": 64.0, "2": 64.0}, (free, total)
+    assert httpx.get(url + "/health").json()["status"] == "ok"
+
+
+@pytest.mark.slow
+def test_a_killed_decode_worker_fails_its_requests_clearly(disagg_server):
+    url = disagg_server.url
+    pid = {w["role"]: w["pid"] for w in httpx.get(url + "/health").json()["workers"]}
+    body = {"prompt": "hello world", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+        lines = (line for line in r.iter_lines() if line)
+        events = [next(lines)]  # decoding has begun
+        os.kill(pid["decode"], signal.SIGKILL)
+        events.extend(lines)
+    assert events[-1] == "data: [DONE]"
+    error = json.loads(events[-2].removeprefix("data: "))["error"]
+    assert "worker 2 failed" in error["message"], error
+    health = httpx.get(url + "/health").json()
+    assert health["status"] == "degraded"
+    assert {w["role"]: w["status"] for w in health["workers"]} == {"prefill": "ok", "decode": "failed"}
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+    assert r.status_code == 503 and "no decode worker is left" in r.json()["error"]["message"], r.text
+    free, _ = _wait_pools_full(url)
+    assert free["1"] == 64.0  # nothing held on the prefill side
 
 
 def _transfer_peer(rank: int, port: int, results) -> None:
@@ -104,6 +153,7 @@ def _transfer_peer(rank: int, port: int, results) -> None:
     first timeout must not break the second pair's group."""
     from datetime import timedelta
 
+    import torch
     import torch.distributed as dist
 
     from servelab.cluster.kv_transfer import KVTransferError, pair_groups, recv_blocks
@@ -116,13 +166,11 @@ def _transfer_peer(rank: int, port: int, results) -> None:
     if rank == 0:
         spec = ModelSpec("t", num_layers=2, hidden_size=16, num_heads=2, num_kv_heads=1, head_dim=8,
                          ffn_size=32, vocab_size=10, tie_embeddings=False, max_context=64, rope_theta=1e4)  # fmt: skip
-        import torch
-
         kv = PagedKVCache(spec, 4, 4, dtype=torch.float32)
         for src, timeout_s in ((1, 0.5), (2, 20.0)):
             t0 = time.monotonic()
             try:
-                recv_blocks(kv, [1, 2], src, tag=5, timeout_s=timeout_s, group=groups[src])
+                recv_blocks(kv, [1, 2], src, tag=16, timeout_s=timeout_s, group=groups[src])
                 results.put((src, "received", 0.0))
             except KVTransferError as exc:
                 results.put((src, str(exc), time.monotonic() - t0))
@@ -146,7 +194,7 @@ def test_a_transfer_fails_by_its_deadline_or_at_once_when_the_peer_dies():
     for p in procs:
         p.start()
     try:
-        silent, dead = results.get(timeout=60), results.get(timeout=60)
+        silent, dead = results.get(timeout=120), results.get(timeout=60)
     finally:
         for p in procs:
             p.join(timeout=10)
