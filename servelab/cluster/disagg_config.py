@@ -8,7 +8,9 @@ from typing import Any
 
 from servelab.errors import InvalidArgument
 
-GRANULARITIES = ("layer", "block")  # one message per layer (every block), or per block (every layer)
+# one message per block (every layer's K and V) or per layer (every block's); block is the default:
+# 0.5-0.9x layer's time here (docs/disaggregation.md, benchmarks/kv_transfer.py)
+GRANULARITIES = ("block", "layer")
 # a whole request's KV; a busy peer answers between its steps, so one step must fit in it
 DEFAULT_KV_TRANSFER_TIMEOUT_S = 30.0
 
@@ -20,7 +22,7 @@ class DisaggConfig:
     num_prefill: int
     num_decode: int
     kv_timeout_s: float = DEFAULT_KV_TRANSFER_TIMEOUT_S
-    granularity: str = "layer"
+    granularity: str = GRANULARITIES[0]
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:

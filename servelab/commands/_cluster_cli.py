@@ -6,7 +6,7 @@ import argparse
 import logging
 from typing import TYPE_CHECKING
 
-from servelab.cluster.disagg_config import DEFAULT_KV_TRANSFER_TIMEOUT_S, DisaggConfig, parse_disagg
+from servelab.cluster.disagg_config import DEFAULT_KV_TRANSFER_TIMEOUT_S, GRANULARITIES, DisaggConfig, parse_disagg
 from servelab.errors import InvalidArgument
 from servelab.sim.router import ROUTERS
 from servelab.units import parse_duration_s
@@ -48,6 +48,8 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--kv-transfer-timeout", default=DEFAULT_KV_TRANSFER_TIMEOUT,
                    help="a request's KV transfer fails (and the request with it) past this; a busy peer answers "
                         f"between its steps, so leave room for one (default {DEFAULT_KV_TRANSFER_TIMEOUT})")  # fmt: skip
+    d.add_argument("--kv-transfer-granularity", choices=GRANULARITIES, default=GRANULARITIES[0],
+                   help=f"one message per KV block (all layers) or per layer (all blocks) (default {GRANULARITIES[0]})")
 
 
 def uses_cluster(args: argparse.Namespace) -> bool:
@@ -59,7 +61,7 @@ def disagg_config(args: argparse.Namespace) -> DisaggConfig | None:
     if args.disagg is None:
         return None
     timeout_s = parse_duration_s(args.kv_transfer_timeout, name="--kv-transfer-timeout")
-    return DisaggConfig(*parse_disagg(args.disagg), kv_timeout_s=timeout_s)
+    return DisaggConfig(*parse_disagg(args.disagg), kv_timeout_s=timeout_s, granularity=args.kv_transfer_granularity)
 
 
 def check_cluster_flags(args: argparse.Namespace) -> None:
@@ -68,8 +70,9 @@ def check_cluster_flags(args: argparse.Namespace) -> None:
     check_cluster_args(args.data_parallel, args.tensor_parallel_size)
     if args.disagg is not None and args.data_parallel > 1:
         raise InvalidArgument("--disagg P:D and --data-parallel N: give one (P:D starts P + D workers)")
-    if args.disagg is None and args.kv_transfer_timeout != DEFAULT_KV_TRANSFER_TIMEOUT:
-        raise InvalidArgument("--kv-transfer-timeout: only with --disagg P:D")
+    if args.disagg is None and (args.kv_transfer_timeout != DEFAULT_KV_TRANSFER_TIMEOUT
+                                or args.kv_transfer_granularity != GRANULARITIES[0]):  # fmt: skip
+        raise InvalidArgument("--kv-transfer-timeout, --kv-transfer-granularity: only with --disagg P:D")
     disagg_config(args)  # the checks
     if not uses_cluster(args) and (args.master_addr or args.master_port):
         raise InvalidArgument("--master-addr/--master-port: only with --data-parallel N > 1 or --external-workers")
