@@ -26,7 +26,7 @@ import logging
 import os
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("servelab.cluster")
 
+ABORTS_REMEMBERED = 4096  # a decode worker's memory of aborts for requests it has not seen yet
 PEER_IDLE_S = 30 * 86400.0  # a peer link may be quiet for as long as the cluster idles; a dead peer shows at once
 
 
@@ -59,6 +60,7 @@ class Offer:
     first_logprobs: Any
     age_s: float  # since the request's arrival at the front end
     first_scheduled_offset_s: float  # from arrival to its first step on the prefill worker
+    prompt_logprobs: list  # when the request asked for them, scored by the prefill
     layout: KVLayout
 
 
@@ -244,7 +246,7 @@ class PrefillLoop(_DisaggLoop):
             self.live.discard(rid)
             self._forget(rid)
             offer = Offer(rid, list(seq.prompt_token_ids), seq.last_token_id, seq.params, out.logprobs, age_s, scheduled,
-                          self.layout)  # fmt: skip
+                          list(seq.prompt_logprobs), self.layout)  # fmt: skip
             if not self._to_peer(dst, offer):
                 self._drop_held(rid, f"decode worker {dst} is lost")
         return kept
@@ -302,7 +304,9 @@ class DecodeLoop(_DisaggLoop):
         super().__init__(*args)
         self.offers: deque[_Pending] = deque()  # in arrival order; the head waits for blocks
         self.receiving: dict[str, bool] = {}  # request -> aborted while its KV is on its way
-        self.aborted_early: set[str] = set()  # aborts that overtook their offer
+        # aborts that may have overtaken their offer; most never see one (the request ended on
+        # the prefill side), so only the latest are kept: an offer trails its abort by moments
+        self.aborted_early: OrderedDict[str, None] = OrderedDict()
         self.tags = itertools.count(FIRST_DATA_TAG)
         self.transfer_records: dict[str, m.KVTransferRecord] = {}  # until the first output carries it
 
@@ -310,7 +314,7 @@ class DecodeLoop(_DisaggLoop):
         if not isinstance(message, Offer):
             logger.warning("servelab worker: unexpected %s from rank %d", type(message).__name__, src)
         elif message.request_id in self.aborted_early:
-            self.aborted_early.discard(message.request_id)
+            del self.aborted_early[message.request_id]
             self._to_peer(src, Refuse(message.request_id, None))
         elif message.layout != self.layout:
             self._to_peer(src, Refuse(message.request_id, f"KV layouts differ: prefill {message.layout}, decode {self.layout}"))
@@ -326,8 +330,10 @@ class DecodeLoop(_DisaggLoop):
             self.receiving[request_id] = True
         elif request_id in self.live:
             super()._abort_one(request_id)
-        elif len(self.aborted_early) < 10_000:  # bounded: an abort for a request that never comes
-            self.aborted_early.add(request_id)
+        else:
+            self.aborted_early[request_id] = None
+            if len(self.aborted_early) > ABORTS_REMEMBERED:
+                self.aborted_early.popitem(last=False)
 
     def _after_step(self) -> None:
         super()._after_step()
@@ -374,6 +380,7 @@ class DecodeLoop(_DisaggLoop):
                 self._fail([rid], f"KV transfer from prefill worker {pending.src} failed: {exc}")
             return
         num_bytes, transfer_s = future.result()
+        seq.prompt_logprobs = offer.prompt_logprobs  # the first output carries them to the front end
         self.engine.start_prefilled(seq, offer.first_logprobs[0] if offer.first_logprobs else None)
         self.live.add(rid)
         self.arrival_s[rid] = arrival = pending.arrived_s - offer.age_s

@@ -106,6 +106,10 @@ def test_greedy_output_equals_one_engine(disagg_server, tiny_dir):
     assert [(w["rank"], w["role"]) for w in workers] == [(1, "prefill"), (2, "decode")]
     text = httpx.get(disagg_server.url + "/metrics").text
     assert _metric(text, "servelab:kv_transfer_bytes_sum")[""] > 0
+    # prompt logprobs are scored on the prefill worker and arrive with the decode worker's tokens
+    body = {"prompt": PROMPTS[2], "max_tokens": 4, "temperature": 0, "prompt_logprobs": 0}
+    choice = httpx.post(disagg_server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert len(choice["prompt_logprobs"]) == len(PROMPTS[2]) and choice["prompt_logprobs"][0] is None
 
 
 @pytest.mark.slow
