@@ -100,6 +100,14 @@ class _Bye:
     """A worker that leaves: the last message on a peer link."""
 
 
+@dataclass(slots=True)
+class _Started:
+    """A transfer the receiving thread started: the step loop follows it from here."""
+
+    key: Any
+    future: Future
+
+
 class _Wake:
     """A transfer finished: look at it."""
 
@@ -109,6 +117,7 @@ class _Held:
     decode_rank: int
     blocks: list[int]
     aborted: bool = False
+    sending: bool = False  # its send has started: it ends with the send, whatever else happens
 
 
 @dataclass(slots=True)
@@ -171,7 +180,12 @@ class _DisaggLoop(WorkerLoop):
                 return
             if isinstance(message, _Bye):
                 return
-            self.commands.put(_FromPeer(peer.peer, message))
+            if not self._on_peer_at_once(peer.peer, message):
+                self.commands.put(_FromPeer(peer.peer, message))
+
+    def _on_peer_at_once(self, src: int, message: Any) -> bool:
+        """A peer's message that cannot wait for the step loop, handled on its receiving thread."""
+        return False
 
     def _to_peer(self, rank: int, message: Any) -> bool:
         try:
@@ -181,10 +195,10 @@ class _DisaggLoop(WorkerLoop):
             self.commands.put(_PeerGone(rank, str(exc)))
             return False
 
-    def _transfer(self, key: Any, fn: Any, *args: Any, **kwargs: Any) -> None:
+    def _start_transfer(self, fn: Any, *args: Any, **kwargs: Any) -> Future:
         future = self.transfers.submit(_timed, fn, *args, **kwargs)
         future.add_done_callback(lambda _: self.commands.put(_Wake()))  # an idle loop sleeps on commands
-        self.in_flight[future] = key
+        return future
 
     def _fail(self, request_ids: list[str], why: str) -> None:
         if request_ids:
@@ -201,6 +215,8 @@ class _DisaggLoop(WorkerLoop):
         elif isinstance(command, _PeerGone):
             logger.error("servelab worker: peer rank %d lost (%s)", command.src, command.why)
             self._on_peer_gone(command.src, command.why)
+        elif isinstance(command, _Started):
+            self.in_flight[command.future] = command.key
         elif not isinstance(command, _Wake):
             super()._on_command(command)
 
@@ -268,16 +284,25 @@ class PrefillLoop(_DisaggLoop):
             self.decode_rank.pop(request_id, None)
             super()._abort_one(request_id)
 
-    def _on_peer(self, src: int, message: Any) -> None:
+    def _on_peer_at_once(self, src: int, message: Any) -> bool:
+        """A Go starts its send at once: the step loop may be in a long prefill step, while the
+        decode worker waits with its receives posted (on this 2-core host that wait was ~3 s of a
+        3.5 s mean transfer, docs/disaggregation.md). The held blocks are the send's alone."""
         from servelab.cluster.kv_transfer import send_blocks
 
-        held = self.held.get(message.request_id)
+        held = self.held.get(message.request_id) if isinstance(message, Go) else None
         if held is None:
+            return False
+        held.sending = True
+        future = self._start_transfer(send_blocks, self.kv, held.blocks[message.first_block :], src, tag=message.tag,
+                                      timeout_s=self.disagg.kv_timeout_s, granularity=self.disagg.granularity,
+                                      group=self.peers[src].group)  # fmt: skip
+        self.commands.put(_Started(message.request_id, future))
+        return True
+
+    def _on_peer(self, src: int, message: Any) -> None:
+        if message.request_id not in self.held:
             logger.warning("servelab worker: %s for unknown request %s", type(message).__name__, message.request_id)
-        elif isinstance(message, Go):
-            self._transfer(message.request_id, send_blocks, self.kv, held.blocks[message.first_block :], src,
-                           tag=message.tag, timeout_s=self.disagg.kv_timeout_s, granularity=self.disagg.granularity,
-                           group=self.peers[src].group)  # fmt: skip
         elif isinstance(message, Refuse):
             self._drop_held(message.request_id, message.error)
 
@@ -288,8 +313,7 @@ class PrefillLoop(_DisaggLoop):
         self._drop_held(rid, None if exc is None else f"KV transfer to decode worker {self.held[rid].decode_rank} failed: {exc}")
 
     def _on_peer_gone(self, src: int, why: str) -> None:
-        sending = set(self.in_flight.values())  # those fail by themselves
-        for rid in [r for r, h in self.held.items() if h.decode_rank == src and r not in sending]:
+        for rid in [r for r, h in self.held.items() if h.decode_rank == src and not h.sending]:  # those fail by themselves
             self._drop_held(rid, f"decode worker {src} is lost ({why})")
         doomed = [rid for rid, dst in self.decode_rank.items() if dst == src]
         for rid in doomed:
@@ -359,9 +383,10 @@ class DecodeLoop(_DisaggLoop):
             tag = next(self.tags)
             self.receiving[offer.request_id] = False
             queue_s = time.perf_counter() - pending.arrived_s
-            self._transfer((pending, seq, queue_s), recv_blocks, self.kv, seq.block_table[first_block:], pending.src,
-                           tag=tag, timeout_s=self.disagg.kv_timeout_s, granularity=self.disagg.granularity,
-                           group=self.peers[pending.src].group)  # fmt: skip
+            future = self._start_transfer(recv_blocks, self.kv, seq.block_table[first_block:], pending.src, tag=tag,
+                                          timeout_s=self.disagg.kv_timeout_s, granularity=self.disagg.granularity,
+                                          group=self.peers[pending.src].group)  # fmt: skip
+            self.in_flight[future] = (pending, seq, queue_s)
             self.stats = self.engine.stats()
             self._to_peer(pending.src, Go(offer.request_id, tag, first_block))  # if lost, the receive fails by itself
 

@@ -55,7 +55,9 @@ def test_a_failed_send_frees_the_prefill_side_and_fails_the_request(tiny_engine_
     offer = decode.sent[0]
     assert isinstance(offer, Offer) and offer.first_token_id >= 0
     assert engine.stats().num_blocks_free == 13  # held: 39 tokens in 3 blocks
-    loop._on_peer(2, Go("r", 16, 0))
+    assert loop._on_peer_at_once(2, Go("r", 16, 0))  # started on the receiving thread, not the step loop
+    while not loop.commands.empty():  # the step loop's share: it follows the transfer from here
+        loop._on_command(loop.commands.get())
     _settle(loop)
     assert _failed(front) == ["r"] and "KV transfer to decode worker 2 failed" in front.sent[-1].error.message
     assert engine.stats().num_blocks_free == 16 and not loop.held
