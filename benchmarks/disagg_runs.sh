@@ -42,10 +42,34 @@ for mode in one dp2 disagg; do
   kill $SP; wait $SP
 done
 uptime >> $OUT/host.txt
+# the server's router (least-outstanding) and the loopback bandwidth of benchmarks/kv_transfer.py
 SIM="$PY -m servelab sim --model smollm2-135m --hardware $OUT/host.json --dtype float32 --kv-cache-dtype float32 \
-     --trace $OUT/trace.jsonl --no-progress"
+     --trace $OUT/trace.jsonl --router least-outstanding --no-progress"
 $SIM --profile $OUT/profile-t2.json --json > $OUT/sim-one.json
 for p in t1 t2; do
   $SIM --profile $OUT/profile-$p.json --replicas 2 --json > $OUT/sim-dp2-$p.json
   $SIM --profile $OUT/profile-$p.json --disagg 1:1 --link-bandwidth ${LINK_GBPS:-0.4} --json > $OUT/sim-disagg-$p.json
 done
+$PY - $OUT > $OUT/table.txt <<'PYEOF'
+import json, sys
+out = sys.argv[1]
+def load(name):
+    return json.load(open(f"{out}/{name}.json"))["summary"]
+rows = [("TTFT p50", "ttft_s", "p50"), ("TTFT p90", "ttft_s", "p90"), ("ITL p50", "itl_s", "p50"),
+        ("ITL p90", "itl_s", "p90"), ("ITL p99", "itl_s", "p99"), ("ITL max", "itl_s", "max"),
+        ("TPOT mean", "tpot_s", "mean"), ("E2E max", "e2e_s", "max")]
+runs = [("one worker", "bench-one", ["sim-one"]), ("--data-parallel 2", "bench-dp2", ["sim-dp2-t1", "sim-dp2-t2"]),
+        ("--disagg 1:1", "bench-disagg", ["sim-disagg-t1", "sim-disagg-t2"])]
+for label, bench, sims in runs:
+    b = load(bench)
+    ss = [(s, load(s)) for s in sims]
+    print(f"\n{label}: measured vs " + ", ".join(s for s, _ in ss))
+    print(f"{'':12}{'measured':>10}" + "".join(f"{s.replace('sim-', 'sim '):>17}{'err':>7}" for s, _ in ss))
+    for name, key, q in rows:
+        m = b[key][q]
+        line = f"{name:12}{m:>9.2f}s"
+        for _, s in ss:
+            v = s[key][q]
+            line += f"{v:>16.2f}s{(v - m) / m:>+7.0%}"
+        print(line)
+PYEOF
