@@ -106,7 +106,7 @@ class Link:
             try:
                 dist.isend(header, dst=self.peer, group=self.group, tag=TAG_HEADER).wait(timeout)
                 dist.isend(body, dst=self.peer, group=self.group, tag=TAG_PAYLOAD).wait(timeout)
-            except RuntimeError as exc:
+            except (RuntimeError, ValueError) as exc:
                 raise self._lost(exc) from exc
 
     def recv(self, timeout_s: float = PEER_TIMEOUT_S) -> Any:
@@ -120,7 +120,7 @@ class Link:
             dist.irecv(header, src=self.peer, group=self.group, tag=TAG_HEADER).wait(timeout)
             body = torch.empty(int(header.item()), dtype=torch.uint8)
             dist.irecv(body, src=self.peer, group=self.group, tag=TAG_PAYLOAD).wait(timeout)
-        except RuntimeError as exc:
+        except (RuntimeError, ValueError) as exc:  # ValueError: the group was destroyed meanwhile
             raise self._lost(exc) from exc
         return pickle.loads(body.numpy().tobytes())
 
@@ -154,9 +154,13 @@ def join(rdv: Rendezvous, pairs: Iterable[tuple[int, int]] | None = None) -> dic
 
     if dist.is_initialized():
         raise InvalidArgument("this process already belongs to a torch.distributed group: one cluster per process")
+    # env:// rather than tcp://: under torchrun, rank 0 then uses the store torchrun's agent
+    # already serves on that port (TORCHELASTIC_USE_AGENT_STORE) instead of failing to bind it
+    os.environ["MASTER_ADDR"] = rdv.master_addr
+    os.environ["MASTER_PORT"] = str(rdv.master_port)
     dist.init_process_group(
-        "gloo", init_method=f"tcp://{rdv.master_addr}:{rdv.master_port}", rank=rdv.rank,
-        world_size=rdv.world_size, timeout=timedelta(seconds=rdv.timeout_s),
+        "gloo", init_method="env://", rank=rdv.rank, world_size=rdv.world_size,
+        timeout=timedelta(seconds=rdv.timeout_s),
     )  # fmt: skip
     links = {}
     for a, b in star_pairs(rdv.world_size) if pairs is None else pairs:

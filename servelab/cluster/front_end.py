@@ -14,6 +14,7 @@ it, and `health()` reports the cluster degraded.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import itertools
 import logging
 import queue
@@ -27,7 +28,7 @@ from servelab.cluster.channel import HEARTBEAT_S, Link, PeerLost, leave
 from servelab.core.block_manager import chain_block_hashes
 from servelab.core.sequence import FinishReason, Sequence, SequenceStatus
 from servelab.engine.llm_engine import EngineOutput, EngineStats
-from servelab.errors import ServelabError
+from servelab.errors import QueueFull, ServelabError
 from servelab.server.async_engine import EngineFailure, EngineRequest, EngineStopped, Failed, RequestStream
 from servelab.sim.router import Router
 
@@ -100,6 +101,9 @@ class ClusterEngine:
         self.stopped = False
         self.num_steps = 0
         self.num_step_failures = 0
+        # Local workers ignore SIGTERM (they wait for the drain); multiprocessing's own exit
+        # handler would join them forever, so a front end that exits without stop() stops them first.
+        atexit.register(self.close)
         for w in workers:
             w.stats = w.stats or _empty_stats(shell)
             for target, name in ((self._send_loop, "send"), (self._recv_loop, "recv")):
@@ -167,7 +171,9 @@ class ClusterEngine:
 
     async def submit(self, requests: list[EngineRequest]) -> RequestStream:
         """Route the requests (the n choices of one client request, all to one worker) and
-        admit them there; the worker's admission errors are raised here, as AsyncEngine's are."""
+        admit them there; the worker's admission errors are raised here, as AsyncEngine's are.
+        A worker whose waiting queue is full passes them on to the next worker the router
+        picks: QueueFull only when every live worker's queue is full."""
         if not self.is_running:
             raise EngineStopped("the engine is not running")
         request_ids = [r.request_id for r in requests]
@@ -176,33 +182,50 @@ class ClusterEngine:
                 raise ServelabError(f"request id {rid!r} is already in flight")
         prompts = [self._token_ids(r.prompt) for r in requests]
         hashes = chain_block_hashes(prompts[0], self.block_size) if self.router.kind == "prefix-affinity" else ()
-        worker = self.router.pick(self._pool("mixed", "prefill"), hashes)
-        decode = self.decode_router.pick(self._pool("decode"), hashes) if worker.role == "prefill" else None
         now = time.perf_counter()
-        wire = []
-        eos = tuple(self.engine.tokenizer.eos_token_ids)
-        for r, ids in zip(requests, prompts):
-            arrival = now if r.arrival_s is None else r.arrival_s
-            seq = Sequence(r.request_id, ids, r.params, arrival_s=arrival, priority=r.priority, eos_token_ids=eos)
-            self._remote[r.request_id] = _Remote(seq, worker, decode)
-            wire.append(m.WireRequest(r.request_id, ids, r.params, r.priority, now - arrival,
-                                      None if decode is None else decode.index))  # fmt: skip
+        arrivals = [now if r.arrival_s is None else r.arrival_s for r in requests]
         sink: asyncio.Queue = asyncio.Queue()
         for rid in request_ids:
             self._sinks[rid] = sink
         stream = RequestStream(self, request_ids, sink)
+        full: set[int] = set()
+        last_full: QueueFull | None = None
+        while True:
+            candidates = [w for w in self.workers if w.alive and w.role != "decode" and w.index not in full]
+            if not candidates:
+                stream.close()
+                raise last_full or EngineStopped("the engine is not running")
+            worker = self.router.pick(candidates, hashes)
+            try:
+                # disaggregated: the decode worker its KV goes to, chosen with it
+                decode = self.decode_router.pick(self._pool("decode"), hashes) if worker.role == "prefill" else None
+                await self._admit(worker, requests, prompts, arrivals, decode)
+            except QueueFull as exc:
+                full.add(worker.index)
+                last_full = exc
+            except BaseException:
+                stream.close()  # also when admission was cancelled: the worker may have admitted them
+                raise
+            else:
+                return stream
+
+    async def _admit(self, worker: WorkerHandle, requests: list[EngineRequest], prompts: list[list[int]],
+                     arrivals: list[float], decode: WorkerHandle | None = None) -> None:  # fmt: skip
+        now = time.perf_counter()
+        wire = []
+        eos = tuple(self.engine.tokenizer.eos_token_ids)
+        for r, ids, arrival in zip(requests, prompts, arrivals):
+            seq = Sequence(r.request_id, ids, r.params, arrival_s=arrival, priority=r.priority, eos_token_ids=eos)
+            self._remote[r.request_id] = _Remote(seq, worker, decode)
+            wire.append(m.WireRequest(r.request_id, ids, r.params, r.priority, now - arrival,
+                                      None if decode is None else decode.index))  # fmt: skip
         batch = next(self._batches)
         future = asyncio.get_running_loop().create_future()
-        self._admissions[batch] = (future, worker, request_ids)
-        for w in self._remote[request_ids[0]].route():
+        self._admissions[batch] = (future, worker, [r.request_id for r in requests])
+        for w in (worker,) if decode is None else (worker, decode):
             w.outstanding += len(requests)
         worker.sends.put(m.AddRequests(batch, wire))
-        try:
-            await future
-        except BaseException:
-            stream.close()  # also when admission was cancelled: the worker may have admitted them
-            raise
-        return stream
+        await future
 
     def _pool(self, *roles: str) -> list[WorkerHandle]:
         pool = [w for w in self.workers if w.alive and w.role in roles]
@@ -239,23 +262,20 @@ class ClusterEngine:
         """Tell every worker to stop, wait for the local ones to exit, and fail what is left."""
         if self.stopped:
             return
+        await asyncio.to_thread(self.close)
+        stopped = EngineStopped("the server is shutting down; the request was aborted")
+        self._dispatch([Failed(rid, stopped) for rid in list(self._sinks)])
+
+    def close(self) -> None:
+        """Stop the workers (local ones: wait, then kill) and leave the process groups; idempotent."""
+        if self.stopped:
+            return
         self.stopped = True
+        atexit.unregister(self.close)
         for w in self.workers:
             if w.alive:
                 w.sends.put(m.Stop())
             w.sends.put(None)  # ends the sender thread
-        await asyncio.to_thread(self._join_workers)
-        stopped = EngineStopped("the server is shutting down; the request was aborted")
-        self._dispatch([Failed(rid, stopped) for rid in list(self._sinks)])
-        leave()
-
-    def close(self) -> None:
-        """Synchronous stop, for a front end that never served (start-up failed after launch)."""
-        self.stopped = True
-        for w in self.workers:
-            if w.alive:
-                w.sends.put(m.Stop())
-            w.sends.put(None)
         self._join_workers()
         leave()
 

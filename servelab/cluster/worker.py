@@ -2,9 +2,10 @@
 describes, then step it while there is work, fed by its link to the front end.
 
 Three threads: the step loop (the only one that touches the engine), a receiver that turns the
-link's messages into commands, and a heartbeat that sends the latest stats whenever nothing
-else went for HEARTBEAT_S, so that the front end can tell a busy worker from a dead one even
-during a long step. A worker whose front end is gone (link closed or silent) aborts its
+link's messages into commands, and a sender, so that the step loop never waits on the link:
+it sends what the loop queues, and the latest stats whenever nothing else went for
+HEARTBEAT_S, so that the front end can tell a busy worker from a dead one even during a long
+step. A worker whose front end is gone (link closed or silent) aborts its
 requests and exits; one started by a local front end also exits when that process does.
 """
 
@@ -83,7 +84,10 @@ def _build(config: m.WorkerConfig, rank: int, link: Link) -> LLMEngine | None:
     try:
         return LLMEngine.from_args(config.engine_args)
     except Exception as exc:
-        logger.exception("servelab worker %d: the engine did not start", rank)
+        if isinstance(exc, ServelabError):  # a bad model or flag: its message says it all
+            logger.error("servelab worker %d: the engine did not start: %s", rank, exc.message)
+        else:
+            logger.exception("servelab worker %d: the engine did not start", rank)
         link.send(m.WorkerFailed(rank, m.WireError.of(exc)))
         return None
 
@@ -104,18 +108,21 @@ class WorkerLoop:
         self.arrival_s: dict[str, float] = {}  # request id -> its arrival on this worker's clock
         self.prompt_lp_sent: dict[str, int] = {}  # request id -> prompt logprob entries already sent
         self.stats = engine.stats()
-        self.last_sent_s = time.monotonic()
+        self.outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # to the front end, in order; None ends
         self.stopping = threading.Event()
 
     def run(self) -> int:
         threading.Thread(target=self._receive, name="servelab-worker-recv", daemon=True).start()
-        threading.Thread(target=self._heartbeat, name="servelab-worker-beat", daemon=True).start()
+        sender = threading.Thread(target=self._sender, name="servelab-worker-send", daemon=True)
+        sender.start()
         try:
             return self._serve()
         finally:
             self.stopping.set()
             for rid in list(self.live):
                 self._abort_one(rid)
+            self.outbox.put(None)
+            sender.join(timeout=HEARTBEAT_S)
             self.engine.close()
 
     # ---- threads besides the step loop --------------------------------------------------------
@@ -128,17 +135,22 @@ class WorkerLoop:
                 self.commands.put(_LinkLost(str(exc)))
                 return
 
-    def _heartbeat(self) -> None:
-        while not self.stopping.wait(HEARTBEAT_S / 2):
-            if time.monotonic() - self.last_sent_s >= HEARTBEAT_S:
-                try:
-                    self._send(m.Heartbeat(self.stats))
-                except PeerLost:
-                    return
+    def _sender(self) -> None:
+        while True:
+            try:
+                message = self.outbox.get(timeout=HEARTBEAT_S)
+            except queue.Empty:
+                message = m.Heartbeat(self.stats)
+            if message is None:
+                return
+            try:
+                self.link.send(message)
+            except PeerLost as exc:
+                self.commands.put(_LinkLost(str(exc)))
+                return
 
     def _send(self, message: Any) -> None:
-        self.link.send(message)
-        self.last_sent_s = time.monotonic()
+        self.outbox.put(message)
 
     # ---- the step loop --------------------------------------------------------------------------
 

@@ -98,6 +98,7 @@ def start_cluster_from_args(args: argparse.Namespace, engine_args: EngineArgs) -
     )  # fmt: skip
     log.info("servelab: %d %s worker(s) (%s), router %s", len(driver.workers),
              "data-parallel" if disagg is None else f"prefill/decode {args.disagg}",
-             ", ".join(f"rank {w.index} {w.role} on {w.ready.host} pid {w.ready.pid}" for w in driver.workers),
+             ", ".join(f"rank {w.index}{'' if disagg is None else ' ' + w.role} on {w.ready.host} pid {w.ready.pid}"
+                       for w in driver.workers),
              args.router)  # fmt: skip
     return driver

@@ -201,9 +201,9 @@ def run(args: argparse.Namespace) -> int:
     cfg = engine.scheduler_config
     log.info("servelab: loaded %s (%s) in %.1f s", engine.model_name, args.model or "bundled model", time.perf_counter() - t0)
     log.info(
-        "servelab: max_model_len=%d, KV cache %d blocks x %d tokens = %d tokens (%s), max_num_seqs=%d, "
+        "servelab: %smax_model_len=%d, KV cache %d blocks x %d tokens = %d tokens (%s), max_num_seqs=%d, "
         "max_num_batched_tokens=%d, policy=%s, order=%s, prefix caching %s, max waiting %s",
-        engine.max_model_len, cfg.num_blocks, cfg.block_size, cfg.num_blocks * cfg.block_size,
+        "per worker: " if driver else "", engine.max_model_len, cfg.num_blocks, cfg.block_size, cfg.num_blocks * cfg.block_size,
         str(getattr(getattr(engine.executor, "kv_cache", None), "dtype", "?")).removeprefix("torch."), cfg.max_num_seqs,
         cfg.max_num_batched_tokens, cfg.policy, cfg.order, "on" if cfg.enable_prefix_caching else "off",
         "unbounded" if cfg.max_waiting is None else cfg.max_waiting,

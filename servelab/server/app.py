@@ -26,7 +26,7 @@ from servelab.server.state import ServerState
 
 if TYPE_CHECKING:
     from servelab.engine.llm_engine import LLMEngine
-    from servelab.server.async_engine import AsyncEngine
+    from servelab.server.async_engine import EngineDriver
 
 
 def create_app(
@@ -36,7 +36,7 @@ def create_app(
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     allowed_origins: list[str] | None = None,
     tool_call_parser: str | None = None,
-    driver: AsyncEngine | None = None,
+    driver: EngineDriver | None = None,
 ) -> FastAPI:
     """The app, ready for uvicorn. `engine` is a built LLMEngine, or EngineArgs to build one at
     start-up (the model then loads before the port opens). `app.state.servelab` is the

@@ -322,6 +322,33 @@ class AsyncEngine:
             logger.exception("engine.stats() failed")
 
 
+class EngineDriver(Protocol):
+    """What the server's routes and state use of their engine driver: AsyncEngine, or the front
+    end of data-parallel workers (servelab.cluster.front_end.ClusterEngine)."""
+
+    stats: EngineStats
+
+    @property
+    def is_running(self) -> bool: ...
+
+    @property
+    def num_in_flight(self) -> int: ...
+
+    def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def submit(self, requests: list[EngineRequest]) -> RequestStream: ...
+
+    def abort(self, request_ids: list[str]) -> None: ...
+
+    def abort_all(self, error: ServelabError) -> int: ...
+
+    def add_observer(self, observer: OutputObserver) -> None: ...
+
+    def add_step_observer(self, observer: Callable[[int], None]) -> None: ...
+
+
 class StreamSource(Protocol):
     """What a RequestStream needs of its engine driver (AsyncEngine, or cluster.ClusterEngine)."""
 

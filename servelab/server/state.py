@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Annotated
 from fastapi import Depends, Request
 
 from servelab.errors import NotFound
-from servelab.server.async_engine import AsyncEngine, EngineStopped
+from servelab.server.async_engine import AsyncEngine, EngineDriver, EngineStopped
 from servelab.server.http_errors import ServerDraining
 from servelab.server.metrics import ServerMetrics
 from servelab.server.offload import Offload
@@ -32,7 +32,7 @@ class ServerState:
 
     api_key: str | None
     engine: LLMEngine | None = None
-    async_engine: AsyncEngine | None = None
+    async_engine: EngineDriver | None = None
     metrics: ServerMetrics | None = None
     model_name: str = ""
     started_s: float = field(default_factory=time.time)
@@ -41,7 +41,7 @@ class ServerState:
     loop: asyncio.AbstractEventLoop | None = None
     offload: Offload = field(default_factory=Offload)  # parsing, templating, (de)tokenizing
 
-    def attach(self, llm: LLMEngine, driver: AsyncEngine | None = None) -> None:
+    def attach(self, llm: LLMEngine, driver: EngineDriver | None = None) -> None:
         """Serve `llm`: its async driver (an AsyncEngine over it unless given, e.g. the
         front end of data-parallel workers, whose `llm` runs no model) and the metrics."""
         self.engine = llm

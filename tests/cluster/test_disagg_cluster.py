@@ -1,5 +1,5 @@
 """`servelab serve --disagg 1:1` end to end, every process on 127.0.0.1: greedy output equals one
-engine's in fp32 and with a float16 KV cache, a decode pool that is full back-pressures the
+engine's in fp32 and with a float16 KV cache, a decode worker that is full back-pressures the
 prefill worker without dropping anything, aborts leak no KV block on either worker, a killed
 decode worker fails only the requests it holds; and a KV transfer fails by its deadline."""
 
@@ -21,18 +21,11 @@ FLAGS = ("--disagg", "1:1", "--num-blocks", "64", "--max-model-len", "1024", "--
 PROMPTS = [[11 + i, 40 + 3 * i, 7, 99 - i, 23] * (1 + 2 * i) for i in range(6)]  # 5..55 tokens
 
 
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from tests.tiny_models import write_tiny_llama
-
-    return write_tiny_llama(tmp_path_factory.mktemp("disagg-model") / "tiny-llama")
-
-
-def _reference(tiny_dir: Path, **knobs) -> list[str]:
+def _reference(tiny_model_dir: Path, **knobs) -> list[str]:
     from servelab.core.sequence import SamplingParams
     from servelab.engine.llm_engine import EngineArgs, LLMEngine
 
-    engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=str(tiny_dir), seed=0, num_blocks=64, max_model_len=1024,
+    engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=str(tiny_model_dir), seed=0, num_blocks=64, max_model_len=1024,
                                                         **knobs))  # fmt: skip
     for i, ids in enumerate(PROMPTS):
         engine.add_request(str(i), ids, SamplingParams(max_tokens=24, temperature=0.0))
@@ -75,17 +68,18 @@ def _wait_pools_full(url: str) -> tuple[dict, dict]:
 
 
 @pytest.mark.slow
-def test_fp16_kv_through_a_two_sequence_decode_pool_equals_one_engine(tiny_dir, tmp_path):
-    """With --max-num-seqs 2 the decode worker takes 2 of the 6 requests at a time: the others'
-    prefills wait on the prefill worker, holding their blocks, and none is dropped."""
-    knobs = ("--kv-cache-dtype", "float16", "--max-num-seqs", "2")
-    want = _reference(tiny_dir, kv_cache_dtype="float16", max_num_seqs=2)
-    server = launch_server(tiny_dir, tmp_path, *FLAGS, *knobs)
+def test_fp16_kv_through_a_one_sequence_decode_pool_equals_one_engine(tiny_model_dir, tmp_path):
+    """With --max-num-seqs 1 the decode worker takes the 6 requests one at a time, while the
+    prefill worker (which holds none of them past its first token) prefills them all: their
+    offers queue on the decode side, their blocks stay held on the prefill side, none is dropped."""
+    knobs = ("--kv-cache-dtype", "float16", "--max-num-seqs", "1")
+    want = _reference(tiny_model_dir, kv_cache_dtype="float16", max_num_seqs=1)
+    server = launch_server(tiny_model_dir, tmp_path, *FLAGS, *knobs)
     try:
         assert _complete_all(server.url) == want
         text = httpx.get(server.url + "/metrics").text
         queued = _metric(text, "servelab:kv_transfer_decode_queue_seconds_sum")[""]
-        assert queued > 0.05, queued  # offers waited for the decode worker's sequence budget
+        assert queued > 0.05, queued  # offers waited for the decode worker's sequence budget (~23 steps each)
         assert _metric(text, "servelab:kv_transfer_seconds_count")[""] == len(PROMPTS)
         assert _wait_pools_full(server.url)[0] == {"1": 64.0, "2": 64.0}
     finally:
@@ -93,15 +87,15 @@ def test_fp16_kv_through_a_two_sequence_decode_pool_equals_one_engine(tiny_dir, 
 
 
 @pytest.fixture(scope="module")
-def disagg_server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    server = launch_server(tiny_dir, tmp_path_factory.mktemp("disagg-logs"), *FLAGS)
+def disagg_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    server = launch_server(tiny_model_dir, tmp_path_factory.mktemp("disagg-logs"), *FLAGS)
     yield server
     server.stop()
 
 
 @pytest.mark.slow
-def test_greedy_output_equals_one_engine(disagg_server, tiny_dir):
-    assert _complete_all(disagg_server.url) == _reference(tiny_dir)
+def test_greedy_output_equals_one_engine(disagg_server, tiny_model_dir):
+    assert _complete_all(disagg_server.url) == _reference(tiny_model_dir)
     workers = httpx.get(disagg_server.url + "/health").json()["workers"]
     assert [(w["rank"], w["role"]) for w in workers] == [(1, "prefill"), (2, "decode")]
     text = httpx.get(disagg_server.url + "/metrics").text

@@ -40,8 +40,16 @@ def _settle(loop) -> None:
         loop._after_step()
 
 
-def _failed(link: FakeLink) -> list[str]:
-    return [rid for msg in link.sent if isinstance(msg, m.RequestsFailed) for rid in msg.request_ids]
+def _to_front(loop) -> list:
+    """What the loop queued for the front end (its sender thread is not running here)."""
+    sent = []
+    while not loop.outbox.empty():
+        sent.append(loop.outbox.get())
+    return sent
+
+
+def _failed(sent: list) -> list[str]:
+    return [rid for msg in sent if isinstance(msg, m.RequestsFailed) for rid in msg.request_ids]
 
 
 def test_a_failed_send_frees_the_prefill_side_and_fails_the_request(tiny_engine_factory, monkeypatch):
@@ -59,7 +67,8 @@ def test_a_failed_send_frees_the_prefill_side_and_fails_the_request(tiny_engine_
     while not loop.commands.empty():  # the step loop's share: it follows the transfer from here
         loop._on_command(loop.commands.get())
     _settle(loop)
-    assert _failed(front) == ["r"] and "KV transfer to decode worker 2 failed" in front.sent[-1].error.message
+    sent = _to_front(loop)
+    assert _failed(sent) == ["r"] and "KV transfer to decode worker 2 failed" in sent[-1].error.message
     assert engine.stats().num_blocks_free == 16 and not loop.held
 
 
@@ -75,7 +84,8 @@ def test_a_failed_receive_frees_the_decode_side_and_fails_the_request(tiny_engin
     loop._after_step()
     assert isinstance(prefill.sent[0], Go) and engine.stats().num_blocks_free == 13  # reserved
     _settle(loop)
-    assert _failed(front) == ["r"] and "KV transfer from prefill worker 1 failed" in front.sent[-1].error.message
+    sent = _to_front(loop)
+    assert _failed(sent) == ["r"] and "KV transfer from prefill worker 1 failed" in sent[-1].error.message
     assert engine.stats().num_blocks_free == 16 and not engine.has_unfinished()
 
 
