@@ -115,3 +115,31 @@ def test_an_offer_of_another_kv_layout_is_refused_naming_both(tiny_engine_factor
     other = replace(layout, **({"dtype": "float16"} if wrong == "dtype" else {"block_size": 32}))
     loop._on_peer(1, Offer("r", [1, 2, 3], 7, GREEDY, None, 0.1, 0.0, [], other))
     assert isinstance(prefill.sent[0], Refuse) and "KV layouts differ" in prefill.sent[0].error
+
+
+def test_a_lost_decode_worker_fails_what_the_prefill_worker_holds_or_runs_for_it(tiny_engine_factory):
+    engine = tiny_engine_factory(num_blocks=16)
+    decode = FakeLink(2)
+    loop = PrefillLoop(engine, FakeLink(0), DisaggConfig(1, 1), {2: decode})
+    loop._admit(m.AddRequests(0, [m.WireRequest("held", list(range(1, 20)), GREEDY, 0, 0.0, 2)]))
+    while not decode.sent:
+        loop._step()  # "held" is prefilled and offered
+    loop._admit(m.AddRequests(1, [m.WireRequest("queued", list(range(1, 30)), GREEDY, 0, 0.0, 2)]))
+    loop._on_peer_gone(2, "connection lost")
+    assert sorted(_failed(_to_front(loop))) == ["held", "queued"]
+    stats = engine.stats()
+    assert stats.num_blocks_free == 16 and stats.num_running == stats.num_waiting == 0 and not loop.held
+
+
+def test_a_lost_prefill_worker_fails_the_offers_queued_from_it(tiny_engine_factory):
+    from servelab.cluster.kv_transfer import KVLayout
+
+    engine = tiny_engine_factory(num_blocks=4, max_num_seqs=1)
+    loop = DecodeLoop(engine, FakeLink(0), DisaggConfig(1, 1), {1: FakeLink(1)})
+    layout = KVLayout.of(engine.executor.kv_cache)
+    engine.reserve_prefilled("busy", [1, 2, 3], 7, GREEDY)  # the sequence budget is taken: offers wait
+    loop._on_peer(1, Offer("waiting", [1, 2, 3], 7, GREEDY, None, 0.1, 0.0, [], layout))
+    loop._after_step()
+    assert len(loop.offers) == 1
+    loop._on_peer_gone(1, "connection lost")
+    assert _failed(_to_front(loop)) == ["waiting"] and not loop.offers
