@@ -335,6 +335,9 @@ class ClusterEngine:
             remote = self._remote.get(wire.request_id)
             if remote is None:
                 continue
+            if remote.decode is w:  # its KV crossed: it lives on the decode worker alone from here
+                remote.worker.outstanding -= 1
+                remote.worker, remote.decode = w, None
             out = _apply(remote.seq, wire)
             if wire.kv_transfer is not None:
                 t = wire.kv_transfer
@@ -342,8 +345,8 @@ class ClusterEngine:
                     transfer_observer(t.num_bytes, t.transfer_s, t.decode_queue_s)
             if out.finished:
                 del self._remote[wire.request_id]
-                for w in remote.route():
-                    w.outstanding -= 1
+                for worker in remote.route():
+                    worker.outstanding -= 1
             self._observe(out)
             outputs.append(out)
         self._dispatch(outputs)

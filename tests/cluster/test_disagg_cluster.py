@@ -1,7 +1,7 @@
 """`servelab serve --disagg 1:1` end to end, every process on 127.0.0.1: greedy output equals one
 engine's in fp32 and with a float16 KV cache, a decode worker that is full back-pressures the
 prefill worker without dropping anything, aborts leak no KV block on either worker, a killed
-decode worker fails only the requests it holds; and a KV transfer fails by its deadline."""
+worker fails only the requests it holds; and a KV transfer fails by its deadline."""
 
 from __future__ import annotations
 
@@ -82,6 +82,17 @@ def test_fp16_kv_through_a_one_sequence_decode_pool_equals_one_engine(tiny_model
         assert queued > 0.05, queued  # offers waited for the decode worker's sequence budget (~23 steps each)
         assert _metric(text, "servelab:kv_transfer_seconds_count")[""] == len(PROMPTS)
         assert _wait_pools_full(server.url)[0] == {"1": 64.0, "2": 64.0}
+        # a request whose KV has crossed lives on the decode worker: losing the prefill worker spares it
+        pid = {w["role"]: w["pid"] for w in httpx.get(server.url + "/health").json()["workers"]}
+        body = {"prompt": PROMPTS[1], "max_tokens": 60, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as r:
+            lines = (line for line in r.iter_lines() if line)
+            events = [next(lines)]  # its first token came from the decode worker
+            os.kill(pid["prefill"], signal.SIGKILL)
+            events.extend(lines)
+        assert events[-1] == "data: [DONE]"
+        assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length", events[-2]
+        assert httpx.get(server.url + "/health").json()["status"] == "degraded"
     finally:
         assert server.stop() == 0, server.log()
 
