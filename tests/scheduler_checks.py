@@ -54,11 +54,14 @@ def check_implicit_invariants(s: ImplicitDecodeScheduler) -> None:
             assert q.implicit_wake >= tick and q in s._wake.get(q.implicit_wake, ()), f"{q.request_id}: no wake"
 
 
-def check_block_manager(bm: BlockManager) -> None:
+def check_block_manager(bm: BlockManager, held: list[list[int]] = ()) -> None:
     """Raise AssertionError if the pool is inconsistent: a block both free and owned, a
-    reference count that does not match the block tables, a leaked or double-freed block,
-    or a hash map out of step with the blocks."""
+    reference count that does not match the block tables (and the `held` lists of
+    BlockManager.hold), a leaked or double-freed block, or a hash map out of step with the blocks."""
     expected = [0] * bm.num_blocks
+    for blocks in held:
+        for b in blocks:
+            expected[b] += 1
     for seq in bm._owners.values():
         assert len(set(seq.block_table)) == len(seq.block_table), f"{seq.request_id}: block twice in a table"
         unpublished = seq.block_table[seq.prefix.num_committed :]

@@ -8,6 +8,10 @@
   routes each request to a worker with servelab.sim.router and streams the outputs back.
 - `launch.py`: starts local workers (or waits for external ones), hands them the engine
   configuration and builds the front end.
+- Disaggregated prefill/decode (`serve --disagg P:D`): `disagg_config.py` (the pools, torch-free),
+  `disagg_worker.py` (the prefill and decode roles of worker.py's loop, and what they tell each
+  other), `kv_transfer.py` (a request's KV blocks point-to-point, with a deadline).
 
-docs/multi-worker.md describes the design, the flags and the failure behaviour.
+docs/multi-worker.md describes the design, the flags and the failure behaviour;
+docs/disaggregation.md the prefill/decode split.
 """

@@ -66,8 +66,8 @@ class WorkerHandle:
 
     @property
     def role(self) -> str:
-        """Where disaggregation plugs in: the front end would pick prefill workers for new
-        requests and decode workers for their KV (every worker is "mixed" here)."""
+        """"mixed" (data-parallel), or "prefill"/"decode": new requests go to a prefill worker,
+        which sends their KV to the decode worker chosen with it (cluster/disagg_worker.py)."""
         return self.ready.role
 
 
@@ -75,6 +75,10 @@ class WorkerHandle:
 class _Remote:
     seq: Sequence  # the front end's copy, brought up to date from the worker's outputs
     worker: WorkerHandle
+    decode: WorkerHandle | None = None  # disaggregated: the decode worker its KV goes to
+
+    def route(self) -> tuple[WorkerHandle, ...]:
+        return (self.worker,) if self.decode is None else (self.worker, self.decode)
 
 
 class ClusterEngine:
@@ -84,6 +88,7 @@ class ClusterEngine:
         self.engine = shell  # tokenizer, limits and names; it runs no model
         self.workers = workers
         self.router = router
+        self.decode_router = Router(router.kind)  # disaggregated: the decode pool's own choices
         self.block_size = shell.scheduler_config.block_size
         self._sinks: dict[str, asyncio.Queue] = {}
         self._remote: dict[str, _Remote] = {}
@@ -91,6 +96,7 @@ class ClusterEngine:
         self._batches = itertools.count()
         self._observers: list[Callable[[EngineOutput], None]] = []
         self._step_observers: list[Callable[[int], None]] = []
+        self._transfer_observers: list[Callable[[int, float, float], None]] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stopped = False
         self.num_steps = 0
@@ -125,6 +131,11 @@ class ClusterEngine:
 
     def add_step_observer(self, observer: Callable[[int], None]) -> None:
         self._step_observers.append(observer)
+
+    def add_transfer_observer(self, observer: Callable[[int, float, float], None]) -> None:
+        """Called with (KV bytes, transfer s, decode queue s) of each request whose KV crossed
+        from a prefill to a decode worker."""
+        self._transfer_observers.append(observer)
 
     @property
     def stats(self) -> EngineStats:
@@ -180,13 +191,15 @@ class ClusterEngine:
         full: set[int] = set()
         last_full: QueueFull | None = None
         while True:
-            candidates = [w for w in self.workers if w.alive and w.index not in full]
+            candidates = [w for w in self.workers if w.alive and w.role != "decode" and w.index not in full]
             if not candidates:
                 stream.close()
                 raise last_full or EngineStopped("the engine is not running")
             worker = self.router.pick(candidates, hashes)
             try:
-                await self._admit(worker, requests, prompts, arrivals)
+                # disaggregated: the decode worker its KV goes to, chosen with it
+                decode = self.decode_router.pick(self._pool("decode"), hashes) if worker.role == "prefill" else None
+                await self._admit(worker, requests, prompts, arrivals, decode)
             except QueueFull as exc:
                 full.add(worker.index)
                 last_full = exc
@@ -197,20 +210,28 @@ class ClusterEngine:
                 return stream
 
     async def _admit(self, worker: WorkerHandle, requests: list[EngineRequest], prompts: list[list[int]],
-                     arrivals: list[float]) -> None:  # fmt: skip
+                     arrivals: list[float], decode: WorkerHandle | None = None) -> None:  # fmt: skip
         now = time.perf_counter()
         wire = []
         eos = tuple(self.engine.tokenizer.eos_token_ids)
         for r, ids, arrival in zip(requests, prompts, arrivals):
             seq = Sequence(r.request_id, ids, r.params, arrival_s=arrival, priority=r.priority, eos_token_ids=eos)
-            self._remote[r.request_id] = _Remote(seq, worker)
-            wire.append(m.WireRequest(r.request_id, ids, r.params, r.priority, now - arrival))
+            self._remote[r.request_id] = _Remote(seq, worker, decode)
+            wire.append(m.WireRequest(r.request_id, ids, r.params, r.priority, now - arrival,
+                                      None if decode is None else decode.index))  # fmt: skip
         batch = next(self._batches)
         future = asyncio.get_running_loop().create_future()
         self._admissions[batch] = (future, worker, [r.request_id for r in requests])
-        worker.outstanding += len(requests)
+        for w in (worker,) if decode is None else (worker, decode):
+            w.outstanding += len(requests)
         worker.sends.put(m.AddRequests(batch, wire))
         await future
+
+    def _pool(self, *roles: str) -> list[WorkerHandle]:
+        pool = [w for w in self.workers if w.alive and w.role in roles]
+        if not pool:
+            raise EngineStopped(f"no {' or '.join(roles)} worker is left: the cluster cannot serve")
+        return pool
 
     def abort(self, request_ids: list[str]) -> None:
         """Stop the requests; each keeps its record until its worker confirms with a final
@@ -219,8 +240,9 @@ class ClusterEngine:
         by_worker: dict[int, list[str]] = {}
         for rid in request_ids:
             remote = self._remote.get(rid)
-            if remote is not None and remote.worker.alive:
-                by_worker.setdefault(remote.worker.index, []).append(rid)
+            for w in () if remote is None else remote.route():  # disaggregated: it is on one of the two
+                if w.alive:
+                    by_worker.setdefault(w.index, []).append(rid)
         for w in self.workers:
             if w.index in by_worker:
                 w.sends.put(m.Abort(by_worker[w.index]))
@@ -275,6 +297,8 @@ class ClusterEngine:
             self._on_outputs(w, message)
         elif isinstance(message, m.Admitted):
             self._on_admitted(message)
+        elif isinstance(message, m.RequestsFailed) and not message.in_step:  # e.g. a failed KV transfer
+            self._end(message.request_ids, EngineFailure(f"worker {w.index}: {message.error.message}; request aborted"))
         elif isinstance(message, m.RequestsFailed):
             self.num_step_failures += 1
             error = EngineFailure(f"worker {w.index}: the engine failed during a step ({message.error.message}); "
@@ -287,8 +311,9 @@ class ClusterEngine:
         future, worker, request_ids = self._admissions.pop(message.batch, (None, None, []))
         if message.error is not None:
             for rid in request_ids:  # never admitted: no final output will come
-                if self._remote.pop(rid, None) is not None:
-                    worker.outstanding -= 1
+                remote = self._remote.pop(rid, None)
+                for w in () if remote is None else remote.route():
+                    w.outstanding -= 1
             error = message.error.known() or EngineFailure(
                 f"worker {worker.index} could not admit the request: {message.error.message}")
             if future is not None and not future.done():
@@ -310,10 +335,18 @@ class ClusterEngine:
             remote = self._remote.get(wire.request_id)
             if remote is None:
                 continue
+            if remote.decode is w:  # its KV crossed: it lives on the decode worker alone from here
+                remote.worker.outstanding -= 1
+                remote.worker, remote.decode = w, None
             out = _apply(remote.seq, wire)
+            if wire.kv_transfer is not None:
+                t = wire.kv_transfer
+                for transfer_observer in self._transfer_observers:
+                    transfer_observer(t.num_bytes, t.transfer_s, t.decode_queue_s)
             if out.finished:
                 del self._remote[wire.request_id]
-                remote.worker.outstanding -= 1
+                for worker in remote.route():
+                    worker.outstanding -= 1
             self._observe(out)
             outputs.append(out)
         self._dispatch(outputs)
@@ -332,7 +365,8 @@ class ClusterEngine:
             remote = self._remote.pop(rid, None)
             if remote is None:
                 continue
-            remote.worker.outstanding -= 1
+            for w in remote.route():
+                w.outstanding -= 1
             seq = remote.seq
             seq.finish_reason = FinishReason.ERROR
             seq.status = SequenceStatus.FINISHED
@@ -354,7 +388,7 @@ class ClusterEngine:
                 del self._admissions[batch]
                 if not future.done():
                     future.set_exception(error)
-        self._end([rid for rid, r in self._remote.items() if r.worker is w], error)
+        self._end([rid for rid, r in self._remote.items() if w in r.route()], error)
         w.outstanding = 0
         w.sends.put(None)
         if w.process is not None and w.process.is_alive():  # wedged, not dead: it must not linger

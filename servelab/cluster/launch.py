@@ -18,6 +18,7 @@ from servelab.errors import InvalidArgument, ServelabError
 from servelab.sim.router import Router
 
 if TYPE_CHECKING:
+    from servelab.cluster.disagg_config import DisaggConfig
     from servelab.engine.llm_engine import EngineArgs, LLMEngine
 
 logger = logging.getLogger("servelab.cluster")
@@ -66,10 +67,12 @@ def start_cluster(
     master_port: int | None = None,
     external: bool = False,
     join_timeout_s: float = JOIN_TIMEOUT_S,
+    disagg: DisaggConfig | None = None,
 ) -> ClusterEngine:
     """N workers and this process as rank 0. Local workers are spawned here and share the host's
     cores; `external` ones are started elsewhere (`servelab worker`) and must join within
-    `join_timeout_s`. Raises ClusterFailed (and leaves no process behind) if any does not."""
+    `join_timeout_s`. Raises ClusterFailed (and leaves no process behind) if any does not.
+    With `disagg`, the N = P + D workers are its prefill workers, then its decode workers."""
     check_cluster_args(data_parallel, engine_args.tensor_parallel_size)
     route = Router(router)
     if external and master_port is None:
@@ -91,9 +94,12 @@ def start_cluster(
     try:
         threads = None if external else max(1, (os.cpu_count() or 1) // data_parallel)
         for link in links.values():
-            link.send(m.WorkerConfig(engine_args, "mixed", threads))
+            role = "mixed" if disagg is None else disagg.role_of(link.peer)
+            link.send(m.WorkerConfig(engine_args, role, threads, disagg))
         readies = {rank: _ready(rank, link.recv(timeout_s=join_timeout_s)) for rank, link in links.items()}
         first = _check_alike(readies)
+        if disagg is not None:
+            disagg.join_transfer_groups()  # collective: every rank forms the prefill/decode pairs
         shell = _shell_engine(engine_args, first)
     except BaseException as exc:
         for link in links.values():

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
     from servelab.core.sequence import SamplingParams
     from servelab.engine.llm_engine import EngineArgs, EngineStats
 
-ROLES = ("mixed",)  # a worker's role; disaggregation adds "prefill" and "decode"
+ROLES = ("mixed", "prefill", "decode")  # a worker's role; prefill and decode: cluster/disagg_worker.py
 
 
 # ---- front end -> worker ------------------------------------------------------------------------
@@ -28,6 +28,7 @@ class WorkerConfig:
     engine_args: EngineArgs
     role: str = "mixed"
     threads: int | None = None  # torch threads; None: torch's choice (a host of its own)
+    disagg: Any = None  # prefill and decode workers: their pools and transfer settings (disagg_worker.DisaggConfig)
 
 
 @dataclass(slots=True)
@@ -37,6 +38,7 @@ class WireRequest:
     params: SamplingParams
     priority: int
     age_s: float  # how long ago it arrived at the front end
+    decode_rank: int | None = None  # to a prefill worker: the decode worker its KV goes to
 
 
 @dataclass(slots=True)
@@ -137,6 +139,16 @@ class WireOutput:
     num_cached_tokens: int
     stop_reason: int | str | None
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # entries new since the last output
+    kv_transfer: KVTransferRecord | None = None  # a decode worker's first output of a transferred request
+
+
+@dataclass(slots=True)
+class KVTransferRecord:
+    """How a request's KV crossed from its prefill worker to its decode worker."""
+
+    num_bytes: int
+    transfer_s: float  # from the decode worker's receives posted to the last piece written
+    decode_queue_s: float  # from the offer's arrival to the decode worker's reservation
 
 
 @dataclass(slots=True)
@@ -154,3 +166,4 @@ class RequestsFailed:
 
     request_ids: list[str]
     error: WireError
+    in_step: bool = True  # False: they failed outside a step (disaggregated: a KV transfer, a lost peer)

@@ -62,6 +62,10 @@ def worker_main(rdv: Rendezvous, parent_pid: int | None = None) -> int:
         ))  # fmt: skip
         logger.info("servelab worker %d: serving %s (%d KV blocks) for the front end", rdv.rank, engine.model_name,
                     engine.scheduler_config.num_blocks)  # fmt: skip
+        if config.disagg is not None:  # a prefill or decode worker: its transfer groups, then its loop
+            from servelab.cluster.disagg_worker import disagg_loop
+
+            return disagg_loop(engine, link, config, rdv.rank).run()
         return WorkerLoop(engine, link).run()
     except PeerLost as exc:
         logger.error("servelab worker %d: the front end is gone (%s); exiting", rdv.rank, exc)
@@ -173,8 +177,22 @@ class WorkerLoop:
                     logger.error("servelab worker: the front end is gone (%s); aborting %d request(s), exiting",
                                  command.why, len(self.live))  # fmt: skip
                     return 1
+                else:
+                    self._on_command(command)
             if engine.has_unfinished():
                 self._step()
+            self._after_step()
+
+    # hooks for the disaggregated roles (cluster/disagg_worker.py)
+    def _on_command(self, command: Any) -> None:
+        """Any other command (a heartbeat needs nothing)."""
+
+    def _take_outputs(self, outputs: list[EngineOutput]) -> list[EngineOutput]:
+        """The outputs to send to the front end, of those a step made."""
+        return outputs
+
+    def _after_step(self) -> None:
+        """Runs after every pass of the loop, stepped or not."""
 
     def _admit(self, command: m.AddRequests) -> None:
         now = time.perf_counter()
@@ -206,7 +224,7 @@ class WorkerLoop:
 
     def _step(self) -> None:
         try:
-            outputs = self.engine.step()
+            outputs = self._take_outputs(self.engine.step())
         except Exception as exc:
             if getattr(exc, "engine_unusable", False):
                 raise

@@ -6,6 +6,7 @@ import argparse
 import logging
 from typing import TYPE_CHECKING
 
+from servelab.cluster.disagg_config import DEFAULT_KV_TRANSFER_TIMEOUT_S, GRANULARITIES, DisaggConfig, parse_disagg
 from servelab.errors import InvalidArgument
 from servelab.sim.router import ROUTERS
 from servelab.units import parse_duration_s
@@ -16,6 +17,7 @@ if TYPE_CHECKING:
 
 DEFAULT_ROUTER = "least-outstanding"
 DEFAULT_JOIN_TIMEOUT = "5m"
+DEFAULT_KV_TRANSFER_TIMEOUT = f"{DEFAULT_KV_TRANSFER_TIMEOUT_S:g}s"
 
 
 def add_rendezvous_arguments(group: argparse._ArgumentGroup, *, role: str) -> None:
@@ -39,18 +41,46 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     add_rendezvous_arguments(g, role="default 127.0.0.1 and a free port (local workers only)")
 
 
+    d = parser.add_argument_group("disaggregated prefill/decode (docs/disaggregation.md)")
+    d.add_argument("--disagg", default=None, metavar="P:D",
+                   help="P prefill and D decode worker processes: a prompt runs on a prefill worker, its KV blocks "
+                        "go point-to-point to a decode worker (chosen by --router), which generates the rest")  # fmt: skip
+    d.add_argument("--kv-transfer-timeout", default=DEFAULT_KV_TRANSFER_TIMEOUT,
+                   help="a request's KV transfer fails (and the request with it) past this; a busy peer answers "
+                        f"between its steps, so leave room for one (default {DEFAULT_KV_TRANSFER_TIMEOUT})")  # fmt: skip
+    d.add_argument("--kv-transfer-granularity", choices=GRANULARITIES, default=GRANULARITIES[0],
+                   help=f"one message per KV block (all layers) or per layer (all blocks) (default {GRANULARITIES[0]})")
+
+
 def uses_cluster(args: argparse.Namespace) -> bool:
-    return args.data_parallel > 1 or args.external_workers
+    return args.data_parallel > 1 or args.external_workers or args.disagg is not None
+
+
+def disagg_config(args: argparse.Namespace) -> DisaggConfig | None:
+
+    if args.disagg is None:
+        return None
+    timeout_s = parse_duration_s(args.kv_transfer_timeout, name="--kv-transfer-timeout")
+    return DisaggConfig(*parse_disagg(args.disagg), kv_timeout_s=timeout_s, granularity=args.kv_transfer_granularity)
 
 
 def check_cluster_flags(args: argparse.Namespace) -> None:
     from servelab.cluster.launch import check_cluster_args
 
+    if args.disagg is not None and args.tensor_parallel_size > 1:
+        raise InvalidArgument("--disagg with --tensor-parallel-size > 1 is not supported yet (a prefill or decode "
+                              "worker cannot be a tensor-parallel group); use one or the other")  # fmt: skip
     check_cluster_args(args.data_parallel, args.tensor_parallel_size)
+    if args.disagg is not None and args.data_parallel > 1:
+        raise InvalidArgument("--disagg P:D and --data-parallel N: give one (P:D starts P + D workers)")
+    if args.disagg is None and (args.kv_transfer_timeout != DEFAULT_KV_TRANSFER_TIMEOUT
+                                or args.kv_transfer_granularity != GRANULARITIES[0]):  # fmt: skip
+        raise InvalidArgument("--kv-transfer-timeout, --kv-transfer-granularity: only with --disagg P:D")
+    disagg_config(args)  # the checks
     if not uses_cluster(args) and (args.master_addr or args.master_port):
         raise InvalidArgument("--master-addr/--master-port: only with --data-parallel N > 1 or --external-workers")
     if args.router != DEFAULT_ROUTER and not uses_cluster(args):
-        raise InvalidArgument("--router: only with --data-parallel N > 1 (one engine needs no router)")
+        raise InvalidArgument("--router: only with --data-parallel N > 1 or --disagg P:D (one engine needs no router)")
     if args.external_workers and args.master_port is None:
         raise InvalidArgument("--external-workers: needs --master-port (and --master-addr, the address the workers "
                               "reach this host at), so the workers know where to join")  # fmt: skip
@@ -62,10 +92,16 @@ def start_cluster_from_args(args: argparse.Namespace, engine_args: EngineArgs) -
 
     log = logging.getLogger("servelab")
     addr = args.master_addr or "127.0.0.1"
+    disagg = disagg_config(args)
+    num_workers = args.data_parallel if disagg is None else disagg.num_prefill + disagg.num_decode
     driver = start_cluster(
-        engine_args, args.data_parallel, router=args.router, master_addr=addr, master_port=args.master_port,
+        engine_args, num_workers, router=args.router, master_addr=addr, master_port=args.master_port,
         external=args.external_workers, join_timeout_s=parse_duration_s(args.join_timeout, name="--join-timeout"),
+        disagg=disagg,
     )  # fmt: skip
-    log.info("servelab: %d data-parallel worker(s) (%s), router %s", len(driver.workers),
-             ", ".join(f"rank {w.index} on {w.ready.host} pid {w.ready.pid}" for w in driver.workers), args.router)  # fmt: skip
+    log.info("servelab: %d %s worker(s) (%s), router %s", len(driver.workers),
+             "data-parallel" if disagg is None else f"prefill/decode {args.disagg}",
+             ", ".join(f"rank {w.index}{'' if disagg is None else ' ' + w.role} on {w.ready.host} pid {w.ready.pid}"
+                       for w in driver.workers),
+             args.router)  # fmt: skip
     return driver

@@ -327,23 +327,58 @@ class BlockManager:
             else:
                 run = tail_first
         else:
-            run = []
-            for block in tail_first:
-                ref = refs[block] - 1
-                refs[block] = ref
-                if ref == 0:
-                    if block_hash[block] is not None:
-                        run.append(block)
-                    else:
-                        free_uncached.append(block)
+            run = self._drop_refs(tail_first)
+        self._append_run(run)
+        seq.block_table.clear()
+        seq.prefix.num_committed = 0
+
+    def _drop_refs(self, tail_first: list[int]) -> list[int]:
+        """One reference less on each block; the ones nobody holds any more go back to the free
+        pools: unpublished ones at once, published ones returned as a run for the LRU."""
+        refs = self._ref_counts
+        block_hash = self._block_hash
+        run = []
+        for block in tail_first:
+            ref = refs[block] - 1
+            refs[block] = ref
+            if ref == 0:
+                if block_hash[block] is not None:
+                    run.append(block)
+                else:
+                    self._free_uncached.append(block)
+        return run
+
+    def _append_run(self, run: list[int]) -> None:
         if run:
             run_of = self._run_of
             for block in run:
                 run_of[block] = run
             self._lru.append(run)
             self._num_free_cached += len(run)
-        seq.block_table.clear()
-        seq.prefix.num_committed = 0
+
+    # ---- blocks outside a sequence's life (disaggregated prefill/decode) ------------------------
+
+    def hold(self, seq: Sequence) -> list[int]:
+        """One more reference on each of seq's blocks, so that they outlive seq's own free(): a
+        prefill worker holds a finished prefill's KV until it has been sent. Returns the blocks,
+        to give to release()."""
+        refs = self._ref_counts
+        for block in seq.block_table:
+            refs[block] += 1
+        return list(seq.block_table)
+
+    def release(self, held: list[int]) -> None:
+        """Drop a hold() (once); published blocks stay in the prefix cache."""
+        self._append_run(self._drop_refs(held[::-1]))
+
+    def reserve(self, seq: Sequence, cached_blocks: list[int], num_tokens: int) -> bool:
+        """allocate() for KV that will be written from outside (received from a prefill worker),
+        not computed here: the prefix-cache hit figures are left alone. False, changing nothing,
+        when the pool is short."""
+        queries, hits = self.prefix_cache_queries, self.prefix_cache_hits
+        ok = self.allocate(seq, cached_blocks, num_tokens)
+        self.prefix_cache_queries, self.prefix_cache_hits = queries, hits
+        return ok
 
     # ---- checks --------------------------------------------------------------------------------
 

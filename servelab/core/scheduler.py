@@ -81,6 +81,7 @@ class Scheduler:
         self._counter = itertools.count()
         self.num_preemptions = 0
         self.num_finished = 0
+        self._num_reserved = 0  # sequences holding blocks for KV on its way (reserve_prefilled)
         self._kv_capacity_tokens = config.num_blocks * config.block_size
         # A sequence this long stops: at max_model_len, or when its next decode would need a KV
         # slot past the whole pool.
@@ -174,6 +175,53 @@ class Scheduler:
                 return seq
             heapq.heappop(heap)  # finished (aborted) while waiting
         return None
+
+    # ---- prefilled elsewhere (disaggregated decode) --------------------------------------------
+
+    def reserve_prefilled(self, seq: Sequence, now: float) -> bool:
+        """Blocks for a sequence prefilled by another worker (its token_ids: prompt + the first
+        token), before its KV arrives: this pool's cached prefix where it has one, fresh blocks
+        for the rest of the prompt. False, changing nothing, while the pool or the sequence
+        budget is short; the caller retries later (back-pressure, nothing dropped)."""
+        rid = seq.request_id
+        if rid in self._live or rid in self._recent_finished:
+            raise InvalidArgument(f"request id {rid!r} is already in use", param="request_id")
+        if seq.block_table or seq.num_output_tokens != 1:
+            raise InvalidArgument(f"request {rid!r} is not a prefilled sequence (prompt + one token, no blocks)")
+        num_prompt = seq.num_prompt_tokens
+        if num_prompt + seq.params.max_tokens > self.config.max_model_len or num_prompt >= self._kv_capacity_tokens:
+            raise RequestTooLong(
+                f"request {rid!r}: prompt of {num_prompt} tokens + max_tokens {seq.params.max_tokens} does not fit "
+                f"this worker's max_model_len {self.config.max_model_len} or KV pool of {self._kv_capacity_tokens} tokens",
+                param="max_tokens",
+            )
+        if len(self.running) + self._num_reserved >= self.config.max_num_seqs:
+            return False
+        bm = self.block_manager
+        hits = bm.find_cached_prefix(seq)
+        if not bm.reserve(seq, hits, num_prompt):
+            return False
+        self._num_reserved += 1
+        seq.arrival_s = seq.arrival_s or now
+        seq.num_cached_tokens = len(hits) * self.config.block_size
+        return True
+
+    def start_prefilled(self, seq: Sequence, now: float) -> None:
+        """A reserved sequence whose KV has been written joins the running set: its prompt counts
+        as computed and its next step decodes its first token, as if it had been prefilled here."""
+        self._num_reserved -= 1
+        seq.order_key = (seq.priority, seq.arrival_s, next(self._counter)) if self._by_priority else (next(self._counter),)
+        seq.status = _RUNNING
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        if seq.first_scheduled_s is None:
+            seq.first_scheduled_s = now
+        self._live[seq.request_id] = seq
+        self._start_running(seq)
+
+    def cancel_reserved(self, seq: Sequence) -> None:
+        """A reservation whose KV never arrived (a failed transfer, an abort): its blocks go back."""
+        self._num_reserved -= 1
+        self.block_manager.free(seq)
 
     # ---- scheduling ----------------------------------------------------------------------------
 

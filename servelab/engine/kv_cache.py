@@ -67,3 +67,39 @@ class PagedKVCache:
     @property
     def nbytes(self) -> int:
         return self.k.nbytes + self.v.nbytes
+
+    # ---- export / import of whole blocks (disaggregated prefill/decode, cluster/kv_transfer.py)
+
+    def block_slots(self, block_ids: list[int]) -> torch.Tensor:
+        """The flat slots of `block_ids`, block by block, in table order."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)
+        offsets = torch.arange(self.block_size, device=self.k.device)
+        return (ids[:, None] * self.block_size + offsets).reshape(-1)
+
+    def export_layer(self, layer: int, slots: torch.Tensor) -> torch.Tensor:
+        """K and V of one layer at `slots`, copied out: [2, kv_heads, len(slots), head_dim]."""
+        return torch.stack((self.k_layers[layer].index_select(1, slots), self.v_layers[layer].index_select(1, slots)))
+
+    def import_layer(self, layer: int, slots: torch.Tensor, kv: torch.Tensor) -> None:
+        """Writes export_layer's tensor from another cache into this one's `slots`."""
+        self.k_layers[layer].index_copy_(1, slots, kv[0])
+        self.v_layers[layer].index_copy_(1, slots, kv[1])
+
+    def export_block(self, block: int) -> torch.Tensor:
+        """Every layer's K and V of one block, copied out: [2, layers, kv_heads, block_size, head_dim]."""
+        start = block * self.block_size
+        return torch.stack((self.k[:, :, start : start + self.block_size], self.v[:, :, start : start + self.block_size]))
+
+    def import_block(self, block: int, kv: torch.Tensor) -> None:
+        start = block * self.block_size
+        self.k[:, :, start : start + self.block_size] = kv[0]
+        self.v[:, :, start : start + self.block_size] = kv[1]
+
+    def layer_shape(self, num_blocks: int) -> tuple[int, ...]:
+        """export_layer's shape for `num_blocks` blocks."""
+        _, kv_heads, _, head_dim = self.k.shape
+        return (2, kv_heads, num_blocks * self.block_size, head_dim)
+
+    def block_shape(self) -> tuple[int, ...]:
+        layers, kv_heads, _, head_dim = self.k.shape
+        return (2, layers, kv_heads, self.block_size, head_dim)

@@ -197,7 +197,7 @@ class LLMEngine:
         # None where the executor samples no real logits (a simulated or fake one).
         self.logits_processors = logits_processors
         self._requests: dict[str, _RequestState] = {}
-        self._aborted: list[EngineOutput] = []
+        self._aborted: list[EngineOutput] = []  # outputs for the next step(): aborts, transferred first tokens
         self.last_step_num_tokens = 0  # query tokens the last step ran (the metrics' iteration tokens)
 
     # ------------------------------------------------------------------ construction
@@ -379,6 +379,56 @@ class LLMEngine:
 
     def has_unfinished(self) -> bool:
         return bool(self._aborted) or self.scheduler.num_running + self.scheduler.num_waiting > 0
+
+    # ------------------------------------------------------------------ disaggregated prefill/decode
+
+    def detach_prefilled(self, request_id: str) -> list[int]:
+        """Prefill side: a running request whose first token was just sampled leaves this engine
+        without an output; its KV blocks stay held and are returned, for release_held() once they
+        have been sent (cluster/disagg_worker.py)."""
+        state = self._forget(request_id)
+        if state is None:
+            raise InvalidArgument(f"cannot detach request {request_id!r}: no such request", param="request_id")
+        held = self.scheduler.block_manager.hold(state.seq)
+        self.scheduler.finish(request_id, FinishReason.STOP, time.perf_counter())  # here it is done: the rest runs elsewhere
+        return held
+
+    def release_held(self, held: list[int]) -> None:
+        self.scheduler.block_manager.release(held)
+
+    def reserve_prefilled(
+        self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams
+    ) -> Sequence | None:
+        """Decode side: blocks for a request prefilled elsewhere, before its KV arrives; None
+        while this pool is short (the caller retries). The returned sequence's num_cached_tokens
+        prompt tokens were already cached here and need not be sent."""
+        if request_id in self._requests:
+            raise InvalidArgument(f"request id {request_id!r} is already in use", param="request_id")
+        seq = Sequence(
+            request_id=request_id,
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+        )
+        seq.token_ids.append(first_token_id)
+        return seq if self.scheduler.reserve_prefilled(seq, time.perf_counter()) else None
+
+    def start_prefilled(self, seq: Sequence, first_logprobs: TokenLogprobs | None = None) -> None:
+        """Decode side: the reserved sequence's KV is written; it joins the running set and its
+        first token is streamed by the next step()."""
+        self.prepare_logits_processors(seq.params)
+        now = time.perf_counter()
+        self.scheduler.start_prefilled(seq, now)
+        seq.token_times_s.append(now)
+        state = self._requests[seq.request_id] = self._new_state(seq)
+        delta = state.stream.add([seq.last_token_id])
+        state.output_text = delta.text
+        logprobs = None if first_logprobs is None else [first_logprobs]
+        self._aborted.append(EngineOutput(seq.request_id, [seq.last_token_id], delta.text, False, None, logprobs, seq))
+
+    def cancel_prefilled(self, seq: Sequence) -> None:
+        """Decode side: a reservation whose KV did not arrive gives its blocks back."""
+        self.scheduler.cancel_reserved(seq)
 
     # ------------------------------------------------------------------ the loop
 

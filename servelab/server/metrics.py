@@ -33,6 +33,7 @@ ITL_BUCKETS_S = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
 REQUEST_BUCKETS_S = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                      240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+KV_TRANSFER_BYTE_BUCKETS = [2.0**k for k in range(14, 35, 2)]  # 16 KiB .. 16 GiB
 
 
 def buckets_1_2_5(max_value: int) -> list[int]:
@@ -150,6 +151,15 @@ class ServerMetrics:
         self.generation_tokens = Counter("servelab:generation_tokens", "Generated tokens.", labels, registry=r)
         self.request_success = Counter("servelab:request_success", "Requests finished, by finish reason.",
                                        ["model_name", "finished_reason"], registry=r)  # fmt: skip
+        # disaggregated prefill/decode (docs/disaggregation.md): per request whose KV crossed
+        self.kv_transfer_bytes = Histogram("servelab:kv_transfer_bytes", "KV bytes sent from prefill to decode worker.",
+                                           labels, buckets=KV_TRANSFER_BYTE_BUCKETS, registry=r)  # fmt: skip
+        self.kv_transfer_time = Histogram("servelab:kv_transfer_seconds",
+                                          "Decode worker's receives posted to the last KV piece written.",
+                                          labels, buckets=TTFT_BUCKETS_S, registry=r)  # fmt: skip
+        self.kv_decode_queue = Histogram("servelab:kv_transfer_decode_queue_seconds",
+                                         "A prefilled request's wait for decode-side blocks (prefill queueing is "
+                                         "request_queue_time).", labels, buckets=TTFT_BUCKETS_S, registry=r)  # fmt: skip
         r.register(_EngineStatsCollector(model_name, get_stats, worker_stats))
         if cache_info:  # like vLLM's cache_config_info: what the KV gauges above are counting
             info = Gauge("servelab:cache_config_info", "KV cache configuration, as labels (the value is 1).",
@@ -212,6 +222,12 @@ class ServerMetrics:
         self.decode_time.labels(**labels).observe(decode_s)
         self.inference_time.labels(**labels).observe(max(0.0, last_s - seq.first_scheduled_s))
         self.request_tpot.labels(**labels).observe(decode_s / (n_out - 1) if n_out > 1 else 0.0)
+
+    def observe_kv_transfer(self, num_bytes: int, transfer_s: float, decode_queue_s: float) -> None:
+        labels = self._labels
+        self.kv_transfer_bytes.labels(**labels).observe(num_bytes)
+        self.kv_transfer_time.labels(**labels).observe(transfer_s)
+        self.kv_decode_queue.labels(**labels).observe(decode_queue_s)
 
     def observe_step(self, num_tokens: int) -> None:
         """Called on the engine thread after each step with the tokens it ran."""

@@ -61,6 +61,9 @@ class ServerState:
                                      scheduler_info, getattr(self.async_engine, "worker_stats", None))
         self.async_engine.add_observer(self.metrics.observe)
         self.async_engine.add_step_observer(self.metrics.observe_step)
+        transfers = getattr(self.async_engine, "add_transfer_observer", None)
+        if transfers is not None:  # disaggregated prefill/decode workers: each request's KV transfer
+            transfers(self.metrics.observe_kv_transfer)
 
     def check_accepting(self) -> None:
         if self.draining:
