@@ -211,3 +211,43 @@ def test_a_transfer_fails_by_its_deadline_or_at_once_when_the_peer_dies():
                 p.kill()
     assert silent[0] == 1 and "did not cross" in silent[1] and 0.4 < silent[2] < 3
     assert dead[0] == 2 and "did not cross" in dead[1] and dead[2] < 5  # the closed connection, not the 20 s deadline
+
+
+@pytest.mark.slow
+def test_external_prefill_and_decode_workers_join_through_env(tiny_model_dir, tmp_path):
+    """The two-host launch (docs/disaggregation.md): `servelab worker` processes started on their
+    own, joining by MASTER_ADDR/RANK/WORLD_SIZE, take the prefill and decode roles."""
+    import socket
+    import subprocess
+    import sys
+
+    from tests.server.conftest import REPO
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workers = []
+    for rank in (1, 2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="3",
+                   PYTHONUNBUFFERED="1")  # fmt: skip
+        with open(tmp_path / f"worker{rank}.log", "wb") as log:
+            workers.append(subprocess.Popen([sys.executable, "-m", "servelab", "worker", "--join-timeout", "120s"],
+                                            stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env))  # fmt: skip
+    try:
+        server = launch_server(tiny_model_dir, tmp_path, *FLAGS, "--external-workers", "--master-addr", "127.0.0.1",
+                               "--master-port", str(port))  # fmt: skip
+        try:
+            health = httpx.get(server.url + "/health").json()["workers"]
+            assert [(w["rank"], w["role"], w["pid"]) for w in health] == [
+                (1, "prefill", workers[0].pid), (2, "decode", workers[1].pid)]  # fmt: skip
+            assert _complete_all(server.url) == _reference(tiny_model_dir)
+            assert _metric(httpx.get(server.url + "/metrics").text, "servelab:kv_transfer_bytes_sum")[""] > 0
+        finally:
+            assert server.stop() == 0, server.log()
+        for rank, worker in zip((1, 2), workers):
+            assert worker.wait(timeout=30) == 0, (tmp_path / f"worker{rank}.log").read_text()
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
