@@ -8,13 +8,16 @@ import json
 import os
 import platform
 import random
-import statistics
+import sys
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 from servelab.commands._engine_cli import add_engine_arguments, engine_args_from, set_threads
 from servelab.errors import InvalidArgument
+
+# A fit that misses its held-out steps by more than this (median) would mislead sim and plan.
+DEFAULT_MAX_HELDOUT_ERROR_PCT = 20.0
 
 HELP = "time the engine on a grid of step shapes and write a step-cost profile for sim/plan/roofline"
 
@@ -26,13 +29,13 @@ class Grid:
     decode_batches: tuple[int, ...]
     decode_contexts: tuple[int, ...]
     decode_steps: int  # decode steps timed per (batch, context)
-    repeats: int  # each scenario runs this often; a step's time is the median
+    repeats: int  # interleaved passes over every scenario; a step's time is the fastest of them
 
 
 GRIDS = {
     # Decode scenarios prefill their batch first, which dominates the time: contexts stay short.
     "coarse": Grid(chunk=128, prefill_lens=(16, 64, 128, 256), decode_batches=(1, 4, 8),
-                   decode_contexts=(32, 64), decode_steps=3, repeats=3),
+                   decode_contexts=(32, 64), decode_steps=3, repeats=5),
     "full": Grid(chunk=512, prefill_lens=(16, 32, 64, 128, 256, 512, 2048), decode_batches=(1, 2, 4, 8, 16, 32),
                  decode_contexts=(64, 256, 1024, 2048), decode_steps=6, repeats=5),
 }
@@ -43,6 +46,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="FILE.json", help="where to write the profile")
     parser.add_argument("--grid", choices=list(GRIDS), default="coarse",
                         help="coarse: about 30 s on the bundled model; full: minutes (default coarse)")
+    parser.add_argument("--max-heldout-error", type=float, default=DEFAULT_MAX_HELDOUT_ERROR_PCT, metavar="PCT",
+                        help="refuse to write a profile whose median error on held-out steps is above PCT %% "
+                             f"(default {DEFAULT_MAX_HELDOUT_ERROR_PCT:g})")
     parser.add_argument("--hardware-out", default=None, metavar="FILE.json",
                         help="also measure this host (memory, read bandwidth, matmul rates) and write it as a "
                              "hardware file for --hardware")
@@ -98,8 +104,13 @@ def scenarios(grid: Grid, max_len: int) -> list[tuple[list[tuple[int, int]], lis
     return out
 
 
-def measure(engine: Any, grid: Grid, seed: int = 0) -> list[dict[str, float]]:
-    """Every step of every scenario, the median of `grid.repeats` runs after one warm-up run."""
+def measure(engine: Any, grid: Grid, seed: int = 0) -> list[dict[str, Any]]:
+    """Every step of every scenario, timed in `grid.repeats` passes after one warm-up run. Each
+    pass runs every scenario once, in a new shuffled order, so a slow spell on the host lands on
+    different shapes in different passes instead of on all the repeats of a few; each step's time
+    is then the fastest of its passes (cost/calibration_stats.py says why)."""
+    from servelab.cost.calibration_stats import aggregate
+
     log: list[tuple[tuple[int, int, int, int], float]] = []
     _timed(engine, log)
     rng = random.Random(seed)
@@ -107,21 +118,23 @@ def measure(engine: Any, grid: Grid, seed: int = 0) -> list[dict[str, float]]:
     if not plan:
         raise InvalidArgument(f"no calibration shape fits max_model_len={engine.max_model_len}")
     _scenario(engine, *plan[0], rng)  # warm-up: first-touch of the KV pool, kernel builds
-    measurements: list[dict[str, float]] = []
-    for prompts, late in plan:
-        runs = []
-        for _ in range(grid.repeats):
+    runs: list[list[list[tuple[tuple[int, int, int, int], float]]]] = [[] for _ in plan]
+    order = list(range(len(plan)))
+    for _ in range(grid.repeats):
+        rng.shuffle(order)
+        for i in order:
             log.clear()
-            _scenario(engine, prompts, late, rng)
-            runs.append(list(log))
-        for steps in zip(*runs):
-            shapes = {s for s, _ in steps}
-            if len(shapes) != 1:  # a run scheduled differently: not one shape, not a median
+            _scenario(engine, *plan[i], rng)
+            runs[i].append(list(log))
+    measurements: list[dict[str, Any]] = []
+    for scenario_runs in runs:
+        for steps in zip(*scenario_runs):
+            if len({s for s, _ in steps}) != 1:  # a pass scheduled differently: not one shape
                 continue
             tokens, seqs, ctx, pairs = steps[0][0]
             measurements.append({"num_tokens": tokens, "num_seqs": seqs, "context_tokens": ctx, "pairs": pairs,
-                                 "time_s": statistics.median(t for _, t in steps)})
-    return measurements
+                                 "samples_s": [t for _, t in steps]})
+    return aggregate(measurements)
 
 
 def host_info() -> dict[str, Any]:
@@ -144,8 +157,8 @@ def host_info() -> dict[str, Any]:
             "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
 
 
-def build_profile(engine: Any, args: argparse.Namespace, grid_name: str, measurements: list[dict[str, float]],
-                  wall_s: float) -> dict[str, Any]:
+def build_profile(engine: Any, args: argparse.Namespace, grid_name: str, measurements: list[dict[str, Any]],
+                  wall_s: float, noise: dict[str, Any]) -> dict[str, Any]:
     from servelab.cost.profile import PROFILE_FORMAT, PROFILE_VERSION, fit
 
     model = getattr(engine.executor, "model", None)
@@ -167,6 +180,9 @@ def build_profile(engine: Any, args: argparse.Namespace, grid_name: str, measure
                                                         "quantization", "kv_cache_dtype", "deterministic")},
         "grid": grid_name,
         "calibration_wall_s": wall_s,
+        "passes": GRIDS[grid_name].repeats,
+        "step_time_statistic": "fastest of the interleaved passes",
+        "host_noise": noise,
         "fit": fit(measurements),
         "measurements": measurements,
     }
@@ -174,10 +190,14 @@ def build_profile(engine: Any, args: argparse.Namespace, grid_name: str, measure
 
 def run(args: argparse.Namespace) -> int:
     from servelab.commands._outputs import check_output_file
+    from servelab.cost.calibration_stats import host_noise
+    from servelab.engine.host_probe import OtherLoadMeter
     from servelab.engine.llm_engine import LLMEngine
 
     check_output_file(args.out, "--out")
     check_output_file(args.hardware_out, "--hardware-out")
+    if not args.max_heldout_error > 0:
+        raise InvalidArgument(f"--max-heldout-error must be > 0 (a %), got {args.max_heldout_error:g}")
     grid = GRIDS[args.grid]
     # the same shapes every repeat: no prefix cache, the grid's budget
     engine_args = engine_args_from(args, max_num_batched_tokens=grid.chunk, enable_prefix_caching=False)
@@ -185,19 +205,36 @@ def run(args: argparse.Namespace) -> int:
     engine_args = replace(engine_args, kv_cache_prefault=True)
     set_threads(args)
     engine = LLMEngine.from_args(engine_args)
-    t0 = time.perf_counter()
-    measurements = measure(engine, grid)
-    profile = build_profile(engine, args, args.grid, measurements, time.perf_counter() - t0)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(profile, f, indent=1)
+    try:
+        t0 = time.perf_counter()
+        meter = OtherLoadMeter()
+        measurements = measure(engine, grid)
+        noise = host_noise([m["samples_s"] for m in measurements], other_cpus=meter.other_cpus(),
+                           cpus=os.cpu_count(), load_avg_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
+        profile = build_profile(engine, args, args.grid, measurements, time.perf_counter() - t0, noise.to_dict())
+    finally:
+        engine.close()
     f_ = profile["fit"]
     print(f"{profile['model']} ({profile['dtype']}, KV {profile['kv_cache_dtype']}) on {profile['host']['cpu']}: "
-          f"{len(measurements)} step shapes in {profile['calibration_wall_s']:.1f} s")
+          f"{len(measurements)} step shapes, fastest of {grid.repeats} interleaved passes, "
+          f"in {profile['calibration_wall_s']:.1f} s")
+    print(noise.describe())
     for name, value in f_["coefficients"].items():
         print(f"  {name:<20} {value * 1e6:12.4f} µs   ({f_['units'][name]})")
     h = f_["heldout"]
     print(f"held-out error ({h['count']} steps, every {f_['holdout_every']}th): median {h['median_abs_pct']:.1f}%, "
-          f"max {h['max_abs_pct']:.1f}%")
+          f"max {h['max_abs_pct']:.1f}%; {len(f_['outliers_dropped'])} training step(s) dropped as outliers")
+    if noise.noisy:
+        print(f"servelab calibrate: warning: the host was noisy ({noise.describe()}); step times include other "
+              f"processes' interference, so expect them to differ from a run on a quiet host", file=sys.stderr)
+    if h["median_abs_pct"] > args.max_heldout_error:
+        print(f"servelab calibrate: error: the fit's median error on {h['count']} held-out steps is "
+              f"{h['median_abs_pct']:.1f}%, above --max-heldout-error {args.max_heldout_error:g}%: not writing "
+              f"{args.out}. {noise.describe()}. Rerun on a quieter host, or with more passes (--grid full), or raise "
+              f"--max-heldout-error to accept it", file=sys.stderr)
+        return 1
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(profile, f, indent=1)
     print(f"wrote {args.out}")
     if args.hardware_out:
         write_hardware_file(args.hardware_out, profile["host"])

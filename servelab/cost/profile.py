@@ -61,9 +61,23 @@ def nnls(a: Any, b: Any, max_iter: int = 200) -> Any:
     return x
 
 
-def fit(measurements: Sequence[dict[str, float]], holdout_every: int = 4) -> dict[str, Any]:
-    """Non-negative least squares on relative error (each row divided by its time, so a 1 ms decode
-    step weighs as much as a 100 ms prefill), every `holdout_every`-th measurement held out."""
+def _nnls_relative(rows: Any, y: Any) -> Any:
+    """NNLS on relative error (each row divided by its time), columns scaled for conditioning."""
+    import numpy as np
+
+    scale = rows.max(axis=0)
+    scale[scale == 0] = 1.0
+    w = 1.0 / y
+    return nnls(rows / scale * w[:, None], y * w) / scale
+
+
+def fit(measurements: Sequence[dict[str, float]], holdout_every: int = 4, outlier_mads: float = 4.0,
+        outlier_floor_pct: float = 10.0) -> dict[str, Any]:
+    """Non-negative least squares on relative error (so a 1 ms decode step weighs as much as a
+    100 ms prefill), every `holdout_every`-th measurement held out. Training steps whose residual
+    is over `outlier_mads` robust standard deviations (and over `outlier_floor_pct`) from the
+    others' are dropped and the fit redone: a shape that no pass timed cleanly must
+    not bend the coefficients of all the others. The fit is redone until that set stops changing."""
     import numpy as np
 
     if len(measurements) < len(TERMS) + 2:
@@ -73,10 +87,18 @@ def fit(measurements: Sequence[dict[str, float]], holdout_every: int = 4) -> dic
     held = np.zeros(len(y), bool)
     held[holdout_every - 1::holdout_every] = True
     train = ~held
-    scale = rows[train].max(axis=0)
-    scale[scale == 0] = 1.0
-    w = 1.0 / y[train]
-    coef = nnls(rows[train] / scale * w[:, None], y[train] * w) / scale
+    outlier = np.zeros(len(y), bool)
+    for _ in range(5):  # until the inliers stop changing: a refit may clear a step the first fit flagged
+        coef = _nnls_relative(rows[train & ~outlier], y[train & ~outlier])
+        rel = (rows @ coef - y) / y
+        center = np.median(rel[train & ~outlier])
+        mad = 1.4826 * np.median(np.abs(rel[train & ~outlier] - center))
+        flagged = train & (np.abs(rel - center) > max(outlier_mads * mad, outlier_floor_pct / 100.0))
+        if (flagged == outlier).all() or (train & ~flagged).sum() < len(TERMS) + 2:
+            break
+        outlier = flagged
+    else:
+        coef = _nnls_relative(rows[train & ~outlier], y[train & ~outlier])
     pred = rows @ coef
     err = (pred - y) / y * 100.0
 
@@ -92,6 +114,7 @@ def fit(measurements: Sequence[dict[str, float]], holdout_every: int = 4) -> dic
         "holdout_every": holdout_every,
         "train": stats(train),
         "heldout": stats(held),
+        "outliers_dropped": [int(i) for i in np.flatnonzero(outlier)],
     }
 
 

@@ -26,7 +26,7 @@ def test_calibrate_then_validate_against_a_live_server(server_launcher, tmp_path
     monkeypatch.setitem(calibrate.GRIDS, "coarse", small)
     profile = tmp_path / "profile.json"
     assert main(["calibrate", "--model", str(path), "--dtype", "float32", "--max-model-len", "512",
-                 "--out", str(profile)]) == 0
+                 "--out", str(profile), "--max-heldout-error", "1e9"]) == 0  # accuracy is not this test's
     capsys.readouterr()
     server = server_launcher(path, "--max-model-len", "512", "--dtype", "float32", "--max-num-seqs", "4")
     saved = tmp_path / "validate.json"
