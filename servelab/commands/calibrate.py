@@ -49,9 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-heldout-error", type=float, default=DEFAULT_MAX_HELDOUT_ERROR_PCT, metavar="PCT",
                         help="refuse to write a profile whose median error on held-out steps is above PCT %% "
                              f"(default {DEFAULT_MAX_HELDOUT_ERROR_PCT:g})")
-    parser.add_argument("--hardware-out", default=None, metavar="FILE.json",
+    parser.add_argument("--hardware-out", default=None, metavar="FILE.json|FILE.yaml",
                         help="also measure this host (memory, read bandwidth, matmul rates) and write it as a "
-                             "hardware file for --hardware")
+                             "hardware file for --hardware (YAML when FILE ends in .yaml or .yml)")
 
 
 def _timed(engine: Any, log: list[tuple[tuple[int, int, int, int], float]]) -> None:
@@ -246,7 +246,7 @@ def write_hardware_file(path: str, host: dict[str, Any]) -> None:
     import re
 
     from servelab.engine.host_probe import probe_hardware
-    from servelab.spec.hardware_file import parse_hardware
+    from servelab.spec.hardware_file import YAML_SUFFIXES, parse_hardware
 
     name = "host-" + (re.sub(r"[^a-z0-9]+", "-", host["cpu"].lower()).strip("-") or "cpu")
     data = probe_hardware(name, f"measured by servelab calibrate on {time.strftime('%Y-%m-%d')} with "
@@ -254,7 +254,12 @@ def write_hardware_file(path: str, host: dict[str, Any]) -> None:
                                 f"rates, not datasheet peaks)")
     spec = parse_hardware(data, source=path, default_name=name)
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
+        if path.lower().endswith(YAML_SUFFIXES):
+            import yaml
+
+            yaml.safe_dump(data, f, sort_keys=False)
+        else:
+            json.dump(data, f, indent=1)
     print(f"{spec.name}: {spec.memory_bytes / 1e9:.1f} GB, read bandwidth {spec.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
           f"matmul fp32 {spec.peak_flops['fp32'] / 1e9:.0f} GFLOP/s, bf16 {spec.peak_flops['bf16'] / 1e9:.0f} GFLOP/s")
     print(f"wrote {path} (use it with --hardware {path})")

@@ -134,7 +134,7 @@ def test_calibrate_writes_a_hardware_file_for_this_host(tmp_path, monkeypatch, c
     monkeypatch.setattr(host_probe, "probe_hardware",
                         lambda name, description: real_probe(name, description, size_bytes=16 << 20, sizes=(128, 256),
                                                                    repeats=2))
-    hw = tmp_path / "host.json"
+    hw = tmp_path / "host.yaml"  # written as YAML, read back by --hardware
     assert main(["calibrate", "--model", str(model), "--dtype", "float32", "--out", str(tmp_path / "p.json"),
                  "--hardware-out", str(hw), "--max-heldout-error", "1e9"]) == 0
     assert f"use it with --hardware {hw}" in capsys.readouterr().out
