@@ -2,7 +2,7 @@
 written) and compare what each profile predicts for a fixed set of step shapes: the decode
 batches and prompts that benchmarks/validate_runs.sh's loads step through.
 
-    python benchmarks/calibrate_repeatability.py --runs 2 --out-dir /tmp/rep [-- calibrate flags]
+    python benchmarks/calibrate_repeatability.py --runs 2 --out-dir /tmp/rep [--calibrate-args "..."]
     python benchmarks/calibrate_repeatability.py a.json b.json
 
 Prints each profile's predictions, its host-noise line and held-out error, and the largest
@@ -15,6 +15,7 @@ import argparse
 import itertools
 import json
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -53,11 +54,12 @@ def main() -> None:
     ap.add_argument("profiles", nargs="*", help="profiles to compare (instead of --runs)")
     ap.add_argument("--runs", type=int, default=0, help="run calibrate this many times first")
     ap.add_argument("--out-dir", default="calibrate-repeat", help="where --runs writes its profiles")
+    ap.add_argument("--calibrate-args", default="", help="more calibrate flags for --runs, as one string")
     ap.add_argument("--json", action="store_true")
-    args, flags = ap.parse_known_args()
+    args = ap.parse_args()
     paths = [Path(p) for p in args.profiles]
     if args.runs:
-        paths += run_calibrations(args.runs, Path(args.out_dir), [f for f in flags if f != "--"])
+        paths += run_calibrations(args.runs, Path(args.out_dir), shlex.split(args.calibrate_args))
     if len(paths) < 2:
         ap.error("give two or more profiles, or --runs N (N >= 2)")
     profiles = {str(p): load_profile(str(p)) for p in paths}

@@ -83,9 +83,11 @@ def run(args: argparse.Namespace) -> int:
         "dataset": spec.dataset,
     }
     if args.profile is not None:
-        from servelab.cost.profile import load_profile
+        from servelab.cost.profile import load_profile, profile_step_cost
 
-        load_profile(args.profile, model=model.name)  # fail (or warn) once, here, not in every worker
+        profile = load_profile(args.profile, model=model.name)  # fail (or warn) once, here, not in every worker
+        for tp in tps:
+            profile_step_cost(profile, tp)  # a --tp the profile cannot price fails here too
     prices = parse_prices(args.price, hardware)
     jobs = [
         PlanJob(model=model.name, hardware=h, tp=tp, slo=slo, percentile=args.percentile, workload=workload,

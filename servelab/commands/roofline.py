@@ -234,9 +234,9 @@ def plot(roofline: Any, batches: list[int], context: int, path: str) -> None:
 
 def _add_profile(args: argparse.Namespace, model_name: str, table_rows: list[dict[str, Any]]) -> Any:
     """Adds the profile's predicted step (and prefill) times to each row; returns the cost model."""
-    from servelab.cost.profile import ProfileStepCost, load_profile
+    from servelab.cost.profile import load_profile, profile_step_cost
 
-    cost = ProfileStepCost.from_profile(load_profile(args.profile, model=model_name))
+    cost = profile_step_cost(load_profile(args.profile, model=model_name), tp=args.tp)
     for row in table_rows:
         row["profile_step_time_s"] = cost.step_time_s([(1, row["context"])] * row["batch"])
         if "prompt_len" in row:

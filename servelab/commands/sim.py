@@ -103,9 +103,9 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201
     model = get_model(args.model)
     cost_model = None
     if args.profile is not None:
-        from servelab.cost.profile import ProfileStepCost, load_profile
+        from servelab.cost.profile import load_profile, profile_step_cost
 
-        cost_model = ProfileStepCost.from_profile(load_profile(args.profile, model=model.name))
+        cost_model = profile_step_cost(load_profile(args.profile, model=model.name), tp=args.tp)
     return SimConfig(
         model=model,
         cost_model=cost_model,

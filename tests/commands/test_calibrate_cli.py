@@ -147,3 +147,62 @@ def test_calibrate_writes_a_hardware_file_for_this_host(tmp_path, monkeypatch, c
     assert main(["roofline", "--model", "smollm2-135m", "--hardware", str(hw), "--dtype", "fp32",
                  "--kv-dtype", "fp32", "--batch", "1", "--json"]) == 0
 
+
+
+def test_calibrate_refuses_cuda_without_a_device(tmp_path, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this torch sees a CUDA device")
+    assert main(["calibrate", "--device", "cuda", "--out", str(tmp_path / "p.json")]) == 2
+    err = capsys.readouterr().err
+    assert "calibrate --device cuda" in err and "sees no CUDA device" in err and not (tmp_path / "p.json").exists()
+
+
+def test_sim_refuses_a_tp_the_profile_cannot_price(profile_file, capsys):
+    assert main(["sim", "--model", "smollm2-135m", "--hardware", "generic-cpu.json", "--profile", profile_file,
+                 "--tp", "3", "--concurrency", "1", "--num-requests", "1"]) == 2
+    assert "has no TP term" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_calibrate_with_tensor_parallel_writes_the_tp_term(tmp_path, monkeypatch, capsys):
+    from tests.tiny_models import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "tiny")
+    tiny = calibrate.Grid(chunk=32, prefill_lens=(8, 32), decode_batches=(1, 2), decode_contexts=(16,),
+                          decode_steps=2, repeats=1)
+    monkeypatch.setitem(calibrate.GRIDS, "coarse", tiny)
+    out = tmp_path / "p.json"
+    assert main(["calibrate", "--model", str(model), "--dtype", "float32", "--out", str(out),
+                 "--tensor-parallel-size", "2", "--max-heldout-error", "1e9"]) == 0
+    assert "tp term, gloo all-reduce among 2 ranks" in capsys.readouterr().out
+    profile = load_profile(str(out))
+    term = profile["tp"]
+    assert profile["engine_flags"]["tensor_parallel_size"] == 2 and term["ranks"] == 2
+    assert term["allreduce_latency_s"] > 0 and len(term["measurements"]) == 5
+    assert term["compute_scales_with_ranks"] is False
+    # the profile prices TP=1 too: its all-reduces taken out, so a step is cheaper
+    from servelab.cost.profile import profile_step_cost
+
+    shape = [(1, 40)] * 2
+    assert profile_step_cost(profile, 1).step_time_s(shape) <= profile_step_cost(profile, 2).step_time_s(shape)
+
+
+def test_wait_for_quiet_waits_for_a_quiet_window_or_gives_up(monkeypatch):
+    from servelab.engine import host_probe
+
+    loads = iter([1.5, 0.9, 0.1, 1.8, 1.8, 1.8, 1.8])
+    clock = [0.0]
+
+    class Meter:
+        def other_cpus(self):
+            return next(loads)
+
+    monkeypatch.setattr(host_probe, "OtherLoadMeter", Meter)
+    monkeypatch.setattr(calibrate.time, "sleep", lambda s: clock.__setitem__(0, clock[0] + s))
+    monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock[0])
+    assert calibrate.wait_for_quiet(0) == {"waited_s": 0.0, "other_cpus": None}
+    assert calibrate.wait_for_quiet(60) == {"waited_s": 3 * calibrate.QUIET_WINDOW_S, "other_cpus": 0.1}
+    clock[0] = 0.0
+    assert calibrate.wait_for_quiet(2.5) == {"waited_s": 3.0, "other_cpus": 1.8}  # gave up: noisy all along
