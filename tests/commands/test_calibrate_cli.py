@@ -61,7 +61,7 @@ def test_calibrate_refuses_a_fit_that_misses_its_held_out_steps(tmp_path, monkey
     junk = [{"num_tokens": n, "num_seqs": 1, "context_tokens": n, "pairs": n * (n + 1) // 2,
              "samples_s": [t, t * 1.5], "time_s": t, "spread_pct": 50.0}
             for n, t in ((rng.randrange(1, 200), rng.uniform(1e-3, 1.0)) for _ in range(40))]
-    monkeypatch.setattr(calibrate, "measure", lambda engine, grid: junk)
+    monkeypatch.setattr(calibrate, "measure", lambda engine, grid, before_pass=None: junk)
     out = tmp_path / "p.json"
     args = ["calibrate", "--model", str(model), "--dtype", "float32", "--out", str(out)]
     assert main([*args, "--max-heldout-error", "15"]) == 1
