@@ -22,7 +22,7 @@ HELP = "roofline cost of decode/prefill steps for a model on an accelerator"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="catalog model (see `servelab models`), an HF config.json (or its directory) or a .gguf file")
-    parser.add_argument("--hardware", required=True, help="catalog accelerator (see `servelab hardware`) or a JSON hardware file")
+    parser.add_argument("--hardware", required=True, help="catalog accelerator (see `servelab hardware`) or a JSON or YAML hardware file")
     add_cost_dtype_arguments(parser)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     parser.add_argument("--batch", default="1,8,64", help="comma-separated decode batch sizes (default 1,8,64)")
