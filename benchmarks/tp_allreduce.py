@@ -27,50 +27,22 @@ import time
 
 import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch loads (servelab/__init__.py)
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from servelab.core.sequence import SamplingParams
+from servelab.cost.profile import fit_allreduce, tp_comm_s
 from servelab.cost.roofline import Efficiency
 from servelab.engine.bundled import bundled_model_path
 from servelab.engine.llm_engine import EngineArgs, LLMEngine
-from servelab.engine.parallel.group import free_port
+from servelab.engine.host_probe import ALLREDUCE_TOKENS, allreduce_times
 
 HIDDEN = 576  # the bundled model's hidden size
-TOKENS = (1, 8, 32, 128, 512)
-
-
-def _allreduce_rank(rank: int, ranks: int, port: int, iters: int, out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
-    rows = []
-    for tokens in TOKENS:
-        x = torch.randn(tokens, HIDDEN)
-        for _ in range(5):
-            dist.all_reduce(x)
-        times = []
-        for _ in range(iters):
-            dist.barrier()
-            t0 = time.perf_counter()
-            dist.all_reduce(x)
-            times.append(time.perf_counter() - t0)
-        med = statistics.median(times)
-        rows.append({"tokens": tokens, "bytes": x.numel() * 4, "median_us": med * 1e6,
-                     "algbw_MB_s": x.numel() * 4 / med / 1e6})  # fmt: skip
-    if rank == 0:
-        with open(out, "w") as f:
-            json.dump(rows, f)
-    dist.destroy_process_group()
+TOKENS = ALLREDUCE_TOKENS
 
 
 def allreduce_table(ranks: int, iters: int) -> list[dict]:
-    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
-        out = f.name
-    mp.spawn(_allreduce_rank, args=(ranks, free_port(), iters, out), nprocs=ranks, join=True)
-    with open(out) as f:
-        rows = json.load(f)
-    os.unlink(out)
-    return rows
+    rows = allreduce_times(ranks, HIDDEN, TOKENS, iters)  # the same probe as `calibrate --tensor-parallel-size`
+    return [{"tokens": r["tokens"], "bytes": r["bytes"], "median_us": r["median_s"] * 1e6,
+             "algbw_MB_s": r["bytes"] / r["median_s"] / 1e6} for r in rows]  # fmt: skip
 
 
 def step_times(tp: int, decodes: int = 32) -> dict:
@@ -136,6 +108,21 @@ def main() -> None:
     eff = Efficiency()
     result["cost_model"] = {"allreduce_latency_us": eff.allreduce_latency_s * 1e6, "allreduces_per_step": 2 * layers,
                             "modelled_latency_per_step_ms": 2 * layers * eff.allreduce_latency_s * 1e3}  # fmt: skip
+    # The calibrated profile's TP term (cost/profile.py, profile_step_cost) from the TP=N all-reduce
+    # fit: TP=1's measured step, with the same compute (the ranks share the cores), plus the
+    # step's collectives at the fitted latency and bandwidth.
+    if args.tp in result["allreduce"]:
+        fitted = fit_allreduce([{"bytes": r["bytes"], "median_s": r["median_us"] / 1e6}
+                                for r in result["allreduce"][args.tp]])
+        term = {"ranks": args.tp, "collectives_per_step": 2 * layers + 2, "hidden_allreduces_per_step": 2 * layers + 1,
+                "bytes_per_token": HIDDEN * 4, "allreduce_latency_s": fitted["latency_s"],
+                "allreduce_bytes_per_s": fitted["bytes_per_s"]}  # fmt: skip
+        tp1 = result["steps"][0]
+        predicted = {}
+        for name, tokens in (("prefill_128_ms", 128), ("decode_b1_ms", 1)):
+            per_step, per_token = tp_comm_s(term, args.tp)
+            predicted[name] = tp1[name] + (per_step + per_token * tokens) * 1e3
+        result["profile_tp_term"] = {"fit": fitted, "predicted_tp_step": predicted}
     if args.json:
         print(json.dumps(result, indent=2))
         return
@@ -149,6 +136,13 @@ def main() -> None:
     c = result["cost_model"]
     print(f"cost model: {c['allreduces_per_step']} all-reduces/step x {c['allreduce_latency_us']:.1f} us = "
           f"{c['modelled_latency_per_step_ms']:.3f} ms of latency per step")  # fmt: skip
+    if "profile_tp_term" in result:
+        t = result["profile_tp_term"]
+        bw = t["fit"]["bytes_per_s"]
+        p = t["predicted_tp_step"]
+        print(f"profile TP term ({args.tp} ranks): latency {t['fit']['latency_s'] * 1e6:.0f} us, bandwidth "
+              f"{'-' if bw is None else f'{bw / 1e6:.0f} MB/s'}; predicted TP={args.tp}: prefill 128 tokens "
+              f"{p['prefill_128_ms']:.1f} ms, decode batch 1 {p['decode_b1_ms']:.1f} ms/step")
     if args.check:
         print(f"TP={args.tp} against TP=1: {result['check']}")
 

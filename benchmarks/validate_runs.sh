@@ -1,26 +1,29 @@
 #!/bin/bash
-# calibrate (coarse) -> serve -> validate at concurrency 1, 4, 16 and a Poisson rate; run from a worktree root
+# calibrate (coarse, with the serving term) -> serve -> validate at concurrency 1, 4, 16 and a
+# Poisson rate; run from a worktree root. Writes $OUT/{profile.json,calibrate.txt,c1,c4,c16,rate}.{txt,json}
+# and host.txt (CPU, load average before each stage). Extra calibrate flags: CALIBRATE_FLAGS.
 set -u
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-validate-runs}
+PORT=${PORT:-$($PY -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')}
 mkdir -p $OUT
 export PYTHONPATH=$PWD
 echo "host: $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2) ; nproc $(nproc)" > $OUT/host.txt
-uptime >> $OUT/host.txt
-$PY -m servelab calibrate --out $OUT/profile.json 2>&1 | tail -12 > $OUT/calibrate.txt
-uptime >> $OUT/host.txt
-$PY -m servelab serve --port 8123 --no-access-log > $OUT/server.log 2>&1 &
+echo "calibrate: $(uptime)" >> $OUT/host.txt
+$PY -m servelab calibrate --out $OUT/profile.json --server-term ${CALIBRATE_FLAGS:-} > $OUT/calibrate.txt 2>&1 || {
+  echo "calibrate failed (see $OUT/calibrate.txt)"; exit 1; }
+$PY -m servelab serve --port $PORT --no-access-log --no-lab > $OUT/server.log 2>&1 &
 SP=$!
-for i in $(seq 120); do curl -sf 127.0.0.1:8123/health >/dev/null && break; sleep 1; done
+trap 'kill $SP 2>/dev/null; wait $SP 2>/dev/null' EXIT
+for i in $(seq 300); do curl -sf 127.0.0.1:$PORT/health >/dev/null && break; sleep 1; done
 for c in 1 4 16; do
-  uptime >> $OUT/host.txt
-  $PY -m servelab validate --base-url http://127.0.0.1:8123 --profile $OUT/profile.json --concurrency $c \
+  echo "c$c: $(uptime)" >> $OUT/host.txt
+  $PY -m servelab validate --base-url http://127.0.0.1:$PORT --profile $OUT/profile.json --concurrency $c \
      --num-requests $((c*6+8)) --input-len 128 --output-len 64 --seed $c --warmup 2 --no-progress \
      --save-result $OUT/c$c.json > $OUT/c$c.txt 2>&1
 done
-uptime >> $OUT/host.txt
-$PY -m servelab validate --base-url http://127.0.0.1:8123 --profile $OUT/profile.json --rate ${RATE:-0.6} \
+echo "rate: $(uptime)" >> $OUT/host.txt
+$PY -m servelab validate --base-url http://127.0.0.1:$PORT --profile $OUT/profile.json --rate ${RATE:-0.6} \
    --num-requests 40 --input-len 128 --output-len 64 --seed 99 --warmup 2 --no-progress \
    --save-result $OUT/rate.json > $OUT/rate.txt 2>&1
-uptime >> $OUT/host.txt
-kill $SP; wait $SP
+echo "end: $(uptime)" >> $OUT/host.txt

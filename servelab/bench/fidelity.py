@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import re
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from servelab.core.config import SchedulerConfig
 from servelab.cost.profile import ProfileStepCost
 from servelab.errors import InvalidArgument
 from servelab.metrics import SLO, RequestRecord, Summary
-from servelab.sim import SimConfig
+from servelab.sim import SimConfig, SimResult
 from servelab.spec import ModelSpec
 from servelab.workload import RequestSpec
 
@@ -61,8 +61,10 @@ def check_server_config(config: dict[str, str], base_url: str) -> None:
         )
 
 
-def sim_config(profile: dict[str, Any], server: dict[str, str], model: ModelSpec, slo: SLO | None) -> SimConfig:
-    """The simulator set up as the server is (its KV pool, budgets, policy and order), priced by the profile."""
+def sim_config(profile: dict[str, Any], server: dict[str, str], model: ModelSpec, slo: SLO | None,
+               cost_model: ProfileStepCost | None = None) -> SimConfig:
+    """The simulator set up as the server is (its KV pool, budgets, policy and order), priced by
+    the profile (or by `cost_model`, a variant of it)."""
     scheduler = SchedulerConfig(
         num_blocks=int(server["num_blocks"]),
         block_size=int(server["block_size"]),
@@ -72,7 +74,8 @@ def sim_config(profile: dict[str, Any], server: dict[str, str], model: ModelSpec
         enable_prefix_caching=server.get("enable_prefix_caching", "true") == "true",
         **{k: server[k] for k in ("policy", "order") if k in server},
     )
-    return SimConfig(model=model, cost_model=ProfileStepCost.from_profile(profile), scheduler=scheduler, slo=slo)
+    cost = cost_model if cost_model is not None else ProfileStepCost.from_profile(profile)
+    return SimConfig(model=model, cost_model=cost, scheduler=scheduler, slo=slo)
 
 
 def replay_trace(records: Sequence[RequestRecord], closed_loop: bool = False) -> list[RequestSpec]:
@@ -86,6 +89,54 @@ def replay_trace(records: Sequence[RequestRecord], closed_loop: bool = False) ->
     t0 = ok[0].arrival_s
     return [RequestSpec(index=i, arrival_s=None if closed_loop else r.arrival_s - t0, prompt_tokens=r.prompt_tokens,
                         output_tokens=r.output_tokens) for i, r in enumerate(ok)]
+
+
+def replay(config: SimConfig, records: Sequence[RequestRecord], concurrency: int | None) -> SimResult:
+    """A measured run through the simulator: a closed loop (concurrency given) replays as a closed
+    loop at that concurrency, an open loop at its send times."""
+    from servelab.sim import simulate
+
+    closed = concurrency is not None
+    return simulate(config, replay_trace(records, closed_loop=closed), concurrency=concurrency if closed else None)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerRun:
+    """One measured closed-loop run against a live server, for fitting the serving term."""
+
+    concurrency: int
+    records: Sequence[RequestRecord]
+    tpot_p50_s: float
+
+
+def fit_server_term(profile: dict[str, Any], server: dict[str, str], model: ModelSpec, runs: Sequence[ServerRun],
+                    tolerance_s: float = 1e-5) -> dict[str, Any]:
+    """The serving term: per run, the `server_per_token_s` at which the replayed run's p50 TPOT
+    equals the measured one (bisection: TPOT grows with the term), then their mean. A run that
+    the engine's steps alone already price as slow enough gives 0 (the term cannot be negative)."""
+    base = ProfileStepCost.from_profile({**profile, "server": None})
+
+    def simulated_tpot(per_token_s: float, run: ServerRun) -> float:
+        cost = replace(base, server_per_token_s=per_token_s)
+        tpot = replay(sim_config(profile, server, model, None, cost), run.records, run.concurrency).summary.tpot_s.p50
+        if tpot is None:
+            raise InvalidArgument("the server runs for the serving term produced no TPOT (outputs of one token?)")
+        return tpot
+
+    per_run = []
+    for run in runs:
+        engine_only = simulated_tpot(0.0, run)
+        lo, hi = 0.0, run.tpot_p50_s
+        if engine_only < run.tpot_p50_s:
+            while hi - lo > tolerance_s:
+                mid = (lo + hi) / 2
+                lo, hi = (mid, hi) if simulated_tpot(mid, run) < run.tpot_p50_s else (lo, mid)
+        per_run.append({"concurrency": run.concurrency, "requests": len(run.records),
+                        "measured_tpot_p50_s": run.tpot_p50_s, "engine_only_tpot_p50_s": engine_only,
+                        "per_token_s": (lo + hi) / 2 if engine_only < run.tpot_p50_s else 0.0})
+    return {"per_token_s": sum(r["per_token_s"] for r in per_run) / len(per_run), "runs": per_run,
+            "how": "per closed-loop run against a live `servelab serve`, the per-token time that makes the replayed "
+                   "run's p50 TPOT equal the measured one; the mean over runs"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -87,10 +87,10 @@ def cost_per_million_tokens(price_per_device_hour: float, tokens_per_s_per_devic
     return price_per_device_hour / (tokens_per_s_per_device * 3600.0) * 1e6
 
 
-def _profile_cost(path: str):  # noqa: ANN202
-    from servelab.cost.profile import ProfileStepCost, load_profile
+def _profile_cost(path: str, tp: int):  # noqa: ANN202
+    from servelab.cost.profile import load_profile, profile_step_cost
 
-    return ProfileStepCost.from_profile(load_profile(path))  # no model check: `plan` made it once
+    return profile_step_cost(load_profile(path), tp)  # no model check: `plan` made it once
 
 
 def plan_one(job: PlanJob) -> PlanRow:
@@ -121,7 +121,7 @@ def plan_one(job: PlanJob) -> PlanRow:
         kv_cache_dtype=job.kv_cache_dtype,
         scheduler=job.scheduler,
         slo=job.slo,
-        cost_model=None if job.profile is None else _profile_cost(job.profile),
+        cost_model=None if job.profile is None else _profile_cost(job.profile, job.tp),
     )
     fixed_n = job.workload.get("num_requests")
     observed: dict[int, Observed] = {}

@@ -8,13 +8,26 @@ import json
 import os
 import platform
 import random
-import statistics
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
 from servelab.commands._engine_cli import add_engine_arguments, engine_args_from, set_threads
+from servelab.cost.calibration_stats import NOISY_OTHER_CPUS
 from servelab.errors import InvalidArgument
+from servelab.units import parse_duration_s
+
+# A fit that misses its held-out steps by more than this (median) would mislead sim and plan.
+DEFAULT_MAX_HELDOUT_ERROR_PCT = 20.0
+
+QUIET_WINDOW_S = 1.0  # --quiet-wait samples the host's other load over windows this long
+
+# --server-term's closed-loop runs: (concurrency, measured requests), and their lengths
+SERVER_RUNS = ((1, 6), (4, 16))
+SERVER_INPUT_LEN, SERVER_OUTPUT_LEN = 64, 32
+SERVER_START_TIMEOUT_S = 300.0
 
 HELP = "time the engine on a grid of step shapes and write a step-cost profile for sim/plan/roofline"
 
@@ -26,13 +39,13 @@ class Grid:
     decode_batches: tuple[int, ...]
     decode_contexts: tuple[int, ...]
     decode_steps: int  # decode steps timed per (batch, context)
-    repeats: int  # each scenario runs this often; a step's time is the median
+    repeats: int  # interleaved passes over every scenario; a step's time is the fastest of them
 
 
 GRIDS = {
     # Decode scenarios prefill their batch first, which dominates the time: contexts stay short.
     "coarse": Grid(chunk=128, prefill_lens=(16, 64, 128, 256), decode_batches=(1, 4, 8),
-                   decode_contexts=(32, 64), decode_steps=3, repeats=3),
+                   decode_contexts=(32, 64), decode_steps=3, repeats=5),
     "full": Grid(chunk=512, prefill_lens=(16, 32, 64, 128, 256, 512, 2048), decode_batches=(1, 2, 4, 8, 16, 32),
                  decode_contexts=(64, 256, 1024, 2048), decode_steps=6, repeats=5),
 }
@@ -43,9 +56,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, metavar="FILE.json", help="where to write the profile")
     parser.add_argument("--grid", choices=list(GRIDS), default="coarse",
                         help="coarse: about 30 s on the bundled model; full: minutes (default coarse)")
-    parser.add_argument("--hardware-out", default=None, metavar="FILE.json",
+    parser.add_argument("--max-heldout-error", type=float, default=DEFAULT_MAX_HELDOUT_ERROR_PCT, metavar="PCT",
+                        help="refuse to write a profile whose median error on held-out steps is above PCT %% "
+                             f"(default {DEFAULT_MAX_HELDOUT_ERROR_PCT:g})")
+    parser.add_argument("--quiet-wait", default="0s", metavar="DURATION",
+                        help="before each pass, wait up to this long (e.g. 60s) for other processes to leave the "
+                             f"CPUs (under {NOISY_OTHER_CPUS:g} of a CPU busy over {QUIET_WINDOW_S:g} s) (default 0s: "
+                             "do not wait)")
+    parser.add_argument("--server-term", action="store_true",
+                        help="also measure the serving term: start `servelab serve` with these engine flags, run "
+                             f"closed loops at concurrency {' and '.join(str(c) for c, _ in SERVER_RUNS)}, and fit the "
+                             "time each streamed token adds to a step (HTTP, detokenize, SSE); about a minute")
+    parser.add_argument("--hardware-out", default=None, metavar="FILE.json|FILE.yaml",
                         help="also measure this host (memory, read bandwidth, matmul rates) and write it as a "
-                             "hardware file for --hardware")
+                             "hardware file for --hardware (YAML when FILE ends in .yaml or .yml)")
 
 
 def _timed(engine: Any, log: list[tuple[tuple[int, int, int, int], float]]) -> None:
@@ -98,8 +122,14 @@ def scenarios(grid: Grid, max_len: int) -> list[tuple[list[tuple[int, int]], lis
     return out
 
 
-def measure(engine: Any, grid: Grid, seed: int = 0) -> list[dict[str, float]]:
-    """Every step of every scenario, the median of `grid.repeats` runs after one warm-up run."""
+def measure(engine: Any, grid: Grid, seed: int = 0, before_pass: Callable[[], None] | None = None
+            ) -> list[dict[str, Any]]:
+    """Every step of every scenario, timed in `grid.repeats` passes after one warm-up run. Each
+    pass runs every scenario once, in a new shuffled order, so a slow spell on the host lands on
+    different shapes in different passes instead of on all the repeats of a few; each step's time
+    is then the fastest of its passes (cost/calibration_stats.py says why)."""
+    from servelab.cost.calibration_stats import aggregate
+
     log: list[tuple[tuple[int, int, int, int], float]] = []
     _timed(engine, log)
     rng = random.Random(seed)
@@ -107,21 +137,25 @@ def measure(engine: Any, grid: Grid, seed: int = 0) -> list[dict[str, float]]:
     if not plan:
         raise InvalidArgument(f"no calibration shape fits max_model_len={engine.max_model_len}")
     _scenario(engine, *plan[0], rng)  # warm-up: first-touch of the KV pool, kernel builds
-    measurements: list[dict[str, float]] = []
-    for prompts, late in plan:
-        runs = []
-        for _ in range(grid.repeats):
+    runs: list[list[list[tuple[tuple[int, int, int, int], float]]]] = [[] for _ in plan]
+    order = list(range(len(plan)))
+    for _ in range(grid.repeats):
+        if before_pass is not None:
+            before_pass()
+        rng.shuffle(order)
+        for i in order:
             log.clear()
-            _scenario(engine, prompts, late, rng)
-            runs.append(list(log))
-        for steps in zip(*runs):
-            shapes = {s for s, _ in steps}
-            if len(shapes) != 1:  # a run scheduled differently: not one shape, not a median
+            _scenario(engine, *plan[i], rng)
+            runs[i].append(list(log))
+    measurements: list[dict[str, Any]] = []
+    for scenario_runs in runs:
+        for steps in zip(*scenario_runs):
+            if len({s for s, _ in steps}) != 1:  # a pass scheduled differently: not one shape
                 continue
             tokens, seqs, ctx, pairs = steps[0][0]
             measurements.append({"num_tokens": tokens, "num_seqs": seqs, "context_tokens": ctx, "pairs": pairs,
-                                 "time_s": statistics.median(t for _, t in steps)})
-    return measurements
+                                 "samples_s": [t for _, t in steps]})
+    return aggregate(measurements)
 
 
 def host_info() -> dict[str, Any]:
@@ -144,8 +178,8 @@ def host_info() -> dict[str, Any]:
             "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
 
 
-def build_profile(engine: Any, args: argparse.Namespace, grid_name: str, measurements: list[dict[str, float]],
-                  wall_s: float) -> dict[str, Any]:
+def build_profile(engine: Any, args: argparse.Namespace, grid_name: str, measurements: list[dict[str, Any]],
+                  wall_s: float, noise: dict[str, Any]) -> dict[str, Any]:
     from servelab.cost.profile import PROFILE_FORMAT, PROFILE_VERSION, fit
 
     model = getattr(engine.executor, "model", None)
@@ -164,9 +198,13 @@ def build_profile(engine: Any, args: argparse.Namespace, grid_name: str, measure
         "quantization": args.quantization,
         "kv_cache_dtype": str(kv).removeprefix("torch."),
         "engine_flags": {k: getattr(args, k) for k in ("model", "dtype", "device", "max_model_len", "threads",
-                                                        "quantization", "kv_cache_dtype", "deterministic")},
+                                                        "quantization", "kv_cache_dtype", "deterministic",
+                                                        "tensor_parallel_size")},
         "grid": grid_name,
         "calibration_wall_s": wall_s,
+        "passes": GRIDS[grid_name].repeats,
+        "step_time_statistic": "fastest of the interleaved passes",
+        "host_noise": noise,
         "fit": fit(measurements),
         "measurements": measurements,
     }
@@ -174,34 +212,211 @@ def build_profile(engine: Any, args: argparse.Namespace, grid_name: str, measure
 
 def run(args: argparse.Namespace) -> int:
     from servelab.commands._outputs import check_output_file
+    from servelab.cost.calibration_stats import host_noise
+    from servelab.engine.host_probe import OtherLoadMeter
     from servelab.engine.llm_engine import LLMEngine
 
     check_output_file(args.out, "--out")
     check_output_file(args.hardware_out, "--hardware-out")
+    quiet_wait_s = parse_duration_s(args.quiet_wait, name="--quiet-wait")
+    if not quiet_wait_s >= 0:
+        raise InvalidArgument(f"--quiet-wait must be >= 0, got {args.quiet_wait!r}")
+    if not args.max_heldout_error > 0:
+        raise InvalidArgument(f"--max-heldout-error must be > 0 (a %), got {args.max_heldout_error:g}")
     grid = GRIDS[args.grid]
     # the same shapes every repeat: no prefix cache, the grid's budget
     engine_args = engine_args_from(args, max_num_batched_tokens=grid.chunk, enable_prefix_caching=False)
     # as `serve` runs: the KV pool claimed up front, so no step pays first-touch page faults
     engine_args = replace(engine_args, kv_cache_prefault=True)
     set_threads(args)
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise InvalidArgument(f"calibrate --device cuda: this torch ({torch.__version__}) sees no CUDA device; "
+                                  f"calibrate on the machine that serves, or use --device cpu", param="device")
     engine = LLMEngine.from_args(engine_args)
-    t0 = time.perf_counter()
-    measurements = measure(engine, grid)
-    profile = build_profile(engine, args, args.grid, measurements, time.perf_counter() - t0)
-    with open(args.out, "w", encoding="utf-8") as f:
-        json.dump(profile, f, indent=1)
+    spec = engine.model_spec
+    try:
+        t0 = time.perf_counter()
+        meter = OtherLoadMeter()
+        passes: list[dict[str, float | None]] = []
+        measurements = measure(engine, grid, before_pass=lambda: passes.append(wait_for_quiet(quiet_wait_s)))
+        noise = host_noise([m["samples_s"] for m in measurements], other_cpus=meter.other_cpus(),
+                           cpus=os.cpu_count(), load_avg_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
+        profile = build_profile(engine, args, args.grid, measurements, time.perf_counter() - t0,
+                                {**noise.to_dict(), "passes": passes})
+    finally:
+        engine.close()
     f_ = profile["fit"]
     print(f"{profile['model']} ({profile['dtype']}, KV {profile['kv_cache_dtype']}) on {profile['host']['cpu']}: "
-          f"{len(measurements)} step shapes in {profile['calibration_wall_s']:.1f} s")
+          f"{len(measurements)} step shapes, fastest of {grid.repeats} interleaved passes, "
+          f"in {profile['calibration_wall_s']:.1f} s")
+    print(noise.describe())
+    if quiet_wait_s > 0:
+        print("passes started after waiting " + ", ".join(
+            f"{p['waited_s']:.0f} s" + ("" if p["other_cpus"] is None else f" (others {p['other_cpus']:.2f} CPUs)")
+            for p in passes) + f" (--quiet-wait {args.quiet_wait})")
     for name, value in f_["coefficients"].items():
         print(f"  {name:<20} {value * 1e6:12.4f} µs   ({f_['units'][name]})")
     h = f_["heldout"]
     print(f"held-out error ({h['count']} steps, every {f_['holdout_every']}th): median {h['median_abs_pct']:.1f}%, "
-          f"max {h['max_abs_pct']:.1f}%")
+          f"max {h['max_abs_pct']:.1f}%; {len(f_['outliers_dropped'])} training step(s) dropped as outliers")
+    if noise.noisy:
+        print(f"servelab calibrate: warning: the host was noisy ({noise.describe()}); step times include other "
+              f"processes' interference, so expect them to differ from a run on a quiet host", file=sys.stderr)
+    if h["median_abs_pct"] > args.max_heldout_error:
+        print(f"servelab calibrate: error: the fit's median error on {h['count']} held-out steps is "
+              f"{h['median_abs_pct']:.1f}%, above --max-heldout-error {args.max_heldout_error:g}%: not writing "
+              f"{args.out}. {noise.describe()}. Rerun on a quieter host, or with more passes (--grid full), or raise "
+              f"--max-heldout-error to accept it", file=sys.stderr)
+        return 1
+    if args.tensor_parallel_size > 1:
+        profile["tp"] = measure_tp_term(args, spec)
+        t = profile["tp"]
+        bw = t["allreduce_bytes_per_s"]
+        print(f"  tp term, gloo all-reduce among {t['ranks']} ranks: latency {t['allreduce_latency_s'] * 1e6:.1f} µs, "
+              f"bandwidth {'-' if bw is None else f'{bw / 1e6:,.0f} MB/s'}; {t['collectives_per_step']} collectives "
+              f"a step = {t['collectives_per_step'] * t['allreduce_latency_s'] * 1e3:.2f} ms")
+    if args.server_term:
+        profile["server"] = measure_server_term(args, profile)
+        for r in profile["server"]["runs"]:
+            print(f"  serving, concurrency {r['concurrency']}: TPOT p50 measured {r['measured_tpot_p50_s'] * 1e3:.1f} ms, "
+                  f"engine steps alone {r['engine_only_tpot_p50_s'] * 1e3:.1f} ms -> {r['per_token_s'] * 1e3:.2f} ms/token")
+        print(f"  server_per_token_s   {profile['server']['per_token_s'] * 1e6:12.4f} µs   (s per streamed token)")
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(profile, f, indent=1)
     print(f"wrote {args.out}")
     if args.hardware_out:
         write_hardware_file(args.hardware_out, profile["host"])
     return 0
+
+
+def wait_for_quiet(max_wait_s: float) -> dict[str, float | None]:
+    """Waits, up to max_wait_s, until other processes keep under NOISY_OTHER_CPUS busy for a
+    QUIET_WINDOW_S window; returns how long it waited and the last window's other load (None
+    when not waiting). Passes then start in the host's quiet spells, where there are any."""
+    from servelab.engine.host_probe import OtherLoadMeter
+
+    if max_wait_s <= 0:
+        return {"waited_s": 0.0, "other_cpus": None}
+    t0 = time.perf_counter()
+    while True:
+        meter = OtherLoadMeter()
+        time.sleep(QUIET_WINDOW_S)
+        others = meter.other_cpus()
+        waited = time.perf_counter() - t0
+        if others is None or others < NOISY_OTHER_CPUS or waited >= max_wait_s:
+            return {"waited_s": waited, "other_cpus": others}
+
+
+def measure_tp_term(args: argparse.Namespace, spec: Any) -> dict[str, Any]:
+    """The all-reduce on this host's backend (gloo) among the engine's rank count, at the engine's
+    message sizes, fitted as latency + bytes/bandwidth: what `sim`/`plan --tp` price a collective at."""
+    from servelab.cost.profile import fit_allreduce
+    from servelab.engine.host_probe import allreduce_times
+
+    if spec is None:
+        raise InvalidArgument("--tensor-parallel-size: the TP term needs the model's shape (layers, hidden size), "
+                              "which this model file does not give")
+    rows = allreduce_times(args.tensor_parallel_size, spec.hidden_size)
+    fitted = fit_allreduce(rows)
+    return {
+        "ranks": args.tensor_parallel_size,
+        "backend": "gloo",
+        "allreduce_latency_s": fitted["latency_s"],
+        "allreduce_bytes_per_s": fitted["bytes_per_s"],
+        # two all-reduces of the hidden state a layer, the vocab-parallel embedding's, the logits' gather
+        "collectives_per_step": 2 * spec.num_layers + 2,
+        "hidden_allreduces_per_step": 2 * spec.num_layers + 1,
+        "bytes_per_token": spec.hidden_size * 4,  # fp32 activations
+        # the ranks share this host's cores (the engine splits its threads between them)
+        "compute_scales_with_ranks": args.device != "cpu",
+        "measurements": rows,
+    }
+
+
+def _serve_flags(args: argparse.Namespace) -> list[str]:
+    """The engine flags calibrate was given, as `servelab serve` takes them (serve's own budgets)."""
+    flags = ["--device", args.device, "--tensor-parallel-size", str(args.tensor_parallel_size)]
+    for name in ("model", "dtype", "max_model_len", "quantization", "kv_cache_dtype"):
+        value = getattr(args, name)
+        if value is not None:
+            flags += [f"--{name.replace('_', '-')}", str(value)]
+    return flags + (["--deterministic"] if args.deterministic else [])
+
+
+def measure_server_term(args: argparse.Namespace, profile: dict[str, Any]) -> dict[str, Any]:
+    """Starts `servelab serve` with calibrate's engine flags, benches it in closed loops from this
+    process (a client apart from the server, as `validate`'s), and fits the serving term against
+    the profile's engine steps (bench/fidelity.py, fit_server_term)."""
+    import asyncio
+    import signal
+    import subprocess
+    import tempfile
+    import urllib.request
+
+    from servelab.bench.fidelity import ServerRun, fit_server_term
+    from servelab.commands import validate
+    from servelab.engine.parallel.group import free_port
+    from servelab.workload import workload_from_args
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ)
+    if args.threads is not None:
+        env["OMP_NUM_THREADS"] = str(args.threads)  # serve has no --threads; torch reads this at start
+    cmd = [sys.executable, "-m", "servelab", "serve", "--port", str(port), "--no-access-log", "--no-lab",
+           *_serve_flags(args)]
+    print(f"serving term: starting `servelab serve` on {url}", flush=True)
+    with tempfile.TemporaryFile() as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        try:
+            deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+            while True:
+                if proc.poll() is not None:
+                    log.seek(0)
+                    tail = log.read().decode(errors="replace").strip().splitlines()[-5:]
+                    raise InvalidArgument(f"--server-term: `servelab serve` exited with {proc.returncode}: "
+                                          + " / ".join(tail))
+                try:
+                    with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                        if response.status == 200:
+                            break
+                except OSError:
+                    pass
+                if time.monotonic() > deadline:
+                    raise InvalidArgument(f"--server-term: `servelab serve` was not healthy after "
+                                          f"{SERVER_START_TIMEOUT_S:g} s")
+                time.sleep(0.5)
+            parser = argparse.ArgumentParser()
+            validate.add_arguments(parser)
+            runs, server, served = [], {}, ""
+            for concurrency, requests in SERVER_RUNS:
+                bench_args = parser.parse_args([
+                    "--base-url", url, "--profile", args.out, "--concurrency", str(concurrency),
+                    "--num-requests", str(requests), "--input-len", str(SERVER_INPUT_LEN),
+                    "--output-len", str(SERVER_OUTPUT_LEN), "--seed", str(7000 + concurrency), "--warmup", "1",
+                    "--no-progress"])  # fmt: skip
+                result, server, served = asyncio.run(validate.bench_live_server(bench_args, workload_from_args(bench_args),
+                                                                                None))
+                tpot = result.summary.tpot_s.p50
+                if result.summary.failed or tpot is None:
+                    raise InvalidArgument(f"--server-term: the bench run at concurrency {concurrency} against {url} "
+                                          f"failed ({result.summary.failed} failed requests)")
+                runs.append(ServerRun(concurrency, result.records, tpot))
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)  # its own session: the server and its ranks only
+                    proc.wait()
+    model = validate.sim_model(profile, None, served)
+    term = fit_server_term(profile, server, model, runs)
+    return {**term, "server_flags": _serve_flags(args), "input_len": SERVER_INPUT_LEN,
+            "output_len": SERVER_OUTPUT_LEN}
 
 
 def write_hardware_file(path: str, host: dict[str, Any]) -> None:
@@ -209,7 +424,7 @@ def write_hardware_file(path: str, host: dict[str, Any]) -> None:
     import re
 
     from servelab.engine.host_probe import probe_hardware
-    from servelab.spec.hardware_file import parse_hardware
+    from servelab.spec.hardware_file import YAML_SUFFIXES, parse_hardware
 
     name = "host-" + (re.sub(r"[^a-z0-9]+", "-", host["cpu"].lower()).strip("-") or "cpu")
     data = probe_hardware(name, f"measured by servelab calibrate on {time.strftime('%Y-%m-%d')} with "
@@ -217,7 +432,12 @@ def write_hardware_file(path: str, host: dict[str, Any]) -> None:
                                 f"rates, not datasheet peaks)")
     spec = parse_hardware(data, source=path, default_name=name)
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1)
+        if path.lower().endswith(YAML_SUFFIXES):
+            import yaml
+
+            yaml.safe_dump(data, f, sort_keys=False)
+        else:
+            json.dump(data, f, indent=1)
     print(f"{spec.name}: {spec.memory_bytes / 1e9:.1f} GB, read bandwidth {spec.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
           f"matmul fp32 {spec.peak_flops['fp32'] / 1e9:.0f} GFLOP/s, bf16 {spec.peak_flops['bf16'] / 1e9:.0f} GFLOP/s")
     print(f"wrote {path} (use it with --hardware {path})")

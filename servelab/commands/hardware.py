@@ -1,5 +1,5 @@
 """`servelab hardware`: the accelerator catalog (dense peaks; sources in servelab/spec/hardware.py),
-or the resolved spec of the catalog names and JSON hardware files given."""
+or the resolved spec of the catalog names and JSON or YAML hardware files given."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ HELP = "list the accelerator catalog, or show hardware files"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("hardware", nargs="*", metavar="NAME_OR_FILE",
-                        help="catalog names or JSON hardware files to show (default: the whole catalog)")
+                        help="catalog names or JSON or YAML hardware files to show (default: the whole catalog)")
     parser.add_argument("--json", action="store_true", help="print a JSON list instead of a table")
 
 
@@ -47,6 +47,6 @@ def run(args: argparse.Namespace) -> int:
     print("dense peaks (no 2:4 sparsity); fp32 '-' = TF32 tensor cores, half the bf16 rate; link = one direction "
           "of NVLink / Infinity Fabric / PCIe; $/hour is a rough cloud price guess")
     if not args.hardware:
-        print(f"--hardware also takes a JSON hardware file; shipped: {', '.join(shipped_files())} "
+        print(f"--hardware also takes a JSON or YAML hardware file; shipped: {', '.join(shipped_files())} "
               "(`servelab hardware FILE` shows one)")
     return 0

@@ -19,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     g = parser.add_argument_group("deployments to compare")
     g.add_argument("--model", default="llama-3.1-8b", help="catalog model (see `servelab models`)")
-    g.add_argument("--hardware", default="h100-sxm", help="comma list of catalog accelerators or JSON hardware files, e.g. h100-sxm,h200,generic-cpu.json")
+    g.add_argument("--hardware", default="h100-sxm", help="comma list of catalog accelerators or JSON or YAML hardware files, e.g. h100-sxm,h200,generic-cpu.json")
     g.add_argument("--tp", default="1", help="comma list of tensor-parallel degrees, e.g. 1,2,4,8 (default 1)")
     add_cost_dtype_arguments(g)
     g.add_argument("--profile", default=None, metavar="FILE.json",
@@ -83,9 +83,11 @@ def run(args: argparse.Namespace) -> int:
         "dataset": spec.dataset,
     }
     if args.profile is not None:
-        from servelab.cost.profile import load_profile
+        from servelab.cost.profile import load_profile, profile_step_cost
 
-        load_profile(args.profile, model=model.name)  # fail (or warn) once, here, not in every worker
+        profile = load_profile(args.profile, model=model.name)  # fail (or warn) once, here, not in every worker
+        for tp in tps:
+            profile_step_cost(profile, tp)  # a --tp the profile cannot price fails here too
     prices = parse_prices(args.price, hardware)
     jobs = [
         PlanJob(model=model.name, hardware=h, tp=tp, slo=slo, percentile=args.percentile, workload=workload,

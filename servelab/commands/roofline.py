@@ -22,7 +22,7 @@ HELP = "roofline cost of decode/prefill steps for a model on an accelerator"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
                         help="catalog model (see `servelab models`), an HF config.json (or its directory) or a .gguf file")
-    parser.add_argument("--hardware", required=True, help="catalog accelerator (see `servelab hardware`) or a JSON hardware file")
+    parser.add_argument("--hardware", required=True, help="catalog accelerator (see `servelab hardware`) or a JSON or YAML hardware file")
     add_cost_dtype_arguments(parser)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     parser.add_argument("--batch", default="1,8,64", help="comma-separated decode batch sizes (default 1,8,64)")
@@ -234,9 +234,9 @@ def plot(roofline: Any, batches: list[int], context: int, path: str) -> None:
 
 def _add_profile(args: argparse.Namespace, model_name: str, table_rows: list[dict[str, Any]]) -> Any:
     """Adds the profile's predicted step (and prefill) times to each row; returns the cost model."""
-    from servelab.cost.profile import ProfileStepCost, load_profile
+    from servelab.cost.profile import load_profile, profile_step_cost
 
-    cost = ProfileStepCost.from_profile(load_profile(args.profile, model=model_name))
+    cost = profile_step_cost(load_profile(args.profile, model=model_name), tp=args.tp)
     for row in table_rows:
         row["profile_step_time_s"] = cost.step_time_s([(1, row["context"])] * row["batch"])
         if "prompt_len" in row:

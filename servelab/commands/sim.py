@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     g = parser.add_argument_group("deployment")
     g.add_argument("--model", default="llama-3.1-8b", help="catalog model (see `servelab models`)")
-    g.add_argument("--hardware", default="h100-sxm", help="catalog accelerator (see `servelab hardware`) or a JSON hardware file")
+    g.add_argument("--hardware", default="h100-sxm", help="catalog accelerator (see `servelab hardware`) or a JSON or YAML hardware file")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per replica (default 1)")
     g.add_argument("--profile", default=None, metavar="FILE.json",
                    help="price steps with a `servelab calibrate` profile instead of the roofline")
@@ -104,9 +104,9 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201
     model = get_model(args.model)
     cost_model = None
     if args.profile is not None:
-        from servelab.cost.profile import ProfileStepCost, load_profile
+        from servelab.cost.profile import load_profile, profile_step_cost
 
-        cost_model = ProfileStepCost.from_profile(load_profile(args.profile, model=model.name))
+        cost_model = profile_step_cost(load_profile(args.profile, model=model.name), tp=args.tp)
     return SimConfig(
         model=model,
         cost_model=cost_model,

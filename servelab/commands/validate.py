@@ -31,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _sim_model(profile: dict[str, Any], name: str | None, served_model: str):  # noqa: ANN202
+def sim_model(profile: dict[str, Any], name: str | None, served_model: str):  # noqa: ANN202
     """The catalog ModelSpec to simulate: named, or matched from the profile's (or server's) model name."""
     from servelab.cost.profile import same_model
     from servelab.spec.model import MODELS, get_model
@@ -61,13 +61,14 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgument("give a load: --rate R (requests/s), --concurrency C, or --trace FILE")
     loop = asyncio.new_event_loop()
     try:
-        measured, server, served_model = loop.run_until_complete(_measure(args, workload, slo))
+        measured, server, served_model = loop.run_until_complete(bench_live_server(args, workload, slo))
     finally:
         loop.close()
     return _predict_and_report(args, profile, workload, slo, measured, server, served_model)
 
 
-async def _measure(args: argparse.Namespace, workload, slo):  # noqa: ANN001, ANN202
+async def bench_live_server(args: argparse.Namespace, workload, slo):  # noqa: ANN001, ANN202
+    """The bench run (and the server's configuration from /metrics, and the served model's name)."""
     from servelab.bench.fidelity import check_server_config, server_config
     from servelab.commands.bench import make_session
 
@@ -84,22 +85,22 @@ async def _measure(args: argparse.Namespace, workload, slo):  # noqa: ANN001, AN
 
 
 def _predict_and_report(args, profile, workload, slo, measured, server, served_model) -> int:  # noqa: ANN001
-    from servelab.bench.fidelity import compare, format_comparison, replay_trace, sim_config
+    from servelab.bench.fidelity import compare, format_comparison, replay, replay_trace, sim_config
     from servelab.metrics import format_summary_table
-    from servelab.sim import simulate
 
     # a closed loop replays as a closed loop at the same concurrency; an open loop at its send times
     closed = workload.rate is None and workload.trace is None
     trace = replay_trace(measured.records, closed_loop=closed)
-    model = _sim_model(profile, args.sim_model, served_model)
-    predicted = simulate(sim_config(profile, server, model, slo), trace,
-                         concurrency=workload.concurrency if closed else None)
+    model = sim_model(profile, args.sim_model, served_model)
+    predicted = replay(sim_config(profile, server, model, slo), measured.records,
+                       workload.concurrency if closed else None)
     rows = compare(measured.summary, predicted.summary)
     out = {
         "config": {"base_url": args.base_url, "model": served_model, "sim_model": model.name,
                    "profile": args.profile, "profile_model": profile.get("model"), "server": server,
                    "workload": workload.to_dict(), "replayed_requests": len(trace),
                    "replay": f"closed loop, concurrency {workload.concurrency}" if closed else "measured send times",
+                   "serving_term_per_token_s": (profile.get("server") or {}).get("per_token_s"),
                    "failed_requests": measured.summary.failed},
         "measured": measured.summary.to_dict(),
         "simulated": predicted.summary.to_dict(),
@@ -111,8 +112,10 @@ def _predict_and_report(args, profile, workload, slo, measured, server, served_m
         print(json.dumps(out, indent=2))
         return 0
     how = f"in a closed loop at concurrency {workload.concurrency}" if closed else "at their measured send times"
+    term = (profile.get("server") or {}).get("per_token_s")
+    serving = "no serving term" if term is None else f"serving term {term * 1e3:.2f} ms/token"
     print(f"{served_model} at {args.base_url}, {workload.describe()}; replayed {len(trace)} requests {how} "
-          f"through the simulator with {args.profile}")
+          f"through the simulator with {args.profile} ({serving})")
     if measured.summary.failed:
         print(f"note: {measured.summary.failed} requests failed on the server and are not replayed", file=sys.stderr)
     print()

@@ -12,7 +12,7 @@ import json
 import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from servelab.cost.roofline import Roofline
@@ -61,9 +61,23 @@ def nnls(a: Any, b: Any, max_iter: int = 200) -> Any:
     return x
 
 
-def fit(measurements: Sequence[dict[str, float]], holdout_every: int = 4) -> dict[str, Any]:
-    """Non-negative least squares on relative error (each row divided by its time, so a 1 ms decode
-    step weighs as much as a 100 ms prefill), every `holdout_every`-th measurement held out."""
+def _nnls_relative(rows: Any, y: Any) -> Any:
+    """NNLS on relative error (each row divided by its time), columns scaled for conditioning."""
+    import numpy as np
+
+    scale = rows.max(axis=0)
+    scale[scale == 0] = 1.0
+    w = 1.0 / y
+    return nnls(rows / scale * w[:, None], y * w) / scale
+
+
+def fit(measurements: Sequence[dict[str, float]], holdout_every: int = 4, outlier_mads: float = 4.0,
+        outlier_floor_pct: float = 10.0) -> dict[str, Any]:
+    """Non-negative least squares on relative error (so a 1 ms decode step weighs as much as a
+    100 ms prefill), every `holdout_every`-th measurement held out. Training steps whose residual
+    is over `outlier_mads` robust standard deviations (and over `outlier_floor_pct`) from the
+    others' are dropped and the fit redone: a shape that no pass timed cleanly must
+    not bend the coefficients of all the others. The fit is redone until that set stops changing."""
     import numpy as np
 
     if len(measurements) < len(TERMS) + 2:
@@ -73,10 +87,18 @@ def fit(measurements: Sequence[dict[str, float]], holdout_every: int = 4) -> dic
     held = np.zeros(len(y), bool)
     held[holdout_every - 1::holdout_every] = True
     train = ~held
-    scale = rows[train].max(axis=0)
-    scale[scale == 0] = 1.0
-    w = 1.0 / y[train]
-    coef = nnls(rows[train] / scale * w[:, None], y[train] * w) / scale
+    outlier = np.zeros(len(y), bool)
+    for _ in range(5):  # until the inliers stop changing: a refit may clear a step the first fit flagged
+        coef = _nnls_relative(rows[train & ~outlier], y[train & ~outlier])
+        rel = (rows @ coef - y) / y
+        center = np.median(rel[train & ~outlier])
+        mad = 1.4826 * np.median(np.abs(rel[train & ~outlier] - center))
+        flagged = train & (np.abs(rel - center) > max(outlier_mads * mad, outlier_floor_pct / 100.0))
+        if (flagged == outlier).all() or (train & ~flagged).sum() < len(TERMS) + 2:
+            break
+        outlier = flagged
+    else:
+        coef = _nnls_relative(rows[train & ~outlier], y[train & ~outlier])
     pred = rows @ coef
     err = (pred - y) / y * 100.0
 
@@ -92,27 +114,35 @@ def fit(measurements: Sequence[dict[str, float]], holdout_every: int = 4) -> dic
         "holdout_every": holdout_every,
         "train": stats(train),
         "heldout": stats(held),
+        "outliers_dropped": [int(i) for i in np.flatnonzero(outlier)],
     }
 
 
 @dataclass(frozen=True, slots=True)
 class ProfileStepCost:
-    """Prices a step from a profile's coefficients (implements StepCostModel, with the fast path)."""
+    """Prices a step from a profile's coefficients (implements StepCostModel, with the fast path).
+
+    `server_per_token_s` is the serving term (`calibrate --server-term`): what the HTTP server's
+    own work for each streamed token (detokenize, SSE, HTTP) adds to the engine's step on the
+    cores they share. It is priced per sequence in the step: a sequence emits one token a step,
+    except a prompt's non-final chunks, which are rare enough to price alike."""
 
     per_step_s: float
     per_token_s: float
     per_seq_s: float
     per_context_token_s: float
     per_pair_s: float
+    server_per_token_s: float = 0.0
 
     @classmethod
     def from_profile(cls, profile: dict[str, Any]) -> ProfileStepCost:
-        return cls(**profile["fit"]["coefficients"])
+        server = profile.get("server") or {}
+        return cls(**profile["fit"]["coefficients"], server_per_token_s=float(server.get("per_token_s", 0.0)))
 
     def time_from_totals(self, num_tokens: int, num_seqs: int, context_tokens: int, pairs: int) -> float:
         if num_tokens == 0:
             return 0.0
-        return (self.per_step_s + self.per_token_s * num_tokens + self.per_seq_s * num_seqs
+        return (self.per_step_s + self.per_token_s * num_tokens + (self.per_seq_s + self.server_per_token_s) * num_seqs
                 + self.per_context_token_s * context_tokens + self.per_pair_s * pairs)
 
     def step_time_s(self, shape: Shape) -> float:
@@ -128,6 +158,67 @@ class ProfileStepCost:
                         overhead_s=self.per_step_s if num_tokens else 0.0, peak_compute_time_s=0.0,
                         peak_memory_time_s=0.0, bound="measured", arithmetic_intensity=0.0,
                         ridge_flops_per_byte=0.0)
+
+
+def fit_allreduce(rows: Sequence[dict[str, float]]) -> dict[str, float | None]:
+    """time = latency + bytes / bandwidth over the measured message sizes (each size's median:
+    a step pays dozens of all-reduces, so their typical time, not the luckiest, is what adds up),
+    by NNLS on relative error. bandwidth is None where time does not grow with bytes at all."""
+    import numpy as np
+
+    if len(rows) < 2:
+        raise InvalidArgument(f"an all-reduce fit needs at least 2 message sizes, got {len(rows)}")
+    a = np.array([[1.0, r["bytes"]] for r in rows])
+    y = np.array([r["median_s"] for r in rows])
+    latency, s_per_byte = _nnls_relative(a, y)
+    return {"latency_s": float(latency), "bytes_per_s": float(1.0 / s_per_byte) if s_per_byte > 0 else None}
+
+
+def profile_tp(profile: dict[str, Any]) -> int:
+    """The tensor-parallel size the profile's engine ran at."""
+    return int((profile.get("engine_flags") or {}).get("tensor_parallel_size") or 1)
+
+
+def tp_comm_s(term: dict[str, Any], tp: int) -> tuple[float, float]:
+    """(per step, per query token) seconds of the all-reduces of one step at tensor-parallel size
+    `tp`: latency per collective, and the hidden-state all-reduces' bytes at the measured rate,
+    scaled by a ring's 2(tp-1)/tp share of the buffer relative to the measured rank count."""
+    if tp == 1:
+        return 0.0, 0.0
+    per_step = term["collectives_per_step"] * term["allreduce_latency_s"]
+    if not term.get("allreduce_bytes_per_s"):
+        return per_step, 0.0
+    ring = (2 * (tp - 1) / tp) / (2 * (term["ranks"] - 1) / term["ranks"])
+    per_token = term["hidden_allreduces_per_step"] * term["bytes_per_token"] / term["allreduce_bytes_per_s"] * ring
+    return per_step, per_token
+
+
+def profile_step_cost(profile: dict[str, Any], tp: int = 1) -> ProfileStepCost:
+    """The profile's step cost at tensor-parallel size `tp`. At the size it was calibrated at, the
+    fit as measured (its all-reduces are inside the timed steps). At another size, its TP term
+    (`calibrate --tensor-parallel-size N`) moves the communication: the calibrated size's is taken
+    out, the new size's put in; the compute terms scale by calibrated/tp only where each rank has
+    a device of its own (`compute_scales_with_ranks`; not on a CPU host, whose ranks share its cores)."""
+    base = ProfileStepCost.from_profile(profile)
+    calibrated = profile_tp(profile)
+    if tp == calibrated:
+        return base
+    term = profile.get("tp")
+    if not isinstance(term, dict):
+        raise InvalidArgument(
+            f"the profile was calibrated at tensor-parallel size {calibrated} and has no TP term, so it cannot price "
+            f"--tp {tp}: calibrate with --tensor-parallel-size N (N >= 2) to measure the all-reduce, or use --tp {calibrated}"
+        )
+    (step_p, token_p), (step_t, token_t) = tp_comm_s(term, calibrated), tp_comm_s(term, tp)
+    scale = calibrated / tp if term.get("compute_scales_with_ranks") else 1.0
+    return replace(
+        base,
+        per_step_s=max(0.0, base.per_step_s - step_p) + step_t,
+        per_token_s=max(0.0, base.per_token_s - token_p) * scale + token_t,
+        per_seq_s=base.per_seq_s * scale,
+        per_context_token_s=base.per_context_token_s * scale,
+        per_pair_s=base.per_pair_s * scale,
+    )
 
 
 def load_profile(path: str, *, model: str | None = None) -> dict[str, Any]:
@@ -154,6 +245,17 @@ def load_profile(path: str, *, model: str | None = None) -> dict[str, Any]:
     extra = sorted(set(coefs) - set(TERMS))
     if extra:
         raise InvalidArgument(f"--profile {path}: unknown coefficients {', '.join(extra)} (expected {', '.join(TERMS)})")
+    tp = profile.get("tp")
+    if tp is not None:
+        needed = ("ranks", "collectives_per_step", "allreduce_latency_s", "hidden_allreduces_per_step", "bytes_per_token")
+        bad_tp = [k for k in needed if not isinstance(tp, dict) or not isinstance(tp.get(k), int | float) or tp[k] < 0]
+        if bad_tp:
+            raise InvalidArgument(f"--profile {path}: the tp term lacks valid {', '.join(bad_tp)}")
+    server = profile.get("server")
+    if server is not None:
+        value = server.get("per_token_s") if isinstance(server, dict) else None
+        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+            raise InvalidArgument(f"--profile {path}: server.per_token_s must be a number >= 0, got {value!r}")
     if model is not None and not same_model(str(profile.get("model", "")), model):
         # Catalog names (smollm2-135m) and file names (SmolLM2-135M-Instruct.Q4_1) differ: warn only.
         print(f"servelab: warning: --profile {path} was calibrated for model {profile.get('model')!r}, "

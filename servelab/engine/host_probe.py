@@ -109,3 +109,101 @@ def probe_hardware(name: str, description: str, *, size_bytes: int = 1 << 30,
         "bandwidth_bytes_per_s": read_bandwidth_bytes_per_s(size_bytes, repeats),
         "peak_flops": {"fp32": fp32, "bf16": max(bf16, fp32)},
     }
+
+
+def _proc_tree_cpu_s(pid: int) -> float:
+    """CPU seconds used so far by a process and its live descendants (tensor-parallel ranks)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total, stack = 0.0, [pid]
+    while stack:
+        p = stack.pop()
+        try:
+            with open(f"/proc/{p}/stat", encoding="ascii") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+            for task in os.listdir(f"/proc/{p}/task"):
+                with open(f"/proc/{p}/task/{task}/children", encoding="ascii") as f:
+                    stack += [int(c) for c in f.read().split()]
+        except (OSError, ValueError, IndexError):
+            continue
+    return total
+
+
+def _host_busy_cpu_s() -> float | None:
+    try:
+        with open("/proc/stat", encoding="ascii") as f:
+            values = [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+    idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
+    return (sum(values[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # guest time is already in user
+
+
+class OtherLoadMeter:
+    """How many CPUs *other* processes kept busy between start() and other_cpus(): the host's busy
+    time (/proc/stat) less this process tree's. None where /proc is not there (not Linux)."""
+
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+        self._host0 = _host_busy_cpu_s()
+        self._own0 = _proc_tree_cpu_s(os.getpid())
+
+    def other_cpus(self) -> float | None:
+        host = _host_busy_cpu_s()
+        if host is None or self._host0 is None:
+            return None
+        wall = time.perf_counter() - self._t0
+        others = (host - self._host0) - (_proc_tree_cpu_s(os.getpid()) - self._own0)
+        return max(0.0, others / wall) if wall > 0 else None
+
+
+# The engine's all-reduce messages: fp32 [tokens, hidden] for a step of that many tokens.
+ALLREDUCE_TOKENS = (1, 8, 32, 128, 512)
+
+
+def _allreduce_rank(rank: int, ranks: int, port: int, hidden: int, tokens: tuple[int, ...], iters: int,
+                    out: str) -> None:
+    import json
+    import statistics
+
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=ranks)
+    try:
+        rows = []
+        for n in tokens:
+            x = torch.randn(n, hidden)
+            for _ in range(5):
+                dist.all_reduce(x)
+            times = []
+            for _ in range(iters):
+                dist.barrier()
+                t0 = time.perf_counter()
+                dist.all_reduce(x)
+                times.append(time.perf_counter() - t0)
+            rows.append({"tokens": n, "bytes": x.numel() * 4, "median_s": statistics.median(times),
+                         "fastest_s": min(times)})
+        if rank == 0:
+            with open(out, "w", encoding="utf-8") as f:
+                json.dump(rows, f)
+    finally:
+        dist.destroy_process_group()
+
+
+def allreduce_times(ranks: int, hidden: int, tokens: tuple[int, ...] = ALLREDUCE_TOKENS,
+                    iters: int = 50) -> list[dict[str, float]]:
+    """Times a gloo all-reduce among `ranks` processes on 127.0.0.1 (as the engine's ranks join)
+    at each message size: per size, the median and fastest of `iters`, after a barrier each."""
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    from servelab.engine.parallel.group import free_port
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "allreduce.json")
+        mp.spawn(_allreduce_rank, args=(ranks, free_port(), hidden, tuple(tokens), iters, out), nprocs=ranks, join=True)
+        with open(out, encoding="utf-8") as f:
+            return json.load(f)

@@ -137,7 +137,7 @@ HARDWARE: dict[str, HardwareSpec] = {
 
 
 def get_hardware(name: str) -> HardwareSpec:
-    """A catalog name, or a path to a JSON hardware file (see servelab/spec/hardware_file.py)."""
+    """A catalog name, or a path to a JSON or YAML hardware file (see servelab/spec/hardware_file.py)."""
     from servelab.spec.hardware_file import is_hardware_file, load_hardware_file, shipped_files
 
     if is_hardware_file(name):
@@ -146,7 +146,7 @@ def get_hardware(name: str) -> HardwareSpec:
         return HARDWARE[name.lower()]
     except KeyError:
         raise InvalidArgument(
-            f"unknown hardware {name!r}; choose one of: {', '.join(HARDWARE)}, or a JSON hardware file "
+            f"unknown hardware {name!r}; choose one of: {', '.join(HARDWARE)}, or a JSON or YAML hardware file "
             f"(shipped: {', '.join(shipped_files())})", param="hardware"
         ) from None
 

@@ -1,11 +1,12 @@
 """Hardware described in a JSON file instead of the catalog: the HardwareSpec fields, in the same
-units (bytes, bytes/s, FLOP/s). Files shipped with servelab (hardware_files/) are found by their
-file name alone, e.g. `--hardware generic-cpu.json`. JSON only: PyYAML is not a dependency."""
+units (bytes, bytes/s, FLOP/s), as JSON or YAML (by the file's extension). Files shipped with
+servelab (hardware_files/) are found by their file name alone, e.g. `--hardware generic-cpu.json`."""
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import MISSING, fields
 from pathlib import Path
 from typing import Any
@@ -25,8 +26,11 @@ def is_hardware_file(text: str) -> bool:
     return text.lower().endswith((".json", ".yaml", ".yml")) or "/" in text or "\\" in text
 
 
+YAML_SUFFIXES = (".yaml", ".yml")
+
+
 def shipped_files() -> list[str]:
-    return sorted(p.name for p in SHIPPED_DIR.glob("*.json"))
+    return sorted(p.name for p in SHIPPED_DIR.iterdir() if p.suffix.lower() in (".json", *YAML_SUFFIXES))
 
 
 def resolve_path(text: str) -> Path:
@@ -42,16 +46,40 @@ def resolve_path(text: str) -> Path:
 
 
 def load_hardware_file(text: str) -> HardwareSpec:
-    if text.lower().endswith((".yaml", ".yml")):
-        raise InvalidArgument(f"hardware file {text!r}: YAML is not supported; write it as JSON", param="hardware")
     path = resolve_path(text)
     try:
-        data = json.loads(path.read_text())
+        raw = path.read_text()
     except (OSError, UnicodeDecodeError) as exc:
         raise InvalidArgument(f"hardware file {str(path)!r}: cannot read it ({exc})", param="hardware") from None
+    data = _parse_yaml(raw, path) if path.suffix.lower() in YAML_SUFFIXES else _parse_json(raw, path)
+    return parse_hardware(data, source=str(path), default_name=path.stem)
+
+
+def _parse_json(raw: str, path: Path) -> Any:
+    try:
+        return json.loads(raw)
     except json.JSONDecodeError as exc:
         raise InvalidArgument(f"hardware file {str(path)!r}: invalid JSON: {exc}", param="hardware") from None
-    return parse_hardware(data, source=str(path), default_name=path.stem)
+
+
+def _parse_yaml(raw: str, path: Path) -> Any:
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        """YAML 1.1 reads `40e9` (no dot, no exponent sign) as text; a hardware file means a number."""
+
+    Loader.add_implicit_resolver(
+        "tag:yaml.org,2002:float",
+        re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:\.[0-9_]*)?[eE][-+]?[0-9]+$|^[-+]?(?:[0-9][0-9_]*)\.[0-9_]*$"),
+        list("-+0123456789."),
+    )
+    try:
+        return yaml.load(raw, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise InvalidArgument(f"hardware file {str(path)!r}: invalid YAML{where}: {problem}", param="hardware") from None
 
 
 def parse_hardware(data: Any, *, source: str, default_name: str) -> HardwareSpec:
@@ -61,7 +89,7 @@ def parse_hardware(data: Any, *, source: str, default_name: str) -> HardwareSpec
         return InvalidArgument(f"hardware file {source!r}: {what}", param="hardware")
 
     if not isinstance(data, dict):
-        raise fail(f"expected a JSON object of HardwareSpec fields, got {type(data).__name__}")
+        raise fail(f"expected a mapping of HardwareSpec fields, got {type(data).__name__}")
     spec_fields = {f.name: f for f in fields(HardwareSpec)}
     unknown = sorted(set(data) - set(spec_fields))
     if unknown:

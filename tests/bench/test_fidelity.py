@@ -81,3 +81,50 @@ def test_the_replay_runs_the_servers_scheduler_priced_by_the_profile():
     r = simulate(config, trace).records[0]
     # a 10-token prompt in one step (0.01 + 10 * 0.001), then two decode steps of 0.011 s each
     assert r.ttft_s == pytest.approx(0.02) and r.e2e_s == pytest.approx(0.042)
+
+
+SERVER = {"num_blocks": "512", "block_size": "16", "max_num_seqs": "8", "max_num_batched_tokens": "256",
+          "max_model_len": "2048"}
+ENGINE = {"per_step_s": 8e-3, "per_token_s": 1e-3, "per_seq_s": 5e-4, "per_context_token_s": 2e-6, "per_pair_s": 1e-9}
+
+
+def _server_run(per_token_s: float, concurrency: int, engine=ENGINE):
+    """A "measured" closed-loop run: the simulator with a known serving term stands in for the server."""
+    from dataclasses import replace
+
+    from servelab.bench.fidelity import ServerRun, replay, sim_config
+    from servelab.cost.profile import ProfileStepCost
+    from servelab.spec import get_model
+    from servelab.workload import RequestSpec
+
+    profile = {"fit": {"coefficients": engine}}
+    cost = replace(ProfileStepCost.from_profile(profile), server_per_token_s=per_token_s)
+    records = [RequestRecord(f"r{i}", 0.0, None, 0.0, [0.0], 0.0, 40 + 3 * i, 12 + i % 5) for i in range(10)]
+    run = replay(sim_config(profile, SERVER, get_model("smollm2-135m"), None, cost), records, concurrency)
+    return ServerRun(concurrency, run.records, run.summary.tpot_s.p50)
+
+
+@pytest.mark.parametrize("true_s", [0.0, 1e-3, 4e-3])
+def test_fit_server_term_recovers_a_known_term(true_s):
+    from servelab.bench.fidelity import fit_server_term
+    from servelab.spec import get_model
+
+    profile = {"fit": {"coefficients": ENGINE}}
+    runs = [_server_run(true_s, 1), _server_run(true_s, 4)]
+    term = fit_server_term(profile, SERVER, get_model("smollm2-135m"), runs)
+    assert term["per_token_s"] == pytest.approx(true_s, abs=2e-5)
+    assert [r["concurrency"] for r in term["runs"]] == [1, 4]
+    for r in term["runs"]:
+        assert r["per_token_s"] == pytest.approx(true_s, abs=2e-5)
+        # the engine-only replay is as fast as the run would be without the term
+        assert r["engine_only_tpot_p50_s"] <= r["measured_tpot_p50_s"] + 1e-12
+
+
+def test_fit_server_term_is_zero_when_the_engine_alone_is_slow_enough():
+    from servelab.bench.fidelity import fit_server_term
+    from servelab.spec import get_model
+
+    fast = {**ENGINE, "per_step_s": 4e-3}
+    runs = [_server_run(0.0, 2, engine=fast)]  # measured faster than ENGINE's steps price it
+    term = fit_server_term({"fit": {"coefficients": ENGINE}}, SERVER, get_model("smollm2-135m"), runs)
+    assert term["per_token_s"] == 0.0 and term["runs"][0]["engine_only_tpot_p50_s"] > runs[0].tpot_p50_s

@@ -80,3 +80,68 @@ def test_load_profile_errors(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "'smollm2-135m'" in err and "'llama-3.1-8b'" in err
     assert set(TERMS) == set(KNOWN)
+
+
+def test_serving_term_adds_per_sequence_and_is_checked(tmp_path):
+    shape = [(1, 300)] * 4 + [(64, 64)]
+    plain = ProfileStepCost.from_profile(profile_dict())
+    served = ProfileStepCost.from_profile({**profile_dict(), "server": {"per_token_s": 2e-3}})
+    assert served.step_time_s(shape) == pytest.approx(plain.step_time_s(shape) + 5 * 2e-3, rel=1e-12)
+    assert served.time_from_totals(*Roofline.totals(shape)) == served.step_time_s(shape)
+    assert ProfileStepCost.from_profile({**profile_dict(), "server": None}) == plain
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**profile_dict(), "server": {"per_token_s": -1}}))
+    with pytest.raises(InvalidArgument, match=r"server.per_token_s must be a number >= 0, got -1"):
+        load_profile(str(path))
+
+
+TP_TERM = {"ranks": 2, "backend": "gloo", "allreduce_latency_s": 500e-6, "allreduce_bytes_per_s": 500e6,
+           "collectives_per_step": 62, "hidden_allreduces_per_step": 61, "bytes_per_token": 576 * 4,
+           "compute_scales_with_ranks": False}
+
+
+def test_fit_allreduce_recovers_latency_and_bandwidth():
+    from servelab.cost.profile import fit_allreduce
+
+    rows = [{"bytes": b, "median_s": 600e-6 + b / 400e6} for b in (2304, 18432, 73728, 294912, 1179648)]
+    fitted = fit_allreduce(rows)
+    assert fitted["latency_s"] == pytest.approx(600e-6, rel=1e-6)
+    assert fitted["bytes_per_s"] == pytest.approx(400e6, rel=1e-6)
+    flat = fit_allreduce([{"bytes": b, "median_s": 1e-3} for b in (10, 1000, 100000)])
+    assert flat["latency_s"] == pytest.approx(1e-3) and flat["bytes_per_s"] is None
+
+
+def test_profile_step_cost_moves_the_communication_between_tp_sizes():
+    from servelab.cost.profile import profile_step_cost
+
+    tp1 = profile_dict()
+    assert profile_step_cost(tp1, 1) == ProfileStepCost.from_profile(tp1)
+    with pytest.raises(InvalidArgument, match=r"calibrated at tensor-parallel size 1 and has no TP term.*--tp 2"):
+        profile_step_cost(tp1, 2)
+    shape = [(1, 200)] * 4
+    comm_step = 62 * 500e-6
+    comm_token = 61 * 576 * 4 / 500e6  # 2 ranks, as measured: the ring factor is 1
+    with_term = {**tp1, "tp": TP_TERM}
+    at2 = profile_step_cost(with_term, 2)
+    # a CPU host's ranks share its cores: the engine's compute stays, the all-reduces add
+    assert at2.step_time_s(shape) == pytest.approx(ProfileStepCost.from_profile(tp1).step_time_s(shape)
+                                                   + comm_step + 4 * comm_token, rel=1e-12)
+    # calibrated at TP=2 (the all-reduces inside the fit): TP=1 takes them out again
+    calibrated_at2 = {**with_term, "engine_flags": {"tensor_parallel_size": 2},
+                      "fit": {"coefficients": {k: getattr(at2, k) for k in KNOWN}}}
+    assert profile_step_cost(calibrated_at2, 2) == at2
+    assert profile_step_cost(calibrated_at2, 1).step_time_s(shape) == pytest.approx(
+        ProfileStepCost.from_profile(tp1).step_time_s(shape), rel=1e-9)
+    # ranks with a device each: compute splits between them; 4 ranks move 1.5x a 2-rank ring's bytes
+    gpus = {**tp1, "tp": {**TP_TERM, "compute_scales_with_ranks": True}}
+    at4 = profile_step_cost(gpus, 4)
+    assert at4.per_seq_s == pytest.approx(KNOWN["per_seq_s"] / 4)
+    assert at4.per_token_s == pytest.approx(KNOWN["per_token_s"] / 4 + comm_token * 1.5)
+    assert at4.per_step_s == pytest.approx(KNOWN["per_step_s"] + comm_step)
+
+
+def test_load_profile_checks_the_tp_term(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**profile_dict(), "tp": {**TP_TERM, "allreduce_latency_s": "fast"}}))
+    with pytest.raises(InvalidArgument, match=r"the tp term lacks valid allreduce_latency_s"):
+        load_profile(str(path))

@@ -1,6 +1,7 @@
-"""--hardware as a JSON file: parsing, validation errors, the shipped generic CPU."""
+"""--hardware as a JSON or YAML file: parsing, validation errors, the shipped generic CPU."""
 
 import json
+import re
 from dataclasses import asdict
 
 import pytest
@@ -74,12 +75,10 @@ def test_invalid_fields_are_named(tmp_path, change, message):
 def test_unreadable_files(tmp_path):
     with pytest.raises(InvalidArgument, match=r"box.json': invalid JSON: Expecting"):
         get_hardware(write(tmp_path, "{memory_bytes: 1}"))
-    with pytest.raises(InvalidArgument, match=r"expected a JSON object of HardwareSpec fields, got list"):
+    with pytest.raises(InvalidArgument, match=r"expected a mapping of HardwareSpec fields, got list"):
         get_hardware(write(tmp_path, "[]"))
     with pytest.raises(InvalidArgument, match=r"hardware file 'nope.json' not found \(shipped files: generic-cpu.json\)"):
         get_hardware("nope.json")
-    with pytest.raises(InvalidArgument, match=r"YAML is not supported; write it as JSON"):
-        get_hardware(write(tmp_path, "memory_bytes: 1\n", "box.yaml"))
     with pytest.raises(InvalidArgument, match=r"unknown hardware 'h300'; choose one of: h100-sxm.*generic-cpu.json"):
         get_hardware("h300")
 
@@ -107,3 +106,35 @@ def test_no_interconnect_refuses_tensor_parallelism():
     with pytest.raises(InvalidArgument, match="tp=2 needs a device-to-device link, and generic-cpu has no "
                                               "interconnect_bytes_per_s; use tp=1"):
         MemoryPlan(model, cpu, tp=2)
+
+
+YAML_BOX = """\
+# a box, as a person writes YAML: exponents without a dot or a sign
+name: my-box
+memory_bytes: 16e9
+bandwidth_bytes_per_s: 40e9
+peak_flops:
+  fp32: 0.5e12
+  bf16: 500000000000
+"""
+
+
+def test_yaml_file_reads_as_the_json_one(tmp_path):
+    from_yaml = get_hardware(write(tmp_path, YAML_BOX, "box.yaml"))
+    from_json = get_hardware(write(tmp_path, {"name": "my-box", "memory_bytes": 16e9, "bandwidth_bytes_per_s": 40e9,
+                                              "peak_flops": {"fp32": 0.5e12, "bf16": 0.5e12}}))
+    assert from_yaml == from_json
+    assert get_hardware(write(tmp_path, YAML_BOX, "box.yml")).bandwidth_bytes_per_s == 40e9
+
+
+def test_yaml_errors_name_the_file_and_the_field_or_line(tmp_path):
+    path = write(tmp_path, YAML_BOX.replace("bandwidth_bytes_per_s: 40e9", "bandwidth_bytes_per_s: fast"), "box.yaml")
+    with pytest.raises(InvalidArgument, match=rf"hardware file {re.escape(repr(path))}: bandwidth_bytes_per_s must be a "
+                                              r"positive number, got 'fast'"):
+        get_hardware(path)
+    path = write(tmp_path, YAML_BOX + "peak_flop: {}\n", "box.yaml")
+    with pytest.raises(InvalidArgument, match=r"unknown field\(s\) 'peak_flop'"):
+        get_hardware(path)
+    path = write(tmp_path, "name: [unclosed\nmemory_bytes: 1\n", "box.yaml")
+    with pytest.raises(InvalidArgument, match=rf"hardware file {re.escape(repr(path))}: invalid YAML at line \d+"):
+        get_hardware(path)
