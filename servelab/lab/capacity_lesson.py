@@ -214,8 +214,9 @@ def capacity(p: Params, planner: CapacityPlanner) -> dict[str, Any] | JSONRespon
 
 def estimate(s: Any, hardware: Any, tpot_ms: float, prompt_len: int, output_len: int) -> dict[str, Any]:
     """The roofline's instant answer for one accelerator, shown until its simulation ends: the
-    largest batch within the TPOT target at the mean context, capped by the KV cache; prefill's
-    interruptions are not in it, so it errs high."""
+    largest batch whose decode step at the mean context meets the TPOT target, capped by the KV
+    cache; its throughput counts each user's prefill once per request (a batch's users produce
+    batch × output_len tokens in output_len decode steps plus batch prefills)."""
     from servelab.cost import Roofline
     from servelab.lab.roofline_lessons import batch_at_tpot
 
@@ -226,7 +227,8 @@ def estimate(s: Any, hardware: Any, tpot_ms: float, prompt_len: int, output_len:
     wall = rl.memory.max_batch(prompt_len + output_len) if rl.memory.weights_fit else 0
     context = prompt_len + output_len // 2
     batch = batch_at_tpot(rl, context, wall, tpot_ms / 1e3)
-    tps = batch / rl.decode(batch, context).time_s / s.tp if batch else 0.0
+    cycle_s = output_len * rl.decode(batch, context).time_s + batch * rl.prefill(prompt_len).time_s if batch else 0.0
+    tps = batch * output_len / cycle_s / s.tp if batch else 0.0
     return {"fits": wall > 0, "batch": batch, "tokens_per_s_per_gpu": tps, "binds": "memory" if batch == wall else "slo"}
 
 
@@ -309,7 +311,7 @@ def result(s: Any, rows_by_hw: dict[str, Any], tpot_ms: float, prompt_len: int, 
         "warning": warning,
         "stats": [
             stat("target", f"p{PLAN_PERCENTILE} TPOT ≤ {fmt(tpot_ms)} ms"),
-            stat("accelerators that meet it", f"{len(serving)} of {len(simulated)} simulated" if pending
+            stat("accelerators that meet it", f"{len(serving)} of the {len(simulated)} simulated so far" if pending
                  else f"{len(serving)} of {len(simulated)}"),
             stat("search", "users until the TPOT target or the KV cache binds"),
         ],

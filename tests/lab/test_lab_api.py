@@ -425,7 +425,8 @@ def test_capacity_answers_at_once_with_estimates_then_simulations():
         r = rl()
         wall = r.memory.max_batch(120)
         b = batch_at_tpot(r, 110, wall, 0.040)
-        assert plan["concurrency"][i] == b and plan["tokens_per_s_per_gpu"][i] == pytest.approx(b / r.decode(b, 110).time_s)
+        cycle_s = 20 * r.decode(b, 110).time_s + b * r.prefill(100).time_s  # output_len steps + each user's prefill
+        assert plan["concurrency"][i] == b and plan["tokens_per_s_per_gpu"][i] == pytest.approx(b * 20 / cycle_s)
         assert plan["config"][i].startswith("≈ ")
 
 
