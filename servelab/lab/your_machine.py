@@ -160,22 +160,19 @@ class Predictor:
             from servelab.bench.fidelity import compare
 
             rows = [r.to_dict() for r in compare(measured, predicted.summary)]
-        p50 = {k: getattr(measured, f"{k}_s").p50 for k in ("ttft", "tpot")}
+        p50 = {k: _ms(getattr(measured, f"{k}_s").p50) for k in ("ttft", "tpot")}
         stats = [stat("requests (ok / sent)", f"{len(ok)} / {len(records)}"),
-                 stat("measured p50 TTFT / TPOT", f"{fmt((p50['ttft'] or math.nan) * 1e3)} / "
-                      f"{fmt((p50['tpot'] or math.nan) * 1e3)} ms")]
+                 stat("measured p50 TTFT / TPOT", f"{fmt(p50['ttft'])} / {fmt(p50['tpot'])} ms")]
         if predicted is not None:
             sp = predicted.summary
-            stats.append(stat("predicted p50 TTFT / TPOT", f"{fmt((sp.ttft_s.p50 or math.nan) * 1e3)} / "
-                              f"{fmt((sp.tpot_s.p50 or math.nan) * 1e3)} ms"))
+            stats.append(stat("predicted p50 TTFT / TPOT", f"{fmt(_ms(sp.ttft_s.p50))} / {fmt(_ms(sp.tpot_s.p50))} ms"))
             errs = {r["metric"]: r["error_pct"] for r in rows}
             notice = (f"the simulator, priced by {self.profile_path}, predicts p50 TPOT "
                       f"{_pct(errs.get('TPOT p50'))} and p50 TTFT {_pct(errs.get('TTFT p50'))} off the measurement "
                       f"for this load ({len(ok)} requests at concurrency {concurrency}).")
         else:
-            notice = (f"measured {len(ok)} requests at concurrency {concurrency}: p50 TTFT "
-                      f"{fmt((p50['ttft'] or math.nan) * 1e3)} ms, p50 TPOT {fmt((p50['tpot'] or math.nan) * 1e3)} ms; "
-                      f"{why_not}.")
+            notice = (f"measured {len(ok)} requests at concurrency {concurrency}: p50 TTFT {fmt(p50['ttft'])} ms, "
+                      f"p50 TPOT {fmt(p50['tpot'])} ms; {why_not}.")
         return {
             "config": {"concurrency": concurrency, "requests": len(records), "profile": self.profile_path},
             "ttft": {"edges_ms": ttft_edges, "measured": _hist(out_ttft, ttft_edges), "predicted": _hist(sim_ttft, ttft_edges)},
@@ -203,6 +200,10 @@ class Predictor:
             return None, f"no catalog model matches the profile's model {self.profile.get('model')!r}"
         trace = replay_trace(records, closed_loop=True)
         return simulate(sim_config(self.profile, server, model, None), trace, concurrency=concurrency), None
+
+
+def _ms(seconds: float | None) -> float:
+    return math.nan if seconds is None else seconds * 1e3  # fmt() prints nan as "n/a"; 0 stays 0
 
 
 def _pct(value: float | None) -> str:

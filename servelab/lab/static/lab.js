@@ -673,6 +673,7 @@ function showMachineSetup() {
   $("summary").innerHTML = "";
   $("formulas").hidden = true;
   $("charts").hidden = true;
+  window.lab.last = { lesson: "live", data: { status: "no-engine", setup } };
   window.lab.renders += 1;
   document.body.dataset.renders = String(window.lab.renders);
 }
