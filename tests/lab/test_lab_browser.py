@@ -452,3 +452,10 @@ def test_your_machine_measures_the_engine_and_overlays_the_prediction(browser, t
         context.close()
     finally:
         server.stop()
+
+
+def test_log_axes_label_whole_figures_with_units_of_a_thousand_and_a_million(page, lab_server):
+    page.goto(f"{lab_server.url}/?lesson=request-cost")
+    _wait_settled(page)
+    ticks = page.evaluate("document.getElementById('chart-latency').layout.yaxis.ticktext")
+    assert "1M" in ticks and "1k" in ticks and not any("," in t for t in ticks), ticks  # not "1,000k"

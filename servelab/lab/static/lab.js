@@ -15,7 +15,8 @@ const pow2Axis = (values) => {
   return { type: "log", tickvals: shown, ticktext: shown.map((v) => (v >= 1024 ? v / 1024 + "K" : String(v))) };
 };
 // Log axes labelled at 1-2-5 steps with whole figures, never Plotly's bare digits ("2 ... 6").
-const tickText = (v) => (v >= 1000 ? (v / 1000).toLocaleString("en", { maximumSignificantDigits: 3 }) + "k" : v.toLocaleString("en", { maximumSignificantDigits: 3 }));
+const sig3 = (v) => v.toLocaleString("en", { maximumSignificantDigits: 3 });
+const tickText = (v) => (v >= 1e6 ? sig3(v / 1e6) + "M" : v >= 1000 ? sig3(v / 1000) + "k" : sig3(v));
 const logAxis = (...series) => {
   const vals = series.flat().filter((v) => v != null && v > 0);
   if (!vals.length) return { type: "log" };
@@ -360,8 +361,8 @@ LESSONS.push({
             { type: "scatter", x: L.output_len, y: L.decode_ms, mode: "lines", stackgroup: "e2e", name: "decode steps", line: { color: "#e07b00" } },
             { x: [d.selected.output_len], y: [d.selected.e2e_ms], mode: "markers", name: "your request", marker: { size: 13, symbol: "star", color: "#c62828" } },
           ],
-          layout: baseLayout("Long outputs cost total latency", "output tokens", "end-to-end latency (ms)",
-            { xaxis: pow2Axis(L.output_len), rest: withShades(shades) }),
+          layout: baseLayout("Long outputs cost total latency", "output tokens", "end-to-end latency (ms, log scale)",
+            { xaxis: pow2Axis(L.output_len), yaxis: Object.assign(logAxis(L.ttft_ms, L.e2e_ms), { rangemode: "normal" }), rest: withShades(shades) }),
         };
       } },
     { id: "money", make: (d) => {
@@ -374,7 +375,8 @@ LESSONS.push({
             { x: [d.selected.prompt_len], y: [d.selected.usd_per_k_requests], mode: "markers", name: "your request", marker: { size: 13, symbol: "star", color: "#c62828" } },
           ],
           layout: baseLayout("Long prompts cost money ($ per " + d.per_requests.toLocaleString("en") + " requests)", "prompt tokens",
-            "$ per " + d.per_requests.toLocaleString("en") + " requests", { xaxis: pow2Axis(M.prompt_len), rest: withShades(shades) }),
+            "$ per " + d.per_requests.toLocaleString("en") + " requests (log scale)", { xaxis: pow2Axis(M.prompt_len),
+              yaxis: Object.assign(logAxis(M.prefill_usd, M.total_usd), { rangemode: "normal" }), rest: withShades(shades) }),
         };
       } },
   ],
