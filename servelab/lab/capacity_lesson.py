@@ -41,6 +41,9 @@ REQUESTS_PER_USER = 2  # measured requests per simulated user at each level (plu
 PAST_MEMORY_WALL = 1.25  # the search's maximum, as a multiple of the users whose requests fill the KV cache
 TOLERANCE_FRACTION = 0.03  # the bisection stops within this share of the memory wall
 MAX_NUM_SEQS = 1 << 16  # the scheduler's sequence cap, out of the way: memory or the SLO binds first
+# Short requests put the memory wall at tens of thousands of users, whose simulation would take
+# minutes: the search stops here, and the bar says so. It is the largest batch the lab's forms take.
+SEARCH_CEILING_USERS = 4096
 PLAN_PERCENTILE = 90
 MAX_RUNNING_PLANS = 2  # each keeps the whole pool busy for seconds; more would only queue
 MAX_CACHED_PLANS = 64  # a plan's result is a few kB
@@ -85,7 +88,8 @@ def _jobs(key: tuple) -> list[Any]:
         jobs.append(PlanJob(
             model=model, hardware=hw.name, tp=tp, slo=SLO(tpot_s=tpot_ms / 1e3), percentile=PLAN_PERCENTILE,
             workload=workload, weight_dtype=w, kv_dtype=k, scheduler=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS),
-            max_concurrency=int(wall * PAST_MEMORY_WALL) + 1, price_per_device_hour=hw.price_per_hour_usd,
+            max_concurrency=min(int(wall * PAST_MEMORY_WALL) + 1, SEARCH_CEILING_USERS),
+            price_per_device_hour=hw.price_per_hour_usd,
             requests_per_client=REQUESTS_PER_USER, tolerance=max(1.0, TOLERANCE_FRACTION * wall)))
     return jobs
 
@@ -234,14 +238,18 @@ def estimate(s: Any, hardware: Any, tpot_ms: float, prompt_len: int, output_len:
 
 def _binds(row: Any) -> str | None:
     """Which limit set the row's capacity, in the lesson's words: "memory" (the KV cache: the
-    planner saw it full, or the search passed its maximum, beyond the memory wall) or "slo"."""
+    planner saw it full, or the search passed its maximum, beyond the memory wall), "slo", or
+    "ceiling" (still passing at SEARCH_CEILING_USERS, short of the memory wall)."""
     if row.binding is None:
         return None
-    return "slo" if row.binding.limit == "slo" else "memory" if row.binding.limit in (
-        "kv-cache", "search-maximum") else row.binding.limit
+    limit = row.binding.limit
+    if limit == "search-maximum" and row.binding.at_concurrency >= SEARCH_CEILING_USERS:
+        return "ceiling"
+    return "memory" if limit in ("kv-cache", "search-maximum") else limit
 
 
-BIND_LABEL = {"memory": "memory (KV cache full)", "slo": "the TPOT target", "max-num-seqs": "--max-num-seqs"}
+BIND_LABEL = {"memory": "memory (KV cache full)", "slo": "the TPOT target", "max-num-seqs": "--max-num-seqs",
+              "ceiling": f"the lab's {SEARCH_CEILING_USERS:,}-user ceiling, short of memory"}
 
 
 def result(s: Any, rows_by_hw: dict[str, Any], tpot_ms: float, prompt_len: int, output_len: int) -> dict[str, Any]:
@@ -267,7 +275,7 @@ def result(s: Any, rows_by_hw: dict[str, Any], tpot_ms: float, prompt_len: int, 
         plan["binding"].append(None if r.binding is None else r.binding.detail)
         plan["status"].append(status)
         if r.meets_slo:
-            prefix = "≈ " if status == "estimate" else ""
+            prefix = "≈ " if status == "estimate" else "≥ " if binds == "ceiling" else ""
             plan["config"].append(f"{prefix}{r.capacity_concurrency:,.0f} users · {BIND_LABEL.get(binds or '', binds)}")
         else:
             plan["config"].append("does not fit" if not r.fits else "misses the target")

@@ -565,3 +565,17 @@ def test_disaggregated_says_the_median_is_not_what_improves(client):
     assert b["p99"] < a["p99"]
     if b["p50"] > a["p50"] * 1.005:
         assert "median ITL is slightly worse" in d["notice"] and "only the tail improves" in d["notice"]
+
+
+def test_capacity_names_the_labs_ceiling_when_it_binds():
+    from types import SimpleNamespace
+
+    from servelab.lab.capacity_lesson import BIND_LABEL, SEARCH_CEILING_USERS, _binds, _jobs
+
+    # 18-token requests fill an H100's KV cache only past 23,000 users: the search stops at the ceiling.
+    job = next(j for j in _jobs(("llama-3.1-8b", "bfloat16", "bfloat16", 1, 50.0, 16, 2)) if j.hardware == "h100-sxm")
+    assert job.max_concurrency == SEARCH_CEILING_USERS
+    row = SimpleNamespace(binding=SimpleNamespace(limit="search-maximum", at_concurrency=SEARCH_CEILING_USERS))
+    assert _binds(row) == "ceiling" and "4,096-user ceiling" in BIND_LABEL["ceiling"]
+    row.binding.at_concurrency = 417  # past the memory wall, below the ceiling: memory bound
+    assert _binds(row) == "memory"
