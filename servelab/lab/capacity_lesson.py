@@ -129,6 +129,11 @@ class CapacityPlanner:
             state.done.wait()
         return state
 
+    def snapshot(self, state: _PlanState) -> tuple[bool, dict[str, Any]]:
+        """Whether the plan is done, and the rows finished so far, read together."""
+        with self._lock:
+            return state.done.is_set(), dict(state.rows)
+
     def _start(self, key: tuple) -> _PlanState:
         if self.num_running >= self.max_running:
             raise LabBusy(
@@ -203,8 +208,7 @@ def capacity(p: Params, planner: CapacityPlanner) -> dict[str, Any] | JSONRespon
     s.roofline()._check_context(prompt_len + output_len, "prompt_len + output_len")  # noqa: SLF001
     key = (s.model.name, s.weight_dtype, s.kv_dtype, s.tp, tpot_ms, prompt_len, output_len)
     state = planner.plan_for(key)
-    with planner._lock:  # noqa: SLF001 - a consistent snapshot of the rows finished so far
-        done, rows = state.done.is_set(), dict(state.rows)
+    done, rows = planner.snapshot(state)
     if not done:
         partial = result(s, rows, tpot_ms, prompt_len, output_len)
         partial.update(status="running", done=len(rows), total=state.total,
