@@ -90,9 +90,11 @@ def browser():
 def lab_server():
     from servelab.lab.app import create_lab_app
 
-    server = _Server(create_lab_app())
+    app = create_lab_app()
+    server = _Server(app)
     yield server
     server.stop()
+    app.state.capacity_planner.close()  # a plan a test started but did not wait for: no stray workers
 
 
 @pytest.fixture
