@@ -81,6 +81,8 @@ class PlanJob:
     target_rate: float | None = None
     price_per_device_hour: float | None = None
     profile: str | None = None  # a `servelab calibrate` profile's path: it prices the steps
+    requests_per_client: int = 4  # measured requests per level: this many per client (at least 100)
+    tolerance: float | None = None  # the search's bisection tolerance (default: find_capacity's)
 
 
 def cost_per_million_tokens(price_per_device_hour: float, tokens_per_s_per_device: float) -> float:
@@ -128,9 +130,9 @@ def plan_one(job: PlanJob) -> PlanRow:
 
     def measure(concurrency: float):  # noqa: ANN202
         c = int(concurrency)
-        n = fixed_n or max(100, 4 * c)
+        n = fixed_n or max(100, job.requests_per_client * c)
         # All c clients send their first request at t = 0, so that wave's prompts queue behind one
-        # another: a start-up burst no sustained load sees, yet with 4 requests per client a
+        # another: a start-up burst no sustained load sees, yet with 4 requests per client (the default) a
         # quarter of the samples, enough to decide a p90 TTFT on its own. Like `servelab bench
         # --warmup`, the first wave runs (it fills the batch) but is not measured.
         # `simulate` leaves a closed loop's wave out of its steady-state summary by default.
@@ -144,7 +146,8 @@ def plan_one(job: PlanJob) -> PlanRow:
     if fixed_n:
         max_load = min(max_load, fixed_n)  # more clients than requests changes nothing
     try:
-        result = find_capacity(measure, job.slo, percentile=job.percentile, mode="concurrency", max_load=max_load)
+        result = find_capacity(measure, job.slo, percentile=job.percentile, mode="concurrency", max_load=max_load,
+                               tolerance=job.tolerance)
     except (RequestTooLong, DoesNotFit) as exc:
         row.fits = False
         row.reason = exc.message

@@ -13,6 +13,8 @@ HELP = "interactive lessons on inference economics in the browser"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8001, help="port to listen on (default 8001)")
+    parser.add_argument("--profile", default=None, metavar="FILE.json",
+                        help="a `servelab calibrate` profile: the 'your machine' panel shows its fit")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -22,8 +24,11 @@ def run(args: argparse.Namespace) -> int:
 
     from servelab.lab.app import create_lab_app
 
+    from servelab.cost.profile import load_profile
+
+    profile = None if args.profile is None else load_profile(args.profile)  # a bad file fails here, exit 2
     _check_can_listen(args.host, args.port)
-    app = create_lab_app()
+    app = create_lab_app(profile=profile, profile_path=args.profile)
     print(f"servelab lab: open http://{args.host}:{args.port}/ (works offline; Ctrl-C to stop)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

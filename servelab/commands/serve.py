@@ -66,6 +66,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "(default 30s)")  # fmt: skip
     net.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
     net.add_argument("--no-lab", action="store_true", help="do not mount the lessons at /lab")
+    net.add_argument("--profile", default=None, metavar="FILE.json",
+                     help="a `servelab calibrate` profile: the lab's 'your machine' panel overlays its prediction")
 
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None,
@@ -132,9 +134,11 @@ def _setup_logging(level: str) -> logging.Logger:
     return logger
 
 
-def mount_lab(app: FastAPI) -> bool:
+def mount_lab(app: FastAPI, profile: dict | None = None, profile_path: str | None = None,
+              served_model: str | None = None) -> bool:
     """Mount the lessons at /lab on the server's app when `servelab.lab` is installed; its live
-    panel reads this server's own /metrics text. A broken lab never stops the API from serving."""
+    panel reads this server's own /metrics text and, with a profile, predicts what the page
+    measures. A broken lab never stops the API from serving."""
     import importlib.util
 
     if importlib.util.find_spec("servelab.lab") is None:
@@ -143,7 +147,8 @@ def mount_lab(app: FastAPI) -> bool:
     try:
         from servelab.lab.app import create_lab_app
 
-        lab = create_lab_app(engine_metrics_source=lambda: state.metrics.render().decode())
+        lab = create_lab_app(engine_metrics_source=lambda: state.metrics.render().decode(), profile=profile,
+                             profile_path=profile_path, served_model=lambda: served_model)
     except Exception as exc:
         logging.getLogger("servelab.server").warning(
             "the lab could not be mounted at /lab (%s: %s); serving the API without it", type(exc).__name__, exc
@@ -163,6 +168,9 @@ def run(args: argparse.Namespace) -> int:
         else DEFAULT_MAX_REQUEST_BYTES
     )  # fmt: skip
     allowed_origins = parse_str_list(args.allowed_origins) if args.allowed_origins else None
+    from servelab.cost.profile import load_profile
+
+    profile = None if args.profile is None else load_profile(args.profile)  # a bad file fails before the model loads
     log = _setup_logging(args.log_level)
 
     import prometheus_client
@@ -220,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
         driver=driver,
     )
     state = app.state.servelab
-    lab = not args.no_lab and mount_lab(app)
+    lab = not args.no_lab and mount_lab(app, profile, args.profile, engine.model_name)
 
     class _Server(uvicorn.Server):
         """Drains before uvicorn shuts down: uvicorn closes the listening socket as soon as it

@@ -3,7 +3,12 @@
 Lesson functions take validated `Params` and return JSON-ready dicts; every figure comes from
 `servelab.cost` (the roofline) or `servelab.sim` (the simulator). `notice` is the lesson's
 one-line "what to notice", written from those same figures; `warning`, when present, says why a
-configuration does not fit.
+configuration does not fit and what to change.
+
+"Does not fit" is answered one way by every lesson: a lesson that can still draw (the roofline
+sweeps) shades the region beyond the limit and warns; one that cannot run at all (a simulation
+whose weights do not fit) answers `no_fit` (see `does_not_fit`), and the page shades every chart
+with the limit named. Neither is a 400: the configuration is valid, it just does not fit.
 """
 
 from __future__ import annotations
@@ -11,9 +16,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from servelab.errors import NotFound
+from servelab.errors import DoesNotFit, NotFound
 from servelab.lab import roofline_lessons
-from servelab.lab.common import TP_CHOICES, common_defaults
+from servelab.lab.request_cost_lesson import request_cost
+from servelab.lab.common import TP_CHOICES, common_defaults, setup_from
 from servelab.lab.limits import published as published_limits
 from servelab.lab.params import Params
 from servelab.spec import HARDWARE, KV_DTYPES, MODELS, WEIGHT_DTYPES
@@ -41,19 +47,22 @@ LESSONS: dict[str, LessonFn | None] = {
     "chunked-prefill": _sim("chunked_prefill"),
     "disaggregated": _sim("disaggregated"),
     "memory": roofline_lessons.memory,
-    "capacity": None,  # needs the lab's CapacityPlanner: see run_lesson
+    "capacity": None,
+    "request-cost": request_cost,  # needs the lab's CapacityPlanner: see run_lesson
 }
 
 # The controls' starting values, per lesson (the API's own defaults are the same).
 LESSON_DEFAULTS: dict[str, dict[str, Any]] = {
     "two-workloads": {"prompt_len": 2048, "batch": 1},
     "batching": {"batch": 64, "context": 2048},
-    "slo": {"rate": 8, "ttft_slo_ms": 500, "tpot_slo_ms": 50, "prompt_len": 1024, "output_len": 128},
+    # Near the knee: at 24 req/s the p90 targets hold, a few req/s more and TPOT breaks them.
+    "slo": {"rate": 24, "ttft_slo_ms": 500, "tpot_slo_ms": 20, "prompt_len": 1024, "output_len": 128},
     "chunked-prefill": {"prompt_len": 8192, "decode_batch": 16, "chunk_tokens": 512},
     "disaggregated": {"rate": 6, "prefill_gpus": 1, "decode_gpus": 1, "link_gbps": 50, "prompt_len": 2048,
                       "output_len": 128},
     "memory": {"attention": "gqa", "context": 8192, "tpot_ms": 50},
     "capacity": {"tpot_ms": 50, "prompt_len": 1024, "output_len": 256},
+    "request-cost": {"prompt_len": 2048, "output_len": 256, "batch": 32, "price_per_gpu_hour": None},
 }
 
 
@@ -82,4 +91,18 @@ def run_lesson(name: str, params: Params, planner: CapacityPlanner) -> dict[str,
         from servelab.lab import capacity_lesson
 
         return capacity_lesson.capacity(params, planner)
-    return fn(params)
+    try:
+        return fn(params)
+    except DoesNotFit as exc:
+        return does_not_fit(name, params, exc)
+
+
+def does_not_fit(name: str, params: Params, exc: DoesNotFit) -> dict[str, Any]:
+    """A lesson that cannot run this configuration: the charts shade their whole area with the
+    limit named (`no_fit.label`); the warning is the full message, which says what to change."""
+    s = setup_from(params)
+    _, _, detail = exc.message.partition(": ")
+    label = "does not fit: " + (detail or exc.message).split(";")[0]
+    return {"config": {**s.to_dict(), **{k: v for k, v in params.items() if k not in s.to_dict()}},
+            "no_fit": {"label": label}, "warning": exc.message, "stats": [],
+            "notice": f"{s.model.name} cannot run this lesson on {s.hardware.name} as configured; the warning says what to change."}

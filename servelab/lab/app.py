@@ -2,7 +2,9 @@
 
 `servelab lab` serves it on its own; `servelab serve` mounts it at `/lab` and passes
 `engine_metrics_source`, a callable that returns the running engine's own figures (see
-`servelab.lab.live`), which feeds the live engine panel.
+`servelab.lab.live`), which feeds the live engine panel, and, with `--profile`, a calibrated
+profile whose simulator prediction the "your machine" panel overlays on what the page measured
+(see `servelab.lab.your_machine`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
-from servelab.errors import NotFound, ServelabError
+from servelab.errors import InvalidArgument, NotFound, ServelabError
 from servelab.lab.live import EngineMetricsSource, read_engine_stats
 from servelab.lab.params import Params
 
@@ -40,19 +42,28 @@ def _error_response(exc: ServelabError) -> JSONResponse:
     from servelab.lab.capacity_lesson import RETRY_AFTER_S
 
     body = {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param}}
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.http_status == 429 else None
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.http_status == 429 else None  # plans and replays alike
     return JSONResponse(body, status_code=exc.http_status, headers=headers)
 
 
-def create_lab_app(engine_metrics_source: EngineMetricsSource | None = None) -> FastAPI:
+def create_lab_app(engine_metrics_source: EngineMetricsSource | None = None, *,
+                   profile: dict[str, Any] | None = None, profile_path: str | None = None,
+                   served_model: Callable[[], str | None] | None = None) -> FastAPI:
     """The lab as an ASGI app. Mount it anywhere (`app.mount("/lab", create_lab_app(...))`): the
-    page addresses its API and files by relative URLs."""
+    page addresses its API and files by relative URLs. `profile` is a loaded `servelab calibrate`
+    profile (`servelab.cost.profile.load_profile`); `served_model` names the engine's model."""
     from servelab.lab import api  # the lesson registry imports the cost model; keep app import cheap
     from servelab.lab.capacity_lesson import CapacityPlanner
+    from servelab.lab.your_machine import Predictor
+
+    def metrics_text() -> str:
+        raw = engine_metrics_source() if engine_metrics_source is not None else ""
+        return raw if isinstance(raw, str) else ""
 
     app = FastAPI(title="servelab lab", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.engine_metrics_source = engine_metrics_source
     app.state.capacity_planner = CapacityPlanner()
+    app.state.predictor = Predictor(profile, profile_path, metrics_text if engine_metrics_source else None, served_model)
 
     @app.exception_handler(ServelabError)
     async def _servelab_error(_: Request, exc: ServelabError) -> JSONResponse:
@@ -91,6 +102,22 @@ def create_lab_app(engine_metrics_source: EngineMetricsSource | None = None) -> 
         if source is None:
             raise NotFound("no engine here: the live view works when the lab runs inside `servelab serve` (at /lab)")
         return read_engine_stats(source)
+
+    @app.get("/api/live/setup")
+    def live_setup() -> dict[str, Any]:
+        return app.state.predictor.describe()
+
+    @app.post("/api/live/predict")
+    async def live_predict(request: Request) -> dict[str, Any]:
+        import json
+
+        from starlette.concurrency import run_in_threadpool
+
+        try:
+            body = json.loads(await request.body())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise InvalidArgument(f"body: not JSON ({exc})", param="records") from None
+        return await run_in_threadpool(app.state.predictor.predict, body)
 
     @app.get("/api/health")
     def health() -> dict[str, Any]:

@@ -1,9 +1,15 @@
 """Lesson 7: capacity and cost across accelerators, the capacity planner's own result
 (`servelab.bench.planner`, the same code as `servelab plan`).
 
+The search is uncapped: for each accelerator it runs until the TPOT target or the memory limit
+binds (the KV cache: the search's maximum lies past the number of users whose requests fill it),
+and the chart names which one did.
+
 A plan is a capacity search on the simulator for every accelerator, which takes far longer than
 one HTTP request should wait. So the first request for a parameter set starts the plan in the
-background and answers 202 with its progress; the page polls until the 200 with the result.
+background and answers 202 with its progress and a partial result: the accelerators simulated so
+far, and for the others the roofline's instant estimate (marked as such); the page draws it and
+polls until the 200 with the whole result.
 
 Every plan of one lab runs on its `CapacityPlanner`: one process pool (started on demand, shut
 down when idle), at most MAX_RUNNING_PLANS plans at once (429 beyond), and an LRU cache of the
@@ -30,8 +36,14 @@ from servelab.lab.params import Params
 from servelab.metrics import SLO
 from servelab.spec import HARDWARE
 
-# Small on purpose: each accelerator's search runs ~10 simulations of this many requests.
-PLAN_NUM_REQUESTS = 64
+# Each accelerator's search runs ~10 simulations; these keep a whole plan near ten CPU-seconds.
+REQUESTS_PER_USER = 2  # measured requests per simulated user at each level (plus the first wave)
+PAST_MEMORY_WALL = 1.25  # the search's maximum, as a multiple of the users whose requests fill the KV cache
+TOLERANCE_FRACTION = 0.03  # the bisection stops within this share of the memory wall
+MAX_NUM_SEQS = 1 << 16  # the scheduler's sequence cap, out of the way: memory or the SLO binds first
+# Short requests put the memory wall at tens of thousands of users, whose simulation would take
+# minutes: the search stops here, and the bar says so. It is the largest batch the lab's forms take.
+SEARCH_CEILING_USERS = 4096
 PLAN_PERCENTILE = 90
 MAX_RUNNING_PLANS = 2  # each keeps the whole pool busy for seconds; more would only queue
 MAX_CACHED_PLANS = 64  # a plan's result is a few kB
@@ -52,17 +64,34 @@ class _PlanState:
     remaining: int = 0
 
 
+def memory_wall(model: str, hardware: str, w: str, k: str, tp: int, request_tokens: int) -> int:
+    """Users whose requests, each at its full length, fill the KV cache (0: nothing fits)."""
+    from servelab.cost import MemoryPlan
+    from servelab.spec import get_hardware, get_model
+
+    try:
+        plan = MemoryPlan(get_model(model), get_hardware(hardware), w, k, tp)
+    except ServelabError:
+        return 0
+    return plan.max_batch(request_tokens) if plan.weights_fit else 0
+
+
 def _jobs(key: tuple) -> list[Any]:
     from servelab.bench.planner import PlanJob
+    from servelab.core.config import SchedulerConfig
 
     model, w, k, tp, tpot_ms, prompt_len, output_len = key
-    workload = {"num_requests": PLAN_NUM_REQUESTS, "input_len": str(prompt_len), "output_len": str(output_len), "seed": 0}
-    return [
-        PlanJob(model=model, hardware=hw.name, tp=tp, slo=SLO(tpot_s=tpot_ms / 1e3), percentile=PLAN_PERCENTILE,
-                workload=workload, weight_dtype=w, kv_cache_dtype=k, max_concurrency=PLAN_NUM_REQUESTS,
-                price_per_device_hour=hw.price_per_hour_usd)
-        for hw in HARDWARE.values()
-    ]
+    workload = {"input_len": str(prompt_len), "output_len": str(output_len), "seed": 0}
+    jobs = []
+    for hw in HARDWARE.values():
+        wall = max(1, memory_wall(model, hw.name, w, k, tp, prompt_len + output_len))
+        jobs.append(PlanJob(
+            model=model, hardware=hw.name, tp=tp, slo=SLO(tpot_s=tpot_ms / 1e3), percentile=PLAN_PERCENTILE,
+            workload=workload, weight_dtype=w, kv_cache_dtype=k, scheduler=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS),
+            max_concurrency=min(int(wall * PAST_MEMORY_WALL) + 1, SEARCH_CEILING_USERS),
+            price_per_device_hour=hw.price_per_hour_usd,
+            requests_per_client=REQUESTS_PER_USER, tolerance=max(1.0, TOLERANCE_FRACTION * wall)))
+    return jobs
 
 
 class CapacityPlanner:
@@ -99,6 +128,11 @@ class CapacityPlanner:
         if wait:
             state.done.wait()
         return state
+
+    def snapshot(self, state: _PlanState) -> tuple[bool, dict[str, Any]]:
+        """Whether the plan is done, and the rows finished so far, read together."""
+        with self._lock:
+            return state.done.is_set(), dict(state.rows)
 
     def _start(self, key: tuple) -> _PlanState:
         if self.num_running >= self.max_running:
@@ -170,28 +204,68 @@ def capacity(p: Params, planner: CapacityPlanner) -> dict[str, Any] | JSONRespon
     s = setup_from(p)
     tpot_ms = p.float("tpot_ms", 50.0, **bounds("capacity", "tpot_ms"))
     prompt_len = p.int("prompt_len", 1024, **bounds("capacity", "prompt_len"))
-    output_len = p.int("output_len", 128, **bounds("capacity", "output_len"))
+    output_len = p.int("output_len", 256, **bounds("capacity", "output_len"))
     s.roofline()._check_context(prompt_len + output_len, "prompt_len + output_len")  # noqa: SLF001
     key = (s.model.name, s.weight_dtype, s.kv_dtype, s.tp, tpot_ms, prompt_len, output_len)
     state = planner.plan_for(key)
-    if not state.done.is_set():
-        return JSONResponse({"status": "running", "done": len(state.rows), "total": state.total,
-                             "message": f"planning: {len(state.rows)} of {state.total} accelerators simulated"},
-                            status_code=202)
+    done, rows = planner.snapshot(state)
+    if not done:
+        partial = result(s, rows, tpot_ms, prompt_len, output_len)
+        partial.update(status="running", done=len(rows), total=state.total,
+                       message=f"planning: {len(rows)} of {state.total} accelerators simulated; "
+                               f"the others show the roofline's estimate until their search ends")
+        return JSONResponse(partial, status_code=202)
     if state.error:
         raise ServelabError(f"the capacity plan failed: {state.error}")
-    return result(s, key, state, tpot_ms, prompt_len, output_len)
+    return result(s, rows, tpot_ms, prompt_len, output_len)
 
 
-def result(s: Any, key: tuple, state: _PlanState, tpot_ms: float, prompt_len: int, output_len: int) -> dict[str, Any]:
-    from servelab.bench.planner import rank
+def estimate(s: Any, hardware: Any, tpot_ms: float, prompt_len: int, output_len: int) -> dict[str, Any]:
+    """The roofline's instant answer for one accelerator, shown until its simulation ends: the
+    largest batch whose decode step at the mean context meets the TPOT target, capped by the KV
+    cache; its throughput counts each user's prefill once per request (a batch's users produce
+    batch × output_len tokens in output_len decode steps plus batch prefills)."""
+    from servelab.cost import Roofline
+    from servelab.lab.roofline_lessons import batch_at_tpot
 
-    rows = rank([state.rows[name] for name in HARDWARE if name in state.rows])
+    try:
+        rl = Roofline(s.model, hardware, s.weight_dtype, s.kv_dtype, s.tp)
+    except ServelabError:
+        return {"fits": False, "batch": 0, "tokens_per_s_per_gpu": 0.0}
+    wall = rl.memory.max_batch(prompt_len + output_len) if rl.memory.weights_fit else 0
+    context = prompt_len + output_len // 2
+    batch = batch_at_tpot(rl, context, wall, tpot_ms / 1e3)
+    cycle_s = output_len * rl.decode(batch, context).time_s + batch * rl.prefill(prompt_len).time_s if batch else 0.0
+    tps = batch * output_len / cycle_s / s.tp if batch else 0.0
+    return {"fits": wall > 0, "batch": batch, "tokens_per_s_per_gpu": tps, "binds": "memory" if batch == wall else "slo"}
+
+
+def _binds(row: Any) -> str | None:
+    """Which limit set the row's capacity, in the lesson's words: "memory" (the KV cache: the
+    planner saw it full, or the search passed its maximum, beyond the memory wall), "slo", or
+    "ceiling" (still passing at SEARCH_CEILING_USERS, short of the memory wall)."""
+    if row.binding is None:
+        return None
+    limit = row.binding.limit
+    if limit == "search-maximum" and row.binding.at_concurrency >= SEARCH_CEILING_USERS:
+        return "ceiling"
+    return "memory" if limit in ("kv-cache", "search-maximum") else limit
+
+
+BIND_LABEL = {"memory": "memory (KV cache full)", "slo": "the TPOT target", "max-num-seqs": "--max-num-seqs",
+              "ceiling": f"the lab's {SEARCH_CEILING_USERS:,}-user ceiling, short of memory"}
+
+
+def result(s: Any, rows_by_hw: dict[str, Any], tpot_ms: float, prompt_len: int, output_len: int) -> dict[str, Any]:
+    from servelab.bench.planner import PlanRow, cost_per_million_tokens, rank
+
+    simulated = rank([rows_by_hw[name] for name in HARDWARE if name in rows_by_hw])
+    pending = [name for name in HARDWARE if name not in rows_by_hw]
     plan: dict[str, list[Any]] = {k: [] for k in (
         "hardware", "tp", "fits", "meets_slo", "tokens_per_s_per_gpu", "usd_per_million_tokens", "concurrency",
-        "tpot_ms", "price_per_gpu_hour", "at_search_max", "config", "reason")}
-    for r in rows:
-        at_max = "search's maximum" in (r.reason or "")
+        "tpot_ms", "price_per_gpu_hour", "binds", "binding", "config", "reason", "status")}
+
+    def add(r: PlanRow, status: str, binds: str | None) -> None:
         plan["hardware"].append(r.hardware)
         plan["tp"].append(r.tp)
         plan["fits"].append(r.fits)
@@ -201,35 +275,57 @@ def result(s: Any, key: tuple, state: _PlanState, tpot_ms: float, prompt_len: in
         plan["concurrency"].append(r.capacity_concurrency)
         plan["tpot_ms"].append(None if r.tpot_s is None else r.tpot_s * 1e3)
         plan["price_per_gpu_hour"].append(r.price_per_device_hour)
-        plan["at_search_max"].append(at_max)
+        plan["binds"].append(binds)
+        plan["binding"].append(None if r.binding is None else r.binding.detail)
+        plan["status"].append(status)
         if r.meets_slo:
-            plan["config"].append(f"{'≥ ' if at_max else ''}{r.capacity_concurrency:g} users")
+            prefix = "≈ " if status == "estimate" else "≥ " if binds == "ceiling" else ""
+            plan["config"].append(f"{prefix}{r.capacity_concurrency:,.0f} users · {BIND_LABEL.get(binds or '', binds)}")
         else:
             plan["config"].append("does not fit" if not r.fits else "misses the target")
         plan["reason"].append(r.reason or None)
-    serving = [r for r in rows if r.meets_slo]
+
+    for r in simulated:
+        add(r, "simulated", _binds(r))
+    for name in pending:
+        hw = HARDWARE[name]
+        e = estimate(s, hw, tpot_ms, prompt_len, output_len)
+        tps = e["tokens_per_s_per_gpu"] or None
+        row = PlanRow(hardware=name, tp=s.tp, fits=e["fits"], capacity_concurrency=e["batch"] or None,
+                      tokens_per_s_per_device=tps, price_per_device_hour=hw.price_per_hour_usd,
+                      reason="roofline estimate; simulating",
+                      cost_per_million_output_tokens=None if not tps or hw.price_per_hour_usd is None else
+                      cost_per_million_tokens(hw.price_per_hour_usd, tps))
+        add(row, "estimate", e.get("binds") if tps else None)
+    serving = [r for r in simulated if r.meets_slo]
     warning = None
-    if not serving:
-        reasons = "; ".join(f"{r.hardware}: {r.reason}" for r in rows)
-        warning = f"no accelerator serves {s.model.name} within {fmt(tpot_ms)} ms TPOT: {reasons}"
+    if simulated and not pending and not serving:
+        reasons = "; ".join(f"{r.hardware}: {r.reason}" for r in simulated)
+        warning = (f"no accelerator serves {s.model.name} within {fmt(tpot_ms)} ms TPOT: {reasons}; loosen the TPOT "
+                   f"target, shorten the requests, use smaller dtypes or raise TP")
     if serving:
         cheapest = serving[0]
         fastest = max(serving, key=lambda r: r.tokens_per_s_per_device or 0.0)
+        bound = ", ".join(f"{r.hardware} by {BIND_LABEL.get(_binds(r) or '', _binds(r))}" for r in serving)
         notice = (f"{fastest.hardware} serves the most tokens/s per GPU ({fmt(fastest.tokens_per_s_per_device)}), "
                   f"but {cheapest.hardware} is cheapest at ${fmt(cheapest.cost_per_million_output_tokens or 0.0)} per "
-                  f"million output tokens; capacity is tokens/s per GPU at the TPOT target, not QPS.")
+                  f"million output tokens; capacity is tokens/s per GPU at the TPOT target, not QPS. "
+                  f"What bound each: {bound}.")
+    elif pending:
+        notice = "simulating; the bars that are not yet simulated are the roofline's estimate."
     else:
         notice = "nothing meets the target: loosen the TPOT target, shorten the requests, or raise TP."
     return {
-        "status": "done",
+        "status": "done" if not pending else "running",
         "config": {**s.to_dict(), "tpot_ms": tpot_ms, "prompt_len": prompt_len, "output_len": output_len,
-                   "num_requests": PLAN_NUM_REQUESTS, "percentile": PLAN_PERCENTILE},
+                   "requests_per_user": REQUESTS_PER_USER, "percentile": PLAN_PERCENTILE},
         "plan": plan,
         "warning": warning,
         "stats": [
             stat("target", f"p{PLAN_PERCENTILE} TPOT ≤ {fmt(tpot_ms)} ms"),
-            stat("accelerators that meet it", f"{len(serving)} of {len(rows)}"),
-            stat("search", f"concurrency up to {PLAN_NUM_REQUESTS}, {PLAN_NUM_REQUESTS} requests per level"),
+            stat("accelerators that meet it", f"{len(serving)} of the {len(simulated)} simulated so far" if pending
+                 else f"{len(serving)} of {len(simulated)}"),
+            stat("search", "users until the TPOT target or the KV cache binds"),
         ],
         "notice": notice,
     }

@@ -19,6 +19,10 @@ LIMITS: dict[str, dict[str, tuple[float, float]]] = {
     "disaggregated": {"rate": (0.1, 1000.0), "prefill_gpus": (1, 7), "decode_gpus": (1, 7),
                       "link_gbps": (1.0, 2000.0), "prompt_len": (1, 131072), "output_len": (2, 8192)},
     "memory": {"context": (1, MAX_TOKENS), "tpot_ms": (1.0, 10_000.0)},
+    "request-cost": {"prompt_len": (1, 131072), "output_len": (2, 32768), "batch": (1, MAX_BATCH),
+                     "price_per_gpu_hour": (0.01, 1000.0)},
+    # The "your machine" panel's load, sent by the page to the server it runs under: short on purpose.
+    "live": {"requests": (1, 64), "concurrency": (1, 16), "prompt_words": (1, 2048), "max_tokens": (2, 256)},
     "capacity": {"tpot_ms": (1.0, 10_000.0), "prompt_len": (1, 131072), "output_len": (2, 8192)},
 }
 

@@ -16,6 +16,9 @@ class Params:
     def __init__(self, query: Mapping[str, str]):
         self._query = dict(query)
 
+    def items(self) -> list[tuple[str, str]]:
+        return list(self._query.items())
+
     def _raw(self, name: str) -> str | None:
         value = self._query.get(name)
         if value is None or str(value).strip() == "":

@@ -10,6 +10,7 @@ import numpy as np
 from servelab.cost import MemoryPlan, Roofline, StepCost
 from servelab.errors import DoesNotFit
 from servelab.lab.common import Setup, fmt, gb, ms, powers_of_two, setup_from, stat
+from servelab.lab.formulas import step_formula
 from servelab.lab.limits import bounds
 from servelab.lab.params import Params
 from servelab.spec import ModelSpec
@@ -27,6 +28,12 @@ def _point(cost: StepCost) -> dict[str, Any]:
         "memory_ms": ms(cost.memory_time_s),
         "bound": cost.bound,
     }
+
+
+def busy_fraction(cost: StepCost) -> float:
+    """The share of a step the tensor cores spend on its FLOPs at their datasheet peak; the rest
+    of the step they sit idle, waiting on memory and fixed costs."""
+    return cost.peak_compute_time_s / cost.time_s if cost.time_s else 0.0
 
 
 def roofline_curve(rl: Roofline) -> dict[str, list[float]]:
@@ -64,6 +71,15 @@ def two_workloads(p: Params) -> dict[str, Any]:
     }
     ridge = rl.ridge_flops_per_byte
     ratio = prefill.time_s / decode.time_s
+    # On the roofline, a decode step's intensity grows with its batch until the KV cache is full:
+    # further right, decode at this context does not fit.
+    max_batch = plan.max_batch(prompt_len) if plan.weights_fit else 0
+    decode_wall = {
+        "intensity": rl.decode(max_batch, prompt_len).arithmetic_intensity if max_batch else 0.0,
+        "label": (f"decode at {prompt_len:,} tokens: batch > {max_batch:,} does not fit" if max_batch
+                  else "decode at this context does not fit"),
+    }
+    idle = 1.0 - busy_fraction(decode)
     return {
         "config": {**s.to_dict(), "prompt_len": prompt_len, "batch": batch},
         "prefill": _point(prefill),
@@ -77,7 +93,11 @@ def two_workloads(p: Params) -> dict[str, Any]:
         "limits": {"context": {
             "prompt_len": fit_context,
             "label": (f"KV cache full: batch {batch:,} fits up to {fit_context:,} tokens" if plan.weights_fit
-                      else "the weights alone do not fit")}},
+                      else "the weights alone do not fit")},
+            "roofline": decode_wall},
+        "tensor_cores_idle": idle,
+        "formulas": [step_formula(f"prefill of {prompt_len:,} tokens", prefill, rl),
+                     step_formula(f"one decode step, batch {batch:,} at {prompt_len:,} tokens", decode, rl)],
         "ridge_flops_per_byte": ridge,
         "ridge_label": f"{ridge:.0f} FLOP/byte",
         "roofline": roofline_curve(rl),
@@ -90,12 +110,14 @@ def two_workloads(p: Params) -> dict[str, Any]:
             stat("prefill intensity", fmt(prefill.arithmetic_intensity, "FLOP/B")),
             stat("decode intensity", fmt(decode.arithmetic_intensity, "FLOP/B")),
             stat("ridge", fmt(ridge, "FLOP/B")),
+            stat(f"tensor cores idle in a batch-{batch:,} decode step", f"{100 * idle:.1f}%"),
         ],
         "notice": (
             f"prefill of {prompt_len:,} tokens is {prefill.bound}-bound at {fmt(prefill.arithmetic_intensity)} "
             f"FLOP/byte and takes {fmt(ratio)}x as long as one decode step, which sits at "
             f"{fmt(decode.arithmetic_intensity)} FLOP/byte, {fmt(ridge / decode.arithmetic_intensity)}x below "
-            f"the ridge of {ridge:.0f}: decode waits on memory."
+            f"the ridge of {ridge:.0f}: decode waits on memory, and the tensor cores sit idle "
+            f"{100 * idle:.1f}% of the step."
         ),
     }
 
@@ -120,6 +142,7 @@ def batching(p: Params) -> dict[str, Any]:
         "compute_ms": [ms(c.compute_time_s) for c in costs],
         "memory_ms": [ms(c.memory_time_s) for c in costs],
         "bound": [c.bound for c in costs],
+        "busy_pct": [100 * busy_fraction(c) for c in costs],
         "fits": [plan.fits(b, context) for b in batches],
     }
     chosen = rl.decode(batch, context)
@@ -174,6 +197,7 @@ def batching(p: Params) -> dict[str, Any]:
         "crossover_batch": crossover,
         "memory": memory,
         "warning": reason,
+        "formulas": [step_formula(f"one decode step, batch {batch:,} at {context:,} tokens", chosen, rl)],
         "stats": [
             stat("step time", fmt(selected["step_ms"], "ms")),
             stat("tokens/s per user", fmt(selected["tokens_per_s_per_user"])),
@@ -181,14 +205,19 @@ def batching(p: Params) -> dict[str, Any]:
             stat("weights / KV read per step", f"{fmt(selected['weight_gb'])} / {fmt(selected['kv_gb'])} GB"),
             stat("compute catches up at batch", "never" if crossover is None else f"{crossover:,}"),
             stat("largest batch that fits", f"{memory['max_batch']:,}"),
+            stat("tensor cores busy at batch 1 / yours", f"{sweep['busy_pct'][0]:.1f}% / {100 * busy_fraction(chosen):.1f}%"),
         ],
         "notice": notice,
     }
 
 
-def full_attention(model: ModelSpec) -> ModelSpec:
+def with_mha(model: ModelSpec) -> ModelSpec:
     """The same model with one KV head per attention head (multi-head attention, no GQA)."""
-    return dataclasses.replace(model, name=f"{model.name} (full attention)", num_kv_heads=model.num_heads)
+    return dataclasses.replace(model, name=f"{model.name} (MHA)", num_kv_heads=model.num_heads)
+
+
+ATTENTION_CHOICES = ("gqa", "mha")
+ATTENTION_ALIASES = {"full": "mha"}  # the first edition's name, still read from old URLs
 
 
 def batch_at_tpot(rl: Roofline, context: int, max_batch: int, tpot_s: float) -> int:
@@ -214,11 +243,12 @@ VARIANT_KV_DTYPES = ("bfloat16", "fp8")
 
 def memory(p: Params) -> dict[str, Any]:
     s = setup_from(p)
-    attention = p.choice("attention", "gqa", ("gqa", "full"))
+    attention = p.choice("attention", "gqa", (*ATTENTION_CHOICES, *ATTENTION_ALIASES))
+    attention = ATTENTION_ALIASES.get(attention, attention)
     context = p.int("context", 8192, **bounds("memory", "context"))
     tpot_ms = p.float("tpot_ms", 50.0, **bounds("memory", "tpot_ms"))
     s.roofline()._check_context(context, "context")  # noqa: SLF001 - the roofline's own limit and message
-    combos = [(w, k, a) for a in ("gqa", "full") for w in VARIANT_WEIGHT_DTYPES for k in VARIANT_KV_DTYPES]
+    combos = [(w, k, a) for a in ATTENTION_CHOICES for w in VARIANT_WEIGHT_DTYPES for k in VARIANT_KV_DTYPES]
     chosen = (s.weight_dtype, s.kv_dtype, attention)
     if chosen not in combos:
         combos.append(chosen)
@@ -226,13 +256,13 @@ def memory(p: Params) -> dict[str, Any]:
         "label", "weight_dtype", "kv_dtype", "attention", "selected", "weights_gb", "kv_kb_per_token",
         "max_batch", "batch_at_tpot", "step_ms_at_tpot", "tokens_per_s_per_gpu")}
     for w, k, a in combos:
-        model = s.model if a == "gqa" else full_attention(s.model)
+        model = s.model if a == "gqa" else with_mha(s.model)
         plan = MemoryPlan(model, s.hardware, w, k, s.tp)
         rl = Roofline(model, s.hardware, w, k, s.tp)
         max_batch = plan.max_batch(context) if plan.weights_fit else 0
         b = batch_at_tpot(rl, context, max_batch, tpot_ms / 1e3)
         step_s = rl.decode(b, context).time_s if b else None
-        variants["label"].append(f"W {w}<br>KV {k}<br>{'GQA' if a == 'gqa' else 'full'}")
+        variants["label"].append(f"W {w}<br>KV {k}<br>{a.upper()}")
         variants["weight_dtype"].append(w)
         variants["kv_dtype"].append(k)
         variants["attention"].append(a)
@@ -245,7 +275,7 @@ def memory(p: Params) -> dict[str, Any]:
         variants["tokens_per_s_per_gpu"].append(0.0 if step_s is None else b / step_s / s.tp)
     i = combos.index(chosen)
     pick = {key: values[i] for key, values in variants.items()}
-    model = s.model if attention == "gqa" else full_attention(s.model)
+    model = s.model if attention == "gqa" else with_mha(s.model)
     plan = MemoryPlan(model, s.hardware, s.weight_dtype, s.kv_dtype, s.tp)
     warning = None
     if not plan.weights_fit:
@@ -265,7 +295,8 @@ def memory(p: Params) -> dict[str, Any]:
         yours = f"your choice cannot meet {fmt(tpot_ms)} ms TPOT at {context:,} tokens of context"
     best_label = variants["label"][best].replace("<br>", " · ")
     notice = (f"{yours}; {best_label} serves {fmt(variants['tokens_per_s_per_gpu'][best])}. "
-              f"Full attention needs {s.model.num_heads // s.model.num_kv_heads}x the KV per token of GQA here.")
+              f"Multi-head attention (MHA, one KV head per query head) needs "
+              f"{s.model.num_heads // s.model.num_kv_heads}x the KV per token of GQA here.")
     return {
         "config": {**s.to_dict(), "attention": attention, "context": context, "tpot_ms": tpot_ms},
         "variants": variants,

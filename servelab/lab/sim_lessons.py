@@ -9,6 +9,7 @@ a cached answer is the answer.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -17,13 +18,17 @@ import numpy as np
 from servelab.core.config import SchedulerConfig
 from servelab.errors import DoesNotFit
 from servelab.lab.common import Setup, fmt, ms, setup_from, stat
-from servelab.lab.limits import bounds
+from servelab.lab.limits import LIMITS, bounds
 from servelab.lab.params import Params
-from servelab.metrics import SLO, RequestRecord
+from servelab.metrics import SLO, RequestRecord, Summary, steady_state_summary
 from servelab.sim import SimConfig, SimResult, simulate
 from servelab.workload import RequestSpec, WorkloadSpec
 
-SLO_NUM_REQUESTS = 200
+SLO_RUN_S = 30.0  # seconds of arrivals in the SLO lesson's runs: long enough for a queue to build
+SLO_MIN_REQUESTS, SLO_MAX_REQUESTS = 300, 900
+WARMUP_FRACTION = 0.2  # the first fifth of the arrivals fill the system from empty: not measured
+SWEEP_FRACTIONS = (0.3, 0.6, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5)  # of the saturation estimate
+SATURATED_BELOW = 0.9  # achieved under this share of the offered rate: the system is not keeping up
 DISAGG_NUM_REQUESTS = 100
 CDF_POINTS = 201
 
@@ -53,7 +58,7 @@ def _itl_gaps_s(records: list[RequestRecord]) -> np.ndarray:
     return np.concatenate(gaps) if gaps else np.empty(0)
 
 
-# ---- 3. TTFT and TPOT as SLOs -------------------------------------------------------------------
+# ---- 3. TTFT and TPOT as SLOs, under sustained load ---------------------------------------------
 
 def _spread(center: int, name: str) -> str:
     # Requests vary in length (half to 1.5x the chosen length) so the distributions have a shape.
@@ -61,12 +66,99 @@ def _spread(center: int, name: str) -> str:
     return f"{low}-{high}" if high > low else str(center)
 
 
-@lru_cache(maxsize=64)
-def _slo_run(s_key: tuple, rate: float, prompt_len: int, output_len: int, ttft_s: float, tpot_s: float) -> SimResult:
+def _slo_requests(rate: float) -> int:
+    """Enough requests for SLO_RUN_S of arrivals, within what answers in about a second."""
+    return int(min(SLO_MAX_REQUESTS, max(SLO_MIN_REQUESTS, rate * SLO_RUN_S)))
+
+
+@lru_cache(maxsize=128)
+def _open_loop_run(s_key: tuple, rate: float, num_requests: int, prompt_len: int, output_len: int) -> SimResult:
+    """One Poisson run. No SLO here: the targets are applied afterwards (`_steady`), so changing a
+    target re-uses the simulation."""
     s = _setup_from_key(s_key)
-    workload = WorkloadSpec(num_requests=SLO_NUM_REQUESTS, rate=rate, input_len=_spread(prompt_len, "prompt"),
+    workload = WorkloadSpec(num_requests=num_requests, rate=rate, input_len=_spread(prompt_len, "prompt"),
                             output_len=_spread(output_len, "output"), seed=0)
-    return simulate(_sim_config(s, slo=SLO(ttft_s=ttft_s, tpot_s=tpot_s)), workload)
+    return simulate(_sim_config(s), workload)
+
+
+def _warmup_s(rate: float, num_requests: int) -> float:
+    return WARMUP_FRACTION * num_requests / rate
+
+
+@dataclass(slots=True)
+class Steady:
+    """A run's steady state: its summary without the warm-up, and the offered and achieved rates
+    over the measurement window (from the end of the warm-up to the last arrival). Completions per
+    second inside that window are the achieved rate: the drain after the last arrival, which a
+    sustained load never reaches, is left out."""
+
+    summary: Summary
+    offered_rps: float
+    achieved_rps: float
+
+    @property
+    def goodput_rps(self) -> float:
+        return self.achieved_rps * (self.summary.slo_attainment or 0.0)
+
+
+def _steady(result: SimResult, rate: float, slo: SLO) -> Steady:
+    n = len(result.records)
+    start_s = _warmup_s(rate, n)
+    steady = steady_state_summary(result.records, skip_first=0, after_s=start_s, slo=slo,
+                                  num_devices=int(result.config.get("num_devices", 1) or 1))
+    assert steady is not None  # the warm-up is a fraction of the arrivals: some always remain
+    end_s = max(r.arrival_s for r in result.records)
+    window_s = max(end_s - start_s, 1e-9)
+    arrived = sum(1 for r in result.records if start_s <= r.arrival_s <= end_s)
+    done = sum(1 for r in result.records if r.success and (t := r.last_token_s) is not None and start_s <= t <= end_s)
+    return Steady(steady, arrived / window_s, done / window_s)
+
+
+def saturation_estimate_rps(s: Setup, prompt_len: int, output_len: int) -> float:
+    """A request's GPU time at the largest batch the scheduler and the KV cache allow: its
+    prefill alone plus its share of every decode step. Its inverse is where the sweep is centred."""
+    rl = s.roofline()
+    context = prompt_len + output_len
+    plan = rl.memory
+    batch = max(1, min(SchedulerConfig().max_num_seqs, plan.max_batch(context) if plan.weights_fit else 1))
+    gpu_s = rl.prefill(prompt_len).time_s + output_len * rl.decode(batch, prompt_len + output_len // 2).time_s / batch
+    return 1.0 / gpu_s
+
+
+def _sweep(s: Setup, prompt_len: int, output_len: int, slo: SLO, pct: str) -> dict[str, Any]:
+    """Offered rate against achieved rate and goodput, around the saturation estimate."""
+    center = saturation_estimate_rps(s, prompt_len, output_len)
+    lo_rate, hi_rate = LIMITS["slo"]["rate"]
+    rates = sorted({float(f"{min(hi_rate, max(lo_rate, f * center)):.3g}") for f in SWEEP_FRACTIONS})
+    out: dict[str, list[Any]] = {"offered_rps": rates, "achieved_rps": [], "goodput_rps": [], "ttft_ms": [],
+                                 "tpot_ms": [], "meets": []}
+    for rate in rates:
+        st = _steady(_open_loop_run(_key(s), rate, _slo_requests(rate), prompt_len, output_len), rate, slo)
+        sm = st.summary
+        ttft, tpot = getattr(sm.ttft_s, pct), getattr(sm.tpot_s, pct)
+        out["achieved_rps"].append(st.achieved_rps)
+        out["goodput_rps"].append(st.goodput_rps)
+        out["ttft_ms"].append(None if ttft is None else ttft * 1e3)
+        out["tpot_ms"].append(None if tpot is None else tpot * 1e3)
+        out["meets"].append(_meets(ttft, tpot, slo))
+    # Saturation: the most the system completed, whatever was offered. The knee: the first
+    # offered rate whose percentile latencies break a target.
+    out["saturation_rps"] = max(out["achieved_rps"])
+    out["knee_rps"] = next((r for r, ok in zip(rates, out["meets"]) if not ok), None)
+    return out
+
+
+def _knee_text(knee: float | None, saturation: float) -> str:
+    if knee is None:
+        return "Every swept rate meets the targets: tighten them to find the knee."
+    when = "before" if knee < saturation else "only once"
+    return (f"The targets break from about {fmt(knee)} req/s offered, {when} the system saturates "
+            f"(it completes at most about {fmt(saturation)} req/s).")
+
+
+def _meets(ttft_s: float | None, tpot_s: float | None, slo: SLO) -> bool:
+    return ((ttft_s is None or slo.ttft_s is None or ttft_s <= slo.ttft_s)
+            and (tpot_s is None or slo.tpot_s is None or tpot_s <= slo.tpot_s))
 
 
 def _key(s: Setup) -> tuple:
@@ -90,50 +182,71 @@ def _check_len(s: Setup, prompt_len: int, output_len: int, *, spread: float = 1.
 
 def slo(p: Params) -> dict[str, Any]:
     s = setup_from(p)
-    rate = p.float("rate", 8.0, **bounds("slo", "rate"))
+    rate = p.float("rate", 24.0, **bounds("slo", "rate"))
     ttft_slo_ms = p.float("ttft_slo_ms", 500.0, **bounds("slo", "ttft_slo_ms"))
-    tpot_slo_ms = p.float("tpot_slo_ms", 50.0, **bounds("slo", "tpot_slo_ms"))
+    tpot_slo_ms = p.float("tpot_slo_ms", 20.0, **bounds("slo", "tpot_slo_ms"))
     prompt_len = p.int("prompt_len", 1024, **bounds("slo", "prompt_len"))
     output_len = p.int("output_len", 128, **bounds("slo", "output_len"))
     _check_len(s, prompt_len, output_len)
     s.memory().require_weights_fit()
-    result = _slo_run(_key(s), rate, prompt_len, output_len, ttft_slo_ms / 1e3, tpot_slo_ms / 1e3)
-    sm = result.summary
-    ok = [r for r in result.records if r.success]
+    target = SLO(ttft_s=ttft_slo_ms / 1e3, tpot_s=tpot_slo_ms / 1e3)
+    num_requests = _slo_requests(rate)
+    result = _open_loop_run(_key(s), rate, num_requests, prompt_len, output_len)
+    st = _steady(result, rate, target)
+    sm = st.summary
+    warmup_s = _warmup_s(rate, num_requests)
+    measured = [r for r in result.records if r.arrival_s >= warmup_s]
+    ok = [r for r in measured if r.success]
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     tpots = [r.tpot_s for r in ok if r.tpot_s is not None]
-    n = len(result.records)
-    ttft_ok = sum(1 for r in result.records if r.success and r.ttft_s is not None and r.ttft_s <= ttft_slo_ms / 1e3)
-    tpot_ok = sum(1 for r in result.records if r.success and (r.tpot_s is None or r.tpot_s <= tpot_slo_ms / 1e3))
+    n = len(measured)
+    ttft_ok = sum(1 for r in ok if r.ttft_s is not None and r.ttft_s <= target.ttft_s)
+    tpot_ok = sum(1 for r in ok if r.tpot_s is None or r.tpot_s <= target.tpot_s)
     attainment = {"ttft": ttft_ok / n, "tpot": tpot_ok / n, "both": sm.slo_attainment}
     ttft_cdf = {**cdf(ttfts), "percentiles": _percentiles_ms(sm.ttft_s)}
     tpot_cdf = {**cdf(tpots), "percentiles": _percentiles_ms(sm.tpot_s)}
     p90_ttft, p90_tpot = ttft_cdf["percentiles"].get("p90"), tpot_cdf["percentiles"].get("p90")
-    verdict = "meets" if (p90_ttft or math.inf) <= ttft_slo_ms and (p90_tpot or math.inf) <= tpot_slo_ms else "misses"
+    meets = _meets(None if p90_ttft is None else p90_ttft / 1e3, None if p90_tpot is None else p90_tpot / 1e3, target)
+    sweep = _sweep(s, prompt_len, output_len, target, "p90")
+    saturated = st.achieved_rps < SATURATED_BELOW * st.offered_rps  # against what actually arrived
+    if saturated:
+        load = (f"{fmt(rate)} req/s offered is more than it sustains: it completes {fmt(st.achieved_rps)} "
+                f"req/s and the queue grows for as long as the load lasts")
+    else:
+        load = f"at {fmt(rate)} req/s offered it keeps up ({fmt(st.achieved_rps)} req/s completed)"
+    knee = sweep["knee_rps"]
     return {
         "config": {**s.to_dict(), "rate": rate, "prompt_len": prompt_len, "output_len": output_len,
-                   "num_requests": SLO_NUM_REQUESTS},
+                   "num_requests": num_requests, "warmup_s": warmup_s, "measured_requests": n},
         "ttft_slo_ms": ttft_slo_ms,
         "tpot_slo_ms": tpot_slo_ms,
         "ttft_ms": ttft_cdf,
         "tpot_ms": tpot_cdf,
         "attainment": attainment,
-        "goodput_rps": sm.goodput,
+        "offered_rps": rate,
+        "arrived_rps": st.offered_rps,  # the Poisson sample's own rate over the window
+        "achieved_rps": st.achieved_rps,
+        "saturated": saturated,
+        "goodput_rps": st.goodput_rps,
         "request_throughput_rps": sm.request_throughput,
         "output_tokens_per_s": sm.output_throughput,
         "summary": sm.to_dict(),
+        "sweep": sweep,
         "stats": [
+            stat("offered / achieved rate", f"{fmt(rate)} / {fmt(st.achieved_rps)} req/s"),
             stat("p50 / p90 / p99 TTFT", " / ".join(fmt(v, "") for v in ttft_cdf["percentiles"].values()) + " ms"),
             stat("p50 / p90 / p99 TPOT", " / ".join(fmt(v, "") for v in tpot_cdf["percentiles"].values()) + " ms"),
             stat("SLO attainment (both)", fmt(100 * (sm.slo_attainment or 0.0), "%")),
-            stat("goodput", fmt(sm.goodput or 0.0, "req/s")),
-            stat("throughput", f"{fmt(sm.request_throughput)} req/s, {fmt(sm.output_throughput)} tok/s"),
+            stat("goodput", fmt(st.goodput_rps, "req/s")),
+            stat("saturates at about", fmt(sweep["saturation_rps"], "req/s")),
+            stat("measured", f"{n:,} of {num_requests:,} requests (first {fmt(warmup_s)} s of arrivals left out)"),
         ],
         "notice": (
-            f"at {fmt(rate)} req/s the p90 TTFT is {fmt(p90_ttft or math.nan)} ms and p90 TPOT "
-            f"{fmt(p90_tpot or math.nan)} ms: the deployment {verdict} the p90 targets; "
-            f"{fmt(100 * (sm.slo_attainment or 0.0))}% of requests meet both, a goodput of "
-            f"{fmt(sm.goodput or 0.0)} of {fmt(sm.request_throughput)} req/s."
+            f"{load}; the p90 TTFT is {fmt(p90_ttft or math.nan)} ms and p90 TPOT {fmt(p90_tpot or math.nan)} ms, "
+            f"so the deployment {'meets' if meets else 'misses'} the p90 targets "
+            f"({fmt(100 * (sm.slo_attainment or 0.0))}% of requests meet both, a goodput of {fmt(st.goodput_rps)} "
+            f"req/s). "
+            + _knee_text(knee, sweep["saturation_rps"])
         ),
     }
 
@@ -286,6 +399,23 @@ def _side(result: SimResult, label: str) -> dict[str, Any]:
     }
 
 
+def _disagg_notice(a: dict[str, Any], b: dict[str, Any], kv: dict[str, float]) -> str:
+    """The split's trade, both halves: the ITL tail against its median, and the TTFT it pays."""
+    a_itl, b_itl = a["itl_ms"]["percentiles"], b["itl_ms"]["percentiles"]
+    a50, b50 = a_itl.get("p50", math.nan), b_itl.get("p50", math.nan)
+    if b50 > a50 * 1.005:
+        median = (f"its median ITL is slightly worse ({fmt(b50)} against {fmt(a50)} ms: the decode pool runs "
+                  f"bigger batches on fewer GPUs), so only the tail improves")
+    else:
+        median = f"its median ITL is {fmt(b50)} against {fmt(a50)} ms"
+    return (
+        f"the split's p99 inter-token latency is {fmt(b_itl.get('p99'))} ms against {fmt(a_itl.get('p99'))} ms "
+        f"colocated, because no prefill interrupts its decodes; {median}. Its p90 TTFT of "
+        f"{fmt(b['ttft_ms']['percentiles'].get('p90'))} ms (vs {fmt(a['ttft_ms']['percentiles'].get('p90'))}) "
+        f"includes a median {fmt(kv.get('p50', math.nan))} ms KV transfer."
+    )
+
+
 def disaggregated(p: Params) -> dict[str, Any]:
     s = setup_from(p)
     rate = p.float("rate", 6.0, **bounds("disaggregated", "rate"))
@@ -315,16 +445,13 @@ def disaggregated(p: Params) -> dict[str, Any]:
         "stats": [
             stat("p90 TTFT colocated / split", f"{fmt(a['ttft_ms']['percentiles'].get('p90'))} / "
                  f"{fmt(b['ttft_ms']['percentiles'].get('p90'))} ms"),
+            stat("p50 ITL colocated / split", f"{fmt(a['itl_ms']['percentiles'].get('p50'))} / "
+                 f"{fmt(b['itl_ms']['percentiles'].get('p50'))} ms"),
             stat("p99 ITL colocated / split", f"{fmt(a['itl_ms']['percentiles'].get('p99'))} / "
                  f"{fmt(b['itl_ms']['percentiles'].get('p99'))} ms"),
             stat("KV transfer p50 / p99", f"{fmt(kv.get('p50', math.nan))} / {fmt(kv.get('p99', math.nan))} ms"),
             stat("output tok/s per GPU colocated / split", f"{fmt(a['output_tokens_per_s_per_gpu'])} / "
                  f"{fmt(b['output_tokens_per_s_per_gpu'])}"),
         ],
-        "notice": (
-            f"the split's p99 inter-token latency is {fmt(b['itl_ms']['percentiles'].get('p99'))} ms against "
-            f"{fmt(a['itl_ms']['percentiles'].get('p99'))} ms colocated, because no prefill interrupts its decodes; "
-            f"its p90 TTFT of {fmt(b['ttft_ms']['percentiles'].get('p90'))} ms (vs "
-            f"{fmt(a['ttft_ms']['percentiles'].get('p90'))}) includes a median {fmt(kv.get('p50', math.nan))} ms KV transfer."
-        ),
+        "notice": _disagg_notice(a, b, kv),
     }

@@ -53,3 +53,10 @@ def test_servelab_lab_serves_the_page_and_api():
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+def test_a_bad_profile_is_a_one_line_error(capsys, tmp_path):
+    bad = tmp_path / "profile.json"
+    bad.write_text("{}")
+    assert main(["lab", "--port", "1", "--profile", str(bad)]) == 2  # refused before any port is tried
+    assert "not a servelab profile" in capsys.readouterr().err

@@ -29,6 +29,7 @@ def serve(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
         (["--api-key", " "], "--api-key"),
         (["--max-request-bytes", "huge"], "--max-request-bytes"),
         (["--quantization", "int8", "--dtype", "bfloat16"], "quantization 'int8' computes in float32"),
+        (["--profile", "/nonexistent/profile.json"], "--profile /nonexistent/profile.json: cannot read it"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(args, needle):

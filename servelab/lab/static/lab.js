@@ -3,7 +3,8 @@
 
 const COMMON = ["model", "hardware", "weight_dtype", "kv_dtype", "tp"];
 // min/max come from the catalog's limits (the API's own bounds), filled in by controlSpec.
-const num = (name, label, step) => ({ name, label, type: "number", step: step || 1 });
+const num = (name, label, step, optional) => ({ name, label, type: "number", step: step || 1, optional: !!optional });
+const fmtNum = (v) => (v == null ? "n/a" : v.toLocaleString("en", { maximumSignificantDigits: 3 }));
 const pick = (name, label, options) => ({ name, label, type: "select", options });
 
 // Powers-of-two axes: a tick at each power with binary K suffixes ("16K", not "16.384k").
@@ -14,7 +15,8 @@ const pow2Axis = (values) => {
   return { type: "log", tickvals: shown, ticktext: shown.map((v) => (v >= 1024 ? v / 1024 + "K" : String(v))) };
 };
 // Log axes labelled at 1-2-5 steps with whole figures, never Plotly's bare digits ("2 ... 6").
-const tickText = (v) => (v >= 1000 ? (v / 1000).toLocaleString("en", { maximumSignificantDigits: 3 }) + "k" : v.toLocaleString("en", { maximumSignificantDigits: 3 }));
+const sig3 = (v) => v.toLocaleString("en", { maximumSignificantDigits: 3 });
+const tickText = (v) => (v >= 1e6 ? sig3(v / 1e6) + "M" : v >= 1000 ? sig3(v / 1000) + "k" : sig3(v));
 const logAxis = (...series) => {
   const vals = series.flat().filter((v) => v != null && v > 0);
   if (!vals.length) return { type: "log" };
@@ -48,6 +50,21 @@ const batchShades = (d, toX, last) => {
   if (mem.batch < last.batch) out.push(limitShade(toX(mem.batch, "hi"), last.x, mem.label, NO_FIT, 0));
   return out;
 };
+const withShades = (shades) => ({ shapes: shades.map((s) => s.shape), annotations: shades.map((s) => s.annotation) });
+// Long limit names wrap so they stay inside a phone-width chart.
+const wrap = (text, width) => text.replace(new RegExp("(.{1," + (width || 46) + "})(\\s+|$)", "g"), "$1<br>").replace(/(<br>)+$/, "");
+// A lesson that cannot run this configuration: every chart is one shaded area naming the limit.
+const noFitFigure = (label) => ({
+  data: [],
+  layout: baseLayout("", "", "", { xaxis: { visible: false }, yaxis: { visible: false }, rest: {
+    shapes: [{ type: "rect", xref: "paper", yref: "paper", x0: 0, x1: 1, y0: 0, y1: 1, fillcolor: NO_FIT, line: { width: 0 } }],
+    annotations: [{ x: 0.5, y: 0.5, xref: "paper", yref: "paper", text: wrap(label), showarrow: false, font: { size: 13, color: "#c62828" } }] } }),
+});
+// A vertical marker at x with a label on top.
+const marker = (x, text, color, dash, yShift) => ({
+  shape: { type: "line", x0: x, x1: x, y0: 0, y1: 1, yref: "paper", line: { color, width: 2, dash: dash || "solid" } },
+  annotation: { x, y: 1 - (yShift || 0), yref: "paper", xanchor: "left", yanchor: "top", text, showarrow: false, font: { size: 11, color }, bgcolor: "rgba(255,255,255,0.7)" },
+});
 const baseLayout = (title, x, y, extra) => Object.assign({
   title: { text: title, font: { size: 15 } },
   margin: { l: 64, r: 20, t: 44, b: 52 },
@@ -100,10 +117,16 @@ const LESSONS = [
             { x: [d.decode.intensity], y: [d.decode.achieved_tflops], mode: "markers+text", name: "decode step",
               text: ["decode"], textposition: "top right", marker: { size: 13, color: "#e07b00" } },
           ],
-          layout: baseLayout("Roofline: arithmetic intensity against the ridge", "arithmetic intensity (FLOP/byte)",
-            "attained TFLOP/s", { xaxis: logAxis(d.roofline.intensity), yaxis: Object.assign(logAxis(d.roofline.attainable_tflops, [d.prefill.achieved_tflops, d.decode.achieved_tflops]), { rangemode: "normal" }), rest: {
-              shapes: [{ type: "line", x0: d.ridge_flops_per_byte, x1: d.ridge_flops_per_byte, y0: 0, y1: 1, yref: "paper", line: { dash: "dash", color: "#999" } }],
-              annotations: [{ x: Math.log10(d.ridge_flops_per_byte), y: 1, yref: "paper", text: "ridge " + d.ridge_label, showarrow: false, yanchor: "bottom" }] } }) }) },
+          layout: (() => {
+            // Right of the ridge a step is compute-bound (grey); right of the decode wall, decode at this context does not fit (red).
+            const xs = d.roofline.intensity, xMax = Math.max(...xs) * 1.5, wall = d.limits.roofline;
+            const shades = [limitShade(d.ridge_flops_per_byte, xMax, "compute-bound beyond the ridge (" + d.ridge_label + ")", "rgba(120,120,120,0.12)", 0.09)];
+            if (wall.intensity < Math.max(...xs)) shades.push(limitShade(Math.max(wall.intensity, Math.min(...xs)), xMax, wall.label, NO_FIT, 0));
+            const sh = withShades(shades);
+            sh.shapes.push({ type: "line", x0: d.ridge_flops_per_byte, x1: d.ridge_flops_per_byte, y0: 0, y1: 1, yref: "paper", line: { dash: "dash", color: "#999" } });
+            return baseLayout("Roofline: arithmetic intensity against the ridge", "arithmetic intensity (FLOP/byte)",
+              "attained TFLOP/s", { xaxis: logAxis(xs), yaxis: Object.assign(logAxis(d.roofline.attainable_tflops, [d.prefill.achieved_tflops, d.decode.achieved_tflops]), { rangemode: "normal" }), rest: sh });
+          })() }) },
       { id: "prefill-sweep", wide: true, make: (d) => ({
           data: [
             { x: d.sweep.prompt_len, y: d.sweep.prefill_ms, mode: "lines+markers", name: "prefill time (TTFT floor)" },
@@ -157,6 +180,39 @@ const LESSONS = [
               yaxis2: { title: { text: "step time (ms)" }, overlaying: "y", side: "right", rangemode: "tozero", tickmode: "auto", nticks: 6, showgrid: false },
               shapes: shades.map((s) => s.shape), annotations: shades.map((s) => s.annotation) } });
           })() }) },
+      { id: "busy", make: (d) => ({
+          data: [{ x: d.sweep.batch, y: d.sweep.busy_pct, mode: "lines+markers", name: "tensor cores busy", line: { color: "#6a1b9a" } },
+                 { x: [d.sweep.batch[0]], y: [d.sweep.busy_pct[0]], mode: "markers+text", text: [(100 - d.sweep.busy_pct[0]).toFixed(1) + "% idle at batch 1"],
+                   textposition: "top right", marker: { size: 10, color: "#6a1b9a" }, name: "batch 1", showlegend: false }],
+          layout: (() => {
+            const maxB = Math.max(...d.sweep.batch), minB = Math.min(...d.sweep.batch);
+            const shades = batchShades(d, (b) => Math.max(b, minB / 1.5), { batch: maxB, x: maxB * 1.5 });
+            return baseLayout("Tensor cores busy per decode step (% of the step)", "batch size", "busy (%)",
+              { xaxis: pow2Axis(d.sweep.batch), yaxis: { range: [0, 100] }, rest: withShades(shades) });
+          })() }) },
+      { id: "frontier", make: (d) => {
+          const fit = d.sweep.fits;
+          const pick = (arr, want) => arr.map((v, i) => (fit[i] === want ? v : null));
+          const wall = d.limits.memory.batch;
+          const i = d.sweep.batch.findIndex((b) => b > wall);
+          const shades = [];
+          // Points left of the wall's per-user speed need more memory than there is: shade them.
+          if (i >= 0 && wall > 0) {
+            const xWall = d.sweep.tokens_per_s_per_user[Math.max(0, i - 1)];
+            const xs = d.sweep.tokens_per_s_per_user;
+            shades.push(limitShade(Math.min(...xs) / 1.3, xWall, "memory wall: " + d.limits.memory.label, NO_FIT, 0));
+          }
+          return {
+            data: [
+              { x: pick(d.sweep.tokens_per_s_per_user, true), y: pick(d.sweep.tokens_per_s_total, true), text: d.sweep.batch.map((b) => "batch " + b),
+                mode: "lines+markers", name: "fits", line: { color: "#2d6cdf" } },
+              { x: pick(d.sweep.tokens_per_s_per_user, false), y: pick(d.sweep.tokens_per_s_total, false), text: d.sweep.batch.map((b) => "batch " + b),
+                mode: "lines+markers", name: "does not fit", line: { color: "#c62828", dash: "dot" } },
+            ],
+            layout: baseLayout("Frontier: total throughput against each user's speed", "tokens/s per user (log scale)", "total tokens/s",
+              { xaxis: logAxis(d.sweep.tokens_per_s_per_user), rest: withShades(shades) }),
+          };
+        } },
       { id: "memory", wide: true, short: true, make: (d) => ({
           data: [
             { type: "bar", orientation: "h", y: ["memory"], x: [d.memory.weights_gb], name: "weights", marker: { color: "#2d6cdf" } },
@@ -174,12 +230,29 @@ const LESSONS = [
   {
     id: "slo", title: "3. TTFT and TPOT as SLOs",
     prose: [
-      "Production targets are stated at a percentile: say p90 TTFT under 500 ms and p90 TPOT under 50 ms. The simulator below runs the engine's own scheduler on the cost model at a Poisson request rate.",
-      "Raise the rate: batches grow, throughput rises, and the tails of both distributions move right until the SLOs break. Goodput counts only the requests that met every target.",
+      "Production targets are stated at a percentile: say p90 TTFT under 500 ms and p90 TPOT under 20 ms. The simulator below runs the engine's own scheduler on the cost model at a sustained Poisson request rate, long enough for a queue to build; the first fifth of the arrivals (the system filling from empty) is not measured.",
+      "Raise the rate: batches grow, throughput rises, and the tails of both distributions move right until the SLOs break. Goodput counts only the requests that met every target; past saturation the system completes less than is offered and the queue grows without end.",
     ],
     controls: [...COMMON, num("rate", "request rate (req/s)", 0.1), num("ttft_slo_ms", "TTFT SLO (ms)"),
                num("tpot_slo_ms", "TPOT SLO (ms)"), num("prompt_len", "prompt tokens"), num("output_len", "output tokens")],
     charts: [
+      { id: "goodput", wide: true, make: (d) => {
+          const sw = d.sweep;
+          const marks = [marker(sw.saturation_rps, "saturates: at most " + fmtNum(sw.saturation_rps) + " req/s completed", "#555", "dash", 0),
+                         marker(d.offered_rps, "your rate", "#c62828", "dot", 0.18)];
+          if (sw.knee_rps != null) marks.push(marker(sw.knee_rps, "p90 targets break", "#e65100", "dashdot", 0.09));
+          const top = Math.max(...sw.offered_rps, d.offered_rps) * 1.05;
+          return {
+            data: [
+              { x: [0, top], y: [0, top], mode: "lines", name: "achieved = offered", line: { color: "#bbb", dash: "dot" }, hoverinfo: "skip" },
+              { x: sw.offered_rps, y: sw.achieved_rps, mode: "lines+markers", name: "achieved (completed req/s)", line: { color: "#2d6cdf" } },
+              { x: sw.offered_rps, y: sw.goodput_rps, mode: "lines+markers", name: "goodput (met both p90 targets)", line: { color: "#43a047" } },
+              { x: [d.offered_rps], y: [d.achieved_rps], mode: "markers", name: "your rate: achieved", marker: { size: 13, symbol: "star", color: "#c62828" } },
+            ],
+            layout: baseLayout("Offered rate against achieved rate and goodput", "offered rate (req/s)", "req/s",
+              { xaxis: { range: [0, top] }, rest: withShades(marks) }),
+          };
+        } },
       { id: "ttft-cdf", make: (d) => ({
           data: cdfTraces(d.ttft_ms, "TTFT", "#2d6cdf"),
           layout: baseLayout("TTFT distribution (CDF)", "TTFT (ms)", "fraction of requests", { rest: {
@@ -220,7 +293,7 @@ const LESSONS = [
     id: "disaggregated", title: "5. Disaggregated serving",
     prose: [
       "Colocated serving runs prefill and decode on the same GPUs, so prefills interrupt decodes. Disaggregated serving puts them on separate pools and ships each request's KV cache from the prefill GPU to a decode GPU.",
-      "The decode pool never stalls on a prefill, so inter-token latency gets smooth; TTFT pays the KV transfer and the smaller prefill pool.",
+      "The decode pool never stalls on a prefill, so the inter-token latency tail shrinks; the median need not improve (it is often slightly worse: fewer GPUs decode bigger batches), and TTFT pays the KV transfer and the smaller prefill pool.",
     ],
     controls: [...COMMON, num("rate", "request rate (req/s)", 0.1), num("prefill_gpus", "prefill GPUs"), num("decode_gpus", "decode GPUs"),
                num("link_gbps", "KV link (GB/s)"), num("prompt_len", "prompt tokens"), num("output_len", "output tokens")],
@@ -236,10 +309,10 @@ const LESSONS = [
   {
     id: "memory", title: "6. Memory is the scarce resource",
     prose: [
-      "Weights take a fixed share of the accelerator; the rest holds KV cache, and each running sequence needs KV for its whole context. Smaller weight dtypes free memory for KV; smaller KV dtypes and grouped-query attention (fewer KV heads) shrink the KV per token.",
+      "Weights take a fixed share of the accelerator; the rest holds KV cache, and each running sequence needs KV for its whole context. Smaller weight dtypes free memory for KV; smaller KV dtypes and grouped-query attention (GQA: fewer KV heads than query heads, against multi-head attention, MHA, with one each) shrink the KV per token.",
       "More sequences in memory means a bigger batch, and a bigger batch means more tokens/s per GPU, as long as each step stays within the TPOT target.",
     ],
-    controls: [...COMMON, pick("attention", "attention", ["gqa", "full"]), num("context", "context length (tokens)"), num("tpot_ms", "TPOT target (ms)")],
+    controls: [...COMMON, pick("attention", "attention", ["gqa", "mha"]), num("context", "context length (tokens)"), num("tpot_ms", "TPOT target (ms)")],
     charts: [
       { id: "max-batch", make: (d, narrow) => variantBars(d, d.variants.max_batch, "#2d6cdf", "largest batch",
           "Largest batch that fits at this context", "sequences", narrow) },
@@ -251,34 +324,96 @@ const LESSONS = [
     id: "capacity", title: "7. Capacity and cost across accelerators",
     prose: [
       "Self-hosted capacity is tokens per second per GPU at a target TPOT, not QPS. The planner finds, for each accelerator, the largest load whose decode steps meet the target and that fits in memory, and turns it into dollars per million output tokens.",
+      "The search has no cap: it adds users until the TPOT target breaks or the KV cache is full, and each bar names which limit bound. Bars appear first as the roofline's estimate (pale) and turn solid as each accelerator's simulation ends.",
     ],
     controls: [...COMMON, num("tpot_ms", "TPOT target (ms)"), num("prompt_len", "prompt tokens"), num("output_len", "output tokens")],
     charts: [
       { id: "tokens-per-gpu", make: (d) => ({
-          data: [{ type: "bar", x: d.plan.hardware, y: d.plan.tokens_per_s_per_gpu, name: "tokens/s per GPU", text: d.plan.config, textposition: "outside" }],
-          layout: baseLayout("Output tokens/s per GPU at the TPOT target", "", "tokens/s per GPU") }) },
+          data: [{ type: "bar", x: d.plan.hardware, y: d.plan.tokens_per_s_per_gpu, name: "tokens/s per GPU", text: d.plan.config.map((t) => wrap(t, 18)),
+                   textposition: "outside", cliponaxis: false,
+                   marker: { color: d.plan.status.map((s, i) => (s === "estimate" ? "rgba(45,108,223,0.3)" : d.plan.binds[i] === "memory" ? "#2d6cdf" : "#1b3f8b")),
+                             line: { color: "#2d6cdf", width: d.plan.status.map((s) => (s === "estimate" ? 2 : 0)) } } }],
+          layout: baseLayout("Output tokens/s per GPU at the TPOT target" + (d.status === "running" ? " (pale: roofline estimate, simulating)" : ""),
+            "", "tokens/s per GPU", { yaxis: { range: [0, Math.max(1, ...d.plan.tokens_per_s_per_gpu) * 1.3] } }) }) },
       { id: "cost", make: (d) => ({
-          data: [{ type: "bar", x: d.plan.hardware, y: d.plan.usd_per_million_tokens, name: "$ per million tokens", marker: { color: "#43a047" } }],
+          data: [{ type: "bar", x: d.plan.hardware, y: d.plan.usd_per_million_tokens, name: "$ per million tokens",
+                   marker: { color: d.plan.status.map((s) => (s === "estimate" ? "rgba(67,160,71,0.3)" : "#43a047")) } }],
           layout: baseLayout("Cost per million output tokens", "", "$ / 1M tokens") }) },
     ],
   },
 ];
 
-const LIVE = {
-  id: "live", title: "Live engine", live: true,
-  prose: ["This panel reads the running engine's own metrics every two seconds: requests running and waiting, KV cache use, and the TTFT and inter-token latency histograms it measured."],
-  controls: [],
+LESSONS.push({
+  id: "request-cost", title: "8. What a request costs",
+  prose: [
+    "A request's latency is its prefill (TTFT) plus one decode step per further output token: long outputs cost total latency even when every step is fast.",
+    "Its cost is GPU time: its prefill alone on the GPU, plus its share of every decode step it rides in (1 / batch). Long prompts cost prefill, KV read on every step, and memory: past the KV limit fewer users fit, so each pays a bigger share. Set your own GPU price.",
+  ],
+  controls: [...COMMON, num("prompt_len", "prompt tokens"), num("output_len", "output tokens"), num("batch", "users sharing the GPU"),
+             num("price_per_gpu_hour", "$ per GPU-hour (empty: catalog price)", 0.01, true)],
   charts: [
+    { id: "latency", make: (d) => {
+        const L = d.latency, lim = d.limits.output;
+        const shades = lim ? [limitShade(lim.output_len, Math.max(...L.output_len) * 1.5, lim.label, NO_FIT, 0)] : [];
+        return {
+          data: [
+            { type: "scatter", x: L.output_len, y: L.ttft_ms, mode: "lines", stackgroup: "e2e", name: "TTFT (prefill)", line: { color: "#2d6cdf" } },
+            { type: "scatter", x: L.output_len, y: L.decode_ms, mode: "lines", stackgroup: "e2e", name: "decode steps", line: { color: "#e07b00" } },
+            { x: [d.selected.output_len], y: [d.selected.e2e_ms], mode: "markers", name: "your request", marker: { size: 13, symbol: "star", color: "#c62828" } },
+          ],
+          layout: baseLayout("Long outputs cost total latency", "output tokens", "end-to-end latency (ms, log scale)",
+            { xaxis: pow2Axis(L.output_len), yaxis: Object.assign(logAxis(L.ttft_ms, L.e2e_ms), { rangemode: "normal" }), rest: withShades(shades) }),
+        };
+      } },
+    { id: "money", make: (d) => {
+        const M = d.money, lim = d.limits.prompt;
+        const shades = lim ? [limitShade(lim.prompt_len, Math.max(...M.prompt_len) * 1.5, lim.label, NO_FIT, 0)] : [];
+        return {
+          data: [
+            { type: "scatter", x: M.prompt_len, y: M.prefill_usd, mode: "lines", stackgroup: "usd", name: "prefill", line: { color: "#2d6cdf" } },
+            { type: "scatter", x: M.prompt_len, y: M.decode_usd, mode: "lines", stackgroup: "usd", name: "share of decode steps", line: { color: "#e07b00" } },
+            { x: [d.selected.prompt_len], y: [d.selected.usd_per_k_requests], mode: "markers", name: "your request", marker: { size: 13, symbol: "star", color: "#c62828" } },
+          ],
+          layout: baseLayout("Long prompts cost money ($ per " + d.per_requests.toLocaleString("en") + " requests)", "prompt tokens",
+            "$ per " + d.per_requests.toLocaleString("en") + " requests (log scale)", { xaxis: pow2Axis(M.prompt_len),
+              yaxis: Object.assign(logAxis(M.prefill_usd, M.total_usd), { rangemode: "normal" }), rest: withShades(shades) }),
+        };
+      } },
+  ],
+});
+
+// The "your machine" panel: the engine's own metrics, polled, and a short load sent from this page to
+// the server's own /v1/completions (its API key and limits apply), measured here and, with a profile,
+// replayed through the simulator by api/live/predict.
+const LIVE = {
+  id: "live", title: "Your machine", live: true,
+  prose: [
+    "Everything else in the lab is predicted. Here the real engine answers: send a short load from this page to the server the lab runs in, and see the TTFT and TPOT it measured.",
+    "With a calibrated profile (`servelab calibrate --out profile.json`, then `servelab serve --profile profile.json`) the simulator replays exactly that traffic, and its prediction is drawn over the measurement. The charts below the load read the engine's own metrics every two seconds.",
+  ],
+  controls: [num("requests", "requests"), num("concurrency", "concurrency"), num("prompt_words", "prompt words"), num("max_tokens", "output tokens")],
+  charts: [
+    { id: "machine-ttft", load: true, make: (d) => loadHistogram(d, "ttft", "TTFT: measured" + (d.has_prediction ? " vs predicted" : ""), "TTFT (ms)") },
+    { id: "machine-tpot", load: true, make: (d) => loadHistogram(d, "tpot", "TPOT: measured" + (d.has_prediction ? " vs predicted" : ""), "TPOT (ms)") },
     { id: "live-queue", make: (d) => ({
         data: [{ type: "bar", x: ["running", "waiting"], y: [d.running, d.waiting], marker: { color: ["#2d6cdf", "#e07b00"] }, name: "requests" }],
         layout: baseLayout("Requests", "", "requests") }) },
     { id: "live-kv", make: (d) => ({
         data: [{ type: "bar", orientation: "h", y: ["KV cache"], x: [d.kv_usage == null ? null : d.kv_usage * 100], name: "KV in use", marker: { color: "#43a047" } }],
         layout: baseLayout("KV cache in use (%)", "%", "", { xaxis: { range: [0, 100] }, rest: { height: 220 } }) }) },
-    { id: "live-ttft", make: (d) => histogram(d.ttft_s, "TTFT histogram") },
-    { id: "live-itl", make: (d) => histogram(d.itl_s, "Inter-token latency histogram") },
+    { id: "live-ttft", make: (d) => histogram(d.ttft_s, "TTFT histogram (all traffic)") },
+    { id: "live-itl", make: (d) => histogram(d.itl_s, "Inter-token latency histogram (all traffic)") },
   ],
 };
+
+function loadHistogram(d, key, title, unit) {
+  const h = d[key], e = h.edges_ms;
+  const mids = e.slice(0, -1).map((lo, i) => Math.sqrt(lo * e[i + 1]));
+  const widths = e.slice(0, -1).map((lo, i) => e[i + 1] - lo);
+  const data = [{ type: "bar", x: mids, y: h.measured, width: widths, name: "measured", marker: { color: "rgba(45,108,223,0.7)" } }];
+  if (d.has_prediction) data.push({ type: "bar", x: mids, y: h.predicted, width: widths, name: "predicted (simulator + profile)", marker: { color: "rgba(224,123,0,0.55)" } });
+  return { data, layout: baseLayout(title, unit + ", log scale", "requests", { xaxis: logAxis(e), rest: { barmode: "overlay" } }) };
+}
 
 function histogram(h, title) {
   const labels = h ? h.le.map((le) => (le == null ? "+Inf" : "≤ " + le + " s")) : [];
@@ -287,7 +422,7 @@ function histogram(h, title) {
 
 // ---------------------------------------------------------------------------------------------
 
-const state = { catalog: null, lesson: null, seq: 0, liveTimer: null, live: false };
+const state = { catalog: null, lesson: null, seq: 0, liveTimer: null, live: false, load: null, setup: null };
 window.lab = { renders: 0, last: null, errors: 0 };
 const $ = (id) => document.getElementById(id);
 
@@ -312,27 +447,53 @@ function controlSpec(c, lesson) {
 function buildNav() {
   const nav = $("nav");
   nav.innerHTML = "";
-  for (const l of [...LESSONS, ...(state.live ? [LIVE] : [])]) {
+  for (const l of [...LESSONS, LIVE]) {
     const a = document.createElement("a");
     a.href = "?lesson=" + l.id;
     a.textContent = l.title;
     a.dataset.lesson = l.id;
-    if (l.live) a.className = "live";
+    if (l.live) a.className = state.live ? "live" : "live off";
     a.addEventListener("click", (e) => { e.preventDefault(); openLesson(l.id, {}); });
     nav.appendChild(a);
   }
 }
 
+// A slider beside each number box. Wide ranges slide on a log scale so the small values stay reachable;
+// the box stays the exact value, and both move together.
+const SLIDER_STEPS = 1000;
+function sliderFor(input, c) {
+  const lo = Number(c.min), hi = Number(c.max);
+  const log = lo > 0 && hi / lo > 100;
+  const toPos = (v) => (log ? Math.log(v / lo) / Math.log(hi / lo) : (v - lo) / (hi - lo)) * SLIDER_STEPS;
+  const fromPos = (p) => {
+    const f = p / SLIDER_STEPS;
+    let v = log ? lo * (hi / lo) ** f : lo + f * (hi - lo);
+    const step = Number(c.step) || 1;
+    v = Math.round(v / step) * step;
+    if (v >= 10) v = Number(v.toPrecision(step < 1 ? 3 : 2)); // round slider values to readable figures
+    return Math.min(hi, Math.max(lo, Number(v.toFixed(step < 1 ? 2 : 0))));
+  };
+  const range = document.createElement("input");
+  range.type = "range"; range.min = 0; range.max = SLIDER_STEPS; range.step = 1; range.className = "slider";
+  range.id = "slider-" + c.name; range.setAttribute("aria-label", c.label + " (slider)");
+  const sync = () => { const v = Number(input.value); if (input.value !== "" && Number.isFinite(v)) range.value = toPos(Math.min(hi, Math.max(lo, v))); };
+  range.addEventListener("input", () => { input.value = fromPos(Number(range.value)); });
+  range.addEventListener("change", () => { input.value = fromPos(Number(range.value)); refresh(); });
+  input.addEventListener("input", sync);
+  sync();
+  return { range, sync };
+}
+
 function buildControls(lesson, values) {
   const form = $("controls");
   form.innerHTML = "";
-  form.hidden = lesson.controls.length === 0;
-  const defaults = state.catalog.defaults[lesson.id] || {};
+  form.hidden = lesson.controls.length === 0 || (lesson.live && !state.live);
+  const defaults = (lesson.live ? state.setup.defaults : state.catalog.defaults[lesson.id]) || {};
   for (const raw of lesson.controls) {
     const c = controlSpec(raw, lesson);
     const label = document.createElement("label");
     label.textContent = c.label;
-    let input;
+    let input, slider = null;
     if (c.type === "select") {
       input = document.createElement("select");
       for (const o of c.options) {
@@ -342,26 +503,36 @@ function buildControls(lesson, values) {
       }
     } else {
       input = document.createElement("input");
-      input.type = "number"; input.min = c.min; input.max = c.max; input.step = c.step; input.required = true;
+      input.type = "number"; input.min = c.min; input.max = c.max; input.step = c.step; input.required = !c.optional;
+      if (c.optional) input.placeholder = "default";
     }
     input.name = c.name; input.id = "ctl-" + c.name;
     const v = values[c.name] !== undefined ? values[c.name] : defaults[c.name];
-    if (v !== undefined) input.value = v;
-    input.addEventListener("change", () => refresh());
+    if (v !== undefined && v !== null) input.value = v;
+    if (!lesson.live) input.addEventListener("change", () => { if (slider) slider.sync(); refresh(); });
+    if (c.type === "number") slider = sliderFor(input, c);
     label.appendChild(input);
+    if (slider) label.appendChild(slider.range);
     form.appendChild(label);
+  }
+  if (lesson.live && state.live) {
+    const button = document.createElement("button");
+    button.type = "button"; button.id = "send-load"; button.textContent = "Send load";
+    button.addEventListener("click", sendLoad);
+    form.appendChild(button);
   }
 }
 
 function currentParams() {
   const params = new URLSearchParams();
-  for (const el of $("controls").elements) params.set(el.name, el.value);
+  for (const el of $("controls").elements) if (el.name) params.set(el.name, el.value);
   return params;
 }
 
 function invalidControls() {
   const bad = [];
   for (const el of $("controls").elements) {
+    if (!el.name) continue;
     el.classList.remove("invalid");
     if (!el.checkValidity()) {
       el.classList.add("invalid");
@@ -378,19 +549,16 @@ function showError(message) {
   $("warning").hidden = true;
   $("notice").textContent = "";
   $("summary").innerHTML = "";
+  $("formulas").hidden = true;
   for (const chart of $("charts").children) Plotly.purge(chart);
   $("charts").hidden = true;
+  $("charts").classList.remove("stale");
 }
 
-function render(lesson, data) {
-  $("error").hidden = true;
-  $("warning").textContent = data.warning || "";
-  $("warning").hidden = !data.warning;
-  $("charts").hidden = false;
-  $("notice").textContent = data.notice || "";
+function renderStats(stats) {
   const summary = $("summary");
   summary.innerHTML = "";
-  for (const s of data.stats || []) {
+  for (const s of stats || []) {
     const div = document.createElement("div");
     div.className = "stat";
     const b = document.createElement("b"); b.textContent = s.value;
@@ -398,53 +566,186 @@ function render(lesson, data) {
     div.append(b, span);
     summary.appendChild(div);
   }
+}
+
+// The roofline terms behind the numbers, as the API computed them: shown beside the charts.
+function renderFormulas(formulas) {
+  const box = $("formulas");
+  box.hidden = !formulas || !formulas.length;
+  const body = $("formulas-body");
+  body.innerHTML = "";
+  for (const f of formulas || []) {
+    const h = document.createElement("h3"); h.textContent = f.title;
+    const pre = document.createElement("pre"); pre.textContent = f.lines.filter((l) => l).join("\n");
+    body.append(h, pre);
+  }
+}
+
+function draw(chart, fig) {
+  const narrow = $("chart-" + chart.id).clientWidth < 520;
+  const title = fig.layout.title;
+  if (title && title.text && narrow) {
+    // Plotly titles never wrap: on a phone, break a long one at its colon so it is not clipped.
+    title.text = title.text.includes(": ") ? title.text.replace(": ", ":<br>") : wrap(title.text, 40);
+    title.font = Object.assign({}, title.font, { size: 13 });
+    fig.layout.margin = Object.assign({ l: 64, r: 20, b: 52 }, fig.layout.margin, { t: 60 });
+  }
+  Plotly.react("chart-" + chart.id, fig.data, fig.layout, { displaylogo: false, responsive: true });
+}
+
+function render(lesson, data) {
+  $("error").hidden = true;
+  $("warning").textContent = data.warning || "";
+  $("warning").hidden = !data.warning;
+  $("charts").hidden = false;
+  $("charts").classList.toggle("stale", data.status === "running");
+  $("notice").textContent = (lesson.live && state.load ? state.load.notice : data.notice) || "";
+  renderStats(lesson.live && state.load ? [...state.load.stats, ...(data.stats || [])] : data.stats);
+  renderFormulas(data.formulas);
   for (const chart of lesson.charts) {
-    const narrow = $("chart-" + chart.id).clientWidth < 520;
-    const fig = chart.make(data, narrow);
-    const title = fig.layout.title;
-    if (title && title.text && narrow) {
-      // Plotly titles never wrap: on a phone, break a long one at its colon so it is not clipped.
-      title.text = title.text.replace(": ", ":<br>");
-      title.font = Object.assign({}, title.font, { size: 13 });
-      fig.layout.margin = Object.assign({ l: 64, r: 20, b: 52 }, fig.layout.margin, { t: 60 });
-    }
-    Plotly.react("chart-" + chart.id, fig.data, fig.layout, { displaylogo: false, responsive: true });
+    const el = $("chart-" + chart.id);
+    const narrow = el.clientWidth < 520;
+    let fig;
+    if (data.no_fit) fig = noFitFigure(data.no_fit.label);
+    else if (chart.load) fig = state.load ? chart.make(state.load, narrow) : placeholder(chart.id === "machine-ttft" ? "press Send load to measure TTFT" : "… and TPOT");
+    else fig = chart.make(data, narrow);
+    draw(chart, fig);
   }
   window.lab.last = { lesson: lesson.id, data };
   window.lab.renders += 1;
   document.body.dataset.renders = String(window.lab.renders);
 }
 
+const placeholder = (text) => ({ data: [], layout: baseLayout("", "", "", { xaxis: { visible: false }, yaxis: { visible: false },
+  rest: { annotations: [{ x: 0.5, y: 0.5, xref: "paper", yref: "paper", text, showarrow: false, font: { size: 13, color: "#5b6475" } }] } }) });
+
+function countError() {
+  window.lab.errors += 1;
+  document.body.dataset.errors = String(window.lab.errors);
+}
+
 async function refresh() {
   const lesson = state.lesson;
   const params = currentParams();
-  const query = new URLSearchParams(params);
+  const query = new URLSearchParams(lesson.live ? {} : params);
   query.set("lesson", lesson.id);
   history.replaceState(null, "", "?" + query.toString());
+  if (lesson.live && !state.live) return showMachineSetup();
   const bad = invalidControls();
-  if (bad.length) { showError(bad.join("\n")); window.lab.errors += 1; document.body.dataset.errors = String(window.lab.errors); return; }
+  if (bad.length && !lesson.live) { showError(bad.join("\n")); countError(); return; }
   const seq = ++state.seq;
   document.body.classList.add("busy");
+  $("charts").classList.add("stale"); // the old charts stay, dimmed, until the new numbers arrive
   try {
     const url = lesson.live ? "api/live" : "api/lessons/" + lesson.id + "?" + params.toString();
     const response = await fetch(url);
     const body = await response.json();
     if (seq !== state.seq) return; // a newer request superseded this one
     if (response.status === 202) {
-      // A long computation (the capacity plan) is running on the server: show progress, poll.
+      // A long computation (the capacity plan) runs on the server: draw its partial result, show progress, poll.
+      if (body.plan) render(lesson, body);
       $("notice").textContent = body.message;
       setTimeout(() => { if (seq === state.seq) refresh(); }, 700);
       return;
     }
     if (!response.ok) {
       showError((body.error && body.error.message) || response.statusText);
-      window.lab.errors += 1;
-      document.body.dataset.errors = String(window.lab.errors);
+      countError();
     } else {
       render(lesson, body);
     }
   } finally {
     if (seq === state.seq) document.body.classList.remove("busy");
+  }
+}
+
+// Without an engine, the panel says how to get one, and shows the profile it was given.
+function showMachineSetup() {
+  const setup = state.setup || {};
+  const lines = ["This panel needs the real engine: run `servelab serve` (add `--profile profile.json` from `servelab calibrate` for the prediction) and open its /lab/."];
+  if (setup.profile) {
+    const c = setup.profile.coefficients;
+    lines.push("Profile " + setup.profile.path + " (model " + setup.profile.model + "): per step " + fmtNum(c.per_step_s * 1e3) + " ms, per token " +
+               fmtNum(c.per_token_s * 1e3) + " ms, per sequence " + fmtNum(c.per_seq_s * 1e3) + " ms, per context token " + fmtNum(c.per_context_token_s * 1e6) + " µs.");
+  }
+  $("error").hidden = true;
+  $("warning").textContent = lines.join("\n");
+  $("warning").hidden = false;
+  $("notice").textContent = "";
+  $("summary").innerHTML = "";
+  $("formulas").hidden = true;
+  $("charts").hidden = true;
+  window.lab.last = { lesson: "live", data: { status: "no-engine", setup } };
+  window.lab.renders += 1;
+  document.body.dataset.renders = String(window.lab.renders);
+}
+
+const WORDS = "the quick brown fox jumps over a lazy dog while seven wise owls watch from an old oak tree".split(" ");
+
+// One streamed completion: when it was sent, its first and last content chunk, and the server's token counts.
+async function oneRequest(model, prompt, maxTokens, t0) {
+  const now = () => (performance.now() - t0) / 1000;
+  const rec = { sent_s: now(), ok: false, first_token_s: null, last_token_s: null, prompt_tokens: 0, output_tokens: 0 };
+  try {
+    const r = await fetch("../v1/completions", { method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ model, prompt, max_tokens: maxTokens, stream: true, stream_options: { include_usage: true }, ignore_eos: true, temperature: 0 }) });
+    if (!r.ok) { const b = await r.json().catch(() => ({})); throw new Error((b.error && b.error.message) || r.statusText); }
+    const reader = r.body.getReader(), dec = new TextDecoder();
+    let buf = "";
+    for (;;) {
+      const { value, done } = await reader.read();
+      if (done) break;
+      const t = now();
+      buf += dec.decode(value, { stream: true });
+      let k;
+      while ((k = buf.indexOf("\n\n")) >= 0) {
+        const ev = buf.slice(0, k); buf = buf.slice(k + 2);
+        if (!ev.startsWith("data: ") || ev === "data: [DONE]") continue;
+        const j = JSON.parse(ev.slice(6));
+        if (j.choices && j.choices.length && j.choices[0].text) { if (rec.first_token_s == null) rec.first_token_s = t; rec.last_token_s = t; }
+        if (j.usage) { rec.prompt_tokens = j.usage.prompt_tokens; rec.output_tokens = j.usage.completion_tokens; }
+      }
+    }
+    rec.ok = rec.first_token_s != null;
+  } catch (e) {
+    rec.error = String(e.message || e);
+  }
+  return rec;
+}
+
+async function sendLoad() {
+  const bad = invalidControls();
+  if (bad.length) { showError(bad.join("\n")); countError(); return; }
+  const v = Object.fromEntries(currentParams());
+  const n = Number(v.requests), c = Number(v.concurrency), words = Number(v.prompt_words), maxTokens = Number(v.max_tokens);
+  const button = $("send-load");
+  button.disabled = true;
+  try {
+    const models = await fetch("../v1/models").then((r) => r.json());
+    const model = models.data[0].id;
+    const prompt = Array.from({ length: words }, (_, i) => WORDS[i % WORDS.length]).join(" ");
+    const t0 = performance.now(), records = new Array(n);
+    let next = 0, done = 0;
+    const worker = async () => {
+      while (next < n) {
+        const i = next++;
+        records[i] = await oneRequest(model, prompt, maxTokens, t0);
+        done += 1;
+        $("notice").textContent = "measuring: " + done + " of " + n + " requests done";
+      }
+    };
+    await Promise.all(Array.from({ length: Math.min(c, n) }, worker));
+    const failed = records.filter((r) => !r.ok);
+    const response = await fetch("api/live/predict", { method: "POST", headers: { "Content-Type": "application/json" },
+      body: JSON.stringify({ concurrency: c, records }) });
+    const body = await response.json();
+    if (!response.ok) { showError((body.error && body.error.message) || response.statusText); countError(); return; }
+    if (failed.length) body.notice = failed.length + " request(s) failed (" + failed[0].error + "); " + body.notice;
+    state.load = body;
+    window.lab.load = body;
+    await refresh();
+  } finally {
+    button.disabled = false;
   }
 }
 
@@ -456,6 +757,15 @@ function openLesson(id, values) {
   $("prose").innerHTML = "";
   for (const p of lesson.prose) {
     const el = document.createElement("p"); el.textContent = p; $("prose").appendChild(el);
+  }
+  if (!lesson.live) {
+    // Every lesson points at the one place where prediction meets measurement.
+    const p = document.createElement("p"); p.className = "machine-link";
+    const a = document.createElement("a"); a.href = "?lesson=live"; a.id = "machine-link";
+    a.textContent = state.live ? "Measure the real engine on your machine, against the simulator's prediction →"
+                               : "Your machine: prediction against measurement, under servelab serve →";
+    a.addEventListener("click", (e) => { e.preventDefault(); openLesson("live", {}); });
+    p.appendChild(a); $("prose").appendChild(p);
   }
   for (const a of $("nav").children) a.classList.toggle("active", a.dataset.lesson === lesson.id);
   buildControls(lesson, values);
@@ -469,13 +779,14 @@ function openLesson(id, values) {
     charts.appendChild(div);
   }
   refresh();
-  if (lesson.live) state.liveTimer = setInterval(refresh, 2000);
+  if (lesson.live && state.live) state.liveTimer = setInterval(refresh, 2000);
 }
 
 async function main() {
-  const [catalog, health] = await Promise.all([fetch("api/catalog").then((r) => r.json()), fetch("api/health").then((r) => r.json())]);
+  const [catalog, health, setup] = await Promise.all(["api/catalog", "api/health", "api/live/setup"].map((u) => fetch(u).then((r) => r.json())));
   state.catalog = catalog;
   state.live = health.live;
+  state.setup = setup;
   buildNav();
   const query = new URLSearchParams(location.search);
   const values = Object.fromEntries(query.entries());

@@ -1,0 +1,210 @@
+"""The "your machine" panel: prediction against measurement on the host the lab runs on.
+
+Under `servelab serve` the page sends a short load to the server's own `/v1/completions` (the
+same route, API key and limits as any client) and posts what it measured here: each request's
+send, first-token and last-token times and its token counts. `predict` replays exactly that
+traffic (a closed loop at the page's concurrency, the measured lengths) through the simulator,
+set up as the server is (its /metrics publish the scheduler and KV pool) and priced by the
+calibrated profile given with `--profile`, and answers both sides on the same bins. Without a
+profile it answers the measurement alone and says how to get the prediction.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from servelab.errors import InvalidArgument, ServelabError
+from servelab.lab.common import fmt, stat
+from servelab.lab.limits import LIMITS
+from servelab.metrics import RequestRecord, summarize
+
+HIST_BINS = 12
+LOAD_DEFAULTS = {"requests": 16, "concurrency": 4, "prompt_words": 64, "max_tokens": 32}  # the panel's form
+
+
+class PredictionBusy(ServelabError):
+    http_status = 429
+    error_type = "rate_limit_exceeded"
+
+
+def catalog_model_for(profile: dict[str, Any] | None, served_model: str | None) -> Any:
+    """The catalog ModelSpec whose name matches the profile's model (or the served one), or None."""
+    from servelab.cost.profile import same_model
+    from servelab.spec import MODELS
+
+    for candidate in ((profile or {}).get("model"), served_model):
+        matches = [spec for key, spec in MODELS.items() if candidate and same_model(key, str(candidate))]
+        if len(matches) == 1:
+            return matches[0]
+    return None
+
+
+def _number(item: dict[str, Any], name: str, index: int, *, allow_none: bool = False) -> float | None:
+    value = item.get(name)
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+        raise InvalidArgument(f"records[{index}].{name}: must be a finite number >= 0, got {value!r}", param=name)
+    return float(value)
+
+
+def parse_records(body: Any) -> tuple[list[RequestRecord], int]:
+    """The page's measurements, checked: at most the panel's own request limit."""
+    if not isinstance(body, dict) or not isinstance(body.get("records"), list):
+        raise InvalidArgument("body: expected {\"concurrency\": C, \"records\": [...]}", param="records")
+    lo, hi = LIMITS["live"]["requests"]
+    items = body["records"]
+    if not lo <= len(items) <= hi:
+        raise InvalidArgument(f"records: between {lo:g} and {hi:g} requests, got {len(items)}", param="records")
+    c_lo, c_hi = LIMITS["live"]["concurrency"]
+    concurrency = body.get("concurrency")
+    if isinstance(concurrency, bool) or not isinstance(concurrency, int) or not c_lo <= concurrency <= c_hi:
+        raise InvalidArgument(f"concurrency: must be an integer between {c_lo:g} and {c_hi:g}, got {concurrency!r}",
+                              param="concurrency")
+    records = []
+    for i, item in enumerate(items):
+        if not isinstance(item, dict):
+            raise InvalidArgument(f"records[{i}]: expected an object", param="records")
+        ok = bool(item.get("ok", True))
+        sent = _number(item, "sent_s", i)
+        first = _number(item, "first_token_s", i, allow_none=not ok)
+        last = _number(item, "last_token_s", i, allow_none=not ok)
+        prompt = int(_number(item, "prompt_tokens", i) or 0)
+        output = int(_number(item, "output_tokens", i) or 0)
+        if ok and not sent <= first <= last:
+            raise InvalidArgument(f"records[{i}]: times must run sent_s <= first_token_s <= last_token_s", param="records")
+        records.append(RequestRecord(request_id=str(i), arrival_s=sent, first_scheduled_s=None, first_token_s=first,
+                                     token_times_s=(), end_s=last, prompt_tokens=prompt, output_tokens=output,
+                                     success=ok))
+    return records, concurrency
+
+
+def _bins(*series: list[float]) -> list[float]:
+    values = [v for s in series for v in s if v > 0]
+    if not values:
+        return []
+    lo, hi = min(values), max(values)
+    if hi <= lo * 1.01:
+        lo, hi = lo / 1.2, hi * 1.2
+    return np.geomspace(lo / 1.05, hi * 1.05, HIST_BINS + 1).tolist()
+
+
+def _hist(values: list[float], edges: list[float]) -> list[int]:
+    return np.histogram(values, bins=edges)[0].astype(int).tolist() if edges else []
+
+
+def _ms_values(records: list[RequestRecord], attr: str) -> list[float]:
+    return [v * 1e3 for r in records if r.success and (v := getattr(r, attr)) is not None]
+
+
+class Predictor:
+    """Replays measured traffic through the simulator; one replay at a time (429 beyond)."""
+
+    def __init__(self, profile: dict[str, Any] | None, profile_path: str | None,
+                 metrics_text: Callable[[], str] | None, served_model: Callable[[], str | None] | None = None):
+        self.profile = profile
+        self.profile_path = profile_path
+        self._metrics_text = metrics_text
+        self._served_model = served_model or (lambda: None)
+        self._lock = threading.Lock()
+
+    def describe(self) -> dict[str, Any]:
+        """What the panel can do here, for the page (shown before any load is sent)."""
+        held_out = ((self.profile or {}).get("fit") or {}).get("held_out") or {}
+        return {
+            "engine": self._metrics_text is not None,
+            "profile": None if self.profile is None else {
+                "path": self.profile_path, "model": self.profile.get("model"),
+                "host": (self.profile.get("host") or {}).get("cpu") if isinstance(self.profile.get("host"), dict)
+                else self.profile.get("host"),
+                "coefficients": self.profile["fit"]["coefficients"], "held_out": held_out},
+            "defaults": LOAD_DEFAULTS,
+        }
+
+    def predict(self, body: Any) -> dict[str, Any]:
+        records, concurrency = parse_records(body)
+        if not self._lock.acquire(blocking=False):
+            raise PredictionBusy("the lab is already replaying a load through the simulator; retry in a second")
+        try:
+            return self._predict(records, concurrency)
+        finally:
+            self._lock.release()
+
+    def _predict(self, records: list[RequestRecord], concurrency: int) -> dict[str, Any]:
+        ok = [r for r in records if r.success]
+        start = min(r.arrival_s for r in records)
+        end = max((r.end_s or r.arrival_s) for r in records)
+        measured = summarize(records, end - start)
+        predicted = None
+        why_not = None
+        if self.profile is None:
+            why_not = ("no profile loaded: run `servelab calibrate --out profile.json` on this host, then "
+                       "`servelab serve --profile profile.json`, to overlay the simulator's prediction")
+        elif self._metrics_text is None:
+            why_not = "no engine here: the prediction replays a measured load, which needs `servelab serve`"
+        elif not ok:
+            why_not = "no request succeeded: nothing to replay"
+        else:
+            predicted, why_not = self._replay(records, concurrency)
+        out_ttft, out_tpot = _ms_values(records, "ttft_s"), _ms_values(records, "tpot_s")
+        sim_ttft = [] if predicted is None else _ms_values(predicted.records, "ttft_s")
+        sim_tpot = [] if predicted is None else _ms_values(predicted.records, "tpot_s")
+        ttft_edges, tpot_edges = _bins(out_ttft, sim_ttft), _bins(out_tpot, sim_tpot)
+        rows = []
+        if predicted is not None:
+            from servelab.bench.fidelity import compare
+
+            rows = [r.to_dict() for r in compare(measured, predicted.summary)]
+        p50 = {k: _ms(getattr(measured, f"{k}_s").p50) for k in ("ttft", "tpot")}
+        stats = [stat("requests (ok / sent)", f"{len(ok)} / {len(records)}"),
+                 stat("measured p50 TTFT / TPOT", f"{fmt(p50['ttft'])} / {fmt(p50['tpot'])} ms")]
+        if predicted is not None:
+            sp = predicted.summary
+            stats.append(stat("predicted p50 TTFT / TPOT", f"{fmt(_ms(sp.ttft_s.p50))} / {fmt(_ms(sp.tpot_s.p50))} ms"))
+            errs = {r["metric"]: r["error_pct"] for r in rows}
+            notice = (f"the simulator, priced by {self.profile_path}, predicts p50 TPOT "
+                      f"{_pct(errs.get('TPOT p50'))} and p50 TTFT {_pct(errs.get('TTFT p50'))} off the measurement "
+                      f"for this load ({len(ok)} requests at concurrency {concurrency}).")
+        else:
+            notice = (f"measured {len(ok)} requests at concurrency {concurrency}: p50 TTFT {fmt(p50['ttft'])} ms, "
+                      f"p50 TPOT {fmt(p50['tpot'])} ms; {why_not}.")
+        return {
+            "config": {"concurrency": concurrency, "requests": len(records), "profile": self.profile_path},
+            "ttft": {"edges_ms": ttft_edges, "measured": _hist(out_ttft, ttft_edges), "predicted": _hist(sim_ttft, ttft_edges)},
+            "tpot": {"edges_ms": tpot_edges, "measured": _hist(out_tpot, tpot_edges), "predicted": _hist(sim_tpot, tpot_edges)},
+            "has_prediction": predicted is not None,
+            "why_no_prediction": why_not,
+            "comparison": rows,
+            "measured": measured.to_dict(),
+            "predicted": None if predicted is None else predicted.summary.to_dict(),
+            "stats": stats,
+            "notice": notice,
+        }
+
+    def _replay(self, records: list[RequestRecord], concurrency: int) -> tuple[Any, str | None]:
+        from servelab.bench.fidelity import replay_trace, server_config, sim_config
+        from servelab.sim import simulate
+
+        server = server_config(self._metrics_text())
+        missing = [k for k in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+                   if not server.get(k, "").isdigit()]
+        if missing:
+            return None, f"the server's /metrics do not publish {', '.join(missing)}: cannot set up the simulator"
+        model = catalog_model_for(self.profile, self._served_model())
+        if model is None:
+            return None, f"no catalog model matches the profile's model {self.profile.get('model')!r}"
+        trace = replay_trace(records, closed_loop=True)
+        return simulate(sim_config(self.profile, server, model, None), trace, concurrency=concurrency), None
+
+
+def _ms(seconds: float | None) -> float:
+    return math.nan if seconds is None else seconds * 1e3  # fmt() prints nan as "n/a"; 0 stays 0
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:+.0f}%"
