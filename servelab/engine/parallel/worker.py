@@ -19,36 +19,29 @@ def _exit_when_orphaned(parent: int) -> None:
 def worker_main(
     rank: int, size: int, port: int, threads: int, path: str, dtype: Any, engine_args: Any, parent: int
 ) -> None:
+    """`port`: rank 0's store (group.host_store)."""
     import torch
-    import torch.distributed as dist
 
     from servelab.engine.kv_cache import PagedKVCache
     from servelab.engine.llm_engine import apply_model_options
     from servelab.engine.loader import load_model
-    from servelab.engine.parallel.group import init_groups
+    from servelab.engine.parallel.group import client_store, join_groups, receive_object
     from servelab.engine.parallel.layers import parallelize
     from servelab.engine.parallel.sharding import Shard
 
     threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
     torch.set_num_threads(threads)
-    control = init_groups(rank, size, port)
+    groups = join_groups(rank, size, client_store(port))
     loaded = load_model(path, dtype=dtype, device=engine_args.device, tp_rank=rank, tp_size=size)
     model = loaded.model
     apply_model_options(model, engine_args)
-    parallelize(model, Shard(loaded.spec, rank, size), dist.group.WORLD)
+    parallelize(model, Shard(loaded.spec, rank, size), groups.compute)
 
-    message: list[Any] = [None]
-    dist.broadcast_object_list(message, src=0, group=control)
-    if message[0] is None:
-        dist.destroy_process_group()
+    message = receive_object(groups.control)
+    if message is None:
         return
-    num_blocks, block_size, kv_dtype, prefault = message[0]
+    num_blocks, block_size, kv_dtype, prefault = message
     kv = PagedKVCache(model.config, num_blocks, block_size, dtype=kv_dtype, device=engine_args.device, prefault=prefault)
-    while True:
-        message = [None]
-        dist.broadcast_object_list(message, src=0, group=control)
-        if message[0] is None:
-            break
-        ids, meta = message[0]
+    while (message := receive_object(groups.control)) is not None:
+        ids, meta = message
         model.forward(ids, meta, kv.k_layers, kv.v_layers)
-    dist.destroy_process_group()
