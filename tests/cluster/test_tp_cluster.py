@@ -1,7 +1,8 @@
 """`servelab serve --data-parallel 2 --tensor-parallel-size 2` end to end: each worker is rank 0
 of its own tensor-parallel group (five processes on 127.0.0.1). Greedy output equals one
 engine's, a killed TP rank fails only its worker's requests, and stopping the server leaves no
-process behind, TP ranks included."""
+process behind, TP ranks included. And `--disagg 1:1 --tensor-parallel-size 2`: every rank's KV
+heads cross from the prefill worker to the decode worker, and the output equals one engine's."""
 
 from __future__ import annotations
 
@@ -80,32 +81,40 @@ def tpdp_server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     assert _gone(every, timeout_s=15), f"processes {every} outlived the server"
 
 
-def test_greedy_output_through_tp_workers_equals_one_engine(tpdp_server, tiny_dir):
+@pytest.fixture(scope="module")
+def expected_texts(tiny_dir: Path) -> list[str]:
+    """One in-process engine (TP=1), the same flags: what greedy decoding must give."""
     from servelab.core.config import SchedulerConfig
     from servelab.core.sequence import SamplingParams
     from servelab.engine.llm_engine import EngineArgs, LLMEngine
 
-    server, _ = tpdp_server
     engine = LLMEngine.from_args(EngineArgs(model=str(tiny_dir), seed=0,
                                             scheduler=SchedulerConfig(num_blocks=64, max_model_len=256)))  # fmt: skip
     for i, ids in enumerate(PROMPTS):
         engine.add_request(str(i), ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
-    expected: dict[str, str] = {}
+    texts: dict[str, str] = {}
     while engine.has_unfinished():
         for out in engine.step():
-            expected[out.request_id] = expected.get(out.request_id, "") + out.text_delta
+            texts[out.request_id] = texts.get(out.request_id, "") + out.text_delta
     engine.close()
+    return [texts[str(i)] for i in range(len(PROMPTS))]
 
+
+def _complete_all(url: str) -> list[str]:
     def complete(ids: list[int]) -> str:
         body = {"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
-        r = httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS
         return r.json()["choices"][0]["text"]
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
-        got = list(pool.map(complete, PROMPTS))
-    assert got == [expected[str(i)] for i in range(len(PROMPTS))]
+        return list(pool.map(complete, PROMPTS))
+
+
+def test_greedy_output_through_tp_workers_equals_one_engine(tpdp_server, expected_texts):
+    server, _ = tpdp_server
+    assert _complete_all(server.url) == expected_texts
     workers = httpx.get(server.url + "/health").json()["workers"]
     assert all(w["status"] == "ok" for w in workers)
 
@@ -143,3 +152,21 @@ def test_a_killed_tp_rank_fails_only_its_workers_requests(tpdp_server):
     assert _gone([worker_pid[2]], timeout_s=15)  # the worker whose rank died exits
     r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
     assert r.status_code == 200, r.text  # worker 1 serves on
+
+
+def test_disagg_with_tp_moves_every_ranks_heads(tiny_dir, expected_texts, tmp_path):
+    flags = ("--disagg", "1:1", *FLAGS[2:])
+    server = launch_server(tiny_dir, tmp_path, *flags)
+    try:
+        workers = [w["pid"] for w in httpx.get(server.url + "/health").json()["workers"]]
+        ranks = [pid for w in workers for pid in _tp_ranks(w)]
+        assert len(ranks) == 2
+        assert _complete_all(server.url) == expected_texts
+        text = httpx.get(server.url + "/metrics").text
+        sent = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("servelab:kv_transfer_bytes_sum")]  # fmt: skip
+        # each prompt fills one 16-token block: K and V x 2 layers x 2 KV heads (both ranks') x 16 dims, fp32
+        assert sent == [len(PROMPTS) * 2 * 2 * 2 * 16 * 16 * 4], text
+    finally:
+        assert server.stop() == 0, server.log()
+    assert _gone(workers + ranks, timeout_s=15)

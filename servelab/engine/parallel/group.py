@@ -51,11 +51,13 @@ def free_port() -> int:
 
 @dataclass(slots=True)
 class Groups:
-    """A rank's two gloo groups and the store they met through (kept alive with them)."""
+    """A rank's gloo groups and the store they met through (kept alive with them)."""
 
     store: Any  # dist.TCPStore; rank 0 hosts it
     compute: Any  # the forward's collectives: COLLECTIVE_TIMEOUT_S
     control: Any  # the step broadcast: IDLE_TIMEOUT
+    kv_control: Any  # KV export/import commands (kv_shards.py), from another thread: IDLE_TIMEOUT
+    kv: Any  # their data: COLLECTIVE_TIMEOUT_S
 
 
 def host_store() -> Any:
@@ -69,7 +71,9 @@ def join_groups(rank: int, size: int, store: Any) -> Groups:
     def group(name: str, timeout: timedelta) -> Any:
         return dist.ProcessGroupGloo(dist.PrefixStore(f"tp/{name}/", store), rank, size, timeout)
 
-    return Groups(store, group("compute", timedelta(seconds=COLLECTIVE_TIMEOUT_S)), group("control", IDLE_TIMEOUT))
+    collective = timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+    return Groups(store, group("compute", collective), group("control", IDLE_TIMEOUT), group("kv_control", IDLE_TIMEOUT),
+                  group("kv", collective))  # fmt: skip
 
 
 def client_store(port: int) -> Any:
@@ -144,6 +148,12 @@ class TensorParallelGroup:
             self.check_alive()
             self._fail(f"broadcast failed ({exc})", exc)
 
+    def kv_groups(self) -> Groups:
+        """The groups, for a KV export or import (kv_shards.py); RankFailed once the group failed."""
+        if self.failure is not None or self.groups is None:
+            raise RankFailed(self.failure or "the tensor-parallel group is closed")
+        return self.groups
+
     def forward(self, model: Any, *inputs: Any) -> torch.Tensor:
         """Rank 0's forward, with the workers running theirs on the same inputs."""
         self.broadcast(inputs[:2])
@@ -161,6 +171,7 @@ class TensorParallelGroup:
         if self.groups is not None:
             if self.failure is None and all(w.is_alive() for w in self.workers):
                 try:
+                    broadcast_object(self.groups.kv_control, None)  # first: a worker's KV thread ends before it does
                     broadcast_object(self.groups.control, None)
                 except RuntimeError:
                     pass

@@ -32,16 +32,34 @@ def worker_main(
     threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
     torch.set_num_threads(threads)
     groups = join_groups(rank, size, client_store(port))
+    kv_holder: list[Any] = []  # the cache, once built; rank 0 sends no KV command before that
+    kv_built = threading.Event()
+    kv_thread = threading.Thread(target=_serve_kv, args=(groups, kv_holder, kv_built), name="servelab-tp-kv",
+                                 daemon=True)  # fmt: skip
+    kv_thread.start()
     loaded = load_model(path, dtype=dtype, device=engine_args.device, tp_rank=rank, tp_size=size)
     model = loaded.model
     apply_model_options(model, engine_args)
     parallelize(model, Shard(loaded.spec, rank, size), groups.compute)
 
     message = receive_object(groups.control)
-    if message is None:
-        return
-    num_blocks, block_size, kv_dtype, prefault = message
-    kv = PagedKVCache(model.config, num_blocks, block_size, dtype=kv_dtype, device=engine_args.device, prefault=prefault)
-    while (message := receive_object(groups.control)) is not None:
-        ids, meta = message
-        model.forward(ids, meta, kv.k_layers, kv.v_layers)
+    if message is not None:
+        num_blocks, block_size, kv_dtype, prefault = message
+        kv = PagedKVCache(model.config, num_blocks, block_size, dtype=kv_dtype, device=engine_args.device,
+                          prefault=prefault)  # fmt: skip
+        kv_holder.append(kv)
+        kv_built.set()
+        while (message := receive_object(groups.control)) is not None:
+            ids, meta = message
+            model.forward(ids, meta, kv.k_layers, kv.v_layers)
+    kv_thread.join(timeout=5.0)  # rank 0 ended it first
+
+
+def _serve_kv(groups: Any, kv_holder: list[Any], kv_built: threading.Event) -> None:
+    from servelab.engine.parallel.group import receive_object
+    from servelab.engine.parallel.kv_shards import serve_kv
+
+    first = receive_object(groups.kv_control)  # None (stop) or a command, which needs the cache
+    if first is not None:
+        kv_built.wait()
+        serve_kv(groups, kv_holder[0], first)
