@@ -20,6 +20,7 @@ import atexit
 import logging
 import pickle
 import socket
+import threading
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -107,6 +108,7 @@ class TensorParallelGroup:
         torch.set_num_threads(threads_per_rank)
         self.failure: str | None = None
         self.groups: Groups | None = None
+        self.kv_lock = threading.Lock()  # one KV command and its collective at a time (kv_shards.py)
         store = host_store()
         port = store.port
         if mp.current_process().daemon:  # a daemonic cluster worker (cluster/launch.py) may not have children;
@@ -169,12 +171,16 @@ class TensorParallelGroup:
     def close(self) -> None:
         """Stops the workers (asking first, then killing) and leaves the process groups."""
         if self.groups is not None:
-            if self.failure is None and all(w.is_alive() for w in self.workers):
+            # not while a KV transfer's command is on kv_control (a transfer thread may outlive the
+            # loop that started it): wait for it briefly, else the workers are killed below
+            if self.failure is None and all(w.is_alive() for w in self.workers) and self.kv_lock.acquire(timeout=5.0):
                 try:
                     broadcast_object(self.groups.kv_control, None)  # first: a worker's KV thread ends before it does
                     broadcast_object(self.groups.control, None)
                 except RuntimeError:
                     pass
+                finally:
+                    self.kv_lock.release()
             self.groups = None  # gloo closes its pairs when the groups go
         for w in self.workers:
             if self.failure is None:  # asked to stop; after a failure the survivors wait on a dead group

@@ -13,7 +13,6 @@ blocks being moved belong to no running sequence, so neither side's steps touch 
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import torch
@@ -30,7 +29,6 @@ class TensorParallelKV:
     def __init__(self, kv: Any, group: Any):
         self.kv = kv  # rank 0's PagedKVCache
         self.group = group  # engine.parallel.group.TensorParallelGroup
-        self.lock = threading.Lock()  # one command and its collective at a time
         self.num_layers = kv.num_layers
         self.block_size = kv.block_size
         self.dtype = kv.dtype
@@ -58,7 +56,7 @@ class TensorParallelKV:
         self.kv.import_layer(layer, slots, self._import(("layer", layer, slots), piece))
 
     def _export(self, what: tuple, local: torch.Tensor) -> torch.Tensor:
-        with self.lock:
+        with self.group.kv_lock:
             groups = self.group.kv_groups()
             broadcast_object(groups.kv_control, ("export", *what))
             parts = [torch.empty_like(local) for _ in range(self.group.size)]
@@ -67,7 +65,7 @@ class TensorParallelKV:
 
     def _import(self, what: tuple, piece: torch.Tensor) -> torch.Tensor:
         parts = [p.contiguous() for p in piece.chunk(self.group.size, dim=HEADS_DIM[what[0]])]
-        with self.lock:
+        with self.group.kv_lock:
             groups = self.group.kv_groups()
             broadcast_object(groups.kv_control, ("import", *what))
             mine = torch.empty_like(parts[0])

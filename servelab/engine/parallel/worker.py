@@ -1,11 +1,13 @@
 """What tensor-parallel ranks 1..N-1 run: load this rank's shard, build its KV cache for its
-heads, then run every forward rank 0 broadcasts until it broadcasts None."""
+heads, then run every forward rank 0 broadcasts until it broadcasts None. A second thread
+serves rank 0's KV exports and imports (kv_shards.py) meanwhile."""
 
 from __future__ import annotations
 
 import os
 import threading
 import time
+import traceback
 from typing import Any
 
 
@@ -59,7 +61,11 @@ def _serve_kv(groups: Any, kv_holder: list[Any], kv_built: threading.Event) -> N
     from servelab.engine.parallel.group import receive_object
     from servelab.engine.parallel.kv_shards import serve_kv
 
-    first = receive_object(groups.kv_control)  # None (stop) or a command, which needs the cache
-    if first is not None:
-        kv_built.wait()
-        serve_kv(groups, kv_holder[0], first)
+    try:
+        first = receive_object(groups.kv_control)  # None (stop) or a command, which needs the cache
+        if first is not None:
+            kv_built.wait()
+            serve_kv(groups, kv_holder[0], first)
+    except Exception:  # rank 0 must not wait on this thread: the rank dies, and rank 0 says so (RankFailed)
+        traceback.print_exc()
+        os._exit(1)
