@@ -21,6 +21,7 @@ import logging
 import pickle
 import socket
 import threading
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -36,6 +37,7 @@ logger = logging.getLogger("servelab.engine")
 
 COLLECTIVE_TIMEOUT_S = 60.0  # a forward's collective (and the start) waits no longer for a rank
 IDLE_TIMEOUT = timedelta(days=30)  # the step broadcast: workers wait this long for the next step
+DEATH_GRACE_S = 1.0  # after a failed collective, how long a dying rank gets to show as exited
 
 
 class RankFailed(RuntimeError):
@@ -135,6 +137,16 @@ class TensorParallelGroup:
         if dead:
             self._fail(", ".join(f"rank {r} exited with code {code}" for r, code in dead))
 
+    def _check_dead_after_failure(self) -> None:
+        """check_alive, after a collective failed: a killed rank's sockets close a moment before
+        its process is reaped, so give it that moment (once) to be named as the cause."""
+        deadline = time.monotonic() + DEATH_GRACE_S
+        for w in self.workers:
+            w.join(timeout=max(0.0, deadline - time.monotonic()))
+            if not w.is_alive():
+                break
+        self.check_alive()
+
     def _fail(self, why: str, exc: BaseException | None = None) -> None:
         self.failure = f"tensor-parallel rank failure: {why}; the engine cannot continue"
         logger.error(self.failure)
@@ -147,7 +159,7 @@ class TensorParallelGroup:
         try:
             broadcast_object(self.groups.control, obj)
         except RuntimeError as exc:
-            self.check_alive()
+            self._check_dead_after_failure()
             self._fail(f"broadcast failed ({exc})", exc)
 
     def kv_groups(self) -> Groups:
@@ -162,7 +174,7 @@ class TensorParallelGroup:
         try:
             return model.forward(*inputs)
         except RuntimeError as exc:
-            self.check_alive()  # a rank that died: RankFailed naming it
+            self._check_dead_after_failure()  # a rank that died: RankFailed naming it
             if not any(word in str(exc).lower() for word in ("gloo", "connection", "timed out", "timeout")):
                 raise  # not a collective's failure
             self._fail(f"a collective failed ({exc})", exc)
