@@ -136,12 +136,25 @@ def disagg_loop(engine: LLMEngine, link: Link, config: m.WorkerConfig, rank: int
     return cls(engine, link, disagg, peers)
 
 
+def _transfer_view(engine: LLMEngine) -> Any:
+    """The cache the KV transfers read and write: under tensor parallelism, every rank's heads."""
+    from servelab.engine.parallel.group import TensorParallelModel
+
+    kv = engine.executor.kv_cache
+    model = engine.executor.model
+    if not isinstance(model, TensorParallelModel):
+        return kv
+    from servelab.engine.parallel.kv_shards import TensorParallelKV
+
+    return TensorParallelKV(kv, model.group)
+
+
 class _DisaggLoop(WorkerLoop):
     def __init__(self, engine: LLMEngine, link: Link, disagg: DisaggConfig, peers: dict[int, Link]):
         super().__init__(engine, link)
         self.disagg = disagg
         self.peers = peers
-        self.kv = engine.executor.kv_cache
+        self.kv = _transfer_view(engine)
         self.layout = KVLayout.of(self.kv)
         self.transfers = ThreadPoolExecutor(1, thread_name_prefix="servelab-kv")  # one at a time: they share the link
         self.in_flight: dict[Future, Any] = {}

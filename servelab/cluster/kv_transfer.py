@@ -11,6 +11,9 @@ Every wait has a deadline: a peer that died fails the transfer at once (gloo see
 connection), one that stopped answering fails it after `timeout_s`. A timeout makes gloo close
 every connection of that process group, so each prefill/decode pair gets a group of its own
 (pair_groups): a stuck peer takes down only its own pair's transfers, not its other peers'.
+
+Under tensor parallelism the caches are TensorParallelKV (engine/parallel/kv_shards.py): rank 0
+of each worker gathers its ranks' heads into each piece and scatters them on arrival.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -27,6 +30,8 @@ from servelab.cluster.disagg_config import DEFAULT_KV_TRANSFER_TIMEOUT_S, GRANUL
 from servelab.engine.kv_cache import PagedKVCache
 from servelab.errors import InvalidArgument
 
+if TYPE_CHECKING:
+    from servelab.engine.parallel.kv_shards import TensorParallelKV
 
 
 class KVTransferError(RuntimeError):
@@ -44,8 +49,8 @@ class KVLayout:
     dtype: str
 
     @classmethod
-    def of(cls, kv: PagedKVCache) -> KVLayout:
-        layers, kv_heads, _, head_dim = kv.k.shape
+    def of(cls, kv: PagedKVCache | TensorParallelKV) -> KVLayout:
+        _, layers, kv_heads, _, head_dim = kv.block_shape()  # under TP, every rank's heads
         return cls(layers, kv_heads, head_dim, kv.block_size, str(kv.dtype).removeprefix("torch."))
 
 
@@ -83,7 +88,7 @@ def _wait_all(works: list[tuple[Any, torch.Tensor]], deadline: float, on_arrival
 
 
 def send_blocks(
-    kv: PagedKVCache, block_ids: list[int], dst: int, *, tag: int, timeout_s: float = DEFAULT_KV_TRANSFER_TIMEOUT_S,
+    kv: PagedKVCache | TensorParallelKV, block_ids: list[int], dst: int, *, tag: int, timeout_s: float = DEFAULT_KV_TRANSFER_TIMEOUT_S,
     granularity: str = GRANULARITIES[0], group: Any = None,
 ) -> int:  # fmt: skip
     """Sends the KV of `block_ids` to rank `dst`, whose recv_blocks waits with the same tag and
@@ -108,7 +113,7 @@ def send_blocks(
 
 
 def recv_blocks(
-    kv: PagedKVCache, block_ids: list[int], src: int, *, tag: int, timeout_s: float = DEFAULT_KV_TRANSFER_TIMEOUT_S,
+    kv: PagedKVCache | TensorParallelKV, block_ids: list[int], src: int, *, tag: int, timeout_s: float = DEFAULT_KV_TRANSFER_TIMEOUT_S,
     granularity: str = GRANULARITIES[0], group: Any = None,
 ) -> int:  # fmt: skip
     """Receives send_blocks' KV into this cache's `block_ids` (reserved by the caller). Returns
@@ -133,7 +138,7 @@ def recv_blocks(
     works = []
     try:
         for shape in shapes:
-            piece = torch.empty(shape, dtype=kv.dtype, device=kv.k.device)
+            piece = torch.empty(shape, dtype=kv.dtype, device=kv.device)
             works.append((dist.irecv(piece, src, group=group, tag=tag), piece))
     except Exception as exc:
         raise KVTransferError(f"KV receive from rank {src} could not start ({exc})") from exc

@@ -47,15 +47,9 @@ class _KVCacheInfo:
         self.dtype = dtype  # what the workers' caches hold, for /metrics' cache_config_info
 
 
-def check_cluster_args(data_parallel: int, tensor_parallel_size: int) -> None:
+def check_cluster_args(data_parallel: int) -> None:
     if data_parallel < 1:
         raise InvalidArgument(f"--data-parallel must be >= 1, got {data_parallel}", param="data_parallel")
-    if tensor_parallel_size > 1:
-        raise InvalidArgument(
-            "--data-parallel with --tensor-parallel-size > 1 is not supported yet (a worker cannot be a "
-            "tensor-parallel group); use one or the other",
-            param="tensor_parallel_size",
-        )
 
 
 def start_cluster(
@@ -72,8 +66,10 @@ def start_cluster(
     """N workers and this process as rank 0. Local workers are spawned here and share the host's
     cores; `external` ones are started elsewhere (`servelab worker`) and must join within
     `join_timeout_s`. Raises ClusterFailed (and leaves no process behind) if any does not.
-    With `disagg`, the N = P + D workers are its prefill workers, then its decode workers."""
-    check_cluster_args(data_parallel, engine_args.tensor_parallel_size)
+    With `disagg`, the N = P + D workers are its prefill workers, then its decode workers. Under
+    `engine_args.tensor_parallel_size` T > 1 each worker is rank 0 of its own group of T processes
+    (engine/parallel/group.py), which it starts on its own host."""
+    check_cluster_args(data_parallel)
     route = Router(router)
     if external and master_port is None:
         raise InvalidArgument("--external-workers needs --master-port: the workers must know where to join",

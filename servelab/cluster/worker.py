@@ -226,7 +226,9 @@ class WorkerLoop:
         try:
             outputs = self._take_outputs(self.engine.step())
         except Exception as exc:
-            if getattr(exc, "engine_unusable", False):
+            if getattr(exc, "engine_unusable", False):  # e.g. a tensor-parallel rank died: say why, then exit
+                logger.error("servelab worker: the engine cannot continue (%s); exiting", exc)
+                self._send(m.RequestsFailed(sorted(self.live), m.WireError.of(exc)))
                 raise
             logger.exception("engine step failed; aborting %d request(s) in flight", len(self.live))
             failed = sorted(self.live)

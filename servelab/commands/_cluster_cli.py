@@ -67,10 +67,7 @@ def disagg_config(args: argparse.Namespace) -> DisaggConfig | None:
 def check_cluster_flags(args: argparse.Namespace) -> None:
     from servelab.cluster.launch import check_cluster_args
 
-    if args.disagg is not None and args.tensor_parallel_size > 1:
-        raise InvalidArgument("--disagg with --tensor-parallel-size > 1 is not supported yet (a prefill or decode "
-                              "worker cannot be a tensor-parallel group); use one or the other")  # fmt: skip
-    check_cluster_args(args.data_parallel, args.tensor_parallel_size)
+    check_cluster_args(args.data_parallel)
     if args.disagg is not None and args.data_parallel > 1:
         raise InvalidArgument("--disagg P:D and --data-parallel N: give one (P:D starts P + D workers)")
     if args.disagg is None and (args.kv_transfer_timeout != DEFAULT_KV_TRANSFER_TIMEOUT

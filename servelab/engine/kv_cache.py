@@ -70,6 +70,10 @@ class PagedKVCache:
 
     # ---- export / import of whole blocks (disaggregated prefill/decode, cluster/kv_transfer.py)
 
+    @property
+    def device(self) -> torch.device:
+        return self.k.device
+
     def block_slots(self, block_ids: list[int]) -> torch.Tensor:
         """The flat slots of `block_ids`, block by block, in table order."""
         ids = torch.tensor(block_ids, dtype=torch.long, device=self.k.device)

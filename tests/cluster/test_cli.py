@@ -10,8 +10,6 @@ from servelab.cli import main
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["serve", "--data-parallel", "0"], "--data-parallel must be >= 1, got 0"),
-    (["serve", "--data-parallel", "2", "--tensor-parallel-size", "2"],
-     "--data-parallel with --tensor-parallel-size > 1 is not supported yet"),
     (["serve", "--router", "least-kv"], "--router: only with --data-parallel N > 1"),
     (["serve", "--master-port", "29500"], "--master-addr/--master-port: only with --data-parallel N > 1"),
     (["serve", "--external-workers"], "--external-workers: needs --master-port"),

@@ -17,7 +17,6 @@ from servelab.cli import main
     (["serve", "--disagg", "1:1", "--kv-transfer-timeout", "later"], "--kv-transfer-timeout"),
     (["serve", "--kv-transfer-timeout", "5s"], "--kv-transfer-timeout, --kv-transfer-granularity: only with --disagg"),
     (["serve", "--kv-transfer-granularity", "layer"], "only with --disagg P:D"),
-    (["serve", "--disagg", "1:1", "--tensor-parallel-size", "2"], "--disagg with --tensor-parallel-size > 1 is not supported yet"),
 ])  # fmt: skip
 def test_bad_disagg_flags_exit_2_naming_the_flag(argv, message, capsys):
     assert main(argv) == 2

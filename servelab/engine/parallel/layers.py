@@ -3,7 +3,8 @@
 Each holds the linear that carries the weight shard as `inner` (any engine/linear.py kind:
 dense, GGUF blocks, int8) and adds one collective after it; `with_inner` lets the model's
 use_ops and quantize_int8 swap the inner linear (linear.map_weight). The model's forward never
-sees the process group.
+sees the process group. The collectives are called on the group itself, not through
+torch.distributed's functions, which only know groups made from its default group (group.py).
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from servelab.engine.linear import Linear
 from servelab.engine.parallel.sharding import Shard
@@ -21,7 +21,7 @@ from servelab.engine.parallel.sharding import Shard
 @dataclass(slots=True)
 class _Wrapped:
     inner: Linear
-    group: Any  # a torch.distributed ProcessGroup
+    group: Any  # a gloo process group (group.Groups.compute)
 
     @property
     def bias(self) -> torch.Tensor | None:
@@ -52,7 +52,7 @@ class RowParallelLinear(_Wrapped):
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.inner(x)
-        dist.all_reduce(y, group=self.group)
+        self.group.allreduce([y]).wait()
         return y
 
 
@@ -75,7 +75,7 @@ class VocabParallelHead(_Wrapped):
         if local.shape[1] < self.vocab_per_rank:  # the last slice of a vocabulary that does not divide
             local = torch.nn.functional.pad(local, (0, self.vocab_per_rank - local.shape[1]))
         parts = [torch.empty_like(local) for _ in range(self.world)]
-        dist.all_gather(parts, local.contiguous(), group=self.group)
+        self.group.allgather([parts], [local.contiguous()]).wait()
         return torch.cat(parts, dim=1)[:, : self.vocab_size]
 
 
@@ -93,7 +93,7 @@ class VocabParallelEmbedding:
         inside = (local >= 0) & (local < self.weight.shape[0])
         x = self.weight.index_select(0, local.clamp(0, self.weight.shape[0] - 1))
         x *= inside.unsqueeze(1).to(x.dtype)
-        dist.all_reduce(x, group=self.group)
+        self.group.allreduce([x]).wait()
         return x
 
 

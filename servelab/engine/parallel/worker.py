@@ -1,11 +1,13 @@
 """What tensor-parallel ranks 1..N-1 run: load this rank's shard, build its KV cache for its
-heads, then run every forward rank 0 broadcasts until it broadcasts None."""
+heads, then run every forward rank 0 broadcasts until it broadcasts None. A second thread
+serves rank 0's KV exports and imports (kv_shards.py) meanwhile."""
 
 from __future__ import annotations
 
 import os
 import threading
 import time
+import traceback
 from typing import Any
 
 
@@ -19,36 +21,51 @@ def _exit_when_orphaned(parent: int) -> None:
 def worker_main(
     rank: int, size: int, port: int, threads: int, path: str, dtype: Any, engine_args: Any, parent: int
 ) -> None:
+    """`port`: rank 0's store (group.host_store)."""
     import torch
-    import torch.distributed as dist
 
     from servelab.engine.kv_cache import PagedKVCache
     from servelab.engine.llm_engine import apply_model_options
     from servelab.engine.loader import load_model
-    from servelab.engine.parallel.group import init_groups
+    from servelab.engine.parallel.group import client_store, join_groups, receive_object
     from servelab.engine.parallel.layers import parallelize
     from servelab.engine.parallel.sharding import Shard
 
     threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
     torch.set_num_threads(threads)
-    control = init_groups(rank, size, port)
+    groups = join_groups(rank, size, client_store(port))
+    kv_holder: list[Any] = []  # the cache, once built; rank 0 sends no KV command before that
+    kv_built = threading.Event()
+    kv_thread = threading.Thread(target=_serve_kv, args=(groups, kv_holder, kv_built), name="servelab-tp-kv",
+                                 daemon=True)  # fmt: skip
+    kv_thread.start()
     loaded = load_model(path, dtype=dtype, device=engine_args.device, tp_rank=rank, tp_size=size)
     model = loaded.model
     apply_model_options(model, engine_args)
-    parallelize(model, Shard(loaded.spec, rank, size), dist.group.WORLD)
+    parallelize(model, Shard(loaded.spec, rank, size), groups.compute)
 
-    message: list[Any] = [None]
-    dist.broadcast_object_list(message, src=0, group=control)
-    if message[0] is None:
-        dist.destroy_process_group()
-        return
-    num_blocks, block_size, kv_dtype, prefault = message[0]
-    kv = PagedKVCache(model.config, num_blocks, block_size, dtype=kv_dtype, device=engine_args.device, prefault=prefault)
-    while True:
-        message = [None]
-        dist.broadcast_object_list(message, src=0, group=control)
-        if message[0] is None:
-            break
-        ids, meta = message[0]
-        model.forward(ids, meta, kv.k_layers, kv.v_layers)
-    dist.destroy_process_group()
+    message = receive_object(groups.control)
+    if message is not None:
+        num_blocks, block_size, kv_dtype, prefault = message
+        kv = PagedKVCache(model.config, num_blocks, block_size, dtype=kv_dtype, device=engine_args.device,
+                          prefault=prefault)  # fmt: skip
+        kv_holder.append(kv)
+        kv_built.set()
+        while (message := receive_object(groups.control)) is not None:
+            ids, meta = message
+            model.forward(ids, meta, kv.k_layers, kv.v_layers)
+    kv_thread.join(timeout=5.0)  # rank 0 ended it first
+
+
+def _serve_kv(groups: Any, kv_holder: list[Any], kv_built: threading.Event) -> None:
+    from servelab.engine.parallel.group import receive_object
+    from servelab.engine.parallel.kv_shards import serve_kv
+
+    try:
+        first = receive_object(groups.kv_control)  # None (stop) or a command, which needs the cache
+        if first is not None:
+            kv_built.wait()
+            serve_kv(groups, kv_holder[0], first)
+    except Exception:  # rank 0 must not wait on this thread: the rank dies, and rank 0 says so (RankFailed)
+        traceback.print_exc()
+        os._exit(1)

@@ -1,0 +1,60 @@
+"""What tensor parallelism adds to a disaggregated KV transfer: rank 0 gathering its ranks' heads
+into each piece (export) and scattering them (import), against one engine's cache, on the
+bundled model (SmolLM2-135M: 3 KV heads, so TP=3 gives each rank one). The wire itself is
+benchmarks/kv_transfer.py's; this times only the part inside a worker. Interleaved, medians.
+
+    python benchmarks/tp_kv_gather.py [--tp 3] [--iters 30]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch loads (servelab/__init__.py)
+from servelab.core.sequence import SamplingParams
+from servelab.engine.llm_engine import EngineArgs, LLMEngine
+from servelab.engine.parallel.kv_shards import TensorParallelKV
+
+
+def _prefilled(tp: int, prompt: list[int]) -> tuple[LLMEngine, list[int]]:
+    engine = LLMEngine.from_args(EngineArgs.from_kwargs(dtype="float32", tensor_parallel_size=tp, num_blocks=64))
+    engine.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    engine.step()
+    return engine, engine.detach_prefilled("r")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tp", type=int, default=3)
+    ap.add_argument("--iters", type=int, default=30)
+    args = ap.parse_args()
+    prompt = [1 + (7 * i) % 5000 for i in range(128)]  # 8 blocks of 16 tokens
+    one, one_blocks = _prefilled(1, prompt)
+    many, many_blocks = _prefilled(args.tp, prompt)
+    try:
+        whole, tp = one.executor.kv_cache, TensorParallelKV(many.executor.kv_cache, many.executor.model.group)
+        piece = whole.export_block(one_blocks[0])
+        cases = {
+            "export_block TP=1": lambda: whole.export_block(one_blocks[0]),
+            f"export_block TP={args.tp} (gather)": lambda: tp.export_block(many_blocks[0]),
+            "import_block TP=1": lambda: whole.import_block(one_blocks[1], piece),
+            f"import_block TP={args.tp} (scatter)": lambda: tp.import_block(many_blocks[1], piece),
+        }
+        times: dict[str, list[float]] = {name: [] for name in cases}
+        for _ in range(args.iters):
+            for name, fn in cases.items():
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+        print(f"one block = {piece.nbytes / 1024:.0f} KiB ({tuple(piece.shape)}), {args.iters} interleaved rounds")
+        for name, ts in times.items():
+            print(f"{name:32s} median {statistics.median(ts) * 1e3:7.3f} ms  p90 {sorted(ts)[int(0.9 * len(ts))] * 1e3:7.3f} ms")
+    finally:
+        one.close()
+        many.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,173 @@
+"""`servelab serve --data-parallel 2 --tensor-parallel-size 2` end to end: each worker is rank 0
+of its own tensor-parallel group (five processes on 127.0.0.1). Greedy output equals one
+engine's, a killed TP rank fails only its worker's requests, and stopping the server leaves no
+process behind, TP ranks included. And `--disagg 1:1 --tensor-parallel-size 2`: every rank's KV
+heads cross from the prefill worker to the decode worker, and the output equals one engine's."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.server.conftest import launch_server
+
+pytestmark = pytest.mark.slow
+
+FLAGS = ("--data-parallel", "2", "--tensor-parallel-size", "2", "--num-blocks", "64", "--max-model-len", "256",
+         "--seed", "0")  # fmt: skip
+PROMPTS = [[5, 17, 42, 9, 300, 7], [11, 12, 13], [99, 98, 3, 4]]
+MAX_TOKENS = 12
+
+
+def _children(pid: int) -> list[tuple[int, str]]:
+    """(pid, command line) of `pid`'s child processes, from /proc."""
+    out = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            out.append((int(entry.name), cmdline))
+    return out
+
+
+def _gone(pids: list[int], timeout_s: float) -> bool:
+    """Every pid exited (a zombie its parent has not reaped yet counts: it runs nothing)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.append(pid)
+            except OSError:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return not alive
+        time.sleep(0.2)
+
+
+def _tp_ranks(worker_pid: int) -> list[int]:
+    return [pid for pid, cmd in _children(worker_pid) if "spawn_main" in cmd]
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from tests.tiny_models import write_tiny_llama
+
+    return write_tiny_llama(tmp_path_factory.mktemp("tpdp-model") / "tiny-llama")  # 4 heads, 2 KV heads
+
+
+@pytest.fixture(scope="module")
+def tpdp_server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    server = launch_server(tiny_dir, tmp_path_factory.mktemp("tpdp-logs"), *FLAGS)
+    workers = [w["pid"] for w in httpx.get(server.url + "/health").json()["workers"]]
+    ranks = {pid: _tp_ranks(pid) for pid in workers}
+    assert all(len(r) == 1 for r in ranks.values()), ranks  # TP=2: rank 1 beside each worker
+    yield server, ranks
+    assert server.stop() == 0, server.log()
+    every = workers + [pid for r in ranks.values() for pid in r]
+    assert _gone(every, timeout_s=15), f"processes {every} outlived the server"
+
+
+@pytest.fixture(scope="module")
+def expected_texts(tiny_dir: Path) -> list[str]:
+    """One in-process engine (TP=1), the same flags: what greedy decoding must give."""
+    from servelab.core.config import SchedulerConfig
+    from servelab.core.sequence import SamplingParams
+    from servelab.engine.llm_engine import EngineArgs, LLMEngine
+
+    engine = LLMEngine.from_args(EngineArgs(model=str(tiny_dir), seed=0,
+                                            scheduler=SchedulerConfig(num_blocks=64, max_model_len=256)))  # fmt: skip
+    for i, ids in enumerate(PROMPTS):
+        engine.add_request(str(i), ids, SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, ignore_eos=True))
+    texts: dict[str, str] = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            texts[out.request_id] = texts.get(out.request_id, "") + out.text_delta
+    engine.close()
+    return [texts[str(i)] for i in range(len(PROMPTS))]
+
+
+def _complete_all(url: str) -> list[str]:
+    def complete(ids: list[int]) -> str:
+        body = {"prompt": ids, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+        r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == MAX_TOKENS
+        return r.json()["choices"][0]["text"]
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(complete, PROMPTS))
+
+
+def test_greedy_output_through_tp_workers_equals_one_engine(tpdp_server, expected_texts):
+    server, _ = tpdp_server
+    assert _complete_all(server.url) == expected_texts
+    workers = httpx.get(server.url + "/health").json()["workers"]
+    assert all(w["status"] == "ok" for w in workers)
+
+
+def test_a_killed_tp_rank_fails_only_its_workers_requests(tpdp_server):
+    server, ranks = tpdp_server
+    url = server.url
+    body = {"prompt": "hello world", "max_tokens": 200, "ignore_eos": True, "stream": True}
+    worker_pid = {w["rank"]: w["pid"] for w in httpx.get(url + "/health").json()["workers"]}
+    client = httpx.Client(timeout=120)
+    streams = []
+    for _ in range(2):  # least-outstanding: the second goes to the other worker
+        ctx = client.stream("POST", url + "/v1/completions", json=body)
+        r = ctx.__enter__()
+        lines = (line for line in r.iter_lines() if line)
+        streams.append((ctx, [next(lines)], lines))
+    assert [w["outstanding"] for w in httpx.get(url + "/health").json()["workers"]] == [1, 1]
+    os.kill(ranks[worker_pid[2]][0], signal.SIGKILL)  # worker 2's TP rank 1
+    t0 = time.monotonic()
+    endings = []
+    for ctx, events, lines in streams:
+        events.extend(lines)
+        ctx.__exit__(None, None, None)
+        assert events[-1] == "data: [DONE]"
+        endings.append(json.loads(events[-2].removeprefix("data: ")))
+    client.close()
+    errors = [e["error"] for e in endings if "error" in e]
+    finished = [e["choices"][0]["finish_reason"] for e in endings if "choices" in e]
+    assert len(errors) == 1 and "worker 2" in errors[0]["message"], endings
+    assert "tensor-parallel rank failure: rank 1 exited" in errors[0]["message"]  # the cause, not just a lost link
+    assert finished == ["length"]  # worker 1's stream ran to its end
+    assert time.monotonic() - t0 < 60
+    health = httpx.get(url + "/health").json()
+    assert health["status"] == "degraded"
+    assert {w["rank"]: w["status"] for w in health["workers"]} == {1: "ok", 2: "failed"}
+    assert _gone([worker_pid[2]], timeout_s=15)  # the worker whose rank died exits
+    r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+    assert r.status_code == 200, r.text  # worker 1 serves on
+
+
+def test_disagg_with_tp_moves_every_ranks_heads(tiny_dir, expected_texts, tmp_path):
+    flags = ("--disagg", "1:1", *FLAGS[2:])
+    server = launch_server(tiny_dir, tmp_path, *flags)
+    try:
+        workers = [w["pid"] for w in httpx.get(server.url + "/health").json()["workers"]]
+        ranks = [pid for w in workers for pid in _tp_ranks(w)]
+        assert len(ranks) == 2
+        assert _complete_all(server.url) == expected_texts
+        text = httpx.get(server.url + "/metrics").text
+        sent = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("servelab:kv_transfer_bytes_sum")]  # fmt: skip
+        # each prompt fills one 16-token block: K and V x 2 layers x 2 KV heads (both ranks') x 16 dims, fp32
+        assert sent == [len(PROMPTS) * 2 * 2 * 2 * 16 * 16 * 4], text
+    finally:
+        assert server.stop() == 0, server.log()
+    assert _gone(workers + ranks, timeout_s=15)
