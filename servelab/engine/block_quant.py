@@ -76,7 +76,7 @@ class BlockQuantLinear:
         out_features, in_features = self.shape
         threads = torch.get_num_threads()
         y = torch.empty(rows, out_features, dtype=torch.float32)
-        fused = rows <= FUSED_MAX_ROWS and not self.invariant and all(seg.fmt in _FUSED_FORMATS for seg in self.segments)
+        fused = rows <= FUSED_MAX_ROWS and not self.invariant and fused_formats(self)
         if fused:
             scratch = torch.empty(rows * (in_features // 32) + threads * in_features, dtype=torch.float32)
             kernel = self.kernels.block_quant_linear
@@ -114,6 +114,11 @@ class BlockQuantLinear:
             n = seg.data.shape[0]
             self.kernels.block_dequant(seg.fmt, seg.data.data_ptr(), seg.data.shape[1], in_features, 0, n, w[seg.start :].data_ptr())
         return w
+
+
+def fused_formats(linear: BlockQuantLinear) -> bool:
+    """Whether every segment's format has the in-register kernel (for up to FUSED_MAX_ROWS rows)."""
+    return all(seg.fmt in _FUSED_FORMATS for seg in linear.segments)
 
 
 def batch_invariant(weight: BlockQuantLinear | DenseLinear, kernels: native.NativeKernels) -> BlockQuantLinear:

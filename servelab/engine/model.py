@@ -140,6 +140,9 @@ class LlamaModel:
         for layer in self.layers:
             layer.qkv, layer.o, layer.gate_up, layer.down = (prepare(w) for w in layer.linears())
         self.lm_head = prepare(self.lm_head)
+        # decode-only steps in one native call where the ops and linears allow; None: op by op.
+        # Whatever replaces a layer's linears afterwards calls use_ops again (parallel/layers.py).
+        self.decode_stack = ops.decode_stack(self.config, self.layers, self.scale)
 
     @property
     def vocab_size(self) -> int:
@@ -217,11 +220,18 @@ class LlamaModel:
         """
         cfg, ops = self.config, self.ops
         eps, heads = cfg.rms_norm_eps, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        rotary = ops.rotary(*self._rope_tables(int(meta.positions.max()) + 1), meta.positions)
+        cos, sin = self._rope_tables(int(meta.positions.max()) + 1)
 
         x = self.embedding(input_ids)
         delta: torch.Tensor | None = None  # the residual stream's pending addend: x + delta is the true x
-        for layer, kc, vc in zip(self.layers, k_cache, v_cache):
+        stack = self.decode_stack
+        if stack is not None and stack.accepts(meta, x.shape[0]):  # every layer in one native call
+            x, delta = stack(x, meta, cos, sin, k_cache, v_cache)
+            layers = []
+        else:
+            layers = self.layers
+        rotary = ops.rotary(cos, sin, meta.positions) if layers else None
+        for layer, kc, vc in zip(layers, k_cache, v_cache):
             x, h = ops.add_rms_norm(x, delta, layer.input_norm, eps)
             q, k, v = ops.rope_store_kv(layer.qkv(h), rotary, meta.slots, kc, vc, *heads)
             attn = ops.attention(q, k, v, kc, vc, meta, self.scale)

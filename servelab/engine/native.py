@@ -32,7 +32,10 @@ from pathlib import Path
 
 import torch
 
-_SOURCES = ("decode_attention.c", "prefill_attention.c", "layer_ops.c", "block_quant_linear.c", "int8_linear.c", "parallel.c")
+_SOURCES = (
+    "decode_attention.c", "prefill_attention.c", "layer_ops.c", "block_quant_linear.c", "int8_linear.c", "parallel.c",
+    "decode_stack.c",
+)
 _HEADERS = ("vec_exp.h", "parallel.h", "half.h", "fp.h")
 # KV-cache dtypes the attention and K/V-store kernels read and write (their kv_format codes, half.h)
 KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -124,6 +127,9 @@ class NativeKernels:
     block_dequant: Callable[..., None]
     argmax_rows: Callable[..., None]
     int8_linear: Callable[..., int]
+    paged_attention_scratch: Callable[..., int]
+    decode_stack: Callable[..., int]
+    decode_stack_arena: Callable[..., int]
 
 
 def _build(level: IsaLevel) -> NativeKernels:
@@ -179,6 +185,9 @@ def _build(level: IsaLevel) -> NativeKernels:
         block_dequant=fn("servelab_block_dequant_f32", i64, ptr, i64, i64, i64, i64, ptr),
         argmax_rows=fn("servelab_argmax_rows_f32", ptr, i64, i64, ptr, i64),
         int8_linear=fn("servelab_int8_linear_f32", ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64, restype=ctypes.c_int),
+        paged_attention_scratch=fn("servelab_paged_attention_scratch_floats", i64, i64, restype=i64),
+        decode_stack=fn("servelab_decode_stack", ptr, ptr, ptr, ptr, ptr, restype=ctypes.c_int),
+        decode_stack_arena=fn("servelab_decode_stack_arena_floats", ptr, i64, i64, i64, restype=i64),
     )
 
 
@@ -296,8 +305,7 @@ def paged_attention(
     B, H, D = q.shape
     kv_heads = k.shape[0]
     threads = torch.get_num_threads()
-    ctx_pad = -(-max_ctx // _PREFILL_KP) * _PREFILL_KP
-    per_part = ctx_pad * D + max_ctx * D + _PREFILL_QB * _PREFILL_KB + _PREFILL_QB * D + 3 * _PREFILL_QB + D
+    per_part = kernels.paged_attention_scratch(max_ctx, D)
     scratch = torch.empty(threads * per_part, dtype=torch.float32)
     kernels.paged_attention(
         q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.shape[1], KV_FORMATS[k.dtype],

@@ -6,7 +6,9 @@ Implementations:
 
 - `TorchOps`: plain PyTorch, any device and dtype. The reference, and what CUDA runs.
 - `NativeOps`: our C kernels (engine/native.py) for fp32 on the CPU, built for one ISA level
-  (the linears' own kernels too). The same values as TorchOps up to fp32 summation order.
+  (the linears' own kernels too). The same values as TorchOps up to fp32 summation order. A
+  decode-only step runs every layer in one native call where the linears allow
+  (engine/decode_stack.py): the same kernels in the same order, the same bits.
 - `InvariantOps`: `--deterministic`. NativeOps with every row's arithmetic independent of the
   rest of the batch: decode attention in the prefill kernel's order, the per-row final norm,
   and every linear on one kernel for every row count.
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from servelab.engine import block_quant, native
+from servelab.engine.decode_stack import DecodeStack
 from servelab.engine.linear import Linear
 from servelab.engine.quantization import Int8Linear
 from servelab.errors import InvalidArgument
@@ -48,6 +51,11 @@ class TorchOps:
     def prepare_linear(self, linear: Linear) -> Linear:
         """The linear as these ops run it (deterministic mode swaps in invariant kernels)."""
         return linear
+
+    def decode_stack(self, config: Any, layers: list[Any], scale: float) -> DecodeStack | None:
+        """The model's layers as one native call for decode-only steps (engine/decode_stack.py),
+        or None: these ops run every step op by op."""
+        return None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused op instead of seven
@@ -162,6 +170,9 @@ class NativeOps(TorchOps):
         if isinstance(linear, (block_quant.BlockQuantLinear, Int8Linear)):
             return replace(linear, kernels=self.kernels)
         return linear
+
+    def decode_stack(self, config: Any, layers: list[Any], scale: float) -> DecodeStack | None:
+        return DecodeStack.build(self.kernels, config, layers, scale, paged_attention=self.batch_invariant)
 
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float

@@ -295,3 +295,10 @@ void servelab_paged_attention_f32(const float *q, int64_t q_stride, const void *
                             num_kv_heads, group, head_dim, max_ctx, scale, out, scratch, scratch_per_part};
     sl_parallel_for(paged_part, &job, batch * num_kv_heads, threads);
 }
+
+/* The scratch_per_part servelab_paged_attention_f32 needs for contexts of up to max_ctx. */
+int64_t servelab_paged_attention_scratch_floats(int64_t max_ctx, int64_t head_dim)
+{
+    const int64_t ctx_pad = (max_ctx + KP - 1) / KP * KP;
+    return ctx_pad * head_dim + max_ctx * head_dim + QB * KB + QB * head_dim + 3 * QB + head_dim;
+}

@@ -108,3 +108,4 @@ def parallelize(model: Any, shard: Shard, group: Any) -> None:
         layer.down = RowParallelLinear(layer.down, group)
     model.lm_head = VocabParallelHead(model.lm_head, group, shard.spec.vocab_size, shard.vocab_per_rank, shard.size)
     model.embedding = VocabParallelEmbedding(model.embed, shard.vocab_range[0], group)
+    model.use_ops(model.ops)  # the ops see the wrapped linears (no one-call decode stack over them)

@@ -1,0 +1,89 @@
+"""Where a batch-1 decode step goes: time inside the native kernels against everything else
+(Python, torch dispatch, ctypes), with the layers in one native call and op by op, interleaved.
+
+Each native entry point is wrapped in a timer (~0.2 us a call, counted as kernel time, so the
+"else" share is if anything understated for the per-op path, which makes ~270 calls a step). A
+step is `LLMEngine.step()` whole: scheduling, metadata, forward, sampling, detokenizing.
+
+    python benchmarks/decode_step_split.py [--threads 2] [--rounds 6] [--steps 30] [--quantization int8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from dataclasses import fields
+from pathlib import Path
+
+import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch loads
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_cpu import Servelab, prompt_ids  # noqa: E402
+
+from servelab.core.sequence import SamplingParams  # noqa: E402
+from servelab.engine import native  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--steps", type=int, default=30, help="decode steps a round and mode")
+    parser.add_argument("--quantization", choices=["int8"], default=None)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    engine = Servelab("float32", args.quantization).engine
+    model = engine.executor.model
+    kernel_ns = [0]
+
+    def timed(f):
+        def call(*a):
+            t = time.perf_counter_ns()
+            try:
+                return f(*a)
+            finally:
+                kernel_ns[0] += time.perf_counter_ns() - t
+        return call
+
+    k = model.ops.kernels
+    model.ops.kernels = native.NativeKernels(**{f.name: timed(getattr(k, f.name)) for f in fields(k)})
+    model.use_ops(model.ops)  # the linears and the stack on the timed entry points
+    stack = model.decode_stack
+    modes = {"one call": stack, "op by op": None} if stack is not None else {"op by op": None}
+
+    params = SamplingParams(max_tokens=args.rounds * len(modes) * args.steps + 10, temperature=0, ignore_eos=True)
+    engine.add_request("split", prompt_ids(32, 1), params, arrival_s=time.perf_counter())
+    for _ in range(5):  # the prefill and a few warm decodes
+        engine.step()
+    step_ms: dict[str, list[float]] = {m: [] for m in modes}
+    kernel_ms: dict[str, list[float]] = {m: [] for m in modes}
+    names = list(modes)
+    for r in range(args.rounds):
+        for mode in names if r % 2 == 0 else names[::-1]:
+            model.decode_stack = modes[mode]
+            kernel_ns[0] = 0
+            t = time.perf_counter_ns()
+            for _ in range(args.steps):
+                engine.step()
+            step_ms[mode].append((time.perf_counter_ns() - t) / args.steps / 1e6)
+            kernel_ms[mode].append(kernel_ns[0] / args.steps / 1e6)
+    model.decode_stack = stack
+    print(f"batch-1 decode step, bundled SmolLM2-135M, fp32{' int8' if args.quantization else ''}, "
+          f"{args.threads} threads, {args.rounds} interleaved rounds of {args.steps} steps (medians)")
+    print(f"{'mode':10s} {'step ms':>8s} {'tok/s':>7s} {'kernels ms':>10s} {'else ms':>8s} {'else %':>7s}")
+    for mode in names:
+        step, kern = statistics.median(step_ms[mode]), statistics.median(kernel_ms[mode])
+        other = statistics.median([s - k for s, k in zip(step_ms[mode], kernel_ms[mode])])
+        share = statistics.median([(s - k) / s for s, k in zip(step_ms[mode], kernel_ms[mode])])
+        print(f"{mode:10s} {step:8.2f} {1e3 / step:7.1f} {kern:10.2f} {other:8.2f} {100 * share:6.1f}%")
+    print("load average at the end (1/5/15 min): " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+/* Every decoder layer of a decode-only step in one call: the same kernels the model calls one by
+ * one (add + RMSNorm, the linears over their GGUF blocks or int8 codes, RoPE + K/V store,
+ * decode attention, SwiGLU), in the same order with the same arguments, so the results are the
+ * per-op path's bit for bit.
+ *
+ * Why: at batch 1 the per-op path made ~270 ctypes calls and ~190 torch ops a step (~340
+ * torch.empty among them); their Python and dispatch were a third of the step, and the gaps
+ * between calls let the thread pool's workers fall asleep between kernels (docs/benchmarks.md,
+ * "Fewer, fatter ops"). Here the Python side makes one call per step, and every buffer comes
+ * from one arena the caller keeps (servelab_decode_stack_arena_floats says how big).
+ *
+ * engine/decode_stack.py fills the structs below (ctypes mirrors of them) once at load, and a
+ * struct sl_step per step.
+ */
+#include <stdint.h>
+#include <stddef.h>
+
+#define SL_MAX_SEGMENTS 4
+
+enum { LINEAR_BLOCKS = 0, LINEAR_INT8 = 1 };
+
+/* Outputs [start, start + rows) of a weight as GGUF blocks of one format (block_quant.PackedRows). */
+struct sl_segment {
+    int64_t fmt;
+    const uint8_t *data;
+    int64_t row_bytes, rows, start;
+};
+
+struct sl_linear {
+    int64_t kind, in_features, out_features;
+    const float *bias;                  /* NULL or [out_features] */
+    int64_t invariant;                  /* the panel kernel at every row count (deterministic mode) */
+    int64_t fused_formats;              /* every segment has an in-register kernel */
+    int64_t num_segments;
+    struct sl_segment seg[SL_MAX_SEGMENTS];
+    const uint8_t *int8_packed;         /* LINEAR_INT8: quantization.Int8Linear's tensors */
+    const float *int8_scale;
+    const int32_t *int8_zero;
+    int64_t int8_kp;
+};
+
+struct sl_layer {
+    const float *input_norm, *post_norm;
+    struct sl_linear qkv, o, gate_up, down;
+};
+
+struct sl_stack {
+    const struct sl_layer *layers;
+    int64_t num_layers, hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    float eps, scale;
+    int64_t paged_attention;            /* decode attention in the prefill kernel's order (deterministic) */
+    int64_t fused_max_rows, panel_outputs;  /* block_quant.py's FUSED_MAX_ROWS and PANEL_OUTPUTS */
+};
+
+struct sl_step {
+    int64_t rows;                       /* decodes, one token each */
+    const float *cos, *sin;             /* [max_pos, head_dim] */
+    const int64_t *positions, *slots;   /* [rows] */
+    void *const *k_cache, *const *v_cache;  /* per layer: [kv_heads, num_slots, head_dim] */
+    int64_t num_slots, kv_format;
+    const int64_t *block_table;         /* [rows, table_stride] */
+    int64_t table_stride, block_size;
+    const int64_t *ctx_lens;            /* [rows] */
+    int64_t max_ctx, threads;
+};
+
+/* the kernels of the other files */
+void servelab_add_rms_norm_f32(float *x, const float *delta, const float *weight, float *out, int64_t rows, int64_t n,
+                               float eps);
+void servelab_silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter);
+void servelab_rope_store_kv(float *qkv, int64_t T, int64_t row_stride, int64_t num_heads, int64_t num_kv_heads,
+                            int64_t head_dim, const float *cos, const float *sin, const int64_t *positions,
+                            const int64_t *slots, void *k, void *v, int64_t num_slots, int64_t kv_format);
+void servelab_block_quant_linear_f32(int64_t qtype, const uint8_t *w, int64_t row_bytes, int64_t in_features,
+                                     int64_t out_features, const float *x, int64_t rows, const float *bias, float *y,
+                                     int64_t y_stride, float *scratch, int64_t threads);
+void servelab_block_quant_gemm_f32(int64_t qtype, const uint8_t *w, int64_t row_bytes, int64_t in_features,
+                                   int64_t out_features, const float *x, int64_t rows, const float *bias, float *y,
+                                   int64_t y_stride, float *scratch, int64_t threads);
+int servelab_int8_linear_f32(const uint8_t *w, const float *w_scale, const int32_t *w_zero, const float *bias,
+                             int64_t in, int64_t kp, int64_t out, const float *x, int64_t rows, float *y,
+                             int64_t threads);
+void servelab_decode_attention(const float *q, int64_t q_stride, const void *k, const void *v, int64_t num_slots,
+                               int64_t kv_format, const int64_t *blocks, int64_t table_stride, int64_t block_size,
+                               const int64_t *ctx_lens, int64_t batch, int64_t num_kv_heads, int64_t group,
+                               int64_t head_dim, float scale, float *scratch, int64_t scratch_per_part, float *out,
+                               int64_t threads);
+void servelab_paged_attention_f32(const float *q, int64_t q_stride, const void *k, const void *v, int64_t num_slots,
+                                  int64_t kv_format, const int64_t *blocks, int64_t table_stride, int64_t block_size,
+                                  const int64_t *ctx_lens, int64_t batch, int64_t num_kv_heads, int64_t group,
+                                  int64_t head_dim, int64_t max_ctx, float scale, float *out, float *scratch,
+                                  int64_t scratch_per_part, int64_t threads);
+int64_t servelab_paged_attention_scratch_floats(int64_t max_ctx, int64_t head_dim);
+
+static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
+
+/* Floats of attention scratch one thread needs. */
+static int64_t attention_per_part(const struct sl_stack *s, int64_t max_ctx) {
+    if (s->paged_attention) return servelab_paged_attention_scratch_floats(max_ctx, s->head_dim);
+    return s->num_heads / s->num_kv_heads * max_ctx;
+}
+
+/* Floats of linear scratch (as block_quant.py sizes it: the in-register kernel's per-block sums
+ * and row, or a panel a thread), for the widest input. */
+static int64_t linear_scratch(const struct sl_stack *s, int64_t rows, int64_t threads) {
+    const int64_t in = max3(s->hidden, s->num_heads * s->head_dim, s->intermediate);
+    const int64_t fused = rows * (in / 32) + threads * in, panel = threads * s->panel_outputs * in;
+    return fused > panel ? fused : panel;
+}
+
+static int64_t qkv_width(const struct sl_stack *s) { return (s->num_heads + 2 * s->num_kv_heads) * s->head_dim; }
+
+/* The arena servelab_decode_stack needs for `rows` decodes of up to max_ctx positions. */
+int64_t servelab_decode_stack_arena_floats(const struct sl_stack *s, int64_t rows, int64_t max_ctx, int64_t threads)
+{
+    const int64_t per_row = 2 * s->hidden + qkv_width(s) + s->num_heads * s->head_dim + 3 * s->intermediate;
+    return rows * per_row + linear_scratch(s, rows, threads) + threads * attention_per_part(s, max_ctx);
+}
+
+/* y = x @ W^T (+ bias) as block_quant.BlockQuantLinear and quantization.Int8Linear compute it. */
+static int run_linear(const struct sl_stack *s, const struct sl_linear *l, const float *x, int64_t rows, float *y,
+                      float *scratch, int64_t threads) {
+    if (l->kind == LINEAR_INT8)
+        return servelab_int8_linear_f32(l->int8_packed, l->int8_scale, l->int8_zero, l->bias, l->in_features,
+                                        l->int8_kp, l->out_features, x, rows, y, threads);
+    const int fused = rows <= s->fused_max_rows && !l->invariant && l->fused_formats;
+    for (int64_t i = 0; i < l->num_segments; i++) {
+        const struct sl_segment *g = &l->seg[i];
+        const float *bias = l->bias ? l->bias + g->start : NULL;
+        (fused ? servelab_block_quant_linear_f32 : servelab_block_quant_gemm_f32)(
+            g->fmt, g->data, g->row_bytes, l->in_features, g->rows, x, rows, bias, y + g->start, l->out_features,
+            scratch, threads);
+    }
+    return 0;
+}
+
+/* Runs every layer for st->rows decodes. x [rows, hidden]: the embedded tokens in, the residual
+ * stream out, with the last layer's MLP output in delta [rows, hidden] still to be added (as the
+ * model's loop leaves them). Returns 0, or -1 where an int8 linear found no memory. */
+int servelab_decode_stack(const struct sl_stack *s, const struct sl_step *st, float *x, float *delta, float *arena)
+{
+    const int64_t rows = st->rows, threads = st->threads, hidden = s->hidden;
+    const int64_t H = s->num_heads, KV = s->num_kv_heads, D = s->head_dim, qkv_n = qkv_width(s);
+    float *h = arena, *qkv = h + rows * hidden, *attn = qkv + rows * qkv_n, *o = attn + rows * H * D;
+    float *gate_up = o + rows * hidden, *act = gate_up + rows * 2 * s->intermediate;
+    float *lin_scratch = act + rows * s->intermediate, *att_scratch = lin_scratch + linear_scratch(s, rows, threads);
+    const int64_t per_part = attention_per_part(s, st->max_ctx);
+    for (int64_t i = 0; i < s->num_layers; i++) {
+        const struct sl_layer *L = &s->layers[i];
+        servelab_add_rms_norm_f32(x, i == 0 ? NULL : delta, L->input_norm, h, rows, hidden, s->eps);
+        if (run_linear(s, &L->qkv, h, rows, qkv, lin_scratch, threads)) return -1;
+        servelab_rope_store_kv(qkv, rows, qkv_n, H, KV, D, st->cos, st->sin, st->positions, st->slots, st->k_cache[i],
+                               st->v_cache[i], st->num_slots, st->kv_format);
+        if (s->paged_attention)
+            servelab_paged_attention_f32(qkv, qkv_n, st->k_cache[i], st->v_cache[i], st->num_slots, st->kv_format,
+                                         st->block_table, st->table_stride, st->block_size, st->ctx_lens, rows, KV,
+                                         H / KV, D, st->max_ctx, s->scale, attn, att_scratch, per_part, threads);
+        else
+            servelab_decode_attention(qkv, qkv_n, st->k_cache[i], st->v_cache[i], st->num_slots, st->kv_format,
+                                      st->block_table, st->table_stride, st->block_size, st->ctx_lens, rows, KV, H / KV,
+                                      D, s->scale, att_scratch, per_part, attn, threads);
+        if (run_linear(s, &L->o, attn, rows, o, lin_scratch, threads)) return -1;
+        servelab_add_rms_norm_f32(x, o, L->post_norm, h, rows, hidden, s->eps);
+        if (run_linear(s, &L->gate_up, h, rows, gate_up, lin_scratch, threads)) return -1;
+        servelab_silu_mul_f32(gate_up, act, rows, s->intermediate);
+        if (run_linear(s, &L->down, act, rows, delta, lin_scratch, threads)) return -1;
+    }
+    return 0;
+}

@@ -1,0 +1,173 @@
+"""Every decoder layer of a decode-only step in one native call (csrc/decode_stack.c).
+
+The per-op path calls a kernel per op from Python: at batch 1 that was ~270 ctypes calls and
+~190 torch ops a step, a third of the step in Python and dispatch (docs/benchmarks.md, "Fewer,
+fatter ops"). A `DecodeStack` describes the layers to C once, at load (pointers to the norms and
+to each linear's packed blocks or int8 codes), and a step is one call over buffers taken from
+an arena it keeps, grown only when a step needs more. The C side runs the very kernels the
+per-op path runs, in the same order, so the results are the same bits.
+
+It covers what it can describe: linears held as GGUF blocks (block_quant.BlockQuantLinear) or
+int8 codes (quantization.Int8Linear), steps of decodes only, and up to block_quant.MAX_ROWS rows
+unless every linear is batch-invariant (above that, the per-op path's MKL GEMM is faster).
+Anything else (dense fp32 linears outside deterministic mode, tensor-parallel wrappers, prefill
+chunks) keeps the per-op path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from servelab.engine import block_quant, native
+from servelab.engine.block_quant import BlockQuantLinear
+from servelab.engine.quantization import Int8Linear
+from servelab.spec.model import ModelSpec
+
+_MAX_SEGMENTS = 4  # SL_MAX_SEGMENTS in the C file
+_BLOCKS, _INT8 = 0, 1
+_ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class _Segment(ctypes.Structure):
+    _fields_ = [("fmt", _i64), ("data", _ptr), ("row_bytes", _i64), ("rows", _i64), ("start", _i64)]
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [
+        ("kind", _i64), ("in_features", _i64), ("out_features", _i64), ("bias", _ptr), ("invariant", _i64),
+        ("fused_formats", _i64), ("num_segments", _i64), ("seg", _Segment * _MAX_SEGMENTS),
+        ("int8_packed", _ptr), ("int8_scale", _ptr), ("int8_zero", _ptr), ("int8_kp", _i64),
+    ]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear)]
+
+
+class _Stack(ctypes.Structure):
+    _fields_ = [
+        ("layers", ctypes.POINTER(_Layer)), ("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64),
+        ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64), ("eps", _f32), ("scale", _f32),
+        ("paged_attention", _i64), ("fused_max_rows", _i64), ("panel_outputs", _i64),
+    ]
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("rows", _i64), ("cos", _ptr), ("sin", _ptr), ("positions", _ptr), ("slots", _ptr), ("k_cache", _ptr),
+        ("v_cache", _ptr), ("num_slots", _i64), ("kv_format", _i64), ("block_table", _ptr), ("table_stride", _i64),
+        ("block_size", _i64), ("ctx_lens", _ptr), ("max_ctx", _i64), ("threads", _i64),
+    ]
+
+
+def _fp32_contiguous(t: torch.Tensor | None) -> bool:
+    return t is None or (t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous())
+
+
+def _describe(lin: Any, kernels: native.NativeKernels) -> _Linear | None:
+    """The C description of one linear, or None where the stack cannot run it."""
+    if not _fp32_contiguous(lin.bias):
+        return None
+    out_features, in_features = lin.shape
+    d = _Linear(in_features=in_features, out_features=out_features, bias=None if lin.bias is None else lin.bias.data_ptr())
+    if isinstance(lin, Int8Linear):
+        if lin.kernels is not kernels:
+            return None
+        d.kind, d.int8_kp = _INT8, lin.packed.shape[1] * 4
+        d.int8_packed, d.int8_scale, d.int8_zero = lin.packed.data_ptr(), lin.scale.data_ptr(), lin.zero.data_ptr()
+        return d
+    if not isinstance(lin, BlockQuantLinear) or lin.kernels is not kernels or len(lin.segments) > _MAX_SEGMENTS:
+        return None
+    d.kind, d.invariant, d.num_segments = _BLOCKS, int(lin.invariant), len(lin.segments)
+    d.fused_formats = int(block_quant.fused_formats(lin))
+    for i, seg in enumerate(lin.segments):
+        if not seg.data.is_contiguous():
+            return None
+        d.seg[i] = _Segment(seg.fmt, seg.data.data_ptr(), seg.data.shape[1], seg.data.shape[0], seg.start)
+    return d
+
+
+class DecodeStack:
+    """The model's layers as csrc/decode_stack.c runs them; `build` says whether it can."""
+
+    def __init__(self, kernels: native.NativeKernels, stack: _Stack, layers: Any, invariant: bool, keep: list):
+        self.kernels = kernels
+        self._stack = stack
+        self._stack_ptr = ctypes.addressof(stack)
+        self._layers_array = layers
+        self._keep = keep  # the tensors whose memory the C structs point into
+        self.invariant = invariant  # every linear on the panel kernel: any row count, bit-exact per row
+        self._arena = torch.empty(0, dtype=torch.float32)
+        self._step = _Step()
+        self._step_ptr = ctypes.addressof(self._step)
+
+    @classmethod
+    def build(
+        cls, kernels: native.NativeKernels, config: ModelSpec, layers: Sequence[Any], scale: float, *, paged_attention: bool
+    ) -> DecodeStack | None:
+        """The stack for `layers` (model.LayerWeights) on `kernels`, attention scaled by `scale`, or
+        None where a part of them is something it cannot describe (then the model keeps its per-op
+        path)."""
+        H, KV, D = config.num_heads, config.num_kv_heads, config.head_dim
+        if not layers or H % KV:
+            return None
+        hidden, inter = layers[0].o.shape[0], layers[0].down.shape[1]
+        want = {"qkv": ((H + 2 * KV) * D, hidden), "o": (hidden, H * D), "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+        array = (_Layer * len(layers))()
+        keep: list[Any] = []
+        invariant = True
+        for i, layer in enumerate(layers):
+            if not (_fp32_contiguous(layer.input_norm) and _fp32_contiguous(layer.post_norm)):
+                return None
+            array[i].input_norm, array[i].post_norm = layer.input_norm.data_ptr(), layer.post_norm.data_ptr()
+            for name, shape in want.items():
+                lin = getattr(layer, name)
+                d = _describe(lin, kernels)
+                if d is None or tuple(lin.shape) != shape:
+                    return None
+                invariant &= isinstance(lin, Int8Linear) or bool(d.invariant)
+                setattr(array[i], name, d)
+                keep.append(lin)
+            keep += [layer.input_norm, layer.post_norm]
+        stack = _Stack(
+            layers=array, num_layers=len(layers), hidden=hidden, num_heads=H, num_kv_heads=KV, head_dim=D,
+            intermediate=inter, eps=config.rms_norm_eps, scale=scale, paged_attention=int(paged_attention),
+            fused_max_rows=block_quant.FUSED_MAX_ROWS, panel_outputs=block_quant.PANEL_OUTPUTS,
+        )
+        return cls(kernels, stack, array, invariant, keep)
+
+    def accepts(self, meta: Any, rows: int) -> bool:
+        """Whether this step is one the stack runs: decodes only, few enough rows for the packed kernels."""
+        return not meta.prefills and meta.num_decodes == rows > 0 and (self.invariant or rows <= block_quant.MAX_ROWS)
+
+    def __call__(
+        self, x: torch.Tensor, meta: Any, cos: torch.Tensor, sin: torch.Tensor,
+        k_cache: Sequence[torch.Tensor], v_cache: Sequence[torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer over the embedded decodes x [rows, hidden] (updated in place); returns
+        (x, delta), the residual stream and the last MLP output still to be added to it, as the
+        model's per-op loop leaves them. cos/sin: the model's RoPE tables."""
+        rows = x.shape[0]
+        threads = torch.get_num_threads()
+        need = self.kernels.decode_stack_arena(self._stack_ptr, rows, meta.decode_max_ctx, threads)
+        if self._arena.numel() < need:  # grows with the batch and the context, then stays
+            self._arena = torch.empty(max(need, 2 * self._arena.numel()), dtype=torch.float32)
+        kc, vc = k_cache[0], v_cache[0]
+        k_ptrs = (ctypes.c_void_p * len(k_cache))(*[t.data_ptr() for t in k_cache])
+        v_ptrs = (ctypes.c_void_p * len(v_cache))(*[t.data_ptr() for t in v_cache])
+        table = meta.decode_block_table
+        s = self._step
+        s.rows, s.cos, s.sin = rows, cos.data_ptr(), sin.data_ptr()
+        s.positions, s.slots = meta.positions.data_ptr(), meta.slots.data_ptr()
+        s.k_cache, s.v_cache = ctypes.addressof(k_ptrs), ctypes.addressof(v_ptrs)
+        s.num_slots, s.kv_format = kc.shape[1], native.KV_FORMATS[kc.dtype]
+        s.block_table, s.table_stride, s.block_size = table.data_ptr(), table.stride(0), meta.block_size
+        s.ctx_lens, s.max_ctx, s.threads = meta.decode_ctx_lens.data_ptr(), meta.decode_max_ctx, threads
+        delta = torch.empty_like(x)
+        if self.kernels.decode_stack(self._stack_ptr, self._step_ptr, x.data_ptr(), delta.data_ptr(), self._arena.data_ptr()):
+            raise MemoryError(f"int8 linear: no memory for {rows} rows of quantized activations")
+        return x, delta

@@ -1,0 +1,172 @@
+"""A decode-only step's layers in one native call (engine/decode_stack.py, csrc/decode_stack.c):
+the same bits as the per-op path, at every ISA level this host has, for packed, int8 and
+deterministic-mode linears, over batches of decodes at different contexts in a scrambled pool;
+and it stays out of the way where it cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from servelab.engine import block_quant
+from servelab.engine.kv_cache import PagedKVCache
+from servelab.engine.loader import load_model
+from servelab.engine.model import AttentionMetadata
+from servelab.engine.ops import OPS_NAMES, OpsUnavailable, TorchOps, make_ops
+
+from .test_weights import _write_gguf
+
+CPU = torch.device("cpu")
+NATIVE_OPS = [name for name in OPS_NAMES if name != "torch"]
+BLOCK = 4  # small blocks: contexts span several, scattered through the pool
+
+
+@pytest.fixture(scope="module")
+def gguf_models(tiny_llama, tmp_path_factory):
+    out = tmp_path_factory.mktemp("decode-stack")
+    return {fmt: _write_gguf(tiny_llama, out / f"tiny-{fmt}.gguf", fmt) for fmt in ("Q4_1", "Q8_0")}
+
+
+def _ops(name: str):
+    try:
+        return make_ops(name, CPU, torch.float32)
+    except OpsUnavailable as exc:
+        pytest.skip(f"{name}: {exc}")
+
+
+class _Pool:
+    """Sequences in a paged cache with scrambled block tables, stepped by model.forward."""
+
+    def __init__(self, model, prompts: list[list[int]], kv_dtype: torch.dtype, max_len: int = 40):
+        per_seq = -(-max_len // BLOCK)
+        blocks = per_seq * len(prompts) + 1
+        self.kv = PagedKVCache(model.config, blocks, BLOCK, dtype=kv_dtype)
+        for t in self.kv.k_layers + self.kv.v_layers:  # unwritten slots compare equal too
+            t.zero_()
+        order = torch.randperm(blocks - 1, generator=torch.Generator().manual_seed(len(prompts)))[: per_seq * len(prompts)] + 1
+        self.tables = order.view(len(prompts), per_seq)
+        self.model = model
+        self.tokens = [list(p) for p in prompts]
+
+    def slot(self, seq: int, pos: int) -> int:
+        return int(self.tables[seq, pos // BLOCK]) * BLOCK + pos % BLOCK
+
+    def prefill(self) -> None:
+        for i, toks in enumerate(self.tokens):
+            n = len(toks)
+            meta = AttentionMetadata(
+                positions=torch.arange(n), slots=torch.tensor([self.slot(i, p) for p in range(n)]), num_decodes=0,
+                block_size=BLOCK, decode_block_table=None, decode_ctx_lens=None, decode_max_ctx=0,
+                decode_ctx_slots=None, decode_mask=None, prefills=[(0, n, 0, None)], logits_indices=torch.tensor([n - 1]),
+            )
+            self.model.forward(torch.tensor(toks), meta, self.kv.k_layers, self.kv.v_layers)
+
+    def decode_meta(self) -> AttentionMetadata:
+        pos = torch.tensor([len(t) - 1 for t in self.tokens])
+        ctx = pos + 1
+        max_ctx = int(ctx.max())
+        slots = torch.tensor([self.slot(i, int(p)) for i, p in enumerate(pos)])
+        return AttentionMetadata(
+            positions=pos, slots=slots, num_decodes=len(self.tokens), block_size=BLOCK,
+            decode_block_table=self.tables.contiguous(), decode_ctx_lens=ctx, decode_max_ctx=max_ctx,
+            decode_ctx_slots=None, decode_mask=None, prefills=[], logits_indices=torch.arange(len(self.tokens)),
+        )
+
+    def step(self, next_tokens: list[int]) -> torch.Tensor:
+        for toks, t in zip(self.tokens, next_tokens):
+            toks.append(t)
+        ids = torch.tensor([t[-1] for t in self.tokens])
+        return self.model.forward(ids, self.decode_meta(), self.kv.k_layers, self.kv.v_layers)
+
+
+def _stack_against_per_op(model, kv_dtype=torch.float32, steps: int = 6) -> None:
+    """Decodes of three sequences at different contexts, run with the stack and op by op from the
+    same cache: the same logits and the same cache, bit for bit."""
+    stack = model.decode_stack
+    assert stack is not None
+    prompts = [[5, 9, 17], [3] * 11 + [44, 7], [100, 200, 300, 7, 8, 9, 10, 11]]
+    pools = [_Pool(model, prompts, kv_dtype) for _ in range(2)]
+    model.decode_stack = None
+    for pool in pools:
+        pool.prefill()
+    next_tokens = [1, 2, 3]
+    for _ in range(steps):
+        model.decode_stack = stack
+        fused = pools[0].step(next_tokens)
+        model.decode_stack = None
+        per_op = pools[1].step(next_tokens)
+        assert torch.equal(fused, per_op)
+        for a, b in zip(pools[0].kv.k_layers + pools[0].kv.v_layers, pools[1].kv.k_layers + pools[1].kv.v_layers):
+            assert torch.equal(a, b)
+        next_tokens = fused.argmax(-1).tolist()
+    assert stack._arena.numel() > 0  # the stack did run
+    model.decode_stack = stack
+
+
+@pytest.mark.parametrize("name", NATIVE_OPS)
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_stack_gives_the_per_op_bits_on_packed_weights(gguf_models, name, fmt):
+    model = load_model(gguf_models[fmt], dtype=torch.float32).model
+    model.use_ops(_ops(name))
+    _stack_against_per_op(model)
+
+
+@pytest.mark.parametrize("name", NATIVE_OPS)
+def test_stack_gives_the_per_op_bits_with_int8_and_a_16_bit_cache(gguf_models, name):
+    model = load_model(gguf_models["Q4_1"], dtype=torch.float32).model
+    model.use_ops(_ops(name))
+    model.quantize_int8()
+    _stack_against_per_op(model, kv_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("name", [n for n in NATIVE_OPS if n.startswith("invariant")])
+def test_deterministic_mode_runs_dense_models_on_the_stack_too(tiny_llama, name):
+    model = load_model(tiny_llama, dtype=torch.float32).model  # dense fp32: the panel kernel's F32 segments
+    model.use_ops(_ops(name))
+    assert model.decode_stack is not None and model.decode_stack.invariant
+    _stack_against_per_op(model, kv_dtype=torch.bfloat16)
+
+
+def test_stack_is_built_only_where_it_can_run(tiny_llama, gguf_models):
+    dense = load_model(tiny_llama, dtype=torch.float32).model
+    assert dense.decode_stack is None or dense.ops.batch_invariant  # MKL serves dense fp32 linears
+    packed = load_model(gguf_models["Q4_1"], dtype=torch.float32).model
+    if packed.ops.name == "torch":
+        pytest.skip("no native kernels here")
+    assert packed.decode_stack is not None
+    packed.use_ops(TorchOps())
+    assert packed.decode_stack is None
+
+
+def test_stack_leaves_prefills_and_big_batches_to_the_per_op_path(gguf_models):
+    model = load_model(gguf_models["Q4_1"], dtype=torch.float32).model
+    stack = model.decode_stack
+    if stack is None:
+        pytest.skip("no native kernels here")
+    pool = _Pool(model, [[1, 2, 3]], torch.float32)
+    meta = pool.decode_meta()
+    assert stack.accepts(meta, 1)
+    assert not stack.accepts(meta, 2)  # the rows are not all decodes
+    big = block_quant.MAX_ROWS + 1
+    meta.num_decodes = big
+    assert not stack.accepts(meta, big)  # MKL's GEMM is faster there
+    meta.num_decodes, meta.prefills = 1, [(1, 3, 0, None)]
+    assert not stack.accepts(meta, 1)
+
+
+def test_arena_is_reused_as_the_context_grows_and_keeps_the_bits(gguf_models):
+    model = load_model(gguf_models["Q4_1"], dtype=torch.float32).model
+    if model.decode_stack is None:
+        pytest.skip("no native kernels here")
+    pools = [_Pool(model, [[7] * 30], torch.float32, max_len=48) for _ in range(2)]
+    stack = model.decode_stack
+    for pool in pools:
+        pool.prefill()
+    got, arenas = [], set()
+    for t in range(10, 18):
+        got.append(pools[0].step([t]))
+        arenas.add(stack._arena.data_ptr())
+    assert len(arenas) <= 2  # sized by the first step, grown (doubled) at most once
+    model.decode_stack = None
+    want = [pools[1].step([t]) for t in range(10, 18)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
