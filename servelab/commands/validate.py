@@ -33,15 +33,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def sim_model(profile: dict[str, Any], name: str | None, served_model: str):  # noqa: ANN202
     """The catalog ModelSpec to simulate: named, or matched from the profile's (or server's) model name."""
-    from servelab.cost.profile import same_model
-    from servelab.spec.model import MODELS, get_model
+    from servelab.cost.profile import catalog_model_for
+    from servelab.spec.model import get_model
 
     if name is not None:
         return get_model(name)
-    for candidate in (str(profile.get("model", "")), served_model):
-        matches = [spec for key, spec in MODELS.items() if same_model(key, candidate)]
-        if len(matches) == 1:
-            return matches[0]
+    model = catalog_model_for(profile, served_model)
+    if model is not None:
+        return model
     raise InvalidArgument(f"no catalog model matches the profile's model {profile.get('model')!r}; "
                           f"name one with --sim-model (see `servelab models`)")
 

@@ -267,3 +267,14 @@ def same_model(a: str, b: str) -> bool:
     """smollm2-135m matches SmolLM2-135M-Instruct.Q4_1: one name, letters and digits only, starts the other."""
     x, y = (re.sub(r"[^a-z0-9]", "", n.lower()) for n in (a, b))
     return bool(x and y) and (x.startswith(y) or y.startswith(x))
+
+
+def catalog_model_for(profile: dict[str, Any] | None, served_model: str | None) -> Any:
+    """The catalog ModelSpec whose name matches the profile's model (or the served one), or None."""
+    from servelab.spec.model import MODELS
+
+    for candidate in ((profile or {}).get("model"), served_model):
+        matches = [spec for key, spec in MODELS.items() if candidate and same_model(key, str(candidate))]
+        if len(matches) == 1:
+            return matches[0]
+    return None

@@ -32,18 +32,6 @@ class PredictionBusy(ServelabError):
     error_type = "rate_limit_exceeded"
 
 
-def catalog_model_for(profile: dict[str, Any] | None, served_model: str | None) -> Any:
-    """The catalog ModelSpec whose name matches the profile's model (or the served one), or None."""
-    from servelab.cost.profile import same_model
-    from servelab.spec import MODELS
-
-    for candidate in ((profile or {}).get("model"), served_model):
-        matches = [spec for key, spec in MODELS.items() if candidate and same_model(key, str(candidate))]
-        if len(matches) == 1:
-            return matches[0]
-    return None
-
-
 def _number(item: dict[str, Any], name: str, index: int, *, allow_none: bool = False) -> float | None:
     value = item.get(name)
     if value is None and allow_none:
@@ -188,6 +176,7 @@ class Predictor:
 
     def _replay(self, records: list[RequestRecord], concurrency: int) -> tuple[Any, str | None]:
         from servelab.bench.fidelity import replay_trace, server_config, sim_config
+        from servelab.cost.profile import catalog_model_for
         from servelab.sim import simulate
 
         server = server_config(self._metrics_text())
