@@ -44,8 +44,9 @@ class Grid:
 
 GRIDS = {
     # Decode scenarios prefill their batch first, which dominates the time: contexts stay short.
-    "coarse": Grid(chunk=128, prefill_lens=(16, 64, 128, 256), decode_batches=(1, 4, 8),
-                   decode_contexts=(32, 64), decode_steps=3, repeats=5),
+    # coarse reaches batch 16 and 160-token contexts so that batch and context separate in the fit.
+    "coarse": Grid(chunk=128, prefill_lens=(16, 64, 128, 256), decode_batches=(1, 4, 8, 16),
+                   decode_contexts=(32, 160), decode_steps=3, repeats=5),
     "full": Grid(chunk=512, prefill_lens=(16, 32, 64, 128, 256, 512, 2048), decode_batches=(1, 2, 4, 8, 16, 32),
                  decode_contexts=(64, 256, 1024, 2048), decode_steps=6, repeats=5),
 }
@@ -55,7 +56,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--out", required=True, metavar="FILE.json", help="where to write the profile")
     parser.add_argument("--grid", choices=list(GRIDS), default="coarse",
-                        help="coarse: about 30 s on the bundled model; full: minutes (default coarse)")
+                        help="coarse: about 3 min on the bundled model; full: longer (default coarse)")
     parser.add_argument("--max-heldout-error", type=float, default=DEFAULT_MAX_HELDOUT_ERROR_PCT, metavar="PCT",
                         help="refuse to write a profile whose median error on held-out steps is above PCT %% "
                              f"(default {DEFAULT_MAX_HELDOUT_ERROR_PCT:g})")

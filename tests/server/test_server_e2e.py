@@ -493,3 +493,36 @@ def test_sigterm_on_an_idle_server_exits_at_once(server_launcher, tiny_model_dir
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(30) == 0, server.log()
     assert time.monotonic() - t0 < 10  # nothing to drain: no wait for the 30 s grace period
+
+
+def test_a_running_stream_keeps_its_pace_while_a_10mb_request_is_rejected(server):
+    """Issue 15: a 10 MB body is refused (413) without holding the event loop, so a stream that is
+    running meanwhile keeps its inter-token pace."""
+    body = {"prompt": "hi", "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
+    stamps: list[float] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    stamps.append(time.perf_counter())
+                    if len(stamps) == 20:
+                        started.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert started.wait(30)
+    big = {"messages": [{"role": "user", "content": "The quick brown fox. " * (10_000_000 // 21)}], "max_tokens": 1}
+    t0 = time.perf_counter()
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=big, timeout=60)
+    t1 = time.perf_counter()
+    reader.join(60)
+    assert r.status_code == 413, r.text
+    assert len(stamps) == 400
+    # the gaps between chunks that arrived while the big request was in flight (and just after it)
+    window = [b - a for a, b in zip(stamps, stamps[1:]) if t0 <= b <= t1 + 0.05]
+    assert len(window) >= 3, (t1 - t0, len(window))
+    window.sort()
+    assert window[int(0.9 * (len(window) - 1))] < 0.1 and window[-1] < 0.5, window
