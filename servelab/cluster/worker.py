@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from servelab.cluster import messages as m
 from servelab.cluster.channel import HEARTBEAT_S, Link, PeerLost, Rendezvous, join, leave
 from servelab.errors import ServelabError
+from servelab.server.async_engine import take_commands
 
 if TYPE_CHECKING:
     from servelab.engine.llm_engine import EngineOutput, LLMEngine
@@ -157,14 +158,7 @@ class WorkerLoop:
     def _serve(self) -> int:
         engine = self.engine
         while True:
-            commands = []
-            if not engine.has_unfinished():
-                commands.append(self.commands.get())  # idle: sleep until a command arrives
-            while True:
-                try:
-                    commands.append(self.commands.get_nowait())
-                except queue.Empty:
-                    break
+            commands = take_commands(self.commands, wait=not engine.has_unfinished())
             for command in commands:
                 if isinstance(command, m.AddRequests):
                     self._admit(command)

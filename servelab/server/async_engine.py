@@ -78,6 +78,16 @@ class Failed:
 OutputObserver = Callable[["EngineOutput"], None]
 
 
+def take_commands(commands: queue.SimpleQueue | queue.Queue, *, wait: bool) -> list[Any]:
+    """Every command queued now; with `wait` (an idle engine), sleep until the first arrives."""
+    taken = [commands.get()] if wait else []
+    while True:
+        try:
+            taken.append(commands.get_nowait())
+        except queue.Empty:
+            return taken
+
+
 class AsyncEngine:
     """Owns an LLMEngine in one thread; `submit` and `RequestStream` are its asyncio face."""
 
@@ -225,14 +235,7 @@ class AsyncEngine:
     def _serve(self) -> None:
         engine = self.engine
         while True:
-            commands = []
-            if not engine.has_unfinished():
-                commands.append(self._commands.get())  # idle: sleep until a command arrives
-            while True:
-                try:
-                    commands.append(self._commands.get_nowait())
-                except queue.Empty:
-                    break
+            commands = take_commands(self._commands, wait=not engine.has_unfinished())
             stop = None
             for command in commands:
                 if isinstance(command, _Add):
