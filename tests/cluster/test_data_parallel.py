@@ -4,7 +4,6 @@ killed worker fails only its own requests, and a `servelab worker` joins through
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -17,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.cluster.server_checks import gone, metric, streams_across_a_kill
 from tests.server.conftest import REPO, launch_server
 
 pytestmark = pytest.mark.slow
@@ -38,34 +38,11 @@ def dp_server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     yield server
     pids = [w["pid"] for w in httpx.get(server.url + "/health").json()["workers"]]
     assert server.stop() == 0, server.log()
-    assert _gone(pids, timeout_s=10), f"worker processes {pids} outlived the server"
+    assert gone(pids, timeout_s=10), f"worker processes {pids} outlived the server"
 
 
-def _gone(pids: list[int], timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        alive = []
-        for pid in pids:
-            try:
-                os.kill(pid, 0)
-                alive.append(pid)
-            except ProcessLookupError:
-                pass
-        if not alive:
-            return True
-        time.sleep(0.2)
-    return False
 
 
-def _metric(text: str, name: str) -> dict[str, float]:
-    """worker label -> value of `name` (the unlabelled total under key "")."""
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            labels, value = line[len(name) + 1 :].rsplit("} ", 1)
-            worker = next((p.split("=")[1].strip('"') for p in labels.split(",") if p.startswith("worker=")), "")
-            out[worker] = float(value)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +77,7 @@ def test_greedy_output_through_two_workers_equals_one_engine(dp_server, referenc
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         texts = list(pool.map(complete, PROMPTS))
     assert texts == reference_texts
-    queries = _metric(httpx.get(dp_server.url + "/metrics").text, "servelab:worker_prefix_cache_queries_total")
+    queries = metric(httpx.get(dp_server.url + "/metrics").text, "servelab:worker_prefix_cache_queries_total")
     assert queries["1"] > 0 and queries["2"] > 0, queries  # both workers served
 
 
@@ -123,44 +100,25 @@ def test_aborts_leak_no_kv_block_on_any_worker(dp_server):
     deadline = time.monotonic() + 15
     while True:  # the workers report their pools with each step and heartbeat
         text = httpx.get(url + "/metrics").text
-        free, total = _metric(text, "servelab:worker_kv_cache_blocks_free"), _metric(text, "servelab:worker_kv_cache_blocks_total")
-        running = _metric(text, "servelab:num_requests_running")
+        free, total = metric(text, "servelab:worker_kv_cache_blocks_free"), metric(text, "servelab:worker_kv_cache_blocks_total")
+        running = metric(text, "servelab:num_requests_running")
         if (free == total and running == {"": 0.0}) or time.monotonic() > deadline:
             break
         time.sleep(0.3)
     assert free == total == {"1": 256.0, "2": 256.0}, (free, total)
     assert running == {"": 0.0}
-    assert _metric(text, "servelab:request_success_total")  # labelled by reason; present
+    assert metric(text, "servelab:request_success_total")  # labelled by reason; present
     assert httpx.get(url + "/health").json()["status"] == "ok"
 
 
 def test_a_killed_worker_fails_only_its_requests(dp_server):
     url = dp_server.url
-    body = {"prompt": "hello world", "max_tokens": 1000, "ignore_eos": True, "stream": True}
-    health = httpx.get(url + "/health").json()
-    pid = {w["rank"]: w["pid"] for w in health["workers"]}
-    client = httpx.Client(timeout=120)
-    streams = []
-    for _ in range(2):  # least-outstanding: the second goes to the other worker
-        ctx = client.stream("POST", url + "/v1/completions", json=body)
-        r = ctx.__enter__()
-        lines = (line for line in r.iter_lines() if line)
-        streams.append((ctx, [next(lines)], lines))
-    assert [w["outstanding"] for w in httpx.get(url + "/health").json()["workers"]] == [1, 1]
-    os.kill(pid[2], signal.SIGKILL)
-    t0 = time.monotonic()
-    endings = []
-    for ctx, events, lines in streams:
-        events.extend(lines)
-        ctx.__exit__(None, None, None)
-        assert events[-1] == "data: [DONE]"
-        endings.append(json.loads(events[-2].removeprefix("data: ")))
-    errors = [e["error"] for e in endings if "error" in e]
-    finished = [e["choices"][0]["finish_reason"] for e in endings if "choices" in e]
-    assert len(errors) == 1 and "worker 2 failed" in errors[0]["message"], endings
+    pid = {w["rank"]: w["pid"] for w in httpx.get(url + "/health").json()["workers"]}
+    errors, finished, seconds = streams_across_a_kill(url, 1000, lambda: os.kill(pid[2], signal.SIGKILL))
+    assert len(errors) == 1 and "worker 2 failed" in errors[0]["message"], (errors, finished)
     assert errors[0]["type"] == "internal_server_error"
     assert finished == ["length"]  # the other worker's stream ran to its end
-    assert time.monotonic() - t0 < 60
+    assert seconds < 60
     health = httpx.get(url + "/health")
     assert health.status_code == 200
     states = {w["rank"]: w["status"] for w in health.json()["workers"]}
@@ -169,8 +127,7 @@ def test_a_killed_worker_fails_only_its_requests(dp_server):
         r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
         assert r.status_code == 200, r.text
     text = httpx.get(url + "/metrics").text
-    assert _metric(text, "servelab:worker_up") == {"1": 1.0, "2": 0.0}
-    client.close()
+    assert metric(text, "servelab:worker_up") == {"1": 1.0, "2": 0.0}
 
 
 def _free_port() -> int:

@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from tests.cluster.server_checks import metric
 from tests.server.conftest import launch_server
 
 FLAGS = ("--disagg", "1:1", "--num-blocks", "64", "--max-model-len", "1024", "--seed", "0")
@@ -46,22 +47,13 @@ def _complete_all(url: str) -> list[str]:
         return list(pool.map(complete, PROMPTS))
 
 
-def _metric(text: str, name: str) -> dict[str, float]:
-    """worker label -> value of `name` (the unlabelled total under key "")."""
-    out = {}
-    for line in text.splitlines():
-        if line.startswith(name + "{") or line.startswith(name + " "):
-            labels, value = line[len(name) :].rsplit(" ", 1)
-            worker = next((p.split("=")[1].strip('"}') for p in labels.strip("{}").split(",") if p.startswith("worker=")), "")
-            out[worker] = float(value)
-    return out
 
 
 def _wait_pools_full(url: str) -> tuple[dict, dict]:
     deadline = time.monotonic() + 15
     while True:  # the workers report their pools with each step and heartbeat
         text = httpx.get(url + "/metrics").text
-        free, total = _metric(text, "servelab:worker_kv_cache_blocks_free"), _metric(text, "servelab:worker_kv_cache_blocks_total")
+        free, total = metric(text, "servelab:worker_kv_cache_blocks_free"), metric(text, "servelab:worker_kv_cache_blocks_total")
         if free == total or time.monotonic() > deadline:
             return free, total
         time.sleep(0.3)
@@ -78,9 +70,9 @@ def test_fp16_kv_through_a_one_sequence_decode_pool_equals_one_engine(tiny_model
     try:
         assert _complete_all(server.url) == want
         text = httpx.get(server.url + "/metrics").text
-        queued = _metric(text, "servelab:kv_transfer_decode_queue_seconds_sum")[""]
+        queued = metric(text, "servelab:kv_transfer_decode_queue_seconds_sum")[""]
         assert queued > 0.05, queued  # offers waited for the decode worker's sequence budget (~23 steps each)
-        assert _metric(text, "servelab:kv_transfer_seconds_count")[""] == len(PROMPTS)
+        assert metric(text, "servelab:kv_transfer_seconds_count")[""] == len(PROMPTS)
         assert _wait_pools_full(server.url)[0] == {"1": 64.0, "2": 64.0}
         # a request whose KV has crossed lives on the decode worker: losing the prefill worker spares it
         pid = {w["role"]: w["pid"] for w in httpx.get(server.url + "/health").json()["workers"]}
@@ -110,7 +102,7 @@ def test_greedy_output_equals_one_engine(disagg_server, tiny_model_dir):
     workers = httpx.get(disagg_server.url + "/health").json()["workers"]
     assert [(w["rank"], w["role"]) for w in workers] == [(1, "prefill"), (2, "decode")]
     text = httpx.get(disagg_server.url + "/metrics").text
-    assert _metric(text, "servelab:kv_transfer_bytes_sum")[""] > 0
+    assert metric(text, "servelab:kv_transfer_bytes_sum")[""] > 0
     # prompt logprobs are scored on the prefill worker and arrive with the decode worker's tokens
     body = {"prompt": PROMPTS[2], "max_tokens": 4, "temperature": 0, "prompt_logprobs": 0}
     choice = httpx.post(disagg_server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
@@ -241,7 +233,7 @@ def test_external_prefill_and_decode_workers_join_through_env(tiny_model_dir, tm
             assert [(w["rank"], w["role"], w["pid"]) for w in health] == [
                 (1, "prefill", workers[0].pid), (2, "decode", workers[1].pid)]  # fmt: skip
             assert _complete_all(server.url) == _reference(tiny_model_dir)
-            assert _metric(httpx.get(server.url + "/metrics").text, "servelab:kv_transfer_bytes_sum")[""] > 0
+            assert metric(httpx.get(server.url + "/metrics").text, "servelab:kv_transfer_bytes_sum")[""] > 0
         finally:
             assert server.stop() == 0, server.log()
         for rank, worker in zip((1, 2), workers):

@@ -6,16 +6,15 @@ heads cross from the prefill worker to the decode worker, and the output equals 
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
 import pytest
 
+from tests.cluster.server_checks import gone, streams_across_a_kill
 from tests.server.conftest import launch_server
 
 pytestmark = pytest.mark.slow
@@ -42,20 +41,6 @@ def _children(pid: int) -> list[tuple[int, str]]:
     return out
 
 
-def _gone(pids: list[int], timeout_s: float) -> bool:
-    """Every pid exited (a zombie its parent has not reaped yet counts: it runs nothing)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        alive = []
-        for pid in pids:
-            try:
-                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                    alive.append(pid)
-            except OSError:
-                pass
-        if not alive or time.monotonic() > deadline:
-            return not alive
-        time.sleep(0.2)
 
 
 def _tp_ranks(worker_pid: int) -> list[int]:
@@ -78,7 +63,7 @@ def tpdp_server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     yield server, ranks
     assert server.stop() == 0, server.log()
     every = workers + [pid for r in ranks.values() for pid in r]
-    assert _gone(every, timeout_s=15), f"processes {every} outlived the server"
+    assert gone(every, timeout_s=15), f"processes {every} outlived the server"
 
 
 @pytest.fixture(scope="module")
@@ -122,35 +107,17 @@ def test_greedy_output_through_tp_workers_equals_one_engine(tpdp_server, expecte
 def test_a_killed_tp_rank_fails_only_its_workers_requests(tpdp_server):
     server, ranks = tpdp_server
     url = server.url
-    body = {"prompt": "hello world", "max_tokens": 200, "ignore_eos": True, "stream": True}
     worker_pid = {w["rank"]: w["pid"] for w in httpx.get(url + "/health").json()["workers"]}
-    client = httpx.Client(timeout=120)
-    streams = []
-    for _ in range(2):  # least-outstanding: the second goes to the other worker
-        ctx = client.stream("POST", url + "/v1/completions", json=body)
-        r = ctx.__enter__()
-        lines = (line for line in r.iter_lines() if line)
-        streams.append((ctx, [next(lines)], lines))
-    assert [w["outstanding"] for w in httpx.get(url + "/health").json()["workers"]] == [1, 1]
-    os.kill(ranks[worker_pid[2]][0], signal.SIGKILL)  # worker 2's TP rank 1
-    t0 = time.monotonic()
-    endings = []
-    for ctx, events, lines in streams:
-        events.extend(lines)
-        ctx.__exit__(None, None, None)
-        assert events[-1] == "data: [DONE]"
-        endings.append(json.loads(events[-2].removeprefix("data: ")))
-    client.close()
-    errors = [e["error"] for e in endings if "error" in e]
-    finished = [e["choices"][0]["finish_reason"] for e in endings if "choices" in e]
-    assert len(errors) == 1 and "worker 2" in errors[0]["message"], endings
+    kill_rank = lambda: os.kill(ranks[worker_pid[2]][0], signal.SIGKILL)  # noqa: E731  worker 2's TP rank 1
+    errors, finished, seconds = streams_across_a_kill(url, 200, kill_rank)
+    assert len(errors) == 1 and "worker 2" in errors[0]["message"], (errors, finished)
     assert "tensor-parallel rank failure: rank 1 exited" in errors[0]["message"]  # the cause, not just a lost link
     assert finished == ["length"]  # worker 1's stream ran to its end
-    assert time.monotonic() - t0 < 60
+    assert seconds < 60
     health = httpx.get(url + "/health").json()
     assert health["status"] == "degraded"
     assert {w["rank"]: w["status"] for w in health["workers"]} == {1: "ok", 2: "failed"}
-    assert _gone([worker_pid[2]], timeout_s=15)  # the worker whose rank died exits
+    assert gone([worker_pid[2]], timeout_s=15)  # the worker whose rank died exits
     r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
     assert r.status_code == 200, r.text  # worker 1 serves on
 
@@ -170,4 +137,4 @@ def test_disagg_with_tp_moves_every_ranks_heads(tiny_dir, expected_texts, tmp_pa
         assert sent == [len(PROMPTS) * 2 * 2 * 2 * 16 * 16 * 4], text
     finally:
         assert server.stop() == 0, server.log()
-    assert _gone(workers + ranks, timeout_s=15)
+    assert gone(workers + ranks, timeout_s=15)

@@ -1,0 +1,62 @@
+"""What the end-to-end cluster tests read from a running `servelab serve`: per-worker metrics,
+whether processes are gone, and two long streams across a worker's death."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import httpx
+
+
+def metric(text: str, name: str) -> dict[str, float]:
+    """worker label -> value of `name` (the unlabelled total under key "")."""
+    out = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            labels, value = line[len(name) :].rsplit(" ", 1)
+            worker = next((p.split("=")[1].strip('"}') for p in labels.strip("{}").split(",") if p.startswith("worker=")), "")
+            out[worker] = float(value)
+    return out
+
+
+def gone(pids: list[int], timeout_s: float) -> bool:
+    """Every pid exited (a zombie its parent has not reaped yet counts: it runs nothing)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = []
+        for pid in pids:
+            try:
+                if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
+                    alive.append(pid)
+            except OSError:
+                pass
+        if not alive or time.monotonic() > deadline:
+            return not alive
+        time.sleep(0.2)
+
+
+def streams_across_a_kill(url: str, max_tokens: int, kill: Callable[[], None]) -> tuple[list[dict], list[str], float]:
+    """Open two long streams (least-outstanding puts one on each of two workers), call `kill`, and
+    read both to `[DONE]`: the error objects, the finish reasons, and the seconds the ends took."""
+    body = {"prompt": "hello world", "max_tokens": max_tokens, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=120) as client:
+        streams = []
+        for _ in range(2):
+            ctx = client.stream("POST", url + "/v1/completions", json=body)
+            lines = (line for line in ctx.__enter__().iter_lines() if line)
+            streams.append((ctx, [next(lines)], lines))
+        assert [w["outstanding"] for w in httpx.get(url + "/health").json()["workers"]] == [1, 1]
+        kill()
+        t0 = time.monotonic()
+        endings = []
+        for ctx, events, lines in streams:
+            events.extend(lines)
+            ctx.__exit__(None, None, None)
+            assert events[-1] == "data: [DONE]"
+            endings.append(json.loads(events[-2].removeprefix("data: ")))
+    errors = [e["error"] for e in endings if "error" in e]
+    finished = [e["choices"][0]["finish_reason"] for e in endings if "choices" in e]
+    return errors, finished, time.monotonic() - t0
