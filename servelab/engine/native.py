@@ -36,7 +36,7 @@ _SOURCES = (
     "decode_attention.c", "prefill_attention.c", "layer_ops.c", "block_quant_linear.c", "int8_linear.c", "parallel.c",
     "decode_stack.c",
 )
-_HEADERS = ("vec_exp.h", "parallel.h", "half.h", "fp.h")
+_HEADERS = ("vec_exp.h", "parallel.h", "half.h", "fp.h", "isa.h")
 # KV-cache dtypes the attention and K/V-store kernels read and write (their kv_format codes, half.h)
 KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 
