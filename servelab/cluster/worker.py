@@ -111,6 +111,7 @@ class WorkerLoop:
         self.stats = engine.stats()
         self.outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # to the front end, in order; None ends
         self.stopping = threading.Event()
+        self.pass_started_s: float | None = None  # when the loop's current pass began; None while idle
 
     def run(self) -> int:
         threading.Thread(target=self._receive, name="servelab-worker-recv", daemon=True).start()
@@ -141,7 +142,8 @@ class WorkerLoop:
             try:
                 message = self.outbox.get(timeout=HEARTBEAT_S)
             except queue.Empty:
-                message = m.Heartbeat(self.stats)
+                started = self.pass_started_s
+                message = m.Heartbeat(self.stats, 0.0 if started is None else time.perf_counter() - started)
             if message is None:
                 return
             try:
@@ -158,7 +160,11 @@ class WorkerLoop:
     def _serve(self) -> int:
         engine = self.engine
         while True:
-            commands = take_commands(self.commands, wait=not engine.has_unfinished())
+            idle = not engine.has_unfinished()
+            if idle:
+                self.pass_started_s = None  # waiting for work is not a hang
+            commands = take_commands(self.commands, wait=idle)
+            self.pass_started_s = time.perf_counter()
             for command in commands:
                 if isinstance(command, m.AddRequests):
                     self._admit(command)
@@ -207,7 +213,7 @@ class WorkerLoop:
             self._send(m.Admitted(command.batch, m.WireError.of(exc)))
             return
         self.stats = self.engine.stats()
-        self._send(m.Admitted(command.batch))
+        self._send(m.Admitted(command.batch, stats=self.stats))
 
     def _abort_one(self, request_id: str) -> None:
         self.live.discard(request_id)
