@@ -73,3 +73,61 @@ def test_a_hung_worker_is_failed_alone_and_an_idle_one_is_not(fake_engine):
     finally:
         release.set()
     assert 1.5 <= detected_s < 5.0
+
+
+def test_a_slow_grammar_compile_does_not_stall_the_workers_other_requests(tiny_engine_factory):
+    """The test's hook makes preparing one request's logits processors (its grammar compile, or
+    here its bad words) take 1.5 s on the worker; the request already running there keeps
+    getting tokens meanwhile, and the slow one is served once prepared."""
+    cluster, engines, _ = memory_cluster(tiny_engine_factory, 1, num_blocks=64, max_model_len=256)
+    worker = engines[1]
+    window: list[float] = []
+    real_prepare, real_step = worker.logits_processors.prepare, worker.step
+
+    def slow_prepare(params, *siblings):
+        window.append(time.perf_counter())
+        time.sleep(1.5)
+        real_prepare(params, *siblings)
+        window.append(time.perf_counter())
+
+    def paced_step():  # the running request must outlast the compile on any host
+        time.sleep(0.005)
+        return real_step()
+
+    worker.logits_processors.prepare, worker.step = slow_prepare, paced_step
+
+    async def main(driver):
+        driver.start()
+        a = (await driver.submit([_req("a", 230, temperature=0.0)])).__aiter__()
+        await a.__anext__()
+        slow = await driver.submit([_req("slow", 4, bad_words=["hello"])])
+        outputs = [out async for out in a]
+        slow_outputs = [out async for out in slow]
+        await driver.stop()
+        return outputs[-1].seq.token_times_s, slow_outputs[-1]
+
+    times, slow_last = run(main(cluster))
+    assert slow_last.finish_reason is FinishReason.LENGTH and slow_last.seq.num_output_tokens == 4
+    start, end = window
+    assert times[0] < start and times[-1] > end, "the running request must span the compile"
+    during = [t for t in times if start <= t <= end]
+    gaps = [b - a for a, b in zip(times, times[1:])]
+    assert len(during) > 10 and max(gaps) < 0.75, (len(during), max(gaps))
+
+
+def test_a_request_the_worker_cannot_prepare_is_refused_with_its_error_and_leaves_nothing(tiny_engine_factory):
+    from servelab.errors import InvalidArgument
+
+    async def main(driver):
+        driver.start()
+        with pytest.raises(InvalidArgument, match="allowed_token_ids") as refused:
+            await driver.submit([_req("bad", 4, allowed_token_ids=[10**6])])  # outside the vocabulary
+        assert refused.value.param == "allowed_token_ids"
+        assert not driver._remote and not driver._sinks and driver.workers[0].outstanding == 0
+        ok = [out async for out in await driver.submit([_req("ok", 3)])]  # the worker serves on
+        await driver.stop()
+        return ok[-1]
+
+    cluster, engines, _ = memory_cluster(tiny_engine_factory, 1, num_blocks=64, max_model_len=256)
+    assert run(main(cluster)).finish_reason is FinishReason.LENGTH
+    assert not engines[1]._requests
