@@ -8,7 +8,8 @@ the receiver posts each message there, where the request's copy of its Sequence 
 to date from the worker's output, the observers (metrics) see an EngineOutput as they would
 from one engine, and the client's queue gets it. A worker whose link fails (the process died,
 or it said nothing for PEER_TIMEOUT_S) fails only its own requests; the router stops choosing
-it, and `health()` reports the cluster degraded.
+it, and `health()` reports the cluster degraded. So does a hung one: its heartbeats say how long
+its step loop has been in one pass, and past `hang_timeout_s` the front end gives up on it.
 """
 
 from __future__ import annotations

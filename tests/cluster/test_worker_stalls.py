@@ -1,6 +1,7 @@
-"""A worker's step loop that stalls, in a cluster in one process (tests/cluster/memory_cluster.py):
-the front end's watchdog fails a hung worker (and only its requests) while idle and busy workers
-stay up, and a slow grammar compile does not stall a worker's other requests."""
+"""A worker's step loop that stalls: the front end's watchdog fails a hung worker (and only its
+requests) while idle and busy workers stay up, in a cluster in one process
+(tests/cluster/memory_cluster.py) and with real worker processes; and a slow grammar compile
+does not stall a worker's other requests."""
 
 from __future__ import annotations
 
@@ -131,3 +132,85 @@ def test_a_request_the_worker_cannot_prepare_is_refused_with_its_error_and_leave
     cluster, engines, _ = memory_cluster(tiny_engine_factory, 1, num_blocks=64, max_model_len=256)
     assert run(main(cluster)).finish_reason is FinishReason.LENGTH
     assert not engines[1]._requests
+
+
+HANG_TOKEN = 477  # a prompt that starts with it hangs the worker that runs it (the hook below)
+
+
+def hanging_worker_main() -> None:
+    """A `servelab worker` (rendezvous from the environment) with the test's hook: its step loop
+    stops for good in the first step that runs a prompt starting with HANG_TOKEN, while its
+    other threads (the heartbeat's sender) live on."""
+    import sys
+
+    from servelab.cluster import worker
+    from servelab.cluster.channel import Rendezvous
+
+    real_step = worker.WorkerLoop._step
+
+    def step(self) -> None:
+        if any(state.seq.prompt_token_ids[0] == HANG_TOKEN for state in self.engine._requests.values()):
+            threading.Event().wait()
+        real_step(self)
+
+    worker.WorkerLoop._step = step
+    sys.exit(worker.worker_main(Rendezvous.from_env(timeout_s=120.0)))
+
+
+@pytest.mark.slow  # 22 s here, 18 of them starting the processes
+def test_a_hung_worker_process_is_failed_and_the_cluster_serves_on(tiny_model_dir, tmp_path):
+    """Real processes and gloo links: two external workers, one of which hangs in a step."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import httpx
+
+    from tests.cluster.server_checks import metric
+    from tests.server.conftest import REPO, launch_server
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workers = []
+    for rank in (1, 2):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="3",
+                   PYTHONUNBUFFERED="1")  # fmt: skip
+        with open(tmp_path / f"worker{rank}.log", "wb") as log:
+            code = "from tests.cluster.test_worker_stalls import hanging_worker_main; hanging_worker_main()"
+            workers.append(subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT,
+                                            cwd=REPO, env=env))  # fmt: skip
+    try:
+        server = launch_server(tiny_model_dir, tmp_path, "--data-parallel", "2", "--external-workers",
+                               "--master-addr", "127.0.0.1", "--master-port", str(port), "--worker-hang-timeout", "2s",
+                               "--num-blocks", "64", "--max-model-len", "256")  # fmt: skip
+        try:
+            url = server.url
+            t0 = time.monotonic()
+            r = httpx.post(url + "/v1/completions", json={"prompt": [HANG_TOKEN, 5, 6], "max_tokens": 20}, timeout=60)
+            seconds = time.monotonic() - t0
+            assert r.status_code == 500, r.text
+            error = r.json()["error"]
+            assert error["type"] == "internal_server_error"
+            assert "hung: its step loop finished nothing for" in error["message"], error
+            assert "past --worker-hang-timeout 2s" in error["message"] and 2.0 <= seconds < 10.0
+            health = httpx.get(url + "/health")
+            assert health.status_code == 200 and health.json()["status"] == "degraded", (health.text, server.log())
+            states = {w["rank"]: w["status"] for w in health.json()["workers"]}
+            hung = next(rank for rank, state in states.items() if state == "failed")
+            assert sorted(states.values()) == ["failed", "ok"]
+            for _ in range(2):  # the router skips the hung worker
+                ok = httpx.post(url + "/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 4}, timeout=60)
+                assert ok.status_code == 200, ok.text
+            assert metric(httpx.get(url + "/metrics").text, "servelab:worker_up")[str(hung)] == 0.0
+            assert workers[hung - 1].poll() is None  # external: cut off, not killed; its host's to restart
+        finally:
+            assert server.stop() == 0, server.log()
+        healthy = 3 - hung
+        assert workers[healthy - 1].wait(timeout=30) == 0, (tmp_path / f"worker{healthy}.log").read_text()
+    finally:
+        for worker in workers:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()
