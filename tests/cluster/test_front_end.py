@@ -8,6 +8,8 @@ import re
 import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from servelab.core.sequence import FinishReason, SamplingParams
 from servelab.errors import QueueFull
@@ -242,3 +244,31 @@ def test_counters_keep_a_dead_workers_share_and_gauges_drop_it(fake_engine):
 
     cluster, _, kills = memory_cluster(fake_engine, 2, max_model_len=1024, num_blocks=256)
     run(main(cluster, kills))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.booleans(), st.integers(0, 5)), max_size=30))
+def test_cluster_counters_never_decrease_whatever_reports_and_deaths_come(events):
+    """Each event: worker i reports counters grown by d (True: then it dies). A report after its
+    death is dropped, as the front end stops reading a failed worker."""
+    from types import SimpleNamespace
+
+    from servelab.cluster.front_end import ClusterEngine, WorkerHandle
+    from servelab.engine.llm_engine import EngineStats
+
+    workers = [WorkerHandle(i, link=None, ready=None, stats=EngineStats(0, 0, 0.0, 8, 8, 0, 0, 0)) for i in range(3)]
+    cluster = SimpleNamespace(workers=workers)
+    totals = lambda s: (s.num_preemptions, s.prefix_cache_hits, s.prefix_cache_queries)  # noqa: E731
+    last = totals(ClusterEngine.stats.fget(cluster))
+    for i, dies, d in events:
+        w = workers[i]
+        if w.alive:
+            s = w.stats
+            w.stats = EngineStats(0, 0, 0.0, 8, 8, s.num_preemptions + d, s.prefix_cache_hits + d,
+                                  s.prefix_cache_queries + 2 * d)  # fmt: skip
+            if dies:
+                w.failure = "killed"
+        now = totals(ClusterEngine.stats.fget(cluster))
+        assert all(a >= b for a, b in zip(now, last)), (now, last)
+        last = now
+    assert ClusterEngine.stats.fget(cluster).num_blocks_total == 8 * sum(w.alive for w in workers)
