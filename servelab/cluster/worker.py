@@ -163,6 +163,8 @@ class WorkerLoop:
             try:
                 self.engine.prepare_logits_processors(first, *siblings)
             except Exception as exc:
+                if not isinstance(exc, ServelabError):
+                    logger.exception("preparing a request's logits processors failed")
                 return _Unadmittable(item.batch, exc)
         return item
 
