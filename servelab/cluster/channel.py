@@ -27,6 +27,7 @@ HEARTBEAT_S = 1.0  # each end sends something at least this often
 PEER_TIMEOUT_S = 30.0  # a link silent for this long is dead (a loaded host may stall a process for seconds)
 SEND_TIMEOUT_S = 30.0  # a send waits this long for the peer to take it
 JOIN_TIMEOUT_S = 300.0  # default: how long the rendezvous waits for every rank
+HANG_TIMEOUT_S = 300.0  # default: a worker whose loop finishes no pass for this long is hung (--worker-hang-timeout)
 TAG_HEADER = 1
 TAG_PAYLOAD = 2
 FIRST_DATA_TAG = 16  # tags from here on are free for bulk data (e.g. KV blocks) on the same groups

@@ -194,7 +194,7 @@ class _DisaggLoop(WorkerLoop):
             if isinstance(message, _Bye):
                 return
             if not self._on_peer_at_once(peer.peer, message):
-                self.commands.put(_FromPeer(peer.peer, message))
+                self.arrivals.put(_FromPeer(peer.peer, message))  # through the preparer, in order
 
     def _on_peer_at_once(self, src: int, message: Any) -> bool:
         """A peer's message that cannot wait for the step loop, handled on its receiving thread."""
@@ -346,6 +346,16 @@ class DecodeLoop(_DisaggLoop):
         self.aborted_early: OrderedDict[str, None] = OrderedDict()
         self.tags = itertools.count(FIRST_DATA_TAG)
         self.transfer_records: dict[str, m.KVTransferRecord] = {}  # until the first output carries it
+
+    def _prepared(self, item: Any) -> Any:
+        """An offered request's grammar is compiled here too (it does not cross the link), off
+        the step loop; a failure is left for start_prefilled to meet and report."""
+        if isinstance(item, _FromPeer) and isinstance(item.message, Offer) and item.message.params.edits_logits:
+            try:
+                self.engine.prepare_logits_processors(item.message.params)
+            except Exception:
+                logger.debug("preparing %s's logits processors failed", item.message.request_id, exc_info=True)
+        return super()._prepared(item)
 
     def _on_peer(self, src: int, message: Any) -> None:
         if not isinstance(message, Offer):

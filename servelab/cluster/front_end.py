@@ -8,7 +8,8 @@ the receiver posts each message there, where the request's copy of its Sequence 
 to date from the worker's output, the observers (metrics) see an EngineOutput as they would
 from one engine, and the client's queue gets it. A worker whose link fails (the process died,
 or it said nothing for PEER_TIMEOUT_S) fails only its own requests; the router stops choosing
-it, and `health()` reports the cluster degraded.
+it, and `health()` reports the cluster degraded. So does a hung one: its heartbeats say how long
+its step loop has been in one pass, and past `hang_timeout_s` the front end gives up on it.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from servelab.cluster import messages as m
-from servelab.cluster.channel import HEARTBEAT_S, Link, PeerLost, leave
+from servelab.cluster.channel import HANG_TIMEOUT_S, HEARTBEAT_S, Link, PeerLost, leave
 from servelab.core.block_manager import chain_block_hashes
+from servelab.core.scheduler import waiting_queue_full
 from servelab.core.sequence import FinishReason, Sequence, SequenceStatus
 from servelab.engine.llm_engine import EngineOutput, EngineStats
 from servelab.errors import QueueFull, ServelabError
@@ -84,10 +86,12 @@ class _Remote:
 class ClusterEngine:
     """N engine workers behind one router, with AsyncEngine's interface for the server."""
 
-    def __init__(self, shell: LLMEngine, workers: list[WorkerHandle], router: Router):
+    def __init__(self, shell: LLMEngine, workers: list[WorkerHandle], router: Router,
+                 hang_timeout_s: float | None = HANG_TIMEOUT_S):  # fmt: skip
         self.engine = shell  # tokenizer, limits and names; it runs no model
         self.workers = workers
         self.router = router
+        self.hang_timeout_s = hang_timeout_s  # None: no watchdog
         self.decode_router = Router(router.kind)  # disaggregated: the decode pool's own choices
         self.block_size = shell.scheduler_config.block_size
         self._sinks: dict[str, asyncio.Queue] = {}
@@ -139,8 +143,11 @@ class ClusterEngine:
 
     @property
     def stats(self) -> EngineStats:
-        """The sum over the live workers (KV usage: the blocks in use over all their blocks)."""
+        """Gauges: the sum over the live workers (KV usage: the blocks in use over all their
+        blocks). Counters: the sum over every worker, a failed one's last-known values included,
+        so that a worker's death never makes a total go down (Prometheus would read a reset)."""
         live = [w.stats for w in self.workers if w.alive and w.stats is not None]
+        every = [w.stats for w in self.workers if w.stats is not None]
         total = sum(s.num_blocks_total for s in live)
         return EngineStats(
             num_running=sum(s.num_running for s in live),
@@ -148,10 +155,22 @@ class ClusterEngine:
             kv_cache_usage=sum(s.kv_cache_usage * s.num_blocks_total for s in live) / total if total else 0.0,
             num_blocks_total=total,
             num_blocks_free=sum(s.num_blocks_free for s in live),
-            num_preemptions=sum(s.num_preemptions for s in live),
-            prefix_cache_hits=sum(s.prefix_cache_hits for s in live),
-            prefix_cache_queries=sum(s.prefix_cache_queries for s in live),
+            num_preemptions=sum(s.num_preemptions for s in every),
+            prefix_cache_hits=sum(s.prefix_cache_hits for s in every),
+            prefix_cache_queries=sum(s.prefix_cache_queries for s in every),
         )
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet scheduled, cluster-wide: each live admitting worker's waiting queue as
+        of its latest report (after its last step, as one engine counts between steps), plus the
+        requests sent to a worker and not yet confirmed admitted. A request the worker confirmed
+        may count twice until the event loop reads its confirmation: an early refusal, never a
+        late one."""
+        queued = sum(w.stats.num_waiting for w in self.workers
+                     if w.alive and w.role != "decode" and w.stats is not None)  # fmt: skip
+        in_transit = sum(len(rids) for _, w, rids in self._admissions.values() if w.alive)
+        return queued + in_transit
 
     def worker_stats(self) -> dict[str, EngineStats | None]:
         """Each worker's latest stats by rank (None once it failed), for /metrics' worker label."""
@@ -172,14 +191,18 @@ class ClusterEngine:
     async def submit(self, requests: list[EngineRequest]) -> RequestStream:
         """Route the requests (the n choices of one client request, all to one worker) and
         admit them there; the worker's admission errors are raised here, as AsyncEngine's are.
-        A worker whose waiting queue is full passes them on to the next worker the router
-        picks: QueueFull only when every live worker's queue is full."""
+        `--max-waiting-requests` bounds the cluster's waiting requests, as it bounds one engine's
+        queue (QueueFull); a worker that still refuses (its own queue, the same bound, is full)
+        passes them on to the next worker the router picks."""
         if not self.is_running:
             raise EngineStopped("the engine is not running")
         request_ids = [r.request_id for r in requests]
         for rid in request_ids:
             if rid in self._sinks or rid in self._remote:
                 raise ServelabError(f"request id {rid!r} is already in flight")
+        max_waiting = self.engine.scheduler_config.max_waiting
+        if max_waiting is not None and self.num_waiting + len(requests) > max_waiting:
+            raise waiting_queue_full(request_ids[0], max_waiting)  # all choices or none, as one engine
         prompts = [self._token_ids(r.prompt) for r in requests]
         hashes = chain_block_hashes(prompts[0], self.block_size) if self.router.kind == "prefix-affinity" else ()
         now = time.perf_counter()
@@ -422,7 +445,7 @@ class ClusterEngine:
                 return
 
     def _recv_loop(self, w: WorkerHandle) -> None:
-        while True:
+        while w.failure is None:  # a hung worker, cut off, is heard no more
             try:
                 message = w.link.recv()
             except PeerLost as exc:
@@ -430,8 +453,11 @@ class ClusterEngine:
                 return
             if isinstance(message, m.Heartbeat):
                 w.stats = message.stats or w.stats
+                if self.hang_timeout_s is not None and message.busy_s > self.hang_timeout_s:
+                    self._post(self._lost, w, f"hung: its step loop finished nothing for {message.busy_s:.0f} s, "
+                                              f"past --worker-hang-timeout {self.hang_timeout_s:g}s")  # fmt: skip
                 continue
-            if isinstance(message, m.Outputs):
+            if isinstance(message, m.Outputs | m.Admitted) and message.stats is not None:
                 w.stats = message.stats
             self._post(self._on_message, w, message)
 

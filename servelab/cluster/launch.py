@@ -12,7 +12,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from servelab.cluster import messages as m
-from servelab.cluster.channel import JOIN_TIMEOUT_S, PeerLost, Rendezvous, join, leave
+from servelab.cluster.channel import HANG_TIMEOUT_S, JOIN_TIMEOUT_S, PeerLost, Rendezvous, join, leave
 from servelab.cluster.front_end import ClusterEngine, WorkerHandle
 from servelab.errors import InvalidArgument, ServelabError
 from servelab.sim.router import Router
@@ -62,13 +62,15 @@ def start_cluster(
     external: bool = False,
     join_timeout_s: float = JOIN_TIMEOUT_S,
     disagg: DisaggConfig | None = None,
+    hang_timeout_s: float | None = HANG_TIMEOUT_S,
 ) -> ClusterEngine:
     """N workers and this process as rank 0. Local workers are spawned here and share the host's
     cores; `external` ones are started elsewhere (`servelab worker`) and must join within
     `join_timeout_s`. Raises ClusterFailed (and leaves no process behind) if any does not.
     With `disagg`, the N = P + D workers are its prefill workers, then its decode workers. Under
     `engine_args.tensor_parallel_size` T > 1 each worker is rank 0 of its own group of T processes
-    (engine/parallel/group.py), which it starts on its own host."""
+    (engine/parallel/group.py), which it starts on its own host. A worker busy in one pass of its
+    step loop for over `hang_timeout_s` (None: never) is failed as hung."""
     check_cluster_args(data_parallel)
     route = Router(router)
     if external and master_port is None:
@@ -109,7 +111,7 @@ def start_cluster(
             raise ClusterFailed(f"a worker was lost while it started: {exc}") from exc
         raise
     workers = [WorkerHandle(rank, links[rank], readies[rank], processes.get(rank)) for rank in sorted(links)]
-    return ClusterEngine(shell, workers, route)
+    return ClusterEngine(shell, workers, route, hang_timeout_s)
 
 
 def _spawn_local(addr: str, port: int, world: int, join_timeout_s: float) -> dict[int, Any]:

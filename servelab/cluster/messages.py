@@ -61,9 +61,11 @@ class Stop:
 
 @dataclass(slots=True)
 class Heartbeat:
-    """Sent when nothing else went for HEARTBEAT_S; the worker's carries its stats."""
+    """Sent when nothing else went for HEARTBEAT_S; the worker's carries its stats, and how long
+    its step loop has been in its current pass (0: idle), for the front end's hang watchdog."""
 
     stats: EngineStats | None = None
+    busy_s: float = 0.0
 
 
 # ---- worker -> front end ------------------------------------------------------------------------
@@ -121,6 +123,7 @@ class WorkerFailed:
 class Admitted:
     batch: int
     error: WireError | None = None
+    stats: EngineStats | None = None  # the worker's, with the batch in its waiting queue
 
 
 @dataclass(slots=True)

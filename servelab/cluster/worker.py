@@ -1,8 +1,12 @@
 """What an engine worker process runs: join the cluster, build the LLMEngine the front end
 describes, then step it while there is work, fed by its link to the front end.
 
-Three threads: the step loop (the only one that touches the engine), a receiver that turns the
-link's messages into commands, and a sender, so that the step loop never waits on the link:
+Four threads: the step loop (the only one that steps the engine), a receiver that takes the
+link's messages, a preparer that turns them into commands, in order, after doing a new
+request's admission-time work (its grammar compiled, its bad words tokenized: the compiled
+grammar does not cross the link, so the worker compiles it again, but never on the step loop,
+which a slow compile would stall for every other request), and a sender, so that the step loop
+never waits on the link:
 it sends what the loop queues, and the latest stats whenever nothing else went for
 HEARTBEAT_S, so that the front end can tell a busy worker from a dead one even during a long
 step. A worker whose front end is gone (link closed or silent) aborts its
@@ -33,6 +37,13 @@ logger = logging.getLogger("servelab.cluster")
 class _LinkLost:
     def __init__(self, why: str):
         self.why = why
+
+
+class _Unadmittable:
+    """Requests whose logits processors could not be prepared: refused, never admitted."""
+
+    def __init__(self, batch: int, error: BaseException):
+        self.batch, self.error = batch, error
 
 
 def _exit_when_orphaned(parent: int) -> None:
@@ -111,9 +122,12 @@ class WorkerLoop:
         self.stats = engine.stats()
         self.outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # to the front end, in order; None ends
         self.stopping = threading.Event()
+        self.pass_started_s: float | None = None  # when the loop's current pass began; None while idle
+        self.arrivals: queue.SimpleQueue[Any] = queue.SimpleQueue()  # to the preparer, in order; None ends
 
     def run(self) -> int:
         threading.Thread(target=self._receive, name="servelab-worker-recv", daemon=True).start()
+        threading.Thread(target=self._prepare_arrivals, name="servelab-worker-prepare", daemon=True).start()
         sender = threading.Thread(target=self._sender, name="servelab-worker-send", daemon=True)
         sender.start()
         try:
@@ -131,17 +145,36 @@ class WorkerLoop:
     def _receive(self) -> None:
         while not self.stopping.is_set():
             try:
-                self.commands.put(self.link.recv())
+                self.arrivals.put(self.link.recv())
             except PeerLost as exc:
-                self.commands.put(_LinkLost(str(exc)))
+                self.arrivals.put(_LinkLost(str(exc)))
+                self.arrivals.put(None)
                 return
+
+    def _prepare_arrivals(self) -> None:
+        while (item := self.arrivals.get()) is not None:
+            self.commands.put(self._prepared(item))
+
+    def _prepared(self, item: Any) -> Any:
+        """The command for an arrival: AddRequests with their logits processors prepared (the
+        batch's choices share the work, as in the server), or _Unadmittable."""
+        if isinstance(item, m.AddRequests) and item.requests and item.requests[0].params.edits_logits:
+            first, *siblings = (r.params for r in item.requests)
+            try:
+                self.engine.prepare_logits_processors(first, *siblings)
+            except Exception as exc:
+                if not isinstance(exc, ServelabError):
+                    logger.exception("preparing a request's logits processors failed")
+                return _Unadmittable(item.batch, exc)
+        return item
 
     def _sender(self) -> None:
         while True:
             try:
                 message = self.outbox.get(timeout=HEARTBEAT_S)
             except queue.Empty:
-                message = m.Heartbeat(self.stats)
+                started = self.pass_started_s
+                message = m.Heartbeat(self.stats, 0.0 if started is None else time.perf_counter() - started)
             if message is None:
                 return
             try:
@@ -158,7 +191,11 @@ class WorkerLoop:
     def _serve(self) -> int:
         engine = self.engine
         while True:
-            commands = take_commands(self.commands, wait=not engine.has_unfinished())
+            idle = not engine.has_unfinished()
+            if idle:
+                self.pass_started_s = None  # waiting for work is not a hang
+            commands = take_commands(self.commands, wait=idle)
+            self.pass_started_s = time.perf_counter()
             for command in commands:
                 if isinstance(command, m.AddRequests):
                     self._admit(command)
@@ -167,6 +204,8 @@ class WorkerLoop:
                         self._abort_one(rid)
                 elif isinstance(command, m.Stop):
                     return 0
+                elif isinstance(command, _Unadmittable):
+                    self._send(m.Admitted(command.batch, m.WireError.of(command.error), self.stats))
                 elif isinstance(command, _LinkLost):
                     logger.error("servelab worker: the front end is gone (%s); aborting %d request(s), exiting",
                                  command.why, len(self.live))  # fmt: skip
@@ -207,7 +246,7 @@ class WorkerLoop:
             self._send(m.Admitted(command.batch, m.WireError.of(exc)))
             return
         self.stats = self.engine.stats()
-        self._send(m.Admitted(command.batch))
+        self._send(m.Admitted(command.batch, stats=self.stats))
 
     def _abort_one(self, request_id: str) -> None:
         self.live.discard(request_id)

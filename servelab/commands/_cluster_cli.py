@@ -6,6 +6,7 @@ import argparse
 import logging
 from typing import TYPE_CHECKING
 
+from servelab.cluster.channel import HANG_TIMEOUT_S
 from servelab.cluster.disagg_config import DEFAULT_KV_TRANSFER_TIMEOUT_S, GRANULARITIES, DisaggConfig, parse_disagg
 from servelab.errors import InvalidArgument
 from servelab.sim.router import ROUTERS
@@ -18,6 +19,7 @@ if TYPE_CHECKING:
 DEFAULT_ROUTER = "least-outstanding"
 DEFAULT_JOIN_TIMEOUT = "5m"
 DEFAULT_KV_TRANSFER_TIMEOUT = f"{DEFAULT_KV_TRANSFER_TIMEOUT_S:g}s"
+DEFAULT_HANG_TIMEOUT = f"{HANG_TIMEOUT_S:g}s"
 
 
 def add_rendezvous_arguments(group: argparse._ArgumentGroup, *, role: str) -> None:
@@ -39,6 +41,10 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                    help="start no worker here: wait for N `servelab worker` processes (other hosts) to join at "
                         "--master-addr:--master-port")  # fmt: skip
     add_rendezvous_arguments(g, role="default 127.0.0.1 and a free port (local workers only)")
+    g.add_argument("--worker-hang-timeout", default=DEFAULT_HANG_TIMEOUT,
+                   help="a worker whose step loop finishes no step for this long while it has work is hung: its "
+                        "requests fail, /health says degraded, the router skips it (a local one is killed); "
+                        f"keep it well above the slowest prefill chunk (0: never) (default {DEFAULT_HANG_TIMEOUT})")  # fmt: skip
 
 
     d = parser.add_argument_group("disaggregated prefill/decode (docs/disaggregation.md)")
@@ -82,6 +88,15 @@ def check_cluster_flags(args: argparse.Namespace) -> None:
         raise InvalidArgument("--external-workers: needs --master-port (and --master-addr, the address the workers "
                               "reach this host at), so the workers know where to join")  # fmt: skip
     parse_duration_s(args.join_timeout, name="--join-timeout")
+    hang_timeout_s(args)
+    if args.worker_hang_timeout != DEFAULT_HANG_TIMEOUT and not uses_cluster(args):
+        raise InvalidArgument("--worker-hang-timeout: only with --data-parallel N > 1, --external-workers or --disagg "
+                              "P:D (one engine has no worker to watch)")  # fmt: skip
+
+
+def hang_timeout_s(args: argparse.Namespace) -> float | None:
+    timeout_s = parse_duration_s(args.worker_hang_timeout, name="--worker-hang-timeout")
+    return timeout_s or None
 
 
 def start_cluster_from_args(args: argparse.Namespace, engine_args: EngineArgs) -> ClusterEngine:
@@ -94,7 +109,7 @@ def start_cluster_from_args(args: argparse.Namespace, engine_args: EngineArgs) -
     driver = start_cluster(
         engine_args, num_workers, router=args.router, master_addr=addr, master_port=args.master_port,
         external=args.external_workers, join_timeout_s=parse_duration_s(args.join_timeout, name="--join-timeout"),
-        disagg=disagg,
+        disagg=disagg, hang_timeout_s=hang_timeout_s(args),
     )  # fmt: skip
     log.info("servelab: %d %s worker(s) (%s), router %s", len(driver.workers),
              "data-parallel" if disagg is None else f"prefill/decode {args.disagg}",

@@ -207,6 +207,9 @@ def run(args: argparse.Namespace) -> int:
     else:
         engine = LLMEngine.from_args(engine_args)
     cfg = engine.scheduler_config
+    max_waiting = "unbounded" if cfg.max_waiting is None else str(cfg.max_waiting)
+    if driver and cfg.max_waiting is not None:
+        max_waiting += " (the cluster's)"  # it bounds all the workers together
     log.info("servelab: loaded %s (%s) in %.1f s", engine.model_name, args.model or "bundled model", time.perf_counter() - t0)
     log.info(
         "servelab: %smax_model_len=%d, KV cache %d blocks x %d tokens = %d tokens (%s), max_num_seqs=%d, "
@@ -214,7 +217,7 @@ def run(args: argparse.Namespace) -> int:
         "per worker: " if driver else "", engine.max_model_len, cfg.num_blocks, cfg.block_size, cfg.num_blocks * cfg.block_size,
         str(getattr(getattr(engine.executor, "kv_cache", None), "dtype", "?")).removeprefix("torch."), cfg.max_num_seqs,
         cfg.max_num_batched_tokens, cfg.policy, cfg.order, "on" if cfg.enable_prefix_caching else "off",
-        "unbounded" if cfg.max_waiting is None else cfg.max_waiting,
+        max_waiting,
     )  # fmt: skip
 
     # The *_created series double /metrics and no dashboard reads them (vLLM drops them too).

@@ -53,7 +53,8 @@ class SchedulerConfig:
     max_model_len: int | None = field(default=None, metadata=knob("longest prompt + completion in tokens"))
     max_waiting: int | None = field(
         default=None,
-        metadata=knob("bound on the waiting queue; beyond it requests are refused (503 + Retry-After)",
+        metadata=knob("bound on the waiting queue (behind data-parallel or disaggregated workers: the cluster's "
+                      "waiting requests, all workers together); beyond it requests are refused (503 + Retry-After)",
                       flag="--max-waiting-requests", zero_is_none=True),
     )  # fmt: skip
     policy: str = field(

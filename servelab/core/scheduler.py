@@ -151,10 +151,7 @@ class Scheduler:
                 param="prompt",
             )
         if cfg.max_waiting is not None and self._num_waiting >= cfg.max_waiting:
-            raise QueueFull(
-                f"request {rid!r} rejected: the waiting queue is full (max_waiting={cfg.max_waiting}); retry later",
-                param="max_waiting",
-            )
+            raise waiting_queue_full(rid, cfg.max_waiting)
         if now is not None and seq.arrival_s == 0.0:
             seq.arrival_s = now
         order = next(self._counter)
@@ -487,3 +484,11 @@ class Scheduler:
                 seq.stop_reason = stop_reason  # type: ignore[union-attr]
             return True
         return False
+
+
+def waiting_queue_full(request_id: str, max_waiting: int) -> QueueFull:
+    """The error of a request refused by a full waiting queue (one engine's, or a cluster's)."""
+    return QueueFull(
+        f"request {request_id!r} rejected: the waiting queue is full (max_waiting={max_waiting}); retry later",
+        param="max_waiting",
+    )

@@ -14,6 +14,8 @@ from servelab.cli import main
     (["serve", "--master-port", "29500"], "--master-addr/--master-port: only with --data-parallel N > 1"),
     (["serve", "--external-workers"], "--external-workers: needs --master-port"),
     (["serve", "--data-parallel", "2", "--join-timeout", "soon"], "--join-timeout"),
+    (["serve", "--worker-hang-timeout", "60s"], "--worker-hang-timeout: only with --data-parallel N > 1"),
+    (["serve", "--data-parallel", "2", "--worker-hang-timeout", "soon"], "--worker-hang-timeout: cannot parse"),
     (["worker", "--master-addr", "h", "--master-port", "29500", "--world-size", "3", "--rank", "0"],
      "--rank: 0 is the front end"),
     (["worker", "--master-addr", "h", "--master-port", "29500", "--world-size", "3", "--rank", "3"],
@@ -38,3 +40,16 @@ def test_router_choices_come_from_the_shared_router(capsys):
     with pytest.raises(SystemExit):
         main(["serve", "--data-parallel", "2", "--router", "random"])
     assert "prefix-affinity" in capsys.readouterr().err
+
+
+def test_the_hang_timeout_flag_reaches_the_front_end():
+    import argparse
+
+    from servelab.cluster.channel import HANG_TIMEOUT_S
+    from servelab.commands._cluster_cli import add_cluster_arguments, hang_timeout_s
+
+    parser = argparse.ArgumentParser()
+    add_cluster_arguments(parser)
+    assert hang_timeout_s(parser.parse_args([])) == HANG_TIMEOUT_S
+    assert hang_timeout_s(parser.parse_args(["--worker-hang-timeout", "90s"])) == 90.0
+    assert hang_timeout_s(parser.parse_args(["--worker-hang-timeout", "0"])) is None  # no watchdog

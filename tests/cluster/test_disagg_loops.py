@@ -143,3 +143,30 @@ def test_a_lost_prefill_worker_fails_the_offers_queued_from_it(tiny_engine_facto
     assert len(loop.offers) == 1
     loop._on_peer_gone(1, "connection lost")
     assert _failed(_to_front(loop)) == ["waiting"] and not loop.offers
+
+
+def test_a_decode_worker_prepares_an_offered_grammar_before_its_step_loop_sees_it(tiny_engine_factory):
+    """The compiled grammar does not cross the link: the preparer thread redoes the work
+    (here: bad words tokenized) when the offer arrives, so start_prefilled on the step loop
+    finds it done."""
+    import pickle
+    import threading
+
+    from servelab.cluster.disagg_worker import _FromPeer
+    from servelab.cluster.kv_transfer import KVLayout
+
+    engine = tiny_engine_factory(num_blocks=16)
+    loop = DecodeLoop(engine, FakeLink(0), DisaggConfig(1, 1), {1: FakeLink(1)})
+    layout = KVLayout.of(engine.executor.kv_cache)
+    params = SamplingParams(max_tokens=8, temperature=0, bad_words=["hello"])
+    engine.prepare_logits_processors(params)  # as the prefill worker did, in its own process
+    offer = pickle.loads(pickle.dumps(Offer("r", [1, 2, 3], 7, params, None, 0.1, 0.0, [], layout)))
+    assert offer.params.prepared_edits is None  # the wire dropped it
+    preparer = threading.Thread(target=loop._prepare_arrivals, daemon=True)
+    preparer.start()
+    loop.arrivals.put(_FromPeer(1, offer))
+    loop.arrivals.put(None)
+    preparer.join(timeout=10)
+    command = loop.commands.get(timeout=1)
+    assert isinstance(command, _FromPeer) and command.message is offer
+    assert offer.params.prepared_edits is not None

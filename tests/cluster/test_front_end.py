@@ -4,8 +4,12 @@ admission across workers, aborts and a worker's death, without starting processe
 from __future__ import annotations
 
 import asyncio
+import re
+import time
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from servelab.core.sequence import FinishReason, SamplingParams
 from servelab.errors import QueueFull
@@ -57,26 +61,77 @@ def test_requests_spread_over_workers_and_match_one_engine(fake_engine):
     assert cluster.stats.num_running == 0 and all(w.outstanding == 0 for w in cluster.workers)
 
 
-def test_a_full_queue_passes_the_request_to_another_worker(fake_engine):
+async def _until(predicate, timeout_s: float = 10.0) -> None:
+    for _ in range(int(timeout_s / 0.01)):
+        if predicate():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+def test_max_waiting_bounds_the_clusters_waiting_requests_not_each_workers(fake_engine):
     async def main(driver):
         driver.start()
-        first = await driver.submit([_req("r0", 500)])
-        it = first.__aiter__()
-        await it.__anext__()  # r0 runs on worker 1 (max_num_seqs=1)
-        held = [first]  # a stream dropped unread is aborted: hold them
-        held.append(await driver.submit([_req("r1", 500)]))  # same prefix: worker 1's queue, now full
-        held.append(await driver.submit([_req("r2", 500)]))  # worker 1 refuses: worker 2 takes it
-        where = {rid: r.worker.index for rid, r in driver._remote.items()}
-        held.append(await driver.submit([_req("r3", 500)]))  # worker 2's queue
-        with pytest.raises(QueueFull, match="max_waiting=1"):
-            await driver.submit([_req("r4", 500)])  # every queue is full
+        held = []  # a stream (or its iterator) dropped unread is aborted: hold them
+        for rid in ("r0", "r1"):  # one running on each worker (max_num_seqs=1)
+            held.append((await driver.submit([_req(rid, 500)])).__aiter__())
+            await held[-1].__anext__()
+        await _until(lambda: driver.num_waiting == 0)
+        held.append(await driver.submit([_req("r2", 500)]))
+        held.append(await driver.submit([_req("r3", 500)]))  # least-outstanding: one waits on each worker
+        assert {rid: r.worker.index for rid, r in driver._remote.items()} == {"r0": 1, "r1": 2, "r2": 1, "r3": 2}
+        # each worker's own queue (bound 2) has room; the cluster's (bound 2) has none
+        with pytest.raises(QueueFull, match=r"request 'r4' rejected: the waiting queue is full \(max_waiting=2\)"):
+            await driver.submit([_req("r4", 500)])
         assert "r4" not in driver._sinks and "r4" not in driver._remote
+        assert [w.outstanding for w in driver.workers] == [2, 2]
+        driver.abort(["r3"])  # one waiting request leaves: room for one, not for two choices
+        await _until(lambda: driver.num_waiting == 1)
+        with pytest.raises(QueueFull, match="max_waiting=2"):
+            await driver.submit([_req("n-0", 5), _req("n-1", 5)])
+        assert not {"n-0", "n-1"} & set(driver._remote)
+        held.append(await driver.submit([_req("r5", 5)]))
         await driver.stop()
-        return where
 
-    cluster, _, _ = memory_cluster(fake_engine, 2, "prefix-affinity", max_num_seqs=1, max_waiting=1,
-                                   step_sleep_s=0.01, max_model_len=1024, num_blocks=256)  # fmt: skip
-    assert run(main(cluster)) == {"r0": 1, "r1": 1, "r2": 2}
+    cluster, engines, _ = memory_cluster(fake_engine, 2, max_num_seqs=1, max_waiting=2, step_sleep_s=0.01,
+                                         max_model_len=1024, num_blocks=256)  # fmt: skip
+    run(main(cluster))
+    for engine in engines.values():
+        stats = engine.stats()
+        assert stats.num_blocks_free == stats.num_blocks_total and not engine._requests
+
+
+def test_a_full_cluster_answers_the_same_503_as_one_engine(fake_engine):
+    from concurrent.futures import ThreadPoolExecutor
+
+    from fastapi.testclient import TestClient
+
+    from servelab.server.app import create_app
+
+    def overflow(app, stats) -> tuple[int, str | None, dict]:
+        """Two running, two waiting (the bound), then one more request."""
+        body = {"prompt": "hello", "max_tokens": 60, "ignore_eos": True}
+        with TestClient(app) as c, ThreadPoolExecutor(4) as pool:
+            long = []
+            for running, waiting in ((2, 0), (2, 2)):
+                long += [pool.submit(c.post, "/v1/completions", json=body) for _ in range(2)]
+                for _ in range(1000):
+                    if (stats().num_running, stats().num_waiting) == (running, waiting):
+                        break
+                    time.sleep(0.01)
+            r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert [f.result().status_code for f in long] == [200] * 4
+        return r.status_code, r.headers.get("retry-after"), r.json()
+
+    one = fake_engine(max_num_seqs=2, max_waiting=2, step_sleep_s=0.01)
+    single = overflow(create_app(one), one.stats)
+    cluster, _, _ = memory_cluster(fake_engine, 2, max_num_seqs=1, max_waiting=2, step_sleep_s=0.01)
+    clustered = overflow(create_app(cluster.engine, driver=cluster), lambda: cluster.stats)
+    assert single[:2] == clustered[:2] == (503, "1")
+    for body in (single[2], clustered[2]):
+        body["error"]["message"] = re.sub(r"request '[^']*'", "request ID", body["error"]["message"])
+    assert single[2] == clustered[2]
+    assert clustered[2]["error"]["type"] == "server_overloaded" and "max_waiting=2" in clustered[2]["error"]["message"]
 
 
 def test_a_dead_worker_fails_only_its_requests(fake_engine):
@@ -165,3 +220,55 @@ def test_admission_errors_come_back_as_themselves_and_leave_nothing(fake_engine)
 
     cluster, _, _ = memory_cluster(fake_engine, 2, max_model_len=64)
     run(main(cluster))
+
+
+def test_counters_keep_a_dead_workers_share_and_gauges_drop_it(fake_engine):
+    counters = ("num_preemptions", "prefix_cache_hits", "prefix_cache_queries")
+
+    async def main(driver, kills):
+        driver.start()
+        for i in range(2):  # two at once: one on each worker; the second time, from each one's prefix cache
+            streams = [await driver.submit([_req(f"r{i}{j}", 3)]) for j in range(2)]
+            await asyncio.gather(*(_collect(s) for s in streams))
+        assert all(w.stats.prefix_cache_queries > 0 and w.stats.prefix_cache_hits > 0 for w in driver.workers)
+        before = driver.stats
+        kills[2]()
+        await _until(lambda: not driver.workers[1].alive)
+        after = driver.stats
+        for name in counters:
+            assert getattr(after, name) == getattr(before, name) > 0 or name == "num_preemptions", name
+        assert after.num_blocks_total == before.num_blocks_total // 2  # a gauge: the live worker's pool
+        await _collect(await driver.submit([_req("r9", 3)]))  # the survivor's counters still add up
+        assert driver.stats.prefix_cache_queries > after.prefix_cache_queries
+        await driver.stop()
+
+    cluster, _, kills = memory_cluster(fake_engine, 2, max_model_len=1024, num_blocks=256)
+    run(main(cluster, kills))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 2), st.booleans(), st.integers(0, 5)), max_size=30))
+def test_cluster_counters_never_decrease_whatever_reports_and_deaths_come(events):
+    """Each event: worker i reports counters grown by d (True: then it dies). A report after its
+    death is dropped, as the front end stops reading a failed worker."""
+    from types import SimpleNamespace
+
+    from servelab.cluster.front_end import ClusterEngine, WorkerHandle
+    from servelab.engine.llm_engine import EngineStats
+
+    workers = [WorkerHandle(i, link=None, ready=None, stats=EngineStats(0, 0, 0.0, 8, 8, 0, 0, 0)) for i in range(3)]
+    cluster = SimpleNamespace(workers=workers)
+    totals = lambda s: (s.num_preemptions, s.prefix_cache_hits, s.prefix_cache_queries)  # noqa: E731
+    last = totals(ClusterEngine.stats.fget(cluster))
+    for i, dies, d in events:
+        w = workers[i]
+        if w.alive:
+            s = w.stats
+            w.stats = EngineStats(0, 0, 0.0, 8, 8, s.num_preemptions + d, s.prefix_cache_hits + d,
+                                  s.prefix_cache_queries + 2 * d)  # fmt: skip
+            if dies:
+                w.failure = "killed"
+        now = totals(ClusterEngine.stats.fget(cluster))
+        assert all(a >= b for a, b in zip(now, last)), (now, last)
+        last = now
+    assert ClusterEngine.stats.fget(cluster).num_blocks_total == 8 * sum(w.alive for w in workers)
