@@ -429,7 +429,13 @@ class DecodeLoop(_DisaggLoop):
             return
         num_bytes, transfer_s = future.result()
         seq.prompt_logprobs = offer.prompt_logprobs  # the first output carries them to the front end
-        self.engine.start_prefilled(seq, offer.first_logprobs[0] if offer.first_logprobs else None)
+        try:
+            self.engine.start_prefilled(seq, offer.first_logprobs[0] if offer.first_logprobs else None)
+        except Exception as exc:  # e.g. a grammar this worker cannot compile: end only this request
+            self.engine.cancel_prefilled(seq)
+            self.stats = self.engine.stats()
+            self._fail([rid], f"decode worker could not start the request: {exc}")
+            return
         self.live.add(rid)
         self.arrival_s[rid] = arrival = pending.arrived_s - offer.age_s
         seq.first_scheduled_s = arrival + offer.first_scheduled_offset_s  # its queueing was the prefill side's

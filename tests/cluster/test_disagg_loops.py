@@ -89,6 +89,27 @@ def test_a_failed_receive_frees_the_decode_side_and_fails_the_request(tiny_engin
     assert engine.stats().num_blocks_free == 16 and not engine.has_unfinished()
 
 
+def test_a_request_the_decode_side_cannot_start_fails_alone_and_frees_its_blocks(tiny_engine_factory, monkeypatch):
+    from servelab.cluster.kv_transfer import KVLayout
+
+    monkeypatch.setattr("servelab.cluster.kv_transfer.recv_blocks", lambda *a, **k: 0)
+    engine = tiny_engine_factory(num_blocks=16)
+
+    def cannot_prepare(params):
+        raise ValueError("grammar cannot compile here (fake)")
+
+    front, prefill = FakeLink(0), FakeLink(1)
+    loop = DecodeLoop(engine, front, DisaggConfig(1, 1), {1: prefill})
+    loop._on_peer(1, Offer("r", list(range(1, 40)), 7, GREEDY, None, 0.1, 0.0, [], KVLayout.of(engine.executor.kv_cache)))
+    loop._after_step()
+    assert engine.stats().num_blocks_free == 13  # reserved
+    monkeypatch.setattr(engine, "prepare_logits_processors", cannot_prepare)
+    _settle(loop)  # the step loop survives the failure
+    sent = _to_front(loop)
+    assert _failed(sent) == ["r"] and "grammar cannot compile here" in sent[-1].error.message
+    assert engine.stats().num_blocks_free == 16 and not engine.has_unfinished() and "r" not in loop.live
+
+
 def test_an_abort_that_overtakes_its_offer_refuses_it(tiny_engine_factory):
     from servelab.cluster.kv_transfer import KVLayout
 
