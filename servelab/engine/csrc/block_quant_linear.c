@@ -26,9 +26,7 @@
 #include "fp.h"  /* SL_ROUNDED: Q4_1's and Q4_K's weights round exactly as the loader's */
 #include "half.h"
 #include "parallel.h"
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "isa.h"
 
 /* F32: a plain fp32 weight (row_bytes = 4 * in_features), panel kernel only: deterministic mode
  * runs every linear through that kernel, whatever its format (block_quant.py). */
@@ -107,7 +105,7 @@ static void dequant_row(int64_t qtype, const uint8_t *row, int64_t nblocks, floa
             const uint8_t *blk = row + b * 34;
             const float d = fp16_to_f32(blk);
             const int8_t *q = (const int8_t *)(blk + 2);
-#ifdef __AVX2__
+#ifdef SL_AVX2
             const __m256 vd = _mm256_set1_ps(d);
             for (int j = 0; j < 32; j += 8) {
                 const __m128i q8 = _mm_loadl_epi64((const __m128i *)(q + j));
@@ -122,7 +120,7 @@ static void dequant_row(int64_t qtype, const uint8_t *row, int64_t nblocks, floa
             const float d = fp16_to_f32(blk);
             const float m = has_min ? fp16_to_f32(blk + 2) : 0.0f;
             const uint8_t *qs = blk + (has_min ? 4 : 2);
-#ifdef __AVX2__
+#ifdef SL_AVX2
             const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
             const __m128i mask = _mm_set1_epi8(0x0f);
             const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
@@ -161,7 +159,7 @@ static inline float block_offset(int64_t qtype, const uint8_t *blk, float d) {
     return qtype == Q4_1 ? fp16_to_f32(blk + 2) : qtype == Q4_0 ? -8.0f * d : 0.0f;
 }
 
-#ifdef __AVX2__
+#ifdef SL_AVX2
 /* The 32 raw quants of a block as four vectors of eight floats. */
 static inline void block_quants(int64_t qtype, const uint8_t *blk, __m256 q[4]) {
     if (qtype == Q8_0) {
@@ -256,7 +254,7 @@ static void fused(int64_t qtype, int64_t nr, const uint8_t *w, int64_t row_bytes
 }
 #endif
 
-#ifndef __AVX2__
+#ifndef SL_AVX2
 /* Without AVX2: y[r, o0 + o] = dequantized rows w[o] . x[r] (+ bias), eight partial sums so the
  * compiler can vectorize without reassociating. */
 static void scalar_rows(const float *w, int64_t no, int64_t in, const float *x, int64_t rows, const float *bias,
@@ -283,7 +281,7 @@ struct linear_job {
 /* Output rows [begin, end) for every activation row. */
 static void linear_part(const void *ctx, int64_t part, int64_t begin, int64_t end) {
     const struct linear_job *j = ctx;
-#ifdef __AVX2__
+#ifdef SL_AVX2
     (void)part;
     const int64_t nblocks = j->in_features / 32;
     for (int64_t r0 = 0; r0 < j->rows; r0 += 4) {
@@ -312,7 +310,7 @@ void servelab_block_quant_linear_f32(int64_t qtype, const uint8_t *w, int64_t ro
                                      float *y, int64_t y_stride, float *scratch, int64_t threads)
 {
     struct linear_job job = {qtype, row_bytes, in_features, rows, y_stride, w, x, bias, scratch, y, scratch};
-#ifdef __AVX2__
+#ifdef SL_AVX2
     const int64_t nblocks = in_features / 32;
     for (int64_t r = 0; r < rows; r++)  /* each row's per-block sums, for the offset term */
         for (int64_t b = 0; b < nblocks; b++) {
@@ -333,7 +331,7 @@ void servelab_block_quant_linear_f32(int64_t qtype, const uint8_t *w, int64_t ro
  * (docs/benchmarks.md, "GGUF blocks kept packed"). */
 #define PANEL 48
 
-#ifdef __AVX2__
+#ifdef SL_AVX2
 /* One row against the panel, six outputs at a time: for the rows past a multiple of four (all of
  * them in a step of 1-3 rows), which panel_rows' 4-row tiles would compute four times over. Each
  * output's sum is the same chain of FMAs in the same order as in panel_rows, so a row's result
@@ -397,7 +395,7 @@ static void panel_rows(const float *panel, int64_t no, int64_t in, const float *
 }
 #endif
 
-#ifdef __AVX2__
+#ifdef SL_AVX2
 /* A 32-weight block's weights as four vectors of eight floats, rounded exactly as dequant_row
  * writes them (d * q; d * (q - 8); d * q, then + m). */
 static inline __attribute__((always_inline)) void block_weights(int64_t qtype, const uint8_t *blk, __m256 w[4]) {
@@ -478,7 +476,7 @@ static void gemm_part(const void *ctx, int64_t part, int64_t begin, int64_t end)
     float *scratch = j->scratch + part * PANEL * in;
     for (int64_t p = begin; p < end; p++) {
         const int64_t o0 = p * PANEL, no = out - o0 < PANEL ? out - o0 : PANEL;
-#ifdef __AVX2__
+#ifdef SL_AVX2
         if (j->rows < 4 && j->qtype <= Q4_1) { /* few rows: the same sums without the panel */
             exact(j->qtype, j->rows, j->w, j->row_bytes, in, o0, no, j->x, j->bias, j->y, j->y_stride);
             continue;
@@ -489,7 +487,7 @@ static void gemm_part(const void *ctx, int64_t part, int64_t begin, int64_t end)
             panel = (const float *)(j->w + o0 * j->row_bytes);
         else
             for (int64_t o = 0; o < no; o++) dequant_row(j->qtype, j->w + (o0 + o) * j->row_bytes, in / 32, scratch + o * in);
-#ifdef __AVX2__
+#ifdef SL_AVX2
         panel_rows(panel, no, in, j->x, j->rows, j->bias, o0, j->y, j->y_stride);
 #else
         scalar_rows(panel, no, in, j->x, j->rows, j->bias, o0, j->y, j->y_stride);

@@ -26,6 +26,7 @@
 #include "half.h"
 #include "parallel.h"
 #include "vec_exp.h"
+#include "isa.h"
 
 #define SL_INLINE static inline __attribute__((always_inline))
 
@@ -48,7 +49,7 @@ SL_INLINE float dot(const float *q, const void *k, int64_t at, int64_t n, int fm
     return s + ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
-#ifdef __AVX2__
+#ifdef SL_AVX2
 /* Elements [i, i + 8) of a cache tensor in fmt, widened to fp32 (F16C comes with AVX2 in our build). */
 SL_INLINE __m256 load8(const void *base, int64_t i, int fmt) {
     if (fmt == KV_F32) return _mm256_loadu_ps((const float *)base + i);
@@ -189,7 +190,7 @@ SL_INLINE void attention_pairs(const struct attention_job *j, int64_t part, int6
         const int64_t kh = h * num_slots * D, vh = kh; /* this head's slots, in elements */
         const float *qh = q + b * q_stride + h * G * D;
         float *oh = out + (b * num_kv_heads + h) * G * D;
-#ifdef __AVX2__
+#ifdef SL_AVX2
         struct row_prefetch pf = {(const char *)k, (const char *)v, NULL, block_size, D * sl_kv_size(fmt), 0, 0};
         if (pair + 1 < end) {
             const int64_t nb = (pair + 1) / num_kv_heads, nh = (pair + 1) % num_kv_heads;
@@ -204,7 +205,7 @@ SL_INLINE void attention_pairs(const struct attention_job *j, int64_t part, int6
             const int64_t kb = kh + table[c0 / block_size] * block_size * D;
             const int64_t n = ctx - c0 < block_size ? ctx - c0 : block_size;
             int64_t i = 0;
-#ifdef __AVX2__
+#ifdef SL_AVX2
             if (D % 8 == 0)
                 for (int64_t g = 0; g < G; g += 3) {
                     const int64_t ng = G - g < 3 ? G - g : 3;
@@ -224,7 +225,7 @@ SL_INLINE void attention_pairs(const struct attention_job *j, int64_t part, int6
         for (int64_t g = 0; g < G; g++) inv_sum[g] = 1.0f / softmax_numerators(scratch + g * ctx, ctx);
         /* out_g = sum_c p[g, c] * v_c / sum_c p[g, c] */
         int64_t d0 = 0;
-#ifdef __AVX2__
+#ifdef SL_AVX2
         for (; d0 + 32 <= D; d0 += 32)
             for (int64_t g = 0; g < G; g += 3) {
                 const int64_t ng = G - g < 3 ? G - g : 3;

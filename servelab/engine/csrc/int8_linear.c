@@ -38,9 +38,7 @@
 
 #include "fp.h"
 #include "parallel.h"
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "isa.h"
 
 #define NP 16 /* outputs a panel */
 #define MR 5  /* rows a tile */
@@ -52,7 +50,7 @@ static float quantize_group(const float *x, int64_t n, int8_t *q, int32_t *qsum)
     float amax = 0.f;
     int bad = 0;
     int64_t k = 0;
-#ifdef __AVX2__
+#ifdef SL_AVX2
     const __m256 sign = _mm256_set1_ps(-0.f);
     __m256 vmax = _mm256_setzero_ps(), vbad = _mm256_setzero_ps();
     for (; k + 8 <= n; k += 8) {
@@ -78,7 +76,7 @@ static float quantize_group(const float *x, int64_t n, int8_t *q, int32_t *qsum)
     const float inv = 127.f / amax;
     int32_t total = 0;
     k = 0;
-#ifdef __AVX2__
+#ifdef SL_AVX2
     const __m256 vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
     __m256i vsum = _mm256_setzero_si256();
     for (; k + 16 <= n; k += 16) { /* x * inv rounds to nearest even (MXCSR), as nearbyintf */
@@ -127,7 +125,7 @@ static void quantize_row(const float *x, int64_t in, int64_t kp, int8_t *q, floa
     *row_sum = sum;
 }
 
-#ifdef __AVX2__
+#ifdef SL_AVX2
 /* acc + the sums of four products of w's unsigned and b's signed bytes, per int32 lane. In one asm
  * statement so that its int16 temporary lives only here: written as intrinsics, gcc issued all
  * ten of a tile's vpmaddubsw first and spilled six accumulators to the stack every iteration. */
@@ -152,7 +150,7 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int8_
     const int64_t groups = kp / G;
     for (int r = 0; r < mr; r++)
         for (int o = 0; o < NP; o++) acc[r][o] = 0.f;
-#ifdef __AVX2__
+#ifdef SL_AVX2
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t g = 0; g < groups; g++) {
         __m256i a0[MR], a1[MR];
@@ -230,7 +228,7 @@ static void int8_part(const void *ctx, int64_t part, int64_t begin, int64_t end)
                 float *y = j->y + (m + r) * j->out + n0;
                 const float rs = j->a_sum[m + r];
                 int64_t o = 0;
-#ifdef __AVX2__
+#ifdef SL_AVX2
                 if (width == NP) /* the same operations as the scalar loop, eight outputs at a time */
                     for (; o < NP; o += 8) {
                         __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(j->w_zero + n0 + o))),
