@@ -35,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from servelab.errors import InvalidArgument
+
 _SOURCES = (
     "decode_attention.c", "prefill_attention.c", "layer_ops.c", "block_quant_linear.c", "int8_linear.c", "parallel.c",
     "decode_stack.c",
@@ -87,6 +89,7 @@ _TORCH_FEATURES = {
     "avx512_vl": "avx512vl", "avx512_dq": "avx512dq", "avx512_vnni": "avx512vnni", "avx512_bf16": "avx512bf16",
 }
 _PROC_FEATURES = {"avx512_vnni": "avx512vnni", "avx512_bf16": "avx512bf16"}
+_features_of: tuple[object, frozenset[str]] = (None, frozenset())  # (torch's mapping, our features)
 _ENV = "SERVELAB_ISA"  # lowers the default level, e.g. SERVELAB_ISA=avx2 on an AVX-512 host
 
 
@@ -104,11 +107,14 @@ def _proc_cpuinfo_flags() -> frozenset[str]:
 def cpu_features() -> frozenset[str]:
     """The CPU features our ISA levels name that this CPU (and its OS) has: from torch's cpuinfo
     probe, else /proc/cpuinfo's flags."""
+    global _features_of
     get = getattr(torch.cpu, "get_capabilities", None)
-    if get is not None:
-        caps = get()
-        return frozenset(ours for theirs, ours in _TORCH_FEATURES.items() if caps.get(theirs))
-    return _proc_cpuinfo_flags() & frozenset(_TORCH_FEATURES.values())
+    if get is None:
+        return _proc_cpuinfo_flags() & frozenset(_TORCH_FEATURES.values())
+    caps = get()  # one cached mapping: converted once (the sampler's native_kernels() asks every step)
+    if _features_of[0] is not caps:
+        _features_of = (caps, frozenset(ours for theirs, ours in _TORCH_FEATURES.items() if caps.get(theirs)))
+    return _features_of[1]
 
 
 def unavailable_reason(level: str) -> str | None:
@@ -125,14 +131,16 @@ def unavailable_reason(level: str) -> str | None:
 
 def best_level() -> str:
     """The ISA level the kernels run at by default: the highest this CPU has, or $SERVELAB_ISA
-    where that is lower. ValueError for a SERVELAB_ISA that names no level."""
+    where that is lower. InvalidArgument for a SERVELAB_ISA that names no level."""
     features = cpu_features()
     best = [level.name for level in ISA_LEVELS if level.needs <= features][-1]
     wanted = os.environ.get(_ENV, "").strip().lower()
     if not wanted:
         return best
     if wanted not in _LEVELS:
-        raise ValueError(f"{_ENV}={wanted!r} is not an ISA level (known, lowest first: {', '.join(_LEVELS)})")
+        raise InvalidArgument(
+            f"{_ENV}={wanted!r} is not an ISA level (known, lowest first: {', '.join(_LEVELS)})", param=_ENV
+        )
     names = list(_LEVELS)
     return names[min(names.index(wanted), names.index(best))]  # lowers, never raises past the CPU
 

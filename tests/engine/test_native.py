@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from servelab.engine import native
 from servelab.engine.loader import load_model
 from servelab.engine.ops import NativeOps, TorchOps, select_ops
+from servelab.errors import InvalidArgument
 from tests.tiny_models import prefill_logits
 
 
@@ -341,7 +342,7 @@ def test_the_default_level_is_the_highest_the_cpu_has_and_the_env_only_lowers_it
     assert native.best_level() == "avx512_vnni"
     assert "SERVELAB_ISA=avx512_bf16, but this CPU has only" in native.level_choice()
     monkeypatch.setenv("SERVELAB_ISA", "avx1024")
-    with pytest.raises(ValueError, match=r"SERVELAB_ISA='avx1024' is not an ISA level \(known, lowest first: portable, avx2, avx512,"):
+    with pytest.raises(InvalidArgument, match=r"SERVELAB_ISA='avx1024' is not an ISA level \(known, lowest first: portable, avx2, avx512,"):
         native.best_level()
     monkeypatch.setenv("SERVELAB_ISA", "portable")
     monkeypatch.setattr(native, "_logged", set())
