@@ -224,14 +224,15 @@ def test_every_isa_level_rounds_and_attends_the_same(isa_kernels):
     for kv_dtype in (torch.float32, torch.float16, torch.bfloat16):
         if kv_dtype != torch.float32:
             _check_store(lambda *a: native.rope_store_kv(kernels, a[0], 1, 1, 8, *a[1:]), kv_dtype)
-        kc = torch.randn(2, 40 * 8, 24, generator=g).to(kv_dtype)
-        vc = torch.randn(2, 40 * 8, 24, generator=g).to(kv_dtype)
-        tables = [list(range(30, 20, -1)), list(range(1, 11))]
-        ctx_lens = [73, 9]
-        q = torch.randn(2, 6, 24, generator=g)
-        out = torch.empty(2, 6 * 24)
-        native.decode_attention(kernels, q, kc, vc, torch.tensor(tables), torch.tensor(ctx_lens), 73, 8, 0.2, out)
-        torch.testing.assert_close(out, _reference(q, kc, vc, tables, ctx_lens, 8, 0.2), rtol=1e-5, atol=1e-5)
+        for D in (24, 64):  # 8-lane tiles and a scalar tail; 16-lane tiles (AVX-512) over every dim
+            kc = torch.randn(2, 40 * 8, D, generator=g).to(kv_dtype)
+            vc = torch.randn(2, 40 * 8, D, generator=g).to(kv_dtype)
+            tables = [list(range(30, 20, -1)), list(range(1, 11))]
+            ctx_lens = [73, 9]
+            q = torch.randn(2, 6, D, generator=g)
+            out = torch.empty(2, 6 * D)
+            native.decode_attention(kernels, q, kc, vc, torch.tensor(tables), torch.tensor(ctx_lens), 73, 8, 0.2, out)
+            torch.testing.assert_close(out, _reference(q, kc, vc, tables, ctx_lens, 8, 0.2), rtol=1e-5, atol=1e-5)
 
 
 def test_a_failed_build_falls_back_and_says_why(monkeypatch, tmp_path):

@@ -51,7 +51,16 @@ static inline __m512i sl_simde_cvtepu8_epi32(__m128i a) {
 }
 #define _mm512_cvtepi32_ps sl_simde_cvtepi32_ps
 #define _mm512_cvtepi8_epi32 sl_simde_cvtepi8_epi32
+static inline __m512i sl_simde_cvtepu16_epi32(__m256i a) {
+    return sl_simde_join(_mm256_cvtepu16_epi32(_mm256_castsi256_si128(a)), _mm256_cvtepu16_epi32(_mm256_extracti128_si256(a, 1)));
+}
+static inline __m512 sl_simde_cvtph_ps(__m256i a) {
+    const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(a)), hi = _mm256_cvtph_ps(_mm256_extracti128_si256(a, 1));
+    return _mm512_castsi512_ps(sl_simde_join(_mm256_castps_si256(lo), _mm256_castps_si256(hi)));
+}
 #define _mm512_cvtepu8_epi32 sl_simde_cvtepu8_epi32
+#define _mm512_cvtepu16_epi32 sl_simde_cvtepu16_epi32
+#define _mm512_cvtph_ps sl_simde_cvtph_ps
 #undef _mm512_madd_epi16 /* 0.7.4's alias takes four arguments */
 #define _mm512_madd_epi16(a, b) simde_mm512_madd_epi16(a, b)
 #endif
