@@ -6,7 +6,7 @@ HOST   ?= 127.0.0.1
 PORT   ?= 8000
 PYTEST_ARGS ?=
 
-.PHONY: serve test venv install install-test browser clean bench-peers
+.PHONY: serve test venv install install-test browser clean bench-peers simde
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -64,5 +64,17 @@ $(PEERS_VENV)/.installed: pyproject.toml $(PEERS_BIN)/python
 bench-peers: $(PEERS_VENV)/.installed
 	$(PEERS_BIN)/python benchmarks/peers.py $(PEERS_ARGS)
 
+# SIMDe's headers (Debian's libsimde-dev, MIT) in .simde/, for the kernel tests of the AVX-512
+# levels on a CPU without them (tests/engine/isa_levels.py finds them there). `make test` does not
+# need them: without them those cases skip and say so.
+SIMDE_DIR := .simde
+
+simde: $(SIMDE_DIR)/usr/include/simde/x86/avx512.h
+	@echo "SIMDe is in $(SIMDE_DIR)/usr/include; the tests find it there (elsewhere: SERVELAB_SIMDE_INCLUDE=<folder holding simde/>)"
+
+$(SIMDE_DIR)/usr/include/simde/x86/avx512.h:
+	rm -rf $(SIMDE_DIR) && mkdir -p $(SIMDE_DIR)
+	cd $(SIMDE_DIR) && apt-get download libsimde-dev && dpkg -x libsimde-dev_*.deb . && rm libsimde-dev_*.deb
+
 clean:
-	rm -rf $(VENV) $(PEERS_VENV) build *.egg-info
+	rm -rf $(VENV) $(PEERS_VENV) $(SIMDE_DIR) build *.egg-info

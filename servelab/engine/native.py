@@ -8,7 +8,9 @@ linears (csrc/int8_linear.c, used by quantization.py). Attention, the linears an
 split their work over torch.get_num_threads() threads of our own pool (csrc/parallel.c).
 
 The same sources are built once per ISA level (ISA_LEVELS: the compiler flags and the CPU
-features they need); `native_kernels()` loads the best level this CPU has. Each build is cached
+features they need: portable, avx2, avx512 (F/BW/VL/DQ), avx512_vnni, avx512_bf16);
+`native_kernels()` loads the best level this CPU has, or a lower one named by $SERVELAB_ISA, and
+logs its choice once. Each build is cached
 under $SERVELAB_CACHE_DIR, else $XDG_CACHE_HOME/servelab, else ~/.cache/servelab, keyed by a hash
 of the sources, the compiler and its flags, so it costs a compile once per machine. Everything
 here is optional: without a C compiler (or with SERVELAB_NATIVE=0) `native_kernels()` returns
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 import os
 import platform
 import shutil
@@ -32,6 +35,8 @@ from pathlib import Path
 
 import torch
 
+from servelab.errors import InvalidArgument
+
 _SOURCES = (
     "decode_attention.c", "prefill_attention.c", "layer_ops.c", "block_quant_linear.c", "int8_linear.c", "parallel.c",
     "decode_stack.c",
@@ -43,6 +48,8 @@ KV_FORMATS = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _lock = threading.Lock()
 _builds: dict[str, NativeKernels | str] = {}  # ISA level -> its kernels, or why they cannot load
 load_error: str | None = None  # why the default level's kernels are not in use, for diagnostics
+_logged: set[str] = set()  # the default levels whose choice has been logged
+logger = logging.getLogger("servelab.engine")
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,27 +65,56 @@ def _is_x86() -> bool:
     return platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
-# Lowest first; native_kernels() takes the last one the CPU has. A new level (AVX-512, VNNI,
-# BF16: issue 18) is a row here and the #ifdefs in csrc that use its instructions.
+# Lowest first; the default is the last one the CPU has (SERVELAB_ISA can lower it). A level is
+# a row here and the SL_* macros of csrc/isa.h that its flags define.
+_AVX2 = ("-mavx2", "-mfma", "-mf16c")
+_AVX512 = (*_AVX2, "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq")
+_AVX2_NEEDS = frozenset({"avx2", "fma", "f16c"})
+_AVX512_NEEDS = _AVX2_NEEDS | {"avx512f", "avx512bw", "avx512vl", "avx512dq"}
 ISA_LEVELS = (
     # the scalar paths: runs on any CPU (on x86, nothing past the baseline even if the compiler
     # defaults to more)
     IsaLevel("portable", ("-mno-avx2", "-mno-fma", "-mno-f16c") if _is_x86() else (), frozenset()),
-    IsaLevel("avx2", ("-mavx2", "-mfma", "-mf16c"), frozenset({"avx2", "fma", "f16c"})),
+    IsaLevel("avx2", _AVX2, _AVX2_NEEDS),
+    IsaLevel("avx512", _AVX512, _AVX512_NEEDS),
+    IsaLevel("avx512_vnni", (*_AVX512, "-mavx512vnni"), _AVX512_NEEDS | {"avx512vnni"}),
+    IsaLevel("avx512_bf16", (*_AVX512, "-mavx512vnni", "-mavx512bf16"), _AVX512_NEEDS | {"avx512vnni", "avx512bf16"}),
 )
 _LEVELS = {level.name: level for level in ISA_LEVELS}
 
-# What torch's CPU probe (cpuinfo) reports, as the features our levels name.
-_CAPABILITY_FEATURES = {
-    "AVX2": frozenset({"avx2", "fma", "f16c"}),
-    "AVX512": frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512dq"}),
+# torch.cpu.get_capabilities()'s names (cpuinfo's probe of cpuid and the OS's saved registers)
+# for the features our levels name; /proc/cpuinfo uses the names on the right.
+_TORCH_FEATURES = {
+    "avx2": "avx2", "fma3": "fma", "f16c": "f16c", "avx512_f": "avx512f", "avx512_bw": "avx512bw",
+    "avx512_vl": "avx512vl", "avx512_dq": "avx512dq", "avx512_vnni": "avx512vnni", "avx512_bf16": "avx512bf16",
 }
+_PROC_FEATURES = {"avx512_vnni": "avx512vnni", "avx512_bf16": "avx512bf16"}
+_features_of: tuple[object, frozenset[str]] = (None, frozenset())  # (torch's mapping, our features)
+_ENV = "SERVELAB_ISA"  # lowers the default level, e.g. SERVELAB_ISA=avx2 on an AVX-512 host
+
+
+def _proc_cpuinfo_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(_PROC_FEATURES.get(flag, flag) for flag in line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
 
 
 def cpu_features() -> frozenset[str]:
-    """The CPU features this process may use, as torch's dispatch sees them (ATEN_CPU_CAPABILITY
-    can lower them)."""
-    return _CAPABILITY_FEATURES.get(torch.backends.cpu.get_cpu_capability(), frozenset())
+    """The CPU features our ISA levels name that this CPU (and its OS) has: from torch's cpuinfo
+    probe, else /proc/cpuinfo's flags."""
+    global _features_of
+    get = getattr(torch.cpu, "get_capabilities", None)
+    if get is None:
+        return _proc_cpuinfo_flags() & frozenset(_TORCH_FEATURES.values())
+    caps = get()  # one cached mapping: converted once (the sampler's native_kernels() asks every step)
+    if _features_of[0] is not caps:
+        _features_of = (caps, frozenset(ours for theirs, ours in _TORCH_FEATURES.items() if caps.get(theirs)))
+    return _features_of[1]
 
 
 def unavailable_reason(level: str) -> str | None:
@@ -89,14 +125,35 @@ def unavailable_reason(level: str) -> str | None:
         return f"unknown ISA level {level!r} (known: {', '.join(_LEVELS)})"
     missing = _LEVELS[level].needs - cpu_features()
     if missing:
-        return f"this CPU lacks {', '.join(sorted(missing))} (torch reports {torch.backends.cpu.get_cpu_capability()})"
+        return f"this CPU lacks {', '.join(sorted(missing))}"
     return None
 
 
 def best_level() -> str:
-    """The highest ISA level this CPU has."""
+    """The ISA level the kernels run at by default: the highest this CPU has, or $SERVELAB_ISA
+    where that is lower. InvalidArgument for a SERVELAB_ISA that names no level."""
     features = cpu_features()
-    return [level.name for level in ISA_LEVELS if level.needs <= features][-1]
+    best = [level.name for level in ISA_LEVELS if level.needs <= features][-1]
+    wanted = os.environ.get(_ENV, "").strip().lower()
+    if not wanted:
+        return best
+    if wanted not in _LEVELS:
+        raise InvalidArgument(
+            f"{_ENV}={wanted!r} is not an ISA level (known, lowest first: {', '.join(_LEVELS)})", param=_ENV
+        )
+    names = list(_LEVELS)
+    return names[min(names.index(wanted), names.index(best))]  # lowers, never raises past the CPU
+
+
+def level_choice() -> str:
+    """One line on the default level and why, for the load log."""
+    level, wanted = best_level(), os.environ.get(_ENV, "").strip().lower()
+    features = " ".join(sorted(cpu_features())) or "none past the baseline"
+    if wanted and wanted != level:
+        return f"native kernels: ISA level {level} ({_ENV}={wanted}, but this CPU has only: {features})"
+    if wanted:
+        return f"native kernels: ISA level {level} (set by {_ENV}; CPU features: {features})"
+    return f"native kernels: ISA level {level} (the highest this CPU has; CPU features: {features})"
 
 
 def _cache_dir() -> Path:
@@ -212,6 +269,9 @@ def native_kernels(level: str | None = None) -> NativeKernels | None:
             found = _builds[name]
     if level is None:
         load_error = found if isinstance(found, str) else None
+        if name not in _logged:  # once a level, at the model's first load
+            _logged.add(name)
+            logger.info("%s%s", level_choice(), f"; unavailable: {found}" if isinstance(found, str) else "")
     return None if isinstance(found, str) else found
 
 

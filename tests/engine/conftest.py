@@ -1,5 +1,7 @@
 import pytest
 
+from servelab.engine import native
+from tests.engine.isa_levels import kernels_at
 from tests.tiny_models import write_tiny_llama
 
 
@@ -28,6 +30,17 @@ def kernel():
     if fn is None:
         pytest.skip(f"native kernels unavailable here: {native.load_error}")
     return fn
+
+
+@pytest.fixture(scope="session", params=[level.name for level in native.ISA_LEVELS])
+def isa_kernels(request):
+    """(level name, the native kernels built for it) for every ISA level: native where this CPU
+    has it, on SIMDe where it lacks it and SIMDe is found (tests/engine/isa_levels.py), else the
+    test skips, saying why."""
+    kernels, how = kernels_at(request.param)
+    if kernels is None:
+        pytest.skip(f"ISA level {request.param}: {how}")
+    return request.param, kernels
 
 
 @pytest.fixture

@@ -1,11 +1,10 @@
 """Linears that keep their GGUF blocks (engine/block_quant.py, csrc/block_quant_linear.c): the
 kernel's weights are bit-identical to the loader's dequantization, its products match fp32
-F.linear, the portable (non-AVX2) build agrees too, and a GGUF model gives the same logits with
+F.linear at every ISA level (tests/engine/isa_levels.py), and a GGUF model gives the same logits with
 and without the packed path."""
 
 from __future__ import annotations
 
-import ctypes
 from dataclasses import replace
 
 import gguf
@@ -130,30 +129,27 @@ def test_parts_that_cannot_be_packed_stay_dense(kernel):
     assert isinstance(block_quant.pack(dense8.bfloat16(), [(8, raw8)], kernel), DenseLinear)
 
 
-def test_portable_build_without_avx2_agrees(portable_build):
-    lib = portable_build("block_quant_linear.c", "parallel.c")
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lin = lib.servelab_block_quant_linear_f32
-    lin.argtypes, lin.restype = [i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, i64], None
-    gemm = lib.servelab_block_quant_gemm_f32
-    gemm.argtypes, gemm.restype = lin.argtypes, None
-    deq = lib.servelab_block_dequant_f32
-    deq.argtypes, deq.restype = [i64, ptr, i64, i64, i64, i64, ptr], None
-    for fmt, code in (("Q8_0", 0), ("Q4_0", 1), ("Q4_1", 2)):
-        raw, dense = _packed(fmt, 200, 384, seed=code)
-        w = torch.empty_like(dense)
-        deq(code, raw.data_ptr(), raw.shape[1], 384, 0, 200, w.data_ptr())
-        assert torch.equal(w, dense), fmt
-        x, y = torch.randn(3, 384), torch.empty(3, 200)
-        threads = 2  # 200 x 384 weights are enough for the pool to split the outputs in two
-        scratch = torch.empty(3 * 12 + threads * 384)
-        lin(code, raw.data_ptr(), raw.shape[1], 384, 200, x.data_ptr(), 3, None, y.data_ptr(), 200, scratch.data_ptr(), threads)
-        ref = F.linear(x.double(), dense.double())
-        assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), fmt
-        bias, panels = torch.randn(200), torch.empty(threads * block_quant.PANEL_OUTPUTS * 384)
-        gemm(code, raw.data_ptr(), raw.shape[1], 384, 200, x.data_ptr(), 3, bias.data_ptr(), y.data_ptr(), 200, panels.data_ptr(), threads)
-        ref = ref + bias.double()
-        assert (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), fmt
+def test_every_isa_level_reads_the_blocks_as_the_loader_and_matches_fp32(isa_kernels):
+    """At each ISA level (portable, AVX2, AVX-512...: native, or on SIMDe where the CPU lacks it)
+    the weights are the loader's bit for bit, both packed kernels match fp32, and the invariant
+    (panel) kernel gives a row the same bits alone as with others, as deterministic mode needs."""
+    name, kernels = isa_kernels
+    for fmt, code in FORMATS.items():
+        raw, dense = _packed(fmt, 53, 256 if fmt in K_QUANTS else 96, seed=code)
+        linear = block_quant.pack(dense, [(code, raw)], kernels)
+        assert torch.equal(linear.dequantize(), dense), (name, fmt)
+        for rows in (1, 3, 4, 5, 9):  # the in-register kernel, then the panel kernel
+            _check(linear, rows, with_bias=rows % 2 == 1, seed=rows)
+        invariant = replace(linear, invariant=True, bias=torch.randn(53))
+        x = torch.randn(6, dense.shape[1])
+        together = invariant(x)  # a 4-row tile, then two rows alone
+        for i in range(6):
+            assert torch.equal(invariant(x[i : i + 1]), together[i : i + 1]), (name, fmt, i)
+    dense = torch.randn(50, 64)
+    invariant = block_quant.batch_invariant(DenseLinear(dense, None), kernels)  # fp32 rows through the panels
+    x = torch.randn(5, 64)
+    torch.testing.assert_close(invariant(x), F.linear(x, dense), rtol=1e-5, atol=1e-5)
+    assert torch.equal(invariant(x[4:]), invariant(x)[4:])
 
 
 def _strip_packed(model) -> None:

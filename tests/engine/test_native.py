@@ -1,11 +1,10 @@
 """The native decode-attention kernel against a plain per-sequence reference (over fp32, fp16 and
 bf16 caches), the prefill-attention kernel against SDPA, the K/V store rounding as torch rounds,
-the model with and without the kernels, a portable build, and a failed build falling back with
-its reason recorded."""
+the model with and without the kernels, every ISA level's build (tests/engine/isa_levels.py), the
+default level and SERVELAB_ISA, and a failed build falling back with its reason recorded."""
 
 from __future__ import annotations
 
-import ctypes
 import math
 
 import pytest
@@ -15,6 +14,7 @@ import torch.nn.functional as F
 from servelab.engine import native
 from servelab.engine.loader import load_model
 from servelab.engine.ops import NativeOps, TorchOps, select_ops
+from servelab.errors import InvalidArgument
 from tests.tiny_models import prefill_logits
 
 
@@ -206,40 +206,35 @@ def test_kv_store_rounds_as_torch_does(kernel, kv_dtype):
     _check_store(lambda *a: native.rope_store_kv(kernel, a[0], 1, 1, 8, *a[1:]), kv_dtype)
 
 
-def test_portable_build_rounds_and_attends_the_same(portable_build):
-    """Without AVX2 / F16C the 16-bit conversions are our scalar code (half.h): the same bits as
-    torch's casts, decode attention over a 16-bit cache still matches the reference, the scalar
-    argmax agrees with torch's and the scalar prefill attention with SDPA."""
-    lib = portable_build("decode_attention.c", "prefill_attention.c", "layer_ops.c", "parallel.c")
-    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-    store = lib.servelab_rope_store_kv
-    store.argtypes, store.restype = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64], None
-    attend = lib.servelab_decode_attention
-    attend.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, f32, ptr, i64, ptr, i64]
-    attend.restype = None
-    argmax = lib.servelab_argmax_rows_f32
-    argmax.argtypes, argmax.restype = [ptr, i64, i64, ptr, i64], None
-    prefill = lib.servelab_prefill_attention_f32
-    prefill.argtypes = [ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, ptr, ptr, i64]
-    prefill.restype = None
-    only = {"decode_attention": attend, "rope_store_kv": store, "argmax_rows": argmax, "prefill_attention": prefill}
-    fake = native.NativeKernels(**{**dict.fromkeys(native.NativeKernels.__slots__), **only})
+def test_every_isa_level_rounds_and_attends_the_same(isa_kernels):
+    """Each ISA level's build (portable: half.h's scalar 16-bit conversions; AVX2; AVX-512, native
+    or on SIMDe where the CPU lacks it) stores K/V with torch's roundings, attends over a 16-bit
+    cache and in prefill as the references do, and gives torch's argmax, RMSNorm and SwiGLU."""
+    name, kernels = isa_kernels
     for x in _argmax_cases():
-        assert torch.equal(native.argmax_rows(fake, x), x.argmax(dim=-1))
+        assert torch.equal(native.argmax_rows(kernels, x), x.argmax(dim=-1)), (name, x.shape)
     for q, k, v, start in _prefill_cases():
-        torch.testing.assert_close(native.prefill_attention(fake, q, k, v, start, 0.3), _prefill_reference(q, k, v, start, 0.3), rtol=2e-5, atol=2e-5)
-    _check_prefill_nan(fake)
-    for kv_dtype in (torch.float16, torch.bfloat16):
-        _check_store(lambda *a: native.rope_store_kv(fake, a[0], 1, 1, 8, *a[1:]), kv_dtype)
-        g = torch.Generator().manual_seed(1)
-        kc = torch.randn(2, 40 * 8, 24, generator=g).to(kv_dtype)
-        vc = torch.randn(2, 40 * 8, 24, generator=g).to(kv_dtype)
-        tables = [list(range(30, 20, -1)), list(range(1, 11))]
-        ctx_lens = [73, 9]
-        q = torch.randn(2, 6, 24, generator=g)
-        out = torch.empty(2, 6 * 24)
-        native.decode_attention(fake, q, kc, vc, torch.tensor(tables), torch.tensor(ctx_lens), 73, 8, 0.2, out)
-        torch.testing.assert_close(out, _reference(q, kc, vc, tables, ctx_lens, 8, 0.2), rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(native.prefill_attention(kernels, q, k, v, start, 0.3), _prefill_reference(q, k, v, start, 0.3), rtol=2e-5, atol=2e-5)
+    _check_prefill_nan(kernels)
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(7, 37, generator=g), torch.randn(37, generator=g)
+    want = F.rms_norm(x, (37,), w, 1e-6)
+    torch.testing.assert_close(native.add_rms_norm(kernels, x, None, w, 1e-6), want, rtol=1e-5, atol=1e-5)
+    gate_up = torch.randn(7, 2 * 37, generator=g) * 4
+    want = F.silu(gate_up[:, :37]) * gate_up[:, 37:]
+    torch.testing.assert_close(native.silu_mul(kernels, gate_up), want, rtol=1e-5, atol=1e-5)
+    for kv_dtype in (torch.float32, torch.float16, torch.bfloat16):
+        if kv_dtype != torch.float32:
+            _check_store(lambda *a: native.rope_store_kv(kernels, a[0], 1, 1, 8, *a[1:]), kv_dtype)
+        for D in (24, 64):  # 8-lane tiles and a scalar tail; 16-lane tiles (AVX-512) over every dim
+            kc = torch.randn(2, 40 * 8, D, generator=g).to(kv_dtype)
+            vc = torch.randn(2, 40 * 8, D, generator=g).to(kv_dtype)
+            tables = [list(range(30, 20, -1)), list(range(1, 11))]
+            ctx_lens = [73, 9]
+            q = torch.randn(2, 6, D, generator=g)
+            out = torch.empty(2, 6 * D)
+            native.decode_attention(kernels, q, kc, vc, torch.tensor(tables), torch.tensor(ctx_lens), 73, 8, 0.2, out)
+            torch.testing.assert_close(out, _reference(q, kc, vc, tables, ctx_lens, 8, 0.2), rtol=1e-5, atol=1e-5)
 
 
 def test_a_failed_build_falls_back_and_says_why(monkeypatch, tmp_path):
@@ -331,3 +326,38 @@ def test_importing_servelab_makes_idle_openmp_threads_wait_passively(preset, wan
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == want
+
+
+_AVX512_HOST = {  # torch.cpu.get_capabilities() of an AVX-512 host with VNNI but no BF16
+    "avx2": True, "fma3": True, "f16c": True, "avx512_f": True, "avx512_bw": True, "avx512_vl": True,
+    "avx512_dq": True, "avx512_vnni": True, "avx512_bf16": False,
+}
+
+
+def test_the_default_level_is_the_highest_the_cpu_has_and_the_env_only_lowers_it(monkeypatch, caplog):
+    monkeypatch.delenv("SERVELAB_ISA", raising=False)
+    monkeypatch.setattr(torch.cpu, "get_capabilities", lambda: _AVX512_HOST)
+    assert native.best_level() == "avx512_vnni"
+    assert native.unavailable_reason("avx512_bf16") == "this CPU lacks avx512bf16"
+    monkeypatch.setenv("SERVELAB_ISA", "AVX2")
+    assert native.best_level() == "avx2"
+    monkeypatch.setenv("SERVELAB_ISA", "avx512_bf16")  # past the CPU: its best instead, and the log says so
+    assert native.best_level() == "avx512_vnni"
+    assert "SERVELAB_ISA=avx512_bf16, but this CPU has only" in native.level_choice()
+    monkeypatch.setenv("SERVELAB_ISA", "avx1024")
+    with pytest.raises(InvalidArgument, match=r"SERVELAB_ISA='avx1024' is not an ISA level \(known, lowest first: port"):
+        native.best_level()
+    monkeypatch.setenv("SERVELAB_ISA", "portable")
+    monkeypatch.setattr(native, "_logged", set())
+    with caplog.at_level("INFO", logger="servelab.engine"):
+        native.native_kernels()
+        native.native_kernels()
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["native kernels: ISA level portable"]  # once
+
+
+def test_cpu_features_fall_back_to_proc_cpuinfo(monkeypatch):
+    torch_view = native.cpu_features()
+    monkeypatch.delattr(torch.cpu, "get_capabilities")
+    if not native._proc_cpuinfo_flags():
+        pytest.skip("no /proc/cpuinfo flags here")
+    assert native.cpu_features() == torch_view

@@ -1,12 +1,10 @@
 """Opt-in int8 linears: the C kernel computes exactly the integer arithmetic its comment states
-(checked bit for bit against a PyTorch rendering, in the AVX2 and the portable builds), rows with
+(checked bit for bit against a PyTorch rendering, at every ISA level), rows with
 inf or NaN stay their own, the model's logits stay close to fp32 with a quarter of the bytes,
 clear errors for combinations that cannot work, and (slow) the bundled model still answers the
 same."""
 
 from __future__ import annotations
-
-import ctypes
 
 import pytest
 import torch
@@ -165,17 +163,19 @@ def test_weights_are_seven_bit_codes_with_an_exact_zero(kernel):
     assert torch.allclose(Int8Linear.from_weight(w).dequantize(), deq)
 
 
-def test_portable_build_gives_the_same_bits(kernel, portable_build):
-    lib = portable_build("int8_linear.c", "parallel.c")
-    f = lib.servelab_int8_linear_f32
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    f.argtypes, f.restype = [ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64], ctypes.c_int
-    portable = native.NativeKernels(**{**dict.fromkeys(native.NativeKernels.__slots__), "int8_linear": f})
-    for w, b, x in _cases():
-        lin = Int8Linear.from_weight(w, b)
-        want = lin(x)
-        lin.kernels = portable
-        assert torch.equal(lin(x), want)
+def test_every_isa_level_gives_the_same_bits(isa_kernels):
+    """The portable, AVX2 and AVX-512 (+VNNI) builds, native or on SIMDe where the CPU lacks the
+    level, all compute the stated integer arithmetic bit for bit, on one thread or two."""
+    name, kernels = isa_kernels
+    before = torch.get_num_threads()
+    try:
+        for i, (w, b, x) in enumerate(_cases()):
+            torch.set_num_threads(1 + i % 2)
+            lin = Int8Linear.from_weight(w, b)
+            lin.kernels = kernels
+            assert torch.equal(lin(x), _reference(lin, x)), (name, lin.shape, x.shape)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_int8_without_the_native_kernels_says_why(monkeypatch):

@@ -19,6 +19,10 @@
  *   Q4_1  32 weights: fp16 d, fp16 m, uint8 qs[16]       w = d * nibble + m
  *         (byte j of qs holds element j in its low nibble and element j + 16 in its high one)
  *   Q4_K, Q6_K  256 weights with 6-bit / 8-bit sub-block scales (dequant_k_block)
+ *
+ * ISA levels: AVX2 (eight lanes) and AVX-512 (sixteen: the in-register and panel kernels, whose
+ * sums therefore differ from AVX2's in order, within the same fp32 tolerance); without AVX2, a
+ * scalar dequantize-then-dot. At every level the panel kernel and exact_rows sum a row the same way.
  */
 #include <stdint.h>
 #include <string.h>
@@ -26,9 +30,7 @@
 #include "fp.h"  /* SL_ROUNDED: Q4_1's and Q4_K's weights round exactly as the loader's */
 #include "half.h"
 #include "parallel.h"
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "isa.h"
 
 /* F32: a plain fp32 weight (row_bytes = 4 * in_features), panel kernel only: deterministic mode
  * runs every linear through that kernel, whatever its format (block_quant.py). */
@@ -107,7 +109,7 @@ static void dequant_row(int64_t qtype, const uint8_t *row, int64_t nblocks, floa
             const uint8_t *blk = row + b * 34;
             const float d = fp16_to_f32(blk);
             const int8_t *q = (const int8_t *)(blk + 2);
-#ifdef __AVX2__
+#ifdef SL_AVX2
             const __m256 vd = _mm256_set1_ps(d);
             for (int j = 0; j < 32; j += 8) {
                 const __m128i q8 = _mm_loadl_epi64((const __m128i *)(q + j));
@@ -122,7 +124,7 @@ static void dequant_row(int64_t qtype, const uint8_t *row, int64_t nblocks, floa
             const float d = fp16_to_f32(blk);
             const float m = has_min ? fp16_to_f32(blk + 2) : 0.0f;
             const uint8_t *qs = blk + (has_min ? 4 : 2);
-#ifdef __AVX2__
+#ifdef SL_AVX2
             const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
             const __m128i mask = _mm_set1_epi8(0x0f);
             const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
@@ -161,7 +163,7 @@ static inline float block_offset(int64_t qtype, const uint8_t *blk, float d) {
     return qtype == Q4_1 ? fp16_to_f32(blk + 2) : qtype == Q4_0 ? -8.0f * d : 0.0f;
 }
 
-#ifdef __AVX2__
+#ifdef SL_AVX2
 /* The 32 raw quants of a block as four vectors of eight floats. */
 static inline void block_quants(int64_t qtype, const uint8_t *blk, __m256 q[4]) {
     if (qtype == Q8_0) {
@@ -189,6 +191,63 @@ static inline float hsum(__m256 s) {
     return _mm_cvtss_f32(h);
 }
 
+#if defined(SL_AVX512)
+/* The 32 raw quants of a block as two vectors of sixteen floats (elements 0-15, 16-31). */
+static inline void block_quants16(int64_t qtype, const uint8_t *blk, __m512 q[2]) {
+    if (qtype == Q8_0) {
+        q[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 2))));
+        q[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(blk + 18))));
+        return;
+    }
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(blk + (qtype == Q4_1 ? 4 : 2))));
+    q[0] = _mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0x0f)));
+    q[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4));
+}
+
+static inline float hsum512(__m512 s) { return hsum(_mm256_add_ps(sl_lo256(s), sl_hi256(s))); }
+
+/* fused_rows at 512 bits: a block is two vectors of quants, one chain of two products per row. */
+static inline void fused_rows(int64_t qtype, int NR, const uint8_t *w, int64_t row_bytes, int64_t in_features,
+                              int64_t o_begin, int64_t o_end, const float *x, const float *xsum,
+                              const float *bias, float *y, int64_t y_stride) {
+    const int64_t nblocks = in_features / 32, bb = block_bytes(qtype);
+    const int64_t s1 = in_features, s2 = 2 * in_features, s3 = 3 * in_features;
+    for (int64_t o = o_begin; o < o_end; o++) {
+        const uint8_t *row = w + o * row_bytes;
+        __m512 t0 = _mm512_setzero_ps(), t1 = t0, t2 = t0, t3 = t0;
+        float m0 = 0.0f, m1 = 0.0f, m2 = 0.0f, m3 = 0.0f;
+        for (int64_t b = 0; b < nblocks; b++) {
+            const uint8_t *blk = row + b * bb;
+            __m512 q[2];
+            block_quants16(qtype, blk, q);
+            int32_t dm_bits;
+            memcpy(&dm_bits, blk, 4);
+            const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits));
+            const float d = _mm_cvtss_f32(dm);
+            const __m512 vd = _mm512_set1_ps(d);
+            const float *xb = x + b * 32;
+#define SL_ROW(T, M, OFF, R)                                                                       \
+            {                                                                                      \
+                __m512 e = _mm512_mul_ps(q[0], _mm512_loadu_ps(xb + (OFF)));                       \
+                e = _mm512_fmadd_ps(q[1], _mm512_loadu_ps(xb + (OFF) + 16), e);                    \
+                T = _mm512_fmadd_ps(vd, e, T);                                                     \
+                if (qtype != Q8_0) M += mo * xsum[(R) * nblocks + b];                              \
+            }
+            const float mo = qtype == Q4_1 ? _mm_cvtss_f32(_mm_movehdup_ps(dm)) : qtype == Q4_0 ? -8.0f * d : 0.0f;
+            SL_ROW(t0, m0, 0, 0)
+            if (NR > 1) SL_ROW(t1, m1, s1, 1)
+            if (NR > 2) SL_ROW(t2, m2, s2, 2)
+            if (NR > 3) SL_ROW(t3, m3, s3, 3)
+#undef SL_ROW
+        }
+        const float bo = bias ? bias[o] : 0.0f;
+        y[o] = hsum512(t0) + m0 + bo;
+        if (NR > 1) y[y_stride + o] = hsum512(t1) + m1 + bo;
+        if (NR > 2) y[2 * y_stride + o] = hsum512(t2) + m2 + bo;
+        if (NR > 3) y[3 * y_stride + o] = hsum512(t3) + m3 + bo;
+    }
+}
+#else
 /* NR (1..4) rows x against output rows [o_begin, o_end); xsum [NR, nblocks] holds each row's
  * per-block sums. Named accumulators, not arrays, so that they stay in registers. */
 static inline void fused_rows(int64_t qtype, int NR, const uint8_t *w, int64_t row_bytes, int64_t in_features,
@@ -236,6 +295,8 @@ static inline void fused_rows(int64_t qtype, int NR, const uint8_t *w, int64_t r
     }
 }
 
+#endif
+
 /* The switches give the compiler one specialised loop per (format, row count). */
 static void fused(int64_t qtype, int64_t nr, const uint8_t *w, int64_t row_bytes, int64_t in_features,
                   int64_t o_begin, int64_t o_end, const float *x, const float *xsum, const float *bias, float *y,
@@ -256,7 +317,7 @@ static void fused(int64_t qtype, int64_t nr, const uint8_t *w, int64_t row_bytes
 }
 #endif
 
-#ifndef __AVX2__
+#ifndef SL_AVX2
 /* Without AVX2: y[r, o0 + o] = dequantized rows w[o] . x[r] (+ bias), eight partial sums so the
  * compiler can vectorize without reassociating. */
 static void scalar_rows(const float *w, int64_t no, int64_t in, const float *x, int64_t rows, const float *bias,
@@ -283,7 +344,7 @@ struct linear_job {
 /* Output rows [begin, end) for every activation row. */
 static void linear_part(const void *ctx, int64_t part, int64_t begin, int64_t end) {
     const struct linear_job *j = ctx;
-#ifdef __AVX2__
+#ifdef SL_AVX2
     (void)part;
     const int64_t nblocks = j->in_features / 32;
     for (int64_t r0 = 0; r0 < j->rows; r0 += 4) {
@@ -312,7 +373,7 @@ void servelab_block_quant_linear_f32(int64_t qtype, const uint8_t *w, int64_t ro
                                      float *y, int64_t y_stride, float *scratch, int64_t threads)
 {
     struct linear_job job = {qtype, row_bytes, in_features, rows, y_stride, w, x, bias, scratch, y, scratch};
-#ifdef __AVX2__
+#ifdef SL_AVX2
     const int64_t nblocks = in_features / 32;
     for (int64_t r = 0; r < rows; r++)  /* each row's per-block sums, for the offset term */
         for (int64_t b = 0; b < nblocks; b++) {
@@ -333,7 +394,67 @@ void servelab_block_quant_linear_f32(int64_t qtype, const uint8_t *w, int64_t ro
  * (docs/benchmarks.md, "GGUF blocks kept packed"). */
 #define PANEL 48
 
-#ifdef __AVX2__
+#ifdef SL_AVX2
+#if defined(SL_AVX512)
+/* panel_row and panel_rows at 512 bits: the same kernels with sixteen lanes per accumulator (k in
+ * steps of 16; in_features is a multiple of 32), hsum512 at the end. Within a level, a row's sums
+ * are still one FMA chain in one order, whichever of the three kernels (these, exact_rows) runs. */
+static void panel_row(const float *panel, int64_t no, int64_t in, const float *x, const float *bias, int64_t o0,
+                      float *y) {
+    for (int64_t j = 0; j < no; j += 6) {
+        const int64_t nj = no - j < 6 ? no - j : 6;
+        const float *w[6];
+        for (int b = 0; b < 6; b++) w[b] = panel + (j + (b < nj ? b : 0)) * in;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0;
+        for (int64_t k = 0; k < in; k += 16) {
+            const __m512 xx = _mm512_loadu_ps(x + k);
+            a0 = _mm512_fmadd_ps(xx, _mm512_loadu_ps(w[0] + k), a0);
+            a1 = _mm512_fmadd_ps(xx, _mm512_loadu_ps(w[1] + k), a1);
+            a2 = _mm512_fmadd_ps(xx, _mm512_loadu_ps(w[2] + k), a2);
+            a3 = _mm512_fmadd_ps(xx, _mm512_loadu_ps(w[3] + k), a3);
+            a4 = _mm512_fmadd_ps(xx, _mm512_loadu_ps(w[4] + k), a4);
+            a5 = _mm512_fmadd_ps(xx, _mm512_loadu_ps(w[5] + k), a5);
+        }
+        const float sums[6] = {hsum512(a0), hsum512(a1), hsum512(a2), hsum512(a3), hsum512(a4), hsum512(a5)};
+        for (int64_t b = 0; b < nj; b++) {
+            const int64_t o = o0 + j + b;
+            y[o] = sums[b] + (bias ? bias[o] : 0.0f);
+        }
+    }
+}
+
+static void panel_rows(const float *panel, int64_t no, int64_t in, const float *x, int64_t rows, const float *bias,
+                       int64_t o0, float *y, int64_t out) {
+    for (int64_t r0 = 0; r0 + 4 <= rows; r0 += 4) {
+        const float *x0 = x + r0 * in, *x1 = x0 + in, *x2 = x0 + 2 * in, *x3 = x0 + 3 * in;
+        for (int64_t j = 0; j < no; j += 3) {
+            const int64_t nj = no - j < 3 ? no - j : 3;
+            const float *w0 = panel + j * in, *w1 = w0 + (nj > 1) * in, *w2 = w0 + (nj > 2) * 2 * in;
+            __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a10 = a00, a11 = a00, a12 = a00;
+            __m512 a20 = a00, a21 = a00, a22 = a00, a30 = a00, a31 = a00, a32 = a00;
+            for (int64_t k = 0; k < in; k += 16) {
+                const __m512 v0 = _mm512_loadu_ps(w0 + k), v1 = _mm512_loadu_ps(w1 + k), v2 = _mm512_loadu_ps(w2 + k);
+                __m512 xx = _mm512_loadu_ps(x0 + k);
+                a00 = _mm512_fmadd_ps(xx, v0, a00); a01 = _mm512_fmadd_ps(xx, v1, a01); a02 = _mm512_fmadd_ps(xx, v2, a02);
+                xx = _mm512_loadu_ps(x1 + k);
+                a10 = _mm512_fmadd_ps(xx, v0, a10); a11 = _mm512_fmadd_ps(xx, v1, a11); a12 = _mm512_fmadd_ps(xx, v2, a12);
+                xx = _mm512_loadu_ps(x2 + k);
+                a20 = _mm512_fmadd_ps(xx, v0, a20); a21 = _mm512_fmadd_ps(xx, v1, a21); a22 = _mm512_fmadd_ps(xx, v2, a22);
+                xx = _mm512_loadu_ps(x3 + k);
+                a30 = _mm512_fmadd_ps(xx, v0, a30); a31 = _mm512_fmadd_ps(xx, v1, a31); a32 = _mm512_fmadd_ps(xx, v2, a32);
+            }
+            const float sums[4][3] = {{hsum512(a00), hsum512(a01), hsum512(a02)}, {hsum512(a10), hsum512(a11), hsum512(a12)},
+                                      {hsum512(a20), hsum512(a21), hsum512(a22)}, {hsum512(a30), hsum512(a31), hsum512(a32)}};
+            for (int64_t r = 0; r < 4; r++)
+                for (int64_t b = 0; b < nj; b++) {
+                    const int64_t o = o0 + j + b;
+                    y[(r0 + r) * out + o] = sums[r][b] + (bias ? bias[o] : 0.0f);
+                }
+        }
+    }
+    for (int64_t r = rows / 4 * 4; r < rows; r++) panel_row(panel, no, in, x + r * in, bias, o0, y + r * out);
+}
+#else
 /* One row against the panel, six outputs at a time: for the rows past a multiple of four (all of
  * them in a step of 1-3 rows), which panel_rows' 4-row tiles would compute four times over. Each
  * output's sum is the same chain of FMAs in the same order as in panel_rows, so a row's result
@@ -397,7 +518,54 @@ static void panel_rows(const float *panel, int64_t no, int64_t in, const float *
 }
 #endif
 
-#ifdef __AVX2__
+#endif
+
+#ifdef SL_AVX2
+#if defined(SL_AVX512)
+/* block_weights and exact_rows at 512 bits: two vectors of sixteen weights a block, rounded as
+ * dequant_row writes them; the FMA chain of panel_rows' 512-bit kernel over k ascending. */
+static inline __attribute__((always_inline)) void block_weights(int64_t qtype, const uint8_t *blk, __m512 w[2]) {
+    __m512 q[2];
+    block_quants16(qtype, blk, q);
+    const __m512 vd = _mm512_set1_ps(fp16_to_f32(blk));
+    const __m512 vm = _mm512_set1_ps(qtype == Q4_1 ? fp16_to_f32(blk + 2) : 0.0f);
+    for (int j = 0; j < 2; j++) {
+        __m512 v = _mm512_mul_ps(vd, qtype == Q4_0 ? _mm512_sub_ps(q[j], _mm512_set1_ps(8.0f)) : q[j]);
+        SL_ROUNDED512(v);
+        w[j] = qtype == Q4_1 ? _mm512_add_ps(v, vm) : v;
+    }
+}
+
+static inline __attribute__((always_inline)) void exact_rows(int64_t qtype, int NR, const uint8_t *w, int64_t row_bytes,
+                                                             int64_t in, int64_t o0, int64_t no, const float *x,
+                                                             const float *bias, float *y, int64_t y_stride) {
+    const int64_t nblocks = in / 32, bb = block_bytes(qtype);
+    for (int64_t j = 0; j < no; j += 2) {
+        const int two = j + 1 < no;
+        const uint8_t *r0 = w + (o0 + j) * row_bytes, *r1 = two ? r0 + row_bytes : r0;
+        __m512 a[3][2];
+        for (int r = 0; r < 3; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nblocks; b++) {
+            __m512 w0[2], w1[2];
+            block_weights(qtype, r0 + b * bb, w0);
+            block_weights(qtype, r1 + b * bb, w1);
+            for (int r = 0; r < NR; r++) {
+                const float *xb = x + r * in + b * 32;
+                for (int i = 0; i < 2; i++) {
+                    const __m512 xx = _mm512_loadu_ps(xb + 16 * i);
+                    a[r][0] = _mm512_fmadd_ps(xx, w0[i], a[r][0]);
+                    a[r][1] = _mm512_fmadd_ps(xx, w1[i], a[r][1]);
+                }
+            }
+        }
+        for (int r = 0; r < NR; r++)
+            for (int c = 0; c <= two; c++) {
+                const int64_t o = o0 + j + c;
+                y[r * y_stride + o] = hsum512(a[r][c]) + (bias ? bias[o] : 0.0f);
+            }
+    }
+}
+#else
 /* A 32-weight block's weights as four vectors of eight floats, rounded exactly as dequant_row
  * writes them (d * q; d * (q - 8); d * q, then + m). */
 static inline __attribute__((always_inline)) void block_weights(int64_t qtype, const uint8_t *blk, __m256 w[4]) {
@@ -447,6 +615,8 @@ static inline __attribute__((always_inline)) void exact_rows(int64_t qtype, int 
     }
 }
 
+#endif
+
 static void exact(int64_t qtype, int64_t nr, const uint8_t *w, int64_t row_bytes, int64_t in, int64_t o0, int64_t no,
                   const float *x, const float *bias, float *y, int64_t y_stride) {
 #define SL_EXACT(QT)                                                                                 \
@@ -478,7 +648,7 @@ static void gemm_part(const void *ctx, int64_t part, int64_t begin, int64_t end)
     float *scratch = j->scratch + part * PANEL * in;
     for (int64_t p = begin; p < end; p++) {
         const int64_t o0 = p * PANEL, no = out - o0 < PANEL ? out - o0 : PANEL;
-#ifdef __AVX2__
+#ifdef SL_AVX2
         if (j->rows < 4 && j->qtype <= Q4_1) { /* few rows: the same sums without the panel */
             exact(j->qtype, j->rows, j->w, j->row_bytes, in, o0, no, j->x, j->bias, j->y, j->y_stride);
             continue;
@@ -489,7 +659,7 @@ static void gemm_part(const void *ctx, int64_t part, int64_t begin, int64_t end)
             panel = (const float *)(j->w + o0 * j->row_bytes);
         else
             for (int64_t o = 0; o < no; o++) dequant_row(j->qtype, j->w + (o0 + o) * j->row_bytes, in / 32, scratch + o * in);
-#ifdef __AVX2__
+#ifdef SL_AVX2
         panel_rows(panel, no, in, j->x, j->rows, j->bias, o0, j->y, j->y_stride);
 #else
         scalar_rows(panel, no, in, j->x, j->rows, j->bias, o0, j->y, j->y_stride);

@@ -9,7 +9,8 @@
  * output. Plain C, built on first use by servelab/engine/native.py; the arithmetic is fp32
  * throughout (max-subtracted softmax, like SDPA), only the summation order differs. A 16-bit
  * cache is widened to fp32 as it is loaded: the values are exactly those torch's
- * `.float()` gives.
+ * `.float()` gives. At SL_AVX512 the score and P V tiles run sixteen lanes (another summation
+ * order, within the tests' tolerance); the softmax passes stay AVX2's.
  *
  * Layouts (all contiguous unless a stride is given):
  *   q        [B, num_kv_heads * group, head_dim] fp32, row stride q_stride floats between sequences
@@ -26,6 +27,7 @@
 #include "half.h"
 #include "parallel.h"
 #include "vec_exp.h"
+#include "isa.h"
 
 #define SL_INLINE static inline __attribute__((always_inline))
 
@@ -48,7 +50,7 @@ SL_INLINE float dot(const float *q, const void *k, int64_t at, int64_t n, int fm
     return s + ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
-#ifdef __AVX2__
+#ifdef SL_AVX2
 /* Elements [i, i + 8) of a cache tensor in fmt, widened to fp32 (F16C comes with AVX2 in our build). */
 SL_INLINE __m256 load8(const void *base, int64_t i, int fmt) {
     if (fmt == KV_F32) return _mm256_loadu_ps((const float *)base + i);
@@ -149,6 +151,73 @@ SL_INLINE void pv_tile(const float *p0, const float *p1, const float *p2, int64_
     if (ng > 2) SL_STORE(o2, 2, a20, a21, a22, a23)
 #undef SL_STORE
 }
+
+#if defined(SL_AVX512)
+/* load8 sixteen at a time. */
+SL_INLINE __m512 load16(const void *base, int64_t i, int fmt) {
+    if (fmt == KV_F32) return _mm512_loadu_ps((const float *)base + i);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)base + i));
+    if (fmt == KV_F16) return _mm512_cvtph_ps(h);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+SL_INLINE __m256 fold(__m512 a) { return _mm256_add_ps(sl_lo256(a), sl_hi256(a)); }
+
+/* qk_tile with sixteen lanes (D a multiple of 16). */
+SL_INLINE void qk_tile16(const float *q0, const float *q1, const float *q2, int64_t ng, const void *k, int64_t at,
+                         int64_t D, float scale, float *s0, float *s1, float *s2, int fmt) {
+    __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    __m512 a20 = a00, a21 = a00, a22 = a00, a23 = a00;
+    for (int64_t d = 0; d < D; d += 16) {
+        const __m512 k0 = load16(k, at + d, fmt), k1 = load16(k, at + D + d, fmt);
+        const __m512 k2 = load16(k, at + 2 * D + d, fmt), k3 = load16(k, at + 3 * D + d, fmt);
+        __m512 x = _mm512_loadu_ps(q0 + d);
+        a00 = _mm512_fmadd_ps(x, k0, a00); a01 = _mm512_fmadd_ps(x, k1, a01);
+        a02 = _mm512_fmadd_ps(x, k2, a02); a03 = _mm512_fmadd_ps(x, k3, a03);
+        x = _mm512_loadu_ps(q1 + d);
+        a10 = _mm512_fmadd_ps(x, k0, a10); a11 = _mm512_fmadd_ps(x, k1, a11);
+        a12 = _mm512_fmadd_ps(x, k2, a12); a13 = _mm512_fmadd_ps(x, k3, a13);
+        x = _mm512_loadu_ps(q2 + d);
+        a20 = _mm512_fmadd_ps(x, k0, a20); a21 = _mm512_fmadd_ps(x, k1, a21);
+        a22 = _mm512_fmadd_ps(x, k2, a22); a23 = _mm512_fmadd_ps(x, k3, a23);
+    }
+    const __m128 vs = _mm_set1_ps(scale);
+    _mm_storeu_ps(s0, _mm_mul_ps(hsum4(fold(a00), fold(a01), fold(a02), fold(a03)), vs));
+    if (ng > 1) _mm_storeu_ps(s1, _mm_mul_ps(hsum4(fold(a10), fold(a11), fold(a12), fold(a13)), vs));
+    if (ng > 2) _mm_storeu_ps(s2, _mm_mul_ps(hsum4(fold(a20), fold(a21), fold(a22), fold(a23)), vs));
+}
+
+/* pv_tile's 32 dims as two sixteen-lane vectors a head (six chains; the same order over c). */
+SL_INLINE void pv_tile16(const float *p0, const float *p1, const float *p2, int64_t ng, const void *v, int64_t vh,
+                         const int64_t *table, int64_t block_size, int64_t ctx, int64_t D, const float *inv,
+                         float *o0, float *o1, float *o2, struct row_prefetch *pf, int fmt) {
+    __m512 a00 = _mm512_setzero_ps(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00;
+    for (int64_t c0 = 0; c0 < ctx; c0 += block_size) {
+        const int64_t vb = vh + table[c0 / block_size] * block_size * D;
+        const int64_t n = ctx - c0 < block_size ? ctx - c0 : block_size;
+        for (int64_t i = 0; i < n; i++) {
+            if (i & 1) prefetch_rows(pf, 1);
+            const int64_t vr = vb + i * D;
+            const __m512 v0 = load16(v, vr, fmt), v1 = load16(v, vr + 16, fmt);
+            __m512 p = _mm512_set1_ps(p0[c0 + i]);
+            a00 = _mm512_fmadd_ps(p, v0, a00); a01 = _mm512_fmadd_ps(p, v1, a01);
+            p = _mm512_set1_ps(p1[c0 + i]);
+            a10 = _mm512_fmadd_ps(p, v0, a10); a11 = _mm512_fmadd_ps(p, v1, a11);
+            p = _mm512_set1_ps(p2[c0 + i]);
+            a20 = _mm512_fmadd_ps(p, v0, a20); a21 = _mm512_fmadd_ps(p, v1, a21);
+        }
+    }
+#define SL_STORE(O, I, A0, A1)                                                                           \
+    {                                                                                                    \
+        const __m512 s = _mm512_set1_ps(inv[I]);                                                         \
+        _mm512_storeu_ps(O, _mm512_mul_ps(A0, s)); _mm512_storeu_ps(O + 16, _mm512_mul_ps(A1, s));       \
+    }
+    SL_STORE(o0, 0, a00, a01)
+    if (ng > 1) SL_STORE(o1, 1, a10, a11)
+    if (ng > 2) SL_STORE(o2, 2, a20, a21)
+#undef SL_STORE
+}
+#endif
 #endif
 
 /* s[0..n) = exp(s - max(s)); returns the sum. */
@@ -189,7 +258,7 @@ SL_INLINE void attention_pairs(const struct attention_job *j, int64_t part, int6
         const int64_t kh = h * num_slots * D, vh = kh; /* this head's slots, in elements */
         const float *qh = q + b * q_stride + h * G * D;
         float *oh = out + (b * num_kv_heads + h) * G * D;
-#ifdef __AVX2__
+#ifdef SL_AVX2
         struct row_prefetch pf = {(const char *)k, (const char *)v, NULL, block_size, D * sl_kv_size(fmt), 0, 0};
         if (pair + 1 < end) {
             const int64_t nb = (pair + 1) / num_kv_heads, nh = (pair + 1) % num_kv_heads;
@@ -204,7 +273,7 @@ SL_INLINE void attention_pairs(const struct attention_job *j, int64_t part, int6
             const int64_t kb = kh + table[c0 / block_size] * block_size * D;
             const int64_t n = ctx - c0 < block_size ? ctx - c0 : block_size;
             int64_t i = 0;
-#ifdef __AVX2__
+#ifdef SL_AVX2
             if (D % 8 == 0)
                 for (int64_t g = 0; g < G; g += 3) {
                     const int64_t ng = G - g < 3 ? G - g : 3;
@@ -213,6 +282,12 @@ SL_INLINE void attention_pairs(const struct attention_job *j, int64_t part, int6
                     float *s0 = scratch + g * ctx + c0, *s1 = s0 + (ng > 1) * ctx, *s2 = s0 + (ng > 2) * 2 * ctx;
                     for (i = 0; i + 4 <= n; i += 4) {
                         prefetch_rows(&pf, 1);
+#if defined(SL_AVX512)
+                        if (D % 16 == 0) {
+                            qk_tile16(q0, q1, q2, ng, k, kb + i * D, D, scale, s0 + i, s1 + i, s2 + i, fmt);
+                            continue;
+                        }
+#endif
                         qk_tile(q0, q1, q2, ng, k, kb + i * D, D, scale, s0 + i, s1 + i, s2 + i, fmt);
                     }
                 }
@@ -224,13 +299,17 @@ SL_INLINE void attention_pairs(const struct attention_job *j, int64_t part, int6
         for (int64_t g = 0; g < G; g++) inv_sum[g] = 1.0f / softmax_numerators(scratch + g * ctx, ctx);
         /* out_g = sum_c p[g, c] * v_c / sum_c p[g, c] */
         int64_t d0 = 0;
-#ifdef __AVX2__
+#ifdef SL_AVX2
         for (; d0 + 32 <= D; d0 += 32)
             for (int64_t g = 0; g < G; g += 3) {
                 const int64_t ng = G - g < 3 ? G - g : 3;
                 const float *p0 = scratch + g * ctx, *p1 = p0 + (ng > 1) * ctx, *p2 = p0 + (ng > 2) * 2 * ctx;
                 float *o0 = oh + g * D + d0, *o1 = o0 + (ng > 1) * D, *o2 = o0 + (ng > 2) * 2 * D;
+#if defined(SL_AVX512)
+                pv_tile16(p0, p1, p2, ng, v, vh + d0, table, block_size, ctx, D, inv_sum + g, o0, o1, o2, &pf, fmt);
+#else
                 pv_tile(p0, p1, p2, ng, v, vh + d0, table, block_size, ctx, D, inv_sum + g, o0, o1, o2, &pf, fmt);
+#endif
             }
 #endif
         if (d0 < D) { /* the dims the tiles did not cover (all of them without AVX2) */

@@ -5,9 +5,7 @@
 #pragma once
 #include <stdint.h>
 #include <string.h>
-#if defined(__F16C__)
-#include <immintrin.h>
-#endif
+#include "isa.h" /* F16C comes with SL_AVX2 in our builds */
 
 /* A KV cache's storage format, as native.py's KV_FORMATS passes it, and its bytes an element. */
 enum { KV_F32 = 0, KV_F16 = 1, KV_BF16 = 2 };
@@ -26,7 +24,7 @@ static inline float sl_bits_f32(uint32_t u) {
 }
 
 static inline float sl_f16_to_f32(uint16_t h) {
-#if defined(__F16C__)
+#ifdef SL_AVX2
     return _cvtsh_ss(h);
 #else
     const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
@@ -47,7 +45,7 @@ static inline uint32_t sl_round_even(uint32_t q, uint32_t rem, uint32_t half) {
 }
 
 static inline uint16_t sl_f32_to_f16(float f) {
-#if defined(__F16C__)
+#ifdef SL_AVX2
     return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
 #else
     const uint32_t x = sl_f32_bits(f), sign = (x >> 16) & 0x8000, ax = x & 0x7fffffff;

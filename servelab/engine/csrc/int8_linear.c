@@ -28,8 +28,11 @@
  * rows). Panel p is [kp / 4][16][4] bytes, byte (g, o, i) = qw[16 p + o][4 g + i], where kp is
  * in_features rounded up to G (the padding meets zero activations).
  *
- * The kernel holds a 5-row x 16-output tile in ten int32 accumulators. It walks one panel
- * (16 * kp bytes, in L1) over every row tile; panels are split over the threads.
+ * The kernel holds a 5-row x 16-output tile in ten int32 accumulators (five at AVX-512: a
+ * 64-byte step of a panel is one vector). It walks one panel (16 * kp bytes, in L1) over every row
+ * tile; panels are split over the threads. With AVX512-VNNI one vpdpbusd (unsigned x signed bytes,
+ * four products summed into each int32 lane) replaces vpmaddubsw + vpmaddwd + vpaddd; both give the
+ * same integers, so every ISA level gives the same bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -38,9 +41,7 @@
 
 #include "fp.h"
 #include "parallel.h"
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "isa.h"
 
 #define NP 16 /* outputs a panel */
 #define MR 5  /* rows a tile */
@@ -52,7 +53,7 @@ static float quantize_group(const float *x, int64_t n, int8_t *q, int32_t *qsum)
     float amax = 0.f;
     int bad = 0;
     int64_t k = 0;
-#ifdef __AVX2__
+#ifdef SL_AVX2
     const __m256 sign = _mm256_set1_ps(-0.f);
     __m256 vmax = _mm256_setzero_ps(), vbad = _mm256_setzero_ps();
     for (; k + 8 <= n; k += 8) {
@@ -78,7 +79,7 @@ static float quantize_group(const float *x, int64_t n, int8_t *q, int32_t *qsum)
     const float inv = 127.f / amax;
     int32_t total = 0;
     k = 0;
-#ifdef __AVX2__
+#ifdef SL_AVX2
     const __m256 vinv = _mm256_set1_ps(inv), lo = _mm256_set1_ps(-127.f), hi = _mm256_set1_ps(127.f);
     __m256i vsum = _mm256_setzero_si256();
     for (; k + 16 <= n; k += 16) { /* x * inv rounds to nearest even (MXCSR), as nearbyintf */
@@ -127,7 +128,7 @@ static void quantize_row(const float *x, int64_t in, int64_t kp, int8_t *q, floa
     *row_sum = sum;
 }
 
-#ifdef __AVX2__
+#ifdef SL_AVX2
 /* acc + the sums of four products of w's unsigned and b's signed bytes, per int32 lane. In one asm
  * statement so that its int16 temporary lives only here: written as intrinsics, gcc issued all
  * ten of a tile's vpmaddubsw first and spilled six accumulators to the stack every iteration. */
@@ -142,6 +143,17 @@ static inline __m256i dot4(__m256i acc, __m256i w, __m256i b, __m256i ones) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, b), ones));
 #endif
 }
+
+/* acc[0 .. 16) += scale * (float)sums of one group (outputs 0-7 in s0, 8-15 in s1), each product
+ * rounded before the add, like the scalar code. */
+static inline void scale_add(float acc[NP], float scale, __m256i s0, __m256i s1) {
+    const __m256 sc = _mm256_set1_ps(scale);
+    __m256 t0 = _mm256_mul_ps(sc, _mm256_cvtepi32_ps(s0)), t1 = _mm256_mul_ps(sc, _mm256_cvtepi32_ps(s1));
+    SL_ROUNDED(t0);
+    SL_ROUNDED(t1);
+    _mm256_storeu_ps(acc, _mm256_add_ps(_mm256_loadu_ps(acc), t0));
+    _mm256_storeu_ps(acc + 8, _mm256_add_ps(_mm256_loadu_ps(acc + 8), t1));
+}
 #endif
 
 /* acc[r][o] = sum_g scales[r][g] * sum_{k in g} qa[r][k] * qw[o][k] over one panel, for the first
@@ -152,7 +164,32 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int8_
     const int64_t groups = kp / G;
     for (int r = 0; r < mr; r++)
         for (int o = 0; o < NP; o++) acc[r][o] = 0.f;
-#ifdef __AVX2__
+#if defined(SL_AVX512)
+    /* A k4 step's 16 outputs x 4 bytes are one 512-bit load; a row's 16 int32 sums one vector. */
+#if !defined(SL_AVX512_VNNI)
+    const __m512i ones = _mm512_set1_epi16(1);
+#endif
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i a[MR];
+        for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_si512();
+        const uint8_t *w = panel + g * G * NP;
+        for (int64_t k4 = 0; k4 < G / 4; k4++, w += 4 * NP) {
+            const __m512i wv = _mm512_loadu_si512((const void *)w);
+            for (int r = 0; r < mr; r++) {
+                int32_t four;
+                memcpy(&four, qa + r * kp + g * G + 4 * k4, 4);
+                const __m512i b = _mm512_set1_epi32(four);
+#if defined(SL_AVX512_VNNI) /* vpdpbusd: unsigned weights x signed activations, four products a lane */
+                a[r] = _mm512_dpbusd_epi32(a[r], wv, b);
+#else
+                a[r] = _mm512_add_epi32(a[r], _mm512_madd_epi16(_mm512_maddubs_epi16(wv, b), ones));
+#endif
+            }
+        }
+        for (int r = 0; r < mr; r++) /* the same integers as AVX2's, scaled in its two halves */
+            scale_add(acc[r], scales[r * groups + g], _mm512_castsi512_si256(a[r]), _mm512_extracti64x4_epi64(a[r], 1));
+    }
+#elif defined(SL_AVX2)
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t g = 0; g < groups; g++) {
         __m256i a0[MR], a1[MR];
@@ -169,14 +206,7 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int8_
                 a1[r] = dot4(a1[r], w1, b, ones);
             }
         }
-        for (int r = 0; r < mr; r++) { /* acc += scale * (float)sum, rounded twice like the scalar code */
-            const __m256 sc = _mm256_set1_ps(scales[r * groups + g]);
-            __m256 t0 = _mm256_mul_ps(sc, _mm256_cvtepi32_ps(a0[r])), t1 = _mm256_mul_ps(sc, _mm256_cvtepi32_ps(a1[r]));
-            SL_ROUNDED(t0);
-            SL_ROUNDED(t1);
-            _mm256_storeu_ps(acc[r], _mm256_add_ps(_mm256_loadu_ps(acc[r]), t0));
-            _mm256_storeu_ps(acc[r] + 8, _mm256_add_ps(_mm256_loadu_ps(acc[r] + 8), t1));
-        }
+        for (int r = 0; r < mr; r++) scale_add(acc[r], scales[r * groups + g], a0[r], a1[r]);
     }
 #else
     for (int64_t g = 0; g < groups; g++)
@@ -230,7 +260,7 @@ static void int8_part(const void *ctx, int64_t part, int64_t begin, int64_t end)
                 float *y = j->y + (m + r) * j->out + n0;
                 const float rs = j->a_sum[m + r];
                 int64_t o = 0;
-#ifdef __AVX2__
+#ifdef SL_AVX2
                 if (width == NP) /* the same operations as the scalar loop, eight outputs at a time */
                     for (; o < NP; o += 8) {
                         __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(j->w_zero + n0 + o))),

@@ -12,6 +12,7 @@
 #include "half.h"
 #include "parallel.h"
 #include "vec_exp.h"
+#include "isa.h"
 
 /* If delta is non-NULL, x += delta first (the residual add, in place); then
  * out = x * rsqrt(mean(x^2) + eps) * weight, row by row. */
@@ -44,7 +45,7 @@ void servelab_silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64
         const float *u = g + inter;
         float *o = out + r * inter;
         int64_t j = 0;
-#ifdef __AVX2__
+#ifdef SL_AVX2
         const __m256 one = _mm256_set1_ps(1.0f);
         for (; j + 8 <= inter; j += 8) {
             const __m256 x = _mm256_loadu_ps(g + j);
@@ -66,7 +67,7 @@ static void store_row(void *dst, const float *src, int64_t n, int64_t kv_format)
     uint16_t *d = dst;
     int64_t i = 0;
     if (kv_format == KV_F16) {
-#ifdef __AVX2__
+#ifdef SL_AVX2
         for (; i + 8 <= n; i += 8)
             _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
 #endif
@@ -125,7 +126,7 @@ static void argmax_part(const void *ctx, int64_t part, int64_t begin, int64_t en
         const float *x = j->x + r * n;
         float m = x[0];
         int64_t i = 0;
-#ifdef __AVX2__
+#ifdef SL_AVX2
         if (n >= 32) {
             __m256 m0 = _mm256_loadu_ps(x), m1 = _mm256_loadu_ps(x + 8);
             __m256 m2 = _mm256_loadu_ps(x + 16), m3 = _mm256_loadu_ps(x + 24);
@@ -142,7 +143,7 @@ static void argmax_part(const void *ctx, int64_t part, int64_t begin, int64_t en
 #endif
         for (; i < n; i++) m = x[i] > m ? x[i] : m;
         int64_t at = 0;
-#ifdef __AVX2__
+#ifdef SL_AVX2
         const __m256 vm = _mm256_set1_ps(m);
         for (; at + 8 <= n; at += 8) {
             const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(x + at), vm, _CMP_EQ_OQ));

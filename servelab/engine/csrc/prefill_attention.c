@@ -18,9 +18,7 @@
 #include "half.h"
 #include "parallel.h"
 #include "vec_exp.h"
-#ifdef __AVX2__
-#include <immintrin.h>
-#endif
+#include "isa.h"
 
 #define QB 32 /* query rows a block */
 #define KB 64 /* keys a block */
@@ -38,7 +36,7 @@ struct prefill_job {
  * the packed panels starting at `kt` (keys rounded up to KP; padding keys score garbage-free 0). */
 static void scores4(const float *const qr[4], const float *kt, int64_t keys, int64_t dim, float scale, float *S) {
     for (int64_t c = 0; c < keys; c += KP, kt += dim * KP) {
-#ifdef __AVX2__
+#ifdef SL_AVX2
         __m256 a[4][2];
         for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
         for (int64_t d = 0; d < dim; d++) {
@@ -69,7 +67,7 @@ static void scores4(const float *const qr[4], const float *kt, int64_t keys, int
 static void pv2(const float *P0, const float *P1, const float *v, int64_t v_stride, int64_t keys, int64_t dim,
                 float *o0, float *o1, float alpha0, float alpha1) {
     int64_t d0 = 0;
-#ifdef __AVX2__
+#ifdef SL_AVX2
     for (; d0 + 32 <= dim; d0 += 32) {
         __m256 a0[4], a1[4];
         const __m256 f0 = _mm256_set1_ps(alpha0), f1 = _mm256_set1_ps(alpha1);

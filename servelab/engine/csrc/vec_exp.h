@@ -3,8 +3,8 @@
 #pragma once
 #include <math.h>
 #include <stdint.h>
-#ifdef __AVX2__
-#include <immintrin.h>
+#include "isa.h"
+#ifdef SL_AVX2
 
 /* exp of eight floats in [-87.3, 88.3] (clamped to it), Cephes' polynomial as in SSE/AVX
  * mathfun: relative error ~1e-7, like the vectorized exp inside PyTorch's CPU kernels. */
@@ -33,7 +33,7 @@ static inline __m256 exp8(__m256 x) {
 static inline float sl_max_f32(const float *s, int64_t n, float init) {
     float m = init;
     int64_t c = 0;
-#ifdef __AVX2__
+#ifdef SL_AVX2
     if (n >= 8) {
         __m256 vmax = _mm256_loadu_ps(s);
         for (c = 8; c + 8 <= n; c += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(s + c));
@@ -50,7 +50,7 @@ static inline float sl_max_f32(const float *s, int64_t n, float init) {
 static inline float sl_exp_sub_sum_f32(float *s, int64_t n, float m) {
     float sum = 0.0f;
     int64_t c = 0;
-#ifdef __AVX2__
+#ifdef SL_AVX2
     const __m256 vm = _mm256_set1_ps(m);
     __m256 vsum = _mm256_setzero_ps();
     for (; c + 8 <= n; c += 8) {

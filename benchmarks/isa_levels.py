@@ -1,0 +1,91 @@
+"""The native linears at each ISA level this CPU has, interleaved in one process: the bundled
+SmolLM2-135M's 120 layer matrices as packed GGUF blocks (the in-register kernel up to 4 rows,
+the panel kernel above) and as int8 codes. Optionally another source tree's kernels at the same
+levels (`--base TREE`: its servelab/engine/csrc built with this tree's flags), for before/after.
+
+    python benchmarks/isa_levels.py [--levels avx2 avx512_vnni] [--base /tmp/old-tree] [--threads 1]
+
+Prints the median time over all 120 matrices per (kernel, rows) and each build against the first.
+On a CPU without AVX-512 only portable and avx2 run; the AVX-512 levels are unmeasured until a
+host with them runs this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+import types
+from dataclasses import replace
+from pathlib import Path
+
+import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch loads
+import torch
+
+from servelab.engine import native
+from servelab.engine.bundled import bundled_model_path
+from servelab.engine.loader import load_model
+from servelab.engine.quantization import Int8Linear
+
+
+def build_from(tree: Path, level: str) -> native.NativeKernels:
+    """`tree`'s kernels at `level`, through native's own build (and cache)."""
+    own = native.resources
+    native.resources = types.SimpleNamespace(files=lambda _pkg: tree / "servelab" / "engine")
+    try:
+        return native._build(native._LEVELS[level])
+    finally:
+        native.resources = own
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--levels", nargs="+", default=None, help="default: avx2 and up, those this CPU has")
+    parser.add_argument("--base", type=Path, default=None, help="another tree to build at the same levels")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32])
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    levels = args.levels or [lv.name for lv in native.ISA_LEVELS[1:] if native.unavailable_reason(lv.name) is None]
+    builds: dict[str, native.NativeKernels] = {}
+    for level in levels:
+        if args.base is not None:
+            builds[f"base-{level}"] = build_from(args.base, level)
+        kernels = native.native_kernels(level)
+        if kernels is None:
+            parser.error(f"level {level}: {native.kernels_unavailable(level)}")
+        builds[level] = kernels
+
+    model = load_model(bundled_model_path(), dtype=torch.float32).model
+    packed = [w for layer in model.layers for w in layer.linears()]
+    int8 = [Int8Linear.from_weight(w.dense, None) for w in packed]
+    times: dict[tuple[str, int, str], list[float]] = {}
+    for kind, linears in (("gguf", packed), ("int8", int8)):
+        for rows in args.rows:
+            x = {n: torch.randn(rows, n) for n in {w.shape[1] for w in linears}}
+            per_build = {name: [replace(w, kernels=k) for w in linears] for name, k in builds.items()}
+            for r in range(args.rounds):
+                order = list(per_build) if r % 2 == 0 else list(reversed(per_build))  # alternate who goes first
+                for name in order:
+                    start = time.perf_counter()
+                    for w in per_build[name]:
+                        w(x[w.shape[1]])
+                    times.setdefault((kind, rows, name), []).append(time.perf_counter() - start)
+    first = next(iter(builds))
+    print(f"{args.threads} thread(s), {args.rounds} rounds, median ms over {len(packed)} matrices; vs {first}")
+    for kind in ("gguf", "int8"):
+        for rows in args.rows:
+            cells = []
+            for name in builds:
+                ms = statistics.median(times[(kind, rows, name)]) * 1e3
+                ratio = ms / (statistics.median(times[(kind, rows, first)]) * 1e3)
+                cells.append(f"{name} {ms:7.2f} ({ratio:.3f})")
+            print(f"{kind} rows {rows:3d}: " + "  ".join(cells))
+    print("load average at the end (1/5/15 min): " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,50 @@
+"""The native kernels at every ISA level of native.ISA_LEVELS, for tests: built for this CPU
+where it has the level, else built on SIMDe (csrc/isa.h's SL_SIMDE_LEVEL: portable versions of
+the AVX-512 intrinsics, slow, for correctness only) where SIMDe's headers are found, else a skip
+that says how to get them. The emulated builds go through native's own _build, so they are cached
+like the others, keyed by their flags."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from servelab.engine import native
+
+# csrc/isa.h's SL_SIMDE_LEVEL for each level that SIMDe can stand in for
+SIMDE_LEVELS = {"avx512": 1, "avx512_vnni": 2, "avx512_bf16": 3}
+_REPO = Path(__file__).resolve().parents[2]
+_HOW = "run `make simde` (or install libsimde-dev) and set SERVELAB_SIMDE_INCLUDE to the folder holding simde/"
+_emulated: dict[str, native.NativeKernels] = {}
+
+
+def simde_include() -> str | None:
+    """The include folder holding simde/x86/avx512.h: $SERVELAB_SIMDE_INCLUDE, `make simde`'s
+    .simde/usr/include, or /usr/include."""
+    for folder in (os.environ.get("SERVELAB_SIMDE_INCLUDE"), _REPO / ".simde/usr/include", "/usr/include"):
+        if folder and (Path(folder) / "simde/x86/avx512.h").is_file():
+            return str(folder)
+    return None
+
+
+def emulated_level(name: str, include: str) -> native.IsaLevel:
+    """Level `name` built on SIMDe: AVX2's flags (the SIMDe code runs on AVX2 vectors) plus the
+    SL_SIMDE_LEVEL that turns the kernels' AVX-512 paths on."""
+    flags = (*native._LEVELS["avx2"].cflags, f"-DSL_SIMDE_LEVEL={SIMDE_LEVELS[name]}", f"-I{include}")
+    return native.IsaLevel(f"{name}-simde", flags, frozenset())
+
+
+def kernels_at(name: str) -> tuple[native.NativeKernels | None, str]:
+    """(kernels, how they run: "native" or "simde") for ISA level `name`, or (None, why not)."""
+    reason = native.unavailable_reason(name)
+    if reason is None:
+        kernels = native.native_kernels(name)
+        return (kernels, "native") if kernels is not None else (None, native.kernels_unavailable(name) or "")
+    if name not in SIMDE_LEVELS or "avx2" in reason or native.unavailable_reason("avx2") is not None:
+        return None, reason  # SIMDe's builds need AVX2 underneath
+    include = simde_include()
+    if include is None:
+        return None, f"{reason}, and SIMDe is not found to emulate it: {_HOW}"
+    if name not in _emulated:  # a build that fails raises: with SIMDe there, it is the code's fault
+        _emulated[name] = native._build(emulated_level(name, include))
+    return _emulated[name], "simde"
