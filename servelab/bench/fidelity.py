@@ -154,7 +154,7 @@ def fit_server_term(profile: dict[str, Any], server: dict[str, str], model: Mode
                         "measured_tpot_p50_s": run.tpot_p50_s, "engine_only_tpot_p50_s": engine_only,
                         "per_step_alone_s": step_alone, "per_seq_alone_s": seq_alone,
                         "seqs_per_step": step_alone / seq_alone if seq_alone > 0 else float(run.concurrency)})
-    separable = len({r["seqs_per_step"] for r in per_run}) > 1
+    separable = len({run.concurrency for run in runs}) > 1
     a = np.array([[1.0, r["seqs_per_step"]] if separable else [1.0] for r in per_run])
     weight = np.array([1.0 / r["measured_tpot_p50_s"] for r in per_run])
     coef = nnls(a * weight[:, None], np.array([r["per_step_alone_s"] for r in per_run]) * weight)
