@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--out", required=True, metavar="FILE.json", help="where to write the profile")
     parser.add_argument("--grid", choices=list(GRIDS), default="coarse",
-                        help="coarse: about 3 min on the bundled model; full: longer (default coarse)")
+                        help="coarse: about 3.5 min on the bundled model on an idle 2-core host; full: longer "
+                             "(default coarse)")
     parser.add_argument("--max-heldout-error", type=float, default=DEFAULT_MAX_HELDOUT_ERROR_PCT, metavar="PCT",
                         help="refuse to write a profile whose median error on held-out steps is above PCT %% "
                              f"(default {DEFAULT_MAX_HELDOUT_ERROR_PCT:g})")
