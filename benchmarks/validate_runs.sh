@@ -2,6 +2,7 @@
 # calibrate (coarse, with the serving term) -> serve -> validate at concurrency 1, 4, 16 and a
 # Poisson rate; run from a worktree root. Writes $OUT/{profile.json,calibrate.txt,c1,c4,c16,rate}.{txt,json}
 # and host.txt (CPU, load average before each stage). Extra calibrate flags: CALIBRATE_FLAGS.
+# Ends by printing docs/fidelity.md's rows (benchmarks/validate_table.py), also in $OUT/table.md.
 set -u
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-validate-runs}
@@ -27,3 +28,5 @@ $PY -m servelab validate --base-url http://127.0.0.1:$PORT --profile $OUT/profil
    --num-requests 40 --input-len 128 --output-len 64 --seed 99 --warmup 2 --no-progress \
    --save-result $OUT/rate.json > $OUT/rate.txt 2>&1
 echo "end: $(uptime)" >> $OUT/host.txt
+kill $SP 2>/dev/null; wait $SP 2>/dev/null
+$PY benchmarks/validate_table.py $OUT | tee $OUT/table.md

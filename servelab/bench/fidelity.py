@@ -110,33 +110,62 @@ class ServerRun:
 
 
 def fit_server_term(profile: dict[str, Any], server: dict[str, str], model: ModelSpec, runs: Sequence[ServerRun],
-                    tolerance_s: float = 1e-5) -> dict[str, Any]:
-    """The serving term: per run, the `server_per_token_s` at which the replayed run's p50 TPOT
-    equals the measured one (bisection: TPOT grows with the term), then their mean. A run that
-    the engine's steps alone already price as slow enough gives 0 (the term cannot be negative)."""
+                    tolerance_s: float = 1e-6) -> dict[str, Any]:
+    """The serving term, `per_step_s + per_seq_s × sequences` added to every step, fitted to
+    closed-loop runs at two or more concurrencies.
+
+    Per run, bisection finds the per-step term alone, and the per-sequence term alone, at which the
+    replayed run's p50 TPOT equals the measured one (TPOT grows with either); 0 where the engine's
+    steps alone already price the run as slow enough. Their ratio is the run's effective sequences
+    per step k, so a joint term matches the run where per_step + k·per_seq = the per-step term
+    alone. Non-negative least squares over the runs, each weighed by its measured TPOT, gives the
+    two; one run (or runs at one concurrency) cannot separate them and gives a per-step term."""
+    import numpy as np
+
+    from servelab.cost.profile import nnls
+
     base = ProfileStepCost.from_profile({**profile, "server": None})
 
-    def simulated_tpot(per_token_s: float, run: ServerRun) -> float:
-        cost = replace(base, server_per_token_s=per_token_s)
+    def simulated_tpot(run: ServerRun, per_step_s: float = 0.0, per_seq_s: float = 0.0) -> float:
+        cost = replace(base, server_per_step_s=per_step_s, server_per_seq_s=per_seq_s)
         tpot = replay(sim_config(profile, server, model, None, cost), run.records, run.concurrency).summary.tpot_s.p50
         if tpot is None:
             raise InvalidArgument("the server runs for the serving term produced no TPOT (outputs of one token?)")
         return tpot
 
+    def matching(run: ServerRun, engine_only: float, per_step: bool) -> float:
+        """The smallest term (per step, or per sequence) at which the replay is as slow as the run."""
+        if engine_only >= run.tpot_p50_s:
+            return 0.0
+        lo, hi = 0.0, run.tpot_p50_s
+        while hi - lo > tolerance_s:
+            mid = (lo + hi) / 2
+            tpot = simulated_tpot(run, mid, 0.0) if per_step else simulated_tpot(run, 0.0, mid)
+            lo, hi = (mid, hi) if tpot < run.tpot_p50_s else (lo, mid)
+        return (lo + hi) / 2
+
+    if not runs:
+        raise InvalidArgument("the serving term needs at least one measured run")
     per_run = []
     for run in runs:
-        engine_only = simulated_tpot(0.0, run)
-        lo, hi = 0.0, run.tpot_p50_s
-        if engine_only < run.tpot_p50_s:
-            while hi - lo > tolerance_s:
-                mid = (lo + hi) / 2
-                lo, hi = (mid, hi) if simulated_tpot(mid, run) < run.tpot_p50_s else (lo, mid)
+        engine_only = simulated_tpot(run)
+        step_alone, seq_alone = matching(run, engine_only, True), matching(run, engine_only, False)
         per_run.append({"concurrency": run.concurrency, "requests": len(run.records),
                         "measured_tpot_p50_s": run.tpot_p50_s, "engine_only_tpot_p50_s": engine_only,
-                        "per_token_s": (lo + hi) / 2 if engine_only < run.tpot_p50_s else 0.0})
-    return {"per_token_s": sum(r["per_token_s"] for r in per_run) / len(per_run), "runs": per_run,
-            "how": "per closed-loop run against a live `servelab serve`, the per-token time that makes the replayed "
-                   "run's p50 TPOT equal the measured one; the mean over runs"}
+                        "per_step_alone_s": step_alone, "per_seq_alone_s": seq_alone,
+                        "seqs_per_step": step_alone / seq_alone if seq_alone > 0 else float(run.concurrency)})
+    separable = len({run.concurrency for run in runs}) > 1
+    a = np.array([[1.0, r["seqs_per_step"]] if separable else [1.0] for r in per_run])
+    weight = np.array([1.0 / r["measured_tpot_p50_s"] for r in per_run])
+    coef = nnls(a * weight[:, None], np.array([r["per_step_alone_s"] for r in per_run]) * weight)
+    per_step_s, per_seq_s = float(coef[0]), float(coef[1]) if separable else 0.0
+    for r, run in zip(per_run, runs):
+        r["fitted_tpot_p50_s"] = simulated_tpot(run, per_step_s, per_seq_s)
+    return {"per_step_s": per_step_s, "per_seq_s": per_seq_s, "runs": per_run,
+            "form": "per_step_s once per step + per_seq_s per sequence in the step",
+            "how": "per closed-loop run against a live `servelab serve`, the per-step term alone and the per-sequence "
+                   "term alone at which the replayed run's p50 TPOT equals the measured one; their ratio is the run's "
+                   "sequences per step k; per_step_s + k*per_seq_s fitted to the per-step terms by NNLS over the runs"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,8 +24,9 @@ DEFAULT_MAX_HELDOUT_ERROR_PCT = 20.0
 
 QUIET_WINDOW_S = 1.0  # --quiet-wait samples the host's other load over windows this long
 
-# --server-term's closed-loop runs: (concurrency, measured requests), and their lengths
-SERVER_RUNS = ((1, 6), (4, 16))
+# --server-term's closed-loop runs: (concurrency, measured requests), and their lengths; three
+# concurrencies separate the term's per-step and per-sequence parts
+SERVER_RUNS = ((1, 6), (4, 16), (8, 24))
 SERVER_INPUT_LEN, SERVER_OUTPUT_LEN = 64, 32
 SERVER_START_TIMEOUT_S = 300.0
 
@@ -56,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--out", required=True, metavar="FILE.json", help="where to write the profile")
     parser.add_argument("--grid", choices=list(GRIDS), default="coarse",
-                        help="coarse: about 3 min on the bundled model; full: longer (default coarse)")
+                        help="coarse: about 3.5 min on the bundled model on an idle 2-core host; full: longer "
+                             "(default coarse)")
     parser.add_argument("--max-heldout-error", type=float, default=DEFAULT_MAX_HELDOUT_ERROR_PCT, metavar="PCT",
                         help="refuse to write a profile whose median error on held-out steps is above PCT %% "
                              f"(default {DEFAULT_MAX_HELDOUT_ERROR_PCT:g})")
@@ -67,7 +69,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server-term", action="store_true",
                         help="also measure the serving term: start `servelab serve` with these engine flags, run "
                              f"closed loops at concurrency {' and '.join(str(c) for c, _ in SERVER_RUNS)}, and fit the "
-                             "time each streamed token adds to a step (HTTP, detokenize, SSE); about a minute")
+                             "time the server's work (HTTP, detokenize, SSE) adds to a step, per step and per "
+                             "sequence; about a minute")
     parser.add_argument("--hardware-out", default=None, metavar="FILE.json|FILE.yaml",
                         help="also measure this host (memory, read bandwidth, matmul rates) and write it as a "
                              "hardware file for --hardware (YAML when FILE ends in .yaml or .yml)")
@@ -90,9 +93,17 @@ def _timed(engine: Any, log: list[tuple[tuple[int, int, int, int], float]]) -> N
     engine.executor.execute = timed_execute
 
 
-def _scenario(engine: Any, prompts: list[tuple[int, int]], late: list[tuple[int, int]], rng: random.Random) -> None:
-    """Runs (prompt length, output tokens) requests to the end; `late` ones join after 2 steps
-    (mixed prefill + decode steps)."""
+@dataclass(frozen=True, slots=True)
+class Scenario:
+    """Requests run to the end: (prompt length, output tokens) each; `late` ones join after
+    `join_step` steps (mixed prefill + decode steps)."""
+
+    prompts: tuple[tuple[int, int], ...]
+    late: tuple[tuple[int, int], ...] = ()
+    join_step: int = 2
+
+
+def _scenario(engine: Any, scenario: Scenario, rng: random.Random) -> None:
     from servelab.core.sequence import SamplingParams
 
     def add(n: int, out: int) -> None:
@@ -100,26 +111,38 @@ def _scenario(engine: Any, prompts: list[tuple[int, int]], late: list[tuple[int,
         engine.add_request(f"cal-{rng.getrandbits(48):x}", ids, SamplingParams(max_tokens=out, ignore_eos=True,
                                                                                 temperature=0.0))
 
-    for n, out in prompts:
+    for n, out in scenario.prompts:
         add(n, out)
     steps = 0
     while engine.has_unfinished():
         engine.step()
         steps += 1
-        if steps == 2:
-            for n, out in late:
+        if steps == scenario.join_step:
+            for n, out in scenario.late:
                 add(n, out)
 
 
-def scenarios(grid: Grid, max_len: int) -> list[tuple[list[tuple[int, int]], list[tuple[int, int]]]]:
-    out: list[tuple[list[tuple[int, int]], list[tuple[int, int]]]] = []
-    out += [([(n, 1)], []) for n in grid.prefill_lens if n + 1 <= max_len]
+def prefill_steps(grid: Grid, batch: int, context: int) -> int:
+    """At most how many steps `batch` prompts of `context` tokens take to prefill, when the
+    batch's decodes share each step's token budget with the prompts' chunks."""
+    return -(-batch * context // max(1, grid.chunk - batch))
+
+
+def scenarios(grid: Grid, max_len: int) -> list[Scenario]:
+    """Fresh prompts; decode batches whose sequences all still decode for `decode_steps` steps
+    once the whole batch is prefilled (decode-only steps at the full batch, then a shrinking
+    one); and a full decode batch that a fresh prompt joins (mixed steps)."""
+    out = [Scenario(((n, 1),)) for n in grid.prefill_lens if n + 1 <= max_len]
     for c in grid.decode_contexts:
-        if c + grid.decode_steps + 1 > max_len:
-            continue
-        out += [([(c, grid.decode_steps + 1)] * b, []) for b in grid.decode_batches]
-        # mixed: a decode batch that a fresh prompt joins
-        out.append(([(c, grid.decode_steps + 3)] * max(grid.decode_batches), [(min(grid.chunk, c), 1)]))
+        for b in grid.decode_batches:
+            steps = prefill_steps(grid, b, c) + grid.decode_steps
+            if c + steps + 1 <= max_len:
+                out.append(Scenario(((c, steps + 1),) * b))
+        b = max(grid.decode_batches)
+        prefilled = prefill_steps(grid, b, c)
+        steps = prefilled + grid.decode_steps + 3
+        if c + steps + 1 <= max_len:
+            out.append(Scenario(((c, steps + 1),) * b, ((min(grid.chunk, c), 1),), join_step=prefilled + 1))
     return out
 
 
@@ -137,7 +160,7 @@ def measure(engine: Any, grid: Grid, seed: int = 0, before_pass: Callable[[], No
     plan = scenarios(grid, engine.max_model_len)
     if not plan:
         raise InvalidArgument(f"no calibration shape fits max_model_len={engine.max_model_len}")
-    _scenario(engine, *plan[0], rng)  # warm-up: first-touch of the KV pool, kernel builds
+    _scenario(engine, plan[0], rng)  # warm-up: first-touch of the KV pool, kernel builds
     runs: list[list[list[tuple[tuple[int, int, int, int], float]]]] = [[] for _ in plan]
     order = list(range(len(plan)))
     for _ in range(grid.repeats):
@@ -146,7 +169,7 @@ def measure(engine: Any, grid: Grid, seed: int = 0, before_pass: Callable[[], No
         rng.shuffle(order)
         for i in order:
             log.clear()
-            _scenario(engine, *plan[i], rng)
+            _scenario(engine, plan[i], rng)
             runs[i].append(list(log))
     measurements: list[dict[str, Any]] = []
     for scenario_runs in runs:
@@ -283,8 +306,11 @@ def run(args: argparse.Namespace) -> int:
         profile["server"] = measure_server_term(args, profile)
         for r in profile["server"]["runs"]:
             print(f"  serving, concurrency {r['concurrency']}: TPOT p50 measured {r['measured_tpot_p50_s'] * 1e3:.1f} ms, "
-                  f"engine steps alone {r['engine_only_tpot_p50_s'] * 1e3:.1f} ms -> {r['per_token_s'] * 1e3:.2f} ms/token")
-        print(f"  server_per_token_s   {profile['server']['per_token_s'] * 1e6:12.4f} µs   (s per streamed token)")
+                  f"engine steps alone {r['engine_only_tpot_p50_s'] * 1e3:.1f} ms, with the term "
+                  f"{r['fitted_tpot_p50_s'] * 1e3:.1f} ms; alone it would be {r['per_step_alone_s'] * 1e3:.2f} ms a step "
+                  f"or {r['per_seq_alone_s'] * 1e3:.2f} ms a sequence")
+        print(f"  server_per_step_s    {profile['server']['per_step_s'] * 1e6:12.4f} µs   (s per step)")
+        print(f"  server_per_seq_s     {profile['server']['per_seq_s'] * 1e6:12.4f} µs   (s per sequence in a step)")
     with open(args.out, "w", encoding="utf-8") as f:
         json.dump(profile, f, indent=1)
     print(f"wrote {args.out}")

@@ -82,12 +82,16 @@ def run(args: argparse.Namespace) -> int:
         "seed": spec.seed,
         "dataset": spec.dataset,
     }
+    cost_model = "roofline"
     if args.profile is not None:
         from servelab.cost.profile import load_profile, profile_step_cost
 
         profile = load_profile(args.profile, model=model.name)  # fail (or warn) once, here, not in every worker
         for tp in tps:
-            profile_step_cost(profile, tp)  # a --tp the profile cannot price fails here too
+            priced = profile_step_cost(profile, tp)  # a --tp the profile cannot price fails here too
+        cost_model = priced.describe()
+        if not args.json:
+            print(f"steps priced by {args.profile}: {cost_model}")
     prices = parse_prices(args.price, hardware)
     jobs = [
         PlanJob(model=model.name, hardware=h, tp=tp, slo=slo, percentile=args.percentile, workload=workload,
@@ -103,8 +107,8 @@ def run(args: argparse.Namespace) -> int:
 
         write_frontier_plot(rows, args.plot, title=f"{model.name}: per-user vs per-device throughput")
     if args.json:
-        print(json.dumps({"model": model.name, "slo": slo.to_dict(), "percentile": args.percentile,
-                          "target_rate": args.target_rate, "workload": workload,
+        print(json.dumps({"model": model.name, "cost_model": cost_model, "slo": slo.to_dict(),
+                          "percentile": args.percentile, "target_rate": args.target_rate, "workload": workload,
                           "configs": [r.to_dict() for r in rows]}, indent=2))
         return 0
     print(_table(rows, model.name, slo, args))

@@ -159,6 +159,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"{c['model']} on {c['hardware']} x{c['num_devices']} (tp={c['tp']}, {layout}, {c['scheduler']}, "
           f"KV pool {c['kv_capacity_tokens']:,} tokens per replica)")
     print(f"workload: {workload.describe()}")
+    if args.profile is not None:
+        print(f"steps priced by {args.profile}: {c['cost_model']}")
     print()
     print(format_summary_table(result.summary))
     if result.steady is not None:

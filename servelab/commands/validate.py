@@ -85,6 +85,7 @@ async def bench_live_server(args: argparse.Namespace, workload, slo):  # noqa: A
 
 def _predict_and_report(args, profile, workload, slo, measured, server, served_model) -> int:  # noqa: ANN001
     from servelab.bench.fidelity import compare, format_comparison, replay, replay_trace, sim_config
+    from servelab.cost.profile import ServingTerm
     from servelab.metrics import format_summary_table
 
     # a closed loop replays as a closed loop at the same concurrency; an open loop at its send times
@@ -99,7 +100,7 @@ def _predict_and_report(args, profile, workload, slo, measured, server, served_m
                    "profile": args.profile, "profile_model": profile.get("model"), "server": server,
                    "workload": workload.to_dict(), "replayed_requests": len(trace),
                    "replay": f"closed loop, concurrency {workload.concurrency}" if closed else "measured send times",
-                   "serving_term_per_token_s": (profile.get("server") or {}).get("per_token_s"),
+                   "serving_term": ServingTerm.from_profile(profile).to_dict(),
                    "failed_requests": measured.summary.failed},
         "measured": measured.summary.to_dict(),
         "simulated": predicted.summary.to_dict(),
@@ -111,10 +112,8 @@ def _predict_and_report(args, profile, workload, slo, measured, server, served_m
         print(json.dumps(out, indent=2))
         return 0
     how = f"in a closed loop at concurrency {workload.concurrency}" if closed else "at their measured send times"
-    term = (profile.get("server") or {}).get("per_token_s")
-    serving = "no serving term" if term is None else f"serving term {term * 1e3:.2f} ms/token"
     print(f"{served_model} at {args.base_url}, {workload.describe()}; replayed {len(trace)} requests {how} "
-          f"through the simulator with {args.profile} ({serving})")
+          f"through the simulator with {args.profile} ({ServingTerm.from_profile(profile).describe()})")
     if measured.summary.failed:
         print(f"note: {measured.summary.failed} requests failed on the server and are not replayed", file=sys.stderr)
     print()

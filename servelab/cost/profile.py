@@ -1,9 +1,14 @@
 """A calibrated step-cost profile: a linear model of one engine step's time, fitted to measured
 steps by `servelab calibrate`, and the StepCostModel that prices simulated steps with it.
 
-time = per_step + per_token·tokens + per_seq·seqs + per_context_token·Σcontext + per_pair·Σpairs
-(the sums of `Roofline.totals`). A per-layer term is not separate: a profile is for one model, so
-layers × per-layer is a constant folded into per_step (docs/benchmarks.md, Calibration).
+time = per_step + per_prefill_step·[the step has prefill tokens] + per_token·tokens + per_seq·seqs
+       + per_context_token·Σcontext + per_pair·Σpairs
+(the sums of `Roofline.totals`). The engine runs a decode-only step (one query token per
+sequence) in one native call and any other step op by op; per_prefill_step is the second path's
+extra fixed cost (docs/fidelity.md, "The step-cost form, revised"). A per-layer term is not
+separate: a profile is for one model, so layers × per-layer is a constant folded into per_step.
+
+The serving term (`calibrate --server-term`) is priced per step and per sequence in the step.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ PROFILE_VERSION = 1
 # coefficient name -> (the step sum it multiplies, unit); the fit's columns, in order
 TERMS: dict[str, tuple[str, str]] = {
     "per_step_s": ("1", "s per step"),
+    "per_prefill_step_s": ("has_prefill", "s per step with prefill tokens, on top of per_step_s (the per-op path)"),
     "per_token_s": ("num_tokens", "s per query token"),
     "per_seq_s": ("num_seqs", "s per sequence"),
     "per_context_token_s": ("context_tokens", "s per context token (Σ context over sequences)"),
@@ -31,8 +37,19 @@ TERMS: dict[str, tuple[str, str]] = {
 }
 
 
+# Terms a profile written before them lacks: priced at 0, as that profile's fit had them.
+OPTIONAL_TERMS = ("per_prefill_step_s",)
+
+
+def has_prefill(num_tokens: int, num_seqs: int) -> bool:
+    """Whether a step holds prefill tokens: the engine decodes a sequence with one query token and
+    runs a step of decodes only in one native call (engine/decode_stack.py), any other op by op."""
+    return num_tokens > num_seqs
+
+
 def features(num_tokens: int, num_seqs: int, context_tokens: int, pairs: int) -> list[float]:
-    return [1.0, float(num_tokens), float(num_seqs), float(context_tokens), float(pairs)]
+    return [1.0, float(has_prefill(num_tokens, num_seqs)), float(num_tokens), float(num_seqs), float(context_tokens),
+            float(pairs)]
 
 
 def nnls(a: Any, b: Any, max_iter: int = 200) -> Any:
@@ -119,30 +136,77 @@ def fit(measurements: Sequence[dict[str, float]], holdout_every: int = 4, outlie
 
 
 @dataclass(frozen=True, slots=True)
+class ServingTerm:
+    """What the HTTP server's own work (detokenize, SSE, HTTP writes, on the cores the engine
+    uses) adds to a step: `per_step_s` once per step plus `per_seq_s` per sequence in it.
+
+    `calibrate --server-term` fits both from closed-loop runs at several concurrencies. A profile
+    written before that has only `server.per_token_s`, which is priced as it was: per sequence."""
+
+    per_step_s: float = 0.0
+    per_seq_s: float = 0.0
+    form: str = "none"  # "per-step" (fitted per step and per sequence), "per-token (old)", "none"
+
+    @classmethod
+    def from_profile(cls, profile: dict[str, Any]) -> ServingTerm:
+        server = profile.get("server")
+        if not isinstance(server, dict):
+            return cls()
+        if "per_step_s" in server or "per_seq_s" in server:
+            return cls(float(server.get("per_step_s", 0.0)), float(server.get("per_seq_s", 0.0)), "per-step")
+        if "per_token_s" in server:
+            return cls(0.0, float(server["per_token_s"]), "per-token (old)")
+        return cls()
+
+    def describe(self) -> str:
+        if self.form == "none":
+            return "no serving term"
+        if self.form == "per-token (old)":
+            return (f"serving term {self.per_seq_s * 1e3:.2f} ms per sequence per step (the old per-token form, "
+                    f"server.per_token_s; recalibrate with --server-term for the per-step form)")
+        return f"serving term {self.per_step_s * 1e3:.2f} ms per step + {self.per_seq_s * 1e3:.2f} ms per sequence"
+
+    def to_dict(self) -> dict[str, float | str]:
+        return {"form": self.form, "per_step_s": self.per_step_s, "per_seq_s": self.per_seq_s}
+
+
+@dataclass(frozen=True, slots=True)
 class ProfileStepCost:
     """Prices a step from a profile's coefficients (implements StepCostModel, with the fast path).
 
-    `server_per_token_s` is the serving term (`calibrate --server-term`): what the HTTP server's
-    own work for each streamed token (detokenize, SSE, HTTP) adds to the engine's step on the
-    cores they share. It is priced per sequence in the step: a sequence emits one token a step,
-    except a prompt's non-final chunks, which are rare enough to price alike."""
+    `server_per_step_s` and `server_per_seq_s` are the serving term (`ServingTerm`), added to
+    every step and to each of its sequences."""
 
     per_step_s: float
     per_token_s: float
     per_seq_s: float
     per_context_token_s: float
     per_pair_s: float
-    server_per_token_s: float = 0.0
+    per_prefill_step_s: float = 0.0
+    server_per_step_s: float = 0.0
+    server_per_seq_s: float = 0.0
+    serving_form: str = "none"  # ServingTerm.form: which form the serving term came in
 
     @classmethod
     def from_profile(cls, profile: dict[str, Any]) -> ProfileStepCost:
-        server = profile.get("server") or {}
-        return cls(**profile["fit"]["coefficients"], server_per_token_s=float(server.get("per_token_s", 0.0)))
+        serving = ServingTerm.from_profile(profile)
+        return cls(**profile["fit"]["coefficients"], server_per_step_s=serving.per_step_s,
+                   server_per_seq_s=serving.per_seq_s, serving_form=serving.form)
+
+    def describe(self) -> str:
+        """The step-cost form and the serving term, in a line (sim, plan and validate print it)."""
+        split = (f"prefill steps +{self.per_prefill_step_s * 1e3:.2f} ms over decode-only ones"
+                 if self.per_prefill_step_s else "one form for decode-only and prefill steps")
+        serving = ServingTerm(self.server_per_step_s, self.server_per_seq_s, self.serving_form).describe()
+        return f"calibrated profile ({split}; {serving})"
 
     def time_from_totals(self, num_tokens: int, num_seqs: int, context_tokens: int, pairs: int) -> float:
         if num_tokens == 0:
             return 0.0
-        return (self.per_step_s + self.per_token_s * num_tokens + (self.per_seq_s + self.server_per_token_s) * num_seqs
+        fixed = self.per_step_s + self.server_per_step_s
+        if has_prefill(num_tokens, num_seqs):
+            fixed += self.per_prefill_step_s
+        return (fixed + self.per_token_s * num_tokens + (self.per_seq_s + self.server_per_seq_s) * num_seqs
                 + self.per_context_token_s * context_tokens + self.per_pair_s * pairs)
 
     def step_time_s(self, shape: Shape) -> float:
@@ -155,7 +219,8 @@ class ProfileStepCost:
         return StepCost(time_s=t, num_tokens=num_tokens, num_seqs=num_seqs, flops=0.0, weight_bytes=0.0,
                         kv_read_bytes=0.0, kv_write_bytes=0.0, activation_bytes=0.0, total_bytes=0.0,
                         compute_time_s=0.0, memory_time_s=0.0, comm_time_s=0.0,
-                        overhead_s=self.per_step_s if num_tokens else 0.0, peak_compute_time_s=0.0,
+                        overhead_s=self.per_step_s + self.per_prefill_step_s * has_prefill(num_tokens, num_seqs)
+                        if num_tokens else 0.0, peak_compute_time_s=0.0,
                         peak_memory_time_s=0.0, bound="measured", arithmetic_intensity=0.0,
                         ridge_flops_per_byte=0.0)
 
@@ -236,10 +301,11 @@ def load_profile(path: str, *, model: str | None = None) -> dict[str, Any]:
     if profile.get("version") != PROFILE_VERSION:
         raise InvalidArgument(f"--profile {path}: version {profile.get('version')!r}, this servelab reads {PROFILE_VERSION}")
     coefs = profile.get("fit", {}).get("coefficients") if isinstance(profile.get("fit"), dict) else None
-    missing = [k for k in TERMS if not isinstance(coefs, dict) or not isinstance(coefs.get(k), int | float)]
+    missing = [k for k in TERMS if k not in OPTIONAL_TERMS
+               and (not isinstance(coefs, dict) or not isinstance(coefs.get(k), int | float))]
     if missing:
         raise InvalidArgument(f"--profile {path}: fit.coefficients lacks {', '.join(missing)}")
-    bad = [k for k in TERMS if not coefs[k] >= 0]
+    bad = [k for k in TERMS if k in coefs and (not isinstance(coefs[k], int | float) or not coefs[k] >= 0)]
     if bad:
         raise InvalidArgument(f"--profile {path}: coefficients must be >= 0: {', '.join(f'{k}={coefs[k]}' for k in bad)}")
     extra = sorted(set(coefs) - set(TERMS))
@@ -253,9 +319,12 @@ def load_profile(path: str, *, model: str | None = None) -> dict[str, Any]:
             raise InvalidArgument(f"--profile {path}: the tp term lacks valid {', '.join(bad_tp)}")
     server = profile.get("server")
     if server is not None:
-        value = server.get("per_token_s") if isinstance(server, dict) else None
-        if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-            raise InvalidArgument(f"--profile {path}: server.per_token_s must be a number >= 0, got {value!r}")
+        # the per-step form, or a profile from before it (server.per_token_s only)
+        keys = [k for k in ("per_step_s", "per_seq_s") if isinstance(server, dict) and k in server] or ["per_token_s"]
+        for key in keys:
+            value = server.get(key) if isinstance(server, dict) else None
+            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+                raise InvalidArgument(f"--profile {path}: server.{key} must be a number >= 0, got {value!r}")
     if model is not None and not same_model(str(profile.get("model", "")), model):
         # Catalog names (smollm2-135m) and file names (SmolLM2-135M-Instruct.Q4_1) differ: warn only.
         print(f"servelab: warning: --profile {path} was calibrated for model {profile.get('model')!r}, "

@@ -101,7 +101,7 @@ class SimConfig:
             "num_blocks": self.scheduler.num_blocks,
             "link_bandwidth_bytes_per_s": self.link_bandwidth_bytes_per_s,
             "link_latency_s": self.link_latency_s,
-            "cost_model": "roofline" if self.cost_model is None else type(self.cost_model).__name__,
+            "cost_model": "roofline" if self.cost_model is None else _describe(self.cost_model),
             "slo": None if self.slo is None else self.slo.to_dict(),
         }
 
@@ -150,6 +150,12 @@ class SimResult:
     def peak_kv_usage(self) -> float:
         """Highest fraction of a replica's KV pool in use at a step's start over the run."""
         return max(self.trace.kv_usage, default=0.0)
+
+
+def _describe(cost_model: StepCostModel) -> str:
+    """A cost model's own one-line description (a profile's form and serving term), else its type."""
+    describe = getattr(cost_model, "describe", None)
+    return describe() if callable(describe) else type(cost_model).__name__
 
 
 def build_cost_model(config: SimConfig) -> StepCostModel:

@@ -88,36 +88,53 @@ SERVER = {"num_blocks": "512", "block_size": "16", "max_num_seqs": "8", "max_num
 ENGINE = {"per_step_s": 8e-3, "per_token_s": 1e-3, "per_seq_s": 5e-4, "per_context_token_s": 2e-6, "per_pair_s": 1e-9}
 
 
-def _server_run(per_token_s: float, concurrency: int, engine=ENGINE):
+def _server_run(per_step_s: float, per_seq_s: float, concurrency: int, engine=ENGINE):
     """A "measured" closed-loop run: the simulator with a known serving term stands in for the server."""
     from dataclasses import replace
 
     from servelab.bench.fidelity import ServerRun, replay, sim_config
     from servelab.cost.profile import ProfileStepCost
     from servelab.spec import get_model
-    from servelab.workload import RequestSpec
 
     profile = {"fit": {"coefficients": engine}}
-    cost = replace(ProfileStepCost.from_profile(profile), server_per_token_s=per_token_s)
-    records = [RequestRecord(f"r{i}", 0.0, None, 0.0, [0.0], 0.0, 40 + 3 * i, 12 + i % 5) for i in range(10)]
-    run = replay(sim_config(profile, SERVER, get_model("smollm2-135m"), None, cost), records, concurrency)
-    return ServerRun(concurrency, run.records, run.summary.tpot_s.p50)
+    cost = replace(ProfileStepCost.from_profile(profile), server_per_step_s=per_step_s, server_per_seq_s=per_seq_s)
+    records = [RequestRecord(f"r{i}", 0.0, None, 0.0, [0.0], 0.0, 40 + 3 * i, 12 + i % 5)
+               for i in range(3 * concurrency + 4)]
+    config = sim_config(profile, SERVER, get_model("smollm2-135m"), None, cost)
+    records = replay(config, records, concurrency).records  # as a bench run's records: one send time each
+    return ServerRun(concurrency, records, replay(config, records, concurrency).summary.tpot_s.p50)
 
 
-@pytest.mark.parametrize("true_s", [0.0, 1e-3, 4e-3])
-def test_fit_server_term_recovers_a_known_term(true_s):
+@pytest.mark.parametrize("per_step_s,per_seq_s", [(0.0, 0.0), (2.5e-3, 0.0), (1e-3, 4e-4), (0.0, 1e-3)])
+def test_fit_server_term_recovers_a_known_per_step_and_per_sequence_term(per_step_s, per_seq_s):
     from servelab.bench.fidelity import fit_server_term
     from servelab.spec import get_model
 
     profile = {"fit": {"coefficients": ENGINE}}
-    runs = [_server_run(true_s, 1), _server_run(true_s, 4)]
+    runs = [_server_run(per_step_s, per_seq_s, c) for c in (1, 4, 8)]
     term = fit_server_term(profile, SERVER, get_model("smollm2-135m"), runs)
-    assert term["per_token_s"] == pytest.approx(true_s, abs=2e-5)
-    assert [r["concurrency"] for r in term["runs"]] == [1, 4]
-    for r in term["runs"]:
-        assert r["per_token_s"] == pytest.approx(true_s, abs=2e-5)
-        # the engine-only replay is as fast as the run would be without the term
+    assert term["per_step_s"] == pytest.approx(per_step_s, abs=1e-4)
+    assert term["per_seq_s"] == pytest.approx(per_seq_s, abs=3e-5)
+    assert [r["concurrency"] for r in term["runs"]] == [1, 4, 8]
+    for r, run in zip(term["runs"], runs):
+        # the engine-only replay is as fast as the run would be without the term; the fitted one matches it
         assert r["engine_only_tpot_p50_s"] <= r["measured_tpot_p50_s"] + 1e-12
+        assert r["fitted_tpot_p50_s"] == pytest.approx(run.tpot_p50_s, rel=0.02)
+
+
+def test_a_per_step_term_is_the_same_at_every_concurrency():
+    # what calibrate's runs showed (docs/fidelity.md): priced per step, one term fits 1 and 8 alike,
+    # while the per-sequence reading of the same runs falls with the concurrency
+    from servelab.bench.fidelity import fit_server_term
+    from servelab.spec import get_model
+
+    runs = [_server_run(2e-3, 0.0, c) for c in (1, 8)]
+    term = fit_server_term({"fit": {"coefficients": ENGINE}}, SERVER, get_model("smollm2-135m"), runs)
+    one, eight = term["runs"]
+    assert one["per_step_alone_s"] == pytest.approx(2e-3, rel=0.02)
+    assert eight["per_step_alone_s"] == pytest.approx(2e-3, rel=0.02)
+    assert eight["per_seq_alone_s"] < one["per_seq_alone_s"] / 4
+    assert eight["seqs_per_step"] > 4 and one["seqs_per_step"] == pytest.approx(1.0, rel=0.05)
 
 
 def test_fit_server_term_is_zero_when_the_engine_alone_is_slow_enough():
@@ -125,6 +142,17 @@ def test_fit_server_term_is_zero_when_the_engine_alone_is_slow_enough():
     from servelab.spec import get_model
 
     fast = {**ENGINE, "per_step_s": 4e-3}
-    runs = [_server_run(0.0, 2, engine=fast)]  # measured faster than ENGINE's steps price it
+    runs = [_server_run(0.0, 0.0, 2, engine=fast)]  # measured faster than ENGINE's steps price it
     term = fit_server_term({"fit": {"coefficients": ENGINE}}, SERVER, get_model("smollm2-135m"), runs)
-    assert term["per_token_s"] == 0.0 and term["runs"][0]["engine_only_tpot_p50_s"] > runs[0].tpot_p50_s
+    assert term["per_step_s"] == term["per_seq_s"] == 0.0
+    assert term["runs"][0]["engine_only_tpot_p50_s"] > runs[0].tpot_p50_s
+
+
+def test_one_concurrency_gives_a_per_step_term_only():
+    from servelab.bench.fidelity import fit_server_term
+    from servelab.spec import get_model
+
+    runs = [_server_run(1e-3, 2e-4, 4)]
+    term = fit_server_term({"fit": {"coefficients": ENGINE}}, SERVER, get_model("smollm2-135m"), runs)
+    assert term["per_seq_s"] == 0.0 and term["per_step_s"] > 1e-3  # the run's whole term, read per step
+    assert term["runs"][0]["fitted_tpot_p50_s"] == pytest.approx(runs[0].tpot_p50_s, rel=0.02)

@@ -46,6 +46,11 @@ def test_calibrate_tiny_model_writes_a_valid_profile(tmp_path, monkeypatch, caps
     assert any(m["num_tokens"] == 32 and m["context_tokens"] == 64 for m in ms)
     assert any(m["num_seqs"] == 4 and m["num_tokens"] == 4 for m in ms)
     assert any(m["num_seqs"] > 1 and m["num_tokens"] > m["num_seqs"] for m in ms)
+    # the whole batch decodes together once prefilled (decode-only steps, the engine's one-call path),
+    # at the long context too, and a fresh prompt joins a full decode batch (4 decodes + a chunk)
+    for context in (16, 48):
+        assert any(m["num_tokens"] == m["num_seqs"] == 4 and m["context_tokens"] > 4 * context for m in ms), context
+    assert any(m["num_seqs"] == 5 and m["num_tokens"] > 5 and m["context_tokens"] > 4 * 48 for m in ms)
     assert all(m["time_s"] > 0 for m in ms)
     assert all(len(m["samples_s"]) == 2 and m["time_s"] == min(m["samples_s"]) for m in ms)
     noise = profile["host_noise"]
@@ -87,6 +92,34 @@ def test_sim_profile_prices_each_step_by_the_formula(profile_file, tmp_path):
     assert r["token_times_s"][1] - r["token_times_s"][0] == pytest.approx(decode, rel=1e-9)
 
 
+def test_sim_prices_prefill_and_decode_only_steps_by_path_and_says_so(tmp_path, capsys):
+    # the revised form: prefill steps pay per_prefill_step_s, every step the serving term's parts
+    extra = {"per_prefill_step_s": 3e-3}
+    serving = {"per_step_s": 1e-3, "per_seq_s": 2e-4}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"format": "servelab-profile", "version": 1, "model": "smollm2-135m",
+                                "fit": {"coefficients": {**COEFS, **extra}}, "server": serving}))
+    records = tmp_path / "r.jsonl"
+    assert main(["sim", "--model", "smollm2-135m", "--hardware", "generic-cpu.json", "--dtype", "fp32",
+                 "--kv-dtype", "fp32", "--profile", str(path), "--concurrency", "1", "--num-requests", "1",
+                 "--input-len", "100", "--output-len", "3", "--requests-out", str(records), "--no-progress"]) == 0
+    out = capsys.readouterr().out
+    assert (f"steps priced by {path}: calibrated profile (prefill steps +3.00 ms over decode-only ones; "
+            f"serving term 1.00 ms per step + 0.20 ms per sequence)") in out
+    r = json.loads(records.read_text())
+    c = COEFS
+    prefill = c["per_step_s"] + 100 * c["per_token_s"] + c["per_seq_s"] + 100 * c["per_context_token_s"] \
+        + (100 * 100 - 100 * 99 // 2) * c["per_pair_s"]
+    decode = c["per_step_s"] + c["per_token_s"] + c["per_seq_s"] + 101 * (c["per_context_token_s"] + c["per_pair_s"])
+    served = serving["per_step_s"] + serving["per_seq_s"]
+    assert r["ttft_s"] == pytest.approx(prefill + extra["per_prefill_step_s"] + served, rel=1e-9)
+    assert r["token_times_s"][1] - r["token_times_s"][0] == pytest.approx(decode + served, rel=1e-9)
+    assert main(["plan", "--model", "smollm2-135m", "--hardware", "generic-cpu.json", "--dtype", "fp32",
+                 "--kv-dtype", "fp32", "--profile", str(path), "--slo-tpot", "10ms", "--input-len", "64",
+                 "--output-len", "8", "--num-requests", "10", "--max-concurrency", "2", "--workers", "1"]) == 0
+    assert "serving term 1.00 ms per step + 0.20 ms per sequence" in capsys.readouterr().out
+
+
 def test_roofline_and_plan_take_a_profile(profile_file, capsys):
     assert main(["roofline", "--model", "smollm2-135m", "--hardware", "generic-cpu.json", "--dtype", "fp32",
                  "--kv-dtype", "fp32", "--batch", "1,4", "--context", "100", "--profile", profile_file, "--json"]) == 0
@@ -98,7 +131,9 @@ def test_roofline_and_plan_take_a_profile(profile_file, capsys):
                  "--kv-dtype", "fp32", "--profile", profile_file, "--slo-tpot", "10ms", "--input-len", "64",
                  "--output-len", "8", "--num-requests", "20", "--max-concurrency", "8", "--workers", "1",
                  "--json"]) == 0
-    row = json.loads(capsys.readouterr().out)["configs"][0]
+    plan = json.loads(capsys.readouterr().out)
+    assert plan["cost_model"] == "calibrated profile (one form for decode-only and prefill steps; no serving term)"
+    row = plan["configs"][0]
     # the profile's decode step at batch 1 is ~2.2 ms: within a 10 ms TPOT target, so capacity > 1
     assert row["tpot_s"] is not None and row["tpot_s"] <= 0.010 and row["capacity_concurrency"] >= 1
 

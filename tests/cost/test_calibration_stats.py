@@ -14,7 +14,7 @@ from servelab.cost.calibration_stats import (NOISY_OTHER_CPUS, NOISY_SPREAD_PCT,
 from servelab.cost.profile import ProfileStepCost, fit
 from servelab.cost.roofline import Roofline
 
-TRUE = {"per_step_s": 12e-3, "per_token_s": 2.5e-3, "per_seq_s": 1.5e-3, "per_context_token_s": 4e-6,
+TRUE = {"per_step_s": 12e-3, "per_prefill_step_s": 10e-3, "per_token_s": 2.5e-3, "per_seq_s": 1.5e-3, "per_context_token_s": 4e-6,
         "per_pair_s": 2e-8}
 # the shapes validate's runs step through: batch-1/4/16 decode, a prompt, a decode batch a prompt joins
 REFERENCE = {"decode b1": [(1, 100)], "decode b4": [(1, 150)] * 4, "decode b16": [(1, 160)] * 16,
@@ -74,9 +74,13 @@ def test_the_median_would_not_be_repeatable():
     # The statistic the test above guards: the median moves with the load (this is why it is not used).
     import statistics
 
-    quiet = predictions(noisy_calibration(busy=0.2, seed=1, statistic=statistics.median))
-    busy = predictions(noisy_calibration(busy=0.6, seed=2, statistic=statistics.median))
-    assert max_disagreement(quiet, busy) > 0.10
+    apart = []
+    for seed in (1, 3, 5):
+        quiet = predictions(noisy_calibration(busy=0.2, seed=seed, statistic=statistics.median))
+        busy = predictions(noisy_calibration(busy=0.6, seed=seed + 1, statistic=statistics.median))
+        apart.append(max_disagreement(quiet, busy))
+    # every pair outside the 5% the fastest pass keeps (test above), and typically over 10%
+    assert min(apart) > 0.05 and statistics.median(apart) > 0.10, apart
 
 
 def test_fit_drops_outlier_shapes():

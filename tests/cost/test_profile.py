@@ -11,7 +11,7 @@ from servelab.cost.profile import PROFILE_FORMAT, PROFILE_VERSION, TERMS, Profil
 from servelab.cost.roofline import Roofline
 from servelab.errors import InvalidArgument
 
-KNOWN = {"per_step_s": 2e-3, "per_token_s": 5e-5, "per_seq_s": 1e-4, "per_context_token_s": 2e-7, "per_pair_s": 1e-8}
+KNOWN = {"per_step_s": 2e-3, "per_prefill_step_s": 6e-3, "per_token_s": 5e-5, "per_seq_s": 1e-4, "per_context_token_s": 2e-7, "per_pair_s": 1e-8}
 
 
 def profile_dict(coefs=KNOWN, model="smollm2-135m"):
@@ -51,8 +51,9 @@ def test_step_time_equals_formula_and_totals_path(pairs):
     shape = [(q, q + cached) for q, cached in pairs]
     cost = ProfileStepCost(**KNOWN)
     t, s, c, p = Roofline.totals(shape)
-    formula = (KNOWN["per_step_s"] + KNOWN["per_token_s"] * t + KNOWN["per_seq_s"] * s
-               + KNOWN["per_context_token_s"] * c + KNOWN["per_pair_s"] * p)
+    prefill = any(q > 1 for q, _ in shape)  # the engine's per-op path: a step with any prompt token
+    formula = (KNOWN["per_step_s"] + KNOWN["per_prefill_step_s"] * prefill + KNOWN["per_token_s"] * t
+               + KNOWN["per_seq_s"] * s + KNOWN["per_context_token_s"] * c + KNOWN["per_pair_s"] * p)
     assert cost.step_time_s(shape) == pytest.approx(formula, rel=1e-12)
     assert cost.time_from_totals(t, s, c, p) == cost.step_time_s(shape)
     assert cost.step(shape).time_s == cost.step_time_s(shape)
@@ -82,14 +83,67 @@ def test_load_profile_errors(tmp_path, capsys):
     assert set(TERMS) == set(KNOWN)
 
 
-def test_serving_term_adds_per_sequence_and_is_checked(tmp_path):
+def test_a_profile_from_before_the_prefill_term_loads_and_prices_as_it_did(tmp_path):
+    old = {k: v for k, v in KNOWN.items() if k != "per_prefill_step_s"}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(profile_dict(old)))
+    cost = ProfileStepCost.from_profile(load_profile(str(path)))
+    assert cost.per_prefill_step_s == 0.0
+    for shape in ([(64, 64)], [(1, 300)] * 3, [(1, 300)] * 3 + [(16, 16)]):
+        t, s, c, p = Roofline.totals(shape)
+        assert cost.step_time_s(shape) == pytest.approx(old["per_step_s"] + old["per_token_s"] * t + old["per_seq_s"] * s
+                                                        + old["per_context_token_s"] * c + old["per_pair_s"] * p)
+    assert "one form for decode-only and prefill steps" in cost.describe()
+
+
+def test_only_steps_with_prefill_tokens_pay_the_prefill_term():
+    cost = ProfileStepCost(**KNOWN)
+    decodes = [(1, 300)] * 4
+    joined = decodes + [(1, 1)]  # a one-token prompt is a decode to the engine too
+    mixed = decodes + [(2, 2)]
+    flat = ProfileStepCost(**{**KNOWN, "per_prefill_step_s": 0.0})
+    assert cost.step_time_s(decodes) == flat.step_time_s(decodes)
+    assert cost.step_time_s(joined) == flat.step_time_s(joined)
+    assert cost.step_time_s(mixed) == pytest.approx(flat.step_time_s(mixed) + KNOWN["per_prefill_step_s"], rel=1e-12)
+    assert cost.step(mixed).overhead_s == pytest.approx(KNOWN["per_step_s"] + KNOWN["per_prefill_step_s"])
+    assert "prefill steps +6.00 ms over decode-only ones" in cost.describe()
+
+
+def test_fit_separates_decode_only_from_prefill_steps():
+    # decode-only steps alone cannot tell per_token from per_seq (one token a sequence): the prefill
+    # steps do, and the indicator column takes the per-op path's extra fixed cost
+    ms = synthetic_measurements(KNOWN, n=80, seed=3)
+    assert any(m["num_tokens"] == m["num_seqs"] for m in ms) and any(m["num_tokens"] > m["num_seqs"] for m in ms)
+    result = fit(ms)
+    assert result["coefficients"]["per_prefill_step_s"] == pytest.approx(KNOWN["per_prefill_step_s"], rel=1e-4)
+    assert "per_prefill_step_s*has_prefill" in result["form"]
+
+
+def test_serving_term_per_step_and_per_sequence(tmp_path):
     shape = [(1, 300)] * 4 + [(64, 64)]
     plain = ProfileStepCost.from_profile(profile_dict())
-    served = ProfileStepCost.from_profile({**profile_dict(), "server": {"per_token_s": 2e-3}})
-    assert served.step_time_s(shape) == pytest.approx(plain.step_time_s(shape) + 5 * 2e-3, rel=1e-12)
+    served = ProfileStepCost.from_profile({**profile_dict(), "server": {"per_step_s": 3e-3, "per_seq_s": 1e-4}})
+    assert served.step_time_s(shape) == pytest.approx(plain.step_time_s(shape) + 3e-3 + 5 * 1e-4, rel=1e-12)
     assert served.time_from_totals(*Roofline.totals(shape)) == served.step_time_s(shape)
+    assert served.time_from_totals(0, 0, 0, 0) == 0.0  # an empty step costs nothing, serving included
+    assert "serving term 3.00 ms per step + 0.10 ms per sequence" in served.describe()
     assert ProfileStepCost.from_profile({**profile_dict(), "server": None}) == plain
+    assert "no serving term" in plain.describe()
     path = tmp_path / "p.json"
+    path.write_text(json.dumps({**profile_dict(), "server": {"per_step_s": -1, "per_seq_s": 0}}))
+    with pytest.raises(InvalidArgument, match=r"server.per_step_s must be a number >= 0, got -1"):
+        load_profile(str(path))
+
+
+def test_an_old_per_token_serving_term_is_priced_per_sequence_and_named(tmp_path):
+    # profiles written before the per-step form have server.per_token_s only: priced as they were
+    shape = [(1, 300)] * 4 + [(64, 64)]
+    plain = ProfileStepCost.from_profile(profile_dict())
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps({**profile_dict(), "server": {"per_token_s": 2e-3}}))
+    served = ProfileStepCost.from_profile(load_profile(str(path)))
+    assert served.step_time_s(shape) == pytest.approx(plain.step_time_s(shape) + 5 * 2e-3, rel=1e-12)
+    assert "old per-token form" in served.describe() and "--server-term" in served.describe()
     path.write_text(json.dumps({**profile_dict(), "server": {"per_token_s": -1}}))
     with pytest.raises(InvalidArgument, match=r"server.per_token_s must be a number >= 0, got -1"):
         load_profile(str(path))

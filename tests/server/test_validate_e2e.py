@@ -24,15 +24,16 @@ def test_calibrate_then_validate_against_a_live_server(server_launcher, tmp_path
     small = calibrate.Grid(chunk=64, prefill_lens=(16, 64, 128), decode_batches=(1, 2, 4), decode_contexts=(32, 96),
                            decode_steps=3, repeats=2)
     monkeypatch.setitem(calibrate.GRIDS, "coarse", small)
-    # the serving term from two short closed loops against the server calibrate starts
+    # the serving term (per step and per sequence) from two short closed loops against the server calibrate starts
     monkeypatch.setattr(calibrate, "SERVER_RUNS", ((1, 2), (2, 3)))
     monkeypatch.setattr(calibrate, "SERVER_OUTPUT_LEN", 6)
     profile = tmp_path / "profile.json"
     assert main(["calibrate", "--model", str(path), "--dtype", "float32", "--max-model-len", "512",
                  "--out", str(profile), "--max-heldout-error", "1e9", "--server-term"]) == 0  # accuracy is not tested
-    assert "server_per_token_s" in capsys.readouterr().out
+    text = capsys.readouterr().out
+    assert "server_per_step_s" in text and "server_per_seq_s" in text and "per_prefill_step_s" in text
     term = json.loads(profile.read_text())["server"]
-    assert [r["concurrency"] for r in term["runs"]] == [1, 2] and term["per_token_s"] >= 0
+    assert [r["concurrency"] for r in term["runs"]] == [1, 2] and term["per_step_s"] >= 0 and term["per_seq_s"] >= 0
     assert all(r["measured_tpot_p50_s"] > 0 and r["engine_only_tpot_p50_s"] > 0 for r in term["runs"])
     server = server_launcher(path, "--max-model-len", "512", "--dtype", "float32", "--max-num-seqs", "4")
     saved = tmp_path / "validate.json"
@@ -41,11 +42,12 @@ def test_calibrate_then_validate_against_a_live_server(server_launcher, tmp_path
                  "--save-result", str(saved), "--no-progress"]) == 0
     text = capsys.readouterr().out
     print(text)
+    assert "ms per step +" in text.splitlines()[0]  # which serving term the replay used
     for metric in ("TTFT p50", "TPOT p50", "ITL p90", "output tok/s"):
         assert metric in text
     out = json.loads(saved.read_text())
     cfg = out["config"]
-    assert cfg["serving_term_per_token_s"] == term["per_token_s"]
+    assert cfg["serving_term"] == {"form": "per-step", "per_step_s": term["per_step_s"], "per_seq_s": term["per_seq_s"]}
     assert cfg["replayed_requests"] == 6 and cfg["sim_model"] == "smollm2-135m"
     # the simulator ran the server's own budgets and KV pool, read from /metrics
     assert cfg["server"]["max_num_seqs"] == "4" and int(cfg["server"]["num_blocks"]) > 0

@@ -1,0 +1,52 @@
+"""The profile's decode-only/prefill split follows the engine: on the bundled model, a step runs
+the one-call decode stack exactly when `has_prefill` says it holds no prompt tokens."""
+
+from __future__ import annotations
+
+import pytest
+
+from servelab.cost.profile import has_prefill
+from servelab.cost.roofline import Roofline
+
+pytestmark = pytest.mark.slow
+
+
+def test_the_engine_takes_the_one_call_path_exactly_on_decode_only_steps():
+    from servelab.core.sequence import SamplingParams
+    from servelab.engine.bundled import bundled_model_path
+    from servelab.engine.llm_engine import EngineArgs, LLMEngine
+
+    try:
+        path = bundled_model_path()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"bundled model unavailable: {e}")
+    engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=str(path), dtype="float32", max_model_len=256,
+                                                        max_num_batched_tokens=32, enable_prefix_caching=False))
+    try:
+        stack = engine.executor.model.decode_stack
+        if stack is None:
+            pytest.skip("no native decode stack on this host")
+        took: list[bool] = []
+        accepts = stack.accepts
+        stack.accepts = lambda meta, rows: took.append(accepts(meta, rows)) or took[-1]
+        priced: list[bool] = []
+        execute = engine.executor.execute
+
+        def recorded(plan):  # noqa: ANN001, ANN202
+            if not plan.is_empty:
+                priced.append(not has_prefill(*Roofline.totals(plan.shape())[:2]))
+            return execute(plan)
+
+        engine.executor.execute = recorded
+        params = SamplingParams(max_tokens=6, ignore_eos=True, temperature=0.0)
+        engine.add_request("a", list(range(10, 50)), params)  # 40 tokens: two chunks of the 32-token budget
+        steps = 0
+        while engine.has_unfinished():
+            engine.step()
+            steps += 1
+            if steps == 3:  # joins while "a" decodes: mixed steps, then decodes of two
+                engine.add_request("b", list(range(60, 80)), params)
+    finally:
+        engine.close()
+    assert took == priced
+    assert True in took and False in took  # both paths ran
