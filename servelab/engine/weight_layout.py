@@ -16,8 +16,9 @@ import numpy as np
 import torch
 
 from servelab.engine import block_quant, native
-from servelab.engine.linear import Linear
+from servelab.engine.linear import Linear, half_linear
 from servelab.engine.model import LayerWeights, LlamaModel
+from servelab.engine.weights import keeps_half_storage
 from servelab.errors import InvalidArgument
 from servelab.spec.ggml_types import GGML_TYPE_BY_ID, GGML_TYPE_BY_NAME
 from servelab.spec.model import ModelSpec
@@ -44,9 +45,15 @@ def build_model(
     kernels = None
     if get_packed is not None and dtype == torch.float32 and device == "cpu":
         kernels = native.native_kernels()
+    keep_half = keeps_half_storage(dtype, device)
 
     def linear(names: list[str]) -> Linear:
-        dense = cast(torch.cat([need(n) for n in names], dim=0)) if len(names) > 1 else cast(need(names[0]))
+        raw = [need(n) for n in names]
+        if keep_half and len({t.dtype for t in raw}) == 1:  # 16-bit weights stay 16-bit (linear.HalfLinear)
+            half = half_linear(torch.cat(raw, dim=0) if len(raw) > 1 else raw[0], None, native.native_kernels())
+            if half is not None:
+                return half
+        dense = cast(torch.cat(raw, dim=0)) if len(raw) > 1 else cast(raw[0])
         parts = None
         if kernels is not None:
             found = [get_packed(n) for n in names]
@@ -79,8 +86,14 @@ def build_model(
                 down=linear([p + "mlp.down_proj.weight"]),
             )
         )
-    embed = cast(need("model.embed_tokens.weight"))
+    raw_embed = need("model.embed_tokens.weight")
+    embed = cast(raw_embed)
     head = None if spec.tie_embeddings else get("lm_head.weight")
+    # the largest linear at batch 1: kept 16-bit too (a tied one beside the embedding's fp32 copy)
+    half_head = half_linear(raw_embed if head is None else head, None, native.native_kernels()) if keep_half else None
+    if half_head is not None:
+        return LlamaModel(spec, embed, layers, cast(need("model.norm.weight")), embed if head is None else head,
+                          rope_freq_divisors, lm_head_packed=half_head)  # fmt: skip
     lm_head = embed if head is None else cast(head)
     head_name = "model.embed_tokens.weight" if head is None else "lm_head.weight"
     head_parts = None if kernels is None or (part := get_packed(head_name)) is None else [part]
