@@ -33,18 +33,37 @@ enum { W_F32 = 0 }; /* a tile reading the widened fp32 panel; else KV_F16 / KV_B
  * and order either way, so its result does not depend on the path or on the other rows
  * (batch-invariant; deterministic mode relies on it). */
 
+#if defined(SL_AVX2)
+/* 8 lanes widened from 16 bits; AVX-512 builds use two of these, one per half */
+static inline __m256 widen8(const uint16_t *p, const int fmt) {
+    const __m128i h = _mm_loadu_si128((const __m128i *)p);
+    if (fmt == KV_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    return _mm256_cvtph_ps(h);
+}
+
+static inline float sum8(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
 #if defined(SL_AVX512)
+/* 16 lanes. Widening and the lane sum go through the 256-bit halves, in intrinsics SIMDe also
+ * has (isa.h's SL_SIMDE_LEVEL builds check this path on hosts without AVX-512). */
 #define VW 16
 typedef __m512 vf;
 static inline vf v_zero(void) { return _mm512_setzero_ps(); }
 static inline vf v_load(const float *p) { return _mm512_loadu_ps(p); }
 static inline void v_store(float *p, vf a) { _mm512_storeu_ps(p, a); }
 static inline vf v_fma(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); }
-static inline float v_sum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline float v_sum(vf a) {
+    const __m256 hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    return sum8(_mm256_add_ps(_mm512_castps512_ps256(a), hi));
+}
 static inline vf v_widen(const uint16_t *p, const int fmt) {
-    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
-    if (fmt == KV_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-    return _mm512_cvtph_ps(h);
+    return _mm512_insertf32x8(_mm512_castps256_ps512(widen8(p, fmt)), widen8(p + 8, fmt), 1);
 }
 #elif defined(SL_AVX2)
 #define VW 8
@@ -53,17 +72,8 @@ static inline vf v_zero(void) { return _mm256_setzero_ps(); }
 static inline vf v_load(const float *p) { return _mm256_loadu_ps(p); }
 static inline void v_store(float *p, vf a) { _mm256_storeu_ps(p, a); }
 static inline vf v_fma(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float v_sum(vf a) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
-static inline vf v_widen(const uint16_t *p, const int fmt) {
-    const __m128i h = _mm_loadu_si128((const __m128i *)p);
-    if (fmt == KV_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    return _mm256_cvtph_ps(h);
-}
+static inline float v_sum(vf a) { return sum8(a); }
+static inline vf v_widen(const uint16_t *p, const int fmt) { return widen8(p, fmt); }
 #else
 #define VW 8
 typedef struct { float v[VW]; } vf;
