@@ -88,6 +88,8 @@ class TransposedHead(DenseLinear):
         return F.linear(x, self.weight, self.bias)
 
 
+HALF_DTYPES = frozenset({torch.bfloat16, torch.float16})  # the weights a HalfLinear holds
+
 # Which path a HalfLinear takes by row count (measured: docs/benchmarks.md, "bf16 storage"): up to
 # HALF_GEMV_MAX_ROWS the weight is widened in registers, up to HALF_GEMM_MAX_ROWS once per panel;
 # above, widened whole and handed to MKL's F.linear.
@@ -142,7 +144,7 @@ class HalfLinear:
 
 def half_linear(weight: torch.Tensor, bias: torch.Tensor | None, kernels: native.NativeKernels | None) -> Linear | None:
     """A HalfLinear over `weight` when it is a bf16 or fp16 CPU tensor and the kernels are there; else None."""
-    if kernels is None or weight.dtype not in (torch.bfloat16, torch.float16) or weight.device.type != "cpu":
+    if kernels is None or weight.dtype not in HALF_DTYPES or weight.device.type != "cpu":
         return None
     if bias is not None:
         bias = bias.float().contiguous()

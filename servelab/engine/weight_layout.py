@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from servelab.engine import block_quant, native
-from servelab.engine.linear import Linear, half_linear
+from servelab.engine.linear import HALF_DTYPES, Linear, half_linear
 from servelab.engine.model import LayerWeights, LlamaModel
 from servelab.engine.weights import keeps_half_storage
 from servelab.errors import InvalidArgument
@@ -49,7 +49,7 @@ def build_model(
 
     def linear(names: list[str]) -> Linear:
         raw = [need(n) for n in names]
-        if keep_half and len({t.dtype for t in raw}) == 1:  # 16-bit weights stay 16-bit (linear.HalfLinear)
+        if keep_half and {t.dtype for t in raw} <= HALF_DTYPES:  # 16-bit weights stay so (linear.HalfLinear)
             half = half_linear(torch.cat(raw, dim=0) if len(raw) > 1 else raw[0], None, native.native_kernels())
             if half is not None:
                 return half
@@ -90,9 +90,12 @@ def build_model(
     embed = cast(raw_embed)
     head = None if spec.tie_embeddings else get("lm_head.weight")
     # the largest linear at batch 1: kept 16-bit too (a tied one beside the embedding's fp32 copy)
-    half_head = half_linear(raw_embed if head is None else head, None, native.native_kernels()) if keep_half else None
+    head_raw = raw_embed if head is None else head
+    half_head = None
+    if keep_half and head_raw.dtype in HALF_DTYPES:
+        half_head = half_linear(head_raw, None, native.native_kernels())
     if half_head is not None:
-        return LlamaModel(spec, embed, layers, cast(need("model.norm.weight")), embed if head is None else head,
+        return LlamaModel(spec, embed, layers, cast(need("model.norm.weight")), embed if head is None else head_raw,
                           rope_freq_divisors, lm_head_packed=half_head)  # fmt: skip
     lm_head = embed if head is None else cast(head)
     head_name = "model.embed_tokens.weight" if head is None else "lm_head.weight"
