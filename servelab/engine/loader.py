@@ -157,4 +157,5 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str, tp_rank: int, tp_siz
     if "rope_freqs.weight" in tensors:  # llama 3.1's scaling, stored as per-dimension divisors
         divisors = dequantize_gguf_tensor(tensors["rope_freqs.weight"]).reshape(-1)
     model = build_model(model_spec, get, dtype, device, divisors, get_packed)
+    _log_half_storage(model)
     return LoadedModel(model, Tokenizer.from_gguf(gguf.metadata), spec, name, path)

@@ -23,7 +23,7 @@ from servelab.errors import InvalidArgument
 from servelab.spec.ggml_types import GGML_TYPE_BY_ID, GGML_TYPE_BY_NAME
 from servelab.spec.model import ModelSpec
 
-# `get(name)`: an fp32/fp16 CPU tensor in HF layout for an HF-style name, or None.
+# `get(name)`: an fp32, fp16 or bf16 CPU tensor in HF layout for an HF-style name, or None.
 TensorGetter = Callable[[str], torch.Tensor | None]
 # `get_packed(name)`: a block-quantized weight's (ggml type id, raw rows [out, row_bytes] uint8).
 PackedGetter = Callable[[str], tuple[int, torch.Tensor] | None]
@@ -157,7 +157,8 @@ class GGUFTensor:
 
 def gguf_getters(spec: ModelSpec, tensors: dict[str, GGUFTensor]) -> tuple[TensorGetter, PackedGetter]:
     """`build_model`'s getters over a GGUF file's tensors: HF names, RoPE rows in HF order; dense
-    weights dequantized to fp32, packed ones as the file's blocks."""
+    weights dequantized to fp32 (F16 and BF16 ones as they are stored: build_model widens or
+    keeps them), packed ones as the file's blocks."""
     by_hf = {hf: t for name, t in tensors.items() if (hf := hf_name(name)) is not None}
     permuted = spec.architecture in ROPE_PERMUTED_ARCHS
 
@@ -170,7 +171,10 @@ def gguf_getters(spec: ModelSpec, tensors: dict[str, GGUFTensor]) -> tuple[Tenso
 
     def get(name: str) -> torch.Tensor | None:
         t = by_hf.get(name)
-        return None if t is None else rope_rows(name, dequantize_gguf_tensor(t))
+        if t is None:
+            return None
+        stored = _as_stored_16_bit(t)
+        return rope_rows(name, dequantize_gguf_tensor(t) if stored is None else stored)
 
     def get_packed(name: str) -> tuple[int, torch.Tensor] | None:
         t = by_hf.get(name)
@@ -180,6 +184,17 @@ def gguf_getters(spec: ModelSpec, tensors: dict[str, GGUFTensor]) -> tuple[Tenso
         return t.tensor_type, rope_rows(name, rows)
 
     return get, get_packed
+
+
+_SIXTEEN_BIT = {"F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _as_stored_16_bit(t: GGUFTensor) -> torch.Tensor | None:
+    """An F16 or BF16 GGUF tensor in its own dtype, [out, in]; None for any other type."""
+    kind = GGML_TYPE_BY_ID.get(t.tensor_type)
+    if kind is None or kind.name not in _SIXTEEN_BIT:
+        return None
+    return torch.from_numpy(np.array(t.data, copy=True)).view(_SIXTEEN_BIT[kind.name]).reshape(tuple(reversed(t.shape)))
 
 
 def dequantize_gguf_tensor(t: GGUFTensor) -> torch.Tensor:

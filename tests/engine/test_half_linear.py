@@ -20,6 +20,7 @@ from servelab.core.sequence import SamplingParams
 from tests.tiny_models import prefill_logits, write_tiny_llama
 
 from .test_decode_stack import _stack_against_per_op
+from .test_weights import _write_gguf
 
 LEVELS = [level.name for level in native.ISA_LEVELS]
 NATIVE_OPS = [name for name in OPS_NAMES if name != "torch"]
@@ -121,6 +122,20 @@ def test_checkpoint_keeps_its_linears_16_bit_and_the_logits_of_the_widened_one(c
     for chunk in (None, 40, 1):  # one chunk (MKL), GEMM-sized chunks, every token a decode (the stack)
         ours, ref = prefill_logits(half, ids, chunk=chunk), prefill_logits(fp32, ids, chunk=chunk)
         assert (ours - ref).abs().max() < 1e-5 * ref.abs().max()
+
+
+@pytest.mark.parametrize("fmt", ["F16", "BF16"])
+def test_gguf_16_bit_tensors_are_kept_too(tiny_llama, tmp_path, kernel, monkeypatch, fmt):
+    path = _write_gguf(tiny_llama, tmp_path / f"tiny-{fmt}.gguf", fmt)
+    half = load_model(path, dtype=torch.float32).model
+    assert all(isinstance(w, HalfLinear) for layer in half.layers for w in layer.linears())
+    assert isinstance(half.lm_head, HalfLinear)
+    monkeypatch.setenv("SERVELAB_HALF_WEIGHTS", "0")
+    fp32 = load_model(path, dtype=torch.float32).model
+    assert all(isinstance(w, DenseLinear) for layer in fp32.layers for w in layer.linears())
+    ids = list(range(3, 60))
+    ours, ref = prefill_logits(half, ids), prefill_logits(fp32, ids)
+    assert (ours - ref).abs().max() < 1e-5 * ref.abs().max()
 
 
 def test_an_environment_switch_widens_them_at_load(checkpoints, monkeypatch):
