@@ -13,13 +13,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from servelab.engine import native
-from servelab.engine.linear import HALF_GEMM_MAX_ROWS, DenseLinear, HalfLinear, TransposedHead
+from servelab.engine.linear import HALF_GEMM_MAX_ROWS, HALF_GEMV_MAX_ROWS, DenseLinear, HalfLinear, TransposedHead
 from servelab.engine.loader import load_model
 from servelab.engine.ops import OPS_NAMES, OpsUnavailable, make_ops
 from servelab.core.sequence import SamplingParams
 from tests.tiny_models import prefill_logits, write_tiny_llama
 
-from .test_decode_stack import _stack_against_per_op
+from .test_decode_stack import _Pool, _stack_against_per_op
 from .test_weights import _write_gguf
 
 LEVELS = [level.name for level in native.ISA_LEVELS]
@@ -158,6 +158,25 @@ def test_decode_stack_runs_half_linears_with_the_per_op_bits(checkpoints, ops):
         pytest.skip(f"{ops}: {exc}")
     assert model.decode_stack is not None
     _stack_against_per_op(model)
+
+
+def test_decode_stack_takes_gemm_sized_batches_with_the_per_op_bits(checkpoints, kernel):
+    """20 decodes: past HALF_GEMV_MAX_ROWS, so both sides run the panel path."""
+    model = load_model(checkpoints["bf16"][0], dtype=torch.float32).model
+    stack = model.decode_stack
+    prompts = [[7 + i, 30 + 2 * i, 100 + i][: 1 + i % 3] for i in range(HALF_GEMV_MAX_ROWS + 4)]
+    pools = [_Pool(model, prompts, torch.float32) for _ in range(2)]
+    model.decode_stack = None
+    for pool in pools:
+        pool.prefill()
+    tokens = [1] * len(prompts)
+    for _ in range(2):
+        model.decode_stack = stack
+        fused = pools[0].step(tokens)
+        model.decode_stack = None
+        assert torch.equal(fused, pools[1].step(tokens))
+        tokens = fused.argmax(-1).tolist()
+    assert stack.accepts(pools[0].decode_meta(), len(prompts)) and stack._arena.numel() > 0
 
 
 def _greedy(path, **kwargs) -> dict[str, list[int]]:
