@@ -153,7 +153,8 @@ def half_linear(weight: torch.Tensor, bias: torch.Tensor | None, kernels: native
 
 def lm_head(weight: torch.Tensor, packed: Linear | None) -> Linear:
     """The LM head's linear, chosen once at load: its GGUF blocks or 16-bit weights when it came
-    so (they pick their own kernel by row count); a transposed copy for fp32 on the CPU; else plain F.linear."""
+    so (they pick their own kernel by row count); a transposed copy for fp32 on the CPU; else
+    plain F.linear."""
     if packed is not None:
         return packed
     if weight.dtype == torch.float32 and weight.device.type == "cpu":
