@@ -7,9 +7,10 @@ to each linear's packed blocks or int8 codes), and a step is one call over buffe
 an arena it keeps, grown only when a step needs more. The C side runs the very kernels the
 per-op path runs, in the same order, so the results are the same bits.
 
-It covers what it can describe: linears held as GGUF blocks (block_quant.BlockQuantLinear) or
-int8 codes (quantization.Int8Linear), steps of decodes only, and up to block_quant.MAX_ROWS rows
-unless every linear is batch-invariant (above that, the per-op path's MKL GEMM is faster).
+It covers what it can describe: linears held as GGUF blocks (block_quant.BlockQuantLinear),
+int8 codes (quantization.Int8Linear) or 16-bit weights (linear.HalfLinear), steps of decodes
+only, and up to block_quant.MAX_ROWS rows (linear.HALF_GEMM_MAX_ROWS with 16-bit weights) unless
+every linear is batch-invariant (above that, the per-op path's MKL GEMM is faster).
 Anything else (dense fp32 linears outside deterministic mode, tensor-parallel wrappers, prefill
 chunks) keeps the per-op path.
 """
@@ -24,11 +25,12 @@ import torch
 
 from servelab.engine import block_quant, native
 from servelab.engine.block_quant import BlockQuantLinear
+from servelab.engine.linear import HALF_GEMM_MAX_ROWS, HALF_GEMV_MAX_ROWS, HalfLinear
 from servelab.engine.quantization import Int8Linear
 from servelab.spec.model import ModelSpec
 
 _MAX_SEGMENTS = 4  # SL_MAX_SEGMENTS in the C file
-_BLOCKS, _INT8 = 0, 1
+_BLOCKS, _INT8, _HALF = 0, 1, 2
 _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
@@ -41,6 +43,7 @@ class _Linear(ctypes.Structure):
         ("kind", _i64), ("in_features", _i64), ("out_features", _i64), ("bias", _ptr), ("invariant", _i64),
         ("fused_formats", _i64), ("num_segments", _i64), ("seg", _Segment * _MAX_SEGMENTS),
         ("int8_packed", _ptr), ("int8_scale", _ptr), ("int8_zero", _ptr), ("int8_kp", _i64),
+        ("half_weight", _ptr), ("half_format", _i64), ("half_gemv_max_rows", _i64),
     ]
 
 
@@ -74,6 +77,12 @@ def _describe(lin: Any, kernels: native.NativeKernels) -> _Linear | None:
         return None
     out_features, in_features = lin.shape
     d = _Linear(in_features=in_features, out_features=out_features, bias=None if lin.bias is None else lin.bias.data_ptr())
+    if isinstance(lin, HalfLinear):
+        if lin.kernels is not kernels:
+            return None
+        d.kind, d.invariant, d.half_weight = _HALF, int(lin.invariant), lin.weight.data_ptr()
+        d.half_format, d.half_gemv_max_rows = native.KV_FORMATS[lin.weight.dtype], HALF_GEMV_MAX_ROWS
+        return d
     if isinstance(lin, Int8Linear):
         if lin.kernels is not kernels:
             return None
@@ -94,13 +103,16 @@ def _describe(lin: Any, kernels: native.NativeKernels) -> _Linear | None:
 class DecodeStack:
     """The model's layers as csrc/decode_stack.c runs them; `build` says whether it can."""
 
-    def __init__(self, kernels: native.NativeKernels, stack: _Stack, layers: Any, invariant: bool, keep: list):
+    def __init__(
+        self, kernels: native.NativeKernels, stack: _Stack, layers: Any, invariant: bool, max_rows: int, keep: list
+    ):
         self.kernels = kernels
         self._stack = stack
         self._stack_ptr = ctypes.addressof(stack)
         self._layers_array = layers
         self._keep = keep  # the tensors whose memory the C structs point into
         self.invariant = invariant  # every linear on the panel kernel: any row count, bit-exact per row
+        self.max_rows = max_rows  # the most rows the per-op path runs on these kernels (unless invariant)
         self._arena = torch.empty(0, dtype=torch.float32)
         self._step = _Step()
         self._step_ptr = ctypes.addressof(self._step)
@@ -119,7 +131,7 @@ class DecodeStack:
         want = {"qkv": ((H + 2 * KV) * D, hidden), "o": (hidden, H * D), "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
         array = (_Layer * len(layers))()
         keep: list[Any] = []
-        invariant = True
+        invariant, max_rows = True, block_quant.MAX_ROWS
         for i, layer in enumerate(layers):
             if not (_fp32_contiguous(layer.input_norm) and _fp32_contiguous(layer.post_norm)):
                 return None
@@ -130,6 +142,8 @@ class DecodeStack:
                 if d is None or tuple(lin.shape) != shape:
                     return None
                 invariant &= isinstance(lin, Int8Linear) or bool(d.invariant)
+                if isinstance(lin, HalfLinear) and not lin.invariant:  # above, the per-op path takes MKL
+                    max_rows = min(max_rows, HALF_GEMM_MAX_ROWS)
                 setattr(array[i], name, d)
                 keep.append(lin)
             keep += [layer.input_norm, layer.post_norm]
@@ -138,11 +152,11 @@ class DecodeStack:
             intermediate=inter, eps=config.rms_norm_eps, scale=scale, paged_attention=int(paged_attention),
             fused_max_rows=block_quant.FUSED_MAX_ROWS, panel_outputs=block_quant.PANEL_OUTPUTS,
         )
-        return cls(kernels, stack, array, invariant, keep)
+        return cls(kernels, stack, array, invariant, max_rows, keep)
 
     def accepts(self, meta: Any, rows: int) -> bool:
         """Whether this step is one the stack runs: decodes only, few enough rows for the packed kernels."""
-        return not meta.prefills and meta.num_decodes == rows > 0 and (self.invariant or rows <= block_quant.MAX_ROWS)
+        return not meta.prefills and meta.num_decodes == rows > 0 and (self.invariant or rows <= self.max_rows)
 
     def __call__(
         self, x: torch.Tensor, meta: Any, cos: torch.Tensor, sin: torch.Tensor,

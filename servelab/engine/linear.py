@@ -15,6 +15,8 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from servelab.engine import native
+
 
 class Linear(Protocol):
     shape: tuple[int, int]  # [out, in], as the dense weight is
@@ -86,9 +88,73 @@ class TransposedHead(DenseLinear):
         return F.linear(x, self.weight, self.bias)
 
 
+HALF_DTYPES = frozenset({torch.bfloat16, torch.float16})  # the weights a HalfLinear holds
+
+# Which path a HalfLinear takes by row count (measured: docs/benchmarks.md, "bf16 storage"): up to
+# HALF_GEMV_MAX_ROWS the weight is widened in registers, up to HALF_GEMM_MAX_ROWS once per panel;
+# above, widened whole and handed to MKL's F.linear.
+HALF_GEMV_MAX_ROWS = 16
+HALF_GEMM_MAX_ROWS = 128
+
+
+@dataclass(slots=True)
+class HalfLinear:
+    """A weight [out, in] kept in its checkpoint's bf16 or fp16 under fp32 compute on the CPU:
+    csrc/half_linear.c widens it in registers and sums in fp32. Widening a 16-bit float to fp32
+    is exact, so this computes what DenseLinear over the widened copy computes (up to the order
+    of the fp32 sums) from half the bytes. Many rows (a prefill chunk) widen it whole for MKL."""
+
+    weight: torch.Tensor  # bf16 or fp16 [out, in], contiguous, CPU
+    bias: torch.Tensor | None
+    kernels: native.NativeKernels
+    # the C kernel at every row count: its two paths sum a row in the same order, whatever the
+    # other rows, so the result is batch-invariant (deterministic mode); else MKL for many rows
+    invariant: bool = False
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.weight.shape[0], self.weight.shape[1])
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out_features, in_features = self.shape
+        rows = x.numel() // in_features
+        if rows > HALF_GEMM_MAX_ROWS and not self.invariant:
+            return F.linear(x.float(), self.weight.float(), self.bias)
+        flat = x.reshape(rows, in_features).float().contiguous()
+        y = torch.empty(rows, out_features, dtype=torch.float32)
+        rc = self.kernels.half_linear(
+            native.KV_FORMATS[self.weight.dtype], self.weight.data_ptr(), in_features, out_features, flat.data_ptr(),
+            rows, None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), int(rows > HALF_GEMV_MAX_ROWS),
+            torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError(f"half linear: no memory for the widened panels of a {out_features} x {in_features} weight")
+        return y.reshape(*x.shape[:-1], out_features)
+
+    @property
+    def nbytes(self) -> int:
+        return _bytes(self.weight) + _bytes(self.bias)
+
+    def numel(self) -> int:
+        return self.weight.numel() + (0 if self.bias is None else self.bias.numel())
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float()
+
+
+def half_linear(weight: torch.Tensor, bias: torch.Tensor | None, kernels: native.NativeKernels | None) -> Linear | None:
+    """A HalfLinear over `weight` when it is a bf16 or fp16 CPU tensor and the kernels are there; else None."""
+    if kernels is None or weight.dtype not in HALF_DTYPES or weight.device.type != "cpu":
+        return None
+    if bias is not None:
+        bias = bias.float().contiguous()
+    return HalfLinear(weight.contiguous(), bias, kernels)
+
+
 def lm_head(weight: torch.Tensor, packed: Linear | None) -> Linear:
-    """The LM head's linear, chosen once at load: its GGUF blocks when it came packed (they pick
-    their own kernel by row count); a transposed copy for fp32 on the CPU; else plain F.linear."""
+    """The LM head's linear, chosen once at load: its GGUF blocks or 16-bit weights when it came
+    so (they pick their own kernel by row count); a transposed copy for fp32 on the CPU; else
+    plain F.linear."""
     if packed is not None:
         return packed
     if weight.dtype == torch.float32 and weight.device.type == "cpu":

@@ -5,12 +5,14 @@ them to weight_layout to build the model. A GGUF file goes through the one GGUF 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from servelab.engine.linear import HalfLinear
 from servelab.engine.model import LlamaModel, rope_inv_freq
 from servelab.engine.tokenizer import Tokenizer
 from servelab.engine.weight_layout import GGUFTensor, build_model, dequantize_gguf_tensor, gguf_getters
@@ -19,6 +21,8 @@ from servelab.spec.gguf_reader import GGUFFile, read_gguf
 from servelab.spec.model import ModelSpec
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -105,7 +109,21 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: str, tp_rank: int, tp_s
 
         get = safetensors_getter(where, shard)
     model = build_model(spec if shard is None else shard.local_spec(), get, dtype, device)
+    _log_half_storage(model)
     return LoadedModel(model, Tokenizer.from_hf_dir(path), spec, path.name, path)
+
+
+def _log_half_storage(model: LlamaModel) -> None:
+    """One line when the checkpoint's 16-bit linears were kept as they are (weights.keeps_half_storage)."""
+    kept = [w for layer in model.layers for w in layer.linears() if isinstance(w, HalfLinear)]
+    if isinstance(model.lm_head, HalfLinear):
+        kept.append(model.lm_head)
+    if kept:
+        logger.info(
+            "weights: %d linears kept in their checkpoint's %s (%.1f MB), widened to float32 in registers: exact, "
+            "half the bytes of an fp32 copy (SERVELAB_HALF_WEIGHTS=0 widens them at load)",
+            len(kept), str(kept[0].weight.dtype).removeprefix("torch."), sum(w.nbytes for w in kept) / 1e6,
+        )
 
 
 # ---------------------------------------------------------------------------------------- GGUF
@@ -139,4 +157,5 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str, tp_rank: int, tp_siz
     if "rope_freqs.weight" in tensors:  # llama 3.1's scaling, stored as per-dimension divisors
         divisors = dequantize_gguf_tensor(tensors["rope_freqs.weight"]).reshape(-1)
     model = build_model(model_spec, get, dtype, device, divisors, get_packed)
+    _log_half_storage(model)
     return LoadedModel(model, Tokenizer.from_gguf(gguf.metadata), spec, name, path)

@@ -39,7 +39,7 @@ from servelab.errors import InvalidArgument
 
 _SOURCES = (
     "decode_attention.c", "prefill_attention.c", "layer_ops.c", "block_quant_linear.c", "int8_linear.c", "parallel.c",
-    "decode_stack.c",
+    "decode_stack.c", "half_linear.c",
 )
 _HEADERS = ("vec_exp.h", "parallel.h", "half.h", "fp.h", "isa.h")
 # KV-cache dtypes the attention and K/V-store kernels read and write (their kv_format codes, half.h)
@@ -187,6 +187,7 @@ class NativeKernels:
     paged_attention_scratch: Callable[..., int]
     decode_stack: Callable[..., int]
     decode_stack_arena: Callable[..., int]
+    half_linear: Callable[..., int]
 
 
 def _build(level: IsaLevel) -> NativeKernels:
@@ -245,6 +246,7 @@ def _build(level: IsaLevel) -> NativeKernels:
         paged_attention_scratch=fn("servelab_paged_attention_scratch_floats", i64, i64, restype=i64),
         decode_stack=fn("servelab_decode_stack", ptr, ptr, ptr, ptr, ptr, restype=ctypes.c_int),
         decode_stack_arena=fn("servelab_decode_stack_arena_floats", ptr, i64, i64, i64, restype=i64),
+        half_linear=fn("servelab_half_linear_f32", i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, restype=ctypes.c_int),
     )
 
 

@@ -16,13 +16,14 @@ import numpy as np
 import torch
 
 from servelab.engine import block_quant, native
-from servelab.engine.linear import Linear
+from servelab.engine.linear import HALF_DTYPES, Linear, half_linear
 from servelab.engine.model import LayerWeights, LlamaModel
+from servelab.engine.weights import keeps_half_storage
 from servelab.errors import InvalidArgument
 from servelab.spec.ggml_types import GGML_TYPE_BY_ID, GGML_TYPE_BY_NAME
 from servelab.spec.model import ModelSpec
 
-# `get(name)`: an fp32/fp16 CPU tensor in HF layout for an HF-style name, or None.
+# `get(name)`: an fp32, fp16 or bf16 CPU tensor in HF layout for an HF-style name, or None.
 TensorGetter = Callable[[str], torch.Tensor | None]
 # `get_packed(name)`: a block-quantized weight's (ggml type id, raw rows [out, row_bytes] uint8).
 PackedGetter = Callable[[str], tuple[int, torch.Tensor] | None]
@@ -44,9 +45,15 @@ def build_model(
     kernels = None
     if get_packed is not None and dtype == torch.float32 and device == "cpu":
         kernels = native.native_kernels()
+    keep_half = keeps_half_storage(dtype, device)
 
     def linear(names: list[str]) -> Linear:
-        dense = cast(torch.cat([need(n) for n in names], dim=0)) if len(names) > 1 else cast(need(names[0]))
+        raw = [need(n) for n in names]
+        if keep_half and {t.dtype for t in raw} <= HALF_DTYPES:  # 16-bit weights stay so (linear.HalfLinear)
+            half = half_linear(torch.cat(raw, dim=0) if len(raw) > 1 else raw[0], None, native.native_kernels())
+            if half is not None:
+                return half
+        dense = cast(torch.cat(raw, dim=0)) if len(raw) > 1 else cast(raw[0])
         parts = None
         if kernels is not None:
             found = [get_packed(n) for n in names]
@@ -79,8 +86,17 @@ def build_model(
                 down=linear([p + "mlp.down_proj.weight"]),
             )
         )
-    embed = cast(need("model.embed_tokens.weight"))
+    raw_embed = need("model.embed_tokens.weight")
+    embed = cast(raw_embed)
     head = None if spec.tie_embeddings else get("lm_head.weight")
+    # the largest linear at batch 1: kept 16-bit too (a tied one beside the embedding's fp32 copy)
+    head_raw = raw_embed if head is None else head
+    half_head = None
+    if keep_half and head_raw.dtype in HALF_DTYPES:
+        half_head = half_linear(head_raw, None, native.native_kernels())
+    if half_head is not None:
+        return LlamaModel(spec, embed, layers, cast(need("model.norm.weight")), embed if head is None else head_raw,
+                          rope_freq_divisors, lm_head_packed=half_head)  # fmt: skip
     lm_head = embed if head is None else cast(head)
     head_name = "model.embed_tokens.weight" if head is None else "lm_head.weight"
     head_parts = None if kernels is None or (part := get_packed(head_name)) is None else [part]
@@ -141,7 +157,8 @@ class GGUFTensor:
 
 def gguf_getters(spec: ModelSpec, tensors: dict[str, GGUFTensor]) -> tuple[TensorGetter, PackedGetter]:
     """`build_model`'s getters over a GGUF file's tensors: HF names, RoPE rows in HF order; dense
-    weights dequantized to fp32, packed ones as the file's blocks."""
+    weights dequantized to fp32 (F16 and BF16 ones as they are stored: build_model widens or
+    keeps them), packed ones as the file's blocks."""
     by_hf = {hf: t for name, t in tensors.items() if (hf := hf_name(name)) is not None}
     permuted = spec.architecture in ROPE_PERMUTED_ARCHS
 
@@ -154,7 +171,10 @@ def gguf_getters(spec: ModelSpec, tensors: dict[str, GGUFTensor]) -> tuple[Tenso
 
     def get(name: str) -> torch.Tensor | None:
         t = by_hf.get(name)
-        return None if t is None else rope_rows(name, dequantize_gguf_tensor(t))
+        if t is None:
+            return None
+        stored = _as_stored_16_bit(t)
+        return rope_rows(name, dequantize_gguf_tensor(t) if stored is None else stored)
 
     def get_packed(name: str) -> tuple[int, torch.Tensor] | None:
         t = by_hf.get(name)
@@ -164,6 +184,17 @@ def gguf_getters(spec: ModelSpec, tensors: dict[str, GGUFTensor]) -> tuple[Tenso
         return t.tensor_type, rope_rows(name, rows)
 
     return get, get_packed
+
+
+_SIXTEEN_BIT = {"F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def _as_stored_16_bit(t: GGUFTensor) -> torch.Tensor | None:
+    """An F16 or BF16 GGUF tensor in its own dtype, [out, in]; None for any other type."""
+    kind = GGML_TYPE_BY_ID.get(t.tensor_type)
+    if kind is None or kind.name not in _SIXTEEN_BIT:
+        return None
+    return torch.from_numpy(np.array(t.data, copy=True)).view(_SIXTEEN_BIT[kind.name]).reshape(tuple(reversed(t.shape)))
 
 
 def dequantize_gguf_tensor(t: GGUFTensor) -> torch.Tensor:

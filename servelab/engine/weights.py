@@ -3,6 +3,8 @@ loader.py; putting weights into the model's layout is weight_layout.py.)"""
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from servelab.errors import InvalidArgument
@@ -13,9 +15,17 @@ DTYPE_NAMES = {name: getattr(torch, name) for name in FLOAT_DTYPES}  # spec/dtyp
 
 # Why auto is float32 on a CPU, for the log line: every fast path computes in fp32.
 CPU_AUTO_DTYPE_REASON = (
-    "servelab's CPU kernels (packed GGUF blocks, int8, paged attention) compute in float32; bfloat16 runs "
-    "plain PyTorch, 4-5x slower at batch-1 decode even on an AVX-512 BF16 host (--dtype overrides)"
+    "servelab's CPU kernels (packed GGUF blocks, bf16/fp16 weights, int8, paged attention) compute in float32; "
+    "bfloat16 compute runs plain PyTorch, 4-5x slower at batch-1 decode even on an AVX-512 BF16 host; a bf16 or "
+    "fp16 checkpoint's linears stay 16-bit, widened exactly in registers (--dtype overrides)"
 )
+
+
+def keeps_half_storage(dtype: torch.dtype, device: str) -> bool:
+    """Whether the linears of a bf16 or fp16 checkpoint keep their 16-bit weights: under fp32
+    compute on the CPU, auto or an explicit float32 alike, since widening is exact
+    (linear.HalfLinear; SERVELAB_HALF_WEIGHTS=0 widens them to an fp32 copy at load instead)."""
+    return dtype == torch.float32 and device == "cpu" and os.environ.get("SERVELAB_HALF_WEIGHTS", "1") != "0"
 
 
 def resolve_dtype(name: str | None, device: str = "cpu") -> torch.dtype:

@@ -1,7 +1,7 @@
 /* Every decoder layer of a decode-only step in one call: the same kernels the model calls one by
- * one (add + RMSNorm, the linears over their GGUF blocks or int8 codes, RoPE + K/V store,
- * decode attention, SwiGLU), in the same order with the same arguments, so the results are the
- * per-op path's bit for bit.
+ * one (add + RMSNorm, the linears over their GGUF blocks, int8 codes or 16-bit weights, RoPE +
+ * K/V store, decode attention, SwiGLU), in the same order with the same arguments, so the
+ * results are the per-op path's bit for bit.
  *
  * Why: at batch 1 the per-op path made ~270 ctypes calls and ~190 torch ops a step (~340
  * torch.empty among them); their Python and dispatch were a third of the step, and the gaps
@@ -17,7 +17,7 @@
 
 #define SL_MAX_SEGMENTS 4
 
-enum { LINEAR_BLOCKS = 0, LINEAR_INT8 = 1 };
+enum { LINEAR_BLOCKS = 0, LINEAR_INT8 = 1, LINEAR_HALF = 2 };
 
 /* Outputs [start, start + rows) of a weight as GGUF blocks of one format (block_quant.PackedRows). */
 struct sl_segment {
@@ -37,6 +37,8 @@ struct sl_linear {
     const float *int8_scale;
     const int32_t *int8_zero;
     int64_t int8_kp;
+    const uint16_t *half_weight;        /* LINEAR_HALF: linear.HalfLinear's bf16/fp16 [out, in] */
+    int64_t half_format, half_gemv_max_rows;  /* half.h's KV_F16 / KV_BF16; its GEMV path up to here */
 };
 
 struct sl_layer {
@@ -91,6 +93,8 @@ void servelab_paged_attention_f32(const float *q, int64_t q_stride, const void *
                                   int64_t head_dim, int64_t max_ctx, float scale, float *out, float *scratch,
                                   int64_t scratch_per_part, int64_t threads);
 int64_t servelab_paged_attention_scratch_floats(int64_t max_ctx, int64_t head_dim);
+int servelab_half_linear_f32(int64_t fmt, const uint16_t *w, int64_t in, int64_t out, const float *x, int64_t rows,
+                             const float *bias, float *y, int64_t gemm, int64_t threads);
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
@@ -117,9 +121,13 @@ int64_t servelab_decode_stack_arena_floats(const struct sl_stack *s, int64_t row
     return rows * per_row + linear_scratch(s, rows, threads) + threads * attention_per_part(s, max_ctx);
 }
 
-/* y = x @ W^T (+ bias) as block_quant.BlockQuantLinear and quantization.Int8Linear compute it. */
+/* y = x @ W^T (+ bias) as block_quant.BlockQuantLinear, quantization.Int8Linear and
+ * linear.HalfLinear compute it. */
 static int run_linear(const struct sl_stack *s, const struct sl_linear *l, const float *x, int64_t rows, float *y,
                       float *scratch, int64_t threads) {
+    if (l->kind == LINEAR_HALF)
+        return servelab_half_linear_f32(l->half_format, l->half_weight, l->in_features, l->out_features, x, rows,
+                                        l->bias, y, rows > l->half_gemv_max_rows, threads);
     if (l->kind == LINEAR_INT8)
         return servelab_int8_linear_f32(l->int8_packed, l->int8_scale, l->int8_zero, l->bias, l->in_features,
                                         l->int8_kp, l->out_features, x, rows, y, threads);
@@ -136,7 +144,7 @@ static int run_linear(const struct sl_stack *s, const struct sl_linear *l, const
 
 /* Runs every layer for st->rows decodes. x [rows, hidden]: the embedded tokens in, the residual
  * stream out, with the last layer's MLP output in delta [rows, hidden] still to be added (as the
- * model's loop leaves them). Returns 0, or -1 where an int8 linear found no memory. */
+ * model's loop leaves them). Returns 0, or -1 where an int8 or half linear found no memory. */
 int servelab_decode_stack(const struct sl_stack *s, const struct sl_step *st, float *x, float *delta, float *arena)
 {
     const int64_t rows = st->rows, threads = st->threads, hidden = s->hidden;

@@ -1,0 +1,187 @@
+"""bf16 weight storage under fp32 compute (linear.HalfLinear, csrc/half_linear.c) against the fp32
+copy a bf16 checkpoint used to be widened to, on the bundled model's shapes, in one process.
+
+The bundled SmolLM2-135M GGUF is dequantized and rounded to bf16 into a temporary HF directory
+(safetensors, config.json, tokenizer.json; nothing is downloaded), then:
+
+    python benchmarks/half_weights.py linears [--rows 1 2 4 8 16 32 64 128 512] [--threads 1]
+
+times every linear of the model (30 layers x 4 fused matrices + the 49152-row head) per row
+count: the fp32 copy through F.linear (MKL), and the bf16 weight through each of HalfLinear's
+paths (the GEMV kernel, the panel GEMM kernel, widen-then-MKL), in CPU time; the medians set
+linear.HALF_GEMV_MAX_ROWS and HALF_GEMM_MAX_ROWS.
+
+    python benchmarks/half_weights.py engine [--rounds 5] [--threads 2]
+
+runs the engine on that checkpoint twice, its linears kept bf16 (the default) and widened to an
+fp32 copy at load (SERVELAB_HALF_WEIGHTS=0), and measures decode at batch 1 and 32 and a
+512-token prefill as benchmarks/engine_cpu.py defines them, the two engines interleaved round by
+round (alternating who goes first); prints the medians and their ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch loads (servelab/__init__.py)
+import torch
+import torch.nn.functional as F
+
+from servelab.engine.bundled import bundled_model_path
+
+
+def write_bf16_checkpoint(out: Path) -> Path:
+    """The bundled model as a bf16 HF directory in `out`."""
+    from safetensors.torch import save_file
+
+    from servelab.engine.loader import read_gguf_tensors
+    from servelab.engine.tokenizer import Tokenizer
+    from servelab.engine.weight_layout import gguf_getters
+    from servelab.spec.model import ModelSpec
+
+    path = bundled_model_path()
+    gguf, tensors = read_gguf_tensors(path)
+    spec = ModelSpec.from_gguf_metadata(gguf.metadata, name=path.stem,
+                                        tensor_shapes={n: t.shape for n, t in gguf.tensors.items()})  # fmt: skip
+    get, _ = gguf_getters(spec, tensors)
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        names += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
+        names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
+    if not spec.tie_embeddings:
+        names.append("lm_head.weight")
+    out.mkdir(parents=True, exist_ok=True)
+    save_file({n: get(n).to(torch.bfloat16).contiguous() for n in names}, str(out / "model.safetensors"))
+    tok = Tokenizer.from_gguf(gguf.metadata)
+    tok.backend.save(str(out / "tokenizer.json"))
+    config = {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size, "intermediate_size": spec.ffn_size, "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
+        "hidden_act": "silu", "max_position_embeddings": spec.max_context, "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta, "tie_word_embeddings": spec.tie_embeddings, "attention_bias": False,
+        "eos_token_id": tok.eos_token_id, "torch_dtype": "bfloat16",
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    return out
+
+
+def _cpu_s(fn) -> float:
+    """The process's CPU seconds for one call: on a shared host, less disturbed than wall time
+    by the other processes (with more than one thread, pool workers' spinning counts too)."""
+    t = time.process_time()
+    fn()
+    return time.process_time() - t
+
+
+def linears(ckpt: Path, rows_list: list[int], rounds: int) -> None:
+    from servelab.engine import linear
+    from servelab.engine.linear import HalfLinear
+    from servelab.engine.loader import load_model
+
+    model = load_model(ckpt, dtype=torch.float32).model
+    half = [w for layer in model.layers for w in layer.linears()] + [model.lm_head]
+    assert all(isinstance(w, HalfLinear) for w in half)
+    dense = [w.dequantize() for w in half]
+
+    def run_all(kind: str, x: dict[int, torch.Tensor]):
+        def go():
+            for h, d in zip(half, dense):
+                xi = x[h.shape[1]]
+                if kind == "fp32 MKL":
+                    F.linear(xi, d)
+                elif kind == "widen+MKL":
+                    F.linear(xi, h.weight.float())
+                else:  # the C kernel, one path forced
+                    y = torch.empty(xi.shape[0], h.shape[0])
+                    h.kernels.half_linear(2, h.weight.data_ptr(), h.shape[1], h.shape[0], xi.data_ptr(), xi.shape[0],
+                                          None, y.data_ptr(), int(kind == "bf16 GEMM"), torch.get_num_threads())  # fmt: skip
+        return go
+
+    kinds = ["fp32 MKL", "bf16 GEMV", "bf16 GEMM", "widen+MKL"]
+    print(f"all {len(half)} linears of the bundled model's shapes, {torch.get_num_threads()} threads, "
+          f"median CPU ms of {rounds} rounds (kinds interleaved)")
+    print(f"{'rows':>5s} " + " ".join(f"{k:>10s}" for k in kinds) + "   best bf16 / fp32")
+    for rows in rows_list:
+        x = {n: torch.randn(rows, n) for n in {h.shape[1] for h in half}}
+        fns = {k: run_all(k, x) for k in kinds}
+        for fn in fns.values():
+            fn()
+        t = {k: [] for k in kinds}
+        for r in range(rounds):
+            for k in kinds if r % 2 == 0 else reversed(kinds):
+                t[k].append(_cpu_s(fns[k]))
+        med = {k: statistics.median(v) * 1e3 for k, v in t.items()}
+        best = min(med[k] for k in kinds[1:])
+        print(f"{rows:5d} " + " ".join(f"{med[k]:10.2f}" for k in kinds) + f"   {best / med['fp32 MKL']:.2f}")
+    print(f"(HalfLinear now: GEMV up to {linear.HALF_GEMV_MAX_ROWS} rows, GEMM up to {linear.HALF_GEMM_MAX_ROWS}, "
+          "then widen+MKL)")
+
+
+def engine(ckpt: Path, rounds: int) -> None:
+    sys.path.insert(0, str(Path(__file__).parent))
+    from engine_cpu import Servelab
+
+    from servelab.engine.llm_engine import EngineArgs, LLMEngine
+
+    class OnCheckpoint(Servelab):
+        def __init__(self, name: str, half: bool):
+            os.environ["SERVELAB_HALF_WEIGHTS"] = "1" if half else "0"  # read at load only
+            self.name = name
+            self.engine = LLMEngine.from_args(EngineArgs.from_kwargs(
+                model=str(ckpt), enable_prefix_caching=False, max_num_seqs=64, max_num_batched_tokens=2048))  # fmt: skip
+            self.model = self.engine.executor.model
+            self._n = 0
+
+    engines = [OnCheckpoint("bf16 weights", True), OnCheckpoint("fp32 copy", False)]
+    os.environ.pop("SERVELAB_HALF_WEIGHTS")
+    metrics = ("decode_b1", "decode_b32", "prefill_512")
+    for e in engines:
+        e.decode_b1()
+        e.prefill_512()
+    results = {e.name: {m: [] for m in metrics} for e in engines}
+    for r in range(rounds):
+        for m in metrics:
+            for e in engines if r % 2 == 0 else reversed(engines):
+                results[e.name][m].append(getattr(e, m)())
+                print(f"round {r + 1} {m:12s} {e.name:13s} {results[e.name][m][-1]:9.1f} tok/s", file=sys.stderr)
+    med = {n: {m: statistics.median(v) for m, v in ms.items()} for n, ms in results.items()}
+    print(f"\nbundled SmolLM2-135M as a bf16 safetensors checkpoint, float32 compute, {torch.get_num_threads()} "
+          f"threads, {rounds} interleaved rounds (medians, tok/s)")
+    print(f"{'metric':12s} {'bf16 weights':>13s} {'fp32 copy':>11s} {'ratio':>7s}")
+    for m in metrics:
+        a, b = med["bf16 weights"][m], med["fp32 copy"][m]
+        print(f"{m:12s} {a:13.1f} {b:11.1f} {a / b:6.2f}x")
+    print("bytes per decode step (weights): " + ", ".join(f"{e.name} {e.model.weight_bytes() / 1e6:.0f} MB" for e in engines))
+    print("decode stack (one native call a step): " + ", ".join(f"{e.name} {e.model.decode_stack is not None}" for e in engines))
+    print("load average at the end (1/5/15 min): " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("what", choices=["linears", "engine"])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 512])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = write_bf16_checkpoint(Path(tmp) / "smollm2-135m-bf16")
+        if args.what == "linears":
+            linears(ckpt, args.rows, args.rounds)
+        else:
+            engine(ckpt, args.rounds)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
