@@ -12,7 +12,8 @@ docs/benchmarks.md, "GGUF blocks kept packed".
 
 Formats: Q8_0, Q4_0, Q4_1 (32 weights a block; both kernels) and Q4_K, Q6_K (256; the panel
 kernel, also for one row). A fused matrix whose parts differ in format keeps one packed segment
-per run of a format. Others (Q5_K, F16, ...) keep the fp32 path.
+per run of a format. F16 and BF16 tensors stay 16-bit (linear.HalfLinear); others (Q5_K, ...)
+keep the fp32 path.
 """
 
 from __future__ import annotations

@@ -3,8 +3,9 @@
 Decode attention over an fp32, fp16 or bf16 KV cache (csrc/decode_attention.c), causal prefill
 attention (csrc/prefill_attention.c), the per-layer elementwise ops (csrc/layer_ops.c: residual
 add + RMSNorm, SwiGLU, RoPE with the K/V store; and the sampler's row-wise argmax), linears
-straight from GGUF blocks (csrc/block_quant_linear.c, used by block_quant.py) and the opt-in int8
-linears (csrc/int8_linear.c, used by quantization.py). Attention, the linears and the argmax
+straight from GGUF blocks (csrc/block_quant_linear.c, used by block_quant.py), linears over bf16 or
+fp16 weights with fp32 sums (csrc/half_linear.c, linear.HalfLinear) and the opt-in int8 linears
+(csrc/int8_linear.c, used by quantization.py). Attention, the linears and the argmax
 split their work over torch.get_num_threads() threads of our own pool (csrc/parallel.c).
 
 The same sources are built once per ISA level (ISA_LEVELS: the compiler flags and the CPU
