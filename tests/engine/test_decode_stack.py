@@ -15,7 +15,7 @@ from servelab.engine.loader import load_model
 from servelab.engine.model import AttentionMetadata
 from servelab.engine.ops import OPS_NAMES, TorchOps
 from tests.engine.isa_levels import make_ops_at
-from tests.tiny_models import max_rel_diff
+from tests.tiny_models import max_rel_diff, write_tiny_llama
 
 from .test_weights import _write_gguf
 
@@ -28,6 +28,15 @@ BLOCK = 4  # small blocks: contexts span several, scattered through the pool
 def gguf_models(tiny_llama, tmp_path_factory):
     out = tmp_path_factory.mktemp("decode-stack")
     return {fmt: _write_gguf(tiny_llama, out / f"tiny-{fmt}.gguf", fmt) for fmt in ("Q4_1", "Q8_0")}
+
+
+@pytest.fixture(scope="module")
+def odd_gguf(tmp_path_factory):
+    """A Q4_1 model whose sizes are not multiples of 64: head_dim 48 (16-lane score tiles, one
+    32-dim P V tile and a 16-dim tail), 3 and 9 blocks of 32 inputs, int8 groups padded to 64."""
+    out = tmp_path_factory.mktemp("decode-stack-odd")
+    hf = write_tiny_llama(out / "hf", hidden=96, heads=2, kv_heads=1, intermediate=288, seed=3)
+    return _write_gguf(hf, out / "odd-Q4_1.gguf", "Q4_1")
 
 
 class _Pool:
@@ -111,11 +120,19 @@ def test_stack_gives_the_per_op_bits_on_packed_weights(gguf_models, name, fmt, m
 
 
 @pytest.mark.parametrize("name", NATIVE_OPS)
-def test_stack_gives_the_per_op_bits_with_int8_and_a_16_bit_cache(gguf_models, name, monkeypatch):
-    model = load_model(gguf_models["Q4_1"], dtype=torch.float32).model
+@pytest.mark.parametrize("odd", [False, True], ids=["hd16", "hd48"])
+def test_stack_gives_the_per_op_bits_with_int8_and_a_16_bit_cache(gguf_models, odd_gguf, name, odd, monkeypatch):
+    model = load_model(odd_gguf if odd else gguf_models["Q4_1"], dtype=torch.float32).model
     model.use_ops(make_ops_at(name, monkeypatch))
     model.quantize_int8()
     _stack_against_per_op(model, kv_dtype=torch.float16)
+
+
+@pytest.mark.parametrize("name", NATIVE_OPS)
+def test_stack_gives_the_per_op_bits_at_odd_sizes(odd_gguf, name, monkeypatch):
+    model = load_model(odd_gguf, dtype=torch.float32).model
+    model.use_ops(make_ops_at(name, monkeypatch))
+    _stack_against_per_op(model, kv_dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("name", [n for n in NATIVE_OPS if n.startswith("invariant")])
@@ -142,12 +159,16 @@ def _greedy(model, kv_dtype: torch.dtype, steps: int = 5) -> tuple[list[list[int
 @pytest.mark.parametrize("level", [lv.name for lv in native.ISA_LEVELS if lv.name != "portable"])
 @pytest.mark.parametrize("kind", ["native", "invariant"])
 @pytest.mark.parametrize("int8", [False, True], ids=["q4_1", "int8"])
-def test_greedy_decode_at_every_level_gives_the_portable_builds_tokens(gguf_models, level, kind, int8, monkeypatch):
+@pytest.mark.parametrize("odd", [False, True], ids=["hd16", "hd48"])
+def test_greedy_decode_at_every_level_gives_the_portable_builds_tokens(
+    gguf_models, odd_gguf, level, kind, int8, odd, monkeypatch
+):
     """Prefill and greedy decode through the stack at each ISA level (AVX-512 on SIMDe where the
-    CPU lacks it) against the portable build: the same tokens, logits equal up to fp32 order."""
+    CPU lacks it) against the portable build, on the tiny model and on one with odd sizes: the
+    same tokens, logits equal up to fp32 order."""
     runs = []
     for name in (f"{kind}-portable", f"{kind}-{level}"):
-        model = load_model(gguf_models["Q4_1"], dtype=torch.float32).model
+        model = load_model(odd_gguf if odd else gguf_models["Q4_1"], dtype=torch.float32).model
         model.use_ops(make_ops_at(name, monkeypatch))
         if int8:
             model.quantize_int8()

@@ -226,7 +226,7 @@ def test_every_isa_level_rounds_and_attends_the_same(isa_kernels):
     for kv_dtype in (torch.float32, torch.float16, torch.bfloat16):
         if kv_dtype != torch.float32:
             _check_store(lambda *a: native.rope_store_kv(kernels, a[0], 1, 1, 8, *a[1:]), kv_dtype)
-        for D in (24, 64):  # 8-lane tiles and a scalar tail; 16-lane tiles (AVX-512) over every dim
+        for D in (24, 48, 64):  # AVX2 8-lane tiles + a tail (24); AVX-512 16-lane ones, P V 32 + 16 (48)
             kc = torch.randn(2, 40 * 8, D, generator=g).to(kv_dtype)
             vc = torch.randn(2, 40 * 8, D, generator=g).to(kv_dtype)
             tables = [list(range(30, 20, -1)), list(range(1, 11))]
