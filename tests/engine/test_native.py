@@ -6,6 +6,7 @@ default level and SERVELAB_ISA, and a failed build falling back with its reason 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -361,3 +362,31 @@ def test_cpu_features_fall_back_to_proc_cpuinfo(monkeypatch):
     if not native._proc_cpuinfo_flags():
         pytest.skip("no /proc/cpuinfo flags here")
     assert native.cpu_features() == torch_view
+
+
+@pytest.mark.parametrize("level", native.ISA_LEVELS, ids=lambda level: level.name)
+def test_each_level_builds_with_its_own_isa_whatever_the_compiler_defaults_to(level, tmp_path):
+    """A compiler that defaults to an AVX-512 CPU (-march=x86-64-v4: F/BW/VL/DQ) still builds the
+    portable and avx2 levels without it: csrc/isa.h's SL_* macros are those of the CPU features
+    each level needs, so SERVELAB_ISA=avx2 on such a host really is AVX2. (VNNI and BF16 are not
+    turned off below their levels: gcc < 10 does not know -mno-avx512bf16.)"""
+    import shutil
+    import subprocess
+    from importlib import resources
+
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None or not native._is_x86():
+        pytest.skip("needs an x86 C compiler")
+    want = {"SL_AVX2": "avx2", "SL_AVX512": "avx512f", "SL_AVX512_VNNI": "avx512vnni", "SL_AVX512_BF16": "avx512bf16"}
+    src = tmp_path / "levels.c"
+    src.write_text('#include "isa.h"\n' + "".join(
+        f"#if defined({macro}) != {int(feature in level.needs)}\n#error {macro} wrong\n#endif\n" for macro, feature in want.items()
+    ))
+    csrc = str(resources.files("servelab.engine").joinpath("csrc"))
+    probe = subprocess.run([cc, "-march=x86-64-v4", "-fsyntax-only", "-x", "c", "/dev/null"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"{cc} does not know -march=x86-64-v4")
+    proc = subprocess.run(
+        [cc, "-march=x86-64-v4", *level.cflags, f"-I{csrc}", "-fsyntax-only", str(src)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
