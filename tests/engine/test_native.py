@@ -1,7 +1,9 @@
 """The native decode-attention kernel against a plain per-sequence reference (over fp32, fp16 and
 bf16 caches), the prefill-attention kernel against SDPA, the K/V store rounding as torch rounds,
 the model with and without the kernels, every ISA level's build (tests/engine/isa_levels.py), the
-default level and SERVELAB_ISA, and a failed build falling back with its reason recorded."""
+default level and SERVELAB_ISA, each level's flags giving its own ISA whatever the compiler's
+default, the SIMDe-tested levels building with the real intrinsics too, and a failed build
+falling back with its reason recorded."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from servelab.engine import native
 from servelab.engine.loader import load_model
 from servelab.engine.ops import NativeOps, TorchOps, select_ops
 from servelab.errors import InvalidArgument
+from tests.engine.isa_levels import SIMDE_LEVELS
 from tests.tiny_models import prefill_logits
 
 
@@ -390,3 +393,28 @@ def test_each_level_builds_with_its_own_isa_whatever_the_compiler_defaults_to(le
         [cc, "-march=x86-64-v4", *level.cflags, f"-I{csrc}", "-fsyntax-only", str(src)], capture_output=True, text=True
     )
     assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("name", sorted(SIMDE_LEVELS))
+def test_levels_checked_on_simde_also_build_with_the_real_intrinsics(name, tmp_path):
+    """A level this CPU lacks is tested on SIMDe, which accepts some code the compiler's own
+    intrinsics do not (a name only SIMDe defines, a type it converts silently). On an AVX-512
+    host that real build is the default, so here it must at least compile and link: every
+    function declared and defined. -O0 for speed: the kernels write every immediate as a literal."""
+    import shutil
+    import subprocess
+    from importlib import resources
+
+    if native.unavailable_reason(name) is None:
+        pytest.skip(f"this CPU has {name}: native_kernels builds it with the real intrinsics")
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None or not native._is_x86():
+        pytest.skip("needs an x86 C compiler")
+    csrc = resources.files("servelab.engine").joinpath("csrc")
+    flags = [flag for flag in native._flags(native._LEVELS[name]) if flag != "-O3"]
+    checks = ["-O0", "-Werror=implicit-function-declaration", "-Werror=incompatible-pointer-types", "-Wl,-z,defs"]
+    sources = [str(csrc.joinpath(source)) for source in native._SOURCES]
+    proc = subprocess.run(
+        [cc, *flags, *checks, *sources, "-o", str(tmp_path / "real.so"), "-lm", "-lpthread"], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
