@@ -382,9 +382,11 @@ def test_each_level_builds_with_its_own_isa_whatever_the_compiler_defaults_to(le
         pytest.skip("needs an x86 C compiler")
     want = {"SL_AVX2": "avx2", "SL_AVX512": "avx512f", "SL_AVX512_VNNI": "avx512vnni", "SL_AVX512_BF16": "avx512bf16"}
     src = tmp_path / "levels.c"
-    src.write_text('#include "isa.h"\n' + "".join(
-        f"#if defined({macro}) != {int(feature in level.needs)}\n#error {macro} wrong\n#endif\n" for macro, feature in want.items()
-    ))
+    checks = "".join(
+        f"#if defined({macro}) != {int(feature in level.needs)}\n#error {macro} wrong\n#endif\n"
+        for macro, feature in want.items()
+    )
+    src.write_text(f'#include "isa.h"\n{checks}')
     csrc = str(resources.files("servelab.engine").joinpath("csrc"))
     probe = subprocess.run([cc, "-march=x86-64-v4", "-fsyntax-only", "-x", "c", "/dev/null"], capture_output=True)
     if probe.returncode != 0:
@@ -414,7 +416,6 @@ def test_levels_checked_on_simde_also_build_with_the_real_intrinsics(name, tmp_p
     flags = [flag for flag in native._flags(native._LEVELS[name]) if flag != "-O3"]
     checks = ["-O0", "-Werror=implicit-function-declaration", "-Werror=incompatible-pointer-types", "-Wl,-z,defs"]
     sources = [str(csrc.joinpath(source)) for source in native._SOURCES]
-    proc = subprocess.run(
-        [cc, *flags, *checks, *sources, "-o", str(tmp_path / "real.so"), "-lm", "-lpthread"], capture_output=True, text=True
-    )
+    out = str(tmp_path / "real.so")
+    proc = subprocess.run([cc, *flags, *checks, *sources, "-o", out, "-lm", "-lpthread"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
