@@ -2,7 +2,7 @@
 where it has the level, else built on SIMDe (csrc/isa.h's SL_SIMDE_LEVEL: portable versions of
 the AVX-512 intrinsics, slow, for correctness only) where SIMDe's headers are found, else a skip
 that says how to get them. The emulated builds go through native's own _build, so they are cached
-like the others, keyed by their flags."""
+like the others, keyed by their flags. make_ops_at gives a whole model's ops at any level."""
 
 from __future__ import annotations
 
