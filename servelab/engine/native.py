@@ -76,7 +76,8 @@ ISA_LEVELS = (
     # the scalar paths: runs on any CPU (on x86, nothing past the baseline even if the compiler
     # defaults to more)
     IsaLevel("portable", ("-mno-avx2", "-mno-fma", "-mno-f16c") if _is_x86() else (), frozenset()),
-    IsaLevel("avx2", _AVX2, _AVX2_NEEDS),
+    # no AVX-512 either if the compiler defaults to it (-march=x86-64-v4)
+    IsaLevel("avx2", (*_AVX2, "-mno-avx512f"), _AVX2_NEEDS),
     IsaLevel("avx512", _AVX512, _AVX512_NEEDS),
     IsaLevel("avx512_vnni", (*_AVX512, "-mavx512vnni"), _AVX512_NEEDS | {"avx512vnni"}),
     IsaLevel("avx512_bf16", (*_AVX512, "-mavx512vnni", "-mavx512bf16"), _AVX512_NEEDS | {"avx512vnni", "avx512bf16"}),

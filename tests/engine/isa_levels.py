@@ -2,19 +2,24 @@
 where it has the level, else built on SIMDe (csrc/isa.h's SL_SIMDE_LEVEL: portable versions of
 the AVX-512 intrinsics, slow, for correctness only) where SIMDe's headers are found, else a skip
 that says how to get them. The emulated builds go through native's own _build, so they are cached
-like the others, keyed by their flags."""
+like the others, keyed by their flags. make_ops_at gives a whole model's ops at any level."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import pytest
+import torch
+
 from servelab.engine import native
+from servelab.engine.ops import Ops, make_ops
 
 # csrc/isa.h's SL_SIMDE_LEVEL for each level that SIMDe can stand in for
 SIMDE_LEVELS = {"avx512": 1, "avx512_vnni": 2, "avx512_bf16": 3}
 _REPO = Path(__file__).resolve().parents[2]
 _HOW = "run `make simde` (or install libsimde-dev) and set SERVELAB_SIMDE_INCLUDE to the folder holding simde/"
+_CPU = torch.device("cpu")
 _emulated: dict[str, native.NativeKernels] = {}
 
 
@@ -48,3 +53,21 @@ def kernels_at(name: str) -> tuple[native.NativeKernels | None, str]:
     if name not in _emulated:  # a build that fails raises: with SIMDe there, it is the code's fault
         _emulated[name] = native._build(emulated_level(name, include))
     return _emulated[name], "simde"
+
+
+def make_ops_at(name: str, monkeypatch: pytest.MonkeyPatch) -> Ops:
+    """ops.make_ops(name) for an fp32 model on the CPU, its ISA level's kernels as kernels_at
+    gives them: an emulated level goes through make_ops too, with native_kernels answering its
+    SIMDe build for that level (for the test's duration). Skips, saying why, where it cannot run."""
+    if name == "torch":
+        return make_ops(name, _CPU, torch.float32)
+    level = name.partition("-")[2]
+    kernels, how = kernels_at(level)
+    if kernels is None:
+        pytest.skip(f"{name}: {how}")
+    if how == "simde":
+        real = native.native_kernels
+        monkeypatch.setattr(native, "native_kernels", lambda lv=None: kernels if lv == level else real(lv))
+    ops = make_ops(name, _CPU, torch.float32)
+    assert ops.kernels is kernels
+    return ops

@@ -1,18 +1,21 @@
 """A decode-only step's layers in one native call (engine/decode_stack.py, csrc/decode_stack.c):
-the same bits as the per-op path, at every ISA level this host has, for packed, int8 and
-deterministic-mode linears, over batches of decodes at different contexts in a scrambled pool;
-and it stays out of the way where it cannot run."""
+the same bits as the per-op path, at every ISA level (an AVX-512 level this CPU lacks on SIMDe,
+tests/engine/isa_levels.py), for packed, int8 and deterministic-mode linears, over batches of
+decodes at different contexts in a scrambled pool; greedy decodes at each level give the portable
+build's tokens; and it stays out of the way where it cannot run."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from servelab.engine import block_quant
+from servelab.engine import block_quant, native
 from servelab.engine.kv_cache import PagedKVCache
 from servelab.engine.loader import load_model
 from servelab.engine.model import AttentionMetadata
-from servelab.engine.ops import OPS_NAMES, OpsUnavailable, TorchOps, make_ops
+from servelab.engine.ops import OPS_NAMES, TorchOps
+from tests.engine.isa_levels import make_ops_at
+from tests.tiny_models import max_rel_diff, write_tiny_llama
 
 from .test_weights import _write_gguf
 
@@ -27,11 +30,13 @@ def gguf_models(tiny_llama, tmp_path_factory):
     return {fmt: _write_gguf(tiny_llama, out / f"tiny-{fmt}.gguf", fmt) for fmt in ("Q4_1", "Q8_0")}
 
 
-def _ops(name: str):
-    try:
-        return make_ops(name, CPU, torch.float32)
-    except OpsUnavailable as exc:
-        pytest.skip(f"{name}: {exc}")
+@pytest.fixture(scope="module")
+def odd_gguf(tmp_path_factory):
+    """A Q4_1 model whose sizes are not multiples of 64: head_dim 48 (16-lane score tiles, one
+    32-dim P V tile and a 16-dim tail), 3 and 9 blocks of 32 inputs, int8 groups padded to 64."""
+    out = tmp_path_factory.mktemp("decode-stack-odd")
+    hf = write_tiny_llama(out / "hf", hidden=96, heads=2, kv_heads=1, intermediate=288, seed=3)
+    return _write_gguf(hf, out / "odd-Q4_1.gguf", "Q4_1")
 
 
 class _Pool:
@@ -51,7 +56,9 @@ class _Pool:
     def slot(self, seq: int, pos: int) -> int:
         return int(self.tables[seq, pos // BLOCK]) * BLOCK + pos % BLOCK
 
-    def prefill(self) -> None:
+    def prefill(self) -> list[torch.Tensor]:
+        """Each prompt's last logits."""
+        last = []
         for i, toks in enumerate(self.tokens):
             n = len(toks)
             meta = AttentionMetadata(
@@ -59,7 +66,8 @@ class _Pool:
                 block_size=BLOCK, decode_block_table=None, decode_ctx_lens=None, decode_max_ctx=0,
                 decode_ctx_slots=None, decode_mask=None, prefills=[(0, n, 0, None)], logits_indices=torch.tensor([n - 1]),
             )
-            self.model.forward(torch.tensor(toks), meta, self.kv.k_layers, self.kv.v_layers)
+            last.append(self.model.forward(torch.tensor(toks), meta, self.kv.k_layers, self.kv.v_layers)[-1])
+        return last
 
     def decode_meta(self) -> AttentionMetadata:
         pos = torch.tensor([len(t) - 1 for t in self.tokens])
@@ -105,26 +113,69 @@ def _stack_against_per_op(model, kv_dtype=torch.float32, steps: int = 6) -> None
 
 @pytest.mark.parametrize("name", NATIVE_OPS)
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
-def test_stack_gives_the_per_op_bits_on_packed_weights(gguf_models, name, fmt):
+def test_stack_gives_the_per_op_bits_on_packed_weights(gguf_models, name, fmt, monkeypatch):
     model = load_model(gguf_models[fmt], dtype=torch.float32).model
-    model.use_ops(_ops(name))
+    model.use_ops(make_ops_at(name, monkeypatch))
     _stack_against_per_op(model)
 
 
 @pytest.mark.parametrize("name", NATIVE_OPS)
-def test_stack_gives_the_per_op_bits_with_int8_and_a_16_bit_cache(gguf_models, name):
-    model = load_model(gguf_models["Q4_1"], dtype=torch.float32).model
-    model.use_ops(_ops(name))
+@pytest.mark.parametrize("odd", [False, True], ids=["hd16", "hd48"])
+def test_stack_gives_the_per_op_bits_with_int8_and_a_16_bit_cache(gguf_models, odd_gguf, name, odd, monkeypatch):
+    model = load_model(odd_gguf if odd else gguf_models["Q4_1"], dtype=torch.float32).model
+    model.use_ops(make_ops_at(name, monkeypatch))
     model.quantize_int8()
     _stack_against_per_op(model, kv_dtype=torch.float16)
 
 
+@pytest.mark.parametrize("name", NATIVE_OPS)
+def test_stack_gives_the_per_op_bits_at_odd_sizes(odd_gguf, name, monkeypatch):
+    model = load_model(odd_gguf, dtype=torch.float32).model
+    model.use_ops(make_ops_at(name, monkeypatch))
+    _stack_against_per_op(model, kv_dtype=torch.bfloat16)
+
+
 @pytest.mark.parametrize("name", [n for n in NATIVE_OPS if n.startswith("invariant")])
-def test_deterministic_mode_runs_dense_models_on_the_stack_too(tiny_llama, name):
+def test_deterministic_mode_runs_dense_models_on_the_stack_too(tiny_llama, name, monkeypatch):
     model = load_model(tiny_llama, dtype=torch.float32).model  # dense fp32: the panel kernel's F32 segments
-    model.use_ops(_ops(name))
+    model.use_ops(make_ops_at(name, monkeypatch))
     assert model.decode_stack is not None and model.decode_stack.invariant
     _stack_against_per_op(model, kv_dtype=torch.bfloat16)
+
+
+def _greedy(model, kv_dtype: torch.dtype, steps: int = 5) -> tuple[list[list[int]], torch.Tensor]:
+    """Three prompts prefilled op by op, then `steps` greedy decodes of them together through the
+    stack: every step's tokens and all the logits."""
+    assert model.decode_stack is not None
+    pool = _Pool(model, [[5, 9, 17], [3] * 11 + [44, 7], [100, 200, 300, 7, 8, 9, 10, 11]], kv_dtype)
+    logits = [torch.stack(pool.prefill())]
+    tokens = [logits[0].argmax(-1).tolist()]
+    for _ in range(steps):
+        logits.append(pool.step(tokens[-1]))
+        tokens.append(logits[-1].argmax(-1).tolist())
+    return tokens, torch.cat(logits)
+
+
+@pytest.mark.parametrize("level", [lv.name for lv in native.ISA_LEVELS if lv.name != "portable"])
+@pytest.mark.parametrize("kind", ["native", "invariant"])
+@pytest.mark.parametrize("int8", [False, True], ids=["q4_1", "int8"])
+@pytest.mark.parametrize("odd", [False, True], ids=["hd16", "hd48"])
+def test_greedy_decode_at_every_level_gives_the_portable_builds_tokens(
+    gguf_models, odd_gguf, level, kind, int8, odd, monkeypatch
+):
+    """Prefill and greedy decode through the stack at each ISA level (AVX-512 on SIMDe where the
+    CPU lacks it) against the portable build, on the tiny model and on one with odd sizes: the
+    same tokens, logits equal up to fp32 order."""
+    runs = []
+    for name in (f"{kind}-portable", f"{kind}-{level}"):
+        model = load_model(odd_gguf if odd else gguf_models["Q4_1"], dtype=torch.float32).model
+        model.use_ops(make_ops_at(name, monkeypatch))
+        if int8:
+            model.quantize_int8()
+        runs.append(_greedy(model, torch.float16 if int8 else torch.float32))
+    (want_tokens, want), (got_tokens, got) = runs
+    assert got_tokens == want_tokens
+    assert max_rel_diff(got, want) <= 1e-5
 
 
 def test_stack_is_built_only_where_it_can_run(tiny_llama, gguf_models):

@@ -1,11 +1,14 @@
 """The native decode-attention kernel against a plain per-sequence reference (over fp32, fp16 and
 bf16 caches), the prefill-attention kernel against SDPA, the K/V store rounding as torch rounds,
 the model with and without the kernels, every ISA level's build (tests/engine/isa_levels.py), the
-default level and SERVELAB_ISA, and a failed build falling back with its reason recorded."""
+default level and SERVELAB_ISA, each level's flags giving its own ISA whatever the compiler's
+default, the SIMDe-tested levels building with the real intrinsics too, and a failed build
+falling back with its reason recorded."""
 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -15,6 +18,7 @@ from servelab.engine import native
 from servelab.engine.loader import load_model
 from servelab.engine.ops import NativeOps, TorchOps, select_ops
 from servelab.errors import InvalidArgument
+from tests.engine.isa_levels import SIMDE_LEVELS
 from tests.tiny_models import prefill_logits
 
 
@@ -226,7 +230,7 @@ def test_every_isa_level_rounds_and_attends_the_same(isa_kernels):
     for kv_dtype in (torch.float32, torch.float16, torch.bfloat16):
         if kv_dtype != torch.float32:
             _check_store(lambda *a: native.rope_store_kv(kernels, a[0], 1, 1, 8, *a[1:]), kv_dtype)
-        for D in (24, 64):  # 8-lane tiles and a scalar tail; 16-lane tiles (AVX-512) over every dim
+        for D in (24, 48, 64):  # AVX2 8-lane tiles + a tail (24); AVX-512 16-lane ones, P V 32 + 16 (48)
             kc = torch.randn(2, 40 * 8, D, generator=g).to(kv_dtype)
             vc = torch.randn(2, 40 * 8, D, generator=g).to(kv_dtype)
             tables = [list(range(30, 20, -1)), list(range(1, 11))]
@@ -361,3 +365,57 @@ def test_cpu_features_fall_back_to_proc_cpuinfo(monkeypatch):
     if not native._proc_cpuinfo_flags():
         pytest.skip("no /proc/cpuinfo flags here")
     assert native.cpu_features() == torch_view
+
+
+@pytest.mark.parametrize("level", native.ISA_LEVELS, ids=lambda level: level.name)
+def test_each_level_builds_with_its_own_isa_whatever_the_compiler_defaults_to(level, tmp_path):
+    """A compiler that defaults to an AVX-512 CPU (-march=x86-64-v4: F/BW/VL/DQ) still builds the
+    portable and avx2 levels without it: csrc/isa.h's SL_* macros are those of the CPU features
+    each level needs, so SERVELAB_ISA=avx2 on such a host really is AVX2. (VNNI and BF16 are not
+    turned off below their levels: gcc < 10 does not know -mno-avx512bf16.)"""
+    import shutil
+    import subprocess
+    from importlib import resources
+
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None or not native._is_x86():
+        pytest.skip("needs an x86 C compiler")
+    want = {"SL_AVX2": "avx2", "SL_AVX512": "avx512f", "SL_AVX512_VNNI": "avx512vnni", "SL_AVX512_BF16": "avx512bf16"}
+    src = tmp_path / "levels.c"
+    checks = "".join(
+        f"#if defined({macro}) != {int(feature in level.needs)}\n#error {macro} wrong\n#endif\n"
+        for macro, feature in want.items()
+    )
+    src.write_text(f'#include "isa.h"\n{checks}')
+    csrc = str(resources.files("servelab.engine").joinpath("csrc"))
+    probe = subprocess.run([cc, "-march=x86-64-v4", "-fsyntax-only", "-x", "c", "/dev/null"], capture_output=True)
+    if probe.returncode != 0:
+        pytest.skip(f"{cc} does not know -march=x86-64-v4")
+    proc = subprocess.run(
+        [cc, "-march=x86-64-v4", *level.cflags, f"-I{csrc}", "-fsyntax-only", str(src)], capture_output=True, text=True
+    )
+    assert proc.returncode == 0, proc.stderr
+
+
+@pytest.mark.parametrize("name", sorted(SIMDE_LEVELS))
+def test_levels_checked_on_simde_also_build_with_the_real_intrinsics(name, tmp_path):
+    """A level this CPU lacks is tested on SIMDe, which accepts some code the compiler's own
+    intrinsics do not (a name only SIMDe defines, a type it converts silently). On an AVX-512
+    host that real build is the default, so here it must at least compile and link: every
+    function declared and defined. -O0 for speed: the kernels write every immediate as a literal."""
+    import shutil
+    import subprocess
+    from importlib import resources
+
+    if native.unavailable_reason(name) is None:
+        pytest.skip(f"this CPU has {name}: native_kernels builds it with the real intrinsics")
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None or not native._is_x86():
+        pytest.skip("needs an x86 C compiler")
+    csrc = resources.files("servelab.engine").joinpath("csrc")
+    flags = [flag for flag in native._flags(native._LEVELS[name]) if flag != "-O3"]
+    checks = ["-O0", "-Werror=implicit-function-declaration", "-Werror=incompatible-pointer-types", "-Wl,-z,defs"]
+    sources = [str(csrc.joinpath(source)) for source in native._SOURCES]
+    out = str(tmp_path / "real.so")
+    proc = subprocess.run([cc, *flags, *checks, *sources, "-o", out, "-lm", "-lpthread"], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr[-2000:]

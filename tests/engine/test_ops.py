@@ -1,7 +1,7 @@
 """The kernel backend chosen once at load (engine/ops.py) and the one linear interface
 (engine/linear.py): every ops implementation this host can run gives the reference ops' logits on
-the tiny model; an ISA level the CPU lacks is skipped and says why; every kind of linear is
-`y = lin(x)` with its bias inside."""
+the tiny model (an AVX-512 level the CPU lacks runs on SIMDe, tests/engine/isa_levels.py; without
+SIMDe it is skipped and says why); every kind of linear is `y = lin(x)` with its bias inside."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from servelab.engine.ops import OPS_NAMES, InvariantOps, NativeOps, OpsUnavailab
 from servelab.engine.quantization import Int8Linear
 from servelab.engine.loader import load_model
 from servelab.errors import InvalidArgument
+from tests.engine.isa_levels import make_ops_at
 from tests.tiny_models import max_rel_diff, prefill_logits
 
 from .test_block_quant import FORMATS, _packed
@@ -44,14 +45,11 @@ def reference_logits(tiny_model):
 
 
 @pytest.mark.parametrize("name", OPS_NAMES)
-def test_every_ops_implementation_gives_the_reference_logits(tiny_model, reference_logits, name):
+def test_every_ops_implementation_gives_the_reference_logits(tiny_model, reference_logits, name, monkeypatch):
     """Whole prefill, chunks over the cache, and every token a decode: the same logits as the
     PyTorch reference up to fp32 summation order, and the same greedy tokens; the linears run
     the ops' own build of the kernels."""
-    try:
-        ops = make_ops(name, CPU, torch.float32)
-    except OpsUnavailable as exc:
-        pytest.skip(f"{name}: {exc}")
+    ops = make_ops_at(name, monkeypatch)
     model = load_model(tiny_model, dtype=torch.float32).model
     model.use_ops(ops)
     assert model.ops is ops and model.batch_invariant == name.startswith("invariant")

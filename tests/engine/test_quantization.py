@@ -178,6 +178,27 @@ def test_every_isa_level_gives_the_same_bits(isa_kernels):
         torch.set_num_threads(before)
 
 
+def test_every_isa_level_is_exact_at_the_largest_products(isa_kernels):
+    """Codes of 127 against activations of +-127 everywhere: vpmaddubsw's int16 pair sums reach
+    +-2 * 127 * 127 = +-32258 (7-bit weights keep them under 32767) and each group's int32 sum
+    64 * 127 * 127, at every level, VNNI's vpdpbusd included: still the stated arithmetic."""
+    name, kernels = isa_kernels
+    w = torch.ones(16, 3 * GROUP)
+    w[8:] = -1  # codes 0 with zero point 127
+    w[12:, ::2] = 1  # both signs: codes 0 and 127
+    lin = Int8Linear.from_weight(w)
+    lin.kernels = kernels
+    codes = lin.packed.transpose(1, 2).reshape(-1, 3 * GROUP)
+    assert int(codes[:8].min()) == 127 and int(codes.max()) == 127
+    x = torch.ones(7, 3 * GROUP)
+    x[1] = -1
+    x[2, 1::2] = -1
+    x[3, GROUP:] = -1
+    got = lin(x)
+    assert torch.equal(got, _reference(lin, x)), name
+    assert got[0, 0] == pytest.approx(3 * GROUP, rel=1e-6) and got[1, 0] == pytest.approx(-3 * GROUP, rel=1e-6)
+
+
 def test_int8_without_the_native_kernels_says_why(monkeypatch):
     monkeypatch.setattr(native, "native_kernels", lambda: None)
     monkeypatch.setattr(native, "load_error", "disabled by SERVELAB_NATIVE=0")
