@@ -41,31 +41,3 @@ def isa_kernels(request):
     if kernels is None:
         pytest.skip(f"ISA level {request.param}: {how}")
     return request.param, kernels
-
-
-@pytest.fixture
-def portable_build(tmp_path):
-    """build(*sources) -> ctypes.CDLL of servelab's C sources compiled for x86 without AVX2 /
-    F16C (the scalar paths). Skips without a C compiler, and off x86, where every build is that."""
-    import ctypes
-    import os
-    import platform
-    import shutil
-    import subprocess
-    from importlib import resources
-
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    if cc is None:
-        pytest.skip("no C compiler")
-    if platform.machine().lower() not in ("x86_64", "amd64", "i686", "i386"):
-        pytest.skip("the portable build is an x86 build without AVX2; other hosts build that way anyway")
-    csrc = resources.files("servelab.engine").joinpath("csrc")
-
-    def build(*sources: str) -> ctypes.CDLL:
-        lib_path = tmp_path / "portable.so"
-        paths = [str(csrc.joinpath(name)) for name in sources]
-        flags = ["-O2", "-shared", "-fPIC", "-mno-avx2", "-mno-f16c"]
-        subprocess.run([cc, *flags, *paths, "-o", str(lib_path), "-lm", "-lpthread"], check=True)
-        return ctypes.CDLL(str(lib_path))
-
-    return build
