@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,8 @@ from servelab.errors import InvalidArgument
 from servelab.units import parse_duration_s
 
 HELP = "bench a live server, replay the run in the simulator with a profile, and print the errors"
+# past this share of the CPUs taken by the hypervisor (steal) in the measured run, the report warns
+STEAL_WARN_FRACTION = 0.05
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
     from servelab.commands._outputs import check_output_file
     from servelab.commands.bench import check_load_args, slo_from_args
     from servelab.cost.profile import load_profile
+    from servelab.engine.host_probe import OtherLoadMeter
     from servelab.workload import workload_from_args
 
     check_load_args(args)
@@ -58,12 +62,26 @@ def run(args: argparse.Namespace) -> int:
     workload = workload_from_args(args)
     if workload.rate is None and workload.concurrency is None and workload.trace is None:
         raise InvalidArgument("give a load: --rate R (requests/s), --concurrency C, or --trace FILE")
+    meter = OtherLoadMeter()
     loop = asyncio.new_event_loop()
     try:
         measured, server, served_model = loop.run_until_complete(bench_live_server(args, workload, slo))
     finally:
         loop.close()
-    return _predict_and_report(args, profile, workload, slo, measured, server, served_model)
+    host = {"cpus": os.cpu_count(), "steal_cpus": meter.steal_cpus()}
+    return _predict_and_report(args, profile, workload, slo, measured, server, served_model, host)
+
+
+def describe_steal(host: dict[str, Any]) -> str | None:
+    """One line on the hypervisor's steal during the measured run, or None where unmeasured."""
+    steal, cpus = host["steal_cpus"], host["cpus"] or 1
+    if steal is None:
+        return None
+    line = f"host: the hypervisor took {steal:.2f} of {cpus} CPUs (steal) during the measured run"
+    if steal > STEAL_WARN_FRACTION * cpus:
+        line += ("; this virtual machine's neighbours were busy, and measured times move with them, so an error "
+                 "past a target may be the host's rather than the model's (docs/fidelity.md)")
+    return line
 
 
 async def bench_live_server(args: argparse.Namespace, workload, slo):  # noqa: ANN001, ANN202
@@ -83,7 +101,7 @@ async def bench_live_server(args: argparse.Namespace, workload, slo):  # noqa: A
     return result, server, model
 
 
-def _predict_and_report(args, profile, workload, slo, measured, server, served_model) -> int:  # noqa: ANN001
+def _predict_and_report(args, profile, workload, slo, measured, server, served_model, host) -> int:  # noqa: ANN001
     from servelab.bench.fidelity import compare, format_comparison, replay, replay_trace, sim_config
     from servelab.cost.profile import ServingTerm
     from servelab.metrics import format_summary_table
@@ -101,7 +119,7 @@ def _predict_and_report(args, profile, workload, slo, measured, server, served_m
                    "workload": workload.to_dict(), "replayed_requests": len(trace),
                    "replay": f"closed loop, concurrency {workload.concurrency}" if closed else "measured send times",
                    "serving_term": ServingTerm.from_profile(profile).to_dict(),
-                   "failed_requests": measured.summary.failed},
+                   "failed_requests": measured.summary.failed, "host": host},
         "measured": measured.summary.to_dict(),
         "simulated": predicted.summary.to_dict(),
         "comparison": [r.to_dict() for r in rows],
@@ -114,6 +132,8 @@ def _predict_and_report(args, profile, workload, slo, measured, server, served_m
     how = f"in a closed loop at concurrency {workload.concurrency}" if closed else "at their measured send times"
     print(f"{served_model} at {args.base_url}, {workload.describe()}; replayed {len(trace)} requests {how} "
           f"through the simulator with {args.profile} ({ServingTerm.from_profile(profile).describe()})")
+    if (steal := describe_steal(host)) is not None:
+        print(steal)
     if measured.summary.failed:
         print(f"note: {measured.summary.failed} requests failed on the server and are not replayed", file=sys.stderr)
     print()

@@ -129,32 +129,41 @@ def _proc_tree_cpu_s(pid: int) -> float:
     return total
 
 
-def _host_busy_cpu_s() -> float | None:
+def _host_cpu_s() -> tuple[float, float] | None:
+    """The host's busy CPU seconds so far, and the part of them the hypervisor stole (/proc/stat)."""
     try:
         with open("/proc/stat", encoding="ascii") as f:
             values = [int(v) for v in f.readline().split()[1:]]
     except (OSError, ValueError):
         return None
+    tick = os.sysconf("SC_CLK_TCK")
     idle = values[3] + (values[4] if len(values) > 4 else 0)  # idle + iowait
-    return (sum(values[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # guest time is already in user
+    steal = values[7] if len(values) > 7 else 0
+    return (sum(values[:8]) - idle) / tick, steal / tick  # guest time is already in user
 
 
 class OtherLoadMeter:
-    """How many CPUs *other* processes kept busy between start() and other_cpus(): the host's busy
-    time (/proc/stat) less this process tree's. None where /proc is not there (not Linux)."""
+    """How many CPUs *other* processes kept busy since it was made: the host's busy time
+    (/proc/stat) less this process tree's, the hypervisor's steal included; and the steal alone
+    (CPU time a virtual machine's neighbours took). None where /proc is not there (not Linux)."""
 
     def __init__(self) -> None:
         self._t0 = time.perf_counter()
-        self._host0 = _host_busy_cpu_s()
+        self._host0 = _host_cpu_s()
         self._own0 = _proc_tree_cpu_s(os.getpid())
 
-    def other_cpus(self) -> float | None:
-        host = _host_busy_cpu_s()
-        if host is None or self._host0 is None:
-            return None
+    def _per_wall(self, index: int, own_s: float = 0.0) -> float | None:
+        host = _host_cpu_s()
         wall = time.perf_counter() - self._t0
-        others = (host - self._host0) - (_proc_tree_cpu_s(os.getpid()) - self._own0)
-        return max(0.0, others / wall) if wall > 0 else None
+        if host is None or self._host0 is None or wall <= 0:
+            return None
+        return max(0.0, (host[index] - self._host0[index] - own_s) / wall)
+
+    def other_cpus(self) -> float | None:
+        return self._per_wall(0, _proc_tree_cpu_s(os.getpid()) - self._own0)
+
+    def steal_cpus(self) -> float | None:
+        return self._per_wall(1)
 
 
 # The engine's all-reduce messages: fp32 [tokens, hidden] for a step of that many tokens.

@@ -49,6 +49,7 @@ def test_calibrate_then_validate_against_a_live_server(server_launcher, tmp_path
     cfg = out["config"]
     assert cfg["serving_term"] == {"form": "per-step", "per_step_s": term["per_step_s"], "per_seq_s": term["per_seq_s"]}
     assert cfg["replayed_requests"] == 6 and cfg["sim_model"] == "smollm2-135m"
+    assert cfg["host"]["steal_cpus"] >= 0 and "host: the hypervisor took" in text  # the measured run's steal
     # the simulator ran the server's own budgets and KV pool, read from /metrics
     assert cfg["server"]["max_num_seqs"] == "4" and int(cfg["server"]["num_blocks"]) > 0
     assert out["measured"]["completed"] == out["simulated"]["completed"] == 6
