@@ -235,7 +235,13 @@ class ImplicitDecodeScheduler(Scheduler):
         """The step's entries with the implicit sequences whose event is at `tick` put where the
         core loop would meet them: among the running sequences' entries in `running` order,
         before the entries of sequences admitted this step."""
-        due: list[tuple] = [(seq, _WAKE) for seq in woken if seq.implicit_from >= 0 and seq.implicit_wake == tick]
+        # A sequence caught up and made implicit again can be filed twice under one tick: wake it once.
+        due: list[tuple] = []
+        seen: set[int] = set()
+        for seq in woken:
+            if seq.implicit_from >= 0 and seq.implicit_wake == tick and id(seq) not in seen:
+                seen.add(id(seq))
+                due.append((seq, _WAKE))
         num_running = self._num_running_entries  # usually 0: every running sequence is implicit
         due += zip(scheduled[:num_running], sampled[:num_running])
         due.sort(key=_item_order_key)

@@ -160,6 +160,25 @@ def test_implicit_decodes_match_the_explicit_loops(
         assert implicit[key] == explicit[key], key
 
 
+@pytest.mark.parametrize("caching", [True, False])
+def test_a_decode_made_implicit_twice_for_one_tick_wakes_once(caching):
+    """Hypothesis found it: a decode the token budget caught up, then made implicit again with
+    the same next event, was filed twice under that tick and woken (finished) twice."""
+    def request(max_tokens, prompt_len=1, own=False, prefix=()):
+        return {"arrival_s": 0.0, "prompt_len": prompt_len, "own": own, "prefix": list(prefix),
+                "max_tokens": max_tokens, "min_tokens": 0, "stop": [], "eos": (0,), "ignore_eos": False,
+                "priority": 0, "abort_after": None}
+
+    workload = [request(n) for n in (1,) * 7 + (3, 3, 6, 6, 6)]
+    workload += [request(6, prefix=range(500, 516)), request(6, 28, own=True), request(7, 30, own=True)]
+    cfg = SchedulerConfig(num_blocks=15, block_size=8, max_num_batched_tokens=7, max_num_seqs=8, max_model_len=90,
+                          policy="prefill-first", order="fcfs", enable_prefix_caching=caching)
+    explicit = drive(cfg, workload, implicit=False, sync_every=7)
+    implicit = drive(cfg, workload, implicit=True, sync_every=7)
+    for key in COMPARED:
+        assert implicit[key] == explicit[key], key
+
+
 def test_seeded_random_workloads_match_and_reach_the_hard_cases():
     # Hypothesis shrinks towards small cases; these 150 seeded ones are larger and are checked to
     # reach what is hard to get right: steps where the token budget binds with implicit decodes
