@@ -4,7 +4,7 @@ copy a bf16 checkpoint used to be widened to, on the bundled model's shapes, in 
 The bundled SmolLM2-135M GGUF is dequantized and rounded to bf16 into a temporary HF directory
 (safetensors, config.json, tokenizer.json; nothing is downloaded), then:
 
-    python benchmarks/half_weights.py linears [--rows 1 2 4 8 16 32 64 128 512] [--threads 1] [--base TREE]
+    python benchmarks/half_weights.py linears [--rows 1 2 4 8 16 32 64 128 512] [--threads 1] [--base TREE] [--wall]
 
 times every linear of the model (30 layers x 4 fused matrices + the 49152-row head) per row
 count: the fp32 copy through F.linear (MKL), and the bf16 weight through each of HalfLinear's
@@ -78,15 +78,16 @@ def write_bf16_checkpoint(out: Path) -> Path:
     return out
 
 
-def _cpu_s(fn) -> float:
+def _cpu_s(fn, clock=time.process_time) -> float:
     """The process's CPU seconds for one call: on a shared host, less disturbed than wall time
-    by the other processes (with more than one thread, pool workers' spinning counts too)."""
-    t = time.process_time()
+    by the other processes (with more than one thread, pool workers' spinning counts too; `--wall`
+    passes time.perf_counter instead)."""
+    t = clock()
     fn()
-    return time.process_time() - t
+    return clock() - t
 
 
-def linears(ckpt: Path, rows_list: list[int], rounds: int, base: Path | None) -> None:
+def linears(ckpt: Path, rows_list: list[int], rounds: int, base: Path | None, wall: bool) -> None:
     from servelab.engine import host_probe, linear
     from servelab.engine.linear import HalfLinear
     from servelab.engine.loader import load_model
@@ -123,7 +124,7 @@ def linears(ckpt: Path, rows_list: list[int], rounds: int, base: Path | None) ->
     fp32_bytes = sum(h.numel() for h in half) * 4
     bw = [host_probe.read_bandwidth_bytes_per_s()]
     print(f"all {len(half)} linears of the bundled model's shapes, {torch.get_num_threads()} threads, "
-          f"median CPU ms of {rounds} rounds (kinds interleaved)")
+          f"median {'wall' if wall else 'CPU'} ms of {rounds} rounds (kinds interleaved)")
     print(f"{'rows':>5s} " + " ".join(f"{k:>10s}" for k in kinds) + "   best bf16 / fp32")
     for rows in rows_list:
         x = {n: torch.randn(rows, n) for n in {h.shape[1] for h in half}}
@@ -133,13 +134,13 @@ def linears(ckpt: Path, rows_list: list[int], rounds: int, base: Path | None) ->
         t = {k: [] for k in kinds}
         for r in range(rounds):
             for k in kinds if r % 2 == 0 else reversed(kinds):
-                t[k].append(_cpu_s(fns[k]))
+                t[k].append(_cpu_s(fns[k], time.perf_counter if wall else time.process_time))
         med = {k: statistics.median(v) * 1e3 for k, v in t.items()}
         best = min(med[k] for k in kinds[1:4])
         print(f"{rows:5d} " + " ".join(f"{med[k]:10.2f}" for k in kinds) + f"   {best / med['fp32 MKL']:.2f}")
         gbs = {k: (fp32_bytes if k == "fp32 MKL" else fp32_bytes // 2) / med[k] / 1e6
                for k in kinds if k != "widen+MKL"}
-        per = "" if torch.get_num_threads() == 1 else " per CPU second"  # CPU time: every thread counts
+        per = "" if wall or torch.get_num_threads() == 1 else " per CPU second"  # CPU time: every thread counts
         print(f"      weight GB/s{per}: " + ", ".join(f"{k} {v:.1f}" for k, v in gbs.items()))
     bw.append(host_probe.read_bandwidth_bytes_per_s())
     print(f"(HalfLinear now: GEMV up to {linear.HALF_GEMV_MAX_ROWS} rows, GEMM up to {linear.HALF_GEMM_MAX_ROWS}, "
@@ -195,12 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--base", type=Path, default=None, help="linears: another tree's GEMV, timed alongside")
+    ap.add_argument("--wall", action="store_true", help="linears: wall time, not CPU time")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_bf16_checkpoint(Path(tmp) / "smollm2-135m-bf16")
         if args.what == "linears":
-            linears(ckpt, args.rows, args.rounds, args.base)
+            linears(ckpt, args.rows, args.rounds, args.base, args.wall)
         else:
             engine(ckpt, args.rounds)
     return 0
