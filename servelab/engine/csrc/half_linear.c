@@ -149,8 +149,8 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int n
         }
 }
 
-/* Every row of x against `no` outputs starting at w: one row at a time when `one` (wide tiles,
- * for the GEMV's few rows), else MR at a time. */
+/* Every row of x against `no` outputs starting at w: one row at a time when no > NO (the GEMV's
+ * wide one-row tiles), else MR at a time. */
 static inline __attribute__((always_inline)) void rows_against(const int no, const int wkind, const void *w,
                                                                int64_t w_stride, const float *x, int64_t rows,
                                                                int64_t in, const float *bias, float *y, int64_t out) {
