@@ -4,12 +4,15 @@ copy a bf16 checkpoint used to be widened to, on the bundled model's shapes, in 
 The bundled SmolLM2-135M GGUF is dequantized and rounded to bf16 into a temporary HF directory
 (safetensors, config.json, tokenizer.json; nothing is downloaded), then:
 
-    python benchmarks/half_weights.py linears [--rows 1 2 4 8 16 32 64 128 512] [--threads 1]
+    python benchmarks/half_weights.py linears [--rows 1 2 4 8 16 32 64 128 512] [--threads 1] [--base TREE] [--wall]
 
 times every linear of the model (30 layers x 4 fused matrices + the 49152-row head) per row
 count: the fp32 copy through F.linear (MKL), and the bf16 weight through each of HalfLinear's
 paths (the GEMV kernel, the panel GEMM kernel, widen-then-MKL), in CPU time; the medians set
-linear.HALF_GEMV_MAX_ROWS and HALF_GEMM_MAX_ROWS.
+linear.HALF_GEMV_MAX_ROWS and HALF_GEMM_MAX_ROWS. `--base TREE` adds the GEMV of another tree's
+csrc (built as benchmarks/isa_levels.py --base does), for before/after in one run; the host's
+streaming read bandwidth (host_probe, as benchmarks/host_limits.py) is measured before and
+after, and each kind's weight bytes per second are printed.
 
     python benchmarks/half_weights.py engine [--rounds 5] [--threads 2]
 
@@ -75,16 +78,17 @@ def write_bf16_checkpoint(out: Path) -> Path:
     return out
 
 
-def _cpu_s(fn) -> float:
+def _cpu_s(fn, clock=time.process_time) -> float:
     """The process's CPU seconds for one call: on a shared host, less disturbed than wall time
-    by the other processes (with more than one thread, pool workers' spinning counts too)."""
-    t = time.process_time()
+    by the other processes (with more than one thread, pool workers' spinning counts too; `--wall`
+    passes time.perf_counter instead)."""
+    t = clock()
     fn()
-    return time.process_time() - t
+    return clock() - t
 
 
-def linears(ckpt: Path, rows_list: list[int], rounds: int) -> None:
-    from servelab.engine import linear
+def linears(ckpt: Path, rows_list: list[int], rounds: int, base: Path | None, wall: bool) -> None:
+    from servelab.engine import host_probe, linear
     from servelab.engine.linear import HalfLinear
     from servelab.engine.loader import load_model
 
@@ -92,6 +96,15 @@ def linears(ckpt: Path, rows_list: list[int], rounds: int) -> None:
     half = [w for layer in model.layers for w in layer.linears()] + [model.lm_head]
     assert all(isinstance(w, HalfLinear) for w in half)
     dense = [w.dequantize() for w in half]
+
+    kernels = {"bf16 GEMV": half[0].kernels, "bf16 GEMM": half[0].kernels}
+    if base is not None:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from isa_levels import build_from
+
+        from servelab.engine import native
+
+        kernels["base GEMV"] = build_from(base, native.best_level())
 
     def run_all(kind: str, x: dict[int, torch.Tensor]):
         def go():
@@ -103,13 +116,15 @@ def linears(ckpt: Path, rows_list: list[int], rounds: int) -> None:
                     F.linear(xi, h.weight.float())
                 else:  # the C kernel, one path forced
                     y = torch.empty(xi.shape[0], h.shape[0])
-                    h.kernels.half_linear(2, h.weight.data_ptr(), h.shape[1], h.shape[0], xi.data_ptr(), xi.shape[0],
-                                          None, y.data_ptr(), int(kind == "bf16 GEMM"), torch.get_num_threads())  # fmt: skip
+                    kernels[kind].half_linear(2, h.weight.data_ptr(), h.shape[1], h.shape[0], xi.data_ptr(), xi.shape[0],
+                                              None, y.data_ptr(), int(kind == "bf16 GEMM"), torch.get_num_threads())  # fmt: skip
         return go
 
-    kinds = ["fp32 MKL", "bf16 GEMV", "bf16 GEMM", "widen+MKL"]
+    kinds = ["fp32 MKL", "bf16 GEMV", "bf16 GEMM", "widen+MKL"] + (["base GEMV"] if base is not None else [])
+    fp32_bytes = sum(h.numel() for h in half) * 4
+    bw = [host_probe.read_bandwidth_bytes_per_s()]
     print(f"all {len(half)} linears of the bundled model's shapes, {torch.get_num_threads()} threads, "
-          f"median CPU ms of {rounds} rounds (kinds interleaved)")
+          f"median {'wall' if wall else 'CPU'} ms of {rounds} rounds (kinds interleaved)")
     print(f"{'rows':>5s} " + " ".join(f"{k:>10s}" for k in kinds) + "   best bf16 / fp32")
     for rows in rows_list:
         x = {n: torch.randn(rows, n) for n in {h.shape[1] for h in half}}
@@ -119,12 +134,20 @@ def linears(ckpt: Path, rows_list: list[int], rounds: int) -> None:
         t = {k: [] for k in kinds}
         for r in range(rounds):
             for k in kinds if r % 2 == 0 else reversed(kinds):
-                t[k].append(_cpu_s(fns[k]))
+                t[k].append(_cpu_s(fns[k], time.perf_counter if wall else time.process_time))
         med = {k: statistics.median(v) * 1e3 for k, v in t.items()}
-        best = min(med[k] for k in kinds[1:])
+        best = min(med[k] for k in kinds[1:4])
         print(f"{rows:5d} " + " ".join(f"{med[k]:10.2f}" for k in kinds) + f"   {best / med['fp32 MKL']:.2f}")
+        gbs = {k: (fp32_bytes if k == "fp32 MKL" else fp32_bytes // 2) / med[k] / 1e6
+               for k in kinds if k != "widen+MKL"}
+        per = "" if wall or torch.get_num_threads() == 1 else " per CPU second"  # CPU time: every thread counts
+        print(f"      weight GB/s{per}: " + ", ".join(f"{k} {v:.1f}" for k, v in gbs.items()))
+    bw.append(host_probe.read_bandwidth_bytes_per_s())
     print(f"(HalfLinear now: GEMV up to {linear.HALF_GEMV_MAX_ROWS} rows, GEMM up to {linear.HALF_GEMM_MAX_ROWS}, "
           "then widen+MKL)")
+    print(f"host read bandwidth (host_probe, {torch.get_num_threads()} threads), before / after: "
+          + " / ".join(f"{b / 1e9:.1f} GB/s" for b in bw))
+    print("load average at the end (1/5/15 min): " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
 def engine(ckpt: Path, rounds: int) -> None:
@@ -172,12 +195,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128, 512])
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--base", type=Path, default=None, help="linears: another tree's GEMV, timed alongside")
+    ap.add_argument("--wall", action="store_true", help="linears: wall time, not CPU time")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_bf16_checkpoint(Path(tmp) / "smollm2-135m-bf16")
         if args.what == "linears":
-            linears(ckpt, args.rows, args.rounds)
+            linears(ckpt, args.rows, args.rounds, args.base, args.wall)
         else:
             engine(ckpt, args.rounds)
     return 0

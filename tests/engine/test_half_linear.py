@@ -42,10 +42,11 @@ def _run(k, w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None, gemm: b
     return y
 
 
-# in: under one vector, not a multiple of 8 or 16, and a multiple; out: tails of the 3-output
-# tile and the 24-output panel
+# in: under one vector, not a multiple of 8 or 16, and a multiple, and 57 for the single-vector
+# step after the two-vector loop at 8 and at 16 lanes; out: tails of the 3-output tile, of the
+# one-row GEMV's 4-output tile (1, 2 and 3 left) and of the 24-output panel
 @pytest.mark.parametrize("half", list(HALF))
-@pytest.mark.parametrize(("out_features", "in_features"), [(5, 3), (37, 77), (50, 64), (25, 141)])
+@pytest.mark.parametrize(("out_features", "in_features"), [(5, 3), (37, 77), (50, 64), (25, 141), (39, 57)])
 def test_kernel_is_f_linear_over_the_widened_weight_at_every_row_count(isa_kernels, half, out_features, in_features):
     _, k = isa_kernels  # every ISA level: native, or on SIMDe where this CPU lacks it
     g = torch.Generator().manual_seed(out_features * in_features)

@@ -8,7 +8,8 @@
  *
  * One tile does the arithmetic: MR rows x NO outputs, each a vector of partial sums along the
  * inputs (summed across lanes at the end), reading the weight either straight from its 16-bit
- * rows (the GEMV path: each weight row is streamed once, every row of x taken while it is in L1)
+ * rows (the GEMV path: each weight row is streamed once, every row of x taken while it is in L1;
+ * at one row, tiles of NO_MAX outputs, and a software prefetch that runs linearly ahead)
  * or from an fp32 panel of NP outputs widened once per call (the GEMM path: the widening is
  * shared by all rows of a prefill chunk). Output groups are split over our thread pool.
  *
@@ -25,8 +26,10 @@
 
 #define MR 4  /* rows a tile */
 #define NO 3  /* outputs a tile: 12 accumulators + 3 weight vectors + 1 of x = 16 AVX2 registers */
+#define NO_MAX 4 /* outputs a one-row GEMV tile: 4 independent FMA chains, 4 weight streams */
+#define ONE_MAX 1 /* GEMV rows up to this take the one-row tiles */
 #define NP 24 /* outputs a widened panel (GEMM path) */
-#define PF_ROWS 3 /* GEMV: prefetch the weight this many rows ahead */
+#define PF_BYTES 8192 /* GEMV: software prefetch distance (docs/benchmarks.md, "bf16 storage") */
 enum { W_F32 = 0 }; /* a tile reading the widened fp32 panel; else KV_F16 / KV_BF16 */
 
 /* The two paths differ only in where a tile reads the weight: a row's sums run in the same lanes
@@ -101,28 +104,38 @@ static inline __attribute__((always_inline)) float w_one(const void *w, int64_t 
 }
 
 /* y[r][o] = sum_k x[r][k] * w[o][k] (+ bias[o]) for the first mr rows and no outputs (constants
- * once inlined). Weight rows are w_stride elements apart, x rows in apart, y rows y_stride. */
+ * once inlined). Weight rows are w_stride elements apart, x rows in apart, y rows y_stride.
+ * A pair's lane j sums k = j, j + VW, j + 2 VW, ... in that order, whatever mr and no. */
 static inline __attribute__((always_inline)) void tile(const int mr, const int no, const int wkind, const void *w,
                                                        int64_t w_stride, const float *x, int64_t in,
                                                        const float *bias, float *y, int64_t y_stride) {
     const int64_t esize = wkind == W_F32 ? 4 : 2;
-    const char *wr[NO];
+    const char *wr[NO_MAX];
     for (int o = 0; o < no; o++) wr[o] = (const char *)w + o * w_stride * esize;
-    vf acc[MR][NO];
+    vf acc[MR][NO_MAX];
     for (int r = 0; r < mr; r++)
         for (int o = 0; o < no; o++) acc[r][o] = v_zero();
     int64_t k = 0;
-    for (; k + VW <= in; k += VW) {
+    for (; k + 2 * VW <= in; k += 2 * VW) {
 #if defined(SL_AVX2)
-        if (wkind != W_F32 && (k & 31) == 0) /* the next group's rows: the short rows defeat the hardware prefetcher */
-            for (int o = 0; o < no; o++) _mm_prefetch(wr[o] + (k + PF_ROWS * w_stride) * 2, _MM_HINT_T0);
+        /* the tile's rows are one contiguous block read a line of each row at a time: prefetch as
+         * many lines, in address order, PF_BYTES past the block's start (a linear stream) */
+        if (wkind != W_F32 && (k & 31) == 0)
+            for (int o = 0; o < no; o++) _mm_prefetch(wr[0] + PF_BYTES + (k / 32 * no + o) * 64, _MM_HINT_T0);
 #endif
-        vf wv[NO];
-        for (int o = 0; o < no; o++) wv[o] = w_vec(wr[o], k, wkind);
+        vf lo[NO_MAX], hi[NO_MAX];
+        for (int o = 0; o < no; o++) lo[o] = w_vec(wr[o], k, wkind), hi[o] = w_vec(wr[o], k + VW, wkind);
         for (int r = 0; r < mr; r++) {
-            const vf xv = v_load(x + r * in + k);
-            for (int o = 0; o < no; o++) acc[r][o] = v_fma(xv, wv[o], acc[r][o]);
+            const vf xl = v_load(x + r * in + k), xh = v_load(x + r * in + k + VW);
+            for (int o = 0; o < no; o++) acc[r][o] = v_fma(xh, hi[o], v_fma(xl, lo[o], acc[r][o]));
         }
+    }
+    if (k + VW <= in) {
+        for (int o = 0; o < no; o++) {
+            const vf wv = w_vec(wr[o], k, wkind);
+            for (int r = 0; r < mr; r++) acc[r][o] = v_fma(v_load(x + r * in + k), wv, acc[r][o]);
+        }
+        k += VW;
     }
     for (int r = 0; r < mr; r++)
         for (int o = 0; o < no; o++) {
@@ -136,11 +149,16 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int n
         }
 }
 
-/* Every row of x against `no` (<= NO) outputs starting at w, rows MR at a time. */
+/* Every row of x against `no` outputs starting at w: one row at a time when no > NO (the GEMV's
+ * wide one-row tiles), else MR at a time. */
 static inline __attribute__((always_inline)) void rows_against(const int no, const int wkind, const void *w,
                                                                int64_t w_stride, const float *x, int64_t rows,
                                                                int64_t in, const float *bias, float *y, int64_t out) {
     int64_t m = 0;
+    if (no > NO) {
+        for (; m < rows; m++) tile(1, no, wkind, w, w_stride, x + m * in, in, bias, y + m * out, out);
+        return;
+    }
     for (; m + MR <= rows; m += MR) tile(MR, no, wkind, w, w_stride, x + m * in, in, bias, y + m * out, out);
     switch (rows - m) {
     case 1: tile(1, no, wkind, w, w_stride, x + m * in, in, bias, y + m * out, out); break;
@@ -150,22 +168,30 @@ static inline __attribute__((always_inline)) void rows_against(const int no, con
     }
 }
 
-/* Outputs [n0, n0 + n) in groups of NO, the weight rows read as `wkind` from w (row n0 first). */
-static inline __attribute__((always_inline)) void outputs(const int wkind, const void *w, int64_t w_stride,
-                                                          int64_t n, const float *x, int64_t rows, int64_t in,
-                                                          const float *bias, float *y, int64_t out) {
+/* Outputs [n0, n0 + n) in groups of `group` (NO or NO_MAX), the weight rows read as `wkind`
+ * from w (row n0 first); the last group may be short. */
+static inline __attribute__((always_inline)) void outputs(const int group, const int wkind, const void *w,
+                                                          int64_t w_stride, int64_t n, const float *x, int64_t rows,
+                                                          int64_t in, const float *bias, float *y, int64_t out) {
     const int64_t esize = wkind == W_F32 ? 4 : 2;
-    int64_t o = 0;
-    for (; o + NO <= n; o += NO)
-        rows_against(NO, wkind, (const char *)w + o * w_stride * esize, w_stride, x, rows, in, bias ? bias + o : NULL,
-                     y + o, out);
-    if (n - o == 2)
-        rows_against(2, wkind, (const char *)w + o * w_stride * esize, w_stride, x, rows, in, bias ? bias + o : NULL,
-                     y + o, out);
-    else if (n - o == 1)
-        rows_against(1, wkind, (const char *)w + o * w_stride * esize, w_stride, x, rows, in, bias ? bias + o : NULL,
-                     y + o, out);
+    for (int64_t o = 0; o < n; o += group) {
+        const void *wo = (const char *)w + o * w_stride * esize;
+        const float *bo = bias ? bias + o : NULL;
+        if (n - o >= group) {
+            rows_against(group, wkind, wo, w_stride, x, rows, in, bo, y + o, out);
+            continue;
+        }
+        switch (n - o) { /* constants, so every tile is unrolled (a short group: under NO_MAX = 4) */
+        case 1: rows_against(1, wkind, wo, w_stride, x, rows, in, bo, y + o, out); break;
+        case 2: rows_against(2, wkind, wo, w_stride, x, rows, in, bo, y + o, out); break;
+        case 3: rows_against(3, wkind, wo, w_stride, x, rows, in, bo, y + o, out); break;
+        default: break;
+        }
+    }
 }
+
+/* Outputs a GEMV group: wide one-row tiles for few rows */
+static inline int64_t gemv_group(int64_t rows) { return rows <= ONE_MAX ? NO_MAX : NO; }
 
 struct half_job {
     int64_t fmt, in, out, rows;
@@ -178,13 +204,17 @@ struct half_job {
 static void gemv_part(const void *ctx, int64_t part, int64_t begin, int64_t end) {
     (void)part;
     const struct half_job *j = ctx;
-    const int64_t n0 = begin * NO, n1 = end * NO < j->out ? end * NO : j->out;
+    const int64_t g = gemv_group(j->rows);
+    const int64_t n0 = begin * g, n1 = end * g < j->out ? end * g : j->out;
     const uint16_t *w = j->w + n0 * j->in;
     const float *bias = j->bias ? j->bias + n0 : NULL;
-    if (j->fmt == KV_BF16)
-        outputs(KV_BF16, w, j->in, n1 - n0, j->x, j->rows, j->in, bias, j->y + n0, j->out);
-    else
-        outputs(KV_F16, w, j->in, n1 - n0, j->x, j->rows, j->in, bias, j->y + n0, j->out);
+#define GEMV_CALL(G, F) outputs(G, F, w, j->in, n1 - n0, j->x, j->rows, j->in, bias, j->y + n0, j->out)
+    if (j->fmt == KV_BF16) {
+        if (g == NO_MAX) GEMV_CALL(NO_MAX, KV_BF16); else GEMV_CALL(NO, KV_BF16);
+    } else {
+        if (g == NO_MAX) GEMV_CALL(NO_MAX, KV_F16); else GEMV_CALL(NO, KV_F16);
+    }
+#undef GEMV_CALL
 }
 
 /* Panel p's weight rows widened into `panel` [n][in] fp32. */
@@ -209,7 +239,7 @@ static void gemm_part(const void *ctx, int64_t part, int64_t begin, int64_t end)
     for (int64_t p = begin; p < end; p++) {
         const int64_t n0 = p * NP, n = j->out - n0 < NP ? j->out - n0 : NP;
         widen_panel((int)j->fmt, j->w + n0 * j->in, n, j->in, panel);
-        outputs(W_F32, panel, j->in, n, j->x, j->rows, j->in, j->bias ? j->bias + n0 : NULL, j->y + n0, j->out);
+        outputs(NO, W_F32, panel, j->in, n, j->x, j->rows, j->in, j->bias ? j->bias + n0 : NULL, j->y + n0, j->out);
     }
 }
 
@@ -227,7 +257,7 @@ int servelab_half_linear_f32(int64_t fmt, const uint16_t *w, int64_t in, int64_t
     if (threads < 1) threads = 1;
     struct half_job job = {fmt, in, out, rows, w, x, bias, y, NULL};
     if (!gemm) {
-        sl_parallel_for(gemv_part, &job, (out + NO - 1) / NO, threads);
+        sl_parallel_for(gemv_part, &job, (out + gemv_group(rows) - 1) / gemv_group(rows), threads);
         return 0;
     }
     const size_t need = (size_t)threads * NP * (size_t)in;
