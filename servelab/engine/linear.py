@@ -9,7 +9,7 @@ which kind it holds.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -98,22 +98,17 @@ HALF_GEMM_MAX_ROWS = 128
 
 
 @dataclass(slots=True)
-class HalfLinear:
+class HalfLinear(DenseLinear):
     """A weight [out, in] kept in its checkpoint's bf16 or fp16 under fp32 compute on the CPU:
     csrc/half_linear.c widens it in registers and sums in fp32. Widening a 16-bit float to fp32
     is exact, so this computes what DenseLinear over the widened copy computes (up to the order
     of the fp32 sums) from half the bytes. Many rows (a prefill chunk) widen it whole for MKL."""
 
-    weight: torch.Tensor  # bf16 or fp16 [out, in], contiguous, CPU
-    bias: torch.Tensor | None
-    kernels: native.NativeKernels
+    # weight: bf16 or fp16 [out, in], contiguous, CPU (shape, nbytes, numel, dequantize: DenseLinear's)
+    kernels: native.NativeKernels = field(kw_only=True)
     # the C kernel at every row count: its two paths sum a row in the same order, whatever the
     # other rows, so the result is batch-invariant (deterministic mode); else MKL for many rows
     invariant: bool = False
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return (self.weight.shape[0], self.weight.shape[1])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out_features, in_features = self.shape
@@ -131,16 +126,6 @@ class HalfLinear:
             raise MemoryError(f"half linear: no memory for the widened panels of a {out_features} x {in_features} weight")
         return y.reshape(*x.shape[:-1], out_features)
 
-    @property
-    def nbytes(self) -> int:
-        return _bytes(self.weight) + _bytes(self.bias)
-
-    def numel(self) -> int:
-        return self.weight.numel() + (0 if self.bias is None else self.bias.numel())
-
-    def dequantize(self) -> torch.Tensor:
-        return self.weight.float()
-
 
 def half_linear(weight: torch.Tensor, bias: torch.Tensor | None, kernels: native.NativeKernels | None) -> Linear | None:
     """A HalfLinear over `weight` when it is a bf16 or fp16 CPU tensor and the kernels are there; else None."""
@@ -148,7 +133,7 @@ def half_linear(weight: torch.Tensor, bias: torch.Tensor | None, kernels: native
         return None
     if bias is not None:
         bias = bias.float().contiguous()
-    return HalfLinear(weight.contiguous(), bias, kernels)
+    return HalfLinear(weight.contiguous(), bias, kernels=kernels)
 
 
 def lm_head(weight: torch.Tensor, packed: Linear | None) -> Linear:

@@ -68,13 +68,13 @@ def test_kernel_is_f_linear_over_the_widened_weight_at_every_row_count(isa_kerne
 @pytest.mark.parametrize("half", list(HALF))
 def test_linear_takes_mkl_above_its_gemm_rows_and_keeps_half_the_bytes(kernel, half):
     w = torch.randn(40, 32).to(HALF[half])
-    lin = HalfLinear(w, None, kernel)
+    lin = HalfLinear(w, None, kernels=kernel)
     assert lin.nbytes == 40 * 32 * 2 and lin.numel() == 40 * 32 and lin.shape == (40, 32)
     assert torch.equal(lin.dequantize(), w.float())
     x = torch.randn(HALF_GEMM_MAX_ROWS + 5, 32)
     assert (lin(x) - F.linear(x, w.float())).abs().max() < 1e-4
     assert lin(x[:, None, :]).shape == (HALF_GEMM_MAX_ROWS + 5, 1, 40)  # leading dims kept
-    invariant = HalfLinear(w, None, kernel, invariant=True)
+    invariant = HalfLinear(w, None, kernels=kernel, invariant=True)
     assert torch.equal(invariant(x)[:3], invariant(x[:3]))
 
 
