@@ -1,5 +1,6 @@
 """What the end-to-end cluster tests read from a running `servelab serve`: per-worker metrics,
-whether processes are gone, and two long streams across a worker's death."""
+whether processes are gone, and two long streams across a worker's death; and external workers
+started on their own, as on other hosts."""
 
 from __future__ import annotations
 
@@ -60,3 +61,24 @@ def streams_across_a_kill(url: str, max_tokens: int, kill: Callable[[], None]) -
     errors = [e["error"] for e in endings if "error" in e]
     finished = [e["choices"][0]["finish_reason"] for e in endings if "choices" in e]
     return errors, finished, time.monotonic() - t0
+
+
+def env_workers(tmp_path: Path, argv: list[str], ranks: tuple[int, ...] = (1, 2)) -> tuple[int, list]:
+    """A free port for the front end, and one process per rank running `argv` (cwd: the repo)
+    that joins through env:// (MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE); logs in worker<rank>.log."""
+    import os
+    import socket
+    import subprocess
+
+    from tests.server.conftest import REPO
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    workers = []
+    for rank in ranks:
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE=str(len(ranks) + 1), PYTHONUNBUFFERED="1")  # fmt: skip
+        with open(tmp_path / f"worker{rank}.log", "wb") as log:
+            workers.append(subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env))
+    return port, workers

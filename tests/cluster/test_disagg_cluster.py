@@ -209,22 +209,11 @@ def test_a_transfer_fails_by_its_deadline_or_at_once_when_the_peer_dies():
 def test_external_prefill_and_decode_workers_join_through_env(tiny_model_dir, tmp_path):
     """The two-host launch (docs/disaggregation.md): `servelab worker` processes started on their
     own, joining by MASTER_ADDR/RANK/WORLD_SIZE, take the prefill and decode roles."""
-    import socket
-    import subprocess
     import sys
 
-    from tests.server.conftest import REPO
+    from tests.cluster.server_checks import env_workers
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    workers = []
-    for rank in (1, 2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="3",
-                   PYTHONUNBUFFERED="1")  # fmt: skip
-        with open(tmp_path / f"worker{rank}.log", "wb") as log:
-            workers.append(subprocess.Popen([sys.executable, "-m", "servelab", "worker", "--join-timeout", "120s"],
-                                            stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=env))  # fmt: skip
+    port, workers = env_workers(tmp_path, [sys.executable, "-m", "servelab", "worker", "--join-timeout", "120s"])
     try:
         server = launch_server(tiny_model_dir, tmp_path, *FLAGS, "--external-workers", "--master-addr", "127.0.0.1",
                                "--master-port", str(port))  # fmt: skip

@@ -160,27 +160,15 @@ def hanging_worker_main() -> None:
 @pytest.mark.slow  # 22 s here, 18 of them starting the processes
 def test_a_hung_worker_process_is_failed_and_the_cluster_serves_on(tiny_model_dir, tmp_path):
     """Real processes and gloo links: two external workers, one of which hangs in a step."""
-    import os
-    import socket
-    import subprocess
     import sys
 
     import httpx
 
-    from tests.cluster.server_checks import metric
-    from tests.server.conftest import REPO, launch_server
+    from tests.cluster.server_checks import env_workers, metric
+    from tests.server.conftest import launch_server
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    workers = []
-    for rank in (1, 2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="3",
-                   PYTHONUNBUFFERED="1")  # fmt: skip
-        with open(tmp_path / f"worker{rank}.log", "wb") as log:
-            code = "from tests.cluster.test_worker_stalls import hanging_worker_main; hanging_worker_main()"
-            workers.append(subprocess.Popen([sys.executable, "-c", code], stdout=log, stderr=subprocess.STDOUT,
-                                            cwd=REPO, env=env))  # fmt: skip
+    code = "from tests.cluster.test_worker_stalls import hanging_worker_main; hanging_worker_main()"
+    port, workers = env_workers(tmp_path, [sys.executable, "-c", code])
     try:
         server = launch_server(tiny_model_dir, tmp_path, "--data-parallel", "2", "--external-workers",
                                "--master-addr", "127.0.0.1", "--master-port", str(port), "--worker-hang-timeout", "2s",
