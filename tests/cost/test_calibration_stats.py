@@ -120,6 +120,7 @@ class _FakeEngine:
     def __init__(self, clock, spell):
         self.clock, self.spell, self.pending, self.steps = clock, spell, [], 0
         self.executor = SimpleNamespace(execute=self._execute)
+        self.scheduler = SimpleNamespace(config=SimpleNamespace(max_num_batched_tokens=0))  # calibrate sets it
 
     def _execute(self, plan):
         n = plan.shape()[0][0]
@@ -144,10 +145,19 @@ def test_a_slow_spell_does_not_land_on_every_pass_of_a_shape(monkeypatch):
     monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock[0])
     grid = calibrate.Grid(chunk=4096, prefill_lens=(10, 20, 30, 40, 50, 60, 70, 80), decode_batches=(),
                           decode_contexts=(), decode_steps=1, repeats=5)
-    engine = _FakeEngine(clock, spell=(3, 12))  # step 0 is the warm-up; 9 slow steps follow
+    engine = _FakeEngine(clock, spell=(3, 12))  # steps 0-1 are the warm-ups; 9 slow steps follow
     ms = calibrate.measure(engine, grid)
     assert sorted(m["num_tokens"] for m in ms) == [10, 20, 30, 40, 50, 60, 70, 80]
     for m in ms:
         assert len(m["samples_s"]) == 5
         assert m["time_s"] == pytest.approx(1e-3 * m["num_tokens"])
     assert max(max(m["samples_s"]) / m["time_s"] for m in ms) == pytest.approx(3)  # the spell was timed
+
+
+def test_a_step_time_is_the_chosen_statistic_of_its_passes():
+    from servelab.cost.calibration_stats import aggregate
+
+    m = {"num_tokens": 1, "num_seqs": 1, "context_tokens": 1, "pairs": 1, "samples_s": [3.0, 1.0, 2.0, 5.0, 4.0]}
+    assert aggregate([m])[0]["time_s"] == 1.0  # the default: the fastest
+    assert aggregate([m], "median")[0]["time_s"] == 3.0
+    assert aggregate([m], "median")[0]["spread_pct"] == aggregate([m])[0]["spread_pct"] == 200.0
