@@ -12,7 +12,11 @@ replayed through the simulator (docs/fidelity.md, "Runs 9-11 refitted").
 from __future__ import annotations
 
 import argparse
+import bisect
 import json
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +24,71 @@ import numpy as np
 
 from servelab.cost.calibration_stats import STATISTICS, aggregate
 from servelab.cost.profile import TERMS, KernelRows, ProfileStepCost, features, fit
+from servelab.cost.roofline import Roofline
+from servelab.cost.step_cost import Shape, StepCost
 
 METRICS = (("TTFT p50", "ttft_s", "p50"), ("TTFT p90", "ttft_s", "p90"), ("TPOT p50", "tpot_s", "p50"),
            ("output tok/s", "output_throughput", None))
+
+
+# --spread passes: an experiment on the TTFT spread (docs/fidelity.md, "Runs 9-11 refitted"):
+# each simulated step takes its profile time times a factor drawn from calibrate's own passes,
+# from the shapes whose step time is within 2x of this one's; independent, seeded draws.
+def pass_factors(profile: dict[str, Any]) -> tuple[tuple[float, float], ...]:
+    """(the shape's step time by the profile's statistic, a pass over it) for every measured pass,
+    sorted by the time (empty for a profile without per-pass samples)."""
+    name = str(profile.get("step_time_statistic", "fastest")).split()[0]
+    pick = STATISTICS.get(name, min)
+    factors = []
+    for m in profile.get("measurements") or ():
+        samples = m.get("samples_s") or ()
+        base = pick(samples) if samples else 0.0
+        factors += [(base, s / base) for s in samples if base > 0]
+    return tuple(sorted(factors))
+
+
+@dataclass(slots=True)
+class SpreadStepCost:
+    """`base` (a profile's step cost, serving term included) times a factor drawn per step."""
+
+    base: ProfileStepCost
+    timed: Sequence[tuple[float, float]]  # pass_factors
+    seed: int = 0
+    _rng: random.Random = field(init=False, repr=False)
+    _times: list[float] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not self.timed:
+            raise ValueError("no pass factors: the profile has no per-pass samples")
+        self._rng = random.Random(self.seed)
+        self._times = [t for t, _ in self.timed]
+
+    @property
+    def factors(self) -> list[float]:
+        return [f for _, f in self.timed]
+
+    def _factor(self, t: float) -> float:
+        # a hiccup of a few ms is a large share of a short step and a small one of a long step:
+        # draw from the shapes whose time is within 2x of this step's
+        lo, hi = bisect.bisect_left(self._times, t / 2), bisect.bisect_right(self._times, t * 2)
+        if hi - lo < 10:
+            lo, hi = 0, len(self._times)
+        return self.timed[lo + self._rng.randrange(hi - lo)][1]
+
+    def describe(self) -> str:
+        return f"{self.base.describe()}; each step x a factor drawn from calibrate's {len(self.timed)} passes"
+
+    def time_from_totals(self, num_tokens: int, num_seqs: int, context_tokens: int, pairs: int) -> float:
+        t = self.base.time_from_totals(num_tokens, num_seqs, context_tokens, pairs)
+        return t * self._factor(t) if t else 0.0
+
+    def step_time_s(self, shape: Shape) -> float:
+        return self.time_from_totals(*Roofline.totals(shape))
+
+    def step(self, shape: Shape) -> StepCost:
+        cost = self.base.step(shape)
+        return replace(cost, time_s=cost.time_s * self._factor(cost.time_s))
+
 
 
 def held_out_by_path(ms: list[dict], coefs: dict[str, float], rows: KernelRows, every: int) -> str:
@@ -49,7 +115,13 @@ def closed_loop_records(concurrency: int, requests: int, input_len: int, output_
     return [RequestRecord(f"r{i}", float(i), None, None, [], None, input_len, output_len) for i in range(requests)]
 
 
-def refit_serving(profile: dict, server: dict[str, str], model: Any) -> dict[str, Any]:
+def spread_variant(profile: dict, spread: bool) -> Any:
+    """The cost model a replay prices with: the profile's own, or with the passes' spread."""
+    timed = pass_factors(profile)
+    return (lambda cost: SpreadStepCost(cost, timed)) if spread else (lambda cost: cost)
+
+
+def refit_serving(profile: dict, server: dict[str, str], model: Any, spread: bool) -> dict[str, Any]:
     """The serving term refitted against `profile`'s (refitted) engine steps, from the closed-loop
     runs calibrate's --server-term made (their measured TPOT, concurrency and lengths)."""
     from servelab.bench.fidelity import ServerRun, fit_server_term
@@ -58,10 +130,10 @@ def refit_serving(profile: dict, server: dict[str, str], model: Any) -> dict[str
     runs = [ServerRun(r["concurrency"], closed_loop_records(r["concurrency"], r["requests"], old["input_len"],
                                                             old["output_len"]), r["measured_tpot_p50_s"])
             for r in old["runs"]]
-    return fit_server_term({**profile, "server": None}, server, model, runs)
+    return fit_server_term({**profile, "server": None}, server, model, runs, variant=spread_variant(profile, spread))
 
 
-def replay_run(path: Path, profile: dict, cost: ProfileStepCost) -> dict[str, tuple[float, float]]:
+def replay_run(path: Path, profile: dict, cost: ProfileStepCost, spread: bool) -> dict[str, tuple[float, float]]:
     """One validate JSON replayed with `cost`: metric -> (measured, simulated)."""
     from servelab.bench.fidelity import sim_config
     from servelab.sim import simulate
@@ -79,6 +151,7 @@ def replay_run(path: Path, profile: dict, cost: ProfileStepCost) -> dict[str, tu
         spec = WorkloadSpec(num_requests=w["num_requests"], rate=w["rate"], burstiness=w["burstiness"],
                             input_len=w["input_len"], output_len=w["output_len"], seed=w["seed"], arrival=w["arrival"])
         trace, concurrency = spec.generate(), None
+    cost = spread_variant(profile, spread)(cost)
     sim = simulate(sim_config(profile, cfg["server"], get_model(cfg["sim_model"]), None, cost), trace,
                    concurrency=concurrency).summary.to_dict()
     out = {}
@@ -97,6 +170,8 @@ def main() -> None:
                     help="the engine's kernel switches for profiles written before calibrate recorded them "
                          "(the bundled model's packed Q4_1 linears: 4,128); default: the profile's own")
     ap.add_argument("--replay", action="store_true", help="refit the serving term and replay each folder's runs")
+    ap.add_argument("--spread", nargs="+", choices=("none", "passes"), default=["none"],
+                    help="replay with one time per shape (none), or each step drawn from the passes' spread")
     args = ap.parse_args()
     table: list[str] = []
     for folder in args.runs:
@@ -123,21 +198,25 @@ def main() -> None:
                 first = json.loads(sorted(folder.glob("c*.json"))[0].read_text())["config"]
                 from servelab.spec import get_model
 
-                serving = refit_serving(new, first["server"], get_model(first["sim_model"]))
-                cost = ProfileStepCost.from_profile({**new, "server": serving})
-                print(f"      serving term {serving['per_step_s'] * 1e3:.2f} ms a step + "
-                      f"{serving['per_seq_s'] * 1e3:.2f} ms a sequence")
-                for path in sorted(folder.glob("c*.json"), key=lambda p: int(p.stem[1:])) + [folder / "rate.json"]:
-                    if not path.exists():
-                        continue
-                    rows_out = replay_run(path, new, cost)
-                    cells = [f"{m * (1e3 if 'tok/s' not in n else 1):,.1f} / {s * (1e3 if 'tok/s' not in n else 1):,.1f}"
-                             f" ({(s - m) / m * 100:+.0f}%)" for n, (m, s) in rows_out.items()]
-                    table.append(f"| {path.stem} | {folder.name} | {stat} | {form} | " + " | ".join(cells) + " |")
-                    print(f"      {path.stem:>4}: " + "; ".join(f"{n} {c}" for n, c in zip(rows_out, cells)))
+                new["step_time_statistic"] = f"{stat} of the interleaved passes"
+                for spread in args.spread:
+                    serving = refit_serving(new, first["server"], get_model(first["sim_model"]), spread == "passes")
+                    cost = ProfileStepCost.from_profile({**new, "server": serving})
+                    print(f"      spread {spread}: serving term {serving['per_step_s'] * 1e3:.2f} ms a step + "
+                          f"{serving['per_seq_s'] * 1e3:.2f} ms a sequence")
+                    for path in sorted(folder.glob("c*.json"), key=lambda p: int(p.stem[1:])) + [folder / "rate.json"]:
+                        if not path.exists():
+                            continue
+                        rows_out = replay_run(path, new, cost, spread == "passes")
+                        cells = [f"{m * (1e3 if 'tok/s' not in n else 1):,.1f} / "
+                                 f"{s * (1e3 if 'tok/s' not in n else 1):,.1f} ({(s - m) / m * 100:+.0f}%)"
+                                 for n, (m, s) in rows_out.items()]
+                        table.append(f"| {path.stem} | {folder.name} | {stat} | {form} | {spread} | "
+                                     + " | ".join(cells) + " |")
+                        print(f"      {path.stem:>4}: " + "; ".join(f"{n} {c}" for n, c in zip(rows_out, cells)))
     if table:
-        print("\n| load | run | statistic | form | " + " | ".join(n for n, _, _ in METRICS) + " |")
-        print("|---|---|---|---|" + "---|" * len(METRICS))
+        print("\n| load | run | statistic | form | spread | " + " | ".join(n for n, _, _ in METRICS) + " |")
+        print("|---|---|---|---|---|" + "---|" * len(METRICS))
         print("\n".join(sorted(table, key=lambda r: ({"c1": 0, "c4": 1, "c16": 2, "rate": 3}.get(r.split("|")[1].strip(), 9), r))))
 
 
