@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--out", required=True, metavar="FILE.json", help="where to write the profile")
     parser.add_argument("--grid", choices=list(GRIDS), default="coarse",
-                        help="coarse: about 3.5 min on the bundled model on an idle 2-core host; full: longer "
+                        help="coarse: about 4 min on the bundled model on an idle 2-core host; full: longer "
                              "(default coarse)")
     parser.add_argument("--max-heldout-error", type=float, default=DEFAULT_MAX_HELDOUT_ERROR_PCT, metavar="PCT",
                         help="refuse to write a profile whose median error on held-out steps is above PCT %% "
@@ -159,7 +159,7 @@ def scenarios(grid: Grid, max_len: int, budget: int | None = None) -> list[Scena
     joined by a whole prompt (mixed steps past the packed kernels' rows)."""
     budget = serving_budget() if budget is None else budget
     out = [Scenario(((n, 1),)) for n in grid.prefill_lens if n + 1 <= max_len]
-    for c in grid.decode_contexts:
+    for c in grid.decode_contexts if grid.decode_batches else ():
         for b in grid.decode_batches:
             steps = prefill_steps(grid, b, c) + grid.decode_steps
             if c + steps + 1 <= max_len:
@@ -171,9 +171,9 @@ def scenarios(grid: Grid, max_len: int, budget: int | None = None) -> list[Scena
             out.append(Scenario(((c, steps + 1),) * b, ((min(grid.chunk, c), 1),), join_step=prefilled + 1))
     if grid.chunk + 1 <= max_len:
         out += [Scenario(((grid.chunk, 1),) * k, budget=budget) for k in grid.together if k * grid.chunk <= budget]
-        c = min(grid.decode_contexts)
+        c = min(grid.decode_contexts, default=0)
         out += [Scenario(((c, grid.decode_steps + 3),) * b, ((grid.chunk, 1),), join_step=2, budget=budget)
-                for b in grid.joined_batches if b * c + grid.chunk <= budget and c + grid.decode_steps + 4 <= max_len]
+                for b in grid.joined_batches if c and b * c + grid.chunk <= budget and c + grid.decode_steps + 4 <= max_len]
     return out
 
 

@@ -74,6 +74,10 @@ def test_the_coarse_grid_times_the_steps_a_served_engine_runs():
     assert joined and all(rows > grid.chunk for rows in joined)
     # the grid's own scenarios keep the chunked budget (many mixed steps of one chunk)
     assert sum(sc.budget is None for sc in plan) == len(plan) - len(together) - len(joined)
+    # a grid of prompts only (no decode batches) still plans
+    only = calibrate.Grid(chunk=128, prefill_lens=(128,), decode_batches=(), decode_contexts=(32,), decode_steps=3,
+                          repeats=1, together=(2,))
+    assert [len(sc.prompts) for sc in calibrate.scenarios(only, 8192)] == [1, 2]
 
 
 def test_calibrate_times_steps_at_the_serving_budget_and_by_the_fastest_pass(tmp_path, monkeypatch, capsys):
