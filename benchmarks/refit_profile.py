@@ -217,7 +217,8 @@ def main() -> None:
     if table:
         print("\n| load | run | statistic | form | spread | " + " | ".join(n for n, _, _ in METRICS) + " |")
         print("|---|---|---|---|---|" + "---|" * len(METRICS))
-        print("\n".join(sorted(table, key=lambda r: ({"c1": 0, "c4": 1, "c16": 2, "rate": 3}.get(r.split("|")[1].strip(), 9), r))))
+        order = {"c1": 0, "c4": 1, "c16": 2, "rate": 3}
+        print("\n".join(sorted(table, key=lambda r: (order.get(r.split("|")[1].strip(), 9), r))))
 
 
 if __name__ == "__main__":

@@ -172,8 +172,9 @@ def scenarios(grid: Grid, max_len: int, budget: int | None = None) -> list[Scena
     if grid.chunk + 1 <= max_len:
         out += [Scenario(((grid.chunk, 1),) * k, budget=budget) for k in grid.together if k * grid.chunk <= budget]
         c = min(grid.decode_contexts, default=0)
+        fits = c and c + grid.decode_steps + 4 <= max_len
         out += [Scenario(((c, grid.decode_steps + 3),) * b, ((grid.chunk, 1),), join_step=2, budget=budget)
-                for b in grid.joined_batches if c and b * c + grid.chunk <= budget and c + grid.decode_steps + 4 <= max_len]
+                for b in grid.joined_batches if fits and b * c + grid.chunk <= budget]
     return out
 
 

@@ -407,8 +407,10 @@ def load_profile(path: str, *, model: str | None = None) -> dict[str, Any]:
         raise InvalidArgument(f"--profile {path}: unknown coefficients {', '.join(extra)} (expected {', '.join(TERMS)})")
     rows = profile.get("kernel_rows")
     if rows is not None:
-        bad_rows = [k for k in ("fused_max_rows", "max_rows") if not isinstance(rows, dict) or not (
-            rows.get(k) is None or (isinstance(rows.get(k), int) and not isinstance(rows.get(k), bool) and rows[k] >= 1))]
+        def row_count(v: Any) -> bool:
+            return v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1)
+
+        bad_rows = [k for k in ("fused_max_rows", "max_rows") if not isinstance(rows, dict) or not row_count(rows.get(k))]
         if bad_rows:
             raise InvalidArgument(f"--profile {path}: kernel_rows.{bad_rows[0]} must be a row count >= 1 or null, "
                                   f"got {rows.get(bad_rows[0]) if isinstance(rows, dict) else rows!r}")

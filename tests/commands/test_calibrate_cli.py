@@ -100,7 +100,8 @@ def test_calibrate_times_steps_at_the_serving_budget_and_by_the_fastest_pass(tmp
         == {33, 35}
     assert max(m["num_tokens"] for m in ms if m["num_seqs"] == 1) <= 32  # the chunked scenarios' budget holds
     assert all(m["time_s"] == min(m["samples_s"]) for m in ms)
-    assert profile["step_time_statistic"] == "fastest of the interleaved passes" and profile["serving_budget_tokens"] == 128
+    assert profile["step_time_statistic"] == "fastest of the interleaved passes"
+    assert profile["serving_budget_tokens"] == 128
 
 
 def test_calibrate_refuses_a_fit_that_misses_its_held_out_steps(tmp_path, monkeypatch, capsys):
