@@ -40,7 +40,7 @@ class Grid:
     decode_batches: tuple[int, ...]
     decode_contexts: tuple[int, ...]
     decode_steps: int  # decode steps timed per (batch, context)
-    repeats: int  # interleaved passes over every scenario; a step's time is the fastest of them
+    repeats: int  # interleaved passes over every scenario; a step's time is a statistic of them
     # At the serving budget (`serve`'s max_num_batched_tokens): k prompts of `chunk` tokens in one
     # step for each k here (up to budget / chunk), and decode batches of these sizes joined by a
     # whole `chunk`-token prompt: the steps a served closed loop or a rate run makes.
@@ -179,7 +179,7 @@ def scenarios(grid: Grid, max_len: int, budget: int | None = None) -> list[Scena
 
 
 def measure(engine: Any, grid: Grid, seed: int = 0, before_pass: Callable[[], None] | None = None,
-            statistic: str = "fastest") -> list[dict[str, Any]]:
+            statistic: str = DEFAULT_STATISTIC) -> list[dict[str, Any]]:
     """Every step of every scenario, timed in `grid.repeats` passes after a warm-up. Each pass
     runs every scenario once, in a new shuffled order, so a slow spell on the host lands on
     different shapes in different passes instead of on all the repeats of a few; each step's time

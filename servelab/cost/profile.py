@@ -36,7 +36,7 @@ TERMS: dict[str, tuple[str, str]] = {
     "per_step_s": ("1", "s per step"),
     "per_prefill_step_s": ("per_op_path", "s per step on the per-op path (prefill tokens, or over kernel_rows.max_rows "
                                           "rows), on top of per_step_s"),
-    "per_token_s": ("num_tokens", "s per query token"),
+    "per_token_s": ("min(tokens,R)", "s per query token (up to kernel_rows.max_rows of them, where known)"),
     "per_seq_s": ("num_seqs", "s per sequence"),
     "per_context_token_s": ("context_tokens", "s per context token (Σ context over sequences)"),
     "per_pair_s": ("pairs", "s per attended (query, key) pair"),
