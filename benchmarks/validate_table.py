@@ -34,7 +34,10 @@ def profile_lines(folder: Path) -> list[str]:
     fit, coefs = p["fit"], p["fit"]["coefficients"]
     lines = [f"{folder}: {len(p['measurements'])} shapes in {p['calibration_wall_s']:.0f} s; held-out error median "
              f"{fit['heldout']['median_abs_pct']:.1f}%, max {fit['heldout']['max_abs_pct']:.1f}%; "
-             + ", ".join(f"{k} {v * 1e3:.4g} ms" for k, v in coefs.items())]
+             + ", ".join(f"{k} {v * 1e3:.4g} ms" for k, v in coefs.items())
+             + f"; step time: {p.get('step_time_statistic', 'fastest of the interleaved passes')}"
+             + ("" if not p.get("kernel_rows") else f"; kernel rows {p['kernel_rows'].get('fused_max_rows')}/"
+                f"{p['kernel_rows'].get('max_rows')} ({p['kernel_rows'].get('linears')})")]
     server = p.get("server")
     if server and "per_step_s" not in server:  # a profile from before the per-step form
         lines.append(f"  serving term (old per-token form) {server['per_token_s'] * 1e3:.2f} ms/token ("

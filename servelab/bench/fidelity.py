@@ -4,7 +4,7 @@ send times and lengths, as a trace) and compare the two summaries metric by metr
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -110,7 +110,8 @@ class ServerRun:
 
 
 def fit_server_term(profile: dict[str, Any], server: dict[str, str], model: ModelSpec, runs: Sequence[ServerRun],
-                    tolerance_s: float = 1e-6) -> dict[str, Any]:
+                    tolerance_s: float = 1e-6, variant: Callable[[ProfileStepCost], Any] | None = None
+                    ) -> dict[str, Any]:
     """The serving term, `per_step_s + per_seq_s × sequences` added to every step, fitted to
     closed-loop runs at two or more concurrencies.
 
@@ -119,7 +120,8 @@ def fit_server_term(profile: dict[str, Any], server: dict[str, str], model: Mode
     steps alone already price the run as slow enough. Their ratio is the run's effective sequences
     per step k, so a joint term matches the run where per_step + k·per_seq = the per-step term
     alone. Non-negative least squares over the runs, each weighed by its measured TPOT, gives the
-    two; one run (or runs at one concurrency) cannot separate them and gives a per-step term."""
+    two; one run (or runs at one concurrency) cannot separate them and gives a per-step term.
+    `variant` maps each priced cost model to the one replayed (an experiment's, e.g. with noise)."""
     import numpy as np
 
     from servelab.cost.profile import nnls
@@ -128,6 +130,7 @@ def fit_server_term(profile: dict[str, Any], server: dict[str, str], model: Mode
 
     def simulated_tpot(run: ServerRun, per_step_s: float = 0.0, per_seq_s: float = 0.0) -> float:
         cost = replace(base, server_per_step_s=per_step_s, server_per_seq_s=per_seq_s)
+        cost = cost if variant is None else variant(cost)
         tpot = replay(sim_config(profile, server, model, None, cost), run.records, run.concurrency).summary.tpot_s.p50
         if tpot is None:
             raise InvalidArgument("the server runs for the serving term produced no TPOT (outputs of one token?)")

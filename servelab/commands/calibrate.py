@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from servelab.commands._engine_cli import add_engine_arguments, engine_args_from, set_threads
-from servelab.cost.calibration_stats import NOISY_OTHER_CPUS
+from servelab.cost.calibration_stats import DEFAULT_STATISTIC, NOISY_OTHER_CPUS, STATISTICS
 from servelab.errors import InvalidArgument
 from servelab.units import parse_duration_s
 
@@ -40,16 +40,23 @@ class Grid:
     decode_batches: tuple[int, ...]
     decode_contexts: tuple[int, ...]
     decode_steps: int  # decode steps timed per (batch, context)
-    repeats: int  # interleaved passes over every scenario; a step's time is the fastest of them
+    repeats: int  # interleaved passes over every scenario; a step's time is a statistic of them
+    # At the serving budget (`serve`'s max_num_batched_tokens): k prompts of `chunk` tokens in one
+    # step for each k here (up to budget / chunk), and decode batches of these sizes joined by a
+    # whole `chunk`-token prompt: the steps a served closed loop or a rate run makes.
+    together: tuple[int, ...] = ()
+    joined_batches: tuple[int, ...] = ()
 
 
 GRIDS = {
     # Decode scenarios prefill their batch first, which dominates the time: contexts stay short.
     # coarse reaches batch 16 and 160-token contexts so that batch and context separate in the fit.
     "coarse": Grid(chunk=128, prefill_lens=(16, 64, 128, 256), decode_batches=(1, 4, 8, 16),
-                   decode_contexts=(32, 160), decode_steps=3, repeats=5),
+                   decode_contexts=(32, 160), decode_steps=3, repeats=5, together=(2, 4, 8, 16),
+                   joined_batches=(1, 3)),
     "full": Grid(chunk=512, prefill_lens=(16, 32, 64, 128, 256, 512, 2048), decode_batches=(1, 2, 4, 8, 16, 32),
-                 decode_contexts=(64, 256, 1024, 2048), decode_steps=6, repeats=5),
+                 decode_contexts=(64, 256, 1024, 2048), decode_steps=6, repeats=5, together=(2, 4),
+                 joined_batches=(1, 3, 15)),
 }
 
 
@@ -57,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--out", required=True, metavar="FILE.json", help="where to write the profile")
     parser.add_argument("--grid", choices=list(GRIDS), default="coarse",
-                        help="coarse: about 3.5 min on the bundled model on an idle 2-core host; full: longer "
+                        help="coarse: about 4 min on the bundled model on an idle 2-core host; full: longer "
                              "(default coarse)")
     parser.add_argument("--max-heldout-error", type=float, default=DEFAULT_MAX_HELDOUT_ERROR_PCT, metavar="PCT",
                         help="refuse to write a profile whose median error on held-out steps is above PCT %% "
@@ -66,6 +73,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="before each pass, wait up to this long (e.g. 60s) for other processes to leave the "
                              f"CPUs (under {NOISY_OTHER_CPUS:g} of a CPU busy over {QUIET_WINDOW_S:g} s) (default 0s: "
                              "do not wait)")
+    parser.add_argument("--step-time-statistic", choices=list(STATISTICS), default=DEFAULT_STATISTIC,
+                        help="a step's time from its interleaved passes: fastest (what an idle host would run) or "
+                             f"median (what a live server typically sees) (default {DEFAULT_STATISTIC}; "
+                             "docs/fidelity.md, \"Runs 9-11 refitted\")")
     parser.add_argument("--server-term", action="store_true",
                         help="also measure the serving term: start `servelab serve` with these engine flags, run "
                              f"closed loops at concurrency {' and '.join(str(c) for c, _ in SERVER_RUNS)}, and fit the "
@@ -101,10 +112,14 @@ class Scenario:
     prompts: tuple[tuple[int, int], ...]
     late: tuple[tuple[int, int], ...] = ()
     join_step: int = 2
+    budget: int | None = None  # the scheduler's token budget for this scenario (None: the grid's chunk)
 
 
-def _scenario(engine: Any, scenario: Scenario, rng: random.Random) -> None:
+def _scenario(engine: Any, scenario: Scenario, rng: random.Random, chunk: int) -> None:
     from servelab.core.sequence import SamplingParams
+
+    # the scheduler reads its budget at every schedule(): one engine serves every scenario's
+    engine.scheduler.config.max_num_batched_tokens = scenario.budget or chunk
 
     def add(n: int, out: int) -> None:
         ids = [rng.randrange(engine.vocab_size) for _ in range(n)]
@@ -128,12 +143,23 @@ def prefill_steps(grid: Grid, batch: int, context: int) -> int:
     return -(-batch * context // max(1, grid.chunk - batch))
 
 
-def scenarios(grid: Grid, max_len: int) -> list[Scenario]:
+def serving_budget() -> int:
+    """The token budget `servelab serve` runs with (its default: calibrate's server term and
+    validate's server use it), the largest step the grid must time."""
+    from servelab.core.config import SchedulerConfig
+
+    return SchedulerConfig().max_num_batched_tokens
+
+
+def scenarios(grid: Grid, max_len: int, budget: int | None = None) -> list[Scenario]:
     """Fresh prompts; decode batches whose sequences all still decode for `decode_steps` steps
     once the whole batch is prefilled (decode-only steps at the full batch, then a shrinking
-    one); and a full decode batch that a fresh prompt joins (mixed steps)."""
+    one); a full decode batch that a fresh prompt joins (mixed steps); and, at the serving
+    `budget`, prompts prefilled together (steps up to the budget) and small decode batches
+    joined by a whole prompt (mixed steps past the packed kernels' rows)."""
+    budget = serving_budget() if budget is None else budget
     out = [Scenario(((n, 1),)) for n in grid.prefill_lens if n + 1 <= max_len]
-    for c in grid.decode_contexts:
+    for c in grid.decode_contexts if grid.decode_batches else ():
         for b in grid.decode_batches:
             steps = prefill_steps(grid, b, c) + grid.decode_steps
             if c + steps + 1 <= max_len:
@@ -143,15 +169,21 @@ def scenarios(grid: Grid, max_len: int) -> list[Scenario]:
         steps = prefilled + grid.decode_steps + 3
         if c + steps + 1 <= max_len:
             out.append(Scenario(((c, steps + 1),) * b, ((min(grid.chunk, c), 1),), join_step=prefilled + 1))
+    if grid.chunk + 1 <= max_len:
+        out += [Scenario(((grid.chunk, 1),) * k, budget=budget) for k in grid.together if k * grid.chunk <= budget]
+        c = min(grid.decode_contexts, default=0)
+        fits = c and c + grid.decode_steps + 4 <= max_len
+        out += [Scenario(((c, grid.decode_steps + 3),) * b, ((grid.chunk, 1),), join_step=2, budget=budget)
+                for b in grid.joined_batches if fits and b * c + grid.chunk <= budget]
     return out
 
 
-def measure(engine: Any, grid: Grid, seed: int = 0, before_pass: Callable[[], None] | None = None
-            ) -> list[dict[str, Any]]:
-    """Every step of every scenario, timed in `grid.repeats` passes after one warm-up run. Each
-    pass runs every scenario once, in a new shuffled order, so a slow spell on the host lands on
+def measure(engine: Any, grid: Grid, seed: int = 0, before_pass: Callable[[], None] | None = None,
+            statistic: str = DEFAULT_STATISTIC) -> list[dict[str, Any]]:
+    """Every step of every scenario, timed in `grid.repeats` passes after a warm-up. Each pass
+    runs every scenario once, in a new shuffled order, so a slow spell on the host lands on
     different shapes in different passes instead of on all the repeats of a few; each step's time
-    is then the fastest of its passes (cost/calibration_stats.py says why)."""
+    is then the `statistic` of its passes (cost/calibration_stats.py says which and why)."""
     from servelab.cost.calibration_stats import aggregate
 
     log: list[tuple[tuple[int, int, int, int], float]] = []
@@ -160,7 +192,9 @@ def measure(engine: Any, grid: Grid, seed: int = 0, before_pass: Callable[[], No
     plan = scenarios(grid, engine.max_model_len)
     if not plan:
         raise InvalidArgument(f"no calibration shape fits max_model_len={engine.max_model_len}")
-    _scenario(engine, plan[0], rng)  # warm-up: first-touch of the KV pool, kernel builds
+    biggest = max(plan, key=lambda sc: sum(n for n, _ in sc.prompts))
+    for warm in [plan[0]] + ([biggest] if biggest != plan[0] else []):
+        _scenario(engine, warm, rng, grid.chunk)  # warm-up: first touch of the KV pool, kernel builds
     runs: list[list[list[tuple[tuple[int, int, int, int], float]]]] = [[] for _ in plan]
     order = list(range(len(plan)))
     for _ in range(grid.repeats):
@@ -169,7 +203,7 @@ def measure(engine: Any, grid: Grid, seed: int = 0, before_pass: Callable[[], No
         rng.shuffle(order)
         for i in order:
             log.clear()
-            _scenario(engine, plan[i], rng)
+            _scenario(engine, plan[i], rng, grid.chunk)
             runs[i].append(list(log))
     measurements: list[dict[str, Any]] = []
     for scenario_runs in runs:
@@ -179,7 +213,32 @@ def measure(engine: Any, grid: Grid, seed: int = 0, before_pass: Callable[[], No
             tokens, seqs, ctx, pairs = steps[0][0]
             measurements.append({"num_tokens": tokens, "num_seqs": seqs, "context_tokens": ctx, "pairs": pairs,
                                  "samples_s": [t for _, t in steps]})
-    return aggregate(measurements)
+    return aggregate(measurements, statistic)
+
+
+def kernel_rows_of(engine: Any) -> dict[str, Any] | None:
+    """Where the loaded model's linears change kernel by rows (the profile's `kernel_rows`), read
+    from what the engine loaded: GGUF blocks kept packed switch at block_quant.FUSED_MAX_ROWS (to
+    the panel kernel; only formats with the in-register kernel) and MAX_ROWS (to MKL), 16-bit
+    weights at linear.HALF_GEMV_MAX_ROWS and HALF_GEMM_MAX_ROWS. None when the linears have no
+    such switch or mix kinds: dense fp32 and int8 (one kernel at every row count), deterministic
+    mode (the panel kernel for every row count), tensor-parallel wrappers, CUDA."""
+    from servelab.engine import block_quant
+    from servelab.engine.linear import HALF_GEMM_MAX_ROWS, HALF_GEMV_MAX_ROWS, HalfLinear
+
+    model = getattr(engine.executor, "model", None)
+    linears = [lin for layer in getattr(model, "layers", None) or () for lin in layer.linears()]
+    if not linears or any(getattr(lin, "invariant", False) for lin in linears):
+        return None
+    if all(isinstance(lin, block_quant.BlockQuantLinear) for lin in linears):
+        fused = all(block_quant.fused_formats(lin) for lin in linears)
+        formats = sorted({lin.format_name for lin in linears})
+        return {"fused_max_rows": block_quant.FUSED_MAX_ROWS if fused else None, "max_rows": block_quant.MAX_ROWS,
+                "linears": f"GGUF blocks kept packed ({', '.join(formats)})"}
+    if all(isinstance(lin, HalfLinear) for lin in linears):
+        return {"fused_max_rows": HALF_GEMV_MAX_ROWS, "max_rows": HALF_GEMM_MAX_ROWS,
+                "linears": f"16-bit weights ({linears[0].weight.dtype})".replace("torch.", "")}
+    return None
 
 
 def host_info() -> dict[str, Any]:
@@ -204,9 +263,13 @@ def host_info() -> dict[str, Any]:
 
 def build_profile(engine: Any, args: argparse.Namespace, grid_name: str, measurements: list[dict[str, Any]],
                   wall_s: float, noise: dict[str, Any]) -> dict[str, Any]:
-    from servelab.cost.profile import PROFILE_FORMAT, PROFILE_VERSION, fit
+    from servelab.cost.profile import PROFILE_FORMAT, PROFILE_VERSION, KernelRows, fit
 
     model = getattr(engine.executor, "model", None)
+    engine_rows = kernel_rows_of(engine)
+    fitted = fit(measurements, rows=KernelRows.from_profile({"kernel_rows": engine_rows}))
+    # the switches the fit could use (a grid that never went past one prices it as absent)
+    kernel_rows = None if engine_rows is None else {**engine_rows, **fitted["kernel_rows"]}
     spec = engine.model_spec
     kv = getattr(getattr(engine.executor, "kv_cache", None), "dtype", None)
     return {
@@ -227,9 +290,11 @@ def build_profile(engine: Any, args: argparse.Namespace, grid_name: str, measure
         "grid": grid_name,
         "calibration_wall_s": wall_s,
         "passes": GRIDS[grid_name].repeats,
-        "step_time_statistic": "fastest of the interleaved passes",
+        "step_time_statistic": f"{args.step_time_statistic} of the interleaved passes",
+        "serving_budget_tokens": serving_budget(),
+        "kernel_rows": kernel_rows,
         "host_noise": noise,
-        "fit": fit(measurements),
+        "fit": fitted,
         "measurements": measurements,
     }
 
@@ -265,7 +330,8 @@ def run(args: argparse.Namespace) -> int:
         t0 = time.perf_counter()
         meter = OtherLoadMeter()
         passes: list[dict[str, float | None]] = []
-        measurements = measure(engine, grid, before_pass=lambda: passes.append(wait_for_quiet(quiet_wait_s)))
+        measurements = measure(engine, grid, before_pass=lambda: passes.append(wait_for_quiet(quiet_wait_s)),
+                               statistic=args.step_time_statistic)
         noise = host_noise([m["samples_s"] for m in measurements], other_cpus=meter.other_cpus(),
                            cpus=os.cpu_count(), load_avg_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
         profile = build_profile(engine, args, args.grid, measurements, time.perf_counter() - t0,
@@ -274,7 +340,7 @@ def run(args: argparse.Namespace) -> int:
         engine.close()
     f_ = profile["fit"]
     print(f"{profile['model']} ({profile['dtype']}, KV {profile['kv_cache_dtype']}) on {profile['host']['cpu']}: "
-          f"{len(measurements)} step shapes, fastest of {grid.repeats} interleaved passes, "
+          f"{len(measurements)} step shapes, {args.step_time_statistic} of {grid.repeats} interleaved passes, "
           f"in {profile['calibration_wall_s']:.1f} s")
     print(noise.describe())
     if quiet_wait_s > 0:

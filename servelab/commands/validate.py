@@ -119,6 +119,8 @@ def _predict_and_report(args, profile, workload, slo, measured, server, served_m
                    "workload": workload.to_dict(), "replayed_requests": len(trace),
                    "replay": f"closed loop, concurrency {workload.concurrency}" if closed else "measured send times",
                    "serving_term": ServingTerm.from_profile(profile).to_dict(),
+                   "step_time_statistic": profile.get("step_time_statistic"),
+                   "kernel_rows": profile.get("kernel_rows"),
                    "failed_requests": measured.summary.failed, "host": host},
         "measured": measured.summary.to_dict(),
         "simulated": predicted.summary.to_dict(),

@@ -1,12 +1,17 @@
 """A calibrated step-cost profile: a linear model of one engine step's time, fitted to measured
 steps by `servelab calibrate`, and the StepCostModel that prices simulated steps with it.
 
-time = per_step + per_prefill_step·[the step has prefill tokens] + per_token·tokens + per_seq·seqs
+time = per_step + per_prefill_step·[per-op path] + per_token·min(tokens, R) + per_seq·seqs
        + per_context_token·Σcontext + per_pair·Σpairs
+       + per_wide_step·[tokens > F] + per_dense_step·[tokens > R] + per_dense_token·max(0, tokens − R)
 (the sums of `Roofline.totals`). The engine runs a decode-only step (one query token per
 sequence) in one native call and any other step op by op; per_prefill_step is the second path's
-extra fixed cost (docs/fidelity.md, "The step-cost form, revised"). A per-layer term is not
-separate: a profile is for one model, so layers × per-layer is a constant folded into per_step.
+extra fixed cost (docs/fidelity.md, "The step-cost form, revised"). F and R are where the
+engine's linears change kernel by rows (`KernelRows`, written by calibrate from the model it
+loaded): the in-register kernel up to F rows, the panel kernel up to R, MKL over the fp32 copy
+above R (docs/fidelity.md, "Runs 9-11 refitted"). Without them (dense or int8 linears, a profile
+written before) the last three terms are absent and per_token prices every token. A per-layer
+term is not separate: a profile is for one model, so layers × per-layer is folded into per_step.
 
 The serving term (`calibrate --server-term`) is priced per step and per sequence in the step.
 """
@@ -29,16 +34,53 @@ PROFILE_VERSION = 1
 # coefficient name -> (the step sum it multiplies, unit); the fit's columns, in order
 TERMS: dict[str, tuple[str, str]] = {
     "per_step_s": ("1", "s per step"),
-    "per_prefill_step_s": ("has_prefill", "s per step with prefill tokens, on top of per_step_s (the per-op path)"),
-    "per_token_s": ("num_tokens", "s per query token"),
+    "per_prefill_step_s": ("per_op_path", "s per step on the per-op path (prefill tokens, or over kernel_rows.max_rows "
+                                          "rows), on top of per_step_s"),
+    "per_token_s": ("min(tokens,R)", "s per query token (up to kernel_rows.max_rows of them, where known)"),
     "per_seq_s": ("num_seqs", "s per sequence"),
     "per_context_token_s": ("context_tokens", "s per context token (Σ context over sequences)"),
     "per_pair_s": ("pairs", "s per attended (query, key) pair"),
+    "per_wide_step_s": ("tokens>F", "s per step with more rows than kernel_rows.fused_max_rows (panel kernel)"),
+    "per_dense_step_s": ("tokens>R", "s per step with more rows than kernel_rows.max_rows (MKL over fp32)"),
+    "per_dense_token_s": ("max(0,tokens-R)", "s per query token past kernel_rows.max_rows, in place of per_token_s"),
 }
 
 
 # Terms a profile written before them lacks: priced at 0, as that profile's fit had them.
-OPTIONAL_TERMS = ("per_prefill_step_s",)
+OPTIONAL_TERMS = ("per_prefill_step_s", "per_wide_step_s", "per_dense_step_s", "per_dense_token_s")
+# The terms that are a fixed cost of the step (StepCost.overhead_s), not a slope.
+FIXED_TERMS = ("per_step_s", "per_prefill_step_s", "per_wide_step_s", "per_dense_step_s")
+
+
+@dataclass(frozen=True, slots=True)
+class KernelRows:
+    """Where the engine's linears change kernel, by rows (query tokens) in a step, as calibrate
+    read them from the model it loaded (engine/block_quant.py's FUSED_MAX_ROWS and MAX_ROWS for
+    GGUF blocks kept packed): the in-register kernel up to `fused_max_rows`, the panel kernel up
+    to `max_rows`, MKL over the fp32 copy above it (where decode-only steps also leave the
+    one-call decode stack). None where the loaded linears have no such switch (dense fp32, int8,
+    CUDA, deterministic mode) or the profile predates the section: then no term depends on it."""
+
+    fused_max_rows: int | None = None
+    max_rows: int | None = None
+
+    @classmethod
+    def from_profile(cls, profile: dict[str, Any]) -> KernelRows:
+        rows = profile.get("kernel_rows")
+        if not isinstance(rows, dict):
+            return cls()
+        return cls(rows.get("fused_max_rows"), rows.get("max_rows"))
+
+
+NO_KERNEL_ROWS = KernelRows()
+
+
+def reached(rows: KernelRows, measurements: Sequence[dict[str, float]]) -> KernelRows:
+    """The switches some measured step went past: a term for a switch no step reached cannot be
+    fitted, and priced at 0 it would make every row past it free, so such a switch is dropped
+    (and the one slope prices every row, as without it)."""
+    top = max((m["num_tokens"] for m in measurements), default=0)
+    return KernelRows(*(r if r is not None and top > r else None for r in (rows.fused_max_rows, rows.max_rows)))
 
 
 def has_prefill(num_tokens: int, num_seqs: int) -> bool:
@@ -47,9 +89,20 @@ def has_prefill(num_tokens: int, num_seqs: int) -> bool:
     return num_tokens > num_seqs
 
 
-def features(num_tokens: int, num_seqs: int, context_tokens: int, pairs: int) -> list[float]:
-    return [1.0, float(has_prefill(num_tokens, num_seqs)), float(num_tokens), float(num_seqs), float(context_tokens),
-            float(pairs)]
+def per_op_path(num_tokens: int, num_seqs: int, rows: KernelRows = NO_KERNEL_ROWS) -> bool:
+    """Whether the engine runs the step op by op: it holds prefill tokens, or more rows than the
+    decode stack's packed kernels take (`rows.max_rows`)."""
+    return num_tokens > num_seqs or (rows.max_rows is not None and num_tokens > rows.max_rows)
+
+
+def features(num_tokens: int, num_seqs: int, context_tokens: int, pairs: int,
+             rows: KernelRows = NO_KERNEL_ROWS) -> list[float]:
+    """The step's column of each of TERMS, in order."""
+    fused, dense = rows.fused_max_rows, rows.max_rows
+    over = 0 if dense is None else max(0, num_tokens - dense)
+    return [1.0, float(per_op_path(num_tokens, num_seqs, rows)), float(num_tokens - over), float(num_seqs),
+            float(context_tokens), float(pairs), float(fused is not None and num_tokens > fused), float(over > 0),
+            float(over)]
 
 
 def nnls(a: Any, b: Any, max_iter: int = 200) -> Any:
@@ -89,34 +142,43 @@ def _nnls_relative(rows: Any, y: Any) -> Any:
 
 
 def fit(measurements: Sequence[dict[str, float]], holdout_every: int = 4, outlier_mads: float = 4.0,
-        outlier_floor_pct: float = 10.0) -> dict[str, Any]:
+        outlier_floor_pct: float = 10.0, rows: KernelRows = NO_KERNEL_ROWS) -> dict[str, Any]:
     """Non-negative least squares on relative error (so a 1 ms decode step weighs as much as a
     100 ms prefill), every `holdout_every`-th measurement held out. Training steps whose residual
     is over `outlier_mads` robust standard deviations (and over `outlier_floor_pct`) from the
     others' are dropped and the fit redone: a shape that no pass timed cleanly must
-    not bend the coefficients of all the others. The fit is redone until that set stops changing."""
+    not bend the coefficients of all the others. The fit is redone until that set stops changing.
+    `rows` are the engine's kernel switches; only those some step went past are fitted (`reached`,
+    returned as "kernel_rows"), and a term whose column is all 0 is left out of the fit at 0."""
     import numpy as np
 
-    if len(measurements) < len(TERMS) + 2:
-        raise InvalidArgument(f"a fit needs at least {len(TERMS) + 2} measured steps, got {len(measurements)}")
-    rows = np.array([features(m["num_tokens"], m["num_seqs"], m["context_tokens"], m["pairs"]) for m in measurements])
+    rows = reached(rows, measurements)
+    x = np.array([features(m["num_tokens"], m["num_seqs"], m["context_tokens"], m["pairs"], rows)
+                  for m in measurements])
+    active = np.flatnonzero(x.any(axis=0)) if len(measurements) else np.arange(len(TERMS))
+    need = len(active) + 2
+    if len(measurements) < need:
+        raise InvalidArgument(f"a fit needs at least {need} measured steps, got {len(measurements)}")
+    rows_x = x[:, active]
     y = np.array([m["time_s"] for m in measurements])
     held = np.zeros(len(y), bool)
     held[holdout_every - 1::holdout_every] = True
     train = ~held
     outlier = np.zeros(len(y), bool)
     for _ in range(5):  # until the inliers stop changing: a refit may clear a step the first fit flagged
-        coef = _nnls_relative(rows[train & ~outlier], y[train & ~outlier])
-        rel = (rows @ coef - y) / y
+        coef = _nnls_relative(rows_x[train & ~outlier], y[train & ~outlier])
+        rel = (rows_x @ coef - y) / y
         center = np.median(rel[train & ~outlier])
         mad = 1.4826 * np.median(np.abs(rel[train & ~outlier] - center))
         flagged = train & (np.abs(rel - center) > max(outlier_mads * mad, outlier_floor_pct / 100.0))
-        if (flagged == outlier).all() or (train & ~flagged).sum() < len(TERMS) + 2:
+        if (flagged == outlier).all() or (train & ~flagged).sum() < need:
             break
         outlier = flagged
     else:
-        coef = _nnls_relative(rows[train & ~outlier], y[train & ~outlier])
-    pred = rows @ coef
+        coef = _nnls_relative(rows_x[train & ~outlier], y[train & ~outlier])
+    pred = rows_x @ coef
+    full = np.zeros(len(TERMS))
+    full[active] = coef
     err = (pred - y) / y * 100.0
 
     def stats(mask: Any) -> dict[str, float | int]:
@@ -126,12 +188,13 @@ def fit(measurements: Sequence[dict[str, float]], holdout_every: int = 4, outlie
 
     return {
         "form": "time = " + " + ".join(f"{k}*{v[0]}" if v[0] != "1" else k for k, v in TERMS.items()),
-        "coefficients": dict(zip(TERMS, (float(c) for c in coef))),
+        "coefficients": dict(zip(TERMS, (float(c) for c in full))),
         "units": {k: v[1] for k, v in TERMS.items()},
         "holdout_every": holdout_every,
         "train": stats(train),
         "heldout": stats(held),
         "outliers_dropped": [int(i) for i in np.flatnonzero(outlier)],
+        "kernel_rows": {"fused_max_rows": rows.fused_max_rows, "max_rows": rows.max_rows},
     }
 
 
@@ -175,7 +238,8 @@ class ProfileStepCost:
     """Prices a step from a profile's coefficients (implements StepCostModel, with the fast path).
 
     `server_per_step_s` and `server_per_seq_s` are the serving term (`ServingTerm`), added to
-    every step and to each of its sequences."""
+    every step and to each of its sequences; `fused_max_rows` and `max_rows` the profile's
+    `KernelRows`, where its kernel-switch terms start."""
 
     per_step_s: float
     per_token_s: float
@@ -183,6 +247,11 @@ class ProfileStepCost:
     per_context_token_s: float
     per_pair_s: float
     per_prefill_step_s: float = 0.0
+    per_wide_step_s: float = 0.0
+    per_dense_step_s: float = 0.0
+    per_dense_token_s: float = 0.0
+    fused_max_rows: int | None = None
+    max_rows: int | None = None
     server_per_step_s: float = 0.0
     server_per_seq_s: float = 0.0
     serving_form: str = "none"  # ServingTerm.form: which form the serving term came in
@@ -190,27 +259,51 @@ class ProfileStepCost:
     @classmethod
     def from_profile(cls, profile: dict[str, Any]) -> ProfileStepCost:
         serving = ServingTerm.from_profile(profile)
-        return cls(**profile["fit"]["coefficients"], server_per_step_s=serving.per_step_s,
-                   server_per_seq_s=serving.per_seq_s, serving_form=serving.form)
+        rows = KernelRows.from_profile(profile)
+        return cls(**profile["fit"]["coefficients"], fused_max_rows=rows.fused_max_rows, max_rows=rows.max_rows,
+                   server_per_step_s=serving.per_step_s, server_per_seq_s=serving.per_seq_s,
+                   serving_form=serving.form)
+
+    @property
+    def kernel_rows(self) -> KernelRows:
+        return KernelRows(self.fused_max_rows, self.max_rows)
+
+    def coefficients(self) -> tuple[float, ...]:
+        """The fitted coefficients in TERMS' order (the serving term apart)."""
+        return tuple(getattr(self, name) for name in TERMS)
 
     def describe(self) -> str:
         """The step-cost form and the serving term, in a line (sim, plan and validate print it)."""
         split = (f"prefill steps +{self.per_prefill_step_s * 1e3:.2f} ms over decode-only ones"
                  if self.per_prefill_step_s else "one form for decode-only and prefill steps")
+        kernels = ""
+        if self.fused_max_rows is not None or self.max_rows is not None:
+            parts = []
+            if self.fused_max_rows is not None:
+                parts.append(f"+{self.per_wide_step_s * 1e3:.2f} ms over {self.fused_max_rows} rows")
+            if self.max_rows is not None:
+                parts.append(f"+{self.per_dense_step_s * 1e3:.2f} ms and {self.per_dense_token_s * 1e3:.3f} ms a token "
+                             f"over {self.max_rows} rows")
+            kernels = "; kernel switches: " + ", ".join(parts)
         serving = ServingTerm(self.server_per_step_s, self.server_per_seq_s, self.serving_form).describe()
-        return f"calibrated profile ({split}; {serving})"
+        return f"calibrated profile ({split}{kernels}; {serving})"
 
     def time_from_totals(self, num_tokens: int, num_seqs: int, context_tokens: int, pairs: int) -> float:
         if num_tokens == 0:
             return 0.0
-        fixed = self.per_step_s + self.server_per_step_s
-        if has_prefill(num_tokens, num_seqs):
-            fixed += self.per_prefill_step_s
-        return (fixed + self.per_token_s * num_tokens + (self.per_seq_s + self.server_per_seq_s) * num_seqs
-                + self.per_context_token_s * context_tokens + self.per_pair_s * pairs)
+        x = features(num_tokens, num_seqs, context_tokens, pairs, self.kernel_rows)
+        return (sum(c * f for c, f in zip(self.coefficients(), x)) + self.server_per_step_s
+                + self.server_per_seq_s * num_seqs)
 
     def step_time_s(self, shape: Shape) -> float:
         return self.time_from_totals(*Roofline.totals(shape))
+
+    def fixed_s(self, num_tokens: int, num_seqs: int) -> float:
+        """The step's fixed costs: per step, per-op path, kernel switches (StepCost.overhead_s)."""
+        if num_tokens == 0:
+            return 0.0
+        x = features(num_tokens, num_seqs, 0, 0, self.kernel_rows)
+        return sum(getattr(self, name) * x[i] for i, name in enumerate(TERMS) if name in FIXED_TERMS)
 
     def step(self, shape: Shape) -> StepCost:
         # A measured profile knows the time, not the bytes or FLOPs behind it: those stay 0.
@@ -219,8 +312,7 @@ class ProfileStepCost:
         return StepCost(time_s=t, num_tokens=num_tokens, num_seqs=num_seqs, flops=0.0, weight_bytes=0.0,
                         kv_read_bytes=0.0, kv_write_bytes=0.0, activation_bytes=0.0, total_bytes=0.0,
                         compute_time_s=0.0, memory_time_s=0.0, comm_time_s=0.0,
-                        overhead_s=self.per_step_s + self.per_prefill_step_s * has_prefill(num_tokens, num_seqs)
-                        if num_tokens else 0.0, peak_compute_time_s=0.0,
+                        overhead_s=self.fixed_s(num_tokens, num_seqs), peak_compute_time_s=0.0,
                         peak_memory_time_s=0.0, bound="measured", arithmetic_intensity=0.0,
                         ridge_flops_per_byte=0.0)
 
@@ -280,6 +372,8 @@ def profile_step_cost(profile: dict[str, Any], tp: int = 1) -> ProfileStepCost:
         base,
         per_step_s=max(0.0, base.per_step_s - step_p) + step_t,
         per_token_s=max(0.0, base.per_token_s - token_p) * scale + token_t,
+        per_dense_token_s=(max(0.0, base.per_dense_token_s - token_p) * scale + token_t
+                           if base.per_dense_token_s else 0.0),
         per_seq_s=base.per_seq_s * scale,
         per_context_token_s=base.per_context_token_s * scale,
         per_pair_s=base.per_pair_s * scale,
@@ -311,6 +405,15 @@ def load_profile(path: str, *, model: str | None = None) -> dict[str, Any]:
     extra = sorted(set(coefs) - set(TERMS))
     if extra:
         raise InvalidArgument(f"--profile {path}: unknown coefficients {', '.join(extra)} (expected {', '.join(TERMS)})")
+    rows = profile.get("kernel_rows")
+    if rows is not None:
+        def row_count(v: Any) -> bool:
+            return v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1)
+
+        bad_rows = [k for k in ("fused_max_rows", "max_rows") if not isinstance(rows, dict) or not row_count(rows.get(k))]
+        if bad_rows:
+            raise InvalidArgument(f"--profile {path}: kernel_rows.{bad_rows[0]} must be a row count >= 1 or null, "
+                                  f"got {rows.get(bad_rows[0]) if isinstance(rows, dict) else rows!r}")
     tp = profile.get("tp")
     if tp is not None:
         needed = ("ranks", "collectives_per_step", "allreduce_latency_s", "hidden_allreduces_per_step", "bytes_per_token")

@@ -31,7 +31,7 @@ def test_calibrate_tiny_model_writes_a_valid_profile(tmp_path, monkeypatch, caps
     assert main(["calibrate", "--model", str(model), "--dtype", "float32", "--out", str(out),
                  "--max-heldout-error", "1e9"]) == 0
     text = capsys.readouterr().out
-    assert "held-out error" in text and "fastest of 2 interleaved passes" in text and "per-shape spread" in text
+    assert "held-out error" in text and "median of 2 interleaved passes" in text and "per-shape spread" in text
     profile = load_profile(str(out))
     fit = profile["fit"]
     assert set(fit["coefficients"]) == set(TERMS)
@@ -52,9 +52,56 @@ def test_calibrate_tiny_model_writes_a_valid_profile(tmp_path, monkeypatch, caps
         assert any(m["num_tokens"] == m["num_seqs"] == 4 and m["context_tokens"] > 4 * context for m in ms), context
     assert any(m["num_seqs"] == 5 and m["num_tokens"] > 5 and m["context_tokens"] > 4 * 48 for m in ms)
     assert all(m["time_s"] > 0 for m in ms)
-    assert all(len(m["samples_s"]) == 2 and m["time_s"] == min(m["samples_s"]) for m in ms)
+    assert all(len(m["samples_s"]) == 2 and m["time_s"] == pytest.approx(sum(m["samples_s"]) / 2) for m in ms)
     noise = profile["host_noise"]
     assert noise["cpus"] and noise["spread_median_pct"] >= 0 and isinstance(noise["noisy"], bool)
+    # dense fp32 linears run one kernel at every row count: no kernel switches, no terms for them
+    assert profile["kernel_rows"] is None
+    assert c["per_wide_step_s"] == c["per_dense_step_s"] == c["per_dense_token_s"] == 0.0
+    assert profile["step_time_statistic"] == "median of the interleaved passes"
+
+
+def test_the_coarse_grid_times_the_steps_a_served_engine_runs():
+    # serve's budget (2048 tokens): 16 prompts of 128 prefill in one step at concurrency 16, and a
+    # prompt joins a few decodes whole (past the packed kernels' 128 rows) at concurrency 4 or a rate
+    grid = calibrate.GRIDS["coarse"]
+    budget = calibrate.serving_budget()
+    plan = calibrate.scenarios(grid, 8192)
+    together = [sc for sc in plan if sc.budget == budget and not sc.late]
+    assert max(len(sc.prompts) * grid.chunk for sc in together) == budget
+    assert {len(sc.prompts) for sc in together} == set(grid.together)
+    joined = [len(sc.prompts) + sum(n for n, _ in sc.late) for sc in plan if sc.budget == budget and sc.late]
+    assert joined and all(rows > grid.chunk for rows in joined)
+    # the grid's own scenarios keep the chunked budget (many mixed steps of one chunk)
+    assert sum(sc.budget is None for sc in plan) == len(plan) - len(together) - len(joined)
+    # a grid of prompts only (no decode batches) still plans
+    only = calibrate.Grid(chunk=128, prefill_lens=(128,), decode_batches=(), decode_contexts=(32,), decode_steps=3,
+                          repeats=1, together=(2,))
+    assert [len(sc.prompts) for sc in calibrate.scenarios(only, 8192)] == [1, 2]
+
+
+def test_calibrate_times_steps_at_the_serving_budget_and_by_the_fastest_pass(tmp_path, monkeypatch, capsys):
+    from tests.tiny_models import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "tiny")
+    tiny = calibrate.Grid(chunk=32, prefill_lens=(8, 32), decode_batches=(1, 4), decode_contexts=(16,),
+                          decode_steps=2, repeats=3, together=(2, 4), joined_batches=(1, 3))
+    monkeypatch.setitem(calibrate.GRIDS, "coarse", tiny)
+    monkeypatch.setattr(calibrate, "serving_budget", lambda: 128)
+    out = tmp_path / "p.json"
+    assert main(["calibrate", "--model", str(model), "--dtype", "float32", "--out", str(out),
+                 "--max-heldout-error", "1e9", "--step-time-statistic", "fastest"]) == 0
+    assert "fastest of 3 interleaved passes" in capsys.readouterr().out
+    profile = load_profile(str(out))
+    ms = profile["measurements"]
+    # 4 prompts of 32 in one step of the whole 128-token budget; 1 and 3 decodes beside a whole prompt
+    assert any(m["num_tokens"] == 128 and m["num_seqs"] == 4 for m in ms)
+    assert {m["num_tokens"] for m in ms if m["num_seqs"] in (2, 4) and m["num_tokens"] - m["num_seqs"] == 32 - 1} \
+        == {33, 35}
+    assert max(m["num_tokens"] for m in ms if m["num_seqs"] == 1) <= 32  # the chunked scenarios' budget holds
+    assert all(m["time_s"] == min(m["samples_s"]) for m in ms)
+    assert profile["step_time_statistic"] == "fastest of the interleaved passes"
+    assert profile["serving_budget_tokens"] == 128
 
 
 def test_calibrate_refuses_a_fit_that_misses_its_held_out_steps(tmp_path, monkeypatch, capsys):
@@ -66,7 +113,7 @@ def test_calibrate_refuses_a_fit_that_misses_its_held_out_steps(tmp_path, monkey
     junk = [{"num_tokens": n, "num_seqs": 1, "context_tokens": n, "pairs": n * (n + 1) // 2,
              "samples_s": [t, t * 1.5], "time_s": t, "spread_pct": 50.0}
             for n, t in ((rng.randrange(1, 200), rng.uniform(1e-3, 1.0)) for _ in range(40))]
-    monkeypatch.setattr(calibrate, "measure", lambda engine, grid, before_pass=None: junk)
+    monkeypatch.setattr(calibrate, "measure", lambda engine, grid, before_pass=None, statistic="fastest": junk)
     out = tmp_path / "p.json"
     args = ["calibrate", "--model", str(model), "--dtype", "float32", "--out", str(out)]
     assert main([*args, "--max-heldout-error", "15"]) == 1
@@ -241,3 +288,29 @@ def test_wait_for_quiet_waits_for_a_quiet_window_or_gives_up(monkeypatch):
     assert calibrate.wait_for_quiet(60) == {"waited_s": 3 * calibrate.QUIET_WINDOW_S, "other_cpus": 0.1}
     clock[0] = 0.0
     assert calibrate.wait_for_quiet(2.5) == {"waited_s": 3.0, "other_cpus": 1.8}  # gave up: noisy all along
+
+
+@pytest.mark.slow
+def test_kernel_rows_come_from_the_linears_the_engine_loaded():
+    # the bundled model keeps its Q4_1 blocks packed: the switches are block_quant's; in
+    # deterministic mode every row count runs the panel kernel, so there is no switch to price
+    from servelab.engine import block_quant
+    from servelab.engine.bundled import bundled_model_path
+    from servelab.engine.llm_engine import EngineArgs, LLMEngine
+
+    try:
+        path = str(bundled_model_path())
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"bundled model unavailable: {e}")
+    found = []
+    for deterministic in (False, True):
+        engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=path, dtype="float32", max_model_len=256,
+                                                            deterministic=deterministic))
+        try:
+            found.append(calibrate.kernel_rows_of(engine))
+        finally:
+            engine.close()
+    packed, invariant = found
+    assert packed is not None and "Q4_1" in packed["linears"]
+    assert (packed["fused_max_rows"], packed["max_rows"]) == (block_quant.FUSED_MAX_ROWS, block_quant.MAX_ROWS)
+    assert invariant is None

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servelab.cost.profile import PROFILE_FORMAT, PROFILE_VERSION, TERMS, ProfileStepCost, fit, load_profile
+from servelab.cost.profile import (PROFILE_FORMAT, PROFILE_VERSION, TERMS, KernelRows, ProfileStepCost, fit,
+                                   load_profile)
 from servelab.cost.roofline import Roofline
 from servelab.errors import InvalidArgument
 
@@ -80,7 +81,7 @@ def test_load_profile_errors(tmp_path, capsys):
     load_profile(write(profile_dict()), model="llama-3.1-8b")
     err = capsys.readouterr().err
     assert "'smollm2-135m'" in err and "'llama-3.1-8b'" in err
-    assert set(TERMS) == set(KNOWN)
+    assert set(TERMS) == set(KNOWN) | set(SWITCHES)
 
 
 def test_a_profile_from_before_the_prefill_term_loads_and_prices_as_it_did(tmp_path):
@@ -116,7 +117,7 @@ def test_fit_separates_decode_only_from_prefill_steps():
     assert any(m["num_tokens"] == m["num_seqs"] for m in ms) and any(m["num_tokens"] > m["num_seqs"] for m in ms)
     result = fit(ms)
     assert result["coefficients"]["per_prefill_step_s"] == pytest.approx(KNOWN["per_prefill_step_s"], rel=1e-4)
-    assert "per_prefill_step_s*has_prefill" in result["form"]
+    assert "per_prefill_step_s*per_op_path" in result["form"]
 
 
 def test_serving_term_per_step_and_per_sequence(tmp_path):
@@ -192,6 +193,97 @@ def test_profile_step_cost_moves_the_communication_between_tp_sizes():
     assert at4.per_seq_s == pytest.approx(KNOWN["per_seq_s"] / 4)
     assert at4.per_token_s == pytest.approx(KNOWN["per_token_s"] / 4 + comm_token * 1.5)
     assert at4.per_step_s == pytest.approx(KNOWN["per_step_s"] + comm_step)
+
+
+# The kernel-switch terms (KernelRows): the engine's GGUF linears change kernel above 4 and 128 rows.
+SWITCHES = {"per_wide_step_s": 9e-3, "per_dense_step_s": 4e-3, "per_dense_token_s": 2e-5}
+ROWS = KernelRows(fused_max_rows=4, max_rows=128)
+
+
+def switch_measurements(coefs, rows, seed=0):
+    """Steps like calibrate's grid at the serving budget: decode batches 1-16, prompts of 16-128
+    tokens alone, k prompts of 128 together (up to 2048 tokens), and decodes joined by a prompt."""
+    cost = ProfileStepCost(**coefs, fused_max_rows=rows.fused_max_rows, max_rows=rows.max_rows)
+    rng = random.Random(seed)
+    shapes = [[(1, c)] * b for b in range(1, 17) for c in (rng.randrange(30, 200), rng.randrange(30, 200))]
+    shapes += [[(n, n)] for n in (16, 64, 100, 128)] + [[(128, 128)] * k for k in (2, 3, 4, 8, 12, 16)]
+    shapes += [[(1, rng.randrange(30, 200))] * b + [(q, q)] for b in (1, 3, 8, 15) for q in (32, 112, 128)]
+    out = []
+    for shape in shapes:
+        t, s, c, p = Roofline.totals(shape)
+        out.append({"num_tokens": t, "num_seqs": s, "context_tokens": c, "pairs": p, "time_s": cost.step_time_s(shape)})
+    rng.shuffle(out)
+    return out
+
+
+def test_fit_recovers_the_kernel_switch_terms():
+    truth = {**KNOWN, **SWITCHES}
+    result = fit(switch_measurements(truth, ROWS), rows=ROWS)
+    for name, value in truth.items():
+        assert result["coefficients"][name] == pytest.approx(value, rel=1e-4), name
+    assert result["heldout"]["max_abs_pct"] < 1e-3
+
+
+def test_without_kernel_rows_the_switch_terms_stay_out_of_the_fit():
+    # the same steps from an engine with one kernel at every row count: the terms are 0, not guessed
+    ms = switch_measurements(KNOWN, KernelRows())
+    result = fit(ms)
+    assert all(result["coefficients"][name] == 0.0 for name in SWITCHES)
+    for name, value in KNOWN.items():
+        assert result["coefficients"][name] == pytest.approx(value, rel=1e-4), name
+
+
+def test_a_switch_no_measured_step_went_past_is_not_fitted():
+    # a grid whose steps stop at 128 rows cannot price the rows past them: dropping the switch keeps
+    # one slope for every row, where a 0 coefficient would make them free
+    truth = {**KNOWN, **SWITCHES}
+    small = [m for m in switch_measurements(truth, ROWS) if m["num_tokens"] <= 128]
+    result = fit(small, rows=ROWS)
+    assert result["kernel_rows"] == {"fused_max_rows": 4, "max_rows": None}
+    assert result["coefficients"]["per_dense_token_s"] == result["coefficients"]["per_dense_step_s"] == 0.0
+    cost = ProfileStepCost.from_profile({**profile_dict(result["coefficients"]), "kernel_rows": result["kernel_rows"]})
+    c = result["coefficients"]
+    assert cost.step_time_s([(128, 128)] * 16) - cost.step_time_s([(128, 128)] * 8) == pytest.approx(
+        8 * (128 * c["per_token_s"] + c["per_seq_s"] + 128 * c["per_context_token_s"] + 8256 * c["per_pair_s"]))
+    assert c["per_token_s"] > 0
+
+
+def test_kernel_switches_price_the_engine_paths():
+    cost = ProfileStepCost(**KNOWN, **SWITCHES, fused_max_rows=4, max_rows=128)
+    flat = ProfileStepCost(**KNOWN)
+    dec4, dec5 = [(1, 100)] * 4, [(1, 100)] * 5
+    assert cost.step_time_s(dec4) == flat.step_time_s(dec4)
+    assert cost.step_time_s(dec5) == pytest.approx(flat.step_time_s(dec5) + SWITCHES["per_wide_step_s"], rel=1e-12)
+    at_r, past_r = [(128, 128)], [(128, 128)] * 16  # 2048 tokens: 1920 of them past R, at the MKL slope
+    assert cost.step_time_s(at_r) == pytest.approx(flat.step_time_s(at_r) + SWITCHES["per_wide_step_s"], rel=1e-12)
+    assert cost.step_time_s(past_r) == pytest.approx(
+        flat.step_time_s(past_r) + SWITCHES["per_wide_step_s"] + SWITCHES["per_dense_step_s"]
+        + 1920 * (SWITCHES["per_dense_token_s"] - KNOWN["per_token_s"]), rel=1e-12)
+    # a decode batch over R leaves the one-call decode stack: it pays the per-op path too
+    big = [(1, 100)] * 130
+    assert cost.step_time_s(big) == pytest.approx(
+        flat.step_time_s(big) + KNOWN["per_prefill_step_s"] + SWITCHES["per_wide_step_s"] + SWITCHES["per_dense_step_s"]
+        + 2 * (SWITCHES["per_dense_token_s"] - KNOWN["per_token_s"]), rel=1e-12)
+    assert cost.step(big).overhead_s == pytest.approx(KNOWN["per_step_s"] + KNOWN["per_prefill_step_s"]
+                                                      + SWITCHES["per_wide_step_s"] + SWITCHES["per_dense_step_s"])
+    assert "kernel switches: +9.00 ms over 4 rows, +4.00 ms and 0.020 ms a token over 128 rows" in cost.describe()
+
+
+def test_a_profile_with_kernel_rows_loads_and_one_from_before_prices_as_it_did(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({**profile_dict({**KNOWN, **SWITCHES}), "kernel_rows": {"fused_max_rows": 4,
+                                                                                       "max_rows": 128}}))
+    cost = ProfileStepCost.from_profile(load_profile(str(path)))
+    assert (cost.fused_max_rows, cost.max_rows, cost.per_dense_token_s) == (4, 128, 2e-5)
+    # written before kernel_rows: the switch terms are absent and every token is priced per_token_s
+    old = ProfileStepCost.from_profile(profile_dict())
+    assert old.kernel_rows == KernelRows() and old.step_time_s([(128, 128)] * 16) == pytest.approx(
+        KNOWN["per_step_s"] + KNOWN["per_prefill_step_s"] + 2048 * KNOWN["per_token_s"] + 16 * KNOWN["per_seq_s"]
+        + 2048 * KNOWN["per_context_token_s"] + 16 * 128 * 129 / 2 * KNOWN["per_pair_s"], rel=1e-12)
+    for bad in ({"fused_max_rows": 0, "max_rows": 128}, {"fused_max_rows": 4, "max_rows": "many"}, [4, 128]):
+        path.write_text(json.dumps({**profile_dict(), "kernel_rows": bad}))
+        with pytest.raises(InvalidArgument, match=r"kernel_rows\.\w+ must be a row count >= 1 or null"):
+            load_profile(str(path))
 
 
 def test_load_profile_checks_the_tp_term(tmp_path):

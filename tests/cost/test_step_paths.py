@@ -50,3 +50,39 @@ def test_the_engine_takes_the_one_call_path_exactly_on_decode_only_steps():
         engine.close()
     assert took == priced
     assert True in took and False in took  # both paths ran
+
+
+def test_a_decode_batch_past_the_packed_rows_takes_the_per_op_path_as_priced():
+    # the decode stack takes up to block_quant.MAX_ROWS rows; past that the profile (with the
+    # engine's kernel_rows) prices the per-op path, as the engine runs it
+    from servelab.commands.calibrate import kernel_rows_of
+    from servelab.core.sequence import SamplingParams
+    from servelab.cost.profile import KernelRows, per_op_path
+    from servelab.engine.bundled import bundled_model_path
+    from servelab.engine.llm_engine import EngineArgs, LLMEngine
+
+    try:
+        path = bundled_model_path()
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"bundled model unavailable: {e}")
+    engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=str(path), dtype="float32", max_model_len=64,
+                                                        max_num_batched_tokens=1024, enable_prefix_caching=False))
+    try:
+        stack = engine.executor.model.decode_stack
+        if stack is None:
+            pytest.skip("no native decode stack on this host")
+        found = kernel_rows_of(engine)
+        rows = KernelRows(found["fused_max_rows"], found["max_rows"])
+        took: list[tuple[int, bool]] = []
+        accepts = stack.accepts
+        stack.accepts = lambda meta, n: took.append((n, accepts(meta, n))) or took[-1][1]
+        params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
+        for i in range(rows.max_rows + 2):  # one prefill step of 2-token prompts, then one decode step of all
+            engine.add_request(f"r{i}", [10 + i % 50, 11], params)
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        engine.close()
+    decodes = [(n, stack_took) for n, stack_took in took if n == rows.max_rows + 2]
+    assert decodes and all(not stack_took for _, stack_took in decodes)
+    assert per_op_path(rows.max_rows + 2, rows.max_rows + 2, rows) and not per_op_path(rows.max_rows, rows.max_rows, rows)

@@ -1,0 +1,46 @@
+"""Time the steps a served load makes past the packed kernels' 128 rows, interleaved, against the
+single 128-token prefill of concurrency 1 (calibrate's own `measure` on a grid of just those
+shapes; docs/fidelity.md, "Runs 9-11 refitted").
+
+    python benchmarks/served_steps.py --passes 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from dataclasses import replace
+
+from servelab.commands import calibrate
+from servelab.engine.bundled import bundled_model_path
+from servelab.engine.llm_engine import EngineArgs, LLMEngine
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: the bundled model")
+    ap.add_argument("--passes", type=int, default=7)
+    args = ap.parse_args()
+    coarse = calibrate.GRIDS["coarse"]
+    grid = calibrate.Grid(chunk=coarse.chunk, prefill_lens=(coarse.chunk,), decode_batches=(),
+                          decode_contexts=(min(coarse.decode_contexts),), decode_steps=coarse.decode_steps,
+                          repeats=args.passes, together=coarse.together, joined_batches=coarse.joined_batches)
+    engine_args = EngineArgs.from_kwargs(model=args.model or str(bundled_model_path()), dtype="float32",
+                                         max_num_batched_tokens=grid.chunk, enable_prefix_caching=False)
+    engine = LLMEngine.from_args(replace(engine_args, kv_cache_prefault=True))
+    try:
+        ms = calibrate.measure(engine, grid)
+    finally:
+        engine.close()
+    base = next(m for m in ms if m["num_tokens"] == grid.chunk and m["num_seqs"] == 1)
+    print(f"| step rows (sequences) | median pass | ratio to one {grid.chunk}-token prefill | ms a row |")
+    print("|---|---:|---:|---:|")
+    for m in sorted(ms, key=lambda m: (m["num_tokens"], m["num_seqs"])):
+        if m["num_tokens"] >= grid.chunk:
+            t = statistics.median(m["samples_s"])
+            print(f"| {m['num_tokens']} ({m['num_seqs']}) | {t * 1e3:,.0f} ms | "
+                  f"{t / statistics.median(base['samples_s']):.2f} | {t * 1e3 / m['num_tokens']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""validate's JSON records how the profile priced the replay: its serving term, the statistic its
+step times were taken by, and the kernel switches it priced."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from types import SimpleNamespace
+
+from servelab.commands import validate
+from servelab.metrics import RequestRecord, summarize
+from servelab.workload import WorkloadSpec
+
+SERVER = {"num_blocks": "400", "block_size": "16", "max_num_seqs": "8", "max_num_batched_tokens": "2048",
+          "max_model_len": "2048"}
+
+
+def test_the_report_records_the_profiles_statistic_and_kernel_rows(tmp_path):
+    records = [RequestRecord(f"r{i}", float(i), float(i), i + 0.1, [i + 0.1, i + 0.2, i + 0.3], i + 0.3, 32, 3)
+               for i in range(3)]
+    measured = SimpleNamespace(records=records, summary=summarize(records, 3.3))
+    coefs = {"per_step_s": 2e-3, "per_token_s": 5e-5, "per_seq_s": 1e-4, "per_context_token_s": 0.0, "per_pair_s": 0.0,
+             "per_wide_step_s": 1e-3}
+    profile = {"format": "servelab-profile", "version": 1, "model": "smollm2-135m", "fit": {"coefficients": coefs},
+               "step_time_statistic": "median of the interleaved passes",
+               "kernel_rows": {"fused_max_rows": 4, "max_rows": None, "linears": "GGUF blocks kept packed (Q4_1)"}}
+    saved = tmp_path / "v.json"
+    args = argparse.Namespace(sim_model=None, base_url="http://x", profile="p.json", save_result=str(saved), json=False)
+    workload = WorkloadSpec(num_requests=3, concurrency=1, input_len="32", output_len="3")
+    assert validate._predict_and_report(args, profile, workload, None, measured, SERVER, "smollm2-135m",
+                                        {"cpus": 2, "steal_cpus": None}) == 0
+    cfg = json.loads(saved.read_text())["config"]
+    assert cfg["step_time_statistic"] == "median of the interleaved passes"
+    assert cfg["kernel_rows"] == profile["kernel_rows"]
