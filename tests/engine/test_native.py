@@ -121,11 +121,12 @@ def _store_inputs() -> torch.Tensor:
     return values[: values.numel() // 16 * 16]  # whole K/V rows of 8 (the specials come first)
 
 
-def _check_store(store, kv_dtype):
-    """store(qkv, cos, sin, positions, slots, k, v) writes K/V rows; with cos = 1 and sin = 0 the
-    rotation leaves the values as they are, and the cache must hold exactly torch's casts."""
+def _check_store(store, kv_dtype, D: int = 8):
+    """store(qkv, D, cos, sin, positions, slots, k, v) writes K/V rows of head_dim D; with cos = 1
+    and sin = 0 the rotation leaves the values as they are, and the cache must hold exactly
+    torch's casts."""
     values = _store_inputs()
-    D, KV, H = 8, 1, 1
+    KV, H = 1, 1
     T = values.numel() // (2 * D)
     kv_vals = values[: T * 2 * D].view(T, 2, D)
     qkv = torch.cat([torch.zeros(T, H * D), kv_vals.reshape(T, 2 * D)], dim=1).contiguous()
@@ -133,7 +134,7 @@ def _check_store(store, kv_dtype):
     positions, slots = torch.zeros(T, dtype=torch.int64), torch.randperm(T)
     k = torch.empty(KV, T, D, dtype=kv_dtype)
     v = torch.empty(KV, T, D, dtype=kv_dtype)
-    store(qkv, cos, sin, positions, slots, k, v)
+    store(qkv, D, cos, sin, positions, slots, k, v)
     rotated = qkv[:, H * D :].view(T, 2, D)  # the K values after the kernel's RoPE, V untouched
     torch.testing.assert_close(rotated, kv_vals, rtol=0, atol=0)  # (up to the sign of a zero)
     assert torch.equal(k[0, slots].view(torch.int16), rotated[:, 0].to(kv_dtype).view(torch.int16))
@@ -207,7 +208,7 @@ def test_prefill_wrapper_rejects_inconsistent_shapes(kernel):
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
 def test_kv_store_rounds_as_torch_does(kernel, kv_dtype):
-    _check_store(lambda *a: native.rope_store_kv(kernel, a[0], 1, 1, 8, *a[1:]), kv_dtype)
+    _check_store(lambda qkv, D, *a: native.rope_store_kv(kernel, qkv, 1, 1, D, *a), kv_dtype)
 
 
 def test_every_isa_level_rounds_and_attends_the_same(isa_kernels):
@@ -229,7 +230,8 @@ def test_every_isa_level_rounds_and_attends_the_same(isa_kernels):
     torch.testing.assert_close(native.silu_mul(kernels, gate_up), want, rtol=1e-5, atol=1e-5)
     for kv_dtype in (torch.float32, torch.float16, torch.bfloat16):
         if kv_dtype != torch.float32:
-            _check_store(lambda *a: native.rope_store_kv(kernels, a[0], 1, 1, 8, *a[1:]), kv_dtype)
+            for D in (8, 40):  # 40: AVX-512's 16-lane fp16 store twice, then AVX2's 8
+                _check_store(lambda qkv, D, *a: native.rope_store_kv(kernels, qkv, 1, 1, D, *a), kv_dtype, D)
         for D in (24, 48, 64):  # AVX2 8-lane tiles + a tail (24); AVX-512 16-lane ones, P V 32 + 16 (48)
             kc = torch.randn(2, 40 * 8, D, generator=g).to(kv_dtype)
             vc = torch.randn(2, 40 * 8, D, generator=g).to(kv_dtype)
@@ -263,12 +265,13 @@ def _paged_case(kv_dtype, D: int, g: torch.Generator):
 
 
 @pytest.mark.parametrize("level", sorted(SIMDE_LEVELS))
-def test_avx512_levels_give_avx2s_bits_in_attention_and_the_elementwise_ops(level):
+def test_avx512_levels_give_avx2s_bits_in_attention_and_the_layer_ops(level):
     """The AVX-512 paths of prefill attention (16-lane score and output tiles), of the paged kernel
     that shares its rows (deterministic decode), of the softmax passes (exp16) and of RMSNorm,
-    SwiGLU and the K/V store sum and round each value in AVX2's order: the same bits as the avx2
+    SwiGLU, RoPE and the K/V store sum and round each value in AVX2's order: the same bits as the avx2
     build, at every head_dim tail, row length and cache format, natively or on SIMDe. (The linears
-    and decode attention sum in another order at 16 lanes: the tests above hold them to 1e-5.)"""
+    and decode attention sum in another order at 16 lanes: the tests above hold them to 1e-5.)
+    The argmax passes are exact at any width: test_every_isa_level_... checks them against torch."""
     avx2, how = kernels_at("avx2")
     if avx2 is None:
         pytest.skip(f"avx2: {how}")
@@ -290,6 +293,18 @@ def test_avx512_levels_give_avx2s_bits_in_attention_and_the_elementwise_ops(leve
                 out[name] = torch.empty(q.shape[0], 6 * D)
                 native.paged_attention(kn, q, kc, vc, table, ctx_lens, int(ctx_lens.max()), 16, 0.125, out[name])
             assert torch.equal(out[level], out["avx2"]), (level, kv_dtype, D)
+    for kv_dtype in (torch.float16, torch.bfloat16):  # RoPE, then the store's rounding
+        for D in (8, 24, 64):
+            T, H, KV = 5, 3, 1
+            qkv = torch.randn(T, (H + 2 * KV) * D, generator=g)
+            cos, sin = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
+            positions, slots = torch.randperm(T), torch.randperm(T)
+            got = {}
+            for name, kn in ((level, kernels), ("avx2", avx2)):
+                rows, k, v = qkv.clone(), torch.empty(KV, T, D, dtype=kv_dtype), torch.empty(KV, T, D, dtype=kv_dtype)
+                native.rope_store_kv(kn, rows, H, KV, D, cos, sin, positions, slots, k, v)
+                got[name] = (rows, k.view(torch.int16), v.view(torch.int16))
+            assert all(torch.equal(a, b) for a, b in zip(got[level], got["avx2"])), (level, kv_dtype, D)
     for hidden in (7, 8, 15, 16, 37, 576):  # under one vector, one of 8, one of 16, and tails
         x, delta, w = torch.randn(3, hidden, generator=g), torch.randn(3, hidden, generator=g), torch.randn(hidden, generator=g)
         x2 = x.clone()
@@ -338,8 +353,11 @@ def _argmax_cases() -> list[torch.Tensor]:
     wide[5, :] = 0.0
     wide[6, 49151] = 1e30  # the last element
     wide[7, 100:] = float("-inf")
+    tails = torch.randn(4, 91, generator=g)  # AVX-512: 64 + 16, then 11 scalar; AVX2: 64, 16 + 11
+    tails[0, 90] = tails[1, 70] = tails[2, 85] = tails[3, 63] = 9.0  # the largest in each part
+    tails[2, 20] = 9.0  # and a tie with an earlier one
     return [wide, torch.randn(5, 7, generator=g), torch.randn(3, 37, generator=g), torch.randn(1, 1, generator=g),
-            torch.randint(0, 3, (4, 1000), generator=g).float()]  # many ties
+            torch.randint(0, 3, (4, 1000), generator=g).float(), tails]  # many ties
 
 
 def test_argmax_rows_matches_torch(kernel):
