@@ -1,11 +1,15 @@
-"""The native linears at each ISA level this CPU has, interleaved in one process: the bundled
+"""The native kernels at each ISA level this CPU has, interleaved in one process: the bundled
 SmolLM2-135M's 120 layer matrices as packed GGUF blocks (the in-register kernel up to 4 rows,
-the panel kernel above) and as int8 codes. Optionally another source tree's kernels at the same
-levels (`--base TREE`: its servelab/engine/csrc built with this tree's flags), for before/after.
+the panel kernel above), as int8 codes and as bf16 weights (csrc/half_linear.c: the GEMV up to 16
+rows, the widened-panel GEMM above), and its prefill attention (9 query heads over 3 KV heads,
+head_dim 64) for a whole prompt of each --prompts length, once per layer. Optionally another
+source tree's kernels at the same levels (`--base TREE`: its servelab/engine/csrc built with this
+tree's flags), for before/after.
 
     python benchmarks/isa_levels.py [--levels avx2 avx512_vnni] [--base /tmp/old-tree] [--threads 1]
 
-Prints the median time over all 120 matrices per (kernel, rows) and each build against the first.
+Prints the median time over all 120 matrices (or 30 layers) per (kernel, rows) and each build
+against the first.
 On a CPU without AVX-512 only portable and avx2 run; the AVX-512 levels are unmeasured until a
 host with them runs this.
 """
@@ -25,6 +29,7 @@ import torch
 
 from servelab.engine import native
 from servelab.engine.bundled import bundled_model_path
+from servelab.engine.linear import HalfLinear
 from servelab.engine.loader import load_model
 from servelab.engine.quantization import Int8Linear
 
@@ -46,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32])
+    parser.add_argument("--prompts", type=int, nargs="+", default=[128, 512], help="prefill attention: prompt lengths")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     levels = args.levels or [lv.name for lv in native.ISA_LEVELS[1:] if native.unavailable_reason(lv.name) is None]
@@ -57,32 +63,44 @@ def main(argv: list[str] | None = None) -> int:
         if kernels is None:
             parser.error(f"level {level}: {native.kernels_unavailable(level)}")
         builds[level] = kernels
+    first = next(iter(builds))
 
     model = load_model(bundled_model_path(), dtype=torch.float32).model
     packed = [w for layer in model.layers for w in layer.linears()]
     int8 = [Int8Linear.from_weight(w.dense, None) for w in packed]
-    times: dict[tuple[str, int, str], list[float]] = {}
-    for kind, linears in (("gguf", packed), ("int8", int8)):
+    bf16 = [HalfLinear(w.dense.to(torch.bfloat16), None, kernels=builds[first]) for w in packed]
+    # (kind, rows) -> one round's work per build: a function of no arguments
+    cases: dict[tuple[str, int], dict[str, object]] = {}
+    for kind, linears in (("gguf", packed), ("int8", int8), ("bf16", bf16)):
         for rows in args.rows:
             x = {n: torch.randn(rows, n) for n in {w.shape[1] for w in linears}}
-            per_build = {name: [replace(w, kernels=k) for w in linears] for name, k in builds.items()}
-            for r in range(args.rounds):
-                order = list(per_build) if r % 2 == 0 else list(reversed(per_build))  # alternate who goes first
-                for name in order:
-                    start = time.perf_counter()
-                    for w in per_build[name]:
-                        w(x[w.shape[1]])
-                    times.setdefault((kind, rows, name), []).append(time.perf_counter() - start)
-    first = next(iter(builds))
-    print(f"{args.threads} thread(s), {args.rounds} rounds, median ms over {len(packed)} matrices; vs {first}")
-    for kind in ("gguf", "int8"):
-        for rows in args.rows:
-            cells = []
-            for name in builds:
-                ms = statistics.median(times[(kind, rows, name)]) * 1e3
-                ratio = ms / (statistics.median(times[(kind, rows, first)]) * 1e3)
-                cells.append(f"{name} {ms:7.2f} ({ratio:.3f})")
-            print(f"{kind} rows {rows:3d}: " + "  ".join(cells))
+            for name, k in builds.items():
+                mine = [replace(w, kernels=k) for w in linears]
+                cases.setdefault((kind, rows), {})[name] = lambda mine=mine, x=x: [w(x[w.shape[1]]) for w in mine]
+    layers, (heads, kv_heads, dim) = len(model.layers), (9, 3, 64)
+    for n in args.prompts:
+        q, k, v = torch.randn(n, heads, dim), torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)
+        for name, kn in builds.items():
+            cases.setdefault(("attn", n), {})[name] = lambda kn=kn, q=q, k=k, v=v: [
+                native.prefill_attention(kn, q, k, v, 0, dim**-0.5) for _ in range(layers)
+            ]
+    times: dict[tuple[str, int, str], list[float]] = {}
+    for (kind, rows), per_build in cases.items():
+        for r in range(args.rounds):
+            order = list(per_build) if r % 2 == 0 else list(reversed(per_build))  # alternate who goes first
+            for name in order:
+                start = time.perf_counter()
+                per_build[name]()
+                times.setdefault((kind, rows, name), []).append(time.perf_counter() - start)
+    print(f"{args.threads} thread(s), {args.rounds} rounds, median ms over {len(packed)} matrices "
+          f"(attn: {layers} layers, prompt of n tokens); vs {first}")
+    for kind, rows in cases:
+        cells = []
+        for name in builds:
+            ms = statistics.median(times[(kind, rows, name)]) * 1e3
+            ratio = ms / (statistics.median(times[(kind, rows, first)]) * 1e3)
+            cells.append(f"{name} {ms:7.2f} ({ratio:.3f})")
+        print(f"{kind} {'n' if kind == 'attn' else 'rows'} {rows:3d}: " + "  ".join(cells))
     print("load average at the end (1/5/15 min): " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     return 0
 

@@ -18,7 +18,7 @@ from servelab.engine import native
 from servelab.engine.loader import load_model
 from servelab.engine.ops import NativeOps, TorchOps, select_ops
 from servelab.errors import InvalidArgument
-from tests.engine.isa_levels import SIMDE_LEVELS
+from tests.engine.isa_levels import SIMDE_LEVELS, kernels_at
 from tests.tiny_models import prefill_logits
 
 
@@ -121,11 +121,12 @@ def _store_inputs() -> torch.Tensor:
     return values[: values.numel() // 16 * 16]  # whole K/V rows of 8 (the specials come first)
 
 
-def _check_store(store, kv_dtype):
-    """store(qkv, cos, sin, positions, slots, k, v) writes K/V rows; with cos = 1 and sin = 0 the
-    rotation leaves the values as they are, and the cache must hold exactly torch's casts."""
+def _check_store(store, kv_dtype, D: int = 8):
+    """store(qkv, D, cos, sin, positions, slots, k, v) writes K/V rows of head_dim D; with cos = 1
+    and sin = 0 the rotation leaves the values as they are, and the cache must hold exactly
+    torch's casts."""
     values = _store_inputs()
-    D, KV, H = 8, 1, 1
+    KV, H = 1, 1
     T = values.numel() // (2 * D)
     kv_vals = values[: T * 2 * D].view(T, 2, D)
     qkv = torch.cat([torch.zeros(T, H * D), kv_vals.reshape(T, 2 * D)], dim=1).contiguous()
@@ -133,7 +134,7 @@ def _check_store(store, kv_dtype):
     positions, slots = torch.zeros(T, dtype=torch.int64), torch.randperm(T)
     k = torch.empty(KV, T, D, dtype=kv_dtype)
     v = torch.empty(KV, T, D, dtype=kv_dtype)
-    store(qkv, cos, sin, positions, slots, k, v)
+    store(qkv, D, cos, sin, positions, slots, k, v)
     rotated = qkv[:, H * D :].view(T, 2, D)  # the K values after the kernel's RoPE, V untouched
     torch.testing.assert_close(rotated, kv_vals, rtol=0, atol=0)  # (up to the sign of a zero)
     assert torch.equal(k[0, slots].view(torch.int16), rotated[:, 0].to(kv_dtype).view(torch.int16))
@@ -207,7 +208,7 @@ def test_prefill_wrapper_rejects_inconsistent_shapes(kernel):
 
 @pytest.mark.parametrize("kv_dtype", [torch.float16, torch.bfloat16])
 def test_kv_store_rounds_as_torch_does(kernel, kv_dtype):
-    _check_store(lambda *a: native.rope_store_kv(kernel, a[0], 1, 1, 8, *a[1:]), kv_dtype)
+    _check_store(lambda qkv, D, *a: native.rope_store_kv(kernel, qkv, 1, 1, D, *a), kv_dtype)
 
 
 def test_every_isa_level_rounds_and_attends_the_same(isa_kernels):
@@ -229,7 +230,8 @@ def test_every_isa_level_rounds_and_attends_the_same(isa_kernels):
     torch.testing.assert_close(native.silu_mul(kernels, gate_up), want, rtol=1e-5, atol=1e-5)
     for kv_dtype in (torch.float32, torch.float16, torch.bfloat16):
         if kv_dtype != torch.float32:
-            _check_store(lambda *a: native.rope_store_kv(kernels, a[0], 1, 1, 8, *a[1:]), kv_dtype)
+            for D in (8, 40):  # 40: AVX-512's 16-lane fp16 store twice, then AVX2's 8
+                _check_store(lambda qkv, D, *a: native.rope_store_kv(kernels, qkv, 1, 1, D, *a), kv_dtype, D)
         for D in (24, 48, 64):  # AVX2 8-lane tiles + a tail (24); AVX-512 16-lane ones, P V 32 + 16 (48)
             kc = torch.randn(2, 40 * 8, D, generator=g).to(kv_dtype)
             vc = torch.randn(2, 40 * 8, D, generator=g).to(kv_dtype)
@@ -239,6 +241,77 @@ def test_every_isa_level_rounds_and_attends_the_same(isa_kernels):
             out = torch.empty(2, 6 * D)
             native.decode_attention(kernels, q, kc, vc, torch.tensor(tables), torch.tensor(ctx_lens), 73, 8, 0.2, out)
             torch.testing.assert_close(out, _reference(q, kc, vc, tables, ctx_lens, 8, 0.2), rtol=1e-5, atol=1e-5)
+
+
+# head_dim: the AVX-512 output tile's 64 dims (64, 128), its 48 / 32 / 16-dim tiles after them
+# (48, 96, 16), AVX2's 8-dim step (24, 40) and the scalar tail (33); chunks as PREFILL_CHUNKS
+_BITS_DIMS = [16, 24, 33, 40, 48, 64, 96, 128]
+
+
+def _paged_case(kv_dtype, D: int, g: torch.Generator):
+    """q [B, 6, D], a 2-KV-head cache of scattered 16-slot blocks, its tables and context lengths
+    (one key, one under a 16-key panel, odd panel counts, two 64-key blocks)."""
+    bs, ctx_lens = 16, [1, 9, 33, 64, 130]
+    num_blocks = sum(-(-c // bs) for c in ctx_lens) + 2
+    kc = torch.randn(2, num_blocks * bs, D, generator=g).to(kv_dtype)
+    vc = torch.randn(2, num_blocks * bs, D, generator=g).to(kv_dtype)
+    order, used = torch.randperm(num_blocks, generator=g), 0
+    table = torch.zeros(len(ctx_lens), -(-max(ctx_lens) // bs), dtype=torch.int64)
+    for b, c in enumerate(ctx_lens):
+        n = -(-c // bs)
+        table[b, :n] = order[used : used + n]
+        used += n
+    return torch.randn(len(ctx_lens), 6, D, generator=g), kc, vc, table, torch.tensor(ctx_lens)
+
+
+@pytest.mark.parametrize("level", sorted(SIMDE_LEVELS))
+def test_avx512_levels_give_avx2s_bits_in_attention_and_the_layer_ops(level):
+    """The AVX-512 paths of prefill attention (16-lane score and output tiles), of the paged kernel
+    that shares its rows (deterministic decode), of the softmax passes (exp16) and of RMSNorm,
+    SwiGLU, RoPE and the K/V store sum and round each value in AVX2's order: the same bits as the avx2
+    build, at every head_dim tail, row length and cache format, natively or on SIMDe. (The linears
+    and decode attention sum in another order at 16 lanes: the tests above hold them to 1e-5.)
+    The argmax passes are exact at any width: test_every_isa_level_... checks them against torch."""
+    avx2, how = kernels_at("avx2")
+    if avx2 is None:
+        pytest.skip(f"avx2: {how}")
+    kernels, how = kernels_at(level)
+    if kernels is None:
+        pytest.skip(f"{level}: {how}")
+    g = torch.Generator().manual_seed(3)
+    for D in _BITS_DIMS:
+        for start, n in PREFILL_CHUNKS:
+            q = torch.randn(n, 4, D, generator=g)
+            k, v = torch.randn(start + n, 2, D, generator=g), torch.randn(start + n, 2, D, generator=g)
+            got = native.prefill_attention(kernels, q, k, v, start, 0.3)
+            assert torch.equal(got, native.prefill_attention(avx2, q, k, v, start, 0.3)), (level, D, start, n)
+    for kv_dtype in (torch.float32, torch.bfloat16):
+        for D in (24, 48, 64):
+            q, kc, vc, table, ctx_lens = _paged_case(kv_dtype, D, g)
+            out = {}
+            for name, kn in ((level, kernels), ("avx2", avx2)):
+                out[name] = torch.empty(q.shape[0], 6 * D)
+                native.paged_attention(kn, q, kc, vc, table, ctx_lens, int(ctx_lens.max()), 16, 0.125, out[name])
+            assert torch.equal(out[level], out["avx2"]), (level, kv_dtype, D)
+    for kv_dtype in (torch.float16, torch.bfloat16):  # RoPE, then the store's rounding
+        for D in (8, 24, 64):
+            T, H, KV = 5, 3, 1
+            qkv = torch.randn(T, (H + 2 * KV) * D, generator=g)
+            cos, sin = torch.randn(T, D, generator=g), torch.randn(T, D, generator=g)
+            positions, slots = torch.randperm(T), torch.randperm(T)
+            got = {}
+            for name, kn in ((level, kernels), ("avx2", avx2)):
+                rows, k, v = qkv.clone(), torch.empty(KV, T, D, dtype=kv_dtype), torch.empty(KV, T, D, dtype=kv_dtype)
+                native.rope_store_kv(kn, rows, H, KV, D, cos, sin, positions, slots, k, v)
+                got[name] = (rows, k.view(torch.int16), v.view(torch.int16))
+            assert all(torch.equal(a, b) for a, b in zip(got[level], got["avx2"])), (level, kv_dtype, D)
+    for hidden in (7, 8, 15, 16, 37, 576):  # under one vector, one of 8, one of 16, and tails
+        x, delta, w = torch.randn(3, hidden, generator=g), torch.randn(3, hidden, generator=g), torch.randn(hidden, generator=g)
+        x2 = x.clone()
+        got, want = native.add_rms_norm(kernels, x, delta, w, 1e-6), native.add_rms_norm(avx2, x2, delta, w, 1e-6)
+        assert torch.equal(x, x2) and torch.equal(got, want), (level, hidden)
+        gate_up = torch.randn(3, 2 * hidden, generator=g) * 30  # past exp's clamps on both sides
+        assert torch.equal(native.silu_mul(kernels, gate_up), native.silu_mul(avx2, gate_up)), (level, hidden)
 
 
 def test_a_failed_build_falls_back_and_says_why(monkeypatch, tmp_path):
@@ -280,8 +353,11 @@ def _argmax_cases() -> list[torch.Tensor]:
     wide[5, :] = 0.0
     wide[6, 49151] = 1e30  # the last element
     wide[7, 100:] = float("-inf")
+    tails = torch.randn(4, 91, generator=g)  # AVX-512: 64 + 16, then 11 scalar; AVX2: 64, 16 + 11
+    tails[0, 90] = tails[1, 70] = tails[2, 85] = tails[3, 63] = 9.0  # the largest in each part
+    tails[2, 20] = 9.0  # and a tie with an earlier one
     return [wide, torch.randn(5, 7, generator=g), torch.randn(3, 37, generator=g), torch.randn(1, 1, generator=g),
-            torch.randint(0, 3, (4, 1000), generator=g).float()]  # many ties
+            torch.randint(0, 3, (4, 1000), generator=g).float(), tails]  # many ties
 
 
 def test_argmax_rows_matches_torch(kernel):

@@ -37,7 +37,7 @@ enum { W_F32 = 0 }; /* a tile reading the widened fp32 panel; else KV_F16 / KV_B
  * (batch-invariant; deterministic mode relies on it). */
 
 #if defined(SL_AVX2)
-/* 8 lanes widened from 16 bits; AVX-512 builds use two of these, one per half */
+/* 8 lanes widened from 16 bits */
 static inline __m256 widen8(const uint16_t *p, const int fmt) {
     const __m128i h = _mm_loadu_si128((const __m128i *)p);
     if (fmt == KV_BF16) return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -53,8 +53,9 @@ static inline float sum8(__m256 a) {
 #endif
 
 #if defined(SL_AVX512)
-/* 16 lanes. Widening and the lane sum go through the 256-bit halves, in intrinsics SIMDe also
- * has (isa.h's SL_SIMDE_LEVEL builds check this path on hosts without AVX-512). */
+/* 16 lanes: a widening is one 32-byte load and one unpack (+ shift) or vcvtph2ps; the lane sum
+ * goes through the 256-bit halves (isa.h's SL_SIMDE_LEVEL builds check this path on hosts
+ * without AVX-512). */
 #define VW 16
 typedef __m512 vf;
 static inline vf v_zero(void) { return _mm512_setzero_ps(); }
@@ -66,7 +67,9 @@ static inline float v_sum(vf a) {
     return sum8(_mm256_add_ps(_mm512_castps512_ps256(a), hi));
 }
 static inline vf v_widen(const uint16_t *p, const int fmt) {
-    return _mm512_insertf32x8(_mm512_castps256_ps512(widen8(p, fmt)), widen8(p + 8, fmt), 1);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    if (fmt == KV_BF16) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
 }
 #elif defined(SL_AVX2)
 #define VW 8

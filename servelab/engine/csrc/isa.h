@@ -58,6 +58,14 @@ static inline __m512 sl_simde_cvtph_ps(__m256i a) {
     const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(a)), hi = _mm256_cvtph_ps(_mm256_extracti128_si256(a, 1));
     return _mm512_castsi512_ps(sl_simde_join(_mm256_castps_si256(lo), _mm256_castps_si256(hi)));
 }
+static inline __m512i sl_simde_cvttps_epi32(__m512 a) {
+    const __m256 lo = _mm512_castps512_ps256(a), hi = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1));
+    return sl_simde_join(_mm256_cvttps_epi32(lo), _mm256_cvttps_epi32(hi));
+}
+#define _mm512_cvttps_epi32 sl_simde_cvttps_epi32
+#define _mm512_cvtps_ph(a, rounding) \
+    _mm256_inserti128_si256(_mm256_castsi128_si256(_mm256_cvtps_ph(_mm512_castps512_ps256(a), rounding)), \
+                            _mm256_cvtps_ph(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a), 1)), rounding), 1)
 #define _mm512_cvtepu8_epi32 sl_simde_cvtepu8_epi32
 #define _mm512_cvtepu16_epi32 sl_simde_cvtepu16_epi32
 #define _mm512_cvtph_ps sl_simde_cvtph_ps

@@ -4,6 +4,11 @@
  * silu(gate) * up as two, each a dispatch plus a pass over memory (what they cost:
  * docs/benchmarks.md). These loops do the same arithmetic in fp32 in one pass. The sampler's
  * greedy argmax over the vocabulary lives here too (servelab_argmax_rows_f32).
+ *
+ * At SL_AVX512: SwiGLU on exp16, the fp16 K/V store and both argmax passes run sixteen lanes in
+ * intrinsics, the same values as AVX2's; the plain-C loops (the residual add and RMSNorm's scaling,
+ * RoPE, the bf16 store) the compiler vectorizes itself at that level, and RMSNorm's sum of squares
+ * stays in its 8 lanes so that every level with AVX2 gives the same bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -45,6 +50,13 @@ void servelab_silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64
         const float *u = g + inter;
         float *o = out + r * inter;
         int64_t j = 0;
+#if defined(SL_AVX512)
+        for (; j + 16 <= inter; j += 16) { /* AVX2's operations on sixteen lanes: the same bits */
+            const __m512 x = _mm512_loadu_ps(g + j);
+            const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), x));
+            _mm512_storeu_ps(o + j, _mm512_mul_ps(_mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), _mm512_loadu_ps(u + j)));
+        }
+#endif
 #ifdef SL_AVX2
         const __m256 one = _mm256_set1_ps(1.0f);
         for (; j + 8 <= inter; j += 8) {
@@ -67,6 +79,10 @@ static void store_row(void *dst, const float *src, int64_t n, int64_t kv_format)
     uint16_t *d = dst;
     int64_t i = 0;
     if (kv_format == KV_F16) {
+#if defined(SL_AVX512)
+        for (; i + 16 <= n; i += 16)
+            _mm256_storeu_si256((__m256i *)(d + i), _mm512_cvtps_ph(_mm512_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
 #ifdef SL_AVX2
         for (; i + 8 <= n; i += 8)
             _mm_storeu_si128((__m128i *)(d + i), _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
@@ -126,7 +142,23 @@ static void argmax_part(const void *ctx, int64_t part, int64_t begin, int64_t en
         const float *x = j->x + r * n;
         float m = x[0];
         int64_t i = 0;
-#ifdef SL_AVX2
+#if defined(SL_AVX512)
+        if (n >= 64) {
+            __m512 m0 = _mm512_loadu_ps(x), m1 = _mm512_loadu_ps(x + 16);
+            __m512 m2 = _mm512_loadu_ps(x + 32), m3 = _mm512_loadu_ps(x + 48);
+            for (i = 64; i + 64 <= n; i += 64) {
+                m0 = _mm512_max_ps(m0, _mm512_loadu_ps(x + i));
+                m1 = _mm512_max_ps(m1, _mm512_loadu_ps(x + i + 16));
+                m2 = _mm512_max_ps(m2, _mm512_loadu_ps(x + i + 32));
+                m3 = _mm512_max_ps(m3, _mm512_loadu_ps(x + i + 48));
+            }
+            m0 = _mm512_max_ps(_mm512_max_ps(m0, m1), _mm512_max_ps(m2, m3));
+            for (; i + 16 <= n; i += 16) m0 = _mm512_max_ps(m0, _mm512_loadu_ps(x + i));
+            float lanes[16];
+            _mm512_storeu_ps(lanes, m0);
+            for (int k = 0; k < 16; k++) m = lanes[k] > m ? lanes[k] : m;
+        }
+#elif defined(SL_AVX2)
         if (n >= 32) {
             __m256 m0 = _mm256_loadu_ps(x), m1 = _mm256_loadu_ps(x + 8);
             __m256 m2 = _mm256_loadu_ps(x + 16), m3 = _mm256_loadu_ps(x + 24);
@@ -143,6 +175,16 @@ static void argmax_part(const void *ctx, int64_t part, int64_t begin, int64_t en
 #endif
         for (; i < n; i++) m = x[i] > m ? x[i] : m;
         int64_t at = 0;
+#if defined(SL_AVX512)
+        const __m512 vm16 = _mm512_set1_ps(m);
+        for (; at + 16 <= n; at += 16) { /* once found, the 8-lane loop below finds it again at once */
+            const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(x + at), vm16, _CMP_EQ_OQ);
+            if (hit) {
+                at += __builtin_ctz((unsigned)hit);
+                break;
+            }
+        }
+#endif
 #ifdef SL_AVX2
         const __m256 vm = _mm256_set1_ps(m);
         for (; at + 8 <= n; at += 8) {

@@ -10,6 +10,11 @@
  *     two broadcast probabilities per key.
  * Blocks of QB = 32 query rows x KB = 64 keys; a block's last key block is masked by position.
  * Work is split over the threads by (query head, row block).
+ *
+ * At SL_AVX512 the same tiles run sixteen lanes: scores 4 rows x two panels (32 keys), output
+ * 2 rows x 64 dims (then one tile of the 16, 32 or 48 left, and AVX2's 8-dim step). Every lane sums over d (scores) or over
+ * the keys (output) in AVX2's order and the softmax passes keep its bits (vec_exp.h), so every
+ * level with AVX2 gives the same bits.
  */
 #include <math.h>
 #include <stdint.h>
@@ -35,6 +40,36 @@ struct prefill_job {
 /* S[r][0 .. keys) = scale * q_r . k_c for 4 rows (pointers may repeat for a short block) over
  * the packed panels starting at `kt` (keys rounded up to KP; padding keys score garbage-free 0). */
 static void scores4(const float *const qr[4], const float *kt, int64_t keys, int64_t dim, float scale, float *S) {
+#if defined(SL_AVX512)
+    const __m512 vs = _mm512_set1_ps(scale);
+    int64_t c = 0;
+    for (; c + 2 * KP <= keys; c += 2 * KP, kt += 2 * dim * KP) { /* two panels: eight accumulators */
+        const float *kt1 = kt + dim * KP;
+        __m512 a[4][2];
+        for (int r = 0; r < 4; r++) a[r][0] = a[r][1] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dim; d++) {
+            const __m512 k0 = _mm512_loadu_ps(kt + d * KP), k1 = _mm512_loadu_ps(kt1 + d * KP);
+            for (int r = 0; r < 4; r++) {
+                const __m512 b = _mm512_set1_ps(qr[r][d]);
+                a[r][0] = _mm512_fmadd_ps(b, k0, a[r][0]);
+                a[r][1] = _mm512_fmadd_ps(b, k1, a[r][1]);
+            }
+        }
+        for (int r = 0; r < 4; r++) {
+            _mm512_storeu_ps(S + r * KB + c, _mm512_mul_ps(a[r][0], vs));
+            _mm512_storeu_ps(S + r * KB + c + KP, _mm512_mul_ps(a[r][1], vs));
+        }
+    }
+    if (c < keys) { /* an odd last panel */
+        __m512 a[4];
+        for (int r = 0; r < 4; r++) a[r] = _mm512_setzero_ps();
+        for (int64_t d = 0; d < dim; d++) {
+            const __m512 k0 = _mm512_loadu_ps(kt + d * KP);
+            for (int r = 0; r < 4; r++) a[r] = _mm512_fmadd_ps(_mm512_set1_ps(qr[r][d]), k0, a[r]);
+        }
+        for (int r = 0; r < 4; r++) _mm512_storeu_ps(S + r * KB + c, _mm512_mul_ps(a[r], vs));
+    }
+#else
     for (int64_t c = 0; c < keys; c += KP, kt += dim * KP) {
 #ifdef SL_AVX2
         __m256 a[4][2];
@@ -61,12 +96,47 @@ static void scores4(const float *const qr[4], const float *kt, int64_t keys, int
             }
 #endif
     }
+#endif
 }
+
+#if defined(SL_AVX512)
+/* pv2's tile on nv (1..4) sixteen-lane vectors a row, dims [0, 16 nv) of o0, o1 and v's rows. */
+static inline __attribute__((always_inline)) void pv2_x16(const int nv, const float *P0, const float *P1,
+                                                          const float *v, int64_t v_stride, int64_t keys, float *o0,
+                                                          float *o1, float alpha0, float alpha1) {
+    __m512 a0[4], a1[4];
+    const __m512 f0 = _mm512_set1_ps(alpha0), f1 = _mm512_set1_ps(alpha1);
+    for (int j = 0; j < nv; j++) {
+        a0[j] = _mm512_mul_ps(_mm512_loadu_ps(o0 + 16 * j), f0);
+        a1[j] = _mm512_mul_ps(_mm512_loadu_ps(o1 + 16 * j), f1);
+    }
+    for (int64_t c = 0; c < keys; c++) {
+        const float *vr = v + c * v_stride;
+        const __m512 p0 = _mm512_set1_ps(P0[c]), p1 = _mm512_set1_ps(P1[c]);
+        for (int j = 0; j < nv; j++) {
+            const __m512 vv = _mm512_loadu_ps(vr + 16 * j);
+            a0[j] = _mm512_fmadd_ps(p0, vv, a0[j]);
+            a1[j] = _mm512_fmadd_ps(p1, vv, a1[j]);
+        }
+    }
+    for (int j = 0; j < nv; j++) _mm512_storeu_ps(o0 + 16 * j, a0[j]), _mm512_storeu_ps(o1 + 16 * j, a1[j]);
+}
+#endif
 
 /* O[r] = alpha_r * O[r] + sum_c P[r][c] V[c] for two rows (o1 may be a dummy row) over `keys` keys. */
 static void pv2(const float *P0, const float *P1, const float *v, int64_t v_stride, int64_t keys, int64_t dim,
                 float *o0, float *o1, float alpha0, float alpha1) {
     int64_t d0 = 0;
+#if defined(SL_AVX512)
+    for (; d0 + 64 <= dim; d0 += 64) pv2_x16(4, P0, P1, v + d0, v_stride, keys, o0 + d0, o1 + d0, alpha0, alpha1);
+    switch ((dim - d0) / 16) { /* constants, so each tile is unrolled */
+    case 3: pv2_x16(3, P0, P1, v + d0, v_stride, keys, o0 + d0, o1 + d0, alpha0, alpha1); break;
+    case 2: pv2_x16(2, P0, P1, v + d0, v_stride, keys, o0 + d0, o1 + d0, alpha0, alpha1); break;
+    case 1: pv2_x16(1, P0, P1, v + d0, v_stride, keys, o0 + d0, o1 + d0, alpha0, alpha1); break;
+    default: break;
+    }
+    d0 += (dim - d0) / 16 * 16;
+#endif
 #ifdef SL_AVX2
     for (; d0 + 32 <= dim; d0 += 32) {
         __m256 a0[4], a1[4];
