@@ -10,7 +10,8 @@
  * throughout (max-subtracted softmax, like SDPA), only the summation order differs. A 16-bit
  * cache is widened to fp32 as it is loaded: the values are exactly those torch's
  * `.float()` gives. At SL_AVX512 the score and P V tiles run sixteen lanes (another summation
- * order, within the tests' tolerance); the softmax passes stay AVX2's.
+ * order, within the tests' tolerance); the softmax passes (vec_exp.h) run sixteen lanes with
+ * AVX2's bits.
  *
  * Layouts (all contiguous unless a stride is given):
  *   q        [B, num_kv_heads * group, head_dim] fp32, row stride q_stride floats between sequences
