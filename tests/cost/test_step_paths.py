@@ -11,8 +11,9 @@ from servelab.cost.roofline import Roofline
 pytestmark = pytest.mark.slow
 
 
-def test_the_engine_takes_the_one_call_path_exactly_on_decode_only_steps():
-    from servelab.core.sequence import SamplingParams
+def bundled_engine(max_model_len: int, max_num_batched_tokens: int):
+    """The bundled model in fp32 without the prefix cache, and its decode stack (skips where
+    either is missing)."""
     from servelab.engine.bundled import bundled_model_path
     from servelab.engine.llm_engine import EngineArgs, LLMEngine
 
@@ -20,12 +21,21 @@ def test_the_engine_takes_the_one_call_path_exactly_on_decode_only_steps():
         path = bundled_model_path()
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"bundled model unavailable: {e}")
-    engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=str(path), dtype="float32", max_model_len=256,
-                                                        max_num_batched_tokens=32, enable_prefix_caching=False))
+    engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=str(path), dtype="float32", max_model_len=max_model_len,
+                                                        max_num_batched_tokens=max_num_batched_tokens,
+                                                        enable_prefix_caching=False))
+    stack = engine.executor.model.decode_stack
+    if stack is None:
+        engine.close()
+        pytest.skip("no native decode stack on this host")
+    return engine, stack
+
+
+def test_the_engine_takes_the_one_call_path_exactly_on_decode_only_steps():
+    from servelab.core.sequence import SamplingParams
+
+    engine, stack = bundled_engine(max_model_len=256, max_num_batched_tokens=32)
     try:
-        stack = engine.executor.model.decode_stack
-        if stack is None:
-            pytest.skip("no native decode stack on this host")
         took: list[bool] = []
         accepts = stack.accepts
         stack.accepts = lambda meta, rows: took.append(accepts(meta, rows)) or took[-1]
@@ -58,19 +68,9 @@ def test_a_decode_batch_past_the_packed_rows_takes_the_per_op_path_as_priced():
     from servelab.commands.calibrate import kernel_rows_of
     from servelab.core.sequence import SamplingParams
     from servelab.cost.profile import KernelRows, per_op_path
-    from servelab.engine.bundled import bundled_model_path
-    from servelab.engine.llm_engine import EngineArgs, LLMEngine
 
+    engine, stack = bundled_engine(max_model_len=64, max_num_batched_tokens=1024)
     try:
-        path = bundled_model_path()
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"bundled model unavailable: {e}")
-    engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=str(path), dtype="float32", max_model_len=64,
-                                                        max_num_batched_tokens=1024, enable_prefix_caching=False))
-    try:
-        stack = engine.executor.model.decode_stack
-        if stack is None:
-            pytest.skip("no native decode stack on this host")
         found = kernel_rows_of(engine)
         rows = KernelRows(found["fused_max_rows"], found["max_rows"])
         took: list[tuple[int, bool]] = []
