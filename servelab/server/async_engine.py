@@ -252,8 +252,9 @@ class AsyncEngine:
                 stop.done.set()
                 return
             if engine.has_unfinished():
-                self._step()
-            self._refresh_stats()
+                self._step()  # refreshes the stats itself, before it posts the step's outputs
+            else:
+                self._refresh_stats()
 
     def _admit(self, command: _Add) -> None:
         if command.future.cancelled():
@@ -298,6 +299,7 @@ class AsyncEngine:
             failed = [Failed(rid, error) for rid in sorted(self._live)]
             for f in failed:
                 self._abort_one(f.request_id)
+            self._refresh_stats()
             self._post(failed)
             time.sleep(0.01)  # a step that fails every time must not spin the CPU
             return
@@ -316,6 +318,9 @@ class AsyncEngine:
                     observer(out)
                 except Exception:  # a metrics bug must not lose a client's tokens
                     logger.exception("output observer failed")
+        # before the outputs: a client that sees its request finish must not then read gauges
+        # that still count it running
+        self._refresh_stats()
         self._post(outputs)
 
     def _refresh_stats(self) -> None:

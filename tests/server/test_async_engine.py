@@ -197,3 +197,31 @@ def test_observers_run_on_the_engine_thread_for_every_output(fake_engine):
     outputs = run(main())
     assert len(seen) == len(outputs)
     assert {name for name, _ in seen} == {"servelab-engine"}
+
+
+def test_a_finished_request_is_no_longer_counted_running_when_its_client_sees_it(fake_engine):
+    # The stats snapshot (the /metrics gauges, the lab's live panel) is refreshed before a step's
+    # outputs go out. A slow stats() widens the window in which the old order showed a finished
+    # request as still running.
+    import time
+
+    engine = fake_engine()
+    stats = engine.stats
+
+    def slow_stats():
+        time.sleep(0.05)
+        return stats()
+
+    engine.stats = slow_stats
+
+    async def main():
+        bridge = AsyncEngine(engine)
+        bridge.start()
+        seen = []
+        async for out in await bridge.submit([_req("r", max_tokens=3)]):
+            seen.append((out.finished, bridge.stats.num_running))
+        await bridge.stop()
+        return seen
+
+    seen = run(main())
+    assert seen[-1] == (True, 0)
