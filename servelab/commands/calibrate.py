@@ -267,9 +267,11 @@ def build_profile(engine: Any, args: argparse.Namespace, grid_name: str, measure
 
     model = getattr(engine.executor, "model", None)
     engine_rows = kernel_rows_of(engine)
-    fitted = fit(measurements, rows=KernelRows.from_profile({"kernel_rows": engine_rows}))
-    # the switches the fit could use (a grid that never went past one prices it as absent)
-    kernel_rows = None if engine_rows is None else {**engine_rows, **fitted["kernel_rows"]}
+    fitted = fit(measurements, rows=KernelRows.from_dict(engine_rows))
+    # the switches the fit could use (a grid that never went past one prices it as absent), kept
+    # once, at the profile's top level, where ProfileStepCost reads them
+    reached = fitted.pop("kernel_rows")
+    kernel_rows = None if engine_rows is None else {**engine_rows, **reached}
     spec = engine.model_spec
     kv = getattr(getattr(engine.executor, "kv_cache", None), "dtype", None)
     return {

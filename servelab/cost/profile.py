@@ -65,11 +65,15 @@ class KernelRows:
     max_rows: int | None = None
 
     @classmethod
-    def from_profile(cls, profile: dict[str, Any]) -> KernelRows:
-        rows = profile.get("kernel_rows")
+    def from_dict(cls, rows: dict[str, Any] | None) -> KernelRows:
+        """From a profile's `kernel_rows` section (or calibrate's reading of the engine); None: no switch."""
         if not isinstance(rows, dict):
             return cls()
         return cls(rows.get("fused_max_rows"), rows.get("max_rows"))
+
+    @classmethod
+    def from_profile(cls, profile: dict[str, Any]) -> KernelRows:
+        return cls.from_dict(profile.get("kernel_rows"))
 
 
 NO_KERNEL_ROWS = KernelRows()

@@ -72,7 +72,7 @@ def test_a_decode_batch_past_the_packed_rows_takes_the_per_op_path_as_priced():
     engine, stack = bundled_engine(max_model_len=64, max_num_batched_tokens=1024)
     try:
         found = kernel_rows_of(engine)
-        rows = KernelRows(found["fused_max_rows"], found["max_rows"])
+        rows = KernelRows.from_dict(found)
         took: list[tuple[int, bool]] = []
         accepts = stack.accepts
         stack.accepts = lambda meta, n: took.append((n, accepts(meta, n))) or took[-1][1]
