@@ -121,14 +121,16 @@ def spread_variant(profile: dict, spread: bool) -> Any:
     return (lambda cost: SpreadStepCost(cost, timed)) if spread else (lambda cost: cost)
 
 
-def refit_serving(profile: dict, server: dict[str, str], model: Any, spread: bool) -> dict[str, Any]:
+def refit_serving(profile: dict, server: dict[str, str], model: Any, spread: bool,
+                  think_time_s: float = 0.0) -> dict[str, Any]:
     """The serving term refitted against `profile`'s (refitted) engine steps, from the closed-loop
-    runs calibrate's --server-term made (their measured TPOT, concurrency and lengths)."""
+    runs calibrate's --server-term made (their measured TPOT, concurrency and lengths), replayed
+    with `think_time_s` between a client's requests (calibrate's own runs had none)."""
     from servelab.bench.fidelity import ServerRun, fit_server_term
 
     old = profile["server"]
     runs = [ServerRun(r["concurrency"], closed_loop_records(r["concurrency"], r["requests"], old["input_len"],
-                                                            old["output_len"]), r["measured_tpot_p50_s"])
+                                                            old["output_len"]), r["measured_tpot_p50_s"], think_time_s)
             for r in old["runs"]]
     return fit_server_term({**profile, "server": None}, server, model, runs, variant=spread_variant(profile, spread))
 
@@ -143,17 +145,19 @@ def replay_run(path: Path, profile: dict, cost: ProfileStepCost, spread: bool) -
     run = json.loads(path.read_text())
     cfg, measured = run["config"], run["measured"]
     w = cfg["workload"]
+    think_time_s = 0.0
     if w["concurrency"] is not None and w["rate"] is None:
         trace = [RequestSpec(index=i, arrival_s=None, prompt_tokens=int(w["input_len"]),
                              output_tokens=int(w["output_len"])) for i in range(cfg["replayed_requests"])]
         concurrency = w["concurrency"]
+        think_time_s = w.get("think_time_s") or 0.0  # validate JSONs from before --think-time: none
     else:  # the bench's planned send times, regenerated from the seed (an open loop sends on time)
         spec = WorkloadSpec(num_requests=w["num_requests"], rate=w["rate"], burstiness=w["burstiness"],
                             input_len=w["input_len"], output_len=w["output_len"], seed=w["seed"], arrival=w["arrival"])
         trace, concurrency = spec.generate(), None
     cost = spread_variant(profile, spread)(cost)
     sim = simulate(sim_config(profile, cfg["server"], get_model(cfg["sim_model"]), None, cost), trace,
-                   concurrency=concurrency).summary.to_dict()
+                   concurrency=concurrency, think_time_s=think_time_s).summary.to_dict()
     out = {}
     for name, attr, pct in METRICS:
         m, s = measured[attr], sim[attr]

@@ -91,13 +91,16 @@ def replay_trace(records: Sequence[RequestRecord], closed_loop: bool = False) ->
                         output_tokens=r.output_tokens) for i, r in enumerate(ok)]
 
 
-def replay(config: SimConfig, records: Sequence[RequestRecord], concurrency: int | None) -> SimResult:
+def replay(config: SimConfig, records: Sequence[RequestRecord], concurrency: int | None,
+           think_time_s: float = 0.0) -> SimResult:
     """A measured run through the simulator: a closed loop (concurrency given) replays as a closed
-    loop at that concurrency, an open loop at its send times."""
+    loop at that concurrency, its clients thinking `think_time_s` between requests as the bench's
+    did; an open loop at its send times."""
     from servelab.sim import simulate
 
     closed = concurrency is not None
-    return simulate(config, replay_trace(records, closed_loop=closed), concurrency=concurrency if closed else None)
+    return simulate(config, replay_trace(records, closed_loop=closed), concurrency=concurrency if closed else None,
+                    think_time_s=think_time_s if closed else 0.0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +110,7 @@ class ServerRun:
     concurrency: int
     records: Sequence[RequestRecord]
     tpot_p50_s: float
+    think_time_s: float = 0.0  # the bench's pause between a client's requests (calibrate's runs: none)
 
 
 def fit_server_term(profile: dict[str, Any], server: dict[str, str], model: ModelSpec, runs: Sequence[ServerRun],
@@ -131,7 +135,8 @@ def fit_server_term(profile: dict[str, Any], server: dict[str, str], model: Mode
     def simulated_tpot(run: ServerRun, per_step_s: float = 0.0, per_seq_s: float = 0.0) -> float:
         cost = replace(base, server_per_step_s=per_step_s, server_per_seq_s=per_seq_s)
         cost = cost if variant is None else variant(cost)
-        tpot = replay(sim_config(profile, server, model, None, cost), run.records, run.concurrency).summary.tpot_s.p50
+        tpot = replay(sim_config(profile, server, model, None, cost), run.records, run.concurrency,
+                      run.think_time_s).summary.tpot_s.p50
         if tpot is None:
             raise InvalidArgument("the server runs for the serving term produced no TPOT (outputs of one token?)")
         return tpot

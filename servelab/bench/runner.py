@@ -5,7 +5,7 @@ Open loop: every send time is planned before the run starts (from the workload's
 process) and each request leaves at its planned time, whatever the server is doing; the planned
 and actual send times are both kept, so client lateness is visible instead of silently becoming
 part of the server's latency. Closed loop: `concurrency` workers each send their next request
-the moment their previous one ends.
+the moment their previous one ends, or a think time after it (a user reading the answer).
 """
 
 from __future__ import annotations
@@ -63,16 +63,20 @@ async def run_load(
     duration_s: float | None = None,
     should_abort: AbortRule | None = None,
     on_result: Callable[[StreamResult], None] | None = None,
+    think_time_s: float = 0.0,
 ) -> RunOutcome:
     """Run every request (or until `duration_s` has passed: nothing new is sent after it, and
     what is in flight is allowed to finish). Requests with `planned_send_s` set are open-loop;
-    `concurrency` caps the requests in flight (closed loop when no send times are planned)."""
+    `concurrency` caps the requests in flight (closed loop when no send times are planned).
+    Closed loop: a worker waits `think_time_s` after each request ends before it sends its next."""
     state = _State()
     start_s = time.perf_counter()
     stop_sending = asyncio.Event()
     open_loop = not isinstance(requests, Iterator) and any(r.planned_send_s is not None for r in requests)
     if not open_loop and concurrency is None:
         raise ValueError("closed-loop runs need a concurrency")
+    if open_loop and think_time_s:
+        raise ValueError("a think time paces a closed loop; open-loop requests leave at their planned times")
 
     def past_deadline() -> bool:
         return duration_s is not None and time.perf_counter() - start_s >= duration_s
@@ -141,8 +145,23 @@ async def run_load(
             tasks.add(task)
             task.add_done_callback(tasks.discard)
 
+    async def think() -> None:
+        """The think time, cut short by an abort or the run's deadline."""
+        wait_s = think_time_s
+        if duration_s is not None:
+            wait_s = min(wait_s, max(0.0, start_s + duration_s - time.perf_counter()))
+        try:
+            await asyncio.wait_for(stop_sending.wait(), timeout=wait_s)
+        except TimeoutError:
+            pass
+
     async def closed_loop_worker(source: Iterator[BenchRequest]) -> None:
+        first = True
         for request in source:  # a shared iterator: each request is taken by exactly one worker
+            # Taken before the pause, so a worker with nothing left to send ends without thinking.
+            if not first and think_time_s > 0:
+                await think()
+            first = False
             if stop_sending.is_set() or past_deadline():
                 return
             await one(request, None)

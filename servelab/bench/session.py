@@ -143,6 +143,7 @@ class BenchSession:
                 duration_s=duration_s,
                 should_abort=rule,
                 on_result=None if bar is None else (lambda _r: bar.update(1)),
+                think_time_s=0.0 if open_loop else workload.think_time_s,
             )
         finally:
             if bar is not None:
@@ -216,7 +217,7 @@ def replace_workload(base: WorkloadSpec, **changes: Any) -> WorkloadSpec:
         name: getattr(base, name)
         for name in (
             "num_requests", "rate", "concurrency", "burstiness", "input_len", "output_len",
-            "shared_prefix_fraction", "num_prefix_groups", "seed", "dataset", "trace", "arrival",
+            "shared_prefix_fraction", "num_prefix_groups", "seed", "dataset", "trace", "arrival", "think_time_s",
         )
     }
     fields.update(changes)

@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         "num_prefix_groups": spec.num_prefix_groups,
         "seed": spec.seed,
         "dataset": spec.dataset,
+        "think_time_s": spec.think_time_s,
     }
     cost_model = "roofline"
     if args.profile is not None:
@@ -111,20 +112,23 @@ def run(args: argparse.Namespace) -> int:
                           "percentile": args.percentile, "target_rate": args.target_rate, "workload": workload,
                           "configs": [r.to_dict() for r in rows]}, indent=2))
         return 0
-    print(_table(rows, model.name, slo, args))
+    print(_table(rows, model.name, slo, args, spec.think_time_s))
     if args.plot:
         print(f"wrote {args.plot}")
     return 0
 
 
-def _table(rows, model: str, slo, args: argparse.Namespace) -> str:  # noqa: ANN001
+def _table(rows, model: str, slo, args: argparse.Namespace, think_time_s: float) -> str:  # noqa: ANN001
     from servelab.commands._table import render_table
+    from servelab.workload.arrivals import format_think_time
 
     key = f"p{args.percentile}"
     targets = ", ".join(f"{key} {n} <= {v * 1e3:g} ms" for n, v in (("TTFT", slo.ttft_s), ("TPOT", slo.tpot_s))
                         if v is not None)
+    users = (f"; concurrency = users, each thinking {format_think_time(think_time_s)} between requests"
+             if think_time_s else "")
     lines = [f"{model}: capacity at {targets} (simulated; input {args.input_len or 1024}, output "
-             f"{args.output_len or 256} tokens)", ""]
+             f"{args.output_len or 256} tokens{users})", ""]
     headers = ["hardware", "tp", "concurrency", "tok/s/device", "req/s", f"{key} TTFT", f"{key} TPOT", "$/dev-h",
                "$/M tok", "bound by"]
     if args.target_rate is not None:

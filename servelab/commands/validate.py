@@ -106,18 +106,19 @@ def _predict_and_report(args, profile, workload, slo, measured, server, served_m
     from servelab.cost.profile import ServingTerm
     from servelab.metrics import format_summary_table
 
-    # a closed loop replays as a closed loop at the same concurrency; an open loop at its send times
+    # a closed loop replays as a closed loop at the same concurrency and think time; an open loop at
+    # its send times
     closed = workload.rate is None and workload.trace is None
     trace = replay_trace(measured.records, closed_loop=closed)
     model = sim_model(profile, args.sim_model, served_model)
     predicted = replay(sim_config(profile, server, model, slo), measured.records,
-                       workload.concurrency if closed else None)
+                       workload.concurrency if closed else None, workload.think_time_s)
     rows = compare(measured.summary, predicted.summary)
     out = {
         "config": {"base_url": args.base_url, "model": served_model, "sim_model": model.name,
                    "profile": args.profile, "profile_model": profile.get("model"), "server": server,
                    "workload": workload.to_dict(), "replayed_requests": len(trace),
-                   "replay": f"closed loop, concurrency {workload.concurrency}" if closed else "measured send times",
+                   "replay": workload.arrivals.describe() if closed else "measured send times",
                    "serving_term": ServingTerm.from_profile(profile).to_dict(),
                    "step_time_statistic": profile.get("step_time_statistic"),
                    "kernel_rows": profile.get("kernel_rows"),
@@ -131,7 +132,7 @@ def _predict_and_report(args, profile, workload, slo, measured, server, served_m
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    how = f"in a closed loop at concurrency {workload.concurrency}" if closed else "at their measured send times"
+    how = f"in a {workload.arrivals.describe()}" if closed else "at their measured send times"
     print(f"{served_model} at {args.base_url}, {workload.describe()}; replayed {len(trace)} requests {how} "
           f"through the simulator with {args.profile} ({ServingTerm.from_profile(profile).describe()})")
     if (steal := describe_steal(host)) is not None:

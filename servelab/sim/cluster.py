@@ -151,15 +151,17 @@ class ClusterSim:
         requests: list[RequestSpec],
         concurrency: int | None = None,
         on_done: Callable[[int], None] | None = None,
+        think_time_s: float = 0.0,
     ) -> LoopResult:
-        """`concurrency` caps requests in flight; with no arrival times it is a closed loop."""
-        return ClusterRun(self, requests, concurrency, on_done).run()
+        """`concurrency` caps requests in flight; with no arrival times it is a closed loop, whose
+        clients send their next request `think_time_s` after their last one ended."""
+        return ClusterRun(self, requests, concurrency, on_done, think_time_s).run()
 
 
 class ClusterRun:
     """One run of a ClusterSim: the event queue and the run's state as attributes, one method per
-    event kind (`arrive`, `step_done`, `kv_arrive`). An event is (time, serial, handler, a, b);
-    the serial breaks ties in the order events were pushed."""
+    event kind (`arrive`, `step_done`, `kv_arrive`, `think_done`). An event is (time, serial,
+    handler, a, b); the serial breaks ties in the order events were pushed."""
 
     def __init__(
         self,
@@ -167,9 +169,11 @@ class ClusterRun:
         requests: list[RequestSpec],
         concurrency: int | None,
         on_done: Callable[[int], None] | None,
+        think_time_s: float = 0.0,
     ) -> None:
         self.sim = sim
         self.concurrency = concurrency
+        self.think_time_s = think_time_s
         self.on_done = on_done
         self.events: list[tuple] = []
         self.counter = 0
@@ -234,6 +238,10 @@ class ClusterRun:
             if out.finished:
                 self.request_finished(replica, out.seq, now)  # type: ignore[arg-type]
         self.start_step(replica, now)
+
+    def think_done(self, spec: RequestSpec, _: None) -> None:
+        """A closed-loop client's think time is over: it sends its next request."""
+        self.send(spec, self.now)
 
     def kv_arrive(self, req: _Request, _: None) -> None:
         """A prefilled request's KV reaches the decode pool: it joins a decode replica."""
@@ -343,4 +351,9 @@ class ClusterRun:
         if self.on_done is not None:
             self.on_done(1)
         if self.pending and (self.closed or self.in_flight < (self.concurrency or 0)):
-            self.send(self.pending.popleft(), t)
+            if self.closed and self.think_time_s > 0:
+                # An event, never inline: even a tiny think time lands after the step that
+                # starts at this instant, as a live client's round trip does.
+                self.push(t + self.think_time_s, self.think_done, self.pending.popleft())
+            else:
+                self.send(self.pending.popleft(), t)

@@ -5,6 +5,7 @@ Used by `servelab sim`, the capacity planner and the lab. Imports no torch.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -212,9 +213,12 @@ def simulate(
     concurrency: int | None = None,
     warmup_requests: int | None = None,
     warmup_s: float = 0.0,
+    think_time_s: float = 0.0,
 ) -> SimResult:
     """Run a workload through the simulated cluster. With a list of RequestSpec, `concurrency`
-    caps requests in flight (a closed loop when they carry no arrival times).
+    caps requests in flight (a closed loop when they carry no arrival times), and a closed loop's
+    clients wait `think_time_s` between a request's end and their next (a WorkloadSpec brings its
+    own concurrency and think time).
 
     The steady-state summary leaves out the first `warmup_requests` requests (default: a closed
     loop's start-up wave, `concurrency` requests; none for an open loop) and those arriving
@@ -222,6 +226,7 @@ def simulate(
     if isinstance(workload, WorkloadSpec):
         requests = workload.generate()
         concurrency = workload.concurrency
+        think_time_s = workload.think_time_s
         seed = workload.seed
     else:
         requests = list(workload)
@@ -231,6 +236,10 @@ def simulate(
     closed_loop = requests[0].arrival_s is None
     if closed_loop and concurrency is None:
         raise InvalidArgument("requests without arrival times need a concurrency (closed loop)")
+    if not (math.isfinite(think_time_s) and think_time_s >= 0):
+        raise InvalidArgument(f"the think time must be a finite duration >= 0 s, got {think_time_s}")
+    if think_time_s and not closed_loop:
+        raise InvalidArgument("a think time paces a closed loop; these requests carry their own arrival times")
     if warmup_requests is None:
         warmup_requests = concurrency if closed_loop else 0
     if warmup_requests < 0 or warmup_s < 0:
@@ -264,7 +273,7 @@ def simulate(
         bar = tqdm(total=len(requests), unit="req", desc="simulating", file=sys.stderr, mininterval=0.5)
     start = time.perf_counter()
     try:
-        out = sim.run(requests, concurrency, on_done=None if bar is None else bar.update)
+        out = sim.run(requests, concurrency, on_done=None if bar is None else bar.update, think_time_s=think_time_s)
     finally:
         if bar is not None:
             bar.close()
@@ -284,7 +293,8 @@ def simulate(
     if isinstance(workload, WorkloadSpec):
         cfg["workload"] = workload.to_dict()
     else:
-        cfg["workload"] = {"num_requests": len(requests), "concurrency": concurrency, "source": "request list"}
+        cfg["workload"] = {"num_requests": len(requests), "concurrency": concurrency, "think_time_s": think_time_s,
+                           "source": "request list"}
     return SimResult(
         records=out.records,
         summary=summary,

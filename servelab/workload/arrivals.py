@@ -5,9 +5,11 @@ scale = 1 / (rate × burstiness), as vLLM's `bench serve` defines it. The mean g
 1/rate; burstiness 1 is a Poisson process, < 1 is burstier, > 1 smoother, and infinity is a
 constant rate. A rate of infinity sends every request at t = 0.
 
-Closed loop (a concurrency): C clients each send their next request when the previous one
-ends, so there are no arrival times to draw; the driver (simulator or bench client) decides
-them as requests complete.
+Closed loop (a concurrency): C clients each send their next request a think time after the
+previous one ends (default 0: at once), so there are no arrival times to draw; the driver
+(simulator or bench client) decides them as requests complete. A think time above the client's
+round trip gives the bench and the simulator the same step structure (docs/fidelity.md, "Closed
+loops: the client's round trip"), and is a planner's "N users, each reading T seconds".
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class ArrivalProcess:
     rate_per_s: float = math.inf
     burstiness: float = 1.0
     concurrency: int | None = None  # closed loop: the number of clients
+    think_time_s: float = 0.0  # closed loop: a client's pause between a request's end and its next send
 
     @classmethod
     def create(
@@ -36,15 +39,25 @@ class ArrivalProcess:
         concurrency: int | None = None,
         burstiness: float = 1.0,
         kind: str | None = None,
+        think_time_s: float = 0.0,
     ) -> ArrivalProcess:
         """Pick the process from the flags: a concurrency without a rate is closed loop; a rate
-        with burstiness 1 is Poisson, infinite burstiness constant, anything else gamma."""
+        with burstiness 1 is Poisson, infinite burstiness constant, anything else gamma. A think
+        time belongs to a closed loop: with a rate it is refused."""
         if rate is not None and not rate > 0:
             raise InvalidArgument(f"rate must be > 0 requests/s, got {rate}", param="rate")
         if concurrency is not None and concurrency < 1:
             raise InvalidArgument(f"concurrency must be >= 1, got {concurrency}", param="concurrency")
         if not burstiness > 0:
             raise InvalidArgument(f"burstiness must be > 0, got {burstiness}", param="burstiness")
+        if not (math.isfinite(think_time_s) and think_time_s >= 0):
+            raise InvalidArgument(f"think time must be a finite duration >= 0 s, got {think_time_s}", param="think_time")
+        if think_time_s > 0 and rate is not None:
+            raise InvalidArgument(
+                "--think-time paces a closed loop (--concurrency C); --rate sends requests at the rate's own "
+                "times, whatever finished: drop --think-time or --rate",
+                param="think_time",
+            )
         if kind is not None and kind not in KINDS:
             raise InvalidArgument(f"arrival process must be one of {', '.join(KINDS)}, got {kind!r}")
         if kind is None:
@@ -60,7 +73,7 @@ class ArrivalProcess:
             raise InvalidArgument("a closed-loop workload needs a concurrency (--concurrency C)")
         if kind == "poisson" and burstiness != 1.0:
             raise InvalidArgument(f"a Poisson process has burstiness 1, got {burstiness}; use gamma")
-        return cls(kind, math.inf if rate is None else float(rate), float(burstiness), concurrency)
+        return cls(kind, math.inf if rate is None else float(rate), float(burstiness), concurrency, float(think_time_s))
 
     @property
     def closed_loop(self) -> bool:
@@ -82,7 +95,8 @@ class ArrivalProcess:
 
     def describe(self) -> str:
         if self.kind == "closed":
-            return f"closed loop, concurrency {self.concurrency}"
+            text = f"closed loop, concurrency {self.concurrency}"
+            return text + f", think time {format_think_time(self.think_time_s)}" if self.think_time_s else text
         rate = "inf" if math.isinf(self.rate_per_s) else f"{self.rate_per_s:g}"
         text = f"{self.kind} at {rate} req/s"
         if self.kind == "gamma":
@@ -90,3 +104,8 @@ class ArrivalProcess:
         if self.concurrency is not None:
             text += f", at most {self.concurrency} in flight"
         return text
+
+
+def format_think_time(seconds: float) -> str:
+    """50 ms, 2.5 s: the unit a reader would say."""
+    return f"{seconds * 1e3:.4g} ms" if seconds < 1 else f"{seconds:.4g} s"

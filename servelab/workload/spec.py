@@ -49,7 +49,9 @@ class WorkloadSpec:
     """`rate` (requests/s) makes an open-loop workload; `concurrency` alone a closed loop; both: open
     loop with at most `concurrency` requests in flight (as vLLM's --max-concurrency). Neither:
     every request at t = 0. `input_len`/`output_len` are LengthDist strings; with a dataset or a
-    trace they default to the file's lengths (an explicit `output_len` overrides a dataset's)."""
+    trace they default to the file's lengths (an explicit `output_len` overrides a dataset's).
+    `think_time_s`: in a closed loop, how long a client waits after its request ends (last token
+    or error) before it sends the next one; refused with a rate or a trace's own send times."""
 
     num_requests: int | None = None  # None: 1000, or every row of a trace
     rate: float | None = None
@@ -63,10 +65,12 @@ class WorkloadSpec:
     dataset: str | None = None
     trace: str | None = None
     arrival: str | None = None  # force "poisson" | "gamma" | "constant" | "closed"
+    think_time_s: float = 0.0
     _arrivals: ArrivalProcess = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._arrivals = ArrivalProcess.create(self.rate, self.concurrency, self.burstiness, self.arrival)
+        self._arrivals = ArrivalProcess.create(self.rate, self.concurrency, self.burstiness, self.arrival,
+                                               self.think_time_s)
         if self.num_requests is not None and self.num_requests < 1:
             raise InvalidArgument(f"num_requests must be >= 1, got {self.num_requests}", param="num_requests")
         if not 0.0 <= self.shared_prefix_fraction < 1.0:
@@ -82,6 +86,9 @@ class WorkloadSpec:
             raise InvalidArgument("give either a dataset (--dataset) or a trace (--trace), not both")
         if self.trace and self.rate is not None:
             raise InvalidArgument("a trace carries its own arrival times; drop --rate (or use --concurrency)")
+        if self.trace and self.think_time_s and self.concurrency is None:
+            raise InvalidArgument("a trace without --concurrency is sent at its own arrival times; --think-time "
+                                  "paces a closed loop: add --concurrency C or drop --think-time", param="think_time")
         if self.trace and self.input_len is not None:
             raise InvalidArgument("a trace carries its own prompt lengths; drop --input-len")
         if self.dataset and self.input_len is not None:
@@ -185,6 +192,7 @@ class WorkloadSpec:
             "seed": self.seed,
             "dataset": None if self.dataset is None else str(Path(self.dataset)),
             "trace": None if self.trace is None else str(Path(self.trace)),
+            "think_time_s": self.think_time_s,
         }
 
     def describe(self) -> str:
