@@ -49,9 +49,10 @@ def main() -> None:
                 run = json.loads(path.read_text())
                 cfg, w, measured = run["config"], run["config"]["workload"], run["measured"]
                 trace = [RequestSpec(index=i, arrival_s=None, prompt_tokens=int(w["input_len"]),
-                                     output_tokens=int(w["output_len"])) for i in range(cfg["replayed_requests"])]
+                                     output_tokens=int(w["output_len"]), think_s=gap)
+                         for i in range(cfg["replayed_requests"])]
                 sim = simulate(sim_config(profile, cfg["server"], model, None, cost), trace,
-                               concurrency=int(w["concurrency"]), think_time_s=gap).summary.to_dict()
+                               concurrency=int(w["concurrency"])).summary.to_dict()
                 cells = []
                 for _, attr, pct in COLUMNS:
                     m = measured[attr][pct] if pct else measured[attr]

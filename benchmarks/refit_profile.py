@@ -145,19 +145,21 @@ def replay_run(path: Path, profile: dict, cost: ProfileStepCost, spread: bool) -
     run = json.loads(path.read_text())
     cfg, measured = run["config"], run["measured"]
     w = cfg["workload"]
-    think_time_s = 0.0
     if w["concurrency"] is not None and w["rate"] is None:
+        # a constant think time (validate JSONs from before --think-time have none); an exponential
+        # one replays its mean
+        think_s = w.get("think_time_s") or 0.0
         trace = [RequestSpec(index=i, arrival_s=None, prompt_tokens=int(w["input_len"]),
-                             output_tokens=int(w["output_len"])) for i in range(cfg["replayed_requests"])]
+                             output_tokens=int(w["output_len"]), think_s=think_s)
+                 for i in range(cfg["replayed_requests"])]
         concurrency = w["concurrency"]
-        think_time_s = w.get("think_time_s") or 0.0  # validate JSONs from before --think-time: none
     else:  # the bench's planned send times, regenerated from the seed (an open loop sends on time)
         spec = WorkloadSpec(num_requests=w["num_requests"], rate=w["rate"], burstiness=w["burstiness"],
                             input_len=w["input_len"], output_len=w["output_len"], seed=w["seed"], arrival=w["arrival"])
         trace, concurrency = spec.generate(), None
     cost = spread_variant(profile, spread)(cost)
     sim = simulate(sim_config(profile, cfg["server"], get_model(cfg["sim_model"]), None, cost), trace,
-                   concurrency=concurrency, think_time_s=think_time_s).summary.to_dict()
+                   concurrency=concurrency).summary.to_dict()
     out = {}
     for name, attr, pct in METRICS:
         m, s = measured[attr], sim[attr]

@@ -78,29 +78,33 @@ def sim_config(profile: dict[str, Any], server: dict[str, str], model: ModelSpec
     return SimConfig(model=model, cost_model=cost, scheduler=scheduler, slo=slo)
 
 
-def replay_trace(records: Sequence[RequestRecord], closed_loop: bool = False) -> list[RequestSpec]:
+def replay_trace(records: Sequence[RequestRecord], closed_loop: bool = False,
+                 think_s: float | Callable[[RequestRecord], float] = 0.0) -> list[RequestSpec]:
     """The measured run as a trace: each successful request with the prompt and output lengths
     the server reported, in the order it was sent. Open loop: at its actual send time. Closed
-    loop: no times, sent when a simulated client frees up (a closed loop replayed at fixed times
-    would feed the simulator's own error back into its arrivals)."""
+    loop: no times, sent when a simulated client frees up, after its think time (one for all, or
+    each record's own); a closed loop replayed at fixed times would feed the simulator's own error
+    back into its arrivals."""
     ok = sorted((r for r in records if r.success and r.output_tokens > 0), key=lambda r: r.arrival_s)
     if not ok:
         raise InvalidArgument("the measured run has no successful request to replay")
     t0 = ok[0].arrival_s
+    think_of = think_s if callable(think_s) else (lambda _r: think_s)
     return [RequestSpec(index=i, arrival_s=None if closed_loop else r.arrival_s - t0, prompt_tokens=r.prompt_tokens,
-                        output_tokens=r.output_tokens) for i, r in enumerate(ok)]
+                        output_tokens=r.output_tokens, think_s=float(think_of(r)) if closed_loop else 0.0)
+            for i, r in enumerate(ok)]
 
 
 def replay(config: SimConfig, records: Sequence[RequestRecord], concurrency: int | None,
-           think_time_s: float = 0.0) -> SimResult:
+           think_s: float | Callable[[RequestRecord], float] = 0.0) -> SimResult:
     """A measured run through the simulator: a closed loop (concurrency given) replays as a closed
-    loop at that concurrency, its clients thinking `think_time_s` between requests as the bench's
-    did; an open loop at its send times."""
+    loop at that concurrency, its clients thinking between requests as the bench's did (see
+    replay_trace); an open loop at its send times."""
     from servelab.sim import simulate
 
     closed = concurrency is not None
-    return simulate(config, replay_trace(records, closed_loop=closed), concurrency=concurrency if closed else None,
-                    think_time_s=think_time_s if closed else 0.0)
+    return simulate(config, replay_trace(records, closed_loop=closed, think_s=think_s),
+                    concurrency=concurrency if closed else None)
 
 
 @dataclass(frozen=True, slots=True)

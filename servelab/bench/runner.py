@@ -48,6 +48,22 @@ class RunOutcome:
 AbortRule = Callable[[list[StreamResult], list[InFlight], float], str]
 
 
+class _Lookahead:
+    """An iterator that knows whether anything is left: a closed loop's shared queue of requests."""
+
+    def __init__(self, items: Iterator[BenchRequest]) -> None:
+        self._items = items
+        self._head = next(items, None)
+
+    @property
+    def empty(self) -> bool:
+        return self._head is None
+
+    def take(self) -> BenchRequest | None:
+        item, self._head = self._head, (next(self._items, None) if self._head is not None else None)
+        return item
+
+
 @dataclass(slots=True)
 class _State:
     results: list[StreamResult] = field(default_factory=list)
@@ -63,20 +79,18 @@ async def run_load(
     duration_s: float | None = None,
     should_abort: AbortRule | None = None,
     on_result: Callable[[StreamResult], None] | None = None,
-    think_time_s: float = 0.0,
 ) -> RunOutcome:
     """Run every request (or until `duration_s` has passed: nothing new is sent after it, and
     what is in flight is allowed to finish). Requests with `planned_send_s` set are open-loop;
     `concurrency` caps the requests in flight (closed loop when no send times are planned).
-    Closed loop: a worker waits `think_time_s` after each request ends before it sends its next."""
+    Closed loop: a worker waits a request's `think_s` after its previous request ended before it
+    sends it (not before its first)."""
     state = _State()
     start_s = time.perf_counter()
     stop_sending = asyncio.Event()
     open_loop = not isinstance(requests, Iterator) and any(r.planned_send_s is not None for r in requests)
     if not open_loop and concurrency is None:
         raise ValueError("closed-loop runs need a concurrency")
-    if open_loop and think_time_s:
-        raise ValueError("a think time paces a closed loop; open-loop requests leave at their planned times")
 
     def past_deadline() -> bool:
         return duration_s is not None and time.perf_counter() - start_s >= duration_s
@@ -145,9 +159,8 @@ async def run_load(
             tasks.add(task)
             task.add_done_callback(tasks.discard)
 
-    async def think() -> None:
-        """The think time, cut short by an abort or the run's deadline."""
-        wait_s = think_time_s
+    async def think(wait_s: float) -> None:
+        """A think time, cut short by an abort or the run's deadline."""
         if duration_s is not None:
             wait_s = min(wait_s, max(0.0, start_s + duration_s - time.perf_counter()))
         try:
@@ -155,16 +168,15 @@ async def run_load(
         except TimeoutError:
             pass
 
-    async def closed_loop_worker(source: Iterator[BenchRequest]) -> None:
-        first = True
-        for request in source:  # a shared iterator: each request is taken by exactly one worker
-            # Taken before the pause, so a worker with nothing left to send ends without thinking.
-            if not first and think_time_s > 0:
-                await think()
-            first = False
+    async def closed_loop_worker(source: _Lookahead) -> None:
+        while (request := source.take()) is not None:  # shared: each request is taken by one worker
             if stop_sending.is_set() or past_deadline():
                 return
             await one(request, None)
+            # The user reads the answer, then takes the next request (as the simulator's client
+            # does); with nothing left to take there is nothing to wait for.
+            if request.think_s > 0 and not source.empty:
+                await think(request.think_s)
 
     async def until_done_or_aborted(work: asyncio.Future[list[None]]) -> int:
         """Wait for `work`; if the abort rule fires first, cancel it. Returns the requests cut off."""
@@ -189,7 +201,7 @@ async def run_load(
             if tasks:
                 cancelled = await until_done_or_aborted(asyncio.gather(*list(tasks)))
         else:
-            source = iter(requests)
+            source = _Lookahead(iter(requests))
             assert concurrency is not None
             workers = [asyncio.create_task(closed_loop_worker(source)) for _ in range(concurrency)]
             cancelled = await until_done_or_aborted(asyncio.gather(*workers))

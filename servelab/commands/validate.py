@@ -101,6 +101,15 @@ async def bench_live_server(args: argparse.Namespace, workload, slo):  # noqa: A
     return result, server, model
 
 
+def bench_think_times(workload):  # noqa: ANN001, ANN201
+    """What each measured request's client thought before sending it: the workload's constant, or
+    the seeded draw of the request's index (a bench record's id; a run cycles through the specs)."""
+    if workload.think_time_dist == "constant":
+        return workload.think_time_s
+    drawn = [spec.think_s for spec in workload.generate()]
+    return lambda record: drawn[int(record.request_id) % len(drawn)]
+
+
 def _predict_and_report(args, profile, workload, slo, measured, server, served_model, host) -> int:  # noqa: ANN001
     from servelab.bench.fidelity import compare, format_comparison, replay, replay_trace, sim_config
     from servelab.cost.profile import ServingTerm
@@ -109,10 +118,11 @@ def _predict_and_report(args, profile, workload, slo, measured, server, served_m
     # a closed loop replays as a closed loop at the same concurrency and think time; an open loop at
     # its send times
     closed = workload.rate is None and workload.trace is None
-    trace = replay_trace(measured.records, closed_loop=closed)
+    thinks = bench_think_times(workload)
+    trace = replay_trace(measured.records, closed_loop=closed, think_s=thinks)
     model = sim_model(profile, args.sim_model, served_model)
     predicted = replay(sim_config(profile, server, model, slo), measured.records,
-                       workload.concurrency if closed else None, workload.think_time_s)
+                       workload.concurrency if closed else None, thinks)
     rows = compare(measured.summary, predicted.summary)
     out = {
         "config": {"base_url": args.base_url, "model": served_model, "sim_model": model.name,

@@ -151,11 +151,10 @@ class ClusterSim:
         requests: list[RequestSpec],
         concurrency: int | None = None,
         on_done: Callable[[int], None] | None = None,
-        think_time_s: float = 0.0,
     ) -> LoopResult:
         """`concurrency` caps requests in flight; with no arrival times it is a closed loop, whose
-        clients send their next request `think_time_s` after their last one ended."""
-        return ClusterRun(self, requests, concurrency, on_done, think_time_s).run()
+        clients send their next request a finished request's `think_s` after it ended."""
+        return ClusterRun(self, requests, concurrency, on_done).run()
 
 
 class ClusterRun:
@@ -169,11 +168,9 @@ class ClusterRun:
         requests: list[RequestSpec],
         concurrency: int | None,
         on_done: Callable[[int], None] | None,
-        think_time_s: float = 0.0,
     ) -> None:
         self.sim = sim
         self.concurrency = concurrency
-        self.think_time_s = think_time_s
         self.on_done = on_done
         self.events: list[tuple] = []
         self.counter = 0
@@ -239,9 +236,10 @@ class ClusterRun:
                 self.request_finished(replica, out.seq, now)  # type: ignore[arg-type]
         self.start_step(replica, now)
 
-    def think_done(self, spec: RequestSpec, _: None) -> None:
-        """A closed-loop client's think time is over: it sends its next request."""
-        self.send(spec, self.now)
+    def think_done(self, _: None, __: None) -> None:
+        """A closed-loop client's think time is over: it sends the next request, if one is left."""
+        if self.pending:
+            self.send(self.pending.popleft(), self.now)
 
     def kv_arrive(self, req: _Request, _: None) -> None:
         """A prefilled request's KV reaches the decode pool: it joins a decode replica."""
@@ -351,9 +349,10 @@ class ClusterRun:
         if self.on_done is not None:
             self.on_done(1)
         if self.pending and (self.closed or self.in_flight < (self.concurrency or 0)):
-            if self.closed and self.think_time_s > 0:
+            if self.closed and req.spec.think_s > 0:
                 # An event, never inline: even a tiny think time lands after the step that
-                # starts at this instant, as a live client's round trip does.
-                self.push(t + self.think_time_s, self.think_done, self.pending.popleft())
+                # starts at this instant, as a live client's round trip does. The next request
+                # is taken when the think ends, so a run ends with its last requests, not thinks.
+                self.push(t + req.spec.think_s, self.think_done, None)
             else:
                 self.send(self.pending.popleft(), t)

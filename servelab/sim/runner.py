@@ -213,12 +213,10 @@ def simulate(
     concurrency: int | None = None,
     warmup_requests: int | None = None,
     warmup_s: float = 0.0,
-    think_time_s: float = 0.0,
 ) -> SimResult:
     """Run a workload through the simulated cluster. With a list of RequestSpec, `concurrency`
-    caps requests in flight (a closed loop when they carry no arrival times), and a closed loop's
-    clients wait `think_time_s` between a request's end and their next (a WorkloadSpec brings its
-    own concurrency and think time).
+    caps requests in flight (a closed loop when they carry no arrival times; there each request's
+    `think_s` is its client's pause after the previous one ended).
 
     The steady-state summary leaves out the first `warmup_requests` requests (default: a closed
     loop's start-up wave, `concurrency` requests; none for an open loop) and those arriving
@@ -226,7 +224,6 @@ def simulate(
     if isinstance(workload, WorkloadSpec):
         requests = workload.generate()
         concurrency = workload.concurrency
-        think_time_s = workload.think_time_s
         seed = workload.seed
     else:
         requests = list(workload)
@@ -236,9 +233,10 @@ def simulate(
     closed_loop = requests[0].arrival_s is None
     if closed_loop and concurrency is None:
         raise InvalidArgument("requests without arrival times need a concurrency (closed loop)")
-    if not (math.isfinite(think_time_s) and think_time_s >= 0):
-        raise InvalidArgument(f"the think time must be a finite duration >= 0 s, got {think_time_s}")
-    if think_time_s and not closed_loop:
+    thinks = [r.think_s for r in requests]
+    if not all(math.isfinite(t) and t >= 0 for t in thinks):
+        raise InvalidArgument(f"think times must be finite durations >= 0 s, got {min(thinks)} .. {max(thinks)}")
+    if any(thinks) and not closed_loop:
         raise InvalidArgument("a think time paces a closed loop; these requests carry their own arrival times")
     if warmup_requests is None:
         warmup_requests = concurrency if closed_loop else 0
@@ -273,7 +271,7 @@ def simulate(
         bar = tqdm(total=len(requests), unit="req", desc="simulating", file=sys.stderr, mininterval=0.5)
     start = time.perf_counter()
     try:
-        out = sim.run(requests, concurrency, on_done=None if bar is None else bar.update, think_time_s=think_time_s)
+        out = sim.run(requests, concurrency, on_done=None if bar is None else bar.update)
     finally:
         if bar is not None:
             bar.close()
@@ -293,8 +291,8 @@ def simulate(
     if isinstance(workload, WorkloadSpec):
         cfg["workload"] = workload.to_dict()
     else:
-        cfg["workload"] = {"num_requests": len(requests), "concurrency": concurrency, "think_time_s": think_time_s,
-                           "source": "request list"}
+        cfg["workload"] = {"num_requests": len(requests), "concurrency": concurrency,
+                           "mean_think_time_s": sum(thinks) / len(thinks), "source": "request list"}
     return SimResult(
         records=out.records,
         summary=summary,

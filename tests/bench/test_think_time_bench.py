@@ -1,5 +1,6 @@
-"""`bench`'s closed loop with a think time, against the mock server: a worker pauses between its
-requests (not before its first), and a pausing worker stops at once on an abort or the deadline."""
+"""`bench`'s closed loop with a think time, against the mock server: a worker pauses after each
+request before it takes the next (not before its first, not after its last), and a pausing worker
+stops at once on an abort or the deadline."""
 
 from __future__ import annotations
 
@@ -30,18 +31,16 @@ def url():
         proc.wait()
 
 
-def _requests(n: int) -> list[BenchRequest]:
-    return [BenchRequest(i, f"think-{i} hello", 2, 3) for i in range(n)]
-
-
-async def _run(url: str, n: int, concurrency: int, **kw):  # noqa: ANN003, ANN202
+async def _run(url: str, n: int, concurrency: int, think_s: float, **kw):  # noqa: ANN003, ANN202
+    requests = [BenchRequest(i, f"think-{i} hello", 2, 3, think_s=think_s) for i in range(n)]
     async with OpenAIStreamClient(url, model="mock-model", endpoint="completions", max_connections=concurrency) as c:
-        return await asyncio.wait_for(run_load(c, iter(_requests(n)), concurrency=concurrency, **kw), timeout=10)
+        return await asyncio.wait_for(run_load(c, iter(requests), concurrency=concurrency, **kw), timeout=10)
 
 
 def test_a_worker_thinks_between_its_requests_not_before_its_first(url):
     think_s, c, n = 0.15, 2, 8
-    out = asyncio.run(_run(url, n, c, think_time_s=think_s))
+    start = time.perf_counter()
+    out = asyncio.run(_run(url, n, c, think_s))
     results = sorted(out.results, key=lambda r: r.send_s)
     assert len(results) == n and all(r.success for r in results)
     assert results[c - 1].send_s - out.start_s < 0.05  # the first wave leaves at once
@@ -52,18 +51,19 @@ def test_a_worker_thinks_between_its_requests_not_before_its_first(url):
     gaps = [s - e for s, e in zip(sends, ends)]
     assert min(gaps) >= think_s
     assert max(gaps) < think_s + 0.1  # ... and not much more: the pause is the think time
+    # The last requests' clients have nothing left to take: the run ends without their thinks.
+    assert time.perf_counter() - start < max(r.end_s for r in results) - out.start_s + think_s
 
 
 def test_an_abort_ends_a_thinking_worker_at_once(url):
     start = time.perf_counter()
-    out = asyncio.run(_run(url, 6, 2, think_time_s=30.0,
-                           should_abort=lambda done, _in_flight, _now: "enough" if done else ""))
+    out = asyncio.run(_run(url, 6, 2, 30.0, should_abort=lambda done, _in_flight, _now: "enough" if done else ""))
     assert out.aborted and time.perf_counter() - start < 3.0
 
 
 def test_the_deadline_ends_a_thinking_worker_at_once(url):
     start = time.perf_counter()
-    out = asyncio.run(_run(url, 6, 2, think_time_s=30.0, duration_s=0.3))
+    out = asyncio.run(_run(url, 6, 2, 30.0, duration_s=0.3))
     assert len(out.results) == 2 and time.perf_counter() - start < 3.0
 
 

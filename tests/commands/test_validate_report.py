@@ -56,3 +56,17 @@ def test_the_replay_runs_the_benchs_closed_loop_with_its_think_time(tmp_path):
     assert cfg["workload"]["think_time_s"] == 0.5 and cfg["replay"] == "closed loop, concurrency 1, think time 500 ms"
     # the replayed run spans its two thinks; without them it is three requests back to back
     assert out[0.5]["simulated"]["duration_s"] == pytest.approx(out[0.0]["simulated"]["duration_s"] + 1.0)
+
+
+def test_an_exponential_think_time_replays_each_requests_own_draw():
+    from servelab.bench.fidelity import replay_trace
+
+    workload = WorkloadSpec(num_requests=4, concurrency=2, input_len="32", output_len="2", think_time_s=1.0,
+                            think_time_dist="exponential", seed=5)
+    drawn = [s.think_s for s in workload.generate()]
+    # a bench record's id is its request's index; sent out of index order, as random thinks allow
+    records = [RequestRecord(str(i), t, None, t + 0.1, [t + 0.1, t + 0.2], t + 0.2, 32, 2)
+               for i, t in ((0, 0.0), (1, 0.0), (3, 1.5), (2, 2.5))]
+    trace = replay_trace(records, closed_loop=True, think_s=validate.bench_think_times(workload))
+    assert [s.think_s for s in trace] == [drawn[0], drawn[1], drawn[3], drawn[2]]
+    assert validate.bench_think_times(WorkloadSpec(num_requests=4, concurrency=2, think_time_s=0.5)) == 0.5

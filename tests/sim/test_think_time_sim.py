@@ -1,5 +1,5 @@
-"""The simulator's closed loop with a think time: each follow-up request leaves its client a think
-time after the request it replaces ended, through the event queue, never inline."""
+"""The simulator's closed loop with a think time: a client takes and sends its next request a
+think time after its last one ended, through the event queue, never inline."""
 
 from __future__ import annotations
 
@@ -41,10 +41,9 @@ def test_each_follow_up_leaves_a_think_time_after_a_request_ended(think_time_s):
 def test_a_follow_up_never_joins_the_step_that_starts_when_its_predecessor_ends():
     # Two clients: A's requests are short, B's long, so A's end comes while B decodes, and the
     # engine starts its next step (B's decode) at that very instant.
-    reqs = [RequestSpec(0, None, 32, 2), RequestSpec(1, None, 32, 40), RequestSpec(2, None, 32, 2)]
-
-    def follow_up(think_time_s: float):  # noqa: ANN202
-        result = simulate(_config(), reqs, concurrency=2, think_time_s=think_time_s)
+    def follow_up(think_s: float):  # noqa: ANN202
+        reqs = [RequestSpec(0, None, 32, 2, think_s=think_s), RequestSpec(1, None, 32, 40), RequestSpec(2, None, 32, 2)]
+        result = simulate(_config(), reqs, concurrency=2)
         first, nxt = (r for r in _by_index(result) if r.request_id in ("0", "2"))
         steps = dict(zip(result.trace.start_s, result.trace.num_seqs))
         return first.end_s, nxt, steps
@@ -68,13 +67,16 @@ def test_no_think_time_is_the_closed_loop_as_it_was():
     assert all(r.arrival_s in ends for r in _by_index(base)[4:])
 
 
-def test_littles_law_holds_in_a_long_closed_loop():
+@pytest.mark.parametrize("dist", ["constant", "exponential"])
+def test_littles_law_holds_in_a_long_closed_loop(dist):
     c, think_time_s = 4, 0.2
-    wl = WorkloadSpec(400, concurrency=c, input_len="100", output_len="20-60", seed=0, think_time_s=think_time_s)
+    wl = WorkloadSpec(400, concurrency=c, input_len="100", output_len="20-60", seed=0, think_time_s=think_time_s,
+                      think_time_dist=dist)
     result = simulate(_config(), wl)
     s = result.summary
+    thinks = [r.think_s for r in wl.generate()]  # the draws' own mean, where they are random
     # N users, each cycling through a request (E2E) and a think: throughput = N / (E2E + Z)
-    assert s.request_throughput == pytest.approx(c / (s.e2e_s.mean + think_time_s), rel=0.03)
+    assert s.request_throughput == pytest.approx(c / (s.e2e_s.mean + sum(thinks) / len(thinks)), rel=0.03)
     assert result.steady is not None and result.warmup_requests_excluded == c  # --warmup's default still holds
 
 
@@ -88,7 +90,7 @@ def test_disaggregated_pools_honor_the_think_time():
 
 def test_requests_with_their_own_arrival_times_refuse_a_think_time():
     with pytest.raises(InvalidArgument, match="think time"):
-        simulate(_config(), [RequestSpec(0, 0.0, 16, 2)], think_time_s=0.1)
+        simulate(_config(), [RequestSpec(0, 0.0, 16, 2, think_s=0.1)])
 
 
 def test_cli_json_and_table_show_the_think_time(capsys):

@@ -55,3 +55,19 @@ def test_a_negative_or_endless_think_time_is_refused(value):
 def test_bad_flag_values_name_the_flag(text, message):
     with pytest.raises(InvalidArgument, match=message):
         _parse("--concurrency", "2", f"--think-time={text}")
+
+
+def test_an_exponential_think_time_is_drawn_per_request_from_the_seed():
+    spec = _parse("--concurrency", "4", "--think-time", "exp:2s", "--num-requests", "4000", "--input-len", "64-512")
+    assert (spec.think_time_s, spec.think_time_dist) == (2.0, "exponential")
+    assert spec.arrivals.describe() == "closed loop, concurrency 4, think time exponential, mean 2 s"
+    thinks = [r.think_s for r in spec.generate()]
+    assert abs(sum(thinks) / len(thinks) / 2.0 - 1) < 0.05 and len(set(thinks)) == len(thinks)
+    assert [r.think_s for r in spec.generate()] == thinks  # seeded
+    # its own random stream: the lengths are those of the same workload without a think time
+    plain = _parse("--concurrency", "4", "--num-requests", "4000", "--input-len", "64-512").generate()
+    assert [r.prompt_tokens for r in plain] == [r.prompt_tokens for r in spec.generate()]
+    assert {r.think_s for r in plain} == {0.0}
+    assert {r.think_s for r in _parse("--concurrency", "2", "--think-time", "50ms").generate()} == {0.05}
+    with pytest.raises(InvalidArgument, match="exp:DURATION"):
+        _parse("--concurrency", "2", "--think-time", "gauss:2s")
