@@ -83,8 +83,8 @@ async def run_load(
     """Run every request (or until `duration_s` has passed: nothing new is sent after it, and
     what is in flight is allowed to finish). Requests with `planned_send_s` set are open-loop;
     `concurrency` caps the requests in flight (closed loop when no send times are planned).
-    Closed loop: a worker waits a request's `think_s` after its previous request ended before it
-    sends it (not before its first)."""
+    Closed loop: after a request ends, its worker waits the request's `think_s` before it takes
+    and sends its next (none when nothing is left)."""
     state = _State()
     start_s = time.perf_counter()
     stop_sending = asyncio.Event()

@@ -102,8 +102,8 @@ async def bench_live_server(args: argparse.Namespace, workload, slo):  # noqa: A
 
 
 def bench_think_times(workload):  # noqa: ANN001, ANN201
-    """What each measured request's client thought before sending it: the workload's constant, or
-    the seeded draw of the request's index (a bench record's id; a run cycles through the specs)."""
+    """How long each measured request's client paused after it: the workload's constant, or the
+    seeded draw of the request's index (a bench record's id; a run cycles through the specs)."""
     if workload.think_time_dist == "constant":
         return workload.think_time_s
     drawn = [spec.think_s for spec in workload.generate()]
@@ -142,7 +142,13 @@ def _predict_and_report(args, profile, workload, slo, measured, server, served_m
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    how = f"in a {workload.arrivals.describe()}" if closed else "at their measured send times"
+    how = "at their measured send times"
+    if closed:
+        from servelab.workload.arrivals import describe_think_time
+
+        how = f"in a closed loop at concurrency {workload.concurrency}"
+        if workload.think_time_s:
+            how += f", think time {describe_think_time(workload.think_time_s, workload.think_time_dist)},"
     print(f"{served_model} at {args.base_url}, {workload.describe()}; replayed {len(trace)} requests {how} "
           f"through the simulator with {args.profile} ({ServingTerm.from_profile(profile).describe()})")
     if (steal := describe_steal(host)) is not None:

@@ -216,7 +216,7 @@ def simulate(
 ) -> SimResult:
     """Run a workload through the simulated cluster. With a list of RequestSpec, `concurrency`
     caps requests in flight (a closed loop when they carry no arrival times; there each request's
-    `think_s` is its client's pause after the previous one ended).
+    `think_s` is its client's pause after it ended, before the client takes the next).
 
     The steady-state summary leaves out the first `warmup_requests` requests (default: a closed
     loop's start-up wave, `concurrency` requests; none for an open loop) and those arriving

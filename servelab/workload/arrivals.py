@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from servelab.errors import InvalidArgument
+from servelab.units import parse_duration_s
 
 KINDS = ("poisson", "gamma", "constant", "closed")
 THINK_DISTS = ("constant", "exponential")
@@ -128,8 +129,6 @@ class ArrivalProcess:
 
 def parse_think_time(text: str) -> tuple[float, str]:
     """'50ms' -> (0.05, 'constant'); 'exp:5s' or 'exponential:5s' -> (5.0, 'exponential')."""
-    from servelab.units import parse_duration_s
-
     dist, sep, value = text.strip().rpartition(":")
     if not sep:
         dist = "constant"
