@@ -1,9 +1,10 @@
 """Closed loops replayed with the client's round trip: validate_runs.sh folders' closed-loop runs
-(c*.json) through the simulator, once as `sim` runs a closed loop (a finished request's client
-sends its next one at the same instant, so it joins the very next step) and once with that next
-request arriving `gap` seconds later (after the engine has started its next step, as on a live
-server). The serving term is refitted under each (from calibrate's own server runs); the step
-costs are the folder's profile. docs/fidelity.md, "Closed loops: the client's round trip".
+(c*.json) through the simulator, once as `sim` runs a closed loop with no think time (a finished
+request's client sends its next one at the same instant, so it joins the very next step) and
+once with that next request arriving `gap` seconds later (the simulator's think time: after the
+engine has started its next step, as on a live server). The serving term is refitted under each
+(from calibrate's own server runs, replayed with the same gap); the step costs are the folder's
+profile. docs/fidelity.md, "Closed loops: the client's round trip".
 
     python benchmarks/client_gap.py run12 run13 [--gaps 0 0.002]
 """
@@ -11,46 +12,21 @@ costs are the folder's profile. docs/fidelity.md, "Closed loops: the client's ro
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
-from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, str(Path(__file__).parent))
 from refit_profile import refit_serving  # noqa: E402
 
 from servelab.bench.fidelity import sim_config  # noqa: E402
 from servelab.cost.profile import ProfileStepCost  # noqa: E402
-from servelab.sim import cluster, simulate  # noqa: E402
+from servelab.sim import simulate  # noqa: E402
 from servelab.spec import get_model  # noqa: E402
 from servelab.workload import RequestSpec  # noqa: E402
 
 COLUMNS = (("TTFT p50", "ttft_s", "p50"), ("TTFT p90", "ttft_s", "p90"), ("TPOT p50", "tpot_s", "p50"),
            ("TPOT p95", "tpot_s", "p95"), ("ITL p99", "itl_s", "p99"), ("output tok/s", "output_throughput", None))
-
-
-@contextlib.contextmanager
-def client_gap(gap_s: float) -> Iterator[None]:
-    """Every closed-loop follow-up request is sent `gap_s` after its predecessor finished."""
-    base = cluster.ClusterRun
-
-    class GapRun(base):  # type: ignore[misc, valid-type]
-        def finish_client(self, req: Any, t: float) -> None:
-            if not self.closed or gap_s <= 0:
-                return super().finish_client(req, t)
-            pending, self.pending = self.pending, type(self.pending)()
-            super().finish_client(req, t)  # the bookkeeping, with nothing to send yet
-            self.pending = pending
-            if pending:
-                self.push(t + gap_s, lambda spec, _: self.send(spec, self.now), pending.popleft())
-
-    cluster.ClusterRun = GapRun
-    try:
-        yield
-    finally:
-        cluster.ClusterRun = base
 
 
 def main() -> None:
@@ -67,24 +43,24 @@ def main() -> None:
         first = json.loads(paths[0].read_text())["config"]
         model = get_model(first["sim_model"])
         for gap in args.gaps:
-            with client_gap(gap):
-                serving = refit_serving(profile, first["server"], model, False)
-                cost = ProfileStepCost.from_profile({**profile, "server": serving})
-                for path in paths:
-                    run = json.loads(path.read_text())
-                    cfg, w, measured = run["config"], run["config"]["workload"], run["measured"]
-                    trace = [RequestSpec(index=i, arrival_s=None, prompt_tokens=int(w["input_len"]),
-                                         output_tokens=int(w["output_len"])) for i in range(cfg["replayed_requests"])]
-                    sim = simulate(sim_config(profile, cfg["server"], model, None, cost), trace,
-                                   concurrency=int(w["concurrency"])).summary.to_dict()
-                    cells = []
-                    for _, attr, pct in COLUMNS:
-                        m = measured[attr][pct] if pct else measured[attr]
-                        s = sim[attr][pct] if pct else sim[attr]
-                        k = 1 if pct is None else 1e3
-                        cells.append(f"{m * k:,.1f} / {s * k:,.1f} ({(s - m) / m * 100:+.0f}%)")
-                    rows.append((int(path.stem[1:]), f"| {path.stem} | {folder.name} | {gap * 1e3:g} ms | "
-                                 f"{serving['per_seq_s'] * 1e3:.2f} ms | " + " | ".join(cells) + " |"))
+            serving = refit_serving(profile, first["server"], model, False, think_time_s=gap)
+            cost = ProfileStepCost.from_profile({**profile, "server": serving})
+            for path in paths:
+                run = json.loads(path.read_text())
+                cfg, w, measured = run["config"], run["config"]["workload"], run["measured"]
+                trace = [RequestSpec(index=i, arrival_s=None, prompt_tokens=int(w["input_len"]),
+                                     output_tokens=int(w["output_len"]), think_s=gap)
+                         for i in range(cfg["replayed_requests"])]
+                sim = simulate(sim_config(profile, cfg["server"], model, None, cost), trace,
+                               concurrency=int(w["concurrency"])).summary.to_dict()
+                cells = []
+                for _, attr, pct in COLUMNS:
+                    m = measured[attr][pct] if pct else measured[attr]
+                    s = sim[attr][pct] if pct else sim[attr]
+                    k = 1 if pct is None else 1e3
+                    cells.append(f"{m * k:,.1f} / {s * k:,.1f} ({(s - m) / m * 100:+.0f}%)")
+                rows.append((int(path.stem[1:]), f"| {path.stem} | {folder.name} | {gap * 1e3:g} ms | "
+                             f"{serving['per_seq_s'] * 1e3:.2f} ms | " + " | ".join(cells) + " |"))
     print("\n".join(r for _, r in sorted(rows, key=lambda r: r[0])))
 
 

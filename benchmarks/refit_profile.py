@@ -121,14 +121,16 @@ def spread_variant(profile: dict, spread: bool) -> Any:
     return (lambda cost: SpreadStepCost(cost, timed)) if spread else (lambda cost: cost)
 
 
-def refit_serving(profile: dict, server: dict[str, str], model: Any, spread: bool) -> dict[str, Any]:
+def refit_serving(profile: dict, server: dict[str, str], model: Any, spread: bool,
+                  think_time_s: float = 0.0) -> dict[str, Any]:
     """The serving term refitted against `profile`'s (refitted) engine steps, from the closed-loop
-    runs calibrate's --server-term made (their measured TPOT, concurrency and lengths)."""
+    runs calibrate's --server-term made (their measured TPOT, concurrency and lengths), replayed
+    with `think_time_s` between a client's requests (calibrate's own runs had none)."""
     from servelab.bench.fidelity import ServerRun, fit_server_term
 
     old = profile["server"]
     runs = [ServerRun(r["concurrency"], closed_loop_records(r["concurrency"], r["requests"], old["input_len"],
-                                                            old["output_len"]), r["measured_tpot_p50_s"])
+                                                            old["output_len"]), r["measured_tpot_p50_s"], think_time_s)
             for r in old["runs"]]
     return fit_server_term({**profile, "server": None}, server, model, runs, variant=spread_variant(profile, spread))
 
@@ -144,8 +146,12 @@ def replay_run(path: Path, profile: dict, cost: ProfileStepCost, spread: bool) -
     cfg, measured = run["config"], run["measured"]
     w = cfg["workload"]
     if w["concurrency"] is not None and w["rate"] is None:
+        # a constant think time (validate JSONs from before --think-time have none); an exponential
+        # one replays its mean
+        think_s = w.get("think_time_s") or 0.0
         trace = [RequestSpec(index=i, arrival_s=None, prompt_tokens=int(w["input_len"]),
-                             output_tokens=int(w["output_len"])) for i in range(cfg["replayed_requests"])]
+                             output_tokens=int(w["output_len"]), think_s=think_s)
+                 for i in range(cfg["replayed_requests"])]
         concurrency = w["concurrency"]
     else:  # the bench's planned send times, regenerated from the seed (an open loop sends on time)
         spec = WorkloadSpec(num_requests=w["num_requests"], rate=w["rate"], burstiness=w["burstiness"],

@@ -1,7 +1,8 @@
 #!/bin/bash
 # calibrate (coarse, with the serving term) -> serve -> validate at concurrency 1, 4, 16 and a
 # Poisson rate; run from a worktree root. Writes $OUT/{profile.json,calibrate.txt,c1,c4,c16,rate}.{txt,json}
-# and host.txt (CPU, load average before each stage). Extra calibrate flags: CALIBRATE_FLAGS.
+# and host.txt (CPU, load average before each stage). Extra calibrate flags: CALIBRATE_FLAGS;
+# THINK=20ms gives the closed loops that think time (bench sleeps it, the replay prices it).
 # Ends by printing docs/fidelity.md's rows (benchmarks/validate_table.py), also in $OUT/table.md.
 set -u
 PY=${PY:-.venv/bin/python}
@@ -20,7 +21,7 @@ for i in $(seq 300); do curl -sf 127.0.0.1:$PORT/health >/dev/null && break; sle
 for c in 1 4 16; do
   echo "c$c: $(uptime)" >> $OUT/host.txt
   $PY -m servelab validate --base-url http://127.0.0.1:$PORT --profile $OUT/profile.json --concurrency $c \
-     --num-requests $((c*6+8)) --input-len 128 --output-len 64 --seed $c --warmup 2 --no-progress \
+     --num-requests $((c*6+8)) --input-len 128 --output-len 64 --seed $c --warmup 2 --no-progress ${THINK:+--think-time $THINK} \
      --save-result $OUT/c$c.json > $OUT/c$c.txt 2>&1
 done
 echo "rate: $(uptime)" >> $OUT/host.txt

@@ -33,6 +33,7 @@ class BenchRequest:
     prompt_tokens: int  # the length the workload asked for (by the client's tokenizer)
     output_tokens: int  # sent as max_tokens, with ignore_eos so the server produces exactly this many
     planned_send_s: float | None = None
+    think_s: float = 0.0  # closed loop: the client's pause after this request ended, before taking its next
 
 
 @dataclass(slots=True)

@@ -78,26 +78,33 @@ def sim_config(profile: dict[str, Any], server: dict[str, str], model: ModelSpec
     return SimConfig(model=model, cost_model=cost, scheduler=scheduler, slo=slo)
 
 
-def replay_trace(records: Sequence[RequestRecord], closed_loop: bool = False) -> list[RequestSpec]:
+def replay_trace(records: Sequence[RequestRecord], closed_loop: bool = False,
+                 think_s: float | Callable[[RequestRecord], float] = 0.0) -> list[RequestSpec]:
     """The measured run as a trace: each successful request with the prompt and output lengths
     the server reported, in the order it was sent. Open loop: at its actual send time. Closed
-    loop: no times, sent when a simulated client frees up (a closed loop replayed at fixed times
-    would feed the simulator's own error back into its arrivals)."""
+    loop: no times, sent when a simulated client frees up, after its think time (one for all, or
+    each record's own); a closed loop replayed at fixed times would feed the simulator's own error
+    back into its arrivals."""
     ok = sorted((r for r in records if r.success and r.output_tokens > 0), key=lambda r: r.arrival_s)
     if not ok:
         raise InvalidArgument("the measured run has no successful request to replay")
     t0 = ok[0].arrival_s
+    think_of = think_s if callable(think_s) else (lambda _r: think_s)
     return [RequestSpec(index=i, arrival_s=None if closed_loop else r.arrival_s - t0, prompt_tokens=r.prompt_tokens,
-                        output_tokens=r.output_tokens) for i, r in enumerate(ok)]
+                        output_tokens=r.output_tokens, think_s=float(think_of(r)) if closed_loop else 0.0)
+            for i, r in enumerate(ok)]
 
 
-def replay(config: SimConfig, records: Sequence[RequestRecord], concurrency: int | None) -> SimResult:
+def replay(config: SimConfig, records: Sequence[RequestRecord], concurrency: int | None,
+           think_s: float | Callable[[RequestRecord], float] = 0.0) -> SimResult:
     """A measured run through the simulator: a closed loop (concurrency given) replays as a closed
-    loop at that concurrency, an open loop at its send times."""
+    loop at that concurrency, its clients thinking between requests as the bench's did (see
+    replay_trace); an open loop at its send times."""
     from servelab.sim import simulate
 
     closed = concurrency is not None
-    return simulate(config, replay_trace(records, closed_loop=closed), concurrency=concurrency if closed else None)
+    return simulate(config, replay_trace(records, closed_loop=closed, think_s=think_s),
+                    concurrency=concurrency if closed else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +114,7 @@ class ServerRun:
     concurrency: int
     records: Sequence[RequestRecord]
     tpot_p50_s: float
+    think_time_s: float = 0.0  # the bench's pause between a client's requests (calibrate's runs: none)
 
 
 def fit_server_term(profile: dict[str, Any], server: dict[str, str], model: ModelSpec, runs: Sequence[ServerRun],
@@ -131,7 +139,8 @@ def fit_server_term(profile: dict[str, Any], server: dict[str, str], model: Mode
     def simulated_tpot(run: ServerRun, per_step_s: float = 0.0, per_seq_s: float = 0.0) -> float:
         cost = replace(base, server_per_step_s=per_step_s, server_per_seq_s=per_seq_s)
         cost = cost if variant is None else variant(cost)
-        tpot = replay(sim_config(profile, server, model, None, cost), run.records, run.concurrency).summary.tpot_s.p50
+        tpot = replay(sim_config(profile, server, model, None, cost), run.records, run.concurrency,
+                      run.think_time_s).summary.tpot_s.p50
         if tpot is None:
             raise InvalidArgument("the server runs for the serving term produced no TPOT (outputs of one token?)")
         return tpot

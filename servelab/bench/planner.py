@@ -142,7 +142,9 @@ def plan_one(job: PlanJob) -> PlanRow:
         return result.steady_or_whole
 
     # Beyond a few times max_num_seqs the extra requests only queue: TTFT grows, TPOT does not.
-    max_load = job.max_concurrency or 4 * job.scheduler.max_num_seqs
+    # Users who think are in flight only E2E / (E2E + think) of the time (Little's law), so as
+    # many more of them fit; E2E is at least one user's alone.
+    max_load = job.max_concurrency or 4 * job.scheduler.max_num_seqs * _think_factor(config, job.workload)
     if fixed_n:
         max_load = min(max_load, fixed_n)  # more clients than requests changes nothing
     try:
@@ -155,6 +157,18 @@ def plan_one(job: PlanJob) -> PlanRow:
     fill_row(row, result, job)
     row.binding = binding_limit(result, observed, max_num_seqs=job.scheduler.max_num_seqs, request_tokens=longest)
     return row
+
+
+def _think_factor(config, workload: dict[str, Any]) -> int:  # noqa: ANN001
+    """1 + think / E2E of one user alone (a few requests): how many users per request in flight."""
+    from servelab.sim import simulate
+
+    think_s = workload.get("think_time_s") or 0.0
+    if not think_s:
+        return 1
+    alone = WorkloadSpec(**{**workload, "num_requests": 8, "concurrency": 1, "rate": None, "think_time_s": 0.0})
+    e2e_s = simulate(config, alone, warmup_requests=0).summary.e2e_s.mean
+    return 1 + math.ceil(think_s / e2e_s) if e2e_s else 1
 
 
 def fill_row(row: PlanRow, result: CapacityResult, job: PlanJob) -> None:

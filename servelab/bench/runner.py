@@ -5,7 +5,7 @@ Open loop: every send time is planned before the run starts (from the workload's
 process) and each request leaves at its planned time, whatever the server is doing; the planned
 and actual send times are both kept, so client lateness is visible instead of silently becoming
 part of the server's latency. Closed loop: `concurrency` workers each send their next request
-the moment their previous one ends.
+the moment their previous one ends, or a think time after it (a user reading the answer).
 """
 
 from __future__ import annotations
@@ -48,6 +48,22 @@ class RunOutcome:
 AbortRule = Callable[[list[StreamResult], list[InFlight], float], str]
 
 
+class _Lookahead:
+    """An iterator that knows whether anything is left: a closed loop's shared queue of requests."""
+
+    def __init__(self, items: Iterator[BenchRequest]) -> None:
+        self._items = items
+        self._head = next(items, None)
+
+    @property
+    def empty(self) -> bool:
+        return self._head is None
+
+    def take(self) -> BenchRequest | None:
+        item, self._head = self._head, (next(self._items, None) if self._head is not None else None)
+        return item
+
+
 @dataclass(slots=True)
 class _State:
     results: list[StreamResult] = field(default_factory=list)
@@ -66,7 +82,9 @@ async def run_load(
 ) -> RunOutcome:
     """Run every request (or until `duration_s` has passed: nothing new is sent after it, and
     what is in flight is allowed to finish). Requests with `planned_send_s` set are open-loop;
-    `concurrency` caps the requests in flight (closed loop when no send times are planned)."""
+    `concurrency` caps the requests in flight (closed loop when no send times are planned).
+    Closed loop: after a request ends, its worker waits the request's `think_s` before it takes
+    and sends its next (none when nothing is left)."""
     state = _State()
     start_s = time.perf_counter()
     stop_sending = asyncio.Event()
@@ -141,11 +159,24 @@ async def run_load(
             tasks.add(task)
             task.add_done_callback(tasks.discard)
 
-    async def closed_loop_worker(source: Iterator[BenchRequest]) -> None:
-        for request in source:  # a shared iterator: each request is taken by exactly one worker
+    async def think(wait_s: float) -> None:
+        """A think time, cut short by an abort or the run's deadline."""
+        if duration_s is not None:
+            wait_s = min(wait_s, max(0.0, start_s + duration_s - time.perf_counter()))
+        try:
+            await asyncio.wait_for(stop_sending.wait(), timeout=wait_s)
+        except TimeoutError:
+            pass
+
+    async def closed_loop_worker(source: _Lookahead) -> None:
+        while (request := source.take()) is not None:  # shared: each request is taken by one worker
             if stop_sending.is_set() or past_deadline():
                 return
             await one(request, None)
+            # The user reads the answer, then takes the next request (as the simulator's client
+            # does); with nothing left to take there is nothing to wait for.
+            if request.think_s > 0 and not source.empty:
+                await think(request.think_s)
 
     async def until_done_or_aborted(work: asyncio.Future[list[None]]) -> int:
         """Wait for `work`; if the abort rule fires first, cancel it. Returns the requests cut off."""
@@ -170,7 +201,7 @@ async def run_load(
             if tasks:
                 cancelled = await until_done_or_aborted(asyncio.gather(*list(tasks)))
         else:
-            source = iter(requests)
+            source = _Lookahead(iter(requests))
             assert concurrency is not None
             workers = [asyncio.create_task(closed_loop_worker(source)) for _ in range(concurrency)]
             cancelled = await until_done_or_aborted(asyncio.gather(*workers))

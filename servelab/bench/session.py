@@ -83,6 +83,7 @@ class BenchSession:
                     prompt_tokens=spec.prompt_tokens,
                     output_tokens=spec.output_tokens,
                     planned_send_s=spec.arrival_s,
+                    think_s=spec.think_s,
                 )
 
     async def run(
@@ -163,7 +164,7 @@ class BenchSession:
     async def _warmup(self, specs: list[RequestSpec], n: int, concurrency: int | None) -> None:
         """Requests that open the connections and wake the server; never measured."""
         self._round += 1
-        warm = [replace(s, arrival_s=None) for s in itertools.islice(itertools.cycle(specs), n)]
+        warm = [replace(s, arrival_s=None, think_s=0.0) for s in itertools.islice(itertools.cycle(specs), n)]
         warm = [replace(s, index=i) for i, s in enumerate(warm)]
         width = min(n, concurrency or n)
         await run_load(self.client, self._requests(warm, cycle=False), concurrency=width)
@@ -216,7 +217,8 @@ def replace_workload(base: WorkloadSpec, **changes: Any) -> WorkloadSpec:
         name: getattr(base, name)
         for name in (
             "num_requests", "rate", "concurrency", "burstiness", "input_len", "output_len",
-            "shared_prefix_fraction", "num_prefix_groups", "seed", "dataset", "trace", "arrival",
+            "shared_prefix_fraction", "num_prefix_groups", "seed", "dataset", "trace", "arrival", "think_time_s",
+            "think_time_dist",
         )
     }
     fields.update(changes)

@@ -104,6 +104,9 @@ def run(args: argparse.Namespace) -> int:
     workload = workload_from_args(args)
     if args.find_capacity:
         check_percentile(args.percentile)
+        if args.search == "rate" and workload.think_time_s:
+            raise InvalidArgument("--think-time paces a closed loop; --search rate searches an open-loop rate: "
+                                  "drop --think-time or search the concurrency")
         if slo is None:
             raise InvalidArgument("--find-capacity needs at least one target: --slo-tpot and/or --slo-ttft")
     elif workload.rate is None and workload.concurrency is None and workload.trace is None:

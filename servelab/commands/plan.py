@@ -81,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
         "num_prefix_groups": spec.num_prefix_groups,
         "seed": spec.seed,
         "dataset": spec.dataset,
+        "think_time_s": spec.think_time_s,
+        "think_time_dist": spec.think_time_dist,
     }
     cost_model = "roofline"
     if args.profile is not None:
@@ -111,20 +113,25 @@ def run(args: argparse.Namespace) -> int:
                           "percentile": args.percentile, "target_rate": args.target_rate, "workload": workload,
                           "configs": [r.to_dict() for r in rows]}, indent=2))
         return 0
-    print(_table(rows, model.name, slo, args))
+    print(_table(rows, model.name, slo, args, spec))
     if args.plot:
         print(f"wrote {args.plot}")
     return 0
 
 
-def _table(rows, model: str, slo, args: argparse.Namespace) -> str:  # noqa: ANN001
+def _table(rows, model: str, slo, args: argparse.Namespace, spec) -> str:  # noqa: ANN001
     from servelab.commands._table import render_table
 
     key = f"p{args.percentile}"
     targets = ", ".join(f"{key} {n} <= {v * 1e3:g} ms" for n, v in (("TTFT", slo.ttft_s), ("TPOT", slo.tpot_s))
                         if v is not None)
+    users = ""
+    if spec.think_time_s:
+        from servelab.workload.arrivals import describe_think_time
+
+        users = f"; concurrency = users, think time {describe_think_time(spec.think_time_s, spec.think_time_dist)}"
     lines = [f"{model}: capacity at {targets} (simulated; input {args.input_len or 1024}, output "
-             f"{args.output_len or 256} tokens)", ""]
+             f"{args.output_len or 256} tokens{users})", ""]
     headers = ["hardware", "tp", "concurrency", "tok/s/device", "req/s", f"{key} TTFT", f"{key} TPOT", "$/dev-h",
                "$/M tok", "bound by"]
     if args.target_rate is not None:
@@ -149,6 +156,9 @@ def _table(rows, model: str, slo, args: argparse.Namespace) -> str:  # noqa: ANN
             notes.append(f"{r.hardware} tp={r.tp}: {r.reason}")
     if table_rows:
         lines.append(render_table(headers, table_rows, left=(0,)))
+    if spec.think_time_s and spec.think_time_dist == "constant":
+        notes.append("a constant think time keeps users who started together in lockstep (bursts of every user "
+                     "at once); --think-time exp:DURATION draws each pause, as readers spread out")
     if notes:
         lines += ["", "notes:"] + [f"  {n}" for n in notes]
     return "\n".join(lines)

@@ -101,23 +101,34 @@ async def bench_live_server(args: argparse.Namespace, workload, slo):  # noqa: A
     return result, server, model
 
 
+def bench_think_times(workload):  # noqa: ANN001, ANN201
+    """How long each measured request's client paused after it: the workload's constant, or the
+    seeded draw of the request's index (a bench record's id; a run cycles through the specs)."""
+    if workload.think_time_dist == "constant":
+        return workload.think_time_s
+    drawn = [spec.think_s for spec in workload.generate()]
+    return lambda record: drawn[int(record.request_id) % len(drawn)]
+
+
 def _predict_and_report(args, profile, workload, slo, measured, server, served_model, host) -> int:  # noqa: ANN001
     from servelab.bench.fidelity import compare, format_comparison, replay, replay_trace, sim_config
     from servelab.cost.profile import ServingTerm
     from servelab.metrics import format_summary_table
 
-    # a closed loop replays as a closed loop at the same concurrency; an open loop at its send times
+    # a closed loop replays as a closed loop at the same concurrency and think time; an open loop at
+    # its send times
     closed = workload.rate is None and workload.trace is None
-    trace = replay_trace(measured.records, closed_loop=closed)
+    thinks = bench_think_times(workload)
+    trace = replay_trace(measured.records, closed_loop=closed, think_s=thinks)
     model = sim_model(profile, args.sim_model, served_model)
     predicted = replay(sim_config(profile, server, model, slo), measured.records,
-                       workload.concurrency if closed else None)
+                       workload.concurrency if closed else None, thinks)
     rows = compare(measured.summary, predicted.summary)
     out = {
         "config": {"base_url": args.base_url, "model": served_model, "sim_model": model.name,
                    "profile": args.profile, "profile_model": profile.get("model"), "server": server,
                    "workload": workload.to_dict(), "replayed_requests": len(trace),
-                   "replay": f"closed loop, concurrency {workload.concurrency}" if closed else "measured send times",
+                   "replay": workload.arrivals.describe() if closed else "measured send times",
                    "serving_term": ServingTerm.from_profile(profile).to_dict(),
                    "step_time_statistic": profile.get("step_time_statistic"),
                    "kernel_rows": profile.get("kernel_rows"),
@@ -131,7 +142,13 @@ def _predict_and_report(args, profile, workload, slo, measured, server, served_m
     if args.json:
         print(json.dumps(out, indent=2))
         return 0
-    how = f"in a closed loop at concurrency {workload.concurrency}" if closed else "at their measured send times"
+    how = "at their measured send times"
+    if closed:
+        from servelab.workload.arrivals import describe_think_time
+
+        how = f"in a closed loop at concurrency {workload.concurrency}"
+        if workload.think_time_s:
+            how += f", think time {describe_think_time(workload.think_time_s, workload.think_time_dist)},"
     print(f"{served_model} at {args.base_url}, {workload.describe()}; replayed {len(trace)} requests {how} "
           f"through the simulator with {args.profile} ({ServingTerm.from_profile(profile).describe()})")
     if (steal := describe_steal(host)) is not None:

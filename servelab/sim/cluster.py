@@ -152,14 +152,15 @@ class ClusterSim:
         concurrency: int | None = None,
         on_done: Callable[[int], None] | None = None,
     ) -> LoopResult:
-        """`concurrency` caps requests in flight; with no arrival times it is a closed loop."""
+        """`concurrency` caps requests in flight; with no arrival times it is a closed loop, whose
+        clients send their next request a finished request's `think_s` after it ended."""
         return ClusterRun(self, requests, concurrency, on_done).run()
 
 
 class ClusterRun:
     """One run of a ClusterSim: the event queue and the run's state as attributes, one method per
-    event kind (`arrive`, `step_done`, `kv_arrive`). An event is (time, serial, handler, a, b);
-    the serial breaks ties in the order events were pushed."""
+    event kind (`arrive`, `step_done`, `kv_arrive`, `think_done`). An event is (time, serial,
+    handler, a, b); the serial breaks ties in the order events were pushed."""
 
     def __init__(
         self,
@@ -234,6 +235,11 @@ class ClusterRun:
             if out.finished:
                 self.request_finished(replica, out.seq, now)  # type: ignore[arg-type]
         self.start_step(replica, now)
+
+    def think_done(self, _: None, __: None) -> None:
+        """A closed-loop client's think time is over: it sends the next request, if one is left."""
+        if self.pending:
+            self.send(self.pending.popleft(), self.now)
 
     def kv_arrive(self, req: _Request, _: None) -> None:
         """A prefilled request's KV reaches the decode pool: it joins a decode replica."""
@@ -343,4 +349,10 @@ class ClusterRun:
         if self.on_done is not None:
             self.on_done(1)
         if self.pending and (self.closed or self.in_flight < (self.concurrency or 0)):
-            self.send(self.pending.popleft(), t)
+            if self.closed and req.spec.think_s > 0:
+                # An event, never inline: even a tiny think time lands after the step that
+                # starts at this instant, as a live client's round trip does. The next request
+                # is taken when the think ends, so a run ends with its last requests, not thinks.
+                self.push(t + req.spec.think_s, self.think_done, None)
+            else:
+                self.send(self.pending.popleft(), t)

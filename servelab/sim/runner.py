@@ -5,6 +5,7 @@ Used by `servelab sim`, the capacity planner and the lab. Imports no torch.
 
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass, field, replace
@@ -214,7 +215,8 @@ def simulate(
     warmup_s: float = 0.0,
 ) -> SimResult:
     """Run a workload through the simulated cluster. With a list of RequestSpec, `concurrency`
-    caps requests in flight (a closed loop when they carry no arrival times).
+    caps requests in flight (a closed loop when they carry no arrival times; there each request's
+    `think_s` is its client's pause after it ended, before the client takes the next).
 
     The steady-state summary leaves out the first `warmup_requests` requests (default: a closed
     loop's start-up wave, `concurrency` requests; none for an open loop) and those arriving
@@ -231,6 +233,11 @@ def simulate(
     closed_loop = requests[0].arrival_s is None
     if closed_loop and concurrency is None:
         raise InvalidArgument("requests without arrival times need a concurrency (closed loop)")
+    thinks = [r.think_s for r in requests]
+    if not all(math.isfinite(t) and t >= 0 for t in thinks):
+        raise InvalidArgument(f"think times must be finite durations >= 0 s, got {min(thinks)} .. {max(thinks)}")
+    if any(thinks) and not closed_loop:
+        raise InvalidArgument("a think time paces a closed loop; these requests carry their own arrival times")
     if warmup_requests is None:
         warmup_requests = concurrency if closed_loop else 0
     if warmup_requests < 0 or warmup_s < 0:
@@ -284,7 +291,8 @@ def simulate(
     if isinstance(workload, WorkloadSpec):
         cfg["workload"] = workload.to_dict()
     else:
-        cfg["workload"] = {"num_requests": len(requests), "concurrency": concurrency, "source": "request list"}
+        cfg["workload"] = {"num_requests": len(requests), "concurrency": concurrency,
+                           "mean_think_time_s": sum(thinks) / len(thinks), "source": "request list"}
     return SimResult(
         records=out.records,
         summary=summary,

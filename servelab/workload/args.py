@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from servelab.errors import InvalidArgument
+from servelab.workload.arrivals import parse_think_time
 from servelab.workload.lengths import LengthDist
 from servelab.workload.spec import WorkloadSpec
 
@@ -26,6 +27,14 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="closed loop: clients each sending the next request when the last one ends "
         "(with --rate: the most requests in flight)",
+    )
+    g.add_argument(
+        "--think-time",
+        default=None,
+        metavar="[exp:]DURATION",
+        help="closed loop: each client waits this long after a request ends before it sends the next: "
+        "50ms, or exp:5s for exponential pauses of mean 5 s (users reading; a constant pause keeps "
+        "clients that started together in lockstep) (default 0: at once)",
     )
     g.add_argument(
         "--burstiness",
@@ -68,6 +77,7 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
         raise InvalidArgument(f"--num-requests must be >= 1, got {args.num_requests}")
     if not args.burstiness > 0:
         raise InvalidArgument(f"--burstiness must be > 0, got {args.burstiness:g}")
+    think_time_s, think_time_dist = (0.0, "constant") if args.think_time is None else parse_think_time(args.think_time)
     if not 0 <= args.shared_prefix < 1:
         raise InvalidArgument(f"--shared-prefix must be a fraction in [0, 1), got {args.shared_prefix:g}")
     return WorkloadSpec(
@@ -82,4 +92,6 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
         seed=args.seed,
         dataset=args.dataset,
         trace=args.trace,
+        think_time_s=think_time_s,
+        think_time_dist=think_time_dist,
     )

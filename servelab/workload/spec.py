@@ -20,7 +20,7 @@ DEFAULT_OUTPUT_LEN = "256"
 
 # Independent random streams, so that changing (say) the length distribution does not move
 # the arrival times of the same seed.
-_STREAM_ARRIVALS, _STREAM_INPUT, _STREAM_OUTPUT, _STREAM_GROUPS, _STREAM_DATASET = range(5)
+_STREAM_ARRIVALS, _STREAM_INPUT, _STREAM_OUTPUT, _STREAM_GROUPS, _STREAM_DATASET, _STREAM_THINK = range(6)
 
 
 @dataclass(slots=True)
@@ -32,6 +32,7 @@ class RequestSpec:
     prefix_tokens: int = 0  # the first prefix_tokens of the prompt are shared within prefix_group
     prefix_group: int = 0
     prompt_text: str | None = None
+    think_s: float = 0.0  # closed loop: its client's pause after it ended (reading it) before taking the next
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -41,6 +42,7 @@ class RequestSpec:
             "output_tokens": self.output_tokens,
             "prefix_tokens": self.prefix_tokens,
             "prefix_group": self.prefix_group,
+            "think_s": self.think_s,
         }
 
 
@@ -49,7 +51,10 @@ class WorkloadSpec:
     """`rate` (requests/s) makes an open-loop workload; `concurrency` alone a closed loop; both: open
     loop with at most `concurrency` requests in flight (as vLLM's --max-concurrency). Neither:
     every request at t = 0. `input_len`/`output_len` are LengthDist strings; with a dataset or a
-    trace they default to the file's lengths (an explicit `output_len` overrides a dataset's)."""
+    trace they default to the file's lengths (an explicit `output_len` overrides a dataset's).
+    `think_time_s`: in a closed loop, how long a client waits after its request ends (last token
+    or error) before it sends the next one, constant or, with `think_time_dist` "exponential", its
+    mean (drawn per request from the seed); refused with a rate or a trace's own send times."""
 
     num_requests: int | None = None  # None: 1000, or every row of a trace
     rate: float | None = None
@@ -63,10 +68,13 @@ class WorkloadSpec:
     dataset: str | None = None
     trace: str | None = None
     arrival: str | None = None  # force "poisson" | "gamma" | "constant" | "closed"
+    think_time_s: float = 0.0
+    think_time_dist: str = "constant"
     _arrivals: ArrivalProcess = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
-        self._arrivals = ArrivalProcess.create(self.rate, self.concurrency, self.burstiness, self.arrival)
+        self._arrivals = ArrivalProcess.create(self.rate, self.concurrency, self.burstiness, self.arrival,
+                                               self.think_time_s, self.think_time_dist)
         if self.num_requests is not None and self.num_requests < 1:
             raise InvalidArgument(f"num_requests must be >= 1, got {self.num_requests}", param="num_requests")
         if not 0.0 <= self.shared_prefix_fraction < 1.0:
@@ -82,6 +90,9 @@ class WorkloadSpec:
             raise InvalidArgument("give either a dataset (--dataset) or a trace (--trace), not both")
         if self.trace and self.rate is not None:
             raise InvalidArgument("a trace carries its own arrival times; drop --rate (or use --concurrency)")
+        if self.trace and self.think_time_s and self.concurrency is None:
+            raise InvalidArgument("a trace without --concurrency is sent at its own arrival times; --think-time "
+                                  "paces a closed loop: add --concurrency C or drop --think-time", param="think_time")
         if self.trace and self.input_len is not None:
             raise InvalidArgument("a trace carries its own prompt lengths; drop --input-len")
         if self.dataset and self.input_len is not None:
@@ -126,6 +137,7 @@ class WorkloadSpec:
             prompt = self.input_dist.sample(self._rng(_STREAM_INPUT), n)
             output = self.output_dist.sample(self._rng(_STREAM_OUTPUT), n)
         arrivals = self._arrivals.arrival_times_s(self._rng(_STREAM_ARRIVALS), n)
+        thinks = self._arrivals.think_times_s(self._rng(_STREAM_THINK), n)
         # One prefix length for the whole workload, like a system prompt: a fraction of the mean
         # prompt, cut short only where a prompt is shorter (each prompt keeps one token of its own).
         prefix_len = int(self.shared_prefix_fraction * float(prompt.mean()))
@@ -140,6 +152,7 @@ class WorkloadSpec:
                 prefix_tokens=int(prefix[i]),
                 prefix_group=int(groups[i]),
                 prompt_text=texts[i],
+                think_s=float(thinks[i]),
             )
             for i in range(n)
         ]
@@ -152,6 +165,7 @@ class WorkloadSpec:
         output = None
         if self.output_len is not None:
             output = self.output_dist.sample(self._rng(_STREAM_OUTPUT), len(rows))
+        thinks = self._arrivals.think_times_s(self._rng(_STREAM_THINK), len(rows))
         specs = []
         for i, row in enumerate(rows):
             prefix, group = row.prefix_tokens, row.prefix_group
@@ -166,6 +180,7 @@ class WorkloadSpec:
                     prefix_tokens=prefix,
                     prefix_group=group,
                     prompt_text=row.prompt_text,
+                    think_s=float(thinks[i]) if closed else 0.0,
                 )
             )
         return specs
@@ -185,6 +200,8 @@ class WorkloadSpec:
             "seed": self.seed,
             "dataset": None if self.dataset is None else str(Path(self.dataset)),
             "trace": None if self.trace is None else str(Path(self.trace)),
+            "think_time_s": self.think_time_s,
+            "think_time_dist": self.think_time_dist,
         }
 
     def describe(self) -> str:

@@ -39,7 +39,7 @@ def test_calibrate_then_validate_against_a_live_server(server_launcher, tmp_path
     saved = tmp_path / "validate.json"
     assert main(["validate", "--base-url", server.url, "--profile", str(profile), "--concurrency", "2",
                  "--num-requests", "6", "--input-len", "24", "--output-len", "6", "--seed", "3",
-                 "--save-result", str(saved), "--no-progress"]) == 0
+                 "--think-time", "20ms", "--save-result", str(saved), "--no-progress"]) == 0
     text = capsys.readouterr().out
     print(text)
     assert "ms per step +" in text.splitlines()[0]  # which serving term the replay used
@@ -49,6 +49,8 @@ def test_calibrate_then_validate_against_a_live_server(server_launcher, tmp_path
     cfg = out["config"]
     assert cfg["serving_term"] == {"form": "per-step", "per_step_s": term["per_step_s"], "per_seq_s": term["per_seq_s"]}
     assert cfg["replayed_requests"] == 6 and cfg["sim_model"] == "smollm2-135m"
+    # the bench's clients paused 20 ms between requests, and the replay's did too
+    assert cfg["workload"]["think_time_s"] == 0.02 and cfg["replay"] == "closed loop, concurrency 2, think time 20 ms"
     assert cfg["host"]["steal_cpus"] >= 0 and "host: the hypervisor took" in text  # the measured run's steal
     # the simulator ran the server's own budgets and KV pool, read from /metrics
     assert cfg["server"]["max_num_seqs"] == "4" and int(cfg["server"]["num_blocks"]) > 0
