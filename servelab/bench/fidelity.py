@@ -162,7 +162,7 @@ def fit_server_term(profile: dict[str, Any], server: dict[str, str], model: Mode
     for run in runs:
         engine_only = simulated_tpot(run)
         step_alone, seq_alone = matching(run, engine_only, True), matching(run, engine_only, False)
-        per_run.append({"concurrency": run.concurrency, "requests": len(run.records),
+        per_run.append({"concurrency": run.concurrency, "requests": len(run.records), "think_time_s": run.think_time_s,
                         "measured_tpot_p50_s": run.tpot_p50_s, "engine_only_tpot_p50_s": engine_only,
                         "per_step_alone_s": step_alone, "per_seq_alone_s": seq_alone,
                         "seqs_per_step": step_alone / seq_alone if seq_alone > 0 else float(run.concurrency)})

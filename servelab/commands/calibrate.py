@@ -28,6 +28,10 @@ QUIET_WINDOW_S = 1.0  # --quiet-wait samples the host's other load over windows 
 # concurrencies separate the term's per-step and per-sequence parts
 SERVER_RUNS = ((1, 6), (4, 16), (8, 24))
 SERVER_INPUT_LEN, SERVER_OUTPUT_LEN = 64, 32
+# Each client pauses this long between requests: far over the HTTP round trip, so a follow-up
+# never races the server's next step, and the replay runs the same loop (docs/fidelity.md,
+# "Closed loops: the client's round trip").
+SERVER_THINK_TIME = "20ms"
 SERVER_START_TIMEOUT_S = 300.0
 
 HELP = "time the engine on a grid of step shapes and write a step-cost profile for sim/plan/roofline"
@@ -79,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "docs/fidelity.md, \"Runs 9-11 refitted\")")
     parser.add_argument("--server-term", action="store_true",
                         help="also measure the serving term: start `servelab serve` with these engine flags, run "
-                             f"closed loops at concurrency {' and '.join(str(c) for c, _ in SERVER_RUNS)}, and fit the "
+                             f"closed loops at concurrency {' and '.join(str(c) for c, _ in SERVER_RUNS)} (clients "
+                             f"pausing {SERVER_THINK_TIME} between requests), and fit the "
                              "time the server's work (HTTP, detokenize, SSE) adds to a step, per step and per "
                              "sequence; about a minute")
     parser.add_argument("--hardware-out", default=None, metavar="FILE.json|FILE.yaml",
@@ -492,14 +497,14 @@ def measure_server_term(args: argparse.Namespace, profile: dict[str, Any]) -> di
                     "--base-url", url, "--profile", args.out, "--concurrency", str(concurrency),
                     "--num-requests", str(requests), "--input-len", str(SERVER_INPUT_LEN),
                     "--output-len", str(SERVER_OUTPUT_LEN), "--seed", str(7000 + concurrency), "--warmup", "1",
-                    "--no-progress"])  # fmt: skip
-                result, server, served = asyncio.run(validate.bench_live_server(bench_args, workload_from_args(bench_args),
-                                                                                None))
+                    "--think-time", SERVER_THINK_TIME, "--no-progress"])  # fmt: skip
+                workload = workload_from_args(bench_args)
+                result, server, served = asyncio.run(validate.bench_live_server(bench_args, workload, None))
                 tpot = result.summary.tpot_s.p50
                 if result.summary.failed or tpot is None:
                     raise InvalidArgument(f"--server-term: the bench run at concurrency {concurrency} against {url} "
                                           f"failed ({result.summary.failed} failed requests)")
-                runs.append(ServerRun(concurrency, result.records, tpot))
+                runs.append(ServerRun(concurrency, result.records, tpot, workload.think_time_s))
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)
