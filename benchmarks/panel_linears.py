@@ -2,7 +2,9 @@
 host's fp32 peak: the bundled SmolLM2-135M's matrices by kind (QKV, O, gate/up, down: summed
 over the 30 layers; the Q8_0 LM head once), through the packed-GGUF kernel block_quant.py picks
 for that many rows, against MKL's sgemm on the same fp32 weights (F.linear on the dequantized
-copy), interleaved. Optionally another tree's kernels too (`--base TREE`, built as isa_levels.py
+copy), interleaved. The packed kernels are called as the one-call decode stack calls them, into
+buffers allocated once (BlockQuantLinear's own call allocates its output and scratch each time,
+and fresh pages cost page faults that the stack's arena never pays). Optionally another tree's kernels too (`--base TREE`, built as isa_levels.py
 does) for before/after.
 
     python benchmarks/panel_linears.py [--rows 4 16 32 64 128] [--threads 2] [--base /tmp/old-tree]
@@ -17,7 +19,6 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch loads
@@ -27,11 +28,23 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from isa_levels import build_from  # noqa: E402
 
-from servelab.engine import native  # noqa: E402
+from servelab.engine import block_quant, native  # noqa: E402
+from servelab.engine.block_quant import BlockQuantLinear  # noqa: E402
 from servelab.engine.bundled import bundled_model_path  # noqa: E402
 from servelab.engine.loader import load_model  # noqa: E402
 
 KINDS = ("qkv", "o", "gate_up", "down")
+
+
+def arena_call(w: BlockQuantLinear, kernels: native.NativeKernels, x: torch.Tensor, y: torch.Tensor,
+               scratch: torch.Tensor, threads: int) -> None:
+    """BlockQuantLinear.__call__'s kernel choice for x's rows, into y and scratch given."""
+    rows, (out_features, in_features) = x.shape[0], w.shape
+    fused = rows <= block_quant.FUSED_MAX_ROWS and block_quant.fused_formats(w)
+    kernel = kernels.block_quant_linear if fused else kernels.block_quant_gemm
+    for seg in w.segments:
+        kernel(seg.fmt, seg.data.data_ptr(), seg.data.shape[1], in_features, seg.data.shape[0], x.data_ptr(), rows,
+               None, y.data_ptr() + 4 * seg.start, out_features, scratch.data_ptr(), threads)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,8 +70,10 @@ def main(argv: list[str] | None = None) -> int:
         for rows in args.rows:
             x = torch.randn(rows, linears[0].shape[1])
             flops[(kind, rows)] = sum(2.0 * rows * w.shape[0] * w.shape[1] for w in linears)
-            runs = {name: [replace(w, kernels=k) for w in linears] for name, k in builds.items()}
-            cases = {name: (lambda ws=ws: [w(x) for w in ws]) for name, ws in runs.items()}
+            y = torch.empty(rows, linears[0].shape[0])
+            scratch = torch.empty(args.threads * block_quant.PANEL_OUTPUTS * x.shape[1] + rows * x.shape[1])
+            cases = {name: (lambda k=k: [arena_call(w, k, x, y, scratch, args.threads) for w in linears])
+                     for name, k in builds.items()}
             cases["mkl"] = lambda: [F.linear(x, w.dense) for w in linears]
             for r in range(args.rounds):
                 for name in (list(cases) if r % 2 == 0 else list(reversed(cases))):
