@@ -98,8 +98,8 @@ static void dequant_k_block(int64_t qtype, const uint8_t *blk, float *dst) {
 
 #ifdef SL_AVX2
 /* A row of 32-weight blocks of one format -> floats, as the loader rounds them, with the format
- * fixed at compile time: this runs over every weight of every step (15-40% of a panel's time at
- * 8-32 rows), so each block is one fp16 conversion for d (and m), two byte loads widened to
+ * fixed at compile time: this runs over every weight of every step (10% of a panel's time at 32
+ * rows, 30% at 8), so each block is one fp16 conversion for d (and m), two byte loads widened to
  * dwords, and per eight weights a convert, a multiply (and an add) and a store. */
 static inline __attribute__((always_inline)) void dequant_blocks(int64_t qtype, const uint8_t *row, int64_t nblocks,
                                                                  float *dst) {
@@ -668,7 +668,7 @@ struct gemm_job {
 
 /* Fetches the lines of y that a panel's rows write ([rows, o0 .. o0 + no)), before the panel is
  * dequantized. Each is written once a call, so it is cold, and the kernels' scattered stores
- * stalled on every miss: fetched ahead, a 32-row step's linears ran 1.3-1.8x faster
+ * stalled on every miss: fetched ahead, one thread's panels ran 1.4-1.7x faster at 32-128 rows
  * (docs/benchmarks.md, "Panel kernel: decode steps of 4-128 rows"). A hint only: no result
  * changes. */
 static inline void prefetch_outputs(const float *y, int64_t y_stride, int64_t rows, int64_t o0, int64_t no) {
