@@ -1,11 +1,13 @@
-"""Where a batch-1 decode step goes: time inside the native kernels against everything else
-(Python, torch dispatch, ctypes), with the layers in one native call and op by op, interleaved.
+"""Where a decode step goes: time inside the native kernels against everything else (Python,
+torch dispatch, ctypes), with the layers in one native call and op by op, interleaved; with
+`--by-kernel`, the op-by-op step's kernel time per entry point (linears by their shape).
 
 Each native entry point is wrapped in a timer (~0.2 us a call, counted as kernel time, so the
 "else" share is if anything understated for the per-op path, which makes ~270 calls a step). A
 step is `LLMEngine.step()` whole: scheduling, metadata, forward, sampling, detokenizing.
 
     python benchmarks/decode_step_split.py [--threads 2] [--rounds 6] [--steps 30] [--quantization int8]
+        [--batch 32] [--by-kernel]
 """
 
 from __future__ import annotations
@@ -34,30 +36,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=30, help="decode steps a round and mode")
     parser.add_argument("--quantization", choices=["int8"], default=None)
+    parser.add_argument("--batch", type=int, default=1, help="sequences decoding together")
+    parser.add_argument("--by-kernel", action="store_true", help="split the op-by-op kernel time by entry point")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
     engine = Servelab("float32", args.quantization).engine
     model = engine.executor.model
     kernel_ns = [0]
+    by_kernel: dict[str, int] = {}  # entry point (a linear: with its out x in) -> ns, op by op
+    recording = [False]
 
-    def timed(f):
+    def timed(name, f):
         def call(*a):
             t = time.perf_counter_ns()
             try:
                 return f(*a)
             finally:
-                kernel_ns[0] += time.perf_counter_ns() - t
+                ns = time.perf_counter_ns() - t
+                kernel_ns[0] += ns
+                if recording[0]:
+                    label = f"{name} {a[4]}x{a[3]}" if name.startswith("block_quant") else name
+                    by_kernel[label] = by_kernel.get(label, 0) + ns
         return call
 
     k = model.ops.kernels
-    model.ops.kernels = native.NativeKernels(**{f.name: timed(getattr(k, f.name)) for f in fields(k)})
+    model.ops.kernels = native.NativeKernels(**{f.name: timed(f.name, getattr(k, f.name)) for f in fields(k)})
     model.use_ops(model.ops)  # the linears and the stack on the timed entry points
     stack = model.decode_stack
     modes = {"one call": stack, "op by op": None} if stack is not None else {"op by op": None}
 
     params = SamplingParams(max_tokens=args.rounds * len(modes) * args.steps + 10, temperature=0, ignore_eos=True)
-    engine.add_request("split", prompt_ids(32, 1), params, arrival_s=time.perf_counter())
+    for i in range(args.batch):
+        engine.add_request(f"split{i}", prompt_ids(32, 1 + i), params, arrival_s=time.perf_counter())
     for _ in range(5):  # the prefill and a few warm decodes
         engine.step()
     step_ms: dict[str, list[float]] = {m: [] for m in modes}
@@ -67,20 +78,28 @@ def main(argv: list[str] | None = None) -> int:
         for mode in names if r % 2 == 0 else names[::-1]:
             model.decode_stack = modes[mode]
             kernel_ns[0] = 0
+            recording[0] = mode == "op by op"
+            if recording[0]:
+                by_kernel.clear()
             t = time.perf_counter_ns()
             for _ in range(args.steps):
                 engine.step()
             step_ms[mode].append((time.perf_counter_ns() - t) / args.steps / 1e6)
             kernel_ms[mode].append(kernel_ns[0] / args.steps / 1e6)
+            recording[0] = False
     model.decode_stack = stack
-    print(f"batch-1 decode step, bundled SmolLM2-135M, fp32{' int8' if args.quantization else ''}, "
+    print(f"batch-{args.batch} decode step, bundled SmolLM2-135M, fp32{' int8' if args.quantization else ''}, "
           f"{args.threads} threads, {args.rounds} interleaved rounds of {args.steps} steps (medians)")
     print(f"{'mode':10s} {'step ms':>8s} {'tok/s':>7s} {'kernels ms':>10s} {'else ms':>8s} {'else %':>7s}")
     for mode in names:
         step, kern = statistics.median(step_ms[mode]), statistics.median(kernel_ms[mode])
         other = statistics.median([s - k for s, k in zip(step_ms[mode], kernel_ms[mode])])
         share = statistics.median([(s - k) / s for s, k in zip(step_ms[mode], kernel_ms[mode])])
-        print(f"{mode:10s} {step:8.2f} {1e3 / step:7.1f} {kern:10.2f} {other:8.2f} {100 * share:6.1f}%")
+        print(f"{mode:10s} {step:8.2f} {args.batch * 1e3 / step:7.1f} {kern:10.2f} {other:8.2f} {100 * share:6.1f}%")
+    if args.by_kernel:  # the last op-by-op round's split
+        print("op by op, ms a step per kernel (last round):")
+        for label, ns in sorted(by_kernel.items(), key=lambda kv: -kv[1]):
+            print(f"  {label:34s} {ns / args.steps / 1e6:8.2f}")
     print("load average at the end (1/5/15 min): " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     return 0
 

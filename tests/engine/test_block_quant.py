@@ -12,6 +12,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from servelab.engine import block_quant
 from servelab.engine.block_quant import BlockQuantLinear
@@ -150,6 +152,40 @@ def test_every_isa_level_reads_the_blocks_as_the_loader_and_matches_fp32(isa_ker
     x = torch.randn(5, 64)
     torch.testing.assert_close(invariant(x), F.linear(x, dense), rtol=1e-5, atol=1e-5)
     assert torch.equal(invariant(x[4:]), invariant(x)[4:])
+
+
+_LEGACY = ("Q8_0", "Q4_0", "Q4_1")  # the 32-weight formats: dequant_blocks and the in-register kernels
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    data=st.data(),
+    formats=st.lists(st.sampled_from(_LEGACY), min_size=1, max_size=2),
+    in_features=st.sampled_from([32, 96, 256]),
+    rows=st.one_of(st.sampled_from([4, 5, 37, 127, block_quant.MAX_ROWS]), st.integers(4, block_quant.MAX_ROWS)),
+)
+def test_panel_rows_of_any_shape_give_each_row_its_bits_alone(isa_kernels, data, formats, in_features, rows):
+    """The panel kernel at 4-128 rows (ragged tiles, outputs not a multiple of its 4x3 tile or of
+    a 48-output panel, segments writing their columns of a wider output) at every ISA level: each
+    row gets the bits the 1-row kernel gives it alone, the weights as the loader rounds them, and
+    the default linear (the panel kernel above 4 rows) gives the invariant one's bits."""
+    name, kernels = isa_kernels
+    sizes = [data.draw(st.integers(1, 100), label=f"outputs of part {i}") for i in range(len(formats))]
+    parts = [_packed(fmt, n, in_features, seed=n + i) for i, (fmt, n) in enumerate(zip(formats, sizes))]
+    dense = torch.cat([d for _, d in parts])
+    linear = block_quant.pack(dense, [(FORMATS[fmt], raw) for fmt, (raw, _) in zip(formats, parts)], kernels)
+    assert torch.equal(linear.dequantize(), dense), name
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, in_features, generator=g)
+    linear = replace(linear, bias=torch.randn(dense.shape[0], generator=g))
+    invariant = replace(linear, invariant=True)
+    together = invariant(x)
+    for i in sorted({0, rows // 2, rows - 5, rows - 1}):  # the first and last tiles, the ragged rest
+        assert torch.equal(invariant(x[i : i + 1]), together[i : i + 1]), (name, i)
+    if rows > block_quant.FUSED_MAX_ROWS:
+        assert torch.equal(linear(x), together), name
+    ref = F.linear(x.double(), dense.double(), linear.bias.double())
+    assert (together.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), name
 
 
 def _strip_packed(model) -> None:

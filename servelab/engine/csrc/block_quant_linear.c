@@ -54,6 +54,9 @@ static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
     }
 }
 
+/* Bytes of a 32-weight block. */
+static inline int64_t block_bytes(int64_t qtype) { return qtype == Q8_0 ? 34 : qtype == Q4_1 ? 20 : 18; }
+
 /* One 256-weight K-quant block -> 256 floats, with the loader's (the gguf package's) roundings:
  * Q4_K w = (d * sc) * q - dmin * m; Q6_K w = (d * sc) * q. */
 static void dequant_k_block(int64_t qtype, const uint8_t *blk, float *dst) {
@@ -93,6 +96,46 @@ static void dequant_k_block(int64_t qtype, const uint8_t *blk, float *dst) {
     }
 }
 
+#ifdef SL_AVX2
+/* A row of 32-weight blocks of one format -> floats, as the loader rounds them, with the format
+ * fixed at compile time: this runs over every weight of every step (10% of a panel's time at 32
+ * rows, 30% at 8), so each block is one fp16 conversion for d (and m), two byte loads widened to
+ * dwords, and per eight weights a convert, a multiply (and an add) and a store. */
+static inline __attribute__((always_inline)) void dequant_blocks(int64_t qtype, const uint8_t *row, int64_t nblocks,
+                                                                 float *dst) {
+    const int64_t bb = block_bytes(qtype);
+    const __m256i mask = _mm256_set1_epi32(0x0f), eight = _mm256_set1_epi32(8);
+    for (int64_t b = 0; b < nblocks; b++, dst += 32) {
+        const uint8_t *blk = row + b * bb;
+        if (qtype == Q8_0) {
+            const __m256 vd = _mm256_set1_ps(fp16_to_f32(blk));
+            for (int j = 0; j < 32; j += 8) {
+                const __m256i q = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(blk + 2 + j)));
+                _mm256_storeu_ps(dst + j, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(q)));
+            }
+            continue;
+        }
+        /* d and (Q4_1) m in one conversion */
+        int32_t dm_bits;
+        memcpy(&dm_bits, blk, 4);
+        const __m128 dm = _mm_cvtph_ps(_mm_cvtsi32_si128(dm_bits));
+        const __m256 vd = _mm256_broadcastss_ps(dm), vm = _mm256_broadcastss_ps(_mm_movehdup_ps(dm));
+        /* bytes 0-7 hold elements 0-7 (low nibbles) and 16-23 (high), bytes 8-15 elements 8-15 and 24-31 */
+        const uint8_t *qs = blk + (qtype == Q4_1 ? 4 : 2);
+        const __m256i b0 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)qs));
+        const __m256i b1 = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(qs + 8)));
+        const __m256i n[4] = {_mm256_and_si256(b0, mask), _mm256_and_si256(b1, mask), _mm256_srli_epi32(b0, 4),
+                              _mm256_srli_epi32(b1, 4)};
+        for (int j = 0; j < 4; j++) {
+            /* Q4_0: d * (q - 8), the difference exact; Q4_1: d * q, then + m: two roundings */
+            __m256 w = _mm256_mul_ps(vd, _mm256_cvtepi32_ps(qtype == Q4_0 ? _mm256_sub_epi32(n[j], eight) : n[j]));
+            SL_ROUNDED(w);
+            _mm256_storeu_ps(dst + 8 * j, qtype == Q4_1 ? _mm256_add_ps(w, vm) : w);
+        }
+    }
+}
+#endif
+
 /* One row of nblocks 32-weight blocks (nblocks / 8 K-quant blocks) -> nblocks * 32 floats. */
 static void dequant_row(int64_t qtype, const uint8_t *row, int64_t nblocks, float *dst) {
     if (qtype == F32) {
@@ -104,40 +147,25 @@ static void dequant_row(int64_t qtype, const uint8_t *row, int64_t nblocks, floa
         for (int64_t b = 0; b < nblocks / 8; b++) dequant_k_block(qtype, row + b * kb, dst + b * 256);
         return;
     }
+#ifdef SL_AVX2
+    switch (qtype) {
+    case Q8_0: dequant_blocks(Q8_0, row, nblocks, dst); return;
+    case Q4_0: dequant_blocks(Q4_0, row, nblocks, dst); return;
+    default: dequant_blocks(Q4_1, row, nblocks, dst); return;
+    }
+#else
     for (int64_t b = 0; b < nblocks; b++, dst += 32) {
         if (qtype == Q8_0) {
             const uint8_t *blk = row + b * 34;
             const float d = fp16_to_f32(blk);
             const int8_t *q = (const int8_t *)(blk + 2);
-#ifdef SL_AVX2
-            const __m256 vd = _mm256_set1_ps(d);
-            for (int j = 0; j < 32; j += 8) {
-                const __m128i q8 = _mm_loadl_epi64((const __m128i *)(q + j));
-                _mm256_storeu_ps(dst + j, _mm256_mul_ps(vd, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q8))));
-            }
-#else
             for (int j = 0; j < 32; j++) dst[j] = d * (float)q[j];
-#endif
         } else {
             const int has_min = qtype == Q4_1;
             const uint8_t *blk = row + b * (has_min ? 20 : 18);
             const float d = fp16_to_f32(blk);
             const float m = has_min ? fp16_to_f32(blk + 2) : 0.0f;
             const uint8_t *qs = blk + (has_min ? 4 : 2);
-#ifdef SL_AVX2
-            const __m128i raw = _mm_loadu_si128((const __m128i *)qs);
-            const __m128i mask = _mm_set1_epi8(0x0f);
-            const __m128i lo = _mm_and_si128(raw, mask), hi = _mm_and_si128(_mm_srli_epi16(raw, 4), mask);
-            const __m128i parts[4] = {lo, _mm_srli_si128(lo, 8), hi, _mm_srli_si128(hi, 8)};
-            const __m256 vd = _mm256_set1_ps(d), vm = _mm256_set1_ps(m), off = _mm256_set1_ps(has_min ? 0.0f : 8.0f);
-            for (int j = 0; j < 4; j++) {
-                const __m256 n = _mm256_sub_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(parts[j])), off);
-                /* d * n, then + m: two roundings, as the loader's dequantization does */
-                __m256 w = _mm256_mul_ps(vd, n);
-                SL_ROUNDED(w);
-                _mm256_storeu_ps(dst + 8 * j, has_min ? _mm256_add_ps(w, vm) : w);
-            }
-#else
             const float off = has_min ? 0.0f : 8.0f;
             for (int j = 0; j < 16; j++) {
                 float w_lo = d * ((float)(qs[j] & 0x0f) - off), w_hi = d * ((float)(qs[j] >> 4) - off);
@@ -146,13 +174,10 @@ static void dequant_row(int64_t qtype, const uint8_t *row, int64_t nblocks, floa
                 dst[j] = has_min ? w_lo + m : w_lo;
                 dst[j + 16] = has_min ? w_hi + m : w_hi;
             }
-#endif
         }
     }
+#endif
 }
-
-/* Bytes of a 32-weight block. */
-static inline int64_t block_bytes(int64_t qtype) { return qtype == Q8_0 ? 34 : qtype == Q4_1 ? 20 : 18; }
 
 /* Per block, sum_i w_i x_i = d * sum_i q_i x_i + m * sum_i x_i with q the raw quant (int8, or a
  * nibble 0..15) and m the block's offset (Q4_1: m; Q4_0: -8 d; Q8_0: 0). So the weights need no
@@ -641,6 +666,19 @@ struct gemm_job {
     float *y, *scratch;
 };
 
+/* Fetches the lines of y that a panel's rows write ([rows, o0 .. o0 + no)), before the panel is
+ * dequantized. Each is written once a call, so it is cold, and the kernels' scattered stores
+ * stalled on every miss: fetched ahead, one thread's panels ran 1.4-1.7x faster at 32-128 rows
+ * (docs/benchmarks.md, "Panel kernel: decode steps of 4-128 rows"). A hint only: no result
+ * changes. */
+static inline void prefetch_outputs(const float *y, int64_t y_stride, int64_t rows, int64_t o0, int64_t no) {
+    for (int64_t r = 0; r < rows; r++) {
+        const uintptr_t first = (uintptr_t)(y + r * y_stride + o0) & ~(uintptr_t)63;
+        const uintptr_t last = (uintptr_t)(y + r * y_stride + o0 + no - 1);
+        for (uintptr_t line = first; line <= last; line += 64) __builtin_prefetch((const void *)line, 1, 3);
+    }
+}
+
 /* Panels [begin, end) of PANEL outputs each. */
 static void gemm_part(const void *ctx, int64_t part, int64_t begin, int64_t end) {
     const struct gemm_job *j = ctx;
@@ -654,6 +692,7 @@ static void gemm_part(const void *ctx, int64_t part, int64_t begin, int64_t end)
             continue;
         }
 #endif
+        prefetch_outputs(j->y, j->y_stride, j->rows, o0, no);
         const float *panel = scratch;
         if (j->qtype == F32) /* already fp32: the panel is the weight's own rows */
             panel = (const float *)(j->w + o0 * j->row_bytes);
