@@ -91,8 +91,8 @@ def test_a_slow_grammar_compile_does_not_stall_the_workers_other_requests(tiny_e
         real_prepare(params, *siblings)
         window.append(time.perf_counter())
 
-    def paced_step():  # the running request must outlast the compile on any host
-        time.sleep(0.005)
+    def paced_step():  # the running request must outlast the compile on any host: 229 steps >= 2.3 s
+        time.sleep(0.01)
         return real_step()
 
     worker.logits_processors.prepare, worker.step = slow_prepare, paced_step
