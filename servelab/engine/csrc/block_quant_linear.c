@@ -98,9 +98,9 @@ static void dequant_k_block(int64_t qtype, const uint8_t *blk, float *dst) {
 
 #ifdef SL_AVX2
 /* A row of 32-weight blocks of one format -> floats, as the loader rounds them, with the format
- * fixed at compile time: this runs over every weight of every step (10% of a panel's time at 32
- * rows, 30% at 8), so each block is one fp16 conversion for d (and m), two byte loads widened to
- * dwords, and per eight weights a convert, a multiply (and an add) and a store. */
+ * fixed at compile time: this runs over every weight of every panel step, so each block is one
+ * fp16 conversion for d (and m), two byte loads widened to dwords, and per eight weights a
+ * convert, a multiply (and an add) and a store. */
 static inline __attribute__((always_inline)) void dequant_blocks(int64_t qtype, const uint8_t *row, int64_t nblocks,
                                                                  float *dst) {
     const int64_t bb = block_bytes(qtype);
@@ -162,7 +162,7 @@ static void dequant_row(int64_t qtype, const uint8_t *row, int64_t nblocks, floa
             for (int j = 0; j < 32; j++) dst[j] = d * (float)q[j];
         } else {
             const int has_min = qtype == Q4_1;
-            const uint8_t *blk = row + b * (has_min ? 20 : 18);
+            const uint8_t *blk = row + b * block_bytes(qtype);
             const float d = fp16_to_f32(blk);
             const float m = has_min ? fp16_to_f32(blk + 2) : 0.0f;
             const uint8_t *qs = blk + (has_min ? 4 : 2);
@@ -668,9 +668,8 @@ struct gemm_job {
 
 /* Fetches the lines of y that a panel's rows write ([rows, o0 .. o0 + no)), before the panel is
  * dequantized. Each is written once a call, so it is cold, and the kernels' scattered stores
- * stalled on every miss: fetched ahead, one thread's panels ran 1.4-1.7x faster at 32-128 rows
- * (docs/benchmarks.md, "Panel kernel: decode steps of 4-128 rows"). A hint only: no result
- * changes. */
+ * stall on every miss (docs/benchmarks.md, "Panel kernel: decode steps of 4-128 rows"). A hint
+ * only: no result changes. */
 static inline void prefetch_outputs(const float *y, int64_t y_stride, int64_t rows, int64_t o0, int64_t no) {
     for (int64_t r = 0; r < rows; r++) {
         const uintptr_t first = (uintptr_t)(y + r * y_stride + o0) & ~(uintptr_t)63;
