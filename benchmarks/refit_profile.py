@@ -125,14 +125,14 @@ def refit_serving(profile: dict, server: dict[str, str], model: Any, spread: boo
                   think_time_s: float | None = None) -> dict[str, Any]:
     """The serving term refitted against `profile`'s (refitted) engine steps, from the closed-loop
     runs calibrate's --server-term made (their measured TPOT, concurrency and lengths), replayed
-    with `think_time_s` between a client's requests (default: each run's own; none before
-    calibrate recorded it)."""
+    with `think_time_s` between a client's requests (default: each run's own, each request's draw
+    for an exponential one; none before calibrate recorded it)."""
     from servelab.bench.fidelity import ServerRun, fit_server_term
 
     old = profile["server"]
     runs = [ServerRun(r["concurrency"], closed_loop_records(r["concurrency"], r["requests"], old["input_len"],
                                                             old["output_len"]), r["measured_tpot_p50_s"],
-                      r.get("think_time_s", 0.0) if think_time_s is None else think_time_s)
+                      (r.get("think_s") or r.get("think_time_s", 0.0)) if think_time_s is None else think_time_s)
             for r in old["runs"]]
     return fit_server_term({**profile, "server": None}, server, model, runs, variant=spread_variant(profile, spread))
 

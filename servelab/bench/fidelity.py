@@ -78,25 +78,35 @@ def sim_config(profile: dict[str, Any], server: dict[str, str], model: ModelSpec
     return SimConfig(model=model, cost_model=cost, scheduler=scheduler, slo=slo)
 
 
-def replay_trace(records: Sequence[RequestRecord], closed_loop: bool = False,
-                 think_s: float | Callable[[RequestRecord], float] = 0.0) -> list[RequestSpec]:
+Think = float | Sequence[float] | Callable[[RequestRecord], float]
+
+
+def replayed(records: Sequence[RequestRecord]) -> list[RequestRecord]:
+    """The requests a replay sends: the successful ones with output, in the order they were sent."""
+    return sorted((r for r in records if r.success and r.output_tokens > 0), key=lambda r: r.arrival_s)
+
+
+def replay_trace(records: Sequence[RequestRecord], closed_loop: bool = False, think_s: Think = 0.0) -> list[RequestSpec]:
     """The measured run as a trace: each successful request with the prompt and output lengths
     the server reported, in the order it was sent. Open loop: at its actual send time. Closed
-    loop: no times, sent when a simulated client frees up, after its think time (one for all, or
-    each record's own); a closed loop replayed at fixed times would feed the simulator's own error
-    back into its arrivals."""
-    ok = sorted((r for r in records if r.success and r.output_tokens > 0), key=lambda r: r.arrival_s)
+    loop: no times, sent when a simulated client frees up, after its think time (one for all, each
+    replayed request's own in send order, or each record's own); a closed loop replayed at fixed
+    times would feed the simulator's own error back into its arrivals."""
+    ok = replayed(records)
     if not ok:
         raise InvalidArgument("the measured run has no successful request to replay")
+    if not callable(think_s) and not isinstance(think_s, (int, float)) and len(think_s) != len(ok):
+        raise InvalidArgument(f"{len(think_s)} think times for {len(ok)} replayed requests")
     t0 = ok[0].arrival_s
-    think_of = think_s if callable(think_s) else (lambda _r: think_s)
+    thinks = ([float(think_s(r)) for r in ok] if callable(think_s)
+              else [float(think_s)] * len(ok) if isinstance(think_s, (int, float)) else [float(t) for t in think_s])
     return [RequestSpec(index=i, arrival_s=None if closed_loop else r.arrival_s - t0, prompt_tokens=r.prompt_tokens,
-                        output_tokens=r.output_tokens, think_s=float(think_of(r)) if closed_loop else 0.0)
+                        output_tokens=r.output_tokens, think_s=thinks[i] if closed_loop else 0.0)
             for i, r in enumerate(ok)]
 
 
 def replay(config: SimConfig, records: Sequence[RequestRecord], concurrency: int | None,
-           think_s: float | Callable[[RequestRecord], float] = 0.0) -> SimResult:
+           think_s: Think = 0.0) -> SimResult:
     """A measured run through the simulator: a closed loop (concurrency given) replays as a closed
     loop at that concurrency, its clients thinking between requests as the bench's did (see
     replay_trace); an open loop at its send times."""
@@ -114,7 +124,8 @@ class ServerRun:
     concurrency: int
     records: Sequence[RequestRecord]
     tpot_p50_s: float
-    think_time_s: float = 0.0  # the bench's pause between a client's requests (calibrate's runs: none)
+    # the bench's pause after each request: one for all, or each replayed request's own in send order
+    think_s: float | Sequence[float] = 0.0
 
 
 def fit_server_term(profile: dict[str, Any], server: dict[str, str], model: ModelSpec, runs: Sequence[ServerRun],
@@ -140,7 +151,7 @@ def fit_server_term(profile: dict[str, Any], server: dict[str, str], model: Mode
         cost = replace(base, server_per_step_s=per_step_s, server_per_seq_s=per_seq_s)
         cost = cost if variant is None else variant(cost)
         tpot = replay(sim_config(profile, server, model, None, cost), run.records, run.concurrency,
-                      run.think_time_s).summary.tpot_s.p50
+                      run.think_s).summary.tpot_s.p50
         if tpot is None:
             raise InvalidArgument("the server runs for the serving term produced no TPOT (outputs of one token?)")
         return tpot
@@ -162,10 +173,15 @@ def fit_server_term(profile: dict[str, Any], server: dict[str, str], model: Mode
     for run in runs:
         engine_only = simulated_tpot(run)
         step_alone, seq_alone = matching(run, engine_only, True), matching(run, engine_only, False)
-        per_run.append({"concurrency": run.concurrency, "requests": len(run.records), "think_time_s": run.think_time_s,
+        thinks = [run.think_s] if isinstance(run.think_s, (int, float)) else list(run.think_s)
+        per_run.append({"concurrency": run.concurrency, "requests": len(run.records),
+                        "think_time_s": float(np.mean(thinks)) if thinks else 0.0,
+                        **({} if isinstance(run.think_s, (int, float)) else {"think_s": thinks}),
                         "measured_tpot_p50_s": run.tpot_p50_s, "engine_only_tpot_p50_s": engine_only,
                         "per_step_alone_s": step_alone, "per_seq_alone_s": seq_alone,
-                        "seqs_per_step": step_alone / seq_alone if seq_alone > 0 else float(run.concurrency)})
+                        # a step holds 1..concurrency sequences: a ratio outside that is a small run's noise
+                        "seqs_per_step": min(max(step_alone / seq_alone, 1.0), float(run.concurrency))
+                        if seq_alone > 0 else float(run.concurrency)})
     separable = len({run.concurrency for run in runs}) > 1
     a = np.array([[1.0, r["seqs_per_step"]] if separable else [1.0] for r in per_run])
     weight = np.array([1.0 / r["measured_tpot_p50_s"] for r in per_run])

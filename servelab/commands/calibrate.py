@@ -18,6 +18,7 @@ from servelab.commands._engine_cli import add_engine_arguments, engine_args_from
 from servelab.cost.calibration_stats import DEFAULT_STATISTIC, NOISY_OTHER_CPUS, STATISTICS
 from servelab.errors import InvalidArgument
 from servelab.units import parse_duration_s
+from servelab.workload.arrivals import describe_think_time, parse_think_time
 
 # A fit that misses its held-out steps by more than this (median) would mislead sim and plan.
 DEFAULT_MAX_HELDOUT_ERROR_PCT = 20.0
@@ -26,12 +27,13 @@ QUIET_WINDOW_S = 1.0  # --quiet-wait samples the host's other load over windows 
 
 # --server-term's closed-loop runs: (concurrency, measured requests), and their lengths; three
 # concurrencies separate the term's per-step and per-sequence parts
-SERVER_RUNS = ((1, 6), (4, 16), (8, 24))
+SERVER_RUNS = ((1, 8), (4, 32), (8, 48))
 SERVER_INPUT_LEN, SERVER_OUTPUT_LEN = 64, 32
-# Each client pauses this long between requests: far over the HTTP round trip, so a follow-up
-# never races the server's next step, and the replay runs the same loop (docs/fidelity.md,
-# "Closed loops: the client's round trip").
-SERVER_THINK_TIME = "20ms"
+# Each client pauses between requests, a seeded exponential draw the replay takes too: mostly over
+# the HTTP round trip, so a follow-up seldom races the server's next step, and spread, so the
+# replay's clients drift apart as the server's do rather than staying in lockstep (docs/fidelity.md,
+# "Closed loops: the client's round trip" and "Runs 16 and 17").
+SERVER_THINK_TIME = "exp:50ms"
 SERVER_START_TIMEOUT_S = 300.0
 
 HELP = "time the engine on a grid of step shapes and write a step-cost profile for sim/plan/roofline"
@@ -83,8 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "docs/fidelity.md, \"Runs 9-11 refitted\")")
     parser.add_argument("--server-term", action="store_true",
                         help="also measure the serving term: start `servelab serve` with these engine flags, run "
-                             f"closed loops at concurrency {' and '.join(str(c) for c, _ in SERVER_RUNS)} (clients "
-                             f"pausing {SERVER_THINK_TIME} between requests), and fit the "
+                             f"closed loops at concurrency {', '.join(str(c) for c, _ in SERVER_RUNS)} (clients "
+                             f"pausing {describe_think_time(*parse_think_time(SERVER_THINK_TIME))} between "
+                             "requests), and fit the "
                              "time the server's work (HTTP, detokenize, SSE) adds to a step, per step and per "
                              "sequence; about a minute")
     parser.add_argument("--hardware-out", default=None, metavar="FILE.json|FILE.yaml",
@@ -456,7 +459,7 @@ def measure_server_term(args: argparse.Namespace, profile: dict[str, Any]) -> di
     import tempfile
     import urllib.request
 
-    from servelab.bench.fidelity import ServerRun, fit_server_term
+    from servelab.bench.fidelity import ServerRun, fit_server_term, replayed
     from servelab.commands import validate
     from servelab.engine.parallel.group import free_port
     from servelab.workload import workload_from_args
@@ -504,7 +507,10 @@ def measure_server_term(args: argparse.Namespace, profile: dict[str, Any]) -> di
                 if result.summary.failed or tpot is None:
                     raise InvalidArgument(f"--server-term: the bench run at concurrency {concurrency} against {url} "
                                           f"failed ({result.summary.failed} failed requests)")
-                runs.append(ServerRun(concurrency, result.records, tpot, workload.think_time_s))
+                thinks = validate.bench_think_times(workload)
+                runs.append(ServerRun(concurrency, result.records, tpot,
+                                      [float(thinks(r)) for r in replayed(result.records)] if callable(thinks)
+                                      else thinks))
         finally:
             if proc.poll() is None:
                 proc.send_signal(signal.SIGTERM)

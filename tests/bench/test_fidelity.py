@@ -88,8 +88,9 @@ SERVER = {"num_blocks": "512", "block_size": "16", "max_num_seqs": "8", "max_num
 ENGINE = {"per_step_s": 8e-3, "per_token_s": 1e-3, "per_seq_s": 5e-4, "per_context_token_s": 2e-6, "per_pair_s": 1e-9}
 
 
-def _server_run(per_step_s: float, per_seq_s: float, concurrency: int, engine=ENGINE):
-    """A "measured" closed-loop run: the simulator with a known serving term stands in for the server."""
+def _server_run(per_step_s: float, per_seq_s: float, concurrency: int, engine=ENGINE, think_s=0.0):
+    """A "measured" closed-loop run: the simulator with a known serving term stands in for the server
+    (its clients pausing `think_s` after each request: one for all, or each request's own)."""
     from dataclasses import replace
 
     from servelab.bench.fidelity import ServerRun, replay, sim_config
@@ -101,8 +102,8 @@ def _server_run(per_step_s: float, per_seq_s: float, concurrency: int, engine=EN
     records = [RequestRecord(f"r{i}", 0.0, None, 0.0, [0.0], 0.0, 40 + 3 * i, 12 + i % 5)
                for i in range(3 * concurrency + 4)]
     config = sim_config(profile, SERVER, get_model("smollm2-135m"), None, cost)
-    records = replay(config, records, concurrency).records  # as a bench run's records: one send time each
-    return ServerRun(concurrency, records, replay(config, records, concurrency).summary.tpot_s.p50)
+    records = replay(config, records, concurrency, think_s).records  # as a bench run's records: one send time each
+    return ServerRun(concurrency, records, replay(config, records, concurrency, think_s).summary.tpot_s.p50, think_s)
 
 
 @pytest.mark.parametrize("per_step_s,per_seq_s", [(0.0, 0.0), (2.5e-3, 0.0), (1e-3, 4e-4), (0.0, 1e-3)])
@@ -156,3 +157,40 @@ def test_one_concurrency_gives_a_per_step_term_only():
     term = fit_server_term({"fit": {"coefficients": ENGINE}}, SERVER, get_model("smollm2-135m"), runs)
     assert term["per_seq_s"] == 0.0 and term["per_step_s"] > 1e-3  # the run's whole term, read per step
     assert term["runs"][0]["fitted_tpot_p50_s"] == pytest.approx(runs[0].tpot_p50_s, rel=0.02)
+
+
+def test_fit_server_term_replays_each_requests_own_think_time():
+    # calibrate's clients pause a seeded exponential draw after each request; the fit replays each
+    # draw, recovers the term, and records them. Replaying the same runs with no pause misprices them.
+    from dataclasses import replace
+
+    import numpy as np
+
+    from servelab.bench.fidelity import fit_server_term
+    from servelab.spec import get_model
+
+    runs = []
+    for c in (1, 4, 8):
+        draws = np.random.default_rng(c).exponential(0.05, size=3 * c + 4).tolist()
+        runs.append(_server_run(1e-3, 4e-4, c, think_s=draws))
+    term = fit_server_term({"fit": {"coefficients": ENGINE}}, SERVER, get_model("smollm2-135m"), runs)
+    assert term["per_step_s"] == pytest.approx(1e-3, abs=1e-4)
+    assert term["per_seq_s"] == pytest.approx(4e-4, abs=6e-5)
+    for r, run in zip(term["runs"], runs):
+        assert r["think_s"] == run.think_s and r["think_time_s"] == pytest.approx(np.mean(run.think_s))
+        assert r["fitted_tpot_p50_s"] == pytest.approx(run.tpot_p50_s, rel=0.02)
+        # a small run's ratio of the two terms alone can exceed its concurrency; a step cannot
+        assert 1.0 <= r["seqs_per_step"] <= run.concurrency
+    no_pause = [replace(run, think_s=0.0) for run in runs]
+    wrong = fit_server_term({"fit": {"coefficients": ENGINE}}, SERVER, get_model("smollm2-135m"), no_pause)
+    assert abs(wrong["per_seq_s"] - 4e-4) > 5e-5 or abs(wrong["per_step_s"] - 1e-3) > 2e-4
+
+
+def test_replay_trace_takes_one_think_time_per_replayed_request_in_send_order():
+    from servelab.bench.fidelity import replay_trace
+
+    records = [RequestRecord(f"r{i}", 2.0 - i, None, 0.0, [0.0], 0.0, 10, 3) for i in range(3)]
+    trace = replay_trace(records, closed_loop=True, think_s=[0.1, 0.2, 0.3])
+    assert [t.think_s for t in trace] == [0.1, 0.2, 0.3]  # the earliest send (r2) thinks first
+    with pytest.raises(InvalidArgument, match="2 think times for 3 replayed requests"):
+        replay_trace(records, closed_loop=True, think_s=[0.1, 0.2])
