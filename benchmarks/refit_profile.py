@@ -1,9 +1,10 @@
 """Refit validate_runs.sh folders' calibrations offline and replay their validate runs: the same
 raw passes (every shape's samples), fitted by each step-time statistic and in the step-cost form
 with and without the engine's kernel switches, compared on the same held-out steps by path; with
---replay, the serving term refitted from calibrate's own server runs and each folder's closed
-loops (c*.json) and Poisson run (rate.json, its arrivals regenerated from the workload's seed)
-replayed through the simulator (docs/fidelity.md, "Runs 9-11 refitted").
+--replay, the serving term refitted from the steps calibrate's server runs logged (older folders
+keep their own), and each folder's closed loops (c*.json) and Poisson run (rate.json, its arrivals
+regenerated from the workload's seed) replayed through the simulator (docs/fidelity.md, "Runs
+9-11 refitted").
 
     python benchmarks/refit_profile.py run9 run10 run11
     python benchmarks/refit_profile.py run9 run10 run11 --replay --kernel-rows 4,128
@@ -108,33 +109,22 @@ def held_out_by_path(ms: list[dict], coefs: dict[str, float], rows: KernelRows, 
             f" | over {rows.max_rows or 128} rows {cell(held & big)}")
 
 
-def closed_loop_records(concurrency: int, requests: int, input_len: int, output_len: int) -> list[Any]:
-    """A closed-loop run's records as the replay reads them: lengths and send order only."""
-    from servelab.metrics import RequestRecord
-
-    return [RequestRecord(f"r{i}", float(i), None, None, [], None, input_len, output_len) for i in range(requests)]
-
-
 def spread_variant(profile: dict, spread: bool) -> Any:
     """The cost model a replay prices with: the profile's own, or with the passes' spread."""
     timed = pass_factors(profile)
     return (lambda cost: SpreadStepCost(cost, timed)) if spread else (lambda cost: cost)
 
 
-def refit_serving(profile: dict, server: dict[str, str], model: Any, spread: bool,
-                  think_time_s: float | None = None) -> dict[str, Any]:
-    """The serving term refitted against `profile`'s (refitted) engine steps, from the closed-loop
-    runs calibrate's --server-term made (their measured TPOT, concurrency and lengths), replayed
-    with `think_time_s` between a client's requests (default: each run's own, each request's draw
-    for an exponential one; none before calibrate recorded it)."""
-    from servelab.bench.fidelity import ServerRun, fit_server_term
+def refit_serving(profile: dict, server: dict[str, str], model: Any) -> dict[str, Any] | None:
+    """The serving term refitted against `profile`'s (refitted) engine steps, from the steps
+    calibrate's --server-term logged (None for a profile from before they were kept: its own term
+    stays)."""
+    from servelab.bench.fidelity import ServedStep, fit_server_term
 
-    old = profile["server"]
-    runs = [ServerRun(r["concurrency"], closed_loop_records(r["concurrency"], r["requests"], old["input_len"],
-                                                            old["output_len"]), r["measured_tpot_p50_s"],
-                      (r.get("think_s") or r.get("think_time_s", 0.0)) if think_time_s is None else think_time_s)
-            for r in old["runs"]]
-    return fit_server_term({**profile, "server": None}, server, model, runs, variant=spread_variant(profile, spread))
+    rows = profile["server"].get("served_steps")
+    if not rows:
+        return None
+    return fit_server_term({**profile, "server": None}, server, model, [ServedStep.from_row(r) for r in rows])
 
 
 def replay_run(path: Path, profile: dict, cost: ProfileStepCost, spread: bool) -> dict[str, tuple[float, float]]:
@@ -208,10 +198,12 @@ def main() -> None:
 
                 new["step_time_statistic"] = f"{stat} of the interleaved passes"
                 for spread in args.spread:
-                    serving = refit_serving(new, first["server"], get_model(first["sim_model"]), spread == "passes")
+                    serving = refit_serving(new, first["server"], get_model(first["sim_model"]))
+                    how = "refitted from the served steps" if serving else "the profile's own (no served steps kept)"
+                    serving = serving or profile["server"]
                     cost = ProfileStepCost.from_profile({**new, "server": serving})
                     print(f"      spread {spread}: serving term {serving['per_step_s'] * 1e3:.2f} ms a step + "
-                          f"{serving['per_seq_s'] * 1e3:.2f} ms a sequence")
+                          f"{serving['per_seq_s'] * 1e3:.2f} ms a sequence, {how}")
                     for path in sorted(folder.glob("c*.json"), key=lambda p: int(p.stem[1:])) + [folder / "rate.json"]:
                         if not path.exists():
                             continue

@@ -44,11 +44,15 @@ def profile_lines(folder: Path) -> list[str]:
                      + "; ".join(f"c{r['concurrency']}: {r['per_token_s'] * 1e3:.2f}" for r in server["runs"]) + ")")
     elif server:
         runs = "; ".join(f"c{r['concurrency']}: measured {r['measured_tpot_p50_s'] * 1e3:.1f} ms, engine alone "
-                         f"{r['engine_only_tpot_p50_s'] * 1e3:.1f}, with the term {r['fitted_tpot_p50_s'] * 1e3:.1f}; "
-                         f"alone {r['per_step_alone_s'] * 1e3:.2f} ms/step or {r['per_seq_alone_s'] * 1e3:.2f} ms/seq"
+                         f"{r['engine_only_tpot_p50_s'] * 1e3:.1f}, with the term {r['fitted_tpot_p50_s'] * 1e3:.1f}"
+                         + ("" if "per_step_alone_s" not in r else  # fitted by bisection, before the step log
+                            f"; alone {r['per_step_alone_s'] * 1e3:.2f} ms/step or {r['per_seq_alone_s'] * 1e3:.2f} ms/seq")
                          for r in server["runs"])
+        steps = "" if "by_seqs" not in server else (
+            f"from {server['steps']} served steps, median beyond the price by sequences: "
+            + ", ".join(f"{g['seqs']}: {g['median_residual_s'] * 1e3:+.2f} ms" for g in server["by_seqs"]) + "; ")
         lines.append(f"  serving term {server['per_step_s'] * 1e3:.2f} ms/step + {server['per_seq_s'] * 1e3:.2f} ms/seq "
-                     f"({runs})")
+                     f"({steps}{runs})")
     return lines
 
 

@@ -119,7 +119,7 @@ def replay(config: SimConfig, records: Sequence[RequestRecord], concurrency: int
 
 @dataclass(frozen=True, slots=True)
 class ServerRun:
-    """One measured closed-loop run against a live server, for fitting the serving term."""
+    """One measured closed-loop run against a live server: checks the fitted serving term."""
 
     concurrency: int
     records: Sequence[RequestRecord]
@@ -128,72 +128,84 @@ class ServerRun:
     think_s: float | Sequence[float] = 0.0
 
 
-def fit_server_term(profile: dict[str, Any], server: dict[str, str], model: ModelSpec, runs: Sequence[ServerRun],
-                    tolerance_s: float = 1e-6, variant: Callable[[ProfileStepCost], Any] | None = None
-                    ) -> dict[str, Any]:
-    """The serving term, `per_step_s + per_seq_s × sequences` added to every step, fitted to
-    closed-loop runs at two or more concurrencies.
+@dataclass(frozen=True, slots=True)
+class ServedStep:
+    """One step a live server ran (a line of `serve --step-log`): its shape sums, and how long it
+    held the engine loop (start to the next step's start, less any idle wait between)."""
 
-    Per run, bisection finds the per-step term alone, and the per-sequence term alone, at which the
-    replayed run's p50 TPOT equals the measured one (TPOT grows with either); 0 where the engine's
-    steps alone already price the run as slow enough. Their ratio is the run's effective sequences
-    per step k, so a joint term matches the run where per_step + k·per_seq = the per-step term
-    alone. Non-negative least squares over the runs, each weighed by its measured TPOT, gives the
-    two; one run (or runs at one concurrency) cannot separate them and gives a per-step term.
-    `variant` maps each priced cost model to the one replayed (an experiment's, e.g. with noise)."""
+    num_tokens: int
+    num_seqs: int
+    context_tokens: int
+    pairs: int
+    served_s: float
+    execute_s: float  # the executor's share: the rest is scheduling, detokenizing, posting outputs
+
+    def to_row(self) -> list[float]:
+        """As a profile keeps it (`server.served_steps`): the fields in order, times rounded to 1 µs."""
+        return [self.num_tokens, self.num_seqs, self.context_tokens, self.pairs, round(self.served_s, 6),
+                round(self.execute_s, 6)]
+
+    @classmethod
+    def from_row(cls, row: Sequence[float]) -> ServedStep:
+        return cls(int(row[0]), int(row[1]), int(row[2]), int(row[3]), float(row[4]), float(row[5]))
+
+    @classmethod
+    def from_log(cls, lines: Sequence[dict[str, Any]]) -> list[ServedStep]:
+        steps = []
+        for line, nxt in zip(lines, [*lines[1:], None]):
+            served = line["end_s"] - line["start_s"] if nxt is None else nxt["start_s"] - line["start_s"] - nxt["waited_s"]
+            steps.append(cls(line["num_tokens"], line["num_seqs"], line["context_tokens"], line["pairs"], served,
+                             line["execute_s"]))
+        return steps
+
+
+def fit_server_term(profile: dict[str, Any], server: dict[str, str], model: ModelSpec, steps: Sequence[ServedStep],
+                    runs: Sequence[ServerRun] = ()) -> dict[str, Any]:
+    """The serving term, `per_step_s + per_seq_s × sequences` added to every step: what the
+    server's steps took beyond the profile's price for the same shapes (the engine loop's own
+    work, and the executor slowed by the server's HTTP, detokenizing and SSE on the same cores).
+
+    The residuals are grouped by the step's sequences; each group's median (robust to a step that
+    the host stalled) is one point, weighed by its steps, and NNLS fits the two terms to the points
+    (a per-step term only when every step had as many sequences). `runs`, when given, are replayed
+    with the fitted term as a check: their p50 TPOT, measured, engine alone and with the term."""
     import numpy as np
 
     from servelab.cost.profile import nnls
 
+    if not steps:
+        raise InvalidArgument("the serving term needs at least one served step (was --step-log written?)")
     base = ProfileStepCost.from_profile({**profile, "server": None})
-
-    def simulated_tpot(run: ServerRun, per_step_s: float = 0.0, per_seq_s: float = 0.0) -> float:
-        cost = replace(base, server_per_step_s=per_step_s, server_per_seq_s=per_seq_s)
-        cost = cost if variant is None else variant(cost)
-        tpot = replay(sim_config(profile, server, model, None, cost), run.records, run.concurrency,
-                      run.think_s).summary.tpot_s.p50
-        if tpot is None:
-            raise InvalidArgument("the server runs for the serving term produced no TPOT (outputs of one token?)")
-        return tpot
-
-    def matching(run: ServerRun, engine_only: float, per_step: bool) -> float:
-        """The smallest term (per step, or per sequence) at which the replay is as slow as the run."""
-        if engine_only >= run.tpot_p50_s:
-            return 0.0
-        lo, hi = 0.0, run.tpot_p50_s
-        while hi - lo > tolerance_s:
-            mid = (lo + hi) / 2
-            tpot = simulated_tpot(run, mid, 0.0) if per_step else simulated_tpot(run, 0.0, mid)
-            lo, hi = (mid, hi) if tpot < run.tpot_p50_s else (lo, mid)
-        return (lo + hi) / 2
-
-    if not runs:
-        raise InvalidArgument("the serving term needs at least one measured run")
-    per_run = []
-    for run in runs:
-        engine_only = simulated_tpot(run)
-        step_alone, seq_alone = matching(run, engine_only, True), matching(run, engine_only, False)
-        thinks = [run.think_s] if isinstance(run.think_s, (int, float)) else list(run.think_s)
-        per_run.append({"concurrency": run.concurrency, "requests": len(run.records),
-                        "think_time_s": float(np.mean(thinks)) if thinks else 0.0,
-                        **({} if isinstance(run.think_s, (int, float)) else {"think_s": thinks}),
-                        "measured_tpot_p50_s": run.tpot_p50_s, "engine_only_tpot_p50_s": engine_only,
-                        "per_step_alone_s": step_alone, "per_seq_alone_s": seq_alone,
-                        # a step holds 1..concurrency sequences: a ratio outside that is a small run's noise
-                        "seqs_per_step": min(max(step_alone / seq_alone, 1.0), float(run.concurrency))
-                        if seq_alone > 0 else float(run.concurrency)})
-    separable = len({run.concurrency for run in runs}) > 1
-    a = np.array([[1.0, r["seqs_per_step"]] if separable else [1.0] for r in per_run])
-    weight = np.array([1.0 / r["measured_tpot_p50_s"] for r in per_run])
-    coef = nnls(a * weight[:, None], np.array([r["per_step_alone_s"] for r in per_run]) * weight)
+    by_seqs: dict[int, list[tuple[float, float]]] = {}
+    for st in steps:
+        price = base.time_from_totals(st.num_tokens, st.num_seqs, st.context_tokens, st.pairs)
+        by_seqs.setdefault(st.num_seqs, []).append((st.served_s - price, st.served_s - st.execute_s))
+    groups = [{"seqs": n, "steps": len(g), "median_residual_s": float(np.median([r for r, _ in g])),
+               "median_outside_executor_s": float(np.median([o for _, o in g]))} for n, g in sorted(by_seqs.items())]
+    separable = len(groups) > 1
+    a = np.array([[1.0, g["seqs"]] if separable else [1.0] for g in groups])
+    weight = np.sqrt([g["steps"] for g in groups])
+    coef = nnls(a * weight[:, None], np.array([g["median_residual_s"] for g in groups]) * weight)
     per_step_s, per_seq_s = float(coef[0]), float(coef[1]) if separable else 0.0
-    for r, run in zip(per_run, runs):
-        r["fitted_tpot_p50_s"] = simulated_tpot(run, per_step_s, per_seq_s)
-    return {"per_step_s": per_step_s, "per_seq_s": per_seq_s, "runs": per_run,
+
+    def simulated_tpot(run: ServerRun, cost: ProfileStepCost) -> float | None:
+        return replay(sim_config(profile, server, model, None, cost), run.records, run.concurrency,
+                      run.think_s).summary.tpot_s.p50
+
+    checks = []
+    for run in runs:
+        thinks = [run.think_s] if isinstance(run.think_s, (int, float)) else list(run.think_s)
+        checks.append({"concurrency": run.concurrency, "requests": len(run.records),
+                       "think_time_s": float(np.mean(thinks)) if thinks else 0.0,
+                       **({} if isinstance(run.think_s, (int, float)) else {"think_s": thinks}),
+                       "measured_tpot_p50_s": run.tpot_p50_s, "engine_only_tpot_p50_s": simulated_tpot(run, base),
+                       "fitted_tpot_p50_s": simulated_tpot(run, replace(base, server_per_step_s=per_step_s,
+                                                                        server_per_seq_s=per_seq_s))})
+    return {"per_step_s": per_step_s, "per_seq_s": per_seq_s, "steps": len(steps), "by_seqs": groups, "runs": checks,
             "form": "per_step_s once per step + per_seq_s per sequence in the step",
-            "how": "per closed-loop run against a live `servelab serve`, the per-step term alone and the per-sequence "
-                   "term alone at which the replayed run's p50 TPOT equals the measured one; their ratio is the run's "
-                   "sequences per step k; per_step_s + k*per_seq_s fitted to the per-step terms by NNLS over the runs"}
+            "how": "each step a live `servelab serve` ran (--step-log): its time from start to the next step's start, "
+                   "less any idle wait, minus the profile's price for its shape; the median of those residuals per "
+                   "sequence count, weighed by the square root of its steps, fitted by NNLS"}
 
 
 @dataclass(frozen=True, slots=True)

@@ -25,14 +25,14 @@ DEFAULT_MAX_HELDOUT_ERROR_PCT = 20.0
 
 QUIET_WINDOW_S = 1.0  # --quiet-wait samples the host's other load over windows this long
 
-# --server-term's closed-loop runs: (concurrency, measured requests), and their lengths; three
-# concurrencies separate the term's per-step and per-sequence parts
-SERVER_RUNS = ((1, 8), (4, 32), (8, 48))
+# --server-term's closed-loop runs: (concurrency, measured requests), and their lengths. The server
+# logs every step it runs (serve --step-log); the term is fitted from those steps, so the runs span
+# the sequence counts a step can hold, and the runs themselves, replayed with the term, check it.
+SERVER_RUNS = ((1, 8), (4, 24), (8, 32), (16, 48))
 SERVER_INPUT_LEN, SERVER_OUTPUT_LEN = 64, 32
-# Each client pauses between requests, a seeded exponential draw the replay takes too: mostly over
-# the HTTP round trip, so a follow-up seldom races the server's next step, and spread, so the
-# replay's clients drift apart as the server's do rather than staying in lockstep (docs/fidelity.md,
-# "Closed loops: the client's round trip" and "Runs 16 and 17").
+# Each client pauses between requests, a seeded exponential draw the check's replay takes too: its
+# clients then drift apart as the server's do, rather than staying in lockstep (docs/fidelity.md,
+# "Closed loops: the client's round trip" and "The serving term from the served steps").
 SERVER_THINK_TIME = "exp:50ms"
 SERVER_START_TIMEOUT_S = 300.0
 
@@ -84,12 +84,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              f"median (what a live server typically sees) (default {DEFAULT_STATISTIC}; "
                              "docs/fidelity.md, \"Runs 9-11 refitted\")")
     parser.add_argument("--server-term", action="store_true",
-                        help="also measure the serving term: start `servelab serve` with these engine flags, run "
-                             f"closed loops at concurrency {', '.join(str(c) for c, _ in SERVER_RUNS)} (clients "
-                             f"pausing {describe_think_time(*parse_think_time(SERVER_THINK_TIME))} between "
-                             "requests), and fit the "
-                             "time the server's work (HTTP, detokenize, SSE) adds to a step, per step and per "
-                             "sequence; about a minute")
+                        help="also measure the serving term: start `servelab serve --step-log` with these engine "
+                             f"flags, run closed loops at concurrency {', '.join(str(c) for c, _ in SERVER_RUNS)} "
+                             f"(clients pausing {describe_think_time(*parse_think_time(SERVER_THINK_TIME))} between "
+                             "requests), and fit the time the server's work (HTTP, detokenize, SSE) adds to each step "
+                             "it ran beyond the profile's price, per step and per sequence; about a minute")
     parser.add_argument("--hardware-out", default=None, metavar="FILE.json|FILE.yaml",
                         help="also measure this host (memory, read bandwidth, matmul rates) and write it as a "
                              "hardware file for --hardware (YAML when FILE ends in .yaml or .yml)")
@@ -380,11 +379,15 @@ def run(args: argparse.Namespace) -> int:
               f"a step = {t['collectives_per_step'] * t['allreduce_latency_s'] * 1e3:.2f} ms")
     if args.server_term:
         profile["server"] = measure_server_term(args, profile)
-        for r in profile["server"]["runs"]:
+        term = profile["server"]
+        print(f"  serving, {term['steps']} served steps beyond the profile's price, median by sequences in the step "
+              "(of it outside the executor): " + ", ".join(
+                  f"{g['seqs']}: {g['median_residual_s'] * 1e3:+.2f} ms ({g['median_outside_executor_s'] * 1e3:.2f}; "
+                  f"{g['steps']} steps)" for g in term["by_seqs"]))
+        for r in term["runs"]:
             print(f"  serving, concurrency {r['concurrency']}: TPOT p50 measured {r['measured_tpot_p50_s'] * 1e3:.1f} ms, "
-                  f"engine steps alone {r['engine_only_tpot_p50_s'] * 1e3:.1f} ms, with the term "
-                  f"{r['fitted_tpot_p50_s'] * 1e3:.1f} ms; alone it would be {r['per_step_alone_s'] * 1e3:.2f} ms a step "
-                  f"or {r['per_seq_alone_s'] * 1e3:.2f} ms a sequence")
+                  f"replayed with engine steps alone {r['engine_only_tpot_p50_s'] * 1e3:.1f} ms, with the term "
+                  f"{r['fitted_tpot_p50_s'] * 1e3:.1f} ms")
         print(f"  server_per_step_s    {profile['server']['per_step_s'] * 1e6:12.4f} µs   (s per step)")
         print(f"  server_per_seq_s     {profile['server']['per_seq_s'] * 1e6:12.4f} µs   (s per sequence in a step)")
     with open(args.out, "w", encoding="utf-8") as f:
@@ -450,16 +453,17 @@ def _serve_flags(args: argparse.Namespace) -> list[str]:
 
 
 def measure_server_term(args: argparse.Namespace, profile: dict[str, Any]) -> dict[str, Any]:
-    """Starts `servelab serve` with calibrate's engine flags, benches it in closed loops from this
-    process (a client apart from the server, as `validate`'s), and fits the serving term against
-    the profile's engine steps (bench/fidelity.py, fit_server_term)."""
+    """Starts `servelab serve` with calibrate's engine flags and a step log, benches it in closed
+    loops from this process (a client apart from the server, as `validate`'s), and fits the serving
+    term from its served steps against the profile's price for them (bench/fidelity.py,
+    fit_server_term); the runs, replayed with the term, check it."""
     import asyncio
     import signal
     import subprocess
     import tempfile
     import urllib.request
 
-    from servelab.bench.fidelity import ServerRun, fit_server_term, replayed
+    from servelab.bench.fidelity import ServedStep, ServerRun, fit_server_term, replayed
     from servelab.commands import validate
     from servelab.engine.parallel.group import free_port
     from servelab.workload import workload_from_args
@@ -469,60 +473,64 @@ def measure_server_term(args: argparse.Namespace, profile: dict[str, Any]) -> di
     env = dict(os.environ)
     if args.threads is not None:
         env["OMP_NUM_THREADS"] = str(args.threads)  # serve has no --threads; torch reads this at start
-    cmd = [sys.executable, "-m", "servelab", "serve", "--port", str(port), "--no-access-log", "--no-lab",
-           *_serve_flags(args)]
-    print(f"serving term: starting `servelab serve` on {url}", flush=True)
-    with tempfile.TemporaryFile() as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-        try:
-            deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-            while True:
-                if proc.poll() is not None:
-                    log.seek(0)
-                    tail = log.read().decode(errors="replace").strip().splitlines()[-5:]
-                    raise InvalidArgument(f"--server-term: `servelab serve` exited with {proc.returncode}: "
-                                          + " / ".join(tail))
-                try:
-                    with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                        if response.status == 200:
-                            break
-                except OSError:
-                    pass
-                if time.monotonic() > deadline:
-                    raise InvalidArgument(f"--server-term: `servelab serve` was not healthy after "
-                                          f"{SERVER_START_TIMEOUT_S:g} s")
-                time.sleep(0.5)
-            parser = argparse.ArgumentParser()
-            validate.add_arguments(parser)
-            runs, server, served = [], {}, ""
-            for concurrency, requests in SERVER_RUNS:
-                bench_args = parser.parse_args([
-                    "--base-url", url, "--profile", args.out, "--concurrency", str(concurrency),
-                    "--num-requests", str(requests), "--input-len", str(SERVER_INPUT_LEN),
-                    "--output-len", str(SERVER_OUTPUT_LEN), "--seed", str(7000 + concurrency), "--warmup", "1",
-                    "--think-time", SERVER_THINK_TIME, "--no-progress"])  # fmt: skip
-                workload = workload_from_args(bench_args)
-                result, server, served = asyncio.run(validate.bench_live_server(bench_args, workload, None))
-                tpot = result.summary.tpot_s.p50
-                if result.summary.failed or tpot is None:
-                    raise InvalidArgument(f"--server-term: the bench run at concurrency {concurrency} against {url} "
-                                          f"failed ({result.summary.failed} failed requests)")
-                thinks = validate.bench_think_times(workload)
-                runs.append(ServerRun(concurrency, result.records, tpot,
-                                      [float(thinks(r)) for r in replayed(result.records)] if callable(thinks)
-                                      else thinks))
-        finally:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(proc.pid, signal.SIGKILL)  # its own session: the server and its ranks only
-                    proc.wait()
+    with tempfile.TemporaryDirectory(prefix="servelab-calibrate-") as tmp:
+        step_log = os.path.join(tmp, "steps.jsonl")
+        cmd = [sys.executable, "-m", "servelab", "serve", "--port", str(port), "--no-access-log", "--no-lab",
+               "--step-log", step_log, *_serve_flags(args)]
+        print(f"serving term: starting `servelab serve` on {url}", flush=True)
+        with tempfile.TemporaryFile() as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+            try:
+                deadline = time.monotonic() + SERVER_START_TIMEOUT_S
+                while True:
+                    if proc.poll() is not None:
+                        log.seek(0)
+                        tail = log.read().decode(errors="replace").strip().splitlines()[-5:]
+                        raise InvalidArgument(f"--server-term: `servelab serve` exited with {proc.returncode}: "
+                                              + " / ".join(tail))
+                    try:
+                        with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
+                            if response.status == 200:
+                                break
+                    except OSError:
+                        pass
+                    if time.monotonic() > deadline:
+                        raise InvalidArgument(f"--server-term: `servelab serve` was not healthy after "
+                                              f"{SERVER_START_TIMEOUT_S:g} s")
+                    time.sleep(0.5)
+                parser = argparse.ArgumentParser()
+                validate.add_arguments(parser)
+                runs, server, served = [], {}, ""
+                for concurrency, requests in SERVER_RUNS:
+                    bench_args = parser.parse_args([
+                        "--base-url", url, "--profile", args.out, "--concurrency", str(concurrency),
+                        "--num-requests", str(requests), "--input-len", str(SERVER_INPUT_LEN),
+                        "--output-len", str(SERVER_OUTPUT_LEN), "--seed", str(7000 + concurrency), "--warmup", "1",
+                        "--think-time", SERVER_THINK_TIME, "--no-progress"])  # fmt: skip
+                    workload = workload_from_args(bench_args)
+                    result, server, served = asyncio.run(validate.bench_live_server(bench_args, workload, None))
+                    tpot = result.summary.tpot_s.p50
+                    if result.summary.failed or tpot is None:
+                        raise InvalidArgument(f"--server-term: the bench run at concurrency {concurrency} against {url} "
+                                              f"failed ({result.summary.failed} failed requests)")
+                    thinks = validate.bench_think_times(workload)
+                    runs.append(ServerRun(concurrency, result.records, tpot,
+                                          [float(thinks(r)) for r in replayed(result.records)] if callable(thinks)
+                                          else thinks))
+            finally:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGTERM)
+                    try:
+                        proc.wait(timeout=30)
+                    except subprocess.TimeoutExpired:
+                        os.killpg(proc.pid, signal.SIGKILL)  # its own session: the server and its ranks only
+                        proc.wait()
+        with open(step_log, encoding="utf-8") as f:
+            steps = ServedStep.from_log([json.loads(line) for line in f if line.strip()])
     model = validate.sim_model(profile, None, served)
-    term = fit_server_term(profile, server, model, runs)
+    term = fit_server_term(profile, server, model, steps, runs)
     return {**term, "server_flags": _serve_flags(args), "input_len": SERVER_INPUT_LEN,
-            "output_len": SERVER_OUTPUT_LEN}
+            "output_len": SERVER_OUTPUT_LEN, "served_steps": [st.to_row() for st in steps]}
 
 
 def write_hardware_file(path: str, host: dict[str, Any]) -> None:

@@ -10,7 +10,7 @@ import signal
 import socket
 import sys
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 from servelab.commands._cluster_cli import add_cluster_arguments, check_cluster_flags, uses_cluster
 from servelab.commands._dtype_cli import add_engine_dtype_arguments
@@ -68,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--no-lab", action="store_true", help="do not mount the lessons at /lab")
     net.add_argument("--profile", default=None, metavar="FILE.json",
                      help="a `servelab calibrate` profile: the lab's 'your machine' panel overlays its prediction")
+    net.add_argument("--step-log", default=None, metavar="FILE.jsonl",
+                     help="write one JSON line per engine step: its shape (query tokens, sequences, context, "
+                          "attended pairs) and times (the executor's, the step's, until its outputs were posted, "
+                          "the idle wait before it); `calibrate --server-term` fits the serving term from it")
 
     model = parser.add_argument_group("model")
     model.add_argument("--model", default=None,
@@ -106,6 +110,18 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InvalidArgument(f"--port: must be in [0, 65535], got {args.port}")
     if args.api_key is not None and not args.api_key.strip():
         raise InvalidArgument("--api-key: must not be empty")
+    if args.step_log is not None and uses_cluster(args):
+        raise InvalidArgument("--step-log: logs one engine's steps; not with --data-parallel, --external-workers or "
+                              "--disagg")
+
+
+def _open_step_log(path: str | None) -> TextIO | None:
+    if path is None:
+        return None
+    try:
+        return open(path, "w", encoding="utf-8", buffering=1)  # a line a step, readable while serving
+    except OSError as exc:
+        raise InvalidArgument(f"--step-log: cannot write {path}: {exc.strerror or exc}") from None
 
 
 def _bind(host: str, port: int) -> socket.socket:
@@ -144,6 +160,7 @@ def mount_lab(app: FastAPI, profile: dict | None = None, profile_path: str | Non
     if importlib.util.find_spec("servelab.lab") is None:
         return False
     state = app.state.servelab
+    state.async_engine.step_log = step_log
     try:
         from servelab.lab.app import create_lab_app
 
@@ -171,6 +188,7 @@ def run(args: argparse.Namespace) -> int:
     from servelab.cost.profile import load_profile
 
     profile = None if args.profile is None else load_profile(args.profile)  # a bad file fails before the model loads
+    step_log = _open_step_log(args.step_log)
     log = _setup_logging(args.log_level)
 
     import prometheus_client
@@ -231,6 +249,7 @@ def run(args: argparse.Namespace) -> int:
         driver=driver,
     )
     state = app.state.servelab
+    state.async_engine.step_log = step_log
     lab = not args.no_lab and mount_lab(app, profile, args.profile, engine.model_name)
 
     class _Server(uvicorn.Server):
@@ -281,5 +300,7 @@ def run(args: argparse.Namespace) -> int:
         for s, handler in previous.items():
             signal.signal(s, handler)
         sock.close()
+        if step_log is not None:
+            step_log.close()
     log.info("servelab: stopped")
     return 0

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from servelab.core.config import SchedulerConfig
-from servelab.core.plan import RequestOutput, TokenLogprobs
+from servelab.core.plan import RequestOutput, StepPlan, TokenLogprobs
 from servelab.core.sequence import FinishReason, SamplingParams, Sequence
 from servelab.engine.detokenizer import RequestTextStream
 from servelab.errors import InvalidArgument, RequestTooLong
@@ -199,6 +199,8 @@ class LLMEngine:
         self._requests: dict[str, _RequestState] = {}
         self._aborted: list[EngineOutput] = []  # outputs for the next step(): aborts, transferred first tokens
         self.last_step_num_tokens = 0  # query tokens the last step ran (the metrics' iteration tokens)
+        self.last_plan: StepPlan | None = None  # the last step's plan and its executor's wall time
+        self.last_execute_s = 0.0
 
     # ------------------------------------------------------------------ construction
 
@@ -437,9 +439,12 @@ class LLMEngine:
         now = time.perf_counter()
         plan = self.scheduler.schedule(now)
         self.last_step_num_tokens = plan.num_batched_tokens
+        self.last_plan = plan
         if plan.is_empty:
             return outputs
+        t0 = time.perf_counter()
         result = self.executor.execute(plan)
+        self.last_execute_s = time.perf_counter() - t0
         for request_output in self.scheduler.update(plan, result, time.perf_counter()):
             try:
                 out = self._process(request_output)

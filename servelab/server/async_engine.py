@@ -13,13 +13,14 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from servelab.core.sequence import SamplingParams
 from servelab.errors import ServelabError
@@ -104,6 +105,8 @@ class AsyncEngine:
         self.death: BaseException | None = None  # what ended the engine thread, if not a stop
         self.num_steps = 0
         self.num_step_failures = 0
+        self.step_log: TextIO | None = None  # serve --step-log: one JSON line per step (engine thread only)
+        self._waited_s = 0.0  # how long the loop slept for work since the last step
 
     # ---- lifecycle (event loop) ---------------------------------------------------------
 
@@ -235,7 +238,11 @@ class AsyncEngine:
     def _serve(self) -> None:
         engine = self.engine
         while True:
-            commands = take_commands(self._commands, wait=not engine.has_unfinished())
+            idle = not engine.has_unfinished()
+            t0 = time.perf_counter() if idle else 0.0
+            commands = take_commands(self._commands, wait=idle)
+            if idle:
+                self._waited_s += time.perf_counter() - t0
             stop = None
             for command in commands:
                 if isinstance(command, _Add):
@@ -286,8 +293,10 @@ class AsyncEngine:
             logger.exception("abort of %s failed", request_id)
 
     def _step(self) -> None:
+        start = time.perf_counter()
         try:
             outputs = self.engine.step()
+            stepped = time.perf_counter()
         except Exception as exc:
             if getattr(exc, "engine_unusable", False):  # e.g. a tensor-parallel rank died: no step can run again
                 raise
@@ -322,6 +331,22 @@ class AsyncEngine:
         # that still count it running
         self._refresh_stats()
         self._post(outputs)
+        if self.step_log is not None and num_tokens:
+            self._log_step(start, stepped, time.perf_counter())
+
+    def _log_step(self, start: float, stepped: float, end: float) -> None:
+        """The step's shape sums and times: `waited_s` the loop slept for work before it, `step_s`
+        the engine's step (`execute_s` of it the executor's), `end_s` after its outputs were posted."""
+        tokens, seqs, context, pairs, decodes = self.engine.last_plan.shape_totals()
+        record = {"start_s": round(start, 6), "end_s": round(end, 6), "waited_s": round(self._waited_s, 6),
+                  "step_s": round(stepped - start, 6), "execute_s": round(self.engine.last_execute_s, 6),
+                  "num_tokens": tokens, "num_seqs": seqs, "context_tokens": context, "pairs": pairs, "decode_seqs": decodes}
+        self._waited_s = 0.0
+        try:
+            self.step_log.write(json.dumps(record) + "\n")
+        except (OSError, ValueError):  # a full disk or a closed file ends the log, not the server
+            logger.exception("--step-log: writing failed; no more steps are logged")
+            self.step_log = None
 
     def _refresh_stats(self) -> None:
         try:

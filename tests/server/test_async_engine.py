@@ -225,3 +225,35 @@ def test_a_finished_request_is_no_longer_counted_running_when_its_client_sees_it
 
     seen = run(main())
     assert seen[-1] == (True, 0)
+
+
+def test_the_step_log_has_a_line_per_step_with_its_shape_and_times(fake_engine):
+    # `serve --step-log`: what calibrate fits the serving term from
+    import io
+    import json
+
+    log = io.StringIO()
+
+    async def main():
+        bridge = AsyncEngine(fake_engine())
+        bridge.step_log = log
+        bridge.start()
+        first = await bridge.submit([_req("a", 4)])
+        await _collect(first)
+        await asyncio.sleep(0.05)  # idle: the next step's line says how long the loop waited
+        streams = [await bridge.submit([_req(f"b{i}", 3)]) for i in range(2)]
+        await asyncio.gather(*(_collect(s) for s in streams))
+        await bridge.stop()
+        return bridge
+
+    bridge = run(main())
+    lines = [json.loads(line) for line in log.getvalue().splitlines()]
+    assert len(lines) == bridge.num_steps  # every step ran tokens
+    assert lines[0]["num_seqs"] == 1 and lines[0]["num_tokens"] > 1 and lines[0]["decode_seqs"] == 0  # the prefill
+    assert [x["num_tokens"] for x in lines[1:4]] == [1, 1, 1]  # a's decodes
+    assert lines[4]["waited_s"] >= 0.04 and all(x["waited_s"] < 0.04 for x in lines[5:])
+    assert max(x["num_seqs"] for x in lines) == 2
+    for x in lines:
+        assert x["start_s"] <= x["start_s"] + x["execute_s"] <= x["start_s"] + x["step_s"] + 1e-6 <= x["end_s"] + 1e-6
+        assert x["pairs"] >= x["context_tokens"] >= x["num_tokens"]
+    assert all(a["end_s"] <= b["start_s"] for a, b in zip(lines, lines[1:]))

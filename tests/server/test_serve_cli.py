@@ -30,6 +30,8 @@ def serve(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
         (["--max-request-bytes", "huge"], "--max-request-bytes"),
         (["--quantization", "int8", "--dtype", "bfloat16"], "quantization 'int8' computes in float32"),
         (["--profile", "/nonexistent/profile.json"], "--profile /nonexistent/profile.json: cannot read it"),
+        (["--step-log", "/nonexistent/dir/steps.jsonl"], "--step-log: cannot write /nonexistent/dir/steps.jsonl"),
+        (["--step-log", "steps.jsonl", "--data-parallel", "2"], "--step-log: logs one engine's steps"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(args, needle):

@@ -35,7 +35,10 @@ def test_calibrate_then_validate_against_a_live_server(server_launcher, tmp_path
     term = json.loads(profile.read_text())["server"]
     assert [r["concurrency"] for r in term["runs"]] == [1, 2] and term["per_step_s"] >= 0 and term["per_seq_s"] >= 0
     assert all(r["measured_tpot_p50_s"] > 0 and r["engine_only_tpot_p50_s"] > 0 for r in term["runs"])
-    # its clients paused a seeded draw after each request, and the fit replayed each draw
+    # fitted from every step the server ran (its --step-log), grouped by the step's sequences
+    assert term["steps"] == len(term["served_steps"]) > 10 and {g["seqs"] for g in term["by_seqs"]} <= {1, 2}
+    assert sum(g["steps"] for g in term["by_seqs"]) == term["steps"] and "served steps" in text
+    # its clients paused a seeded draw after each request, and the check replayed each draw
     for r in term["runs"]:
         assert len(r["think_s"]) == r["requests"] and min(r["think_s"]) >= 0
         assert r["think_time_s"] == pytest.approx(sum(r["think_s"]) / r["requests"]) and r["think_time_s"] > 0
