@@ -160,7 +160,6 @@ def mount_lab(app: FastAPI, profile: dict | None = None, profile_path: str | Non
     if importlib.util.find_spec("servelab.lab") is None:
         return False
     state = app.state.servelab
-    state.async_engine.step_log = step_log
     try:
         from servelab.lab.app import create_lab_app
 

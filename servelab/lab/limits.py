@@ -22,7 +22,8 @@ LIMITS: dict[str, dict[str, tuple[float, float]]] = {
     "request-cost": {"prompt_len": (1, 131072), "output_len": (2, 32768), "batch": (1, MAX_BATCH),
                      "price_per_gpu_hour": (0.01, 1000.0)},
     # The "your machine" panel's load, sent by the page to the server it runs under: short on purpose.
-    "live": {"requests": (1, 64), "concurrency": (1, 16), "prompt_words": (1, 2048), "max_tokens": (2, 256)},
+    "live": {"requests": (1, 64), "concurrency": (1, 16), "prompt_words": (1, 2048), "max_tokens": (2, 256),
+             "think_ms": (0, 10_000)},
     "capacity": {"tpot_ms": (1.0, 10_000.0), "prompt_len": (1, 131072), "output_len": (2, 8192)},
 }
 

@@ -24,7 +24,10 @@ from servelab.lab.limits import LIMITS
 from servelab.metrics import RequestRecord, summarize
 
 HIST_BINS = 12
-LOAD_DEFAULTS = {"requests": 16, "concurrency": 4, "prompt_words": 64, "max_tokens": 32}  # the panel's form
+# The panel's form. Each client pauses think_ms after a request, and the replay's clients do too:
+# without a pause the simulator's follow-up joins the very next step, which the browser's, a
+# round trip away, does not (docs/fidelity.md, "Closed loops: the client's round trip").
+LOAD_DEFAULTS = {"requests": 16, "concurrency": 4, "prompt_words": 64, "max_tokens": 32, "think_ms": 20}
 
 
 class PredictionBusy(ServelabError):
@@ -41,8 +44,9 @@ def _number(item: dict[str, Any], name: str, index: int, *, allow_none: bool = F
     return float(value)
 
 
-def parse_records(body: Any) -> tuple[list[RequestRecord], int]:
-    """The page's measurements, checked: at most the panel's own request limit."""
+def parse_records(body: Any) -> tuple[list[RequestRecord], int, float]:
+    """The page's measurements, checked: at most the panel's own request limit. Returns the
+    records, the concurrency and each client's pause after a request in seconds (0 if not sent)."""
     if not isinstance(body, dict) or not isinstance(body.get("records"), list):
         raise InvalidArgument("body: expected {\"concurrency\": C, \"records\": [...]}", param="records")
     lo, hi = LIMITS["live"]["requests"]
@@ -54,6 +58,11 @@ def parse_records(body: Any) -> tuple[list[RequestRecord], int]:
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or not c_lo <= concurrency <= c_hi:
         raise InvalidArgument(f"concurrency: must be an integer between {c_lo:g} and {c_hi:g}, got {concurrency!r}",
                               param="concurrency")
+    t_lo, t_hi = LIMITS["live"]["think_ms"]
+    think_ms = body.get("think_ms", 0)
+    if isinstance(think_ms, bool) or not isinstance(think_ms, int | float) or not t_lo <= think_ms <= t_hi:
+        raise InvalidArgument(f"think_ms: must be a number between {t_lo:g} and {t_hi:g}, got {think_ms!r}",
+                              param="think_ms")
     records = []
     for i, item in enumerate(items):
         if not isinstance(item, dict):
@@ -69,7 +78,7 @@ def parse_records(body: Any) -> tuple[list[RequestRecord], int]:
         records.append(RequestRecord(request_id=str(i), arrival_s=sent, first_scheduled_s=None, first_token_s=first,
                                      token_times_s=(), end_s=last, prompt_tokens=prompt, output_tokens=output,
                                      success=ok))
-    return records, concurrency
+    return records, concurrency, think_ms / 1e3
 
 
 def _bins(*series: list[float]) -> list[float]:
@@ -115,15 +124,15 @@ class Predictor:
         }
 
     def predict(self, body: Any) -> dict[str, Any]:
-        records, concurrency = parse_records(body)
+        records, concurrency, think_s = parse_records(body)
         if not self._lock.acquire(blocking=False):
             raise PredictionBusy("the lab is already replaying a load through the simulator; retry in a second")
         try:
-            return self._predict(records, concurrency)
+            return self._predict(records, concurrency, think_s)
         finally:
             self._lock.release()
 
-    def _predict(self, records: list[RequestRecord], concurrency: int) -> dict[str, Any]:
+    def _predict(self, records: list[RequestRecord], concurrency: int, think_s: float) -> dict[str, Any]:
         ok = [r for r in records if r.success]
         start = min(r.arrival_s for r in records)
         end = max((r.end_s or r.arrival_s) for r in records)
@@ -138,7 +147,7 @@ class Predictor:
         elif not ok:
             why_not = "no request succeeded: nothing to replay"
         else:
-            predicted, why_not = self._replay(records, concurrency)
+            predicted, why_not = self._replay(records, concurrency, think_s)
         out_ttft, out_tpot = _ms_values(records, "ttft_s"), _ms_values(records, "tpot_s")
         sim_ttft = [] if predicted is None else _ms_values(predicted.records, "ttft_s")
         sim_tpot = [] if predicted is None else _ms_values(predicted.records, "tpot_s")
@@ -157,12 +166,14 @@ class Predictor:
             errs = {r["metric"]: r["error_pct"] for r in rows}
             notice = (f"the simulator, priced by {self.profile_path}, predicts p50 TPOT "
                       f"{_pct(errs.get('TPOT p50'))} and p50 TTFT {_pct(errs.get('TTFT p50'))} off the measurement "
-                      f"for this load ({len(ok)} requests at concurrency {concurrency}).")
+                      f"for this load ({len(ok)} requests at concurrency {concurrency}, each client pausing "
+                      f"{fmt(think_s * 1e3)} ms after a request, as the replay's do).")
         else:
             notice = (f"measured {len(ok)} requests at concurrency {concurrency}: p50 TTFT {fmt(p50['ttft'])} ms, "
                       f"p50 TPOT {fmt(p50['tpot'])} ms; {why_not}.")
         return {
-            "config": {"concurrency": concurrency, "requests": len(records), "profile": self.profile_path},
+            "config": {"concurrency": concurrency, "requests": len(records), "think_ms": think_s * 1e3,
+                       "profile": self.profile_path},
             "ttft": {"edges_ms": ttft_edges, "measured": _hist(out_ttft, ttft_edges), "predicted": _hist(sim_ttft, ttft_edges)},
             "tpot": {"edges_ms": tpot_edges, "measured": _hist(out_tpot, tpot_edges), "predicted": _hist(sim_tpot, tpot_edges)},
             "has_prediction": predicted is not None,
@@ -174,7 +185,7 @@ class Predictor:
             "notice": notice,
         }
 
-    def _replay(self, records: list[RequestRecord], concurrency: int) -> tuple[Any, str | None]:
+    def _replay(self, records: list[RequestRecord], concurrency: int, think_s: float) -> tuple[Any, str | None]:
         from servelab.bench.fidelity import replay_trace, server_config, sim_config
         from servelab.cost.profile import catalog_model_for
         from servelab.sim import simulate
@@ -187,7 +198,7 @@ class Predictor:
         model = catalog_model_for(self.profile, self._served_model())
         if model is None:
             return None, f"no catalog model matches the profile's model {self.profile.get('model')!r}"
-        trace = replay_trace(records, closed_loop=True)
+        trace = replay_trace(records, closed_loop=True, think_s=think_s)
         return simulate(sim_config(self.profile, server, model, None), trace, concurrency=concurrency), None
 
 

@@ -53,6 +53,8 @@ def test_without_a_profile_the_panel_measures_and_says_how_to_predict():
                                      "output_tokens": 2}]}, "records[0].first_token_s: must be a finite number"),
     ({"concurrency": 1, "records": [{"sent_s": 1, "first_token_s": 0.5, "last_token_s": 2, "prompt_tokens": 1,
                                      "output_tokens": 2}]}, "sent_s <= first_token_s <= last_token_s"),
+    ({"concurrency": 1, "think_ms": -5, "records": _records()}, "think_ms: must be a number between 0 and 10000"),
+    ({"concurrency": 1, "think_ms": "20ms", "records": _records()}, "think_ms: must be a number"),
     ([1, 2], "expected {"),
 ])
 def test_bad_measurements_are_a_400_naming_the_field(body, needle):
@@ -65,3 +67,15 @@ def test_the_load_limits_are_published_with_the_lessons():
 
     limits = TestClient(create_lab_app()).get("/api/catalog").json()["limits"]["live"]
     assert {k: (v["min"], v["max"]) for k, v in limits.items()} == {k: tuple(v) for k, v in LIMITS["live"].items()}
+
+
+def test_the_replay_pauses_as_long_as_the_pages_clients_did():
+    # two clients, 10 ms a step: without a pause each follow-up joins the very next step; a client
+    # that paused 25 ms sends its next request 25 ms after its last token, in the replay as here
+    client = TestClient(create_lab_app(lambda: METRICS, profile=PROFILE, profile_path="p.json"))
+    records = _records(6)
+    none = client.post("/api/live/predict", json={"concurrency": 2, "records": records}).json()
+    paused = client.post("/api/live/predict", json={"concurrency": 2, "think_ms": 25, "records": records}).json()
+    assert none["config"]["think_ms"] == 0 and paused["config"]["think_ms"] == 25
+    assert paused["predicted"]["duration_s"] > none["predicted"]["duration_s"] + 0.025
+    assert "pausing 25 ms" in paused["notice"]

@@ -391,7 +391,7 @@ const LIVE = {
     "Everything else in the lab is predicted. Here the real engine answers: send a short load from this page to the server the lab runs in, and see the TTFT and TPOT it measured.",
     "With a calibrated profile (`servelab calibrate --out profile.json`, then `servelab serve --profile profile.json`) the simulator replays exactly that traffic, and its prediction is drawn over the measurement. The charts below the load read the engine's own metrics every two seconds.",
   ],
-  controls: [num("requests", "requests"), num("concurrency", "concurrency"), num("prompt_words", "prompt words"), num("max_tokens", "output tokens")],
+  controls: [num("requests", "requests"), num("concurrency", "concurrency"), num("prompt_words", "prompt words"), num("max_tokens", "output tokens"), num("think_ms", "pause after each request (ms)")],
   charts: [
     { id: "machine-ttft", load: true, make: (d) => loadHistogram(d, "ttft", "TTFT: measured" + (d.has_prediction ? " vs predicted" : ""), "TTFT (ms)") },
     { id: "machine-tpot", load: true, make: (d) => loadHistogram(d, "tpot", "TPOT: measured" + (d.has_prediction ? " vs predicted" : ""), "TPOT (ms)") },
@@ -718,6 +718,7 @@ async function sendLoad() {
   if (bad.length) { showError(bad.join("\n")); countError(); return; }
   const v = Object.fromEntries(currentParams());
   const n = Number(v.requests), c = Number(v.concurrency), words = Number(v.prompt_words), maxTokens = Number(v.max_tokens);
+  const thinkMs = Number(v.think_ms);
   const button = $("send-load");
   button.disabled = true;
   try {
@@ -732,12 +733,14 @@ async function sendLoad() {
         records[i] = await oneRequest(model, prompt, maxTokens, t0);
         done += 1;
         $("notice").textContent = "measuring: " + done + " of " + n + " requests done";
+        // the client's pause before its next request; the replay's clients pause as long
+        if (thinkMs > 0 && next < n) await new Promise((resolve) => setTimeout(resolve, thinkMs));
       }
     };
     await Promise.all(Array.from({ length: Math.min(c, n) }, worker));
     const failed = records.filter((r) => !r.ok);
     const response = await fetch("api/live/predict", { method: "POST", headers: { "Content-Type": "application/json" },
-      body: JSON.stringify({ concurrency: c, records }) });
+      body: JSON.stringify({ concurrency: c, think_ms: thinkMs, records }) });
     const body = await response.json();
     if (!response.ok) { showError((body.error && body.error.message) || response.statusText); countError(); return; }
     if (failed.length) body.notice = failed.length + " request(s) failed (" + failed[0].error + "); " + body.notice;
