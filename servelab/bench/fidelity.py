@@ -166,7 +166,8 @@ def fit_server_term(profile: dict[str, Any], server: dict[str, str], model: Mode
     work, and the executor slowed by the server's HTTP, detokenizing and SSE on the same cores).
 
     The residuals are grouped by the step's sequences; each group's median (robust to a step that
-    the host stalled) is one point, weighed by its steps, and NNLS fits the two terms to the points
+    the host stalled) is one point, weighed by its count of steps (a rare transitional step, a
+    prefill joining, moves it little), and NNLS fits the two terms to the points
     (a per-step term only when every step had as many sequences). `runs`, when given, are replayed
     with the fitted term as a check: their p50 TPOT, measured, engine alone and with the term."""
     import numpy as np
@@ -184,7 +185,7 @@ def fit_server_term(profile: dict[str, Any], server: dict[str, str], model: Mode
                "median_outside_executor_s": float(np.median([o for _, o in g]))} for n, g in sorted(by_seqs.items())]
     separable = len(groups) > 1
     a = np.array([[1.0, g["seqs"]] if separable else [1.0] for g in groups])
-    weight = np.sqrt([g["steps"] for g in groups])
+    weight = np.array([float(g["steps"]) for g in groups])
     coef = nnls(a * weight[:, None], np.array([g["median_residual_s"] for g in groups]) * weight)
     per_step_s, per_seq_s = float(coef[0]), float(coef[1]) if separable else 0.0
 
@@ -205,7 +206,7 @@ def fit_server_term(profile: dict[str, Any], server: dict[str, str], model: Mode
             "form": "per_step_s once per step + per_seq_s per sequence in the step",
             "how": "each step a live `servelab serve` ran (--step-log): its time from start to the next step's start, "
                    "less any idle wait, minus the profile's price for its shape; the median of those residuals per "
-                   "sequence count, weighed by the square root of its steps, fitted by NNLS"}
+                   "sequence count, weighed by its count of steps, fitted by NNLS"}
 
 
 @dataclass(frozen=True, slots=True)

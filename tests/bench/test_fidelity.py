@@ -143,6 +143,22 @@ def test_fit_server_term_recovers_a_known_term_from_the_served_steps(per_step_s,
     assert all(g["steps"] == 40 and g["median_outside_executor_s"] == pytest.approx(2e-4) for g in term["by_seqs"])
 
 
+def test_a_sequence_count_only_a_few_transitional_steps_had_moves_the_fit_little():
+    # run 20: one 14-sequence step (a prompt joining) served 207 ms past its price; weighed by its
+    # one step against groups of 40 it must not set the per-sequence term
+    from dataclasses import replace
+
+    from servelab.bench.fidelity import fit_server_term
+    from servelab.spec import get_model
+
+    steps = _served_steps(1e-3, 2e-4, seqs=(1, 4, 8, 16))
+    rare = _served_steps(1e-3, 2e-4, seqs=(14,))[:1]
+    steps += [replace(rare[0], served_s=rare[0].served_s + 0.207)]
+    term = fit_server_term({"fit": {"coefficients": ENGINE}}, SERVER, get_model("smollm2-135m"), steps)
+    assert term["per_step_s"] == pytest.approx(1e-3, abs=3e-4)
+    assert term["per_seq_s"] == pytest.approx(2e-4, abs=5e-5)
+
+
 def test_steps_as_fast_as_priced_give_no_term_and_one_sequence_count_a_per_step_term_only():
     from servelab.bench.fidelity import fit_server_term
     from servelab.spec import get_model
