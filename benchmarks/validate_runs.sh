@@ -22,12 +22,12 @@ for c in 1 4 16; do
   echo "c$c: $(uptime); steps logged $(wc -l < $OUT/steps.jsonl)" >> $OUT/host.txt
   $PY -m servelab validate --base-url http://127.0.0.1:$PORT --profile $OUT/profile.json --concurrency $c \
      --num-requests $((c*6+8)) --input-len 128 --output-len 64 --seed $c --warmup 2 --no-progress ${THINK:+--think-time $THINK} \
-     --save-result $OUT/c$c.json > $OUT/c$c.txt 2>&1
+     --step-log $OUT/steps.jsonl --save-result $OUT/c$c.json > $OUT/c$c.txt 2>&1
 done
 echo "rate: $(uptime); steps logged $(wc -l < $OUT/steps.jsonl)" >> $OUT/host.txt
 $PY -m servelab validate --base-url http://127.0.0.1:$PORT --profile $OUT/profile.json --rate ${RATE:-0.6} \
    --num-requests 40 --input-len 128 --output-len 64 --seed 99 --warmup 2 --no-progress \
-   --save-result $OUT/rate.json > $OUT/rate.txt 2>&1
+   --step-log $OUT/steps.jsonl --save-result $OUT/rate.json > $OUT/rate.txt 2>&1
 echo "end: $(uptime); steps logged $(wc -l < $OUT/steps.jsonl)" >> $OUT/host.txt
 kill $SP 2>/dev/null; wait $SP 2>/dev/null
 $PY benchmarks/validate_table.py $OUT | tee $OUT/table.md

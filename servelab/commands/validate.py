@@ -17,6 +17,9 @@ from servelab.units import parse_duration_s
 HELP = "bench a live server, replay the run in the simulator with a profile, and print the errors"
 # past this share of the CPUs taken by the hypervisor (steal) in the measured run, the report warns
 STEAL_WARN_FRACTION = 0.05
+# past this share between the server's steps (its --step-log) and the profile's price for them, the
+# report says the host ran at another speed than when it was calibrated
+STEP_DRIFT_WARN_PCT = 10.0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -28,6 +31,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the `servelab calibrate` profile of the server's model and host")
     g.add_argument("--sim-model", default=None, metavar="NAME",
                    help="catalog model for the simulator (default: the one the profile's model name matches)")
+    g.add_argument("--step-log", default=None, metavar="FILE.jsonl",
+                   help="the server's `serve --step-log` file, on this machine: the steps it ran during the "
+                        "measured run are priced with the profile, which tells a host that changed speed since it "
+                        "was calibrated from a model that is wrong")
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object: both summaries and the errors")
     o.add_argument("--save-result", default=None, metavar="FILE", help="write the JSON result to FILE")
@@ -62,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
     workload = workload_from_args(args)
     if workload.rate is None and workload.concurrency is None and workload.trace is None:
         raise InvalidArgument("give a load: --rate R (requests/s), --concurrency C, or --trace FILE")
+    log_start = _log_size(args.step_log)
     meter = OtherLoadMeter()
     loop = asyncio.new_event_loop()
     try:
@@ -69,7 +77,53 @@ def run(args: argparse.Namespace) -> int:
     finally:
         loop.close()
     host = {"cpus": os.cpu_count(), "steal_cpus": meter.steal_cpus()}
-    return _predict_and_report(args, profile, workload, slo, measured, server, served_model, host)
+    steps = None if args.step_log is None else served_steps(profile, args.step_log, log_start)
+    return _predict_and_report(args, profile, workload, slo, measured, server, served_model, host, steps)
+
+
+def _log_size(path: str | None) -> int:
+    if path is None:
+        return 0
+    try:
+        return os.path.getsize(path)
+    except OSError as exc:
+        raise InvalidArgument(f"--step-log: cannot read {path}: {exc.strerror or exc} (start the server with "
+                              "`servelab serve --step-log FILE` on this machine)") from None
+
+
+def served_steps(profile: dict[str, Any], path: str, start: int) -> dict[str, Any]:
+    """The steps the server logged from byte `start` on (those of the measured run, warm-up
+    included), their served time and the profile's price for them, serving term included."""
+    from servelab.bench.fidelity import ServedStep
+    from servelab.cost.profile import ProfileStepCost
+
+    with open(path, "rb") as f:
+        f.seek(max(start - 1, 0))
+        text = f.read().decode("utf-8", errors="replace")
+    if start > 0:  # from the first line that began at or after `start` (one being written then is skipped)
+        newline = text.find("\n")
+        text = "" if newline < 0 else text[newline + 1:]
+    try:
+        lines = [json.loads(line) for line in text.splitlines() if line.strip()]
+        steps = ServedStep.from_log(lines)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise InvalidArgument(f"--step-log: {path} is not a `servelab serve --step-log` file ({exc})") from None
+    if not steps:
+        raise InvalidArgument(f"--step-log: {path} got no step during the run: is it this server's log?")
+    cost = ProfileStepCost.from_profile(profile)
+    served = sum(st.served_s for st in steps)
+    priced = sum(cost.time_from_totals(st.num_tokens, st.num_seqs, st.context_tokens, st.pairs) for st in steps)
+    return {"path": path, "steps": len(steps), "served_s": served, "priced_s": priced,
+            "error_pct": (priced - served) / served * 100}
+
+
+def describe_steps(steps: dict[str, Any]) -> str:
+    line = (f"server steps: {steps['steps']} during the run took {steps['served_s']:.2f} s; the profile prices them "
+            f"{steps['priced_s']:.2f} s ({steps['error_pct']:+.1f}%)")
+    if abs(steps["error_pct"]) > STEP_DRIFT_WARN_PCT:
+        line += ("; the same steps ran at another speed than the profile measured, so the host changed since "
+                 "calibrate (recalibrate in the same conditions), not only the simulator")
+    return line
 
 
 def describe_steal(host: dict[str, Any]) -> str | None:
@@ -110,7 +164,8 @@ def bench_think_times(workload):  # noqa: ANN001, ANN201
     return lambda record: drawn[int(record.request_id) % len(drawn)]
 
 
-def _predict_and_report(args, profile, workload, slo, measured, server, served_model, host) -> int:  # noqa: ANN001
+def _predict_and_report(args, profile, workload, slo, measured, server, served_model, host,  # noqa: ANN001
+                        steps=None) -> int:
     from servelab.bench.fidelity import compare, format_comparison, replay, replay_trace, sim_config
     from servelab.cost.profile import ServingTerm
     from servelab.metrics import format_summary_table
@@ -133,6 +188,7 @@ def _predict_and_report(args, profile, workload, slo, measured, server, served_m
                    "step_time_statistic": profile.get("step_time_statistic"),
                    "kernel_rows": profile.get("kernel_rows"),
                    "failed_requests": measured.summary.failed, "host": host},
+        "server_steps": steps,
         "measured": measured.summary.to_dict(),
         "simulated": predicted.summary.to_dict(),
         "comparison": [r.to_dict() for r in rows],
@@ -153,6 +209,8 @@ def _predict_and_report(args, profile, workload, slo, measured, server, served_m
           f"through the simulator with {args.profile} ({ServingTerm.from_profile(profile).describe()})")
     if (steal := describe_steal(host)) is not None:
         print(steal)
+    if steps is not None:
+        print(describe_steps(steps))
     if measured.summary.failed:
         print(f"note: {measured.summary.failed} requests failed on the server and are not replayed", file=sys.stderr)
     print()

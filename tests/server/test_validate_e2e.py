@@ -42,11 +42,14 @@ def test_calibrate_then_validate_against_a_live_server(server_launcher, tmp_path
     for r in term["runs"]:
         assert len(r["think_s"]) == r["requests"] and min(r["think_s"]) >= 0
         assert r["think_time_s"] == pytest.approx(sum(r["think_s"]) / r["requests"]) and r["think_time_s"] > 0
-    server = server_launcher(path, "--max-model-len", "512", "--dtype", "float32", "--max-num-seqs", "4")
+    step_log = tmp_path / "steps.jsonl"
+    server = server_launcher(path, "--max-model-len", "512", "--dtype", "float32", "--max-num-seqs", "4",
+                             "--step-log", str(step_log))
     saved = tmp_path / "validate.json"
     assert main(["validate", "--base-url", server.url, "--profile", str(profile), "--concurrency", "2",
                  "--num-requests", "6", "--input-len", "24", "--output-len", "6", "--seed", "3",
-                 "--think-time", "20ms", "--save-result", str(saved), "--no-progress"]) == 0
+                 "--think-time", "20ms", "--save-result", str(saved), "--no-progress",
+                 "--step-log", str(step_log)]) == 0
     text = capsys.readouterr().out
     print(text)
     assert "ms per step +" in text.splitlines()[0]  # which serving term the replay used
@@ -59,6 +62,10 @@ def test_calibrate_then_validate_against_a_live_server(server_launcher, tmp_path
     # the bench's clients paused 20 ms between requests, and the replay's did too
     assert cfg["workload"]["think_time_s"] == 0.02 and cfg["replay"] == "closed loop, concurrency 2, think time 20 ms"
     assert cfg["host"]["steal_cpus"] >= 0 and "host: the hypervisor took" in text  # the measured run's steal
+    # the steps the server ran during the run, from its step log, priced with the profile
+    steps = out["server_steps"]
+    assert 6 <= steps["steps"] <= 6 * 6 and steps["served_s"] > 0 and steps["priced_s"] > 0  # 6 x 6 tokens
+    assert f"server steps: {steps['steps']} during the run" in text
     # the simulator ran the server's own budgets and KV pool, read from /metrics
     assert cfg["server"]["max_num_seqs"] == "4" and int(cfg["server"]["num_blocks"]) > 0
     assert out["measured"]["completed"] == out["simulated"]["completed"] == 6
