@@ -177,6 +177,7 @@ class NativeKernels:
 
     decode_attention: Callable[..., None]
     prefill_attention: Callable[..., None]
+    prefill_attention_chunks: Callable[..., None]
     paged_attention: Callable[..., None]
     add_rms_norm: Callable[..., None]
     silu_mul: Callable[..., None]
@@ -228,6 +229,10 @@ def _build(level: IsaLevel) -> NativeKernels:
         ),
         prefill_attention=fn(
             "servelab_prefill_attention_f32", ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, ptr, ptr, i64
+        ),
+        prefill_attention_chunks=fn(
+            "servelab_prefill_attention_chunks_f32",
+            ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, f32, ptr, i64, ptr, i64,
         ),
         paged_attention=fn(
             "servelab_paged_attention_f32",
@@ -322,6 +327,15 @@ def decode_attention(
 _PREFILL_QB, _PREFILL_KB, _PREFILL_KP = 32, 64, 16
 
 
+def _prefill_scratch_floats(chunks: list[tuple[int, int]], kv_heads: int, dim: int, threads: int) -> int:
+    """The scratch csrc/prefill_attention.c wants for chunks of (rows, start position): a header
+    (two int64 a chunk), K^T of each chunk's context, a work area per thread."""
+    header = (4 * len(chunks) + 2 + 15) // 16 * 16
+    kt = sum(-(-(start + n) // _PREFILL_KP) * _PREFILL_KP for n, start in chunks) * kv_heads * dim
+    per_part = _PREFILL_QB * _PREFILL_KB + _PREFILL_QB * dim + 3 * _PREFILL_QB + dim
+    return header + kt + threads * per_part
+
+
 def prefill_attention(
     kernels: NativeKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float
 ) -> torch.Tensor:
@@ -340,15 +354,33 @@ def prefill_attention(
             "want fp32 q [n, H, D] and k, v [>= start_pos + n, KV, D] with the same strides, H a multiple of KV"
         )
     threads = torch.get_num_threads()
-    ctx_pad = -(-ctx // _PREFILL_KP) * _PREFILL_KP
-    per_part = _PREFILL_QB * _PREFILL_KB + _PREFILL_QB * D + 3 * _PREFILL_QB + D
-    scratch = torch.empty(KV * ctx_pad * D + threads * per_part, dtype=torch.float32)
+    scratch = torch.empty(_prefill_scratch_floats([(n, start_pos)], KV, D, threads), dtype=torch.float32)
     out = torch.empty(n, H * D, dtype=torch.float32)
     kernels.prefill_attention(
         q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), n, start_pos, H, KV, D,
         scale, out.data_ptr(), scratch.data_ptr(), threads,
     )
     return out
+
+
+def prefill_attention_chunks(
+    kernels: NativeKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[tuple[int, int]],
+    scale: float, out: torch.Tensor,
+) -> None:
+    """Causal attention of several whole-prompt prefill chunks in one call (one thread-pool job a
+    layer, not one a prompt): chunk (offset, n) is rows offset .. offset + n - 1 of q [T, H, D]
+    at positions 0 .. n - 1 over the same rows of k, v [T, KV, D], written to those rows of out
+    [T, H * D]. Each row has the bits prefill_attention gives its chunk alone. Strides as
+    prefill_attention wants them; nothing else is checked (the model builds all of these)."""
+    T, H, D = q.shape
+    KV = k.shape[1]
+    threads = torch.get_num_threads()
+    table = torch.tensor([(offset, n, 0, offset) for offset, n in chunks], dtype=torch.int64)
+    scratch = torch.empty(_prefill_scratch_floats([(n, 0) for _, n in chunks], KV, D, threads), dtype=torch.float32)
+    kernels.prefill_attention_chunks(
+        q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), table.data_ptr(), len(chunks),
+        H, KV, D, scale, out.data_ptr(), out.stride(0), scratch.data_ptr(), threads,
+    )
 
 
 def paged_attention(

@@ -110,7 +110,16 @@ class TorchOps:
         B = meta.num_decodes
         if B:
             self.decode_attention(q[:B], kc, vc, meta, scale, out[:B])
-        for offset, n, start_pos, ctx_slots in meta.prefills:
+        self.prefills_attention(q, k, v, kc, vc, meta.prefills, scale, out)
+        return out
+
+    def prefills_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+        prefills: list, scale: float, out: torch.Tensor,
+    ) -> None:
+        """Each prefill chunk's rows of out [T, H * D] (`prefills`: AttentionMetadata.prefills), one
+        chunk at a time."""
+        for offset, n, start_pos, ctx_slots in prefills:
             if ctx_slots is None:  # the chunk is the whole context
                 kp, vp = k[offset : offset + n], v[offset : offset + n]  # [n, KV, D]
                 if kc.dtype != q.dtype:  # the values the cache holds, as a later chunk will read them
@@ -119,7 +128,6 @@ class TorchOps:
                 kp = kc.index_select(1, ctx_slots).to(q.dtype).transpose(0, 1)  # [ctx, KV, D]
                 vp = vc.index_select(1, ctx_slots).to(q.dtype).transpose(0, 1)
             out[offset : offset + n] = self.prefill_attention(q[offset : offset + n], kp, vp, start_pos, scale)
-        return out
 
     def decode_attention(
         self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: Any, scale: float, out: torch.Tensor
@@ -197,6 +205,20 @@ class NativeOps(TorchOps):
             qkv[:, H * D : (H + KV) * D].view(T, KV, D),
             qkv[:, (H + KV) * D :].view(T, KV, D),
         )
+
+    def prefills_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
+        prefills: list, scale: float, out: torch.Tensor,
+    ) -> None:
+        # the chunks that are whole prompts in one call, straight into out (the same bits as one by
+        # one); those with earlier context in the cache one by one
+        whole = [(offset, n) for offset, n, _, ctx_slots in prefills if ctx_slots is None]
+        if whole:
+            if kc.dtype != q.dtype:  # the values the cache holds, as a later chunk will read them
+                k, v = k.to(kc.dtype).to(q.dtype), v.to(vc.dtype).to(q.dtype)
+            native.prefill_attention_chunks(self.kernels, q, k, v, whole, scale, out)
+            prefills = [p for p in prefills if p[3] is not None]
+        super().prefills_attention(q, k, v, kc, vc, prefills, scale, out)
 
     def decode_attention(
         self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: Any, scale: float, out: torch.Tensor

@@ -198,6 +198,36 @@ def test_prefill_kernel_keeps_nan_where_it_belongs(kernel):
     _check_prefill_nan(kernel)
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_prefill_chunks_in_one_call_keep_each_chunks_bits(isa_kernels, threads):
+    """Several whole prompts of one step in one call (ragged: 1 row, under a 16-key panel, over a
+    32-row block, two 64-key blocks; GQA; q strided inside a fused qkv, a decode row first) give
+    each prompt's rows the bits of its own call and leave every other row of out alone."""
+    name, kernels = isa_kernels
+    g = torch.Generator().manual_seed(5)
+    lengths, H, KV = [1, 7, 33, 130, 16, 64], 6, 2
+    for D in (16, 24, 64):
+        T = 1 + sum(lengths)
+        qkv = torch.randn(T, (H + 2 * KV) * D, generator=g)
+        q = qkv[:, : H * D].view(T, H, D)
+        k, v = qkv[:, H * D : (H + KV) * D].view(T, KV, D), qkv[:, (H + KV) * D :].view(T, KV, D)
+        chunks, offset = [], 1
+        for n in lengths:
+            chunks.append((offset, n))
+            offset += n
+        out = torch.full((T, H * D), 7.0)
+        torch.set_num_threads(threads)
+        try:
+            native.prefill_attention_chunks(kernels, q, k, v, chunks, 0.3, out)
+            for offset, n in chunks:
+                rows = slice(offset, offset + n)
+                want = native.prefill_attention(kernels, q[rows], k[rows], v[rows], 0, 0.3)
+                assert torch.equal(out[rows], want), (name, threads, D, n)
+        finally:
+            torch.set_num_threads(1)
+        assert torch.equal(out[0], torch.full((H * D,), 7.0))
+
+
 def test_prefill_wrapper_rejects_inconsistent_shapes(kernel):
     q, k = torch.randn(8, 4, 16), torch.randn(8, 2, 16)
     with pytest.raises(ValueError, match="prefill_attention"):

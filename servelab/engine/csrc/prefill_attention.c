@@ -9,7 +9,9 @@
  *   - output: 2 rows x 32 dims of O += P V in eight accumulators, a V row's four vectors and
  *     two broadcast probabilities per key.
  * Blocks of QB = 32 query rows x KB = 64 keys; a block's last key block is masked by position.
- * Work is split over the threads by (query head, row block).
+ * One call takes every whole-prompt chunk of a step (servelab_prefill_attention_chunks_f32): K^T
+ * is packed per (chunk, KV head) and the work split over the threads by (chunk, query head, row
+ * block), so 32 short prompts cost two thread-pool jobs a layer, not 32.
  *
  * At SL_AVX512 the same tiles run sixteen lanes: scores 4 rows x two panels (32 keys), output
  * 2 rows x 64 dims (then one tile of the 16, 32 or 48 left, and AVX2's 8-dim step). Every lane sums over d (scores) or over
@@ -29,12 +31,20 @@
 #define KB 64 /* keys a block */
 #define KP 16 /* keys a packed K^T panel */
 
+/* One chunk of a call: query rows [row, row + n) of q (and of out) at positions start .. start + n
+ * - 1, over keys 0 .. start + n - 1 at rows [kv_row, kv_row + start + n) of k and v. */
+struct chunk {
+    int64_t row, n, start, kv_row;
+};
+
 struct prefill_job {
-    const float *q, *v, *kt;
-    int64_t q_stride, v_stride, v_head_stride, ctx_pad, n, start, heads, kv_heads, dim, blocks;
+    const float *q, *k, *v;
+    const struct chunk *chunks;
+    int64_t num_chunks, q_stride, kv_stride, kv_head_stride, heads, kv_heads, dim;
+    const int64_t *kt_at, *unit_at; /* per chunk: its K^T's offset in kt, its first work unit */
     float scale;
-    float *out, *scratch;
-    int64_t scratch_per_part;
+    float *out, *kt, *scratch;
+    int64_t out_stride, scratch_per_part;
 };
 
 /* S[r][0 .. keys) = scale * q_r . k_c for 4 rows (pointers may repeat for a short block) over
@@ -232,47 +242,100 @@ static void attend_rows(const float *const *qr_all, const int64_t *pos, int64_t 
     }
 }
 
+static inline int64_t ctx_pad_of(const struct chunk *c) { return (c->start + c->n + KP - 1) / KP * KP; }
+
+/* K^T of (chunk, KV head) pairs [begin, end), in panels of KP keys: [t / KP][d][t % KP], zero past the context. */
+static void pack_part(const void *ctx, int64_t part, int64_t begin, int64_t end) {
+    (void)part;
+    const struct prefill_job *j = ctx;
+    const int64_t dim = j->dim;
+    for (int64_t p = begin; p < end; p++) {
+        const struct chunk *c = &j->chunks[p / j->kv_heads];
+        const int64_t g = p % j->kv_heads, ctx_len = c->start + c->n, ctx_pad = ctx_pad_of(c);
+        const float *k = j->k + c->kv_row * j->kv_stride + g * j->kv_head_stride;
+        float *kt = j->kt + j->kt_at[p / j->kv_heads] + g * ctx_pad * dim;
+        for (int64_t t0 = 0; t0 < ctx_pad; t0 += KP) {
+            float *panel = kt + t0 * dim;
+            for (int64_t t = t0; t < t0 + KP; t++)
+                for (int64_t d = 0; d < dim; d++) panel[d * KP + (t - t0)] = t < ctx_len ? k[t * j->kv_stride + d] : 0.f;
+        }
+    }
+}
+
+/* Work units [begin, end): unit u of chunk c is (query head, block of QB rows), numbered from unit_at[c]. */
 static void prefill_part(const void *ctx, int64_t part, int64_t begin, int64_t end) {
     const struct prefill_job *j = ctx;
     const int64_t D = j->dim, group = j->heads / j->kv_heads;
     float *scratch = j->scratch + part * j->scratch_per_part;
-    for (int64_t u = begin; u < end; u++) {
-        const int64_t h = u / j->blocks, i0 = (u % j->blocks) * QB;
-        const int64_t rows = j->n - i0 < QB ? j->n - i0 : QB, kh = h / group;
+    int64_t lo = 0, hi = j->num_chunks - 1; /* the chunk holding unit `begin` */
+    while (lo < hi) {
+        const int64_t mid = (lo + hi + 1) / 2;
+        if (j->unit_at[mid] <= begin) lo = mid; else hi = mid - 1;
+    }
+    for (int64_t u = begin, ci = lo; u < end; u++) {
+        while (u >= j->unit_at[ci + 1]) ci++;
+        const struct chunk *c = &j->chunks[ci];
+        const int64_t blocks = (c->n + QB - 1) / QB, local = u - j->unit_at[ci];
+        const int64_t h = local / blocks, i0 = (local % blocks) * QB;
+        const int64_t rows = c->n - i0 < QB ? c->n - i0 : QB, kh = h / group;
         const float *qr[QB];
         float *out[QB];
         int64_t pos[QB];
         for (int64_t r = 0; r < rows; r++) {
-            qr[r] = j->q + (i0 + r) * j->q_stride + h * D;
-            out[r] = j->out + (i0 + r) * j->heads * D + h * D;
-            pos[r] = j->start + i0 + r;
+            qr[r] = j->q + (c->row + i0 + r) * j->q_stride + h * D;
+            out[r] = j->out + (c->row + i0 + r) * j->out_stride + h * D;
+            pos[r] = c->start + i0 + r;
         }
-        attend_rows(qr, pos, rows, j->kt + kh * j->ctx_pad * D, j->v + kh * j->v_head_stride, j->v_stride, D, j->scale,
-                    out, scratch);
+        attend_rows(qr, pos, rows, j->kt + j->kt_at[ci] + kh * ctx_pad_of(c) * D,
+                    j->v + c->kv_row * j->kv_stride + kh * j->kv_head_stride, j->kv_stride, D, j->scale, out, scratch);
     }
+}
+
+/* Floats of scratch servelab_prefill_attention_chunks_f32 needs per thread, after the K^T panels;
+ * and before them, for two int64 per chunk and one more, rounded up to a cache line. */
+#define PER_PART(dim) (QB * KB + QB * (dim) + 3 * QB + (dim))
+#define HEADER_FLOATS(num_chunks) ((4 * (num_chunks) + 2 + 15) / 16 * 16)
+
+/* Causal attention for num_chunks prefill chunks of one step in one call (struct chunk: chunks is
+ * [num_chunks][4] int64 row, n, start, kv_row), so a step of many short prompts pays one dispatch
+ * a layer, not one a prompt. q: row r at q + r * q_stride, head h at + h * dim; k, v: token t of
+ * KV head g at + t * kv_stride + g * kv_head_stride; out: row r at out + r * out_stride. Every
+ * row is attend_rows' arithmetic, so it has the bits of the one-chunk call. scratch:
+ * HEADER_FLOATS(num_chunks) floats, kv_heads * dim * sum(ctx_pad) for K^T (ctx_pad =
+ * start + n rounded up to 16), then threads * (QB * KB + QB * dim + 3 * QB + dim). */
+void servelab_prefill_attention_chunks_f32(const float *q, int64_t q_stride, const float *k, const float *v,
+                                           int64_t kv_stride, int64_t kv_head_stride, const int64_t *chunks,
+                                           int64_t num_chunks, int64_t heads, int64_t kv_heads, int64_t dim,
+                                           float scale, float *out, int64_t out_stride, float *scratch,
+                                           int64_t threads)
+{
+    const struct chunk *cs = (const struct chunk *)chunks;
+    int64_t *kt_at = (int64_t *)scratch, *unit_at = kt_at + num_chunks; /* unit_at has num_chunks + 1 entries */
+    int64_t kt_floats = 0;
+    unit_at[0] = 0;
+    for (int64_t c = 0; c < num_chunks; c++) {
+        kt_at[c] = kt_floats;
+        kt_floats += kv_heads * ctx_pad_of(&cs[c]) * dim;
+        unit_at[c + 1] = unit_at[c] + heads * ((cs[c].n + QB - 1) / QB);
+    }
+    float *kt = scratch + HEADER_FLOATS(num_chunks);
+    struct prefill_job job = {q, k, v, cs, num_chunks, q_stride, kv_stride, kv_head_stride, heads, kv_heads, dim,
+                              kt_at, unit_at, scale, out, kt, kt + kt_floats, out_stride, PER_PART(dim)};
+    sl_parallel_for(pack_part, &job, num_chunks * kv_heads, threads);
+    sl_parallel_for(prefill_part, &job, unit_at[num_chunks], threads);
 }
 
 /* out [n, heads * dim] (contiguous) = causal attention of q (row r at q + r * q_stride, head h at
  * + h * dim) over k and v (token t of KV head g at + t * kv_stride + g * kv_head_stride, for
- * t < start + n). scratch: kv_heads * ctx_pad * dim floats for K^T (ctx_pad = start + n rounded
- * up to 16), then scratch_per_part = QB * KB + QB * dim + 3 * QB + dim floats per thread. */
+ * t < start + n): one chunk. scratch: 16 floats, kv_heads * ctx_pad * dim floats for K^T (ctx_pad
+ * = start + n rounded up to 16), then QB * KB + QB * dim + 3 * QB + dim floats per thread. */
 void servelab_prefill_attention_f32(const float *q, int64_t q_stride, const float *k, const float *v, int64_t kv_stride,
                                     int64_t kv_head_stride, int64_t n, int64_t start, int64_t heads, int64_t kv_heads,
                                     int64_t dim, float scale, float *out, float *scratch, int64_t threads)
 {
-    const int64_t ctx = start + n, ctx_pad = (ctx + KP - 1) / KP * KP;
-    float *kt = scratch;
-    for (int64_t g = 0; g < kv_heads; g++) /* K^T in panels of KP keys: [g][t / KP][d][t % KP] */
-        for (int64_t t0 = 0; t0 < ctx_pad; t0 += KP) {
-            float *panel = kt + (g * ctx_pad + t0) * dim;
-            for (int64_t t = t0; t < t0 + KP; t++)
-                for (int64_t d = 0; d < dim; d++)
-                    panel[d * KP + (t - t0)] = t < ctx ? k[t * kv_stride + g * kv_head_stride + d] : 0.f;
-        }
-    const int64_t blocks = (n + QB - 1) / QB;
-    struct prefill_job job = {q, v, kt, q_stride, kv_stride, kv_head_stride, ctx_pad, n, start, heads, kv_heads, dim,
-                              blocks, scale, out, scratch + kv_heads * ctx_pad * dim, QB * KB + QB * dim + 3 * QB + dim};
-    sl_parallel_for(prefill_part, &job, heads * blocks, threads);
+    const int64_t chunk[4] = {0, n, start, 0};
+    servelab_prefill_attention_chunks_f32(q, q_stride, k, v, kv_stride, kv_head_stride, chunk, 1, heads, kv_heads, dim,
+                                          scale, out, heads * dim, scratch, threads);
 }
 
 /* The paged kernel: one query token per sequence (a decode), each attending over its own blocks

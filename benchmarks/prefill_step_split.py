@@ -1,0 +1,135 @@
+"""Where a prefill step goes, by kind of work, with the linears of big chunks on MKL (over the
+dense fp32 weights, above block_quant.MAX_ROWS) against the panel kernel (over the packed blocks),
+interleaved round by round.
+
+Two steps, as benchmarks/engine_cpu.py runs them: `prefill_512` (one 512-token prompt) and
+`prefill_32x32` (decode_b32's first step: 32 prompts of 32 tokens, 1024 rows). Each step is
+`LLMEngine.step()` whole; every linear (by kind), the LM head, the embedding and each op of the
+layer loop are wrapped in a timer (~0.3 us a call), and "else" is the step minus what they
+account for (scheduling, metadata, sampling, the final gather and add, Python).
+
+    python benchmarks/prefill_step_split.py [--threads 2] [--rounds 5] [--steps 512,32x32]
+        [--panel-rows 1024] [--modes mkl,panel]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch loads
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from engine_cpu import Servelab, prompt_ids  # noqa: E402
+
+from servelab.core.sequence import SamplingParams  # noqa: E402
+from servelab.engine import block_quant  # noqa: E402
+
+KINDS = ("qkv", "o", "gate_up", "down", "lm_head", "attention", "rope_kv", "norms", "silu_mul", "embed", "else")
+
+
+class Timed:
+    """Calls `fn` and adds its time to `totals[label]`."""
+
+    def __init__(self, fn, label: str, totals: dict[str, int]):
+        self.fn, self.label, self.totals = fn, label, totals
+
+    def __call__(self, *args, **kwargs):
+        t = time.perf_counter_ns()
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            self.totals[self.label] = self.totals.get(self.label, 0) + time.perf_counter_ns() - t
+
+    def __getattr__(self, name):  # shape, bias, ... of a wrapped linear
+        return getattr(self.fn, name)
+
+
+def instrument(model, totals: dict[str, int]) -> None:
+    for layer in model.layers:
+        for kind in ("qkv", "o", "gate_up", "down"):
+            setattr(layer, kind, Timed(getattr(layer, kind), kind, totals))
+    model.lm_head = Timed(model.lm_head, "lm_head", totals)
+    model.embedding = Timed(model.embedding, "embed", totals)
+    ops = model.ops
+    # attention includes the prefill attention kernel it calls; rms_norm is the final norm
+    for name, label in (("attention", "attention"), ("rope_store_kv", "rope_kv"), ("add_rms_norm", "norms"),
+                        ("rms_norm", "norms"), ("silu_mul", "silu_mul")):
+        setattr(ops, name, Timed(getattr(ops, name), label, totals))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", default="512,32x32", help="comma-separated: 512 (one prompt), 32x32 (32 prompts)")
+    parser.add_argument("--panel-rows", type=int, default=4096, help="MAX_ROWS in the panel mode")
+    parser.add_argument("--modes", default="mkl,panel", help="mkl: MAX_ROWS as committed; panel: --panel-rows")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    engine = Servelab("float32").engine
+    model = engine.executor.model
+    totals: dict[str, int] = {}
+    instrument(model, totals)
+    max_rows = {"mkl": block_quant.MAX_ROWS, "panel": args.panel_rows}
+    modes = [m for m in args.modes.split(",") if m]
+    shapes = {"512": [(512, 7)], "32x32": [(32, 100 + i) for i in range(32)]}
+    steps = [s for s in args.steps.split(",") if s]
+    n = [0]
+
+    def one_step(step: str) -> tuple[float, dict[str, int]]:
+        for length, seed in shapes[step]:
+            n[0] += 1
+            engine.add_request(f"p{n[0]}", prompt_ids(length, seed), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+        totals.clear()
+        t = time.perf_counter_ns()
+        engine.step()  # the whole prefill; max_tokens=1 finishes every request in it
+        wall = time.perf_counter_ns() - t
+        if engine.has_unfinished():
+            raise SystemExit(f"step {step}: the prefill did not finish in one step")
+        return wall, dict(totals)
+
+    results: dict[tuple[str, str], list[tuple[float, dict[str, int]]]] = {}
+    for mode in modes:  # warm-up, each mode once
+        block_quant.MAX_ROWS = max_rows[mode]
+        for step in steps:
+            one_step(step)
+    for r in range(args.rounds):
+        for step in steps:
+            for mode in modes if r % 2 == 0 else modes[::-1]:
+                block_quant.MAX_ROWS = max_rows[mode]
+                results.setdefault((step, mode), []).append(one_step(step))
+    print(f"prefill steps, bundled SmolLM2-135M, fp32 over Q4_1 (head Q8_0), {args.threads} threads, "
+          f"{args.rounds} interleaved rounds, medians in ms; mkl: MAX_ROWS={max_rows['mkl']}, "
+          f"panel: MAX_ROWS={args.panel_rows}")
+    for step in steps:
+        rows = sum(length for length, _ in shapes[step])
+        print(f"step {step} ({rows} rows)")
+        print(f"  {'kind':10s} " + " ".join(f"{m:>9s}" for m in modes))
+        for kind in ("step", *KINDS):
+            cells = []
+            for mode in modes:
+                vals = []
+                for wall, t in results[(step, mode)]:
+                    if kind == "step":
+                        vals.append(wall)
+                    elif kind == "else":
+                        vals.append(wall - sum(t.values()))
+                    else:
+                        vals.append(t.get(kind, 0))
+                cells.append(f"{statistics.median(vals) / 1e6:9.1f}")
+            print(f"  {kind:10s} " + " ".join(cells))
+        for mode in modes:
+            wall = statistics.median(w for w, _ in results[(step, mode)])
+            print(f"  {mode}: {rows / (wall / 1e9):.0f} prompt tok/s")
+    print("load average at the end (1/5/15 min): " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
