@@ -61,7 +61,9 @@ def main(argv: list[str] | None = None) -> int:
         return call
 
     k = model.ops.kernels
-    model.ops.kernels = native.NativeKernels(**{f.name: timed(f.name, getattr(k, f.name)) for f in fields(k)})
+    model.ops.kernels = native.NativeKernels(
+        **{f.name: timed(f.name, getattr(k, f.name)) if callable(getattr(k, f.name)) else getattr(k, f.name) for f in fields(k)}
+    )
     model.use_ops(model.ops)  # the linears and the stack on the timed entry points
     stack = model.decode_stack
     modes = {"one call": stack, "op by op": None} if stack is not None else {"op by op": None}

@@ -1,11 +1,12 @@
-"""Linears that keep their GGUF block-quantized weights, for steps of up to 128 rows.
+"""Linears that keep their GGUF block-quantized weights, for every step but the largest on AVX2.
 
 A GGUF model's weights arrive block-quantized (SmolLM2's layers as Q4_1, its head as Q8_0). The
 loader dequantizes them to fp32, the exact values transformers computes, and a step with few
 rows is bound by the bytes of weights it reads, 4-6x more in fp32 than in the file. So the C
 kernels in csrc/block_quant_linear.c multiply straight from the packed blocks: up to
 FUSED_MAX_ROWS rows widening them in registers, then expanding PANEL_OUTPUTS outputs at a time to
-fp32 for a register-blocked GEMM; above MAX_ROWS MKL's GEMM over the fp32 copy is faster. Same
+fp32 for a register-blocked GEMM; at AVX2 and below, above MAX_ROWS MKL's GEMM over the fp32 copy is
+faster, while at the AVX-512 levels the panel kernel is ahead at every row count (max_rows). Same
 weights, fp32 sums either way (only the rounding order differs), so this is on by default,
 unlike the approximate `--quantization int8`. Costs the packed copy's memory. Timings:
 docs/benchmarks.md, "GGUF blocks kept packed".
@@ -39,7 +40,9 @@ _F32 = GGML_TYPE_BY_NAME["F32"].kernel_code  # a plain fp32 weight, through the 
 
 # Where one kernel overtakes the other, measured over SmolLM2's matrices (docs/benchmarks.md).
 FUSED_MAX_ROWS = 4  # up to here the in-register kernel, then the panel kernel
-MAX_ROWS = 128  # above this MKL (it pulls ahead by 256 rows)
+MAX_ROWS = 128  # at AVX2 and below, above this MKL (it pulls ahead by 256 rows)
+# At these the panel kernel runs 1.7-1.9x MKL's sgemm at 128-2048 rows: no switch to MKL.
+PANEL_ONLY_LEVELS = frozenset({"avx512", "avx512_vnni", "avx512_bf16"})
 PANEL_OUTPUTS = 48  # outputs the panel kernel expands at a time (PANEL in the C file)
 
 
@@ -56,8 +59,8 @@ class PackedRows:
 @dataclass(slots=True)
 class BlockQuantLinear:
     """y = x @ W^T (+ bias). `segments` hold W as GGUF blocks (one per run of outputs in one
-    format: a fused QKV may mix Q4_K and Q6_K), used for up to MAX_ROWS rows; `dense`, W in fp32
-    [out, in], serves bigger steps."""
+    format: a fused QKV may mix Q4_K and Q6_K), used for up to max_rows(kernels) rows; `dense`, W
+    in fp32 [out, in], serves bigger steps."""
 
     segments: tuple[PackedRows, ...]
     kernels: native.NativeKernels
@@ -70,8 +73,8 @@ class BlockQuantLinear:
     bias: torch.Tensor | None = None  # fp32 [out]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        rows = x.shape[0]
-        if rows == 0 or (rows > MAX_ROWS and not self.invariant):
+        rows, limit = x.shape[0], max_rows(self.kernels)
+        if rows == 0 or (limit is not None and rows > limit and not self.invariant):
             return F.linear(x, self.dense, self.bias)
         x = x.contiguous()
         out_features, in_features = self.shape
@@ -115,6 +118,12 @@ class BlockQuantLinear:
             n = seg.data.shape[0]
             self.kernels.block_dequant(seg.fmt, seg.data.data_ptr(), seg.data.shape[1], in_features, 0, n, w[seg.start :].data_ptr())
         return w
+
+
+def max_rows(kernels: native.NativeKernels) -> int | None:
+    """The most rows the packed kernels built as `kernels` take before MKL's GEMM over the fp32
+    copy does better (None: every row count)."""
+    return None if kernels.level in PANEL_ONLY_LEVELS else MAX_ROWS
 
 
 def fused_formats(linear: BlockQuantLinear) -> bool:

@@ -9,8 +9,9 @@ per-op path runs, in the same order, so the results are the same bits.
 
 It covers what it can describe: linears held as GGUF blocks (block_quant.BlockQuantLinear),
 int8 codes (quantization.Int8Linear) or 16-bit weights (linear.HalfLinear), steps of decodes
-only, and up to block_quant.MAX_ROWS rows (linear.HALF_GEMM_MAX_ROWS with 16-bit weights) unless
-every linear is batch-invariant (above that, the per-op path's MKL GEMM is faster).
+only, and up to block_quant.max_rows(kernels) rows (every row count at the AVX-512 levels;
+linear.HALF_GEMM_MAX_ROWS with 16-bit weights) unless every linear is batch-invariant (above
+that, the per-op path's MKL GEMM is faster).
 Anything else (dense fp32 linears outside deterministic mode, tensor-parallel wrappers, prefill
 chunks) keeps the per-op path.
 """
@@ -104,7 +105,7 @@ class DecodeStack:
     """The model's layers as csrc/decode_stack.c runs them; `build` says whether it can."""
 
     def __init__(
-        self, kernels: native.NativeKernels, stack: _Stack, layers: Any, invariant: bool, max_rows: int, keep: list
+        self, kernels: native.NativeKernels, stack: _Stack, layers: Any, invariant: bool, max_rows: int | None, keep: list
     ):
         self.kernels = kernels
         self._stack = stack
@@ -112,7 +113,7 @@ class DecodeStack:
         self._layers_array = layers
         self._keep = keep  # the tensors whose memory the C structs point into
         self.invariant = invariant  # every linear on the panel kernel: any row count, bit-exact per row
-        self.max_rows = max_rows  # the most rows the per-op path runs on these kernels (unless invariant)
+        self.max_rows = max_rows  # the most rows it takes (None: any; and any when invariant)
         self._arena = torch.empty(0, dtype=torch.float32)
         self._step = _Step()
         self._step_ptr = ctypes.addressof(self._step)
@@ -131,7 +132,7 @@ class DecodeStack:
         want = {"qkv": ((H + 2 * KV) * D, hidden), "o": (hidden, H * D), "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
         array = (_Layer * len(layers))()
         keep: list[Any] = []
-        invariant, max_rows = True, block_quant.MAX_ROWS
+        invariant, max_rows = True, block_quant.max_rows(kernels)
         for i, layer in enumerate(layers):
             if not (_fp32_contiguous(layer.input_norm) and _fp32_contiguous(layer.post_norm)):
                 return None
@@ -143,7 +144,7 @@ class DecodeStack:
                     return None
                 invariant &= isinstance(lin, Int8Linear) or bool(d.invariant)
                 if isinstance(lin, HalfLinear) and not lin.invariant:  # above, the per-op path takes MKL
-                    max_rows = min(max_rows, HALF_GEMM_MAX_ROWS)
+                    max_rows = HALF_GEMM_MAX_ROWS if max_rows is None else min(max_rows, HALF_GEMM_MAX_ROWS)
                 setattr(array[i], name, d)
                 keep.append(lin)
             keep += [layer.input_norm, layer.post_norm]
@@ -156,7 +157,9 @@ class DecodeStack:
 
     def accepts(self, meta: Any, rows: int) -> bool:
         """Whether this step is one the stack runs: decodes only, few enough rows for the packed kernels."""
-        return not meta.prefills and meta.num_decodes == rows > 0 and (self.invariant or rows <= self.max_rows)
+        return not meta.prefills and meta.num_decodes == rows > 0 and (
+            self.invariant or self.max_rows is None or rows <= self.max_rows
+        )
 
     def __call__(
         self, x: torch.Tensor, meta: Any, cos: torch.Tensor, sin: torch.Tensor,

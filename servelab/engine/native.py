@@ -173,8 +173,9 @@ def _flags(level: IsaLevel) -> list[str]:
 
 @dataclass(frozen=True, slots=True)
 class NativeKernels:
-    """The C entry points (ctypes functions with argtypes set)."""
+    """The C entry points (ctypes functions with argtypes set), built for ISA level `level`."""
 
+    level: str
     decode_attention: Callable[..., None]
     prefill_attention: Callable[..., None]
     prefill_attention_chunks: Callable[..., None]
@@ -223,6 +224,7 @@ def _build(level: IsaLevel) -> NativeKernels:
         return f
 
     return NativeKernels(
+        level=level.name,
         decode_attention=fn(
             "servelab_decode_attention",
             ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, f32, ptr, i64, ptr, i64,

@@ -16,7 +16,7 @@ class Kernel(Enum):
     """Which of our CPU block kernels (engine/csrc/block_quant_linear.c) multiply a format."""
 
     NONE = "none"  # dequantized to the compute dtype at load
-    PANEL = "panel"  # the panel kernel only (any row count up to block_quant.MAX_ROWS)
+    PANEL = "panel"  # the panel kernel only (any row count up to block_quant.max_rows)
     PANEL_AND_ROWS = "panel+rows"  # also the in-register kernel for steps of a few rows
 
 

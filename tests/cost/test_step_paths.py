@@ -62,27 +62,31 @@ def test_the_engine_takes_the_one_call_path_exactly_on_decode_only_steps():
     assert True in took and False in took  # both paths ran
 
 
-def test_a_decode_batch_past_the_packed_rows_takes_the_per_op_path_as_priced():
-    # the decode stack takes up to block_quant.MAX_ROWS rows; past that the profile (with the
-    # engine's kernel_rows) prices the per-op path, as the engine runs it
+def test_a_decode_batch_past_the_packed_rows_takes_the_path_it_is_priced_on():
+    # up to AVX2 the decode stack takes up to block_quant.MAX_ROWS rows, and past that the profile
+    # (with the engine's kernel_rows) prices the per-op path, as the engine runs it; at the
+    # AVX-512 levels the stack takes every row count and kernel_rows has no switch
     from servelab.commands.calibrate import kernel_rows_of
     from servelab.core.sequence import SamplingParams
     from servelab.cost.profile import KernelRows, per_op_path
+    from servelab.engine import block_quant
 
     engine, stack = bundled_engine(max_model_len=64, max_num_batched_tokens=1024)
     try:
         found = kernel_rows_of(engine)
         rows = KernelRows.from_dict(found)
+        assert rows.max_rows == stack.max_rows
+        n, on_stack = (rows.max_rows or block_quant.MAX_ROWS) + 2, rows.max_rows is None
         took: list[tuple[int, bool]] = []
         accepts = stack.accepts
-        stack.accepts = lambda meta, n: took.append((n, accepts(meta, n))) or took[-1][1]
+        stack.accepts = lambda meta, k: took.append((k, accepts(meta, k))) or took[-1][1]
         params = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
-        for i in range(rows.max_rows + 2):  # one prefill step of 2-token prompts, then one decode step of all
+        for i in range(n):  # one prefill step of 2-token prompts, then one decode step of all
             engine.add_request(f"r{i}", [10 + i % 50, 11], params)
         while engine.has_unfinished():
             engine.step()
     finally:
         engine.close()
-    decodes = [(n, stack_took) for n, stack_took in took if n == rows.max_rows + 2]
-    assert decodes and all(not stack_took for _, stack_took in decodes)
-    assert per_op_path(rows.max_rows + 2, rows.max_rows + 2, rows) and not per_op_path(rows.max_rows, rows.max_rows, rows)
+    decodes = [stack_took for k, stack_took in took if k == n]
+    assert decodes and all(stack_took == on_stack for stack_took in decodes)
+    assert per_op_path(n, n, rows) == (not on_stack) and not per_op_path(n - 2, n - 2, rows)

@@ -90,15 +90,21 @@ def test_threads_split_the_outputs_without_changing_a_bit(kernel, fmt):
         _check(linear, rows, with_bias=rows % 2 == 1, seed=rows)
 
 
-def test_many_rows_take_the_dense_gemm(kernel):
+def test_many_rows_take_the_dense_gemm_where_it_is_faster(isa_kernels):
+    """Up to AVX2, steps over MAX_ROWS rows take MKL over the fp32 copy; at the AVX-512 levels the
+    packed kernels take every row count."""
+    name, kernels = isa_kernels
     raw, dense = _packed("Q4_1", 8, 64, seed=1)
-    linear = block_quant.pack(dense, [(3, raw)], kernel)
+    linear = block_quant.pack(dense, [(3, raw)], kernels)
     for seg in linear.segments:
         seg.data.zero_()  # garbage in the packed copy: only the fp32 path can still be right
-    x = torch.randn(block_quant.MAX_ROWS + 1, 64)
-    assert torch.equal(linear(x), F.linear(x, dense))
-    for rows in (1, 5, block_quant.MAX_ROWS):  # ...and both packed kernels do read it
-        assert not torch.allclose(linear(x[:rows]), F.linear(x[:rows], dense))
+    limit = block_quant.max_rows(kernels)
+    assert limit == (None if name.startswith("avx512") else block_quant.MAX_ROWS)
+    x = torch.randn(3 * block_quant.MAX_ROWS, 64)
+    if limit is not None:
+        assert torch.equal(linear(x[: limit + 1]), F.linear(x[: limit + 1], dense))
+    for rows in (1, 5, block_quant.MAX_ROWS) + (() if limit else (block_quant.MAX_ROWS + 1, x.shape[0])):
+        assert not torch.allclose(linear(x[:rows]), F.linear(x[:rows], dense)), rows  # a packed kernel read it
 
 
 @pytest.mark.parametrize(

@@ -200,7 +200,9 @@ def test_stack_leaves_prefills_and_big_batches_to_the_per_op_path(gguf_models):
     assert not stack.accepts(meta, 2)  # the rows are not all decodes
     big = block_quant.MAX_ROWS + 1
     meta.num_decodes = big
-    assert not stack.accepts(meta, big)  # MKL's GEMM is faster there
+    # past max_rows MKL's GEMM is faster (up to AVX2); at the AVX-512 levels the stack takes any
+    assert stack.max_rows == block_quant.max_rows(stack.kernels)
+    assert stack.accepts(meta, big) == (stack.max_rows is None)
     meta.num_decodes, meta.prefills = 1, [(1, 3, 0, None)]
     assert not stack.accepts(meta, 1)
 
