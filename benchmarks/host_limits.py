@@ -3,11 +3,12 @@ bandwidth and the peak fp32 / bf16 / int8 matmul rates torch reaches here.
 
     python benchmarks/host_limits.py [--threads N] [--json]
 
-Each rate is the best this torch build reaches on this CPU: the faster of torch.mm and a linear
-layer for fp32 and bf16, of torch._int_mm and fbgemm's dynamic int8 linear for int8. On a core
-without native bf16 that is an emulation, and the figure says so by being low. A rate torch has no CPU kernel for is reported
-as missing, not guessed. These are what torch reaches, not the silicon's datasheet peak: a
-hand-written kernel can beat them (a fraction over 100% says so).
+Each rate is the best this host reaches: the fastest of torch.mm, a linear layer and (fp32)
+servelab's own panel GEMM for fp32 and bf16, of torch._int_mm and fbgemm's dynamic int8 linear for
+int8. On a core without native bf16 that is an emulation, and the figure says so by being low. A
+rate no kernel here has is reported as missing, not guessed. These are what the software here
+reaches, not the silicon's datasheet peak: a better kernel can beat them (a fraction over 100%
+says so).
 """
 
 from __future__ import annotations

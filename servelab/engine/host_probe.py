@@ -43,6 +43,21 @@ def linear_flops_per_s(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> f
     return 2 * n**3 / _best_s(lambda: torch.nn.functional.linear(x, w), repeats)
 
 
+def native_gemm_flops_per_s(n: int = 1024, repeats: int = 5) -> float | None:
+    """servelab's own fp32 GEMM (csrc/block_quant_linear.c's panel kernel over a plain fp32
+    weight, as deterministic mode runs it), or None without the native kernels. It outruns MKL's
+    sgemm where MKL does not use the CPU's widest vectors (AVX-512 on AMD)."""
+    from servelab.engine import block_quant, native
+    from servelab.engine.linear import DenseLinear
+
+    kernels = native.native_kernels()
+    if kernels is None:
+        return None
+    x = torch.randn(n, n)
+    linear = block_quant.batch_invariant(DenseLinear(torch.randn(n, n), None), kernels)
+    return 2 * n**3 / _best_s(lambda: linear(x), repeats)
+
+
 def int_mm_ops_per_s(n: int = 1024, repeats: int = 5) -> float | None:
     """torch._int_mm (int8 x int8 -> int32), or None where it has no CPU kernel. Some builds run a
     slow fallback, hence fbgemm's rate below as well."""
@@ -89,9 +104,12 @@ def memory_bytes() -> float:
 
 def peak_float_flops_per_s(dtype: torch.dtype, sizes: tuple[int, ...] = (256, 512, 1024, 2048),
                            repeats: int = 3) -> float | None:
-    """The faster of torch.mm and a linear layer at the best size: the rate torch reaches here."""
+    """The faster of torch.mm and a linear layer at the best size (fp32: and servelab's own GEMM),
+    the best rate this host reaches in that dtype."""
     rates = [peak_rate(lambda n: rate(dtype, n, repeats=repeats), sizes)
              for rate in (matmul_flops_per_s, linear_flops_per_s)]
+    if dtype == torch.float32:
+        rates.append(peak_rate(lambda n: native_gemm_flops_per_s(n, repeats=repeats), sizes))
     return max((r for r in rates if r is not None), default=None)
 
 

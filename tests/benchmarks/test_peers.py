@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
@@ -148,6 +149,21 @@ def test_host_probe_rates_are_positive():
     for int8 in (host_probe.int_mm_ops_per_s, host_probe.fbgemm_int8_ops_per_s):
         rate = int8(n=64, repeats=1)
         assert rate is None or rate > 0
+
+
+def test_fp32_peak_is_the_best_of_torch_and_the_native_gemm(monkeypatch):
+    from servelab.engine import native
+
+    if native.native_kernels() is not None:
+        assert host_probe.native_gemm_flops_per_s(n=64, repeats=1) > 0
+    # the native GEMM counts where it is faster, and only for fp32
+    monkeypatch.setattr(host_probe, "matmul_flops_per_s", lambda dtype, n, repeats: 1e9)
+    monkeypatch.setattr(host_probe, "linear_flops_per_s", lambda dtype, n, repeats: 2e9)
+    monkeypatch.setattr(host_probe, "native_gemm_flops_per_s", lambda n, repeats: 3e9)
+    assert host_probe.peak_float_flops_per_s(torch.float32, sizes=(64,)) == 3e9
+    assert host_probe.peak_float_flops_per_s(torch.bfloat16, sizes=(64,)) == 2e9
+    monkeypatch.setattr(host_probe, "native_gemm_flops_per_s", lambda n, repeats: None)
+    assert host_probe.peak_float_flops_per_s(torch.float32, sizes=(64,)) == 2e9
 
 
 @pytest.mark.slow
