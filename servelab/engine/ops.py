@@ -187,6 +187,11 @@ class NativeOps(TorchOps):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return x, native.add_rms_norm(self.kernels, x, delta, weight, eps)  # the add is in place
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        # the final norm too: one call on this thread (torch's wakes its pool), and a row's
+        # result never depends on the row count (torch's may)
+        return native.add_rms_norm(self.kernels, x.contiguous(), None, weight, eps)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         return native.silu_mul(self.kernels, gate_up)
 
@@ -255,10 +260,6 @@ class InvariantOps(NativeOps):
             return block_quant.batch_invariant(linear, self.kernels)
         except ValueError as exc:
             raise InvalidArgument(f"deterministic mode cannot run this model: {exc}", param="deterministic") from exc
-
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        # torch's norm may reduce a row differently by row count; the native one never does
-        return native.add_rms_norm(self.kernels, x, None, weight, eps)
 
     def decode_attention(
         self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: Any, scale: float, out: torch.Tensor

@@ -65,9 +65,7 @@ class Sampler:
             raise ValueError(f"logits has {n} rows but {len(seqs)} sequences were given")
         if logits.dtype != torch.float32:
             logits = logits.float()
-        # A NaN or an inf anywhere makes the row's sum non-finite (so would logits beyond ~1e33,
-        # which are no better); one sum per row is far cheaper than isfinite(logits).all(-1).
-        bad_rows = (~torch.isfinite(logits.sum(dim=-1))).nonzero().flatten().tolist()
+        bad_rows = _nonfinite_rows(logits)
         self.row_errors = dict.fromkeys(bad_rows, NON_FINITE_LOGITS)
         if bad_rows:
             logits = logits.clone()
@@ -195,6 +193,16 @@ class Sampler:
             k = params[i].logprobs
             out[i] = TokenLogprobs(tokens[i], chosen[j], list(zip(top_ids[j][:k], top_values[j][:k])))
         return out
+
+
+def _nonfinite_rows(logits: torch.Tensor) -> list[int]:
+    """The rows holding a NaN or an inf: the native check on CPU fp32; elsewhere a row's sum,
+    which any of them makes non-finite (so would logits beyond ~1e33, which are no better), far
+    cheaper than isfinite(logits).all(-1)."""
+    kernels = native.native_kernels() if logits.device.type == "cpu" else None
+    if kernels is not None and logits.is_contiguous():
+        return native.nonfinite_rows(kernels, logits)
+    return (~torch.isfinite(logits.sum(dim=-1))).nonzero().flatten().tolist()
 
 
 def _argmax(logits: torch.Tensor) -> torch.Tensor:

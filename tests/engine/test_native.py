@@ -390,6 +390,25 @@ def _argmax_cases() -> list[torch.Tensor]:
             torch.randint(0, 3, (4, 1000), generator=g).float(), tails]  # many ties
 
 
+def test_nonfinite_rows_are_exactly_the_rows_torch_finds(isa_kernels):
+    """NaN, +inf or -inf at the start, mid-vector or in the scalar tail marks its row; the largest
+    finite float, subnormals and -0.0 do not."""
+    _, kernels = isa_kernels
+    n = 91  # 64 + 16 + 8 + 3: every vector step and a tail
+    x = torch.randn(12, n)
+    x[1, 0], x[2, 47], x[3, 90], x[4, 5] = float("nan"), float("inf"), float("-inf"), float("nan")
+    x[4, 80] = float("inf")
+    x[5] = torch.finfo(torch.float32).max
+    x[6, :10] = torch.finfo(torch.float32).tiny / 4  # subnormal
+    x[7] = -0.0
+    x[8, 63] = -torch.finfo(torch.float32).max
+    x[11, 64] = float("nan")
+    want = (~torch.isfinite(x).all(dim=-1)).nonzero().flatten().tolist()
+    assert want == [1, 2, 3, 4, 11]
+    assert native.nonfinite_rows(kernels, x) == want
+    assert native.nonfinite_rows(kernels, x[5:8].contiguous()) == []
+
+
 def test_argmax_rows_matches_torch(kernel):
     before = torch.get_num_threads()
     try:
