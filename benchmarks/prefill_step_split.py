@@ -1,6 +1,6 @@
 """Where a prefill step goes, by kind of work, with the linears of big chunks on MKL (over the
-dense fp32 weights, above block_quant.MAX_ROWS) against the panel kernel (over the packed blocks),
-interleaved round by round.
+dense fp32 weights, above block_quant.MAX_ROWS, at every ISA level) against the panel kernel (over
+the packed blocks, up to --panel-rows), interleaved round by round.
 
 Two steps, as benchmarks/engine_cpu.py runs them: `prefill_512` (one 512-token prompt) and
 `prefill_32x32` (decode_b32's first step: 32 prompts of 32 tokens, 1024 rows). Each step is
@@ -77,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     totals: dict[str, int] = {}
     instrument(model, totals)
     max_rows = {"mkl": block_quant.MAX_ROWS, "panel": args.panel_rows}
+    block_quant.PANEL_ONLY_LEVELS = frozenset()  # MAX_ROWS decides at every level, as each mode sets it
     modes = [m for m in args.modes.split(",") if m]
     shapes = {"512": [(512, 7)], "32x32": [(32, 100 + i) for i in range(32)]}
     steps = [s for s in args.steps.split(",") if s]
