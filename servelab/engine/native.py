@@ -187,7 +187,7 @@ class NativeKernels:
     block_quant_gemm: Callable[..., None]
     block_dequant: Callable[..., None]
     argmax_rows: Callable[..., None]
-    nonfinite_rows: Callable[..., None]
+    nonfinite_rows: Callable[..., int]
     int8_linear: Callable[..., int]
     paged_attention_scratch: Callable[..., int]
     decode_stack: Callable[..., int]
@@ -252,7 +252,7 @@ def _build(level: IsaLevel) -> NativeKernels:
         ),
         block_dequant=fn("servelab_block_dequant_f32", i64, ptr, i64, i64, i64, i64, ptr),
         argmax_rows=fn("servelab_argmax_rows_f32", ptr, i64, i64, ptr, i64),
-        nonfinite_rows=fn("servelab_nonfinite_rows_f32", ptr, i64, i64, ptr),
+        nonfinite_rows=fn("servelab_nonfinite_rows_f32", ptr, i64, i64, ptr, restype=i64),
         int8_linear=fn("servelab_int8_linear_f32", ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64, restype=ctypes.c_int),
         paged_attention_scratch=fn("servelab_paged_attention_scratch_floats", i64, i64, restype=i64),
         decode_stack=fn("servelab_decode_stack", ptr, ptr, ptr, ptr, ptr, restype=ctypes.c_int),
@@ -463,8 +463,9 @@ def nonfinite_rows(kernels: NativeKernels, x: torch.Tensor) -> list[int]:
     """The rows of a contiguous fp32 [rows, n] that hold a NaN or an infinity, in order."""
     rows, n = x.shape
     bad = torch.empty(rows, dtype=torch.uint8)
-    kernels.nonfinite_rows(x.data_ptr(), rows, n, bad.data_ptr())
-    return bad.nonzero().flatten().tolist() if bool(bad.any()) else []
+    if kernels.nonfinite_rows(x.data_ptr(), rows, n, bad.data_ptr()) == 0:
+        return []
+    return bad.nonzero().flatten().tolist()
 
 
 def argmax_rows(kernels: NativeKernels, x: torch.Tensor) -> torch.Tensor:

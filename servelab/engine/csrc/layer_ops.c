@@ -226,15 +226,18 @@ void servelab_argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t *
 }
 
 /* bad[r] = 1 if row r of a contiguous fp32 [rows, n] holds a NaN or an infinity (exponent all
- * ones), else 0: the sampler's check of every step's logits, in one pass on the calling thread
- * (torch's reduction over a vocabulary-wide row wakes its thread pool for ~50 us). Integer ops
- * only, so the compiler vectorizes it at every level and the answer is exact. */
-void servelab_nonfinite_rows_f32(const float *x, int64_t rows, int64_t n, uint8_t *bad)
+ * ones), else 0; returns how many rows are bad. The sampler's check of every step's logits, in one
+ * pass on the calling thread (torch's reduction over a vocabulary-wide row wakes its thread pool
+ * for ~50 us). Integer ops only, so the compiler vectorizes it at every level and it is exact. */
+int64_t servelab_nonfinite_rows_f32(const float *x, int64_t rows, int64_t n, uint8_t *bad)
 {
+    int64_t count = 0;
     for (int64_t r = 0; r < rows; r++) {
         const uint32_t *bits = (const uint32_t *)(x + r * n);
         uint32_t any = 0;
         for (int64_t i = 0; i < n; i++) any |= (bits[i] & 0x7f800000u) == 0x7f800000u;
         bad[r] = (uint8_t)(any != 0);
+        count += any != 0;
     }
+    return count;
 }
