@@ -67,8 +67,8 @@ def main(argv: list[str] | None = None) -> int:
 
     model = load_model(bundled_model_path(), dtype=torch.float32).model
     packed = [w for layer in model.layers for w in layer.linears()]
-    int8 = [Int8Linear.from_weight(w.dense, None) for w in packed]
-    bf16 = [HalfLinear(w.dense.to(torch.bfloat16), None, kernels=builds[first]) for w in packed]
+    int8 = [Int8Linear.from_weight(w.dequantize(), None) for w in packed]
+    bf16 = [HalfLinear(w.dequantize().to(torch.bfloat16), None, kernels=builds[first]) for w in packed]
     # (kind, rows) -> one round's work per build: a function of no arguments
     cases: dict[tuple[str, int], dict[str, object]] = {}
     for kind, linears in (("gguf", packed), ("int8", int8), ("bf16", bf16)):

@@ -60,11 +60,13 @@ class PackedRows:
 class BlockQuantLinear:
     """y = x @ W^T (+ bias). `segments` hold W as GGUF blocks (one per run of outputs in one
     format: a fused QKV may mix Q4_K and Q6_K), used for up to max_rows(kernels) rows; `dense`, W
-    in fp32 [out, in], serves bigger steps."""
+    in fp32 [out, in], serves bigger steps. Where the kernels take every row count (the AVX-512
+    levels) no fp32 copy is kept (None): 4 bytes a weight less; should a level with a switch run
+    this linear later (SERVELAB_ISA, another ops' kernels), the blocks are expanded then."""
 
     segments: tuple[PackedRows, ...]
     kernels: native.NativeKernels
-    dense: torch.Tensor
+    dense: torch.Tensor | None
     shape: tuple[int, int]
     # Deterministic mode: the panel kernel for every row count, so a row's result never depends
     # on how many rows share the call (the in-register kernel, the panel kernel and MKL each sum
@@ -74,7 +76,11 @@ class BlockQuantLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows, limit = x.shape[0], max_rows(self.kernels)
-        if rows == 0 or (limit is not None and rows > limit and not self.invariant):
+        if rows == 0:
+            return x.new_zeros(0, self.shape[0])
+        if limit is not None and rows > limit and not self.invariant:
+            if self.dense is None:  # packed where the kernels needed no copy, run where they do
+                self.dense = self.dequantize()
             return F.linear(x, self.dense, self.bias)
         x = x.contiguous()
         out_features, in_features = self.shape
@@ -177,4 +183,5 @@ def pack(
         start += data.shape[0]
     if start != out_features:
         return DenseLinear(dense)
-    return BlockQuantLinear(tuple(segments), kernels, dense, (out_features, in_features))
+    keep = dense if max_rows(kernels) is not None else None  # the fp32 copy only where MKL may run
+    return BlockQuantLinear(tuple(segments), kernels, keep, (out_features, in_features))

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servelab.engine import block_quant
+from servelab.engine import block_quant, native
 from servelab.engine.block_quant import BlockQuantLinear
 from servelab.engine.linear import DenseLinear, TransposedHead
 from servelab.engine.loader import load_model
@@ -48,11 +48,11 @@ def _packed(fmt: str, out_features: int, in_features: int, seed: int) -> tuple[t
 
 def _check(linear: BlockQuantLinear, rows: int, with_bias: bool, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
-    out_features, in_features = linear.dense.shape
+    out_features, in_features = linear.shape
     x = torch.randn(rows, in_features, generator=g)
     bias = torch.randn(out_features, generator=g) if with_bias else None
     got = replace(linear, bias=bias)(x)
-    ref = F.linear(x.double(), linear.dense.double(), None if bias is None else bias.double())
+    ref = F.linear(x.double(), linear.dequantize().double(), None if bias is None else bias.double())
     assert got.shape == (rows, out_features) and got.dtype == torch.float32
     # fp32 sums of ~in_features terms in another order: errors of a few ulps of the row's scale
     assert (got.double() - ref).abs().max() <= 1e-5 * ref.abs().max()
@@ -105,6 +105,23 @@ def test_many_rows_take_the_dense_gemm_where_it_is_faster(isa_kernels):
         assert torch.equal(linear(x[: limit + 1]), F.linear(x[: limit + 1], dense))
     for rows in (1, 5, block_quant.MAX_ROWS) + (() if limit else (block_quant.MAX_ROWS + 1, x.shape[0])):
         assert not torch.allclose(linear(x[:rows]), F.linear(x[:rows], dense)), rows  # a packed kernel read it
+    assert (linear.dense is None) == (limit is None)  # no fp32 copy where no step can use it
+
+
+def test_a_linear_packed_without_its_fp32_copy_expands_it_where_a_step_needs_it(isa_kernels):
+    """Packed at an AVX-512 level (no fp32 copy), then run on avx2's kernels (SERVELAB_ISA, or
+    another ops' kernels): a step past MAX_ROWS gets the fp32 copy from the blocks, bit for bit."""
+    name, kernels = isa_kernels
+    avx2 = native.native_kernels("avx2")
+    if not name.startswith("avx512") or avx2 is None:
+        pytest.skip(f"needs an AVX-512 level and avx2 ({name})")
+    raw, dense = _packed("Q4_1", 40, 64, seed=3)
+    linear = replace(block_quant.pack(dense, [(3, raw)], kernels), kernels=avx2)
+    assert linear.dense is None
+    x = torch.randn(block_quant.MAX_ROWS + 1, 64)
+    assert torch.equal(linear(x), F.linear(x, dense))
+    assert torch.equal(linear.dense, dense)  # kept from then on
+    assert linear(x[:0]).shape == (0, 40)
 
 
 @pytest.mark.parametrize(
@@ -199,8 +216,8 @@ def _strip_packed(model) -> None:
         for name in ("qkv", "o", "gate_up", "down"):
             w = getattr(layer, name)
             if isinstance(w, BlockQuantLinear):
-                setattr(layer, name, DenseLinear(w.dense, w.bias))
-    model.lm_head = TransposedHead(model.lm_head.dense)  # what an fp32 head without blocks gets
+                setattr(layer, name, DenseLinear(w.dequantize(), w.bias))
+    model.lm_head = TransposedHead(model.lm_head.dequantize())  # what an fp32 head without blocks gets
 
 
 @pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
