@@ -63,17 +63,19 @@ class ModelExecutor:
             ctx_lens = [entries[i].start_pos + 1 for i in decodes]
             max_ctx = max(ctx_lens)
             max_blocks = -(-max_ctx // bs)
-            table = torch.zeros(B, max_blocks, dtype=torch.int64)
+            # Built as Python lists, then one tensor each: a few torch calls a step, not a few a row.
+            rows_bt, decode_slots = [], []
             for row, i in enumerate(decodes):
                 s = entries[i]
                 bt = s.seq.block_table[: -(-(s.start_pos + 1) // bs)]
-                table[row, : len(bt)] = torch.tensor(bt, dtype=torch.int64)
+                rows_bt.append(bt + [0] * (max_blocks - len(bt)))
+                decode_slots.append(bt[s.start_pos // bs] * bs + s.start_pos % bs)  # the new token's slot
                 input_ids.append(s.seq.token_ids[s.start_pos])
                 row_of_last[i] = row
+            table = torch.tensor(rows_bt, dtype=torch.int64)
             ctx = torch.tensor(ctx_lens, dtype=torch.int64)
-            pos = ctx - 1
-            positions.append(pos)
-            slots.append(table.gather(1, (pos // bs)[:, None]).view(-1) * bs + pos % bs)
+            positions.append(ctx - 1)
+            slots.append(torch.tensor(decode_slots, dtype=torch.int64))
             if not self.model.ops.reads_block_tables:  # gather + SDPA wants flat slots and a mask
                 all_slots = (table[:, :, None] * bs + self._offsets).view(B, -1)[:, :max_ctx]
                 # Padded keys point at slot 0 (a real slot of some block) and are masked out.
@@ -109,8 +111,8 @@ class ModelExecutor:
                     scored_rows.extend(range(first_row + lo - s.start_pos, first_row + hi - s.start_pos))
         dev = self.device
         meta = AttentionMetadata(
-            positions=torch.cat(positions).to(dev),
-            slots=torch.cat(slots).to(dev),
+            positions=(positions[0] if len(positions) == 1 else torch.cat(positions)).to(dev),
+            slots=(slots[0] if len(slots) == 1 else torch.cat(slots)).to(dev),
             num_decodes=len(decodes),
             block_size=bs,
             decode_block_table=None if table is None else table.to(dev),
