@@ -16,7 +16,8 @@ DTYPE_NAMES = {name: getattr(torch, name) for name in FLOAT_DTYPES}  # spec/dtyp
 # Why auto is float32 on a CPU, for the log line: every fast path computes in fp32.
 CPU_AUTO_DTYPE_REASON = (
     "servelab's CPU kernels (packed GGUF blocks, bf16/fp16 weights, int8, paged attention) compute in float32; "
-    "bfloat16 compute runs plain PyTorch, 4-5x slower at batch-1 decode even on an AVX-512 BF16 host; a bf16 or "
+    "bfloat16 compute runs plain PyTorch, ~12x slower at batch-1 decode and no faster at prefill even on an "
+    "AVX-512 BF16 host; a bf16 or "
     "fp16 checkpoint's linears stay 16-bit, widened exactly in registers (--dtype overrides)"
 )
 
