@@ -7,6 +7,12 @@ to each linear's packed blocks or int8 codes), and a step is one call over buffe
 an arena it keeps, grown only when a step needs more. The C side runs the very kernels the
 per-op path runs, in the same order, so the results are the same bits.
 
+Where every row samples (a decode step without prompt scoring) and the stack can describe the
+LM head, the call goes on through the final norm and the head and returns the logits: the step
+then makes no torch op between the weights' stream and sampling. That matters because the stream
+(~100 MB a step for SmolLM2) evicts every cache level, and each torch op after it ran 10-50x its
+warm time (docs/benchmarks.md, "Batch 1: cold caches after the weights' stream").
+
 It covers what it can describe: linears held as GGUF blocks (block_quant.BlockQuantLinear),
 int8 codes (quantization.Int8Linear) or 16-bit weights (linear.HalfLinear), steps of decodes
 only, and up to block_quant.max_rows(kernels) rows (every row count at the AVX-512 levels;
@@ -56,7 +62,8 @@ class _Stack(ctypes.Structure):
     _fields_ = [
         ("layers", ctypes.POINTER(_Layer)), ("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64),
         ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64), ("eps", _f32), ("scale", _f32),
-        ("paged_attention", _i64), ("fused_max_rows", _i64), ("panel_outputs", _i64),
+        ("paged_attention", _i64), ("fused_max_rows", _i64), ("panel_outputs", _i64), ("final_norm", _ptr),
+        ("head", _Linear),
     ]
 
 
@@ -64,7 +71,7 @@ class _Step(ctypes.Structure):
     _fields_ = [
         ("rows", _i64), ("cos", _ptr), ("sin", _ptr), ("positions", _ptr), ("slots", _ptr), ("k_cache", _ptr),
         ("v_cache", _ptr), ("num_slots", _i64), ("kv_format", _i64), ("block_table", _ptr), ("table_stride", _i64),
-        ("block_size", _i64), ("ctx_lens", _ptr), ("max_ctx", _i64), ("threads", _i64),
+        ("block_size", _i64), ("ctx_lens", _ptr), ("max_ctx", _i64), ("threads", _i64), ("logits", _ptr),
     ]
 
 
@@ -101,11 +108,24 @@ def _describe(lin: Any, kernels: native.NativeKernels) -> _Linear | None:
     return d
 
 
+def _row_limit(lin: Any, kernels: native.NativeKernels) -> int | None:
+    """The most rows at which the stack runs `lin` as its own __call__ does (None: any): past it
+    the per-op path takes MKL's GEMM, which sums in another order."""
+    if isinstance(lin, Int8Linear) or lin.invariant:
+        return None
+    return HALF_GEMM_MAX_ROWS if isinstance(lin, HalfLinear) else block_quant.max_rows(kernels)
+
+
+def _min_rows(a: int | None, b: int | None) -> int | None:
+    return b if a is None else a if b is None else min(a, b)
+
+
 class DecodeStack:
     """The model's layers as csrc/decode_stack.c runs them; `build` says whether it can."""
 
     def __init__(
-        self, kernels: native.NativeKernels, stack: _Stack, layers: Any, invariant: bool, max_rows: int | None, keep: list
+        self, kernels: native.NativeKernels, stack: _Stack, layers: Any, invariant: bool, max_rows: int | None,
+        head_max_rows: int | None, vocab: int, keep: list,
     ):
         self.kernels = kernels
         self._stack = stack
@@ -114,17 +134,23 @@ class DecodeStack:
         self._keep = keep  # the tensors whose memory the C structs point into
         self.invariant = invariant  # every linear on the panel kernel: any row count, bit-exact per row
         self.max_rows = max_rows  # the most rows it takes (None: any; and any when invariant)
+        self.has_head = bool(stack.final_norm)  # the final norm and LM head can run in the call too
+        self.head_max_rows = head_max_rows  # ... for up to this many rows (None: any)
+        self.vocab = vocab
         self._arena = torch.empty(0, dtype=torch.float32)
         self._step = _Step()
         self._step_ptr = ctypes.addressof(self._step)
+        self._kv: tuple[Any, ...] = ()  # the last step's cache lists and their pointer arrays
 
     @classmethod
     def build(
-        cls, kernels: native.NativeKernels, config: ModelSpec, layers: Sequence[Any], scale: float, *, paged_attention: bool
+        cls, kernels: native.NativeKernels, config: ModelSpec, layers: Sequence[Any], scale: float, *,
+        paged_attention: bool, final_norm: torch.Tensor | None = None, head: Any = None,
     ) -> DecodeStack | None:
         """The stack for `layers` (model.LayerWeights) on `kernels`, attention scaled by `scale`, or
         None where a part of them is something it cannot describe (then the model keeps its per-op
-        path)."""
+        path). With the model's final norm and LM head, where the stack can describe the head too,
+        a step can end in logits (`logits`)."""
         H, KV, D = config.num_heads, config.num_kv_heads, config.head_dim
         if not layers or H % KV:
             return None
@@ -144,7 +170,7 @@ class DecodeStack:
                     return None
                 invariant &= isinstance(lin, Int8Linear) or bool(d.invariant)
                 if isinstance(lin, HalfLinear) and not lin.invariant:  # above, the per-op path takes MKL
-                    max_rows = HALF_GEMM_MAX_ROWS if max_rows is None else min(max_rows, HALF_GEMM_MAX_ROWS)
+                    max_rows = _min_rows(max_rows, HALF_GEMM_MAX_ROWS)
                 setattr(array[i], name, d)
                 keep.append(lin)
             keep += [layer.input_norm, layer.post_norm]
@@ -153,13 +179,23 @@ class DecodeStack:
             intermediate=inter, eps=config.rms_norm_eps, scale=scale, paged_attention=int(paged_attention),
             fused_max_rows=block_quant.FUSED_MAX_ROWS, panel_outputs=block_quant.PANEL_OUTPUTS,
         )
-        return cls(kernels, stack, array, invariant, max_rows, keep)
+        d = None if head is None or not _fp32_contiguous(final_norm) else _describe(head, kernels)
+        head_max_rows, vocab = None, 0
+        if d is not None and head.shape[1] == hidden:
+            stack.final_norm, stack.head = final_norm.data_ptr(), d
+            head_max_rows, vocab = _row_limit(head, kernels), head.shape[0]
+            keep += [final_norm, head]
+        return cls(kernels, stack, array, invariant, max_rows, head_max_rows, vocab, keep)
 
     def accepts(self, meta: Any, rows: int) -> bool:
         """Whether this step is one the stack runs: decodes only, few enough rows for the packed kernels."""
         return not meta.prefills and meta.num_decodes == rows > 0 and (
             self.invariant or self.max_rows is None or rows <= self.max_rows
         )
+
+    def accepts_head(self, rows: int) -> bool:
+        """Whether a step of `rows` accepted decodes can end in the head here (`logits`)."""
+        return self.has_head and (self.head_max_rows is None or rows <= self.head_max_rows)
 
     def __call__(
         self, x: torch.Tensor, meta: Any, cos: torch.Tensor, sin: torch.Tensor,
@@ -168,14 +204,33 @@ class DecodeStack:
         """Every layer over the embedded decodes x [rows, hidden] (updated in place); returns
         (x, delta), the residual stream and the last MLP output still to be added to it, as the
         model's per-op loop leaves them. cos/sin: the model's RoPE tables."""
+        delta = torch.empty_like(x)
+        self._run(x, delta, None, meta, cos, sin, k_cache, v_cache)
+        return x, delta
+
+    def logits(
+        self, x: torch.Tensor, meta: Any, cos: torch.Tensor, sin: torch.Tensor,
+        k_cache: Sequence[torch.Tensor], v_cache: Sequence[torch.Tensor],
+    ) -> torch.Tensor:
+        """As calling the stack, then the final norm and the LM head over every row, in the same
+        call: fp32 logits [rows, vocab], the bits the model's own tail gives (where accepts_head)."""
+        out = torch.empty(x.shape[0], self.vocab, dtype=torch.float32)
+        self._run(x, None, out, meta, cos, sin, k_cache, v_cache)
+        return out
+
+    def _run(self, x, delta, logits, meta, cos, sin, k_cache, v_cache) -> None:
         rows = x.shape[0]
         threads = torch.get_num_threads()
         need = self.kernels.decode_stack_arena(self._stack_ptr, rows, meta.decode_max_ctx, threads)
+        if logits is not None:
+            need += rows * self._stack.hidden  # delta, kept in the arena
         if self._arena.numel() < need:  # grows with the batch and the context, then stays
             self._arena = torch.empty(max(need, 2 * self._arena.numel()), dtype=torch.float32)
-        kc, vc = k_cache[0], v_cache[0]
-        k_ptrs = (ctypes.c_void_p * len(k_cache))(*[t.data_ptr() for t in k_cache])
-        v_ptrs = (ctypes.c_void_p * len(v_cache))(*[t.data_ptr() for t in v_cache])
+        if not self._kv or self._kv[0] is not k_cache or self._kv[1] is not v_cache:  # the cache's lists: fixed
+            k_ptrs = (ctypes.c_void_p * len(k_cache))(*[t.data_ptr() for t in k_cache])
+            v_ptrs = (ctypes.c_void_p * len(v_cache))(*[t.data_ptr() for t in v_cache])
+            self._kv = (k_cache, v_cache, k_ptrs, v_ptrs)
+        kc, k_ptrs, v_ptrs = k_cache[0], self._kv[2], self._kv[3]
         table = meta.decode_block_table
         s = self._step
         s.rows, s.cos, s.sin = rows, cos.data_ptr(), sin.data_ptr()
@@ -184,7 +239,11 @@ class DecodeStack:
         s.num_slots, s.kv_format = kc.shape[1], native.KV_FORMATS[kc.dtype]
         s.block_table, s.table_stride, s.block_size = table.data_ptr(), table.stride(0), meta.block_size
         s.ctx_lens, s.max_ctx, s.threads = meta.decode_ctx_lens.data_ptr(), meta.decode_max_ctx, threads
-        delta = torch.empty_like(x)
-        if self.kernels.decode_stack(self._stack_ptr, self._step_ptr, x.data_ptr(), delta.data_ptr(), self._arena.data_ptr()):
+        s.logits = None if logits is None else logits.data_ptr()
+        arena = self._arena.data_ptr()
+        if delta is None:  # the arena's last rows * hidden floats
+            delta_ptr = arena + 4 * (self._arena.numel() - rows * self._stack.hidden)
+        else:
+            delta_ptr = delta.data_ptr()
+        if self.kernels.decode_stack(self._stack_ptr, self._step_ptr, x.data_ptr(), delta_ptr, arena):
             raise MemoryError(f"int8 linear: no memory for {rows} rows of quantized activations")
-        return x, delta

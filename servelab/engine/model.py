@@ -95,7 +95,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None  # [B, 1, 1, max_ctx] bool: True where the key is real
     # Prefill chunks: (token offset in the batch, num tokens, start_pos, context slots [ctx] or None when start_pos == 0)
     prefills: list[tuple[int, int, int, torch.Tensor | None]]
-    logits_indices: torch.Tensor  # [S] rows of the hidden states that sample
+    logits_indices: torch.Tensor | None  # [S] rows of the hidden states that sample; None: all, in order
 
 
 class LlamaModel:
@@ -142,7 +142,7 @@ class LlamaModel:
         self.lm_head = prepare(self.lm_head)
         # decode-only steps in one native call where the ops and linears allow; None: op by op.
         # Whatever replaces a layer's linears afterwards calls use_ops again (parallel/layers.py).
-        self.decode_stack = ops.decode_stack(self.config, self.layers, self.scale)
+        self.decode_stack = ops.decode_stack(self.config, self.layers, self.scale, self.final_norm, self.lm_head)
 
     @property
     def vocab_size(self) -> int:
@@ -220,12 +220,15 @@ class LlamaModel:
         """
         cfg, ops = self.config, self.ops
         eps, heads = cfg.rms_norm_eps, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-        cos, sin = self._rope_tables(int(meta.positions.max()) + 1)
+        # the highest position + 1, from the plan's ints (a reduction over meta.positions is a torch op)
+        cos, sin = self._rope_tables(max([meta.decode_max_ctx] + [start + n for _, n, start, _ in meta.prefills]))
 
         x = self.embedding(input_ids)
         delta: torch.Tensor | None = None  # the residual stream's pending addend: x + delta is the true x
-        stack = self.decode_stack
+        stack, rows = self.decode_stack, meta.logits_indices
         if stack is not None and stack.accepts(meta, x.shape[0]):  # every layer in one native call
+            if rows is None and stack.accepts_head(x.shape[0]):  # and the head: no torch op after the weights stream
+                return stack.logits(x, meta, cos, sin, k_cache, v_cache)
             x, delta = stack(x, meta, cos, sin, k_cache, v_cache)
             layers = []
         else:
@@ -238,8 +241,10 @@ class LlamaModel:
             x, h = ops.add_rms_norm(x, layer.o(attn), layer.post_norm, eps)
             delta = layer.down(ops.silu_mul(layer.gate_up(h)))
 
-        rows = meta.logits_indices
-        x = ops.rms_norm(x[rows] + delta[rows], self.final_norm, eps)
+        if rows is None:  # every row samples, in order
+            _, x = ops.add_rms_norm(x, delta, self.final_norm, eps)
+        else:
+            x = ops.rms_norm(x[rows] + delta[rows], self.final_norm, eps)
         return self.lm_head(x).float()
 
 

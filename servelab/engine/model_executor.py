@@ -110,18 +110,24 @@ class ModelExecutor:
                     scored.append((i, lo, hi - lo))
                     scored_rows.extend(range(first_row + lo - s.start_pos, first_row + hi - s.start_pos))
         dev = self.device
+        logit_rows = [row_of_last[i] for i in sampling] + scored_rows
+        every_row = logit_rows == list(range(len(input_ids)))  # a decode step where all sample
+
+        def put(t: torch.Tensor | None) -> torch.Tensor | None:  # .to() is a dispatched op even when a no-op
+            return t if t is None or dev.type == "cpu" else t.to(dev)
+
         meta = AttentionMetadata(
-            positions=(positions[0] if len(positions) == 1 else torch.cat(positions)).to(dev),
-            slots=(slots[0] if len(slots) == 1 else torch.cat(slots)).to(dev),
+            positions=put(positions[0] if len(positions) == 1 else torch.cat(positions)),
+            slots=put(slots[0] if len(slots) == 1 else torch.cat(slots)),
             num_decodes=len(decodes),
             block_size=bs,
-            decode_block_table=None if table is None else table.to(dev),
-            decode_ctx_lens=None if ctx is None else ctx.to(dev),
+            decode_block_table=put(table),
+            decode_ctx_lens=put(ctx),
             decode_max_ctx=max_ctx,
-            decode_ctx_slots=None if meta_decode_slots is None else meta_decode_slots.to(dev),
-            decode_mask=None if meta_decode_mask is None else meta_decode_mask.to(dev),
+            decode_ctx_slots=put(meta_decode_slots),
+            decode_mask=put(meta_decode_mask),
             prefills=prefill_meta,
-            logits_indices=torch.tensor([row_of_last[i] for i in sampling] + scored_rows, dtype=torch.int64, device=dev),
+            logits_indices=None if every_row else torch.tensor(logit_rows, dtype=torch.int64, device=dev),
         )
         ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
         logits = self.model.forward(ids, meta, self.kv_cache.k_layers, self.kv_cache.v_layers)

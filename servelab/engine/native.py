@@ -462,16 +462,16 @@ def rope_store_kv(
 def nonfinite_rows(kernels: NativeKernels, x: torch.Tensor) -> list[int]:
     """The rows of a contiguous fp32 [rows, n] that hold a NaN or an infinity, in order."""
     rows, n = x.shape
-    bad = torch.empty(rows, dtype=torch.uint8)
-    if kernels.nonfinite_rows(x.data_ptr(), rows, n, bad.data_ptr()) == 0:
+    bad = (ctypes.c_uint8 * rows)()  # ctypes, not torch: no torch op in a clean step's sampling
+    if kernels.nonfinite_rows(x.data_ptr(), rows, n, bad) == 0:
         return []
-    return bad.nonzero().flatten().tolist()
+    return [i for i in range(rows) if bad[i]]
 
 
-def argmax_rows(kernels: NativeKernels, x: torch.Tensor) -> torch.Tensor:
-    """x.argmax(dim=-1) of a contiguous, NaN-free fp32 [rows, n] (the first index of each row's
-    largest value, as torch gives it), int64 [rows]."""
+def argmax_rows(kernels: NativeKernels, x: torch.Tensor) -> list[int]:
+    """x.argmax(dim=-1).tolist() of a contiguous, NaN-free fp32 [rows, n] (the first index of
+    each row's largest value, as torch gives it)."""
     rows, n = x.shape
-    out = torch.empty(rows, dtype=torch.int64)
-    kernels.argmax_rows(x.data_ptr(), rows, n, out.data_ptr(), torch.get_num_threads())
-    return out
+    out = (ctypes.c_int64 * rows)()
+    kernels.argmax_rows(x.data_ptr(), rows, n, out, torch.get_num_threads())
+    return list(out)

@@ -52,9 +52,11 @@ class TorchOps:
         """The linear as these ops run it (deterministic mode swaps in invariant kernels)."""
         return linear
 
-    def decode_stack(self, config: Any, layers: list[Any], scale: float) -> DecodeStack | None:
-        """The model's layers as one native call for decode-only steps (engine/decode_stack.py),
-        or None: these ops run every step op by op."""
+    def decode_stack(
+        self, config: Any, layers: list[Any], scale: float, final_norm: torch.Tensor, head: Any
+    ) -> DecodeStack | None:
+        """The model's layers (and, where it can, its final norm and LM head) as one native call
+        for decode-only steps (engine/decode_stack.py), or None: these ops run every step op by op."""
         return None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -179,8 +181,12 @@ class NativeOps(TorchOps):
             return replace(linear, kernels=self.kernels)
         return linear
 
-    def decode_stack(self, config: Any, layers: list[Any], scale: float) -> DecodeStack | None:
-        return DecodeStack.build(self.kernels, config, layers, scale, paged_attention=self.batch_invariant)
+    def decode_stack(
+        self, config: Any, layers: list[Any], scale: float, final_norm: torch.Tensor, head: Any
+    ) -> DecodeStack | None:
+        return DecodeStack.build(
+            self.kernels, config, layers, scale, paged_attention=self.batch_invariant, final_norm=final_norm, head=head
+        )
 
     def add_rms_norm(
         self, x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor, eps: float

@@ -87,15 +87,14 @@ class Sampler:
 
         greedy_rows = [i for i, p in enumerate(params) if p.temperature < _GREEDY_TEMPERATURE]
         if len(greedy_rows) == n:
-            token_ids = _argmax(logits)
+            tokens: list[int | None] = list(_argmax(logits))
         else:
             token_ids = torch.empty(n, dtype=torch.long)
             if greedy_rows:
-                token_ids[greedy_rows] = _argmax(logits[greedy_rows])
+                token_ids[greedy_rows] = torch.tensor(_argmax(logits[greedy_rows]), dtype=torch.long)
             random_rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_TEMPERATURE]
             token_ids[random_rows] = self._sample_random(logits, seqs, random_rows)
-
-        tokens: list[int | None] = token_ids.tolist()
+            tokens = token_ids.tolist()
         logprobs = None if raw_logprobs is None else self._logprobs(raw_logprobs, logprob_rows, tokens, params, n)
         for i in bad_rows:
             tokens[i] = None
@@ -205,12 +204,12 @@ def _nonfinite_rows(logits: torch.Tensor) -> list[int]:
     return (~torch.isfinite(logits.sum(dim=-1))).nonzero().flatten().tolist()
 
 
-def _argmax(logits: torch.Tensor) -> torch.Tensor:
+def _argmax(logits: torch.Tensor) -> list[int]:
     """Each row's argmax (the first index of its largest value); the native kernel on CPU fp32,
     torch's own elsewhere. The rows hold no NaN (sample() sets non-finite rows aside first)."""
     kernels = native.native_kernels() if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
     if kernels is None or not logits.is_contiguous():
-        return logits.argmax(dim=-1)
+        return logits.argmax(dim=-1).tolist()
     return native.argmax_rows(kernels, logits)
 
 

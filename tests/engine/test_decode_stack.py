@@ -69,7 +69,7 @@ class _Pool:
             last.append(self.model.forward(torch.tensor(toks), meta, self.kv.k_layers, self.kv.v_layers)[-1])
         return last
 
-    def decode_meta(self) -> AttentionMetadata:
+    def decode_meta(self, every_row: bool = False) -> AttentionMetadata:
         pos = torch.tensor([len(t) - 1 for t in self.tokens])
         ctx = pos + 1
         max_ctx = int(ctx.max())
@@ -77,30 +77,36 @@ class _Pool:
         return AttentionMetadata(
             positions=pos, slots=slots, num_decodes=len(self.tokens), block_size=BLOCK,
             decode_block_table=self.tables.contiguous(), decode_ctx_lens=ctx, decode_max_ctx=max_ctx,
-            decode_ctx_slots=None, decode_mask=None, prefills=[], logits_indices=torch.arange(len(self.tokens)),
+            decode_ctx_slots=None, decode_mask=None, prefills=[],
+            logits_indices=None if every_row else torch.arange(len(self.tokens)),  # None: the stack runs the head
         )
 
-    def step(self, next_tokens: list[int]) -> torch.Tensor:
+    def step(self, next_tokens: list[int], every_row: bool = False) -> torch.Tensor:
         for toks, t in zip(self.tokens, next_tokens):
             toks.append(t)
         ids = torch.tensor([t[-1] for t in self.tokens])
-        return self.model.forward(ids, self.decode_meta(), self.kv.k_layers, self.kv.v_layers)
+        return self.model.forward(ids, self.decode_meta(every_row), self.kv.k_layers, self.kv.v_layers)
 
 
-def _stack_against_per_op(model, kv_dtype=torch.float32, steps: int = 6) -> None:
+def _stack_against_per_op(model, kv_dtype=torch.float32, steps: int = 6, head: bool = True) -> None:
     """Decodes of three sequences at different contexts, run with the stack and op by op from the
-    same cache: the same logits and the same cache, bit for bit."""
+    same cache: the same logits and the same cache, bit for bit. The stack's steps alternate
+    between ending in the LM head (every row samples) and leaving the head to the model (logits
+    of chosen rows); the per-op steps take the model's own tail, gathering the rows."""
     stack = model.decode_stack
     assert stack is not None
+    assert stack.has_head == head
+    calls = []
+    stack.logits = lambda *a: calls.append(1) or type(stack).logits(stack, *a)  # the instance's: counted
     prompts = [[5, 9, 17], [3] * 11 + [44, 7], [100, 200, 300, 7, 8, 9, 10, 11]]
     pools = [_Pool(model, prompts, kv_dtype) for _ in range(2)]
     model.decode_stack = None
     for pool in pools:
         pool.prefill()
     next_tokens = [1, 2, 3]
-    for _ in range(steps):
+    for i in range(steps):
         model.decode_stack = stack
-        fused = pools[0].step(next_tokens)
+        fused = pools[0].step(next_tokens, every_row=i % 2 == 0)
         model.decode_stack = None
         per_op = pools[1].step(next_tokens)
         assert torch.equal(fused, per_op)
@@ -108,6 +114,8 @@ def _stack_against_per_op(model, kv_dtype=torch.float32, steps: int = 6) -> None
             assert torch.equal(a, b)
         next_tokens = fused.argmax(-1).tolist()
     assert stack._arena.numel() > 0  # the stack did run
+    assert len(calls) == (steps + 1) // 2 if head else not calls  # and ended in the head where asked
+    del stack.logits
     model.decode_stack = stack
 
 

@@ -52,6 +52,8 @@ struct sl_stack {
     float eps, scale;
     int64_t paged_attention;            /* decode attention in the prefill kernel's order (deterministic) */
     int64_t fused_max_rows, panel_outputs;  /* block_quant.py's FUSED_MAX_ROWS and PANEL_OUTPUTS */
+    const float *final_norm;            /* NULL: no head (the model's own LM head stays in Python) */
+    struct sl_linear head;              /* the LM head [vocab, hidden] */
 };
 
 struct sl_step {
@@ -64,6 +66,7 @@ struct sl_step {
     int64_t table_stride, block_size;
     const int64_t *ctx_lens;            /* [rows] */
     int64_t max_ctx, threads;
+    float *logits;                      /* NULL, or [rows, vocab]: the final norm and the head run too */
 };
 
 /* the kernels of the other files */
@@ -144,7 +147,9 @@ static int run_linear(const struct sl_stack *s, const struct sl_linear *l, const
 
 /* Runs every layer for st->rows decodes. x [rows, hidden]: the embedded tokens in, the residual
  * stream out, with the last layer's MLP output in delta [rows, hidden] still to be added (as the
- * model's loop leaves them). Returns 0, or -1 where an int8 or half linear found no memory. */
+ * model's loop leaves them). With st->logits (and a head), then the final norm and the LM head
+ * as the model runs them after its loop: the step's logits of every row. Returns 0, or -1 where
+ * an int8 or half linear found no memory. */
 int servelab_decode_stack(const struct sl_stack *s, const struct sl_step *st, float *x, float *delta, float *arena)
 {
     const int64_t rows = st->rows, threads = st->threads, hidden = s->hidden;
@@ -172,6 +177,10 @@ int servelab_decode_stack(const struct sl_stack *s, const struct sl_step *st, fl
         if (run_linear(s, &L->gate_up, h, rows, gate_up, lin_scratch, threads)) return -1;
         servelab_silu_mul_f32(gate_up, act, rows, s->intermediate);
         if (run_linear(s, &L->down, act, rows, delta, lin_scratch, threads)) return -1;
+    }
+    if (st->logits && s->final_norm) {  /* x += delta, its norm into h, then the head */
+        servelab_add_rms_norm_f32(x, delta, s->final_norm, h, rows, hidden, s->eps);
+        if (run_linear(s, &s->head, h, rows, st->logits, lin_scratch, threads)) return -1;
     }
     return 0;
 }
