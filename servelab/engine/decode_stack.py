@@ -63,7 +63,7 @@ class _Stack(ctypes.Structure):
         ("layers", ctypes.POINTER(_Layer)), ("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64),
         ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64), ("eps", _f32), ("scale", _f32),
         ("paged_attention", _i64), ("fused_max_rows", _i64), ("panel_outputs", _i64), ("final_norm", _ptr),
-        ("head", _Linear),
+        ("head", _Linear), ("embed", _ptr), ("embed_rows", _i64),
     ]
 
 
@@ -72,6 +72,7 @@ class _Step(ctypes.Structure):
         ("rows", _i64), ("cos", _ptr), ("sin", _ptr), ("positions", _ptr), ("slots", _ptr), ("k_cache", _ptr),
         ("v_cache", _ptr), ("num_slots", _i64), ("kv_format", _i64), ("block_table", _ptr), ("table_stride", _i64),
         ("block_size", _i64), ("ctx_lens", _ptr), ("max_ctx", _i64), ("threads", _i64), ("logits", _ptr),
+        ("ids", _ptr),
     ]
 
 
@@ -145,12 +146,13 @@ class DecodeStack:
     @classmethod
     def build(
         cls, kernels: native.NativeKernels, config: ModelSpec, layers: Sequence[Any], scale: float, *,
-        paged_attention: bool, final_norm: torch.Tensor | None = None, head: Any = None,
+        paged_attention: bool, embed: torch.Tensor | None = None, final_norm: torch.Tensor | None = None,
+        head: Any = None,
     ) -> DecodeStack | None:
         """The stack for `layers` (model.LayerWeights) on `kernels`, attention scaled by `scale`, or
         None where a part of them is something it cannot describe (then the model keeps its per-op
-        path). With the model's final norm and LM head, where the stack can describe the head too,
-        a step can end in logits (`logits`)."""
+        path). With the model's embedding, final norm and LM head, where the stack can describe
+        them too, a step can run from token ids to logits (`logits`)."""
         H, KV, D = config.num_heads, config.num_kv_heads, config.head_dim
         if not layers or H % KV:
             return None
@@ -179,12 +181,14 @@ class DecodeStack:
             intermediate=inter, eps=config.rms_norm_eps, scale=scale, paged_attention=int(paged_attention),
             fused_max_rows=block_quant.FUSED_MAX_ROWS, panel_outputs=block_quant.PANEL_OUTPUTS,
         )
-        d = None if head is None or not _fp32_contiguous(final_norm) else _describe(head, kernels)
+        ends = head is not None and embed is not None and _fp32_contiguous(final_norm) and _fp32_contiguous(embed)
+        d = _describe(head, kernels) if ends else None
         head_max_rows, vocab = None, 0
-        if d is not None and head.shape[1] == hidden:
+        if d is not None and head.shape[1] == hidden and embed.dim() == 2 and embed.shape[1] == hidden:
             stack.final_norm, stack.head = final_norm.data_ptr(), d
+            stack.embed, stack.embed_rows = embed.data_ptr(), embed.shape[0]
             head_max_rows, vocab = _row_limit(head, kernels), head.shape[0]
-            keep += [final_norm, head]
+            keep += [embed, final_norm, head]
         return cls(kernels, stack, array, invariant, max_rows, head_max_rows, vocab, keep)
 
     def accepts(self, meta: Any, rows: int) -> bool:
@@ -205,25 +209,25 @@ class DecodeStack:
         (x, delta), the residual stream and the last MLP output still to be added to it, as the
         model's per-op loop leaves them. cos/sin: the model's RoPE tables."""
         delta = torch.empty_like(x)
-        self._run(x, delta, None, meta, cos, sin, k_cache, v_cache)
+        self._run(x.shape[0], x.data_ptr(), delta.data_ptr(), None, None, meta, cos, sin, k_cache, v_cache)
         return x, delta
 
     def logits(
-        self, x: torch.Tensor, meta: Any, cos: torch.Tensor, sin: torch.Tensor,
+        self, ids: torch.Tensor, meta: Any, cos: torch.Tensor, sin: torch.Tensor,
         k_cache: Sequence[torch.Tensor], v_cache: Sequence[torch.Tensor],
     ) -> torch.Tensor:
-        """As calling the stack, then the final norm and the LM head over every row, in the same
-        call: fp32 logits [rows, vocab], the bits the model's own tail gives (where accepts_head)."""
-        out = torch.empty(x.shape[0], self.vocab, dtype=torch.float32)
-        self._run(x, None, out, meta, cos, sin, k_cache, v_cache)
+        """From the decodes' token ids (int64 [rows]) to fp32 logits [rows, vocab] in one call: the
+        embedding, the layers, the final norm and the LM head over every row, the bits the model's
+        own path gives (where accepts_head). IndexError for an id outside the embedding."""
+        rows = ids.shape[0]
+        out = torch.empty(rows, self.vocab, dtype=torch.float32)
+        self._run(rows, None, None, ids.data_ptr(), out.data_ptr(), meta, cos, sin, k_cache, v_cache)
         return out
 
-    def _run(self, x, delta, logits, meta, cos, sin, k_cache, v_cache) -> None:
-        rows = x.shape[0]
+    def _run(self, rows, x, delta, ids, logits, meta, cos, sin, k_cache, v_cache) -> None:
+        """x, delta, ids, logits: addresses (or None), as servelab_decode_stack takes them."""
         threads = torch.get_num_threads()
         need = self.kernels.decode_stack_arena(self._stack_ptr, rows, meta.decode_max_ctx, threads)
-        if logits is not None:
-            need += rows * self._stack.hidden  # delta, kept in the arena
         if self._arena.numel() < need:  # grows with the batch and the context, then stays
             self._arena = torch.empty(max(need, 2 * self._arena.numel()), dtype=torch.float32)
         if not self._kv or self._kv[0] is not k_cache or self._kv[1] is not v_cache:  # the cache's lists: fixed
@@ -239,11 +243,9 @@ class DecodeStack:
         s.num_slots, s.kv_format = kc.shape[1], native.KV_FORMATS[kc.dtype]
         s.block_table, s.table_stride, s.block_size = table.data_ptr(), table.stride(0), meta.block_size
         s.ctx_lens, s.max_ctx, s.threads = meta.decode_ctx_lens.data_ptr(), meta.decode_max_ctx, threads
-        s.logits = None if logits is None else logits.data_ptr()
-        arena = self._arena.data_ptr()
-        if delta is None:  # the arena's last rows * hidden floats
-            delta_ptr = arena + 4 * (self._arena.numel() - rows * self._stack.hidden)
-        else:
-            delta_ptr = delta.data_ptr()
-        if self.kernels.decode_stack(self._stack_ptr, self._step_ptr, x.data_ptr(), delta_ptr, arena):
+        s.logits, s.ids = logits, ids
+        err = self.kernels.decode_stack(self._stack_ptr, self._step_ptr, x, delta, self._arena.data_ptr())
+        if err == -2:
+            raise IndexError(f"a token id of this step is outside the embedding's {self._stack.embed_rows} rows")
+        if err:
             raise MemoryError(f"int8 linear: no memory for {rows} rows of quantized activations")

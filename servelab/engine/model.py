@@ -142,7 +142,9 @@ class LlamaModel:
         self.lm_head = prepare(self.lm_head)
         # decode-only steps in one native call where the ops and linears allow; None: op by op.
         # Whatever replaces a layer's linears afterwards calls use_ops again (parallel/layers.py).
-        self.decode_stack = ops.decode_stack(self.config, self.layers, self.scale, self.final_norm, self.lm_head)
+        self.decode_stack = ops.decode_stack(
+            self.config, self.layers, self.scale, self.embed, self.final_norm, self.lm_head
+        )
 
     @property
     def vocab_size(self) -> int:
@@ -223,12 +225,14 @@ class LlamaModel:
         # the highest position + 1, from the plan's ints (a reduction over meta.positions is a torch op)
         cos, sin = self._rope_tables(max([meta.decode_max_ctx] + [start + n for _, n, start, _ in meta.prefills]))
 
+        stack, rows, n = self.decode_stack, meta.logits_indices, input_ids.shape[0]
+        stacked = stack is not None and stack.accepts(meta, n)  # every layer in one native call
+        if stacked and rows is None and stack.accepts_head(n) and input_ids.dtype == torch.int64:
+            # from ids to logits in the call: no torch op after the weights' stream (decode_stack.py)
+            return stack.logits(input_ids, meta, cos, sin, k_cache, v_cache)
         x = self.embedding(input_ids)
         delta: torch.Tensor | None = None  # the residual stream's pending addend: x + delta is the true x
-        stack, rows = self.decode_stack, meta.logits_indices
-        if stack is not None and stack.accepts(meta, x.shape[0]):  # every layer in one native call
-            if rows is None and stack.accepts_head(x.shape[0]):  # and the head: no torch op after the weights stream
-                return stack.logits(x, meta, cos, sin, k_cache, v_cache)
+        if stacked:
             x, delta = stack(x, meta, cos, sin, k_cache, v_cache)
             layers = []
         else:

@@ -53,10 +53,11 @@ class TorchOps:
         return linear
 
     def decode_stack(
-        self, config: Any, layers: list[Any], scale: float, final_norm: torch.Tensor, head: Any
+        self, config: Any, layers: list[Any], scale: float, embed: torch.Tensor, final_norm: torch.Tensor, head: Any
     ) -> DecodeStack | None:
-        """The model's layers (and, where it can, its final norm and LM head) as one native call
-        for decode-only steps (engine/decode_stack.py), or None: these ops run every step op by op."""
+        """The model's layers (and, where it can, its embedding, final norm and LM head) as one
+        native call for decode-only steps (engine/decode_stack.py), or None: these ops run every
+        step op by op."""
         return None
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -182,10 +183,11 @@ class NativeOps(TorchOps):
         return linear
 
     def decode_stack(
-        self, config: Any, layers: list[Any], scale: float, final_norm: torch.Tensor, head: Any
+        self, config: Any, layers: list[Any], scale: float, embed: torch.Tensor, final_norm: torch.Tensor, head: Any
     ) -> DecodeStack | None:
         return DecodeStack.build(
-            self.kernels, config, layers, scale, paged_attention=self.batch_invariant, final_norm=final_norm, head=head
+            self.kernels, config, layers, scale, paged_attention=self.batch_invariant, embed=embed,
+            final_norm=final_norm, head=head,
         )
 
     def add_rms_norm(

@@ -231,3 +231,19 @@ def test_arena_is_reused_as_the_context_grows_and_keeps_the_bits(gguf_models):
     model.decode_stack = None
     want = [pools[1].step([t]) for t in range(10, 18)]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_token_id_outside_the_vocabulary_raises_on_both_paths(gguf_models):
+    model = load_model(gguf_models["Q4_1"], dtype=torch.float32).model
+    stack = model.decode_stack
+    if stack is None:
+        pytest.skip("no native kernels here")
+    pool = _Pool(model, [[1, 2, 3]], torch.float32)
+    pool.prefill()
+    vocab = model.embed.shape[0]
+    for s in (stack, None):
+        model.decode_stack = s
+        for bad in (vocab, -1):
+            with pytest.raises(IndexError):
+                pool.model.forward(torch.tensor([bad]), pool.decode_meta(every_row=True), pool.kv.k_layers, pool.kv.v_layers)
+    model.decode_stack = stack

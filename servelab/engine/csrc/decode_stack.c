@@ -14,6 +14,7 @@
  */
 #include <stdint.h>
 #include <stddef.h>
+#include <string.h>
 
 #define SL_MAX_SEGMENTS 4
 
@@ -52,8 +53,10 @@ struct sl_stack {
     float eps, scale;
     int64_t paged_attention;            /* decode attention in the prefill kernel's order (deterministic) */
     int64_t fused_max_rows, panel_outputs;  /* block_quant.py's FUSED_MAX_ROWS and PANEL_OUTPUTS */
-    const float *final_norm;            /* NULL: no head (the model's own LM head stays in Python) */
+    const float *final_norm;            /* NULL: no head (the model's own embedding and head stay in Python) */
     struct sl_linear head;              /* the LM head [vocab, hidden] */
+    const float *embed;                 /* the token embedding [embed_rows, hidden] */
+    int64_t embed_rows;
 };
 
 struct sl_step {
@@ -67,6 +70,7 @@ struct sl_step {
     const int64_t *ctx_lens;            /* [rows] */
     int64_t max_ctx, threads;
     float *logits;                      /* NULL, or [rows, vocab]: the final norm and the head run too */
+    const int64_t *ids;                 /* [rows] token ids, embedded here where the caller passes no x */
 };
 
 /* the kernels of the other files */
@@ -120,7 +124,7 @@ static int64_t qkv_width(const struct sl_stack *s) { return (s->num_heads + 2 * 
 /* The arena servelab_decode_stack needs for `rows` decodes of up to max_ctx positions. */
 int64_t servelab_decode_stack_arena_floats(const struct sl_stack *s, int64_t rows, int64_t max_ctx, int64_t threads)
 {
-    const int64_t per_row = 2 * s->hidden + qkv_width(s) + s->num_heads * s->head_dim + 3 * s->intermediate;
+    const int64_t per_row = 4 * s->hidden + qkv_width(s) + s->num_heads * s->head_dim + 3 * s->intermediate;
     return rows * per_row + linear_scratch(s, rows, threads) + threads * attention_per_part(s, max_ctx);
 }
 
@@ -147,15 +151,27 @@ static int run_linear(const struct sl_stack *s, const struct sl_linear *l, const
 
 /* Runs every layer for st->rows decodes. x [rows, hidden]: the embedded tokens in, the residual
  * stream out, with the last layer's MLP output in delta [rows, hidden] still to be added (as the
- * model's loop leaves them). With st->logits (and a head), then the final norm and the LM head
- * as the model runs them after its loop: the step's logits of every row. Returns 0, or -1 where
- * an int8 or half linear found no memory. */
+ * model's loop leaves them). With st->logits (and a head), x and delta may be NULL: then the
+ * layers start from st->ids' embedding rows, both live in the arena, and the final norm and the
+ * LM head run as the model runs them after its loop, writing the step's logits of every row.
+ * Returns 0, -1 where an int8 or half linear found no memory, -2 for a token id outside the
+ * embedding. */
 int servelab_decode_stack(const struct sl_stack *s, const struct sl_step *st, float *x, float *delta, float *arena)
 {
     const int64_t rows = st->rows, threads = st->threads, hidden = s->hidden;
     const int64_t H = s->num_heads, KV = s->num_kv_heads, D = s->head_dim, qkv_n = qkv_width(s);
     float *h = arena, *qkv = h + rows * hidden, *attn = qkv + rows * qkv_n, *o = attn + rows * H * D;
-    float *gate_up = o + rows * hidden, *act = gate_up + rows * 2 * s->intermediate;
+    float *own = o + rows * hidden;  /* 2 * rows * hidden: x and delta where the caller has none */
+    if (!x) {
+        if (!st->logits || !s->embed) return -2;
+        x = own;
+        for (int64_t r = 0; r < rows; r++) {
+            if (st->ids[r] < 0 || st->ids[r] >= s->embed_rows) return -2;
+            memcpy(x + r * hidden, s->embed + st->ids[r] * hidden, hidden * sizeof(float));
+        }
+    }
+    if (!delta) delta = own + rows * hidden;
+    float *gate_up = own + 2 * rows * hidden, *act = gate_up + rows * 2 * s->intermediate;
     float *lin_scratch = act + rows * s->intermediate, *att_scratch = lin_scratch + linear_scratch(s, rows, threads);
     const int64_t per_part = attention_per_part(s, st->max_ctx);
     for (int64_t i = 0; i < s->num_layers; i++) {
