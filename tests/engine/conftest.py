@@ -1,7 +1,7 @@
 import pytest
 
 from servelab.engine import native
-from tests.engine.isa_levels import kernels_at
+from tests.engine.isa_levels import fail_if_the_code_does_not_build, kernels_at
 from tests.tiny_models import write_tiny_llama
 
 
@@ -28,6 +28,7 @@ def kernel():
 
     fn = native.native_kernels()
     if fn is None:
+        fail_if_the_code_does_not_build(native.load_error)
         pytest.skip(f"native kernels unavailable here: {native.load_error}")
     return fn
 

@@ -39,11 +39,20 @@ def emulated_level(name: str, include: str) -> native.IsaLevel:
     return native.IsaLevel(f"{name}-simde", flags, frozenset())
 
 
+def fail_if_the_code_does_not_build(why: str | None) -> None:
+    """Where the CPU has the level and the compiler ran, a failed build is the code's fault: the
+    test fails instead of skipping (a missing compiler or CPU feature still skips)."""
+    if why and " failed: " in why:
+        pytest.fail(f"the native kernels do not build: {why}")
+
+
 def kernels_at(name: str) -> tuple[native.NativeKernels | None, str]:
     """(kernels, how they run: "native" or "simde") for ISA level `name`, or (None, why not)."""
     reason = native.unavailable_reason(name)
     if reason is None:
         kernels = native.native_kernels(name)
+        if kernels is None:
+            fail_if_the_code_does_not_build(native.kernels_unavailable(name))
         return (kernels, "native") if kernels is not None else (None, native.kernels_unavailable(name) or "")
     if name not in SIMDE_LEVELS or "avx2" in reason or native.unavailable_reason("avx2") is not None:
         return None, reason  # SIMDe's builds need AVX2 underneath
