@@ -464,6 +464,11 @@ static void panel_row(const float *panel, int64_t no, int64_t in, const float *x
         a0 = _mm512_fmadd_ps(xx_, v0, a0); a1 = _mm512_fmadd_ps(xx_, v1, a1); a2 = _mm512_fmadd_ps(xx_, v2, a2); \
     } while (0)
 
+/* The 8-row tile's eight activation rows stay in L1 up to 32 KB of them; past that (SmolLM2's
+ * down projection, 1,536 inputs: 48 KB) the 4-row tiles run 1.15-1.2x faster (docs/benchmarks.md,
+ * "The second AVX-512 host"). Either way a row's sums are the same chains: the same bits. */
+#define TILE8_MAX_IN 1024
+
 /* Eight rows x three outputs (24 accumulators of the 32 registers): each weight vector loaded
  * from the panel (L2) feeds eight FMAs, not four, so the panel is streamed once per eight rows.
  * Every accumulator is the same chain as in the 4-row tile and panel_row: the same bits. */
@@ -505,7 +510,7 @@ static int64_t panel_rows8(const float *panel, int64_t no, int64_t in, const flo
 
 static void panel_rows(const float *panel, int64_t no, int64_t in, const float *x, int64_t rows, const float *bias,
                        int64_t o0, float *y, int64_t out) {
-    const int64_t done = panel_rows8(panel, no, in, x, rows, bias, o0, y, out);
+    const int64_t done = in <= TILE8_MAX_IN ? panel_rows8(panel, no, in, x, rows, bias, o0, y, out) : 0;
     for (int64_t r0 = done; r0 + 4 <= rows; r0 += 4) {
         const float *x0 = x + r0 * in, *x1 = x0 + in, *x2 = x0 + 2 * in, *x3 = x0 + 3 * in;
         for (int64_t j = 0; j < no; j += 3) {
