@@ -197,11 +197,16 @@ def test_stack_is_built_only_where_it_can_run(tiny_llama, gguf_models):
     assert packed.decode_stack is None
 
 
-def test_stack_leaves_prefills_and_big_batches_to_the_per_op_path(gguf_models):
+def _q4_1_stack(gguf_models):
+    """The tiny Q4_1 model with its decode stack (the test skips where there is none)."""
     model = load_model(gguf_models["Q4_1"], dtype=torch.float32).model
-    stack = model.decode_stack
-    if stack is None:
+    if model.decode_stack is None:
         pytest.skip("no native kernels here")
+    return model, model.decode_stack
+
+
+def test_stack_leaves_prefills_and_big_batches_to_the_per_op_path(gguf_models):
+    model, stack = _q4_1_stack(gguf_models)
     pool = _Pool(model, [[1, 2, 3]], torch.float32)
     meta = pool.decode_meta()
     assert stack.accepts(meta, 1)
@@ -216,11 +221,8 @@ def test_stack_leaves_prefills_and_big_batches_to_the_per_op_path(gguf_models):
 
 
 def test_arena_is_reused_as_the_context_grows_and_keeps_the_bits(gguf_models):
-    model = load_model(gguf_models["Q4_1"], dtype=torch.float32).model
-    if model.decode_stack is None:
-        pytest.skip("no native kernels here")
+    model, stack = _q4_1_stack(gguf_models)
     pools = [_Pool(model, [[7] * 30], torch.float32, max_len=48) for _ in range(2)]
-    stack = model.decode_stack
     for pool in pools:
         pool.prefill()
     got, arenas = [], set()
@@ -234,10 +236,7 @@ def test_arena_is_reused_as_the_context_grows_and_keeps_the_bits(gguf_models):
 
 
 def test_a_token_id_outside_the_vocabulary_raises_on_both_paths(gguf_models):
-    model = load_model(gguf_models["Q4_1"], dtype=torch.float32).model
-    stack = model.decode_stack
-    if stack is None:
-        pytest.skip("no native kernels here")
+    model, stack = _q4_1_stack(gguf_models)
     pool = _Pool(model, [[1, 2, 3]], torch.float32)
     pool.prefill()
     vocab = model.embed.shape[0]
