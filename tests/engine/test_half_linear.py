@@ -161,7 +161,8 @@ def test_decode_stack_runs_half_linears_with_the_per_op_bits(checkpoints, ops):
 
 
 def test_decode_stack_takes_gemm_sized_batches_with_the_per_op_bits(checkpoints, kernel):
-    """20 decodes: past HALF_GEMV_MAX_ROWS, so both sides run the panel path."""
+    """20 decodes: past HALF_GEMV_MAX_ROWS, so both sides run the panel path (the first step's
+    stack through the LM head too, the second's leaving it to the model)."""
     model = load_model(checkpoints["bf16"][0], dtype=torch.float32).model
     stack = model.decode_stack
     prompts = [[7 + i, 30 + 2 * i, 100 + i][: 1 + i % 3] for i in range(HALF_GEMV_MAX_ROWS + 4)]
@@ -170,9 +171,9 @@ def test_decode_stack_takes_gemm_sized_batches_with_the_per_op_bits(checkpoints,
     for pool in pools:
         pool.prefill()
     tokens = [1] * len(prompts)
-    for _ in range(2):
+    for every_row in (True, False):
         model.decode_stack = stack
-        fused = pools[0].step(tokens)
+        fused = pools[0].step(tokens, every_row=every_row)
         model.decode_stack = None
         assert torch.equal(fused, pools[1].step(tokens))
         tokens = fused.argmax(-1).tolist()
