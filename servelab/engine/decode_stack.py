@@ -181,7 +181,8 @@ class DecodeStack:
             intermediate=inter, eps=config.rms_norm_eps, scale=scale, paged_attention=int(paged_attention),
             fused_max_rows=block_quant.FUSED_MAX_ROWS, panel_outputs=block_quant.PANEL_OUTPUTS,
         )
-        ends = head is not None and embed is not None and _fp32_contiguous(final_norm) and _fp32_contiguous(embed)
+        ends = all(t is not None for t in (head, embed, final_norm))
+        ends = ends and _fp32_contiguous(final_norm) and _fp32_contiguous(embed)
         d = _describe(head, kernels) if ends else None
         head_max_rows, vocab = None, 0
         if d is not None and head.shape[1] == hidden and embed.dim() == 2 and embed.shape[1] == hidden:

@@ -111,7 +111,8 @@ class ModelExecutor:
                     scored_rows.extend(range(first_row + lo - s.start_pos, first_row + hi - s.start_pos))
         dev = self.device
         logit_rows = [row_of_last[i] for i in sampling] + scored_rows
-        every_row = logit_rows == list(range(len(input_ids)))  # a decode step where all sample
+        n_rows = len(input_ids)  # every row samples, in order: a decode step without prompt scoring
+        every_row = len(logit_rows) == n_rows and logit_rows == list(range(n_rows))
 
         def put(t: torch.Tensor | None) -> torch.Tensor | None:  # .to() is a dispatched op even when a no-op
             return t if t is None or dev.type == "cpu" else t.to(dev)
