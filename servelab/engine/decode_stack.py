@@ -160,7 +160,7 @@ class DecodeStack:
         want = {"qkv": ((H + 2 * KV) * D, hidden), "o": (hidden, H * D), "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
         array = (_Layer * len(layers))()
         keep: list[Any] = []
-        invariant, max_rows = True, block_quant.max_rows(kernels)
+        invariant, max_rows = True, None
         for i, layer in enumerate(layers):
             if not (_fp32_contiguous(layer.input_norm) and _fp32_contiguous(layer.post_norm)):
                 return None
@@ -171,8 +171,7 @@ class DecodeStack:
                 if d is None or tuple(lin.shape) != shape:
                     return None
                 invariant &= isinstance(lin, Int8Linear) or bool(d.invariant)
-                if isinstance(lin, HalfLinear) and not lin.invariant:  # above, the per-op path takes MKL
-                    max_rows = _min_rows(max_rows, HALF_GEMM_MAX_ROWS)
+                max_rows = _min_rows(max_rows, _row_limit(lin, kernels))
                 setattr(array[i], name, d)
                 keep.append(lin)
             keep += [layer.input_norm, layer.post_norm]

@@ -87,7 +87,7 @@ class Sampler:
 
         greedy_rows = [i for i, p in enumerate(params) if p.temperature < _GREEDY_TEMPERATURE]
         if len(greedy_rows) == n:
-            tokens: list[int | None] = list(_argmax(logits))
+            tokens: list[int | None] = _argmax(logits)
         else:
             token_ids = torch.empty(n, dtype=torch.long)
             if greedy_rows:

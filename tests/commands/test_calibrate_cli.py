@@ -314,6 +314,6 @@ def test_kernel_rows_come_from_the_linears_the_engine_loaded():
     assert packed is not None and "Q4_1" in packed["linears"]
     from servelab.engine import native
 
-    want_max = None if native.native_kernels().level in block_quant.PANEL_ONLY_LEVELS else block_quant.MAX_ROWS
-    assert (packed["fused_max_rows"], packed["max_rows"]) == (block_quant.FUSED_MAX_ROWS, want_max)
+    want = (block_quant.FUSED_MAX_ROWS, block_quant.max_rows(native.native_kernels()))  # None at AVX-512 levels
+    assert (packed["fused_max_rows"], packed["max_rows"]) == want
     assert invariant is None
