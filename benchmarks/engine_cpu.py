@@ -140,7 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="decode_b1,decode_b32,prefill_512", help="comma-separated subset")
     parser.add_argument("--no-hf", action="store_true", help="servelab only (no ratios)")
     parser.add_argument("--json", action="store_true", help="print the raw figures as one JSON object on the last line")
-    parser.add_argument("--quantization", choices=["int8"], default=None, help="servelab's opt-in int8 linears (HF unchanged)")
+    parser.add_argument("--quantization", choices=["int8", "bf16"], default=None,
+                        help="servelab's opt-in int8 or bf16 linears (HF unchanged)")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="servelab's KV cache storage (HF unchanged)")
     parser.add_argument("--deterministic", action="store_true", help="also servelab in deterministic mode: its cost")

@@ -1,12 +1,14 @@
 """The native kernels at each ISA level this CPU has, interleaved in one process: the bundled
 SmolLM2-135M's 120 layer matrices as packed GGUF blocks (the in-register kernel up to 4 rows,
-the panel kernel above), as int8 codes and as bf16 weights (csrc/half_linear.c: the GEMV up to 16
-rows, the widened-panel GEMM above), and its prefill attention (9 query heads over 3 KV heads,
+the panel kernel above), as int8 codes, as bf16 weights under fp32 sums (csrc/half_linear.c: the
+GEMV up to 16 rows, the widened-panel GEMM above), in bf16 arithmetic (`bf16dot`,
+csrc/bf16_linear.c: vdpbf16ps at avx512_bf16, split FMAs below), and its prefill attention (9 query heads over 3 KV heads,
 head_dim 64) for a whole prompt of each --prompts length, once per layer. Optionally another
 source tree's kernels at the same levels (`--base TREE`: its servelab/engine/csrc built with this
 tree's flags), for before/after.
 
     python benchmarks/isa_levels.py [--levels avx2 avx512_vnni] [--base /tmp/old-tree] [--threads 1]
+                                    [--kinds gguf int8 bf16 bf16dot attn]
 
 Prints the median time over all 120 matrices (or 30 layers) per (kernel, rows) and each build
 against the first.
@@ -31,7 +33,7 @@ from servelab.engine import native
 from servelab.engine.bundled import bundled_model_path
 from servelab.engine.linear import HalfLinear
 from servelab.engine.loader import load_model
-from servelab.engine.quantization import Int8Linear
+from servelab.engine.quantization import Bf16Linear, Int8Linear
 
 
 def build_from(tree: Path, level: str) -> native.NativeKernels:
@@ -52,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--prompts", type=int, nargs="+", default=[128, 512], help="prefill attention: prompt lengths")
+    parser.add_argument("--kinds", nargs="+", default=["gguf", "int8", "bf16", "bf16dot", "attn"],
+                        choices=["gguf", "int8", "bf16", "bf16dot", "attn"])
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     levels = args.levels or [lv.name for lv in native.ISA_LEVELS[1:] if native.unavailable_reason(lv.name) is None]
@@ -69,16 +73,19 @@ def main(argv: list[str] | None = None) -> int:
     packed = [w for layer in model.layers for w in layer.linears()]
     int8 = [Int8Linear.from_weight(w.dequantize(), None) for w in packed]
     bf16 = [HalfLinear(w.dequantize().to(torch.bfloat16), None, kernels=builds[first]) for w in packed]
+    bf16dot = [Bf16Linear.from_weight(w.dequantize(), None) for w in packed]
     # (kind, rows) -> one round's work per build: a function of no arguments
     cases: dict[tuple[str, int], dict[str, object]] = {}
-    for kind, linears in (("gguf", packed), ("int8", int8), ("bf16", bf16)):
+    for kind, linears in (("gguf", packed), ("int8", int8), ("bf16", bf16), ("bf16dot", bf16dot)):
+        if kind not in args.kinds:
+            continue
         for rows in args.rows:
             x = {n: torch.randn(rows, n) for n in {w.shape[1] for w in linears}}
             for name, k in builds.items():
                 mine = [replace(w, kernels=k) for w in linears]
                 cases.setdefault((kind, rows), {})[name] = lambda mine=mine, x=x: [w(x[w.shape[1]]) for w in mine]
     layers, (heads, kv_heads, dim) = len(model.layers), (9, 3, 64)
-    for n in args.prompts:
+    for n in args.prompts if "attn" in args.kinds else []:
         q, k, v = torch.randn(n, heads, dim), torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)
         for name, kn in builds.items():
             cases.setdefault(("attn", n), {})[name] = lambda kn=kn, q=q, k=k, v=v: [

@@ -1,6 +1,6 @@
 """servelab against its peers on CPU, side by side in one run, on the bundled SmolLM2-135M GGUF.
 
-Engines: servelab (its default config, and `--quantization int8`), HF transformers (bf16 and
+Engines: servelab (its default config, `--quantization int8` and `bf16`), HF transformers (bf16 and
 fp32, in this process, from the same GGUF) and llama.cpp (llama-cpp-python, on the same Q4_1 GGUF
 file, in a worker process of its own: benchmarks/peers_llama_cpp.py). vLLM's CPU build is
 optional; without it the run says so and goes on.
@@ -18,7 +18,7 @@ cores while it waits for its next turn, so the worker is stopped (SIGSTOP) betwe
 measurements. servelab and HF share this process, under servelab's OMP_WAIT_POLICY=PASSIVE.
 
     python benchmarks/peers.py [--rounds 3] [--threads 2] [--json] [--only decode_b1,...]
-                               [--engines servelab,servelab-int8,hf-bf16,hf-fp32,llama.cpp]
+                               [--engines servelab,servelab-int8,servelab-bf16,hf-bf16,hf-fp32,llama.cpp]
 """
 
 from __future__ import annotations
@@ -52,8 +52,8 @@ from servelab.spec.hardware import HardwareSpec  # noqa: E402
 from servelab.spec.model import ModelSpec  # noqa: E402
 
 METRICS = ("decode_b1", "decode_b32", "prefill_512")
-ENGINES = ("servelab", "servelab-int8", "hf-bf16", "hf-fp32", "llama.cpp")
-SERVELAB_ENGINES = ("servelab", "servelab-int8")
+ENGINES = ("servelab", "servelab-int8", "servelab-bf16", "hf-bf16", "hf-fp32", "llama.cpp")
+SERVELAB_ENGINES = ("servelab", "servelab-int8", "servelab-bf16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +145,7 @@ class ServelabPeer(workloads.Servelab):
         super().__init__("auto", quantization)  # auto: whatever a user who passes no flag gets
         self.name = name
         executor = self.engine.executor
-        compute = "int8" if quantization else weight_dtype(_dtype_name(self.model.dtype)).compute_dtype
+        compute = quantization or weight_dtype(_dtype_name(self.model.dtype)).compute_dtype
         self.profile = Profile(self.model.weight_bytes(), _dtype_name(executor.kv_cache.dtype), compute)
 
 
@@ -230,8 +230,8 @@ def vllm_note() -> str:
 def make_engine(name: str, threads: int, omp_wait_policy: str):
     if name == "servelab":
         return ServelabPeer(name, None)
-    if name == "servelab-int8":
-        return ServelabPeer(name, "int8")
+    if name.startswith("servelab-"):
+        return ServelabPeer(name, name.removeprefix("servelab-"))
     if name == "hf-bf16":
         return HFPeer("bfloat16")
     if name == "hf-fp32":

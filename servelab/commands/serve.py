@@ -16,7 +16,7 @@ from servelab.commands._cluster_cli import add_cluster_arguments, check_cluster_
 from servelab.commands._dtype_cli import add_engine_dtype_arguments
 from servelab.commands._engine_cli import DETERMINISTIC_HELP, QUANTIZATION_HELP, TENSOR_PARALLEL_HELP
 from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
-from servelab.engine.llm_engine import DEFAULT_MAX_MODEL_LEN
+from servelab.engine.llm_engine import DEFAULT_MAX_MODEL_LEN, QUANTIZATIONS
 from servelab.errors import InvalidArgument
 from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES, OPEN_PATHS
 from servelab.server.tool_parsers import TOOL_CALL_PARSERS
@@ -78,7 +78,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="GGUF file or HF model directory (default: the bundled SmolLM2-135M-Instruct Q4_1)")  # fmt: skip
     model.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: from the model)")
     add_engine_dtype_arguments(model)
-    model.add_argument("--quantization", choices=["int8"], default=None, help=QUANTIZATION_HELP)
+    model.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
     model.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default cpu)")
     model.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
     model.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help=TENSOR_PARALLEL_HELP)

@@ -14,10 +14,10 @@ then makes no torch op between the weights' stream and sampling. That matters be
 warm time (docs/benchmarks.md, "Batch 1: cold caches after the weights' stream").
 
 It covers what it can describe: linears held as GGUF blocks (block_quant.BlockQuantLinear),
-int8 codes (quantization.Int8Linear) or 16-bit weights (linear.HalfLinear), steps of decodes
-only, and up to block_quant.max_rows(kernels) rows (every row count at the AVX-512 levels;
-linear.HALF_GEMM_MAX_ROWS with 16-bit weights) unless every linear is batch-invariant (above
-that, the per-op path's MKL GEMM is faster).
+int8 codes or bf16 weights (quantization.Int8Linear, Bf16Linear) or 16-bit weights under fp32
+sums (linear.HalfLinear), steps of decodes only, and up to block_quant.max_rows(kernels) rows
+(every row count at the AVX-512 levels; linear.HALF_GEMM_MAX_ROWS with 16-bit weights) unless
+every linear is batch-invariant (above that, the per-op path's MKL GEMM is faster).
 Anything else (dense fp32 linears outside deterministic mode, tensor-parallel wrappers, prefill
 chunks) keeps the per-op path.
 """
@@ -33,11 +33,11 @@ import torch
 from servelab.engine import block_quant, native
 from servelab.engine.block_quant import BlockQuantLinear
 from servelab.engine.linear import HALF_GEMM_MAX_ROWS, HALF_GEMV_MAX_ROWS, HalfLinear
-from servelab.engine.quantization import Int8Linear
+from servelab.engine.quantization import Bf16Linear, Int8Linear
 from servelab.spec.model import ModelSpec
 
 _MAX_SEGMENTS = 4  # SL_MAX_SEGMENTS in the C file
-_BLOCKS, _INT8, _HALF = 0, 1, 2
+_BLOCKS, _INT8, _HALF, _BF16 = 0, 1, 2, 3
 _ptr, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
@@ -92,6 +92,11 @@ def _describe(lin: Any, kernels: native.NativeKernels) -> _Linear | None:
         d.kind, d.invariant, d.half_weight = _HALF, int(lin.invariant), lin.weight.data_ptr()
         d.half_format, d.half_gemv_max_rows = native.KV_FORMATS[lin.weight.dtype], HALF_GEMV_MAX_ROWS
         return d
+    if isinstance(lin, Bf16Linear):
+        if lin.kernels is not kernels:
+            return None
+        d.kind, d.half_weight = _BF16, lin.packed.data_ptr()
+        return d
     if isinstance(lin, Int8Linear):
         if lin.kernels is not kernels:
             return None
@@ -112,7 +117,7 @@ def _describe(lin: Any, kernels: native.NativeKernels) -> _Linear | None:
 def _row_limit(lin: Any, kernels: native.NativeKernels) -> int | None:
     """The most rows at which the stack runs `lin` as its own __call__ does (None: any): past it
     the per-op path takes MKL's GEMM, which sums in another order."""
-    if isinstance(lin, Int8Linear) or lin.invariant:
+    if isinstance(lin, (Int8Linear, Bf16Linear)) or lin.invariant:
         return None
     return HALF_GEMM_MAX_ROWS if isinstance(lin, HalfLinear) else block_quant.max_rows(kernels)
 
@@ -170,7 +175,7 @@ class DecodeStack:
                 d = _describe(lin, kernels)
                 if d is None or tuple(lin.shape) != shape:
                     return None
-                invariant &= isinstance(lin, Int8Linear) or bool(d.invariant)
+                invariant &= isinstance(lin, (Int8Linear, Bf16Linear)) or bool(d.invariant)
                 max_rows = _min_rows(max_rows, _row_limit(lin, kernels))
                 setattr(array[i], name, d)
                 keep.append(lin)

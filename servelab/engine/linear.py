@@ -1,7 +1,7 @@
 """The one interface every linear layer of the model has: `y = lin(x)` for x [rows, in].
 
 A linear carries its weight in whatever form it was loaded or quantized to (a dense tensor here;
-GGUF blocks in block_quant.BlockQuantLinear; int8 codes in quantization.Int8Linear) and its bias,
+GGUF blocks in block_quant.BlockQuantLinear; int8 codes or bf16 in quantization's) and its bias,
 and picks its own kernel per call. The model holds linear objects and calls them; it never asks
 which kind it holds.
 """

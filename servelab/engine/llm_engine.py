@@ -34,7 +34,7 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 DTYPES = FLOAT_DTYPES  # the compute dtypes; names in spec/dtypes.py's vocabulary
 KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: the compute dtype
 DEVICES = ("cpu", "cuda")
-QUANTIZATIONS = ("int8",)  # engine/quantization.py implements them (it imports torch; this module does not)
+QUANTIZATIONS = ("int8", "bf16")  # engine/quantization.py implements them (it imports torch; this module does not)
 
 
 @dataclass
@@ -48,8 +48,8 @@ class EngineArgs:
     kv_cache_memory_bytes: int | None = None  # None = DEFAULT_KV_CACHE_MEMORY_BYTES
     seed: int = 0
     served_model_name: str | None = None
-    # None = weights in the compute dtype; "int8" = opt-in int8 linears on CPU (fp32 compute,
-    # 2-6x faster linears than fp32 here; numerics change, output stays batch-invariant: see
+    # None = weights in the compute dtype; "int8" or "bf16" = opt-in int8 or bf16 linears on CPU
+    # (the rest in fp32; faster linears, numerics change, output stays batch-invariant: see
     # engine/quantization.py)
     quantization: str | None = None
     # The KV cache's storage dtype: "auto" = the compute dtype. A 16-bit cache under fp32 compute
@@ -132,8 +132,8 @@ class EngineArgs:
 def apply_model_options(model: Any, args: EngineArgs) -> None:
     """What EngineArgs change in a loaded model (engine.model.LlamaModel); every tensor-parallel
     rank applies the same."""
-    if args.quantization == "int8":
-        model.quantize_int8()
+    if args.quantization is not None:
+        model.quantize(args.quantization)
     if args.deterministic:
         model.make_batch_invariant()
 
@@ -215,17 +215,19 @@ class LLMEngine:
         from servelab.engine.logits_processors import LogitsProcessors
         from servelab.engine.model_executor import ModelExecutor
         from servelab.engine.sampler import Sampler
-        from servelab.engine.weights import CPU_AUTO_DTYPE_REASON, resolve_dtype
+        from servelab.engine.weights import CPU_AUTO_DTYPE_REASON, CPU_BF16_DTYPE_HINT, resolve_dtype
 
         args.validate()
         path = args.model or str(bundled_model_path())
         dtype = resolve_dtype("float32" if args.quantization or args.deterministic else args.dtype, args.device)
         if args.dtype is None and args.device == "cpu" and not (args.quantization or args.deterministic):
             logger.info("dtype auto -> float32: %s", CPU_AUTO_DTYPE_REASON)
-        if args.quantization == "int8":
-            from servelab.engine.quantization import check_int8_supported
+        if args.dtype == "bfloat16" and args.device == "cpu":
+            logger.warning("dtype bfloat16: %s", CPU_BF16_DTYPE_HINT)
+        if args.quantization is not None:
+            from servelab.engine.quantization import check_supported
 
-            check_int8_supported()  # before the minutes of loading
+            check_supported(args.quantization)  # before the minutes of loading
         tp = args.tensor_parallel_size
         loaded = load_model(path, dtype=dtype, device=args.device, tp_rank=0, tp_size=tp)
         apply_model_options(loaded.model, args)

@@ -20,7 +20,7 @@ import torch
 from servelab.engine import linear
 from servelab.engine.linear import Linear
 from servelab.engine.ops import Ops, select_ops
-from servelab.engine.quantization import Int8Linear
+from servelab.engine.quantization import LINEARS
 from servelab.errors import InvalidArgument
 from servelab.spec.model import ModelSpec
 
@@ -124,7 +124,7 @@ class LlamaModel:
         self.final_norm = final_norm
         self.lm_head = linear.lm_head(lm_head, lm_head_packed)
         self.tied_head = lm_head.data_ptr() == embed.data_ptr()
-        self.quantization: str | None = None  # "int8" after quantize_int8
+        self.quantization: str | None = None  # "int8" or "bf16" after quantize
         self.dtype = embed.dtype
         self.device = embed.device
         self.inv_freq = rope_inv_freq(config, rope_freq_divisors).to(self.device)
@@ -154,26 +154,27 @@ class LlamaModel:
     def batch_invariant(self) -> bool:
         return self.ops.batch_invariant
 
-    def quantize_int8(self) -> None:
-        """Opt-in: every linear and the LM head become int8 (see `quantization`), at every row count,
-        so the output stays batch-invariant; the fp32 and GGUF-block copies are dropped. The
-        embedding and norms stay in the compute dtype. Numerics change, so the default never does
-        this."""
+    def quantize(self, kind: str) -> None:
+        """Opt-in: every linear and the LM head become `kind` (quantization.LINEARS: "int8" or
+        "bf16"), at every row count, so the output stays batch-invariant; the fp32, 16-bit and
+        GGUF-block copies are dropped. The embedding and norms stay in the compute dtype. Numerics
+        change, so the default never does this."""
         if self.dtype != torch.float32 or self.device.type != "cpu":
             raise InvalidArgument(
-                f"quantization 'int8' computes in float32 on the CPU, not {self.dtype} on {self.device.type}",
+                f"quantization {kind!r} computes in float32 on the CPU, not {self.dtype} on {self.device.type}",
                 param="dtype",
             )
-        if self.quantization == "int8":
+        if self.quantization == kind:
             return
+        make = LINEARS[kind].from_weight
 
-        def int8(w: Linear) -> Int8Linear:
-            return Int8Linear.from_weight(w.dequantize(), w.bias)
+        def quantized(w: Linear) -> Linear:
+            return make(w.dequantize(), w.bias)
 
         for layer in self.layers:
-            layer.qkv, layer.o, layer.gate_up, layer.down = (linear.map_weight(int8, w) for w in layer.linears())
-        self.lm_head = linear.map_weight(int8, self.lm_head)
-        self.quantization = "int8"
+            layer.qkv, layer.o, layer.gate_up, layer.down = (linear.map_weight(quantized, w) for w in layer.linears())
+        self.lm_head = linear.map_weight(quantized, self.lm_head)
+        self.quantization = kind
         self.use_ops(self.ops)  # the new linears on the ops' kernels
 
     def make_batch_invariant(self) -> None:

@@ -4,8 +4,8 @@ Decode attention over an fp32, fp16 or bf16 KV cache (csrc/decode_attention.c), 
 attention (csrc/prefill_attention.c), the per-layer elementwise ops (csrc/layer_ops.c: residual
 add + RMSNorm, SwiGLU, RoPE with the K/V store; and the sampler's row-wise argmax), linears
 straight from GGUF blocks (csrc/block_quant_linear.c, used by block_quant.py), linears over bf16 or
-fp16 weights with fp32 sums (csrc/half_linear.c, linear.HalfLinear) and the opt-in int8 linears
-(csrc/int8_linear.c, used by quantization.py). Attention, the linears and the argmax
+fp16 weights with fp32 sums (csrc/half_linear.c, linear.HalfLinear) and the opt-in int8 and bf16
+linears (csrc/int8_linear.c and bf16_linear.c, used by quantization.py). Attention, the linears and the argmax
 split their work over torch.get_num_threads() threads of our own pool (csrc/parallel.c).
 
 The same sources are built once per ISA level (ISA_LEVELS: the compiler flags and the CPU
@@ -40,7 +40,7 @@ from servelab.errors import InvalidArgument
 
 _SOURCES = (
     "decode_attention.c", "prefill_attention.c", "layer_ops.c", "block_quant_linear.c", "int8_linear.c", "parallel.c",
-    "decode_stack.c", "half_linear.c",
+    "decode_stack.c", "half_linear.c", "bf16_linear.c",
 )
 _HEADERS = ("vec_exp.h", "parallel.h", "half.h", "fp.h", "isa.h")
 # KV-cache dtypes the attention and K/V-store kernels read and write (their kv_format codes, half.h)
@@ -193,6 +193,7 @@ class NativeKernels:
     decode_stack: Callable[..., int]
     decode_stack_arena: Callable[..., int]
     half_linear: Callable[..., int]
+    bf16_linear: Callable[..., int]
 
 
 def _build(level: IsaLevel) -> NativeKernels:
@@ -258,6 +259,7 @@ def _build(level: IsaLevel) -> NativeKernels:
         decode_stack=fn("servelab_decode_stack", ptr, ptr, ptr, ptr, ptr, restype=ctypes.c_int),
         decode_stack_arena=fn("servelab_decode_stack_arena_floats", ptr, i64, i64, i64, restype=i64),
         half_linear=fn("servelab_half_linear_f32", i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, restype=ctypes.c_int),
+        bf16_linear=fn("servelab_bf16_linear_f32", ptr, i64, i64, ptr, i64, ptr, ptr, i64, restype=ctypes.c_int),
     )
 
 

@@ -1,6 +1,6 @@
-"""Opt-in int8 linears for CPU (`EngineArgs(quantization="int8")`, `--quantization int8`).
+"""Opt-in linears for CPU that trade numerics for speed (`--quantization int8` or `bf16`).
 
-Why: decode on a CPU is bound by the bytes of weights it streams, and batched decode and prefill
+int8. Why: decode on a CPU is bound by the bytes of weights it streams, and batched decode and prefill
 by the GEMMs. Here each weight is a 7-bit code with a scale and zero point per output channel
 (a quarter of the fp32 bytes), each activation row is quantized to int8 on the fly, and the C
 kernel in csrc/int8_linear.c (the why of 7 and 8 bits, and of a scale per 64 inputs, is there)
@@ -11,6 +11,14 @@ What it costs: numerics (each linear's output moves by a percent or two), so the
 does this. What it keeps: every integer sum is exact and each activation row has its own scales,
 so a row's result does not depend on the other rows of the step: greedy output under int8 is the
 same whatever else is in the batch.
+
+bf16. Each weight is kept in bf16 and each activation is rounded to bf16. The products are
+exact in fp32 and summed in fp32 by csrc/bf16_linear.c: vdpbf16ps on AVX512-BF16, the same bits
+elsewhere. That is how bf16 serving engines (vLLM's CPU build, HF transformers in bf16) compute
+a linear, but here the residual stream, norms, attention and sampling stay fp32. Prefill's and
+batched decode's GEMMs run about twice as fast as the fp32 kernels, and bf16 weights are half
+of fp32's bytes (against a 4-bit GGUF's blocks they are more). Timings: docs/benchmarks.md,
+"bf16 compute". Each row's sums depend on no other row, so it is batch-invariant too.
 """
 
 from __future__ import annotations
@@ -27,12 +35,12 @@ GROUP = 64  # inputs one activation scale covers (G there); packed rows are padd
 MAX_CODE = 127  # weights are 7-bit codes (see csrc/int8_linear.c)
 
 
-def check_int8_supported() -> native.NativeKernels:
-    """The native kernels the int8 linears run on, or a clear error where they cannot load."""
+def check_supported(quantization: str) -> native.NativeKernels:
+    """The native kernels the quantized linears run on, or a clear error where they cannot load."""
     kernels = native.native_kernels()
     if kernels is None:
         raise InvalidArgument(
-            f"quantization 'int8' needs servelab's native CPU kernels, unavailable here: {native.load_error}",
+            f"quantization {quantization!r} needs servelab's native CPU kernels, unavailable here: {native.load_error}",
             param="quantization",
         )
     return kernels
@@ -63,7 +71,7 @@ class Int8Linear:
 
     @classmethod
     def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Int8Linear:
-        kernels = check_int8_supported()
+        kernels = check_supported("int8")
         out_features, in_features = weight.shape
         codes, scale, zero = quantize_weight(weight)
         out_pad, kp = -(-out_features // PANEL) * PANEL, -(-in_features // GROUP) * GROUP
@@ -109,3 +117,64 @@ class Int8Linear:
         """Bytes a call reads: the codes, scales and zero points (and the bias)."""
         n = self.packed.numel() + 4 * self.scale.numel() + 4 * self.zero.numel()
         return n + (0 if self.bias is None else 4 * self.bias.numel())
+
+
+BF16_PANEL = 64  # outputs a packed bf16 panel holds (NPO in csrc/bf16_linear.c)
+
+
+@dataclass(slots=True)
+class Bf16Linear:
+    """y = x @ W^T + b in bf16 arithmetic with fp32 sums (csrc/bf16_linear.c; the module's doc)."""
+
+    packed: torch.Tensor  # bf16 [out_pad / 64, in_pad / 2, 64, 2] (see the C file), zero-padded
+    bias: torch.Tensor | None  # fp32 [out]
+    shape: tuple[int, int]  # [out, in]
+    kernels: native.NativeKernels
+
+    @classmethod
+    def from_weight(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> Bf16Linear:
+        kernels = check_supported("bf16")
+        out_features, in_features = weight.shape
+        w = weight.detach().to(torch.bfloat16)
+        # vdpbf16ps reads a subnormal as zero; zeroing them here keeps every ISA level's bits equal
+        w = torch.where(w.abs() < torch.finfo(torch.bfloat16).tiny, w * 0, w)
+        out_pad, in_pad = -(-out_features // BF16_PANEL) * BF16_PANEL, in_features + in_features % 2
+        padded = torch.zeros(out_pad, in_pad, dtype=torch.bfloat16)
+        padded[:out_features, :in_features] = w
+        packed = padded.view(out_pad // BF16_PANEL, BF16_PANEL, in_pad // 2, 2).transpose(1, 2).contiguous()
+        b = None if bias is None else bias.detach().float().contiguous()
+        return cls(packed, b, (out_features, in_features), kernels)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        out_features, in_features = self.shape
+        rows = x.numel() // in_features
+        flat = x.reshape(rows, in_features).float().contiguous()
+        y = torch.empty(rows, out_features, dtype=torch.float32)
+        rc = self.kernels.bf16_linear(
+            self.packed.data_ptr(), in_features, out_features, flat.data_ptr(), rows,
+            None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), torch.get_num_threads(),
+        )
+        if rc != 0:
+            raise MemoryError(f"bf16 linear: no memory for {rows} x {in_features} rounded activations")
+        return y.reshape(*x.shape[:-1], out_features)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """W [out, in] bf16, as the packed panels hold it."""
+        out_features, in_features = self.shape
+        return self.packed.transpose(1, 2).reshape(-1, self.packed.shape[1] * 2)[:out_features, :in_features]
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float()
+
+    def numel(self) -> int:
+        return self.shape[0] * (self.shape[1] + (self.bias is not None))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes a call reads: the packed weight (and the bias)."""
+        return 2 * self.packed.numel() + (0 if self.bias is None else 4 * self.bias.numel())
+
+
+# --quantization's choices -> the linear each weight becomes
+LINEARS = {"int8": Int8Linear, "bf16": Bf16Linear}

@@ -20,6 +20,12 @@ CPU_AUTO_DTYPE_REASON = (
     "AVX-512 BF16 host; a bf16 or "
     "fp16 checkpoint's linears stay 16-bit, widened exactly in registers (--dtype overrides)"
 )
+# For an explicit --dtype bfloat16 on a CPU: where bf16 arithmetic is fast here.
+CPU_BF16_DTYPE_HINT = (
+    "every op runs in plain PyTorch bf16, ~12x slower than the default at batch-1 decode; "
+    "--quantization bf16 computes the linears in bf16 on servelab's kernels (vdpbf16ps on AVX512-BF16) "
+    "and the rest in float32"
+)
 
 
 def keeps_half_storage(dtype: torch.dtype, device: str) -> bool:

@@ -27,17 +27,19 @@ VARIANTS = {
     "fp16-kv": {"kv_cache_dtype": "float16"},
     # int8 linears: each activation row has its own scale and the integer sums are exact
     "int8": {"quantization": "int8", "kv_cache_dtype": "float16"},
+    # bf16 linears: a row's lanes and sums are its own whatever the tile (csrc/bf16_linear.c)
+    "bf16": {"quantization": "bf16"},
 }
 
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def factory(request, tiny_engine_factory):
     if "quantization" in VARIANTS[request.param]:
-        from servelab.engine.quantization import check_int8_supported
+        from servelab.engine.quantization import check_supported
         from servelab.errors import InvalidArgument
 
         try:
-            check_int8_supported()
+            check_supported(VARIANTS[request.param]["quantization"])
         except InvalidArgument as exc:
             pytest.skip(str(exc))
     return lambda **kwargs: tiny_engine_factory(**VARIANTS[request.param], **kwargs)

@@ -253,7 +253,7 @@ def test_int8_quantization_replaces_the_packed_blocks_at_every_row_count(kernel,
     exact = load_model(path, dtype=torch.float32).model
     int8 = load_model(path, dtype=torch.float32).model
     assert all(isinstance(w, BlockQuantLinear) for w in int8.layers[0].linears())
-    int8.quantize_int8()
+    int8.quantize("int8")
     assert all(isinstance(w, Int8Linear) for layer in int8.layers for w in layer.linears())
     assert isinstance(int8.lm_head, Int8Linear)
     ids = list(range(3, 40))

@@ -129,10 +129,11 @@ def test_stack_gives_the_per_op_bits_on_packed_weights(gguf_models, name, fmt, m
 
 @pytest.mark.parametrize("name", NATIVE_OPS)
 @pytest.mark.parametrize("odd", [False, True], ids=["hd16", "hd48"])
-def test_stack_gives_the_per_op_bits_with_int8_and_a_16_bit_cache(gguf_models, odd_gguf, name, odd, monkeypatch):
+@pytest.mark.parametrize("kind", ["int8", "bf16"])
+def test_stack_gives_the_per_op_bits_quantized_and_with_a_16_bit_cache(gguf_models, odd_gguf, name, odd, kind, monkeypatch):
     model = load_model(odd_gguf if odd else gguf_models["Q4_1"], dtype=torch.float32).model
     model.use_ops(make_ops_at(name, monkeypatch))
-    model.quantize_int8()
+    model.quantize(kind)
     _stack_against_per_op(model, kv_dtype=torch.float16)
 
 
@@ -179,7 +180,7 @@ def test_greedy_decode_at_every_level_gives_the_portable_builds_tokens(
         model = load_model(odd_gguf if odd else gguf_models["Q4_1"], dtype=torch.float32).model
         model.use_ops(make_ops_at(name, monkeypatch))
         if int8:
-            model.quantize_int8()
+            model.quantize("int8")
         runs.append(_greedy(model, torch.float16 if int8 else torch.float32))
     (want_tokens, want), (got_tokens, got) = runs
     assert got_tokens == want_tokens

@@ -136,16 +136,19 @@ def _tiny(tiny_llama, deterministic: bool, **variant):
     return make
 
 
-VARIANTS = {"fp32": {}, "fp16-kv": {"kv_cache_dtype": "float16"}, "int8": {"quantization": "int8"}}
+VARIANTS = {
+    "fp32": {}, "fp16-kv": {"kv_cache_dtype": "float16"}, "int8": {"quantization": "int8"},
+    "bf16": {"quantization": "bf16"},
+}
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_tiny_model_is_bit_identical_alone_batched_chunked_and_preempted(tiny_llama, variant):
-    if variant == "int8":
-        from servelab.engine.quantization import check_int8_supported
+    if variant in ("int8", "bf16"):
+        from servelab.engine.quantization import check_supported
 
         try:
-            check_int8_supported()
+            check_supported(variant)
         except InvalidArgument as exc:
             pytest.skip(str(exc))
     make = _tiny(tiny_llama, deterministic=True, **VARIANTS[variant])

@@ -18,7 +18,7 @@
 
 #define SL_MAX_SEGMENTS 4
 
-enum { LINEAR_BLOCKS = 0, LINEAR_INT8 = 1, LINEAR_HALF = 2 };
+enum { LINEAR_BLOCKS = 0, LINEAR_INT8 = 1, LINEAR_HALF = 2, LINEAR_BF16 = 3 };
 
 /* Outputs [start, start + rows) of a weight as GGUF blocks of one format (block_quant.PackedRows). */
 struct sl_segment {
@@ -38,7 +38,8 @@ struct sl_linear {
     const float *int8_scale;
     const int32_t *int8_zero;
     int64_t int8_kp;
-    const uint16_t *half_weight;        /* LINEAR_HALF: linear.HalfLinear's bf16/fp16 [out, in] */
+    const uint16_t *half_weight;        /* LINEAR_HALF: linear.HalfLinear's bf16/fp16 [out, in];
+                                           LINEAR_BF16: quantization.Bf16Linear's packed panels */
     int64_t half_format, half_gemv_max_rows;  /* half.h's KV_F16 / KV_BF16; its GEMV path up to here */
 };
 
@@ -102,6 +103,8 @@ void servelab_paged_attention_f32(const float *q, int64_t q_stride, const void *
 int64_t servelab_paged_attention_scratch_floats(int64_t max_ctx, int64_t head_dim);
 int servelab_half_linear_f32(int64_t fmt, const uint16_t *w, int64_t in, int64_t out, const float *x, int64_t rows,
                              const float *bias, float *y, int64_t gemm, int64_t threads);
+int servelab_bf16_linear_f32(const uint16_t *w, int64_t in, int64_t out, const float *x, int64_t rows,
+                             const float *bias, float *y, int64_t threads);
 
 static int64_t max3(int64_t a, int64_t b, int64_t c) { return a > b ? (a > c ? a : c) : (b > c ? b : c); }
 
@@ -128,13 +131,15 @@ int64_t servelab_decode_stack_arena_floats(const struct sl_stack *s, int64_t row
     return rows * per_row + linear_scratch(s, rows, threads) + threads * attention_per_part(s, max_ctx);
 }
 
-/* y = x @ W^T (+ bias) as block_quant.BlockQuantLinear, quantization.Int8Linear and
- * linear.HalfLinear compute it. */
+/* y = x @ W^T (+ bias) as block_quant.BlockQuantLinear, quantization.Int8Linear and Bf16Linear
+ * and linear.HalfLinear compute it. */
 static int run_linear(const struct sl_stack *s, const struct sl_linear *l, const float *x, int64_t rows, float *y,
                       float *scratch, int64_t threads) {
     if (l->kind == LINEAR_HALF)
         return servelab_half_linear_f32(l->half_format, l->half_weight, l->in_features, l->out_features, x, rows,
                                         l->bias, y, rows > l->half_gemv_max_rows, threads);
+    if (l->kind == LINEAR_BF16)
+        return servelab_bf16_linear_f32(l->half_weight, l->in_features, l->out_features, x, rows, l->bias, y, threads);
     if (l->kind == LINEAR_INT8)
         return servelab_int8_linear_f32(l->int8_packed, l->int8_scale, l->int8_zero, l->bias, l->in_features,
                                         l->int8_kp, l->out_features, x, rows, y, threads);

@@ -1,8 +1,8 @@
 """The layers that communicate under tensor parallelism, wrapped around a rank's own linears.
 
 Each holds the linear that carries the weight shard as `inner` (any engine/linear.py kind:
-dense, GGUF blocks, int8) and adds one collective after it; `with_inner` lets the model's
-use_ops and quantize_int8 swap the inner linear (linear.map_weight). The model's forward never
+dense, GGUF blocks, int8, bf16) and adds one collective after it; `with_inner` lets the model's
+use_ops and quantize swap the inner linear (linear.map_weight). The model's forward never
 sees the process group. The collectives are called on the group itself, not through
 torch.distributed's functions, which only know groups made from its default group (group.py).
 """
