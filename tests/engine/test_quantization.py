@@ -22,26 +22,35 @@ from servelab.errors import InvalidArgument
 VARIANTS = {"llama": {}, "qwen2-tied-bias": {"qkv_bias": True, "tie_embeddings": True, "kv_heads": 1}}
 
 
-@pytest.fixture(scope="module", params=list(VARIANTS))
-def models(request, tmp_path_factory, kernel):
-    path = write_tiny_llama(tmp_path_factory.mktemp(request.param), seed=3, **VARIANTS[request.param])
+def _reference_and_quantized(tmp_path_factory, variant: str, kind: str):
+    path = write_tiny_llama(tmp_path_factory.mktemp(variant), seed=3, **VARIANTS[variant])
     ref = load_model(path, dtype=torch.float32).model
     q = load_model(path, dtype=torch.float32).model
-    q.quantize("int8")
+    q.quantize(kind)
     return ref, q
 
 
-def test_int8_logits_stay_close_to_fp32(models):
-    ref, q = models
+@pytest.fixture(scope="module", params=list(VARIANTS))
+def models(request, tmp_path_factory, kernel):
+    return _reference_and_quantized(tmp_path_factory, request.param, "int8")
+
+
+def _close_to_fp32(ref, q, max_diff: float, min_same_argmax: float) -> None:
+    """Prefill and decode logits of 150 tokens within max_diff of the largest fp32 logit, and the
+    greedy choice the same at least that often."""
     ids = [int(t) for t in torch.randint(0, 500, (150,), generator=torch.Generator().manual_seed(1))]
     want = prefill_logits(ref, ids)
     got = prefill_logits(q, ids)
+    assert 0 < max_rel_diff(got, want) <= max_diff
+    assert max_rel_diff(prefill_logits(q, ids[:40], chunk=1), want[:40]) <= max_diff  # decode path
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= min_same_argmax
+
+
+def test_int8_logits_stay_close_to_fp32(models):
     # Measured 0.026 / 0.014 (prefill) and 0.028 / 0.014 (decode) for the two variants (0.056 /
-    # 0.032 with fbgemm's per-tensor 7-bit activations, which this kernel replaced).
-    assert 0 < max_rel_diff(got, want) <= 0.06
-    assert max_rel_diff(prefill_logits(q, ids[:40], chunk=1), want[:40]) <= 0.06  # decode path
-    # The greedy choice survives almost everywhere (measured 96% / 100%).
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.85
+    # 0.032 with fbgemm's per-tensor 7-bit activations, which this kernel replaced); the greedy
+    # choice the same in 96% / 100% of positions.
+    _close_to_fp32(*models, max_diff=0.06, min_same_argmax=0.85)
 
 
 def test_int8_weights_take_about_a_quarter_of_the_bytes(models):
@@ -221,26 +230,28 @@ def test_bad_quantization_arguments_name_the_input(kwargs, param):
     assert str(kwargs[param] if param in kwargs else kwargs["quantization"]) in str(err.value)
 
 
-def test_int8_engine_generates(kernel, tiny_engine_factory):
-    engine = tiny_engine_factory(quantization="int8")
-    assert engine.executor.model.quantization == "int8"
+@pytest.mark.parametrize("kind", QUANTIZATIONS)
+def test_quantized_engine_generates(kernel, tiny_engine_factory, kind):
+    engine = tiny_engine_factory(quantization=kind)
+    assert engine.executor.model.quantization == kind
     seqs = [engine.add_request(f"r{i}", [5 + i, 9, 12], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)) for i in range(3)]
     while engine.has_unfinished():
         engine.step()
     assert all(len(s.output_token_ids) == 8 for s in seqs)
 
 
-def test_generate_cli_takes_quantization_int8(kernel, tiny_llama, capsys):
+@pytest.mark.parametrize("kind", QUANTIZATIONS)
+def test_generate_cli_takes_quantization(kernel, tiny_llama, capsys, kind):
     from servelab.cli import main
 
-    rc = main(["generate", "--model", str(tiny_llama), "--quantization", "int8", "--prompt", "hello",
+    rc = main(["generate", "--model", str(tiny_llama), "--quantization", kind, "--prompt", "hello",
                "--max-tokens", "4", "--temperature", "0", "--ignore-eos", "--json"])
     assert rc == 0
     assert '"token_ids"' in capsys.readouterr().out
-    rc = main(["generate", "--model", str(tiny_llama), "--quantization", "int8", "--prompt", "hello",
+    rc = main(["generate", "--model", str(tiny_llama), "--quantization", kind, "--prompt", "hello",
                "--max-tokens", "2", "--temperature", "0", "--ignore-eos"])
     assert rc == 0
-    assert "float32, int8 linears]" in capsys.readouterr().out  # the timing line says what ran
+    assert f"float32, {kind} linears]" in capsys.readouterr().out  # the timing line says what ran
 
 
 @pytest.mark.slow
@@ -341,11 +352,7 @@ def test_every_quantization_the_flag_offers_has_a_linear():
 
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def bf16_models(request, tmp_path_factory, kernel):
-    path = write_tiny_llama(tmp_path_factory.mktemp(request.param), seed=3, **VARIANTS[request.param])
-    ref = load_model(path, dtype=torch.float32).model
-    q = load_model(path, dtype=torch.float32).model
-    q.quantize("bf16")
-    return ref, q
+    return _reference_and_quantized(tmp_path_factory, request.param, "bf16")
 
 
 def test_bf16_logits_stay_close_to_fp32_with_half_the_bytes(bf16_models):
@@ -354,28 +361,8 @@ def test_bf16_logits_stay_close_to_fp32_with_half_the_bytes(bf16_models):
     assert all(isinstance(w, Bf16Linear) for layer in q.layers for w in layer.linears())
     assert isinstance(q.lm_head, Bf16Linear) and q.num_parameters() == ref.num_parameters()
     assert 0.45 * ref.weight_bytes() < q.weight_bytes() < 0.55 * ref.weight_bytes()
-    ids = [int(t) for t in torch.randint(0, 500, (150,), generator=torch.Generator().manual_seed(1))]
-    want = prefill_logits(ref, ids)
-    got = prefill_logits(q, ids)
     # Measured 0.0048 / 0.0027 for the two variants, and the same greedy choice everywhere
-    assert 0 < max_rel_diff(got, want) <= 0.02
-    assert max_rel_diff(prefill_logits(q, ids[:40], chunk=1), want[:40]) <= 0.02  # decode path
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.95
-
-
-def test_bf16_engine_generates_and_the_cli_says_so(kernel, tiny_engine_factory, tiny_llama, capsys):
-    from servelab.cli import main
-
-    engine = tiny_engine_factory(quantization="bf16")
-    assert engine.executor.model.quantization == "bf16"
-    seqs = [engine.add_request(f"r{i}", [5 + i, 9, 12], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)) for i in range(3)]
-    while engine.has_unfinished():
-        engine.step()
-    assert all(len(s.output_token_ids) == 8 for s in seqs)
-    rc = main(["generate", "--model", str(tiny_llama), "--quantization", "bf16", "--prompt", "hello",
-               "--max-tokens", "2", "--temperature", "0", "--ignore-eos"])
-    assert rc == 0
-    assert "float32, bf16 linears]" in capsys.readouterr().out
+    _close_to_fp32(ref, q, max_diff=0.02, min_same_argmax=0.95)
 
 
 def test_an_explicit_bf16_dtype_on_the_cpu_points_to_the_bf16_linears(tiny_engine_factory, caplog):

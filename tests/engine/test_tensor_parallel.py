@@ -93,10 +93,10 @@ def test_a_model_the_ranks_cannot_split_is_refused_before_any_worker_starts(tmp_
 # ------------------------------------------------------------------ real ranks
 
 
-def _engine(path, tp: int):
+def _engine(path, tp: int, quantization: str | None = None):
     from servelab.engine.llm_engine import EngineArgs, LLMEngine
 
-    return LLMEngine.from_args(EngineArgs(model=str(path), dtype="float32", tensor_parallel_size=tp))
+    return LLMEngine.from_args(EngineArgs(model=str(path), dtype="float32", tensor_parallel_size=tp, quantization=quantization))
 
 
 def _greedy(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, list[int]]:
@@ -121,8 +121,13 @@ def models(tmp_path_factory):
 
 @pytest.mark.slow
 # TP=4 over 2 KV heads replicates them; four processes on a small host: fewer tokens
-@pytest.mark.parametrize(("model", "tp", "max_tokens"), [("4q2kv", 2, 64), ("9q3kv", 3, 64), ("4q2kv", 4, 16)])
-def test_tp_greedy_output_and_logits_equal_tp1(models, model, tp, max_tokens):
+# bf16 linears: each rank's row-parallel partial sums are rounded as the whole's are not, and a
+# bf16 rounding of the next activations can amplify that, so the logits get a looser bound
+@pytest.mark.parametrize(
+    ("model", "tp", "max_tokens", "quantization"),
+    [("4q2kv", 2, 64, None), ("9q3kv", 3, 64, None), ("4q2kv", 4, 16, None), ("9q3kv", 3, 32, "bf16")],
+)
+def test_tp_greedy_output_and_logits_equal_tp1(models, model, tp, max_tokens, quantization):
     import torch
 
     prompts = [[5, 17, 42, 9, 300, 7, 88], [11, 12, 13]]
@@ -130,13 +135,13 @@ def test_tp_greedy_output_and_logits_equal_tp1(models, model, tp, max_tokens):
     threads = torch.get_num_threads()
     try:
         for n in (1, tp):
-            engines[n] = _engine(models[model], n)
+            engines[n] = _engine(models[model], n, quantization)
         tokens = {n: _greedy(e, prompts, max_tokens) for n, e in engines.items()}
         assert tokens[tp] == tokens[1]
         seq = prompts[0] + tokens[1]["0"]
         logits = {n: prefill_logits(e.executor.model, seq) for n, e in engines.items()}
         assert logits[tp].shape == logits[1].shape == (len(seq), 512)
-        assert (logits[tp] - logits[1]).abs().max() < 1e-4
+        assert (logits[tp] - logits[1]).abs().max() < (1e-4 if quantization is None else 1e-2)
     finally:
         for e in engines.values():
             e.close()
