@@ -28,6 +28,7 @@ from engine_cpu import Servelab, prompt_ids  # noqa: E402
 
 from servelab.core.sequence import SamplingParams  # noqa: E402
 from servelab.engine import native  # noqa: E402
+from servelab.engine.llm_engine import QUANTIZATIONS  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=30, help="decode steps a round and mode")
-    parser.add_argument("--quantization", choices=["int8"], default=None)
+    parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None)
     parser.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     parser.add_argument("--by-kernel", action="store_true", help="split the op-by-op kernel time by entry point")
     args = parser.parse_args(argv)
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
             kernel_ms[mode].append(kernel_ns[0] / args.steps / 1e6)
             recording[0] = False
     model.decode_stack = stack
-    print(f"batch-{args.batch} decode step, bundled SmolLM2-135M, fp32{' int8' if args.quantization else ''}, "
+    print(f"batch-{args.batch} decode step, bundled SmolLM2-135M, fp32{' ' + args.quantization if args.quantization else ''}, "
           f"{args.threads} threads, {args.rounds} interleaved rounds of {args.steps} steps (medians)")
     print(f"{'mode':10s} {'step ms':>8s} {'tok/s':>7s} {'kernels ms':>10s} {'else ms':>8s} {'else %':>7s}")
     for mode in names:

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
+import tempfile
 import time
 import types
 from dataclasses import replace
@@ -37,13 +39,20 @@ from servelab.engine.quantization import Bf16Linear, Int8Linear
 
 
 def build_from(tree: Path, level: str) -> native.NativeKernels:
-    """`tree`'s kernels at `level`, through native's own build (and cache)."""
+    """`tree`'s kernels at `level`, through native's own build (and cache). A source file the
+    tree lacks (an older tree, before a kernel existed) comes from this tree, so that it builds."""
     own = native.resources
-    native.resources = types.SimpleNamespace(files=lambda _pkg: tree / "servelab" / "engine")
-    try:
-        return native._build(native._LEVELS[level])
-    finally:
-        native.resources = own
+    with tempfile.TemporaryDirectory() as tmp:
+        csrc = Path(tmp) / "csrc"
+        csrc.mkdir()
+        for name in (*native._SOURCES, *native._HEADERS):
+            theirs = tree / "servelab" / "engine" / "csrc" / name
+            shutil.copy(theirs if theirs.exists() else own.files("servelab.engine").joinpath("csrc", name), csrc / name)
+        native.resources = types.SimpleNamespace(files=lambda _pkg: Path(tmp))
+        try:
+            return native._build(native._LEVELS[level])
+        finally:
+            native.resources = own
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -253,4 +253,4 @@ class DecodeStack:
         if err == -2:
             raise IndexError(f"a token id of this step is outside the embedding's {self._stack.embed_rows} rows")
         if err:
-            raise MemoryError(f"int8 linear: no memory for {rows} rows of quantized activations")
+            raise MemoryError(f"decode stack: a linear found no memory for {rows} rows of activations")

@@ -13,10 +13,10 @@ so a row's result does not depend on the other rows of the step: greedy output u
 same whatever else is in the batch.
 
 bf16. Each weight is kept in bf16 and each activation is rounded to bf16. The products are
-exact in fp32 and summed in fp32 by csrc/bf16_linear.c: vdpbf16ps on AVX512-BF16, the same bits
-elsewhere. That is how bf16 serving engines (vLLM's CPU build, HF transformers in bf16) compute
-a linear, but here the residual stream, norms, attention and sampling stay fp32. Prefill's and
-batched decode's GEMMs run about twice as fast as the fp32 kernels, and bf16 weights are half
+exact in fp32 and summed in fp32 by csrc/bf16_linear.c: vdpbf16ps on AVX512-BF16, the same
+arithmetic elsewhere (the same bits, but for sums under 2^-126, which vdpbf16ps flushes). That is how bf16 serving engines (vLLM's CPU build, HF transformers in bf16) compute
+a linear, but here the residual stream, norms, attention and sampling stay fp32. On AVX512-BF16,
+prefill's and batched decode's GEMMs run about twice as fast as the fp32 kernels; bf16 weights are half
 of fp32's bytes (against a 4-bit GGUF's blocks they are more). Timings: docs/benchmarks.md,
 "bf16 compute". Each row's sums depend on no other row, so it is batch-invariant too.
 """
@@ -147,6 +147,8 @@ class Bf16Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         out_features, in_features = self.shape
+        if x.shape[-1] != in_features:
+            raise ValueError(f"bf16 linear takes [..., {in_features}], got {tuple(x.shape)}")
         rows = x.numel() // in_features
         flat = x.reshape(rows, in_features).float().contiguous()
         y = torch.empty(rows, out_features, dtype=torch.float32)

@@ -167,10 +167,10 @@ def _greedy(model, kv_dtype: torch.dtype, steps: int = 5) -> tuple[list[list[int
 
 @pytest.mark.parametrize("level", [lv.name for lv in native.ISA_LEVELS if lv.name != "portable"])
 @pytest.mark.parametrize("kind", ["native", "invariant"])
-@pytest.mark.parametrize("int8", [False, True], ids=["q4_1", "int8"])
+@pytest.mark.parametrize("quant", [None, "int8", "bf16"], ids=["q4_1", "int8", "bf16"])
 @pytest.mark.parametrize("odd", [False, True], ids=["hd16", "hd48"])
 def test_greedy_decode_at_every_level_gives_the_portable_builds_tokens(
-    gguf_models, odd_gguf, level, kind, int8, odd, monkeypatch
+    gguf_models, odd_gguf, level, kind, quant, odd, monkeypatch
 ):
     """Prefill and greedy decode through the stack at each ISA level (AVX-512 on SIMDe where the
     CPU lacks it) against the portable build, on the tiny model and on one with odd sizes: the
@@ -179,9 +179,9 @@ def test_greedy_decode_at_every_level_gives_the_portable_builds_tokens(
     for name in (f"{kind}-portable", f"{kind}-{level}"):
         model = load_model(odd_gguf if odd else gguf_models["Q4_1"], dtype=torch.float32).model
         model.use_ops(make_ops_at(name, monkeypatch))
-        if int8:
-            model.quantize("int8")
-        runs.append(_greedy(model, torch.float16 if int8 else torch.float32))
+        if quant:
+            model.quantize(quant)
+        runs.append(_greedy(model, torch.float16 if quant == "int8" else torch.float32))
     (want_tokens, want), (got_tokens, got) = runs
     assert got_tokens == want_tokens
     assert max_rel_diff(got, want) <= 1e-5

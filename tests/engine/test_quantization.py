@@ -276,8 +276,9 @@ def test_bundled_model_answers_the_same_in_int8_and_bf16():
 def _bf16_reference(w: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """csrc/bf16_linear.c's arithmetic in NumPy fp32: x rounded to bf16 (under 2^-126: zero), then
     per output one chain over the input pairs, x[2p+1] w[2p+1] first, then x[2p] w[2p] (a product
-    of two bf16 is exact in fp32, so `acc + x * w` rounds once, as the fused multiply-add does),
-    an odd last input paired with a zero, then + bias."""
+    of two bf16 is exact in fp32 unless it falls under 2^-126, which these tests' data never do, so
+    `acc + x * w` rounds once, as the fused multiply-add does), an odd last input paired with a
+    zero, then + bias."""
     xb = x.to(torch.bfloat16)
     xb = torch.where(xb.abs() < torch.finfo(torch.bfloat16).tiny, xb * 0, xb)
     n_in = xb.shape[1] + xb.shape[1] % 2
@@ -335,6 +336,15 @@ def test_bf16_rounds_activations_to_nearest_even_and_keeps_bad_rows_their_own(ke
     got = lin(bad)
     assert got[1, 2].isnan() and got[2, 2] == float("inf") and got[2, 1] == float("inf")
     assert torch.equal(got[0], good[0]) and torch.equal(got[3], good[3])
+
+
+def test_bf16_linear_rejects_a_wrong_input_width_and_a_model_takes_one_quantization(kernel, models):
+    with pytest.raises(ValueError, match=r"\[\.\.\., 40\]"):
+        Bf16Linear.from_weight(torch.randn(4, 40))(torch.randn(3, 8))
+    _, q = models  # int8 already
+    with pytest.raises(InvalidArgument, match="already int8") as err:
+        q.quantize("bf16")
+    assert err.value.param == "quantization"
 
 
 def test_bf16_weights_flush_subnormals_and_keep_a_bf16_checkpoint_exactly(kernel):
