@@ -19,6 +19,7 @@ host with them runs this.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
 import shutil
 import statistics
@@ -38,10 +39,33 @@ from servelab.engine.loader import load_model
 from servelab.engine.quantization import Bf16Linear, Int8Linear
 
 
+# An entry point an older tree lacks -> the one its linears called instead.
+_OLDER_ENTRY = {"servelab_block_quant_gemm_kmajor_f32": "servelab_block_quant_gemm_f32"}
+
+
+class _OlderLibrary(ctypes.CDLL):
+    """An older tree's library: a missing entry point is _OLDER_ENTRY's stand-in, else a function
+    that says so when called."""
+
+    def __getattr__(self, name):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name in _OLDER_ENTRY:
+                return super().__getattr__(_OLDER_ENTRY[name])
+
+            def missing(*_args):
+                raise NotImplementedError(f"{name} is not in this tree")
+
+            return missing
+
+
 def build_from(tree: Path, level: str) -> native.NativeKernels:
     """`tree`'s kernels at `level`, through native's own build (and cache). A source file the
-    tree lacks (an older tree, before a kernel existed) comes from this tree, so that it builds."""
-    own = native.resources
+    tree lacks (an older tree, before a kernel existed) comes from this tree, so that it builds;
+    an entry point it lacks is _OLDER_ENTRY's stand-in."""
+    own, cdll = native.resources, native.ctypes.CDLL
+    native.ctypes.CDLL = _OlderLibrary
     with tempfile.TemporaryDirectory() as tmp:
         csrc = Path(tmp) / "csrc"
         csrc.mkdir()
@@ -52,7 +76,7 @@ def build_from(tree: Path, level: str) -> native.NativeKernels:
         try:
             return native._build(native._LEVELS[level])
         finally:
-            native.resources = own
+            native.resources, native.ctypes.CDLL = own, cdll
 
 
 def main(argv: list[str] | None = None) -> int:

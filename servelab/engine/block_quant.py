@@ -6,7 +6,8 @@ rows is bound by the bytes of weights it reads, 4-6x more in fp32 than in the fi
 kernels in csrc/block_quant_linear.c multiply straight from the packed blocks: up to
 FUSED_MAX_ROWS rows widening them in registers, then expanding PANEL_OUTPUTS outputs at a time to
 fp32 for a register-blocked GEMM; at AVX2 and below, above MAX_ROWS MKL's GEMM over the fp32 copy is
-faster, while at the AVX-512 levels the panel kernel is ahead at every row count (max_rows). Same
+faster, while at the AVX-512 levels the panel kernel is ahead at every row count (max_rows), and
+from KMAJOR_MIN_ROWS rows a k-major panel with one output a lane takes over. Same
 weights, fp32 sums either way (only the rounding order differs), so this is on by default,
 unlike the approximate `--quantization int8`. Costs the packed copy's memory. Timings:
 docs/benchmarks.md, "GGUF blocks kept packed".
@@ -44,6 +45,10 @@ MAX_ROWS = 128  # at AVX2 and below, above this MKL (it pulls ahead by 256 rows)
 # At these the panel kernel runs 1.7-1.9x MKL's sgemm at 128-2048 rows: no switch to MKL.
 PANEL_ONLY_LEVELS = frozenset({"avx512", "avx512_vnni", "avx512_bf16"})
 PANEL_OUTPUTS = 48  # outputs the panel kernel expands at a time (PANEL in the C file)
+# At those levels, from here the k-major panel (one output a lane; sums in another order, so not in
+# deterministic mode): 0.91x the panel kernel's time at 48 rows, 0.88x at 128, 0.79x at 512; 1.01x
+# at 32, where filling its transposed panel costs what the tiles save.
+KMAJOR_MIN_ROWS = 48
 
 
 @dataclass(slots=True)
@@ -92,7 +97,8 @@ class BlockQuantLinear:
             kernel = self.kernels.block_quant_linear
         else:
             scratch = torch.empty(threads * PANEL_OUTPUTS * in_features, dtype=torch.float32)  # a panel each
-            kernel = self.kernels.block_quant_gemm
+            kmajor = rows >= KMAJOR_MIN_ROWS and not self.invariant and self.kernels.level in PANEL_ONLY_LEVELS
+            kernel = self.kernels.block_quant_gemm_kmajor if kmajor else self.kernels.block_quant_gemm
         bias = None if self.bias is None else self.bias.data_ptr()
         for seg in self.segments:  # each writes its columns of y (4 bytes an fp32)
             kernel(
@@ -130,6 +136,12 @@ def max_rows(kernels: native.NativeKernels) -> int | None:
     """The most rows the packed kernels built as `kernels` take before MKL's GEMM over the fp32
     copy does better (None: every row count)."""
     return None if kernels.level in PANEL_ONLY_LEVELS else MAX_ROWS
+
+
+def same_order_max_rows(kernels: native.NativeKernels) -> int:
+    """The most rows at which a linear outside deterministic mode still sums a row as at fewer
+    rows' panel kernel: past it, MKL (AVX2 and below) or the k-major panel (AVX-512)."""
+    return KMAJOR_MIN_ROWS - 1 if kernels.level in PANEL_ONLY_LEVELS else MAX_ROWS
 
 
 def fused_formats(linear: BlockQuantLinear) -> bool:

@@ -15,9 +15,9 @@ warm time (docs/benchmarks.md, "Batch 1: cold caches after the weights' stream")
 
 It covers what it can describe: linears held as GGUF blocks (block_quant.BlockQuantLinear),
 int8 codes or bf16 weights (quantization.Int8Linear, Bf16Linear) or 16-bit weights under fp32
-sums (linear.HalfLinear), steps of decodes only, and up to block_quant.max_rows(kernels) rows
-(every row count at the AVX-512 levels; linear.HALF_GEMM_MAX_ROWS with 16-bit weights) unless
-every linear is batch-invariant (above that, the per-op path's MKL GEMM is faster).
+sums (linear.HalfLinear), steps of decodes only, and up to block_quant.same_order_max_rows(kernels)
+rows (linear.HALF_GEMM_MAX_ROWS with 16-bit weights) unless every linear is batch-invariant (above
+that, the per-op path's MKL GEMM or k-major panel is faster).
 Anything else (dense fp32 linears outside deterministic mode, tensor-parallel wrappers, prefill
 chunks) keeps the per-op path.
 """
@@ -116,10 +116,10 @@ def _describe(lin: Any, kernels: native.NativeKernels) -> _Linear | None:
 
 def _row_limit(lin: Any, kernels: native.NativeKernels) -> int | None:
     """The most rows at which the stack runs `lin` as its own __call__ does (None: any): past it
-    the per-op path takes MKL's GEMM, which sums in another order."""
+    the per-op path takes MKL's GEMM or the k-major panel, which sum in another order."""
     if isinstance(lin, (Int8Linear, Bf16Linear)) or lin.invariant:
         return None
-    return HALF_GEMM_MAX_ROWS if isinstance(lin, HalfLinear) else block_quant.max_rows(kernels)
+    return HALF_GEMM_MAX_ROWS if isinstance(lin, HalfLinear) else block_quant.same_order_max_rows(kernels)
 
 
 def _min_rows(a: int | None, b: int | None) -> int | None:

@@ -185,6 +185,7 @@ class NativeKernels:
     rope_store_kv: Callable[..., None]
     block_quant_linear: Callable[..., None]
     block_quant_gemm: Callable[..., None]
+    block_quant_gemm_kmajor: Callable[..., None]
     block_dequant: Callable[..., None]
     argmax_rows: Callable[..., None]
     nonfinite_rows: Callable[..., int]
@@ -250,6 +251,9 @@ def _build(level: IsaLevel) -> NativeKernels:
         ),
         block_quant_gemm=fn(
             "servelab_block_quant_gemm_f32", i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, i64
+        ),
+        block_quant_gemm_kmajor=fn(
+            "servelab_block_quant_gemm_kmajor_f32", i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, i64
         ),
         block_dequant=fn("servelab_block_dequant_f32", i64, ptr, i64, i64, i64, i64, ptr),
         argmax_rows=fn("servelab_argmax_rows_f32", ptr, i64, i64, ptr, i64),

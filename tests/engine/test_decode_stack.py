@@ -212,11 +212,14 @@ def test_stack_leaves_prefills_and_big_batches_to_the_per_op_path(gguf_models):
     meta = pool.decode_meta()
     assert stack.accepts(meta, 1)
     assert not stack.accepts(meta, 2)  # the rows are not all decodes
-    big = block_quant.MAX_ROWS + 1
-    meta.num_decodes = big
-    # past max_rows MKL's GEMM is faster (up to AVX2); at the AVX-512 levels the stack takes any
-    assert stack.max_rows == block_quant.max_rows(stack.kernels)
-    assert stack.accepts(meta, big) == (stack.max_rows is None)
+    # past these rows the per-op path sums in another order: MKL's GEMM (up to AVX2) or the
+    # k-major panel (AVX-512), each faster there
+    limit = block_quant.same_order_max_rows(stack.kernels)
+    assert stack.max_rows == limit
+    meta.num_decodes = limit
+    assert stack.accepts(meta, limit)
+    meta.num_decodes = limit + 1
+    assert not stack.accepts(meta, limit + 1)
     meta.num_decodes, meta.prefills = 1, [(1, 3, 0, None)]
     assert not stack.accepts(meta, 1)
 

@@ -7,7 +7,9 @@
  *   - servelab_block_quant_linear_f32 (up to four rows at a time, 32-weight formats): each
  *     block's quants are widened to fp32 in registers and used for every row;
  *   - servelab_block_quant_gemm_f32 (more rows, every format here): 48 outputs' weights are
- *     expanded to fp32 (L2) once and a register-blocked 4-row x 3-output kernel runs over them.
+ *     expanded to fp32 (L2) once and a register-blocked 4-row x 3-output kernel runs over them;
+ *   - servelab_block_quant_gemm_kmajor_f32 (AVX-512, many rows, not deterministic mode): the same
+ *     48 outputs expanded k-major, one output a lane, in 8-row x 48-output tiles.
  * The weights are the values the loader's dequantization produces (servelab_block_dequant_f32
  * writes them out, and tests check they are bit-identical), so this is the fp32 model with
  * another summation order, not an approximation. block_quant.py picks the kernel per call, and
@@ -544,6 +546,116 @@ static void panel_rows(const float *panel, int64_t no, int64_t in, const float *
     }
     for (int64_t r = rows / 4 * 4; r < rows; r++) panel_row(panel, no, in, x + r * in, bias, o0, y + r * out);
 }
+/* The k-major panel (servelab_block_quant_gemm_kmajor_f32, for many rows outside deterministic
+ * mode): [in][PANEL], one output a lane (fill_panel), and a tile of TM rows x 48 outputs loads
+ * three weight vectors an input and broadcasts each row's input, as BLIS-style GEMMs do. Each
+ * output's sum is one FMA chain over k ascending, then + bias, so no lanes are summed at the end,
+ * where the dot-product tiles above spend about a third of their time at 576 inputs. Filling it
+ * costs a transposition, which pays from ~64 rows (docs/benchmarks.md, "One output a lane"). */
+#define TM 8 /* rows a tile: 24 accumulators + 3 weight vectors + 1 broadcast */
+
+/* dst[k][0..16) = src[0..16)[k] for k < 16: sixteen rows of 16 floats (src_stride apart)
+ * transposed into sixteen rows dst_stride apart. */
+static inline void transpose16(const float *src, int64_t src_stride, float *dst, int64_t dst_stride) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(src + i * src_stride);
+    for (int i = 0; i < 8; i++) { /* pairs of rows interleaved */
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int g = 0; g < 4; g++) { /* then fours: r[4g + j] holds rows 4g..4g+3 of columns j, j+4, j+8, j+12 */
+        const __m512d a = _mm512_castps_pd(t[4 * g]), b = _mm512_castps_pd(t[4 * g + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * g + 2]), d = _mm512_castps_pd(t[4 * g + 3]);
+        r[4 * g] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c));
+        r[4 * g + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * g + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d));
+        r[4 * g + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int j = 0; j < 4; j++) { /* then the four groups' 128-bit lanes gathered per column */
+        const __m512 v0 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88), v1 = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
+        const __m512 w0 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88), w1 = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+        _mm512_storeu_ps(dst + j * dst_stride, _mm512_shuffle_f32x4(v0, w0, 0x88));
+        _mm512_storeu_ps(dst + (j + 4) * dst_stride, _mm512_shuffle_f32x4(v1, w1, 0x88));
+        _mm512_storeu_ps(dst + (j + 8) * dst_stride, _mm512_shuffle_f32x4(v0, w0, 0xdd));
+        _mm512_storeu_ps(dst + (j + 12) * dst_stride, _mm512_shuffle_f32x4(v1, w1, 0xdd));
+    }
+}
+
+#define FILL_CHUNK 1024 /* inputs of 16 rows dequantized at a time (64 KB of stack; a K-quant's 256 divide it) */
+
+/* Outputs [o0, o0 + no) of the weight, dequantized as dequant_row rounds them, into panel
+ * [in][PANEL] (outputs past no: zeros): 16 rows x up to FILL_CHUNK inputs at a time into a
+ * buffer, then transposed 16 x 16 at a time. */
+static void fill_panel(int64_t qtype, const uint8_t *w, int64_t row_bytes, int64_t in, int64_t o0, int64_t no,
+                       float *panel) {
+    float tmp[16 * FILL_CHUNK] __attribute__((aligned(64)));
+    /* bytes of FILL_CHUNK inputs of a row: 32 per block, 256 per K-quant block, 4 each for F32 */
+    const int64_t chunk_bytes = qtype == F32 ? 4 * FILL_CHUNK
+                                : qtype == Q4_K ? 144 * (FILL_CHUNK / 256)
+                                : qtype == Q6_K ? 210 * (FILL_CHUNK / 256)
+                                : block_bytes(qtype) * (FILL_CHUNK / 32);
+    for (int64_t g = 0; g < PANEL; g += 16)
+        for (int64_t k0 = 0, c = 0; k0 < in; k0 += FILL_CHUNK, c++) {
+            const int64_t n = in - k0 < FILL_CHUNK ? in - k0 : FILL_CHUNK;
+            for (int64_t o = 0; o < 16; o++) {
+                if (g + o < no)
+                    dequant_row(qtype, w + (o0 + g + o) * row_bytes + c * chunk_bytes, n / 32, tmp + o * n);
+                else
+                    memset(tmp + o * n, 0, sizeof(float) * (size_t)n);
+            }
+            for (int64_t k = 0; k < n; k += 16) transpose16(tmp + k, n, panel + (k0 + k) * PANEL + g, PANEL);
+        }
+}
+
+/* mr rows of x against the panel's no outputs (a constant mr once inlined); y and bias start at
+ * the panel's first output. */
+static inline __attribute__((always_inline)) void tile48(const int mr, const float *panel, int64_t in, const float *x,
+                                                         const float *bias, int64_t no, float *y, int64_t y_stride) {
+    __m512 acc[TM][3];
+    for (int r = 0; r < mr; r++) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < in; k++) {
+        const float *wk = panel + k * PANEL;
+        const __m512 w0 = _mm512_loadu_ps(wk), w1 = _mm512_loadu_ps(wk + 16), w2 = _mm512_loadu_ps(wk + 32);
+        for (int r = 0; r < mr; r++) {
+            const __m512 xx = _mm512_set1_ps(x[r * in + k]);
+            acc[r][0] = _mm512_fmadd_ps(xx, w0, acc[r][0]);
+            acc[r][1] = _mm512_fmadd_ps(xx, w1, acc[r][1]);
+            acc[r][2] = _mm512_fmadd_ps(xx, w2, acc[r][2]);
+        }
+    }
+    for (int r = 0; r < mr; r++)
+        for (int v = 0; v < 3 && 16 * v < no; v++) {
+            float *yv = y + r * y_stride + 16 * v;
+            const __m512 s = bias && 16 * v + 16 <= no ? _mm512_add_ps(acc[r][v], _mm512_loadu_ps(bias + 16 * v)) : acc[r][v];
+            if (16 * v + 16 <= no) {
+                _mm512_storeu_ps(yv, s);
+                continue;
+            }
+            float sums[16];
+            _mm512_storeu_ps(sums, s);
+            for (int64_t i = 0; i < no - 16 * v; i++) yv[i] = bias ? sums[i] + bias[16 * v + i] : sums[i];
+        }
+}
+
+/* Every row against a filled k-major panel: TM rows at a time, then the rest. */
+static void kmajor_rows(const float *panel, int64_t no, int64_t in, const float *x, int64_t rows, const float *bias,
+                       int64_t o0, float *y, int64_t out) {
+    const float *b = bias ? bias + o0 : NULL;
+    for (int64_t r0 = 0; r0 < rows; r0 += TM) {
+        const float *xr = x + r0 * in;
+        float *yr = y + r0 * out + o0;
+        switch (rows - r0 < TM ? rows - r0 : TM) { /* constants, so every tile is unrolled */
+        case 8: tile48(8, panel, in, xr, b, no, yr, out); break;
+        case 7: tile48(7, panel, in, xr, b, no, yr, out); break;
+        case 6: tile48(6, panel, in, xr, b, no, yr, out); break;
+        case 5: tile48(5, panel, in, xr, b, no, yr, out); break;
+        case 4: tile48(4, panel, in, xr, b, no, yr, out); break;
+        case 3: tile48(3, panel, in, xr, b, no, yr, out); break;
+        case 2: tile48(2, panel, in, xr, b, no, yr, out); break;
+        default: tile48(1, panel, in, xr, b, no, yr, out); break;
+        }
+    }
+}
 #else
 /* One row against the panel, six outputs at a time: for the rows past a multiple of four (all of
  * them in a step of 1-3 rows), which panel_rows' 4-row tiles would compute four times over. Each
@@ -725,7 +837,7 @@ static void exact(int64_t qtype, int64_t nr, const uint8_t *w, int64_t row_bytes
 #endif
 
 struct gemm_job {
-    int64_t qtype, row_bytes, in_features, out_features, rows, y_stride;
+    int64_t qtype, row_bytes, in_features, out_features, rows, y_stride, kmajor;
     const uint8_t *w;
     const float *x, *bias;
     float *y, *scratch;
@@ -750,6 +862,14 @@ static void gemm_part(const void *ctx, int64_t part, int64_t begin, int64_t end)
     float *scratch = j->scratch + part * PANEL * in;
     for (int64_t p = begin; p < end; p++) {
         const int64_t o0 = p * PANEL, no = out - o0 < PANEL ? out - o0 : PANEL;
+#if defined(SL_AVX512)
+        if (j->kmajor) {
+            prefetch_outputs(j->y, j->y_stride, j->rows, o0, no);
+            fill_panel(j->qtype, j->w, j->row_bytes, in, o0, no, scratch);
+            kmajor_rows(scratch, no, in, j->x, j->rows, j->bias, o0, j->y, j->y_stride);
+            continue;
+        }
+#endif
 #ifdef SL_AVX2
         if (j->rows < 4 && j->qtype <= Q4_1) { /* few rows: the same sums without the panel */
             exact(j->qtype, j->rows, j->w, j->row_bytes, in, o0, no, j->x, j->bias, j->y, j->y_stride);
@@ -776,7 +896,18 @@ void servelab_block_quant_gemm_f32(int64_t qtype, const uint8_t *w, int64_t row_
                                    int64_t out_features, const float *x, int64_t rows, const float *bias, float *y,
                                    int64_t y_stride, float *scratch, int64_t threads)
 {
-    struct gemm_job job = {qtype, row_bytes, in_features, out_features, rows, y_stride, w, x, bias, y, scratch};
+    struct gemm_job job = {qtype, row_bytes, in_features, out_features, rows, y_stride, 0, w, x, bias, y, scratch};
+    sl_parallel_for(gemm_part, &job, (out_features + PANEL - 1) / PANEL, threads);
+}
+
+/* The same contract and scratch, through the k-major panel at the AVX-512 levels (elsewhere the
+ * panel above): sums in another order than servelab_block_quant_gemm_f32's, so deterministic mode
+ * never takes it. For many rows (block_quant.KMAJOR_MIN_ROWS). */
+void servelab_block_quant_gemm_kmajor_f32(int64_t qtype, const uint8_t *w, int64_t row_bytes, int64_t in_features,
+                                          int64_t out_features, const float *x, int64_t rows, const float *bias,
+                                          float *y, int64_t y_stride, float *scratch, int64_t threads)
+{
+    struct gemm_job job = {qtype, row_bytes, in_features, out_features, rows, y_stride, 1, w, x, bias, y, scratch};
     sl_parallel_for(gemm_part, &job, (out_features + PANEL - 1) / PANEL, threads);
 }
 

@@ -69,6 +69,7 @@ static inline __m512i sl_simde_cvttps_epi32(__m512 a) {
 #define _mm512_cvtepu8_epi32 sl_simde_cvtepu8_epi32
 #define _mm512_cvtepu16_epi32 sl_simde_cvtepu16_epi32
 #define _mm512_cvtph_ps sl_simde_cvtph_ps
+#define _mm512_shuffle_f32x4(a, b, imm8) simde_mm512_shuffle_f32x4(a, b, imm8) /* no alias in 0.7.4 */
 #undef _mm512_madd_epi16 /* 0.7.4's alias takes four arguments */
 #define _mm512_madd_epi16(a, b) simde_mm512_madd_epi16(a, b)
 #endif
