@@ -60,15 +60,17 @@ def _check(linear: BlockQuantLinear, rows: int, with_bias: bool, seed: int) -> N
 
 @pytest.mark.parametrize(
     ("fmt", "in_features"),
-    [(fmt, n) for fmt in FORMATS for n in ((256, 512) if fmt in K_QUANTS else (32, 96, 512))],
+    # past 1,024 inputs the k-major panel fills its rows in two chunks
+    [(fmt, n) for fmt in FORMATS for n in ((256, 512, 1280) if fmt in K_QUANTS else (32, 96, 512, 1056))],
 )
 def test_kernel_weights_are_the_loaders_and_products_match_fp32(kernel, fmt, in_features):
     raw, dense = _packed(fmt, 37, in_features, seed=in_features)
     linear = block_quant.pack(dense, [(FORMATS[fmt], raw)], kernel)
     assert isinstance(linear, BlockQuantLinear) and linear.format_name == fmt
     assert torch.equal(linear.dequantize(), dense)  # bit for bit, Q4_1's d * q + m and Q4_K's included
-    # both kernels (up to 4 rows, then 48-output panels), every row-group size and remainder
-    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13, 33, block_quant.MAX_ROWS):
+    # both kernels (up to 4 rows, then 48-output panels; from 48 rows at AVX-512 the k-major
+    # panel), every row-group size and remainder
+    for rows in (1, 2, 3, 4, 5, 7, 8, 9, 13, 33, 50, block_quant.MAX_ROWS):
         _check(linear, rows, with_bias=rows % 2 == 1, seed=rows)
 
 
@@ -77,7 +79,7 @@ def test_threads_split_the_outputs_without_changing_a_bit(kernel, fmt):
     raw, dense = _packed(fmt, 1000, 512, seed=5)  # big enough for the pool to use every thread
     linear = block_quant.pack(dense, [(FORMATS[fmt], raw)], kernel)
     before = torch.get_num_threads()
-    for rows in (3, 21):  # the in-register kernel (but K-quants), the panel kernel
+    for rows in (3, 21, 50):  # the in-register kernel (but K-quants), the panel kernel, the k-major one
         x = torch.randn(rows, 512)
         try:
             results = []
@@ -137,7 +139,7 @@ def test_parts_in_different_formats_pack_as_segments(kernel, formats, in_feature
     expected_starts = [0, 5] if formats[0] != formats[1] else [0, 8]  # runs of one format share a segment
     assert [seg.start for seg in linear.segments] == expected_starts
     assert torch.equal(linear.dequantize(), dense)
-    for rows in (1, 3, 6, 20):  # the in-register kernel (legacy formats), then panels
+    for rows in (1, 3, 6, 20, 50):  # the in-register kernel (legacy formats), then panels, then k-major
         _check(linear, rows, with_bias=True, seed=rows)
 
 
