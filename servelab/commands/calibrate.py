@@ -226,8 +226,9 @@ def measure(engine: Any, grid: Grid, seed: int = 0, before_pass: Callable[[], No
 def kernel_rows_of(engine: Any) -> dict[str, Any] | None:
     """Where the loaded model's linears change kernel by rows (the profile's `kernel_rows`), read
     from what the engine loaded: GGUF blocks kept packed switch at block_quant.FUSED_MAX_ROWS (to
-    the panel kernel; only formats with the in-register kernel) and block_quant.max_rows (to MKL;
-    None at the AVX-512 levels), 16-bit weights at linear.HALF_GEMV_MAX_ROWS and
+    the panel kernel; only formats with the in-register kernel) and past
+    block_quant.same_order_max_rows (to MKL up to AVX2, to the k-major panel at the AVX-512
+    levels; decode-only steps leave the stack there), 16-bit weights at linear.HALF_GEMV_MAX_ROWS and
     HALF_GEMM_MAX_ROWS. None when the linears have no
     such switch or mix kinds: dense fp32 and int8 (one kernel at every row count), deterministic
     mode (the panel kernel for every row count), tensor-parallel wrappers, CUDA."""
@@ -242,7 +243,7 @@ def kernel_rows_of(engine: Any) -> dict[str, Any] | None:
         fused = all(block_quant.fused_formats(lin) for lin in linears)
         formats = sorted({lin.format_name for lin in linears})
         return {"fused_max_rows": block_quant.FUSED_MAX_ROWS if fused else None,
-                "max_rows": block_quant.max_rows(linears[0].kernels),
+                "max_rows": block_quant.same_order_max_rows(linears[0].kernels),
                 "linears": f"GGUF blocks kept packed ({', '.join(formats)})"}
     if all(isinstance(lin, HalfLinear) for lin in linears):
         return {"fused_max_rows": HALF_GEMV_MAX_ROWS, "max_rows": HALF_GEMM_MAX_ROWS,

@@ -41,7 +41,8 @@ TERMS: dict[str, tuple[str, str]] = {
     "per_context_token_s": ("context_tokens", "s per context token (Σ context over sequences)"),
     "per_pair_s": ("pairs", "s per attended (query, key) pair"),
     "per_wide_step_s": ("tokens>F", "s per step with more rows than kernel_rows.fused_max_rows (panel kernel)"),
-    "per_dense_step_s": ("tokens>R", "s per step with more rows than kernel_rows.max_rows (MKL over fp32)"),
+    "per_dense_step_s": ("tokens>R", "s per step with more rows than kernel_rows.max_rows (MKL over fp32, "
+                                     "or the k-major panel at AVX-512)"),
     "per_dense_token_s": ("max(0,tokens-R)", "s per query token past kernel_rows.max_rows, in place of per_token_s"),
 }
 
@@ -57,8 +58,8 @@ class KernelRows:
     """Where the engine's linears change kernel, by rows (query tokens) in a step, as calibrate
     read them from the model it loaded (engine/block_quant.py's FUSED_MAX_ROWS and MAX_ROWS for
     GGUF blocks kept packed): the in-register kernel up to `fused_max_rows`, the panel kernel up
-    to `max_rows`, MKL over the fp32 copy above it (where decode-only steps also leave the
-    one-call decode stack). None where the loaded linears have no such switch (dense fp32, int8,
+    to `max_rows`, above it MKL over the fp32 copy (up to AVX2) or the k-major panel (AVX-512),
+    where decode-only steps also leave the one-call decode stack. None where the loaded linears have no such switch (dense fp32, int8,
     CUDA, deterministic mode) or the profile predates the section: then no term depends on it."""
 
     fused_max_rows: int | None = None

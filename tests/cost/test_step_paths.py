@@ -63,9 +63,9 @@ def test_the_engine_takes_the_one_call_path_exactly_on_decode_only_steps():
 
 
 def test_a_decode_batch_past_the_packed_rows_takes_the_path_it_is_priced_on():
-    # up to AVX2 the decode stack takes up to block_quant.MAX_ROWS rows, and past that the profile
-    # (with the engine's kernel_rows) prices the per-op path, as the engine runs it; at the
-    # AVX-512 levels the stack takes every row count and kernel_rows has no switch
+    # the decode stack takes up to block_quant.same_order_max_rows rows (MAX_ROWS up to AVX2, then
+    # MKL; KMAJOR_MIN_ROWS - 1 at AVX-512, then the k-major panel), and past that the profile
+    # (with the engine's kernel_rows) prices the per-op path, as the engine runs it
     from servelab.commands.calibrate import kernel_rows_of
     from servelab.core.sequence import SamplingParams
     from servelab.cost.profile import KernelRows, per_op_path
