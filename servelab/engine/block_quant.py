@@ -46,8 +46,8 @@ MAX_ROWS = 128  # at AVX2 and below, above this MKL (it pulls ahead by 256 rows)
 PANEL_ONLY_LEVELS = frozenset({"avx512", "avx512_vnni", "avx512_bf16"})
 PANEL_OUTPUTS = 48  # outputs the panel kernel expands at a time (PANEL in the C file)
 # At those levels, from here the k-major panel (one output a lane; sums in another order, so not in
-# deterministic mode): 0.91x the panel kernel's time at 48 rows, 0.88x at 128, 0.79x at 512; 1.01x
-# at 32, where filling its transposed panel costs what the tiles save.
+# deterministic mode): 0.91-0.96x the panel kernel's time at 48 rows, 0.81-0.88x at 128, 0.79-0.84x
+# at 512; 1.01x at 32, where filling its transposed panel costs what the tiles save.
 KMAJOR_MIN_ROWS = 48
 
 
