@@ -59,8 +59,9 @@ class KernelRows:
     read them from the model it loaded (engine/block_quant.py's FUSED_MAX_ROWS and MAX_ROWS for
     GGUF blocks kept packed): the in-register kernel up to `fused_max_rows`, the panel kernel up
     to `max_rows`, above it MKL over the fp32 copy (up to AVX2) or the k-major panel (AVX-512),
-    where decode-only steps also leave the one-call decode stack. None where the loaded linears have no such switch (dense fp32, int8,
-    CUDA, deterministic mode) or the profile predates the section: then no term depends on it."""
+    where decode-only steps also leave the one-call decode stack. None where the loaded linears
+    have no such switch (dense fp32, int8, CUDA, deterministic mode) or the profile predates the
+    section: then no term depends on it."""
 
     fused_max_rows: int | None = None
     max_rows: int | None = None

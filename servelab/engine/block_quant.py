@@ -97,7 +97,8 @@ class BlockQuantLinear:
             kernel = self.kernels.block_quant_linear
         else:
             scratch = torch.empty(threads * PANEL_OUTPUTS * in_features, dtype=torch.float32)  # a panel each
-            kmajor = rows >= KMAJOR_MIN_ROWS and not self.invariant and self.kernels.level in PANEL_ONLY_LEVELS
+            # past same_order_max_rows (AVX2's returned to MKL above): the k-major panel
+            kmajor = not self.invariant and rows > same_order_max_rows(self.kernels)
             kernel = self.kernels.block_quant_gemm_kmajor if kmajor else self.kernels.block_quant_gemm
         bias = None if self.bias is None else self.bias.data_ptr()
         for seg in self.segments:  # each writes its columns of y (4 bytes an fp32)

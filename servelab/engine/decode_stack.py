@@ -33,7 +33,7 @@ import torch
 from servelab.engine import block_quant, native
 from servelab.engine.block_quant import BlockQuantLinear
 from servelab.engine.linear import HALF_GEMM_MAX_ROWS, HALF_GEMV_MAX_ROWS, HalfLinear
-from servelab.engine.quantization import Bf16Linear, Int8Linear
+from servelab.engine.quantization import QUANTIZED, Bf16Linear, Int8Linear
 from servelab.spec.model import ModelSpec
 
 _MAX_SEGMENTS = 4  # SL_MAX_SEGMENTS in the C file
@@ -117,7 +117,7 @@ def _describe(lin: Any, kernels: native.NativeKernels) -> _Linear | None:
 def _row_limit(lin: Any, kernels: native.NativeKernels) -> int | None:
     """The most rows at which the stack runs `lin` as its own __call__ does (None: any): past it
     the per-op path takes MKL's GEMM or the k-major panel, which sum in another order."""
-    if isinstance(lin, (Int8Linear, Bf16Linear)) or lin.invariant:
+    if isinstance(lin, QUANTIZED) or lin.invariant:
         return None
     return HALF_GEMM_MAX_ROWS if isinstance(lin, HalfLinear) else block_quant.same_order_max_rows(kernels)
 
@@ -175,7 +175,7 @@ class DecodeStack:
                 d = _describe(lin, kernels)
                 if d is None or tuple(lin.shape) != shape:
                     return None
-                invariant &= isinstance(lin, (Int8Linear, Bf16Linear)) or bool(d.invariant)
+                invariant &= isinstance(lin, QUANTIZED) or bool(d.invariant)
                 max_rows = _min_rows(max_rows, _row_limit(lin, kernels))
                 setattr(array[i], name, d)
                 keep.append(lin)

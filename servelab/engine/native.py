@@ -5,8 +5,9 @@ attention (csrc/prefill_attention.c), the per-layer elementwise ops (csrc/layer_
 add + RMSNorm, SwiGLU, RoPE with the K/V store; and the sampler's row-wise argmax), linears
 straight from GGUF blocks (csrc/block_quant_linear.c, used by block_quant.py), linears over bf16 or
 fp16 weights with fp32 sums (csrc/half_linear.c, linear.HalfLinear) and the opt-in int8 and bf16
-linears (csrc/int8_linear.c and bf16_linear.c, used by quantization.py). Attention, the linears and the argmax
-split their work over torch.get_num_threads() threads of our own pool (csrc/parallel.c).
+linears (csrc/int8_linear.c and bf16_linear.c, used by quantization.py). Attention, the linears
+and the argmax split their work over torch.get_num_threads() threads of our own pool
+(csrc/parallel.c).
 
 The same sources are built once per ISA level (ISA_LEVELS: the compiler flags and the CPU
 features they need: portable, avx2, avx512 (F/BW/VL/DQ), avx512_vnni, avx512_bf16);

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from servelab.engine import block_quant, native
 from servelab.engine.decode_stack import DecodeStack
 from servelab.engine.linear import HalfLinear, Linear
-from servelab.engine.quantization import Bf16Linear, Int8Linear
+from servelab.engine.quantization import QUANTIZED
 from servelab.errors import InvalidArgument
 
 
@@ -178,7 +178,7 @@ class NativeOps(TorchOps):
 
     def prepare_linear(self, linear: Linear) -> Linear:
         # the linears' own C kernels at this ISA level too (the loader packs with the best one's)
-        if isinstance(linear, (block_quant.BlockQuantLinear, Int8Linear, Bf16Linear, HalfLinear)):
+        if isinstance(linear, (block_quant.BlockQuantLinear, HalfLinear, *QUANTIZED)):
             return replace(linear, kernels=self.kernels)
         return linear
 
@@ -260,7 +260,7 @@ class InvariantOps(NativeOps):
 
     def prepare_linear(self, linear: Linear) -> Linear:
         linear = super().prepare_linear(linear)
-        if isinstance(linear, (Int8Linear, Bf16Linear)):  # already one kernel for every row count
+        if isinstance(linear, QUANTIZED):  # already one kernel for every row count
             return linear
         if isinstance(linear, HalfLinear):  # its own kernel at every row count (no MKL)
             return replace(linear, invariant=True)

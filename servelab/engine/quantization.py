@@ -14,9 +14,10 @@ same whatever else is in the batch.
 
 bf16. Each weight is kept in bf16 and each activation is rounded to bf16. The products are
 exact in fp32 and summed in fp32 by csrc/bf16_linear.c: vdpbf16ps on AVX512-BF16, the same
-arithmetic elsewhere (the same bits, but for sums under 2^-126, which vdpbf16ps flushes). That is how bf16 serving engines (vLLM's CPU build, HF transformers in bf16) compute
-a linear, but here the residual stream, norms, attention and sampling stay fp32. On AVX512-BF16,
-prefill's and batched decode's GEMMs run about twice as fast as the fp32 kernels; bf16 weights are half
+arithmetic elsewhere (the same bits, but for sums under 2^-126, which vdpbf16ps flushes). That
+is how bf16 serving engines (vLLM's CPU build, HF transformers in bf16) compute a linear, but
+here the residual stream, norms, attention and sampling stay fp32. On AVX512-BF16, prefill's
+and batched decode's GEMMs run about twice as fast as the fp32 kernels; bf16 weights are half
 of fp32's bytes (against a 4-bit GGUF's blocks they are more). Timings: docs/benchmarks.md,
 "bf16 compute". Each row's sums depend on no other row, so it is batch-invariant too.
 """
@@ -180,3 +181,5 @@ class Bf16Linear:
 
 # --quantization's choices -> the linear each weight becomes
 LINEARS = {"int8": Int8Linear, "bf16": Bf16Linear}
+# Their classes: each one kernel at every row count, a row's sums its own (batch-invariant)
+QUANTIZED = tuple(LINEARS.values())

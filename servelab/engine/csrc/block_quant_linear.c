@@ -551,7 +551,7 @@ static void panel_rows(const float *panel, int64_t no, int64_t in, const float *
  * three weight vectors an input and broadcasts each row's input, as BLIS-style GEMMs do. Each
  * output's sum is one FMA chain over k ascending, then + bias, so no lanes are summed at the end,
  * where the dot-product tiles above spend about a third of their time at 576 inputs. Filling it
- * costs a transposition, which pays from ~64 rows (docs/benchmarks.md, "One output a lane"). */
+ * costs a transposition, which pays from ~48 rows (docs/benchmarks.md, "One output a lane"). */
 #define TM 8 /* rows a tile: 24 accumulators + 3 weight vectors + 1 broadcast */
 
 /* dst[k][0..16) = src[0..16)[k] for k < 16: sixteen rows of 16 floats (src_stride apart)
