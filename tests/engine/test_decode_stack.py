@@ -224,6 +224,26 @@ def test_stack_leaves_prefills_and_big_batches_to_the_per_op_path(gguf_models):
     assert not stack.accepts(meta, 1)
 
 
+def test_stack_at_its_row_limit_gives_the_per_op_bits(gguf_models):
+    """As many decodes as the stack takes: the per-op path still sums them in the stack's order
+    (one more row and it would take MKL or the k-major panel)."""
+    model, stack = _q4_1_stack(gguf_models)
+    n = block_quant.same_order_max_rows(stack.kernels)
+    prompts = [[5 + i % 50, 9, 17][: 1 + i % 3] for i in range(n)]
+    pools = [_Pool(model, prompts, torch.float32) for _ in range(2)]
+    model.decode_stack = None
+    for pool in pools:
+        pool.prefill()
+    try:
+        for every_row in (True, False):
+            model.decode_stack = stack
+            fused = pools[0].step([1] * n, every_row=every_row)
+            model.decode_stack = None
+            assert torch.equal(fused, pools[1].step([1] * n))
+    finally:
+        model.decode_stack = stack
+
+
 def test_arena_is_reused_as_the_context_grows_and_keeps_the_bits(gguf_models):
     model, stack = _q4_1_stack(gguf_models)
     pools = [_Pool(model, [[7] * 30], torch.float32, max_len=48) for _ in range(2)]
