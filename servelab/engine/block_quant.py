@@ -7,7 +7,10 @@ kernels in csrc/block_quant_linear.c multiply straight from the packed blocks: u
 FUSED_MAX_ROWS rows widening them in registers, then expanding PANEL_OUTPUTS outputs at a time to
 fp32 for a register-blocked GEMM; at AVX2 and below, above MAX_ROWS MKL's GEMM over the fp32 copy is
 faster, while at the AVX-512 levels the panel kernel is ahead at every row count (max_rows), and
-from KMAJOR_MIN_ROWS rows a k-major panel with one output a lane takes over. Same
+from KMAJOR_MIN_ROWS rows a k-major panel with one output a lane takes over. At those levels
+Q4_1 is kept regrouped sixteen outputs a group (Q4_1_G16, the same bytes moved), so that the
+in-register kernel too runs one output a lane and the k-major panel fills without transposing:
+it takes every step past the in-register kernel. Same
 weights, fp32 sums either way (only the rounding order differs), so this is on by default,
 unlike the approximate `--quantization int8`. Costs the packed copy's memory. Timings:
 docs/benchmarks.md, "GGUF blocks kept packed".
@@ -35,8 +38,14 @@ GGUF_BLOCK_FORMATS = {
     t.type_id: (t.kernel_code, t.block_weights, t.block_bytes)
     for t in GGML_TYPES if t.kernel_code is not None and t.is_block_format
 }
-FORMAT_NAMES = {t.kernel_code: t.name for t in GGML_TYPES if t.kernel_code is not None}
-_FUSED_FORMATS = tuple(t.kernel_code for t in GGML_TYPES if t.kernel is Kernel.PANEL_AND_ROWS)
+_Q4_1 = GGML_TYPE_BY_NAME["Q4_1"].kernel_code
+# Q4_1's bytes regrouped sixteen outputs a group, one output a vector lane (the C file's Q4_1_G16):
+# at the AVX-512 levels outside deterministic mode, the 1-4-row kernel then needs no horizontal
+# sums and half the instructions a block (docs/benchmarks.md, "Batch 1 at the bandwidth").
+Q4_1_G16 = 6
+FORMAT_NAMES = {t.kernel_code: t.name for t in GGML_TYPES if t.kernel_code is not None} | {Q4_1_G16: "Q4_1"}
+_FUSED_FORMATS = (*(t.kernel_code for t in GGML_TYPES if t.kernel is Kernel.PANEL_AND_ROWS), Q4_1_G16)
+_GROUP = 16  # outputs a Q4_1_G16 group
 _F32 = GGML_TYPE_BY_NAME["F32"].kernel_code  # a plain fp32 weight, through the panel kernel (deterministic mode)
 
 # Where one kernel overtakes the other, measured over SmolLM2's matrices (docs/benchmarks.md).
@@ -79,6 +88,16 @@ class BlockQuantLinear:
     invariant: bool = False
     bias: torch.Tensor | None = None  # fp32 [out]
 
+    def __post_init__(self) -> None:
+        # Q4_1 segments in the layout these kernels and this mode read best (so also after
+        # dataclasses.replace, e.g. batch_invariant or other kernels): grouped where grouped_q4_1
+        # says so and the segment is whole groups, as GGUF rows elsewhere.
+        group = grouped_q4_1(self.kernels) and not self.invariant
+        self.segments = tuple(
+            _regrouped(seg, group and seg.data.shape[0] % _GROUP == 0) if seg.fmt in (_Q4_1, Q4_1_G16) else seg
+            for seg in self.segments
+        )
+
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         rows, limit = x.shape[0], max_rows(self.kernels)
         if rows == 0:
@@ -97,11 +116,10 @@ class BlockQuantLinear:
             kernel = self.kernels.block_quant_linear
         else:
             scratch = torch.empty(threads * PANEL_OUTPUTS * in_features, dtype=torch.float32)  # a panel each
-            # past same_order_max_rows (AVX2's returned to MKL above): the k-major panel
-            kmajor = not self.invariant and rows > same_order_max_rows(self.kernels)
-            kernel = self.kernels.block_quant_gemm_kmajor if kmajor else self.kernels.block_quant_gemm
         bias = None if self.bias is None else self.bias.data_ptr()
         for seg in self.segments:  # each writes its columns of y (4 bytes an fp32)
+            if not fused:
+                kernel = self.kernels.block_quant_gemm_kmajor if kmajor(seg.fmt, rows, self) else self.kernels.block_quant_gemm
             kernel(
                 seg.fmt, seg.data.data_ptr(), seg.data.shape[1], in_features, seg.data.shape[0],
                 x.data_ptr(), rows, None if bias is None else bias + 4 * seg.start,
@@ -143,6 +161,40 @@ def same_order_max_rows(kernels: native.NativeKernels) -> int:
     """The most rows at which a linear outside deterministic mode still sums a row as at fewer
     rows' panel kernel: past it, MKL (AVX2 and below) or the k-major panel (AVX-512)."""
     return KMAJOR_MIN_ROWS - 1 if kernels.level in PANEL_ONLY_LEVELS else MAX_ROWS
+
+
+def kmajor(fmt: int, rows: int, linear: BlockQuantLinear) -> bool:
+    """Whether a segment of format `fmt` takes the k-major panel for a step of `rows` rows past
+    the in-register kernel (csrc/decode_stack.c's run_linear decides alike): never in deterministic
+    mode; Q4_1_G16 always (its panel fills with no transposition, and each row's sums are the same
+    at any row count); other formats past same_order_max_rows (AVX2's returned to MKL above)."""
+    return not linear.invariant and (fmt == Q4_1_G16 or rows > same_order_max_rows(linear.kernels))
+
+
+def grouped_q4_1(kernels: native.NativeKernels) -> bool:
+    """Whether kernels built as `kernels` read Q4_1 regrouped (Q4_1_G16): the AVX-512 levels,
+    native or on SIMDe (whose level names carry a suffix)."""
+    return kernels.level.split("-")[0] in PANEL_ONLY_LEVELS
+
+
+def _regrouped(seg: PackedRows, group: bool) -> PackedRows:
+    """A Q4_1 segment as Q4_1_G16 (group) or as GGUF rows, the same bytes moved: per group of 16
+    outputs and block, their 16 d, their 16 m, then quant bytes 4c..4c+3 of each output as dword
+    lane k of vector c (csrc/block_quant_linear.c)."""
+    if (seg.fmt == Q4_1_G16) == group:
+        return seg
+    rows, row_bytes = seg.data.shape
+    nblocks = row_bytes // 20
+    if group:  # [G, 16 outputs, blocks, 20 bytes] -> [G, blocks, d | m | quants]
+        blk = seg.data.view(rows // _GROUP, _GROUP, nblocks, 20).permute(0, 2, 1, 3)
+        quants = blk[..., 4:].reshape(rows // _GROUP, nblocks, _GROUP, 4, 4).transpose(2, 3)
+        data = torch.cat([blk[..., :2].flatten(2), blk[..., 2:4].flatten(2), quants.flatten(2)], dim=2)
+        return PackedRows(Q4_1_G16, data.reshape(rows, row_bytes).contiguous(), seg.start)
+    grp = seg.data.view(rows // _GROUP, nblocks, 320)
+    d, m = grp[..., :32].unflatten(2, (_GROUP, 2)), grp[..., 32:64].unflatten(2, (_GROUP, 2))
+    quants = grp[..., 64:].unflatten(2, (4, _GROUP, 4)).transpose(2, 3).flatten(3)
+    data = torch.cat([d, m, quants], dim=3).permute(0, 2, 1, 3)
+    return PackedRows(_Q4_1, data.reshape(rows, row_bytes).contiguous(), seg.start)
 
 
 def fused_formats(linear: BlockQuantLinear) -> bool:

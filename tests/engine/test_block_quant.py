@@ -20,6 +20,7 @@ from servelab.engine.block_quant import BlockQuantLinear
 from servelab.engine.linear import DenseLinear, TransposedHead
 from servelab.engine.loader import load_model
 from servelab.engine.weight_layout import GGUFTensor, dequantize_gguf_tensor
+from servelab.spec.ggml_types import GGML_TYPE_BY_NAME
 from tests.tiny_models import max_rel_diff, prefill_logits
 
 from .test_weights import _write_gguf
@@ -179,6 +180,48 @@ def test_every_isa_level_reads_the_blocks_as_the_loader_and_matches_fp32(isa_ker
     assert torch.equal(invariant(x[4:]), invariant(x)[4:])
 
 
+def _call(kernel, seg, in_features: int, x: torch.Tensor) -> torch.Tensor:
+    """One segment through a kernel entry point, as BlockQuantLinear calls it."""
+    rows, out_features = x.shape[0], seg.data.shape[0]
+    y, scratch = torch.empty(rows, out_features), torch.empty(2 * block_quant.PANEL_OUTPUTS * in_features + rows * in_features)
+    kernel(seg.fmt, seg.data.data_ptr(), seg.data.shape[1], in_features, out_features, x.data_ptr(), rows, None,
+           y.data_ptr(), out_features, scratch.data_ptr(), 2)
+    return y
+
+
+def test_q4_1_regrouped_sixteen_outputs_a_lane_at_the_avx512_levels(isa_kernels):
+    """At the AVX-512 levels (native or SIMDe) Q4_1 of whole 16-output groups is kept regrouped
+    (Q4_1_G16), elsewhere and in deterministic mode as GGUF rows: the same bytes either way (the
+    weights the loader's, bit for bit), the in-register kernel matches fp32, and the panel
+    kernels read the same weights from both layouts (same bits); past the in-register kernel the
+    k-major panel takes a regrouped weight, each row's sums its own at any row count."""
+    name, kernels = isa_kernels
+    q4_1 = GGML_TYPE_BY_NAME["Q4_1"].kernel_code  # the kernels' code for GGUF rows
+    in_features = 1056  # two of the panels' 1,024-input fill chunks
+    raw, dense = _packed("Q4_1", 64, in_features, seed=11)
+    linear = block_quant.pack(dense, [(FORMATS["Q4_1"], raw)], kernels)
+    grouped = block_quant.grouped_q4_1(kernels)
+    assert [seg.fmt for seg in linear.segments] == [block_quant.Q4_1_G16 if grouped else q4_1], name
+    assert linear.format_name == "Q4_1" and linear.nbytes == raw.numel()
+    assert torch.equal(linear.dequantize(), dense), name
+    invariant = block_quant.batch_invariant(linear, kernels)
+    assert [seg.fmt for seg in invariant.segments] == [q4_1] and torch.equal(invariant.segments[0].data, raw)
+    assert [seg.fmt for seg in replace(invariant, invariant=False).segments] == [linear.segments[0].fmt]
+    ragged = block_quant.pack(dense[:40], [(FORMATS["Q4_1"], raw[:40])], kernels)  # not whole groups: GGUF rows
+    assert [seg.fmt for seg in ragged.segments] == [q4_1]
+    for rows in (1, 2, 3, 4, 5, 9, 33, 50):
+        _check(linear, rows, with_bias=rows % 2 == 1, seed=rows)
+    if not grouped:
+        return
+    x = torch.randn(50, in_features)
+    for entry in (kernels.block_quant_gemm, kernels.block_quant_gemm_kmajor):
+        for rows in (5, 50):
+            assert torch.equal(_call(entry, linear.segments[0], in_features, x[:rows]),
+                               _call(entry, invariant.segments[0], in_features, x[:rows])), (name, rows)
+    default = linear(x)
+    assert torch.equal(linear(x[:5]), default[:5]) and torch.equal(linear(x[:17]), default[:17]), name
+
+
 _LEGACY = ("Q8_0", "Q4_0", "Q4_1")  # the 32-weight formats: dequant_blocks and the in-register kernels
 
 
@@ -210,10 +253,15 @@ def test_panel_rows_of_any_shape_give_each_row_its_bits_alone(isa_kernels, data,
     for i in sorted({0, rows // 2, rows - 5, rows - 1}):  # the first and last tiles, the ragged rest
         assert torch.equal(invariant(x[i : i + 1]), together[i : i + 1]), (name, i)
     default = linear(x)
-    if block_quant.FUSED_MAX_ROWS < rows <= block_quant.same_order_max_rows(kernels):
+    kmajor = any(block_quant.kmajor(seg.fmt, rows, linear) for seg in linear.segments)
+    if block_quant.FUSED_MAX_ROWS < rows <= block_quant.same_order_max_rows(kernels) and not kmajor:
         assert torch.equal(default, together), name
-    elif rows >= block_quant.KMAJOR_MIN_ROWS and kernels.level in block_quant.PANEL_ONLY_LEVELS:
-        some = block_quant.KMAJOR_MIN_ROWS + (rows - block_quant.KMAJOR_MIN_ROWS) // 2
+    elif kmajor and (block_quant.max_rows(kernels) or rows) >= rows > block_quant.FUSED_MAX_ROWS:
+        # from the fewest rows at which each segment takes the kernel it takes here
+        same = [r for r in range(block_quant.FUSED_MAX_ROWS + 1, rows + 1)
+                if all(block_quant.kmajor(seg.fmt, r, linear) == block_quant.kmajor(seg.fmt, rows, linear)
+                       for seg in linear.segments)]
+        some = same[0] + (rows - same[0]) // 2
         assert torch.equal(linear(x[:some]), default[:some]), name  # a row's sums do not depend on the others
     ref = F.linear(x.double(), dense.double(), linear.bias.double())
     for got in (together, default):

@@ -35,6 +35,16 @@ def test_the_type_table_names_the_kernels_formats():
     assert all((t.kernel is Kernel.NONE) == (t.kernel_code is None) for t in GGML_TYPES)
 
 
+def test_the_regrouped_q4_1_layout_has_one_code_in_c_and_python():
+    pytest.importorskip("torch")
+    from servelab.engine import block_quant
+
+    assert re.search(r"enum \{ Q4_1_G16 = (\d+) \};", KERNEL_SOURCE.read_text()).group(1) == str(block_quant.Q4_1_G16)
+    stack = (KERNEL_SOURCE.parent / "decode_stack.c").read_text()
+    assert re.search(r"#define SL_Q4_1_G16 (\d+)", stack).group(1) == str(block_quant.Q4_1_G16)
+    assert block_quant.Q4_1_G16 not in {t.kernel_code for t in GGML_TYPES}
+
+
 def test_the_cost_models_weight_formats_are_the_weight_block_formats():
     # Q8_1 and Q8_K are ggml's activation formats; the IQ/TQ families are not priced.
     assert GGUF_WEIGHT_FORMATS == ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0", "q2_k", "q3_k", "q4_k", "q5_k", "q6_k")
@@ -46,8 +56,9 @@ def test_the_engines_block_formats_are_the_table_rows_with_a_kernel():
 
     assert block_quant.GGUF_BLOCK_FORMATS == {2: (1, 32, 18), 3: (2, 32, 20), 8: (0, 32, 34), 12: (3, 256, 144),
                                               14: (4, 256, 210)}
-    assert block_quant.FORMAT_NAMES == {0: "Q8_0", 1: "Q4_0", 2: "Q4_1", 3: "Q4_K", 4: "Q6_K", 5: "F32"}
-    assert sorted(block_quant._FUSED_FORMATS) == [0, 1, 2] and block_quant._F32 == 5
+    # and Q4_1 regrouped (a layout of Q4_1's blocks, the in-register kernel's too)
+    assert block_quant.FORMAT_NAMES == {0: "Q8_0", 1: "Q4_0", 2: "Q4_1", 3: "Q4_K", 4: "Q6_K", 5: "F32", 6: "Q4_1"}
+    assert sorted(block_quant._FUSED_FORMATS) == [0, 1, 2, 6] and block_quant._F32 == 5
 
 
 def test_row_bytes_are_whole_blocks():

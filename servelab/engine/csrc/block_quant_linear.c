@@ -5,11 +5,13 @@
  * and its head as Q8_0 (8.5 bits); dequantized to fp32 they are 32 bits, 4-6x the bytes. Two
  * kernels multiply straight from the blocks:
  *   - servelab_block_quant_linear_f32 (up to four rows at a time, 32-weight formats): each
- *     block's quants are widened to fp32 in registers and used for every row;
+ *     block's quants are widened to fp32 in registers and used for every row (Q4_1_G16, below:
+ *     sixteen outputs a vector);
  *   - servelab_block_quant_gemm_f32 (more rows, every format here): 48 outputs' weights are
  *     expanded to fp32 (L2) once and a register-blocked 4-row x 3-output kernel runs over them;
  *   - servelab_block_quant_gemm_kmajor_f32 (AVX-512, many rows, not deterministic mode): the same
- *     48 outputs expanded k-major, one output a lane, in 8-row x 48-output tiles.
+ *     48 outputs expanded k-major, one output a lane, in 8-row x 48-output tiles (Q4_1_G16: from
+ *     five rows, its panel filled without a transposition).
  * The weights are the values the loader's dequantization produces (servelab_block_dequant_f32
  * writes them out, and tests check they are bit-identical), so this is the fp32 model with
  * another summation order, not an approximation. block_quant.py picks the kernel per call, and
@@ -35,8 +37,17 @@
 #include "isa.h"
 
 /* F32: a plain fp32 weight (row_bytes = 4 * in_features), panel kernel only: deterministic mode
- * runs every linear through that kernel, whatever its format (block_quant.py). */
+ * runs every linear through that kernel, whatever its format (block_quant.py).
+ * Q4_1_G16: Q4_1's bytes regrouped by block_quant.py for the AVX-512 levels, one output a lane:
+ * sixteen outputs a group (group g where rows 16g..16g+15 were, the same bytes), and per block
+ * of 32 inputs 320 bytes: the 16 outputs' fp16 d, their fp16 m, then four 64-byte vectors, dword
+ * k of vector c holding output k's quant bytes 4c..4c+3 (byte j: element j's nibble low,
+ * element j + 16's high, as in Q4_1). A block's sixteen outputs then need no horizontal sums and
+ * each nibble one shift and one vpermps (g16_rows, docs/benchmarks.md "Batch 1 at the bandwidth"). */
 enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4, F32 = 5 };
+enum { Q4_1_G16 = 6 }; /* a layout of Q4_1, not a ggml type: block_quant.Q4_1_G16, decode_stack.c's SL_Q4_1_G16 */
+#define G16_BLOCK 320 /* bytes of 16 outputs' block */
+#define G16_PREFETCH 4096 /* bytes ahead that g16_rows fetches (a hint: past the weight's end is harmless) */
 
 
 static inline float fp16_to_f32(const uint8_t *p) {
@@ -57,7 +68,17 @@ static inline void scale_min_k4(int j, const uint8_t *q, int *sc, int *m) {
 }
 
 /* Bytes of a 32-weight block. */
-static inline int64_t block_bytes(int64_t qtype) { return qtype == Q8_0 ? 34 : qtype == Q4_1 ? 20 : 18; }
+static inline int64_t block_bytes(int64_t qtype) { return qtype == Q8_0 ? 34 : qtype == Q4_1 || qtype == Q4_1_G16 ? 20 : 18; }
+
+/* Q4_1_G16: output o's weight at input i, rounded as dequant_row rounds Q4_1's (d * q, then + m). */
+static float g16_weight(const uint8_t *w, int64_t row_bytes, int64_t o, int64_t i) {
+    const uint8_t *blk = w + (o / 16) * 16 * row_bytes + (i / 32) * G16_BLOCK;
+    const int64_t k = o % 16, e = i % 32, j = e % 16;
+    const uint8_t byte = blk[64 + 64 * (j / 4) + 4 * k + j % 4];
+    float v = fp16_to_f32(blk + 2 * k) * (float)(e < 16 ? byte & 0xF : byte >> 4);
+    SL_ROUNDED(v);
+    return v + fp16_to_f32(blk + 32 + 2 * k);
+}
 
 /* One 256-weight K-quant block -> 256 floats, with the loader's (the gguf package's) roundings:
  * Q4_K w = (d * sc) * q - dmin * m; Q6_K w = (d * sc) * q. */
@@ -274,6 +295,83 @@ static inline void fused_rows(int64_t qtype, int NR, const uint8_t *w, int64_t r
         if (NR > 3) y[3 * y_stride + o] = hsum512(t3) + m3 + bo;
     }
 }
+
+/* Q4_1_G16's nibble at `shift` of each dword of v as a float, 0..15: vpermps reads only the low
+ * four bits of each index, so one shift and one permute (no mask, no conversion). */
+static inline __m512 g16_quant(__m512i v, int shift) {
+    const __m512 values = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_permutexvar_ps(shift ? _mm512_srli_epi32(v, shift) : v, values);
+}
+
+/* NR (1..4) rows against Q4_1_G16 groups [g_begin, g_end): sixteen outputs a vector. Per block
+ * and row, four FMA chains over the quants (element j of the block in chain (j & 1) * 2, element
+ * j + 16 in the next), then T += d * (sum of the chains) and M += m * sum(x over the block), as
+ * fused_rows factors a block; y = T + M (+ bias). */
+static inline __attribute__((always_inline)) void g16_rows(int NR, const uint8_t *w, int64_t row_bytes, int64_t in,
+                                                           int64_t g_begin, int64_t g_end, const float *x,
+                                                           const float *xsum, const float *bias, float *y,
+                                                           int64_t y_stride) {
+    const int64_t nblocks = in / 32;
+    for (int64_t g = g_begin; g < g_end; g++) {
+        const uint8_t *grp = w + g * 16 * row_bytes;
+        __m512 t[4], mo[4];
+        for (int r = 0; r < NR; r++) t[r] = mo[r] = _mm512_setzero_ps();
+        for (int64_t b = 0; b < nblocks; b++) {
+            const uint8_t *blk = grp + b * G16_BLOCK;
+            /* the stream's next lines ahead of the hardware prefetcher, which starts afresh at
+             * each call's few hundred KB: 1.15-1.2x at batch 1 (docs/benchmarks.md) */
+            for (int l = 0; l < G16_BLOCK; l += 64) _mm_prefetch((const char *)blk + G16_PREFETCH + l, _MM_HINT_T0);
+            __m512 a[4][4];
+            for (int r = 0; r < NR; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps();
+            for (int c = 0; c < 4; c++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(blk + 64 + 64 * c));
+                for (int jj = 0; jj < 4; jj++) {
+                    const int j = 4 * c + jj, chain = (jj & 1) * 2;
+                    const __m512 lo = g16_quant(v, 8 * jj), hi = g16_quant(v, 8 * jj + 4);
+                    for (int r = 0; r < NR; r++) {
+                        const float *xb = x + r * in + b * 32;
+                        a[r][chain] = _mm512_fmadd_ps(lo, _mm512_set1_ps(xb[j]), a[r][chain]);
+                        a[r][chain + 1] = _mm512_fmadd_ps(hi, _mm512_set1_ps(xb[j + 16]), a[r][chain + 1]);
+                    }
+                }
+            }
+            const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+            const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+            for (int r = 0; r < NR; r++) {
+                const __m512 q = _mm512_add_ps(_mm512_add_ps(a[r][0], a[r][2]), _mm512_add_ps(a[r][1], a[r][3]));
+                t[r] = _mm512_fmadd_ps(d, q, t[r]);
+                mo[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xsum[r * nblocks + b]), mo[r]);
+            }
+        }
+        for (int r = 0; r < NR; r++) {
+            __m512 s = _mm512_add_ps(t[r], mo[r]);
+            if (bias) s = _mm512_add_ps(s, _mm512_loadu_ps(bias + 16 * g));
+            _mm512_storeu_ps(y + r * y_stride + 16 * g, s);
+        }
+    }
+}
+
+/* Blocks [b0, b0 + nblocks) of a Q4_1_G16 group's sixteen outputs, as dequant_row rounds Q4_1's
+ * weights, k-major: dst[k * stride + lane] for input 32 * b0 + k and output lane. */
+static void g16_dequant_kmajor(const uint8_t *grp, int64_t b0, int64_t nblocks, float *dst, int64_t stride) {
+    for (int64_t b = 0; b < nblocks; b++) {
+        const uint8_t *blk = grp + (b0 + b) * G16_BLOCK;
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 32)));
+        float *db = dst + 32 * b * stride;
+        for (int c = 0; c < 4; c++) {
+            const __m512i v = _mm512_loadu_si512((const void *)(blk + 64 + 64 * c));
+            for (int jj = 0; jj < 4; jj++) {
+                const int j = 4 * c + jj;
+                __m512 lo = _mm512_mul_ps(d, g16_quant(v, 8 * jj)), hi = _mm512_mul_ps(d, g16_quant(v, 8 * jj + 4));
+                SL_ROUNDED512(lo);
+                SL_ROUNDED512(hi);
+                _mm512_storeu_ps(db + j * stride, _mm512_add_ps(lo, m));
+                _mm512_storeu_ps(db + (j + 16) * stride, _mm512_add_ps(hi, m));
+            }
+        }
+    }
+}
 #else
 /* NR (1..4) rows x against output rows [o_begin, o_end); xsum [NR, nblocks] holds each row's
  * per-block sums. Named accumulators, not arrays, so that they stay in registers. */
@@ -335,6 +433,17 @@ static void fused(int64_t qtype, int64_t nr, const uint8_t *w, int64_t row_bytes
     case 3: fused_rows(QT, 3, w, row_bytes, in_features, o_begin, o_end, x, xsum, bias, y, y_stride); break; \
     default: fused_rows(QT, 4, w, row_bytes, in_features, o_begin, o_end, x, xsum, bias, y, y_stride); break; \
     }
+#if defined(SL_AVX512)
+    if (qtype == Q4_1_G16) { /* o_begin and o_end count groups of sixteen outputs here */
+        switch (nr) {
+        case 1: g16_rows(1, w, row_bytes, in_features, o_begin, o_end, x, xsum, bias, y, y_stride); break;
+        case 2: g16_rows(2, w, row_bytes, in_features, o_begin, o_end, x, xsum, bias, y, y_stride); break;
+        case 3: g16_rows(3, w, row_bytes, in_features, o_begin, o_end, x, xsum, bias, y, y_stride); break;
+        default: g16_rows(4, w, row_bytes, in_features, o_begin, o_end, x, xsum, bias, y, y_stride); break;
+        }
+        return;
+    }
+#endif
     switch (qtype) {
     case Q8_0: SL_ROWS(Q8_0) break;
     case Q4_0: SL_ROWS(Q4_0) break;
@@ -368,7 +477,7 @@ struct linear_job {
     float *y, *scratch;
 };
 
-/* Output rows [begin, end) for every activation row. */
+/* Output rows [begin, end) for every activation row (Q4_1_G16: groups of sixteen). */
 static void linear_part(const void *ctx, int64_t part, int64_t begin, int64_t end) {
     const struct linear_job *j = ctx;
 #ifdef SL_AVX2
@@ -410,9 +519,11 @@ void servelab_block_quant_linear_f32(int64_t qtype, const uint8_t *w, int64_t ro
             scratch[r * nblocks + b] = hsum(s);
         }
 #endif
-    /* a part of at least ~32k weights (~10 us), so that waking a worker pays */
+    /* a part of at least ~32k weights (~10 us), so that waking a worker pays; Q4_1_G16's parts
+     * are groups of sixteen outputs */
     const int64_t max_parts = out_features * in_features / 32768;
-    sl_parallel_for(linear_part, &job, out_features, threads < max_parts ? threads : max_parts);
+    sl_parallel_for(linear_part, &job, qtype == Q4_1_G16 ? out_features / 16 : out_features,
+                    threads < max_parts ? threads : max_parts);
 }
 
 /* More rows: the weights of PANEL outputs at a time are expanded to fp32 once (into L2), then a
@@ -588,6 +699,16 @@ static inline void transpose16(const float *src, int64_t src_stride, float *dst,
  * buffer, then transposed 16 x 16 at a time. */
 static void fill_panel(int64_t qtype, const uint8_t *w, int64_t row_bytes, int64_t in, int64_t o0, int64_t no,
                        float *panel) {
+    if (qtype == Q4_1_G16) { /* already one output a lane: no transposition (no is a multiple of 16) */
+        for (int64_t g = 0; g < PANEL; g += 16) {
+            if (g < no) {
+                g16_dequant_kmajor(w + (o0 + g) * row_bytes, 0, in / 32, panel + g, PANEL);
+                continue;
+            }
+            for (int64_t k = 0; k < in; k++) _mm512_storeu_ps(panel + k * PANEL + g, _mm512_setzero_ps());
+        }
+        return;
+    }
     float tmp[16 * FILL_CHUNK] __attribute__((aligned(64)));
     /* bytes of FILL_CHUNK inputs of a row: 32 per block, 256 per K-quant block, 4 each for F32 */
     const int64_t chunk_bytes = qtype == F32 ? 4 * FILL_CHUNK
@@ -604,6 +725,18 @@ static void fill_panel(int64_t qtype, const uint8_t *w, int64_t row_bytes, int64
                     memset(tmp + o * n, 0, sizeof(float) * (size_t)n);
             }
             for (int64_t k = 0; k < n; k += 16) transpose16(tmp + k, n, panel + (k0 + k) * PANEL + g, PANEL);
+        }
+}
+
+/* Outputs [o0, o0 + no) of a Q4_1_G16 weight as dequant_row writes rows, [no][in]: FILL_CHUNK
+ * inputs of a group k-major into a buffer, then transposed 16 x 16 into the rows. */
+static void fill_rows_g16(const uint8_t *w, int64_t row_bytes, int64_t in, int64_t o0, int64_t no, float *rows) {
+    float tmp[FILL_CHUNK * 16] __attribute__((aligned(64)));
+    for (int64_t g = 0; g < no; g += 16)
+        for (int64_t k0 = 0; k0 < in; k0 += FILL_CHUNK) {
+            const int64_t n = in - k0 < FILL_CHUNK ? in - k0 : FILL_CHUNK;
+            g16_dequant_kmajor(w + (o0 + g) * row_bytes, k0 / 32, n / 32, tmp, 16);
+            for (int64_t k = 0; k < n; k += 16) transpose16(tmp + k * 16, 16, rows + g * in + k0 + k, in);
         }
 }
 
@@ -880,6 +1013,10 @@ static void gemm_part(const void *ctx, int64_t part, int64_t begin, int64_t end)
         const float *panel = scratch;
         if (j->qtype == F32) /* already fp32: the panel is the weight's own rows */
             panel = (const float *)(j->w + o0 * j->row_bytes);
+#if defined(SL_AVX512)
+        else if (j->qtype == Q4_1_G16)
+            fill_rows_g16(j->w, j->row_bytes, in, o0, no, scratch);
+#endif
         else
             for (int64_t o = 0; o < no; o++) dequant_row(j->qtype, j->w + (o0 + o) * j->row_bytes, in / 32, scratch + o * in);
 #ifdef SL_AVX2
@@ -915,6 +1052,11 @@ void servelab_block_quant_gemm_kmajor_f32(int64_t qtype, const uint8_t *w, int64
 void servelab_block_dequant_f32(int64_t qtype, const uint8_t *w, int64_t row_bytes, int64_t in_features,
                                 int64_t o_begin, int64_t o_end, float *out)
 {
-    for (int64_t o = o_begin; o < o_end; o++)
-        dequant_row(qtype, w + o * row_bytes, in_features / 32, out + (o - o_begin) * in_features);
+    for (int64_t o = o_begin; o < o_end; o++) {
+        float *dst = out + (o - o_begin) * in_features;
+        if (qtype == Q4_1_G16) /* any level: block_quant.py regroups only for AVX-512's, but reads back anywhere */
+            for (int64_t i = 0; i < in_features; i++) dst[i] = g16_weight(w, row_bytes, o, i);
+        else
+            dequant_row(qtype, w + o * row_bytes, in_features / 32, dst);
+    }
 }
