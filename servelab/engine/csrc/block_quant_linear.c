@@ -312,6 +312,7 @@ static inline __attribute__((always_inline)) void g16_rows(int NR, const uint8_t
                                                            const float *xsum, const float *bias, float *y,
                                                            int64_t y_stride) {
     const int64_t nblocks = in / 32;
+    const uint8_t *stop = w + g_end * 16 * row_bytes - 64;
     for (int64_t g = g_begin; g < g_end; g++) {
         const uint8_t *grp = w + g * 16 * row_bytes;
         __m512 t[4], mo[4];
@@ -320,7 +321,10 @@ static inline __attribute__((always_inline)) void g16_rows(int NR, const uint8_t
             const uint8_t *blk = grp + b * G16_BLOCK;
             /* the stream's next lines ahead of the hardware prefetcher, which starts afresh at
              * each call's few hundred KB: 1.15-1.2x at batch 1 (docs/benchmarks.md) */
-            for (int l = 0; l < G16_BLOCK; l += 64) _mm_prefetch((const char *)blk + G16_PREFETCH + l, _MM_HINT_T0);
+            for (int l = 0; l < G16_BLOCK; l += 64) {
+                const uint8_t *ahead = blk + G16_PREFETCH + l;  /* not into another thread's range */
+                _mm_prefetch((const char *)(ahead < stop ? ahead : stop), _MM_HINT_T0);
+            }
             __m512 a[4][4];
             for (int r = 0; r < NR; r++) a[r][0] = a[r][1] = a[r][2] = a[r][3] = _mm512_setzero_ps();
             for (int c = 0; c < 4; c++) {
