@@ -1,8 +1,9 @@
-"""Batch-1 weight streaming: the bundled SmolLM2-135M's 120 Q4_1 layer matrices through the
-in-register kernel (servelab_block_quant_linear_f32) in the layer order a decode step reads them,
-with Q4_1 kept as GGUF rows and regrouped sixteen outputs a lane (block_quant.Q4_1_G16, what the
-AVX-512 levels keep), interleaved in one process; then one matrix hot in cache. The kernels are
-called as the decode stack calls them, into buffers allocated once.
+"""Decode-step weight streaming: the bundled SmolLM2-135M's 120 Q4_1 layer matrices in the layer
+order a decode step reads them, with Q4_1 kept as GGUF rows and regrouped sixteen outputs a lane
+(block_quant.Q4_1_G16, what the AVX-512 levels keep), each through the kernel the engine picks for
+it at that many rows (up to 4: the in-register kernel; then GGUF rows take the dot-product panel
+below KMAJOR_MIN_ROWS, Q4_1_G16 the k-major panel), interleaved in one process; then one matrix
+hot in cache. The kernels are called as the decode stack calls them, into buffers allocated once.
 
     python benchmarks/gemv_layouts.py [--threads 2] [--rows 1] [--rounds 5]
 
@@ -46,25 +47,30 @@ def main() -> None:
     if not block_quant.grouped_q4_1(grouped[0].kernels):
         raise SystemExit(f"ISA level {grouped[0].kernels.level} keeps Q4_1 as GGUF rows: nothing to compare")
     layouts = {"Q4_1_G16": grouped, "GGUF rows": [as_rows(lin) for lin in grouped]}
-    kernel = grouped[0].kernels.block_quant_linear
+    kernels = grouped[0].kernels
     buffers = []  # alive while the calls run
+
+    def kernel_for(fmt: int, lin: block_quant.BlockQuantLinear):
+        if args.rows <= block_quant.FUSED_MAX_ROWS:
+            return kernels.block_quant_linear
+        return kernels.block_quant_gemm_kmajor if block_quant.kmajor(fmt, args.rows, lin) else kernels.block_quant_gemm
 
     def calls(linears):
         out = []
         for lin in linears:
             o, i = lin.shape
             x, y = torch.randn(args.rows, i), torch.empty(args.rows, o)
-            scratch = torch.empty(args.rows * i // 32 + args.threads * i)
+            scratch = torch.empty(args.rows * i // 32 + args.threads * max(i, block_quant.PANEL_OUTPUTS * i))
             buffers.append((x, y, scratch))
-            out += [(seg.fmt, seg.data.data_ptr(), seg.data.shape[1], i, seg.data.shape[0], x.data_ptr(), args.rows,
-                     None, y.data_ptr() + 4 * seg.start, o, scratch.data_ptr(), args.threads)
+            out += [(kernel_for(seg.fmt, lin), (seg.fmt, seg.data.data_ptr(), seg.data.shape[1], i, seg.data.shape[0],
+                     x.data_ptr(), args.rows, None, y.data_ptr() + 4 * seg.start, o, scratch.data_ptr(), args.threads))
                     for seg in lin.segments]
         return out
 
     def run(cs, repeat=1):
         t = time.perf_counter()
         for _ in range(repeat):
-            for c in cs:
+            for kernel, c in cs:
                 kernel(*c)
         return (time.perf_counter() - t) / repeat
 
@@ -77,7 +83,7 @@ def main() -> None:
         for name in layouts:
             run(streams[name])
             rates[name].append(nbytes / statistics.median(run(streams[name]) for _ in range(9)))
-            hot[name].append(hot_bytes / run(gate_up[name], 200))
+            hot[name].append(hot_bytes / run(gate_up[name], max(10, 200 // args.rows)))
     bandwidth = host_probe.read_bandwidth_bytes_per_s(1 << 28, 5)
     print(f"{len(grouped)} Q4_1 matrices, {nbytes / 1e6:.1f} MB, {args.rows} row(s), {args.threads} thread(s), "
           f"{args.rounds} interleaved rounds; host read bandwidth {bandwidth / 1e9:.1f} GB/s")
