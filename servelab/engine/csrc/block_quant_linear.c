@@ -992,7 +992,9 @@ static inline void prefetch_outputs(const float *y, int64_t y_stride, int64_t ro
     }
 }
 
-/* Panels [begin, end) of PANEL outputs each. */
+/* Panels [begin, end) of PANEL outputs each. The threads take panels in turn (sl_parallel_chunks),
+ * not a half each: a panel is ~10 us at 32 rows, and a thread slowed for a while (a shared core)
+ * then leaves the other less to wait for (32-row steps 0.82x the time, docs/benchmarks.md). */
 static void gemm_part(const void *ctx, int64_t part, int64_t begin, int64_t end) {
     const struct gemm_job *j = ctx;
     const int64_t in = j->in_features, out = j->out_features;
@@ -1038,7 +1040,7 @@ void servelab_block_quant_gemm_f32(int64_t qtype, const uint8_t *w, int64_t row_
                                    int64_t y_stride, float *scratch, int64_t threads)
 {
     struct gemm_job job = {qtype, row_bytes, in_features, out_features, rows, y_stride, 0, w, x, bias, y, scratch};
-    sl_parallel_for(gemm_part, &job, (out_features + PANEL - 1) / PANEL, threads);
+    sl_parallel_chunks(gemm_part, &job, (out_features + PANEL - 1) / PANEL, 1, threads);
 }
 
 /* The same contract and scratch, through the k-major panel at the AVX-512 levels (elsewhere the
@@ -1049,7 +1051,7 @@ void servelab_block_quant_gemm_kmajor_f32(int64_t qtype, const uint8_t *w, int64
                                           float *y, int64_t y_stride, float *scratch, int64_t threads)
 {
     struct gemm_job job = {qtype, row_bytes, in_features, out_features, rows, y_stride, 1, w, x, bias, y, scratch};
-    sl_parallel_for(gemm_part, &job, (out_features + PANEL - 1) / PANEL, threads);
+    sl_parallel_chunks(gemm_part, &job, (out_features + PANEL - 1) / PANEL, 1, threads);
 }
 
 /* The rows of a packed weight dequantized into out [o_end - o_begin, in_features] (for tests). */

@@ -40,6 +40,8 @@ static atomic_int pending;     /* workers yet to finish (or skip) the current jo
 static sl_task job_task;
 static const void *job_ctx;
 static int64_t job_n, job_parts;
+static int64_t job_chunk;     /* 0: one range a part; else ranges of job_chunk taken in turn (job_next) */
+static atomic_llong job_next;
 /* the job_gen each worker was created at: it must answer every job after that one, even one
  * posted before the thread got to run */
 static unsigned long long start_gen[SL_MAX_WORKERS + 1];
@@ -51,6 +53,13 @@ static int64_t now_ns(void) {
 }
 
 static void run_part(int64_t part) {
+    if (job_chunk) {
+        for (;;) {
+            const int64_t begin = atomic_fetch_add_explicit(&job_next, job_chunk, memory_order_relaxed);
+            if (begin >= job_n) return;
+            job_task(job_ctx, part, begin, begin + job_chunk < job_n ? begin + job_chunk : job_n);
+        }
+    }
     const int64_t begin = job_n * part / job_parts, end = job_n * (part + 1) / job_parts;
     if (begin < end) job_task(job_ctx, part, begin, end);
 }
@@ -109,7 +118,7 @@ static int ensure_workers(int wanted) {
     return n_workers;
 }
 
-void sl_parallel_for(sl_task task, const void *ctx, int64_t n, int64_t threads) {
+static void dispatch(sl_task task, const void *ctx, int64_t n, int64_t threads, int64_t chunk) {
     if (threads > n) threads = n;
     if (threads <= 1 || pthread_mutex_trylock(&pool_mu) != 0) {
         if (n > 0) task(ctx, 0, 0, n);
@@ -124,6 +133,8 @@ void sl_parallel_for(sl_task task, const void *ctx, int64_t n, int64_t threads) 
     job_task = task;
     job_ctx = ctx;
     job_n = n;
+    job_chunk = chunk;
+    atomic_store_explicit(&job_next, 0, memory_order_relaxed);
     job_parts = threads < workers + 1 ? threads : workers + 1;
     atomic_store_explicit(&pending, workers, memory_order_relaxed);
     atomic_fetch_add_explicit(&job_gen, 1, memory_order_release);
@@ -140,4 +151,10 @@ void sl_parallel_for(sl_task task, const void *ctx, int64_t n, int64_t threads) 
         }
     }
     pthread_mutex_unlock(&pool_mu);
+}
+
+void sl_parallel_for(sl_task task, const void *ctx, int64_t n, int64_t threads) { dispatch(task, ctx, n, threads, 0); }
+
+void sl_parallel_chunks(sl_task task, const void *ctx, int64_t n, int64_t chunk, int64_t threads) {
+    dispatch(task, ctx, n, threads, chunk > 0 ? chunk : 1);
 }

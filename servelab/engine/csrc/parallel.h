@@ -10,3 +10,8 @@ typedef void (*sl_task)(const void *ctx, int64_t part, int64_t begin, int64_t en
  * when all are done. One part (inline, no pool) when threads <= 1, n <= 1, or another caller
  * holds the pool. */
 void sl_parallel_for(sl_task task, const void *ctx, int64_t n, int64_t threads);
+
+/* The same, but the threads take ranges of `chunk` from [0, n) in turn until none is left, so
+ * that a thread that runs slower (its core shared with another job, a late wake) does less of
+ * the work. `part` names the thread running a range (for per-thread scratch). */
+void sl_parallel_chunks(sl_task task, const void *ctx, int64_t n, int64_t chunk, int64_t threads);
