@@ -1058,6 +1058,12 @@ void servelab_block_quant_gemm_kmajor_f32(int64_t qtype, const uint8_t *w, int64
 void servelab_block_dequant_f32(int64_t qtype, const uint8_t *w, int64_t row_bytes, int64_t in_features,
                                 int64_t o_begin, int64_t o_end, float *out)
 {
+#if defined(SL_AVX512)
+    if (qtype == Q4_1_G16 && o_begin % 16 == 0 && (o_end - o_begin) % 16 == 0) { /* whole groups: vectorized */
+        fill_rows_g16(w, row_bytes, in_features, o_begin, o_end - o_begin, out);
+        return;
+    }
+#endif
     for (int64_t o = o_begin; o < o_end; o++) {
         float *dst = out + (o - o_begin) * in_features;
         if (qtype == Q4_1_G16) /* any level: block_quant.py regroups only for AVX-512's, but reads back anywhere */
