@@ -50,10 +50,13 @@ def main() -> None:
     kernels = grouped[0].kernels
     buffers = []  # alive while the calls run
 
-    def kernel_for(fmt: int, lin: block_quant.BlockQuantLinear):
-        if args.rows <= block_quant.FUSED_MAX_ROWS:
-            return kernels.block_quant_linear
-        return kernels.block_quant_gemm_kmajor if block_quant.kmajor(fmt, args.rows, lin) else kernels.block_quant_gemm
+    # as BlockQuantLinear picks (Q4_1_G16 takes the k-major panel through either panel entry point)
+    if args.rows <= block_quant.FUSED_MAX_ROWS:
+        kernel = kernels.block_quant_linear
+    elif args.rows > block_quant.same_order_max_rows(kernels):
+        kernel = kernels.block_quant_gemm_kmajor
+    else:
+        kernel = kernels.block_quant_gemm
 
     def calls(linears):
         out = []
@@ -62,15 +65,14 @@ def main() -> None:
             x, y = torch.randn(args.rows, i), torch.empty(args.rows, o)
             scratch = torch.empty(args.rows * i // 32 + args.threads * max(i, block_quant.PANEL_OUTPUTS * i))
             buffers.append((x, y, scratch))
-            out += [(kernel_for(seg.fmt, lin), (seg.fmt, seg.data.data_ptr(), seg.data.shape[1], i, seg.data.shape[0],
-                     x.data_ptr(), args.rows, None, y.data_ptr() + 4 * seg.start, o, scratch.data_ptr(), args.threads))
-                    for seg in lin.segments]
+            out += [(seg.fmt, seg.data.data_ptr(), seg.data.shape[1], i, seg.data.shape[0], x.data_ptr(), args.rows,
+                     None, y.data_ptr() + 4 * seg.start, o, scratch.data_ptr(), args.threads) for seg in lin.segments]
         return out
 
     def run(cs, repeat=1):
         t = time.perf_counter()
         for _ in range(repeat):
-            for kernel, c in cs:
+            for c in cs:
                 kernel(*c)
         return (time.perf_counter() - t) / repeat
 

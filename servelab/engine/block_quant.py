@@ -116,10 +116,12 @@ class BlockQuantLinear:
             kernel = self.kernels.block_quant_linear
         else:
             scratch = torch.empty(threads * PANEL_OUTPUTS * in_features, dtype=torch.float32)  # a panel each
+            # past same_order_max_rows (AVX2's returned to MKL above): the k-major panel, which
+            # Q4_1_G16 takes at every row count through either entry point
+            kmajor = not self.invariant and rows > same_order_max_rows(self.kernels)
+            kernel = self.kernels.block_quant_gemm_kmajor if kmajor else self.kernels.block_quant_gemm
         bias = None if self.bias is None else self.bias.data_ptr()
         for seg in self.segments:  # each writes its columns of y (4 bytes an fp32)
-            if not fused:
-                kernel = self.kernels.block_quant_gemm_kmajor if kmajor(seg.fmt, rows, self) else self.kernels.block_quant_gemm
             kernel(
                 seg.fmt, seg.data.data_ptr(), seg.data.shape[1], in_features, seg.data.shape[0],
                 x.data_ptr(), rows, None if bias is None else bias + 4 * seg.start,
@@ -161,14 +163,6 @@ def same_order_max_rows(kernels: native.NativeKernels) -> int:
     """The most rows at which a linear outside deterministic mode still sums a row as at fewer
     rows' panel kernel: past it, MKL (AVX2 and below) or the k-major panel (AVX-512)."""
     return KMAJOR_MIN_ROWS - 1 if kernels.level in PANEL_ONLY_LEVELS else MAX_ROWS
-
-
-def kmajor(fmt: int, rows: int, linear: BlockQuantLinear) -> bool:
-    """Whether a segment of format `fmt` takes the k-major panel for a step of `rows` rows past
-    the in-register kernel (csrc/decode_stack.c's run_linear decides alike): never in deterministic
-    mode; Q4_1_G16 always (its panel fills with no transposition, and each row's sums are the same
-    at any row count); other formats past same_order_max_rows (AVX2's returned to MKL above)."""
-    return not linear.invariant and (fmt == Q4_1_G16 or rows > same_order_max_rows(linear.kernels))
 
 
 def grouped_q4_1(kernels: native.NativeKernels) -> bool:

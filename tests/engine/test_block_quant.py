@@ -214,10 +214,10 @@ def test_q4_1_regrouped_sixteen_outputs_a_lane_at_the_avx512_levels(isa_kernels)
     if not grouped:
         return
     x = torch.randn(50, in_features)
-    for entry in (kernels.block_quant_gemm, kernels.block_quant_gemm_kmajor):
-        for rows in (5, 50):
-            assert torch.equal(_call(entry, linear.segments[0], in_features, x[:rows]),
-                               _call(entry, invariant.segments[0], in_features, x[:rows])), (name, rows)
+    for rows in (5, 50):  # the k-major panel's bits from GGUF rows, through either panel entry point
+        want = _call(kernels.block_quant_gemm_kmajor, invariant.segments[0], in_features, x[:rows])
+        for entry in (kernels.block_quant_gemm, kernels.block_quant_gemm_kmajor):
+            assert torch.equal(_call(entry, linear.segments[0], in_features, x[:rows]), want), (name, rows)
     default = linear(x)
     assert torch.equal(linear(x[:5]), default[:5]) and torch.equal(linear(x[:17]), default[:17]), name
 
@@ -253,15 +253,16 @@ def test_panel_rows_of_any_shape_give_each_row_its_bits_alone(isa_kernels, data,
     for i in sorted({0, rows // 2, rows - 5, rows - 1}):  # the first and last tiles, the ragged rest
         assert torch.equal(invariant(x[i : i + 1]), together[i : i + 1]), (name, i)
     default = linear(x)
-    kmajor = any(block_quant.kmajor(seg.fmt, rows, linear) for seg in linear.segments)
-    if block_quant.FUSED_MAX_ROWS < rows <= block_quant.same_order_max_rows(kernels) and not kmajor:
+    same_order = block_quant.same_order_max_rows(kernels)
+    grouped = any(seg.fmt == block_quant.Q4_1_G16 for seg in linear.segments)  # the k-major panel past 4 rows
+    if block_quant.FUSED_MAX_ROWS < rows <= same_order and not grouped:
         assert torch.equal(default, together), name
-    elif kmajor and (block_quant.max_rows(kernels) or rows) >= rows > block_quant.FUSED_MAX_ROWS:
+    elif rows > block_quant.FUSED_MAX_ROWS and rows <= (block_quant.max_rows(kernels) or rows) and (
+        grouped or rows > same_order
+    ):
         # from the fewest rows at which each segment takes the kernel it takes here
-        same = [r for r in range(block_quant.FUSED_MAX_ROWS + 1, rows + 1)
-                if all(block_quant.kmajor(seg.fmt, r, linear) == block_quant.kmajor(seg.fmt, rows, linear)
-                       for seg in linear.segments)]
-        some = same[0] + (rows - same[0]) // 2
+        first = same_order + 1 if rows > same_order else block_quant.FUSED_MAX_ROWS + 1
+        some = first + (rows - first) // 2
         assert torch.equal(linear(x[:some]), default[:some]), name  # a row's sums do not depend on the others
     ref = F.linear(x.double(), dense.double(), linear.bias.double())
     for got in (together, default):

@@ -10,8 +10,8 @@
  *   - servelab_block_quant_gemm_f32 (more rows, every format here): 48 outputs' weights are
  *     expanded to fp32 (L2) once and a register-blocked 4-row x 3-output kernel runs over them;
  *   - servelab_block_quant_gemm_kmajor_f32 (AVX-512, many rows, not deterministic mode): the same
- *     48 outputs expanded k-major, one output a lane, in 8-row x 48-output tiles (Q4_1_G16: from
- *     five rows, its panel filled without a transposition).
+ *     48 outputs expanded k-major, one output a lane, in 8-row x 48-output tiles. Q4_1_G16 takes it
+ *     through either entry point: its panel fills without a transposition.
  * The weights are the values the loader's dequantization produces (servelab_block_dequant_f32
  * writes them out, and tests check they are bit-identical), so this is the fp32 model with
  * another summation order, not an approximation. block_quant.py picks the kernel per call, and
@@ -45,7 +45,7 @@
  * element j + 16's high, as in Q4_1). A block's sixteen outputs then need no horizontal sums and
  * each nibble one shift and one vpermps (g16_rows, docs/benchmarks.md "Batch 1 at the bandwidth"). */
 enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4, F32 = 5 };
-enum { Q4_1_G16 = 6 }; /* a layout of Q4_1, not a ggml type: block_quant.Q4_1_G16, decode_stack.c's SL_Q4_1_G16 */
+enum { Q4_1_G16 = 6 }; /* a layout of Q4_1, not a ggml type: block_quant.Q4_1_G16 */
 #define G16_BLOCK 320 /* bytes of 16 outputs' block */
 #define G16_PREFETCH 4096 /* bytes ahead that g16_rows fetches (a hint: past the weight's end is harmless) */
 
@@ -732,8 +732,9 @@ static void fill_panel(int64_t qtype, const uint8_t *w, int64_t row_bytes, int64
         }
 }
 
-/* Outputs [o0, o0 + no) of a Q4_1_G16 weight as dequant_row writes rows, [no][in]: FILL_CHUNK
- * inputs of a group k-major into a buffer, then transposed 16 x 16 into the rows. */
+/* Outputs [o0, o0 + no) of a Q4_1_G16 weight as dequant_row writes rows, [no][in] (for
+ * servelab_block_dequant_f32): FILL_CHUNK inputs of a group k-major into a buffer, then
+ * transposed 16 x 16 into the rows. */
 static void fill_rows_g16(const uint8_t *w, int64_t row_bytes, int64_t in, int64_t o0, int64_t no, float *rows) {
     float tmp[FILL_CHUNK * 16] __attribute__((aligned(64)));
     for (int64_t g = 0; g < no; g += 16)
@@ -1002,7 +1003,7 @@ static void gemm_part(const void *ctx, int64_t part, int64_t begin, int64_t end)
     for (int64_t p = begin; p < end; p++) {
         const int64_t o0 = p * PANEL, no = out - o0 < PANEL ? out - o0 : PANEL;
 #if defined(SL_AVX512)
-        if (j->kmajor) {
+        if (j->kmajor || j->qtype == Q4_1_G16) { /* regrouped Q4_1: its panel fills without transposing */
             prefetch_outputs(j->y, j->y_stride, j->rows, o0, no);
             fill_panel(j->qtype, j->w, j->row_bytes, in, o0, no, scratch);
             kmajor_rows(scratch, no, in, j->x, j->rows, j->bias, o0, j->y, j->y_stride);
@@ -1019,10 +1020,6 @@ static void gemm_part(const void *ctx, int64_t part, int64_t begin, int64_t end)
         const float *panel = scratch;
         if (j->qtype == F32) /* already fp32: the panel is the weight's own rows */
             panel = (const float *)(j->w + o0 * j->row_bytes);
-#if defined(SL_AVX512)
-        else if (j->qtype == Q4_1_G16)
-            fill_rows_g16(j->w, j->row_bytes, in, o0, no, scratch);
-#endif
         else
             for (int64_t o = 0; o < no; o++) dequant_row(j->qtype, j->w + (o0 + o) * j->row_bytes, in / 32, scratch + o * in);
 #ifdef SL_AVX2

@@ -17,7 +17,6 @@
 #include <string.h>
 
 #define SL_MAX_SEGMENTS 4
-#define SL_Q4_1_G16 6 /* block_quant_linear.c's format code of Q4_1 regrouped (never in deterministic mode) */
 
 enum { LINEAR_BLOCKS = 0, LINEAR_INT8 = 1, LINEAR_HALF = 2, LINEAR_BF16 = 3 };
 
@@ -88,9 +87,6 @@ void servelab_block_quant_linear_f32(int64_t qtype, const uint8_t *w, int64_t ro
 void servelab_block_quant_gemm_f32(int64_t qtype, const uint8_t *w, int64_t row_bytes, int64_t in_features,
                                    int64_t out_features, const float *x, int64_t rows, const float *bias, float *y,
                                    int64_t y_stride, float *scratch, int64_t threads);
-void servelab_block_quant_gemm_kmajor_f32(int64_t qtype, const uint8_t *w, int64_t row_bytes, int64_t in_features,
-                                          int64_t out_features, const float *x, int64_t rows, const float *bias,
-                                          float *y, int64_t y_stride, float *scratch, int64_t threads);
 int servelab_int8_linear_f32(const uint8_t *w, const float *w_scale, const int32_t *w_zero, const float *bias,
                              int64_t in, int64_t kp, int64_t out, const float *x, int64_t rows, float *y,
                              int64_t threads);
@@ -151,10 +147,7 @@ static int run_linear(const struct sl_stack *s, const struct sl_linear *l, const
     for (int64_t i = 0; i < l->num_segments; i++) {
         const struct sl_segment *g = &l->seg[i];
         const float *bias = l->bias ? l->bias + g->start : NULL;
-        /* block_quant.kmajor: Q4_1 regrouped past the in-register kernel (the stack stops before
-         * other formats would take it) */
-        (fused ? servelab_block_quant_linear_f32
-               : g->fmt == SL_Q4_1_G16 ? servelab_block_quant_gemm_kmajor_f32 : servelab_block_quant_gemm_f32)(
+        (fused ? servelab_block_quant_linear_f32 : servelab_block_quant_gemm_f32)(
             g->fmt, g->data, g->row_bytes, l->in_features, g->rows, x, rows, bias, y + g->start, l->out_features,
             scratch, threads);
     }
