@@ -72,7 +72,7 @@ class _Step(ctypes.Structure):
         ("rows", _i64), ("cos", _ptr), ("sin", _ptr), ("positions", _ptr), ("slots", _ptr), ("k_cache", _ptr),
         ("v_cache", _ptr), ("num_slots", _i64), ("kv_format", _i64), ("block_table", _ptr), ("table_stride", _i64),
         ("block_size", _i64), ("ctx_lens", _ptr), ("max_ctx", _i64), ("threads", _i64), ("logits", _ptr),
-        ("ids", _ptr),
+        ("ids", _ptr), ("greedy", _ptr),
     ]
 
 
@@ -147,6 +147,8 @@ class DecodeStack:
         self._step = _Step()
         self._step_ptr = ctypes.addressof(self._step)
         self._kv: tuple[Any, ...] = ()  # the last step's cache lists and their pointer arrays
+        self._greedy = (ctypes.c_int64 * 0)()  # the argmax of each row of `_greedy_of`, when asked
+        self._greedy_of: torch.Tensor | None = None
 
     @classmethod
     def build(
@@ -214,7 +216,7 @@ class DecodeStack:
         (x, delta), the residual stream and the last MLP output still to be added to it, as the
         model's per-op loop leaves them. cos/sin: the model's RoPE tables."""
         delta = torch.empty_like(x)
-        self._run(x.shape[0], x.data_ptr(), delta.data_ptr(), None, None, meta, cos, sin, k_cache, v_cache)
+        self._run(x.shape[0], x.data_ptr(), delta.data_ptr(), None, None, meta, cos, sin, k_cache, v_cache, None)
         return x, delta
 
     def logits(
@@ -226,11 +228,27 @@ class DecodeStack:
         own path gives (where accepts_head). IndexError for an id outside the embedding."""
         rows = ids.shape[0]
         out = torch.empty(rows, self.vocab, dtype=torch.float32)
-        self._run(rows, None, None, ids.data_ptr(), out.data_ptr(), meta, cos, sin, k_cache, v_cache)
+        greedy = None
+        if meta.argmax:  # and each row's argmax, read in the call while the logits are in cache
+            if len(self._greedy) < rows:
+                self._greedy = (ctypes.c_int64 * max(rows, 2 * len(self._greedy)))()
+            greedy = ctypes.addressof(self._greedy)
+        self._greedy_of = None
+        self._run(rows, None, None, ids.data_ptr(), out.data_ptr(), meta, cos, sin, k_cache, v_cache, greedy)
+        if greedy is not None:
+            self._greedy_of = out
         return out
 
-    def _run(self, rows, x, delta, ids, logits, meta, cos, sin, k_cache, v_cache) -> None:
-        """x, delta, ids, logits: addresses (or None), as servelab_decode_stack takes them."""
+    def greedy_tokens(self, logits: torch.Tensor) -> list[int] | None:
+        """Each row's argmax as the call that returned `logits` read it (with meta.argmax set),
+        as native.argmax_rows gives it, -1 for a row holding a NaN or an inf; else None."""
+        if logits is not self._greedy_of:
+            return None
+        self._greedy_of = None
+        return self._greedy[: logits.shape[0]]
+
+    def _run(self, rows, x, delta, ids, logits, meta, cos, sin, k_cache, v_cache, greedy) -> None:
+        """x, delta, ids, logits, greedy: addresses (or None), as servelab_decode_stack takes them."""
         threads = torch.get_num_threads()
         need = self.kernels.decode_stack_arena(self._stack_ptr, rows, meta.decode_max_ctx, threads)
         if self._arena.numel() < need:  # grows with the batch and the context, then stays
@@ -248,7 +266,7 @@ class DecodeStack:
         s.num_slots, s.kv_format = kc.shape[1], native.KV_FORMATS[kc.dtype]
         s.block_table, s.table_stride, s.block_size = table.data_ptr(), table.stride(0), meta.block_size
         s.ctx_lens, s.max_ctx, s.threads = meta.decode_ctx_lens.data_ptr(), meta.decode_max_ctx, threads
-        s.logits, s.ids = logits, ids
+        s.logits, s.ids, s.greedy = logits, ids, greedy
         err = self.kernels.decode_stack(self._stack_ptr, self._step_ptr, x, delta, self._arena.data_ptr())
         if err == -2:
             raise IndexError(f"a token id of this step is outside the embedding's {self._stack.embed_rows} rows")

@@ -96,6 +96,9 @@ class AttentionMetadata:
     # Prefill chunks: (token offset in the batch, num tokens, start_pos, context slots [ctx] or None when start_pos == 0)
     prefills: list[tuple[int, int, int, torch.Tensor | None]]
     logits_indices: torch.Tensor | None  # [S] rows of the hidden states that sample; None: all, in order
+    # Every row samples greedily from the logits as they are: the forward may read each row's
+    # argmax with them (LlamaModel.greedy_tokens), where it has them in cache.
+    argmax: bool = False
 
 
 class LlamaModel:
@@ -253,6 +256,13 @@ class LlamaModel:
         else:
             x = ops.rms_norm(x[rows] + delta[rows], self.final_norm, eps)
         return self.lm_head(x).float()
+
+
+    def greedy_tokens(self, logits: torch.Tensor) -> list[int] | None:
+        """Each row's argmax (-1: a row with a NaN or an inf) where the forward that returned
+        `logits` read it (meta.argmax, in the decode stack's call), else None."""
+        stack = self.decode_stack
+        return None if stack is None else stack.greedy_tokens(logits)
 
 
 def _nbytes(t: torch.Tensor) -> int:

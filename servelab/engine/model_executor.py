@@ -7,6 +7,7 @@ runs one forward pass and samples. Decodes go first in the flat batch so they at
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import time
 
@@ -30,6 +31,7 @@ class ModelExecutor:
         self.block_size = kv_cache.block_size
         self.device = model.device
         self._offsets = torch.arange(self.block_size, dtype=torch.int64)
+        self._decode_ints = _DecodeInts()
 
     @property
     def vocab_size(self) -> int:
@@ -55,7 +57,7 @@ class ModelExecutor:
         slots: list[torch.Tensor] = []
         row_of_last: dict[int, int] = {}
 
-        table = ctx = None
+        table = ctx = decode_ids = None
         max_ctx = 0
         meta_decode_slots = meta_decode_mask = None
         if decodes:
@@ -63,7 +65,7 @@ class ModelExecutor:
             ctx_lens = [entries[i].start_pos + 1 for i in decodes]
             max_ctx = max(ctx_lens)
             max_blocks = -(-max_ctx // bs)
-            # Built as Python lists, then one tensor each: a few torch calls a step, not a few a row.
+            # Built as Python lists, then one tensor each (decodes only: one buffer): not a few calls a row.
             rows_bt, decode_slots = [], []
             for row, i in enumerate(decodes):
                 s = entries[i]
@@ -72,10 +74,18 @@ class ModelExecutor:
                 decode_slots.append(bt[s.start_pos // bs] * bs + s.start_pos % bs)  # the new token's slot
                 input_ids.append(s.seq.token_ids[s.start_pos])
                 row_of_last[i] = row
-            table = torch.tensor(rows_bt, dtype=torch.int64)
-            ctx = torch.tensor(ctx_lens, dtype=torch.int64)
-            positions.append(ctx - 1)
-            slots.append(torch.tensor(decode_slots, dtype=torch.int64))
+            if prefills or self.device.type != "cpu":
+                table = torch.tensor(rows_bt, dtype=torch.int64)
+                ctx = torch.tensor(ctx_lens, dtype=torch.int64)
+                positions.append(ctx - 1)
+                slots.append(torch.tensor(decode_slots, dtype=torch.int64))
+            else:  # decodes only: no torch op (below)
+                flat = input_ids + [c - 1 for c in ctx_lens] + decode_slots + ctx_lens
+                for bt in rows_bt:
+                    flat += bt
+                decode_ids, pos, decode_slot_t, ctx, table = self._decode_ints.fill(B, max_blocks, flat)
+                positions.append(pos)
+                slots.append(decode_slot_t)
             if not self.model.ops.reads_block_tables:  # gather + SDPA wants flat slots and a mask
                 all_slots = (table[:, :, None] * bs + self._offsets).view(B, -1)[:, :max_ctx]
                 # Padded keys point at slot 0 (a real slot of some block) and are masked out.
@@ -96,6 +106,7 @@ class ModelExecutor:
             offset += n
 
         sampling = [i for i in range(len(entries)) if entries[i].samples]
+        sampled_seqs = [entries[i].seq for i in sampling]
         # Rows whose logits score prompt tokens (vLLM's prompt_logprobs): row of position p
         # predicts token p + 1. Positions already scored (before a preemption) are skipped.
         scored: list[tuple[int, int, int]] = []  # (entry, first position, number of rows)
@@ -129,8 +140,9 @@ class ModelExecutor:
             decode_mask=put(meta_decode_mask),
             prefills=prefill_meta,
             logits_indices=None if every_row else torch.tensor(logit_rows, dtype=torch.int64, device=dev),
+            argmax=every_row and bool(sampling) and self.sampler.plain_greedy(sampled_seqs),
         )
-        ids = torch.tensor(input_ids, dtype=torch.int64, device=dev)
+        ids = decode_ids if decode_ids is not None else torch.tensor(input_ids, dtype=torch.int64, device=dev)
         logits = self.model.forward(ids, meta, self.kv_cache.k_layers, self.kv_cache.v_layers)
         prompt_logprobs = None
         if scored:
@@ -140,8 +152,9 @@ class ModelExecutor:
         sampled: list[int | None] = [None] * len(entries)
         logprobs: list[TokenLogprobs | None] | None = None
         if sampling:
+            argmax = self.model.greedy_tokens(logits) if meta.argmax else None
             rows = sample_isolated(
-                self.sampler, logits.cpu() if dev.type != "cpu" else logits, [entries[i].seq for i in sampling], self.vocab_size
+                self.sampler, logits.cpu() if dev.type != "cpu" else logits, sampled_seqs, self.vocab_size, argmax
             )
             for j, reason in rows.errors.items():  # the scheduler ends these with finish reason "error"
                 hint = NON_FINITE_HINT if reason == NON_FINITE_LOGITS and self.kv_cache.dtype == torch.float16 else ""
@@ -153,6 +166,28 @@ class ModelExecutor:
                 for i, lp in zip(sampling, rows.logprobs):
                     logprobs[i] = lp
         return StepResult(sampled, time.perf_counter() - t0, logprobs, prompt_logprobs)
+
+
+class _DecodeInts:
+    """A decode-only step's int64 inputs (token ids, positions, new KV slots, context lengths, the
+    block table) in one buffer, written through ctypes, so that a steady decode step makes no torch
+    op before its forward: after the last step's weight stream each op runs cold, 10-70 us
+    (docs/benchmarks.md, "Batch 1: cold caches after the weights' stream"). The views are kept
+    while the batch's shape holds, and the buffer is rewritten every step: they are the step's."""
+
+    def __init__(self) -> None:
+        self._shape: tuple[int, int] | None = None
+
+    def fill(self, rows: int, width: int, values: list[int]) -> tuple[torch.Tensor, ...]:
+        """ids, positions, slots, context lengths [rows] and the block table [rows, width], from
+        `values`: those five, flat and in that order."""
+        if (rows, width) != self._shape:
+            buf = torch.empty(rows * (4 + width), dtype=torch.int64)
+            self._array = (ctypes.c_int64 * buf.numel()).from_address(buf.data_ptr())
+            self._views = (*buf[: 4 * rows].view(4, rows).unbind(0), buf[4 * rows :].view(rows, width))
+            self._buf, self._shape = buf, (rows, width)
+        self._array[:] = values
+        return self._views
 
 
 _SCORE_SLICE_ROWS = 256

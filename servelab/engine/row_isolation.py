@@ -32,14 +32,16 @@ class SampledRows:
     errors: dict[int, str] = field(default_factory=dict)  # failed row -> why
 
 
-def sample_isolated(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], vocab_size: int) -> SampledRows:
-    """sampler.sample(logits, seqs), with each row's failure confined to that row."""
+def sample_isolated(
+    sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], vocab_size: int, argmax: list[int] | None = None
+) -> SampledRows:
+    """sampler.sample(logits, seqs, argmax), with each row's failure confined to that row."""
     # The sampler edits constrained rows (logit_bias, grammars ...) in place: keep them as the
     # model made them, so that a retry row by row does not apply the edits twice.
     edited = [i for i, s in enumerate(seqs) if s.params.edits_logits]
     original = logits[edited].clone() if edited else None
     try:
-        tokens, logprobs = sampler.sample(logits, seqs)
+        tokens, logprobs = sampler.sample(logits, seqs, argmax)
         rows = SampledRows(list(tokens), None if logprobs is None else list(logprobs), dict(sampler.row_errors))
     except Exception as exc:
         logger.warning(

@@ -46,11 +46,26 @@ class Sampler:
         self.logits_processors = logits_processors
         self.row_errors: dict[int, str] = {}  # the last sample()'s rows that got None, and why
 
+    @staticmethod
+    def plain_greedy(seqs: list[Sequence]) -> bool:
+        """Whether every row's token is its logits' argmax as the model made them: greedy, with
+        no penalty, min_tokens, logit edit or logprobs."""
+        for s in seqs:
+            p = s.params
+            if p.temperature >= _GREEDY_TEMPERATURE or p.presence_penalty or p.frequency_penalty or p.min_tokens:
+                return False
+            if p.logprobs is not None or p.edits_logits:
+                return False
+        return True
+
     def sample(
-        self, logits: torch.Tensor, seqs: list[Sequence]
+        self, logits: torch.Tensor, seqs: list[Sequence], argmax: list[int] | None = None
     ) -> tuple[list[int | None], list[TokenLogprobs | None] | None]:
         """Token ids, and per row its logprobs (None where the request did not ask), or None
         when no request in the batch asked for logprobs.
+
+        `argmax`: each row's argmax (-1 for a non-finite row) where the forward read it with the
+        logits (model.greedy_tokens); taken as the tokens when every row is `plain_greedy`.
 
         A row whose logits are not all finite (the model overflowed: NaN or inf) gets None, not
         a token: the scheduler then ends that request with finish reason "error", and the rest
@@ -63,6 +78,9 @@ class Sampler:
         n, vocab = logits.shape
         if n != len(seqs):
             raise ValueError(f"logits has {n} rows but {len(seqs)} sequences were given")
+        if argmax is not None and len(argmax) == n and self.plain_greedy(seqs):
+            self.row_errors = {i: NON_FINITE_LOGITS for i, t in enumerate(argmax) if t < 0}
+            return [t if t >= 0 else None for t in argmax], None
         if logits.dtype != torch.float32:
             logits = logits.float()
         bad_rows = _nonfinite_rows(logits)

@@ -95,3 +95,31 @@ def test_same_output_with_a_prefix_cache_hit(factory, target):
     assert seq.num_cached_tokens >= 8
     assert engine.stats().prefix_cache_hits >= seq.num_cached_tokens
     assert seq.output_token_ids == expected
+
+
+def test_same_output_as_the_batch_shrinks_and_grows_between_decode_steps(factory, target):
+    """Others finish at different steps and the target joins mid-way: decode-only steps of
+    changing shape keep, rewrite and remake the executor's step buffer (model_executor._DecodeInts)."""
+    ids, expected = target
+    engine = factory(block_size=4)
+    for i, (rid, prompt) in enumerate(_others(4, seed=3).items()):
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=3 + 9 * i, temperature=0, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    assert _run(engine, {"t": ids})["t"].output_token_ids == expected
+
+
+def test_the_decode_step_buffer_is_rewritten_in_place_and_remade_for_a_new_shape():
+    from servelab.engine.model_executor import _DecodeInts
+
+    ints = _DecodeInts()
+    first = ints.fill(2, 3, list(range(14)))
+    assert [t.tolist() for t in first[:4]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert first[4].tolist() == [[8, 9, 10], [11, 12, 13]]
+    again = ints.fill(2, 3, list(range(100, 114)))
+    assert all(a is b for a, b in zip(first, again)) and first[4].tolist() == [[108, 109, 110], [111, 112, 113]]
+    other = ints.fill(1, 2, [1, 2, 3, 4, 5, 6])
+    assert [t.tolist() for t in other] == [[1], [2], [3], [4], [[5, 6]]]
+    assert first[0].tolist() == [100, 101]  # the old shape's buffer is not written again
+    with pytest.raises(ValueError):
+        ints.fill(1, 2, [1, 2, 3])

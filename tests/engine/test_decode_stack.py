@@ -69,7 +69,7 @@ class _Pool:
             last.append(self.model.forward(torch.tensor(toks), meta, self.kv.k_layers, self.kv.v_layers)[-1])
         return last
 
-    def decode_meta(self, every_row: bool = False) -> AttentionMetadata:
+    def decode_meta(self, every_row: bool = False, argmax: bool = False) -> AttentionMetadata:
         pos = torch.tensor([len(t) - 1 for t in self.tokens])
         ctx = pos + 1
         max_ctx = int(ctx.max())
@@ -79,20 +79,23 @@ class _Pool:
             decode_block_table=self.tables.contiguous(), decode_ctx_lens=ctx, decode_max_ctx=max_ctx,
             decode_ctx_slots=None, decode_mask=None, prefills=[],
             logits_indices=None if every_row else torch.arange(len(self.tokens)),  # None: the stack runs the head
+            argmax=argmax,
         )
 
-    def step(self, next_tokens: list[int], every_row: bool = False) -> torch.Tensor:
+    def step(self, next_tokens: list[int], every_row: bool = False, argmax: bool = False) -> torch.Tensor:
         for toks, t in zip(self.tokens, next_tokens):
             toks.append(t)
         ids = torch.tensor([t[-1] for t in self.tokens])
-        return self.model.forward(ids, self.decode_meta(every_row), self.kv.k_layers, self.kv.v_layers)
+        return self.model.forward(ids, self.decode_meta(every_row, argmax), self.kv.k_layers, self.kv.v_layers)
 
 
 def _stack_against_per_op(model, kv_dtype=torch.float32, steps: int = 6, head: bool = True) -> None:
     """Decodes of three sequences at different contexts, run with the stack and op by op from the
     same cache: the same logits and the same cache, bit for bit. The stack's steps alternate
     between ending in the LM head (every row samples) and leaving the head to the model (logits
-    of chosen rows); the per-op steps take the model's own tail, gathering the rows."""
+    of chosen rows); the per-op steps take the model's own tail, gathering the rows. Where the
+    head runs in the call, every other such step also reads each row's argmax there: the
+    sampler's argmax of the logits."""
     stack = model.decode_stack
     assert stack is not None
     assert stack.has_head == head
@@ -106,9 +109,13 @@ def _stack_against_per_op(model, kv_dtype=torch.float32, steps: int = 6, head: b
     next_tokens = [1, 2, 3]
     for i in range(steps):
         model.decode_stack = stack
-        fused = pools[0].step(next_tokens, every_row=i % 2 == 0)
+        fused = pools[0].step(next_tokens, every_row=i % 2 == 0, argmax=i % 4 == 0)
+        greedy = model.greedy_tokens(fused)
+        assert greedy == (native.argmax_rows(stack.kernels, fused) if head and i % 4 == 0 else None)
+        assert model.greedy_tokens(fused) is None  # read once
         model.decode_stack = None
         per_op = pools[1].step(next_tokens)
+        assert model.greedy_tokens(per_op) is None
         assert torch.equal(fused, per_op)
         for a, b in zip(pools[0].kv.k_layers + pools[0].kv.v_layers, pools[1].kv.k_layers + pools[1].kv.v_layers):
             assert torch.equal(a, b)
@@ -257,6 +264,19 @@ def test_arena_is_reused_as_the_context_grows_and_keeps_the_bits(gguf_models):
     model.decode_stack = None
     want = [pools[1].step([t]) for t in range(10, 18)]
     assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_the_argmax_read_in_the_call_marks_a_non_finite_row(gguf_models):
+    """A row whose logits hold a NaN gets -1 (the sampler ends that request with an error); the
+    rows beside it keep their argmax."""
+    model, stack = _q4_1_stack(gguf_models)
+    pool = _Pool(model, [[1, 2, 3], [4, 5], [6]], torch.float32)
+    pool.prefill()
+    model.embed[9] = float("nan")  # the stack embeds from this very tensor
+    logits = pool.step([8, 9, 10], every_row=True, argmax=True)
+    greedy = model.greedy_tokens(logits)
+    assert logits[1].isnan().all() and greedy[1] == -1
+    assert [greedy[0], greedy[2]] == native.argmax_rows(stack.kernels, logits[[0, 2]].contiguous())
 
 
 def test_a_token_id_outside_the_vocabulary_raises_on_both_paths(gguf_models):

@@ -304,8 +304,8 @@ def test_a_retry_row_by_row_does_not_apply_logit_bias_twice(processors, tokenize
     from servelab.engine.row_isolation import sample_isolated
 
     class FailsOnBatches(Sampler):
-        def sample(self, logits, seqs):
-            tokens, logprobs = super().sample(logits, seqs)  # edits the constrained rows in place
+        def sample(self, logits, seqs, argmax=None):
+            tokens, logprobs = super().sample(logits, seqs, argmax)  # edits the constrained rows in place
             if len(seqs) > 1:
                 raise RuntimeError("injected fault after the edits")
             return tokens, logprobs

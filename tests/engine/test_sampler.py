@@ -103,6 +103,37 @@ def test_greedy_is_argmax_in_a_mixed_batch():
     assert all_greedy == logits.argmax(dim=-1).tolist()
 
 
+@pytest.mark.parametrize(
+    "params, plain",
+    [
+        ({"temperature": 0.0}, True),
+        ({"temperature": 0.0, "top_k": 5, "top_p": 0.5, "seed": 3}, True),  # no effect under greedy
+        ({"temperature": 0.5}, False),
+        ({"temperature": 0.0, "presence_penalty": 0.1}, False),
+        ({"temperature": 0.0, "frequency_penalty": -0.1}, False),
+        ({"temperature": 0.0, "min_tokens": 1}, False),
+        ({"temperature": 0.0, "logprobs": 0}, False),
+        ({"temperature": 0.0, "logit_bias": {3: 1.0}}, False),
+        ({"temperature": 0.0, "allowed_token_ids": [3]}, False),
+    ],
+)
+def test_an_argmax_read_with_the_logits_is_taken_only_for_plain_greedy_rows(params, plain):
+    """The forward's own argmax (model.greedy_tokens) stands for the tokens only where no transform
+    or report could change them; otherwise the sampler reads the logits itself."""
+    logits = torch.zeros(2, 20)
+    logits[:, 3] = 1.0  # the logits' argmax: token 3
+    stale = [7, -1]  # an argmax that is not the logits': taken only for plain rows
+    seqs = [seq(temperature=0.0), seq(**params)]
+    assert Sampler.plain_greedy(seqs) is plain
+    sampler = Sampler()
+    tokens, _ = sampler.sample(logits, seqs, stale)
+    if plain:
+        assert tokens == [7, None] and set(sampler.row_errors) == {1}  # -1: the row was not finite
+    else:
+        assert tokens[0] == 3 and tokens[1] is not None and not sampler.row_errors
+    assert Sampler().sample(logits, seqs, [7])[0][0] == 3  # not one entry a row: ignored
+
+
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
 def test_a_row_with_non_finite_logits_gets_no_token(bad):
     torch.manual_seed(1)

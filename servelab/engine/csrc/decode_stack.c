@@ -72,12 +72,15 @@ struct sl_step {
     int64_t max_ctx, threads;
     float *logits;                      /* NULL, or [rows, vocab]: the final norm and the head run too */
     const int64_t *ids;                 /* [rows] token ids, embedded here where the caller passes no x */
+    int64_t *greedy;                    /* NULL, or [rows]: with the logits, each row's argmax (-1: a NaN or an inf) */
 };
 
 /* the kernels of the other files */
 void servelab_add_rms_norm_f32(float *x, const float *delta, const float *weight, float *out, int64_t rows, int64_t n,
                                float eps);
 void servelab_silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter);
+void servelab_argmax_rows_f32(const float *x, int64_t rows, int64_t n, int64_t *out, int64_t threads);
+int64_t servelab_nonfinite_rows_f32(const float *x, int64_t rows, int64_t n, uint8_t *bad);
 void servelab_rope_store_kv(float *qkv, int64_t T, int64_t row_stride, int64_t num_heads, int64_t num_kv_heads,
                             int64_t head_dim, const float *cos, const float *sin, const int64_t *positions,
                             const int64_t *slots, void *k, void *v, int64_t num_slots, int64_t kv_format);
@@ -202,6 +205,14 @@ int servelab_decode_stack(const struct sl_stack *s, const struct sl_step *st, fl
     if (st->logits && s->final_norm) {  /* x += delta, its norm into h, then the head */
         servelab_add_rms_norm_f32(x, delta, s->final_norm, h, rows, hidden, s->eps);
         if (run_linear(s, &s->head, h, rows, st->logits, lin_scratch, threads)) return -1;
+        if (st->greedy) {  /* the greedy sampler's reads of the logits, while they are still in cache */
+            const int64_t vocab = s->head.out_features;
+            servelab_argmax_rows_f32(st->logits, rows, vocab, st->greedy, threads);
+            for (int64_t r = 0; r < rows; r++) {
+                uint8_t bad;
+                if (servelab_nonfinite_rows_f32(st->logits + r * vocab, 1, vocab, &bad)) st->greedy[r] = -1;
+            }
+        }
     }
     return 0;
 }
