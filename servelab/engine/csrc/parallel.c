@@ -28,6 +28,14 @@
  * kernel come torch's GEMMs, whose OpenMP threads want the cores back (docs/benchmarks.md, "Our
  * own thread pool"). */
 #define SL_SPIN_NS 20000
+/* While a caller holds the pool (sl_parallel_hold), workers spin up to this long: the decode
+ * stack dispatches a job every few microseconds for a whole step, and a worker that slept
+ * through a gap (an imbalanced job) cost a futex call to wake and tens of microseconds before
+ * it ran again, more than the job it then served (docs/benchmarks.md, "Workers that stay
+ * awake through a step"). */
+#ifndef SL_HOLD_SPIN_NS
+#define SL_HOLD_SPIN_NS 2000000
+#endif
 
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;  /* held by the dispatching caller */
 static pthread_mutex_t wake_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -42,6 +50,7 @@ static const void *job_ctx;
 static int64_t job_n, job_parts;
 static int64_t job_chunk;     /* 0: one range a part; else ranges of job_chunk taken in turn (job_next) */
 static atomic_llong job_next;
+static atomic_int holds;       /* callers inside sl_parallel_hold(1) ... sl_parallel_hold(0) */
 /* the job_gen each worker was created at: it must answer every job after that one, even one
  * posted before the thread got to run */
 static unsigned long long start_gen[SL_MAX_WORKERS + 1];
@@ -69,11 +78,12 @@ static void *worker_main(void *arg) {
     unsigned long long seen = start_gen[part];
     for (;;) {
         unsigned long long gen;
-        const int64_t spin_until = now_ns() + SL_SPIN_NS;
+        const int64_t idle_since = now_ns();
         int spins = 0;
         while ((gen = atomic_load_explicit(&job_gen, memory_order_acquire)) == seen) {
             SL_PAUSE();
-            if ((++spins & 255) == 0 && now_ns() > spin_until) {
+            if ((++spins & 255) == 0 &&
+                now_ns() - idle_since > (atomic_load_explicit(&holds, memory_order_relaxed) ? SL_HOLD_SPIN_NS : SL_SPIN_NS)) {
                 pthread_mutex_lock(&wake_mu);
                 while ((gen = atomic_load_explicit(&job_gen, memory_order_acquire)) == seen)
                     pthread_cond_wait(&wake_cv, &wake_mu);
@@ -152,6 +162,8 @@ static void dispatch(sl_task task, const void *ctx, int64_t n, int64_t threads, 
     }
     pthread_mutex_unlock(&pool_mu);
 }
+
+void sl_parallel_hold(int on) { atomic_fetch_add_explicit(&holds, on ? 1 : -1, memory_order_relaxed); }
 
 void sl_parallel_for(sl_task task, const void *ctx, int64_t n, int64_t threads) { dispatch(task, ctx, n, threads, 0); }
 

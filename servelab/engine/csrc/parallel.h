@@ -15,3 +15,8 @@ void sl_parallel_for(sl_task task, const void *ctx, int64_t n, int64_t threads);
  * that a thread that runs slower (its core shared with another job, a late wake) does less of
  * the work. `part` names the thread running a range (for per-thread scratch). */
 void sl_parallel_chunks(sl_task task, const void *ctx, int64_t n, int64_t chunk, int64_t threads);
+
+/* hold(1) ... hold(0) brackets a run of calls that follow each other within microseconds (a
+ * decode step): in between, idle workers spin rather than sleep. Holds nest and may overlap
+ * across threads. */
+void sl_parallel_hold(int on);
