@@ -63,10 +63,10 @@ def baseline(tiny_engine_factory):
 def _sampler_raises(monkeypatch):
     real = Sampler.sample
 
-    def sample(self, logits, seqs):
+    def sample(self, logits, seqs, argmax=None):
         if any(s.request_id == BAD and s.num_output_tokens >= 2 for s in seqs):
             raise RuntimeError("injected sampler fault")
-        return real(self, logits, seqs)
+        return real(self, logits, seqs, argmax)
 
     monkeypatch.setattr(Sampler, "sample", sample)
 
@@ -74,8 +74,8 @@ def _sampler_raises(monkeypatch):
 def _id_past_the_vocabulary(monkeypatch):
     real = Sampler.sample
 
-    def sample(self, logits, seqs):
-        tokens, logprobs = real(self, logits, seqs)
+    def sample(self, logits, seqs, argmax=None):
+        tokens, logprobs = real(self, logits, seqs, argmax)
         return [logits.shape[1] + 5 if s.request_id == BAD else t for s, t in zip(seqs, tokens)], logprobs
 
     monkeypatch.setattr(Sampler, "sample", sample)

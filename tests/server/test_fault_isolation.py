@@ -34,12 +34,12 @@ def test_four_streams_survive_one_failing_request(tiny_model_dir, monkeypatch):
     real = Sampler.sample
     shared_steps = []  # batch sizes of the steps in which the bad request failed
 
-    def sample(self, logits, seqs):
+    def sample(self, logits, seqs, argmax=None):
         bad = [s for s in seqs if s.params.seed == BAD_SEED and s.num_output_tokens >= 2]
         if bad:
             shared_steps.append(len(seqs))
             raise RuntimeError("injected fault in one request's sampling")
-        return real(self, logits, seqs)
+        return real(self, logits, seqs, argmax)
 
     with TestClient(create_app(engine)) as c:
         expected = [_events(c.post("/v1/completions", json=_body(i)).text) for i in range(4)]
