@@ -1,9 +1,9 @@
 """The engine on this CPU's kernel build against the same sources built with extra compiler flags
-(a knob such as -DSL_HOLD_SPIN_NS=20000), in one process: two engines on the bundled model, the
+(a knob such as -DSL_SPIN_NS=200000, how long an idle worker spins), in one process: two engines on the bundled model, the
 same in all but their kernels, decoding in interleaved rounds. One process and alternating rounds
 keep the host's swings (2x within minutes here) out of the ratio.
 
-    python benchmarks/build_ab.py --cflags="-DSL_HOLD_SPIN_NS=20000" [--rows 1] [--threads 2]
+    python benchmarks/build_ab.py --cflags="-DSL_SPIN_NS=200000" [--rows 1] [--threads 2]
         [--rounds 12] [--steps 90]
 
 Prints each round's ms a decode step for both, and the median of the per-round ratios

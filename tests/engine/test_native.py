@@ -544,3 +544,38 @@ def test_levels_checked_on_simde_also_build_with_the_real_intrinsics(name, tmp_p
     out = str(tmp_path / "real.so")
     proc = subprocess.run([cc, *flags, *checks, *sources, "-o", out, "-lm", "-lpthread"], capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_the_pool_gives_every_job_all_its_parts_under_contention():
+    """Jobs of 1-6 parts back to back, from three Python threads at once (one holds the pool, the
+    others run inline), with gaps that let the workers fall asleep: every part of every job runs
+    exactly once (the caller takes the parts no worker has claimed), whoever runs it."""
+    import ctypes
+    import threading
+    import time
+
+    kernels = native.native_kernels()
+    if kernels is None:
+        pytest.skip(f"no native kernels here: {native.kernels_unavailable(None)}")
+    x = torch.randn(6, 1 << 16)  # argmax splits rows over threads: a part a row at most
+    want = x.argmax(-1).tolist()
+    failures: list[str] = []
+
+    def hammer(seed: int) -> None:
+        rng = torch.Generator().manual_seed(seed)
+        for i in range(300):
+            rows = int(torch.randint(1, 7, (), generator=rng))
+            threads = int(torch.randint(1, 5, (), generator=rng))
+            out = (ctypes.c_int64 * rows)()
+            kernels.argmax_rows(x.data_ptr(), rows, x.shape[1], out, threads)
+            if list(out) != want[:rows]:
+                failures.append(f"thread {seed}, job {i}: {list(out)} != {want[:rows]}")
+            if i % 50 == 0:
+                time.sleep(0.001)  # past the workers' spin: they sleep, and the next job wakes them
+
+    workers = [threading.Thread(target=hammer, args=(seed,)) for seed in range(3)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert not failures, failures[:3]

@@ -16,8 +16,6 @@
 #include <stddef.h>
 #include <string.h>
 
-#include "parallel.h"
-
 #define SL_MAX_SEGMENTS 4
 
 enum { LINEAR_BLOCKS = 0, LINEAR_INT8 = 1, LINEAR_HALF = 2, LINEAR_BF16 = 3 };
@@ -166,7 +164,7 @@ static int run_linear(const struct sl_stack *s, const struct sl_linear *l, const
  * LM head run as the model runs them after its loop, writing the step's logits of every row.
  * Returns 0, -1 where an int8 or half linear found no memory, -2 for a token id outside the
  * embedding. */
-static int run_stack(const struct sl_stack *s, const struct sl_step *st, float *x, float *delta, float *arena)
+int servelab_decode_stack(const struct sl_stack *s, const struct sl_step *st, float *x, float *delta, float *arena)
 {
     const int64_t rows = st->rows, threads = st->threads, hidden = s->hidden;
     const int64_t H = s->num_heads, KV = s->num_kv_heads, D = s->head_dim, qkv_n = qkv_width(s);
@@ -217,12 +215,4 @@ static int run_stack(const struct sl_stack *s, const struct sl_step *st, float *
         }
     }
     return 0;
-}
-
-int servelab_decode_stack(const struct sl_stack *s, const struct sl_step *st, float *x, float *delta, float *arena)
-{
-    sl_parallel_hold(1);  /* the pool's workers stay awake between this step's many jobs */
-    const int err = run_stack(s, st, x, delta, arena);
-    sl_parallel_hold(0);
-    return err;
 }

@@ -5,7 +5,10 @@
  * decode step calls these kernels ~150 times, and creating threads costs more than a job. So
  * workers are created once, spin briefly after each job (the next call usually comes within
  * tens of microseconds) and then sleep on a condition variable, leaving the cores to torch's
- * own threads during its GEMMs.
+ * own threads during its GEMMs. A job's parts are claimed, not assigned: the caller runs any
+ * part no worker has claimed by the time its own is done, so a job never waits for a worker's
+ * wake-up (a futex call and tens of microseconds in a VM), and a worker that wakes late finds
+ * nothing left to do.
  *
  * One job at a time: a caller that finds the pool busy (another Python thread) runs its job
  * inline. After fork() the child starts with no workers and builds its own.
@@ -27,14 +30,8 @@
 /* A worker spins this long for the next job before it sleeps. Short: after our attention
  * kernel come torch's GEMMs, whose OpenMP threads want the cores back (docs/benchmarks.md, "Our
  * own thread pool"). */
+#ifndef SL_SPIN_NS
 #define SL_SPIN_NS 20000
-/* While a caller holds the pool (sl_parallel_hold), workers spin up to this long: the decode
- * stack dispatches a job every few microseconds for a whole step, and a worker that slept
- * through a gap (an imbalanced job) cost a futex call to wake and tens of microseconds before
- * it ran again, more than the job it then served (docs/benchmarks.md, "Workers that stay
- * awake through a step"). */
-#ifndef SL_HOLD_SPIN_NS
-#define SL_HOLD_SPIN_NS 2000000
 #endif
 
 static pthread_mutex_t pool_mu = PTHREAD_MUTEX_INITIALIZER;  /* held by the dispatching caller */
@@ -44,16 +41,21 @@ static int n_workers;
 static int atfork_registered;
 
 static atomic_ullong job_gen;  /* bumped (release) once a job's fields are set */
-static atomic_int pending;     /* workers yet to finish (or skip) the current job */
+/* The current job's parts are claimed from here: (job_gen << 16) | (parts << 8) | next part. The
+ * caller claims its own part and then every part no worker has taken yet, so a job never waits
+ * for a worker to wake up (a sleeping or descheduled worker's part is the caller's). A worker
+ * reads the job's fields only after claiming a part of it, and the caller writes the next job's
+ * fields only once every claimed part is done. */
+static atomic_ullong claim;
+static atomic_int done;        /* parts of the current job finished */
 static sl_task job_task;
 static const void *job_ctx;
 static int64_t job_n, job_parts;
 static int64_t job_chunk;     /* 0: one range a part; else ranges of job_chunk taken in turn (job_next) */
 static atomic_llong job_next;
-static atomic_int holds;       /* callers inside sl_parallel_hold(1) ... sl_parallel_hold(0) */
-/* the job_gen each worker was created at: it must answer every job after that one, even one
- * posted before the thread got to run */
+/* the job_gen each worker was created at: it looks for parts of every job after that one */
 static unsigned long long start_gen[SL_MAX_WORKERS + 1];
+#define GEN_BITS 0xffffffffffffull
 
 static int64_t now_ns(void) {
     struct timespec ts;
@@ -73,6 +75,19 @@ static void run_part(int64_t part) {
     if (begin < end) job_task(job_ctx, part, begin, end);
 }
 
+/* Claims and runs parts of job `gen` until none is left (or that job is over). */
+static void run_parts(unsigned long long gen) {
+    unsigned long long c = atomic_load_explicit(&claim, memory_order_acquire);
+    for (;;) {
+        if ((c >> 16) != (gen & GEN_BITS) || (c & 0xff) >= ((c >> 8) & 0xff)) return;
+        if (atomic_compare_exchange_weak_explicit(&claim, &c, c + 1, memory_order_acq_rel, memory_order_acquire)) {
+            run_part((int64_t)(c & 0xff));
+            atomic_fetch_add_explicit(&done, 1, memory_order_release);
+            c = atomic_load_explicit(&claim, memory_order_acquire);
+        }
+    }
+}
+
 static void *worker_main(void *arg) {
     const int64_t part = (int64_t)(intptr_t)arg;  /* workers take parts 1, 2, ... */
     unsigned long long seen = start_gen[part];
@@ -82,8 +97,7 @@ static void *worker_main(void *arg) {
         int spins = 0;
         while ((gen = atomic_load_explicit(&job_gen, memory_order_acquire)) == seen) {
             SL_PAUSE();
-            if ((++spins & 255) == 0 &&
-                now_ns() - idle_since > (atomic_load_explicit(&holds, memory_order_relaxed) ? SL_HOLD_SPIN_NS : SL_SPIN_NS)) {
+            if ((++spins & 255) == 0 && now_ns() - idle_since > SL_SPIN_NS) {
                 pthread_mutex_lock(&wake_mu);
                 while ((gen = atomic_load_explicit(&job_gen, memory_order_acquire)) == seen)
                     pthread_cond_wait(&wake_cv, &wake_mu);
@@ -92,10 +106,7 @@ static void *worker_main(void *arg) {
             }
         }
         seen = gen;
-        if (part < job_parts) run_part(part);
-        /* every worker acknowledges every job, so none can still be reading this one's fields
-         * when the next caller writes them */
-        atomic_fetch_sub_explicit(&pending, 1, memory_order_release);
+        run_parts(gen);
     }
     return NULL;
 }
@@ -146,14 +157,16 @@ static void dispatch(sl_task task, const void *ctx, int64_t n, int64_t threads, 
     job_chunk = chunk;
     atomic_store_explicit(&job_next, 0, memory_order_relaxed);
     job_parts = threads < workers + 1 ? threads : workers + 1;
-    atomic_store_explicit(&pending, workers, memory_order_relaxed);
-    atomic_fetch_add_explicit(&job_gen, 1, memory_order_release);
+    atomic_store_explicit(&done, 0, memory_order_relaxed);
+    const unsigned long long gen = atomic_load_explicit(&job_gen, memory_order_relaxed) + 1;
+    atomic_store_explicit(&claim, ((gen & GEN_BITS) << 16) | ((unsigned long long)job_parts << 8), memory_order_release);
+    atomic_store_explicit(&job_gen, gen, memory_order_release);
     pthread_mutex_lock(&wake_mu);  /* wakes the sleepers; the spinners have already seen job_gen */
     pthread_cond_broadcast(&wake_cv);
     pthread_mutex_unlock(&wake_mu);
-    run_part(0);
+    run_parts(gen);
     int spins = 0;
-    while (atomic_load_explicit(&pending, memory_order_acquire) > 0) {
+    while (atomic_load_explicit(&done, memory_order_acquire) < job_parts) {  /* parts workers took */
         SL_PAUSE();
         if (++spins > 4096) { /* a worker was descheduled: don't burn the core it needs */
             sched_yield();
@@ -162,8 +175,6 @@ static void dispatch(sl_task task, const void *ctx, int64_t n, int64_t threads, 
     }
     pthread_mutex_unlock(&pool_mu);
 }
-
-void sl_parallel_hold(int on) { atomic_fetch_add_explicit(&holds, on ? 1 : -1, memory_order_relaxed); }
 
 void sl_parallel_for(sl_task task, const void *ctx, int64_t n, int64_t threads) { dispatch(task, ctx, n, threads, 0); }
 
