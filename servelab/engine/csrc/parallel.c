@@ -41,11 +41,11 @@ static int n_workers;
 static int atfork_registered;
 
 static atomic_ullong job_gen;  /* bumped (release) once a job's fields are set */
-/* The current job's parts are claimed from here: (job_gen << 16) | (parts << 8) | next part. The
- * caller claims its own part and then every part no worker has taken yet, so a job never waits
- * for a worker to wake up (a sleeping or descheduled worker's part is the caller's). A worker
- * reads the job's fields only after claiming a part of it, and the caller writes the next job's
- * fields only once every claimed part is done. */
+/* The current job's parts are claimed from here: ((job_gen & GEN_BITS) << 16) | (parts << 8) |
+ * next part. The caller claims its own part and then every part no worker has taken yet, so a
+ * job never waits for a worker to wake up (a sleeping or descheduled worker's part is the
+ * caller's). A worker reads the job's fields only after claiming a part of it, and the caller
+ * writes the next job's fields only once every claimed part is done. */
 static atomic_ullong claim;
 static atomic_int done;        /* parts of the current job finished */
 static sl_task job_task;
@@ -55,7 +55,8 @@ static int64_t job_chunk;     /* 0: one range a part; else ranges of job_chunk t
 static atomic_llong job_next;
 /* the job_gen each worker was created at: it looks for parts of every job after that one */
 static unsigned long long start_gen[SL_MAX_WORKERS + 1];
-#define GEN_BITS 0xffffffffffffull
+#define GEN_BITS 0xffffffffffffull  /* the job_gen bits in `claim` */
+_Static_assert(SL_MAX_WORKERS + 1 < 256, "a job's parts and its next part must fit claim's 8-bit fields");
 
 static int64_t now_ns(void) {
     struct timespec ts;
