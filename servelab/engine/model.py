@@ -257,7 +257,6 @@ class LlamaModel:
             x = ops.rms_norm(x[rows] + delta[rows], self.final_norm, eps)
         return self.lm_head(x).float()
 
-
     def greedy_tokens(self, logits: torch.Tensor) -> list[int] | None:
         """Each row's argmax (-1: a row with a NaN or an inf) where the forward that returned
         `logits` read it (meta.argmax, in the decode stack's call), else None."""

@@ -90,8 +90,8 @@ static void run_parts(unsigned long long gen) {
 }
 
 static void *worker_main(void *arg) {
-    const int64_t part = (int64_t)(intptr_t)arg;  /* workers take parts 1, 2, ... */
-    unsigned long long seen = start_gen[part];
+    const int64_t worker = (int64_t)(intptr_t)arg;  /* 1, 2, ... */
+    unsigned long long seen = start_gen[worker];
     for (;;) {
         unsigned long long gen;
         const int64_t idle_since = now_ns();
