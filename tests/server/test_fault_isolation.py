@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -33,27 +34,39 @@ def test_four_streams_survive_one_failing_request(tiny_model_dir, monkeypatch):
     engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=str(tiny_model_dir), dtype="float32", num_blocks=64, max_model_len=256))
     real = Sampler.sample
     shared_steps = []  # batch sizes of the steps in which the bad request failed
+    failing = threading.Event()  # set once the bad request has shared a step with another
 
     def sample(self, logits, seqs, argmax=None):
-        bad = [s for s in seqs if s.params.seed == BAD_SEED and s.num_output_tokens >= 2]
-        if bad:
+        bad = [s for s in seqs if s.params.seed == BAD_SEED]
+        if bad and len(seqs) > 1:
+            failing.set()
+        if bad and failing.is_set():
             shared_steps.append(len(seqs))
             raise RuntimeError("injected fault in one request's sampling")
+        if bad:
+            time.sleep(0.01)  # alone: slow its steps so the others surely join it
         return real(self, logits, seqs, argmax)
 
     with TestClient(create_app(engine)) as c:
         expected = [_events(c.post("/v1/completions", json=_body(i)).text) for i in range(4)]
         monkeypatch.setattr(Sampler, "sample", sample)
-        start = threading.Barrier(5)
+        started = threading.Event()
 
-        def post(body: dict) -> str:
-            start.wait()
-            return c.post("/v1/completions", json=body).text
+        def post_bad() -> str:
+            # the bad request is in flight (one token streamed) before the others are sent, and
+            # cannot finish alone (200 tokens at >= 10 ms each), so it fails in a shared step
+            chunks = []
+            with c.stream("POST", "/v1/completions", json=_body(9, seed=BAD_SEED, max_tokens=200)) as r:
+                for chunk in r.iter_text():
+                    started.set()
+                    chunks.append(chunk)
+            return "".join(chunks)
 
         with ThreadPoolExecutor(5) as pool:
-            futures = [pool.submit(post, _body(i)) for i in range(4)]
-            futures.append(pool.submit(post, _body(9, seed=BAD_SEED)))
-            results = [_events(f.result(timeout=120)) for f in futures]
+            bad_future = pool.submit(post_bad)
+            assert started.wait(60)
+            futures = [pool.submit(lambda b: c.post("/v1/completions", json=b).text, _body(i)) for i in range(4)]
+            results = [_events(f.result(timeout=120)) for f in [*futures, bad_future]]
 
         assert shared_steps and max(shared_steps) > 1, "the bad request never shared a step with the others"
         for got, want in zip(results[:4], expected):
