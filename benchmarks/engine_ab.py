@@ -1,12 +1,13 @@
 """Two servelab checkouts on the bundled model, interleaved round by round: did a change cost speed?
 
 One warm worker process per checkout runs that checkout's own `benchmarks/engine_cpu.py`
-measurements (decode_b1, decode_b32, prefill_512; fp32, as engine_cpu.py defines them); the
+measurements (decode_b1, decode_b32, prefill_512, as engine_cpu.py defines them; the exact fp32
+default, or `--quantization int8|bf16`); the
 rounds alternate who goes first, and only one worker runs at a time. Besides the wall-clock
 rates it reports each rate over the worker's CPU time, which a loaded machine disturbs less.
 
     git archive <old-rev> | tar -x -C /tmp/servelab-old
-    python benchmarks/engine_ab.py /tmp/servelab-old . [--rounds 5] [--threads 1]
+    python benchmarks/engine_ab.py /tmp/servelab-old . [--rounds 5] [--threads 1] [--quantization int8]
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import servelab  # noqa: F401 - before torch, as engine_cpu.py does
 import torch
 torch.set_num_threads(int(sys.argv[1]))
 from engine_cpu import Servelab
-s = Servelab("float32")
+s = Servelab("float32", quantization=sys.argv[2] or None)
 s.decode_b1(); s.prefill_512()  # warm-up
 print("ready", flush=True)
 for line in sys.stdin:
@@ -43,12 +44,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("new", help="the checkout under test (its root)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--quantization", choices=["int8", "bf16"], default=None, help="both engines' opt-in linears")
     args = parser.parse_args(argv)
     trees = [os.path.abspath(args.old), os.path.abspath(args.new)]
     workers = {}
     for tree in trees:
         workers[tree] = subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(args.threads)], cwd=tree, env=dict(os.environ, PYTHONPATH=tree),
+            [sys.executable, "-c", WORKER, str(args.threads), args.quantization or ""], cwd=tree, env=dict(os.environ, PYTHONPATH=tree),
             text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
         )
     for tree, worker in workers.items():
@@ -73,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         new = {m: statistics.median(rates[trees[1]][m]) for m in METRICS}
         print(f"{label:10s} medians, old / new (tok/s): "
               + "; ".join(f"{m} {old[m]:.1f} / {new[m]:.1f} = {new[m] / old[m]:.3f}x" for m in METRICS))
-    print(f"{args.threads} thread(s), {args.rounds} rounds; load average at the end: "
+    print(f"{args.quantization or 'default'} linears, {args.threads} thread(s), {args.rounds} rounds; load average at the end: "
           + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     return 0
 

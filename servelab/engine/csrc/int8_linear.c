@@ -28,10 +28,11 @@
  * rows). Panel p is [kp / 4][16][4] bytes, byte (g, o, i) = qw[16 p + o][4 g + i], where kp is
  * in_features rounded up to G (the padding meets zero activations).
  *
- * The kernel holds a 5-row x 16-output tile in ten int32 accumulators (five at AVX-512: a
- * 64-byte step of a panel is one vector). It walks one panel (16 * kp bytes, in L1) over every row
- * tile; panels are split over the threads. With AVX512-VNNI one vpdpbusd (unsigned x signed bytes,
- * four products summed into each int32 lane) replaces vpmaddubsw + vpmaddwd + vpaddd; both give the
+ * At AVX2 the kernel holds a 5-row x 16-output tile in ten int32 accumulators. It walks one panel
+ * (16 * kp bytes, in L1) over every row tile; panels are split over the threads. At AVX-512 a
+ * 64-byte step of a panel is one vector, and a tile is up to 8 rows x 3 panels (tile_wide) from
+ * five rows, one panel below. With AVX512-VNNI one vpdpbusd (unsigned x signed bytes, four
+ * products summed into each int32 lane) replaces vpmaddubsw + vpmaddwd + vpaddd; both give the
  * same integers, so every ISA level gives the same bits.
  */
 #include <math.h>
@@ -128,6 +129,7 @@ static void quantize_row(const float *x, int64_t in, int64_t kp, int8_t *q, floa
     *row_sum = sum;
 }
 
+#if !defined(SL_AVX512) /* the AVX2 and portable tile (AVX-512's is tile_wide below) */
 #ifdef SL_AVX2
 /* acc + the sums of four products of w's unsigned and b's signed bytes, per int32 lane. In one asm
  * statement so that its int16 temporary lives only here: written as intrinsics, gcc issued all
@@ -164,32 +166,7 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int8_
     const int64_t groups = kp / G;
     for (int r = 0; r < mr; r++)
         for (int o = 0; o < NP; o++) acc[r][o] = 0.f;
-#if defined(SL_AVX512)
-    /* A k4 step's 16 outputs x 4 bytes are one 512-bit load; a row's 16 int32 sums one vector. */
-#if !defined(SL_AVX512_VNNI)
-    const __m512i ones = _mm512_set1_epi16(1);
-#endif
-    for (int64_t g = 0; g < groups; g++) {
-        __m512i a[MR];
-        for (int r = 0; r < mr; r++) a[r] = _mm512_setzero_si512();
-        const uint8_t *w = panel + g * G * NP;
-        for (int64_t k4 = 0; k4 < G / 4; k4++, w += 4 * NP) {
-            const __m512i wv = _mm512_loadu_si512((const void *)w);
-            for (int r = 0; r < mr; r++) {
-                int32_t four;
-                memcpy(&four, qa + r * kp + g * G + 4 * k4, 4);
-                const __m512i b = _mm512_set1_epi32(four);
-#if defined(SL_AVX512_VNNI) /* vpdpbusd: unsigned weights x signed activations, four products a lane */
-                a[r] = _mm512_dpbusd_epi32(a[r], wv, b);
-#else
-                a[r] = _mm512_add_epi32(a[r], _mm512_madd_epi16(_mm512_maddubs_epi16(wv, b), ones));
-#endif
-            }
-        }
-        for (int r = 0; r < mr; r++) /* the same integers as AVX2's, scaled in its two halves */
-            scale_add(acc[r], scales[r * groups + g], _mm512_castsi512_si256(a[r]), _mm512_extracti64x4_epi64(a[r], 1));
-    }
-#elif defined(SL_AVX2)
+#if defined(SL_AVX2)
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t g = 0; g < groups; g++) {
         __m256i a0[MR], a1[MR];
@@ -222,6 +199,7 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int8_
 #endif
 }
 
+
 static void tile_dispatch(int64_t mr, const int8_t *qa, const float *scales, int64_t kp, const uint8_t *panel,
                           float acc[MR][NP]) {
     switch (mr) {
@@ -232,6 +210,139 @@ static void tile_dispatch(int64_t mr, const int8_t *qa, const float *scales, int
     default: tile(5, qa, scales, kp, panel, acc); break;
     }
 }
+#else
+/* AVX-512 has 32 vector registers: a wide tile of up to MRW rows x PW panels (48 outputs) keeps 24
+ * int32 accumulators, so each 64-byte weight load serves 8 rows and each broadcast of 4 activation
+ * bytes 3 panels (against 5 and 1 in `tile`). The integers, and each output's fp32 steps, are the
+ * same as tile's, so the bits are too. Panels p .. p + pw - 1 are consecutive, 16 * kp bytes apart. */
+#ifndef MRW /* MRW, PW and WIDE_ROWS may be set with -D (benchmarks/build_ab.py) */
+#define MRW 8
+#endif
+#ifndef PW
+#define PW 3
+#endif
+
+/* acc + the sums of four products of w's unsigned and b's signed bytes, per int32 lane (`ones`:
+ * 16-bit ones, unused with VNNI). In asm where GCC allows: for the intrinsic, it moved every
+ * accumulator through one register and back around each vpdpbusd (three instructions, not one). */
+static inline __m512i dot4_512(__m512i acc, __m512i w, __m512i b, __m512i ones) {
+#if defined(__GNUC__) && !defined(SL_SIMDE_LEVEL) && defined(SL_AVX512_VNNI)
+    (void)ones;
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(b));
+    return acc;
+#elif defined(__GNUC__) && !defined(SL_SIMDE_LEVEL)
+    __m512i t;
+    __asm__("vpmaddubsw %2, %3, %0\n\tvpmaddwd %4, %0, %0\n\tvpaddd %0, %1, %1"
+            : "=&v"(t), "+v"(acc)
+            : "v"(b), "v"(w), "v"(ones));
+    return acc;
+#elif defined(SL_AVX512_VNNI)
+    (void)ones;
+    return _mm512_dpbusd_epi32(acc, w, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, b), ones));
+#endif
+}
+static inline __attribute__((always_inline)) void tile_wide(const int mr, const int pw, const int8_t *qa,
+                                                            const float *scales, int64_t kp, const uint8_t *panel,
+                                                            float acc[MRW][PW * NP]) {
+    const int64_t groups = kp / G;
+    const __m512 zero = _mm512_setzero_ps();
+    for (int r = 0; r < mr; r++)
+        for (int c = 0; c < pw; c++) _mm512_storeu_ps(acc[r] + c * NP, zero);
+    const __m512i ones = _mm512_set1_epi16(1);
+    for (int64_t g = 0; g < groups; g++) {
+        __m512i a[MRW][PW];
+        for (int r = 0; r < mr; r++)
+            for (int c = 0; c < pw; c++) a[r][c] = _mm512_setzero_si512();
+        const uint8_t *w = panel + g * G * NP;
+        const int8_t *x = qa + g * G;
+        for (int64_t k4 = 0; k4 < G / 4; k4++, w += 4 * NP, x += 4) {
+            __m512i wv[PW];
+            for (int c = 0; c < pw; c++) wv[c] = _mm512_loadu_si512((const void *)(w + c * NP * kp));
+            for (int r = 0; r < mr; r++) {
+                int32_t four;
+                memcpy(&four, x + r * kp, 4);
+                const __m512i b = _mm512_set1_epi32(four);
+                for (int c = 0; c < pw; c++)
+#if defined(SL_AVX512_VNNI)
+                    /* one panel (the narrow steps): the intrinsic, which GCC folds the broadcast into */
+                    a[r][c] = pw == 1 ? _mm512_dpbusd_epi32(a[r][c], wv[c], b) : dot4_512(a[r][c], wv[c], b, ones);
+#else
+                    a[r][c] = dot4_512(a[r][c], wv[c], b, ones);
+#endif
+            }
+        }
+        for (int r = 0; r < mr; r++) {
+            const __m512 sc = _mm512_set1_ps(scales[r * groups + g]);
+            for (int c = 0; c < pw; c++) {
+                __m512 t = _mm512_mul_ps(sc, _mm512_cvtepi32_ps(a[r][c]));
+                SL_ROUNDED512(t);
+                _mm512_storeu_ps(acc[r] + c * NP, _mm512_add_ps(_mm512_loadu_ps(acc[r] + c * NP), t));
+            }
+        }
+    }
+}
+
+/* One unrolled loop per (rows, panels) a tile can have. */
+#define SL_PW1(mr) case 1: tile_wide(mr, 1, qa, scales, kp, panel, acc); break;
+#if PW >= 2
+#define SL_PW2(mr) case 2: tile_wide(mr, 2, qa, scales, kp, panel, acc); break;
+#else
+#define SL_PW2(mr)
+#endif
+#if PW >= 3
+#define SL_PW3(mr) case 3: tile_wide(mr, 3, qa, scales, kp, panel, acc); break;
+#else
+#define SL_PW3(mr)
+#endif
+#if PW >= 4
+#define SL_PW4(mr) case 4: tile_wide(mr, 4, qa, scales, kp, panel, acc); break;
+#else
+#define SL_PW4(mr)
+#endif
+#define SL_MR(mr) case mr: switch (pw) { SL_PW1(mr) SL_PW2(mr) SL_PW3(mr) SL_PW4(mr) } break;
+
+static void tile_wide_dispatch(int64_t mr, int64_t pw, const int8_t *qa, const float *scales, int64_t kp,
+                               const uint8_t *panel, float acc[MRW][PW * NP]) {
+    switch (mr) {
+        SL_MR(1)
+#if MRW >= 2
+        SL_MR(2)
+#endif
+#if MRW >= 3
+        SL_MR(3)
+#endif
+#if MRW >= 4
+        SL_MR(4)
+#endif
+#if MRW >= 5
+        SL_MR(5)
+#endif
+#if MRW >= 6
+        SL_MR(6)
+#endif
+#if MRW >= 7
+        SL_MR(7)
+#endif
+#if MRW >= 8
+        SL_MR(8)
+#endif
+#if MRW >= 9
+        SL_MR(9)
+#endif
+#if MRW >= 10
+        SL_MR(10)
+#endif
+#if MRW >= 11
+        SL_MR(11)
+#endif
+#if MRW >= 12
+        SL_MR(12)
+#endif
+    }
+}
+#endif
 
 struct int8_job {
     const uint8_t *w;
@@ -243,44 +354,87 @@ struct int8_job {
     float *y;
 };
 
-/* y = sw * (acc - zw * S) + bias for one row of a tile: t = zw * S, d = acc - t, y = sw * d (+ bias),
- * each rounded on its own. */
+/* y = sw * (acc - zw * S) + bias for one row's `width` outputs from n0: t = zw * S, d = acc - t,
+ * y = sw * d (+ bias), each rounded on its own. */
+static void finish_row(const struct int8_job *j, int64_t row, int64_t n0, int64_t width, const float *acc) {
+    float *y = j->y + row * j->out + n0;
+    const float rs = j->a_sum[row];
+    int64_t o = 0;
+#ifdef SL_AVX2
+    if (width == NP) /* the same operations as the scalar loop, eight outputs at a time */
+        for (; o < NP; o += 8) {
+            __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(j->w_zero + n0 + o))),
+                                     _mm256_set1_ps(rs));
+            SL_ROUNDED(t);
+            __m256 d = _mm256_mul_ps(_mm256_loadu_ps(j->w_scale + n0 + o), _mm256_sub_ps(_mm256_loadu_ps(acc + o), t));
+            SL_ROUNDED(d);
+            _mm256_storeu_ps(y + o, j->bias ? _mm256_add_ps(d, _mm256_loadu_ps(j->bias + n0 + o)) : d);
+        }
+#endif
+    for (; o < width; o++) {
+        float t = (float)j->w_zero[n0 + o] * rs;
+        SL_ROUNDED(t);
+        float d = j->w_scale[n0 + o] * (acc[o] - t);
+        SL_ROUNDED(d);
+        y[o] = j->bias ? d + j->bias[n0 + o] : d;
+    }
+}
+
+/* Panels a part's unit of work: at AVX-512, PW from WIDE_ROWS rows; below, a step streams its
+ * weights, and one panel at a time streams them faster than three side by side. */
+#if defined(SL_AVX512)
+#ifndef WIDE_ROWS
+#define WIDE_ROWS 5
+#endif
+#define UNIT(rows) ((rows) >= WIDE_ROWS ? PW : 1)
+#else
+#define UNIT(rows) 1
+#endif
+
+/* Units [begin, end) of UNIT(rows) panels each, over every row. */
 static void int8_part(const void *ctx, int64_t part, int64_t begin, int64_t end) {
     (void)part;
     const struct int8_job *j = ctx;
-    const int64_t groups = j->kp / G;
-    float acc[MR][NP];
-    for (int64_t p = begin; p < end; p++) {
+    const int64_t groups = j->kp / G, panels = (j->out + NP - 1) / NP;
+    for (int64_t u = begin; u < end; u++) {
+        const int64_t unit = UNIT(j->rows), p = u * unit, pw = panels - p < unit ? panels - p : unit;
         const uint8_t *panel = j->w + p * NP * j->kp;
-        const int64_t n0 = p * NP, width = j->out - n0 < NP ? j->out - n0 : NP;
+#if defined(SL_AVX512)
+        float acc[MRW][PW * NP];
+        for (int64_t m = 0; m < j->rows; m += MRW) {
+            const int64_t mr = j->rows - m < MRW ? j->rows - m : MRW;
+            tile_wide_dispatch(mr, pw, j->qa + m * j->kp, j->a_scale + m * groups, j->kp, panel, acc);
+#else
+        float acc[MR][NP];
         for (int64_t m = 0; m < j->rows; m += MR) {
             const int64_t mr = j->rows - m < MR ? j->rows - m : MR;
             tile_dispatch(mr, j->qa + m * j->kp, j->a_scale + m * groups, j->kp, panel, acc);
-            for (int64_t r = 0; r < mr; r++) {
-                float *y = j->y + (m + r) * j->out + n0;
-                const float rs = j->a_sum[m + r];
-                int64_t o = 0;
-#ifdef SL_AVX2
-                if (width == NP) /* the same operations as the scalar loop, eight outputs at a time */
-                    for (; o < NP; o += 8) {
-                        __m256 t = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_loadu_si256((const __m256i *)(j->w_zero + n0 + o))),
-                                                 _mm256_set1_ps(rs));
-                        SL_ROUNDED(t);
-                        __m256 d = _mm256_mul_ps(_mm256_loadu_ps(j->w_scale + n0 + o), _mm256_sub_ps(_mm256_loadu_ps(acc[r] + o), t));
-                        SL_ROUNDED(d);
-                        _mm256_storeu_ps(y + o, j->bias ? _mm256_add_ps(d, _mm256_loadu_ps(j->bias + n0 + o)) : d);
-                    }
 #endif
-                for (; o < width; o++) {
-                    float t = (float)j->w_zero[n0 + o] * rs;
-                    SL_ROUNDED(t);
-                    float d = j->w_scale[n0 + o] * (acc[r][o] - t);
-                    SL_ROUNDED(d);
-                    y[o] = j->bias ? d + j->bias[n0 + o] : d;
+            for (int64_t r = 0; r < mr; r++)
+                for (int64_t c = 0; c < pw; c++) {
+                    const int64_t n0 = (p + c) * NP, width = j->out - n0 < NP ? j->out - n0 : NP;
+                    finish_row(j, m + r, n0, width, acc[r] + c * NP);
                 }
-            }
         }
     }
+}
+
+struct quantize_job {
+    const float *x;
+    int64_t in, kp;
+    int8_t *qa;
+    float *a_scale, *a_sum;
+};
+
+/* Rows below this are quantized on the calling thread: a handful take less than waking a worker. */
+#define QUANTIZE_PARALLEL_ROWS 16
+
+static void quantize_part(const void *ctx, int64_t part, int64_t begin, int64_t end) {
+    (void)part;
+    const struct quantize_job *q = ctx;
+    const int64_t groups = q->kp / G;
+    for (int64_t m = begin; m < end; m++)
+        quantize_row(q->x + m * q->in, q->in, q->kp, q->qa + m * q->kp, q->a_scale + m * groups, q->a_sum + m);
 }
 
 /* The calling thread's buffer for the quantized activations (grown, never shrunk): a decode step
@@ -304,9 +458,12 @@ int servelab_int8_linear_f32(const uint8_t *w, const float *w_scale, const int32
     }
     float *a_scale = scratch, *a_sum = a_scale + rows * groups;
     int8_t *qa = (int8_t *)(a_sum + rows);
-    for (int64_t m = 0; m < rows; m++)
-        quantize_row(x + m * in, in, kp, qa + m * kp, a_scale + m * groups, a_sum + m);
+    const struct quantize_job quant = {x, in, kp, qa, a_scale, a_sum};
+    if (rows >= QUANTIZE_PARALLEL_ROWS)
+        sl_parallel_for(quantize_part, &quant, rows, threads);
+    else
+        quantize_part(&quant, 0, 0, rows);
     struct int8_job job = {w, w_scale, bias, w_zero, kp, out, rows, qa, a_scale, a_sum, y};
-    sl_parallel_for(int8_part, &job, (out + NP - 1) / NP, threads);
+    sl_parallel_for(int8_part, &job, ((out + NP - 1) / NP + UNIT(rows) - 1) / UNIT(rows), threads);
     return 0;
 }
