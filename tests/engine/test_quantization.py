@@ -99,12 +99,12 @@ def _cases():
     AVX-512's of 8 rows by 3 panels, and their remainders), zero groups and rows of very different
     scales."""
     g = torch.Generator().manual_seed(4)
-    for out, n_in in [(48, 64), (37, 13), (3, 130), (100, 200), (80, 64)]:
+    for out, n_in in [(48, 64), (37, 13), (3, 130), (100, 200), (80, 64), (80, 130)]:
         w = torch.randn(out, n_in, generator=g) * 0.05
         w[1] = 0  # an all-zero output channel
         w[2] += 0.3  # an offset one: its zero point is not the middle
         b = torch.randn(out, generator=g)
-        for rows in (1, 4, 5, 7, 8, 17, 33):
+        for rows in (1, 2, 4, 5, 7, 8, 10, 11, 12, 14, 17, 33):
             x = torch.randn(rows, n_in, generator=g) * torch.logspace(-3, 3, rows)[:, None]
             if rows > 3:
                 x[2] = 0

@@ -221,11 +221,14 @@ static void tile_dispatch(int64_t mr, const int8_t *qa, const float *scales, int
 #ifndef PW
 #define PW 3
 #endif
+#if PW < 1 || PW > 4 || MRW < 1 || MRW > 12
+#error "the wide tile's dispatch covers 1 <= PW <= 4 and 1 <= MRW <= 12"
+#endif
 
 /* acc + the sums of four products of w's unsigned and b's signed bytes, per int32 lane (`ones`:
  * 16-bit ones, unused with VNNI). In asm where GCC allows: for the intrinsic, it moved every
  * accumulator through one register and back around each vpdpbusd (three instructions, not one). */
-static inline __m512i dot4_512(__m512i acc, __m512i w, __m512i b, __m512i ones) {
+static inline __attribute__((always_inline)) __m512i dot4_512(__m512i acc, __m512i w, __m512i b, __m512i ones) {
 #if defined(__GNUC__) && !defined(SL_SIMDE_LEVEL) && defined(SL_AVX512_VNNI)
     (void)ones;
     __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(w), "v"(b));
@@ -348,7 +351,7 @@ struct int8_job {
     const uint8_t *w;
     const float *w_scale, *bias;
     const int32_t *w_zero;
-    int64_t kp, out, rows;
+    int64_t kp, out, rows, unit;
     const int8_t *qa;
     const float *a_scale, *a_sum;
     float *y;
@@ -380,24 +383,25 @@ static void finish_row(const struct int8_job *j, int64_t row, int64_t n0, int64_
     }
 }
 
-/* Panels a part's unit of work: at AVX-512, PW from WIDE_ROWS rows; below, a step streams its
- * weights, and one panel at a time streams them faster than three side by side. */
+/* Panels a part's unit of work: at AVX-512, PW from WIDE_ROWS rows, where there are enough
+ * panels for every thread to get a unit; below, a step streams its weights, and one panel at a
+ * time streams them faster than three side by side. */
 #if defined(SL_AVX512)
 #ifndef WIDE_ROWS
 #define WIDE_ROWS 5
 #endif
-#define UNIT(rows) ((rows) >= WIDE_ROWS ? PW : 1)
+#define UNIT(rows, panels, threads) ((rows) >= WIDE_ROWS && (panels) >= PW * (threads) ? PW : 1)
 #else
-#define UNIT(rows) 1
+#define UNIT(rows, panels, threads) 1
 #endif
 
-/* Units [begin, end) of UNIT(rows) panels each, over every row. */
+/* Units [begin, end) of j->unit panels each, over every row. */
 static void int8_part(const void *ctx, int64_t part, int64_t begin, int64_t end) {
     (void)part;
     const struct int8_job *j = ctx;
     const int64_t groups = j->kp / G, panels = (j->out + NP - 1) / NP;
     for (int64_t u = begin; u < end; u++) {
-        const int64_t unit = UNIT(j->rows), p = u * unit, pw = panels - p < unit ? panels - p : unit;
+        const int64_t unit = j->unit, p = u * unit, pw = panels - p < unit ? panels - p : unit;
         const uint8_t *panel = j->w + p * NP * j->kp;
 #if defined(SL_AVX512)
         float acc[MRW][PW * NP];
@@ -463,7 +467,8 @@ int servelab_int8_linear_f32(const uint8_t *w, const float *w_scale, const int32
         sl_parallel_for(quantize_part, &quant, rows, threads);
     else
         quantize_part(&quant, 0, 0, rows);
-    struct int8_job job = {w, w_scale, bias, w_zero, kp, out, rows, qa, a_scale, a_sum, y};
-    sl_parallel_for(int8_part, &job, ((out + NP - 1) / NP + UNIT(rows) - 1) / UNIT(rows), threads);
+    const int64_t panels = (out + NP - 1) / NP, unit = UNIT(rows, panels, threads);
+    struct int8_job job = {w, w_scale, bias, w_zero, kp, out, rows, unit, qa, a_scale, a_sum, y};
+    sl_parallel_for(int8_part, &job, (panels + unit - 1) / unit, threads);
     return 0;
 }
