@@ -43,9 +43,10 @@ B32_SEQS, B32_PROMPT, B32_NEW = 32, 32, 128
 PREFILL_LEN = 512
 
 
-def prompt_ids(n: int, seed: int) -> list[int]:
+def prompt_ids(n: int, seed: int, vocab: int = 40000) -> list[int]:
+    """n token ids below `vocab` (past the first 200, where special tokens sit), seeded."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(200, 40000, (n,), generator=g).tolist()
+    return torch.randint(min(200, vocab // 2), vocab, (n,), generator=g).tolist()
 
 
 # ------------------------------------------------------------------------------------- servelab

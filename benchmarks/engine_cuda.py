@@ -23,38 +23,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
+from pathlib import Path
 
 import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch loads
 import torch
 
-from servelab.core.sequence import SamplingParams
-from servelab.cost.roofline import Roofline
-from servelab.engine.llm_engine import EngineArgs, LLMEngine
-from servelab.spec.hardware import get_hardware
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import engine_cpu  # noqa: E402
+from host_limits import HostLimits  # noqa: E402
+from peers import Profile, Shape, fractions  # noqa: E402
+
+from servelab.core.sequence import SamplingParams  # noqa: E402
+from servelab.engine.host_probe import read_bandwidth_bytes_per_s  # noqa: E402
+from servelab.engine.llm_engine import EngineArgs, LLMEngine  # noqa: E402
+from servelab.spec.hardware import get_hardware  # noqa: E402
 
 PROMPTS, PROMPT_LEN = 3, 48  # correctness: prompts and their length in tokens
 B1_PROMPT, PERF_PROMPT = 32, 32  # prompt lengths for the timed runs
-
-
-def _sync(device: str) -> None:
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
-
-
-def read_bandwidth(device: str, nbytes: int = 1 << 30, repeats: int = 5) -> float:
-    """Bytes a second that summing an nbytes fp32 tensor reads on `device`, best of `repeats`."""
-    x = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    x.sum()
-    _sync(device)
-    best = float("inf")
-    for _ in range(repeats):
-        t = time.perf_counter()
-        x.sum()
-        _sync(device)
-        best = min(best, time.perf_counter() - t)
-    return nbytes / best
 
 
 def make_engine(device: str, dtype: str, model: str | None) -> LLMEngine:
@@ -64,9 +52,7 @@ def make_engine(device: str, dtype: str, model: str | None) -> LLMEngine:
 
 
 def prompt_ids(engine: LLMEngine, n: int, seed: int) -> list[int]:
-    g = torch.Generator().manual_seed(seed)
-    vocab = engine.model_spec.vocab_size
-    return torch.randint(min(200, vocab // 2), vocab, (n,), generator=g).tolist()
+    return engine_cpu.prompt_ids(n, seed, engine.model_spec.vocab_size)
 
 
 def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams, tag: str) -> list:
@@ -116,14 +102,16 @@ def decode_rates(engine: LLMEngine, batch: int, new_tokens: int, seed: int) -> f
 
 
 def bound_fraction(engine: LLMEngine, tok_per_s: float, batch: int, new_tokens: int, bandwidth: float, hardware: str) -> float:
-    """The share of `bandwidth` the step's bytes take at this rate: every weight, and the KV cache
-    of `batch` sequences at their mean context, read once a step."""
+    """The share of `bandwidth` the step's bytes take at this rate (peers.fractions: every weight,
+    and the KV cache of `batch` sequences at their mean context, read once a step)."""
     prompt_len = B1_PROMPT if batch == 1 else PERF_PROMPT
     kv_dtype = str(engine.executor.kv_cache.dtype).removeprefix("torch.")
-    roof = Roofline(engine.model_spec, get_hardware(hardware), weight_dtype="float32", kv_dtype=kv_dtype)  # its KV bytes
-    step = roof.decode(batch, prompt_len + new_tokens // 2)
-    bytes_per_step = engine.executor.model.weight_bytes() + step.kv_read_bytes + step.kv_write_bytes
-    return tok_per_s / batch * bytes_per_step / bandwidth
+    hw = get_hardware(hardware)  # its peaks only complete the limits: the bandwidth share is what is read
+    limits = HostLimits(read_bandwidth_bytes_per_s=bandwidth, peak_ops_per_s={d: hw.peak_flops_per_s(d) for d in ("fp32", "bf16", "int8")},
+                        threads=0)
+    profile = Profile(engine.executor.model.weight_bytes(), kv_dtype, "fp32")
+    shape = Shape(batch, prompt_len + new_tokens // 2)
+    return fractions(shape, tok_per_s, profile, engine.model_spec, limits)["bandwidth"]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -151,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
           f"max logprob diff {check['max_logprob_diff']:.2e}, top-1 agreement {check['top1_agreement']:.1%}: "
           + ("PASS" if check["passed"] else "FAIL"))
 
-    measured = read_bandwidth(args.device, args.probe_bytes)
+    measured = read_bandwidth_bytes_per_s(args.probe_bytes, 5, device=args.device)
     rates: dict[str, list[float]] = {"decode_b1": [], f"decode_b{args.batch}": []}
     decode_rates(engine, 1, 4, 0)  # warm-up: kernels, allocator
     for r in range(args.rounds):
@@ -164,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
           + f"; weights read a step: {result['weight_bytes'] / 1e6:.0f} MB")
     for metric, values in rates.items():
         batch = 1 if metric == "decode_b1" else args.batch
-        median = sorted(values)[len(values) // 2]
+        median = statistics.median(values)
         of_measured = bound_fraction(engine, median, batch, args.new_tokens, measured, args.hardware)
         of_sheet = bound_fraction(engine, median, batch, args.new_tokens, datasheet, args.hardware) if datasheet else None
         result["metrics"][metric] = {"tok_per_s": median, "rounds": values, "of_measured_bandwidth": of_measured,

@@ -90,11 +90,12 @@ def host_hardware(limits: HostLimits) -> HardwareSpec:
                         peak_flops={"bf16": peaks.get("bf16", peaks["fp32"]), **peaks}, description="measured")
 
 
-def fractions(metric: str, tok_per_s: float, profile: Profile, model: ModelSpec, limits: HostLimits) -> dict[str, float | None]:
+def fractions(metric: str | Shape, tok_per_s: float, profile: Profile, model: ModelSpec, limits: HostLimits) -> dict[str, float | None]:
     """A figure as fractions of the host's limits: the bandwidth its bytes take, the peak its
     FLOPs take. Bytes and FLOPs of a step are the roofline's (cost/roofline.py), with this
-    engine's own weight bytes: a Q4_1 file and an fp32 copy of it do not read the same amount."""
-    shape = SHAPES[metric]
+    engine's own weight bytes: a Q4_1 file and an fp32 copy of it do not read the same amount.
+    `metric` names one of SHAPES, or is a Shape of its own."""
+    shape = SHAPES[metric] if isinstance(metric, str) else metric
     roof = Roofline(model, host_hardware(limits), weight_dtype="float32", kv_dtype=profile.kv_dtype)
     if shape.prefill_tokens:
         step = roof.prefill(shape.prefill_tokens)

@@ -22,11 +22,12 @@ def _best_s(fn: Callable[[], Any], repeats: int) -> float:
     return best
 
 
-def read_bandwidth_bytes_per_s(size_bytes: int = 1 << 30, repeats: int = 5) -> float:
+def read_bandwidth_bytes_per_s(size_bytes: int = 1 << 30, repeats: int = 5, device: str = "cpu") -> float:
     """Streaming read (a sum over a buffer larger than any cache): what a decode step's weight
-    stream can reach at best, where the copy above also pays for its writes."""
-    x = torch.ones(size_bytes // 4, dtype=torch.float32)
-    return size_bytes / _best_s(x.sum, repeats)
+    stream can reach at best, where the copy above also pays for its writes. `.item()` waits for
+    the sum on an asynchronous device (a GPU's memory, for benchmarks/engine_cuda.py)."""
+    x = torch.ones(size_bytes // 4, dtype=torch.float32, device=device)
+    return size_bytes / _best_s(lambda: x.sum().item(), repeats)
 
 
 def matmul_flops_per_s(dtype: torch.dtype, n: int = 1024, repeats: int = 5) -> float:

@@ -75,6 +75,9 @@ def test_decode_fraction_is_bytes_read_per_second_over_bandwidth():
     # decode_b32: 32 tokens a step, so 1/32 of the steps, each reading 32 contexts of 96 tokens.
     f = peers.fractions("decode_b32", 3200.0, profile, MODEL, LIMITS)
     assert f["bandwidth"] == pytest.approx(100 * (1e6 + 32 * 97 * 512) / 10e9)
+    # any other shape (engine_cuda.py's 64 sequences): 64 contexts of 100 tokens, 6400 tok/s
+    f = peers.fractions(peers.Shape(64, 100), 6400.0, profile, MODEL, LIMITS)
+    assert f["bandwidth"] == pytest.approx(100 * (1e6 + 64 * 101 * 512) / 10e9)
 
 
 def test_prefill_fraction_is_flops_per_second_over_the_engines_own_peak():

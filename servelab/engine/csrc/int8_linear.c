@@ -31,7 +31,7 @@
  * At AVX2 the kernel holds a 5-row x 16-output tile in ten int32 accumulators. It walks one panel
  * (16 * kp bytes, in L1) over every row tile; panels are split over the threads. At AVX-512 a
  * 64-byte step of a panel is one vector, and a tile is up to 8 rows x 3 panels (tile_wide) from
- * five rows, one panel below. With AVX512-VNNI one vpdpbusd (unsigned x signed bytes, four
+ * five rows where every thread gets three panels, else one panel. With AVX512-VNNI one vpdpbusd (unsigned x signed bytes, four
  * products summed into each int32 lane) replaces vpmaddubsw + vpmaddwd + vpaddd; both give the
  * same integers, so every ISA level gives the same bits.
  */
@@ -198,7 +198,6 @@ static inline __attribute__((always_inline)) void tile(const int mr, const int8_
             }
 #endif
 }
-
 
 static void tile_dispatch(int64_t mr, const int8_t *qa, const float *scales, int64_t kp, const uint8_t *panel,
                           float acc[MR][NP]) {
