@@ -17,6 +17,15 @@ decoding together.
   (summing a 1 GiB tensor, best of 5) and as the --hardware datasheet states.
 
 `--device cpu` runs the same checks on the CPU (the tests run it so, with no GPU).
+
+On a device machine (nothing installed, nothing fetched, at most 64 MiB carried) the bundled
+94 MB GGUF cannot travel. `--twin DIR` runs on its twin instead: its config.json and
+tokenizer.json (in DIR, written from the bundled model where that is installed) and random
+weights of its shapes (bf16, seeded, written to a temporary directory each run), the same bytes
+a step reads. So, first here, then there with DIR carried:
+
+    python benchmarks/engine_cuda.py --twin .device-twin --device cpu --batch 8 --new-tokens 8 --rounds 1
+    PYTHONPATH=. python3 benchmarks/engine_cuda.py --twin .device-twin --json
 """
 
 from __future__ import annotations
@@ -25,14 +34,20 @@ import argparse
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
-import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch loads
+try:
+    import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch loads
+except ModuleNotFoundError:  # a checkout on a machine where servelab is not installed (a device's)
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    import servelab  # noqa: F401
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import engine_cpu  # noqa: E402
+from half_weights import hf_weight_shapes, write_bf16_checkpoint  # noqa: E402
 from host_limits import HostLimits  # noqa: E402
 from peers import Profile, Shape, fractions  # noqa: E402
 
@@ -40,6 +55,7 @@ from servelab.core.sequence import SamplingParams  # noqa: E402
 from servelab.engine.host_probe import read_bandwidth_bytes_per_s  # noqa: E402
 from servelab.engine.llm_engine import EngineArgs, LLMEngine  # noqa: E402
 from servelab.spec.hardware import get_hardware  # noqa: E402
+from servelab.spec.model import ModelSpec  # noqa: E402
 
 PROMPTS, PROMPT_LEN = 3, 48  # correctness: prompts and their length in tokens
 B1_PROMPT, PERF_PROMPT = 32, 32  # prompt lengths for the timed runs
@@ -49,6 +65,30 @@ def make_engine(device: str, dtype: str, model: str | None) -> LLMEngine:
     # Prefix caching off: the runs repeat prompts and must compute them.
     return LLMEngine.from_args(EngineArgs.from_kwargs(model=model, device=device, dtype=dtype, enable_prefix_caching=False,
                                                       max_num_seqs=64, max_num_batched_tokens=4096))
+
+
+def write_twin(description: Path, out: Path, seed: int = 0) -> Path:
+    """An HF directory in `out`: `description`'s config.json and tokenizer.json (written there from
+    the bundled model if it has none) and random bf16 weights of its shapes, scaled so that
+    activations and logits are of a trained model's size (a 16-bit engine's error is then too)."""
+    from safetensors.torch import save_file
+
+    if not (description / "config.json").is_file():
+        write_bf16_checkpoint(description, weights=False)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in ("config.json", "tokenizer.json"):
+        (out / name).write_bytes((description / name).read_bytes())
+    gen = torch.Generator().manual_seed(seed)
+    weights = {}
+    for name, shape in hf_weight_shapes(ModelSpec.from_hf_config(out)).items():
+        w = torch.randn(shape, generator=gen)
+        if len(shape) == 1:  # norms
+            w = 1.0 + 0.1 * w
+        else:  # the embeddings' spread is SmolLM2's (0.14): logits of a few units, as a trained model's
+            w = w * (0.14 if "embed" in name or "lm_head" in name else shape[1] ** -0.5)
+        weights[name] = w.to(torch.bfloat16)
+    save_file(weights, str(out / "model.safetensors"))
+    return out
 
 
 def prompt_ids(engine: LLMEngine, n: int, seed: int) -> list[int]:
@@ -116,9 +156,11 @@ def bound_fraction(engine: LLMEngine, tok_per_s: float, batch: int, new_tokens: 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda", help="cuda (default), cuda:N, or cpu (the same checks, no GPU)")
+    parser.add_argument("--device", default="cuda", help="cuda (default), or cpu (the same checks, no GPU)")
     parser.add_argument("--dtype", default="auto", help="the device engine's dtype (auto: what a user gets)")
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled model)")
+    parser.add_argument("--twin", type=Path, default=None,
+                        help="run on the twin this directory describes, not --model (see above)")
     parser.add_argument("--hardware", default="h200", help="servelab's hardware name for the datasheet bandwidth")
     parser.add_argument("--batch", type=int, default=64, help="sequences decoding together in the batched run")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens each timed sequence decodes")
@@ -129,7 +171,15 @@ def main(argv: list[str] | None = None) -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise SystemExit(f"--device {args.device}: this torch ({torch.__version__}) sees no CUDA device")
     datasheet = get_hardware(args.hardware).bandwidth_bytes_per_s if args.device.startswith("cuda") else None
+    if args.twin is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            args.model = str(write_twin(args.twin, Path(tmp) / "twin"))
+            print(f"model: a twin of {args.twin} (its shapes, random bf16 weights) in {args.model}")
+            return measure(args, datasheet)
+    return measure(args, datasheet)
 
+
+def measure(args: argparse.Namespace, datasheet: float | None) -> int:
     reference = answers(make_engine("cpu", "float32", args.model), 16)
     engine = make_engine(args.device, args.dtype, args.model)
     dtype = str(engine.executor.model.dtype).removeprefix("torch.")
@@ -139,9 +189,11 @@ def main(argv: list[str] | None = None) -> int:
           f"max logprob diff {check['max_logprob_diff']:.2e}, top-1 agreement {check['top1_agreement']:.1%}: "
           + ("PASS" if check["passed"] else "FAIL"))
 
-    measured = read_bandwidth_bytes_per_s(args.probe_bytes, 5, device=args.device)
+    # a GPU sums 1 GiB in ~0.3 ms: many repeats, so that its clocks are up for the best of them
+    measured = read_bandwidth_bytes_per_s(args.probe_bytes, 50 if args.device.startswith("cuda") else 5, device=args.device)
     rates: dict[str, list[float]] = {"decode_b1": [], f"decode_b{args.batch}": []}
-    decode_rates(engine, 1, 4, 0)  # warm-up: kernels, allocator
+    decode_rates(engine, 1, 4, 0)  # warm-up at both shapes: kernels, allocator
+    decode_rates(engine, args.batch, 4, 1)
     for r in range(args.rounds):
         rates["decode_b1"].append(decode_rates(engine, 1, args.new_tokens, 10 + r))
         rates[f"decode_b{args.batch}"].append(decode_rates(engine, args.batch, args.new_tokens, 100 * (r + 1)))

@@ -40,8 +40,10 @@ import torch.nn.functional as F
 from servelab.engine.bundled import bundled_model_path
 
 
-def write_bf16_checkpoint(out: Path) -> Path:
-    """The bundled model as a bf16 HF directory in `out`."""
+def write_bf16_checkpoint(out: Path, weights: bool = True) -> Path:
+    """The bundled model as a bf16 HF directory in `out`; with `weights` False only its
+    description (config.json, tokenizer.json): what engine_cuda.py's --twin fills with random
+    weights of the same shapes."""
     from safetensors.torch import save_file
 
     from servelab.engine.loader import read_gguf_tensors
@@ -53,17 +55,11 @@ def write_bf16_checkpoint(out: Path) -> Path:
     gguf, tensors = read_gguf_tensors(path)
     spec = ModelSpec.from_gguf_metadata(gguf.metadata, name=path.stem,
                                         tensor_shapes={n: t.shape for n, t in gguf.tensors.items()})  # fmt: skip
-    get, _ = gguf_getters(spec, tensors)
-    names = ["model.embed_tokens.weight", "model.norm.weight"]
-    for i in range(spec.num_layers):
-        p = f"model.layers.{i}."
-        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
-        names += [p + f"self_attn.{n}_proj.weight" for n in "qkvo"]
-        names += [p + f"mlp.{n}_proj.weight" for n in ("gate", "up", "down")]
-    if not spec.tie_embeddings:
-        names.append("lm_head.weight")
     out.mkdir(parents=True, exist_ok=True)
-    save_file({n: get(n).to(torch.bfloat16).contiguous() for n in names}, str(out / "model.safetensors"))
+    if weights:
+        get, _ = gguf_getters(spec, tensors)
+        save_file({n: get(n).to(torch.bfloat16).contiguous() for n in hf_weight_shapes(spec)},
+                  str(out / "model.safetensors"))
     tok = Tokenizer.from_gguf(gguf.metadata)
     tok.backend.save(str(out / "tokenizer.json"))
     config = {
@@ -76,6 +72,22 @@ def write_bf16_checkpoint(out: Path) -> Path:
     }
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
+
+
+def hf_weight_shapes(spec) -> dict[str, tuple[int, ...]]:
+    """The tensors of a Llama checkpoint, in HF's names and shapes, for `spec` (a ModelSpec)."""
+    h, q, kv, ffn = spec.hidden_size, spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.ffn_size
+    shapes = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
+                   p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                   p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
+                   p + "mlp.down_proj.weight": (h, ffn)}
+    if not spec.tie_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    return shapes
 
 
 def _cpu_s(fn, clock=time.process_time) -> float:

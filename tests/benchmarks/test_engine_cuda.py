@@ -61,3 +61,25 @@ def test_the_script_runs_on_the_cpu(tmp_path, capsys):
 def test_no_cuda_device_is_a_clear_error():
     with pytest.raises(SystemExit, match="sees no CUDA device"):
         engine_cuda.main(["--device", "cuda"])
+
+
+def test_the_twin_has_the_models_tensors_and_runs(tmp_path, capsys):
+    """--twin: the description's config and tokenizer, random weights of the very names and
+    shapes the model's own checkpoint has (what a device machine runs on, without the GGUF)."""
+    from safetensors import safe_open
+
+    model = write_tiny_llama(tmp_path / "tiny", tie_embeddings=True)
+    description = tmp_path / "description"
+    description.mkdir()
+    for name in ("config.json", "tokenizer.json"):
+        (description / name).write_bytes((model / name).read_bytes())
+    twin = engine_cuda.write_twin(description, tmp_path / "twin")
+    with safe_open(str(model / "model.safetensors"), "pt") as real, safe_open(str(twin / "model.safetensors"), "pt") as ours:
+        assert sorted(real.keys()) == sorted(ours.keys())
+        for name in real.keys():
+            assert real.get_slice(name).get_shape() == ours.get_slice(name).get_shape(), name
+            assert ours.get_slice(name).get_dtype() == "BF16"
+    rc = engine_cuda.main(["--device", "cpu", "--twin", str(description), "--batch", "2", "--new-tokens", "4",
+                           "--rounds", "1", "--probe-bytes", str(1 << 24)])
+    out = capsys.readouterr().out
+    assert rc == 0 and "a twin of" in out and "PASS" in out
