@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from servelab.cluster import messages as m
 from servelab.cluster.channel import HANG_TIMEOUT_S, HEARTBEAT_S, Link, PeerLost, leave
 from servelab.core.block_manager import chain_block_hashes
-from servelab.core.scheduler import waiting_queue_full
+from servelab.core.scheduler import check_room_to_wait
 from servelab.core.sequence import FinishReason, Sequence, SequenceStatus
 from servelab.engine.llm_engine import EngineOutput, EngineStats
 from servelab.errors import QueueFull, ServelabError
@@ -200,9 +200,7 @@ class ClusterEngine:
         for rid in request_ids:
             if rid in self._sinks or rid in self._remote:
                 raise ServelabError(f"request id {rid!r} is already in flight")
-        max_waiting = self.engine.scheduler_config.max_waiting
-        if max_waiting is not None and self.num_waiting + len(requests) > max_waiting:
-            raise waiting_queue_full(request_ids[0], max_waiting)  # all choices or none, as one engine
+        check_room_to_wait(request_ids, self.num_waiting, self.engine.scheduler_config.max_waiting)
         prompts = [self._token_ids(r.prompt) for r in requests]
         hashes = chain_block_hashes(prompts[0], self.block_size) if self.router.kind == "prefix-affinity" else ()
         now = time.perf_counter()
@@ -485,6 +483,7 @@ def _apply(seq: Sequence, wire: m.WireOutput) -> EngineOutput:
         seq.finished_s = arrival + wire.finished_offset_s
     seq.num_cached_tokens = wire.num_cached_tokens
     seq.stop_reason = wire.stop_reason
+    seq.error = wire.error
     seq.prompt_logprobs.extend(wire.prompt_logprobs)
     reason = None if wire.finish_reason is None else FinishReason(wire.finish_reason)
     if wire.finished:

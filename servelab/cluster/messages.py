@@ -143,6 +143,7 @@ class WireOutput:
     stop_reason: int | str | None
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # entries new since the last output
     kv_transfer: KVTransferRecord | None = None  # a decode worker's first output of a transferred request
+    error: str | None = None  # Sequence.error
 
 
 @dataclass(slots=True)

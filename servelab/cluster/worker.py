@@ -300,5 +300,6 @@ class WorkerLoop:
             token_offsets_s=[t - arrival for t in times],
             first_scheduled_offset_s=None if seq.first_scheduled_s is None else seq.first_scheduled_s - arrival,
             finished_offset_s=None if seq.finished_s is None else seq.finished_s - arrival,
-            num_cached_tokens=seq.num_cached_tokens, stop_reason=seq.stop_reason, prompt_logprobs=list(new_prompt_lp),
+            num_cached_tokens=seq.num_cached_tokens, stop_reason=seq.stop_reason, error=seq.error,
+            prompt_logprobs=list(new_prompt_lp),
         )  # fmt: skip

@@ -486,6 +486,23 @@ class Scheduler:
         return False
 
 
+def check_room_to_wait(request_ids: list[str], num_waiting: int, max_waiting: int | None) -> None:
+    """One client request's sequences (its prompts x n) are admitted all or none: refused up
+    front, before any is queued, when the waiting queue has no room for all of them (QueueFull,
+    503: retry later), or could never have (InvalidArgument, 400: a retry cannot help)."""
+    if max_waiting is None:
+        return
+    if len(request_ids) > max_waiting:
+        raise InvalidArgument(
+            f"the request makes {len(request_ids)} sequences (its prompts times n), more than the waiting queue "
+            f"holds (max_waiting={max_waiting}, the server's --max-waiting-requests), so it could never be admitted; "
+            f"send fewer prompts or a smaller n",
+            param="n",
+        )
+    if num_waiting + len(request_ids) > max_waiting:
+        raise waiting_queue_full(request_ids[0], max_waiting)
+
+
 def waiting_queue_full(request_id: str, max_waiting: int) -> QueueFull:
     """The error of a request refused by a full waiting queue (one engine's, or a cluster's)."""
     return QueueFull(

@@ -32,6 +32,11 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"  # failed inside the engine
 
 
+# Sequence.error when the request's own constraints leave a step no token to sample: the client's
+# doing (the server answers 400), where any other error is the engine's (500).
+NO_TOKEN_LEFT = "its constraints leave no token to sample"
+
+
 @dataclass(slots=True)
 class TokenLogprobs:
     """Logprob of the sampled token and the top-N alternatives (token id -> logprob)."""
@@ -208,6 +213,7 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    error: str | None = None  # why the engine ended it with finish reason "error", when it knows
     num_preemptions: int = 0
 
     # Timestamps (seconds on the caller's clock: wall clock in the engine, virtual in the sim).

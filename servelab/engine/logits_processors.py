@@ -5,6 +5,7 @@ The sampler calls `LogitsProcessors.apply` once per step. Rows whose request ask
 these are not touched (one attribute test each), so a batch pays only for its constrained rows.
 A row that cannot go on (its grammar rejects a token it already has, or no token is left to
 sample) is reported back and ends alone with finish reason "error"; the rest of the batch samples.
+Requests whose first token could have no candidate are refused at admission.
 """
 
 from __future__ import annotations
@@ -14,9 +15,10 @@ from typing import Any
 
 import torch
 
-from servelab.core.sequence import SamplingParams, Sequence
+from servelab.core.sequence import NO_TOKEN_LEFT, SamplingParams, Sequence
 from servelab.engine.structured_output import GrammarMatcherState, StructuredOutputBackend
 from servelab.engine.tokenizer import Tokenizer
+from servelab.errors import InvalidArgument
 
 
 _MASK = float("-inf")
@@ -97,10 +99,32 @@ class LogitsProcessors:
         if params.allowed_token_ids:
             allowed = torch.tensor(sorted(set(params.allowed_token_ids)), dtype=torch.long)
         bad_words = bad_word_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
+        if params.allowed_token_ids:
+            self._check_allowed_ids_left(params, bad_words)
         compiled = None
         if params.structured_output is not None:
             compiled = self.structured.compile(params.structured_output)
         return PreparedEdits(bias_ids, bias_values, allowed, bad_words, compiled)
+
+    def _check_allowed_ids_left(self, params: SamplingParams, bad_words: list[list[int]]) -> None:
+        """Refuses, before it runs, a request whose first token could have no candidate: every
+        allowed id a one-token bad word (banned always), or, under min_tokens, an EOS or stop id.
+        Conflicts that only arise later (a grammar's, a longer bad word's) end the request when
+        they do (NO_TOKEN_LEFT)."""
+        allowed, banned = set(params.allowed_token_ids), {w[0] for w in bad_words if len(w) == 1}
+        if allowed <= banned:
+            raise InvalidArgument(
+                "every id in allowed_token_ids is also a one-token bad word, so no token can ever be sampled",
+                param="bad_words",
+            )
+        if params.min_tokens:
+            held = set(params.stop_token_ids) | (set() if params.ignore_eos else set(self.tokenizer.eos_token_ids))
+            if allowed <= banned | held:
+                raise InvalidArgument(
+                    f"min_tokens={params.min_tokens} holds back the EOS and stop_token_ids ids, and allowed_token_ids "
+                    "has no other (bad_words aside), so the first token has no candidate",
+                    param="min_tokens",
+                )
 
     def apply(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, str]:
         """Edits the rows that ask for it in place (a copy of the whole batch's logits would cost
@@ -152,7 +176,7 @@ class LogitsProcessors:
             self.structured.apply_bitmask(logits, bitmask, masked)
         for i in rows:
             if i not in failed and self._leaves_no_token(logits, i, seqs[i], bitmask if i in masked else None):
-                failed[i] = "its constraints leave no token to sample"
+                failed[i] = NO_TOKEN_LEFT
         return failed
 
     def _leaves_no_token(self, logits: torch.Tensor, i: int, seq: Sequence, bitmask: torch.Tensor | None) -> bool:

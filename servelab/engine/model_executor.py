@@ -158,7 +158,9 @@ class ModelExecutor:
             )
             for j, reason in rows.errors.items():  # the scheduler ends these with finish reason "error"
                 hint = NON_FINITE_HINT if reason == NON_FINITE_LOGITS and self.kv_cache.dtype == torch.float16 else ""
-                logger.warning("request %s: %s; ending it with an error%s", entries[sampling[j]].seq.request_id, reason, hint)
+                seq = entries[sampling[j]].seq
+                seq.error = reason
+                logger.warning("request %s: %s; ending it with an error%s", seq.request_id, reason, hint)
             for i, tok in zip(sampling, rows.tokens):
                 sampled[i] = tok
             if rows.logprobs is not None:

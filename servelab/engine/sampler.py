@@ -277,7 +277,8 @@ def _top_p_mask(x: torch.Tensor, ps: list[float]) -> torch.Tensor:
         mass_before = torch.cumsum(top_probs, dim=-1) - top_probs
         found = mass_before[:, -1:].squeeze(1) >= p.squeeze(1)  # the nucleus ends inside the candidates
         if found.any():
-            keep = (mass_before < p).sum(dim=-1, keepdim=True)  # nucleus size, >= 1
+            # nucleus size; at least the top token even where p rounds to 0 in float32 (< 1e-45)
+            keep = (mass_before < p).sum(dim=-1, keepdim=True).clamp_(min=1)
             threshold = top_probs.gather(1, keep - 1)
             out = x.masked_fill(probs < threshold, _MASK)
             if not found.all():

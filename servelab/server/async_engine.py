@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
+from servelab.core.scheduler import check_room_to_wait
 from servelab.core.sequence import SamplingParams
 from servelab.errors import ServelabError
 
@@ -268,6 +269,8 @@ class AsyncEngine:
             return
         admitted: list[str] = []
         try:
+            check_room_to_wait([r.request_id for r in command.requests], self.engine.scheduler.num_waiting,
+                               self.engine.scheduler_config.max_waiting)
             for r in command.requests:
                 self.engine.add_request(
                     r.request_id, r.prompt, r.params, priority=r.priority, arrival_s=r.arrival_s

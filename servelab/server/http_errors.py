@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from servelab.errors import InvalidArgument, QueueFull, ServelabError
 
@@ -192,6 +193,12 @@ def install_error_handlers(app: FastAPI) -> None:
         elif exc.status_code == 405:
             message = f"method {request.method} is not allowed on {request.url.path}"
         return error_response(exc.status_code, message, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, _: ClientDisconnect) -> Response:
+        # the client hung up before its body was read: its doing, and no one is left to answer
+        logger.info("client disconnected before sending its whole request (%s %s)", request.method, request.url.path)
+        return Response(status_code=499)
 
     @app.exception_handler(Exception)
     async def _internal(_: Request, exc: Exception) -> JSONResponse:

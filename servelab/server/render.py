@@ -9,8 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse, Response
 
-from servelab.core.sequence import FinishReason
-from servelab.errors import ServelabError
+from servelab.core.sequence import NO_TOKEN_LEFT, FinishReason
+from servelab.errors import InvalidArgument, ServelabError
 from servelab.server import protocol as p
 from servelab.server.async_engine import EngineFailure, EngineRequest, RequestStream
 from servelab.server.http_errors import error_json
@@ -26,10 +26,15 @@ if TYPE_CHECKING:
     from servelab.server.state import ServerState
 
 
-def finish_reason_str(reason: FinishReason | None) -> str | None:
+def finish_reason_str(reason: FinishReason | None, seq: Sequence) -> str | None:
     if reason is None:
         return None
     if reason is FinishReason.ERROR:
+        if seq.error == NO_TOKEN_LEFT:
+            raise InvalidArgument(
+                f"at output token {seq.num_output_tokens + 1} the request's constraints (allowed_token_ids, bad_words, "
+                "min_tokens with its EOS and stop_token_ids, a grammar or response_format) together leave no token to "
+                "sample; relax one of them", code="unsatisfiable_constraints")  # fmt: skip
         raise EngineFailure("the engine failed while generating this request")
     return reason.value  # "stop" | "length" | "abort"
 
@@ -99,7 +104,7 @@ class _Renderer:
             # The first admission's hits: a preemption's recompute is the server's business, not the client's.
             choice.cached_tokens = out.seq.num_cached_tokens
         if out.finished:
-            choice.finish_reason = finish_reason_str(out.finish_reason)
+            choice.finish_reason = finish_reason_str(out.finish_reason, out.seq)
             if self.prompt_only and choice.finish_reason == "stop":
                 choice.finish_reason = "length"  # the dropped token's EOS or stop is not the client's
         return choice

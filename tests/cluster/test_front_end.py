@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from servelab.core.sequence import FinishReason, SamplingParams
-from servelab.errors import QueueFull
+from servelab.errors import InvalidArgument, QueueFull
 from servelab.server.async_engine import AsyncEngine, EngineFailure, EngineRequest
 
 from tests.cluster.memory_cluster import memory_cluster
@@ -90,6 +90,8 @@ def test_max_waiting_bounds_the_clusters_waiting_requests_not_each_workers(fake_
         with pytest.raises(QueueFull, match="max_waiting=2"):
             await driver.submit([_req("n-0", 5), _req("n-1", 5)])
         assert not {"n-0", "n-1"} & set(driver._remote)
+        with pytest.raises(InvalidArgument, match="could never be admitted"):  # more choices than the bound: a 400
+            await driver.submit([_req(f"x-{i}", 5) for i in range(3)])
         held.append(await driver.submit([_req("r5", 5)]))
         await driver.stop()
 

@@ -11,7 +11,7 @@ from servelab.cluster import messages as m
 from servelab.cluster.channel import Rendezvous
 from servelab.cluster.front_end import _apply
 from servelab.core.plan import TokenLogprobs
-from servelab.core.sequence import FinishReason, SamplingParams, Sequence
+from servelab.core.sequence import NO_TOKEN_LEFT, FinishReason, SamplingParams, Sequence
 from servelab.errors import InvalidArgument, QueueFull
 
 
@@ -53,5 +53,8 @@ def test_the_front_ends_sequence_follows_the_workers_outputs_on_its_own_clock():
     assert seq.num_cached_tokens == 2 and len(seq.prompt_logprobs) == 2
     last = _apply(seq, m.WireOutput("r", [13], "c", True, "stop", None, [0.9], 0.25, 0.9, 2, "c"))
     assert last.finished and last.finish_reason is FinishReason.STOP and last.seq is seq
-    assert seq.finished_s == 100.9 and seq.stop_reason == "c" and seq.is_finished
+    assert seq.finished_s == 100.9 and seq.stop_reason == "c" and seq.is_finished and seq.error is None
+    failed = Sequence("f", [5], SamplingParams(max_tokens=3), arrival_s=0.0)
+    _apply(failed, m.WireOutput("f", [], "", True, "error", None, [], 0.1, 0.2, 0, None, error=NO_TOKEN_LEFT))
+    assert failed.finish_reason is FinishReason.ERROR and failed.error == NO_TOKEN_LEFT  # the server's 400
     assert seq.token_times_s == [100.5, 100.6, 100.9]

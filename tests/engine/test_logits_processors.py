@@ -13,7 +13,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servelab.core.sequence import SamplingParams, Sequence
+from servelab.core.sequence import NO_TOKEN_LEFT, SamplingParams, Sequence
 from servelab.core.structured_output import StructuredOutputSpec
 from servelab.engine.logits_processors import LogitsProcessors, bad_word_token_ids
 from servelab.engine.sampler import Sampler
@@ -142,6 +142,49 @@ def test_only_allowed_token_ids_are_sampled(processors, tokenizer, allowed, temp
     assert tokens[0] in allowed
 
 
+WORDS = ["Paris", " Paris", "New York", "1", "11", "the", "!"]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    allowed=st.none() | st.lists(st.sampled_from([7042, 33, 0, 1, 2, 504, 9092]), min_size=1, max_size=4),
+    bad=st.lists(st.sampled_from(WORDS), max_size=3),
+    min_tokens=st.sampled_from([0, 1, 3]),
+    outputs=st.lists(st.sampled_from([33, 7042, 1, 504]), max_size=3),
+    temperature=st.sampled_from([0.0, 0.7, 1.0]),
+    top_p=st.sampled_from([1.0, 0.9, 1e-3, 1e-46, 5e-324]),
+    top_k=st.sampled_from([0, 1, 50]),
+    min_p=st.sampled_from([0.0, 0.5, 1.0]),
+    seed=st.none() | st.integers(0, 2**31),
+)
+def test_every_mix_of_sampling_knobs_samples_a_valid_token_or_is_told_why(
+    processors, tokenizer, allowed, bad, min_tokens, outputs, temperature, top_p, top_k, min_p, seed
+):
+    """Any valid mix of constraints and sampling values: refused at admission naming a field,
+    or each step samples an allowed, unbanned token, or ends the row with NO_TOKEN_LEFT (the
+    client's 400); the sampler never raises and never blames the model."""
+    params = dict(allowed_token_ids=allowed, bad_words=bad, min_tokens=min_tokens, max_tokens=4,
+                  temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p, seed=seed)  # fmt: skip
+    seq = make_seq(tokenizer, outputs, **params)
+    try:
+        processors.prepare(seq.params)
+    except InvalidArgument as e:
+        assert e.param in ("bad_words", "min_tokens")
+        return
+    sampler = Sampler(0, processors)
+    tokens, _ = sampler.sample(random_logits(1, tokenizer.vocab_size, seed=len(outputs)), [seq])
+    if tokens[0] is None:
+        assert sampler.row_errors == {0: NO_TOKEN_LEFT}
+        return
+    assert 0 <= tokens[0] < tokenizer.vocab_size
+    assert allowed is None or tokens[0] in allowed
+    if len(seq.output_token_ids) < min_tokens:
+        assert tokens[0] not in tokenizer.eos_token_ids
+    out = seq.output_token_ids + [tokens[0]]
+    for ids in bad_word_token_ids(tokenizer, bad) if bad else []:
+        assert out[-len(ids) :] != ids  # the new token completes no bad word
+
+
 def test_bad_words_are_tokenized_with_and_without_a_leading_space(tokenizer):
     ids = bad_word_token_ids(tokenizer, ["Paris"])
     assert tokenizer.encode("Paris") in ids and tokenizer.encode(" Paris") in ids
@@ -160,10 +203,11 @@ def test_a_bad_word_loses_its_last_token_only_after_its_prefix(processors, token
 
 
 def test_a_row_left_with_no_token_ends_alone(processors, tokenizer):
-    word = tokenizer.encode("Paris")
-    assert len(word) == 1
+    word, two = tokenizer.encode("Paris"), tokenizer.encode(" New York")
+    assert len(word) == 1 and len(two) == 2
     logits = random_logits(3, tokenizer.vocab_size)
-    stuck = make_seq(tokenizer, temperature=1.0, allowed_token_ids=word, bad_words=["Paris"])
+    # only " York" is allowed, and after " New" it completes a bad word: found at this step only
+    stuck = make_seq(tokenizer, two[:1], temperature=1.0, allowed_token_ids=two[1:], bad_words=["New York"])
     fine = make_seq(tokenizer, rid="s", temperature=0)
     digits_only = StructuredOutputSpec("regex", "[0-9]+")
     no_overlap = make_seq(tokenizer, rid="t", temperature=1.0, allowed_token_ids=word, structured_output=digits_only)
@@ -171,7 +215,25 @@ def test_a_row_left_with_no_token_ends_alone(processors, tokenizer):
     tokens, _ = sampler.sample(logits, [stuck, fine, no_overlap])
     assert tokens[0] is None and tokens[1] == logits[1].argmax().item() and tokens[2] is None
     # The executor's log line says why: the constraints, not the model's logits.
-    assert sampler.row_errors == {0: "its constraints leave no token to sample", 2: "its constraints leave no token to sample"}
+    assert sampler.row_errors == {0: NO_TOKEN_LEFT, 2: NO_TOKEN_LEFT}
+
+
+def test_a_first_token_with_no_candidate_is_refused_at_admission(processors, tokenizer):
+    """What admission can tell is refused there, naming the field (the server's 400), not ended
+    with an error after the client was answered 200."""
+    paris, eos = tokenizer.encode("Paris")[0], tokenizer.eos_token_ids[0]
+    cases = [
+        ({"allowed_token_ids": [paris], "bad_words": ["Paris"]}, "bad_words"),
+        ({"allowed_token_ids": [eos], "min_tokens": 2, "max_tokens": 4}, "min_tokens"),
+        ({"allowed_token_ids": [paris, 7], "stop_token_ids": [7], "bad_words": ["Paris"], "min_tokens": 1}, "min_tokens"),
+    ]
+    for kwargs, param in cases:
+        with pytest.raises(InvalidArgument) as e:
+            processors.prepare(SamplingParams(**kwargs))
+        assert e.value.param == param, kwargs
+    # one candidate left is enough, and ignore_eos keeps EOS a candidate under min_tokens
+    processors.prepare(SamplingParams(allowed_token_ids=[paris, 7], bad_words=["Paris"]))
+    processors.prepare(SamplingParams(allowed_token_ids=[eos], min_tokens=2, max_tokens=4, ignore_eos=True))
 
 
 # ------------------------------------------------------------------------------ grammars
@@ -291,9 +353,9 @@ def test_the_models_inference_tensors_are_edited(processors, tokenizer):
     tensors, which torch lets no one edit in place outside that mode."""
     with torch.inference_mode():
         logits = random_logits(2, tokenizer.vocab_size)
-    paris = tokenizer.encode("Paris")  # allowed and banned: nothing left, so the failed row is zeroed too
+    two = tokenizer.encode(" New York")  # " York" alone allowed, banned after " New": nothing left, the row is zeroed too
     seqs = [make_seq(tokenizer, temperature=0, logit_bias={42: 100}),
-            make_seq(tokenizer, rid="s", temperature=1.0, allowed_token_ids=paris, bad_words=["Paris"])]  # fmt: skip
+            make_seq(tokenizer, two[:1], rid="s", temperature=1.0, allowed_token_ids=two[1:], bad_words=["New York"])]  # fmt: skip
     tokens, _ = Sampler(0, processors).sample(logits, seqs)
     assert tokens == [42, None]
 

@@ -56,6 +56,17 @@ def test_top_p_candidate_shortcut_matches_the_full_sort():
     assert max(kept[:3]) < 256 < min(kept[3:])  # both paths were exercised
 
 
+@pytest.mark.parametrize("p", [1e-46, 5e-324, 1e-40])
+def test_a_top_p_below_float32s_range_keeps_the_most_likely_token(p):
+    """A valid top_p so small that it rounds to 0 in float32 still keeps the top token, on the
+    candidates' path (a large vocabulary) and the full sort's, as top_p -> 0 does."""
+    torch.manual_seed(0)
+    for x in (torch.randn(2, 5000) * 6, torch.randn(2, 8)):
+        out = _top_p_mask(x.clone(), [p, p])
+        assert (~torch.isinf(out)).sum(dim=-1).tolist() == [1, 1]
+        assert torch.equal(out.argmax(dim=-1), x.argmax(dim=-1))
+
+
 def test_min_p_mask_is_relative_to_the_top_probability():
     p = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.4, 0.3, 0.2, 0.1]])
     out = _min_p_mask(p, [0.2, 0.6])

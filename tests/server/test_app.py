@@ -124,6 +124,8 @@ def test_tokenize_detokenize_round_trip_and_models(client):
     assert models["object"] == "list" and models["data"][0]["id"] == "fake-model"
     assert models["data"][0]["max_model_len"] == 128
     assert client.get("/health").status_code == 200
+    head = client.head("/health")
+    assert head.status_code == 200 and head.content == b""
 
 
 # ------------------------------------------------------------------------------- errors
@@ -277,3 +279,28 @@ def test_chat_logprobs_join_to_the_content_when_eos_ends_it(tiny_model_dir):
         completion = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "min_tokens": 2, "temperature": 0,
                                                       "logprobs": 0, "logit_bias": {str(eos): 100}}).json()  # fmt: skip
         assert "".join(completion["choices"][0]["logprobs"]["tokens"]) == completion["choices"][0]["text"]
+
+
+def test_constraints_that_leave_no_token_are_the_clients_error(tiny_model_dir):
+    """allowed_token_ids, bad_words and min_tokens that leave nothing to sample: a 400 naming the
+    field at admission where that can be told, else a 400 (an error event, streamed) when the
+    step finds it; never a 500, and the server serves on."""
+    from servelab.engine.llm_engine import EngineArgs
+
+    with TestClient(create_app(EngineArgs.from_kwargs(model=str(tiny_model_dir), num_blocks=64, max_model_len=256))) as c:
+        tok = c.app.state.servelab.engine.tokenizer
+        bang = tok.encode("!")
+        assert tok.encode("!!") == bang * 2
+        refused = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "allowed_token_ids": bang, "bad_words": ["!"]})
+        assert _error(refused, 400)["param"] == "bad_words"
+        eos = tok.eos_token_ids[0]
+        refused = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "allowed_token_ids": [eos], "min_tokens": 2})
+        assert _error(refused, 400)["param"] == "min_tokens"
+        # "!" is allowed alone; after one "!" the bad word "!!" bans it: found at the second token
+        body = {"prompt": "hi", "max_tokens": 4, "allowed_token_ids": bang, "bad_words": ["!!"]}
+        err = _error(c.post("/v1/completions", json=body), 400)
+        assert err["code"] == "unsatisfiable_constraints" and "output token 2" in err["message"]
+        events = _sse(c.post("/v1/completions", json={**body, "stream": True}))
+        assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "unsatisfiable_constraints"
+        assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+        assert c.app.state.servelab.engine.scheduler.block_manager.num_free_blocks == 64

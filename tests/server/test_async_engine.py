@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from servelab.core.sequence import FinishReason, SamplingParams
-from servelab.errors import QueueFull, RequestTooLong
+from servelab.errors import InvalidArgument, QueueFull, RequestTooLong
 from servelab.server.async_engine import AsyncEngine, EngineFailure, EngineRequest, EngineStopped
 
 
@@ -97,6 +97,32 @@ def test_full_queue_raises_queue_full(fake_engine):
         return running, waiting
 
     assert run(main()) == (1, 1)
+
+
+def test_choices_are_admitted_all_or_none_and_never_if_they_cannot_fit(fake_engine):
+    """A request's choices (prompts x n) are refused before any is queued: 503 when the queue has
+    no room for all of them now, 400 naming n when it never could; nothing is admitted and
+    aborted on the way (no 'abort' finishes in the metrics)."""
+
+    async def main():
+        engine = fake_engine(max_num_seqs=1, max_waiting=2, step_sleep_s=0.01)
+        bridge = AsyncEngine(engine)
+        bridge.start()
+        with pytest.raises(InvalidArgument, match=r"3 sequences .*max_waiting=2") as never:
+            await bridge.submit([_req(f"n-{i}", 5) for i in range(3)])
+        first = (await bridge.submit([_req("first", 200)])).__aiter__()
+        await first.__anext__()  # running
+        second = await bridge.submit([_req("second", 200)])  # waiting: room for one more
+        with pytest.raises(QueueFull):
+            await bridge.submit([_req("pair-0", 5), _req("pair-1", 5)])
+        waiting, seen = bridge.stats.num_waiting, set(engine._requests)
+        await first.aclose()
+        second.close()
+        await bridge.stop()
+        return never.value.param, waiting, seen
+
+    param, waiting, seen = run(main())
+    assert param == "n" and waiting == 1 and seen == {"first", "second"}
 
 
 def test_leaving_a_stream_early_aborts_it_and_frees_its_blocks(fake_engine):

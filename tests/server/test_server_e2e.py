@@ -313,6 +313,22 @@ def test_disconnect_before_a_non_streamed_answer_aborts_too(server):
     assert m(after, "servelab:kv_cache_usage_perc") == m(idle, "servelab:kv_cache_usage_perc")
 
 
+def test_a_client_that_hangs_up_mid_body_is_not_a_server_error(server, client):
+    """A body cut short by the client is the client's doing: an info line, not a traceback."""
+    start = len(server.log())
+    with socket.create_connection(("127.0.0.1", server.port)) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n{\"prompt\":")  # fmt: skip
+        time.sleep(0.3)
+    deadline = time.monotonic() + 10
+    while "disconnected before sending its whole request" not in server.log()[start:] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    log = server.log()[start:]
+    assert "disconnected before sending its whole request" in log
+    assert "Traceback" not in log and "internal error" not in log
+    assert client.completions.create(model=MODEL, prompt="next", max_tokens=2).usage.completion_tokens >= 1
+
+
 def test_a_client_that_never_reads_does_not_hold_up_the_engine(server, client):
     idle = wait_until_idle(server.url)
     length0 = m(idle, "servelab:request_success_total", finished_reason="length")

@@ -71,6 +71,10 @@ def test_allowed_token_ids_and_bad_words(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.completions.create(model=model(client), prompt=prompt, max_tokens=1, extra_body={"allowed_token_ids": []})
     assert e.value.body["param"] == "allowed_token_ids"
+    with pytest.raises(openai.BadRequestError) as e:  # "1" alone allowed, and "11" bans it after one "1"
+        client.completions.create(model=model(client), prompt=prompt, max_tokens=4,
+                                  extra_body={"allowed_token_ids": [one], "bad_words": ["11"]})  # fmt: skip
+    assert e.value.body["code"] == "unsatisfiable_constraints" and "output token 2" in e.value.body["message"]
 
 
 def test_json_schema_answers_validate(client):

@@ -14,7 +14,7 @@ from servelab.server.state import State
 router = APIRouter()
 
 
-@router.get("/health")
+@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
 async def health(state: State) -> Response:
     if state.draining:
         raise ServerDraining("the server is shutting down")
