@@ -68,7 +68,7 @@ class PlanRow:
 class PlanJob:
     """Everything one worker needs, as plain picklable data."""
 
-    model: str
+    model: str  # what --model names (spec.model.resolve_model)
     hardware: str
     tp: int
     slo: SLO
@@ -101,9 +101,9 @@ def plan_one(job: PlanJob) -> PlanRow:
     from servelab.cost.memory import MemoryPlan
     from servelab.sim import SimConfig, simulate
     from servelab.spec.hardware import get_hardware
-    from servelab.spec.model import get_model
+    from servelab.spec.model import resolve_model
 
-    model, hardware = get_model(job.model), get_hardware(job.hardware)
+    model, hardware = resolve_model(job.model), get_hardware(job.hardware)
     row = PlanRow(hardware=hardware.name, tp=job.tp, fits=False, price_per_device_hour=job.price_per_device_hour)
     try:
         memory = MemoryPlan(model, hardware, job.weight_dtype, job.kv_cache_dtype, job.tp)

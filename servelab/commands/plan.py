@@ -9,6 +9,7 @@ import os
 from servelab.commands._dtype_cli import add_cost_dtype_arguments, cost_dtypes
 from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
 from servelab.errors import InvalidArgument
+from servelab.spec.model import MODEL_HELP
 from servelab.units import parse_duration_s, parse_int_list, parse_str_list
 
 HELP = "capacity plan: tokens/s per device at an SLO across hardware and TP"
@@ -18,7 +19,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from servelab.workload import add_workload_arguments
 
     g = parser.add_argument_group("deployments to compare")
-    g.add_argument("--model", default="llama-3.1-8b", help="catalog model (see `servelab models`)")
+    g.add_argument("--model", default="llama-3.1-8b", help=MODEL_HELP)
     g.add_argument("--hardware", default="h100-sxm", help="comma list of catalog accelerators or JSON or YAML hardware files, e.g. h100-sxm,h200,generic-cpu.json")
     g.add_argument("--tp", default="1", help="comma list of tensor-parallel degrees, e.g. 1,2,4,8 (default 1)")
     add_cost_dtype_arguments(g)
@@ -44,9 +45,9 @@ def run(args: argparse.Namespace) -> int:
     from servelab.bench.planner import PlanJob, parse_prices, rank, run_plan
     from servelab.metrics import SLO
     from servelab.spec.hardware import get_hardware, hardware_ref
-    from servelab.spec.model import get_model
+    from servelab.spec.model import resolve_model
 
-    model = get_model(args.model)
+    model = resolve_model(args.model)
     hardware = [hardware_ref(h) for h in parse_str_list(args.hardware)]
     if not hardware:
         raise InvalidArgument("--hardware: give at least one accelerator, e.g. h100-sxm,h200")
@@ -96,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"steps priced by {args.profile}: {cost_model}")
     prices = parse_prices(args.price, hardware)
     jobs = [
-        PlanJob(model=model.name, hardware=h, tp=tp, slo=slo, percentile=args.percentile, workload=workload,
+        PlanJob(model=args.model, hardware=h, tp=tp, slo=slo, percentile=args.percentile, workload=workload,
                 weight_dtype=weight, kv_cache_dtype=kv, scheduler=scheduler, max_concurrency=args.max_concurrency,
                 target_rate=args.target_rate, price_per_device_hour=prices.get(get_hardware(h).name),
                 profile=args.profile)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 from typing import Any
 
 from servelab.commands._dtype_cli import add_cost_dtype_arguments, cost_dtypes
 from servelab.errors import InvalidArgument
+from servelab.spec.model import MODEL_HELP, resolve_model
 from servelab.units import parse_duration_s, parse_int_list
 
 HELP = "roofline cost of decode/prefill steps for a model on an accelerator"
@@ -21,7 +21,7 @@ HELP = "roofline cost of decode/prefill steps for a model on an accelerator"
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True,
-                        help="catalog model (see `servelab models`), an HF config.json (or its directory) or a .gguf file")
+                        help=MODEL_HELP)
     parser.add_argument("--hardware", required=True, help="catalog accelerator (see `servelab hardware`) or a JSON or YAML hardware file")
     add_cost_dtype_arguments(parser)
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
@@ -42,17 +42,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
     parser.add_argument("--plot", default=None, metavar="FILE.png",
                         help="plot tokens/s per user and in total against batch size")
-
-
-def load_model(text: str) -> Any:  # a ModelSpec; imported lazily
-    """A catalog name, an HF config.json (or a directory holding one), or a GGUF file."""
-    from servelab.spec.model import ModelSpec, get_model
-
-    if text.endswith(".gguf"):
-        return ModelSpec.from_gguf(text)
-    if text.endswith(".json") or os.path.isdir(text):
-        return ModelSpec.from_hf_config(text)
-    return get_model(text)
 
 
 def _efficiency(args: argparse.Namespace) -> Any:
@@ -80,7 +69,7 @@ def build(args: argparse.Namespace) -> tuple[Any, list[int]]:  # (Roofline, batc
         raise InvalidArgument(f"--context must be at least 1 token, got {args.context}")
     if args.prompt_len is not None and args.prompt_len < 1:
         raise InvalidArgument(f"--prompt-len must be at least 1 token, got {args.prompt_len}")
-    model = load_model(args.model)
+    model = resolve_model(args.model)
     weight, kv = cost_dtypes(args)
     roofline = Roofline(model, get_hardware(args.hardware), weight_dtype=weight, kv_dtype=kv,
                         tp=args.tp, efficiency=_efficiency(args), memory_fraction=args.memory_fraction)

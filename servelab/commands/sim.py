@@ -10,6 +10,7 @@ from servelab.commands._dtype_cli import add_cost_dtype_arguments, cost_dtypes
 from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
 from servelab.errors import InvalidArgument
 from servelab.sim.router import ROUTERS
+from servelab.spec.model import MODEL_HELP
 from servelab.units import parse_duration_s
 
 HELP = "simulate serving a model on an accelerator (same scheduler, cost-model executor)"
@@ -27,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     from servelab.workload import add_workload_arguments
 
     g = parser.add_argument_group("deployment")
-    g.add_argument("--model", default="llama-3.1-8b", help="catalog model (see `servelab models`)")
+    g.add_argument("--model", default="llama-3.1-8b", help=MODEL_HELP)
     g.add_argument("--hardware", default="h100-sxm", help="catalog accelerator (see `servelab hardware`) or a JSON or YAML hardware file")
     g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per replica (default 1)")
     g.add_argument("--profile", default=None, metavar="FILE.json",
@@ -92,7 +93,7 @@ def parse_warmup(text: str | None) -> tuple[int | None, float]:
 def config_from_args(args: argparse.Namespace):  # noqa: ANN201
     from servelab.sim import SimConfig
     from servelab.spec.hardware import get_hardware
-    from servelab.spec.model import get_model
+    from servelab.spec.model import resolve_model
 
     for name in ("tp", "replicas"):
         if getattr(args, name) < 1:
@@ -101,7 +102,7 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201
     weight, kv = cost_dtypes(args)
     if args.link_bandwidth is not None and not args.link_bandwidth > 0:
         raise InvalidArgument(f"--link-bandwidth must be > 0 GB/s, got {args.link_bandwidth:g}")
-    model = get_model(args.model)
+    model = resolve_model(args.model)
     cost_model = None
     if args.profile is not None:
         from servelab.cost.profile import load_profile, profile_step_cost

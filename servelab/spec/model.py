@@ -344,4 +344,19 @@ def get_model(name: str) -> ModelSpec:
     try:
         return MODELS[name.lower()]
     except KeyError:
-        raise InvalidArgument(f"unknown model {name!r}; choose one of: {', '.join(MODELS)}", param="model") from None
+        raise InvalidArgument(
+            f"unknown model {name!r}; choose one of: {', '.join(MODELS)}, or give an HF config.json (or its "
+            "directory) or a .gguf file", param="model")  # fmt: skip
+
+
+def resolve_model(text: str) -> ModelSpec:
+    """What a command's --model names: a catalog model, an HF config.json (or a directory holding
+    one), or a GGUF file (its header only)."""
+    if text.endswith(".gguf"):
+        return ModelSpec.from_gguf(text)
+    if text.endswith(".json") or os.path.isdir(text):
+        return ModelSpec.from_hf_config(text)
+    return get_model(text)
+
+
+MODEL_HELP = "catalog model (see `servelab models`), an HF config.json (or its directory) or a .gguf file"

@@ -90,6 +90,14 @@ def test_model_from_an_hf_config_file(tmp_path: Path, capsys):
                  "--batch", "1"]) == 0
     from_file = json.loads(capsys.readouterr().out)[0]
     assert from_file["step_time_s"] == pytest.approx(run_json(capsys, "--batch", "1")[0]["step_time_s"])
+    # sim and plan take the same --model forms (spec.model.resolve_model), plan's worker processes too
+    load = ["--hardware", "h100-sxm", "--num-requests", "20", "--input-len", "128", "--output-len", "16", "--json"]
+    assert main(["sim", "--model", str(tmp_path), *load, "--rate", "4"]) == 0
+    by_path = json.loads(capsys.readouterr().out)
+    assert main(["sim", "--model", "llama-3.1-8b", *load, "--rate", "4"]) == 0
+    assert by_path["summary"] == json.loads(capsys.readouterr().out)["summary"]
+    assert main(["plan", "--model", str(tmp_path / "config.json"), *load, "--slo-tpot", "50ms", "--workers", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["configs"][0]["output_tokens_per_s_per_device"] > 0
 
 
 @pytest.mark.parametrize("args, needle", [
