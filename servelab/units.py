@@ -6,12 +6,13 @@ import re
 
 from servelab.errors import InvalidArgument
 
-_DURATION = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|ms|s|m|min|h)?\s*$")
+_DURATION = re.compile(r"^\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*(us|ms|s|m|min|h)?\s*$")
 _SCALE_S = {"us": 1e-6, "ms": 1e-3, "s": 1.0, None: 1.0, "m": 60.0, "min": 60.0, "h": 3600.0}
 
 
-def parse_duration_s(text: str | float, *, name: str = "duration") -> float:
-    """'500ms' -> 0.5, '2s' -> 2.0, '1.5' -> 1.5 (seconds when no unit is given)."""
+def parse_duration_s(text: str | float, *, name: str = "duration", positive: bool = False) -> float:
+    """'500ms' -> 0.5, '2s' -> 2.0, '1.5' -> 1.5 (seconds when no unit is given); >= 0, or > 0
+    where `positive`."""
     if isinstance(text, (int, float)):
         value = float(text)
     else:
@@ -19,14 +20,26 @@ def parse_duration_s(text: str | float, *, name: str = "duration") -> float:
         if not match:
             raise InvalidArgument(f"{name}: cannot parse {text!r} as a duration (examples: 50ms, 2s, 1.5)")
         value = float(match.group(1)) * _SCALE_S[match.group(2)]
-    if value < 0:
+    if positive and not value > 0:
+        raise InvalidArgument(f"{name}: must be > 0, got {text!r}")
+    if not value >= 0:
         raise InvalidArgument(f"{name}: must be >= 0, got {text!r}")
     return value
 
 
+def _split_list(text: str, name: str) -> list[str]:
+    """'a, b' -> ['a', 'b']; '' -> []; an empty item ('a,,b', 'a,') is an error."""
+    items = [t.strip() for t in str(text).split(",")]
+    if items == [""]:
+        return []
+    if "" in items:
+        raise InvalidArgument(f"{name}: empty item in {text!r} (separate the values with single commas)")
+    return items
+
+
 def parse_int_list(text: str, *, name: str = "list") -> list[int]:
     """'1,8,64' -> [1, 8, 64]; every item a positive integer."""
-    items = [t.strip() for t in str(text).split(",") if t.strip()]
+    items = _split_list(text, name)
     if not items:
         raise InvalidArgument(f"{name}: expected a comma-separated list of positive integers, got {text!r}")
     values = []
@@ -41,5 +54,6 @@ def parse_int_list(text: str, *, name: str = "list") -> list[int]:
     return values
 
 
-def parse_str_list(text: str) -> list[str]:
-    return [t.strip() for t in str(text).split(",") if t.strip()]
+def parse_str_list(text: str, *, name: str = "list") -> list[str]:
+    """'a, b' -> ['a', 'b']; '' -> []."""
+    return _split_list(text, name)

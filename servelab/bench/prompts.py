@@ -64,9 +64,9 @@ class _HFTokenizerFile:
     """A bare `tokenizer.json` file (no model directory around it)."""
 
     def __init__(self, path: Path) -> None:
-        from tokenizers import Tokenizer
+        from servelab.engine.tokenizer import load_tokenizer_json
 
-        self._tok = Tokenizer.from_file(str(path))
+        self._tok = load_tokenizer_json(path, name=f"--tokenizer {str(path)!r}")
 
     def encode(self, text: str) -> list[int]:
         return self._tok.encode(text, add_special_tokens=False).ids

@@ -63,9 +63,7 @@ def slo_from_args(args: argparse.Namespace):  # noqa: ANN202
     values = {}
     for name in ("ttft", "tpot", "e2e"):
         raw = getattr(args, f"slo_{name}")
-        values[name] = None if raw is None else parse_duration_s(raw, name=f"--slo-{name}")
-        if values[name] is not None and not values[name] > 0:
-            raise InvalidArgument(f"--slo-{name} must be > 0, got {raw!r}")
+        values[name] = None if raw is None else parse_duration_s(raw, name=f"--slo-{name}", positive=True)
     if all(v is None for v in values.values()):
         return None
     return SLO(ttft_s=values["ttft"], tpot_s=values["tpot"], e2e_s=values["e2e"])
@@ -78,10 +76,9 @@ def check_load_args(args: argparse.Namespace) -> None:
         raise InvalidArgument(f"--num-devices must be >= 1, got {args.num_devices}")
     if args.duration is not None and args.num_requests is not None:
         raise InvalidArgument("give either --duration or --num-requests, not both")
-    if args.duration is not None and not parse_duration_s(args.duration, name="--duration") > 0:
-        raise InvalidArgument(f"--duration must be > 0, got {args.duration!r}")
-    if not parse_duration_s(args.request_timeout, name="--request-timeout") > 0:
-        raise InvalidArgument(f"--request-timeout must be > 0, got {args.request_timeout!r}")
+    if args.duration is not None:
+        parse_duration_s(args.duration, name="--duration", positive=True)
+    parse_duration_s(args.request_timeout, name="--request-timeout", positive=True)
 
 
 def _check_args(args: argparse.Namespace) -> None:

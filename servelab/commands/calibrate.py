@@ -316,9 +316,13 @@ def run(args: argparse.Namespace) -> int:
     from servelab.cost.calibration_stats import host_noise
     from servelab.engine.host_probe import OtherLoadMeter
     from servelab.engine.llm_engine import LLMEngine
+    from servelab.spec.hardware_file import SUFFIXES as HARDWARE_FILE_SUFFIXES
 
     check_output_file(args.out, "--out")
     check_output_file(args.hardware_out, "--hardware-out")
+    if args.hardware_out is not None and not args.hardware_out.lower().endswith(HARDWARE_FILE_SUFFIXES):
+        raise InvalidArgument(f"--hardware-out {args.hardware_out!r}: name it FILE.json, FILE.yaml or FILE.yml "
+                              f"(--hardware reads a file by its suffix)")
     quiet_wait_s = parse_duration_s(args.quiet_wait, name="--quiet-wait")
     if not quiet_wait_s >= 0:
         raise InvalidArgument(f"--quiet-wait must be >= 0, got {args.quiet_wait!r}")

@@ -48,13 +48,13 @@ def run(args: argparse.Namespace) -> int:
     from servelab.spec.model import resolve_model
 
     model = resolve_model(args.model)
-    hardware = [hardware_ref(h) for h in parse_str_list(args.hardware)]
+    hardware = [hardware_ref(h) for h in parse_str_list(args.hardware, name="--hardware")]
     if not hardware:
         raise InvalidArgument("--hardware: give at least one accelerator, e.g. h100-sxm,h200")
     tps = parse_int_list(args.tp, name="--tp")
     check_percentile(args.percentile)
     targets = {k: None if getattr(args, f"slo_{k}") is None else parse_duration_s(getattr(args, f"slo_{k}"),
-                                                                                   name=f"--slo-{k}")
+                                                                                   name=f"--slo-{k}", positive=True)
                for k in ("ttft", "tpot")}
     if all(v is None for v in targets.values()):
         raise InvalidArgument("give at least one target: --slo-tpot (e.g. 50ms) and/or --slo-ttft (e.g. 1s)")

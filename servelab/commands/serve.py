@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         parse_bytes(args.max_request_bytes, name="--max-request-bytes") if args.max_request_bytes
         else DEFAULT_MAX_REQUEST_BYTES
     )  # fmt: skip
-    allowed_origins = parse_str_list(args.allowed_origins) if args.allowed_origins else None
+    allowed_origins = parse_str_list(args.allowed_origins, name="--allowed-origins") if args.allowed_origins else None
     from servelab.cost.profile import load_profile
 
     profile = None if args.profile is None else load_profile(args.profile)  # a bad file fails before the model loads

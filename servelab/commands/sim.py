@@ -65,14 +65,12 @@ def _slo(args: argparse.Namespace):  # noqa: ANN202
     from servelab.metrics import SLO
 
     values = {
-        name: None if getattr(args, f"slo_{name}") is None else parse_duration_s(getattr(args, f"slo_{name}"), name=f"--slo-{name}")
+        name: None if getattr(args, f"slo_{name}") is None
+        else parse_duration_s(getattr(args, f"slo_{name}"), name=f"--slo-{name}", positive=True)
         for name in ("ttft", "tpot", "e2e")
     }
     if all(v is None for v in values.values()):
         return None
-    for name, v in values.items():
-        if v is not None and v <= 0:
-            raise InvalidArgument(f"--slo-{name} must be > 0, got {getattr(args, f'slo_{name}')!r}")
     return SLO(ttft_s=values["ttft"], tpot_s=values["tpot"], e2e_s=values["e2e"])
 
 

@@ -19,6 +19,7 @@ The serving term (`calibrate --server-term`) is priced per step and per sequence
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 from collections.abc import Sequence
@@ -395,6 +396,8 @@ def load_profile(path: str, *, model: str | None = None) -> dict[str, Any]:
         raise InvalidArgument(f"--profile {path}: cannot read it ({exc.strerror})") from None
     except json.JSONDecodeError as exc:
         raise InvalidArgument(f"--profile {path}: not JSON ({exc.msg} at line {exc.lineno})") from None
+    except UnicodeDecodeError:
+        raise InvalidArgument(f"--profile {path}: not JSON (not UTF-8 text)") from None
     if not isinstance(profile, dict) or profile.get("format") != PROFILE_FORMAT:
         raise InvalidArgument(f"--profile {path}: not a servelab profile (no \"format\": \"{PROFILE_FORMAT}\"); "
                               f"write one with `servelab calibrate --out FILE`")
@@ -405,9 +408,11 @@ def load_profile(path: str, *, model: str | None = None) -> dict[str, Any]:
                and (not isinstance(coefs, dict) or not isinstance(coefs.get(k), int | float))]
     if missing:
         raise InvalidArgument(f"--profile {path}: fit.coefficients lacks {', '.join(missing)}")
-    bad = [k for k in TERMS if k in coefs and (not isinstance(coefs[k], int | float) or not coefs[k] >= 0)]
+    bad = [k for k in TERMS if k in coefs
+           and (isinstance(coefs[k], bool) or not isinstance(coefs[k], int | float) or not 0 <= coefs[k] < math.inf)]
     if bad:
-        raise InvalidArgument(f"--profile {path}: coefficients must be >= 0: {', '.join(f'{k}={coefs[k]}' for k in bad)}")
+        raise InvalidArgument(f"--profile {path}: coefficients must be finite numbers >= 0: "
+                              f"{', '.join(f'{k}={coefs[k]!r}' for k in bad)}")
     extra = sorted(set(coefs) - set(TERMS))
     if extra:
         raise InvalidArgument(f"--profile {path}: unknown coefficients {', '.join(extra)} (expected {', '.join(TERMS)})")
@@ -423,7 +428,8 @@ def load_profile(path: str, *, model: str | None = None) -> dict[str, Any]:
     tp = profile.get("tp")
     if tp is not None:
         needed = ("ranks", "collectives_per_step", "allreduce_latency_s", "hidden_allreduces_per_step", "bytes_per_token")
-        bad_tp = [k for k in needed if not isinstance(tp, dict) or not isinstance(tp.get(k), int | float) or tp[k] < 0]
+        bad_tp = [k for k in needed
+                  if not isinstance(tp, dict) or not isinstance(tp.get(k), int | float) or not 0 <= tp[k] < math.inf]
         if bad_tp:
             raise InvalidArgument(f"--profile {path}: the tp term lacks valid {', '.join(bad_tp)}")
     server = profile.get("server")
@@ -432,8 +438,8 @@ def load_profile(path: str, *, model: str | None = None) -> dict[str, Any]:
         keys = [k for k in ("per_step_s", "per_seq_s") if isinstance(server, dict) and k in server] or ["per_token_s"]
         for key in keys:
             value = server.get(key) if isinstance(server, dict) else None
-            if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
-                raise InvalidArgument(f"--profile {path}: server.{key} must be a number >= 0, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
+                raise InvalidArgument(f"--profile {path}: server.{key} must be a finite number >= 0, got {value!r}")
     if model is not None and not same_model(str(profile.get("model", "")), model):
         # Catalog names (smollm2-135m) and file names (SmolLM2-135M-Instruct.Q4_1) differ: warn only.
         print(f"servelab: warning: --profile {path} was calibrated for model {profile.get('model')!r}, "

@@ -288,7 +288,7 @@ class Tokenizer:
         tokenizer_file = path / "tokenizer.json"
         if not tokenizer_file.is_file():
             raise NotFound(f"no tokenizer.json in {path} (only fast HF tokenizers are supported)")
-        backend = HFTokenizer.from_file(str(tokenizer_file))
+        backend = load_tokenizer_json(tokenizer_file)
         config = _read_json(path / "tokenizer_config.json")
         generation_config = _read_json(path / "generation_config.json")
 
@@ -463,12 +463,20 @@ def _token_content(token: Any) -> str | None:
     return token if isinstance(token, str) else None
 
 
+def load_tokenizer_json(path: Path, *, name: str | None = None) -> HFTokenizer:
+    """A `tokenizer.json` file; `name` says where it came from in errors (default: its path)."""
+    try:
+        return HFTokenizer.from_file(str(path))
+    except Exception as exc:  # tokenizers raises a bare Exception for unreadable, non-UTF-8 or malformed files
+        raise InvalidArgument(f"{name or path}: not a valid tokenizer.json ({exc})", param="tokenizer") from None
+
+
 def _read_json(path: Path) -> dict[str, Any]:
     if not path.is_file():
         return {}
     try:
         return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InvalidArgument(f"{path} is not valid JSON: {e}") from e
 
 

@@ -21,16 +21,17 @@ SHIPPED_DIR = Path(__file__).with_name("hardware_files")
 REQUIRED_PEAK = "bf16"
 
 
+YAML_SUFFIXES = (".yaml", ".yml")
+SUFFIXES = (".json", *YAML_SUFFIXES)  # a --hardware value with one of these is a file, wherever it is
+
+
 def is_hardware_file(text: str) -> bool:
     """A --hardware value names a file (not a catalog entry) when it looks like one."""
-    return text.lower().endswith((".json", ".yaml", ".yml")) or "/" in text or "\\" in text
-
-
-YAML_SUFFIXES = (".yaml", ".yml")
+    return text.lower().endswith(SUFFIXES) or "/" in text or "\\" in text
 
 
 def shipped_files() -> list[str]:
-    return sorted(p.name for p in SHIPPED_DIR.iterdir() if p.suffix.lower() in (".json", *YAML_SUFFIXES))
+    return sorted(p.name for p in SHIPPED_DIR.iterdir() if p.suffix.lower() in SUFFIXES)
 
 
 def resolve_path(text: str) -> Path:

@@ -9,6 +9,7 @@ grouped KV heads (GQA), SwiGLU MLP (gate, up, down), optional MoE routing over S
 from __future__ import annotations
 
 import json
+import math
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass
@@ -157,6 +158,7 @@ class ModelSpec:
     @classmethod
     def from_hf_config(cls, config: Mapping[str, Any] | str | os.PathLike[str], *, name: str | None = None) -> ModelSpec:
         """From a Hugging Face `config.json` (a dict, the file, or the model directory)."""
+        source = "config.json"
         if not isinstance(config, Mapping):
             path = os.fspath(config)
             if os.path.isdir(path):
@@ -166,8 +168,13 @@ class ModelSpec:
             try:
                 with open(path, encoding="utf-8") as f:
                     config = json.load(f)
-            except (OSError, json.JSONDecodeError) as exc:
+            except (OSError, json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise InvalidArgument(f"cannot read {path!r} as JSON: {exc}", param="config") from None
+            if not isinstance(config, Mapping):
+                raise InvalidArgument(
+                    f"{path}: expected a JSON object of model settings, got {type(config).__name__}", param="config"
+                )
+            source = path
             if name is None:
                 name = os.path.basename(os.path.dirname(os.path.abspath(path))) or None
         config = dict(config)
@@ -178,36 +185,56 @@ class ModelSpec:
                 param="config",
             )
 
-        def need(key: str) -> Any:
+        def need(key: str) -> int:
             if key not in config:
                 raise InvalidArgument(f"config.json ({model_type}) lacks the required key {key!r}", param="config")
-            return config[key]
+            return positive_int(key)
 
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        num_experts = int(config.get("num_local_experts") or 1)
-        window = config.get("sliding_window")
-        if not config.get("use_sliding_window", model_type in _HF_SLIDING_BY_DEFAULT):
-            window = None
+        def positive_int(key: str) -> int:
+            value = config[key]
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise InvalidArgument(f"{source}: {key} must be a positive integer, got {value!r}", param="config")
+            return value
+
+        def optional_int(key: str) -> int | None:
+            """A positive integer, or None where the key is absent or null."""
+            return None if config.get(key) is None else positive_int(key)
+
+        def positive_float(key: str, default: float) -> float:
+            value = config.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise InvalidArgument(f"{source}: {key} must be a positive number, got {value!r}", param="config")
+            return float(value)
+
+        hidden = need("hidden_size")
+        heads = need("num_attention_heads")
+        num_experts = optional_int("num_local_experts") or 1
+        window = None  # read only where it applies: Qwen2 configs carry one they do not use
+        if config.get("use_sliding_window", model_type in _HF_SLIDING_BY_DEFAULT):
+            window = optional_int("sliding_window")
+        rope_scaling = config.get("rope_scaling")
+        if rope_scaling is not None and not isinstance(rope_scaling, Mapping):
+            raise InvalidArgument(f"{source}: rope_scaling must be an object or null, got {rope_scaling!r}",
+                                  param="config")
         return cls(
             name=name or config.get("_name_or_path") or model_type,
-            num_layers=int(need("num_hidden_layers")),
+            num_layers=need("num_hidden_layers"),
             hidden_size=hidden,
             num_heads=heads,
-            num_kv_heads=int(config.get("num_key_value_heads") or heads),
-            head_dim=int(config.get("head_dim") or hidden // heads),
-            ffn_size=int(need("intermediate_size")),
-            vocab_size=int(need("vocab_size")),
+            num_kv_heads=optional_int("num_key_value_heads") or heads,
+            head_dim=optional_int("head_dim") or hidden // heads,
+            ffn_size=need("intermediate_size"),
+            vocab_size=need("vocab_size"),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-            max_context=int(need("max_position_embeddings")),
-            rope_theta=float(config.get("rope_theta", 10000.0)),
-            rope_scaling=dict(config["rope_scaling"]) if config.get("rope_scaling") else None,
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            max_context=need("max_position_embeddings"),
+            rope_theta=positive_float("rope_theta", 10000.0),
+            rope_scaling=dict(rope_scaling) if rope_scaling else None,
+            rms_norm_eps=positive_float("rms_norm_eps", 1e-6),
             qkv_bias=_HF_MODEL_TYPES[model_type] or bool(config.get("attention_bias", False)),
             num_experts=num_experts,
-            num_active_experts=int(config.get("num_experts_per_tok") or 1) if num_experts > 1 else 1,
+            num_active_experts=(optional_int("num_experts_per_tok") or 1) if num_experts > 1 else 1,
             architecture=model_type,
-            sliding_window=int(window) if window else None,
+            sliding_window=window,
         )
 
     @classmethod

@@ -17,6 +17,7 @@ import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 from servelab.errors import InvalidArgument, NotFound
@@ -98,35 +99,47 @@ def load_trace(path: str | Path) -> list[TraceRow]:
     if not path.is_file():
         raise NotFound(f"trace {str(path)!r}: no such file (expected JSONL with arrival_s, prompt_tokens, output_tokens)")
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            where = f"trace {str(path)!r} line {lineno}"
-            try:
-                obj = json.loads(line)
-                row = TraceRow(
-                    arrival_s=float(obj["arrival_s"]),
-                    prompt_tokens=int(obj["prompt_tokens"]),
-                    output_tokens=int(obj["output_tokens"]),
-                    prefix_tokens=int(obj.get("prefix_tokens", 0)),
-                    prefix_group=int(obj.get("prefix_group", 0)),
-                    prompt_text=obj.get("prompt"),
-                )
-            except json.JSONDecodeError as exc:
-                raise InvalidArgument(f"{where}: not valid JSON ({exc.msg})") from None
-            except KeyError as exc:
-                raise InvalidArgument(f"{where}: missing field {exc.args[0]!r}") from None
-            except (TypeError, ValueError) as exc:
-                raise InvalidArgument(f"{where}: bad value ({exc})") from None
-            if not (math.isfinite(row.arrival_s) and row.arrival_s >= 0):
-                raise InvalidArgument(f"{where}: arrival_s must be a finite time >= 0, got {row.arrival_s}")
-            if row.prompt_tokens < 1 or row.output_tokens < 1:
-                raise InvalidArgument(f"{where}: prompt_tokens and output_tokens must be >= 1")
-            if not 0 <= row.prefix_tokens < row.prompt_tokens:
-                raise InvalidArgument(f"{where}: prefix_tokens must be in [0, prompt_tokens)")
-            rows.append(row)
+    try:
+        with path.open(encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    rows.append(_trace_row(line, f"trace {str(path)!r} line {lineno}"))
+    except UnicodeDecodeError:
+        raise InvalidArgument(f"trace {str(path)!r}: not UTF-8 text (expected JSONL)") from None
     if not rows:
         raise InvalidArgument(f"trace {str(path)!r}: no requests in it")
     rows.sort(key=lambda r: r.arrival_s)
     return rows
+
+
+def _trace_row(line: str, where: str) -> TraceRow:
+    try:
+        obj = json.loads(line)
+        row = TraceRow(
+            arrival_s=float(obj["arrival_s"]),
+            prompt_tokens=_trace_int(obj, "prompt_tokens", 1, where),
+            output_tokens=_trace_int(obj, "output_tokens", 1, where),
+            prefix_tokens=_trace_int(obj, "prefix_tokens", 0, where, default=0),
+            prefix_group=_trace_int(obj, "prefix_group", None, where, default=0),
+            prompt_text=obj.get("prompt"),
+        )
+    except json.JSONDecodeError as exc:
+        raise InvalidArgument(f"{where}: not valid JSON ({exc.msg})") from None
+    except KeyError as exc:
+        raise InvalidArgument(f"{where}: missing field {exc.args[0]!r}") from None
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise InvalidArgument(f"{where}: bad value ({exc})") from None
+    if not (math.isfinite(row.arrival_s) and row.arrival_s >= 0):
+        raise InvalidArgument(f"{where}: arrival_s must be a finite time >= 0, got {row.arrival_s}")
+    if not 0 <= row.prefix_tokens < row.prompt_tokens:
+        raise InvalidArgument(f"{where}: prefix_tokens must be in [0, prompt_tokens)")
+    return row
+
+
+def _trace_int(obj: dict[str, Any], key: str, minimum: int | None, where: str, default: int | None = None) -> int:
+    """An integer field of a trace row (a JSON bool is not one), at least `minimum` where given."""
+    value = obj[key] if default is None else obj.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or (minimum is not None and value < minimum):
+        need = "an integer" if minimum is None else f"an integer >= {minimum}"
+        raise InvalidArgument(f"{where}: {key} must be {need}, got {value!r}")
+    return value

@@ -203,6 +203,18 @@ def test_calibrate_refuses_an_unwritable_out(tmp_path, capsys):
     assert "--out" in capsys.readouterr().err
 
 
+
+def test_calibrate_refuses_a_hardware_out_that_hardware_would_not_read(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["calibrate", "--out", "p.json", "--hardware-out", "x.txt"]) == 2  # refused before any timing
+    err = capsys.readouterr().err
+    assert "--hardware-out 'x.txt'" in err and "FILE.json" in err and not (tmp_path / "x.txt").exists()
+    # the hint `use it with --hardware NAME.json` works for a bare name in the current folder
+    from servelab.spec.hardware_file import SHIPPED_DIR
+
+    (tmp_path / "mine.json").write_text((SHIPPED_DIR / "generic-cpu.json").read_text())
+    assert main(["roofline", "--model", "smollm2-135m", "--hardware", "mine.json", "--batch", "1", "--json"]) == 0
+
 def test_calibrate_writes_a_hardware_file_for_this_host(tmp_path, monkeypatch, capsys):
     from servelab.engine import host_probe
     from tests.tiny_models import write_tiny_llama

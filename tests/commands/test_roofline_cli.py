@@ -111,6 +111,9 @@ def test_model_from_an_hf_config_file(tmp_path: Path, capsys):
     (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--dtype", "fp4"], "unknown weight dtype 'fp4'"),
     (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--kv-cache-dtype", "int4"], "unknown KV-cache dtype"),
     (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--bandwidth-fraction", "2"], "bandwidth_fraction"),
+    (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--batch", "1,,2"], "--batch: empty item in '1,,2'"),
+    (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--step-overhead=-1ms"],
+     "--step-overhead: must be >= 0, got '-1ms'"),
 ])
 def test_bad_input_is_a_one_line_error_with_status_2(capsys, args, needle):
     assert main(["roofline", *args]) == 2
@@ -119,6 +122,24 @@ def test_bad_input_is_a_one_line_error_with_status_2(capsys, args, needle):
     lines = captured.err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("servelab roofline: error: ")
     assert needle in lines[0]
+
+
+@pytest.mark.parametrize("flag, content, needle", [
+    ("--model", json.dumps({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
+                            "num_attention_heads": 0, "num_hidden_layers": 32, "vocab_size": 128256,
+                            "max_position_embeddings": 131072}),
+     "num_attention_heads must be a positive integer, got 0"),
+    ("--model", "[1]", "expected a JSON object"),
+    ("--model", b"\xff\xfe\x00binary", "cannot read"),
+    ("--profile", b"\xff\xfe\x00binary", "not JSON"),
+])
+def test_malformed_input_files_are_one_line_errors(tmp_path: Path, capsys, flag, content, needle):
+    path = tmp_path / "config.json"
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    args = {"--model": "llama-3.1-8b", "--hardware": "h100-sxm", flag: str(path)}
+    assert main(["roofline", *(x for item in args.items() for x in item)]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("servelab roofline: error: ") and needle in lines[0]
 
 
 def test_subprocess_exit_status_and_no_traceback():

@@ -84,6 +84,20 @@ def test_load_profile_errors(tmp_path, capsys):
     assert set(TERMS) == set(KNOWN) | set(SWITCHES)
 
 
+
+def test_load_profile_rejects_binary_files_and_non_finite_values(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_bytes(b"\xff\xfe\x00\x01binary")
+    with pytest.raises(InvalidArgument, match="p.json: not JSON"):
+        load_profile(str(path))
+    for value, shown in ((float("inf"), "per_token_s=inf"), (float("nan"), "per_token_s=nan")):
+        path.write_text(json.dumps(profile_dict({**KNOWN, "per_token_s": value})))  # writes Infinity / NaN
+        with pytest.raises(InvalidArgument, match=f"finite numbers >= 0: {shown}"):
+            load_profile(str(path))
+    path.write_text(json.dumps({**profile_dict(), "server": {"per_step_s": float("inf"), "per_seq_s": 0}}))
+    with pytest.raises(InvalidArgument, match="server.per_step_s must be a finite number"):
+        load_profile(str(path))
+
 def test_a_profile_from_before_the_prefill_term_loads_and_prices_as_it_did(tmp_path):
     old = {k: v for k, v in KNOWN.items() if k != "per_prefill_step_s"}
     path = tmp_path / "old.json"
@@ -132,7 +146,7 @@ def test_serving_term_per_step_and_per_sequence(tmp_path):
     assert "no serving term" in plain.describe()
     path = tmp_path / "p.json"
     path.write_text(json.dumps({**profile_dict(), "server": {"per_step_s": -1, "per_seq_s": 0}}))
-    with pytest.raises(InvalidArgument, match=r"server.per_step_s must be a number >= 0, got -1"):
+    with pytest.raises(InvalidArgument, match=r"server.per_step_s must be a finite number >= 0, got -1"):
         load_profile(str(path))
 
 
@@ -146,7 +160,7 @@ def test_an_old_per_token_serving_term_is_priced_per_sequence_and_named(tmp_path
     assert served.step_time_s(shape) == pytest.approx(plain.step_time_s(shape) + 5 * 2e-3, rel=1e-12)
     assert "old per-token form" in served.describe() and "--server-term" in served.describe()
     path.write_text(json.dumps({**profile_dict(), "server": {"per_token_s": -1}}))
-    with pytest.raises(InvalidArgument, match=r"server.per_token_s must be a number >= 0, got -1"):
+    with pytest.raises(InvalidArgument, match=r"server.per_token_s must be a finite number >= 0, got -1"):
         load_profile(str(path))
 
 

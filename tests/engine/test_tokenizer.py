@@ -213,6 +213,15 @@ def test_hf_dir_missing_tokenizer_json(tmp_path):
         Tokenizer.from_hf_dir(tmp_path)
 
 
+def test_hf_dir_unreadable_tokenizer_json_is_a_clear_error(tmp_path):
+    (tmp_path / "tokenizer.json").write_bytes(b"\xff\xfe\x00\x01binary")
+    with pytest.raises(InvalidArgument, match="tokenizer.json: not a valid tokenizer.json .*UTF-8"):
+        Tokenizer.from_hf_dir(tmp_path)
+    (tmp_path / "tokenizer.json").write_text("{bad")
+    with pytest.raises(InvalidArgument, match="tokenizer.json: not a valid tokenizer.json"):
+        Tokenizer.from_hf_dir(tmp_path)
+
+
 # ------------------------------------------------------------------------------ chat templates
 
 @pytest.fixture(scope="module")

@@ -144,3 +144,33 @@ def test_from_hf_config_errors_name_the_problem(tmp_path: Path):
     bad.write_text("{not json")
     with pytest.raises(InvalidArgument, match="JSON"):
         ModelSpec.from_hf_config(bad)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+    ({"hidden_size": "abc"}, "hidden_size must be a positive integer, got 'abc'"),
+    ({"intermediate_size": None}, "intermediate_size must be a positive integer, got None"),
+    ({"vocab_size": 10.5}, "vocab_size must be a positive integer, got 10.5"),
+    ({"num_hidden_layers": True}, "num_hidden_layers must be a positive integer, got True"),
+    ({"num_key_value_heads": -8}, "num_key_value_heads must be a positive integer, got -8"),
+    ({"head_dim": "128"}, "head_dim must be a positive integer"),
+    ({"rope_theta": "big"}, "rope_theta must be a positive number"),
+    ({"rope_scaling": [1]}, "rope_scaling must be an object"),
+])
+def test_from_hf_config_rejects_malformed_values_naming_the_key(tmp_path: Path, change, message):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**LLAMA_31_8B, **change}))
+    with pytest.raises(InvalidArgument, match=f"config.json: {message}"):
+        ModelSpec.from_hf_config(path)
+    with pytest.raises(InvalidArgument, match=message):
+        ModelSpec.from_hf_config({**LLAMA_31_8B, **change})
+
+
+def test_from_hf_config_rejects_a_file_that_is_not_a_json_object_of_text(tmp_path: Path):
+    path = tmp_path / "config.json"
+    path.write_text("[1]")
+    with pytest.raises(InvalidArgument, match="expected a JSON object"):
+        ModelSpec.from_hf_config(path)
+    path.write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(InvalidArgument, match="cannot read .*config.json"):
+        ModelSpec.from_hf_config(path)

@@ -178,6 +178,28 @@ def test_bad_files_get_clear_errors(tmp_path):
         WorkloadSpec(trace=str(bad), rate=2.0)
 
 
+
+@pytest.mark.parametrize("row, message", [
+    ({"prompt_tokens": 10.5}, "prompt_tokens must be an integer >= 1, got 10.5"),
+    ({"prompt_tokens": True}, "prompt_tokens must be an integer >= 1, got True"),
+    ({"output_tokens": "9"}, "output_tokens must be an integer >= 1, got '9'"),
+    ({"output_tokens": 0}, "output_tokens must be an integer >= 1, got 0"),
+    ({"prefix_tokens": 2.5}, "prefix_tokens must be an integer >= 0, got 2.5"),
+    ({"prefix_group": False}, "prefix_group must be an integer, got False"),
+])
+def test_trace_token_counts_must_be_integers(tmp_path, row, message):
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps({"arrival_s": 0, "prompt_tokens": 50, "output_tokens": 5, **row}) + "\n")
+    with pytest.raises(InvalidArgument, match=f"line 1: {message}"):
+        WorkloadSpec(trace=str(path)).generate()
+
+
+def test_a_binary_trace_file_gets_a_clear_error(tmp_path):
+    path = tmp_path / "binary.json"
+    path.write_bytes(b"\xff\xfe\x00\x01binary\n")
+    with pytest.raises(InvalidArgument, match="binary.json.*not UTF-8"):
+        WorkloadSpec(trace=str(path)).generate()
+
 def test_cli_flags_round_trip():
     parser = argparse.ArgumentParser()
     add_workload_arguments(parser)
