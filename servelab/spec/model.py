@@ -256,38 +256,46 @@ class ModelSpec:
                 raise InvalidArgument(f"GGUF metadata lacks the required key '{arch}.{key}'", param="model")
             return value
 
-        hidden = int(get("embedding_length", required=True))
-        heads = int(get("attention.head_count", required=True))
+        def count(key: str, required: bool = False) -> int | None:
+            """A positive integer, or None where an optional key is absent."""
+            value = get(key, required=required)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+                raise InvalidArgument(f"GGUF metadata: '{arch}.{key}' must be a positive integer, got {value!r}",
+                                      param="model")
+            return value
+
+        hidden = count("embedding_length", required=True)
+        heads = count("attention.head_count", required=True)
         shapes = tensor_shapes or {}
         tokens = metadata.get("tokenizer.ggml.tokens")
         if "token_embd.weight" in shapes:  # [hidden, vocab] in ggml order: the rows the model has
             vocab = shapes["token_embd.weight"][1]
         elif get("vocab_size") is not None or tokens is None:
-            vocab = get("vocab_size", required=True)
+            vocab = count("vocab_size", required=True)
         else:
             vocab = len(tokens)
         scaling = None
         if get("rope.scaling.type") not in (None, "none"):
             scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor"),
                        "original_max_position_embeddings": get("rope.scaling.original_context_length")}
-        num_experts = int(get("expert_count") or 1)
+        num_experts = count("expert_count") or 1
         return cls(
             name=name or metadata.get("general.name") or arch,
-            num_layers=int(get("block_count", required=True)),
+            num_layers=count("block_count", required=True),
             hidden_size=hidden,
             num_heads=heads,
-            num_kv_heads=int(get("attention.head_count_kv") or heads),
-            head_dim=int(get("attention.key_length") or get("rope.dimension_count") or hidden // heads),
-            ffn_size=int(get("feed_forward_length", required=True)),
+            num_kv_heads=count("attention.head_count_kv") or heads,
+            head_dim=count("attention.key_length") or count("rope.dimension_count") or hidden // heads,
+            ffn_size=count("feed_forward_length", required=True),
             vocab_size=int(vocab),
             tie_embeddings=bool(shapes) and "output.weight" not in shapes,
-            max_context=int(get("context_length", required=True)),
+            max_context=count("context_length", required=True),
             rope_theta=float(get("rope.freq_base", 10000.0)),
             rope_scaling=scaling,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
             qkv_bias=("blk.0.attn_q.bias" in shapes) if "blk.0.attn_q.weight" in shapes else _GGUF_ARCHS[arch],
             num_experts=num_experts,
-            num_active_experts=int(get("expert_used_count") or 1) if num_experts > 1 else 1,
+            num_active_experts=(count("expert_used_count") or 1) if num_experts > 1 else 1,
             architecture=arch,
         )
 

