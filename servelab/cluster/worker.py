@@ -19,6 +19,8 @@ import logging
 import os
 import queue
 import socket
+import sys
+import tempfile
 import threading
 import time
 from typing import TYPE_CHECKING, Any
@@ -57,7 +59,21 @@ def worker_main(rdv: Rendezvous, parent_pid: int | None = None) -> int:
     """The whole life of worker `rdv.rank`; returns its exit status (0: told to stop)."""
     if parent_pid is not None:
         threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
-    links = join(rdv)
+    # torch's C++ side logs each failed connection attempt with its stack trace straight to fd 2:
+    # held back while joining, shown after a join that worked, dropped (unless logging at debug)
+    # when the join failed, for then one line says what did not answer
+    noise = _NativeStderr()
+    try:
+        with noise:
+            links = join(rdv)
+    except Exception as exc:
+        leave()
+        if logger.isEnabledFor(logging.DEBUG) or isinstance(exc, ServelabError):
+            noise.replay()
+        if isinstance(exc, ServelabError):
+            raise
+        raise _join_failed(rdv, exc) from None  # torch's DistNetworkError and kin
+    noise.replay()
     link = links[0]
     try:
         config = link.recv(timeout_s=rdv.timeout_s)
@@ -84,6 +100,51 @@ def worker_main(rdv: Rendezvous, parent_pid: int | None = None) -> int:
         return 1
     finally:
         leave()
+
+
+class _NativeStderr:
+    """Holds what is written to file descriptor 2 (C++ logs included) while in the block."""
+
+    def __init__(self) -> None:
+        self._file: Any = None
+        self._saved = -1
+
+    def __enter__(self) -> _NativeStderr:
+        sys.stderr.flush()
+        self._file = tempfile.TemporaryFile()
+        self._saved = os.dup(2)
+        os.dup2(self._file.fileno(), 2)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        sys.stderr.flush()
+        os.dup2(self._saved, 2)
+        os.close(self._saved)
+
+    def replay(self) -> None:
+        if self._file is None:
+            return
+        self._file.seek(0)
+        text = self._file.read()
+        self._file.close()
+        self._file = None
+        sys.stderr.flush()
+        view = memoryview(text)
+        while view:
+            view = view[os.write(2, view):]
+
+
+def _join_failed(rdv: Rendezvous, exc: BaseException) -> ServelabError:
+    from torch.distributed import DistNetworkError
+
+    from servelab.cluster.launch import ClusterFailed
+
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    where = f"{rdv.master_addr}:{rdv.master_port}"
+    if isinstance(exc, DistNetworkError):  # nothing answered at the address: no front end there (yet)
+        why = "" if "timed out" in text.lower() else f" ({text})"
+        return ClusterFailed(f"no front end at {where} within {rdv.timeout_s:g} s{why}")
+    return ClusterFailed(f"worker {rdv.rank} could not join the cluster at {where} within {rdv.timeout_s:g} s: {text}")
 
 
 def _build(config: m.WorkerConfig, rank: int, link: Link) -> LLMEngine | None:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import re
+import sys
 from typing import Any
 
 from servelab.commands._dtype_cli import add_engine_dtype_arguments
@@ -109,6 +111,25 @@ def build_engine(args: argparse.Namespace):
     engine_args = engine_args_from(args)
     set_threads(args)
     return LLMEngine.from_args(engine_args)
+
+
+# Python decodes argv and (in UTF-8 mode) stdin with surrogateescape: each byte that is not UTF-8
+# becomes a lone surrogate, which no tokenizer takes
+_UNDECODABLE = re.compile("[\ud800-\udfff]")
+UNDECODABLE_NOTE = "holds bytes that are not UTF-8; each was replaced by U+FFFD (\ufffd)"
+
+
+def replace_undecodable(text: str) -> tuple[str, int]:
+    """`text` with each byte that was not UTF-8 (a lone surrogate) replaced by U+FFFD, and how many."""
+    return _UNDECODABLE.subn("\ufffd", text)
+
+
+def stdin_keeps_undecodable_bytes() -> None:
+    """Lets `input()` pass bytes that are not UTF-8 through as lone surrogates (as in UTF-8 mode)
+    instead of raising UnicodeDecodeError: the caller replaces them with replace_undecodable."""
+    reconfigure = getattr(sys.stdin, "reconfigure", None)
+    if reconfigure is not None and getattr(sys.stdin, "errors", None) == "strict":
+        reconfigure(errors="surrogateescape")
 
 
 def timing_line(seq, engine) -> str:

@@ -221,7 +221,30 @@ def _report_run(args: argparse.Namespace, result, config: dict[str, Any], worklo
             print("\n".join(extra))
         for path in plots:
             print(f"wrote {path}")
-    return 0
+    return _fail_if_nothing_completed(result.summary, result.report)
+
+
+def nothing_completed(summary, report) -> str | None:  # noqa: ANN001
+    """Why a run in which no request completed failed, in one line; None when one did."""
+    if summary.completed:
+        return None
+    if not summary.num_requests:
+        return "no request was sent"
+    text = f"no request completed: {summary.failed} of {summary.num_requests} failed"
+    reasons = sorted(report.failures.items(), key=lambda kv: -kv[1])
+    if reasons:
+        more = f"; {len(reasons) - 1} other reason(s)" if len(reasons) > 1 else ""
+        text += f" ({reasons[0][1]} x {reasons[0][0]}{more})"
+    return text
+
+
+def _fail_if_nothing_completed(summary, report) -> int:  # noqa: ANN001
+    """1 (after saying why, below the report) when no request completed, else 0."""
+    reason = nothing_completed(summary, report)
+    if reason is None:
+        return 0
+    print(f"servelab bench: {reason}", file=sys.stderr)
+    return 1
 
 
 def _write_outputs(args: argparse.Namespace, out: dict[str, Any], records, results) -> None:  # noqa: ANN001
@@ -268,9 +291,11 @@ def _find_capacity(args, session, workload, slo, loop, config, duration_s) -> in
         from servelab.bench.plots import write_capacity_plot
 
         write_capacity_plot(result, Path(args.plot_dir) / "capacity.png")
+    # every level's every request failed: the server is not serving this workload at all
+    dead = bool(runs) and all(r.summary.completed == 0 for _, r in runs)
     if args.json:
         print(json.dumps(out, indent=2))
-        return 0
+        return _fail_if_nothing_completed(runs[0][1].summary, runs[0][1].report) if dead else 0
     print(result.describe())
     if result.best is not None:
         print(f"\nat the capacity ({args.search} {result.best.load:g}):")
@@ -278,7 +303,7 @@ def _find_capacity(args, session, workload, slo, loop, config, duration_s) -> in
     if result.first_failing is not None:
         print(f"\nfirst failing level ({args.search} {result.first_failing.load:g}: {result.first_failing.reason}):")
         print(format_summary_table(result.first_failing.summary))
-    return 0
+    return _fail_if_nothing_completed(runs[0][1].summary, runs[0][1].report) if dead else 0
 
 
 def _ms(value: float | None) -> str:

@@ -10,10 +10,13 @@ import argparse
 import sys
 
 from servelab.commands._engine_cli import (
+    UNDECODABLE_NOTE,
     add_engine_arguments,
     add_sampling_arguments,
     build_engine,
+    replace_undecodable,
     sampling_params_from,
+    stdin_keeps_undecodable_bytes,
     timing_line,
 )
 
@@ -28,11 +31,24 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from servelab.errors import RequestTooLong, ServelabError
+
     params = sampling_params_from(args)
     engine = build_engine(args)
     params = sampling_params_from(args, engine.sampling_defaults)
-    system = [{"role": "system", "content": args.system}] if args.system else []
+    noted = False  # the note on bytes that are not UTF-8 is said once
+
+    def clean(text: str, what: str) -> str:
+        nonlocal noted
+        text, replaced = replace_undecodable(text)
+        if replaced and not noted:
+            print(f"note: {what} {UNDECODABLE_NOTE}", file=sys.stderr)
+            noted = True
+        return text
+
+    system = [{"role": "system", "content": clean(args.system, "--system")}] if args.system else []
     messages: list[dict] = list(system)
+    stdin_keeps_undecodable_bytes()
     interactive = sys.stdin.isatty()
     print(f"servelab chat with {engine.model_name} — /reset to start over, /exit or Ctrl-D to quit", file=sys.stderr)
     turn = 0
@@ -42,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
         except EOFError:
             print(file=sys.stderr)
             return 0
-        line = line.strip()
+        line = clean(line, "your message").strip()
         if not line:
             continue
         if line in ("/exit", "/quit"):
@@ -52,10 +68,18 @@ def run(args: argparse.Namespace) -> int:
             print("(conversation reset)", file=sys.stderr)
             continue
         messages.append({"role": "user", "content": line})
-        prompt = engine.tokenizer.encode_chat(messages, add_generation_prompt=True)
         rid = f"chat-{turn}"
         turn += 1
-        seq = engine.add_request(rid, prompt, params)
+        try:
+            prompt = engine.tokenizer.encode_chat(messages, add_generation_prompt=True)
+            seq = engine.add_request(rid, prompt, params)
+        except ServelabError as exc:  # this message is dropped; the conversation before it goes on
+            messages.pop()
+            hint = ""
+            if isinstance(exc, RequestTooLong) and len(messages) > len(system):
+                hint = "; the prompt holds the whole conversation: /reset starts over"
+            print(f"error: {exc.message}{hint} (message not sent)", file=sys.stderr)
+            continue
         reply: list[str] = []
         sys.stdout.write("assistant> " if interactive else "")
         try:

@@ -7,9 +7,11 @@ import json
 import sys
 
 from servelab.commands._engine_cli import (
+    UNDECODABLE_NOTE,
     add_engine_arguments,
     add_sampling_arguments,
     build_engine,
+    replace_undecodable,
     sampling_params_from,
     timing_line,
 )
@@ -32,11 +34,15 @@ def run(args: argparse.Namespace) -> int:
     params = sampling_params_from(args)
     if args.system is not None and not args.chat:
         raise InvalidArgument("--system needs --chat", param="system")
+    prompt, in_prompt = replace_undecodable(args.prompt)
+    system, in_system = replace_undecodable(args.system or "")
+    if in_prompt or in_system:
+        which = " and ".join(flag for flag, n in (("--prompt", in_prompt), ("--system", in_system)) if n)
+        print(f"servelab generate: note: {which} {UNDECODABLE_NOTE}", file=sys.stderr)
     engine = build_engine(args)
     params = sampling_params_from(args, engine.sampling_defaults)
-    prompt: str = args.prompt
     if args.chat:
-        messages = ([{"role": "system", "content": args.system}] if args.system else []) + [
+        messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": prompt}
         ]
         prompt = engine.tokenizer.encode_chat(messages, add_generation_prompt=True)

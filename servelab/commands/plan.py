@@ -67,9 +67,11 @@ def run(args: argparse.Namespace) -> int:
     weight, kv = cost_dtypes(args)
     if args.workers is not None and args.workers < 1:
         raise InvalidArgument(f"--workers must be >= 1, got {args.workers}")
-    from servelab.commands._outputs import check_output_file
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise InvalidArgument(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    from servelab.commands._outputs import check_plot_file
 
-    check_output_file(args.plot, "--plot")
+    check_plot_file(args.plot, "--plot")
     from servelab.workload import workload_from_args
 
     spec = workload_from_args(args)  # validates the workload flags

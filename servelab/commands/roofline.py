@@ -176,9 +176,6 @@ def _table(table_rows: list[dict[str, Any]]) -> str:
 
 
 def plot(roofline: Any, batches: list[int], context: int, path: str) -> None:
-    from servelab.commands._outputs import check_output_file
-
-    check_output_file(path, "--plot")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -234,6 +231,9 @@ def _add_profile(args: argparse.Namespace, model_name: str, table_rows: list[dic
 
 
 def run(args: argparse.Namespace) -> int:
+    from servelab.commands._outputs import check_plot_file
+
+    check_plot_file(args.plot, "--plot")
     roofline, batches = build(args)
     table_rows = rows(roofline, batches, args.context, args.prompt_len)
     profile = None if args.profile is None else _add_profile(args, roofline.model.name, table_rows)

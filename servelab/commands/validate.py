@@ -57,14 +57,17 @@ def sim_model(profile: dict[str, Any], name: str | None, served_model: str):  # 
 
 def run(args: argparse.Namespace) -> int:
     from servelab.commands._outputs import check_output_file
-    from servelab.commands.bench import check_load_args, slo_from_args
-    from servelab.cost.profile import load_profile
+    from servelab.commands.bench import check_load_args, nothing_completed, slo_from_args
+    from servelab.cost.profile import catalog_model_for, load_profile, warn_if_other_model
     from servelab.engine.host_probe import OtherLoadMeter
     from servelab.workload import workload_from_args
 
     check_load_args(args)
     check_output_file(args.save_result, "--save-result")
     profile = load_profile(args.profile)
+    # the profile should be the simulated model's, and the server's (checked once it answers)
+    warned = args.sim_model is not None and warn_if_other_model(profile, args.profile,
+                                                                sim_model(profile, args.sim_model, "").name)
     slo = slo_from_args(args)
     workload = workload_from_args(args)
     if workload.rate is None and workload.concurrency is None and workload.trace is None:
@@ -76,9 +79,35 @@ def run(args: argparse.Namespace) -> int:
         measured, server, served_model = loop.run_until_complete(bench_live_server(args, workload, slo))
     finally:
         loop.close()
+    if not warned and catalog_model_for(None, served_model) is not None:  # a name the catalog knows
+        warn_if_other_model(profile, args.profile, served_model)
+    if (reason := nothing_completed(measured.summary, measured.report)) is not None:
+        return _report_nothing_completed(args, workload, measured, served_model, reason)
     host = {"cpus": os.cpu_count(), "steal_cpus": meter.steal_cpus()}
     steps = None if args.step_log is None else served_steps(profile, args.step_log, log_start)
     return _predict_and_report(args, profile, workload, slo, measured, server, served_model, host, steps)
+
+
+def _report_nothing_completed(args, workload, measured, served_model, reason: str) -> int:  # noqa: ANN001
+    """The measured run's report, and 1: with no completed request there is nothing to replay."""
+    from servelab.metrics import format_summary_table
+
+    out = {"config": {"base_url": args.base_url, "model": served_model, "profile": args.profile,
+                      "workload": workload.to_dict()},
+           "measured": measured.summary.to_dict(), "client": measured.report.to_dict()}
+    if args.save_result:
+        Path(args.save_result).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        print(f"{served_model} at {args.base_url}, {workload.describe()}")
+        print()
+        print(format_summary_table(measured.summary))
+        if lines := measured.report.lines():
+            print()
+            print("\n".join(lines))
+    print(f"servelab validate: {reason}; nothing to replay in the simulator", file=sys.stderr)
+    return 1
 
 
 def _log_size(path: str | None) -> int:

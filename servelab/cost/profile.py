@@ -440,11 +440,19 @@ def load_profile(path: str, *, model: str | None = None) -> dict[str, Any]:
             value = server.get(key) if isinstance(server, dict) else None
             if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value < math.inf:
                 raise InvalidArgument(f"--profile {path}: server.{key} must be a finite number >= 0, got {value!r}")
-    if model is not None and not same_model(str(profile.get("model", "")), model):
-        # Catalog names (smollm2-135m) and file names (SmolLM2-135M-Instruct.Q4_1) differ: warn only.
-        print(f"servelab: warning: --profile {path} was calibrated for model {profile.get('model')!r}, "
-              f"not {model!r}: its step times are that model's", file=sys.stderr)
+    if model is not None:
+        warn_if_other_model(profile, path, model)
     return profile
+
+
+def warn_if_other_model(profile: dict[str, Any], path: str, model: str) -> bool:
+    """Warns (on stderr) when the profile was calibrated for another model than `model`; says whether."""
+    if same_model(str(profile.get("model", "")), model):
+        return False
+    # Catalog names (smollm2-135m) and file names (SmolLM2-135M-Instruct.Q4_1) differ: warn only.
+    print(f"servelab: warning: --profile {path} was calibrated for model {profile.get('model')!r}, "
+          f"not {model!r}: its step times are that model's", file=sys.stderr)
+    return True
 
 
 def same_model(a: str, b: str) -> bool:

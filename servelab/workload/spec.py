@@ -71,6 +71,7 @@ class WorkloadSpec:
     think_time_s: float = 0.0
     think_time_dist: str = "constant"
     _arrivals: ArrivalProcess = field(init=False, repr=False)
+    _trace_rows: int | None = field(init=False, repr=False, compare=False, default=None)  # what the trace gives
 
     def __post_init__(self) -> None:
         self._arrivals = ArrivalProcess.create(self.rate, self.concurrency, self.burstiness, self.arrival,
@@ -161,6 +162,7 @@ class WorkloadSpec:
         rows = load_trace(self.trace)  # type: ignore[arg-type]
         if self.num_requests is not None:
             rows = rows[: self.num_requests]
+        self._trace_rows = len(rows)
         closed = self._arrivals.closed_loop
         output = None
         if self.output_len is not None:
@@ -205,13 +207,23 @@ class WorkloadSpec:
         }
 
     def describe(self) -> str:
+        n = self.num_requests or DEFAULT_NUM_REQUESTS
+        arrivals = self._arrivals.describe()
         if self.trace:
+            if self._trace_rows is None:  # not generated yet: count what it will give
+                rows = len(load_trace(self.trace))
+                self._trace_rows = rows if self.num_requests is None else min(rows, self.num_requests)
+            n = self._trace_rows
             lengths = f"trace {self.trace}"
+            if not self._arrivals.closed_loop:  # sent at the trace's own times, not at a rate
+                arrivals = "at the trace's arrival times"
+                if self.concurrency is not None:
+                    arrivals += f", at most {self.concurrency} in flight"
         elif self.dataset:
             lengths = f"dataset {self.dataset}"
         else:
             lengths = f"{self.input_dist} in, {self.output_dist} out"
-        text = f"{self.num_requests or DEFAULT_NUM_REQUESTS} requests, {lengths}, {self._arrivals.describe()}"
+        text = f"{n} request{'' if n == 1 else 's'}, {lengths}, {arrivals}"
         if self.shared_prefix_fraction:
             text += f", {self.shared_prefix_fraction:.0%} shared prefix in {self.num_prefix_groups} group(s)"
         return text

@@ -188,6 +188,29 @@ def test_cli_json_is_the_shared_summary_schema(mock_server, tmp_path, capsys):
     assert json.loads((tmp_path / "res.json").read_text())["summary"] == data["summary"]
 
 
+def test_cli_fails_when_no_request_completes_and_keeps_the_report(mock_server, tmp_path, capsys):
+    url, _ = mock_server
+    saved = tmp_path / "res.json"
+    rc = cli_main(["bench", "--base-url", url, "--concurrency", "2", "--num-requests", "2", "--input-len", "8",
+                   "--output-len", "4", "--request-timeout", "10ms", "--no-progress", "--save-result", str(saved)])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert "0 / 2" in captured.out and "2 x timeout" in captured.out  # the report is printed all the same
+    assert captured.err.splitlines()[-1] == ("servelab bench: no request completed: 2 of 2 failed "
+                                             "(2 x timeout: no complete response within 0.01s)")
+    assert json.loads(saved.read_text())["summary"]["failed"] == 2
+
+
+def test_cli_capacity_search_fails_when_no_level_completes_a_request(mock_server, capsys):
+    url, _ = mock_server
+    rc = cli_main(["bench", "--base-url", url, "--find-capacity", "--slo-tpot", "200ms", "--max-load", "2",
+                   "--num-requests", "2", "--input-len", "8", "--output-len", "4", "--request-timeout", "10ms",
+                   "--no-progress", "--json"])
+    captured = capsys.readouterr()
+    assert rc == 1 and json.loads(captured.out)["capacity"]
+    assert "servelab bench: no request completed" in captured.err.splitlines()[-1]
+
+
 def test_cli_rejects_bad_arguments(capsys):
     rc = cli_main(["bench", "--base-url", "http://127.0.0.1:9", "--concurrency", "2", "--warmup", "-1"])
     assert rc == 2 and "--warmup" in capsys.readouterr().err

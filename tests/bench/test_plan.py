@@ -85,6 +85,14 @@ def test_plan_cli_errors(capsys):
     assert "searches the load itself" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_plan_refuses_a_max_concurrency_below_one(value, capsys):
+    # 0 was taken as "no ceiling given" and the default searched instead
+    assert cli_main(["plan", "--slo-tpot", "50ms", "--max-concurrency", value]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"--max-concurrency must be >= 1, got {value}" in err
+
+
 def test_the_start_up_wave_does_not_decide_the_capacity():
     # Closed loop: all 34 clients send at t = 0 and their 1,024-token prompts queue behind one
     # another (up to ~1.5 s of TTFT), a burst no sustained load sees. Counted, that wave alone

@@ -3,6 +3,12 @@ naming the flag, before any port is bound or model loaded."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from servelab.cli import main
@@ -34,6 +40,24 @@ def test_worker_without_rendezvous_names_the_missing_variable(capsys, monkeypatc
         monkeypatch.delenv(var, raising=False)
     assert main(["worker", "--master-port", "29500"]) == 2
     assert "--master-addr is not given and MASTER_ADDR is not set" in capsys.readouterr().err
+
+
+def test_worker_without_a_front_end_says_so_in_one_line():
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")}
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.run(
+        [sys.executable, "-m", "servelab", "worker", "--master-addr", "127.0.0.1", "--master-port", str(port),
+         "--rank", "1", "--world-size", "2", "--join-timeout", "1s"],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    # not torch's DistNetworkError traceback and its C++ stack traces (~70 lines)
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.splitlines()
+    assert lines[-1] == f"servelab worker: error: no front end at 127.0.0.1:{port} within 1 s", proc.stderr
+    assert len(lines) <= 2 and "Traceback" not in proc.stderr  # the "joining" log line, then the error
 
 
 def test_router_choices_come_from_the_shared_router(capsys):

@@ -3,6 +3,8 @@ to a typo in a path; and a negative workload seed is a one-line error, not numpy
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from servelab.cli import main
@@ -40,6 +42,39 @@ def test_unwritable_outputs_fail_before_the_run(argv, flag, kind, needle, bad, c
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and flag in err and needle in err, err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize(("argv", "flag"), [(PLAN, "--plot"), (ROOFLINE, "--plot")])
+def test_a_plot_format_matplotlib_cannot_write_fails_before_the_run(argv, flag, tmp_path, capsys):
+    assert main([*argv, flag, str(tmp_path / "frontier.txt")]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and "format 'txt' is not one of" in captured.err and "png" in captured.err
+    assert captured.out == ""  # refused before any table is printed
+    assert not (tmp_path / "frontier.txt").exists()
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs a /proc file system")
+@pytest.mark.parametrize(
+    ("argv", "flag", "path"),
+    [
+        (SIM, "--requests-out", "/proc/servelab-x.jsonl"),
+        (SIM, "--plot-dir", "/proc/servelab-x"),
+        (BENCH, "--requests-out", "/proc/servelab-x.jsonl"),
+        (BENCH, "--plot-dir", "/proc/servelab-x/plots"),
+        (ROOFLINE, "--plot", "/proc/servelab-x.png"),
+        (PLAN, "--plot", "/proc/servelab-x.png"),
+    ],
+)
+def test_a_folder_that_refuses_new_files_fails_before_the_run(argv, flag, path, capsys):
+    # /proc passes os.access(W_OK) for root, yet no file can be made in it
+    assert main([*argv, flag, path]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and flag in err and "cannot" in err and "Traceback" not in err, err
+
+
+def test_the_write_check_leaves_nothing_behind(tmp_path, capsys):
+    assert main([*SIM, "--requests-out", str(tmp_path / "r.jsonl"), "--plot-dir", str(tmp_path / "plots")]) == 0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plots", "r.jsonl"]
 
 
 def test_writable_outputs_are_written(tmp_path, capsys):

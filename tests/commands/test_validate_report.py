@@ -70,3 +70,61 @@ def test_an_exponential_think_time_replays_each_requests_own_draw():
     trace = replay_trace(records, closed_loop=True, think_s=validate.bench_think_times(workload))
     assert [s.think_s for s in trace] == [drawn[0], drawn[1], drawn[3], drawn[2]]
     assert validate.bench_think_times(WorkloadSpec(num_requests=4, concurrency=2, think_time_s=0.5)) == 0.5
+
+
+def _validate_against(monkeypatch, tmp_path, measured, served_model, *extra):
+    """`servelab validate` with the live bench replaced by `measured` (what the server gave)."""
+    from servelab.cli import main
+
+    coefs = {"per_step_s": 2e-3, "per_token_s": 5e-5, "per_seq_s": 0.0, "per_context_token_s": 0.0, "per_pair_s": 0.0}
+    profile = tmp_path / "p.json"
+    profile.write_text(json.dumps({"format": "servelab-profile", "version": 1, "model": "smollm2-135m",
+                                   "fit": {"coefficients": coefs}}))
+
+    async def bench_live_server(args, workload, slo):
+        return measured, SERVER, served_model
+
+    monkeypatch.setattr(validate, "bench_live_server", bench_live_server)
+    return main(["validate", "--base-url", "http://127.0.0.1:9", "--profile", str(profile), "--concurrency", "1",
+                 "--num-requests", "2", "--input-len", "32", "--output-len", "2", "--no-progress", *extra])
+
+
+def test_validate_fails_when_no_request_completed(monkeypatch, tmp_path, capsys):
+    from servelab.bench.records import ClientReport
+
+    records = [RequestRecord(f"r{i}", float(i), None, None, [], float(i), 32, 0, success=False,
+                             error="HTTP 404: no model 'wrongname'") for i in range(2)]
+    measured = SimpleNamespace(records=records, summary=summarize(records, 2.0),
+                               report=ClientReport(failures={"HTTP 404: no model 'wrongname'": 2}))
+    assert _validate_against(monkeypatch, tmp_path, measured, "wrongname") == 1
+    captured = capsys.readouterr()
+    assert "0 / 2" in captured.out  # the measured run's report, with nothing to compare it to
+    assert captured.err.splitlines()[-1] == ("servelab validate: no request completed: 2 of 2 failed "
+                                             "(2 x HTTP 404: no model 'wrongname'); nothing to replay in the "
+                                             "simulator")
+
+
+def _completed_run():
+    from servelab.bench.records import ClientReport
+
+    records = [RequestRecord(f"r{i}", 0.6 * i, 0.6 * i, 0.6 * i + 0.05, [0.6 * i + 0.05, 0.6 * i + 0.1],
+                             0.6 * i + 0.1, 32, 2) for i in range(2)]
+    return SimpleNamespace(records=records, summary=summarize(records, 1.3), report=ClientReport())
+
+
+@pytest.mark.parametrize(
+    ("served", "extra", "other"),
+    [
+        ("llama-3.1-8b", [], "llama-3.1-8b"),  # the server runs another catalog model than the profile's
+        ("smollm2-135m", ["--sim-model", "llama-3.1-8b"], "llama-3.1-8b"),  # the simulator would
+        ("SmolLM2-135M-Instruct.Q4_1", [], None),  # the profile's model under its file name
+        ("my-fine-tune", [], None),  # a served name the catalog does not know: nothing to say
+    ],
+)
+def test_validate_warns_when_the_profile_is_another_models(served, extra, other, monkeypatch, tmp_path, capsys):
+    assert _validate_against(monkeypatch, tmp_path, _completed_run(), served, *extra) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "was calibrated for model" in line]
+    if other is None:
+        assert warnings == []
+    else:
+        assert len(warnings) == 1 and f"not {other!r}" in warnings[0] and "'smollm2-135m'" in warnings[0]

@@ -75,6 +75,45 @@ def test_chat_keeps_history_and_resets(tiny_llama, capsys, monkeypatch):
     assert prompt_lens[1] > prompt_lens[0] and prompt_lens[2] < prompt_lens[1]
 
 
+def test_generate_replaces_bytes_that_are_not_utf8_and_says_so(tiny_llama, capsys):
+    # Python hands argv's undecodable bytes over as lone surrogates (surrogateescape)
+    rc = main(["generate", "--model", str(tiny_llama), "--dtype", "float32", "--prompt", "a\udcffb", "--max-tokens",
+               "2", "--temperature", "0", "--ignore-eos"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert err.count("U+FFFD") == 1 and "--prompt holds bytes that are not UTF-8" in err and "Traceback" not in err
+
+
+def test_chat_replaces_bytes_that_are_not_utf8_once(tiny_llama, capsys, monkeypatch):
+    # a strict stdin (a UTF-8 locale) would raise UnicodeDecodeError; UTF-8 mode gives lone surrogates
+    stdin = io.TextIOWrapper(io.BytesIO(b"a\xffb\n\xfe\xfe\n/exit\n"), encoding="utf-8", errors="strict")
+    monkeypatch.setattr("sys.stdin", stdin)
+    rc = main(["chat", "--model", str(tiny_llama), "--dtype", "float32", "--max-tokens", "2", "--temperature", "0",
+               "--ignore-eos"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert len([line for line in captured.out.splitlines() if line.strip()]) == 2  # both turns answered
+    assert captured.err.count("U+FFFD") == 1 and "your message holds bytes that are not UTF-8" in captured.err
+
+
+def test_chat_survives_a_message_too_long_and_a_conversation_that_outgrew_the_context(tiny_llama, capsys,
+                                                                                      monkeypatch):
+    # the tiny model's context is 2048 tokens; "word " is about 3 of its tokens
+    lines = ["word " * 700, "word " * 400, "word " * 400, "hi", "/exit"]
+    monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
+    rc = main(["chat", "--model", str(tiny_llama), "--dtype", "float32", "--max-tokens", "5", "--temperature", "0",
+               "--ignore-eos", "--stats"])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err
+    assert len([line for line in captured.out.splitlines() if line.strip()]) == 2  # the 2nd and 4th got replies
+    errors = [line for line in captured.err.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2 and all("maximum context length" in e and "message not sent" in e for e in errors)
+    assert "/reset" not in errors[0] and "/reset starts over" in errors[1]  # only the second had a conversation
+    # the dropped message is not in the history: the last turn's prompt is the first reply's turn plus "hi"
+    prompt_lens = [int(m) for m in re.findall(r"\[(\d+) prompt", captured.err)]
+    assert prompt_lens[1] < prompt_lens[0] + 100
+
+
 @pytest.mark.slow
 def test_bundled_model_knows_the_capital_of_france(capsys):
     rc = main(["generate", "--chat", "--prompt", "What is the capital of France?", "--temperature", "0"])

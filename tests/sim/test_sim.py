@@ -168,6 +168,16 @@ def test_cli_table(capsys):
     assert "TTFT" in out and "KV transfer" in out and "x2" in out
 
 
+def test_cli_header_gives_a_traces_own_request_count(tmp_path, capsys):
+    trace = tmp_path / "one_line.jsonl"
+    trace.write_text(json.dumps({"arrival_s": 0.5, "prompt_tokens": 100, "output_tokens": 20}) + "\n")
+    for extra in ([], ["--num-requests", "20"]):
+        code, out, _ = run_cli(capsys, "--trace", str(trace), "--no-progress", *extra)
+        assert code == 0
+        assert f"workload: 1 request, trace {trace}, at the trace's arrival times" in out, out
+        assert "Requests (completed / failed)     1 / 0" in out
+
+
 @pytest.mark.parametrize(
     "argv, message",
     [

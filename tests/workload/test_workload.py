@@ -167,6 +167,19 @@ def test_trace_gives_arrivals_and_lengths(tmp_path):
     assert all(r.arrival_s is None for r in WorkloadSpec(trace=str(path), concurrency=2).generate())
 
 
+def test_a_traces_description_counts_its_requests_and_names_its_arrivals(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"arrival_s": t, "prompt_tokens": 50, "output_tokens": 5}) + "\n"
+                            for t in (0.0, 1.0, 2.0)))
+    # not 1000 requests "poisson at inf req/s": the trace's 3, sent at its own times
+    assert WorkloadSpec(trace=str(path)).describe() == f"3 requests, trace {path}, at the trace's arrival times"
+    assert WorkloadSpec(num_requests=20, trace=str(path)).describe().startswith("3 requests,")  # capped by the trace
+    one = WorkloadSpec(num_requests=1, trace=str(path))
+    assert len(one.generate()) == 1 and one.describe().startswith("1 request,")
+    closed = WorkloadSpec(trace=str(path), concurrency=2)
+    assert closed.describe() == f"3 requests, trace {path}, closed loop, concurrency 2"
+
+
 def test_bad_files_get_clear_errors(tmp_path):
     with pytest.raises(NotFound, match="no such file"):
         WorkloadSpec(trace=str(tmp_path / "missing.jsonl")).generate()
