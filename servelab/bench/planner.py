@@ -19,6 +19,7 @@ from servelab.core.config import SchedulerConfig
 from servelab.errors import DoesNotFit, InvalidArgument, RequestTooLong
 from servelab.metrics import SLO
 from servelab.spec.dtypes import DEFAULT_DTYPE, kv_dtype_alias
+from servelab.units import parse_str_list
 from servelab.workload import WorkloadSpec
 
 
@@ -231,7 +232,7 @@ def parse_prices(text: str | None, hardware: list[str]) -> dict[str, float]:
         if spec.price_per_hour_usd is not None:
             prices[spec.name] = spec.price_per_hour_usd
     if text:
-        for item in (t.strip() for t in text.split(",") if t.strip()):
+        for item in parse_str_list(text, name="--price"):
             name, sep, value = item.partition("=")
             if not sep:
                 raise InvalidArgument(f"--price: expected NAME=DOLLARS_PER_DEVICE_HOUR, got {item!r}")

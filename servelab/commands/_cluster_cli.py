@@ -66,7 +66,7 @@ def disagg_config(args: argparse.Namespace) -> DisaggConfig | None:
 
     if args.disagg is None:
         return None
-    timeout_s = parse_duration_s(args.kv_transfer_timeout, name="--kv-transfer-timeout")
+    timeout_s = parse_duration_s(args.kv_transfer_timeout, name="--kv-transfer-timeout", positive=True)
     return DisaggConfig(*parse_disagg(args.disagg), kv_timeout_s=timeout_s, granularity=args.kv_transfer_granularity)
 
 

@@ -112,11 +112,18 @@ def load_trace(path: str | Path) -> list[TraceRow]:
     return rows
 
 
+def _trace_time(value: object, where: str) -> float:
+    """A number of seconds: not a string or a bool, which float() would take."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise InvalidArgument(f"{where}: arrival_s must be a number of seconds, got {value!r}")
+    return float(value)
+
+
 def _trace_row(line: str, where: str) -> TraceRow:
     try:
         obj = json.loads(line)
         row = TraceRow(
-            arrival_s=float(obj["arrival_s"]),
+            arrival_s=_trace_time(obj["arrival_s"], where),
             prompt_tokens=_trace_int(obj, "prompt_tokens", 1, where),
             output_tokens=_trace_int(obj, "output_tokens", 1, where),
             prefix_tokens=_trace_int(obj, "prefix_tokens", 0, where, default=0),

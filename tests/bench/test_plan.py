@@ -59,6 +59,8 @@ def test_prices():
         parse_prices("h200", ["h200"])
     with pytest.raises(InvalidArgument, match="not a number"):
         parse_prices("h200=cheap", ["h200"])
+    with pytest.raises(InvalidArgument, match="--price: empty item"):
+        parse_prices("h200=4.5,,h100-sxm=2", ["h200"])
     with pytest.raises((InvalidArgument, NotFound)):
         parse_prices("tpu-v9=1", ["h200"])
 

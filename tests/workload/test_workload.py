@@ -199,6 +199,8 @@ def test_bad_files_get_clear_errors(tmp_path):
     ({"output_tokens": 0}, "output_tokens must be an integer >= 1, got 0"),
     ({"prefix_tokens": 2.5}, "prefix_tokens must be an integer >= 0, got 2.5"),
     ({"prefix_group": False}, "prefix_group must be an integer, got False"),
+    ({"arrival_s": "1.5"}, "arrival_s must be a number of seconds, got '1.5'"),
+    ({"arrival_s": True}, "arrival_s must be a number of seconds, got True"),
 ])
 def test_trace_token_counts_must_be_integers(tmp_path, row, message):
     path = tmp_path / "t.jsonl"
