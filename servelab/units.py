@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import re
 
 from servelab.errors import InvalidArgument
@@ -20,6 +21,8 @@ def parse_duration_s(text: str | float, *, name: str = "duration", positive: boo
         if not match:
             raise InvalidArgument(f"{name}: cannot parse {text!r} as a duration (examples: 50ms, 2s, 1.5)")
         value = float(match.group(1)) * _SCALE_S[match.group(2)]
+    if not math.isfinite(value):  # '1e400s' and float('inf') alike: no run waits forever, and JSON has no Infinity
+        raise InvalidArgument(f"{name}: must be a finite duration, got {text!r}")
     if positive and not value > 0:
         raise InvalidArgument(f"{name}: must be > 0, got {text!r}")
     if not value >= 0:

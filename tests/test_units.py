@@ -38,3 +38,10 @@ def test_lists_refuse_empty_items():
         parse_str_list("h100-sxm,,h200", name="--hardware")
     with pytest.raises(InvalidArgument, match="--batch: expected a comma-separated list"):
         parse_int_list("", name="--batch")
+
+
+@pytest.mark.parametrize("value", ["1e400s", "1e400", float("inf"), float("nan")])
+def test_a_duration_must_be_finite(value):
+    # '1e400s' was infinity, and `sim --json` then wrote "tpot_s": Infinity (not JSON)
+    with pytest.raises(InvalidArgument, match="--slo-tpot: must be a finite duration"):
+        parse_duration_s(value, name="--slo-tpot", positive=True)

@@ -22,6 +22,10 @@ from servelab.spec.dtypes import DEFAULT_DTYPE, kv_dtype_alias
 from servelab.units import parse_str_list
 from servelab.workload import WorkloadSpec
 
+# The capacity search's ceiling on concurrent requests: each level simulates that many in flight
+# (and several times as many requests), so past it a plan only exhausts memory.
+MAX_CONCURRENCY = 100_000
+
 
 @dataclass(slots=True)
 class PlanRow:
@@ -145,7 +149,8 @@ def plan_one(job: PlanJob) -> PlanRow:
     # Beyond a few times max_num_seqs the extra requests only queue: TTFT grows, TPOT does not.
     # Users who think are in flight only E2E / (E2E + think) of the time (Little's law), so as
     # many more of them fit; E2E is at least one user's alone.
-    max_load = job.max_concurrency or 4 * job.scheduler.max_num_seqs * _think_factor(config, job.workload)
+    # The default ceiling stops at MAX_CONCURRENCY (a row that still meets the SLO there says so).
+    max_load = job.max_concurrency or min(MAX_CONCURRENCY, 4 * job.scheduler.max_num_seqs * _think_factor(config, job.workload))
     if fixed_n:
         max_load = min(max_load, fixed_n)  # more clients than requests changes nothing
     try:

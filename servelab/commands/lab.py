@@ -28,7 +28,10 @@ def run(args: argparse.Namespace) -> int:
 
     profile = None if args.profile is None else load_profile(args.profile)  # a bad file fails here, exit 2
     _check_can_listen(args.host, args.port)
-    app = create_lab_app(profile=profile, profile_path=args.profile)
+    from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES
+
+    # On its own the lab is a web server too: the same Content-Type and body-size guard as `servelab serve`.
+    app = create_lab_app(profile=profile, profile_path=args.profile, max_request_bytes=DEFAULT_MAX_REQUEST_BYTES)
     print(f"servelab lab: open http://{args.host}:{args.port}/ (works offline; Ctrl-C to stop)", flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 
 from servelab.commands._dtype_cli import add_cost_dtype_arguments, cost_dtypes
@@ -32,7 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--percentile", type=int, default=90, help="percentile the targets apply to (default 90)")
     t.add_argument("--target-rate", type=float, default=None, help="requests/s to serve: report devices needed")
     t.add_argument("--price", default=None, help="$/device-hour, e.g. h100-sxm=2.5,h200=3.5 (default: the catalog's)")
-    t.add_argument("--max-concurrency", type=int, default=None, help="search ceiling (default 4 x --max-num-seqs)")
+    t.add_argument("--max-concurrency", type=int, default=None, help="search ceiling (default 4 x --max-num-seqs; at most 100,000)")
     add_workload_arguments(parser)
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object")
@@ -42,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from servelab.bench.capacity import check_percentile
-    from servelab.bench.planner import PlanJob, parse_prices, rank, run_plan
+    from servelab.bench.planner import MAX_CONCURRENCY, PlanJob, parse_prices, rank, run_plan
     from servelab.metrics import SLO
     from servelab.spec.hardware import get_hardware, hardware_ref
     from servelab.spec.model import resolve_model
@@ -59,8 +60,8 @@ def run(args: argparse.Namespace) -> int:
     if all(v is None for v in targets.values()):
         raise InvalidArgument("give at least one target: --slo-tpot (e.g. 50ms) and/or --slo-ttft (e.g. 1s)")
     slo = SLO(ttft_s=targets["ttft"], tpot_s=targets["tpot"])
-    if args.target_rate is not None and not args.target_rate > 0:
-        raise InvalidArgument(f"--target-rate must be > 0 requests/s, got {args.target_rate:g}")
+    if args.target_rate is not None and not (math.isfinite(args.target_rate) and args.target_rate > 0):
+        raise InvalidArgument(f"--target-rate must be a finite number > 0 requests/s, got {args.target_rate:g}")
     if args.rate is not None or args.concurrency is not None or args.trace is not None:
         raise InvalidArgument("plan searches the load itself: drop --rate/--concurrency/--trace")
     scheduler = scheduler_config_from_args(args)
@@ -69,6 +70,13 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgument(f"--workers must be >= 1, got {args.workers}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise InvalidArgument(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    if args.max_concurrency is not None and args.max_concurrency > MAX_CONCURRENCY:
+        raise InvalidArgument(f"--max-concurrency must be at most {MAX_CONCURRENCY:,}, got {args.max_concurrency:,}")
+    if args.max_concurrency is None and 4 * scheduler.max_num_seqs > MAX_CONCURRENCY:
+        raise InvalidArgument(
+            f"--max-num-seqs {scheduler.max_num_seqs:,}: the search would go up to 4 x that, "
+            f"{4 * scheduler.max_num_seqs:,} concurrent requests, past the {MAX_CONCURRENCY:,} a plan simulates; "
+            f"give --max-concurrency (at most {MAX_CONCURRENCY:,}) or a smaller --max-num-seqs")
     from servelab.commands._outputs import check_plot_file
 
     check_plot_file(args.plot, "--plot")

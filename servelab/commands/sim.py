@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="price steps with a `servelab calibrate` profile instead of the roofline")
     add_cost_dtype_arguments(g)
     layout = g.add_mutually_exclusive_group()
-    layout.add_argument("--replicas", type=int, default=1, help="colocated replicas behind the router (default 1)")
+    layout.add_argument("--replicas", type=int, default=1, help="colocated replicas behind the router (default 1, at most 10,000)")
     layout.add_argument("--disagg", type=_disagg, default=None, metavar="P:D", help="P prefill and D decode replicas")
     g.add_argument("--router", default="round-robin", help=" | ".join(ROUTERS))
     g.add_argument("--link-bandwidth", type=float, default=None, metavar="GB_PER_S",

@@ -13,6 +13,7 @@ with the limit named. Neither is a 400: the configuration is valid, it just does
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -20,6 +21,7 @@ from servelab.errors import DoesNotFit, NotFound
 from servelab.lab import roofline_lessons
 from servelab.lab.request_cost_lesson import request_cost
 from servelab.lab.common import TP_CHOICES, common_defaults, setup_from
+from servelab.lab.limits import MAX_RUNNING_SIMULATIONS
 from servelab.lab.limits import published as published_limits
 from servelab.lab.params import Params
 from servelab.spec import HARDWARE, KV_DTYPES, MODELS, WEIGHT_DTYPES
@@ -30,12 +32,23 @@ if TYPE_CHECKING:
 LessonFn = Callable[[Params], dict[str, Any]]
 
 
+# Held while a simulator lesson runs: at most MAX_RUNNING_SIMULATIONS at once, 429 beyond.
+SIMULATIONS = threading.BoundedSemaphore(MAX_RUNNING_SIMULATIONS)
+
+
 def _sim(name: str) -> LessonFn:
     # The simulator pulls in the scheduler and numpy-heavy metrics; import it on first use.
     def run(p: Params) -> dict[str, Any]:
         from servelab.lab import sim_lessons
+        from servelab.lab.capacity_lesson import RETRY_AFTER_S, LabBusy
 
-        return getattr(sim_lessons, name)(p)
+        if not SIMULATIONS.acquire(blocking=False):
+            raise LabBusy(f"the lab is already running {MAX_RUNNING_SIMULATIONS} simulations (the most it runs at "
+                          f"once); retry in {RETRY_AFTER_S} s")
+        try:
+            return getattr(sim_lessons, name)(p)
+        finally:
+            SIMULATIONS.release()
 
     return run
 

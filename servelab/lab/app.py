@@ -18,7 +18,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
-from servelab.errors import InvalidArgument, NotFound, ServelabError
+from servelab.errors import NotFound, ServelabError
 from servelab.lab.live import EngineMetricsSource, read_engine_stats
 from servelab.lab.params import Params
 
@@ -48,10 +48,14 @@ def _error_response(exc: ServelabError) -> JSONResponse:
 
 def create_lab_app(engine_metrics_source: EngineMetricsSource | None = None, *,
                    profile: dict[str, Any] | None = None, profile_path: str | None = None,
-                   served_model: Callable[[], str | None] | None = None) -> FastAPI:
+                   served_model: Callable[[], str | None] | None = None,
+                   max_request_bytes: int | None = None) -> FastAPI:
     """The lab as an ASGI app. Mount it anywhere (`app.mount("/lab", create_lab_app(...))`): the
     page addresses its API and files by relative URLs. `profile` is a loaded `servelab calibrate`
-    profile (`servelab.cost.profile.load_profile`); `served_model` names the engine's model."""
+    profile (`servelab.cost.profile.load_profile`); `served_model` names the engine's model.
+    `max_request_bytes`, for the lab served on its own (`servelab lab`), puts `servelab serve`'s
+    own request guard in front of it (a JSON Content-Type on a POST, the body limit); mounted in
+    `servelab serve`, the server's guard already covers it."""
     from servelab.lab import api  # the lesson registry imports the cost model; keep app import cheap
     from servelab.lab.capacity_lesson import CapacityPlanner
     from servelab.lab.your_machine import Predictor
@@ -61,6 +65,10 @@ def create_lab_app(engine_metrics_source: EngineMetricsSource | None = None, *,
         return raw if isinstance(raw, str) else ""
 
     app = FastAPI(title="servelab lab", docs_url=None, redoc_url=None, openapi_url=None)
+    if max_request_bytes is not None:
+        from servelab.server.guards import RequestGuard
+
+        app.add_middleware(RequestGuard, api_key=None, max_request_bytes=max_request_bytes)
     app.state.engine_metrics_source = engine_metrics_source
     app.state.capacity_planner = CapacityPlanner()
     app.state.predictor = Predictor(profile, profile_path, metrics_text if engine_metrics_source else None, served_model)
@@ -109,15 +117,12 @@ def create_lab_app(engine_metrics_source: EngineMetricsSource | None = None, *,
 
     @app.post("/api/live/predict")
     async def live_predict(request: Request) -> dict[str, Any]:
-        import json
-
         from starlette.concurrency import run_in_threadpool
 
-        try:
-            body = json.loads(await request.body())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise InvalidArgument(f"body: not JSON ({exc})", param="records") from None
-        return await run_in_threadpool(app.state.predictor.predict, body)
+        from servelab.server.http_errors import decode_json_object  # the server's 400s, one source of truth
+
+        raw = await request.body()
+        return await run_in_threadpool(lambda: app.state.predictor.predict(decode_json_object(raw)))
 
     @app.get("/api/health")
     def health() -> dict[str, Any]:

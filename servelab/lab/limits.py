@@ -7,6 +7,9 @@ from typing import Any
 
 MAX_TOKENS = 1 << 20  # a context bound for the form; the model's own max_context is checked by the roofline
 MAX_BATCH = 4096
+# Simulator lessons (slo, chunked-prefill, disaggregated) running at once: each holds a worker thread
+# for up to seconds, so more would starve the page's other requests (/api/health included); 429 beyond.
+MAX_RUNNING_SIMULATIONS = 2
 
 # lesson -> input -> (lowest, highest) accepted value
 LIMITS: dict[str, dict[str, tuple[float, float]]] = {

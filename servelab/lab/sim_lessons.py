@@ -60,9 +60,13 @@ def _itl_gaps_s(records: list[RequestRecord]) -> np.ndarray:
 
 # ---- 3. TTFT and TPOT as SLOs, under sustained load ---------------------------------------------
 
-def _spread(center: int, name: str) -> str:
+def _spread_bounds(center: int) -> tuple[int, int]:
     # Requests vary in length (half to 1.5x the chosen length) so the distributions have a shape.
-    low, high = max(1, center // 2), max(1, center * 3 // 2)
+    return max(1, center // 2), max(1, center * 3 // 2)
+
+
+def _spread(center: int, name: str) -> str:
+    low, high = _spread_bounds(center)
     return f"{low}-{high}" if high > low else str(center)
 
 
@@ -180,6 +184,24 @@ def _check_len(s: Setup, prompt_len: int, output_len: int, *, spread: float = 1.
             f"{s.model.name}'s maximum context of {s.model.max_context:,} tokens", param="prompt_len")
 
 
+def _require_request_fits(s: Setup, prompt_len: int, output_len: int) -> None:
+    """The longest request of the spread must fit one replica's KV pool on its own: the simulator
+    refuses a run that would cut outputs short, and the lesson says so as a no_fit."""
+    from servelab.sim.runner import kv_slots_needed, scheduler_config
+
+    plan = s.memory()
+    plan.require_weights_fit()
+    longest_prompt, longest_output = _spread_bounds(prompt_len)[1], _spread_bounds(output_len)[1]
+    sched = scheduler_config(_sim_config(s))
+    pool = sched.num_blocks * sched.block_size
+    if kv_slots_needed(longest_prompt, longest_output) > pool:
+        raise DoesNotFit(
+            f"{plan.describe()}: the longest request (prompt {longest_prompt:,} + output {longest_output:,} tokens, "
+            f"from prompt_len {prompt_len:,} and output_len {output_len:,} with the spread) cannot fit one replica's "
+            f"KV cache of {pool:,} tokens; lower prompt_len or output_len, or use fp8 KV, a larger tp or a bigger "
+            f"accelerator")
+
+
 def slo(p: Params) -> dict[str, Any]:
     s = setup_from(p)
     rate = p.float("rate", 24.0, **bounds("slo", "rate"))
@@ -188,7 +210,7 @@ def slo(p: Params) -> dict[str, Any]:
     prompt_len = p.int("prompt_len", 1024, **bounds("slo", "prompt_len"))
     output_len = p.int("output_len", 128, **bounds("slo", "output_len"))
     _check_len(s, prompt_len, output_len)
-    s.memory().require_weights_fit()
+    _require_request_fits(s, prompt_len, output_len)
     target = SLO(ttft_s=ttft_slo_ms / 1e3, tpot_s=tpot_slo_ms / 1e3)
     num_requests = _slo_requests(rate)
     result = _open_loop_run(_key(s), rate, num_requests, prompt_len, output_len)
@@ -343,7 +365,11 @@ def chunked_prefill(p: Params) -> dict[str, Any]:
     prompt_len = p.int("prompt_len", 8192, **bounds("chunked-prefill", "prompt_len"))
     decode_batch = p.int("decode_batch", 16, **bounds("chunked-prefill", "decode_batch"))
     chunk_tokens = p.int("chunk_tokens", 512, **bounds("chunked-prefill", "chunk_tokens"))
-    s.roofline()._check_context(prompt_len + 8, "prompt length")  # noqa: SLF001 - the roofline's own limit
+    if prompt_len + 8 > s.model.max_context:  # the long request generates 8 tokens (_chunk_requests)
+        from servelab.errors import InvalidArgument
+
+        raise InvalidArgument(f"prompt_len: {prompt_len:,} plus the 8 tokens the long request generates exceeds "
+                              f"{s.model.name}'s maximum context of {s.model.max_context:,} tokens", param="prompt_len")
     _require_kv_fit(s, *_chunk_requests(s, prompt_len, decode_batch, chunk_tokens))
     first, chunked, arrival_s = _chunk_runs(_key(s), prompt_len, decode_batch, chunk_tokens)
     long_id = str(decode_batch)
@@ -430,7 +456,7 @@ def disaggregated(p: Params) -> dict[str, Any]:
         raise InvalidArgument(f"prefill_gpus + decode_gpus: at most 8 replicas, got {prefill_gpus + decode_gpus}",
                               param="decode_gpus")
     _check_len(s, prompt_len, output_len)
-    s.memory().require_weights_fit()
+    _require_request_fits(s, prompt_len, output_len)
     colocated, split = _disagg_runs(_key(s), rate, prefill_gpus, decode_gpus, link_gbps * 1e9, prompt_len, output_len)
     n = prefill_gpus + decode_gpus
     a = _side(colocated, f"colocated ({n} replicas)")

@@ -67,7 +67,9 @@ def parse_records(body: Any) -> tuple[list[RequestRecord], int, float]:
     for i, item in enumerate(items):
         if not isinstance(item, dict):
             raise InvalidArgument(f"records[{i}]: expected an object", param="records")
-        ok = bool(item.get("ok", True))
+        ok = item.get("ok", True)
+        if not isinstance(ok, bool):  # bool("no") is True: a string would count a failure as a success
+            raise InvalidArgument(f"records[{i}].ok: must be true or false, got {ok!r}", param="ok")
         sent = _number(item, "sent_s", i)
         first = _number(item, "first_token_s", i, allow_none=not ok)
         last = _number(item, "last_token_s", i, allow_none=not ok)

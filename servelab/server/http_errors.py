@@ -136,9 +136,9 @@ def _lone_surrogate(obj: Any) -> str | None:
     return None
 
 
-def decode_body(raw: bytes, model_cls: type[M]) -> M:
-    """Raw bytes -> UTF-8 -> JSON -> model, each step with its own 400 message. Blocking:
-    proportional to the body's size, so the app runs it off the event loop."""
+def decode_json_object(raw: bytes) -> dict[str, Any]:
+    """Raw bytes -> UTF-8 -> JSON object, each step with its own 400 message (too deep, a huge
+    integer, NaN or a lone surrogate included). Blocking: proportional to the body's size."""
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
@@ -158,6 +158,13 @@ def decode_body(raw: bytes, model_cls: type[M]) -> M:
             f"{where}: contains a lone UTF-16 surrogate escape (\\ud800-\\udfff), which is not Unicode text",
             param=where.partition(".")[0].partition("[")[0],
         )
+    return obj
+
+
+def decode_body(raw: bytes, model_cls: type[M]) -> M:
+    """Raw bytes -> UTF-8 -> JSON -> model, each step with its own 400 message. Blocking:
+    proportional to the body's size, so the app runs it off the event loop."""
+    obj = decode_json_object(raw)
     try:
         return model_cls.model_validate(obj)
     except ValidationError as exc:
@@ -213,6 +220,7 @@ __all__ = [
     "error_response",
     "from_servelab_error",
     "decode_body",
+    "decode_json_object",
     "install_error_handlers",
     "parse_body",
 ]

@@ -27,6 +27,7 @@ from servelab.workload import RequestSpec, WorkloadSpec
 # A 400 Gb/s NIC per GPU (InfiniBand NDR / RoCE), the usual fabric between serving nodes.
 DEFAULT_LINK_BYTES_PER_S_PER_DEVICE = 50e9
 DEFAULT_LINK_LATENCY_S = 0.5e-3
+MAX_REPLICAS = 10_000  # each replica holds a scheduler and a block pool in memory
 
 
 @kv_dtype_alias  # the old name of kv_cache_dtype
@@ -58,6 +59,9 @@ class SimConfig:
                 raise InvalidArgument(f"disaggregation needs >= 1 prefill and >= 1 decode replica, got {p}:{d}")
         elif self.replicas < 1:
             raise InvalidArgument(f"replicas must be >= 1, got {self.replicas}", param="replicas")
+        if self.num_replicas > MAX_REPLICAS:
+            raise InvalidArgument(f"replicas: at most {MAX_REPLICAS:,} in one simulation, got {self.num_replicas:,}",
+                                  param="replicas")
         if self.router not in ROUTERS:
             raise InvalidArgument(f"router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
         if self.link_bandwidth_bytes_per_s is not None and not self.link_bandwidth_bytes_per_s > 0:
@@ -189,8 +193,14 @@ def scheduler_config(config: SimConfig) -> SchedulerConfig:
                                     max_model_len=config.scheduler.max_model_len or model.max_context)
 
 
+def kv_slots_needed(prompt_tokens: int, output_tokens: int) -> int:
+    """KV slots a request holds at its end: every token but the last sampled one (never fed back)."""
+    return prompt_tokens + max(output_tokens - 1, 0)
+
+
 def _check_lengths(requests: list[RequestSpec], sched: SchedulerConfig) -> None:
-    """Refuse up front, naming the request, rather than fail requests one by one mid-run."""
+    """Refuse up front, naming the request, rather than fail requests one by one mid-run, or
+    (a request that outgrows the whole pool) silently stop its output short of what was asked."""
     limit = sched.max_model_len
     pool = sched.num_blocks * sched.block_size
     for r in requests:
@@ -203,6 +213,12 @@ def _check_lengths(requests: list[RequestSpec], sched: SchedulerConfig) -> None:
             raise RequestTooLong(
                 f"request {r.index}: prompt of {r.prompt_tokens} tokens can never fit a replica's KV pool "
                 f"of {pool} tokens"
+            )
+        if kv_slots_needed(r.prompt_tokens, r.output_tokens) > pool:
+            raise RequestTooLong(
+                f"request {r.index}: prompt {r.prompt_tokens} + output {r.output_tokens} tokens can never fit a "
+                f"replica's KV pool of {pool} tokens (its output would be cut short); shorten --input-len/"
+                f"--output-len, or make room with --kv-cache-dtype fp8, a larger --tp or a bigger accelerator"
             )
 
 
@@ -308,4 +324,4 @@ def simulate(
     )
 
 
-__all__ = ["SimConfig", "SimResult", "build_cost_model", "scheduler_config", "simulate"]
+__all__ = ["SimConfig", "SimResult", "build_cost_model", "kv_slots_needed", "scheduler_config", "simulate"]

@@ -7,7 +7,7 @@ import argparse
 from servelab.errors import InvalidArgument
 from servelab.workload.arrivals import parse_think_time
 from servelab.workload.lengths import LengthDist
-from servelab.workload.spec import WorkloadSpec
+from servelab.workload.spec import MAX_NUM_REQUESTS, WorkloadSpec
 
 
 def _float(text: str) -> float:
@@ -42,7 +42,7 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="gamma shape of inter-arrival gaps: 1 = Poisson, <1 burstier, inf = constant rate (default 1)",
     )
-    g.add_argument("--num-requests", type=int, default=None, help="requests to send (default 1000, or all of a trace)")
+    g.add_argument("--num-requests", type=int, default=None, help="requests to send (default 1000, or all of a trace; at most 1,000,000)")
     g.add_argument(
         "--input-len",
         default=None,
@@ -75,6 +75,8 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
         raise InvalidArgument(f"--concurrency must be >= 1, got {args.concurrency}")
     if args.num_requests is not None and args.num_requests < 1:
         raise InvalidArgument(f"--num-requests must be >= 1, got {args.num_requests}")
+    if args.num_requests is not None and args.num_requests > MAX_NUM_REQUESTS:
+        raise InvalidArgument(f"--num-requests must be at most {MAX_NUM_REQUESTS:,}, got {args.num_requests:,}")
     if not args.burstiness > 0:
         raise InvalidArgument(f"--burstiness must be > 0, got {args.burstiness:g}")
     think_time_s, think_time_dist = (0.0, "constant") if args.think_time is None else parse_think_time(args.think_time)

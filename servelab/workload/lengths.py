@@ -17,6 +17,8 @@ import numpy as np
 
 from servelab.errors import InvalidArgument
 
+MAX_TOKENS = 10**9  # far past any model's context; beyond it numpy's int64 sampling and float means break
+
 _FORMS = "'1024' (fixed), '512-2048' or 'uniform:512,2048' (uniform), 'lognormal:1024,0.5' (mean, sigma)"
 
 
@@ -52,6 +54,9 @@ class LengthDist:
         return dist
 
     def _check(self, name: str, text: str) -> None:
+        if any(not math.isfinite(v) or v > MAX_TOKENS for v in (self.a, self.b if self.kind == "uniform" else 0)):
+            raise InvalidArgument(f"{name}: lengths (and a lognormal's mean) must be finite and at most {MAX_TOKENS:,} tokens, "
+                                  f"got {text!r}")
         if self.kind == "fixed" and self.a < 1:
             raise InvalidArgument(f"{name}: length must be >= 1 token, got {text!r}")
         if self.kind == "uniform" and not 1 <= self.a <= self.b:

@@ -17,6 +17,10 @@ from servelab.workload.lengths import LengthDist
 DEFAULT_NUM_REQUESTS = 1000
 DEFAULT_INPUT_LEN = "1024"
 DEFAULT_OUTPUT_LEN = "256"
+MAX_NUM_REQUESTS = 10**6  # each request's record and token times are kept in memory
+# A float64 clock past ~1e9 s (32 years) still resolves microseconds; far beyond it, every latency
+# of a run rounds to 0. A workload whose expected span passes this is refused, not mis-measured.
+MAX_VIRTUAL_SPAN_S = 1e9
 
 # Independent random streams, so that changing (say) the length distribution does not move
 # the arrival times of the same seed.
@@ -78,6 +82,10 @@ class WorkloadSpec:
                                                self.think_time_s, self.think_time_dist)
         if self.num_requests is not None and self.num_requests < 1:
             raise InvalidArgument(f"num_requests must be >= 1, got {self.num_requests}", param="num_requests")
+        if self.num_requests is not None and self.num_requests > MAX_NUM_REQUESTS:
+            raise InvalidArgument(f"num_requests must be at most {MAX_NUM_REQUESTS:,}, got {self.num_requests:,}",
+                                  param="num_requests")
+        self._check_span()
         if not 0.0 <= self.shared_prefix_fraction < 1.0:
             raise InvalidArgument(
                 f"shared prefix fraction must be in [0, 1), got {self.shared_prefix_fraction}", param="shared_prefix"
@@ -103,6 +111,23 @@ class WorkloadSpec:
             self.input_len = LengthDist.parse(self.input_len, name="input length")
         if self.output_len is not None:
             self.output_len = LengthDist.parse(self.output_len, name="output length")
+
+    def _check_span(self) -> None:
+        """Refuse a load whose expected span passes MAX_VIRTUAL_SPAN_S (a tiny rate, a huge think time)."""
+        n = self.num_requests or DEFAULT_NUM_REQUESTS
+        if self.rate is not None and n / self.rate > MAX_VIRTUAL_SPAN_S:
+            raise InvalidArgument(
+                f"rate {self.rate:g} requests/s spreads {n:,} requests over about {n / self.rate:.3g} s, past the "
+                f"{MAX_VIRTUAL_SPAN_S:.0e} s a run's clock measures latencies over: use a rate of at least "
+                f"{n / MAX_VIRTUAL_SPAN_S:.3g} requests/s", param="rate")
+        if self.think_time_s and self.concurrency:
+            span = math.ceil(n / self.concurrency) * self.think_time_s
+            if span > MAX_VIRTUAL_SPAN_S:
+                raise InvalidArgument(
+                    f"think time {self.think_time_s:g} s: {n:,} requests over {self.concurrency} clients pause for "
+                    f"about {span:.3g} s in all, past the {MAX_VIRTUAL_SPAN_S:.0e} s a run's clock measures "
+                    f"latencies over: use a think time of at most "
+                    f"{MAX_VIRTUAL_SPAN_S / math.ceil(n / self.concurrency):.3g} s", param="think_time")
 
     @property
     def arrivals(self) -> ArrivalProcess:

@@ -87,6 +87,18 @@ def test_plan_cli_errors(capsys):
     assert "searches the load itself" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--target-rate", "inf"], "--target-rate must be a finite number > 0 requests/s, got inf"),  # was OverflowError
+    (["--slo-tpot", "1e400s"], "--slo-tpot: must be a finite duration, got '1e400s'"),
+    (["--max-concurrency", "1000000", "--max-num-seqs", "1000000"], "--max-concurrency must be at most 100,000"),
+    (["--max-num-seqs", "1000000"], "--max-num-seqs 1,000,000: the search would go up to 4 x that"),
+])
+def test_plan_refuses_what_cannot_be_planned_with_one_line(argv, message, capsys):
+    assert cli_main(["plan", "--slo-tpot", "50ms", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
+
+
 @pytest.mark.parametrize("value", ["0", "-2"])
 def test_plan_refuses_a_max_concurrency_below_one(value, capsys):
     # 0 was taken as "no ceiling given" and the default searched instead

@@ -314,6 +314,13 @@ def test_chunked_prefill_bad_parameters(client):
     assert "smollm2-135m's maximum context" in error(client, "chunked-prefill", model="smollm2-135m", prompt_len=16384)
 
 
+def test_chunked_prefill_names_prompt_len_and_the_length_the_user_gave(client):
+    # was: param "context", "prompt length 16392" (the request's internal 8 output tokens added unsaid)
+    r = client.get("/api/lessons/chunked-prefill", params={"model": "smollm2-135m", "prompt_len": 16384})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_len"
+    assert r.json()["error"]["message"].startswith("prompt_len: 16,384 plus the 8 tokens the long request generates")
+
+
 # ---- 5. disaggregated ---------------------------------------------------------------------------------
 
 def test_disaggregated_is_the_simulators(client):
@@ -510,6 +517,19 @@ def test_a_configuration_that_does_not_fit_is_drawn_shaded_not_refused(client, l
     assert d["config"]["model"] == "llama-3.1-70b"
 
 
+@pytest.mark.parametrize(("lesson", "params"), [
+    ("slo", {"prompt_len": 1200, "output_len": 1000, "rate": 0.1}),  # would cut every output short
+    ("slo", {"prompt_len": 4000}),  # a prompt alone larger than the pool
+    ("disaggregated", {"prompt_len": 4000}),
+])
+def test_a_request_longer_than_the_kv_pool_is_no_fit_not_truncated(client, lesson, params):
+    # 70B in fp8 with float32 KV on one H100: 2,192 tokens of KV cache per replica
+    d = get(client, lesson, model="llama-3.1-70b", weight_dtype="fp8", kv_dtype="float32", **params)
+    assert d["no_fit"]["label"].startswith("does not fit: the longest request"), d
+    assert "KV cache of 2,192 tokens" in d["warning"] and "lower prompt_len or output_len" in d["warning"]
+    assert "request 0" not in d["warning"]
+
+
 def test_two_workloads_roofline_names_the_decode_wall_and_the_idle_tensor_cores(client):
     d = get(client, "two-workloads", prompt_len=2048, batch=1)
     r = rl()
@@ -579,3 +599,23 @@ def test_capacity_names_the_labs_ceiling_when_it_binds():
     assert _binds(row) == "ceiling" and "4,096-user ceiling" in BIND_LABEL["ceiling"]
     row.binding.at_concurrency = 417  # past the memory wall, below the ceiling: memory bound
     assert _binds(row) == "memory"
+
+
+def test_simulations_past_the_limit_answer_429_and_leave_the_lab_responsive(client):
+    from servelab.lab import api
+    from servelab.lab.limits import MAX_RUNNING_SIMULATIONS
+
+    # as if MAX_RUNNING_SIMULATIONS heavy `slo` runs held their worker threads
+    for _ in range(MAX_RUNNING_SIMULATIONS):
+        assert api.SIMULATIONS.acquire(blocking=False)
+    try:
+        for lesson in ("slo", "chunked-prefill", "disaggregated"):
+            r = client.get(f"/api/lessons/{lesson}")
+            assert r.status_code == 429 and r.headers["retry-after"] == "5", r.text
+            assert f"already running {MAX_RUNNING_SIMULATIONS} simulations" in r.json()["error"]["message"]
+        assert client.get("/api/health").status_code == 200
+        assert client.get("/api/lessons/batching").status_code == 200  # the roofline needs no slot
+    finally:
+        for _ in range(MAX_RUNNING_SIMULATIONS):
+            api.SIMULATIONS.release()
+    assert client.get("/api/lessons/slo").status_code == 200

@@ -55,7 +55,8 @@ def test_without_a_profile_the_panel_measures_and_says_how_to_predict():
                                      "output_tokens": 2}]}, "sent_s <= first_token_s <= last_token_s"),
     ({"concurrency": 1, "think_ms": -5, "records": _records()}, "think_ms: must be a number between 0 and 10000"),
     ({"concurrency": 1, "think_ms": "20ms", "records": _records()}, "think_ms: must be a number"),
-    ([1, 2], "expected {"),
+    ([1, 2], "must be a JSON object"),
+    ({"concurrency": 1, "records": [{**_records(1)[0], "ok": "no"}]}, "records[0].ok: must be true or false"),
 ])
 def test_bad_measurements_are_a_400_naming_the_field(body, needle):
     r = TestClient(create_lab_app(lambda: METRICS)).post("/api/live/predict", json=body)
@@ -79,3 +80,25 @@ def test_the_replay_pauses_as_long_as_the_pages_clients_did():
     assert none["config"]["think_ms"] == 0 and paused["config"]["think_ms"] == 25
     assert paused["predicted"]["duration_s"] > none["predicted"]["duration_s"] + 0.025
     assert "pausing 25 ms" in paused["notice"]
+
+
+@pytest.mark.parametrize(("raw", "needle"), [
+    (b"[" * 100_000, "nested too deeply"),
+    (b'{"concurrency": ' + b"9" * 5000 + b', "records": []}', "not valid JSON"),
+    (b'{"concurrency": 1, "think_ms": NaN, "records": []}', "NaN is not a JSON number"),
+])
+def test_a_body_the_json_parser_chokes_on_is_a_400_not_a_500(raw, needle):
+    # the server's own decoder (servelab.server.http_errors.decode_json_object), not a second one
+    client = TestClient(create_lab_app(lambda: METRICS), raise_server_exceptions=False)
+    r = client.post("/api/live/predict", content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+def test_the_standalone_lab_guards_content_type_and_body_size_as_serve_does():
+    client = TestClient(create_lab_app(lambda: METRICS, max_request_bytes=1000))
+    plain = client.post("/api/live/predict", content=b"{}", headers={"content-type": "text/plain"})
+    assert plain.status_code == 415 and "application/json" in plain.json()["error"]["message"]
+    big = client.post("/api/live/predict", content=b"{" + b" " * 2000 + b"}", headers={"content-type": "application/json"})
+    assert big.status_code == 413 and "1,000 bytes" in big.json()["error"]["message"]
+    ok = client.post("/api/live/predict", json={"concurrency": 1, "records": _records()})
+    assert ok.status_code == 200, ok.text

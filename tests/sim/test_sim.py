@@ -106,6 +106,17 @@ def test_capped_open_loop_sends_when_a_slot_frees():
     assert arrivals[:2] == [0.0, 0.0] and arrivals[2] > 0
 
 
+def test_a_request_that_outgrows_the_kv_pool_is_refused_not_cut_short():
+    # pool of 4 x 16 = 64 tokens: the last sampled token needs no slot, so 40 + 25 just fits
+    config = SimConfig(cost_model=LinearCost(), scheduler=SchedulerConfig(num_blocks=4, block_size=16))
+    fits = simulate(config, [RequestSpec(0, 0.0, prompt_tokens=40, output_tokens=25)], concurrency=1)
+    assert fits.records[0].output_tokens == 25
+    from servelab.errors import RequestTooLong
+
+    with pytest.raises(RequestTooLong, match=r"prompt 40 \+ output 26 tokens can never fit a replica's KV pool of 64"):
+        simulate(config, [RequestSpec(0, 0.0, prompt_tokens=40, output_tokens=26)], concurrency=1)
+
+
 @pytest.mark.parametrize("router", ["round-robin", "least-outstanding", "least-kv"])
 def test_routers_spread_load_over_replicas(router):
     wl = WorkloadSpec(200, rate=400.0, input_len="128", output_len="32", seed=0)
@@ -186,6 +197,8 @@ def test_cli_header_gives_a_traces_own_request_count(tmp_path, capsys):
         (["--rate", "-3"], "--rate must be > 0"),
         (["--rate", "1", "--input-len", "9000", "--max-model-len", "8192"], "exceeds max_model_len 8192"),
         (["--model", "llama-3.1-70b", "--rate", "1"], "weights take"),
+        (["--model", "llama-3.1-70b", "--dtype", "fp8", "--kv-cache-dtype", "float32", "--input-len", "1800",
+          "--output-len", "1500", "--rate", "1"], "prompt 1800 + output 1500 tokens can never fit a replica's KV pool"),
         (["--num-requests", "3"], "give a load"),
         (["--rate", "1", "--scheduler", "fastest"], "policy must be one of"),
         (["--rate", "1", "--slo-ttft", "soon"], "--slo-ttft"),
@@ -243,3 +256,15 @@ def test_sim_warmup_by_count_and_by_time(capsys):
     assert "steady_state" not in json.loads(out)
     code, out, _ = run_cli(capsys, "--concurrency", "8", "--num-requests", "24", *STEADY_LOAD)
     assert "steady state (without the first 8 requests, the start-up wave sent at once):" in out
+
+
+def test_replicas_are_capped_with_a_clear_message(capsys):
+    code, _, err = run_cli(capsys, "--rate", "1", "--num-requests", "3", "--replicas", "1000000")
+    assert code == 2 and "replicas: at most 10,000 in one simulation, got 1,000,000" in err
+    code, _, err = run_cli(capsys, "--rate", "1e9", "--num-requests", "10000000")  # grew to 12 GB
+    assert code == 2 and "--num-requests must be at most 1,000,000, got 10,000,000" in err
+
+
+def test_a_tiny_rate_is_refused_rather_than_reported_as_zero_latency(capsys):
+    code, _, err = run_cli(capsys, "--input-len", "64", "--output-len", "16", "--rate", "1e-15", "--num-requests", "20")
+    assert code == 2 and "at least 2e-08 requests/s" in err and "Traceback" not in err

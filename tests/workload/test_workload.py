@@ -50,6 +50,15 @@ def test_bad_lengths_name_the_input(bad):
         LengthDist.parse(bad, name="input length")
 
 
+@pytest.mark.parametrize("huge", ["1000000000000000000000000", "1-100000000000000000000",
+                                  "uniform:1,100000000000000000000", "lognormal:1e308,1", "lognormal:inf,1"])
+def test_lengths_past_a_billion_tokens_are_refused_not_overflowed(huge):
+    # before: OverflowError or numpy's ValueError from sampling, or 1-token prompts from an inf mean
+    with pytest.raises(InvalidArgument, match="input length: .* at most 1,000,000,000 tokens"):
+        LengthDist.parse(huge, name="input length")
+    assert LengthDist.parse("1000000000").sample(np.random.default_rng(0), 1)[0] == 10**9
+
+
 def test_poisson_gaps_have_the_rate_and_unit_cv():
     times = ArrivalProcess.create(rate=10.0).arrival_times_s(rng(), 50000)
     gaps = np.diff(times)
@@ -267,3 +276,15 @@ def test_simulated_prompt_blocks_are_equal_exactly_when_the_real_tokens_make_the
             if spec.prompt_tokens > spec.prefix_tokens}
     assert all(len(t) == 1 for t in tags.values()) and len({t.pop() for t in tags.values()}) == len(tags)
     assert simulated_prompt(specs[0], bs, seed=1)[1] != simulated_prompt(specs[0], bs, seed=2)[1]
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    # a float64 clock 1e16 s in: every latency printed 0.00
+    ({"num_requests": 20, "rate": 1e-15}, r"rate 1e-15 requests/s spreads 20 requests .* at least 2e-08 requests/s"),
+    ({"num_requests": 20, "concurrency": 4, "think_time_s": 1e14}, r"think time 1e\+14 s: .* at most 2e\+08 s"),
+    ({"num_requests": 10_000_000, "rate": 1e9}, "num_requests must be at most 1,000,000"),  # grew to 12 GB
+])
+def test_a_workload_the_clock_or_memory_cannot_hold_is_refused(kwargs, message):
+    with pytest.raises(InvalidArgument, match=message):
+        WorkloadSpec(**kwargs)
+    WorkloadSpec(num_requests=20, rate=2.1e-8)  # just inside: about 1e9 s
