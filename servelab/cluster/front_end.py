@@ -122,7 +122,18 @@ class ClusterEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._loop is not None and not self.stopped and any(w.alive for w in self.workers)
+        return self.down_reason is None
+
+    @property
+    def down_reason(self) -> str | None:
+        """Why the cluster cannot take a request (None: it can). Every pool it was built with must
+        keep a live worker: data-parallel, one; disaggregated, a prefill and a decode worker."""
+        if self._loop is None or self.stopped:
+            return "the engine is not running"
+        for role in dict.fromkeys(w.role for w in self.workers):
+            if not any(w.alive and w.role == role for w in self.workers):
+                return "the engine is not running" if role == "mixed" else f"no {role} worker is left: the cluster cannot serve"
+        return None
 
     @property
     def num_in_flight(self) -> int:
@@ -177,8 +188,8 @@ class ClusterEngine:
         return {str(w.index): (w.stats if w.alive else None) for w in self.workers}
 
     def health(self) -> dict[str, Any]:
-        """/health's body: "ok", or "degraded" while some worker has failed (all failed: the
-        engine is not running, and /health answers 503)."""
+        """/health's body: "ok", or "degraded" while some worker has failed and the cluster still
+        serves (every worker of a pool failed: `down_reason`, and /health answers 503)."""
         workers = [
             {"rank": w.index, "host": w.ready.host, "pid": w.ready.pid, "role": w.role,
              "status": "ok" if w.alive else "failed", "outstanding": w.outstanding,
@@ -194,8 +205,8 @@ class ClusterEngine:
         `--max-waiting-requests` bounds the cluster's waiting requests, as it bounds one engine's
         queue (QueueFull); a worker that still refuses (its own queue, the same bound, is full)
         passes them on to the next worker the router picks."""
-        if not self.is_running:
-            raise EngineStopped("the engine is not running")
+        if self.down_reason is not None:
+            raise EngineStopped(self.down_reason)
         request_ids = [r.request_id for r in requests]
         for rid in request_ids:
             if rid in self._sinks or rid in self._remote:
@@ -215,7 +226,7 @@ class ClusterEngine:
             candidates = [w for w in self.workers if w.alive and w.role != "decode" and w.index not in full]
             if not candidates:
                 stream.close()
-                raise last_full or EngineStopped("the engine is not running")
+                raise last_full or EngineStopped(self.down_reason or "the engine is not running")
             worker = self.router.pick(candidates, hashes)
             try:
                 # disaggregated: the decode worker its KV goes to, chosen with it

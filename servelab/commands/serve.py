@@ -258,13 +258,24 @@ def run(args: argparse.Namespace) -> int:
         period is over. A second signal stops at once."""
 
         def handle_exit(self, sig: int, frame: object) -> None:
-            if state.draining or state.loop is None:
+            if state.loop is None:
                 super().handle_exit(sig, frame)
+                return
+            if state.draining:  # the second signal: end the running requests, wait for nothing
+                log.info("servelab: signal %d again: stopping now", sig)
+                self.should_exit = True
+                state.loop.call_soon_threadsafe(self._stop_now)
                 return
             log.info("servelab: signal %d: draining (new requests get 503; %.0f s for running ones)", sig,
                      shutdown_timeout_s)  # fmt: skip
             state.begin_drain(grace_s=shutdown_timeout_s)
             state.loop.call_soon_threadsafe(self._watch_drain)
+
+        def _stop_now(self) -> None:
+            state.abort_now()
+            # a moment for their error events and [DONE] to reach the clients, then uvicorn stops
+            # waiting for connections (force_exit; should_exit alone waits out the grace period)
+            state.loop.call_later(0.5, setattr, self, "force_exit", True)
 
         def _watch_drain(self) -> None:
             self._drain_task = asyncio.ensure_future(self._exit_when_drained())  # held: the loop keeps weak refs

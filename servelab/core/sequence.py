@@ -47,6 +47,14 @@ class TokenLogprobs:
     rank: int | None = None  # 1 + how many tokens the model rated higher (prompt logprobs report it)
 
 
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """What to generate and when to stop. Mirrors the OpenAI / vLLM parameters."""
@@ -82,6 +90,16 @@ class SamplingParams:
     prepared_edits: Any = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
+        # OpenAI's stop may be one string: it is one stop string (iterated, it would stop at any
+        # of its characters); the same for bad_words. Tuples become lists.
+        for name in ("stop", "bad_words", "stop_token_ids"):
+            value = getattr(self, name)
+            if isinstance(value, str) and name != "stop_token_ids":
+                setattr(self, name, [value])
+            elif isinstance(value, tuple):
+                setattr(self, name, list(value))
+        if isinstance(self.allowed_token_ids, tuple):
+            self.allowed_token_ids = list(self.allowed_token_ids)
         self.validate()
 
     def __getstate__(self) -> dict[str, Any]:
@@ -101,6 +119,44 @@ class SamplingParams:
         twin._validate_lengths()
         return twin
 
+    def _validate_types(self) -> None:
+        """Each field's type, before a range check compares it or a step uses it. bool is not an
+        int here; an int is a float."""
+        for name in ("max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if not (_is_int(value) or (value is None and name in ("seed", "logprobs", "prompt_logprobs"))):
+                optional = " or None" if name in ("seed", "logprobs", "prompt_logprobs") else ""
+                raise InvalidArgument(f"{name} must be an integer{optional}, got {value!r}", param=name)
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value):
+                raise InvalidArgument(f"{name} must be a number, got {value!r}", param=name)
+        for name in ("ignore_eos", "prompt_only"):
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidArgument(f"{name} must be True or False, got {getattr(self, name)!r}", param=name)
+        for name, kind in (("stop", "a string or a list of strings"), ("stop_token_ids", "a list of token ids"),
+                           ("bad_words", "a string or a list of strings")):  # fmt: skip
+            if not isinstance(getattr(self, name), list):
+                raise InvalidArgument(f"{name} must be {kind}, got {getattr(self, name)!r}", param=name)
+        if not isinstance(self.logit_bias, dict):
+            raise InvalidArgument(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}",
+                                  param="logit_bias")  # fmt: skip
+        if self.allowed_token_ids is not None and not isinstance(self.allowed_token_ids, list):
+            raise InvalidArgument(f"allowed_token_ids must be a list of token ids or None, got {self.allowed_token_ids!r}",
+                                  param="allowed_token_ids")  # fmt: skip
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutputSpec):
+            raise InvalidArgument(
+                f"structured_output must be a StructuredOutputSpec (e.g. StructuredOutputSpec('regex', '[0-9]+')) "
+                f"or None, got {self.structured_output!r}",
+                param="structured_output",
+            )
+        bad = next((w for w in self.stop if not isinstance(w, str)), None)
+        if bad is not None:
+            raise InvalidArgument(f"stop: {bad!r} is not a string", param="stop")
+        bad = next((t for t in self.stop_token_ids if not _is_int(t)), None)  # the range: the engine's vocabulary
+        if bad is not None:
+            raise InvalidArgument(f"stop_token_ids: {bad!r} is not a token id (an integer)", param="stop_token_ids")
+
     def _validate_lengths(self) -> None:
         if self.max_tokens < 1:
             raise InvalidArgument(f"max_tokens must be >= 1, got {self.max_tokens}", param="max_tokens")
@@ -113,6 +169,7 @@ class SamplingParams:
         """Every value in range. `lists=False` skips the per-entry checks of logit_bias,
         allowed_token_ids and bad_words (in proportion to their length, up to the vocabulary's),
         for params whose lists were checked when they were prepared."""
+        self._validate_types()
         self._validate_lengths()
         # Comparisons are written so that NaN fails them: a NaN that got through would fail
         # the whole batch's step, not just this request.
@@ -139,10 +196,12 @@ class SamplingParams:
 
     def _validate_lists(self) -> None:
         for token_id, bias in self.logit_bias.items():
-            if not isinstance(token_id, int) or token_id < 0:
+            if not _is_int(token_id) or token_id < 0:
                 raise InvalidArgument(
                     f"logit_bias: key {token_id!r} is not a token id (an integer >= 0)", param="logit_bias"
                 )
+            if not _is_number(bias):
+                raise InvalidArgument(f"logit_bias[{token_id}] must be a number, got {bias!r}", param="logit_bias")
             if not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
                 raise InvalidArgument(
                     f"logit_bias[{token_id}] must be in [-{LOGIT_BIAS_LIMIT}, {LOGIT_BIAS_LIMIT}], got {bias}",
@@ -153,7 +212,7 @@ class SamplingParams:
                 raise InvalidArgument(
                     "allowed_token_ids must not be empty (leave it out to allow every token)", param="allowed_token_ids"
                 )
-            bad = next((t for t in self.allowed_token_ids if not isinstance(t, int) or t < 0), None)
+            bad = next((t for t in self.allowed_token_ids if not _is_int(t) or t < 0), None)
             if bad is not None:
                 raise InvalidArgument(
                     f"allowed_token_ids: {bad!r} is not a token id (an integer >= 0)", param="allowed_token_ids"

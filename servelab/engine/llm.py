@@ -69,22 +69,41 @@ def _is_chat(x: Any) -> bool:
     return isinstance(x, list) and bool(x) and all(isinstance(m, dict) for m in x)
 
 
+def _is_token_id(t: Any) -> bool:
+    return isinstance(t, int) and not isinstance(t, bool)
+
+
+def _prompt_problem(p: Any) -> str | None:
+    """Why `p` is not one prompt (None: it is one)."""
+    if isinstance(p, str) or _is_chat(p):
+        return None
+    if isinstance(p, list):
+        if not p:
+            return "is empty: a prompt holds at least one token"
+        bad = next((t for t in p if not _is_token_id(t)), None)
+        if bad is None:
+            return None
+        if all(isinstance(t, (int, float)) for t in p):  # numbers: meant as token ids
+            return f"holds {bad!r}: token ids must be integers (not floats or bools)"
+    return ("must be a string, a list of token ids or a chat (a list of {'role', 'content'} messages), "
+            f"got {type(p).__name__}")  # fmt: skip
+
+
 def _normalise_prompts(prompts: Any) -> list[Prompt]:
     """One prompt (text, token ids or a chat) or a list of them -> a list of prompts."""
-    if isinstance(prompts, str) or _is_chat(prompts):
+    if isinstance(prompts, list) and prompts and all(isinstance(t, (int, float)) for t in prompts):
+        problem = _prompt_problem(prompts)  # one prompt of token ids
+        if problem is not None:
+            raise InvalidArgument(f"prompts {problem}", param="prompts")
         return [prompts]
-    if isinstance(prompts, list) and prompts and all(isinstance(t, int) for t in prompts):
+    if isinstance(prompts, str) or _is_chat(prompts):
         return [prompts]
     if isinstance(prompts, (list, tuple)):
         out = list(prompts)
         for i, p in enumerate(out):
-            ok = isinstance(p, str) or _is_chat(p) or (isinstance(p, list) and p and all(isinstance(t, int) for t in p))
-            if not ok:
-                raise InvalidArgument(
-                    f"prompt {i} must be a string, a list of token ids or a chat (a list of "
-                    f"{{'role', 'content'}} messages), got {type(p).__name__}",
-                    param="prompts",
-                )
+            problem = _prompt_problem(p)
+            if problem is not None:
+                raise InvalidArgument(f"prompt {i} {problem}", param="prompts")
         return out
     raise InvalidArgument(f"prompts must be a string, token ids, a chat or a list of them, got {type(prompts).__name__}", param="prompts")
 
@@ -130,6 +149,12 @@ class LLM:
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(items)
         else:
+            if not isinstance(sampling_params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in sampling_params):
+                raise InvalidArgument(
+                    "sampling_params must be a SamplingParams, a list of them (one per prompt) or None, got "
+                    f"{type(sampling_params).__name__}; e.g. SamplingParams(max_tokens=4)",
+                    param="sampling_params",
+                )
             params = list(sampling_params)
             if len(params) != len(items):
                 raise InvalidArgument(
@@ -182,5 +207,15 @@ class LLM:
         self, messages: Chat | Seq[Chat], sampling_params: SamplingParams | Seq[SamplingParams] | None = None
     ) -> list[GenerationOutput]:
         """Like `generate`, for one chat or a list of chats."""
-        chats = [messages] if _is_chat(messages) else list(messages)  # type: ignore[arg-type]
+        if _is_chat(messages):
+            chats = [messages]
+        else:
+            chats = list(messages) if isinstance(messages, (list, tuple)) else None
+            if not chats or not all(_is_chat(c) for c in chats):
+                got = "a string (use generate() for plain text)" if isinstance(messages, str) else repr(messages)[:80]
+                raise InvalidArgument(
+                    "messages must be a chat (a list of {'role', 'content'} message dicts) or a list of chats, "
+                    f"got {got}",
+                    param="messages",
+                )
         return self.generate(chats, sampling_params)

@@ -8,6 +8,7 @@ loaded inside `LLMEngine.from_args`, so the CLI and the server start fast until 
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import time
 from dataclasses import dataclass, field
@@ -35,6 +36,30 @@ DTYPES = FLOAT_DTYPES  # the compute dtypes; names in spec/dtypes.py's vocabular
 KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: the compute dtype
 DEVICES = ("cpu", "cuda")
 QUANTIZATIONS = ("int8", "bf16")  # engine/quantization.py implements them (it imports torch; this module does not)
+MAX_SEED = 2**63 - 1  # seeds are in [0, MAX_SEED]: torch's generators take them, as does every int64 field
+
+
+def _require_int(name: str, value: Any, *, optional: bool = False) -> None:
+    """An int (bool is not one; None too where `optional`), else InvalidArgument naming `name`."""
+    if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool)):
+        return
+    raise InvalidArgument(f"{name} must be an integer{' or None' if optional else ''}, got {value!r}", param=name)
+
+
+def _require_type(name: str, value: Any, kind: type | tuple[type, ...], what: str, *, optional: bool = False) -> None:
+    if (value is None and optional) or isinstance(value, kind):
+        return
+    raise InvalidArgument(f"{name} must be {what}{' or None' if optional else ''}, got {value!r}", param=name)
+
+
+def _token_id(t: Any) -> int:
+    """A prompt's token id as an int: any integer (numpy's too), never a bool or a float."""
+    try:
+        if not isinstance(t, bool):
+            return operator.index(t)
+    except TypeError:
+        pass
+    raise InvalidArgument(f"prompt token ids must be integers, got {t!r}", param="prompt")
 
 
 @dataclass
@@ -69,6 +94,8 @@ class EngineArgs:
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
+        if isinstance(self.model, os.PathLike):
+            self.model = os.fspath(self.model)
         # One vocabulary (spec/dtypes.py): old spellings such as "bf16" name the same dtype.
         if isinstance(self.dtype, str):
             self.dtype = None if self.dtype.strip().lower() == "auto" else canonical_dtype(self.dtype)
@@ -82,7 +109,13 @@ class EngineArgs:
         knobs = {k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.__dataclass_fields__}
         unknown = set(kwargs) - set(cls.__dataclass_fields__)
         if unknown:
-            raise InvalidArgument(f"unknown engine argument(s): {', '.join(sorted(unknown))}")
+            import difflib
+
+            valid = sorted({*cls.__dataclass_fields__, *SchedulerConfig.__dataclass_fields__})
+            close = {name: difflib.get_close_matches(name, valid, n=1) for name in sorted(unknown)}
+            hints = [f"{name!r}: did you mean {match[0]!r}?" for name, match in close.items() if match]
+            hint = " ".join(hints) if hints else f"valid names: {', '.join(valid)}"
+            raise InvalidArgument(f"unknown engine argument(s): {', '.join(sorted(unknown))} ({hint})")
         if knobs and "scheduler" in kwargs:
             raise InvalidArgument(f"give either scheduler= or {', '.join(sorted(knobs))}, not both", param="scheduler")
         if knobs:
@@ -90,6 +123,7 @@ class EngineArgs:
         return cls(**kwargs)
 
     def validate(self) -> None:
+        self._validate_types()
         if self.dtype is not None:
             require_supported(self.dtype, DTYPES, param="dtype", by="the engine")
         require_supported(self.kv_cache_dtype, KV_CACHE_DTYPES, param="kv_cache_dtype", by="the engine")
@@ -126,6 +160,28 @@ class EngineArgs:
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise InvalidArgument(
                 f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}", param="kv_cache_memory_bytes"
+            )
+        if not 0 <= self.seed <= MAX_SEED:
+            raise InvalidArgument(f"seed must be in [0, {MAX_SEED}] (2**63 - 1), got {self.seed}", param="seed")
+
+    def _validate_types(self) -> None:
+        """Each field's type, before any range check compares or iterates it (LLM(...) passes
+        whatever it is given)."""
+        _require_type("model", self.model, str, "a path (a string)", optional=True)
+        for name in ("dtype", "served_model_name", "quantization"):
+            _require_type(name, getattr(self, name), str, "a string", optional=True)
+        for name in ("device", "kv_cache_dtype"):
+            _require_type(name, getattr(self, name), str, "a string")
+        for name in ("deterministic", "kv_cache_prefault"):
+            _require_type(name, getattr(self, name), bool, "True or False")
+        _require_int("seed", self.seed)
+        _require_int("tensor_parallel_size", self.tensor_parallel_size)
+        _require_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, optional=True)
+        if not isinstance(self.scheduler, SchedulerConfig):
+            raise InvalidArgument(
+                f"scheduler must be a SchedulerConfig (or give its fields as keywords, e.g. max_num_seqs=8), "
+                f"got {self.scheduler!r}",
+                param="scheduler",
             )
 
 
@@ -308,12 +364,24 @@ class LLMEngine:
         QueueFull / InvalidArgument with clear messages."""
         if request_id in self._requests:
             raise InvalidArgument(f"request id {request_id!r} is already in use", param="request_id")
+        if not isinstance(params, SamplingParams):
+            raise InvalidArgument(
+                f"sampling_params must be a SamplingParams, got {type(params).__name__}", param="sampling_params"
+            )
         params.validate(lists=params.prepared_edits is None)  # prepared: its lists were checked then
         self.prepare_logits_processors(params)
         if isinstance(prompt, str):
+            try:
+                prompt.encode("utf-8")
+            except UnicodeEncodeError as exc:  # what JSON's \ud800 escapes make; no tokenizer takes it
+                raise InvalidArgument(
+                    f"prompt: contains a lone UTF-16 surrogate ({prompt[exc.start]!r} at character {exc.start}), "
+                    "which is not Unicode text",
+                    param="prompt",
+                ) from None
             token_ids = self.tokenizer.encode_prompt(prompt)
         else:
-            token_ids = [int(t) for t in prompt]
+            token_ids = [_token_id(t) for t in prompt]
             bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
                 raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="prompt")

@@ -94,6 +94,17 @@ class ServerState:
         while self.async_engine is not None and self.async_engine.num_in_flight and loop.time() < deadline:
             await asyncio.sleep(0.05)
 
+    def abort_now(self) -> int:
+        """Abort every running request at once (a second shutdown signal): each client gets an
+        error event and a clean end of stream. On the event loop's thread."""
+        if self.async_engine is None:
+            return 0
+        n = self.async_engine.abort_all(EngineStopped("the server was stopped before this request finished "
+                                                      "(second shutdown signal)"))  # fmt: skip
+        if n:
+            logger.info("servelab: second signal: aborted %d request(s) still running", n)
+        return n
+
     def _abort_after_grace(self) -> None:
         n = self.async_engine.abort_all(
             EngineStopped("the server shut down before this request finished (shutdown grace period over)")

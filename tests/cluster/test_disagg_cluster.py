@@ -84,7 +84,8 @@ def test_fp16_kv_through_a_one_sequence_decode_pool_equals_one_engine(tiny_model
             events.extend(lines)
         assert events[-1] == "data: [DONE]"
         assert json.loads(events[-2].removeprefix("data: "))["choices"][0]["finish_reason"] == "length", events[-2]
-        assert httpx.get(server.url + "/health").json()["status"] == "degraded"
+        r = httpx.get(server.url + "/health")  # no prefill worker left: it cannot serve
+        assert r.status_code == 503 and "no prefill worker is left" in r.json()["error"]["message"], r.text
     finally:
         assert server.stop() == 0, server.log()
 
@@ -140,9 +141,9 @@ def test_a_killed_decode_worker_fails_its_requests_clearly(disagg_server):
     assert events[-1] == "data: [DONE]"
     error = json.loads(events[-2].removeprefix("data: "))["error"]
     assert "worker 2 failed" in error["message"], error
-    health = httpx.get(url + "/health").json()
-    assert health["status"] == "degraded"
-    assert {w["role"]: w["status"] for w in health["workers"]} == {"prefill": "ok", "decode": "failed"}
+    health = httpx.get(url + "/health")  # the only decode worker is gone: it cannot serve
+    assert health.status_code == 503 and health.headers["retry-after"] == "1", health.text
+    assert "no decode worker is left" in health.json()["error"]["message"], health.text
     r = httpx.post(url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
     assert r.status_code == 503 and "no decode worker is left" in r.json()["error"]["message"], r.text
     free, _ = _wait_pools_full(url)

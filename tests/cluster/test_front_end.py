@@ -274,3 +274,33 @@ def test_cluster_counters_never_decrease_whatever_reports_and_deaths_come(events
         assert all(a >= b for a, b in zip(now, last)), (now, last)
         last = now
     assert ClusterEngine.stats.fget(cluster).num_blocks_total == 8 * sum(w.alive for w in workers)
+
+
+@pytest.mark.parametrize("dead", ["prefill", "decode"])
+def test_a_disaggregated_cluster_without_a_pool_answers_health_503(fake_engine, dead):
+    """--disagg 1:1 with its only prefill (or decode) worker dead cannot serve: /health is 503
+    with Retry-After and the dead pool named, not 200 "degraded", and so is a new request."""
+    from dataclasses import replace
+
+    from fastapi.testclient import TestClient
+
+    from servelab.server.app import create_app
+    from servelab.server.async_engine import EngineStopped
+
+    cluster, _, kills = memory_cluster(fake_engine, 2, step_sleep_s=0.005)
+    for w, role in zip(cluster.workers, ("prefill", "decode")):
+        w.ready = replace(w.ready, role=role)
+    with TestClient(create_app(cluster.engine, driver=cluster)) as c:
+        assert c.get("/health").json()["status"] == "ok"
+        kills[1 if dead == "prefill" else 2]()
+        for _ in range(200):
+            if not all(w.alive for w in cluster.workers):
+                break
+            time.sleep(0.01)
+        r = c.get("/health")
+        assert (r.status_code, r.headers.get("retry-after")) == (503, "1"), r.text
+        assert f"no {dead} worker is left" in r.json()["error"]["message"], r.text
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 503 and f"no {dead} worker is left" in r.json()["error"]["message"], r.text
+    with pytest.raises(EngineStopped, match="not running"):
+        run(cluster.submit([_req("x")]))

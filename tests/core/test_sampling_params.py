@@ -59,3 +59,29 @@ def test_every_accepted_float_is_finite_and_fits_fp32(field, value):
         return
     accepted = getattr(params, field)
     assert math.isfinite(accepted) and abs(accepted) <= 100.0
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("top_k", 1.5), ("seed", "x"), ("seed", True), ("max_tokens", "5"), ("max_tokens", True),
+        ("temperature", "0.5"), ("temperature", None), ("temperature", True), ("logprobs", "2"),
+        ("logit_bias", {1: "x"}), ("logit_bias", None), ("logit_bias", {True: 1.0}),
+        ("stop_token_ids", ["a"]), ("stop_token_ids", 5), ("stop_token_ids", [True]),
+        ("stop", None), ("stop", [5]), ("bad_words", None), ("allowed_token_ids", 5),
+        ("structured_output", {"regex": "[0-9]+"}), ("ignore_eos", "no"),
+    ],
+)  # fmt: skip
+def test_values_of_the_wrong_type_are_rejected_at_construction_with_the_field_named(field, value):
+    """Checked when the params are made, never mid-step (stop=[5] used to fail the step)."""
+    with pytest.raises(InvalidArgument) as err:
+        SamplingParams(**{field: value})
+    assert err.value.param == field and err.value.message.startswith(field), err.value.message
+
+
+def test_a_single_stop_string_is_one_stop_string_not_its_characters():
+    assert SamplingParams(stop="END").stop == ["END"]
+    assert SamplingParams(bad_words="bad").bad_words == ["bad"]
+    assert SamplingParams(stop=("a", "b"), stop_token_ids=(3,)).stop_token_ids == [3]
+    params = SamplingParams(temperature=1, top_p=1, seed=7, logit_bias={3: 2})  # ints where floats go
+    assert params.temperature == 1 and params.logit_bias == {3: 2}

@@ -196,6 +196,33 @@ def test_offline_llm_generate_prompts_and_chats(tiny_llama):
         LLM(model=str(tiny_llama), colour="blue")
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "param"),
+    [
+        ({"seed": "x"}, "seed"), ({"seed": 1.5}, "seed"), ({"seed": None}, "seed"), ({"seed": True}, "seed"),
+        ({"seed": -1}, "seed"), ({"seed": 99999999999999999999999}, "seed"), ({"seed": 2**63}, "seed"),
+        ({"tensor_parallel_size": "2"}, "tensor_parallel_size"), ({"tensor_parallel_size": None}, "tensor_parallel_size"),
+        ({"kv_cache_memory_bytes": "1GiB"}, "kv_cache_memory_bytes"), ({"scheduler": {"max_num_seqs": 2}}, "scheduler"),
+        ({"model": 5}, "model"), ({"device": None}, "device"), ({"dtype": 5}, "dtype"),
+        ({"deterministic": "yes"}, "deterministic"),
+    ],
+)  # fmt: skip
+def test_engine_args_of_the_wrong_type_or_range_are_refused_by_name(kwargs, param):
+    """LLM(...) passes what it is given: each field is checked before it is used, never a raw
+    TypeError or torch's 'Overflow when unpacking long long'."""
+    with pytest.raises(InvalidArgument, match=param) as info:
+        EngineArgs.from_kwargs(**kwargs).validate()
+    assert info.value.param == param
+
+
+def test_an_unknown_engine_argument_suggests_the_closest_name():
+    with pytest.raises(InvalidArgument, match="kv_cache_memory .*did you mean 'kv_cache_memory_bytes'"):
+        EngineArgs.from_kwargs(kv_cache_memory=5)
+    with pytest.raises(InvalidArgument, match="valid names: .*max_num_seqs.*seed"):
+        EngineArgs.from_kwargs(colour="blue")
+    EngineArgs.from_kwargs(seed=2**63 - 1, kv_cache_memory_bytes=1 << 20).validate()
+
+
 def test_offline_chats_take_special_tokens_only_from_the_template(engine):
     from servelab.engine.llm import LLM
 
@@ -240,3 +267,30 @@ def test_logits_processor_state_ends_with_its_request(engine):
     assert set(engine.logits_processors._rows) == {"done"}
     _drain(engine)
     assert engine.logits_processors._rows == {}
+
+
+def test_offline_calls_of_the_wrong_shape_are_refused_by_name(engine):
+    """A bare string is not a list of chats (it generated for 'h' and 'i'); a dict is not
+    SamplingParams; lone surrogates, bools and floats are not a prompt."""
+    from servelab.engine.llm import LLM
+
+    llm = LLM.from_engine(engine)
+    params = SamplingParams(max_tokens=2)
+    cases = [
+        (lambda: llm.chat("hi", params), "messages", "a string"),
+        (lambda: llm.chat(["hi"], params), "messages", "message dicts"),
+        (lambda: llm.generate("a", {"max_tokens": 4}), "sampling_params", "SamplingParams"),
+        (lambda: llm.generate(["a"], [{"max_tokens": 4}]), "sampling_params", "SamplingParams"),
+        (lambda: engine.add_request("y", "hi", None), "sampling_params", "SamplingParams"),
+        (lambda: llm.generate("\ud800", params), "prompt", "lone UTF-16 surrogate"),
+        (lambda: llm.generate([True, 3], params), "prompts", "True: token ids must be integers"),
+        (lambda: llm.generate([[]], params), "prompts", "prompt 0 is empty"),
+        (lambda: llm.generate([[1.5, 3]], params), "prompts", "prompt 0 holds 1.5: token ids must be integers"),
+        (lambda: engine.add_request("z", [True, 3], params), "prompt", "token ids must be integers"),
+    ]
+    for call, param, text in cases:
+        with pytest.raises(InvalidArgument, match=text) as info:
+            call()
+        assert info.value.param == param, info.value
+    assert not engine.has_unfinished()
+    assert len(llm.chat([{"role": "user", "content": "hi"}], params)) == 1

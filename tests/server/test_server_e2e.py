@@ -503,6 +503,40 @@ def test_sigterm_finishes_running_requests_aborts_the_rest_and_exits_0(server_la
     assert "draining" in server.log()
 
 
+def test_a_second_sigterm_stops_at_once_and_ends_the_running_streams(server_launcher, tiny_model_dir):
+    """The first signal drains for up to the 60 s grace period; a second one ends the running
+    stream (an error event, then [DONE]) and the process exits 0 at once."""
+    server = server_launcher(tiny_model_dir, "--shutdown-timeout", "60s")
+    body = {"prompt": "long", "max_tokens": 2000, "ignore_eos": True, "stream": True, "n": 4}
+    lines: list[str] = []
+    started = threading.Event()
+
+    def consume() -> None:
+        try:
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+                for line in r.iter_lines():
+                    if line:
+                        lines.append(line)
+                        started.set()
+        except httpx.HTTPError as exc:
+            lines.append(f"transport error: {exc!r}")
+        finally:
+            started.set()
+
+    reader = threading.Thread(target=consume)
+    reader.start()
+    assert started.wait(60)
+    server.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.5)
+    t0 = time.monotonic()
+    server.proc.send_signal(signal.SIGTERM)
+    assert server.proc.wait(30) == 0, server.log()
+    assert time.monotonic() - t0 < 5, server.log()
+    reader.join(10)
+    assert lines[-1] == "data: [DONE]", lines[-3:]
+    assert "second shutdown signal" in json.loads(lines[-2].removeprefix("data: "))["error"]["message"], lines[-3:]
+
+
 def test_sigterm_on_an_idle_server_exits_at_once(server_launcher, tiny_model_dir):
     server = server_launcher(tiny_model_dir, "--shutdown-timeout", "30s")
     t0 = time.monotonic()

@@ -19,8 +19,9 @@ async def health(state: State) -> Response:
     if state.draining:
         raise ServerDraining("the server is shutting down")
     if state.async_engine is None or not state.async_engine.is_running:
-        raise ServerDraining("the engine is not running")
-    health = getattr(state.async_engine, "health", None)  # data-parallel workers: "ok" or "degraded"
+        # a cluster says which pool is gone ("no decode worker is left: ...")
+        raise ServerDraining(getattr(state.async_engine, "down_reason", None) or "the engine is not running")
+    health = getattr(state.async_engine, "health", None)  # cluster workers: "ok" or "degraded" (still serving)
     return JSONResponse(health() if health is not None else {"status": "ok"})
 
 
