@@ -14,7 +14,8 @@ from servelab.server.state import State
 router = APIRouter()
 
 
-@router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
+@router.head("/health", include_in_schema=False)  # load balancers' probes
+@router.get("/health")
 async def health(state: State) -> Response:
     if state.draining:
         raise ServerDraining("the server is shutting down")
