@@ -24,7 +24,8 @@ ALLOWED: dict[str, set[str]] = {
     "cluster": {"core", "engine", "spec", "server", "sim"},
     # the load generator builds exact-length prompts with the engine's tokenizer (imported lazily)
     "bench": {"core", "workload", "metrics", "sim", "cost", "spec", "engine"},
-    "lab": {"core", "bench", "sim", "cost", "spec", "workload", "metrics"},
+    # and the server's HTTP guards and JSON decoder (server.guards, server.http_errors: no engine, no torch)
+    "lab": {"core", "bench", "sim", "cost", "spec", "workload", "metrics", "server"},
     "commands": {"bench", "cluster", "core", "cost", "engine", "lab", "metrics", "server", "sim", "spec",
                  "workload", "<top>"},
     "cli": {"<top>", "commands"},
@@ -108,3 +109,14 @@ def test_no_import_circles():
         if m not in state:
             visit(m, [])
     assert not circles, "\n".join(circles)
+
+
+def test_the_lab_loads_without_the_engine_or_torch():
+    """The lab may use the server's HTTP guards and JSON decoder, but never through the engine:
+    `servelab lab` starts without torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, servelab.lab.app; print(sorted(m for m in ('torch', 'servelab.engine') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
