@@ -305,11 +305,13 @@ def test_disconnect_before_a_non_streamed_answer_aborts_too(server):
     idle = wait_until_idle(server.url)
     aborted0 = m(idle, "servelab:request_success_total", finished_reason="abort")
     with pytest.raises(httpx.ReadTimeout):  # the client gives up and closes the connection
-        # 500 decode steps (the server's context is 512) take well over 0.15 s, the client's patience.
-        httpx.post(f"{server.url}/v1/completions", json={"prompt": "a long answer", "max_tokens": 500, "ignore_eos": True},
-                   timeout=httpx.Timeout(10, read=0.15))  # fmt: skip
+        # 4 choices x 500 decode steps (the server's context is 512) take well over the client's
+        # 0.05 s of patience, even on a fast host (1 choice x 500 steps once answered in 0.15 s)
+        httpx.post(f"{server.url}/v1/completions",
+                   json={"prompt": "a long answer", "max_tokens": 500, "n": 4, "ignore_eos": True},
+                   timeout=httpx.Timeout(10, read=0.05))  # fmt: skip
     after = wait_until_idle(server.url, timeout_s=20)
-    assert m(after, "servelab:request_success_total", finished_reason="abort") == aborted0 + 1
+    assert m(after, "servelab:request_success_total", finished_reason="abort") == aborted0 + 4  # each choice
     assert m(after, "servelab:kv_cache_usage_perc") == m(idle, "servelab:kv_cache_usage_perc")
 
 
