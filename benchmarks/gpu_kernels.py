@@ -217,7 +217,7 @@ def measure_decode_attention(timer: Timer, batches: list[int], contexts: list[in
             kvs = [(torch.randn(batch, kv_heads, ctx, dim, device=timer.device, dtype=dtype),
                     torch.randn(batch, kv_heads, ctx, dim, device=timer.device, dtype=dtype)) for _ in range(copies)]  # fmt: skip
             t, backend, per = _best_backend(
-                timer, lambda: [lambda k=k, v=v: F.scaled_dot_product_attention(q, k, v) for k, v in kvs])
+                timer, lambda kvs=kvs: [lambda k=k, v=v: F.scaled_dot_product_attention(q, k, v) for k, v in kvs])
             rows.append(dict(batch=batch, context=ctx, heads=heads, kv_heads=kv_heads, head_dim=dim, time_s=t,
                              bytes=kv_bytes, flops=4 * batch * heads * dim * ctx, backend=backend, per_backend_s=per))  # fmt: skip
             print(f"decode attn B={batch:4d} ctx={ctx:6d} {t * 1e6:9.1f} us {kv_bytes / t / 1e9:7.0f} GB/s ({backend})",
