@@ -1,0 +1,48 @@
+"""benchmarks/gpu_kernels.py without a GPU: the whole script on the CPU (`--quick`), whose JSON
+must hold every part with FLOPs and bytes that agree with the shapes timed, and the data file of
+its H200 run, which the cost model's fit reads."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_kernels  # noqa: E402
+
+
+def test_quick_cpu_run_writes_every_part(tmp_path):
+    out = tmp_path / "k.json"
+    torch.manual_seed(0)
+    assert gpu_kernels.main(["--device", "cpu", "--quick", "--repeats", "2", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert d["device"] == "cpu" and d["bandwidth"]["read_bytes_per_s"] > 0 and d["launch"]["eager_s_per_kernel"] > 0
+    gemm = d["gemm"]
+    assert {(r["layer"], r["m"]) for r in gemm} == {(layer, m) for layer, _, _ in gpu_kernels.QUICK_SHAPES["tiny"]
+                                                    for m in gpu_kernels.QUICK_TOKENS}  # fmt: skip
+    for r in gemm:
+        assert r["time_s"] > 0 and r["flops"] == 2 * r["m"] * r["n"] * r["k"]
+        assert r["bytes"] == 4 * r["n"] * r["k"] + 2 * r["m"] * (r["n"] + r["k"])  # fp32 weights, 16-bit activations
+    assert [r["seq_len"] for r in d["prefill_attention"]] == gpu_kernels.QUICK["prefill"]
+    assert len(d["decode_attention"]) == len(gpu_kernels.QUICK["batches"]) * len(gpu_kernels.QUICK["contexts"])
+
+
+def test_skip_leaves_parts_out(tmp_path):
+    out = tmp_path / "k.json"
+    assert gpu_kernels.main(["--device", "cpu", "--quick", "--skip", "gemm,decode", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    assert "gemm" not in d and "decode_attention" not in d and d["prefill_attention"]
+
+
+def test_h200_data_is_complete():
+    d = json.loads((ROOT / "benchmarks/data/h200_kernels.json").read_text())
+    assert d["device"] == "NVIDIA H200" and not any("error" in r for r in d["gemm"])
+    expected = {(model, layer, dtype, m) for model, layers in gpu_kernels.SHAPES.items() for layer, _, _ in layers
+                for dtype in ("bfloat16", "fp8") for m in gpu_kernels.TOKENS}  # fmt: skip
+    assert {(r["model"], r["layer"], r["dtype"], r["m"]) for r in d["gemm"]} == expected
+    # Weight streaming at one token cannot beat the copy bandwidth measured in the same run.
+    for r in d["gemm"]:
+        if r["m"] == 1:
+            assert r["bytes"] / r["time_s"] < 1.05 * d["bandwidth"]["copy_bytes_per_s"]
