@@ -39,22 +39,6 @@ def finish_reason_str(reason: FinishReason | None, seq: Sequence) -> str | None:
     return reason.value  # "stop" | "length" | "abort"
 
 
-def _visible_logprobs(out: EngineOutput) -> list[TokenLogprobs]:
-    """The logprobs of the tokens the client sees: an EOS that ended the request is not in the
-    text (special tokens are skipped), so its entry would not join to the content."""
-    logprobs, seq = out.logprobs, out.seq
-    last = logprobs[-1].token_id
-    if (
-        out.finished
-        and out.finish_reason is FinishReason.STOP
-        and not seq.params.ignore_eos
-        and last in seq.eos_token_ids
-        and seq.output_token_ids[-1:] == [last]
-    ):
-        return logprobs[:-1]
-    return logprobs
-
-
 @dataclass
 class _Choice:
     index: int
@@ -94,7 +78,10 @@ class _Renderer:
         else:
             choice.completion_tokens = out.seq.num_output_tokens
         if out.logprobs:
-            out.logprobs = _visible_logprobs(out)  # streamed chunks read it too
+            # Every sampled token has its entry, the EOS that ended the request included (its
+            # text is the token's own, though the content skips it), as in vLLM: the entries
+            # then count usage.completion_tokens, and echo's prompt_len + 1 entries are what
+            # evaluation harnesses slice with [ctxlen:-1].
             choice.logprobs.extend(out.logprobs)
             choice.text_offsets.extend([choice.text_len] * len(out.logprobs))
         if out.text_delta:
