@@ -67,6 +67,13 @@ class _Renderer:
         self.n = req.n
         self.prompt_only = engine_requests[0].params.prompt_only
 
+    def token(self, token_id: int) -> str:
+        """A logprobs entry's token: its text, or vLLM's token_id:<id> where the client asked
+        (a token that is part of a UTF-8 character has no text of its own)."""
+        if self.req.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
+        return token_text(self.state.engine.tokenizer, token_id)
+
     def update(self, out: EngineOutput) -> _Choice:
         choice = self.choices[out.request_id]
         choice.seq = out.seq
@@ -161,13 +168,12 @@ class CompletionRenderer(_Renderer):
     def _logprobs(self, choice: _Choice, echo: bool, start: int) -> p.CompletionLogprobs:
         """Logprobs of the echoed prompt (if `echo`) then of the output from entry `start`, each
         token with its offset in the choice's whole text."""
-        tokenizer = self.state.engine.tokenizer
         out = p.CompletionLogprobs()
 
         def add(token_id: int, logprob: float | None, top: list[tuple[int, float]] | None, offset: int) -> None:
-            out.tokens.append(token_text(tokenizer, token_id))
+            out.tokens.append(self.token(token_id))
             out.token_logprobs.append(logprob)
-            out.top_logprobs.append(None if top is None else {token_text(tokenizer, t): v for t, v in top})
+            out.top_logprobs.append(None if top is None else {self.token(t): v for t, v in top})
             out.text_offset.append(offset)
 
         base = 0
@@ -245,21 +251,18 @@ class CompletionRenderer(_Renderer):
 
 class ChatRenderer(_Renderer):
     def __init__(self, state: ServerState, request_id: str, req: Any, engine_requests: list[EngineRequest],
-                 plan: ToolPlan | None = None):  # fmt: skip
+                 plan: ToolPlan | None = None, echo: str = ""):  # fmt: skip
         super().__init__(state, request_id, req, engine_requests)
         self.plan = plan  # tool calls: how the answer's text becomes them
+        self.echo = echo  # vLLM's chat echo: the text each choice's content starts with
         self.tool_streams = {} if plan is None else {c.index: ToolCallStream(plan) for c in self.choices.values()}
         self._opened: set[int] = set()  # choices whose role has been sent
 
     def _logprobs(self, items: list[TokenLogprobs]) -> p.ChatLogprobs:
-        tokenizer = self.state.engine.tokenizer
         content = []
         for lp in items:
-            text = token_text(tokenizer, lp.token_id)
-            top = [
-                p.TopLogprob(token=(t_text := token_text(tokenizer, t)), logprob=v, bytes=list(t_text.encode()))
-                for t, v in lp.top
-            ]
+            text = self.token(lp.token_id)
+            top = [p.TopLogprob(token=(t_text := self.token(t)), logprob=v, bytes=list(t_text.encode())) for t, v in lp.top]
             content.append(p.ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top))
         return p.ChatLogprobs(content=content)
 
@@ -290,8 +293,8 @@ class ChatRenderer(_Renderer):
             delta = p.DeltaMessage(content=out.text_delta)
         if opening:
             delta.role = "assistant"
-            if delta.content is None and delta.tool_calls is None:
-                delta.content = ""
+            if delta.content is not None or delta.tool_calls is None or self.echo:
+                delta.content = self.echo + (delta.content or "")
         elif delta.content == "":
             delta.content = None
         self._opened.add(choice.index)
@@ -310,6 +313,8 @@ class ChatRenderer(_Renderer):
             content, calls = parse_tool_calls(self.plan, content)
             if calls and finish_reason == "stop":
                 finish_reason = "tool_calls"
+        if self.echo:
+            content = self.echo + (content or "")
         return p.ChatChoice(
             index=c.index,
             message=p.ChatMessageOut(content=content, tool_calls=calls),
