@@ -294,7 +294,7 @@ class Tokenizer:
             raise InvalidArgument(f"{name} failed to render the messages: {e}", param=param) from e
         except InvalidArgument:
             raise
-        except Exception as e:  # a request's template may fail in any way a Jinja expression can
+        except Exception as e:  # noqa: BLE001 - a request's template may fail in any way a Jinja expression can
             if chat_template is None:
                 raise
             raise InvalidArgument(f"chat_template failed to render the messages: {type(e).__name__}: {e}",

@@ -56,7 +56,7 @@ def _text(engine, request_id: str, prompt, params: SamplingParams) -> tuple[str,
 
 
 def test_include_stop_str_in_output_keeps_the_stop_string_or_token(engine):
-    greedy = dict(max_tokens=30, temperature=0, ignore_eos=True)
+    greedy = {"max_tokens": 30, "temperature": 0, "ignore_eos": True}
     full, ids = _text(engine, "full-ref", PROMPT, SamplingParams(**greedy))
     stop = full[10:13]
     assert _text(engine, "kept", PROMPT, SamplingParams(**greedy, stop=[stop], include_stop_str_in_output=True))[0] == (
@@ -75,8 +75,8 @@ def test_skip_special_tokens_false_keeps_control_tokens_in_the_text(engine):
     im_start, eos = tok.special_token_ids["<|im_start|>"], tok.eos_token_ids[0]
     word = tok.encode(" cache")[0]
     # Only <|im_start|>, a word and EOS may be sampled; EOS is held back for two tokens, then wins.
-    params = dict(max_tokens=6, temperature=0, min_tokens=2, allowed_token_ids=[im_start, word, eos],
-                  logit_bias={im_start: 50.0, eos: 100.0})  # fmt: skip
+    params = {"max_tokens": 6, "temperature": 0, "min_tokens": 2, "allowed_token_ids": [im_start, word, eos],
+              "logit_bias": {im_start: 50.0, eos: 100.0}}  # fmt: skip
     skipped, ids = _text(engine, "skip", PROMPT, SamplingParams(**params))
     assert ids == [im_start, im_start, eos] and skipped == ""
     kept, _ = _text(engine, "keep", PROMPT, SamplingParams(**params, skip_special_tokens=False))

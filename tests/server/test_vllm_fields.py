@@ -13,7 +13,12 @@ from fastapi.testclient import TestClient
 
 from servelab.server import fields as F
 from servelab.server.app import create_app
-from tests.server.vllm_fields import CHAT_COMPANIONS, CHAT_FIELDS, COMPLETION_COMPANIONS, COMPLETION_FIELDS
+from tests.server.vllm_fields import (
+    CHAT_COMPANIONS,
+    CHAT_FIELDS,
+    COMPLETION_COMPANIONS,
+    COMPLETION_FIELDS,
+)
 
 pytestmark = pytest.mark.slow  # loads a real (tiny) model
 
@@ -52,7 +57,7 @@ def test_every_vllm_field_is_in_the_table(route, vllm, table, base, companions):
 
 @pytest.mark.parametrize(("route", "vllm", "table", "base", "companions"), ENDPOINTS, ids=IDS)
 def test_every_vllm_field_is_honoured_or_refused_by_name(served, route, vllm, table, base, companions):
-    client, engine = served
+    client, _ = served
     for field in vllm:
         rule = table[field.name]
         example = engine_name = client.app.state.servelab.model_name if field.name == "model" else field.example
