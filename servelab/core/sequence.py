@@ -23,6 +23,9 @@ class SequenceStatus(enum.Enum):
 LOGIT_BIAS_LIMIT = 100
 # Far above any useful temperature: 1e39 overflowed to inf in the sampler's fp32 and made a NaN row.
 MAX_TEMPERATURE = 100.0
+# Far above any useful repetition penalty (1.1-1.3 is usual); an inf one would turn a logit of 0
+# into NaN (0 x inf) and fail the batch's step.
+MAX_REPETITION_PENALTY = 100.0
 
 
 class FinishReason(str, enum.Enum):
@@ -66,10 +69,17 @@ class SamplingParams:
     min_p: float = 0.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    # vLLM's (and HF's): the logits of tokens seen in the prompt or the output are divided by it
+    # where positive, multiplied where negative; 1.0 = off.
+    repetition_penalty: float = 1.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)  # stop strings, matched by the engine's detokenizer
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
+    # The text of the stop string (or stop token) that ended the request stays in the output.
+    include_stop_str_in_output: bool = False
+    # Special tokens (control tokens such as <|im_start|>) are left out of the output text.
+    skip_special_tokens: bool = True
     logprobs: int | None = None  # number of top alternatives to return (0 = only the sampled token)
     min_tokens: int = 0
     # vLLM's prompt_logprobs: the logprob of every prompt token after the first, with this many
@@ -127,11 +137,11 @@ class SamplingParams:
             if not (_is_int(value) or (value is None and name in ("seed", "logprobs", "prompt_logprobs"))):
                 optional = " or None" if name in ("seed", "logprobs", "prompt_logprobs") else ""
                 raise InvalidArgument(f"{name} must be an integer{optional}, got {value!r}", param=name)
-        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty"):
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
             if not _is_number(value):
                 raise InvalidArgument(f"{name} must be a number, got {value!r}", param=name)
-        for name in ("ignore_eos", "prompt_only"):
+        for name in ("ignore_eos", "prompt_only", "include_stop_str_in_output", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise InvalidArgument(f"{name} must be True or False, got {getattr(self, name)!r}", param=name)
         for name, kind in (("stop", "a string or a list of strings"), ("stop_token_ids", "a list of token ids"),
@@ -187,6 +197,11 @@ class SamplingParams:
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
                 raise InvalidArgument(f"{name} must be in [-2, 2], got {value}", param=name)
+        if not 0 < self.repetition_penalty <= MAX_REPETITION_PENALTY:
+            raise InvalidArgument(
+                f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY:g}] (1 disables it), got {self.repetition_penalty}",
+                param="repetition_penalty",
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and not 0 <= value <= MAX_LOGPROBS:

@@ -92,13 +92,15 @@ class StopCheck:
 
 @dataclass(slots=True)
 class StopChecker:
-    """Finds stop strings in streamed text, across token boundaries, without emitting them.
+    """Finds stop strings in streamed text, across token boundaries, without emitting them
+    (with `include_stop`, emitting them as the output's last text, vLLM's include_stop_str_in_output).
 
     Text that could be the beginning of a stop string is held back until it either completes a
-    stop (then it is dropped) or stops matching (then it is released).
+    stop (then it is dropped, or with `include_stop` emitted) or stops matching (then it is released).
     """
 
     stop_strings: Sequence[str]
+    include_stop: bool = False
     _held: str = field(default="", init=False)
     _emitted_chars: int = field(default=0, init=False)
     stopped: str | None = field(default=None, init=False)
@@ -125,7 +127,7 @@ class StopChecker:
         if match is not None:
             self.stopped = match
             self._held = ""
-            emitted = buf[:match_at]
+            emitted = buf[: match_at + len(match)] if self.include_stop else buf[:match_at]
             offset = self._emitted_chars + match_at
             self._emitted_chars += len(emitted)
             return StopCheck(emitted, match, offset)
@@ -170,10 +172,11 @@ class RequestTextStream:
     __slots__ = ("detokenizer", "stop_checker")
 
     def __init__(
-        self, tokenizer: _Decoder, prompt_token_ids: Sequence[int], stop: Sequence[str] = (), skip_special_tokens: bool = True
-    ):
+        self, tokenizer: _Decoder, prompt_token_ids: Sequence[int], stop: Sequence[str] = (),
+        skip_special_tokens: bool = True, include_stop: bool = False,
+    ):  # fmt: skip
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
-        self.stop_checker = StopChecker(stop)
+        self.stop_checker = StopChecker(stop, include_stop)
 
     def add(self, token_ids: Sequence[int]) -> TextDelta:
         if self.stop_checker.stopped is not None:

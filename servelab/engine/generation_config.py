@@ -1,6 +1,6 @@
 """Sampling defaults from the model's `generation_config.json`, as vLLM's `--generation-config
 auto` reads them: a field the request leaves out takes the model author's value, else
-SamplingParams' own default (temperature 1.0, top_p 1.0, top_k and min_p off). A GGUF file carries
+SamplingParams' own default (temperature 1.0, top_p 1.0, top_k, min_p and repetition_penalty off). A GGUF file carries
 no such file, so it samples with SamplingParams' defaults."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from servelab.core.sequence import SamplingParams
 
-SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p")
+SAMPLING_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 SOURCE_HELP = "the model's generation_config.json when it sets one, else"
 
 

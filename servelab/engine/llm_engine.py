@@ -428,7 +428,9 @@ class LLMEngine:
         self.logits_processors.prepare(params, *siblings)
 
     def _new_state(self, seq: Sequence) -> _RequestState:
-        stream = RequestTextStream(self.tokenizer, seq.prompt_token_ids, seq.params.stop, skip_special_tokens=True)
+        params = seq.params
+        stream = RequestTextStream(self.tokenizer, seq.prompt_token_ids, params.stop, params.skip_special_tokens,
+                                   params.include_stop_str_in_output)  # fmt: skip
         return _RequestState(seq=seq, stream=stream)
 
     def _forget(self, request_id: str) -> _RequestState | None:
@@ -530,7 +532,12 @@ class LLMEngine:
             return None
         seq = state.seq
         finished, reason = ro.finished, ro.finish_reason
-        delta = state.stream.add(ro.new_token_ids) if ro.new_token_ids else None
+        new_text_ids = ro.new_token_ids
+        if reason is FinishReason.STOP and not seq.params.include_stop_str_in_output:
+            # As vLLM: the EOS or stop token that ended the request adds no text (skip_special_tokens
+            # false would show an EOS; a stop token id may be an ordinary word).
+            new_text_ids = new_text_ids[:-1]
+        delta = state.stream.add(new_text_ids) if new_text_ids else None
         text = delta.text if delta is not None else ""
         stop = delta.stop if delta is not None else None
         if stop is None and finished:

@@ -54,6 +54,8 @@ class Sampler:
             p = s.params
             if p.temperature >= _GREEDY_TEMPERATURE or p.presence_penalty or p.frequency_penalty or p.min_tokens:
                 return False
+            if p.repetition_penalty != 1.0:
+                return False
             if p.logprobs is not None or p.edits_logits:
                 return False
         return True
@@ -95,6 +97,7 @@ class Sampler:
         # (vLLM's default "raw_logprobs").
         raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
 
+        logits = self._apply_repetition_penalty(logits, seqs)
         logits = self._apply_penalties(logits, seqs)
         logits = self._apply_min_tokens(logits, seqs)
         if self.logits_processors is not None:  # logit_bias, allowed_token_ids, bad_words, grammars
@@ -121,6 +124,28 @@ class Sampler:
         return tokens, logprobs
 
     # ------------------------------------------------------------------ logits transforms
+
+    @staticmethod
+    def _apply_repetition_penalty(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+        """vLLM's (HF's) semantics, before the OpenAI penalties as in vLLM: the logit of every token
+        seen in the prompt or the output so far is divided by the penalty where positive and
+        multiplied by it where not, so a penalty above 1 always makes a seen token less likely."""
+        rows = [i for i, s in enumerate(seqs) if s.params.repetition_penalty != 1.0]
+        if not rows:
+            return logits
+        seen = torch.zeros(len(rows), logits.shape[1], dtype=torch.bool)
+        for j, i in enumerate(rows):
+            ids = torch.tensor(seqs[i].token_ids, dtype=torch.long)
+            seen[j, ids[ids < logits.shape[1]]] = True
+        penalty = torch.tensor([seqs[i].params.repetition_penalty for i in rows]).unsqueeze(1)
+        x = logits if len(rows) == logits.shape[0] else logits[rows]
+        penalised = torch.where(x > 0, x / penalty, x * penalty)
+        x = torch.where(seen, penalised, x)
+        if len(rows) == logits.shape[0]:
+            return x
+        logits = logits.clone()
+        logits[rows] = x
+        return logits
 
     @staticmethod
     def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:

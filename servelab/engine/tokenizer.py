@@ -178,7 +178,7 @@ class Tokenizer:
 
     def encode_chat(
         self, messages: list[dict], add_generation_prompt: bool = True, add_special_tokens: bool = True,
-        **template_kwargs: Any,
+        *, chat_template: str | None = None, continue_final_message: bool = False, **template_kwargs: Any,
     ) -> list[int]:
         """Token ids of a chat, rendered by the template, where only the template's own markers
         are special tokens: special-token text inside a message's content stays plain text.
@@ -187,8 +187,12 @@ class Tokenizer:
         path whose output matches transformers'). Otherwise each special-token text in a content
         is swapped for a sentinel before rendering; the rendered text is split at the special
         tokens left (the template's), and the pieces between are encoded as plain text with the
-        sentinels turned back into the text they stand for."""
+        sentinels turned back into the text they stand for.
+
+        `chat_template` renders instead of the model's; `continue_final_message` leaves the last
+        message open (the text after its content is cut), as transformers does."""
         messages = _normalise_messages(messages)
+        template_kwargs.update(chat_template=chat_template, continue_final_message=continue_final_message)
         pattern = self._special_text
         if pattern is None or not any(pattern.search(m["content"]) for m in messages):
             text = self.apply_chat_template(messages, add_generation_prompt, **template_kwargs)
@@ -255,28 +259,47 @@ class Tokenizer:
     # ---------------------------------------------------------------- chat template
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, **template_kwargs: Any
+        self, messages: list[dict], add_generation_prompt: bool = True, *, chat_template: str | None = None,
+        continue_final_message: bool = False, **template_kwargs: Any,
     ) -> str:
-        """Render a chat (OpenAI-style messages) to the prompt text the model was trained on."""
-        if self.chat_template is None:
+        """Render a chat (OpenAI-style messages) to the prompt text the model was trained on, with
+        the model's template or `chat_template` (a request's: the same sandbox renders it)."""
+        import jinja2
+
+        if chat_template is not None:
+            template = _compile_request_template(chat_template)
+        elif self.chat_template is None:
             raise InvalidArgument(
                 f"model {self.name or '(unnamed)'} has no chat template; send a plain completion prompt instead",
                 param="messages",
             )
-        if self._compiled_template is None:
-            self._compiled_template = _jinja_env().from_string(self.chat_template)
-        import jinja2
-
+        else:
+            if self._compiled_template is None:
+                self._compiled_template = _jinja_env().from_string(self.chat_template)
+            template = self._compiled_template
+        messages = _normalise_messages(messages)
+        if continue_final_message and add_generation_prompt:
+            raise InvalidArgument(
+                "continue_final_message and add_generation_prompt cannot both be true: set add_generation_prompt "
+                "to false to continue the last message", param="continue_final_message",
+            )  # fmt: skip
+        variables = {**template_kwargs, "messages": messages, "add_generation_prompt": add_generation_prompt,
+                     "continue_final_message": continue_final_message,
+                     "bos_token": self.bos_token or "", "eos_token": self.eos_token or ""}  # fmt: skip
+        # A request's template is blamed by its field's name; the model's on the messages.
+        param, name = ("messages", "chat template") if chat_template is None else ("chat_template", "chat_template")
         try:
-            return self._compiled_template.render(
-                messages=_normalise_messages(messages),
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "",
-                **template_kwargs,
-            )
+            rendered = template.render(**variables)
         except jinja2.TemplateError as e:
-            raise InvalidArgument(f"chat template failed to render the messages: {e}", param="messages") from e
+            raise InvalidArgument(f"{name} failed to render the messages: {e}", param=param) from e
+        except InvalidArgument:
+            raise
+        except Exception as e:  # noqa: BLE001 - a request's template may fail in any way a Jinja expression can
+            if chat_template is None:
+                raise
+            raise InvalidArgument(f"chat_template failed to render the messages: {type(e).__name__}: {e}",
+                                  param="chat_template") from e  # fmt: skip
+        return _open_final_message(rendered, messages[-1]["content"]) if continue_final_message else rendered
 
     # ---------------------------------------------------------------- constructors
 
@@ -507,6 +530,42 @@ def _normalise_messages(messages: Any) -> list[dict[str, Any]]:
             raise InvalidArgument(f"messages[{i}].content must be a string or a list of text parts", param="messages")
         out.append(message)
     return out
+
+
+def _open_final_message(rendered: str, final: str) -> str:
+    """The rendered chat cut just after the last message's content, so the model continues it
+    (transformers' continue_final_message)."""
+    stripped = final.strip()
+    if not stripped or stripped not in rendered:
+        raise InvalidArgument(
+            "continue_final_message: the chat template does not write the last message's content, so there "
+            "is nothing to continue", param="continue_final_message",
+        )  # fmt: skip
+    at = rendered.rindex(stripped)
+    if rendered[at : at + len(final.lstrip())] == final.lstrip():
+        return rendered[: at + len(final.lstrip())]  # the template kept the message's trailing spaces
+    return rendered[: at + len(stripped)]
+
+
+# A request's own chat template: bounded, as it is compiled on the server's threads.
+MAX_CHAT_TEMPLATE_CHARS = 65536
+
+
+@lru_cache(maxsize=16)
+def _compile_request_template(source: str) -> Any:
+    """A request's chat template, compiled in the model template's sandbox (clients tend to send
+    the same one with every request: the compile is cached)."""
+    import jinja2
+
+    if len(source) > MAX_CHAT_TEMPLATE_CHARS:
+        raise InvalidArgument(
+            f"chat_template has {len(source):,} characters; at most {MAX_CHAT_TEMPLATE_CHARS:,} are allowed",
+            param="chat_template",
+        )
+    try:
+        return _jinja_env().from_string(source)
+    except jinja2.TemplateError as e:
+        raise InvalidArgument(f"chat_template is not a valid Jinja template: {e}", param="chat_template") from e
 
 
 def _raise_template_exception(message: str) -> None:

@@ -135,6 +135,11 @@ def build_requests(
                         min_p=req.min_p if "min_p" in req.model_fields_set else default("min_p"),
                         presence_penalty=req.presence_penalty,
                         frequency_penalty=req.frequency_penalty,
+                        repetition_penalty=(
+                            default("repetition_penalty") if req.repetition_penalty is None else req.repetition_penalty
+                        ),
+                        include_stop_str_in_output=req.include_stop_str_in_output,
+                        skip_special_tokens=req.skip_special_tokens,
                         seed=seed,
                         stop=stop,
                         stop_token_ids=list(req.stop_token_ids or []),

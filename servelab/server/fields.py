@@ -81,6 +81,28 @@ COMMON: dict[str, FieldRule] = {
     "guided_regex": _h("vLLM's older name for structured_outputs.regex"),
     "guided_choice": _h("vLLM's older name for structured_outputs.choice"),
     "guided_grammar": _h("vLLM's older name for structured_outputs.grammar"),
+    "repetition_penalty": _h("vLLM extension: in (0, 100]; the logits of tokens in the prompt or output are divided by it "
+                             "where positive, multiplied where not; default: the model's generation_config.json, else 1 (off)"),
+    "include_stop_str_in_output": _h("vLLM extension: the stop string, or the text of the stop token or EOS, that ended "
+                                     "the choice stays in its text"),
+    "skip_special_tokens": _h("vLLM extension: false keeps special tokens in the text (the EOS that ends a choice only "
+                              "with include_stop_str_in_output)"),
+    "spaces_between_special_tokens": _i("vLLM extension: fast tokenizers, the only kind servelab loads, write special "
+                                        "tokens as they are either way, as in vLLM"),
+    "truncate_prompt_tokens": _h("vLLM extension: keep the prompt's last N tokens (-1: the last max_model_len); "
+                                 "N above max_model_len is a 400"),
+    "return_tokens_as_token_ids": _h("vLLM extension: logprobs' tokens written as token_id:<id>"),
+    "request_id": _h("vLLM extension: the answer's id is cmpl- (chat: chatcmpl-) followed by it"),
+    "length_penalty": _i("vLLM extension: it weighs beam search's lengths only, and beam search is refused"),
+    "use_beam_search": _r("beam search is not implemented; ask for n sampled choices", False),
+    "logits_processors": _r("servelab loads no logits processors named by a request", []),
+    "return_token_ids": _r("the answer does not carry token ids; /tokenize gives a prompt's", False),
+    "cache_salt": _r("the prefix cache is not salted per request"),
+    "kv_transfer_params": _r("KV transfer between servers is not taken from a request"),
+    "vllm_xargs": _r("servelab has no extensions that read vllm_xargs", {}),
+    "max_repetition_pattern_size": _r("stopping on repeated token patterns is not implemented", 0),
+    "min_repetition_pattern_size": _r("stopping on repeated token patterns is not implemented", 0),
+    "repetition_min_count": _r("stopping on repeated token patterns is not implemented", 0),
 }
 
 CHAT: dict[str, FieldRule] = {
@@ -90,7 +112,17 @@ CHAT: dict[str, FieldRule] = {
     "max_completion_tokens": _h("default: the rest of the context"),
     "logprobs": _h("the sampled tokens' logprobs"),
     "top_logprobs": _h("0-20 alternatives per token, with logprobs=true"),
-    "add_generation_prompt": _h("vLLM extension"),
+    "add_generation_prompt": _h("vLLM extension: end the prompt with the template's assistant header"),
+    "continue_final_message": _h("vLLM extension: the last message left open for the model to continue; "
+                                 "needs add_generation_prompt false"),
+    "add_special_tokens": _h("vLLM extension: default false, as the template writes its own special tokens"),
+    "documents": _h("vLLM extension: shown to the chat template as documents"),
+    "chat_template": _h("vLLM extension: a Jinja template for this request, rendered in the model template's sandbox"),
+    "chat_template_kwargs": _h("vLLM extension: more variables for the chat template"),
+    "echo": _h("vLLM extension: the answer starts with the last message's content when that message has the "
+               "answer's role"),
+    "include_reasoning": _i("vLLM extension: this model does not reason, so there is nothing to include or leave out"),
+    "mm_processor_kwargs": _r("this model takes text only", {}),
     "tools": _h("function tools, shown to the chat template"),
     "tool_choice": _h("none, required or a named function (constrained); auto with --tool-call-parser"),
     "parallel_tool_calls": _i("an answer holds at most one tool call, which both values allow"),
@@ -116,6 +148,8 @@ COMPLETIONS: dict[str, FieldRule] = {
     "max_tokens": _h("default 16, as OpenAI; 0 only with echo"),
     "logprobs": _h("0-20 alternatives per token"),
     "echo": _h("the prompt before the completion; with logprobs, the prompt's logprobs (first: null)"),
+    "add_special_tokens": _h("vLLM extension: the BOS/EOS the tokenizer adds to a text prompt; default true"),
+    "prompt_embeds": _r("prompts are text or token ids; embeddings are not taken"),
     "best_of": _r("server-side best-of-n is not implemented; ask for n choices and rank them", 1),
     "suffix": _r("insertion (fill-in-the-middle) is not implemented", ""),
 }
@@ -146,9 +180,16 @@ def refuse_non_text_parts(messages: list[Any]) -> None:
                     )
 
 
-def markdown_table(table: dict[str, FieldRule]) -> str:
-    """The README's field table, written from the same rules the server applies."""
-    rows = ["| field | status | notes |", "|---|---|---|"]
-    for name, rule in table.items():
-        rows.append(f"| `{name}` | {rule.status.value} | {rule.note} |")
+def markdown_table(chat: dict[str, FieldRule] = CHAT, completions: dict[str, FieldRule] = COMPLETIONS) -> str:
+    """The README's one field table for both endpoints, written from the rules the server applies."""
+    rows = ["| field | chat | completions | notes |", "|---|---|---|---|"]
+    for name in dict.fromkeys([*chat, *completions]):
+        rules = {"chat": chat.get(name), "completions": completions.get(name)}
+        status = [r.status.value if r is not None else "—" for r in rules.values()]
+        notes = {r.note for r in rules.values() if r is not None}
+        if len(notes) == 1:
+            note = notes.pop()
+        else:
+            note = "; ".join(f"{endpoint}: {r.note}" for endpoint, r in rules.items() if r is not None)
+        rows.append(f"| `{name}` | {status[0]} | {status[1]} | {note} |")
     return "\n".join(rows)

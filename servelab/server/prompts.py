@@ -7,7 +7,7 @@ not on the event loop. Every refusal names the field the client sent and the lim
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from servelab.errors import InvalidArgument, RequestTooLong
 from servelab.server.prompt_scoring import token_text_offsets
@@ -54,24 +54,59 @@ def check_fits_untokenized(engine: LLMEngine, text: str, param: str) -> None:
         )
 
 
+def prompt_tokens_kept(engine: LLMEngine, truncate_prompt_tokens: int | None) -> int | None:
+    """How many of a prompt's last tokens vLLM's truncate_prompt_tokens keeps (None: all)."""
+    if truncate_prompt_tokens is None:
+        return None
+    limit = engine.max_model_len
+    if truncate_prompt_tokens == -1:
+        return limit
+    if not 1 <= truncate_prompt_tokens <= limit:
+        raise InvalidArgument(
+            f"truncate_prompt_tokens must be -1 (the last max_model_len tokens) or in [1, {limit}] (this model's "
+            f"maximum context length), got {truncate_prompt_tokens}",
+            param="truncate_prompt_tokens",
+        )
+    return truncate_prompt_tokens
+
+
 def chat_prompt_ids(engine: LLMEngine, req: p.ChatCompletionRequest) -> list[int]:
-    """Blocking: the chat's token ids, markers only from the template."""
+    """Blocking: the chat's token ids, markers only from the template, and truncated as asked."""
     messages = req.template_messages()
-    check_fits_untokenized(engine, "".join(m["content"] for m in messages), "messages")
-    tools = {"tools": [t.model_dump(exclude_none=True) for t in req.tools]} if req.tools else {}
-    return engine.tokenizer.encode_chat(messages, req.add_generation_prompt, **tools)
+    keep = prompt_tokens_kept(engine, req.truncate_prompt_tokens)
+    if keep is None:
+        check_fits_untokenized(engine, "".join(m["content"] for m in messages), "messages")
+    ids = engine.tokenizer.encode_chat(
+        messages, req.add_generation_prompt, req.add_special_tokens, chat_template=req.chat_template,
+        continue_final_message=req.continue_final_message, **chat_template_variables(req),
+    )  # fmt: skip
+    return ids if keep is None else ids[-keep:]
 
 
-def completion_prompt_ids(engine: LLMEngine, prompt: str | list) -> list[list[int]]:
-    """Blocking: every prompt as checked token ids."""
+def chat_template_variables(req: p.ChatCompletionRequest) -> dict[str, Any]:
+    """What the chat template sees besides the messages: the request's chat_template_kwargs, then
+    tools and documents (which win over a same-named kwarg, as the named fields do in vLLM)."""
+    variables = dict(req.chat_template_kwargs or {})
+    if req.tools:
+        variables["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
+    if req.documents is not None:
+        variables["documents"] = req.documents
+    return variables
+
+
+def completion_prompt_ids(engine: LLMEngine, req: p.CompletionRequest) -> list[list[int]]:
+    """Blocking: every prompt as checked token ids, truncated as asked."""
+    keep = prompt_tokens_kept(engine, req.truncate_prompt_tokens)
     out = []
-    for one in completion_prompts(prompt):
+    for one in completion_prompts(req.prompt):
         if isinstance(one, str):
-            check_fits_untokenized(engine, one, "prompt")
-            out.append(encode_prompt(engine, one))
+            if keep is None:
+                check_fits_untokenized(engine, one, "prompt")
+            ids = encode_prompt(engine, one, add_special_tokens=req.add_special_tokens)
         else:
             check_token_ids(engine, one, "prompt")
-            out.append(one)
+            ids = one
+        out.append(ids if keep is None else ids[-keep:])
     return out
 
 
@@ -84,11 +119,13 @@ class EchoPrompt:
     text_offsets: list[int] | None = None
 
 
-def echo_prompts(engine: LLMEngine, prompt: str | list, prompt_ids: list[list[int]], offsets: bool) -> list[EchoPrompt]:
-    """Blocking: each prompt as the client sent it, for echo, with its tokens' offsets if asked."""
+def echo_prompts(engine: LLMEngine, req: p.CompletionRequest, prompt_ids: list[list[int]], offsets: bool) -> list[EchoPrompt]:
+    """Blocking: each prompt as the client sent it (as the engine ran it, once truncated), for
+    echo, with its tokens' offsets if asked."""
     out = []
-    for one, ids in zip(completion_prompts(prompt), prompt_ids):
-        text = one if isinstance(one, str) else engine.tokenizer.decode(one)
+    truncated = req.truncate_prompt_tokens is not None
+    for one, ids in zip(completion_prompts(req.prompt), prompt_ids):
+        text = one if isinstance(one, str) and not truncated else engine.tokenizer.decode(ids)
         out.append(EchoPrompt(text, token_text_offsets(engine.tokenizer, ids, len(text)) if offsets else None))
     return out
 
@@ -101,6 +138,7 @@ def detokenize_checked(engine: LLMEngine, tokens: list[int]) -> str:
 
 __all__ = [
     "chat_prompt_ids",
+    "chat_template_variables",
     "check_fits_untokenized",
     "check_token_ids",
     "completion_prompt_ids",
@@ -109,4 +147,5 @@ __all__ = [
     "EchoPrompt",
     "echo_prompts",
     "encode_prompt",
+    "prompt_tokens_kept",
 ]

@@ -97,6 +97,14 @@ class _SamplingFields(_Request):
     priority: int = 0  # lower runs first when the server's order is "priority"
     stop_token_ids: list[int] | None = None
     min_tokens: int = 0
+    repetition_penalty: float | None = None  # None: the model's generation_config.json, else 1.0 (off)
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # fast tokenizers join special tokens as they are, as in vLLM
+    truncate_prompt_tokens: int | None = None  # keep the prompt's last N tokens; -1: the last max_model_len
+    return_tokens_as_token_ids: bool | None = None  # logprobs' tokens as "token_id:<id>"
+    length_penalty: float = 1.0  # beam search's only, and beam search is refused
+    request_id: str | None = None  # the answer's id is cmpl- / chatcmpl- and this
     # Logit edits and output constraints (server/structured.py turns them into SamplingParams).
     logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a string) -> bias in [-100, 100]
     allowed_token_ids: list[int] | None = None
@@ -123,6 +131,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = None  # top alternatives per token
     echo: bool = False
     prompt_logprobs: int | None = None  # vLLM extension: score the prompt, with this many alternatives
+    add_special_tokens: bool = True  # the BOS/EOS the tokenizer's post-processor adds
 
 
 class ContentPart(_Request):
@@ -149,8 +158,16 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    add_generation_prompt: bool = True  # vLLM extension
     prompt_logprobs: int | None = None  # vLLM extension
+    # vLLM's chat extensions: how the template renders the messages.
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False  # the last message left open, for the model to continue
+    add_special_tokens: bool = False  # the template writes the special tokens it wants
+    documents: list[dict[str, str]] | None = None
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    echo: bool = False  # the answer starts with the last message's content when it has the answer's role
+    include_reasoning: bool = True  # there is no reasoning to include or leave out
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 

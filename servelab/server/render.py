@@ -39,22 +39,6 @@ def finish_reason_str(reason: FinishReason | None, seq: Sequence) -> str | None:
     return reason.value  # "stop" | "length" | "abort"
 
 
-def _visible_logprobs(out: EngineOutput) -> list[TokenLogprobs]:
-    """The logprobs of the tokens the client sees: an EOS that ended the request is not in the
-    text (special tokens are skipped), so its entry would not join to the content."""
-    logprobs, seq = out.logprobs, out.seq
-    last = logprobs[-1].token_id
-    if (
-        out.finished
-        and out.finish_reason is FinishReason.STOP
-        and not seq.params.ignore_eos
-        and last in seq.eos_token_ids
-        and seq.output_token_ids[-1:] == [last]
-    ):
-        return logprobs[:-1]
-    return logprobs
-
-
 @dataclass
 class _Choice:
     index: int
@@ -83,6 +67,13 @@ class _Renderer:
         self.n = req.n
         self.prompt_only = engine_requests[0].params.prompt_only
 
+    def token(self, token_id: int) -> str:
+        """A logprobs entry's token: its text, or vLLM's token_id:<id> where the client asked
+        (a token that is part of a UTF-8 character has no text of its own)."""
+        if self.req.return_tokens_as_token_ids:
+            return f"token_id:{token_id}"
+        return token_text(self.state.engine.tokenizer, token_id)
+
     def update(self, out: EngineOutput) -> _Choice:
         choice = self.choices[out.request_id]
         choice.seq = out.seq
@@ -94,7 +85,10 @@ class _Renderer:
         else:
             choice.completion_tokens = out.seq.num_output_tokens
         if out.logprobs:
-            out.logprobs = _visible_logprobs(out)  # streamed chunks read it too
+            # Every sampled token has its entry, the EOS that ended the request included (its
+            # text is the token's own, though the content skips it), as in vLLM: the entries
+            # then count usage.completion_tokens, and echo's prompt_len + 1 entries are what
+            # evaluation harnesses slice with [ctxlen:-1].
             choice.logprobs.extend(out.logprobs)
             choice.text_offsets.extend([choice.text_len] * len(out.logprobs))
         if out.text_delta:
@@ -174,13 +168,12 @@ class CompletionRenderer(_Renderer):
     def _logprobs(self, choice: _Choice, echo: bool, start: int) -> p.CompletionLogprobs:
         """Logprobs of the echoed prompt (if `echo`) then of the output from entry `start`, each
         token with its offset in the choice's whole text."""
-        tokenizer = self.state.engine.tokenizer
         out = p.CompletionLogprobs()
 
         def add(token_id: int, logprob: float | None, top: list[tuple[int, float]] | None, offset: int) -> None:
-            out.tokens.append(token_text(tokenizer, token_id))
+            out.tokens.append(self.token(token_id))
             out.token_logprobs.append(logprob)
-            out.top_logprobs.append(None if top is None else {token_text(tokenizer, t): v for t, v in top})
+            out.top_logprobs.append(None if top is None else {self.token(t): v for t, v in top})
             out.text_offset.append(offset)
 
         base = 0
@@ -258,21 +251,18 @@ class CompletionRenderer(_Renderer):
 
 class ChatRenderer(_Renderer):
     def __init__(self, state: ServerState, request_id: str, req: Any, engine_requests: list[EngineRequest],
-                 plan: ToolPlan | None = None):  # fmt: skip
+                 plan: ToolPlan | None = None, echo: str = ""):  # fmt: skip
         super().__init__(state, request_id, req, engine_requests)
         self.plan = plan  # tool calls: how the answer's text becomes them
+        self.echo = echo  # vLLM's chat echo: the text each choice's content starts with
         self.tool_streams = {} if plan is None else {c.index: ToolCallStream(plan) for c in self.choices.values()}
         self._opened: set[int] = set()  # choices whose role has been sent
 
     def _logprobs(self, items: list[TokenLogprobs]) -> p.ChatLogprobs:
-        tokenizer = self.state.engine.tokenizer
         content = []
         for lp in items:
-            text = token_text(tokenizer, lp.token_id)
-            top = [
-                p.TopLogprob(token=(t_text := token_text(tokenizer, t)), logprob=v, bytes=list(t_text.encode()))
-                for t, v in lp.top
-            ]
+            text = self.token(lp.token_id)
+            top = [p.TopLogprob(token=(t_text := self.token(t)), logprob=v, bytes=list(t_text.encode())) for t, v in lp.top]
             content.append(p.ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top))
         return p.ChatLogprobs(content=content)
 
@@ -303,8 +293,8 @@ class ChatRenderer(_Renderer):
             delta = p.DeltaMessage(content=out.text_delta)
         if opening:
             delta.role = "assistant"
-            if delta.content is None and delta.tool_calls is None:
-                delta.content = ""
+            if delta.content is not None or delta.tool_calls is None or self.echo:
+                delta.content = self.echo + (delta.content or "")
         elif delta.content == "":
             delta.content = None
         self._opened.add(choice.index)
@@ -323,6 +313,8 @@ class ChatRenderer(_Renderer):
             content, calls = parse_tool_calls(self.plan, content)
             if calls and finish_reason == "stop":
                 finish_reason = "tool_calls"
+        if self.echo:
+            content = self.echo + (content or "")
         return p.ChatChoice(
             index=c.index,
             message=p.ChatMessageOut(content=content, tool_calls=calls),

@@ -113,6 +113,15 @@ def test_stop_string_spanning_tokens_is_found_and_excluded():
     assert checker.flush() == ""
 
 
+def test_include_stop_emits_the_stop_string_and_nothing_after():
+    checker = StopChecker(["STOP"], include_stop=True)
+    assert checker.add("lo ST").text == "lo "
+    check = checker.add("OP and more")
+    assert (check.text, check.stop, check.stop_offset) == ("STOP", "STOP", 3)
+    assert checker.add("later").text == "" and checker.flush() == ""
+    assert feed(StopChecker(["world", "lo w"], include_stop=True), ["hel", "lo world"]) == ("hello w", "lo w", 3)
+
+
 def test_partial_match_is_released_when_it_is_not_a_stop():
     checker = StopChecker(["STOP"])
     assert checker.add("a ST").text == "a "

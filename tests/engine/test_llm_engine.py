@@ -50,6 +50,72 @@ def test_stop_string_ends_the_request_and_is_not_emitted(engine):
     assert engine.stats().num_blocks_free == engine.stats().num_blocks_total  # blocks given back
 
 
+def _text(engine, request_id: str, prompt, params: SamplingParams) -> tuple[str, list[int]]:
+    seq = engine.add_request(request_id, prompt, params)
+    return "".join(o.text_delta for o in _drain(engine)[request_id]), seq.output_token_ids
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string_or_token(engine):
+    greedy = {"max_tokens": 30, "temperature": 0, "ignore_eos": True}
+    full, ids = _text(engine, "full-ref", PROMPT, SamplingParams(**greedy))
+    stop = full[10:13]
+    assert _text(engine, "kept", PROMPT, SamplingParams(**greedy, stop=[stop], include_stop_str_in_output=True))[0] == (
+        full[: full.index(stop) + len(stop)])
+    # a stop token id is an ordinary token here: its text goes only with include_stop_str_in_output
+    stop_id = ids[5]
+    first = ids.index(stop_id)
+    without, _ = _text(engine, "without", PROMPT, SamplingParams(**greedy, stop_token_ids=[stop_id]))
+    with_it, _ = _text(engine, "with", PROMPT, SamplingParams(**greedy, stop_token_ids=[stop_id],
+                                                               include_stop_str_in_output=True))  # fmt: skip
+    assert without == engine.tokenizer.decode(ids[:first]) and with_it == engine.tokenizer.decode(ids[: first + 1])
+
+
+def test_skip_special_tokens_false_keeps_control_tokens_in_the_text(engine):
+    tok = engine.tokenizer
+    im_start, eos = tok.special_token_ids["<|im_start|>"], tok.eos_token_ids[0]
+    word = tok.encode(" cache")[0]
+    # Only <|im_start|>, a word and EOS may be sampled; EOS is held back for two tokens, then wins.
+    params = {"max_tokens": 6, "temperature": 0, "min_tokens": 2, "allowed_token_ids": [im_start, word, eos],
+              "logit_bias": {im_start: 50.0, eos: 100.0}}  # fmt: skip
+    skipped, ids = _text(engine, "skip", PROMPT, SamplingParams(**params))
+    assert ids == [im_start, im_start, eos] and skipped == ""
+    kept, _ = _text(engine, "keep", PROMPT, SamplingParams(**params, skip_special_tokens=False))
+    assert kept == "<|im_start|><|im_start|>"  # the EOS that ended it: only with include_stop_str_in_output
+    both, _ = _text(engine, "both", PROMPT, SamplingParams(**params, skip_special_tokens=False,
+                                                            include_stop_str_in_output=True))  # fmt: skip
+    assert both == "<|im_start|><|im_start|>" + tok.decode([eos], skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("native_path", [True, False])
+def test_repetition_penalty_greedy_output_matches_a_reference(tiny_engine_factory, native_path, monkeypatch):
+    """Greedy decoding under repetition_penalty, on the model's native decode path and on torch's,
+    against the penalty applied by hand to the model's logits over the whole sequence."""
+    import torch
+
+    from servelab.engine import native
+    from tests.tiny_models import prefill_logits
+
+    if not native_path:
+        monkeypatch.setattr(native, "native_kernels", lambda level=None: None)
+    elif native.native_kernels() is None:
+        pytest.skip(f"native kernels unavailable: {native.load_error}")
+    engine = tiny_engine_factory()
+    penalty, steps = 0.3, 12  # below 1: seen tokens are favoured, so the output changes
+    prompt = engine.tokenizer.encode_prompt(PROMPT)
+    ids = list(prompt)
+    for _ in range(steps):
+        logits = prefill_logits(engine.executor.model, ids)[-1].float()
+        seen = torch.tensor(sorted(set(ids)))
+        logits[seen] = torch.where(logits[seen] > 0, logits[seen] / penalty, logits[seen] * penalty)
+        ids.append(int(logits.argmax()))
+    want = ids[len(prompt) :]
+    plain = engine.add_request("plain", prompt, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True))
+    seq = engine.add_request("rp", prompt, SamplingParams(max_tokens=steps, temperature=0, ignore_eos=True,
+                                                          repetition_penalty=penalty))  # fmt: skip
+    _drain(engine)
+    assert seq.output_token_ids == want and plain.output_token_ids != want
+
+
 def test_abort_frees_blocks_and_reports_abort(engine):
     engine.add_request("a", PROMPT, SamplingParams(max_tokens=100, temperature=0, ignore_eos=True))
     engine.step()

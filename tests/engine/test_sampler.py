@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from servelab.core.sequence import SamplingParams, Sequence
+from servelab.errors import InvalidArgument
 from servelab.engine.sampler import Sampler, _min_p_mask, _top_k_mask, _top_p_mask, _top_p_mask_sorted
 
 
@@ -93,6 +94,51 @@ def test_penalties_change_the_greedy_choice():
     assert Sampler().sample(logits, [seq(outputs=(1,), temperature=0.0, presence_penalty=-1.0)])[0] == [1]
 
 
+def test_repetition_penalty_follows_vllm_semantics():
+    """Seen tokens (prompt 1, 2, 3 and output 5): positive logits divided, the others multiplied."""
+    logits = torch.tensor([[1.0, 2.0, -1.0, 0.0, 4.0, 3.0], [1.0, 2.0, -1.0, 0.0, 4.0, 3.0]])
+    seqs = [seq(outputs=(5,), repetition_penalty=2.0), seq(outputs=(5,))]
+    out = Sampler._apply_repetition_penalty(logits, seqs)
+    assert out[0].tolist() == [1.0, 1.0, -2.0, 0.0, 4.0, 1.5]
+    assert out[1].tolist() == logits[1].tolist()
+    assert logits[0, 1] == 2.0  # the caller's logits are not modified
+    rewarded = Sampler._apply_repetition_penalty(logits[:1], [seq(outputs=(5,), repetition_penalty=0.5)])
+    assert rewarded[0].tolist() == [1.0, 4.0, -0.5, 0.0, 4.0, 6.0]
+
+
+@pytest.fixture(params=["native", "torch"])
+def argmax_path(request, monkeypatch):
+    """The sampler's argmax on the native kernel (CPU fp32) or on torch's own."""
+    from servelab.engine import native
+
+    if request.param == "native":
+        if native.native_kernels() is None:
+            pytest.skip(f"native kernels unavailable: {native.load_error}")
+    else:
+        monkeypatch.setattr(native, "native_kernels", lambda level=None: None)
+    return request.param
+
+
+def test_repetition_penalty_changes_the_greedy_choice(argmax_path):
+    torch.manual_seed(0)
+    logits = torch.randn(4, 300)
+    logits[:, 2] = 10.0  # a prompt token (prompt: 1, 2, 3), the argmax unpenalised
+    logits[:, 7] = 6.0  # the next best, never seen
+    seqs = [seq(temperature=0.0, repetition_penalty=r) for r in (1.0, 1.5, 2.0, 1.0)]
+    argmax = logits.argmax(dim=-1).tolist()
+    tokens, _ = Sampler().sample(logits.clone(), seqs, argmax)
+    assert tokens == [2, 2, 7, 2]  # 10 / 1.5 > 6 > 10 / 2
+    tokens, _ = Sampler().sample(logits.clone(), [seq(temperature=0.0, repetition_penalty=2.0)] * 4, argmax)
+    assert tokens == [7] * 4
+
+
+def test_repetition_penalty_is_checked():
+    for bad in (0.0, -1.0, float("nan"), float("inf"), 101.0):
+        with pytest.raises(InvalidArgument) as e:
+            SamplingParams(repetition_penalty=bad)
+        assert e.value.param == "repetition_penalty"
+
+
 def test_min_tokens_bans_eos_and_stop_token_ids_until_reached():
     logits = torch.tensor([[0.0, 5.0, 4.0, 1.0]])
     params = dict(temperature=0.0, min_tokens=2, max_tokens=5, stop_token_ids=[2])
@@ -123,6 +169,8 @@ def test_greedy_is_argmax_in_a_mixed_batch():
         ({"temperature": 0.0, "presence_penalty": 0.1}, False),
         ({"temperature": 0.0, "frequency_penalty": -0.1}, False),
         ({"temperature": 0.0, "min_tokens": 1}, False),
+        ({"temperature": 0.0, "repetition_penalty": 1.2}, False),
+        ({"temperature": 0.0, "repetition_penalty": 1.0}, True),
         ({"temperature": 0.0, "logprobs": 0}, False),
         ({"temperature": 0.0, "logit_bias": {3: 1.0}}, False),
         ({"temperature": 0.0, "allowed_token_ids": [3]}, False),

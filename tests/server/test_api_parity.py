@@ -275,15 +275,16 @@ def test_version_docs_and_openapi_go_through_the_api_key(fake_engine):
 
 def test_a_request_without_sampling_fields_takes_the_models_generation_config(fake_engine):
     engine = fake_engine()
-    engine.sampling_defaults = {"temperature": 0.25, "top_k": 7}
+    engine.sampling_defaults = {"temperature": 0.25, "top_k": 7, "repetition_penalty": 1.1}
     seen = []
     inner = engine.executor.execute
     engine.executor.execute = lambda plan: (seen.extend(s.seq.params for s in plan.scheduled), inner(plan))[1]
     with TestClient(create_app(engine)) as c:
         c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
-        c.post("/v1/completions", json={"prompt": "y", "max_tokens": 1, "temperature": 0.9, "top_k": -1})
-    assert (seen[0].temperature, seen[0].top_k, seen[0].top_p) == (0.25, 7, 1.0)
-    assert (seen[-1].temperature, seen[-1].top_k) == (0.9, 0)
+        c.post("/v1/completions", json={"prompt": "y", "max_tokens": 1, "temperature": 0.9, "top_k": -1,
+                                        "repetition_penalty": 1.0})  # fmt: skip
+    assert (seen[0].temperature, seen[0].top_k, seen[0].top_p, seen[0].repetition_penalty) == (0.25, 7, 1.0, 1.1)
+    assert (seen[-1].temperature, seen[-1].top_k, seen[-1].repetition_penalty) == (0.9, 0, 1.0)
 
 
 def test_generation_config_defaults_are_read_from_the_model_dir(tmp_path):
@@ -291,8 +292,8 @@ def test_generation_config_defaults_are_read_from_the_model_dir(tmp_path):
 
     assert load_sampling_defaults(tmp_path) == {}
     (tmp_path / "generation_config.json").write_text(json.dumps({"temperature": 0.6, "top_p": 0.9, "do_sample": True,
-                                                                 "max_new_tokens": 5}))  # fmt: skip
-    assert load_sampling_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.9}
+                                                                 "max_new_tokens": 5, "repetition_penalty": 1.05}))  # fmt: skip
+    assert load_sampling_defaults(tmp_path) == {"temperature": 0.6, "top_p": 0.9, "repetition_penalty": 1.05}
     (tmp_path / "generation_config.json").write_text("{broken")
     assert load_sampling_defaults(tmp_path) == {}
 
@@ -341,8 +342,7 @@ def test_readme_field_table_is_the_code_table():
     from pathlib import Path
 
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    for table in (F.CHAT, F.COMPLETIONS):
-        assert F.markdown_table(table) in readme
+    assert F.markdown_table() in readme
 
 
 def test_stream_deltas_omit_absent_keys_at_every_depth():

@@ -260,25 +260,33 @@ def test_engine_args_load_the_model_at_startup(tiny_model_dir):
         assert c.get("/v1/models").json()["data"][0]["max_model_len"] == 256
 
 
-def test_chat_logprobs_join_to_the_content_when_eos_ends_it(tiny_model_dir):
-    """The EOS that ends a choice is not in its text, so it has no logprobs entry either."""
+def test_logprobs_keep_the_eos_that_ends_a_choice(tiny_model_dir):
+    """As vLLM: the EOS that ends a choice has its logprobs entry (its token text is the EOS
+    token's string) though the content skips it, so the entries count completion_tokens."""
     from servelab.engine.llm_engine import EngineArgs
 
     with TestClient(create_app(EngineArgs.from_kwargs(model=str(tiny_model_dir), num_blocks=64, max_model_len=256))) as c:
-        eos = c.app.state.servelab.engine.tokenizer.eos_token_ids[0]
+        tokenizer = c.app.state.servelab.engine.tokenizer
+        eos = tokenizer.eos_token_ids[0]
+        eos_text = tokenizer.decode([eos], skip_special_tokens=False)
         # +100 on EOS: the third token is EOS once min_tokens lets it through.
         body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "min_tokens": 2, "temperature": 0,
                 "logprobs": True, "logit_bias": {str(eos): 100}}  # fmt: skip
-        choice = c.post("/v1/chat/completions", json=body).json()["choices"][0]
+        answer = c.post("/v1/chat/completions", json=body).json()
+        choice = answer["choices"][0]
         assert choice["finish_reason"] == "stop"
         tokens = [entry["token"] for entry in choice["logprobs"]["content"]]
-        assert len(tokens) == 2 and "".join(tokens) == choice["message"]["content"]
+        assert len(tokens) == 3 == answer["usage"]["completion_tokens"]
+        assert tokens[-1] == eos_text and "".join(tokens[:-1]) == choice["message"]["content"]
         events = _sse(c.post("/v1/chat/completions", json={**body, "stream": True}))
         streamed = [e for ev in events[:-1] for ch in ev["choices"] if ch.get("logprobs") for e in ch["logprobs"]["content"]]
         assert [e["token"] for e in streamed] == tokens
         completion = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "min_tokens": 2, "temperature": 0,
                                                       "logprobs": 0, "logit_bias": {str(eos): 100}}).json()  # fmt: skip
-        assert "".join(completion["choices"][0]["logprobs"]["tokens"]) == completion["choices"][0]["text"]
+        lp, text = completion["choices"][0]["logprobs"], completion["choices"][0]["text"]
+        assert len(lp["tokens"]) == 3 == completion["usage"]["completion_tokens"]
+        assert lp["tokens"][-1] == eos_text and "".join(lp["tokens"][:-1]) == text
+        assert lp["text_offset"][-1] == len(text)  # where the EOS would start: the end of the text
 
 
 def test_constraints_that_leave_no_token_are_the_clients_error(tiny_model_dir):

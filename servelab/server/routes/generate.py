@@ -43,7 +43,7 @@ async def completions(request: Request, state: State) -> Response:
         prompt_logprobs=req.prompt_logprobs, echo_logprobs=req.logprobs if req.echo else None, stream=req.stream
     )
     engine = state.engine
-    prompts = await state.offload.run(completion_prompt_ids, engine, req.prompt)
+    prompts = await state.offload.run(completion_prompt_ids, engine, req)
     request_id = "cmpl-" + uuid.uuid4().hex
     # echo with max_tokens 0 runs one token (the engine samples after every prefill) and drops it.
     max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
@@ -53,9 +53,9 @@ async def completions(request: Request, state: State) -> Response:
     await prepare_logits_processors(engine, state.offload, engine_requests)
     echoes = None
     if req.echo:
-        echoes = await state.offload.run(echo_prompts, engine, req.prompt, prompts, req.logprobs is not None)
+        echoes = await state.offload.run(echo_prompts, engine, req, prompts, req.logprobs is not None)
     stream = await state.async_engine.submit(engine_requests)
-    renderer = CompletionRenderer(state, request_id, req, engine_requests, echoes=echoes)
+    renderer = CompletionRenderer(state, answer_id("cmpl-", req, request_id), req, engine_requests, echoes=echoes)
     if req.stream:
         return sse_response(renderer.stream(stream))
     return await collect_unless_disconnected(request, renderer.collect(stream))
@@ -69,7 +69,7 @@ async def chat_completions(request: Request, state: State) -> Response:
     state.check_model(req.model)
     refuse_unsupported(req, fields.CHAT)
     refuse_non_text_parts(req.messages)
-    if req.top_logprobs is not None and not req.logprobs:
+    if req.top_logprobs and not req.logprobs:  # 0 asks for nothing: vLLM's default, which clients send
         raise InvalidArgument("top_logprobs needs logprobs=true", param="top_logprobs")
     plan = tool_plan(req, state.tool_call_parser)
     engine = state.engine
@@ -82,10 +82,25 @@ async def chat_completions(request: Request, state: State) -> Response:
                                               top_logprobs, arrival_s, prompt_logprobs)  # fmt: skip
     await prepare_logits_processors(engine, state.offload, engine_requests)
     stream = await state.async_engine.submit(engine_requests)
-    renderer = ChatRenderer(state, request_id, req, engine_requests, plan)
+    renderer = ChatRenderer(state, answer_id("chatcmpl-", req, request_id), req, engine_requests, plan, chat_echo(req))
     if req.stream:
         return sse_response(renderer.stream(stream))
     return await collect_unless_disconnected(request, renderer.collect(stream))
+
+
+def chat_echo(req: p.ChatCompletionRequest) -> str:
+    """vLLM's chat echo: the last message's content, where that message has the answer's role (the
+    assistant's, or with add_generation_prompt false the last message's own)."""
+    last = req.messages[-1]
+    if not req.echo or (req.add_generation_prompt and last.role != "assistant"):
+        return ""
+    return last.text()
+
+
+def answer_id(prefix: str, req: p.CompletionRequest | p.ChatCompletionRequest, engine_id: str) -> str:
+    """The answer's id: the client's request_id where it sent one, as vLLM; the engine's ids stay
+    its own, so two clients that send the same request_id do not collide."""
+    return engine_id if req.request_id is None else prefix + req.request_id
 
 
 async def collect_unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
