@@ -183,6 +183,9 @@ def test_http_metrics_by_route_template_method_and_status_class(vllm_client):
     assert requests[("/v1/chat/completions", "POST", "2xx")] == 1
     assert requests[("/v1/models", "GET", "2xx")] == 1
     assert requests[("none", "GET", "4xx")] == 1  # the template, never the raw path
+    assert vllm_client.get("/docs/static/swagger-ui.css").status_code == 200
+    text = vllm_client.get("/metrics").text
+    assert _value(text, "http_requests_total", handler="/docs/static", status="2xx") == 1  # a mount: its prefix
     assert not any(h in ("/metrics", "/health") for h, _, _ in requests)
     durations = [s for s in _samples(text) if s.name == "http_request_duration_seconds_count"]
     assert {s.labels["handler"] for s in durations} >= {"/v1/completions", "/v1/chat/completions"}
@@ -259,3 +262,25 @@ def test_data_parallel_front_end_exports_the_vllm_namespace(fake_engine):
     assert preemptions > 0
     assert _value(text, "vllm:request_num_preemptions_sum") == preemptions == _value(text, "vllm:num_preemptions_total")
     assert _value(text, "vllm:request_params_n_count") == 4
+
+
+@pytest.mark.slow
+def test_serve_flag_exports_the_vllm_namespace(tiny_model_dir, tmp_path):
+    import httpx
+
+    from tests.server.conftest import launch_server
+
+    server = launch_server(tiny_model_dir, tmp_path, "--metrics-namespace", "vllm", "--num-blocks", "64",
+                           "--max-model-len", "256")  # fmt: skip
+    try:
+        r = httpx.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 3}, timeout=60)
+        assert r.status_code == 200, r.text
+        samples = _samples(httpx.get(server.url + "/metrics").text)
+    finally:
+        assert server.stop() == 0, server.log()
+    model = tiny_model_dir.name
+    for query in QUERIES:
+        for name, _ in selectors(query):
+            assert any(s.name == name and s.labels.get("model_name") == model and "engine" in s.labels
+                       for s in samples), name  # fmt: skip
+    assert not any(s.name.endswith("_created") for s in samples)  # serve drops them, as vLLM does
