@@ -16,8 +16,9 @@ from servelab.sim import SimConfig, SimResult
 from servelab.spec import ModelSpec
 from servelab.workload import RequestSpec
 
-# The server's configuration, as Prometheus info gauges (labels carry the values).
-INFO_GAUGES = ("servelab:cache_config_info", "servelab:scheduler_config_info")
+# The server's configuration, as Prometheus info gauges (labels carry the values); the cache's
+# is `vllm:` under `serve --metrics-namespace vllm`.
+INFO_GAUGES = ("servelab:cache_config_info", "vllm:cache_config_info", "servelab:scheduler_config_info")
 # What the simulator needs to run the server's scheduler: label -> what it is.
 NEEDED = {
     "num_blocks": "KV blocks in the pool",
@@ -49,6 +50,7 @@ def server_config(metrics_text: str | None) -> dict[str, str]:
         if name in INFO_GAUGES and "{" in line:
             found.update(_LABEL.findall(line.split("{", 1)[1].rsplit("}", 1)[0]))
     found.pop("model_name", None)
+    found.pop("engine", None)
     return found
 
 

@@ -169,6 +169,7 @@ class ClusterEngine:
             num_preemptions=sum(s.num_preemptions for s in every),
             prefix_cache_hits=sum(s.prefix_cache_hits for s in every),
             prefix_cache_queries=sum(s.prefix_cache_queries for s in every),
+            num_waiting_deferred=sum(s.num_waiting_deferred for s in live),
         )
 
     @property
@@ -493,6 +494,7 @@ def _apply(seq: Sequence, wire: m.WireOutput) -> EngineOutput:
     if wire.finished_offset_s is not None:
         seq.finished_s = arrival + wire.finished_offset_s
     seq.num_cached_tokens = wire.num_cached_tokens
+    seq.num_preemptions = wire.num_preemptions
     seq.stop_reason = wire.stop_reason
     seq.error = wire.error
     seq.prompt_logprobs.extend(wire.prompt_logprobs)

@@ -144,6 +144,7 @@ class WireOutput:
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # entries new since the last output
     kv_transfer: KVTransferRecord | None = None  # a decode worker's first output of a transferred request
     error: str | None = None  # Sequence.error
+    num_preemptions: int = 0  # Sequence.num_preemptions
 
 
 @dataclass(slots=True)

@@ -362,5 +362,6 @@ class WorkerLoop:
             first_scheduled_offset_s=None if seq.first_scheduled_s is None else seq.first_scheduled_s - arrival,
             finished_offset_s=None if seq.finished_s is None else seq.finished_s - arrival,
             num_cached_tokens=seq.num_cached_tokens, stop_reason=seq.stop_reason, error=seq.error,
+            num_preemptions=seq.num_preemptions,
             prompt_logprobs=list(new_prompt_lp),
         )  # fmt: skip

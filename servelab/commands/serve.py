@@ -19,6 +19,7 @@ from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_
 from servelab.engine.llm_engine import DEFAULT_MAX_MODEL_LEN, QUANTIZATIONS
 from servelab.errors import InvalidArgument
 from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES, OPEN_PATHS
+from servelab.server.metrics import NAMESPACES
 from servelab.server.tool_parsers import TOOL_CALL_PARSERS
 from servelab.units import parse_duration_s, parse_str_list
 
@@ -66,6 +67,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "(default 30s)")  # fmt: skip
     net.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
     net.add_argument("--no-lab", action="store_true", help="do not mount the lessons at /lab")
+    net.add_argument("--metrics-namespace", choices=list(NAMESPACES), default="servelab",
+                     help="/metrics names: servelab (default: servelab:<name>) or vllm (vLLM's names and labels, "
+                          "for vLLM's dashboards and alerts; docs/metrics.md)")  # fmt: skip
     net.add_argument("--profile", default=None, metavar="FILE.json",
                      help="a `servelab calibrate` profile: the lab's 'your machine' panel overlays its prediction")
     net.add_argument("--step-log", default=None, metavar="FILE.jsonl",
@@ -246,6 +250,7 @@ def run(args: argparse.Namespace) -> int:
         allowed_origins=allowed_origins,
         tool_call_parser=args.tool_call_parser,
         driver=driver,
+        metrics_namespace=args.metrics_namespace,
     )
     state = app.state.servelab
     state.async_engine.step_log = step_log

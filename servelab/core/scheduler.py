@@ -97,6 +97,11 @@ class Scheduler:
     def num_waiting(self) -> int:
         return self._num_waiting
 
+    @property
+    def num_reserved(self) -> int:
+        """Sequences prefilled elsewhere that hold blocks here while their KV arrives."""
+        return self._num_reserved
+
     def has_unfinished(self) -> bool:
         return bool(self._live)
 

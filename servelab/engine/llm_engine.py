@@ -215,6 +215,7 @@ class EngineStats:
     num_preemptions: int
     prefix_cache_hits: int  # tokens served from the prefix cache, total
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache, total
+    num_waiting_deferred: int = 0  # holding blocks while their KV arrives from a prefill worker
 
 
 @dataclass(slots=True)
@@ -585,4 +586,5 @@ class LLMEngine:
             num_preemptions=int(s.num_preemptions),
             prefix_cache_hits=int(s.prefix_cache_hits),
             prefix_cache_queries=int(s.prefix_cache_queries),
+            num_waiting_deferred=self.scheduler.num_reserved,
         )

@@ -21,6 +21,7 @@ from servelab import __version__
 from servelab.engine.llm_engine import EngineArgs  # no torch at import: the model loads in from_args
 from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from servelab.server.http_errors import install_error_handlers
+from servelab.server.http_metrics import HttpMetricsMiddleware
 from servelab.server.routes import docs, generate, info, tokens
 from servelab.server.state import ServerState
 
@@ -37,6 +38,7 @@ def create_app(
     allowed_origins: list[str] | None = None,
     tool_call_parser: str | None = None,
     driver: EngineDriver | None = None,
+    metrics_namespace: str = "servelab",
 ) -> FastAPI:
     """The app, ready for uvicorn. `engine` is a built LLMEngine, or EngineArgs to build one at
     start-up (the model then loads before the port opens). `app.state.servelab` is the
@@ -44,8 +46,9 @@ def create_app(
     returned app. `api_key` guards every route but /health and /metrics, mounts included; CORS
     headers are sent only for `allowed_origins`; `tool_call_parser` ("hermes") enables
     tool_choice "auto"; `driver` replaces the AsyncEngine over `engine` (servelab.cluster's
-    front end, whose `engine` only tokenizes)."""
-    state = ServerState(api_key=api_key, tool_call_parser=tool_call_parser)
+    front end, whose `engine` only tokenizes); `metrics_namespace` "vllm" exports /metrics under
+    vLLM's names and labels (server/metrics.py)."""
+    state = ServerState(api_key=api_key, tool_call_parser=tool_call_parser, metrics_namespace=metrics_namespace)
     if not isinstance(engine, EngineArgs):
         state.attach(engine, driver)
 
@@ -56,6 +59,7 @@ def create_app(
     install_error_handlers(app)
     # The API key is RequestGuard's, for every route and mount at once: no route can forget it.
     app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
+    app.add_middleware(HttpMetricsMiddleware, state=state)  # outside the guard: its refusals count too
     if allowed_origins:  # outermost, so that preflights and refusals carry the CORS headers
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])  # fmt: skip

@@ -1,4 +1,9 @@
-"""Prometheus metrics for `GET /metrics`, named in parallel with vLLM's (`vllm:` -> `servelab:`).
+"""Prometheus metrics for `GET /metrics`, named in parallel with vLLM's.
+
+`namespace` "servelab" (the default) names vLLM's families `servelab:<name>`; "vllm" exports them
+under vLLM's own names, label names (`model_name`, `engine`) and buckets, so that vLLM's Grafana
+dashboards read a servelab server unchanged. Families vLLM has no counterpart for stay
+`servelab:` in both, so they can never collide with a real vLLM's.
 
 Per-request latencies are observed from the engine's own timestamps (time.perf_counter() on the
 engine thread), as each output reaches the event loop: TTFT and queue time with the first
@@ -7,16 +12,21 @@ decode, inference time, TPOT, token counts) at the finish, and tokens per step a
 docs/metrics.md defines every series. Engine-wide state (running,
 waiting, KV usage, preemptions, prefix-cache totals) is read at scrape time from the snapshot
 the step loop refreshes, so a scrape never touches the engine itself. Each app gets its own
-CollectorRegistry: several servers can live in one process (tests do).
+CollectorRegistry (process, platform and GC collectors included): several servers can live in
+one process (tests do).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.gc_collector import GCCollector
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -24,6 +34,8 @@ if TYPE_CHECKING:
     from servelab.engine.llm_engine import EngineOutput, EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+NAMESPACES = ("servelab", "vllm")
+OWN = "servelab:"  # the prefix of the families vLLM has no counterpart for, in either namespace
 
 # The same buckets as vLLM, so dashboards built for one read the other.
 TTFT_BUCKETS_S = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -33,7 +45,12 @@ ITL_BUCKETS_S = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 
 REQUEST_BUCKETS_S = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
                      240.0, 480.0, 960.0, 1920.0, 7680.0]  # fmt: skip
 ITERATION_TOKEN_BUCKETS = [1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384]
+PARAMS_N_BUCKETS = [1, 2, 5, 10, 20]
+PREEMPTION_BUCKETS = [1, 2, 3, 4, 5, 10, 20]
 KV_TRANSFER_BYTE_BUCKETS = [2.0**k for k in range(14, 35, 2)]  # 16 KiB .. 16 GiB
+HTTP_DURATION_BUCKETS_S = [0.1, 0.5, 1.0]  # the instrumentator's few buckets (cardinality stays low)
+# Why admission refused a request: QueueFull, draining, a stopped engine, a request that can never fit.
+REJECTION_REASONS = ("queue_full", "draining", "engine_stopped", "too_long")
 
 
 def buckets_1_2_5(max_value: int) -> list[int]:
@@ -57,49 +74,90 @@ class _EngineStatsCollector(Collector):
     values are exported again under `servelab:worker_<name>` with a `worker` label (docs/metrics.md),
     so that sum() over a series never counts a worker twice."""
 
-    def __init__(self, model_name: str, get_stats: Callable[[], EngineStats], worker_stats: WorkerStats | None = None):
-        self.model_name = model_name
+    def __init__(self, prefix: str, labels: dict[str, str], get_stats: Callable[[], EngineStats],
+                 worker_stats: WorkerStats | None = None):  # fmt: skip
+        self.prefix = prefix
+        self.labels = labels
         self.get_stats = get_stats
         self.worker_stats = worker_stats
 
     def collect(self) -> Iterator[Metric]:
-        yield from self._families("servelab:", ["model_name"], [([self.model_name], self.get_stats())])
+        yield from self._families(self.prefix, list(self.labels), [(list(self.labels.values()), self.get_stats())])
         if self.worker_stats is None:
             return
+        model_name = self.labels["model_name"]
         per_worker = self.worker_stats()
-        up = GaugeMetricFamily("servelab:worker_up", "1 while the data-parallel worker serves, 0 once it failed.",
+        up = GaugeMetricFamily(OWN + "worker_up", "1 while the data-parallel worker serves, 0 once it failed.",
                                labels=["model_name", "worker"])  # fmt: skip
         for worker, stats in per_worker.items():
-            up.add_metric([self.model_name, worker], 0.0 if stats is None else 1.0)
+            up.add_metric([model_name, worker], 0.0 if stats is None else 1.0)
         yield up
-        live = [([self.model_name, worker], stats) for worker, stats in per_worker.items() if stats is not None]
-        yield from self._families("servelab:worker_", ["model_name", "worker"], live)
+        live = [([model_name, worker], stats) for worker, stats in per_worker.items() if stats is not None]
+        yield from self._families(OWN + "worker_", ["model_name", "worker"], live, with_reasons=False)
 
     @staticmethod
-    def _families(prefix: str, labels: list[str], rows: list[tuple[list[str], EngineStats]]) -> Iterator[Metric]:
-        def gauge(name: str, doc: str, value: Callable[[EngineStats], float]) -> GaugeMetricFamily:
-            family = GaugeMetricFamily(prefix + name.removeprefix("servelab:"), doc, labels=labels)
+    def _families(prefix: str, labels: list[str], rows: list[tuple[list[str], EngineStats]],
+                  with_reasons: bool = True) -> Iterator[Metric]:  # fmt: skip
+        def gauge(name: str, doc: str, value: Callable[[EngineStats], float], family_prefix: str = prefix) -> GaugeMetricFamily:
+            family = GaugeMetricFamily(family_prefix + name, doc, labels=labels)
             for values, stats in rows:
                 family.add_metric(values, value(stats))
             return family
 
         def counter(name: str, doc: str, value: Callable[[EngineStats], float]) -> CounterMetricFamily:
-            family = CounterMetricFamily(prefix + name.removeprefix("servelab:"), doc, labels=labels)
+            family = CounterMetricFamily(prefix + name, doc, labels=labels)
             for values, stats in rows:
                 family.add_metric(values, value(stats))
             return family
 
-        yield gauge("servelab:num_requests_running", "Requests in the running batch.", lambda s: s.num_running)
-        yield gauge("servelab:num_requests_waiting", "Requests waiting to be scheduled.", lambda s: s.num_waiting)
-        yield gauge("servelab:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", lambda s: s.kv_cache_usage)
-        yield gauge("servelab:kv_cache_blocks_total", "KV-cache blocks in the pool.", lambda s: s.num_blocks_total)
-        yield gauge("servelab:kv_cache_blocks_free", "KV-cache blocks free (cached prefixes count as free).",
-                    lambda s: s.num_blocks_free)  # fmt: skip
-        yield counter("servelab:num_preemptions", "Preemptions (by recompute) since start.", lambda s: s.num_preemptions)
-        yield counter("servelab:prefix_cache_hits", "Prompt tokens served from the prefix cache.",
-                      lambda s: s.prefix_cache_hits)  # fmt: skip
-        yield counter("servelab:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+        # a request whose KV is on its way waits too: vLLM's waiting count is the sum of the reasons
+        yield gauge("num_requests_waiting", "Requests waiting to be scheduled.",
+                    lambda s: s.num_waiting + s.num_waiting_deferred)  # fmt: skip
+        yield gauge("num_requests_running", "Requests in the running batch.", lambda s: s.num_running)
+        if with_reasons:
+            by_reason = GaugeMetricFamily(prefix + "num_requests_waiting_by_reason",
+                                          "Waiting requests by reason: capacity (in the queue for a share of a step) "
+                                          "or deferred (blocks held, KV still arriving from a prefill worker).",
+                                          labels=[*labels, "reason"])  # fmt: skip
+            for values, stats in rows:
+                by_reason.add_metric([*values, "capacity"], stats.num_waiting)
+                by_reason.add_metric([*values, "deferred"], stats.num_waiting_deferred)
+            yield by_reason
+        yield gauge("kv_cache_usage_perc", "Fraction of KV-cache blocks in use (0..1).", lambda s: s.kv_cache_usage)
+        # no vLLM counterpart: always servelab's own prefix outside the per-worker families
+        own = prefix if prefix.startswith(OWN) else OWN
+        yield gauge("kv_cache_blocks_total", "KV-cache blocks in the pool.", lambda s: s.num_blocks_total, own)
+        yield gauge("kv_cache_blocks_free", "KV-cache blocks free (cached prefixes count as free).",
+                    lambda s: s.num_blocks_free, own)  # fmt: skip
+        yield counter("num_preemptions", "Preemptions (by recompute) since start.", lambda s: s.num_preemptions)
+        yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", lambda s: s.prefix_cache_hits)
+        yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       lambda s: s.prefix_cache_queries)  # fmt: skip
+
+
+class HttpMetrics:
+    """Per route (its template), as prometheus-fastapi-instrumentator names them; observed by
+    server/http_metrics.py's middleware. The same names in both namespaces."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.requests = Counter("http_requests", "HTTP requests by route template, method and status class.",
+                                ["handler", "method", "status"], registry=registry)  # fmt: skip
+        self.duration = Histogram("http_request_duration_seconds",
+                                  "HTTP request to the end of its response (a stream: its last event).",
+                                  ["handler", "method"], buckets=HTTP_DURATION_BUCKETS_S, registry=registry)  # fmt: skip
+
+    def observe(self, handler: str, method: str, status_code: int, duration_s: float) -> None:
+        self.requests.labels(handler=handler, method=method, status=f"{status_code // 100}xx").inc()
+        self.duration.labels(handler=handler, method=method).observe(duration_s)
+
+
+@dataclass(slots=True)
+class _ChoiceGroup:
+    """The n choices of one prompt: vLLM's parent request, whose longest choice is observed once."""
+
+    n: int
+    remaining: int
+    max_generation_tokens: int = 0
 
 
 class ServerMetrics:
@@ -111,74 +169,123 @@ class ServerMetrics:
         max_model_len: int = 8192,
         scheduler_info: dict[str, str] | None = None,
         worker_stats: WorkerStats | None = None,
+        namespace: str = "servelab",
     ):
+        if namespace not in NAMESPACES:
+            raise ValueError(f"metrics namespace must be one of {', '.join(NAMESPACES)}, got {namespace!r}")
+        self.namespace = namespace
         self.registry = CollectorRegistry(auto_describe=True)
         self.model_name = model_name
-        labels = ["model_name"]
+        # vLLM labels every series with the engine core that made it; one engine here (data-parallel
+        # workers are summed into it, and each appears again in servelab:worker_*).
+        self._labels = {"model_name": model_name, **({"engine": "0"} if namespace == "vllm" else {})}
+        labels = list(self._labels)
+        ns = namespace + ":"
         r = self.registry
-        self.ttft = Histogram("servelab:time_to_first_token_seconds", "Time to first token (arrival to first token).",
+        self.ttft = Histogram(ns + "time_to_first_token_seconds", "Time to first token (arrival to first token).",
                               labels, buckets=TTFT_BUCKETS_S, registry=r)  # fmt: skip
-        self.itl = Histogram("servelab:inter_token_latency_seconds", "Gaps between consecutive output tokens.",
+        self.itl = Histogram(ns + "inter_token_latency_seconds", "Gaps between consecutive output tokens.",
                              labels, buckets=ITL_BUCKETS_S, registry=r)  # fmt: skip
-        self.e2e = Histogram("servelab:e2e_request_latency_seconds", "Arrival to last token.",
+        self.e2e = Histogram(ns + "e2e_request_latency_seconds", "Arrival to last token.",
                              labels, buckets=REQUEST_BUCKETS_S, registry=r)  # fmt: skip
-        self.queue_time = Histogram("servelab:request_queue_time_seconds", "Arrival to first scheduled.",
+        self.queue_time = Histogram(ns + "request_queue_time_seconds", "Arrival to first scheduled.",
                                     labels, buckets=REQUEST_BUCKETS_S, registry=r)  # fmt: skip
         # vLLM's per-request phases, observed when a request finishes (see docs/metrics.md).
-        self.request_tpot = Histogram("servelab:request_time_per_output_token_seconds",
+        self.request_tpot = Histogram(ns + "request_time_per_output_token_seconds",
                                       "Per request: decode time / (output tokens - 1); 0 for one token.",
                                       labels, buckets=ITL_BUCKETS_S, registry=r)  # fmt: skip
-        self.prefill_time = Histogram("servelab:request_prefill_time_seconds", "First scheduled to first token.",
+        self.prefill_time = Histogram(ns + "request_prefill_time_seconds", "First scheduled to first token.",
                                       labels, buckets=REQUEST_BUCKETS_S, registry=r)  # fmt: skip
-        self.decode_time = Histogram("servelab:request_decode_time_seconds", "First token to last token.",
+        self.decode_time = Histogram(ns + "request_decode_time_seconds", "First token to last token.",
                                      labels, buckets=REQUEST_BUCKETS_S, registry=r)  # fmt: skip
-        self.inference_time = Histogram("servelab:request_inference_time_seconds", "First scheduled to last token.",
+        self.inference_time = Histogram(ns + "request_inference_time_seconds", "First scheduled to last token.",
                                         labels, buckets=REQUEST_BUCKETS_S, registry=r)  # fmt: skip
         token_buckets = buckets_1_2_5(max_model_len)
-        self.request_prompt_tokens = Histogram("servelab:request_prompt_tokens", "Prompt tokens per finished request.",
+        self.request_prompt_tokens = Histogram(ns + "request_prompt_tokens", "Prompt tokens per finished request.",
                                                labels, buckets=token_buckets, registry=r)  # fmt: skip
-        self.request_generation_tokens = Histogram("servelab:request_generation_tokens",
+        self.request_generation_tokens = Histogram(ns + "request_generation_tokens",
                                                    "Generated tokens per finished request.",
                                                    labels, buckets=token_buckets, registry=r)  # fmt: skip
-        self.request_max_tokens = Histogram("servelab:request_params_max_tokens",
+        self.request_max_tokens = Histogram(ns + "request_params_max_tokens",
                                             "The max_tokens the engine ran each finished request with.",
                                             labels, buckets=token_buckets, registry=r)  # fmt: skip
-        self.iteration_tokens = Histogram("servelab:iteration_tokens_total",
+        self.request_params_n = Histogram(ns + "request_params_n", "The n (choices) of each prompt of a request.",
+                                          labels, buckets=PARAMS_N_BUCKETS, registry=r)  # fmt: skip
+        self.request_max_generation_tokens = Histogram(ns + "request_max_num_generation_tokens",
+                                                       "Per prompt: the generated tokens of its longest choice.",
+                                                       labels, buckets=token_buckets, registry=r)  # fmt: skip
+        self.request_preemptions = Histogram(ns + "request_num_preemptions", "Preemptions per finished request.",
+                                             labels, buckets=PREEMPTION_BUCKETS, registry=r)  # fmt: skip
+        self.iteration_tokens = Histogram(ns + "iteration_tokens_total",
                                           "Tokens per engine step (prefill chunk tokens + decode tokens).",
                                           labels, buckets=ITERATION_TOKEN_BUCKETS, registry=r)  # fmt: skip
-        self.prompt_tokens = Counter("servelab:prompt_tokens", "Prompt tokens of requests that started generating.",
+        self.prompt_tokens = Counter(ns + "prompt_tokens", "Prompt tokens of requests that started generating.",
                                      labels, registry=r)  # fmt: skip
-        self.generation_tokens = Counter("servelab:generation_tokens", "Generated tokens.", labels, registry=r)
-        self.request_success = Counter("servelab:request_success", "Requests finished, by finish reason.",
-                                       ["model_name", "finished_reason"], registry=r)  # fmt: skip
+        self.prompt_tokens_cached = Counter(ns + "prompt_tokens_cached",
+                                            "Of those, tokens served from the prefix cache (their prefill skipped).",
+                                            labels, registry=r)  # fmt: skip
+        self.generation_tokens = Counter(ns + "generation_tokens", "Generated tokens.", labels, registry=r)
+        self.request_success = Counter(ns + "request_success", "Requests finished, by finish reason.",
+                                       [*labels, "finished_reason"], registry=r)  # fmt: skip
+        self.request_rejected = Counter(OWN + "request_rejected", "Requests refused at admission, by reason.",
+                                        ["model_name", "reason"], registry=r)  # fmt: skip
         # disaggregated prefill/decode (docs/disaggregation.md): per request whose KV crossed
-        self.kv_transfer_bytes = Histogram("servelab:kv_transfer_bytes", "KV bytes sent from prefill to decode worker.",
-                                           labels, buckets=KV_TRANSFER_BYTE_BUCKETS, registry=r)  # fmt: skip
-        self.kv_transfer_time = Histogram("servelab:kv_transfer_seconds",
+        own_labels = ["model_name"]
+        self.kv_transfer_bytes = Histogram(OWN + "kv_transfer_bytes", "KV bytes sent from prefill to decode worker.",
+                                           own_labels, buckets=KV_TRANSFER_BYTE_BUCKETS, registry=r)  # fmt: skip
+        self.kv_transfer_time = Histogram(OWN + "kv_transfer_seconds",
                                           "Decode worker's receives posted to the last KV piece written.",
-                                          labels, buckets=TTFT_BUCKETS_S, registry=r)  # fmt: skip
-        self.kv_decode_queue = Histogram("servelab:kv_transfer_decode_queue_seconds",
+                                          own_labels, buckets=TTFT_BUCKETS_S, registry=r)  # fmt: skip
+        self.kv_decode_queue = Histogram(OWN + "kv_transfer_decode_queue_seconds",
                                          "A prefilled request's wait for decode-side blocks (prefill queueing is "
-                                         "request_queue_time).", labels, buckets=TTFT_BUCKETS_S, registry=r)  # fmt: skip
-        r.register(_EngineStatsCollector(model_name, get_stats, worker_stats))
+                                         "request_queue_time).", own_labels, buckets=TTFT_BUCKETS_S,
+                                         registry=r)  # fmt: skip
+        r.register(_EngineStatsCollector(ns, self._labels, get_stats, worker_stats))
         if cache_info:  # like vLLM's cache_config_info: what the KV gauges above are counting
-            info = Gauge("servelab:cache_config_info", "KV cache configuration, as labels (the value is 1).",
-                         ["model_name", *sorted(cache_info)], registry=r)  # fmt: skip
-            info.labels(model_name=model_name, **cache_info).set(1)
+            info = Gauge(ns + "cache_config_info", "KV cache configuration, as labels (the value is 1).",
+                         [*labels, *sorted(cache_info)], registry=r)  # fmt: skip
+            info.labels(**self._labels, **cache_info).set(1)
         if scheduler_info:  # the scheduler's budgets: what `servelab validate` replays the run under
-            sched = Gauge("servelab:scheduler_config_info", "Scheduler configuration, as labels (the value is 1).",
+            sched = Gauge(OWN + "scheduler_config_info", "Scheduler configuration, as labels (the value is 1).",
                           ["model_name", *sorted(scheduler_info)], registry=r)  # fmt: skip
             sched.labels(model_name=model_name, **scheduler_info).set(1)
-        self._labels = {"model_name": model_name}
+        # The process's CPU, memory and file descriptors, Python's version and GC, as every
+        # Prometheus client exports them (vLLM's /metrics included).
+        self.http = HttpMetrics(r)
+        ProcessCollector(registry=r)
+        PlatformCollector(registry=r)
+        GCCollector(registry=r)
+        self._groups: dict[str, _ChoiceGroup] = {}  # request id -> its prompt's choices (engine thread)
         # Export zeros from the start: a series that appears only after the first request
         # makes rate() and "count went up by N" comparisons wrong.
-        for metric in (self.ttft, self.itl, self.e2e, self.queue_time, self.prompt_tokens, self.generation_tokens,
-                       self.request_tpot, self.prefill_time, self.decode_time, self.inference_time,
-                       self.request_prompt_tokens, self.request_generation_tokens, self.request_max_tokens,
-                       self.iteration_tokens):  # fmt: skip
+        for metric in (self.ttft, self.itl, self.e2e, self.queue_time, self.prompt_tokens, self.prompt_tokens_cached,
+                       self.generation_tokens, self.request_tpot, self.prefill_time, self.decode_time,
+                       self.inference_time, self.request_prompt_tokens, self.request_generation_tokens,
+                       self.request_max_tokens, self.request_params_n, self.request_max_generation_tokens,
+                       self.request_preemptions, self.iteration_tokens):  # fmt: skip
             metric.labels(**self._labels)
         for reason in ("stop", "length", "abort"):
-            self.request_success.labels(model_name=model_name, finished_reason=reason)
+            self.request_success.labels(**self._labels, finished_reason=reason)
+        for reason in REJECTION_REASONS:
+            self.request_rejected.labels(model_name=model_name, reason=reason)
+
+    def expect_choices(self, request_ids: list[str], n: int) -> None:
+        """A request about to be submitted as `request_ids`: its prompts' choices, `n` consecutive
+        ids each. Before the submission, so that no choice can finish first; `forget_choices`
+        if admission refuses it."""
+        if n < 1 or len(request_ids) % n:
+            raise ValueError(f"{len(request_ids)} request ids are not whole groups of n={n}")
+        for start in range(0, len(request_ids), n):
+            group = _ChoiceGroup(n=n, remaining=n)
+            for rid in request_ids[start : start + n]:
+                self._groups[rid] = group
+
+    def forget_choices(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self._groups.pop(rid, None)
+
+    def observe_rejected(self, reason: str) -> None:
+        self.request_rejected.labels(model_name=self.model_name, reason=reason).inc()
 
     def observe(self, out: EngineOutput) -> None:
         seq = out.seq
@@ -190,6 +297,7 @@ class ServerMetrics:
             n_out = seq.num_output_tokens
             if n_out == k:  # these are the request's first tokens
                 self.prompt_tokens.labels(**labels).inc(seq.num_prompt_tokens)
+                self.prompt_tokens_cached.labels(**labels).inc(seq.num_cached_tokens)
                 if seq.first_token_s is not None:
                     self.ttft.labels(**labels).observe(max(0.0, seq.first_token_s - seq.arrival_s))
                 if seq.first_scheduled_s is not None:
@@ -201,10 +309,20 @@ class ServerMetrics:
                 self.itl.labels(**labels).observe(max(0.0, times[i] - times[i - 1]))
         if out.finished:
             reason = out.finish_reason.value if out.finish_reason is not None else "unknown"
-            self.request_success.labels(model_name=self.model_name, finished_reason=reason).inc()
+            self.request_success.labels(**labels, finished_reason=reason).inc()
             if seq.finished_s is not None:
                 self.e2e.labels(**labels).observe(max(0.0, seq.finished_s - seq.arrival_s))
             self._observe_finished(seq)
+            self._observe_choice_finished(out.request_id, 0 if seq.params.prompt_only else seq.num_output_tokens)
+
+    def _observe_choice_finished(self, request_id: str, n_out: int) -> None:
+        """vLLM's per-parent histograms (n, the longest choice), once the prompt's last choice ends."""
+        group = self._groups.pop(request_id, None) or _ChoiceGroup(remaining=1, n=1)  # submitted alone
+        group.max_generation_tokens = max(group.max_generation_tokens, n_out)
+        group.remaining -= 1
+        if not group.remaining:
+            self.request_params_n.labels(**self._labels).observe(group.n)
+            self.request_max_generation_tokens.labels(**self._labels).observe(group.max_generation_tokens)
 
     def _observe_finished(self, seq: Sequence) -> None:
         """vLLM's per-request phase histograms; a request aborted before its first token has no
@@ -214,6 +332,7 @@ class ServerMetrics:
         self.request_prompt_tokens.labels(**labels).observe(seq.num_prompt_tokens)
         self.request_generation_tokens.labels(**labels).observe(n_out)
         self.request_max_tokens.labels(**labels).observe(seq.params.max_tokens)
+        self.request_preemptions.labels(**labels).observe(seq.num_preemptions)
         if seq.first_token_s is None or seq.first_scheduled_s is None or not seq.token_times_s:
             return
         last_s = seq.token_times_s[-1]
@@ -224,7 +343,7 @@ class ServerMetrics:
         self.request_tpot.labels(**labels).observe(decode_s / (n_out - 1) if n_out > 1 else 0.0)
 
     def observe_kv_transfer(self, num_bytes: int, transfer_s: float, decode_queue_s: float) -> None:
-        labels = self._labels
+        labels = {"model_name": self.model_name}
         self.kv_transfer_bytes.labels(**labels).observe(num_bytes)
         self.kv_transfer_time.labels(**labels).observe(transfer_s)
         self.kv_decode_queue.labels(**labels).observe(decode_queue_s)

@@ -14,8 +14,8 @@ from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
-from servelab.errors import NotFound
-from servelab.server.async_engine import AsyncEngine, EngineDriver, EngineStopped
+from servelab.errors import NotFound, QueueFull, RequestTooLong
+from servelab.server.async_engine import AsyncEngine, EngineDriver, EngineRequest, EngineStopped, RequestStream
 from servelab.server.http_errors import ServerDraining
 from servelab.server.metrics import ServerMetrics
 from servelab.server.offload import Offload
@@ -40,6 +40,7 @@ class ServerState:
     tool_call_parser: str | None = None  # reads tool calls out of text for tool_choice "auto"
     loop: asyncio.AbstractEventLoop | None = None
     offload: Offload = field(default_factory=Offload)  # parsing, templating, (de)tokenizing
+    metrics_namespace: str = "servelab"  # "vllm": vLLM's metric names and labels (server/metrics.py)
 
     def attach(self, llm: LLMEngine, driver: EngineDriver | None = None) -> None:
         """Serve `llm`: its async driver (an AsyncEngine over it unless given, e.g. the
@@ -58,7 +59,8 @@ class ServerState:
                           "max_model_len": str(sc.max_model_len), "policy": sc.policy, "order": sc.order,
                           "enable_prefix_caching": str(sc.enable_prefix_caching).lower()}
         self.metrics = ServerMetrics(llm.model_name, lambda: self.async_engine.stats, cache_info, llm.max_model_len,
-                                     scheduler_info, getattr(self.async_engine, "worker_stats", None))
+                                     scheduler_info, getattr(self.async_engine, "worker_stats", None),
+                                     namespace=self.metrics_namespace)  # fmt: skip
         self.async_engine.add_observer(self.metrics.observe)
         self.async_engine.add_step_observer(self.metrics.observe_step)
         transfers = getattr(self.async_engine, "add_transfer_observer", None)
@@ -67,7 +69,26 @@ class ServerState:
 
     def check_accepting(self) -> None:
         if self.draining:
+            self._count_rejection("draining")
             raise ServerDraining("the server is shutting down and takes no new requests; retry on another replica")
+
+    async def submit(self, requests: list[EngineRequest], n: int = 1) -> RequestStream:
+        """Admit a request's engine requests (its prompts' `n` choices each, in order) and count
+        it in /metrics: the choices as one request, a refusal by its reason."""
+        request_ids = [r.request_id for r in requests]
+        self.metrics.expect_choices(request_ids, n)
+        try:
+            return await self.async_engine.submit(requests)
+        except BaseException as exc:
+            self.metrics.forget_choices(request_ids)
+            reason = _REJECTIONS.get(type(exc))
+            if reason is not None:
+                self._count_rejection(reason)
+            raise
+
+    def _count_rejection(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.observe_rejected(reason)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -111,6 +132,10 @@ class ServerState:
         )
         if n:
             logger.info("servelab: grace period over: aborted %d request(s) still running", n)
+
+
+_REJECTIONS = {QueueFull: "queue_full", ServerDraining: "draining", EngineStopped: "engine_stopped",
+               RequestTooLong: "too_long"}  # fmt: skip
 
 
 async def server_state(request: Request) -> ServerState:

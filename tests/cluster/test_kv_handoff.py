@@ -117,11 +117,12 @@ def test_a_handed_off_request_decodes_as_if_prefilled_locally(tiny_engine_factor
 
 def test_a_short_decode_pool_reserves_nothing_until_blocks_free(tiny_engine_factory):
     """Back-pressure: reserve_prefilled answers None, changing nothing, while the pool or the
-    sequence budget is short; a cancelled reservation gives every block back."""
+    sequence budget is short; a cancelled reservation gives every block back. A reservation
+    waits for its KV: /metrics counts it as a deferred waiting request."""
     decode = tiny_engine_factory(num_blocks=4, max_num_seqs=2)
     bm = decode.scheduler.block_manager
     a = decode.reserve_prefilled("a", list(range(1, 40)), 7, GREEDY)  # 3 blocks of 16
-    assert a is not None and bm.num_free_blocks == 1
+    assert a is not None and bm.num_free_blocks == 1 and decode.stats().num_waiting_deferred == 1
     assert decode.reserve_prefilled("b", list(range(100, 130)), 7, GREEDY) is None  # needs 2
     assert bm.num_free_blocks == 1 and decode.scheduler.get("b") is None
     c = decode.reserve_prefilled("c", [1, 2], 7, GREEDY)
@@ -129,8 +130,9 @@ def test_a_short_decode_pool_reserves_nothing_until_blocks_free(tiny_engine_fact
     decode.cancel_prefilled(c)
     assert decode.reserve_prefilled("d", [1, 2], 7, GREEDY) is not None  # a block, but...
     assert decode.reserve_prefilled("e", [3], 7, GREEDY) is None  # ...max_num_seqs=2 reservations
+    assert decode.stats().num_waiting_deferred == 2  # a and d
     decode.cancel_prefilled(a)
-    assert bm.num_free_blocks == 3
+    assert bm.num_free_blocks == 3 and decode.stats().num_waiting_deferred == 1
     with pytest.raises(RequestTooLong, match="KV pool of 64 tokens"):
         decode.reserve_prefilled("f", list(range(1, 70)), 7, SamplingParams(max_tokens=2))
 

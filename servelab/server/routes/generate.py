@@ -54,7 +54,7 @@ async def completions(request: Request, state: State) -> Response:
     echoes = None
     if req.echo:
         echoes = await state.offload.run(echo_prompts, engine, req, prompts, req.logprobs is not None)
-    stream = await state.async_engine.submit(engine_requests)
+    stream = await state.submit(engine_requests, req.n)
     renderer = CompletionRenderer(state, answer_id("cmpl-", req, request_id), req, engine_requests, echoes=echoes)
     if req.stream:
         return sse_response(renderer.stream(stream))
@@ -81,7 +81,7 @@ async def chat_completions(request: Request, state: State) -> Response:
     engine_requests = await state.offload.run(build_requests, engine, request_id, [prompt_ids], req, max_tokens,
                                               top_logprobs, arrival_s, prompt_logprobs)  # fmt: skip
     await prepare_logits_processors(engine, state.offload, engine_requests)
-    stream = await state.async_engine.submit(engine_requests)
+    stream = await state.submit(engine_requests, req.n)
     renderer = ChatRenderer(state, answer_id("chatcmpl-", req, request_id), req, engine_requests, plan, chat_echo(req))
     if req.stream:
         return sse_response(renderer.stream(stream))
