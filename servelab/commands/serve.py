@@ -103,6 +103,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         unset={"max_model_len": f"the model's, at most {DEFAULT_MAX_MODEL_LEN}", "num_blocks": "from --kv-cache-memory"},
     )  # fmt: skip
     limits.add_argument("--kv-cache-memory", default=None, help="memory for the KV cache, e.g. 1GiB (default 1GiB)")
+    grammars = parser.add_argument_group("structured outputs")
+    grammars.add_argument("--structured-output-compile-timeout", default="10s",
+                          help="longest a request's grammar (response_format, tools, structured_outputs, guided_*) "
+                               "may take to compile, its wait for a compiler included; past it the request gets a "
+                               "400 and the compile is killed (default 10s)")  # fmt: skip
+    grammars.add_argument("--structured-output-compile-workers", type=int, default=2, metavar="N",
+                          help="grammar compiler processes (~270 MB each, started on the first grammar; default 2)")
+    grammars.add_argument("--structured-output-cache-mb", type=int, default=256, metavar="MiB",
+                          help="memory for compiled grammars kept for reuse, least recently used dropped first "
+                               "(default 256)")  # fmt: skip
     add_cluster_arguments(parser)
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
                         help="server log verbosity (default: info)")
@@ -114,6 +124,11 @@ def _check_args(args: argparse.Namespace) -> None:
         raise InvalidArgument(f"--port: must be in [0, 65535], got {args.port}")
     if args.api_key is not None and not args.api_key.strip():
         raise InvalidArgument("--api-key: must not be empty")
+    if args.structured_output_compile_workers < 1:
+        raise InvalidArgument(f"--structured-output-compile-workers: must be >= 1, got "
+                              f"{args.structured_output_compile_workers}")  # fmt: skip
+    if args.structured_output_cache_mb < 0:
+        raise InvalidArgument(f"--structured-output-cache-mb: must be >= 0, got {args.structured_output_cache_mb}")
     if args.step_log is not None and uses_cluster(args):
         raise InvalidArgument("--step-log: logs one engine's steps; not with --data-parallel, --external-workers or "
                               "--disagg")
@@ -182,6 +197,8 @@ def run(args: argparse.Namespace) -> int:
     _check_args(args)
     scheduler = scheduler_config_from_args(args)  # bad knobs fail here, before the port and the model
     shutdown_timeout_s = parse_duration_s(args.shutdown_timeout, name="--shutdown-timeout")
+    compile_timeout_s = parse_duration_s(args.structured_output_compile_timeout,
+                                         name="--structured-output-compile-timeout", positive=True)  # fmt: skip
     kv_bytes = parse_bytes(args.kv_cache_memory, name="--kv-cache-memory") if args.kv_cache_memory else None
     max_request_bytes = (
         parse_bytes(args.max_request_bytes, name="--max-request-bytes") if args.max_request_bytes
@@ -197,6 +214,7 @@ def run(args: argparse.Namespace) -> int:
     import prometheus_client
     import uvicorn
 
+    from servelab.engine.grammar_workers import GrammarConfig
     from servelab.engine.llm_engine import EngineArgs, LLMEngine
     from servelab.server.app import create_app
 
@@ -251,6 +269,9 @@ def run(args: argparse.Namespace) -> int:
         tool_call_parser=args.tool_call_parser,
         driver=driver,
         metrics_namespace=args.metrics_namespace,
+        grammar_config=GrammarConfig(compile_timeout_s=compile_timeout_s,
+                                     num_workers=args.structured_output_compile_workers,
+                                     cache_bytes=args.structured_output_cache_mb * 2**20),  # fmt: skip
     )
     state = app.state.servelab
     state.async_engine.step_log = step_log

@@ -412,11 +412,11 @@ class LLMEngine:
         self._requests[request_id] = self._new_state(seq)
         return seq
 
-    def prepare_logits_processors(self, params: SamplingParams, *siblings: SamplingParams) -> None:
+    def prepare_logits_processors(self, params: SamplingParams, *siblings: SamplingParams, grammar: Any = None) -> None:
         """Checks token ids against the vocabulary, tokenizes bad words and compiles the grammar
-        (cached), attached to the params (`siblings`, the request's other choices, share it). The
-        server calls it on a worker thread before admission, so that add_request, on the step
-        loop's thread, finds the work done."""
+        (cached; `grammar` when the caller compiled it), attached to the params (`siblings`, the
+        request's other choices, share it). The server calls it on a worker thread before
+        admission, so that add_request, on the step loop's thread, finds the work done."""
         if not params.edits_logits or params.prepared_edits is not None and not siblings:
             return
         if self.logits_processors is None:
@@ -426,7 +426,7 @@ class LLMEngine:
                 "structured outputs are not available",
                 param=asked[0] if asked else params.structured_output.source,
             )
-        self.logits_processors.prepare(params, *siblings)
+        self.logits_processors.prepare(params, *siblings, grammar=grammar)
 
     def _new_state(self, seq: Sequence) -> _RequestState:
         params = seq.params

@@ -69,16 +69,17 @@ class LogitsProcessors:
     def release(self, request_id: str) -> None:
         self._rows.pop(request_id, None)
 
-    def prepare(self, params: SamplingParams, *siblings: SamplingParams) -> None:
+    def prepare(self, params: SamplingParams, *siblings: SamplingParams, grammar: Any = None) -> None:
         """Admission-time work, attached to the params as PreparedEdits: token ids checked
         against the vocabulary, their tensors built, bad words tokenized, the grammar compiled
         (cached; milliseconds, seconds for the first one, which imports xgrammar). The server
         calls this on a worker thread, so the step loop neither tokenizes nor compiles.
         `siblings` (other choices made by SamplingParams.sibling, sharing its lists) share the
-        work. Raises InvalidArgument naming the field."""
+        work. `grammar`: the request's grammar, compiled elsewhere (the server's worker processes).
+        Raises InvalidArgument naming the field."""
         if params.prepared_edits is None:
             params.validate_token_ids(self.vocab_size)
-            params.prepared_edits = self._prepare(params)
+            params.prepared_edits = self._prepare(params, grammar)
         for other in siblings:
             same = (
                 other.logit_bias is params.logit_bias
@@ -89,9 +90,9 @@ class LogitsProcessors:
             if same and other.prepared_edits is None:
                 other.prepared_edits = params.prepared_edits
             else:
-                self.prepare(other)
+                self.prepare(other, grammar=grammar if other.structured_output == params.structured_output else None)
 
-    def _prepare(self, params: SamplingParams) -> PreparedEdits:
+    def _prepare(self, params: SamplingParams, grammar: Any = None) -> PreparedEdits:
         bias_ids = bias_values = allowed = None
         if params.logit_bias:
             bias_ids = torch.tensor(list(params.logit_bias), dtype=torch.long)
@@ -101,8 +102,8 @@ class LogitsProcessors:
         bad_words = bad_word_token_ids(self.tokenizer, params.bad_words) if params.bad_words else []
         if params.allowed_token_ids:
             self._check_allowed_ids_left(params, bad_words)
-        compiled = None
-        if params.structured_output is not None:
+        compiled = grammar
+        if compiled is None and params.structured_output is not None:
             compiled = self.structured.compile(params.structured_output)
         return PreparedEdits(bias_ids, bias_values, allowed, bad_words, compiled)
 

@@ -3,9 +3,10 @@
 xgrammar (the grammar engine of vLLM and SGLang) precomputes, per grammar, which tokens of the
 vocabulary each grammar state admits, so a step's mask is a ~0.1 ms bitmask fill per constrained
 row. It imports transformers (seconds), so it is imported on the first constrained request, not
-with the engine; the server compiles on a worker thread before admission and the compiled grammar
-travels with the request (SamplingParams.prepared_edits), so neither the event loop nor the step
-loop waits for a compilation, even when the cache has dropped that grammar since.
+with the engine. The server compiles in grammar worker processes (engine/grammar_workers.py)
+before admission, the offline engine in its own thread, and the compiled grammar travels with the
+request (SamplingParams.prepared_edits), so neither the event loop nor the step loop waits for a
+compilation, even when the cache has dropped that grammar since.
 """
 
 from __future__ import annotations
@@ -24,9 +25,8 @@ if TYPE_CHECKING:
 
     from servelab.engine.tokenizer import Tokenizer
 
-# Compiled grammars kept (least recently used dropped first): a server that sees a new schema per
-# request must not grow without bound; a grammar takes ~1-20 ms to compile again.
-_CACHE_ENTRIES = 256
+# Compiled grammars kept, in bytes: most take 0.05-2 MB; a 30,000-value enum took 95 MB.
+DEFAULT_CACHE_BYTES = 256 * 2**20
 _LOG_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
 
 
@@ -91,16 +91,84 @@ class GrammarMatcherState:
         return True
 
 
+def compile_spec(compiler: Any, spec: StructuredOutputSpec) -> Any:
+    """`spec` compiled by an xgrammar GrammarCompiler; InvalidArgument naming the field on a bad one.
+    Also what a grammar worker process runs (engine/grammar_workers.py)."""
+    try:
+        if spec.kind == "json":
+            # Compact JSON (no free whitespace): a small model allowed any whitespace can spend
+            # its whole max_tokens on newlines; OpenAI's strict mode is compact too.
+            return compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
+        if spec.kind == "json_object":
+            # An object, as OpenAI's JSON mode promises (the builtin JSON grammar allows any value).
+            return compiler.compile_json_schema('{"type":"object"}', any_whitespace=False)
+        if spec.kind == "regex":
+            return compiler.compile_regex(spec.value)
+        if spec.kind == "choice":
+            return compiler.compile_grammar(_choice_grammar(spec.value))
+        return compiler.compile_grammar(spec.value)
+    except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses with its parser's message
+        message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        message = _LOG_PREFIX.sub("", message)  # "[11:44:40] /project/cpp/x.cc:94: " says nothing to a client
+        raise InvalidArgument(f"{spec.source}: the {spec.kind} constraint does not compile: {message}", param=spec.source) from e
+
+
+class GrammarCache:
+    """Compiled grammars by spec, least recently used dropped first, bounded by their size in bytes
+    (xgrammar's `memory_size_bytes`): one grammar can take 100 kB or 400 MB, so a count bounds
+    nothing. A grammar larger than the whole cache is used by its request and not kept."""
+
+    def __init__(self, capacity_bytes: int):
+        self.capacity_bytes = capacity_bytes
+        self.size_bytes = 0
+        self._lock = threading.Lock()
+        self._entries: OrderedDict[StructuredOutputSpec, tuple[Any, int]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, spec: StructuredOutputSpec) -> Any:
+        with self._lock:
+            entry = self._entries.get(spec)
+            if entry is None:
+                return None
+            self._entries.move_to_end(spec)
+            return entry[0]
+
+    def resize(self, capacity_bytes: int) -> None:
+        with self._lock:
+            self.capacity_bytes = capacity_bytes
+            self._evict()
+
+    def put(self, spec: StructuredOutputSpec, compiled: Any) -> None:
+        size = int(compiled.memory_size_bytes)
+        if size > self.capacity_bytes:
+            return
+        with self._lock:
+            old = self._entries.pop(spec, None)
+            if old is not None:
+                self.size_bytes -= old[1]
+            self._entries[spec] = (compiled, size)
+            self.size_bytes += size
+            self._evict()
+
+    def _evict(self) -> None:
+        while self.size_bytes > self.capacity_bytes:
+            _, (_, dropped) = self._entries.popitem(last=False)
+            self.size_bytes -= dropped
+
+
 class StructuredOutputBackend:
     """One per engine: the tokenizer's view for xgrammar, the compiler and its cache."""
 
-    def __init__(self, tokenizer: Tokenizer, vocab_size: int):
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int, cache_bytes: int = DEFAULT_CACHE_BYTES):
         self._tokenizer = tokenizer
         self._vocab_size = vocab_size
         self._lock = threading.Lock()
         self._xgr: Any = None
         self._compiler: Any = None
-        self._compiled: OrderedDict[StructuredOutputSpec, Any] = OrderedDict()
+        self._info: Any = None
+        self.cache = GrammarCache(cache_bytes)
         self._bitmask: torch.Tensor | None = None  # used by the step loop's thread only
 
     def _ready(self) -> tuple[Any, Any]:
@@ -114,42 +182,28 @@ class StructuredOutputBackend:
                     vocab_size=self._vocab_size,
                     stop_token_ids=list(self._tokenizer.eos_token_ids),
                 )
-                # Our own LRU caches by spec; xgrammar's cache is unbounded by default.
+                # Our own cache, bounded in bytes; xgrammar's is unbounded by default.
                 self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
-                self._xgr = xgr
+                self._xgr, self._info = xgr, info
             return self._xgr, self._compiler
 
+    def tokenizer_info(self) -> Any:
+        """xgrammar's view of the vocabulary (what a grammar worker process compiles against)."""
+        self._ready()
+        return self._info
+
     def compile(self, spec: StructuredOutputSpec) -> Any:
-        """The compiled grammar of `spec` (cached); InvalidArgument naming the field on a bad one."""
-        with self._lock:
-            compiled = self._compiled.get(spec)
-            if compiled is not None:
-                self._compiled.move_to_end(spec)
-                return compiled
-        xgr, compiler = self._ready()
-        try:
-            if spec.kind == "json":
-                # Compact JSON (no free whitespace): a small model allowed any whitespace can spend
-                # its whole max_tokens on newlines; OpenAI's strict mode is compact too.
-                compiled = compiler.compile_json_schema(spec.value, any_whitespace=False, strict_mode=True)
-            elif spec.kind == "json_object":
-                # An object, as OpenAI's JSON mode promises (the builtin JSON grammar allows any value).
-                compiled = compiler.compile_json_schema('{"type":"object"}', any_whitespace=False)
-            elif spec.kind == "regex":
-                compiled = compiler.compile_regex(spec.value)
-            elif spec.kind == "choice":
-                compiled = compiler.compile_grammar(_choice_grammar(spec.value))
-            else:
-                compiled = compiler.compile_grammar(spec.value)
-        except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses with its parser's message
-            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            message = _LOG_PREFIX.sub("", message)  # "[11:44:40] /project/cpp/x.cc:94: " says nothing to a client
-            raise InvalidArgument(f"{spec.source}: the {spec.kind} constraint does not compile: {message}", param=spec.source) from e
-        with self._lock:
-            self._compiled[spec] = compiled
-            while len(self._compiled) > _CACHE_ENTRIES:
-                self._compiled.popitem(last=False)
+        """The compiled grammar of `spec` (cached), compiled in this thread."""
+        compiled = self.cache.get(spec)
+        if compiled is None:
+            compiled = compile_spec(self._ready()[1], spec)
+            self.cache.put(spec, compiled)
         return compiled
+
+    def deserialize(self, serialized: str) -> Any:
+        """A grammar a worker process compiled, over this engine's tokenizer info."""
+        xgr, _ = self._ready()
+        return xgr.CompiledGrammar.deserialize_json(serialized, self._info)
 
     def new_matcher(self, compiled: Any) -> GrammarMatcherState:
         """A matcher over a grammar `compile` returned (kept by the request, not looked up)."""

@@ -18,6 +18,7 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from servelab import __version__
+from servelab.engine.grammar_workers import GrammarConfig
 from servelab.engine.llm_engine import EngineArgs  # no torch at import: the model loads in from_args
 from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from servelab.server.http_errors import install_error_handlers
@@ -39,6 +40,7 @@ def create_app(
     tool_call_parser: str | None = None,
     driver: EngineDriver | None = None,
     metrics_namespace: str = "servelab",
+    grammar_config: GrammarConfig | None = None,
 ) -> FastAPI:
     """The app, ready for uvicorn. `engine` is a built LLMEngine, or EngineArgs to build one at
     start-up (the model then loads before the port opens). `app.state.servelab` is the
@@ -47,8 +49,9 @@ def create_app(
     headers are sent only for `allowed_origins`; `tool_call_parser` ("hermes") enables
     tool_choice "auto"; `driver` replaces the AsyncEngine over `engine` (servelab.cluster's
     front end, whose `engine` only tokenizes); `metrics_namespace` "vllm" exports /metrics under
-    vLLM's names and labels (server/metrics.py)."""
-    state = ServerState(api_key=api_key, tool_call_parser=tool_call_parser, metrics_namespace=metrics_namespace)
+    vLLM's names and labels (server/metrics.py); `grammar_config` bounds structured-output compiles."""
+    state = ServerState(api_key=api_key, tool_call_parser=tool_call_parser, metrics_namespace=metrics_namespace,
+                        grammar_config=grammar_config or GrammarConfig())  # fmt: skip
     if not isinstance(engine, EngineArgs):
         state.attach(engine, driver)
 
@@ -88,6 +91,8 @@ def _lifespan(
         finally:
             await state.async_engine.stop()
             state.offload.shutdown()
+            if state.grammars is not None:
+                state.grammars.shutdown()
 
     return lifespan
 

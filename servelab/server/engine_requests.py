@@ -4,21 +4,27 @@ limit checked before anything reaches the engine."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from servelab.core.sequence import SamplingParams
 from servelab.engine.generation_config import sampling_default
-from servelab.errors import InvalidArgument, RequestTooLong
+from servelab.errors import InvalidArgument, RequestTooLong, ServelabError
 from servelab.server import protocol as p
 from servelab.server.async_engine import EngineRequest
 from servelab.server.prompts import check_token_ids
 from servelab.server.structured import sampling_kwargs
 
 if TYPE_CHECKING:
+    from fastapi import Request
+
     from servelab.engine.llm_engine import LLMEngine
-    from servelab.server.offload import Offload
+    from servelab.server.offload import Lane
+    from servelab.server.state import ServerState
+
+T = TypeVar("T")
 
 MAX_N = 128  # choices per request: more is almost surely a client bug, and each one is a sequence
 # Stop strings are matched on the engine thread for every token of every request, so one
@@ -167,13 +173,50 @@ def renamed_params(as_sent: dict[str, str]) -> Iterator[None]:
         raise InvalidArgument(message, param=new) from None
 
 
-async def prepare_logits_processors(engine: LLMEngine, offload: Offload, engine_requests: list[EngineRequest]) -> None:
-    """Token ids checked, bad words tokenized and the grammar compiled on a worker thread, once
-    for all the choices (siblings of the first), so neither the event loop nor the step loop
-    does it."""
+class ClientDisconnected(ServelabError):
+    """The client left while its request was being prepared; the answer goes nowhere."""
+
+    http_status = 499
+
+
+async def prepare_logits_processors(
+    state: ServerState, lane: Lane, engine_requests: list[EngineRequest], request: Request | None = None
+) -> None:
+    """The grammar compiled in the grammar workers (bounded in time; killed if the client of
+    `request` leaves), then token ids checked and bad words tokenized on the request's lane, once
+    for all the choices (siblings of the first), so neither the event loop nor the step loop does it."""
     first, *siblings = (r.params for r in engine_requests)
-    if first.edits_logits:
-        await offload.run(engine.prepare_logits_processors, first, *siblings)
+    if not first.edits_logits:
+        return
+    grammar = None
+    if first.structured_output is not None and state.grammars is not None:
+        grammar = await _unless_disconnected(request, state.grammars.compile(first.structured_output))
+    await lane.run(state.engine.prepare_logits_processors, first, *siblings, grammar=grammar)
+
+
+async def _unless_disconnected(request: Request | None, work: Awaitable[T]) -> T:
+    """`work`'s result, or ClientDisconnected (and `work` cancelled) once the client hangs up."""
+    if request is None:
+        return await work
+    task = asyncio.ensure_future(work)
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        watcher.cancel()
+        raise
+    if task in done:
+        watcher.cancel()
+        return task.result()
+    task.cancel()  # a compile's cancel kills its worker process
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientDisconnected("the client disconnected while its request was being prepared")
 
 
 __all__ = [
@@ -182,6 +225,7 @@ __all__ = [
     "MAX_N",
     "MAX_STOP",
     "MAX_STOP_CHARS",
+    "ClientDisconnected",
     "build_requests",
     "check_bad_words",
     "check_token_id_lists",

@@ -175,11 +175,11 @@ def decode_body(raw: bytes, model_cls: type[M]) -> M:
 
 
 async def parse_body(request: Request, model_cls: type[M], offload: Offload | None = None) -> M:
-    """Read the body on the loop; decode and validate it on `offload` when given."""
+    """Read the body on the loop; decode and validate it on `offload`'s lane for its size when given."""
     raw = await request.body()
     if offload is None:
         return decode_body(raw, model_cls)
-    return await offload.run(decode_body, raw, model_cls)
+    return await offload.lane(len(raw)).run(decode_body, raw, model_cls)
 
 
 def install_error_handlers(app: FastAPI) -> None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
+from servelab.engine.grammar_workers import GrammarConfig, GrammarWorkers
 from servelab.errors import NotFound, QueueFull, RequestTooLong
 from servelab.server.async_engine import AsyncEngine, EngineDriver, EngineRequest, EngineStopped, RequestStream
 from servelab.server.http_errors import ServerDraining
@@ -41,6 +42,8 @@ class ServerState:
     loop: asyncio.AbstractEventLoop | None = None
     offload: Offload = field(default_factory=Offload)  # parsing, templating, (de)tokenizing
     metrics_namespace: str = "servelab"  # "vllm": vLLM's metric names and labels (server/metrics.py)
+    grammar_config: GrammarConfig = field(default_factory=GrammarConfig)
+    grammars: GrammarWorkers | None = None  # compiles structured-output grammars; None: no real logits
 
     def attach(self, llm: LLMEngine, driver: EngineDriver | None = None) -> None:
         """Serve `llm`: its async driver (an AsyncEngine over it unless given, e.g. the
@@ -48,6 +51,10 @@ class ServerState:
         self.engine = llm
         self.model_name = llm.model_name
         self.async_engine = driver or AsyncEngine(llm)
+        if llm.logits_processors is not None:
+            self.grammars = GrammarWorkers(llm.logits_processors.structured, self.grammar_config)
+        if llm.scheduler_config.max_waiting:  # requests being prepared wait too: the same bound
+            self.offload.small.max_pending = llm.scheduler_config.max_waiting
         kv = getattr(llm.executor, "kv_cache", None)  # absent on a simulated executor
         cache_info = {
             "block_size": str(llm.scheduler_config.block_size),

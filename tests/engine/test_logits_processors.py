@@ -380,15 +380,12 @@ def test_a_retry_row_by_row_does_not_apply_logit_bias_twice(processors, tokenize
     assert rows.tokens == [5, 5] and not rows.errors
 
 
-def test_the_step_loop_never_compiles_a_grammar_evicted_after_its_preparation(tiny_engine_factory, monkeypatch):
+def test_the_step_loop_never_compiles_a_grammar_evicted_after_its_preparation(tiny_engine_factory):
     """The server compiles a request's grammar on a worker thread before admission; were the
     cache to drop it before the step loop admits the request, the step loop must not compile
     it again (it travels with the request)."""
     import threading
 
-    from servelab.engine import structured_output
-
-    monkeypatch.setattr(structured_output, "_CACHE_ENTRIES", 1)
     engine = tiny_engine_factory(num_blocks=16)
     backend = engine.logits_processors.structured
     wanted = SamplingParams(max_tokens=8, temperature=0, structured_output=StructuredOutputSpec("regex", "[a-z]{3}"))
@@ -400,6 +397,7 @@ def test_the_step_loop_never_compiles_a_grammar_evicted_after_its_preparation(ti
         worker.join()
 
     on_worker(wanted)
+    backend.cache.capacity_bytes = backend.cache.size_bytes  # room for one grammar of this size
     compiled_on: list[str] = []
     real_compiler = backend._compiler
 
@@ -416,8 +414,9 @@ def test_the_step_loop_never_compiles_a_grammar_evicted_after_its_preparation(ti
             return counted
 
     backend._compiler = CountingCompiler()
-    on_worker(other)  # evicts `wanted` from the one-entry cache
+    on_worker(other)  # evicts `wanted` from the cache
     assert compiled_on == ["worker"]
+    assert backend.cache.get(wanted.structured_output) is None
     seq = engine.add_request("r", [5, 6, 7], wanted)  # on this thread: the step loop's
     while engine.has_unfinished():
         engine.step()
