@@ -3,7 +3,7 @@
 32 chat prompts ("Write a short paragraph about <topic>.", the bundled model's chat template)
 each get 64 greedy tokens in four runs: each prompt alone (the reference), all 32 in one batch,
 all 32 with prompts chunked by a 7-token budget, and all 32 in a KV pool so small that sequences
-are preempted and recomputed; then (issue 15's claim) the pressured run against the batched one.
+are preempted and recomputed; then the pressured run against the batched one.
 Per run: how many of the 32 outputs differ in their tokens, how many in the bits of their
 tokens' logprobs (a difference that has not flipped a token yet), preemptions, wall time.
 

@@ -1,4 +1,4 @@
-"""The engine on a CUDA device, in one run (issue 18, item 6): its answers against the CPU path's,
+"""The engine on a CUDA device, in one run: its answers against the CPU path's,
 batch-1 decode as a fraction of the bound the device's memory bandwidth sets, and many sequences
 decoding together.
 

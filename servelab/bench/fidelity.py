@@ -38,7 +38,7 @@ METRICS: tuple[tuple[str, str, str | None], ...] = (
     ("output tok/s", "output_throughput", None), ("requests/s", "request_throughput", None),
     ("goodput req/s", "goodput", None),
 )
-# The accuracy targets on an otherwise idle machine (issue 17): row name -> largest |error| in %.
+# The accuracy targets on an otherwise idle machine: row name -> largest |error| in %.
 TARGETS_PCT = {"TPOT p50": 10.0, "output tok/s": 10.0, "TTFT p50": 20.0, "TTFT p90": 20.0}
 
 

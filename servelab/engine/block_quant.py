@@ -41,7 +41,7 @@ GGUF_BLOCK_FORMATS = {
 _Q4_1 = GGML_TYPE_BY_NAME["Q4_1"].kernel_code
 # Q4_1's bytes regrouped sixteen outputs a group, one output a vector lane (the C file's Q4_1_G16):
 # at the AVX-512 levels outside deterministic mode, the 1-4-row kernel then needs no horizontal
-# sums and half the instructions a block (docs/benchmarks.md, "Batch 1 at the bandwidth").
+# sums and half the instructions a block (docs/benchmarks.md, "GGUF blocks kept packed").
 Q4_1_G16 = 6
 FORMAT_NAMES = {t.kernel_code: t.name for t in GGML_TYPES if t.kernel_code is not None} | {Q4_1_G16: "Q4_1"}
 _FUSED_FORMATS = (*(t.kernel_code for t in GGML_TYPES if t.kernel is Kernel.PANEL_AND_ROWS), Q4_1_G16)

@@ -1,8 +1,8 @@
 """Every decoder layer of a decode-only step in one native call (csrc/decode_stack.c).
 
 The per-op path calls a kernel per op from Python: at batch 1 that was ~270 ctypes calls and
-~190 torch ops a step, a third of the step in Python and dispatch (docs/benchmarks.md, "Fewer,
-fatter ops"). A `DecodeStack` describes the layers to C once, at load (pointers to the norms and
+~190 torch ops a step, a third of the step in Python and dispatch (docs/benchmarks.md, "Where
+a step's time goes"). A `DecodeStack` describes the layers to C once, at load (pointers to the norms and
 to each linear's packed blocks or int8 codes), and a step is one call over buffers taken from
 an arena it keeps, grown only when a step needs more. The C side runs the very kernels the
 per-op path runs, in the same order, so the results are the same bits.

@@ -250,7 +250,7 @@ class NativeOps(TorchOps):
 class InvariantOps(NativeOps):
     """Deterministic mode: each row's result depends on that row alone, bit for bit, whatever the
     batch, the chunking of its prompt or whether it is decoded or recomputed. Costs speed
-    (docs/benchmarks.md, "Deterministic mode")."""
+    (docs/benchmarks.md, "The dtype paths")."""
 
     batch_invariant = True
 

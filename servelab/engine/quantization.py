@@ -5,7 +5,7 @@ by the GEMMs. Here each weight is a 7-bit code with a scale and zero point per o
 (a quarter of the fp32 bytes), each activation row is quantized to int8 on the fly, and the C
 kernel in csrc/int8_linear.c (the why of 7 and 8 bits, and of a scale per 64 inputs, is there)
 multiplies them with integer multiply-adds. Speed against fp32, fbgemm and torch's own int8
-kernels: docs/benchmarks.md, "Opt-in int8 linears".
+kernels: docs/benchmarks.md, "int8 linears".
 
 What it costs: numerics (each linear's output moves by a percent or two), so the default never
 does this. What it keeps: every integer sum is exact and each activation row has its own scales,

@@ -14,7 +14,7 @@ from servelab.errors import InvalidArgument
         ("temperature", math.nan),
         ("temperature", math.inf),
         ("temperature", -0.1),
-        ("temperature", 1e39),  # issue 15: overflowed the sampler's fp32 to inf and sampled past the vocabulary
+        ("temperature", 1e39),  # overflowed the sampler's fp32 to inf and sampled past the vocabulary
         ("temperature", 100.5),
         ("top_p", math.nan),
         ("top_p", 0.0),

@@ -1,4 +1,4 @@
-"""Deterministic mode (issue 15, item 8): greedy output bit-identical whatever else is in the
+"""Deterministic mode: greedy output bit-identical whatever else is in the
 batch, however the prompt is chunked, and across preemption and recompute.
 
 The kernels first: a batch-invariant linear gives each row the bits it gets alone, at every row

@@ -1,4 +1,4 @@
-"""One request's fault ends that request only (issue 15, item 1).
+"""One request's fault ends that request only.
 
 A fault is injected into one sequence of a batch of 8, in sampling, in detokenization, or
 through sampling parameters that validation would have refused; the faulty request finishes

@@ -381,7 +381,7 @@ def test_sliders_move_with_the_number_boxes(page, lab_server):
 
 
 def test_capacity_is_uncapped_names_its_limit_and_answers_fast(page, lab_server):
-    """Issue 21's targets: the first chart in under 2 s, a change drawn in under 1 s (the partial
+    """The lab's targets: the first chart in under 2 s, a change drawn in under 1 s (the partial
     answer: simulated rows so far plus the roofline's estimate), the search uncapped."""
     page.goto(f"{lab_server.url}/?lesson=two-workloads")
     _wait_settled(page)

@@ -1,4 +1,4 @@
-"""What a vLLM or OpenAI client expects beyond the basics (issue 22): honest streaming, vLLM's
+"""What a vLLM or OpenAI client expects beyond the basics: honest streaming, vLLM's
 per-request metrics, usage details, and errors that name the field the client sent."""
 
 from __future__ import annotations
@@ -303,8 +303,7 @@ def test_generation_config_defaults_are_read_from_the_model_dir(tmp_path):
 from servelab.server import fields as F  # noqa: E402
 from servelab.server import protocol as P  # noqa: E402
 
-# Honoured by the structured-outputs branch (issue 22 items 3-4), which declares them in
-# protocol.py; until it is merged they are the only honoured fields this branch does not declare.
+# Each route's field table (server/fields.py) beside the request model that parses its body.
 ROUTES = [("/v1/chat/completions", F.CHAT, P.ChatCompletionRequest, {"messages": [{"role": "user", "content": "hi"}]}),
           ("/v1/completions", F.COMPLETIONS, P.CompletionRequest, {"prompt": "hi"})]  # fmt: skip
 

@@ -1,5 +1,5 @@
 """Over HTTP: one request that fails inside the engine gets an error event on its own stream,
-while 4 concurrent streams sharing its steps finish as they would have without it (issue 15)."""
+while 4 concurrent streams sharing its steps finish as they would have without it."""
 
 from __future__ import annotations
 

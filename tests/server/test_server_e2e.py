@@ -549,7 +549,7 @@ def test_sigterm_on_an_idle_server_exits_at_once(server_launcher, tiny_model_dir
 
 
 def test_a_running_stream_keeps_its_pace_while_a_10mb_request_is_rejected(server):
-    """Issue 15: a 10 MB body is refused (413) without holding the event loop, so a stream that is
+    """A 10 MB body is refused (413) without holding the event loop, so a stream that is
     running meanwhile keeps its inter-token pace."""
     body = {"prompt": "hi", "max_tokens": 400, "ignore_eos": True, "temperature": 0, "stream": True}
     stamps: list[float] = []

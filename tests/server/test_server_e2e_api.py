@@ -1,4 +1,4 @@
-"""Issue 22 end to end: a real `python -m servelab serve` on a tiny random Llama, driven by the
+"""The OpenAI-compatible API end to end: a real `python -m servelab serve` on a tiny random Llama, driven by the
 official `openai` client (streaming, usage details, echo, refused fields, metrics, /version) and
 by a client that stamps TTFT the way `vllm bench serve` does, against `servelab bench`."""
 

@@ -43,7 +43,7 @@
  * of 32 inputs 320 bytes: the 16 outputs' fp16 d, their fp16 m, then four 64-byte vectors, dword
  * k of vector c holding output k's quant bytes 4c..4c+3 (byte j: element j's nibble low,
  * element j + 16's high, as in Q4_1). A block's sixteen outputs then need no horizontal sums and
- * each nibble one shift and one vpermps (g16_rows, docs/benchmarks.md "Batch 1 at the bandwidth"). */
+ * each nibble one shift and one vpermps (g16_rows, docs/benchmarks.md "GGUF blocks kept packed"). */
 enum { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q6_K = 4, F32 = 5 };
 enum { Q4_1_G16 = 6 }; /* a layout of Q4_1, not a ggml type: block_quant.Q4_1_G16 */
 #define G16_BLOCK 320 /* bytes of 16 outputs' block */
@@ -583,7 +583,7 @@ static void panel_row(const float *panel, int64_t no, int64_t in, const float *x
 
 /* The 8-row tile's eight activation rows stay in L1 up to 32 KB of them; past that (SmolLM2's
  * down projection, 1,536 inputs: 48 KB) the 4-row tiles run 1.15-1.2x faster (docs/benchmarks.md,
- * "The second AVX-512 host"). Either way a row's sums are the same chains: the same bits. */
+ * "Panel kernel: decode steps of 4-128 rows"). Either way a row's sums are the same chains: the same bits. */
 #define TILE8_MAX_IN 1024
 
 /* Eight rows x three outputs (24 accumulators of the 32 registers): each weight vector loaded
@@ -666,7 +666,7 @@ static void panel_rows(const float *panel, int64_t no, int64_t in, const float *
  * three weight vectors an input and broadcasts each row's input, as BLIS-style GEMMs do. Each
  * output's sum is one FMA chain over k ascending, then + bias, so no lanes are summed at the end,
  * where the dot-product tiles above spend about a third of their time at 576 inputs. Filling it
- * costs a transposition, which pays from ~48 rows (docs/benchmarks.md, "One output a lane"). */
+ * costs a transposition, which pays from ~48 rows (docs/benchmarks.md, "GGUF blocks kept packed"). */
 #define TM 8 /* rows a tile: 24 accumulators + 3 weight vectors + 1 broadcast */
 
 /* dst[k][0..16) = src[0..16)[k] for k < 16: sixteen rows of 16 floats (src_stride apart)

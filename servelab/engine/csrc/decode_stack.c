@@ -6,7 +6,7 @@
  * Why: at batch 1 the per-op path made ~270 ctypes calls and ~190 torch ops a step (~340
  * torch.empty among them); their Python and dispatch were a third of the step, and the gaps
  * between calls let the thread pool's workers fall asleep between kernels (docs/benchmarks.md,
- * "Fewer, fatter ops"). Here the Python side makes one call per step, and every buffer comes
+ * "Where a step's time goes"). Here the Python side makes one call per step, and every buffer comes
  * from one arena the caller keeps (servelab_decode_stack_arena_floats says how big).
  *
  * engine/decode_stack.py fills the structs below (ctypes mirrors of them) once at load, and a
