@@ -47,19 +47,25 @@ def test_catalog_fits_reproduce_their_measurements(name):
 
 
 def test_short_prompt_costs_more_than_one_weight_stream():
-    """Vidur's H100 profiles: at 128 tokens the 7B's linears take ~1.2x their M=1 time, so a
-    128-token prefill is not one weight stream (the end-to-end max() prices it as one)."""
+    """Vidur's H100 profiles of Llama 2 7B: a layer's four linears take longer at 128 tokens than
+    at 1; the model keeps that margin (measured 1.15x, modelled 1.20x: within 6 points), so a 128-token prefill is not one weight
+    stream, which the end-to-end max() prices it as."""
+    fit = _fit_module()
     h100 = get_hardware("h100-sxm")
     eff = h100.kernels.for_dtype("bf16")
-    n, k = 11008 * 2, 4096  # Llama 2 7B gate+up
-    at_1 = gemm_time_s(eff, 1, n, k, 2.0, h100.peak_flops_per_s(), h100.bandwidth_bytes_per_s)
-    at_128 = gemm_time_s(eff, 128, n, k, 2.0, h100.peak_flops_per_s(), h100.bandwidth_bytes_per_s)
-    assert at_128 > 1.15 * at_1
+    rows = [p for p in fit.vidur_points("h100")[0] if (p[2], p[3]) in
+            {(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)}]  # Llama 2 7B at TP1
+    measured = {m: sum(t for _, mm, _, _, t in rows if mm == m) for m in (1, 128)}
+    predicted = {m: sum(gemm_time_s(eff, m, n, k, 2.0, h100.peak_flops_per_s(), h100.bandwidth_bytes_per_s)
+                        for _, mm, n, k, _ in rows if mm == m) for m in (1, 128)}
+    margin = measured[128] / measured[1]
+    assert margin > 1.1
+    assert predicted[128] / predicted[1] == pytest.approx(margin, abs=0.06)
     model = get_model("llama-3.1-8b")
-    measured = Roofline(model, h100, measured_kernels=True)
-    stream_s = measured.memory.weight_bytes_per_device / (h100.bandwidth_bytes_per_s * eff.bandwidth_fraction)
-    assert measured.prefill(128).time_s > 1.3 * stream_s
-    assert measured.prefill(128).time_s > Roofline(model, h100).prefill(128).time_s
+    roofline = Roofline(model, h100, measured_kernels=True)
+    stream_s = roofline.memory.weight_bytes_per_device / (h100.bandwidth_bytes_per_s * eff.bandwidth_fraction)
+    assert roofline.prefill(128).time_s > margin * stream_s
+    assert roofline.prefill(128).time_s > Roofline(model, h100).prefill(128).time_s
 
 
 def test_the_crossover_is_smooth_and_tiles_pad():
