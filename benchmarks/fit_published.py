@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from servelab.cost.profile import nnls
-from servelab.cost.roofline import Efficiency, FormatEfficiency, Roofline
+from servelab.cost.roofline import LINEAR_KERNELS_TERM, Efficiency, FormatEfficiency, Roofline
 from servelab.spec.hardware import get_hardware
 from servelab.spec.model import get_model
 
@@ -167,8 +167,10 @@ def fit(points: list[dict[str, Any]], start: Efficiency | None = None, held: dic
         a = np.array([[row.get(k, 0.0) for k in free] for row in rows])
         y = np.array([published_time_s(p) for p in points])
         # Held terms and the "1" of every 1/fraction = 1 + x move to the target side.
+        # So do the linear layers where measured kernels price them.
         fixed = np.array([sum(v * (1.0 / held[k] if is_fraction(k) else held[k]) for k, v in row.items() if k in held)
-                          + sum(v for k, v in row.items() if k in free and is_fraction(k)) for row in rows])
+                          + sum(v for k, v in row.items() if k in free and is_fraction(k))
+                          + row.get(LINEAR_KERNELS_TERM, 0.0) for row in rows])
         target = (y - fixed) / y
         a_rel = a / y[:, None]
         scale = np.abs(a_rel).max(axis=0)

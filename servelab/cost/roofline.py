@@ -21,12 +21,14 @@ from dataclasses import dataclass, field
 from operator import mul
 from types import MappingProxyType
 
+from servelab.cost.gemm import gemm_time_s
 from servelab.cost.memory import DEFAULT_MEMORY_FRACTION, MemoryPlan, kv_heads_per_device
 from servelab.cost.step_cost import Shape, StepCost
 from servelab.errors import InvalidArgument
 from servelab.spec.dtypes import ACTIVATION_BYTES, DEFAULT_DTYPE
 from servelab.spec.dtypes import weight_dtype as _weight_dtype
 from servelab.spec.hardware import HardwareSpec
+from servelab.spec.kernels import GemmEfficiency
 from servelab.spec.model import ModelSpec
 
 
@@ -106,12 +108,36 @@ class Efficiency:
         return fmt if fmt is not None else FormatEfficiency(self.bandwidth_fraction, self.compute_fraction)
 
 
+# Bytes per weight of the formats the measured GEMM parameters were fitted on.
+_MEASURED_WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0}
+# The name fit_published.py gives the measured linear layers' seconds in `time_terms` (held, not fitted).
+LINEAR_KERNELS_TERM = "linear_kernels_s"
+
+
+def _measured_gemm(hardware: HardwareSpec, compute_dtype: str, bytes_per_weight: float) -> GemmEfficiency | None:
+    """The part's measured GEMM parameters for this weight format, or None (weight-only formats
+    such as int4 and GGUF blocks run other kernels than the ones measured)."""
+    if hardware.kernels is None or _MEASURED_WEIGHT_BYTES.get(compute_dtype) != bytes_per_weight:
+        return None
+    return hardware.kernels.for_dtype(compute_dtype)
+
+
+def parameter_source(hardware: HardwareSpec, weight_dtype: str, measured: bool) -> str:
+    """Where a Roofline's parameters come from, in one line for the CLI and --json."""
+    if measured:
+        assert hardware.kernels is not None
+        return (f"measured kernels: {hardware.kernels.source} ({hardware.kernels.ref}); "
+                "attention, KV and overheads from the end-to-end fit")
+    return (f"extrapolated: no measured {weight_dtype} kernels for {hardware.name}; "
+            "end-to-end Efficiency defaults (docs/fidelity.md)")
+
+
 class Roofline:
     """Prices a step of `model` on `tp` devices of `hardware`. Bytes and FLOPs are per device."""
 
     def __init__(self, model: ModelSpec, hardware: HardwareSpec, weight_dtype: str = DEFAULT_DTYPE,
                  kv_dtype: str = DEFAULT_DTYPE, tp: int = 1, efficiency: Efficiency | None = None,
-                 memory_fraction: float = DEFAULT_MEMORY_FRACTION) -> None:
+                 memory_fraction: float = DEFAULT_MEMORY_FRACTION, measured_kernels: bool = False) -> None:
         self.model = model
         self.hardware = hardware
         self.tp = tp
@@ -121,6 +147,9 @@ class Roofline:
         wdt = _weight_dtype(weight_dtype)
         fmt = eff.for_format(weight_dtype)
         m = model
+        # Opt-in: the end-to-end defaults above are fitted without the measured GEMMs (docs/fidelity.md).
+        self.gemm = _measured_gemm(hardware, wdt.compute_dtype, wdt.bytes_per_element) if measured_kernels else None
+        self.parameter_source = parameter_source(hardware, self.weight_dtype, self.gemm is not None)
 
         self.peak_flops_per_s = hardware.peak_flops_per_s(wdt.compute_dtype)
         self.peak_bandwidth_bytes_per_s = hardware.bandwidth_bytes_per_s
@@ -173,6 +202,9 @@ class Roofline:
         self._overhead_s = eff.step_overhead_s + m.num_layers * eff.per_layer_overhead_s
         self._per_seq_s = eff.per_seq_overhead_s
 
+        if self.gemm is not None:
+            self._init_linears(wdt.bytes_per_element)
+
         # The hot path's constants: seconds per unit of each of a step's four sums.
         self._compute_s_per_token = self._flops_per_token / self._flops_per_s
         self._compute_s_per_seq = self._flops_per_seq / self._flops_per_s
@@ -181,6 +213,45 @@ class Roofline:
         self._expert_s_all_layers = self._expert_bytes_all_layers / self._weight_bytes_per_s
         self._memory_s_per_context_token = self.kv_bytes_per_token / self._bytes_per_s
         self._memory_s_per_token = (self.kv_bytes_per_token + self._activation_bytes_per_token) / self._bytes_per_s
+
+    def _init_linears(self, bytes_per_weight: float) -> None:
+        """(N, K) per device of each linear layer, for the measured GEMM model."""
+        m, tp, hw = self.model, self.tp, self.hardware
+        q_heads = max(1, m.num_heads // tp)
+        self._attn_linears = (((q_heads + 2 * kv_heads_per_device(m, tp)) * m.head_dim, m.hidden_size),
+                              (m.hidden_size, q_heads * m.head_dim))
+        ffn = max(1, m.ffn_size // tp)
+        self._mlp_linears = ((2 * ffn, m.hidden_size), (m.hidden_size, ffn))
+        self._lm_head = (max(1, m.vocab_size // tp), m.hidden_size)
+        self._gemm_args = (bytes_per_weight, self.peak_flops_per_s, hw.bandwidth_bytes_per_s)
+        self._layer_linear_cache: dict[int, float] = {}
+        self._lm_head_cache: dict[int, float] = {}
+
+    def _gemm_s(self, tokens: float, nk: tuple[int, int]) -> float:
+        assert self.gemm is not None
+        return gemm_time_s(self.gemm, tokens, nk[0], nk[1], *self._gemm_args)
+
+    def _linear_s(self, num_tokens: int, num_seqs: int) -> float:
+        """Every linear layer of the step by the measured GEMM model: each layer's projections and
+        MLP over the step's tokens (a MoE layer runs each expert it expects to be hit over its
+        share of them), and the LM head over one position per sequence. Cached by token count: a
+        simulation sees few distinct ones."""
+        layer_s = self._layer_linear_cache.get(num_tokens)
+        if layer_s is None:
+            layer_s = sum(self._gemm_s(num_tokens, nk) for nk in self._attn_linears)
+            if self._num_experts == 1:
+                layer_s += sum(self._gemm_s(num_tokens, nk) for nk in self._mlp_linears)
+            else:
+                hit = self._num_experts * self._expert_hit_fraction(num_tokens)
+                per_expert = num_tokens * self.model.num_active_experts / hit
+                layer_s += hit * sum(self._gemm_s(per_expert, nk) for nk in self._mlp_linears)
+                layer_s += self._gemm_s(num_tokens, (self._num_experts, self.model.hidden_size))  # router
+            layer_s *= self.model.num_layers
+            self._layer_linear_cache[num_tokens] = layer_s
+        head_s = self._lm_head_cache.get(num_seqs)
+        if head_s is None:
+            head_s = self._lm_head_cache[num_seqs] = self._gemm_s(num_seqs, self._lm_head)
+        return layer_s + head_s
 
     # ---- the seed's headline figures --------------------------------------------------------
     @property
@@ -234,6 +305,12 @@ class Roofline:
         """The hot path: a step's time from its four sums (a simulator can keep them running)."""
         if num_tokens == 0:
             return 0.0
+        if self.gemm is not None:
+            compute_s = pairs * self._compute_s_per_pair
+            memory_s = context_tokens * self._memory_s_per_context_token + num_tokens * self._memory_s_per_token
+            return (self._linear_s(num_tokens, num_seqs) + (compute_s if compute_s > memory_s else memory_s)
+                    + num_tokens * self._comm_s_per_token + self._comm_s_per_step + self._overhead_s
+                    + num_seqs * self._per_seq_s)
         compute_s = (num_tokens * self._compute_s_per_token + num_seqs * self._compute_s_per_seq
                      + pairs * self._compute_s_per_pair)
         weight_s = self._dense_weight_s
@@ -254,9 +331,18 @@ class Roofline:
 
 
         gives `time_from_totals` (its test holds the two together). Keys are Efficiency field
-        names; a quantized format's are `formats.<name>.bandwidth_fraction` / `.compute_fraction`."""
+        names; a quantized format's are `formats.<name>.bandwidth_fraction` / `.compute_fraction`.
+        With measured GEMMs, `added` also holds LINEAR_KERNELS_TERM: the linear layers' seconds,
+        which no Efficiency field scales."""
         if num_tokens == 0:
             return {}, {}, {}
+        if self.gemm is not None:
+            other_bytes = context_tokens * self.kv_bytes_per_token + num_tokens * (
+                self.kv_bytes_per_token + self._activation_bytes_per_token)
+            added = self._added_terms(num_tokens, num_seqs)
+            added[LINEAR_KERNELS_TERM] = self._linear_s(num_tokens, num_seqs)
+            return ({"compute_fraction": pairs * self._flops_per_attention_pair / self.peak_flops_per_s},
+                    {"bandwidth_fraction": other_bytes / self.peak_bandwidth_bytes_per_s}, added)
         fmt_key = f"formats.{self.weight_dtype.lower()}." if self.weight_dtype.lower() in self.efficiency.formats else ""
         flops = (num_tokens * self._flops_per_token + num_seqs * self._flops_per_seq
                  + pairs * self._flops_per_attention_pair)
@@ -266,6 +352,10 @@ class Roofline:
         weight_s = self._weight_bytes(num_tokens) / bw
         memory = {"bandwidth_fraction": other_bytes / bw}
         memory[fmt_key + "bandwidth_fraction"] = memory.get(fmt_key + "bandwidth_fraction", 0.0) + weight_s
+        return {fmt_key + "compute_fraction": flops / self.peak_flops_per_s}, memory, self._added_terms(num_tokens,
+                                                                                                       num_seqs)
+
+    def _added_terms(self, num_tokens: int, num_seqs: int) -> dict[str, float]:
         added = {"step_overhead_s": 1.0, "per_layer_overhead_s": float(self.model.num_layers),
                  "per_seq_overhead_s": float(num_seqs)}
         if self._allreduces_per_step:
@@ -273,7 +363,7 @@ class Roofline:
             assert link is not None
             added["allreduce_latency_s"] = float(self._allreduces_per_step)
             added["interconnect_fraction"] = num_tokens * self._ring_bytes_per_token / link
-        return {fmt_key + "compute_fraction": flops / self.peak_flops_per_s}, memory, added
+        return added
 
     def step(self, shape: Shape) -> StepCost:
         return self.cost_from_totals(*self.totals(shape))
@@ -286,15 +376,26 @@ class Roofline:
         kv_write = num_tokens * self.kv_bytes_per_token
         activation = num_tokens * self._activation_bytes_per_token
         total_bytes = weight_bytes + kv_read + kv_write + activation
-        compute_s = flops / self._flops_per_s
-        memory_s = weight_bytes / self._weight_bytes_per_s + (kv_read + kv_write + activation) / self._bytes_per_s
+        other_memory_s = (kv_read + kv_write + activation) / self._bytes_per_s
         if num_tokens:
             comm_s = num_tokens * self._comm_s_per_token + self._comm_s_per_step
             overhead_s = self._overhead_s + num_seqs * self._per_seq_s
         else:
             comm_s = overhead_s = 0.0
+        if self.gemm is not None and num_tokens:
+            # Linear layers as measured (their compute and memory sides reported at the same
+            # fractions, unsmoothed); attention against the KV cache and activations as before.
+            attention_s = pairs * self._compute_s_per_pair
+            linear_flops = flops - pairs * self._flops_per_attention_pair
+            compute_s = attention_s + linear_flops / (self.peak_flops_per_s * self.gemm.compute_fraction)
+            memory_s = other_memory_s + weight_bytes / (self.peak_bandwidth_bytes_per_s * self.gemm.bandwidth_fraction)
+            time_s = self._linear_s(num_tokens, num_seqs) + max(attention_s, other_memory_s) + comm_s + overhead_s
+        else:
+            compute_s = flops / self._flops_per_s
+            memory_s = weight_bytes / self._weight_bytes_per_s + other_memory_s
+            time_s = max(compute_s, memory_s) + comm_s + overhead_s
         return StepCost(
-            time_s=max(compute_s, memory_s) + comm_s + overhead_s,
+            time_s=time_s,
             num_tokens=num_tokens,
             num_seqs=num_seqs,
             flops=flops,

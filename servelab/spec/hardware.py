@@ -14,9 +14,10 @@ Conventions, so that every entry means the same thing:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from servelab.errors import InvalidArgument
+from servelab.spec.kernels import KernelProfile, load_fits
 
 TB = 1e12
 GB = 1e9
@@ -34,6 +35,16 @@ class HardwareSpec:
     interconnect_bytes_per_s: float | None = None
     price_per_hour_usd: float | None = None
     description: str = ""
+    # Measured GEMM efficiencies with their provenance (kernel_fits.json); None: the cost model
+    # extrapolates from its end-to-end defaults.
+    kernels: KernelProfile | None = field(default=None, hash=False, compare=False)
+
+    @property
+    def provenance(self) -> str:
+        if self.kernels is None:
+            return "extrapolated (no measured kernels; end-to-end Efficiency defaults)"
+        dtypes = ", ".join(self.kernels.gemm)
+        return f"measured kernels ({dtypes}): {self.kernels.source} ({self.kernels.ref})"
 
     def peak_flops_per_s(self, compute_dtype: str = "bf16") -> float:
         """The matmul rate for a compute dtype. Hardware without FP8/INT8 tensor cores (A100 has no
@@ -134,6 +145,12 @@ HARDWARE: dict[str, HardwareSpec] = {
         description="NVIDIA B200 (HGX) 180GB",
     ),
 }
+
+
+# The measured-kernel fits (benchmarks/gpu_kernels_fit.py) complete the datasheet entries.
+for _name, _profile in load_fits().items():
+    HARDWARE[_name] = replace(HARDWARE[_name], kernels=_profile)
+del _name, _profile
 
 
 def get_hardware(name: str) -> HardwareSpec:

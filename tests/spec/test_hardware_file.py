@@ -2,7 +2,7 @@
 
 import json
 import re
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import pytest
 from hypothesis import given, settings
@@ -39,11 +39,13 @@ def test_name_defaults_to_the_file_stem(tmp_path):
 @given(spec=st.sampled_from(list(HARDWARE.values())),
        scale=st.floats(min_value=1e-3, max_value=1e3, allow_nan=False, allow_infinity=False))
 def test_every_catalog_entry_round_trips_through_a_file(tmp_path_factory, spec, scale):
-    data = asdict(spec)
+    # a file holds the datasheet fields; measured kernels come only from the catalog's fits
+    data = {k: v for k, v in asdict(replace(spec, kernels=None)).items() if k != "kernels"}
     data["bandwidth_bytes_per_s"] *= scale
     path = write(tmp_path_factory.mktemp("hw"), data)
     loaded = get_hardware(path)
-    assert asdict(loaded) == data
+    assert loaded.kernels is None
+    assert {k: v for k, v in asdict(loaded).items() if k != "kernels"} == data
 
 
 @pytest.mark.parametrize(("change", "message"), [
