@@ -37,6 +37,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--bandwidth-fraction", type=float, default=None, help="achievable share of peak bandwidth")
     e.add_argument("--compute-fraction", type=float, default=None, help="achievable share of peak FLOP/s")
     e.add_argument("--step-overhead", default=None, help="fixed cost per step besides the per-layer one, e.g. 150us")
+    e.add_argument("--measured-kernels", action="store_true",
+                   help="price linear layers from the part's measured GEMM timings (A100, H100: Vidur's profiles; "
+                        "H200: benchmarks/data/h200_kernels.json) instead of the end-to-end fractions")
     parser.add_argument("--profile", default=None, metavar="FILE.json",
                         help="also print a `servelab calibrate` profile's measured-fit step times beside the roofline's")
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
@@ -72,7 +75,8 @@ def build(args: argparse.Namespace) -> tuple[Any, list[int]]:  # (Roofline, batc
     model = resolve_model(args.model)
     weight, kv = cost_dtypes(args)
     roofline = Roofline(model, get_hardware(args.hardware), weight_dtype=weight, kv_dtype=kv,
-                        tp=args.tp, efficiency=_efficiency(args), memory_fraction=args.memory_fraction)
+                        tp=args.tp, efficiency=_efficiency(args), memory_fraction=args.memory_fraction,
+                        measured_kernels=args.measured_kernels)
     if args.context > model.max_context:
         raise InvalidArgument(f"--context {args.context} exceeds {model.name}'s maximum context of {model.max_context} tokens")
     if args.prompt_len is not None and args.prompt_len > model.max_context:
@@ -110,6 +114,7 @@ def rows(roofline: Any, batches: list[int], context: int, prompt_len: int | None
             "comm_time_s": cost.comm_time_s,
             "peak_compute_time_s": cost.peak_compute_time_s,
             "peak_memory_time_s": cost.peak_memory_time_s,
+            "parameter_source": roofline.parameter_source,
         }
         if prefill is not None:
             row["prompt_len"] = prompt_len
@@ -157,6 +162,10 @@ def _efficiency_line(roofline: Any) -> str:
                  f"{eff.bandwidth_fraction:.0%} for the rest" if fmt.bandwidth_fraction != eff.bandwidth_fraction
                  else f"{eff.bandwidth_fraction:.0%} of peak bandwidth")
     fixed_s = eff.step_overhead_s + m.num_layers * eff.per_layer_overhead_s
+    if roofline.gemm is not None:
+        return (f"predicted with linear layers from {roofline.parameter_source}; KV and activations at "
+                f"{eff.bandwidth_fraction:.0%} of peak bandwidth, {fixed_s * 1e3:.2f} ms per step ({m.num_layers} "
+                f"layers) + {eff.per_seq_overhead_s * 1e6:.1f} us per sequence")
     return (f"predicted at {bandwidth} and {fmt.compute_fraction:.0%} of peak compute (ridge "
             f"{roofline.achievable_ridge_flops_per_byte:.0f} FLOP/byte), {fixed_s * 1e3:.2f} ms per step "
             f"({m.num_layers} layers) + {eff.per_seq_overhead_s * 1e6:.1f} us per sequence")

@@ -5,6 +5,7 @@ measured path adds up the same way the fit reads it."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import statistics
 import sys
 from pathlib import Path
@@ -135,3 +136,16 @@ def test_a_hardware_file_cannot_claim_measured_kernels(tmp_path):
                     '"kernels": {}}')
     with pytest.raises(Exception, match="unknown field"):
         get_hardware(str(path))
+
+
+def test_roofline_cli_measured_kernels_flag(capsys):
+    from servelab.cli import main
+
+    assert main(["roofline", "--model", "llama-3.1-8b", "--hardware", "h200", "--batch", "1", "--json"]) in (0, None)
+    default = json.loads(capsys.readouterr().out)[0]
+    assert default["parameter_source"].startswith("extrapolated")
+    assert main(["roofline", "--model", "llama-3.1-8b", "--hardware", "h200", "--batch", "1", "--json",
+                 "--measured-kernels"]) in (0, None)  # fmt: skip
+    measured = json.loads(capsys.readouterr().out)[0]
+    assert "h200_kernels.json" in measured["parameter_source"]
+    assert measured["step_time_s"] != default["step_time_s"]
