@@ -18,6 +18,7 @@ from servelab.commands._engine_cli import DETERMINISTIC_HELP, QUANTIZATION_HELP,
 from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
 from servelab.engine.llm_engine import DEFAULT_MAX_MODEL_LEN, QUANTIZATIONS
 from servelab.errors import InvalidArgument
+from servelab.server.embeddings import parse_pooler_config
 from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES, OPEN_PATHS
 from servelab.server.tool_parsers import TOOL_CALL_PARSERS
 from servelab.units import parse_duration_s, parse_str_list
@@ -87,6 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="read tool calls out of the model's text for tool_choice 'auto' (hermes: "
                             "<tool_call>{json}</tool_call>, as Qwen2.5 writes); without it, 'auto' is refused "
                             "and 'required' or a named function still work")  # fmt: skip
+    model.add_argument("--pooler-config", default=None, metavar="JSON",
+                       help='how /v1/embeddings pools the final hidden states, as vLLM\'s flag: '
+                            '\'{"pooling_type": "LAST"|"MEAN", "normalize": true|false}\' (default LAST, normalized: '
+                            'the last token\'s state, as vLLM does for a decoder model)')  # fmt: skip
 
     limits = parser.add_argument_group("engine and limits")
     add_scheduler_arguments(
@@ -176,6 +181,7 @@ def mount_lab(app: FastAPI, profile: dict | None = None, profile_path: str | Non
 
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
+    pooler = None if args.pooler_config is None else parse_pooler_config(args.pooler_config)
     scheduler = scheduler_config_from_args(args)  # bad knobs fail here, before the port and the model
     shutdown_timeout_s = parse_duration_s(args.shutdown_timeout, name="--shutdown-timeout")
     kv_bytes = parse_bytes(args.kv_cache_memory, name="--kv-cache-memory") if args.kv_cache_memory else None
@@ -246,6 +252,7 @@ def run(args: argparse.Namespace) -> int:
         allowed_origins=allowed_origins,
         tool_call_parser=args.tool_call_parser,
         driver=driver,
+        pooler=pooler,
     )
     state = app.state.servelab
     state.async_engine.step_log = step_log

@@ -18,10 +18,11 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from servelab import __version__
+from servelab.core.sequence import PoolingParams
 from servelab.engine.llm_engine import EngineArgs  # no torch at import: the model loads in from_args
 from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from servelab.server.http_errors import install_error_handlers
-from servelab.server.routes import docs, generate, info, tokens
+from servelab.server.routes import docs, embeddings, generate, info, tokens
 from servelab.server.state import ServerState
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ def create_app(
     allowed_origins: list[str] | None = None,
     tool_call_parser: str | None = None,
     driver: EngineDriver | None = None,
+    pooler: PoolingParams | None = None,
 ) -> FastAPI:
     """The app, ready for uvicorn. `engine` is a built LLMEngine, or EngineArgs to build one at
     start-up (the model then loads before the port opens). `app.state.servelab` is the
@@ -44,8 +46,9 @@ def create_app(
     returned app. `api_key` guards every route but /health and /metrics, mounts included; CORS
     headers are sent only for `allowed_origins`; `tool_call_parser` ("hermes") enables
     tool_choice "auto"; `driver` replaces the AsyncEngine over `engine` (servelab.cluster's
-    front end, whose `engine` only tokenizes)."""
-    state = ServerState(api_key=api_key, tool_call_parser=tool_call_parser)
+    front end, whose `engine` only tokenizes); `pooler` is /v1/embeddings' pooling (LAST,
+    normalized, unless given)."""
+    state = ServerState(api_key=api_key, tool_call_parser=tool_call_parser, pooler=pooler or PoolingParams())
     if not isinstance(engine, EngineArgs):
         state.attach(engine, driver)
 
@@ -65,6 +68,7 @@ def create_app(
     docs.mount_docs_static(app)
     app.include_router(tokens.router)
     app.include_router(generate.router)
+    app.include_router(embeddings.router)
     return app
 
 

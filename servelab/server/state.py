@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
+from servelab.core.sequence import PoolingParams
 from servelab.errors import NotFound
 from servelab.server.async_engine import AsyncEngine, EngineDriver, EngineStopped
 from servelab.server.http_errors import ServerDraining
@@ -40,6 +41,7 @@ class ServerState:
     tool_call_parser: str | None = None  # reads tool calls out of text for tool_choice "auto"
     loop: asyncio.AbstractEventLoop | None = None
     offload: Offload = field(default_factory=Offload)  # parsing, templating, (de)tokenizing
+    pooler: PoolingParams = field(default_factory=PoolingParams)  # /v1/embeddings' pooling (--pooler-config)
 
     def attach(self, llm: LLMEngine, driver: EngineDriver | None = None) -> None:
         """Serve `llm`: its async driver (an AsyncEngine over it unless given, e.g. the
