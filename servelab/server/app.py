@@ -22,7 +22,7 @@ from servelab.core.sequence import PoolingParams
 from servelab.engine.llm_engine import EngineArgs  # no torch at import: the model loads in from_args
 from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from servelab.server.http_errors import install_error_handlers
-from servelab.server.routes import docs, embeddings, generate, info, tokens
+from servelab.server.routes import docs, embeddings, generate, info, responses, sagemaker, tokens
 from servelab.server.state import ServerState
 
 if TYPE_CHECKING:
@@ -69,6 +69,8 @@ def create_app(
     app.include_router(tokens.router)
     app.include_router(generate.router)
     app.include_router(embeddings.router)
+    app.include_router(responses.router)
+    app.include_router(sagemaker.router)
     return app
 
 

@@ -20,6 +20,7 @@ from servelab.server.async_engine import AsyncEngine, EngineDriver, EngineStoppe
 from servelab.server.http_errors import ServerDraining
 from servelab.server.metrics import ServerMetrics
 from servelab.server.offload import Offload
+from servelab.server.responses import ResponseStore
 
 if TYPE_CHECKING:
     from servelab.engine.llm_engine import LLMEngine
@@ -42,6 +43,7 @@ class ServerState:
     loop: asyncio.AbstractEventLoop | None = None
     offload: Offload = field(default_factory=Offload)  # parsing, templating, (de)tokenizing
     pooler: PoolingParams = field(default_factory=PoolingParams)  # /v1/embeddings' pooling (--pooler-config)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses stored with store=true
 
     def attach(self, llm: LLMEngine, driver: EngineDriver | None = None) -> None:
         """Serve `llm`: its async driver (an AsyncEngine over it unless given, e.g. the
