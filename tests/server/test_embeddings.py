@@ -87,6 +87,8 @@ def test_text_inputs_base64_and_usage(tiny_model_dir, hf):
             assert (decoded - vector).abs().max() <= 1e-6  # float32 of the same vector (another run of it)
             assert (vector - reference(hf, one)).abs().max() <= TOL
         single = vectors(client.post("/v1/embeddings", json={"input": texts[0]}))[0]
+        sagemaker = vectors(client.post("/invocations", json={"input": texts[0]}))[0]  # the body's shape picks the API
+        assert (sagemaker - single).abs().max() <= TOL
         assert (single - floats[0]).abs().max() <= TOL  # alone, or batched with another: the same
     assert_no_leak(engine)
 

@@ -169,3 +169,9 @@ def test_ping_invocations_and_tokenizer_info(http):
     info = http.get("/tokenizer_info").json()
     assert info["tokenizer_class"] == "PreTrainedTokenizerFast" and info["model_max_length"] == 256
     assert isinstance(info["added_tokens_decoder"], dict)
+
+
+def test_ping_is_open_without_the_api_key(fake_engine):
+    with TestClient(create_app(fake_engine(), api_key="secret")) as http:
+        assert http.get("/ping").status_code == 200 and http.post("/ping").status_code == 200
+        assert http.post("/invocations", json={"prompt": "hi"}).status_code == 401
