@@ -176,3 +176,32 @@ def test_pooling_params_are_checked():
 
     with pytest.raises(InvalidArgument, match="pooling_type must be one of LAST, MEAN"):
         PoolingParams("CLS")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_ranks_pool_the_same_vector(tiny_llama, hf):
+    """Every rank runs the step's forward with the same pooled rows; rank 0's vector is the answer."""
+    ids = ids_of(100, 30)
+    for pooling_type in ("LAST", "MEAN"):
+        eng = engine(tiny_llama, num_blocks=32, max_num_batched_tokens=32, tensor_parallel_size=2)
+        try:
+            seq = eng.add_request("e", ids, SamplingParams(max_tokens=1), pooling=PoolingParams(pooling_type))
+            eng.add_request("g", ids[:20], SamplingParams(max_tokens=5, temperature=0))
+            run(eng)
+            assert (pooled(seq) - reference(hf, ids, pooling_type)).abs().max() <= TOL
+        finally:
+            eng.close()
+
+
+def test_offline_llm_embed(tiny_llama, hf):
+    from servelab.engine.llm import LLM
+
+    llm = LLM(str(tiny_llama), dtype="float32", num_blocks=32, max_num_batched_tokens=32)
+    inputs = [ids_of(50, 40), ids_of(7, 41)]
+    outs = llm.embed(inputs, PoolingParams("MEAN"))
+    assert [o.prompt_token_ids for o in outs] == inputs
+    for out, ids in zip(outs, inputs):
+        assert (torch.tensor(out.embedding) - reference(hf, ids, "MEAN")).abs().max() <= TOL
+    text = llm.embed("the cache is warm")[0]
+    assert len(text.embedding) == 64 and text.prompt_token_ids == llm.tokenizer.encode_prompt("the cache is warm")
+    assert_no_leak(llm.engine)
