@@ -221,7 +221,7 @@ class LlamaModel:
         meta: AttentionMetadata,
         k_cache: list[torch.Tensor],
         v_cache: list[torch.Tensor],
-    ) -> torch.Tensor:
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Returns fp32 logits [S, vocab] for the rows in `meta.logits_indices`; with
         `meta.pooled_indices`, the pair (logits, fp32 final hidden states [P, hidden] of those rows).
 

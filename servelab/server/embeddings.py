@@ -12,10 +12,19 @@ import json
 import struct
 from typing import TYPE_CHECKING, Literal
 
-from servelab.core.sequence import POOLING_TYPES, FinishReason, PoolingParams, SamplingParams
+from servelab.core.sequence import (
+    POOLING_TYPES,
+    FinishReason,
+    PoolingParams,
+    SamplingParams,
+)
 from servelab.errors import InvalidArgument, RequestTooLong
 from servelab.server.async_engine import EngineFailure, EngineRequest
-from servelab.server.prompts import check_fits_untokenized, check_token_ids, encode_prompt
+from servelab.server.prompts import (
+    check_fits_untokenized,
+    check_token_ids,
+    encode_prompt,
+)
 from servelab.server.protocol import _Request
 
 if TYPE_CHECKING:
@@ -157,8 +166,8 @@ async def collect_embeddings(stream: RequestStream, request_id: str, model: str,
 
 
 __all__ = [
-    "EmbeddingRequest",
     "MAX_INPUTS",
+    "EmbeddingRequest",
     "collect_embeddings",
     "embedding_input_ids",
     "engine_requests",

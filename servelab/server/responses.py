@@ -395,8 +395,7 @@ class ResponseRenderer:
         finally:
             stream.close()
         response, output, _ = self._final()
-        index = 0
-        for item in output:
+        for index, item in enumerate(output):
             if item["type"] == "message":
                 if not opened:
                     yield self._event("response.output_item.added", output_index=0, item=self._message_item("", "in_progress"))
@@ -409,7 +408,6 @@ class ResponseRenderer:
                 yield self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                   arguments=item["arguments"])  # fmt: skip
             yield self._event("response.output_item.done", output_index=index, item=item)
-            index += 1
         final = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
         yield self._event(final, response=response)
 
