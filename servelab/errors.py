@@ -33,6 +33,13 @@ class RequestTooLong(ServelabError):
     code = "context_length_exceeded"
 
 
+class Unsupported(ServelabError):
+    """A route or feature this deployment does not provide (e.g. embeddings behind a cluster)."""
+
+    http_status = 501
+    error_type = "not_implemented_error"
+
+
 class QueueFull(ServelabError):
     """The bounded waiting queue is full: the client should retry later."""
 

@@ -30,7 +30,7 @@ from servelab.core.block_manager import chain_block_hashes
 from servelab.core.scheduler import check_room_to_wait
 from servelab.core.sequence import FinishReason, Sequence, SequenceStatus
 from servelab.engine.llm_engine import EngineOutput, EngineStats
-from servelab.errors import QueueFull, ServelabError
+from servelab.errors import QueueFull, ServelabError, Unsupported
 from servelab.server.async_engine import EngineFailure, EngineRequest, EngineStopped, Failed, RequestStream
 from servelab.sim.router import Router
 
@@ -208,6 +208,13 @@ class ClusterEngine:
         passes them on to the next worker the router picks."""
         if self.down_reason is not None:
             raise EngineStopped(self.down_reason)
+        if any(r.pooling is not None for r in requests):
+            raise Unsupported(
+                "embeddings are not served by a data-parallel or disaggregated cluster: its workers return "
+                "tokens only; serve the model with one engine (servelab serve without --data-parallel or --disagg) "
+                "for /v1/embeddings",
+                param="input",
+            )
         request_ids = [r.request_id for r in requests]
         for rid in request_ids:
             if rid in self._sinks or rid in self._remote:

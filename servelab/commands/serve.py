@@ -18,6 +18,7 @@ from servelab.commands._engine_cli import DETERMINISTIC_HELP, QUANTIZATION_HELP,
 from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
 from servelab.engine.llm_engine import DEFAULT_MAX_MODEL_LEN, QUANTIZATIONS
 from servelab.errors import InvalidArgument
+from servelab.server.embeddings import parse_pooler_config
 from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES, OPEN_PATHS
 from servelab.server.metrics import NAMESPACES
 from servelab.server.tool_parsers import TOOL_CALL_PARSERS
@@ -91,6 +92,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="read tool calls out of the model's text for tool_choice 'auto' (hermes: "
                             "<tool_call>{json}</tool_call>, as Qwen2.5 writes); without it, 'auto' is refused "
                             "and 'required' or a named function still work")  # fmt: skip
+    model.add_argument("--pooler-config", default=None, metavar="JSON",
+                       help='how /v1/embeddings pools the final hidden states, as vLLM\'s flag: '
+                            '\'{"pooling_type": "LAST"|"MEAN", "normalize": true|false}\' (default LAST, normalized: '
+                            'the last token\'s state, as vLLM does for a decoder model)')  # fmt: skip
 
     limits = parser.add_argument_group("engine and limits")
     add_scheduler_arguments(
@@ -195,6 +200,7 @@ def mount_lab(app: FastAPI, profile: dict | None = None, profile_path: str | Non
 
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
+    pooler = None if args.pooler_config is None else parse_pooler_config(args.pooler_config)
     scheduler = scheduler_config_from_args(args)  # bad knobs fail here, before the port and the model
     shutdown_timeout_s = parse_duration_s(args.shutdown_timeout, name="--shutdown-timeout")
     compile_timeout_s = parse_duration_s(args.structured_output_compile_timeout,
@@ -272,6 +278,7 @@ def run(args: argparse.Namespace) -> int:
         grammar_config=GrammarConfig(compile_timeout_s=compile_timeout_s,
                                      num_workers=args.structured_output_compile_workers,
                                      cache_bytes=args.structured_output_cache_mb * 2**20),  # fmt: skip
+        pooler=pooler,
     )
     state = app.state.servelab
     state.async_engine.step_log = step_log

@@ -41,6 +41,9 @@ class StepPlan:
     num_batched_tokens: int = 0
     preempted: list[Sequence] = field(default_factory=list)  # preempted while building this plan
     block_size: int = 16
+    # Indices into `scheduled` of pooling sequences' chunks (embeddings): the executor returns
+    # their pooled hidden states, and no generation step pays for looking for them.
+    pooled: list[int] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -74,7 +77,7 @@ class StepPlan:
 @dataclass(slots=True)
 class StepResult:
     """`sampled_token_ids[i]` belongs to `plan.scheduled[i]`: a token id, or None when that
-    entry was a prefill chunk that samples nothing."""
+    entry was a prefill chunk that samples nothing (a pooling sequence's chunks never sample)."""
 
     sampled_token_ids: list[int | None]
     duration_s: float = 0.0
@@ -82,6 +85,9 @@ class StepResult:
     # (index into plan.scheduled, logprobs of the prompt tokens this step scored, in order) for
     # the sequences that asked for prompt logprobs; update() appends them to seq.prompt_logprobs.
     prompt_logprobs: list[tuple[int, list[TokenLogprobs]]] | None = None
+    # (index into plan.scheduled, pooled vector) for each pooling sequence whose prompt's last
+    # chunk ran this step; update() sets seq.pooled and finishes it.
+    pooled: list[tuple[int, list[float]]] | None = None
 
 
 class Executor(Protocol):

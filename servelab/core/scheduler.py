@@ -142,7 +142,7 @@ class Scheduler:
         num_prompt = seq.num_prompt_tokens
         if num_prompt < 1:
             raise InvalidArgument(f"request {rid!r}: the prompt must hold at least 1 token", param="prompt")
-        max_tokens = seq.params.max_tokens
+        max_tokens = 0 if seq.pooling is not None else seq.params.max_tokens  # pooling: prefill only
         if num_prompt + max_tokens > cfg.max_model_len:
             raise RequestTooLong(
                 f"request {rid!r}: prompt of {num_prompt} tokens + max_tokens {max_tokens} = "
@@ -256,6 +256,8 @@ class Scheduler:
             entry = self._next_chunk(seq, budget, plan.preempted)
             if entry is None:
                 break  # seq itself was the newest left and was preempted: nothing more runs
+            if seq.pooling is not None:
+                plan.pooled.append(len(plan.scheduled))
             append(entry)
             budget -= entry.num_tokens
         return budget
@@ -277,7 +279,7 @@ class Scheduler:
             and not self._preempt_until_fits(seq, end, preempted)
         ):
             return None
-        return ScheduledSeq(seq, n, start, end == num_known)
+        return ScheduledSeq(seq, n, start, end == num_known and seq.pooling is None)
 
     def _schedule_waiting(self, plan: StepPlan, budget: int, now: float, *, whole: bool) -> bool:
         """Admit waiting sequences in order while budgets and blocks allow. `whole`: whole prompts
@@ -291,7 +293,7 @@ class Scheduler:
             seq = self._peek_waiting()
             if seq is None:
                 break
-            hits = [] if seq.needs_prompt_logprobs else bm.find_cached_prefix(seq)
+            hits = [] if seq.skips_prefix_cache else bm.find_cached_prefix(seq)
             num_cached = len(hits) * cfg.block_size
             n = len(seq.token_ids) - num_cached
             if whole:
@@ -309,7 +311,9 @@ class Scheduler:
             if seq.first_scheduled_s is None:
                 seq.first_scheduled_s = now
             self._start_running(seq)
-            scheduled.append(ScheduledSeq(seq, n, num_cached, num_cached + n == len(seq.token_ids)))
+            if seq.pooling is not None:
+                plan.pooled.append(len(scheduled))
+            scheduled.append(ScheduledSeq(seq, n, num_cached, num_cached + n == len(seq.token_ids) and seq.pooling is None))
             plan.num_batched_tokens += n
             budget -= n
             admitted = True
@@ -363,6 +367,9 @@ class Scheduler:
         if result.prompt_logprobs:
             for i, scored in result.prompt_logprobs:
                 scheduled[i].seq.prompt_logprobs.extend(scored)
+        if result.pooled:
+            for i, vector in result.pooled:
+                scheduled[i].seq.pooled = vector
         outputs: list[RequestOutput] = []
         finished: list[Sequence] = []
         self._apply(plan, result, now, outputs, finished, stream=not finished_only)
@@ -390,6 +397,8 @@ class Scheduler:
         if computed >= (seq.prefix.num_committed + 1) * self.config.block_size:  # a block filled: publish it
             self.block_manager.commit_computed_blocks(seq)
         if not entry.samples:
+            if seq.pooling is not None and computed == seq.num_prompt_tokens:
+                self._finish_pooled(seq, now, outputs, finished)
             return False
         if token is None:
             self._finish(seq, FinishReason.ERROR, now)
@@ -408,6 +417,16 @@ class Scheduler:
         if stream:
             outputs.append(RequestOutput(seq.request_id, [token], False, None, seq, None if lp is None else [lp]))
         return True
+
+    def _finish_pooled(self, seq: Sequence, now: float, outputs: list[RequestOutput], finished: list[Sequence]) -> None:
+        """A pooling sequence whose prompt has run: done, its blocks freed (kept in the prefix
+        cache). No vector from the executor (one that does not pool, as the simulator's) is an error."""
+        reason = FinishReason.STOP if seq.pooled is not None else FinishReason.ERROR
+        if seq.pooled is None and seq.error is None:
+            seq.error = "the executor returned no pooled output for this request"
+        self._finish(seq, reason, now)
+        finished.append(seq)
+        outputs.append(RequestOutput(seq.request_id, [], True, reason, seq))
 
     def length_limit(self, seq: Sequence) -> int:
         """The token count at which seq stops: max_tokens, max_model_len, or a next decode that

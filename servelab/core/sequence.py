@@ -253,6 +253,35 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+POOLING_TYPES = ("LAST", "MEAN")
+
+
+@dataclass(slots=True)
+class PoolingParams:
+    """A prefill-only request that returns one vector instead of tokens: its prompt's final
+    hidden states (after the final norm) pooled by `pooling_type` ("LAST": the last position's,
+    vLLM's default for decoder models; "MEAN": the average over every position), unit length
+    when `normalize` (vLLM's default for embeddings)."""
+
+    pooling_type: str = "LAST"
+    normalize: bool = True
+
+    def __post_init__(self) -> None:
+        if self.pooling_type not in POOLING_TYPES:
+            raise InvalidArgument(
+                f"pooling_type must be one of {', '.join(POOLING_TYPES)}, got {self.pooling_type!r}",
+                param="pooling_type",
+            )
+        if not isinstance(self.normalize, bool):
+            raise InvalidArgument(f"normalize must be True or False, got {self.normalize!r}", param="normalize")
+
+    @property
+    def pools_every_position(self) -> bool:
+        """MEAN reads every prompt position's hidden state, so none may be skipped through the
+        prefix cache; LAST reads only the last, which a sequence always computes."""
+        return self.pooling_type == "MEAN"
+
+
 @dataclass(slots=True)
 class PrefixState:
     """The BlockManager's prefix-cache bookkeeping for one sequence. `hashes[i]` is the chained hash
@@ -301,6 +330,14 @@ class Sequence:
     # chunk as the prefill runs (the first prompt token has none).
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list, repr=False)
 
+    # A pooling request (embeddings): prefill only, no sampling; it finishes when its prompt's
+    # last chunk has run, with `pooled` set to its vector.
+    pooling: PoolingParams | None = None
+    pooled: list[float] | None = field(default=None, repr=False)
+    # The executor's running sum of hidden states over the chunks run so far (MEAN pooling):
+    # an opaque tensor, reset by a chunk at position 0 (a preempted sequence starts over).
+    pooling_sum: Any = field(default=None, repr=False)
+
     # The scheduler's admission/preemption order key, set by Scheduler.add (see by_order there).
     order_key: tuple = field(default=(), init=False, repr=False)
 
@@ -333,6 +370,11 @@ class Sequence:
         """Prompt positions whose logits are still to be scored: such a sequence must not skip
         them through the prefix cache (as vLLM disables reuse for it)."""
         return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Whether admission must compute every prompt position rather than reuse cached blocks."""
+        return self.needs_prompt_logprobs or (self.pooling is not None and self.pooling.pools_every_position)
 
     @property
     def is_finished(self) -> bool:

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from servelab.core.plan import TokenLogprobs
-from servelab.core.sequence import FinishReason, SamplingParams, Sequence
+from servelab.core.sequence import FinishReason, PoolingParams, SamplingParams, Sequence
 from servelab.engine.llm_engine import EngineArgs, EngineOutput, LLMEngine
 from servelab.errors import InvalidArgument
 
-__all__ = ["LLM", "SamplingParams", "GenerationOutput", "RequestTimings"]
+__all__ = ["EmbeddingOutput", "LLM", "PoolingParams", "SamplingParams", "GenerationOutput", "RequestTimings"]
 
 Chat = list[dict[str, Any]]
 Prompt = str | list[int] | Chat
@@ -63,6 +63,15 @@ class GenerationOutput:
     num_preemptions: int
     timings: RequestTimings
     logprobs: list[TokenLogprobs] | None = None
+
+
+@dataclass(slots=True)
+class EmbeddingOutput:
+    """One prompt's embedding (vLLM's `LLM.embed` output): its pooled final hidden state."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    embedding: list[float]
 
 
 def _is_chat(x: Any) -> bool:
@@ -202,6 +211,32 @@ class LLM:
                 )
             )
         return results
+
+    def embed(self, prompts: Prompt | Seq[Prompt], pooling_params: PoolingParams | None = None) -> list[EmbeddingOutput]:
+        """Each prompt's embedding (LAST-token pooling, normalized, unless `pooling_params` says
+        otherwise), batched by the scheduler as prefill-only requests; outputs in prompt order."""
+        items = _normalise_prompts(prompts)
+        pooling = pooling_params or PoolingParams()
+        engine = self.engine
+        seqs: list[tuple[str, Sequence]] = []
+        try:
+            now = time.perf_counter()
+            for prompt in items:
+                rid = f"llm-{next(self._ids)}"
+                seqs.append((rid, engine.add_request(rid, self.render(prompt), SamplingParams(max_tokens=1),
+                                                     arrival_s=now, pooling=pooling)))  # fmt: skip
+            while engine.has_unfinished():
+                engine.step()
+        except BaseException:
+            for rid, _ in seqs:
+                engine.abort(rid)
+            while engine.has_unfinished():
+                engine.step()
+            raise
+        bad = next((seq for _, seq in seqs if seq.pooled is None), None)
+        if bad is not None:
+            raise InvalidArgument(f"request {bad.request_id} returned no embedding: {bad.error or bad.finish_reason}")
+        return [EmbeddingOutput(rid, list(seq.prompt_token_ids), seq.pooled) for rid, seq in seqs]
 
     def chat(
         self, messages: Chat | Seq[Chat], sampling_params: SamplingParams | Seq[SamplingParams] | None = None

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from servelab.core.config import SchedulerConfig
 from servelab.core.plan import RequestOutput, StepPlan, TokenLogprobs
-from servelab.core.sequence import FinishReason, SamplingParams, Sequence
+from servelab.core.sequence import FinishReason, PoolingParams, SamplingParams, Sequence
 from servelab.engine.detokenizer import RequestTextStream
 from servelab.errors import InvalidArgument, RequestTooLong
 from servelab.spec.dtypes import FLOAT_DTYPES, canonical_dtype, require_supported
@@ -359,10 +359,13 @@ class LLMEngine:
         *,
         priority: int = 0,
         arrival_s: float | None = None,
+        pooling: PoolingParams | None = None,
     ) -> Sequence:
         """Tokenizes a str prompt (no chat template: callers render chats with
         tokenizer.apply_chat_template first), checks limits, queues. Raises RequestTooLong /
-        QueueFull / InvalidArgument with clear messages."""
+        QueueFull / InvalidArgument with clear messages. With `pooling`, the request only
+        prefills its prompt and ends with the pooled vector in `seq.pooled` (params' sampling
+        fields are then unused)."""
         if request_id in self._requests:
             raise InvalidArgument(f"request id {request_id!r} is already in use", param="request_id")
         if not isinstance(params, SamplingParams):
@@ -393,7 +396,15 @@ class LLMEngine:
             )
         if not token_ids:
             raise InvalidArgument("prompt is empty: it must hold at least one token", param="prompt")
-        if len(token_ids) + params.max_tokens > self.max_model_len:
+        if pooling is not None and not isinstance(pooling, PoolingParams):
+            raise InvalidArgument(f"pooling must be a PoolingParams, got {type(pooling).__name__}", param="pooling")
+        if pooling is not None and len(token_ids) > self.max_model_len:
+            raise RequestTooLong(
+                f"this model's maximum context length is {self.max_model_len} tokens, but the input has "
+                f"{len(token_ids)} tokens; shorten it",
+                param="input",
+            )
+        if pooling is None and len(token_ids) + params.max_tokens > self.max_model_len:
             raise RequestTooLong(
                 f"this model's maximum context length is {self.max_model_len} tokens, but the request asks for "
                 f"{len(token_ids) + params.max_tokens} ({len(token_ids)} in the prompt, {params.max_tokens} in the "
@@ -407,6 +418,7 @@ class LLMEngine:
             arrival_s=time.perf_counter() if arrival_s is None else arrival_s,
             priority=priority,
             eos_token_ids=tuple(self.tokenizer.eos_token_ids),
+            pooling=pooling,
         )
         self.scheduler.add(seq, seq.arrival_s)  # raises QueueFull / RequestTooLong for the KV pool
         self._requests[request_id] = self._new_state(seq)

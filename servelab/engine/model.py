@@ -99,6 +99,9 @@ class AttentionMetadata:
     # Every row samples greedily from the logits as they are: the forward may read each row's
     # argmax with them (LlamaModel.greedy_tokens), where it has them in cache.
     argmax: bool = False
+    # Rows whose final hidden states (after the final norm) are also returned, for pooling
+    # requests (embeddings); None on every step that has none.
+    pooled_indices: torch.Tensor | None = None
 
 
 class LlamaModel:
@@ -218,8 +221,9 @@ class LlamaModel:
         meta: AttentionMetadata,
         k_cache: list[torch.Tensor],
         v_cache: list[torch.Tensor],
-    ) -> torch.Tensor:
-        """Returns fp32 logits [S, vocab] for the rows in `meta.logits_indices`.
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Returns fp32 logits [S, vocab] for the rows in `meta.logits_indices`; with
+        `meta.pooled_indices`, the pair (logits, fp32 final hidden states [P, hidden] of those rows).
 
         `k_cache[l]` / `v_cache[l]` are layer l's cache, [kv_heads, num_slots, head_dim], in the
         compute dtype or another (a 16-bit cache under fp32 compute): values are rounded to it as
@@ -251,11 +255,18 @@ class LlamaModel:
             x, h = ops.add_rms_norm(x, layer.o(attn), layer.post_norm, eps)
             delta = layer.down(ops.silu_mul(layer.gate_up(h)))
 
+        pooled = meta.pooled_indices
+        if pooled is not None:
+            hidden = ops.rms_norm(x[pooled] + delta[pooled], self.final_norm, eps).float()
         if rows is None:  # every row samples, in order
             _, x = ops.add_rms_norm(x, delta, self.final_norm, eps)
         else:
             x = ops.rms_norm(x[rows] + delta[rows], self.final_norm, eps)
-        return self.lm_head(x).float()
+        if pooled is None:
+            return self.lm_head(x).float()
+        # a step of pooling chunks alone samples nothing: no head to run
+        logits = self.lm_head(x).float() if x.shape[0] else x.new_empty((0, self.vocab_size), dtype=torch.float32)
+        return logits, hidden
 
     def greedy_tokens(self, logits: torch.Tensor) -> list[int] | None:
         """Each row's argmax (-1: a row with a NaN or an inf) where the forward that returned

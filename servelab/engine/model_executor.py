@@ -105,7 +105,7 @@ class ModelExecutor:
             row_of_last[i] = offset + n - 1
             offset += n
 
-        sampling = [i for i in range(len(entries)) if entries[i].samples]
+        sampling = [i for i in range(len(entries)) if entries[i].samples]  # pooling entries never sample
         sampled_seqs = [entries[i].seq for i in sampling]
         # Rows whose logits score prompt tokens (vLLM's prompt_logprobs): row of position p
         # predicts token p + 1. Positions already scored (before a preemption) are skipped.
@@ -142,8 +142,16 @@ class ModelExecutor:
             logits_indices=None if every_row else torch.tensor(logit_rows, dtype=torch.int64, device=dev),
             argmax=every_row and bool(sampling) and self.sampler.plain_greedy(sampled_seqs),
         )
+        pool_spans = None
+        if plan.pooled:
+            pool_spans, pool_rows = _pooled_rows(entries, plan.pooled, row_of_last)
+            meta.pooled_indices = torch.tensor(pool_rows, dtype=torch.int64, device=dev)
         ids = decode_ids if decode_ids is not None else torch.tensor(input_ids, dtype=torch.int64, device=dev)
         logits = self.model.forward(ids, meta, self.kv_cache.k_layers, self.kv_cache.v_layers)
+        pooled = None
+        if pool_spans is not None:
+            logits, hidden = logits
+            pooled = _pool(entries, pool_spans, hidden)
         prompt_logprobs = None
         if scored:
             prompt_logprobs = _score_prompt(logits[len(sampling) :], entries, scored)
@@ -167,7 +175,7 @@ class ModelExecutor:
                 logprobs = [None] * len(entries)
                 for i, lp in zip(sampling, rows.logprobs):
                     logprobs[i] = lp
-        return StepResult(sampled, time.perf_counter() - t0, logprobs, prompt_logprobs)
+        return StepResult(sampled, time.perf_counter() - t0, logprobs, prompt_logprobs, pooled)
 
 
 class _DecodeInts:
@@ -190,6 +198,47 @@ class _DecodeInts:
             self._buf, self._shape = buf, (rows, width)
         self._array[:] = values
         return self._views
+
+
+def _pooled_rows(entries: list, pooled: list[int], row_of_last: dict[int, int]) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """The hidden-state rows the pooling entries need: every row of a MEAN chunk, the last
+    row of a LAST sequence's final chunk. Returns (entry, first row in the pooled output, number
+    of rows) per entry, and the rows."""
+    spans: list[tuple[int, int, int]] = []
+    rows: list[int] = []
+    for i in pooled:
+        s = entries[i]
+        last = row_of_last[i]
+        if s.seq.pooling.pools_every_position:
+            spans.append((i, len(rows), s.num_tokens))
+            rows.extend(range(last - s.num_tokens + 1, last + 1))
+        elif s.context_len == s.seq.num_prompt_tokens:
+            spans.append((i, len(rows), 1))
+            rows.append(last)
+    return spans, rows
+
+
+def _pool(entries: list, spans: list[tuple[int, int, int]], hidden: torch.Tensor) -> list[tuple[int, list[float]]]:
+    """Pool each entry's rows into its sequence; a sequence whose prompt ended this step gets its
+    vector. MEAN keeps a running fp32 sum across chunks on the sequence (restarted by a chunk at
+    position 0, as after a preemption), so a chunked prompt pools exactly as one pass would."""
+    out = []
+    for i, first, n in spans:
+        s = entries[i]
+        seq = s.seq
+        if seq.pooling.pools_every_position:
+            chunk_sum = hidden[first : first + n].sum(dim=0)
+            seq.pooling_sum = chunk_sum if s.start_pos == 0 else seq.pooling_sum + chunk_sum
+            if s.context_len < seq.num_prompt_tokens:
+                continue
+            vector = seq.pooling_sum / seq.num_prompt_tokens
+            seq.pooling_sum = None
+        else:
+            vector = hidden[first]
+        if seq.pooling.normalize:
+            vector = torch.nn.functional.normalize(vector, p=2.0, dim=0)
+        out.append((i, vector.cpu().tolist()))
+    return out
 
 
 _SCORE_SLICE_ROWS = 256

@@ -18,12 +18,13 @@ from fastapi import FastAPI
 from fastapi.middleware.cors import CORSMiddleware
 
 from servelab import __version__
+from servelab.core.sequence import PoolingParams
 from servelab.engine.grammar_workers import GrammarConfig
 from servelab.engine.llm_engine import EngineArgs  # no torch at import: the model loads in from_args
 from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from servelab.server.http_errors import install_error_handlers
 from servelab.server.http_metrics import HttpMetricsMiddleware
-from servelab.server.routes import docs, generate, info, tokens
+from servelab.server.routes import docs, embeddings, generate, info, responses, sagemaker, tokens
 from servelab.server.state import ServerState
 
 if TYPE_CHECKING:
@@ -41,6 +42,7 @@ def create_app(
     driver: EngineDriver | None = None,
     metrics_namespace: str = "servelab",
     grammar_config: GrammarConfig | None = None,
+    pooler: PoolingParams | None = None,
 ) -> FastAPI:
     """The app, ready for uvicorn. `engine` is a built LLMEngine, or EngineArgs to build one at
     start-up (the model then loads before the port opens). `app.state.servelab` is the
@@ -49,9 +51,10 @@ def create_app(
     headers are sent only for `allowed_origins`; `tool_call_parser` ("hermes") enables
     tool_choice "auto"; `driver` replaces the AsyncEngine over `engine` (servelab.cluster's
     front end, whose `engine` only tokenizes); `metrics_namespace` "vllm" exports /metrics under
-    vLLM's names and labels (server/metrics.py); `grammar_config` bounds structured-output compiles."""
+    vLLM's names and labels (server/metrics.py); `grammar_config` bounds structured-output compiles;
+    `pooler` is /v1/embeddings' pooling (LAST, normalized, unless given)."""
     state = ServerState(api_key=api_key, tool_call_parser=tool_call_parser, metrics_namespace=metrics_namespace,
-                        grammar_config=grammar_config or GrammarConfig())  # fmt: skip
+                        grammar_config=grammar_config or GrammarConfig(), pooler=pooler or PoolingParams())  # fmt: skip
     if not isinstance(engine, EngineArgs):
         state.attach(engine, driver)
 
@@ -72,6 +75,9 @@ def create_app(
     docs.mount_docs_static(app)
     app.include_router(tokens.router)
     app.include_router(generate.router)
+    app.include_router(embeddings.router)
+    app.include_router(responses.router)
+    app.include_router(sagemaker.router)
     return app
 
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
 from servelab.core.scheduler import check_room_to_wait
-from servelab.core.sequence import SamplingParams
+from servelab.core.sequence import PoolingParams, SamplingParams
 from servelab.errors import ServelabError
 
 if TYPE_CHECKING:
@@ -51,6 +51,7 @@ class EngineRequest:
     params: SamplingParams
     priority: int = 0
     arrival_s: float | None = None
+    pooling: PoolingParams | None = None  # an embedding: prefill only, its vector in the output's seq.pooled
 
 
 @dataclass(slots=True)
@@ -273,7 +274,7 @@ class AsyncEngine:
                                self.engine.scheduler_config.max_waiting)
             for r in command.requests:
                 self.engine.add_request(
-                    r.request_id, r.prompt, r.params, priority=r.priority, arrival_s=r.arrival_s
+                    r.request_id, r.prompt, r.params, priority=r.priority, arrival_s=r.arrival_s, pooling=r.pooling
                 )
                 admitted.append(r.request_id)
                 self._live.add(r.request_id)

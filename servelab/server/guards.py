@@ -18,7 +18,7 @@ from servelab.server.http_errors import error_response
 DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20  # 4 MiB: ~1M tokens of text, far past any context we serve
 
 # Routes a load balancer or Prometheus reaches without the key (documented in limits-and-safety.md).
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics"})
 
 
 def is_json_media_type(media_type: str) -> bool:
@@ -76,7 +76,7 @@ class RequestGuard:
                 401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                 error_type="authentication_error",
             )  # fmt: skip
-        if scope["method"] in ("POST", "PUT", "PATCH"):
+        if scope["method"] in ("POST", "PUT", "PATCH") and scope["path"] not in OPEN_PATHS:  # probes send no body
             content_type = headers.get("content-type")
             if not is_json_media_type((content_type or "").partition(";")[0].strip().lower()):
                 sent = f"Content-Type {content_type!r} is not accepted" if content_type else "this request has no Content-Type"

@@ -14,12 +14,14 @@ from typing import TYPE_CHECKING, Annotated
 
 from fastapi import Depends, Request
 
+from servelab.core.sequence import PoolingParams
 from servelab.engine.grammar_workers import GrammarConfig, GrammarWorkers
 from servelab.errors import NotFound, QueueFull, RequestTooLong
 from servelab.server.async_engine import AsyncEngine, EngineDriver, EngineRequest, EngineStopped, RequestStream
 from servelab.server.http_errors import ServerDraining
 from servelab.server.metrics import ServerMetrics
 from servelab.server.offload import Offload
+from servelab.server.responses import ResponseStore
 
 if TYPE_CHECKING:
     from servelab.engine.llm_engine import LLMEngine
@@ -44,6 +46,8 @@ class ServerState:
     metrics_namespace: str = "servelab"  # "vllm": vLLM's metric names and labels (server/metrics.py)
     grammar_config: GrammarConfig = field(default_factory=GrammarConfig)
     grammars: GrammarWorkers | None = None  # compiles structured-output grammars; None: no real logits
+    pooler: PoolingParams = field(default_factory=PoolingParams)  # /v1/embeddings' pooling (--pooler-config)
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses stored with store=true
 
     def attach(self, llm: LLMEngine, driver: EngineDriver | None = None) -> None:
         """Serve `llm`: its async driver (an AsyncEngine over it unless given, e.g. the

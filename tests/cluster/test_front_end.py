@@ -304,3 +304,18 @@ def test_a_disaggregated_cluster_without_a_pool_answers_health_503(fake_engine, 
         assert r.status_code == 503 and f"no {dead} worker is left" in r.json()["error"]["message"], r.text
     with pytest.raises(EngineStopped, match="not running"):
         run(cluster.submit([_req("x")]))
+
+
+def test_embeddings_are_refused_with_a_501_naming_the_limitation(fake_engine):
+    from fastapi.testclient import TestClient
+
+    from servelab.server.app import create_app
+
+    cluster, _, _ = memory_cluster(fake_engine, 2)
+    with TestClient(create_app(cluster.engine, driver=cluster)) as client:
+        resp = client.post("/v1/embeddings", json={"input": "hello"})
+        assert resp.status_code == 501, resp.text
+        err = resp.json()["error"]
+        assert "data-parallel or disaggregated cluster" in err["message"] and err["param"] == "input"
+        assert client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2}).status_code == 200
+    assert not cluster._remote and not cluster._sinks

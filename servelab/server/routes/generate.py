@@ -15,6 +15,7 @@ from fastapi.responses import Response
 from servelab.errors import InvalidArgument
 from servelab.server import fields
 from servelab.server import protocol as p
+from servelab.server.async_engine import RequestStream
 from servelab.server.engine_requests import build_requests, prepare_logits_processors
 from servelab.server.fields import refuse_non_text_parts, refuse_unsupported
 from servelab.server.http_errors import parse_body
@@ -22,7 +23,7 @@ from servelab.server.prompt_scoring import prompt_logprobs_wanted
 from servelab.server.prompts import chat_prompt_ids, completion_prompt_ids, echo_prompts
 from servelab.server.render import ChatRenderer, CompletionRenderer
 from servelab.server.sse import sse_response
-from servelab.server.state import State
+from servelab.server.state import ServerState, State
 from servelab.server.structured import tool_plan
 
 logger = logging.getLogger("servelab.server")
@@ -68,6 +69,18 @@ async def chat_completions(request: Request, state: State) -> Response:
     req = await parse_body(request, p.ChatCompletionRequest, state.offload)
     state.check_accepting()
     state.check_model(req.model)
+    renderer, stream = await start_chat(state, req, arrival_s, request)
+    if req.stream:
+        return sse_response(renderer.stream(stream))
+    return await collect_unless_disconnected(request, renderer.collect(stream))
+
+
+async def start_chat(
+    state: ServerState, req: p.ChatCompletionRequest, arrival_s: float, request: Request
+) -> tuple[ChatRenderer, RequestStream]:
+    """A checked chat request, templated, tokenized and admitted: its renderer and its engine
+    stream (/v1/chat/completions, and /v1/responses, which renders the same outputs its own way).
+    `request` is the HTTP request: its body's size picks the lane, its disconnect ends a compile."""
     refuse_unsupported(req, fields.CHAT)
     refuse_non_text_parts(req.messages)
     if req.top_logprobs and not req.logprobs:  # 0 asks for nothing: vLLM's default, which clients send
@@ -84,10 +97,7 @@ async def chat_completions(request: Request, state: State) -> Response:
                                      top_logprobs, arrival_s, prompt_logprobs)  # fmt: skip
     await prepare_logits_processors(state, lane, engine_requests, request)
     stream = await state.submit(engine_requests, req.n)
-    renderer = ChatRenderer(state, answer_id("chatcmpl-", req, request_id), req, engine_requests, plan, chat_echo(req))
-    if req.stream:
-        return sse_response(renderer.stream(stream))
-    return await collect_unless_disconnected(request, renderer.collect(stream))
+    return ChatRenderer(state, answer_id("chatcmpl-", req, request_id), req, engine_requests, plan, chat_echo(req)), stream
 
 
 def chat_echo(req: p.ChatCompletionRequest) -> str:

@@ -26,6 +26,12 @@ async def health(state: State) -> Response:
     return JSONResponse(health() if health is not None else {"status": "ok"})
 
 
+@router.get("/ping")  # SageMaker's health check, as vLLM serves it
+@router.post("/ping", include_in_schema=False)
+async def ping(state: State) -> Response:
+    return await health(state)
+
+
 @router.get("/metrics")
 async def metrics(state: State) -> Response:
     return Response(state.metrics.render(), media_type=CONTENT_TYPE)

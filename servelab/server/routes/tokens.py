@@ -1,4 +1,5 @@
-"""/tokenize and /detokenize (vLLM's extras): the token ids the engine would run, and back."""
+"""/tokenize, /detokenize and /tokenizer_info (vLLM's extras): the token ids the engine would
+run, back, and the tokenizer's configuration."""
 
 from __future__ import annotations
 
@@ -38,3 +39,21 @@ async def detokenize(request: Request, state: State) -> Response:
     state.check_model(req.model)
     lane = state.offload.lane(len(await request.body()))
     return JSONResponse({"prompt": await lane.run(detokenize_checked, state.engine, req.tokens)})
+
+
+@router.get("/tokenizer_info")
+async def tokenizer_info(state: State) -> Response:
+    """The tokenizer's configuration in HF tokenizer_config.json's keys, as vLLM answers it."""
+    tok = state.engine.tokenizer
+    added = tok.backend.get_added_tokens_decoder()
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",  # what transformers loads a tokenizer.json as
+        "bos_token": tok.bos_token,
+        "eos_token": tok.eos_token,
+        "pad_token": tok.id_to_token(tok.pad_token_id) if tok.pad_token_id is not None else None,
+        "model_max_length": state.engine.max_model_len,
+        "added_tokens_decoder": {str(i): {"content": t.content, "special": t.special} for i, t in sorted(added.items())},
+    }
+    if tok.chat_template:
+        config["chat_template"] = tok.chat_template
+    return JSONResponse(config)
