@@ -42,9 +42,9 @@ def create_app(
     start-up (the model then loads before the port opens). `app.state.servelab` is the
     ServerState; anything else (the lab, under `servelab serve`) can mount itself on the
     returned app. `api_key` guards every route but /health and /metrics, mounts included; CORS
-    headers are sent only for `allowed_origins`; `tool_call_parser` ("hermes") enables
-    tool_choice "auto"; `driver` replaces the AsyncEngine over `engine` (servelab.cluster's
-    front end, whose `engine` only tokenizes)."""
+    headers are sent only for `allowed_origins`; `tool_call_parser` (a name in
+    tool_parsers.TOOL_CALL_PARSERS) enables tool_choice "auto"; `driver` replaces the AsyncEngine
+    over `engine` (servelab.cluster's front end, whose `engine` only tokenizes)."""
     state = ServerState(api_key=api_key, tool_call_parser=tool_call_parser)
     if not isinstance(engine, EngineArgs):
         state.attach(engine, driver)
