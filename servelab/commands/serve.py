@@ -87,8 +87,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                        help="read tool calls out of the model's text for tool_choice 'auto', in the model "
                             "family's format (vLLM's names): hermes (Qwen2.5, Hermes: <tool_call>{json}</tool_call>), "
                             "llama3_json (Llama 3.x: <|python_tag|>{json}; {json}), mistral ([TOOL_CALLS][{json}, ...]), "
-                            "pythonic (Llama 3.2/4: [f(x=1), g()]); without it, 'auto' is refused and 'required' "
-                            "or a named function still work")  # fmt: skip
+                            "pythonic (Llama 3.2/4: [f(x=1), g()]), qwen3_xml (Qwen3-Coder: <tool_call><function=f>"
+                            "<parameter=x>1</parameter>...); without it, 'auto' is refused and 'required' or a named "
+                            "function still work")  # fmt: skip
 
     limits = parser.add_argument_group("engine and limits")
     add_scheduler_arguments(

@@ -94,16 +94,18 @@ def _spec(kind: str, value: Any, source: str) -> StructuredOutputSpec:
 class ToolPlan:
     """How a chat answer becomes tool calls. `forced_name`: the named function (the output is its
     arguments); `forced_any`: "required" (the output is a list of {"name", "arguments"});
-    otherwise "auto" with a parser. `max_calls`: 1 for parallel_tool_calls false."""
+    otherwise "auto" with a parser. `max_calls`: 1 for parallel_tool_calls false. `parameters`:
+    each tool's parameters' schema by name (a parser that reads values as text types them)."""
 
     forced_name: str | None = None
     forced_any: bool = False
     parser: str | None = None
     max_calls: int | None = None
+    parameters: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False, hash=False)
 
     def new_parser(self) -> ToolCallParser:
         """A parser for one answer (not for a named function, whose whole answer is its arguments)."""
-        return JsonListParser(None) if self.forced_any else TOOL_CALL_PARSERS[self.parser]()
+        return JsonListParser(None) if self.forced_any else TOOL_CALL_PARSERS[self.parser](self.parameters)
 
 
 def _parameters(tool: p.Tool) -> dict[str, Any]:
@@ -160,7 +162,8 @@ def tool_plan(req: p.ChatCompletionRequest, parser: str | None) -> ToolPlan | No
             "that format",
             param="tool_choice",
         )
-    return ToolPlan(parser=parser, max_calls=max_calls)
+    parameters = {t.function.name: _parameters(t) for t in req.tools}
+    return ToolPlan(parser=parser, max_calls=max_calls, parameters=parameters)
 
 
 def _call(name: str, arguments: Any) -> p.ToolCall:

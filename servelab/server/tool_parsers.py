@@ -19,6 +19,7 @@ import json
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 _WS = " \t\r\n"
 _CLOSER = {"}": "{", "]": "["}
@@ -441,15 +442,45 @@ class JsonListParser(ToolCallParser):
         return True
 
 
-class PythonicParser(ToolCallParser):
+class _KeywordCallParser(ToolCallParser):
+    """Formats that write a call's arguments one name=value at a time: each goes out as a piece
+    of a JSON object once its value is whole. A call goes out with its first piece, so one that
+    breaks before it stays content."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._name: str | None = None  # the call being read, before its first argument goes out
+        self._num_args = 0
+
+    def _open_call(self, name: str) -> None:
+        self._name, self._num_args = name, 0
+
+    def _argument(self, key: str, value_json: str) -> None:
+        self._emit(("{" if self._num_args == 0 else ", ") + json.dumps(key, ensure_ascii=False) + ": " + value_json)
+        self._num_args += 1
+
+    def _close_call(self) -> None:
+        self._emit("}" if self._num_args else "{}")
+        self._index, self._name = None, None
+
+    def _emit(self, fragment: str) -> None:
+        if self._index is None:
+            assert self._name is not None
+            self._begin_call(self._name)
+        self._arguments(fragment)
+
+    def _fail(self, bad: int) -> None:
+        self._name = None
+        super()._fail(bad)
+
+
+class PythonicParser(_KeywordCallParser):
     """Llama 3.2 / Llama 4 pythonic calls: the answer is a Python list of calls with keyword
     arguments, `[get_weather(city='SF'), f(x=1)]`. Each value is read by ast.literal_eval
     (literals only, nothing is run); the arguments go out as JSON, one argument at a time."""
 
     def __init__(self) -> None:
         super().__init__()
-        self._name: str | None = None  # the call being read, before its first argument goes out
-        self._num_args = 0
         self._value: tuple[str, int, _PyValue] | None = None  # (keyword, value start, scanner)
 
     def _step(self, final: bool) -> bool:
@@ -476,7 +507,8 @@ class PythonicParser(ToolCallParser):
             m = _PY_HEAD.match(text, i)
             if m is None:
                 return self._no_match(_PY_HEAD_PART, i, final)
-            self._name, self._num_args, self.pos, self.state = m.group(1), 0, m.end(), "args"
+            self._open_call(m.group(1))
+            self.pos, self.state = m.end(), "args"
             return True
         if self.state == "args":
             return self._read_argument(i, final)
@@ -492,15 +524,14 @@ class PythonicParser(ToolCallParser):
         if not final and part.fullmatch(self.text, i):
             return False  # still a possible start of what should come
         self._fail(i)
-        self._name = None
         return True
 
     def _read_argument(self, i: int, final: bool) -> bool:
         text = self.text
         if self._value is None:
             if text[i] == ")":
-                self._emit("}" if self._num_args else "{}")
-                self._index, self._name, self.pos, self.state = None, None, i + 1, "after"
+                self._close_call()
+                self.pos, self.state = i + 1, "after"
                 return True
             m = _PY_KWARG.match(text, i)
             if m is None:
@@ -524,26 +555,138 @@ class PythonicParser(ToolCallParser):
         except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
             self._fail(start)
             return True
-        self._emit(("{" if self._num_args == 0 else ", ") + json.dumps(keyword, ensure_ascii=False) + ": " + as_json)
-        self._num_args += 1
+        self._argument(keyword, as_json)
         self.pos = value.end + 1 if text[value.end] == "," else value.end
         return True
 
-    def _emit(self, fragment: str) -> None:
-        if self._index is None:
-            assert self._name is not None
-            self._begin_call(self._name)
-        self._arguments(fragment)
 
-    def _fail(self, bad: int) -> None:
-        self._name = None
-        super()._fail(bad)
+class Qwen3XmlParser(_KeywordCallParser):
+    """Qwen3-Coder's XML calls: `<tool_call><function=f><parameter=city>SF</parameter>
+    </function></tool_call>`, text around them. A value is text, typed by the tool's schema as
+    vLLM types it (`_typed_value`); the newline after `>` and before `</parameter>` is layout."""
+
+    OPEN, CLOSE = "<tool_call>", "</tool_call>"
+    FUNCTION, END_FUNCTION = "<function=", "</function>"
+    PARAMETER, END_PARAMETER = "<parameter=", "</parameter>"
+
+    def __init__(self, parameters: dict[str, dict[str, Any]]) -> None:
+        super().__init__()
+        self.parameters = parameters  # function name -> its parameters' JSON schema
+
+    def _step(self, final: bool) -> bool:
+        text = self.text
+        if self.state in ("start", "content"):
+            return self._content_until(self.OPEN, "function", final)
+        i = _skip_ws(text, self.pos)
+        rest = text[i:]
+        if self.state == "function":
+            if rest.startswith(self.FUNCTION):
+                end = text.find(">", i)
+                name = text[i + len(self.FUNCTION) : end if end >= 0 else len(text)]
+                if any(c in name for c in "<\n") or (end >= 0 and not name):
+                    self._fail(i)
+                elif end >= 0:
+                    self._open_call(name)
+                    self.pos, self.state = end + 1, "parameters"
+                elif final:
+                    self._cut()
+                else:
+                    return False
+                return True
+            if _could_start(rest, self.FUNCTION, final):
+                return False
+            if final and not rest:
+                self._cut()
+            else:
+                self._fail(i)
+            return True
+        if self.state == "parameters":
+            if rest.startswith(self.END_FUNCTION):
+                self._close_call()
+                self.pos, self.state = i + len(self.END_FUNCTION), "close"
+                return True
+            if rest.startswith(self.PARAMETER):
+                return self._read_parameter(i, final)
+            if _could_start(rest, self.END_FUNCTION, final) or _could_start(rest, self.PARAMETER, final):
+                return False
+            if final and not rest:
+                self._cut()
+            else:
+                self._fail(i)
+            return True
+        if rest.startswith(self.CLOSE):  # "close"
+            self.pos, self.state = i + len(self.CLOSE), "content"
+            return True
+        if _could_start(rest, self.CLOSE, final):
+            return False
+        self.state = "content"
+        return True
+
+    def _read_parameter(self, i: int, final: bool) -> bool:
+        text = self.text
+        key_end = text.find(">", i)
+        # Its end: the closing tag, or (as vLLM reads a missing one) the next parameter or function end.
+        ends = [j for j in (text.find(t, key_end + 1) for t in (self.END_PARAMETER, self.PARAMETER, self.END_FUNCTION))
+                if key_end > 0 and j >= 0]  # fmt: skip
+        if not ends:
+            if final:
+                self._cut()
+                return True
+            return False
+        key, end = text[i + len(self.PARAMETER) : key_end], min(ends)
+        raw = text[key_end + 1 : end]
+        raw = raw[1:] if raw.startswith("\n") else raw
+        raw = raw[:-1] if raw.endswith("\n") else raw
+        if not key or "<" in key or "\n" in key:
+            self._fail(i)
+            return True
+        properties = self.parameters.get(self._name or "", {}).get("properties", {})
+        self._argument(key, _typed_value(raw, properties.get(key) if isinstance(properties, dict) else None))
+        self.pos = end + len(self.END_PARAMETER) if text.startswith(self.END_PARAMETER, end) else end
+        return True
 
 
-# name (vLLM's) -> a new parser for one answer
-TOOL_CALL_PARSERS: dict[str, Callable[[], ToolCallParser]] = {
-    "hermes": HermesParser,
-    "llama3_json": Llama3JsonParser,
-    "mistral": lambda: JsonListParser("[TOOL_CALLS]"),
-    "pythonic": PythonicParser,
+def _could_start(rest: str, tag: str, final: bool) -> bool:
+    """More text may still make `rest` start with `tag`."""
+    return not final and len(rest) < len(tag) and tag.startswith(rest)
+
+
+def _typed_value(raw: str, schema: object) -> str:
+    """A Qwen3 XML parameter's text as JSON, typed as its schema says (vLLM's rules): text where
+    the schema has no type for it, or the text does not fit the type."""
+    kinds = schema.get("type", "string") if isinstance(schema, dict) else "string"
+    kinds = [kinds] if isinstance(kinds, str) else [k for k in kinds if isinstance(k, str) and k != "null"]
+    kind = kinds[0].lower() if kinds else "string"
+    value: Any = raw
+    if raw.lower() == "null":
+        value = None
+    elif kind == "integer":
+        value = _or_text(int, raw)
+    elif kind == "number":
+        number = _or_text(float, raw)
+        value = int(number) if isinstance(number, float) and number.is_integer() and abs(number) < 2**53 else number
+    elif kind == "boolean":
+        value = raw.strip().lower() == "true" if raw.strip().lower() in ("true", "false") else raw
+    elif kind in ("object", "array"):
+        value = _or_text(json.loads, raw)
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except ValueError:  # nan or inf from float()
+        return json.dumps(raw, ensure_ascii=False)
+
+
+def _or_text(convert: Callable[[str], Any], raw: str) -> Any:
+    try:
+        return convert(raw)
+    except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
+        return raw
+
+
+# name (vLLM's) -> a new parser for one answer, given each tool's parameters' JSON schema by name
+TOOL_CALL_PARSERS: dict[str, Callable[[dict[str, dict[str, Any]]], ToolCallParser]] = {
+    "hermes": lambda parameters: HermesParser(),
+    "llama3_json": lambda parameters: Llama3JsonParser(),
+    "mistral": lambda parameters: JsonListParser("[TOOL_CALLS]"),
+    "pythonic": lambda parameters: PythonicParser(),
+    "qwen3_xml": Qwen3XmlParser,
 }

@@ -94,7 +94,7 @@ def scripted_app(tiny_model_dir, text: str, **app_kwargs):
         return script[i] if i < len(script) else tokenizer.eos_token_id
 
     executor = FakeExecutor(vocab_size=tokenizer.vocab_size, token_fn=token_fn)
-    config = SchedulerConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256)
+    config = SchedulerConfig(num_blocks=128, block_size=16, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024)
     processors = LogitsProcessors(tokenizer, tokenizer.vocab_size)
     return create_app(LLMEngine(executor, tokenizer, config, "fake-model", logits_processors=processors), **app_kwargs)
 
@@ -134,7 +134,7 @@ TWO_CALLS = [("get_weather", '{"city": "Paris, France", "unit": "C"}'), ("get_ti
 
 
 def _body(**fields) -> dict:
-    return {"messages": [{"role": "user", "content": "weather and time?"}], "max_tokens": 200, "tools": WEATHER_TOOLS,
+    return {"messages": [{"role": "user", "content": "weather and time?"}], "max_tokens": 600, "tools": WEATHER_TOOLS,
             **fields}  # fmt: skip
 
 
@@ -158,6 +158,9 @@ def test_auto_tool_choice_with_the_hermes_parser(tiny_model_dir):
     ("llama3_json", "<|python_tag|>" + "; ".join(f'{{"name": "{n}", "parameters": {a}}}' for n, a in TWO_CALLS)),
     ("mistral", "[TOOL_CALLS][" + ", ".join(f'{{"name": "{n}", "arguments": {a}}}' for n, a in TWO_CALLS) + "]"),
     ("pythonic", "[get_weather(city='Paris, France', unit='C'), get_time(tz='Europe/Paris', hours=24)]"),
+    ("qwen3_xml", "".join(f"<tool_call>\n<function={n}>\n" + "".join(
+        f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in json.loads(a).items()) + "</function>\n</tool_call>\n"
+        for n, a in TWO_CALLS)),  # "hours" is an integer in the tool's schema
     (None, json.dumps([{"name": n, "arguments": json.loads(a)} for n, a in TWO_CALLS])),  # tool_choice "required"
 ])  # fmt: skip
 def test_several_calls_stream_their_arguments_as_generated(tiny_model_dir, parser, answer):
@@ -193,6 +196,25 @@ def test_parallel_tool_calls_false_answers_one_call(tiny_model_dir):
     with TestClient(scripted_app(tiny_model_dir, one)) as c:  # "required": the grammar allows one call
         body = _body(tool_choice="required", parallel_tool_calls=False)
         assert _whole_choice(c, body)["calls"] == [{"name": "get_time", "arguments": '{"tz": "UTC"}'}]
+
+
+def test_a_call_cut_by_max_tokens_keeps_its_arguments_so_far_in_both_modes(tiny_model_dir):
+    from fastapi.testclient import TestClient
+
+    from servelab.engine.tokenizer import Tokenizer
+
+    answer = 'ok <tool_call>{"name": "get_weather", "arguments": {"city": "Paris, France"}}</tool_call>'
+    tokenizer = Tokenizer.from_hf_dir(tiny_model_dir)
+    script = tokenizer.encode(answer)
+    texts = [tokenizer.decode(script[:n]) for n in range(len(script))]
+    n = max(n for n, text in enumerate(texts) if '{"city": "Paris' in text and "}}" not in text)  # inside the arguments
+    cut = texts[n]
+    with TestClient(scripted_app(tiny_model_dir, answer, tool_call_parser="hermes")) as c:
+        body = _body(max_tokens=n)
+        whole = _whole_choice(c, body)
+        assert whole == {"content": "ok", "calls": [{"name": "get_weather", "arguments": cut[cut.index('{"city"') :]}],
+                         "finish_reason": "length"}  # fmt: skip
+        assert _streamed_choice(c, body) == whole
 
 
 def test_the_openai_client_accumulates_the_streamed_calls(tiny_model_dir):

@@ -13,17 +13,22 @@ from hypothesis import strategies as st
 from servelab.server.tool_parsers import TOOL_CALL_PARSERS, JsonListParser, ToolCallParser
 
 
-def new(name: str) -> ToolCallParser:
-    return JsonListParser(None) if name == "required" else TOOL_CALL_PARSERS[name]()
+WEATHER = {"get_weather": {"type": "object", "properties": {
+    "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+    "scale": {"type": "number"}, "options": {"type": "object"}, "tags": {"type": ["array", "null"]}}}}  # fmt: skip
 
 
-def parse(name: str, text: str) -> tuple[str | None, list[tuple[str, str]]]:
-    return new(name).parse(text)
+def new(name: str, parameters: dict | None = None) -> ToolCallParser:
+    return JsonListParser(None) if name == "required" else TOOL_CALL_PARSERS[name](parameters or WEATHER)
 
 
-def stream(name: str, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
+def parse(name: str, text: str, parameters: dict | None = None) -> tuple[str | None, list[tuple[str, str]]]:
+    return new(name, parameters).parse(text)
+
+
+def stream(name: str, pieces: list[str], parameters: dict | None = None) -> tuple[str, list[tuple[str, str]]]:
     """Streams `pieces`; checks each call's parts as a client reads them: named first, once."""
-    parser, content, calls = new(name), "", {}
+    parser, content, calls = new(name, parameters), "", {}
     for i, piece in enumerate(pieces):
         text, parts = parser.feed(piece, final=i == len(pieces) - 1)
         content += text
@@ -37,10 +42,10 @@ def stream(name: str, pieces: list[str]) -> tuple[str, list[tuple[str, str]]]:
     return content, [calls[i] for i in sorted(calls)]
 
 
-def same_streamed(name: str, text: str, pieces: list[str]) -> None:
+def same_streamed(name: str, text: str, pieces: list[str], parameters: dict | None = None) -> None:
     assert "".join(pieces) == text
-    content, calls = parse(name, text)
-    assert stream(name, pieces) == ((content or ""), calls)
+    content, calls = parse(name, text, parameters)
+    assert stream(name, pieces, parameters) == ((content or ""), calls)
 
 
 # ---------------------------------------------------------------------------- whole answers
@@ -117,6 +122,32 @@ def test_pythonic_reads_literals_only(text):
     assert parse("pythonic", text) == (text, [])
 
 
+def test_qwen3_xml():
+    text = (
+        "Let me see.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n"
+        "<parameter=days>\n3\n</parameter>\n<parameter=metric>\nTrue\n</parameter>\n<parameter=scale>\n2.0\n"
+        "</parameter>\n<parameter=options>\n{\"a\": [1]}\n</parameter>\n<parameter=tags>\n[\"x\"]\n</parameter>\n"
+        "<parameter=code>\nif a < b:\n    pass\n</parameter>\n</function>\n</tool_call>\n"
+        "<tool_call>\n<function=ping>\n</function>\n</tool_call> done"
+    )
+    args = {"city": "San Francisco", "days": 3, "metric": True, "scale": 2, "options": {"a": [1]}, "tags": ["x"],
+            "code": "if a < b:\n    pass"}  # fmt: skip
+    assert parse("qwen3_xml", text) == ("Let me see.\n\n done", [("get_weather", json.dumps(args)), ("ping", "{}")])
+    # values that do not fit their type stay text; null is null; a missing </parameter> ends at the next tag
+    text = "<tool_call><function=get_weather><parameter=days>three<parameter=scale>nan<parameter=city>null</function>"
+    assert parse("qwen3_xml", text) == (None, [("get_weather", '{"days": "three", "scale": "nan", "city": null}')])
+
+
+@pytest.mark.parametrize("text", [
+    "<tool_call>\n<functio>\n</tool_call> x",
+    "<tool_call>\n<function=f\n>\n</tool_call>",
+    "<tool_call><function=f><param=x>1</param></function></tool_call>",
+    "<tool_call><function=f><parameter=x>1",  # cut before its first argument went out
+])  # fmt: skip
+def test_malformed_qwen3_xml_calls_stay_content(text):
+    assert parse("qwen3_xml", text) == (text.strip(), [])
+
+
 def test_required_list():
     text = '[{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]'
     assert parse("required", text) == (None, [("f", '{"x": 1}'), ("g", "{}")])
@@ -150,6 +181,13 @@ def _render(fmt: str, calls: list[tuple[str, dict]], before: str, after: str) ->
     if fmt in ("mistral", "required"):
         body = json.dumps([{"name": n, "arguments": a} for n, a in calls])
         return body if fmt == "required" else before + "[TOOL_CALLS]" + body + after
+    if fmt == "qwen3_xml":
+        return before + "".join(
+            f"<tool_call>\n<function={n}>\n"
+            + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in a.items())
+            + "</function>\n</tool_call>\n"
+            for n, a in calls
+        ) + after
     assert fmt == "pythonic"
     return "[" + ", ".join(f"{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})" for n, a in calls) + "]"
 
@@ -162,6 +200,13 @@ _value = st.recursive(
     max_leaves=6,
 )
 _calls = st.lists(st.tuples(_identifier, st.dictionaries(_identifier, _value, max_size=3)), min_size=1, max_size=3)
+_xml_text = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="<"), max_size=12).filter(
+    lambda s: s.lower() != "null"
+)
+_xml_calls = st.lists(
+    st.tuples(_identifier, st.dictionaries(_identifier, _xml_text | st.integers(-(10**6), 10**6), max_size=3)),
+    min_size=1, max_size=3, unique_by=lambda call: call[0],  # one schema per name
+)  # fmt: skip
 _prose = st.text(st.characters(blacklist_categories=("Cs",), blacklist_characters="[{<"), max_size=12)
 
 
@@ -172,21 +217,28 @@ def _pieces(draw, text: str) -> list[str]:
     return [text[a:b] for a, b in itertools.pairwise(bounds)]
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "mistral", "pythonic", "required"])
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "mistral", "pythonic", "required", "qwen3_xml"])
 @settings(max_examples=60, deadline=None)
-@given(data=st.data(), calls=_calls, before=_prose, after=_prose)
-def test_any_pieces_give_the_same_calls(fmt, data, calls, before, after):
+@given(data=st.data(), before=_prose, after=_prose)
+def test_any_pieces_give_the_same_calls(fmt, data, before, after):
+    calls = data.draw(_xml_calls if fmt == "qwen3_xml" else _calls)
+    # the XML format's values are text: the schema says which are integers
+    parameters = {n: {"properties": {k: {"type": "integer" if isinstance(v, int) else "string"} for k, v in a.items()}}
+                  for n, a in calls}  # fmt: skip
     text = _render(fmt, calls, before, after)
-    content, parsed = parse(fmt, text)
-    expected_content = {"hermes": before + "\n" * len(calls) + after, "mistral": before + after, "llama3_json": before}
+    content, parsed = parse(fmt, text, parameters)
+    between = "\n" * len(calls)
+    expected_content = {"hermes": before + between + after, "mistral": before + after, "llama3_json": before,
+                        "qwen3_xml": before + between + after}  # fmt: skip
     assert (content or "") == expected_content.get(fmt, "").strip()
-    assert parsed == [(n, json.dumps(a, ensure_ascii=fmt != "pythonic")) for n, a in calls]
-    same_streamed(fmt, text, data.draw(_pieces(text)))
+    ascii_only = fmt not in ("pythonic", "qwen3_xml")
+    assert parsed == [(n, json.dumps(a, ensure_ascii=ascii_only)) for n, a in calls]
+    same_streamed(fmt, text, data.draw(_pieces(text)), parameters)
 
 
-@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "mistral", "pythonic", "required"])
+@pytest.mark.parametrize("fmt", ["hermes", "llama3_json", "mistral", "pythonic", "required", "qwen3_xml"])
 def test_every_split_point_gives_the_same_calls(fmt):
-    calls = [("get_weather", {"city": "Paris", "days": [1, 2]}), ("f", {})]
+    calls = [("get_weather", {"city": "Paris", "days": 2}), ("f", {})]
     text = _render(fmt, calls, "Let me look <that> up. ", " Done.")
     for i in range(len(text) + 1):
         same_streamed(fmt, text, [text[:i], text[i:]])
@@ -220,6 +272,8 @@ _NOISE = {
     "mistral": ["[TOOL_CALLS]", "[", '{"name": "f", "arguments": ', "{", "}", "]", ",", '"', " ", "1"],
     "pythonic": ["[", "f(", "x=", "1", "'a'", "(", ")", "]", ",", " ", "y", "=", "'", "\\", "{", "}", "1e999"],
     "required": ["[", '{"name": "f", "arguments": ', "{", "}", "]", ",", '"', " ", "1", "tru"],
+    "qwen3_xml": ["<tool_call>", "</tool_call>", "<function=get_weather>", "<function=", "</function>", "<parameter=",
+                  "days>", "</parameter>", "<", ">", "\n", "3", "x", "null"],
 }
 
 
