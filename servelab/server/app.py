@@ -23,6 +23,7 @@ from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from servelab.server.http_errors import install_error_handlers
 from servelab.server.routes import docs, generate, info, tokens
 from servelab.server.state import ServerState
+from servelab.server.tool_parsers import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from servelab.engine.llm_engine import LLMEngine
@@ -45,6 +46,8 @@ def create_app(
     headers are sent only for `allowed_origins`; `tool_call_parser` (a name in
     tool_parsers.TOOL_CALL_PARSERS) enables tool_choice "auto"; `driver` replaces the AsyncEngine
     over `engine` (servelab.cluster's front end, whose `engine` only tokenizes)."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool_call_parser {tool_call_parser!r}: expected one of {', '.join(TOOL_CALL_PARSERS)}")
     state = ServerState(api_key=api_key, tool_call_parser=tool_call_parser)
     if not isinstance(engine, EngineArgs):
         state.attach(engine, driver)

@@ -146,6 +146,8 @@ def test_auto_tool_choice_with_the_hermes_parser(tiny_model_dir):
     with TestClient(scripted_app(tiny_model_dir, answer)) as c:
         r = c.post("/v1/chat/completions", json=body)
         assert r.status_code == 400 and r.json()["error"]["param"] == "tool_choice"
+    with pytest.raises(ValueError, match="hermes, llama3_json"):
+        scripted_app(tiny_model_dir, answer, tool_call_parser="qwen2")
     with TestClient(scripted_app(tiny_model_dir, answer, tool_call_parser="hermes")) as c:
         whole = _whole_choice(c, body)
         assert whole == {"content": "ok", "calls": [{"name": "get_weather", "arguments": '{"city": "Paris"}'}],
