@@ -89,9 +89,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     model.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help=TENSOR_PARALLEL_HELP)
     model.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests (default 0)")
     model.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
-                       help="read tool calls out of the model's text for tool_choice 'auto' (hermes: "
-                            "<tool_call>{json}</tool_call>, as Qwen2.5 writes); without it, 'auto' is refused "
-                            "and 'required' or a named function still work")  # fmt: skip
+                       help="read tool calls out of the model's text for tool_choice 'auto', in the model "
+                            "family's format (vLLM's names): hermes (Qwen2.5, Hermes: <tool_call>{json}</tool_call>), "
+                            "llama3_json (Llama 3.x: <|python_tag|>{json}; {json}), mistral ([TOOL_CALLS][{json}, ...]), "
+                            "pythonic (Llama 3.2/4: [f(x=1), g()]), qwen3_xml (Qwen3-Coder: <tool_call><function=f>"
+                            "<parameter=x>1</parameter>...); without it, 'auto' is refused and 'required' or a named "
+                            "function still work")  # fmt: skip
     model.add_argument("--pooler-config", default=None, metavar="JSON",
                        help='how /v1/embeddings pools the final hidden states, as vLLM\'s flag: '
                             '\'{"pooling_type": "LAST"|"MEAN", "normalize": true|false}\' (default LAST, normalized: '

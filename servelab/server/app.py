@@ -26,6 +26,7 @@ from servelab.server.http_errors import install_error_handlers
 from servelab.server.http_metrics import HttpMetricsMiddleware
 from servelab.server.routes import docs, embeddings, generate, info, responses, sagemaker, tokens
 from servelab.server.state import ServerState
+from servelab.server.tool_parsers import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
     from servelab.engine.llm_engine import LLMEngine
@@ -48,11 +49,14 @@ def create_app(
     start-up (the model then loads before the port opens). `app.state.servelab` is the
     ServerState; anything else (the lab, under `servelab serve`) can mount itself on the
     returned app. `api_key` guards every route but /health and /metrics, mounts included; CORS
-    headers are sent only for `allowed_origins`; `tool_call_parser` ("hermes") enables
-    tool_choice "auto"; `driver` replaces the AsyncEngine over `engine` (servelab.cluster's
-    front end, whose `engine` only tokenizes); `metrics_namespace` "vllm" exports /metrics under
-    vLLM's names and labels (server/metrics.py); `grammar_config` bounds structured-output compiles;
-    `pooler` is /v1/embeddings' pooling (LAST, normalized, unless given)."""
+    headers are sent only for `allowed_origins`; `tool_call_parser` (a name in
+    tool_parsers.TOOL_CALL_PARSERS) enables tool_choice "auto"; `driver` replaces the AsyncEngine
+    over `engine` (servelab.cluster's front end, whose `engine` only tokenizes); `metrics_namespace`
+    "vllm" exports /metrics under vLLM's names and labels (server/metrics.py); `grammar_config`
+    bounds structured-output compiles; `pooler` is /v1/embeddings' pooling (LAST, normalized,
+    unless given)."""
+    if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
+        raise ValueError(f"tool_call_parser {tool_call_parser!r}: expected one of {', '.join(TOOL_CALL_PARSERS)}")
     state = ServerState(api_key=api_key, tool_call_parser=tool_call_parser, metrics_namespace=metrics_namespace,
                         grammar_config=grammar_config or GrammarConfig(), pooler=pooler or PoolingParams())  # fmt: skip
     if not isinstance(engine, EngineArgs):

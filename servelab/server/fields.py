@@ -125,7 +125,7 @@ CHAT: dict[str, FieldRule] = {
     "mm_processor_kwargs": _r("this model takes text only", {}),
     "tools": _h("function tools, shown to the chat template"),
     "tool_choice": _h("none, required or a named function (constrained); auto with --tool-call-parser"),
-    "parallel_tool_calls": _i("an answer holds at most one tool call, which both values allow"),
+    "parallel_tool_calls": _h("false: at most one call (required: by the grammar; auto: the first call)"),
     "metadata": _i("tags for stored completions; nothing is stored"),
     "safety_identifier": _i("an end-user identifier; not stored"),
     "prompt_cache_key": _i("a cache-routing hint; the prefix cache works on the tokens themselves"),

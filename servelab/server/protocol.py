@@ -170,6 +170,7 @@ class ChatCompletionRequest(_SamplingFields):
     include_reasoning: bool = True  # there is no reasoning to include or leave out
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call
 
     def template_messages(self) -> list[dict[str, Any]]:
         # Chat templates know system/user/assistant; OpenAI's newer "developer" role is a system prompt.

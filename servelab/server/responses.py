@@ -8,26 +8,22 @@ stream's events. Stored responses live in a bounded in-memory LRU store, so that
 from __future__ import annotations
 
 import json
-import threading
 import time
 import uuid
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import ValidationError
 
-from servelab.errors import InvalidArgument, NotFound, ServelabError
+from servelab.errors import InvalidArgument, ServelabError
 from servelab.server import protocol as p
 from servelab.server.async_engine import RequestStream
 from servelab.server.http_errors import validation_message
 from servelab.server.protocol import _Request
 from servelab.server.render import ChatRenderer
+from servelab.server.response_store import ResponseStore
 
-DEFAULT_MAX_STORED = 1024  # responses kept for previous_response_id and GET
-DEFAULT_MAX_STORED_BYTES = 64 << 20
 
 
 class ResponsesRequest(_Request):
@@ -217,70 +213,6 @@ def chat_request(req: ResponsesRequest, history: list[dict[str, Any]], messages:
     except ValidationError as exc:
         message, param = validation_message(exc)
         raise InvalidArgument(message, param=_AS_SENT.get(param or "", param)) from None
-
-
-# ----------------------------------------------------------------------------------- store
-
-
-@dataclass(slots=True)
-class _Stored:
-    response: dict[str, Any]
-    history: list[dict[str, Any]]  # the conversation up to and including this response's output, as chat messages
-    num_bytes: int
-
-
-class ResponseStore:
-    """The last responses created with store=true, bounded by count and by bytes; the least
-    recently used goes first. Thread-safe (the routes' event loop and worker threads)."""
-
-    def __init__(self, max_count: int = DEFAULT_MAX_STORED, max_bytes: int = DEFAULT_MAX_STORED_BYTES):
-        self.max_count = max_count
-        self.max_bytes = max_bytes
-        self._items: OrderedDict[str, _Stored] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-    @property
-    def num_bytes(self) -> int:
-        return self._bytes
-
-    def put(self, response: dict[str, Any], history: list[dict[str, Any]]) -> bool:
-        """False, storing nothing, for one response larger than the whole store."""
-        size = len(json.dumps([response, history], separators=(",", ":")))
-        if size > self.max_bytes:
-            return False
-        with self._lock:
-            self._drop(response["id"])
-            self._items[response["id"]] = _Stored(response, history, size)
-            self._bytes += size
-            while len(self._items) > self.max_count or self._bytes > self.max_bytes:
-                self._drop(next(iter(self._items)))
-        return True
-
-    def get(self, response_id: str, param: str | None = None) -> _Stored:
-        with self._lock:
-            item = self._items.get(response_id)
-            if item is not None:
-                self._items.move_to_end(response_id)
-                return item
-        raise NotFound(
-            f"response {response_id!r} not found: it was not stored (store=false), was deleted, or was evicted from "
-            f"this server's in-memory store (the last {self.max_count} responses, up to {self.max_bytes >> 20} MiB)",
-            param=param,
-        )
-
-    def delete(self, response_id: str) -> None:
-        self.get(response_id)
-        with self._lock:
-            self._drop(response_id)
-
-    def _drop(self, response_id: str) -> None:
-        item = self._items.pop(response_id, None)
-        if item is not None:
-            self._bytes -= item.num_bytes
 
 
 # ----------------------------------------------------------------------------------- output

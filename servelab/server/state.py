@@ -21,7 +21,7 @@ from servelab.server.async_engine import AsyncEngine, EngineDriver, EngineReques
 from servelab.server.http_errors import ServerDraining
 from servelab.server.metrics import ServerMetrics
 from servelab.server.offload import Offload
-from servelab.server.responses import ResponseStore
+from servelab.server.response_store import ResponseStore
 
 if TYPE_CHECKING:
     from servelab.engine.llm_engine import LLMEngine

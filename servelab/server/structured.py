@@ -2,9 +2,10 @@
 
 `sampling_kwargs` turns logit_bias, allowed_token_ids, bad_words, response_format, vLLM's
 structured_outputs (and its older guided_* names) and tools/tool_choice into SamplingParams
-fields. `tool_plan` says how a chat answer becomes tool calls: forced (a named function or
-"required", generated under the tools' schemas) or "auto" (the model decides; a parser for the
-model's tool-call format reads them out of the text). `ToolCallStream` renders them as OpenAI does.
+fields. `tool_plan` says how a chat answer becomes tool calls: forced (a named function, or
+"required": a JSON list of calls, generated under the tools' schemas) or "auto" (the model
+decides; a parser for the model's tool-call format reads them out of the text). `ToolCallStream`
+streams them as vLLM does: a call's name first, then its arguments as they are generated.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from typing import Any
 from servelab.core.structured_output import StructuredOutputSpec
 from servelab.errors import InvalidArgument
 from servelab.server import protocol as p
-from servelab.server.tool_parsers import TOOL_CALL_PARSERS
+from servelab.server.tool_parsers import TOOL_CALL_PARSERS, JsonListParser, ToolCallParser
 
 
 
@@ -92,12 +93,19 @@ def _spec(kind: str, value: Any, source: str) -> StructuredOutputSpec:
 @dataclass(frozen=True, slots=True)
 class ToolPlan:
     """How a chat answer becomes tool calls. `forced_name`: the named function (the output is its
-    arguments); `forced_any`: "required" (the output is {"name", "arguments"}); otherwise "auto"
-    with a parser."""
+    arguments); `forced_any`: "required" (the output is a list of {"name", "arguments"});
+    otherwise "auto" with a parser. `max_calls`: 1 for parallel_tool_calls false. `parameters`:
+    each tool's parameters' schema by name (a parser that reads values as text types them)."""
 
     forced_name: str | None = None
     forced_any: bool = False
     parser: str | None = None
+    max_calls: int | None = None
+    parameters: dict[str, dict[str, Any]] = field(default_factory=dict, compare=False, hash=False)
+
+    def new_parser(self) -> ToolCallParser:
+        """A parser for one answer (not for a named function, whose whole answer is its arguments)."""
+        return JsonListParser(None) if self.forced_any else TOOL_CALL_PARSERS[self.parser](self.parameters)
 
 
 def _parameters(tool: p.Tool) -> dict[str, Any]:
@@ -125,7 +133,10 @@ def _tool_spec(req: p.ChatCompletionRequest) -> StructuredOutputSpec | None:
             }
             for t in tools
         ]
-        return StructuredOutputSpec.json_schema({"anyOf": calls}, "tool_choice")
+        schema = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+        if req.parallel_tool_calls is False:
+            schema["maxItems"] = 1
+        return StructuredOutputSpec.json_schema(schema, "tool_choice")
     return None
 
 
@@ -138,8 +149,9 @@ def tool_plan(req: p.ChatCompletionRequest, parser: str | None) -> ToolPlan | No
     choice = req.tool_choice
     if isinstance(choice, p.NamedToolChoice):
         return ToolPlan(forced_name=choice.function.name)
+    max_calls = 1 if req.parallel_tool_calls is False else None
     if choice == "required":
-        return ToolPlan(forced_any=True)
+        return ToolPlan(forced_any=True, max_calls=max_calls)
     if choice == "none":
         return None
     if parser is None:  # "auto", OpenAI's default when tools are given
@@ -150,7 +162,8 @@ def tool_plan(req: p.ChatCompletionRequest, parser: str | None) -> ToolPlan | No
             "that format",
             param="tool_choice",
         )
-    return ToolPlan(parser=parser)
+    parameters = {t.function.name: _parameters(t) for t in req.tools}
+    return ToolPlan(parser=parser, max_calls=max_calls, parameters=parameters)
 
 
 def _call(name: str, arguments: Any) -> p.ToolCall:
@@ -158,44 +171,35 @@ def _call(name: str, arguments: Any) -> p.ToolCall:
     return p.ToolCall(id="call_" + uuid.uuid4().hex[:24], function=p.FunctionCall(name=name, arguments=text))
 
 
-def _parse_auto(parser: str, text: str) -> tuple[str | None, list[p.ToolCall]]:
-    content, calls = TOOL_CALL_PARSERS[parser][0](text)
-    return content, [_call(name, arguments) for name, arguments in calls]
-
-
 def parse_tool_calls(plan: ToolPlan, text: str) -> tuple[str | None, list[p.ToolCall]]:
     """(content, tool calls) of a finished answer. A named function's answer is its call whatever
-    its arguments' completeness (as vLLM; cut by max_tokens, finish_reason says "length"); any
-    other output that does not parse stays content, with no calls."""
-    if plan.parser is not None:
-        return _parse_auto(plan.parser, text)
+    its arguments' completeness (as vLLM; cut by max_tokens, finish_reason says "length"); other
+    calls are read by the plan's parser (tool_parsers.py says what it keeps)."""
     if plan.forced_name is not None:
         return None, [_call(plan.forced_name, text)]
-    try:
-        obj = json.loads(text)
-    except json.JSONDecodeError:
-        return text, []
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
-        return text, []  # the grammar makes this shape; stay safe if a client's schema allowed another
-    return None, [_call(obj["name"], obj["arguments"])]
+    content, calls = plan.new_parser().parse(text)
+    return content, [_call(name, arguments) for name, arguments in calls[: plan.max_calls]]
 
 
 @dataclass
 class ToolCallStream:
-    """One choice's streamed answer under a tool plan: text is held until it is known to be
-    content or a call. A named function streams its arguments as they come; "required" and
-    parsed calls go out whole when complete (their name is only known then)."""
+    """One choice's streamed answer under a tool plan, as vLLM streams it: a call's first delta
+    carries its index, id, type and name (and the first arguments, if any); later ones its index
+    and the next arguments. Text goes out as content once it cannot be part of a call."""
 
     plan: ToolPlan
-    text: str = ""
-    sent_content: int = 0  # characters of `text` already sent as content (auto)
     num_calls: int = 0
+    parser: ToolCallParser | None = None
     id: str = field(default_factory=lambda: "call_" + uuid.uuid4().hex[:24])
 
+    def __post_init__(self) -> None:
+        if self.plan.forced_name is None:
+            self.parser = self.plan.new_parser()
+
     def feed(self, delta: str, finished: bool) -> p.DeltaMessage | None:
-        self.text += delta
         plan = self.plan
-        if plan.forced_name is not None:
+        if self.parser is None:  # a named function: the answer is its arguments
+            assert plan.forced_name is not None
             calls = []
             if self.num_calls == 0:
                 self.num_calls = 1
@@ -204,41 +208,19 @@ class ToolCallStream:
             elif delta:
                 calls.append(p.ToolCallDelta(index=0, function=p.FunctionCallDelta(arguments=delta)))
             return p.DeltaMessage(tool_calls=calls) if calls else None
-        if plan.forced_any:
-            if not finished:
-                return None
-            content, calls = parse_tool_calls(plan, self.text)
-            return self._message(content, calls)
-        # auto: send content up to a possible start of a call; the rest once the answer is done
-        opening = TOOL_CALL_PARSERS[plan.parser][1]
-        hold = self.text.find(opening, self.sent_content)
-        if hold < 0:
-            hold = len(self.text) - _partial_suffix(self.text, opening)
-        if not finished:
-            content = self.text[self.sent_content : hold] if hold > self.sent_content else ""
-            self.sent_content = max(self.sent_content, hold)
-            return p.DeltaMessage(content=content) if content else None
-        rest = self.text[self.sent_content :]
-        content, calls = _parse_auto(plan.parser, rest)
-        if not calls:
-            content = rest or None
-        return self._message(content, calls)
-
-    def _message(self, content: str | None, calls: list[p.ToolCall]) -> p.DeltaMessage | None:
-        deltas = [
-            p.ToolCallDelta(index=self.num_calls + i, id=c.id, type="function",
-                            function=p.FunctionCallDelta(name=c.function.name, arguments=c.function.arguments))  # fmt: skip
-            for i, c in enumerate(calls)
-        ]
-        self.num_calls += len(calls)
-        if content is None and not deltas:
+        content, parts = self.parser.feed(delta, finished)
+        calls = []
+        for part in parts:
+            if plan.max_calls is not None and part.index >= plan.max_calls:
+                continue  # parallel_tool_calls false: the first call only
+            if part.name is not None:
+                self.num_calls += 1
+                call_id = "call_" + uuid.uuid4().hex[:24]
+                function = p.FunctionCallDelta(name=part.name, arguments=part.arguments)
+                calls.append(p.ToolCallDelta(index=part.index, id=call_id, type="function", function=function))
+            else:
+                function = p.FunctionCallDelta(arguments=part.arguments)
+                calls.append(p.ToolCallDelta(index=part.index, function=function))
+        if not content and not calls:
             return None
-        return p.DeltaMessage(content=content, tool_calls=deltas or None)
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """Length of the longest end of `text` that could be the start of `tag`."""
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:n]):
-            return n
-    return 0
+        return p.DeltaMessage(content=content or None, tool_calls=calls or None)

@@ -12,7 +12,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from servelab.server.app import create_app
-from servelab.server.responses import ResponseStore
+from servelab.server.response_store import ResponseStore
 
 
 @pytest.fixture

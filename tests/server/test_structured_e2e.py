@@ -89,15 +89,23 @@ def test_json_schema_answers_validate(client):
     assert cut.choices[0].finish_reason == "length" and cut.choices[0].message.content.startswith("{")
 
 
-def test_required_tool_call(client):
-    r = client.chat.completions.create(model=model(client), messages=ASK, max_tokens=40, temperature=0,
-                                       tools=TOOLS, tool_choice="required")  # fmt: skip
-    choice = r.choices[0]
+def test_required_tool_calls_in_both_modes(client):
+    kwargs = {"model": model(client), "messages": ASK, "max_tokens": 80, "temperature": 0, "tools": TOOLS,
+              "tool_choice": "required"}  # fmt: skip
+    choice = client.chat.completions.create(**kwargs).choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.content is None
-    (call,) = choice.message.tool_calls
-    assert call.type == "function" and call.id.startswith("call_")
-    tool = next(t for t in TOOLS if t["function"]["name"] == call.function.name)
-    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    assert choice.message.tool_calls  # one or more
+    for call in choice.message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_")
+        tool = next(t for t in TOOLS if t["function"]["name"] == call.function.name)
+        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+    with client.chat.completions.stream(**kwargs) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    calls = [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert [(c.function.name, c.function.arguments) for c in streamed.message.tool_calls] == calls
+    one = client.chat.completions.create(**kwargs, parallel_tool_calls=False).choices[0]
+    assert len(one.message.tool_calls) == 1
 
 
 def test_named_tool_call_streams_its_arguments(client):

@@ -31,9 +31,10 @@ async def embeddings(request: Request, state: State) -> Response:
     state.check_accepting()
     state.check_model(req.model)
     pooling = request_pooling(state.pooler, req)
-    prompts = await state.offload.run(embedding_input_ids, state.engine, req)
+    lane = state.offload.lane(len(await request.body()))  # large bodies queue apart from small ones
+    prompts = await lane.run(embedding_input_ids, state.engine, req)
     request_id = "embd-" + uuid.uuid4().hex
-    stream = await state.async_engine.submit(engine_requests(request_id, prompts, pooling, req.priority, arrival_s))
+    stream = await state.submit(engine_requests(request_id, prompts, pooling, req.priority, arrival_s))
     work = collect_embeddings(stream, request_id, state.model_name, int(time.time()), prompts, req.encoding_format)
 
     async def respond() -> Response:
