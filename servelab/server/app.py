@@ -35,6 +35,7 @@ def create_app(
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     allowed_origins: list[str] | None = None,
+    allowed_hosts: frozenset[str] | None = None,
     tool_call_parser: str | None = None,
     driver: EngineDriver | None = None,
 ) -> FastAPI:
@@ -42,7 +43,7 @@ def create_app(
     start-up (the model then loads before the port opens). `app.state.servelab` is the
     ServerState; anything else (the lab, under `servelab serve`) can mount itself on the
     returned app. `api_key` guards every route but /health and /metrics, mounts included; CORS
-    headers are sent only for `allowed_origins`; `tool_call_parser` ("hermes") enables
+    headers are sent only for `allowed_origins`; a Host outside `allowed_hosts` (None: any) gets 421; `tool_call_parser` ("hermes") enables
     tool_choice "auto"; `driver` replaces the AsyncEngine over `engine` (servelab.cluster's
     front end, whose `engine` only tokenizes)."""
     state = ServerState(api_key=api_key, tool_call_parser=tool_call_parser)
@@ -55,7 +56,8 @@ def create_app(
     app.state.servelab = state
     install_error_handlers(app)
     # The API key is RequestGuard's, for every route and mount at once: no route can forget it.
-    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
+    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes,
+                       allowed_hosts=allowed_hosts)  # fmt: skip
     if allowed_origins:  # outermost, so that preflights and refusals carry the CORS headers
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],
                            allow_headers=["*"])  # fmt: skip
