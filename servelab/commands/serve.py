@@ -248,6 +248,7 @@ def mount_lab(app: FastAPI, profile: dict | None = None, profile_path: str | Non
         )
         return False
     app.mount("/lab", lab)
+    app.state.stop_lab = lab.state.stop
     return True
 
 
@@ -338,6 +339,9 @@ def run(args: argparse.Namespace) -> int:
         period is over. A second signal stops at once."""
 
         def handle_exit(self, sig: int, frame: object) -> None:
+            stop_lab = getattr(app.state, "stop_lab", None)
+            if stop_lab is not None:  # its simulations run in threads the exit would wait for
+                stop_lab()
             if state.loop is None:
                 super().handle_exit(sig, frame)
                 return

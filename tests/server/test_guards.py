@@ -27,7 +27,7 @@ def keyed(fake_engine):
 
 @pytest.mark.parametrize("method,path", [
     ("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
-    ("POST", "/detokenize"), ("GET", "/lab/"), ("GET", "/lab/api/catalog"), ("GET", "/lab/api/lessons/batching"),
+    ("POST", "/detokenize"), ("GET", "/lab/"), ("GET", "/lab/api/catalog"), ("POST", "/lab/api/lessons/batching"),
     ("GET", "/lab/static/lab.js"), ("GET", "/openapi.json"), ("GET", "/no-such-route"),
 ])  # fmt: skip
 def test_the_api_key_covers_every_route(keyed, method, path):
