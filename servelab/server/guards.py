@@ -156,5 +156,5 @@ class RequestGuard:
         return counted
 
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "LOOPBACK_HOSTS", "OPEN_PATHS", "host_allowed", "host_name",
-           "is_loopback_address", "RequestGuard", "RequestTooLarge", "is_json_media_type"]
+__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "LOOPBACK_HOSTS", "OPEN_PATHS", "RequestGuard", "RequestTooLarge",
+           "host_allowed", "host_name", "is_json_media_type", "is_loopback_address"]

@@ -62,7 +62,7 @@ def test_a_run_past_the_time_budget_ends_with_a_clear_error_and_frees_its_slot()
     assert r.status_code == 400, r.text
     assert "time budget of 0.2 s" in r.json()["error"]["message"]
     for _ in range(sims.max_running):  # every slot is free again
-        assert sims._slots.acquire(blocking=False)  # noqa: SLF001
+        assert sims._slots.acquire(blocking=False)
 
 
 def _count_simulations(monkeypatch) -> list[int]:

@@ -105,11 +105,11 @@ def test_a_slow_body_is_cut_off_with_408():
 
 
 def test_a_full_body_in_time_is_served():
-    with serving(ConnectionLimits(header_timeout_s=0.3, body_timeout_s=0.3)) as port:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
-            for _ in range(3):  # keep-alive: each request gets its own deadlines
-                assert client.post("/", content=b"x" * 1000).text == "ok 1000"
-                time.sleep(0.4)  # longer than either deadline, shorter than the keep-alive timeout
+    limits = ConnectionLimits(header_timeout_s=0.3, body_timeout_s=0.3)
+    with serving(limits) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+        for _ in range(3):  # keep-alive: each request gets its own deadlines
+            assert client.post("/", content=b"x" * 1000).text == "ok 1000"
+            time.sleep(0.4)  # longer than either deadline, shorter than the keep-alive timeout
 
 
 def test_the_per_address_cap_answers_503_with_retry_after():
@@ -136,9 +136,9 @@ def test_the_total_cap_answers_503():
 
 
 def test_a_connection_carries_at_most_max_requests_per_connection():
-    with serving(ConnectionLimits(max_requests_per_connection=2)) as port:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
-            answers = [client.get("/") for _ in range(3)]
+    limits = ConnectionLimits(max_requests_per_connection=2)
+    with serving(limits) as port, httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=5) as client:
+        answers = [client.get("/") for _ in range(3)]
     assert [a.status_code for a in answers] == [200, 200, 200]  # the client reconnects for the third
     assert [a.headers.get("connection") for a in answers] == [None, "close", None]
 
