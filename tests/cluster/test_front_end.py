@@ -416,3 +416,25 @@ def test_health_lists_the_workers_in_its_503_while_the_only_worker_restarts(fake
         assert c.get("/health").json()["workers"][0]["restarts"] == 1
         r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 200, r.text
+
+
+def test_a_failed_workers_lingering_process_is_killed_and_reaped(fake_engine):
+    """A hung worker's process is alive when the front end gives up on it: it is killed, then
+    waited for, so no zombie is left in the process table."""
+    import multiprocessing
+
+    from tests.cluster.server_checks import reaped
+
+    cluster, _, _ = memory_cluster(fake_engine, 2, step_sleep_s=0.005)
+    wedged = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(120,), daemon=True)
+    wedged.start()
+    cluster.workers[1].process = wedged
+
+    async def main(driver):
+        driver.start()
+        driver._lost(driver.workers[1], "hung: the test's")
+        assert driver.health()["workers"][1]["status"] == "failed"  # no restart given: it stays failed
+        assert await asyncio.to_thread(reaped, wedged.pid, 10.0)  # while the server runs on, not at its stop
+        await driver.stop()
+
+    run(main(cluster))
