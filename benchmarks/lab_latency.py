@@ -20,7 +20,7 @@ def main() -> None:
     for lesson, change in CHANGES.items():
         out = []
         for params in ({}, change):
-            t = time.perf_counter(); r = c.get(f"/api/lessons/{lesson}", params=params); out.append((r.status_code, time.perf_counter() - t))
+            t = time.perf_counter(); r = c.post(f"/api/lessons/{lesson}", json=params); out.append((r.status_code, time.perf_counter() - t))
         print(f"{lesson:16s} load {out[0][1]:.2f} s ({out[0][0]})  change {out[1][1]:.2f} s ({out[1][0]})")
     c.app.state.capacity_planner.close()
 

@@ -88,15 +88,31 @@ class Link:
     """Messages to and from one peer over the pair's own process group. `send` is safe from
     several threads; one thread at a time may `recv`."""
 
-    def __init__(self, peer: int, group: Any):
+    def __init__(self, peer: int, group: Any, group_peer: int | None = None):
         self.peer = peer
         self.group = group
+        # A pair formed outside the world (`pair_link`) is addressed by its own ranks, through the
+        # group itself: torch.distributed's functions only know the world's groups.
+        self.group_peer = group_peer
         self._send_lock = threading.Lock()
         self.failure: str | None = None
 
+    def _isend(self, tensor: Any, tag: int) -> Any:
+        import torch.distributed as dist
+
+        if self.group_peer is not None:
+            return self.group.send([tensor], self.group_peer, tag)
+        return dist.isend(tensor, dst=self.peer, group=self.group, tag=tag)
+
+    def _irecv(self, tensor: Any, tag: int) -> Any:
+        import torch.distributed as dist
+
+        if self.group_peer is not None:
+            return self.group.recv([tensor], self.group_peer, tag)
+        return dist.irecv(tensor, src=self.peer, group=self.group, tag=tag)
+
     def send(self, message: Any, timeout_s: float = SEND_TIMEOUT_S) -> None:
         import torch
-        import torch.distributed as dist
 
         payload = bytearray(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
         header = torch.tensor([len(payload)], dtype=torch.int64)
@@ -105,22 +121,21 @@ class Link:
         with self._send_lock:
             self._check()
             try:
-                dist.isend(header, dst=self.peer, group=self.group, tag=TAG_HEADER).wait(timeout)
-                dist.isend(body, dst=self.peer, group=self.group, tag=TAG_PAYLOAD).wait(timeout)
+                self._isend(header, TAG_HEADER).wait(timeout)
+                self._isend(body, TAG_PAYLOAD).wait(timeout)
             except (RuntimeError, ValueError) as exc:
                 raise self._lost(exc) from exc
 
     def recv(self, timeout_s: float = PEER_TIMEOUT_S) -> Any:
         import torch
-        import torch.distributed as dist
 
         self._check()
         timeout = timedelta(seconds=timeout_s)
         try:
             header = torch.empty(1, dtype=torch.int64)
-            dist.irecv(header, src=self.peer, group=self.group, tag=TAG_HEADER).wait(timeout)
+            self._irecv(header, TAG_HEADER).wait(timeout)
             body = torch.empty(int(header.item()), dtype=torch.uint8)
-            dist.irecv(body, src=self.peer, group=self.group, tag=TAG_PAYLOAD).wait(timeout)
+            self._irecv(body, TAG_PAYLOAD).wait(timeout)
         except (RuntimeError, ValueError) as exc:  # ValueError: the group was destroyed meanwhile
             raise self._lost(exc) from exc
         return pickle.loads(body.numpy().tobytes())
@@ -170,6 +185,24 @@ def join(rdv: Rendezvous, pairs: Iterable[tuple[int, int]] | None = None) -> dic
             peer = b if rdv.rank == a else a
             links[peer] = Link(peer, group)
     return links
+
+
+def pair_link(rdv: Rendezvous, name: str, peer: int) -> Link:
+    """A link between rank 0 and a process that comes after the world formed (a restarted
+    worker): the world cannot take a new member, so the two form a two-rank gloo group of their
+    own through the rendezvous store, under `name` (unique per pair and attempt). Both sides
+    call it, each with the other's rank; it returns once both have, or raises PeerLost after
+    `rdv.timeout_s`."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=rdv.timeout_s)
+    try:
+        store = dist.TCPStore(rdv.master_addr, rdv.master_port, is_master=False, timeout=timeout)
+        group = dist.ProcessGroupGloo(dist.PrefixStore(name, store), 0 if rdv.rank == 0 else 1, 2,
+                                      timedelta(seconds=PEER_TIMEOUT_S))  # fmt: skip
+    except (RuntimeError, ValueError) as exc:  # DistStoreError and kin: the peer never came
+        raise PeerLost(f"rank {peer}: did not link within {rdv.timeout_s:g} s ({str(exc).splitlines()[0]})") from exc
+    return Link(peer, group, group_peer=1 if rdv.rank == 0 else 0)
 
 
 def leave() -> None:

@@ -10,6 +10,9 @@ from one engine, and the client's queue gets it. A worker whose link fails (the 
 or it said nothing for PEER_TIMEOUT_S) fails only its own requests; the router stops choosing
 it, and `health()` reports the cluster degraded. So does a hung one: its heartbeats say how long
 its step loop has been in one pass, and past `hang_timeout_s` the front end gives up on it.
+A failed worker's process is killed if it lingers and always reaped; with a `restart` (local
+data-parallel workers: launch.LocalRestart) a replacement is started under the same rank after
+RESTART_BACKOFF_S, doubling per attempt, at most `restart_limit` times per rank.
 """
 
 from __future__ import annotations
@@ -42,6 +45,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("servelab.cluster")
 
 STOP_WAIT_S = 10.0  # how long a stopping front end waits for a worker to exit before killing it
+DEFAULT_RESTART_LIMIT = 3  # restarts per rank over the server's life (--worker-restart-limit)
+RESTART_BACKOFF_S = 1.0  # before the first restart of a rank; doubled for each further attempt
+MAX_RESTART_BACKOFF_S = 60.0
 
 
 @dataclass(eq=False)
@@ -55,6 +61,8 @@ class WorkerHandle:
     outstanding: int = 0  # requests sent to it and not finished
     stats: EngineStats | None = None  # its latest, from its outputs and heartbeats
     failure: str | None = None
+    restarts: int = 0  # replacements started for this rank so far, failed attempts included
+    restarting: bool = False  # failed, and a replacement is on its way
     sends: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     threads: list[threading.Thread] = field(default_factory=list)
 
@@ -87,9 +95,15 @@ class ClusterEngine:
     """N engine workers behind one router, with AsyncEngine's interface for the server."""
 
     def __init__(self, shell: LLMEngine, workers: list[WorkerHandle], router: Router,
-                 hang_timeout_s: float | None = HANG_TIMEOUT_S):  # fmt: skip
+                 hang_timeout_s: float | None = HANG_TIMEOUT_S,
+                 restart: Callable[[WorkerHandle], WorkerHandle] | None = None,
+                 restart_limit: int = DEFAULT_RESTART_LIMIT):  # fmt: skip
         self.engine = shell  # tokenizer, limits and names; it runs no model
         self.workers = workers
+        self.restart = restart  # a failed worker -> its running replacement (blocking); None: none
+        self.restart_limit = restart_limit
+        self.retired: list[WorkerHandle] = []  # replaced workers: their counters still count
+        self._stopping = threading.Event()
         self.router = router
         self.hang_timeout_s = hang_timeout_s  # None: no watchdog
         self.decode_router = Router(router.kind)  # disaggregated: the decode pool's own choices
@@ -109,11 +123,14 @@ class ClusterEngine:
         # handler would join them forever, so a front end that exits without stop() stops them first.
         atexit.register(self.close)
         for w in workers:
-            w.stats = w.stats or _empty_stats(shell)
-            for target, name in ((self._send_loop, "send"), (self._recv_loop, "recv")):
-                thread = threading.Thread(target=target, args=(w,), name=f"servelab-dp{w.index}-{name}", daemon=True)
-                w.threads.append(thread)
-                thread.start()
+            self._start_links(w)
+
+    def _start_links(self, w: WorkerHandle) -> None:
+        w.stats = w.stats or _empty_stats(self.engine)
+        for target, name in ((self._send_loop, "send"), (self._recv_loop, "recv")):
+            thread = threading.Thread(target=target, args=(w,), name=f"servelab-dp{w.index}-{name}", daemon=True)
+            w.threads.append(thread)
+            thread.start()
 
     # ---- AsyncEngine's interface ------------------------------------------------------------
 
@@ -158,7 +175,7 @@ class ClusterEngine:
         blocks). Counters: the sum over every worker, a failed one's last-known values included,
         so that a worker's death never makes a total go down (Prometheus would read a reset)."""
         live = [w.stats for w in self.workers if w.alive and w.stats is not None]
-        every = [w.stats for w in self.workers if w.stats is not None]
+        every = [w.stats for w in [*self.retired, *self.workers] if w.stats is not None]
         total = sum(s.num_blocks_total for s in live)
         return EngineStats(
             num_running=sum(s.num_running for s in live),
@@ -189,16 +206,20 @@ class ClusterEngine:
         return {str(w.index): (w.stats if w.alive else None) for w in self.workers}
 
     def health(self) -> dict[str, Any]:
-        """/health's body: "ok", or "degraded" while some worker has failed and the cluster still
-        serves (every worker of a pool failed: `down_reason`, and /health answers 503)."""
+        """/health's body, every worker listed: "ok"; "degraded" while some worker has failed (or
+        is restarting) and the cluster still serves; "down" when it cannot (`down_reason`: every
+        worker of a pool failed), which /health answers with 503 and this same list."""
         workers = [
             {"rank": w.index, "host": w.ready.host, "pid": w.ready.pid, "role": w.role,
-             "status": "ok" if w.alive else "failed", "outstanding": w.outstanding,
-             **({} if w.alive else {"error": w.failure})}
+             "status": "ok" if w.alive else "restarting" if w.restarting else "failed",
+             "outstanding": w.outstanding, "restarts": w.restarts, **({} if w.alive else {"error": w.failure})}
             for w in self.workers
         ]  # fmt: skip
-        degraded = any(not w.alive for w in self.workers)
-        return {"status": "degraded" if degraded else "ok", "workers": workers}
+        if self.down_reason is not None:
+            status = "down"
+        else:
+            status = "degraded" if any(not w.alive for w in self.workers) else "ok"
+        return {"status": status, "workers": workers}
 
     async def submit(self, requests: list[EngineRequest]) -> RequestStream:
         """Route the requests (the n choices of one client request, all to one worker) and
@@ -311,6 +332,7 @@ class ClusterEngine:
         if self.stopped:
             return
         self.stopped = True
+        self._stopping.set()  # a pending restart starts nothing more
         atexit.unregister(self.close)
         for w in self.workers:
             if w.alive:
@@ -431,8 +453,66 @@ class ClusterEngine:
         self._end([rid for rid, r in self._remote.items() if w in r.route()], error)
         w.outstanding = 0
         w.sends.put(None)
-        if w.process is not None and w.process.is_alive():  # wedged, not dead: it must not linger
-            w.process.kill()
+        restart = self.restart is not None and w.restarts < self.restart_limit
+        w.restarting = restart
+        threading.Thread(target=self._retire, args=(w, restart), name=f"servelab-dp{w.index}-restart",
+                         daemon=True).start()  # fmt: skip
+
+    # ---- restarts (their own thread, then the event loop) ---------------------------------------
+
+    def _retire(self, w: WorkerHandle, restart: bool) -> None:
+        """Ends a failed worker's process (a wedged one is killed) and reaps it, then, if asked,
+        starts its replacement after the backoff."""
+        if w.process is not None:
+            if w.process.is_alive():
+                w.process.kill()
+            w.process.join(timeout=STOP_WAIT_S)
+        if not restart:
+            return
+        delay_s = min(RESTART_BACKOFF_S * 2**w.restarts, MAX_RESTART_BACKOFF_S)
+        if self._stopping.wait(delay_s):
+            return
+        logger.info("servelab: restarting worker %d (attempt %d of %d)", w.index, w.restarts + 1, self.restart_limit)
+        try:
+            replacement = self.restart(w)
+        except Exception as exc:  # noqa: BLE001 - any failure to start is reported and retried
+            self._post(self._restart_failed, w, f"{type(exc).__name__}: {exc}")
+            return
+        self._post(self._rejoin, w, replacement)
+
+    def _restart_failed(self, w: WorkerHandle, why: str) -> None:
+        w.restarts += 1
+        again = not self.stopped and w.restarts < self.restart_limit
+        logger.error("servelab: worker %d could not be restarted (%s); %s", w.index, why,
+                     "trying again" if again else f"giving up after {w.restarts} attempt(s) (--worker-restart-limit)")
+        w.restarting = again
+        if again:
+            threading.Thread(target=self._retire, args=(w, True), name=f"servelab-dp{w.index}-restart",
+                             daemon=True).start()  # fmt: skip
+
+    def _rejoin(self, old: WorkerHandle, new: WorkerHandle) -> None:
+        if self.stopped:  # the server stopped meanwhile: the replacement goes too
+            threading.Thread(target=self._stop_replacement, args=(new,), daemon=True).start()
+            return
+        new.restarts = old.restarts + 1
+        old.restarting = False
+        self.workers[self.workers.index(old)] = new
+        self.retired.append(old)
+        self._start_links(new)
+        logger.info("servelab: worker %d is back (pid %d); %d of %d worker(s) serve", new.index, new.ready.pid,
+                    sum(x.alive for x in self.workers), len(self.workers))  # fmt: skip
+
+    @staticmethod
+    def _stop_replacement(w: WorkerHandle) -> None:
+        try:
+            w.link.send(m.Stop(), timeout_s=2.0)
+        except PeerLost:
+            pass
+        if w.process is not None:
+            w.process.join(timeout=STOP_WAIT_S)
+            if w.process.is_alive():
+                w.process.kill()
+                w.process.join()
 
     # ---- link threads -------------------------------------------------------------------------
 

@@ -5,6 +5,8 @@ and names from (it loads the tokenizer, never the weights)."""
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import logging
 import os
 import sys
@@ -12,8 +14,8 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from servelab.cluster import messages as m
-from servelab.cluster.channel import HANG_TIMEOUT_S, JOIN_TIMEOUT_S, PeerLost, Rendezvous, join, leave
-from servelab.cluster.front_end import ClusterEngine, WorkerHandle
+from servelab.cluster.channel import HANG_TIMEOUT_S, JOIN_TIMEOUT_S, PeerLost, Rendezvous, join, leave, pair_link
+from servelab.cluster.front_end import DEFAULT_RESTART_LIMIT, ClusterEngine, WorkerHandle
 from servelab.errors import InvalidArgument, ServelabError
 from servelab.sim.router import Router
 
@@ -63,6 +65,7 @@ def start_cluster(
     join_timeout_s: float = JOIN_TIMEOUT_S,
     disagg: DisaggConfig | None = None,
     hang_timeout_s: float | None = HANG_TIMEOUT_S,
+    restart_limit: int = DEFAULT_RESTART_LIMIT,
 ) -> ClusterEngine:
     """N workers and this process as rank 0. Local workers are spawned here and share the host's
     cores; `external` ones are started elsewhere (`servelab worker`) and must join within
@@ -70,7 +73,8 @@ def start_cluster(
     With `disagg`, the N = P + D workers are its prefill workers, then its decode workers. Under
     `engine_args.tensor_parallel_size` T > 1 each worker is rank 0 of its own group of T processes
     (engine/parallel/group.py), which it starts on its own host. A worker busy in one pass of its
-    step loop for over `hang_timeout_s` (None: never) is failed as hung."""
+    step loop for over `hang_timeout_s` (None: never) is failed as hung. A failed local
+    data-parallel worker is restarted, at most `restart_limit` times per rank, with backoff."""
     check_cluster_args(data_parallel)
     route = Router(router)
     if external and master_port is None:
@@ -111,7 +115,44 @@ def start_cluster(
             raise ClusterFailed(f"a worker was lost while it started: {exc}") from exc
         raise
     workers = [WorkerHandle(rank, links[rank], readies[rank], processes.get(rank)) for rank in sorted(links)]
-    return ClusterEngine(shell, workers, route, hang_timeout_s)
+    # An external worker is its operator's to restart; a disaggregated one would need its transfer
+    # groups with every peer formed again.
+    restart = None
+    if not external and disagg is None:
+        restart = LocalRestart(engine_args, Rendezvous(master_addr, port, world, 0, join_timeout_s), threads)
+    return ClusterEngine(shell, workers, route, hang_timeout_s, restart=restart, restart_limit=restart_limit)
+
+
+class LocalRestart:
+    """Starts a replacement for a failed local data-parallel worker: a new process under the
+    same rank that links to the front end by `pair_link` (the world formed at start takes no new
+    member), builds the same engine, and must come up alike. Called from a restart thread."""
+
+    def __init__(self, engine_args: EngineArgs, front_rdv: Rendezvous, threads: int | None):
+        self.engine_args = engine_args
+        self.front_rdv = front_rdv
+        self.threads = threads
+        self._attempts = itertools.count(1)
+
+    def __call__(self, old: WorkerHandle) -> WorkerHandle:
+        import torch.multiprocessing as mp
+
+        name = f"servelab-restart/{old.index}/{next(self._attempts)}"
+        rdv = dataclasses.replace(self.front_rdv, rank=old.index)
+        process = mp.get_context("spawn").Process(target=run_local_worker, args=(rdv, os.getpid(), name),
+                                                  name=f"servelab-worker{old.index}", daemon=True)  # fmt: skip
+        process.start()
+        try:
+            link = pair_link(self.front_rdv, name, old.index)
+            link.send(m.WorkerConfig(self.engine_args, "mixed", self.threads, None))
+            ready = _ready(old.index, link.recv(timeout_s=self.front_rdv.timeout_s))
+            _check_alike({0: old.ready, old.index: ready})
+        except BaseException:
+            if process.is_alive():
+                process.kill()
+            process.join()
+            raise
+        return WorkerHandle(old.index, link, ready, process)
 
 
 def _spawn_local(addr: str, port: int, world: int, join_timeout_s: float) -> dict[int, Any]:
@@ -127,7 +168,7 @@ def _spawn_local(addr: str, port: int, world: int, join_timeout_s: float) -> dic
     return processes
 
 
-def run_local_worker(rdv: Rendezvous, parent_pid: int) -> None:
+def run_local_worker(rdv: Rendezvous, parent_pid: int, relink: str | None = None) -> None:
     """A spawned worker's entry point: the parent's log format, exit status from worker_main."""
     import signal
 
@@ -138,7 +179,7 @@ def run_local_worker(rdv: Rendezvous, parent_pid: int) -> None:
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     _log_to_stderr(f"worker{rdv.rank}")
-    sys.exit(worker_main(rdv, parent_pid))
+    sys.exit(worker_main(rdv, parent_pid, relink))
 
 
 def _log_to_stderr(name: str) -> None:

@@ -26,7 +26,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from servelab.cluster import messages as m
-from servelab.cluster.channel import HEARTBEAT_S, Link, PeerLost, Rendezvous, join, leave
+from servelab.cluster.channel import HEARTBEAT_S, Link, PeerLost, Rendezvous, join, leave, pair_link
 from servelab.errors import ServelabError
 from servelab.server.async_engine import take_commands
 
@@ -55,8 +55,10 @@ def _exit_when_orphaned(parent: int) -> None:
     os._exit(1)
 
 
-def worker_main(rdv: Rendezvous, parent_pid: int | None = None) -> int:
-    """The whole life of worker `rdv.rank`; returns its exit status (0: told to stop)."""
+def worker_main(rdv: Rendezvous, parent_pid: int | None = None, relink: str | None = None) -> int:
+    """The whole life of worker `rdv.rank`; returns its exit status (0: told to stop). A worker
+    started in place of a failed one (`relink`: its pair's name) links to the front end alone
+    (channel.pair_link) instead of joining the world."""
     if parent_pid is not None:
         threading.Thread(target=_exit_when_orphaned, args=(parent_pid,), daemon=True).start()
     # torch's C++ side logs each failed connection attempt with its stack trace straight to fd 2:
@@ -65,7 +67,7 @@ def worker_main(rdv: Rendezvous, parent_pid: int | None = None) -> int:
     noise = _NativeStderr()
     try:
         with noise:
-            links = join(rdv)
+            links = join(rdv) if relink is None else {0: pair_link(rdv, relink, 0)}
     except Exception as exc:
         leave()
         if logger.isEnabledFor(logging.DEBUG) or isinstance(exc, ServelabError):

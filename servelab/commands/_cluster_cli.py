@@ -20,6 +20,7 @@ DEFAULT_ROUTER = "least-outstanding"
 DEFAULT_JOIN_TIMEOUT = "5m"
 DEFAULT_KV_TRANSFER_TIMEOUT = f"{DEFAULT_KV_TRANSFER_TIMEOUT_S:g}s"
 DEFAULT_HANG_TIMEOUT = f"{HANG_TIMEOUT_S:g}s"
+DEFAULT_RESTART_LIMIT = 3  # cluster/front_end.py's, without importing torch here
 
 
 def add_rendezvous_arguments(group: argparse._ArgumentGroup, *, role: str) -> None:
@@ -45,6 +46,10 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                    help="a worker whose step loop finishes no step for this long while it has work is hung: its "
                         "requests fail, /health says degraded, the router skips it (a local one is killed); "
                         f"keep it well above the slowest prefill chunk (0: never) (default {DEFAULT_HANG_TIMEOUT})")  # fmt: skip
+    g.add_argument("--worker-restart-limit", type=int, default=DEFAULT_RESTART_LIMIT, metavar="N",
+                   help="a failed or hung local data-parallel worker is restarted, after 1 s, then 2 s, 4 s ... up "
+                        f"to 60 s, at most N times per rank (0: never) (default {DEFAULT_RESTART_LIMIT}); its "
+                        "requests fail either way")  # fmt: skip
 
 
     d = parser.add_argument_group("disaggregated prefill/decode (docs/disaggregation.md)")
@@ -89,6 +94,11 @@ def check_cluster_flags(args: argparse.Namespace) -> None:
                               "reach this host at), so the workers know where to join")  # fmt: skip
     parse_duration_s(args.join_timeout, name="--join-timeout")
     hang_timeout_s(args)
+    if args.worker_restart_limit < 0:
+        raise InvalidArgument(f"--worker-restart-limit: must be >= 0 (0: never restart), got {args.worker_restart_limit}")
+    if args.worker_restart_limit != DEFAULT_RESTART_LIMIT and not uses_cluster(args):
+        raise InvalidArgument("--worker-restart-limit: only with --data-parallel N > 1 (one engine has no worker to "
+                              "restart)")  # fmt: skip
     if args.worker_hang_timeout != DEFAULT_HANG_TIMEOUT and not uses_cluster(args):
         raise InvalidArgument("--worker-hang-timeout: only with --data-parallel N > 1, --external-workers or --disagg "
                               "P:D (one engine has no worker to watch)")  # fmt: skip
@@ -109,7 +119,7 @@ def start_cluster_from_args(args: argparse.Namespace, engine_args: EngineArgs) -
     driver = start_cluster(
         engine_args, num_workers, router=args.router, master_addr=addr, master_port=args.master_port,
         external=args.external_workers, join_timeout_s=parse_duration_s(args.join_timeout, name="--join-timeout"),
-        disagg=disagg, hang_timeout_s=hang_timeout_s(args),
+        disagg=disagg, hang_timeout_s=hang_timeout_s(args), restart_limit=args.worker_restart_limit,
     )  # fmt: skip
     log.info("servelab: %d %s worker(s) (%s), router %s", len(driver.workers),
              "data-parallel" if disagg is None else f"prefill/decode {args.disagg}",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import socket
 
 from servelab.errors import InvalidArgument
@@ -28,12 +29,31 @@ def run(args: argparse.Namespace) -> int:
 
     profile = None if args.profile is None else load_profile(args.profile)  # a bad file fails here, exit 2
     _check_can_listen(args.host, args.port)
-    from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES
+    from servelab.server.connections import ConnectionLimits, http_protocol
+    from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES, LOOPBACK_HOSTS, is_loopback_address
 
-    # On its own the lab is a web server too: the same Content-Type and body-size guard as `servelab serve`.
-    app = create_lab_app(profile=profile, profile_path=args.profile, max_request_bytes=DEFAULT_MAX_REQUEST_BYTES)
+    # On its own the lab is a web server too: the same guards and connection limits as `servelab serve`.
+    allowed_hosts = LOOPBACK_HOSTS if is_loopback_address(args.host) else None
+    app = create_lab_app(profile=profile, profile_path=args.profile, max_request_bytes=DEFAULT_MAX_REQUEST_BYTES,
+                         allowed_hosts=allowed_hosts)  # fmt: skip
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: object) -> None:
+            app.state.stop()  # a running simulation's thread would keep the process alive
+            super().handle_exit(sig, frame)
+
+    limits = ConnectionLimits()
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", http=http_protocol(limits),
+                            ws="none", timeout_keep_alive=limits.keep_alive_timeout_s)  # fmt: skip
     print(f"servelab lab: open http://{args.host}:{args.port}/ (works offline; Ctrl-C to stop)", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
+    # uvicorn re-raises the signal it caught once it has shut down; a no-op handler then lets a
+    # graceful SIGTERM exit 0, as a supervisor expects.
+    previous = {s: signal.signal(s, lambda *_: None) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        _Server(config).run()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
     return 0
 
 

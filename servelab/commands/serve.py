@@ -27,6 +27,8 @@ from servelab.units import parse_duration_s, parse_str_list
 if TYPE_CHECKING:
     from fastapi import FastAPI
 
+    from servelab.server.connections import ConnectionLimits
+
 HELP = "serve a model over an OpenAI-compatible HTTP API"
 
 _BYTES = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
@@ -66,6 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--shutdown-timeout", default="30s",
                      help="on SIGTERM, how long running requests may take to finish before they are aborted "
                           "(default 30s)")  # fmt: skip
+    add_connection_arguments(parser)
     net.add_argument("--no-access-log", action="store_true", help="do not log one line per HTTP request")
     net.add_argument("--no-lab", action="store_true", help="do not mount the lessons at /lab")
     net.add_argument("--metrics-namespace", choices=list(NAMESPACES), default="servelab",
@@ -124,6 +127,80 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cluster_arguments(parser)
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
                         help="server log verbosity (default: info)")
+
+
+def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    from servelab.server import connections as c
+
+    conn = parser.add_argument_group("connections")
+    conn.add_argument("--allowed-hosts", default=None,
+                      help="comma-separated Host header names the server answers (a port is ignored; "
+                           "'*.example.com' matches its subdomains; '*' any); others get 421. Default: bound to a "
+                           "loopback address, only localhost, 127.0.0.1 and [::1] (a web page that rebinds its "
+                           "DNS name to 127.0.0.1 cannot reach the API); bound elsewhere, any")  # fmt: skip
+    conn.add_argument("--header-timeout", default=f"{c.DEFAULT_HEADER_TIMEOUT_S:g}s",
+                      help="a connection must send a request's whole headers within this (default %(default)s); "
+                           "slower ones get 408 and are closed")  # fmt: skip
+    conn.add_argument("--body-timeout", default=f"{c.DEFAULT_BODY_TIMEOUT_S:g}s",
+                      help="and its whole body within this after them (default %(default)s)")
+    conn.add_argument("--keep-alive-timeout", default=f"{c.DEFAULT_KEEP_ALIVE_TIMEOUT_S:g}s",
+                      help="an idle keep-alive connection is closed after this (default %(default)s)")
+    conn.add_argument("--max-connections", type=int, default=c.DEFAULT_MAX_CONNECTIONS, metavar="N",
+                      help="open connections in all; past it a new one gets 503 with Retry-After "
+                           "(default %(default)s; 0: no cap)")  # fmt: skip
+    conn.add_argument("--max-connections-per-client", type=int, default=c.DEFAULT_MAX_CONNECTIONS_PER_CLIENT,
+                      metavar="N", help="open connections from one client address (default %(default)s; 0: no cap; "
+                                        "raise it behind a proxy, which is one address)")  # fmt: skip
+    conn.add_argument("--max-requests-per-connection", type=int, default=c.DEFAULT_MAX_REQUESTS_PER_CONNECTION,
+                      metavar="N", help="a keep-alive connection is closed after this many requests "
+                                        "(default %(default)s; 0: no cap)")  # fmt: skip
+
+
+def connection_limits_from_args(args: argparse.Namespace) -> ConnectionLimits:
+    from servelab.server.connections import ConnectionLimits
+
+    counts = {}
+    for flag in ("max_connections", "max_connections_per_client", "max_requests_per_connection"):
+        value = getattr(args, flag)
+        if value < 0:
+            raise InvalidArgument(f"--{flag.replace('_', '-')}: must be >= 0 (0: no cap), got {value}")
+        counts[flag] = value or None
+    return ConnectionLimits(
+        header_timeout_s=parse_duration_s(args.header_timeout, name="--header-timeout", positive=True),
+        body_timeout_s=parse_duration_s(args.body_timeout, name="--body-timeout", positive=True),
+        keep_alive_timeout_s=parse_duration_s(args.keep_alive_timeout, name="--keep-alive-timeout", positive=True),
+        **counts,
+    )
+
+
+def allowed_hosts_from_args(args: argparse.Namespace) -> frozenset[str] | None:
+    """The Host names the server answers; None: any."""
+    from servelab.server.guards import LOOPBACK_HOSTS, is_loopback_address
+
+    if args.allowed_hosts is None:
+        return LOOPBACK_HOSTS if is_loopback_address(args.host) else None
+    hosts = parse_str_list(args.allowed_hosts, name="--allowed-hosts")
+    if not hosts:
+        raise InvalidArgument("--allowed-hosts: give at least one name, or '*' for any")
+    return None if "*" in hosts else frozenset(h.lower() for h in hosts)
+
+
+def _raise_open_file_limit(need: int) -> None:
+    """Each connection is a file descriptor: a connection cap above the soft limit would fail in
+    accept() instead of answering 503, so the soft limit is raised towards the hard one (as vLLM does)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        target = need if hard == resource.RLIM_INFINITY else min(need, hard)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+        except (ValueError, OSError):
+            target = soft
+        if target < need:
+            logging.getLogger("servelab.server").warning(
+                "servelab: the open-file limit is %d, below --max-connections plus room for the server's own files "
+                "(%d): past it new connections fail instead of getting 503", target, need)
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -198,6 +275,7 @@ def mount_lab(app: FastAPI, profile: dict | None = None, profile_path: str | Non
         )
         return False
     app.mount("/lab", lab)
+    app.state.stop_lab = lab.state.stop
     return True
 
 
@@ -214,6 +292,8 @@ def run(args: argparse.Namespace) -> int:
         else DEFAULT_MAX_REQUEST_BYTES
     )  # fmt: skip
     allowed_origins = parse_str_list(args.allowed_origins, name="--allowed-origins") if args.allowed_origins else None
+    limits = connection_limits_from_args(args)
+    allowed_hosts = allowed_hosts_from_args(args)
     from servelab.cost.profile import load_profile
 
     profile = None if args.profile is None else load_profile(args.profile)  # a bad file fails before the model loads
@@ -275,6 +355,7 @@ def run(args: argparse.Namespace) -> int:
         api_key=args.api_key,
         max_request_bytes=max_request_bytes,
         allowed_origins=allowed_origins,
+        allowed_hosts=allowed_hosts,
         tool_call_parser=args.tool_call_parser,
         driver=driver,
         metrics_namespace=args.metrics_namespace,
@@ -294,6 +375,9 @@ def run(args: argparse.Namespace) -> int:
         period is over. A second signal stops at once."""
 
         def handle_exit(self, sig: int, frame: object) -> None:
+            stop_lab = getattr(app.state, "stop_lab", None)
+            if stop_lab is not None:  # its simulations run in threads the exit would wait for
+                stop_lab()
             if state.loop is None:
                 super().handle_exit(sig, frame)
                 return
@@ -322,8 +406,14 @@ def run(args: argparse.Namespace) -> int:
             await state.wait_drained(shutdown_timeout_s + 1.0)
             self.should_exit = True
 
+    from servelab.server.connections import http_protocol
+
+    _raise_open_file_limit((limits.max_connections or 0) + 256)
     config = uvicorn.Config(
         app,
+        http=http_protocol(limits),
+        ws="none",
+        timeout_keep_alive=limits.keep_alive_timeout_s,
         log_level=args.log_level,
         access_log=not args.no_access_log,
         # The app itself aborts what is left when the grace period ends (its clients get an error

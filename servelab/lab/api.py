@@ -13,7 +13,6 @@ with the limit named. Neither is a 400: the configuration is valid, it just does
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,44 +20,36 @@ from servelab.errors import DoesNotFit, NotFound
 from servelab.lab import roofline_lessons
 from servelab.lab.request_cost_lesson import request_cost
 from servelab.lab.common import TP_CHOICES, common_defaults, setup_from
-from servelab.lab.limits import MAX_RUNNING_SIMULATIONS
 from servelab.lab.limits import published as published_limits
 from servelab.lab.params import Params
 from servelab.spec import HARDWARE, KV_DTYPES, MODELS, WEIGHT_DTYPES
 
 if TYPE_CHECKING:
     from servelab.lab.capacity_lesson import CapacityPlanner
+    from servelab.lab.simulations import Budget, Simulations
 
 LessonFn = Callable[[Params], dict[str, Any]]
 
 
-# Held while a simulator lesson runs: at most MAX_RUNNING_SIMULATIONS at once, 429 beyond.
-SIMULATIONS = threading.BoundedSemaphore(MAX_RUNNING_SIMULATIONS)
+class Simulated:
+    """A lesson answered by the simulator: it runs under the lab's Simulations (a slot, a Budget)."""
 
+    def __init__(self, name: str):
+        self.name = name
 
-def _sim(name: str) -> LessonFn:
-    # The simulator pulls in the scheduler and numpy-heavy metrics; import it on first use.
-    def run(p: Params) -> dict[str, Any]:
+    def __call__(self, p: Params, budget: Budget) -> dict[str, Any]:
+        # The simulator pulls in the scheduler and numpy-heavy metrics; import it on first use.
         from servelab.lab import sim_lessons
-        from servelab.lab.capacity_lesson import RETRY_AFTER_S, LabBusy
 
-        if not SIMULATIONS.acquire(blocking=False):
-            raise LabBusy(f"the lab is already running {MAX_RUNNING_SIMULATIONS} simulations (the most it runs at "
-                          f"once); retry in {RETRY_AFTER_S} s")
-        try:
-            return getattr(sim_lessons, name)(p)
-        finally:
-            SIMULATIONS.release()
-
-    return run
+        return getattr(sim_lessons, self.name)(p, budget)
 
 
-LESSONS: dict[str, LessonFn | None] = {
+LESSONS: dict[str, LessonFn | Simulated | None] = {
     "two-workloads": roofline_lessons.two_workloads,
     "batching": roofline_lessons.batching,
-    "slo": _sim("slo"),
-    "chunked-prefill": _sim("chunked_prefill"),
-    "disaggregated": _sim("disaggregated"),
+    "slo": Simulated("slo"),
+    "chunked-prefill": Simulated("chunked_prefill"),
+    "disaggregated": Simulated("disaggregated"),
     "memory": roofline_lessons.memory,
     "capacity": None,
     "request-cost": request_cost,  # needs the lab's CapacityPlanner: see run_lesson
@@ -95,7 +86,7 @@ def catalog() -> dict[str, Any]:
     }
 
 
-def run_lesson(name: str, params: Params, planner: CapacityPlanner) -> dict[str, Any]:
+def run_lesson(name: str, params: Params, planner: CapacityPlanner, simulations: Simulations) -> dict[str, Any]:
     try:
         fn = LESSONS[name]
     except KeyError:
@@ -105,6 +96,8 @@ def run_lesson(name: str, params: Params, planner: CapacityPlanner) -> dict[str,
 
         return capacity_lesson.capacity(params, planner)
     try:
+        if isinstance(fn, Simulated):
+            return simulations.run(name, lambda budget: fn(params, budget))
         return fn(params)
     except DoesNotFit as exc:
         return does_not_fit(name, params, exc)

@@ -13,7 +13,7 @@ import importlib.resources
 
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
@@ -21,6 +21,9 @@ from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 from servelab.errors import NotFound, ServelabError
 from servelab.lab.live import EngineMetricsSource, read_engine_stats
 from servelab.lab.params import Params
+
+if TYPE_CHECKING:
+    from servelab.lab.simulations import Simulations
 
 _STATIC_FILES = {"lab.js": "text/javascript", "lab.css": "text/css"}
 
@@ -41,7 +44,9 @@ def _static_dir() -> Path:
 def _error_response(exc: ServelabError) -> JSONResponse:
     from servelab.lab.capacity_lesson import RETRY_AFTER_S
 
-    body = {"error": {"message": exc.message, "type": exc.error_type, "param": exc.param}}
+    from servelab.server.http_errors import error_json  # the server's error shape, code included
+
+    body = error_json(exc)
     headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.http_status == 429 else None  # plans and replays alike
     return JSONResponse(body, status_code=exc.http_status, headers=headers)
 
@@ -49,15 +54,24 @@ def _error_response(exc: ServelabError) -> JSONResponse:
 def create_lab_app(engine_metrics_source: EngineMetricsSource | None = None, *,
                    profile: dict[str, Any] | None = None, profile_path: str | None = None,
                    served_model: Callable[[], str | None] | None = None,
-                   max_request_bytes: int | None = None) -> FastAPI:
+                   max_request_bytes: int | None = None, allowed_hosts: frozenset[str] | None = None,
+                   simulations: Simulations | None = None) -> FastAPI:
     """The lab as an ASGI app. Mount it anywhere (`app.mount("/lab", create_lab_app(...))`): the
     page addresses its API and files by relative URLs. `profile` is a loaded `servelab calibrate`
     profile (`servelab.cost.profile.load_profile`); `served_model` names the engine's model.
     `max_request_bytes`, for the lab served on its own (`servelab lab`), puts `servelab serve`'s
-    own request guard in front of it (a JSON Content-Type on a POST, the body limit); mounted in
-    `servelab serve`, the server's guard already covers it."""
+    own request guard in front of it (a JSON Content-Type on a POST, the body limit, the Host
+    check against `allowed_hosts`); mounted in `servelab serve`, the server's guard already covers
+    it. `simulations` (default: the lab's own, with the default budgets) runs the simulator
+    lessons; `app.state.stop()`, for a stopping server, ends the running simulations and capacity
+    plans within milliseconds and refuses new ones (503).
+
+    A lesson is a POST with its inputs as a JSON object: a simulation takes seconds of CPU, and a
+    JSON POST is what another site's page cannot send without the CORS preflight this server
+    never grants."""
     from servelab.lab import api  # the lesson registry imports the cost model; keep app import cheap
     from servelab.lab.capacity_lesson import CapacityPlanner
+    from servelab.lab.simulations import Simulations
     from servelab.lab.your_machine import Predictor
 
     def metrics_text() -> str:
@@ -68,9 +82,17 @@ def create_lab_app(engine_metrics_source: EngineMetricsSource | None = None, *,
     if max_request_bytes is not None:
         from servelab.server.guards import RequestGuard
 
-        app.add_middleware(RequestGuard, api_key=None, max_request_bytes=max_request_bytes)
+        app.add_middleware(RequestGuard, api_key=None, max_request_bytes=max_request_bytes, allowed_hosts=allowed_hosts)
     app.state.engine_metrics_source = engine_metrics_source
     app.state.capacity_planner = CapacityPlanner()
+    app.state.simulations = simulations or Simulations()
+
+    def stop() -> None:
+        # Called from a signal handler: both only set flags and signal processes.
+        app.state.simulations.cancel()
+        app.state.capacity_planner.close()
+
+    app.state.stop = stop
     app.state.predictor = Predictor(profile, profile_path, metrics_text if engine_metrics_source else None, served_model)
 
     @app.exception_handler(ServelabError)
@@ -99,10 +121,24 @@ def create_lab_app(engine_metrics_source: EngineMetricsSource | None = None, *,
     def catalog() -> dict[str, Any]:
         return api.catalog()
 
-    @app.get("/api/lessons/{name}")
-    def lesson(name: str, request: Request) -> Any:
+    @app.post("/api/lessons/{name}")
+    async def lesson(name: str, request: Request) -> Any:
+        from starlette.concurrency import run_in_threadpool
+
+        from servelab.server.http_errors import decode_json_object
+
+        params = Params(decode_json_object(await request.body()))
         # A dict, or a ready response (the capacity plan answers 202 while it runs).
-        return api.run_lesson(name, Params(request.query_params), app.state.capacity_planner)
+        return await run_in_threadpool(api.run_lesson, name, params, app.state.capacity_planner,
+                                       app.state.simulations)  # fmt: skip
+
+    @app.get("/api/lessons/{name}")
+    def lesson_get(name: str) -> JSONResponse:
+        return JSONResponse(
+            {"error": {"message": f"a lesson is a POST with its inputs as a JSON object: POST /api/lessons/{name} "
+                                  "with 'Content-Type: application/json'", "type": "invalid_request_error",
+                       "param": None, "code": 405}},
+            status_code=405, headers={"Allow": "POST"})  # fmt: skip
 
     @app.get("/api/live")
     def live() -> dict[str, Any]:

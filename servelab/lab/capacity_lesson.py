@@ -105,6 +105,7 @@ class CapacityPlanner:
         self._plans: OrderedDict[tuple, _PlanState] = OrderedDict()
         self._pool: ProcessPoolExecutor | None = None
         self._retiring: threading.Thread | None = None  # shuts an idle pool down
+        self._closed = False
         # Re-entrant: a future that is already done runs its callback in the submitting thread.
         self._lock = threading.RLock()
 
@@ -135,6 +136,10 @@ class CapacityPlanner:
             return state.done.is_set(), dict(state.rows)
 
     def _start(self, key: tuple) -> _PlanState:
+        if self._closed:
+            from servelab.lab.simulations import SimulationCancelled
+
+            raise SimulationCancelled("the server is shutting down; it starts no new capacity plan")
         if self.num_running >= self.max_running:
             raise LabBusy(
                 f"the lab is already running {self.max_running} capacity plans (the most it runs at once); "
@@ -194,10 +199,15 @@ class CapacityPlanner:
             return len(self._plans)
 
     def close(self) -> None:
+        """Ends the running plans (their processes are killed: a plan can run for seconds, and a
+        stopping server must not wait for it) and refuses new ones."""
         with self._lock:
-            if self._pool is not None:
-                self._pool.shutdown(wait=False, cancel_futures=True)
-                self._pool = None
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            for process in list((pool._processes or {}).values()):  # noqa: SLF001
+                process.terminate()
+            pool.shutdown(wait=False, cancel_futures=True)
 
 
 def capacity(p: Params, planner: CapacityPlanner) -> dict[str, Any] | JSONResponse:

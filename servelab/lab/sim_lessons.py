@@ -2,15 +2,15 @@
 as SLOs (3), chunked prefill (4), disaggregated serving (5).
 
 Each runs a small workload (a few hundred requests at most) so that it answers in about a
-second; results are cached per parameter set, and the simulation is deterministic (seed 0), so
-a cached answer is the answer.
+second, under the lab's Budget (servelab.lab.simulations: a deadline, memory per run, a cache
+bounded in bytes); results are cached per parameter set, and the simulation is deterministic
+(seed 0), so a cached answer is the answer.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 import numpy as np
@@ -20,6 +20,7 @@ from servelab.errors import DoesNotFit
 from servelab.lab.common import Setup, fmt, ms, setup_from, stat
 from servelab.lab.limits import LIMITS, bounds
 from servelab.lab.params import Params
+from servelab.lab.simulations import Budget, result_bytes
 from servelab.metrics import SLO, RequestRecord, Summary, steady_state_summary
 from servelab.sim import SimConfig, SimResult, simulate
 from servelab.workload import RequestSpec, WorkloadSpec
@@ -75,14 +76,21 @@ def _slo_requests(rate: float) -> int:
     return int(min(SLO_MAX_REQUESTS, max(SLO_MIN_REQUESTS, rate * SLO_RUN_S)))
 
 
-@lru_cache(maxsize=128)
-def _open_loop_run(s_key: tuple, rate: float, num_requests: int, prompt_len: int, output_len: int) -> SimResult:
+def _open_loop_run(budget: Budget, s_key: tuple, rate: float, num_requests: int, prompt_len: int,
+                   output_len: int) -> SimResult:
     """One Poisson run. No SLO here: the targets are applied afterwards (`_steady`), so changing a
     target re-uses the simulation."""
-    s = _setup_from_key(s_key)
-    workload = WorkloadSpec(num_requests=num_requests, rate=rate, input_len=_spread(prompt_len, "prompt"),
-                            output_len=_spread(output_len, "output"), seed=0)
-    return simulate(_sim_config(s), workload)
+    budget.require_memory(prompt_tokens=num_requests * prompt_len, output_tokens=num_requests * output_len,
+                          inputs="rate, prompt_len or output_len")  # fmt: skip
+
+    def run() -> SimResult:
+        s = _setup_from_key(s_key)
+        workload = WorkloadSpec(num_requests=num_requests, rate=rate, input_len=_spread(prompt_len, "prompt"),
+                                output_len=_spread(output_len, "output"), seed=0)
+        return simulate(_sim_config(s), workload, check=budget.check)
+
+    key = ("open-loop", s_key, rate, num_requests, prompt_len, output_len)
+    return budget.cached(key, run, lambda r: result_bytes([r]))
 
 
 def _warmup_s(rate: float, num_requests: int) -> float:
@@ -129,7 +137,7 @@ def saturation_estimate_rps(s: Setup, prompt_len: int, output_len: int) -> float
     return 1.0 / gpu_s
 
 
-def _sweep(s: Setup, prompt_len: int, output_len: int, slo: SLO, pct: str) -> dict[str, Any]:
+def _sweep(budget: Budget, s: Setup, prompt_len: int, output_len: int, slo: SLO, pct: str) -> dict[str, Any]:
     """Offered rate against achieved rate and goodput, around the saturation estimate."""
     center = saturation_estimate_rps(s, prompt_len, output_len)
     lo_rate, hi_rate = LIMITS["slo"]["rate"]
@@ -137,7 +145,7 @@ def _sweep(s: Setup, prompt_len: int, output_len: int, slo: SLO, pct: str) -> di
     out: dict[str, list[Any]] = {"offered_rps": rates, "achieved_rps": [], "goodput_rps": [], "ttft_ms": [],
                                  "tpot_ms": [], "meets": []}
     for rate in rates:
-        st = _steady(_open_loop_run(_key(s), rate, _slo_requests(rate), prompt_len, output_len), rate, slo)
+        st = _steady(_open_loop_run(budget, _key(s), rate, _slo_requests(rate), prompt_len, output_len), rate, slo)
         sm = st.summary
         ttft, tpot = getattr(sm.ttft_s, pct), getattr(sm.tpot_s, pct)
         out["achieved_rps"].append(st.achieved_rps)
@@ -202,7 +210,7 @@ def _require_request_fits(s: Setup, prompt_len: int, output_len: int) -> None:
             f"accelerator")
 
 
-def slo(p: Params) -> dict[str, Any]:
+def slo(p: Params, budget: Budget) -> dict[str, Any]:
     s = setup_from(p)
     rate = p.float("rate", 24.0, **bounds("slo", "rate"))
     ttft_slo_ms = p.float("ttft_slo_ms", 500.0, **bounds("slo", "ttft_slo_ms"))
@@ -213,7 +221,7 @@ def slo(p: Params) -> dict[str, Any]:
     _require_request_fits(s, prompt_len, output_len)
     target = SLO(ttft_s=ttft_slo_ms / 1e3, tpot_s=tpot_slo_ms / 1e3)
     num_requests = _slo_requests(rate)
-    result = _open_loop_run(_key(s), rate, num_requests, prompt_len, output_len)
+    result = _open_loop_run(budget, _key(s), rate, num_requests, prompt_len, output_len)
     st = _steady(result, rate, target)
     sm = st.summary
     warmup_s = _warmup_s(rate, num_requests)
@@ -229,7 +237,7 @@ def slo(p: Params) -> dict[str, Any]:
     tpot_cdf = {**cdf(tpots), "percentiles": _percentiles_ms(sm.tpot_s)}
     p90_ttft, p90_tpot = ttft_cdf["percentiles"].get("p90"), tpot_cdf["percentiles"].get("p90")
     meets = _meets(None if p90_ttft is None else p90_ttft / 1e3, None if p90_tpot is None else p90_tpot / 1e3, target)
-    sweep = _sweep(s, prompt_len, output_len, target, "p90")
+    sweep = _sweep(budget, s, prompt_len, output_len, target, "p90")
     saturated = st.achieved_rps < SATURATED_BELOW * st.offered_rps  # against what actually arrived
     if saturated:
         load = (f"{fmt(rate)} req/s offered is more than it sustains: it completes {fmt(st.achieved_rps)} "
@@ -308,17 +316,25 @@ def _require_kv_fit(s: Setup, requests: list[RequestSpec], _arrival_s: float) ->
             f"or use fp8 KV, a larger tp or a bigger accelerator")
 
 
-@lru_cache(maxsize=32)
-def _chunk_runs(s_key: tuple, prompt_len: int, decode_batch: int, chunk_tokens: int) -> tuple[dict, dict, float]:
+def _chunk_runs(budget: Budget, s_key: tuple, prompt_len: int, decode_batch: int,
+                chunk_tokens: int) -> tuple[SimResult, SimResult, float]:
     s = _setup_from_key(s_key)
     requests, arrival_s = _chunk_requests(s, prompt_len, decode_batch, chunk_tokens)
-    runs = {}
-    for policy in ("prefill-first", "chunked"):
-        config = _sim_config(s, scheduler=SchedulerConfig(policy=policy, max_num_batched_tokens=chunk_tokens,
-                                                          max_num_seqs=max(256, decode_batch + 1),
-                                                          enable_prefix_caching=False))
-        runs[policy] = simulate(config, requests, concurrency=len(requests))
-    return runs["prefill-first"], runs["chunked"], arrival_s
+    budget.require_memory(prompt_tokens=sum(r.prompt_tokens for r in requests),
+                          output_tokens=sum(r.output_tokens for r in requests),
+                          inputs="prompt_len or decode_batch")  # fmt: skip
+
+    def run() -> tuple[SimResult, SimResult]:
+        runs = {}
+        for policy in ("prefill-first", "chunked"):
+            config = _sim_config(s, scheduler=SchedulerConfig(policy=policy, max_num_batched_tokens=chunk_tokens,
+                                                              max_num_seqs=max(256, decode_batch + 1),
+                                                              enable_prefix_caching=False))
+            runs[policy] = simulate(config, requests, concurrency=len(requests), check=budget.check)
+        return runs["prefill-first"], runs["chunked"]
+
+    first, chunked = budget.cached(("chunked", s_key, prompt_len, decode_batch, chunk_tokens), run, result_bytes)
+    return first, chunked, arrival_s
 
 
 def _timeline(result: SimResult, long_id: str, window: tuple[float, float], label: str) -> dict[str, Any]:
@@ -360,7 +376,7 @@ def _timeline(result: SimResult, long_id: str, window: tuple[float, float], labe
     }
 
 
-def chunked_prefill(p: Params) -> dict[str, Any]:
+def chunked_prefill(p: Params, budget: Budget) -> dict[str, Any]:
     s = setup_from(p)
     prompt_len = p.int("prompt_len", 8192, **bounds("chunked-prefill", "prompt_len"))
     decode_batch = p.int("decode_batch", 16, **bounds("chunked-prefill", "decode_batch"))
@@ -371,7 +387,7 @@ def chunked_prefill(p: Params) -> dict[str, Any]:
         raise InvalidArgument(f"prompt_len: {prompt_len:,} plus the 8 tokens the long request generates exceeds "
                               f"{s.model.name}'s maximum context of {s.model.max_context:,} tokens", param="prompt_len")
     _require_kv_fit(s, *_chunk_requests(s, prompt_len, decode_batch, chunk_tokens))
-    first, chunked, arrival_s = _chunk_runs(_key(s), prompt_len, decode_batch, chunk_tokens)
+    first, chunked, arrival_s = _chunk_runs(budget, _key(s), prompt_len, decode_batch, chunk_tokens)
     long_id = str(decode_batch)
     ends = [max(r.token_times_s[0] for r in res.records if r.request_id == long_id) for res in (first, chunked)]
     step_s = s.roofline().decode(decode_batch, SHORT_PROMPT).time_s
@@ -400,16 +416,22 @@ def chunked_prefill(p: Params) -> dict[str, Any]:
 
 # ---- 5. Disaggregated serving -------------------------------------------------------------------------
 
-@lru_cache(maxsize=32)
-def _disagg_runs(s_key: tuple, rate: float, prefill_gpus: int, decode_gpus: int, link_bytes_per_s: float,
-                 prompt_len: int, output_len: int) -> tuple[SimResult, SimResult]:
-    s = _setup_from_key(s_key)
-    workload = WorkloadSpec(num_requests=DISAGG_NUM_REQUESTS, rate=rate, input_len=_spread(prompt_len, "prompt"),
-                            output_len=_spread(output_len, "output"), seed=0)
-    colocated = simulate(_sim_config(s, replicas=prefill_gpus + decode_gpus), workload)
-    split = simulate(_sim_config(s, disagg=(prefill_gpus, decode_gpus), link_bandwidth_bytes_per_s=link_bytes_per_s),
-                     workload)
-    return colocated, split
+def _disagg_runs(budget: Budget, s_key: tuple, rate: float, prefill_gpus: int, decode_gpus: int,
+                 link_bytes_per_s: float, prompt_len: int, output_len: int) -> tuple[SimResult, SimResult]:
+    budget.require_memory(prompt_tokens=DISAGG_NUM_REQUESTS * prompt_len, output_tokens=DISAGG_NUM_REQUESTS * output_len,
+                          inputs="prompt_len or output_len")  # fmt: skip
+
+    def run() -> tuple[SimResult, SimResult]:
+        s = _setup_from_key(s_key)
+        workload = WorkloadSpec(num_requests=DISAGG_NUM_REQUESTS, rate=rate, input_len=_spread(prompt_len, "prompt"),
+                                output_len=_spread(output_len, "output"), seed=0)
+        colocated = simulate(_sim_config(s, replicas=prefill_gpus + decode_gpus), workload, check=budget.check)
+        split = simulate(_sim_config(s, disagg=(prefill_gpus, decode_gpus), link_bandwidth_bytes_per_s=link_bytes_per_s),
+                         workload, check=budget.check)
+        return colocated, split
+
+    key = ("disaggregated", s_key, rate, prefill_gpus, decode_gpus, link_bytes_per_s, prompt_len, output_len)
+    return budget.cached(key, run, result_bytes)
 
 
 def _side(result: SimResult, label: str) -> dict[str, Any]:
@@ -442,7 +464,7 @@ def _disagg_notice(a: dict[str, Any], b: dict[str, Any], kv: dict[str, float]) -
     )
 
 
-def disaggregated(p: Params) -> dict[str, Any]:
+def disaggregated(p: Params, budget: Budget) -> dict[str, Any]:
     s = setup_from(p)
     rate = p.float("rate", 6.0, **bounds("disaggregated", "rate"))
     prefill_gpus = p.int("prefill_gpus", 1, **bounds("disaggregated", "prefill_gpus"))
@@ -457,7 +479,7 @@ def disaggregated(p: Params) -> dict[str, Any]:
                               param="decode_gpus")
     _check_len(s, prompt_len, output_len)
     _require_request_fits(s, prompt_len, output_len)
-    colocated, split = _disagg_runs(_key(s), rate, prefill_gpus, decode_gpus, link_gbps * 1e9, prompt_len, output_len)
+    colocated, split = _disagg_runs(budget, _key(s), rate, prefill_gpus, decode_gpus, link_gbps * 1e9, prompt_len, output_len)
     n = prefill_gpus + decode_gpus
     a = _side(colocated, f"colocated ({n} replicas)")
     b = _side(split, f"disaggregated {prefill_gpus}P:{decode_gpus}D")

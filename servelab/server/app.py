@@ -39,6 +39,7 @@ def create_app(
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
     allowed_origins: list[str] | None = None,
+    allowed_hosts: frozenset[str] | None = None,
     tool_call_parser: str | None = None,
     driver: EngineDriver | None = None,
     metrics_namespace: str = "servelab",
@@ -49,7 +50,8 @@ def create_app(
     start-up (the model then loads before the port opens). `app.state.servelab` is the
     ServerState; anything else (the lab, under `servelab serve`) can mount itself on the
     returned app. `api_key` guards every route but /health and /metrics, mounts included; CORS
-    headers are sent only for `allowed_origins`; `tool_call_parser` (a name in
+    headers are sent only for `allowed_origins`; a Host outside `allowed_hosts` (None: any) gets 421;
+    `tool_call_parser` (a name in
     tool_parsers.TOOL_CALL_PARSERS) enables tool_choice "auto"; `driver` replaces the AsyncEngine
     over `engine` (servelab.cluster's front end, whose `engine` only tokenizes); `metrics_namespace`
     "vllm" exports /metrics under vLLM's names and labels (server/metrics.py); `grammar_config`
@@ -68,7 +70,8 @@ def create_app(
     app.state.servelab = state
     install_error_handlers(app)
     # The API key is RequestGuard's, for every route and mount at once: no route can forget it.
-    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes)
+    app.add_middleware(RequestGuard, api_key=api_key, max_request_bytes=max_request_bytes,
+                       allowed_hosts=allowed_hosts)  # fmt: skip
     app.add_middleware(HttpMetricsMiddleware, state=state)  # outside the guard: its refusals count too
     if allowed_origins:  # outermost, so that preflights and refusals carry the CORS headers
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=["*"],

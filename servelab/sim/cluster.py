@@ -34,6 +34,9 @@ from servelab.sim.implicit_decodes import ImplicitDecodeScheduler, SimSequence
 from servelab.sim.router import Router
 from servelab.workload import RequestSpec, simulated_prompt
 
+CHECK_EVERY_EVENTS = 1024  # a few milliseconds of simulation between a run's `check` calls
+
+
 @dataclass(slots=True, eq=False)
 class Replica:
     index: int
@@ -151,10 +154,13 @@ class ClusterSim:
         requests: list[RequestSpec],
         concurrency: int | None = None,
         on_done: Callable[[int], None] | None = None,
+        check: Callable[[], None] | None = None,
     ) -> LoopResult:
         """`concurrency` caps requests in flight; with no arrival times it is a closed loop, whose
-        clients send their next request a finished request's `think_s` after it ended."""
-        return ClusterRun(self, requests, concurrency, on_done).run()
+        clients send their next request a finished request's `think_s` after it ended. `check`
+        is called every CHECK_EVERY_EVENTS events: what it raises ends the run (a time budget,
+        a shutdown)."""
+        return ClusterRun(self, requests, concurrency, on_done, check).run()
 
 
 class ClusterRun:
@@ -168,10 +174,12 @@ class ClusterRun:
         requests: list[RequestSpec],
         concurrency: int | None,
         on_done: Callable[[int], None] | None,
+        check: Callable[[], None] | None = None,
     ) -> None:
         self.sim = sim
         self.concurrency = concurrency
         self.on_done = on_done
+        self.check = check
         self.events: list[tuple] = []
         self.counter = 0
         self.now = 0.0
@@ -199,10 +207,16 @@ class ClusterRun:
         if self.arrivals:
             self.push(self.arrivals[0].arrival_s, self.arrive, self.arrivals[0])
             self.next_arrival = 1
-        events, heappop = self.events, heapq.heappop
+        events, heappop, check = self.events, heapq.heappop, self.check
+        until_check = CHECK_EVERY_EVENTS
         while events:
             self.now, _, handler, a, b = heappop(events)
             handler(a, b)
+            if check is not None:
+                until_check -= 1
+                if not until_check:
+                    check()
+                    until_check = CHECK_EVERY_EVENTS
         # Anything still live never got a step (a scheduler that cannot make progress): count it.
         pending.clear()
         for req in list(self.live.values()):

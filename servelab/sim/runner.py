@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -229,6 +230,7 @@ def simulate(
     concurrency: int | None = None,
     warmup_requests: int | None = None,
     warmup_s: float = 0.0,
+    check: Callable[[], None] | None = None,
 ) -> SimResult:
     """Run a workload through the simulated cluster. With a list of RequestSpec, `concurrency`
     caps requests in flight (a closed loop when they carry no arrival times; there each request's
@@ -236,7 +238,8 @@ def simulate(
 
     The steady-state summary leaves out the first `warmup_requests` requests (default: a closed
     loop's start-up wave, `concurrency` requests; none for an open loop) and those arriving
-    before `warmup_s`."""
+    before `warmup_s`. `check`, called every few thousand events, ends the run by raising (a
+    caller's time budget or shutdown)."""
     if isinstance(workload, WorkloadSpec):
         requests = workload.generate()
         concurrency = workload.concurrency
@@ -287,7 +290,7 @@ def simulate(
         bar = tqdm(total=len(requests), unit="req", desc="simulating", file=sys.stderr, mininterval=0.5)
     start = time.perf_counter()
     try:
-        out = sim.run(requests, concurrency, on_done=None if bar is None else bar.update)
+        out = sim.run(requests, concurrency, on_done=None if bar is None else bar.update, check=check)
     finally:
         if bar is not None:
             bar.close()

@@ -53,21 +53,26 @@ def link_pair(rank: int) -> tuple[MemoryLink, MemoryLink, Any]:
     return MemoryLink(rank, a, b, state), MemoryLink(0, b, a, state), kill
 
 
+def memory_worker(make_engine, rank: int, **engine_kwargs) -> tuple[WorkerHandle, Any, Any]:
+    """One worker on its thread: (the front end's handle, its engine, kill)."""
+    front, back, kill = link_pair(rank)
+    engine = make_engine(**engine_kwargs)
+
+    def serve() -> None:
+        WorkerLoop(engine, back).run()
+        kill()  # the process exits: its sockets close
+
+    threading.Thread(target=serve, daemon=True, name=f"memory-worker{rank}").start()
+    ready = m.WorkerReady(rank, engine.model_name, engine.scheduler_config, engine.vocab_size, "none", {},
+                          pid=0, host="memory")  # fmt: skip
+    return WorkerHandle(rank, front, ready), engine, kill
+
+
 def memory_cluster(make_engine, n: int, router: str = "least-outstanding", **engine_kwargs):
     """(ClusterEngine, the workers' engines, kill functions by rank)."""
     engines, kills, handles = {}, {}, []
     shell = make_engine(**engine_kwargs)
     for rank in range(1, n + 1):
-        front, back, kill = link_pair(rank)
-        engine = make_engine(**engine_kwargs)
-        engines[rank], kills[rank] = engine, kill
-
-        def serve(engine=engine, back=back, kill=kill) -> None:
-            WorkerLoop(engine, back).run()
-            kill()  # the process exits: its sockets close
-
-        threading.Thread(target=serve, daemon=True, name=f"memory-worker{rank}").start()
-        ready = m.WorkerReady(rank, engine.model_name, engine.scheduler_config, engine.vocab_size, "none", {},
-                              pid=0, host="memory")  # fmt: skip
-        handles.append(WorkerHandle(rank, front, ready))
+        handle, engines[rank], kills[rank] = memory_worker(make_engine, rank, **engine_kwargs)
+        handles.append(handle)
     return ClusterEngine(shell, handles, Router(router)), engines, kills

@@ -23,6 +23,16 @@ def metric(text: str, name: str) -> dict[str, float]:
     return out
 
 
+def reaped(pid: int, timeout_s: float) -> bool:
+    """The process is gone and its parent has collected it: no zombie is left in the table."""
+    deadline = time.monotonic() + timeout_s
+    while Path(f"/proc/{pid}").exists():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
 def gone(pids: list[int], timeout_s: float) -> bool:
     """Every pid exited (a zombie its parent has not reaped yet counts: it runs nothing)."""
     deadline = time.monotonic() + timeout_s

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.cluster.server_checks import gone, metric, streams_across_a_kill
+from tests.cluster.server_checks import gone, metric, reaped, streams_across_a_kill
 from tests.server.conftest import REPO, launch_server
 
 pytestmark = pytest.mark.slow
@@ -34,7 +34,9 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def dp_server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    server = launch_server(tiny_dir, tmp_path_factory.mktemp("dp-logs"), "--data-parallel", "2", *SERVER_FLAGS)
+    # no restarts: a killed worker stays failed (test_a_killed_worker_is_restarted has its own server)
+    server = launch_server(tiny_dir, tmp_path_factory.mktemp("dp-logs"), "--data-parallel", "2",
+                           "--worker-restart-limit", "0", *SERVER_FLAGS)  # fmt: skip
     yield server
     pids = [w["pid"] for w in httpx.get(server.url + "/health").json()["workers"]]
     assert server.stop() == 0, server.log()
@@ -128,6 +130,35 @@ def test_a_killed_worker_fails_only_its_requests(dp_server):
         assert r.status_code == 200, r.text
     text = httpx.get(url + "/metrics").text
     assert metric(text, "servelab:worker_up") == {"1": 1.0, "2": 0.0}
+    assert reaped(pid[2], timeout_s=10), "the killed worker is left a zombie"
+
+
+def test_a_killed_worker_is_restarted_and_serves_again(tiny_dir, tmp_path):
+    server = launch_server(tiny_dir, tmp_path, "--data-parallel", "2", *SERVER_FLAGS)
+    try:
+        url = server.url
+        before = {w["rank"]: w["pid"] for w in httpx.get(url + "/health").json()["workers"]}
+        os.kill(before[2], signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while True:
+            health = httpx.get(url + "/health", timeout=10)
+            workers = {w["rank"]: w for w in health.json()["workers"]}
+            if health.json()["status"] == "ok" and workers[2]["pid"] != before[2]:
+                break
+            assert health.status_code == 200 and workers[2]["status"] in ("failed", "restarting"), health.text
+            assert time.monotonic() < deadline, server.log()
+            time.sleep(0.5)
+        assert (workers[1]["pid"], workers[2]["restarts"]) == (before[1], 1)
+        assert reaped(before[2], timeout_s=10), "the killed worker is left a zombie"
+        body = {"prompt": "hello", "max_tokens": 40, "ignore_eos": True}
+        with ThreadPoolExecutor(2) as pool:  # least-outstanding: one on each worker, the new one included
+            answers = list(pool.map(lambda _: httpx.post(url + "/v1/completions", json=body, timeout=60), range(2)))
+        assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+        assert metric(httpx.get(url + "/metrics").text, "servelab:worker_up") == {"1": 1.0, "2": 1.0}
+        pids = [w["pid"] for w in workers.values()]
+    finally:
+        assert server.stop() == 0, server.log()
+    assert gone(pids, timeout_s=10), f"worker processes {pids} outlived the server"
 
 
 def _free_port() -> int:

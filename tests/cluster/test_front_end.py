@@ -160,7 +160,7 @@ def test_a_dead_worker_fails_only_its_requests(fake_engine):
         assert driver.is_running
         kills[1]()
         await asyncio.sleep(0.1)
-        assert not driver.is_running and driver.health()["status"] == "degraded"
+        assert not driver.is_running and driver.health()["status"] == "down"
         await driver.stop()
 
     cluster, _, kills = memory_cluster(fake_engine, 2, step_sleep_s=0.005, max_model_len=1024, num_blocks=256)
@@ -259,7 +259,7 @@ def test_cluster_counters_never_decrease_whatever_reports_and_deaths_come(events
     from servelab.engine.llm_engine import EngineStats
 
     workers = [WorkerHandle(i, link=None, ready=None, stats=EngineStats(0, 0, 0.0, 8, 8, 0, 0, 0)) for i in range(3)]
-    cluster = SimpleNamespace(workers=workers)
+    cluster = SimpleNamespace(workers=workers, retired=[])
     totals = lambda s: (s.num_preemptions, s.prefix_cache_hits, s.prefix_cache_queries)  # noqa: E731
     last = totals(ClusterEngine.stats.fget(cluster))
     for i, dies, d in events:
@@ -319,3 +319,137 @@ def test_embeddings_are_refused_with_a_501_naming_the_limitation(fake_engine):
         assert "data-parallel or disaggregated cluster" in err["message"] and err["param"] == "input"
         assert client.post("/v1/completions", json={"prompt": "hello", "max_tokens": 2}).status_code == 200
     assert not cluster._remote and not cluster._sinks
+
+
+def _wait(predicate, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.02)
+
+
+@pytest.fixture
+def fast_restarts(monkeypatch):
+    from servelab.cluster import front_end
+
+    monkeypatch.setattr(front_end, "RESTART_BACKOFF_S", 0.05)
+
+
+def test_a_failed_worker_is_restarted_and_serves_again(fake_engine, fast_restarts):
+    from tests.cluster.memory_cluster import memory_worker
+
+    kwargs = {"step_sleep_s": 0.005, "max_model_len": 1024, "num_blocks": 256}
+    cluster, _, kills = memory_cluster(fake_engine, 2, **kwargs)
+    replacements = []
+
+    def restart(old):
+        handle, _, kill = memory_worker(fake_engine, old.index, **kwargs)
+        replacements.append(kill)
+        return handle
+
+    cluster.restart = restart
+
+    async def main(driver):
+        driver.start()
+        a = await driver.submit([_req("a", 300)])
+        b = await driver.submit([_req("b", 300)])
+        assert driver._remote["b"].worker.index == 2
+        got_b = asyncio.ensure_future(_collect(b))
+        await asyncio.sleep(0.05)
+        before = driver.stats.prefix_cache_queries
+        kills[2]()
+        with pytest.raises(EngineFailure, match="worker 2 failed"):
+            await got_b  # its request fails alone...
+        assert (await _collect(a))[-1].finish_reason is FinishReason.LENGTH  # ...the other runs to its end
+        for _ in range(500):
+            if driver.health()["status"] == "ok":
+                break
+            await asyncio.sleep(0.02)
+        health = driver.health()
+        assert health["status"] == "ok", health
+        assert [(w["rank"], w["status"], w["restarts"]) for w in health["workers"]] == [(1, "ok", 0), (2, "ok", 1)]
+        assert driver.stats.prefix_cache_queries >= before  # the failed worker's counters still count
+        held = await driver.submit([_req("c", 200)])  # least-outstanding: c on 1, d on the new 2
+        d = await driver.submit([_req("d", 5)])
+        assert driver._remote["d"].worker is driver.workers[1] and driver.workers[1] is not None
+        assert (await _collect(d))[-1].finish_reason is FinishReason.LENGTH
+        await _collect(held)
+        await driver.stop()
+
+    run(main(cluster))
+    assert len(replacements) == 1 and len(cluster.retired) == 1
+
+
+def test_restarts_stop_at_the_limit(fake_engine, fast_restarts):
+    cluster, _, kills = memory_cluster(fake_engine, 2, step_sleep_s=0.005)
+    attempts = []
+
+    def restart(old):
+        attempts.append(old.index)
+        raise RuntimeError("the model file is gone")
+
+    cluster.restart, cluster.restart_limit = restart, 2
+
+    async def main(driver):
+        driver.start()
+        kills[2]()
+        for _ in range(500):
+            w = driver.workers[1]
+            if not w.alive and not w.restarting:
+                break
+            await asyncio.sleep(0.02)
+        health = driver.health()
+        assert health["status"] == "degraded"
+        assert [(w["status"], w["restarts"]) for w in health["workers"]] == [("ok", 0), ("failed", 2)]
+        await driver.stop()
+
+    run(main(cluster))
+    assert attempts == [2, 2]
+
+
+def test_health_lists_the_workers_in_its_503_while_the_only_worker_restarts(fake_engine, monkeypatch):
+    from fastapi.testclient import TestClient
+
+    from servelab.cluster import front_end
+    from servelab.server.app import create_app
+    from tests.cluster.memory_cluster import memory_worker
+
+    monkeypatch.setattr(front_end, "RESTART_BACKOFF_S", 0.5)  # long enough to see the gap
+    cluster, _, kills = memory_cluster(fake_engine, 1, step_sleep_s=0.005)
+    cluster.restart = lambda old: memory_worker(fake_engine, old.index, step_sleep_s=0.005)[0]
+    with TestClient(create_app(cluster.engine, driver=cluster)) as c:
+        ok = c.get("/health")
+        assert ok.status_code == 200 and [w["status"] for w in ok.json()["workers"]] == ["ok"]
+        kills[1]()
+        _wait(lambda: not cluster.workers[0].alive)
+        down = c.get("/health")
+        assert (down.status_code, down.headers["retry-after"]) == (503, "1"), down.text
+        body = down.json()
+        assert body["status"] == "down" and body["error"]["type"] == "server_overloaded"
+        assert [(w["rank"], w["status"]) for w in body["workers"]] == [(1, "restarting")]
+        _wait(lambda: c.get("/health").status_code == 200)
+        assert c.get("/health").json()["workers"][0]["restarts"] == 1
+        r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200, r.text
+
+
+def test_a_failed_workers_lingering_process_is_killed_and_reaped(fake_engine):
+    """A hung worker's process is alive when the front end gives up on it: it is killed, then
+    waited for, so no zombie is left in the process table."""
+    import multiprocessing
+
+    from tests.cluster.server_checks import reaped
+
+    cluster, _, _ = memory_cluster(fake_engine, 2, step_sleep_s=0.005)
+    wedged = multiprocessing.get_context("spawn").Process(target=time.sleep, args=(120,), daemon=True)
+    wedged.start()
+    cluster.workers[1].process = wedged
+
+    async def main(driver):
+        driver.start()
+        driver._lost(driver.workers[1], "hung: the test's")
+        assert driver.health()["workers"][1]["status"] == "failed"  # no restart given: it stays failed
+        assert await asyncio.to_thread(reaped, wedged.pid, 10.0)  # while the server runs on, not at its stop
+        await driver.stop()
+
+    run(main(cluster))

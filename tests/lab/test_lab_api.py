@@ -23,13 +23,13 @@ def rl(model=MODEL, hw=HW, w="bf16", k="bf16", tp=1) -> Roofline:
 
 
 def get(client, lesson: str, **params) -> dict:
-    response = client.get(f"/api/lessons/{lesson}", params=params)
+    response = client.post(f"/api/lessons/{lesson}", json=params)
     assert response.status_code == 200, response.text
     return response.json()
 
 
 def error(client, lesson: str, status: int = 400, **params) -> str:
-    response = client.get(f"/api/lessons/{lesson}", params=params)
+    response = client.post(f"/api/lessons/{lesson}", json=params)
     assert response.status_code == status, response.text
     return response.json()["error"]["message"]
 
@@ -316,7 +316,7 @@ def test_chunked_prefill_bad_parameters(client):
 
 def test_chunked_prefill_names_prompt_len_and_the_length_the_user_gave(client):
     # was: param "context", "prompt length 16392" (the request's internal 8 output tokens added unsaid)
-    r = client.get("/api/lessons/chunked-prefill", params={"model": "smollm2-135m", "prompt_len": 16384})
+    r = client.post("/api/lessons/chunked-prefill", json={"model": "smollm2-135m", "prompt_len": 16384})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_len"
     assert r.json()["error"]["message"].startswith("prompt_len: 16,384 plus the 8 tokens the long request generates")
 
@@ -375,7 +375,7 @@ def _wait_done(client, **params) -> dict:
 
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
-        response = client.get("/api/lessons/capacity", params=params)
+        response = client.post("/api/lessons/capacity", json=params)
         if response.status_code == 200:
             return response.json()
         assert response.status_code == 202, response.text
@@ -417,7 +417,7 @@ def test_capacity_answers_at_once_with_estimates_then_simulations():
 
     app = create_lab_app()
     app.state.capacity_planner = CapacityPlanner(max_workers=1)
-    first = TestClient(app).get("/api/lessons/capacity", params={"tpot_ms": 40, "prompt_len": 100, "output_len": 20})
+    first = TestClient(app).post("/api/lessons/capacity", json={"tpot_ms": 40, "prompt_len": 100, "output_len": 20})
     app.state.capacity_planner.close()
     assert first.status_code == 202
     body = first.json()
@@ -602,20 +602,20 @@ def test_capacity_names_the_labs_ceiling_when_it_binds():
 
 
 def test_simulations_past_the_limit_answer_429_and_leave_the_lab_responsive(client):
-    from servelab.lab import api
     from servelab.lab.limits import MAX_RUNNING_SIMULATIONS
 
+    slots = client.app.state.simulations._slots  # noqa: SLF001
     # as if MAX_RUNNING_SIMULATIONS heavy `slo` runs held their worker threads
     for _ in range(MAX_RUNNING_SIMULATIONS):
-        assert api.SIMULATIONS.acquire(blocking=False)
+        assert slots.acquire(blocking=False)
     try:
         for lesson in ("slo", "chunked-prefill", "disaggregated"):
-            r = client.get(f"/api/lessons/{lesson}")
+            r = client.post(f"/api/lessons/{lesson}", json={})
             assert r.status_code == 429 and r.headers["retry-after"] == "5", r.text
             assert f"already running {MAX_RUNNING_SIMULATIONS} simulations" in r.json()["error"]["message"]
         assert client.get("/api/health").status_code == 200
-        assert client.get("/api/lessons/batching").status_code == 200  # the roofline needs no slot
+        assert client.post("/api/lessons/batching", json={}).status_code == 200  # the roofline needs no slot
     finally:
         for _ in range(MAX_RUNNING_SIMULATIONS):
-            api.SIMULATIONS.release()
-    assert client.get("/api/lessons/slo").status_code == 200
+            slots.release()
+    assert client.post("/api/lessons/slo", json={}).status_code == 200

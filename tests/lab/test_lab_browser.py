@@ -134,7 +134,7 @@ def _renders(page) -> int:
 def _api(server: _Server, lesson: str, params: dict) -> dict:
     deadline = time.monotonic() + 300
     while True:
-        r = httpx.get(f"{server.url}/api/lessons/{lesson}", params=params, timeout=300)
+        r = httpx.post(f"{server.url}/api/lessons/{lesson}", json=params, timeout=300)
         if r.status_code != 202 or time.monotonic() > deadline:
             break
         time.sleep(0.5)

@@ -20,7 +20,7 @@ def _params(output_len: int) -> dict:
 def _wait_done(client: TestClient, params: dict, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        r = client.get("/api/lessons/capacity", params=params)
+        r = client.post("/api/lessons/capacity", json=params)
         if r.status_code == 200:
             return
         assert r.status_code == 202, r.text
@@ -51,8 +51,8 @@ def test_plans_share_one_bounded_pool_queue_and_cache(monkeypatch):
     planner = app.state.capacity_planner = CapacityPlanner(max_workers=1, max_running=1, max_cached=2)
     client = TestClient(app)
 
-    assert client.get("/api/lessons/capacity", params=_params(2)).status_code == 202
-    busy = client.get("/api/lessons/capacity", params=_params(3))
+    assert client.post("/api/lessons/capacity", json=_params(2)).status_code == 202
+    busy = client.post("/api/lessons/capacity", json=_params(3))
     assert busy.status_code == 429, busy.text
     assert busy.headers["retry-after"] == "5" and "1 capacity plans" in busy.json()["error"]["message"]
     _wait_done(client, _params(2))
@@ -62,6 +62,6 @@ def test_plans_share_one_bounded_pool_queue_and_cache(monkeypatch):
     _wait_done(client, _params(3))
     _wait_done(client, _params(4))
     assert len(planner) == 2  # the oldest result (output_len 2) was dropped ...
-    assert client.get("/api/lessons/capacity", params=_params(2)).status_code == 202  # ... so it plans again
+    assert client.post("/api/lessons/capacity", json=_params(2)).status_code == 202  # ... so it plans again
     _wait_done(client, _params(2))
     planner.close()

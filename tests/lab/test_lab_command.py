@@ -47,7 +47,7 @@ def test_servelab_lab_serves_the_page_and_api():
                 assert time.monotonic() < deadline, "servelab lab did not start"
                 time.sleep(0.2)
         assert page.status_code == 200 and "servelab lab" in page.text
-        batching = httpx.get(url + "/api/lessons/batching", params={"batch": 64}, timeout=30).json()
+        batching = httpx.post(url + "/api/lessons/batching", json={"batch": 64}, timeout=30).json()
         assert batching["selected"]["tokens_per_s_total"] == pytest.approx(4500, rel=0.1)
         assert httpx.get(url + "/static/plotly.min.js", timeout=30).headers["content-type"].startswith("text/javascript")
     finally:

@@ -99,4 +99,4 @@ def test_lab_mounted_in_the_real_server_shows_its_requests(tmp_path):
         assert sum(live["itl_s"]["counts"]) == 4  # 5 tokens, 4 gaps
         assert live["running"] == 0 and live["waiting"] == 0
         # The lessons work under the mount too.
-        assert client.get("/lab/api/lessons/batching").status_code == 200
+        assert client.post("/lab/api/lessons/batching", json={}).status_code == 200

@@ -27,7 +27,7 @@ def keyed(fake_engine):
 
 @pytest.mark.parametrize("method,path", [
     ("GET", "/v1/models"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/tokenize"),
-    ("POST", "/detokenize"), ("GET", "/lab/"), ("GET", "/lab/api/catalog"), ("GET", "/lab/api/lessons/batching"),
+    ("POST", "/detokenize"), ("GET", "/lab/"), ("GET", "/lab/api/catalog"), ("POST", "/lab/api/lessons/batching"),
     ("GET", "/lab/static/lab.js"), ("GET", "/openapi.json"), ("GET", "/no-such-route"),
 ])  # fmt: skip
 def test_the_api_key_covers_every_route(keyed, method, path):
@@ -297,3 +297,51 @@ def test_detokenizing_a_long_list_runs_off_the_event_loop(fake_engine):
 
     latencies, _ = asyncio.run(_health_latencies_while(create_app(engine), work))
     _assert_responsive(latencies)
+
+
+@pytest.fixture
+def loopback_only(fake_engine):
+    import argparse
+
+    from servelab.commands.serve import allowed_hosts_from_args
+
+    hosts = allowed_hosts_from_args(argparse.Namespace(host="127.0.0.1", allowed_hosts=None))  # serve's default
+    app = create_app(fake_engine(), allowed_hosts=hosts)
+    assert mount_lab(app)
+    with TestClient(app) as c:
+        yield c
+
+
+@pytest.mark.parametrize("host", ["evil.example", "evil.example:8000", "127.0.0.1.evil.example", "localhost.evil"])
+@pytest.mark.parametrize("path", ["/v1/models", "/health", "/lab/api/catalog"])
+def test_a_loopback_server_refuses_foreign_host_names(loopback_only, host, path):
+    r = loopback_only.get(path, headers={"Host": host})
+    assert r.status_code == 421, r.text
+    error = r.json()["error"]
+    assert host in error["message"] and "--allowed-hosts" in error["message"]
+    assert error["code"] == "misdirected_request"
+
+
+@pytest.mark.parametrize("host", ["localhost", "localhost:8000", "127.0.0.1:8000", "[::1]:8000", "LOCALHOST:1"])
+def test_a_loopback_server_answers_loopback_names(loopback_only, host):
+    assert loopback_only.get("/v1/models", headers={"Host": host}).status_code == 200
+
+
+def test_allowed_hosts_flag():
+    import argparse
+
+    from servelab.commands.serve import allowed_hosts_from_args
+    from servelab.errors import InvalidArgument
+    from servelab.server.guards import host_allowed
+
+    def hosts(bind: str, flag: str | None):
+        return allowed_hosts_from_args(argparse.Namespace(host=bind, allowed_hosts=flag))
+
+    assert hosts("::1", None) == hosts("localhost", None) == frozenset({"localhost", "127.0.0.1", "::1"})
+    assert hosts("0.0.0.0", None) is None  # bound for the network: no name is known to refuse
+    assert hosts("127.0.0.1", "*") is None
+    named = hosts("0.0.0.0", "api.example.com, *.svc.local")
+    assert host_allowed("api.example.com", named) and host_allowed("a.b.svc.local", named)
+    assert not host_allowed("svc.local", named) and not host_allowed("evil.example", named)
+    with pytest.raises(InvalidArgument, match="--allowed-hosts"):
+        hosts("127.0.0.1", "")

@@ -319,7 +319,7 @@ def test_a_client_that_hangs_up_mid_body_is_not_a_server_error(server, client):
     """A body cut short by the client is the client's doing: an info line, not a traceback."""
     start = len(server.log())
     with socket.create_connection(("127.0.0.1", server.port)) as s:
-        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                   b"Content-Length: 100\r\n\r\n{\"prompt\":")  # fmt: skip
         time.sleep(0.3)
     deadline = time.monotonic() + 10
@@ -337,7 +337,7 @@ def test_a_client_that_never_reads_does_not_hold_up_the_engine(server, client):
     body = json.dumps({"prompt": "stream to nobody", "max_tokens": 100, "stream": True, "ignore_eos": True}).encode()
     with socket.create_connection(("127.0.0.1", server.port)) as sleeper:
         sleeper.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1024)  # reads nothing, buffers little
-        sleeper.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        sleeper.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))  # fmt: skip
         ttft0 = m(idle, "servelab:time_to_first_token_seconds_count")
         deadline = time.monotonic() + 30

@@ -268,3 +268,28 @@ def test_replicas_are_capped_with_a_clear_message(capsys):
 def test_a_tiny_rate_is_refused_rather_than_reported_as_zero_latency(capsys):
     code, _, err = run_cli(capsys, "--input-len", "64", "--output-len", "16", "--rate", "1e-15", "--num-requests", "20")
     assert code == 2 and "at least 2e-08 requests/s" in err and "Traceback" not in err
+
+
+def test_check_is_called_during_a_run_and_ends_it_by_raising():
+    from servelab.sim.cluster import CHECK_EVERY_EVENTS
+
+    class Stop(Exception):
+        pass
+
+    calls = []
+
+    def check():
+        calls.append(1)
+        if len(calls) == 3:
+            raise Stop
+
+    # 2,000 requests trickling in: ~14,000 steps, an event each
+    workload = WorkloadSpec(num_requests=2000, rate=20.0, input_len="64", output_len="64", seed=0)
+    whole = simulate(SimConfig(model="llama-3.1-8b", hardware="h100-sxm"), workload, check=lambda: calls.append(0))
+    ran = len(calls)
+    assert ran > 3
+    calls.clear()
+    with pytest.raises(Stop):
+        simulate(SimConfig(model="llama-3.1-8b", hardware="h100-sxm"), workload, check=check)
+    assert len(calls) == 3 and sum(r.success for r in whole.records) == 2000
+    assert ran <= len(whole.trace) * 3 // CHECK_EVERY_EVENTS + 1  # every CHECK_EVERY_EVENTS events, not more often

@@ -637,8 +637,10 @@ async function refresh() {
   document.body.classList.add("busy");
   $("charts").classList.add("stale"); // the old charts stay, dimmed, until the new numbers arrive
   try {
-    const url = lesson.live ? "api/live" : "api/lessons/" + lesson.id + "?" + params.toString();
-    const response = await fetch(url);
+    // A lesson is a JSON POST of the form's values (strings, as typed: the server validates them).
+    const response = lesson.live ? await fetch("api/live") : await fetch("api/lessons/" + lesson.id, {
+      method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(Object.fromEntries(params)),
+    });
     const body = await response.json();
     if (seq !== state.seq) return; // a newer request superseded this one
     if (response.status === 202) {

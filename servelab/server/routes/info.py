@@ -7,7 +7,7 @@ from fastapi.responses import JSONResponse, Response
 
 from servelab import __version__
 from servelab.server import protocol as p
-from servelab.server.http_errors import ServerDraining
+from servelab.server.http_errors import RETRY_AFTER_S, ServerDraining, error_json
 from servelab.server.metrics import CONTENT_TYPE
 from servelab.server.state import State
 
@@ -17,13 +17,21 @@ router = APIRouter()
 @router.head("/health", include_in_schema=False)  # load balancers' probes
 @router.get("/health")
 async def health(state: State) -> Response:
+    health = getattr(state.async_engine, "health", None)  # a cluster lists its workers, in every answer
     if state.draining:
-        raise ServerDraining("the server is shutting down")
-    if state.async_engine is None or not state.async_engine.is_running:
+        down: str | None = "the server is shutting down"
+    elif state.async_engine is None or not state.async_engine.is_running:
         # a cluster says which pool is gone ("no decode worker is left: ...")
-        raise ServerDraining(getattr(state.async_engine, "down_reason", None) or "the engine is not running")
-    health = getattr(state.async_engine, "health", None)  # cluster workers: "ok" or "degraded" (still serving)
-    return JSONResponse(health() if health is not None else {"status": "ok"})
+        down = getattr(state.async_engine, "down_reason", None) or "the engine is not running"
+    else:
+        down = None
+    if down is None:
+        return JSONResponse(health() if health is not None else {"status": "ok"})
+    if health is None:
+        raise ServerDraining(down)
+    # the error OpenAI clients read, and the workers' states a load balancer or an operator reads
+    return JSONResponse({**error_json(ServerDraining(down)), **health(), "status": "down"}, status_code=503,
+                        headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
 
 
 @router.get("/ping")  # SageMaker's health check, as vLLM serves it
