@@ -96,9 +96,11 @@ def check_cluster_flags(args: argparse.Namespace) -> None:
     hang_timeout_s(args)
     if args.worker_restart_limit < 0:
         raise InvalidArgument(f"--worker-restart-limit: must be >= 0 (0: never restart), got {args.worker_restart_limit}")
-    if args.worker_restart_limit != DEFAULT_RESTART_LIMIT and not uses_cluster(args):
-        raise InvalidArgument("--worker-restart-limit: only with --data-parallel N > 1 (one engine has no worker to "
-                              "restart)")  # fmt: skip
+    restarts_local_workers = args.data_parallel > 1 and not args.external_workers
+    if args.worker_restart_limit != DEFAULT_RESTART_LIMIT and not restarts_local_workers:
+        raise InvalidArgument("--worker-restart-limit: only with --data-parallel N > 1 and local workers (a "
+                              "disaggregated pair's KV links cannot be re-formed; external workers belong to their "
+                              "host's supervisor)")  # fmt: skip
     if args.worker_hang_timeout != DEFAULT_HANG_TIMEOUT and not uses_cluster(args):
         raise InvalidArgument("--worker-hang-timeout: only with --data-parallel N > 1, --external-workers or --disagg "
                               "P:D (one engine has no worker to watch)")  # fmt: skip

@@ -98,6 +98,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                             "pythonic (Llama 3.2/4: [f(x=1), g()]), qwen3_xml (Qwen3-Coder: <tool_call><function=f>"
                             "<parameter=x>1</parameter>...); without it, 'auto' is refused and 'required' or a named "
                             "function still work")  # fmt: skip
+    model.add_argument("--trust-request-chat-template", action="store_true",
+                       help="let requests send their own chat_template (vLLM's flag); without it such a request is "
+                            "a 400: the sandbox bounds what a template reaches, not how long it runs")  # fmt: skip
     model.add_argument("--pooler-config", default=None, metavar="JSON",
                        help='how /v1/embeddings pools the final hidden states, as vLLM\'s flag: '
                             '\'{"pooling_type": "LAST"|"MEAN", "normalize": true|false}\' (default LAST, normalized: '
@@ -357,6 +360,7 @@ def run(args: argparse.Namespace) -> int:
         allowed_origins=allowed_origins,
         allowed_hosts=allowed_hosts,
         tool_call_parser=args.tool_call_parser,
+        trust_request_chat_template=args.trust_request_chat_template,
         driver=driver,
         metrics_namespace=args.metrics_namespace,
         grammar_config=GrammarConfig(compile_timeout_s=compile_timeout_s,

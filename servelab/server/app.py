@@ -41,6 +41,7 @@ def create_app(
     allowed_origins: list[str] | None = None,
     allowed_hosts: frozenset[str] | None = None,
     tool_call_parser: str | None = None,
+    trust_request_chat_template: bool = False,
     driver: EngineDriver | None = None,
     metrics_namespace: str = "servelab",
     grammar_config: GrammarConfig | None = None,
@@ -51,15 +52,16 @@ def create_app(
     ServerState; anything else (the lab, under `servelab serve`) can mount itself on the
     returned app. `api_key` guards every route but /health and /metrics, mounts included; CORS
     headers are sent only for `allowed_origins`; a Host outside `allowed_hosts` (None: any) gets 421;
-    `tool_call_parser` (a name in
-    tool_parsers.TOOL_CALL_PARSERS) enables tool_choice "auto"; `driver` replaces the AsyncEngine
-    over `engine` (servelab.cluster's front end, whose `engine` only tokenizes); `metrics_namespace`
+    `tool_call_parser` (a name in tool_parsers.TOOL_CALL_PARSERS) enables tool_choice "auto";
+    `trust_request_chat_template` lets a request send its own chat_template;
+    `driver` replaces the AsyncEngine over `engine` (servelab.cluster's front end, whose `engine` only tokenizes); `metrics_namespace`
     "vllm" exports /metrics under vLLM's names and labels (server/metrics.py); `grammar_config`
     bounds structured-output compiles; `pooler` is /v1/embeddings' pooling (LAST, normalized,
     unless given)."""
     if tool_call_parser is not None and tool_call_parser not in TOOL_CALL_PARSERS:
         raise ValueError(f"tool_call_parser {tool_call_parser!r}: expected one of {', '.join(TOOL_CALL_PARSERS)}")
-    state = ServerState(api_key=api_key, tool_call_parser=tool_call_parser, metrics_namespace=metrics_namespace,
+    state = ServerState(api_key=api_key, tool_call_parser=tool_call_parser,
+                        trust_request_chat_template=trust_request_chat_template, metrics_namespace=metrics_namespace,
                         grammar_config=grammar_config or GrammarConfig(), pooler=pooler or PoolingParams())  # fmt: skip
     if not isinstance(engine, EngineArgs):
         state.attach(engine, driver)

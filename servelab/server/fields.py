@@ -117,7 +117,8 @@ CHAT: dict[str, FieldRule] = {
                                  "needs add_generation_prompt false"),
     "add_special_tokens": _h("vLLM extension: default false, as the template writes its own special tokens"),
     "documents": _h("vLLM extension: shown to the chat template as documents"),
-    "chat_template": _h("vLLM extension: a Jinja template for this request, rendered in the model template's sandbox"),
+    "chat_template": _h("vLLM extension: a Jinja template for this request, rendered in the model template's sandbox; "
+                        "needs serve --trust-request-chat-template (a 400 otherwise), as vLLM"),
     "chat_template_kwargs": _h("vLLM extension: more variables for the chat template"),
     "echo": _h("vLLM extension: the answer starts with the last message's content when that message has the "
                "answer's role"),

@@ -41,6 +41,7 @@ class ServerState:
     started_s: float = field(default_factory=time.time)
     draining: bool = False  # set on SIGTERM: finish what is running, take nothing new
     tool_call_parser: str | None = None  # reads tool calls out of text for tool_choice "auto"
+    trust_request_chat_template: bool = False  # serve --trust-request-chat-template
     loop: asyncio.AbstractEventLoop | None = None
     offload: Offload = field(default_factory=Offload)  # parsing, templating, (de)tokenizing
     metrics_namespace: str = "servelab"  # "vllm": vLLM's metric names and labels (server/metrics.py)

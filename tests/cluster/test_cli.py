@@ -24,6 +24,7 @@ from servelab.cli import main
     (["serve", "--data-parallel", "2", "--worker-hang-timeout", "soon"], "--worker-hang-timeout: cannot parse"),
     (["serve", "--worker-restart-limit", "5"], "--worker-restart-limit: only with --data-parallel N > 1"),
     (["serve", "--data-parallel", "2", "--worker-restart-limit", "-1"], "--worker-restart-limit: must be >= 0"),
+    (["serve", "--disagg", "1:1", "--worker-restart-limit", "5"], "a disaggregated pair's KV links cannot be re-formed"),
     (["worker", "--master-addr", "h", "--master-port", "29500", "--world-size", "3", "--rank", "0"],
      "--rank: 0 is the front end"),
     (["worker", "--master-addr", "h", "--master-port", "29500", "--world-size", "3", "--rank", "3"],

@@ -36,7 +36,7 @@ def served(tiny_model_dir):
 
     engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=str(tiny_model_dir), dtype="float32", num_blocks=64,
                                                         max_model_len=256))  # fmt: skip
-    with TestClient(create_app(engine)) as client:
+    with TestClient(create_app(engine, trust_request_chat_template=True)) as client:
         yield client, engine
 
 
@@ -243,3 +243,17 @@ def test_a_bad_request_chat_template_is_a_400_naming_it(served, template, words)
     err = _error(client.post("/v1/chat/completions", json={"messages": MESSAGES, "chat_template": template}), 400)
     assert err["param"] in ("chat_template", "messages") and words in err["message"]
     assert _chat(client, messages=MESSAGES)["choices"]  # the server serves on
+
+
+def test_a_request_chat_template_needs_the_server_to_trust_it(tiny_model_dir):
+    from servelab.engine.llm_engine import EngineArgs, LLMEngine
+
+    engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=str(tiny_model_dir), dtype="float32", num_blocks=64,
+                                                        max_model_len=256))  # fmt: skip
+    with TestClient(create_app(engine)) as client:
+        template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+        err = _error(client.post("/v1/chat/completions", json={"messages": MESSAGES, "chat_template": template}), 400)
+        assert err["param"] == "chat_template" and "--trust-request-chat-template" in err["message"]
+        ok = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
+        assert ok.status_code == 200, ok.text
+    assert engine.scheduler.block_manager.num_free_blocks == 64

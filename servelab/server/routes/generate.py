@@ -83,6 +83,9 @@ async def start_chat(
     `request` is the HTTP request: its body's size picks the lane, its disconnect ends a compile."""
     refuse_unsupported(req, fields.CHAT)
     refuse_non_text_parts(req.messages)
+    if req.chat_template is not None and not state.trust_request_chat_template:
+        raise InvalidArgument("a request's own chat_template needs the server started with "
+                              "--trust-request-chat-template; leave it out to use the model's", param="chat_template")
     if req.top_logprobs and not req.logprobs:  # 0 asks for nothing: vLLM's default, which clients send
         raise InvalidArgument("top_logprobs needs logprobs=true", param="top_logprobs")
     plan = tool_plan(req, state.tool_call_parser)
