@@ -85,10 +85,10 @@ def test_a_slow_grammar_compile_does_not_stall_the_workers_other_requests(tiny_e
     window: list[float] = []
     real_prepare, real_step = worker.logits_processors.prepare, worker.step
 
-    def slow_prepare(params, *siblings):
+    def slow_prepare(params, *siblings, **kwargs):
         window.append(time.perf_counter())
         time.sleep(1.5)
-        real_prepare(params, *siblings)
+        real_prepare(params, *siblings, **kwargs)
         window.append(time.perf_counter())
 
     def paced_step():  # the running request must outlast the compile on any host: 229 steps >= 2.3 s

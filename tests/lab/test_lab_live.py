@@ -16,7 +16,8 @@ def _server_metrics(running: int = 3, waiting: int = 2, kv: float = 0.25):
     from servelab.server.metrics import ServerMetrics
 
     stats = SimpleNamespace(num_running=running, num_waiting=waiting, kv_cache_usage=kv, num_blocks_total=100,
-                            num_blocks_free=75, num_preemptions=0, prefix_cache_hits=0, prefix_cache_queries=0)
+                            num_blocks_free=75, num_preemptions=0, prefix_cache_hits=0, prefix_cache_queries=0,
+                            num_waiting_deferred=0)
     return ServerMetrics("m", lambda: stats)
 
 
