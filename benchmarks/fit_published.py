@@ -19,7 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 from pathlib import Path
 from typing import Any
 

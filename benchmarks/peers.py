@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     print("\n".join(lines))
     print("host: " + "; ".join(describe(limits)))
     print(f"cpu: {host['cpu']}; flags: {' '.join(host['flags'])}")
-    print(f"weights read per step: " + ", ".join(f"{n} {p.weight_bytes / 1e6:.0f} MB" for n, p in profiles.items()))
+    print("weights read per step: " + ", ".join(f"{n} {p.weight_bytes / 1e6:.0f} MB" for n, p in profiles.items()))
     if llama:
         print(f"llama.cpp {llama['version']}, OMP_WAIT_POLICY={args.llama_omp_wait_policy} in its own process; "
               f"{llama['system_info']}")

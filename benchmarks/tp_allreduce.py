@@ -22,7 +22,6 @@ import argparse
 import json
 import os
 import statistics
-import tempfile
 import time
 
 import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch loads (servelab/__init__.py)
@@ -31,7 +30,6 @@ import torch
 from servelab.core.sequence import SamplingParams
 from servelab.cost.profile import fit_allreduce, tp_comm_s
 from servelab.cost.roofline import Efficiency
-from servelab.engine.bundled import bundled_model_path
 from servelab.engine.llm_engine import EngineArgs, LLMEngine
 from servelab.engine.host_probe import ALLREDUCE_TOKENS, allreduce_times
 

@@ -13,7 +13,6 @@ from typing import Any
 
 from servelab.commands._deprecated import add_deprecated_flag, note_deprecated
 from servelab.engine.llm_engine import DTYPES, KV_CACHE_DTYPES
-from servelab.errors import InvalidArgument
 from servelab.spec.dtypes import (
     DEFAULT_DTYPE,
     DEPRECATED_ALIASES,

@@ -139,7 +139,7 @@ def _compute_bound_note(roofline: Any, context: int) -> str:
 
 
 def _header(roofline: Any, context: int) -> list[str]:
-    m, hw, plan, eff = roofline.model, roofline.hardware, roofline.memory, roofline.efficiency
+    m, hw, plan = roofline.model, roofline.hardware, roofline.memory
     devices = f"{roofline.tp}× " if roofline.tp > 1 else ""
     return [
         (f"{m.name} on {devices}{hw.name}: {roofline.weight_dtype} weights, {roofline.kv_dtype} KV cache, "

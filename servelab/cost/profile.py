@@ -140,7 +140,6 @@ def nnls(a: Any, b: Any, max_iter: int = 200) -> Any:
 
 def _nnls_relative(rows: Any, y: Any) -> Any:
     """NNLS on relative error (each row divided by its time), columns scaled for conditioning."""
-    import numpy as np
 
     scale = rows.max(axis=0)
     scale[scale == 0] = 1.0

@@ -9,7 +9,7 @@ import numpy as np
 
 from servelab.cost import MemoryPlan, Roofline, StepCost
 from servelab.errors import DoesNotFit
-from servelab.lab.common import Setup, fmt, gb, ms, powers_of_two, setup_from, stat
+from servelab.lab.common import fmt, gb, ms, powers_of_two, setup_from, stat
 from servelab.lab.formulas import step_formula
 from servelab.lab.limits import bounds
 from servelab.lab.params import Params

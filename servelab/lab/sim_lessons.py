@@ -17,7 +17,7 @@ import numpy as np
 
 from servelab.core.config import SchedulerConfig
 from servelab.errors import DoesNotFit
-from servelab.lab.common import Setup, fmt, ms, setup_from, stat
+from servelab.lab.common import Setup, fmt, setup_from, stat
 from servelab.lab.limits import LIMITS, bounds
 from servelab.lab.params import Params
 from servelab.lab.simulations import Budget, result_bytes

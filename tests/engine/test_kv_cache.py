@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from servelab.engine.kv_cache import PagedKVCache
 from servelab.spec.model import ModelSpec
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="mincore(2) residency is read on Linux")

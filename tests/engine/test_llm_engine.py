@@ -188,7 +188,6 @@ def test_a_16_bit_kv_cache_holds_twice_the_blocks(tiny_engine_factory, tiny_llam
 def test_a_request_whose_logits_go_non_finite_ends_with_an_error_and_frees_its_blocks(tiny_engine_factory, caplog):
     """An overflowing model (e.g. K/V past fp16's 65504 in an fp16 cache) yields NaN logits: that
     request finishes with "error", its blocks go back, the others in the batch carry on."""
-    import torch
 
     engine = tiny_engine_factory(kv_cache_dtype="float16")
     model = engine.executor.model
