@@ -131,6 +131,7 @@ class Figures:
     output_tok_s: float | None = None
     requests: int | None = None
     fields: str = ""  # which of the client's own fields gave TPOT and ITL
+    client_cpu_pct: float | None = None  # the client's processes, median per-second share of a core
 
 
 def server_figures(before: Scrape, after: Scrape) -> tuple[Figures, float]:
@@ -331,18 +332,70 @@ def write_tokenizer_dir(out: Path) -> Path:
     return write_bf16_checkpoint(out, weights=False)
 
 
+def _proc_table() -> tuple[dict[int, list[int]], dict[int, float]]:
+    """Every live process's children and CPU seconds (user + system), from /proc."""
+    children: dict[int, list[int]] = {}
+    cpu_s: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = Path(entry.path, "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended while we looked
+            continue
+        pid = int(entry.name)
+        children.setdefault(int(fields[1]), []).append(pid)  # fields[1]: the parent's pid
+        cpu_s[pid] = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+    return children, cpu_s
+
+
+def tree_pids(root: int, children: dict[int, list[int]] | None = None) -> list[int]:
+    """`root` and its live descendants."""
+    children = _proc_table()[0] if children is None else children
+    pids, todo = [], [root]
+    while todo:
+        pid = todo.pop()
+        pids.append(pid)
+        todo += children.get(pid, [])
+    return pids
+
+
+def tree_cpu_s(root: int) -> float:
+    """CPU seconds used so far by `root` and its live descendants."""
+    children, cpu_s = _proc_table()
+    return sum(cpu_s.get(pid, 0.0) for pid in tree_pids(root, children))
+
+
 def run_client(client: Client, load: Load, out: Path, cores: list[int] | None, timeout_s: float) -> Figures:
+    """Run one client to completion; its figures, with the CPU its processes took while it ran
+    (sampled each second: a client that competes with the server for the machine shows here)."""
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
     argv = pinned(client.command(client.program, load, out), cores)
     log = out / "client.log"
+    shares: list[float] = []
     with log.open("w") as f:
-        rc = subprocess.run(argv, check=False, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=out, timeout=timeout_s).returncode
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=out)
+        deadline = time.monotonic() + timeout_s
+        last_cpu_s, last_t = 0.0, time.monotonic()
+        while proc.poll() is None:
+            if time.monotonic() > deadline:
+                proc.kill()
+                proc.wait()
+                raise subprocess.TimeoutExpired(argv, timeout_s)
+            time.sleep(1.0)
+            cpu_s, t = tree_cpu_s(proc.pid), time.monotonic()
+            if cpu_s >= last_cpu_s:  # a descendant that exits takes its seconds with it
+                shares.append(100 * (cpu_s - last_cpu_s) / (t - last_t))
+            last_cpu_s, last_t = cpu_s, t
     result = client.result(out)
-    if rc != 0 or not result.is_file():
+    if proc.returncode != 0 or not result.is_file():
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
-        raise RuntimeError(f"{client.name} failed (exit {rc}); the end of {log}:\n{tail}")
-    return client.parse(result)
+        raise RuntimeError(f"{client.name} failed (exit {proc.returncode}); the end of {log}:\n{tail}")
+    figures = client.parse(result)
+    figures.client_cpu_pct = statistics.median(shares) if shares else None
+    return figures
 
 
 def ratio(x: float | None, ref: float | None) -> str:
@@ -361,21 +414,23 @@ def median_figures(runs: list[Figures]) -> Figures:
         xs = [getattr(r, name) for r in runs if getattr(r, name) is not None]
         return statistics.median(xs) if xs else None
 
-    return Figures(*(med(c) for c in COLUMNS), med("output_tok_s"), runs[0].requests, runs[0].fields)
+    return Figures(*(med(c) for c in COLUMNS), med("output_tok_s"), runs[0].requests, runs[0].fields,
+                   med("client_cpu_pct"))  # fmt: skip
 
 
 def table(rows: list[tuple[str, Figures, Figures]]) -> str:
-    """Markdown: per client its figures and, under each, its ratio to the server's own figure over
-    the same runs."""
+    """Markdown: per client its figures and their ratios to the server's own over the same runs,
+    and under it a row of those server figures."""
     head = ("| client | n | TTFT p50 (ms) | TTFT mean | TPOT p50 (ms) | TPOT mean | ITL mean (ms) | output tok/s |"
-            " TTFT p50 / server | TTFT mean / server | TPOT p50 / server | TPOT mean / server | ITL mean / server |")
+            " TTFT p50 / server | TTFT mean / server | TPOT p50 / server | TPOT mean / server | ITL mean / server |"
+            " client CPU (% of a core) |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, client, server in rows:
         cells = [name, str(client.requests), *(fmt(getattr(client, c)) for c in COLUMNS), fmt(client.output_tok_s),
-                 *(ratio(getattr(client, c), getattr(server, c)) for c in COLUMNS)]  # fmt: skip
+                 *(ratio(getattr(client, c), getattr(server, c)) for c in COLUMNS), fmt(client.client_cpu_pct, 0)]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
         cells = [f"server, {name}'s runs", str(server.requests), *(fmt(getattr(server, c)) for c in COLUMNS),
-                 "-", *("" for _ in COLUMNS)]  # fmt: skip
+                 "-", *("" for _ in COLUMNS), ""]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -460,7 +515,8 @@ def main() -> None:
                     runs[client.name].append((figures, server))
                     print(f"round {r + 1}, {client.name}: TTFT mean {fmt(figures.ttft_mean_ms)} ms (server "
                           f"{fmt(server.ttft_mean_ms)}), TPOT mean {fmt(figures.tpot_mean_ms)} ms (server "
-                          f"{fmt(server.tpot_mean_ms)}), {fmt(figures.output_tok_s)} tok/s", flush=True)
+                          f"{fmt(server.tpot_mean_ms)}), {fmt(figures.output_tok_s)} tok/s, client CPU "
+                          f"{fmt(figures.client_cpu_pct, 0)}% of a core", flush=True)
             load_avg_after = os.getloadavg()
         finally:
             if proc is not None:

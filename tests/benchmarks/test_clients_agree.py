@@ -7,6 +7,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,21 @@ def test_medians_over_rounds_skip_missing_figures():
             ca.Figures(2.0, 9.0, 4.0, 5.0, None, 20.0, 8, "x")]  # fmt: skip
     m = ca.median_figures(runs)
     assert (m.ttft_p50_ms, m.ttft_mean_ms, m.tpot_mean_ms, m.itl_mean_ms, m.output_tok_s) == (2.0, 4.0, 5.0, None, 20.0)
+
+
+def test_client_cpu_counts_the_whole_process_tree():
+    # A shell whose child burns 0.5 s of CPU, then both wait: the grandchild's seconds count.
+    burn = f"{sys.executable} -c 'import time; t = time.process_time(); exec(\"while time.process_time() - t < 0.5: pass\"); time.sleep(30)'"
+    proc = subprocess.Popen(["sh", "-c", burn + " & wait"])
+    try:
+        deadline = time.monotonic() + 20
+        while ca.tree_cpu_s(proc.pid) < 0.5 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert 0.5 <= ca.tree_cpu_s(proc.pid) < 5
+    finally:
+        for pid in ca.tree_pids(proc.pid):
+            os.kill(pid, 9)
+        proc.wait()
 
 
 def test_clients_are_found_in_venvs_or_left_out(tmp_path, monkeypatch):
