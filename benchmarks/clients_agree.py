@@ -21,10 +21,12 @@ as the buckets. Client figures come from each client's own result file, read by 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
 import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -32,7 +34,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -115,8 +117,11 @@ def parse_metrics(text: str) -> Scrape:
 
 
 def scrape(base_url: str) -> Scrape:
-    with urllib.request.urlopen(base_url + "/metrics", timeout=30) as r:
-        return parse_metrics(r.read().decode())
+    try:
+        with urllib.request.urlopen(base_url + "/metrics", timeout=30) as r:
+            return parse_metrics(r.read().decode())
+    except OSError as e:
+        raise SystemExit(f"cannot read {base_url}/metrics: {e}") from None
 
 
 @dataclass(slots=True)
@@ -379,16 +384,21 @@ def run_client(client: Client, load: Load, out: Path, cores: list[int] | None, t
         proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=out)
         deadline = time.monotonic() + timeout_s
         last_cpu_s, last_t = 0.0, time.monotonic()
-        while proc.poll() is None:
-            if time.monotonic() > deadline:
-                proc.kill()
-                proc.wait()
-                raise subprocess.TimeoutExpired(argv, timeout_s)
-            time.sleep(1.0)
-            cpu_s, t = tree_cpu_s(proc.pid), time.monotonic()
-            if cpu_s >= last_cpu_s:  # a descendant that exits takes its seconds with it
-                shares.append(100 * (cpu_s - last_cpu_s) / (t - last_t))
-            last_cpu_s, last_t = cpu_s, t
+        try:
+            while proc.poll() is None:
+                if time.monotonic() > deadline:
+                    raise subprocess.TimeoutExpired(argv, timeout_s)
+                time.sleep(1.0)
+                cpu_s, t = tree_cpu_s(proc.pid), time.monotonic()
+                if cpu_s >= last_cpu_s:  # a descendant that exits takes its seconds with it
+                    shares.append(100 * (cpu_s - last_cpu_s) / (t - last_t))
+                last_cpu_s, last_t = cpu_s, t
+        except BaseException:  # a timeout or Ctrl-C: leave no client (AIPerf's workers included) behind
+            for pid in reversed(tree_pids(proc.pid)):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            proc.wait()
+            raise
     result = client.result(out)
     if proc.returncode != 0 or not result.is_file():
         tail = "".join(log.read_text(errors="replace").splitlines(keepends=True)[-15:])
@@ -435,6 +445,34 @@ def table(rows: list[tuple[str, Figures, Figures]]) -> str:
     return "\n".join(lines)
 
 
+@contextlib.contextmanager
+def servelab_server(base_url: str | None, cores: list[int] | None, log: Path) -> Iterator[str]:
+    """`base_url` when given; else `servelab serve` on the bundled model, on a free port and
+    `cores`, stopped on the way out."""
+    if base_url is not None:
+        wait_ready(base_url, None, 60)
+        yield base_url
+        return
+    port = free_port()
+    # Prefix caching off: the chat template's opening is shared by every prompt.
+    argv = [sys.executable, "-m", "servelab", "serve", "--port", str(port), "--no-prefix-caching",
+            "--no-access-log", "--log-level", "warning"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    with log.open("w") as f:
+        proc = subprocess.Popen(pinned(argv, cores), env=env, stdout=f, stderr=subprocess.STDOUT)
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        wait_ready(base_url, proc, 300)
+        yield base_url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base-url", help="an already running servelab server (default: start one here)")
@@ -472,30 +510,17 @@ def main() -> None:
         clients.append(c)
 
     server_cores, client_cores, pinning = split_cores(args.share_cores)
+    if args.base_url is not None:
+        pinning = f"server at --base-url; clients on core(s) {client_cores or 'any'}"
     with tempfile.TemporaryDirectory(prefix="clients-agree-") as tmp:
         work = args.out_dir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        proc = None
-        base_url = args.base_url
-        if base_url is None:
-            port = free_port()
-            base_url = f"http://127.0.0.1:{port}"
-            # Prefix caching off: the chat template's opening is shared by every prompt.
-            argv = [sys.executable, "-m", "servelab", "serve", "--port", str(port), "--no-prefix-caching",
-                    "--no-access-log", "--log-level", "warning"]  # fmt: skip
-            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-            proc = subprocess.Popen(pinned(argv, server_cores), env=env, stdout=(work / "server.log").open("w"),
-                                    stderr=subprocess.STDOUT)  # fmt: skip
-        else:
-            pinning = "server at --base-url: pinning applies to the clients only"
-            server_cores = None
-        try:
-            wait_ready(base_url, proc, 300)
+        with servelab_server(args.base_url, server_cores, work / "server.log") as base_url:
             model = served_model(base_url)
             tok = write_tokenizer_dir(work / "tokenizer")
             print(f"{model} at {base_url}; {pinning}; concurrency {CONCURRENCY}, {INPUT_TOKENS} in / "
                   f"{OUTPUT_TOKENS} out (ignore_eos), {args.num_requests} requests a run, {args.rounds} round(s)")
-            if proc is not None:
+            if args.base_url is None:
                 print("server: --no-prefix-caching; every client run has its own seed (unique prompts)")
             load_avg = os.getloadavg()
             runs: dict[str, list[tuple[Figures, Figures]]] = {c.name: [] for c in clients}
@@ -518,13 +543,6 @@ def main() -> None:
                           f"{fmt(server.tpot_mean_ms)}), {fmt(figures.output_tok_s)} tok/s, client CPU "
                           f"{fmt(figures.client_cpu_pct, 0)}% of a core", flush=True)
             load_avg_after = os.getloadavg()
-        finally:
-            if proc is not None:
-                proc.terminate()
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
         rows = [(name, median_figures([c for c, _ in rs]), median_figures([s for _, s in rs]))
                 for name, rs in runs.items() if rs]  # fmt: skip
         print()
