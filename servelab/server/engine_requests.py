@@ -190,12 +190,13 @@ async def prepare_logits_processors(
         return
     grammar = None
     if first.structured_output is not None and state.grammars is not None:
-        grammar = await _unless_disconnected(request, state.grammars.compile(first.structured_output))
+        grammar = await unless_disconnected(request, state.grammars.compile(first.structured_output))
     await lane.run(state.engine.prepare_logits_processors, first, *siblings, grammar=grammar)
 
 
-async def _unless_disconnected(request: Request | None, work: Awaitable[T]) -> T:
-    """`work`'s result, or ClientDisconnected (and `work` cancelled) once the client hangs up."""
+async def unless_disconnected(request: Request | None, work: Awaitable[T], while_: str = "its request was being prepared") -> T:
+    """`work`'s result, or ClientDisconnected (and `work` cancelled: a compile's cancel kills its
+    worker process, an engine stream's aborts its request) once the client hangs up."""
     if request is None:
         return await work
     task = asyncio.ensure_future(work)
@@ -214,9 +215,9 @@ async def _unless_disconnected(request: Request | None, work: Awaitable[T]) -> T
     if task in done:
         watcher.cancel()
         return task.result()
-    task.cancel()  # a compile's cancel kills its worker process
+    task.cancel()
     await asyncio.gather(task, return_exceptions=True)
-    raise ClientDisconnected("the client disconnected while its request was being prepared")
+    raise ClientDisconnected(f"the client disconnected while {while_}")
 
 
 __all__ = [
@@ -231,4 +232,5 @@ __all__ = [
     "check_token_id_lists",
     "check_stops",
     "prepare_logits_processors",
+    "unless_disconnected",
 ]

@@ -3,7 +3,6 @@ prompt and choice, and answer as one JSON body or as an SSE stream."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -16,7 +15,12 @@ from servelab.errors import InvalidArgument
 from servelab.server import fields
 from servelab.server import protocol as p
 from servelab.server.async_engine import RequestStream
-from servelab.server.engine_requests import build_requests, prepare_logits_processors
+from servelab.server.engine_requests import (
+    ClientDisconnected,
+    build_requests,
+    prepare_logits_processors,
+    unless_disconnected,
+)
 from servelab.server.fields import refuse_non_text_parts, refuse_unsupported
 from servelab.server.http_errors import parse_body
 from servelab.server.prompt_scoring import prompt_logprobs_wanted
@@ -120,28 +124,8 @@ def answer_id(prefix: str, req: p.CompletionRequest | p.ChatCompletionRequest, e
 
 async def collect_unless_disconnected(request: Request, work: Awaitable[Response]) -> Response:
     """A non-streaming request whose client hangs up is aborted too, not left to run to max_tokens."""
-    task = asyncio.ensure_future(work)
-
-    async def wait_for_disconnect() -> None:
-        while True:
-            message = await request.receive()
-            if message["type"] == "http.disconnect":
-                return
-
-    watcher = asyncio.ensure_future(wait_for_disconnect())
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        watcher.cancel()
-        raise
-    if task in done:
-        watcher.cancel()
-        return task.result()
-    task.cancel()
-    try:
-        await task
-    except (asyncio.CancelledError, Exception):
-        pass
-    logger.info("client disconnected; request aborted")
-    return Response(status_code=499)
+        return await unless_disconnected(request, work, "its answer was generated")
+    except ClientDisconnected:
+        logger.info("client disconnected; request aborted")
+        return Response(status_code=499)
