@@ -112,15 +112,20 @@ def measure_bandwidth(device: torch.device, nbytes: int) -> dict[str, float]:
     return out
 
 
-def _fp8_weights(device: torch.device, n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    # Column-major (K, N) codes with per-channel scales, as cuBLASLt's row-wise FP8 GEMM takes them.
-    return [(torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t(), torch.ones(1, n, device=device))
+FP8_DTYPES = ("fp8", "fp8_tensor")  # row-wise scales (per token and channel); one scale per tensor
+
+
+def _fp8_weights(device: torch.device, n: int, k: int, copies: int, row_wise: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    # Column-major (K, N) codes, as cuBLASLt's FP8 GEMM takes them, with per-channel or one scale.
+    return [(torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t(),
+             torch.ones(1, n, device=device) if row_wise else torch.ones((), device=device))
             for _ in range(copies)]  # fmt: skip
 
 
 def _fp8_calls(a16: torch.Tensor, ws: list[tuple[torch.Tensor, torch.Tensor]]) -> list[Callable[[], object]]:
     a = a16.to(torch.float8_e4m3fn)
-    sa = torch.ones(a.shape[0], 1, device=a.device)  # per-token activation scales
+    row_wise = ws[0][1].dim() > 0
+    sa = torch.ones(a.shape[0], 1, device=a.device) if row_wise else torch.ones((), device=a.device)
     return [lambda w=w, sb=sb: torch._scaled_mm(a, w, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16)
             for w, sb in ws]  # fmt: skip
 
@@ -131,14 +136,15 @@ def measure_gemms(timer: Timer, shapes: dict, tokens: list[int], dtypes: list[st
     for model, layers in shapes.items():
         for layer, n, k in layers:
             for dtype in dtypes:
-                wbytes = n * k * (1 if dtype == "fp8" else torch.finfo(_torch_dtype(dtype)).bits // 8)
+                fp8 = dtype in FP8_DTYPES
+                wbytes = n * k * (1 if fp8 else torch.finfo(_torch_dtype(dtype)).bits // 8)
                 copies = max(2, math.ceil(rotate / wbytes))
-                ws = (_fp8_weights(dev, n, k, copies) if dtype == "fp8"
+                ws = (_fp8_weights(dev, n, k, copies, row_wise=dtype == "fp8") if fp8
                       else [torch.randn(n, k, device=dev, dtype=_torch_dtype(dtype)) for _ in range(copies)])  # fmt: skip
                 for m in tokens:
                     row = dict(model=model, layer=layer, dtype=dtype, m=m, n=n, k=k)
-                    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16 if dtype == "fp8" else _torch_dtype(dtype))
-                    calls = _fp8_calls(a, ws) if dtype == "fp8" else [lambda w=w, a=a: F.linear(a, w) for w in ws]
+                    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16 if fp8 else _torch_dtype(dtype))
+                    calls = _fp8_calls(a, ws) if fp8 else [lambda w=w, a=a: F.linear(a, w) for w in ws]
                     try:
                         t = timer.median_s(calls)
                     except (RuntimeError, TypeError) as e:  # e.g. an fp8 shape cuBLASLt refuses
@@ -268,6 +274,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=7, help="timed graph replays per point (median)")
     ap.add_argument("--out", type=Path, required=True, help="where to write the JSON")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: gemm, fp8, prefill, decode")
+    ap.add_argument("--dtypes", default=None,
+                    help="GEMM formats, comma-separated, of the device's 16-bit type (bfloat16 on CUDA, float32 on a "
+                         "CPU), fp8 (row-wise scales) and fp8_tensor (one scale a tensor); default: 16-bit and fp8")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_kernels: --device cuda but torch sees no CUDA device (use --device cpu)", file=sys.stderr)
@@ -277,6 +286,13 @@ def main(argv: list[str] | None = None) -> int:
     timer = Timer(dev, args.repeats, target_s=0.002 if args.quick else 0.02)
     dtype = "bfloat16" if dev.type == "cuda" else "float32"
     dtypes = [dtype] + (["fp8"] if dev.type == "cuda" and "fp8" not in skip else [])
+    if args.dtypes:
+        dtypes = [d for d in args.dtypes.split(",") if d]
+        bad = [d for d in dtypes if d not in (dtype, *FP8_DTYPES) or (d in FP8_DTYPES and dev.type != "cuda")]
+        if bad:
+            print(f"gpu_kernels: --dtypes {','.join(bad)}: not timed on {dev.type} (take {dtype}"
+                  f"{', fp8, fp8_tensor' if dev.type == 'cuda' else ''})", file=sys.stderr)
+            return 2
     cfg = QUICK if args.quick else dict(prefill=PREFILL_LENS, batches=DECODE_BATCHES, contexts=DECODE_CONTEXTS,
                                          attn=ATTN, rotate=ROTATE_BYTES)  # fmt: skip
     result: dict = dict(torch=torch.__version__, device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",

@@ -46,3 +46,17 @@ def test_h200_data_is_complete():
     for r in d["gemm"]:
         if r["m"] == 1:
             assert r["bytes"] / r["time_s"] < 1.05 * d["bandwidth"]["copy_bytes_per_s"]
+
+
+def test_h200_fp8_scaling_data_covers_both_scalings():
+    d = json.loads((ROOT / "benchmarks/data/h200_fp8_scaling.json").read_text())
+    assert d["device"] == "NVIDIA H200" and "prefill_attention" not in d and "decode_attention" not in d
+    for dtype in gpu_kernels.FP8_DTYPES:
+        rows = [r for r in d["gemm"] if r["dtype"] == dtype]
+        assert len(rows) == sum(len(v) for v in gpu_kernels.SHAPES.values()) * len(gpu_kernels.TOKENS)
+        assert all("time_s" in r and r["bytes"] == r["n"] * r["k"] + 2 * r["m"] * (r["n"] + r["k"]) for r in rows)
+
+
+def test_fp8_on_a_cpu_is_refused_by_name(tmp_path, capsys):
+    assert gpu_kernels.main(["--device", "cpu", "--quick", "--dtypes", "fp8_tensor", "--out", str(tmp_path / "x")]) == 2
+    assert "--dtypes fp8_tensor: not timed on cpu" in capsys.readouterr().err
