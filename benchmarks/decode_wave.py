@@ -1,7 +1,7 @@
 """Decode step times by position in validate's concurrency-16 wave, on the bundled model: 16
 prompts of 128 tokens prefilled in one 2,048-token step, then 63 decode steps at batch 16, the
-engine driven and timed the way `servelab calibrate` times its grid (docs/fidelity.md, "Runs 12
-and 13"). The first wave is a warm-up.
+engine driven and timed the way `servelab calibrate` times its grid (docs/fidelity.md, "The
+host's own spread"). The first wave is a warm-up.
 
     python benchmarks/decode_wave.py [--waves 4] [--batch 16] [--prompt-len 128] [--output-len 64]
 """

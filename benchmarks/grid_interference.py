@@ -1,5 +1,5 @@
 """Batch-16 decode steps timed inside calibrate's whole grid and alone, alternated on one engine
-(docs/fidelity.md, "The batch-16 TPOT miss"): does the rest of the grid slow these steps?
+(docs/fidelity.md, "The host's own spread"): does the rest of the grid slow these steps?
 
     python benchmarks/grid_interference.py [--rounds 2] [--grid coarse]
 

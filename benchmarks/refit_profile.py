@@ -3,8 +3,8 @@ raw passes (every shape's samples), fitted by each step-time statistic and in th
 with and without the engine's kernel switches, compared on the same held-out steps by path; with
 --replay, the serving term refitted from the steps calibrate's server runs logged (older folders
 keep their own), and each folder's closed loops (c*.json) and Poisson run (rate.json, its arrivals
-regenerated from the workload's seed) replayed through the simulator (docs/fidelity.md, "Runs
-9-11 refitted").
+regenerated from the workload's seed) replayed through the simulator (docs/fidelity.md, "The
+step-cost form").
 
     python benchmarks/refit_profile.py run9 run10 run11
     python benchmarks/refit_profile.py run9 run10 run11 --replay --kernel-rows 4,128
@@ -32,7 +32,7 @@ METRICS = (("TTFT p50", "ttft_s", "p50"), ("TTFT p90", "ttft_s", "p90"), ("TPOT 
            ("output tok/s", "output_throughput", None))
 
 
-# --spread passes: an experiment on the TTFT spread (docs/fidelity.md, "Runs 9-11 refitted"):
+# --spread passes: an experiment on the TTFT spread (docs/fidelity.md, "What the models cannot express"):
 # each simulated step takes its profile time times a factor drawn from calibrate's own passes,
 # from the shapes whose step time is within 2x of this one's; independent, seeded draws.
 def pass_factors(profile: dict[str, Any]) -> tuple[tuple[float, float], ...]:

@@ -1,6 +1,6 @@
 """Time the steps a served load makes past the packed kernels' 128 rows, interleaved, against the
 single 128-token prefill of concurrency 1 (calibrate's own `measure` on a grid of just those
-shapes; docs/fidelity.md, "Runs 9-11 refitted").
+shapes; docs/fidelity.md, "The step-cost form").
 
     python benchmarks/served_steps.py --passes 7
 """

@@ -32,7 +32,7 @@ SERVER_RUNS = ((1, 8), (4, 24), (8, 32), (16, 48))
 SERVER_INPUT_LEN, SERVER_OUTPUT_LEN = 64, 32
 # Each client pauses between requests, a seeded exponential draw the check's replay takes too: its
 # clients then drift apart as the server's do, rather than staying in lockstep (docs/fidelity.md,
-# "Closed loops: the client's round trip" and "The serving term from the served steps").
+# "Closed loops: the client's round trip" and "The serving term").
 SERVER_THINK_TIME = "exp:50ms"
 SERVER_START_TIMEOUT_S = 300.0
 
@@ -82,7 +82,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--step-time-statistic", choices=list(STATISTICS), default=DEFAULT_STATISTIC,
                         help="a step's time from its interleaved passes: fastest (what an idle host would run) or "
                              f"median (what a live server typically sees) (default {DEFAULT_STATISTIC}; "
-                             "docs/fidelity.md, \"Runs 9-11 refitted\")")
+                             "docs/fidelity.md, \"Repeatable calibration\")")
     parser.add_argument("--server-term", action="store_true",
                         help="also measure the serving term: start `servelab serve --step-log` with these engine "
                              f"flags, run closed loops at concurrency {', '.join(str(c) for c, _ in SERVER_RUNS)} "

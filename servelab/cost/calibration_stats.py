@@ -6,9 +6,10 @@ stalls the engine's threads, it never makes the matmuls faster. So the fastest o
 runs is the statistic that moves least when the load changes between two calibrations (the
 median moves with the load): the one to use on a busy host. But even an idle virtual machine
 runs a typical step 10-25% slower than its fastest pass, and a live server sees typical steps:
-on runs 9-11 (docs/fidelity.md, "Runs 9-11 refitted") the median predicted the served TTFT and
-TPOT better wherever the grid covered the served steps, and fit the held-out steps better. So
-the median is the default, and `calibrate --step-time-statistic fastest` the choice on a busy host.
+on the development host (docs/fidelity.md, "Repeatable calibration") the median predicted the
+served TTFT and TPOT better wherever the grid covered the served steps, and fit the held-out
+steps better. So the median is the default, and `calibrate --step-time-statistic fastest` the
+choice on a busy host.
 """
 
 from __future__ import annotations

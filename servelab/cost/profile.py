@@ -6,10 +6,10 @@ time = per_step + per_prefill_step·[per-op path] + per_token·min(tokens, R) + 
        + per_wide_step·[tokens > F] + per_dense_step·[tokens > R] + per_dense_token·max(0, tokens − R)
 (the sums of `Roofline.totals`). The engine runs a decode-only step (one query token per
 sequence) in one native call and any other step op by op; per_prefill_step is the second path's
-extra fixed cost (docs/fidelity.md, "The step-cost form, revised"). F and R are where the
+extra fixed cost (docs/fidelity.md, "The step-cost form"). F and R are where the
 engine's linears change kernel by rows (`KernelRows`, written by calibrate from the model it
 loaded): the in-register kernel up to F rows, the panel kernel up to R, MKL over the fp32 copy
-above R (docs/fidelity.md, "Runs 9-11 refitted"). Without them (dense or int8 linears, a profile
+above R (docs/fidelity.md, "The step-cost form"). Without them (dense or int8 linears, a profile
 written before) the last three terms are absent and per_token prices every token. A per-layer
 term is not separate: a profile is for one model, so layers × per-layer is folded into per_step.
 
