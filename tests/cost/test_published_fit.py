@@ -55,7 +55,7 @@ def test_every_point_is_within_its_documented_bound(points):
             assert len(p.get("why", "")) > 40, f"{p['id']}: a bound above 15% needs its reason"
         err = fp.error_pct(p, Efficiency())
         assert abs(err) <= bound, f"{p['id']}: {err:+.1f}% (bound {bound}%)"
-    # the exceptions stay exceptions: most points meet the 15%
+    # the exceptions stay exceptions: most points meet the 15% target
     assert sum("bound_pct" in p for p in points) <= len(points) // 3
 
 
