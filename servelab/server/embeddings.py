@@ -23,6 +23,7 @@ from servelab.server.async_engine import EngineFailure, EngineRequest
 from servelab.server.prompts import (
     check_fits_untokenized,
     check_token_ids,
+    completion_prompts,
     encode_prompt,
 )
 from servelab.server.protocol import _Request
@@ -85,20 +86,9 @@ def request_pooling(server: PoolingParams, req: EmbeddingRequest) -> PoolingPara
     return PoolingParams(server.pooling_type, normalize)
 
 
-def embedding_inputs(input: str | list) -> list[str | list[int]]:
-    """`input` (a string, token ids, or a list of either) as a list of inputs."""
-    if isinstance(input, str):
-        return [input]
-    if not input:
-        raise InvalidArgument("input is empty: send a string, a list of token ids, or a list of those", param="input")
-    if isinstance(input[0], int):
-        return [list(input)]
-    return list(input)
-
-
 def embedding_input_ids(engine: LLMEngine, req: EmbeddingRequest) -> list[list[int]]:
     """Blocking: every input as checked token ids, truncated if asked, each within max_model_len."""
-    inputs = embedding_inputs(req.input)
+    inputs = completion_prompts(req.input, "input")
     if len(inputs) > MAX_INPUTS:
         raise InvalidArgument(f"input has {len(inputs)} entries; at most {MAX_INPUTS} are allowed", param="input")
     limit = engine.max_model_len

@@ -31,12 +31,13 @@ def check_token_ids(engine: LLMEngine, ids: list[int], param: str) -> None:
         raise InvalidArgument(f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
 
 
-def completion_prompts(prompt: str | list) -> list[str | list[int]]:
-    """/v1/completions' `prompt` (a string, token ids, or a list of either) as a list of prompts."""
+def completion_prompts(prompt: str | list, param: str = "prompt") -> list[str | list[int]]:
+    """A `prompt` (/v1/completions) or `input` (/v1/embeddings): a string, token ids, or a list
+    of either, as a list of prompts."""
     if isinstance(prompt, str):
         return [prompt]
     if not prompt:
-        raise InvalidArgument("prompt is empty: send a string, a list of token ids, or a list of those", param="prompt")
+        raise InvalidArgument(f"{param} is empty: send a string, a list of token ids, or a list of those", param=param)
     if isinstance(prompt[0], int):
         return [list(prompt)]
     return list(prompt)
