@@ -21,10 +21,9 @@ from servelab.core.sequence import (
 from servelab.errors import InvalidArgument, RequestTooLong
 from servelab.server.async_engine import EngineFailure, EngineRequest
 from servelab.server.prompts import (
-    check_fits_untokenized,
-    check_token_ids,
     completion_prompts,
-    encode_prompt,
+    prompt_ids,
+    prompt_tokens_kept,
 )
 from servelab.server.protocol import _Request
 
@@ -92,26 +91,11 @@ def embedding_input_ids(engine: LLMEngine, req: EmbeddingRequest) -> list[list[i
     if len(inputs) > MAX_INPUTS:
         raise InvalidArgument(f"input has {len(inputs)} entries; at most {MAX_INPUTS} are allowed", param="input")
     limit = engine.max_model_len
-    keep = req.truncate_prompt_tokens
-    if keep == -1:
-        keep = limit
-    if keep is not None and not 1 <= keep <= limit:
-        raise InvalidArgument(
-            f"truncate_prompt_tokens must be -1 (max_model_len) or in [1, {limit}] (max_model_len), got {keep}",
-            param="truncate_prompt_tokens",
-        )
+    keep = prompt_tokens_kept(engine, req.truncate_prompt_tokens)
     out = []
     for i, one in enumerate(inputs):
         where = "input" if len(inputs) == 1 else f"input[{i}]"
-        if isinstance(one, str):
-            if keep is None:
-                check_fits_untokenized(engine, one, "input")
-            ids = encode_prompt(engine, one, add_special_tokens=req.add_special_tokens)
-        else:
-            check_token_ids(engine, one, "input")
-            ids = one
-        if keep is not None:
-            ids = ids[-keep:]
+        ids = prompt_ids(engine, one, "input", keep, req.add_special_tokens)
         if not ids:
             raise InvalidArgument(f"{where} is empty: it must hold at least one token", param="input")
         if len(ids) > limit:

@@ -95,20 +95,23 @@ def chat_template_variables(req: p.ChatCompletionRequest) -> dict[str, Any]:
     return variables
 
 
+def prompt_ids(engine: LLMEngine, one: str | list[int], param: str, keep: int | None,
+               add_special_tokens: bool) -> list[int]:  # fmt: skip
+    """Blocking: one text or token-id prompt as checked token ids, its last `keep` (None: all)."""
+    if isinstance(one, str):
+        if keep is None:
+            check_fits_untokenized(engine, one, param)
+        ids = encode_prompt(engine, one, add_special_tokens=add_special_tokens)
+    else:
+        check_token_ids(engine, one, param)
+        ids = one
+    return ids if keep is None else ids[-keep:]
+
+
 def completion_prompt_ids(engine: LLMEngine, req: p.CompletionRequest) -> list[list[int]]:
     """Blocking: every prompt as checked token ids, truncated as asked."""
     keep = prompt_tokens_kept(engine, req.truncate_prompt_tokens)
-    out = []
-    for one in completion_prompts(req.prompt):
-        if isinstance(one, str):
-            if keep is None:
-                check_fits_untokenized(engine, one, "prompt")
-            ids = encode_prompt(engine, one, add_special_tokens=req.add_special_tokens)
-        else:
-            check_token_ids(engine, one, "prompt")
-            ids = one
-        out.append(ids if keep is None else ids[-keep:])
-    return out
+    return [prompt_ids(engine, one, "prompt", keep, req.add_special_tokens) for one in completion_prompts(req.prompt)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +147,7 @@ __all__ = [
     "check_token_ids",
     "completion_prompt_ids",
     "completion_prompts",
+    "prompt_ids",
     "detokenize_checked",
     "EchoPrompt",
     "echo_prompts",
