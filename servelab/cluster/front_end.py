@@ -193,9 +193,8 @@ class ClusterEngine:
     def num_waiting(self) -> int:
         """Requests not yet scheduled, cluster-wide: each live admitting worker's waiting queue as
         of its latest report (after its last step, as one engine counts between steps), plus the
-        requests sent to a worker and not yet confirmed admitted. A request the worker confirmed
-        may count twice until the event loop reads its confirmation: an early refusal, never a
-        late one."""
+        requests sent to a worker and not yet confirmed admitted. Reports and confirmations are
+        read in order on the event loop thread, so no request counts twice."""
         queued = sum(w.stats.num_waiting for w in self.workers
                      if w.alive and w.role != "decode" and w.stats is not None)  # fmt: skip
         in_transit = sum(len(rids) for _, w, rids in self._admissions.values() if w.alive)
@@ -354,7 +353,14 @@ class ClusterEngine:
             if sink is not None:
                 sink.put_nowait(item)
 
+    def _set_stats(self, w: WorkerHandle, stats: EngineStats) -> None:
+        w.stats = stats
+
     def _on_message(self, w: WorkerHandle, message: Any) -> None:
+        # Stats change on this thread, with the admission they report: a request is never
+        # counted both in a worker's queue and in transit to it (num_waiting).
+        if isinstance(message, m.Outputs | m.Admitted) and message.stats is not None:
+            w.stats = message.stats
         if isinstance(message, m.Outputs):
             self._on_outputs(w, message)
         elif isinstance(message, m.Admitted):
@@ -549,13 +555,12 @@ class ClusterEngine:
                 self._post(self._lost, w, str(exc))
                 return
             if isinstance(message, m.Heartbeat):
-                w.stats = message.stats or w.stats
+                if message.stats is not None:
+                    self._post(self._set_stats, w, message.stats)
                 if self.hang_timeout_s is not None and message.busy_s > self.hang_timeout_s:
                     self._post(self._lost, w, f"hung: its step loop finished nothing for {message.busy_s:.0f} s, "
                                               f"past --worker-hang-timeout {self.hang_timeout_s:g}s")  # fmt: skip
                 continue
-            if isinstance(message, m.Outputs | m.Admitted) and message.stats is not None:
-                w.stats = message.stats
             self._post(self._on_message, w, message)
 
     def _join_workers(self) -> None:

@@ -17,6 +17,7 @@ from servelab.cluster import messages as m
 from servelab.cluster.channel import HANG_TIMEOUT_S, JOIN_TIMEOUT_S, PeerLost, Rendezvous, join, leave, pair_link
 from servelab.cluster.front_end import DEFAULT_RESTART_LIMIT, ClusterEngine, WorkerHandle
 from servelab.errors import InvalidArgument, ServelabError
+from servelab.logs import log_to_stderr
 from servelab.sim.router import Router
 
 if TYPE_CHECKING:
@@ -178,18 +179,9 @@ def run_local_worker(rdv: Rendezvous, parent_pid: int, relink: str | None = None
     # which must keep serving meanwhile (they also exit if the front end dies)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
-    _log_to_stderr(f"worker{rdv.rank}")
+    if not logging.getLogger("servelab").handlers:
+        log_to_stderr(f"%(levelname)-9s [worker{rdv.rank}] %(message)s")
     sys.exit(worker_main(rdv, parent_pid, relink))
-
-
-def _log_to_stderr(name: str) -> None:
-    log = logging.getLogger("servelab")
-    if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        handler.setFormatter(logging.Formatter(f"%(levelname)-9s [{name}] %(message)s"))
-        log.addHandler(handler)
-        log.setLevel(logging.INFO)
-        log.propagate = False
 
 
 def _kill(processes: dict[int, Any]) -> None:

@@ -308,8 +308,9 @@ class WorkerLoop:
                 logger.exception("add_request failed")
             self._send(m.Admitted(command.batch, m.WireError.of(exc)))
             return
-        self.stats = self.engine.stats()
-        self._send(m.Admitted(command.batch, stats=self.stats))
+        stats = self.engine.stats()
+        self._send(m.Admitted(command.batch, stats=stats))
+        self.stats = stats  # after: no heartbeat reports this admission before the Admitted does
 
     def _abort_one(self, request_id: str) -> None:
         self.live.discard(request_id)

@@ -8,7 +8,6 @@ import logging
 import re
 import signal
 import socket
-import sys
 import time
 from typing import TYPE_CHECKING, TextIO
 
@@ -18,6 +17,7 @@ from servelab.commands._engine_cli import DETERMINISTIC_HELP, QUANTIZATION_HELP,
 from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
 from servelab.engine.llm_engine import DEFAULT_MAX_MODEL_LEN, QUANTIZATIONS
 from servelab.errors import InvalidArgument
+from servelab.logs import log_to_stderr
 from servelab.server.embeddings import parse_pooler_config
 from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES, OPEN_PATHS
 from servelab.server.metrics import NAMESPACES
@@ -245,18 +245,6 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def _setup_logging(level: str) -> logging.Logger:
-    logger = logging.getLogger("servelab")
-    if not logger.handlers:
-        handler = logging.StreamHandler(sys.stderr)
-        # The same shape as uvicorn's lines, so the log reads as one.
-        handler.setFormatter(logging.Formatter("%(levelname)-9s %(message)s"))
-        logger.addHandler(handler)
-        logger.propagate = False
-    logger.setLevel(level.upper())
-    return logger
-
-
 def mount_lab(app: FastAPI, profile: dict | None = None, profile_path: str | None = None,
               served_model: str | None = None) -> bool:
     """Mount the lessons at /lab on the server's app when `servelab.lab` is installed; its live
@@ -301,7 +289,7 @@ def run(args: argparse.Namespace) -> int:
 
     profile = None if args.profile is None else load_profile(args.profile)  # a bad file fails before the model loads
     step_log = _open_step_log(args.step_log)
-    log = _setup_logging(args.log_level)
+    log = log_to_stderr("%(levelname)-9s %(message)s", args.log_level)  # uvicorn's shape: the log reads as one
 
     import prometheus_client
     import uvicorn

@@ -5,10 +5,9 @@ on another host, through torch.distributed's env:// rendezvous. The engine's con
 from __future__ import annotations
 
 import argparse
-import logging
-import sys
 
 from servelab.commands._cluster_cli import add_rendezvous_arguments
+from servelab.logs import log_to_stderr
 from servelab.units import parse_duration_s
 
 HELP = "an engine worker that joins a `serve --external-workers` front end (another host)"
@@ -36,12 +35,7 @@ def run(args: argparse.Namespace) -> int:
     )  # fmt: skip
     if rdv.rank == 0:
         raise InvalidArgument("--rank: 0 is the front end (`servelab serve --external-workers`); workers are 1..N")
-    log = logging.getLogger("servelab")
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(f"%(levelname)-9s [worker{rdv.rank}] %(message)s"))
-    log.addHandler(handler)
-    log.setLevel(args.log_level.upper())
-    log.propagate = False
+    log = log_to_stderr(f"%(levelname)-9s [worker{rdv.rank}] %(message)s", args.log_level, replace=True)
     log.info("servelab worker %d of %d: joining %s:%d", rdv.rank, rdv.world_size - 1, rdv.master_addr, rdv.master_port)
 
     from servelab.cluster.worker import worker_main

@@ -15,3 +15,12 @@ def tiny_engine_factory(tiny_model_dir):  # noqa: F811
         return LLMEngine.from_args(EngineArgs.from_kwargs(model=str(tiny_model_dir), **kwargs))
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def _end_memory_workers():
+    """Each test's in-memory workers end with it (a worker left running logs into later tests)."""
+    from tests.cluster.memory_cluster import end_all
+
+    yield
+    end_all()

@@ -17,6 +17,15 @@ from servelab.cluster.worker import WorkerLoop
 from servelab.sim.router import Router
 
 _CLOSED = object()
+_LIVE: list[tuple[Any, threading.Thread]] = []  # every worker started, until end_all()
+
+
+def end_all() -> None:
+    """Kill every worker still running and wait for its thread: none outlives its test."""
+    while _LIVE:
+        kill, thread = _LIVE.pop()
+        kill()
+        thread.join(timeout=10)
 
 
 class MemoryLink:
@@ -62,7 +71,9 @@ def memory_worker(make_engine, rank: int, **engine_kwargs) -> tuple[WorkerHandle
         WorkerLoop(engine, back).run()
         kill()  # the process exits: its sockets close
 
-    threading.Thread(target=serve, daemon=True, name=f"memory-worker{rank}").start()
+    thread = threading.Thread(target=serve, daemon=True, name=f"memory-worker{rank}")
+    thread.start()
+    _LIVE.append((kill, thread))
     ready = m.WorkerReady(rank, engine.model_name, engine.scheduler_config, engine.vocab_size, "none", {},
                           pid=0, host="memory")  # fmt: skip
     return WorkerHandle(rank, front, ready), engine, kill

@@ -243,16 +243,19 @@ def test_data_parallel_front_end_exports_the_vllm_namespace(fake_engine):
     each worker under servelab:worker_*, and per-request preemptions carried from the workers."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from tests.cluster.memory_cluster import memory_cluster
+    from tests.cluster.memory_cluster import end_all, memory_cluster
 
     # 8 blocks of 16 tokens per worker, two requests of ~100 tokens each on it: they preempt
     cluster, engines, _ = memory_cluster(fake_engine, 2, num_blocks=8, max_num_seqs=4, step_sleep_s=0.005)
     app = create_app(cluster.engine, driver=cluster, metrics_namespace="vllm")
     body = {"prompt": "hello world", "max_tokens": 100, "ignore_eos": True}
-    with TestClient(app) as c, ThreadPoolExecutor(4) as pool:
-        assert [f.result().status_code for f in [pool.submit(c.post, "/v1/completions", json=body)
-                                                 for _ in range(4)]] == [200] * 4  # fmt: skip
-        text = c.get("/metrics").text
+    try:
+        with TestClient(app) as c, ThreadPoolExecutor(4) as pool:
+            assert [f.result().status_code for f in [pool.submit(c.post, "/v1/completions", json=body)
+                                                     for _ in range(4)]] == [200] * 4  # fmt: skip
+            text = c.get("/metrics").text
+    finally:
+        end_all()
     samples = _samples(text)
     for query in QUERIES:
         for name, _ in selectors(query):
