@@ -234,7 +234,9 @@ def _open_step_log(path: str | None) -> TextIO | None:
 def _bind(host: str, port: int) -> socket.socket:
     """Bind before loading the model: a taken port should fail in a second, not after a load."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP named, not 0: asyncio sets TCP_NODELAY only on sockets that say they are TCP, and
+    # without it Nagle holds each response's second write for the client's delayed ACK (~40 ms).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
