@@ -7,11 +7,12 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parent.parent / "servelab"
-BASE = {"errors", "units"}
+BASE = {"errors", "units", "logs"}
 # package -> the packages it may import (besides BASE); DESIGN.md's layer table
 ALLOWED: dict[str, set[str]] = {
     "errors": set(),
     "units": set(),
+    "logs": set(),
     "spec": set(),
     "core": set(),
     "workload": set(),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import statistics
 import subprocess
 import sys
@@ -38,12 +39,18 @@ def mock_server(tmp_path_factory):
         proc.wait()
 
 
-def _server_log(log: Path) -> dict[str, dict]:
-    rows = {}
-    for line in log.read_text().splitlines():
-        row = json.loads(line)
-        rows[row["prompt"].split()[0]] = row
-    return rows
+def _server_log(log: Path, want: set[str] = frozenset(), timeout_s: float = 10.0) -> dict[str, dict]:
+    """The mock server's rows by prompt; it writes a row after the stream's [DONE], so a client can
+    end before its last rows land: wait (up to `timeout_s`) until every prompt in `want` has one."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        rows = {}
+        for line in log.read_text().splitlines():
+            row = json.loads(line)
+            rows[row["prompt"].split()[0]] = row
+        if want <= rows.keys() or time.monotonic() > deadline:
+            return rows
+        time.sleep(0.05)
 
 
 async def _run(url: str, requests, concurrency: int, endpoint: str = "chat", **kw):
@@ -59,7 +66,7 @@ def test_ttft_and_tpot_within_2ms_of_truth_at_64_streams(mock_server):
     requests = [BenchRequest(i, f"acc-{i} hello", 4, 6 + i % 7) for i in range(192)]
     outcome = asyncio.run(_run(url, requests, concurrency=64))
     assert all(r.success for r in outcome.results), [r.error for r in outcome.results if not r.success]
-    truth = _server_log(log)
+    truth = _server_log(log, {f"acc-{r.index}" for r in outcome.results})
     ttft_err, tpot_err, sched_err = [], [], []
     for r in outcome.results:
         row = truth[f"acc-{r.index}"]

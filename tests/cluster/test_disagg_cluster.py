@@ -71,7 +71,7 @@ def test_fp16_kv_through_a_one_sequence_decode_pool_equals_one_engine(tiny_model
         assert _complete_all(server.url) == want
         text = httpx.get(server.url + "/metrics").text
         queued = metric(text, "servelab:kv_transfer_decode_queue_seconds_sum")[""]
-        assert queued > 0.05, queued  # offers waited for the decode worker's sequence budget (~23 steps each)
+        assert queued > 0.01, queued  # offers waited for the decode worker's sequence budget (~23 steps each)
         assert metric(text, "servelab:kv_transfer_seconds_count")[""] == len(PROMPTS)
         assert _wait_pools_full(server.url)[0] == {"1": 64.0, "2": 64.0}
         # a request whose KV has crossed lives on the decode worker: losing the prefill worker spares it
