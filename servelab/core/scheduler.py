@@ -65,8 +65,7 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, *, keep_finished: int = 1024) -> None:
-        config.validate()
-        self.config = config
+        self.config = config = config.resolve()  # InvalidArgument while the pool or context is unsized
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self._chunked = config.policy == "chunked"
         self._by_priority = config.order == "priority"
@@ -82,7 +81,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_finished = 0
         self._num_reserved = 0  # sequences holding blocks for KV on its way (reserve_prefilled)
-        self._kv_capacity_tokens = config.num_blocks * config.block_size
+        self._kv_capacity_tokens = config.kv_capacity_tokens
         # A sequence this long stops: at max_model_len, or when its next decode would need a KV
         # slot past the whole pool.
         self._len_cap = min(config.max_model_len, self._kv_capacity_tokens + 1)
@@ -503,11 +502,11 @@ class Scheduler:
         """End a live request from outside (a stop string matched, an engine error). Frees its
         blocks at once. False if it had already finished; NotFound if the id is unknown."""
         seq = self._live.get(request_id)
-        if self._finish_now(request_id, reason, now, "finish"):
-            if stop_reason is not None:
-                seq.stop_reason = stop_reason  # type: ignore[union-attr]
-            return True
-        return False
+        if not self._finish_now(request_id, reason, now, "finish"):
+            return False
+        if seq is not None and stop_reason is not None:  # seq: live, since _finish_now finished it
+            seq.stop_reason = stop_reason
+        return True
 
 
 def check_room_to_wait(request_ids: list[str], num_waiting: int, max_waiting: int | None) -> None:
