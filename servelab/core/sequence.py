@@ -163,9 +163,9 @@ class SamplingParams:
         bad = next((w for w in self.stop if not isinstance(w, str)), None)
         if bad is not None:
             raise InvalidArgument(f"stop: {bad!r} is not a string", param="stop")
-        bad = next((t for t in self.stop_token_ids if not _is_int(t)), None)  # the range: the engine's vocabulary
-        if bad is not None:
-            raise InvalidArgument(f"stop_token_ids: {bad!r} is not a token id (an integer)", param="stop_token_ids")
+        bad_id = next((t for t in self.stop_token_ids if not _is_int(t)), None)  # the range: the engine's vocabulary
+        if bad_id is not None:
+            raise InvalidArgument(f"stop_token_ids: {bad_id!r} is not a token id (an integer)", param="stop_token_ids")
 
     def _validate_lengths(self) -> None:
         if self.max_tokens < 1:
