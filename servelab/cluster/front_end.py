@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from servelab.cluster import messages as m
 from servelab.cluster.channel import HANG_TIMEOUT_S, HEARTBEAT_S, Link, PeerLost, leave
 from servelab.core.block_manager import chain_block_hashes
-from servelab.core.scheduler import check_room_to_wait
+from servelab.core.admission import check_room_to_wait
 from servelab.core.sequence import FinishReason, Sequence, SequenceStatus
 from servelab.engine.llm_engine import EngineOutput, EngineStats
 from servelab.errors import QueueFull, ServelabError, Unsupported
