@@ -31,7 +31,7 @@ from servelab.errors import ServelabError
 from servelab.metrics import RequestRecord
 from servelab.sim.executor import SimExecutor, StepCostModel
 from servelab.sim.implicit_decodes import ImplicitDecodeScheduler, SimSequence
-from servelab.sim.router import Router
+from servelab.core.router import Router
 from servelab.workload import RequestSpec, simulated_prompt
 
 CHECK_EVERY_EVENTS = 1024  # a few milliseconds of simulation between a run's `check` calls

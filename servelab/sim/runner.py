@@ -19,7 +19,7 @@ from servelab.errors import DoesNotFit, InvalidArgument, RequestTooLong
 from servelab.metrics import SLO, RequestRecord, Summary, steady_state_summary, summarize
 from servelab.metrics.summary import Dist
 from servelab.sim.cluster import ClusterSim, StepTrace
-from servelab.sim.router import ROUTERS
+from servelab.core.router import ROUTERS
 from servelab.spec.dtypes import DEFAULT_DTYPE, canonical_dtype, kv_dtype_alias
 from servelab.spec.hardware import HardwareSpec, get_hardware
 from servelab.spec.model import ModelSpec, get_model
