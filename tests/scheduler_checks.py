@@ -17,7 +17,7 @@ def check_invariants(s: Scheduler) -> None:
     assert len(s.running) <= s.config.max_num_seqs, "more running sequences than max_num_seqs"
     keys = [q.order_key for q in s.running]
     assert keys == sorted(keys), "running is out of order"
-    waiting = [q for _, q in s._waiting if q.status is SequenceStatus.WAITING]
+    waiting = list(s.waiting)
     assert len(waiting) == s.num_waiting, "waiting count is off"
     assert not set(running_ids) & {q.request_id for q in waiting}, "a sequence is both running and waiting"
     for q in s.running:
@@ -92,4 +92,4 @@ def check_block_manager(bm: BlockManager, held: list[list[int]] = ()) -> None:
 
 def waiting_in_order(s: Scheduler) -> list:
     """The waiting sequences in the order they would be admitted."""
-    return [q for _, q in sorted(s._waiting, key=lambda e: e[0]) if q.status is SequenceStatus.WAITING]
+    return list(s.waiting)

@@ -5,7 +5,7 @@
 - `messages.py`: what travels on a link (requests, aborts, outputs, stats, heartbeats).
 - `worker.py`: what a worker process runs: an LLMEngine and its step loop, fed by its link.
 - `front_end.py`: `ClusterEngine`, the server's engine driver (AsyncEngine's interface) that
-  routes each request to a worker with servelab.sim.router and streams the outputs back.
+  routes each request to a worker with servelab.core.router and streams the outputs back.
 - `launch.py`: starts local workers (or waits for external ones), hands them the engine
   configuration and builds the front end.
 - Disaggregated prefill/decode (`serve --disagg P:D`): `disagg_config.py` (the pools, torch-free),

@@ -1,6 +1,6 @@
 """The front end's engine driver: `ClusterEngine` has AsyncEngine's interface (submit, abort,
 observers, stats), so the server's routes do not change, but each request runs on one of N
-worker processes, chosen by servelab.sim.router's Router.
+worker processes, chosen by servelab.core.router's Router.
 
 Per worker, two threads move messages: a sender (the event loop never blocks on a link; it
 sends a heartbeat when idle) and a receiver. Everything else happens on the event loop thread:
@@ -30,12 +30,12 @@ from typing import TYPE_CHECKING, Any
 from servelab.cluster import messages as m
 from servelab.cluster.channel import HANG_TIMEOUT_S, HEARTBEAT_S, Link, PeerLost, leave
 from servelab.core.block_manager import chain_block_hashes
-from servelab.core.scheduler import check_room_to_wait
+from servelab.core.admission import check_room_to_wait
 from servelab.core.sequence import FinishReason, Sequence, SequenceStatus
 from servelab.engine.llm_engine import EngineOutput, EngineStats
 from servelab.errors import QueueFull, ServelabError, Unsupported
 from servelab.server.async_engine import EngineFailure, EngineRequest, EngineStopped, Failed, RequestStream
-from servelab.sim.router import Router
+from servelab.core.router import Router
 
 if TYPE_CHECKING:
     from collections.abc import Callable

@@ -18,7 +18,7 @@ from servelab.cluster.channel import HANG_TIMEOUT_S, JOIN_TIMEOUT_S, PeerLost, R
 from servelab.cluster.front_end import DEFAULT_RESTART_LIMIT, ClusterEngine, WorkerHandle
 from servelab.errors import InvalidArgument, ServelabError
 from servelab.logs import log_to_stderr
-from servelab.sim.router import Router
+from servelab.core.router import Router
 
 if TYPE_CHECKING:
     from servelab.cluster.disagg_config import DisaggConfig

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from servelab.cluster.channel import HANG_TIMEOUT_S
 from servelab.cluster.disagg_config import DEFAULT_KV_TRANSFER_TIMEOUT_S, GRANULARITIES, DisaggConfig, parse_disagg
 from servelab.errors import InvalidArgument
-from servelab.sim.router import ROUTERS
+from servelab.core.router import ROUTERS
 from servelab.units import parse_duration_s
 
 if TYPE_CHECKING:

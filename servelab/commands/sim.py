@@ -9,7 +9,7 @@ import sys
 from servelab.commands._dtype_cli import add_cost_dtype_arguments, cost_dtypes
 from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
 from servelab.errors import InvalidArgument
-from servelab.sim.router import ROUTERS
+from servelab.core.router import ROUTERS
 from servelab.spec.model import MODEL_HELP
 from servelab.units import parse_duration_s
 

@@ -37,7 +37,7 @@ def chain_block_hashes(token_ids: list[int], block_size: int, parent: int = _ROO
     alike in every process, so a router in another process computes the same identities."""
     # A prompt: 64 blocks for 1,024 tokens. The grouper idiom (itertools recipes) cuts the
     # tokens into block_size-tuples and hashes them in C; only the chaining runs in Python.
-    out = []
+    out: list[int] = []
     append = out.append
     for block_hash in map(hash, zip(*[iter(token_ids)] * block_size)):
         parent = hash((parent, block_hash))
@@ -166,7 +166,7 @@ class BlockManager:
         # Take the hits first so that the fresh allocation below cannot evict them.
         for b in cached_blocks:
             if refs[b] == 0:
-                self._run_of[b].remove(b)  # type: ignore[union-attr]  # out of the LRU
+                self._run_of[b].remove(b)  # type: ignore[union-attr]  # out of its LRU run: a cached free block has one
                 self._num_free_cached -= 1
             refs[b] += 1
         table = seq.block_table
@@ -202,7 +202,9 @@ class BlockManager:
                 block = run.pop(0)
                 if not run:
                     lru.popleft()
-                del self._hash_to_block[self._block_hash[block]]
+                evicted_hash = self._block_hash[block]
+                assert evicted_hash is not None  # a block in the LRU holds cached content
+                del self._hash_to_block[evicted_hash]
                 self._block_hash[block] = None
                 self._num_free_cached -= 1
                 self.num_evictions += 1

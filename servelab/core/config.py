@@ -7,7 +7,7 @@ from its fields (`servelab.commands._scheduler_cli`), so a default or a help lin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from servelab.errors import InvalidArgument
@@ -43,7 +43,7 @@ class SchedulerConfig:
       one whose output outgrows the pool stops with LENGTH when its next token has no slot.
     - `num_blocks` and `max_model_len` may be None while the config is a user's request: the
       owner (the engine from its KV memory and model, the simulator from its memory plan) fills
-      them in with `resolve` before a `Scheduler` takes the config.
+      them in with `resolve`, which returns the `ResolvedSchedulerConfig` a `Scheduler` runs on.
     """
 
     num_blocks: int | None = field(default=None, metadata=knob("KV blocks in the pool"))
@@ -71,20 +71,13 @@ class SchedulerConfig:
                                                                      flag="--no-prefix-caching"))
 
     def __post_init__(self) -> None:
-        self.validate(resolved=False)
+        self.validate()
 
-    def validate(self, *, resolved: bool = True) -> None:
-        """Checks every knob; `resolved` (as a Scheduler needs it) also requires the KV pool size
-        and the context limit to be known."""
-        for name in ("num_blocks", "max_model_len"):
-            if resolved and getattr(self, name) is None:
-                raise InvalidArgument(
-                    f"{name} is unset: the engine or the simulator sizes it (SchedulerConfig.resolve) "
-                    f"before a scheduler starts", param=name,
-                )  # fmt: skip
+    def validate(self) -> None:
+        """Checks every knob; `num_blocks` and `max_model_len` may still be None (unsized)."""
         for name in ("num_blocks", "block_size", "max_num_batched_tokens", "max_num_seqs", "max_model_len"):
             value = getattr(self, name)
-            if value is None and name in ("num_blocks", "max_model_len"):
+            if value is None and name in UNSIZED:
                 continue
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise InvalidArgument(f"{name} must be an integer >= 1, got {value!r}", param=name)
@@ -102,14 +95,39 @@ class SchedulerConfig:
         if self.order not in ORDERS:
             raise InvalidArgument(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}", param="order")
 
-    def resolve(self, *, num_blocks: int, max_model_len: int) -> SchedulerConfig:
-        """A copy with the pool size and context limit the owner derived, ready for a Scheduler."""
-        resolved = replace(self, num_blocks=num_blocks, max_model_len=max_model_len)
-        resolved.validate()
-        return resolved
+    def resolve(self, *, num_blocks: int | None = None, max_model_len: int | None = None) -> ResolvedSchedulerConfig:
+        """This config with the pool size and context limit the owner derived (by default the ones
+        already set), as the type a Scheduler runs on. InvalidArgument names one still unset."""
+        if isinstance(self, ResolvedSchedulerConfig) and num_blocks is None and max_model_len is None:
+            return self
+        values = {f.name: getattr(self, f.name) for f in fields(self)}
+        if num_blocks is not None:
+            values["num_blocks"] = num_blocks
+        if max_model_len is not None:
+            values["max_model_len"] = max_model_len
+        return ResolvedSchedulerConfig(**values)
+
+
+UNSIZED = ("num_blocks", "max_model_len")  # the knobs the owner sizes: None until resolved
+
+
+@dataclass(slots=True, kw_only=True)
+class ResolvedSchedulerConfig(SchedulerConfig):
+    """A SchedulerConfig whose KV pool size and context limit are known: what a Scheduler runs on.
+    Made by `SchedulerConfig.resolve`."""
+
+    num_blocks: int
+    max_model_len: int
+
+    def __post_init__(self) -> None:
+        for name in UNSIZED:
+            if getattr(self, name) is None:
+                raise InvalidArgument(
+                    f"{name} is unset: the engine or the simulator sizes it (SchedulerConfig.resolve) "
+                    f"before a scheduler starts", param=name,
+                )  # fmt: skip
+        self.validate()
 
     @property
     def kv_capacity_tokens(self) -> int:
-        if self.num_blocks is None:
-            raise InvalidArgument("num_blocks is unset: the KV pool has no size yet", param="num_blocks")
         return self.num_blocks * self.block_size

@@ -17,14 +17,14 @@ running sequence (lowest priority under `priority`) loses its blocks and goes ba
 of the waiting queue; its prompt plus the tokens generated so far are prefilled again later,
 cheaply when its blocks are still in the prefix cache.
 
-The simulator runs a subclass (`sim/implicit_decodes.py`) that takes steady decodes out of the
-per-step loops through the methods marked "hook", and decides exactly what this class decides.
+Admission (the checks a new request passes, the waiting queue's order and bound) is in
+`admission.py`. The simulator runs a subclass (`sim/implicit_decodes.py`) that takes steady
+decodes out of the per-step loops through the methods marked "hook", and decides exactly what
+this class decides.
 """
 
 from __future__ import annotations
 
-import heapq
-import itertools
 from bisect import insort
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -34,14 +34,15 @@ from operator import attrgetter
 from servelab.core.block_manager import BlockManager
 from servelab.core.config import SchedulerConfig
 from servelab.core.plan import RequestOutput, ScheduledSeq, StepPlan, StepResult, TokenLogprobs
-from servelab.core.sequence import FinishReason, Sequence, SequenceStatus
-from servelab.errors import InvalidArgument, NotFound, QueueFull, RequestTooLong
+from servelab.core.sequence import FinishReason, Sequence, SequenceStatus, check_stop
+from servelab.core.admission import WaitingQueue, check_new, check_prefilled
+from servelab.errors import InvalidArgument, NotFound
 
 _RUNNING = SequenceStatus.RUNNING
 _WAITING = SequenceStatus.WAITING
 _FINISHED = SequenceStatus.FINISHED
-# `running` and the waiting heap are ordered by Sequence.order_key: (admission counter,) under
-# fcfs, (priority, arrival, counter) under priority. An attrgetter keeps insort's key in C.
+# `running` is ordered by Sequence.order_key, as the waiting queue is. An attrgetter keeps
+# insort's key in C.
 by_order = attrgetter("order_key")
 
 
@@ -65,27 +66,20 @@ class SchedulerStats:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, *, keep_finished: int = 1024) -> None:
-        config.validate()
-        self.config = config
+        self.config = config = config.resolve()  # InvalidArgument while the pool or context is unsized
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self._chunked = config.policy == "chunked"
-        self._by_priority = config.order == "priority"
-        # Both orders use one heap keyed by order_key: fcfs keys on admission order alone, so a
-        # preempted sequence (older than everything still waiting) comes out first again.
-        self._waiting: list[tuple[tuple, Sequence]] = []
-        self._num_waiting = 0  # aborted entries stay in the heap until popped
+        self.waiting = WaitingQueue(config.order, config.max_waiting)
         self.running: list[Sequence] = []  # sorted by order_key: the tail is preempted first
         self._live: dict[str, Sequence] = {}
         self._recent_finished: OrderedDict[str, Sequence] = OrderedDict()
         self._keep_finished = keep_finished
-        self._counter = itertools.count()
         self.num_preemptions = 0
         self.num_finished = 0
         self._num_reserved = 0  # sequences holding blocks for KV on its way (reserve_prefilled)
-        self._kv_capacity_tokens = config.num_blocks * config.block_size
         # A sequence this long stops: at max_model_len, or when its next decode would need a KV
         # slot past the whole pool.
-        self._len_cap = min(config.max_model_len, self._kv_capacity_tokens + 1)
+        self._len_cap = min(config.max_model_len, config.kv_capacity_tokens + 1)
 
     # ---- introspection -------------------------------------------------------------------------
 
@@ -95,7 +89,7 @@ class Scheduler:
 
     @property
     def num_waiting(self) -> int:
-        return self._num_waiting
+        return len(self.waiting)
 
     @property
     def num_reserved(self) -> int:
@@ -114,7 +108,7 @@ class Scheduler:
         bm = self.block_manager
         return SchedulerStats(
             num_running=len(self.running),
-            num_waiting=self._num_waiting,
+            num_waiting=len(self.waiting),
             kv_usage=bm.usage,
             num_free_blocks=bm.num_free_blocks,
             num_used_blocks=bm.num_used_blocks,
@@ -133,50 +127,19 @@ class Scheduler:
         `arrival_s` is set to `now` when it still holds the default 0.0, so a caller that stamped
         the true arrival time (the simulator) keeps it.
         """
-        cfg = self.config
         rid = seq.request_id
-        if rid in self._live or rid in self._recent_finished:
-            raise InvalidArgument(f"request id {rid!r} is already in use", param="request_id")
-        if seq.status is not _WAITING or seq.num_computed_tokens or seq.block_table or seq.num_output_tokens:
-            raise InvalidArgument(f"request {rid!r} is not a fresh sequence (status {seq.status.value})")
-        num_prompt = seq.num_prompt_tokens
-        if num_prompt < 1:
-            raise InvalidArgument(f"request {rid!r}: the prompt must hold at least 1 token", param="prompt")
-        max_tokens = 0 if seq.pooling is not None else seq.params.max_tokens  # pooling: prefill only
-        if num_prompt + max_tokens > cfg.max_model_len:
-            raise RequestTooLong(
-                f"request {rid!r}: prompt of {num_prompt} tokens + max_tokens {max_tokens} = "
-                f"{num_prompt + max_tokens} exceeds max_model_len {cfg.max_model_len}",
-                param="max_tokens",
-            )
-        if num_prompt > self._kv_capacity_tokens:
-            raise RequestTooLong(
-                f"request {rid!r}: prompt of {num_prompt} tokens can never fit the KV cache pool of "
-                f"{self._kv_capacity_tokens} tokens ({cfg.num_blocks} blocks x {cfg.block_size})",
-                param="prompt",
-            )
-        if cfg.max_waiting is not None and self._num_waiting >= cfg.max_waiting:
-            raise waiting_queue_full(rid, cfg.max_waiting)
+        self._check_id_free(rid)
+        check_new(seq, self.config)
+        self.waiting.check_room(rid)
         if now is not None and seq.arrival_s == 0.0:
             seq.arrival_s = now
-        order = next(self._counter)
-        key = (seq.priority, seq.arrival_s, order) if self._by_priority else (order,)
-        seq.order_key = key
+        seq.order_key = self.waiting.order_key(seq)
         self._live[rid] = seq
-        self._push_waiting(seq)
+        self.waiting.push(seq)
 
-    def _push_waiting(self, seq: Sequence) -> None:
-        heapq.heappush(self._waiting, (seq.order_key, seq))
-        self._num_waiting += 1
-
-    def _peek_waiting(self) -> Sequence | None:
-        heap = self._waiting
-        while heap:
-            seq = heap[0][1]
-            if seq.status is _WAITING:
-                return seq
-            heapq.heappop(heap)  # finished (aborted) while waiting
-        return None
+    def _check_id_free(self, request_id: str) -> None:
+        if request_id in self._live or request_id in self._recent_finished:
+            raise InvalidArgument(f"request id {request_id!r} is already in use", param="request_id")
 
     # ---- prefilled elsewhere (disaggregated decode) --------------------------------------------
 
@@ -185,23 +148,13 @@ class Scheduler:
         token), before its KV arrives: this pool's cached prefix where it has one, fresh blocks
         for the rest of the prompt. False, changing nothing, while the pool or the sequence
         budget is short; the caller retries later (back-pressure, nothing dropped)."""
-        rid = seq.request_id
-        if rid in self._live or rid in self._recent_finished:
-            raise InvalidArgument(f"request id {rid!r} is already in use", param="request_id")
-        if seq.block_table or seq.num_output_tokens != 1:
-            raise InvalidArgument(f"request {rid!r} is not a prefilled sequence (prompt + one token, no blocks)")
-        num_prompt = seq.num_prompt_tokens
-        if num_prompt + seq.params.max_tokens > self.config.max_model_len or num_prompt >= self._kv_capacity_tokens:
-            raise RequestTooLong(
-                f"request {rid!r}: prompt of {num_prompt} tokens + max_tokens {seq.params.max_tokens} does not fit "
-                f"this worker's max_model_len {self.config.max_model_len} or KV pool of {self._kv_capacity_tokens} tokens",
-                param="max_tokens",
-            )
+        self._check_id_free(seq.request_id)
+        check_prefilled(seq, self.config)
         if len(self.running) + self._num_reserved >= self.config.max_num_seqs:
             return False
         bm = self.block_manager
         hits = bm.find_cached_prefix(seq)
-        if not bm.reserve(seq, hits, num_prompt):
+        if not bm.reserve(seq, hits, seq.num_prompt_tokens):
             return False
         self._num_reserved += 1
         seq.arrival_s = seq.arrival_s or now
@@ -212,7 +165,7 @@ class Scheduler:
         """A reserved sequence whose KV has been written joins the running set: its prompt counts
         as computed and its next step decodes its first token, as if it had been prefilled here."""
         self._num_reserved -= 1
-        seq.order_key = (seq.priority, seq.arrival_s, next(self._counter)) if self._by_priority else (next(self._counter),)
+        seq.order_key = self.waiting.order_key(seq)
         seq.status = _RUNNING
         seq.num_computed_tokens = seq.num_prompt_tokens
         if seq.first_scheduled_s is None:
@@ -231,12 +184,12 @@ class Scheduler:
         """The next step. Call update() with its result before scheduling again."""
         budget = self.config.max_num_batched_tokens
         plan = self._new_plan()
-        if not self._chunked and self._num_waiting and self._schedule_waiting(plan, budget, now, whole=True):
+        if not self._chunked and self.waiting and self._schedule_waiting(plan, budget, now, whole=True):
             return plan  # prefill-first: a prefill-only step
         budget = self._schedule_running(plan, budget)
         plan.num_batched_tokens = self.config.max_num_batched_tokens - budget
         # As vLLM: a step that had to preempt admits nobody new; the pool is already short.
-        if self._chunked and not plan.preempted and self._num_waiting:
+        if self._chunked and not plan.preempted and self.waiting:
             self._schedule_waiting(plan, budget, now, whole=False)
         return plan
 
@@ -286,11 +239,12 @@ class Scheduler:
         only (the first may exceed the token budget), else chunks of the remaining budget."""
         cfg = self.config
         bm = self.block_manager
+        waiting = self.waiting
         scheduled = plan.scheduled
         max_seqs = cfg.max_num_seqs
         admitted = False
         while budget > 0 and len(self.running) < max_seqs and len(scheduled) < max_seqs:
-            seq = self._peek_waiting()
+            seq = waiting.peek()
             if seq is None:
                 break
             hits = [] if seq.skips_prefix_cache else bm.find_cached_prefix(seq)
@@ -303,8 +257,7 @@ class Scheduler:
                 n = budget
             if not bm.allocate(seq, hits, num_cached + n):
                 break  # head-of-line blocking keeps the order: nobody overtakes it
-            heapq.heappop(self._waiting)
-            self._num_waiting -= 1
+            waiting.pop()
             seq.status = _RUNNING
             seq.num_computed_tokens = num_cached
             seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
@@ -346,7 +299,7 @@ class Scheduler:
         seq.status = _WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self._push_waiting(seq)
+        self.waiting.push(seq)
 
     # ---- results -------------------------------------------------------------------------------
 
@@ -408,7 +361,7 @@ class Scheduler:
         token_ids = seq.token_ids
         token_ids.append(token)
         seq.token_times_s.append(now)  # every token's time: the simulator's ITL needs them
-        reason = self._stop_reason(seq, token)
+        reason = check_stop(seq, token, self._len_cap)
         if reason is not None:
             self._finish(seq, reason, now)
             finished.append(seq)
@@ -433,25 +386,10 @@ class Scheduler:
         would need a KV slot past the whole pool."""
         return min(seq.num_prompt_tokens + seq.params.max_tokens, self._len_cap)
 
-    def _stop_reason(self, seq: Sequence, token: int) -> FinishReason | None:
-        """Why seq stops after sampling `token`, in vLLM's order: EOS and stop tokens (once
-        min_tokens are out), then the length limits. Sets seq.stop_reason for a stop token."""
-        params = seq.params
-        num_output = len(seq.token_ids) - seq.num_prompt_tokens
-        if num_output >= params.min_tokens:
-            if not params.ignore_eos and token in seq.eos_token_ids:
-                return FinishReason.STOP
-            if token in params.stop_token_ids:
-                seq.stop_reason = token
-                return FinishReason.STOP
-        if len(seq.token_ids) >= self.length_limit(seq):
-            return FinishReason.LENGTH
-        return None
-
     def _finish(self, seq: Sequence, reason: FinishReason, now: float | None) -> None:
         """Mark finished and free blocks. The caller removes it from `running`."""
         if seq.status is _WAITING:
-            self._num_waiting -= 1  # its heap entry is dropped lazily
+            self.waiting.remove(seq)
         elif seq.status is _RUNNING:
             self._leave_running(seq)
         seq.status = _FINISHED
@@ -503,33 +441,9 @@ class Scheduler:
         """End a live request from outside (a stop string matched, an engine error). Frees its
         blocks at once. False if it had already finished; NotFound if the id is unknown."""
         seq = self._live.get(request_id)
-        if self._finish_now(request_id, reason, now, "finish"):
-            if stop_reason is not None:
-                seq.stop_reason = stop_reason  # type: ignore[union-attr]
-            return True
-        return False
+        if not self._finish_now(request_id, reason, now, "finish"):
+            return False
+        if seq is not None and stop_reason is not None:  # seq: live, since _finish_now finished it
+            seq.stop_reason = stop_reason
+        return True
 
-
-def check_room_to_wait(request_ids: list[str], num_waiting: int, max_waiting: int | None) -> None:
-    """One client request's sequences (its prompts x n) are admitted all or none: refused up
-    front, before any is queued, when the waiting queue has no room for all of them (QueueFull,
-    503: retry later), or could never have (InvalidArgument, 400: a retry cannot help)."""
-    if max_waiting is None:
-        return
-    if len(request_ids) > max_waiting:
-        raise InvalidArgument(
-            f"the request makes {len(request_ids)} sequences (its prompts times n), more than the waiting queue "
-            f"holds (max_waiting={max_waiting}, the server's --max-waiting-requests), so it could never be admitted; "
-            f"send fewer prompts or a smaller n",
-            param="n",
-        )
-    if num_waiting + len(request_ids) > max_waiting:
-        raise waiting_queue_full(request_ids[0], max_waiting)
-
-
-def waiting_queue_full(request_id: str, max_waiting: int) -> QueueFull:
-    """The error of a request refused by a full waiting queue (one engine's, or a cluster's)."""
-    return QueueFull(
-        f"request {request_id!r} rejected: the waiting queue is full (max_waiting={max_waiting}); retry later",
-        param="max_waiting",
-    )

@@ -163,9 +163,9 @@ class SamplingParams:
         bad = next((w for w in self.stop if not isinstance(w, str)), None)
         if bad is not None:
             raise InvalidArgument(f"stop: {bad!r} is not a string", param="stop")
-        bad = next((t for t in self.stop_token_ids if not _is_int(t)), None)  # the range: the engine's vocabulary
-        if bad is not None:
-            raise InvalidArgument(f"stop_token_ids: {bad!r} is not a token id (an integer)", param="stop_token_ids")
+        bad_id = next((t for t in self.stop_token_ids if not _is_int(t)), None)  # the range: the engine's vocabulary
+        if bad_id is not None:
+            raise InvalidArgument(f"stop_token_ids: {bad_id!r} is not a token id (an integer)", param="stop_token_ids")
 
     def _validate_lengths(self) -> None:
         if self.max_tokens < 1:
@@ -383,3 +383,21 @@ class Sequence:
     @property
     def last_token_id(self) -> int:
         return self.token_ids[-1]
+
+
+def check_stop(seq: Sequence, token: int, len_cap: int) -> FinishReason | None:
+    """Why seq stops after sampling `token`, in vLLM's order: EOS and stop tokens (once
+    min_tokens are out), then the length limits: max_tokens, or `len_cap` (the scheduler's
+    max_model_len, or a next decode that would need a KV slot past its pool). Sets
+    seq.stop_reason for a stop token."""
+    params = seq.params
+    num_tokens = len(seq.token_ids)
+    if num_tokens - seq.num_prompt_tokens >= params.min_tokens:
+        if not params.ignore_eos and token in seq.eos_token_ids:
+            return FinishReason.STOP
+        if token in params.stop_token_ids:
+            seq.stop_reason = token
+            return FinishReason.STOP
+    if num_tokens >= min(seq.num_prompt_tokens + params.max_tokens, len_cap):
+        return FinishReason.LENGTH
+    return None

@@ -132,24 +132,25 @@ class StructuredOutputSpec:
 
     def _check_size(self) -> None:
         """Refuses a constraint that would hold the grammar compiler for long, naming the measure."""
-        if self.kind == "json_object":
+        value = self.value  # validated: None for json_object, a tuple for choice, else a string
+        if value is None:
             return
-        values = self.value if self.kind == "choice" else (self.value,)
+        values = value if isinstance(value, tuple) else (value,)
         num_bytes = sum(len(v.encode()) for v in values)
         if num_bytes > MAX_CONSTRAINT_BYTES:
             raise InvalidArgument(
                 f"{self.source}: the {self.kind} constraint has {num_bytes:,} bytes; at most {MAX_CONSTRAINT_BYTES:,} "
                 "are allowed", param=self.source,
             )  # fmt: skip
-        if self.kind == "choice":
-            self._refuse_past(len(self.value), MAX_ENUM_VALUES, "choices")
+        if isinstance(value, tuple):
+            self._refuse_past(len(value), MAX_ENUM_VALUES, "choices")
             return
         if self.kind == "json":
-            depth, enums, repetition = _schema_measures(json.loads(self.value))
+            depth, enums, repetition = _schema_measures(json.loads(value))
             self._refuse_past(depth, MAX_SCHEMA_DEPTH, "levels of nesting")
             self._refuse_past(enums, MAX_ENUM_VALUES, "enum and const values")
         else:
-            repetition = repetition_size(self.value)
+            repetition = repetition_size(value)
         if repetition > MAX_REPETITION:
             raise InvalidArgument(
                 f"{self.source}: the {self.kind} constraint's bounded repetitions ({{n,m}}) spell out {repetition:,} "

@@ -15,7 +15,7 @@ choice on a busy host.
 from __future__ import annotations
 
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +26,7 @@ NOISY_OTHER_CPUS = 0.25
 
 
 # A step's time from its passes (`calibrate --step-time-statistic`; the module docstring says why).
-STATISTICS = {"fastest": min, "median": statistics.median}
+STATISTICS: dict[str, Callable[[Sequence[float]], float]] = {"fastest": min, "median": statistics.median}
 DEFAULT_STATISTIC = "median"
 
 

@@ -159,7 +159,7 @@ def fit(measurements: Sequence[dict[str, float]], holdout_every: int = 4, outlie
     import numpy as np
 
     rows = reached(rows, measurements)
-    x = np.array([features(m["num_tokens"], m["num_seqs"], m["context_tokens"], m["pairs"], rows)
+    x = np.array([features(int(m["num_tokens"]), int(m["num_seqs"]), int(m["context_tokens"]), int(m["pairs"]), rows)
                   for m in measurements])
     active = np.flatnonzero(x.any(axis=0)) if len(measurements) else np.arange(len(TERMS))
     need = len(active) + 2
@@ -403,8 +403,9 @@ def load_profile(path: str, *, model: str | None = None) -> dict[str, Any]:
     if profile.get("version") != PROFILE_VERSION:
         raise InvalidArgument(f"--profile {path}: version {profile.get('version')!r}, this servelab reads {PROFILE_VERSION}")
     coefs = profile.get("fit", {}).get("coefficients") if isinstance(profile.get("fit"), dict) else None
-    missing = [k for k in TERMS if k not in OPTIONAL_TERMS
-               and (not isinstance(coefs, dict) or not isinstance(coefs.get(k), int | float))]
+    if not isinstance(coefs, dict):
+        coefs = {}  # every required term is missing
+    missing = [k for k in TERMS if k not in OPTIONAL_TERMS and not isinstance(coefs.get(k), int | float)]
     if missing:
         raise InvalidArgument(f"--profile {path}: fit.coefficients lacks {', '.join(missing)}")
     bad = [k for k in TERMS if k in coefs

@@ -156,7 +156,7 @@ class EngineArgs:
             raise InvalidArgument(
                 f"tensor parallelism runs on cpu (gloo) only so far, got device {self.device!r}", param="device"
             )
-        self.scheduler.validate(resolved=False)
+        self.scheduler.validate()
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
             raise InvalidArgument(
                 f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}", param="kv_cache_memory_bytes"
@@ -240,10 +240,10 @@ class LLMEngine:
 
         self.executor = executor
         self.tokenizer = tokenizer
-        self.scheduler_config = scheduler_config
         self.scheduler: Scheduler = Scheduler(scheduler_config)
+        self.scheduler_config = self.scheduler.config  # resolved: the pool and context are sized
         self.model_name = model_name
-        self.max_model_len: int = scheduler_config.max_model_len
+        self.max_model_len = self.scheduler_config.max_model_len
         self.vocab_size: int = getattr(executor, "vocab_size", None) or tokenizer.vocab_size
         # The model's description (its shape, for the engine and the cost model), set by from_args;
         # None for an engine over a simulated or fake executor.

@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, TextIO
 
-from servelab.core.scheduler import check_room_to_wait
+from servelab.core.admission import check_room_to_wait
 from servelab.core.sequence import PoolingParams, SamplingParams
 from servelab.errors import ServelabError
 

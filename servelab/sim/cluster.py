@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,7 +31,7 @@ from servelab.errors import ServelabError
 from servelab.metrics import RequestRecord
 from servelab.sim.executor import SimExecutor, StepCostModel
 from servelab.sim.implicit_decodes import ImplicitDecodeScheduler, SimSequence
-from servelab.sim.router import Router
+from servelab.core.router import Router
 from servelab.workload import RequestSpec, simulated_prompt
 
 CHECK_EVERY_EVENTS = 1024  # a few milliseconds of simulation between a run's `check` calls
@@ -108,7 +108,7 @@ class LoopResult:
 class ClusterSim:
     def __init__(
         self,
-        pools: dict[str, tuple[int, SchedulerConfig]],
+        pools: Mapping[str, tuple[int, SchedulerConfig]],
         cost_model: StepCostModel,
         *,
         router: str = "round-robin",
@@ -205,8 +205,7 @@ class ClusterRun:
             for _ in range(min(self.concurrency or len(pending), len(pending))):
                 self.send(pending.popleft(), 0.0)
         if self.arrivals:
-            self.push(self.arrivals[0].arrival_s, self.arrive, self.arrivals[0])
-            self.next_arrival = 1
+            self.push_next_arrival()
         events, heappop, check = self.events, heapq.heappop, self.check
         until_check = CHECK_EVERY_EVENTS
         while events:
@@ -227,14 +226,18 @@ class ClusterRun:
         self.counter += 1
         heapq.heappush(self.events, (t, self.counter, handler, a, b))
 
+    def push_next_arrival(self) -> None:
+        spec = self.arrivals[self.next_arrival]
+        assert spec.arrival_s is not None  # an open loop's requests all carry their arrival time
+        self.push(spec.arrival_s, self.arrive, spec)
+        self.next_arrival += 1
+
     # ---- events --------------------------------------------------------------------------------
 
     def arrive(self, spec: RequestSpec, _: None) -> None:
         """A request of an open loop arrives: queue the next arrival, then send or hold this one."""
         if self.next_arrival < len(self.arrivals):
-            nxt = self.arrivals[self.next_arrival]
-            self.push(nxt.arrival_s, self.arrive, nxt)
-            self.next_arrival += 1
+            self.push_next_arrival()
         if self.concurrency is not None and self.in_flight >= self.concurrency:
             self.pending.append(spec)
         else:
@@ -247,7 +250,9 @@ class ClusterRun:
         # Only finished requests matter here: nothing streams in a simulation.
         for out in replica.scheduler.update(plan, result, now, finished_only=True):
             if out.finished:
-                self.request_finished(replica, out.seq, now)  # type: ignore[arg-type]
+                seq = out.seq
+                assert seq is not None  # a scheduler's own outputs carry their sequence
+                self.request_finished(replica, seq, now)
         self.start_step(replica, now)
 
     def think_done(self, _: None, __: None) -> None:

@@ -42,9 +42,11 @@ class SimExecutor:
             if not implicit:
                 return StepResult(sampled, self.cost_model.step_time_s(shape) if shape else 0.0)
             # Implicit decodes (one query token each) come as sums: the totals path prices both.
+            # Only ImplicitDecodeScheduler makes implicit decodes, and only over a cost model with totals.
+            assert isinstance(plan, ImplicitStepPlan) and self._time_from_totals is not None
             num_tokens, num_seqs, context_tokens, pairs = Roofline.totals(shape)
-            implicit_context = plan.implicit_context_tokens  # type: ignore[attr-defined]
-            return StepResult(sampled, self._time_from_totals(  # type: ignore[misc]
+            implicit_context = plan.implicit_context_tokens
+            return StepResult(sampled, self._time_from_totals(
                 num_tokens + implicit, num_seqs + implicit, context_tokens + implicit_context,
                 pairs + implicit_context))
         if self._time_from_totals is None:

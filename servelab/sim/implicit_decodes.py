@@ -19,6 +19,7 @@ from bisect import insort
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from itertools import chain, repeat
+from typing import cast
 
 from servelab.core.config import SchedulerConfig
 from servelab.core.plan import RequestOutput, ScheduledSeq, StepPlan, StepResult
@@ -100,7 +101,15 @@ class ImplicitDecodeScheduler(Scheduler):
         stops = self._token in params.stop_token_ids or (not params.ignore_eos and self._token in seq.eos_token_ids)
         seq.implicit_limit = 0 if stops else self.length_limit(seq)
 
+    @property
+    def _sim_running(self) -> list[SimSequence]:
+        """`running`, typed as what it holds: add() admits SimSequence only."""
+        return cast("list[SimSequence]", self.running)
+
     # ---- hooks of the core Scheduler -----------------------------------------------------------
+    # They take a SimSequence and an ImplicitStepPlan where the core's take a Sequence and a
+    # StepPlan (hence `type: ignore[override]`): add() admits SimSequence only, and _new_plan
+    # makes every plan these hooks see.
 
     def _new_plan(self) -> ImplicitStepPlan:
         return ImplicitStepPlan(block_size=self.config.block_size)
@@ -197,7 +206,7 @@ class ImplicitDecodeScheduler(Scheduler):
         if needs_block:
             self._needs_block = []
         if need > budget:
-            return self.running, True  # type: ignore[return-value]
+            return self._sim_running, True
         explicit = list(self._explicit)  # a copy: preemption edits the list
         if not needs_block:
             return explicit, False
@@ -275,7 +284,7 @@ class ImplicitDecodeScheduler(Scheduler):
 
     def _explicit_after(self, last: SimSequence | None) -> None:
         """After a step the token budget cut: implicit sequences past `last` did not run."""
-        running = self.running
+        running = self._sim_running
         if last is None:
             rest = running
         elif last.status is _RUNNING:
@@ -284,9 +293,9 @@ class ImplicitDecodeScheduler(Scheduler):
             return  # `last` was preempted, and everything after it before it
         explicit = self._explicit
         for seq in rest:
-            if seq.implicit_from >= 0:  # type: ignore[attr-defined]
-                self._catch_up(seq)  # type: ignore[arg-type]
-                insort(explicit, seq, key=by_order)  # type: ignore[arg-type]
+            if seq.implicit_from >= 0:
+                self._catch_up(seq)
+                insort(explicit, seq, key=by_order)
 
     def _catch_up(self, seq: SimSequence) -> None:
         """Bring an implicit sequence's tokens, times and computed count up to the last completed
@@ -326,9 +335,10 @@ class ImplicitDecodeScheduler(Scheduler):
     def sync(self) -> None:
         """Bring every implicit decode up to date (tokens, times, computed counts) and make it
         explicit. For inspection and tests; the simulator never needs it."""
-        for seq in self.running:
-            if seq.implicit_from >= 0:  # type: ignore[attr-defined]
-                self._catch_up(seq)  # type: ignore[arg-type]
-        self._explicit[:] = self.running  # type: ignore[assignment]
+        running = self._sim_running
+        for seq in running:
+            if seq.implicit_from >= 0:
+                self._catch_up(seq)
+        self._explicit[:] = running
         self._wake.clear()
         self._needs_block.clear()

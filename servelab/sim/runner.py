@@ -12,14 +12,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from servelab.core.config import SchedulerConfig
+from servelab.core.config import ResolvedSchedulerConfig, SchedulerConfig
 from servelab.cost.memory import MemoryPlan
 from servelab.cost.step_cost import StepCostModel
 from servelab.errors import DoesNotFit, InvalidArgument, RequestTooLong
 from servelab.metrics import SLO, RequestRecord, Summary, steady_state_summary, summarize
 from servelab.metrics.summary import Dist
 from servelab.sim.cluster import ClusterSim, StepTrace
-from servelab.sim.router import ROUTERS
+from servelab.core.router import ROUTERS
 from servelab.spec.dtypes import DEFAULT_DTYPE, canonical_dtype, kv_dtype_alias
 from servelab.spec.hardware import HardwareSpec, get_hardware
 from servelab.spec.model import ModelSpec, get_model
@@ -179,7 +179,7 @@ def build_cost_model(config: SimConfig) -> StepCostModel:
     )
 
 
-def scheduler_config(config: SimConfig) -> SchedulerConfig:
+def scheduler_config(config: SimConfig) -> ResolvedSchedulerConfig:
     """One replica's scheduler: the KV pool is what the memory plan leaves after the weights."""
     model = config.model_spec
     num_blocks = config.scheduler.num_blocks
@@ -199,11 +199,11 @@ def kv_slots_needed(prompt_tokens: int, output_tokens: int) -> int:
     return prompt_tokens + max(output_tokens - 1, 0)
 
 
-def _check_lengths(requests: list[RequestSpec], sched: SchedulerConfig) -> None:
+def _check_lengths(requests: list[RequestSpec], sched: ResolvedSchedulerConfig) -> None:
     """Refuse up front, naming the request, rather than fail requests one by one mid-run, or
     (a request that outgrows the whole pool) silently stop its output short of what was asked."""
     limit = sched.max_model_len
-    pool = sched.num_blocks * sched.block_size
+    pool = sched.kv_capacity_tokens
     for r in requests:
         if r.prompt_tokens + r.output_tokens > limit:
             raise RequestTooLong(
@@ -258,7 +258,7 @@ def simulate(
     if any(thinks) and not closed_loop:
         raise InvalidArgument("a think time paces a closed loop; these requests carry their own arrival times")
     if warmup_requests is None:
-        warmup_requests = concurrency if closed_loop else 0
+        warmup_requests = (concurrency or 0) if closed_loop else 0  # a closed loop has a concurrency
     if warmup_requests < 0 or warmup_s < 0:
         raise InvalidArgument(f"the warm-up must be >= 0, got {warmup_requests} requests, {warmup_s:g} s")
     model = config.model_spec
@@ -304,7 +304,7 @@ def simulate(
     cfg = config.to_dict()
     cfg["max_model_len"] = sched.max_model_len
     cfg["num_blocks"] = sched.num_blocks
-    cfg["kv_capacity_tokens"] = sched.num_blocks * sched.block_size
+    cfg["kv_capacity_tokens"] = sched.kv_capacity_tokens
     if config.disagg:
         cfg["link_bandwidth_bytes_per_s"] = link_bw
     if isinstance(workload, WorkloadSpec):

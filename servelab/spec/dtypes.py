@@ -143,6 +143,7 @@ def kv_dtype_alias(cls: type[T]) -> type[T]:
         _warn_kv_dtype(cls)
         return self.kv_cache_dtype
 
+    # Patching the class it decorates is the point; mypy types neither assignment.
     cls.__init__ = __init__  # type: ignore[method-assign]
     cls.kv_dtype = property(old_name)  # type: ignore[attr-defined]
     return cls

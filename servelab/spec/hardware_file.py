@@ -123,12 +123,16 @@ def parse_hardware(data: Any, *, source: str, default_name: str) -> HardwareSpec
     if REQUIRED_PEAK not in peaks:
         raise fail(f"peak_flops needs {REQUIRED_PEAK!r} (the 16-bit matmul rate; on a CPU without native bf16, "
                    "its fp32 rate)")
-    optional = ("interconnect_bytes_per_s", "price_per_hour_usd")
+
+    def optional(field: str) -> float | None:
+        return None if data.get(field) is None else positive(field, data[field])
+
     return HardwareSpec(
         name=name.strip(),
         memory_bytes=positive("memory_bytes", data["memory_bytes"]),
         bandwidth_bytes_per_s=positive("bandwidth_bytes_per_s", data["bandwidth_bytes_per_s"]),
         peak_flops={k: positive(f"peak_flops.{k}", v) for k, v in peaks.items()},
         description=description,
-        **{k: positive(k, data[k]) for k in optional if data.get(k) is not None},
+        interconnect_bytes_per_s=optional("interconnect_bytes_per_s"),
+        price_per_hour_usd=optional("price_per_hour_usd"),
     )

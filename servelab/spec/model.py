@@ -250,28 +250,31 @@ class ModelSpec:
                 f"unsupported GGUF architecture {arch!r}; supported: {', '.join(_GGUF_ARCHS)}", param="model"
             )
 
-        def get(key: str, default: Any = None, required: bool = False) -> Any:
-            value = metadata.get(f"{arch}.{key}", default)
-            if required and value is None:
-                raise InvalidArgument(f"GGUF metadata lacks the required key '{arch}.{key}'", param="model")
-            return value
+        def get(key: str, default: Any = None) -> Any:
+            return metadata.get(f"{arch}.{key}", default)
 
-        def count(key: str, required: bool = False) -> int | None:
+        def count(key: str) -> int | None:
             """A positive integer, or None where an optional key is absent."""
-            value = get(key, required=required)
+            value = get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
                 raise InvalidArgument(f"GGUF metadata: '{arch}.{key}' must be a positive integer, got {value!r}",
                                       param="model")
             return value
 
-        hidden = count("embedding_length", required=True)
-        heads = count("attention.head_count", required=True)
+        def need(key: str) -> int:
+            value = count(key)
+            if value is None:
+                raise InvalidArgument(f"GGUF metadata lacks the required key '{arch}.{key}'", param="model")
+            return value
+
+        hidden = need("embedding_length")
+        heads = need("attention.head_count")
         shapes = tensor_shapes or {}
         tokens = metadata.get("tokenizer.ggml.tokens")
         if "token_embd.weight" in shapes:  # [hidden, vocab] in ggml order: the rows the model has
             vocab = shapes["token_embd.weight"][1]
         elif get("vocab_size") is not None or tokens is None:
-            vocab = count("vocab_size", required=True)
+            vocab = need("vocab_size")
         else:
             vocab = len(tokens)
         scaling = None
@@ -281,15 +284,15 @@ class ModelSpec:
         num_experts = count("expert_count") or 1
         return cls(
             name=name or metadata.get("general.name") or arch,
-            num_layers=count("block_count", required=True),
+            num_layers=need("block_count"),
             hidden_size=hidden,
             num_heads=heads,
             num_kv_heads=count("attention.head_count_kv") or heads,
             head_dim=count("attention.key_length") or count("rope.dimension_count") or hidden // heads,
-            ffn_size=count("feed_forward_length", required=True),
+            ffn_size=need("feed_forward_length"),
             vocab_size=int(vocab),
             tie_embeddings=bool(shapes) and "output.weight" not in shapes,
-            max_context=count("context_length", required=True),
+            max_context=need("context_length"),
             rope_theta=float(get("rope.freq_base", 10000.0)),
             rope_scaling=scaling,
             rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),

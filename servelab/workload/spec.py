@@ -135,18 +135,18 @@ class WorkloadSpec:
 
     @property
     def input_dist(self) -> LengthDist:
-        return self.input_len or LengthDist.parse(DEFAULT_INPUT_LEN)  # type: ignore[return-value]
+        return self.input_len if isinstance(self.input_len, LengthDist) else LengthDist.parse(DEFAULT_INPUT_LEN)
 
     @property
     def output_dist(self) -> LengthDist:
-        return self.output_len or LengthDist.parse(DEFAULT_OUTPUT_LEN)  # type: ignore[return-value]
+        return self.output_len if isinstance(self.output_len, LengthDist) else LengthDist.parse(DEFAULT_OUTPUT_LEN)
 
     def _rng(self, stream: int) -> np.random.Generator:
         return np.random.default_rng([self.seed, stream])
 
     def generate(self, tokenizer: Tokenizer | None = None) -> list[RequestSpec]:
         if self.trace:
-            return self._from_trace()
+            return self._from_trace(self.trace)
         n = self.num_requests or DEFAULT_NUM_REQUESTS
         texts: list[str | None] = [None] * n
         if self.dataset:
@@ -183,8 +183,8 @@ class WorkloadSpec:
             for i in range(n)
         ]
 
-    def _from_trace(self) -> list[RequestSpec]:
-        rows = load_trace(self.trace)  # type: ignore[arg-type]
+    def _from_trace(self, trace: str) -> list[RequestSpec]:
+        rows = load_trace(trace)
         if self.num_requests is not None:
             rows = rows[: self.num_requests]
         self._trace_rows = len(rows)

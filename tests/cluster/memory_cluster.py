@@ -14,7 +14,7 @@ from servelab.cluster import messages as m
 from servelab.cluster.channel import PEER_TIMEOUT_S, PeerLost
 from servelab.cluster.front_end import ClusterEngine, WorkerHandle
 from servelab.cluster.worker import WorkerLoop
-from servelab.sim.router import Router
+from servelab.core.router import Router
 
 _CLOSED = object()
 _LIVE: list[tuple[Any, threading.Thread]] = []  # every worker started, until end_all()

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, target
 from hypothesis import strategies as st
 
-from servelab.core.config import SchedulerConfig
+from servelab.core.config import ResolvedSchedulerConfig, SchedulerConfig
 from servelab.core.plan import StepPlan, StepResult, TokenLogprobs
 from servelab.core.scheduler import Scheduler
 from servelab.core.sequence import (
@@ -81,6 +81,17 @@ class Stepper:
 def test_config_errors_name_the_input_and_the_limit(kw, message):
     with pytest.raises(InvalidArgument, match=message):
         config(**kw)
+
+
+def test_a_scheduler_runs_on_the_resolved_config_of_what_it_is_given():
+    plain = SchedulerConfig(num_blocks=8, block_size=4, max_model_len=64)
+    s = Scheduler(plain)
+    assert type(s.config) is ResolvedSchedulerConfig and s.config.kv_capacity_tokens == 32
+    assert s.config.resolve() is s.config and Scheduler(s.config).config is s.config
+    resized = s.config.resolve(num_blocks=2)
+    assert (resized.num_blocks, resized.max_model_len, s.config.num_blocks) == (2, 64, 8)
+    with pytest.raises(InvalidArgument, match="num_blocks must be an integer >= 1, got 0"):
+        SchedulerConfig().resolve(num_blocks=0, max_model_len=64)
 
 
 def test_too_long_request_is_rejected_with_the_numbers_and_nothing_is_lost():

@@ -13,7 +13,7 @@ from servelab.core.config import SchedulerConfig
 from servelab.core.sequence import SamplingParams, Sequence
 from servelab.errors import InvalidArgument
 from servelab.sim import SimConfig, simulate
-from servelab.sim.router import ROUTERS, Router
+from servelab.core.router import ROUTERS, Router
 from servelab.workload import WorkloadSpec
 
 from tests.sim.test_sim import LinearCost

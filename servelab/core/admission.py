@@ -1,0 +1,141 @@
+"""Admission: whether a request may wait for a scheduler, and the order in which waiting
+sequences are admitted. Pure Python.
+
+A request is refused up front, changing nothing, when it could never run (a prompt that with its
+max_tokens passes max_model_len, or that outgrows the whole KV pool) or when the waiting queue
+is full. One heap keyed by `Sequence.order_key` serves both orders. `fcfs` keys on an admission counter
+alone, so a preempted sequence (older than everything still waiting) comes out first again;
+`priority` keys on (priority, arrival, counter), the lowest priority value first. The same keys
+order the scheduler's running list, whose tail is preempted first.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator
+from operator import itemgetter
+
+from servelab.core.config import ResolvedSchedulerConfig
+from servelab.core.sequence import Sequence, SequenceStatus
+from servelab.errors import InvalidArgument, QueueFull, RequestTooLong
+
+_WAITING = SequenceStatus.WAITING
+
+
+def check_new(seq: Sequence, cfg: ResolvedSchedulerConfig) -> None:
+    """Raise, naming why, unless seq is a fresh sequence that fits max_model_len and the KV pool."""
+    rid = seq.request_id
+    if seq.status is not _WAITING or seq.num_computed_tokens or seq.block_table or seq.num_output_tokens:
+        raise InvalidArgument(f"request {rid!r} is not a fresh sequence (status {seq.status.value})")
+    num_prompt = seq.num_prompt_tokens
+    if num_prompt < 1:
+        raise InvalidArgument(f"request {rid!r}: the prompt must hold at least 1 token", param="prompt")
+    max_tokens = 0 if seq.pooling is not None else seq.params.max_tokens  # pooling: prefill only
+    if num_prompt + max_tokens > cfg.max_model_len:
+        raise RequestTooLong(
+            f"request {rid!r}: prompt of {num_prompt} tokens + max_tokens {max_tokens} = "
+            f"{num_prompt + max_tokens} exceeds max_model_len {cfg.max_model_len}",
+            param="max_tokens",
+        )
+    if num_prompt > cfg.kv_capacity_tokens:
+        raise RequestTooLong(
+            f"request {rid!r}: prompt of {num_prompt} tokens can never fit the KV cache pool of "
+            f"{cfg.kv_capacity_tokens} tokens ({cfg.num_blocks} blocks x {cfg.block_size})",
+            param="prompt",
+        )
+
+
+def check_prefilled(seq: Sequence, cfg: ResolvedSchedulerConfig) -> None:
+    """Raise, naming why, unless seq was prefilled elsewhere (its prompt and first token, no
+    blocks) and fits this scheduler's max_model_len and KV pool."""
+    rid = seq.request_id
+    if seq.block_table or seq.num_output_tokens != 1:
+        raise InvalidArgument(f"request {rid!r} is not a prefilled sequence (prompt + one token, no blocks)")
+    num_prompt, max_tokens = seq.num_prompt_tokens, seq.params.max_tokens
+    if num_prompt + max_tokens > cfg.max_model_len or num_prompt >= cfg.kv_capacity_tokens:
+        raise RequestTooLong(
+            f"request {rid!r}: prompt of {num_prompt} tokens + max_tokens {max_tokens} does not fit "
+            f"this worker's max_model_len {cfg.max_model_len} or KV pool of {cfg.kv_capacity_tokens} tokens",
+            param="max_tokens",
+        )
+
+
+class WaitingQueue:
+    """Sequences waiting to run, in order. One that finishes while it waits (an abort) leaves the
+    count at once and the heap when it reaches the head; `len()` counts the live ones."""
+
+    __slots__ = ("_by_priority", "_counter", "_heap", "_num", "max_waiting")
+
+    def __init__(self, order: str, max_waiting: int | None) -> None:
+        self._by_priority = order == "priority"
+        self._counter = itertools.count()
+        self._heap: list[tuple[tuple, Sequence]] = []
+        self._num = 0
+        self.max_waiting = max_waiting  # None: unbounded
+
+    def __len__(self) -> int:
+        return self._num
+
+    def __iter__(self) -> Iterator[Sequence]:
+        """The live waiting sequences in the order they would be admitted (for inspection: it sorts)."""
+        return (seq for _, seq in sorted(self._heap, key=itemgetter(0)) if seq.status is _WAITING)
+
+    def order_key(self, seq: Sequence) -> tuple:
+        """seq's place in the order, behind every key given before it among equals."""
+        counter = next(self._counter)
+        return (seq.priority, seq.arrival_s, counter) if self._by_priority else (counter,)
+
+    def check_room(self, request_id: str) -> None:
+        """QueueFull if a new request would go past max_waiting (a preempted one never does)."""
+        if self.max_waiting is not None and self._num >= self.max_waiting:
+            raise waiting_queue_full(request_id, self.max_waiting)
+
+    def push(self, seq: Sequence) -> None:
+        heapq.heappush(self._heap, (seq.order_key, seq))
+        self._num += 1
+
+    def peek(self) -> Sequence | None:
+        """The next sequence to admit, or None."""
+        heap = self._heap
+        while heap:
+            seq = heap[0][1]
+            if seq.status is _WAITING:
+                return seq
+            heapq.heappop(heap)  # finished (aborted) while waiting
+        return None
+
+    def pop(self) -> Sequence:
+        """Take the sequence peek() returned."""
+        self._num -= 1
+        return heapq.heappop(self._heap)[1]
+
+    def remove(self, seq: Sequence) -> None:
+        """seq, waiting, finishes: it leaves the count now, and the heap lazily once its status
+        is no longer WAITING."""
+        self._num -= 1
+
+
+def check_room_to_wait(request_ids: list[str], num_waiting: int, max_waiting: int | None) -> None:
+    """One client request's sequences (its prompts x n) are admitted all or none: refused up
+    front, before any is queued, when the waiting queue has no room for all of them (QueueFull,
+    503: retry later), or could never have (InvalidArgument, 400: a retry cannot help)."""
+    if max_waiting is None:
+        return
+    if len(request_ids) > max_waiting:
+        raise InvalidArgument(
+            f"the request makes {len(request_ids)} sequences (its prompts times n), more than the waiting queue "
+            f"holds (max_waiting={max_waiting}, the server's --max-waiting-requests), so it could never be admitted; "
+            f"send fewer prompts or a smaller n",
+            param="n",
+        )
+    if num_waiting + len(request_ids) > max_waiting:
+        raise waiting_queue_full(request_ids[0], max_waiting)
+
+
+def waiting_queue_full(request_id: str, max_waiting: int) -> QueueFull:
+    """The error of a request refused by a full waiting queue (one engine's, or a cluster's)."""
+    return QueueFull(
+        f"request {request_id!r} rejected: the waiting queue is full (max_waiting={max_waiting}); retry later",
+        param="max_waiting",
+    )
