@@ -59,7 +59,8 @@ def check_server_config(config: dict[str, str], base_url: str) -> None:
     if missing:
         raise InvalidArgument(
             f"the server at {base_url} does not publish its scheduler configuration at /metrics "
-            f"(missing {', '.join(missing)}); validate needs a `servelab serve` server"
+            f"(missing {', '.join(missing)}); validate needs a `servelab serve` server, or a profile from "
+            f"`servelab calibrate --base-url`, which infers them"
         )
 
 

@@ -29,6 +29,9 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
                    help="GGUF, HF model dir or tokenizer.json for prompt lengths (default: the bundled model's)")
     g.add_argument("--no-ignore-eos", action="store_true",
                    help="do not send ignore_eos (for servers that reject it; output lengths then vary)")
+    g.add_argument("--extra-body", default=None, metavar="JSON",
+                   help="fields added to every request, e.g. '{\"logit_bias\": {\"2\": -100}}' to keep a server that "
+                        "does not honour ignore_eos from ending outputs early")
     g.add_argument("--request-timeout", default="600s", help="give up on a request after this long (default 600s)")
     g.add_argument("--num-devices", type=int, default=1, help="devices behind the URL, for per-device throughput")
     add_workload_arguments(parser)
@@ -67,6 +70,17 @@ def slo_from_args(args: argparse.Namespace):  # noqa: ANN202
     if all(v is None for v in values.values()):
         return None
     return SLO(ttft_s=values["ttft"], tpot_s=values["tpot"], e2e_s=values["e2e"])
+
+
+def parse_extra_body(text: str | None) -> dict[str, Any]:
+    """--extra-body: a JSON object merged into every request."""
+    try:
+        extra = {} if text is None else json.loads(text)
+    except ValueError as exc:
+        raise InvalidArgument(f"--extra-body: not JSON ({exc})") from None
+    if not isinstance(extra, dict):
+        raise InvalidArgument(f"--extra-body: expected a JSON object, got {text!r}")
+    return extra
 
 
 def check_load_args(args: argparse.Namespace) -> None:
@@ -132,6 +146,7 @@ def make_session(args: argparse.Namespace, slo, max_connections: int | None):  #
         timeout_s=parse_duration_s(args.request_timeout, name="--request-timeout"),
         api_key=args.api_key,
         ignore_eos=not args.no_ignore_eos,
+        extra_body=parse_extra_body(args.extra_body),
     )
     progress = not (args.json or args.no_progress) and sys.stderr.isatty()
     return BenchSession(client, PromptBuilder(tokenizer, seed=args.seed), num_devices=args.num_devices, slo=slo,

@@ -92,6 +92,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--hardware-out", default=None, metavar="FILE.json|FILE.yaml",
                         help="also measure this host (memory, read bandwidth, matmul rates) and write it as a "
                              "hardware file for --hardware (YAML when FILE ends in .yaml or .yml)")
+    b = parser.add_argument_group(
+        "any running server (--base-url): fit the profile from outside, over HTTP; the engine flags above do "
+        "not apply")
+    b.add_argument("--base-url", default=None, metavar="URL",
+                   help="calibrate the OpenAI-compatible server at URL (vLLM, SGLang, llama.cpp, servelab) from "
+                        "its TTFT and token times, instead of timing servelab's engine here")
+    b.add_argument("--served-model", default=None, metavar="NAME",
+                   help="the model name to request (default: the first one /v1/models lists)")
+    b.add_argument("--api-key", default=None, help="bearer token for the server")
+    b.add_argument("--budget", default="10m", metavar="DURATION",
+                   help="bound on the whole run; it stops starting points past it and fits what it has "
+                        "(default 10m)")
+    b.add_argument("--resume", action="store_true",
+                   help="keep the points saved in OUT.partial.jsonl by an earlier, interrupted run against the "
+                        "same server and measure only the rest")
+    b.add_argument("--max-prompt-tokens", type=int, default=2048, metavar="N",
+                   help="longest prompt of the prefill sweep (default 2048, capped by the server's context)")
+    b.add_argument("--max-concurrency", type=int, default=32, metavar="N",
+                   help="largest decode burst: requests sent together (default 32)")
+    b.add_argument("--repeats", type=int, default=3, metavar="N",
+                   help="passes over every point; each point's value is the median (default 3)")
+    b.add_argument("--extra-body", default=None, metavar="JSON",
+                   help="fields added to every request, e.g. '{\"logit_bias\": {\"2\": -100}}' where the "
+                        "server does not honour ignore_eos")
+    b.add_argument("--request-timeout", default="10m", metavar="DURATION", help="per request (default 10m)")
+    b.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def _timed(engine: Any, log: list[tuple[tuple[int, int, int, int], float]]) -> None:
@@ -311,8 +337,59 @@ def build_profile(engine: Any, args: argparse.Namespace, grid_name: str, measure
     }
 
 
+def run_black_box(args: argparse.Namespace) -> int:
+    """`calibrate --base-url`: the designed experiment against the server, the fit, the profile."""
+    import asyncio
+
+    from servelab.bench import blackbox as bb
+    from servelab.bench.client import OpenAIStreamClient
+    from servelab.bench.prompts import PromptBuilder, load_tokenizer
+    from servelab.commands._outputs import check_output_file
+    from servelab.commands.bench import parse_extra_body
+
+    check_output_file(args.out, "--out")
+    budget_s = parse_duration_s(args.budget, name="--budget")
+    if not budget_s > 0:
+        raise InvalidArgument(f"--budget must be > 0, got {args.budget!r}")
+    for name in ("max_concurrency", "repeats"):
+        if getattr(args, name) < 1:
+            raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    extra = parse_extra_body(args.extra_body)
+    client = OpenAIStreamClient(args.base_url, model=args.served_model, api_key=args.api_key,
+                                timeout_s=parse_duration_s(args.request_timeout, name="--request-timeout"),
+                                extra_body=extra)  # fmt: skip
+
+    async def go() -> dict[str, Any]:
+        try:
+            server = await bb.probe(client)
+            limit = server.max_model_len
+            max_prompt = args.max_prompt_tokens if limit is None else min(args.max_prompt_tokens, limit - 2)
+            design = bb.make_design(max_prompt, args.max_concurrency, max(4096, 2 * max_prompt), args.repeats)
+            path = bb.partial_path(args.out)
+            results = bb.Results.resume(path, server) if args.resume else bb.Results(path)
+            results.start(server)
+            seed = time.time_ns() % (1 << 31)  # new prompts each run: no cache from an earlier one helps
+            prober = bb.Prober(client, PromptBuilder(load_tokenizer(None), seed=seed), seed)
+            show = bb.progress_printer(not args.no_progress and sys.stderr.isatty())
+            run = await bb.measure(prober, design, results, budget_s, show)
+            return bb.build_profile(server, results, run, design)
+        finally:
+            await client.aclose()
+
+    profile = asyncio.run(go())
+    with open(args.out, "w", encoding="utf-8") as f:
+        json.dump(profile, f, indent=1)
+        f.write("\n")
+    print("\n".join(bb.report_lines(profile)))
+    print(f"wrote {args.out}")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from servelab.commands._outputs import check_output_file
+
+    if args.base_url is not None:
+        return run_black_box(args)
     from servelab.cost.calibration_stats import host_noise
     from servelab.engine.host_probe import OtherLoadMeter
     from servelab.engine.llm_engine import LLMEngine

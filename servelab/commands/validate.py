@@ -76,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     meter = OtherLoadMeter()
     loop = asyncio.new_event_loop()
     try:
-        measured, server, served_model = loop.run_until_complete(bench_live_server(args, workload, slo))
+        measured, server, served_model = loop.run_until_complete(bench_live_server(args, workload, slo, profile))
     finally:
         loop.close()
     if not warned and catalog_model_for(None, served_model) is not None:  # a name the catalog knows
@@ -167,15 +167,25 @@ def describe_steal(host: dict[str, Any]) -> str | None:
     return line
 
 
-async def bench_live_server(args: argparse.Namespace, workload, slo):  # noqa: ANN001, ANN202
-    """The bench run (and the server's configuration from /metrics, and the served model's name)."""
+def server_settings(exported: dict[str, str], profile: dict[str, Any] | None) -> dict[str, str]:
+    """The server's scheduler settings: what its /metrics exports, and for the rest what the
+    profile's black-box calibration (`calibrate --base-url`) found out about it."""
+    from servelab.bench.blackbox import sim_server_config
+
+    found = (profile or {}).get("server_settings")
+    return {**(sim_server_config(found) if isinstance(found, dict) else {}), **exported}
+
+
+async def bench_live_server(args: argparse.Namespace, workload, slo, profile=None):  # noqa: ANN001, ANN202
+    """The bench run (and the server's configuration from /metrics or the profile, and the served
+    model's name)."""
     from servelab.bench.fidelity import check_server_config, server_config
     from servelab.commands.bench import make_session
 
     session = make_session(args, slo, workload.concurrency)
     try:
         model = await session.resolve_model()
-        server = server_config(await session.client.metrics_text())
+        server = server_settings(server_config(await session.client.metrics_text()), profile)
         check_server_config(server, session.client.base_url)
         duration_s = None if args.duration is None else parse_duration_s(args.duration, name="--duration")
         result = await session.run(workload, duration_s=duration_s, warmup=args.warmup)

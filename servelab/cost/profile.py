@@ -138,12 +138,13 @@ def nnls(a: Any, b: Any, max_iter: int = 200) -> Any:
     return x
 
 
-def _nnls_relative(rows: Any, y: Any) -> Any:
-    """NNLS on relative error (each row divided by its time), columns scaled for conditioning."""
+def _nnls_relative(rows: Any, y: Any, weights: Any = None) -> Any:
+    """NNLS on relative error (each row divided by its time, times its weight where given),
+    columns scaled for conditioning."""
 
     scale = rows.max(axis=0)
     scale[scale == 0] = 1.0
-    w = 1.0 / y
+    w = 1.0 / y if weights is None else weights / y
     return nnls(rows / scale * w[:, None], y * w) / scale
 
 
@@ -156,23 +157,36 @@ def fit(measurements: Sequence[dict[str, float]], holdout_every: int = 4, outlie
     not bend the coefficients of all the others. The fit is redone until that set stops changing.
     `rows` are the engine's kernel switches; only those some step went past are fitted (`reached`,
     returned as "kernel_rows"), and a term whose column is all 0 is left out of the fit at 0."""
+    rows = reached(rows, measurements)
+    x = [features(int(m["num_tokens"]), int(m["num_seqs"]), int(m["context_tokens"]), int(m["pairs"]), rows)
+         for m in measurements]
+    fitted = fit_rows(x, [m["time_s"] for m in measurements], holdout_every, outlier_mads, outlier_floor_pct)
+    return {**fitted, "kernel_rows": {"fused_max_rows": rows.fused_max_rows, "max_rows": rows.max_rows}}
+
+
+def fit_rows(x: Sequence[Sequence[float]], times_s: Sequence[float], holdout_every: int = 4,
+             outlier_mads: float = 4.0, outlier_floor_pct: float = 10.0,
+             weights: Sequence[float] | None = None) -> dict[str, Any]:
+    """`fit` over rows of TERMS' columns already built: one step's `features`, or the sum of
+    several steps' where a measurement spans them (a chunked prefill timed from outside).
+    `weights` scale each row's relative error (e.g. so that two kinds of point weigh alike
+    however many of each were measured)."""
     import numpy as np
 
-    rows = reached(rows, measurements)
-    x = np.array([features(int(m["num_tokens"]), int(m["num_seqs"]), int(m["context_tokens"]), int(m["pairs"]), rows)
-                  for m in measurements])
-    active = np.flatnonzero(x.any(axis=0)) if len(measurements) else np.arange(len(TERMS))
+    matrix = np.asarray(x, float).reshape(-1, len(TERMS))
+    active = np.flatnonzero(matrix.any(axis=0)) if len(matrix) else np.arange(len(TERMS))
     need = len(active) + 2
-    if len(measurements) < need:
-        raise InvalidArgument(f"a fit needs at least {need} measured steps, got {len(measurements)}")
-    rows_x = x[:, active]
-    y = np.array([m["time_s"] for m in measurements])
+    if len(matrix) < need:
+        raise InvalidArgument(f"a fit needs at least {need} measured steps, got {len(matrix)}")
+    rows_x = matrix[:, active]
+    y = np.asarray(times_s, float)
+    w = np.ones(len(y)) if weights is None else np.asarray(weights, float)
     held = np.zeros(len(y), bool)
     held[holdout_every - 1::holdout_every] = True
     train = ~held
     outlier = np.zeros(len(y), bool)
     for _ in range(5):  # until the inliers stop changing: a refit may clear a step the first fit flagged
-        coef = _nnls_relative(rows_x[train & ~outlier], y[train & ~outlier])
+        coef = _nnls_relative(rows_x[train & ~outlier], y[train & ~outlier], w[train & ~outlier])
         rel = (rows_x @ coef - y) / y
         center = np.median(rel[train & ~outlier])
         mad = 1.4826 * np.median(np.abs(rel[train & ~outlier] - center))
@@ -181,7 +195,7 @@ def fit(measurements: Sequence[dict[str, float]], holdout_every: int = 4, outlie
             break
         outlier = flagged
     else:
-        coef = _nnls_relative(rows_x[train & ~outlier], y[train & ~outlier])
+        coef = _nnls_relative(rows_x[train & ~outlier], y[train & ~outlier], w[train & ~outlier])
     pred = rows_x @ coef
     full = np.zeros(len(TERMS))
     full[active] = coef
@@ -200,7 +214,6 @@ def fit(measurements: Sequence[dict[str, float]], holdout_every: int = 4, outlie
         "train": stats(train),
         "heldout": stats(held),
         "outliers_dropped": [int(i) for i in np.flatnonzero(outlier)],
-        "kernel_rows": {"fused_max_rows": rows.fused_max_rows, "max_rows": rows.max_rows},
     }
 
 

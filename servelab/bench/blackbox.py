@@ -1,0 +1,660 @@
+"""`servelab calibrate --base-url`: a step-cost profile of any OpenAI-compatible server (vLLM,
+SGLang, llama.cpp, servelab), fitted from the outside, over HTTP only.
+
+The experiment (every prompt unique, so no prefix cache helps; each point repeated over
+interleaved, shuffled passes, and the median taken):
+- the client's round trip, from GET /v1/models, kept apart from the server's time;
+- single-request prefills over prompt lengths L: TTFT(L) gives the step's fixed cost, the
+  prefill cost curve, and the server's chunk budget, which shows as a step's fixed cost added
+  each time L crosses a multiple of it (lengths sit just under and just over each candidate);
+- decode bursts: B streamed requests sent together at two prompt lengths. Once the whole
+  first wave has its first token and until the first one ends, every step is a decode-only step
+  of that wave: its token rate gives the step time at batch B and that context. The size of the
+  wave (the requests whose first token came before any request ended) is the server's sequence
+  limit when it is below B.
+The server's /metrics (servelab's or vLLM's info gauges) give its settings exactly where it
+exports them; otherwise they are inferred, each with its source and confidence.
+
+Each measured point is appended to a partial-results file as it completes, so an interrupted run
+resumes where it stopped (`--resume`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from servelab.bench.client import BenchRequest, OpenAIStreamClient, StreamResult
+from servelab.bench.prompts import PromptBuilder
+from servelab.cost.profile import PROFILE_FORMAT, PROFILE_VERSION, TERMS, features, fit_rows
+from servelab.errors import InvalidArgument, ServelabError
+from servelab.workload.spec import RequestSpec
+
+# Chunk budgets a server may run with: prompts sit just under and just over each one up to the
+# longest prompt, so a chunk boundary shows as a jump between two neighbouring lengths.
+CHUNK_CANDIDATES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
+# A chunk budget is reported only when it beats "no chunking" by this share of the prefill error.
+CHUNK_MIN_GAIN = 0.2
+BURST_OUTPUT_TOKENS = 32
+BURST_PROMPT_LENS = (64, 320)
+RTT_SAMPLES = 10
+DEFAULT_REPEATS = 3
+HOLDOUT_EVERY = 4
+
+
+@dataclass(frozen=True, slots=True)
+class Design:
+    """The points of one pass: single-request prefills and (batch, prompt length) bursts."""
+
+    prefill_lens: tuple[int, ...]
+    bursts: tuple[tuple[int, int], ...]
+    burst_output: int = BURST_OUTPUT_TOKENS
+    repeats: int = DEFAULT_REPEATS
+
+    def points(self) -> list[tuple[str, int, int]]:
+        return [("prefill", 1, n) for n in self.prefill_lens] + [("burst", b, n) for b, n in self.bursts]
+
+
+def make_design(max_prompt: int, max_batch: int, max_burst_tokens: int, repeats: int = DEFAULT_REPEATS) -> Design:
+    """Prompt lengths from 16 to `max_prompt`, two each side of every chunk candidate below it; bursts
+    at batch 1, 2, 4 ... `max_batch` for each burst prompt length, up to `max_burst_tokens`
+    prompt tokens a burst."""
+    if max_prompt < 32:
+        raise InvalidArgument(f"--max-prompt-tokens must be >= 32, got {max_prompt}")
+    lens = {16, 32, max_prompt}
+    for c in CHUNK_CANDIDATES:
+        if c + c // 4 <= max_prompt:
+            lens |= {c - c // 4, c - c // 8, c + c // 8, c + c // 4}
+    batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_batch] or [1]
+    if max_batch not in batches and max_batch > 1:
+        batches.append(max_batch)
+    prompt_lens = sorted({min(n, max_prompt) for n in BURST_PROMPT_LENS})
+    bursts = tuple((b, n) for n in prompt_lens for b in batches if b * n <= max_burst_tokens or b == 1)
+    return Design(tuple(sorted(lens)), bursts, repeats=repeats)
+
+
+# ---- the server: what it says about itself --------------------------------------------------
+
+
+@dataclass(slots=True)
+class ServerInfo:
+    base_url: str
+    model: str
+    kind: str  # servelab, vllm, sglang, llama.cpp, unknown
+    version: str | None
+    max_model_len: int | None
+    config: dict[str, str]  # the scheduler settings /metrics exports (servelab's or vLLM's info gauges)
+    metrics: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"base_url": self.base_url, "model": self.model, "kind": self.kind, "version": self.version,
+                "max_model_len": self.max_model_len, "metrics": self.metrics}
+
+
+async def _get_json(client: OpenAIStreamClient, url: str) -> Any:
+    try:
+        async with asyncio.timeout(10.0):
+            async with client._http().get(url) as response:
+                if response.status != 200:
+                    return None
+                return await response.json(content_type=None)
+    except (Exception, TimeoutError):  # any failure here only means "this server does not say"
+        return None
+
+
+def _kind(metrics_text: str | None, models: Any, version: Any) -> str:
+    text = metrics_text or ""
+    if "servelab:" in text or (isinstance(version, dict) and "servelab" in json.dumps(version).lower()):
+        return "servelab"
+    if "vllm:" in text:
+        return "vllm"
+    if "sglang:" in text:
+        return "sglang"
+    if "llamacpp:" in text:
+        return "llama.cpp"
+    owned = {str(m.get("owned_by", "")) for m in (models or {}).get("data", []) if isinstance(m, dict)} \
+        if isinstance(models, dict) else set()
+    if "vllm" in owned:
+        return "vllm"
+    if "sglang" in owned:
+        return "sglang"
+    if "llamacpp" in owned or "me" in owned:  # llama.cpp's server, llama-cpp-python's
+        return "llama.cpp"
+    return "unknown"
+
+
+async def probe(client: OpenAIStreamClient) -> ServerInfo:
+    """What the server says about itself: /v1/models, /version, /metrics."""
+    from servelab.bench.fidelity import server_config
+
+    names = await client.list_models()
+    if not names and client.model is None:
+        raise ServelabError(f"the server at {client.base_url} lists no model at /v1/models; name one with --model")
+    model = client.model or names[0]
+    client.model = model
+    root = client.base_url.removesuffix("/v1")
+    models = await _get_json(client, client.base_url + "/models")
+    version = await _get_json(client, root + "/version")
+    metrics_text = await client.metrics_text()
+    max_len = None
+    for card in (models or {}).get("data", []) if isinstance(models, dict) else []:
+        if isinstance(card, dict) and card.get("id") == model:
+            value = card.get("max_model_len") or (card.get("meta") or {}).get("n_ctx_train")
+            max_len = int(value) if isinstance(value, int) and value > 0 else None
+    config = server_config(metrics_text)
+    if max_len is None and config.get("max_model_len", "").isdigit():
+        max_len = int(config["max_model_len"])
+    ver = version.get("version") if isinstance(version, dict) else None
+    return ServerInfo(client.base_url, model, _kind(metrics_text, models, version), None if ver is None else str(ver),
+                      max_len, config, metrics_text is not None)
+
+
+# ---- measuring --------------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Results:
+    """Every measured point (one JSON object a line in `path`, appended as each completes)."""
+
+    path: str | None
+    records: list[dict[str, Any]] = field(default_factory=list)
+
+    @classmethod
+    def resume(cls, path: str, server: ServerInfo) -> Results:
+        """The points an earlier run against the same server and model saved at `path`."""
+        out = cls(path)
+        try:
+            with open(path, encoding="utf-8") as f:
+                lines = [json.loads(line) for line in f if line.strip()]
+        except FileNotFoundError:
+            return out
+        except (OSError, ValueError) as exc:
+            raise InvalidArgument(f"--resume: cannot read {path} ({exc})") from None
+        head = lines[0] if lines else {}
+        if head.get("phase") != "header" or head.get("model") != server.model or head.get("base_url") != server.base_url:
+            raise InvalidArgument(f"--resume: {path} holds another run's points (another server or model); "
+                                  "remove it or leave out --resume")
+        out.records = lines[1:]
+        return out
+
+    def start(self, server: ServerInfo) -> None:
+        if self.path is not None and not self.records:
+            with open(self.path, "w", encoding="utf-8") as f:
+                f.write(json.dumps({"phase": "header", "model": server.model, "base_url": server.base_url}) + "\n")
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+        if self.path is not None:
+            with open(self.path, "a", encoding="utf-8") as f:
+                f.write(json.dumps(record) + "\n")
+
+    def done(self, phase: str, batch: int, target: int, repeat: int) -> bool:
+        return any(r["phase"] == phase and r.get("batch") == batch and r.get("target") == target
+                   and r.get("repeat") == repeat for r in self.records)  # fmt: skip
+
+    def of(self, phase: str) -> list[dict[str, Any]]:
+        return [r for r in self.records if r["phase"] == phase]
+
+
+class Prober:
+    """Sends the experiment's requests, each prompt unique (a fresh seed per request)."""
+
+    def __init__(self, client: OpenAIStreamClient, prompts: PromptBuilder, seed: int) -> None:
+        self.client = client
+        self.prompts = prompts
+        self.rng = random.Random(seed)
+        self.count_path: str | None = None  # the server's tokenize route, once found
+        self.scale = 1.0  # the server's tokens per client token (the client may not have its tokenizer)
+
+    async def match_tokenizer(self, sample_tokens: int = 256) -> dict[str, Any]:
+        """Learns how many of the server's tokens a client token is, from one prompt (also the
+        server's warm-up), so that the lengths asked for are the server's; and whether the server
+        counts a prompt's tokens for us (a tokenize route), which makes every length exact."""
+        request, result = await self.one(sample_tokens, 1)
+        if not result.success:
+            raise ServelabError(f"the server refused a {sample_tokens}-token prompt: {result.error}")
+        n, source = await self.prompt_tokens(result, request.prompt)
+        self.scale = n / self.prompts.count_tokens(request.prompt)
+        if self.count_path is None:
+            await self.server_count(request.prompt)
+        return {"server_tokens_per_client_token": self.scale, "tokens_from": source,
+                "exact_lengths": self.count_path is not None, "tokenize_route": self.count_path}
+
+    async def server_count(self, prompt: str) -> int | None:
+        """The prompt's length in the server's tokens from its tokenize route (vLLM's, SGLang's and
+        servelab's /tokenize, llama-cpp-python's /extras/tokenize), or None where it has none."""
+        root = self.client.base_url.removesuffix("/v1")
+        for route in [self.count_path] if self.count_path else ["/tokenize", "/extras/tokenize"]:
+            body = {"model": self.client.model, "prompt": prompt, "input": prompt, "content": prompt}
+            try:
+                async with asyncio.timeout(10.0):
+                    async with self.client._http().post(root + route, json=body) as response:
+                        data = await response.json(content_type=None) if response.status == 200 else None
+            except (Exception, TimeoutError):
+                data = None
+            if isinstance(data, dict):
+                n = data.get("count") if isinstance(data.get("count"), int) else None
+                if n is None and isinstance(data.get("tokens"), list):
+                    n = len(data["tokens"])
+                if n is not None:
+                    self.count_path = route
+                    return n
+        return None
+
+    async def rtt_s(self, n: int = RTT_SAMPLES) -> list[float]:
+        """Round trips of GET /v1/models: the network and HTTP cost outside the server's engine."""
+        out = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            await _get_json(self.client, self.client.base_url + "/models")
+            out.append(time.perf_counter() - t0)
+        return out
+
+    def request(self, prompt_tokens: int, output_tokens: int) -> BenchRequest:
+        spec = RequestSpec(index=self.rng.getrandbits(40), arrival_s=None,
+                           prompt_tokens=max(1, round(prompt_tokens / self.scale)), output_tokens=output_tokens)
+        return BenchRequest(spec.index, self.prompts.prompt_for(spec, self.rng.getrandbits(30) + 1), prompt_tokens,
+                            output_tokens)  # fmt: skip
+
+    async def prompt_tokens(self, result: StreamResult, prompt: str) -> tuple[int, str]:
+        """The prompt's length in the server's tokens, and where it came from: the server's usage,
+        its tokenize route, or the client's own tokenizer."""
+        if result.usage_prompt_tokens is not None:
+            return result.usage_prompt_tokens, "usage"
+        if (n := await self.server_count(prompt)) is not None:
+            return n, "tokenize"
+        return self.prompts.count_tokens(prompt), "client"
+
+    async def exact(self, prompt_tokens: int, output_tokens: int) -> BenchRequest:
+        """A request whose prompt is `prompt_tokens` of the server's tokens where its tokenize route
+        can tell (a few tries, each rescaled by the last miss), else as near as the scale gives."""
+        request = self.request(prompt_tokens, output_tokens)
+        if self.count_path is None:
+            return request
+        ask = prompt_tokens
+        for _ in range(4):
+            n = await self.server_count(request.prompt)
+            if n is None or abs(n - prompt_tokens) <= max(1, prompt_tokens // 100):
+                break
+            ask = max(1, round(ask * prompt_tokens / n))
+            request = self.request(ask, output_tokens)
+        return request
+
+    async def one(self, prompt_tokens: int, output_tokens: int) -> tuple[BenchRequest, StreamResult]:
+        request = await self.exact(prompt_tokens, output_tokens)
+        return request, await self.client.stream(request)
+
+    async def prefill(self, target: int, repeat: int) -> dict[str, Any]:
+        request, result = await self.one(target, 1)
+        if not result.success or result.first_token_s is None:
+            raise ServelabError(f"a {target}-token prompt failed: {result.error}")
+        n, source = await self.prompt_tokens(result, request.prompt)
+        return {"phase": "prefill", "batch": 1, "target": target, "repeat": repeat, "prompt_tokens": n,
+                "tokens_from": source, "ttft_s": result.first_token_s - result.send_s}
+
+    async def burst(self, batch: int, target: int, output: int, repeat: int) -> dict[str, Any]:
+        pairs = await asyncio.gather(*(self.one(target, output) for _ in range(batch)))
+        failed = [r.error for _, r in pairs if not r.success]
+        if failed:
+            raise ServelabError(f"a burst of {batch} requests of {target} tokens had {len(failed)} failures: {failed[0]}")
+        t0 = min(r.send_s for _, r in pairs)
+        requests = []
+        for request, r in pairs:
+            n, source = await self.prompt_tokens(r, request.prompt)
+            requests.append({"prompt_tokens": n, "tokens_from": source, "send_s": r.send_s - t0,
+                             "output_tokens": r.usage_output_tokens or len(r.token_times_s),
+                             "chunk_times_s": [t - t0 for t in r.token_times_s]})
+        return {"phase": "burst", "batch": batch, "target": target, "repeat": repeat, "requests": requests}
+
+
+async def measure(prober: Prober, design: Design, results: Results, budget_s: float,
+                  progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+    """Runs the design's passes (each in a new shuffled order) until every point has its repeats or
+    the budget is spent, saving each point as it completes. Returns what happened."""
+    t0 = time.perf_counter()
+    tokenizer = await prober.match_tokenizer()
+    if not results.of("rtt"):
+        results.add({"phase": "rtt", "batch": 0, "target": 0, "repeat": 0, "samples_s": await prober.rtt_s()})
+    todo = [(phase, b, n, rep) for rep in range(design.repeats) for phase, b, n in design.points()]
+    total, stopped = len(todo), None
+    order = random.Random(0x5EED)
+    done_before = sum(results.done(*t) for t in todo)
+    finished = done_before
+    for rep in range(design.repeats):
+        points = design.points()
+        order.shuffle(points)
+        for phase, b, n in points:
+            if results.done(phase, b, n, rep):
+                continue
+            if time.perf_counter() - t0 > budget_s:
+                stopped = f"the budget ({budget_s:g} s) ran out after {finished} of {total} points"
+                break
+            left = budget_s - (time.perf_counter() - t0)
+            try:
+                async with asyncio.timeout(max(left, 1.0) + 60.0):
+                    record = await (prober.prefill(n, rep) if phase == "prefill"
+                                    else prober.burst(b, n, design.burst_output, rep))  # fmt: skip
+            except TimeoutError:
+                stopped = f"a {phase} point (batch {b}, {n} tokens) ran past the budget"
+                break
+            results.add(record)
+            finished += 1
+            if progress is not None:
+                progress(f"{phase} b={b} L={n}", finished, total)
+        if stopped:
+            break
+    return {"points": total, "measured": finished, "resumed": done_before, "wall_s": time.perf_counter() - t0,
+            "stopped": stopped, "tokenizer": tokenizer}
+
+
+# ---- from measurements to observations of steps ------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Observation:
+    """One timed quantity as a sum of steps: its row of TERMS' columns and the seconds measured."""
+
+    kind: str  # "prefill" or "decode"
+    label: str
+    row: tuple[float, ...]
+    time_s: float
+    detail: dict[str, Any]
+
+
+def prefill_row(n: int, chunk: int | None) -> list[float]:
+    """The steps of one n-token prompt alone, chunked by `chunk` tokens (None: one step), summed."""
+    row = [0.0] * len(TERMS)
+    done = 0
+    while done < n:
+        t = n - done if chunk is None else min(chunk, n - done)
+        c = done + t
+        pairs = t * c - t * (t - 1) // 2
+        for i, v in enumerate(features(t, 1, c, pairs)):
+            row[i] += v
+        done = c
+    return row
+
+
+def short_outputs(results: Results, output_tokens: int) -> int:
+    """Burst requests that ended before `output_tokens`: a server that does not honour ignore_eos."""
+    return sum(1 for r in results.of("burst") for q in r["requests"] if q["output_tokens"] < output_tokens)
+
+
+def decode_window(burst: dict[str, Any]) -> dict[str, Any] | None:
+    """The burst's decode-only stretch: from the last first token of the first wave (the requests
+    that had a token before any request ended) to the first end. Returns the wave's size, the step
+    time (the median over the wave of its seconds per token in the stretch) and the mean context,
+    or None where the stretch holds fewer than 3 chunks of a request."""
+    reqs = [r for r in burst["requests"] if r["chunk_times_s"]]
+    if not reqs:
+        return None
+    first_end = min(r["chunk_times_s"][-1] for r in reqs)
+    wave = [r for r in reqs if r["chunk_times_s"][0] <= first_end]
+    start = max(r["chunk_times_s"][0] for r in wave)
+    per_token, contexts = [], []
+    for r in wave:
+        times = r["chunk_times_s"]
+        per_chunk = max(1.0, r["output_tokens"] / len(times))  # a server may stream tokens several a chunk
+        inside = [i for i, t in enumerate(times) if start <= t <= first_end]
+        if len(inside) < 3:
+            continue
+        i, j = inside[0], inside[-1]
+        per_token.append((times[j] - times[i]) / ((j - i) * per_chunk))
+        contexts.append(r["prompt_tokens"] + (i + j) / 2 * per_chunk)
+    if not per_token:
+        return None
+    return {"wave": len(wave), "step_s": statistics.median(per_token), "context": statistics.fmean(contexts)}
+
+
+def observations(results: Results, rtt_s: float, chunk: int | None) -> list[Observation]:
+    """Over the repeats: a prefill's server time (the fastest TTFT less the round trip) at each
+    length, and a decode step's time (the median) at each burst."""
+    out: list[Observation] = []
+    by_len: dict[int, list[dict[str, Any]]] = {}
+    for r in results.of("prefill"):
+        by_len.setdefault(r["target"], []).append(r)
+    for target, rs in sorted(by_len.items()):
+        n = round(statistics.median(r["prompt_tokens"] for r in rs))
+        # one request alone: anything else on the host only adds to its TTFT, so the fastest repeat
+        # is the server's own time (a decode step's is already a median over its window)
+        t = min(r["ttft_s"] for r in rs) - rtt_s
+        out.append(Observation("prefill", f"prefill {n}", tuple(prefill_row(n, chunk)), max(t, 1e-6),
+                               {"prompt_tokens": n, "repeats": len(rs)}))
+    by_burst: dict[tuple[int, int], list[dict[str, Any]]] = {}
+    for r in results.of("burst"):
+        by_burst.setdefault((r["batch"], r["target"]), []).append(r)
+    for (batch, target), rs in sorted(by_burst.items()):
+        windows = [w for w in map(decode_window, rs) if w is not None]
+        if not windows:
+            continue
+        wave = round(statistics.median(w["wave"] for w in windows))
+        context = statistics.fmean(w["context"] for w in windows)
+        step = statistics.median(w["step_s"] for w in windows)
+        row = features(wave, wave, round(wave * context), round(wave * context))
+        out.append(Observation("decode", f"decode {wave}x{context:.0f}", tuple(row), step,
+                               {"batch": batch, "wave": wave, "context": context, "repeats": len(windows)}))
+    return out
+
+
+def balanced(obs: Sequence[Observation]) -> list[float]:
+    """Weights that make prefills and decode steps count alike, however many of each were measured
+    (a single-sequence server gives a few decode points against a long prefill sweep)."""
+    counts = {kind: sum(o.kind == kind for o in obs) for kind in {o.kind for o in obs}}
+    return [len(obs) / (len(counts) * counts[o.kind]) for o in obs]
+
+
+def _fit(obs: Sequence[Observation], holdout_every: int) -> dict[str, Any]:
+    return fit_rows([o.row for o in obs], [o.time_s for o in obs], holdout_every=holdout_every, weights=balanced(obs))
+
+
+def _errors_pct(obs: Sequence[Observation], coefficients: dict[str, float]) -> list[float]:
+    c = [coefficients[k] for k in TERMS]
+    return [(sum(a * b for a, b in zip(c, o.row)) - o.time_s) / o.time_s * 100 for o in obs]
+
+
+def _cross_validated_prefill_error(obs: Sequence[Observation], folds: int = 5) -> float:
+    """Median |error| % of each prefill point priced by a fit that did not see it (interleaved
+    folds): a chunk budget adds a step per chunk, a freedom that a fit to all points would use to
+    chase noise, so candidates are compared on points outside their fit."""
+    errors: list[float] = []
+    for k in range(folds):
+        train = [o for i, o in enumerate(obs) if i % folds != k]
+        test = [o for i, o in enumerate(obs) if i % folds == k and o.kind == "prefill"]
+        if not test:
+            continue
+        fitted = _fit(train, holdout_every=10**9)
+        errors += [abs(e) for e in _errors_pct(test, fitted["coefficients"])]
+    return statistics.median(errors) if errors else math.inf
+
+
+def infer_chunk(results: Results, rtt_s: float) -> dict[str, Any]:
+    """The chunk budget that best explains TTFT(L) (each candidate below the longest prompt, or
+    none), with the cross-validated prefill error of each; "none" unless one beats it clearly."""
+    longest = max((r["prompt_tokens"] for r in results.of("prefill")), default=0)
+    errors: dict[str, float] = {}
+    for chunk in (None, *[c for c in CHUNK_CANDIDATES if c < longest]):
+        try:
+            error = _cross_validated_prefill_error(observations(results, rtt_s, chunk))
+        except InvalidArgument:
+            return {"value": None, "errors_pct": {}, "why": "too few points to fit"}
+        errors["none" if chunk is None else str(chunk)] = error
+    best = min(errors, key=errors.__getitem__)
+    if best != "none" and errors[best] < (1 - CHUNK_MIN_GAIN) * errors["none"] and errors["none"] - errors[best] > 0.5:
+        return {"value": int(best), "errors_pct": errors,
+                "why": f"TTFT(L) jumps where L crosses multiples of {best} tokens"}
+    return {"value": None, "errors_pct": errors,
+            "why": f"no chunk boundary shows in TTFT up to {longest} tokens (none, or one above it)"}
+
+
+def infer_max_seqs(results: Results) -> dict[str, Any]:
+    """The server's sequence limit: the first wave of the bursts larger than it."""
+    waves: dict[int, list[int]] = {}
+    for r in results.of("burst"):
+        w = decode_window(r)
+        if w is not None:
+            waves.setdefault(r["batch"], []).append(w["wave"])
+    if not waves:
+        return {"value": None, "why": "no burst measured"}
+    medians = {b: round(statistics.median(ws)) for b, ws in waves.items()}
+    capped = [m for b, m in medians.items() if m < b]
+    largest = max(medians)
+    if capped:
+        value = min(capped)
+        agree = sum(1 for b, m in medians.items() if b > value and m == value)
+        return {"value": value, "lower_bound": False, "waves": medians,
+                "confidence": "high" if agree >= 2 else "medium",
+                "why": f"bursts above {value} requests ran {value} at a time; the others waited"}
+    return {"value": largest, "lower_bound": True, "waves": medians, "confidence": "low",
+            "why": f"every burst up to {largest} requests ran all at once: the limit is at least {largest}"}
+
+
+# ---- the profile --------------------------------------------------------------------------------
+
+
+def _setting(value: Any, source: str, confidence: str, why: str) -> dict[str, Any]:
+    return {"value": value, "source": source, "confidence": confidence, "why": why}
+
+
+def server_settings(server: ServerInfo, chunk: dict[str, Any], seqs: dict[str, Any],
+                    longest_seen: int) -> dict[str, dict[str, Any]]:
+    """What the simulator needs to run the server's scheduler, each with where it came from:
+    the server's /metrics ("metrics", exact), an inference from the measurements, or an
+    assumption where neither could tell."""
+    cfg = server.config
+    out: dict[str, dict[str, Any]] = {}
+
+    def exported(key: str) -> int | None:
+        return int(cfg[key]) if cfg.get(key, "").isdigit() else None
+
+    if (v := exported("max_model_len")) is not None or server.max_model_len is not None:
+        out["max_model_len"] = _setting(v or server.max_model_len, "metrics" if v else "models", "exact",
+                                        "the server's own figure")
+    else:
+        out["max_model_len"] = _setting(longest_seen, "assumed", "low",
+                                        "the server does not say; the longest request the calibration ran")
+    if (v := exported("max_num_seqs")) is not None:
+        out["max_num_seqs"] = _setting(v, "metrics", "exact", "the server's scheduler_config_info")
+    elif seqs.get("value") is not None:
+        out["max_num_seqs"] = _setting(seqs["value"], "inferred", seqs["confidence"], seqs["why"])
+    else:
+        out["max_num_seqs"] = _setting(1, "assumed", "low", seqs["why"])
+    if (v := exported("max_num_batched_tokens")) is not None:
+        out["max_num_batched_tokens"] = _setting(v, "metrics", "exact", "the server's scheduler_config_info")
+    elif chunk.get("value") is not None:
+        out["max_num_batched_tokens"] = _setting(chunk["value"], "inferred", "medium", chunk["why"])
+    else:
+        limit = out["max_model_len"]["value"]
+        out["max_num_batched_tokens"] = _setting(max(limit, longest_seen), "assumed", "low",
+                                                 chunk["why"] + "; priced as unchunked")
+    block = exported("block_size")
+    out["block_size"] = (_setting(block, "metrics", "exact", "the server's cache_config_info") if block
+                         else _setting(16, "assumed", "low", "the server does not say; it matters only with KV "
+                                                             "capacity"))  # fmt: skip
+    blocks = exported("num_blocks") or exported("num_gpu_blocks")
+    if blocks:
+        out["num_blocks"] = _setting(blocks, "metrics", "exact", "the server's cache_config_info")
+    else:
+        need = out["max_model_len"]["value"] * out["max_num_seqs"]["value"]
+        out["num_blocks"] = _setting(-(-need // out["block_size"]["value"]), "assumed", "low",
+                                     "the server does not export its KV capacity and no run reached it: "
+                                     "enough for max_num_seqs full-length sequences")
+    caching = cfg.get("enable_prefix_caching")
+    out["enable_prefix_caching"] = (_setting(caching == "true", "metrics", "exact", "cache_config_info")
+                                    if caching in ("true", "false", "True", "False")
+                                    else _setting(False, "assumed", "low", "unknown; every calibration prompt "
+                                                                           "was unique"))  # fmt: skip
+    return out
+
+
+def sim_server_config(settings: dict[str, dict[str, Any]]) -> dict[str, str]:
+    """The settings as the strings validate's sim_config reads (the /metrics label form)."""
+    return {k: str(v["value"]).lower() if isinstance(v["value"], bool) else str(v["value"])
+            for k, v in settings.items()}
+
+
+def build_profile(server: ServerInfo, results: Results, run: dict[str, Any], design: Design) -> dict[str, Any]:
+    rtts = results.of("rtt")
+    rtt_s = statistics.median(rtts[0]["samples_s"]) if rtts else 0.0
+    chunk = infer_chunk(results, rtt_s)
+    seqs = infer_max_seqs(results)
+    settings_chunk = chunk["value"]
+    if (exported := server.config.get("max_num_batched_tokens", "")).isdigit():
+        settings_chunk = int(exported)
+    run = {**run, "short_outputs": short_outputs(results, design.burst_output)}
+    obs = observations(results, rtt_s, settings_chunk)
+    if len(obs) < 6:
+        raise ServelabError(f"only {len(obs)} points measured ({run['stopped'] or 'the design is too small'}): "
+                            "give a longer --budget, or --resume to add to them")
+    fitted = _fit(obs, HOLDOUT_EVERY)
+    errs = _errors_pct(obs, fitted["coefficients"])
+    longest = max((r["prompt_tokens"] for r in results.of("prefill")), default=0)
+    settings = server_settings(server, chunk, seqs, longest + 1)
+    return {
+        "format": PROFILE_FORMAT,
+        "version": PROFILE_VERSION,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "source": "black-box",
+        "model": server.model,
+        "server_kind": server.to_dict(),
+        "server_settings": settings,
+        "client": {"round_trip_s": rtt_s, "how": "median GET /v1/models, subtracted from every TTFT"},
+        "inferred": {"chunk_budget": chunk, "max_num_seqs": seqs},
+        "design": {"prefill_lens": list(design.prefill_lens), "bursts": [list(b) for b in design.bursts],
+                   "burst_output_tokens": design.burst_output, "repeats": design.repeats},
+        "run": run,
+        "fit": fitted,
+        "observations": [{"kind": o.kind, "label": o.label, "time_s": o.time_s, "fit_error_pct": e,
+                          "held_out": (i % HOLDOUT_EVERY) == HOLDOUT_EVERY - 1, **o.detail}
+                         for i, (o, e) in enumerate(zip(obs, errs))],
+    }
+
+
+def report_lines(profile: dict[str, Any]) -> list[str]:
+    s = profile["server_kind"]
+    fit = profile["fit"]
+    c = fit["coefficients"]
+    lines = [f"{s['model']} at {s['base_url']} ({s['kind']}{' ' + s['version'] if s['version'] else ''}): "
+             f"{profile['run']['measured']} points in {profile['run']['wall_s']:.0f} s, "
+             f"round trip {profile['client']['round_trip_s'] * 1e3:.1f} ms",
+             f"step cost: {c['per_step_s'] * 1e3:.2f} ms a step (+{c['per_prefill_step_s'] * 1e3:.2f} ms with a "
+             f"prefill) + {c['per_token_s'] * 1e6:.1f} us a token + {c['per_seq_s'] * 1e6:.1f} us a sequence + "
+             f"{c['per_context_token_s'] * 1e9:.1f} ns a context token + {c['per_pair_s'] * 1e9:.3f} ns a pair",
+             f"fit: median error {fit['train']['median_abs_pct']:.1f}% on {fit['train']['count']} points, "
+             f"{fit['heldout']['median_abs_pct']:.1f}% on {fit['heldout']['count']} held out",
+             "server settings:"]
+    for key, v in profile["server_settings"].items():
+        lines.append(f"  {key:<24} {v['value']!s:<8} {v['source']}, {v['confidence']}: {v['why']}")
+    if profile["run"].get("short_outputs"):
+        lines.append(f"note: {profile['run']['short_outputs']} burst requests ended before their max_tokens: the "
+                     "server does not honour ignore_eos, so its waves and decode steps are guessed from fewer "
+                     "tokens; pass --extra-body with a logit_bias of -100 on its end-of-sequence token ids")
+    if profile["run"]["stopped"]:
+        lines.append(f"note: {profile['run']['stopped']}; --resume adds the rest")
+    return lines
+
+
+def progress_printer(enabled: bool) -> Callable[[str, int, int], None] | None:
+    if not enabled:
+        return None
+
+    def show(label: str, done: int, total: int) -> None:
+        width = 30
+        filled = width * done // max(total, 1)
+        end = "\n" if done == total else ""
+        print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<24}", end=end, file=sys.stderr,
+              flush=True)
+
+    return show
+
+
+def partial_path(out: str) -> str:
+    return os.fspath(out) + ".partial.jsonl"
