@@ -38,6 +38,8 @@ from servelab.cluster.kv_transfer import KVLayout
 from servelab.cluster.worker import WorkerLoop
 
 if TYPE_CHECKING:
+    from servelab.core.sequence import SamplingParams
+    from servelab.engine.grammar_workers import GrammarWorkers
     from servelab.engine.llm_engine import EngineOutput, LLMEngine
 
 logger = logging.getLogger("servelab.cluster")
@@ -101,6 +103,16 @@ class _Bye:
 
 
 @dataclass(slots=True)
+class _Unprepared:
+    """An offer whose logits processors could not be prepared (e.g. its grammar did not compile
+    within the timeout): refused, so that the prefill worker ends the request."""
+
+    src: int
+    request_id: str
+    error: BaseException
+
+
+@dataclass(slots=True)
 class _Started:
     """A transfer the receiving thread started: the step loop follows it from here."""
 
@@ -127,13 +139,14 @@ class _Pending:
     arrived_s: float = field(default_factory=time.perf_counter)
 
 
-def disagg_loop(engine: LLMEngine, link: Link, config: m.WorkerConfig, rank: int) -> WorkerLoop:
+def disagg_loop(engine: LLMEngine, link: Link, config: m.WorkerConfig, rank: int,
+                grammars: GrammarWorkers | None = None) -> WorkerLoop:  # fmt: skip
     """The loop of a prefill or decode worker, its transfer groups formed."""
     disagg: DisaggConfig = config.disagg
     groups = disagg.join_transfer_groups()
     peers = {peer: Link(peer, group) for peer, group in groups.items()}
     cls = PrefillLoop if config.role == "prefill" else DecodeLoop
-    return cls(engine, link, disagg, peers)
+    return cls(engine, link, disagg, peers, grammars)
 
 
 def _transfer_view(engine: LLMEngine) -> Any:
@@ -150,8 +163,9 @@ def _transfer_view(engine: LLMEngine) -> Any:
 
 
 class _DisaggLoop(WorkerLoop):
-    def __init__(self, engine: LLMEngine, link: Link, disagg: DisaggConfig, peers: dict[int, Link]):
-        super().__init__(engine, link)
+    def __init__(self, engine: LLMEngine, link: Link, disagg: DisaggConfig, peers: dict[int, Link],
+                 grammars: GrammarWorkers | None = None):  # fmt: skip
+        super().__init__(engine, link, grammars)
         self.disagg = disagg
         self.peers = peers
         self.kv = _transfer_view(engine)
@@ -347,15 +361,30 @@ class DecodeLoop(_DisaggLoop):
         self.tags = itertools.count(FIRST_DATA_TAG)
         self.transfer_records: dict[str, m.KVTransferRecord] = {}  # until the first output carries it
 
-    def _prepared(self, item: Any) -> Any:
-        """An offered request's grammar is compiled here too (it does not cross the link), off
-        the step loop; a failure is left for start_prefilled to meet and report."""
+    # An offered request's grammar is compiled here too (it does not cross the link), by the
+    # preparer, off the step loop; one that fails is refused at once.
+    def _params_to_prepare(self, item: Any) -> list[SamplingParams]:
         if isinstance(item, _FromPeer) and isinstance(item.message, Offer) and item.message.params.edits_logits:
-            try:
-                self.engine.prepare_logits_processors(item.message.params)
-            except Exception:
-                logger.debug("preparing %s's logits processors failed", item.message.request_id, exc_info=True)
-        return super()._prepared(item)
+            return [item.message.params]
+        return super()._params_to_prepare(item)
+
+    def _request_ids(self, item: Any) -> list[str]:
+        if isinstance(item, _FromPeer) and isinstance(item.message, Offer):
+            return [item.message.request_id]
+        return super()._request_ids(item)
+
+    def _unprepared(self, item: Any, error: BaseException) -> Any:
+        if isinstance(item, _FromPeer):
+            return _Unprepared(item.src, item.message.request_id, error)
+        return super()._unprepared(item, error)
+
+    def _on_command(self, command: Any) -> None:
+        if isinstance(command, _Unprepared):
+            self.aborted_early.pop(command.request_id, None)
+            message = getattr(command.error, "message", None) or str(command.error)
+            self._to_peer(command.src, Refuse(command.request_id, f"decode worker could not prepare it: {message}"))
+        else:
+            super()._on_command(command)
 
     def _on_peer(self, src: int, message: Any) -> None:
         if not isinstance(message, Offer):

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import multiprocessing
 import os
 import sys
 from dataclasses import asdict
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 from servelab.cluster import messages as m
 from servelab.cluster.channel import HANG_TIMEOUT_S, JOIN_TIMEOUT_S, PeerLost, Rendezvous, join, leave, pair_link
 from servelab.cluster.front_end import DEFAULT_RESTART_LIMIT, ClusterEngine, WorkerHandle
+from servelab.engine.grammar_workers import GrammarConfig
 from servelab.errors import InvalidArgument, ServelabError
 from servelab.logs import log_to_stderr
 from servelab.sim.router import Router
@@ -67,6 +69,7 @@ def start_cluster(
     disagg: DisaggConfig | None = None,
     hang_timeout_s: float | None = HANG_TIMEOUT_S,
     restart_limit: int = DEFAULT_RESTART_LIMIT,
+    grammar_config: GrammarConfig | None = None,
 ) -> ClusterEngine:
     """N workers and this process as rank 0. Local workers are spawned here and share the host's
     cores; `external` ones are started elsewhere (`servelab worker`) and must join within
@@ -75,8 +78,11 @@ def start_cluster(
     `engine_args.tensor_parallel_size` T > 1 each worker is rank 0 of its own group of T processes
     (engine/parallel/group.py), which it starts on its own host. A worker busy in one pass of its
     step loop for over `hang_timeout_s` (None: never) is failed as hung. A failed local
-    data-parallel worker is restarted, at most `restart_limit` times per rank, with backoff."""
+    data-parallel worker is restarted, at most `restart_limit` times per rank, with backoff.
+    Every worker compiles grammars under `grammar_config` (the server's compile timeout, worker
+    processes and cache), as the front end does."""
     check_cluster_args(data_parallel)
+    grammar = grammar_config or GrammarConfig()
     route = Router(router)
     if external and master_port is None:
         raise InvalidArgument("--external-workers needs --master-port: the workers must know where to join",
@@ -98,7 +104,7 @@ def start_cluster(
         threads = None if external else max(1, (os.cpu_count() or 1) // data_parallel)
         for link in links.values():
             role = "mixed" if disagg is None else disagg.role_of(link.peer)
-            link.send(m.WorkerConfig(engine_args, role, threads, disagg))
+            link.send(m.WorkerConfig(engine_args, role, threads, disagg, grammar))
         readies = {rank: _ready(rank, link.recv(timeout_s=join_timeout_s)) for rank, link in links.items()}
         first = _check_alike(readies)
         if disagg is not None:
@@ -120,7 +126,7 @@ def start_cluster(
     # groups with every peer formed again.
     restart = None
     if not external and disagg is None:
-        restart = LocalRestart(engine_args, Rendezvous(master_addr, port, world, 0, join_timeout_s), threads)
+        restart = LocalRestart(engine_args, Rendezvous(master_addr, port, world, 0, join_timeout_s), threads, grammar)
     return ClusterEngine(shell, workers, route, hang_timeout_s, restart=restart, restart_limit=restart_limit)
 
 
@@ -129,10 +135,12 @@ class LocalRestart:
     same rank that links to the front end by `pair_link` (the world formed at start takes no new
     member), builds the same engine, and must come up alike. Called from a restart thread."""
 
-    def __init__(self, engine_args: EngineArgs, front_rdv: Rendezvous, threads: int | None):
+    def __init__(self, engine_args: EngineArgs, front_rdv: Rendezvous, threads: int | None,
+                 grammar: GrammarConfig | None = None):  # fmt: skip
         self.engine_args = engine_args
         self.front_rdv = front_rdv
         self.threads = threads
+        self.grammar = grammar or GrammarConfig()
         self._attempts = itertools.count(1)
 
     def __call__(self, old: WorkerHandle) -> WorkerHandle:
@@ -145,7 +153,7 @@ class LocalRestart:
         process.start()
         try:
             link = pair_link(self.front_rdv, name, old.index)
-            link.send(m.WorkerConfig(self.engine_args, "mixed", self.threads, None))
+            link.send(m.WorkerConfig(self.engine_args, "mixed", self.threads, None, self.grammar))
             ready = _ready(old.index, link.recv(timeout_s=self.front_rdv.timeout_s))
             _check_alike({0: old.ready, old.index: ready})
         except BaseException:
@@ -179,6 +187,9 @@ def run_local_worker(rdv: Rendezvous, parent_pid: int, relink: str | None = None
     # which must keep serving meanwhile (they also exit if the front end dies)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    # Started daemonic (it must not outlive the front end), it could not start its own children
+    # (grammar workers, tensor-parallel ranks); those exit by themselves when it dies.
+    multiprocessing.current_process().daemon = False
     if not logging.getLogger("servelab").handlers:
         log_to_stderr(f"%(levelname)-9s [worker{rdv.rank}] %(message)s")
     sys.exit(worker_main(rdv, parent_pid, relink))

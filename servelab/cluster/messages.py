@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from servelab.engine.grammar_workers import GrammarConfig
 from servelab.errors import ServelabError
 
 if TYPE_CHECKING:
@@ -29,6 +30,7 @@ class WorkerConfig:
     role: str = "mixed"
     threads: int | None = None  # torch threads; None: torch's choice (a host of its own)
     disagg: Any = None  # prefill and decode workers: their pools and transfer settings (disagg_worker.DisaggConfig)
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)  # the front end's --structured-output-* flags
 
 
 @dataclass(slots=True)

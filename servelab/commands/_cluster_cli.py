@@ -14,6 +14,7 @@ from servelab.units import parse_duration_s
 
 if TYPE_CHECKING:
     from servelab.cluster.front_end import ClusterEngine
+    from servelab.engine.grammar_workers import GrammarConfig
     from servelab.engine.llm_engine import EngineArgs
 
 DEFAULT_ROUTER = "least-outstanding"
@@ -111,7 +112,8 @@ def hang_timeout_s(args: argparse.Namespace) -> float | None:
     return timeout_s or None
 
 
-def start_cluster_from_args(args: argparse.Namespace, engine_args: EngineArgs) -> ClusterEngine:
+def start_cluster_from_args(args: argparse.Namespace, engine_args: EngineArgs,
+                            grammar_config: GrammarConfig | None = None) -> ClusterEngine:  # fmt: skip
     from servelab.cluster.launch import start_cluster
 
     log = logging.getLogger("servelab")
@@ -122,6 +124,7 @@ def start_cluster_from_args(args: argparse.Namespace, engine_args: EngineArgs) -
         engine_args, num_workers, router=args.router, master_addr=addr, master_port=args.master_port,
         external=args.external_workers, join_timeout_s=parse_duration_s(args.join_timeout, name="--join-timeout"),
         disagg=disagg, hang_timeout_s=hang_timeout_s(args), restart_limit=args.worker_restart_limit,
+        grammar_config=grammar_config,
     )  # fmt: skip
     log.info("servelab: %d %s worker(s) (%s), router %s", len(driver.workers),
              "data-parallel" if disagg is None else f"prefill/decode {args.disagg}",
