@@ -11,6 +11,7 @@ import logging
 import multiprocessing
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
@@ -78,7 +79,8 @@ def start_cluster(
     `engine_args.tensor_parallel_size` T > 1 each worker is rank 0 of its own group of T processes
     (engine/parallel/group.py), which it starts on its own host. A worker busy in one pass of its
     step loop for over `hang_timeout_s` (None: never) is failed as hung. A failed local
-    data-parallel worker is restarted, at most `restart_limit` times per rank, with backoff.
+    worker (data-parallel, prefill or decode) is restarted, at most `restart_limit` times per
+    rank, with backoff.
     Every worker compiles grammars under `grammar_config` (the server's compile timeout, worker
     processes and cache), as the front end does."""
     check_cluster_args(data_parallel)
@@ -122,38 +124,47 @@ def start_cluster(
             raise ClusterFailed(f"a worker was lost while it started: {exc}") from exc
         raise
     workers = [WorkerHandle(rank, links[rank], readies[rank], processes.get(rank)) for rank in sorted(links)]
-    # An external worker is its operator's to restart; a disaggregated one would need its transfer
-    # groups with every peer formed again.
+    # An external worker is its operator's to restart.
     restart = None
-    if not external and disagg is None:
-        restart = LocalRestart(engine_args, Rendezvous(master_addr, port, world, 0, join_timeout_s), threads, grammar)
+    if not external:
+        restart = LocalRestart(engine_args, Rendezvous(master_addr, port, world, 0, join_timeout_s), threads, grammar,
+                               disagg)  # fmt: skip
     return ClusterEngine(shell, workers, route, hang_timeout_s, restart=restart, restart_limit=restart_limit)
 
 
 class LocalRestart:
-    """Starts a replacement for a failed local data-parallel worker: a new process under the
-    same rank that links to the front end by `pair_link` (the world formed at start takes no new
-    member), builds the same engine, and must come up alike. Called from a restart thread."""
+    """Starts a replacement for a failed local worker: a new process under the same rank that
+    links to the front end by `pair_link` (the world formed at start takes no new member), builds
+    the same engine, and must come up alike. A prefill or decode worker's replacement also forms
+    a pair link with each live peer of the other pool (`peers`, told by m.LinkPeer) before it is
+    ready. Called from a restart thread."""
 
     def __init__(self, engine_args: EngineArgs, front_rdv: Rendezvous, threads: int | None,
-                 grammar: GrammarConfig | None = None):  # fmt: skip
+                 grammar: GrammarConfig | None = None, disagg: DisaggConfig | None = None):  # fmt: skip
         self.engine_args = engine_args
         self.front_rdv = front_rdv
         self.threads = threads
         self.grammar = grammar or GrammarConfig()
+        self.disagg = disagg
         self._attempts = itertools.count(1)
 
-    def __call__(self, old: WorkerHandle) -> WorkerHandle:
+    def __call__(self, old: WorkerHandle, peers: Sequence[WorkerHandle] = ()) -> WorkerHandle:
         import torch.multiprocessing as mp
 
-        name = f"servelab-restart/{old.index}/{next(self._attempts)}"
+        attempt = next(self._attempts)
+        name = f"servelab-restart/{old.index}/{attempt}"
+        peer_links = None
+        if self.disagg is not None:
+            peer_links = {p.index: f"servelab-peer/{old.index}/{attempt}/{p.index}" for p in peers}
         rdv = dataclasses.replace(self.front_rdv, rank=old.index)
         process = mp.get_context("spawn").Process(target=run_local_worker, args=(rdv, os.getpid(), name),
                                                   name=f"servelab-worker{old.index}", daemon=True)  # fmt: skip
         process.start()
         try:
             link = pair_link(self.front_rdv, name, old.index)
-            link.send(m.WorkerConfig(self.engine_args, "mixed", self.threads, None, self.grammar))
+            link.send(m.WorkerConfig(self.engine_args, old.role, self.threads, self.disagg, self.grammar, peer_links))
+            for p in peers if peer_links is not None else ():
+                p.sends.put(m.LinkPeer(old.index, peer_links[p.index]))
             ready = _ready(old.index, link.recv(timeout_s=self.front_rdv.timeout_s))
             _check_alike({0: old.ready, old.index: ready})
         except BaseException:

@@ -106,6 +106,14 @@ def worker_main(rdv: Rendezvous, parent_pid: int | None = None, relink: str | No
         if engine.logits_processors is not None:  # ready before the first request's compile deadline runs
             grammars = GrammarWorkers(engine.logits_processors.structured, config.grammar)
             grammars.start()
+        peers = None
+        if config.disagg is not None and config.peer_links is not None:
+            # a restarted prefill or decode worker links to its peers before it is routed to
+            try:
+                peers = {peer: pair_link(rdv, name, peer) for peer, name in config.peer_links.items()}
+            except PeerLost as exc:
+                link.send(m.WorkerFailed(rdv.rank, m.WireError("", f"it could not link to its peers: {exc}")))
+                return 1
         link.send(m.WorkerReady(
             rank=rdv.rank, model_name=engine.model_name, scheduler_config=engine.scheduler_config,
             vocab_size=engine.vocab_size, kv_cache_dtype=_kv_dtype(engine),
@@ -117,7 +125,7 @@ def worker_main(rdv: Rendezvous, parent_pid: int | None = None, relink: str | No
         if config.disagg is not None:  # a prefill or decode worker: its transfer groups, then its loop
             from servelab.cluster.disagg_worker import disagg_loop
 
-            return disagg_loop(engine, link, config, rdv.rank, grammars).run()
+            return disagg_loop(engine, link, config, rdv, grammars, peers).run()
         return WorkerLoop(engine, link, grammars).run()
     except PeerLost as exc:
         logger.error("servelab worker %d: the front end is gone (%s); exiting", rdv.rank, exc)

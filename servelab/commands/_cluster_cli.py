@@ -48,7 +48,8 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                         "requests fail, /health says degraded, the router skips it (a local one is killed); "
                         f"keep it well above the slowest prefill chunk (0: never) (default {DEFAULT_HANG_TIMEOUT})")  # fmt: skip
     g.add_argument("--worker-restart-limit", type=int, default=DEFAULT_RESTART_LIMIT, metavar="N",
-                   help="a failed or hung local data-parallel worker is restarted, after 1 s, then 2 s, 4 s ... up "
+                   help="a failed or hung local worker (data-parallel, prefill or decode) is restarted, after 1 s, "
+                        "then 2 s, 4 s ... up "
                         f"to 60 s, at most N times per rank (0: never) (default {DEFAULT_RESTART_LIMIT}); its "
                         "requests fail either way")  # fmt: skip
 
@@ -97,11 +98,10 @@ def check_cluster_flags(args: argparse.Namespace) -> None:
     hang_timeout_s(args)
     if args.worker_restart_limit < 0:
         raise InvalidArgument(f"--worker-restart-limit: must be >= 0 (0: never restart), got {args.worker_restart_limit}")
-    restarts_local_workers = args.data_parallel > 1 and not args.external_workers
+    restarts_local_workers = (args.data_parallel > 1 or args.disagg is not None) and not args.external_workers
     if args.worker_restart_limit != DEFAULT_RESTART_LIMIT and not restarts_local_workers:
-        raise InvalidArgument("--worker-restart-limit: only with --data-parallel N > 1 and local workers (a "
-                              "disaggregated pair's KV links cannot be re-formed; external workers belong to their "
-                              "host's supervisor)")  # fmt: skip
+        raise InvalidArgument("--worker-restart-limit: only with local workers, --data-parallel N > 1 or --disagg "
+                              "P:D (external workers belong to their host's supervisor)")  # fmt: skip
     if args.worker_hang_timeout != DEFAULT_HANG_TIMEOUT and not uses_cluster(args):
         raise InvalidArgument("--worker-hang-timeout: only with --data-parallel N > 1, --external-workers or --disagg "
                               "P:D (one engine has no worker to watch)")  # fmt: skip

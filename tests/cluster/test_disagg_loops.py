@@ -21,6 +21,7 @@ class FakeLink:
     def __init__(self, peer: int):
         self.peer = peer
         self.group = None
+        self.group_peer = None
         self.sent: list = []
 
     def send(self, message, timeout_s: float = 30.0) -> None:
