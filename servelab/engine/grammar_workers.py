@@ -25,9 +25,11 @@ from typing import Any
 
 from servelab.core.structured_output import StructuredOutputSpec
 from servelab.engine.structured_output import DEFAULT_CACHE_BYTES, StructuredOutputBackend, compile_spec
-from servelab.errors import InvalidArgument
+from servelab.errors import CompilerUnavailable, InvalidArgument
 
 logger = logging.getLogger("servelab.server")
+
+WORKER_START_TIMEOUT_S = 120.0  # ~2 s idle; tens of seconds on a loaded host
 
 # (xgrammar GrammarCompiler, spec) -> CompiledGrammar; module-level, so a spawned worker can import it.
 CompileFn = Callable[[Any, StructuredOutputSpec], Any]
@@ -70,7 +72,12 @@ class _Worker:
                                    name="servelab-grammar", daemon=True)  # fmt: skip
         self.process.start()
         child.close()
-        self.conn.recv()  # "ready": xgrammar imported, the vocabulary loaded (EOFError if it died)
+        # "ready": xgrammar imported, the vocabulary loaded (EOFError if it died); a start that
+        # hangs must not hold the server's start-up, or a compile's thread, for ever
+        if not self.conn.poll(WORKER_START_TIMEOUT_S):
+            self.close()
+            raise TimeoutError(f"a grammar worker did not start within {WORKER_START_TIMEOUT_S:g} s")
+        self.conn.recv()
 
     def close(self) -> None:
         self.process.kill()
@@ -259,6 +266,9 @@ class GrammarWorkers:
         job.start_waiting()
         try:
             worker = _Worker(self._info_json(), self._compile_fn)
+        except (OSError, EOFError, TimeoutError) as exc:  # not the constraint's doing, nor its timeout
+            raise CompilerUnavailable(f"the grammar compiler could not start ({type(exc).__name__}: {exc}); "
+                                      "retry later") from exc  # fmt: skip
         finally:
             job.stop_waiting()
         with self._lock:

@@ -208,6 +208,24 @@ def test_a_compile_is_not_charged_the_start_of_its_worker_process(fake_engine, m
     assert grammars.num_killed == 1
 
 
+def test_a_compiler_that_cannot_start_is_a_503_not_a_timeout(fake_engine, monkeypatch):
+    from servelab.engine import grammar_workers
+    from servelab.errors import CompilerUnavailable
+
+    def no_start(self, *args):
+        raise TimeoutError("a grammar worker did not start within 120 s")
+
+    monkeypatch.setattr(grammar_workers._Worker, "__init__", no_start)
+    grammars = grammar_workers.GrammarWorkers(engine_with_grammars(fake_engine).logits_processors.structured,
+                                              GrammarConfig(compile_timeout_s=30, num_workers=1))  # fmt: skip
+    try:
+        with pytest.raises(CompilerUnavailable, match="the grammar compiler could not start") as refused:
+            asyncio.run(grammars.compile(StructuredOutputSpec("regex", "[a-z]+")))
+    finally:
+        grammars.shutdown()
+    assert refused.value.http_status == 503
+
+
 def test_the_grammar_cache_is_bounded_in_bytes():
     cache = GrammarCache(capacity_bytes=10_000)
     sizes = [3_000, 4_000, 2_500, 5_000, 1_000, 9_000, 20_000]
