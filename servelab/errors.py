@@ -47,5 +47,12 @@ class QueueFull(ServelabError):
     error_type = "server_overloaded"
 
 
+class CompilerUnavailable(ServelabError):
+    """The grammar compiler's worker process could not start: the client may retry."""
+
+    http_status = 503
+    error_type = "server_overloaded"
+
+
 class DoesNotFit(ServelabError):
     """A configuration whose weights or KV cache do not fit in device memory."""

@@ -188,21 +188,21 @@ def join(rdv: Rendezvous, pairs: Iterable[tuple[int, int]] | None = None) -> dic
 
 
 def pair_link(rdv: Rendezvous, name: str, peer: int) -> Link:
-    """A link between rank 0 and a process that comes after the world formed (a restarted
-    worker): the world cannot take a new member, so the two form a two-rank gloo group of their
-    own through the rendezvous store, under `name` (unique per pair and attempt). Both sides
-    call it, each with the other's rank; it returns once both have, or raises PeerLost after
-    `rdv.timeout_s`."""
+    """A link between two processes one of which came after the world formed (a restarted
+    worker, linking to the front end or to its disaggregated peers): the world cannot take a new
+    member, so the two form a two-rank gloo group of their own through the rendezvous store,
+    under `name` (unique per pair and attempt). Both sides call it, each with the other's rank;
+    it returns once both have, or raises PeerLost after `rdv.timeout_s`."""
     import torch.distributed as dist
 
     timeout = timedelta(seconds=rdv.timeout_s)
     try:
         store = dist.TCPStore(rdv.master_addr, rdv.master_port, is_master=False, timeout=timeout)
-        group = dist.ProcessGroupGloo(dist.PrefixStore(name, store), 0 if rdv.rank == 0 else 1, 2,
-                                      timedelta(seconds=PEER_TIMEOUT_S))  # fmt: skip
+        me = 0 if rdv.rank < peer else 1
+        group = dist.ProcessGroupGloo(dist.PrefixStore(name, store), me, 2, timedelta(seconds=PEER_TIMEOUT_S))
     except (RuntimeError, ValueError) as exc:  # DistStoreError and kin: the peer never came
         raise PeerLost(f"rank {peer}: did not link within {rdv.timeout_s:g} s ({str(exc).splitlines()[0]})") from exc
-    return Link(peer, group, group_peer=1 if rdv.rank == 0 else 0)
+    return Link(peer, group, group_peer=1 - me)
 
 
 def leave() -> None:

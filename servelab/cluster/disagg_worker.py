@@ -32,12 +32,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from servelab.cluster import messages as m
-from servelab.cluster.channel import FIRST_DATA_TAG, Link, PeerLost
+from servelab.cluster.channel import FIRST_DATA_TAG, Link, PeerLost, Rendezvous, pair_link
 from servelab.cluster.disagg_config import DisaggConfig
 from servelab.cluster.kv_transfer import KVLayout
 from servelab.cluster.worker import WorkerLoop
 
 if TYPE_CHECKING:
+    from servelab.core.sequence import SamplingParams
+    from servelab.engine.grammar_workers import GrammarWorkers
     from servelab.engine.llm_engine import EngineOutput, LLMEngine
 
 logger = logging.getLogger("servelab.cluster")
@@ -101,6 +103,23 @@ class _Bye:
 
 
 @dataclass(slots=True)
+class _PeerBack:
+    """A restarted peer's new link, formed off the step loop (m.LinkPeer)."""
+
+    link: Link
+
+
+@dataclass(slots=True)
+class _Unprepared:
+    """An offer whose logits processors could not be prepared (e.g. its grammar did not compile
+    within the timeout): refused, so that the prefill worker ends the request."""
+
+    src: int
+    request_id: str
+    error: BaseException
+
+
+@dataclass(slots=True)
 class _Started:
     """A transfer the receiving thread started: the step loop follows it from here."""
 
@@ -127,13 +146,16 @@ class _Pending:
     arrived_s: float = field(default_factory=time.perf_counter)
 
 
-def disagg_loop(engine: LLMEngine, link: Link, config: m.WorkerConfig, rank: int) -> WorkerLoop:
-    """The loop of a prefill or decode worker, its transfer groups formed."""
+def disagg_loop(engine: LLMEngine, link: Link, config: m.WorkerConfig, rdv: Rendezvous,
+                grammars: GrammarWorkers | None = None, peers: dict[int, Link] | None = None) -> WorkerLoop:  # fmt: skip
+    """The loop of a prefill or decode worker, over the world's transfer groups (formed here)
+    or, for a restarted worker, the pair links it formed with its peers."""
     disagg: DisaggConfig = config.disagg
-    groups = disagg.join_transfer_groups()
-    peers = {peer: Link(peer, group) for peer, group in groups.items()}
+    if peers is None:
+        groups = disagg.join_transfer_groups()
+        peers = {peer: Link(peer, group) for peer, group in groups.items()}
     cls = PrefillLoop if config.role == "prefill" else DecodeLoop
-    return cls(engine, link, disagg, peers)
+    return cls(engine, link, disagg, peers, grammars, rdv)
 
 
 def _transfer_view(engine: LLMEngine) -> Any:
@@ -150,20 +172,21 @@ def _transfer_view(engine: LLMEngine) -> Any:
 
 
 class _DisaggLoop(WorkerLoop):
-    def __init__(self, engine: LLMEngine, link: Link, disagg: DisaggConfig, peers: dict[int, Link]):
-        super().__init__(engine, link)
+    def __init__(self, engine: LLMEngine, link: Link, disagg: DisaggConfig, peers: dict[int, Link],
+                 grammars: GrammarWorkers | None = None, rdv: Rendezvous | None = None):  # fmt: skip
+        super().__init__(engine, link, grammars)
         self.disagg = disagg
-        self.peers = peers
+        self.peers = peers  # by rank; a restarted peer's link replaces its predecessor's
+        self.rdv = rdv  # where pair links to restarted peers are formed
+        self.receivers: list[threading.Thread] = []
         self.kv = _transfer_view(engine)
         self.layout = KVLayout.of(self.kv)
         self.transfers = ThreadPoolExecutor(1, thread_name_prefix="servelab-kv")  # one at a time: they share the link
         self.in_flight: dict[Future, Any] = {}
 
     def run(self) -> int:
-        receivers = [threading.Thread(target=self._receive_peer, args=(peer,), name=f"servelab-peer{peer.peer}",
-                                      daemon=True) for peer in self.peers.values()]  # fmt: skip
-        for thread in receivers:
-            thread.start()
+        for peer in list(self.peers.values()):
+            self._start_receiver(peer)
         try:
             code = super().run()
         finally:
@@ -175,13 +198,27 @@ class _DisaggLoop(WorkerLoop):
                 peer.send(_Bye(), timeout_s=2.0)
             except PeerLost:
                 pass
-        for thread in receivers:
+        for thread in self.receivers:
             thread.join(timeout=5.0)
-        if any(thread.is_alive() for thread in receivers):
+        if any(thread.is_alive() for thread in self.receivers):
             logger.warning("servelab worker: a peer did not say goodbye; exiting without leaving the groups")
             logging.shutdown()
             os._exit(code)
         return code
+
+    def _start_receiver(self, peer: Link) -> None:
+        thread = threading.Thread(target=self._receive_peer, args=(peer,), name=f"servelab-peer{peer.peer}", daemon=True)
+        self.receivers.append(thread)
+        thread.start()
+
+    def _relink(self, command: m.LinkPeer) -> None:
+        """Forms the pair link with a restarted peer (blocks until it comes), on a thread of its own."""
+        try:
+            link = pair_link(self.rdv, command.name, command.rank)
+        except PeerLost as exc:
+            logger.error("servelab worker: could not link to restarted peer rank %d (%s)", command.rank, exc)
+            return
+        self.commands.put(_PeerBack(link))
 
     def _receive_peer(self, peer: Link) -> None:
         while True:
@@ -202,6 +239,8 @@ class _DisaggLoop(WorkerLoop):
 
     def _to_peer(self, rank: int, message: Any) -> bool:
         try:
+            if rank not in self.peers:
+                raise PeerLost(f"rank {rank}: no link to it")
             self.peers[rank].send(message)
             return True
         except PeerLost as exc:
@@ -225,6 +264,13 @@ class _DisaggLoop(WorkerLoop):
     def _on_command(self, command: Any) -> None:
         if isinstance(command, _FromPeer):
             self._on_peer(command.src, command.message)
+        elif isinstance(command, m.LinkPeer):
+            threading.Thread(target=self._relink, args=(command,), name=f"servelab-relink{command.rank}",
+                             daemon=True).start()  # fmt: skip
+        elif isinstance(command, _PeerBack):
+            self.peers[command.link.peer] = command.link
+            self._start_receiver(command.link)
+            logger.info("servelab worker: linked to restarted peer rank %d", command.link.peer)
         elif isinstance(command, _PeerGone):
             logger.error("servelab worker: peer rank %d lost (%s)", command.src, command.why)
             self._on_peer_gone(command.src, command.why)
@@ -309,7 +355,7 @@ class PrefillLoop(_DisaggLoop):
         held.sending = True
         future = self._start_transfer(send_blocks, self.kv, held.blocks[message.first_block :], src, tag=message.tag,
                                       timeout_s=self.disagg.kv_timeout_s, granularity=self.disagg.granularity,
-                                      group=self.peers[src].group)  # fmt: skip
+                                      group=self.peers[src].group, group_peer=self.peers[src].group_peer)  # fmt: skip
         self.commands.put(_Started(message.request_id, future))
         return True
 
@@ -347,15 +393,30 @@ class DecodeLoop(_DisaggLoop):
         self.tags = itertools.count(FIRST_DATA_TAG)
         self.transfer_records: dict[str, m.KVTransferRecord] = {}  # until the first output carries it
 
-    def _prepared(self, item: Any) -> Any:
-        """An offered request's grammar is compiled here too (it does not cross the link), off
-        the step loop; a failure is left for start_prefilled to meet and report."""
+    # An offered request's grammar is compiled here too (it does not cross the link), by the
+    # preparer, off the step loop; one that fails is refused at once.
+    def _params_to_prepare(self, item: Any) -> list[SamplingParams]:
         if isinstance(item, _FromPeer) and isinstance(item.message, Offer) and item.message.params.edits_logits:
-            try:
-                self.engine.prepare_logits_processors(item.message.params)
-            except Exception:
-                logger.debug("preparing %s's logits processors failed", item.message.request_id, exc_info=True)
-        return super()._prepared(item)
+            return [item.message.params]
+        return super()._params_to_prepare(item)
+
+    def _request_ids(self, item: Any) -> list[str]:
+        if isinstance(item, _FromPeer) and isinstance(item.message, Offer):
+            return [item.message.request_id]
+        return super()._request_ids(item)
+
+    def _unprepared(self, item: Any, error: BaseException) -> Any:
+        if isinstance(item, _FromPeer):
+            return _Unprepared(item.src, item.message.request_id, error)
+        return super()._unprepared(item, error)
+
+    def _on_command(self, command: Any) -> None:
+        if isinstance(command, _Unprepared):
+            self.aborted_early.pop(command.request_id, None)
+            message = getattr(command.error, "message", None) or str(command.error)
+            self._to_peer(command.src, Refuse(command.request_id, f"decode worker could not prepare it: {message}"))
+        else:
+            super()._on_command(command)
 
     def _on_peer(self, src: int, message: Any) -> None:
         if not isinstance(message, Offer):
@@ -408,7 +469,8 @@ class DecodeLoop(_DisaggLoop):
             queue_s = time.perf_counter() - pending.arrived_s
             future = self._start_transfer(recv_blocks, self.kv, seq.block_table[first_block:], pending.src, tag=tag,
                                           timeout_s=self.disagg.kv_timeout_s, granularity=self.disagg.granularity,
-                                          group=self.peers[pending.src].group)  # fmt: skip
+                                          group=self.peers[pending.src].group,
+                                          group_peer=self.peers[pending.src].group_peer)  # fmt: skip
             self.in_flight[future] = (pending, seq, queue_s)
             self.stats = self.engine.stats()
             self._to_peer(pending.src, Go(offer.request_id, tag, first_block))  # if lost, the receive fails by itself

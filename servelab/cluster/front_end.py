@@ -11,8 +11,10 @@ or it said nothing for PEER_TIMEOUT_S) fails only its own requests; the router s
 it, and `health()` reports the cluster degraded. So does a hung one: its heartbeats say how long
 its step loop has been in one pass, and past `hang_timeout_s` the front end gives up on it.
 A failed worker's process is killed if it lingers and always reaped; with a `restart` (local
-data-parallel workers: launch.LocalRestart) a replacement is started under the same rank after
-RESTART_BACKOFF_S, doubling per attempt, at most `restart_limit` times per rank.
+workers: launch.LocalRestart) a replacement is started under the same rank after
+RESTART_BACKOFF_S, doubling per attempt, at most `restart_limit` times per rank. A prefill or
+decode worker's replacement links to the live workers of the other pool (its `peers`) before it
+serves; restarts run one at a time, so two replaced peers link to each other.
 """
 
 from __future__ import annotations
@@ -96,11 +98,13 @@ class ClusterEngine:
 
     def __init__(self, shell: LLMEngine, workers: list[WorkerHandle], router: Router,
                  hang_timeout_s: float | None = HANG_TIMEOUT_S,
-                 restart: Callable[[WorkerHandle], WorkerHandle] | None = None,
+                 restart: Callable[[WorkerHandle, list[WorkerHandle]], WorkerHandle] | None = None,
                  restart_limit: int = DEFAULT_RESTART_LIMIT):  # fmt: skip
         self.engine = shell  # tokenizer, limits and names; it runs no model
         self.workers = workers
-        self.restart = restart  # a failed worker -> its running replacement (blocking); None: none
+        self.restart = restart  # (a failed worker, its peers) -> its running replacement (blocking); None: none
+        self._restarting = threading.Lock()  # one restart at a time (restart threads only)
+        self._replaced: dict[int, WorkerHandle] = {}  # rank -> a replacement not yet in `workers`
         self.restart_limit = restart_limit
         self.retired: list[WorkerHandle] = []  # replaced workers: their counters still count
         self._stopping = threading.Event()
@@ -479,12 +483,23 @@ class ClusterEngine:
         if self._stopping.wait(delay_s):
             return
         logger.info("servelab: restarting worker %d (attempt %d of %d)", w.index, w.restarts + 1, self.restart_limit)
-        try:
-            replacement = self.restart(w)
-        except Exception as exc:  # noqa: BLE001 - any failure to start is reported and retried
-            self._post(self._restart_failed, w, f"{type(exc).__name__}: {exc}")
-            return
+        with self._restarting:
+            try:
+                replacement = self.restart(w, self._peers_of(w))
+            except Exception as exc:  # noqa: BLE001 - any failure to start is reported and retried
+                self._post(self._restart_failed, w, f"{type(exc).__name__}: {exc}")
+                return
+            self._replaced[w.index] = replacement
         self._post(self._rejoin, w, replacement)
+
+    def _peers_of(self, w: WorkerHandle) -> list[WorkerHandle]:
+        """The live workers a replacement of `w` must link to: the other pool's, for a prefill or
+        decode worker (replacements already started included); none for a data-parallel one."""
+        if w.role == "mixed":
+            return []
+        other = "decode" if w.role == "prefill" else "prefill"
+        candidates = [self._replaced.get(x.index, x) for x in list(self.workers) if x.role == other]
+        return [x for x in candidates if x.alive]
 
     def _restart_failed(self, w: WorkerHandle, why: str) -> None:
         w.restarts += 1
@@ -498,11 +513,13 @@ class ClusterEngine:
 
     def _rejoin(self, old: WorkerHandle, new: WorkerHandle) -> None:
         if self.stopped:  # the server stopped meanwhile: the replacement goes too
+            self._replaced.pop(new.index, None)
             threading.Thread(target=self._stop_replacement, args=(new,), daemon=True).start()
             return
         new.restarts = old.restarts + 1
         old.restarting = False
         self.workers[self.workers.index(old)] = new
+        self._replaced.pop(new.index, None)  # after it is in `workers`: _peers_of always sees it
         self.retired.append(old)
         self._start_links(new)
         logger.info("servelab: worker %d is back (pid %d); %d of %d worker(s) serve", new.index, new.ready.pid,

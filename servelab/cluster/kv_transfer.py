@@ -67,6 +67,18 @@ def pair_groups(prefill_ranks: list[int], decode_ranks: list[int], timeout_s: fl
     return groups
 
 
+def _isend(tensor: torch.Tensor, dst: int, tag: int, group: Any, group_peer: int | None) -> Any:
+    if group_peer is not None:  # torch.distributed's functions only know the world's groups
+        return group.send([tensor], group_peer, tag)
+    return dist.isend(tensor, dst, group=group, tag=tag)
+
+
+def _irecv(tensor: torch.Tensor, src: int, tag: int, group: Any, group_peer: int | None) -> Any:
+    if group_peer is not None:
+        return group.recv([tensor], group_peer, tag)
+    return dist.irecv(tensor, src, group=group, tag=tag)
+
+
 def _check_granularity(granularity: str) -> None:
     if granularity not in GRANULARITIES:
         raise InvalidArgument(
@@ -89,10 +101,11 @@ def _wait_all(works: list[tuple[Any, torch.Tensor]], deadline: float, on_arrival
 
 def send_blocks(
     kv: PagedKVCache | TensorParallelKV, block_ids: list[int], dst: int, *, tag: int, timeout_s: float = DEFAULT_KV_TRANSFER_TIMEOUT_S,
-    granularity: str = GRANULARITIES[0], group: Any = None,
+    granularity: str = GRANULARITIES[0], group: Any = None, group_peer: int | None = None,
 ) -> int:  # fmt: skip
     """Sends the KV of `block_ids` to rank `dst`, whose recv_blocks waits with the same tag and
-    granularity. Returns the bytes sent; raises KVTransferError past the deadline."""
+    granularity. Returns the bytes sent; raises KVTransferError past the deadline. `group_peer`:
+    `dst`'s rank in `group` when the group was formed outside the world (channel.pair_link)."""
     _check_granularity(granularity)
     if not block_ids:
         return 0
@@ -105,7 +118,7 @@ def send_blocks(
         pieces = (kv.export_block(block) for block in block_ids)
     try:
         for piece in pieces:
-            works.append((dist.isend(piece, dst, group=group, tag=tag), piece))
+            works.append((_isend(piece, dst, tag, group, group_peer), piece))
     except Exception as exc:
         raise KVTransferError(f"KV send to rank {dst} could not start ({exc})") from exc
     _wait_all(works, deadline, None, f"KV send of {len(block_ids)} blocks to rank {dst}")
@@ -114,7 +127,7 @@ def send_blocks(
 
 def recv_blocks(
     kv: PagedKVCache | TensorParallelKV, block_ids: list[int], src: int, *, tag: int, timeout_s: float = DEFAULT_KV_TRANSFER_TIMEOUT_S,
-    granularity: str = GRANULARITIES[0], group: Any = None,
+    granularity: str = GRANULARITIES[0], group: Any = None, group_peer: int | None = None,
 ) -> int:  # fmt: skip
     """Receives send_blocks' KV into this cache's `block_ids` (reserved by the caller). Returns
     the bytes received; raises KVTransferError past the deadline, with some blocks perhaps
@@ -139,7 +152,7 @@ def recv_blocks(
     try:
         for shape in shapes:
             piece = torch.empty(shape, dtype=kv.dtype, device=kv.device)
-            works.append((dist.irecv(piece, src, group=group, tag=tag), piece))
+            works.append((_irecv(piece, src, tag, group, group_peer), piece))
     except Exception as exc:
         raise KVTransferError(f"KV receive from rank {src} could not start ({exc})") from exc
     _wait_all(works, deadline, write, f"KV receive of {len(block_ids)} blocks from rank {src}")

@@ -8,14 +8,17 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import logging
+import multiprocessing
 import os
 import sys
+from collections.abc import Sequence
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from servelab.cluster import messages as m
 from servelab.cluster.channel import HANG_TIMEOUT_S, JOIN_TIMEOUT_S, PeerLost, Rendezvous, join, leave, pair_link
 from servelab.cluster.front_end import DEFAULT_RESTART_LIMIT, ClusterEngine, WorkerHandle
+from servelab.engine.grammar_workers import GrammarConfig
 from servelab.errors import InvalidArgument, ServelabError
 from servelab.logs import log_to_stderr
 from servelab.core.router import Router
@@ -67,6 +70,7 @@ def start_cluster(
     disagg: DisaggConfig | None = None,
     hang_timeout_s: float | None = HANG_TIMEOUT_S,
     restart_limit: int = DEFAULT_RESTART_LIMIT,
+    grammar_config: GrammarConfig | None = None,
 ) -> ClusterEngine:
     """N workers and this process as rank 0. Local workers are spawned here and share the host's
     cores; `external` ones are started elsewhere (`servelab worker`) and must join within
@@ -75,8 +79,12 @@ def start_cluster(
     `engine_args.tensor_parallel_size` T > 1 each worker is rank 0 of its own group of T processes
     (engine/parallel/group.py), which it starts on its own host. A worker busy in one pass of its
     step loop for over `hang_timeout_s` (None: never) is failed as hung. A failed local
-    data-parallel worker is restarted, at most `restart_limit` times per rank, with backoff."""
+    worker (data-parallel, prefill or decode) is restarted, at most `restart_limit` times per
+    rank, with backoff.
+    Every worker compiles grammars under `grammar_config` (the server's compile timeout, worker
+    processes and cache), as the front end does."""
     check_cluster_args(data_parallel)
+    grammar = grammar_config or GrammarConfig()
     route = Router(router)
     if external and master_port is None:
         raise InvalidArgument("--external-workers needs --master-port: the workers must know where to join",
@@ -98,7 +106,7 @@ def start_cluster(
         threads = None if external else max(1, (os.cpu_count() or 1) // data_parallel)
         for link in links.values():
             role = "mixed" if disagg is None else disagg.role_of(link.peer)
-            link.send(m.WorkerConfig(engine_args, role, threads, disagg))
+            link.send(m.WorkerConfig(engine_args, role, threads, disagg, grammar))
         readies = {rank: _ready(rank, link.recv(timeout_s=join_timeout_s)) for rank, link in links.items()}
         first = _check_alike(readies)
         if disagg is not None:
@@ -116,36 +124,47 @@ def start_cluster(
             raise ClusterFailed(f"a worker was lost while it started: {exc}") from exc
         raise
     workers = [WorkerHandle(rank, links[rank], readies[rank], processes.get(rank)) for rank in sorted(links)]
-    # An external worker is its operator's to restart; a disaggregated one would need its transfer
-    # groups with every peer formed again.
+    # An external worker is its operator's to restart.
     restart = None
-    if not external and disagg is None:
-        restart = LocalRestart(engine_args, Rendezvous(master_addr, port, world, 0, join_timeout_s), threads)
+    if not external:
+        restart = LocalRestart(engine_args, Rendezvous(master_addr, port, world, 0, join_timeout_s), threads, grammar,
+                               disagg)  # fmt: skip
     return ClusterEngine(shell, workers, route, hang_timeout_s, restart=restart, restart_limit=restart_limit)
 
 
 class LocalRestart:
-    """Starts a replacement for a failed local data-parallel worker: a new process under the
-    same rank that links to the front end by `pair_link` (the world formed at start takes no new
-    member), builds the same engine, and must come up alike. Called from a restart thread."""
+    """Starts a replacement for a failed local worker: a new process under the same rank that
+    links to the front end by `pair_link` (the world formed at start takes no new member), builds
+    the same engine, and must come up alike. A prefill or decode worker's replacement also forms
+    a pair link with each live peer of the other pool (`peers`, told by m.LinkPeer) before it is
+    ready. Called from a restart thread."""
 
-    def __init__(self, engine_args: EngineArgs, front_rdv: Rendezvous, threads: int | None):
+    def __init__(self, engine_args: EngineArgs, front_rdv: Rendezvous, threads: int | None,
+                 grammar: GrammarConfig | None = None, disagg: DisaggConfig | None = None):  # fmt: skip
         self.engine_args = engine_args
         self.front_rdv = front_rdv
         self.threads = threads
+        self.grammar = grammar or GrammarConfig()
+        self.disagg = disagg
         self._attempts = itertools.count(1)
 
-    def __call__(self, old: WorkerHandle) -> WorkerHandle:
+    def __call__(self, old: WorkerHandle, peers: Sequence[WorkerHandle] = ()) -> WorkerHandle:
         import torch.multiprocessing as mp
 
-        name = f"servelab-restart/{old.index}/{next(self._attempts)}"
+        attempt = next(self._attempts)
+        name = f"servelab-restart/{old.index}/{attempt}"
+        peer_links = None
+        if self.disagg is not None:
+            peer_links = {p.index: f"servelab-peer/{old.index}/{attempt}/{p.index}" for p in peers}
         rdv = dataclasses.replace(self.front_rdv, rank=old.index)
         process = mp.get_context("spawn").Process(target=run_local_worker, args=(rdv, os.getpid(), name),
                                                   name=f"servelab-worker{old.index}", daemon=True)  # fmt: skip
         process.start()
         try:
             link = pair_link(self.front_rdv, name, old.index)
-            link.send(m.WorkerConfig(self.engine_args, "mixed", self.threads, None))
+            link.send(m.WorkerConfig(self.engine_args, old.role, self.threads, self.disagg, self.grammar, peer_links))
+            for p in peers if peer_links is not None else ():
+                p.sends.put(m.LinkPeer(old.index, peer_links[p.index]))
             ready = _ready(old.index, link.recv(timeout_s=self.front_rdv.timeout_s))
             _check_alike({0: old.ready, old.index: ready})
         except BaseException:
@@ -179,6 +198,9 @@ def run_local_worker(rdv: Rendezvous, parent_pid: int, relink: str | None = None
     # which must keep serving meanwhile (they also exit if the front end dies)
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
+    # Started daemonic (it must not outlive the front end), it could not start its own children
+    # (grammar workers, tensor-parallel ranks); those exit by themselves when it dies.
+    multiprocessing.current_process().daemon = False
     if not logging.getLogger("servelab").handlers:
         log_to_stderr(f"%(levelname)-9s [worker{rdv.rank}] %(message)s")
     sys.exit(worker_main(rdv, parent_pid, relink))

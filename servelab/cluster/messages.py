@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from servelab.engine.grammar_workers import GrammarConfig
 from servelab.errors import ServelabError
 
 if TYPE_CHECKING:
@@ -29,6 +30,10 @@ class WorkerConfig:
     role: str = "mixed"
     threads: int | None = None  # torch threads; None: torch's choice (a host of its own)
     disagg: Any = None  # prefill and decode workers: their pools and transfer settings (disagg_worker.DisaggConfig)
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)  # the front end's --structured-output-* flags
+    # a restarted prefill or decode worker: the name of its pair link (channel.pair_link) to each
+    # live peer of the other pool, by the peer's rank (None: it joins the world's transfer groups)
+    peer_links: dict[int, str] | None = None
 
 
 @dataclass(slots=True)
@@ -57,6 +62,15 @@ class Abort:
 @dataclass(slots=True)
 class Stop:
     """Abort everything and exit."""
+
+
+@dataclass(slots=True)
+class LinkPeer:
+    """To a prefill or decode worker: the other pool's worker `rank` was restarted; form a pair
+    link (channel.pair_link) with its replacement under `name`."""
+
+    rank: int
+    name: str
 
 
 @dataclass(slots=True)

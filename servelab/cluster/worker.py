@@ -3,14 +3,15 @@ describes, then step it while there is work, fed by its link to the front end.
 
 Four threads: the step loop (the only one that steps the engine), a receiver that takes the
 link's messages, a preparer that turns them into commands, in order, after doing a new
-request's admission-time work (its grammar compiled, its bad words tokenized: the compiled
-grammar does not cross the link, so the worker compiles it again, but never on the step loop,
-which a slow compile would stall for every other request), and a sender, so that the step loop
-never waits on the link:
-it sends what the loop queues, and the latest stats whenever nothing else went for
-HEARTBEAT_S, so that the front end can tell a busy worker from a dead one even during a long
-step. A worker whose front end is gone (link closed or silent) aborts its
-requests and exits; one started by a local front end also exits when that process does.
+request's admission-time work (its bad words tokenized, its grammar compiled: the compiled
+grammar does not cross the link, so the worker compiles it again, in its own grammar worker
+processes under the server's compile timeout, as the single-engine server does; a request
+waiting for its grammar lets later arrivals pass, and an abort kills its compile), and a
+sender, so that the step loop never waits on the link: it sends what the loop queues, and the
+latest stats whenever nothing else went for HEARTBEAT_S, so that the front end can tell a busy
+worker from a dead one even during a long step. A worker whose front end is gone (link closed
+or silent) aborts its requests and exits; one started by a local front end also exits when
+that process does.
 """
 
 from __future__ import annotations
@@ -23,14 +24,19 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from servelab.cluster import messages as m
 from servelab.cluster.channel import HEARTBEAT_S, Link, PeerLost, Rendezvous, join, leave, pair_link
+from servelab.engine.grammar_workers import GrammarConfig, GrammarWorkers
 from servelab.errors import ServelabError
 from servelab.server.async_engine import take_commands
 
 if TYPE_CHECKING:
+    from servelab.core.sequence import SamplingParams
+    from servelab.core.structured_output import StructuredOutputSpec
     from servelab.engine.llm_engine import EngineOutput, LLMEngine
 
 logger = logging.getLogger("servelab.cluster")
@@ -46,6 +52,18 @@ class _Unadmittable:
 
     def __init__(self, batch: int, error: BaseException):
         self.batch, self.error = batch, error
+
+
+@dataclass(slots=True)
+class _Compiled:
+    """Back to the preparer: the compile an arrival waited for is over (done, failed or cancelled)."""
+
+    arrival: Any
+    future: Future
+
+
+def _aborted_while_compiling() -> ServelabError:
+    return ServelabError("the request was aborted while its grammar compiled")
 
 
 def _exit_when_orphaned(parent: int) -> None:
@@ -84,6 +102,18 @@ def worker_main(rdv: Rendezvous, parent_pid: int | None = None, relink: str | No
         engine = _build(config, rdv.rank, link)
         if engine is None:
             return 1
+        grammars = None
+        if engine.logits_processors is not None:  # ready before the first request's compile deadline runs
+            grammars = GrammarWorkers(engine.logits_processors.structured, config.grammar)
+            grammars.start()
+        peers = None
+        if config.disagg is not None and config.peer_links is not None:
+            # a restarted prefill or decode worker links to its peers before it is routed to
+            try:
+                peers = {peer: pair_link(rdv, name, peer) for peer, name in config.peer_links.items()}
+            except PeerLost as exc:
+                link.send(m.WorkerFailed(rdv.rank, m.WireError("", f"it could not link to its peers: {exc}")))
+                return 1
         link.send(m.WorkerReady(
             rank=rdv.rank, model_name=engine.model_name, scheduler_config=engine.scheduler_config,
             vocab_size=engine.vocab_size, kv_cache_dtype=_kv_dtype(engine),
@@ -95,8 +125,8 @@ def worker_main(rdv: Rendezvous, parent_pid: int | None = None, relink: str | No
         if config.disagg is not None:  # a prefill or decode worker: its transfer groups, then its loop
             from servelab.cluster.disagg_worker import disagg_loop
 
-            return disagg_loop(engine, link, config, rdv.rank).run()
-        return WorkerLoop(engine, link).run()
+            return disagg_loop(engine, link, config, rdv, grammars, peers).run()
+        return WorkerLoop(engine, link, grammars).run()
     except PeerLost as exc:
         logger.error("servelab worker %d: the front end is gone (%s); exiting", rdv.rank, exc)
         return 1
@@ -173,11 +203,15 @@ def _kv_dtype(engine: LLMEngine) -> str:
 
 
 class WorkerLoop:
-    """The engine's step loop, commanded over a link."""
+    """The engine's step loop, commanded over a link. Grammars compile in `grammars` (the
+    default config's, started on the first compile, unless given)."""
 
-    def __init__(self, engine: LLMEngine, link: Link):
+    def __init__(self, engine: LLMEngine, link: Link, grammars: GrammarWorkers | None = None):
         self.engine = engine
         self.link = link
+        if grammars is None and engine.logits_processors is not None:
+            grammars = GrammarWorkers(engine.logits_processors.structured, GrammarConfig())
+        self.grammars = grammars
         self.commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.live: set[str] = set()
         self.arrival_s: dict[str, float] = {}  # request id -> its arrival on this worker's clock
@@ -201,6 +235,8 @@ class WorkerLoop:
                 self._abort_one(rid)
             self.outbox.put(None)
             sender.join(timeout=HEARTBEAT_S)
+            if self.grammars is not None:
+                self.grammars.shutdown()
             self.engine.close()
 
     # ---- threads besides the step loop --------------------------------------------------------
@@ -215,21 +251,81 @@ class WorkerLoop:
                 return
 
     def _prepare_arrivals(self) -> None:
+        """Arrivals become commands in order, except one whose grammar is not compiled yet: it
+        waits for its compile (in the grammar workers, bounded by their timeout) while later
+        arrivals go on, and an Abort of its requests meanwhile kills the compile."""
+        compiling: dict[str, Future] = {}  # request id -> the compile its arrival waits for
+        aborted: set[str] = set()  # of those, aborted: a compile done just before is not admitted either
         while (item := self.arrivals.get()) is not None:
-            self.commands.put(self._prepared(item))
+            if isinstance(item, _Compiled):
+                rids = self._request_ids(item.arrival)
+                for rid in rids:
+                    compiling.pop(rid, None)
+                if aborted.intersection(rids):
+                    aborted.difference_update(rids)
+                    self.commands.put(self._unprepared(item.arrival, _aborted_while_compiling()))
+                else:
+                    self.commands.put(self._after_compile(item))
+                continue
+            if isinstance(item, m.Abort):
+                for rid in item.request_ids:
+                    if rid in compiling:
+                        compiling[rid].cancel()
+                        aborted.add(rid)
+            spec = self._grammar_to_compile(item)
+            if spec is None:
+                self.commands.put(self._prepared(item))
+                continue
+            cached = self.grammars.backend.cache.get(spec)
+            if cached is not None:
+                self.commands.put(self._prepared(item, cached))
+                continue
+            future = self.grammars.submit(spec)
+            for rid in self._request_ids(item):
+                compiling[rid] = future
+            future.add_done_callback(lambda f, arrival=item: self.arrivals.put(_Compiled(arrival, f)))
 
-    def _prepared(self, item: Any) -> Any:
-        """The command for an arrival: AddRequests with their logits processors prepared (the
-        batch's choices share the work, as in the server), or _Unadmittable."""
-        if isinstance(item, m.AddRequests) and item.requests and item.requests[0].params.edits_logits:
-            first, *siblings = (r.params for r in item.requests)
+    def _grammar_to_compile(self, item: Any) -> StructuredOutputSpec | None:
+        params = self._params_to_prepare(item)
+        if not params or self.grammars is None:
+            return None
+        return params[0].structured_output
+
+    def _after_compile(self, done: _Compiled) -> Any:
+        future = done.future
+        if future.cancelled():
+            return self._unprepared(done.arrival, _aborted_while_compiling())
+        if future.exception() is not None:
+            return self._unprepared(done.arrival, future.exception())
+        return self._prepared(done.arrival, future.result())
+
+    def _prepared(self, item: Any, grammar: Any = None) -> Any:
+        """The command for an arrival: itself with its logits processors prepared (a batch's
+        choices share the work, as in the server), or what `_unprepared` makes of it."""
+        params = self._params_to_prepare(item)
+        if params:
             try:
-                self.engine.prepare_logits_processors(first, *siblings)
+                self.engine.prepare_logits_processors(*params, grammar=grammar)
             except Exception as exc:
                 if not isinstance(exc, ServelabError):
                     logger.exception("preparing a request's logits processors failed")
-                return _Unadmittable(item.batch, exc)
+                return self._unprepared(item, exc)
         return item
+
+    # hooks for the disaggregated roles (a decode worker prepares offered requests too)
+    def _params_to_prepare(self, item: Any) -> list[SamplingParams]:
+        """The params whose logits processors an arrival needs prepared, the first's grammar
+        for all (none: nothing to prepare)."""
+        if isinstance(item, m.AddRequests) and item.requests and item.requests[0].params.edits_logits:
+            return [r.params for r in item.requests]
+        return []
+
+    def _request_ids(self, item: Any) -> list[str]:
+        return [r.request_id for r in item.requests] if isinstance(item, m.AddRequests) else []
+
+    def _unprepared(self, item: Any, error: BaseException) -> Any:
+        """The command for an arrival that could not be prepared."""
+        return _Unadmittable(item.batch, error)
 
     def _sender(self) -> None:
         while True:

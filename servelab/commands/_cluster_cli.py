@@ -14,6 +14,7 @@ from servelab.units import parse_duration_s
 
 if TYPE_CHECKING:
     from servelab.cluster.front_end import ClusterEngine
+    from servelab.engine.grammar_workers import GrammarConfig
     from servelab.engine.llm_engine import EngineArgs
 
 DEFAULT_ROUTER = "least-outstanding"
@@ -47,7 +48,8 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                         "requests fail, /health says degraded, the router skips it (a local one is killed); "
                         f"keep it well above the slowest prefill chunk (0: never) (default {DEFAULT_HANG_TIMEOUT})")  # fmt: skip
     g.add_argument("--worker-restart-limit", type=int, default=DEFAULT_RESTART_LIMIT, metavar="N",
-                   help="a failed or hung local data-parallel worker is restarted, after 1 s, then 2 s, 4 s ... up "
+                   help="a failed or hung local worker (data-parallel, prefill or decode) is restarted, after 1 s, "
+                        "then 2 s, 4 s ... up "
                         f"to 60 s, at most N times per rank (0: never) (default {DEFAULT_RESTART_LIMIT}); its "
                         "requests fail either way")  # fmt: skip
 
@@ -96,11 +98,10 @@ def check_cluster_flags(args: argparse.Namespace) -> None:
     hang_timeout_s(args)
     if args.worker_restart_limit < 0:
         raise InvalidArgument(f"--worker-restart-limit: must be >= 0 (0: never restart), got {args.worker_restart_limit}")
-    restarts_local_workers = args.data_parallel > 1 and not args.external_workers
+    restarts_local_workers = (args.data_parallel > 1 or args.disagg is not None) and not args.external_workers
     if args.worker_restart_limit != DEFAULT_RESTART_LIMIT and not restarts_local_workers:
-        raise InvalidArgument("--worker-restart-limit: only with --data-parallel N > 1 and local workers (a "
-                              "disaggregated pair's KV links cannot be re-formed; external workers belong to their "
-                              "host's supervisor)")  # fmt: skip
+        raise InvalidArgument("--worker-restart-limit: only with local workers, --data-parallel N > 1 or --disagg "
+                              "P:D (external workers belong to their host's supervisor)")  # fmt: skip
     if args.worker_hang_timeout != DEFAULT_HANG_TIMEOUT and not uses_cluster(args):
         raise InvalidArgument("--worker-hang-timeout: only with --data-parallel N > 1, --external-workers or --disagg "
                               "P:D (one engine has no worker to watch)")  # fmt: skip
@@ -111,7 +112,8 @@ def hang_timeout_s(args: argparse.Namespace) -> float | None:
     return timeout_s or None
 
 
-def start_cluster_from_args(args: argparse.Namespace, engine_args: EngineArgs) -> ClusterEngine:
+def start_cluster_from_args(args: argparse.Namespace, engine_args: EngineArgs,
+                            grammar_config: GrammarConfig | None = None) -> ClusterEngine:  # fmt: skip
     from servelab.cluster.launch import start_cluster
 
     log = logging.getLogger("servelab")
@@ -122,6 +124,7 @@ def start_cluster_from_args(args: argparse.Namespace, engine_args: EngineArgs) -
         engine_args, num_workers, router=args.router, master_addr=addr, master_port=args.master_port,
         external=args.external_workers, join_timeout_s=parse_duration_s(args.join_timeout, name="--join-timeout"),
         disagg=disagg, hang_timeout_s=hang_timeout_s(args), restart_limit=args.worker_restart_limit,
+        grammar_config=grammar_config,
     )  # fmt: skip
     log.info("servelab: %d %s worker(s) (%s), router %s", len(driver.workers),
              "data-parallel" if disagg is None else f"prefill/decode {args.disagg}",

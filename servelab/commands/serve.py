@@ -120,13 +120,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     grammars = parser.add_argument_group("structured outputs")
     grammars.add_argument("--structured-output-compile-timeout", default="10s",
                           help="longest a request's grammar (response_format, tools, structured_outputs, guided_*) "
-                               "may take to compile, its wait for a compiler included; past it the request gets a "
-                               "400 and the compile is killed (default 10s)")  # fmt: skip
+                               "may take to compile, its wait behind other compiles included; past it the request "
+                               "gets a 400 and the compile is killed; cluster workers compile under it too (default "
+                               "10s)")  # fmt: skip
     grammars.add_argument("--structured-output-compile-workers", type=int, default=2, metavar="N",
-                          help="grammar compiler processes (~270 MB each, started on the first grammar; default 2)")
+                          help="grammar compiler processes (~270 MB each, started with the server and with each "
+                               "cluster worker; default 2)")  # fmt: skip
     grammars.add_argument("--structured-output-cache-mb", type=int, default=256, metavar="MiB",
-                          help="memory for compiled grammars kept for reuse, least recently used dropped first "
-                               "(default 256)")  # fmt: skip
+                          help="memory for compiled grammars kept for reuse, least recently used dropped first, in "
+                               "the server and in each cluster worker (default 256)")  # fmt: skip
     add_cluster_arguments(parser)
     parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
                         help="server log verbosity (default: info)")
@@ -315,6 +317,8 @@ def run(args: argparse.Namespace) -> int:
         kv_cache_prefault=True,  # a long-lived process: its memory is claimed at start, RSS stays flat
     )
     engine_args.validate()
+    grammar_config = GrammarConfig(compile_timeout_s=compile_timeout_s, num_workers=args.structured_output_compile_workers,
+                                   cache_bytes=args.structured_output_cache_mb * 2**20)  # fmt: skip
     sock = _bind(args.host, args.port)
     port = sock.getsockname()[1]
 
@@ -323,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
     if uses_cluster(args):
         from servelab.commands._cluster_cli import start_cluster_from_args
 
-        driver = start_cluster_from_args(args, engine_args)
+        driver = start_cluster_from_args(args, engine_args, grammar_config)
         engine = driver.engine
     else:
         engine = LLMEngine.from_args(engine_args)
@@ -353,9 +357,7 @@ def run(args: argparse.Namespace) -> int:
         trust_request_chat_template=args.trust_request_chat_template,
         driver=driver,
         metrics_namespace=args.metrics_namespace,
-        grammar_config=GrammarConfig(compile_timeout_s=compile_timeout_s,
-                                     num_workers=args.structured_output_compile_workers,
-                                     cache_bytes=args.structured_output_cache_mb * 2**20),  # fmt: skip
+        grammar_config=grammar_config,
         pooler=pooler,
     )
     state = app.state.servelab

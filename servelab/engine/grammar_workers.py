@@ -3,27 +3,33 @@
 xgrammar compiles in C++ for as long as its input makes it and cannot be interrupted from
 Python: in a thread, a runaway compile would go on burning a core and its memory after its
 request had gone. Here each compile runs in a worker process. A compile past its deadline, or
-whose client left, has its process killed (a fresh one starts for the next compile), and a
-constraint that crashes the compiler ends only its worker. The grammar comes back serialized:
-1-40 ms each way for grammars within core/structured_output.py's limits. Each worker holds
-xgrammar and torch (~270 MB resident) and starts on the first compile that needs it (~2 s);
-a killed one is replaced at once.
+whose client left, has its process killed, and a constraint that crashes the compiler ends
+only its worker. The grammar comes back serialized: 1-40 ms each way for grammars within
+core/structured_output.py's limits. Each worker holds xgrammar and torch (~270 MB resident) and
+takes ~2 s to start: the pool is started with its server or cluster worker (`start`), and a
+killed worker's replacement starts at once; a compile that waits for a start is not charged it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import multiprocessing
 import threading
+import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from typing import Any
 
 from servelab.core.structured_output import StructuredOutputSpec
 from servelab.engine.structured_output import DEFAULT_CACHE_BYTES, StructuredOutputBackend, compile_spec
-from servelab.errors import InvalidArgument
+from servelab.errors import CompilerUnavailable, InvalidArgument
+
+logger = logging.getLogger("servelab.server")
+
+WORKER_START_TIMEOUT_S = 120.0  # ~2 s idle; tens of seconds on a loaded host
 
 # (xgrammar GrammarCompiler, spec) -> CompiledGrammar; module-level, so a spawned worker can import it.
 CompileFn = Callable[[Any, StructuredOutputSpec], Any]
@@ -31,7 +37,9 @@ CompileFn = Callable[[Any, StructuredOutputSpec], Any]
 
 @dataclass(frozen=True, slots=True)
 class GrammarConfig:
-    compile_timeout_s: float = 10.0  # from the request's arrival at the compiler, its wait included
+    # from the request's arrival at the compiler, its wait for other compiles included; a wait for
+    # a worker process to start (a killed one's replacement) is not counted
+    compile_timeout_s: float = 10.0
     num_workers: int = 2  # compiles at once; each a process
     cache_bytes: int = DEFAULT_CACHE_BYTES  # compiled grammars kept, by xgrammar's memory_size_bytes
 
@@ -64,7 +72,12 @@ class _Worker:
                                    name="servelab-grammar", daemon=True)  # fmt: skip
         self.process.start()
         child.close()
-        self.conn.recv()  # "ready": xgrammar imported, the vocabulary loaded (EOFError if it died)
+        # "ready": xgrammar imported, the vocabulary loaded (EOFError if it died); a start that
+        # hangs must not hold the server's start-up, or a compile's thread, for ever
+        if not self.conn.poll(WORKER_START_TIMEOUT_S):
+            self.close()
+            raise TimeoutError(f"a grammar worker did not start within {WORKER_START_TIMEOUT_S:g} s")
+        self.conn.recv()
 
     def close(self) -> None:
         self.process.kill()
@@ -75,13 +88,33 @@ class _Worker:
 class _Job:
     """One compile; `cancel` (from the event loop) kills the process running it, if one is."""
 
-    __slots__ = ("cancelled", "lock", "spec", "worker")
+    __slots__ = ("cancelled", "lock", "spec", "startup_s", "starting_since", "worker")
 
     def __init__(self, spec: StructuredOutputSpec):
         self.spec = spec
         self.lock = threading.Lock()
         self.cancelled = False
         self.worker: _Worker | None = None
+        # Time spent waiting for a worker process to start (a cold one, or the replacement of a
+        # killed one): the server's cost, not the constraint's, so not counted against its timeout.
+        self.startup_s = 0.0
+        self.starting_since: float | None = None  # time.monotonic() while waiting for one
+
+    def start_waiting(self) -> None:
+        with self.lock:
+            if self.starting_since is None:
+                self.starting_since = time.monotonic()
+
+    def stop_waiting(self) -> None:
+        with self.lock:
+            if self.starting_since is not None:
+                self.startup_s += time.monotonic() - self.starting_since
+                self.starting_since = None
+
+    def excused_s(self, now: float) -> float:
+        with self.lock:
+            since = self.starting_since
+            return self.startup_s + (0.0 if since is None else now - since)
 
     def cancel(self) -> None:
         with self.lock:
@@ -95,8 +128,9 @@ class _Cancelled(Exception):
 
 
 class GrammarWorkers:
-    """Compiles grammars for the server: cached ones at once, others in worker processes, each
-    bounded in time; at most `num_workers` at once (one thread each waits on its process)."""
+    """Compiles grammars for the server (and for each cluster worker): cached ones at once, others
+    in worker processes, each bounded in time; at most `num_workers` at once (one thread each
+    waits on its process)."""
 
     def __init__(self, backend: StructuredOutputBackend, config: GrammarConfig = GrammarConfig(),
                  compile_fn: CompileFn = compile_spec):  # fmt: skip
@@ -106,11 +140,40 @@ class GrammarWorkers:
         self._compile_fn = compile_fn
         self._threads = ThreadPoolExecutor(config.num_workers, thread_name_prefix="servelab-grammar")
         self._lock = threading.Lock()
+        self._started = threading.Condition(self._lock)  # a replacement is ready (or failed)
+        self._replacing = 0  # replacements of killed workers being started
         self._idle: list[_Worker] = []
         self._busy: set[_Worker] = set()
+        self._info_lock = threading.Lock()
         self._tokenizer_info_json: str | None = None
         self._closed = False
+        self._loop: asyncio.AbstractEventLoop | None = None  # runs `submit`'s compiles; started on the first
         self.num_killed = 0  # workers killed at a deadline or a cancel
+
+    def start(self) -> None:
+        """Start the worker processes (all at once) and return when each is ready, so that no
+        request's compile deadline pays for a cold start. One that fails to start is logged, and
+        a compile starts one when it needs it (and reports the failure to its request)."""
+        with self._lock:
+            missing = self.config.num_workers - len(self._idle) - len(self._busy)
+        if missing <= 0:
+            return
+        try:
+            info_json = self._info_json()
+        except Exception as exc:  # noqa: BLE001 - e.g. xgrammar missing: the compiles will say so
+            logger.warning("servelab: the grammar workers did not start (%s: %s)", type(exc).__name__, exc)
+            return
+        for future in [self._threads.submit(_Worker, info_json, self._compile_fn) for _ in range(missing)]:
+            try:
+                worker = future.result()
+            except Exception as exc:  # noqa: BLE001 - the process died while starting
+                logger.warning("servelab: a grammar worker did not start (%s: %s)", type(exc).__name__, exc)
+                continue
+            with self._lock:
+                if not self._closed:
+                    self._idle.append(worker)
+                    continue
+            worker.close()
 
     def worker_pids(self) -> list[int]:
         with self._lock:
@@ -123,11 +186,19 @@ class GrammarWorkers:
         if cached is not None:
             return cached
         job = _Job(spec)
-        future = self._threads.submit(self._run, job)
+        future = asyncio.wrap_future(self._threads.submit(self._run, job))
+        deadline = time.monotonic() + self.config.compile_timeout_s
         try:
-            compiled = await asyncio.wait_for(asyncio.wrap_future(future), self.config.compile_timeout_s)
+            while not future.done():
+                now = time.monotonic()
+                remaining_s = deadline + job.excused_s(now) - now
+                if remaining_s <= 0:
+                    raise TimeoutError
+                await asyncio.wait({future}, timeout=remaining_s)
+            compiled = future.result()
         except TimeoutError:
             job.cancel()
+            future.cancel()
             raise InvalidArgument(
                 f"{spec.source}: the {spec.kind} constraint did not compile within {self.config.compile_timeout_s:g} s "
                 "(the server's --structured-output-compile-timeout); simplify it: fewer enum values, smaller "
@@ -135,14 +206,25 @@ class GrammarWorkers:
             ) from None  # fmt: skip
         except asyncio.CancelledError:
             job.cancel()
+            future.cancel()
             raise
         self.backend.cache.put(spec, compiled)
         return compiled
 
+    def submit(self, spec: StructuredOutputSpec) -> Future:
+        """`compile` for a caller on a plain thread (a cluster worker's preparer): its future,
+        whose cancel kills the compile as a cancelled `compile` does."""
+        with self._lock:
+            if self._loop is None:
+                self._loop = asyncio.new_event_loop()
+                threading.Thread(target=self._loop.run_forever, name="servelab-grammar-loop", daemon=True).start()
+            loop = self._loop
+        return asyncio.run_coroutine_threadsafe(self.compile(spec), loop)
+
     def _run(self, job: _Job) -> Any:
         if job.cancelled:
             raise _Cancelled
-        worker = self._take_worker()  # may start a process: seconds, outside the job's lock
+        worker = self._take_worker(job)  # may wait for a process to start: seconds, outside the job's lock
         with job.lock:
             if job.cancelled:
                 self._give_back(worker, healthy=True)
@@ -167,20 +249,37 @@ class GrammarWorkers:
             raise InvalidArgument(payload, param=job.spec.source)
         return self.backend.deserialize(payload)
 
-    def _take_worker(self) -> _Worker:
+    def _take_worker(self, job: _Job) -> _Worker:
+        """An idle worker; else the replacement being started for a killed one, or a new one,
+        the wait for it excused from the job's timeout."""
         with self._lock:
-            if self._closed:
-                raise _Cancelled
-            if self._idle:
+            while not self._closed and not self._idle and self._replacing:
+                job.start_waiting()
+                self._started.wait()
+            if self._closed or self._idle:
+                job.stop_waiting()
+                if self._closed:
+                    raise _Cancelled
                 worker = self._idle.pop()
                 self._busy.add(worker)
                 return worker
-            if self._tokenizer_info_json is None:
-                self._tokenizer_info_json = self.backend.tokenizer_info().serialize_json()
-        worker = _Worker(self._tokenizer_info_json, self._compile_fn)
+        job.start_waiting()
+        try:
+            worker = _Worker(self._info_json(), self._compile_fn)
+        except (OSError, EOFError, TimeoutError) as exc:  # not the constraint's doing, nor its timeout
+            raise CompilerUnavailable(f"the grammar compiler could not start ({type(exc).__name__}: {exc}); "
+                                      "retry later") from exc  # fmt: skip
+        finally:
+            job.stop_waiting()
         with self._lock:
             self._busy.add(worker)
         return worker
+
+    def _info_json(self) -> str:
+        with self._info_lock:  # not _lock: the first takes seconds (xgrammar imported, the vocabulary read)
+            if self._tokenizer_info_json is None:
+                self._tokenizer_info_json = self.backend.tokenizer_info().serialize_json()
+            return self._tokenizer_info_json
 
     def _give_back(self, worker: _Worker, *, healthy: bool) -> None:
         with self._lock:
@@ -189,22 +288,40 @@ class GrammarWorkers:
                 self._idle.append(worker)
                 return
             self.num_killed += not self._closed
+            replace = not self._closed
+            self._replacing += replace
         worker.close()
-        if not self._closed:  # its replacement starts now, not inside the next request's deadline
-            replacement = _Worker(self._tokenizer_info_json, self._compile_fn)
-            with self._lock:
-                (self._idle if not self._closed else []).append(replacement)
-            if self._closed:
-                replacement.close()
+        if replace:  # on a thread of its own: this one may take the next job meanwhile
+            threading.Thread(target=self._replace, name="servelab-grammar-start", daemon=True).start()
+
+    def _replace(self) -> None:
+        worker: _Worker | None = None
+        try:
+            if not self._closed:
+                worker = _Worker(self._info_json(), self._compile_fn)
+        except Exception as exc:  # noqa: BLE001 - a job that needs one starts its own
+            if not self._closed:
+                logger.warning("servelab: a grammar worker did not start (%s: %s)", type(exc).__name__, exc)
+        with self._lock:
+            self._replacing -= 1
+            if worker is not None and not self._closed:
+                self._idle.append(worker)
+                worker = None
+            self._started.notify_all()
+        if worker is not None:
+            worker.close()
 
     def shutdown(self) -> None:
         with self._lock:
             self._closed = True
             workers = [*self._idle, *self._busy]
             self._idle.clear()
+            self._started.notify_all()
         for worker in workers:
             worker.process.kill()  # a thread waiting on one returns; it closes its own
         self._threads.shutdown(wait=False, cancel_futures=True)
+        if self._loop is not None:
+            self._loop.call_soon_threadsafe(self._loop.stop)
         for worker in workers:
             worker.process.join(timeout=1.0)
 

@@ -62,13 +62,15 @@ def link_pair(rank: int) -> tuple[MemoryLink, MemoryLink, Any]:
     return MemoryLink(rank, a, b, state), MemoryLink(0, b, a, state), kill
 
 
-def memory_worker(make_engine, rank: int, **engine_kwargs) -> tuple[WorkerHandle, Any, Any]:
-    """One worker on its thread: (the front end's handle, its engine, kill)."""
+def memory_worker(make_engine, rank: int, make_grammars=None, **engine_kwargs) -> tuple[WorkerHandle, Any, Any]:
+    """One worker on its thread: (the front end's handle, its engine, kill). `make_grammars`:
+    engine -> the worker's GrammarWorkers (None: the loop's default)."""
     front, back, kill = link_pair(rank)
     engine = make_engine(**engine_kwargs)
+    loop = WorkerLoop(engine, back, None if make_grammars is None else make_grammars(engine))
 
     def serve() -> None:
-        WorkerLoop(engine, back).run()
+        loop.run()
         kill()  # the process exits: its sockets close
 
     thread = threading.Thread(target=serve, daemon=True, name=f"memory-worker{rank}")
@@ -79,11 +81,11 @@ def memory_worker(make_engine, rank: int, **engine_kwargs) -> tuple[WorkerHandle
     return WorkerHandle(rank, front, ready), engine, kill
 
 
-def memory_cluster(make_engine, n: int, router: str = "least-outstanding", **engine_kwargs):
+def memory_cluster(make_engine, n: int, router: str = "least-outstanding", make_grammars=None, **engine_kwargs):
     """(ClusterEngine, the workers' engines, kill functions by rank)."""
     engines, kills, handles = {}, {}, []
     shell = make_engine(**engine_kwargs)
     for rank in range(1, n + 1):
-        handle, engines[rank], kills[rank] = memory_worker(make_engine, rank, **engine_kwargs)
+        handle, engines[rank], kills[rank] = memory_worker(make_engine, rank, make_grammars, **engine_kwargs)
         handles.append(handle)
     return ClusterEngine(shell, handles, Router(router)), engines, kills

@@ -33,6 +33,33 @@ def reaped(pid: int, timeout_s: float) -> bool:
     return True
 
 
+def spawned_children(pid: int) -> list[int]:
+    """The processes `pid` started with multiprocessing's spawn (a worker's grammar workers and
+    tensor-parallel ranks; not its resource tracker)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for child in (task / "children").read_text().split():
+            try:
+                cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"spawn_main" in cmdline:
+                children.append(int(child))
+    return children
+
+
+def is_grammar_worker(pid: int) -> bool:
+    """A grammar worker process: it has xgrammar loaded (a tensor-parallel rank does not)."""
+    try:
+        return "xgrammar" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+def grammar_workers(pid: int) -> list[int]:
+    return [child for child in spawned_children(pid) if is_grammar_worker(child)]
+
+
 def gone(pids: list[int], timeout_s: float) -> bool:
     """Every pid exited (a zombie its parent has not reaped yet counts: it runs nothing)."""
     deadline = time.monotonic() + timeout_s

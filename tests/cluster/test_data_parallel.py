@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.cluster.server_checks import gone, metric, reaped, streams_across_a_kill
+from tests.cluster.server_checks import gone, grammar_workers, metric, reaped, streams_across_a_kill
 from tests.server.conftest import REPO, launch_server
 
 pytestmark = pytest.mark.slow
@@ -134,10 +134,15 @@ def test_a_killed_worker_fails_only_its_requests(dp_server):
 
 
 def test_a_killed_worker_is_restarted_and_serves_again(tiny_dir, tmp_path):
-    server = launch_server(tiny_dir, tmp_path, "--data-parallel", "2", *SERVER_FLAGS)
+    """Its replacement comes up as the first workers did: with its grammar workers started, as
+    many as the server's --structured-output-compile-workers."""
+    server = launch_server(tiny_dir, tmp_path, "--data-parallel", "2", "--structured-output-compile-workers", "1",
+                           *SERVER_FLAGS)  # fmt: skip
     try:
         url = server.url
         before = {w["rank"]: w["pid"] for w in httpx.get(url + "/health").json()["workers"]}
+        grammar_pids = {rank: grammar_workers(pid) for rank, pid in before.items()}
+        assert all(len(pids) == 1 for pids in grammar_pids.values()), grammar_pids
         os.kill(before[2], signal.SIGKILL)
         deadline = time.monotonic() + 120
         while True:
@@ -145,15 +150,24 @@ def test_a_killed_worker_is_restarted_and_serves_again(tiny_dir, tmp_path):
             workers = {w["rank"]: w for w in health.json()["workers"]}
             if health.json()["status"] == "ok" and workers[2]["pid"] != before[2]:
                 break
-            assert health.status_code == 200 and workers[2]["status"] in ("failed", "restarting"), health.text
+            noticed = workers[2]["status"] in ("failed", "restarting") or workers[2]["pid"] == before[2]
+            assert health.status_code == 200 and noticed, health.text  # "ok" under the old pid: not noticed yet
             assert time.monotonic() < deadline, server.log()
             time.sleep(0.5)
         assert (workers[1]["pid"], workers[2]["restarts"]) == (before[1], 1)
         assert reaped(before[2], timeout_s=10), "the killed worker is left a zombie"
+        assert gone(grammar_pids[2], timeout_s=10), "the killed worker's grammar workers outlived it"
+        assert len(grammar_workers(workers[2]["pid"])) == 1
         body = {"prompt": "hello", "max_tokens": 40, "ignore_eos": True}
         with ThreadPoolExecutor(2) as pool:  # least-outstanding: one on each worker, the new one included
             answers = list(pool.map(lambda _: httpx.post(url + "/v1/completions", json=body, timeout=60), range(2)))
         assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+        structured = {"prompt": "hello", "max_tokens": 8, "structured_outputs": {"regex": "[a-z]{3}"}}
+        with ThreadPoolExecutor(2) as pool:  # a grammar compiled on each worker, in its grammar worker
+            answers = list(pool.map(lambda _: httpx.post(url + "/v1/completions", json=structured, timeout=60),
+                                    range(2)))  # fmt: skip
+        assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+        assert all(len(a.json()["choices"][0]["text"]) == 3 for a in answers), [a.text for a in answers]
         assert metric(httpx.get(url + "/metrics").text, "servelab:worker_up") == {"1": 1.0, "2": 1.0}
         pids = [w["pid"] for w in workers.values()]
     finally:

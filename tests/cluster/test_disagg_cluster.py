@@ -1,7 +1,8 @@
 """`servelab serve --disagg 1:1` end to end, every process on 127.0.0.1: greedy output equals one
 engine's in fp32 and with a float16 KV cache, a decode worker that is full back-pressures the
 prefill worker without dropping anything, aborts leak no KV block on either worker, a killed
-worker fails only the requests it holds; and a KV transfer fails by its deadline."""
+worker fails only the requests it holds and is restarted, linked to its peer again; and a KV
+transfer fails by its deadline."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from tests.cluster.server_checks import metric
 from tests.server.conftest import launch_server
 
 FLAGS = ("--disagg", "1:1", "--num-blocks", "64", "--max-model-len", "1024", "--seed", "0")
+NO_RESTARTS = ("--worker-restart-limit", "0")  # a killed worker stays failed (restarts: their own test)
 PROMPTS = [[11 + i, 40 + 3 * i, 7, 99 - i, 23] * (1 + 2 * i) for i in range(6)]  # 5..55 tokens
 
 
@@ -66,7 +68,7 @@ def test_fp16_kv_through_a_one_sequence_decode_pool_equals_one_engine(tiny_model
     offers queue on the decode side, their blocks stay held on the prefill side, none is dropped."""
     knobs = ("--kv-cache-dtype", "float16", "--max-num-seqs", "1")
     want = _reference(tiny_model_dir, kv_cache_dtype="float16", max_num_seqs=1)
-    server = launch_server(tiny_model_dir, tmp_path, *FLAGS, *knobs)
+    server = launch_server(tiny_model_dir, tmp_path, *FLAGS, *NO_RESTARTS, *knobs)
     try:
         assert _complete_all(server.url) == want
         text = httpx.get(server.url + "/metrics").text
@@ -92,7 +94,7 @@ def test_fp16_kv_through_a_one_sequence_decode_pool_equals_one_engine(tiny_model
 
 @pytest.fixture(scope="module")
 def disagg_server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
-    server = launch_server(tiny_model_dir, tmp_path_factory.mktemp("disagg-logs"), *FLAGS)
+    server = launch_server(tiny_model_dir, tmp_path_factory.mktemp("disagg-logs"), *FLAGS, *NO_RESTARTS)
     yield server
     server.stop()
 
@@ -148,6 +150,44 @@ def test_a_killed_decode_worker_fails_its_requests_clearly(disagg_server):
     assert r.status_code == 503 and "no decode worker is left" in r.json()["error"]["message"], r.text
     free, _ = _wait_pools_full(url)
     assert free["1"] == 64.0  # nothing held on the prefill side
+
+
+def _wait_restarted(url: str, rank: int, old_pid: int) -> dict:
+    """/health's entry for worker `rank` once the cluster serves again with a new process there."""
+    deadline = time.monotonic() + 180
+    while True:
+        health = httpx.get(url + "/health", timeout=10)
+        workers = {w["rank"]: w for w in health.json()["workers"]}
+        if health.json()["status"] == "ok" and workers[rank]["pid"] != old_pid:
+            return workers[rank]
+        assert time.monotonic() < deadline, health.text
+        time.sleep(0.5)
+
+
+@pytest.mark.slow  # ~60 s: a cluster's start and two restarts
+def test_killed_decode_and_prefill_workers_are_restarted_and_transfer_again(tiny_model_dir, tmp_path):
+    """A replacement links to its peer of the other pool (a pair link formed after the world) and
+    the KV of the next request crosses that link: the same greedy text as before the kill."""
+    from tests.cluster.server_checks import reaped
+
+    server = launch_server(tiny_model_dir, tmp_path, *FLAGS)
+    try:
+        url = server.url
+        body = {"prompt": PROMPTS[3], "max_tokens": 24, "temperature": 0}
+        want = httpx.post(url + "/v1/completions", json=body, timeout=120).json()["choices"][0]["text"]
+        for role, rank in (("decode", 2), ("prefill", 1)):
+            pid = {w["role"]: w["pid"] for w in httpx.get(url + "/health").json()["workers"]}
+            os.kill(pid[role], signal.SIGKILL)
+            back = _wait_restarted(url, rank, pid[role])
+            assert back["role"] == role and back["restarts"] == 1, back
+            assert reaped(pid[role], timeout_s=10), f"the killed {role} worker is left a zombie"
+            r = httpx.post(url + "/v1/completions", json=body, timeout=120)
+            assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, (r.text, server.log())
+        text = httpx.get(url + "/metrics").text
+        assert metric(text, "servelab:kv_transfer_seconds_count")[""] == 3  # each crossed a link
+        assert _wait_pools_full(url)[0] == {"1": 64.0, "2": 64.0}
+    finally:
+        assert server.stop() == 0, server.log()
 
 
 def _transfer_peer(rank: int, port: int, results) -> None:

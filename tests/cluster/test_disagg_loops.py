@@ -21,6 +21,7 @@ class FakeLink:
     def __init__(self, peer: int):
         self.peer = peer
         self.group = None
+        self.group_peer = None
         self.sent: list = []
 
     def send(self, message, timeout_s: float = 30.0) -> None:
@@ -191,3 +192,45 @@ def test_a_decode_worker_prepares_an_offered_grammar_before_its_step_loop_sees_i
     command = loop.commands.get(timeout=1)
     assert isinstance(command, _FromPeer) and command.message is offer
     assert offer.params.prepared_edits is not None
+
+
+def test_a_decode_worker_refuses_an_offer_whose_grammar_does_not_compile(tiny_engine_factory):
+    """Its grammar workers refuse the constraint (here: past the timeout): the offer is refused to
+    the prefill worker with that error, at once, and nothing is compiled on the step loop."""
+    import pickle
+    import threading
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from servelab.cluster.disagg_worker import _FromPeer
+    from servelab.cluster.kv_transfer import KVLayout
+    from servelab.core.structured_output import StructuredOutputSpec
+    from servelab.errors import InvalidArgument
+
+    class RefusingGrammars:
+        backend = SimpleNamespace(cache=SimpleNamespace(get=lambda spec: None))
+
+        def submit(self, spec):
+            future: Future = Future()
+            future.set_exception(InvalidArgument(f"{spec.source}: did not compile within 1 s", param=spec.source))
+            return future
+
+        def shutdown(self):
+            pass
+
+    engine = tiny_engine_factory(num_blocks=16)
+    prefill = FakeLink(1)
+    loop = DecodeLoop(engine, FakeLink(0), DisaggConfig(1, 1), {1: prefill}, RefusingGrammars())
+    layout = KVLayout.of(engine.executor.kv_cache)
+    params = SamplingParams(max_tokens=8, temperature=0, structured_output=StructuredOutputSpec("regex", "[a-z]+"))
+    offer = pickle.loads(pickle.dumps(Offer("r", [1, 2, 3], 7, params, None, 0.1, 0.0, [], layout)))
+    preparer = threading.Thread(target=loop._prepare_arrivals, daemon=True)
+    preparer.start()
+    loop.arrivals.put(_FromPeer(1, offer))
+    loop._on_command(loop.commands.get(timeout=5))
+    loop.arrivals.put(None)
+    preparer.join(timeout=10)
+    assert not loop.offers and offer.params.prepared_edits is None
+    [refusal] = prefill.sent
+    assert isinstance(refusal, Refuse) and refusal.request_id == "r"
+    assert "decode worker could not prepare it: structured_outputs: did not compile within 1 s" in refusal.error

@@ -342,7 +342,8 @@ def test_a_failed_worker_is_restarted_and_serves_again(fake_engine, fast_restart
     cluster, _, kills = memory_cluster(fake_engine, 2, **kwargs)
     replacements = []
 
-    def restart(old):
+    def restart(old, peers):
+        assert peers == []  # data-parallel: no peers to link to
         handle, _, kill = memory_worker(fake_engine, old.index, **kwargs)
         replacements.append(kill)
         return handle
@@ -384,7 +385,7 @@ def test_restarts_stop_at_the_limit(fake_engine, fast_restarts):
     cluster, _, kills = memory_cluster(fake_engine, 2, step_sleep_s=0.005)
     attempts = []
 
-    def restart(old):
+    def restart(old, peers):
         attempts.append(old.index)
         raise RuntimeError("the model file is gone")
 
@@ -416,7 +417,7 @@ def test_health_lists_the_workers_in_its_503_while_the_only_worker_restarts(fake
 
     monkeypatch.setattr(front_end, "RESTART_BACKOFF_S", 0.5)  # long enough to see the gap
     cluster, _, kills = memory_cluster(fake_engine, 1, step_sleep_s=0.005)
-    cluster.restart = lambda old: memory_worker(fake_engine, old.index, step_sleep_s=0.005)[0]
+    cluster.restart = lambda old, peers: memory_worker(fake_engine, old.index, step_sleep_s=0.005)[0]
     with TestClient(create_app(cluster.engine, driver=cluster)) as c:
         ok = c.get("/health")
         assert ok.status_code == 200 and [w["status"] for w in ok.json()["workers"]] == ["ok"]

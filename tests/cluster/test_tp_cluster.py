@@ -45,7 +45,10 @@ def _children(pid: int) -> list[tuple[int, str]]:
 
 
 def _tp_ranks(worker_pid: int) -> list[int]:
-    return [pid for pid, cmd in _children(worker_pid) if "spawn_main" in cmd]
+    """Its tensor-parallel ranks: the processes it spawned, less its grammar workers."""
+    from tests.cluster.server_checks import is_grammar_worker
+
+    return [pid for pid, cmd in _children(worker_pid) if "spawn_main" in cmd and not is_grammar_worker(pid)]
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ from fastapi.testclient import TestClient
 from servelab.core.structured_output import StructuredOutputSpec
 from servelab.engine.grammar_workers import GrammarConfig
 from servelab.engine.structured_output import GrammarCache
+from servelab.errors import InvalidArgument
 from servelab.server.app import create_app
 from tests.server.adversarial import engine_with_grammars, plain_completion_s, slow_compile, slow_regex, wait_until
 
@@ -77,7 +78,6 @@ def test_slow_compiles_do_not_hold_up_a_plain_request(grammar_client):
 def test_a_compile_past_the_timeout_is_a_400_naming_the_field_and_its_worker_is_killed(grammar_client):
     client = grammar_client(compile_timeout_s=3, num_workers=1)
     grammars = client.app.state.servelab.grammars
-    grammars._give_back(grammars._take_worker(), healthy=True)  # its worker started before the clock runs
     t0 = time.perf_counter()
     results: list = []
     thread = _post_in_thread(client, {"prompt": "x", "max_tokens": 2, **slow_regex(60)}, results)
@@ -145,6 +145,10 @@ def test_a_client_that_leaves_during_its_compile_has_the_compile_killed(fake_eng
 
 def test_a_constraint_too_large_to_compile_quickly_is_a_400_naming_its_field(fake_engine):
     with TestClient(create_app(engine_with_grammars(fake_engine))) as client:
+        grammars = client.app.state.servelab.grammars
+        compiles: list = []
+        real_run = grammars._run
+        grammars._run = lambda job: compiles.append(job.spec) or real_run(job)
         cases = [
             ({"response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": {
                 "type": "string", "pattern": "^[a-z]{1,10000}$"}}}}, "response_format", "bounded repetitions"),
@@ -158,7 +162,68 @@ def test_a_constraint_too_large_to_compile_quickly_is_a_400_naming_its_field(fak
             assert resp.status_code == 400, resp.text
             error = resp.json()["error"]
             assert error["param"] == param and text in error["message"], error
-        assert client.app.state.servelab.grammars.worker_pids() == []  # refused before any compile
+        assert compiles == []  # refused before any compile
+
+
+def test_the_grammar_workers_start_with_the_server_and_the_first_grammar_meets_a_short_timeout(grammar_client):
+    client = grammar_client(compile_timeout_s=1.0, num_workers=2)  # a cold worker takes ~2 s to start
+    grammars = client.app.state.servelab.grammars
+    assert len(grammars.worker_pids()) == 2  # started before the app took its first request
+    body = {"prompt": "x", "max_tokens": 2, "structured_outputs": {"regex": "[a-z]+"}}
+    resp = client.post("/v1/completions", json=body)
+    assert resp.status_code == 200, resp.text
+
+
+@pytest.mark.slow  # 4 s: two worker starts held back 1.5 s each
+def test_a_compile_is_not_charged_the_start_of_its_worker_process(fake_engine, monkeypatch):
+    """A compile that must wait for a worker process (none started yet, or a killed one's
+    replacement) has its deadline moved by that wait; the compile itself is still bounded."""
+    from servelab.engine import grammar_workers
+
+    real_init = grammar_workers._Worker.__init__
+
+    def slow_start(self, *args):  # a loaded host: a start well past the timeout
+        time.sleep(1.5)
+        real_init(self, *args)
+
+    monkeypatch.setattr(grammar_workers._Worker, "__init__", slow_start)
+    grammars = grammar_workers.GrammarWorkers(engine_with_grammars(fake_engine).logits_processors.structured,
+                                              GrammarConfig(compile_timeout_s=1.0, num_workers=1), slow_compile)  # fmt: skip
+
+    async def main() -> tuple[float, str]:
+        t0 = time.perf_counter()
+        await grammars.compile(StructuredOutputSpec("regex", "[a-z]+"))  # a cold start, then the compile
+        cold_s = time.perf_counter() - t0
+        with pytest.raises(InvalidArgument) as refused:  # past the timeout: killed, a replacement starts
+            await grammars.compile(StructuredOutputSpec("regex", "slow30", source="guided_regex"))
+        await grammars.compile(StructuredOutputSpec("regex", "[0-9]+"))  # waits for the replacement
+        return cold_s, refused.value.message
+
+    try:
+        cold_s, message = asyncio.run(main())
+    finally:
+        grammars.shutdown()
+    assert cold_s > 1.5
+    assert "guided_regex: the regex constraint did not compile within 1 s" in message
+    assert grammars.num_killed == 1
+
+
+def test_a_compiler_that_cannot_start_is_a_503_not_a_timeout(fake_engine, monkeypatch):
+    from servelab.engine import grammar_workers
+    from servelab.errors import CompilerUnavailable
+
+    def no_start(self, *args):
+        raise TimeoutError("a grammar worker did not start within 120 s")
+
+    monkeypatch.setattr(grammar_workers._Worker, "__init__", no_start)
+    grammars = grammar_workers.GrammarWorkers(engine_with_grammars(fake_engine).logits_processors.structured,
+                                              GrammarConfig(compile_timeout_s=30, num_workers=1))  # fmt: skip
+    try:
+        with pytest.raises(CompilerUnavailable, match="the grammar compiler could not start") as refused:
+            asyncio.run(grammars.compile(StructuredOutputSpec("regex", "[a-z]+")))
+    finally:
+        grammars.shutdown()
+    assert refused.value.http_status == 503
 
 
 def test_the_grammar_cache_is_bounded_in_bytes():
