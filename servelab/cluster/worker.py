@@ -103,9 +103,8 @@ def worker_main(rdv: Rendezvous, parent_pid: int | None = None, relink: str | No
         if engine is None:
             return 1
         grammars = None
-        if engine.logits_processors is not None:  # ready before the first request's compile deadline runs
+        if engine.logits_processors is not None:  # processes start with the first compile, not charged to it
             grammars = GrammarWorkers(engine.logits_processors.structured, config.grammar)
-            grammars.start()
         peers = None
         if config.disagg is not None and config.peer_links is not None:
             # a restarted prefill or decode worker links to its peers before it is routed to

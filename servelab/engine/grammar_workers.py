@@ -150,31 +150,6 @@ class GrammarWorkers:
         self._loop: asyncio.AbstractEventLoop | None = None  # runs `submit`'s compiles; started on the first
         self.num_killed = 0  # workers killed at a deadline or a cancel
 
-    def start(self) -> None:
-        """Start the worker processes (all at once) and return when each is ready, so that no
-        request's compile deadline pays for a cold start. One that fails to start is logged, and
-        a compile starts one when it needs it (and reports the failure to its request)."""
-        with self._lock:
-            missing = self.config.num_workers - len(self._idle) - len(self._busy)
-        if missing <= 0:
-            return
-        try:
-            info_json = self._info_json()
-        except Exception as exc:  # noqa: BLE001 - e.g. xgrammar missing: the compiles will say so
-            logger.warning("servelab: the grammar workers did not start (%s: %s)", type(exc).__name__, exc)
-            return
-        for future in [self._threads.submit(_Worker, info_json, self._compile_fn) for _ in range(missing)]:
-            try:
-                worker = future.result()
-            except Exception as exc:  # noqa: BLE001 - the process died while starting
-                logger.warning("servelab: a grammar worker did not start (%s: %s)", type(exc).__name__, exc)
-                continue
-            with self._lock:
-                if not self._closed:
-                    self._idle.append(worker)
-                    continue
-            worker.close()
-
     def worker_pids(self) -> list[int]:
         with self._lock:
             return [w.process.pid for w in [*self._idle, *self._busy] if w.process.pid is not None]

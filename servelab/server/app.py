@@ -99,8 +99,6 @@ def _lifespan(
             from servelab.engine.llm_engine import LLMEngine
 
             state.attach(await asyncio.to_thread(LLMEngine.from_args, engine))  # before the port opens
-        if state.grammars is not None:  # before the port opens: no compile deadline pays for their start
-            await asyncio.to_thread(state.grammars.start)
         state.loop = asyncio.get_running_loop()
         state.async_engine.start()
         try:

@@ -34,14 +34,13 @@ def _slow(seconds: float) -> StructuredOutputSpec:
 
 @pytest.fixture
 def grammar_cluster(tiny_engine_factory):
-    """One worker whose grammar workers run `slow_compile` under a 2 s timeout, started as
-    `servelab worker` starts them: (cluster, the worker's engine, its GrammarWorkers)."""
+    """One worker whose grammar workers run `slow_compile` under a 2 s timeout, made as
+    `servelab worker` makes them: (cluster, the worker's engine, its GrammarWorkers)."""
     made: list[GrammarWorkers] = []
 
     def make_grammars(engine):
         grammars = GrammarWorkers(engine.logits_processors.structured,
                                   GrammarConfig(compile_timeout_s=TIMEOUT_S, num_workers=1), slow_compile)  # fmt: skip
-        grammars.start()
         made.append(grammars)
         return grammars
 
@@ -57,7 +56,8 @@ def _run(coro):
 @pytest.mark.slow  # 6 s: the grammar worker's start, a 2 s timeout, its replacement's start
 def test_a_compile_past_the_timeout_is_refused_while_a_plain_request_on_the_worker_completes(grammar_cluster):
     cluster, engine, grammars = grammar_cluster
-    assert len(grammars.worker_pids()) == 1  # started with the worker, before any request
+    _run(grammars.compile(StructuredOutputSpec("regex", "[a-z]{2}")))  # its process starts with a first compile
+    assert len(grammars.worker_pids()) == 1
     pid = grammars.worker_pids()[0]
 
     async def main(driver):
@@ -91,6 +91,7 @@ def test_a_compile_past_the_timeout_is_refused_while_a_plain_request_on_the_work
 @pytest.mark.slow  # 4 s: the grammar worker's start, and its replacement's after the kill
 def test_an_abort_during_its_compile_kills_the_compile_and_admits_nothing(grammar_cluster):
     cluster, engine, grammars = grammar_cluster
+    _run(grammars.compile(StructuredOutputSpec("regex", "[a-z]{2}")))  # its process up: the abort meets a compile
 
     async def main(driver):
         driver.start()
