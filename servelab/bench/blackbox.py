@@ -35,7 +35,7 @@ from typing import Any
 
 from servelab.bench.client import BenchRequest, OpenAIStreamClient, StreamResult
 from servelab.bench.prompts import PromptBuilder
-from servelab.cost.profile import PROFILE_FORMAT, PROFILE_VERSION, TERMS, features, fit_rows
+from servelab.cost.profile import NO_KERNEL_ROWS, PROFILE_FORMAT, PROFILE_VERSION, TERMS, KernelRows, features, fit_rows
 from servelab.errors import InvalidArgument, ServelabError
 from servelab.workload.spec import RequestSpec
 
@@ -44,11 +44,13 @@ from servelab.workload.spec import RequestSpec
 CHUNK_CANDIDATES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # A chunk budget is reported only when it beats "no chunking" by this share of the prefill error.
 CHUNK_MIN_GAIN = 0.2
+# A decode kernel switch is reported only when it halves the decode points' error.
+SWITCH_MIN_GAIN = 0.5
 BURST_OUTPUT_TOKENS = 32
 BURST_PROMPT_LENS = (64, 320)
 RTT_SAMPLES = 10
 DEFAULT_REPEATS = 3
-HOLDOUT_EVERY = 4
+CV_FOLDS = 5  # the held-out error: each point priced by a fit without its fold
 
 
 @dataclass(frozen=True, slots=True)
@@ -370,7 +372,7 @@ class Observation:
     detail: dict[str, Any]
 
 
-def prefill_row(n: int, chunk: int | None) -> list[float]:
+def prefill_row(n: int, chunk: int | None, rows: KernelRows = NO_KERNEL_ROWS) -> list[float]:
     """The steps of one n-token prompt alone, chunked by `chunk` tokens (None: one step), summed."""
     row = [0.0] * len(TERMS)
     done = 0
@@ -378,7 +380,7 @@ def prefill_row(n: int, chunk: int | None) -> list[float]:
         t = n - done if chunk is None else min(chunk, n - done)
         c = done + t
         pairs = t * c - t * (t - 1) // 2
-        for i, v in enumerate(features(t, 1, c, pairs)):
+        for i, v in enumerate(features(t, 1, c, pairs, rows)):
             row[i] += v
         done = c
     return row
@@ -415,7 +417,8 @@ def decode_window(burst: dict[str, Any]) -> dict[str, Any] | None:
     return {"wave": len(wave), "step_s": statistics.median(per_token), "context": statistics.fmean(contexts)}
 
 
-def observations(results: Results, rtt_s: float, chunk: int | None) -> list[Observation]:
+def observations(results: Results, rtt_s: float, chunk: int | None,
+                 rows: KernelRows = NO_KERNEL_ROWS) -> list[Observation]:
     """Over the repeats: a prefill's server time (the fastest TTFT less the round trip) at each
     length, and a decode step's time (the median) at each burst."""
     out: list[Observation] = []
@@ -427,7 +430,7 @@ def observations(results: Results, rtt_s: float, chunk: int | None) -> list[Obse
         # one request alone: anything else on the host only adds to its TTFT, so the fastest repeat
         # is the server's own time (a decode step's is already a median over its window)
         t = min(r["ttft_s"] for r in rs) - rtt_s
-        out.append(Observation("prefill", f"prefill {n}", tuple(prefill_row(n, chunk)), max(t, 1e-6),
+        out.append(Observation("prefill", f"prefill {n}", tuple(prefill_row(n, chunk, rows)), max(t, 1e-6),
                                {"prompt_tokens": n, "repeats": len(rs)}))
     by_burst: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for r in results.of("burst"):
@@ -439,7 +442,7 @@ def observations(results: Results, rtt_s: float, chunk: int | None) -> list[Obse
         wave = round(statistics.median(w["wave"] for w in windows))
         context = statistics.fmean(w["context"] for w in windows)
         step = statistics.median(w["step_s"] for w in windows)
-        row = features(wave, wave, round(wave * context), round(wave * context))
+        row = features(wave, wave, round(wave * context), round(wave * context), rows)
         out.append(Observation("decode", f"decode {wave}x{context:.0f}", tuple(row), step,
                                {"batch": batch, "wave": wave, "context": context, "repeats": len(windows)}))
     return out
@@ -452,8 +455,10 @@ def balanced(obs: Sequence[Observation]) -> list[float]:
     return [len(obs) / (len(counts) * counts[o.kind]) for o in obs]
 
 
-def _fit(obs: Sequence[Observation], holdout_every: int) -> dict[str, Any]:
-    return fit_rows([o.row for o in obs], [o.time_s for o in obs], holdout_every=holdout_every, weights=balanced(obs))
+def _fit(obs: Sequence[Observation]) -> dict[str, Any]:
+    """Every point in the fit (a few decode points are too few to hold some out of it); the
+    held-out error is the cross-validated one (`cross_validated_errors`)."""
+    return fit_rows([o.row for o in obs], [o.time_s for o in obs], holdout_every=10**9, weights=balanced(obs))
 
 
 def _errors_pct(obs: Sequence[Observation], coefficients: dict[str, float]) -> list[float]:
@@ -461,34 +466,76 @@ def _errors_pct(obs: Sequence[Observation], coefficients: dict[str, float]) -> l
     return [(sum(a * b for a, b in zip(c, o.row)) - o.time_s) / o.time_s * 100 for o in obs]
 
 
-def _cross_validated_prefill_error(obs: Sequence[Observation], folds: int = 5) -> float:
-    """Median |error| % of each prefill point priced by a fit that did not see it (interleaved
-    folds): a chunk budget adds a step per chunk, a freedom that a fit to all points would use to
-    chase noise, so candidates are compared on points outside their fit."""
-    errors: list[float] = []
+def cross_validated_errors(obs: Sequence[Observation], folds: int = CV_FOLDS) -> list[float]:
+    """Each point's error % priced by a fit that did not see it (interleaved folds)."""
+    errors = [math.nan] * len(obs)
     for k in range(folds):
-        train = [o for i, o in enumerate(obs) if i % folds != k]
-        test = [o for i, o in enumerate(obs) if i % folds == k and o.kind == "prefill"]
+        test = [i for i in range(len(obs)) if i % folds == k]
         if not test:
             continue
-        fitted = _fit(train, holdout_every=10**9)
-        errors += [abs(e) for e in _errors_pct(test, fitted["coefficients"])]
+        fitted = _fit([o for i, o in enumerate(obs) if i % folds != k])
+        for i, e in zip(test, _errors_pct([obs[i] for i in test], fitted["coefficients"])):
+            errors[i] = e
+    return errors
+
+
+def _cross_validated_error(obs: Sequence[Observation], kind: str) -> float:
+    """Median |error| % of the `kind` points out of their fit: a chunk budget or a kernel switch
+    adds a term, a freedom a fit to all points would use to chase noise, so candidates are
+    compared on points outside their fit."""
+    errors = [abs(e) for o, e in zip(obs, cross_validated_errors(obs)) if o.kind == kind]
     return statistics.median(errors) if errors else math.inf
 
 
-def infer_chunk(results: Results, rtt_s: float) -> dict[str, Any]:
+def decode_rows(results: Results) -> KernelRows:
+    """Where a step stops being a decode-sized one: past the largest decode batch measured, a
+    step's tokens are priced at a rate of their own (per_dense_token_s: a server's prefill
+    tokens may cost more, or less, than its decode tokens; one slope cannot hold both)."""
+    waves = [w["wave"] for w in map(decode_window, results.of("burst")) if w is not None]
+    return KernelRows(None, max(waves)) if waves else NO_KERNEL_ROWS
+
+
+def _clear_gain(errors: dict[str, float]) -> str | None:
+    best = min(errors, key=errors.__getitem__)
+    if best != "none" and errors[best] < (1 - CHUNK_MIN_GAIN) * errors["none"] and errors["none"] - errors[best] > 0.5:
+        return best
+    return None
+
+
+def infer_switch(results: Results, rtt_s: float, chunk: int | None, rows: KernelRows) -> dict[str, Any]:
+    """A batch size past which a decode step costs more than the per-sequence slope says (a
+    kernel switch, or a second pass of the weights), with the decode error of a fit with each
+    candidate; "none" unless one halves it. (The decode points are too few to hold folds out,
+    as the chunk budget's choice does: a burst size held out is an extrapolation.)"""
+    top = rows.max_rows or 0
+    errors: dict[str, float] = {}
+    for switch in (None, *[b for b in (1, 2, 4, 8, 16, 32, 64) if b < top]):
+        try:
+            obs = observations(results, rtt_s, chunk, KernelRows(switch, rows.max_rows))
+            errs = _errors_pct(obs, _fit(obs)["coefficients"])
+        except InvalidArgument:
+            return {"value": None, "errors_pct": {}, "why": "too few points to fit"}
+        decode = [abs(e) for o, e in zip(obs, errs) if o.kind == "decode"]
+        errors["none" if switch is None else str(switch)] = statistics.median(decode) if decode else math.inf
+    best = min(errors, key=errors.__getitem__)
+    if best != "none" and errors[best] < SWITCH_MIN_GAIN * errors["none"] and errors["none"] - errors[best] > 1.0:
+        return {"value": int(best), "errors_pct": errors, "why": f"decode steps above batch {best} cost a step more"}
+    return {"value": None, "errors_pct": errors, "why": "decode steps grow linearly with the batch"}
+
+
+def infer_chunk(results: Results, rtt_s: float, rows: KernelRows = NO_KERNEL_ROWS) -> dict[str, Any]:
     """The chunk budget that best explains TTFT(L) (each candidate below the longest prompt, or
     none), with the cross-validated prefill error of each; "none" unless one beats it clearly."""
     longest = max((r["prompt_tokens"] for r in results.of("prefill")), default=0)
     errors: dict[str, float] = {}
     for chunk in (None, *[c for c in CHUNK_CANDIDATES if c < longest]):
         try:
-            error = _cross_validated_prefill_error(observations(results, rtt_s, chunk))
+            error = _cross_validated_error(observations(results, rtt_s, chunk, rows), "prefill")
         except InvalidArgument:
             return {"value": None, "errors_pct": {}, "why": "too few points to fit"}
         errors["none" if chunk is None else str(chunk)] = error
-    best = min(errors, key=errors.__getitem__)
-    if best != "none" and errors[best] < (1 - CHUNK_MIN_GAIN) * errors["none"] and errors["none"] - errors[best] > 0.5:
+    best = _clear_gain(errors)
+    if best is not None:
         return {"value": int(best), "errors_pct": errors,
                 "why": f"TTFT(L) jumps where L crosses multiples of {best} tokens"}
     return {"value": None, "errors_pct": errors,
@@ -584,18 +631,25 @@ def sim_server_config(settings: dict[str, dict[str, Any]]) -> dict[str, str]:
 def build_profile(server: ServerInfo, results: Results, run: dict[str, Any], design: Design) -> dict[str, Any]:
     rtts = results.of("rtt")
     rtt_s = statistics.median(rtts[0]["samples_s"]) if rtts else 0.0
-    chunk = infer_chunk(results, rtt_s)
+    rows = decode_rows(results)
+    chunk = infer_chunk(results, rtt_s, rows)
     seqs = infer_max_seqs(results)
     settings_chunk = chunk["value"]
     if (exported := server.config.get("max_num_batched_tokens", "")).isdigit():
         settings_chunk = int(exported)
+    switch = infer_switch(results, rtt_s, settings_chunk, rows)
+    rows = KernelRows(switch["value"], rows.max_rows)
     run = {**run, "short_outputs": short_outputs(results, design.burst_output)}
-    obs = observations(results, rtt_s, settings_chunk)
+    obs = observations(results, rtt_s, settings_chunk, rows)
     if len(obs) < 6:
         raise ServelabError(f"only {len(obs)} points measured ({run['stopped'] or 'the design is too small'}): "
                             "give a longer --budget, or --resume to add to them")
-    fitted = _fit(obs, HOLDOUT_EVERY)
+    fitted = _fit(obs)
     errs = _errors_pct(obs, fitted["coefficients"])
+    held = cross_validated_errors(obs)
+    fitted["heldout"] = {"count": len(obs), "median_abs_pct": statistics.median(abs(e) for e in held),
+                         "max_abs_pct": max(abs(e) for e in held), "how": f"{CV_FOLDS}-fold cross-validation"}
+    fitted.pop("holdout_every", None)
     longest = max((r["prompt_tokens"] for r in results.of("prefill")), default=0)
     settings = server_settings(server, chunk, seqs, longest + 1)
     return {
@@ -607,14 +661,14 @@ def build_profile(server: ServerInfo, results: Results, run: dict[str, Any], des
         "server_kind": server.to_dict(),
         "server_settings": settings,
         "client": {"round_trip_s": rtt_s, "how": "median GET /v1/models, subtracted from every TTFT"},
-        "inferred": {"chunk_budget": chunk, "max_num_seqs": seqs},
+        "inferred": {"chunk_budget": chunk, "max_num_seqs": seqs, "decode_switch": switch},
+        "kernel_rows": {"fused_max_rows": rows.fused_max_rows, "max_rows": rows.max_rows},
         "design": {"prefill_lens": list(design.prefill_lens), "bursts": [list(b) for b in design.bursts],
                    "burst_output_tokens": design.burst_output, "repeats": design.repeats},
         "run": run,
         "fit": fitted,
         "observations": [{"kind": o.kind, "label": o.label, "time_s": o.time_s, "fit_error_pct": e,
-                          "held_out": (i % HOLDOUT_EVERY) == HOLDOUT_EVERY - 1, **o.detail}
-                         for i, (o, e) in enumerate(zip(obs, errs))],
+                          "held_out_error_pct": h, **o.detail} for o, e, h in zip(obs, errs, held)],
     }
 
 
@@ -629,7 +683,7 @@ def report_lines(profile: dict[str, Any]) -> list[str]:
              f"prefill) + {c['per_token_s'] * 1e6:.1f} us a token + {c['per_seq_s'] * 1e6:.1f} us a sequence + "
              f"{c['per_context_token_s'] * 1e9:.1f} ns a context token + {c['per_pair_s'] * 1e9:.3f} ns a pair",
              f"fit: median error {fit['train']['median_abs_pct']:.1f}% on {fit['train']['count']} points, "
-             f"{fit['heldout']['median_abs_pct']:.1f}% on {fit['heldout']['count']} held out",
+             f"{fit['heldout']['median_abs_pct']:.1f}% held out ({CV_FOLDS}-fold cross-validation)",
              "server settings:"]
     for key, v in profile["server_settings"].items():
         lines.append(f"  {key:<24} {v['value']!s:<8} {v['source']}, {v['confidence']}: {v['why']}")
