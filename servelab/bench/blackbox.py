@@ -47,6 +47,8 @@ CHUNK_MIN_GAIN = 0.2
 # A decode kernel switch is reported only when it halves the decode points' error.
 SWITCH_MIN_GAIN = 0.5
 BURST_OUTPUT_TOKENS = 32
+# Decode bursts at these prompt lengths and at the longest prompt less the output, so that the
+# context slope is measured across the contexts a served load reaches, not extrapolated.
 BURST_PROMPT_LENS = (64, 320)
 RTT_SAMPLES = 10
 DEFAULT_REPEATS = 3
@@ -68,8 +70,8 @@ class Design:
 
 def make_design(max_prompt: int, max_batch: int, max_burst_tokens: int, repeats: int = DEFAULT_REPEATS) -> Design:
     """Prompt lengths from 16 to `max_prompt`, two each side of every chunk candidate below it; bursts
-    at batch 1, 2, 4 ... `max_batch` for each burst prompt length, up to `max_burst_tokens`
-    prompt tokens a burst."""
+    at batch 1, 2, 4 ... `max_batch` for each burst prompt length (and the longest prompt less the
+    output), up to `max_burst_tokens` prompt tokens a burst."""
     if max_prompt < 32:
         raise InvalidArgument(f"--max-prompt-tokens must be >= 32, got {max_prompt}")
     lens = {16, 32, max_prompt}
@@ -79,7 +81,7 @@ def make_design(max_prompt: int, max_batch: int, max_burst_tokens: int, repeats:
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_batch] or [1]
     if max_batch not in batches and max_batch > 1:
         batches.append(max_batch)
-    prompt_lens = sorted({min(n, max_prompt) for n in BURST_PROMPT_LENS})
+    prompt_lens = sorted({min(n, max_prompt) for n in BURST_PROMPT_LENS} | {max(64, max_prompt - BURST_OUTPUT_TOKENS)})
     bursts = tuple((b, n) for n in prompt_lens for b in batches if b * n <= max_burst_tokens or b == 1)
     return Design(tuple(sorted(lens)), bursts, repeats=repeats)
 
@@ -676,15 +678,22 @@ def report_lines(profile: dict[str, Any]) -> list[str]:
     s = profile["server_kind"]
     fit = profile["fit"]
     c = fit["coefficients"]
+    run, rows = profile["run"], profile["kernel_rows"]
+    resumed = f" ({run['resumed']} from an earlier run)" if run["resumed"] else ""
     lines = [f"{s['model']} at {s['base_url']} ({s['kind']}{' ' + s['version'] if s['version'] else ''}): "
-             f"{profile['run']['measured']} points in {profile['run']['wall_s']:.0f} s, "
+             f"{run['measured']} points{resumed} in {run['wall_s']:.0f} s, "
              f"round trip {profile['client']['round_trip_s'] * 1e3:.1f} ms",
              f"step cost: {c['per_step_s'] * 1e3:.2f} ms a step (+{c['per_prefill_step_s'] * 1e3:.2f} ms with a "
              f"prefill) + {c['per_token_s'] * 1e6:.1f} us a token + {c['per_seq_s'] * 1e6:.1f} us a sequence + "
-             f"{c['per_context_token_s'] * 1e9:.1f} ns a context token + {c['per_pair_s'] * 1e9:.3f} ns a pair",
-             f"fit: median error {fit['train']['median_abs_pct']:.1f}% on {fit['train']['count']} points, "
-             f"{fit['heldout']['median_abs_pct']:.1f}% held out ({CV_FOLDS}-fold cross-validation)",
-             "server settings:"]
+             f"{c['per_context_token_s'] * 1e9:.1f} ns a context token + {c['per_pair_s'] * 1e9:.3f} ns a pair"]
+    if rows["max_rows"] is not None:
+        lines.append(f"  steps over {rows['max_rows']} tokens (the largest decode wave): "
+                     f"+{c['per_dense_step_s'] * 1e3:.2f} ms and {c['per_dense_token_s'] * 1e6:.1f} us a token past it")
+    if rows["fused_max_rows"] is not None:
+        lines.append(f"  decode steps over {rows['fused_max_rows']} sequences: +{c['per_wide_step_s'] * 1e3:.2f} ms")
+    lines += [f"fit: median error {fit['train']['median_abs_pct']:.1f}% on {fit['train']['count']} points, "
+              f"{fit['heldout']['median_abs_pct']:.1f}% held out ({CV_FOLDS}-fold cross-validation)",
+              "server settings:"]
     for key, v in profile["server_settings"].items():
         lines.append(f"  {key:<24} {v['value']!s:<8} {v['source']}, {v['confidence']}: {v['why']}")
     if profile["run"].get("short_outputs"):
