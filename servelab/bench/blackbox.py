@@ -57,15 +57,18 @@ CV_FOLDS = 5  # the held-out error: each point priced by a fit without its fold
 
 @dataclass(frozen=True, slots=True)
 class Design:
-    """The points of one pass: single-request prefills and (batch, prompt length) bursts."""
+    """The points of one pass: single-request prefills, (batch, prompt length) bursts, and
+    (batch, prompt length) joins: a prompt sent into a decoding burst, whose steps mix the two."""
 
     prefill_lens: tuple[int, ...]
     bursts: tuple[tuple[int, int], ...]
+    joins: tuple[tuple[int, int], ...] = ()
     burst_output: int = BURST_OUTPUT_TOKENS
     repeats: int = DEFAULT_REPEATS
 
     def points(self) -> list[tuple[str, int, int]]:
-        return [("prefill", 1, n) for n in self.prefill_lens] + [("burst", b, n) for b, n in self.bursts]
+        return ([("prefill", 1, n) for n in self.prefill_lens] + [("burst", b, n) for b, n in self.bursts]
+                + [("join", b, n) for b, n in self.joins])
 
 
 def make_design(max_prompt: int, max_batch: int, max_burst_tokens: int, repeats: int = DEFAULT_REPEATS) -> Design:
@@ -83,7 +86,9 @@ def make_design(max_prompt: int, max_batch: int, max_burst_tokens: int, repeats:
         batches.append(max_batch)
     prompt_lens = sorted({min(n, max_prompt) for n in BURST_PROMPT_LENS} | {max(64, max_prompt - BURST_OUTPUT_TOKENS)})
     bursts = tuple((b, n) for n in prompt_lens for b in batches if b * n <= max_burst_tokens or b == 1)
-    return Design(tuple(sorted(lens)), bursts, repeats=repeats)
+    join_batches = sorted({min(2, max_batch), max(1, max_batch // 4)})
+    joins = tuple((b, n) for b in join_batches for n in sorted({min(128, max_prompt), max(32, max_prompt // 2)}))
+    return Design(tuple(sorted(lens)), bursts, joins, repeats=repeats)
 
 
 # ---- the server: what it says about itself --------------------------------------------------
@@ -320,6 +325,45 @@ class Prober:
         return {"phase": "burst", "batch": batch, "target": target, "repeat": repeat, "requests": requests}
 
 
+    async def join(self, batch: int, target: int, output: int, repeat: int) -> dict[str, Any]:
+        """`batch` decoding requests (64-token prompts), joined once all are decoding by one
+        `target`-token prompt: the steps that prefill it carry the batch's decodes too."""
+        started: list[float] = []
+        everyone = asyncio.Event()
+
+        def first(now: float) -> None:
+            started.append(now)
+            if len(started) == batch:
+                everyone.set()
+
+        async def decode() -> tuple[BenchRequest, StreamResult]:
+            request = await self.exact(BURST_PROMPT_LENS[0], output)
+            return request, await self.client.stream(request, on_first_token=first)
+
+        tasks = [asyncio.ensure_future(decode()) for _ in range(batch)]
+        try:
+            await asyncio.wait_for(everyone.wait(), self.client.timeout_s)
+        except TimeoutError:
+            pass  # a server that runs fewer at once: the joiner comes after the wave, no mixed step
+        await asyncio.sleep(max(0.02, 0.25 * (max(started, default=0.0) - min(started, default=0.0))))
+        joiner, joined = await self.one(target, 1)
+        pairs = await asyncio.gather(*tasks)
+        failed = [r.error for _, r in [*pairs, (joiner, joined)] if not r.success]
+        if failed:
+            raise ServelabError(f"a join of a {target}-token prompt into {batch} decodes failed: {failed[0]}")
+        t0 = min(r.send_s for _, r in pairs)
+        requests = []
+        for request, r in pairs:
+            n, source = await self.prompt_tokens(r, request.prompt)
+            requests.append({"prompt_tokens": n, "tokens_from": source, "send_s": r.send_s - t0,
+                             "output_tokens": r.usage_output_tokens or len(r.token_times_s),
+                             "chunk_times_s": [t - t0 for t in r.token_times_s]})
+        n, _ = await self.prompt_tokens(joined, joiner.prompt)
+        assert joined.first_token_s is not None
+        return {"phase": "join", "batch": batch, "target": target, "repeat": repeat, "requests": requests,
+                "joiner": {"prompt_tokens": n, "send_s": joined.send_s - t0, "first_s": joined.first_token_s - t0}}
+
+
 async def measure(prober: Prober, design: Design, results: Results, budget_s: float,
                   progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
     """Runs the design's passes (each in a new shuffled order) until every point has its repeats or
@@ -346,7 +390,8 @@ async def measure(prober: Prober, design: Design, results: Results, budget_s: fl
             try:
                 async with asyncio.timeout(max(left, 1.0) + 60.0):
                     record = await (prober.prefill(n, rep) if phase == "prefill"
-                                    else prober.burst(b, n, design.burst_output, rep))  # fmt: skip
+                                    else prober.burst(b, n, design.burst_output, rep) if phase == "burst"
+                                    else prober.join(b, n, 2 * design.burst_output, rep))  # fmt: skip
             except TimeoutError:
                 stopped = f"a {phase} point (batch {b}, {n} tokens) ran past the budget"
                 break
@@ -419,6 +464,48 @@ def decode_window(burst: dict[str, Any]) -> dict[str, Any] | None:
     return {"wave": len(wave), "step_s": statistics.median(per_token), "context": statistics.fmean(contexts)}
 
 
+def join_window(record: dict[str, Any], chunk: int | None) -> dict[str, Any] | None:
+    """The steps that prefilled the joining prompt, seen from the decodes it joined: for each
+    decode still running, the last k gaps between its tokens up to the joiner's first token
+    (k: the prompt's chunks), summed; the median over the decodes, their number and mean
+    context. None where no decode ran through the join (a server that runs one at a time)."""
+    joiner = record["joiner"]
+    n, first = joiner["prompt_tokens"], joiner["first_s"]
+    k = 1 if chunk is None else -(-n // chunk)
+    spans, contexts = [], []
+    for r in record["requests"]:
+        times = r["chunk_times_s"]
+        after = [i for i, t in enumerate(times) if t >= first - 0.002]
+        # (a server that streams several tokens a chunk, more than now and then, shows no steps)
+        if not after or after[0] < k or times[after[0]] > first + 0.05 or r["output_tokens"] > len(times) * 1.5:
+            continue
+        j = after[0]
+        if times[j - k] < joiner["send_s"] - 0.5 * (times[j] - times[j - k]):
+            continue  # those gaps began well before the prompt arrived: not its steps alone
+        spans.append(times[j] - times[j - k])
+        contexts.append(r["prompt_tokens"] + j)
+    if not spans:
+        return None
+    return {"decodes": len(spans), "time_s": statistics.median(spans), "context": statistics.fmean(contexts),
+            "steps": k}
+
+
+def join_row(window: dict[str, Any], n: int, chunk: int | None, rows: KernelRows) -> list[float]:
+    """The mixed steps of a join: each carries the decodes and one chunk of the n-token prompt."""
+    b, ctx = window["decodes"], window["context"]
+    row = [0.0] * len(TERMS)
+    done = 0
+    while done < n:
+        t = n - done if chunk is None else min(chunk, n - done)
+        c = done + t
+        decode_ctx = round(b * ctx)
+        pairs = decode_ctx + t * c - t * (t - 1) // 2
+        for i, v in enumerate(features(b + t, b + 1, decode_ctx + c, pairs, rows)):
+            row[i] += v
+        done = c
+    return row
+
+
 def observations(results: Results, rtt_s: float, chunk: int | None,
                  rows: KernelRows = NO_KERNEL_ROWS) -> list[Observation]:
     """Over the repeats: a prefill's server time (the fastest TTFT less the round trip) at each
@@ -447,6 +534,18 @@ def observations(results: Results, rtt_s: float, chunk: int | None,
         row = features(wave, wave, round(wave * context), round(wave * context), rows)
         out.append(Observation("decode", f"decode {wave}x{context:.0f}", tuple(row), step,
                                {"batch": batch, "wave": wave, "context": context, "repeats": len(windows)}))
+    by_join: dict[tuple[int, int], list[tuple[dict[str, Any], int]]] = {}
+    for r in results.of("join"):
+        w = join_window(r, chunk)
+        if w is not None:
+            by_join.setdefault((r["batch"], r["target"]), []).append((w, r["joiner"]["prompt_tokens"]))
+    for (batch, target), ws in sorted(by_join.items()):
+        n = round(statistics.median(m for _, m in ws))
+        decodes = round(statistics.median(w["decodes"] for w, _ in ws))
+        window = {"decodes": decodes, "context": statistics.fmean(w["context"] for w, _ in ws)}
+        out.append(Observation("mixed", f"mixed {decodes}+{n}", tuple(join_row(window, n, chunk, rows)),
+                               statistics.median(w["time_s"] for w, _ in ws),
+                               {"batch": batch, "decodes": decodes, "prompt_tokens": n, "repeats": len(ws)}))
     return out
 
 

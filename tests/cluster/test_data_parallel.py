@@ -134,13 +134,18 @@ def test_a_killed_worker_fails_only_its_requests(dp_server):
 
 
 def test_a_killed_worker_is_restarted_and_serves_again(tiny_dir, tmp_path):
-    """Its replacement comes up as the first workers did: with its grammar workers started, as
-    many as the server's --structured-output-compile-workers."""
+    """Its replacement comes up as the first workers did: its grammar workers start with its first
+    compile, as many as the server's --structured-output-compile-workers, and die with it."""
     server = launch_server(tiny_dir, tmp_path, "--data-parallel", "2", "--structured-output-compile-workers", "1",
                            *SERVER_FLAGS)  # fmt: skip
     try:
         url = server.url
         before = {w["rank"]: w["pid"] for w in httpx.get(url + "/health").json()["workers"]}
+        assert all(grammar_workers(pid) == [] for pid in before.values())  # none until a grammar comes
+        first = {"prompt": "hello", "max_tokens": 8, "structured_outputs": {"regex": "[a-z]{2}"}}
+        with ThreadPoolExecutor(2) as pool:  # least-outstanding: one on each worker
+            answers = list(pool.map(lambda _: httpx.post(url + "/v1/completions", json=first, timeout=60), range(2)))
+        assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
         grammar_pids = {rank: grammar_workers(pid) for rank, pid in before.items()}
         assert all(len(pids) == 1 for pids in grammar_pids.values()), grammar_pids
         os.kill(before[2], signal.SIGKILL)
@@ -157,7 +162,6 @@ def test_a_killed_worker_is_restarted_and_serves_again(tiny_dir, tmp_path):
         assert (workers[1]["pid"], workers[2]["restarts"]) == (before[1], 1)
         assert reaped(before[2], timeout_s=10), "the killed worker is left a zombie"
         assert gone(grammar_pids[2], timeout_s=10), "the killed worker's grammar workers outlived it"
-        assert len(grammar_workers(workers[2]["pid"])) == 1
         body = {"prompt": "hello", "max_tokens": 40, "ignore_eos": True}
         with ThreadPoolExecutor(2) as pool:  # least-outstanding: one on each worker, the new one included
             answers = list(pool.map(lambda _: httpx.post(url + "/v1/completions", json=body, timeout=60), range(2)))
@@ -168,6 +172,7 @@ def test_a_killed_worker_is_restarted_and_serves_again(tiny_dir, tmp_path):
                                     range(2)))  # fmt: skip
         assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
         assert all(len(a.json()["choices"][0]["text"]) == 3 for a in answers), [a.text for a in answers]
+        assert len(grammar_workers(workers[2]["pid"])) == 1
         assert metric(httpx.get(url + "/metrics").text, "servelab:worker_up") == {"1": 1.0, "2": 1.0}
         pids = [w["pid"] for w in workers.values()]
     finally:

@@ -81,7 +81,7 @@ def _validate_against(monkeypatch, tmp_path, measured, served_model, *extra):
     profile.write_text(json.dumps({"format": "servelab-profile", "version": 1, "model": "smollm2-135m",
                                    "fit": {"coefficients": coefs}}))
 
-    async def bench_live_server(args, workload, slo):
+    async def bench_live_server(args, workload, slo, profile=None):
         return measured, SERVER, served_model
 
     monkeypatch.setattr(validate, "bench_live_server", bench_live_server)
