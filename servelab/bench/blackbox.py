@@ -44,8 +44,8 @@ from servelab.workload.spec import RequestSpec
 CHUNK_CANDIDATES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
 # A chunk budget is reported only when it beats "no chunking" by this share of the prefill error.
 CHUNK_MIN_GAIN = 0.2
-# A decode kernel switch is reported only when it halves the decode points' error.
-SWITCH_MIN_GAIN = 0.5
+# A decode kernel switch is kept only when it takes the decode points' mean error under 60% of it.
+SWITCH_MIN_GAIN = 0.6
 BURST_OUTPUT_TOKENS = 32
 # Decode bursts at these prompt lengths and at the longest prompt less the output, so that the
 # context slope is measured across the contexts a served load reaches, not extrapolated.
@@ -466,24 +466,25 @@ def decode_window(burst: dict[str, Any]) -> dict[str, Any] | None:
 
 def join_window(record: dict[str, Any], chunk: int | None) -> dict[str, Any] | None:
     """The steps that prefilled the joining prompt, seen from the decodes it joined: for each
-    decode still running, the last k gaps between its tokens up to the joiner's first token
-    (k: the prompt's chunks), summed; the median over the decodes, their number and mean
-    context. None where no decode ran through the join (a server that runs one at a time)."""
+    decode still running, the k longest gaps between its tokens from the prompt's arrival to just
+    after its first token (k: the prompt's chunks; a prefill dwarfs a decode step, and a first
+    token may reach the client a little after the decodes' tokens of the same step), summed; the
+    median over the decodes, their number and mean context. None where no decode ran through the
+    join (a server that runs one at a time)."""
     joiner = record["joiner"]
-    n, first = joiner["prompt_tokens"], joiner["first_s"]
+    n, send, first = joiner["prompt_tokens"], joiner["send_s"], joiner["first_s"]
     k = 1 if chunk is None else -(-n // chunk)
     spans, contexts = [], []
     for r in record["requests"]:
         times = r["chunk_times_s"]
-        after = [i for i, t in enumerate(times) if t >= first - 0.002]
-        # (a server that streams several tokens a chunk, more than now and then, shows no steps)
-        if not after or after[0] < k or times[after[0]] > first + 0.05 or r["output_tokens"] > len(times) * 1.5:
+        if not times or times[-1] < first or r["output_tokens"] > len(times) * 1.5:
+            continue  # ended before the join, or streams several tokens a chunk: no steps to see
+        gaps = sorted(((times[i] - times[i - 1], i) for i in range(1, len(times))
+                       if times[i] > send and times[i - 1] < first + 0.05), reverse=True)  # fmt: skip
+        if len(gaps) < k:
             continue
-        j = after[0]
-        if times[j - k] < joiner["send_s"] - 0.5 * (times[j] - times[j - k]):
-            continue  # those gaps began well before the prompt arrived: not its steps alone
-        spans.append(times[j] - times[j - k])
-        contexts.append(r["prompt_tokens"] + j)
+        spans.append(sum(g for g, _ in gaps[:k]))
+        contexts.append(r["prompt_tokens"] + statistics.fmean(i for _, i in gaps[:k]))
     if not spans:
         return None
     return {"decodes": len(spans), "time_s": statistics.median(spans), "context": statistics.fmean(contexts),
@@ -556,9 +557,13 @@ def balanced(obs: Sequence[Observation]) -> list[float]:
     return [len(obs) / (len(counts) * counts[o.kind]) for o in obs]
 
 
+FITTED = ("prefill", "decode")  # the mixed steps of the joins check the fit, as a served load would
+
+
 def _fit(obs: Sequence[Observation]) -> dict[str, Any]:
-    """Every point in the fit (a few decode points are too few to hold some out of it); the
-    held-out error is the cross-validated one (`cross_validated_errors`)."""
+    """Every prefill and decode point in the fit (a few decode points are too few to hold some out
+    of it); the held-out error is the cross-validated one (`cross_validated_errors`)."""
+    obs = [o for o in obs if o.kind in FITTED]
     return fit_rows([o.row for o in obs], [o.time_s for o in obs], holdout_every=10**9, weights=balanced(obs))
 
 
@@ -605,8 +610,8 @@ def _clear_gain(errors: dict[str, float]) -> str | None:
 
 def infer_switch(results: Results, rtt_s: float, chunk: int | None, rows: KernelRows) -> dict[str, Any]:
     """A batch size past which a decode step costs more than the per-sequence slope says (a
-    kernel switch, or a second pass of the weights), with the decode error of a fit with each
-    candidate; "none" unless one halves it. (The decode points are too few to hold folds out,
+    kernel switch, or a second pass of the weights), with the decode points' mean error in a fit
+    with each candidate; "none" unless one takes it under 60% of none's. (The decode points are too few to hold folds out,
     as the chunk budget's choice does: a burst size held out is an extrapolation.)"""
     top = rows.max_rows or 0
     errors: dict[str, float] = {}
@@ -617,7 +622,7 @@ def infer_switch(results: Results, rtt_s: float, chunk: int | None, rows: Kernel
         except InvalidArgument:
             return {"value": None, "errors_pct": {}, "why": "too few points to fit"}
         decode = [abs(e) for o, e in zip(obs, errs) if o.kind == "decode"]
-        errors["none" if switch is None else str(switch)] = statistics.median(decode) if decode else math.inf
+        errors["none" if switch is None else str(switch)] = statistics.fmean(decode) if decode else math.inf
     best = min(errors, key=errors.__getitem__)
     if best != "none" and errors[best] < SWITCH_MIN_GAIN * errors["none"] and errors["none"] - errors[best] > 1.0:
         return {"value": int(best), "errors_pct": errors, "why": f"decode steps above batch {best} cost a step more"}
@@ -747,9 +752,13 @@ def build_profile(server: ServerInfo, results: Results, run: dict[str, Any], des
                             "give a longer --budget, or --resume to add to them")
     fitted = _fit(obs)
     errs = _errors_pct(obs, fitted["coefficients"])
-    held = cross_validated_errors(obs)
-    fitted["heldout"] = {"count": len(obs), "median_abs_pct": statistics.median(abs(e) for e in held),
-                         "max_abs_pct": max(abs(e) for e in held), "how": f"{CV_FOLDS}-fold cross-validation"}
+    fit_obs = [o for o in obs if o.kind in FITTED]
+    held = dict(zip(map(id, fit_obs), cross_validated_errors(fit_obs)))
+    fitted["heldout"] = {"count": len(held), "median_abs_pct": statistics.median(abs(e) for e in held.values()),
+                         "max_abs_pct": max(abs(e) for e in held.values()), "how": f"{CV_FOLDS}-fold cross-validation"}
+    mixed = [abs(e) for o, e in zip(obs, errs) if o.kind == "mixed"]
+    fitted["mixed_check"] = {"count": len(mixed), "median_abs_pct": statistics.median(mixed) if mixed else None,
+                             "how": "the joins' mixed steps, priced by the fit they were kept out of"}
     fitted.pop("holdout_every", None)
     longest = max((r["prompt_tokens"] for r in results.of("prefill")), default=0)
     settings = server_settings(server, chunk, seqs, longest + 1)
@@ -769,7 +778,7 @@ def build_profile(server: ServerInfo, results: Results, run: dict[str, Any], des
         "run": run,
         "fit": fitted,
         "observations": [{"kind": o.kind, "label": o.label, "time_s": o.time_s, "fit_error_pct": e,
-                          "held_out_error_pct": h, **o.detail} for o, e, h in zip(obs, errs, held)],
+                          "held_out_error_pct": held.get(id(o), e), **o.detail} for o, e in zip(obs, errs)],
     }
 
 
@@ -790,9 +799,13 @@ def report_lines(profile: dict[str, Any]) -> list[str]:
                      f"+{c['per_dense_step_s'] * 1e3:.2f} ms and {c['per_dense_token_s'] * 1e6:.1f} us a token past it")
     if rows["fused_max_rows"] is not None:
         lines.append(f"  decode steps over {rows['fused_max_rows']} sequences: +{c['per_wide_step_s'] * 1e3:.2f} ms")
-    lines += [f"fit: median error {fit['train']['median_abs_pct']:.1f}% on {fit['train']['count']} points, "
-              f"{fit['heldout']['median_abs_pct']:.1f}% held out ({CV_FOLDS}-fold cross-validation)",
-              "server settings:"]
+    lines.append(f"fit: median error {fit['train']['median_abs_pct']:.1f}% on {fit['train']['count']} points, "
+                 f"{fit['heldout']['median_abs_pct']:.1f}% held out ({CV_FOLDS}-fold cross-validation)")
+    check = fit.get("mixed_check") or {}
+    if check.get("count"):
+        lines.append(f"check: {check['count']} mixed steps (a prompt joining running decodes), median error "
+                     f"{check['median_abs_pct']:.1f}%")
+    lines.append("server settings:")
     for key, v in profile["server_settings"].items():
         lines.append(f"  {key:<24} {v['value']!s:<8} {v['source']}, {v['confidence']}: {v['why']}")
     if profile["run"].get("short_outputs"):
