@@ -42,7 +42,8 @@ from servelab.workload.spec import RequestSpec
 # Chunk budgets a server may run with: prompts sit just under and just over each one up to the
 # longest prompt, so a chunk boundary shows as a jump between two neighbouring lengths.
 CHUNK_CANDIDATES = (64, 128, 256, 512, 1024, 2048, 4096, 8192)
-# A chunk budget is reported only when it beats "no chunking" by this share of the prefill error.
+# A chunk budget is reported only when it beats "no chunking" by this share of the prefill error,
+# and by a point at least (at 2% errors a third less is noise).
 CHUNK_MIN_GAIN = 0.2
 # A decode kernel switch is kept only when it takes the decode points' mean error under 60% of it.
 SWITCH_MIN_GAIN = 0.6
@@ -315,6 +316,11 @@ class Prober:
         failed = [r.error for _, r in pairs if not r.success]
         if failed:
             raise ServelabError(f"a burst of {batch} requests of {target} tokens had {len(failed)} failures: {failed[0]}")
+        _, requests = await self.streams(pairs)
+        return {"phase": "burst", "batch": batch, "target": target, "repeat": repeat, "requests": requests}
+
+    async def streams(self, pairs: Sequence[tuple[BenchRequest, StreamResult]]) -> tuple[float, list[dict[str, Any]]]:
+        """The first send time and each stream's record, its times from that send."""
         t0 = min(r.send_s for _, r in pairs)
         requests = []
         for request, r in pairs:
@@ -322,7 +328,7 @@ class Prober:
             requests.append({"prompt_tokens": n, "tokens_from": source, "send_s": r.send_s - t0,
                              "output_tokens": r.usage_output_tokens or len(r.token_times_s),
                              "chunk_times_s": [t - t0 for t in r.token_times_s]})
-        return {"phase": "burst", "batch": batch, "target": target, "repeat": repeat, "requests": requests}
+        return t0, requests
 
 
     async def join(self, batch: int, target: int, output: int, repeat: int) -> dict[str, Any]:
@@ -351,13 +357,7 @@ class Prober:
         failed = [r.error for _, r in [*pairs, (joiner, joined)] if not r.success]
         if failed:
             raise ServelabError(f"a join of a {target}-token prompt into {batch} decodes failed: {failed[0]}")
-        t0 = min(r.send_s for _, r in pairs)
-        requests = []
-        for request, r in pairs:
-            n, source = await self.prompt_tokens(r, request.prompt)
-            requests.append({"prompt_tokens": n, "tokens_from": source, "send_s": r.send_s - t0,
-                             "output_tokens": r.usage_output_tokens or len(r.token_times_s),
-                             "chunk_times_s": [t - t0 for t in r.token_times_s]})
+        t0, requests = await self.streams(pairs)
         n, _ = await self.prompt_tokens(joined, joiner.prompt)
         assert joined.first_token_s is not None
         return {"phase": "join", "batch": batch, "target": target, "repeat": repeat, "requests": requests,
@@ -603,7 +603,7 @@ def decode_rows(results: Results) -> KernelRows:
 
 def _clear_gain(errors: dict[str, float]) -> str | None:
     best = min(errors, key=errors.__getitem__)
-    if best != "none" and errors[best] < (1 - CHUNK_MIN_GAIN) * errors["none"] and errors["none"] - errors[best] > 0.5:
+    if best != "none" and errors[best] < (1 - CHUNK_MIN_GAIN) * errors["none"] and errors["none"] - errors[best] > 1.0:
         return best
     return None
 
