@@ -726,9 +726,9 @@ def server_settings(server: ServerInfo, chunk: dict[str, Any], seqs: dict[str, A
         out["num_blocks"] = _setting(-(-need // out["block_size"]["value"]), "assumed", "low",
                                      "the server does not export its KV capacity and no run reached it: "
                                      "enough for max_num_seqs full-length sequences")
-    caching = cfg.get("enable_prefix_caching")
+    caching = cfg.get("enable_prefix_caching", "").lower()  # vLLM's label says True, servelab's true
     out["enable_prefix_caching"] = (_setting(caching == "true", "metrics", "exact", "cache_config_info")
-                                    if caching in ("true", "false", "True", "False")
+                                    if caching in ("true", "false")
                                     else _setting(False, "assumed", "low", "unknown; every calibration prompt "
                                                                            "was unique"))  # fmt: skip
     return out

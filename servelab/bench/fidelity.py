@@ -74,7 +74,7 @@ def sim_config(profile: dict[str, Any], server: dict[str, str], model: ModelSpec
         max_num_seqs=int(server["max_num_seqs"]),
         max_num_batched_tokens=int(server["max_num_batched_tokens"]),
         max_model_len=int(server["max_model_len"]),
-        enable_prefix_caching=server.get("enable_prefix_caching", "true") == "true",
+        enable_prefix_caching=server.get("enable_prefix_caching", "true").lower() == "true",  # vLLM: True
         **{k: server[k] for k in ("policy", "order") if k in server},
     )
     cost = cost_model if cost_model is not None else ProfileStepCost.from_profile(profile)

