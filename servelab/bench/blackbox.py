@@ -110,14 +110,17 @@ class ServerInfo:
                 "max_model_len": self.max_model_len, "metrics": self.metrics}
 
 
-async def _get_json(client: OpenAIStreamClient, url: str) -> Any:
+async def _get_json(client: OpenAIStreamClient, url: str, body: dict[str, Any] | None = None) -> Any:
+    """GET url (POST body, where given) and its JSON, or None: any failure here only means
+    "this server does not say"."""
     try:
         async with asyncio.timeout(10.0):
-            async with client._http().get(url) as response:
+            call = client._http().get(url) if body is None else client._http().post(url, json=body)
+            async with call as response:
                 if response.status != 200:
                     return None
                 return await response.json(content_type=None)
-    except (Exception, TimeoutError):  # any failure here only means "this server does not say"
+    except Exception:  # noqa: BLE001 - TimeoutError, connection errors, bodies that are not JSON
         return None
 
 
@@ -245,12 +248,7 @@ class Prober:
         root = self.client.base_url.removesuffix("/v1")
         for route in [self.count_path] if self.count_path else ["/tokenize", "/extras/tokenize"]:
             body = {"model": self.client.model, "prompt": prompt, "input": prompt, "content": prompt}
-            try:
-                async with asyncio.timeout(10.0):
-                    async with self.client._http().post(root + route, json=body) as response:
-                        data = await response.json(content_type=None) if response.status == 200 else None
-            except (Exception, TimeoutError):
-                data = None
+            data = await _get_json(self.client, root + route, body)
             if isinstance(data, dict):
                 n = data.get("count") if isinstance(data.get("count"), int) else None
                 if n is None and isinstance(data.get("tokens"), list):
