@@ -5,6 +5,7 @@ killed worker fails only its own requests, and a `servelab worker` joins through
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -133,6 +134,21 @@ def test_a_killed_worker_fails_only_its_requests(dp_server):
     assert reaped(pid[2], timeout_s=10), "the killed worker is left a zombie"
 
 
+def compile_on_each(url: str, worker_pids, regex: str) -> None:
+    """Structured requests in pairs (least-outstanding sends a pair one to each worker, unless the
+    first ends before the second arrives) until every worker has compiled in a grammar worker;
+    each pair's grammar is new, so it compiles wherever it lands."""
+    for n in range(1, 9):
+        body = {"prompt": "hello", "max_tokens": 8, "structured_outputs": {"regex": f"{regex}x{{{n}}}"}}
+        with ThreadPoolExecutor(2) as pool:
+            answers = list(pool.map(lambda _: httpx.post(url + "/v1/completions", json=body, timeout=60), range(2)))
+        assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+        assert all(re.fullmatch(f"{regex}x{{{n}}}", a.json()["choices"][0]["text"]) for a in answers), answers
+        if all(grammar_workers(pid) for pid in worker_pids):
+            return
+    raise AssertionError("8 pairs of structured requests never reached every worker")
+
+
 def test_a_killed_worker_is_restarted_and_serves_again(tiny_dir, tmp_path):
     """Its replacement comes up as the first workers did: its grammar workers start with its first
     compile, as many as the server's --structured-output-compile-workers, and die with it."""
@@ -142,10 +158,7 @@ def test_a_killed_worker_is_restarted_and_serves_again(tiny_dir, tmp_path):
         url = server.url
         before = {w["rank"]: w["pid"] for w in httpx.get(url + "/health").json()["workers"]}
         assert all(grammar_workers(pid) == [] for pid in before.values())  # none until a grammar comes
-        first = {"prompt": "hello", "max_tokens": 8, "structured_outputs": {"regex": "[a-z]{2}"}}
-        with ThreadPoolExecutor(2) as pool:  # least-outstanding: one on each worker
-            answers = list(pool.map(lambda _: httpx.post(url + "/v1/completions", json=first, timeout=60), range(2)))
-        assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
+        compile_on_each(url, before.values(), "[a-z]{2}")
         grammar_pids = {rank: grammar_workers(pid) for rank, pid in before.items()}
         assert all(len(pids) == 1 for pids in grammar_pids.values()), grammar_pids
         os.kill(before[2], signal.SIGKILL)
@@ -166,12 +179,7 @@ def test_a_killed_worker_is_restarted_and_serves_again(tiny_dir, tmp_path):
         with ThreadPoolExecutor(2) as pool:  # least-outstanding: one on each worker, the new one included
             answers = list(pool.map(lambda _: httpx.post(url + "/v1/completions", json=body, timeout=60), range(2)))
         assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
-        structured = {"prompt": "hello", "max_tokens": 8, "structured_outputs": {"regex": "[a-z]{3}"}}
-        with ThreadPoolExecutor(2) as pool:  # a grammar compiled on each worker, in its grammar worker
-            answers = list(pool.map(lambda _: httpx.post(url + "/v1/completions", json=structured, timeout=60),
-                                    range(2)))  # fmt: skip
-        assert [a.status_code for a in answers] == [200, 200], [a.text for a in answers]
-        assert all(len(a.json()["choices"][0]["text"]) == 3 for a in answers), [a.text for a in answers]
+        compile_on_each(url, [w["pid"] for w in workers.values()], "[a-z]{3}")
         assert len(grammar_workers(workers[2]["pid"])) == 1
         assert metric(httpx.get(url + "/metrics").text, "servelab:worker_up") == {"1": 1.0, "2": 1.0}
         pids = [w["pid"] for w in workers.values()]
