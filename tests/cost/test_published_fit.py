@@ -63,13 +63,17 @@ def test_the_data_is_well_formed_and_the_split_is_honest():
     ids = [p["id"] for p in DATA["points"]]
     assert len(ids) == len(set(ids))
     for p in DATA["points"]:
-        assert p["set"] in ("train", "test") and p["source"] in DATA["sources"]
+        assert p["set"] in ("train", "test", *fp.MODERN_SETS) and p["source"] in DATA["sources"]
         fp.roofline(p, Efficiency())  # model, hardware, dtypes and tp are expressible
     train_models = {p["model"] for p in TRAIN}
     train_hardware = {p["hardware"] for p in TRAIN}
     assert {p["model"] for p in TEST} - train_models, "the test set holds models the fit never saw"
     assert {p["hardware"] for p in TEST} - train_hardware, "and hardware it never saw"
     assert {p["weight_dtype"] for p in TRAIN} >= {"bf16", "fp16", "int8", "int4", "fp8"}
+    sets = {}
+    for p in DATA["points"]:
+        sets.setdefault(p["source"], set()).add(p["set"])
+    assert all(len(v) == 1 for v in sets.values() if v & set(fp.MODERN_SETS)), "a modern source sits in one set"
 
 
 # ---- the terms the fit uses are the roofline's own ---------------------------------------------
