@@ -130,21 +130,39 @@ def _fp8_calls(a16: torch.Tensor, ws: list[tuple[torch.Tensor, torch.Tensor]]) -
             for w, sb in ws]  # fmt: skip
 
 
+INT4_GROUP = 128  # weight-only int4 (tinygemm, as gpt-fast and torchao run it): one scale and zero per 128 weights
+
+
+def _int4_weights(device: torch.device, n: int, k: int, copies: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Packed int4 codes ([n][k/2] uint8 packed by torch for the CUDA kernel) and their bf16 scales and zeros."""
+    return [(torch._convert_weight_to_int4pack(torch.randint(0, 256, (n, k // 2), dtype=torch.uint8, device=device), 8),
+             torch.rand(k // INT4_GROUP, n, 2, device=device, dtype=torch.bfloat16))
+            for _ in range(copies)]  # fmt: skip
+
+
 def measure_gemms(timer: Timer, shapes: dict, tokens: list[int], dtypes: list[str], rotate: int) -> list[dict]:
     rows = []
     dev = timer.device
     for model, layers in shapes.items():
         for layer, n, k in layers:
             for dtype in dtypes:
-                fp8 = dtype in FP8_DTYPES
-                wbytes = n * k * (1 if fp8 else torch.finfo(_torch_dtype(dtype)).bits // 8)
+                fp8, int4 = dtype in FP8_DTYPES, dtype == "int4"
+                wbytes = (n * k // 2 + k // INT4_GROUP * n * 4 if int4
+                          else n * k * (1 if fp8 else torch.finfo(_torch_dtype(dtype)).bits // 8))  # fmt: skip
                 copies = max(2, math.ceil(rotate / wbytes))
-                ws = (_fp8_weights(dev, n, k, copies, row_wise=dtype == "fp8") if fp8
-                      else [torch.randn(n, k, device=dev, dtype=_torch_dtype(dtype)) for _ in range(copies)])  # fmt: skip
+                try:
+                    ws = (_fp8_weights(dev, n, k, copies, row_wise=dtype == "fp8") if fp8
+                          else _int4_weights(dev, n, k, copies) if int4
+                          else [torch.randn(n, k, device=dev, dtype=_torch_dtype(dtype)) for _ in range(copies)])  # fmt: skip
+                except (RuntimeError, AttributeError) as e:  # a format this torch build cannot pack
+                    rows.append(dict(model=model, layer=layer, dtype=dtype, n=n, k=k, error=str(e).splitlines()[0][:200]))
+                    continue
                 for m in tokens:
                     row = dict(model=model, layer=layer, dtype=dtype, m=m, n=n, k=k)
-                    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16 if fp8 else _torch_dtype(dtype))
-                    calls = _fp8_calls(a, ws) if fp8 else [lambda w=w, a=a: F.linear(a, w) for w in ws]
+                    a = torch.randn(m, k, device=dev, dtype=torch.bfloat16 if fp8 or int4 else _torch_dtype(dtype))
+                    calls = (_fp8_calls(a, ws) if fp8
+                             else [lambda w=w, a=a: torch._weight_int4pack_mm(a, w[0], INT4_GROUP, w[1]) for w in ws] if int4
+                             else [lambda w=w, a=a: F.linear(a, w) for w in ws])  # fmt: skip
                     try:
                         t = timer.median_s(calls)
                     except (RuntimeError, TypeError) as e:  # e.g. an fp8 shape cuBLASLt refuses
@@ -276,7 +294,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: gemm, fp8, prefill, decode")
     ap.add_argument("--dtypes", default=None,
                     help="GEMM formats, comma-separated, of the device's 16-bit type (bfloat16 on CUDA, float32 on a "
-                         "CPU), fp8 (row-wise scales) and fp8_tensor (one scale a tensor); default: 16-bit and fp8")
+                         "CPU), fp8 (row-wise scales), fp8_tensor (one scale a tensor) and int4 (weight-only, "
+                         "groups of 128); default: 16-bit and fp8")
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_kernels: --device cuda but torch sees no CUDA device (use --device cpu)", file=sys.stderr)
@@ -288,10 +307,11 @@ def main(argv: list[str] | None = None) -> int:
     dtypes = [dtype] + (["fp8"] if dev.type == "cuda" and "fp8" not in skip else [])
     if args.dtypes:
         dtypes = [d for d in args.dtypes.split(",") if d]
-        bad = [d for d in dtypes if d not in (dtype, *FP8_DTYPES) or (d in FP8_DTYPES and dev.type != "cuda")]
+        cuda_only = (*FP8_DTYPES, "int4")
+        bad = [d for d in dtypes if d not in (dtype, *cuda_only) or (d in cuda_only and dev.type != "cuda")]
         if bad:
             print(f"gpu_kernels: --dtypes {','.join(bad)}: not timed on {dev.type} (take {dtype}"
-                  f"{', fp8, fp8_tensor' if dev.type == 'cuda' else ''})", file=sys.stderr)
+                  f"{', fp8, fp8_tensor, int4' if dev.type == 'cuda' else ''})", file=sys.stderr)
             return 2
     cfg = QUICK if args.quick else dict(prefill=PREFILL_LENS, batches=DECODE_BATCHES, contexts=DECODE_CONTEXTS,
                                          attn=ATTN, rotate=ROTATE_BYTES)  # fmt: skip

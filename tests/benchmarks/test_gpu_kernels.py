@@ -60,3 +60,19 @@ def test_h200_fp8_scaling_data_covers_both_scalings():
 def test_fp8_on_a_cpu_is_refused_by_name(tmp_path, capsys):
     assert gpu_kernels.main(["--device", "cpu", "--quick", "--dtypes", "fp8_tensor", "--out", str(tmp_path / "x")]) == 2
     assert "--dtypes fp8_tensor: not timed on cpu" in capsys.readouterr().err
+
+
+def test_int4_on_a_cpu_is_refused_by_name(tmp_path, capsys):
+    assert gpu_kernels.main(["--device", "cpu", "--quick", "--dtypes", "int4", "--out", str(tmp_path / "x")]) == 2
+    assert "--dtypes int4: not timed on cpu" in capsys.readouterr().err
+
+
+def test_h200_int4_data_streams_below_the_copy_bandwidth():
+    d = json.loads((ROOT / "benchmarks/data/h200_int4.json").read_text())
+    rows = d["gemm"]
+    assert d["device"] == "NVIDIA H200" and rows and not any("error" in r for r in rows)
+    assert {r["dtype"] for r in rows} == {"int4"}
+    for r in rows:
+        packed = r["n"] * r["k"] // 2 + r["k"] // gpu_kernels.INT4_GROUP * r["n"] * 4  # codes, bf16 scale and zero
+        assert r["bytes"] == packed + 2 * r["m"] * (r["n"] + r["k"]) and r["time_s"] > 0
+        assert r["bytes"] / r["time_s"] < 4.3e12  # the H200's measured copy rate, 4.2 TB/s

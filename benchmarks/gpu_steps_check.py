@@ -1,0 +1,96 @@
+"""Price the GPU steps benchmarks/gpu_steps.py measured with the roofline, and print the errors.
+
+    python benchmarks/gpu_steps_check.py [benchmarks/data/h200_steps.json] [--markdown] [--json]
+
+Each measured step (a prefill, a decode batch, or both in one step) is priced on the catalog's
+part with the model cut to the layers that ran, once with the end-to-end `Efficiency` defaults
+and once with the measured kernels (`Roofline(..., measured_kernels=True)`). The CUDA-graph time
+is the reference: the engines the defaults are fitted to (TensorRT-LLM, gpt-fast) run decode as
+one graph. The eager time is printed beside it: what launching every kernel from Python costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import statistics
+import sys
+from pathlib import Path
+
+try:
+    import servelab  # noqa: F401
+except ModuleNotFoundError:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from servelab.cost.roofline import Roofline
+from servelab.spec.hardware import get_hardware
+from servelab.spec.model import get_model
+
+DATA = Path(__file__).parent / "data" / "h200_steps.json"
+HARDWARE = {"NVIDIA H200": "h200"}
+
+
+def step_shape(row: dict) -> list[tuple[int, int]]:
+    """The roofline's shape of a measured step: the prompt, then each decode at its context + 1."""
+    shape = [(row["prefill_tokens"], row["prefill_tokens"])] if row["prefill_tokens"] else []
+    return shape + [(1, row["decode_context"] + 1)] * row["decode_batch"]
+
+
+def price(data: dict) -> list[dict]:
+    hw = get_hardware(HARDWARE.get(data["device"], data["device"]))
+    out = []
+    for row in data["steps"]:
+        if "graph_s" not in row:
+            continue
+        model = dataclasses.replace(get_model(row["model"]), num_layers=row["layers"])
+        shape = step_shape(row)
+        priced = dict(row)
+        for key, measured in (("default_s", False), ("measured_kernels_s", True)):
+            roof = Roofline(model, hw, weight_dtype=row["dtype"], kv_dtype="bf16", measured_kernels=measured)
+            priced[key] = roof.step_time_s(shape)
+            priced[key.replace("_s", "_error_pct")] = 100.0 * (priced[key] / row["graph_s"] - 1.0)
+        out.append(priced)
+    return out
+
+
+def label(r: dict) -> str:
+    parts = [f"{r['model']} {r['dtype']} L{r['layers']}"]
+    if r["prefill_tokens"]:
+        parts.append(f"prefill {r['prefill_tokens']}")
+    if r["decode_batch"]:
+        parts.append(f"decode {r['decode_batch']}x{r['decode_context']}")
+    return " ".join(parts)
+
+
+def summary(rows: list[dict], key: str) -> str:
+    errs = [abs(r[key]) for r in rows]
+    return f"median |error| {statistics.median(errs):.1f}%, max {max(errs):.1f}%, {sum(e <= 15 for e in errs)}/{len(errs)} within 15%"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("data", nargs="?", type=Path, default=DATA)
+    ap.add_argument("--markdown", action="store_true", help="a Markdown table")
+    ap.add_argument("--json", action="store_true", help="every priced row as JSON")
+    args = ap.parse_args(argv)
+    rows = price(json.loads(args.data.read_text()))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    if args.markdown:
+        print("| step | graph ms | eager ms | default ms | error | measured kernels ms | error |")
+        print("|---|---:|---:|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {label(r)} | {r['graph_s'] * 1e3:.2f} | {r['eager_s'] * 1e3:.2f} | {r['default_s'] * 1e3:.2f} | "
+                  f"{r['default_error_pct']:+.1f}% | {r['measured_kernels_s'] * 1e3:.2f} | {r['measured_kernels_error_pct']:+.1f}% |")
+    else:
+        for r in rows:
+            print(f"{label(r):45s} graph {r['graph_s'] * 1e3:8.2f} ms  eager {r['eager_s'] * 1e3:8.2f}  "
+                  f"default {r['default_error_pct']:+6.1f}%  measured kernels {r['measured_kernels_error_pct']:+6.1f}%")
+    print(f"\ndefaults: {summary(rows, 'default_error_pct')}")
+    print(f"measured kernels: {summary(rows, 'measured_kernels_error_pct')}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

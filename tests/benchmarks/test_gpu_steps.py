@@ -1,0 +1,47 @@
+"""benchmarks/gpu_steps.py without a GPU (the whole script on the CPU, `--quick`), and the H200
+steps it measured, priced by the roofline (benchmarks/gpu_steps_check.py)."""
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+import gpu_steps  # noqa: E402
+import gpu_steps_check  # noqa: E402
+
+
+def test_quick_cpu_run_times_every_step_kind(tmp_path):
+    out = tmp_path / "s.json"
+    torch.manual_seed(0)
+    assert gpu_steps.main(["--device", "cpu", "--quick", "--repeats", "2", "--out", str(out)]) == 0
+    d = json.loads(out.read_text())
+    (name, _, _, prefills, batches, contexts, mixed), = gpu_steps.QUICK_PLAN
+    expected = {(p, 0, 0) for p in prefills} | {(0, b, c) for b in batches for c in contexts} | set(mixed)
+    assert {(r["prefill_tokens"], r["decode_batch"], r["decode_context"]) for r in d["steps"]} == expected
+    assert all(r["eager_s"] > 0 and "graph_s" not in r for r in d["steps"])  # graphs are CUDA's
+    assert d["models"][name]["layers"] == gpu_steps.MODELS[name].layers
+
+
+def test_a_step_returns_one_row_of_logits_per_sequence():
+    m = gpu_steps.Model(gpu_steps.MODELS["tiny"], 2, "bf16", torch.device("cpu"), torch.float32)
+    caches = m.caches(3, 8)
+    assert m.step(5, 3, 8, caches)().shape == (4, gpu_steps.MODELS["tiny"].vocab)
+    assert m.step(5, 0, 0, None)().shape == (1, gpu_steps.MODELS["tiny"].vocab)
+
+
+def test_h200_steps_priced_by_the_measured_kernels():
+    rows = gpu_steps_check.price(json.loads(gpu_steps_check.DATA.read_text()))
+    assert len(rows) == 45
+    bf16 = [r for r in rows if r["dtype"] == "bf16"]
+    # The measured kernels price these steps closer than the end-to-end defaults, which are
+    # fitted to engines that are not this plain-PyTorch step.
+    assert statistics.median(abs(r["measured_kernels_error_pct"]) for r in bf16) < 5.0
+    assert statistics.median(abs(r["measured_kernels_error_pct"]) for r in rows) < statistics.median(
+        abs(r["default_error_pct"]) for r in rows)
+    # A CUDA graph removes the host's launches: eager costs more wherever the GPU work is short.
+    short = [r for r in rows if r["graph_s"] < 0.01]
+    assert all(r["eager_s"] > r["graph_s"] for r in short)
