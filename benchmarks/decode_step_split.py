@@ -28,7 +28,7 @@ from engine_cpu import Servelab, prompt_ids  # noqa: E402
 
 from servelab.core.sequence import SamplingParams  # noqa: E402
 from servelab.engine import native  # noqa: E402
-from servelab.engine.llm_engine import QUANTIZATIONS  # noqa: E402
+from servelab.engine.args import QUANTIZATIONS  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,6 +30,22 @@ def parse_duration_s(text: str | float, *, name: str = "duration", positive: boo
     return value
 
 
+_BYTES = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_BYTE_SCALE = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_bytes(text: str, *, name: str) -> int:
+    """'1GiB' -> 1073741824, '512MB' -> 512000000, '4096' -> 4096."""
+    match = _BYTES.match(text)
+    if not match:
+        raise InvalidArgument(f"{name}: cannot parse {text!r} as a size in bytes (examples: 1GiB, 512MiB, 4096)")
+    value = int(float(match.group(1)) * _BYTE_SCALE[(match.group(2) or "b").lower()])
+    if value < 1:
+        raise InvalidArgument(f"{name}: must be at least 1 byte, got {text!r}")
+    return value
+
+
 def _split_list(text: str, name: str) -> list[str]:
     """'a, b' -> ['a', 'b']; '' -> []; an empty item ('a,,b', 'a,') is an error."""
     items = [t.strip() for t in str(text).split(",")]

@@ -49,13 +49,11 @@ def _package(module: str) -> str:
     return parts[1] if len(parts) > 1 else "<top>"
 
 
-def _imports(path: Path, module_level_only: bool) -> set[str]:
-    tree = ast.parse(path.read_text())
-    nodes = ast.walk(tree)
-    if module_level_only:  # what runs at import time: the module body and `if TYPE_CHECKING:` blocks
-        nodes = [n for top in tree.body for n in ([top] if not isinstance(top, ast.If) else ast.walk(top))]
+def _imports(path: Path) -> set[str]:
+    """Every servelab module `path` imports: at module level, under `if TYPE_CHECKING:`, and inside
+    functions (an import delayed to a call still makes the two modules depend on each other)."""
     names = set()
-    for node in nodes:
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             names |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -79,37 +77,93 @@ def test_no_package_imports_a_layer_above_it():
     assert len(modules) > 50  # the walk found the package
     for module, path in modules.items():
         pkg = _package(module)
-        for target in _imports(path, module_level_only=False):
+        for target in _imports(path):
             dep = _package(_resolve(target, modules))
             if dep != pkg and dep not in BASE and dep not in ALLOWED[pkg]:
                 wrong.append(f"{module} imports {target}")
     assert not wrong, "\n".join(sorted(wrong))
 
 
-def test_no_import_circles():
+def _import_graph() -> dict[str, set[str]]:
     modules = _modules()
-    graph = {m: {t for t in _imports(p, module_level_only=True) if t in modules and t != m}
-             for m, p in modules.items()}
+    graph = {m: {_resolve(t, modules) for t in _imports(p)} - {m} for m, p in modules.items()}
     # a package's __init__ re-exporting its submodules is not a circle with them
-    graph = {m: {t for t in ts if not (m.startswith(t + ".") and modules[t].name == "__init__.py")}
-             for m, ts in graph.items()}
-    state: dict[str, int] = {}
-    circles = []
+    return {m: {t for t in ts if not (m.startswith(t + ".") and modules[t].name == "__init__.py")}
+            for m, ts in graph.items()}  # fmt: skip
 
-    def visit(node: str, stack: list[str]) -> None:
-        state[node] = 1
-        for nxt in sorted(graph[node]):
-            if state.get(nxt) == 1:
-                circles.append(" -> ".join(stack[stack.index(nxt):] + [node, nxt]) if nxt in stack
-                               else f"{node} -> {nxt}")
-            elif nxt not in state:
-                visit(nxt, stack + [node])
-        state[node] = 2
 
-    for m in sorted(graph):
-        if m not in state:
-            visit(m, [])
-    assert not circles, "\n".join(circles)
+def _strongly_connected(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Tarjan's algorithm, iterative: the components of more than one module, each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components = []
+    for root in sorted(graph):
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, targets = work[-1]
+            nxt = next(targets, None)
+            if nxt is not None:
+                if nxt not in index:
+                    index[nxt] = low[nxt] = len(index)
+                    stack.append(nxt)
+                    on_stack.add(nxt)
+                    work.append((nxt, iter(sorted(graph[nxt]))))
+                elif nxt in on_stack:
+                    low[node] = min(low[node], index[nxt])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    components.append(sorted(component))
+    return components
+
+
+def _a_cycle(graph: dict[str, set[str]], component: list[str]) -> list[str]:
+    """One circle through the component's first module, as a path that ends where it starts."""
+    members = set(component)
+    start = component[0]
+    paths = {start: [start]}
+    frontier = [start]
+    while frontier:  # breadth first: the shortest way back to the start
+        node = frontier.pop(0)
+        for nxt in sorted(graph[node] & members):
+            if nxt == start:
+                return paths[node] + [start]
+            if nxt not in paths:
+                paths[nxt] = paths[node] + [nxt]
+                frontier.append(nxt)
+    raise AssertionError(f"no circle through {start}")
+
+
+def test_strongly_connected_finds_circles_and_only_them():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a", "d"}, "d": set(), "e": {"e"}}
+    assert _strongly_connected(graph) == [["a", "b", "c"]]
+    assert _a_cycle(graph, ["a", "b", "c"]) == ["a", "b", "c", "a"]
+
+
+def test_no_import_circles():
+    """No two modules import each other, directly or around a circle, whether the import is at
+    module level or inside a function: a function-level import may delay a heavy dependency
+    (torch, fastapi, xgrammar), never hide a circle."""
+    graph = _import_graph()
+    circles = [" -> ".join(_a_cycle(graph, c)) + f"   (all of: {', '.join(c)})" for c in _strongly_connected(graph)]
+    assert not circles, "import circles:\n" + "\n".join(circles)
 
 
 def test_the_lab_loads_without_the_engine_or_torch():

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from servelab.errors import InvalidArgument
+from servelab.errors import InvalidArgument, ServelabError
 
 HEARTBEAT_S = 1.0  # each end sends something at least this often
 PEER_TIMEOUT_S = 30.0  # a link silent for this long is dead (a loaded host may stall a process for seconds)
@@ -31,6 +31,13 @@ HANG_TIMEOUT_S = 300.0  # default: a worker whose loop finishes no pass for this
 TAG_HEADER = 1
 TAG_PAYLOAD = 2
 FIRST_DATA_TAG = 16  # tags from here on are free for bulk data (e.g. KV blocks) on the same groups
+
+
+class ClusterFailed(ServelabError):
+    """The workers did not all join or start."""
+
+    http_status = 503
+    error_type = "server_overloaded"
 
 
 class PeerLost(RuntimeError):

@@ -1,11 +1,10 @@
 """`--disagg P:D`: the prefill and decode pools and how their KV moves (torch-free: the CLI
-reads it). cluster/disagg_worker.py runs the workers, cluster/kv_transfer.py moves the blocks."""
+reads it). cluster/disagg_worker.py runs the workers, cluster/kv_transfer.py forms their
+transfer groups and moves the blocks."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
-
 from servelab.errors import InvalidArgument
 
 # one message per block (every layer's K and V) or per layer (every block's); block is the default:
@@ -46,12 +45,6 @@ class DisaggConfig:
 
     def role_of(self, rank: int) -> str:
         return "prefill" if rank <= self.num_prefill else "decode"
-
-    def join_transfer_groups(self) -> dict[int, Any]:
-        """Every rank calls it once, the front end too: this rank's peers' groups."""
-        from servelab.cluster.kv_transfer import pair_groups
-
-        return pair_groups(self.prefill_ranks, self.decode_ranks, self.kv_timeout_s)
 
 
 def parse_disagg(text: str) -> tuple[int, int]:

@@ -1,4 +1,4 @@
-"""Prefill and decode workers (`servelab serve --disagg P:D`): cluster/worker.py's step loop,
+"""Prefill and decode workers (`servelab serve --disagg P:D`): cluster/worker_loop.py's step loop,
 plus a link to each peer of the other pool and a thread that moves KV blocks.
 
 A request's journey:
@@ -31,11 +31,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from servelab.cluster import kv_transfer
 from servelab.cluster import messages as m
 from servelab.cluster.channel import FIRST_DATA_TAG, Link, PeerLost, Rendezvous, pair_link
 from servelab.cluster.disagg_config import DisaggConfig
-from servelab.cluster.kv_transfer import KVLayout
-from servelab.cluster.worker import WorkerLoop
+from servelab.cluster.kv_transfer import KVLayout, join_transfer_groups
+from servelab.cluster.worker_loop import WorkerLoop
 
 if TYPE_CHECKING:
     from servelab.core.sequence import SamplingParams
@@ -152,7 +153,7 @@ def disagg_loop(engine: LLMEngine, link: Link, config: m.WorkerConfig, rdv: Rend
     or, for a restarted worker, the pair links it formed with its peers."""
     disagg: DisaggConfig = config.disagg
     if peers is None:
-        groups = disagg.join_transfer_groups()
+        groups = join_transfer_groups(disagg)
         peers = {peer: Link(peer, group) for peer, group in groups.items()}
     cls = PrefillLoop if config.role == "prefill" else DecodeLoop
     return cls(engine, link, disagg, peers, grammars, rdv)
@@ -347,13 +348,11 @@ class PrefillLoop(_DisaggLoop):
         """A Go starts its send at once: the step loop may be in a long prefill step, while the
         decode worker waits with its receives posted (on this 2-core host that wait was ~3 s of a
         3.5 s mean transfer, docs/disaggregation.md). The held blocks are the send's alone."""
-        from servelab.cluster.kv_transfer import send_blocks
-
         held = self.held.get(message.request_id) if isinstance(message, Go) else None
         if held is None:
             return False
         held.sending = True
-        future = self._start_transfer(send_blocks, self.kv, held.blocks[message.first_block :], src, tag=message.tag,
+        future = self._start_transfer(kv_transfer.send_blocks, self.kv, held.blocks[message.first_block :], src, tag=message.tag,
                                       timeout_s=self.disagg.kv_timeout_s, granularity=self.disagg.granularity,
                                       group=self.peers[src].group, group_peer=self.peers[src].group_peer)  # fmt: skip
         self.commands.put(_Started(message.request_id, future))
@@ -448,8 +447,6 @@ class DecodeLoop(_DisaggLoop):
         self._reserve()
 
     def _reserve(self) -> None:
-        from servelab.cluster.kv_transfer import recv_blocks
-
         while self.offers:
             pending = self.offers[0]
             offer = pending.offer
@@ -467,7 +464,7 @@ class DecodeLoop(_DisaggLoop):
             tag = next(self.tags)
             self.receiving[offer.request_id] = False
             queue_s = time.perf_counter() - pending.arrived_s
-            future = self._start_transfer(recv_blocks, self.kv, seq.block_table[first_block:], pending.src, tag=tag,
+            future = self._start_transfer(kv_transfer.recv_blocks, self.kv, seq.block_table[first_block:], pending.src, tag=tag,
                                           timeout_s=self.disagg.kv_timeout_s, granularity=self.disagg.granularity,
                                           group=self.peers[pending.src].group,
                                           group_peer=self.peers[pending.src].group_peer)  # fmt: skip

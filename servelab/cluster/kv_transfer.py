@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from servelab.cluster.disagg_config import DEFAULT_KV_TRANSFER_TIMEOUT_S, GRANULARITIES
+from servelab.cluster.disagg_config import DEFAULT_KV_TRANSFER_TIMEOUT_S, GRANULARITIES, DisaggConfig
 from servelab.engine.kv_cache import PagedKVCache
 from servelab.errors import InvalidArgument
 
@@ -65,6 +65,11 @@ def pair_groups(prefill_ranks: list[int], decode_ranks: list[int], timeout_s: fl
             if me in (p, d):
                 groups[d if me == p else p] = group
     return groups
+
+
+def join_transfer_groups(disagg: DisaggConfig) -> dict[int, Any]:
+    """Every rank calls it once, the front end too: this rank's peers' groups."""
+    return pair_groups(disagg.prefill_ranks, disagg.decode_ranks, disagg.kv_timeout_s)
 
 
 def _isend(tensor: torch.Tensor, dst: int, tag: int, group: Any, group_peer: int | None) -> Any:

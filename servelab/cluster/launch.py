@@ -16,10 +16,10 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from servelab.cluster import messages as m
-from servelab.cluster.channel import HANG_TIMEOUT_S, JOIN_TIMEOUT_S, PeerLost, Rendezvous, join, leave, pair_link
+from servelab.cluster.channel import HANG_TIMEOUT_S, ClusterFailed, JOIN_TIMEOUT_S, PeerLost, Rendezvous, join, leave, pair_link
 from servelab.cluster.front_end import DEFAULT_RESTART_LIMIT, ClusterEngine, WorkerHandle
 from servelab.engine.grammar_workers import GrammarConfig
-from servelab.errors import InvalidArgument, ServelabError
+from servelab.errors import InvalidArgument
 from servelab.logs import log_to_stderr
 from servelab.core.router import Router
 
@@ -28,13 +28,6 @@ if TYPE_CHECKING:
     from servelab.engine.llm_engine import EngineArgs, LLMEngine
 
 logger = logging.getLogger("servelab.cluster")
-
-
-class ClusterFailed(ServelabError):
-    """The workers did not all join or start."""
-
-    http_status = 503
-    error_type = "server_overloaded"
 
 
 class _FrontEndExecutor:
@@ -110,7 +103,9 @@ def start_cluster(
         readies = {rank: _ready(rank, link.recv(timeout_s=join_timeout_s)) for rank, link in links.items()}
         first = _check_alike(readies)
         if disagg is not None:
-            disagg.join_transfer_groups()  # collective: every rank forms the prefill/decode pairs
+            from servelab.cluster.kv_transfer import join_transfer_groups  # torch
+
+            join_transfer_groups(disagg)  # collective: every rank forms the prefill/decode pairs
         shell = _shell_engine(engine_args, first)
     except BaseException as exc:
         for link in links.values():

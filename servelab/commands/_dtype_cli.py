@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 from servelab.commands._deprecated import add_deprecated_flag, note_deprecated
-from servelab.engine.llm_engine import DTYPES, KV_CACHE_DTYPES
 from servelab.spec.dtypes import (
     DEFAULT_DTYPE,
     DEPRECATED_ALIASES,
@@ -25,20 +24,13 @@ from servelab.spec.dtypes import (
     weight_dtype,
 )
 
-ENGINE_DTYPE_HELP = ("compute dtype: auto, " + ", ".join(DTYPES) + " (default auto: float32 on a CPU, where "
-                     "all of servelab's fast kernels compute; bfloat16, else float16, on CUDA)")
-ENGINE_KV_CACHE_DTYPE_HELP = (
-    "KV cache storage: " + ", ".join(KV_CACHE_DTYPES) + " (default auto: the compute dtype); 16 bits hold "
-    "twice the tokens of float32 (float16 saturates to inf above 65504, bfloat16 keeps float32's range with "
-    "fewer bits)"
-)
 COST_DTYPE_HELP = (f"weight dtype: {', '.join(WEIGHT_DTYPES)} or a GGUF block format ({GGUF_WEIGHT_FORMATS[0]} ... "
                    f"{GGUF_WEIGHT_FORMATS[-1]}) (default {DEFAULT_DTYPE})")
 COST_KV_CACHE_DTYPE_HELP = (f"KV cache dtype: {', '.join(KV_DTYPES)}, or auto (the weights' float dtype, else "
                             f"{DEFAULT_DTYPE}) (default {DEFAULT_DTYPE})")
 
 
-def _dtype_type(flag: str) -> Callable[[str], str]:
+def dtype_type(flag: str) -> Callable[[str], str]:
     """An argparse type: the canonical name, after a note for an old spelling. Whether the command
     can act on it is checked where it is used (EngineArgs.validate, `cost_dtypes`), so that the
     error is servelab's one line, not argparse's usage."""
@@ -52,23 +44,14 @@ def _dtype_type(flag: str) -> Callable[[str], str]:
     return convert
 
 
-def _add(group: Any, *, dtype_default: str | None, kv_default: str, dtype_help: str, kv_help: str) -> None:
-    group.add_argument("--dtype", type=_dtype_type("--dtype"), default=dtype_default, metavar="DTYPE",
-                       help=dtype_help)
-    kv = group.add_argument("--kv-cache-dtype", type=_dtype_type("--kv-cache-dtype"), default=kv_default,
-                            metavar="KV_CACHE_DTYPE", help=kv_help)
-    add_deprecated_flag(group, "--kv-dtype", kv)
-
-
-def add_engine_dtype_arguments(group: Any) -> None:
-    """serve, generate, chat, calibrate: what the engine runs (EngineArgs.validate checks it)."""
-    _add(group, dtype_default=None, kv_default="auto", dtype_help=ENGINE_DTYPE_HELP, kv_help=ENGINE_KV_CACHE_DTYPE_HELP)
-
-
 def add_cost_dtype_arguments(group: Any) -> None:
-    """sim, plan, roofline: what the cost model prices (`cost_dtypes` checks it)."""
-    _add(group, dtype_default=DEFAULT_DTYPE, kv_default=DEFAULT_DTYPE, dtype_help=COST_DTYPE_HELP,
-         kv_help=COST_KV_CACHE_DTYPE_HELP)
+    """sim, plan, roofline: what the cost model prices (`cost_dtypes` checks it). The engine's
+    commands generate theirs from EngineArgs (_engine_cli.py), with this module's `dtype_type`."""
+    group.add_argument("--dtype", type=dtype_type("--dtype"), default=DEFAULT_DTYPE, metavar="DTYPE",
+                       help=COST_DTYPE_HELP)
+    kv = group.add_argument("--kv-cache-dtype", type=dtype_type("--kv-cache-dtype"), default=DEFAULT_DTYPE,
+                            metavar="KV_CACHE_DTYPE", help=COST_KV_CACHE_DTYPE_HELP)
+    add_deprecated_flag(group, "--kv-dtype", kv)
 
 
 def cost_dtypes(args: argparse.Namespace) -> tuple[str, str]:

@@ -1,46 +1,97 @@
-"""Engine flags shared by `servelab generate` and `servelab chat` (no torch at import)."""
+"""The engine's CLI flags, generated from `EngineArgs`' fields as the scheduler's are from
+`SchedulerConfig`'s (their names, defaults, choices and help lines are written once, in
+servelab/engine/args.py), and the flags `generate` and `chat` share. No torch at import."""
 
 from __future__ import annotations
 
 import argparse
 import re
 import sys
+import typing
+from collections.abc import Iterable
+from dataclasses import Field, fields
 from typing import Any
 
-from servelab.commands._dtype_cli import add_engine_dtype_arguments
+from servelab.commands._deprecated import add_deprecated_flag
+from servelab.commands._dtype_cli import dtype_type
 from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
+from servelab.core.config import SchedulerConfig
 from servelab.core.sequence import SamplingParams
+from servelab.engine.args import DEFAULT_MAX_MODEL_LEN, EngineArgs
 from servelab.engine.generation_config import SOURCE_HELP, sampling_default
-from servelab.engine.llm_engine import DEFAULT_MAX_MODEL_LEN, QUANTIZATIONS, EngineArgs
+from servelab.errors import InvalidArgument
+from servelab.units import parse_bytes
 
-# shared with `servelab serve`
-QUANTIZATION_HELP = (
-    "CPU linears that trade numerics for speed, batch-invariant: int8 (7-bit weights, int8 activations; "
-    "1.5-6x faster than fp32) or bf16 (bf16 weights and activations, fp32 sums; prefill GEMMs ~2x faster "
-    "on AVX512-BF16) (default: off, exact fp32)"
-)
+# the engine flags of generate, chat and calibrate (serve adds its own: served_model_name, seed, ...)
+ENGINE_FLAGS = ("model", "dtype", "kv_cache_dtype", "device", "quantization", "deterministic",
+                "tensor_parallel_size")  # fmt: skip
 
-DETERMINISTIC_HELP = (
-    "greedy output bit-identical whatever else is in the batch, however prompts are chunked and across "
-    "preemption: one kernel for every batch size, float32 compute, CPU only; slower (docs/benchmarks.md)"
-)
 
-TENSOR_PARALLEL_HELP = (
-    "split the model across N processes on this host (Megatron sharding, gloo): each holds 1/N of the "
-    "weights and of the KV cache; the host's threads are shared between them (default: 1)"
-)
+def _knobs() -> dict[str, Field]:
+    return {f.name: f for f in fields(EngineArgs) if "help" in f.metadata}
+
+
+def engine_flag_name(name: str) -> str:
+    """The flag of an EngineArgs field: --tensor-parallel-size for tensor_parallel_size, unless the field says."""
+    return _knobs()[name].metadata.get("flag") or "--" + name.replace("_", "-")
+
+
+def add_engine_args_flags(group: Any, names: Iterable[str]) -> None:
+    """One flag per named EngineArgs field (with its aliases and deprecated spellings)."""
+    knobs = _knobs()
+    hints = typing.get_type_hints(EngineArgs)
+    for name in names:
+        f = knobs[name]
+        meta = f.metadata
+        flag = engine_flag_name(name)
+        flags = (flag, *meta.get("aliases", ()))
+        if isinstance(f.default, bool):  # a switch: store_true turns a default-off feature on
+            group.add_argument(*flags, dest=name, action="store_false" if f.default else "store_true",
+                               help=meta["help"])  # fmt: skip
+            continue
+        shown = f" {f.default}" if f.default is not None else f": {meta['unset']}"
+        parse = meta.get("parse")
+        if parse == "dtype":
+            kind: Any = dtype_type(flag)
+        elif parse == "bytes":  # read in engine_args_from, so that its error names the flag as servelab's
+            kind = str
+        else:
+            kind = int if int in (hints[name], *typing.get_args(hints[name])) else str
+        metavar = meta.get("metavar") or (None if "choices" in meta else flag.removeprefix("--").replace("-", "_").upper())
+        action = group.add_argument(*flags, dest=name, type=kind, default=f.default, choices=meta.get("choices"),
+                                    metavar=metavar, help=f"{meta['help']} (default{shown})")  # fmt: skip
+        for old in meta.get("deprecated_flags", ()):
+            add_deprecated_flag(group, old, action)
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """The engine group of generate, chat and calibrate."""
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="GGUF file or HF model directory (default: the bundled SmolLM2-135M-Instruct Q4_1)")
-    add_engine_dtype_arguments(g)
-    g.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default: cpu)")
+    add_engine_args_flags(g, ENGINE_FLAGS)
     add_scheduler_arguments(g, ("max_model_len",), unset={"max_model_len": f"the model's, at most {DEFAULT_MAX_MODEL_LEN}"})
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    g.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
-    g.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
-    g.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help=TENSOR_PARALLEL_HELP)
+
+
+def engine_args_from(args: argparse.Namespace, names: Iterable[str] = ENGINE_FLAGS, **overrides: Any) -> EngineArgs:
+    """The EngineArgs the parsed flags describe: the fields `names` (the ones the command has flags
+    for; the others keep their defaults) and the scheduler's knobs; `overrides` set fields or
+    scheduler knobs (calibrate fixes its budget). Errors name the flag."""
+    knobs = {k: overrides.pop(k) for k in list(overrides) if k in SchedulerConfig.__dataclass_fields__}
+    scheduler = scheduler_config_from_args(args, **knobs)
+    values: dict[str, Any] = {}
+    for name in names:
+        value = getattr(args, name)
+        if _knobs()[name].metadata.get("parse") == "bytes" and value is not None:
+            value = parse_bytes(value, name=engine_flag_name(name))
+        values[name] = value
+    values.update(overrides)
+    try:
+        return EngineArgs(scheduler=scheduler, **values)
+    except InvalidArgument as exc:
+        name = exc.param or ""
+        if name not in values or name in overrides or not exc.message.startswith(name + " "):
+            raise
+        raise InvalidArgument(f"{engine_flag_name(name)} {exc.message.removeprefix(name + ' ')}", param=name) from None
 
 
 def _default_help(key: str) -> str:
@@ -85,24 +136,12 @@ def sampling_params_from(args: argparse.Namespace, defaults: dict[str, float] | 
 
 
 def set_threads(args: argparse.Namespace) -> None:
-    from servelab.errors import InvalidArgument
-
     if args.threads is not None:
         if args.threads < 1:
             raise InvalidArgument(f"--threads must be >= 1, got {args.threads}", param="threads")
         import torch
 
         torch.set_num_threads(args.threads)
-
-
-def engine_args_from(args: argparse.Namespace, **knobs: Any) -> EngineArgs:
-    """EngineArgs from the engine flags; `knobs` override the scheduler's (calibrate fixes its budget)."""
-    return EngineArgs(
-        model=args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype, deterministic=args.deterministic,
-        tensor_parallel_size=args.tensor_parallel_size,
-        scheduler=scheduler_config_from_args(args, **knobs),
-    )  # fmt: skip
 
 
 def build_engine(args: argparse.Namespace):

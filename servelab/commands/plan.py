@@ -22,7 +22,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("deployments to compare")
     g.add_argument("--model", default="llama-3.1-8b", help=MODEL_HELP)
     g.add_argument("--hardware", default="h100-sxm", help="comma list of catalog accelerators or JSON or YAML hardware files, e.g. h100-sxm,h200,generic-cpu.json")
-    g.add_argument("--tp", default="1", help="comma list of tensor-parallel degrees, e.g. 1,2,4,8 (default 1)")
+    g.add_argument("--tp", "--tensor-parallel-size", dest="tp", default="1", help="comma list of tensor-parallel degrees, e.g. 1,2,4,8 (default 1)")
     add_cost_dtype_arguments(g)
     g.add_argument("--profile", default=None, metavar="FILE.json",
                    help="price steps with a `servelab calibrate` profile instead of the roofline")

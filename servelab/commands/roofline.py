@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=MODEL_HELP)
     parser.add_argument("--hardware", required=True, help="catalog accelerator (see `servelab hardware`) or a JSON or YAML hardware file")
     add_cost_dtype_arguments(parser)
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel degree (default 1)")
     parser.add_argument("--batch", default="1,8,64", help="comma-separated decode batch sizes (default 1,8,64)")
     parser.add_argument("--context", type=int, default=2048, help="tokens of context per sequence (default 2048)")
     parser.add_argument("--prompt-len", type=int, default=None, metavar="N",

@@ -5,24 +5,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import re
 import signal
 import socket
 import time
 from typing import TYPE_CHECKING, TextIO
 
 from servelab.commands._cluster_cli import add_cluster_arguments, check_cluster_flags, uses_cluster
-from servelab.commands._dtype_cli import add_engine_dtype_arguments
-from servelab.commands._engine_cli import DETERMINISTIC_HELP, QUANTIZATION_HELP, TENSOR_PARALLEL_HELP
-from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
-from servelab.engine.llm_engine import DEFAULT_MAX_MODEL_LEN, QUANTIZATIONS
+from servelab.commands._engine_cli import add_engine_args_flags, engine_args_from
+from servelab.commands._scheduler_cli import add_scheduler_arguments
+from servelab.engine.args import DEFAULT_MAX_MODEL_LEN
 from servelab.errors import InvalidArgument
 from servelab.logs import log_to_stderr
 from servelab.server.embeddings import parse_pooler_config
 from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES, OPEN_PATHS
 from servelab.server.metrics import NAMESPACES
 from servelab.server.tool_parsers import TOOL_CALL_PARSERS
-from servelab.units import parse_duration_s, parse_str_list
+from servelab.units import parse_bytes, parse_duration_s, parse_str_list
 
 if TYPE_CHECKING:
     from fastapi import FastAPI
@@ -30,22 +28,10 @@ if TYPE_CHECKING:
     from servelab.server.connections import ConnectionLimits
 
 HELP = "serve a model over an OpenAI-compatible HTTP API"
-
-_BYTES = re.compile(r"^\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_BYTE_SCALE = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-               "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
-
-
-def parse_bytes(text: str, *, name: str) -> int:
-    """'1GiB' -> 1073741824, '512MB' -> 512000000, '4096' -> 4096."""
-    match = _BYTES.match(text)
-    if not match:
-        raise InvalidArgument(f"{name}: cannot parse {text!r} as a size in bytes (examples: 1GiB, 512MiB, 4096)")
-    value = int(float(match.group(1)) * _BYTE_SCALE[(match.group(2) or "b").lower()])
-    if value < 1:
-        raise InvalidArgument(f"{name}: must be at least 1 byte, got {text!r}")
-    return value
-
+# serve's EngineArgs flags (servelab/engine/args.py), in the "model" and "engine and limits" groups
+_MODEL_FLAGS = ("model", "served_model_name", "dtype", "kv_cache_dtype", "quantization", "device", "deterministic",
+                "tensor_parallel_size", "seed")  # fmt: skip
+_LIMIT_FLAGS = ("kv_cache_memory_bytes",)
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
@@ -82,15 +68,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "the idle wait before it); `calibrate --server-term` fits the serving term from it")
 
     model = parser.add_argument_group("model")
-    model.add_argument("--model", default=None,
-                       help="GGUF file or HF model directory (default: the bundled SmolLM2-135M-Instruct Q4_1)")  # fmt: skip
-    model.add_argument("--served-model-name", default=None, help="the name clients send as 'model' (default: from the model)")
-    add_engine_dtype_arguments(model)
-    model.add_argument("--quantization", choices=QUANTIZATIONS, default=None, help=QUANTIZATION_HELP)
-    model.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="where the model runs (default cpu)")
-    model.add_argument("--deterministic", action="store_true", help=DETERMINISTIC_HELP)
-    model.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N", help=TENSOR_PARALLEL_HELP)
-    model.add_argument("--seed", type=int, default=0, help="engine seed for unseeded requests (default 0)")
+    add_engine_args_flags(model, _MODEL_FLAGS)
     model.add_argument("--tool-call-parser", choices=list(TOOL_CALL_PARSERS), default=None,
                        help="read tool calls out of the model's text for tool_choice 'auto', in the model "
                             "family's format (vLLM's names): hermes (Qwen2.5, Hermes: <tool_call>{json}</tool_call>), "
@@ -116,7 +94,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         defaults={"max_waiting": 4096},
         unset={"max_model_len": f"the model's, at most {DEFAULT_MAX_MODEL_LEN}", "num_blocks": "from --kv-cache-memory"},
     )  # fmt: skip
-    limits.add_argument("--kv-cache-memory", default=None, help="memory for the KV cache, e.g. 1GiB (default 1GiB)")
+    add_engine_args_flags(limits, _LIMIT_FLAGS)
     grammars = parser.add_argument_group("structured outputs")
     grammars.add_argument("--structured-output-compile-timeout", default="10s",
                           help="longest a request's grammar (response_format, tools, structured_outputs, guided_*) "
@@ -277,11 +255,12 @@ def mount_lab(app: FastAPI, profile: dict | None = None, profile_path: str | Non
 def run(args: argparse.Namespace) -> int:
     _check_args(args)
     pooler = None if args.pooler_config is None else parse_pooler_config(args.pooler_config)
-    scheduler = scheduler_config_from_args(args)  # bad knobs fail here, before the port and the model
+    # a long-lived process: its KV memory is claimed at start, RSS stays flat; bad flags fail here,
+    # before the port and the model
+    engine_args = engine_args_from(args, _MODEL_FLAGS + _LIMIT_FLAGS, kv_cache_prefault=True)
     shutdown_timeout_s = parse_duration_s(args.shutdown_timeout, name="--shutdown-timeout")
     compile_timeout_s = parse_duration_s(args.structured_output_compile_timeout,
                                          name="--structured-output-compile-timeout", positive=True)  # fmt: skip
-    kv_bytes = parse_bytes(args.kv_cache_memory, name="--kv-cache-memory") if args.kv_cache_memory else None
     max_request_bytes = (
         parse_bytes(args.max_request_bytes, name="--max-request-bytes") if args.max_request_bytes
         else DEFAULT_MAX_REQUEST_BYTES
@@ -299,24 +278,9 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from servelab.engine.grammar_workers import GrammarConfig
-    from servelab.engine.llm_engine import EngineArgs, LLMEngine
+    from servelab.engine.llm_engine import LLMEngine
     from servelab.server.app import create_app
 
-    engine_args = EngineArgs(
-        model=args.model,
-        dtype=args.dtype,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-        deterministic=args.deterministic,
-        tensor_parallel_size=args.tensor_parallel_size,
-        device=args.device,
-        scheduler=scheduler,
-        kv_cache_memory_bytes=kv_bytes,
-        seed=args.seed,
-        served_model_name=args.served_model_name,
-        kv_cache_prefault=True,  # a long-lived process: its memory is claimed at start, RSS stays flat
-    )
-    engine_args.validate()
     grammar_config = GrammarConfig(compile_timeout_s=compile_timeout_s, num_workers=args.structured_output_compile_workers,
                                    cache_bytes=args.structured_output_cache_mb * 2**20)  # fmt: skip
     sock = _bind(args.host, args.port)

@@ -30,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("deployment")
     g.add_argument("--model", default="llama-3.1-8b", help=MODEL_HELP)
     g.add_argument("--hardware", default="h100-sxm", help="catalog accelerator (see `servelab hardware`) or a JSON or YAML hardware file")
-    g.add_argument("--tp", type=int, default=1, help="tensor-parallel degree per replica (default 1)")
+    g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel degree per replica (default 1)")
     g.add_argument("--profile", default=None, metavar="FILE.json",
                    help="price steps with a `servelab calibrate` profile instead of the roofline")
     add_cost_dtype_arguments(g)

@@ -25,7 +25,6 @@ from collections import deque
 from operator import itemgetter
 
 from servelab.core.sequence import Sequence
-from servelab.errors import InvalidArgument
 
 # Parent "hash" of a sequence's first block. Any fixed int works; it only has to be shared.
 _ROOT_HASH = 0x5E4E1AB
@@ -47,10 +46,7 @@ def chain_block_hashes(token_ids: list[int], block_size: int, parent: int = _ROO
 
 class BlockManager:
     def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
-        if num_blocks < 1:
-            raise InvalidArgument(f"num_blocks must be >= 1, got {num_blocks}", param="num_blocks")
-        if block_size < 1:
-            raise InvalidArgument(f"block_size must be >= 1, got {block_size}", param="block_size")
+        # sizes >= 1: the scheduler's config checked them when it was made (SchedulerConfig.validate)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching

@@ -11,15 +11,15 @@ import logging
 import operator
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from servelab.core.config import SchedulerConfig
 from servelab.core.plan import RequestOutput, StepPlan, TokenLogprobs
 from servelab.core.sequence import FinishReason, PoolingParams, SamplingParams, Sequence
+from servelab.engine.args import DEFAULT_KV_CACHE_MEMORY_BYTES, DEFAULT_MAX_MODEL_LEN, EngineArgs, apply_model_options
 from servelab.engine.detokenizer import RequestTextStream
 from servelab.errors import InvalidArgument, RequestTooLong
-from servelab.spec.dtypes import FLOAT_DTYPES, canonical_dtype, require_supported
 
 if TYPE_CHECKING:
     from servelab.core.plan import Executor
@@ -30,27 +30,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("servelab.engine")
 
-DEFAULT_MAX_MODEL_LEN = 8192  # CPU default: longer contexts are possible but unusably slow here
-DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
-DTYPES = FLOAT_DTYPES  # the compute dtypes; names in spec/dtypes.py's vocabulary
-KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: the compute dtype
-DEVICES = ("cpu", "cuda")
-QUANTIZATIONS = ("int8", "bf16")  # engine/quantization.py implements them (it imports torch; this module does not)
-MAX_SEED = 2**63 - 1  # seeds are in [0, MAX_SEED]: torch's generators take them, as does every int64 field
-
-
-def _require_int(name: str, value: Any, *, optional: bool = False) -> None:
-    """An int (bool is not one; None too where `optional`), else InvalidArgument naming `name`."""
-    if (value is None and optional) or (isinstance(value, int) and not isinstance(value, bool)):
-        return
-    raise InvalidArgument(f"{name} must be an integer{' or None' if optional else ''}, got {value!r}", param=name)
-
-
-def _require_type(name: str, value: Any, kind: type | tuple[type, ...], what: str, *, optional: bool = False) -> None:
-    if (value is None and optional) or isinstance(value, kind):
-        return
-    raise InvalidArgument(f"{name} must be {what}{' or None' if optional else ''}, got {value!r}", param=name)
-
 
 def _token_id(t: Any) -> int:
     """A prompt's token id as an int: any integer (numpy's too), never a bool or a float."""
@@ -60,138 +39,6 @@ def _token_id(t: Any) -> int:
     except TypeError:
         pass
     raise InvalidArgument(f"prompt token ids must be integers, got {t!r}", param="prompt")
-
-
-@dataclass
-class EngineArgs:
-    model: str | None = None  # GGUF file or HF model dir; None = the bundled SmolLM2-135M-Instruct Q4_1 GGUF
-    dtype: str | None = None  # "bfloat16" | "float16" | "float32"; None (or "auto") = fp32 on a CPU, bf16 (else fp16) on CUDA
-    device: str = "cpu"  # "cpu" | "cuda"
-    # Budgets, policy and KV block size. num_blocks None = derived from kv_cache_memory_bytes;
-    # max_model_len None = min(model max context, DEFAULT_MAX_MODEL_LEN).
-    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    kv_cache_memory_bytes: int | None = None  # None = DEFAULT_KV_CACHE_MEMORY_BYTES
-    seed: int = 0
-    served_model_name: str | None = None
-    # None = weights in the compute dtype; "int8" or "bf16" = opt-in int8 or bf16 linears on CPU
-    # (the rest in fp32; faster linears, numerics change, output stays batch-invariant: see
-    # engine/quantization.py)
-    quantization: str | None = None
-    # The KV cache's storage dtype: "auto" = the compute dtype. A 16-bit cache under fp32 compute
-    # holds twice the tokens in the same memory and halves the bytes decode attention reads;
-    # keys and values are rounded to it as they are stored (see LlamaModel.forward); fp16 saturates
-    # to inf above 65504, bf16 keeps fp32's range.
-    kv_cache_dtype: str = "auto"
-    # Greedy output bit-identical whatever else is in the batch, however prompts are chunked and
-    # across preemption: every row count and decode take the same kernels (engine/model.py,
-    # make_batch_invariant); CPU, fp32 compute (bf16 is refused, the default dtype becomes fp32).
-    deterministic: bool = False
-    # True: the KV pool's memory is made resident at start (a server: flat RSS, a pool too big
-    # fails at once); False: pages are touched as blocks first fill (fast start for offline use)
-    kv_cache_prefault: bool = False
-    # Ranks the model is split across (Megatron sharding, engine/parallel/): each rank a process
-    # on this host joined by gloo, holding its heads' KV cache; kv_cache_memory_bytes is per rank.
-    tensor_parallel_size: int = 1
-
-    def __post_init__(self) -> None:
-        if isinstance(self.model, os.PathLike):
-            self.model = os.fspath(self.model)
-        # One vocabulary (spec/dtypes.py): old spellings such as "bf16" name the same dtype.
-        if isinstance(self.dtype, str):
-            self.dtype = None if self.dtype.strip().lower() == "auto" else canonical_dtype(self.dtype)
-        if isinstance(self.kv_cache_dtype, str):
-            self.kv_cache_dtype = canonical_dtype(self.kv_cache_dtype)
-
-    @classmethod
-    def from_kwargs(cls, **kwargs: Any) -> EngineArgs:
-        """Flat keywords, as `LLM(...)` takes them (vLLM's style): the scheduler's knobs
-        (`max_num_seqs=...`) go into `scheduler`, the rest are EngineArgs fields."""
-        knobs = {k: kwargs.pop(k) for k in list(kwargs) if k in SchedulerConfig.__dataclass_fields__}
-        unknown = set(kwargs) - set(cls.__dataclass_fields__)
-        if unknown:
-            import difflib
-
-            valid = sorted({*cls.__dataclass_fields__, *SchedulerConfig.__dataclass_fields__})
-            close = {name: difflib.get_close_matches(name, valid, n=1) for name in sorted(unknown)}
-            hints = [f"{name!r}: did you mean {match[0]!r}?" for name, match in close.items() if match]
-            hint = " ".join(hints) if hints else f"valid names: {', '.join(valid)}"
-            raise InvalidArgument(f"unknown engine argument(s): {', '.join(sorted(unknown))} ({hint})")
-        if knobs and "scheduler" in kwargs:
-            raise InvalidArgument(f"give either scheduler= or {', '.join(sorted(knobs))}, not both", param="scheduler")
-        if knobs:
-            kwargs["scheduler"] = SchedulerConfig(**knobs)
-        return cls(**kwargs)
-
-    def validate(self) -> None:
-        self._validate_types()
-        if self.dtype is not None:
-            require_supported(self.dtype, DTYPES, param="dtype", by="the engine")
-        require_supported(self.kv_cache_dtype, KV_CACHE_DTYPES, param="kv_cache_dtype", by="the engine")
-        if self.device not in DEVICES:
-            raise InvalidArgument(f"device must be one of {', '.join(DEVICES)}, got {self.device!r}", param="device")
-        if self.quantization is not None:
-            if self.quantization not in QUANTIZATIONS:
-                raise InvalidArgument(
-                    f"quantization must be one of {', '.join(QUANTIZATIONS)} (or unset), got {self.quantization!r}",
-                    param="quantization",
-                )
-            if self.device != "cpu":
-                raise InvalidArgument(f"quantization {self.quantization!r} runs on cpu only, got device {self.device!r}", param="quantization")
-            if self.dtype not in (None, "float32"):
-                raise InvalidArgument(f"quantization {self.quantization!r} computes in float32, got dtype {self.dtype!r}", param="dtype")
-        if self.deterministic:
-            if self.device != "cpu":
-                raise InvalidArgument(f"deterministic mode runs on cpu only, got device {self.device!r}", param="deterministic")
-            if self.dtype not in (None, "float32"):
-                raise InvalidArgument(
-                    f"deterministic mode computes in float32 (the bf16 and fp16 paths are not batch-invariant), "
-                    f"got dtype {self.dtype!r}",
-                    param="dtype",
-                )
-        if self.tensor_parallel_size < 1:
-            raise InvalidArgument(
-                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}", param="tensor_parallel_size"
-            )
-        if self.tensor_parallel_size > 1 and self.device != "cpu":
-            raise InvalidArgument(
-                f"tensor parallelism runs on cpu (gloo) only so far, got device {self.device!r}", param="device"
-            )
-        self.scheduler.validate()
-        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes < 1:
-            raise InvalidArgument(
-                f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}", param="kv_cache_memory_bytes"
-            )
-        if not 0 <= self.seed <= MAX_SEED:
-            raise InvalidArgument(f"seed must be in [0, {MAX_SEED}] (2**63 - 1), got {self.seed}", param="seed")
-
-    def _validate_types(self) -> None:
-        """Each field's type, before any range check compares or iterates it (LLM(...) passes
-        whatever it is given)."""
-        _require_type("model", self.model, str, "a path (a string)", optional=True)
-        for name in ("dtype", "served_model_name", "quantization"):
-            _require_type(name, getattr(self, name), str, "a string", optional=True)
-        for name in ("device", "kv_cache_dtype"):
-            _require_type(name, getattr(self, name), str, "a string")
-        for name in ("deterministic", "kv_cache_prefault"):
-            _require_type(name, getattr(self, name), bool, "True or False")
-        _require_int("seed", self.seed)
-        _require_int("tensor_parallel_size", self.tensor_parallel_size)
-        _require_int("kv_cache_memory_bytes", self.kv_cache_memory_bytes, optional=True)
-        if not isinstance(self.scheduler, SchedulerConfig):
-            raise InvalidArgument(
-                f"scheduler must be a SchedulerConfig (or give its fields as keywords, e.g. max_num_seqs=8), "
-                f"got {self.scheduler!r}",
-                param="scheduler",
-            )
-
-
-def apply_model_options(model: Any, args: EngineArgs) -> None:
-    """What EngineArgs change in a loaded model (engine.model.LlamaModel); every tensor-parallel
-    rank applies the same."""
-    if args.quantization is not None:
-        model.quantize(args.quantization)
-    if args.deterministic:
-        model.make_batch_invariant()
 
 
 @dataclass
@@ -274,7 +121,6 @@ class LLMEngine:
         from servelab.engine.sampler import Sampler
         from servelab.engine.weights import CPU_AUTO_DTYPE_REASON, CPU_BF16_DTYPE_HINT, resolve_dtype
 
-        args.validate()
         path = args.model or str(bundled_model_path())
         dtype = resolve_dtype("float32" if args.quantization or args.deterministic else args.dtype, args.device)
         if args.dtype is None and args.device == "cpu" and not (args.quantization or args.deterministic):
@@ -330,9 +176,10 @@ class LLMEngine:
             model.config, num_blocks, knobs.block_size, dtype=kv_dtype, device=args.device, prefault=args.kv_cache_prefault
         )
         if tp > 1:  # last, so a configuration error leaves no process behind
-            from servelab.engine.parallel.group import start_tensor_parallel
+            from servelab.engine.parallel.group import start_tensor_parallel  # torch.distributed
+            from servelab.engine.parallel.worker import worker_main
 
-            model = start_tensor_parallel(loaded.model, spec, tp, (path, dtype, args, os.getpid()))
+            model = start_tensor_parallel(loaded.model, spec, tp, worker_main, (path, dtype, args, os.getpid()))
             model.group.broadcast((num_blocks, knobs.block_size, kv_dtype, args.kv_cache_prefault))  # their pools
         processors = LogitsProcessors(loaded.tokenizer, model.vocab_size)
         executor = ModelExecutor(model, kv_cache, sampler=Sampler(args.seed, processors))

@@ -19,6 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
 from servelab.errors import NotFound, ServelabError
+from servelab.lab.limits import RETRY_AFTER_S
 from servelab.lab.live import EngineMetricsSource, read_engine_stats
 from servelab.lab.params import Params
 
@@ -42,8 +43,6 @@ def _static_dir() -> Path:
 
 
 def _error_response(exc: ServelabError) -> JSONResponse:
-    from servelab.lab.capacity_lesson import RETRY_AFTER_S
-
     from servelab.server.http_errors import error_json  # the server's error shape, code included
 
     body = error_json(exc)

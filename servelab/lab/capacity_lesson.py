@@ -31,8 +31,9 @@ from fastapi.responses import JSONResponse
 
 from servelab.errors import ServelabError
 from servelab.lab.common import fmt, setup_from, stat
-from servelab.lab.limits import bounds
+from servelab.lab.limits import RETRY_AFTER_S, LabBusy, bounds
 from servelab.lab.params import Params
+from servelab.lab.simulations import SimulationCancelled
 from servelab.metrics import SLO
 from servelab.spec import HARDWARE
 
@@ -47,12 +48,6 @@ SEARCH_CEILING_USERS = 4096
 PLAN_PERCENTILE = 90
 MAX_RUNNING_PLANS = 2  # each keeps the whole pool busy for seconds; more would only queue
 MAX_CACHED_PLANS = 64  # a plan's result is a few kB
-RETRY_AFTER_S = 5
-
-
-class LabBusy(ServelabError):
-    http_status = 429
-    error_type = "rate_limit_exceeded"
 
 
 @dataclass(slots=True)
@@ -137,8 +132,6 @@ class CapacityPlanner:
 
     def _start(self, key: tuple) -> _PlanState:
         if self._closed:
-            from servelab.lab.simulations import SimulationCancelled
-
             raise SimulationCancelled("the server is shutting down; it starts no new capacity plan")
         if self.num_running >= self.max_running:
             raise LabBusy(

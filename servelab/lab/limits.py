@@ -5,11 +5,22 @@ from __future__ import annotations
 
 from typing import Any
 
+from servelab.errors import ServelabError
+
 MAX_TOKENS = 1 << 20  # a context bound for the form; the model's own max_context is checked by the roofline
 MAX_BATCH = 4096
 # Simulator lessons (slo, chunked-prefill, disaggregated) running at once: each holds a worker thread
 # for up to seconds, so more would starve the page's other requests (/api/health included); 429 beyond.
 MAX_RUNNING_SIMULATIONS = 2
+RETRY_AFTER_S = 5  # what a 429 from a busy lab tells the page to wait
+
+
+class LabBusy(ServelabError):
+    """The lab is already running as many simulations or capacity plans as it runs at once."""
+
+    http_status = 429
+    error_type = "rate_limit_exceeded"
+
 
 # lesson -> input -> (lowest, highest) accepted value
 LIMITS: dict[str, dict[str, tuple[float, float]]] = {

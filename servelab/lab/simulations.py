@@ -17,7 +17,7 @@ from collections.abc import Callable, Hashable, Iterable
 from typing import Any, TypeVar
 
 from servelab.errors import ServelabError
-from servelab.lab.limits import MAX_RUNNING_SIMULATIONS
+from servelab.lab.limits import MAX_RUNNING_SIMULATIONS, RETRY_AFTER_S, LabBusy
 
 T = TypeVar("T")
 
@@ -155,8 +155,6 @@ class Simulations:
         self._slots = threading.BoundedSemaphore(max_running)
 
     def run(self, lesson: str, fn: Callable[[Budget], T]) -> T:
-        from servelab.lab.capacity_lesson import RETRY_AFTER_S, LabBusy
-
         budget = Budget(self, lesson)
         budget.check()
         if not self._slots.acquire(blocking=False):

@@ -19,8 +19,8 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from servelab import __version__
 from servelab.core.sequence import PoolingParams
+from servelab.engine.args import EngineArgs  # no torch at import: the model loads in from_args
 from servelab.engine.grammar_workers import GrammarConfig
-from servelab.engine.llm_engine import EngineArgs  # no torch at import: the model loads in from_args
 from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from servelab.server.http_errors import install_error_handlers
 from servelab.server.http_metrics import HttpMetricsMiddleware

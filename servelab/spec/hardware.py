@@ -14,49 +14,16 @@ Conventions, so that every entry means the same thing:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 from servelab.errors import InvalidArgument
-from servelab.spec.kernels import KernelProfile, load_fits
+from servelab.spec.hardware_file import is_hardware_file, load_hardware_file, resolve_path, shipped_files
+from servelab.spec.hardware_spec import HardwareSpec
+from servelab.spec.kernels import load_fits
 
 TB = 1e12
 GB = 1e9
 TFLOPS = 1e12
-
-
-@dataclass(frozen=True, slots=True)
-class HardwareSpec:
-    name: str
-    memory_bytes: float
-    bandwidth_bytes_per_s: float
-    # dense FLOP/s per compute dtype: "bf16", "fp8", "int8" (int8 in OP/s)
-    peak_flops: dict[str, float] = field(hash=False)
-    # None: no device-to-device link (a CPU host), so tensor parallelism is refused.
-    interconnect_bytes_per_s: float | None = None
-    price_per_hour_usd: float | None = None
-    description: str = ""
-    # Measured GEMM efficiencies with their provenance (kernel_fits.json); None: the cost model
-    # extrapolates from its end-to-end defaults.
-    kernels: KernelProfile | None = field(default=None, hash=False, compare=False)
-
-    @property
-    def provenance(self) -> str:
-        if self.kernels is None:
-            return "extrapolated (no measured kernels; end-to-end Efficiency defaults)"
-        dtypes = ", ".join(self.kernels.gemm)
-        return f"measured kernels ({dtypes}): {self.kernels.source} ({self.kernels.ref})"
-
-    def peak_flops_per_s(self, compute_dtype: str = "bf16") -> float:
-        """The matmul rate for a compute dtype. Hardware without FP8/INT8 tensor cores (A100 has no
-        FP8) runs such weights weight-only: dequantized to BF16, at the BF16 rate. Without an fp32
-        entry, fp32 matmuls run on TF32 tensor cores: half the dense BF16 rate on every catalog part."""
-        if compute_dtype in self.peak_flops:
-            return self.peak_flops[compute_dtype]
-        return self.peak_flops["bf16"] / 2 if compute_dtype == "fp32" else self.peak_flops["bf16"]
-
-    def ridge_flops_per_byte(self, compute_dtype: str = "bf16") -> float:
-        """Arithmetic intensity above which a kernel is compute-bound at peak rates."""
-        return self.peak_flops_per_s(compute_dtype) / self.bandwidth_bytes_per_s
 
 
 HARDWARE: dict[str, HardwareSpec] = {
@@ -155,8 +122,6 @@ del _name, _profile
 
 def get_hardware(name: str) -> HardwareSpec:
     """A catalog name, or a path to a JSON or YAML hardware file (see servelab/spec/hardware_file.py)."""
-    from servelab.spec.hardware_file import is_hardware_file, load_hardware_file, shipped_files
-
     if is_hardware_file(name):
         return load_hardware_file(name)
     try:
@@ -171,7 +136,5 @@ def get_hardware(name: str) -> HardwareSpec:
 def hardware_ref(text: str) -> str:
     """Validate a --hardware value and return what names it across processes: the catalog name, or
     the hardware file's resolved path."""
-    from servelab.spec.hardware_file import is_hardware_file, resolve_path
-
     spec = get_hardware(text)
     return str(resolve_path(text)) if is_hardware_file(text) else spec.name

@@ -13,7 +13,7 @@ from typing import Any
 
 from servelab.errors import InvalidArgument
 from servelab.spec.dtypes import KV_DTYPES, WEIGHT_DTYPES
-from servelab.spec.hardware import HardwareSpec
+from servelab.spec.hardware_spec import HardwareSpec
 
 SHIPPED_DIR = Path(__file__).with_name("hardware_files")
 

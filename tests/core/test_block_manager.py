@@ -6,7 +6,6 @@ import pytest
 
 from servelab.core.block_manager import BlockManager
 from servelab.core.sequence import SamplingParams, Sequence
-from servelab.errors import InvalidArgument
 from tests.scheduler_checks import check_block_manager
 
 
@@ -51,13 +50,6 @@ def test_short_pool_changes_nothing():
     assert not bm.append_slots(a, 20)  # needs 2 more blocks, 1 free
     assert len(a.block_table) == 3 and bm.num_free_blocks == 1
     check_block_manager(bm)
-
-
-def test_invalid_sizes_are_clear_errors():
-    with pytest.raises(InvalidArgument, match="num_blocks must be >= 1"):
-        BlockManager(0)
-    with pytest.raises(InvalidArgument, match="block_size must be >= 1"):
-        BlockManager(4, block_size=0)
 
 
 def test_second_request_sharing_a_1000_token_prefix_computes_only_its_suffix():

@@ -24,6 +24,7 @@ import threading
 import time
 from dataclasses import dataclass
 from datetime import timedelta
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -102,9 +103,7 @@ def receive_object(group: Any) -> Any:
 class TensorParallelGroup:
     """Workers 1..size-1 and the process groups, from start to close."""
 
-    def __init__(self, size: int, worker_args: tuple, threads_per_rank: int):
-        from servelab.engine.parallel.worker import worker_main
-
+    def __init__(self, size: int, rank_main: Callable[..., None], rank_args: tuple, threads_per_rank: int):
         self.size = size
         self.host_threads = torch.get_num_threads()  # rank 0 runs on its share; close gives them back
         torch.set_num_threads(threads_per_rank)
@@ -117,7 +116,7 @@ class TensorParallelGroup:
             mp.current_process().daemon = False  # these exit by themselves when it dies (worker.py)
         ctx = mp.get_context("spawn")
         self.workers = [
-            ctx.Process(target=worker_main, args=(rank, size, port, threads_per_rank, *worker_args),
+            ctx.Process(target=rank_main, args=(rank, size, port, threads_per_rank, *rank_args),
                         name=f"servelab-tp-rank{rank}", daemon=True)  # fmt: skip
             for rank in range(1, size)
         ]
@@ -222,10 +221,11 @@ class TensorParallelModel:
         self.group.close()
 
 
-def start_tensor_parallel(model: Any, spec: Any, size: int, worker_args: tuple) -> TensorParallelModel:
-    """Starts ranks 1..size-1 (each loads its own shard: worker.worker_main(..., *worker_args))
-    and makes `model`, rank 0's shard, its part of the whole. The host's torch threads are split
+def start_tensor_parallel(model: Any, spec: Any, size: int, rank_main: Callable[..., None],
+                          rank_args: tuple) -> TensorParallelModel:
+    """Starts ranks 1..size-1, each a process running `rank_main(rank, size, store port, threads,
+    *rank_args)` (worker.worker_main: it loads its own shard and follows rank 0), and makes `model`, rank 0's shard, its part of the whole. The host's torch threads are split
     between the ranks, which share its cores."""
-    group = TensorParallelGroup(size, worker_args, max(1, torch.get_num_threads() // size))
+    group = TensorParallelGroup(size, rank_main, rank_args, max(1, torch.get_num_threads() // size))
     parallelize(model, Shard(spec, 0, size), group.groups.compute)
     return TensorParallelModel(model, group)

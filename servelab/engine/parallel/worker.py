@@ -10,6 +10,16 @@ import time
 import traceback
 from typing import Any
 
+import torch
+
+from servelab.engine.args import EngineArgs, apply_model_options
+from servelab.engine.kv_cache import PagedKVCache
+from servelab.engine.loader import load_model
+from servelab.engine.parallel.group import client_store, join_groups, receive_object
+from servelab.engine.parallel.kv_shards import serve_kv
+from servelab.engine.parallel.layers import parallelize
+from servelab.engine.parallel.sharding import Shard
+
 
 def _exit_when_orphaned(parent: int) -> None:
     # a rank 0 killed outright cannot stop its workers; they must not linger in a collective
@@ -19,18 +29,9 @@ def _exit_when_orphaned(parent: int) -> None:
 
 
 def worker_main(
-    rank: int, size: int, port: int, threads: int, path: str, dtype: Any, engine_args: Any, parent: int
+    rank: int, size: int, port: int, threads: int, path: str, dtype: Any, engine_args: EngineArgs, parent: int
 ) -> None:
     """`port`: rank 0's store (group.host_store)."""
-    import torch
-
-    from servelab.engine.kv_cache import PagedKVCache
-    from servelab.engine.llm_engine import apply_model_options
-    from servelab.engine.loader import load_model
-    from servelab.engine.parallel.group import client_store, join_groups, receive_object
-    from servelab.engine.parallel.layers import parallelize
-    from servelab.engine.parallel.sharding import Shard
-
     threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
     torch.set_num_threads(threads)
     groups = join_groups(rank, size, client_store(port))
@@ -58,9 +59,6 @@ def worker_main(
 
 
 def _serve_kv(groups: Any, kv_holder: list[Any], kv_built: threading.Event) -> None:
-    from servelab.engine.parallel.group import receive_object
-    from servelab.engine.parallel.kv_shards import serve_kv
-
     try:
         first = receive_object(groups.kv_control)  # None (stop) or a command, which needs the cache
         if first is not None:

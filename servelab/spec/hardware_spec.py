@@ -1,0 +1,44 @@
+"""What one accelerator offers the cost model: memory, bandwidth, peak rates, interconnect, price.
+The catalog of them is servelab/spec/hardware.py; a hardware file describes one more
+(servelab/spec/hardware_file.py)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from servelab.spec.kernels import KernelProfile
+
+
+@dataclass(frozen=True, slots=True)
+class HardwareSpec:
+    name: str
+    memory_bytes: float
+    bandwidth_bytes_per_s: float
+    # dense FLOP/s per compute dtype: "bf16", "fp8", "int8" (int8 in OP/s)
+    peak_flops: dict[str, float] = field(hash=False)
+    # None: no device-to-device link (a CPU host), so tensor parallelism is refused.
+    interconnect_bytes_per_s: float | None = None
+    price_per_hour_usd: float | None = None
+    description: str = ""
+    # Measured GEMM efficiencies with their provenance (kernel_fits.json); None: the cost model
+    # extrapolates from its end-to-end defaults.
+    kernels: KernelProfile | None = field(default=None, hash=False, compare=False)
+
+    @property
+    def provenance(self) -> str:
+        if self.kernels is None:
+            return "extrapolated (no measured kernels; end-to-end Efficiency defaults)"
+        dtypes = ", ".join(self.kernels.gemm)
+        return f"measured kernels ({dtypes}): {self.kernels.source} ({self.kernels.ref})"
+
+    def peak_flops_per_s(self, compute_dtype: str = "bf16") -> float:
+        """The matmul rate for a compute dtype. Hardware without FP8/INT8 tensor cores (A100 has no
+        FP8) runs such weights weight-only: dequantized to BF16, at the BF16 rate. Without an fp32
+        entry, fp32 matmuls run on TF32 tensor cores: half the dense BF16 rate on every catalog part."""
+        if compute_dtype in self.peak_flops:
+            return self.peak_flops[compute_dtype]
+        return self.peak_flops["bf16"] / 2 if compute_dtype == "fp32" else self.peak_flops["bf16"]
+
+    def ridge_flops_per_byte(self, compute_dtype: str = "bf16") -> float:
+        """Arithmetic intensity above which a kernel is compute-bound at peak rates."""
+        return self.peak_flops_per_s(compute_dtype) / self.bandwidth_bytes_per_s
