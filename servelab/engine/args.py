@@ -7,6 +7,8 @@ help line lives here only.
 
 from __future__ import annotations
 
+import dataclasses
+
 import difflib
 import os
 from dataclasses import dataclass, field
@@ -180,6 +182,16 @@ class EngineArgs:
                 f"got {self.scheduler!r}",
                 param="scheduler",
             )
+
+
+def native_bf16_on_cpu(args: EngineArgs) -> EngineArgs:
+    """An explicit `--dtype bfloat16` on a CPU, as vLLM users type it, runs servelab's bf16 kernels
+    (`--quantization bf16`: bf16 linears on vdpbf16ps, the rest in fp32) over a bf16 KV cache,
+    not plain PyTorch bf16 ops, which are ~12x slower and less accurate (docs/accuracy.md)."""
+    if not (args.dtype == "bfloat16" and args.device == "cpu" and args.quantization is None and not args.deterministic):
+        return args
+    kv = "bfloat16" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    return dataclasses.replace(args, dtype="float32", quantization="bf16", kv_cache_dtype=kv)
 
 
 def apply_model_options(model: Any, args: EngineArgs) -> None:

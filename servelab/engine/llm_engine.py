@@ -17,7 +17,13 @@ from typing import TYPE_CHECKING, Any
 from servelab.core.config import SchedulerConfig
 from servelab.core.plan import RequestOutput, StepPlan, TokenLogprobs
 from servelab.core.sequence import FinishReason, PoolingParams, SamplingParams, Sequence
-from servelab.engine.args import DEFAULT_KV_CACHE_MEMORY_BYTES, DEFAULT_MAX_MODEL_LEN, EngineArgs, apply_model_options
+from servelab.engine.args import (
+    DEFAULT_KV_CACHE_MEMORY_BYTES,
+    DEFAULT_MAX_MODEL_LEN,
+    EngineArgs,
+    apply_model_options,
+    native_bf16_on_cpu,
+)
 from servelab.engine.detokenizer import RequestTextStream
 from servelab.errors import InvalidArgument, RequestTooLong
 
@@ -119,14 +125,16 @@ class LLMEngine:
         from servelab.engine.logits_processors import LogitsProcessors
         from servelab.engine.model_executor import ModelExecutor
         from servelab.engine.sampler import Sampler
-        from servelab.engine.weights import CPU_AUTO_DTYPE_REASON, CPU_BF16_DTYPE_HINT, resolve_dtype
+        from servelab.engine.weights import CPU_AUTO_DTYPE_REASON, CPU_BF16_DTYPE_REASON, resolve_dtype
 
         path = args.model or str(bundled_model_path())
+        if (mapped := native_bf16_on_cpu(args)) is not args:
+            logger.info("dtype bfloat16 on a CPU -> bf16 linears on servelab's kernels (--quantization bf16), the rest "
+                        "in float32, KV cache %s: %s", mapped.kv_cache_dtype, CPU_BF16_DTYPE_REASON)
+            args = mapped
         dtype = resolve_dtype("float32" if args.quantization or args.deterministic else args.dtype, args.device)
         if args.dtype is None and args.device == "cpu" and not (args.quantization or args.deterministic):
             logger.info("dtype auto -> float32: %s", CPU_AUTO_DTYPE_REASON)
-        if args.dtype == "bfloat16" and args.device == "cpu":
-            logger.warning("dtype bfloat16: %s", CPU_BF16_DTYPE_HINT)
         if args.quantization is not None:
             from servelab.engine.quantization import check_supported
 

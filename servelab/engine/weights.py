@@ -20,11 +20,10 @@ CPU_AUTO_DTYPE_REASON = (
     "AVX-512 BF16 host; a bf16 or "
     "fp16 checkpoint's linears stay 16-bit, widened exactly in registers (--dtype overrides)"
 )
-# For an explicit --dtype bfloat16 on a CPU: where bf16 arithmetic is fast here.
-CPU_BF16_DTYPE_HINT = (
-    "every op runs in plain PyTorch bf16, ~12x slower than the default at batch-1 decode; "
-    "--quantization bf16 computes the linears in bf16 on servelab's kernels (vdpbf16ps on AVX512-BF16) "
-    "and the rest in float32"
+# Why an explicit --dtype bfloat16 on a CPU takes servelab's bf16 kernels (args.native_bf16_on_cpu).
+CPU_BF16_DTYPE_REASON = (
+    "plain PyTorch bf16 ops run ~12x slower than the default at batch-1 decode and diverge more from the "
+    "fp32 reference (docs/accuracy.md); the bf16 linears use vdpbf16ps on AVX512-BF16"
 )
 
 

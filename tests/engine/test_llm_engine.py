@@ -359,3 +359,25 @@ def test_offline_calls_of_the_wrong_shape_are_refused_by_name(engine):
         assert info.value.param == param, info.value
     assert not engine.has_unfinished()
     assert len(llm.chat([{"role": "user", "content": "hi"}], params)) == 1
+
+
+def test_explicit_bf16_on_a_cpu_takes_the_native_bf16_kernels(tiny_llama, caplog):
+    """`--dtype bfloat16`, as vLLM users type it, runs the bf16 linears of --quantization bf16 over
+    a bf16 KV cache, and says so; with --quantization given, the two must still agree."""
+    import logging
+
+    import torch
+
+    from servelab.engine.llm_engine import LLMEngine
+
+    with caplog.at_level(logging.INFO, logger="servelab.engine"):
+        engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=str(tiny_llama), dtype="bfloat16", num_blocks=16))
+    model = engine.executor.model
+    assert model.dtype == torch.float32 and model.quantization == "bf16"
+    assert engine.executor.kv_cache.dtype == torch.bfloat16
+    assert any(r.getMessage().startswith("dtype bfloat16 on a CPU -> bf16 linears") for r in caplog.records)
+    fp16_kv = LLMEngine.from_args(EngineArgs.from_kwargs(model=str(tiny_llama), dtype="bfloat16",
+                                                         kv_cache_dtype="float16", num_blocks=16))  # fmt: skip
+    assert fp16_kv.executor.kv_cache.dtype == torch.float16
+    with pytest.raises(InvalidArgument, match="computes in float32"):
+        LLMEngine.from_args(EngineArgs.from_kwargs(model=str(tiny_llama), dtype="bfloat16", quantization="int8"))

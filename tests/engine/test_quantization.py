@@ -374,11 +374,3 @@ def test_bf16_logits_stay_close_to_fp32_with_half_the_bytes(bf16_models):
     assert 0.45 * ref.weight_bytes() < q.weight_bytes() < 0.55 * ref.weight_bytes()
     # Measured 0.0048 / 0.0027 for the two variants, and the same greedy choice everywhere
     _close_to_fp32(ref, q, max_diff=0.02, min_same_argmax=0.95)
-
-
-def test_an_explicit_bf16_dtype_on_the_cpu_points_to_the_bf16_linears(tiny_engine_factory, caplog):
-    import logging
-
-    with caplog.at_level(logging.WARNING, logger="servelab.engine"):
-        tiny_engine_factory(dtype="bfloat16")
-    assert any("--quantization bf16" in r.getMessage() for r in caplog.records)
