@@ -8,6 +8,7 @@ the fitted model and prints the tables of docs/fidelity.md ("Published measureme
     .venv/bin/python benchmarks/fit_published.py              # fit, compare with the defaults, print tables
     .venv/bin/python benchmarks/fit_published.py --markdown   # the tables for docs/fidelity.md
     .venv/bin/python benchmarks/fit_published.py --measured-kernels  # the same on top of the measured kernels
+    .venv/bin/python benchmarks/fit_published.py --compare    # each committed fit's medians; the points that move
 
 The fit is least squares on relative error with every term non-negative (fractions are fitted as
 1/fraction >= 1, so none exceeds the datasheet). A step's time is max(compute, memory) + added
@@ -258,17 +259,43 @@ def efficiency_lines(eff: Efficiency) -> list[str]:
     return out
 
 
+def compare(train: list[dict[str, Any]], test: list[dict[str, Any]], markdown: bool) -> list[str]:
+    """The committed end-to-end defaults against the measured kernels with their refitted terms:
+    medians per set, then every point whose |error| moves by more than 5 points."""
+    fits = {False: default_efficiency(False), True: default_efficiency(True)}
+
+    def median(points: list[dict[str, Any]], measured: bool) -> float:
+        errs = sorted(abs(error_pct(p, fits[measured], measured)) for p in points)
+        return errs[len(errs) // 2]
+
+    lines = [f"median |error|: training {median(train, False):.1f}% end-to-end, {median(train, True):.1f}% measured "
+             f"kernels; test {median(test, False):.1f}%, {median(test, True):.1f}%", ""]
+    if markdown:
+        lines += ["| set | setup | metric | end-to-end | measured kernels |", "|---|---|---|---:|---:|"]
+    for p in train + test:
+        before, after = error_pct(p, fits[False], False), error_pct(p, fits[True], True)
+        if abs(abs(after) - abs(before)) > 5:
+            lines.append(f"| {p['set']} | {describe(p)} | {p['metric']} | {before:+.1f}% | {after:+.1f}% |" if markdown
+                         else f"{p['set']:5} {describe(p):62} {p['metric']:21} {before:+7.1f}% {after:+7.1f}%")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--markdown", action="store_true", help="print docs/fidelity.md's tables")
     parser.add_argument("--measured-kernels", action="store_true",
                         help="price with the catalog's measured kernels and fit the end-to-end terms on top of them")
+    parser.add_argument("--compare", action="store_true",
+                        help="compare the committed end-to-end and measured-kernel fits point by point")
     args = parser.parse_args()
     data = load(args.data)
     measured = args.measured_kernels
     train = [p for p in data["points"] if p["set"] == "train"]
     test = [p for p in data["points"] if p["set"] == "test"]
+    if args.compare:
+        print("\n".join(compare(train, test, args.markdown)))
+        return
     fitted = rounded(fit(train, measured=measured))
     print("fitted (2 significant figures):", *efficiency_lines(fitted), sep="\n")
     default = default_efficiency(measured)
