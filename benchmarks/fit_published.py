@@ -7,6 +7,8 @@ the fitted model and prints the tables of docs/fidelity.md ("Published measureme
 
     .venv/bin/python benchmarks/fit_published.py              # fit, compare with the defaults, print tables
     .venv/bin/python benchmarks/fit_published.py --markdown   # the tables for docs/fidelity.md
+    .venv/bin/python benchmarks/fit_published.py --measured-kernels  # the same on top of the measured kernels
+    .venv/bin/python benchmarks/fit_published.py --compare    # each committed fit's medians; the points that move
 
 The fit is least squares on relative error with every term non-negative (fractions are fitted as
 1/fraction >= 1, so none exceeds the datasheet). A step's time is max(compute, memory) + added
@@ -24,7 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from servelab.cost.profile import nnls
-from servelab.cost.roofline import LINEAR_KERNELS_TERM, Efficiency, FormatEfficiency, Roofline
+from servelab.cost.roofline import (
+    MEASURED_KERNELS_TERM,
+    Efficiency,
+    FormatEfficiency,
+    Roofline,
+    default_efficiency,
+)
 from servelab.spec.hardware import get_hardware
 from servelab.spec.model import get_model
 
@@ -43,6 +51,8 @@ DEFAULT_BOUND_PCT = 15.0
 PRICED_KINDS = ("static", "decode_step")
 # A second split, priced and reported but not fitted.
 MODERN_SETS = ("modern-train", "modern-test")
+# Whether the roofline prices with the catalog's measured kernels (Roofline's default: no).
+MEASURED = False
 
 
 def load(path: Path = DATA) -> dict[str, Any]:
@@ -50,9 +60,9 @@ def load(path: Path = DATA) -> dict[str, Any]:
         return json.load(f)
 
 
-def roofline(point: dict[str, Any], efficiency: Efficiency) -> Roofline:
+def roofline(point: dict[str, Any], efficiency: Efficiency, measured: bool = MEASURED) -> Roofline:
     return Roofline(get_model(point["model"]), get_hardware(point["hardware"]), weight_dtype=point["weight_dtype"],
-                    kv_dtype=point["kv_dtype"], tp=point["tp"], efficiency=efficiency)
+                    kv_dtype=point["kv_dtype"], tp=point["tp"], efficiency=efficiency, measured_kernels=measured)
 
 
 def steps(point: dict[str, Any], groups: int | None = None) -> list[tuple[int, tuple[int, int, int, int]]]:
@@ -105,12 +115,12 @@ def published_time_s(point: dict[str, Any]) -> float:
     raise ValueError(f"{point['id']}: unknown metric {metric!r}")
 
 
-def predict(point: dict[str, Any], efficiency: Efficiency) -> float:
-    return metric_from_time(point, run_time_s(point, roofline(point, efficiency)))
+def predict(point: dict[str, Any], efficiency: Efficiency, measured: bool = MEASURED) -> float:
+    return metric_from_time(point, run_time_s(point, roofline(point, efficiency, measured)))
 
 
-def error_pct(point: dict[str, Any], efficiency: Efficiency) -> float:
-    return (predict(point, efficiency) - point["value"]) / point["value"] * 100.0
+def error_pct(point: dict[str, Any], efficiency: Efficiency, measured: bool = MEASURED) -> float:
+    return (predict(point, efficiency, measured) - point["value"]) / point["value"] * 100.0
 
 
 # ---- the fit ---------------------------------------------------------------------------------
@@ -140,10 +150,10 @@ def with_params(eff: Efficiency, values: dict[str, float]) -> Efficiency:
     return replace(eff, **top, formats=formats)
 
 
-def _row(point: dict[str, Any], eff: Efficiency) -> tuple[dict[str, float], tuple[str, ...]]:
+def _row(point: dict[str, Any], eff: Efficiency, measured: bool) -> tuple[dict[str, float], tuple[str, ...]]:
     """The point's run time as Σ coefficient × term, each step on the side of the max that binds
     under `eff`; also which side each step took (the fit stops when these stop changing)."""
-    r = roofline(point, eff)
+    r = roofline(point, eff, measured)
     row: dict[str, float] = {}
     sides = []
     for n, totals in steps(point, FIT_GROUPS):
@@ -158,7 +168,7 @@ def _row(point: dict[str, Any], eff: Efficiency) -> tuple[dict[str, float], tupl
 
 
 def fit(points: list[dict[str, Any]], start: Efficiency | None = None, held: dict[str, float] | None = None,
-        max_rounds: int = 500, tol: float = 1e-9) -> Efficiency:
+        max_rounds: int = 500, tol: float = 1e-9, measured: bool = MEASURED) -> Efficiency:
     """Efficiency fitted to `points` (relative least squares, all terms >= 0, fractions <= 1)."""
     import numpy as np
 
@@ -166,7 +176,7 @@ def fit(points: list[dict[str, Any]], start: Efficiency | None = None, held: dic
     eff = with_params(start or Efficiency(), held)
     previous: list[float] | None = None
     for _ in range(max_rounds):
-        rows, _sides = zip(*(_row(p, eff) for p in points))
+        rows, _sides = zip(*(_row(p, eff, measured) for p in points))
         free = [k for k in PARAMS if k not in held and any(row.get(k, 0.0) for row in rows)]
         a = np.array([[row.get(k, 0.0) for k in free] for row in rows])
         y = np.array([published_time_s(p) for p in points])
@@ -174,7 +184,7 @@ def fit(points: list[dict[str, Any]], start: Efficiency | None = None, held: dic
         # So do the linear layers where measured kernels price them.
         fixed = np.array([sum(v * (1.0 / held[k] if is_fraction(k) else held[k]) for k, v in row.items() if k in held)
                           + sum(v for k, v in row.items() if k in free and is_fraction(k))
-                          + row.get(LINEAR_KERNELS_TERM, 0.0) for row in rows])
+                          + row.get(MEASURED_KERNELS_TERM, 0.0) for row in rows])
         target = (y - fixed) / y
         a_rel = a / y[:, None]
         scale = np.abs(a_rel).max(axis=0)
@@ -188,12 +198,12 @@ def fit(points: list[dict[str, Any]], start: Efficiency | None = None, held: dic
         previous = current
     # Weight-only formats have no compute-bound training point: they keep the 16-bit fraction.
     untouched = {f"formats.{f}.compute_fraction": eff.compute_fraction for f in FORMATS
-                 if not any(p["weight_dtype"] == f for p in points if _has_compute_bound_step(p, eff))}
+                 if not any(p["weight_dtype"] == f for p in points if _has_compute_bound_step(p, eff, measured))}
     return with_params(eff, untouched)
 
 
-def _has_compute_bound_step(point: dict[str, Any], eff: Efficiency) -> bool:
-    return "c" in _row(point, eff)[1]
+def _has_compute_bound_step(point: dict[str, Any], eff: Efficiency, measured: bool) -> bool:
+    return "c" in _row(point, eff, measured)[1]
 
 
 def rounded(eff: Efficiency, digits: int = 2) -> Efficiency:
@@ -216,14 +226,15 @@ def number(v: float) -> str:
     return f"{v:,.0f}" if v >= 1000 else f"{v:.4g}"
 
 
-def table(points: list[dict[str, Any]], eff: Efficiency, markdown: bool, notes: dict[str, str]) -> list[str]:
+def table(points: list[dict[str, Any]], eff: Efficiency, markdown: bool, notes: dict[str, str],
+          measured: bool = MEASURED) -> list[str]:
     """One line per point; an exception's reason goes into `notes` once, keyed by a letter."""
     lines = []
     if markdown:
         lines += ["| source | setup | metric | published | predicted | error | bound |",
                   "|---|---|---|---:|---:|---:|---:|"]
     for p in points:
-        pred, err = predict(p, eff), error_pct(p, eff)
+        pred, err = predict(p, eff, measured), error_pct(p, eff, measured)
         bound = p.get("bound_pct", DEFAULT_BOUND_PCT)
         mark = ""
         if "why" in p:
@@ -240,8 +251,8 @@ def table(points: list[dict[str, Any]], eff: Efficiency, markdown: bool, notes: 
     return lines
 
 
-def summary(points: list[dict[str, Any]], eff: Efficiency) -> str:
-    errs = sorted(abs(error_pct(p, eff)) for p in points)
+def summary(points: list[dict[str, Any]], eff: Efficiency, measured: bool = MEASURED) -> str:
+    errs = sorted(abs(error_pct(p, eff, measured)) for p in points)
     return (f"{len(errs)} points: median |error| {errs[len(errs) // 2]:.1f}%, max {errs[-1]:.1f}%, "
             f"{sum(e <= DEFAULT_BOUND_PCT for e in errs)} within {DEFAULT_BOUND_PCT:.0f}%")
 
@@ -252,31 +263,60 @@ def efficiency_lines(eff: Efficiency) -> list[str]:
     return out
 
 
+def compare(train: list[dict[str, Any]], test: list[dict[str, Any]], markdown: bool) -> list[str]:
+    """The committed end-to-end defaults against the measured kernels with their refitted terms:
+    medians per set, then every point whose |error| moves by more than 5 points."""
+    fits = {False: default_efficiency(False), True: default_efficiency(True)}
+
+    def median(points: list[dict[str, Any]], measured: bool) -> float:
+        errs = sorted(abs(error_pct(p, fits[measured], measured)) for p in points)
+        return errs[len(errs) // 2]
+
+    lines = [f"median |error|: training {median(train, False):.1f}% end-to-end, {median(train, True):.1f}% measured "
+             f"kernels; test {median(test, False):.1f}%, {median(test, True):.1f}%", ""]
+    if markdown:
+        lines += ["| set | setup | metric | end-to-end | measured kernels |", "|---|---|---|---:|---:|"]
+    for p in train + test:
+        before, after = error_pct(p, fits[False], False), error_pct(p, fits[True], True)
+        if abs(abs(after) - abs(before)) > 5:
+            lines.append(f"| {p['set']} | {describe(p)} | {p['metric']} | {before:+.1f}% | {after:+.1f}% |" if markdown
+                         else f"{p['set']:5} {describe(p):62} {p['metric']:21} {before:+7.1f}% {after:+7.1f}%")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--markdown", action="store_true", help="print docs/fidelity.md's tables")
+    parser.add_argument("--measured-kernels", action="store_true",
+                        help="price with the catalog's measured kernels and fit the end-to-end terms on top of them")
+    parser.add_argument("--compare", action="store_true",
+                        help="compare the committed end-to-end and measured-kernel fits point by point")
     args = parser.parse_args()
     data = load(args.data)
+    measured = args.measured_kernels
     train = [p for p in data["points"] if p["set"] == "train"]
     test = [p for p in data["points"] if p["set"] == "test"]
-    fitted = rounded(fit(train))
+    if args.compare:
+        print("\n".join(compare(train, test, args.markdown)))
+        return
+    fitted = rounded(fit(train, measured=measured))
     print("fitted (2 significant figures):", *efficiency_lines(fitted), sep="\n")
-    default = Efficiency()
+    default = default_efficiency(measured)
     drift = [k for k in PARAMS if not math.isclose(get_param(default, k), get_param(fitted, k), rel_tol=1e-9)]
     print("the committed defaults " + ("match the fit" if not drift else f"differ from the fit in: {', '.join(drift)}"))
     notes: dict[str, str] = {}
     for name, pts in (("TRAINING", train), ("TEST", test)):
-        print(f"\n{name} ({summary(pts, fitted)})")
-        print("\n".join(table(pts, fitted, args.markdown, notes)))
+        print(f"\n{name} ({summary(pts, fitted, measured)})")
+        print("\n".join(table(pts, fitted, args.markdown, notes, measured)))
     print("\nWhy the bounds above 15%:")
     print("\n".join(f"- ({k}) {v}" for k, v in notes.items()))
     for name in MODERN_SETS:
         pts = [p for p in data["points"] if p["set"] == name]
         priced = [p for p in pts if p["run"]["kind"] in PRICED_KINDS]
         if priced:
-            print(f"\n{name.upper()}, not fitted ({summary(priced, fitted)}; {len(pts) - len(priced)} unpriced kept)")
-            print("\n".join(table(priced, fitted, args.markdown, {})))
+            print(f"\n{name.upper()}, not fitted ({summary(priced, fitted, measured)}; {len(pts) - len(priced)} unpriced kept)")
+            print("\n".join(table(priced, fitted, args.markdown, {}, measured)))
 
 
 if __name__ == "__main__":

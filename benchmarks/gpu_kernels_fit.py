@@ -1,15 +1,26 @@
-"""Fit the cost model's shape-aware GEMM efficiencies (servelab/cost/gemm.py) per GPU and compute
-dtype to measured linear-layer timings, print the residuals, and write the catalog's parameters
-with their provenance into servelab/spec/kernel_fits.json.
+"""Fit the cost model's measured-kernel terms per GPU, print the residuals, and write the catalog's
+parameters with their provenance into servelab/spec/kernel_fits.json:
+
+- GEMMs (servelab/cost/gemm.py) per compute dtype, to linear-layer timings;
+- attention (servelab/cost/attention.py): prefill by query tokens and context, decode by batch and
+  context, to attention-kernel timings;
+- collectives: all-reduce and send/recv as latency + bytes / bandwidth per topology and group size,
+  to Vidur's network tables;
+- one engine's host cost per step (per step + per sequence), to Vidur's CPU overheads.
 
     .venv/bin/python benchmarks/gpu_kernels_fit.py           # fit, print residual tables, write the JSON
     .venv/bin/python benchmarks/gpu_kernels_fit.py --check   # fit and print; fail if the JSON differs
 
 Sources: A100 and H100 from Vidur's published operator profiles (benchmarks/data/vidur_profiles.json,
 fp16, extracted by benchmarks/vidur_extract.py); H200 from our own run of benchmarks/gpu_kernels.py
-(benchmarks/data/h200_kernels.json, BF16 and FP8). The fit minimises the squared log of
-predicted / measured time over every point: the tile is chosen from a few candidates, the four
-continuous terms by damped Gauss-Newton.
+(benchmarks/data/h200_kernels.json, BF16 and FP8). Vidur has attention for A100 only: H100 takes
+H200's (the same Hopper SM and kernels; the fractions apply to H100's own peaks). H200 takes the
+H100 NVSwitch node's collectives (the same NVLink 4 switch fabric).
+
+The GEMM fit minimises the squared log of predicted / measured time over every point: the tile is
+chosen from a few candidates, the four continuous terms by damped Gauss-Newton. The other fits are
+linear once each attention point's binding side is fixed: NNLS on relative error (every term >= 0,
+every fraction <= 1), repeated until the sides stop changing.
 """
 
 from __future__ import annotations
@@ -25,9 +36,11 @@ from typing import Any
 
 import numpy as np
 
+from servelab.cost.attention import attention_time_s
 from servelab.cost.gemm import gemm_time_s
+from servelab.cost.profile import nnls
 from servelab.spec.hardware import HARDWARE
-from servelab.spec.kernels import FITS_PATH, GemmEfficiency
+from servelab.spec.kernels import FITS_PATH, AttentionEfficiency, GemmEfficiency
 
 DATA = Path(__file__).parent / "data"
 VIDUR = DATA / "vidur_profiles.json"
@@ -41,6 +54,8 @@ START = GemmEfficiency(bandwidth_fraction=0.8, compute_fraction=0.7, sharpness=3
 LOW, HIGH = np.array([-20.0, -20.0, -8.0, 0.0]), np.array([20.0, 20.0, 4.0, 1000.0])
 
 Point = tuple[str, float, int, int, float]  # (label, M, N, K, measured seconds)
+AttentionPoint = tuple[str, float, float, float]  # ("prefill" | "decode", FLOPs, KV bytes, measured seconds)
+KV_ELEMENT_BYTES = 2  # both attention runs keep a 16-bit KV cache
 
 
 def vidur_points(gpu: str) -> tuple[list[Point], str]:
@@ -117,10 +132,188 @@ def _rounded(eff: GemmEfficiency) -> GemmEfficiency:
                    sharpness=sig(eff.sharpness), kernel_overhead_s=sig(eff.kernel_overhead_s))
 
 
+# ---- attention -----------------------------------------------------------------------------------
+def _attention_point(phase: str, seqs: int, queries: int, cached: int, heads: int, kv_heads: int, head_dim: int,
+                     time_s: float) -> AttentionPoint:
+    """`seqs` sequences of `queries` new tokens after `cached` ones, causal: query i sees cached + i + 1 keys."""
+    pairs = seqs * (queries * cached + queries * (queries + 1) // 2)
+    kv_bytes = seqs * (cached + queries) * 2 * kv_heads * head_dim * KV_ELEMENT_BYTES
+    return phase, 4.0 * heads * head_dim * pairs, float(kv_bytes), time_s
+
+
+def vidur_attention_points() -> tuple[list[AttentionPoint], str, int]:
+    """Vidur's A100 attention table: its model's heads split over its tensor-parallel workers."""
+    (table,) = json.loads(VIDUR.read_text())["attention"]
+    cfg = table["config"]
+    tp, head_dim = cfg["num_tensor_parallel_workers"], cfg["n_embd"] // cfg["n_q_head"]
+    heads, kv_heads = cfg["n_q_head"] // tp, cfg["n_kv_head"] // tp
+    points = [_attention_point(phase, batch, queries, kv, heads, kv_heads, head_dim, t) if phase == "prefill"
+              else _attention_point(phase, batch, 1, kv, heads, kv_heads, head_dim, t)
+              for phase, batch, queries, kv, t in table["rows"]]
+    src = table["source"]
+    return points, f"{src['repo']}@{src['commit'][:12]}:{src['path']}", head_dim
+
+
+def h200_attention_points() -> tuple[list[AttentionPoint], int]:
+    data = json.loads(H200.read_text())
+    points = [_attention_point("prefill", 1, r["seq_len"], 0, r["heads"], r["kv_heads"], r["head_dim"], r["time_s"])
+              for r in data["prefill_attention"]]
+    points += [_attention_point("decode", r["batch"], 1, r["context"] - 1, r["heads"], r["kv_heads"], r["head_dim"],
+                                r["time_s"]) for r in data["decode_attention"]]
+    (head_dim,) = {r["head_dim"] for r in (*data["prefill_attention"], *data["decode_attention"])}
+    return points, head_dim
+
+
+def attention_errors_pct(eff: AttentionEfficiency, points: list[AttentionPoint], peak: float, bw: float) -> list[float]:
+    return [(attention_time_s(eff, flops, kv, phase == "prefill", peak, bw) / t - 1.0) * 100.0
+            for phase, flops, kv, t in points]
+
+
+def fit_attention(points: list[AttentionPoint], peak: float, bw: float, head_dim: int) -> AttentionEfficiency:
+    """x = (1/compute_fraction - 1, 1/bandwidth_fraction - 1, prefill overhead, decode overhead) >= 0."""
+    eff = AttentionEfficiency(compute_fraction=0.5, bandwidth_fraction=0.8, prefill_overhead_s=0.0,
+                              decode_overhead_s=0.0, head_dims=(head_dim,))
+    sides: list[bool] | None = None
+    for _ in range(50):
+        compute_bound = [flops / (peak * eff.compute_fraction) > kv / (bw * eff.bandwidth_fraction)
+                         for _, flops, kv, _ in points]
+        if compute_bound == sides:
+            break
+        sides = compute_bound
+        a, target = [], []
+        for (phase, flops, kv, t), on_compute in zip(points, compute_bound):
+            coef = flops / peak if on_compute else kv / bw
+            a.append([coef / t if on_compute else 0.0, 0.0 if on_compute else coef / t,
+                      1e-6 / t if phase == "prefill" else 0.0, 1e-6 / t if phase == "decode" else 0.0])
+            target.append(1.0 - coef / t)
+        x = nnls(np.array(a), np.array(target))
+        eff = AttentionEfficiency(compute_fraction=_sig(1 / (1 + x[0])), bandwidth_fraction=_sig(1 / (1 + x[1])),
+                                  prefill_overhead_s=_sig(x[2] * 1e-6), decode_overhead_s=_sig(x[3] * 1e-6),
+                                  head_dims=(head_dim,))
+    return eff
+
+
+# ---- collectives ---------------------------------------------------------------------------------
+def fit_latency_bandwidth(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(latency_s, bytes_per_s) of time = latency + bytes / bandwidth over (bytes, seconds) points."""
+    a = np.array([[1e-6 / t, b / 1e9 / t] for b, t in points])
+    latency_us, s_per_gb = nnls(a, np.ones(len(points)))
+    if s_per_gb <= 0:
+        raise ValueError(f"no bandwidth term: time does not grow with bytes over {points}")
+    return _sig(latency_us * 1e-6), _sig(1e9 / s_per_gb)
+
+
+def collective_fits(topology: str) -> tuple[list[dict[str, Any]], str]:
+    fits, refs = [], set()
+    for table in json.loads(VIDUR.read_text())["network"]:
+        if table["topology"] != topology:
+            continue
+        src = table["source"]
+        refs.add(f"{src['repo']}@{src['commit'][:12]}:{src['path'].rsplit('/', 1)[0]}/")
+        groups: dict[tuple[int, int], list[tuple[float, float]]] = {}
+        for workers, per_node, size, t in table["rows"]:
+            groups.setdefault((workers, per_node), []).append((size, t))
+        for (workers, per_node), pts in sorted(groups.items()):
+            latency, bandwidth = fit_latency_bandwidth(pts)
+            errs = [((latency + b / bandwidth) / t - 1) * 100 for b, t in pts]
+            fits.append({"op": table["op"], "workers": workers, "devices_per_node": per_node, "latency_s": latency,
+                         "bandwidth_bytes_per_s": bandwidth, **summary(errs)})
+    return fits, ", ".join(sorted(refs))
+
+
+def _collective_fields(s: dict[str, float]) -> dict[str, float]:
+    return {"points": s["points"], "median_abs_error_pct": s["median_abs_error_pct"],
+            "max_abs_error_pct": s["max_abs_error_pct"]}
+
+
+# ---- host overheads ------------------------------------------------------------------------------
+HOST_STAGES = ("schedule_s", "sampler_e2e_s", "prepare_inputs_e2e_s", "process_model_outputs_s")
+
+
+def fit_per_step_per_seq(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(per_step_s, per_seq_s) of time = per_step + per_seq x batch over (batch, seconds) points."""
+    a = np.array([[1e-6 / t, b * 1e-6 / t] for b, t in points])
+    per_step_us, per_seq_us = nnls(a, np.ones(len(points)))
+    return _sig(per_step_us * 1e-6), _sig(per_seq_us * 1e-6)
+
+
+def host_overheads() -> dict[str, Any]:
+    (table,) = json.loads(VIDUR.read_text())["cpu_overheads"]
+    cols = table["columns"]
+    rows = [dict(zip(cols, r)) for r in table["rows"]]
+    components = {}
+    for stage in HOST_STAGES:
+        per_step, per_seq = fit_per_step_per_seq([(r["batch"], r[stage]) for r in rows])
+        components[stage.removesuffix("_s")] = {"per_step_s": per_step, "per_seq_s": per_seq}
+    totals = [(r["batch"], sum(r[s] for s in HOST_STAGES)) for r in rows]
+    per_step, per_seq = fit_per_step_per_seq(totals)
+    src = table["source"]
+    models = sorted({r["model"] for r in rows})
+    return {"vidur-vllm": {
+        "per_step_s": per_step, "per_seq_s": per_seq, "components": components,
+        "source": (f"Vidur's A100 CPU-overhead profile of the vLLM engine it models (MIT): {len(models)} models, "
+                   f"batch {min(r['batch'] for r in rows)}-{max(r['batch'] for r in rows)}, TP "
+                   f"{', '.join(map(str, sorted({r['tp'] for r in rows})))}"),
+        "ref": f"{src['repo']}@{src['commit'][:12]}:{src['path']}",
+        "fitted": "per step + per sequence, for the total and each stage (median times), by "
+                  "benchmarks/gpu_kernels_fit.py",
+        "residuals": summary([((per_step + per_seq * b) / t - 1) * 100 for b, t in totals]),
+    }}
+
+
+def _sig(v: float) -> float:
+    return float(f"{v:.3g}")
+
+
 def summary(errs: list[float]) -> dict[str, float]:
     abs_errs = [abs(e) for e in errs]
     return {"points": len(errs), "median_abs_error_pct": round(statistics.median(abs_errs), 1),
             "max_abs_error_pct": round(max(abs_errs), 1)}
+
+
+# Which measured attention and collectives each part takes: (its own or a sibling's, and why).
+ATTENTION_FROM = {"a100-80gb": "a100-80gb", "h100-sxm": "h200", "h200": "h200"}
+TOPOLOGY = {"a100-80gb": "a100_dgx", "h100-sxm": "h100_dgx", "h200": "h100_dgx"}
+
+
+def _attention_entry(name: str, lines: list[str]) -> dict[str, Any]:
+    measured_on = ATTENTION_FROM[name]
+    hw, on = HARDWARE[name], HARDWARE[measured_on]
+    if measured_on == "h200":
+        points, head_dim = h200_attention_points()
+        source = "benchmarks/gpu_kernels.py on one H200 (SDPA, fastest of flash/cuDNN/efficient; BF16)"
+        ref = "benchmarks/data/h200_kernels.json"
+    else:
+        points, ref, head_dim = vidur_attention_points()
+        source = "Vidur's A100 attention profile (FlashInfer prefill and decode kernels; fp16; MIT)"
+    if measured_on != name:
+        source = f"measured on {measured_on} (the same SM and kernels), as fractions of {name}'s peaks: {source}"
+    eff = fit_attention(points, on.peak_flops_per_s("bf16"), on.bandwidth_bytes_per_s, head_dim)
+    residuals = {}
+    for phase in ("prefill", "decode"):
+        pts = [p for p in points if p[0] == phase]
+        residuals[phase] = summary(attention_errors_pct(eff, pts, on.peak_flops_per_s("bf16"), on.bandwidth_bytes_per_s))
+        r = residuals[phase]
+        lines.append(f"{name:10} {'attn':5} {phase:15} {r['points']:6} {r['median_abs_error_pct']:11.1f}% "
+                     f"{r['max_abs_error_pct']:8.1f}%")
+    lines.append(f"{name:10} {'attn':5} {'(from ' + measured_on + ')':15} {eff}")
+    del hw
+    return {**{k: v for k, v in asdict(eff).items() if k != "head_dims"}, "head_dims": list(eff.head_dims),
+            "source": f"{source} ({ref})", "residuals": residuals}
+
+
+def _collectives_entry(name: str, lines: list[str]) -> dict[str, Any]:
+    topology = TOPOLOGY[name]
+    fits, ref = collective_fits(topology)
+    for f in fits:
+        group = f"{topology} {f['workers']}/{f['devices_per_node']}"
+        lines.append(f"{name:10} {f['op'][:5]:5} {group:15} "
+                     f"{f['points']:6} {f['median_abs_error_pct']:11.1f}% {f['max_abs_error_pct']:8.1f}%   "
+                     f"{f['latency_s'] * 1e6:.1f} us + bytes / {f['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s")
+    own = name.split("-")[0] in topology
+    source = (f"Vidur's {topology} network profile (NCCL, CUDA events; MIT)" if own else
+              f"Vidur's {topology} network profile (NCCL, CUDA events; MIT): the same NVLink 4 NVSwitch fabric")
+    return {"topology": topology, "source": source, "ref": ref, "fits": fits}
 
 
 def fit_all() -> tuple[dict[str, Any], list[str]]:
@@ -133,7 +326,7 @@ def fit_all() -> tuple[dict[str, Any], list[str]]:
                     "benchmarks/data/h200_kernels.json", "CUDA-graph replays, weights rotated past L2",
                     {"bf16": h200_points("bf16"), "fp8": h200_points("fp8")}))
     out: dict[str, Any] = {}
-    lines = [f"{'gpu':10} {'dtype':5} {'layer':15} {'points':>6} {'median |err|':>12} {'max |err|':>9}"]
+    lines = [f"{'gpu':10} {'what':5} {'layer':15} {'points':>6} {'median |err|':>12} {'max |err|':>9}"]
     for name, source, ref, how, by_dtype in sources:
         hw = HARDWARE[name]
         gemm, residuals = {}, {}
@@ -150,12 +343,25 @@ def fit_all() -> tuple[dict[str, Any], list[str]]:
             s = residuals[dtype]
             lines.append(f"{name:10} {dtype:5} {'all':15} {s['points']:6} {s['median_abs_error_pct']:11.1f}% "
                          f"{s['max_abs_error_pct']:8.1f}%   {eff}")
+        every = [p for pts in by_dtype.values() for p in pts]
         out[name] = {"gemm": gemm, "source": source, "ref": ref,
                      "fitted": f"GEMM bandwidth and compute fractions, p-norm sharpness, M tile and per-kernel "
-                               f"overhead ({how}) by benchmarks/gpu_kernels_fit.py",
-                     "residuals": residuals}
-    return {"about": "Written by benchmarks/gpu_kernels_fit.py; read by servelab/spec/hardware.py.",
-            "hardware": out}, lines
+                               f"overhead ({how}); attention compute and bandwidth fractions and per-call costs; "
+                               f"collectives' latency and bandwidth; by benchmarks/gpu_kernels_fit.py",
+                     "residuals": residuals,
+                     "gemm_shapes": {"min_weight_elements": min(n * k for _, _, n, k, _ in every),
+                                     "max_weight_elements": max(n * k for _, _, n, k, _ in every),
+                                     "max_tokens": int(max(m for _, m, _, _, _ in every))},
+                     "attention": _attention_entry(name, lines),
+                     "collectives": _collectives_entry(name, lines)}
+    host = host_overheads()
+    for engine, h in host.items():
+        r = h["residuals"]
+        lines.append(f"{'host':10} {engine[:5]:5} {'total':15} {r['points']:6} {r['median_abs_error_pct']:11.1f}% "
+                     f"{r['max_abs_error_pct']:8.1f}%   {h['per_step_s'] * 1e6:.0f} us + {h['per_seq_s'] * 1e6:.1f} us "
+                     "per sequence")
+    return {"about": "Written by benchmarks/gpu_kernels_fit.py; read by servelab/spec/hardware.py and "
+                     "servelab/spec/kernels.py.", "hardware": out, "host_overheads": host}, lines
 
 
 def main() -> None:

@@ -44,6 +44,7 @@ class PlanRow:
     capacity: dict[str, Any] | None = None  # the full CapacityResult.to_dict()
     binding: Binding | None = None  # which limit set the capacity (SLO, --max-num-seqs, KV cache, search max)
     frontier: list[tuple[float, float, bool]] = field(default_factory=list)  # (tok/s/user, tok/s/device, passed)
+    extrapolation: list[str] = field(default_factory=list)  # why its price rests on no measured kernel
 
     @property
     def meets_slo(self) -> bool:
@@ -65,6 +66,7 @@ class PlanRow:
             "cost_per_million_output_tokens": self.cost_per_million_output_tokens,
             "binding_limit": None if self.binding is None else self.binding.to_dict(),
             "capacity": self.capacity,
+            "extrapolation": self.extrapolation,
         }
 
 
@@ -130,6 +132,7 @@ def plan_one(job: PlanJob) -> PlanRow:
         slo=job.slo,
         cost_model=None if job.profile is None else _profile_cost(job.profile, job.tp),
     )
+    row.extrapolation = list(config.extrapolation)
     fixed_n = job.workload.get("num_requests")
     observed: dict[int, Observed] = {}
 

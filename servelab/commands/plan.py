@@ -141,7 +141,13 @@ def _table(rows, model: str, slo, args: argparse.Namespace, spec) -> str:  # noq
         from servelab.workload.arrivals import describe_think_time
 
         users = f"; concurrency = users, think time {describe_think_time(spec.think_time_s, spec.think_time_dist)}"
-    lines = [f"{model}: capacity at {targets} (simulated; input {args.input_len or 1024}, output "
+    lines = []
+    extrapolated = [f"{r.hardware} tp={r.tp}: {'; '.join(r.extrapolation)}" for r in rows if r.extrapolation]
+    if extrapolated:
+        from servelab.cost.roofline import extrapolation_notice
+
+        lines.append(extrapolation_notice(extrapolated))
+    lines += [f"{model}: capacity at {targets} (simulated; input {args.input_len or 1024}, output "
              f"{args.output_len or 256} tokens{users})", ""]
     headers = ["hardware", "tp", "concurrency", "tok/s/device", "req/s", f"{key} TTFT", f"{key} TPOT", "$/dev-h",
                "$/M tok", "bound by"]

@@ -38,8 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--compute-fraction", type=float, default=None, help="achievable share of peak FLOP/s")
     e.add_argument("--step-overhead", default=None, help="fixed cost per step besides the per-layer one, e.g. 150us")
     e.add_argument("--measured-kernels", action="store_true",
-                   help="price linear layers from the part's measured GEMM timings (A100, H100: Vidur's profiles; "
-                        "H200: benchmarks/data/h200_kernels.json) instead of the end-to-end fractions")
+                   help="price linear layers, attention and all-reduces from the part's measured kernels (A100, "
+                        "H100: Vidur's profiles; H200: benchmarks/data/h200_kernels.json) instead of the end-to-end "
+                        "fractions (docs/fidelity.md, 'Measured GPU kernels')")
     parser.add_argument("--profile", default=None, metavar="FILE.json",
                         help="also print a `servelab calibrate` profile's measured-fit step times beside the roofline's")
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
@@ -50,9 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def _efficiency(args: argparse.Namespace) -> Any:
     from dataclasses import replace
 
-    from servelab.cost.roofline import Efficiency
+    from servelab.cost.roofline import default_efficiency
 
-    eff = Efficiency()
+    eff = default_efficiency(args.measured_kernels)
     changes: dict[str, float] = {}
     if args.bandwidth_fraction is not None:
         changes["bandwidth_fraction"] = args.bandwidth_fraction
@@ -115,6 +116,7 @@ def rows(roofline: Any, batches: list[int], context: int, prompt_len: int | None
             "peak_compute_time_s": cost.peak_compute_time_s,
             "peak_memory_time_s": cost.peak_memory_time_s,
             "parameter_source": roofline.parameter_source,
+            "extrapolation": list(roofline.extrapolation),
         }
         if prefill is not None:
             row["prompt_len"] = prompt_len
@@ -163,9 +165,11 @@ def _efficiency_line(roofline: Any) -> str:
                  else f"{eff.bandwidth_fraction:.0%} of peak bandwidth")
     fixed_s = eff.step_overhead_s + m.num_layers * eff.per_layer_overhead_s
     if roofline.gemm is not None:
-        return (f"predicted with linear layers from {roofline.parameter_source}; KV and activations at "
+        measured = "linear layers, attention" + (", all-reduces" if roofline.allreduce is not None else "")
+        return (f"predicted by {roofline.hardware.name}'s measured kernels ({measured}; their sources: "
+                f"--json's parameter_source): new KV and activations at "
                 f"{eff.bandwidth_fraction:.0%} of peak bandwidth, {fixed_s * 1e3:.2f} ms per step ({m.num_layers} "
-                f"layers) + {eff.per_seq_overhead_s * 1e6:.1f} us per sequence")
+                f"layers) + {eff.per_seq_overhead_s * 1e6:.1f} us per sequence besides the kernels")
     return (f"predicted at {bandwidth} and {fmt.compute_fraction:.0%} of peak compute (ridge "
             f"{roofline.achievable_ridge_flops_per_byte:.0f} FLOP/byte), {fixed_s * 1e3:.2f} ms per step "
             f"({m.num_layers} layers) + {eff.per_seq_overhead_s * 1e6:.1f} us per sequence")
@@ -251,6 +255,10 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(table_rows, indent=2))
         return 0
+    if roofline.extrapolation:
+        from servelab.cost.roofline import extrapolation_notice
+
+        print(extrapolation_notice(roofline.extrapolation))
     print("\n".join(_header(roofline, args.context)))
     print()
     print(_table(table_rows))

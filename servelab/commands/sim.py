@@ -154,6 +154,10 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(result.to_dict(), indent=2))
         return 0
     c = result.config
+    if c["extrapolation"]:
+        from servelab.cost.roofline import extrapolation_notice
+
+        print(extrapolation_notice(c["extrapolation"]))
     layout = f"disagg {c['disagg']} (prefill:decode)" if c["disagg"] else f"{c['replicas']} replica(s)"
     print(f"{c['model']} on {c['hardware']} x{c['num_devices']} (tp={c['tp']}, {layout}, {c['scheduler']}, "
           f"KV pool {c['kv_capacity_tokens']:,} tokens per replica)")

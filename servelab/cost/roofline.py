@@ -8,6 +8,12 @@ takes longer at achievable rates, plus tensor-parallel all-reduces and fixed ove
                weight_bytes / (bandwidth × bandwidth_fraction[format]) + other_bytes / (bandwidth × bandwidth_fraction))
            + all-reduce time + step_overhead_s + num_layers × per_layer_overhead_s + num_seqs × per_seq_overhead_s
 
+With `measured_kernels=True`, a part with measured kernels for the weight format (A100, H100,
+H200: servelab/spec/kernel_fits.json) prices a step as the kernels it runs one after another: every
+linear layer by the fitted GEMM model (cost/gemm.py), each layer's attention call (cost/attention.py)
+and each tensor-parallel all-reduce (latency + bytes / bandwidth of the node's measurement); new KV,
+activations and fixed costs keep end-to-end terms refitted on top (MEASURED_KERNELS_EFFICIENCY).
+
 The simulator prices millions of steps, so everything that depends only on (model, hardware,
 dtypes, tp) is folded into a handful of per-token and per-step constants at construction, and a
 step reduces to four sums over its shape. See docs/cost-model.md for the formulas and
@@ -26,9 +32,10 @@ from servelab.cost.memory import DEFAULT_MEMORY_FRACTION, MemoryPlan, kv_heads_p
 from servelab.cost.step_cost import Shape, StepCost
 from servelab.errors import InvalidArgument
 from servelab.spec.dtypes import ACTIVATION_BYTES, DEFAULT_DTYPE
+from servelab.spec.dtypes import kv_dtype as _kv_dtype
 from servelab.spec.dtypes import weight_dtype as _weight_dtype
 from servelab.spec.hardware import HardwareSpec
-from servelab.spec.kernels import GemmEfficiency
+from servelab.spec.kernels import AttentionEfficiency, CollectiveFit, GemmEfficiency
 from servelab.spec.model import ModelSpec
 
 
@@ -108,10 +115,30 @@ class Efficiency:
         return fmt if fmt is not None else FormatEfficiency(self.bandwidth_fraction, self.compute_fraction)
 
 
+# The end-to-end terms refitted on top of the measured kernels (benchmarks/fit_published.py
+# --measured-kernels): what `Roofline(..., measured_kernels=True)` uses unless given its own. The
+# fixed costs inside the measured kernels leave no per-layer term; docs/fidelity.md compares the two.
+MEASURED_KERNELS_EFFICIENCY = Efficiency(
+    bandwidth_fraction=1.0, compute_fraction=0.68, step_overhead_s=0.0, per_layer_overhead_s=0.0,
+    per_seq_overhead_s=4.9e-6, interconnect_fraction=0.7, allreduce_latency_s=3.3e-5,
+    formats={"int8": FormatEfficiency(bandwidth_fraction=0.59, compute_fraction=0.68),
+             "int4": FormatEfficiency(bandwidth_fraction=0.38, compute_fraction=0.68),
+             "fp8": FormatEfficiency(bandwidth_fraction=0.32, compute_fraction=0.42)})
+
+
+def default_efficiency(measured_kernels: bool) -> Efficiency:
+    """The Efficiency fitted for the measured-kernel path or for the end-to-end one."""
+    return MEASURED_KERNELS_EFFICIENCY if measured_kernels else Efficiency()
+
+
 # Bytes per weight of the formats the measured GEMM parameters were fitted on.
 _MEASURED_WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0}
-# The name fit_published.py gives the measured linear layers' seconds in `time_terms` (held, not fitted).
-LINEAR_KERNELS_TERM = "linear_kernels_s"
+# The name fit_published.py gives the measured kernels' seconds (linear layers, attention, measured
+# collectives) in `time_terms`: held, not fitted.
+MEASURED_KERNELS_TERM = "measured_kernels_s"
+# A model's linear layers this many times larger or smaller than every measured GEMM are priced
+# outside the measurements' range.
+_SHAPE_SLACK = 4
 
 
 def _measured_gemm(hardware: HardwareSpec, compute_dtype: str, bytes_per_weight: float) -> GemmEfficiency | None:
@@ -122,14 +149,55 @@ def _measured_gemm(hardware: HardwareSpec, compute_dtype: str, bytes_per_weight:
     return hardware.kernels.for_dtype(compute_dtype)
 
 
-def parameter_source(hardware: HardwareSpec, weight_dtype: str, measured: bool) -> str:
+def parameter_source(hardware: HardwareSpec, measured: bool) -> str:
     """Where a Roofline's parameters come from, in one line for the CLI and --json."""
-    if measured:
-        assert hardware.kernels is not None
-        return (f"measured kernels: {hardware.kernels.source} ({hardware.kernels.ref}); "
-                "attention, KV and overheads from the end-to-end fit")
-    return (f"extrapolated: no measured {weight_dtype} kernels for {hardware.name}; "
-            "end-to-end Efficiency defaults (docs/fidelity.md)")
+    if not measured or hardware.kernels is None:
+        return "end-to-end Efficiency defaults fitted to published measurements (docs/fidelity.md)"
+    return (f"{hardware.provenance}; new KV, activations and fixed costs from the end-to-end terms refitted on "
+            "top of them")
+
+
+def extrapolation(model: ModelSpec, hardware: HardwareSpec, weight_dtype: str, kv_dtype: str,
+                  tp: int) -> tuple[str, ...]:
+    """Why a prediction for this deployment rests on no kernel measured for it (empty: it does)."""
+    k = hardware.kernels
+    if k is None:
+        return (f"{hardware.name} has no measured kernels: its datasheet peaks at the fractions fitted on "
+                "A100, H100 and H200",)
+    reasons = []
+    wdt = _weight_dtype(weight_dtype)
+    if _measured_gemm(hardware, wdt.compute_dtype, wdt.bytes_per_element) is None:
+        reasons.append(f"no measured {weight_dtype} kernels on {hardware.name} (measured: "
+                       f"{', '.join(k.gemm)}): priced by the end-to-end {weight_dtype} fractions")
+    if _kv_dtype(kv_dtype).bytes_per_element != 2:
+        reasons.append(f"{kv_dtype} KV cache: attention measured on a 16-bit cache only")
+    if model.head_dim not in k.attention.head_dims:
+        reasons.append(f"head_dim {model.head_dim}: attention measured at head_dim "
+                       f"{', '.join(map(str, k.attention.head_dims))} only")
+    shapes = k.gemm_shapes
+    sizes = [n * kk for n, kk in _linear_shapes(model, tp)]
+    if max(sizes) > _SHAPE_SLACK * shapes.max_weight_elements or min(sizes) * _SHAPE_SLACK < shapes.min_weight_elements:
+        reasons.append(f"{model.name}'s linear layers ({min(sizes) / 1e6:.3g}M to {max(sizes) / 1e6:.3g}M weights per "
+                       f"device) lie outside the measured GEMMs' {shapes.min_weight_elements / 1e6:.3g}M to "
+                       f"{shapes.max_weight_elements / 1e6:.3g}M")
+    if tp > 1 and (k.collectives is None or k.collectives.all_reduce(tp) is None):
+        reasons.append(f"no measured all-reduce among {tp} {hardware.name}s: the link's datasheet rate at the "
+                       "end-to-end fraction")
+    return tuple(reasons)
+
+
+def extrapolation_notice(reasons: tuple[str, ...] | list[str]) -> str:
+    """The line the CLI prints first when a prediction extrapolates."""
+    return "extrapolated: " + "; ".join(reasons)
+
+
+def _linear_shapes(model: ModelSpec, tp: int) -> list[tuple[int, int]]:
+    """(N, K) per device of each linear layer of a layer (the MLP's once, an expert's for MoE)."""
+    m = model
+    q_heads = max(1, m.num_heads // tp)
+    ffn = max(1, m.ffn_size // tp)
+    return [((q_heads + 2 * kv_heads_per_device(m, tp)) * m.head_dim, m.hidden_size),
+            (m.hidden_size, q_heads * m.head_dim), (2 * ffn, m.hidden_size), (m.hidden_size, ffn)]
 
 
 class Roofline:
@@ -141,15 +209,20 @@ class Roofline:
         self.model = model
         self.hardware = hardware
         self.tp = tp
-        self.efficiency = eff = efficiency or Efficiency()
+        self.efficiency = eff = efficiency or default_efficiency(measured_kernels)
         self.memory = MemoryPlan(model, hardware, weight_dtype, kv_dtype, tp, memory_fraction)  # validates
         self.weight_dtype, self.kv_dtype = self.memory.weight_dtype, self.memory.kv_cache_dtype  # canonical names
         wdt = _weight_dtype(weight_dtype)
         fmt = eff.for_format(weight_dtype)
         m = model
-        # Opt-in: the end-to-end defaults above are fitted without the measured GEMMs (docs/fidelity.md).
+        # Measured kernels price the step where the part has them for this weight format.
         self.gemm = _measured_gemm(hardware, wdt.compute_dtype, wdt.bytes_per_element) if measured_kernels else None
-        self.parameter_source = parameter_source(hardware, self.weight_dtype, self.gemm is not None)
+        kernels = hardware.kernels if self.gemm is not None else None
+        self.attention: AttentionEfficiency | None = kernels.attention if kernels is not None else None
+        self.allreduce: CollectiveFit | None = (
+            kernels.collectives.all_reduce(tp) if kernels is not None and kernels.collectives and tp > 1 else None)
+        self.parameter_source = parameter_source(hardware, self.gemm is not None)
+        self.extrapolation = extrapolation(model, hardware, self.weight_dtype, self.kv_dtype, tp)
 
         self.peak_flops_per_s = hardware.peak_flops_per_s(wdt.compute_dtype)
         self.peak_bandwidth_bytes_per_s = hardware.bandwidth_bytes_per_s
@@ -188,22 +261,38 @@ class Roofline:
 
         # Tensor parallelism: two all-reduces of the hidden state per layer (after attention and
         # after the MLP). A ring all-reduce sends 2(tp-1)/tp of the buffer over each link.
-        if tp > 1:
+        # A measured all-reduce is its latency plus the message (a token's hidden state) at its bandwidth.
+        if self.allreduce is not None:
+            self._ring_bytes_per_token = 0.0
+            self._allreduces_per_step = 0
+            self._comm_s_per_token = (2 * m.num_layers * m.hidden_size * ACTIVATION_BYTES
+                                      / self.allreduce.bandwidth_bytes_per_s)
+            self._comm_s_per_step = 2 * m.num_layers * self.allreduce.latency_s
+        elif tp > 1:
             assert hardware.interconnect_bytes_per_s is not None  # MemoryPlan refuses tp > 1 without one
             self._ring_bytes_per_token = 2 * m.num_layers * m.hidden_size * ACTIVATION_BYTES * 2 * (tp - 1) / tp
             self._allreduces_per_step = 2 * m.num_layers
             self._comm_s_per_token = self._ring_bytes_per_token / (hardware.interconnect_bytes_per_s
                                                                    * eff.interconnect_fraction)
+            self._comm_s_per_step = self._allreduces_per_step * eff.allreduce_latency_s
         else:
             self._ring_bytes_per_token = 0.0
             self._allreduces_per_step = 0
-            self._comm_s_per_token = 0.0
-        self._comm_s_per_step = self._allreduces_per_step * eff.allreduce_latency_s
+            self._comm_s_per_token = self._comm_s_per_step = 0.0
         self._overhead_s = eff.step_overhead_s + m.num_layers * eff.per_layer_overhead_s
         self._per_seq_s = eff.per_seq_overhead_s
 
         if self.gemm is not None:
             self._init_linears(wdt.bytes_per_element)
+        # Measured attention: a layer's kernel over the step's pairs (compute) or its KV (bytes).
+        if self.attention is not None:
+            a = self.attention
+            self._attention_s_per_pair = self._flops_per_attention_pair / (hardware.peak_flops_per_s("bf16")
+                                                                           * a.compute_fraction)
+            self._attention_s_per_context_token = self.kv_bytes_per_token / (hardware.bandwidth_bytes_per_s
+                                                                             * a.bandwidth_fraction)
+            self._prefill_attention_overhead_s = m.num_layers * a.prefill_overhead_s
+            self._decode_attention_overhead_s = m.num_layers * a.decode_overhead_s
 
         # The hot path's constants: seconds per unit of each of a step's four sums.
         self._compute_s_per_token = self._flops_per_token / self._flops_per_s
@@ -217,11 +306,9 @@ class Roofline:
     def _init_linears(self, bytes_per_weight: float) -> None:
         """(N, K) per device of each linear layer, for the measured GEMM model."""
         m, tp, hw = self.model, self.tp, self.hardware
-        q_heads = max(1, m.num_heads // tp)
-        self._attn_linears = (((q_heads + 2 * kv_heads_per_device(m, tp)) * m.head_dim, m.hidden_size),
-                              (m.hidden_size, q_heads * m.head_dim))
-        ffn = max(1, m.ffn_size // tp)
-        self._mlp_linears = ((2 * ffn, m.hidden_size), (m.hidden_size, ffn))
+        qkv, o, gate_up, down = _linear_shapes(m, tp)
+        self._attn_linears = (qkv, o)
+        self._mlp_linears = (gate_up, down)
         self._lm_head = (max(1, m.vocab_size // tp), m.hidden_size)
         self._gemm_args = (bytes_per_weight, self.peak_flops_per_s, hw.bandwidth_bytes_per_s)
         self._layer_linear_cache: dict[int, float] = {}
@@ -305,12 +392,14 @@ class Roofline:
         """The hot path: a step's time from its four sums (a simulator can keep them running)."""
         if num_tokens == 0:
             return 0.0
-        if self.gemm is not None:
-            compute_s = pairs * self._compute_s_per_pair
-            memory_s = context_tokens * self._memory_s_per_context_token + num_tokens * self._memory_s_per_token
+        if self.gemm is not None:  # measured kernels run one after another: their times add up
+            compute_s = pairs * self._attention_s_per_pair
+            memory_s = context_tokens * self._attention_s_per_context_token
             return (self._linear_s(num_tokens, num_seqs) + (compute_s if compute_s > memory_s else memory_s)
-                    + num_tokens * self._comm_s_per_token + self._comm_s_per_step + self._overhead_s
-                    + num_seqs * self._per_seq_s)
+                    + (self._prefill_attention_overhead_s if num_tokens > num_seqs
+                       else self._decode_attention_overhead_s)
+                    + num_tokens * (self._memory_s_per_token + self._comm_s_per_token) + self._comm_s_per_step
+                    + self._overhead_s + num_seqs * self._per_seq_s)
         compute_s = (num_tokens * self._compute_s_per_token + num_seqs * self._compute_s_per_seq
                      + pairs * self._compute_s_per_pair)
         weight_s = self._dense_weight_s
@@ -332,17 +421,18 @@ class Roofline:
 
         gives `time_from_totals` (its test holds the two together). Keys are Efficiency field
         names; a quantized format's are `formats.<name>.bandwidth_fraction` / `.compute_fraction`.
-        With measured GEMMs, `added` also holds LINEAR_KERNELS_TERM: the linear layers' seconds,
-        which no Efficiency field scales."""
+        With measured kernels, `added` also holds MEASURED_KERNELS_TERM: the seconds of the linear
+        layers, attention and measured all-reduces, which no Efficiency field scales."""
         if num_tokens == 0:
             return {}, {}, {}
         if self.gemm is not None:
-            other_bytes = context_tokens * self.kv_bytes_per_token + num_tokens * (
-                self.kv_bytes_per_token + self._activation_bytes_per_token)
             added = self._added_terms(num_tokens, num_seqs)
-            added[LINEAR_KERNELS_TERM] = self._linear_s(num_tokens, num_seqs)
-            return ({"compute_fraction": pairs * self._flops_per_attention_pair / self.peak_flops_per_s},
-                    {"bandwidth_fraction": other_bytes / self.peak_bandwidth_bytes_per_s}, added)
+            added[MEASURED_KERNELS_TERM] = (self._linear_s(num_tokens, num_seqs)
+                                            + self._attention_s(num_tokens, num_seqs, context_tokens, pairs))
+            if self.allreduce is not None:
+                added[MEASURED_KERNELS_TERM] += num_tokens * self._comm_s_per_token + self._comm_s_per_step
+            new_bytes = num_tokens * (self.kv_bytes_per_token + self._activation_bytes_per_token)
+            return {}, {"bandwidth_fraction": new_bytes / self.peak_bandwidth_bytes_per_s}, added
         fmt_key = f"formats.{self.weight_dtype.lower()}." if self.weight_dtype.lower() in self.efficiency.formats else ""
         flops = (num_tokens * self._flops_per_token + num_seqs * self._flops_per_seq
                  + pairs * self._flops_per_attention_pair)
@@ -354,6 +444,13 @@ class Roofline:
         memory[fmt_key + "bandwidth_fraction"] = memory.get(fmt_key + "bandwidth_fraction", 0.0) + weight_s
         return {fmt_key + "compute_fraction": flops / self.peak_flops_per_s}, memory, self._added_terms(num_tokens,
                                                                                                        num_seqs)
+
+    def _attention_s(self, num_tokens: int, num_seqs: int, context_tokens: int, pairs: int) -> float:
+        """The measured attention kernels of a step, one call per layer."""
+        compute_s = pairs * self._attention_s_per_pair
+        memory_s = context_tokens * self._attention_s_per_context_token
+        return max(compute_s, memory_s) + (self._prefill_attention_overhead_s if num_tokens > num_seqs
+                                           else self._decode_attention_overhead_s)
 
     def _added_terms(self, num_tokens: int, num_seqs: int) -> dict[str, float]:
         added = {"step_overhead_s": 1.0, "per_layer_overhead_s": float(self.model.num_layers),
@@ -383,13 +480,17 @@ class Roofline:
         else:
             comm_s = overhead_s = 0.0
         if self.gemm is not None and num_tokens:
-            # Linear layers as measured (their compute and memory sides reported at the same
-            # fractions, unsmoothed); attention against the KV cache and activations as before.
-            attention_s = pairs * self._compute_s_per_pair
+            # Linear layers and attention as measured (their compute and memory sides reported at
+            # the measured fractions, unsmoothed); new KV and activations at the end-to-end fraction.
             linear_flops = flops - pairs * self._flops_per_attention_pair
-            compute_s = attention_s + linear_flops / (self.peak_flops_per_s * self.gemm.compute_fraction)
-            memory_s = other_memory_s + weight_bytes / (self.peak_bandwidth_bytes_per_s * self.gemm.bandwidth_fraction)
-            time_s = self._linear_s(num_tokens, num_seqs) + max(attention_s, other_memory_s) + comm_s + overhead_s
+            new_bytes_s = (kv_write + activation) / self._bytes_per_s
+            compute_s = (pairs * self._attention_s_per_pair
+                         + linear_flops / (self.peak_flops_per_s * self.gemm.compute_fraction))
+            memory_s = (context_tokens * self._attention_s_per_context_token + new_bytes_s
+                        + weight_bytes / (self.peak_bandwidth_bytes_per_s * self.gemm.bandwidth_fraction))
+            time_s = (self._linear_s(num_tokens, num_seqs) + self._attention_s(num_tokens, num_seqs, context_tokens,
+                                                                              pairs)
+                      + new_bytes_s + comm_s + overhead_s)
         else:
             compute_s = flops / self._flops_per_s
             memory_s = weight_bytes / self._weight_bytes_per_s + other_memory_s

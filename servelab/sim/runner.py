@@ -79,6 +79,16 @@ class SimConfig:
         return self.hardware if isinstance(self.hardware, HardwareSpec) else get_hardware(self.hardware)
 
     @property
+    def extrapolation(self) -> tuple[str, ...]:
+        """Why the roofline's price for this deployment rests on no kernel measured for it (none
+        under a calibrated profile, which is measured)."""
+        if self.cost_model is not None:
+            return ()
+        from servelab.cost.roofline import extrapolation
+
+        return extrapolation(self.model_spec, self.hardware_spec, self.weight_dtype, self.kv_cache_dtype, self.tp)
+
+    @property
     def num_replicas(self) -> int:
         return sum(self.disagg) if self.disagg else self.replicas
 
@@ -108,6 +118,7 @@ class SimConfig:
             "link_bandwidth_bytes_per_s": self.link_bandwidth_bytes_per_s,
             "link_latency_s": self.link_latency_s,
             "cost_model": "roofline" if self.cost_model is None else _describe(self.cost_model),
+            "extrapolation": list(self.extrapolation),
             "slo": None if self.slo is None else self.slo.to_dict(),
         }
 

@@ -20,16 +20,22 @@ class HardwareSpec:
     interconnect_bytes_per_s: float | None = None
     price_per_hour_usd: float | None = None
     description: str = ""
-    # Measured GEMM efficiencies with their provenance (kernel_fits.json); None: the cost model
-    # extrapolates from its end-to-end defaults.
+    # Measured GEMM, attention and collective fits with their provenance (kernel_fits.json); None:
+    # the cost model extrapolates from its end-to-end defaults.
     kernels: KernelProfile | None = field(default=None, hash=False, compare=False)
 
     @property
     def provenance(self) -> str:
-        if self.kernels is None:
-            return "extrapolated (no measured kernels; end-to-end Efficiency defaults)"
-        dtypes = ", ".join(self.kernels.gemm)
-        return f"measured kernels ({dtypes}): {self.kernels.source} ({self.kernels.ref})"
+        """Where the cost model's parameters for this part come from."""
+        k = self.kernels
+        if k is None:
+            return ("extrapolated: datasheet peaks at the end-to-end Efficiency defaults fitted on A100, H100 and "
+                    "H200 runs (docs/fidelity.md)")
+        parts = [f"measured kernels: GEMMs ({', '.join(k.gemm)}) from {k.source} ({k.ref})",
+                 f"attention {k.attention_source}"]
+        if k.collectives is not None:
+            parts.append(f"collectives from {k.collectives.source} ({k.collectives.ref})")
+        return "; ".join(parts)
 
     def peak_flops_per_s(self, compute_dtype: str = "bf16") -> float:
         """The matmul rate for a compute dtype. Hardware without FP8/INT8 tensor cores (A100 has no

@@ -5,6 +5,7 @@ direction it should."""
 
 import importlib.util
 import math
+import statistics
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from servelab.cost import Efficiency, Roofline
-from servelab.cost.roofline import FormatEfficiency
+from servelab.cost.roofline import MEASURED_KERNELS_EFFICIENCY, FormatEfficiency
 from servelab.spec import get_hardware, get_model
 
 _SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "fit_published.py"
@@ -38,6 +39,27 @@ def test_the_fit_reproduces_the_committed_defaults(fitted):
     drift = {k: (fp.get_param(committed, k), fp.get_param(refit, k)) for k in fp.PARAMS
              if not math.isclose(fp.get_param(committed, k), fp.get_param(refit, k), rel_tol=1e-9)}
     assert not drift, f"Efficiency defaults differ from the fit (committed, fitted): {drift}"
+
+
+def test_the_measured_kernel_terms_are_the_refit_on_top_of_the_kernels():
+    committed, refit = MEASURED_KERNELS_EFFICIENCY, fp.rounded(fp.fit(TRAIN, measured=True))
+    drift = {k: (fp.get_param(committed, k), fp.get_param(refit, k)) for k in fp.PARAMS
+             if not math.isclose(fp.get_param(committed, k), fp.get_param(refit, k), rel_tol=1e-9)}
+    assert not drift, f"MEASURED_KERNELS_EFFICIENCY differs from the fit (committed, fitted): {drift}"
+
+
+def _median_abs_error(points, eff, measured):
+    return statistics.median(abs(fp.error_pct(p, eff, measured)) for p in points)
+
+
+def test_the_default_is_the_better_of_the_two_on_the_test_set():
+    """docs/fidelity.md, "Measured GPU kernels": the end-to-end defaults stay the CLI's default while
+    the measured kernels with their refitted terms do worse on the held-out points. Should that
+    turn, this fails: make measured kernels the default."""
+    end_to_end = _median_abs_error(TEST, Efficiency(), False)
+    measured = _median_abs_error(TEST, MEASURED_KERNELS_EFFICIENCY, True)
+    assert end_to_end < measured
+    assert not fp.MEASURED and Roofline(get_model("llama-3.1-8b"), H100).gemm is None
 
 
 def test_the_fit_does_not_depend_on_where_it_starts(fitted):
