@@ -102,7 +102,7 @@ class ServerInfo:
     kind: str  # servelab, vllm, sglang, llama.cpp, unknown
     version: str | None
     max_model_len: int | None
-    config: dict[str, str]  # the scheduler settings /metrics exports (servelab's or vLLM's info gauges)
+    config: dict[str, str]  # the scheduler settings /metrics exports (fidelity.server_config)
     metrics: bool
 
     def to_dict(self) -> dict[str, Any]:
@@ -699,13 +699,13 @@ def server_settings(server: ServerInfo, chunk: dict[str, Any], seqs: dict[str, A
         out["max_model_len"] = _setting(longest_seen, "assumed", "low",
                                         "the server does not say; the longest request the calibration ran")
     if (v := exported("max_num_seqs")) is not None:
-        out["max_num_seqs"] = _setting(v, "metrics", "exact", "the server's scheduler_config_info")
+        out["max_num_seqs"] = _setting(v, "metrics", "exact", "the server's /metrics")
     elif seqs.get("value") is not None:
         out["max_num_seqs"] = _setting(seqs["value"], "inferred", seqs["confidence"], seqs["why"])
     else:
         out["max_num_seqs"] = _setting(1, "assumed", "low", seqs["why"])
     if (v := exported("max_num_batched_tokens")) is not None:
-        out["max_num_batched_tokens"] = _setting(v, "metrics", "exact", "the server's scheduler_config_info")
+        out["max_num_batched_tokens"] = _setting(v, "metrics", "exact", "the server's /metrics")
     elif chunk.get("value") is not None:
         out["max_num_batched_tokens"] = _setting(chunk["value"], "inferred", "medium", chunk["why"])
     else:
@@ -713,19 +713,19 @@ def server_settings(server: ServerInfo, chunk: dict[str, Any], seqs: dict[str, A
         out["max_num_batched_tokens"] = _setting(max(limit, longest_seen), "assumed", "low",
                                                  chunk["why"] + "; priced as unchunked")
     block = exported("block_size")
-    out["block_size"] = (_setting(block, "metrics", "exact", "the server's cache_config_info") if block
+    out["block_size"] = (_setting(block, "metrics", "exact", "the server's /metrics") if block
                          else _setting(16, "assumed", "low", "the server does not say; it matters only with KV "
                                                              "capacity"))  # fmt: skip
     blocks = exported("num_blocks") or exported("num_gpu_blocks")
     if blocks:
-        out["num_blocks"] = _setting(blocks, "metrics", "exact", "the server's cache_config_info")
+        out["num_blocks"] = _setting(blocks, "metrics", "exact", "the server's /metrics")
     else:
         need = out["max_model_len"]["value"] * out["max_num_seqs"]["value"]
         out["num_blocks"] = _setting(-(-need // out["block_size"]["value"]), "assumed", "low",
                                      "the server does not export its KV capacity and no run reached it: "
                                      "enough for max_num_seqs full-length sequences")
     caching = cfg.get("enable_prefix_caching", "").lower()  # vLLM's label says True, servelab's true
-    out["enable_prefix_caching"] = (_setting(caching == "true", "metrics", "exact", "cache_config_info")
+    out["enable_prefix_caching"] = (_setting(caching == "true", "metrics", "exact", "the server's /metrics")
                                     if caching in ("true", "false")
                                     else _setting(False, "assumed", "low", "unknown; every calibration prompt "
                                                                            "was unique"))  # fmt: skip

@@ -42,13 +42,32 @@ METRICS: tuple[tuple[str, str, str | None], ...] = (
 TARGETS_PCT = {"TPOT p50": 10.0, "output tok/s": 10.0, "TTFT p50": 20.0, "TTFT p90": 20.0}
 
 
+# SGLang exports its limits as plain gauges (python/sglang/srt/metrics/collector.py): the running
+# requests cap, the tokens a prefill batch may take, and the KV pool in tokens (pages of one token
+# by default), which the simulator holds in blocks of SGLANG_BLOCK.
+SGLANG_GAUGES = {"sglang:max_running_requests": "max_num_seqs", "sglang:max_prefill_tokens": "max_num_batched_tokens",
+                 "sglang:max_total_num_tokens": "kv_tokens", "sglang:context_len": "max_model_len"}
+SGLANG_BLOCK = 16
+
+
 def server_config(metrics_text: str | None) -> dict[str, str]:
-    """The labels of the server's configuration info gauges, merged (model_name dropped)."""
+    """The labels of the server's configuration info gauges, merged (model_name dropped), and
+    SGLang's limit gauges under the same names."""
     found: dict[str, str] = {}
     for line in (metrics_text or "").splitlines():
-        name = line.split("{", 1)[0]
+        name = line.split("{", 1)[0].split(" ", 1)[0]
         if name in INFO_GAUGES and "{" in line:
             found.update(_LABEL.findall(line.split("{", 1)[1].rsplit("}", 1)[0]))
+        elif name in SGLANG_GAUGES and not line.startswith("#"):
+            try:
+                value = float(line.rsplit(" ", 1)[1])
+            except (IndexError, ValueError):
+                continue
+            if value > 0:
+                found[SGLANG_GAUGES[name]] = str(int(value))
+    if "kv_tokens" in found:
+        found.setdefault("block_size", str(SGLANG_BLOCK))
+        found.setdefault("num_blocks", str(int(found.pop("kv_tokens")) // int(found["block_size"])))
     found.pop("model_name", None)
     found.pop("engine", None)
     return found

@@ -25,6 +25,28 @@ def test_server_config_reads_both_info_gauges():
     check_server_config(cfg, "http://x")
 
 
+SGLANG_TEXT = """\
+# HELP sglang:max_total_num_tokens Maximum total number of tokens
+# TYPE sglang:max_total_num_tokens gauge
+sglang:max_total_num_tokens{model_name="m"} 161721.0
+sglang:max_prefill_tokens{model_name="m"} 16384.0
+sglang:max_running_requests{model_name="m"} 4096.0
+sglang:context_len{model_name="m"} 8192.0
+sglang:num_running_reqs{model_name="m"} 3.0
+sglang:token_usage{model_name="m"} 0.28
+"""
+
+
+def test_server_config_reads_sglangs_limit_gauges():
+    cfg = server_config(SGLANG_TEXT)
+    assert cfg == {"max_num_seqs": "4096", "max_num_batched_tokens": "16384", "max_model_len": "8192",
+                   "block_size": "16", "num_blocks": str(161721 // 16)}
+    check_server_config(cfg, "http://x")
+    # A server that exports only some of them is refused for the rest, by name.
+    with pytest.raises(InvalidArgument, match="missing num_blocks"):
+        check_server_config(server_config("sglang:max_running_requests 8\n"), "http://x")
+
+
 @pytest.mark.parametrize("text", [None, "", 'vllm:cache_config_info{block_size="16"} 1.0\n'])
 def test_a_server_without_its_configuration_is_refused_by_name(text):
     with pytest.raises(InvalidArgument, match="does not publish its scheduler configuration.*num_blocks"):
