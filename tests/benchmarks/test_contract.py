@@ -35,7 +35,6 @@ EXEMPT = {
     "isa_levels.py": "compiles the kernels at each ISA level",
     "structured_outputs.py": "two bundled-model engines",
     # torch.distributed process groups on 127.0.0.1.
-    "kv_transfer.py": "gloo ranks sending KV blocks",
     "tp_allreduce.py": "gloo ranks and TP engines on the bundled model",
     "tp_kv_gather.py": "a TP=3 engine on the bundled model",
     # Reads a clone of microsoft/vidur that the test host does not have.
