@@ -7,7 +7,7 @@ are preempted and recomputed; then the pressured run against the batched one.
 Per run: how many of the 32 outputs differ in their tokens, how many in the bits of their
 tokens' logprobs (a difference that has not flipped a token yet), preemptions, wall time.
 
-    python benchmarks/determinism.py [--deterministic] [--dtype bfloat16] [--prompts 32] [--json]
+    python benchmarks/determinism.py [--deterministic] [--dtype bfloat16] [--prompts 32] [--json] [--quick]
 """
 
 from __future__ import annotations
@@ -56,21 +56,27 @@ def differ(outputs: list[tuple], reference: list[tuple]) -> dict[str, int]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: the bundled model")
     ap.add_argument("--deterministic", action="store_true")
     ap.add_argument("--dtype", default=None)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="4 prompts x 20 tokens (a smoke test)")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.prompts, args.max_tokens = 4, 20
 
-    base = dict(dtype=args.dtype, deterministic=args.deterministic, max_model_len=512)
+    base = dict(model=args.model, dtype=args.dtype, deterministic=args.deterministic, max_model_len=512)
     runs = {
         "batched": dict(base),
         "chunked": dict(base, max_num_batched_tokens=7),
         # 48 blocks of 16 tokens hold ~8 of the 32 sequences at their full length: most are preempted
-        "preempted": dict(base, num_blocks=48, enable_prefix_caching=False),
+        # (--quick: 6 blocks, and each of the 4 sequences needs 4)
+        "preempted": dict(base, num_blocks=6 if args.quick else 48, enable_prefix_caching=False,
+                          max_model_len=64 if args.quick else 512),
     }
     results: dict[str, dict] = {}
     t = time.perf_counter()

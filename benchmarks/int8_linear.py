@@ -3,7 +3,7 @@
 in one process, the three timed in turn each round. Also the accuracy of each int8 path against
 fp32 on the same random activations (relative Frobenius error of the outputs).
 
-    .venv/bin/python benchmarks/int8_linear.py --rows 1 2 8 32 256 --threads 1
+    .venv/bin/python benchmarks/int8_linear.py --rows 1 2 8 32 256 --threads 1 [--quick]
 
 Prints, per row count, the median time for all 121 matrices and the ratios fbgemm / servelab and
 fp32 / servelab (above 1: servelab faster).
@@ -35,16 +35,20 @@ def fbgemm_linear(w: torch.Tensor):
     return lambda x: torch.ops.quantized.linear_dynamic(x, packed, True)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 8, 32, 256])
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--rounds", type=int, default=5)
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="the first 2 layers and the head, rows 1 and 8, one round")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.rows, args.rounds = [1, 8], 1
     torch.set_num_threads(args.threads)
 
     model = load_model(str(bundled_model_path()), dtype=torch.float32).model
-    dense = [w.dequantize() for layer in model.layers for w in layer.linears()]
+    layers = model.layers[:2] if args.quick else model.layers
+    dense = [w.dequantize() for layer in layers for w in layer.linears()]
     dense.append(model.lm_head.dequantize())
     engines = {
         "servelab": [Int8Linear.from_weight(w) for w in dense],

@@ -1,7 +1,7 @@
 """KV transfer between two processes on this host (gloo over loopback TCP): layer-by-layer
 against block-by-block sends of one request's KV, for the bundled model's cache shape.
 
-    PYTHONPATH=. python benchmarks/kv_transfer.py [--tokens 128,512,2048] [--repeats 7]
+    PYTHONPATH=. python benchmarks/kv_transfer.py [--tokens 128,512,2048] [--repeats 7] [--quick]
 
 Rank 0 sends (cluster/kv_transfer.send_blocks), rank 1 receives into its own paged cache; the
 two granularities alternate within one run, and each figure is the median over the repeats of
@@ -59,7 +59,7 @@ def _run(rank: int, port: int, tokens: list[int], repeats: int, dtypes: list[str
     dist.barrier(group=group)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     import torch.multiprocessing as mp
 
     from servelab.engine.parallel.group import free_port
@@ -68,7 +68,10 @@ def main() -> None:
     parser.add_argument("--tokens", default="128,512,2048")
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--dtypes", default="float32,float16")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="128 fp32 tokens, once (a smoke test)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.tokens, args.repeats, args.dtypes = "128", 1, "float32"
     tokens = [int(t) for t in args.tokens.split(",")]
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

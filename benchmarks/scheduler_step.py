@@ -8,7 +8,7 @@ RequestOutput per token); the engine's call, which builds one output per sequenc
 timed too. A no-op peer loop (building the same number of small objects) is timed in the same
 run, so the ratio says how far the scheduler is from the floor of "touch every sequence once".
 
-    .venv/bin/python benchmarks/scheduler_step.py [--seqs 256] [--steps 2000] [--repeats 5]
+    .venv/bin/python benchmarks/scheduler_step.py [--seqs 256] [--steps 2000] [--repeats 5] [--quick]
 """
 
 from __future__ import annotations
@@ -96,7 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=2000, help="timed decode steps per repeat (default 2000)")
     parser.add_argument("--repeats", type=int, default=5, help="repeats; the median of each is reported")
     parser.add_argument("--prompt-len", type=int, default=128, help="prompt tokens per sequence (default 128)")
+    parser.add_argument("--quick", action="store_true", help="16 sequences, 50 steps, one repeat (a smoke test)")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.seqs, args.steps, args.repeats, args.prompt_len = 16, 50, 1, 16
     if args.seqs < 1 or args.steps < 1 or args.repeats < 1 or args.prompt_len < 1:
         print("error: --seqs, --steps, --repeats and --prompt-len must be >= 1", file=sys.stderr)
         return 2

@@ -2,7 +2,7 @@
 single 128-token prefill of concurrency 1 (calibrate's own `measure` on a grid of just those
 shapes; docs/fidelity.md, "The step-cost form").
 
-    python benchmarks/served_steps.py --passes 7
+    python benchmarks/served_steps.py --passes 7 [--model DIR] [--quick]
 """
 
 from __future__ import annotations
@@ -16,15 +16,17 @@ from servelab.engine.bundled import bundled_model_path
 from servelab.engine.llm_engine import EngineArgs, LLMEngine
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None, help="default: the bundled model")
     ap.add_argument("--passes", type=int, default=7)
-    args = ap.parse_args()
+    ap.add_argument("--quick", action="store_true", help="one pass of 2 prompts together (a smoke test)")
+    args = ap.parse_args(argv)
     coarse = calibrate.GRIDS["coarse"]
+    together, joined = ((2,), (1,)) if args.quick else (coarse.together, coarse.joined_batches)
     grid = calibrate.Grid(chunk=coarse.chunk, prefill_lens=(coarse.chunk,), decode_batches=(),
                           decode_contexts=(min(coarse.decode_contexts),), decode_steps=coarse.decode_steps,
-                          repeats=args.passes, together=coarse.together, joined_batches=coarse.joined_batches)
+                          repeats=1 if args.quick else args.passes, together=together, joined_batches=joined)
     engine_args = EngineArgs.from_kwargs(model=args.model or str(bundled_model_path()), dtype="float32",
                                          max_num_batched_tokens=grid.chunk, enable_prefix_caching=False)
     engine = LLMEngine.from_args(replace(engine_args, kv_cache_prefault=True))

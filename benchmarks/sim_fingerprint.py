@@ -77,10 +77,13 @@ def fingerprint(config: SimConfig, workload: WorkloadSpec) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=600)
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="60 requests a configuration (a smoke test)")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.num_requests = 60
     for name, (config, workload) in configs(args.num_requests).items():
         print(name, json.dumps(fingerprint(config, workload)))
 

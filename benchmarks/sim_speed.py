@@ -6,7 +6,7 @@ Then a shorter run splits the wall time between the scheduler (schedule + update
 KV-block and prefix-cache work inside them shown apart), the SimExecutor with the roofline, the
 workload's stand-in prompts and the rest (event loop, requests, records, metrics).
 
-    .venv/bin/python benchmarks/sim_speed.py --num-requests 100000 [--core-scheduler]
+    .venv/bin/python benchmarks/sim_speed.py --num-requests 100000 [--core-scheduler] [--quick]
 """
 
 from __future__ import annotations
@@ -85,19 +85,23 @@ def time_split(config: SimConfig, workload: WorkloadSpec) -> tuple[dict[str, flo
     return spent, total
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--num-requests", type=int, default=100_000)
     parser.add_argument("--load", type=float, default=0.8, help="fraction of capacity (default 0.8)")
     parser.add_argument("--profile-requests", type=int, default=3000)
     parser.add_argument("--core-scheduler", action="store_true",
                         help="time the core Scheduler, without the simulator's implicit decodes")
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="a few hundred requests in each run (a smoke test)")
+    args = parser.parse_args(argv)
+    capacity_requests = 4000
+    if args.quick:
+        args.num_requests, args.profile_requests, capacity_requests = 300, 100, 300
     config = SimConfig(model="llama-3.1-8b", hardware="h100-sxm")
 
     t0 = time.perf_counter()
-    capacity = capacity_req_per_s(config, 4000)
-    print(f"capacity (saturated, 4,000 requests): {capacity:.2f} req/s  [{time.perf_counter() - t0:.1f} s wall]")
+    capacity = capacity_req_per_s(config, capacity_requests)
+    print(f"capacity (saturated, {capacity_requests:,} requests): {capacity:.2f} req/s  [{time.perf_counter() - t0:.1f} s wall]")
     if args.core_scheduler:
         config = replace(config, cost_model=ShapeOnly(build_cost_model(config)))
     rate = args.load * capacity

@@ -1,0 +1,72 @@
+"""Every script in benchmarks/ is run or imported by a test, or is listed below with the reason it
+is not: a script that nothing runs rots silently when the APIs it uses move."""
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Scripts no test runs, and why. Remove an entry when a test starts running that script; a new
+# script gets a test with a `--quick` run, not an entry here.
+EXEMPT = {
+    # Shell drivers of long server loads (minutes each, servers on real ports).
+    "disagg_runs.sh": "drives serve --disagg and bench for minutes",
+    "validate_runs.sh": "drives calibrate, serve and validate for minutes",
+    # Read the folders validate_runs.sh writes (profile.json, c*.json, rate.json, steps.jsonl);
+    # no such folder is committed as a fixture yet.
+    "client_gap.py": "replays validate_runs.sh folders",
+    "refit_profile.py": "refits validate_runs.sh folders",
+    "step_residuals.py": "prices a validate_runs.sh folder's step log",
+    "validate_table.py": "tabulates validate_runs.sh folders",
+    "calibrate_repeatability.py": "runs calibrate (minutes) or compares its profiles",
+    # Start `servelab serve` processes and load them for minutes.
+    "big_requests.py": "servers polled while curl sends 10 MB bodies",
+    "soak.py": "an hour of load against a server, RSS sampled",
+    # Two checkouts or two kernel builds, one engine each.
+    "engine_ab.py": "needs a second checkout",
+    "build_ab.py": "compiles a second kernel build (reaches native._build)",
+    # The bundled model, whole, in every run; no --quick yet.
+    "engine_cpu.py": "servelab and HF transformers on the bundled model (imported by peers.py)",
+    "decode_step_split.py": "decode steps of the bundled model, op by op",
+    "prefill_step_split.py": "prefill steps of the bundled model, op by op",
+    "gemv_layouts.py": "needs an AVX-512 level (native or SIMDe)",
+    "panel_linears.py": "every matrix of the bundled model per row count",
+    "half_weights.py": "writes a bf16 copy of the bundled model first",
+    "isa_levels.py": "compiles the kernels at each ISA level",
+    "structured_outputs.py": "two bundled-model engines",
+    # torch.distributed process groups on 127.0.0.1.
+    "tp_allreduce.py": "gloo ranks and TP engines on the bundled model",
+    "tp_kv_gather.py": "a TP=3 engine on the bundled model",
+    # Reads a clone of microsoft/vidur that the test host does not have.
+    "vidur_extract.py": "needs a git clone of github.com/microsoft/vidur",
+}
+
+
+def _scripts() -> list[str]:
+    return sorted(p.name for p in (ROOT / "benchmarks").iterdir() if p.suffix in (".py", ".sh"))
+
+
+def _is_run_by(script: str, text: str) -> bool:
+    stem = Path(script).stem
+    return bool(re.search(rf"^\s*(import {stem}\b|from {stem} import )", text, re.M)
+                or re.search(rf"[\"']{re.escape(script)}[\"']", text))
+
+
+def test_every_benchmark_is_run_by_a_test_or_exempt():
+    tests = [p.read_text() for p in (ROOT / "tests").rglob("*.py") if p.resolve() != Path(__file__).resolve()]
+    untested = [s for s in _scripts() if s not in EXEMPT and not any(_is_run_by(s, t) for t in tests)]
+    assert not untested, f"benchmarks with no test and no entry in EXEMPT: {untested}"
+
+
+def test_exemptions_name_scripts_that_exist_and_need_them():
+    tests = [p.read_text() for p in (ROOT / "tests").rglob("*.py") if p.resolve() != Path(__file__).resolve()]
+    scripts = _scripts()
+    assert not [s for s in EXEMPT if s not in scripts], "EXEMPT names a script that is gone"
+    assert not [s for s in EXEMPT if any(_is_run_by(s, t) for t in tests)], "EXEMPT names a script a test runs"
+
+
+def test_the_check_sees_imports_and_paths_only():
+    assert _is_run_by("soak.py", "import soak  # noqa: E402\n")
+    assert _is_run_by("soak.py", "script = ROOT / 'benchmarks' / 'soak.py'\n")
+    assert not _is_run_by("soak.py", '"""as benchmarks/soak.py showed"""\n')
+    assert not _is_run_by("soak.py", "import soaked\n")
