@@ -99,8 +99,8 @@ class AsyncEngine:
 
     def add_observer(self, observer: OutputObserver) -> None:
         """Called on the engine thread right after each step, for every output of every request
-        (even after its client left), while the sequence's timestamps are exactly those of that
-        step. Observers must be quick and thread-safe (prometheus_client's metrics are)."""
+        (even after its client left). Observers must be quick and thread-safe (prometheus_client's
+        metrics are)."""
         self._observers.append(observer)
 
     def add_step_observer(self, observer: StepObserver) -> None:
