@@ -21,8 +21,8 @@ ALLOWED: dict[str, set[str]] = {
     "engine": {"core", "spec"},
     "sim": {"core", "cost", "spec", "workload", "metrics"},
     "server": {"core", "engine", "spec", "metrics", "<top>"},
-    # data-parallel workers: the engine in each, the server's driver interface and core's router at the front
-    "cluster": {"core", "engine", "spec", "server"},
+    # data-parallel workers: the engine in each, its client interface and core's router at the front
+    "cluster": {"core", "engine", "spec"},
     # the load generator builds exact-length prompts with the engine's tokenizer (imported lazily)
     "bench": {"core", "workload", "metrics", "sim", "cost", "spec", "engine"},
     # and the server's HTTP guards and JSON decoder (server.guards, server.http_errors: no engine, no torch)

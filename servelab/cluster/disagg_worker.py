@@ -37,11 +37,13 @@ from servelab.cluster.channel import FIRST_DATA_TAG, Link, PeerLost, Rendezvous,
 from servelab.cluster.disagg_config import DisaggConfig
 from servelab.cluster.kv_transfer import KVLayout, join_transfer_groups
 from servelab.cluster.worker_loop import WorkerLoop
+from servelab.core.sequence import FinishReason
+from servelab.engine.outputs import EngineOutput
 
 if TYPE_CHECKING:
     from servelab.core.sequence import SamplingParams
     from servelab.engine.grammar_workers import GrammarWorkers
-    from servelab.engine.llm_engine import EngineOutput, LLMEngine
+    from servelab.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("servelab.cluster")
 
@@ -259,8 +261,7 @@ class _DisaggLoop(WorkerLoop):
 
     def _final(self, request_id: str, reason: str) -> None:
         """A request's last output, sent for one that ended outside the engine."""
-        wire = m.WireOutput(request_id, [], "", True, reason, None, [], None, None, 0, None)
-        self._send(m.Outputs([wire], 0, self.stats))
+        self._send(m.Outputs([EngineOutput(request_id, [], "", True, FinishReason(reason))], 0, self.stats))
 
     def _on_command(self, command: Any) -> None:
         if isinstance(command, _FromPeer):
@@ -313,14 +314,14 @@ class PrefillLoop(_DisaggLoop):
                 kept.append(out)
                 continue
             # the first token, and the request goes on: its decoding is the decode worker's
-            seq = out.seq
+            seq = self.engine.sequence(rid)
+            assert seq is not None  # an unfinished output's request is in the engine
             dst = self.decode_rank.pop(rid)
-            arrival = self.arrival_s.get(rid, seq.arrival_s)
+            arrival = seq.arrival_s
             age_s = time.perf_counter() - arrival
             scheduled = (seq.first_scheduled_s or arrival) - arrival
             self.held[rid] = _Held(dst, self.engine.detach_prefilled(rid))
             self.live.discard(rid)
-            self._forget(rid)
             offer = Offer(rid, list(seq.prompt_token_ids), seq.last_token_id, seq.params, out.logprobs, age_s, scheduled,
                           list(seq.prompt_logprobs), self.layout)  # fmt: skip
             if not self._to_peer(dst, offer):
@@ -377,7 +378,6 @@ class PrefillLoop(_DisaggLoop):
         for rid in doomed:
             super()._abort_one(rid)
             self.decode_rank.pop(rid)
-            self._forget(rid)
         self._fail(doomed, f"decode worker {src} is lost ({why})")
 
 
@@ -452,7 +452,7 @@ class DecodeLoop(_DisaggLoop):
             offer = pending.offer
             try:
                 seq = self.engine.reserve_prefilled(offer.request_id, offer.prompt_token_ids, offer.first_token_id,
-                                                    offer.params)  # fmt: skip
+                                                    offer.params, arrival_s=pending.arrived_s - offer.age_s)  # fmt: skip
             except Exception as exc:  # can never fit here: end it now rather than hold it forever
                 self.offers.popleft()
                 self._to_peer(pending.src, Refuse(offer.request_id, f"decode worker: {exc}"))
@@ -488,6 +488,7 @@ class DecodeLoop(_DisaggLoop):
             return
         num_bytes, transfer_s = future.result()
         seq.prompt_logprobs = offer.prompt_logprobs  # the first output carries them to the front end
+        seq.first_scheduled_s = seq.arrival_s + offer.first_scheduled_offset_s  # its queueing was the prefill side's
         try:
             self.engine.start_prefilled(seq, offer.first_logprobs[0] if offer.first_logprobs else None)
         except Exception as exc:  # e.g. a grammar this worker cannot compile: end only this request
@@ -496,15 +497,11 @@ class DecodeLoop(_DisaggLoop):
             self._fail([rid], f"decode worker could not start the request: {exc}")
             return
         self.live.add(rid)
-        self.arrival_s[rid] = arrival = pending.arrived_s - offer.age_s
-        seq.first_scheduled_s = arrival + offer.first_scheduled_offset_s  # its queueing was the prefill side's
         self.transfer_records[rid] = m.KVTransferRecord(num_bytes, transfer_s, queue_s)
 
-    def _wire(self, out: EngineOutput) -> m.WireOutput:
-        record = self.transfer_records.pop(out.request_id, None)
-        wire = super()._wire(out)
-        wire.kv_transfer = record
-        return wire
+    def _kv_transfers(self, outputs: list[EngineOutput]) -> list[m.KVTransferRecord]:
+        records = (self.transfer_records.pop(out.request_id, None) for out in outputs)
+        return [r for r in records if r is not None]
 
     def _on_peer_gone(self, src: int, why: str) -> None:
         lost = [p for p in self.offers if p.src == src]

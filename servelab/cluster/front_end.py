@@ -1,12 +1,12 @@
-"""The front end's engine driver: `ClusterEngine` has AsyncEngine's interface (submit, abort,
-observers, stats), so the server's routes do not change, but each request runs on one of N
-worker processes, chosen by servelab.core.router's Router.
+"""The front end's engine client: `ClusterEngine` is an EngineClient (engine/client.py), as
+AsyncEngine is, so the server's routes do not change, but each request runs on one of N worker
+processes, chosen by servelab.core.router's Router. Its `front` (tokenizer, names, limits) is
+built from the model's tokenizer and the workers' WorkerReady: no model runs here.
 
 Per worker, two threads move messages: a sender (the event loop never blocks on a link; it
 sends a heartbeat when idle) and a receiver. Everything else happens on the event loop thread:
-the receiver posts each message there, where the request's copy of its Sequence is brought up
-to date from the worker's output, the observers (metrics) see an EngineOutput as they would
-from one engine, and the client's queue gets it. A worker whose link fails (the process died,
+the receiver posts each message there, where the worker's EngineOutputs (plain data, the same
+type one engine returns) go to the observers (metrics) and to the client's queue as they came. A worker whose link fails (the process died,
 or it said nothing for PEER_TIMEOUT_S) fails only its own requests; the router stops choosing
 it, and `health()` reports the cluster degraded. So does a hung one: its heartbeats say how long
 its step loop has been in one pass, and past `hang_timeout_s` the front end gives up on it.
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import dataclasses
 import itertools
 import logging
 import queue
@@ -33,16 +34,15 @@ from servelab.cluster import messages as m
 from servelab.cluster.channel import HANG_TIMEOUT_S, HEARTBEAT_S, Link, PeerLost, leave
 from servelab.core.block_manager import chain_block_hashes
 from servelab.core.admission import check_room_to_wait
-from servelab.core.sequence import FinishReason, Sequence, SequenceStatus
-from servelab.engine.llm_engine import EngineOutput, EngineStats
-from servelab.errors import QueueFull, ServelabError, Unsupported
-from servelab.server.async_engine import EngineFailure, EngineRequest, EngineStopped, Failed, RequestStream
 from servelab.core.router import Router
+from servelab.core.sequence import FinishReason
+from servelab.engine.client import (EngineFailure, EngineFront, EngineRequest, EngineStopped, Failed, OutputObserver,
+                                    RequestStream, StepObserver, TransferObserver)
+from servelab.engine.outputs import EngineOutput, EngineStats
+from servelab.errors import QueueFull, ServelabError, Unsupported
 
 if TYPE_CHECKING:
     from collections.abc import Callable
-
-    from servelab.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("servelab.cluster")
 
@@ -85,8 +85,8 @@ class WorkerHandle:
 
 @dataclass(slots=True)
 class _Remote:
-    seq: Sequence  # the front end's copy, brought up to date from the worker's outputs
     worker: WorkerHandle
+    last: EngineOutput  # its latest output (before the first: its prompt's), for an end the worker cannot send
     decode: WorkerHandle | None = None  # disaggregated: the decode worker its KV goes to
 
     def route(self) -> tuple[WorkerHandle, ...]:
@@ -94,13 +94,13 @@ class _Remote:
 
 
 class ClusterEngine:
-    """N engine workers behind one router, with AsyncEngine's interface for the server."""
+    """N engine workers behind one router, an EngineClient for the server."""
 
-    def __init__(self, shell: LLMEngine, workers: list[WorkerHandle], router: Router,
+    def __init__(self, front: EngineFront, workers: list[WorkerHandle], router: Router,
                  hang_timeout_s: float | None = HANG_TIMEOUT_S,
                  restart: Callable[[WorkerHandle, list[WorkerHandle]], WorkerHandle] | None = None,
                  restart_limit: int = DEFAULT_RESTART_LIMIT):  # fmt: skip
-        self.engine = shell  # tokenizer, limits and names; it runs no model
+        self.front = front
         self.workers = workers
         self.restart = restart  # (a failed worker, its peers) -> its running replacement (blocking); None: none
         self._restarting = threading.Lock()  # one restart at a time (restart threads only)
@@ -111,14 +111,14 @@ class ClusterEngine:
         self.router = router
         self.hang_timeout_s = hang_timeout_s  # None: no watchdog
         self.decode_router = Router(router.kind)  # disaggregated: the decode pool's own choices
-        self.block_size = shell.scheduler_config.block_size
+        self.block_size = front.scheduler_config.block_size
         self._sinks: dict[str, asyncio.Queue] = {}
         self._remote: dict[str, _Remote] = {}
         self._admissions: dict[int, tuple[asyncio.Future, WorkerHandle, list[str]]] = {}
         self._batches = itertools.count()
-        self._observers: list[Callable[[EngineOutput], None]] = []
-        self._step_observers: list[Callable[[int], None]] = []
-        self._transfer_observers: list[Callable[[int, float, float], None]] = []
+        self._observers: list[OutputObserver] = []
+        self._step_observers: list[StepObserver] = []
+        self._transfer_observers: list[TransferObserver] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stopped = False
         self.num_steps = 0
@@ -130,13 +130,13 @@ class ClusterEngine:
             self._start_links(w)
 
     def _start_links(self, w: WorkerHandle) -> None:
-        w.stats = w.stats or _empty_stats(self.engine)
+        w.stats = w.stats or _empty_stats(self.front)
         for target, name in ((self._send_loop, "send"), (self._recv_loop, "recv")):
             thread = threading.Thread(target=target, args=(w,), name=f"servelab-dp{w.index}-{name}", daemon=True)
             w.threads.append(thread)
             thread.start()
 
-    # ---- AsyncEngine's interface ------------------------------------------------------------
+    # ---- the EngineClient interface ---------------------------------------------------------
 
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
@@ -160,15 +160,15 @@ class ClusterEngine:
     def num_in_flight(self) -> int:
         return len(self._sinks)
 
-    def add_observer(self, observer: Callable[[EngineOutput], None]) -> None:
+    def add_observer(self, observer: OutputObserver) -> None:
         """Called on the event loop thread for every output of every request (as AsyncEngine's
-        are on its engine thread), with the request's Sequence copy up to date."""
+        are on its engine thread)."""
         self._observers.append(observer)
 
-    def add_step_observer(self, observer: Callable[[int], None]) -> None:
+    def add_step_observer(self, observer: StepObserver) -> None:
         self._step_observers.append(observer)
 
-    def add_transfer_observer(self, observer: Callable[[int, float, float], None]) -> None:
+    def add_transfer_observer(self, observer: TransferObserver) -> None:
         """Called with (KV bytes, transfer s, decode queue s) of each request whose KV crossed
         from a prefill to a decode worker."""
         self._transfer_observers.append(observer)
@@ -243,7 +243,7 @@ class ClusterEngine:
         for rid in request_ids:
             if rid in self._sinks or rid in self._remote:
                 raise ServelabError(f"request id {rid!r} is already in flight")
-        check_room_to_wait(request_ids, self.num_waiting, self.engine.scheduler_config.max_waiting)
+        check_room_to_wait(request_ids, self.num_waiting, self.front.scheduler_config.max_waiting)
         prompts = [self._token_ids(r.prompt) for r in requests]
         hashes = chain_block_hashes(prompts[0], self.block_size) if self.router.kind == "prefix-affinity" else ()
         now = time.perf_counter()
@@ -277,10 +277,10 @@ class ClusterEngine:
                      arrivals: list[float], decode: WorkerHandle | None = None) -> None:  # fmt: skip
         now = time.perf_counter()
         wire = []
-        eos = tuple(self.engine.tokenizer.eos_token_ids)
         for r, ids, arrival in zip(requests, prompts, arrivals):
-            seq = Sequence(r.request_id, ids, r.params, arrival_s=arrival, priority=r.priority, eos_token_ids=eos)
-            self._remote[r.request_id] = _Remote(seq, worker, decode)
+            prompt = EngineOutput(r.request_id, [], "", False, num_prompt_tokens=len(ids), max_tokens=r.params.max_tokens,
+                                  prompt_only=r.params.prompt_only)  # fmt: skip
+            self._remote[r.request_id] = _Remote(worker, prompt, decode)
             wire.append(m.WireRequest(r.request_id, ids, r.params, r.priority, now - arrival,
                                       None if decode is None else decode.index))  # fmt: skip
         batch = next(self._batches)
@@ -348,7 +348,7 @@ class ClusterEngine:
 
     def _token_ids(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
-            return self.engine.tokenizer.encode_prompt(prompt)
+            return self.front.tokenizer.encode_prompt(prompt)
         return [int(t) for t in prompt]
 
     def _dispatch(self, items: list[EngineOutput | Failed]) -> None:
@@ -402,21 +402,20 @@ class ClusterEngine:
                     step_observer(message.num_tokens)
                 except Exception:
                     logger.exception("step observer failed")
+        for t in message.kv_transfers:
+            for transfer_observer in self._transfer_observers:
+                transfer_observer(t.num_bytes, t.transfer_s, t.decode_queue_s)
         outputs = []
-        for wire in message.outputs:
-            remote = self._remote.get(wire.request_id)
+        for out in message.outputs:
+            remote = self._remote.get(out.request_id)
             if remote is None:
                 continue
             if remote.decode is w:  # its KV crossed: it lives on the decode worker alone from here
                 remote.worker.outstanding -= 1
                 remote.worker, remote.decode = w, None
-            out = _apply(remote.seq, wire)
-            if wire.kv_transfer is not None:
-                t = wire.kv_transfer
-                for transfer_observer in self._transfer_observers:
-                    transfer_observer(t.num_bytes, t.transfer_s, t.decode_queue_s)
+            remote.last = out
             if out.finished:
-                del self._remote[wire.request_id]
+                del self._remote[out.request_id]
                 for worker in remote.route():
                     worker.outstanding -= 1
             self._observe(out)
@@ -439,10 +438,11 @@ class ClusterEngine:
                 continue
             for w in remote.route():
                 w.outstanding -= 1
-            seq = remote.seq
-            seq.finish_reason = FinishReason.ERROR
-            seq.status = SequenceStatus.FINISHED
-            self._observe(EngineOutput(rid, [], "", True, FinishReason.ERROR, None, seq))
+            last = remote.last
+            self._observe(dataclasses.replace(last, new_token_ids=[], text_delta="", finished=True,
+                                              finish_reason=FinishReason.ERROR, logprobs=None, prompt_logprobs=[],
+                                              token_offsets_s=[], prev_token_offset_s=last.last_token_offset_s,
+                                              pooled=None))  # fmt: skip
         self._dispatch([Failed(rid, error) for rid in request_ids])
 
     def _lost(self, w: WorkerHandle, why: str) -> None:
@@ -592,29 +592,6 @@ class ClusterEngine:
                 thread.join(timeout=STOP_WAIT_S if w.process is None else 1.0)
 
 
-def _apply(seq: Sequence, wire: m.WireOutput) -> EngineOutput:
-    """Brings the front end's copy of a Sequence up to date with one output, as the worker's
-    own Sequence was when it made it, and returns the EngineOutput the server reads."""
-    arrival = seq.arrival_s
-    seq.token_ids.extend(wire.new_token_ids)
-    seq.token_times_s.extend(arrival + t for t in wire.token_offsets_s)
-    if wire.first_scheduled_offset_s is not None:
-        seq.first_scheduled_s = arrival + wire.first_scheduled_offset_s
-    if wire.finished_offset_s is not None:
-        seq.finished_s = arrival + wire.finished_offset_s
-    seq.num_cached_tokens = wire.num_cached_tokens
-    seq.num_preemptions = wire.num_preemptions
-    seq.stop_reason = wire.stop_reason
-    seq.error = wire.error
-    seq.prompt_logprobs.extend(wire.prompt_logprobs)
-    reason = None if wire.finish_reason is None else FinishReason(wire.finish_reason)
-    if wire.finished:
-        seq.finish_reason = reason
-        seq.status = SequenceStatus.FINISHED
-    return EngineOutput(wire.request_id, list(wire.new_token_ids), wire.text_delta, wire.finished, reason,
-                        wire.logprobs, seq)  # fmt: skip
-
-
-def _empty_stats(shell: LLMEngine) -> EngineStats:
-    n = shell.scheduler_config.num_blocks
+def _empty_stats(front: EngineFront) -> EngineStats:
+    n = front.scheduler_config.num_blocks
     return EngineStats(0, 0, 0.0, n, n, 0, 0, 0)

@@ -1,7 +1,7 @@
 """Forming a cluster: start the local workers (or wait for external ones to join), hand every
 worker the engine configuration, wait until each has built its engine, and build the front end:
-a ClusterEngine over the workers and the shell LLMEngine the server reads its tokenizer, limits
-and names from (it loads the tokenizer, never the weights)."""
+a ClusterEngine over the workers, whose EngineFront (tokenizer, limits and names, for the server)
+comes from the model's tokenizer and the workers' WorkerReady: the weights are never loaded here."""
 
 from __future__ import annotations
 
@@ -25,25 +25,12 @@ from servelab.core.router import Router
 
 if TYPE_CHECKING:
     from servelab.cluster.disagg_config import DisaggConfig
-    from servelab.engine.llm_engine import EngineArgs, LLMEngine
+    from servelab.engine.client import EngineFront
+    from servelab.engine.llm_engine import EngineArgs
 
 logger = logging.getLogger("servelab.cluster")
 
 
-class _FrontEndExecutor:
-    """The shell engine's executor: the model runs on the workers, never here."""
-
-    def __init__(self, vocab_size: int, kv_cache_dtype: str):
-        self.vocab_size = vocab_size
-        self.kv_cache = _KVCacheInfo(kv_cache_dtype)
-
-    def execute(self, plan: Any) -> Any:
-        raise RuntimeError("the front end runs no model: its workers do")
-
-
-class _KVCacheInfo:
-    def __init__(self, dtype: str):
-        self.dtype = dtype  # what the workers' caches hold, for /metrics' cache_config_info
 
 
 def check_cluster_args(data_parallel: int) -> None:
@@ -106,7 +93,7 @@ def start_cluster(
             from servelab.cluster.kv_transfer import join_transfer_groups  # torch
 
             join_transfer_groups(disagg)  # collective: every rank forms the prefill/decode pairs
-        shell = _shell_engine(engine_args, first)
+        front = _front(engine_args, first)
     except BaseException as exc:
         for link in links.values():
             try:
@@ -124,7 +111,7 @@ def start_cluster(
     if not external:
         restart = LocalRestart(engine_args, Rendezvous(master_addr, port, world, 0, join_timeout_s), threads, grammar,
                                disagg)  # fmt: skip
-    return ClusterEngine(shell, workers, route, hang_timeout_s, restart=restart, restart_limit=restart_limit)
+    return ClusterEngine(front, workers, route, hang_timeout_s, restart=restart, restart_limit=restart_limit)
 
 
 class LocalRestart:
@@ -233,15 +220,14 @@ def _check_alike(readies: dict[int, m.WorkerReady]) -> m.WorkerReady:
     return first
 
 
-def _shell_engine(engine_args: EngineArgs, ready: m.WorkerReady) -> LLMEngine:
+def _front(engine_args: EngineArgs, ready: m.WorkerReady) -> EngineFront:
+    """What the server reads of the workers' engine: the model's tokenizer, the workers' names and
+    limits, and logits processors that prepare a request (bad words, grammars) before it is sent."""
     from servelab.engine.bundled import bundled_model_path
-    from servelab.engine.llm_engine import LLMEngine
+    from servelab.engine.client import EngineFront
     from servelab.engine.logits_processors import LogitsProcessors
     from servelab.engine.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(engine_args.model or bundled_model_path())
-    processors = LogitsProcessors(tokenizer, ready.vocab_size)
-    shell = LLMEngine(_FrontEndExecutor(ready.vocab_size, ready.kv_cache_dtype), tokenizer, ready.scheduler_config,
-                      ready.model_name, processors)  # fmt: skip
-    shell.sampling_defaults = dict(ready.sampling_defaults)
-    return shell
+    return EngineFront(ready.model_name, tokenizer, ready.scheduler_config, ready.vocab_size, ready.kv_cache_dtype,
+                       dict(ready.sampling_defaults), LogitsProcessors(tokenizer, ready.vocab_size))  # fmt: skip

@@ -1,6 +1,7 @@
 """What travels on a link: small pickled dataclasses. Times cross processes (and hosts, whose
 clocks differ) as offsets from the request's arrival, never as clock readings: the front end
-sends a request's age, and the worker answers with its timestamps relative to that arrival."""
+sends a request's age, and the worker's engine answers with plain EngineOutputs, whose times
+are relative to that arrival."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from servelab.engine.grammar_workers import GrammarConfig
 from servelab.errors import ServelabError
 
 if TYPE_CHECKING:
-    from servelab.core.config import SchedulerConfig
-    from servelab.core.plan import TokenLogprobs
+    from servelab.core.config import ResolvedSchedulerConfig
     from servelab.core.sequence import SamplingParams
-    from servelab.engine.llm_engine import EngineArgs, EngineStats
+    from servelab.engine.llm_engine import EngineArgs
+    from servelab.engine.outputs import EngineOutput, EngineStats
 
 ROLES = ("mixed", "prefill", "decode")  # a worker's role; prefill and decode: cluster/disagg_worker.py
 
@@ -116,7 +117,7 @@ class WorkerReady:
 
     rank: int
     model_name: str
-    scheduler_config: SchedulerConfig  # resolved: num_blocks, max_model_len
+    scheduler_config: ResolvedSchedulerConfig  # num_blocks and max_model_len are sized
     vocab_size: int
     kv_cache_dtype: str
     sampling_defaults: dict[str, float]
@@ -141,27 +142,6 @@ class Admitted:
 
 
 @dataclass(slots=True)
-class WireOutput:
-    """One EngineOutput, less the Sequence: the front end keeps its own copy of that."""
-
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str
-    finished: bool
-    finish_reason: str | None
-    logprobs: list[TokenLogprobs] | None
-    token_offsets_s: list[float]  # the new tokens' times, from arrival
-    first_scheduled_offset_s: float | None
-    finished_offset_s: float | None
-    num_cached_tokens: int
-    stop_reason: int | str | None
-    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # entries new since the last output
-    kv_transfer: KVTransferRecord | None = None  # a decode worker's first output of a transferred request
-    error: str | None = None  # Sequence.error
-    num_preemptions: int = 0  # Sequence.num_preemptions
-
-
-@dataclass(slots=True)
 class KVTransferRecord:
     """How a request's KV crossed from its prefill worker to its decode worker."""
 
@@ -174,9 +154,10 @@ class KVTransferRecord:
 class Outputs:
     """One step's outputs, the step's query tokens, and the engine's stats after it."""
 
-    outputs: list[WireOutput]
+    outputs: list[EngineOutput]  # as the worker's engine made them: plain data, times after arrival
     num_tokens: int
     stats: EngineStats
+    kv_transfers: list[KVTransferRecord] = field(default_factory=list)  # a decode worker's, of requests whose KV came in
 
 
 @dataclass(slots=True)

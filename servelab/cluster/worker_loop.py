@@ -27,12 +27,13 @@ from servelab.cluster import messages as m
 from servelab.cluster.channel import HEARTBEAT_S, Link, PeerLost
 from servelab.engine.grammar_workers import GrammarConfig, GrammarWorkers
 from servelab.errors import ServelabError
-from servelab.server.async_engine import take_commands
+from servelab.engine.client import take_commands
 
 if TYPE_CHECKING:
     from servelab.core.sequence import SamplingParams
     from servelab.core.structured_output import StructuredOutputSpec
-    from servelab.engine.llm_engine import EngineOutput, LLMEngine
+    from servelab.engine.llm_engine import LLMEngine
+    from servelab.engine.outputs import EngineOutput
 
 logger = logging.getLogger("servelab.cluster")
 
@@ -73,8 +74,6 @@ class WorkerLoop:
         self.grammars = grammars
         self.commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.live: set[str] = set()
-        self.arrival_s: dict[str, float] = {}  # request id -> its arrival on this worker's clock
-        self.prompt_lp_sent: dict[str, int] = {}  # request id -> prompt logprob entries already sent
         self.stats = engine.stats()
         self.outbox: queue.SimpleQueue[Any] = queue.SimpleQueue()  # to the front end, in order; None ends
         self.stopping = threading.Event()
@@ -255,7 +254,6 @@ class WorkerLoop:
                                         arrival_s=arrival)  # fmt: skip
                 admitted.append(r.request_id)
                 self.live.add(r.request_id)
-                self.arrival_s[r.request_id] = arrival
         except Exception as exc:  # all or nothing: n choices are one request to the client
             for rid in admitted:
                 self._abort_one(rid)
@@ -286,40 +284,18 @@ class WorkerLoop:
             failed = sorted(self.live)
             for rid in failed:
                 self._abort_one(rid)
-                self._forget(rid)
             self.stats = self.engine.stats()
             self._send(m.RequestsFailed(failed, m.WireError.of(exc)))
             time.sleep(0.01)  # a step that fails every time must not spin the CPU
             return
         num_tokens = self.engine.last_step_num_tokens
         self.stats = self.engine.stats()
+        for out in outputs:
+            if out.finished:
+                self.live.discard(out.request_id)
         if outputs or num_tokens:
-            self._send(m.Outputs([self._wire(out) for out in outputs], num_tokens, self.stats))
+            self._send(m.Outputs(outputs, num_tokens, self.stats, self._kv_transfers(outputs)))
 
-    def _forget(self, request_id: str) -> None:
-        self.arrival_s.pop(request_id, None)
-        self.prompt_lp_sent.pop(request_id, None)
-
-    def _wire(self, out: EngineOutput) -> m.WireOutput:
-        seq = out.seq
-        rid = out.request_id
-        arrival = self.arrival_s.get(rid, seq.arrival_s)
-        k = len(out.new_token_ids)
-        times = seq.token_times_s[-k:] if k else []
-        sent = self.prompt_lp_sent.get(rid, 0)
-        new_prompt_lp = seq.prompt_logprobs[sent:]
-        if new_prompt_lp:
-            self.prompt_lp_sent[rid] = len(seq.prompt_logprobs)
-        if out.finished:
-            self.live.discard(rid)
-            self._forget(rid)
-        return m.WireOutput(
-            request_id=rid, new_token_ids=list(out.new_token_ids), text_delta=out.text_delta, finished=out.finished,
-            finish_reason=None if out.finish_reason is None else out.finish_reason.value, logprobs=out.logprobs,
-            token_offsets_s=[t - arrival for t in times],
-            first_scheduled_offset_s=None if seq.first_scheduled_s is None else seq.first_scheduled_s - arrival,
-            finished_offset_s=None if seq.finished_s is None else seq.finished_s - arrival,
-            num_cached_tokens=seq.num_cached_tokens, stop_reason=seq.stop_reason, error=seq.error,
-            num_preemptions=seq.num_preemptions,
-            prompt_logprobs=list(new_prompt_lp),
-        )  # fmt: skip
+    def _kv_transfers(self, outputs: list[EngineOutput]) -> list[m.KVTransferRecord]:
+        """How the KV of these outputs' requests arrived, for those that crossed from a prefill worker."""
+        return []

@@ -278,8 +278,10 @@ def run(args: argparse.Namespace) -> int:
     import uvicorn
 
     from servelab.engine.grammar_workers import GrammarConfig
+    from servelab.engine.client import EngineClient
     from servelab.engine.llm_engine import LLMEngine
     from servelab.server.app import create_app
+    from servelab.server.async_engine import AsyncEngine
 
     grammar_config = GrammarConfig(compile_timeout_s=compile_timeout_s, num_workers=args.structured_output_compile_workers,
                                    cache_bytes=args.structured_output_cache_mb * 2**20)  # fmt: skip
@@ -287,24 +289,26 @@ def run(args: argparse.Namespace) -> int:
     port = sock.getsockname()[1]
 
     t0 = time.perf_counter()
-    driver = None
-    if uses_cluster(args):
+    cluster = uses_cluster(args)
+    client: EngineClient
+    if cluster:
         from servelab.commands._cluster_cli import start_cluster_from_args
 
-        driver = start_cluster_from_args(args, engine_args, grammar_config)
-        engine = driver.engine
+        client = start_cluster_from_args(args, engine_args, grammar_config)
     else:
-        engine = LLMEngine.from_args(engine_args)
-    cfg = engine.scheduler_config
+        client = AsyncEngine(LLMEngine.from_args(engine_args))
+        client.step_log = step_log
+    front = client.front
+    cfg = front.scheduler_config
     max_waiting = "unbounded" if cfg.max_waiting is None else str(cfg.max_waiting)
-    if driver and cfg.max_waiting is not None:
+    if cluster and cfg.max_waiting is not None:
         max_waiting += " (the cluster's)"  # it bounds all the workers together
-    log.info("servelab: loaded %s (%s) in %.1f s", engine.model_name, args.model or "bundled model", time.perf_counter() - t0)
+    log.info("servelab: loaded %s (%s) in %.1f s", front.model_name, args.model or "bundled model", time.perf_counter() - t0)
     log.info(
         "servelab: %smax_model_len=%d, KV cache %d blocks x %d tokens = %d tokens (%s), max_num_seqs=%d, "
         "max_num_batched_tokens=%d, policy=%s, order=%s, prefix caching %s, max waiting %s",
-        "per worker: " if driver else "", engine.max_model_len, cfg.num_blocks, cfg.block_size, cfg.num_blocks * cfg.block_size,
-        str(getattr(getattr(engine.executor, "kv_cache", None), "dtype", "?")).removeprefix("torch."), cfg.max_num_seqs,
+        "per worker: " if cluster else "", front.max_model_len, cfg.num_blocks, cfg.block_size, cfg.num_blocks * cfg.block_size,
+        front.kv_cache_dtype, cfg.max_num_seqs,
         cfg.max_num_batched_tokens, cfg.policy, cfg.order, "on" if cfg.enable_prefix_caching else "off",
         max_waiting,
     )  # fmt: skip
@@ -312,21 +316,19 @@ def run(args: argparse.Namespace) -> int:
     # The *_created series double /metrics and no dashboard reads them (vLLM drops them too).
     prometheus_client.disable_created_metrics()
     app = create_app(
-        engine,
+        client,
         api_key=args.api_key,
         max_request_bytes=max_request_bytes,
         allowed_origins=allowed_origins,
         allowed_hosts=allowed_hosts,
         tool_call_parser=args.tool_call_parser,
         trust_request_chat_template=args.trust_request_chat_template,
-        driver=driver,
         metrics_namespace=args.metrics_namespace,
         grammar_config=grammar_config,
         pooler=pooler,
     )
     state = app.state.servelab
-    state.async_engine.step_log = step_log
-    lab = not args.no_lab and mount_lab(app, profile, args.profile, engine.model_name)
+    lab = not args.no_lab and mount_lab(app, profile, args.profile, front.model_name)
 
     class _Server(uvicorn.Server):
         """Drains before uvicorn shuts down: uvicorn closes the listening socket as soon as it
@@ -385,7 +387,7 @@ def run(args: argparse.Namespace) -> int:
     host = f"[{args.host}]" if ":" in args.host else args.host
     log.info(
         "servelab: serving %r on http://%s:%d (OpenAI API at /v1, metrics at /metrics%s; Ctrl-C or SIGTERM to stop)",
-        engine.model_name, host, port, ", lessons at /lab/" if lab else "",
+        front.model_name, host, port, ", lessons at /lab/" if lab else "",
     )  # fmt: skip
     # uvicorn re-raises the signal it caught once it has shut down cleanly; with these handlers
     # in place that re-raise is a no-op, so a graceful SIGTERM exits 0 as a supervisor expects.

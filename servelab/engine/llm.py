@@ -14,7 +14,8 @@ from typing import Any
 
 from servelab.core.plan import TokenLogprobs
 from servelab.core.sequence import FinishReason, PoolingParams, SamplingParams, Sequence
-from servelab.engine.llm_engine import EngineArgs, EngineOutput, LLMEngine
+from servelab.engine.llm_engine import EngineArgs, LLMEngine
+from servelab.engine.outputs import EngineOutput
 from servelab.errors import InvalidArgument
 
 __all__ = ["EmbeddingOutput", "LLM", "PoolingParams", "SamplingParams", "GenerationOutput", "RequestTimings"]

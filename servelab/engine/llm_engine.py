@@ -24,7 +24,9 @@ from servelab.engine.args import (
     apply_model_options,
     native_bf16_on_cpu,
 )
+from servelab.engine.client import EngineFront, prepare_logits_processors
 from servelab.engine.detokenizer import RequestTextStream
+from servelab.engine.outputs import EngineOutput, EngineStats
 from servelab.errors import InvalidArgument, RequestTooLong
 
 if TYPE_CHECKING:
@@ -47,30 +49,6 @@ def _token_id(t: Any) -> int:
     raise InvalidArgument(f"prompt token ids must be integers, got {t!r}", param="prompt")
 
 
-@dataclass
-class EngineOutput:
-    request_id: str
-    new_token_ids: list[int]
-    text_delta: str  # incremental, UTF-8 safe, stop strings removed
-    finished: bool
-    finish_reason: FinishReason | None
-    logprobs: list[TokenLogprobs] | None
-    seq: Sequence
-
-
-@dataclass
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # 0..1
-    num_blocks_total: int
-    num_blocks_free: int
-    num_preemptions: int
-    prefix_cache_hits: int  # tokens served from the prefix cache, total
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache, total
-    num_waiting_deferred: int = 0  # holding blocks while their KV arrives from a prefill worker
-
-
 @dataclass(slots=True)
 class _RequestState:
     """Per-request text state: the detokenizer and stop-string matcher, and the text so far."""
@@ -78,6 +56,7 @@ class _RequestState:
     seq: Sequence
     stream: RequestTextStream
     output_text: str = ""
+    prompt_logprobs_sent: int = 0  # entries of seq.prompt_logprobs already in an output
 
 
 class LLMEngine:
@@ -111,6 +90,14 @@ class LLMEngine:
         self.last_step_num_tokens = 0  # query tokens the last step ran (the metrics' iteration tokens)
         self.last_plan: StepPlan | None = None  # the last step's plan and its executor's wall time
         self.last_execute_s = 0.0
+
+    @property
+    def front(self) -> EngineFront:
+        """What the HTTP layer reads of this engine (its sampling_defaults dict is shared)."""
+        kv = getattr(self.executor, "kv_cache", None)  # absent on a simulated executor
+        return EngineFront(self.model_name, self.tokenizer, self.scheduler_config, self.vocab_size,
+                           "none" if kv is None else str(kv.dtype).removeprefix("torch."), self.sampling_defaults,
+                           self.logits_processors)  # fmt: skip
 
     # ------------------------------------------------------------------ construction
 
@@ -284,16 +271,7 @@ class LLMEngine:
         (cached; `grammar` when the caller compiled it), attached to the params (`siblings`, the
         request's other choices, share it). The server calls it on a worker thread before
         admission, so that add_request, on the step loop's thread, finds the work done."""
-        if not params.edits_logits or params.prepared_edits is not None and not siblings:
-            return
-        if self.logits_processors is None:
-            asked = [f for f in ("logit_bias", "allowed_token_ids", "bad_words") if getattr(params, f)]
-            raise InvalidArgument(
-                "this engine does not sample real logits, so logit_bias, allowed_token_ids, bad_words and "
-                "structured outputs are not available",
-                param=asked[0] if asked else params.structured_output.source,
-            )
-        self.logits_processors.prepare(params, *siblings, grammar=grammar)
+        prepare_logits_processors(self.logits_processors, params, *siblings, grammar=grammar)
 
     def _new_state(self, seq: Sequence) -> _RequestState:
         params = seq.params
@@ -313,10 +291,7 @@ class LLMEngine:
         if state is None:
             return False
         self.scheduler.abort(request_id)
-        seq = state.seq
-        self._aborted.append(
-            EngineOutput(request_id, [], "", True, seq.finish_reason or FinishReason.ABORT, None, seq)
-        )
+        self._aborted.append(_output(state, [], "", True, state.seq.finish_reason or FinishReason.ABORT))
         return True
 
     def has_unfinished(self) -> bool:
@@ -335,21 +310,30 @@ class LLMEngine:
         self.scheduler.finish(request_id, FinishReason.STOP, time.perf_counter())  # here it is done: the rest runs elsewhere
         return held
 
+    def sequence(self, request_id: str) -> Sequence | None:
+        """A request's live sequence, for code in the engine's own process (a prefill worker hands
+        a prefilled one on); None once it ended. Outputs never carry it."""
+        state = self._requests.get(request_id)
+        return None if state is None else state.seq
+
     def release_held(self, held: list[int]) -> None:
         self.scheduler.block_manager.release(held)
 
     def reserve_prefilled(
-        self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams
+        self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams,
+        arrival_s: float | None = None,
     ) -> Sequence | None:
         """Decode side: blocks for a request prefilled elsewhere, before its KV arrives; None
         while this pool is short (the caller retries). The returned sequence's num_cached_tokens
-        prompt tokens were already cached here and need not be sent."""
+        prompt tokens were already cached here and need not be sent. `arrival_s`: when the request
+        arrived, on this clock (None: now)."""
         if request_id in self._requests:
             raise InvalidArgument(f"request id {request_id!r} is already in use", param="request_id")
         seq = Sequence(
             request_id=request_id,
             prompt_token_ids=list(prompt_token_ids),
             params=params,
+            arrival_s=arrival_s or 0.0,
             eos_token_ids=tuple(self.tokenizer.eos_token_ids),
         )
         seq.token_ids.append(first_token_id)
@@ -366,7 +350,7 @@ class LLMEngine:
         delta = state.stream.add([seq.last_token_id])
         state.output_text = delta.text
         logprobs = None if first_logprobs is None else [first_logprobs]
-        self._aborted.append(EngineOutput(seq.request_id, [seq.last_token_id], delta.text, False, None, logprobs, seq))
+        self._aborted.append(_output(state, [seq.last_token_id], delta.text, False, None, logprobs))
 
     def cancel_prefilled(self, seq: Sequence) -> None:
         """Decode side: a reservation whose KV did not arrive gives its blocks back."""
@@ -421,7 +405,7 @@ class LLMEngine:
         state.output_text += text
         if finished:
             self._forget(ro.request_id)
-        return EngineOutput(ro.request_id, list(ro.new_token_ids), text, finished, reason, ro.logprobs, seq)
+        return _output(state, ro.new_token_ids, text, finished, reason, ro.logprobs)
 
     def _fail(self, request_id: str, exc: Exception) -> EngineOutput | None:
         """End one request with finish reason "error" after its output could not be processed."""
@@ -436,7 +420,7 @@ class LLMEngine:
         if not seq.is_finished:
             self.scheduler.finish(request_id, FinishReason.ERROR, time.perf_counter())
         seq.finish_reason = FinishReason.ERROR  # also when it had just finished: its text is incomplete
-        return EngineOutput(request_id, [], "", True, FinishReason.ERROR, None, seq)
+        return _output(state, [], "", True, FinishReason.ERROR)
 
     def output_text(self, request_id: str) -> str | None:
         state = self._requests.get(request_id)
@@ -455,3 +439,28 @@ class LLMEngine:
             prefix_cache_queries=int(s.prefix_cache_queries),
             num_waiting_deferred=self.scheduler.num_reserved,
         )
+
+
+def _output(state: _RequestState, new_token_ids: list[int], text: str, finished: bool,
+            reason: FinishReason | None, logprobs: list[TokenLogprobs] | None = None) -> EngineOutput:  # fmt: skip
+    """The plain output of a request's sequence as it stands, its times after its arrival."""
+    seq = state.seq
+    arrival = seq.arrival_s
+    times = seq.token_times_s
+    k = len(new_token_ids)
+    prompt_logprobs = seq.prompt_logprobs[state.prompt_logprobs_sent :]
+    state.prompt_logprobs_sent = len(seq.prompt_logprobs)
+
+    def after(t: float | None) -> float | None:
+        return None if t is None else t - arrival
+
+    return EngineOutput(
+        request_id=seq.request_id, new_token_ids=list(new_token_ids), text_delta=text, finished=finished,
+        finish_reason=reason, logprobs=logprobs, num_prompt_tokens=seq.num_prompt_tokens,
+        num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens,
+        num_preemptions=seq.num_preemptions, max_tokens=seq.params.max_tokens, prompt_only=seq.params.prompt_only,
+        prompt_logprobs=list(prompt_logprobs), token_offsets_s=[t - arrival for t in times[-k:]] if k else [],
+        prev_token_offset_s=after(times[-k - 1]) if len(times) > k else None,
+        first_token_offset_s=after(seq.first_token_s), first_scheduled_offset_s=after(seq.first_scheduled_s),
+        finished_offset_s=after(seq.finished_s), stop_reason=seq.stop_reason, error=seq.error, pooled=seq.pooled,
+    )  # fmt: skip

@@ -1,7 +1,8 @@
 """The OpenAI-compatible HTTP API: `create_app(engine)` returns the FastAPI app.
 
 Routes (`server/routes/`) turn a request into `EngineRequest`s (one per prompt and choice),
-submit them to the `AsyncEngine` (whose thread runs the step loop), and render the outputs as
+submit them to the engine client (an `AsyncEngine`, whose thread runs the step loop, or a
+cluster's front end: engine/client.py's `EngineClient`), and render the outputs as
 one JSON answer or as SSE chunks. Everything a client can get wrong is rejected there or at
 admission, before a response starts, with OpenAI's error JSON; nothing a client does can stop
 the step loop.
@@ -19,8 +20,10 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from servelab import __version__
 from servelab.core.sequence import PoolingParams
-from servelab.engine.args import EngineArgs  # no torch at import: the model loads in from_args
+from servelab.engine.args import EngineArgs
 from servelab.engine.grammar_workers import GrammarConfig
+from servelab.engine.llm_engine import LLMEngine  # no torch at import: the model loads in from_args
+from servelab.server.async_engine import AsyncEngine
 from servelab.server.guards import DEFAULT_MAX_REQUEST_BYTES, RequestGuard
 from servelab.server.http_errors import install_error_handlers
 from servelab.server.http_metrics import HttpMetricsMiddleware
@@ -29,12 +32,11 @@ from servelab.server.state import ServerState
 from servelab.server.tool_parsers import TOOL_CALL_PARSERS
 
 if TYPE_CHECKING:
-    from servelab.engine.llm_engine import LLMEngine
-    from servelab.server.async_engine import EngineDriver
+    from servelab.engine.client import EngineClient
 
 
 def create_app(
-    engine: LLMEngine | EngineArgs,
+    engine: LLMEngine | EngineClient | EngineArgs,
     *,
     api_key: str | None = None,
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
@@ -42,19 +44,19 @@ def create_app(
     allowed_hosts: frozenset[str] | None = None,
     tool_call_parser: str | None = None,
     trust_request_chat_template: bool = False,
-    driver: EngineDriver | None = None,
     metrics_namespace: str = "servelab",
     grammar_config: GrammarConfig | None = None,
     pooler: PoolingParams | None = None,
 ) -> FastAPI:
-    """The app, ready for uvicorn. `engine` is a built LLMEngine, or EngineArgs to build one at
+    """The app, ready for uvicorn. `engine` is a built LLMEngine (served by an AsyncEngine), an
+    EngineClient (e.g. servelab.cluster's front end), or EngineArgs to build an LLMEngine at
     start-up (the model then loads before the port opens). `app.state.servelab` is the
     ServerState; anything else (the lab, under `servelab serve`) can mount itself on the
     returned app. `api_key` guards every route but /health and /metrics, mounts included; CORS
     headers are sent only for `allowed_origins`; a Host outside `allowed_hosts` (None: any) gets 421;
     `tool_call_parser` (a name in tool_parsers.TOOL_CALL_PARSERS) enables tool_choice "auto";
     `trust_request_chat_template` lets a request send its own chat_template;
-    `driver` replaces the AsyncEngine over `engine` (servelab.cluster's front end, whose `engine` only tokenizes); `metrics_namespace`
+    `metrics_namespace`
     "vllm" exports /metrics under vLLM's names and labels (server/metrics.py); `grammar_config`
     bounds structured-output compiles; `pooler` is /v1/embeddings' pooling (LAST, normalized,
     unless given)."""
@@ -63,8 +65,10 @@ def create_app(
     state = ServerState(api_key=api_key, tool_call_parser=tool_call_parser,
                         trust_request_chat_template=trust_request_chat_template, metrics_namespace=metrics_namespace,
                         grammar_config=grammar_config or GrammarConfig(), pooler=pooler or PoolingParams())  # fmt: skip
-    if not isinstance(engine, EngineArgs):
-        state.attach(engine, driver)
+    if isinstance(engine, LLMEngine):
+        state.attach(AsyncEngine(engine))
+    elif not isinstance(engine, EngineArgs):
+        state.attach(engine)
 
     # /docs and /openapi.json are served by the docs router, behind the same API key as the rest.
     app = FastAPI(title="servelab", version=__version__, lifespan=_lifespan(state, engine), docs_url=None,
@@ -91,20 +95,20 @@ def create_app(
 
 
 def _lifespan(
-    state: ServerState, engine: LLMEngine | EngineArgs
+    state: ServerState, engine: LLMEngine | EngineClient | EngineArgs
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if state.engine is None:
-            from servelab.engine.llm_engine import LLMEngine
-
-            state.attach(await asyncio.to_thread(LLMEngine.from_args, engine))  # before the port opens
+        if state.client is None:
+            assert isinstance(engine, EngineArgs)
+            state.attach(AsyncEngine(await asyncio.to_thread(LLMEngine.from_args, engine)))  # before the port opens
+        assert state.client is not None
         state.loop = asyncio.get_running_loop()
-        state.async_engine.start()
+        state.client.start()
         try:
             yield
         finally:
-            await state.async_engine.stop()
+            await state.client.stop()
             state.offload.shutdown()
             if state.grammars is not None:
                 state.grammars.shutdown()

@@ -18,40 +18,19 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from servelab.core.admission import check_room_to_wait
-from servelab.core.sequence import PoolingParams, SamplingParams
+from servelab.engine.client import (EngineFailure, EngineRequest, EngineStopped, Failed, OutputObserver, RequestStream,
+                                    StepObserver, TransferObserver, take_commands)
 from servelab.errors import ServelabError
 
 if TYPE_CHECKING:
-    from servelab.engine.llm_engine import EngineOutput, EngineStats, LLMEngine
+    from servelab.engine.llm_engine import LLMEngine
+    from servelab.engine.outputs import EngineOutput, EngineStats
 
 logger = logging.getLogger("servelab.server")
-
-
-class EngineFailure(ServelabError):
-    """A step raised: the requests in flight are aborted, the engine keeps serving."""
-
-    http_status = 500
-    error_type = "internal_server_error"
-
-
-class EngineStopped(ServelabError):
-    http_status = 503
-    error_type = "server_overloaded"
-
-
-@dataclass(slots=True)
-class EngineRequest:
-    request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
-    priority: int = 0
-    arrival_s: float | None = None
-    pooling: PoolingParams | None = None  # an embedding: prefill only, its vector in the output's seq.pooled
 
 
 @dataclass(slots=True)
@@ -70,36 +49,17 @@ class _Stop:
     done: threading.Event = field(default_factory=threading.Event)
 
 
-@dataclass(slots=True)
-class Failed:
-    """Ends one request's stream with an error (its consumer raises it)."""
-
-    request_id: str
-    error: ServelabError
-
-
-OutputObserver = Callable[["EngineOutput"], None]
-
-
-def take_commands(commands: queue.SimpleQueue | queue.Queue, *, wait: bool) -> list[Any]:
-    """Every command queued now; with `wait` (an idle engine), sleep until the first arrives."""
-    taken = [commands.get()] if wait else []
-    while True:
-        try:
-            taken.append(commands.get_nowait())
-        except queue.Empty:
-            return taken
-
-
 class AsyncEngine:
-    """Owns an LLMEngine in one thread; `submit` and `RequestStream` are its asyncio face."""
+    """Owns an LLMEngine in one thread; `submit` and `RequestStream` are its asyncio face. An
+    EngineClient (engine/client.py): the server's routes drive it."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
+        self.front = engine.front
         self._commands: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._sinks: dict[str, asyncio.Queue] = {}  # request id -> its consumer's queue (loop thread only)
         self._observers: list[OutputObserver] = []
-        self._step_observers: list[Callable[[int], None]] = []
+        self._step_observers: list[StepObserver] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._live: set[str] = set()  # request ids the engine holds (engine thread only)
@@ -122,19 +82,33 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self.death is None
 
     @property
+    def down_reason(self) -> str | None:
+        return None if self.is_running else "the engine is not running"
+
+    @property
     def num_in_flight(self) -> int:
         """Engine requests whose client still waits for outputs (event loop thread)."""
         return len(self._sinks)
 
+    def worker_stats(self) -> dict[str, EngineStats | None]:
+        """The one engine is worker "0"."""
+        return {"0": self.stats if self.is_running else None}
+
+    def health(self) -> dict[str, Any]:
+        return {"status": "ok" if self.is_running else "down"}
+
     def add_observer(self, observer: OutputObserver) -> None:
         """Called on the engine thread right after each step, for every output of every request
-        (even after its client left), while the sequence's timestamps are exactly those of that
-        step. Observers must be quick and thread-safe (prometheus_client's metrics are)."""
+        (even after its client left). Observers must be quick and thread-safe (prometheus_client's
+        metrics are)."""
         self._observers.append(observer)
 
-    def add_step_observer(self, observer: Callable[[int], None]) -> None:
+    def add_step_observer(self, observer: StepObserver) -> None:
         """Called on the engine thread after each step that ran, with its number of query tokens."""
         self._step_observers.append(observer)
+
+    def add_transfer_observer(self, observer: TransferObserver) -> None:
+        """One engine's KV never crosses to another: never called."""
 
     async def stop(self) -> None:
         """Abort whatever is still in flight and end the engine thread."""
@@ -357,83 +331,3 @@ class AsyncEngine:
             self.stats = self.engine.stats()
         except Exception:
             logger.exception("engine.stats() failed")
-
-
-class EngineDriver(Protocol):
-    """What the server's routes and state use of their engine driver: AsyncEngine, or the front
-    end of data-parallel workers (servelab.cluster.front_end.ClusterEngine)."""
-
-    stats: EngineStats
-
-    @property
-    def is_running(self) -> bool: ...
-
-    @property
-    def num_in_flight(self) -> int: ...
-
-    def start(self) -> None: ...
-
-    async def stop(self) -> None: ...
-
-    async def submit(self, requests: list[EngineRequest]) -> RequestStream: ...
-
-    def abort(self, request_ids: list[str]) -> None: ...
-
-    def abort_all(self, error: ServelabError) -> int: ...
-
-    def add_observer(self, observer: OutputObserver) -> None: ...
-
-    def add_step_observer(self, observer: Callable[[int], None]) -> None: ...
-
-
-class StreamSource(Protocol):
-    """What a RequestStream needs of its engine driver (AsyncEngine, or cluster.ClusterEngine)."""
-
-    def abort(self, request_ids: list[str]) -> None: ...
-
-    def release(self, request_ids: list[str]) -> None: ...
-
-
-class RequestStream:
-    """The outputs of one client request's engine requests, in the order the engine made them.
-
-    Iterate it to get outputs until every request has finished; `close()` (idempotent, also
-    called when iteration ends early, e.g. on a client disconnect that cancels the task) aborts
-    the ones still running, which returns their KV blocks to the pool."""
-
-    def __init__(self, engine: StreamSource, request_ids: list[str], sink: asyncio.Queue):
-        self._engine = engine
-        self.request_ids = request_ids
-        self._sink = sink
-        self._unfinished = set(request_ids)
-        self._closed = False
-
-    async def __aiter__(self) -> AsyncIterator[EngineOutput]:
-        try:
-            while self._unfinished:
-                item = await self._sink.get()
-                if isinstance(item, Failed):
-                    self._unfinished.discard(item.request_id)
-                    raise item.error
-                if item.finished:
-                    self._unfinished.discard(item.request_id)
-                yield item
-        finally:
-            self.close()
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        if self._unfinished:
-            self._engine.abort(sorted(self._unfinished))
-            self._unfinished.clear()
-        else:
-            self._engine.release(self.request_ids)
-
-    def __del__(self) -> None:
-        # Safety net for a response that was dropped before its body ever started.
-        try:
-            self.close()
-        except Exception:
-            pass

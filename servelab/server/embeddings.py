@@ -19,7 +19,7 @@ from servelab.core.sequence import (
     SamplingParams,
 )
 from servelab.errors import InvalidArgument, RequestTooLong
-from servelab.server.async_engine import EngineFailure, EngineRequest
+from servelab.engine.client import EngineFailure, EngineRequest
 from servelab.server.prompts import (
     completion_prompts,
     prompt_ids,
@@ -28,8 +28,7 @@ from servelab.server.prompts import (
 from servelab.server.protocol import _Request
 
 if TYPE_CHECKING:
-    from servelab.engine.llm_engine import LLMEngine
-    from servelab.server.async_engine import RequestStream
+    from servelab.engine.client import EngineFront, RequestStream
 
 MAX_INPUTS = 2048  # inputs per request: OpenAI's limit; each one is a sequence in the engine
 
@@ -85,17 +84,17 @@ def request_pooling(server: PoolingParams, req: EmbeddingRequest) -> PoolingPara
     return PoolingParams(server.pooling_type, normalize)
 
 
-def embedding_input_ids(engine: LLMEngine, req: EmbeddingRequest) -> list[list[int]]:
+def embedding_input_ids(front: EngineFront, req: EmbeddingRequest) -> list[list[int]]:
     """Blocking: every input as checked token ids, truncated if asked, each within max_model_len."""
     inputs = completion_prompts(req.input, "input")
     if len(inputs) > MAX_INPUTS:
         raise InvalidArgument(f"input has {len(inputs)} entries; at most {MAX_INPUTS} are allowed", param="input")
-    limit = engine.max_model_len
-    keep = prompt_tokens_kept(engine, req.truncate_prompt_tokens)
+    limit = front.max_model_len
+    keep = prompt_tokens_kept(front, req.truncate_prompt_tokens)
     out = []
     for i, one in enumerate(inputs):
         where = "input" if len(inputs) == 1 else f"input[{i}]"
-        ids = prompt_ids(engine, one, "input", keep, req.add_special_tokens)
+        ids = prompt_ids(front, one, "input", keep, req.add_special_tokens)
         if not ids:
             raise InvalidArgument(f"{where} is empty: it must hold at least one token", param="input")
         if len(ids) > limit:
@@ -127,11 +126,10 @@ async def collect_embeddings(stream: RequestStream, request_id: str, model: str,
     async for out in stream:
         if not out.finished:
             continue
-        seq = out.seq
-        if out.finish_reason is not FinishReason.STOP or seq.pooled is None:
-            why = seq.error or (out.finish_reason.value if out.finish_reason else "unknown")
+        if out.finish_reason is not FinishReason.STOP or out.pooled is None:
+            why = out.error or (out.finish_reason.value if out.finish_reason else "unknown")
             raise EngineFailure(f"the engine could not embed input {out.request_id.rpartition('-')[2]}: {why}")
-        vectors[out.request_id] = seq.pooled
+        vectors[out.request_id] = out.pooled
     data = [{"index": i, "object": "embedding", "embedding": encode_vector(vectors[rid], encoding_format)}
             for i, rid in enumerate(stream.request_ids)]  # fmt: skip
     num_tokens = sum(len(ids) for ids in prompts)

@@ -13,14 +13,14 @@ from servelab.core.sequence import SamplingParams
 from servelab.engine.generation_config import sampling_default
 from servelab.errors import InvalidArgument, RequestTooLong, ServelabError
 from servelab.server import protocol as p
-from servelab.server.async_engine import EngineRequest
+from servelab.engine.client import EngineRequest
 from servelab.server.prompts import check_token_ids
 from servelab.server.structured import sampling_kwargs
 
 if TYPE_CHECKING:
     from fastapi import Request
 
-    from servelab.engine.llm_engine import LLMEngine
+    from servelab.engine.client import EngineFront
     from servelab.server.offload import Lane
     from servelab.server.state import ServerState
 
@@ -37,7 +37,7 @@ MAX_BAD_WORDS = 64
 MAX_BAD_WORD_CHARS = 256
 
 
-def check_stops(engine: LLMEngine, stop: list[str], stop_token_ids: list[int]) -> None:
+def check_stops(front: EngineFront, stop: list[str], stop_token_ids: list[int]) -> None:
     for param, values in (("stop", stop), ("stop_token_ids", stop_token_ids)):
         if len(values) > MAX_STOP:
             raise InvalidArgument(f"{param} has {len(values)} entries; at most {MAX_STOP} are allowed", param=param)
@@ -46,13 +46,13 @@ def check_stops(engine: LLMEngine, stop: list[str], stop_token_ids: list[int]) -
         raise InvalidArgument(
             f"stop: a stop string has {len(longest)} characters; at most {MAX_STOP_CHARS} are allowed", param="stop"
         )
-    check_token_ids(engine, stop_token_ids, "stop_token_ids")
+    check_token_ids(front, stop_token_ids, "stop_token_ids")
 
 
-def check_token_id_lists(engine: LLMEngine, req: p.CompletionRequest | p.ChatCompletionRequest) -> None:
+def check_token_id_lists(front: EngineFront, req: p.CompletionRequest | p.ChatCompletionRequest) -> None:
     """A list of token ids longer than the vocabulary repeats itself: refused before its entries
     are checked one by one (the body limit lets it hold ~10^6)."""
-    vocab = engine.tokenizer.vocab_size
+    vocab = front.tokenizer.vocab_size
     for param, ids in (("logit_bias", req.logit_bias), ("allowed_token_ids", req.allowed_token_ids)):
         if ids is not None and len(ids) > vocab:
             raise InvalidArgument(
@@ -74,7 +74,7 @@ def check_bad_words(bad_words: list[str]) -> None:
 
 
 def build_requests(
-    engine: LLMEngine,
+    front: EngineFront,
     request_id: str,
     prompts: list[list[int]],
     req: p.CompletionRequest | p.ChatCompletionRequest,
@@ -90,16 +90,16 @@ def build_requests(
     if req.n < 1 or req.n > MAX_N:
         raise InvalidArgument(f"n must be in [1, {MAX_N}], got {req.n}", param="n")
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-    check_stops(engine, stop, list(req.stop_token_ids or []))
+    check_stops(front, stop, list(req.stop_token_ids or []))
     check_bad_words(list(req.bad_words or []))
-    check_token_id_lists(engine, req)
+    check_token_id_lists(front, req)
     edits = sampling_kwargs(req)
     # Errors name the field the client sent, not our internal name for it.
     chat = isinstance(req, p.ChatCompletionRequest)
     prompt_param = "messages" if chat else "prompt"
     max_tokens_param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
     as_sent = {"max_tokens": max_tokens_param, "logprobs": "top_logprobs" if chat else "logprobs"}
-    defaults = engine.sampling_defaults
+    defaults = front.sampling_defaults
     # echo with max_tokens 0: the route runs one token, which no one sees.
     prompt_only = bool(getattr(req, "echo", False)) and req.max_tokens == 0
 
@@ -109,7 +109,7 @@ def build_requests(
     out: list[EngineRequest] = []
     first: SamplingParams | None = None
     for i, prompt in enumerate(prompts):  # token ids, checked
-        limit = engine.max_model_len
+        limit = front.max_model_len
         if len(prompt) >= limit:
             raise RequestTooLong(
                 f"this model's maximum context length is {limit} tokens, but the prompt has {len(prompt)} "
@@ -191,7 +191,7 @@ async def prepare_logits_processors(
     grammar = None
     if first.structured_output is not None and state.grammars is not None:
         grammar = await unless_disconnected(request, state.grammars.compile(first.structured_output))
-    await lane.run(state.engine.prepare_logits_processors, first, *siblings, grammar=grammar)
+    await lane.run(state.front.prepare_logits_processors, first, *siblings, grammar=grammar)
 
 
 async def unless_disconnected(request: Request | None, work: Awaitable[T], while_: str = "its request was being prepared") -> T:

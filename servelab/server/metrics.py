@@ -30,8 +30,7 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from servelab.core.sequence import Sequence
-    from servelab.engine.llm_engine import EngineOutput, EngineStats
+    from servelab.engine.outputs import EngineOutput, EngineStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 NAMESPACES = ("servelab", "vllm")
@@ -288,32 +287,29 @@ class ServerMetrics:
         self.request_rejected.labels(model_name=self.model_name, reason=reason).inc()
 
     def observe(self, out: EngineOutput) -> None:
-        seq = out.seq
         # A prompt-only request's one token is dropped before the client: it generated nothing.
-        k = 0 if seq.params.prompt_only else len(out.new_token_ids)
+        k = 0 if out.prompt_only else len(out.new_token_ids)
         labels = self._labels
         if k:
             self.generation_tokens.labels(**labels).inc(k)
-            n_out = seq.num_output_tokens
-            if n_out == k:  # these are the request's first tokens
-                self.prompt_tokens.labels(**labels).inc(seq.num_prompt_tokens)
-                self.prompt_tokens_cached.labels(**labels).inc(seq.num_cached_tokens)
-                if seq.first_token_s is not None:
-                    self.ttft.labels(**labels).observe(max(0.0, seq.first_token_s - seq.arrival_s))
-                if seq.first_scheduled_s is not None:
-                    self.queue_time.labels(**labels).observe(max(0.0, seq.first_scheduled_s - seq.arrival_s))
-            times = seq.token_times_s
+            if out.num_output_tokens == k:  # these are the request's first tokens
+                self.prompt_tokens.labels(**labels).inc(out.num_prompt_tokens)
+                self.prompt_tokens_cached.labels(**labels).inc(out.num_cached_tokens)
+                if out.first_token_offset_s is not None:
+                    self.ttft.labels(**labels).observe(max(0.0, out.first_token_offset_s))
+                if out.first_scheduled_offset_s is not None:
+                    self.queue_time.labels(**labels).observe(max(0.0, out.first_scheduled_offset_s))
             # The gaps that end at this output's tokens (the first token has none).
-            first = max(1, len(times) - k)
-            for i in range(first, len(times)):
-                self.itl.labels(**labels).observe(max(0.0, times[i] - times[i - 1]))
+            times = out.token_offsets_s if out.prev_token_offset_s is None else [out.prev_token_offset_s, *out.token_offsets_s]
+            for before, after in zip(times, times[1:]):
+                self.itl.labels(**labels).observe(max(0.0, after - before))
         if out.finished:
             reason = out.finish_reason.value if out.finish_reason is not None else "unknown"
             self.request_success.labels(**labels, finished_reason=reason).inc()
-            if seq.finished_s is not None:
-                self.e2e.labels(**labels).observe(max(0.0, seq.finished_s - seq.arrival_s))
-            self._observe_finished(seq)
-            self._observe_choice_finished(out.request_id, 0 if seq.params.prompt_only else seq.num_output_tokens)
+            if out.finished_offset_s is not None:
+                self.e2e.labels(**labels).observe(max(0.0, out.finished_offset_s))
+            self._observe_finished(out)
+            self._observe_choice_finished(out.request_id, 0 if out.prompt_only else out.num_output_tokens)
 
     def _observe_choice_finished(self, request_id: str, n_out: int) -> None:
         """vLLM's per-parent histograms (n, the longest choice), once the prompt's last choice ends."""
@@ -324,22 +320,22 @@ class ServerMetrics:
             self.request_params_n.labels(**self._labels).observe(group.n)
             self.request_max_generation_tokens.labels(**self._labels).observe(group.max_generation_tokens)
 
-    def _observe_finished(self, seq: Sequence) -> None:
+    def _observe_finished(self, out: EngineOutput) -> None:
         """vLLM's per-request phase histograms; a request aborted before its first token has no
         phases and is left out of them, as it is of TTFT."""
         labels = self._labels
-        n_out = 0 if seq.params.prompt_only else seq.num_output_tokens
-        self.request_prompt_tokens.labels(**labels).observe(seq.num_prompt_tokens)
+        n_out = 0 if out.prompt_only else out.num_output_tokens
+        self.request_prompt_tokens.labels(**labels).observe(out.num_prompt_tokens)
         self.request_generation_tokens.labels(**labels).observe(n_out)
-        self.request_max_tokens.labels(**labels).observe(seq.params.max_tokens)
-        self.request_preemptions.labels(**labels).observe(seq.num_preemptions)
-        if seq.first_token_s is None or seq.first_scheduled_s is None or not seq.token_times_s:
+        self.request_max_tokens.labels(**labels).observe(out.max_tokens)
+        self.request_preemptions.labels(**labels).observe(out.num_preemptions)
+        first_s, scheduled_s, last_s = out.first_token_offset_s, out.first_scheduled_offset_s, out.last_token_offset_s
+        if first_s is None or scheduled_s is None or last_s is None:
             return
-        last_s = seq.token_times_s[-1]
-        decode_s = max(0.0, last_s - seq.first_token_s)
-        self.prefill_time.labels(**labels).observe(max(0.0, seq.first_token_s - seq.first_scheduled_s))
+        decode_s = max(0.0, last_s - first_s)
+        self.prefill_time.labels(**labels).observe(max(0.0, first_s - scheduled_s))
         self.decode_time.labels(**labels).observe(decode_s)
-        self.inference_time.labels(**labels).observe(max(0.0, last_s - seq.first_scheduled_s))
+        self.inference_time.labels(**labels).observe(max(0.0, last_s - scheduled_s))
         self.request_tpot.labels(**labels).observe(decode_s / (n_out - 1) if n_out > 1 else 0.0)
 
     def observe_kv_transfer(self, num_bytes: int, transfer_s: float, decode_queue_s: float) -> None:

@@ -12,7 +12,6 @@ from servelab.errors import InvalidArgument
 
 if TYPE_CHECKING:
     from servelab.core.plan import TokenLogprobs
-    from servelab.core.sequence import Sequence
 
 
 def prompt_logprobs_wanted(*, prompt_logprobs: int | None, echo_logprobs: int | None, stream: bool) -> int | None:
@@ -40,11 +39,12 @@ def token_text_offsets(tokenizer: Any, token_ids: list[int], text_len: int) -> l
     return out
 
 
-def vllm_prompt_logprobs(tokenizer: Any, seq: Sequence, k: int) -> list[dict[str, dict] | None]:
+def vllm_prompt_logprobs(tokenizer: Any, scored: list[TokenLogprobs], k: int) -> list[dict[str, dict] | None]:
     """vLLM's shape: None for the first token, then {token id: {logprob, rank, decoded_token}}
-    holding the prompt's own token and its top-k alternatives."""
+    holding the prompt's own token (`scored`: every prompt token's but the first's) and its top-k
+    alternatives."""
     out: list[dict[str, dict] | None] = [None]
-    for lp in seq.prompt_logprobs:
+    for lp in scored:
         entry = {str(lp.token_id): _entry(tokenizer, lp.token_id, lp.logprob, lp.rank)}
         for rank, (t, v) in enumerate(lp.top[:k], start=1):
             entry.setdefault(str(t), _entry(tokenizer, t, v, rank))
@@ -56,9 +56,9 @@ def _entry(tokenizer: Any, token_id: int, logprob: float, rank: int | None) -> d
     return {"logprob": logprob, "rank": rank, "decoded_token": token_text(tokenizer, token_id)}
 
 
-def echoed_logprobs(seq: Sequence, k: int) -> list[tuple[int, float | None, list[tuple[int, float]] | None]]:
-    """(token id, logprob, top-k) for every prompt token, the first one without logprobs, as
-    OpenAI's echo returns them."""
-    first: list[tuple[int, float | None, list[tuple[int, float]] | None]] = [(seq.prompt_token_ids[0], None, None)]
-    scored: list[TokenLogprobs] = seq.prompt_logprobs
+def echoed_logprobs(first_token_id: int, scored: list[TokenLogprobs],
+                    k: int) -> list[tuple[int, float | None, list[tuple[int, float]] | None]]:  # fmt: skip
+    """(token id, logprob, top-k) for every prompt token, the first one (`first_token_id`) without
+    logprobs, as OpenAI's echo returns them."""
+    first: list[tuple[int, float | None, list[tuple[int, float]] | None]] = [(first_token_id, None, None)]
     return first + [(lp.token_id, lp.logprob, lp.top[:k]) for lp in scored]

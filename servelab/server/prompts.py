@@ -13,19 +13,19 @@ from servelab.errors import InvalidArgument, RequestTooLong
 from servelab.server.prompt_scoring import token_text_offsets
 
 if TYPE_CHECKING:
-    from servelab.engine.llm_engine import LLMEngine
+    from servelab.engine.client import EngineFront
     from servelab.server import protocol as p
 
 
-def encode_prompt(engine: LLMEngine, text: str, *, add_special_tokens: bool = True) -> list[int]:
+def encode_prompt(front: EngineFront, text: str, *, add_special_tokens: bool = True) -> list[int]:
     """Token ids of a client's text prompt, the same for /v1/completions and /tokenize so that
     usage and limits agree with what the engine runs. Special-token text in it stays plain
     text (a client sends token ids to send control tokens)."""
-    return engine.tokenizer.encode_user_text(text, add_special_tokens=add_special_tokens)
+    return front.tokenizer.encode_user_text(text, add_special_tokens=add_special_tokens)
 
 
-def check_token_ids(engine: LLMEngine, ids: list[int], param: str) -> None:
-    vocab = engine.tokenizer.vocab_size
+def check_token_ids(front: EngineFront, ids: list[int], param: str) -> None:
+    vocab = front.tokenizer.vocab_size
     bad = next((t for t in ids if not 0 <= t < vocab), None)
     if bad is not None:
         raise InvalidArgument(f"{param}: token id {bad} is outside the vocabulary [0, {vocab})", param=param)
@@ -43,10 +43,10 @@ def completion_prompts(prompt: str | list, param: str = "prompt") -> list[str | 
     return list(prompt)
 
 
-def check_fits_untokenized(engine: LLMEngine, text: str, param: str) -> None:
+def check_fits_untokenized(front: EngineFront, text: str, param: str) -> None:
     # Refused before tokenizing, the costliest step of a big prompt that could never run anyway.
-    limit = engine.max_model_len
-    at_least = engine.tokenizer.min_num_tokens(text)
+    limit = front.max_model_len
+    at_least = front.tokenizer.min_num_tokens(text)
     if at_least > limit:
         raise RequestTooLong(
             f"this model's maximum context length is {limit} tokens, but the prompt has {len(text):,} "
@@ -55,11 +55,11 @@ def check_fits_untokenized(engine: LLMEngine, text: str, param: str) -> None:
         )
 
 
-def prompt_tokens_kept(engine: LLMEngine, truncate_prompt_tokens: int | None) -> int | None:
+def prompt_tokens_kept(front: EngineFront, truncate_prompt_tokens: int | None) -> int | None:
     """How many of a prompt's last tokens vLLM's truncate_prompt_tokens keeps (None: all)."""
     if truncate_prompt_tokens is None:
         return None
-    limit = engine.max_model_len
+    limit = front.max_model_len
     if truncate_prompt_tokens == -1:
         return limit
     if not 1 <= truncate_prompt_tokens <= limit:
@@ -71,13 +71,13 @@ def prompt_tokens_kept(engine: LLMEngine, truncate_prompt_tokens: int | None) ->
     return truncate_prompt_tokens
 
 
-def chat_prompt_ids(engine: LLMEngine, req: p.ChatCompletionRequest) -> list[int]:
+def chat_prompt_ids(front: EngineFront, req: p.ChatCompletionRequest) -> list[int]:
     """Blocking: the chat's token ids, markers only from the template, and truncated as asked."""
     messages = req.template_messages()
-    keep = prompt_tokens_kept(engine, req.truncate_prompt_tokens)
+    keep = prompt_tokens_kept(front, req.truncate_prompt_tokens)
     if keep is None:
-        check_fits_untokenized(engine, "".join(m["content"] for m in messages), "messages")
-    ids = engine.tokenizer.encode_chat(
+        check_fits_untokenized(front, "".join(m["content"] for m in messages), "messages")
+    ids = front.tokenizer.encode_chat(
         messages, req.add_generation_prompt, req.add_special_tokens, chat_template=req.chat_template,
         continue_final_message=req.continue_final_message, **chat_template_variables(req),
     )  # fmt: skip
@@ -95,23 +95,23 @@ def chat_template_variables(req: p.ChatCompletionRequest) -> dict[str, Any]:
     return variables
 
 
-def prompt_ids(engine: LLMEngine, one: str | list[int], param: str, keep: int | None,
+def prompt_ids(front: EngineFront, one: str | list[int], param: str, keep: int | None,
                add_special_tokens: bool) -> list[int]:  # fmt: skip
     """Blocking: one text or token-id prompt as checked token ids, its last `keep` (None: all)."""
     if isinstance(one, str):
         if keep is None:
-            check_fits_untokenized(engine, one, param)
-        ids = encode_prompt(engine, one, add_special_tokens=add_special_tokens)
+            check_fits_untokenized(front, one, param)
+        ids = encode_prompt(front, one, add_special_tokens=add_special_tokens)
     else:
-        check_token_ids(engine, one, param)
+        check_token_ids(front, one, param)
         ids = one
     return ids if keep is None else ids[-keep:]
 
 
-def completion_prompt_ids(engine: LLMEngine, req: p.CompletionRequest) -> list[list[int]]:
+def completion_prompt_ids(front: EngineFront, req: p.CompletionRequest) -> list[list[int]]:
     """Blocking: every prompt as checked token ids, truncated as asked."""
-    keep = prompt_tokens_kept(engine, req.truncate_prompt_tokens)
-    return [prompt_ids(engine, one, "prompt", keep, req.add_special_tokens) for one in completion_prompts(req.prompt)]
+    keep = prompt_tokens_kept(front, req.truncate_prompt_tokens)
+    return [prompt_ids(front, one, "prompt", keep, req.add_special_tokens) for one in completion_prompts(req.prompt)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,21 +123,21 @@ class EchoPrompt:
     text_offsets: list[int] | None = None
 
 
-def echo_prompts(engine: LLMEngine, req: p.CompletionRequest, prompt_ids: list[list[int]], offsets: bool) -> list[EchoPrompt]:
+def echo_prompts(front: EngineFront, req: p.CompletionRequest, prompt_ids: list[list[int]], offsets: bool) -> list[EchoPrompt]:
     """Blocking: each prompt as the client sent it (as the engine ran it, once truncated), for
     echo, with its tokens' offsets if asked."""
     out = []
     truncated = req.truncate_prompt_tokens is not None
     for one, ids in zip(completion_prompts(req.prompt), prompt_ids):
-        text = one if isinstance(one, str) and not truncated else engine.tokenizer.decode(ids)
-        out.append(EchoPrompt(text, token_text_offsets(engine.tokenizer, ids, len(text)) if offsets else None))
+        text = one if isinstance(one, str) and not truncated else front.tokenizer.decode(ids)
+        out.append(EchoPrompt(text, token_text_offsets(front.tokenizer, ids, len(text)) if offsets else None))
     return out
 
 
-def detokenize_checked(engine: LLMEngine, tokens: list[int]) -> str:
+def detokenize_checked(front: EngineFront, tokens: list[int]) -> str:
     """Blocking: /detokenize's text, after checking every id is in the vocabulary."""
-    check_token_ids(engine, tokens, "tokens")
-    return engine.tokenizer.decode(tokens)
+    check_token_ids(front, tokens, "tokens")
+    return front.tokenizer.decode(tokens)
 
 
 __all__ = [

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 from servelab.core.sequence import NO_TOKEN_LEFT, FinishReason
 from servelab.errors import InvalidArgument, ServelabError
 from servelab.server import protocol as p
-from servelab.server.async_engine import EngineFailure, EngineRequest, RequestStream
+from servelab.engine.client import EngineFailure, EngineRequest, RequestStream
 from servelab.server.http_errors import error_json
 from servelab.server.prompt_scoring import echoed_logprobs, token_text, vllm_prompt_logprobs
 from servelab.server.prompts import EchoPrompt
@@ -21,18 +21,18 @@ from servelab.server.structured import ToolCallStream, ToolPlan, parse_tool_call
 
 if TYPE_CHECKING:
     from servelab.core.plan import TokenLogprobs
-    from servelab.core.sequence import Sequence
-    from servelab.engine.llm_engine import EngineOutput
+    from servelab.engine.outputs import EngineOutput
     from servelab.server.state import ServerState
 
 
-def finish_reason_str(reason: FinishReason | None, seq: Sequence) -> str | None:
+def finish_reason_str(out: EngineOutput) -> str | None:
+    reason = out.finish_reason
     if reason is None:
         return None
     if reason is FinishReason.ERROR:
-        if seq.error == NO_TOKEN_LEFT:
+        if out.error == NO_TOKEN_LEFT:
             raise InvalidArgument(
-                f"at output token {seq.num_output_tokens + 1} the request's constraints (allowed_token_ids, bad_words, "
+                f"at output token {out.num_output_tokens + 1} the request's constraints (allowed_token_ids, bad_words, "
                 "min_tokens with its EOS and stop_token_ids, a grammar or response_format) together leave no token to "
                 "sample; relax one of them", code="unsatisfiable_constraints")  # fmt: skip
         raise EngineFailure("the engine failed while generating this request")
@@ -52,7 +52,14 @@ class _Choice:
     # emitted before the step that made it (the same whether streamed or not).
     text_offsets: list[int] = field(default_factory=list)
     text_len: int = 0
-    seq: Sequence | None = None
+    started: bool = False  # an output came
+    first_prompt_token: int | None = None  # echo's first token, which has no logprob
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # the prompt's scores, as they come
+
+    @property
+    def prompt_scored(self) -> bool:
+        """Every prompt token but the first has its logprobs."""
+        return self.started and len(self.prompt_logprobs) >= self.prompt_tokens - 1
 
 
 class _Renderer:
@@ -63,7 +70,8 @@ class _Renderer:
         self.request_id = request_id
         self.req = req
         self.created = p.now_s()
-        self.choices = {r.request_id: _Choice(index=i) for i, r in enumerate(engine_requests)}
+        self.choices = {r.request_id: _Choice(index=i, first_prompt_token=_first_token(r.prompt))
+                        for i, r in enumerate(engine_requests)}  # fmt: skip
         self.n = req.n
         self.prompt_only = engine_requests[0].params.prompt_only
 
@@ -72,18 +80,19 @@ class _Renderer:
         (a token that is part of a UTF-8 character has no text of its own)."""
         if self.req.return_tokens_as_token_ids:
             return f"token_id:{token_id}"
-        return token_text(self.state.engine.tokenizer, token_id)
+        return token_text(self.state.front.tokenizer, token_id)
 
     def update(self, out: EngineOutput) -> _Choice:
         choice = self.choices[out.request_id]
-        choice.seq = out.seq
-        choice.prompt_tokens = out.seq.num_prompt_tokens
+        choice.started = True
+        choice.prompt_tokens = out.num_prompt_tokens
+        choice.prompt_logprobs.extend(out.prompt_logprobs)
         if self.prompt_only:
             # echo with max_tokens 0: the one token the engine had to sample is not the client's.
             out.text_delta, out.logprobs = "", None
             choice.completion_tokens = 0
         else:
-            choice.completion_tokens = out.seq.num_output_tokens
+            choice.completion_tokens = out.num_output_tokens
         if out.logprobs:
             # Every sampled token has its entry, the EOS that ended the request included (its
             # text is the token's own, though the content skips it), as in vLLM: the entries
@@ -96,9 +105,9 @@ class _Renderer:
             choice.text_len += len(out.text_delta)
         if choice.cached_tokens is None:
             # The first admission's hits: a preemption's recompute is the server's business, not the client's.
-            choice.cached_tokens = out.seq.num_cached_tokens
+            choice.cached_tokens = out.num_cached_tokens
         if out.finished:
-            choice.finish_reason = finish_reason_str(out.finish_reason, out.seq)
+            choice.finish_reason = finish_reason_str(out)
             if self.prompt_only and choice.finish_reason == "stop":
                 choice.finish_reason = "length"  # the dropped token's EOS or stop is not the client's
         return choice
@@ -155,15 +164,16 @@ class CompletionRenderer(_Renderer):
         self._by_index = {c.index: c for c in self.choices.values()}
         self._sent: dict[int, tuple[int, int]] = {}  # choice index -> text pieces, logprobs entries sent
 
-    def _scorer(self, choice: _Choice) -> Sequence | None:
-        """The sequence that scored this choice's prompt: its prompt's first choice."""
-        return self._by_index[choice.index - choice.index % self.n].seq
+    def _scorer(self, choice: _Choice) -> _Choice | None:
+        """The choice that scored this choice's prompt, its prompt's first, once it has an output."""
+        scorer = self._by_index[choice.index - choice.index % self.n]
+        return scorer if scorer.started else None
 
     def _echo_ready(self, choice: _Choice) -> bool:
         if self.req.logprobs is None:
             return True
         scorer = self._scorer(choice)
-        return scorer is not None and not scorer.needs_prompt_logprobs
+        return scorer is not None and scorer.prompt_scored
 
     def _logprobs(self, choice: _Choice, echo: bool, start: int) -> p.CompletionLogprobs:
         """Logprobs of the echoed prompt (if `echo`) then of the output from entry `start`, each
@@ -181,8 +191,8 @@ class CompletionRenderer(_Renderer):
             prompt = self.echoes[choice.index // self.n]
             base = len(prompt.text)
             scorer = self._scorer(choice)
-            if echo and scorer is not None:
-                items = echoed_logprobs(scorer, self.req.logprobs)
+            if echo and scorer is not None and scorer.first_prompt_token is not None:
+                items = echoed_logprobs(scorer.first_prompt_token, scorer.prompt_logprobs, self.req.logprobs)
                 for (token_id, logprob, top), offset in zip(items, prompt.text_offsets or ()):
                     add(token_id, logprob, top, offset)
         for lp, offset in zip(choice.logprobs[start:], choice.text_offsets[start:]):
@@ -226,13 +236,13 @@ class CompletionRenderer(_Renderer):
 
     def response(self) -> dict:
         choices = []
-        tokenizer = self.state.engine.tokenizer
+        tokenizer = self.state.front.tokenizer
         for c in sorted(self.choices.values(), key=lambda c: c.index):
             echo_text = self.echoes[c.index // self.n].text if self.echoes is not None else ""
             scorer = self._scorer(c)
             prompt_logprobs = None
             if self.req.prompt_logprobs is not None and scorer is not None:
-                prompt_logprobs = vllm_prompt_logprobs(tokenizer, scorer, self.req.prompt_logprobs)
+                prompt_logprobs = vllm_prompt_logprobs(tokenizer, scorer.prompt_logprobs, self.req.prompt_logprobs)
             choices.append(
                 p.CompletionChoice(
                     index=c.index,
@@ -326,14 +336,19 @@ class ChatRenderer(_Renderer):
         choices = [self._choice(c) for c in sorted(self.choices.values(), key=lambda c: c.index)]
         first = min(self.choices.values(), key=lambda c: c.index)
         prompt_logprobs = None
-        if self.req.prompt_logprobs is not None and first.seq is not None:
-            prompt_logprobs = vllm_prompt_logprobs(self.state.engine.tokenizer, first.seq, self.req.prompt_logprobs)
+        if self.req.prompt_logprobs is not None and first.started:
+            prompt_logprobs = vllm_prompt_logprobs(self.state.front.tokenizer, first.prompt_logprobs,
+                                                   self.req.prompt_logprobs)  # fmt: skip
         return p.dump(
             p.ChatCompletionResponse(
                 id=self.request_id, created=self.created, model=self.state.model_name, choices=choices,
                 usage=self.usage(), prompt_logprobs=prompt_logprobs,
             )
         )
+
+
+def _first_token(prompt: str | list[int]) -> int | None:
+    return prompt[0] if isinstance(prompt, list) and prompt else None
 
 
 __all__ = ["ChatRenderer", "CompletionRenderer"]

@@ -18,7 +18,7 @@ from pydantic import ValidationError
 
 from servelab.errors import InvalidArgument, ServelabError
 from servelab.server import protocol as p
-from servelab.server.async_engine import RequestStream
+from servelab.engine.client import RequestStream
 from servelab.server.http_errors import validation_message
 from servelab.server.protocol import _Request
 from servelab.server.render import ChatRenderer

@@ -1,4 +1,4 @@
-"""What the routes of one app share: the engine, its async driver, the metrics, the drain flag.
+"""What the routes of one app share: the engine client and its front, the metrics, the drain flag.
 
 One `ServerState` per app (several apps can live in one process), kept on `app.state.servelab`
 and handed to routes by the `State` dependency.
@@ -10,21 +10,18 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 from fastapi import Depends, Request
 
 from servelab.core.sequence import PoolingParams
 from servelab.engine.grammar_workers import GrammarConfig, GrammarWorkers
 from servelab.errors import NotFound, QueueFull, RequestTooLong
-from servelab.server.async_engine import AsyncEngine, EngineDriver, EngineRequest, EngineStopped, RequestStream
+from servelab.engine.client import EngineClient, EngineFront, EngineRequest, EngineStopped, RequestStream
 from servelab.server.http_errors import ServerDraining
 from servelab.server.metrics import ServerMetrics
 from servelab.server.offload import Offload
 from servelab.server.response_store import ResponseStore
-
-if TYPE_CHECKING:
-    from servelab.engine.llm_engine import LLMEngine
 
 logger = logging.getLogger("servelab.server")
 
@@ -34,8 +31,8 @@ class ServerState:
     """What the routes share. One per app: several apps can live in one process."""
 
     api_key: str | None
-    engine: LLMEngine | None = None
-    async_engine: EngineDriver | None = None
+    front: EngineFront | None = None  # the tokenizer, names and limits
+    client: EngineClient | None = None  # runs the requests
     metrics: ServerMetrics | None = None
     model_name: str = ""
     started_s: float = field(default_factory=time.time)
@@ -50,34 +47,26 @@ class ServerState:
     pooler: PoolingParams = field(default_factory=PoolingParams)  # /v1/embeddings' pooling (--pooler-config)
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses stored with store=true
 
-    def attach(self, llm: LLMEngine, driver: EngineDriver | None = None) -> None:
-        """Serve `llm`: its async driver (an AsyncEngine over it unless given, e.g. the
-        front end of data-parallel workers, whose `llm` runs no model) and the metrics."""
-        self.engine = llm
-        self.model_name = llm.model_name
-        self.async_engine = driver or AsyncEngine(llm)
-        if llm.logits_processors is not None:
-            self.grammars = GrammarWorkers(llm.logits_processors.structured, self.grammar_config)
-        if llm.scheduler_config.max_waiting:  # requests being prepared wait too: the same bound
-            self.offload.small.max_pending = llm.scheduler_config.max_waiting
-        kv = getattr(llm.executor, "kv_cache", None)  # absent on a simulated executor
-        cache_info = {
-            "block_size": str(llm.scheduler_config.block_size),
-            "num_blocks": str(llm.scheduler_config.num_blocks),
-            "cache_dtype": "none" if kv is None else str(kv.dtype).removeprefix("torch."),
-        }
-        sc = llm.scheduler_config
+    def attach(self, client: EngineClient) -> None:
+        """Serve through `client` (an AsyncEngine over one LLMEngine, or the front end of
+        data-parallel or disaggregated workers) and count what it does in the metrics."""
+        front = self.front = client.front
+        self.model_name = front.model_name
+        self.client = client
+        if front.logits_processors is not None:
+            self.grammars = GrammarWorkers(front.logits_processors.structured, self.grammar_config)
+        sc = front.scheduler_config
+        if sc.max_waiting:  # requests being prepared wait too: the same bound
+            self.offload.small.max_pending = sc.max_waiting
+        cache_info = {"block_size": str(sc.block_size), "num_blocks": str(sc.num_blocks), "cache_dtype": front.kv_cache_dtype}
         scheduler_info = {"max_num_seqs": str(sc.max_num_seqs), "max_num_batched_tokens": str(sc.max_num_batched_tokens),
                           "max_model_len": str(sc.max_model_len), "policy": sc.policy, "order": sc.order,
                           "enable_prefix_caching": str(sc.enable_prefix_caching).lower()}
-        self.metrics = ServerMetrics(llm.model_name, lambda: self.async_engine.stats, cache_info, llm.max_model_len,
-                                     scheduler_info, getattr(self.async_engine, "worker_stats", None),
-                                     namespace=self.metrics_namespace)  # fmt: skip
-        self.async_engine.add_observer(self.metrics.observe)
-        self.async_engine.add_step_observer(self.metrics.observe_step)
-        transfers = getattr(self.async_engine, "add_transfer_observer", None)
-        if transfers is not None:  # disaggregated prefill/decode workers: each request's KV transfer
-            transfers(self.metrics.observe_kv_transfer)
+        self.metrics = ServerMetrics(front.model_name, lambda: client.stats, cache_info, front.max_model_len,
+                                     scheduler_info, client.worker_stats, namespace=self.metrics_namespace)  # fmt: skip
+        client.add_observer(self.metrics.observe)
+        client.add_step_observer(self.metrics.observe_step)
+        client.add_transfer_observer(self.metrics.observe_kv_transfer)
 
     def check_accepting(self) -> None:
         if self.draining:
@@ -90,7 +79,7 @@ class ServerState:
         request_ids = [r.request_id for r in requests]
         self.metrics.expect_choices(request_ids, n)
         try:
-            return await self.async_engine.submit(requests)
+            return await self.client.submit(requests)
         except BaseException as exc:
             self.metrics.forget_choices(request_ids)
             reason = _REJECTIONS.get(type(exc))
@@ -124,22 +113,22 @@ class ServerState:
         """Return once no request is in flight in the engine, or after `timeout_s`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self.async_engine is not None and self.async_engine.num_in_flight and loop.time() < deadline:
+        while self.client is not None and self.client.num_in_flight and loop.time() < deadline:
             await asyncio.sleep(0.05)
 
     def abort_now(self) -> int:
         """Abort every running request at once (a second shutdown signal): each client gets an
         error event and a clean end of stream. On the event loop's thread."""
-        if self.async_engine is None:
+        if self.client is None:
             return 0
-        n = self.async_engine.abort_all(EngineStopped("the server was stopped before this request finished "
+        n = self.client.abort_all(EngineStopped("the server was stopped before this request finished "
                                                       "(second shutdown signal)"))  # fmt: skip
         if n:
             logger.info("servelab: second signal: aborted %d request(s) still running", n)
         return n
 
     def _abort_after_grace(self) -> None:
-        n = self.async_engine.abort_all(
+        n = self.client.abort_all(
             EngineStopped("the server shut down before this request finished (shutdown grace period over)")
         )
         if n:

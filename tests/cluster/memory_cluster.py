@@ -84,8 +84,8 @@ def memory_worker(make_engine, rank: int, make_grammars=None, **engine_kwargs) -
 def memory_cluster(make_engine, n: int, router: str = "least-outstanding", make_grammars=None, **engine_kwargs):
     """(ClusterEngine, the workers' engines, kill functions by rank)."""
     engines, kills, handles = {}, {}, []
-    shell = make_engine(**engine_kwargs)
+    front = make_engine(**engine_kwargs).front
     for rank in range(1, n + 1):
         handle, engines[rank], kills[rank] = memory_worker(make_engine, rank, make_grammars, **engine_kwargs)
         handles.append(handle)
-    return ClusterEngine(shell, handles, Router(router)), engines, kills
+    return ClusterEngine(front, handles, Router(router)), engines, kills

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from servelab.core.sequence import FinishReason, SamplingParams
 from servelab.errors import InvalidArgument, QueueFull
-from servelab.server.async_engine import AsyncEngine, EngineFailure, EngineRequest
+from servelab.engine.client import EngineFailure, EngineRequest
+from servelab.server.async_engine import AsyncEngine
 
 from tests.cluster.memory_cluster import memory_cluster
 
@@ -55,8 +56,8 @@ def test_requests_spread_over_workers_and_match_one_engine(fake_engine):
         assert sum(len(o.new_token_ids) for o in outputs) == 5 + i
         last = outputs[-1]
         assert last.finished and last.finish_reason is FinishReason.LENGTH
-        assert last.seq.num_output_tokens == 5 + i and len(last.seq.token_times_s) == 5 + i
-        assert last.seq.first_scheduled_s <= last.seq.first_token_s <= last.seq.finished_s
+        assert last.num_output_tokens == 5 + i and sum(len(o.token_offsets_s) for o in outputs) == 5 + i
+        assert 0 <= last.first_scheduled_offset_s <= last.first_token_offset_s <= last.finished_offset_s
     assert all(e.stats().prefix_cache_queries > 0 for e in engines.values())  # both served
     assert cluster.stats.num_running == 0 and all(w.outstanding == 0 for w in cluster.workers)
 
@@ -128,7 +129,7 @@ def test_a_full_cluster_answers_the_same_503_as_one_engine(fake_engine):
     one = fake_engine(max_num_seqs=2, max_waiting=2, step_sleep_s=0.01)
     single = overflow(create_app(one), one.stats)
     cluster, _, _ = memory_cluster(fake_engine, 2, max_num_seqs=1, max_waiting=2, step_sleep_s=0.01)
-    clustered = overflow(create_app(cluster.engine, driver=cluster), lambda: cluster.stats)
+    clustered = overflow(create_app(cluster), lambda: cluster.stats)
     assert single[:2] == clustered[:2] == (503, "1")
     for body in (single[2], clustered[2]):
         body["error"]["message"] = re.sub(r"request '[^']*'", "request ID", body["error"]["message"])
@@ -256,7 +257,7 @@ def test_cluster_counters_never_decrease_whatever_reports_and_deaths_come(events
     from types import SimpleNamespace
 
     from servelab.cluster.front_end import ClusterEngine, WorkerHandle
-    from servelab.engine.llm_engine import EngineStats
+    from servelab.engine.outputs import EngineStats
 
     workers = [WorkerHandle(i, link=None, ready=None, stats=EngineStats(0, 0, 0.0, 8, 8, 0, 0, 0)) for i in range(3)]
     cluster = SimpleNamespace(workers=workers, retired=[])
@@ -285,12 +286,12 @@ def test_a_disaggregated_cluster_without_a_pool_answers_health_503(fake_engine, 
     from fastapi.testclient import TestClient
 
     from servelab.server.app import create_app
-    from servelab.server.async_engine import EngineStopped
+    from servelab.engine.client import EngineStopped
 
     cluster, _, kills = memory_cluster(fake_engine, 2, step_sleep_s=0.005)
     for w, role in zip(cluster.workers, ("prefill", "decode")):
         w.ready = replace(w.ready, role=role)
-    with TestClient(create_app(cluster.engine, driver=cluster)) as c:
+    with TestClient(create_app(cluster)) as c:
         assert c.get("/health").json()["status"] == "ok"
         kills[1 if dead == "prefill" else 2]()
         for _ in range(200):
@@ -312,7 +313,7 @@ def test_embeddings_are_refused_with_a_501_naming_the_limitation(fake_engine):
     from servelab.server.app import create_app
 
     cluster, _, _ = memory_cluster(fake_engine, 2)
-    with TestClient(create_app(cluster.engine, driver=cluster)) as client:
+    with TestClient(create_app(cluster)) as client:
         resp = client.post("/v1/embeddings", json={"input": "hello"})
         assert resp.status_code == 501, resp.text
         err = resp.json()["error"]
@@ -418,7 +419,7 @@ def test_health_lists_the_workers_in_its_503_while_the_only_worker_restarts(fake
     monkeypatch.setattr(front_end, "RESTART_BACKOFF_S", 0.5)  # long enough to see the gap
     cluster, _, kills = memory_cluster(fake_engine, 1, step_sleep_s=0.005)
     cluster.restart = lambda old, peers: memory_worker(fake_engine, old.index, step_sleep_s=0.005)[0]
-    with TestClient(create_app(cluster.engine, driver=cluster)) as c:
+    with TestClient(create_app(cluster)) as c:
         ok = c.get("/health")
         assert ok.status_code == 200 and [w["status"] for w in ok.json()["workers"]] == ["ok"]
         kills[1]()

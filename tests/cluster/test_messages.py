@@ -1,5 +1,5 @@
 """The pieces of the cluster that need no process: rendezvous settings, errors across the link,
-and the front end's copy of a Sequence rebuilt from a worker's outputs."""
+and the engine's plain outputs, which cross the link as they are."""
 
 from __future__ import annotations
 
@@ -9,9 +9,8 @@ import pytest
 
 from servelab.cluster import messages as m
 from servelab.cluster.channel import Rendezvous
-from servelab.cluster.front_end import _apply
-from servelab.core.plan import TokenLogprobs
-from servelab.core.sequence import NO_TOKEN_LEFT, FinishReason, SamplingParams, Sequence
+from servelab.core.sequence import FinishReason, SamplingParams
+from servelab.engine.outputs import EngineOutput
 from servelab.errors import InvalidArgument, QueueFull
 
 
@@ -42,19 +41,32 @@ def test_an_admission_error_crosses_the_link_as_itself():
     assert m.WireError.of(RuntimeError("boom")).known() is None  # not a user's error: the front end words it
 
 
-def test_the_front_ends_sequence_follows_the_workers_outputs_on_its_own_clock():
-    seq = Sequence("r", [5, 6, 7], SamplingParams(max_tokens=3, logprobs=0, prompt_logprobs=0), arrival_s=100.0)
-    first = m.WireOutput("r", [11, 12], "ab", False, None, [TokenLogprobs(11, -0.1), TokenLogprobs(12, -0.2)],
-                         [0.5, 0.6], 0.25, None, 2, None, [TokenLogprobs(6, -1.0), TokenLogprobs(7, -2.0)])  # fmt: skip
-    out = _apply(seq, first)
-    assert out.new_token_ids == [11, 12] and out.text_delta == "ab" and not out.finished
-    assert seq.output_token_ids == [11, 12] and seq.num_output_tokens == 2
-    assert seq.token_times_s == [100.5, 100.6] and seq.first_token_s == 100.5 and seq.first_scheduled_s == 100.25
-    assert seq.num_cached_tokens == 2 and len(seq.prompt_logprobs) == 2
-    last = _apply(seq, m.WireOutput("r", [13], "c", True, "stop", None, [0.9], 0.25, 0.9, 2, "c"))
-    assert last.finished and last.finish_reason is FinishReason.STOP and last.seq is seq
-    assert seq.finished_s == 100.9 and seq.stop_reason == "c" and seq.is_finished and seq.error is None
-    failed = Sequence("f", [5], SamplingParams(max_tokens=3), arrival_s=0.0)
-    _apply(failed, m.WireOutput("f", [], "", True, "error", None, [], 0.1, 0.2, 0, None, error=NO_TOKEN_LEFT))
-    assert failed.finish_reason is FinishReason.ERROR and failed.error == NO_TOKEN_LEFT  # the server's 400
-    assert seq.token_times_s == [100.5, 100.6, 100.9]
+def test_an_engines_outputs_are_plain_data_that_cross_the_link_as_they_are(fake_engine):
+    """What a worker's engine returns is what the front end forwards: no Sequence, times after
+    the request's arrival (the worker's clock never crosses), cumulative counts for usage."""
+    engine = fake_engine()
+    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True), arrival_s=100.0)
+    outputs = []
+    while engine.has_unfinished():
+        outputs.extend(pickle.loads(pickle.dumps(out)) for out in engine.step())
+    assert all(type(out) is EngineOutput for out in outputs)
+    assert [out.num_output_tokens for out in outputs] == [1, 2, 3]
+    assert all(out.num_prompt_tokens == 3 and out.max_tokens == 3 for out in outputs)
+    last = outputs[-1]
+    assert last.finished and last.finish_reason is FinishReason.LENGTH
+    # perf_counter is far past 100 s: the times are the engine's clock minus that arrival
+    first = outputs[0]
+    assert first.prev_token_offset_s is None and first.token_offsets_s == [first.first_token_offset_s]
+    assert outputs[1].prev_token_offset_s == first.token_offsets_s[0]
+    assert 0 < first.first_scheduled_offset_s <= first.first_token_offset_s <= last.finished_offset_s
+    assert last.last_token_offset_s == last.token_offsets_s[-1]
+
+
+def test_an_abort_ends_a_request_with_its_counts_and_times_so_far(fake_engine):
+    engine = fake_engine()
+    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()
+    engine.abort("r")
+    (out,) = engine.step()
+    assert out.finished and out.finish_reason is FinishReason.ABORT and out.new_token_ids == []
+    assert out.num_output_tokens == 1 and out.token_offsets_s == [] and out.last_token_offset_s is not None

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from servelab.core.sequence import FinishReason, SamplingParams
-from servelab.server.async_engine import EngineFailure, EngineRequest
+from servelab.engine.client import EngineFailure, EngineRequest
 
 from tests.cluster.memory_cluster import memory_cluster
 
@@ -65,7 +65,7 @@ def test_a_hung_worker_is_failed_alone_and_an_idle_one_is_not(fake_engine):
         async for _ in c:
             pass
         last = [out async for out in a][-1]  # worker 1 served on through the hang
-        assert last.finish_reason is FinishReason.LENGTH and last.seq.num_output_tokens == 600
+        assert last.finish_reason is FinishReason.LENGTH and last.num_output_tokens == 600
         await driver.stop()
         return detected_s
 
@@ -99,16 +99,19 @@ def test_a_slow_grammar_compile_does_not_stall_the_workers_other_requests(tiny_e
 
     async def main(driver):
         driver.start()
-        a = (await driver.submit([_req("a", 230, temperature=0.0)])).__aiter__()
-        await a.__anext__()
+        arrival_s = time.perf_counter()
+        a_req = _req("a", 230, temperature=0.0)
+        a_req.arrival_s = arrival_s
+        a = (await driver.submit([a_req])).__aiter__()
+        first = await a.__anext__()
         slow = await driver.submit([_req("slow", 4, bad_words=["hello"])])
-        outputs = [out async for out in a]
+        outputs = [first, *[out async for out in a]]
         slow_outputs = [out async for out in slow]
         await driver.stop()
-        return outputs[-1].seq.token_times_s, slow_outputs[-1]
+        return [arrival_s + t for out in outputs for t in out.token_offsets_s], slow_outputs[-1]
 
     times, slow_last = run(main(cluster))
-    assert slow_last.finish_reason is FinishReason.LENGTH and slow_last.seq.num_output_tokens == 4
+    assert slow_last.finish_reason is FinishReason.LENGTH and slow_last.num_output_tokens == 4
     start, end = window
     assert times[0] < start and times[-1] > end, "the running request must span the compile"
     during = [t for t in times if start <= t <= end]

@@ -253,7 +253,7 @@ def test_engine_args_load_the_model_at_startup(tiny_model_dir):
     from servelab.engine.llm_engine import EngineArgs
 
     app = create_app(EngineArgs.from_kwargs(model=str(tiny_model_dir), num_blocks=64, max_model_len=256))
-    assert app.state.servelab.engine is None  # nothing loads until the server starts
+    assert app.state.servelab.client is None  # nothing loads until the server starts
     with TestClient(app) as c:
         body = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3, "ignore_eos": True}).json()
         assert body["model"] == tiny_model_dir.name and body["usage"]["completion_tokens"] == 3
@@ -266,7 +266,7 @@ def test_logprobs_keep_the_eos_that_ends_a_choice(tiny_model_dir):
     from servelab.engine.llm_engine import EngineArgs
 
     with TestClient(create_app(EngineArgs.from_kwargs(model=str(tiny_model_dir), num_blocks=64, max_model_len=256))) as c:
-        tokenizer = c.app.state.servelab.engine.tokenizer
+        tokenizer = c.app.state.servelab.front.tokenizer
         eos = tokenizer.eos_token_ids[0]
         eos_text = tokenizer.decode([eos], skip_special_tokens=False)
         # +100 on EOS: the third token is EOS once min_tokens lets it through.
@@ -296,7 +296,7 @@ def test_constraints_that_leave_no_token_are_the_clients_error(tiny_model_dir):
     from servelab.engine.llm_engine import EngineArgs
 
     with TestClient(create_app(EngineArgs.from_kwargs(model=str(tiny_model_dir), num_blocks=64, max_model_len=256))) as c:
-        tok = c.app.state.servelab.engine.tokenizer
+        tok = c.app.state.servelab.front.tokenizer
         bang = tok.encode("!")
         assert tok.encode("!!") == bang * 2
         refused = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "allowed_token_ids": bang, "bad_words": ["!"]})
@@ -311,4 +311,4 @@ def test_constraints_that_leave_no_token_are_the_clients_error(tiny_model_dir):
         events = _sse(c.post("/v1/completions", json={**body, "stream": True}))
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "unsatisfiable_constraints"
         assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
-        assert c.app.state.servelab.engine.scheduler.block_manager.num_free_blocks == 64
+        assert c.app.state.servelab.client.engine.scheduler.block_manager.num_free_blocks == 64

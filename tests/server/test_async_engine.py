@@ -9,7 +9,8 @@ import pytest
 
 from servelab.core.sequence import FinishReason, SamplingParams
 from servelab.errors import InvalidArgument, QueueFull, RequestTooLong
-from servelab.server.async_engine import AsyncEngine, EngineFailure, EngineRequest, EngineStopped
+from servelab.engine.client import EngineFailure, EngineRequest, EngineStopped
+from servelab.server.async_engine import AsyncEngine
 
 
 def _req(rid: str, max_tokens: int = 8, prompt: str = "hello world") -> EngineRequest:
@@ -283,3 +284,28 @@ def test_the_step_log_has_a_line_per_step_with_its_shape_and_times(fake_engine):
         assert x["start_s"] <= x["start_s"] + x["execute_s"] <= x["start_s"] + x["step_s"] + 1e-6 <= x["end_s"] + 1e-6
         assert x["pairs"] >= x["context_tokens"] >= x["num_tokens"]
     assert all(a["end_s"] <= b["start_s"] for a, b in zip(lines, lines[1:]))
+
+
+def test_one_engine_answers_the_engine_client_interface_as_worker_0(fake_engine):
+    """Health, down_reason and per-worker stats are its own engine's; its front is the engine's
+    tokenizer, names and limits; no KV ever crosses to another engine."""
+    engine = fake_engine(max_model_len=128)
+    bridge = AsyncEngine(engine)
+    assert bridge.front.model_name == "fake-model" and bridge.front.max_model_len == 128
+    assert bridge.front.tokenizer is engine.tokenizer and bridge.front.kv_cache_dtype == "none"
+    assert bridge.down_reason == "the engine is not running" and bridge.health() == {"status": "down"}
+    assert bridge.worker_stats() == {"0": None}
+
+    async def main():
+        bridge.start()
+        bridge.add_transfer_observer(lambda *_: pytest.fail("one engine transfers no KV"))
+        stream = await bridge.submit([_req("r", max_tokens=3)])
+        outputs = await _collect(stream)
+        seen = (bridge.down_reason, bridge.health(), bridge.worker_stats())
+        await bridge.stop()
+        return outputs, seen
+
+    outputs, (down, health, per_worker) = run(main())
+    assert outputs[-1].finished and down is None and health == {"status": "ok"}
+    assert per_worker == {"0": bridge.stats}
+    assert bridge.down_reason == "the engine is not running"

@@ -56,4 +56,4 @@ def test_engine_thread_death_ends_every_stream_and_turns_health_503(fake_engine,
         assert health.status_code == 503 and health.headers["retry-after"] == "1"
         late = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert late.status_code == 503, late.text
-        assert client.app.state.servelab.async_engine.num_in_flight == 0
+        assert client.app.state.servelab.client.num_in_flight == 0

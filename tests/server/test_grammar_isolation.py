@@ -102,16 +102,17 @@ def test_a_compile_past_the_timeout_is_a_400_naming_the_field_and_its_worker_is_
 @pytest.mark.slow
 def test_a_client_that_leaves_during_its_compile_has_the_compile_killed(fake_engine, monkeypatch):
     from servelab.engine import grammar_workers
+    from servelab.server.async_engine import AsyncEngine
     from servelab.server.engine_requests import ClientDisconnected, build_requests, prepare_logits_processors
     from servelab.server.protocol import CompletionRequest
     from servelab.server.state import ServerState
 
     state = ServerState(api_key=None, grammar_config=GrammarConfig(compile_timeout_s=60, num_workers=1))
     monkeypatch.setattr(grammar_workers, "compile_spec", slow_compile)
-    state.attach(engine_with_grammars(fake_engine))
+    state.attach(AsyncEngine(engine_with_grammars(fake_engine)))
     state.grammars._compile_fn = slow_compile
     req = CompletionRequest.model_validate({"prompt": "x", "max_tokens": 2, **slow_regex(60)})
-    engine_requests = build_requests(state.engine, "r", [[5, 6]], req, 2, None, 0.0)
+    engine_requests = build_requests(state.front, "r", [[5, 6]], req, 2, None, 0.0)
 
     class LeavingClient:
         """An ASGI request whose client hangs up once the compile has started."""

@@ -13,7 +13,7 @@ import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-from servelab.engine.llm_engine import EngineStats
+from servelab.engine.outputs import EngineStats
 from servelab.errors import QueueFull
 from servelab.server.app import create_app
 from servelab.server.metrics import ServerMetrics, buckets_1_2_5
@@ -224,7 +224,7 @@ def test_a_full_queue_is_counted_and_its_choices_forgotten():
 
     state = ServerState(api_key=None)
     state.metrics = ServerMetrics(MODEL, lambda: IDLE)
-    state.async_engine = FullQueue()
+    state.client = FullQueue()
     requests = [type("R", (), {"request_id": f"r-{i}"})() for i in range(4)]
     with pytest.raises(QueueFull):
         asyncio.run(state.submit(requests, n=2))
@@ -247,7 +247,7 @@ def test_data_parallel_front_end_exports_the_vllm_namespace(fake_engine):
 
     # 8 blocks of 16 tokens per worker, two requests of ~100 tokens each on it: they preempt
     cluster, engines, _ = memory_cluster(fake_engine, 2, num_blocks=8, max_num_seqs=4, step_sleep_s=0.005)
-    app = create_app(cluster.engine, driver=cluster, metrics_namespace="vllm")
+    app = create_app(cluster, metrics_namespace="vllm")
     body = {"prompt": "hello world", "max_tokens": 100, "ignore_eos": True}
     try:
         with TestClient(app) as c, ThreadPoolExecutor(4) as pool:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from servelab.core.sequence import FinishReason, SamplingParams, Sequence, TokenLogprobs
-from servelab.engine.llm_engine import EngineOutput
+from servelab.core.sequence import FinishReason, SamplingParams, TokenLogprobs
+from servelab.engine.outputs import EngineOutput
 from servelab.engine.tokenizer import Tokenizer
 from servelab.server import protocol as p
-from servelab.server.async_engine import EngineRequest
+from servelab.engine.client import EngineRequest
 from servelab.server.prompts import EchoPrompt
 from servelab.server.prompt_scoring import token_text_offsets
 from servelab.server.render import CompletionRenderer
@@ -24,25 +24,27 @@ def test_a_sibling_that_opens_before_its_prompt_is_scored_waits(tiny_model_dir):
     params = SamplingParams(max_tokens=2, logprobs=0, prompt_logprobs=0)
     sibling_params = params.sibling(seed=None, max_tokens=2, prompt_logprobs=None)
     requests = [EngineRequest("r-0", ids, params), EngineRequest("r-1", ids, sibling_params)]
-    state = SimpleNamespace(engine=SimpleNamespace(tokenizer=tokenizer), model_name="m")
+    state = SimpleNamespace(front=SimpleNamespace(tokenizer=tokenizer), model_name="m")
     echoes = [EchoPrompt(text, token_text_offsets(tokenizer, ids, len(text)))]
     renderer = CompletionRenderer(state, "cmpl-x", req, requests, echoes=echoes)
-    scorer, sibling = (Sequence(r.request_id, ids, r.params) for r in requests)
+    scorer, sibling = (r.request_id for r in requests)
     out_ids = tokenizer.encode(" ok go")[:2]
+    prompt_logprobs = {scorer: [], sibling: []}
 
-    def output(seq: Sequence, k: int) -> EngineOutput:
-        seq.token_ids.append(out_ids[k])
+    def output(rid: str, k: int) -> EngineOutput:
         done = k == len(out_ids) - 1
         piece = tokenizer.decode([out_ids[k]])
-        return EngineOutput(seq.request_id, [out_ids[k]], piece, done, FinishReason.LENGTH if done else None,
-                            [TokenLogprobs(out_ids[k], -0.5)], seq)  # fmt: skip
+        scored, prompt_logprobs[rid] = prompt_logprobs[rid], []
+        return EngineOutput(rid, [out_ids[k]], piece, done, FinishReason.LENGTH if done else None,
+                            [TokenLogprobs(out_ids[k], -0.5)], num_prompt_tokens=len(ids), num_output_tokens=k + 1,
+                            max_tokens=2, prompt_logprobs=scored)  # fmt: skip
 
     def chunk(out: EngineOutput) -> dict | None:
         return renderer.chunk(renderer.update(out), out)
 
     streamed: dict[int, list[dict]] = {0: [], 1: []}
     assert chunk(output(sibling, 0)) is None  # its prompt's scores are not in yet
-    scorer.prompt_logprobs.extend(TokenLogprobs(t, -1.0 - i) for i, t in enumerate(ids[1:]))
+    prompt_logprobs[scorer] = [TokenLogprobs(t, -1.0 - i) for i, t in enumerate(ids[1:])]
     for out in (output(scorer, 0), output(sibling, 1), output(scorer, 1)):
         index = int(out.request_id[-1])
         streamed[index].append(chunk(out)["choices"][0])

@@ -10,7 +10,8 @@ import pytest
 
 from servelab.core.sequence import SamplingParams
 from servelab.errors import RequestTooLong
-from servelab.server.async_engine import AsyncEngine, EngineRequest
+from servelab.engine.client import EngineRequest
+from servelab.server.async_engine import AsyncEngine
 
 
 def _req(rid: str, max_tokens: int, prompt: str = "hello world", seed: int | None = None) -> EngineRequest:

@@ -32,7 +32,7 @@ async def embeddings(request: Request, state: State) -> Response:
     state.check_model(req.model)
     pooling = request_pooling(state.pooler, req)
     lane = state.offload.lane(len(await request.body()))  # large bodies queue apart from small ones
-    prompts = await lane.run(embedding_input_ids, state.engine, req)
+    prompts = await lane.run(embedding_input_ids, state.front, req)
     request_id = "embd-" + uuid.uuid4().hex
     stream = await state.submit(engine_requests(request_id, prompts, pooling, req.priority, arrival_s))
     work = collect_embeddings(stream, request_id, state.model_name, int(time.time()), prompts, req.encoding_format)

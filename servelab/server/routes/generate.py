@@ -14,7 +14,7 @@ from fastapi.responses import Response
 from servelab.errors import InvalidArgument
 from servelab.server import fields
 from servelab.server import protocol as p
-from servelab.server.async_engine import RequestStream
+from servelab.engine.client import RequestStream
 from servelab.server.engine_requests import (
     ClientDisconnected,
     build_requests,
@@ -47,19 +47,19 @@ async def completions(request: Request, state: State) -> Response:
     prompt_logprobs = prompt_logprobs_wanted(
         prompt_logprobs=req.prompt_logprobs, echo_logprobs=req.logprobs if req.echo else None, stream=req.stream
     )
-    engine = state.engine
+    front = state.front
     lane = state.offload.lane(len(await request.body()))  # large bodies queue apart from small ones
-    prompts = await lane.run(completion_prompt_ids, engine, req)
+    prompts = await lane.run(completion_prompt_ids, front, req)
     request_id = "cmpl-" + uuid.uuid4().hex
     # echo with max_tokens 0 runs one token (the engine samples after every prefill) and drops it.
     max_tokens = 1 if req.max_tokens == 0 else req.max_tokens
     # Off the loop: the checks are in proportion to the lists a request may send.
-    engine_requests = await lane.run(build_requests, engine, request_id, prompts, req, max_tokens, req.logprobs,
+    engine_requests = await lane.run(build_requests, front, request_id, prompts, req, max_tokens, req.logprobs,
                                      arrival_s, prompt_logprobs)  # fmt: skip
     await prepare_logits_processors(state, lane, engine_requests, request)
     echoes = None
     if req.echo:
-        echoes = await lane.run(echo_prompts, engine, req, prompts, req.logprobs is not None)
+        echoes = await lane.run(echo_prompts, front, req, prompts, req.logprobs is not None)
     stream = await state.submit(engine_requests, req.n)
     renderer = CompletionRenderer(state, answer_id("cmpl-", req, request_id), req, engine_requests, echoes=echoes)
     if req.stream:
@@ -93,14 +93,14 @@ async def start_chat(
     if req.top_logprobs and not req.logprobs:  # 0 asks for nothing: vLLM's default, which clients send
         raise InvalidArgument("top_logprobs needs logprobs=true", param="top_logprobs")
     plan = tool_plan(req, state.tool_call_parser)
-    engine = state.engine
+    front = state.front
     lane = state.offload.lane(len(await request.body()))  # large bodies queue apart from small ones
-    prompt_ids = await lane.run(chat_prompt_ids, engine, req)
+    prompt_ids = await lane.run(chat_prompt_ids, front, req)
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top_logprobs = (req.top_logprobs or 0) if req.logprobs else None
     prompt_logprobs = prompt_logprobs_wanted(prompt_logprobs=req.prompt_logprobs, echo_logprobs=None, stream=req.stream)
     request_id = "chatcmpl-" + uuid.uuid4().hex
-    engine_requests = await lane.run(build_requests, engine, request_id, [prompt_ids], req, max_tokens,
+    engine_requests = await lane.run(build_requests, front, request_id, [prompt_ids], req, max_tokens,
                                      top_logprobs, arrival_s, prompt_logprobs)  # fmt: skip
     await prepare_logits_processors(state, lane, engine_requests, request)
     stream = await state.submit(engine_requests, req.n)

@@ -17,20 +17,18 @@ router = APIRouter()
 @router.head("/health", include_in_schema=False)  # load balancers' probes
 @router.get("/health")
 async def health(state: State) -> Response:
-    health = getattr(state.async_engine, "health", None)  # a cluster lists its workers, in every answer
+    client = state.client
     if state.draining:
         down: str | None = "the server is shutting down"
-    elif state.async_engine is None or not state.async_engine.is_running:
-        # a cluster says which pool is gone ("no decode worker is left: ...")
-        down = getattr(state.async_engine, "down_reason", None) or "the engine is not running"
+    elif client is None or not client.is_running:
+        down = (client and client.down_reason) or "the engine is not running"  # a cluster says which pool is gone
     else:
         down = None
+    body = {"status": "down"} if client is None else client.health()  # a cluster lists its workers, in every answer
     if down is None:
-        return JSONResponse(health() if health is not None else {"status": "ok"})
-    if health is None:
-        raise ServerDraining(down)
-    # the error OpenAI clients read, and the workers' states a load balancer or an operator reads
-    return JSONResponse({**error_json(ServerDraining(down)), **health(), "status": "down"}, status_code=503,
+        return JSONResponse(body)
+    # the error OpenAI clients read, and the engine's state a load balancer or an operator reads
+    return JSONResponse({**error_json(ServerDraining(down)), **body, "status": "down"}, status_code=503,
                         headers={"Retry-After": str(RETRY_AFTER_S)})  # fmt: skip
 
 
@@ -52,5 +50,5 @@ async def version() -> Response:
 
 @router.get("/v1/models")
 async def models(state: State) -> Response:
-    card = p.ModelCard(id=state.model_name, created=int(state.started_s), max_model_len=state.engine.max_model_len)
+    card = p.ModelCard(id=state.model_name, created=int(state.started_s), max_model_len=state.front.max_model_len)
     return JSONResponse(p.dump(p.ModelList(data=[card])))

@@ -23,13 +23,13 @@ async def tokenize(request: Request, state: State) -> Response:
     lane = state.offload.lane(len(await request.body()))  # the body is read: this is its length
     if (req.prompt is None) == (req.messages is None):
         raise InvalidArgument("send exactly one of 'prompt' or 'messages'", param="prompt")
-    tokenizer = state.engine.tokenizer
+    tokenizer = state.front.tokenizer
     if req.messages is not None:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         ids = await lane.run(tokenizer.encode_chat, messages, req.add_generation_prompt, req.add_special_tokens)
     else:
-        ids = await lane.run(encode_prompt, state.engine, req.prompt, add_special_tokens=req.add_special_tokens)
-    return JSONResponse({"count": len(ids), "max_model_len": state.engine.max_model_len, "tokens": ids})
+        ids = await lane.run(encode_prompt, state.front, req.prompt, add_special_tokens=req.add_special_tokens)
+    return JSONResponse({"count": len(ids), "max_model_len": state.front.max_model_len, "tokens": ids})
 
 
 @router.post("/detokenize")
@@ -38,20 +38,20 @@ async def detokenize(request: Request, state: State) -> Response:
     state.check_accepting()
     state.check_model(req.model)
     lane = state.offload.lane(len(await request.body()))
-    return JSONResponse({"prompt": await lane.run(detokenize_checked, state.engine, req.tokens)})
+    return JSONResponse({"prompt": await lane.run(detokenize_checked, state.front, req.tokens)})
 
 
 @router.get("/tokenizer_info")
 async def tokenizer_info(state: State) -> Response:
     """The tokenizer's configuration in HF tokenizer_config.json's keys, as vLLM answers it."""
-    tok = state.engine.tokenizer
+    tok = state.front.tokenizer
     added = tok.backend.get_added_tokens_decoder()
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",  # what transformers loads a tokenizer.json as
         "bos_token": tok.bos_token,
         "eos_token": tok.eos_token,
         "pad_token": tok.id_to_token(tok.pad_token_id) if tok.pad_token_id is not None else None,
-        "model_max_length": state.engine.max_model_len,
+        "model_max_length": state.front.max_model_len,
         "added_tokens_decoder": {str(i): {"content": t.content, "special": t.special} for i, t in sorted(added.items())},
     }
     if tok.chat_template:
