@@ -124,3 +124,36 @@ def test_the_vllm_profiles_host_cost_bounds_each_step_from_below():
     # A small model's decode steps are host-bound: overlapping leaves exactly the host time.
     assert sum(d == pytest.approx(h) for d, h in zip(trace.duration_s, host_s)) > len(host_s) // 2
     assert result.config["host_cost"].endswith("hidden behind the GPU step (max)")
+
+
+# ---- the CLI -------------------------------------------------------------------------------------
+
+
+def test_sim_engine_profile_list_shows_every_profile_and_its_sources(capsys):
+    import json
+
+    from servelab.cli import main
+
+    assert main(["sim", "--engine-profile", "list"]) == 0
+    out = capsys.readouterr().out
+    for name in ("servelab", "vllm", "sglang", "trtllm"):
+        assert f"\n{name} (" in out
+    assert "8192 (>=70 not a100) | 2048" in out and "GUARANTEED_NO_EVICT" in out
+    assert main(["plan", "--engine-profile", "list", "--json"]) == 0
+    listed = json.loads(capsys.readouterr().out)
+    assert [p["name"] for p in listed] == ["servelab", "vllm", "sglang", "trtllm"]
+
+
+def test_sim_prints_and_reports_the_profile_it_used(capsys):
+    import json
+
+    from servelab.cli import main
+
+    argv = ["sim", "--rate", "5", "--num-requests", "20", "--no-progress"]
+    assert main([*argv, "--engine-profile", "trtllm", "--json"]) == 0
+    config = json.loads(capsys.readouterr().out)["config"]
+    assert (config["engine_profile"], config["scheduler"], config["admission"]) == ("trtllm", "decode-first-whole",
+                                                                                     "no-evict")
+    assert (config["max_num_batched_tokens"], config["max_num_seqs"]) == (8192, 2048)
+    assert main(argv) == 0
+    assert "engine profile servelab: chunked, admission recompute, 2,048 tokens/step" in capsys.readouterr().out
