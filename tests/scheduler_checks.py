@@ -30,6 +30,12 @@ def check_invariants(s: Scheduler) -> None:
     assert live == set(s._live), "live requests are neither running nor waiting"
     owners = {q.request_id for q in bm._owners.values()}
     assert owners <= set(running_ids), "a non-running sequence owns blocks"
+    res = s._reservation
+    if res is not None:
+        assert res.booked_blocks == sum(q.kv_booked_blocks for q in s.running), "KV bookings out of step"
+        assert all(not q.kv_booked_blocks for q in waiting), "a waiting sequence holds a KV booking"
+        if s.config.admission == "no-evict":
+            assert res.booked_blocks <= s.config.num_blocks, "no-evict booked more blocks than the pool"
     if isinstance(s, ImplicitDecodeScheduler):
         check_implicit_invariants(s)
 

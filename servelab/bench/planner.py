@@ -88,6 +88,10 @@ class PlanJob:
     target_rate: float | None = None
     price_per_device_hour: float | None = None
     profile: str | None = None  # a `servelab calibrate` profile's path: it prices the steps
+    # A serving engine's defaults (sim/engine_profiles.py) with `scheduler_overrides` winning, in
+    # place of `scheduler`; None: `scheduler` as given.
+    engine_profile: str | None = None
+    scheduler_overrides: dict[str, Any] | None = None
     requests_per_client: int = 4  # measured requests per level: this many per client (at least 100)
     tolerance: float | None = None  # the search's bisection tolerance (default: find_capacity's)
 
@@ -107,13 +111,22 @@ def plan_one(job: PlanJob) -> PlanRow:
     that cannot serve: the row says why."""
     from servelab.cost.memory import MemoryPlan
     from servelab.sim import SimConfig, simulate
+    from servelab.sim.engine_profiles import engine_sim_config
     from servelab.spec.hardware import get_hardware
     from servelab.spec.model import resolve_model
 
     model, hardware = resolve_model(job.model), get_hardware(job.hardware)
     row = PlanRow(hardware=hardware.name, tp=job.tp, fits=False, price_per_device_hour=job.price_per_device_hour)
+    deployment = {"model": model, "hardware": hardware, "tp": job.tp, "weight_dtype": job.weight_dtype,
+                  "kv_cache_dtype": job.kv_cache_dtype, "slo": job.slo,
+                  "cost_model": None if job.profile is None else _profile_cost(job.profile, job.tp)}
+    if job.engine_profile is None:
+        config = SimConfig(scheduler=job.scheduler, **deployment)
+    else:
+        config = engine_sim_config(job.engine_profile, scheduler=job.scheduler_overrides, **deployment)
+    max_num_seqs = config.scheduler.max_num_seqs
     try:
-        memory = MemoryPlan(model, hardware, job.weight_dtype, job.kv_cache_dtype, job.tp)
+        memory = MemoryPlan(model, hardware, job.weight_dtype, job.kv_cache_dtype, job.tp, config.memory_fraction)
         memory.require_weights_fit()
         base = WorkloadSpec(**job.workload)
         longest = max(s.prompt_tokens + s.output_tokens for s in base.generate())
@@ -122,16 +135,6 @@ def plan_one(job: PlanJob) -> PlanRow:
         row.reason = exc.message
         return row
     row.fits = True
-    config = SimConfig(
-        model=model,
-        hardware=hardware,
-        tp=job.tp,
-        weight_dtype=job.weight_dtype,
-        kv_cache_dtype=job.kv_cache_dtype,
-        scheduler=job.scheduler,
-        slo=job.slo,
-        cost_model=None if job.profile is None else _profile_cost(job.profile, job.tp),
-    )
     row.extrapolation = list(config.extrapolation)
     fixed_n = job.workload.get("num_requests")
     observed: dict[int, Observed] = {}
@@ -153,7 +156,7 @@ def plan_one(job: PlanJob) -> PlanRow:
     # Users who think are in flight only E2E / (E2E + think) of the time (Little's law), so as
     # many more of them fit; E2E is at least one user's alone.
     # The default ceiling stops at MAX_CONCURRENCY (a row that still meets the SLO there says so).
-    max_load = job.max_concurrency or min(MAX_CONCURRENCY, 4 * job.scheduler.max_num_seqs * _think_factor(config, job.workload))
+    max_load = job.max_concurrency or min(MAX_CONCURRENCY, 4 * max_num_seqs * _think_factor(config, job.workload))
     if fixed_n:
         max_load = min(max_load, fixed_n)  # more clients than requests changes nothing
     try:
@@ -164,7 +167,7 @@ def plan_one(job: PlanJob) -> PlanRow:
         row.reason = exc.message
         return row
     fill_row(row, result, job)
-    row.binding = binding_limit(result, observed, max_num_seqs=job.scheduler.max_num_seqs, request_tokens=longest)
+    row.binding = binding_limit(result, observed, max_num_seqs=max_num_seqs, request_tokens=longest)
     return row
 
 

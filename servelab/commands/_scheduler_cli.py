@@ -49,17 +49,36 @@ def add_scheduler_arguments(group: Any, names: Iterable[str], *, defaults: Mappi
 def scheduler_config_from_args(args: argparse.Namespace, **overrides: Any) -> SchedulerConfig:
     """The SchedulerConfig the parsed flags describe (knobs a command has no flag for keep their
     defaults); errors name the flag."""
+    values = _flag_values(args, skip_unset=False)
+    values.update(overrides)
+    return _checked(values)
+
+
+def scheduler_overrides_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The knobs whose flags were given (a flag whose default is None and was not given is left
+    out, for an engine profile to fill in), checked as a SchedulerConfig would; errors name the flag."""
+    values = _flag_values(args, skip_unset=True)
+    _checked(values)
+    return values
+
+
+def _flag_values(args: argparse.Namespace, *, skip_unset: bool) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for name, f in _knobs().items():
         if not hasattr(args, name):
             continue
         value = getattr(args, name)
+        if value is None and skip_unset:
+            continue
         if f.metadata.get("zero_is_none") and value is not None:
             if value < 0:
                 raise InvalidArgument(f"{flag_name(name)} must be >= 0 (0 = unbounded), got {value}", param=name)
             value = value or None
         values[name] = value
-    values.update(overrides)
+    return values
+
+
+def _checked(values: dict[str, Any]) -> SchedulerConfig:
     try:
         return SchedulerConfig(**values)
     except InvalidArgument as exc:

@@ -8,7 +8,14 @@ import math
 import os
 
 from servelab.commands._dtype_cli import add_cost_dtype_arguments, cost_dtypes
-from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
+from servelab.commands._engine_profile_cli import (
+    PROFILE_UNSET,
+    add_engine_profile_argument,
+    print_profiles,
+    profile_defaults,
+    wants_list,
+)
+from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_overrides_from_args
 from servelab.errors import InvalidArgument
 from servelab.spec.model import MODEL_HELP
 from servelab.units import parse_duration_s, parse_int_list, parse_str_list
@@ -26,7 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_cost_dtype_arguments(g)
     g.add_argument("--profile", default=None, metavar="FILE.json",
                    help="price steps with a `servelab calibrate` profile instead of the roofline")
-    add_scheduler_arguments(g, ("max_num_seqs", "max_num_batched_tokens"))
+    add_engine_profile_argument(g)
+    add_scheduler_arguments(g, ("policy", "admission", "max_num_seqs", "max_num_batched_tokens"),
+                            defaults=profile_defaults(), unset=PROFILE_UNSET)
     t = parser.add_argument_group("targets")
     t.add_argument("--slo-tpot", default=None, help="TPOT target, e.g. 50ms")
     t.add_argument("--slo-ttft", default=None, help="TTFT target, e.g. 1s")
@@ -46,8 +55,13 @@ def run(args: argparse.Namespace) -> int:
     from servelab.bench.planner import MAX_CONCURRENCY, PlanJob, parse_prices, rank, run_plan
     from servelab.metrics import SLO
     from servelab.spec.hardware import get_hardware, hardware_ref
+    from servelab.sim.engine_profiles import engine_profile
     from servelab.spec.model import resolve_model
 
+    if wants_list(args):
+        print_profiles(args.json)
+        return 0
+    engine = engine_profile(args.engine_profile).name
     model = resolve_model(args.model)
     hardware = [hardware_ref(h) for h in parse_str_list(args.hardware, name="--hardware")]
     if not hardware:
@@ -64,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgument(f"--target-rate must be a finite number > 0 requests/s, got {args.target_rate:g}")
     if args.rate is not None or args.concurrency is not None or args.trace is not None:
         raise InvalidArgument("plan searches the load itself: drop --rate/--concurrency/--trace")
-    scheduler = scheduler_config_from_args(args)
+    scheduler = scheduler_overrides_from_args(args)
     weight, kv = cost_dtypes(args)
     if args.workers is not None and args.workers < 1:
         raise InvalidArgument(f"--workers must be >= 1, got {args.workers}")
@@ -72,10 +86,11 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgument(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
     if args.max_concurrency is not None and args.max_concurrency > MAX_CONCURRENCY:
         raise InvalidArgument(f"--max-concurrency must be at most {MAX_CONCURRENCY:,}, got {args.max_concurrency:,}")
-    if args.max_concurrency is None and 4 * scheduler.max_num_seqs > MAX_CONCURRENCY:
+    max_seqs = scheduler.get("max_num_seqs")
+    if args.max_concurrency is None and max_seqs is not None and 4 * max_seqs > MAX_CONCURRENCY:
         raise InvalidArgument(
-            f"--max-num-seqs {scheduler.max_num_seqs:,}: the search would go up to 4 x that, "
-            f"{4 * scheduler.max_num_seqs:,} concurrent requests, past the {MAX_CONCURRENCY:,} a plan simulates; "
+            f"--max-num-seqs {max_seqs:,}: the search would go up to 4 x that, "
+            f"{4 * max_seqs:,} concurrent requests, past the {MAX_CONCURRENCY:,} a plan simulates; "
             f"give --max-concurrency (at most {MAX_CONCURRENCY:,}) or a smaller --max-num-seqs")
     from servelab.commands._outputs import check_plot_file
 
@@ -108,7 +123,8 @@ def run(args: argparse.Namespace) -> int:
     prices = parse_prices(args.price, hardware)
     jobs = [
         PlanJob(model=args.model, hardware=h, tp=tp, slo=slo, percentile=args.percentile, workload=workload,
-                weight_dtype=weight, kv_cache_dtype=kv, scheduler=scheduler, max_concurrency=args.max_concurrency,
+                weight_dtype=weight, kv_cache_dtype=kv, engine_profile=engine, scheduler_overrides=scheduler,
+                max_concurrency=args.max_concurrency,
                 target_rate=args.target_rate, price_per_device_hour=prices.get(get_hardware(h).name),
                 profile=args.profile)
         for h in hardware
@@ -120,17 +136,17 @@ def run(args: argparse.Namespace) -> int:
 
         write_frontier_plot(rows, args.plot, title=f"{model.name}: per-user vs per-device throughput")
     if args.json:
-        print(json.dumps({"model": model.name, "cost_model": cost_model, "slo": slo.to_dict(),
+        print(json.dumps({"model": model.name, "engine_profile": engine, "cost_model": cost_model, "slo": slo.to_dict(),
                           "percentile": args.percentile, "target_rate": args.target_rate, "workload": workload,
                           "configs": [r.to_dict() for r in rows]}, indent=2))
         return 0
-    print(_table(rows, model.name, slo, args, spec))
+    print(_table(rows, model.name, slo, args, spec, engine))
     if args.plot:
         print(f"wrote {args.plot}")
     return 0
 
 
-def _table(rows, model: str, slo, args: argparse.Namespace, spec) -> str:  # noqa: ANN001
+def _table(rows, model: str, slo, args: argparse.Namespace, spec, engine: str) -> str:  # noqa: ANN001
     from servelab.commands._table import render_table
 
     key = f"p{args.percentile}"
@@ -147,8 +163,8 @@ def _table(rows, model: str, slo, args: argparse.Namespace, spec) -> str:  # noq
         from servelab.cost.roofline import extrapolation_notice
 
         lines.append(extrapolation_notice(extrapolated))
-    lines += [f"{model}: capacity at {targets} (simulated; input {args.input_len or 1024}, output "
-             f"{args.output_len or 256} tokens{users})", ""]
+    lines += [f"{model}: capacity at {targets} (simulated as {engine} runs it; input {args.input_len or 1024}, "
+              f"output {args.output_len or 256} tokens{users})", ""]
     headers = ["hardware", "tp", "concurrency", "tok/s/device", "req/s", f"{key} TTFT", f"{key} TPOT", "$/dev-h",
                "$/M tok", "bound by"]
     if args.target_rate is not None:

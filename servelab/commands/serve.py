@@ -87,7 +87,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     limits = parser.add_argument_group("engine and limits")
     add_scheduler_arguments(
         limits,
-        ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "policy", "order",
+        ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "max_waiting", "policy", "admission", "order",
          "enable_prefix_caching", "block_size", "num_blocks"),
         # Bounded by default: an overloaded server should shed load with 503s that clients retry,
         # not queue without limit while every TTFT grows; 0 lifts the bound.

@@ -7,7 +7,15 @@ import json
 import sys
 
 from servelab.commands._dtype_cli import add_cost_dtype_arguments, cost_dtypes
-from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_config_from_args
+from servelab.commands._engine_profile_cli import (
+    PROFILE_UNSET,
+    add_engine_profile_argument,
+    describe_config,
+    print_profiles,
+    profile_defaults,
+    wants_list,
+)
+from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_overrides_from_args
 from servelab.errors import InvalidArgument
 from servelab.core.router import ROUTERS
 from servelab.spec.model import MODEL_HELP
@@ -34,6 +42,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--profile", default=None, metavar="FILE.json",
                    help="price steps with a `servelab calibrate` profile instead of the roofline")
     add_cost_dtype_arguments(g)
+    add_engine_profile_argument(g)
     layout = g.add_mutually_exclusive_group()
     layout.add_argument("--replicas", type=int, default=1, help="colocated replicas behind the router (default 1, at most 10,000)")
     layout.add_argument("--disagg", type=_disagg, default=None, metavar="P:D", help="P prefill and D decode replicas")
@@ -43,8 +52,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--link-latency", default="0.5ms", help="KV transfer latency (default 0.5ms)")
     s = parser.add_argument_group("scheduler (per replica)")
     add_scheduler_arguments(
-        s, ("policy", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_blocks", "enable_prefix_caching"),
-        unset={"max_model_len": "the model's", "num_blocks": "from the memory plan"},
+        s, ("policy", "admission", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_blocks",
+            "enable_prefix_caching"),
+        defaults=profile_defaults(),
+        unset={"max_model_len": "the model's", "num_blocks": "from the memory plan", **PROFILE_UNSET},
     )
     add_workload_arguments(parser)
     o = parser.add_argument_group("output")
@@ -89,14 +100,14 @@ def parse_warmup(text: str | None) -> tuple[int | None, float]:
 
 
 def config_from_args(args: argparse.Namespace):  # noqa: ANN201
-    from servelab.sim import SimConfig
+    from servelab.sim.engine_profiles import engine_sim_config
     from servelab.spec.hardware import get_hardware
     from servelab.spec.model import resolve_model
 
     for name in ("tp", "replicas"):
         if getattr(args, name) < 1:
             raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    scheduler = scheduler_config_from_args(args)
+    scheduler = scheduler_overrides_from_args(args)
     weight, kv = cost_dtypes(args)
     if args.link_bandwidth is not None and not args.link_bandwidth > 0:
         raise InvalidArgument(f"--link-bandwidth must be > 0 GB/s, got {args.link_bandwidth:g}")
@@ -106,7 +117,8 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201
         from servelab.cost.profile import load_profile, profile_step_cost
 
         cost_model = profile_step_cost(load_profile(args.profile, model=model.name), tp=args.tp)
-    return SimConfig(
+    return engine_sim_config(
+        args.engine_profile,
         model=model,
         cost_model=cost_model,
         hardware=get_hardware(args.hardware),
@@ -129,6 +141,9 @@ def run(args: argparse.Namespace) -> int:
     from servelab.sim import simulate
     from servelab.workload import workload_from_args
 
+    if wants_list(args):
+        print_profiles(args.json)
+        return 0
     config = config_from_args(args)
     workload = workload_from_args(args)
     warmup_requests, warmup_s = parse_warmup(args.warmup)
@@ -162,8 +177,12 @@ def run(args: argparse.Namespace) -> int:
     print(f"{c['model']} on {c['hardware']} x{c['num_devices']} (tp={c['tp']}, {layout}, {c['scheduler']}, "
           f"KV pool {c['kv_capacity_tokens']:,} tokens per replica)")
     print(f"workload: {workload.describe()}")
+    print(describe_config(config))
     if args.profile is not None:
         print(f"steps priced by {args.profile}: {c['cost_model']}")
+        if config.host_cost is not None:
+            print(f"  (the {config.engine_profile} profile's host cost is not added: the profile measured its own "
+                  f"engine's host work)")
     print()
     print(format_summary_table(result.summary))
     if result.steady is not None:

@@ -7,6 +7,10 @@ is full. One heap keyed by `Sequence.order_key` serves both orders. `fcfs` keys 
 alone, so a preempted sequence (older than everything still waiting) comes out first again;
 `priority` keys on (priority, arrival, counter), the lowest priority value first. The same keys
 order the scheduler's running list, whose tail is preempted first.
+
+`KVReservation` is the admission of the engines that keep KV room for what running requests will
+still write (TensorRT-LLM's GUARANTEED_NO_EVICT, SGLang's new-token ratio) instead of admitting on
+the blocks a prompt needs now and preempting when the pool runs short (vLLM).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import itertools
 from collections.abc import Iterator
 from operator import itemgetter
 
+from servelab.core.block_manager import BlockManager
 from servelab.core.config import ResolvedSchedulerConfig
 from servelab.core.sequence import Sequence, SequenceStatus
 from servelab.errors import InvalidArgument, QueueFull, RequestTooLong
@@ -44,6 +49,9 @@ def check_new(seq: Sequence, cfg: ResolvedSchedulerConfig) -> None:
             f"{cfg.kv_capacity_tokens} tokens ({cfg.num_blocks} blocks x {cfg.block_size})",
             param="prompt",
         )
+    if cfg.policy == "decode-first-whole" and num_prompt > cfg.max_num_batched_tokens:
+        raise RequestTooLong(whole_prompt_too_long(f"request {rid!r}", num_prompt, cfg.max_num_batched_tokens),
+                             param="prompt")
 
 
 def check_prefilled(seq: Sequence, cfg: ResolvedSchedulerConfig) -> None:
@@ -59,6 +67,13 @@ def check_prefilled(seq: Sequence, cfg: ResolvedSchedulerConfig) -> None:
             f"this worker's max_model_len {cfg.max_model_len} or KV pool of {cfg.kv_capacity_tokens} tokens",
             param="max_tokens",
         )
+
+
+def whole_prompt_too_long(what: str, num_prompt: int, budget: int) -> str:
+    """Why policy decode-first-whole refuses a prompt: it would never share a step with decodes."""
+    return (f"{what}: prompt of {num_prompt} tokens exceeds max_num_batched_tokens {budget}, and policy "
+            f"decode-first-whole runs prompts whole (TensorRT-LLM without chunked context refuses it too); "
+            f"raise the token budget or choose a chunked policy")
 
 
 class WaitingQueue:
@@ -139,3 +154,79 @@ def waiting_queue_full(request_id: str, max_waiting: int) -> QueueFull:
         f"request {request_id!r} rejected: the waiting queue is full (max_waiting={max_waiting}); retry later",
         param="max_waiting",
     )
+
+
+# SGLang's reservation defaults (python/sglang/srt/environ.py: SGLANG_INIT_NEW_TOKEN_RATIO,
+# SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR, SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS,
+# SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION), with --schedule-conservativeness 1.0.
+SGLANG_INIT_NEW_TOKEN_RATIO = 0.7
+SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS = 600
+SGLANG_CLIP_MAX_NEW_TOKENS = 4096
+
+
+class KVReservation:
+    """Admission that keeps KV blocks free for the output running sequences will still write.
+
+    Each admitted sequence books the blocks it will hold at its end: its tokens so far plus its
+    remaining max output (clipped to `clip_tokens` where the engine clips its estimate). A waiting
+    sequence is admitted only if, after setting aside `ratio` x the blocks the running sequences
+    have booked but not yet taken, the free blocks cover its whole booking.
+
+    - `no-evict` (TensorRT-LLM GUARANTEED_NO_EVICT): ratio 1, no clip. The bookings never exceed
+      the pool, so a running sequence always finds its next block and nothing is preempted.
+    - `reserve-ratio` (SGLang's PrefillAdder): the ratio starts at 0.7, falls linearly to
+      0.7 x 0.14 over 600 decode steps, and goes back to 0.7 when a step preempts (SGLang
+      re-estimates it from the retracted requests) or nothing runs; estimates are clipped at 4,096
+      tokens. Admission is optimistic, so a decode can still run short and preempt.
+    """
+
+    __slots__ = ("_block_size", "_booked", "_clip", "_decay", "_init", "_min", "ratio")
+
+    def __init__(self, admission: str, block_size: int) -> None:
+        self._block_size = block_size
+        self._booked = 0  # blocks booked by running (and reserved) sequences, all of them
+        if admission == "no-evict":
+            self._init = self._min = 1.0
+            self._decay = 0.0
+            self._clip: int | None = None
+        elif admission == "reserve-ratio":
+            self._init = SGLANG_INIT_NEW_TOKEN_RATIO
+            self._min = SGLANG_INIT_NEW_TOKEN_RATIO * SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR
+            self._decay = (self._init - self._min) / SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS
+            self._clip = SGLANG_CLIP_MAX_NEW_TOKENS
+        else:
+            raise ValueError(f"no KV reservation for admission {admission!r}")
+        self.ratio = self._init
+
+    @property
+    def booked_blocks(self) -> int:
+        return self._booked
+
+    def booking(self, seq: Sequence, length_limit: int) -> int:
+        """Blocks seq holds at its end as admission counts them: its known tokens and its remaining
+        output up to `length_limit`, less the last token, which is sampled but never written."""
+        known = len(seq.token_ids)
+        rest = length_limit - known
+        if self._clip is not None and rest > self._clip:
+            rest = self._clip
+        return -(-max(known, known + rest - 1) // self._block_size)
+
+    def admits(self, booking: int, block_manager: BlockManager) -> bool:
+        """Whether a sequence booking this many blocks fits beside the running ones' bookings."""
+        not_yet_taken = self._booked - block_manager.num_used_blocks
+        held_back = self.ratio * not_yet_taken if not_yet_taken > 0 else 0.0
+        return block_manager.num_free_blocks - held_back >= booking
+
+    def book(self, seq: Sequence, booking: int) -> None:
+        seq.kv_booked_blocks = booking
+        self._booked += booking
+
+    def release(self, seq: Sequence) -> None:
+        """seq stops running (it finished or was preempted): its booking is void."""
+        self._booked -= seq.kv_booked_blocks
+        seq.kv_booked_blocks = 0
+
+    def after_step(self, *, preempted: bool, idle: bool) -> None:
+        """A decode step ran (or the scheduler went idle): the ratio decays, or resets."""
+        self.ratio = self._init if preempted or idle else max(self.ratio - self._decay, self._min)

@@ -12,8 +12,9 @@ from typing import Any
 
 from servelab.errors import InvalidArgument
 
-POLICIES = ("chunked", "prefill-first")
+POLICIES = ("chunked", "prefill-first", "prefill-first-chunked", "decode-first-whole")
 ORDERS = ("fcfs", "priority")
+ADMISSIONS = ("recompute", "no-evict", "reserve-ratio")
 
 
 def knob(help: str, **cli: Any) -> dict[str, Any]:
@@ -35,6 +36,16 @@ class SchedulerConfig:
       `policy="prefill-first"` (vLLM V0 default): whole prompts in prefill-only steps before any
       decode, never chunked. A prompt longer than `max_num_batched_tokens` still runs whole, alone,
       in one step: it is the "no chunking" baseline, kept to show the decode stall it causes.
+      `policy="prefill-first-chunked"` (SGLang): prefill-only steps while any prompt waits or is
+      part-way through, in chunks of the token budget; decodes run in steps of their own.
+      `policy="decode-first-whole"` (TensorRT-LLM without chunked context): running sequences
+      first, then whole prompts that fit the rest of the token budget in the same step.
+    - `admission`: what a waiting prompt needs to start. `recompute` (vLLM): blocks for the chunk
+      it runs now; a running sequence short of a block preempts the newest, which recomputes
+      later. `no-evict` (TensorRT-LLM's GUARANTEED_NO_EVICT): room for its whole max output too,
+      beside every running sequence's, so nothing is ever preempted. `reserve-ratio` (SGLang):
+      room for its max output while keeping a decaying fraction of the running sequences'
+      remaining output free (see `admission.KVReservation`).
     - `order`: `fcfs` admits in arrival order; `priority` admits by (priority, arrival), lower
       priority value first, and preempts the lowest-priority running sequence first.
     - `max_waiting`: bound of the waiting queue (None = unbounded); a full queue rejects new
@@ -59,8 +70,16 @@ class SchedulerConfig:
     )  # fmt: skip
     policy: str = field(
         default="chunked",
-        metadata=knob("scheduling policy: chunked (chunked prefill) or prefill-first (whole prompts first)",
+        metadata=knob("scheduling policy: chunked (decodes first, then prompt chunks), prefill-first (whole "
+                      "prompts in steps of their own), prefill-first-chunked (prompt chunks in steps of their "
+                      "own) or decode-first-whole (decodes first, then whole prompts)",
                       choices=POLICIES, deprecated_flags=("--scheduler",)),
+    )  # fmt: skip
+    admission: str = field(
+        default="recompute",
+        metadata=knob("admission: recompute (admit on the blocks a chunk needs; preempt when short), no-evict "
+                      "(reserve each request's whole max output) or reserve-ratio (reserve a decaying share of "
+                      "the running requests' output)", choices=ADMISSIONS),
     )  # fmt: skip
     order: str = field(
         default="fcfs",
@@ -92,6 +111,9 @@ class SchedulerConfig:
             raise InvalidArgument(
                 f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}", param="policy"
             )
+        if self.admission not in ADMISSIONS:
+            raise InvalidArgument(f"admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}",
+                                  param="admission")
         if self.order not in ORDERS:
             raise InvalidArgument(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}", param="order")
 

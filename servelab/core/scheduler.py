@@ -11,31 +11,35 @@ Policies:
   holds the running decodes back by more than one step's budget.
 - `prefill-first` (vLLM V0 default): if waiting prompts can be admitted, the step is prefill-only
   and runs whole prompts; decodes wait for a step without new prompts. Kept to show the stall.
+- `prefill-first-chunked` (SGLang): prefill-only steps as above, but in chunks of the budget: the
+  prompt part-way through continues first, then waiting prompts fill what is left.
+- `decode-first-whole` (TensorRT-LLM without chunked context): as `chunked`, with whole prompts.
 
 Preemption is by recompute: when a running sequence needs a block and none is free, the newest
 running sequence (lowest priority under `priority`) loses its blocks and goes back to the front
 of the waiting queue; its prompt plus the tokens generated so far are prefilled again later,
 cheaply when its blocks are still in the prefix cache.
 
-Admission (the checks a new request passes, the waiting queue's order and bound) is in
-`admission.py`. The simulator runs a subclass (`sim/implicit_decodes.py`) that takes steady
+Admission (the checks a new request passes, the waiting queue's order and bound, the KV
+reservation of `no-evict` and `reserve-ratio`) is in `admission.py`. The simulator runs a subclass (`sim/implicit_decodes.py`) that takes steady
 decodes out of the per-step loops through the methods marked "hook", and decides exactly what
-this class decides.
+this class decides. Sequences prefilled by another worker join through `prefilled.py`.
 """
 
 from __future__ import annotations
 
 from bisect import insort
 from collections import OrderedDict
-from dataclasses import dataclass
 from itertools import repeat
 from operator import attrgetter
 
 from servelab.core.block_manager import BlockManager
 from servelab.core.config import SchedulerConfig
+from servelab.core.prefilled import PrefilledSequences
 from servelab.core.plan import RequestOutput, ScheduledSeq, StepPlan, StepResult, TokenLogprobs
 from servelab.core.sequence import FinishReason, Sequence, SequenceStatus, check_stop
-from servelab.core.admission import WaitingQueue, check_new, check_prefilled
+from servelab.core.admission import KVReservation, WaitingQueue, check_new
+from servelab.core.scheduler_stats import SchedulerStats
 from servelab.errors import InvalidArgument, NotFound
 
 _RUNNING = SequenceStatus.RUNNING
@@ -46,29 +50,15 @@ _FINISHED = SequenceStatus.FINISHED
 by_order = attrgetter("order_key")
 
 
-@dataclass(slots=True)
-class SchedulerStats:
-    num_running: int
-    num_waiting: int
-    kv_usage: float  # fraction of blocks held by live sequences
-    num_free_blocks: int
-    num_used_blocks: int
-    num_cached_blocks: int
-    prefix_cache_hits: int  # tokens
-    prefix_cache_queries: int  # tokens
-    num_preemptions: int
-    num_finished: int
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
-
-
-class Scheduler:
+class Scheduler(PrefilledSequences):
     def __init__(self, config: SchedulerConfig, *, keep_finished: int = 1024) -> None:
         self.config = config = config.resolve()  # InvalidArgument while the pool or context is unsized
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
-        self._chunked = config.policy == "chunked"
+        self._mixed = config.policy in ("chunked", "decode-first-whole")  # decodes and prompts share a step
+        self._whole = config.policy in ("prefill-first", "decode-first-whole")  # prompts never chunked
+        self._partial: Sequence | None = None  # prefill-first-chunked: the prompt part-way through
+        self._reservation = None if config.admission == "recompute" else KVReservation(config.admission,
+                                                                                        config.block_size)
         self.waiting = WaitingQueue(config.order, config.max_waiting)
         self.running: list[Sequence] = []  # sorted by order_key: the tail is preempted first
         self._live: dict[str, Sequence] = {}
@@ -90,11 +80,6 @@ class Scheduler:
     @property
     def num_waiting(self) -> int:
         return len(self.waiting)
-
-    @property
-    def num_reserved(self) -> int:
-        """Sequences prefilled elsewhere that hold blocks here while their KV arrives."""
-        return self._num_reserved
 
     def has_unfinished(self) -> bool:
         return bool(self._live)
@@ -141,57 +126,40 @@ class Scheduler:
         if request_id in self._live or request_id in self._recent_finished:
             raise InvalidArgument(f"request id {request_id!r} is already in use", param="request_id")
 
-    # ---- prefilled elsewhere (disaggregated decode) --------------------------------------------
-
-    def reserve_prefilled(self, seq: Sequence, now: float) -> bool:
-        """Blocks for a sequence prefilled by another worker (its token_ids: prompt + the first
-        token), before its KV arrives: this pool's cached prefix where it has one, fresh blocks
-        for the rest of the prompt. False, changing nothing, while the pool or the sequence
-        budget is short; the caller retries later (back-pressure, nothing dropped)."""
-        self._check_id_free(seq.request_id)
-        check_prefilled(seq, self.config)
-        if len(self.running) + self._num_reserved >= self.config.max_num_seqs:
-            return False
-        bm = self.block_manager
-        hits = bm.find_cached_prefix(seq)
-        if not bm.reserve(seq, hits, seq.num_prompt_tokens):
-            return False
-        self._num_reserved += 1
-        seq.arrival_s = seq.arrival_s or now
-        seq.num_cached_tokens = len(hits) * self.config.block_size
-        return True
-
-    def start_prefilled(self, seq: Sequence, now: float) -> None:
-        """A reserved sequence whose KV has been written joins the running set: its prompt counts
-        as computed and its next step decodes its first token, as if it had been prefilled here."""
-        self._num_reserved -= 1
-        seq.order_key = self.waiting.order_key(seq)
-        seq.status = _RUNNING
-        seq.num_computed_tokens = seq.num_prompt_tokens
-        if seq.first_scheduled_s is None:
-            seq.first_scheduled_s = now
-        self._live[seq.request_id] = seq
-        self._start_running(seq)
-
-    def cancel_reserved(self, seq: Sequence) -> None:
-        """A reservation whose KV never arrived (a failed transfer, an abort): its blocks go back."""
-        self._num_reserved -= 1
-        self.block_manager.free(seq)
-
     # ---- scheduling ----------------------------------------------------------------------------
 
     def schedule(self, now: float) -> StepPlan:
         """The next step. Call update() with its result before scheduling again."""
         budget = self.config.max_num_batched_tokens
         plan = self._new_plan()
-        if not self._chunked and self.waiting and self._schedule_waiting(plan, budget, now, whole=True):
-            return plan  # prefill-first: a prefill-only step
+        if not self._mixed and (self.waiting or self._partial) and self._prefill_step(plan, budget, now):
+            return plan
         budget = self._schedule_running(plan, budget)
         plan.num_batched_tokens = self.config.max_num_batched_tokens - budget
         # As vLLM: a step that had to preempt admits nobody new; the pool is already short.
-        if self._chunked and not plan.preempted and self.waiting:
-            self._schedule_waiting(plan, budget, now, whole=False)
+        if self._mixed and not plan.preempted and self.waiting:
+            self._schedule_waiting(plan, budget, now, whole=self._whole)
+        if self._reservation is not None:
+            self._reservation.after_step(preempted=bool(plan.preempted), idle=not self.running)
         return plan
+
+    def _prefill_step(self, plan: StepPlan, budget: int, now: float) -> bool:
+        """A prefill-only step (prefill-first policies): the prompt part-way through its chunks
+        continues, then waiting prompts are admitted. False if no prompt could run."""
+        seq = self._partial
+        if seq is not None:
+            entry = self._next_chunk(seq, budget, plan.preempted)
+            if entry is not None:
+                if seq.pooling is not None:
+                    plan.pooled.append(len(plan.scheduled))
+                plan.scheduled.append(entry)
+                plan.num_batched_tokens += entry.num_tokens
+                budget -= entry.num_tokens
+                if entry.start_pos + entry.num_tokens == len(seq.token_ids):
+                    self._partial = None
+        if budget > 0 and not plan.preempted and self.waiting:
+            self._schedule_waiting(plan, budget, now, whole=self._whole)
+        return bool(plan.scheduled)
 
     def _new_plan(self) -> StepPlan:
         """An empty plan (hook: the simulator's plan also carries its implicit decodes)."""
@@ -239,6 +207,7 @@ class Scheduler:
         only (the first may exceed the token budget), else chunks of the remaining budget."""
         cfg = self.config
         bm = self.block_manager
+        res = self._reservation
         waiting = self.waiting
         scheduled = plan.scheduled
         max_seqs = cfg.max_num_seqs
@@ -251,13 +220,21 @@ class Scheduler:
             num_cached = len(hits) * cfg.block_size
             n = len(seq.token_ids) - num_cached
             if whole:
-                if scheduled and n > budget:
+                if plan.num_batched_tokens and n > budget:  # only a step's first prompt may pass it
                     break
             elif n > budget:
                 n = budget
+            if res is not None:
+                booking = res.booking(seq, self.length_limit(seq))
+                if not res.admits(booking, bm):
+                    break
             if not bm.allocate(seq, hits, num_cached + n):
                 break  # head-of-line blocking keeps the order: nobody overtakes it
             waiting.pop()
+            if res is not None:
+                res.book(seq, booking)
+            if not self._mixed and num_cached + n < len(seq.token_ids):
+                self._partial = seq
             seq.status = _RUNNING
             seq.num_computed_tokens = num_cached
             seq.num_cached_tokens = min(num_cached, seq.num_prompt_tokens)
@@ -294,12 +271,20 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self._leave_running(seq)
+        self._release(seq)
         self.block_manager.free(seq)
         seq.num_computed_tokens = 0
         seq.status = _WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.push(seq)
+
+    def _release(self, seq: Sequence) -> None:
+        """seq stops running: its KV booking (if admission booked one) and its partial prefill end."""
+        if self._reservation is not None:
+            self._reservation.release(seq)
+        if seq is self._partial:
+            self._partial = None
 
     # ---- results -------------------------------------------------------------------------------
 
@@ -392,6 +377,7 @@ class Scheduler:
             self.waiting.remove(seq)
         elif seq.status is _RUNNING:
             self._leave_running(seq)
+            self._release(seq)
         seq.status = _FINISHED
         seq.finish_reason = reason
         seq.finished_s = now

@@ -318,6 +318,7 @@ class Sequence:
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     error: str | None = None  # why the engine ended it with finish reason "error", when it knows
     num_preemptions: int = 0
+    kv_booked_blocks: int = 0  # KV blocks an admission that reserves output booked for it while it runs
 
     # Timestamps (seconds on the caller's clock: wall clock in the engine, virtual in the sim).
     first_scheduled_s: float | None = None

@@ -22,6 +22,7 @@ from servelab.lab.request_cost_lesson import request_cost
 from servelab.lab.common import TP_CHOICES, common_defaults, setup_from
 from servelab.lab.limits import published as published_limits
 from servelab.lab.params import Params
+from servelab.sim.engine_profiles import engine_profiles
 from servelab.spec import HARDWARE, KV_DTYPES, MODELS, WEIGHT_DTYPES
 
 if TYPE_CHECKING:
@@ -79,6 +80,9 @@ def catalog() -> dict[str, Any]:
         "weight_dtypes": list(WEIGHT_DTYPES),
         "kv_dtypes": list(KV_DTYPES),
         "tp": [int(t) for t in TP_CHOICES],
+        # The simulated lessons (slo, disaggregated, capacity) run as one engine's defaults.
+        "engine_profiles": [{"name": p.name, "engine": p.engine, "version": p.version, "summary": p.summary}
+                            for p in engine_profiles().values()],
         "lessons": list(LESSONS),
         # The forms' min/max: the same bounds the lessons validate against.
         "limits": published_limits(),

@@ -73,16 +73,16 @@ def memory_wall(model: str, hardware: str, w: str, k: str, tp: int, request_toke
 
 def _jobs(key: tuple) -> list[Any]:
     from servelab.bench.planner import PlanJob
-    from servelab.core.config import SchedulerConfig
 
-    model, w, k, tp, tpot_ms, prompt_len, output_len = key
+    model, w, k, tp, engine_profile, tpot_ms, prompt_len, output_len = key
     workload = {"input_len": str(prompt_len), "output_len": str(output_len), "seed": 0}
     jobs = []
     for hw in HARDWARE.values():
         wall = max(1, memory_wall(model, hw.name, w, k, tp, prompt_len + output_len))
         jobs.append(PlanJob(
             model=model, hardware=hw.name, tp=tp, slo=SLO(tpot_s=tpot_ms / 1e3), percentile=PLAN_PERCENTILE,
-            workload=workload, weight_dtype=w, kv_cache_dtype=k, scheduler=SchedulerConfig(max_num_seqs=MAX_NUM_SEQS),
+            workload=workload, weight_dtype=w, kv_cache_dtype=k, engine_profile=engine_profile,
+            scheduler_overrides={"max_num_seqs": MAX_NUM_SEQS},
             max_concurrency=min(int(wall * PAST_MEMORY_WALL) + 1, SEARCH_CEILING_USERS),
             price_per_device_hour=hw.price_per_hour_usd,
             requests_per_client=REQUESTS_PER_USER, tolerance=max(1.0, TOLERANCE_FRACTION * wall)))
@@ -209,7 +209,7 @@ def capacity(p: Params, planner: CapacityPlanner) -> dict[str, Any] | JSONRespon
     prompt_len = p.int("prompt_len", 1024, **bounds("capacity", "prompt_len"))
     output_len = p.int("output_len", 256, **bounds("capacity", "output_len"))
     s.roofline()._check_context(prompt_len + output_len, "prompt_len + output_len")  # noqa: SLF001
-    key = (s.model.name, s.weight_dtype, s.kv_dtype, s.tp, tpot_ms, prompt_len, output_len)
+    key = (s.model.name, s.weight_dtype, s.kv_dtype, s.tp, s.engine_profile, tpot_ms, prompt_len, output_len)
     state = planner.plan_for(key)
     done, rows = planner.snapshot(state)
     if not done:

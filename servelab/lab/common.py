@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from servelab.cost import MemoryPlan, Roofline
+from servelab.sim.engine_profiles import DEFAULT_ENGINE_PROFILE, engine_profiles
 from servelab.lab.params import Params
 from servelab.spec import HARDWARE, KV_DTYPES, MODELS, WEIGHT_DTYPES, HardwareSpec, ModelSpec, get_hardware, get_model
 from servelab.spec.dtypes import DEFAULT_DTYPE, DEPRECATED_ALIASES, canonical_dtype
@@ -26,6 +27,7 @@ class Setup:
     weight_dtype: str
     kv_dtype: str
     tp: int
+    engine_profile: str = DEFAULT_ENGINE_PROFILE  # whose defaults the simulated lessons run with
 
     def roofline(self, model: ModelSpec | None = None, weight_dtype: str | None = None,
                  kv_dtype: str | None = None) -> Roofline:
@@ -39,7 +41,7 @@ class Setup:
 
     def to_dict(self) -> dict[str, Any]:
         return {"model": self.model.name, "hardware": self.hardware.name, "weight_dtype": self.weight_dtype,
-                "kv_dtype": self.kv_dtype, "tp": self.tp}
+                "kv_dtype": self.kv_dtype, "tp": self.tp, "engine_profile": self.engine_profile}
 
 
 def setup_from(p: Params) -> Setup:
@@ -49,12 +51,13 @@ def setup_from(p: Params) -> Setup:
     weight_dtype = canonical_dtype(p.choice("weight_dtype", DEFAULT_DTYPE, [*WEIGHT_DTYPES, *DEPRECATED_ALIASES]))
     kv_dtype = canonical_dtype(p.choice("kv_dtype", DEFAULT_DTYPE, [*KV_DTYPES, *DEPRECATED_ALIASES]))
     tp = int(p.choice("tp", "1", TP_CHOICES))
-    return Setup(model, hardware, weight_dtype, kv_dtype, tp)
+    profile = p.choice("engine_profile", DEFAULT_ENGINE_PROFILE, list(engine_profiles()))
+    return Setup(model, hardware, weight_dtype, kv_dtype, tp, profile)
 
 
 def common_defaults() -> dict[str, Any]:
     return {"model": DEFAULT_MODEL, "hardware": DEFAULT_HARDWARE, "weight_dtype": DEFAULT_DTYPE,
-            "kv_dtype": DEFAULT_DTYPE, "tp": "1"}
+            "kv_dtype": DEFAULT_DTYPE, "tp": "1", "engine_profile": DEFAULT_ENGINE_PROFILE}
 
 
 def gb(n_bytes: float) -> float:

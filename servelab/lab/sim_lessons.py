@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 
-from servelab.core.config import SchedulerConfig
 from servelab.errors import DoesNotFit
 from servelab.lab.common import Setup, fmt, setup_from, stat
 from servelab.lab.limits import LIMITS, bounds
@@ -23,6 +22,7 @@ from servelab.lab.params import Params
 from servelab.lab.simulations import Budget, result_bytes
 from servelab.metrics import SLO, RequestRecord, Summary, steady_state_summary
 from servelab.sim import SimConfig, SimResult, simulate
+from servelab.sim.engine_profiles import engine_sim_config
 from servelab.workload import RequestSpec, WorkloadSpec
 
 SLO_RUN_S = 30.0  # seconds of arrivals in the SLO lesson's runs: long enough for a queue to build
@@ -34,9 +34,10 @@ DISAGG_NUM_REQUESTS = 100
 CDF_POINTS = 201
 
 
-def _sim_config(s: Setup, **kwargs: Any) -> SimConfig:
-    return SimConfig(model=s.model, hardware=s.hardware, tp=s.tp, weight_dtype=s.weight_dtype,
-                     kv_cache_dtype=s.kv_dtype, **kwargs)
+def _sim_config(s: Setup, scheduler: dict[str, Any] | None = None, **kwargs: Any) -> SimConfig:
+    """The setup's deployment as its engine profile runs it; `scheduler`: knobs the lesson sets."""
+    return engine_sim_config(s.engine_profile, scheduler=scheduler, model=s.model, hardware=s.hardware, tp=s.tp,
+                             weight_dtype=s.weight_dtype, kv_cache_dtype=s.kv_dtype, **kwargs)
 
 
 def cdf(values: list[float] | np.ndarray, scale: float = 1e3) -> dict[str, Any]:
@@ -132,7 +133,8 @@ def saturation_estimate_rps(s: Setup, prompt_len: int, output_len: int) -> float
     rl = s.roofline()
     context = prompt_len + output_len
     plan = rl.memory
-    batch = max(1, min(SchedulerConfig().max_num_seqs, plan.max_batch(context) if plan.weights_fit else 1))
+    max_num_seqs = _sim_config(s).scheduler.max_num_seqs
+    batch = max(1, min(max_num_seqs, plan.max_batch(context) if plan.weights_fit else 1))
     gpu_s = rl.prefill(prompt_len).time_s + output_len * rl.decode(batch, prompt_len + output_len // 2).time_s / batch
     return 1.0 / gpu_s
 
@@ -174,12 +176,13 @@ def _meets(ttft_s: float | None, tpot_s: float | None, slo: SLO) -> bool:
 
 
 def _key(s: Setup) -> tuple:
-    return (s.model.name, s.hardware.name, s.weight_dtype, s.kv_dtype, s.tp)
+    return (s.model.name, s.hardware.name, s.weight_dtype, s.kv_dtype, s.tp, s.engine_profile)
 
 
 def _setup_from_key(key: tuple) -> Setup:
-    model, hardware, w, k, tp = key
-    return setup_from(Params({"model": model, "hardware": hardware, "weight_dtype": w, "kv_dtype": k, "tp": str(tp)}))
+    model, hardware, w, k, tp, profile = key
+    return setup_from(Params({"model": model, "hardware": hardware, "weight_dtype": w, "kv_dtype": k, "tp": str(tp),
+                              "engine_profile": profile}))
 
 
 def _check_len(s: Setup, prompt_len: int, output_len: int, *, spread: float = 1.5) -> None:
@@ -327,9 +330,9 @@ def _chunk_runs(budget: Budget, s_key: tuple, prompt_len: int, decode_batch: int
     def run() -> tuple[SimResult, SimResult]:
         runs = {}
         for policy in ("prefill-first", "chunked"):
-            config = _sim_config(s, scheduler=SchedulerConfig(policy=policy, max_num_batched_tokens=chunk_tokens,
-                                                              max_num_seqs=max(256, decode_batch + 1),
-                                                              enable_prefix_caching=False))
+            config = _sim_config(s, scheduler={"policy": policy, "max_num_batched_tokens": chunk_tokens,
+                                               "max_num_seqs": max(256, decode_batch + 1),
+                                               "enable_prefix_caching": False})
             runs[policy] = simulate(config, requests, concurrency=len(requests), check=budget.check)
         return runs["prefill-first"], runs["chunked"]
 

@@ -12,7 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from servelab.core.admission import whole_prompt_too_long
 from servelab.core.config import ResolvedSchedulerConfig, SchedulerConfig
+from servelab.cost.host_overhead import HostCost, HostOverheadCost
 from servelab.cost.memory import MemoryPlan
 from servelab.cost.step_cost import StepCostModel
 from servelab.errors import DoesNotFit, InvalidArgument, RequestTooLong
@@ -51,6 +53,11 @@ class SimConfig:
     efficiency: Any = None  # servelab.cost.roofline.Efficiency; None: its defaults
     cost_model: StepCostModel | None = None  # replaces the roofline (e.g. a calibrated profile)
     slo: SLO | None = None
+    # The serving engine whose defaults these are (sim/engine_profiles.py's engine_sim_config sets
+    # them); None: the scheduler and memory share as given. Reported, and checked to be a known name.
+    engine_profile: str | None = None
+    # The engine's host work per step, added after the roofline's time or hidden behind it.
+    host_cost: HostCost | None = None
 
     def __post_init__(self) -> None:
         self.weight_dtype, self.kv_cache_dtype = canonical_dtype(self.weight_dtype), canonical_dtype(self.kv_cache_dtype)
@@ -69,6 +76,10 @@ class SimConfig:
             raise InvalidArgument(f"link bandwidth must be > 0 bytes/s, got {self.link_bandwidth_bytes_per_s}")
         if self.link_latency_s < 0:
             raise InvalidArgument(f"link latency must be >= 0 s, got {self.link_latency_s}")
+        if self.engine_profile is not None:
+            from servelab.sim.engine_profiles import engine_profile
+
+            engine_profile(self.engine_profile)  # InvalidArgument naming the known ones
 
     @property
     def model_spec(self) -> ModelSpec:
@@ -107,7 +118,9 @@ class SimConfig:
             "disagg": None if self.disagg is None else f"{self.disagg[0]}:{self.disagg[1]}",
             "num_devices": self.num_devices,
             "router": self.router,
+            "engine_profile": self.engine_profile,
             "scheduler": self.scheduler.policy,
+            "admission": self.scheduler.admission,
             "max_num_batched_tokens": self.scheduler.max_num_batched_tokens,
             "max_num_seqs": self.scheduler.max_num_seqs,
             "max_model_len": self.scheduler.max_model_len,
@@ -119,6 +132,7 @@ class SimConfig:
             "link_latency_s": self.link_latency_s,
             "cost_model": "roofline" if self.cost_model is None else _describe(self.cost_model),
             "extrapolation": list(self.extrapolation),
+            "host_cost": None if self.host_cost is None or self.cost_model is not None else self.host_cost.describe(),
             "slo": None if self.slo is None else self.slo.to_dict(),
         }
 
@@ -180,7 +194,7 @@ def build_cost_model(config: SimConfig) -> StepCostModel:
         return config.cost_model
     from servelab.cost.roofline import Efficiency, Roofline
 
-    return Roofline(
+    roofline = Roofline(
         config.model_spec,
         config.hardware_spec,
         weight_dtype=config.weight_dtype,
@@ -188,6 +202,10 @@ def build_cost_model(config: SimConfig) -> StepCostModel:
         tp=config.tp,
         efficiency=config.efficiency if config.efficiency is not None else Efficiency(),
     )
+    if config.host_cost is None:
+        return roofline
+    # A calibrated profile (above) measured its own engine's host work: the host cost prices the roofline only.
+    return HostOverheadCost(roofline, config.host_cost, config.model_spec.num_layers)
 
 
 def scheduler_config(config: SimConfig) -> ResolvedSchedulerConfig:
@@ -221,6 +239,9 @@ def _check_lengths(requests: list[RequestSpec], sched: ResolvedSchedulerConfig) 
                 f"request {r.index}: prompt {r.prompt_tokens} + output {r.output_tokens} tokens exceeds "
                 f"max_model_len {limit}; shorten --input-len/--output-len or raise --max-model-len"
             )
+        if sched.policy == "decode-first-whole" and r.prompt_tokens > sched.max_num_batched_tokens:
+            raise RequestTooLong(whole_prompt_too_long(f"request {r.index}", r.prompt_tokens,
+                                                       sched.max_num_batched_tokens))
         if r.prompt_tokens > pool:
             raise RequestTooLong(
                 f"request {r.index}: prompt of {r.prompt_tokens} tokens can never fit a replica's KV pool "

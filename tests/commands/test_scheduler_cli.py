@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from servelab.bench.planner import PlanJob
 from servelab.cli import build_parser, main
-from servelab.commands._scheduler_cli import flag_name, scheduler_config_from_args
+from servelab.commands._engine_profile_cli import PROFILE_KNOBS
+from servelab.commands._scheduler_cli import flag_name, scheduler_config_from_args, scheduler_overrides_from_args
 from servelab.core.config import ORDERS, POLICIES, SchedulerConfig
 from servelab.core.scheduler import Scheduler
 from servelab.engine.llm_engine import EngineArgs
@@ -23,8 +24,9 @@ KNOBS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 # The knobs each command takes a flag for.
 COMMAND_KNOBS = {
     "serve": KNOBS,
-    "sim": {"policy", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_blocks", "enable_prefix_caching"},
-    "plan": {"max_num_seqs", "max_num_batched_tokens"},
+    "sim": {"policy", "admission", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_blocks",
+            "enable_prefix_caching"},
+    "plan": {"policy", "admission", "max_num_seqs", "max_num_batched_tokens"},
     "generate": {"max_model_len"},
     "chat": {"max_model_len"},
     "calibrate": {"max_model_len"},
@@ -54,13 +56,31 @@ def test_every_command_takes_its_scheduler_defaults_from_scheduler_config(comman
     taken = {name for name in KNOBS if flag_name(name) in flags}
     assert taken == COMMAND_KNOBS[command]
     expected = SchedulerConfig(max_waiting=4096) if command == "serve" else SchedulerConfig()  # serve sheds load
-    assert scheduler_config_from_args(_parse(command)) == expected
+    if command in ("sim", "plan"):
+        # The engine profile's knobs are unset until given; the default profile is SchedulerConfig's.
+        from servelab.sim.engine_profiles import engine_sim_config
+
+        overrides = scheduler_overrides_from_args(_parse(command))
+        assert not set(overrides) & set(PROFILE_KNOBS)
+        assert engine_sim_config(_parse(command).engine_profile, scheduler=overrides).scheduler == expected
+    else:
+        assert scheduler_config_from_args(_parse(command)) == expected
 
 
-def test_help_shows_the_dataclass_defaults():
-    text = build_parser("sim")._subparsers._group_actions[0].choices["sim"].format_help()
+def test_help_shows_the_dataclass_defaults_or_the_engine_profiles():
+    text = build_parser("serve")._subparsers._group_actions[0].choices["serve"].format_help()
     assert f"(default {SchedulerConfig().max_num_batched_tokens})" in text
     assert f"(default {SchedulerConfig().max_num_seqs})" in text
+    text = build_parser("sim")._subparsers._group_actions[0].choices["sim"].format_help()
+    assert "(default: the engine profile's)" in text and "--engine-profile NAME" in text
+
+
+def test_sim_flags_given_win_over_the_engine_profile():
+    from servelab.commands.sim import config_from_args
+
+    config = config_from_args(_parse("sim", "--engine-profile", "vllm", "--max-num-seqs", "64", "--rate", "1"))
+    assert (config.engine_profile, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (
+        "vllm", 64, 8192)
 
 
 def _argv(config: SchedulerConfig) -> list[str]:
@@ -93,7 +113,11 @@ def test_flags_built_from_scheduler_config_round_trip(config):
     ("serve", ["--max-num-seqs", "0"], "--max-num-seqs must be an integer >= 1, got 0"),
     ("sim", ["--max-num-batched-tokens", "0", "--rate", "1"], "--max-num-batched-tokens must be an integer >= 1"),
     ("plan", ["--max-num-seqs", "-2", "--slo-tpot", "50ms"], "--max-num-seqs must be an integer >= 1, got -2"),
-    ("serve", ["--policy", "fastest"], "--policy must be one of chunked, prefill-first, got 'fastest'"),
+    ("serve", ["--policy", "fastest"], "--policy must be one of chunked, prefill-first, prefill-first-chunked, "
+                                       "decode-first-whole, got 'fastest'"),
+    ("sim", ["--admission", "evict", "--rate", "1"], "--admission must be one of recompute, no-evict, reserve-ratio"),
+    ("sim", ["--engine-profile", "tgi", "--rate", "1"], "unknown engine profile 'tgi'; choose one of servelab, vllm"),
+    ("plan", ["--engine-profile", "tgi", "--slo-tpot", "50ms"], "choose one of servelab, vllm, sglang, trtllm"),
     ("serve", ["--order", "lifo"], "--order must be one of fcfs, priority, got 'lifo'"),
     ("serve", ["--max-waiting-requests", "-1"], "--max-waiting-requests must be >= 0 (0 = unbounded), got -1"),
     ("generate", ["--max-model-len", "0"], "--max-model-len must be an integer >= 1, got 0"),
@@ -107,7 +131,7 @@ def test_a_bad_knob_exits_2_naming_the_flag(capsys, command, argv, message):
 def test_sim_scheduler_flag_is_a_deprecated_alias_of_policy(capsys):
     args = _parse("sim", "--scheduler", "prefill-first")
     assert "--scheduler is deprecated; use --policy" in capsys.readouterr().err
-    assert scheduler_config_from_args(args).policy == "prefill-first"
+    assert scheduler_overrides_from_args(args)["policy"] == "prefill-first"
     assert _parse("sim", "--policy", "prefill-first").policy == "prefill-first"
     assert capsys.readouterr().err == ""
 

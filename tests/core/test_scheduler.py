@@ -74,7 +74,7 @@ class Stepper:
         ({"max_num_seqs": 0}, "max_num_seqs must be"),
         ({"max_model_len": 0}, "max_model_len must be"),
         ({"max_waiting": 0}, "max_waiting must be an integer >= 1 or None"),
-        ({"policy": "sarathi"}, "policy must be one of chunked, prefill-first, got 'sarathi'"),
+        ({"policy": "sarathi"}, "policy must be one of chunked, prefill-first, prefill-first-chunked, decode-first-whole, got 'sarathi'"),
         ({"order": "lifo"}, "order must be one of fcfs, priority, got 'lifo'"),
     ],
 )

@@ -10,7 +10,7 @@ import pytest
 
 from servelab.cost import MemoryPlan, Roofline
 from servelab.lab.roofline_lessons import with_mha
-from servelab.metrics import SLO
+from servelab.metrics import SLO, steady_state_summary
 from servelab.sim import SimConfig, simulate
 from servelab.spec import get_hardware, get_model
 from servelab.workload import WorkloadSpec
@@ -42,6 +42,7 @@ def test_catalog_lists_the_catalogs_and_seed_defaults(client):
     assert "h100-sxm" in {h["name"] for h in cat["hardware"]}
     assert cat["weight_dtypes"][0] == "bfloat16" and "fp8" in cat["kv_dtypes"]
     assert len(cat["lessons"]) == 8
+    assert [p["name"] for p in cat["engine_profiles"]] == ["servelab", "vllm", "sglang", "trtllm"]
     for lesson in cat["lessons"]:
         d = cat["defaults"][lesson]
         assert (d["model"], d["hardware"], d["weight_dtype"], d["kv_dtype"]) == ("llama-3.1-8b", "h100-sxm", "bfloat16", "bfloat16")
@@ -223,7 +224,6 @@ def test_memory_tight_target_and_bad_parameters(client):
 
 def test_slo_numbers_are_the_simulators_steady_state(client):
     from servelab.lab.sim_lessons import WARMUP_FRACTION, _slo_requests
-    from servelab.metrics import steady_state_summary
 
     d = get(client, "slo", rate=12, ttft_slo_ms=50, tpot_slo_ms=10, prompt_len=1024, output_len=128)
     n = d["config"]["num_requests"]
@@ -276,6 +276,22 @@ def test_slo_higher_rate_raises_tail_latency(client):
     high = get(client, "slo", rate=40)
     assert high["ttft_ms"]["percentiles"]["p90"] > low["ttft_ms"]["percentiles"]["p90"]
     assert high["tpot_ms"]["percentiles"]["p90"] > low["tpot_ms"]["percentiles"]["p90"]
+
+
+def test_slo_runs_as_the_chosen_engines_defaults(client):
+    from servelab.sim.engine_profiles import engine_sim_config
+
+    params = {"rate": 12, "ttft_slo_ms": 50, "tpot_slo_ms": 10, "prompt_len": 1024, "output_len": 128}
+    d = get(client, "slo", engine_profile="sglang", **params)
+    assert d["config"]["engine_profile"] == "sglang"
+    n = d["config"]["num_requests"]
+    config = engine_sim_config("sglang", model="llama-3.1-8b", hardware="h100-sxm")
+    result = simulate(config, WorkloadSpec(num_requests=n, rate=12, input_len="512-1536", output_len="64-192", seed=0))
+    sm = steady_state_summary(result.records, skip_first=0, after_s=d["config"]["warmup_s"], slo=SLO(0.05, 0.010))
+    assert d["tpot_ms"]["percentiles"]["p90"] == pytest.approx(sm.tpot_s.p90 * 1e3)
+    # SGLang runs prompts before decodes: the same load decodes slower than servelab's chunked steps.
+    assert d["tpot_ms"]["percentiles"]["p90"] > get(client, "slo", **params)["tpot_ms"]["percentiles"]["p90"]
+    assert "choose one of servelab, vllm, sglang, trtllm" in error(client, "slo", engine_profile="tgi")
 
 
 @pytest.mark.parametrize("params, needle", [
@@ -394,7 +410,7 @@ def test_capacity_is_the_planners_uncapped_result(client):
     assert set(plan["hardware"]) == set(__import__("servelab.spec", fromlist=["HARDWARE"]).HARDWARE)
     assert set(plan["status"]) == {"simulated"}
     i = plan["hardware"].index("h100-sxm")
-    job = next(j for j in _jobs(("llama-3.1-8b", "bfloat16", "bfloat16", 1, 50.0, 512, 32)) if j.hardware == "h100-sxm")
+    job = next(j for j in _jobs(("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", 50.0, 512, 32)) if j.hardware == "h100-sxm")
     row = plan_one(job)
     assert plan["tokens_per_s_per_gpu"][i] == pytest.approx(row.tokens_per_s_per_device)
     assert plan["usd_per_million_tokens"][i] == pytest.approx(
@@ -593,7 +609,7 @@ def test_capacity_names_the_labs_ceiling_when_it_binds():
     from servelab.lab.capacity_lesson import BIND_LABEL, SEARCH_CEILING_USERS, _binds, _jobs
 
     # 18-token requests fill an H100's KV cache only past 23,000 users: the search stops at the ceiling.
-    job = next(j for j in _jobs(("llama-3.1-8b", "bfloat16", "bfloat16", 1, 50.0, 16, 2)) if j.hardware == "h100-sxm")
+    job = next(j for j in _jobs(("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", 50.0, 16, 2)) if j.hardware == "h100-sxm")
     assert job.max_concurrency == SEARCH_CEILING_USERS
     row = SimpleNamespace(binding=SimpleNamespace(limit="search-maximum", at_concurrency=SEARCH_CEILING_USERS))
     assert _binds(row) == "ceiling" and "4,096-user ceiling" in BIND_LABEL["ceiling"]

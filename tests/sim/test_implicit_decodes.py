@@ -15,7 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from servelab.core.config import SchedulerConfig
+from servelab.core.config import ADMISSIONS, POLICIES, SchedulerConfig
 from servelab.core.plan import StepResult
 from servelab.core.scheduler import Scheduler
 from servelab.core.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
@@ -142,17 +142,19 @@ request_strategy = st.fixed_dictionaries(
     block_size=st.sampled_from([1, 2, 4, 8]),
     budget=st.integers(1, 80),
     max_num_seqs=st.integers(1, 10),
-    policy=st.sampled_from(["chunked", "prefill-first"]),
+    policy=st.sampled_from(POLICIES),
+    admission=st.sampled_from(ADMISSIONS),
     order=st.sampled_from(["fcfs", "priority"]),
     caching=st.booleans(),
     sync_every=st.sampled_from([3, 7, 1000]),
 )
 def test_implicit_decodes_match_the_explicit_loops(
-    workload, num_blocks, block_size, budget, max_num_seqs, policy, order, caching, sync_every
+    workload, num_blocks, block_size, budget, max_num_seqs, policy, admission, order, caching, sync_every
 ):
     cfg = SchedulerConfig(
         num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-        max_model_len=min(num_blocks * block_size, 90), policy=policy, order=order, enable_prefix_caching=caching,
+        max_model_len=min(num_blocks * block_size, 90), policy=policy, admission=admission, order=order,
+        enable_prefix_caching=caching,
     )
     explicit = drive(cfg, workload, implicit=False, sync_every=sync_every)
     implicit = drive(cfg, workload, implicit=True, sync_every=sync_every)
@@ -180,12 +182,12 @@ def test_a_decode_made_implicit_twice_for_one_tick_wakes_once(caching):
 
 
 def test_seeded_random_workloads_match_and_reach_the_hard_cases():
-    # Hypothesis shrinks towards small cases; these 150 seeded ones are larger and are checked to
+    # Hypothesis shrinks towards small cases; these 300 seeded ones are larger and are checked to
     # reach what is hard to get right: steps where the token budget binds with implicit decodes
     # in the batch (the cut must fall where the explicit loop puts it), preemption, and reuse.
     rng = random.Random(20261129)
     totals = {"implicit_steps": 0, "implicit_steps_at_full_budget": 0, "preemptions": 0, "hits": 0}
-    for _ in range(150):
+    for _ in range(300):
         workload = [{
             "arrival_s": rng.choice([0.0, 0.0, 0.004, 0.01, 0.03]), "prompt_len": rng.randint(1, 40),
             "own": rng.random() < 0.5, "prefix": rng.choice([[], list(range(500, 516)), list(range(600, 637))]),
@@ -198,8 +200,8 @@ def test_seeded_random_workloads_match_and_reach_the_hard_cases():
         cfg = SchedulerConfig(
             num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=rng.randint(1, 80),
             max_num_seqs=rng.randint(1, 10), max_model_len=min(num_blocks * block_size, 90),
-            policy=rng.choice(["chunked", "prefill-first"]), order=rng.choice(["fcfs", "priority"]),
-            enable_prefix_caching=rng.random() < 0.5,
+            policy=rng.choice(POLICIES), order=rng.choice(["fcfs", "priority"]),
+            enable_prefix_caching=rng.random() < 0.5, admission=rng.choice(ADMISSIONS),
         )
         sync_every = rng.choice([5, 1000])
         explicit = drive(cfg, workload, implicit=False, sync_every=sync_every)

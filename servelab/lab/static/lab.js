@@ -2,6 +2,7 @@
 "use strict";
 
 const COMMON = ["model", "hardware", "weight_dtype", "kv_dtype", "tp"];
+const ENGINE = "engine_profile"; // the simulated lessons run as this engine's defaults
 // min/max come from the catalog's limits (the API's own bounds), filled in by controlSpec.
 const num = (name, label, step, optional) => ({ name, label, type: "number", step: step || 1, optional: !!optional });
 const fmtNum = (v) => (v == null ? "n/a" : v.toLocaleString("en", { maximumSignificantDigits: 3 }));
@@ -233,7 +234,7 @@ const LESSONS = [
       "Production targets are stated at a percentile: say p90 TTFT under 500 ms and p90 TPOT under 20 ms. The simulator below runs the engine's own scheduler on the cost model at a sustained Poisson request rate, long enough for a queue to build; the first fifth of the arrivals (the system filling from empty) is not measured.",
       "Raise the rate: batches grow, throughput rises, and the tails of both distributions move right until the SLOs break. Goodput counts only the requests that met every target; past saturation the system completes less than is offered and the queue grows without end.",
     ],
-    controls: [...COMMON, num("rate", "request rate (req/s)", 0.1), num("ttft_slo_ms", "TTFT SLO (ms)"),
+    controls: [...COMMON, ENGINE, num("rate", "request rate (req/s)", 0.1), num("ttft_slo_ms", "TTFT SLO (ms)"),
                num("tpot_slo_ms", "TPOT SLO (ms)"), num("prompt_len", "prompt tokens"), num("output_len", "output tokens")],
     charts: [
       { id: "goodput", wide: true, make: (d) => {
@@ -295,7 +296,7 @@ const LESSONS = [
       "Colocated serving runs prefill and decode on the same GPUs, so prefills interrupt decodes. Disaggregated serving puts them on separate pools and ships each request's KV cache from the prefill GPU to a decode GPU.",
       "The decode pool never stalls on a prefill, so the inter-token latency tail shrinks; the median need not improve (it is often slightly worse: fewer GPUs decode bigger batches), and TTFT pays the KV transfer and the smaller prefill pool.",
     ],
-    controls: [...COMMON, num("rate", "request rate (req/s)", 0.1), num("prefill_gpus", "prefill GPUs"), num("decode_gpus", "decode GPUs"),
+    controls: [...COMMON, ENGINE, num("rate", "request rate (req/s)", 0.1), num("prefill_gpus", "prefill GPUs"), num("decode_gpus", "decode GPUs"),
                num("link_gbps", "KV link (GB/s)"), num("prompt_len", "prompt tokens"), num("output_len", "output tokens")],
     charts: [
       { id: "ttft", make: (d) => ({
@@ -326,7 +327,7 @@ const LESSONS = [
       "Self-hosted capacity is tokens per second per GPU at a target TPOT, not QPS. The planner finds, for each accelerator, the largest load whose decode steps meet the target and that fits in memory, and turns it into dollars per million output tokens.",
       "The search has no cap: it adds users until the TPOT target breaks or the KV cache is full, and each bar names which limit bound. Bars appear first as the roofline's estimate (pale) and turn solid as each accelerator's simulation ends.",
     ],
-    controls: [...COMMON, num("tpot_ms", "TPOT target (ms)"), num("prompt_len", "prompt tokens"), num("output_len", "output tokens")],
+    controls: [...COMMON, ENGINE, num("tpot_ms", "TPOT target (ms)"), num("prompt_len", "prompt tokens"), num("output_len", "output tokens")],
     charts: [
       { id: "tokens-per-gpu", make: (d) => ({
           data: [{ type: "bar", x: d.plan.hardware, y: d.plan.tokens_per_s_per_gpu, name: "tokens/s per GPU", text: d.plan.config.map((t) => wrap(t, 18)),
@@ -438,9 +439,11 @@ function controlSpec(c, lesson) {
     return Object.assign({}, c, { min: lim.min, max: lim.max });
   }
   const cat = state.catalog;
-  const labels = { model: "model", hardware: "accelerator", weight_dtype: "weight dtype", kv_dtype: "KV dtype", tp: "tensor parallel" };
+  const labels = { model: "model", hardware: "accelerator", weight_dtype: "weight dtype", kv_dtype: "KV dtype", tp: "tensor parallel",
+                   engine_profile: "engine defaults" };
   const options = { model: cat.models.map((m) => m.name), hardware: cat.hardware.map((h) => h.name),
-                    weight_dtype: cat.weight_dtypes, kv_dtype: cat.kv_dtypes, tp: cat.tp.map(String) }[c];
+                    weight_dtype: cat.weight_dtypes, kv_dtype: cat.kv_dtypes, tp: cat.tp.map(String),
+                    engine_profile: cat.engine_profiles.map((p) => p.name) }[c];
   return pick(c, labels[c], options);
 }
 
