@@ -111,7 +111,7 @@ def plan_one(job: PlanJob) -> PlanRow:
     that cannot serve: the row says why."""
     from servelab.cost.memory import MemoryPlan
     from servelab.sim import SimConfig, simulate
-    from servelab.sim.engine_profiles import engine_sim_config
+    from servelab.sim.runner import engine_sim_config
     from servelab.spec.hardware import get_hardware
     from servelab.spec.model import resolve_model
 

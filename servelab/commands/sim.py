@@ -100,7 +100,7 @@ def parse_warmup(text: str | None) -> tuple[int | None, float]:
 
 
 def config_from_args(args: argparse.Namespace):  # noqa: ANN201
-    from servelab.sim.engine_profiles import engine_sim_config
+    from servelab.sim.runner import engine_sim_config
     from servelab.spec.hardware import get_hardware
     from servelab.spec.model import resolve_model
 

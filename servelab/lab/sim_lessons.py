@@ -22,7 +22,7 @@ from servelab.lab.params import Params
 from servelab.lab.simulations import Budget, result_bytes
 from servelab.metrics import SLO, RequestRecord, Summary, steady_state_summary
 from servelab.sim import SimConfig, SimResult, simulate
-from servelab.sim.engine_profiles import engine_sim_config
+from servelab.sim.runner import engine_sim_config
 from servelab.workload import RequestSpec, WorkloadSpec
 
 SLO_RUN_S = 30.0  # seconds of arrivals in the SLO lesson's runs: long enough for a queue to build

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -156,22 +156,4 @@ def engine_profile(name: str) -> EngineProfile:
     return profile
 
 
-def engine_sim_config(profile: str, *, scheduler: Mapping[str, Any] | None = None, **fields: Any):  # noqa: ANN201
-    """A SimConfig for the deployment in `fields` (SimConfig's own: model, hardware, tp, dtypes,
-    replicas, ...) run as `profile` runs it: its scheduler with the knobs in `scheduler` winning,
-    its KV memory share (unless `memory_fraction` is among `fields`) and its host cost."""
-    from servelab.sim.runner import SimConfig
-
-    base = SimConfig(**fields)
-    overrides = dict(scheduler or {})
-    settings = engine_profile(profile).settings(
-        base.model_spec, base.hardware_spec, tp=base.tp, weight_dtype=base.weight_dtype,
-        kv_cache_dtype=base.kv_cache_dtype, num_blocks=overrides.get("num_blocks"),
-        block_size=overrides.get("block_size", SchedulerConfig().block_size),
-        max_model_len=overrides.get("max_model_len"), memory_fraction=fields.get("memory_fraction"))
-    return replace(base, engine_profile=settings.profile, scheduler=settings.scheduler_config(overrides),
-                   memory_fraction=settings.memory_fraction, host_cost=settings.host)
-
-
-__all__ = ["DEFAULT_ENGINE_PROFILE", "EngineProfile", "EngineSettings", "engine_profile", "engine_profiles",
-           "engine_sim_config"]
+__all__ = ["DEFAULT_ENGINE_PROFILE", "EngineProfile", "EngineSettings", "engine_profile", "engine_profiles"]

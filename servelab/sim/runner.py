@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -21,6 +21,7 @@ from servelab.errors import DoesNotFit, InvalidArgument, RequestTooLong
 from servelab.metrics import SLO, RequestRecord, Summary, steady_state_summary, summarize
 from servelab.metrics.summary import Dist
 from servelab.sim.cluster import ClusterSim, StepTrace
+from servelab.sim.engine_profiles import engine_profile
 from servelab.core.router import ROUTERS
 from servelab.spec.dtypes import DEFAULT_DTYPE, canonical_dtype, kv_dtype_alias
 from servelab.spec.hardware import HardwareSpec, get_hardware
@@ -77,8 +78,6 @@ class SimConfig:
         if self.link_latency_s < 0:
             raise InvalidArgument(f"link latency must be >= 0 s, got {self.link_latency_s}")
         if self.engine_profile is not None:
-            from servelab.sim.engine_profiles import engine_profile
-
             engine_profile(self.engine_profile)  # InvalidArgument naming the known ones
 
     @property
@@ -135,6 +134,21 @@ class SimConfig:
             "host_cost": None if self.host_cost is None or self.cost_model is not None else self.host_cost.describe(),
             "slo": None if self.slo is None else self.slo.to_dict(),
         }
+
+
+def engine_sim_config(profile: str, *, scheduler: Mapping[str, Any] | None = None, **fields: Any) -> SimConfig:
+    """A SimConfig for the deployment in `fields` (SimConfig's own: model, hardware, tp, dtypes,
+    replicas, ...) run as `profile` runs it: its scheduler with the knobs in `scheduler` winning,
+    its KV memory share (unless `memory_fraction` is among `fields`) and its host cost."""
+    base = SimConfig(**fields)
+    overrides = dict(scheduler or {})
+    settings = engine_profile(profile).settings(
+        base.model_spec, base.hardware_spec, tp=base.tp, weight_dtype=base.weight_dtype,
+        kv_cache_dtype=base.kv_cache_dtype, num_blocks=overrides.get("num_blocks"),
+        block_size=overrides.get("block_size", SchedulerConfig().block_size),
+        max_model_len=overrides.get("max_model_len"), memory_fraction=fields.get("memory_fraction"))
+    return replace(base, engine_profile=settings.profile, scheduler=settings.scheduler_config(overrides),
+                   memory_fraction=settings.memory_fraction, host_cost=settings.host)
 
 
 @dataclass(slots=True)

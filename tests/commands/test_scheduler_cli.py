@@ -58,7 +58,7 @@ def test_every_command_takes_its_scheduler_defaults_from_scheduler_config(comman
     expected = SchedulerConfig(max_waiting=4096) if command == "serve" else SchedulerConfig()  # serve sheds load
     if command in ("sim", "plan"):
         # The engine profile's knobs are unset until given; the default profile is SchedulerConfig's.
-        from servelab.sim.engine_profiles import engine_sim_config
+        from servelab.sim.runner import engine_sim_config
 
         overrides = scheduler_overrides_from_args(_parse(command))
         assert not set(overrides) & set(PROFILE_KNOBS)

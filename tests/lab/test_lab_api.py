@@ -279,7 +279,7 @@ def test_slo_higher_rate_raises_tail_latency(client):
 
 
 def test_slo_runs_as_the_chosen_engines_defaults(client):
-    from servelab.sim.engine_profiles import engine_sim_config
+    from servelab.sim.runner import engine_sim_config
 
     params = {"rate": 12, "ttft_slo_ms": 50, "tpot_slo_ms": 10, "prompt_len": 1024, "output_len": 128}
     d = get(client, "slo", engine_profile="sglang", **params)

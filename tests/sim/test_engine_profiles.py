@@ -9,8 +9,8 @@ import pytest
 from servelab.core.config import SchedulerConfig
 from servelab.errors import InvalidArgument
 from servelab.sim import SimConfig, simulate
-from servelab.sim.engine_profiles import DEFAULT_ENGINE_PROFILE, engine_profile, engine_profiles, engine_sim_config
-from servelab.sim.runner import scheduler_config
+from servelab.sim.engine_profiles import DEFAULT_ENGINE_PROFILE, engine_profile, engine_profiles
+from servelab.sim.runner import engine_sim_config, scheduler_config
 from servelab.workload import WorkloadSpec
 
 GB = 1e9
