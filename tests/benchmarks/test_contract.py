@@ -24,11 +24,7 @@ EXEMPT = {
     "soak.py": "an hour of load against a server, RSS sampled",
     # Two checkouts or two kernel builds, one engine each.
     "engine_ab.py": "needs a second checkout",
-    "build_ab.py": "compiles a second kernel build (reaches native._build)",
     # The bundled model, whole, in every run; no --quick yet.
-    "engine_cpu.py": "servelab and HF transformers on the bundled model (imported by peers.py)",
-    "decode_step_split.py": "decode steps of the bundled model, op by op",
-    "prefill_step_split.py": "prefill steps of the bundled model, op by op",
     "gemv_layouts.py": "needs an AVX-512 level (native or SIMDe)",
     "panel_linears.py": "every matrix of the bundled model per row count",
     "half_weights.py": "writes a bf16 copy of the bundled model first",
