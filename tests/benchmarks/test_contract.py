@@ -29,7 +29,6 @@ EXEMPT = {
     "panel_linears.py": "every matrix of the bundled model per row count",
     "half_weights.py": "writes a bf16 copy of the bundled model first",
     "isa_levels.py": "compiles the kernels at each ISA level",
-    "structured_outputs.py": "two bundled-model engines",
     # torch.distributed process groups on 127.0.0.1.
     "tp_allreduce.py": "gloo ranks and TP engines on the bundled model",
     "tp_kv_gather.py": "a TP=3 engine on the bundled model",

@@ -17,6 +17,7 @@ import determinism  # noqa: E402
 import engine_cpu  # noqa: E402
 import prefill_step_split  # noqa: E402
 import served_steps  # noqa: E402
+import structured_outputs  # noqa: E402
 
 from servelab.engine import native  # noqa: E402
 
@@ -106,3 +107,15 @@ def test_build_ab_quick_times_the_flagged_build_against_the_default(tiny, kernel
     assert set(rounds) == {"default", "flagged"} and all(len(r) == 2 and min(r) > 0 for r in rounds.values())
     ratio = float(re.search(r"median of rounds: ([\d.]+)x", out).group(1))
     assert 0.2 < ratio < 5  # the same code, one spin setting apart
+
+
+def test_structured_outputs_quick_times_the_sampler_and_the_steps(tiny, capsys):
+    structured_outputs.main(["--model", tiny, "--quick"])
+    out = capsys.readouterr().out
+    sampler = dict(re.findall(r"^  (no hook|hook, \d constrained|  of which the hook, \d rows)\s+([\d.]+)$", out, re.M))
+    assert set(sampler) == {"no hook", "hook, 0 constrained", "hook, 2 constrained", "  of which the hook, 2 rows"}
+    assert all(float(ms) > 0 for ms in sampler.values())
+    steps = re.findall(r"^  (\d constrained)\s+([\d.]+)  \(([\d.]+)x\)", out, re.M)
+    assert [name for name, _, _ in steps] == ["0 constrained", "2 constrained"]
+    (_, base, one), (_, ms, ratio) = steps
+    assert float(one) == 1.0 and float(ratio) == pytest.approx(float(ms) / float(base), rel=0.05)  # ms to 2 decimals
