@@ -24,11 +24,6 @@ EXEMPT = {
     "soak.py": "an hour of load against a server, RSS sampled",
     # Two checkouts or two kernel builds, one engine each.
     "engine_ab.py": "needs a second checkout",
-    # The bundled model, whole, in every run; no --quick yet.
-    "gemv_layouts.py": "needs an AVX-512 level (native or SIMDe)",
-    "panel_linears.py": "every matrix of the bundled model per row count",
-    "half_weights.py": "writes a bf16 copy of the bundled model first",
-    "isa_levels.py": "compiles the kernels at each ISA level",
     # torch.distributed process groups on 127.0.0.1.
     "tp_allreduce.py": "gloo ranks and TP engines on the bundled model",
     "tp_kv_gather.py": "a TP=3 engine on the bundled model",
