@@ -75,10 +75,10 @@ def test_decode_step_split_quick_splits_both_modes_into_kernels_and_the_rest(tin
     decode_step_split.main(["--model", tiny, "--quick", "--quantization", "int8", "--batch", "2", "--by-kernel"])
     out = capsys.readouterr().out
     modes = _table(out, "one call|op by op")
-    assert set(modes) == {"one call", "op by op"}  # int8 linears run the one-call decode stack
-    for step, tok_s, kernel, other, share in modes.values():
-        assert 0 < kernel < step and other == pytest.approx(step - kernel, abs=0.02)
-        assert tok_s == pytest.approx(2e3 / step, rel=0.05)
+    assert set(modes) == {"one call", "op by op"}, out  # int8 linears run the one-call decode stack
+    for step, tok_s, kernel, other, share in modes.values():  # ms to 2 decimals
+        assert 0 < kernel <= step and other == pytest.approx(step - kernel, abs=0.02), out
+        assert tok_s == pytest.approx(2e3 / step, rel=0.1), out
     by_kernel = dict(re.findall(r"^  (\w+)\s+([\d.]+)$", out, re.M))
     assert {"int8_linear", "decode_attention", "add_rms_norm", "silu_mul"} <= set(by_kernel)
 
