@@ -4,10 +4,11 @@ same in all but their kernels, decoding in interleaved rounds. One process and a
 keep the host's swings (2x within minutes here) out of the ratio.
 
     python benchmarks/build_ab.py --cflags="-DSL_SPIN_NS=200000" [--rows 1] [--threads 2]
-        [--rounds 12] [--steps 90]
+        [--rounds 12] [--steps 90] [--model DIR] [--quick]
 
 Prints each round's ms a decode step for both, and the median of the per-round ratios
-(flagged build's step time over the default's: above 1, the default build is faster).
+(flagged build's step time over the default's: above 1, the default build is faster). The
+bundled model unless `--model` names an HF directory; `--quick`: two rounds of 5 steps.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch load
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_cpu import Servelab, prompt_ids  # noqa: E402
+from engine_cpu import Servelab  # noqa: E402
 
 from servelab.core.sequence import SamplingParams  # noqa: E402
 from servelab.engine import native  # noqa: E402
@@ -36,11 +37,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--steps", type=int, default=90, help="timed decode steps a round")
+    parser.add_argument("--model", default=None, help="an HF model directory (default: the bundled GGUF)")
+    parser.add_argument("--quick", action="store_true", help="two rounds of 5 steps")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps = 2, 5
     torch.set_num_threads(args.threads)
-    level = native._LEVELS[native.best_level()]
-    flagged = native._build(native.IsaLevel(level.name, (*level.cflags, *shlex.split(args.cflags)), level.needs))
-    engines = {"default": Servelab("float32").engine, "flagged": Servelab("float32").engine}
+    level = native.best_level()
+    flagged = native.build(level, shlex.split(args.cflags))
+    runners = {"default": Servelab("float32", model=args.model), "flagged": Servelab("float32", model=args.model)}
+    engines = {name: runner.engine for name, runner in runners.items()}
     model = engines["flagged"].executor.model
     if model.ops.kernels is None:
         raise SystemExit("no native kernels on this host")
@@ -53,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     def round_ms(engine) -> float:
         for _ in range(args.rows):
             count[0] += 1  # a new prompt each time: nothing served from the prefix cache
-            engine.add_request(f"ab{count[0]}", prompt_ids(32, count[0]), params, arrival_s=time.perf_counter())
+            engine.add_request(f"ab{count[0]}", runners["default"].prompt_ids(32, count[0]), params, arrival_s=time.perf_counter())
         for _ in range(3):  # the prefill and a few decodes
             engine.step()
         t = time.perf_counter()
@@ -71,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             ms[name].append(round_ms(engines[name]))
-    print(f"{level.name} vs {level.name} {args.cflags}: {args.rows} row(s), {args.threads} thread(s), "
+    print(f"{level} vs {level} {args.cflags}: {args.rows} row(s), {args.threads} thread(s), "
           f"{args.rounds} interleaved rounds of {args.steps} decode steps")
     for name in names:
         print(f"{name:8s} ms a step: median {statistics.median(ms[name]):6.2f}  rounds "

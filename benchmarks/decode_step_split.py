@@ -7,7 +7,9 @@ Each native entry point is wrapped in a timer (~0.2 us a call, counted as kernel
 step is `LLMEngine.step()` whole: scheduling, metadata, forward, sampling, detokenizing.
 
     python benchmarks/decode_step_split.py [--threads 2] [--rounds 6] [--steps 30] [--quantization int8]
-        [--batch 32] [--by-kernel]
+        [--batch 32] [--by-kernel] [--model DIR] [--quick]
+
+The bundled model unless `--model` names an HF directory; `--quick`: two rounds of 4 steps.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch load
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_cpu import Servelab, prompt_ids  # noqa: E402
+from engine_cpu import Servelab  # noqa: E402
 
 from servelab.core.sequence import SamplingParams  # noqa: E402
 from servelab.engine import native  # noqa: E402
@@ -39,10 +41,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None)
     parser.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     parser.add_argument("--by-kernel", action="store_true", help="split the op-by-op kernel time by entry point")
+    parser.add_argument("--model", default=None, help="an HF model directory (default: the bundled GGUF)")
+    parser.add_argument("--quick", action="store_true", help="two rounds of 4 steps")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps = 2, 4
     torch.set_num_threads(args.threads)
 
-    engine = Servelab("float32", args.quantization).engine
+    runner = Servelab("float32", args.quantization, model=args.model)
+    engine = runner.engine
     model = engine.executor.model
     kernel_ns = [0]
     by_kernel: dict[str, int] = {}  # entry point (a linear: with its out x in) -> ns, op by op
@@ -62,6 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         return call
 
     k = model.ops.kernels
+    if k is None:
+        raise SystemExit(f"no native kernels here: {native.load_error}")
     model.ops.kernels = native.NativeKernels(
         **{f.name: timed(f.name, getattr(k, f.name)) if callable(getattr(k, f.name)) else getattr(k, f.name) for f in fields(k)}
     )
@@ -71,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
 
     params = SamplingParams(max_tokens=args.rounds * len(modes) * args.steps + 10, temperature=0, ignore_eos=True)
     for i in range(args.batch):
-        engine.add_request(f"split{i}", prompt_ids(32, 1 + i), params, arrival_s=time.perf_counter())
+        engine.add_request(f"split{i}", runner.prompt_ids(32, 1 + i), params, arrival_s=time.perf_counter())
     for _ in range(5):  # the prefill and a few warm decodes
         engine.step()
     step_ms: dict[str, list[float]] = {m: [] for m in modes}
@@ -91,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             kernel_ms[mode].append(kernel_ns[0] / args.steps / 1e6)
             recording[0] = False
     model.decode_stack = stack
-    print(f"batch-{args.batch} decode step, bundled SmolLM2-135M, fp32{' ' + args.quantization if args.quantization else ''}, "
+    print(f"batch-{args.batch} decode step, {args.model or 'bundled SmolLM2-135M'}, fp32{' ' + args.quantization if args.quantization else ''}, "
           f"{args.threads} threads, {args.rounds} interleaved rounds of {args.steps} steps (medians)")
     print(f"{'mode':10s} {'step ms':>8s} {'tok/s':>7s} {'kernels ms':>10s} {'else ms':>8s} {'else %':>7s}")
     for mode in names:

@@ -1,4 +1,5 @@
-"""servelab's engine vs HF transformers on CPU, side by side in one run, on the bundled model.
+"""servelab's engine vs HF transformers on CPU, side by side in one run, on the bundled model
+(or `--model`: an HF directory both load).
 
 Three figures per engine, timed interleaved (servelab, HF, servelab, HF, ...) because the
 machine is shared and noisy; we report medians and the ratios servelab / HF:
@@ -12,13 +13,14 @@ It also reports model bandwidth utilisation at batch 1: the bytes a decode step 
 (every weight once, plus the KV cache) / step time / the memory bandwidth measured here.
 
     python benchmarks/engine_cpu.py [--dtype bfloat16] [--rounds 3] [--json] [--quantization int8]
-                                    [--kv-cache-dtype float16]
+                                    [--kv-cache-dtype float16] [--model DIR] [--quick]
 
 `--quantization int8` runs servelab with its opt-in int8 linears against HF in the same
 --dtype: a different-numerics comparison, reported separately from the default one; so is
 `--kv-cache-dtype float16` (servelab's KV cache in fp16 under fp32 compute; HF keeps --dtype).
 `--deterministic` adds a third engine, servelab in deterministic mode (float32, its other flags
 as given), interleaved with the others, and reports what the mode costs: its figures / servelab's.
+`--quick`: one round and a short bandwidth probe (with a tiny `--model`, a check that it runs).
 """
 
 from __future__ import annotations
@@ -53,16 +55,21 @@ def prompt_ids(n: int, seed: int, vocab: int = 40000) -> list[int]:
 
 
 class Servelab:
-    def __init__(self, dtype: str, quantization: str | None = None, kv_cache_dtype: str = "auto", deterministic: bool = False):
+    def __init__(self, dtype: str, quantization: str | None = None, kv_cache_dtype: str = "auto", deterministic: bool = False,
+                 model: str | None = None):
         self.name = "deterministic" if deterministic else "servelab"
         # Prefix caching off: every round reuses the same prompts and must not be served from cache.
         self.engine = LLMEngine.from_args(
-            EngineArgs.from_kwargs(dtype="float32" if deterministic else dtype, enable_prefix_caching=False, max_num_seqs=64,
-                       max_num_batched_tokens=2048, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
-                       deterministic=deterministic)
+            EngineArgs.from_kwargs(model=model, dtype="float32" if deterministic else dtype, enable_prefix_caching=False,
+                       max_num_seqs=64, max_num_batched_tokens=2048, quantization=quantization,
+                       kv_cache_dtype=kv_cache_dtype, deterministic=deterministic)
         )
         self.model = self.engine.executor.model
+        self.vocab = min(40000, self.engine.model_spec.vocab_size)  # prompt_ids' default on the bundled model
         self._n = 0
+
+    def prompt_ids(self, n: int, seed: int) -> list[int]:
+        return prompt_ids(n, seed, self.vocab)
 
     def _run(self, prompts: list[list[int]], new_tokens: int):
         seqs = []
@@ -76,16 +83,16 @@ class Servelab:
         return seqs, time.perf_counter() - now
 
     def decode_b1(self) -> float:
-        (seq,), _ = self._run([prompt_ids(B1_PROMPT, 1)], B1_NEW + 1)
+        (seq,), _ = self._run([self.prompt_ids(B1_PROMPT, 1)], B1_NEW + 1)
         t = seq.token_times_s
         return (len(t) - 1) / (t[-1] - t[0])
 
     def decode_b32(self) -> float:
-        seqs, wall = self._run([prompt_ids(B32_PROMPT, 100 + i) for i in range(B32_SEQS)], B32_NEW)
+        seqs, wall = self._run([self.prompt_ids(B32_PROMPT, 100 + i) for i in range(B32_SEQS)], B32_NEW)
         return sum(s.num_output_tokens for s in seqs) / wall
 
     def prefill_512(self) -> float:
-        (seq,), _ = self._run([prompt_ids(PREFILL_LEN, 7)], 1)
+        (seq,), _ = self._run([self.prompt_ids(PREFILL_LEN, 7)], 1)
         return PREFILL_LEN / (seq.first_token_s - seq.arrival_s)
 
 
@@ -95,14 +102,21 @@ class Servelab:
 class HF:
     name = "hf"
 
-    def __init__(self, dtype: str):
+    def __init__(self, dtype: str, model: str | None = None):
         import transformers
 
-        path = bundled_model_path()
-        self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)
-        ).eval()
+        if model is None:
+            path = bundled_model_path()
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(
+                str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype)
+            ).eval()
+        else:
+            self.model = transformers.AutoModelForCausalLM.from_pretrained(model, dtype=getattr(torch, dtype)).eval()
+        self.vocab = min(40000, self.model.config.vocab_size)
         self.pad = 2
+
+    def prompt_ids(self, n: int, seed: int) -> list[int]:
+        return prompt_ids(n, seed, self.vocab)
 
     @torch.inference_mode()
     def _generate(self, ids: torch.Tensor, mask: torch.Tensor, new: int) -> float:
@@ -114,7 +128,7 @@ class HF:
         return time.perf_counter() - t
 
     def decode_b1(self) -> float:
-        ids = torch.tensor([prompt_ids(B1_PROMPT, 1)])
+        ids = torch.tensor([self.prompt_ids(B1_PROMPT, 1)])
         mask = torch.ones_like(ids)
         # Decode alone: generating N+1 tokens minus generating 1 (the prefill and first token).
         t_all = self._generate(ids, mask, B1_NEW + 1)
@@ -122,11 +136,11 @@ class HF:
         return B1_NEW / (t_all - t_one)
 
     def decode_b32(self) -> float:
-        ids = torch.tensor([prompt_ids(B32_PROMPT, 100 + i) for i in range(B32_SEQS)])
+        ids = torch.tensor([self.prompt_ids(B32_PROMPT, 100 + i) for i in range(B32_SEQS)])
         return B32_SEQS * B32_NEW / self._generate(ids, torch.ones_like(ids), B32_NEW)
 
     def prefill_512(self) -> float:
-        ids = torch.tensor([prompt_ids(PREFILL_LEN, 7)])
+        ids = torch.tensor([self.prompt_ids(PREFILL_LEN, 7)])
         return PREFILL_LEN / self._generate(ids, torch.ones_like(ids), 1)
 
 
@@ -146,19 +160,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                         help="servelab's KV cache storage (HF unchanged)")
     parser.add_argument("--deterministic", action="store_true", help="also servelab in deterministic mode: its cost")
+    parser.add_argument("--model", default=None, help="an HF model directory (default: the bundled GGUF)")
+    parser.add_argument("--quick", action="store_true", help="one round, a short bandwidth probe")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds = 1
     if args.threads:
         torch.set_num_threads(args.threads)
     metrics = [m for m in args.only.split(",") if m]
 
-    engines = [Servelab(args.dtype, args.quantization, args.kv_cache_dtype)]
+    engines = [Servelab(args.dtype, args.quantization, args.kv_cache_dtype, model=args.model)]
     if args.deterministic:
-        engines.append(Servelab(args.dtype, args.quantization, args.kv_cache_dtype, deterministic=True))
-    engines += [] if args.no_hf else [HF(args.dtype)]
+        engines.append(Servelab(args.dtype, args.quantization, args.kv_cache_dtype, deterministic=True, model=args.model))
+    engines += [] if args.no_hf else [HF(args.dtype, args.model)]
     for e in engines:  # warm-up: first calls allocate, fault pages in and pick kernels
         e.decode_b1()
         e.prefill_512()
-    bandwidth = read_bandwidth_bytes_per_s()
+    bandwidth = read_bandwidth_bytes_per_s(1 << 28, 2) if args.quick else read_bandwidth_bytes_per_s()
 
     results: dict[str, dict[str, list[float]]] = {e.name: {m: [] for m in metrics} for e in engines}
     for r in range(args.rounds):
@@ -185,7 +203,7 @@ def main(argv: list[str] | None = None) -> int:
 
     quant = f", servelab quantization {args.quantization}" if args.quantization else ""
     quant += f", servelab KV cache {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
-    print(f"\nservelab engine vs HF transformers on CPU — bundled SmolLM2-135M-Instruct, {args.dtype}{quant}, "
+    print(f"\nservelab engine vs HF transformers on CPU — {args.model or 'bundled SmolLM2-135M-Instruct'}, {args.dtype}{quant}, "
           f"{torch.get_num_threads()} threads, {args.rounds} interleaved rounds (medians)")
     print(f"{'metric':14s} {'servelab':>12s} {'HF':>12s} {'ratio':>8s}")
     for m in metrics:

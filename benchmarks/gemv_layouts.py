@@ -5,11 +5,12 @@ it at that many rows (up to 4: the in-register kernel; then GGUF rows take the d
 below KMAJOR_MIN_ROWS, Q4_1_G16 the k-major panel), interleaved in one process; then one matrix
 hot in cache. The kernels are called as the decode stack calls them, into buffers allocated once.
 
-    python benchmarks/gemv_layouts.py [--threads 2] [--rows 1] [--rounds 5]
+    python benchmarks/gemv_layouts.py [--threads 2] [--rows 1] [--rounds 5] [--quick]
 
 Prints GB/s of packed weights streamed per layout, its share of the host's read bandwidth
 (host_probe, measured after the rounds), and each round's figure. Needs an AVX-512 level (native
-or SIMDe: there the kernels are emulated, and only the bits mean anything).
+or SIMDe: there the kernels are emulated, and only the bits mean anything). `--quick`: the first
+2 layers, one round, a short bandwidth probe.
 """
 
 from __future__ import annotations
@@ -29,19 +30,22 @@ from servelab.engine.loader import load_model
 def as_rows(linear: block_quant.BlockQuantLinear) -> block_quant.BlockQuantLinear:
     """The same weight with its Q4_1 as GGUF rows (set after construction, which would regroup it)."""
     rows = block_quant.BlockQuantLinear(linear.segments, linear.kernels, None, linear.shape)
-    rows.segments = tuple(block_quant._regrouped(seg, False) for seg in linear.segments)
+    rows.segments = tuple(block_quant.regrouped(seg, False) for seg in linear.segments)
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rows", type=int, default=1, help="activation rows (1-4: the in-register kernel)")
     parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
+    parser.add_argument("--quick", action="store_true", help="2 layers, one round, a short bandwidth probe")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds = 1
     torch.set_num_threads(args.threads)
     model = load_model(bundled_model_path(), dtype=torch.float32).model
-    grouped = [lin for layer in model.layers for lin in layer.linears()]
+    grouped = [lin for layer in (model.layers[:2] if args.quick else model.layers) for lin in layer.linears()]
     if not all(isinstance(lin, block_quant.BlockQuantLinear) for lin in grouped):
         raise SystemExit("the layers are not packed GGUF blocks here (no native kernels?)")
     if not block_quant.grouped_q4_1(grouped[0].kernels):
@@ -86,7 +90,7 @@ def main() -> None:
             run(streams[name])
             rates[name].append(nbytes / statistics.median(run(streams[name]) for _ in range(9)))
             hot[name].append(hot_bytes / run(gate_up[name], max(10, 200 // args.rows)))
-    bandwidth = host_probe.read_bandwidth_bytes_per_s(1 << 28, 5)
+    bandwidth = host_probe.read_bandwidth_bytes_per_s(1 << 28, 2 if args.quick else 5)
     print(f"{len(grouped)} Q4_1 matrices, {nbytes / 1e6:.1f} MB, {args.rows} row(s), {args.threads} thread(s), "
           f"{args.rounds} interleaved rounds; host read bandwidth {bandwidth / 1e9:.1f} GB/s")
     for name in layouts:

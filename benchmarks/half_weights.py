@@ -20,11 +20,15 @@ runs the engine on that checkpoint twice, its linears kept bf16 (the default) an
 fp32 copy at load (SERVELAB_HALF_WEIGHTS=0), and measures decode at batch 1 and 32 and a
 512-token prefill as benchmarks/engine_cpu.py defines them, the two engines interleaved round by
 round (alternating who goes first); prints the medians and their ratios.
+
+`--quick` (either mode): a checkpoint of the first 2 layers, one round; linears at rows 1 and 16,
+the engine without decode_b32.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -40,10 +44,10 @@ import torch.nn.functional as F
 from servelab.engine.bundled import bundled_model_path
 
 
-def write_bf16_checkpoint(out: Path, weights: bool = True) -> Path:
-    """The bundled model as a bf16 HF directory in `out`; with `weights` False only its
-    description (config.json, tokenizer.json): what engine_cuda.py's --twin fills with random
-    weights of the same shapes."""
+def write_bf16_checkpoint(out: Path, weights: bool = True, layers: int | None = None) -> Path:
+    """The bundled model (its first `layers` layers, if given) as a bf16 HF directory in `out`;
+    with `weights` False only its description (config.json, tokenizer.json): what
+    engine_cuda.py's --twin fills with random weights of the same shapes."""
     from safetensors.torch import save_file
 
     from servelab.engine.loader import read_gguf_tensors
@@ -55,6 +59,8 @@ def write_bf16_checkpoint(out: Path, weights: bool = True) -> Path:
     gguf, tensors = read_gguf_tensors(path)
     spec = ModelSpec.from_gguf_metadata(gguf.metadata, name=path.stem,
                                         tensor_shapes={n: t.shape for n, t in gguf.tensors.items()})  # fmt: skip
+    if layers is not None:
+        spec = dataclasses.replace(spec, num_layers=layers)
     out.mkdir(parents=True, exist_ok=True)
     if weights:
         get, _ = gguf_getters(spec, tensors)
@@ -162,24 +168,18 @@ def linears(ckpt: Path, rows_list: list[int], rounds: int, base: Path | None, wa
     print("load average at the end (1/5/15 min): " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
-def engine(ckpt: Path, rounds: int) -> None:
+def engine(ckpt: Path, rounds: int, metrics: tuple[str, ...]) -> None:
     sys.path.insert(0, str(Path(__file__).parent))
     from engine_cpu import Servelab
-
-    from servelab.engine.llm_engine import EngineArgs, LLMEngine
 
     class OnCheckpoint(Servelab):
         def __init__(self, name: str, half: bool):
             os.environ["SERVELAB_HALF_WEIGHTS"] = "1" if half else "0"  # read at load only
+            super().__init__("float32", model=str(ckpt))
             self.name = name
-            self.engine = LLMEngine.from_args(EngineArgs.from_kwargs(
-                model=str(ckpt), enable_prefix_caching=False, max_num_seqs=64, max_num_batched_tokens=2048))  # fmt: skip
-            self.model = self.engine.executor.model
-            self._n = 0
 
     engines = [OnCheckpoint("bf16 weights", True), OnCheckpoint("fp32 copy", False)]
     os.environ.pop("SERVELAB_HALF_WEIGHTS")
-    metrics = ("decode_b1", "decode_b32", "prefill_512")
     for e in engines:
         e.decode_b1()
         e.prefill_512()
@@ -190,7 +190,7 @@ def engine(ckpt: Path, rounds: int) -> None:
                 results[e.name][m].append(getattr(e, m)())
                 print(f"round {r + 1} {m:12s} {e.name:13s} {results[e.name][m][-1]:9.1f} tok/s", file=sys.stderr)
     med = {n: {m: statistics.median(v) for m, v in ms.items()} for n, ms in results.items()}
-    print(f"\nbundled SmolLM2-135M as a bf16 safetensors checkpoint, float32 compute, {torch.get_num_threads()} "
+    print(f"\n{ckpt.name} as a bf16 safetensors checkpoint, float32 compute, {torch.get_num_threads()} "
           f"threads, {rounds} interleaved rounds (medians, tok/s)")
     print(f"{'metric':12s} {'bf16 weights':>13s} {'fp32 copy':>11s} {'ratio':>7s}")
     for m in metrics:
@@ -209,14 +209,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--base", type=Path, default=None, help="linears: another tree's GEMV, timed alongside")
     ap.add_argument("--wall", action="store_true", help="linears: wall time, not CPU time")
+    ap.add_argument("--quick", action="store_true", help="the first 2 layers, one round; linears at rows 1 and 16")
     args = ap.parse_args(argv)
+    if args.quick:
+        args.rows, args.rounds = [1, 16], 1
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = write_bf16_checkpoint(Path(tmp) / "smollm2-135m-bf16")
+        name = "smollm2-135m-2-layers-bf16" if args.quick else "smollm2-135m-bf16"
+        ckpt = write_bf16_checkpoint(Path(tmp) / name, layers=2 if args.quick else None)
         if args.what == "linears":
             linears(ckpt, args.rows, args.rounds, args.base, args.wall)
         else:
-            engine(ckpt, args.rounds)
+            engine(ckpt, args.rounds, ("decode_b1", "prefill_512") if args.quick else ("decode_b1", "decode_b32", "prefill_512"))
     return 0
 
 

@@ -8,10 +8,10 @@ source tree's kernels at the same levels (`--base TREE`: its servelab/engine/csr
 tree's flags), for before/after.
 
     python benchmarks/isa_levels.py [--levels avx2 avx512_vnni] [--base /tmp/old-tree] [--threads 1]
-                                    [--kinds gguf int8 bf16 bf16dot attn]
+                                    [--kinds gguf int8 bf16 bf16dot attn] [--quick]
 
 Prints the median time over all 120 matrices (or 30 layers) per (kernel, rows) and each build
-against the first.
+against the first. `--quick`: the first 2 layers, rows 1 and 16, a 64-token prompt, one round.
 On a CPU without AVX-512 only portable and avx2 run; the AVX-512 levels are unmeasured until a
 host with them runs this.
 """
@@ -21,12 +21,11 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import shutil
 import statistics
 import tempfile
 import time
-import types
 from dataclasses import replace
+from importlib import resources
 from pathlib import Path
 
 import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch loads
@@ -64,19 +63,11 @@ def build_from(tree: Path, level: str) -> native.NativeKernels:
     """`tree`'s kernels at `level`, through native's own build (and cache). A source file the
     tree lacks (an older tree, before a kernel existed) comes from this tree, so that it builds;
     an entry point it lacks is _OLDER_ENTRY's stand-in."""
-    own, cdll = native.resources, native.ctypes.CDLL
-    native.ctypes.CDLL = _OlderLibrary
     with tempfile.TemporaryDirectory() as tmp:
-        csrc = Path(tmp) / "csrc"
-        csrc.mkdir()
-        for name in (*native._SOURCES, *native._HEADERS):
-            theirs = tree / "servelab" / "engine" / "csrc" / name
-            shutil.copy(theirs if theirs.exists() else own.files("servelab.engine").joinpath("csrc", name), csrc / name)
-        native.resources = types.SimpleNamespace(files=lambda _pkg: Path(tmp))
-        try:
-            return native._build(native._LEVELS[level])
-        finally:
-            native.resources, native.ctypes.CDLL = own, cdll
+        for own in resources.files("servelab.engine").joinpath("csrc").iterdir():
+            theirs = tree / "servelab" / "engine" / "csrc" / own.name
+            (Path(tmp) / own.name).write_bytes((theirs if theirs.exists() else own).read_bytes())
+        return native.build(level, csrc=Path(tmp), cdll=_OlderLibrary)
 
 
 def keep_freed_pages() -> None:
@@ -102,7 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompts", type=int, nargs="+", default=[128, 512], help="prefill attention: prompt lengths")
     parser.add_argument("--kinds", nargs="+", default=["gguf", "int8", "bf16", "bf16dot", "attn"],
                         choices=["gguf", "int8", "bf16", "bf16dot", "attn"])
+    parser.add_argument("--quick", action="store_true", help="2 layers, rows 1 and 16, a 64-token prompt, one round")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rows, args.prompts, args.rounds = [1, 16], [64], 1
     torch.set_num_threads(args.threads)
     keep_freed_pages()
     levels = args.levels or [lv.name for lv in native.ISA_LEVELS[1:] if native.unavailable_reason(lv.name) is None]
@@ -117,7 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     first = next(iter(builds))
 
     model = load_model(bundled_model_path(), dtype=torch.float32).model
-    packed = [w for layer in model.layers for w in layer.linears()]
+    model_layers = model.layers[:2] if args.quick else model.layers
+    packed = [w for layer in model_layers for w in layer.linears()]
     int8 = [Int8Linear.from_weight(w.dequantize(), None) for w in packed]
     bf16 = [HalfLinear(w.dequantize().to(torch.bfloat16), None, kernels=builds[first]) for w in packed]
     bf16dot = [Bf16Linear.from_weight(w.dequantize(), None) for w in packed]
@@ -131,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, k in builds.items():
                 mine = [replace(w, kernels=k) for w in linears]
                 cases.setdefault((kind, rows), {})[name] = lambda mine=mine, x=x: [w(x[w.shape[1]]) for w in mine]
-    layers, (heads, kv_heads, dim) = len(model.layers), (9, 3, 64)
+    layers, (heads, kv_heads, dim) = len(model_layers), (9, 3, 64)
     for n in args.prompts if "attn" in args.kinds else []:
         q, k, v = torch.randn(n, heads, dim), torch.randn(n, kv_heads, dim), torch.randn(n, kv_heads, dim)
         for name, kn in builds.items():

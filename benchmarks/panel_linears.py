@@ -7,9 +7,10 @@ buffers allocated once (BlockQuantLinear's own call allocates its output and scr
 and fresh pages cost page faults that the stack's arena never pays). Optionally another tree's kernels too (`--base TREE`, built as isa_levels.py
 does) for before/after.
 
-    python benchmarks/panel_linears.py [--rows 4 16 32 64 128] [--threads 2] [--base /tmp/old-tree]
+    python benchmarks/panel_linears.py [--rows 4 16 32 64 128] [--threads 2] [--base /tmp/old-tree] [--quick]
 
-Prints per (kind, rows) the median ms a step spends in that kind and its GFLOP/s.
+Prints per (kind, rows) the median ms a step spends in that kind and its GFLOP/s. `--quick`: the
+first 2 layers, rows 4 and 16, one round.
 """
 
 from __future__ import annotations
@@ -54,7 +55,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--level", default="avx2")
     parser.add_argument("--base", type=Path, default=None, help="another tree's kernels at the same level")
+    parser.add_argument("--quick", action="store_true", help="2 layers, rows 4 and 16, one round")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rows, args.rounds = [4, 16], 1
     torch.set_num_threads(args.threads)
     builds = {"ours": native.native_kernels(args.level)}
     if builds["ours"] is None:
@@ -62,7 +66,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.base is not None:
         builds["base"] = build_from(args.base, args.level)
     model = load_model(bundled_model_path(), dtype=torch.float32).model
-    groups = {kind: [getattr(layer, kind) for layer in model.layers] for kind in KINDS}
+    layers = model.layers[:2] if args.quick else model.layers
+    groups = {kind: [getattr(layer, kind) for layer in layers] for kind in KINDS}
     groups["lm_head"] = [model.lm_head]
     times: dict[tuple[str, int, str], list[float]] = {}
     flops: dict[tuple[str, int], float] = {}

@@ -9,7 +9,10 @@ layer loop are wrapped in a timer (~0.3 us a call), and "else" is the step minus
 account for (scheduling, metadata, sampling, the final gather and add, Python).
 
     python benchmarks/prefill_step_split.py [--threads 2] [--rounds 5] [--steps 512,32x32]
-        [--panel-rows 1024] [--modes mkl,panel]
+        [--panel-rows 1024] [--modes mkl,panel] [--model DIR] [--quick]
+
+The bundled model unless `--model` names an HF directory (whose dense linears both modes run on
+MKL alike); `--quick`: one round.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch load
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from engine_cpu import Servelab, prompt_ids  # noqa: E402
+from engine_cpu import Servelab  # noqa: E402
 
 from servelab.core.sequence import SamplingParams  # noqa: E402
 from servelab.engine import block_quant  # noqa: E402
@@ -70,9 +73,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", default="512,32x32", help="comma-separated: 512 (one prompt), 32x32 (32 prompts)")
     parser.add_argument("--panel-rows", type=int, default=4096, help="MAX_ROWS in the panel mode")
     parser.add_argument("--modes", default="mkl,panel", help="mkl: MAX_ROWS as committed; panel: --panel-rows")
+    parser.add_argument("--model", default=None, help="an HF model directory (default: the bundled GGUF)")
+    parser.add_argument("--quick", action="store_true", help="one round")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds = 1
     torch.set_num_threads(args.threads)
-    engine = Servelab("float32").engine
+    runner = Servelab("float32", model=args.model)
+    engine = runner.engine
     model = engine.executor.model
     totals: dict[str, int] = {}
     instrument(model, totals)
@@ -86,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     def one_step(step: str) -> tuple[float, dict[str, int]]:
         for length, seed in shapes[step]:
             n[0] += 1
-            engine.add_request(f"p{n[0]}", prompt_ids(length, seed), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+            engine.add_request(f"p{n[0]}", runner.prompt_ids(length, seed), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
         totals.clear()
         t = time.perf_counter_ns()
         engine.step()  # the whole prefill; max_tokens=1 finishes every request in it
@@ -105,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             for mode in modes if r % 2 == 0 else modes[::-1]:
                 block_quant.MAX_ROWS = max_rows[mode]
                 results.setdefault((step, mode), []).append(one_step(step))
-    print(f"prefill steps, bundled SmolLM2-135M, fp32 over Q4_1 (head Q8_0), {args.threads} threads, "
+    weights = "HF weights" if args.model else "fp32 over Q4_1 (head Q8_0)"
+    print(f"prefill steps, {args.model or 'bundled SmolLM2-135M'}, {weights}, {args.threads} threads, "
           f"{args.rounds} interleaved rounds, medians in ms; mkl: MAX_ROWS={max_rows['mkl']}, "
           f"panel: MAX_ROWS={args.panel_rows}")
     for step in steps:

@@ -11,6 +11,10 @@ unconstrained rows should pay nothing. The script times, on the same engine in o
 Runs alternate between the variants and report medians, so machine noise hits them alike.
 
     .venv/bin/python benchmarks/structured_outputs.py [--seqs 32] [--constrained 4] [--steps 40] [--repeats 3] [--sampler-only]
+                                                      [--model DIR] [--quick]
+
+The bundled model unless `--model` names an HF directory; `--quick`: 4 sequences (2 constrained),
+5 steps, one repeat.
 """
 
 from __future__ import annotations
@@ -101,18 +105,22 @@ def time_engine_steps(engines: dict[str, tuple[LLMEngine, int]], n: int, steps: 
     return {name: statistics.median(v) * 1e3 for name, v in durations.items()}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seqs", type=int, default=32)
     ap.add_argument("--constrained", type=int, default=4)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--sampler-only", action="store_true", help="skip the engine steps (one model load, not two)")
-    args = ap.parse_args()
+    ap.add_argument("--model", default=None, help="an HF model directory (default: the bundled GGUF)")
+    ap.add_argument("--quick", action="store_true", help="4 sequences (2 constrained), 5 steps, one repeat")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.seqs, args.constrained, args.steps, args.repeats = 4, 2, 5, 1
     n, k = args.seqs, args.constrained
 
     def load() -> LLMEngine:
-        engine = LLMEngine.from_args(EngineArgs.from_kwargs(dtype="float32", max_num_seqs=n, max_model_len=1024))
+        engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=args.model, dtype="float32", max_num_seqs=n, max_model_len=1024))
         engine.prepare_logits_processors(params(True, 1))  # xgrammar import and compile: not per step
         return engine
 

@@ -94,7 +94,7 @@ class BlockQuantLinear:
         # says so and the segment is whole groups, as GGUF rows elsewhere.
         group = grouped_q4_1(self.kernels) and not self.invariant
         self.segments = tuple(
-            _regrouped(seg, group and seg.data.shape[0] % _GROUP == 0) if seg.fmt in (_Q4_1, Q4_1_G16) else seg
+            regrouped(seg, group and seg.data.shape[0] % _GROUP == 0) if seg.fmt in (_Q4_1, Q4_1_G16) else seg
             for seg in self.segments
         )
 
@@ -171,7 +171,7 @@ def grouped_q4_1(kernels: native.NativeKernels) -> bool:
     return kernels.level.split("-")[0] in PANEL_ONLY_LEVELS
 
 
-def _regrouped(seg: PackedRows, group: bool) -> PackedRows:
+def regrouped(seg: PackedRows, group: bool) -> PackedRows:
     """A Q4_1 segment as Q4_1_G16 (group) or as GGUF rows, the same bytes moved: per group of 16
     outputs and block, their 16 d, their 16 m, then quant bytes 4c..4c+3 of each output as dword
     lane k of vector c (csrc/block_quant_linear.c)."""

@@ -12,7 +12,8 @@ and the argmax split their work over torch.get_num_threads() threads of our own 
 The same sources are built once per ISA level (ISA_LEVELS: the compiler flags and the CPU
 features they need: portable, avx2, avx512 (F/BW/VL/DQ), avx512_vnni, avx512_bf16);
 `native_kernels()` loads the best level this CPU has, or a lower one named by $SERVELAB_ISA, and
-logs its choice once. Each build is cached
+logs its choice once; `build()` makes a build of its own (other compiler flags or sources), for
+benchmarks that compare builds. Each build is cached
 under $SERVELAB_CACHE_DIR, else $XDG_CACHE_HOME/servelab, else ~/.cache/servelab, keyed by a hash
 of the sources, the compiler and its flags, so it costs a compile once per machine. Everything
 here is optional: without a C compiler (or with SERVELAB_NATIVE=0) `native_kernels()` returns
@@ -30,7 +31,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -198,8 +199,8 @@ class NativeKernels:
     bf16_linear: Callable[..., int]
 
 
-def _build(level: IsaLevel) -> NativeKernels:
-    csrc = resources.files("servelab.engine").joinpath("csrc")
+def _build(level: IsaLevel, csrc: Path | None = None, cdll: type[ctypes.CDLL] = ctypes.CDLL) -> NativeKernels:
+    csrc = csrc or resources.files("servelab.engine").joinpath("csrc")
     sources = {name: csrc.joinpath(name).read_bytes() for name in _SOURCES + _HEADERS}
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
@@ -219,7 +220,7 @@ def _build(level: IsaLevel) -> NativeKernels:
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:500]}")
             os.replace(tmp_lib, lib_path)  # atomic: concurrent builders each install a whole file
-    lib = ctypes.CDLL(str(lib_path))
+    lib = cdll(str(lib_path))
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
     def fn(name: str, *argtypes, restype=None) -> Callable[..., None]:
@@ -266,6 +267,20 @@ def _build(level: IsaLevel) -> NativeKernels:
         half_linear=fn("servelab_half_linear_f32", i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, restype=ctypes.c_int),
         bf16_linear=fn("servelab_bf16_linear_f32", ptr, i64, i64, ptr, i64, ptr, ptr, i64, restype=ctypes.c_int),
     )
+
+
+def build(
+    level: str, extra_cflags: Sequence[str] = (), csrc: Path | None = None, cdll: type[ctypes.CDLL] = ctypes.CDLL
+) -> NativeKernels:
+    """The kernels at ISA level `level` built apart from the ones native_kernels() hands out: with
+    `extra_cflags` after the level's flags (a knob such as -DSL_SPIN_NS=0), from the sources in
+    the directory `csrc` (default: the package's), loaded by `cdll` (a subclass may stand in for
+    entry points that older sources lack). Compiled once per machine, as every build is; the CPU's
+    features are not checked. RuntimeError (or OSError) where it does not build or load."""
+    if level not in _LEVELS:
+        raise ValueError(f"unknown ISA level {level!r} (known: {', '.join(_LEVELS)})")
+    base = _LEVELS[level]
+    return _build(IsaLevel(base.name, (*base.cflags, *extra_cflags), base.needs), csrc, cdll)
 
 
 def native_kernels(level: str | None = None) -> NativeKernels | None:

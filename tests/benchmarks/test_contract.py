@@ -24,16 +24,6 @@ EXEMPT = {
     "soak.py": "an hour of load against a server, RSS sampled",
     # Two checkouts or two kernel builds, one engine each.
     "engine_ab.py": "needs a second checkout",
-    "build_ab.py": "compiles a second kernel build (reaches native._build)",
-    # The bundled model, whole, in every run; no --quick yet.
-    "engine_cpu.py": "servelab and HF transformers on the bundled model (imported by peers.py)",
-    "decode_step_split.py": "decode steps of the bundled model, op by op",
-    "prefill_step_split.py": "prefill steps of the bundled model, op by op",
-    "gemv_layouts.py": "needs an AVX-512 level (native or SIMDe)",
-    "panel_linears.py": "every matrix of the bundled model per row count",
-    "half_weights.py": "writes a bf16 copy of the bundled model first",
-    "isa_levels.py": "compiles the kernels at each ISA level",
-    "structured_outputs.py": "two bundled-model engines",
     # torch.distributed process groups on 127.0.0.1.
     "tp_allreduce.py": "gloo ranks and TP engines on the bundled model",
     "tp_kv_gather.py": "a TP=3 engine on the bundled model",

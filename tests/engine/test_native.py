@@ -492,6 +492,30 @@ def test_cpu_features_fall_back_to_proc_cpuinfo(monkeypatch):
     assert native.cpu_features() == torch_view
 
 
+def test_build_compiles_the_sources_given_with_the_extra_flags_and_leaves_the_loaded_kernels(monkeypatch, tmp_path):
+    from importlib import resources
+
+    csrc = tmp_path / "csrc"
+    csrc.mkdir()
+    for src in resources.files("servelab.engine").joinpath("csrc").iterdir():
+        (csrc / src.name).write_bytes(src.read_bytes())
+    (csrc / "parallel.c").write_text("/* another tree's pool */\n")
+    cc = tmp_path / "cc"  # records its arguments and the sources it is given, then fails
+    cc.write_text('#!/bin/sh\necho "$@" > "$0.args"\nfor a; do case "$a" in *.c) cat "$a" >> "$0.args";; esac; done\nexit 1\n')
+    cc.chmod(0o755)
+    monkeypatch.setenv("CC", str(cc))
+    monkeypatch.setenv("SERVELAB_CACHE_DIR", str(tmp_path / "cache"))
+    builds = dict(native._builds)
+    with pytest.raises(RuntimeError, match="failed"):
+        native.build("avx2", ["-DSL_SPIN_NS=0"], csrc=csrc)
+    recorded = (tmp_path / "cc.args").read_text()
+    flags = " ".join(native.ISA_LEVELS[1].cflags)
+    assert f"{flags} -DSL_SPIN_NS=0" in recorded and "/* another tree's pool */" in recorded
+    assert native._builds == builds  # native_kernels() hands out what it did
+    with pytest.raises(ValueError, match="unknown ISA level"):
+        native.build("avx9")
+
+
 @pytest.mark.parametrize("level", native.ISA_LEVELS, ids=lambda level: level.name)
 def test_each_level_builds_with_its_own_isa_whatever_the_compiler_defaults_to(level, tmp_path):
     """A compiler that defaults to an AVX-512 CPU (-march=x86-64-v4: F/BW/VL/DQ) still builds the
