@@ -227,14 +227,15 @@ class LlamaCppPeer(WorkerPeer):
     name = "llama.cpp"
 
     def __init__(self, threads: int, omp_wait_policy: str) -> None:
-        if importlib.util.find_spec("llama_cpp") is None:
-            raise ImportError("no module named 'llama_cpp'")
+        # a Python of its own (SERVELAB_LLAMA_CPP_PYTHON: the worker needs only llama_cpp), or this one
+        python = os.environ.get("SERVELAB_LLAMA_CPP_PYTHON") or sys.executable
+        if python == sys.executable and importlib.util.find_spec("llama_cpp") is None:
+            raise ImportError("no module named 'llama_cpp' (or set SERVELAB_LLAMA_CPP_PYTHON)")
         env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}  # not this process's PASSIVE
         if omp_wait_policy != "unset":
             env["OMP_WAIT_POLICY"] = omp_wait_policy
         worker = Path(__file__).resolve().parent / "peers_llama_cpp.py"
-        super().__init__([sys.executable, str(worker), "--model", str(bundled_model_path()), "--threads", str(threads)],
-                         env)  # fmt: skip
+        super().__init__([python, str(worker), "--model", str(bundled_model_path()), "--threads", str(threads)], env)
         # Q4_1 x Q8_1 dot products: llama.cpp quantizes activations to 8 bits and multiplies integers.
         self.profile = Profile(self.info["weight_bytes"], "float16", "int8")
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -32,6 +33,9 @@ def main() -> int:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--max-num-seqs", type=int, default=32)
     args = ap.parse_args()
+    # The protocol keeps the real stdout; everything else written there (vLLM logs to it) goes to stderr.
+    proto = os.fdopen(os.dup(sys.stdout.fileno()), "w", buffering=1)
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())
     import vllm
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
@@ -48,7 +52,7 @@ def main() -> int:
         return time.perf_counter() - t0
 
     print(json.dumps({"ready": {"version": vllm.__version__, "weight_bytes": weight_bytes, "dtype": args.dtype}}),
-          flush=True)
+          file=proto)
     for line in sys.stdin:
         req = json.loads(line)
         op = req["op"]
@@ -56,7 +60,7 @@ def main() -> int:
             first = run([req["prompt"]], 1)  # the prefill and first token alone
             decode_s = run([req["prompt"]], req["new"] + 1) - first
             if decode_s <= 0:
-                print(json.dumps({"error": f"{req['new']} tokens took no longer than one: too few to time"}), flush=True)
+                print(json.dumps({"error": f"{req['new']} tokens took no longer than one: too few to time"}), file=proto)
                 continue
             value = req["new"] / decode_s
         elif op == "decode_batch":
@@ -64,9 +68,9 @@ def main() -> int:
         elif op == "prefill":
             value = len(req["prompt"]) / run([req["prompt"]], 1)
         else:
-            print(json.dumps({"error": f"unknown op {op!r}"}), flush=True)
+            print(json.dumps({"error": f"unknown op {op!r}"}), file=proto)
             continue
-        print(json.dumps({"value": value}), flush=True)
+        print(json.dumps({"value": value}), file=proto)
     return 0
 
 

@@ -201,7 +201,6 @@ def test_vllm_worker_answers_each_workload(tmp_path):
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0")
     out = subprocess.run([python, str(_DIR / "peers_vllm.py"), "--model", str(model), "--dtype", "float32"], input="".join(json.dumps(r) + "\n" for r in requests),
                          capture_output=True, text=True, timeout=900, check=True, env=env).stdout.splitlines()
-    out = [line for line in out if line.startswith("{")]
-    assert json.loads(out[0])["ready"]["dtype"] == "float32"
+    assert json.loads(out[0])["ready"]["dtype"] == "float32"  # stdout holds the protocol alone: vLLM logs to stderr
     values = [json.loads(line)["value"] for line in out[1:]]
     assert len(values) == 3 and all(v > 0 for v in values)
