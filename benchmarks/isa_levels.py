@@ -4,7 +4,7 @@ the panel kernel above), as int8 codes, as bf16 weights under fp32 sums (csrc/ha
 GEMV up to 16 rows, the widened-panel GEMM above), in bf16 arithmetic (`bf16dot`,
 csrc/bf16_linear.c: vdpbf16ps at avx512_bf16, split FMAs below), and its prefill attention (9 query heads over 3 KV heads,
 head_dim 64) for a whole prompt of each --prompts length, once per layer. Optionally another
-source tree's kernels at the same levels (`--base TREE`: its servelab/engine/csrc built with this
+source tree's kernels at the same levels (`--base TREE`: its servelab/runtime/csrc built with this
 tree's flags), for before/after.
 
     python benchmarks/isa_levels.py [--levels avx2 avx512_vnni] [--base /tmp/old-tree] [--threads 1]
@@ -32,11 +32,11 @@ from pathlib import Path
 import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch loads
 import torch
 
-from servelab.engine import native
+from servelab.runtime import native
 from servelab.engine.bundled import bundled_model_path
-from servelab.engine.linear import HalfLinear
-from servelab.engine.loader import load_model
-from servelab.engine.quantization import Bf16Linear, Int8Linear
+from servelab.runtime.linear import HalfLinear
+from servelab.runtime.loader import load_model
+from servelab.runtime.quantization import Bf16Linear, Int8Linear
 
 
 # An entry point an older tree lacks -> the one its linears called instead.
@@ -71,7 +71,7 @@ def build_from(tree: Path, level: str) -> native.NativeKernels:
         csrc.mkdir()
         for name in (*native._SOURCES, *native._HEADERS):
             theirs = tree / "servelab" / "engine" / "csrc" / name
-            shutil.copy(theirs if theirs.exists() else own.files("servelab.engine").joinpath("csrc", name), csrc / name)
+            shutil.copy(theirs if theirs.exists() else own.files("servelab.runtime").joinpath("csrc", name), csrc / name)
         native.resources = types.SimpleNamespace(files=lambda _pkg: Path(tmp))
         try:
             return native._build(native._LEVELS[level])

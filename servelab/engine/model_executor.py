@@ -14,8 +14,8 @@ import time
 import torch
 
 from servelab.core.plan import StepPlan, StepResult, TokenLogprobs
-from servelab.engine.kv_cache import PagedKVCache
-from servelab.engine.model import AttentionMetadata, LlamaModel
+from servelab.runtime.kv_cache import PagedKVCache
+from servelab.runtime.model import AttentionMetadata, LlamaModel
 from servelab.engine.row_isolation import sample_isolated
 from servelab.engine.sampler import NON_FINITE_LOGITS, Sampler
 
