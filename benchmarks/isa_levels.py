@@ -4,8 +4,8 @@ the panel kernel above), as int8 codes, as bf16 weights under fp32 sums (csrc/ha
 GEMV up to 16 rows, the widened-panel GEMM above), in bf16 arithmetic (`bf16dot`,
 csrc/bf16_linear.c: vdpbf16ps at avx512_bf16, split FMAs below), and its prefill attention (9 query heads over 3 KV heads,
 head_dim 64) for a whole prompt of each --prompts length, once per layer. Optionally another
-source tree's kernels at the same levels (`--base TREE`: its servelab/runtime/csrc built with this
-tree's flags), for before/after.
+source tree's kernels at the same levels (`--base TREE`: its servelab/runtime/csrc, or an older
+tree's servelab/engine/csrc, built with this tree's flags), for before/after.
 
     python benchmarks/isa_levels.py [--levels avx2 avx512_vnni] [--base /tmp/old-tree] [--threads 1]
                                     [--kinds gguf int8 bf16 bf16dot attn]
@@ -69,8 +69,10 @@ def build_from(tree: Path, level: str) -> native.NativeKernels:
     with tempfile.TemporaryDirectory() as tmp:
         csrc = Path(tmp) / "csrc"
         csrc.mkdir()
+        their_csrc = next((d for d in (tree / "servelab" / "runtime" / "csrc", tree / "servelab" / "engine" / "csrc")
+                           if d.is_dir()), tree / "servelab" / "runtime" / "csrc")  # fmt: skip
         for name in (*native._SOURCES, *native._HEADERS):
-            theirs = tree / "servelab" / "engine" / "csrc" / name
+            theirs = their_csrc / name
             shutil.copy(theirs if theirs.exists() else own.files("servelab.runtime").joinpath("csrc", name), csrc / name)
         native.resources = types.SimpleNamespace(files=lambda _pkg: Path(tmp))
         try:

@@ -11,7 +11,7 @@ import pytest
 from servelab.spec.dtypes import GGUF_WEIGHT_FORMATS
 from servelab.spec.ggml_types import GGML_TYPE_BY_ID, GGML_TYPE_BY_NAME, GGML_TYPES, Kernel
 
-KERNEL_SOURCE = Path(__file__).parents[2] / "servelab" / "engine" / "csrc" / "block_quant_linear.c"
+KERNEL_SOURCE = Path(__file__).parents[2] / "servelab" / "runtime" / "csrc" / "block_quant_linear.c"
 
 
 def test_the_type_table_agrees_with_the_gguf_package():
