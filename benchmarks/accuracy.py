@@ -41,8 +41,8 @@ import torch
 
 from servelab import LLM
 from servelab.engine.bundled import bundled_model_path
-from servelab.engine.kv_cache import PagedKVCache
-from servelab.engine.model import AttentionMetadata
+from servelab.runtime.kv_cache import PagedKVCache
+from servelab.runtime.model import AttentionMetadata
 
 TEXT = Path(__file__).parent / "data" / "accuracy_text.txt"
 # name -> engine flags; "fp32" is the reference every other path is scored against.

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_cpu import Servelab  # noqa: E402
 
 from servelab.core.sequence import SamplingParams  # noqa: E402
-from servelab.engine import native  # noqa: E402
+from servelab.runtime import native  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

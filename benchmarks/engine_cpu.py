@@ -37,7 +37,7 @@ import torch
 
 from servelab.core.sequence import SamplingParams
 from servelab.engine.bundled import bundled_model_path
-from servelab.engine.host_probe import read_bandwidth_bytes_per_s
+from servelab.runtime.host_probe import read_bandwidth_bytes_per_s
 from servelab.engine.llm_engine import EngineArgs, LLMEngine
 
 B1_PROMPT, B1_NEW = 32, 64

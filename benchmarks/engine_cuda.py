@@ -52,7 +52,7 @@ from host_limits import HostLimits  # noqa: E402
 from peers import Profile, Shape, fractions  # noqa: E402
 
 from servelab.core.sequence import SamplingParams  # noqa: E402
-from servelab.engine.host_probe import read_bandwidth_bytes_per_s  # noqa: E402
+from servelab.runtime.host_probe import read_bandwidth_bytes_per_s  # noqa: E402
 from servelab.engine.llm_engine import EngineArgs, LLMEngine  # noqa: E402
 from servelab.spec.hardware import get_hardware  # noqa: E402
 from servelab.spec.model import ModelSpec  # noqa: E402

@@ -22,9 +22,9 @@ import time
 import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch loads
 import torch
 
-from servelab.engine import block_quant, host_probe
+from servelab.runtime import block_quant, host_probe
 from servelab.engine.bundled import bundled_model_path
-from servelab.engine.loader import load_model
+from servelab.runtime.loader import load_model
 
 
 def as_rows(linear: block_quant.BlockQuantLinear) -> block_quant.BlockQuantLinear:

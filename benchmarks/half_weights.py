@@ -50,9 +50,9 @@ def write_bf16_checkpoint(out: Path, weights: bool = True, layers: int | None = 
     engine_cuda.py's --twin fills with random weights of the same shapes."""
     from safetensors.torch import save_file
 
-    from servelab.engine.loader import read_gguf_tensors
+    from servelab.runtime.loader import read_gguf_tensors
     from servelab.engine.tokenizer import Tokenizer
-    from servelab.engine.weight_layout import gguf_getters
+    from servelab.runtime.weight_layout import gguf_getters
     from servelab.spec.model import ModelSpec
 
     path = bundled_model_path()
@@ -106,9 +106,9 @@ def _cpu_s(fn, clock=time.process_time) -> float:
 
 
 def linears(ckpt: Path, rows_list: list[int], rounds: int, base: Path | None, wall: bool) -> None:
-    from servelab.engine import host_probe, linear
-    from servelab.engine.linear import HalfLinear
-    from servelab.engine.loader import load_model
+    from servelab.runtime import host_probe, linear
+    from servelab.runtime.linear import HalfLinear
+    from servelab.runtime.loader import load_model
 
     model = load_model(ckpt, dtype=torch.float32).model
     half = [w for layer in model.layers for w in layer.linears()] + [model.lm_head]
@@ -120,7 +120,7 @@ def linears(ckpt: Path, rows_list: list[int], rounds: int, base: Path | None, wa
         sys.path.insert(0, str(Path(__file__).parent))
         from isa_levels import build_from
 
-        from servelab.engine import native
+        from servelab.runtime import native
 
         kernels["base GEMV"] = build_from(base, native.best_level())
 

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch loads
 import torch
 
-from servelab.engine import host_probe
+from servelab.runtime import host_probe
 
 # The compute dtypes an engine's arithmetic is priced at (keys of HostLimits.peak_ops_per_s).
 COMPUTE_DTYPES = ("fp32", "bf16", "int8")

@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from servelab.engine.bundled import bundled_model_path
-from servelab.engine.loader import load_model
-from servelab.engine.quantization import Int8Linear
+from servelab.runtime.loader import load_model
+from servelab.runtime.quantization import Int8Linear
 
 
 def fbgemm_linear(w: torch.Tensor):

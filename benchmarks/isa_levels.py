@@ -4,8 +4,8 @@ the panel kernel above), as int8 codes, as bf16 weights under fp32 sums (csrc/ha
 GEMV up to 16 rows, the widened-panel GEMM above), in bf16 arithmetic (`bf16dot`,
 csrc/bf16_linear.c: vdpbf16ps at avx512_bf16, split FMAs below), and its prefill attention (9 query heads over 3 KV heads,
 head_dim 64) for a whole prompt of each --prompts length, once per layer. Optionally another
-source tree's kernels at the same levels (`--base TREE`: its servelab/engine/csrc built with this
-tree's flags), for before/after.
+source tree's kernels at the same levels (`--base TREE`: its servelab/runtime/csrc, or an older
+tree's servelab/engine/csrc, built with this tree's flags), for before/after.
 
     python benchmarks/isa_levels.py [--levels avx2 avx512_vnni] [--base /tmp/old-tree] [--threads 1]
                                     [--kinds gguf int8 bf16 bf16dot attn] [--quick]
@@ -31,11 +31,11 @@ from pathlib import Path
 import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch loads
 import torch
 
-from servelab.engine import native
+from servelab.runtime import native
 from servelab.engine.bundled import bundled_model_path
-from servelab.engine.linear import HalfLinear
-from servelab.engine.loader import load_model
-from servelab.engine.quantization import Bf16Linear, Int8Linear
+from servelab.runtime.linear import HalfLinear
+from servelab.runtime.loader import load_model
+from servelab.runtime.quantization import Bf16Linear, Int8Linear
 
 
 # An entry point an older tree lacks -> the one its linears called instead.
@@ -64,8 +64,10 @@ def build_from(tree: Path, level: str) -> native.NativeKernels:
     tree lacks (an older tree, before a kernel existed) comes from this tree, so that it builds;
     an entry point it lacks is _OLDER_ENTRY's stand-in."""
     with tempfile.TemporaryDirectory() as tmp:
-        for own in resources.files("servelab.engine").joinpath("csrc").iterdir():
-            theirs = tree / "servelab" / "engine" / "csrc" / own.name
+        their_csrc = next((d for d in (tree / "servelab" / "runtime" / "csrc", tree / "servelab" / "engine" / "csrc")
+                           if d.is_dir()), tree / "servelab" / "runtime" / "csrc")  # fmt: skip
+        for own in resources.files("servelab.runtime").joinpath("csrc").iterdir():
+            theirs = their_csrc / own.name
             (Path(tmp) / own.name).write_bytes((theirs if theirs.exists() else own).read_bytes())
         return native.build(level, csrc=Path(tmp), cdll=_OlderLibrary)
 

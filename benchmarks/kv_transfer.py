@@ -22,7 +22,7 @@ def _run(rank: int, port: int, tokens: list[int], repeats: int, dtypes: list[str
     import torch.distributed as dist
 
     from servelab.cluster.kv_transfer import pair_groups, recv_blocks, send_blocks
-    from servelab.engine.kv_cache import PagedKVCache
+    from servelab.runtime.kv_cache import PagedKVCache
     from servelab.spec.model import ModelSpec
 
     torch.set_num_threads(1)
@@ -62,7 +62,7 @@ def _run(rank: int, port: int, tokens: list[int], repeats: int, dtypes: list[str
 def main(argv: list[str] | None = None) -> None:
     import torch.multiprocessing as mp
 
-    from servelab.engine.parallel.group import free_port
+    from servelab.runtime.parallel.group import free_port
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tokens", default="128,512,2048")

@@ -29,10 +29,10 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from isa_levels import build_from  # noqa: E402
 
-from servelab.engine import block_quant, native  # noqa: E402
-from servelab.engine.block_quant import BlockQuantLinear  # noqa: E402
+from servelab.runtime import block_quant, native  # noqa: E402
+from servelab.runtime.block_quant import BlockQuantLinear  # noqa: E402
 from servelab.engine.bundled import bundled_model_path  # noqa: E402
-from servelab.engine.loader import load_model  # noqa: E402
+from servelab.runtime.loader import load_model  # noqa: E402
 
 KINDS = ("qkv", "o", "gate_up", "down")
 

@@ -47,7 +47,7 @@ from host_limits import HostLimits, describe, measure_host_limits  # noqa: E402
 
 from servelab.commands.calibrate import host_info  # noqa: E402
 from servelab.cost.roofline import Roofline  # noqa: E402
-from servelab.engine import host_probe  # noqa: E402
+from servelab.runtime import host_probe  # noqa: E402
 from servelab.engine.bundled import bundled_model_path  # noqa: E402
 from servelab.spec.dtypes import weight_dtype  # noqa: E402
 from servelab.spec.hardware import HardwareSpec  # noqa: E402

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_cpu import Servelab  # noqa: E402
 
 from servelab.core.sequence import SamplingParams  # noqa: E402
-from servelab.engine import block_quant  # noqa: E402
+from servelab.runtime import block_quant  # noqa: E402
 
 KINDS = ("qkv", "o", "gate_up", "down", "lm_head", "attention", "rope_kv", "norms", "silu_mul", "embed", "else")
 

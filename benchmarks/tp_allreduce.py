@@ -31,7 +31,7 @@ from servelab.core.sequence import SamplingParams
 from servelab.cost.profile import fit_allreduce, tp_comm_s
 from servelab.cost.roofline import Efficiency
 from servelab.engine.llm_engine import EngineArgs, LLMEngine
-from servelab.engine.host_probe import ALLREDUCE_TOKENS, allreduce_times
+from servelab.runtime.host_probe import ALLREDUCE_TOKENS, allreduce_times
 
 HIDDEN = 576  # the bundled model's hidden size
 TOKENS = ALLREDUCE_TOKENS

@@ -15,7 +15,7 @@ import time
 import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch loads (servelab/__init__.py)
 from servelab.core.sequence import SamplingParams
 from servelab.engine.llm_engine import EngineArgs, LLMEngine
-from servelab.engine.parallel.kv_shards import TensorParallelKV
+from servelab.runtime.parallel.kv_shards import TensorParallelKV
 
 
 def _prefilled(tp: int, prompt: list[int]) -> tuple[LLMEngine, list[int]]:

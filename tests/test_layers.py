@@ -18,16 +18,18 @@ ALLOWED: dict[str, set[str]] = {
     "workload": set(),
     "metrics": set(),
     "cost": {"spec"},
-    "engine": {"core", "spec"},
+    # the model, its weights and kernels: never the step loop, the tokenizer or sampling
+    "runtime": {"spec"},
+    "engine": {"core", "spec", "runtime"},
     "sim": {"core", "cost", "spec", "workload", "metrics"},
     "server": {"core", "engine", "spec", "metrics", "<top>"},
     # data-parallel workers: the engine in each, its client interface and core's router at the front
-    "cluster": {"core", "engine", "spec"},
+    "cluster": {"core", "engine", "runtime", "spec"},
     # the load generator builds exact-length prompts with the engine's tokenizer (imported lazily)
     "bench": {"core", "workload", "metrics", "sim", "cost", "spec", "engine"},
     # and the server's HTTP guards and JSON decoder (server.guards, server.http_errors: no engine, no torch)
     "lab": {"core", "bench", "sim", "cost", "spec", "workload", "metrics", "server"},
-    "commands": {"bench", "cluster", "core", "cost", "engine", "lab", "metrics", "server", "sim", "spec",
+    "commands": {"bench", "cluster", "core", "cost", "engine", "lab", "metrics", "runtime", "server", "sim", "spec",
                  "workload", "<top>"},
     "cli": {"<top>", "commands"},
     "__main__": {"cli"},

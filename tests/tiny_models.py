@@ -202,8 +202,8 @@ def prefill_logits(model, token_ids: list[int], *, chunk: int | None = None, blo
     """
     import torch
 
-    from servelab.engine.kv_cache import PagedKVCache
-    from servelab.engine.model import AttentionMetadata
+    from servelab.runtime.kv_cache import PagedKVCache
+    from servelab.runtime.model import AttentionMetadata
 
     T = len(token_ids)
     nb = -(-T // block_size) + 1

@@ -163,13 +163,13 @@ def disagg_loop(engine: LLMEngine, link: Link, config: m.WorkerConfig, rdv: Rend
 
 def _transfer_view(engine: LLMEngine) -> Any:
     """The cache the KV transfers read and write: under tensor parallelism, every rank's heads."""
-    from servelab.engine.parallel.group import TensorParallelModel
+    from servelab.runtime.parallel.group import TensorParallelModel
 
     kv = engine.executor.kv_cache
     model = engine.executor.model
     if not isinstance(model, TensorParallelModel):
         return kv
-    from servelab.engine.parallel.kv_shards import TensorParallelKV
+    from servelab.runtime.parallel.kv_shards import TensorParallelKV
 
     return TensorParallelKV(kv, model.group)
 

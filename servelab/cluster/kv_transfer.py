@@ -12,7 +12,7 @@ connection), one that stopped answering fails it after `timeout_s`. A timeout ma
 every connection of that process group, so each prefill/decode pair gets a group of its own
 (pair_groups): a stuck peer takes down only its own pair's transfers, not its other peers'.
 
-Under tensor parallelism the caches are TensorParallelKV (engine/parallel/kv_shards.py): rank 0
+Under tensor parallelism the caches are TensorParallelKV (runtime/parallel/kv_shards.py): rank 0
 of each worker gathers its ranks' heads into each piece and scatters them on arrival.
 """
 
@@ -27,11 +27,11 @@ import torch
 import torch.distributed as dist
 
 from servelab.cluster.disagg_config import DEFAULT_KV_TRANSFER_TIMEOUT_S, GRANULARITIES, DisaggConfig
-from servelab.engine.kv_cache import PagedKVCache
+from servelab.runtime.kv_cache import PagedKVCache
 from servelab.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from servelab.engine.parallel.kv_shards import TensorParallelKV
+    from servelab.runtime.parallel.kv_shards import TensorParallelKV
 
 
 class KVTransferError(RuntimeError):

@@ -57,7 +57,7 @@ def start_cluster(
     `join_timeout_s`. Raises ClusterFailed (and leaves no process behind) if any does not.
     With `disagg`, the N = P + D workers are its prefill workers, then its decode workers. Under
     `engine_args.tensor_parallel_size` T > 1 each worker is rank 0 of its own group of T processes
-    (engine/parallel/group.py), which it starts on its own host. A worker busy in one pass of its
+    (runtime/parallel/group.py), which it starts on its own host. A worker busy in one pass of its
     step loop for over `hang_timeout_s` (None: never) is failed as hung. A failed local
     worker (data-parallel, prefill or decode) is restarted, at most `restart_limit` times per
     rank, with backoff.
@@ -69,7 +69,7 @@ def start_cluster(
     if external and master_port is None:
         raise InvalidArgument("--external-workers needs --master-port: the workers must know where to join",
                               param="master_port")  # fmt: skip
-    from servelab.engine.parallel.group import free_port
+    from servelab.runtime.parallel.group import free_port
 
     port = master_port or free_port()
     world = data_parallel + 1

@@ -258,8 +258,8 @@ def kernel_rows_of(engine: Any) -> dict[str, Any] | None:
     HALF_GEMM_MAX_ROWS. None when the linears have no
     such switch or mix kinds: dense fp32 and int8 (one kernel at every row count), deterministic
     mode (the panel kernel for every row count), tensor-parallel wrappers, CUDA."""
-    from servelab.engine import block_quant
-    from servelab.engine.linear import HALF_GEMM_MAX_ROWS, HALF_GEMV_MAX_ROWS, HalfLinear
+    from servelab.runtime import block_quant
+    from servelab.runtime.linear import HALF_GEMM_MAX_ROWS, HALF_GEMV_MAX_ROWS, HalfLinear
 
     model = getattr(engine.executor, "model", None)
     linears = [lin for layer in getattr(model, "layers", None) or () for lin in layer.linears()]
@@ -391,7 +391,7 @@ def run(args: argparse.Namespace) -> int:
     if args.base_url is not None:
         return run_black_box(args)
     from servelab.cost.calibration_stats import host_noise
-    from servelab.engine.host_probe import OtherLoadMeter
+    from servelab.runtime.host_probe import OtherLoadMeter
     from servelab.engine.llm_engine import LLMEngine
     from servelab.spec.hardware_file import SUFFIXES as HARDWARE_FILE_SUFFIXES
 
@@ -486,7 +486,7 @@ def wait_for_quiet(max_wait_s: float) -> dict[str, float | None]:
     """Waits, up to max_wait_s, until other processes keep under NOISY_OTHER_CPUS busy for a
     QUIET_WINDOW_S window; returns how long it waited and the last window's other load (None
     when not waiting). Passes then start in the host's quiet spells, where there are any."""
-    from servelab.engine.host_probe import OtherLoadMeter
+    from servelab.runtime.host_probe import OtherLoadMeter
 
     if max_wait_s <= 0:
         return {"waited_s": 0.0, "other_cpus": None}
@@ -504,7 +504,7 @@ def measure_tp_term(args: argparse.Namespace, spec: Any) -> dict[str, Any]:
     """The all-reduce on this host's backend (gloo) among the engine's rank count, at the engine's
     message sizes, fitted as latency + bytes/bandwidth: what `sim`/`plan --tp` price a collective at."""
     from servelab.cost.profile import fit_allreduce
-    from servelab.engine.host_probe import allreduce_times
+    from servelab.runtime.host_probe import allreduce_times
 
     if spec is None:
         raise InvalidArgument("--tensor-parallel-size: the TP term needs the model's shape (layers, hidden size), "
@@ -549,7 +549,7 @@ def measure_server_term(args: argparse.Namespace, profile: dict[str, Any]) -> di
 
     from servelab.bench.fidelity import ServedStep, ServerRun, fit_server_term, replayed
     from servelab.commands import validate
-    from servelab.engine.parallel.group import free_port
+    from servelab.runtime.parallel.group import free_port
     from servelab.workload import workload_from_args
 
     port = free_port()
@@ -621,7 +621,7 @@ def write_hardware_file(path: str, host: dict[str, Any]) -> None:
     """This host as a hardware file, checked by the same parser that reads --hardware files."""
     import re
 
-    from servelab.engine.host_probe import probe_hardware
+    from servelab.runtime.host_probe import probe_hardware
     from servelab.spec.hardware_file import YAML_SUFFIXES, parse_hardware
 
     name = "host-" + (re.sub(r"[^a-z0-9]+", "-", host["cpu"].lower()).strip("-") or "cpu")

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     from servelab.commands._outputs import check_output_file
     from servelab.commands.bench import check_load_args, nothing_completed, slo_from_args
     from servelab.cost.profile import catalog_model_for, load_profile, warn_if_other_model
-    from servelab.engine.host_probe import OtherLoadMeter
+    from servelab.runtime.host_probe import OtherLoadMeter
     from servelab.workload import workload_from_args
 
     check_load_args(args)

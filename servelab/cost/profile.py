@@ -57,7 +57,7 @@ FIXED_TERMS = ("per_step_s", "per_prefill_step_s", "per_wide_step_s", "per_dense
 @dataclass(frozen=True, slots=True)
 class KernelRows:
     """Where the engine's linears change kernel, by rows (query tokens) in a step, as calibrate
-    read them from the model it loaded (engine/block_quant.py's FUSED_MAX_ROWS and MAX_ROWS for
+    read them from the model it loaded (runtime/block_quant.py's FUSED_MAX_ROWS and MAX_ROWS for
     GGUF blocks kept packed): the in-register kernel up to `fused_max_rows`, the panel kernel up
     to `max_rows`, above it MKL over the fp32 copy (up to AVX2) or the k-major panel (AVX-512),
     where decode-only steps also leave the one-call decode stack. None where the loaded linears
@@ -92,7 +92,7 @@ def reached(rows: KernelRows, measurements: Sequence[dict[str, float]]) -> Kerne
 
 def has_prefill(num_tokens: int, num_seqs: int) -> bool:
     """Whether a step holds prefill tokens: the engine decodes a sequence with one query token and
-    runs a step of decodes only in one native call (engine/decode_stack.py), any other op by op."""
+    runs a step of decodes only in one native call (runtime/decode_stack.py), any other op by op."""
     return num_tokens > num_seqs
 
 

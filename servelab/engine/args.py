@@ -23,7 +23,7 @@ DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 DTYPES = FLOAT_DTYPES  # the compute dtypes; names in spec/dtypes.py's vocabulary
 KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: the compute dtype
 DEVICES = ("cpu", "cuda")
-QUANTIZATIONS = ("int8", "bf16")  # engine/quantization.py implements them (it imports torch; this module does not)
+QUANTIZATIONS = ("int8", "bf16")  # runtime/quantization.py implements them (it imports torch; this module does not)
 MAX_SEED = 2**63 - 1  # seeds are in [0, MAX_SEED]: torch's generators take them, as does every int64 field
 
 
@@ -64,7 +64,7 @@ class EngineArgs:
         "the name clients send as 'model'", unset="from the model"))
     # None = weights in the compute dtype; "int8" or "bf16" = opt-in int8 or bf16 linears on CPU
     # (the rest in fp32; faster linears, numerics change, output stays batch-invariant: see
-    # engine/quantization.py)
+    # runtime/quantization.py)
     quantization: str | None = field(default=None, metadata=knob(
         "CPU linears that trade numerics for speed, batch-invariant: int8 (7-bit weights, int8 activations; "
         "1.5-6x faster than fp32) or bf16 (bf16 weights and activations, fp32 sums; prefill GEMMs ~2x faster "
@@ -78,7 +78,7 @@ class EngineArgs:
         "float32 (float16 saturates to inf above 65504, bfloat16 keeps float32's range with fewer bits)",
         parse="dtype", deprecated_flags=("--kv-dtype",)))  # fmt: skip
     # Greedy output bit-identical whatever else is in the batch, however prompts are chunked and
-    # across preemption: every row count and decode take the same kernels (engine/model.py,
+    # across preemption: every row count and decode take the same kernels (runtime/model.py,
     # make_batch_invariant); CPU, fp32 compute (bf16 is refused, the default dtype becomes fp32).
     deterministic: bool = field(default=False, metadata=knob(
         "greedy output bit-identical whatever else is in the batch, however prompts are chunked and across "
@@ -86,7 +86,7 @@ class EngineArgs:
     # True: the KV pool's memory is made resident at start (a server: flat RSS, a pool too big
     # fails at once); False: pages are touched as blocks first fill (fast start for offline use)
     kv_cache_prefault: bool = False
-    # Ranks the model is split across (Megatron sharding, engine/parallel/): each rank a process
+    # Ranks the model is split across (Megatron sharding, runtime/parallel/): each rank a process
     # on this host joined by gloo, holding its heads' KV cache; kv_cache_memory_bytes is per rank.
     tensor_parallel_size: int = field(default=1, metadata=knob(
         "split the model across N processes on this host (Megatron sharding, gloo): each holds 1/N of the "
@@ -193,11 +193,3 @@ def native_bf16_on_cpu(args: EngineArgs) -> EngineArgs:
     kv = "bfloat16" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     return dataclasses.replace(args, dtype="float32", quantization="bf16", kv_cache_dtype=kv)
 
-
-def apply_model_options(model: Any, args: EngineArgs) -> None:
-    """What EngineArgs change in a loaded model (engine.model.LlamaModel); every tensor-parallel
-    rank applies the same."""
-    if args.quantization is not None:
-        model.quantize(args.quantization)
-    if args.deterministic:
-        model.make_batch_invariant()

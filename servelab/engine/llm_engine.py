@@ -12,6 +12,7 @@ import operator
 import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from servelab.core.config import SchedulerConfig
@@ -21,7 +22,6 @@ from servelab.engine.args import (
     DEFAULT_KV_CACHE_MEMORY_BYTES,
     DEFAULT_MAX_MODEL_LEN,
     EngineArgs,
-    apply_model_options,
     native_bf16_on_cpu,
 )
 from servelab.engine.client import EngineFront, prepare_logits_processors
@@ -107,12 +107,13 @@ class LLMEngine:
 
         from servelab.engine.bundled import bundled_model_path
         from servelab.engine.generation_config import load_sampling_defaults
-        from servelab.engine.kv_cache import PagedKVCache
-        from servelab.engine.loader import load_model, servable_context
         from servelab.engine.logits_processors import LogitsProcessors
         from servelab.engine.model_executor import ModelExecutor
         from servelab.engine.sampler import Sampler
-        from servelab.engine.weights import CPU_AUTO_DTYPE_REASON, CPU_BF16_DTYPE_REASON, resolve_dtype
+        from servelab.engine.tokenizer import Tokenizer
+        from servelab.runtime.kv_cache import PagedKVCache
+        from servelab.runtime.loader import ModelOptions, load_model, servable_context
+        from servelab.runtime.weights import CPU_AUTO_DTYPE_REASON, CPU_BF16_DTYPE_REASON, resolve_dtype
 
         path = args.model or str(bundled_model_path())
         if (mapped := native_bf16_on_cpu(args)) is not args:
@@ -123,12 +124,14 @@ class LLMEngine:
         if args.dtype is None and args.device == "cpu" and not (args.quantization or args.deterministic):
             logger.info("dtype auto -> float32: %s", CPU_AUTO_DTYPE_REASON)
         if args.quantization is not None:
-            from servelab.engine.quantization import check_supported
+            from servelab.runtime.quantization import check_supported
 
             check_supported(args.quantization)  # before the minutes of loading
         tp = args.tensor_parallel_size
         loaded = load_model(path, dtype=dtype, device=args.device, tp_rank=0, tp_size=tp)
-        apply_model_options(loaded.model, args)
+        options = ModelOptions(args.quantization, args.deterministic)
+        options.apply(loaded.model)
+        tokenizer = Tokenizer.from_hf_dir(path) if Path(path).is_dir() else Tokenizer.from_gguf(path)
         if args.deterministic:
             logger.info(
                 "deterministic mode: float32 compute%s, every batch size on one kernel per linear, decode "
@@ -171,16 +174,17 @@ class LLMEngine:
             model.config, num_blocks, knobs.block_size, dtype=kv_dtype, device=args.device, prefault=args.kv_cache_prefault
         )
         if tp > 1:  # last, so a configuration error leaves no process behind
-            from servelab.engine.parallel.group import start_tensor_parallel  # torch.distributed
-            from servelab.engine.parallel.worker import worker_main
+            from servelab.runtime.parallel.group import start_tensor_parallel  # torch.distributed
+            from servelab.runtime.parallel.worker import worker_main
 
-            model = start_tensor_parallel(loaded.model, spec, tp, worker_main, (path, dtype, args, os.getpid()))
+            model = start_tensor_parallel(loaded.model, spec, tp, worker_main,
+                                          (path, dtype, args.device, options, os.getpid()))
             model.group.broadcast((num_blocks, knobs.block_size, kv_dtype, args.kv_cache_prefault))  # their pools
-        processors = LogitsProcessors(loaded.tokenizer, model.vocab_size)
+        processors = LogitsProcessors(tokenizer, model.vocab_size)
         executor = ModelExecutor(model, kv_cache, sampler=Sampler(args.seed, processors))
         scheduler_config = knobs.resolve(num_blocks=num_blocks, max_model_len=max_model_len)
         name = args.served_model_name or loaded.name
-        engine = cls(executor, loaded.tokenizer, scheduler_config, name, processors)
+        engine = cls(executor, tokenizer, scheduler_config, name, processors)
         engine.model_spec = spec
         engine.sampling_defaults = load_sampling_defaults(path)
         return engine

@@ -1,8 +1,10 @@
 """`ModelExecutor`: the core's Executor carried out by the real model.
 
-It turns a StepPlan into flat tensors (tokens, positions, KV slots, per-sequence context slots),
-runs one forward pass and samples. Decodes go first in the flat batch so they attend together
-(from their block tables, or in one padded SDPA); prefill chunks follow, each on its own.
+A step is four methods, as in nano-vllm's ModelRunner: `prepare_decode` and `prepare_prefill` lay
+the StepPlan out as one flat batch (tokens, positions, KV slots, per-sequence context slots),
+`run_model` runs one forward pass over it, and `sample` picks each sampling row's token. Decodes
+go first in the flat batch so they attend together (from their block tables, or in one padded
+SDPA); prefill chunks follow, each on its own.
 """
 
 from __future__ import annotations
@@ -10,17 +12,38 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
+from dataclasses import dataclass, field
 
 import torch
 
-from servelab.core.plan import StepPlan, StepResult, TokenLogprobs
-from servelab.engine.kv_cache import PagedKVCache
-from servelab.engine.model import AttentionMetadata, LlamaModel
+from servelab.core.plan import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
+from servelab.core.sequence import Sequence
 from servelab.engine.row_isolation import sample_isolated
 from servelab.engine.sampler import NON_FINITE_LOGITS, Sampler
+from servelab.runtime.kv_cache import PagedKVCache
+from servelab.runtime.model import AttentionMetadata, LlamaModel
 
 logger = logging.getLogger("servelab.engine")
 NON_FINITE_HINT = " (an fp16 KV cache holds values up to 65504: try --kv-cache-dtype bfloat16)"
+
+
+@dataclass(slots=True)
+class StepBatch:
+    """A step's flat batch as prepare_decode and prepare_prefill lay it out: the decodes' rows
+    first, then each prefill chunk's rows."""
+
+    input_ids: list[int] = field(default_factory=list)
+    positions: list[torch.Tensor] = field(default_factory=list)
+    slots: list[torch.Tensor] = field(default_factory=list)
+    row_of_last: dict[int, int] = field(default_factory=dict)  # entry -> the row of its last token
+    ids: torch.Tensor | None = None  # a decode-only CPU step's ids, already in its one buffer
+    num_decodes: int = 0
+    decode_block_table: torch.Tensor | None = None
+    decode_ctx_lens: torch.Tensor | None = None
+    decode_max_ctx: int = 0
+    decode_ctx_slots: torch.Tensor | None = None
+    decode_mask: torch.Tensor | None = None
+    prefills: list[tuple[int, int, int, torch.Tensor | None]] = field(default_factory=list)
 
 
 class ModelExecutor:
@@ -37,12 +60,6 @@ class ModelExecutor:
     def vocab_size(self) -> int:
         return self.model.vocab_size
 
-    def _slots(self, block_table: list[int], num_positions: int) -> torch.Tensor:
-        """Flat KV slots of positions 0..num_positions-1 of one sequence."""
-        nb = -(-num_positions // self.block_size)
-        bt = torch.tensor(block_table[:nb], dtype=torch.int64)
-        return (bt[:, None] * self.block_size + self._offsets).view(-1)[:num_positions]
-
     def execute(self, plan: StepPlan) -> StepResult:
         t0 = time.perf_counter()
         if plan.block_size != self.block_size:
@@ -50,104 +67,21 @@ class ModelExecutor:
         entries = plan.scheduled
         decodes = [i for i, s in enumerate(entries) if s.num_tokens == 1]
         prefills = [i for i, s in enumerate(entries) if s.num_tokens > 1]
-        bs = self.block_size
-
-        input_ids: list[int] = []
-        positions: list[torch.Tensor] = []
-        slots: list[torch.Tensor] = []
-        row_of_last: dict[int, int] = {}
-
-        table = ctx = decode_ids = None
-        max_ctx = 0
-        meta_decode_slots = meta_decode_mask = None
+        batch = StepBatch()
         if decodes:
-            B = len(decodes)
-            ctx_lens = [entries[i].start_pos + 1 for i in decodes]
-            max_ctx = max(ctx_lens)
-            max_blocks = -(-max_ctx // bs)
-            # Built as Python lists, then one tensor each (decodes only: one buffer): not a few calls a row.
-            rows_bt, decode_slots = [], []
-            for row, i in enumerate(decodes):
-                s = entries[i]
-                bt = s.seq.block_table[: -(-(s.start_pos + 1) // bs)]
-                rows_bt.append(bt + [0] * (max_blocks - len(bt)))
-                decode_slots.append(bt[s.start_pos // bs] * bs + s.start_pos % bs)  # the new token's slot
-                input_ids.append(s.seq.token_ids[s.start_pos])
-                row_of_last[i] = row
-            if prefills or self.device.type != "cpu":
-                table = torch.tensor(rows_bt, dtype=torch.int64)
-                ctx = torch.tensor(ctx_lens, dtype=torch.int64)
-                positions.append(ctx - 1)
-                slots.append(torch.tensor(decode_slots, dtype=torch.int64))
-            else:  # decodes only: no torch op (below)
-                flat = input_ids + [c - 1 for c in ctx_lens] + decode_slots + ctx_lens
-                for bt in rows_bt:
-                    flat += bt
-                decode_ids, pos, decode_slot_t, ctx, table = self._decode_ints.fill(B, max_blocks, flat)
-                positions.append(pos)
-                slots.append(decode_slot_t)
-            if not self.model.ops.reads_block_tables:  # gather + SDPA wants flat slots and a mask
-                all_slots = (table[:, :, None] * bs + self._offsets).view(B, -1)[:, :max_ctx]
-                # Padded keys point at slot 0 (a real slot of some block) and are masked out.
-                meta_decode_mask = (torch.arange(max_ctx)[None, :] < ctx[:, None]).view(B, 1, 1, max_ctx)
-                meta_decode_slots = all_slots * meta_decode_mask.view(B, max_ctx)
-
-        prefill_meta = []
-        offset = len(decodes)
-        for i in prefills:
-            s = entries[i]
-            n, start = s.num_tokens, s.start_pos
-            input_ids.extend(s.seq.token_ids[start : start + n])
-            seq_slots = self._slots(s.seq.block_table, start + n)
-            positions.append(torch.arange(start, start + n, dtype=torch.int64))
-            slots.append(seq_slots[start:])
-            prefill_meta.append((offset, n, start, None if start == 0 else seq_slots.to(self.device)))
-            row_of_last[i] = offset + n - 1
-            offset += n
+            self.prepare_decode(entries, decodes, batch, decode_only=not prefills)
+        self.prepare_prefill(entries, prefills, batch)
 
         sampling = [i for i in range(len(entries)) if entries[i].samples]  # pooling entries never sample
         sampled_seqs = [entries[i].seq for i in sampling]
-        # Rows whose logits score prompt tokens (vLLM's prompt_logprobs): row of position p
-        # predicts token p + 1. Positions already scored (before a preemption) are skipped.
-        scored: list[tuple[int, int, int]] = []  # (entry, first position, number of rows)
-        scored_rows: list[int] = []
-        for i, s in enumerate(entries):
-            seq = s.seq
-            if seq.needs_prompt_logprobs:
-                lo = max(s.start_pos, len(seq.prompt_logprobs))
-                hi = min(s.start_pos + s.num_tokens, seq.num_prompt_tokens - 1)
-                if lo < hi:
-                    first_row = row_of_last[i] - (s.num_tokens - 1)
-                    scored.append((i, lo, hi - lo))
-                    scored_rows.extend(range(first_row + lo - s.start_pos, first_row + hi - s.start_pos))
-        dev = self.device
-        logit_rows = [row_of_last[i] for i in sampling] + scored_rows
-        n_rows = len(input_ids)  # every row samples, in order: a decode step without prompt scoring
-        every_row = len(logit_rows) == n_rows and logit_rows == list(range(n_rows))
-
-        def put(t: torch.Tensor | None) -> torch.Tensor | None:  # .to() is a dispatched op even when a no-op
-            return t if t is None or dev.type == "cpu" else t.to(dev)
-
-        meta = AttentionMetadata(
-            positions=put(positions[0] if len(positions) == 1 else torch.cat(positions)),
-            slots=put(slots[0] if len(slots) == 1 else torch.cat(slots)),
-            num_decodes=len(decodes),
-            block_size=bs,
-            decode_block_table=put(table),
-            decode_ctx_lens=put(ctx),
-            decode_max_ctx=max_ctx,
-            decode_ctx_slots=put(meta_decode_slots),
-            decode_mask=put(meta_decode_mask),
-            prefills=prefill_meta,
-            logits_indices=None if every_row else torch.tensor(logit_rows, dtype=torch.int64, device=dev),
-            argmax=every_row and bool(sampling) and self.sampler.plain_greedy(sampled_seqs),
-        )
+        scored, scored_rows = _prompt_rows(entries, batch.row_of_last)
+        meta = self._attention_metadata(batch, [batch.row_of_last[i] for i in sampling] + scored_rows, sampled_seqs)
         pool_spans = None
         if plan.pooled:
-            pool_spans, pool_rows = _pooled_rows(entries, plan.pooled, row_of_last)
-            meta.pooled_indices = torch.tensor(pool_rows, dtype=torch.int64, device=dev)
-        ids = decode_ids if decode_ids is not None else torch.tensor(input_ids, dtype=torch.int64, device=dev)
-        logits = self.model.forward(ids, meta, self.kv_cache.k_layers, self.kv_cache.v_layers)
+            pool_spans, pool_rows = _pooled_rows(entries, plan.pooled, batch.row_of_last)
+            meta.pooled_indices = torch.tensor(pool_rows, dtype=torch.int64, device=self.device)
+
+        logits = self.run_model(batch, meta)
         pooled = None
         if pool_spans is not None:
             logits, hidden = logits
@@ -156,26 +90,146 @@ class ModelExecutor:
         if scored:
             prompt_logprobs = _score_prompt(logits[len(sampling) :], entries, scored)
             logits = logits[: len(sampling)]
-
-        sampled: list[int | None] = [None] * len(entries)
-        logprobs: list[TokenLogprobs | None] | None = None
-        if sampling:
-            argmax = self.model.greedy_tokens(logits) if meta.argmax else None
-            rows = sample_isolated(
-                self.sampler, logits.cpu() if dev.type != "cpu" else logits, sampled_seqs, self.vocab_size, argmax
-            )
-            for j, reason in rows.errors.items():  # the scheduler ends these with finish reason "error"
-                hint = NON_FINITE_HINT if reason == NON_FINITE_LOGITS and self.kv_cache.dtype == torch.float16 else ""
-                seq = entries[sampling[j]].seq
-                seq.error = reason
-                logger.warning("request %s: %s; ending it with an error%s", seq.request_id, reason, hint)
-            for i, tok in zip(sampling, rows.tokens):
-                sampled[i] = tok
-            if rows.logprobs is not None:
-                logprobs = [None] * len(entries)
-                for i, lp in zip(sampling, rows.logprobs):
-                    logprobs[i] = lp
+        sampled, logprobs = self.sample(entries, sampling, logits, meta.argmax)
         return StepResult(sampled, time.perf_counter() - t0, logprobs, prompt_logprobs, pooled)
+
+    def prepare_decode(self, entries: list[ScheduledSeq], decodes: list[int], batch: StepBatch, *,
+                       decode_only: bool) -> None:  # fmt: skip
+        """Lays out the decode rows: each sequence's one new token, its slot, and the block table
+        its attention reads."""
+        bs = self.block_size
+        B = len(decodes)
+        ctx_lens = [entries[i].start_pos + 1 for i in decodes]
+        max_ctx = max(ctx_lens)
+        max_blocks = -(-max_ctx // bs)
+        # Built as Python lists, then one tensor each (decodes only: one buffer): not a few calls a row.
+        rows_bt, decode_slots = [], []
+        for row, i in enumerate(decodes):
+            s = entries[i]
+            bt = s.seq.block_table[: -(-(s.start_pos + 1) // bs)]
+            rows_bt.append(bt + [0] * (max_blocks - len(bt)))
+            decode_slots.append(bt[s.start_pos // bs] * bs + s.start_pos % bs)  # the new token's slot
+            batch.input_ids.append(s.seq.token_ids[s.start_pos])
+            batch.row_of_last[i] = row
+        if not decode_only or self.device.type != "cpu":
+            table = torch.tensor(rows_bt, dtype=torch.int64)
+            ctx = torch.tensor(ctx_lens, dtype=torch.int64)
+            batch.positions.append(ctx - 1)
+            batch.slots.append(torch.tensor(decode_slots, dtype=torch.int64))
+        else:  # decodes only: no torch op (_DecodeInts)
+            flat = batch.input_ids + [c - 1 for c in ctx_lens] + decode_slots + ctx_lens
+            for bt in rows_bt:
+                flat += bt
+            batch.ids, pos, decode_slot_t, ctx, table = self._decode_ints.fill(B, max_blocks, flat)
+            batch.positions.append(pos)
+            batch.slots.append(decode_slot_t)
+        batch.num_decodes = B
+        batch.decode_block_table, batch.decode_ctx_lens, batch.decode_max_ctx = table, ctx, max_ctx
+        if not self.model.ops.reads_block_tables:  # gather + SDPA wants flat slots and a mask
+            all_slots = (table[:, :, None] * bs + self._offsets).view(B, -1)[:, :max_ctx]
+            # Padded keys point at slot 0 (a real slot of some block) and are masked out.
+            batch.decode_mask = (torch.arange(max_ctx)[None, :] < ctx[:, None]).view(B, 1, 1, max_ctx)
+            batch.decode_ctx_slots = all_slots * batch.decode_mask.view(B, max_ctx)
+
+    def prepare_prefill(self, entries: list[ScheduledSeq], prefills: list[int], batch: StepBatch) -> None:
+        """Appends each prefill chunk's rows: its tokens, positions and KV slots, and the slots of
+        the context before it that its attention reads."""
+        offset = len(batch.input_ids)
+        for i in prefills:
+            s = entries[i]
+            n, start = s.num_tokens, s.start_pos
+            batch.input_ids.extend(s.seq.token_ids[start : start + n])
+            seq_slots = self._slots(s.seq.block_table, start + n)
+            batch.positions.append(torch.arange(start, start + n, dtype=torch.int64))
+            batch.slots.append(seq_slots[start:])
+            batch.prefills.append((offset, n, start, None if start == 0 else seq_slots.to(self.device)))
+            batch.row_of_last[i] = offset + n - 1
+            offset += n
+
+    def run_model(self, batch: StepBatch, meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """One forward pass over the flat batch: the logits of meta's rows (and, when it pools, the
+        pooled rows' hidden states with them)."""
+        ids = batch.ids
+        if ids is None:
+            ids = torch.tensor(batch.input_ids, dtype=torch.int64, device=self.device)
+        return self.model.forward(ids, meta, self.kv_cache.k_layers, self.kv_cache.v_layers)
+
+    def sample(
+        self, entries: list[ScheduledSeq], sampling: list[int], logits: torch.Tensor, argmax: bool
+    ) -> tuple[list[int | None], list[TokenLogprobs | None] | None]:
+        """One token per sampling entry (None for the others and for a row that failed, which
+        ends its request with an error), and their logprobs when any asked for them."""
+        sampled: list[int | None] = [None] * len(entries)
+        if not sampling:
+            return sampled, None
+        sampled_seqs = [entries[i].seq for i in sampling]
+        greedy = self.model.greedy_tokens(logits) if argmax else None
+        cpu_logits = logits.cpu() if self.device.type != "cpu" else logits
+        rows = sample_isolated(self.sampler, cpu_logits, sampled_seqs, self.vocab_size, greedy)
+        for j, reason in rows.errors.items():  # the scheduler ends these with finish reason "error"
+            hint = NON_FINITE_HINT if reason == NON_FINITE_LOGITS and self.kv_cache.dtype == torch.float16 else ""
+            seq = sampled_seqs[j]
+            seq.error = reason
+            logger.warning("request %s: %s; ending it with an error%s", seq.request_id, reason, hint)
+        for i, tok in zip(sampling, rows.tokens):
+            sampled[i] = tok
+        if rows.logprobs is None:
+            return sampled, None
+        logprobs: list[TokenLogprobs | None] = [None] * len(entries)
+        for i, lp in zip(sampling, rows.logprobs):
+            logprobs[i] = lp
+        return sampled, logprobs
+
+    def _attention_metadata(
+        self, batch: StepBatch, logit_rows: list[int], sampled_seqs: list[Sequence]
+    ) -> AttentionMetadata:
+        n_rows = len(batch.input_ids)  # every row samples, in order: a decode step without prompt scoring
+        every_row = len(logit_rows) == n_rows and logit_rows == list(range(n_rows))
+        positions, slots = batch.positions, batch.slots
+        return AttentionMetadata(
+            positions=self._to_device(positions[0] if len(positions) == 1 else torch.cat(positions)),
+            slots=self._to_device(slots[0] if len(slots) == 1 else torch.cat(slots)),
+            num_decodes=batch.num_decodes,
+            block_size=self.block_size,
+            decode_block_table=self._to_device(batch.decode_block_table),
+            decode_ctx_lens=self._to_device(batch.decode_ctx_lens),
+            decode_max_ctx=batch.decode_max_ctx,
+            decode_ctx_slots=self._to_device(batch.decode_ctx_slots),
+            decode_mask=self._to_device(batch.decode_mask),
+            prefills=batch.prefills,
+            logits_indices=None if every_row else torch.tensor(logit_rows, dtype=torch.int64, device=self.device),
+            argmax=every_row and bool(sampled_seqs) and self.sampler.plain_greedy(sampled_seqs),
+        )
+
+    def _to_device(self, t: torch.Tensor | None) -> torch.Tensor | None:
+        # .to() is a dispatched op even when a no-op
+        return t if t is None or self.device.type == "cpu" else t.to(self.device)
+
+    def _slots(self, block_table: list[int], num_positions: int) -> torch.Tensor:
+        """Flat KV slots of positions 0..num_positions-1 of one sequence."""
+        nb = -(-num_positions // self.block_size)
+        bt = torch.tensor(block_table[:nb], dtype=torch.int64)
+        return (bt[:, None] * self.block_size + self._offsets).view(-1)[:num_positions]
+
+
+def _prompt_rows(
+    entries: list[ScheduledSeq], row_of_last: dict[int, int]
+) -> tuple[list[tuple[int, int, int]], list[int]]:
+    """The rows whose logits score prompt tokens (vLLM's prompt_logprobs): the row of position p
+    predicts token p + 1. Positions already scored (before a preemption) are skipped. Returns
+    (entry, first position, number of rows) per scored entry, and the rows."""
+    scored: list[tuple[int, int, int]] = []
+    rows: list[int] = []
+    for i, s in enumerate(entries):
+        seq = s.seq
+        if seq.needs_prompt_logprobs:
+            lo = max(s.start_pos, len(seq.prompt_logprobs))
+            hi = min(s.start_pos + s.num_tokens, seq.num_prompt_tokens - 1)
+            if lo < hi:
+                first_row = row_of_last[i] - (s.num_tokens - 1)
+                scored.append((i, lo, hi - lo))
+                rows.extend(range(first_row + lo - s.start_pos, first_row + hi - s.start_pos))
+    return scored, rows
 
 
 class _DecodeInts:

@@ -17,7 +17,7 @@ import torch
 
 from servelab.core.plan import TokenLogprobs
 from servelab.core.sequence import Sequence
-from servelab.engine import native
+from servelab.runtime import native
 from servelab.engine.logits_processors import LogitsProcessors
 
 # Temperatures below this are treated as greedy: dividing by ~0 overflows and means argmax anyway.

@@ -2,7 +2,7 @@
 
 A GGUF tensor's header stores its type id; the type fixes how many weights a block holds and how
 many bytes the block takes, scales included. The GGUF reader sizes tensors from this table, the
-cost model prices `--dtype q4_1` from it, and the engine's block kernels (engine/block_quant.py)
+cost model prices `--dtype q4_1` from it, and the engine's block kernels (runtime/block_quant.py)
 take the formats that carry a kernel code. Pure Python: no numpy, no torch.
 """
 
@@ -13,7 +13,7 @@ from enum import Enum
 
 
 class Kernel(Enum):
-    """Which of our CPU block kernels (engine/csrc/block_quant_linear.c) multiply a format."""
+    """Which of our CPU block kernels (runtime/csrc/block_quant_linear.c) multiply a format."""
 
     NONE = "none"  # dequantized to the compute dtype at load
     PANEL = "panel"  # the panel kernel only (any row count up to block_quant.max_rows)

@@ -19,7 +19,7 @@ import prefill_step_split  # noqa: E402
 import served_steps  # noqa: E402
 import structured_outputs  # noqa: E402
 
-from servelab.engine import native  # noqa: E402
+from servelab.runtime import native  # noqa: E402
 
 
 @pytest.fixture(scope="module")

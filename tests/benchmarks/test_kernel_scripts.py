@@ -15,7 +15,7 @@ import int8_linear  # noqa: E402
 import isa_levels  # noqa: E402
 import panel_linears  # noqa: E402
 
-from servelab.engine import block_quant, native  # noqa: E402
+from servelab.runtime import block_quant, native  # noqa: E402
 
 
 @pytest.fixture

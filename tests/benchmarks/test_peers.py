@@ -13,7 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from servelab.engine import host_probe
+from servelab.runtime import host_probe
 from servelab.spec import ModelSpec
 
 _DIR = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -156,7 +156,7 @@ def test_host_probe_rates_are_positive():
 
 
 def test_fp32_peak_is_the_best_of_torch_and_the_native_gemm(monkeypatch):
-    from servelab.engine import native
+    from servelab.runtime import native
 
     if native.native_kernels() is not None:
         assert host_probe.native_gemm_flops_per_s(n=64, repeats=1) > 0

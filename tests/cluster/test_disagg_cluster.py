@@ -199,7 +199,7 @@ def _transfer_peer(rank: int, port: int, results) -> None:
     import torch.distributed as dist
 
     from servelab.cluster.kv_transfer import KVTransferError, pair_groups, recv_blocks
-    from servelab.engine.kv_cache import PagedKVCache
+    from servelab.runtime.kv_cache import PagedKVCache
     from servelab.spec.model import ModelSpec
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=3,
@@ -227,7 +227,7 @@ def _transfer_peer(rank: int, port: int, results) -> None:
 def test_a_transfer_fails_by_its_deadline_or_at_once_when_the_peer_dies():
     import torch.multiprocessing as mp
 
-    from servelab.engine.parallel.group import free_port
+    from servelab.runtime.parallel.group import free_port
 
     ctx = mp.get_context("spawn")
     results = ctx.Queue()

@@ -216,7 +216,7 @@ def test_calibrate_refuses_a_hardware_out_that_hardware_would_not_read(tmp_path,
     assert main(["roofline", "--model", "smollm2-135m", "--hardware", "mine.json", "--batch", "1", "--json"]) == 0
 
 def test_calibrate_writes_a_hardware_file_for_this_host(tmp_path, monkeypatch, capsys):
-    from servelab.engine import host_probe
+    from servelab.runtime import host_probe
     from tests.tiny_models import write_tiny_llama
     from servelab.spec.hardware_file import load_hardware_file
 
@@ -284,7 +284,7 @@ def test_calibrate_with_tensor_parallel_writes_the_tp_term(tmp_path, monkeypatch
 
 
 def test_wait_for_quiet_waits_for_a_quiet_window_or_gives_up(monkeypatch):
-    from servelab.engine import host_probe
+    from servelab.runtime import host_probe
 
     loads = iter([1.5, 0.9, 0.1, 1.8, 1.8, 1.8, 1.8])
     clock = [0.0]
@@ -306,7 +306,7 @@ def test_wait_for_quiet_waits_for_a_quiet_window_or_gives_up(monkeypatch):
 def test_kernel_rows_come_from_the_linears_the_engine_loaded():
     # the bundled model keeps its Q4_1 blocks packed: the switches are block_quant's; in
     # deterministic mode every row count runs the panel kernel, so there is no switch to price
-    from servelab.engine import block_quant
+    from servelab.runtime import block_quant
     from servelab.engine.bundled import bundled_model_path
     from servelab.engine.llm_engine import EngineArgs, LLMEngine
 
@@ -324,7 +324,7 @@ def test_kernel_rows_come_from_the_linears_the_engine_loaded():
             engine.close()
     packed, invariant = found
     assert packed is not None and "Q4_1" in packed["linears"]
-    from servelab.engine import native
+    from servelab.runtime import native
 
     # past max_rows: MKL up to AVX2, the k-major panel at the AVX-512 levels
     want = (block_quant.FUSED_MAX_ROWS, block_quant.same_order_max_rows(native.native_kernels()))

@@ -4,7 +4,7 @@ virtual machine's neighbours took enough to move the measured times."""
 from __future__ import annotations
 
 from servelab.commands.validate import STEAL_WARN_FRACTION, describe_steal
-from servelab.engine import host_probe
+from servelab.runtime import host_probe
 
 
 def test_the_meter_reads_steal_apart_from_other_processes(monkeypatch):

@@ -69,7 +69,7 @@ def test_a_decode_batch_past_the_packed_rows_takes_the_path_it_is_priced_on():
     from servelab.commands.calibrate import kernel_rows_of
     from servelab.core.sequence import SamplingParams
     from servelab.cost.profile import KernelRows, per_op_path
-    from servelab.engine import block_quant
+    from servelab.runtime import block_quant
 
     engine, stack = bundled_engine(max_model_len=64, max_num_batched_tokens=1024)
     try:

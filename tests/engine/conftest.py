@@ -1,6 +1,6 @@
 import pytest
 
-from servelab.engine import native
+from servelab.runtime import native
 from tests.engine.isa_levels import fail_if_the_code_does_not_build, kernels_at
 from tests.tiny_models import write_tiny_llama
 
@@ -23,8 +23,8 @@ def tiny_engine_factory(tiny_llama):
 
 @pytest.fixture(scope="session")
 def kernel():
-    """The native C kernels (engine/native.py); tests that need them skip where they cannot build."""
-    from servelab.engine import native
+    """The native C kernels (runtime/native.py); tests that need them skip where they cannot build."""
+    from servelab.runtime import native
 
     fn = native.native_kernels()
     if fn is None:

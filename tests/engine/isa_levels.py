@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from servelab.engine import native
-from servelab.engine.ops import Ops, make_ops
+from servelab.runtime import native
+from servelab.runtime.ops import Ops, make_ops
 
 # csrc/isa.h's SL_SIMDE_LEVEL for each level that SIMDe can stand in for
 SIMDE_LEVELS = {"avx512": 1, "avx512_vnni": 2, "avx512_bf16": 3}

@@ -35,7 +35,7 @@ VARIANTS = {
 @pytest.fixture(scope="module", params=list(VARIANTS))
 def factory(request, tiny_engine_factory):
     if "quantization" in VARIANTS[request.param]:
-        from servelab.engine.quantization import check_supported
+        from servelab.runtime.quantization import check_supported
         from servelab.errors import InvalidArgument
 
         try:

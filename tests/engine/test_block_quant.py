@@ -1,4 +1,4 @@
-"""Linears that keep their GGUF blocks (engine/block_quant.py, csrc/block_quant_linear.c): the
+"""Linears that keep their GGUF blocks (runtime/block_quant.py, csrc/block_quant_linear.c): the
 kernel's weights are bit-identical to the loader's dequantization, its products match fp32
 F.linear at every ISA level (tests/engine/isa_levels.py), and a GGUF model gives the same logits with
 and without the packed path."""
@@ -15,11 +15,11 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servelab.engine import block_quant, native
-from servelab.engine.block_quant import BlockQuantLinear
-from servelab.engine.linear import DenseLinear, TransposedHead
-from servelab.engine.loader import load_model
-from servelab.engine.weight_layout import GGUFTensor, dequantize_gguf_tensor
+from servelab.runtime import block_quant, native
+from servelab.runtime.block_quant import BlockQuantLinear
+from servelab.runtime.linear import DenseLinear, TransposedHead
+from servelab.runtime.loader import load_model
+from servelab.runtime.weight_layout import GGUFTensor, dequantize_gguf_tensor
 from servelab.spec.ggml_types import GGML_TYPE_BY_NAME
 from tests.tiny_models import max_rel_diff, prefill_logits
 
@@ -305,7 +305,7 @@ def test_fp16_and_hf_models_have_no_packed_weights(tiny_llama, tmp_path):
 def test_int8_quantization_replaces_the_packed_blocks_at_every_row_count(kernel, tiny_llama, tmp_path):
     """Under int8 a GGUF model's linears and head are int8 for one row too (batch invariance needs
     one arithmetic whatever the step's size), and the packed and fp32 copies are dropped."""
-    from servelab.engine.quantization import Int8Linear
+    from servelab.runtime.quantization import Int8Linear
 
     path = _write_gguf(tiny_llama, tmp_path / "tiny-q4_1.gguf", "Q4_1")
     exact = load_model(path, dtype=torch.float32).model

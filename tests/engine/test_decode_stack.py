@@ -1,4 +1,4 @@
-"""A decode-only step's layers in one native call (engine/decode_stack.py, csrc/decode_stack.c):
+"""A decode-only step's layers in one native call (runtime/decode_stack.py, csrc/decode_stack.c):
 the same bits as the per-op path, at every ISA level (an AVX-512 level this CPU lacks on SIMDe,
 tests/engine/isa_levels.py), for packed, int8 and deterministic-mode linears, over batches of
 decodes at different contexts in a scrambled pool; greedy decodes at each level give the portable
@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from servelab.engine import block_quant, native
-from servelab.engine.kv_cache import PagedKVCache
-from servelab.engine.loader import load_model
-from servelab.engine.model import AttentionMetadata
-from servelab.engine.ops import OPS_NAMES, TorchOps
+from servelab.runtime import block_quant, native
+from servelab.runtime.kv_cache import PagedKVCache
+from servelab.runtime.loader import load_model
+from servelab.runtime.model import AttentionMetadata
+from servelab.runtime.ops import OPS_NAMES, TorchOps
 from tests.engine.isa_levels import make_ops_at
 from tests.tiny_models import max_rel_diff, write_tiny_llama
 

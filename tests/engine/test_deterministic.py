@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from servelab.core.sequence import SamplingParams
-from servelab.engine import block_quant, native
-from servelab.engine.linear import DenseLinear
+from servelab.runtime import block_quant, native
+from servelab.runtime.linear import DenseLinear
 from servelab.engine.llm_engine import EngineArgs, LLMEngine
 from servelab.errors import InvalidArgument
 from tests.scheduler_checks import check_invariants
@@ -145,7 +145,7 @@ VARIANTS = {
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_tiny_model_is_bit_identical_alone_batched_chunked_and_preempted(tiny_llama, variant):
     if variant in ("int8", "bf16"):
-        from servelab.engine.quantization import check_supported
+        from servelab.runtime.quantization import check_supported
 
         try:
             check_supported(variant)

@@ -12,10 +12,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from servelab.engine import native
-from servelab.engine.linear import HALF_GEMM_MAX_ROWS, HALF_GEMV_MAX_ROWS, DenseLinear, HalfLinear, TransposedHead
-from servelab.engine.loader import load_model
-from servelab.engine.ops import OPS_NAMES, OpsUnavailable, make_ops
+from servelab.runtime import native
+from servelab.runtime.linear import HALF_GEMM_MAX_ROWS, HALF_GEMV_MAX_ROWS, DenseLinear, HalfLinear, TransposedHead
+from servelab.runtime.loader import load_model
+from servelab.runtime.ops import OPS_NAMES, OpsUnavailable, make_ops
 from servelab.core.sequence import SamplingParams
 from tests.tiny_models import prefill_logits, write_tiny_llama
 
@@ -107,7 +107,7 @@ def checkpoints(tmp_path_factory):
 @pytest.mark.parametrize("name", ["bf16", "fp16-tied"])
 def test_checkpoint_keeps_its_linears_16_bit_and_the_logits_of_the_widened_one(checkpoints, name, kernel, caplog):
     stored, widened = checkpoints[name]
-    with caplog.at_level(logging.INFO, logger="servelab.engine.loader"):
+    with caplog.at_level(logging.INFO, logger="servelab.runtime.loader"):
         half = load_model(stored, dtype=torch.float32).model
     fp32 = load_model(widened, dtype=torch.float32).model
     assert "linears kept in their checkpoint's" in caplog.text

@@ -9,8 +9,8 @@ import pytest
 
 gguf = pytest.importorskip("gguf")
 
-from servelab.engine.loader import read_gguf_tensors  # noqa: E402
-from servelab.engine.weight_layout import GGUFTensor, dequantize_gguf_tensor  # noqa: E402
+from servelab.runtime.loader import read_gguf_tensors  # noqa: E402
+from servelab.runtime.weight_layout import GGUFTensor, dequantize_gguf_tensor  # noqa: E402
 
 QK_K = 256
 

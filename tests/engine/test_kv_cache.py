@@ -43,7 +43,7 @@ def _in_a_fresh_process(check: str) -> None:
     script = textwrap.dedent(f"""
         import torch
         from tests.engine.test_kv_cache import CONFIG, NUM_BLOCKS, resident_fraction
-        from servelab.engine.kv_cache import PagedKVCache
+        from servelab.runtime.kv_cache import PagedKVCache
         {check}
     """)
     root = Path(__file__).resolve().parents[2]

@@ -92,7 +92,7 @@ def test_repetition_penalty_greedy_output_matches_a_reference(tiny_engine_factor
     against the penalty applied by hand to the model's logits over the whole sequence."""
     import torch
 
-    from servelab.engine import native
+    from servelab.runtime import native
     from tests.tiny_models import prefill_logits
 
     if not native_path:
@@ -310,7 +310,7 @@ def test_auto_dtype_is_float32_on_a_cpu_even_with_native_bf16(tiny_llama, monkey
     import torch
 
     from servelab.engine.llm_engine import LLMEngine
-    from servelab.engine.weights import resolve_dtype
+    from servelab.runtime.weights import resolve_dtype
 
     monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True, raising=False)
     assert resolve_dtype(None, "cpu") is torch.float32

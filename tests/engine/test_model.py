@@ -9,8 +9,9 @@ import torch
 
 from servelab.core.sequence import SamplingParams
 from servelab.engine.llm_engine import EngineArgs, LLMEngine
+from servelab.engine.tokenizer import Tokenizer
 from tests.tiny_models import write_tiny_llama
-from servelab.engine.loader import load_model
+from servelab.runtime.loader import load_model
 
 from tests.tiny_models import max_rel_diff, prefill_logits
 
@@ -80,8 +81,9 @@ def test_bundled_smollm2_gguf_matches_transformers_gguf_loader():
     path = bundled_model_path()
     ours = load_model(path, dtype=torch.float32)
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
-    prompt = ours.tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers in Europe."}])
-    ids = ours.tokenizer.encode(prompt)
+    tokenizer = Tokenizer.from_gguf(path)
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers in Europe."}])
+    ids = tokenizer.encode(prompt)
     assert max_rel_diff(prefill_logits(ours.model, ids), _hf_logits(hf, ids)) <= 1e-4
 
     engine = LLMEngine.from_args(EngineArgs(model=str(path), dtype="float32"))

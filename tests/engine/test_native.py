@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from servelab.engine import native
-from servelab.engine.loader import load_model
-from servelab.engine.ops import NativeOps, TorchOps, select_ops
+from servelab.runtime import native
+from servelab.runtime.loader import load_model
+from servelab.runtime.ops import NativeOps, TorchOps, select_ops
 from servelab.errors import InvalidArgument
 from tests.engine.isa_levels import SIMDE_LEVELS, kernels_at
 from tests.tiny_models import prefill_logits
@@ -478,7 +478,7 @@ def test_the_default_level_is_the_highest_the_cpu_has_and_the_env_only_lowers_it
         native.best_level()
     monkeypatch.setenv("SERVELAB_ISA", "portable")
     monkeypatch.setattr(native, "_logged", set())
-    with caplog.at_level("INFO", logger="servelab.engine"):
+    with caplog.at_level("INFO", logger="servelab.runtime"):
         native.native_kernels()
         native.native_kernels()
     assert [r.getMessage().split(" (")[0] for r in caplog.records] == ["native kernels: ISA level portable"]  # once
@@ -536,7 +536,7 @@ def test_each_level_builds_with_its_own_isa_whatever_the_compiler_defaults_to(le
         for macro, feature in want.items()
     )
     src.write_text(f'#include "isa.h"\n{checks}')
-    csrc = str(resources.files("servelab.engine").joinpath("csrc"))
+    csrc = str(resources.files("servelab.runtime").joinpath("csrc"))
     probe = subprocess.run([cc, "-march=x86-64-v4", "-fsyntax-only", "-x", "c", "/dev/null"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip(f"{cc} does not know -march=x86-64-v4")
@@ -561,7 +561,7 @@ def test_levels_checked_on_simde_also_build_with_the_real_intrinsics(name, tmp_p
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None or not native._is_x86():
         pytest.skip("needs an x86 C compiler")
-    csrc = resources.files("servelab.engine").joinpath("csrc")
+    csrc = resources.files("servelab.runtime").joinpath("csrc")
     flags = [flag for flag in native._flags(native._LEVELS[name]) if flag != "-O3"]
     checks = ["-O0", "-Werror=implicit-function-declaration", "-Werror=incompatible-pointer-types", "-Wl,-z,defs"]
     sources = [str(csrc.joinpath(source)) for source in native._SOURCES]

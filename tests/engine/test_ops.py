@@ -1,5 +1,5 @@
-"""The kernel backend chosen once at load (engine/ops.py) and the one linear interface
-(engine/linear.py): every ops implementation this host can run gives the reference ops' logits on
+"""The kernel backend chosen once at load (runtime/ops.py) and the one linear interface
+(runtime/linear.py): every ops implementation this host can run gives the reference ops' logits on
 the tiny model (an AVX-512 level the CPU lacks runs on SIMDe, tests/engine/isa_levels.py; without
 SIMDe it is skipped and says why); every kind of linear is `y = lin(x)` with its bias inside."""
 
@@ -13,11 +13,11 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servelab.engine import block_quant, native
-from servelab.engine.linear import DenseLinear, TransposedHead
-from servelab.engine.ops import OPS_NAMES, InvariantOps, NativeOps, OpsUnavailable, TorchOps, make_ops, select_ops
-from servelab.engine.quantization import Int8Linear
-from servelab.engine.loader import load_model
+from servelab.runtime import block_quant, native
+from servelab.runtime.linear import DenseLinear, TransposedHead
+from servelab.runtime.ops import OPS_NAMES, InvariantOps, NativeOps, OpsUnavailable, TorchOps, make_ops, select_ops
+from servelab.runtime.quantization import Int8Linear
+from servelab.runtime.loader import load_model
 from servelab.errors import InvalidArgument
 from tests.engine.isa_levels import make_ops_at
 from tests.tiny_models import max_rel_diff, prefill_logits

@@ -24,7 +24,7 @@ def _run(engine, rid: str, prompt: list[int], params: SamplingParams):
 @pytest.fixture(scope="module")
 def reference(tiny_llama):
     """log-softmax of a direct forward of the whole prompt: row p scores token p + 1."""
-    from servelab.engine.loader import load_model
+    from servelab.runtime.loader import load_model
 
     model = load_model(str(tiny_llama), dtype=torch.float32).model
     return torch.log_softmax(prefill_logits(model, PROMPT).float(), dim=-1)

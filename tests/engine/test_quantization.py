@@ -11,12 +11,12 @@ import pytest
 import torch
 
 from servelab.core.sequence import SamplingParams
-from servelab.engine import native
+from servelab.runtime import native
 from servelab.engine.llm_engine import EngineArgs, LLMEngine
 from servelab.engine.args import QUANTIZATIONS
-from servelab.engine.quantization import GROUP, LINEARS, Bf16Linear, Int8Linear, quantize_weight
+from servelab.runtime.quantization import GROUP, LINEARS, Bf16Linear, Int8Linear, quantize_weight
 from tests.tiny_models import max_rel_diff, prefill_logits, write_tiny_llama
-from servelab.engine.loader import load_model
+from servelab.runtime.loader import load_model
 from servelab.errors import InvalidArgument
 
 VARIANTS = {"llama": {}, "qwen2-tied-bias": {"qkv_bias": True, "tie_embeddings": True, "kv_heads": 1}}

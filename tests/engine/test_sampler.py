@@ -109,7 +109,7 @@ def test_repetition_penalty_follows_vllm_semantics():
 @pytest.fixture(params=["native", "torch"])
 def argmax_path(request, monkeypatch):
     """The sampler's argmax on the native kernel (CPU fp32) or on torch's own."""
-    from servelab.engine import native
+    from servelab.runtime import native
 
     if request.param == "native":
         if native.native_kernels() is None:

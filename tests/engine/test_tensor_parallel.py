@@ -1,4 +1,4 @@
-"""Tensor parallelism (engine/parallel/): the split of the weights, and TP=N against TP=1 with
+"""Tensor parallelism (runtime/parallel/): the split of the weights, and TP=N against TP=1 with
 real worker processes joined by gloo on 127.0.0.1."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from servelab.core.sequence import SamplingParams
-from servelab.engine.parallel.sharding import Shard, check_tensor_parallel
+from servelab.runtime.parallel.sharding import Shard, check_tensor_parallel
 from servelab.errors import InvalidArgument
 from servelab.spec.model import ModelSpec
 from tests.tiny_models import prefill_logits, write_tiny_llama
@@ -63,9 +63,9 @@ def test_gguf_slices_are_the_dequantized_tensors_slices():
     """Cut in the file's blocks (row and column slices, 1-D norms), a shard dequantizes to the
     same values as the whole tensor cut after dequantization."""
     from servelab.engine.bundled import bundled_model_path
-    from servelab.engine.loader import read_gguf_tensors
-    from servelab.engine.parallel.shard_loading import shard_gguf_tensors
-    from servelab.engine.weight_layout import dequantize_gguf_tensor, hf_name
+    from servelab.runtime.loader import read_gguf_tensors
+    from servelab.runtime.parallel.shard_loading import shard_gguf_tensors
+    from servelab.runtime.weight_layout import dequantize_gguf_tensor, hf_name
 
     path = bundled_model_path()
     gguf, tensors = read_gguf_tensors(path)
@@ -150,7 +150,7 @@ def test_tp_greedy_output_and_logits_equal_tp1(models, model, tp, max_tokens, qu
 
 @pytest.mark.slow
 def test_a_dead_rank_fails_the_engine_promptly_and_loudly(models):
-    from servelab.engine.parallel.group import RankFailed
+    from servelab.runtime.parallel.group import RankFailed
 
     engine = _engine(models["9q3kv"], 3)
     try:

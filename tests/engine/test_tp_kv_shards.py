@@ -1,4 +1,4 @@
-"""A tensor-parallel engine's KV cache as one whole (engine/parallel/kv_shards.py), what a
+"""A tensor-parallel engine's KV cache as one whole (runtime/parallel/kv_shards.py), what a
 disaggregated transfer moves: rank 0 gathers every rank's heads into a piece equal to a TP=1
 cache's, and an imported piece lands on each rank's heads and exports back unchanged."""
 
@@ -24,7 +24,7 @@ def _prefilled(path, tp: int, prompt: list[int]):
 
 
 def test_gathered_pieces_equal_one_engines_and_imports_round_trip(tmp_path):
-    from servelab.engine.parallel.kv_shards import TensorParallelKV
+    from servelab.runtime.parallel.kv_shards import TensorParallelKV
 
     path = write_tiny_llama(tmp_path / "m", heads=4, kv_heads=2)  # TP=2: one KV head per rank
     prompt = [5, 17, 42, 9, 300, 7, 88, 3] * 5  # 40 tokens: three blocks

@@ -19,7 +19,7 @@ class _Fatal(BaseException):
 
 
 def _rank_failed() -> Exception:
-    from servelab.engine.parallel.group import RankFailed
+    from servelab.runtime.parallel.group import RankFailed
 
     return RankFailed("tensor-parallel rank failure: rank 1 exited with code -9")
 

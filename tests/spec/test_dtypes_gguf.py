@@ -41,7 +41,7 @@ def test_familiar_bits_per_weight():
 
 
 def test_engine_kernel_layouts_agree():
-    from servelab.engine.block_quant import FORMAT_NAMES, GGUF_BLOCK_FORMATS
+    from servelab.runtime.block_quant import FORMAT_NAMES, GGUF_BLOCK_FORMATS
 
     for code, weights, block_bytes in GGUF_BLOCK_FORMATS.values():
         assert weight_dtype(FORMAT_NAMES[code]).bytes_per_element == block_bytes / weights

@@ -11,7 +11,7 @@ import pytest
 from servelab.spec.dtypes import GGUF_WEIGHT_FORMATS
 from servelab.spec.ggml_types import GGML_TYPE_BY_ID, GGML_TYPE_BY_NAME, GGML_TYPES, Kernel
 
-KERNEL_SOURCE = Path(__file__).parents[2] / "servelab" / "engine" / "csrc" / "block_quant_linear.c"
+KERNEL_SOURCE = Path(__file__).parents[2] / "servelab" / "runtime" / "csrc" / "block_quant_linear.c"
 
 
 def test_the_type_table_agrees_with_the_gguf_package():
@@ -37,7 +37,7 @@ def test_the_type_table_names_the_kernels_formats():
 
 def test_the_regrouped_q4_1_layout_has_the_same_code_in_c_and_python():
     pytest.importorskip("torch")
-    from servelab.engine import block_quant
+    from servelab.runtime import block_quant
 
     assert re.search(r"enum \{ Q4_1_G16 = (\d+) \};", KERNEL_SOURCE.read_text()).group(1) == str(block_quant.Q4_1_G16)
     assert block_quant.Q4_1_G16 not in {t.kernel_code for t in GGML_TYPES}
@@ -50,7 +50,7 @@ def test_the_cost_models_weight_formats_are_the_weight_block_formats():
 
 def test_the_engines_block_formats_are_the_table_rows_with_a_kernel():
     pytest.importorskip("torch")
-    from servelab.engine import block_quant
+    from servelab.runtime import block_quant
 
     assert block_quant.GGUF_BLOCK_FORMATS == {2: (1, 32, 18), 3: (2, 32, 20), 8: (0, 32, 34), 12: (3, 256, 144),
                                               14: (4, 256, 210)}

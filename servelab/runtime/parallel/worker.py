@@ -12,13 +12,12 @@ from typing import Any
 
 import torch
 
-from servelab.engine.args import EngineArgs, apply_model_options
-from servelab.engine.kv_cache import PagedKVCache
-from servelab.engine.loader import load_model
-from servelab.engine.parallel.group import client_store, join_groups, receive_object
-from servelab.engine.parallel.kv_shards import serve_kv
-from servelab.engine.parallel.layers import parallelize
-from servelab.engine.parallel.sharding import Shard
+from servelab.runtime.kv_cache import PagedKVCache
+from servelab.runtime.loader import ModelOptions, load_model
+from servelab.runtime.parallel.group import client_store, join_groups, receive_object
+from servelab.runtime.parallel.kv_shards import serve_kv
+from servelab.runtime.parallel.layers import parallelize
+from servelab.runtime.parallel.sharding import Shard
 
 
 def _exit_when_orphaned(parent: int) -> None:
@@ -29,7 +28,8 @@ def _exit_when_orphaned(parent: int) -> None:
 
 
 def worker_main(
-    rank: int, size: int, port: int, threads: int, path: str, dtype: Any, engine_args: EngineArgs, parent: int
+    rank: int, size: int, port: int, threads: int, path: str, dtype: Any, device: str, options: ModelOptions,
+    parent: int,
 ) -> None:
     """`port`: rank 0's store (group.host_store)."""
     threading.Thread(target=_exit_when_orphaned, args=(parent,), daemon=True).start()
@@ -40,15 +40,15 @@ def worker_main(
     kv_thread = threading.Thread(target=_serve_kv, args=(groups, kv_holder, kv_built), name="servelab-tp-kv",
                                  daemon=True)  # fmt: skip
     kv_thread.start()
-    loaded = load_model(path, dtype=dtype, device=engine_args.device, tp_rank=rank, tp_size=size)
+    loaded = load_model(path, dtype=dtype, device=device, tp_rank=rank, tp_size=size)
     model = loaded.model
-    apply_model_options(model, engine_args)
+    options.apply(model)
     parallelize(model, Shard(loaded.spec, rank, size), groups.compute)
 
     message = receive_object(groups.control)
     if message is not None:
         num_blocks, block_size, kv_dtype, prefault = message
-        kv = PagedKVCache(model.config, num_blocks, block_size, dtype=kv_dtype, device=engine_args.device,
+        kv = PagedKVCache(model.config, num_blocks, block_size, dtype=kv_dtype, device=device,
                           prefault=prefault)  # fmt: skip
         kv_holder.append(kv)
         kv_built.set()

@@ -1,6 +1,7 @@
 """Loading a model: find its files, read its description (spec.ModelSpec) and tensors, and hand
 them to weight_layout to build the model. A GGUF file goes through the one GGUF reader
-(spec/gguf_reader.py), its tensors memory-mapped; an HF directory through `safetensors`.
+(spec/gguf_reader.py), its tensors memory-mapped; an HF directory through `safetensors`. The
+model only: the engine loads the tokenizer from the same path.
 """
 
 from __future__ import annotations
@@ -12,10 +13,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from servelab.engine.linear import HalfLinear
-from servelab.engine.model import LlamaModel, rope_inv_freq
-from servelab.engine.tokenizer import Tokenizer
-from servelab.engine.weight_layout import GGUFTensor, build_model, dequantize_gguf_tensor, gguf_getters
+from servelab.runtime.linear import HalfLinear
+from servelab.runtime.model import LlamaModel, rope_inv_freq
+from servelab.runtime.weight_layout import GGUFTensor, build_model, dequantize_gguf_tensor, gguf_getters
 from servelab.errors import InvalidArgument, NotFound
 from servelab.spec.gguf_reader import GGUFFile, read_gguf
 from servelab.spec.model import ModelSpec
@@ -28,10 +28,23 @@ logger = logging.getLogger(__name__)
 @dataclass
 class LoadedModel:
     model: LlamaModel
-    tokenizer: Tokenizer
     spec: ModelSpec  # the one description of the model, the engine's and the cost model's
     name: str
     path: Path
+
+
+@dataclass(frozen=True, slots=True)
+class ModelOptions:
+    """What the engine's flags change in a loaded model; every tensor-parallel rank applies the same."""
+
+    quantization: str | None = None
+    deterministic: bool = False
+
+    def apply(self, model: LlamaModel) -> None:
+        if self.quantization is not None:
+            model.quantize(self.quantization)
+        if self.deterministic:
+            model.make_batch_invariant()
 
 
 def check_device(device: str) -> None:
@@ -43,7 +56,7 @@ def load_model(
     path: str | Path, *, dtype: torch.dtype, device: str = "cpu", tp_rank: int = 0, tp_size: int = 1
 ) -> LoadedModel:
     """Loads a GGUF file or an HF model directory; raises NotFound / InvalidArgument naming the path.
-    With `tp_size` > 1, only rank `tp_rank`'s shard (engine/parallel/sharding.py): the model is
+    With `tp_size` > 1, only rank `tp_rank`'s shard (runtime/parallel/sharding.py): the model is
     that rank's, `spec` still the whole model's."""
     check_device(device)
     p = Path(path)
@@ -57,7 +70,7 @@ def load_model(
 def _shard(spec: ModelSpec, tp_rank: int, tp_size: int):
     if tp_size == 1:
         return None
-    from servelab.engine.parallel.sharding import Shard
+    from servelab.runtime.parallel.sharding import Shard
 
     return Shard(spec, tp_rank, tp_size)
 
@@ -105,12 +118,12 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: str, tp_rank: int, tp_s
         return None if h is None else h.get_tensor(name)
 
     if (shard := _shard(spec, tp_rank, tp_size)) is not None:
-        from servelab.engine.parallel.shard_loading import safetensors_getter
+        from servelab.runtime.parallel.shard_loading import safetensors_getter
 
         get = safetensors_getter(where, shard)
     model = build_model(spec if shard is None else shard.local_spec(), get, dtype, device)
     _log_half_storage(model)
-    return LoadedModel(model, Tokenizer.from_hf_dir(path), spec, path.name, path)
+    return LoadedModel(model, spec, path.name, path)
 
 
 def _log_half_storage(model: LlamaModel) -> None:
@@ -149,7 +162,7 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str, tp_rank: int, tp_siz
     check_servable(spec)
     model_spec = spec
     if (shard := _shard(spec, tp_rank, tp_size)) is not None:
-        from servelab.engine.parallel.shard_loading import shard_gguf_tensors
+        from servelab.runtime.parallel.shard_loading import shard_gguf_tensors
 
         tensors, model_spec = shard_gguf_tensors(tensors, shard), shard.local_spec()
     get, get_packed = gguf_getters(model_spec, tensors)
@@ -158,4 +171,4 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str, tp_rank: int, tp_siz
         divisors = dequantize_gguf_tensor(tensors["rope_freqs.weight"]).reshape(-1)
     model = build_model(model_spec, get, dtype, device, divisors, get_packed)
     _log_half_storage(model)
-    return LoadedModel(model, Tokenizer.from_gguf(gguf.metadata), spec, name, path)
+    return LoadedModel(model, spec, name, path)

@@ -17,10 +17,10 @@ from functools import partial
 
 import torch
 
-from servelab.engine import linear
-from servelab.engine.linear import Linear
-from servelab.engine.ops import Ops, select_ops
-from servelab.engine.quantization import LINEARS
+from servelab.runtime import linear
+from servelab.runtime.linear import Linear
+from servelab.runtime.ops import Ops, select_ops
+from servelab.runtime.quantization import LINEARS
 from servelab.errors import InvalidArgument
 from servelab.spec.model import ModelSpec
 
@@ -55,7 +55,7 @@ def rope_inv_freq(config: ModelSpec, freq_divisors: torch.Tensor | None = None) 
 
 @dataclass(slots=True)
 class LayerWeights:
-    """One decoder layer: its two norms' weights and its four linears (engine/linear.py)."""
+    """One decoder layer: its two norms' weights and its four linears (runtime/linear.py)."""
 
     input_norm: torch.Tensor
     qkv: Linear  # [q_size + 2 * kv_size, hidden], with the qkv bias when the model has one
@@ -107,8 +107,8 @@ class AttentionMetadata:
 class LlamaModel:
     """Weights plus a forward pass; holds no per-request state (that lives in the KV cache).
 
-    The kernels come from `self.ops` (engine/ops.py), chosen once at load from the device, the
-    dtype and the CPU; the linears are objects that pick their own kernel (engine/linear.py).
+    The kernels come from `self.ops` (runtime/ops.py), chosen once at load from the device, the
+    dtype and the CPU; the linears are objects that pick their own kernel (runtime/linear.py).
     """
 
     def __init__(
@@ -124,7 +124,7 @@ class LlamaModel:
     ):
         self.config = config
         self.embed = embed
-        # token ids -> rows; under tensor parallelism a vocab-parallel lookup (engine/parallel)
+        # token ids -> rows; under tensor parallelism a vocab-parallel lookup (runtime/parallel)
         self.embedding: Callable[[torch.Tensor], torch.Tensor] = partial(torch.index_select, embed, 0)
         self.layers = layers
         self.final_norm = final_norm
@@ -186,7 +186,7 @@ class LlamaModel:
         self.use_ops(self.ops)  # the new linears on the ops' kernels
 
     def make_batch_invariant(self) -> None:
-        """Deterministic mode: the invariant ops (engine/ops.py, InvariantOps) and linears. Costs
+        """Deterministic mode: the invariant ops (runtime/ops.py, InvariantOps) and linears. Costs
         speed (docs/benchmarks.md)."""
         self.use_ops(select_ops(self.device, self.dtype, deterministic=True))
 

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 
-from servelab.engine import block_quant, native
-from servelab.engine.block_quant import BlockQuantLinear
-from servelab.engine.linear import HALF_GEMM_MAX_ROWS, HALF_GEMV_MAX_ROWS, HalfLinear
-from servelab.engine.quantization import QUANTIZED, Bf16Linear, Int8Linear
+from servelab.runtime import block_quant, native
+from servelab.runtime.block_quant import BlockQuantLinear
+from servelab.runtime.linear import HALF_GEMM_MAX_ROWS, HALF_GEMV_MAX_ROWS, HalfLinear
+from servelab.runtime.quantization import QUANTIZED, Bf16Linear, Int8Linear
 from servelab.spec.model import ModelSpec
 
 _MAX_SEGMENTS = 4  # SL_MAX_SEGMENTS in the C file

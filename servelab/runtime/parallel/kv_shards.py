@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from servelab.engine.parallel.group import broadcast_object, receive_object
+from servelab.runtime.parallel.group import broadcast_object, receive_object
 
 HEADS_DIM = {"block": 2, "layer": 1}  # where the heads are in export_block's / export_layer's piece
 
@@ -28,7 +28,7 @@ class TensorParallelKV:
 
     def __init__(self, kv: Any, group: Any):
         self.kv = kv  # rank 0's PagedKVCache
-        self.group = group  # engine.parallel.group.TensorParallelGroup
+        self.group = group  # runtime.parallel.group.TensorParallelGroup
         self.num_layers = kv.num_layers
         self.block_size = kv.block_size
         self.dtype = kv.dtype

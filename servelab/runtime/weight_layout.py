@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from servelab.engine import block_quant, native
-from servelab.engine.linear import HALF_DTYPES, Linear, half_linear
-from servelab.engine.model import LayerWeights, LlamaModel
-from servelab.engine.weights import keeps_half_storage
+from servelab.runtime import block_quant, native
+from servelab.runtime.linear import HALF_DTYPES, Linear, half_linear
+from servelab.runtime.model import LayerWeights, LlamaModel
+from servelab.runtime.weights import keeps_half_storage
 from servelab.errors import InvalidArgument
 from servelab.spec.ggml_types import GGML_TYPE_BY_ID, GGML_TYPE_BY_NAME
 from servelab.spec.model import ModelSpec

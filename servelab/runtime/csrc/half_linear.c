@@ -4,7 +4,7 @@
  * Why: a bf16 or fp16 checkpoint widened to fp32 holds exactly the same values in twice the
  * bytes, and a decode step with few rows is bound by the bytes of weight it streams. Widening in
  * registers (bf16: a 16-bit shift; fp16: F16C's vcvtph2ps) keeps the numbers and halves the bytes
- * (engine/linear.py's HalfLinear; timings: docs/benchmarks.md, "bf16 storage").
+ * (runtime/linear.py's HalfLinear; timings: docs/benchmarks.md, "bf16 storage").
  *
  * One tile does the arithmetic: MR rows x NO outputs, each a vector of partial sums along the
  * inputs (summed across lanes at the end), reading the weight either straight from its 16-bit

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import torch
 
-from servelab.engine import native
+from servelab.runtime import native
 from servelab.errors import InvalidArgument
 
 PANEL = 16  # outputs a packed panel holds (NP in csrc/int8_linear.c)

@@ -9,7 +9,7 @@
  * "Where a step's time goes"). Here the Python side makes one call per step, and every buffer comes
  * from one arena the caller keeps (servelab_decode_stack_arena_floats says how big).
  *
- * engine/decode_stack.py fills the structs below (ctypes mirrors of them) once at load, and a
+ * runtime/decode_stack.py fills the structs below (ctypes mirrors of them) once at load, and a
  * struct sl_step per step.
  */
 #include <stdint.h>

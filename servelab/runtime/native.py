@@ -17,7 +17,7 @@ benchmarks that compare builds. Each build is cached
 under $SERVELAB_CACHE_DIR, else $XDG_CACHE_HOME/servelab, else ~/.cache/servelab, keyed by a hash
 of the sources, the compiler and its flags, so it costs a compile once per machine. Everything
 here is optional: without a C compiler (or with SERVELAB_NATIVE=0) `native_kernels()` returns
-None, `load_error` says why, and the model runs on the PyTorch ops (engine/ops.py).
+None, `load_error` says why, and the model runs on the PyTorch ops (runtime/ops.py).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ _lock = threading.Lock()
 _builds: dict[str, NativeKernels | str] = {}  # ISA level -> its kernels, or why they cannot load
 load_error: str | None = None  # why the default level's kernels are not in use, for diagnostics
 _logged: set[str] = set()  # the default levels whose choice has been logged
-logger = logging.getLogger("servelab.engine")
+logger = logging.getLogger("servelab.runtime")
 
 
 @dataclass(frozen=True, slots=True)
@@ -200,7 +200,7 @@ class NativeKernels:
 
 
 def _build(level: IsaLevel, csrc: Path | None = None, cdll: type[ctypes.CDLL] = ctypes.CDLL) -> NativeKernels:
-    csrc = csrc or resources.files("servelab.engine").joinpath("csrc")
+    csrc = csrc or resources.files("servelab.runtime").joinpath("csrc")
     sources = {name: csrc.joinpath(name).read_bytes() for name in _SOURCES + _HEADERS}
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:

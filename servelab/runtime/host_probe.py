@@ -48,8 +48,8 @@ def native_gemm_flops_per_s(n: int = 1024, repeats: int = 5) -> float | None:
     """servelab's own fp32 GEMM (csrc/block_quant_linear.c's panel kernel over a plain fp32
     weight, as deterministic mode runs it), or None without the native kernels. It outruns MKL's
     sgemm where MKL does not use the CPU's widest vectors (AVX-512 on AMD)."""
-    from servelab.engine import block_quant, native
-    from servelab.engine.linear import DenseLinear
+    from servelab.runtime import block_quant, native
+    from servelab.runtime.linear import DenseLinear
 
     kernels = native.native_kernels()
     if kernels is None:
@@ -228,7 +228,7 @@ def allreduce_times(ranks: int, hidden: int, tokens: tuple[int, ...] = ALLREDUCE
 
     import torch.multiprocessing as mp
 
-    from servelab.engine.parallel.group import free_port
+    from servelab.runtime.parallel.group import free_port
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "allreduce.json")

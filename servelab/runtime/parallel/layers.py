@@ -1,6 +1,6 @@
 """The layers that communicate under tensor parallelism, wrapped around a rank's own linears.
 
-Each holds the linear that carries the weight shard as `inner` (any engine/linear.py kind:
+Each holds the linear that carries the weight shard as `inner` (any runtime/linear.py kind:
 dense, GGUF blocks, int8, bf16) and adds one collective after it; `with_inner` lets the model's
 use_ops and quantize swap the inner linear (linear.map_weight). The model's forward never
 sees the process group. The collectives are called on the group itself, not through
@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from servelab.engine.linear import Linear
-from servelab.engine.parallel.sharding import Shard
+from servelab.runtime.linear import Linear
+from servelab.runtime.parallel.sharding import Shard
 
 
 @dataclass(slots=True)
@@ -100,7 +100,7 @@ class VocabParallelEmbedding:
 def parallelize(model: Any, shard: Shard, group: Any) -> None:
     """Turns a model loaded from `shard`'s slices (loader.load_model's tp_rank/tp_size) into this
     rank's part of the whole: the row-parallel linears reduce, the head gathers, the embedding
-    reduces. `model`: engine.model.LlamaModel."""
+    reduces. `model`: runtime.model.LlamaModel."""
     for layer in model.layers:
         if layer.o.bias is not None or layer.down.bias is not None:
             raise ValueError("row-parallel linears with a bias are not supported")

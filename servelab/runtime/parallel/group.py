@@ -3,7 +3,7 @@ groups on 127.0.0.1, and before each forward broadcasts the step's inputs.
 
 The scheduler runs only here. One step is one broadcast of the forward's inputs (token ids and
 AttentionMetadata, as one pickled object) followed by the forward itself, whose collectives
-(engine/parallel/layers.py) every rank runs in the same order; rank 0 samples from the gathered
+(runtime/parallel/layers.py) every rank runs in the same order; rank 0 samples from the gathered
 logits. Two groups: the step broadcast waits as long as the engine idles, so it has its own
 group with a long timeout; the forward's collectives time out after COLLECTIVE_TIMEOUT_S, so a
 stuck rank fails loudly instead of hanging. A rank that died is found before each step.
@@ -31,10 +31,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from servelab.engine.parallel.layers import parallelize
-from servelab.engine.parallel.sharding import Shard
+from servelab.runtime.parallel.layers import parallelize
+from servelab.runtime.parallel.sharding import Shard
 
-logger = logging.getLogger("servelab.engine")
+logger = logging.getLogger("servelab.runtime")
 
 COLLECTIVE_TIMEOUT_S = 60.0  # a forward's collective (and the start) waits no longer for a rank
 IDLE_TIMEOUT = timedelta(days=30)  # the step broadcast: workers wait this long for the next step

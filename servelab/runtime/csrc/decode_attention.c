@@ -6,7 +6,7 @@
  * then read again) and then run SDPA, whose CPU kernel is built for many query rows and is
  * inefficient at one. This loop reads each key and value row once, straight from its block,
  * for all the query heads that share it (grouped-query attention), and writes nothing but the
- * output. Plain C, built on first use by servelab/engine/native.py; the arithmetic is fp32
+ * output. Plain C, built on first use by servelab/runtime/native.py; the arithmetic is fp32
  * throughout (max-subtracted softmax, like SDPA), only the summation order differs. A 16-bit
  * cache is widened to fp32 as it is loaded: the values are exactly those torch's
  * `.float()` gives. At SL_AVX512 the score and P V tiles run sixteen lanes (another summation

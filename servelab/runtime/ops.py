@@ -1,14 +1,14 @@
 """The kernels a decoder layer runs, behind one object chosen once at load.
 
 The model calls an `Ops` for everything but its linears (which are objects of their own,
-engine/linear.py): residual add + RMSNorm, RoPE with the K/V store, paged attention, SwiGLU.
+runtime/linear.py): residual add + RMSNorm, RoPE with the K/V store, paged attention, SwiGLU.
 Implementations:
 
 - `TorchOps`: plain PyTorch, any device and dtype. The reference, and what CUDA runs.
-- `NativeOps`: our C kernels (engine/native.py) for fp32 on the CPU, built for one ISA level
+- `NativeOps`: our C kernels (runtime/native.py) for fp32 on the CPU, built for one ISA level
   (the linears' own kernels too). The same values as TorchOps up to fp32 summation order. A
   decode-only step runs every layer in one native call where the linears allow
-  (engine/decode_stack.py): the same kernels in the same order, the same bits.
+  (runtime/decode_stack.py): the same kernels in the same order, the same bits.
 - `InvariantOps`: `--deterministic`. NativeOps with every row's arithmetic independent of the
   rest of the batch: decode attention in the prefill kernel's order, the per-row final norm,
   and every linear on one kernel for every row count.
@@ -25,10 +25,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from servelab.engine import block_quant, native
-from servelab.engine.decode_stack import DecodeStack
-from servelab.engine.linear import HalfLinear, Linear
-from servelab.engine.quantization import QUANTIZED
+from servelab.runtime import block_quant, native
+from servelab.runtime.decode_stack import DecodeStack
+from servelab.runtime.linear import HalfLinear, Linear
+from servelab.runtime.quantization import QUANTIZED
 from servelab.errors import InvalidArgument
 
 
@@ -56,7 +56,7 @@ class TorchOps:
         self, config: Any, layers: list[Any], scale: float, embed: torch.Tensor, final_norm: torch.Tensor, head: Any
     ) -> DecodeStack | None:
         """The model's layers (and, where it can, its embedding, final norm and LM head) as one
-        native call for decode-only steps (engine/decode_stack.py), or None: these ops run every
+        native call for decode-only steps (runtime/decode_stack.py), or None: these ops run every
         step op by op."""
         return None
 

@@ -15,7 +15,7 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
-from servelab.engine import native
+from servelab.runtime import native
 
 
 class Linear(Protocol):
@@ -149,6 +149,6 @@ def lm_head(weight: torch.Tensor, packed: Linear | None) -> Linear:
 
 def map_weight(fn: Callable[[Linear], Linear], lin: Linear) -> Linear:
     """`fn` applied to the linear that holds the weight, inside any wrapper that adds
-    communication around it (engine/parallel/layers.py: such a wrapper has `inner` and `with_inner`)."""
+    communication around it (runtime/parallel/layers.py: such a wrapper has `inner` and `with_inner`)."""
     inner = getattr(lin, "inner", None)
     return fn(lin) if inner is None else lin.with_inner(map_weight(fn, inner))

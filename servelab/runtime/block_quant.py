@@ -28,9 +28,9 @@ from dataclasses import dataclass, replace
 import torch
 import torch.nn.functional as F
 
-from servelab.engine import native
+from servelab.runtime import native
 from servelab.spec.ggml_types import GGML_TYPE_BY_NAME, GGML_TYPES, Kernel
-from servelab.engine.linear import DenseLinear
+from servelab.runtime.linear import DenseLinear
 
 # Views of ggml's type table (spec/ggml_types.py) in the shapes the kernels use.
 # ggml type id -> (our kernel's format code, weights a block, bytes a block)

@@ -12,8 +12,8 @@ from typing import Any
 
 import numpy as np
 
-from servelab.engine.parallel.sharding import Shard, Slice
-from servelab.engine.weight_layout import GGUFTensor, TensorGetter, dequantize_gguf_tensor, hf_name
+from servelab.runtime.parallel.sharding import Shard, Slice
+from servelab.runtime.weight_layout import GGUFTensor, TensorGetter, dequantize_gguf_tensor, hf_name
 from servelab.spec.ggml_types import GGML_TYPE_BY_ID, GGML_TYPE_BY_NAME
 
 
