@@ -279,8 +279,7 @@ class VllmPeer(WorkerPeer):
         except BaseException:
             self.tmp.cleanup()
             raise
-        nbytes = self.info.get("weight_bytes") or 2 * ModelSpec.from_gguf(gguf).num_params
-        self.profile = Profile(nbytes, "bfloat16", "bf16")
+        self.profile = Profile(ModelSpec.from_gguf(gguf).weight_bytes("bf16"), "bfloat16", "bf16")
 
     def close(self) -> None:
         super().close()

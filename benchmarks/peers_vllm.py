@@ -42,8 +42,6 @@ def main() -> int:
 
     llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, enable_prefix_caching=False,
               max_num_seqs=args.max_num_seqs, max_model_len=2048, seed=0)
-    weight_bytes = sum(p.numel() * p.element_size() for p in llm.llm_engine.model_executor.driver_worker.worker
-                       .model_runner.model.parameters()) if hasattr(llm.llm_engine, "model_executor") else None
 
     def run(prompts: list[list[int]], new: int) -> float:
         params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
@@ -51,7 +49,7 @@ def main() -> int:
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return time.perf_counter() - t0
 
-    print(json.dumps({"ready": {"version": vllm.__version__, "weight_bytes": weight_bytes, "dtype": args.dtype}}),
+    print(json.dumps({"ready": {"version": vllm.__version__, "dtype": args.dtype}}),
           file=proto)
     for line in sys.stdin:
         req = json.loads(line)
