@@ -42,6 +42,7 @@ browser:
 
 test: install-test browser
 	$(BIN)/ruff check servelab tests benchmarks
+	$(BIN)/ruff format --check servelab tests benchmarks
 	$(BIN)/python -m mypy
 	$(BIN)/python -m pytest $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 

@@ -158,8 +158,8 @@ def run(model: str | None, path_names: list[str], tokens: int, window: int, llam
     names = path_names + ([LLAMA_CPP] if yard else [])
     scores = {name: Score() for name in names}
     for w in range(n_windows):
-        ids = text_ids[w * half: w * half + window]
-        targets = torch.tensor(ids[half + 1:] + [text_ids[w * half + window]])
+        ids = text_ids[w * half : w * half + window]
+        targets = torch.tensor(ids[half + 1 :] + [text_ids[w * half + window]])
         ref_logp = None
         for name in names:
             t0 = time.perf_counter()
@@ -180,26 +180,41 @@ def run(model: str | None, path_names: list[str], tokens: int, window: int, llam
 
 
 def table(result: dict) -> str:
-    lines = ["| path | flags | mean KL | p99 KL | max KL | top-1 agreement | perplexity | Δ perplexity |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [
+        "| path | flags | mean KL | p99 KL | max KL | top-1 agreement | perplexity | Δ perplexity |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
     for name, r in result["paths"].items():
-        flags = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in r["flags"].items()) if name != LLAMA_CPP else "(its own)"
+        flags = (
+            " ".join(f"--{k.replace('_', '-')} {v}" for k, v in r["flags"].items())
+            if name != LLAMA_CPP
+            else "(its own)"
+        )
         if "kl_mean" in r:
-            lines.append(f"| {name} | {flags or '(default)'} | {r['kl_mean']:.6f} | {r['kl_p99']:.5f} | {r['kl_max']:.4f} | "
-                         f"{100 * r['top1_agreement']:.2f}% | {r['perplexity']:.4f} | {r['perplexity_delta_pct']:+.3f}% |")
+            lines.append(
+                f"| {name} | {flags or '(default)'} | {r['kl_mean']:.6f} | {r['kl_p99']:.5f} | {r['kl_max']:.4f} | "
+                f"{100 * r['top1_agreement']:.2f}% | {r['perplexity']:.4f} | {r['perplexity_delta_pct']:+.3f}% |"
+            )
         else:
-            lines.append(f"| {name} (reference) | {flags or '(default)'} | 0 | 0 | 0 | 100% | {r['perplexity']:.4f} | 0 |")
+            lines.append(
+                f"| {name} (reference) | {flags or '(default)'} | 0 | 0 | 0 | 100% | {r['perplexity']:.4f} | 0 |"
+            )
     return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=None, help="GGUF or HF directory (default: the bundled SmolLM2-135M Q4_1)")
     ap.add_argument("--tokens", type=int, default=20000, help="scored tokens (default 20000)")
     ap.add_argument("--window", type=int, default=512, help="tokens per window; its second half is scored")
     ap.add_argument("--paths", default="all", help=f"comma-separated among {', '.join(PATHS)} (fp32 is always run)")
-    ap.add_argument("--llama-cpp-python", default=os.environ.get("SERVELAB_LLAMA_CPP_PYTHON"),
-                    help="a Python with llama-cpp-python: score llama.cpp's path too (GGUF models only)")
+    ap.add_argument(
+        "--llama-cpp-python",
+        default=os.environ.get("SERVELAB_LLAMA_CPP_PYTHON"),
+        help="a Python with llama-cpp-python: score llama.cpp's path too (GGUF models only)",
+    )
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp's threads")
     ap.add_argument("--quick", action="store_true", help="a tiny random model (--model) and 64 scored tokens")
     ap.add_argument("--json", action="store_true")

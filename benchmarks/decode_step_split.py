@@ -66,13 +66,17 @@ def main(argv: list[str] | None = None) -> int:
                 if recording[0]:
                     label = f"{name} {a[4]}x{a[3]}" if name.startswith("block_quant") else name
                     by_kernel[label] = by_kernel.get(label, 0) + ns
+
         return call
 
     k = model.ops.kernels
     if k is None:
         raise SystemExit(f"no native kernels here: {native.load_error}")
     model.ops.kernels = native.NativeKernels(
-        **{f.name: timed(f.name, getattr(k, f.name)) if callable(getattr(k, f.name)) else getattr(k, f.name) for f in fields(k)}
+        **{
+            f.name: timed(f.name, getattr(k, f.name)) if callable(getattr(k, f.name)) else getattr(k, f.name)
+            for f in fields(k)
+        }
     )
     model.use_ops(model.ops)  # the linears and the stack on the timed entry points
     stack = model.decode_stack
@@ -100,8 +104,10 @@ def main(argv: list[str] | None = None) -> int:
             kernel_ms[mode].append(kernel_ns[0] / args.steps / 1e6)
             recording[0] = False
     model.decode_stack = stack
-    print(f"batch-{args.batch} decode step, {args.model or 'bundled SmolLM2-135M'}, fp32{' ' + args.quantization if args.quantization else ''}, "
-          f"{args.threads} threads, {args.rounds} interleaved rounds of {args.steps} steps (medians)")
+    print(
+        f"batch-{args.batch} decode step, {args.model or 'bundled SmolLM2-135M'}, fp32{' ' + args.quantization if args.quantization else ''}, "
+        f"{args.threads} threads, {args.rounds} interleaved rounds of {args.steps} steps (medians)"
+    )
     print(f"{'mode':10s} {'step ms':>8s} {'tok/s':>7s} {'kernels ms':>10s} {'else ms':>8s} {'else %':>7s}")
     for mode in names:
         step, kern = statistics.median(step_ms[mode]), statistics.median(kernel_ms[mode])

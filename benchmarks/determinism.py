@@ -24,16 +24,46 @@ from servelab.engine.llm_engine import EngineArgs, LLMEngine
 
 
 TOPICS = (
-    "the sea", "a city at night", "bread", "the moon", "rivers", "old books", "trains", "winter", "bees",
-    "mountains", "coffee", "a lighthouse", "rain", "chess", "gardens", "the desert", "music", "clocks",
-    "a market", "birds", "bridges", "snow", "libraries", "the forest", "ships", "tea", "stars", "maps",
-    "a village", "wind", "islands", "paper",
+    "the sea",
+    "a city at night",
+    "bread",
+    "the moon",
+    "rivers",
+    "old books",
+    "trains",
+    "winter",
+    "bees",
+    "mountains",
+    "coffee",
+    "a lighthouse",
+    "rain",
+    "chess",
+    "gardens",
+    "the desert",
+    "music",
+    "clocks",
+    "a market",
+    "birds",
+    "bridges",
+    "snow",
+    "libraries",
+    "the forest",
+    "ships",
+    "tea",
+    "stars",
+    "maps",
+    "a village",
+    "wind",
+    "islands",
+    "paper",
 )
 
 
 def prompts(engine: LLMEngine, n: int) -> list[list[int]]:
     tok = engine.tokenizer
-    chats = [[{"role": "user", "content": f"Write a short paragraph about {TOPICS[i % len(TOPICS)]}."}] for i in range(n)]
+    chats = [
+        [{"role": "user", "content": f"Write a short paragraph about {TOPICS[i % len(TOPICS)]}."}] for i in range(n)
+    ]
     return [tok.encode_prompt(tok.apply_chat_template(chat)) for chat in chats]  # as `servelab generate --chat`
 
 
@@ -75,8 +105,12 @@ def main(argv: list[str] | None = None) -> None:
         "chunked": dict(base, max_num_batched_tokens=7),
         # 48 blocks of 16 tokens hold ~8 of the 32 sequences at their full length: most are preempted
         # (--quick: 6 blocks, and each of the 4 sequences needs 4)
-        "preempted": dict(base, num_blocks=6 if args.quick else 48, enable_prefix_caching=False,
-                          max_model_len=64 if args.quick else 512),
+        "preempted": dict(
+            base,
+            num_blocks=6 if args.quick else 48,
+            enable_prefix_caching=False,
+            max_model_len=64 if args.quick else 512,
+        ),
     }
     results: dict[str, dict] = {}
     t = time.perf_counter()
@@ -89,17 +123,29 @@ def main(argv: list[str] | None = None) -> None:
         t = time.perf_counter()
         engine = LLMEngine.from_args(EngineArgs.from_kwargs(**kwargs))
         outputs[name], preemptions = generate(engine, batch, args.max_tokens, name)
-        results[name] = {**differ(outputs[name], reference), "preemptions": preemptions, "seconds": round(time.perf_counter() - t, 1)}
+        results[name] = {
+            **differ(outputs[name], reference),
+            "preemptions": preemptions,
+            "seconds": round(time.perf_counter() - t, 1),
+        }
     results["preempted vs batched"] = differ(outputs["preempted"], outputs["batched"])
     if args.json:
-        print(json.dumps({"deterministic": args.deterministic, "dtype": args.dtype, "prompts": args.prompts, "runs": results}))
+        print(
+            json.dumps(
+                {"deterministic": args.deterministic, "dtype": args.dtype, "prompts": args.prompts, "runs": results}
+            )
+        )
         return
-    print(f"{args.prompts} prompts x {args.max_tokens} greedy tokens, deterministic={args.deterministic}, dtype={args.dtype or 'default'}")
+    print(
+        f"{args.prompts} prompts x {args.max_tokens} greedy tokens, deterministic={args.deterministic}, dtype={args.dtype or 'default'}"
+    )
     print(f"  {'run':22s} {'tokens differ':>13s} {'logprob bits differ':>19s}")
     for name, r in results.items():
         extra = f"  ({r['preemptions']} preemptions, {r['seconds']} s)" if "seconds" in r else ""
         ref = "batched" if "vs" in name else "alone"
-        print(f"  {name:22s} {r['tokens']:6d} of {args.prompts:<3d} {r['logprob_bits']:12d} of {args.prompts:<3d} vs {ref}{extra}")
+        print(
+            f"  {name:22s} {r['tokens']:6d} of {args.prompts:<3d} {r['logprob_bits']:12d} of {args.prompts:<3d} vs {ref}{extra}"
+        )
 
 
 if __name__ == "__main__":

@@ -50,8 +50,13 @@ def main(argv: list[str] | None = None) -> int:
     workers = {}
     for tree in trees:
         workers[tree] = subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(args.threads), args.quantization or ""], cwd=tree, env=dict(os.environ, PYTHONPATH=tree),
-            text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+            [sys.executable, "-c", WORKER, str(args.threads), args.quantization or ""],
+            cwd=tree,
+            env=dict(os.environ, PYTHONPATH=tree),
+            text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
         )
     for tree, worker in workers.items():
         if worker.stdout.readline().strip() != "ready":
@@ -66,17 +71,24 @@ def main(argv: list[str] | None = None) -> int:
                 rate, wall_per_cpu = json.loads(workers[tree].stdout.readline())
                 wall[tree][m].append(rate)
                 cpu[tree][m].append(rate * wall_per_cpu)
-        print(f"round {r + 1}: " + "; ".join(f"{m} {wall[trees[0]][m][-1]:.1f} / {wall[trees[1]][m][-1]:.1f}" for m in METRICS))
+        print(
+            f"round {r + 1}: "
+            + "; ".join(f"{m} {wall[trees[0]][m][-1]:.1f} / {wall[trees[1]][m][-1]:.1f}" for m in METRICS)
+        )
     for worker in workers.values():
         worker.stdin.close()
         worker.wait()
     for label, rates in (("wall clock", wall), ("CPU time", cpu)):
         old = {m: statistics.median(rates[trees[0]][m]) for m in METRICS}
         new = {m: statistics.median(rates[trees[1]][m]) for m in METRICS}
-        print(f"{label:10s} medians, old / new (tok/s): "
-              + "; ".join(f"{m} {old[m]:.1f} / {new[m]:.1f} = {new[m] / old[m]:.3f}x" for m in METRICS))
-    print(f"{args.quantization or 'default'} linears, {args.threads} thread(s), {args.rounds} rounds; load average at the end: "
-          + " ".join(f"{x:.2f}" for x in os.getloadavg()))
+        print(
+            f"{label:10s} medians, old / new (tok/s): "
+            + "; ".join(f"{m} {old[m]:.1f} / {new[m]:.1f} = {new[m] / old[m]:.3f}x" for m in METRICS)
+        )
+    print(
+        f"{args.quantization or 'default'} linears, {args.threads} thread(s), {args.rounds} rounds; load average at the end: "
+        + " ".join(f"{x:.2f}" for x in os.getloadavg())
+    )
     return 0
 
 

@@ -55,14 +55,27 @@ def prompt_ids(n: int, seed: int, vocab: int = 40000) -> list[int]:
 
 
 class Servelab:
-    def __init__(self, dtype: str, quantization: str | None = None, kv_cache_dtype: str = "auto", deterministic: bool = False,
-                 model: str | None = None):
+    def __init__(
+        self,
+        dtype: str,
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
+        deterministic: bool = False,
+        model: str | None = None,
+    ):
         self.name = "deterministic" if deterministic else "servelab"
         # Prefix caching off: every round reuses the same prompts and must not be served from cache.
         self.engine = LLMEngine.from_args(
-            EngineArgs.from_kwargs(model=model, dtype="float32" if deterministic else dtype, enable_prefix_caching=False,
-                       max_num_seqs=64, max_num_batched_tokens=2048, quantization=quantization,
-                       kv_cache_dtype=kv_cache_dtype, deterministic=deterministic)
+            EngineArgs.from_kwargs(
+                model=model,
+                dtype="float32" if deterministic else dtype,
+                enable_prefix_caching=False,
+                max_num_seqs=64,
+                max_num_batched_tokens=2048,
+                quantization=quantization,
+                kv_cache_dtype=kv_cache_dtype,
+                deterministic=deterministic,
+            )
         )
         self.model = self.engine.executor.model
         self.vocab = min(40000, self.engine.model_spec.vocab_size)  # prompt_ids' default on the bundled model
@@ -122,8 +135,12 @@ class HF:
     def _generate(self, ids: torch.Tensor, mask: torch.Tensor, new: int) -> float:
         t = time.perf_counter()
         self.model.generate(
-            input_ids=ids, attention_mask=mask, max_new_tokens=new, min_new_tokens=new,
-            do_sample=False, pad_token_id=self.pad,
+            input_ids=ids,
+            attention_mask=mask,
+            max_new_tokens=new,
+            min_new_tokens=new,
+            do_sample=False,
+            pad_token_id=self.pad,
         )
         return time.perf_counter() - t
 
@@ -155,10 +172,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", default="decode_b1,decode_b32,prefill_512", help="comma-separated subset")
     parser.add_argument("--no-hf", action="store_true", help="servelab only (no ratios)")
     parser.add_argument("--json", action="store_true", help="print the raw figures as one JSON object on the last line")
-    parser.add_argument("--quantization", choices=["int8", "bf16"], default=None,
-                        help="servelab's opt-in int8 or bf16 linears (HF unchanged)")
-    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
-                        help="servelab's KV cache storage (HF unchanged)")
+    parser.add_argument(
+        "--quantization",
+        choices=["int8", "bf16"],
+        default=None,
+        help="servelab's opt-in int8 or bf16 linears (HF unchanged)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"],
+        help="servelab's KV cache storage (HF unchanged)",
+    )
     parser.add_argument("--deterministic", action="store_true", help="also servelab in deterministic mode: its cost")
     parser.add_argument("--model", default=None, help="an HF model directory (default: the bundled GGUF)")
     parser.add_argument("--quick", action="store_true", help="one round, a short bandwidth probe")
@@ -171,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
 
     engines = [Servelab(args.dtype, args.quantization, args.kv_cache_dtype, model=args.model)]
     if args.deterministic:
-        engines.append(Servelab(args.dtype, args.quantization, args.kv_cache_dtype, deterministic=True, model=args.model))
+        engines.append(
+            Servelab(args.dtype, args.quantization, args.kv_cache_dtype, deterministic=True, model=args.model)
+        )
     engines += [] if args.no_hf else [HF(args.dtype, args.model)]
     for e in engines:  # warm-up: first calls allocate, fault pages in and pick kernels
         e.decode_b1()
@@ -203,28 +230,49 @@ def main(argv: list[str] | None = None) -> int:
 
     quant = f", servelab quantization {args.quantization}" if args.quantization else ""
     quant += f", servelab KV cache {args.kv_cache_dtype}" if args.kv_cache_dtype != "auto" else ""
-    print(f"\nservelab engine vs HF transformers on CPU — {args.model or 'bundled SmolLM2-135M-Instruct'}, {args.dtype}{quant}, "
-          f"{torch.get_num_threads()} threads, {args.rounds} interleaved rounds (medians)")
+    print(
+        f"\nservelab engine vs HF transformers on CPU — {args.model or 'bundled SmolLM2-135M-Instruct'}, {args.dtype}{quant}, "
+        f"{torch.get_num_threads()} threads, {args.rounds} interleaved rounds (medians)"
+    )
     print(f"{'metric':14s} {'servelab':>12s} {'HF':>12s} {'ratio':>8s}")
     for m in metrics:
         hf = medians.get("hf", {}).get(m)
-        print(f"{m:14s} {medians['servelab'][m]:10.1f}/s {'' if hf is None else f'{hf:10.1f}/s':>12s} "
-              f"{'' if m not in ratios else f'{ratios[m]:7.2f}x':>8s}")
+        print(
+            f"{m:14s} {medians['servelab'][m]:10.1f}/s {'' if hf is None else f'{hf:10.1f}/s':>12s} "
+            f"{'' if m not in ratios else f'{ratios[m]:7.2f}x':>8s}"
+        )
     for m in det_ratios:
         print(f"{m:14s} deterministic {medians['deterministic'][m]:10.1f}/s = {det_ratios[m]:.2f}x servelab's")
     print(f"measured read bandwidth: {bandwidth / 1e9:.1f} GB/s; bytes per decode step: {step_bytes / 1e6:.0f} MB")
     if mbu is not None:
         print(f"model bandwidth utilisation at batch 1: {mbu * 100:.0f}%")
     print("load average at the end (1/5/15 min): " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
-    print(f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} for both engines (one process; servelab sets PASSIVE unless set)")
+    print(
+        f"OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} for both engines (one process; servelab sets PASSIVE unless set)"
+    )
     if args.json:
-        print(json.dumps({
-            "dtype": args.dtype, "quantization": args.quantization, "kv_cache_dtype": args.kv_cache_dtype, "threads": torch.get_num_threads(), "rounds": args.rounds,
-            "servelab": medians["servelab"], "hf": medians.get("hf"), "ratios": ratios,
-            "deterministic": medians.get("deterministic"), "deterministic_ratios": det_ratios,
-            "raw": results, "bandwidth_bytes_per_s": bandwidth, "decode_step_bytes": step_bytes,
-            "mbu_b1": mbu, "load_average": list(os.getloadavg()), "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
-        }))
+        print(
+            json.dumps(
+                {
+                    "dtype": args.dtype,
+                    "quantization": args.quantization,
+                    "kv_cache_dtype": args.kv_cache_dtype,
+                    "threads": torch.get_num_threads(),
+                    "rounds": args.rounds,
+                    "servelab": medians["servelab"],
+                    "hf": medians.get("hf"),
+                    "ratios": ratios,
+                    "deterministic": medians.get("deterministic"),
+                    "deterministic_ratios": det_ratios,
+                    "raw": results,
+                    "bandwidth_bytes_per_s": bandwidth,
+                    "decode_step_bytes": step_bytes,
+                    "mbu_b1": mbu,
+                    "load_average": list(os.getloadavg()),
+                    "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
+                }
+            )
+        )
     return 0
 
 

@@ -63,8 +63,16 @@ B1_PROMPT, PERF_PROMPT = 32, 32  # prompt lengths for the timed runs
 
 def make_engine(device: str, dtype: str, model: str | None) -> LLMEngine:
     # Prefix caching off: the runs repeat prompts and must compute them.
-    return LLMEngine.from_args(EngineArgs.from_kwargs(model=model, device=device, dtype=dtype, enable_prefix_caching=False,
-                                                      max_num_seqs=64, max_num_batched_tokens=4096))
+    return LLMEngine.from_args(
+        EngineArgs.from_kwargs(
+            model=model,
+            device=device,
+            dtype=dtype,
+            enable_prefix_caching=False,
+            max_num_seqs=64,
+            max_num_batched_tokens=4096,
+        )
+    )
 
 
 def write_twin(description: Path, out: Path, seed: int = 0) -> Path:
@@ -108,9 +116,14 @@ def answers(engine: LLMEngine, new_tokens: int) -> list[dict]:
     the greedy continuation."""
     params = SamplingParams(max_tokens=new_tokens, temperature=0, ignore_eos=True, prompt_logprobs=1)
     prompts = [prompt_ids(engine, PROMPT_LEN, 1000 + i) for i in range(PROMPTS)]
-    return [{"logprobs": [t.logprob for t in s.prompt_logprobs],
-             "top1": [max(t.top, key=lambda kv: kv[1])[0] if t.top else t.token_id for t in s.prompt_logprobs],
-             "tokens": list(s.output_token_ids)} for s in run(engine, prompts, params, "check")]
+    return [
+        {
+            "logprobs": [t.logprob for t in s.prompt_logprobs],
+            "top1": [max(t.top, key=lambda kv: kv[1])[0] if t.top else t.token_id for t in s.prompt_logprobs],
+            "tokens": list(s.output_token_ids),
+        }
+        for s in run(engine, prompts, params, "check")
+    ]
 
 
 def compare(reference: list[dict], got: list[dict], exact: bool) -> dict:
@@ -126,8 +139,13 @@ def compare(reference: list[dict], got: list[dict], exact: bool) -> dict:
     max_diff, agree = max(diffs, default=0.0), sum(top1) / max(len(top1), 1)
     all_tokens = all(n == len(r["tokens"]) == len(g["tokens"]) for n, r, g in zip(same_tokens, reference, got))
     passed = (all_tokens and max_diff <= 1e-3) if exact else (agree >= 0.9 and max_diff <= 0.5)
-    return {"max_logprob_diff": max_diff, "top1_agreement": agree, "greedy_tokens_same": same_tokens,
-            "exact_criteria": exact, "passed": passed}
+    return {
+        "max_logprob_diff": max_diff,
+        "top1_agreement": agree,
+        "greedy_tokens_same": same_tokens,
+        "exact_criteria": exact,
+        "passed": passed,
+    }
 
 
 def decode_rates(engine: LLMEngine, batch: int, new_tokens: int, seed: int) -> float:
@@ -141,14 +159,19 @@ def decode_rates(engine: LLMEngine, batch: int, new_tokens: int, seed: int) -> f
     return tokens / (end - start)
 
 
-def bound_fraction(engine: LLMEngine, tok_per_s: float, batch: int, new_tokens: int, bandwidth: float, hardware: str) -> float:
+def bound_fraction(
+    engine: LLMEngine, tok_per_s: float, batch: int, new_tokens: int, bandwidth: float, hardware: str
+) -> float:
     """The share of `bandwidth` the step's bytes take at this rate (peers.fractions: every weight,
     and the KV cache of `batch` sequences at their mean context, read once a step)."""
     prompt_len = B1_PROMPT if batch == 1 else PERF_PROMPT
     kv_dtype = str(engine.executor.kv_cache.dtype).removeprefix("torch.")
     hw = get_hardware(hardware)  # its peaks only complete the limits: the bandwidth share is what is read
-    limits = HostLimits(read_bandwidth_bytes_per_s=bandwidth, peak_ops_per_s={d: hw.peak_flops_per_s(d) for d in ("fp32", "bf16", "int8")},
-                        threads=0)
+    limits = HostLimits(
+        read_bandwidth_bytes_per_s=bandwidth,
+        peak_ops_per_s={d: hw.peak_flops_per_s(d) for d in ("fp32", "bf16", "int8")},
+        threads=0,
+    )
     profile = Profile(engine.executor.model.weight_bytes(), kv_dtype, "fp32")
     shape = Shape(batch, prompt_len + new_tokens // 2)
     return fractions(shape, tok_per_s, profile, engine.model_spec, limits)["bandwidth"]
@@ -159,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", help="cuda (default), or cpu (the same checks, no GPU)")
     parser.add_argument("--dtype", default="auto", help="the device engine's dtype (auto: what a user gets)")
     parser.add_argument("--model", default=None, help="GGUF file or HF directory (default: the bundled model)")
-    parser.add_argument("--twin", type=Path, default=None,
-                        help="run on the twin this directory describes, not --model (see above)")
+    parser.add_argument(
+        "--twin", type=Path, default=None, help="run on the twin this directory describes, not --model (see above)"
+    )
     parser.add_argument("--hardware", default="h200", help="servelab's hardware name for the datasheet bandwidth")
     parser.add_argument("--batch", type=int, default=64, help="sequences decoding together in the batched run")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens each timed sequence decodes")
@@ -185,33 +209,54 @@ def measure(args: argparse.Namespace, datasheet: float | None) -> int:
     dtype = str(engine.executor.model.dtype).removeprefix("torch.")
     check = compare(reference, answers(engine, 16), exact=dtype == "float32")
     name = torch.cuda.get_device_name(args.device) if args.device.startswith("cuda") else "cpu"
-    print(f"device {name}, dtype {dtype}: greedy tokens same {check['greedy_tokens_same']} of 16, "
-          f"max logprob diff {check['max_logprob_diff']:.2e}, top-1 agreement {check['top1_agreement']:.1%}: "
-          + ("PASS" if check["passed"] else "FAIL"))
+    print(
+        f"device {name}, dtype {dtype}: greedy tokens same {check['greedy_tokens_same']} of 16, "
+        f"max logprob diff {check['max_logprob_diff']:.2e}, top-1 agreement {check['top1_agreement']:.1%}: "
+        + ("PASS" if check["passed"] else "FAIL")
+    )
 
     # a GPU sums 1 GiB in ~0.3 ms: many repeats, so that its clocks are up for the best of them
-    measured = read_bandwidth_bytes_per_s(args.probe_bytes, 50 if args.device.startswith("cuda") else 5, device=args.device)
+    measured = read_bandwidth_bytes_per_s(
+        args.probe_bytes, 50 if args.device.startswith("cuda") else 5, device=args.device
+    )
     rates: dict[str, list[float]] = {"decode_b1": [], f"decode_b{args.batch}": []}
     decode_rates(engine, 1, 4, 0)  # warm-up at both shapes: kernels, allocator
     decode_rates(engine, args.batch, 4, 1)
     for r in range(args.rounds):
         rates["decode_b1"].append(decode_rates(engine, 1, args.new_tokens, 10 + r))
         rates[f"decode_b{args.batch}"].append(decode_rates(engine, args.batch, args.new_tokens, 100 * (r + 1)))
-    result = {"device": name, "dtype": dtype, "check": check, "read_bandwidth": {"measured": measured, "datasheet": datasheet},
-              "weight_bytes": engine.executor.model.weight_bytes(), "metrics": {}}
-    print(f"read bandwidth: measured {measured / 1e9:.0f} GB/s"
-          + (f", datasheet ({args.hardware}) {datasheet / 1e9:.0f} GB/s" if datasheet else "")
-          + f"; weights read a step: {result['weight_bytes'] / 1e6:.0f} MB")
+    result = {
+        "device": name,
+        "dtype": dtype,
+        "check": check,
+        "read_bandwidth": {"measured": measured, "datasheet": datasheet},
+        "weight_bytes": engine.executor.model.weight_bytes(),
+        "metrics": {},
+    }
+    print(
+        f"read bandwidth: measured {measured / 1e9:.0f} GB/s"
+        + (f", datasheet ({args.hardware}) {datasheet / 1e9:.0f} GB/s" if datasheet else "")
+        + f"; weights read a step: {result['weight_bytes'] / 1e6:.0f} MB"
+    )
     for metric, values in rates.items():
         batch = 1 if metric == "decode_b1" else args.batch
         median = statistics.median(values)
         of_measured = bound_fraction(engine, median, batch, args.new_tokens, measured, args.hardware)
-        of_sheet = bound_fraction(engine, median, batch, args.new_tokens, datasheet, args.hardware) if datasheet else None
-        result["metrics"][metric] = {"tok_per_s": median, "rounds": values, "of_measured_bandwidth": of_measured,
-                                     "of_datasheet_bandwidth": of_sheet}
-        print(f"{metric:12s} {median:10.1f} tok/s  {of_measured:6.1%} of the measured bound"
-              + (f"  {of_sheet:6.1%} of the datasheet's" if of_sheet is not None else "")
-              + "  rounds " + " ".join(f"{v:.1f}" for v in values))
+        of_sheet = (
+            bound_fraction(engine, median, batch, args.new_tokens, datasheet, args.hardware) if datasheet else None
+        )
+        result["metrics"][metric] = {
+            "tok_per_s": median,
+            "rounds": values,
+            "of_measured_bandwidth": of_measured,
+            "of_datasheet_bandwidth": of_sheet,
+        }
+        print(
+            f"{metric:12s} {median:10.1f} tok/s  {of_measured:6.1%} of the measured bound"
+            + (f"  {of_sheet:6.1%} of the datasheet's" if of_sheet is not None else "")
+            + "  rounds "
+            + " ".join(f"{v:.1f}" for v in values)
+        )
     if args.json:
         print(json.dumps(result))
     return 0 if check["passed"] else 1

@@ -61,8 +61,15 @@ def load(path: Path = DATA) -> dict[str, Any]:
 
 
 def roofline(point: dict[str, Any], efficiency: Efficiency, measured: bool = MEASURED) -> Roofline:
-    return Roofline(get_model(point["model"]), get_hardware(point["hardware"]), weight_dtype=point["weight_dtype"],
-                    kv_dtype=point["kv_dtype"], tp=point["tp"], efficiency=efficiency, measured_kernels=measured)
+    return Roofline(
+        get_model(point["model"]),
+        get_hardware(point["hardware"]),
+        weight_dtype=point["weight_dtype"],
+        kv_dtype=point["kv_dtype"],
+        tp=point["tp"],
+        efficiency=efficiency,
+        measured_kernels=measured,
+    )
 
 
 def steps(point: dict[str, Any], groups: int | None = None) -> list[tuple[int, tuple[int, int, int, int]]]:
@@ -80,7 +87,7 @@ def steps(point: dict[str, Any], groups: int | None = None) -> list[tuple[int, t
     out_steps = [(1, first)]
     size = math.ceil(len(decode_contexts) / groups)
     for start in range(0, len(decode_contexts), size):
-        chunk = decode_contexts[start:start + size]
+        chunk = decode_contexts[start : start + size]
         mean_ctx = sum(chunk) / len(chunk)  # exact: every term is linear in the context
         out_steps.append((len(chunk), (b, b, b * mean_ctx, b * mean_ctx)))  # type: ignore[arg-type]
     return out_steps
@@ -124,9 +131,17 @@ def error_pct(point: dict[str, Any], efficiency: Efficiency, measured: bool = ME
 
 
 # ---- the fit ---------------------------------------------------------------------------------
-PARAMS = ("bandwidth_fraction", "compute_fraction", *(f"formats.{f}.bandwidth_fraction" for f in FORMATS),
-          *(f"formats.{f}.compute_fraction" for f in FORMATS), "step_overhead_s", "per_layer_overhead_s",
-          "per_seq_overhead_s", "allreduce_latency_s", "interconnect_fraction")
+PARAMS = (
+    "bandwidth_fraction",
+    "compute_fraction",
+    *(f"formats.{f}.bandwidth_fraction" for f in FORMATS),
+    *(f"formats.{f}.compute_fraction" for f in FORMATS),
+    "step_overhead_s",
+    "per_layer_overhead_s",
+    "per_seq_overhead_s",
+    "allreduce_latency_s",
+    "interconnect_fraction",
+)
 
 
 def is_fraction(name: str) -> bool:
@@ -145,8 +160,10 @@ def with_params(eff: Efficiency, values: dict[str, float]) -> Efficiency:
     formats = dict(eff.formats)
     for fmt in FORMATS:
         cur = eff.for_format(fmt)
-        formats[fmt] = FormatEfficiency(values.get(f"formats.{fmt}.bandwidth_fraction", cur.bandwidth_fraction),
-                                        values.get(f"formats.{fmt}.compute_fraction", cur.compute_fraction))
+        formats[fmt] = FormatEfficiency(
+            values.get(f"formats.{fmt}.bandwidth_fraction", cur.bandwidth_fraction),
+            values.get(f"formats.{fmt}.compute_fraction", cur.compute_fraction),
+        )
     return replace(eff, **top, formats=formats)
 
 
@@ -167,8 +184,14 @@ def _row(point: dict[str, Any], eff: Efficiency, measured: bool) -> tuple[dict[s
     return row, tuple(sides)
 
 
-def fit(points: list[dict[str, Any]], start: Efficiency | None = None, held: dict[str, float] | None = None,
-        max_rounds: int = 500, tol: float = 1e-9, measured: bool = MEASURED) -> Efficiency:
+def fit(
+    points: list[dict[str, Any]],
+    start: Efficiency | None = None,
+    held: dict[str, float] | None = None,
+    max_rounds: int = 500,
+    tol: float = 1e-9,
+    measured: bool = MEASURED,
+) -> Efficiency:
     """Efficiency fitted to `points` (relative least squares, all terms >= 0, fractions <= 1)."""
     import numpy as np
 
@@ -182,9 +205,14 @@ def fit(points: list[dict[str, Any]], start: Efficiency | None = None, held: dic
         y = np.array([published_time_s(p) for p in points])
         # Held terms and the "1" of every 1/fraction = 1 + x move to the target side.
         # So do the linear layers where measured kernels price them.
-        fixed = np.array([sum(v * (1.0 / held[k] if is_fraction(k) else held[k]) for k, v in row.items() if k in held)
-                          + sum(v for k, v in row.items() if k in free and is_fraction(k))
-                          + row.get(MEASURED_KERNELS_TERM, 0.0) for row in rows])
+        fixed = np.array(
+            [
+                sum(v * (1.0 / held[k] if is_fraction(k) else held[k]) for k, v in row.items() if k in held)
+                + sum(v for k, v in row.items() if k in free and is_fraction(k))
+                + row.get(MEASURED_KERNELS_TERM, 0.0)
+                for row in rows
+            ]
+        )
         target = (y - fixed) / y
         a_rel = a / y[:, None]
         scale = np.abs(a_rel).max(axis=0)
@@ -193,12 +221,17 @@ def fit(points: list[dict[str, Any]], start: Efficiency | None = None, held: dic
         values = {k: (1.0 / (1.0 + v) if is_fraction(k) else float(v)) for k, v in zip(free, x)}
         eff = with_params(eff, values)
         current = [get_param(eff, k) for k in PARAMS]
-        if previous is not None and all(math.isclose(a, b, rel_tol=tol, abs_tol=1e-15) for a, b in zip(current, previous)):
+        if previous is not None and all(
+            math.isclose(a, b, rel_tol=tol, abs_tol=1e-15) for a, b in zip(current, previous)
+        ):
             break
         previous = current
     # Weight-only formats have no compute-bound training point: they keep the 16-bit fraction.
-    untouched = {f"formats.{f}.compute_fraction": eff.compute_fraction for f in FORMATS
-                 if not any(p["weight_dtype"] == f for p in points if _has_compute_bound_step(p, eff, measured))}
+    untouched = {
+        f"formats.{f}.compute_fraction": eff.compute_fraction
+        for f in FORMATS
+        if not any(p["weight_dtype"] == f for p in points if _has_compute_bound_step(p, eff, measured))
+    }
     return with_params(eff, untouched)
 
 
@@ -208,31 +241,40 @@ def _has_compute_bound_step(point: dict[str, Any], eff: Efficiency, measured: bo
 
 def rounded(eff: Efficiency, digits: int = 2) -> Efficiency:
     """The fit at `digits` significant figures: what the committed defaults hold."""
+
     def sig(v: float) -> float:
         return float(f"{v:.{digits}g}") if v else 0.0
+
     return with_params(eff, {k: sig(get_param(eff, k)) for k in PARAMS})
 
 
 # ---- reporting -------------------------------------------------------------------------------
 def describe(point: dict[str, Any]) -> str:
     run = point["run"]
-    shape = (f"b{run['batch']} ctx {run['context']}" if run["kind"] == "decode_step"
-             else f"b{run['batch']} {run['input_len']}/{run['output_len']}")
-    return (f"{point['model']} {point['weight_dtype']}/kv {point['kv_dtype']} {point['hardware']} tp{point['tp']} "
-            f"{shape}")
+    shape = (
+        f"b{run['batch']} ctx {run['context']}"
+        if run["kind"] == "decode_step"
+        else f"b{run['batch']} {run['input_len']}/{run['output_len']}"
+    )
+    return (
+        f"{point['model']} {point['weight_dtype']}/kv {point['kv_dtype']} {point['hardware']} tp{point['tp']} {shape}"
+    )
 
 
 def number(v: float) -> str:
     return f"{v:,.0f}" if v >= 1000 else f"{v:.4g}"
 
 
-def table(points: list[dict[str, Any]], eff: Efficiency, markdown: bool, notes: dict[str, str],
-          measured: bool = MEASURED) -> list[str]:
+def table(
+    points: list[dict[str, Any]], eff: Efficiency, markdown: bool, notes: dict[str, str], measured: bool = MEASURED
+) -> list[str]:
     """One line per point; an exception's reason goes into `notes` once, keyed by a letter."""
     lines = []
     if markdown:
-        lines += ["| source | setup | metric | published | predicted | error | bound |",
-                  "|---|---|---|---:|---:|---:|---:|"]
+        lines += [
+            "| source | setup | metric | published | predicted | error | bound |",
+            "|---|---|---|---:|---:|---:|---:|",
+        ]
     for p in points:
         pred, err = predict(p, eff, measured), error_pct(p, eff, measured)
         bound = p.get("bound_pct", DEFAULT_BOUND_PCT)
@@ -243,18 +285,24 @@ def table(points: list[dict[str, Any]], eff: Efficiency, markdown: bool, notes: 
             mark = f" ({letter})"
         flag = "" if abs(err) <= bound else " !"
         if markdown:
-            lines.append(f"| {p['source']} | {describe(p)} | {p['metric']} | {number(p['value'])} | {number(pred)} | "
-                         f"{err:+.1f}%{flag} | {bound:g}%{mark} |")
+            lines.append(
+                f"| {p['source']} | {describe(p)} | {p['metric']} | {number(p['value'])} | {number(pred)} | "
+                f"{err:+.1f}%{flag} | {bound:g}%{mark} |"
+            )
         else:
-            lines.append(f"{p['source']:17} {describe(p):62} {p['metric']:21} {number(p['value']):>9} "
-                         f"{number(pred):>9} {err:+6.1f}%{flag} {bound:g}%{mark}")
+            lines.append(
+                f"{p['source']:17} {describe(p):62} {p['metric']:21} {number(p['value']):>9} "
+                f"{number(pred):>9} {err:+6.1f}%{flag} {bound:g}%{mark}"
+            )
     return lines
 
 
 def summary(points: list[dict[str, Any]], eff: Efficiency, measured: bool = MEASURED) -> str:
     errs = sorted(abs(error_pct(p, eff, measured)) for p in points)
-    return (f"{len(errs)} points: median |error| {errs[len(errs) // 2]:.1f}%, max {errs[-1]:.1f}%, "
-            f"{sum(e <= DEFAULT_BOUND_PCT for e in errs)} within {DEFAULT_BOUND_PCT:.0f}%")
+    return (
+        f"{len(errs)} points: median |error| {errs[len(errs) // 2]:.1f}%, max {errs[-1]:.1f}%, "
+        f"{sum(e <= DEFAULT_BOUND_PCT for e in errs)} within {DEFAULT_BOUND_PCT:.0f}%"
+    )
 
 
 def efficiency_lines(eff: Efficiency) -> list[str]:
@@ -272,15 +320,21 @@ def compare(train: list[dict[str, Any]], test: list[dict[str, Any]], markdown: b
         errs = sorted(abs(error_pct(p, fits[measured], measured)) for p in points)
         return errs[len(errs) // 2]
 
-    lines = [f"median |error|: training {median(train, False):.1f}% end-to-end, {median(train, True):.1f}% measured "
-             f"kernels; test {median(test, False):.1f}%, {median(test, True):.1f}%", ""]
+    lines = [
+        f"median |error|: training {median(train, False):.1f}% end-to-end, {median(train, True):.1f}% measured "
+        f"kernels; test {median(test, False):.1f}%, {median(test, True):.1f}%",
+        "",
+    ]
     if markdown:
         lines += ["| set | setup | metric | end-to-end | measured kernels |", "|---|---|---|---:|---:|"]
     for p in train + test:
         before, after = error_pct(p, fits[False], False), error_pct(p, fits[True], True)
         if abs(abs(after) - abs(before)) > 5:
-            lines.append(f"| {p['set']} | {describe(p)} | {p['metric']} | {before:+.1f}% | {after:+.1f}% |" if markdown
-                         else f"{p['set']:5} {describe(p):62} {p['metric']:21} {before:+7.1f}% {after:+7.1f}%")
+            lines.append(
+                f"| {p['set']} | {describe(p)} | {p['metric']} | {before:+.1f}% | {after:+.1f}% |"
+                if markdown
+                else f"{p['set']:5} {describe(p):62} {p['metric']:21} {before:+7.1f}% {after:+7.1f}%"
+            )
     return lines
 
 
@@ -288,10 +342,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--markdown", action="store_true", help="print docs/fidelity.md's tables")
-    parser.add_argument("--measured-kernels", action="store_true",
-                        help="price with the catalog's measured kernels and fit the end-to-end terms on top of them")
-    parser.add_argument("--compare", action="store_true",
-                        help="compare the committed end-to-end and measured-kernel fits point by point")
+    parser.add_argument(
+        "--measured-kernels",
+        action="store_true",
+        help="price with the catalog's measured kernels and fit the end-to-end terms on top of them",
+    )
+    parser.add_argument(
+        "--compare",
+        action="store_true",
+        help="compare the committed end-to-end and measured-kernel fits point by point",
+    )
     args = parser.parse_args()
     data = load(args.data)
     measured = args.measured_kernels
@@ -315,7 +375,9 @@ def main() -> None:
         pts = [p for p in data["points"] if p["set"] == name]
         priced = [p for p in pts if p["run"]["kind"] in PRICED_KINDS]
         if priced:
-            print(f"\n{name.upper()}, not fitted ({summary(priced, fitted, measured)}; {len(pts) - len(priced)} unpriced kept)")
+            print(
+                f"\n{name.upper()}, not fitted ({summary(priced, fitted, measured)}; {len(pts) - len(priced)} unpriced kept)"
+            )
             print("\n".join(table(priced, fitted, args.markdown, {}, measured)))
 
 

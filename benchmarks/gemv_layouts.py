@@ -69,8 +69,23 @@ def main(argv: list[str] | None = None) -> None:
             x, y = torch.randn(args.rows, i), torch.empty(args.rows, o)
             scratch = torch.empty(args.rows * i // 32 + args.threads * max(i, block_quant.PANEL_OUTPUTS * i))
             buffers.append((x, y, scratch))
-            out += [(seg.fmt, seg.data.data_ptr(), seg.data.shape[1], i, seg.data.shape[0], x.data_ptr(), args.rows,
-                     None, y.data_ptr() + 4 * seg.start, o, scratch.data_ptr(), args.threads) for seg in lin.segments]
+            out += [
+                (
+                    seg.fmt,
+                    seg.data.data_ptr(),
+                    seg.data.shape[1],
+                    i,
+                    seg.data.shape[0],
+                    x.data_ptr(),
+                    args.rows,
+                    None,
+                    y.data_ptr() + 4 * seg.start,
+                    o,
+                    scratch.data_ptr(),
+                    args.threads,
+                )
+                for seg in lin.segments
+            ]
         return out
 
     def run(cs, repeat=1):
@@ -91,16 +106,22 @@ def main(argv: list[str] | None = None) -> None:
             rates[name].append(nbytes / statistics.median(run(streams[name]) for _ in range(9)))
             hot[name].append(hot_bytes / run(gate_up[name], max(10, 200 // args.rows)))
     bandwidth = host_probe.read_bandwidth_bytes_per_s(1 << 28, 2 if args.quick else 5)
-    print(f"{len(grouped)} Q4_1 matrices, {nbytes / 1e6:.1f} MB, {args.rows} row(s), {args.threads} thread(s), "
-          f"{args.rounds} interleaved rounds; host read bandwidth {bandwidth / 1e9:.1f} GB/s")
+    print(
+        f"{len(grouped)} Q4_1 matrices, {nbytes / 1e6:.1f} MB, {args.rows} row(s), {args.threads} thread(s), "
+        f"{args.rounds} interleaved rounds; host read bandwidth {bandwidth / 1e9:.1f} GB/s"
+    )
     for name in layouts:
         med = statistics.median(rates[name])
-        print(f"{name:10s} stream {med / 1e9:5.1f} GB/s ({med / bandwidth:4.0%})  hot {grouped[2].shape[0]}x"
-              f"{grouped[2].shape[1]} {statistics.median(hot[name]) / 1e9:5.1f} GB/s  rounds "
-              + " ".join(f"{r / 1e9:.1f}" for r in rates[name]))
+        print(
+            f"{name:10s} stream {med / 1e9:5.1f} GB/s ({med / bandwidth:4.0%})  hot {grouped[2].shape[0]}x"
+            f"{grouped[2].shape[1]} {statistics.median(hot[name]) / 1e9:5.1f} GB/s  rounds "
+            + " ".join(f"{r / 1e9:.1f}" for r in rates[name])
+        )
     first, second = layouts
-    print(f"{first} / {second}: stream {statistics.median(rates[first]) / statistics.median(rates[second]):.2f}x, "
-          f"hot {statistics.median(hot[first]) / statistics.median(hot[second]):.2f}x")
+    print(
+        f"{first} / {second}: stream {statistics.median(rates[first]) / statistics.median(rates[second]):.2f}x, "
+        f"hot {statistics.median(hot[first]) / statistics.median(hot[second]):.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -79,9 +79,11 @@ class Timer:
                     c()
             run = graph.replay
         else:
+
             def run() -> None:
                 for c in seq:
                     c()
+
         run()
         self.sync()
         times = []
@@ -115,7 +117,9 @@ def measure_bandwidth(device: torch.device, nbytes: int) -> dict[str, float]:
 FP8_DTYPES = ("fp8", "fp8_tensor")  # row-wise scales (per token and channel); one scale per tensor
 
 
-def _fp8_weights(device: torch.device, n: int, k: int, copies: int, row_wise: bool) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def _fp8_weights(
+    device: torch.device, n: int, k: int, copies: int, row_wise: bool
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
     # Column-major (K, N) codes, as cuBLASLt's FP8 GEMM takes them, with per-channel or one scale.
     return [(torch.randn(n, k, device=device).to(torch.float8_e4m3fn).t(),
              torch.ones(1, n, device=device) if row_wise else torch.ones((), device=device))
@@ -155,7 +159,9 @@ def measure_gemms(timer: Timer, shapes: dict, tokens: list[int], dtypes: list[st
                           else _int4_weights(dev, n, k, copies) if int4
                           else [torch.randn(n, k, device=dev, dtype=_torch_dtype(dtype)) for _ in range(copies)])  # fmt: skip
                 except (RuntimeError, AttributeError) as e:  # a format this torch build cannot pack
-                    rows.append(dict(model=model, layer=layer, dtype=dtype, n=n, k=k, error=str(e).splitlines()[0][:200]))
+                    rows.append(
+                        dict(model=model, layer=layer, dtype=dtype, n=n, k=k, error=str(e).splitlines()[0][:200])
+                    )
                     continue
                 for m in tokens:
                     row = dict(model=model, layer=layer, dtype=dtype, m=m, n=n, k=k)
@@ -208,15 +214,21 @@ def _best_backend(timer: Timer, calls_for: Callable[[], list[Callable[[], object
     return per[best], best, per
 
 
-def measure_prefill_attention(timer: Timer, lens: list[int], attn: tuple[int, int, int], dtype: torch.dtype) -> list[dict]:
+def measure_prefill_attention(
+    timer: Timer, lens: list[int], attn: tuple[int, int, int], dtype: torch.dtype
+) -> list[dict]:
     heads, kv_heads, dim = attn
     rows = []
     for seq_len in lens:
         q = torch.randn(1, heads, seq_len, dim, device=timer.device, dtype=dtype)
         # KV expanded to the query heads: every backend takes it; the FLOPs are the same.
-        k = torch.randn(1, kv_heads, seq_len, dim, device=timer.device, dtype=dtype).repeat_interleave(heads // kv_heads, 1)
+        k = torch.randn(1, kv_heads, seq_len, dim, device=timer.device, dtype=dtype).repeat_interleave(
+            heads // kv_heads, 1
+        )
         v = torch.randn_like(k)
-        t, backend, per = _best_backend(timer, lambda: [lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)])
+        t, backend, per = _best_backend(
+            timer, lambda: [lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True)]
+        )
         flops = 4 * heads * dim * seq_len * (seq_len + 1) // 2
         rows.append(dict(seq_len=seq_len, heads=heads, kv_heads=kv_heads, head_dim=dim, time_s=t, flops=flops,
                          backend=backend, per_backend_s=per))  # fmt: skip
@@ -241,7 +253,8 @@ def measure_decode_attention(timer: Timer, batches: list[int], contexts: list[in
             kvs = [(torch.randn(batch, kv_heads, ctx, dim, device=timer.device, dtype=dtype),
                     torch.randn(batch, kv_heads, ctx, dim, device=timer.device, dtype=dtype)) for _ in range(copies)]  # fmt: skip
             t, backend, per = _best_backend(
-                timer, lambda kvs=kvs: [lambda k=k, v=v: F.scaled_dot_product_attention(q, k, v) for k, v in kvs])
+                timer, lambda kvs=kvs: [lambda k=k, v=v: F.scaled_dot_product_attention(q, k, v) for k, v in kvs]
+            )
             rows.append(dict(batch=batch, context=ctx, heads=heads, kv_heads=kv_heads, head_dim=dim, time_s=t,
                              bytes=kv_bytes, flops=4 * batch * heads * dim * ctx, backend=backend, per_backend_s=per))  # fmt: skip
             print(f"decode attn B={batch:4d} ctx={ctx:6d} {t * 1e6:9.1f} us {kv_bytes / t / 1e9:7.0f} GB/s ({backend})",
@@ -286,16 +299,21 @@ def measure_launch(device: torch.device, kernels: int = 2000) -> dict[str, float
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     ap.add_argument("--quick", action="store_true", help="tiny shapes and few points (a smoke test)")
     ap.add_argument("--repeats", type=int, default=7, help="timed graph replays per point (median)")
     ap.add_argument("--out", type=Path, required=True, help="where to write the JSON")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: gemm, fp8, prefill, decode")
-    ap.add_argument("--dtypes", default=None,
-                    help="GEMM formats, comma-separated, of the device's 16-bit type (bfloat16 on CUDA, float32 on a "
-                         "CPU), fp8 (row-wise scales), fp8_tensor (one scale a tensor) and int4 (weight-only, "
-                         "groups of 128); default: 16-bit and fp8")
+    ap.add_argument(
+        "--dtypes",
+        default=None,
+        help="GEMM formats, comma-separated, of the device's 16-bit type (bfloat16 on CUDA, float32 on a "
+        "CPU), fp8 (row-wise scales), fp8_tensor (one scale a tensor) and int4 (weight-only, "
+        "groups of 128); default: 16-bit and fp8",
+    )
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_kernels: --device cuda but torch sees no CUDA device (use --device cpu)", file=sys.stderr)
@@ -310,8 +328,11 @@ def main(argv: list[str] | None = None) -> int:
         cuda_only = (*FP8_DTYPES, "int4")
         bad = [d for d in dtypes if d not in (dtype, *cuda_only) or (d in cuda_only and dev.type != "cuda")]
         if bad:
-            print(f"gpu_kernels: --dtypes {','.join(bad)}: not timed on {dev.type} (take {dtype}"
-                  f"{', fp8, fp8_tensor, int4' if dev.type == 'cuda' else ''})", file=sys.stderr)
+            print(
+                f"gpu_kernels: --dtypes {','.join(bad)}: not timed on {dev.type} (take {dtype}"
+                f"{', fp8, fp8_tensor, int4' if dev.type == 'cuda' else ''})",
+                file=sys.stderr,
+            )
             return 2
     cfg = QUICK if args.quick else dict(prefill=PREFILL_LENS, batches=DECODE_BATCHES, contexts=DECODE_CONTEXTS,
                                          attn=ATTN, rotate=ROTATE_BYTES)  # fmt: skip
@@ -319,7 +340,9 @@ def main(argv: list[str] | None = None) -> int:
                         quick=args.quick, repeats=args.repeats, rotate_bytes=cfg["rotate"])  # fmt: skip
     if dev.type == "cuda":
         p = torch.cuda.get_device_properties(dev)
-        result.update(sm_count=p.multi_processor_count, memory_bytes=p.total_memory, l2_bytes=getattr(p, "L2_cache_size", None))
+        result.update(
+            sm_count=p.multi_processor_count, memory_bytes=p.total_memory, l2_bytes=getattr(p, "L2_cache_size", None)
+        )
     started = time.perf_counter()
     result["bandwidth"] = measure_bandwidth(dev, (8 << 20) if args.quick else (4 << 30))
     print("bandwidth", {k: f"{v / 1e12:.2f} TB/s" for k, v in result["bandwidth"].items()}, flush=True)
@@ -329,8 +352,9 @@ def main(argv: list[str] | None = None) -> int:
     shapes, tokens = (QUICK_SHAPES, QUICK_TOKENS) if args.quick else (SHAPES, TOKENS)
     parts = {
         "prefill_attention": lambda: measure_prefill_attention(timer, cfg["prefill"], cfg["attn"], tdt),
-        "decode_attention": lambda: measure_decode_attention(timer, cfg["batches"], cfg["contexts"], cfg["attn"], tdt,
-                                                             cfg["rotate"], 32 << 30),  # fmt: skip
+        "decode_attention": lambda: measure_decode_attention(
+            timer, cfg["batches"], cfg["contexts"], cfg["attn"], tdt, cfg["rotate"], 32 << 30
+        ),  # fmt: skip
         "gemm": lambda: measure_gemms(timer, shapes, tokens, dtypes, cfg["rotate"]),
     }
     for name, measure in parts.items():

@@ -47,8 +47,9 @@ VIDUR = DATA / "vidur_profiles.json"
 H200 = DATA / "h200_kernels.json"
 TILES = (1, 16, 32, 64, 128)
 WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0}
-START = GemmEfficiency(bandwidth_fraction=0.8, compute_fraction=0.7, sharpness=3.0, tile_tokens=1,
-                       kernel_overhead_s=3e-6)
+START = GemmEfficiency(
+    bandwidth_fraction=0.8, compute_fraction=0.7, sharpness=3.0, tile_tokens=1, kernel_overhead_s=3e-6
+)
 
 # bounds of the search vector: fractions down to ~1e-9, sharpness 1 to ~56, overhead 0 to 1 ms
 LOW, HIGH = np.array([-20.0, -20.0, -8.0, 0.0]), np.array([20.0, 20.0, 4.0, 1000.0])
@@ -85,8 +86,14 @@ def _from_vector(x: np.ndarray, tile: int) -> GemmEfficiency:
     # fractions as exp(-softplus) stay in (0, 1]; sharpness = 1 + exp; the overhead in microseconds, >= 0
     def frac(v: float) -> float:
         return math.exp(-math.log1p(math.exp(v)))
-    return GemmEfficiency(bandwidth_fraction=frac(x[0]), compute_fraction=frac(x[1]), sharpness=1.0 + math.exp(x[2]),
-                          tile_tokens=tile, kernel_overhead_s=max(x[3], 0.0) * 1e-6)
+
+    return GemmEfficiency(
+        bandwidth_fraction=frac(x[0]),
+        compute_fraction=frac(x[1]),
+        sharpness=1.0 + math.exp(x[2]),
+        tile_tokens=tile,
+        kernel_overhead_s=max(x[3], 0.0) * 1e-6,
+    )
 
 
 def fit_one(points: list[Point], weight_bytes: float, peak: float, bw: float) -> GemmEfficiency:
@@ -126,15 +133,23 @@ def fit_one(points: list[Point], weight_bytes: float, peak: float, bw: float) ->
 
 def _rounded(eff: GemmEfficiency) -> GemmEfficiency:
     """Three significant figures: what the catalog holds (the residuals are of these values)."""
+
     def sig(v: float) -> float:
         return float(f"{v:.3g}")
-    return replace(eff, bandwidth_fraction=sig(eff.bandwidth_fraction), compute_fraction=sig(eff.compute_fraction),
-                   sharpness=sig(eff.sharpness), kernel_overhead_s=sig(eff.kernel_overhead_s))
+
+    return replace(
+        eff,
+        bandwidth_fraction=sig(eff.bandwidth_fraction),
+        compute_fraction=sig(eff.compute_fraction),
+        sharpness=sig(eff.sharpness),
+        kernel_overhead_s=sig(eff.kernel_overhead_s),
+    )
 
 
 # ---- attention -----------------------------------------------------------------------------------
-def _attention_point(phase: str, seqs: int, queries: int, cached: int, heads: int, kv_heads: int, head_dim: int,
-                     time_s: float) -> AttentionPoint:
+def _attention_point(
+    phase: str, seqs: int, queries: int, cached: int, heads: int, kv_heads: int, head_dim: int, time_s: float
+) -> AttentionPoint:
     """`seqs` sequences of `queries` new tokens after `cached` ones, causal: query i sees cached + i + 1 keys."""
     pairs = seqs * (queries * cached + queries * (queries + 1) // 2)
     kv_bytes = seqs * (cached + queries) * 2 * kv_heads * head_dim * KV_ELEMENT_BYTES
@@ -147,49 +162,76 @@ def vidur_attention_points() -> tuple[list[AttentionPoint], str, int]:
     cfg = table["config"]
     tp, head_dim = cfg["num_tensor_parallel_workers"], cfg["n_embd"] // cfg["n_q_head"]
     heads, kv_heads = cfg["n_q_head"] // tp, cfg["n_kv_head"] // tp
-    points = [_attention_point(phase, batch, queries, kv, heads, kv_heads, head_dim, t) if phase == "prefill"
-              else _attention_point(phase, batch, 1, kv, heads, kv_heads, head_dim, t)
-              for phase, batch, queries, kv, t in table["rows"]]
+    points = [
+        _attention_point(phase, batch, queries, kv, heads, kv_heads, head_dim, t)
+        if phase == "prefill"
+        else _attention_point(phase, batch, 1, kv, heads, kv_heads, head_dim, t)
+        for phase, batch, queries, kv, t in table["rows"]
+    ]
     src = table["source"]
     return points, f"{src['repo']}@{src['commit'][:12]}:{src['path']}", head_dim
 
 
 def h200_attention_points() -> tuple[list[AttentionPoint], int]:
     data = json.loads(H200.read_text())
-    points = [_attention_point("prefill", 1, r["seq_len"], 0, r["heads"], r["kv_heads"], r["head_dim"], r["time_s"])
-              for r in data["prefill_attention"]]
-    points += [_attention_point("decode", r["batch"], 1, r["context"] - 1, r["heads"], r["kv_heads"], r["head_dim"],
-                                r["time_s"]) for r in data["decode_attention"]]
+    points = [
+        _attention_point("prefill", 1, r["seq_len"], 0, r["heads"], r["kv_heads"], r["head_dim"], r["time_s"])
+        for r in data["prefill_attention"]
+    ]
+    points += [
+        _attention_point(
+            "decode", r["batch"], 1, r["context"] - 1, r["heads"], r["kv_heads"], r["head_dim"], r["time_s"]
+        )
+        for r in data["decode_attention"]
+    ]
     (head_dim,) = {r["head_dim"] for r in (*data["prefill_attention"], *data["decode_attention"])}
     return points, head_dim
 
 
 def attention_errors_pct(eff: AttentionEfficiency, points: list[AttentionPoint], peak: float, bw: float) -> list[float]:
-    return [(attention_time_s(eff, flops, kv, phase == "prefill", peak, bw) / t - 1.0) * 100.0
-            for phase, flops, kv, t in points]
+    return [
+        (attention_time_s(eff, flops, kv, phase == "prefill", peak, bw) / t - 1.0) * 100.0
+        for phase, flops, kv, t in points
+    ]
 
 
 def fit_attention(points: list[AttentionPoint], peak: float, bw: float, head_dim: int) -> AttentionEfficiency:
     """x = (1/compute_fraction - 1, 1/bandwidth_fraction - 1, prefill overhead, decode overhead) >= 0."""
-    eff = AttentionEfficiency(compute_fraction=0.5, bandwidth_fraction=0.8, prefill_overhead_s=0.0,
-                              decode_overhead_s=0.0, head_dims=(head_dim,))
+    eff = AttentionEfficiency(
+        compute_fraction=0.5,
+        bandwidth_fraction=0.8,
+        prefill_overhead_s=0.0,
+        decode_overhead_s=0.0,
+        head_dims=(head_dim,),
+    )
     sides: list[bool] | None = None
     for _ in range(50):
-        compute_bound = [flops / (peak * eff.compute_fraction) > kv / (bw * eff.bandwidth_fraction)
-                         for _, flops, kv, _ in points]
+        compute_bound = [
+            flops / (peak * eff.compute_fraction) > kv / (bw * eff.bandwidth_fraction) for _, flops, kv, _ in points
+        ]
         if compute_bound == sides:
             break
         sides = compute_bound
         a, target = [], []
         for (phase, flops, kv, t), on_compute in zip(points, compute_bound):
             coef = flops / peak if on_compute else kv / bw
-            a.append([coef / t if on_compute else 0.0, 0.0 if on_compute else coef / t,
-                      1e-6 / t if phase == "prefill" else 0.0, 1e-6 / t if phase == "decode" else 0.0])
+            a.append(
+                [
+                    coef / t if on_compute else 0.0,
+                    0.0 if on_compute else coef / t,
+                    1e-6 / t if phase == "prefill" else 0.0,
+                    1e-6 / t if phase == "decode" else 0.0,
+                ]
+            )
             target.append(1.0 - coef / t)
         x = nnls(np.array(a), np.array(target))
-        eff = AttentionEfficiency(compute_fraction=_sig(1 / (1 + x[0])), bandwidth_fraction=_sig(1 / (1 + x[1])),
-                                  prefill_overhead_s=_sig(x[2] * 1e-6), decode_overhead_s=_sig(x[3] * 1e-6),
-                                  head_dims=(head_dim,))
+        eff = AttentionEfficiency(
+            compute_fraction=_sig(1 / (1 + x[0])),
+            bandwidth_fraction=_sig(1 / (1 + x[1])),
+            prefill_overhead_s=_sig(x[2] * 1e-6),
+            decode_overhead_s=_sig(x[3] * 1e-6),
+            head_dims=(head_dim,),
+        )
     return eff
 
 
@@ -216,14 +258,25 @@ def collective_fits(topology: str) -> tuple[list[dict[str, Any]], str]:
         for (workers, per_node), pts in sorted(groups.items()):
             latency, bandwidth = fit_latency_bandwidth(pts)
             errs = [((latency + b / bandwidth) / t - 1) * 100 for b, t in pts]
-            fits.append({"op": table["op"], "workers": workers, "devices_per_node": per_node, "latency_s": latency,
-                         "bandwidth_bytes_per_s": bandwidth, **summary(errs)})
+            fits.append(
+                {
+                    "op": table["op"],
+                    "workers": workers,
+                    "devices_per_node": per_node,
+                    "latency_s": latency,
+                    "bandwidth_bytes_per_s": bandwidth,
+                    **summary(errs),
+                }
+            )
     return fits, ", ".join(sorted(refs))
 
 
 def _collective_fields(s: dict[str, float]) -> dict[str, float]:
-    return {"points": s["points"], "median_abs_error_pct": s["median_abs_error_pct"],
-            "max_abs_error_pct": s["max_abs_error_pct"]}
+    return {
+        "points": s["points"],
+        "median_abs_error_pct": s["median_abs_error_pct"],
+        "max_abs_error_pct": s["max_abs_error_pct"],
+    }
 
 
 # ---- host overheads ------------------------------------------------------------------------------
@@ -249,16 +302,22 @@ def host_overheads() -> dict[str, Any]:
     per_step, per_seq = fit_per_step_per_seq(totals)
     src = table["source"]
     models = sorted({r["model"] for r in rows})
-    return {"vidur-vllm": {
-        "per_step_s": per_step, "per_seq_s": per_seq, "components": components,
-        "source": (f"Vidur's A100 CPU-overhead profile of the vLLM engine it models (MIT): {len(models)} models, "
-                   f"batch {min(r['batch'] for r in rows)}-{max(r['batch'] for r in rows)}, TP "
-                   f"{', '.join(map(str, sorted({r['tp'] for r in rows})))}"),
-        "ref": f"{src['repo']}@{src['commit'][:12]}:{src['path']}",
-        "fitted": "per step + per sequence, for the total and each stage (median times), by "
-                  "benchmarks/gpu_kernels_fit.py",
-        "residuals": summary([((per_step + per_seq * b) / t - 1) * 100 for b, t in totals]),
-    }}
+    return {
+        "vidur-vllm": {
+            "per_step_s": per_step,
+            "per_seq_s": per_seq,
+            "components": components,
+            "source": (
+                f"Vidur's A100 CPU-overhead profile of the vLLM engine it models (MIT): {len(models)} models, "
+                f"batch {min(r['batch'] for r in rows)}-{max(r['batch'] for r in rows)}, TP "
+                f"{', '.join(map(str, sorted({r['tp'] for r in rows})))}"
+            ),
+            "ref": f"{src['repo']}@{src['commit'][:12]}:{src['path']}",
+            "fitted": "per step + per sequence, for the total and each stage (median times), by "
+            "benchmarks/gpu_kernels_fit.py",
+            "residuals": summary([((per_step + per_seq * b) / t - 1) * 100 for b, t in totals]),
+        }
+    }
 
 
 def _sig(v: float) -> float:
@@ -267,8 +326,11 @@ def _sig(v: float) -> float:
 
 def summary(errs: list[float]) -> dict[str, float]:
     abs_errs = [abs(e) for e in errs]
-    return {"points": len(errs), "median_abs_error_pct": round(statistics.median(abs_errs), 1),
-            "max_abs_error_pct": round(max(abs_errs), 1)}
+    return {
+        "points": len(errs),
+        "median_abs_error_pct": round(statistics.median(abs_errs), 1),
+        "max_abs_error_pct": round(max(abs_errs), 1),
+    }
 
 
 # Which measured attention and collectives each part takes: (its own or a sibling's, and why).
@@ -292,14 +354,22 @@ def _attention_entry(name: str, lines: list[str]) -> dict[str, Any]:
     residuals = {}
     for phase in ("prefill", "decode"):
         pts = [p for p in points if p[0] == phase]
-        residuals[phase] = summary(attention_errors_pct(eff, pts, on.peak_flops_per_s("bf16"), on.bandwidth_bytes_per_s))
+        residuals[phase] = summary(
+            attention_errors_pct(eff, pts, on.peak_flops_per_s("bf16"), on.bandwidth_bytes_per_s)
+        )
         r = residuals[phase]
-        lines.append(f"{name:10} {'attn':5} {phase:15} {r['points']:6} {r['median_abs_error_pct']:11.1f}% "
-                     f"{r['max_abs_error_pct']:8.1f}%")
+        lines.append(
+            f"{name:10} {'attn':5} {phase:15} {r['points']:6} {r['median_abs_error_pct']:11.1f}% "
+            f"{r['max_abs_error_pct']:8.1f}%"
+        )
     lines.append(f"{name:10} {'attn':5} {'(from ' + measured_on + ')':15} {eff}")
     del hw
-    return {**{k: v for k, v in asdict(eff).items() if k != "head_dims"}, "head_dims": list(eff.head_dims),
-            "source": f"{source} ({ref})", "residuals": residuals}
+    return {
+        **{k: v for k, v in asdict(eff).items() if k != "head_dims"},
+        "head_dims": list(eff.head_dims),
+        "source": f"{source} ({ref})",
+        "residuals": residuals,
+    }
 
 
 def _collectives_entry(name: str, lines: list[str]) -> dict[str, Any]:
@@ -307,12 +377,17 @@ def _collectives_entry(name: str, lines: list[str]) -> dict[str, Any]:
     fits, ref = collective_fits(topology)
     for f in fits:
         group = f"{topology} {f['workers']}/{f['devices_per_node']}"
-        lines.append(f"{name:10} {f['op'][:5]:5} {group:15} "
-                     f"{f['points']:6} {f['median_abs_error_pct']:11.1f}% {f['max_abs_error_pct']:8.1f}%   "
-                     f"{f['latency_s'] * 1e6:.1f} us + bytes / {f['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s")
+        lines.append(
+            f"{name:10} {f['op'][:5]:5} {group:15} "
+            f"{f['points']:6} {f['median_abs_error_pct']:11.1f}% {f['max_abs_error_pct']:8.1f}%   "
+            f"{f['latency_s'] * 1e6:.1f} us + bytes / {f['bandwidth_bytes_per_s'] / 1e9:.0f} GB/s"
+        )
     own = name.split("-")[0] in topology
-    source = (f"Vidur's {topology} network profile (NCCL, CUDA events; MIT)" if own else
-              f"Vidur's {topology} network profile (NCCL, CUDA events; MIT): the same NVLink 4 NVSwitch fabric")
+    source = (
+        f"Vidur's {topology} network profile (NCCL, CUDA events; MIT)"
+        if own
+        else f"Vidur's {topology} network profile (NCCL, CUDA events; MIT): the same NVLink 4 NVSwitch fabric"
+    )
     return {"topology": topology, "source": source, "ref": ref, "fits": fits}
 
 
@@ -320,11 +395,24 @@ def fit_all() -> tuple[dict[str, Any], list[str]]:
     sources: list[tuple[str, str, str, str, dict[str, list[Point]]]] = []
     for gpu, name in (("a100", "a100-80gb"), ("h100", "h100-sxm")):
         pts, ref = vidur_points(gpu)
-        sources.append((name, f"Vidur's {gpu.upper()} linear-layer profiles (fp16, by tokens and tensor-parallel "
-                              "shard; MIT)", ref, "CUDA events around each operator", {"bf16": pts}))
-    sources.append(("h200", "benchmarks/gpu_kernels.py on one H200 (torch 2.11, cu130)",
-                    "benchmarks/data/h200_kernels.json", "CUDA-graph replays, weights rotated past L2",
-                    {"bf16": h200_points("bf16"), "fp8": h200_points("fp8")}))
+        sources.append(
+            (
+                name,
+                f"Vidur's {gpu.upper()} linear-layer profiles (fp16, by tokens and tensor-parallel shard; MIT)",
+                ref,
+                "CUDA events around each operator",
+                {"bf16": pts},
+            )
+        )
+    sources.append(
+        (
+            "h200",
+            "benchmarks/gpu_kernels.py on one H200 (torch 2.11, cu130)",
+            "benchmarks/data/h200_kernels.json",
+            "CUDA-graph replays, weights rotated past L2",
+            {"bf16": h200_points("bf16"), "fp8": h200_points("fp8")},
+        )
+    )
     out: dict[str, Any] = {}
     lines = [f"{'gpu':10} {'what':5} {'layer':15} {'points':>6} {'median |err|':>12} {'max |err|':>9}"]
     for name, source, ref, how, by_dtype in sources:
@@ -338,30 +426,46 @@ def fit_all() -> tuple[dict[str, Any], list[str]]:
             residuals[dtype] = summary(errs)
             for layer in sorted({p[0] for p in pts}):
                 s = summary([e for e, p in zip(errs, pts) if p[0] == layer])
-                lines.append(f"{name:10} {dtype:5} {layer:15} {s['points']:6} {s['median_abs_error_pct']:11.1f}% "
-                             f"{s['max_abs_error_pct']:8.1f}%")
+                lines.append(
+                    f"{name:10} {dtype:5} {layer:15} {s['points']:6} {s['median_abs_error_pct']:11.1f}% "
+                    f"{s['max_abs_error_pct']:8.1f}%"
+                )
             s = residuals[dtype]
-            lines.append(f"{name:10} {dtype:5} {'all':15} {s['points']:6} {s['median_abs_error_pct']:11.1f}% "
-                         f"{s['max_abs_error_pct']:8.1f}%   {eff}")
+            lines.append(
+                f"{name:10} {dtype:5} {'all':15} {s['points']:6} {s['median_abs_error_pct']:11.1f}% "
+                f"{s['max_abs_error_pct']:8.1f}%   {eff}"
+            )
         every = [p for pts in by_dtype.values() for p in pts]
-        out[name] = {"gemm": gemm, "source": source, "ref": ref,
-                     "fitted": f"GEMM bandwidth and compute fractions, p-norm sharpness, M tile and per-kernel "
-                               f"overhead ({how}); attention compute and bandwidth fractions and per-call costs; "
-                               f"collectives' latency and bandwidth; by benchmarks/gpu_kernels_fit.py",
-                     "residuals": residuals,
-                     "gemm_shapes": {"min_weight_elements": min(n * k for _, _, n, k, _ in every),
-                                     "max_weight_elements": max(n * k for _, _, n, k, _ in every),
-                                     "max_tokens": int(max(m for _, m, _, _, _ in every))},
-                     "attention": _attention_entry(name, lines),
-                     "collectives": _collectives_entry(name, lines)}
+        out[name] = {
+            "gemm": gemm,
+            "source": source,
+            "ref": ref,
+            "fitted": f"GEMM bandwidth and compute fractions, p-norm sharpness, M tile and per-kernel "
+            f"overhead ({how}); attention compute and bandwidth fractions and per-call costs; "
+            f"collectives' latency and bandwidth; by benchmarks/gpu_kernels_fit.py",
+            "residuals": residuals,
+            "gemm_shapes": {
+                "min_weight_elements": min(n * k for _, _, n, k, _ in every),
+                "max_weight_elements": max(n * k for _, _, n, k, _ in every),
+                "max_tokens": int(max(m for _, m, _, _, _ in every)),
+            },
+            "attention": _attention_entry(name, lines),
+            "collectives": _collectives_entry(name, lines),
+        }
     host = host_overheads()
     for engine, h in host.items():
         r = h["residuals"]
-        lines.append(f"{'host':10} {engine[:5]:5} {'total':15} {r['points']:6} {r['median_abs_error_pct']:11.1f}% "
-                     f"{r['max_abs_error_pct']:8.1f}%   {h['per_step_s'] * 1e6:.0f} us + {h['per_seq_s'] * 1e6:.1f} us "
-                     "per sequence")
-    return {"about": "Written by benchmarks/gpu_kernels_fit.py; read by servelab/spec/hardware.py and "
-                     "servelab/spec/kernels.py.", "hardware": out, "host_overheads": host}, lines
+        lines.append(
+            f"{'host':10} {engine[:5]:5} {'total':15} {r['points']:6} {r['median_abs_error_pct']:11.1f}% "
+            f"{r['max_abs_error_pct']:8.1f}%   {h['per_step_s'] * 1e6:.0f} us + {h['per_seq_s'] * 1e6:.1f} us "
+            "per sequence"
+        )
+    return {
+        "about": "Written by benchmarks/gpu_kernels_fit.py; read by servelab/spec/hardware.py and "
+        "servelab/spec/kernels.py.",
+        "hardware": out,
+        "host_overheads": host,
+    }, lines
 
 
 def main() -> None:

@@ -52,8 +52,15 @@ MODELS = {
 
 # (model, dtype, layers or None for all, prefill lengths, decode batches, decode contexts, mixed)
 FULL_PLAN = [
-    ("llama-3.1-8b", "bf16", None, [128, 256, 512, 1024, 2048, 4096, 8192], [1, 8, 32, 64, 128, 256],
-     [512, 2048, 8192], [(512, 16, 2048), (512, 64, 2048), (2048, 64, 2048)]),
+    (
+        "llama-3.1-8b",
+        "bf16",
+        None,
+        [128, 256, 512, 1024, 2048, 4096, 8192],
+        [1, 8, 32, 64, 128, 256],
+        [512, 2048, 8192],
+        [(512, 16, 2048), (512, 64, 2048), (2048, 64, 2048)],
+    ),
     ("llama-3.1-8b", "fp8", None, [128, 512, 2048, 8192], [1, 64, 256], [2048], [(512, 64, 2048)]),
     ("llama-3.1-70b", "bf16", 16, [128, 512, 2048, 8192], [1, 64, 256], [512, 2048], [(512, 64, 2048)]),
 ]
@@ -113,7 +120,9 @@ class Model:
         if self.gqa:
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         rep = self.s.heads // self.s.kv_heads  # a backend without grouped heads: expand K and V
-        return F.scaled_dot_product_attention(q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True)
+        return F.scaled_dot_product_attention(
+            q, k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), is_causal=True
+        )
 
     def caches(self, batch: int, context: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         kv = (batch, self.s.kv_heads, context + 1, self.s.head_dim)
@@ -135,8 +144,8 @@ class Model:
                 h = F.rms_norm(x, (s.hidden,), w["n1"])
                 qkv = self.linear(h, w["qkv"])
                 q = self.rope(qkv[:, :q_dim].view(-1, s.heads, s.head_dim), cos, sin)
-                k = self.rope(qkv[:, q_dim:q_dim + kv_dim].view(-1, s.kv_heads, s.head_dim), cos, sin)
-                v = qkv[:, q_dim + kv_dim:].view(-1, s.kv_heads, s.head_dim)
+                k = self.rope(qkv[:, q_dim : q_dim + kv_dim].view(-1, s.kv_heads, s.head_dim), cos, sin)
+                v = qkv[:, q_dim + kv_dim :].view(-1, s.kv_heads, s.head_dim)
                 outs = []
                 if prefill:
                     qp, kp, vp = (t[:prefill].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
@@ -151,7 +160,7 @@ class Model:
                 h = self.linear(F.rms_norm(x, (s.hidden,), w["n2"]), w["gate_up"])
                 g, u = h.chunk(2, dim=-1)
                 x = x + self.linear(F.silu(g) * u, w["down"])
-            last = torch.cat((x[prefill - 1:prefill], x[prefill:])) if prefill else x
+            last = torch.cat((x[prefill - 1 : prefill], x[prefill:])) if prefill else x
             return self.linear(F.rms_norm(last, (s.hidden,), self.norm), self.head)
 
         return run
@@ -203,7 +212,7 @@ def measure(plan: list, device: torch.device, repeats: int, max_kv_bytes: int) -
             continue
         model = Model(shape, n_layers, dtype, device, act)
         kv_per_token = n_layers * 2 * shape.kv_heads * shape.head_dim * act.itemsize
-        points = ([(t, 0, 0) for t in prefills] + [(0, b, c) for b in batches for c in contexts] + list(mixed))
+        points = [(t, 0, 0) for t in prefills] + [(0, b, c) for b in batches for c in contexts] + list(mixed)
         for prefill, batch, context in points:
             if batch * (context + 1) * kv_per_token > max_kv_bytes:
                 continue
@@ -228,7 +237,9 @@ def measure(plan: list, device: torch.device, repeats: int, max_kv_bytes: int) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--device", default="cuda", help="cuda (default) or cpu")
     ap.add_argument("--quick", action="store_true", help="a tiny model and few points (a smoke test)")
     ap.add_argument("--repeats", type=int, default=15, help="timed runs per point (median)")

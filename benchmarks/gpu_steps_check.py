@@ -96,16 +96,22 @@ def main(argv: list[str] | None = None) -> int:
         print("| step | graph ms | eager ms | defaults | measured kernels | kernels + per-layer cost |")
         print("|---|---:|---:|---:|---:|---:|")
         for r in rows:
-            print(f"| {label(r)} | {r['graph_s'] * 1e3:.2f} | {r['eager_s'] * 1e3:.2f} | {r['default_error_pct']:+.1f}% | "
-                  f"{r['measured_kernels_error_pct']:+.1f}% | {r['kernels_per_layer_error_pct']:+.1f}% |")
+            print(
+                f"| {label(r)} | {r['graph_s'] * 1e3:.2f} | {r['eager_s'] * 1e3:.2f} | {r['default_error_pct']:+.1f}% | "
+                f"{r['measured_kernels_error_pct']:+.1f}% | {r['kernels_per_layer_error_pct']:+.1f}% |"
+            )
     else:
         for r in rows:
-            print(f"{label(r):50s} graph {r['graph_s'] * 1e3:8.2f} ms  eager {r['eager_s'] * 1e3:8.2f}  "
-                  f"defaults {r['default_error_pct']:+6.1f}%  measured kernels {r['measured_kernels_error_pct']:+6.1f}%  "
-                  f"+ per layer {r['kernels_per_layer_error_pct']:+6.1f}%")
+            print(
+                f"{label(r):50s} graph {r['graph_s'] * 1e3:8.2f} ms  eager {r['eager_s'] * 1e3:8.2f}  "
+                f"defaults {r['default_error_pct']:+6.1f}%  measured kernels {r['measured_kernels_error_pct']:+6.1f}%  "
+                f"+ per layer {r['kernels_per_layer_error_pct']:+6.1f}%"
+            )
     print(f"\ndefaults: {summary(rows, 'default_error_pct')}")
     print(f"measured kernels: {summary(rows, 'measured_kernels_error_pct')}")
-    print(f"measured kernels + {rows[0]['per_layer_s'] * 1e6:.1f} us a layer: {summary(rows, 'kernels_per_layer_error_pct')}")
+    print(
+        f"measured kernels + {rows[0]['per_layer_s'] * 1e6:.1f} us a layer: {summary(rows, 'kernels_per_layer_error_pct')}"
+    )
     return 0
 
 

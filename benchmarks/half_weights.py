@@ -64,17 +64,29 @@ def write_bf16_checkpoint(out: Path, weights: bool = True, layers: int | None = 
     out.mkdir(parents=True, exist_ok=True)
     if weights:
         get, _ = gguf_getters(spec, tensors)
-        save_file({n: get(n).to(torch.bfloat16).contiguous() for n in hf_weight_shapes(spec)},
-                  str(out / "model.safetensors"))
+        save_file(
+            {n: get(n).to(torch.bfloat16).contiguous() for n in hf_weight_shapes(spec)}, str(out / "model.safetensors")
+        )
     tok = Tokenizer.from_gguf(gguf.metadata)
     tok.backend.save(str(out / "tokenizer.json"))
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": spec.vocab_size,
-        "hidden_size": spec.hidden_size, "intermediate_size": spec.ffn_size, "num_hidden_layers": spec.num_layers,
-        "num_attention_heads": spec.num_heads, "num_key_value_heads": spec.num_kv_heads, "head_dim": spec.head_dim,
-        "hidden_act": "silu", "max_position_embeddings": spec.max_context, "rms_norm_eps": spec.rms_norm_eps,
-        "rope_theta": spec.rope_theta, "tie_word_embeddings": spec.tie_embeddings, "attention_bias": False,
-        "eos_token_id": tok.eos_token_id, "torch_dtype": "bfloat16",
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": spec.vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.ffn_size,
+        "num_hidden_layers": spec.num_layers,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "hidden_act": "silu",
+        "max_position_embeddings": spec.max_context,
+        "rms_norm_eps": spec.rms_norm_eps,
+        "rope_theta": spec.rope_theta,
+        "tie_word_embeddings": spec.tie_embeddings,
+        "attention_bias": False,
+        "eos_token_id": tok.eos_token_id,
+        "torch_dtype": "bfloat16",
     }
     (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
@@ -86,11 +98,17 @@ def hf_weight_shapes(spec) -> dict[str, tuple[int, ...]]:
     shapes = {"model.embed_tokens.weight": (spec.vocab_size, h), "model.norm.weight": (h,)}
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
-        shapes |= {p + "input_layernorm.weight": (h,), p + "post_attention_layernorm.weight": (h,),
-                   p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
-                   p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
-                   p + "mlp.gate_proj.weight": (ffn, h), p + "mlp.up_proj.weight": (ffn, h),
-                   p + "mlp.down_proj.weight": (h, ffn)}
+        shapes |= {
+            p + "input_layernorm.weight": (h,),
+            p + "post_attention_layernorm.weight": (h,),
+            p + "self_attn.q_proj.weight": (q, h),
+            p + "self_attn.k_proj.weight": (kv, h),
+            p + "self_attn.v_proj.weight": (kv, h),
+            p + "self_attn.o_proj.weight": (h, q),
+            p + "mlp.gate_proj.weight": (ffn, h),
+            p + "mlp.up_proj.weight": (ffn, h),
+            p + "mlp.down_proj.weight": (h, ffn),
+        }
     if not spec.tie_embeddings:
         shapes["lm_head.weight"] = (spec.vocab_size, h)
     return shapes
@@ -136,13 +154,16 @@ def linears(ckpt: Path, rows_list: list[int], rounds: int, base: Path | None, wa
                     y = torch.empty(xi.shape[0], h.shape[0])
                     kernels[kind].half_linear(2, h.weight.data_ptr(), h.shape[1], h.shape[0], xi.data_ptr(), xi.shape[0],
                                               None, y.data_ptr(), int(kind == "bf16 GEMM"), torch.get_num_threads())  # fmt: skip
+
         return go
 
     kinds = ["fp32 MKL", "bf16 GEMV", "bf16 GEMM", "widen+MKL"] + (["base GEMV"] if base is not None else [])
     fp32_bytes = sum(h.numel() for h in half) * 4
     bw = [host_probe.read_bandwidth_bytes_per_s()]
-    print(f"all {len(half)} linears of the bundled model's shapes, {torch.get_num_threads()} threads, "
-          f"median {'wall' if wall else 'CPU'} ms of {rounds} rounds (kinds interleaved)")
+    print(
+        f"all {len(half)} linears of the bundled model's shapes, {torch.get_num_threads()} threads, "
+        f"median {'wall' if wall else 'CPU'} ms of {rounds} rounds (kinds interleaved)"
+    )
     print(f"{'rows':>5s} " + " ".join(f"{k:>10s}" for k in kinds) + "   best bf16 / fp32")
     for rows in rows_list:
         x = {n: torch.randn(rows, n) for n in {h.shape[1] for h in half}}
@@ -156,15 +177,20 @@ def linears(ckpt: Path, rows_list: list[int], rounds: int, base: Path | None, wa
         med = {k: statistics.median(v) * 1e3 for k, v in t.items()}
         best = min(med[k] for k in kinds[1:4])
         print(f"{rows:5d} " + " ".join(f"{med[k]:10.2f}" for k in kinds) + f"   {best / med['fp32 MKL']:.2f}")
-        gbs = {k: (fp32_bytes if k == "fp32 MKL" else fp32_bytes // 2) / med[k] / 1e6
-               for k in kinds if k != "widen+MKL"}
+        gbs = {
+            k: (fp32_bytes if k == "fp32 MKL" else fp32_bytes // 2) / med[k] / 1e6 for k in kinds if k != "widen+MKL"
+        }
         per = "" if wall or torch.get_num_threads() == 1 else " per CPU second"  # CPU time: every thread counts
         print(f"      weight GB/s{per}: " + ", ".join(f"{k} {v:.1f}" for k, v in gbs.items()))
     bw.append(host_probe.read_bandwidth_bytes_per_s())
-    print(f"(HalfLinear now: GEMV up to {linear.HALF_GEMV_MAX_ROWS} rows, GEMM up to {linear.HALF_GEMM_MAX_ROWS}, "
-          "then widen+MKL)")
-    print(f"host read bandwidth (host_probe, {torch.get_num_threads()} threads), before / after: "
-          + " / ".join(f"{b / 1e9:.1f} GB/s" for b in bw))
+    print(
+        f"(HalfLinear now: GEMV up to {linear.HALF_GEMV_MAX_ROWS} rows, GEMM up to {linear.HALF_GEMM_MAX_ROWS}, "
+        "then widen+MKL)"
+    )
+    print(
+        f"host read bandwidth (host_probe, {torch.get_num_threads()} threads), before / after: "
+        + " / ".join(f"{b / 1e9:.1f} GB/s" for b in bw)
+    )
     print("load average at the end (1/5/15 min): " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
@@ -190,14 +216,22 @@ def engine(ckpt: Path, rounds: int, metrics: tuple[str, ...]) -> None:
                 results[e.name][m].append(getattr(e, m)())
                 print(f"round {r + 1} {m:12s} {e.name:13s} {results[e.name][m][-1]:9.1f} tok/s", file=sys.stderr)
     med = {n: {m: statistics.median(v) for m, v in ms.items()} for n, ms in results.items()}
-    print(f"\n{ckpt.name} as a bf16 safetensors checkpoint, float32 compute, {torch.get_num_threads()} "
-          f"threads, {rounds} interleaved rounds (medians, tok/s)")
+    print(
+        f"\n{ckpt.name} as a bf16 safetensors checkpoint, float32 compute, {torch.get_num_threads()} "
+        f"threads, {rounds} interleaved rounds (medians, tok/s)"
+    )
     print(f"{'metric':12s} {'bf16 weights':>13s} {'fp32 copy':>11s} {'ratio':>7s}")
     for m in metrics:
         a, b = med["bf16 weights"][m], med["fp32 copy"][m]
         print(f"{m:12s} {a:13.1f} {b:11.1f} {a / b:6.2f}x")
-    print("bytes per decode step (weights): " + ", ".join(f"{e.name} {e.model.weight_bytes() / 1e6:.0f} MB" for e in engines))
-    print("decode stack (one native call a step): " + ", ".join(f"{e.name} {e.model.decode_stack is not None}" for e in engines))
+    print(
+        "bytes per decode step (weights): "
+        + ", ".join(f"{e.name} {e.model.weight_bytes() / 1e6:.0f} MB" for e in engines)
+    )
+    print(
+        "decode stack (one native call a step): "
+        + ", ".join(f"{e.name} {e.model.decode_stack is not None}" for e in engines)
+    )
     print("load average at the end (1/5/15 min): " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
 
 
@@ -220,7 +254,11 @@ def main(argv: list[str] | None = None) -> int:
         if args.what == "linears":
             linears(ckpt, args.rows, args.rounds, args.base, args.wall)
         else:
-            engine(ckpt, args.rounds, ("decode_b1", "prefill_512") if args.quick else ("decode_b1", "decode_b32", "prefill_512"))
+            engine(
+                ckpt,
+                args.rounds,
+                ("decode_b1", "prefill_512") if args.quick else ("decode_b1", "decode_b32", "prefill_512"),
+            )
     return 0
 
 

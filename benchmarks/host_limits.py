@@ -51,8 +51,10 @@ def measure_host_limits() -> HostLimits:
         peak_ops_per_s={
             "fp32": host_probe.peak_float_flops_per_s(torch.float32),
             "bf16": host_probe.peak_float_flops_per_s(torch.bfloat16),
-            "int8": _best_of(host_probe.peak_rate(lambda n: host_probe.int_mm_ops_per_s(n, repeats=3)),
-                             host_probe.peak_rate(lambda n: host_probe.fbgemm_int8_ops_per_s(n, repeats=3))),
+            "int8": _best_of(
+                host_probe.peak_rate(lambda n: host_probe.int_mm_ops_per_s(n, repeats=3)),
+                host_probe.peak_rate(lambda n: host_probe.fbgemm_int8_ops_per_s(n, repeats=3)),
+            ),
         },
         threads=torch.get_num_threads(),
     )
@@ -63,8 +65,7 @@ def describe(limits: HostLimits) -> list[str]:
     for dtype in COMPUTE_DTYPES:
         peak = limits.peak_ops_per_s.get(dtype)
         unit = "GOP/s" if dtype == "int8" else "GFLOP/s"
-        lines.append(f"peak {dtype} matmul: " + (f"{peak / 1e9:.1f} {unit}" if peak else
-                                                  "no CPU kernel in this torch"))
+        lines.append(f"peak {dtype} matmul: " + (f"{peak / 1e9:.1f} {unit}" if peak else "no CPU kernel in this torch"))
     return lines
 
 

@@ -56,7 +56,9 @@ def main(argv: list[str] | None = None) -> None:
         "fp32": [lambda x, w=w: F.linear(x, w) for w in dense],
     }
     print(f"{len(dense)} matrices, {sum(w.numel() for w in dense) / 1e6:.0f}M weights, {args.threads} thread(s)")
-    print(f"{'rows':>5} {'servelab':>10} {'fbgemm':>10} {'fp32':>10} {'fbgemm/us':>10} {'fp32/us':>8} {'err us':>7} {'err fbgemm':>10}")
+    print(
+        f"{'rows':>5} {'servelab':>10} {'fbgemm':>10} {'fp32':>10} {'fbgemm/us':>10} {'fp32/us':>8} {'err us':>7} {'err fbgemm':>10}"
+    )
     g = torch.Generator().manual_seed(0)
     for rows in args.rows:
         xs = [torch.randn(rows, w.shape[1], generator=g) for w in dense]

@@ -93,8 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16, 32])
     parser.add_argument("--prompts", type=int, nargs="+", default=[128, 512], help="prefill attention: prompt lengths")
-    parser.add_argument("--kinds", nargs="+", default=["gguf", "int8", "bf16", "bf16dot", "attn"],
-                        choices=["gguf", "int8", "bf16", "bf16dot", "attn"])
+    parser.add_argument(
+        "--kinds",
+        nargs="+",
+        default=["gguf", "int8", "bf16", "bf16dot", "attn"],
+        choices=["gguf", "int8", "bf16", "bf16dot", "attn"],
+    )
     parser.add_argument("--quick", action="store_true", help="2 layers, rows 1 and 16, a 64-token prompt, one round")
     args = parser.parse_args(argv)
     if args.quick:
@@ -143,8 +147,10 @@ def main(argv: list[str] | None = None) -> int:
                 start = time.perf_counter()
                 per_build[name]()
                 times.setdefault((kind, rows, name), []).append(time.perf_counter() - start)
-    print(f"{args.threads} thread(s), {args.rounds} rounds, median ms over {len(packed)} matrices "
-          f"(attn: {layers} layers, prompt of n tokens); vs {first}")
+    print(
+        f"{args.threads} thread(s), {args.rounds} rounds, median ms over {len(packed)} matrices "
+        f"(attn: {layers} layers, prompt of n tokens); vs {first}"
+    )
     for kind, rows in cases:
         cells = []
         for name in builds:

@@ -83,7 +83,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = results.get(timeout=600)
     for p in procs:
         p.join()
-    print(f"{'kv dtype':>9} {'tokens':>7} {'MiB':>7} {'layer ms':>9} {'block ms':>9} {'block/layer':>11} {'layer GB/s':>10}")
+    print(
+        f"{'kv dtype':>9} {'tokens':>7} {'MiB':>7} {'layer ms':>9} {'block ms':>9} {'block/layer':>11} {'layer GB/s':>10}"
+    )
     for dtype, n, num_bytes, layer, block in rows:
         print(f"{dtype:>9} {n:>7} {num_bytes / 2**20:>7.1f} {layer * 1e3:>9.1f} {block * 1e3:>9.1f} "
               f"{block / layer:>11.2f} {num_bytes / layer / 1e9:>10.2f}")  # fmt: skip

@@ -15,9 +15,16 @@ from fastapi.testclient import TestClient
 from servelab.lab.app import create_lab_app
 
 
-CHANGES = {"two-workloads": {"prompt_len": 4096}, "batching": {"context": 8192}, "slo": {"rate": 30},
-           "chunked-prefill": {"chunk_tokens": 1024}, "disaggregated": {"link_gbps": 5}, "memory": {"context": 32768},
-           "request-cost": {"output_len": 1024}, "capacity": {"tpot_ms": 45}}
+CHANGES = {
+    "two-workloads": {"prompt_len": 4096},
+    "batching": {"context": 8192},
+    "slo": {"rate": 30},
+    "chunked-prefill": {"chunk_tokens": 1024},
+    "disaggregated": {"link_gbps": 5},
+    "memory": {"context": 32768},
+    "request-cost": {"output_len": 1024},
+    "capacity": {"tpot_ms": 45},
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,7 +41,10 @@ def main(argv: list[str] | None = None) -> int:
             r = c.post(f"/api/lessons/{lesson}", json=params)
             out.append((r.status_code, time.perf_counter() - t))
             ok &= r.status_code in (200, 202)
-        print(f"{lesson:16s} " + "  ".join(f"{label} {s:.2f} s ({code})" for label, (code, s) in zip(("load", "change"), out)))
+        print(
+            f"{lesson:16s} "
+            + "  ".join(f"{label} {s:.2f} s ({code})" for label, (code, s) in zip(("load", "change"), out))
+        )
     c.app.state.capacity_planner.close()
     return 0 if ok else 1
 

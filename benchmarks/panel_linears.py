@@ -37,15 +37,33 @@ from servelab.runtime.loader import load_model  # noqa: E402
 KINDS = ("qkv", "o", "gate_up", "down")
 
 
-def arena_call(w: BlockQuantLinear, kernels: native.NativeKernels, x: torch.Tensor, y: torch.Tensor,
-               scratch: torch.Tensor, threads: int) -> None:
+def arena_call(
+    w: BlockQuantLinear,
+    kernels: native.NativeKernels,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    scratch: torch.Tensor,
+    threads: int,
+) -> None:
     """BlockQuantLinear.__call__'s kernel choice for x's rows, into y and scratch given."""
     rows, (out_features, in_features) = x.shape[0], w.shape
     fused = rows <= block_quant.FUSED_MAX_ROWS and block_quant.fused_formats(w)
     kernel = kernels.block_quant_linear if fused else kernels.block_quant_gemm
     for seg in w.segments:
-        kernel(seg.fmt, seg.data.data_ptr(), seg.data.shape[1], in_features, seg.data.shape[0], x.data_ptr(), rows,
-               None, y.data_ptr() + 4 * seg.start, out_features, scratch.data_ptr(), threads)
+        kernel(
+            seg.fmt,
+            seg.data.data_ptr(),
+            seg.data.shape[1],
+            in_features,
+            seg.data.shape[0],
+            x.data_ptr(),
+            rows,
+            None,
+            y.data_ptr() + 4 * seg.start,
+            out_features,
+            scratch.data_ptr(),
+            threads,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -77,12 +95,14 @@ def main(argv: list[str] | None = None) -> int:
             flops[(kind, rows)] = sum(2.0 * rows * w.shape[0] * w.shape[1] for w in linears)
             y = torch.empty(rows, linears[0].shape[0])
             scratch = torch.empty(args.threads * block_quant.PANEL_OUTPUTS * x.shape[1] + rows * x.shape[1])
-            cases = {name: (lambda k=k: [arena_call(w, k, x, y, scratch, args.threads) for w in linears])
-                     for name, k in builds.items()}
+            cases = {
+                name: (lambda k=k: [arena_call(w, k, x, y, scratch, args.threads) for w in linears])
+                for name, k in builds.items()
+            }
             dense = [w.dequantize() for w in linears]  # the fp32 copy (AVX-512 levels keep none)
             cases["mkl"] = lambda: [F.linear(x, d) for d in dense]
             for r in range(args.rounds):
-                for name in (list(cases) if r % 2 == 0 else list(reversed(cases))):
+                for name in list(cases) if r % 2 == 0 else list(reversed(cases)):
                     start = time.perf_counter()
                     cases[name]()
                     times.setdefault((kind, rows, name), []).append(time.perf_counter() - start)
@@ -98,8 +118,10 @@ def main(argv: list[str] | None = None) -> int:
                 cells.append(f"{name} {s * 1e3:7.2f} ({flops[(kind, rows)] / s / 1e9:5.1f})")
             print(f"rows {rows:3d} {kind:8s} " + "  ".join(cells))
         all_flops = sum(flops[(kind, rows)] for kind in groups)
-        print(f"rows {rows:3d} {'all':8s} " + "  ".join(
-            f"{name} {total[name] * 1e3:7.2f} ({all_flops / total[name] / 1e9:5.1f})" for name in names))
+        print(
+            f"rows {rows:3d} {'all':8s} "
+            + "  ".join(f"{name} {total[name] * 1e3:7.2f} ({all_flops / total[name] / 1e9:5.1f})" for name in names)
+        )
     print("load average at the end (1/5/15 min): " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     return 0
 

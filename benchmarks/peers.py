@@ -87,12 +87,18 @@ class Profile:
 
 def host_hardware(limits: HostLimits) -> HardwareSpec:
     peaks = {k: v for k, v in limits.peak_ops_per_s.items() if v}
-    return HardwareSpec(name="this-host", memory_bytes=host_probe.memory_bytes(),
-                        bandwidth_bytes_per_s=limits.read_bandwidth_bytes_per_s,
-                        peak_flops={"bf16": peaks.get("bf16", peaks["fp32"]), **peaks}, description="measured")
+    return HardwareSpec(
+        name="this-host",
+        memory_bytes=host_probe.memory_bytes(),
+        bandwidth_bytes_per_s=limits.read_bandwidth_bytes_per_s,
+        peak_flops={"bf16": peaks.get("bf16", peaks["fp32"]), **peaks},
+        description="measured",
+    )
 
 
-def fractions(metric: str | Shape, tok_per_s: float, profile: Profile, model: ModelSpec, limits: HostLimits) -> dict[str, float | None]:
+def fractions(
+    metric: str | Shape, tok_per_s: float, profile: Profile, model: ModelSpec, limits: HostLimits
+) -> dict[str, float | None]:
     """A figure as fractions of the host's limits: the bandwidth its bytes take, the peak its
     FLOPs take. Bytes and FLOPs of a step are the roofline's (cost/roofline.py), with this
     engine's own weight bytes: a Q4_1 file and an fp32 copy of it do not read the same amount.
@@ -106,16 +112,23 @@ def fractions(metric: str | Shape, tok_per_s: float, profile: Profile, model: Mo
         step = roof.decode(shape.batch, shape.mean_context)
         steps_per_s = tok_per_s / shape.batch
     bytes_per_step = profile.weight_bytes + step.kv_read_bytes + step.kv_write_bytes
-    return {"bandwidth": limits.bandwidth_fraction(steps_per_s * bytes_per_step),
-            "compute": limits.compute_fraction(steps_per_s * step.flops, profile.compute)}
+    return {
+        "bandwidth": limits.bandwidth_fraction(steps_per_s * bytes_per_step),
+        "compute": limits.compute_fraction(steps_per_s * step.flops, profile.compute),
+    }
 
 
 def ratios(medians: Mapping[str, Mapping[str, float]]) -> dict[str, dict[str, dict[str, float]]]:
     """ratios[servelab config][peer][metric] = servelab's median / the peer's."""
     ours = [e for e in SERVELAB_ENGINES if e in medians]
     peers = [e for e in medians if e not in SERVELAB_ENGINES]
-    return {s: {p: {m: medians[s][m] / medians[p][m] for m in medians[s] if m in medians[p] and medians[p][m]}
-                for p in peers} for s in ours}
+    return {
+        s: {
+            p: {m: medians[s][m] / medians[p][m] for m in medians[s] if m in medians[p] and medians[p][m]}
+            for p in peers
+        }
+        for s in ours
+    }
 
 
 def interleave(engines: list, metrics: Iterable[str], rounds: int, log=None) -> dict[str, dict[str, list[float]]]:
@@ -242,11 +255,13 @@ class LlamaCppPeer(WorkerPeer):
 
 # transformers writes an HF directory from the bundled GGUF (dequantized), which vLLM loads; it marks
 # the model GGUF-quantized, which it will not save, so the mark is dropped first.
-HF_FROM_GGUF = ("import sys; from transformers import AutoModelForCausalLM, AutoTokenizer; "
-                "d, f, out = sys.argv[1:]; AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out); "
-                "m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype='float32'); "
-                "m.config.__dict__.pop('quantization_config', None); m.hf_quantizer = None; m.is_quantized = False; "
-                "m.save_pretrained(out)")
+HF_FROM_GGUF = (
+    "import sys; from transformers import AutoModelForCausalLM, AutoTokenizer; "
+    "d, f, out = sys.argv[1:]; AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out); "
+    "m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype='float32'); "
+    "m.config.__dict__.pop('quantization_config', None); m.hf_quantizer = None; m.is_quantized = False; "
+    "m.save_pretrained(out)"
+)
 
 
 def vllm_python() -> str | None:
@@ -308,12 +323,17 @@ def make_engine(name: str, threads: int, omp_wait_policy: str):
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
-    parser.add_argument("--threads", type=int, default=None,
-                        help="threads for every engine (default: torch's, usually the cores)")
+    parser.add_argument(
+        "--threads", type=int, default=None, help="threads for every engine (default: torch's, usually the cores)"
+    )
     parser.add_argument("--only", default=",".join(METRICS), help="comma-separated subset of " + ", ".join(METRICS))
     parser.add_argument("--engines", default=",".join(ENGINES), help="comma-separated subset of " + ", ".join(ENGINES))
-    parser.add_argument("--llama-omp-wait-policy", default="ACTIVE", choices=["ACTIVE", "PASSIVE", "unset"],
-                        help="OMP_WAIT_POLICY of the llama.cpp worker (unset: libgomp's default, spin a while then sleep)")
+    parser.add_argument(
+        "--llama-omp-wait-policy",
+        default="ACTIVE",
+        choices=["ACTIVE", "PASSIVE", "unset"],
+        help="OMP_WAIT_POLICY of the llama.cpp worker (unset: libgomp's default, spin a while then sleep)",
+    )
     parser.add_argument("--json", action="store_true", help="print the raw figures as one JSON object on the last line")
     args = parser.parse_args(argv)
     args.only = _subset(parser, "--only", args.only, METRICS)
@@ -337,16 +357,19 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{x * 100:.0f}%"
 
 
-def report(medians: Mapping[str, Mapping[str, float]], profiles: Mapping[str, Profile], model: ModelSpec,
-           limits: HostLimits) -> tuple[list[str], dict]:
+def report(
+    medians: Mapping[str, Mapping[str, float]], profiles: Mapping[str, Profile], model: ModelSpec, limits: HostLimits
+) -> tuple[list[str], dict]:
     lines = [f"{'metric':12s} {'engine':14s} {'tok/s':>9s} {'of bandwidth':>13s} {'of peak':>12s}"]
     fracs: dict[str, dict[str, dict[str, float | None]]] = {}
     for m in next(iter(medians.values())):
         for name, ms in medians.items():
             f = fractions(m, ms[m], profiles[name], model, limits)
             fracs.setdefault(name, {})[m] = f
-            lines.append(f"{m:12s} {name:14s} {ms[m]:9.1f} {_pct(f['bandwidth']):>13s} "
-                         f"{_pct(f['compute']) + ' ' + profiles[name].compute:>12s}")
+            lines.append(
+                f"{m:12s} {name:14s} {ms[m]:9.1f} {_pct(f['bandwidth']):>13s} "
+                f"{_pct(f['compute']) + ' ' + profiles[name].compute:>12s}"
+            )
     rs = ratios(medians)
     for ours, by_peer in rs.items():
         for peer, by_metric in by_peer.items():
@@ -385,25 +408,41 @@ def main(argv: list[str] | None = None) -> int:
     host = host_info()
     llama = next((e.info for e in engines if isinstance(e, LlamaCppPeer)), None)
 
-    print(f"\nservelab vs peers on CPU - bundled SmolLM2-135M-Instruct (Q4_1 GGUF), {threads} threads, "
-          f"{args.rounds} interleaved rounds (medians)")
+    print(
+        f"\nservelab vs peers on CPU - bundled SmolLM2-135M-Instruct (Q4_1 GGUF), {threads} threads, "
+        f"{args.rounds} interleaved rounds (medians)"
+    )
     print("\n".join(lines))
     print("host: " + "; ".join(describe(limits)))
     print(f"cpu: {host['cpu']}; flags: {' '.join(host['flags'])}")
     print("weights read per step: " + ", ".join(f"{n} {p.weight_bytes / 1e6:.0f} MB" for n, p in profiles.items()))
     if llama:
-        print(f"llama.cpp {llama['version']}, OMP_WAIT_POLICY={args.llama_omp_wait_policy} in its own process; "
-              f"{llama['system_info']}")
+        print(
+            f"llama.cpp {llama['version']}, OMP_WAIT_POLICY={args.llama_omp_wait_policy} in its own process; "
+            f"{llama['system_info']}"
+        )
     print(f"servelab and HF: OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY')} (one process)")
     print("\n".join(notes))
     print("load average at the end (1/5/15 min): " + " ".join(f"{x:.2f}" for x in os.getloadavg()))
     if args.json:
-        print(json.dumps({
-            "threads": threads, "rounds": args.rounds, "medians": medians, "raw": results, **derived,
-            "profiles": {n: asdict(p) for n, p in profiles.items()}, "host_limits": asdict(limits),
-            "host": host, "llama_cpp": llama, "llama_omp_wait_policy": args.llama_omp_wait_policy,
-            "notes": notes, "load_average": list(os.getloadavg()),
-        }))
+        print(
+            json.dumps(
+                {
+                    "threads": threads,
+                    "rounds": args.rounds,
+                    "medians": medians,
+                    "raw": results,
+                    **derived,
+                    "profiles": {n: asdict(p) for n, p in profiles.items()},
+                    "host_limits": asdict(limits),
+                    "host": host,
+                    "llama_cpp": llama,
+                    "llama_omp_wait_policy": args.llama_omp_wait_policy,
+                    "notes": notes,
+                    "load_average": list(os.getloadavg()),
+                }
+            )
+        )
     return 0
 
 

@@ -40,8 +40,15 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
-    llm = LLM(model=args.model, dtype=args.dtype, enforce_eager=True, enable_prefix_caching=False,
-              max_num_seqs=args.max_num_seqs, max_model_len=2048, seed=0)
+    llm = LLM(
+        model=args.model,
+        dtype=args.dtype,
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=2048,
+        seed=0,
+    )
 
     def run(prompts: list[list[int]], new: int) -> float:
         params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
@@ -49,8 +56,7 @@ def main() -> int:
         llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         return time.perf_counter() - t0
 
-    print(json.dumps({"ready": {"version": vllm.__version__, "dtype": args.dtype}}),
-          file=proto)
+    print(json.dumps({"ready": {"version": vllm.__version__, "dtype": args.dtype}}), file=proto)
     for line in sys.stdin:
         req = json.loads(line)
         op = req["op"]
@@ -58,7 +64,9 @@ def main() -> int:
             first = run([req["prompt"]], 1)  # the prefill and first token alone
             decode_s = run([req["prompt"]], req["new"] + 1) - first
             if decode_s <= 0:
-                print(json.dumps({"error": f"{req['new']} tokens took no longer than one: too few to time"}), file=proto)
+                print(
+                    json.dumps({"error": f"{req['new']} tokens took no longer than one: too few to time"}), file=proto
+                )
                 continue
             value = req["new"] / decode_s
         elif op == "decode_batch":

@@ -61,8 +61,13 @@ def instrument(model, totals: dict[str, int]) -> None:
     model.embedding = Timed(model.embedding, "embed", totals)
     ops = model.ops
     # attention includes the prefill attention kernel it calls; rms_norm is the final norm
-    for name, label in (("attention", "attention"), ("rope_store_kv", "rope_kv"), ("add_rms_norm", "norms"),
-                        ("rms_norm", "norms"), ("silu_mul", "silu_mul")):
+    for name, label in (
+        ("attention", "attention"),
+        ("rope_store_kv", "rope_kv"),
+        ("add_rms_norm", "norms"),
+        ("rms_norm", "norms"),
+        ("silu_mul", "silu_mul"),
+    ):
         setattr(ops, name, Timed(getattr(ops, name), label, totals))
 
 
@@ -94,7 +99,11 @@ def main(argv: list[str] | None = None) -> int:
     def one_step(step: str) -> tuple[float, dict[str, int]]:
         for length, seed in shapes[step]:
             n[0] += 1
-            engine.add_request(f"p{n[0]}", runner.prompt_ids(length, seed), SamplingParams(max_tokens=1, temperature=0, ignore_eos=True))
+            engine.add_request(
+                f"p{n[0]}",
+                runner.prompt_ids(length, seed),
+                SamplingParams(max_tokens=1, temperature=0, ignore_eos=True),
+            )
         totals.clear()
         t = time.perf_counter_ns()
         engine.step()  # the whole prefill; max_tokens=1 finishes every request in it
@@ -114,9 +123,11 @@ def main(argv: list[str] | None = None) -> int:
                 block_quant.MAX_ROWS = max_rows[mode]
                 results.setdefault((step, mode), []).append(one_step(step))
     weights = "HF weights" if args.model else "fp32 over Q4_1 (head Q8_0)"
-    print(f"prefill steps, {args.model or 'bundled SmolLM2-135M'}, {weights}, {args.threads} threads, "
-          f"{args.rounds} interleaved rounds, medians in ms; mkl: MAX_ROWS={max_rows['mkl']}, "
-          f"panel: MAX_ROWS={args.panel_rows}")
+    print(
+        f"prefill steps, {args.model or 'bundled SmolLM2-135M'}, {weights}, {args.threads} threads, "
+        f"{args.rounds} interleaved rounds, medians in ms; mkl: MAX_ROWS={max_rows['mkl']}, "
+        f"panel: MAX_ROWS={args.panel_rows}"
+    )
     for step in steps:
         rows = sum(length for length, _ in shapes[step])
         print(f"step {step} ({rows} rows)")

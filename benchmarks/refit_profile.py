@@ -28,8 +28,12 @@ from servelab.cost.profile import TERMS, KernelRows, ProfileStepCost, features, 
 from servelab.cost.roofline import Roofline
 from servelab.cost.step_cost import Shape, StepCost
 
-METRICS = (("TTFT p50", "ttft_s", "p50"), ("TTFT p90", "ttft_s", "p90"), ("TPOT p50", "tpot_s", "p50"),
-           ("output tok/s", "output_throughput", None))
+METRICS = (
+    ("TTFT p50", "ttft_s", "p50"),
+    ("TTFT p90", "ttft_s", "p90"),
+    ("TPOT p50", "tpot_s", "p50"),
+    ("output tok/s", "output_throughput", None),
+)
 
 
 # --spread passes: an experiment on the TTFT spread (docs/fidelity.md, "What the models cannot express"):
@@ -91,13 +95,12 @@ class SpreadStepCost:
         return replace(cost, time_s=cost.time_s * self._factor(cost.time_s))
 
 
-
 def held_out_by_path(ms: list[dict], coefs: dict[str, float], rows: KernelRows, every: int) -> str:
     x = np.array([features(m["num_tokens"], m["num_seqs"], m["context_tokens"], m["pairs"], rows) for m in ms])
     y = np.array([m["time_s"] for m in ms])
     err = np.abs(x @ np.array([coefs[k] for k in TERMS]) - y) / y * 100
     held = np.zeros(len(y), bool)
-    held[every - 1::every] = True
+    held[every - 1 :: every] = True
     tokens = np.array([m["num_tokens"] for m in ms])
     decode = tokens == np.array([m["num_seqs"] for m in ms])
     big = tokens > (rows.max_rows or 128)
@@ -105,8 +108,10 @@ def held_out_by_path(ms: list[dict], coefs: dict[str, float], rows: KernelRows, 
     def cell(mask: np.ndarray) -> str:
         return f"{np.median(err[mask]):.1f}% / {err[mask].max():.1f}% ({mask.sum()})" if mask.any() else "-"
 
-    return (f"all {cell(held)} | decode-only {cell(held & decode)} | prefill/mixed {cell(held & ~decode)}"
-            f" | over {rows.max_rows or 128} rows {cell(held & big)}")
+    return (
+        f"all {cell(held)} | decode-only {cell(held & decode)} | prefill/mixed {cell(held & ~decode)}"
+        f" | over {rows.max_rows or 128} rows {cell(held & big)}"
+    )
 
 
 def spread_variant(profile: dict, spread: bool) -> Any:
@@ -141,17 +146,32 @@ def replay_run(path: Path, profile: dict, cost: ProfileStepCost, spread: bool) -
         # a constant think time (validate JSONs from before --think-time have none); an exponential
         # one replays its mean
         think_s = w.get("think_time_s") or 0.0
-        trace = [RequestSpec(index=i, arrival_s=None, prompt_tokens=int(w["input_len"]),
-                             output_tokens=int(w["output_len"]), think_s=think_s)
-                 for i in range(cfg["replayed_requests"])]
+        trace = [
+            RequestSpec(
+                index=i,
+                arrival_s=None,
+                prompt_tokens=int(w["input_len"]),
+                output_tokens=int(w["output_len"]),
+                think_s=think_s,
+            )
+            for i in range(cfg["replayed_requests"])
+        ]
         concurrency = w["concurrency"]
     else:  # the bench's planned send times, regenerated from the seed (an open loop sends on time)
-        spec = WorkloadSpec(num_requests=w["num_requests"], rate=w["rate"], burstiness=w["burstiness"],
-                            input_len=w["input_len"], output_len=w["output_len"], seed=w["seed"], arrival=w["arrival"])
+        spec = WorkloadSpec(
+            num_requests=w["num_requests"],
+            rate=w["rate"],
+            burstiness=w["burstiness"],
+            input_len=w["input_len"],
+            output_len=w["output_len"],
+            seed=w["seed"],
+            arrival=w["arrival"],
+        )
         trace, concurrency = spec.generate(), None
     cost = spread_variant(profile, spread)(cost)
-    sim = simulate(sim_config(profile, cfg["server"], get_model(cfg["sim_model"]), None, cost), trace,
-                   concurrency=concurrency).summary.to_dict()
+    sim = simulate(
+        sim_config(profile, cfg["server"], get_model(cfg["sim_model"]), None, cost), trace, concurrency=concurrency
+    ).summary.to_dict()
     out = {}
     for name, attr, pct in METRICS:
         m, s = measured[attr], sim[attr]
@@ -162,14 +182,28 @@ def replay_run(path: Path, profile: dict, cost: ProfileStepCost, spread: bool) -
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path, help="validate_runs.sh folders (profile.json, c*.json, rate.json)")
-    ap.add_argument("--statistic", nargs="+", choices=list(STATISTICS), default=list(STATISTICS),
-                    help="step-time statistics to refit with (default: all)")
-    ap.add_argument("--kernel-rows", default=None, metavar="F,R",
-                    help="the engine's kernel switches for profiles written before calibrate recorded them "
-                         "(the bundled model's packed Q4_1 linears: 4,128); default: the profile's own")
+    ap.add_argument(
+        "--statistic",
+        nargs="+",
+        choices=list(STATISTICS),
+        default=list(STATISTICS),
+        help="step-time statistics to refit with (default: all)",
+    )
+    ap.add_argument(
+        "--kernel-rows",
+        default=None,
+        metavar="F,R",
+        help="the engine's kernel switches for profiles written before calibrate recorded them "
+        "(the bundled model's packed Q4_1 linears: 4,128); default: the profile's own",
+    )
     ap.add_argument("--replay", action="store_true", help="refit the serving term and replay each folder's runs")
-    ap.add_argument("--spread", nargs="+", choices=("none", "passes"), default=["none"],
-                    help="replay with one time per shape (none), or each step drawn from the passes' spread")
+    ap.add_argument(
+        "--spread",
+        nargs="+",
+        choices=("none", "passes"),
+        default=["none"],
+        help="replay with one time per shape (none), or each step drawn from the passes' spread",
+    )
     args = ap.parse_args()
     table: list[str] = []
     for folder in args.runs:
@@ -188,8 +222,15 @@ def main() -> None:
                 coefs = refit["coefficients"]
                 used = KernelRows.from_profile(refit)
                 print(f"  {stat:<8} {form:<12} {held_out_by_path(ms, coefs, used, every)}")
-                print("      " + ", ".join(f"{k} {v * 1e3:.4g}" for k, v in coefs.items() if v or k not in
-                                           ("per_wide_step_s", "per_dense_step_s", "per_dense_token_s")) + " (ms)")
+                print(
+                    "      "
+                    + ", ".join(
+                        f"{k} {v * 1e3:.4g}"
+                        for k, v in coefs.items()
+                        if v or k not in ("per_wide_step_s", "per_dense_step_s", "per_dense_token_s")
+                    )
+                    + " (ms)"
+                )
                 if not args.replay:
                     continue
                 new = {**profile, "fit": refit, "kernel_rows": refit["kernel_rows"]}
@@ -202,17 +243,22 @@ def main() -> None:
                     how = "refitted from the served steps" if serving else "the profile's own (no served steps kept)"
                     serving = serving or profile["server"]
                     cost = ProfileStepCost.from_profile({**new, "server": serving})
-                    print(f"      spread {spread}: serving term {serving['per_step_s'] * 1e3:.2f} ms a step + "
-                          f"{serving['per_seq_s'] * 1e3:.2f} ms a sequence, {how}")
+                    print(
+                        f"      spread {spread}: serving term {serving['per_step_s'] * 1e3:.2f} ms a step + "
+                        f"{serving['per_seq_s'] * 1e3:.2f} ms a sequence, {how}"
+                    )
                     for path in sorted(folder.glob("c*.json"), key=lambda p: int(p.stem[1:])) + [folder / "rate.json"]:
                         if not path.exists():
                             continue
                         rows_out = replay_run(path, new, cost, spread == "passes")
-                        cells = [f"{m * (1e3 if 'tok/s' not in n else 1):,.1f} / "
-                                 f"{s * (1e3 if 'tok/s' not in n else 1):,.1f} ({(s - m) / m * 100:+.0f}%)"
-                                 for n, (m, s) in rows_out.items()]
-                        table.append(f"| {path.stem} | {folder.name} | {stat} | {form} | {spread} | "
-                                     + " | ".join(cells) + " |")
+                        cells = [
+                            f"{m * (1e3 if 'tok/s' not in n else 1):,.1f} / "
+                            f"{s * (1e3 if 'tok/s' not in n else 1):,.1f} ({(s - m) / m * 100:+.0f}%)"
+                            for n, (m, s) in rows_out.items()
+                        ]
+                        table.append(
+                            f"| {path.stem} | {folder.name} | {stat} | {form} | {spread} | " + " | ".join(cells) + " |"
+                        )
                         print(f"      {path.stem:>4}: " + "; ".join(f"{n} {c}" for n, c in zip(rows_out, cells)))
     if table:
         print("\n| load | run | statistic | form | spread | " + " | ".join(n for n, _, _ in METRICS) + " |")

@@ -118,11 +118,15 @@ def main(argv: list[str] | None = None) -> int:
         f"python {sys.version.split()[0]}, {os.cpu_count()} cpus, load average {load_start:.1f} -> {load:.1f}; "
         f"{args.seqs} decoding sequences, {args.steps} steps x {args.repeats} repeats"
     )
-    print(f"schedule()+update(finished_only=True) per decode step (the simulator): median {step_s * 1e3:.3f} ms "
-          f"(repeats: {', '.join(f'{m * 1e3:.3f}' for m in step_medians)} ms)")
+    print(
+        f"schedule()+update(finished_only=True) per decode step (the simulator): median {step_s * 1e3:.3f} ms "
+        f"(repeats: {', '.join(f'{m * 1e3:.3f}' for m in step_medians)} ms)"
+    )
     print(f"  per sequence: {step_s / args.seqs * 1e6:.2f} us; quietest repeat {min(step_medians) * 1e3:.3f} ms")
-    print(f"schedule()+update() with an output per sequence (the engine): median {engine_s * 1e3:.3f} ms "
-          f"(repeats: {', '.join(f'{m * 1e3:.3f}' for m in engine_medians)} ms)")
+    print(
+        f"schedule()+update() with an output per sequence (the engine): median {engine_s * 1e3:.3f} ms "
+        f"(repeats: {', '.join(f'{m * 1e3:.3f}' for m in engine_medians)} ms)"
+    )
     print(f"floor (one object per sequence): median {floor_s * 1e3:.3f} ms; ratio {step_s / floor_s:.1f}x")
     print(f"target < 0.5 ms: {'met' if step_s < 0.5e-3 else 'NOT met'}")
     return 0

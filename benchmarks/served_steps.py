@@ -24,11 +24,22 @@ def main(argv: list[str] | None = None) -> None:
     args = ap.parse_args(argv)
     coarse = calibrate.GRIDS["coarse"]
     together, joined = ((2,), (1,)) if args.quick else (coarse.together, coarse.joined_batches)
-    grid = calibrate.Grid(chunk=coarse.chunk, prefill_lens=(coarse.chunk,), decode_batches=(),
-                          decode_contexts=(min(coarse.decode_contexts),), decode_steps=coarse.decode_steps,
-                          repeats=1 if args.quick else args.passes, together=together, joined_batches=joined)
-    engine_args = EngineArgs.from_kwargs(model=args.model or str(bundled_model_path()), dtype="float32",
-                                         max_num_batched_tokens=grid.chunk, enable_prefix_caching=False)
+    grid = calibrate.Grid(
+        chunk=coarse.chunk,
+        prefill_lens=(coarse.chunk,),
+        decode_batches=(),
+        decode_contexts=(min(coarse.decode_contexts),),
+        decode_steps=coarse.decode_steps,
+        repeats=1 if args.quick else args.passes,
+        together=together,
+        joined_batches=joined,
+    )
+    engine_args = EngineArgs.from_kwargs(
+        model=args.model or str(bundled_model_path()),
+        dtype="float32",
+        max_num_batched_tokens=grid.chunk,
+        enable_prefix_caching=False,
+    )
     engine = LLMEngine.from_args(replace(engine_args, kv_cache_prefault=True))
     try:
         ms = calibrate.measure(engine, grid)
@@ -40,8 +51,10 @@ def main(argv: list[str] | None = None) -> None:
     for m in sorted(ms, key=lambda m: (m["num_tokens"], m["num_seqs"])):
         if m["num_tokens"] >= grid.chunk:
             t = statistics.median(m["samples_s"])
-            print(f"| {m['num_tokens']} ({m['num_seqs']}) | {t * 1e3:,.0f} ms | "
-                  f"{t / statistics.median(base['samples_s']):.2f} | {t * 1e3 / m['num_tokens']:.2f} |")
+            print(
+                f"| {m['num_tokens']} ({m['num_seqs']}) | {t * 1e3:,.0f} ms | "
+                f"{t / statistics.median(base['samples_s']):.2f} | {t * 1e3 / m['num_tokens']:.2f} |"
+            )
 
 
 if __name__ == "__main__":

@@ -28,8 +28,15 @@ def configs(n: int) -> dict[str, tuple[SimConfig, WorkloadSpec]]:
     return {
         "chunked-shared-prefix": (
             SimConfig(),
-            WorkloadSpec(n, rate=30.0, input_len="1024", output_len="256", shared_prefix_fraction=0.5,
-                         num_prefix_groups=4, seed=1),
+            WorkloadSpec(
+                n,
+                rate=30.0,
+                input_len="1024",
+                output_len="256",
+                shared_prefix_fraction=0.5,
+                num_prefix_groups=4,
+                seed=1,
+            ),
         ),
         "prefill-first": (
             SimConfig(scheduler=SchedulerConfig(policy="prefill-first")),
@@ -41,8 +48,7 @@ def configs(n: int) -> dict[str, tuple[SimConfig, WorkloadSpec]]:
         ),
         "preempting": (
             SimConfig(scheduler=SchedulerConfig(num_blocks=1200, max_num_batched_tokens=1024)),
-            WorkloadSpec(n, rate=None, concurrency=None, input_len="lognormal:700,0.5", output_len="64-600",
-                         seed=4),
+            WorkloadSpec(n, rate=None, concurrency=None, input_len="lognormal:700,0.5", output_len="64-600", seed=4),
         ),
         "closed-loop-2-replicas": (
             SimConfig(replicas=2, router="least-kv", scheduler=SchedulerConfig(block_size=32)),

@@ -55,10 +55,14 @@ def time_split(config: SimConfig, workload: WorkloadSpec) -> tuple[dict[str, flo
     also shown on its own."""
     spent = dict.fromkeys(("schedule", "update", "executor", "prompts (workload)", "block manager"), 0.0)
     targets = [
-        (Scheduler, "schedule", "schedule"), (Scheduler, "update", "update"),
-        (SimExecutor, "execute", "executor"), (cluster, "simulated_prompt", "prompts (workload)"),
-    ] + [(BlockManager, name, "block manager") for name in (
-        "find_cached_prefix", "allocate", "append_slots", "commit_computed_blocks", "free")]
+        (Scheduler, "schedule", "schedule"),
+        (Scheduler, "update", "update"),
+        (SimExecutor, "execute", "executor"),
+        (cluster, "simulated_prompt", "prompts (workload)"),
+    ] + [
+        (BlockManager, name, "block manager")
+        for name in ("find_cached_prefix", "allocate", "append_slots", "commit_computed_blocks", "free")
+    ]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
 
     def timed(fn: Callable, label: str) -> Callable:
@@ -68,6 +72,7 @@ def time_split(config: SimConfig, workload: WorkloadSpec) -> tuple[dict[str, flo
                 return fn(*args, **kwargs)
             finally:
                 spent[label] += time.perf_counter() - t0
+
         return wrapper
 
     for (owner, name, label), (_, _, fn) in zip(targets, originals):
@@ -90,8 +95,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-requests", type=int, default=100_000)
     parser.add_argument("--load", type=float, default=0.8, help="fraction of capacity (default 0.8)")
     parser.add_argument("--profile-requests", type=int, default=3000)
-    parser.add_argument("--core-scheduler", action="store_true",
-                        help="time the core Scheduler, without the simulator's implicit decodes")
+    parser.add_argument(
+        "--core-scheduler",
+        action="store_true",
+        help="time the core Scheduler, without the simulator's implicit decodes",
+    )
     parser.add_argument("--quick", action="store_true", help="a few hundred requests in each run (a smoke test)")
     args = parser.parse_args(argv)
     capacity_requests = 4000
@@ -101,7 +109,9 @@ def main(argv: list[str] | None = None) -> None:
 
     t0 = time.perf_counter()
     capacity = capacity_req_per_s(config, capacity_requests)
-    print(f"capacity (saturated, {capacity_requests:,} requests): {capacity:.2f} req/s  [{time.perf_counter() - t0:.1f} s wall]")
+    print(
+        f"capacity (saturated, {capacity_requests:,} requests): {capacity:.2f} req/s  [{time.perf_counter() - t0:.1f} s wall]"
+    )
     if args.core_scheduler:
         config = replace(config, cost_model=ShapeOnly(build_cost_model(config)))
     rate = args.load * capacity
@@ -113,19 +123,28 @@ def main(argv: list[str] | None = None) -> None:
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu_start
     s = result.summary
     print(f"run: {args.num_requests:,} requests at {rate:.2f} req/s ({args.load:.0%} of capacity)")
-    print(f"  simulated {s.duration_s:,.0f} s: {s.completed:,} completed, {s.output_throughput:,.0f} output tok/s, "
-          f"TTFT p50 {s.ttft_s.p50 * 1e3:.1f} ms, TPOT p50 {s.tpot_s.p50 * 1e3:.2f} ms")
-    print(f"  wall {wall:.1f} s (loop {result.wall_s:.1f} s): {args.num_requests / wall:,.0f} simulated requests/s, "
-          f"{result.num_steps:,} steps, {result.num_steps / wall:,.0f} steps/s, "
-          f"{wall / result.num_steps * 1e6:.0f} us per step")
+    print(
+        f"  simulated {s.duration_s:,.0f} s: {s.completed:,} completed, {s.output_throughput:,.0f} output tok/s, "
+        f"TTFT p50 {s.ttft_s.p50 * 1e3:.1f} ms, TPOT p50 {s.tpot_s.p50 * 1e3:.2f} ms"
+    )
+    print(
+        f"  wall {wall:.1f} s (loop {result.wall_s:.1f} s): {args.num_requests / wall:,.0f} simulated requests/s, "
+        f"{result.num_steps:,} steps, {result.num_steps / wall:,.0f} steps/s, "
+        f"{wall / result.num_steps * 1e6:.0f} us per step"
+    )
     # CPU time is what this process got; on a shared machine wall time also counts waiting for a core.
-    print(f"  cpu {cpu:.1f} s ({cpu / result.num_steps * 1e6:.0f} us per step); "
-          f"load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end")
+    print(
+        f"  cpu {cpu:.1f} s ({cpu / result.num_steps * 1e6:.0f} us per step); "
+        f"load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end"
+    )
 
     small = WorkloadSpec(args.profile_requests, rate=rate, input_len="1024", output_len="256", seed=0)
     shares, total = time_split(config, small)
-    print(f"split of a {args.profile_requests:,}-request run ({total:.1f} s, perf_counter around the calls): "
-          + ", ".join(f"{name} {t / total:.0%}" for name, t in shares.items()))
+    print(
+        f"split of a {args.profile_requests:,}-request run ({total:.1f} s, perf_counter around the calls): "
+        + ", ".join(f"{name} {t / total:.0%}" for name, t in shares.items())
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -283,7 +283,9 @@ def main() -> int:
     p.add_argument("--stream-share", type=float, default=0.7)
     p.add_argument("--chat-share", type=float, default=0.5)
     p.add_argument("--disconnect-share", type=float, default=0.15, help="share of streams the client drops mid-way")
-    p.add_argument("--shared-prefix-share", type=float, default=0.2, help="share of prompts with a common 64-token prefix")
+    p.add_argument(
+        "--shared-prefix-share", type=float, default=0.2, help="share of prompts with a common 64-token prefix"
+    )
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the samples and the verdict as JSON")

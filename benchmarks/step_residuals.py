@@ -29,8 +29,7 @@ def stages(folder: Path, total: int) -> list[tuple[str, int, int]]:
             marks.append((m.group(1), int(m.group(2))))
     if not marks:
         return [("all", 0, total)]
-    return [(name, start, end) for (name, start), (_, end) in zip(marks, [*marks[1:], ("end", total)])
-            if name != "end"]
+    return [(name, start, end) for (name, start), (_, end) in zip(marks, [*marks[1:], ("end", total)]) if name != "end"]
 
 
 def kind(line: dict) -> str:
@@ -48,14 +47,18 @@ def report(profile: dict, lines: list[dict], name: str) -> None:
         groups.setdefault((kind(line), st.num_seqs), []).append((price, st.served_s, st.execute_s))
     served_total = sum(st.served_s for st in steps)
     missed_total = sum(s - p for g in groups.values() for p, s, _ in g)
-    print(f"\n{name}: {len(steps)} steps, {served_total:.2f} s served, the profile prices "
-          f"{served_total - missed_total:.2f} s ({-missed_total / served_total * 100:+.1f}%)")
+    print(
+        f"\n{name}: {len(steps)} steps, {served_total:.2f} s served, the profile prices "
+        f"{served_total - missed_total:.2f} s ({-missed_total / served_total * 100:+.1f}%)"
+    )
     print("| kind | sequences | steps | price (median, ms) | served | outside the executor | missed in all (s) |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for (k, n), g in sorted(groups.items()):
         med = lambda i: statistics.median(x[i] for x in g) * 1e3  # noqa: E731
         outside = statistics.median(s - e for _, s, e in g) * 1e3
-        print(f"| {k} | {n} | {len(g)} | {med(0):.1f} | {med(1):.1f} | {outside:.2f} | {sum(s - p for p, s, _ in g):+.3f} |")
+        print(
+            f"| {k} | {n} | {len(g)} | {med(0):.1f} | {med(1):.1f} | {outside:.2f} | {sum(s - p for p, s, _ in g):+.3f} |"
+        )
 
 
 def main() -> None:

@@ -53,10 +53,16 @@ def time_sampler(engine: LLMEngine, n: int, k: int, steps: int) -> dict[str, flo
     processors = engine.logits_processors
     seqs = {
         "no hook": (Sampler(0), [Sequence(f"a{i}", [1, 2], params(False, 10_000)) for i in range(n)]),
-        "hook, 0 constrained": (Sampler(0, processors), [Sequence(f"b{i}", [1, 2], params(False, 10_000)) for i in range(n)]),
+        "hook, 0 constrained": (
+            Sampler(0, processors),
+            [Sequence(f"b{i}", [1, 2], params(False, 10_000)) for i in range(n)],
+        ),
         f"hook, {k} constrained": (
             Sampler(0, processors),
-            [Sequence(f"c{i}", [1, 2], params(i < k, 10_000), eos_token_ids=engine.tokenizer.eos_token_ids) for i in range(n)],
+            [
+                Sequence(f"c{i}", [1, 2], params(i < k, 10_000), eos_token_ids=engine.tokenizer.eos_token_ids)
+                for i in range(n)
+            ],
         ),
     }
     times: dict[str, list[float]] = {name: [] for name in seqs}
@@ -120,7 +126,9 @@ def main(argv: list[str] | None = None) -> None:
     n, k = args.seqs, args.constrained
 
     def load() -> LLMEngine:
-        engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=args.model, dtype="float32", max_num_seqs=n, max_model_len=1024))
+        engine = LLMEngine.from_args(
+            EngineArgs.from_kwargs(model=args.model, dtype="float32", max_num_seqs=n, max_model_len=1024)
+        )
         engine.prepare_logits_processors(params(True, 1))  # xgrammar import and compile: not per step
         return engine
 
@@ -139,7 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     base = statistics.median(run["0 constrained"] for run in step_runs)
     for name in step_runs[0]:
         med = statistics.median(run[name] for run in step_runs)
-        print(f"  {name:24s} {med:8.2f}  ({med / base:.3f}x)  runs: {', '.join(f'{run[name]:.1f}' for run in step_runs)}")
+        print(
+            f"  {name:24s} {med:8.2f}  ({med / base:.3f}x)  runs: {', '.join(f'{run[name]:.1f}' for run in step_runs)}"
+        )
 
 
 if __name__ == "__main__":

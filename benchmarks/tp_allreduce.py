@@ -49,7 +49,9 @@ def step_times(tp: int, decodes: int = 32) -> dict:
         engine.add_request("warm", list(range(100, 116)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         while engine.has_unfinished():
             engine.step()
-        engine.add_request("r", list(range(200, 328)), SamplingParams(max_tokens=decodes + 1, temperature=0, ignore_eos=True))
+        engine.add_request(
+            "r", list(range(200, 328)), SamplingParams(max_tokens=decodes + 1, temperature=0, ignore_eos=True)
+        )
         times = []
         while engine.has_unfinished():
             t0 = time.perf_counter()
@@ -110,8 +112,9 @@ def main() -> None:
     # fit: TP=1's measured step, with the same compute (the ranks share the cores), plus the
     # step's collectives at the fitted latency and bandwidth.
     if args.tp in result["allreduce"]:
-        fitted = fit_allreduce([{"bytes": r["bytes"], "median_s": r["median_us"] / 1e6}
-                                for r in result["allreduce"][args.tp]])
+        fitted = fit_allreduce(
+            [{"bytes": r["bytes"], "median_s": r["median_us"] / 1e6} for r in result["allreduce"][args.tp]]
+        )
         term = {"ranks": args.tp, "collectives_per_step": 2 * layers + 2, "hidden_allreduces_per_step": 2 * layers + 1,
                 "bytes_per_token": HIDDEN * 4, "allreduce_latency_s": fitted["latency_s"],
                 "allreduce_bytes_per_s": fitted["bytes_per_s"]}  # fmt: skip
@@ -130,7 +133,9 @@ def main() -> None:
         for r in rows:
             print(f"  {r['tokens']:>4} tokens {r['bytes']:>9} B  {r['median_us']:9.1f} us  {r['algbw_MB_s']:8.1f} MB/s")
     for s in result["steps"]:
-        print(f"TP={s['tp']}: prefill 128 tokens {s['prefill_128_ms']:.1f} ms, decode batch 1 {s['decode_b1_ms']:.1f} ms/step")
+        print(
+            f"TP={s['tp']}: prefill 128 tokens {s['prefill_128_ms']:.1f} ms, decode batch 1 {s['decode_b1_ms']:.1f} ms/step"
+        )
     c = result["cost_model"]
     print(f"cost model: {c['allreduces_per_step']} all-reduces/step x {c['allreduce_latency_us']:.1f} us = "
           f"{c['modelled_latency_per_step_ms']:.3f} ms of latency per step")  # fmt: skip
@@ -138,9 +143,11 @@ def main() -> None:
         t = result["profile_tp_term"]
         bw = t["fit"]["bytes_per_s"]
         p = t["predicted_tp_step"]
-        print(f"profile TP term ({args.tp} ranks): latency {t['fit']['latency_s'] * 1e6:.0f} us, bandwidth "
-              f"{'-' if bw is None else f'{bw / 1e6:.0f} MB/s'}; predicted TP={args.tp}: prefill 128 tokens "
-              f"{p['prefill_128_ms']:.1f} ms, decode batch 1 {p['decode_b1_ms']:.1f} ms/step")
+        print(
+            f"profile TP term ({args.tp} ranks): latency {t['fit']['latency_s'] * 1e6:.0f} us, bandwidth "
+            f"{'-' if bw is None else f'{bw / 1e6:.0f} MB/s'}; predicted TP={args.tp}: prefill 128 tokens "
+            f"{p['prefill_128_ms']:.1f} ms, decode batch 1 {p['decode_b1_ms']:.1f} ms/step"
+        )
     if args.check:
         print(f"TP={args.tp} against TP=1: {result['check']}")
 

@@ -50,7 +50,9 @@ def main() -> None:
                 times[name].append(time.perf_counter() - t0)
         print(f"one block = {piece.nbytes / 1024:.0f} KiB ({tuple(piece.shape)}), {args.iters} interleaved rounds")
         for name, ts in times.items():
-            print(f"{name:32s} median {statistics.median(ts) * 1e3:7.3f} ms  p90 {sorted(ts)[int(0.9 * len(ts))] * 1e3:7.3f} ms")
+            print(
+                f"{name:32s} median {statistics.median(ts) * 1e3:7.3f} ms  p90 {sorted(ts)[int(0.9 * len(ts))] * 1e3:7.3f} ms"
+            )
     finally:
         one.close()
         many.close()

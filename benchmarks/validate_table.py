@@ -32,27 +32,50 @@ def profile_lines(folder: Path) -> list[str]:
         return [f"{folder}: no profile.json"]
     p = json.loads(path.read_text())
     fit, coefs = p["fit"], p["fit"]["coefficients"]
-    lines = [f"{folder}: {len(p['measurements'])} shapes in {p['calibration_wall_s']:.0f} s; held-out error median "
-             f"{fit['heldout']['median_abs_pct']:.1f}%, max {fit['heldout']['max_abs_pct']:.1f}%; "
-             + ", ".join(f"{k} {v * 1e3:.4g} ms" for k, v in coefs.items())
-             + f"; step time: {p.get('step_time_statistic', 'fastest of the interleaved passes')}"
-             + ("" if not p.get("kernel_rows") else f"; kernel rows {p['kernel_rows'].get('fused_max_rows')}/"
-                f"{p['kernel_rows'].get('max_rows')} ({p['kernel_rows'].get('linears')})")]
+    lines = [
+        f"{folder}: {len(p['measurements'])} shapes in {p['calibration_wall_s']:.0f} s; held-out error median "
+        f"{fit['heldout']['median_abs_pct']:.1f}%, max {fit['heldout']['max_abs_pct']:.1f}%; "
+        + ", ".join(f"{k} {v * 1e3:.4g} ms" for k, v in coefs.items())
+        + f"; step time: {p.get('step_time_statistic', 'fastest of the interleaved passes')}"
+        + (
+            ""
+            if not p.get("kernel_rows")
+            else f"; kernel rows {p['kernel_rows'].get('fused_max_rows')}/"
+            f"{p['kernel_rows'].get('max_rows')} ({p['kernel_rows'].get('linears')})"
+        )
+    ]
     server = p.get("server")
     if server and "per_step_s" not in server:  # a profile from before the per-step form
-        lines.append(f"  serving term (old per-token form) {server['per_token_s'] * 1e3:.2f} ms/token ("
-                     + "; ".join(f"c{r['concurrency']}: {r['per_token_s'] * 1e3:.2f}" for r in server["runs"]) + ")")
+        lines.append(
+            f"  serving term (old per-token form) {server['per_token_s'] * 1e3:.2f} ms/token ("
+            + "; ".join(f"c{r['concurrency']}: {r['per_token_s'] * 1e3:.2f}" for r in server["runs"])
+            + ")"
+        )
     elif server:
-        runs = "; ".join(f"c{r['concurrency']}: measured {r['measured_tpot_p50_s'] * 1e3:.1f} ms, engine alone "
-                         f"{r['engine_only_tpot_p50_s'] * 1e3:.1f}, with the term {r['fitted_tpot_p50_s'] * 1e3:.1f}"
-                         + ("" if "per_step_alone_s" not in r else  # fitted by bisection, before the step log
-                            f"; alone {r['per_step_alone_s'] * 1e3:.2f} ms/step or {r['per_seq_alone_s'] * 1e3:.2f} ms/seq")
-                         for r in server["runs"])
-        steps = "" if "by_seqs" not in server else (
-            f"from {server['steps']} served steps, median beyond the price by sequences: "
-            + ", ".join(f"{g['seqs']}: {g['median_residual_s'] * 1e3:+.2f} ms" for g in server["by_seqs"]) + "; ")
-        lines.append(f"  serving term {server['per_step_s'] * 1e3:.2f} ms/step + {server['per_seq_s'] * 1e3:.2f} ms/seq "
-                     f"({steps}{runs})")
+        runs = "; ".join(
+            f"c{r['concurrency']}: measured {r['measured_tpot_p50_s'] * 1e3:.1f} ms, engine alone "
+            f"{r['engine_only_tpot_p50_s'] * 1e3:.1f}, with the term {r['fitted_tpot_p50_s'] * 1e3:.1f}"
+            + (
+                ""
+                if "per_step_alone_s" not in r
+                # fitted by bisection, before the step log
+                else f"; alone {r['per_step_alone_s'] * 1e3:.2f} ms/step or {r['per_seq_alone_s'] * 1e3:.2f} ms/seq"
+            )
+            for r in server["runs"]
+        )
+        steps = (
+            ""
+            if "by_seqs" not in server
+            else (
+                f"from {server['steps']} served steps, median beyond the price by sequences: "
+                + ", ".join(f"{g['seqs']}: {g['median_residual_s'] * 1e3:+.2f} ms" for g in server["by_seqs"])
+                + "; "
+            )
+        )
+        lines.append(
+            f"  serving term {server['per_step_s'] * 1e3:.2f} ms/step + {server['per_seq_s'] * 1e3:.2f} ms/seq "
+            f"({steps}{runs})"
+        )
     return lines
 
 

@@ -36,8 +36,9 @@ MS = 1e-3
 
 
 def git_show(clone: Path, commit: str, path: str) -> list[dict[str, str]]:
-    text = subprocess.run(["git", "-C", str(clone), "show", f"{commit}:{path}"], check=True,
-                          capture_output=True, text=True).stdout
+    text = subprocess.run(
+        ["git", "-C", str(clone), "show", f"{commit}:{path}"], check=True, capture_output=True, text=True
+    ).stdout
     return list(csv.DictReader(io.StringIO(text)))
 
 
@@ -47,15 +48,18 @@ def linear_shapes(row: dict[str, str]) -> dict[str, tuple[int, int]]:
     ffn, tp = int(row["n_expanded_embd"]), int(row["num_tensor_parallel_workers"])
     head_dim = hidden // heads
     up = ffn * (2 if row["use_gated_mlp"] == "True" else 1)
-    return {"attn_pre_proj": ((heads + 2 * kv_heads) * head_dim // tp, hidden),
-            "attn_post_proj": (hidden, heads * head_dim // tp),
-            "mlp_up_proj": (up // tp, hidden),
-            "mlp_down_proj": (hidden, ffn // tp)}
+    return {
+        "attn_pre_proj": ((heads + 2 * kv_heads) * head_dim // tp, hidden),
+        "attn_post_proj": (hidden, heads * head_dim // tp),
+        "mlp_up_proj": (up // tp, hidden),
+        "mlp_down_proj": (hidden, ffn // tp),
+    }
 
 
 def linear_tables(clone: Path, commit: str) -> list[dict[str, object]]:
-    listing = subprocess.run(["git", "-C", str(clone), "ls-tree", "-r", "--name-only", commit],
-                             check=True, capture_output=True, text=True).stdout.split()
+    listing = subprocess.run(
+        ["git", "-C", str(clone), "ls-tree", "-r", "--name-only", commit], check=True, capture_output=True, text=True
+    ).stdout.split()
     tables = []
     for path in sorted(p for p in listing if p.startswith("data/profiling/compute/") and p.endswith("/mlp.csv")):
         gpu = path.split("/")[3]
@@ -67,10 +71,25 @@ def linear_tables(clone: Path, commit: str) -> list[dict[str, object]]:
             if m not in TOKENS:
                 continue
             for op, (n, k) in linear_shapes(row).items():
-                rows.append([op, m, n, k, int(row["num_tensor_parallel_workers"]),
-                             round(float(row[f"time_stats.{op}.median"]) * MS, 9)])
-        tables.append({"gpu": gpu, "model": path.split("/", 4)[4].rsplit("/", 1)[0], "source": source(commit, path),
-                       "columns": ["op", "m", "n", "k", "tp", "time_s"], "rows": sorted(rows)})
+                rows.append(
+                    [
+                        op,
+                        m,
+                        n,
+                        k,
+                        int(row["num_tensor_parallel_workers"]),
+                        round(float(row[f"time_stats.{op}.median"]) * MS, 9),
+                    ]
+                )
+        tables.append(
+            {
+                "gpu": gpu,
+                "model": path.split("/", 4)[4].rsplit("/", 1)[0],
+                "source": source(commit, path),
+                "columns": ["op", "m", "n", "k", "tp", "time_s"],
+                "rows": sorted(rows),
+            }
+        )
     return tables
 
 
@@ -83,11 +102,23 @@ def network_tables(clone: Path, commit: str) -> list[dict[str, object]]:
             for row in git_show(clone, commit, path):
                 size = int(row["size"])
                 if size & (size - 1) == 0 or size == 2048:  # powers of two: a geometric subsample
-                    rows.append([int(row["num_workers"]), int(row["devices_per_node"]), size,
-                                 round(float(row[f"time_stats.{op}.median"]) * MS, 9)])
-            tables.append({"topology": topology, "op": op, "source": source(commit, path),
-                           "columns": ["num_workers", "devices_per_node", "size_bytes", "time_s"],
-                           "rows": sorted(set(map(tuple, rows)))})
+                    rows.append(
+                        [
+                            int(row["num_workers"]),
+                            int(row["devices_per_node"]),
+                            size,
+                            round(float(row[f"time_stats.{op}.median"]) * MS, 9),
+                        ]
+                    )
+            tables.append(
+                {
+                    "topology": topology,
+                    "op": op,
+                    "source": source(commit, path),
+                    "columns": ["num_workers", "devices_per_node", "size_bytes", "time_s"],
+                    "rows": sorted(set(map(tuple, rows))),
+                }
+            )
     return tables
 
 
@@ -103,19 +134,34 @@ def attention_table(clone: Path) -> dict[str, object]:
         elif batch in TOKENS and kv in TOKENS:
             rows.append(["decode", batch, 1, kv, round(float(row["time_stats.attn_decode.median"]) * MS, 9)])
     first = git_show(clone, commit, path)[0]
-    return {"gpu": "a100", "source": source(commit, path),
-            "config": {k: int(first[k]) for k in ("n_embd", "n_q_head", "n_kv_head", "num_tensor_parallel_workers")},
-            "note": "kv_tokens is the KV cache size of the step (Vidur's kv_cache_size)",
-            "columns": ["phase", "batch", "query_tokens", "kv_tokens", "time_s"], "rows": sorted(rows)}
+    return {
+        "gpu": "a100",
+        "source": source(commit, path),
+        "config": {k: int(first[k]) for k in ("n_embd", "n_q_head", "n_kv_head", "num_tensor_parallel_workers")},
+        "note": "kv_tokens is the KV cache size of the step (Vidur's kv_cache_size)",
+        "columns": ["phase", "batch", "query_tokens", "kv_tokens", "time_s"],
+        "rows": sorted(rows),
+    }
 
 
 def cpu_overhead_table(clone: Path) -> dict[str, object]:
     commit, path = CPU_OVERHEADS_AT
     stages = ("schedule", "sampler_e2e", "prepare_inputs_e2e", "process_model_outputs")
-    rows = [[row["model_name"], int(row["batch_size"]), int(row["tensor_parallel_degree"]),
-             *(round(float(row[f"{s}_median"]) * MS, 9) for s in stages)] for row in git_show(clone, commit, path)]
-    return {"gpu": "a100", "source": source(commit, path),
-            "columns": ["model", "batch", "tp", *(f"{s}_s" for s in stages)], "rows": sorted(rows)}
+    rows = [
+        [
+            row["model_name"],
+            int(row["batch_size"]),
+            int(row["tensor_parallel_degree"]),
+            *(round(float(row[f"{s}_median"]) * MS, 9) for s in stages),
+        ]
+        for row in git_show(clone, commit, path)
+    ]
+    return {
+        "gpu": "a100",
+        "source": source(commit, path),
+        "columns": ["model", "batch", "tp", *(f"{s}_s" for s in stages)],
+        "rows": sorted(rows),
+    }
 
 
 def source(commit: str, path: str) -> dict[str, str]:
@@ -128,11 +174,12 @@ def main() -> None:
     parser.add_argument("--commit", default="HEAD")
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args()
-    commit = subprocess.run(["git", "-C", str(args.clone), "rev-parse", args.commit], check=True,
-                            capture_output=True, text=True).stdout.strip()
+    commit = subprocess.run(
+        ["git", "-C", str(args.clone), "rev-parse", args.commit], check=True, capture_output=True, text=True
+    ).stdout.strip()
     data = {
         "about": "Subsample of Vidur's published operator profiles (medians, seconds); "
-                 "see benchmarks/vidur_extract.py.",
+        "see benchmarks/vidur_extract.py.",
         "licence": "MIT, Copyright (c) Microsoft Corporation (github.com/microsoft/vidur/blob/main/LICENSE)",
         "dtype": "float16 (Vidur profiles the models in fp16)",
         "linear": linear_tables(args.clone, commit),

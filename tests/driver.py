@@ -93,4 +93,3 @@ def run_to_completion(
                     finished.append(outstanding.pop(rid))
     stats.end_s = now
     return finished
-

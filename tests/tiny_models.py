@@ -220,16 +220,31 @@ def prefill_logits(model, token_ids: list[int], *, chunk: int | None = None, blo
         if n == 1:
             ctx = torch.tensor([[slot(p) for p in range(start + 1)]])
             meta = AttentionMetadata(
-                positions=torch.tensor([start]), slots=slots, num_decodes=1, block_size=block_size,
-                decode_block_table=torch.tensor([table]), decode_ctx_lens=torch.tensor([start + 1]),
-                decode_max_ctx=start + 1, decode_ctx_slots=ctx, decode_mask=torch.ones(1, 1, 1, start + 1, dtype=torch.bool),
-                prefills=[], logits_indices=torch.tensor([0]),
+                positions=torch.tensor([start]),
+                slots=slots,
+                num_decodes=1,
+                block_size=block_size,
+                decode_block_table=torch.tensor([table]),
+                decode_ctx_lens=torch.tensor([start + 1]),
+                decode_max_ctx=start + 1,
+                decode_ctx_slots=ctx,
+                decode_mask=torch.ones(1, 1, 1, start + 1, dtype=torch.bool),
+                prefills=[],
+                logits_indices=torch.tensor([0]),
             )
         else:
             ctx = None if start == 0 else torch.tensor([slot(p) for p in range(start + n)])
             meta = AttentionMetadata(
-                positions=torch.arange(start, start + n), slots=slots, num_decodes=0, block_size=block_size,
-                decode_block_table=None, decode_ctx_lens=None, decode_max_ctx=0, decode_ctx_slots=None, decode_mask=None, prefills=[(0, n, start, ctx)],
+                positions=torch.arange(start, start + n),
+                slots=slots,
+                num_decodes=0,
+                block_size=block_size,
+                decode_block_table=None,
+                decode_ctx_lens=None,
+                decode_max_ctx=0,
+                decode_ctx_slots=None,
+                decode_mask=None,
+                prefills=[(0, n, start, ctx)],
                 logits_indices=torch.arange(n),
             )
         out.append(model.forward(ids, meta, kv.k_layers, kv.v_layers))

@@ -63,29 +63,45 @@ def binding_limit(
     seen = observed[load]
     if load > max_num_seqs and seen.peak_running >= max_num_seqs:
         limit: Limit = "max-num-seqs"
-        detail = (f"--max-num-seqs {max_num_seqs}: at concurrency {load} the running batch peaked at "
-                  f"{seen.peak_running} sequences and the other clients queued for a slot")
+        detail = (
+            f"--max-num-seqs {max_num_seqs}: at concurrency {load} the running batch peaked at "
+            f"{seen.peak_running} sequences and the other clients queued for a slot"
+        )
     elif seen.preemptions > 0 or (
         seen.peak_running < load and (1.0 - seen.peak_kv_usage) * seen.kv_capacity_tokens < request_tokens
     ):
         limit = "kv-cache"
-        detail = (f"the KV cache ({seen.kv_capacity_tokens:,} tokens, {request_tokens:,} per request): at "
-                  f"concurrency {load} it peaked at {seen.peak_kv_usage:.0%} with {seen.peak_running} sequences "
-                  f"running (< --max-num-seqs {max_num_seqs}), {seen.preemptions} preemptions")
+        detail = (
+            f"the KV cache ({seen.kv_capacity_tokens:,} tokens, {request_tokens:,} per request): at "
+            f"concurrency {load} it peaked at {seen.peak_kv_usage:.0%} with {seen.peak_running} sequences "
+            f"running (< --max-num-seqs {max_num_seqs}), {seen.preemptions} preemptions"
+        )
     elif level is result.best:
         limit = "search-maximum"
-        detail = (f"the search's maximum: concurrency {load} still meets the SLO with {seen.peak_running} "
-                  f"sequences running, KV {seen.peak_kv_usage:.0%}")
+        detail = (
+            f"the search's maximum: concurrency {load} still meets the SLO with {seen.peak_running} "
+            f"sequences running, KV {seen.peak_kv_usage:.0%}"
+        )
     else:
         limit = "slo"
-        detail = (f"the SLO: at concurrency {load} the batch ({seen.peak_running} sequences, KV "
-                  f"{seen.peak_kv_usage:.0%}) was below --max-num-seqs {max_num_seqs} and the KV cache")
+        detail = (
+            f"the SLO: at concurrency {load} the batch ({seen.peak_running} sequences, KV "
+            f"{seen.peak_kv_usage:.0%}) was below --max-num-seqs {max_num_seqs} and the KV cache"
+        )
     if level is result.first_failing:
         detail += f"; {level.reason}"
     elif limit != "search-maximum":
         detail += " (still passing at the search's maximum)"
-    return Binding(limit, load, seen.peak_running, max_num_seqs, seen.peak_kv_usage, seen.kv_capacity_tokens,
-                   seen.preemptions, detail)
+    return Binding(
+        limit,
+        load,
+        seen.peak_running,
+        max_num_seqs,
+        seen.peak_kv_usage,
+        seen.kv_capacity_tokens,
+        seen.preemptions,
+        detail,
+    )
 
 
 __all__ = ["Binding", "Observed", "binding_limit", "observe"]

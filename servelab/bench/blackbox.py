@@ -68,8 +68,11 @@ class Design:
     repeats: int = DEFAULT_REPEATS
 
     def points(self) -> list[tuple[str, int, int]]:
-        return ([("prefill", 1, n) for n in self.prefill_lens] + [("burst", b, n) for b, n in self.bursts]
-                + [("join", b, n) for b, n in self.joins])
+        return (
+            [("prefill", 1, n) for n in self.prefill_lens]
+            + [("burst", b, n) for b, n in self.bursts]
+            + [("join", b, n) for b, n in self.joins]
+        )
 
 
 def make_design(max_prompt: int, max_batch: int, max_burst_tokens: int, repeats: int = DEFAULT_REPEATS) -> Design:
@@ -106,8 +109,14 @@ class ServerInfo:
     metrics: bool
 
     def to_dict(self) -> dict[str, Any]:
-        return {"base_url": self.base_url, "model": self.model, "kind": self.kind, "version": self.version,
-                "max_model_len": self.max_model_len, "metrics": self.metrics}
+        return {
+            "base_url": self.base_url,
+            "model": self.model,
+            "kind": self.kind,
+            "version": self.version,
+            "max_model_len": self.max_model_len,
+            "metrics": self.metrics,
+        }
 
 
 async def _get_json(client: OpenAIStreamClient, url: str, body: dict[str, Any] | None = None) -> Any:
@@ -134,8 +143,11 @@ def _kind(metrics_text: str | None, models: Any, version: Any) -> str:
         return "sglang"
     if "llamacpp:" in text:
         return "llama.cpp"
-    owned = {str(m.get("owned_by", "")) for m in (models or {}).get("data", []) if isinstance(m, dict)} \
-        if isinstance(models, dict) else set()
+    owned = (
+        {str(m.get("owned_by", "")) for m in (models or {}).get("data", []) if isinstance(m, dict)}
+        if isinstance(models, dict)
+        else set()
+    )
     if "vllm" in owned:
         return "vllm"
     if "sglang" in owned:
@@ -167,8 +179,15 @@ async def probe(client: OpenAIStreamClient) -> ServerInfo:
     if max_len is None and config.get("max_model_len", "").isdigit():
         max_len = int(config["max_model_len"])
     ver = version.get("version") if isinstance(version, dict) else None
-    return ServerInfo(client.base_url, model, _kind(metrics_text, models, version), None if ver is None else str(ver),
-                      max_len, config, metrics_text is not None)
+    return ServerInfo(
+        client.base_url,
+        model,
+        _kind(metrics_text, models, version),
+        None if ver is None else str(ver),
+        max_len,
+        config,
+        metrics_text is not None,
+    )
 
 
 # ---- measuring --------------------------------------------------------------------------------
@@ -193,9 +212,15 @@ class Results:
         except (OSError, ValueError) as exc:
             raise InvalidArgument(f"--resume: cannot read {path} ({exc})") from None
         head = lines[0] if lines else {}
-        if head.get("phase") != "header" or head.get("model") != server.model or head.get("base_url") != server.base_url:
-            raise InvalidArgument(f"--resume: {path} holds another run's points (another server or model); "
-                                  "remove it or leave out --resume")
+        if (
+            head.get("phase") != "header"
+            or head.get("model") != server.model
+            or head.get("base_url") != server.base_url
+        ):
+            raise InvalidArgument(
+                f"--resume: {path} holds another run's points (another server or model); "
+                "remove it or leave out --resume"
+            )
         out.records = lines[1:]
         return out
 
@@ -239,8 +264,12 @@ class Prober:
         self.scale = n / self.prompts.count_tokens(request.prompt)
         if self.count_path is None:
             await self.server_count(request.prompt)
-        return {"server_tokens_per_client_token": self.scale, "tokens_from": source,
-                "exact_lengths": self.count_path is not None, "tokenize_route": self.count_path}
+        return {
+            "server_tokens_per_client_token": self.scale,
+            "tokens_from": source,
+            "exact_lengths": self.count_path is not None,
+            "tokenize_route": self.count_path,
+        }
 
     async def server_count(self, prompt: str) -> int | None:
         """The prompt's length in the server's tokens from its tokenize route (vLLM's, SGLang's and
@@ -268,8 +297,12 @@ class Prober:
         return out
 
     def request(self, prompt_tokens: int, output_tokens: int) -> BenchRequest:
-        spec = RequestSpec(index=self.rng.getrandbits(40), arrival_s=None,
-                           prompt_tokens=max(1, round(prompt_tokens / self.scale)), output_tokens=output_tokens)
+        spec = RequestSpec(
+            index=self.rng.getrandbits(40),
+            arrival_s=None,
+            prompt_tokens=max(1, round(prompt_tokens / self.scale)),
+            output_tokens=output_tokens,
+        )
         return BenchRequest(spec.index, self.prompts.prompt_for(spec, self.rng.getrandbits(30) + 1), prompt_tokens,
                             output_tokens)  # fmt: skip
 
@@ -312,14 +345,23 @@ class Prober:
         if not result.success or result.first_token_s is None:
             raise ServelabError(f"a {target}-token prompt failed: {result.error}")
         n, source = await self.prompt_tokens(result, request.prompt)
-        return {"phase": "prefill", "batch": 1, "target": target, "repeat": repeat, "prompt_tokens": n,
-                "tokens_from": source, "ttft_s": result.first_token_s - result.send_s}
+        return {
+            "phase": "prefill",
+            "batch": 1,
+            "target": target,
+            "repeat": repeat,
+            "prompt_tokens": n,
+            "tokens_from": source,
+            "ttft_s": result.first_token_s - result.send_s,
+        }
 
     async def burst(self, batch: int, target: int, output: int, repeat: int) -> dict[str, Any]:
         pairs = await asyncio.gather(*(self.one(target, output) for _ in range(batch)))
         failed = [r.error for _, r in pairs if not r.success]
         if failed:
-            raise ServelabError(f"a burst of {batch} requests of {target} tokens had {len(failed)} failures: {failed[0]}")
+            raise ServelabError(
+                f"a burst of {batch} requests of {target} tokens had {len(failed)} failures: {failed[0]}"
+            )
         _, requests = await self.streams(pairs)
         return {"phase": "burst", "batch": batch, "target": target, "repeat": repeat, "requests": requests}
 
@@ -329,11 +371,16 @@ class Prober:
         requests = []
         for request, r in pairs:
             n, source = await self.prompt_tokens(r, request.prompt)
-            requests.append({"prompt_tokens": n, "tokens_from": source, "send_s": r.send_s - t0,
-                             "output_tokens": r.usage_output_tokens or len(r.token_times_s),
-                             "chunk_times_s": [t - t0 for t in r.token_times_s]})
+            requests.append(
+                {
+                    "prompt_tokens": n,
+                    "tokens_from": source,
+                    "send_s": r.send_s - t0,
+                    "output_tokens": r.usage_output_tokens or len(r.token_times_s),
+                    "chunk_times_s": [t - t0 for t in r.token_times_s],
+                }
+            )
         return t0, requests
-
 
     async def join(self, batch: int, target: int, output: int, repeat: int) -> dict[str, Any]:
         """`batch` decoding requests (64-token prompts), joined once all are decoding by one
@@ -364,12 +411,23 @@ class Prober:
         t0, requests = await self.streams(pairs)
         n, _ = await self.prompt_tokens(joined, joiner.prompt)
         assert joined.first_token_s is not None
-        return {"phase": "join", "batch": batch, "target": target, "repeat": repeat, "requests": requests,
-                "joiner": {"prompt_tokens": n, "send_s": joined.send_s - t0, "first_s": joined.first_token_s - t0}}
+        return {
+            "phase": "join",
+            "batch": batch,
+            "target": target,
+            "repeat": repeat,
+            "requests": requests,
+            "joiner": {"prompt_tokens": n, "send_s": joined.send_s - t0, "first_s": joined.first_token_s - t0},
+        }
 
 
-async def measure(prober: Prober, design: Design, results: Results, budget_s: float,
-                  progress: Callable[[str, int, int], None] | None = None) -> dict[str, Any]:
+async def measure(
+    prober: Prober,
+    design: Design,
+    results: Results,
+    budget_s: float,
+    progress: Callable[[str, int, int], None] | None = None,
+) -> dict[str, Any]:
     """Runs the design's passes (each in a new shuffled order) until every point has its repeats or
     the budget is spent, saving each point as it completes. Returns what happened."""
     t0 = time.perf_counter()
@@ -405,8 +463,14 @@ async def measure(prober: Prober, design: Design, results: Results, budget_s: fl
                 progress(f"{phase} b={b} L={n}", finished, total)
         if stopped:
             break
-    return {"points": total, "measured": finished, "resumed": done_before, "wall_s": time.perf_counter() - t0,
-            "stopped": stopped, "tokenizer": tokenizer}
+    return {
+        "points": total,
+        "measured": finished,
+        "resumed": done_before,
+        "wall_s": time.perf_counter() - t0,
+        "stopped": stopped,
+        "tokenizer": tokenizer,
+    }
 
 
 # ---- from measurements to observations of steps ------------------------------------------------
@@ -491,8 +555,12 @@ def join_window(record: dict[str, Any], chunk: int | None) -> dict[str, Any] | N
         contexts.append(r["prompt_tokens"] + statistics.fmean(i for _, i in gaps[:k]))
     if not spans:
         return None
-    return {"decodes": len(spans), "time_s": statistics.median(spans), "context": statistics.fmean(contexts),
-            "steps": k}
+    return {
+        "decodes": len(spans),
+        "time_s": statistics.median(spans),
+        "context": statistics.fmean(contexts),
+        "steps": k,
+    }
 
 
 def join_row(window: dict[str, Any], n: int, chunk: int | None, rows: KernelRows) -> list[float]:
@@ -511,8 +579,9 @@ def join_row(window: dict[str, Any], n: int, chunk: int | None, rows: KernelRows
     return row
 
 
-def observations(results: Results, rtt_s: float, chunk: int | None,
-                 rows: KernelRows = NO_KERNEL_ROWS) -> list[Observation]:
+def observations(
+    results: Results, rtt_s: float, chunk: int | None, rows: KernelRows = NO_KERNEL_ROWS
+) -> list[Observation]:
     """Over the repeats: a prefill's server time (the fastest TTFT less the round trip) at each
     length, and a decode step's time (the median) at each burst."""
     out: list[Observation] = []
@@ -524,8 +593,15 @@ def observations(results: Results, rtt_s: float, chunk: int | None,
         # one request alone: anything else on the host only adds to its TTFT, so the fastest repeat
         # is the server's own time (a decode step's is already a median over its window)
         t = min(r["ttft_s"] for r in rs) - rtt_s
-        out.append(Observation("prefill", f"prefill {n}", tuple(prefill_row(n, chunk, rows)), max(t, 1e-6),
-                               {"prompt_tokens": n, "repeats": len(rs)}))
+        out.append(
+            Observation(
+                "prefill",
+                f"prefill {n}",
+                tuple(prefill_row(n, chunk, rows)),
+                max(t, 1e-6),
+                {"prompt_tokens": n, "repeats": len(rs)},
+            )
+        )
     by_burst: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for r in results.of("burst"):
         by_burst.setdefault((r["batch"], r["target"]), []).append(r)
@@ -537,8 +613,15 @@ def observations(results: Results, rtt_s: float, chunk: int | None,
         context = statistics.fmean(w["context"] for w in windows)
         step = statistics.median(w["step_s"] for w in windows)
         row = features(wave, wave, round(wave * context), round(wave * context), rows)
-        out.append(Observation("decode", f"decode {wave}x{context:.0f}", tuple(row), step,
-                               {"batch": batch, "wave": wave, "context": context, "repeats": len(windows)}))
+        out.append(
+            Observation(
+                "decode",
+                f"decode {wave}x{context:.0f}",
+                tuple(row),
+                step,
+                {"batch": batch, "wave": wave, "context": context, "repeats": len(windows)},
+            )
+        )
     by_join: dict[tuple[int, int], list[tuple[dict[str, Any], int]]] = {}
     for r in results.of("join"):
         w = join_window(r, chunk)
@@ -548,9 +631,15 @@ def observations(results: Results, rtt_s: float, chunk: int | None,
         n = round(statistics.median(m for _, m in ws))
         decodes = round(statistics.median(w["decodes"] for w, _ in ws))
         window = {"decodes": decodes, "context": statistics.fmean(w["context"] for w, _ in ws)}
-        out.append(Observation("mixed", f"mixed {decodes}+{n}", tuple(join_row(window, n, chunk, rows)),
-                               statistics.median(w["time_s"] for w, _ in ws),
-                               {"batch": batch, "decodes": decodes, "prompt_tokens": n, "repeats": len(ws)}))
+        out.append(
+            Observation(
+                "mixed",
+                f"mixed {decodes}+{n}",
+                tuple(join_row(window, n, chunk, rows)),
+                statistics.median(w["time_s"] for w, _ in ws),
+                {"batch": batch, "decodes": decodes, "prompt_tokens": n, "repeats": len(ws)},
+            )
+        )
     return out
 
 
@@ -646,10 +735,16 @@ def infer_chunk(results: Results, rtt_s: float, rows: KernelRows = NO_KERNEL_ROW
         errors["none" if chunk is None else str(chunk)] = error
     best = _clear_gain(errors)
     if best is not None:
-        return {"value": int(best), "errors_pct": errors,
-                "why": f"TTFT(L) jumps where L crosses multiples of {best} tokens"}
-    return {"value": None, "errors_pct": errors,
-            "why": f"no chunk boundary shows in TTFT up to {longest} tokens (none, or one above it)"}
+        return {
+            "value": int(best),
+            "errors_pct": errors,
+            "why": f"TTFT(L) jumps where L crosses multiples of {best} tokens",
+        }
+    return {
+        "value": None,
+        "errors_pct": errors,
+        "why": f"no chunk boundary shows in TTFT up to {longest} tokens (none, or one above it)",
+    }
 
 
 def infer_max_seqs(results: Results) -> dict[str, Any]:
@@ -667,11 +762,20 @@ def infer_max_seqs(results: Results) -> dict[str, Any]:
     if capped:
         value = min(capped)
         agree = sum(1 for b, m in medians.items() if b > value and m == value)
-        return {"value": value, "lower_bound": False, "waves": medians,
-                "confidence": "high" if agree >= 2 else "medium",
-                "why": f"bursts above {value} requests ran {value} at a time; the others waited"}
-    return {"value": largest, "lower_bound": True, "waves": medians, "confidence": "low",
-            "why": f"every burst up to {largest} requests ran all at once: the limit is at least {largest}"}
+        return {
+            "value": value,
+            "lower_bound": False,
+            "waves": medians,
+            "confidence": "high" if agree >= 2 else "medium",
+            "why": f"bursts above {value} requests ran {value} at a time; the others waited",
+        }
+    return {
+        "value": largest,
+        "lower_bound": True,
+        "waves": medians,
+        "confidence": "low",
+        "why": f"every burst up to {largest} requests ran all at once: the limit is at least {largest}",
+    }
 
 
 # ---- the profile --------------------------------------------------------------------------------
@@ -681,8 +785,9 @@ def _setting(value: Any, source: str, confidence: str, why: str) -> dict[str, An
     return {"value": value, "source": source, "confidence": confidence, "why": why}
 
 
-def server_settings(server: ServerInfo, chunk: dict[str, Any], seqs: dict[str, Any],
-                    longest_seen: int) -> dict[str, dict[str, Any]]:
+def server_settings(
+    server: ServerInfo, chunk: dict[str, Any], seqs: dict[str, Any], longest_seen: int
+) -> dict[str, dict[str, Any]]:
     """What the simulator needs to run the server's scheduler, each with where it came from:
     the server's /metrics ("metrics", exact), an inference from the measurements, or an
     assumption where neither could tell."""
@@ -693,11 +798,13 @@ def server_settings(server: ServerInfo, chunk: dict[str, Any], seqs: dict[str, A
         return int(cfg[key]) if cfg.get(key, "").isdigit() else None
 
     if (v := exported("max_model_len")) is not None or server.max_model_len is not None:
-        out["max_model_len"] = _setting(v or server.max_model_len, "metrics" if v else "models", "exact",
-                                        "the server's own figure")
+        out["max_model_len"] = _setting(
+            v or server.max_model_len, "metrics" if v else "models", "exact", "the server's own figure"
+        )
     else:
-        out["max_model_len"] = _setting(longest_seen, "assumed", "low",
-                                        "the server does not say; the longest request the calibration ran")
+        out["max_model_len"] = _setting(
+            longest_seen, "assumed", "low", "the server does not say; the longest request the calibration ran"
+        )
     if (v := exported("max_num_seqs")) is not None:
         out["max_num_seqs"] = _setting(v, "metrics", "exact", "the server's /metrics")
     elif seqs.get("value") is not None:
@@ -710,8 +817,9 @@ def server_settings(server: ServerInfo, chunk: dict[str, Any], seqs: dict[str, A
         out["max_num_batched_tokens"] = _setting(chunk["value"], "inferred", "medium", chunk["why"])
     else:
         limit = out["max_model_len"]["value"]
-        out["max_num_batched_tokens"] = _setting(max(limit, longest_seen), "assumed", "low",
-                                                 chunk["why"] + "; priced as unchunked")
+        out["max_num_batched_tokens"] = _setting(
+            max(limit, longest_seen), "assumed", "low", chunk["why"] + "; priced as unchunked"
+        )
     block = exported("block_size")
     out["block_size"] = (_setting(block, "metrics", "exact", "the server's /metrics") if block
                          else _setting(16, "assumed", "low", "the server does not say; it matters only with KV "
@@ -721,9 +829,13 @@ def server_settings(server: ServerInfo, chunk: dict[str, Any], seqs: dict[str, A
         out["num_blocks"] = _setting(blocks, "metrics", "exact", "the server's /metrics")
     else:
         need = out["max_model_len"]["value"] * out["max_num_seqs"]["value"]
-        out["num_blocks"] = _setting(-(-need // out["block_size"]["value"]), "assumed", "low",
-                                     "the server does not export its KV capacity and no run reached it: "
-                                     "enough for max_num_seqs full-length sequences")
+        out["num_blocks"] = _setting(
+            -(-need // out["block_size"]["value"]),
+            "assumed",
+            "low",
+            "the server does not export its KV capacity and no run reached it: "
+            "enough for max_num_seqs full-length sequences",
+        )
     caching = cfg.get("enable_prefix_caching", "").lower()  # vLLM's label says True, servelab's true
     out["enable_prefix_caching"] = (_setting(caching == "true", "metrics", "exact", "the server's /metrics")
                                     if caching in ("true", "false")
@@ -734,8 +846,9 @@ def server_settings(server: ServerInfo, chunk: dict[str, Any], seqs: dict[str, A
 
 def sim_server_config(settings: dict[str, dict[str, Any]]) -> dict[str, str]:
     """The settings as the strings validate's sim_config reads (the /metrics label form)."""
-    return {k: str(v["value"]).lower() if isinstance(v["value"], bool) else str(v["value"])
-            for k, v in settings.items()}
+    return {
+        k: str(v["value"]).lower() if isinstance(v["value"], bool) else str(v["value"]) for k, v in settings.items()
+    }
 
 
 def build_profile(server: ServerInfo, results: Results, run: dict[str, Any], design: Design) -> dict[str, Any]:
@@ -752,17 +865,26 @@ def build_profile(server: ServerInfo, results: Results, run: dict[str, Any], des
     run = {**run, "short_outputs": short_outputs(results, design.burst_output)}
     obs = observations(results, rtt_s, settings_chunk, rows)
     if len(obs) < 6:
-        raise ServelabError(f"only {len(obs)} points measured ({run['stopped'] or 'the design is too small'}): "
-                            "give a longer --budget, or --resume to add to them")
+        raise ServelabError(
+            f"only {len(obs)} points measured ({run['stopped'] or 'the design is too small'}): "
+            "give a longer --budget, or --resume to add to them"
+        )
     fitted = _fit(obs)
     errs = _errors_pct(obs, fitted["coefficients"])
     fit_obs = [o for o in obs if o.kind in FITTED]
     held = dict(zip(map(id, fit_obs), cross_validated_errors(fit_obs)))
-    fitted["heldout"] = {"count": len(held), "median_abs_pct": statistics.median(abs(e) for e in held.values()),
-                         "max_abs_pct": max(abs(e) for e in held.values()), "how": f"{CV_FOLDS}-fold cross-validation"}
+    fitted["heldout"] = {
+        "count": len(held),
+        "median_abs_pct": statistics.median(abs(e) for e in held.values()),
+        "max_abs_pct": max(abs(e) for e in held.values()),
+        "how": f"{CV_FOLDS}-fold cross-validation",
+    }
     mixed = [abs(e) for o, e in zip(obs, errs) if o.kind == "mixed"]
-    fitted["mixed_check"] = {"count": len(mixed), "median_abs_pct": statistics.median(mixed) if mixed else None,
-                             "how": "the joins' mixed steps, priced by the fit they were kept out of"}
+    fitted["mixed_check"] = {
+        "count": len(mixed),
+        "median_abs_pct": statistics.median(mixed) if mixed else None,
+        "how": "the joins' mixed steps, priced by the fit they were kept out of",
+    }
     fitted.pop("holdout_every", None)
     longest = max((r["prompt_tokens"] for r in results.of("prefill")), default=0)
     settings = server_settings(server, chunk, seqs, longest + 1)
@@ -777,12 +899,25 @@ def build_profile(server: ServerInfo, results: Results, run: dict[str, Any], des
         "client": {"round_trip_s": rtt_s, "how": "median GET /v1/models, subtracted from every TTFT"},
         "inferred": {"chunk_budget": chunk, "max_num_seqs": seqs, "decode_switch": switch},
         "kernel_rows": {"fused_max_rows": rows.fused_max_rows, "max_rows": rows.max_rows},
-        "design": {"prefill_lens": list(design.prefill_lens), "bursts": [list(b) for b in design.bursts],
-                   "burst_output_tokens": design.burst_output, "repeats": design.repeats},
+        "design": {
+            "prefill_lens": list(design.prefill_lens),
+            "bursts": [list(b) for b in design.bursts],
+            "burst_output_tokens": design.burst_output,
+            "repeats": design.repeats,
+        },
         "run": run,
         "fit": fitted,
-        "observations": [{"kind": o.kind, "label": o.label, "time_s": o.time_s, "fit_error_pct": e,
-                          "held_out_error_pct": held.get(id(o), e), **o.detail} for o, e in zip(obs, errs)],
+        "observations": [
+            {
+                "kind": o.kind,
+                "label": o.label,
+                "time_s": o.time_s,
+                "fit_error_pct": e,
+                "held_out_error_pct": held.get(id(o), e),
+                **o.detail,
+            }
+            for o, e in zip(obs, errs)
+        ],
     }
 
 
@@ -792,30 +927,40 @@ def report_lines(profile: dict[str, Any]) -> list[str]:
     c = fit["coefficients"]
     run, rows = profile["run"], profile["kernel_rows"]
     resumed = f" ({run['resumed']} from an earlier run)" if run["resumed"] else ""
-    lines = [f"{s['model']} at {s['base_url']} ({s['kind']}{' ' + s['version'] if s['version'] else ''}): "
-             f"{run['measured']} points{resumed} in {run['wall_s']:.0f} s, "
-             f"round trip {profile['client']['round_trip_s'] * 1e3:.1f} ms",
-             f"step cost: {c['per_step_s'] * 1e3:.2f} ms a step (+{c['per_prefill_step_s'] * 1e3:.2f} ms with a "
-             f"prefill) + {c['per_token_s'] * 1e6:.1f} us a token + {c['per_seq_s'] * 1e6:.1f} us a sequence + "
-             f"{c['per_context_token_s'] * 1e9:.1f} ns a context token + {c['per_pair_s'] * 1e9:.3f} ns a pair"]
+    lines = [
+        f"{s['model']} at {s['base_url']} ({s['kind']}{' ' + s['version'] if s['version'] else ''}): "
+        f"{run['measured']} points{resumed} in {run['wall_s']:.0f} s, "
+        f"round trip {profile['client']['round_trip_s'] * 1e3:.1f} ms",
+        f"step cost: {c['per_step_s'] * 1e3:.2f} ms a step (+{c['per_prefill_step_s'] * 1e3:.2f} ms with a "
+        f"prefill) + {c['per_token_s'] * 1e6:.1f} us a token + {c['per_seq_s'] * 1e6:.1f} us a sequence + "
+        f"{c['per_context_token_s'] * 1e9:.1f} ns a context token + {c['per_pair_s'] * 1e9:.3f} ns a pair",
+    ]
     if rows["max_rows"] is not None:
-        lines.append(f"  steps over {rows['max_rows']} tokens (the largest decode wave): "
-                     f"+{c['per_dense_step_s'] * 1e3:.2f} ms and {c['per_dense_token_s'] * 1e6:.1f} us a token past it")
+        lines.append(
+            f"  steps over {rows['max_rows']} tokens (the largest decode wave): "
+            f"+{c['per_dense_step_s'] * 1e3:.2f} ms and {c['per_dense_token_s'] * 1e6:.1f} us a token past it"
+        )
     if rows["fused_max_rows"] is not None:
         lines.append(f"  decode steps over {rows['fused_max_rows']} sequences: +{c['per_wide_step_s'] * 1e3:.2f} ms")
-    lines.append(f"fit: median error {fit['train']['median_abs_pct']:.1f}% on {fit['train']['count']} points, "
-                 f"{fit['heldout']['median_abs_pct']:.1f}% held out ({CV_FOLDS}-fold cross-validation)")
+    lines.append(
+        f"fit: median error {fit['train']['median_abs_pct']:.1f}% on {fit['train']['count']} points, "
+        f"{fit['heldout']['median_abs_pct']:.1f}% held out ({CV_FOLDS}-fold cross-validation)"
+    )
     check = fit.get("mixed_check") or {}
     if check.get("count"):
-        lines.append(f"check: {check['count']} mixed steps (a prompt joining running decodes), median error "
-                     f"{check['median_abs_pct']:.1f}%")
+        lines.append(
+            f"check: {check['count']} mixed steps (a prompt joining running decodes), median error "
+            f"{check['median_abs_pct']:.1f}%"
+        )
     lines.append("server settings:")
     for key, v in profile["server_settings"].items():
         lines.append(f"  {key:<24} {v['value']!s:<8} {v['source']}, {v['confidence']}: {v['why']}")
     if profile["run"].get("short_outputs"):
-        lines.append(f"note: {profile['run']['short_outputs']} burst requests ended before their max_tokens: the "
-                     "server does not honour ignore_eos, so its waves and decode steps are guessed from fewer "
-                     "tokens; pass --extra-body with a logit_bias of -100 on its end-of-sequence token ids")
+        lines.append(
+            f"note: {profile['run']['short_outputs']} burst requests ended before their max_tokens: the "
+            "server does not honour ignore_eos, so its waves and decode steps are guessed from fewer "
+            "tokens; pass --extra-body with a logit_bias of -100 on its end-of-sequence token ids"
+        )
     if profile["run"]["stopped"]:
         lines.append(f"note: {profile['run']['stopped']}; --resume adds the rest")
     return lines
@@ -829,8 +974,12 @@ def progress_printer(enabled: bool) -> Callable[[str, int, int], None] | None:
         width = 30
         filled = width * done // max(total, 1)
         end = "\n" if done == total else ""
-        print(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<24}", end=end, file=sys.stderr,
-              flush=True)
+        print(
+            f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} {label:<24}",
+            end=end,
+            file=sys.stderr,
+            flush=True,
+        )
 
     return show
 

@@ -119,7 +119,9 @@ def _targets(slo: SLO, percentile: int) -> str:
 
 def check_percentile(percentile: int) -> int:
     if percentile not in SUPPORTED_PERCENTILES:
-        raise InvalidArgument(f"--percentile must be one of {', '.join(map(str, SUPPORTED_PERCENTILES))}, got {percentile}")
+        raise InvalidArgument(
+            f"--percentile must be one of {', '.join(map(str, SUPPORTED_PERCENTILES))}, got {percentile}"
+        )
     return percentile
 
 

@@ -31,11 +31,19 @@ _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 
 # (row name, Summary attribute, percentile or None)
 METRICS: tuple[tuple[str, str, str | None], ...] = (
-    ("TTFT p50", "ttft_s", "p50"), ("TTFT p90", "ttft_s", "p90"), ("TTFT p99", "ttft_s", "p99"),
-    ("TPOT p50", "tpot_s", "p50"), ("TPOT p90", "tpot_s", "p90"), ("TPOT p99", "tpot_s", "p99"),
-    ("ITL p50", "itl_s", "p50"), ("ITL p90", "itl_s", "p90"), ("ITL p99", "itl_s", "p99"),
-    ("E2E p50", "e2e_s", "p50"), ("E2E p90", "e2e_s", "p90"),
-    ("output tok/s", "output_throughput", None), ("requests/s", "request_throughput", None),
+    ("TTFT p50", "ttft_s", "p50"),
+    ("TTFT p90", "ttft_s", "p90"),
+    ("TTFT p99", "ttft_s", "p99"),
+    ("TPOT p50", "tpot_s", "p50"),
+    ("TPOT p90", "tpot_s", "p90"),
+    ("TPOT p99", "tpot_s", "p99"),
+    ("ITL p50", "itl_s", "p50"),
+    ("ITL p90", "itl_s", "p90"),
+    ("ITL p99", "itl_s", "p99"),
+    ("E2E p50", "e2e_s", "p50"),
+    ("E2E p90", "e2e_s", "p90"),
+    ("output tok/s", "output_throughput", None),
+    ("requests/s", "request_throughput", None),
     ("goodput req/s", "goodput", None),
 )
 # The accuracy targets on an otherwise idle machine: row name -> largest |error| in %.
@@ -45,8 +53,12 @@ TARGETS_PCT = {"TPOT p50": 10.0, "output tok/s": 10.0, "TTFT p50": 20.0, "TTFT p
 # SGLang exports its limits as plain gauges (python/sglang/srt/metrics/collector.py): the running
 # requests cap, the tokens a prefill batch may take, and the KV pool in tokens (pages of one token
 # by default), which the simulator holds in blocks of SGLANG_BLOCK.
-SGLANG_GAUGES = {"sglang:max_running_requests": "max_num_seqs", "sglang:max_prefill_tokens": "max_num_batched_tokens",
-                 "sglang:max_total_num_tokens": "kv_tokens", "sglang:context_len": "max_model_len"}
+SGLANG_GAUGES = {
+    "sglang:max_running_requests": "max_num_seqs",
+    "sglang:max_prefill_tokens": "max_num_batched_tokens",
+    "sglang:max_total_num_tokens": "kv_tokens",
+    "sglang:context_len": "max_model_len",
+}
 SGLANG_BLOCK = 16
 
 
@@ -83,8 +95,13 @@ def check_server_config(config: dict[str, str], base_url: str) -> None:
         )
 
 
-def sim_config(profile: dict[str, Any], server: dict[str, str], model: ModelSpec, slo: SLO | None,
-               cost_model: ProfileStepCost | None = None) -> SimConfig:
+def sim_config(
+    profile: dict[str, Any],
+    server: dict[str, str],
+    model: ModelSpec,
+    slo: SLO | None,
+    cost_model: ProfileStepCost | None = None,
+) -> SimConfig:
     """The simulator set up as the server is (its KV pool, budgets, policy and order), priced by
     the profile (or by `cost_model`, a variant of it)."""
     scheduler = SchedulerConfig(
@@ -108,7 +125,9 @@ def replayed(records: Sequence[RequestRecord]) -> list[RequestRecord]:
     return sorted((r for r in records if r.success and r.output_tokens > 0), key=lambda r: r.arrival_s)
 
 
-def replay_trace(records: Sequence[RequestRecord], closed_loop: bool = False, think_s: Think = 0.0) -> list[RequestSpec]:
+def replay_trace(
+    records: Sequence[RequestRecord], closed_loop: bool = False, think_s: Think = 0.0
+) -> list[RequestSpec]:
     """The measured run as a trace: each successful request with the prompt and output lengths
     the server reported, in the order it was sent. Open loop: at its actual send time. Closed
     loop: no times, sent when a simulated client frees up, after its think time (one for all, each
@@ -120,23 +139,37 @@ def replay_trace(records: Sequence[RequestRecord], closed_loop: bool = False, th
     if not callable(think_s) and not isinstance(think_s, (int, float)) and len(think_s) != len(ok):
         raise InvalidArgument(f"{len(think_s)} think times for {len(ok)} replayed requests")
     t0 = ok[0].arrival_s
-    thinks = ([float(think_s(r)) for r in ok] if callable(think_s)
-              else [float(think_s)] * len(ok) if isinstance(think_s, (int, float)) else [float(t) for t in think_s])
-    return [RequestSpec(index=i, arrival_s=None if closed_loop else r.arrival_s - t0, prompt_tokens=r.prompt_tokens,
-                        output_tokens=r.output_tokens, think_s=thinks[i] if closed_loop else 0.0)
-            for i, r in enumerate(ok)]
+    thinks = (
+        [float(think_s(r)) for r in ok]
+        if callable(think_s)
+        else [float(think_s)] * len(ok)
+        if isinstance(think_s, (int, float))
+        else [float(t) for t in think_s]
+    )
+    return [
+        RequestSpec(
+            index=i,
+            arrival_s=None if closed_loop else r.arrival_s - t0,
+            prompt_tokens=r.prompt_tokens,
+            output_tokens=r.output_tokens,
+            think_s=thinks[i] if closed_loop else 0.0,
+        )
+        for i, r in enumerate(ok)
+    ]
 
 
-def replay(config: SimConfig, records: Sequence[RequestRecord], concurrency: int | None,
-           think_s: Think = 0.0) -> SimResult:
+def replay(
+    config: SimConfig, records: Sequence[RequestRecord], concurrency: int | None, think_s: Think = 0.0
+) -> SimResult:
     """A measured run through the simulator: a closed loop (concurrency given) replays as a closed
     loop at that concurrency, its clients thinking between requests as the bench's did (see
     replay_trace); an open loop at its send times."""
     from servelab.sim import simulate
 
     closed = concurrency is not None
-    return simulate(config, replay_trace(records, closed_loop=closed, think_s=think_s),
-                    concurrency=concurrency if closed else None)
+    return simulate(
+        config, replay_trace(records, closed_loop=closed, think_s=think_s), concurrency=concurrency if closed else None
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,8 +197,14 @@ class ServedStep:
 
     def to_row(self) -> list[float]:
         """As a profile keeps it (`server.served_steps`): the fields in order, times rounded to 1 µs."""
-        return [self.num_tokens, self.num_seqs, self.context_tokens, self.pairs, round(self.served_s, 6),
-                round(self.execute_s, 6)]
+        return [
+            self.num_tokens,
+            self.num_seqs,
+            self.context_tokens,
+            self.pairs,
+            round(self.served_s, 6),
+            round(self.execute_s, 6),
+        ]
 
     @classmethod
     def from_row(cls, row: Sequence[float]) -> ServedStep:
@@ -175,14 +214,29 @@ class ServedStep:
     def from_log(cls, lines: Sequence[dict[str, Any]]) -> list[ServedStep]:
         steps = []
         for line, nxt in zip(lines, [*lines[1:], None]):
-            served = line["end_s"] - line["start_s"] if nxt is None else nxt["start_s"] - line["start_s"] - nxt["waited_s"]
-            steps.append(cls(line["num_tokens"], line["num_seqs"], line["context_tokens"], line["pairs"], served,
-                             line["execute_s"]))
+            served = (
+                line["end_s"] - line["start_s"] if nxt is None else nxt["start_s"] - line["start_s"] - nxt["waited_s"]
+            )
+            steps.append(
+                cls(
+                    line["num_tokens"],
+                    line["num_seqs"],
+                    line["context_tokens"],
+                    line["pairs"],
+                    served,
+                    line["execute_s"],
+                )
+            )
         return steps
 
 
-def fit_server_term(profile: dict[str, Any], server: dict[str, str], model: ModelSpec, steps: Sequence[ServedStep],
-                    runs: Sequence[ServerRun] = ()) -> dict[str, Any]:
+def fit_server_term(
+    profile: dict[str, Any],
+    server: dict[str, str],
+    model: ModelSpec,
+    steps: Sequence[ServedStep],
+    runs: Sequence[ServerRun] = (),
+) -> dict[str, Any]:
     """The serving term, `per_step_s + per_seq_s × sequences` added to every step: what the
     server's steps took beyond the profile's price for the same shapes (the engine loop's own
     work, and the executor slowed by the server's HTTP, detokenizing and SSE on the same cores).
@@ -203,8 +257,15 @@ def fit_server_term(profile: dict[str, Any], server: dict[str, str], model: Mode
     for st in steps:
         price = base.time_from_totals(st.num_tokens, st.num_seqs, st.context_tokens, st.pairs)
         by_seqs.setdefault(st.num_seqs, []).append((st.served_s - price, st.served_s - st.execute_s))
-    groups = [{"seqs": n, "steps": len(g), "median_residual_s": float(np.median([r for r, _ in g])),
-               "median_outside_executor_s": float(np.median([o for _, o in g]))} for n, g in sorted(by_seqs.items())]
+    groups = [
+        {
+            "seqs": n,
+            "steps": len(g),
+            "median_residual_s": float(np.median([r for r, _ in g])),
+            "median_outside_executor_s": float(np.median([o for _, o in g])),
+        }
+        for n, g in sorted(by_seqs.items())
+    ]
     separable = len(groups) > 1
     a = np.array([[1.0, g["seqs"]] if separable else [1.0] for g in groups])
     weight = np.array([float(g["steps"]) for g in groups])
@@ -212,23 +273,37 @@ def fit_server_term(profile: dict[str, Any], server: dict[str, str], model: Mode
     per_step_s, per_seq_s = float(coef[0]), float(coef[1]) if separable else 0.0
 
     def simulated_tpot(run: ServerRun, cost: ProfileStepCost) -> float | None:
-        return replay(sim_config(profile, server, model, None, cost), run.records, run.concurrency,
-                      run.think_s).summary.tpot_s.p50
+        return replay(
+            sim_config(profile, server, model, None, cost), run.records, run.concurrency, run.think_s
+        ).summary.tpot_s.p50
 
     checks = []
     for run in runs:
         thinks = [run.think_s] if isinstance(run.think_s, (int, float)) else list(run.think_s)
-        checks.append({"concurrency": run.concurrency, "requests": len(run.records),
-                       "think_time_s": float(np.mean(thinks)) if thinks else 0.0,
-                       **({} if isinstance(run.think_s, (int, float)) else {"think_s": thinks}),
-                       "measured_tpot_p50_s": run.tpot_p50_s, "engine_only_tpot_p50_s": simulated_tpot(run, base),
-                       "fitted_tpot_p50_s": simulated_tpot(run, replace(base, server_per_step_s=per_step_s,
-                                                                        server_per_seq_s=per_seq_s))})
-    return {"per_step_s": per_step_s, "per_seq_s": per_seq_s, "steps": len(steps), "by_seqs": groups, "runs": checks,
-            "form": "per_step_s once per step + per_seq_s per sequence in the step",
-            "how": "each step a live `servelab serve` ran (--step-log): its time from start to the next step's start, "
-                   "less any idle wait, minus the profile's price for its shape; the median of those residuals per "
-                   "sequence count, weighed by its count of steps, fitted by NNLS"}
+        checks.append(
+            {
+                "concurrency": run.concurrency,
+                "requests": len(run.records),
+                "think_time_s": float(np.mean(thinks)) if thinks else 0.0,
+                **({} if isinstance(run.think_s, (int, float)) else {"think_s": thinks}),
+                "measured_tpot_p50_s": run.tpot_p50_s,
+                "engine_only_tpot_p50_s": simulated_tpot(run, base),
+                "fitted_tpot_p50_s": simulated_tpot(
+                    run, replace(base, server_per_step_s=per_step_s, server_per_seq_s=per_seq_s)
+                ),
+            }
+        )
+    return {
+        "per_step_s": per_step_s,
+        "per_seq_s": per_seq_s,
+        "steps": len(steps),
+        "by_seqs": groups,
+        "runs": checks,
+        "form": "per_step_s once per step + per_seq_s per sequence in the step",
+        "how": "each step a live `servelab serve` ran (--step-log): its time from start to the next step's start, "
+        "less any idle wait, minus the profile's price for its shape; the median of those residuals per "
+        "sequence count, weighed by its count of steps, fitted by NNLS",
+    }
 
 
 @dataclass(frozen=True, slots=True)
@@ -251,9 +326,14 @@ class Row:
         return None if limit is None or err is None else abs(err) <= limit
 
     def to_dict(self) -> dict[str, Any]:
-        return {"metric": self.metric, "measured": self.measured, "simulated": self.simulated,
-                "error_pct": self.error_pct, "target_pct": TARGETS_PCT.get(self.metric),
-                "within_target": self.within_target}
+        return {
+            "metric": self.metric,
+            "measured": self.measured,
+            "simulated": self.simulated,
+            "error_pct": self.error_pct,
+            "target_pct": TARGETS_PCT.get(self.metric),
+            "within_target": self.within_target,
+        }
 
 
 def _value(summary: Summary, attr: str, pct: str | None) -> float | None:
@@ -277,5 +357,7 @@ def format_comparison(rows: Sequence[Row]) -> str:
         err = "-" if r.error_pct is None else f"{r.error_pct:+.1f}%"
         limit = TARGETS_PCT.get(r.metric)
         verdict = "" if limit is None else f"±{limit:g}% " + {True: "met", False: "MISSED", None: "-"}[r.within_target]
-        lines.append(f"{r.metric:<16}{fmt(r.metric, r.measured):>14}{fmt(r.metric, r.simulated):>14}{err:>10}  {verdict}")
+        lines.append(
+            f"{r.metric:<16}{fmt(r.metric, r.measured):>14}{fmt(r.metric, r.simulated):>14}{err:>10}  {verdict}"
+        )
     return "\n".join(lines)

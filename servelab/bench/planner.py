@@ -117,9 +117,15 @@ def plan_one(job: PlanJob) -> PlanRow:
 
     model, hardware = resolve_model(job.model), get_hardware(job.hardware)
     row = PlanRow(hardware=hardware.name, tp=job.tp, fits=False, price_per_device_hour=job.price_per_device_hour)
-    deployment = {"model": model, "hardware": hardware, "tp": job.tp, "weight_dtype": job.weight_dtype,
-                  "kv_cache_dtype": job.kv_cache_dtype, "slo": job.slo,
-                  "cost_model": None if job.profile is None else _profile_cost(job.profile, job.tp)}
+    deployment = {
+        "model": model,
+        "hardware": hardware,
+        "tp": job.tp,
+        "weight_dtype": job.weight_dtype,
+        "kv_cache_dtype": job.kv_cache_dtype,
+        "slo": job.slo,
+        "cost_model": None if job.profile is None else _profile_cost(job.profile, job.tp),
+    }
     if job.engine_profile is None:
         config = SimConfig(scheduler=job.scheduler, **deployment)
     else:
@@ -160,8 +166,9 @@ def plan_one(job: PlanJob) -> PlanRow:
     if fixed_n:
         max_load = min(max_load, fixed_n)  # more clients than requests changes nothing
     try:
-        result = find_capacity(measure, job.slo, percentile=job.percentile, mode="concurrency", max_load=max_load,
-                               tolerance=job.tolerance)
+        result = find_capacity(
+            measure, job.slo, percentile=job.percentile, mode="concurrency", max_load=max_load, tolerance=job.tolerance
+        )
     except (RequestTooLong, DoesNotFit) as exc:
         row.fits = False
         row.reason = exc.message
@@ -259,5 +266,4 @@ def parse_prices(text: str | None, hardware: list[str]) -> dict[str, float]:
     return prices
 
 
-__all__ = ["PlanJob", "PlanRow", "cost_per_million_tokens", "parse_prices", "plan_one", "rank",
-           "run_plan"]
+__all__ = ["PlanJob", "PlanRow", "cost_per_million_tokens", "parse_prices", "plan_one", "rank", "run_plan"]

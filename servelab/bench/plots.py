@@ -70,12 +70,16 @@ def write_capacity_plot(result: CapacityResult, path: str | Path) -> Path:
     key = f"p{result.percentile}"
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
     for lv in levels:
-        style = dict(color="tab:green" if lv.passed else "tab:red", marker="o", fillstyle="full" if lv.passed else "none")
+        style = dict(
+            color="tab:green" if lv.passed else "tab:red", marker="o", fillstyle="full" if lv.passed else "none"
+        )
         ax1.plot([lv.load], [lv.summary.output_throughput_per_device], **style)
         tpot = getattr(lv.summary.tpot_s, key)
         if tpot is not None:
             ax2.plot([lv.load], [tpot * 1e3], **style)
-    ax1.plot([lv.load for lv in levels], [lv.summary.output_throughput_per_device for lv in levels], color="grey", lw=0.8)
+    ax1.plot(
+        [lv.load for lv in levels], [lv.summary.output_throughput_per_device for lv in levels], color="grey", lw=0.8
+    )
     ax1.set_xlabel(result.mode)
     ax1.set_ylabel("output tok/s per device")
     ax2.set_xlabel(result.mode)
@@ -105,10 +109,19 @@ def write_frontier_plot(rows, path: str | Path, title: str = "") -> Path:  # noq
             continue
         users, devices, passed = zip(*sorted(row.frontier))
         (line,) = ax.plot(users, devices, lw=1, label=f"{row.hardware} tp={row.tp}")
-        ax.scatter([u for u, p in zip(users, passed) if p], [d for d, p in zip(devices, passed) if p],
-                   color=line.get_color(), s=18)
-        ax.scatter([u for u, p in zip(users, passed) if not p], [d for d, p in zip(devices, passed) if not p],
-                   color=line.get_color(), s=18, facecolors="none")
+        ax.scatter(
+            [u for u, p in zip(users, passed) if p],
+            [d for d, p in zip(devices, passed) if p],
+            color=line.get_color(),
+            s=18,
+        )
+        ax.scatter(
+            [u for u, p in zip(users, passed) if not p],
+            [d for d, p in zip(devices, passed) if not p],
+            color=line.get_color(),
+            s=18,
+            facecolors="none",
+        )
     ax.set_xlabel("output tokens/s per user (1 / mean TPOT)")
     ax.set_ylabel("output tokens/s per device")
     ax.set_title(title or "throughput frontier (filled: meets the SLO)")

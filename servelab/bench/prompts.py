@@ -156,4 +156,3 @@ class PromptBuilder:
                 break
             take = max(1, take + (want - got))
         return text
-

@@ -67,7 +67,9 @@ class ClientReport:
             )
         lag = self.send_lag_s
         if lag.get("p50") is not None:
-            out.append(f"{'Send lag vs plan (ms)':<34}p50 {lag['p50'] * 1e3:.2f}, p99 {lag['p99'] * 1e3:.2f}, max {lag['max'] * 1e3:.2f}")
+            out.append(
+                f"{'Send lag vs plan (ms)':<34}p50 {lag['p50'] * 1e3:.2f}, p99 {lag['p99'] * 1e3:.2f}, max {lag['max'] * 1e3:.2f}"
+            )
         for reason, count in sorted(self.failures.items(), key=lambda kv: -kv[1]):
             out.append(f"{'Failed':<34}{count} x {reason}")
         return out

@@ -134,8 +134,9 @@ class BenchSession:
         if self.progress:
             from tqdm import tqdm
 
-            bar = tqdm(total=total, unit="req", desc=label or "benchmarking", file=sys.stderr, mininterval=0.25,
-                       leave=False)
+            bar = tqdm(
+                total=total, unit="req", desc=label or "benchmarking", file=sys.stderr, mininterval=0.25, leave=False
+            )
         try:
             outcome = await run_load(
                 self.client,
@@ -216,8 +217,19 @@ def replace_workload(base: WorkloadSpec, **changes: Any) -> WorkloadSpec:
     fields = {
         name: getattr(base, name)
         for name in (
-            "num_requests", "rate", "concurrency", "burstiness", "input_len", "output_len",
-            "shared_prefix_fraction", "num_prefix_groups", "seed", "dataset", "trace", "arrival", "think_time_s",
+            "num_requests",
+            "rate",
+            "concurrency",
+            "burstiness",
+            "input_len",
+            "output_len",
+            "shared_prefix_fraction",
+            "num_prefix_groups",
+            "seed",
+            "dataset",
+            "trace",
+            "arrival",
+            "think_time_s",
             "think_time_dist",
         )
     }
@@ -262,4 +274,3 @@ def _saturation_rule(slo: SLO, percentile: int, total: int, *, skip_below: int =
         return ""
 
     return rule
-

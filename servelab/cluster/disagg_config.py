@@ -30,7 +30,9 @@ class DisaggConfig:
                 param="disagg",
             )
         if not self.kv_timeout_s > 0:
-            raise InvalidArgument(f"--kv-transfer-timeout must be > 0 s, got {self.kv_timeout_s}", param="kv_transfer_timeout")
+            raise InvalidArgument(
+                f"--kv-transfer-timeout must be > 0 s, got {self.kv_timeout_s}", param="kv_transfer_timeout"
+            )
         if self.granularity not in GRANULARITIES:
             raise InvalidArgument(f"KV transfer granularity must be one of {', '.join(GRANULARITIES)}, "
                                   f"got {self.granularity!r}", param="granularity")  # fmt: skip
@@ -48,7 +50,7 @@ class DisaggConfig:
 
 
 def parse_disagg(text: str) -> tuple[int, int]:
-    """"P:D" -> (P, D)."""
+    """ "P:D" -> (P, D)."""
     try:
         p, d = (int(x) for x in text.split(":"))
     except ValueError:

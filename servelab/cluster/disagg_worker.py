@@ -210,7 +210,9 @@ class _DisaggLoop(WorkerLoop):
         return code
 
     def _start_receiver(self, peer: Link) -> None:
-        thread = threading.Thread(target=self._receive_peer, args=(peer,), name=f"servelab-peer{peer.peer}", daemon=True)
+        thread = threading.Thread(
+            target=self._receive_peer, args=(peer,), name=f"servelab-peer{peer.peer}", daemon=True
+        )
         self.receivers.append(thread)
         thread.start()
 
@@ -369,10 +371,14 @@ class PrefillLoop(_DisaggLoop):
         exc = future.exception()
         if exc is None:
             self.held[rid].aborted = False  # sent: the decode worker ends it, aborted or not
-        self._drop_held(rid, None if exc is None else f"KV transfer to decode worker {self.held[rid].decode_rank} failed: {exc}")
+        self._drop_held(
+            rid, None if exc is None else f"KV transfer to decode worker {self.held[rid].decode_rank} failed: {exc}"
+        )
 
     def _on_peer_gone(self, src: int, why: str) -> None:
-        for rid in [r for r, h in self.held.items() if h.decode_rank == src and not h.sending]:  # those fail by themselves
+        for rid in [
+            r for r, h in self.held.items() if h.decode_rank == src and not h.sending
+        ]:  # those fail by themselves
             self._drop_held(rid, f"decode worker {src} is lost ({why})")
         doomed = [rid for rid, dst in self.decode_rank.items() if dst == src]
         for rid in doomed:
@@ -424,7 +430,9 @@ class DecodeLoop(_DisaggLoop):
             del self.aborted_early[message.request_id]
             self._to_peer(src, Refuse(message.request_id, None))
         elif message.layout != self.layout:
-            self._to_peer(src, Refuse(message.request_id, f"KV layouts differ: prefill {message.layout}, decode {self.layout}"))
+            self._to_peer(
+                src, Refuse(message.request_id, f"KV layouts differ: prefill {message.layout}, decode {self.layout}")
+            )
         else:
             self.offers.append(_Pending(src, message))
 

@@ -36,8 +36,17 @@ from servelab.core.block_manager import chain_block_hashes
 from servelab.core.admission import check_room_to_wait
 from servelab.core.router import Router
 from servelab.core.sequence import FinishReason
-from servelab.engine.client import (EngineFailure, EngineFront, EngineRequest, EngineStopped, Failed, OutputObserver,
-                                    RequestStream, StepObserver, TransferObserver)
+from servelab.engine.client import (
+    EngineFailure,
+    EngineFront,
+    EngineRequest,
+    EngineStopped,
+    Failed,
+    OutputObserver,
+    RequestStream,
+    StepObserver,
+    TransferObserver,
+)
 from servelab.engine.outputs import EngineOutput, EngineStats
 from servelab.errors import QueueFull, ServelabError, Unsupported
 
@@ -78,7 +87,7 @@ class WorkerHandle:
 
     @property
     def role(self) -> str:
-        """"mixed" (data-parallel), or "prefill"/"decode": new requests go to a prefill worker,
+        """ "mixed" (data-parallel), or "prefill"/"decode": new requests go to a prefill worker,
         which sends their KV to the decode worker chosen with it (cluster/disagg_worker.py)."""
         return self.ready.role
 
@@ -153,7 +162,11 @@ class ClusterEngine:
             return "the engine is not running"
         for role in dict.fromkeys(w.role for w in self.workers):
             if not any(w.alive and w.role == role for w in self.workers):
-                return "the engine is not running" if role == "mixed" else f"no {role} worker is left: the cluster cannot serve"
+                return (
+                    "the engine is not running"
+                    if role == "mixed"
+                    else f"no {role} worker is left: the cluster cannot serve"
+                )
         return None
 
     @property
@@ -387,7 +400,8 @@ class ClusterEngine:
                 for w in () if remote is None else remote.route():
                     w.outstanding -= 1
             error = message.error.known() or EngineFailure(
-                f"worker {worker.index} could not admit the request: {message.error.message}")
+                f"worker {worker.index} could not admit the request: {message.error.message}"
+            )
             if future is not None and not future.done():
                 future.set_exception(error)
             return
@@ -504,8 +518,12 @@ class ClusterEngine:
     def _restart_failed(self, w: WorkerHandle, why: str) -> None:
         w.restarts += 1
         again = not self.stopped and w.restarts < self.restart_limit
-        logger.error("servelab: worker %d could not be restarted (%s); %s", w.index, why,
-                     "trying again" if again else f"giving up after {w.restarts} attempt(s) (--worker-restart-limit)")
+        logger.error(
+            "servelab: worker %d could not be restarted (%s); %s",
+            w.index,
+            why,
+            "trying again" if again else f"giving up after {w.restarts} attempt(s) (--worker-restart-limit)",
+        )
         w.restarting = again
         if again:
             threading.Thread(target=self._retire, args=(w, True), name=f"servelab-dp{w.index}-restart",

@@ -87,7 +87,8 @@ def _irecv(tensor: torch.Tensor, src: int, tag: int, group: Any, group_peer: int
 def _check_granularity(granularity: str) -> None:
     if granularity not in GRANULARITIES:
         raise InvalidArgument(
-            f"KV transfer granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}", param="granularity"
+            f"KV transfer granularity must be one of {', '.join(GRANULARITIES)}, got {granularity!r}",
+            param="granularity",
         )
 
 

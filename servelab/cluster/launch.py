@@ -16,7 +16,16 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from servelab.cluster import messages as m
-from servelab.cluster.channel import HANG_TIMEOUT_S, ClusterFailed, JOIN_TIMEOUT_S, PeerLost, Rendezvous, join, leave, pair_link
+from servelab.cluster.channel import (
+    HANG_TIMEOUT_S,
+    ClusterFailed,
+    JOIN_TIMEOUT_S,
+    PeerLost,
+    Rendezvous,
+    join,
+    leave,
+    pair_link,
+)
 from servelab.cluster.front_end import DEFAULT_RESTART_LIMIT, ClusterEngine, WorkerHandle
 from servelab.engine.grammar_workers import GrammarConfig
 from servelab.errors import InvalidArgument
@@ -29,8 +38,6 @@ if TYPE_CHECKING:
     from servelab.engine.llm_engine import EngineArgs
 
 logger = logging.getLogger("servelab.cluster")
-
-
 
 
 def check_cluster_args(data_parallel: int) -> None:

@@ -157,7 +157,9 @@ class Outputs:
     outputs: list[EngineOutput]  # as the worker's engine made them: plain data, times after arrival
     num_tokens: int
     stats: EngineStats
-    kv_transfers: list[KVTransferRecord] = field(default_factory=list)  # a decode worker's, of requests whose KV came in
+    kv_transfers: list[KVTransferRecord] = field(
+        default_factory=list
+    )  # a decode worker's, of requests whose KV came in
 
 
 @dataclass(slots=True)

@@ -4,6 +4,7 @@ cluster/disagg_worker.py) while there is work. A worker whose front end is gone 
 or silent) aborts its requests and exits; one started by a local front end also exits when
 that process does.
 """
+
 from __future__ import annotations
 
 import logging
@@ -122,7 +123,7 @@ class _NativeStderr:
         sys.stderr.flush()
         view = memoryview(text)
         while view:
-            view = view[os.write(2, view):]
+            view = view[os.write(2, view) :]
 
 
 def _join_failed(rdv: Rendezvous, exc: BaseException) -> ServelabError:

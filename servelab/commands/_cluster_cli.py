@@ -37,8 +37,12 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel", type=int, default=1, metavar="N",
                    help="N engine worker processes behind this front end, each with the whole model and its own "
                         "KV cache (default 1: the engine runs in the server's process)")  # fmt: skip
-    g.add_argument("--router", choices=ROUTERS, default=DEFAULT_ROUTER,
-                   help=f"which worker gets a request (default {DEFAULT_ROUTER})")
+    g.add_argument(
+        "--router",
+        choices=ROUTERS,
+        default=DEFAULT_ROUTER,
+        help=f"which worker gets a request (default {DEFAULT_ROUTER})",
+    )
     g.add_argument("--external-workers", action="store_true",
                    help="start no worker here: wait for N `servelab worker` processes (other hosts) to join at "
                         "--master-addr:--master-port")  # fmt: skip
@@ -53,7 +57,6 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                         f"to 60 s, at most N times per rank (0: never) (default {DEFAULT_RESTART_LIMIT}); its "
                         "requests fail either way")  # fmt: skip
 
-
     d = parser.add_argument_group("disaggregated prefill/decode (docs/disaggregation.md)")
     d.add_argument("--disagg", default=None, metavar="P:D",
                    help="P prefill and D decode worker processes: a prompt runs on a prefill worker, its KV blocks "
@@ -61,8 +64,12 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     d.add_argument("--kv-transfer-timeout", default=DEFAULT_KV_TRANSFER_TIMEOUT,
                    help="a request's KV transfer fails (and the request with it) past this; a busy peer answers "
                         f"between its steps, so leave room for one (default {DEFAULT_KV_TRANSFER_TIMEOUT})")  # fmt: skip
-    d.add_argument("--kv-transfer-granularity", choices=GRANULARITIES, default=GRANULARITIES[0],
-                   help=f"one message per KV block (all layers) or per layer (all blocks) (default {GRANULARITIES[0]})")
+    d.add_argument(
+        "--kv-transfer-granularity",
+        choices=GRANULARITIES,
+        default=GRANULARITIES[0],
+        help=f"one message per KV block (all layers) or per layer (all blocks) (default {GRANULARITIES[0]})",
+    )
 
 
 def uses_cluster(args: argparse.Namespace) -> bool:
@@ -97,7 +104,9 @@ def check_cluster_flags(args: argparse.Namespace) -> None:
     parse_duration_s(args.join_timeout, name="--join-timeout")
     hang_timeout_s(args)
     if args.worker_restart_limit < 0:
-        raise InvalidArgument(f"--worker-restart-limit: must be >= 0 (0: never restart), got {args.worker_restart_limit}")
+        raise InvalidArgument(
+            f"--worker-restart-limit: must be >= 0 (0: never restart), got {args.worker_restart_limit}"
+        )
     restarts_local_workers = (args.data_parallel > 1 or args.disagg is not None) and not args.external_workers
     if args.worker_restart_limit != DEFAULT_RESTART_LIMIT and not restarts_local_workers:
         raise InvalidArgument("--worker-restart-limit: only with local workers, --data-parallel N > 1 or --disagg "

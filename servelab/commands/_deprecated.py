@@ -18,13 +18,25 @@ class _DeprecatedFlag(argparse.Action):
         super().__init__(option_strings, dest, **kwargs)
         self.canonical = canonical
 
-    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
-                 option_string: str | None = None) -> None:
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: Any,
+        option_string: str | None = None,
+    ) -> None:
         note_deprecated(option_string or self.option_strings[0], self.canonical)
         setattr(namespace, self.dest, values)
 
 
 def add_deprecated_flag(group: Any, old: str, canonical: argparse.Action) -> None:
     """`old` as a hidden alias of the flag `canonical` (an action add_argument returned)."""
-    group.add_argument(old, dest=canonical.dest, type=canonical.type, action=_DeprecatedFlag,
-                       canonical=canonical.option_strings[0], default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+    group.add_argument(
+        old,
+        dest=canonical.dest,
+        type=canonical.type,
+        action=_DeprecatedFlag,
+        canonical=canonical.option_strings[0],
+        default=argparse.SUPPRESS,
+        help=argparse.SUPPRESS,
+    )

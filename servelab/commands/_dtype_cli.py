@@ -24,10 +24,14 @@ from servelab.spec.dtypes import (
     weight_dtype,
 )
 
-COST_DTYPE_HELP = (f"weight dtype: {', '.join(WEIGHT_DTYPES)} or a GGUF block format ({GGUF_WEIGHT_FORMATS[0]} ... "
-                   f"{GGUF_WEIGHT_FORMATS[-1]}) (default {DEFAULT_DTYPE})")
-COST_KV_CACHE_DTYPE_HELP = (f"KV cache dtype: {', '.join(KV_DTYPES)}, or auto (the weights' float dtype, else "
-                            f"{DEFAULT_DTYPE}) (default {DEFAULT_DTYPE})")
+COST_DTYPE_HELP = (
+    f"weight dtype: {', '.join(WEIGHT_DTYPES)} or a GGUF block format ({GGUF_WEIGHT_FORMATS[0]} ... "
+    f"{GGUF_WEIGHT_FORMATS[-1]}) (default {DEFAULT_DTYPE})"
+)
+COST_KV_CACHE_DTYPE_HELP = (
+    f"KV cache dtype: {', '.join(KV_DTYPES)}, or auto (the weights' float dtype, else "
+    f"{DEFAULT_DTYPE}) (default {DEFAULT_DTYPE})"
+)
 
 
 def dtype_type(flag: str) -> Callable[[str], str]:
@@ -47,10 +51,16 @@ def dtype_type(flag: str) -> Callable[[str], str]:
 def add_cost_dtype_arguments(group: Any) -> None:
     """sim, plan, roofline: what the cost model prices (`cost_dtypes` checks it). The engine's
     commands generate theirs from EngineArgs (_engine_cli.py), with this module's `dtype_type`."""
-    group.add_argument("--dtype", type=dtype_type("--dtype"), default=DEFAULT_DTYPE, metavar="DTYPE",
-                       help=COST_DTYPE_HELP)
-    kv = group.add_argument("--kv-cache-dtype", type=dtype_type("--kv-cache-dtype"), default=DEFAULT_DTYPE,
-                            metavar="KV_CACHE_DTYPE", help=COST_KV_CACHE_DTYPE_HELP)
+    group.add_argument(
+        "--dtype", type=dtype_type("--dtype"), default=DEFAULT_DTYPE, metavar="DTYPE", help=COST_DTYPE_HELP
+    )
+    kv = group.add_argument(
+        "--kv-cache-dtype",
+        type=dtype_type("--kv-cache-dtype"),
+        default=DEFAULT_DTYPE,
+        metavar="KV_CACHE_DTYPE",
+        help=COST_KV_CACHE_DTYPE_HELP,
+    )
     add_deprecated_flag(group, "--kv-dtype", kv)
 
 

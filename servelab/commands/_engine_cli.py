@@ -57,7 +57,9 @@ def add_engine_args_flags(group: Any, names: Iterable[str]) -> None:
             kind = str
         else:
             kind = int if int in (hints[name], *typing.get_args(hints[name])) else str
-        metavar = meta.get("metavar") or (None if "choices" in meta else flag.removeprefix("--").replace("-", "_").upper())
+        metavar = meta.get("metavar") or (
+            None if "choices" in meta else flag.removeprefix("--").replace("-", "_").upper()
+        )
         action = group.add_argument(*flags, dest=name, type=kind, default=f.default, choices=meta.get("choices"),
                                     metavar=metavar, help=f"{meta['help']} (default{shown})")  # fmt: skip
         for old in meta.get("deprecated_flags", ()):
@@ -68,7 +70,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """The engine group of generate, chat and calibrate."""
     g = parser.add_argument_group("engine")
     add_engine_args_flags(g, ENGINE_FLAGS)
-    add_scheduler_arguments(g, ("max_model_len",), unset={"max_model_len": f"the model's, at most {DEFAULT_MAX_MODEL_LEN}"})
+    add_scheduler_arguments(
+        g, ("max_model_len",), unset={"max_model_len": f"the model's, at most {DEFAULT_MAX_MODEL_LEN}"}
+    )
     g.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
 
 
@@ -101,13 +105,21 @@ def _default_help(key: str) -> str:
 
 def add_sampling_arguments(parser: argparse.ArgumentParser, *, max_tokens: int) -> None:
     g = parser.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=int, default=max_tokens, help=f"most tokens to generate (default: {max_tokens})")
+    g.add_argument(
+        "--max-tokens", type=int, default=max_tokens, help=f"most tokens to generate (default: {max_tokens})"
+    )
     g.add_argument("--temperature", type=float, default=None, help="0 = greedy " + _default_help("temperature"))
     g.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep the smallest set of tokens "
                    "whose probability reaches this " + _default_help("top_p"))  # fmt: skip
-    g.add_argument("--top-k", type=int, default=None, help="keep the k most likely tokens, 0 = off " + _default_help("top_k"))
-    g.add_argument("--min-p", type=float, default=None,
-                   help="drop tokens below this fraction of the top token's probability " + _default_help("min_p"))
+    g.add_argument(
+        "--top-k", type=int, default=None, help="keep the k most likely tokens, 0 = off " + _default_help("top_k")
+    )
+    g.add_argument(
+        "--min-p",
+        type=float,
+        default=None,
+        help="drop tokens below this fraction of the top token's probability " + _default_help("min_p"),
+    )
     g.add_argument("--seed", type=int, default=None, help="per-request seed: the same seed gives the same text")
     g.add_argument("--stop", action="append", default=[], metavar="TEXT", help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
@@ -175,7 +187,9 @@ def timing_line(seq, engine) -> str:
     """One line: tokens, finish reason, TTFT, TPOT, tokens/s (DESIGN.md's definitions)."""
     a = seq.arrival_s
     n = seq.num_output_tokens
-    parts = [f"{seq.num_prompt_tokens} prompt + {n} output tokens ({seq.finish_reason.value if seq.finish_reason else '?'})"]
+    parts = [
+        f"{seq.num_prompt_tokens} prompt + {n} output tokens ({seq.finish_reason.value if seq.finish_reason else '?'})"
+    ]
     if seq.first_token_s is not None:
         ttft = seq.first_token_s - a
         parts.append(f"TTFT {ttft * 1e3:.1f} ms")

@@ -17,11 +17,15 @@ LIST = "list"
 def add_engine_profile_argument(group: Any) -> None:
     from servelab.sim.engine_profiles import DEFAULT_ENGINE_PROFILE, engine_profiles
 
-    group.add_argument("--engine-profile", default=DEFAULT_ENGINE_PROFILE, metavar="NAME",
-                       help=f"serving engine whose defaults to simulate (budgets for the accelerator, step policy, "
-                            f"admission, KV memory share, host cost): {', '.join(engine_profiles())} "
-                            f"(default {DEFAULT_ENGINE_PROFILE}); the scheduler flags given win; "
-                            f"'{LIST}' shows each profile's settings and sources")
+    group.add_argument(
+        "--engine-profile",
+        default=DEFAULT_ENGINE_PROFILE,
+        metavar="NAME",
+        help=f"serving engine whose defaults to simulate (budgets for the accelerator, step policy, "
+        f"admission, KV memory share, host cost): {', '.join(engine_profiles())} "
+        f"(default {DEFAULT_ENGINE_PROFILE}); the scheduler flags given win; "
+        f"'{LIST}' shows each profile's settings and sources",
+    )
 
 
 def profile_defaults() -> dict[str, None]:
@@ -42,9 +46,19 @@ def print_profiles(as_json: bool) -> None:
         print(json.dumps([p.to_dict() for p in profiles], indent=2))
         return
     headers = ["profile", "engine", "policy", "admission", "tokens/step", "seqs", "KV memory", "host"]
-    rows = [[p.name, p.engine, _rule(p.entries["policy"]), _rule(p.entries["admission"]),
-             _rule(p.entries["max_num_batched_tokens"]), _rule(p.entries["max_num_seqs"]),
-             _kv_memory(p.entries["kv_memory"]), _host(p.entries["host"])] for p in profiles]
+    rows = [
+        [
+            p.name,
+            p.engine,
+            _rule(p.entries["policy"]),
+            _rule(p.entries["admission"]),
+            _rule(p.entries["max_num_batched_tokens"]),
+            _rule(p.entries["max_num_seqs"]),
+            _kv_memory(p.entries["kv_memory"]),
+            _host(p.entries["host"]),
+        ]
+        for p in profiles
+    ]
     print(render_table(headers, rows, left=(0, 1, 2, 3, 4, 5, 6, 7)))
     print("tiers by the accelerator's memory (GiB); flags given win over a profile; servelab is the default")
     for p in profiles:
@@ -94,6 +108,8 @@ def describe_config(config: Any) -> str:
     """One line: the profile and what it set for this deployment (a SimConfig)."""
     sched = config.scheduler
     host = "" if config.host_cost is None else f"; {config.host_cost.describe()}"
-    return (f"engine profile {config.engine_profile}: {sched.policy}, admission {sched.admission}, "
-            f"{sched.max_num_batched_tokens:,} tokens/step, {sched.max_num_seqs:,} seqs, "
-            f"{config.memory_fraction:.1%} of memory for weights + KV{host}")
+    return (
+        f"engine profile {config.engine_profile}: {sched.policy}, admission {sched.admission}, "
+        f"{sched.max_num_batched_tokens:,} tokens/step, {sched.max_num_seqs:,} seqs, "
+        f"{config.memory_fraction:.1%} of memory for weights + KV{host}"
+    )

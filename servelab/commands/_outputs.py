@@ -37,8 +37,9 @@ def check_plot_file(path: str | None, flag: str) -> None:
 
         formats = FigureCanvasBase.get_supported_filetypes()
         if suffix not in formats:
-            raise InvalidArgument(f"{flag}: cannot plot to {path!r}: format {suffix!r} is not one of "
-                                  f"{', '.join(sorted(formats))}")
+            raise InvalidArgument(
+                f"{flag}: cannot plot to {path!r}: format {suffix!r} is not one of {', '.join(sorted(formats))}"
+            )
 
 
 def _try_create_in(folder: Path, flag: str, path: str) -> None:

@@ -22,8 +22,13 @@ def flag_name(name: str) -> str:
     return _knobs()[name].metadata.get("flag") or "--" + name.replace("_", "-")
 
 
-def add_scheduler_arguments(group: Any, names: Iterable[str], *, defaults: Mapping[str, Any] | None = None,
-                            unset: Mapping[str, str] | None = None) -> None:
+def add_scheduler_arguments(
+    group: Any,
+    names: Iterable[str],
+    *,
+    defaults: Mapping[str, Any] | None = None,
+    unset: Mapping[str, str] | None = None,
+) -> None:
     """One flag per named knob. `defaults`: where a command's default differs from the
     dataclass's (serve bounds its queue); `unset`: what a None default means to this command,
     shown in the help (e.g. num_blocks: 'from the memory plan')."""
@@ -39,9 +44,14 @@ def add_scheduler_arguments(group: Any, names: Iterable[str], *, defaults: Mappi
         if meta.get("zero_is_none"):
             shown += "; 0 = unbounded"
         flag = flag_name(name)
-        action = group.add_argument(flag, dest=name, type=str if "choices" in meta else int, default=default,
-                                    metavar=flag.removeprefix("--").replace("-", "_").upper(),
-                                    help=f"{meta['help']} (default{shown})")
+        action = group.add_argument(
+            flag,
+            dest=name,
+            type=str if "choices" in meta else int,
+            default=default,
+            metavar=flag.removeprefix("--").replace("-", "_").upper(),
+            help=f"{meta['help']} (default{shown})",
+        )
         for old in meta.get("deprecated_flags", ()):
             add_deprecated_flag(group, old, action)
 

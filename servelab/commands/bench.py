@@ -22,16 +22,31 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("server")
     g.add_argument("--base-url", required=True, help="the server, e.g. http://127.0.0.1:8000 (/v1 is added)")
     g.add_argument("--model", default=None, help="model name to send (default: the first of GET /v1/models)")
-    g.add_argument("--endpoint", choices=("completions", "chat"), default="completions",
-                   help="completions (exact prompt lengths, default) or chat (the server's chat template adds tokens)")
+    g.add_argument(
+        "--endpoint",
+        choices=("completions", "chat"),
+        default="completions",
+        help="completions (exact prompt lengths, default) or chat (the server's chat template adds tokens)",
+    )
     g.add_argument("--api-key", default=None, help="sent as a Bearer token")
-    g.add_argument("--tokenizer", default=None, metavar="PATH",
-                   help="GGUF, HF model dir or tokenizer.json for prompt lengths (default: the bundled model's)")
-    g.add_argument("--no-ignore-eos", action="store_true",
-                   help="do not send ignore_eos (for servers that reject it; output lengths then vary)")
-    g.add_argument("--extra-body", default=None, metavar="JSON",
-                   help="fields added to every request, e.g. '{\"logit_bias\": {\"2\": -100}}' to keep a server that "
-                        "does not honour ignore_eos from ending outputs early")
+    g.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="GGUF, HF model dir or tokenizer.json for prompt lengths (default: the bundled model's)",
+    )
+    g.add_argument(
+        "--no-ignore-eos",
+        action="store_true",
+        help="do not send ignore_eos (for servers that reject it; output lengths then vary)",
+    )
+    g.add_argument(
+        "--extra-body",
+        default=None,
+        metavar="JSON",
+        help='fields added to every request, e.g. \'{"logit_bias": {"2": -100}}\' to keep a server that '
+        "does not honour ignore_eos from ending outputs early",
+    )
     g.add_argument("--request-timeout", default="600s", help="give up on a request after this long (default 600s)")
     g.add_argument("--num-devices", type=int, default=1, help="devices behind the URL, for per-device throughput")
     add_workload_arguments(parser)
@@ -46,11 +61,16 @@ def add_load_arguments(parser: argparse.ArgumentParser) -> None:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_load_arguments(parser)
     c = parser.add_argument_group("capacity search")
-    c.add_argument("--find-capacity", action="store_true",
-                   help="search the highest load meeting the SLO targets at --percentile")
+    c.add_argument(
+        "--find-capacity", action="store_true", help="search the highest load meeting the SLO targets at --percentile"
+    )
     c.add_argument("--percentile", type=int, default=90, help="SLO percentile: 50, 90, 95 or 99 (default 90)")
-    c.add_argument("--search", choices=("concurrency", "rate"), default="concurrency",
-                   help="what load to search (default concurrency)")
+    c.add_argument(
+        "--search",
+        choices=("concurrency", "rate"),
+        default="concurrency",
+        help="what load to search (default concurrency)",
+    )
     c.add_argument("--max-load", type=float, default=None, help="stop doubling at this load")
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object (the shared summary schema)")
@@ -116,8 +136,10 @@ def run(args: argparse.Namespace) -> int:
     if args.find_capacity:
         check_percentile(args.percentile)
         if args.search == "rate" and workload.think_time_s:
-            raise InvalidArgument("--think-time paces a closed loop; --search rate searches an open-loop rate: "
-                                  "drop --think-time or search the concurrency")
+            raise InvalidArgument(
+                "--think-time paces a closed loop; --search rate searches an open-loop rate: "
+                "drop --think-time or search the concurrency"
+            )
         if slo is None:
             raise InvalidArgument("--find-capacity needs at least one target: --slo-tpot and/or --slo-ttft")
     elif workload.rate is None and workload.concurrency is None and workload.trace is None:
@@ -136,8 +158,11 @@ def make_session(args: argparse.Namespace, slo, max_connections: int | None):  #
 
     tokenizer = load_tokenizer(args.tokenizer)
     if tokenizer is None and not args.json:
-        print("note: no tokenizer (bundled model not installed, no --tokenizer): prompt lengths are "
-              "approximated from words; usage from the server gives the true counts", file=sys.stderr)
+        print(
+            "note: no tokenizer (bundled model not installed, no --tokenizer): prompt lengths are "
+            "approximated from words; usage from the server gives the true counts",
+            file=sys.stderr,
+        )
     client = OpenAIStreamClient(
         args.base_url,
         model=args.model,
@@ -149,8 +174,9 @@ def make_session(args: argparse.Namespace, slo, max_connections: int | None):  #
         extra_body=parse_extra_body(args.extra_body),
     )
     progress = not (args.json or args.no_progress) and sys.stderr.isatty()
-    return BenchSession(client, PromptBuilder(tokenizer, seed=args.seed), num_devices=args.num_devices, slo=slo,
-                        progress=progress)
+    return BenchSession(
+        client, PromptBuilder(tokenizer, seed=args.seed), num_devices=args.num_devices, slo=slo, progress=progress
+    )
 
 
 def _run(args: argparse.Namespace, workload, slo, loop: asyncio.AbstractEventLoop) -> int:  # noqa: ANN001
@@ -227,9 +253,11 @@ def _report_run(args: argparse.Namespace, result, config: dict[str, Any], worklo
         print(format_summary_table(result.summary))
         if result.steady is not None:
             st = result.steady
-            print(f"\nwithout the start-up wave (the first {result.startup_requests} requests, sent at once): "
-                  f"{st.num_requests} requests, {st.output_throughput:,.1f} output tok/s, p90 TTFT "
-                  f"{_ms(st.ttft_s.p90).strip()}, p90 TPOT {_ms(st.tpot_s.p90).strip()}")
+            print(
+                f"\nwithout the start-up wave (the first {result.startup_requests} requests, sent at once): "
+                f"{st.num_requests} requests, {st.output_throughput:,.1f} output tok/s, p90 TTFT "
+                f"{_ms(st.ttft_s.p90).strip()}, p90 TPOT {_ms(st.tpot_s.p90).strip()}"
+            )
         extra = result.report.lines() + ([] if cache is None else cache.lines()[:1])
         if extra:
             print()
@@ -282,8 +310,9 @@ def _find_capacity(args, session, workload, slo, loop, config, duration_s) -> in
     from servelab.metrics import format_summary_table
 
     runs: list = []
-    measure = session.measure_fn(loop, workload, args.search, args.percentile, warmup=args.warmup,
-                                 duration_s=duration_s, runs=runs)
+    measure = session.measure_fn(
+        loop, workload, args.search, args.percentile, warmup=args.warmup, duration_s=duration_s, runs=runs
+    )
     quiet = args.json
 
     def on_level(level) -> None:  # noqa: ANN001
@@ -292,16 +321,21 @@ def _find_capacity(args, session, workload, slo, loop, config, duration_s) -> in
         s = level.summary
         key = f"p{args.percentile}"
         verdict = "pass" if level.passed else f"FAIL ({level.reason})"
-        print(f"  {args.search} {level.load:>8g}: {s.output_throughput_per_device:>10,.1f} tok/s/device  "
-              f"{key} TTFT {_ms(getattr(s.ttft_s, key))}  {key} TPOT {_ms(getattr(s.tpot_s, key))}  {verdict}",
-              file=sys.stderr, flush=True)
+        print(
+            f"  {args.search} {level.load:>8g}: {s.output_throughput_per_device:>10,.1f} tok/s/device  "
+            f"{key} TTFT {_ms(getattr(s.ttft_s, key))}  {key} TPOT {_ms(getattr(s.tpot_s, key))}  {verdict}",
+            file=sys.stderr,
+            flush=True,
+        )
 
-    result = find_capacity(measure, slo, percentile=args.percentile, mode=args.search, max_load=args.max_load,
-                           on_level=on_level)
+    result = find_capacity(
+        measure, slo, percentile=args.percentile, mode=args.search, max_load=args.max_load, on_level=on_level
+    )
     out = {"capacity": result.to_dict(), "config": config}
     best_run = next((r for load, r in runs if result.best is not None and load == result.best.load), None)
-    _write_outputs(args, out, None if best_run is None else best_run.records,
-                   None if best_run is None else best_run.results)
+    _write_outputs(
+        args, out, None if best_run is None else best_run.records, None if best_run is None else best_run.results
+    )
     if args.plot_dir:
         from servelab.bench.plots import write_capacity_plot
 

@@ -57,65 +57,135 @@ class Grid:
 GRIDS = {
     # Decode scenarios prefill their batch first, which dominates the time: contexts stay short.
     # coarse reaches batch 16 and 160-token contexts so that batch and context separate in the fit.
-    "coarse": Grid(chunk=128, prefill_lens=(16, 64, 128, 256), decode_batches=(1, 4, 8, 16),
-                   decode_contexts=(32, 160), decode_steps=3, repeats=5, together=(2, 4, 8, 16),
-                   joined_batches=(1, 3)),
-    "full": Grid(chunk=512, prefill_lens=(16, 32, 64, 128, 256, 512, 2048), decode_batches=(1, 2, 4, 8, 16, 32),
-                 decode_contexts=(64, 256, 1024, 2048), decode_steps=6, repeats=5, together=(2, 4),
-                 joined_batches=(1, 3, 15)),
+    "coarse": Grid(
+        chunk=128,
+        prefill_lens=(16, 64, 128, 256),
+        decode_batches=(1, 4, 8, 16),
+        decode_contexts=(32, 160),
+        decode_steps=3,
+        repeats=5,
+        together=(2, 4, 8, 16),
+        joined_batches=(1, 3),
+    ),
+    "full": Grid(
+        chunk=512,
+        prefill_lens=(16, 32, 64, 128, 256, 512, 2048),
+        decode_batches=(1, 2, 4, 8, 16, 32),
+        decode_contexts=(64, 256, 1024, 2048),
+        decode_steps=6,
+        repeats=5,
+        together=(2, 4),
+        joined_batches=(1, 3, 15),
+    ),
 }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_engine_arguments(parser)
     parser.add_argument("--out", required=True, metavar="FILE.json", help="where to write the profile")
-    parser.add_argument("--grid", choices=list(GRIDS), default="coarse",
-                        help="coarse: about 4 min on the bundled model on an idle 2-core host; full: longer "
-                             "(default coarse)")
-    parser.add_argument("--max-heldout-error", type=float, default=DEFAULT_MAX_HELDOUT_ERROR_PCT, metavar="PCT",
-                        help="refuse to write a profile whose median error on held-out steps is above PCT %% "
-                             f"(default {DEFAULT_MAX_HELDOUT_ERROR_PCT:g})")
-    parser.add_argument("--quiet-wait", default="0s", metavar="DURATION",
-                        help="before each pass, wait up to this long (e.g. 60s) for other processes to leave the "
-                             f"CPUs (under {NOISY_OTHER_CPUS:g} of a CPU busy over {QUIET_WINDOW_S:g} s) (default 0s: "
-                             "do not wait)")
-    parser.add_argument("--step-time-statistic", choices=list(STATISTICS), default=DEFAULT_STATISTIC,
-                        help="a step's time from its interleaved passes: fastest (what an idle host would run) or "
-                             f"median (what a live server typically sees) (default {DEFAULT_STATISTIC}; "
-                             "docs/fidelity.md, \"Repeatable calibration\")")
-    parser.add_argument("--server-term", action="store_true",
-                        help="also measure the serving term: start `servelab serve --step-log` with these engine "
-                             f"flags, run closed loops at concurrency {', '.join(str(c) for c, _ in SERVER_RUNS)} "
-                             f"(clients pausing {describe_think_time(*parse_think_time(SERVER_THINK_TIME))} between "
-                             "requests), and fit the time the server's work (HTTP, detokenize, SSE) adds to each step "
-                             "it ran beyond the profile's price, per step and per sequence; about a minute")
-    parser.add_argument("--hardware-out", default=None, metavar="FILE.json|FILE.yaml",
-                        help="also measure this host (memory, read bandwidth, matmul rates) and write it as a "
-                             "hardware file for --hardware (YAML when FILE ends in .yaml or .yml)")
+    parser.add_argument(
+        "--grid",
+        choices=list(GRIDS),
+        default="coarse",
+        help="coarse: about 4 min on the bundled model on an idle 2-core host; full: longer (default coarse)",
+    )
+    parser.add_argument(
+        "--max-heldout-error",
+        type=float,
+        default=DEFAULT_MAX_HELDOUT_ERROR_PCT,
+        metavar="PCT",
+        help="refuse to write a profile whose median error on held-out steps is above PCT %% "
+        f"(default {DEFAULT_MAX_HELDOUT_ERROR_PCT:g})",
+    )
+    parser.add_argument(
+        "--quiet-wait",
+        default="0s",
+        metavar="DURATION",
+        help="before each pass, wait up to this long (e.g. 60s) for other processes to leave the "
+        f"CPUs (under {NOISY_OTHER_CPUS:g} of a CPU busy over {QUIET_WINDOW_S:g} s) (default 0s: "
+        "do not wait)",
+    )
+    parser.add_argument(
+        "--step-time-statistic",
+        choices=list(STATISTICS),
+        default=DEFAULT_STATISTIC,
+        help="a step's time from its interleaved passes: fastest (what an idle host would run) or "
+        f"median (what a live server typically sees) (default {DEFAULT_STATISTIC}; "
+        'docs/fidelity.md, "Repeatable calibration")',
+    )
+    parser.add_argument(
+        "--server-term",
+        action="store_true",
+        help="also measure the serving term: start `servelab serve --step-log` with these engine "
+        f"flags, run closed loops at concurrency {', '.join(str(c) for c, _ in SERVER_RUNS)} "
+        f"(clients pausing {describe_think_time(*parse_think_time(SERVER_THINK_TIME))} between "
+        "requests), and fit the time the server's work (HTTP, detokenize, SSE) adds to each step "
+        "it ran beyond the profile's price, per step and per sequence; about a minute",
+    )
+    parser.add_argument(
+        "--hardware-out",
+        default=None,
+        metavar="FILE.json|FILE.yaml",
+        help="also measure this host (memory, read bandwidth, matmul rates) and write it as a "
+        "hardware file for --hardware (YAML when FILE ends in .yaml or .yml)",
+    )
     b = parser.add_argument_group(
-        "any running server (--base-url): fit the profile from outside, over HTTP; the engine flags above do "
-        "not apply")
-    b.add_argument("--base-url", default=None, metavar="URL",
-                   help="calibrate the OpenAI-compatible server at URL (vLLM, SGLang, llama.cpp, servelab) from "
-                        "its TTFT and token times, instead of timing servelab's engine here")
-    b.add_argument("--served-model", default=None, metavar="NAME",
-                   help="the model name to request (default: the first one /v1/models lists)")
+        "any running server (--base-url): fit the profile from outside, over HTTP; the engine flags above do not apply"
+    )
+    b.add_argument(
+        "--base-url",
+        default=None,
+        metavar="URL",
+        help="calibrate the OpenAI-compatible server at URL (vLLM, SGLang, llama.cpp, servelab) from "
+        "its TTFT and token times, instead of timing servelab's engine here",
+    )
+    b.add_argument(
+        "--served-model",
+        default=None,
+        metavar="NAME",
+        help="the model name to request (default: the first one /v1/models lists)",
+    )
     b.add_argument("--api-key", default=None, help="bearer token for the server")
-    b.add_argument("--budget", default="10m", metavar="DURATION",
-                   help="bound on the whole run; it stops starting points past it and fits what it has "
-                        "(default 10m)")
-    b.add_argument("--resume", action="store_true",
-                   help="keep the points saved in OUT.partial.jsonl by an earlier, interrupted run against the "
-                        "same server and measure only the rest")
-    b.add_argument("--max-prompt-tokens", type=int, default=2048, metavar="N",
-                   help="longest prompt of the prefill sweep (default 2048, capped by the server's context)")
-    b.add_argument("--max-concurrency", type=int, default=32, metavar="N",
-                   help="largest decode burst: requests sent together (default 32)")
-    b.add_argument("--repeats", type=int, default=3, metavar="N",
-                   help="passes over every point; each point's value is the median (default 3)")
-    b.add_argument("--extra-body", default=None, metavar="JSON",
-                   help="fields added to every request, e.g. '{\"logit_bias\": {\"2\": -100}}' where the "
-                        "server does not honour ignore_eos")
+    b.add_argument(
+        "--budget",
+        default="10m",
+        metavar="DURATION",
+        help="bound on the whole run; it stops starting points past it and fits what it has (default 10m)",
+    )
+    b.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the points saved in OUT.partial.jsonl by an earlier, interrupted run against the "
+        "same server and measure only the rest",
+    )
+    b.add_argument(
+        "--max-prompt-tokens",
+        type=int,
+        default=2048,
+        metavar="N",
+        help="longest prompt of the prefill sweep (default 2048, capped by the server's context)",
+    )
+    b.add_argument(
+        "--max-concurrency",
+        type=int,
+        default=32,
+        metavar="N",
+        help="largest decode burst: requests sent together (default 32)",
+    )
+    b.add_argument(
+        "--repeats",
+        type=int,
+        default=3,
+        metavar="N",
+        help="passes over every point; each point's value is the median (default 3)",
+    )
+    b.add_argument(
+        "--extra-body",
+        default=None,
+        metavar="JSON",
+        help='fields added to every request, e.g. \'{"logit_bias": {"2": -100}}\' where the '
+        "server does not honour ignore_eos",
+    )
     b.add_argument("--request-timeout", default="10m", metavar="DURATION", help="per request (default 10m)")
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -156,8 +226,9 @@ def _scenario(engine: Any, scenario: Scenario, rng: random.Random, chunk: int) -
 
     def add(n: int, out: int) -> None:
         ids = [rng.randrange(engine.vocab_size) for _ in range(n)]
-        engine.add_request(f"cal-{rng.getrandbits(48):x}", ids, SamplingParams(max_tokens=out, ignore_eos=True,
-                                                                                temperature=0.0))
+        engine.add_request(
+            f"cal-{rng.getrandbits(48):x}", ids, SamplingParams(max_tokens=out, ignore_eos=True, temperature=0.0)
+        )
 
     for n, out in scenario.prompts:
         add(n, out)
@@ -206,13 +277,21 @@ def scenarios(grid: Grid, max_len: int, budget: int | None = None) -> list[Scena
         out += [Scenario(((grid.chunk, 1),) * k, budget=budget) for k in grid.together if k * grid.chunk <= budget]
         c = min(grid.decode_contexts, default=0)
         fits = c and c + grid.decode_steps + 4 <= max_len
-        out += [Scenario(((c, grid.decode_steps + 3),) * b, ((grid.chunk, 1),), join_step=2, budget=budget)
-                for b in grid.joined_batches if fits and b * c + grid.chunk <= budget]
+        out += [
+            Scenario(((c, grid.decode_steps + 3),) * b, ((grid.chunk, 1),), join_step=2, budget=budget)
+            for b in grid.joined_batches
+            if fits and b * c + grid.chunk <= budget
+        ]
     return out
 
 
-def measure(engine: Any, grid: Grid, seed: int = 0, before_pass: Callable[[], None] | None = None,
-            statistic: str = DEFAULT_STATISTIC) -> list[dict[str, Any]]:
+def measure(
+    engine: Any,
+    grid: Grid,
+    seed: int = 0,
+    before_pass: Callable[[], None] | None = None,
+    statistic: str = DEFAULT_STATISTIC,
+) -> list[dict[str, Any]]:
     """Every step of every scenario, timed in `grid.repeats` passes after a warm-up. Each pass
     runs every scenario once, in a new shuffled order, so a slow spell on the host lands on
     different shapes in different passes instead of on all the repeats of a few; each step's time
@@ -244,8 +323,15 @@ def measure(engine: Any, grid: Grid, seed: int = 0, before_pass: Callable[[], No
             if len({s for s, _ in steps}) != 1:  # a pass scheduled differently: not one shape
                 continue
             tokens, seqs, ctx, pairs = steps[0][0]
-            measurements.append({"num_tokens": tokens, "num_seqs": seqs, "context_tokens": ctx, "pairs": pairs,
-                                 "samples_s": [t for _, t in steps]})
+            measurements.append(
+                {
+                    "num_tokens": tokens,
+                    "num_seqs": seqs,
+                    "context_tokens": ctx,
+                    "pairs": pairs,
+                    "samples_s": [t for _, t in steps],
+                }
+            )
     return aggregate(measurements, statistic)
 
 
@@ -268,12 +354,17 @@ def kernel_rows_of(engine: Any) -> dict[str, Any] | None:
     if all(isinstance(lin, block_quant.BlockQuantLinear) for lin in linears):
         fused = all(block_quant.fused_formats(lin) for lin in linears)
         formats = sorted({lin.format_name for lin in linears})
-        return {"fused_max_rows": block_quant.FUSED_MAX_ROWS if fused else None,
-                "max_rows": block_quant.same_order_max_rows(linears[0].kernels),
-                "linears": f"GGUF blocks kept packed ({', '.join(formats)})"}
+        return {
+            "fused_max_rows": block_quant.FUSED_MAX_ROWS if fused else None,
+            "max_rows": block_quant.same_order_max_rows(linears[0].kernels),
+            "linears": f"GGUF blocks kept packed ({', '.join(formats)})",
+        }
     if all(isinstance(lin, HalfLinear) for lin in linears):
-        return {"fused_max_rows": HALF_GEMV_MAX_ROWS, "max_rows": HALF_GEMM_MAX_ROWS,
-                "linears": f"16-bit weights ({linears[0].weight.dtype})".replace("torch.", "")}
+        return {
+            "fused_max_rows": HALF_GEMV_MAX_ROWS,
+            "max_rows": HALF_GEMM_MAX_ROWS,
+            "linears": f"16-bit weights ({linears[0].weight.dtype})".replace("torch.", ""),
+        }
     return None
 
 
@@ -292,13 +383,24 @@ def host_info() -> dict[str, Any]:
     wanted = ("avx", "avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_bf16", "f16c", "fma", "neon", "asimd")
     import torch
 
-    return {"cpu": cpu, "flags": [f for f in wanted if f in flags.split()], "cpu_count": os.cpu_count(),
-            "torch_threads": torch.get_num_threads(), "platform": platform.platform(),
-            "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None}
+    return {
+        "cpu": cpu,
+        "flags": [f for f in wanted if f in flags.split()],
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "platform": platform.platform(),
+        "load_avg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+    }
 
 
-def build_profile(engine: Any, args: argparse.Namespace, grid_name: str, measurements: list[dict[str, Any]],
-                  wall_s: float, noise: dict[str, Any]) -> dict[str, Any]:
+def build_profile(
+    engine: Any,
+    args: argparse.Namespace,
+    grid_name: str,
+    measurements: list[dict[str, Any]],
+    wall_s: float,
+    noise: dict[str, Any],
+) -> dict[str, Any]:
     from servelab.cost.profile import PROFILE_FORMAT, PROFILE_VERSION, KernelRows, fit
 
     model = getattr(engine.executor, "model", None)
@@ -322,9 +424,20 @@ def build_profile(engine: Any, args: argparse.Namespace, grid_name: str, measure
         "dtype": str(getattr(model, "dtype", args.dtype)).removeprefix("torch."),
         "quantization": args.quantization,
         "kv_cache_dtype": str(kv).removeprefix("torch."),
-        "engine_flags": {k: getattr(args, k) for k in ("model", "dtype", "device", "max_model_len", "threads",
-                                                        "quantization", "kv_cache_dtype", "deterministic",
-                                                        "tensor_parallel_size")},
+        "engine_flags": {
+            k: getattr(args, k)
+            for k in (
+                "model",
+                "dtype",
+                "device",
+                "max_model_len",
+                "threads",
+                "quantization",
+                "kv_cache_dtype",
+                "deterministic",
+                "tensor_parallel_size",
+            )
+        },
         "grid": grid_name,
         "calibration_wall_s": wall_s,
         "passes": GRIDS[grid_name].repeats,
@@ -398,8 +511,10 @@ def run(args: argparse.Namespace) -> int:
     check_output_file(args.out, "--out")
     check_output_file(args.hardware_out, "--hardware-out")
     if args.hardware_out is not None and not args.hardware_out.lower().endswith(HARDWARE_FILE_SUFFIXES):
-        raise InvalidArgument(f"--hardware-out {args.hardware_out!r}: name it FILE.json, FILE.yaml or FILE.yml "
-                              f"(--hardware reads a file by its suffix)")
+        raise InvalidArgument(
+            f"--hardware-out {args.hardware_out!r}: name it FILE.json, FILE.yaml or FILE.yml "
+            f"(--hardware reads a file by its suffix)"
+        )
     quiet_wait_s = parse_duration_s(args.quiet_wait, name="--quiet-wait")
     if not quiet_wait_s >= 0:
         raise InvalidArgument(f"--quiet-wait must be >= 0, got {args.quiet_wait!r}")
@@ -415,63 +530,99 @@ def run(args: argparse.Namespace) -> int:
         import torch
 
         if not torch.cuda.is_available():
-            raise InvalidArgument(f"calibrate --device cuda: this torch ({torch.__version__}) sees no CUDA device; "
-                                  f"calibrate on the machine that serves, or use --device cpu", param="device")
+            raise InvalidArgument(
+                f"calibrate --device cuda: this torch ({torch.__version__}) sees no CUDA device; "
+                f"calibrate on the machine that serves, or use --device cpu",
+                param="device",
+            )
     engine = LLMEngine.from_args(engine_args)
     spec = engine.model_spec
     try:
         t0 = time.perf_counter()
         meter = OtherLoadMeter()
         passes: list[dict[str, float | None]] = []
-        measurements = measure(engine, grid, before_pass=lambda: passes.append(wait_for_quiet(quiet_wait_s)),
-                               statistic=args.step_time_statistic)
-        noise = host_noise([m["samples_s"] for m in measurements], other_cpus=meter.other_cpus(),
-                           cpus=os.cpu_count(), load_avg_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None)
-        profile = build_profile(engine, args, args.grid, measurements, time.perf_counter() - t0,
-                                {**noise.to_dict(), "passes": passes})
+        measurements = measure(
+            engine,
+            grid,
+            before_pass=lambda: passes.append(wait_for_quiet(quiet_wait_s)),
+            statistic=args.step_time_statistic,
+        )
+        noise = host_noise(
+            [m["samples_s"] for m in measurements],
+            other_cpus=meter.other_cpus(),
+            cpus=os.cpu_count(),
+            load_avg_1m=os.getloadavg()[0] if hasattr(os, "getloadavg") else None,
+        )
+        profile = build_profile(
+            engine, args, args.grid, measurements, time.perf_counter() - t0, {**noise.to_dict(), "passes": passes}
+        )
     finally:
         engine.close()
     f_ = profile["fit"]
-    print(f"{profile['model']} ({profile['dtype']}, KV {profile['kv_cache_dtype']}) on {profile['host']['cpu']}: "
-          f"{len(measurements)} step shapes, {args.step_time_statistic} of {grid.repeats} interleaved passes, "
-          f"in {profile['calibration_wall_s']:.1f} s")
+    print(
+        f"{profile['model']} ({profile['dtype']}, KV {profile['kv_cache_dtype']}) on {profile['host']['cpu']}: "
+        f"{len(measurements)} step shapes, {args.step_time_statistic} of {grid.repeats} interleaved passes, "
+        f"in {profile['calibration_wall_s']:.1f} s"
+    )
     print(noise.describe())
     if quiet_wait_s > 0:
-        print("passes started after waiting " + ", ".join(
-            f"{p['waited_s']:.0f} s" + ("" if p["other_cpus"] is None else f" (others {p['other_cpus']:.2f} CPUs)")
-            for p in passes) + f" (--quiet-wait {args.quiet_wait})")
+        print(
+            "passes started after waiting "
+            + ", ".join(
+                f"{p['waited_s']:.0f} s" + ("" if p["other_cpus"] is None else f" (others {p['other_cpus']:.2f} CPUs)")
+                for p in passes
+            )
+            + f" (--quiet-wait {args.quiet_wait})"
+        )
     for name, value in f_["coefficients"].items():
         print(f"  {name:<20} {value * 1e6:12.4f} µs   ({f_['units'][name]})")
     h = f_["heldout"]
-    print(f"held-out error ({h['count']} steps, every {f_['holdout_every']}th): median {h['median_abs_pct']:.1f}%, "
-          f"max {h['max_abs_pct']:.1f}%; {len(f_['outliers_dropped'])} training step(s) dropped as outliers")
+    print(
+        f"held-out error ({h['count']} steps, every {f_['holdout_every']}th): median {h['median_abs_pct']:.1f}%, "
+        f"max {h['max_abs_pct']:.1f}%; {len(f_['outliers_dropped'])} training step(s) dropped as outliers"
+    )
     if noise.noisy:
-        print(f"servelab calibrate: warning: the host was noisy ({noise.describe()}); step times include other "
-              f"processes' interference, so expect them to differ from a run on a quiet host", file=sys.stderr)
+        print(
+            f"servelab calibrate: warning: the host was noisy ({noise.describe()}); step times include other "
+            f"processes' interference, so expect them to differ from a run on a quiet host",
+            file=sys.stderr,
+        )
     if h["median_abs_pct"] > args.max_heldout_error:
-        print(f"servelab calibrate: error: the fit's median error on {h['count']} held-out steps is "
-              f"{h['median_abs_pct']:.1f}%, above --max-heldout-error {args.max_heldout_error:g}%: not writing "
-              f"{args.out}. {noise.describe()}. Rerun on a quieter host, or with more passes (--grid full), or raise "
-              f"--max-heldout-error to accept it", file=sys.stderr)
+        print(
+            f"servelab calibrate: error: the fit's median error on {h['count']} held-out steps is "
+            f"{h['median_abs_pct']:.1f}%, above --max-heldout-error {args.max_heldout_error:g}%: not writing "
+            f"{args.out}. {noise.describe()}. Rerun on a quieter host, or with more passes (--grid full), or raise "
+            f"--max-heldout-error to accept it",
+            file=sys.stderr,
+        )
         return 1
     if args.tensor_parallel_size > 1:
         profile["tp"] = measure_tp_term(args, spec)
         t = profile["tp"]
         bw = t["allreduce_bytes_per_s"]
-        print(f"  tp term, gloo all-reduce among {t['ranks']} ranks: latency {t['allreduce_latency_s'] * 1e6:.1f} µs, "
-              f"bandwidth {'-' if bw is None else f'{bw / 1e6:,.0f} MB/s'}; {t['collectives_per_step']} collectives "
-              f"a step = {t['collectives_per_step'] * t['allreduce_latency_s'] * 1e3:.2f} ms")
+        print(
+            f"  tp term, gloo all-reduce among {t['ranks']} ranks: latency {t['allreduce_latency_s'] * 1e6:.1f} µs, "
+            f"bandwidth {'-' if bw is None else f'{bw / 1e6:,.0f} MB/s'}; {t['collectives_per_step']} collectives "
+            f"a step = {t['collectives_per_step'] * t['allreduce_latency_s'] * 1e3:.2f} ms"
+        )
     if args.server_term:
         profile["server"] = measure_server_term(args, profile)
         term = profile["server"]
-        print(f"  serving, {term['steps']} served steps beyond the profile's price, median by sequences in the step "
-              "(of it outside the executor): " + ", ".join(
-                  f"{g['seqs']}: {g['median_residual_s'] * 1e3:+.2f} ms ({g['median_outside_executor_s'] * 1e3:.2f}; "
-                  f"{g['steps']} steps)" for g in term["by_seqs"]))
+        print(
+            f"  serving, {term['steps']} served steps beyond the profile's price, median by sequences in the step "
+            "(of it outside the executor): "
+            + ", ".join(
+                f"{g['seqs']}: {g['median_residual_s'] * 1e3:+.2f} ms ({g['median_outside_executor_s'] * 1e3:.2f}; "
+                f"{g['steps']} steps)"
+                for g in term["by_seqs"]
+            )
+        )
         for r in term["runs"]:
-            print(f"  serving, concurrency {r['concurrency']}: TPOT p50 measured {r['measured_tpot_p50_s'] * 1e3:.1f} ms, "
-                  f"replayed with engine steps alone {r['engine_only_tpot_p50_s'] * 1e3:.1f} ms, with the term "
-                  f"{r['fitted_tpot_p50_s'] * 1e3:.1f} ms")
+            print(
+                f"  serving, concurrency {r['concurrency']}: TPOT p50 measured {r['measured_tpot_p50_s'] * 1e3:.1f} ms, "
+                f"replayed with engine steps alone {r['engine_only_tpot_p50_s'] * 1e3:.1f} ms, with the term "
+                f"{r['fitted_tpot_p50_s'] * 1e3:.1f} ms"
+            )
         print(f"  server_per_step_s    {profile['server']['per_step_s'] * 1e6:12.4f} µs   (s per step)")
         print(f"  server_per_seq_s     {profile['server']['per_seq_s'] * 1e6:12.4f} µs   (s per sequence in a step)")
     with open(args.out, "w", encoding="utf-8") as f:
@@ -507,8 +658,10 @@ def measure_tp_term(args: argparse.Namespace, spec: Any) -> dict[str, Any]:
     from servelab.runtime.host_probe import allreduce_times
 
     if spec is None:
-        raise InvalidArgument("--tensor-parallel-size: the TP term needs the model's shape (layers, hidden size), "
-                              "which this model file does not give")
+        raise InvalidArgument(
+            "--tensor-parallel-size: the TP term needs the model's shape (layers, hidden size), "
+            "which this model file does not give"
+        )
     rows = allreduce_times(args.tensor_parallel_size, spec.hidden_size)
     fitted = fit_allreduce(rows)
     return {
@@ -559,8 +712,19 @@ def measure_server_term(args: argparse.Namespace, profile: dict[str, Any]) -> di
         env["OMP_NUM_THREADS"] = str(args.threads)  # serve has no --threads; torch reads this at start
     with tempfile.TemporaryDirectory(prefix="servelab-calibrate-") as tmp:
         step_log = os.path.join(tmp, "steps.jsonl")
-        cmd = [sys.executable, "-m", "servelab", "serve", "--port", str(port), "--no-access-log", "--no-lab",
-               "--step-log", step_log, *_serve_flags(args)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "servelab",
+            "serve",
+            "--port",
+            str(port),
+            "--no-access-log",
+            "--no-lab",
+            "--step-log",
+            step_log,
+            *_serve_flags(args),
+        ]
         print(f"serving term: starting `servelab serve` on {url}", flush=True)
         with tempfile.TemporaryFile() as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -570,8 +734,9 @@ def measure_server_term(args: argparse.Namespace, profile: dict[str, Any]) -> di
                     if proc.poll() is not None:
                         log.seek(0)
                         tail = log.read().decode(errors="replace").strip().splitlines()[-5:]
-                        raise InvalidArgument(f"--server-term: `servelab serve` exited with {proc.returncode}: "
-                                              + " / ".join(tail))
+                        raise InvalidArgument(
+                            f"--server-term: `servelab serve` exited with {proc.returncode}: " + " / ".join(tail)
+                        )
                     try:
                         with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
                             if response.status == 200:
@@ -579,8 +744,9 @@ def measure_server_term(args: argparse.Namespace, profile: dict[str, Any]) -> di
                     except OSError:
                         pass
                     if time.monotonic() > deadline:
-                        raise InvalidArgument(f"--server-term: `servelab serve` was not healthy after "
-                                              f"{SERVER_START_TIMEOUT_S:g} s")
+                        raise InvalidArgument(
+                            f"--server-term: `servelab serve` was not healthy after {SERVER_START_TIMEOUT_S:g} s"
+                        )
                     time.sleep(0.5)
                 parser = argparse.ArgumentParser()
                 validate.add_arguments(parser)
@@ -595,12 +761,19 @@ def measure_server_term(args: argparse.Namespace, profile: dict[str, Any]) -> di
                     result, server, served = asyncio.run(validate.bench_live_server(bench_args, workload, None))
                     tpot = result.summary.tpot_s.p50
                     if result.summary.failed or tpot is None:
-                        raise InvalidArgument(f"--server-term: the bench run at concurrency {concurrency} against {url} "
-                                              f"failed ({result.summary.failed} failed requests)")
+                        raise InvalidArgument(
+                            f"--server-term: the bench run at concurrency {concurrency} against {url} "
+                            f"failed ({result.summary.failed} failed requests)"
+                        )
                     thinks = validate.bench_think_times(workload)
-                    runs.append(ServerRun(concurrency, result.records, tpot,
-                                          [float(thinks(r)) for r in replayed(result.records)] if callable(thinks)
-                                          else thinks))
+                    runs.append(
+                        ServerRun(
+                            concurrency,
+                            result.records,
+                            tpot,
+                            [float(thinks(r)) for r in replayed(result.records)] if callable(thinks) else thinks,
+                        )
+                    )
             finally:
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGTERM)
@@ -613,8 +786,13 @@ def measure_server_term(args: argparse.Namespace, profile: dict[str, Any]) -> di
             steps = ServedStep.from_log([json.loads(line) for line in f if line.strip()])
     model = validate.sim_model(profile, None, served)
     term = fit_server_term(profile, server, model, steps, runs)
-    return {**term, "server_flags": _serve_flags(args), "input_len": SERVER_INPUT_LEN,
-            "output_len": SERVER_OUTPUT_LEN, "served_steps": [st.to_row() for st in steps]}
+    return {
+        **term,
+        "server_flags": _serve_flags(args),
+        "input_len": SERVER_INPUT_LEN,
+        "output_len": SERVER_OUTPUT_LEN,
+        "served_steps": [st.to_row() for st in steps],
+    }
 
 
 def write_hardware_file(path: str, host: dict[str, Any]) -> None:
@@ -625,9 +803,12 @@ def write_hardware_file(path: str, host: dict[str, Any]) -> None:
     from servelab.spec.hardware_file import YAML_SUFFIXES, parse_hardware
 
     name = "host-" + (re.sub(r"[^a-z0-9]+", "-", host["cpu"].lower()).strip("-") or "cpu")
-    data = probe_hardware(name, f"measured by servelab calibrate on {time.strftime('%Y-%m-%d')} with "
-                                f"{host['torch_threads']} threads: a streaming read and the best torch matmul (achieved "
-                                f"rates, not datasheet peaks)")
+    data = probe_hardware(
+        name,
+        f"measured by servelab calibrate on {time.strftime('%Y-%m-%d')} with "
+        f"{host['torch_threads']} threads: a streaming read and the best torch matmul (achieved "
+        f"rates, not datasheet peaks)",
+    )
     spec = parse_hardware(data, source=path, default_name=name)
     with open(path, "w", encoding="utf-8") as f:
         if path.lower().endswith(YAML_SUFFIXES):
@@ -636,6 +817,8 @@ def write_hardware_file(path: str, host: dict[str, Any]) -> None:
             yaml.safe_dump(data, f, sort_keys=False)
         else:
             json.dump(data, f, indent=1)
-    print(f"{spec.name}: {spec.memory_bytes / 1e9:.1f} GB, read bandwidth {spec.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
-          f"matmul fp32 {spec.peak_flops['fp32'] / 1e9:.0f} GFLOP/s, bf16 {spec.peak_flops['bf16'] / 1e9:.0f} GFLOP/s")
+    print(
+        f"{spec.name}: {spec.memory_bytes / 1e9:.1f} GB, read bandwidth {spec.bandwidth_bytes_per_s / 1e9:.1f} GB/s, "
+        f"matmul fp32 {spec.peak_flops['fp32'] / 1e9:.0f} GFLOP/s, bf16 {spec.peak_flops['bf16'] / 1e9:.0f} GFLOP/s"
+    )
     print(f"wrote {path} (use it with --hardware {path})")

@@ -14,8 +14,12 @@ HELP = "interactive lessons on inference economics in the browser"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8001, help="port to listen on (default 8001)")
-    parser.add_argument("--profile", default=None, metavar="FILE.json",
-                        help="a `servelab calibrate` profile: the 'your machine' panel shows its fit")
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="FILE.json",
+        help="a `servelab calibrate` profile: the 'your machine' panel shows its fit",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -70,4 +74,5 @@ def _check_can_listen(host: str, port: int) -> None:
             probe.bind(address)
         except OSError as exc:
             raise InvalidArgument(
-                f"--port: cannot listen on {host}:{port}: {exc.strerror or exc}", param="port") from None
+                f"--port: cannot listen on {host}:{port}: {exc.strerror or exc}", param="port"
+            ) from None

@@ -23,13 +23,39 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps([m.to_dict() for m in MODELS.values()], indent=2))
         return 0
-    headers = ["model", "params", "active", "layers", "hidden", "heads", "kv heads", "head dim", "ffn", "vocab",
-               "experts", "tied", "max ctx", "KV/token bf16"]
+    headers = [
+        "model",
+        "params",
+        "active",
+        "layers",
+        "hidden",
+        "heads",
+        "kv heads",
+        "head dim",
+        "ffn",
+        "vocab",
+        "experts",
+        "tied",
+        "max ctx",
+        "KV/token bf16",
+    ]
     body = [
-        [m.name, _count(m.num_params), _count(m.num_active_params), m.num_layers, m.hidden_size,
-         m.num_heads, m.num_kv_heads, m.head_dim, m.ffn_size, m.vocab_size,
-         f"{m.num_active_experts}/{m.num_experts}" if m.is_moe else "-", "yes" if m.tie_embeddings else "no",
-         m.max_context, f"{m.kv_bytes_per_token('bf16') / 1024:,.0f} KiB"]
+        [
+            m.name,
+            _count(m.num_params),
+            _count(m.num_active_params),
+            m.num_layers,
+            m.hidden_size,
+            m.num_heads,
+            m.num_kv_heads,
+            m.head_dim,
+            m.ffn_size,
+            m.vocab_size,
+            f"{m.num_active_experts}/{m.num_experts}" if m.is_moe else "-",
+            "yes" if m.tie_embeddings else "no",
+            m.max_context,
+            f"{m.kv_bytes_per_token('bf16') / 1024:,.0f} KiB",
+        ]
         for m in MODELS.values()
     ]
     print(render_table(headers, body, left=(0, 11)))

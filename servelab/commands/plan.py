@@ -28,21 +28,41 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     g = parser.add_argument_group("deployments to compare")
     g.add_argument("--model", default="llama-3.1-8b", help=MODEL_HELP)
-    g.add_argument("--hardware", default="h100-sxm", help="comma list of catalog accelerators or JSON or YAML hardware files, e.g. h100-sxm,h200,generic-cpu.json")
-    g.add_argument("--tp", "--tensor-parallel-size", dest="tp", default="1", help="comma list of tensor-parallel degrees, e.g. 1,2,4,8 (default 1)")
+    g.add_argument(
+        "--hardware",
+        default="h100-sxm",
+        help="comma list of catalog accelerators or JSON or YAML hardware files, e.g. h100-sxm,h200,generic-cpu.json",
+    )
+    g.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        dest="tp",
+        default="1",
+        help="comma list of tensor-parallel degrees, e.g. 1,2,4,8 (default 1)",
+    )
     add_cost_dtype_arguments(g)
-    g.add_argument("--profile", default=None, metavar="FILE.json",
-                   help="price steps with a `servelab calibrate` profile instead of the roofline")
+    g.add_argument(
+        "--profile",
+        default=None,
+        metavar="FILE.json",
+        help="price steps with a `servelab calibrate` profile instead of the roofline",
+    )
     add_engine_profile_argument(g)
-    add_scheduler_arguments(g, ("policy", "admission", "max_num_seqs", "max_num_batched_tokens"),
-                            defaults=profile_defaults(), unset=PROFILE_UNSET)
+    add_scheduler_arguments(
+        g,
+        ("policy", "admission", "max_num_seqs", "max_num_batched_tokens"),
+        defaults=profile_defaults(),
+        unset=PROFILE_UNSET,
+    )
     t = parser.add_argument_group("targets")
     t.add_argument("--slo-tpot", default=None, help="TPOT target, e.g. 50ms")
     t.add_argument("--slo-ttft", default=None, help="TTFT target, e.g. 1s")
     t.add_argument("--percentile", type=int, default=90, help="percentile the targets apply to (default 90)")
     t.add_argument("--target-rate", type=float, default=None, help="requests/s to serve: report devices needed")
     t.add_argument("--price", default=None, help="$/device-hour, e.g. h100-sxm=2.5,h200=3.5 (default: the catalog's)")
-    t.add_argument("--max-concurrency", type=int, default=None, help="search ceiling (default 4 x --max-num-seqs; at most 100,000)")
+    t.add_argument(
+        "--max-concurrency", type=int, default=None, help="search ceiling (default 4 x --max-num-seqs; at most 100,000)"
+    )
     add_workload_arguments(parser)
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object")
@@ -68,9 +88,12 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgument("--hardware: give at least one accelerator, e.g. h100-sxm,h200")
     tps = parse_int_list(args.tp, name="--tp")
     check_percentile(args.percentile)
-    targets = {k: None if getattr(args, f"slo_{k}") is None else parse_duration_s(getattr(args, f"slo_{k}"),
-                                                                                   name=f"--slo-{k}", positive=True)
-               for k in ("ttft", "tpot")}
+    targets = {
+        k: None
+        if getattr(args, f"slo_{k}") is None
+        else parse_duration_s(getattr(args, f"slo_{k}"), name=f"--slo-{k}", positive=True)
+        for k in ("ttft", "tpot")
+    }
     if all(v is None for v in targets.values()):
         raise InvalidArgument("give at least one target: --slo-tpot (e.g. 50ms) and/or --slo-ttft (e.g. 1s)")
     slo = SLO(ttft_s=targets["ttft"], tpot_s=targets["tpot"])
@@ -91,7 +114,8 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgument(
             f"--max-num-seqs {max_seqs:,}: the search would go up to 4 x that, "
             f"{4 * max_seqs:,} concurrent requests, past the {MAX_CONCURRENCY:,} a plan simulates; "
-            f"give --max-concurrency (at most {MAX_CONCURRENCY:,}) or a smaller --max-num-seqs")
+            f"give --max-concurrency (at most {MAX_CONCURRENCY:,}) or a smaller --max-num-seqs"
+        )
     from servelab.commands._outputs import check_plot_file
 
     check_plot_file(args.plot, "--plot")
@@ -122,11 +146,22 @@ def run(args: argparse.Namespace) -> int:
             print(f"steps priced by {args.profile}: {cost_model}")
     prices = parse_prices(args.price, hardware)
     jobs = [
-        PlanJob(model=args.model, hardware=h, tp=tp, slo=slo, percentile=args.percentile, workload=workload,
-                weight_dtype=weight, kv_cache_dtype=kv, engine_profile=engine, scheduler_overrides=scheduler,
-                max_concurrency=args.max_concurrency,
-                target_rate=args.target_rate, price_per_device_hour=prices.get(get_hardware(h).name),
-                profile=args.profile)
+        PlanJob(
+            model=args.model,
+            hardware=h,
+            tp=tp,
+            slo=slo,
+            percentile=args.percentile,
+            workload=workload,
+            weight_dtype=weight,
+            kv_cache_dtype=kv,
+            engine_profile=engine,
+            scheduler_overrides=scheduler,
+            max_concurrency=args.max_concurrency,
+            target_rate=args.target_rate,
+            price_per_device_hour=prices.get(get_hardware(h).name),
+            profile=args.profile,
+        )
         for h in hardware
         for tp in tps
     ]
@@ -136,9 +171,21 @@ def run(args: argparse.Namespace) -> int:
 
         write_frontier_plot(rows, args.plot, title=f"{model.name}: per-user vs per-device throughput")
     if args.json:
-        print(json.dumps({"model": model.name, "engine_profile": engine, "cost_model": cost_model, "slo": slo.to_dict(),
-                          "percentile": args.percentile, "target_rate": args.target_rate, "workload": workload,
-                          "configs": [r.to_dict() for r in rows]}, indent=2))
+        print(
+            json.dumps(
+                {
+                    "model": model.name,
+                    "engine_profile": engine,
+                    "cost_model": cost_model,
+                    "slo": slo.to_dict(),
+                    "percentile": args.percentile,
+                    "target_rate": args.target_rate,
+                    "workload": workload,
+                    "configs": [r.to_dict() for r in rows],
+                },
+                indent=2,
+            )
+        )
         return 0
     print(_table(rows, model.name, slo, args, spec, engine))
     if args.plot:
@@ -150,8 +197,9 @@ def _table(rows, model: str, slo, args: argparse.Namespace, spec, engine: str) -
     from servelab.commands._table import render_table
 
     key = f"p{args.percentile}"
-    targets = ", ".join(f"{key} {n} <= {v * 1e3:g} ms" for n, v in (("TTFT", slo.ttft_s), ("TPOT", slo.tpot_s))
-                        if v is not None)
+    targets = ", ".join(
+        f"{key} {n} <= {v * 1e3:g} ms" for n, v in (("TTFT", slo.ttft_s), ("TPOT", slo.tpot_s)) if v is not None
+    )
     users = ""
     if spec.think_time_s:
         from servelab.workload.arrivals import describe_think_time
@@ -163,10 +211,23 @@ def _table(rows, model: str, slo, args: argparse.Namespace, spec, engine: str) -
         from servelab.cost.roofline import extrapolation_notice
 
         lines.append(extrapolation_notice(extrapolated))
-    lines += [f"{model}: capacity at {targets} (simulated as {engine} runs it; input {args.input_len or 1024}, "
-              f"output {args.output_len or 256} tokens{users})", ""]
-    headers = ["hardware", "tp", "concurrency", "tok/s/device", "req/s", f"{key} TTFT", f"{key} TPOT", "$/dev-h",
-               "$/M tok", "bound by"]
+    lines += [
+        f"{model}: capacity at {targets} (simulated as {engine} runs it; input {args.input_len or 1024}, "
+        f"output {args.output_len or 256} tokens{users})",
+        "",
+    ]
+    headers = [
+        "hardware",
+        "tp",
+        "concurrency",
+        "tok/s/device",
+        "req/s",
+        f"{key} TTFT",
+        f"{key} TPOT",
+        "$/dev-h",
+        "$/M tok",
+        "bound by",
+    ]
     if args.target_rate is not None:
         headers.append(f"devices @ {args.target_rate:g} req/s")
     table_rows, notes = [], []
@@ -174,11 +235,18 @@ def _table(rows, model: str, slo, args: argparse.Namespace, spec, engine: str) -
         if not r.meets_slo:
             notes.append(f"{r.hardware} tp={r.tp}: {'does not fit: ' if not r.fits else ''}{r.reason}")
             continue
-        row = [r.hardware, r.tp, f"{r.capacity_concurrency:g}", f"{r.tokens_per_s_per_device:,.0f}",
-               f"{r.requests_per_s:.2f}", f"{r.ttft_s * 1e3:.0f} ms", f"{r.tpot_s * 1e3:.1f} ms",
-               "-" if r.price_per_device_hour is None else f"{r.price_per_device_hour:.2f}",
-               "-" if r.cost_per_million_output_tokens is None else f"{r.cost_per_million_output_tokens:.3f}",
-               "-" if r.binding is None else r.binding.limit]
+        row = [
+            r.hardware,
+            r.tp,
+            f"{r.capacity_concurrency:g}",
+            f"{r.tokens_per_s_per_device:,.0f}",
+            f"{r.requests_per_s:.2f}",
+            f"{r.ttft_s * 1e3:.0f} ms",
+            f"{r.tpot_s * 1e3:.1f} ms",
+            "-" if r.price_per_device_hour is None else f"{r.price_per_device_hour:.2f}",
+            "-" if r.cost_per_million_output_tokens is None else f"{r.cost_per_million_output_tokens:.3f}",
+            "-" if r.binding is None else r.binding.limit,
+        ]
         if args.target_rate is not None:
             row.append("-" if r.devices_needed is None else r.devices_needed)
         table_rows.append(row)
@@ -190,8 +258,10 @@ def _table(rows, model: str, slo, args: argparse.Namespace, spec, engine: str) -
     if table_rows:
         lines.append(render_table(headers, table_rows, left=(0,)))
     if spec.think_time_s and spec.think_time_dist == "constant":
-        notes.append("a constant think time keeps users who started together in lockstep (bursts of every user "
-                     "at once); --think-time exp:DURATION draws each pause, as readers spread out")
+        notes.append(
+            "a constant think time keeps users who started together in lockstep (bursts of every user "
+            "at once); --think-time exp:DURATION draws each pause, as readers spread out"
+        )
     if notes:
         lines += ["", "notes:"] + [f"  {n}" for n in notes]
     return "\n".join(lines)

@@ -20,32 +20,54 @@ HELP = "roofline cost of decode/prefill steps for a model on an accelerator"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True,
-                        help=MODEL_HELP)
-    parser.add_argument("--hardware", required=True, help="catalog accelerator (see `servelab hardware`) or a JSON or YAML hardware file")
+    parser.add_argument("--model", required=True, help=MODEL_HELP)
+    parser.add_argument(
+        "--hardware",
+        required=True,
+        help="catalog accelerator (see `servelab hardware`) or a JSON or YAML hardware file",
+    )
     add_cost_dtype_arguments(parser)
-    parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel degree (default 1)")
+    parser.add_argument(
+        "--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel degree (default 1)"
+    )
     parser.add_argument("--batch", default="1,8,64", help="comma-separated decode batch sizes (default 1,8,64)")
     parser.add_argument("--context", type=int, default=2048, help="tokens of context per sequence (default 2048)")
-    parser.add_argument("--prompt-len", type=int, default=None, metavar="N",
-                        help="also estimate the prefill time (TTFT) of an N-token prompt")
-    parser.add_argument("--memory-fraction", type=float, default=0.9,
-                        help="share of device memory for weights + KV cache (default 0.9)")
-    parser.add_argument("--no-fit-check", action="store_true",
-                        help="show batches that do not fit in memory (fits=no) instead of failing")
+    parser.add_argument(
+        "--prompt-len",
+        type=int,
+        default=None,
+        metavar="N",
+        help="also estimate the prefill time (TTFT) of an N-token prompt",
+    )
+    parser.add_argument(
+        "--memory-fraction", type=float, default=0.9, help="share of device memory for weights + KV cache (default 0.9)"
+    )
+    parser.add_argument(
+        "--no-fit-check",
+        action="store_true",
+        help="show batches that do not fit in memory (fits=no) instead of failing",
+    )
     e = parser.add_argument_group("efficiency (defaults fitted to published measurements: docs/fidelity.md)")
     e.add_argument("--bandwidth-fraction", type=float, default=None, help="achievable share of peak bandwidth")
     e.add_argument("--compute-fraction", type=float, default=None, help="achievable share of peak FLOP/s")
     e.add_argument("--step-overhead", default=None, help="fixed cost per step besides the per-layer one, e.g. 150us")
-    e.add_argument("--measured-kernels", action="store_true",
-                   help="price linear layers, attention and all-reduces from the part's measured kernels (A100, "
-                        "H100: Vidur's profiles; H200: benchmarks/data/h200_kernels.json) instead of the end-to-end "
-                        "fractions (docs/fidelity.md, 'Measured GPU kernels')")
-    parser.add_argument("--profile", default=None, metavar="FILE.json",
-                        help="also print a `servelab calibrate` profile's measured-fit step times beside the roofline's")
+    e.add_argument(
+        "--measured-kernels",
+        action="store_true",
+        help="price linear layers, attention and all-reduces from the part's measured kernels (A100, "
+        "H100: Vidur's profiles; H200: benchmarks/data/h200_kernels.json) instead of the end-to-end "
+        "fractions (docs/fidelity.md, 'Measured GPU kernels')",
+    )
+    parser.add_argument(
+        "--profile",
+        default=None,
+        metavar="FILE.json",
+        help="also print a `servelab calibrate` profile's measured-fit step times beside the roofline's",
+    )
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
-    parser.add_argument("--plot", default=None, metavar="FILE.png",
-                        help="plot tokens/s per user and in total against batch size")
+    parser.add_argument(
+        "--plot", default=None, metavar="FILE.png", help="plot tokens/s per user and in total against batch size"
+    )
 
 
 def _efficiency(args: argparse.Namespace) -> Any:
@@ -75,11 +97,20 @@ def build(args: argparse.Namespace) -> tuple[Any, list[int]]:  # (Roofline, batc
         raise InvalidArgument(f"--prompt-len must be at least 1 token, got {args.prompt_len}")
     model = resolve_model(args.model)
     weight, kv = cost_dtypes(args)
-    roofline = Roofline(model, get_hardware(args.hardware), weight_dtype=weight, kv_dtype=kv,
-                        tp=args.tp, efficiency=_efficiency(args), memory_fraction=args.memory_fraction,
-                        measured_kernels=args.measured_kernels)
+    roofline = Roofline(
+        model,
+        get_hardware(args.hardware),
+        weight_dtype=weight,
+        kv_dtype=kv,
+        tp=args.tp,
+        efficiency=_efficiency(args),
+        memory_fraction=args.memory_fraction,
+        measured_kernels=args.measured_kernels,
+    )
     if args.context > model.max_context:
-        raise InvalidArgument(f"--context {args.context} exceeds {model.name}'s maximum context of {model.max_context} tokens")
+        raise InvalidArgument(
+            f"--context {args.context} exceeds {model.name}'s maximum context of {model.max_context} tokens"
+        )
     if args.prompt_len is not None and args.prompt_len > model.max_context:
         raise InvalidArgument(
             f"--prompt-len {args.prompt_len} exceeds {model.name}'s maximum context of {model.max_context} tokens"
@@ -130,29 +161,36 @@ def _compute_bound_note(roofline: Any, context: int) -> str:
     limit = roofline.memory.max_batch(context)
     if batch is not None:
         where = "within" if batch <= limit else "beyond"
-        return (f"compute-bound from batch {batch:,} at context {context} ({where} the memory limit of "
-                f"batch {limit:,})")
+        return f"compute-bound from batch {batch:,} at context {context} ({where} the memory limit of batch {limit:,})"
     # Each extra sequence adds its KV reads and its FLOPs; below the ridge they never catch up.
     big = 1 << 16
     a, b = roofline.decode(big, context), roofline.decode(big + 1, context)
     flops, nbytes = b.flops - a.flops, b.total_bytes - a.total_bytes
-    return (f"never compute-bound at context {context}: each sequence adds {nbytes / 1e6:,.0f} MB of KV and "
-            f"activation traffic for {flops / 1e9:.1f} GFLOP ({flops / nbytes:.0f} FLOP/byte, below the ridge)")
+    return (
+        f"never compute-bound at context {context}: each sequence adds {nbytes / 1e6:,.0f} MB of KV and "
+        f"activation traffic for {flops / 1e9:.1f} GFLOP ({flops / nbytes:.0f} FLOP/byte, below the ridge)"
+    )
 
 
 def _header(roofline: Any, context: int) -> list[str]:
     m, hw, plan = roofline.model, roofline.hardware, roofline.memory
     devices = f"{roofline.tp}× " if roofline.tp > 1 else ""
     return [
-        (f"{m.name} on {devices}{hw.name}: {roofline.weight_dtype} weights, {roofline.kv_dtype} KV cache, "
-         f"decode at context {context}"),
-        (f"peak: weights {plan.weight_bytes_per_device / 1e9:.2f} GB/device stream once in "
-         f"{roofline.weight_stream_time_s * 1e3:.2f} ms at {hw.bandwidth_bytes_per_s / 1e12:.3g} TB/s; "
-         f"one token's compute {roofline.token_compute_time_s * 1e3:.4f} ms at "
-         f"{roofline.peak_flops_per_s / 1e12:,.4g} TFLOPS; ridge {roofline.ridge_flops_per_byte:.0f} FLOP/byte"),
-        (f"memory: KV {plan.kv_bytes_per_token_per_device:,.0f} bytes/token/device; {plan.kv_capacity_bytes / 1e9:.1f} GB "
-         f"left at {plan.memory_fraction:.0%} of {hw.memory_bytes / 1e9:.0f} GB = {plan.kv_capacity_tokens:,} tokens "
-         f"= batch {plan.max_batch(context):,} at context {context}"),
+        (
+            f"{m.name} on {devices}{hw.name}: {roofline.weight_dtype} weights, {roofline.kv_dtype} KV cache, "
+            f"decode at context {context}"
+        ),
+        (
+            f"peak: weights {plan.weight_bytes_per_device / 1e9:.2f} GB/device stream once in "
+            f"{roofline.weight_stream_time_s * 1e3:.2f} ms at {hw.bandwidth_bytes_per_s / 1e12:.3g} TB/s; "
+            f"one token's compute {roofline.token_compute_time_s * 1e3:.4f} ms at "
+            f"{roofline.peak_flops_per_s / 1e12:,.4g} TFLOPS; ridge {roofline.ridge_flops_per_byte:.0f} FLOP/byte"
+        ),
+        (
+            f"memory: KV {plan.kv_bytes_per_token_per_device:,.0f} bytes/token/device; {plan.kv_capacity_bytes / 1e9:.1f} GB "
+            f"left at {plan.memory_fraction:.0%} of {hw.memory_bytes / 1e9:.0f} GB = {plan.kv_capacity_tokens:,} tokens "
+            f"= batch {plan.max_batch(context):,} at context {context}"
+        ),
         _efficiency_line(roofline),
     ]
 
@@ -160,19 +198,26 @@ def _header(roofline: Any, context: int) -> list[str]:
 def _efficiency_line(roofline: Any) -> str:
     eff, m = roofline.efficiency, roofline.model
     fmt = eff.for_format(roofline.weight_dtype)
-    bandwidth = (f"{fmt.bandwidth_fraction:.0%} of peak bandwidth for {roofline.weight_dtype} weights and "
-                 f"{eff.bandwidth_fraction:.0%} for the rest" if fmt.bandwidth_fraction != eff.bandwidth_fraction
-                 else f"{eff.bandwidth_fraction:.0%} of peak bandwidth")
+    bandwidth = (
+        f"{fmt.bandwidth_fraction:.0%} of peak bandwidth for {roofline.weight_dtype} weights and "
+        f"{eff.bandwidth_fraction:.0%} for the rest"
+        if fmt.bandwidth_fraction != eff.bandwidth_fraction
+        else f"{eff.bandwidth_fraction:.0%} of peak bandwidth"
+    )
     fixed_s = eff.step_overhead_s + m.num_layers * eff.per_layer_overhead_s
     if roofline.gemm is not None:
         measured = "linear layers, attention" + (", all-reduces" if roofline.allreduce is not None else "")
-        return (f"predicted by {roofline.hardware.name}'s measured kernels ({measured}; their sources: "
-                f"--json's parameter_source): new KV and activations at "
-                f"{eff.bandwidth_fraction:.0%} of peak bandwidth, {fixed_s * 1e3:.2f} ms per step ({m.num_layers} "
-                f"layers) + {eff.per_seq_overhead_s * 1e6:.1f} us per sequence besides the kernels")
-    return (f"predicted at {bandwidth} and {fmt.compute_fraction:.0%} of peak compute (ridge "
-            f"{roofline.achievable_ridge_flops_per_byte:.0f} FLOP/byte), {fixed_s * 1e3:.2f} ms per step "
-            f"({m.num_layers} layers) + {eff.per_seq_overhead_s * 1e6:.1f} us per sequence")
+        return (
+            f"predicted by {roofline.hardware.name}'s measured kernels ({measured}; their sources: "
+            f"--json's parameter_source): new KV and activations at "
+            f"{eff.bandwidth_fraction:.0%} of peak bandwidth, {fixed_s * 1e3:.2f} ms per step ({m.num_layers} "
+            f"layers) + {eff.per_seq_overhead_s * 1e6:.1f} us per sequence besides the kernels"
+        )
+    return (
+        f"predicted at {bandwidth} and {fmt.compute_fraction:.0%} of peak compute (ridge "
+        f"{roofline.achievable_ridge_flops_per_byte:.0f} FLOP/byte), {fixed_s * 1e3:.2f} ms per step "
+        f"({m.num_layers} layers) + {eff.per_seq_overhead_s * 1e6:.1f} us per sequence"
+    )
 
 
 def _table(table_rows: list[dict[str, Any]]) -> str:
@@ -180,9 +225,17 @@ def _table(table_rows: list[dict[str, Any]]) -> str:
 
     headers = ["batch", "step ms", "tok/s/user", "tok/s total", "bound", "FLOP/byte", "weights GB", "KV GB", "fits"]
     body = [
-        [r["batch"], f"{r['step_time_s'] * 1e3:.2f}", f"{r['tokens_per_s_per_user']:,.1f}",
-         f"{r['tokens_per_s_total']:,.0f}", r["bound"], f"{r['arithmetic_intensity']:,.1f}",
-         f"{r['weight_bytes'] / 1e9:.2f}", f"{r['kv_bytes'] / 1e9:.2f}", "yes" if r["fits"] else "no"]
+        [
+            r["batch"],
+            f"{r['step_time_s'] * 1e3:.2f}",
+            f"{r['tokens_per_s_per_user']:,.1f}",
+            f"{r['tokens_per_s_total']:,.0f}",
+            r["bound"],
+            f"{r['arithmetic_intensity']:,.1f}",
+            f"{r['weight_bytes'] / 1e9:.2f}",
+            f"{r['kv_bytes'] / 1e9:.2f}",
+            "yes" if r["fits"] else "no",
+        ]
         for r in table_rows
     ]
     return render_table(headers, body, left=(4, 8))
@@ -210,11 +263,20 @@ def plot(roofline: Any, batches: list[int], context: int, path: str) -> None:
         ax_total.axvline(limit, color="tab:red", linestyle="--", label=f"memory limit: batch {limit:,}")
         ax_total.axvspan(limit, sweep[-1], color="tab:red", alpha=0.07)
     if ridge_batch is not None:
-        ax_total.axvline(ridge_batch, color="tab:green", linestyle=":",
-                         label=f"compute-bound from batch {ridge_batch:,} (ridge {roofline.ridge_flops_per_byte:.0f} FLOP/B)")
+        ax_total.axvline(
+            ridge_batch,
+            color="tab:green",
+            linestyle=":",
+            label=f"compute-bound from batch {ridge_batch:,} (ridge {roofline.ridge_flops_per_byte:.0f} FLOP/B)",
+        )
     else:
-        ax_total.plot([], [], color="tab:green", linestyle=":",
-                      label=f"never reaches the ridge ({roofline.ridge_flops_per_byte:.0f} FLOP/B) at this context")
+        ax_total.plot(
+            [],
+            [],
+            color="tab:green",
+            linestyle=":",
+            label=f"never reaches the ridge ({roofline.ridge_flops_per_byte:.0f} FLOP/B) at this context",
+        )
     ax_total.set_xscale("log", base=2)
     ax_total.set_xlabel("decode batch size")
     ax_total.set_ylabel("tokens/s total", color="tab:blue")
@@ -263,18 +325,24 @@ def run(args: argparse.Namespace) -> int:
     print()
     print(_table(table_rows))
     if profile is not None:
-        print(f"\nmeasured (profile {args.profile}, its host, not {roofline.hardware.name}): decode step at context "
-              f"{args.context}: " + ", ".join(f"batch {r['batch']} {r['profile_step_time_s'] * 1e3:.2f} ms"
-                                              for r in table_rows))
+        print(
+            f"\nmeasured (profile {args.profile}, its host, not {roofline.hardware.name}): decode step at context "
+            f"{args.context}: "
+            + ", ".join(f"batch {r['batch']} {r['profile_step_time_s'] * 1e3:.2f} ms" for r in table_rows)
+        )
         if args.prompt_len:
-            print(f"measured prefill of a {args.prompt_len:,}-token prompt in one step: "
-                  f"{table_rows[0]['profile_prefill_time_s'] * 1e3:.1f} ms")
+            print(
+                f"measured prefill of a {args.prompt_len:,}-token prompt in one step: "
+                f"{table_rows[0]['profile_prefill_time_s'] * 1e3:.1f} ms"
+            )
     print()
     print(_compute_bound_note(roofline, args.context))
     if args.prompt_len:
         cost = roofline.prefill(args.prompt_len)
-        print(f"prefill of a {args.prompt_len:,}-token prompt: {cost.time_s * 1e3:.1f} ms (TTFT estimate), "
-              f"{cost.bound}-bound, {cost.arithmetic_intensity:,.0f} FLOP/byte")
+        print(
+            f"prefill of a {args.prompt_len:,}-token prompt: {cost.time_s * 1e3:.1f} ms (TTFT estimate), "
+            f"{cost.bound}-bound, {cost.arithmetic_intensity:,.0f} FLOP/byte"
+        )
     if args.plot:
         print(f"plot written to {args.plot}")
     return 0

@@ -33,6 +33,7 @@ _MODEL_FLAGS = ("model", "served_model_name", "dtype", "kv_cache_dtype", "quanti
                 "tensor_parallel_size", "seed")  # fmt: skip
 _LIMIT_FLAGS = ("kv_cache_memory_bytes",)
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.epilog = (
         "Sampling defaults: a request that leaves temperature, top_p, top_k or min_p out gets the value "
@@ -60,12 +61,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     net.add_argument("--metrics-namespace", choices=list(NAMESPACES), default="servelab",
                      help="/metrics names: servelab (default: servelab:<name>) or vllm (vLLM's names and labels, "
                           "for vLLM's dashboards and alerts; docs/metrics.md)")  # fmt: skip
-    net.add_argument("--profile", default=None, metavar="FILE.json",
-                     help="a `servelab calibrate` profile: the lab's 'your machine' panel overlays its prediction")
-    net.add_argument("--step-log", default=None, metavar="FILE.jsonl",
-                     help="write one JSON line per engine step: its shape (query tokens, sequences, context, "
-                          "attended pairs) and times (the executor's, the step's, until its outputs were posted, "
-                          "the idle wait before it); `calibrate --server-term` fits the serving term from it")
+    net.add_argument(
+        "--profile",
+        default=None,
+        metavar="FILE.json",
+        help="a `servelab calibrate` profile: the lab's 'your machine' panel overlays its prediction",
+    )
+    net.add_argument(
+        "--step-log",
+        default=None,
+        metavar="FILE.jsonl",
+        help="write one JSON line per engine step: its shape (query tokens, sequences, context, "
+        "attended pairs) and times (the executor's, the step's, until its outputs were posted, "
+        "the idle wait before it); `calibrate --server-term` fits the serving term from it",
+    )
 
     model = parser.add_argument_group("model")
     add_engine_args_flags(model, _MODEL_FLAGS)
@@ -108,8 +117,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           help="memory for compiled grammars kept for reuse, least recently used dropped first, in "
                                "the server and in each cluster worker (default 256)")  # fmt: skip
     add_cluster_arguments(parser)
-    parser.add_argument("--log-level", choices=["debug", "info", "warning", "error"], default="info",
-                        help="server log verbosity (default: info)")
+    parser.add_argument(
+        "--log-level",
+        choices=["debug", "info", "warning", "error"],
+        default="info",
+        help="server log verbosity (default: info)",
+    )
 
 
 def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
@@ -124,10 +137,16 @@ def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
     conn.add_argument("--header-timeout", default=f"{c.DEFAULT_HEADER_TIMEOUT_S:g}s",
                       help="a connection must send a request's whole headers within this (default %(default)s); "
                            "slower ones get 408 and are closed")  # fmt: skip
-    conn.add_argument("--body-timeout", default=f"{c.DEFAULT_BODY_TIMEOUT_S:g}s",
-                      help="and its whole body within this after them (default %(default)s)")
-    conn.add_argument("--keep-alive-timeout", default=f"{c.DEFAULT_KEEP_ALIVE_TIMEOUT_S:g}s",
-                      help="an idle keep-alive connection is closed after this (default %(default)s)")
+    conn.add_argument(
+        "--body-timeout",
+        default=f"{c.DEFAULT_BODY_TIMEOUT_S:g}s",
+        help="and its whole body within this after them (default %(default)s)",
+    )
+    conn.add_argument(
+        "--keep-alive-timeout",
+        default=f"{c.DEFAULT_KEEP_ALIVE_TIMEOUT_S:g}s",
+        help="an idle keep-alive connection is closed after this (default %(default)s)",
+    )
     conn.add_argument("--max-connections", type=int, default=c.DEFAULT_MAX_CONNECTIONS, metavar="N",
                       help="open connections in all; past it a new one gets 503 with Retry-After "
                            "(default %(default)s; 0: no cap)")  # fmt: skip
@@ -183,7 +202,10 @@ def _raise_open_file_limit(need: int) -> None:
         if target < need:
             logging.getLogger("servelab.server").warning(
                 "servelab: the open-file limit is %d, below --max-connections plus room for the server's own files "
-                "(%d): past it new connections fail instead of getting 503", target, need)
+                "(%d): past it new connections fail instead of getting 503",
+                target,
+                need,
+            )
 
 
 def _check_args(args: argparse.Namespace) -> None:
@@ -198,8 +220,9 @@ def _check_args(args: argparse.Namespace) -> None:
     if args.structured_output_cache_mb < 0:
         raise InvalidArgument(f"--structured-output-cache-mb: must be >= 0, got {args.structured_output_cache_mb}")
     if args.step_log is not None and uses_cluster(args):
-        raise InvalidArgument("--step-log: logs one engine's steps; not with --data-parallel, --external-workers or "
-                              "--disagg")
+        raise InvalidArgument(
+            "--step-log: logs one engine's steps; not with --data-parallel, --external-workers or --disagg"
+        )
 
 
 def _open_step_log(path: str | None) -> TextIO | None:
@@ -227,8 +250,9 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def mount_lab(app: FastAPI, profile: dict | None = None, profile_path: str | None = None,
-              served_model: str | None = None) -> bool:
+def mount_lab(
+    app: FastAPI, profile: dict | None = None, profile_path: str | None = None, served_model: str | None = None
+) -> bool:
     """Mount the lessons at /lab on the server's app when `servelab.lab` is installed; its live
     panel reads this server's own /metrics text and, with a profile, predicts what the page
     measures. A broken lab never stops the API from serving."""
@@ -240,8 +264,12 @@ def mount_lab(app: FastAPI, profile: dict | None = None, profile_path: str | Non
     try:
         from servelab.lab.app import create_lab_app
 
-        lab = create_lab_app(engine_metrics_source=lambda: state.metrics.render().decode(), profile=profile,
-                             profile_path=profile_path, served_model=lambda: served_model)
+        lab = create_lab_app(
+            engine_metrics_source=lambda: state.metrics.render().decode(),
+            profile=profile,
+            profile_path=profile_path,
+            served_model=lambda: served_model,
+        )
     except Exception as exc:
         logging.getLogger("servelab.server").warning(
             "the lab could not be mounted at /lab (%s: %s); serving the API without it", type(exc).__name__, exc
@@ -303,7 +331,9 @@ def run(args: argparse.Namespace) -> int:
     max_waiting = "unbounded" if cfg.max_waiting is None else str(cfg.max_waiting)
     if cluster and cfg.max_waiting is not None:
         max_waiting += " (the cluster's)"  # it bounds all the workers together
-    log.info("servelab: loaded %s (%s) in %.1f s", front.model_name, args.model or "bundled model", time.perf_counter() - t0)
+    log.info(
+        "servelab: loaded %s (%s) in %.1f s", front.model_name, args.model or "bundled model", time.perf_counter() - t0
+    )
     log.info(
         "servelab: %smax_model_len=%d, KV cache %d blocks x %d tokens = %d tokens (%s), max_num_seqs=%d, "
         "max_num_batched_tokens=%d, policy=%s, order=%s, prefix caching %s, max waiting %s",

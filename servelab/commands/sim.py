@@ -37,32 +37,66 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     g = parser.add_argument_group("deployment")
     g.add_argument("--model", default="llama-3.1-8b", help=MODEL_HELP)
-    g.add_argument("--hardware", default="h100-sxm", help="catalog accelerator (see `servelab hardware`) or a JSON or YAML hardware file")
-    g.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=int, default=1, help="tensor-parallel degree per replica (default 1)")
-    g.add_argument("--profile", default=None, metavar="FILE.json",
-                   help="price steps with a `servelab calibrate` profile instead of the roofline")
+    g.add_argument(
+        "--hardware",
+        default="h100-sxm",
+        help="catalog accelerator (see `servelab hardware`) or a JSON or YAML hardware file",
+    )
+    g.add_argument(
+        "--tp",
+        "--tensor-parallel-size",
+        dest="tp",
+        type=int,
+        default=1,
+        help="tensor-parallel degree per replica (default 1)",
+    )
+    g.add_argument(
+        "--profile",
+        default=None,
+        metavar="FILE.json",
+        help="price steps with a `servelab calibrate` profile instead of the roofline",
+    )
     add_cost_dtype_arguments(g)
     add_engine_profile_argument(g)
     layout = g.add_mutually_exclusive_group()
-    layout.add_argument("--replicas", type=int, default=1, help="colocated replicas behind the router (default 1, at most 10,000)")
+    layout.add_argument(
+        "--replicas", type=int, default=1, help="colocated replicas behind the router (default 1, at most 10,000)"
+    )
     layout.add_argument("--disagg", type=_disagg, default=None, metavar="P:D", help="P prefill and D decode replicas")
     g.add_argument("--router", default="round-robin", help=" | ".join(ROUTERS))
-    g.add_argument("--link-bandwidth", type=float, default=None, metavar="GB_PER_S",
-                   help="prefill→decode KV link per replica in GB/s (default 50 per device)")
+    g.add_argument(
+        "--link-bandwidth",
+        type=float,
+        default=None,
+        metavar="GB_PER_S",
+        help="prefill→decode KV link per replica in GB/s (default 50 per device)",
+    )
     g.add_argument("--link-latency", default="0.5ms", help="KV transfer latency (default 0.5ms)")
     s = parser.add_argument_group("scheduler (per replica)")
     add_scheduler_arguments(
-        s, ("policy", "admission", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_blocks",
-            "enable_prefix_caching"),
+        s,
+        (
+            "policy",
+            "admission",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "max_model_len",
+            "num_blocks",
+            "enable_prefix_caching",
+        ),
         defaults=profile_defaults(),
         unset={"max_model_len": "the model's", "num_blocks": "from the memory plan", **PROFILE_UNSET},
     )
     add_workload_arguments(parser)
     o = parser.add_argument_group("output")
-    o.add_argument("--warmup", default=None, metavar="N|DURATION",
-                   help="leave out of the steady-state summary the first N requests (e.g. 50) or those "
-                        "arriving in the first DURATION (e.g. 30s); default: a closed loop's start-up wave "
-                        "(--concurrency requests), nothing for an open loop; 0: no steady-state summary")
+    o.add_argument(
+        "--warmup",
+        default=None,
+        metavar="N|DURATION",
+        help="leave out of the steady-state summary the first N requests (e.g. 50) or those "
+        "arriving in the first DURATION (e.g. 30s); default: a closed loop's start-up wave "
+        "(--concurrency requests), nothing for an open loop; 0: no steady-state summary",
+    )
     o.add_argument("--slo-ttft", default=None, help="TTFT target per request, e.g. 500ms")
     o.add_argument("--slo-tpot", default=None, help="TPOT target per request, e.g. 50ms")
     o.add_argument("--slo-e2e", default=None, help="end-to-end latency target per request, e.g. 20s")
@@ -76,7 +110,8 @@ def _slo(args: argparse.Namespace):  # noqa: ANN202
     from servelab.metrics import SLO
 
     values = {
-        name: None if getattr(args, f"slo_{name}") is None
+        name: None
+        if getattr(args, f"slo_{name}") is None
         else parse_duration_s(getattr(args, f"slo_{name}"), name=f"--slo-{name}", positive=True)
         for name in ("ttft", "tpot", "e2e")
     }
@@ -95,8 +130,9 @@ def parse_warmup(text: str | None) -> tuple[int | None, float]:
     try:
         return 0, parse_duration_s(stripped, name="--warmup")
     except InvalidArgument:
-        raise InvalidArgument(f"--warmup: expected a request count (e.g. 50) or a duration with a unit "
-                              f"(e.g. 30s), got {text!r}") from None
+        raise InvalidArgument(
+            f"--warmup: expected a request count (e.g. 50) or a duration with a unit (e.g. 30s), got {text!r}"
+        ) from None
 
 
 def config_from_args(args: argparse.Namespace):  # noqa: ANN201
@@ -154,8 +190,9 @@ def run(args: argparse.Namespace) -> int:
     progress = not (args.json or args.no_progress) and sys.stderr.isatty()
     result = simulate(config, workload, progress=progress, warmup_requests=warmup_requests, warmup_s=warmup_s)
     if result.steady is None and (warmup_requests or warmup_s):
-        raise InvalidArgument(f"--warmup {args.warmup} leaves no request to summarize "
-                              f"(the run has {result.summary.num_requests})")
+        raise InvalidArgument(
+            f"--warmup {args.warmup} leaves no request to summarize (the run has {result.summary.num_requests})"
+        )
     if args.requests_out:
         with open(args.requests_out, "w", encoding="utf-8") as f:
             for record in result.records:
@@ -174,15 +211,19 @@ def run(args: argparse.Namespace) -> int:
 
         print(extrapolation_notice(c["extrapolation"]))
     layout = f"disagg {c['disagg']} (prefill:decode)" if c["disagg"] else f"{c['replicas']} replica(s)"
-    print(f"{c['model']} on {c['hardware']} x{c['num_devices']} (tp={c['tp']}, {layout}, {c['scheduler']}, "
-          f"KV pool {c['kv_capacity_tokens']:,} tokens per replica)")
+    print(
+        f"{c['model']} on {c['hardware']} x{c['num_devices']} (tp={c['tp']}, {layout}, {c['scheduler']}, "
+        f"KV pool {c['kv_capacity_tokens']:,} tokens per replica)"
+    )
     print(f"workload: {workload.describe()}")
     print(describe_config(config))
     if args.profile is not None:
         print(f"steps priced by {args.profile}: {c['cost_model']}")
         if config.host_cost is not None:
-            print(f"  (the {config.engine_profile} profile's host cost is not added: the profile measured its own "
-                  f"engine's host work)")
+            print(
+                f"  (the {config.engine_profile} profile's host cost is not added: the profile measured its own "
+                f"engine's host work)"
+            )
     print()
     print(format_summary_table(result.summary))
     if result.steady is not None:
@@ -190,8 +231,10 @@ def run(args: argparse.Namespace) -> int:
         print(format_summary_table(result.steady))
     if c["disagg"]:
         t = result.kv_transfer_s
-        print(f"\nKV transfer (prefill→decode): mean {t.mean * 1e3:.2f} ms, p99 {t.p99 * 1e3:.2f} ms, "
-              f"{result.kv_transfer_bytes / 1e9:.1f} GB in total")
+        print(
+            f"\nKV transfer (prefill→decode): mean {t.mean * 1e3:.2f} ms, p99 {t.p99 * 1e3:.2f} ms, "
+            f"{result.kv_transfer_bytes / 1e9:.1f} GB in total"
+        )
     print(f"\nsimulated {result.num_steps:,} steps in {result.wall_s:.1f} s of wall time")
     for path in plots:
         print(f"wrote {path}")

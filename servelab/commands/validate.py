@@ -27,14 +27,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     add_load_arguments(parser)
     g = parser.add_argument_group("prediction")
-    g.add_argument("--profile", required=True, metavar="FILE.json",
-                   help="the `servelab calibrate` profile of the server's model and host")
-    g.add_argument("--sim-model", default=None, metavar="NAME",
-                   help="catalog model for the simulator (default: the one the profile's model name matches)")
-    g.add_argument("--step-log", default=None, metavar="FILE.jsonl",
-                   help="the server's `serve --step-log` file, on this machine: the steps it ran during the "
-                        "measured run are priced with the profile, which tells a host that changed speed since it "
-                        "was calibrated from a model that is wrong")
+    g.add_argument(
+        "--profile",
+        required=True,
+        metavar="FILE.json",
+        help="the `servelab calibrate` profile of the server's model and host",
+    )
+    g.add_argument(
+        "--sim-model",
+        default=None,
+        metavar="NAME",
+        help="catalog model for the simulator (default: the one the profile's model name matches)",
+    )
+    g.add_argument(
+        "--step-log",
+        default=None,
+        metavar="FILE.jsonl",
+        help="the server's `serve --step-log` file, on this machine: the steps it ran during the "
+        "measured run are priced with the profile, which tells a host that changed speed since it "
+        "was calibrated from a model that is wrong",
+    )
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object: both summaries and the errors")
     o.add_argument("--save-result", default=None, metavar="FILE", help="write the JSON result to FILE")
@@ -51,8 +63,10 @@ def sim_model(profile: dict[str, Any], name: str | None, served_model: str):  # 
     model = catalog_model_for(profile, served_model)
     if model is not None:
         return model
-    raise InvalidArgument(f"no catalog model matches the profile's model {profile.get('model')!r}; "
-                          f"name one with --sim-model (see `servelab models`)")
+    raise InvalidArgument(
+        f"no catalog model matches the profile's model {profile.get('model')!r}; "
+        f"name one with --sim-model (see `servelab models`)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,8 +80,9 @@ def run(args: argparse.Namespace) -> int:
     check_output_file(args.save_result, "--save-result")
     profile = load_profile(args.profile)
     # the profile should be the simulated model's, and the server's (checked once it answers)
-    warned = args.sim_model is not None and warn_if_other_model(profile, args.profile,
-                                                                sim_model(profile, args.sim_model, "").name)
+    warned = args.sim_model is not None and warn_if_other_model(
+        profile, args.profile, sim_model(profile, args.sim_model, "").name
+    )
     slo = slo_from_args(args)
     workload = workload_from_args(args)
     if workload.rate is None and workload.concurrency is None and workload.trace is None:
@@ -92,9 +107,16 @@ def _report_nothing_completed(args, workload, measured, served_model, reason: st
     """The measured run's report, and 1: with no completed request there is nothing to replay."""
     from servelab.metrics import format_summary_table
 
-    out = {"config": {"base_url": args.base_url, "model": served_model, "profile": args.profile,
-                      "workload": workload.to_dict()},
-           "measured": measured.summary.to_dict(), "client": measured.report.to_dict()}
+    out = {
+        "config": {
+            "base_url": args.base_url,
+            "model": served_model,
+            "profile": args.profile,
+            "workload": workload.to_dict(),
+        },
+        "measured": measured.summary.to_dict(),
+        "client": measured.report.to_dict(),
+    }
     if args.save_result:
         Path(args.save_result).write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
     if args.json:
@@ -116,8 +138,10 @@ def _log_size(path: str | None) -> int:
     try:
         return os.path.getsize(path)
     except OSError as exc:
-        raise InvalidArgument(f"--step-log: cannot read {path}: {exc.strerror or exc} (start the server with "
-                              "`servelab serve --step-log FILE` on this machine)") from None
+        raise InvalidArgument(
+            f"--step-log: cannot read {path}: {exc.strerror or exc} (start the server with "
+            "`servelab serve --step-log FILE` on this machine)"
+        ) from None
 
 
 def served_steps(profile: dict[str, Any], path: str, start: int) -> dict[str, Any]:
@@ -131,7 +155,7 @@ def served_steps(profile: dict[str, Any], path: str, start: int) -> dict[str, An
         text = f.read().decode("utf-8", errors="replace")
     if start > 0:  # from the first line that began at or after `start` (one being written then is skipped)
         newline = text.find("\n")
-        text = "" if newline < 0 else text[newline + 1:]
+        text = "" if newline < 0 else text[newline + 1 :]
     try:
         lines = [json.loads(line) for line in text.splitlines() if line.strip()]
         steps = ServedStep.from_log(lines)
@@ -142,16 +166,25 @@ def served_steps(profile: dict[str, Any], path: str, start: int) -> dict[str, An
     cost = ProfileStepCost.from_profile(profile)
     served = sum(st.served_s for st in steps)
     priced = sum(cost.time_from_totals(st.num_tokens, st.num_seqs, st.context_tokens, st.pairs) for st in steps)
-    return {"path": path, "steps": len(steps), "served_s": served, "priced_s": priced,
-            "error_pct": (priced - served) / served * 100}
+    return {
+        "path": path,
+        "steps": len(steps),
+        "served_s": served,
+        "priced_s": priced,
+        "error_pct": (priced - served) / served * 100,
+    }
 
 
 def describe_steps(steps: dict[str, Any]) -> str:
-    line = (f"server steps: {steps['steps']} during the run took {steps['served_s']:.2f} s; the profile prices them "
-            f"{steps['priced_s']:.2f} s ({steps['error_pct']:+.1f}%)")
+    line = (
+        f"server steps: {steps['steps']} during the run took {steps['served_s']:.2f} s; the profile prices them "
+        f"{steps['priced_s']:.2f} s ({steps['error_pct']:+.1f}%)"
+    )
     if abs(steps["error_pct"]) > STEP_DRIFT_WARN_PCT:
-        line += ("; the same steps ran at another speed than the profile measured, so the host changed since "
-                 "calibrate (recalibrate in the same conditions), not only the simulator")
+        line += (
+            "; the same steps ran at another speed than the profile measured, so the host changed since "
+            "calibrate (recalibrate in the same conditions), not only the simulator"
+        )
     return line
 
 
@@ -162,8 +195,10 @@ def describe_steal(host: dict[str, Any]) -> str | None:
         return None
     line = f"host: the hypervisor took {steal:.2f} of {cpus} CPUs (steal) during the measured run"
     if steal > STEAL_WARN_FRACTION * cpus:
-        line += ("; this virtual machine's neighbours were busy, and measured times move with them, so an error "
-                 "past a target may be the host's rather than the model's (docs/fidelity.md)")
+        line += (
+            "; this virtual machine's neighbours were busy, and measured times move with them, so an error "
+            "past a target may be the host's rather than the model's (docs/fidelity.md)"
+        )
     return line
 
 
@@ -203,8 +238,17 @@ def bench_think_times(workload):  # noqa: ANN001, ANN201
     return lambda record: drawn[int(record.request_id) % len(drawn)]
 
 
-def _predict_and_report(args, profile, workload, slo, measured, server, served_model, host,  # noqa: ANN001
-                        steps=None) -> int:
+def _predict_and_report(
+    args,
+    profile,
+    workload,
+    slo,
+    measured,
+    server,
+    served_model,
+    host,  # noqa: ANN001
+    steps=None,
+) -> int:
     from servelab.bench.fidelity import compare, format_comparison, replay, replay_trace, sim_config
     from servelab.cost.profile import ServingTerm
     from servelab.metrics import format_summary_table
@@ -215,18 +259,27 @@ def _predict_and_report(args, profile, workload, slo, measured, server, served_m
     thinks = bench_think_times(workload)
     trace = replay_trace(measured.records, closed_loop=closed, think_s=thinks)
     model = sim_model(profile, args.sim_model, served_model)
-    predicted = replay(sim_config(profile, server, model, slo), measured.records,
-                       workload.concurrency if closed else None, thinks)
+    predicted = replay(
+        sim_config(profile, server, model, slo), measured.records, workload.concurrency if closed else None, thinks
+    )
     rows = compare(measured.summary, predicted.summary)
     out = {
-        "config": {"base_url": args.base_url, "model": served_model, "sim_model": model.name,
-                   "profile": args.profile, "profile_model": profile.get("model"), "server": server,
-                   "workload": workload.to_dict(), "replayed_requests": len(trace),
-                   "replay": workload.arrivals.describe() if closed else "measured send times",
-                   "serving_term": ServingTerm.from_profile(profile).to_dict(),
-                   "step_time_statistic": profile.get("step_time_statistic"),
-                   "kernel_rows": profile.get("kernel_rows"),
-                   "failed_requests": measured.summary.failed, "host": host},
+        "config": {
+            "base_url": args.base_url,
+            "model": served_model,
+            "sim_model": model.name,
+            "profile": args.profile,
+            "profile_model": profile.get("model"),
+            "server": server,
+            "workload": workload.to_dict(),
+            "replayed_requests": len(trace),
+            "replay": workload.arrivals.describe() if closed else "measured send times",
+            "serving_term": ServingTerm.from_profile(profile).to_dict(),
+            "step_time_statistic": profile.get("step_time_statistic"),
+            "kernel_rows": profile.get("kernel_rows"),
+            "failed_requests": measured.summary.failed,
+            "host": host,
+        },
         "server_steps": steps,
         "measured": measured.summary.to_dict(),
         "simulated": predicted.summary.to_dict(),
@@ -244,8 +297,10 @@ def _predict_and_report(args, profile, workload, slo, measured, server, served_m
         how = f"in a closed loop at concurrency {workload.concurrency}"
         if workload.think_time_s:
             how += f", think time {describe_think_time(workload.think_time_s, workload.think_time_dist)},"
-    print(f"{served_model} at {args.base_url}, {workload.describe()}; replayed {len(trace)} requests {how} "
-          f"through the simulator with {args.profile} ({ServingTerm.from_profile(profile).describe()})")
+    print(
+        f"{served_model} at {args.base_url}, {workload.describe()}; replayed {len(trace)} requests {how} "
+        f"through the simulator with {args.profile} ({ServingTerm.from_profile(profile).describe()})"
+    )
     if (steal := describe_steal(host)) is not None:
         print(steal)
     if steps is not None:

@@ -50,8 +50,9 @@ def check_new(seq: Sequence, cfg: ResolvedSchedulerConfig) -> None:
             param="prompt",
         )
     if cfg.policy == "decode-first-whole" and num_prompt > cfg.max_num_batched_tokens:
-        raise RequestTooLong(whole_prompt_too_long(f"request {rid!r}", num_prompt, cfg.max_num_batched_tokens),
-                             param="prompt")
+        raise RequestTooLong(
+            whole_prompt_too_long(f"request {rid!r}", num_prompt, cfg.max_num_batched_tokens), param="prompt"
+        )
 
 
 def check_prefilled(seq: Sequence, cfg: ResolvedSchedulerConfig) -> None:
@@ -71,9 +72,11 @@ def check_prefilled(seq: Sequence, cfg: ResolvedSchedulerConfig) -> None:
 
 def whole_prompt_too_long(what: str, num_prompt: int, budget: int) -> str:
     """Why policy decode-first-whole refuses a prompt: it would never share a step with decodes."""
-    return (f"{what}: prompt of {num_prompt} tokens exceeds max_num_batched_tokens {budget}, and policy "
-            f"decode-first-whole runs prompts whole (TensorRT-LLM without chunked context refuses it too); "
-            f"raise the token budget or choose a chunked policy")
+    return (
+        f"{what}: prompt of {num_prompt} tokens exceeds max_num_batched_tokens {budget}, and policy "
+        f"decode-first-whole runs prompts whole (TensorRT-LLM without chunked context refuses it too); "
+        f"raise the token budget or choose a chunked policy"
+    )
 
 
 class WaitingQueue:

@@ -380,6 +380,7 @@ class BlockManager:
 
     # ---- checks --------------------------------------------------------------------------------
 
+
 def _gather(values: list, indices: list[int]) -> tuple:
     """values[i] for each i, as a tuple, in one C call (itemgetter returns a bare value for one
     index and cannot take none)."""

@@ -86,8 +86,9 @@ class SchedulerConfig:
         metadata=knob("waiting-queue order: fcfs, or priority (honours the request's 'priority' field)",
                       choices=ORDERS),
     )  # fmt: skip
-    enable_prefix_caching: bool = field(default=True, metadata=knob("disable the prefix cache",
-                                                                     flag="--no-prefix-caching"))
+    enable_prefix_caching: bool = field(
+        default=True, metadata=knob("disable the prefix cache", flag="--no-prefix-caching")
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -108,12 +109,11 @@ class SchedulerConfig:
                 param="max_waiting",
             )
         if self.policy not in POLICIES:
-            raise InvalidArgument(
-                f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}", param="policy"
-            )
+            raise InvalidArgument(f"policy must be one of {', '.join(POLICIES)}, got {self.policy!r}", param="policy")
         if self.admission not in ADMISSIONS:
-            raise InvalidArgument(f"admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}",
-                                  param="admission")
+            raise InvalidArgument(
+                f"admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}", param="admission"
+            )
         if self.order not in ORDERS:
             raise InvalidArgument(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}", param="order")
 

@@ -57,8 +57,9 @@ class Scheduler(PrefilledSequences):
         self._mixed = config.policy in ("chunked", "decode-first-whole")  # decodes and prompts share a step
         self._whole = config.policy in ("prefill-first", "decode-first-whole")  # prompts never chunked
         self._partial: Sequence | None = None  # prefill-first-chunked: the prompt part-way through
-        self._reservation = None if config.admission == "recompute" else KVReservation(config.admission,
-                                                                                        config.block_size)
+        self._reservation = (
+            None if config.admission == "recompute" else KVReservation(config.admission, config.block_size)
+        )
         self.waiting = WaitingQueue(config.order, config.max_waiting)
         self.running: list[Sequence] = []  # sorted by order_key: the tail is preempted first
         self._live: dict[str, Sequence] = {}
@@ -243,7 +244,9 @@ class Scheduler(PrefilledSequences):
             self._start_running(seq)
             if seq.pooling is not None:
                 plan.pooled.append(len(scheduled))
-            scheduled.append(ScheduledSeq(seq, n, num_cached, num_cached + n == len(seq.token_ids) and seq.pooling is None))
+            scheduled.append(
+                ScheduledSeq(seq, n, num_cached, num_cached + n == len(seq.token_ids) and seq.pooling is None)
+            )
             plan.num_batched_tokens += n
             budget -= n
             admitted = True
@@ -288,8 +291,9 @@ class Scheduler(PrefilledSequences):
 
     # ---- results -------------------------------------------------------------------------------
 
-    def update(self, plan: StepPlan, result: StepResult, now: float, *,
-               finished_only: bool = False) -> list[RequestOutput]:
+    def update(
+        self, plan: StepPlan, result: StepResult, now: float, *, finished_only: bool = False
+    ) -> list[RequestOutput]:
         """Apply an executed step: advance computed tokens, append sampled tokens, stop, free.
 
         Returns one RequestOutput per request that gained a token or finished this step, or with
@@ -299,9 +303,7 @@ class Scheduler(PrefilledSequences):
         scheduled = plan.scheduled
         sampled = result.sampled_token_ids
         if len(sampled) != len(scheduled):
-            raise ValueError(
-                f"StepResult has {len(sampled)} sampled tokens for a plan of {len(scheduled)} sequences"
-            )
+            raise ValueError(f"StepResult has {len(sampled)} sampled tokens for a plan of {len(scheduled)} sequences")
         if result.prompt_logprobs:
             for i, scored in result.prompt_logprobs:
                 scheduled[i].seq.prompt_logprobs.extend(scored)
@@ -317,16 +319,32 @@ class Scheduler(PrefilledSequences):
             self.running.remove(seq)
         return outputs
 
-    def _apply(self, plan: StepPlan, result: StepResult, now: float, outputs: list[RequestOutput],
-               finished: list[Sequence], *, stream: bool) -> None:
+    def _apply(
+        self,
+        plan: StepPlan,
+        result: StepResult,
+        now: float,
+        outputs: list[RequestOutput],
+        finished: list[Sequence],
+        *,
+        stream: bool,
+    ) -> None:
         """Every entry's result, in plan order (hook: the simulator adds its implicit decodes)."""
         logprobs = result.logprobs if result.logprobs is not None else repeat(None)
         apply_entry = self._apply_entry
         for entry, token, lp in zip(plan.scheduled, result.sampled_token_ids, logprobs):
             apply_entry(entry, token, lp, now, outputs, finished, stream)
 
-    def _apply_entry(self, entry: ScheduledSeq, token: int | None, lp: TokenLogprobs | None, now: float,
-                     outputs: list[RequestOutput], finished: list[Sequence], stream: bool) -> bool:
+    def _apply_entry(
+        self,
+        entry: ScheduledSeq,
+        token: int | None,
+        lp: TokenLogprobs | None,
+        now: float,
+        outputs: list[RequestOutput],
+        finished: list[Sequence],
+        stream: bool,
+    ) -> bool:
         """One entry's result. True if its sequence gained a token and runs on."""
         seq = entry.seq
         if seq.status is not _RUNNING:
@@ -422,8 +440,9 @@ class Scheduler(PrefilledSequences):
             )
         return self._finish_now(request_id, FinishReason.ABORT, now, "abort")
 
-    def finish(self, request_id: str, reason: FinishReason, now: float | None = None,
-               stop_reason: int | str | None = None) -> bool:
+    def finish(
+        self, request_id: str, reason: FinishReason, now: float | None = None, stop_reason: int | str | None = None
+    ) -> bool:
         """End a live request from outside (a stop string matched, an engine error). Frees its
         blocks at once. False if it had already finished; NotFound if the id is unknown."""
         seq = self._live.get(request_id)
@@ -432,4 +451,3 @@ class Scheduler(PrefilledSequences):
         if seq is not None and stop_reason is not None:  # seq: live, since _finish_now finished it
             seq.stop_reason = stop_reason
         return True
-

@@ -241,7 +241,9 @@ class SamplingParams:
         for param, ids in (("logit_bias", self.logit_bias), ("allowed_token_ids", self.allowed_token_ids or ())):
             bad = next((t for t in ids if t >= vocab_size), None)
             if bad is not None:
-                raise InvalidArgument(f"{param}: token id {bad} is outside the vocabulary [0, {vocab_size})", param=param)
+                raise InvalidArgument(
+                    f"{param}: token id {bad} is outside the vocabulary [0, {vocab_size})", param=param
+                )
 
     @property
     def edits_logits(self) -> bool:

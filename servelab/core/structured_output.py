@@ -118,14 +118,21 @@ class StructuredOutputSpec:
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
             raise InvalidArgument(
-                f"{self.source}: unknown constraint {self.kind!r}; expected one of {', '.join(KINDS)}", param=self.source
+                f"{self.source}: unknown constraint {self.kind!r}; expected one of {', '.join(KINDS)}",
+                param=self.source,
             )
         if self.kind == "json_object":
             if self.value is not None:
                 raise InvalidArgument(f"{self.source}: json_object takes no value", param=self.source)
         elif self.kind == "choice":
-            if not isinstance(self.value, tuple) or not self.value or not all(isinstance(c, str) and c for c in self.value):
-                raise InvalidArgument(f"{self.source}: choice must be a non-empty list of non-empty strings", param=self.source)
+            if (
+                not isinstance(self.value, tuple)
+                or not self.value
+                or not all(isinstance(c, str) and c for c in self.value)
+            ):
+                raise InvalidArgument(
+                    f"{self.source}: choice must be a non-empty list of non-empty strings", param=self.source
+                )
         elif not isinstance(self.value, str) or not self.value:
             raise InvalidArgument(f"{self.source}: {self.kind} must be a non-empty string", param=self.source)
         self._check_size()
@@ -175,5 +182,7 @@ class StructuredOutputSpec:
             except json.JSONDecodeError as e:
                 raise InvalidArgument(f"{source}: the JSON schema is not valid JSON: {e}", param=source) from e
         if not isinstance(schema, dict):
-            raise InvalidArgument(f"{source}: a JSON schema must be an object, got {type(schema).__name__}", param=source)
+            raise InvalidArgument(
+                f"{source}: a JSON schema must be an object, got {type(schema).__name__}", param=source
+            )
         return cls("json", json.dumps(schema, separators=(",", ":")), source)

@@ -15,10 +15,17 @@ from __future__ import annotations
 from servelab.spec.kernels import AttentionEfficiency
 
 
-def attention_time_s(eff: AttentionEfficiency, flops: float, kv_bytes: float, prefill: bool,
-                     peak_flops_per_s: float, bandwidth_bytes_per_s: float) -> float:
+def attention_time_s(
+    eff: AttentionEfficiency,
+    flops: float,
+    kv_bytes: float,
+    prefill: bool,
+    peak_flops_per_s: float,
+    bandwidth_bytes_per_s: float,
+) -> float:
     """Seconds for one attention call of `flops` over `kv_bytes` of K and V."""
     compute_s = flops / (peak_flops_per_s * eff.compute_fraction)
     memory_s = kv_bytes / (bandwidth_bytes_per_s * eff.bandwidth_fraction)
     return (compute_s if compute_s > memory_s else memory_s) + (
-        eff.prefill_overhead_s if prefill else eff.decode_overhead_s)
+        eff.prefill_overhead_s if prefill else eff.decode_overhead_s
+    )

@@ -56,25 +56,42 @@ class HostNoise:
         return self.spread_median_pct > NOISY_SPREAD_PCT or (self.other_cpus or 0.0) > NOISY_OTHER_CPUS
 
     def describe(self) -> str:
-        others = "" if self.other_cpus is None else f"other processes kept {self.other_cpus:.2f} of {self.cpus} CPUs busy; "
+        others = (
+            "" if self.other_cpus is None else f"other processes kept {self.other_cpus:.2f} of {self.cpus} CPUs busy; "
+        )
         load = "" if self.load_avg_1m is None else f"load average {self.load_avg_1m:.2f}; "
         verdict = "NOISY" if self.noisy else "quiet"
-        return (f"host {verdict}: {others}{load}per-shape spread (median run / fastest - 1) "
-                f"median {self.spread_median_pct:.1f}%, max {self.spread_max_pct:.1f}%")
+        return (
+            f"host {verdict}: {others}{load}per-shape spread (median run / fastest - 1) "
+            f"median {self.spread_median_pct:.1f}%, max {self.spread_max_pct:.1f}%"
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"noisy": self.noisy, "spread_median_pct": self.spread_median_pct, "spread_max_pct": self.spread_max_pct,
-                "other_cpus": self.other_cpus, "cpus": self.cpus, "load_avg_1m": self.load_avg_1m,
-                "thresholds": {"spread_median_pct": NOISY_SPREAD_PCT, "other_cpus": NOISY_OTHER_CPUS}}
+        return {
+            "noisy": self.noisy,
+            "spread_median_pct": self.spread_median_pct,
+            "spread_max_pct": self.spread_max_pct,
+            "other_cpus": self.other_cpus,
+            "cpus": self.cpus,
+            "load_avg_1m": self.load_avg_1m,
+            "thresholds": {"spread_median_pct": NOISY_SPREAD_PCT, "other_cpus": NOISY_OTHER_CPUS},
+        }
 
 
-def host_noise(per_shape_samples: Sequence[Sequence[float]], *, other_cpus: float | None = None, cpus: int | None = None,
-               load_avg_1m: float | None = None) -> HostNoise:
+def host_noise(
+    per_shape_samples: Sequence[Sequence[float]],
+    *,
+    other_cpus: float | None = None,
+    cpus: int | None = None,
+    load_avg_1m: float | None = None,
+) -> HostNoise:
     spreads = [spread_pct(s) for s in per_shape_samples if len(s) > 1] or [0.0]
     return HostNoise(statistics.median(spreads), max(spreads), other_cpus, cpus, load_avg_1m)
 
 
 def aggregate(measurements: Sequence[dict[str, Any]], statistic: str = DEFAULT_STATISTIC) -> list[dict[str, Any]]:
     """Each measurement's `samples_s` (one per pass) to its `time_s` (by `statistic`) and `spread_pct`."""
-    return [{**m, "time_s": step_time_estimate(m["samples_s"], statistic), "spread_pct": spread_pct(m["samples_s"])}
-            for m in measurements]
+    return [
+        {**m, "time_s": step_time_estimate(m["samples_s"], statistic), "spread_pct": spread_pct(m["samples_s"])}
+        for m in measurements
+    ]

@@ -26,13 +26,21 @@ def padded_tokens(m: float, tile_tokens: int) -> float:
     return tiles * tile_tokens
 
 
-def gemm_time_s(eff: GemmEfficiency, m: float, n: int, k: int, weight_bytes_per_element: float,
-                peak_flops_per_s: float, bandwidth_bytes_per_s: float) -> float:
+def gemm_time_s(
+    eff: GemmEfficiency,
+    m: float,
+    n: int,
+    k: int,
+    weight_bytes_per_element: float,
+    peak_flops_per_s: float,
+    bandwidth_bytes_per_s: float,
+) -> float:
     """Seconds for an (M x K) @ (K x N) linear layer; 0 for no tokens."""
     if m <= 0:
         return 0.0
     memory_s = (n * k * weight_bytes_per_element + m * (n + k) * ACTIVATION_BYTES) / (
-        bandwidth_bytes_per_s * eff.bandwidth_fraction)
+        bandwidth_bytes_per_s * eff.bandwidth_fraction
+    )
     compute_s = 2.0 * padded_tokens(m, eff.tile_tokens) * n * k / (peak_flops_per_s * eff.compute_fraction)
     p = eff.sharpness
-    return (memory_s ** p + compute_s ** p) ** (1.0 / p) + eff.kernel_overhead_s
+    return (memory_s**p + compute_s**p) ** (1.0 / p) + eff.kernel_overhead_s

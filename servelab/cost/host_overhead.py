@@ -36,8 +36,10 @@ class HostCost:
 
     def describe(self) -> str:
         how = "hidden behind the GPU step (max)" if self.overlapped else "after the GPU step (sum)"
-        return (f"host {self.step_s * 1e3:.3g} ms/step + {self.per_layer_s * 1e6:.3g} us/layer + "
-                f"{self.per_seq_s * 1e6:.3g} us/seq, {how}")
+        return (
+            f"host {self.step_s * 1e3:.3g} ms/step + {self.per_layer_s * 1e6:.3g} us/layer + "
+            f"{self.per_seq_s * 1e6:.3g} us/seq, {how}"
+        )
 
 
 class HostOverheadCost:
@@ -54,6 +56,7 @@ class HostOverheadCost:
         self._overlapped = host.overlapped
         gpu_totals = getattr(gpu, "time_from_totals", None)
         if gpu_totals is not None:
+
             def time_from_totals(num_tokens: int, num_seqs: int, context_tokens: int, pairs: int) -> float:
                 return self._combine(gpu_totals(num_tokens, num_seqs, context_tokens, pairs), num_seqs)
 

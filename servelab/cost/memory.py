@@ -22,9 +22,7 @@ def check_tp(model: ModelSpec, tp: int) -> None:
     if not isinstance(tp, int) or tp < 1:
         raise InvalidArgument(f"tp must be a positive integer, got {tp!r}", param="tp")
     if model.num_heads % tp:
-        raise InvalidArgument(
-            f"tp={tp} does not divide {model.name}'s {model.num_heads} attention heads", param="tp"
-        )
+        raise InvalidArgument(f"tp={tp} does not divide {model.name}'s {model.num_heads} attention heads", param="tp")
     if model.num_kv_heads % tp and tp % model.num_kv_heads:
         raise InvalidArgument(
             f"tp={tp} neither divides nor is a multiple of {model.name}'s {model.num_kv_heads} KV heads",
@@ -54,14 +52,18 @@ class MemoryPlan:
     def __post_init__(self) -> None:
         check_tp(self.model, self.tp)
         if self.tp > 1 and self.hardware.interconnect_bytes_per_s is None:
-            raise InvalidArgument(f"tp={self.tp} needs a device-to-device link, and {self.hardware.name} has no "
-                                  "interconnect_bytes_per_s; use tp=1", param="tp")
+            raise InvalidArgument(
+                f"tp={self.tp} needs a device-to-device link, and {self.hardware.name} has no "
+                "interconnect_bytes_per_s; use tp=1",
+                param="tp",
+            )
         # validated, and named in the canonical spelling ("bf16" -> "bfloat16")
         object.__setattr__(self, "weight_dtype", _weight_dtype(self.weight_dtype).name)
         object.__setattr__(self, "kv_cache_dtype", _kv_dtype(self.kv_cache_dtype).name)
         if not 0.0 < self.memory_fraction <= 1.0:
-            raise InvalidArgument(f"memory fraction must be in (0, 1], got {self.memory_fraction}",
-                                  param="memory_fraction")
+            raise InvalidArgument(
+                f"memory fraction must be in (0, 1], got {self.memory_fraction}", param="memory_fraction"
+            )
 
     @property
     def weight_bytes_per_device(self) -> float:
@@ -71,7 +73,13 @@ class MemoryPlan:
     @property
     def kv_bytes_per_token_per_device(self) -> float:
         m = self.model
-        return 2 * m.num_layers * kv_heads_per_device(m, self.tp) * m.head_dim * _kv_dtype(self.kv_cache_dtype).bytes_per_element
+        return (
+            2
+            * m.num_layers
+            * kv_heads_per_device(m, self.tp)
+            * m.head_dim
+            * _kv_dtype(self.kv_cache_dtype).bytes_per_element
+        )
 
     @property
     def usable_bytes(self) -> float:
@@ -102,8 +110,10 @@ class MemoryPlan:
         return self.weights_fit and batch * context_len <= self.kv_capacity_tokens
 
     def describe(self) -> str:
-        return (f"{self.model.name} on {self.hardware.name} ({self.weight_dtype} weights, "
-                f"{self.kv_cache_dtype} KV, tp={self.tp})")
+        return (
+            f"{self.model.name} on {self.hardware.name} ({self.weight_dtype} weights, "
+            f"{self.kv_cache_dtype} KV, tp={self.tp})"
+        )
 
     def require_weights_fit(self) -> None:
         if not self.weights_fit:

@@ -35,15 +35,19 @@ PROFILE_VERSION = 1
 # coefficient name -> (the step sum it multiplies, unit); the fit's columns, in order
 TERMS: dict[str, tuple[str, str]] = {
     "per_step_s": ("1", "s per step"),
-    "per_prefill_step_s": ("per_op_path", "s per step on the per-op path (prefill tokens, or over kernel_rows.max_rows "
-                                          "rows), on top of per_step_s"),
+    "per_prefill_step_s": (
+        "per_op_path",
+        "s per step on the per-op path (prefill tokens, or over kernel_rows.max_rows rows), on top of per_step_s",
+    ),
     "per_token_s": ("min(tokens,R)", "s per query token (up to kernel_rows.max_rows of them, where known)"),
     "per_seq_s": ("num_seqs", "s per sequence"),
     "per_context_token_s": ("context_tokens", "s per context token (Σ context over sequences)"),
     "per_pair_s": ("pairs", "s per attended (query, key) pair"),
     "per_wide_step_s": ("tokens>F", "s per step with more rows than kernel_rows.fused_max_rows (panel kernel)"),
-    "per_dense_step_s": ("tokens>R", "s per step with more rows than kernel_rows.max_rows (MKL over fp32, "
-                                     "or the k-major panel at AVX-512)"),
+    "per_dense_step_s": (
+        "tokens>R",
+        "s per step with more rows than kernel_rows.max_rows (MKL over fp32, or the k-major panel at AVX-512)",
+    ),
     "per_dense_token_s": ("max(0,tokens-R)", "s per query token past kernel_rows.max_rows, in place of per_token_s"),
 }
 
@@ -102,14 +106,23 @@ def per_op_path(num_tokens: int, num_seqs: int, rows: KernelRows = NO_KERNEL_ROW
     return num_tokens > num_seqs or (rows.max_rows is not None and num_tokens > rows.max_rows)
 
 
-def features(num_tokens: int, num_seqs: int, context_tokens: int, pairs: int,
-             rows: KernelRows = NO_KERNEL_ROWS) -> list[float]:
+def features(
+    num_tokens: int, num_seqs: int, context_tokens: int, pairs: int, rows: KernelRows = NO_KERNEL_ROWS
+) -> list[float]:
     """The step's column of each of TERMS, in order."""
     fused, dense = rows.fused_max_rows, rows.max_rows
     over = 0 if dense is None else max(0, num_tokens - dense)
-    return [1.0, float(per_op_path(num_tokens, num_seqs, rows)), float(num_tokens - over), float(num_seqs),
-            float(context_tokens), float(pairs), float(fused is not None and num_tokens > fused), float(over > 0),
-            float(over)]
+    return [
+        1.0,
+        float(per_op_path(num_tokens, num_seqs, rows)),
+        float(num_tokens - over),
+        float(num_seqs),
+        float(context_tokens),
+        float(pairs),
+        float(fused is not None and num_tokens > fused),
+        float(over > 0),
+        float(over),
+    ]
 
 
 def nnls(a: Any, b: Any, max_iter: int = 200) -> Any:
@@ -148,8 +161,13 @@ def _nnls_relative(rows: Any, y: Any, weights: Any = None) -> Any:
     return nnls(rows / scale * w[:, None], y * w) / scale
 
 
-def fit(measurements: Sequence[dict[str, float]], holdout_every: int = 4, outlier_mads: float = 4.0,
-        outlier_floor_pct: float = 10.0, rows: KernelRows = NO_KERNEL_ROWS) -> dict[str, Any]:
+def fit(
+    measurements: Sequence[dict[str, float]],
+    holdout_every: int = 4,
+    outlier_mads: float = 4.0,
+    outlier_floor_pct: float = 10.0,
+    rows: KernelRows = NO_KERNEL_ROWS,
+) -> dict[str, Any]:
     """Non-negative least squares on relative error (so a 1 ms decode step weighs as much as a
     100 ms prefill), every `holdout_every`-th measurement held out. Training steps whose residual
     is over `outlier_mads` robust standard deviations (and over `outlier_floor_pct`) from the
@@ -158,15 +176,22 @@ def fit(measurements: Sequence[dict[str, float]], holdout_every: int = 4, outlie
     `rows` are the engine's kernel switches; only those some step went past are fitted (`reached`,
     returned as "kernel_rows"), and a term whose column is all 0 is left out of the fit at 0."""
     rows = reached(rows, measurements)
-    x = [features(int(m["num_tokens"]), int(m["num_seqs"]), int(m["context_tokens"]), int(m["pairs"]), rows)
-         for m in measurements]
+    x = [
+        features(int(m["num_tokens"]), int(m["num_seqs"]), int(m["context_tokens"]), int(m["pairs"]), rows)
+        for m in measurements
+    ]
     fitted = fit_rows(x, [m["time_s"] for m in measurements], holdout_every, outlier_mads, outlier_floor_pct)
     return {**fitted, "kernel_rows": {"fused_max_rows": rows.fused_max_rows, "max_rows": rows.max_rows}}
 
 
-def fit_rows(x: Sequence[Sequence[float]], times_s: Sequence[float], holdout_every: int = 4,
-             outlier_mads: float = 4.0, outlier_floor_pct: float = 10.0,
-             weights: Sequence[float] | None = None) -> dict[str, Any]:
+def fit_rows(
+    x: Sequence[Sequence[float]],
+    times_s: Sequence[float],
+    holdout_every: int = 4,
+    outlier_mads: float = 4.0,
+    outlier_floor_pct: float = 10.0,
+    weights: Sequence[float] | None = None,
+) -> dict[str, Any]:
     """`fit` over rows of TERMS' columns already built: one step's `features`, or the sum of
     several steps' where a measurement spans them (a chunked prefill timed from outside).
     `weights` scale each row's relative error (e.g. so that two kinds of point weigh alike
@@ -182,7 +207,7 @@ def fit_rows(x: Sequence[Sequence[float]], times_s: Sequence[float], holdout_eve
     y = np.asarray(times_s, float)
     w = np.ones(len(y)) if weights is None else np.asarray(weights, float)
     held = np.zeros(len(y), bool)
-    held[holdout_every - 1::holdout_every] = True
+    held[holdout_every - 1 :: holdout_every] = True
     train = ~held
     outlier = np.zeros(len(y), bool)
     for _ in range(5):  # until the inliers stop changing: a refit may clear a step the first fit flagged
@@ -203,8 +228,11 @@ def fit_rows(x: Sequence[Sequence[float]], times_s: Sequence[float], holdout_eve
 
     def stats(mask: Any) -> dict[str, float | int]:
         e = np.abs(err[mask])
-        return {"count": int(mask.sum()), "median_abs_pct": float(np.median(e)) if e.size else 0.0,
-                "max_abs_pct": float(e.max()) if e.size else 0.0}
+        return {
+            "count": int(mask.sum()),
+            "median_abs_pct": float(np.median(e)) if e.size else 0.0,
+            "max_abs_pct": float(e.max()) if e.size else 0.0,
+        }
 
     return {
         "form": "time = " + " + ".join(f"{k}*{v[0]}" if v[0] != "1" else k for k, v in TERMS.items()),
@@ -244,8 +272,10 @@ class ServingTerm:
         if self.form == "none":
             return "no serving term"
         if self.form == "per-token (old)":
-            return (f"serving term {self.per_seq_s * 1e3:.2f} ms per sequence per step (the old per-token form, "
-                    f"server.per_token_s; recalibrate with --server-term for the per-step form)")
+            return (
+                f"serving term {self.per_seq_s * 1e3:.2f} ms per sequence per step (the old per-token form, "
+                f"server.per_token_s; recalibrate with --server-term for the per-step form)"
+            )
         return f"serving term {self.per_step_s * 1e3:.2f} ms per step + {self.per_seq_s * 1e3:.2f} ms per sequence"
 
     def to_dict(self) -> dict[str, float | str]:
@@ -279,9 +309,14 @@ class ProfileStepCost:
     def from_profile(cls, profile: dict[str, Any]) -> ProfileStepCost:
         serving = ServingTerm.from_profile(profile)
         rows = KernelRows.from_profile(profile)
-        return cls(**profile["fit"]["coefficients"], fused_max_rows=rows.fused_max_rows, max_rows=rows.max_rows,
-                   server_per_step_s=serving.per_step_s, server_per_seq_s=serving.per_seq_s,
-                   serving_form=serving.form)
+        return cls(
+            **profile["fit"]["coefficients"],
+            fused_max_rows=rows.fused_max_rows,
+            max_rows=rows.max_rows,
+            server_per_step_s=serving.per_step_s,
+            server_per_seq_s=serving.per_seq_s,
+            serving_form=serving.form,
+        )
 
     @property
     def kernel_rows(self) -> KernelRows:
@@ -293,16 +328,21 @@ class ProfileStepCost:
 
     def describe(self) -> str:
         """The step-cost form and the serving term, in a line (sim, plan and validate print it)."""
-        split = (f"prefill steps +{self.per_prefill_step_s * 1e3:.2f} ms over decode-only ones"
-                 if self.per_prefill_step_s else "one form for decode-only and prefill steps")
+        split = (
+            f"prefill steps +{self.per_prefill_step_s * 1e3:.2f} ms over decode-only ones"
+            if self.per_prefill_step_s
+            else "one form for decode-only and prefill steps"
+        )
         kernels = ""
         if self.fused_max_rows is not None or self.max_rows is not None:
             parts = []
             if self.fused_max_rows is not None:
                 parts.append(f"+{self.per_wide_step_s * 1e3:.2f} ms over {self.fused_max_rows} rows")
             if self.max_rows is not None:
-                parts.append(f"+{self.per_dense_step_s * 1e3:.2f} ms and {self.per_dense_token_s * 1e3:.3f} ms a token "
-                             f"over {self.max_rows} rows")
+                parts.append(
+                    f"+{self.per_dense_step_s * 1e3:.2f} ms and {self.per_dense_token_s * 1e3:.3f} ms a token "
+                    f"over {self.max_rows} rows"
+                )
             kernels = "; kernel switches: " + ", ".join(parts)
         serving = ServingTerm(self.server_per_step_s, self.server_per_seq_s, self.serving_form).describe()
         return f"calibrated profile ({split}{kernels}; {serving})"
@@ -311,8 +351,11 @@ class ProfileStepCost:
         if num_tokens == 0:
             return 0.0
         x = features(num_tokens, num_seqs, context_tokens, pairs, self.kernel_rows)
-        return (sum(c * f for c, f in zip(self.coefficients(), x)) + self.server_per_step_s
-                + self.server_per_seq_s * num_seqs)
+        return (
+            sum(c * f for c, f in zip(self.coefficients(), x))
+            + self.server_per_step_s
+            + self.server_per_seq_s * num_seqs
+        )
 
     def step_time_s(self, shape: Shape) -> float:
         return self.time_from_totals(*Roofline.totals(shape))
@@ -328,12 +371,26 @@ class ProfileStepCost:
         # A measured profile knows the time, not the bytes or FLOPs behind it: those stay 0.
         num_tokens, num_seqs, _, _ = Roofline.totals(shape)
         t = self.step_time_s(shape)
-        return StepCost(time_s=t, num_tokens=num_tokens, num_seqs=num_seqs, flops=0.0, weight_bytes=0.0,
-                        kv_read_bytes=0.0, kv_write_bytes=0.0, activation_bytes=0.0, total_bytes=0.0,
-                        compute_time_s=0.0, memory_time_s=0.0, comm_time_s=0.0,
-                        overhead_s=self.fixed_s(num_tokens, num_seqs), peak_compute_time_s=0.0,
-                        peak_memory_time_s=0.0, bound="measured", arithmetic_intensity=0.0,
-                        ridge_flops_per_byte=0.0)
+        return StepCost(
+            time_s=t,
+            num_tokens=num_tokens,
+            num_seqs=num_seqs,
+            flops=0.0,
+            weight_bytes=0.0,
+            kv_read_bytes=0.0,
+            kv_write_bytes=0.0,
+            activation_bytes=0.0,
+            total_bytes=0.0,
+            compute_time_s=0.0,
+            memory_time_s=0.0,
+            comm_time_s=0.0,
+            overhead_s=self.fixed_s(num_tokens, num_seqs),
+            peak_compute_time_s=0.0,
+            peak_memory_time_s=0.0,
+            bound="measured",
+            arithmetic_intensity=0.0,
+            ridge_flops_per_byte=0.0,
+        )
 
 
 def fit_allreduce(rows: Sequence[dict[str, float]]) -> dict[str, float | None]:
@@ -391,8 +448,9 @@ def profile_step_cost(profile: dict[str, Any], tp: int = 1) -> ProfileStepCost:
         base,
         per_step_s=max(0.0, base.per_step_s - step_p) + step_t,
         per_token_s=max(0.0, base.per_token_s - token_p) * scale + token_t,
-        per_dense_token_s=(max(0.0, base.per_dense_token_s - token_p) * scale + token_t
-                           if base.per_dense_token_s else 0.0),
+        per_dense_token_s=(
+            max(0.0, base.per_dense_token_s - token_p) * scale + token_t if base.per_dense_token_s else 0.0
+        ),
         per_seq_s=base.per_seq_s * scale,
         per_context_token_s=base.per_context_token_s * scale,
         per_pair_s=base.per_pair_s * scale,
@@ -411,38 +469,63 @@ def load_profile(path: str, *, model: str | None = None) -> dict[str, Any]:
     except UnicodeDecodeError:
         raise InvalidArgument(f"--profile {path}: not JSON (not UTF-8 text)") from None
     if not isinstance(profile, dict) or profile.get("format") != PROFILE_FORMAT:
-        raise InvalidArgument(f"--profile {path}: not a servelab profile (no \"format\": \"{PROFILE_FORMAT}\"); "
-                              f"write one with `servelab calibrate --out FILE`")
+        raise InvalidArgument(
+            f'--profile {path}: not a servelab profile (no "format": "{PROFILE_FORMAT}"); '
+            f"write one with `servelab calibrate --out FILE`"
+        )
     if profile.get("version") != PROFILE_VERSION:
-        raise InvalidArgument(f"--profile {path}: version {profile.get('version')!r}, this servelab reads {PROFILE_VERSION}")
+        raise InvalidArgument(
+            f"--profile {path}: version {profile.get('version')!r}, this servelab reads {PROFILE_VERSION}"
+        )
     coefs = profile.get("fit", {}).get("coefficients") if isinstance(profile.get("fit"), dict) else None
     if not isinstance(coefs, dict):
         coefs = {}  # every required term is missing
     missing = [k for k in TERMS if k not in OPTIONAL_TERMS and not isinstance(coefs.get(k), int | float)]
     if missing:
         raise InvalidArgument(f"--profile {path}: fit.coefficients lacks {', '.join(missing)}")
-    bad = [k for k in TERMS if k in coefs
-           and (isinstance(coefs[k], bool) or not isinstance(coefs[k], int | float) or not 0 <= coefs[k] < math.inf)]
+    bad = [
+        k
+        for k in TERMS
+        if k in coefs
+        and (isinstance(coefs[k], bool) or not isinstance(coefs[k], int | float) or not 0 <= coefs[k] < math.inf)
+    ]
     if bad:
-        raise InvalidArgument(f"--profile {path}: coefficients must be finite numbers >= 0: "
-                              f"{', '.join(f'{k}={coefs[k]!r}' for k in bad)}")
+        raise InvalidArgument(
+            f"--profile {path}: coefficients must be finite numbers >= 0: {', '.join(f'{k}={coefs[k]!r}' for k in bad)}"
+        )
     extra = sorted(set(coefs) - set(TERMS))
     if extra:
-        raise InvalidArgument(f"--profile {path}: unknown coefficients {', '.join(extra)} (expected {', '.join(TERMS)})")
+        raise InvalidArgument(
+            f"--profile {path}: unknown coefficients {', '.join(extra)} (expected {', '.join(TERMS)})"
+        )
     rows = profile.get("kernel_rows")
     if rows is not None:
+
         def row_count(v: Any) -> bool:
             return v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 1)
 
-        bad_rows = [k for k in ("fused_max_rows", "max_rows") if not isinstance(rows, dict) or not row_count(rows.get(k))]
+        bad_rows = [
+            k for k in ("fused_max_rows", "max_rows") if not isinstance(rows, dict) or not row_count(rows.get(k))
+        ]
         if bad_rows:
-            raise InvalidArgument(f"--profile {path}: kernel_rows.{bad_rows[0]} must be a row count >= 1 or null, "
-                                  f"got {rows.get(bad_rows[0]) if isinstance(rows, dict) else rows!r}")
+            raise InvalidArgument(
+                f"--profile {path}: kernel_rows.{bad_rows[0]} must be a row count >= 1 or null, "
+                f"got {rows.get(bad_rows[0]) if isinstance(rows, dict) else rows!r}"
+            )
     tp = profile.get("tp")
     if tp is not None:
-        needed = ("ranks", "collectives_per_step", "allreduce_latency_s", "hidden_allreduces_per_step", "bytes_per_token")
-        bad_tp = [k for k in needed
-                  if not isinstance(tp, dict) or not isinstance(tp.get(k), int | float) or not 0 <= tp[k] < math.inf]
+        needed = (
+            "ranks",
+            "collectives_per_step",
+            "allreduce_latency_s",
+            "hidden_allreduces_per_step",
+            "bytes_per_token",
+        )
+        bad_tp = [
+            k
+            for k in needed
+            if not isinstance(tp, dict) or not isinstance(tp.get(k), int | float) or not 0 <= tp[k] < math.inf
+        ]
         if bad_tp:
             raise InvalidArgument(f"--profile {path}: the tp term lacks valid {', '.join(bad_tp)}")
     server = profile.get("server")
@@ -463,8 +546,11 @@ def warn_if_other_model(profile: dict[str, Any], path: str, model: str) -> bool:
     if same_model(str(profile.get("model", "")), model):
         return False
     # Catalog names (smollm2-135m) and file names (SmolLM2-135M-Instruct.Q4_1) differ: warn only.
-    print(f"servelab: warning: --profile {path} was calibrated for model {profile.get('model')!r}, "
-          f"not {model!r}: its step times are that model's", file=sys.stderr)
+    print(
+        f"servelab: warning: --profile {path} was calibrated for model {profile.get('model')!r}, "
+        f"not {model!r}: its step times are that model's",
+        file=sys.stderr,
+    )
     return True
 
 

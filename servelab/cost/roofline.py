@@ -62,11 +62,13 @@ class FormatEfficiency:
 
 
 # Fitted with BF16's terms by benchmarks/fit_published.py (docs/fidelity.md, "Published measurements").
-_DEFAULT_FORMATS: Mapping[str, FormatEfficiency] = MappingProxyType({
-    "int8": FormatEfficiency(bandwidth_fraction=0.72, compute_fraction=0.68),
-    "int4": FormatEfficiency(bandwidth_fraction=0.50, compute_fraction=0.68),
-    "fp8": FormatEfficiency(bandwidth_fraction=0.55, compute_fraction=0.45),
-})
+_DEFAULT_FORMATS: Mapping[str, FormatEfficiency] = MappingProxyType(
+    {
+        "int8": FormatEfficiency(bandwidth_fraction=0.72, compute_fraction=0.68),
+        "int4": FormatEfficiency(bandwidth_fraction=0.50, compute_fraction=0.68),
+        "fp8": FormatEfficiency(bandwidth_fraction=0.55, compute_fraction=0.45),
+    }
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,8 +108,9 @@ class Efficiency:
                 raise InvalidArgument(f"efficiency {name} must be >= 0, got {getattr(self, name)}", param=name)
         for name, fmt in self.formats.items():
             if not isinstance(fmt, FormatEfficiency):
-                raise InvalidArgument(f"efficiency formats[{name!r}] must be a FormatEfficiency, got {fmt!r}",
-                                      param="formats")
+                raise InvalidArgument(
+                    f"efficiency formats[{name!r}] must be a FormatEfficiency, got {fmt!r}", param="formats"
+                )
 
     def for_format(self, weight_dtype: str) -> FormatEfficiency:
         """The (bandwidth, compute) fractions a weight format's kernels reach."""
@@ -119,11 +122,19 @@ class Efficiency:
 # --measured-kernels): what `Roofline(..., measured_kernels=True)` uses unless given its own. The
 # fixed costs inside the measured kernels leave no per-layer term; docs/fidelity.md compares the two.
 MEASURED_KERNELS_EFFICIENCY = Efficiency(
-    bandwidth_fraction=1.0, compute_fraction=0.68, step_overhead_s=0.0, per_layer_overhead_s=0.0,
-    per_seq_overhead_s=4.9e-6, interconnect_fraction=0.7, allreduce_latency_s=3.3e-5,
-    formats={"int8": FormatEfficiency(bandwidth_fraction=0.59, compute_fraction=0.68),
-             "int4": FormatEfficiency(bandwidth_fraction=0.38, compute_fraction=0.68),
-             "fp8": FormatEfficiency(bandwidth_fraction=0.32, compute_fraction=0.42)})
+    bandwidth_fraction=1.0,
+    compute_fraction=0.68,
+    step_overhead_s=0.0,
+    per_layer_overhead_s=0.0,
+    per_seq_overhead_s=4.9e-6,
+    interconnect_fraction=0.7,
+    allreduce_latency_s=3.3e-5,
+    formats={
+        "int8": FormatEfficiency(bandwidth_fraction=0.59, compute_fraction=0.68),
+        "int4": FormatEfficiency(bandwidth_fraction=0.38, compute_fraction=0.68),
+        "fp8": FormatEfficiency(bandwidth_fraction=0.32, compute_fraction=0.42),
+    },
+)
 
 
 def default_efficiency(measured_kernels: bool) -> Efficiency:
@@ -153,36 +164,47 @@ def parameter_source(hardware: HardwareSpec, measured: bool) -> str:
     """Where a Roofline's parameters come from, in one line for the CLI and --json."""
     if not measured or hardware.kernels is None:
         return "end-to-end Efficiency defaults fitted to published measurements (docs/fidelity.md)"
-    return (f"{hardware.provenance}; new KV, activations and fixed costs from the end-to-end terms refitted on "
-            "top of them")
+    return (
+        f"{hardware.provenance}; new KV, activations and fixed costs from the end-to-end terms refitted on top of them"
+    )
 
 
-def extrapolation(model: ModelSpec, hardware: HardwareSpec, weight_dtype: str, kv_dtype: str,
-                  tp: int) -> tuple[str, ...]:
+def extrapolation(
+    model: ModelSpec, hardware: HardwareSpec, weight_dtype: str, kv_dtype: str, tp: int
+) -> tuple[str, ...]:
     """Why a prediction for this deployment rests on no kernel measured for it (empty: it does)."""
     k = hardware.kernels
     if k is None:
-        return (f"{hardware.name} has no measured kernels: its datasheet peaks at the fractions fitted on "
-                "A100, H100 and H200",)
+        return (
+            f"{hardware.name} has no measured kernels: its datasheet peaks at the fractions fitted on "
+            "A100, H100 and H200",
+        )
     reasons = []
     wdt = _weight_dtype(weight_dtype)
     if _measured_gemm(hardware, wdt.compute_dtype, wdt.bytes_per_element) is None:
-        reasons.append(f"no measured {weight_dtype} kernels on {hardware.name} (measured: "
-                       f"{', '.join(k.gemm)}): priced by the end-to-end {weight_dtype} fractions")
+        reasons.append(
+            f"no measured {weight_dtype} kernels on {hardware.name} (measured: "
+            f"{', '.join(k.gemm)}): priced by the end-to-end {weight_dtype} fractions"
+        )
     if _kv_dtype(kv_dtype).bytes_per_element != 2:
         reasons.append(f"{kv_dtype} KV cache: attention measured on a 16-bit cache only")
     if model.head_dim not in k.attention.head_dims:
-        reasons.append(f"head_dim {model.head_dim}: attention measured at head_dim "
-                       f"{', '.join(map(str, k.attention.head_dims))} only")
+        reasons.append(
+            f"head_dim {model.head_dim}: attention measured at head_dim "
+            f"{', '.join(map(str, k.attention.head_dims))} only"
+        )
     shapes = k.gemm_shapes
     sizes = [n * kk for n, kk in _linear_shapes(model, tp)]
     if max(sizes) > _SHAPE_SLACK * shapes.max_weight_elements or min(sizes) * _SHAPE_SLACK < shapes.min_weight_elements:
-        reasons.append(f"{model.name}'s linear layers ({min(sizes) / 1e6:.3g}M to {max(sizes) / 1e6:.3g}M weights per "
-                       f"device) lie outside the measured GEMMs' {shapes.min_weight_elements / 1e6:.3g}M to "
-                       f"{shapes.max_weight_elements / 1e6:.3g}M")
+        reasons.append(
+            f"{model.name}'s linear layers ({min(sizes) / 1e6:.3g}M to {max(sizes) / 1e6:.3g}M weights per "
+            f"device) lie outside the measured GEMMs' {shapes.min_weight_elements / 1e6:.3g}M to "
+            f"{shapes.max_weight_elements / 1e6:.3g}M"
+        )
     if tp > 1 and (k.collectives is None or k.collectives.all_reduce(tp) is None):
-        reasons.append(f"no measured all-reduce among {tp} {hardware.name}s: the link's datasheet rate at the "
-                       "end-to-end fraction")
+        reasons.append(
+            f"no measured all-reduce among {tp} {hardware.name}s: the link's datasheet rate at the end-to-end fraction"
+        )
     return tuple(reasons)
 
 
@@ -196,16 +218,28 @@ def _linear_shapes(model: ModelSpec, tp: int) -> list[tuple[int, int]]:
     m = model
     q_heads = max(1, m.num_heads // tp)
     ffn = max(1, m.ffn_size // tp)
-    return [((q_heads + 2 * kv_heads_per_device(m, tp)) * m.head_dim, m.hidden_size),
-            (m.hidden_size, q_heads * m.head_dim), (2 * ffn, m.hidden_size), (m.hidden_size, ffn)]
+    return [
+        ((q_heads + 2 * kv_heads_per_device(m, tp)) * m.head_dim, m.hidden_size),
+        (m.hidden_size, q_heads * m.head_dim),
+        (2 * ffn, m.hidden_size),
+        (m.hidden_size, ffn),
+    ]
 
 
 class Roofline:
     """Prices a step of `model` on `tp` devices of `hardware`. Bytes and FLOPs are per device."""
 
-    def __init__(self, model: ModelSpec, hardware: HardwareSpec, weight_dtype: str = DEFAULT_DTYPE,
-                 kv_dtype: str = DEFAULT_DTYPE, tp: int = 1, efficiency: Efficiency | None = None,
-                 memory_fraction: float = DEFAULT_MEMORY_FRACTION, measured_kernels: bool = False) -> None:
+    def __init__(
+        self,
+        model: ModelSpec,
+        hardware: HardwareSpec,
+        weight_dtype: str = DEFAULT_DTYPE,
+        kv_dtype: str = DEFAULT_DTYPE,
+        tp: int = 1,
+        efficiency: Efficiency | None = None,
+        memory_fraction: float = DEFAULT_MEMORY_FRACTION,
+        measured_kernels: bool = False,
+    ) -> None:
         self.model = model
         self.hardware = hardware
         self.tp = tp
@@ -220,7 +254,8 @@ class Roofline:
         kernels = hardware.kernels if self.gemm is not None else None
         self.attention: AttentionEfficiency | None = kernels.attention if kernels is not None else None
         self.allreduce: CollectiveFit | None = (
-            kernels.collectives.all_reduce(tp) if kernels is not None and kernels.collectives and tp > 1 else None)
+            kernels.collectives.all_reduce(tp) if kernels is not None and kernels.collectives and tp > 1 else None
+        )
         self.parameter_source = parameter_source(hardware, self.gemm is not None)
         self.extrapolation = extrapolation(model, hardware, self.weight_dtype, self.kv_dtype, tp)
 
@@ -243,8 +278,11 @@ class Roofline:
         # stream only if some token in the step was routed to them.
         bpe = wdt.bytes_per_element
         expert_bytes_per_layer = m.expert_params_per_layer * bpe / tp
-        dense_params = (m.num_layers * (m.attention_params_per_layer + m.router_params_per_layer
-                                        + m.norm_params_per_layer) + m.lm_head_params + m.hidden_size)
+        dense_params = (
+            m.num_layers * (m.attention_params_per_layer + m.router_params_per_layer + m.norm_params_per_layer)
+            + m.lm_head_params
+            + m.hidden_size
+        )
         if not m.is_moe:
             dense_params += m.num_layers * m.expert_params_per_layer
         self._dense_weight_bytes = dense_params * bpe / tp
@@ -265,15 +303,17 @@ class Roofline:
         if self.allreduce is not None:
             self._ring_bytes_per_token = 0.0
             self._allreduces_per_step = 0
-            self._comm_s_per_token = (2 * m.num_layers * m.hidden_size * ACTIVATION_BYTES
-                                      / self.allreduce.bandwidth_bytes_per_s)
+            self._comm_s_per_token = (
+                2 * m.num_layers * m.hidden_size * ACTIVATION_BYTES / self.allreduce.bandwidth_bytes_per_s
+            )
             self._comm_s_per_step = 2 * m.num_layers * self.allreduce.latency_s
         elif tp > 1:
             assert hardware.interconnect_bytes_per_s is not None  # MemoryPlan refuses tp > 1 without one
             self._ring_bytes_per_token = 2 * m.num_layers * m.hidden_size * ACTIVATION_BYTES * 2 * (tp - 1) / tp
             self._allreduces_per_step = 2 * m.num_layers
-            self._comm_s_per_token = self._ring_bytes_per_token / (hardware.interconnect_bytes_per_s
-                                                                   * eff.interconnect_fraction)
+            self._comm_s_per_token = self._ring_bytes_per_token / (
+                hardware.interconnect_bytes_per_s * eff.interconnect_fraction
+            )
             self._comm_s_per_step = self._allreduces_per_step * eff.allreduce_latency_s
         else:
             self._ring_bytes_per_token = 0.0
@@ -287,10 +327,12 @@ class Roofline:
         # Measured attention: a layer's kernel over the step's pairs (compute) or its KV (bytes).
         if self.attention is not None:
             a = self.attention
-            self._attention_s_per_pair = self._flops_per_attention_pair / (hardware.peak_flops_per_s("bf16")
-                                                                           * a.compute_fraction)
-            self._attention_s_per_context_token = self.kv_bytes_per_token / (hardware.bandwidth_bytes_per_s
-                                                                             * a.bandwidth_fraction)
+            self._attention_s_per_pair = self._flops_per_attention_pair / (
+                hardware.peak_flops_per_s("bf16") * a.compute_fraction
+            )
+            self._attention_s_per_context_token = self.kv_bytes_per_token / (
+                hardware.bandwidth_bytes_per_s * a.bandwidth_fraction
+            )
             self._prefill_attention_overhead_s = m.num_layers * a.prefill_overhead_s
             self._decode_attention_overhead_s = m.num_layers * a.decode_overhead_s
 
@@ -360,7 +402,7 @@ class Roofline:
     # ---- pricing a step ---------------------------------------------------------------------
     def _expert_hit_fraction(self, num_tokens: int) -> float:
         # Expected fraction of experts hit by at least one of the step's tokens (per layer).
-        return 1.0 - self._expert_miss_prob ** num_tokens
+        return 1.0 - self._expert_miss_prob**num_tokens
 
     def _weight_bytes(self, num_tokens: int) -> float:
         if self._num_experts == 1:
@@ -395,23 +437,36 @@ class Roofline:
         if self.gemm is not None:  # measured kernels run one after another: their times add up
             compute_s = pairs * self._attention_s_per_pair
             memory_s = context_tokens * self._attention_s_per_context_token
-            return (self._linear_s(num_tokens, num_seqs) + (compute_s if compute_s > memory_s else memory_s)
-                    + (self._prefill_attention_overhead_s if num_tokens > num_seqs
-                       else self._decode_attention_overhead_s)
-                    + num_tokens * (self._memory_s_per_token + self._comm_s_per_token) + self._comm_s_per_step
-                    + self._overhead_s + num_seqs * self._per_seq_s)
-        compute_s = (num_tokens * self._compute_s_per_token + num_seqs * self._compute_s_per_seq
-                     + pairs * self._compute_s_per_pair)
+            return (
+                self._linear_s(num_tokens, num_seqs)
+                + (compute_s if compute_s > memory_s else memory_s)
+                + (self._prefill_attention_overhead_s if num_tokens > num_seqs else self._decode_attention_overhead_s)
+                + num_tokens * (self._memory_s_per_token + self._comm_s_per_token)
+                + self._comm_s_per_step
+                + self._overhead_s
+                + num_seqs * self._per_seq_s
+            )
+        compute_s = (
+            num_tokens * self._compute_s_per_token
+            + num_seqs * self._compute_s_per_seq
+            + pairs * self._compute_s_per_pair
+        )
         weight_s = self._dense_weight_s
         if self._num_experts != 1:
-            weight_s += self._expert_s_all_layers * (1.0 - self._expert_miss_prob ** num_tokens)
+            weight_s += self._expert_s_all_layers * (1.0 - self._expert_miss_prob**num_tokens)
         memory_s = weight_s + context_tokens * self._memory_s_per_context_token + num_tokens * self._memory_s_per_token
         # a conditional, not max(): this line runs millions of times per simulation
-        return ((compute_s if compute_s > memory_s else memory_s) + num_tokens * self._comm_s_per_token
-                + self._comm_s_per_step + self._overhead_s + num_seqs * self._per_seq_s)
+        return (
+            (compute_s if compute_s > memory_s else memory_s)
+            + num_tokens * self._comm_s_per_token
+            + self._comm_s_per_step
+            + self._overhead_s
+            + num_seqs * self._per_seq_s
+        )
 
-    def time_terms(self, num_tokens: int, num_seqs: int, context_tokens: int,
-                   pairs: int) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
+    def time_terms(
+        self, num_tokens: int, num_seqs: int, context_tokens: int, pairs: int
+    ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
         """A step's time split by the Efficiency parameter each part scales with, for fitting:
         (compute side, memory side, added). A fraction's term is multiplied by 1 / fraction, an
         overhead's by its value, and
@@ -427,34 +482,46 @@ class Roofline:
             return {}, {}, {}
         if self.gemm is not None:
             added = self._added_terms(num_tokens, num_seqs)
-            added[MEASURED_KERNELS_TERM] = (self._linear_s(num_tokens, num_seqs)
-                                            + self._attention_s(num_tokens, num_seqs, context_tokens, pairs))
+            added[MEASURED_KERNELS_TERM] = self._linear_s(num_tokens, num_seqs) + self._attention_s(
+                num_tokens, num_seqs, context_tokens, pairs
+            )
             if self.allreduce is not None:
                 added[MEASURED_KERNELS_TERM] += num_tokens * self._comm_s_per_token + self._comm_s_per_step
             new_bytes = num_tokens * (self.kv_bytes_per_token + self._activation_bytes_per_token)
             return {}, {"bandwidth_fraction": new_bytes / self.peak_bandwidth_bytes_per_s}, added
-        fmt_key = f"formats.{self.weight_dtype.lower()}." if self.weight_dtype.lower() in self.efficiency.formats else ""
-        flops = (num_tokens * self._flops_per_token + num_seqs * self._flops_per_seq
-                 + pairs * self._flops_per_attention_pair)
+        fmt_key = (
+            f"formats.{self.weight_dtype.lower()}." if self.weight_dtype.lower() in self.efficiency.formats else ""
+        )
+        flops = (
+            num_tokens * self._flops_per_token + num_seqs * self._flops_per_seq + pairs * self._flops_per_attention_pair
+        )
         other_bytes = context_tokens * self.kv_bytes_per_token + num_tokens * (
-            self.kv_bytes_per_token + self._activation_bytes_per_token)
+            self.kv_bytes_per_token + self._activation_bytes_per_token
+        )
         bw = self.peak_bandwidth_bytes_per_s
         weight_s = self._weight_bytes(num_tokens) / bw
         memory = {"bandwidth_fraction": other_bytes / bw}
         memory[fmt_key + "bandwidth_fraction"] = memory.get(fmt_key + "bandwidth_fraction", 0.0) + weight_s
-        return {fmt_key + "compute_fraction": flops / self.peak_flops_per_s}, memory, self._added_terms(num_tokens,
-                                                                                                       num_seqs)
+        return (
+            {fmt_key + "compute_fraction": flops / self.peak_flops_per_s},
+            memory,
+            self._added_terms(num_tokens, num_seqs),
+        )
 
     def _attention_s(self, num_tokens: int, num_seqs: int, context_tokens: int, pairs: int) -> float:
         """The measured attention kernels of a step, one call per layer."""
         compute_s = pairs * self._attention_s_per_pair
         memory_s = context_tokens * self._attention_s_per_context_token
-        return max(compute_s, memory_s) + (self._prefill_attention_overhead_s if num_tokens > num_seqs
-                                           else self._decode_attention_overhead_s)
+        return max(compute_s, memory_s) + (
+            self._prefill_attention_overhead_s if num_tokens > num_seqs else self._decode_attention_overhead_s
+        )
 
     def _added_terms(self, num_tokens: int, num_seqs: int) -> dict[str, float]:
-        added = {"step_overhead_s": 1.0, "per_layer_overhead_s": float(self.model.num_layers),
-                 "per_seq_overhead_s": float(num_seqs)}
+        added = {
+            "step_overhead_s": 1.0,
+            "per_layer_overhead_s": float(self.model.num_layers),
+            "per_seq_overhead_s": float(num_seqs),
+        }
         if self._allreduces_per_step:
             link = self.hardware.interconnect_bytes_per_s
             assert link is not None
@@ -466,8 +533,9 @@ class Roofline:
         return self.cost_from_totals(*self.totals(shape))
 
     def cost_from_totals(self, num_tokens: int, num_seqs: int, context_tokens: int, pairs: int) -> StepCost:
-        flops = (num_tokens * self._flops_per_token + num_seqs * self._flops_per_seq
-                 + pairs * self._flops_per_attention_pair)
+        flops = (
+            num_tokens * self._flops_per_token + num_seqs * self._flops_per_seq + pairs * self._flops_per_attention_pair
+        )
         weight_bytes = self._weight_bytes(num_tokens) if num_tokens else 0.0
         kv_read = context_tokens * self.kv_bytes_per_token
         kv_write = num_tokens * self.kv_bytes_per_token
@@ -484,13 +552,21 @@ class Roofline:
             # the measured fractions, unsmoothed); new KV and activations at the end-to-end fraction.
             linear_flops = flops - pairs * self._flops_per_attention_pair
             new_bytes_s = (kv_write + activation) / self._bytes_per_s
-            compute_s = (pairs * self._attention_s_per_pair
-                         + linear_flops / (self.peak_flops_per_s * self.gemm.compute_fraction))
-            memory_s = (context_tokens * self._attention_s_per_context_token + new_bytes_s
-                        + weight_bytes / (self.peak_bandwidth_bytes_per_s * self.gemm.bandwidth_fraction))
-            time_s = (self._linear_s(num_tokens, num_seqs) + self._attention_s(num_tokens, num_seqs, context_tokens,
-                                                                              pairs)
-                      + new_bytes_s + comm_s + overhead_s)
+            compute_s = pairs * self._attention_s_per_pair + linear_flops / (
+                self.peak_flops_per_s * self.gemm.compute_fraction
+            )
+            memory_s = (
+                context_tokens * self._attention_s_per_context_token
+                + new_bytes_s
+                + weight_bytes / (self.peak_bandwidth_bytes_per_s * self.gemm.bandwidth_fraction)
+            )
+            time_s = (
+                self._linear_s(num_tokens, num_seqs)
+                + self._attention_s(num_tokens, num_seqs, context_tokens, pairs)
+                + new_bytes_s
+                + comm_s
+                + overhead_s
+            )
         else:
             compute_s = flops / self._flops_per_s
             memory_s = weight_bytes / self._weight_bytes_per_s + other_memory_s
@@ -544,6 +620,7 @@ class Roofline:
         """Smallest decode batch at `context_len` whose step is compute-bound (memory capacity
         ignored), or None: when each sequence adds more bytes (its KV) than FLOPs can cover, no
         batch ever gets there."""
+
         def compute_bound(batch: int) -> bool:
             return self.decode(batch, context_len).bound == "compute"
 

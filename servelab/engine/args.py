@@ -46,8 +46,9 @@ class EngineArgs:
     `aliases` (other spellings of the flag, as good as it), `parse` (how the CLI reads the
     value: "dtype" or "bytes")."""
 
-    model: str | None = field(default=None, metadata=knob(
-        "GGUF file or HF model directory", unset="the bundled SmolLM2-135M-Instruct Q4_1"))
+    model: str | None = field(
+        default=None, metadata=knob("GGUF file or HF model directory", unset="the bundled SmolLM2-135M-Instruct Q4_1")
+    )
     # None (or "auto"): float32 on a CPU, bfloat16 (else float16) on CUDA
     dtype: str | None = field(default=None, metadata=knob(
         "compute dtype: auto, " + ", ".join(DTYPES), parse="dtype",
@@ -57,11 +58,14 @@ class EngineArgs:
     # Budgets, policy and KV block size. num_blocks None = derived from kv_cache_memory_bytes;
     # max_model_len None = min(model max context, DEFAULT_MAX_MODEL_LEN). Its flags are SchedulerConfig's.
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
-    kv_cache_memory_bytes: int | None = field(default=None, metadata=knob(
-        "memory for the KV cache, e.g. 1GiB", flag="--kv-cache-memory", parse="bytes", unset="1GiB"))
+    kv_cache_memory_bytes: int | None = field(
+        default=None,
+        metadata=knob("memory for the KV cache, e.g. 1GiB", flag="--kv-cache-memory", parse="bytes", unset="1GiB"),
+    )
     seed: int = field(default=0, metadata=knob("engine seed for unseeded requests"))
-    served_model_name: str | None = field(default=None, metadata=knob(
-        "the name clients send as 'model'", unset="from the model"))
+    served_model_name: str | None = field(
+        default=None, metadata=knob("the name clients send as 'model'", unset="from the model")
+    )
     # None = weights in the compute dtype; "int8" or "bf16" = opt-in int8 or bf16 linears on CPU
     # (the rest in fp32; faster linears, numerics change, output stays batch-invariant: see
     # runtime/quantization.py)
@@ -80,17 +84,27 @@ class EngineArgs:
     # Greedy output bit-identical whatever else is in the batch, however prompts are chunked and
     # across preemption: every row count and decode take the same kernels (runtime/model.py,
     # make_batch_invariant); CPU, fp32 compute (bf16 is refused, the default dtype becomes fp32).
-    deterministic: bool = field(default=False, metadata=knob(
-        "greedy output bit-identical whatever else is in the batch, however prompts are chunked and across "
-        "preemption: one kernel for every batch size, float32 compute, CPU only; slower (docs/benchmarks.md)"))
+    deterministic: bool = field(
+        default=False,
+        metadata=knob(
+            "greedy output bit-identical whatever else is in the batch, however prompts are chunked and across "
+            "preemption: one kernel for every batch size, float32 compute, CPU only; slower (docs/benchmarks.md)"
+        ),
+    )
     # True: the KV pool's memory is made resident at start (a server: flat RSS, a pool too big
     # fails at once); False: pages are touched as blocks first fill (fast start for offline use)
     kv_cache_prefault: bool = False
     # Ranks the model is split across (Megatron sharding, runtime/parallel/): each rank a process
     # on this host joined by gloo, holding its heads' KV cache; kv_cache_memory_bytes is per rank.
-    tensor_parallel_size: int = field(default=1, metadata=knob(
-        "split the model across N processes on this host (Megatron sharding, gloo): each holds 1/N of the "
-        "weights and of the KV cache; the host's threads are shared between them", aliases=("--tp",), metavar="N"))
+    tensor_parallel_size: int = field(
+        default=1,
+        metadata=knob(
+            "split the model across N processes on this host (Megatron sharding, gloo): each holds 1/N of the "
+            "weights and of the KV cache; the host's threads are shared between them",
+            aliases=("--tp",),
+            metavar="N",
+        ),
+    )
 
     def __post_init__(self) -> None:
         if isinstance(self.model, os.PathLike):
@@ -136,12 +150,19 @@ class EngineArgs:
                     param="quantization",
                 )
             if self.device != "cpu":
-                raise InvalidArgument(f"quantization {self.quantization!r} runs on cpu only, got device {self.device!r}", param="quantization")
+                raise InvalidArgument(
+                    f"quantization {self.quantization!r} runs on cpu only, got device {self.device!r}",
+                    param="quantization",
+                )
             if self.dtype not in (None, "float32"):
-                raise InvalidArgument(f"quantization {self.quantization!r} computes in float32, got dtype {self.dtype!r}", param="dtype")
+                raise InvalidArgument(
+                    f"quantization {self.quantization!r} computes in float32, got dtype {self.dtype!r}", param="dtype"
+                )
         if self.deterministic:
             if self.device != "cpu":
-                raise InvalidArgument(f"deterministic mode runs on cpu only, got device {self.device!r}", param="deterministic")
+                raise InvalidArgument(
+                    f"deterministic mode runs on cpu only, got device {self.device!r}", param="deterministic"
+                )
             if self.dtype not in (None, "float32"):
                 raise InvalidArgument(
                     f"deterministic mode computes in float32 (the bf16 and fp16 paths are not batch-invariant), "
@@ -192,4 +213,3 @@ def native_bf16_on_cpu(args: EngineArgs) -> EngineArgs:
         return args
     kv = "bfloat16" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     return dataclasses.replace(args, dtype="float32", quantization="bf16", kv_cache_dtype=kv)
-

@@ -115,7 +115,9 @@ def _normalise_prompts(prompts: Any) -> list[Prompt]:
             if problem is not None:
                 raise InvalidArgument(f"prompt {i} {problem}", param="prompts")
         return out
-    raise InvalidArgument(f"prompts must be a string, token ids, a chat or a list of them, got {type(prompts).__name__}", param="prompts")
+    raise InvalidArgument(
+        f"prompts must be a string, token ids, a chat or a list of them, got {type(prompts).__name__}", param="prompts"
+    )
 
 
 class LLM:
@@ -159,7 +161,9 @@ class LLM:
         elif isinstance(sampling_params, SamplingParams):
             params = [sampling_params] * len(items)
         else:
-            if not isinstance(sampling_params, (list, tuple)) or not all(isinstance(p, SamplingParams) for p in sampling_params):
+            if not isinstance(sampling_params, (list, tuple)) or not all(
+                isinstance(p, SamplingParams) for p in sampling_params
+            ):
                 raise InvalidArgument(
                     "sampling_params must be a SamplingParams, a list of them (one per prompt) or None, got "
                     f"{type(sampling_params).__name__}; e.g. SamplingParams(max_tokens=4)",
@@ -213,7 +217,9 @@ class LLM:
             )
         return results
 
-    def embed(self, prompts: Prompt | Seq[Prompt], pooling_params: PoolingParams | None = None) -> list[EmbeddingOutput]:
+    def embed(
+        self, prompts: Prompt | Seq[Prompt], pooling_params: PoolingParams | None = None
+    ) -> list[EmbeddingOutput]:
         """Each prompt's embedding (LAST-token pooling, normalized, unless `pooling_params` says
         otherwise), batched by the scheduler as prefill-only requests; outputs in prompt order."""
         items = _normalise_prompts(prompts)

@@ -117,8 +117,12 @@ class LLMEngine:
 
         path = args.model or str(bundled_model_path())
         if (mapped := native_bf16_on_cpu(args)) is not args:
-            logger.info("dtype bfloat16 on a CPU -> bf16 linears on servelab's kernels (--quantization bf16), the rest "
-                        "in float32, KV cache %s: %s", mapped.kv_cache_dtype, CPU_BF16_DTYPE_REASON)
+            logger.info(
+                "dtype bfloat16 on a CPU -> bf16 linears on servelab's kernels (--quantization bf16), the rest "
+                "in float32, KV cache %s: %s",
+                mapped.kv_cache_dtype,
+                CPU_BF16_DTYPE_REASON,
+            )
             args = mapped
         dtype = resolve_dtype("float32" if args.quantization or args.deterministic else args.dtype, args.device)
         if args.dtype is None and args.device == "cpu" and not (args.quantization or args.deterministic):
@@ -171,14 +175,20 @@ class LLMEngine:
             max_model_len = capacity_tokens  # a small cache asked for explicitly bounds the context
 
         kv_cache = PagedKVCache(
-            model.config, num_blocks, knobs.block_size, dtype=kv_dtype, device=args.device, prefault=args.kv_cache_prefault
+            model.config,
+            num_blocks,
+            knobs.block_size,
+            dtype=kv_dtype,
+            device=args.device,
+            prefault=args.kv_cache_prefault,
         )
         if tp > 1:  # last, so a configuration error leaves no process behind
             from servelab.runtime.parallel.group import start_tensor_parallel  # torch.distributed
             from servelab.runtime.parallel.worker import worker_main
 
-            model = start_tensor_parallel(loaded.model, spec, tp, worker_main,
-                                          (path, dtype, args.device, options, os.getpid()))
+            model = start_tensor_parallel(
+                loaded.model, spec, tp, worker_main, (path, dtype, args.device, options, os.getpid())
+            )
             model.group.broadcast((num_blocks, knobs.block_size, kv_dtype, args.kv_cache_prefault))  # their pools
         processors = LogitsProcessors(tokenizer, model.vocab_size)
         executor = ModelExecutor(model, kv_cache, sampler=Sampler(args.seed, processors))
@@ -234,7 +244,9 @@ class LLMEngine:
             token_ids = [_token_id(t) for t in prompt]
             bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
             if bad is not None:
-                raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
+                raise InvalidArgument(
+                    f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="prompt"
+                )
         bad = next((t for t in params.stop_token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
             raise InvalidArgument(
@@ -311,7 +323,9 @@ class LLMEngine:
         if state is None:
             raise InvalidArgument(f"cannot detach request {request_id!r}: no such request", param="request_id")
         held = self.scheduler.block_manager.hold(state.seq)
-        self.scheduler.finish(request_id, FinishReason.STOP, time.perf_counter())  # here it is done: the rest runs elsewhere
+        self.scheduler.finish(
+            request_id, FinishReason.STOP, time.perf_counter()
+        )  # here it is done: the rest runs elsewhere
         return held
 
     def sequence(self, request_id: str) -> Sequence | None:
@@ -324,7 +338,11 @@ class LLMEngine:
         self.scheduler.block_manager.release(held)
 
     def reserve_prefilled(
-        self, request_id: str, prompt_token_ids: list[int], first_token_id: int, params: SamplingParams,
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        first_token_id: int,
+        params: SamplingParams,
         arrival_s: float | None = None,
     ) -> Sequence | None:
         """Decode side: blocks for a request prefilled elsewhere, before its KV arrives; None

@@ -254,7 +254,9 @@ class _DecodeInts:
         return self._views
 
 
-def _pooled_rows(entries: list, pooled: list[int], row_of_last: dict[int, int]) -> tuple[list[tuple[int, int, int]], list[int]]:
+def _pooled_rows(
+    entries: list, pooled: list[int], row_of_last: dict[int, int]
+) -> tuple[list[tuple[int, int, int]], list[int]]:
     """The hidden-state rows the pooling entries need: every row of a MEAN chunk, the last
     row of a LAST sequence's final chunk. Returns (entry, first row in the pooled output, number
     of rows) per entry, and the rows."""
@@ -332,7 +334,9 @@ def _score_prompt(
         k = entries[i].seq.params.prompt_logprobs
         items = []
         for r in range(row, row + n):
-            items.append(TokenLogprobs(int(targets[r]), chosen_list[r], list(zip(top_ids[r][:k], top_values[r][:k])), ranks[r]))
+            items.append(
+                TokenLogprobs(int(targets[r]), chosen_list[r], list(zip(top_ids[r][:k], top_values[r][:k])), ranks[r])
+            )
         out.append((i, items))
         row += n
     return out

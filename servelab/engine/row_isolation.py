@@ -24,7 +24,6 @@ from servelab.engine.sampler import NON_FINITE_LOGITS, Sampler
 logger = logging.getLogger("servelab.engine")
 
 
-
 @dataclass(slots=True)
 class SampledRows:
     tokens: list[int | None]  # None: the row failed

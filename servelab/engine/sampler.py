@@ -151,7 +151,9 @@ class Sampler:
     def _apply_penalties(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
         """OpenAI semantics over the output tokens so far: logit -= frequency * count + presence * (count > 0)."""
         rows = [
-            i for i, s in enumerate(seqs) if (s.params.presence_penalty or s.params.frequency_penalty) and s.num_output_tokens
+            i
+            for i, s in enumerate(seqs)
+            if (s.params.presence_penalty or s.params.frequency_penalty) and s.num_output_tokens
         ]
         if not rows:
             return logits

@@ -110,7 +110,9 @@ def compile_spec(compiler: Any, spec: StructuredOutputSpec) -> Any:
     except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses with its parser's message
         message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         message = _LOG_PREFIX.sub("", message)  # "[11:44:40] /project/cpp/x.cc:94: " says nothing to a client
-        raise InvalidArgument(f"{spec.source}: the {spec.kind} constraint does not compile: {message}", param=spec.source) from e
+        raise InvalidArgument(
+            f"{spec.source}: the {spec.kind} constraint does not compile: {message}", param=spec.source
+        ) from e
 
 
 class GrammarCache:

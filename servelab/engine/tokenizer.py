@@ -177,8 +177,14 @@ class Tokenizer:
         return -(-len(text.encode("utf-8", errors="surrogatepass")) // self._max_bytes_per_token)
 
     def encode_chat(
-        self, messages: list[dict], add_generation_prompt: bool = True, add_special_tokens: bool = True,
-        *, chat_template: str | None = None, continue_final_message: bool = False, **template_kwargs: Any,
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        add_special_tokens: bool = True,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        **template_kwargs: Any,
     ) -> list[int]:
         """Token ids of a chat, rendered by the template, where only the template's own markers
         are special tokens: special-token text inside a message's content stays plain text.
@@ -259,8 +265,13 @@ class Tokenizer:
     # ---------------------------------------------------------------- chat template
 
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, *, chat_template: str | None = None,
-        continue_final_message: bool = False, **template_kwargs: Any,
+        self,
+        messages: list[dict],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        **template_kwargs: Any,
     ) -> str:
         """Render a chat (OpenAI-style messages) to the prompt text the model was trained on, with
         the model's template or `chat_template` (a request's: the same sandbox renders it)."""

@@ -63,8 +63,14 @@ LESSON_DEFAULTS: dict[str, dict[str, Any]] = {
     # Near the knee: at 24 req/s the p90 targets hold, a few req/s more and TPOT breaks them.
     "slo": {"rate": 24, "ttft_slo_ms": 500, "tpot_slo_ms": 20, "prompt_len": 1024, "output_len": 128},
     "chunked-prefill": {"prompt_len": 8192, "decode_batch": 16, "chunk_tokens": 512},
-    "disaggregated": {"rate": 6, "prefill_gpus": 1, "decode_gpus": 1, "link_gbps": 50, "prompt_len": 2048,
-                      "output_len": 128},
+    "disaggregated": {
+        "rate": 6,
+        "prefill_gpus": 1,
+        "decode_gpus": 1,
+        "link_gbps": 50,
+        "prompt_len": 2048,
+        "output_len": 128,
+    },
     "memory": {"attention": "gqa", "context": 8192, "tpot_ms": 50},
     "capacity": {"tpot_ms": 50, "prompt_len": 1024, "output_len": 256},
     "request-cost": {"prompt_len": 2048, "output_len": 256, "batch": 32, "price_per_gpu_hour": None},
@@ -73,16 +79,33 @@ LESSON_DEFAULTS: dict[str, dict[str, Any]] = {
 
 def catalog() -> dict[str, Any]:
     return {
-        "models": [{"name": m.name, "params_b": m.num_params / 1e9, "max_context": m.max_context,
-                    "num_heads": m.num_heads, "num_kv_heads": m.num_kv_heads} for m in MODELS.values()],
-        "hardware": [{"name": h.name, "description": h.description, "memory_gb": h.memory_bytes / 1e9,
-                      "bandwidth_tb_per_s": h.bandwidth_bytes_per_s / 1e12} for h in HARDWARE.values()],
+        "models": [
+            {
+                "name": m.name,
+                "params_b": m.num_params / 1e9,
+                "max_context": m.max_context,
+                "num_heads": m.num_heads,
+                "num_kv_heads": m.num_kv_heads,
+            }
+            for m in MODELS.values()
+        ],
+        "hardware": [
+            {
+                "name": h.name,
+                "description": h.description,
+                "memory_gb": h.memory_bytes / 1e9,
+                "bandwidth_tb_per_s": h.bandwidth_bytes_per_s / 1e12,
+            }
+            for h in HARDWARE.values()
+        ],
         "weight_dtypes": list(WEIGHT_DTYPES),
         "kv_dtypes": list(KV_DTYPES),
         "tp": [int(t) for t in TP_CHOICES],
         # The simulated lessons (slo, disaggregated, capacity) run as one engine's defaults.
-        "engine_profiles": [{"name": p.name, "engine": p.engine, "version": p.version, "summary": p.summary}
-                            for p in engine_profiles().values()],
+        "engine_profiles": [
+            {"name": p.name, "engine": p.engine, "version": p.version, "summary": p.summary}
+            for p in engine_profiles().values()
+        ],
         "lessons": list(LESSONS),
         # The forms' min/max: the same bounds the lessons validate against.
         "limits": published_limits(),
@@ -113,6 +136,10 @@ def does_not_fit(name: str, params: Params, exc: DoesNotFit) -> dict[str, Any]:
     s = setup_from(params)
     _, _, detail = exc.message.partition(": ")
     label = "does not fit: " + (detail or exc.message).split(";")[0]
-    return {"config": {**s.to_dict(), **{k: v for k, v in params.items() if k not in s.to_dict()}},
-            "no_fit": {"label": label}, "warning": exc.message, "stats": [],
-            "notice": f"{s.model.name} cannot run this lesson on {s.hardware.name} as configured; the warning says what to change."}
+    return {
+        "config": {**s.to_dict(), **{k: v for k, v in params.items() if k not in s.to_dict()}},
+        "no_fit": {"label": label},
+        "warning": exc.message,
+        "stats": [],
+        "notice": f"{s.model.name} cannot run this lesson on {s.hardware.name} as configured; the warning says what to change.",
+    }

@@ -50,11 +50,16 @@ def _error_response(exc: ServelabError) -> JSONResponse:
     return JSONResponse(body, status_code=exc.http_status, headers=headers)
 
 
-def create_lab_app(engine_metrics_source: EngineMetricsSource | None = None, *,
-                   profile: dict[str, Any] | None = None, profile_path: str | None = None,
-                   served_model: Callable[[], str | None] | None = None,
-                   max_request_bytes: int | None = None, allowed_hosts: frozenset[str] | None = None,
-                   simulations: Simulations | None = None) -> FastAPI:
+def create_lab_app(
+    engine_metrics_source: EngineMetricsSource | None = None,
+    *,
+    profile: dict[str, Any] | None = None,
+    profile_path: str | None = None,
+    served_model: Callable[[], str | None] | None = None,
+    max_request_bytes: int | None = None,
+    allowed_hosts: frozenset[str] | None = None,
+    simulations: Simulations | None = None,
+) -> FastAPI:
     """The lab as an ASGI app. Mount it anywhere (`app.mount("/lab", create_lab_app(...))`): the
     page addresses its API and files by relative URLs. `profile` is a loaded `servelab calibrate`
     profile (`servelab.cost.profile.load_profile`); `served_model` names the engine's model.
@@ -92,7 +97,9 @@ def create_lab_app(engine_metrics_source: EngineMetricsSource | None = None, *,
         app.state.capacity_planner.close()
 
     app.state.stop = stop
-    app.state.predictor = Predictor(profile, profile_path, metrics_text if engine_metrics_source else None, served_model)
+    app.state.predictor = Predictor(
+        profile, profile_path, metrics_text if engine_metrics_source else None, served_model
+    )
 
     @app.exception_handler(ServelabError)
     async def _servelab_error(_: Request, exc: ServelabError) -> JSONResponse:
@@ -164,5 +171,3 @@ def create_lab_app(engine_metrics_source: EngineMetricsSource | None = None, *,
         return {"live": app.state.engine_metrics_source is not None, "lessons": list(api.LESSONS)}
 
     return app
-
-

@@ -79,13 +79,24 @@ def _jobs(key: tuple) -> list[Any]:
     jobs = []
     for hw in HARDWARE.values():
         wall = max(1, memory_wall(model, hw.name, w, k, tp, prompt_len + output_len))
-        jobs.append(PlanJob(
-            model=model, hardware=hw.name, tp=tp, slo=SLO(tpot_s=tpot_ms / 1e3), percentile=PLAN_PERCENTILE,
-            workload=workload, weight_dtype=w, kv_cache_dtype=k, engine_profile=engine_profile,
-            scheduler_overrides={"max_num_seqs": MAX_NUM_SEQS},
-            max_concurrency=min(int(wall * PAST_MEMORY_WALL) + 1, SEARCH_CEILING_USERS),
-            price_per_device_hour=hw.price_per_hour_usd,
-            requests_per_client=REQUESTS_PER_USER, tolerance=max(1.0, TOLERANCE_FRACTION * wall)))
+        jobs.append(
+            PlanJob(
+                model=model,
+                hardware=hw.name,
+                tp=tp,
+                slo=SLO(tpot_s=tpot_ms / 1e3),
+                percentile=PLAN_PERCENTILE,
+                workload=workload,
+                weight_dtype=w,
+                kv_cache_dtype=k,
+                engine_profile=engine_profile,
+                scheduler_overrides={"max_num_seqs": MAX_NUM_SEQS},
+                max_concurrency=min(int(wall * PAST_MEMORY_WALL) + 1, SEARCH_CEILING_USERS),
+                price_per_device_hour=hw.price_per_hour_usd,
+                requests_per_client=REQUESTS_PER_USER,
+                tolerance=max(1.0, TOLERANCE_FRACTION * wall),
+            )
+        )
     return jobs
 
 
@@ -214,9 +225,13 @@ def capacity(p: Params, planner: CapacityPlanner) -> dict[str, Any] | JSONRespon
     done, rows = planner.snapshot(state)
     if not done:
         partial = result(s, rows, tpot_ms, prompt_len, output_len)
-        partial.update(status="running", done=len(rows), total=state.total,
-                       message=f"planning: {len(rows)} of {state.total} accelerators simulated; "
-                               f"the others show the roofline's estimate until their search ends")
+        partial.update(
+            status="running",
+            done=len(rows),
+            total=state.total,
+            message=f"planning: {len(rows)} of {state.total} accelerators simulated; "
+            f"the others show the roofline's estimate until their search ends",
+        )
         return JSONResponse(partial, status_code=202)
     if state.error:
         raise ServelabError(f"the capacity plan failed: {state.error}")
@@ -240,7 +255,12 @@ def estimate(s: Any, hardware: Any, tpot_ms: float, prompt_len: int, output_len:
     batch = batch_at_tpot(rl, context, wall, tpot_ms / 1e3)
     cycle_s = output_len * rl.decode(batch, context).time_s + batch * rl.prefill(prompt_len).time_s if batch else 0.0
     tps = batch * output_len / cycle_s / s.tp if batch else 0.0
-    return {"fits": wall > 0, "batch": batch, "tokens_per_s_per_gpu": tps, "binds": "memory" if batch == wall else "slo"}
+    return {
+        "fits": wall > 0,
+        "batch": batch,
+        "tokens_per_s_per_gpu": tps,
+        "binds": "memory" if batch == wall else "slo",
+    }
 
 
 def _binds(row: Any) -> str | None:
@@ -255,8 +275,12 @@ def _binds(row: Any) -> str | None:
     return "memory" if limit in ("kv-cache", "search-maximum") else limit
 
 
-BIND_LABEL = {"memory": "memory (KV cache full)", "slo": "the TPOT target", "max-num-seqs": "--max-num-seqs",
-              "ceiling": f"the lab's {SEARCH_CEILING_USERS:,}-user ceiling, short of memory"}
+BIND_LABEL = {
+    "memory": "memory (KV cache full)",
+    "slo": "the TPOT target",
+    "max-num-seqs": "--max-num-seqs",
+    "ceiling": f"the lab's {SEARCH_CEILING_USERS:,}-user ceiling, short of memory",
+}
 
 
 def result(s: Any, rows_by_hw: dict[str, Any], tpot_ms: float, prompt_len: int, output_len: int) -> dict[str, Any]:
@@ -264,9 +288,25 @@ def result(s: Any, rows_by_hw: dict[str, Any], tpot_ms: float, prompt_len: int, 
 
     simulated = rank([rows_by_hw[name] for name in HARDWARE if name in rows_by_hw])
     pending = [name for name in HARDWARE if name not in rows_by_hw]
-    plan: dict[str, list[Any]] = {k: [] for k in (
-        "hardware", "tp", "fits", "meets_slo", "tokens_per_s_per_gpu", "usd_per_million_tokens", "concurrency",
-        "tpot_ms", "price_per_gpu_hour", "binds", "binding", "config", "reason", "status")}
+    plan: dict[str, list[Any]] = {
+        k: []
+        for k in (
+            "hardware",
+            "tp",
+            "fits",
+            "meets_slo",
+            "tokens_per_s_per_gpu",
+            "usd_per_million_tokens",
+            "concurrency",
+            "tpot_ms",
+            "price_per_gpu_hour",
+            "binds",
+            "binding",
+            "config",
+            "reason",
+            "status",
+        )
+    }
 
     def add(r: PlanRow, status: str, binds: str | None) -> None:
         plan["hardware"].append(r.hardware)
@@ -294,40 +334,61 @@ def result(s: Any, rows_by_hw: dict[str, Any], tpot_ms: float, prompt_len: int, 
         hw = HARDWARE[name]
         e = estimate(s, hw, tpot_ms, prompt_len, output_len)
         tps = e["tokens_per_s_per_gpu"] or None
-        row = PlanRow(hardware=name, tp=s.tp, fits=e["fits"], capacity_concurrency=e["batch"] or None,
-                      tokens_per_s_per_device=tps, price_per_device_hour=hw.price_per_hour_usd,
-                      reason="roofline estimate; simulating",
-                      cost_per_million_output_tokens=None if not tps or hw.price_per_hour_usd is None else
-                      cost_per_million_tokens(hw.price_per_hour_usd, tps))
+        row = PlanRow(
+            hardware=name,
+            tp=s.tp,
+            fits=e["fits"],
+            capacity_concurrency=e["batch"] or None,
+            tokens_per_s_per_device=tps,
+            price_per_device_hour=hw.price_per_hour_usd,
+            reason="roofline estimate; simulating",
+            cost_per_million_output_tokens=None
+            if not tps or hw.price_per_hour_usd is None
+            else cost_per_million_tokens(hw.price_per_hour_usd, tps),
+        )
         add(row, "estimate", e.get("binds") if tps else None)
     serving = [r for r in simulated if r.meets_slo]
     warning = None
     if simulated and not pending and not serving:
         reasons = "; ".join(f"{r.hardware}: {r.reason}" for r in simulated)
-        warning = (f"no accelerator serves {s.model.name} within {fmt(tpot_ms)} ms TPOT: {reasons}; loosen the TPOT "
-                   f"target, shorten the requests, use smaller dtypes or raise TP")
+        warning = (
+            f"no accelerator serves {s.model.name} within {fmt(tpot_ms)} ms TPOT: {reasons}; loosen the TPOT "
+            f"target, shorten the requests, use smaller dtypes or raise TP"
+        )
     if serving:
         cheapest = serving[0]
         fastest = max(serving, key=lambda r: r.tokens_per_s_per_device or 0.0)
         bound = ", ".join(f"{r.hardware} by {BIND_LABEL.get(_binds(r) or '', _binds(r))}" for r in serving)
-        notice = (f"{fastest.hardware} serves the most tokens/s per GPU ({fmt(fastest.tokens_per_s_per_device)}), "
-                  f"but {cheapest.hardware} is cheapest at ${fmt(cheapest.cost_per_million_output_tokens or 0.0)} per "
-                  f"million output tokens; capacity is tokens/s per GPU at the TPOT target, not QPS. "
-                  f"What bound each: {bound}.")
+        notice = (
+            f"{fastest.hardware} serves the most tokens/s per GPU ({fmt(fastest.tokens_per_s_per_device)}), "
+            f"but {cheapest.hardware} is cheapest at ${fmt(cheapest.cost_per_million_output_tokens or 0.0)} per "
+            f"million output tokens; capacity is tokens/s per GPU at the TPOT target, not QPS. "
+            f"What bound each: {bound}."
+        )
     elif pending:
         notice = "simulating; the bars that are not yet simulated are the roofline's estimate."
     else:
         notice = "nothing meets the target: loosen the TPOT target, shorten the requests, or raise TP."
     return {
         "status": "done" if not pending else "running",
-        "config": {**s.to_dict(), "tpot_ms": tpot_ms, "prompt_len": prompt_len, "output_len": output_len,
-                   "requests_per_user": REQUESTS_PER_USER, "percentile": PLAN_PERCENTILE},
+        "config": {
+            **s.to_dict(),
+            "tpot_ms": tpot_ms,
+            "prompt_len": prompt_len,
+            "output_len": output_len,
+            "requests_per_user": REQUESTS_PER_USER,
+            "percentile": PLAN_PERCENTILE,
+        },
         "plan": plan,
         "warning": warning,
         "stats": [
             stat("target", f"p{PLAN_PERCENTILE} TPOT ≤ {fmt(tpot_ms)} ms"),
-            stat("accelerators that meet it", f"{len(serving)} of the {len(simulated)} simulated so far" if pending
-                 else f"{len(serving)} of {len(simulated)}"),
+            stat(
+                "accelerators that meet it",
+                f"{len(serving)} of the {len(simulated)} simulated so far"
+                if pending
+                else f"{len(serving)} of {len(simulated)}",
+            ),
             stat("search", "users until the TPOT target or the KV cache binds"),
         ],
         "notice": notice,

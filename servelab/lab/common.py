@@ -29,19 +29,29 @@ class Setup:
     tp: int
     engine_profile: str = DEFAULT_ENGINE_PROFILE  # whose defaults the simulated lessons run with
 
-    def roofline(self, model: ModelSpec | None = None, weight_dtype: str | None = None,
-                 kv_dtype: str | None = None) -> Roofline:
-        return Roofline(model or self.model, self.hardware, weight_dtype or self.weight_dtype,
-                        kv_dtype or self.kv_dtype, self.tp)
+    def roofline(
+        self, model: ModelSpec | None = None, weight_dtype: str | None = None, kv_dtype: str | None = None
+    ) -> Roofline:
+        return Roofline(
+            model or self.model, self.hardware, weight_dtype or self.weight_dtype, kv_dtype or self.kv_dtype, self.tp
+        )
 
-    def memory(self, model: ModelSpec | None = None, weight_dtype: str | None = None,
-               kv_dtype: str | None = None) -> MemoryPlan:
-        return MemoryPlan(model or self.model, self.hardware, weight_dtype or self.weight_dtype,
-                          kv_dtype or self.kv_dtype, self.tp)
+    def memory(
+        self, model: ModelSpec | None = None, weight_dtype: str | None = None, kv_dtype: str | None = None
+    ) -> MemoryPlan:
+        return MemoryPlan(
+            model or self.model, self.hardware, weight_dtype or self.weight_dtype, kv_dtype or self.kv_dtype, self.tp
+        )
 
     def to_dict(self) -> dict[str, Any]:
-        return {"model": self.model.name, "hardware": self.hardware.name, "weight_dtype": self.weight_dtype,
-                "kv_dtype": self.kv_dtype, "tp": self.tp, "engine_profile": self.engine_profile}
+        return {
+            "model": self.model.name,
+            "hardware": self.hardware.name,
+            "weight_dtype": self.weight_dtype,
+            "kv_dtype": self.kv_dtype,
+            "tp": self.tp,
+            "engine_profile": self.engine_profile,
+        }
 
 
 def setup_from(p: Params) -> Setup:
@@ -56,8 +66,14 @@ def setup_from(p: Params) -> Setup:
 
 
 def common_defaults() -> dict[str, Any]:
-    return {"model": DEFAULT_MODEL, "hardware": DEFAULT_HARDWARE, "weight_dtype": DEFAULT_DTYPE,
-            "kv_dtype": DEFAULT_DTYPE, "tp": "1", "engine_profile": DEFAULT_ENGINE_PROFILE}
+    return {
+        "model": DEFAULT_MODEL,
+        "hardware": DEFAULT_HARDWARE,
+        "weight_dtype": DEFAULT_DTYPE,
+        "kv_dtype": DEFAULT_DTYPE,
+        "tp": "1",
+        "engine_profile": DEFAULT_ENGINE_PROFILE,
+    }
 
 
 def gb(n_bytes: float) -> float:
@@ -74,7 +90,7 @@ def fmt(value: float, unit: str = "", digits: int = 3) -> str:
         return "n/a"
     if value == 0:
         text = "0"
-    elif abs(value) >= 10 ** digits:
+    elif abs(value) >= 10**digits:
         text = f"{value:,.0f}"
     else:
         text = f"{value:.{digits}g}"

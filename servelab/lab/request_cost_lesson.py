@@ -63,8 +63,13 @@ def request_cost(p: Params) -> dict[str, Any]:
     prompts = [n for n in powers_of_two(16, max_context - output_len)]
     if prompt_len not in prompts:
         prompts = sorted([*prompts, prompt_len])
-    money: dict[str, list[Any]] = {"prompt_len": prompts, "prefill_usd": [], "decode_usd": [], "total_usd": [],
-                                   "batch": []}
+    money: dict[str, list[Any]] = {
+        "prompt_len": prompts,
+        "prefill_usd": [],
+        "decode_usd": [],
+        "total_usd": [],
+        "batch": [],
+    }
     for n in prompts:
         b = _batch_that_fits(rl, batch, n + output_len)
         prefill_s = rl.prefill(n).time_s
@@ -72,61 +77,92 @@ def request_cost(p: Params) -> dict[str, Any]:
         money["batch"].append(b)
         money["prefill_usd"].append(PER_REQUESTS * prefill_s * usd_per_gpu_s)
         money["decode_usd"].append(None if decode_share_s is None else PER_REQUESTS * decode_share_s * usd_per_gpu_s)
-        money["total_usd"].append(None if decode_share_s is None else
-                                  PER_REQUESTS * (prefill_s + decode_share_s) * usd_per_gpu_s)
+        money["total_usd"].append(
+            None if decode_share_s is None else PER_REQUESTS * (prefill_s + decode_share_s) * usd_per_gpu_s
+        )
     # Where the chosen batch stops fitting: beyond it the batch shrinks and each request pays more.
     plan = rl.memory
     capped_from = next((n for n, b in zip(prompts, money["batch"]) if b < batch), None)
     out_capped_from = next((n for n, b in zip(outputs, lat["batch"]) if b < batch), None)
     limits = {
-        "prompt": None if capped_from is None else {
-            "prompt_len": capped_from,
-            "label": f"batch {batch:,} does not fit: fewer users share each step"},
-        "output": None if out_capped_from is None else {
-            "output_len": out_capped_from,
-            "label": f"batch {batch:,} does not fit: fewer users share each step"},
+        "prompt": None
+        if capped_from is None
+        else {"prompt_len": capped_from, "label": f"batch {batch:,} does not fit: fewer users share each step"},
+        "output": None
+        if out_capped_from is None
+        else {"output_len": out_capped_from, "label": f"batch {batch:,} does not fit: fewer users share each step"},
     }
     b_here = _batch_that_fits(rl, batch, prompt_len + output_len)
     warning = None
     if b_here < batch:
-        warning = (f"{plan.describe()}: batch {batch:,} at {prompt_len + output_len:,} tokens of context does not fit "
-                   f"the KV cache ({plan.kv_capacity_tokens:,} tokens); the figures use batch {b_here:,}, the most "
-                   f"that fits. Lower the batch or the lengths, or use fp8 KV, a larger tp or a bigger accelerator.")
+        warning = (
+            f"{plan.describe()}: batch {batch:,} at {prompt_len + output_len:,} tokens of context does not fit "
+            f"the KV cache ({plan.kv_capacity_tokens:,} tokens); the figures use batch {b_here:,}, the most "
+            f"that fits. Lower the batch or the lengths, or use fp8 KV, a larger tp or a bigger accelerator."
+        )
     if not b_here:
-        warning = (f"{plan.describe()}: not even one request of {prompt_len + output_len:,} tokens fits the KV "
-                   f"cache; shorten the request, or use fp8 KV, a larger tp or a bigger accelerator")
+        warning = (
+            f"{plan.describe()}: not even one request of {prompt_len + output_len:,} tokens fits the KV "
+            f"cache; shorten the request, or use fp8 KV, a larger tp or a bigger accelerator"
+        )
     i = prompts.index(prompt_len)
     j = outputs.index(output_len)
     total = money["total_usd"][i]
     prefill_share = None if not total else money["prefill_usd"][i] / total
     e2e = lat["e2e_ms"][j]
     double = i + 1 < len(prompts) and money["total_usd"][i + 1]
-    notice_money = (f"at {prompt_len:,} prompt tokens a request costs ${fmt(total)} per {PER_REQUESTS:,} requests "
-                    f"at ${fmt(price)}/GPU-hour, {fmt(100 * prefill_share)}% of it prefill"
-                    if total else "this request does not fit at all")
+    notice_money = (
+        f"at {prompt_len:,} prompt tokens a request costs ${fmt(total)} per {PER_REQUESTS:,} requests "
+        f"at ${fmt(price)}/GPU-hour, {fmt(100 * prefill_share)}% of it prefill"
+        if total
+        else "this request does not fit at all"
+    )
     if double:
         notice_money += f"; twice the prompt costs ${fmt(money['total_usd'][i + 1])}"
-    notice = (f"{notice_money}. Its {output_len:,} output tokens take {fmt(e2e)} ms end to end against a "
-              f"{fmt(ms(ttft_s))} ms TTFT: each token is one more decode step." if e2e else notice_money + ".")
+    notice = (
+        f"{notice_money}. Its {output_len:,} output tokens take {fmt(e2e)} ms end to end against a "
+        f"{fmt(ms(ttft_s))} ms TTFT: each token is one more decode step."
+        if e2e
+        else notice_money + "."
+    )
     decode_cost = rl.decode(max(1, b_here), prompt_len + max(1, output_len // 2))
     return {
-        "config": {**s.to_dict(), "prompt_len": prompt_len, "output_len": output_len, "batch": batch,
-                   "price_per_gpu_hour": price},
+        "config": {
+            **s.to_dict(),
+            "prompt_len": prompt_len,
+            "output_len": output_len,
+            "batch": batch,
+            "price_per_gpu_hour": price,
+        },
         "latency": lat,
         "money": money,
         "limits": limits,
-        "selected": {"prompt_len": prompt_len, "output_len": output_len, "batch": b_here, "e2e_ms": e2e,
-                     "ttft_ms": ms(ttft_s), "usd_per_k_requests": total},
+        "selected": {
+            "prompt_len": prompt_len,
+            "output_len": output_len,
+            "batch": b_here,
+            "e2e_ms": e2e,
+            "ttft_ms": ms(ttft_s),
+            "usd_per_k_requests": total,
+        },
         "per_requests": PER_REQUESTS,
         "warning": warning,
         "formulas": [
-            {"title": "what a request costs",
-             "lines": [f"GPU-seconds = prefill {fmt(ms(ttft_s))} ms + {output_len - 1:,} decode steps × "
-                       f"{fmt(ms(decode_cost.time_s))} ms ÷ batch {max(1, b_here):,}",
-                       f"$ per {PER_REQUESTS:,} requests = {PER_REQUESTS:,} × GPU-seconds × ${fmt(price)} × "
-                       f"tp {s.tp} ÷ 3600 = ${fmt(total)}" if total else "the request does not fit",
-                       f"E2E = TTFT {fmt(ms(ttft_s))} ms + {output_len - 1:,} × {fmt(ms(decode_cost.time_s))} ms "
-                       f"= {fmt(e2e)} ms" if e2e else ""]},
+            {
+                "title": "what a request costs",
+                "lines": [
+                    f"GPU-seconds = prefill {fmt(ms(ttft_s))} ms + {output_len - 1:,} decode steps × "
+                    f"{fmt(ms(decode_cost.time_s))} ms ÷ batch {max(1, b_here):,}",
+                    f"$ per {PER_REQUESTS:,} requests = {PER_REQUESTS:,} × GPU-seconds × ${fmt(price)} × "
+                    f"tp {s.tp} ÷ 3600 = ${fmt(total)}"
+                    if total
+                    else "the request does not fit",
+                    f"E2E = TTFT {fmt(ms(ttft_s))} ms + {output_len - 1:,} × {fmt(ms(decode_cost.time_s))} ms "
+                    f"= {fmt(e2e)} ms"
+                    if e2e
+                    else "",
+                ],
+            },
             step_formula(f"one decode step, batch {max(1, b_here):,} at the mean context", decode_cost, rl),
         ],
         "stats": [

@@ -76,8 +76,11 @@ def two_workloads(p: Params) -> dict[str, Any]:
     max_batch = plan.max_batch(prompt_len) if plan.weights_fit else 0
     decode_wall = {
         "intensity": rl.decode(max_batch, prompt_len).arithmetic_intensity if max_batch else 0.0,
-        "label": (f"decode at {prompt_len:,} tokens: batch > {max_batch:,} does not fit" if max_batch
-                  else "decode at this context does not fit"),
+        "label": (
+            f"decode at {prompt_len:,} tokens: batch > {max_batch:,} does not fit"
+            if max_batch
+            else "decode at this context does not fit"
+        ),
     }
     idle = 1.0 - busy_fraction(decode)
     return {
@@ -90,14 +93,22 @@ def two_workloads(p: Params) -> dict[str, Any]:
             "bound": [f"{prefill.bound}-bound", f"{decode.bound}-bound"],
         },
         "warning": warning,
-        "limits": {"context": {
-            "prompt_len": fit_context,
-            "label": (f"KV cache full: batch {batch:,} fits up to {fit_context:,} tokens" if plan.weights_fit
-                      else "the weights alone do not fit")},
-            "roofline": decode_wall},
+        "limits": {
+            "context": {
+                "prompt_len": fit_context,
+                "label": (
+                    f"KV cache full: batch {batch:,} fits up to {fit_context:,} tokens"
+                    if plan.weights_fit
+                    else "the weights alone do not fit"
+                ),
+            },
+            "roofline": decode_wall,
+        },
         "tensor_cores_idle": idle,
-        "formulas": [step_formula(f"prefill of {prompt_len:,} tokens", prefill, rl),
-                     step_formula(f"one decode step, batch {batch:,} at {prompt_len:,} tokens", decode, rl)],
+        "formulas": [
+            step_formula(f"prefill of {prompt_len:,} tokens", prefill, rl),
+            step_formula(f"one decode step, batch {batch:,} at {prompt_len:,} tokens", decode, rl),
+        ],
         "ridge_flops_per_byte": ridge,
         "ridge_label": f"{ridge:.0f} FLOP/byte",
         "roofline": roofline_curve(rl),
@@ -185,9 +196,14 @@ def batching(p: Params) -> dict[str, Any]:
     )
     # Where the sweep crosses a limit, the charts shade beyond it and name it.
     limits = {
-        "memory": ({"batch": memory["max_batch"], "label": f"KV cache full at batch {memory['max_batch']:,}"}
-                   if plan.weights_fit else {"batch": 0, "label": "the weights alone do not fit"}),
-        "compute": None if crossover is None else {"batch": crossover, "label": f"compute-bound from batch {crossover:,}"},
+        "memory": (
+            {"batch": memory["max_batch"], "label": f"KV cache full at batch {memory['max_batch']:,}"}
+            if plan.weights_fit
+            else {"batch": 0, "label": "the weights alone do not fit"}
+        ),
+        "compute": None
+        if crossover is None
+        else {"batch": crossover, "label": f"compute-bound from batch {crossover:,}"},
     }
     return {
         "config": {**s.to_dict(), "batch": batch, "context": context},
@@ -205,7 +221,10 @@ def batching(p: Params) -> dict[str, Any]:
             stat("weights / KV read per step", f"{fmt(selected['weight_gb'])} / {fmt(selected['kv_gb'])} GB"),
             stat("compute catches up at batch", "never" if crossover is None else f"{crossover:,}"),
             stat("largest batch that fits", f"{memory['max_batch']:,}"),
-            stat("tensor cores busy at batch 1 / yours", f"{sweep['busy_pct'][0]:.1f}% / {100 * busy_fraction(chosen):.1f}%"),
+            stat(
+                "tensor cores busy at batch 1 / yours",
+                f"{sweep['busy_pct'][0]:.1f}% / {100 * busy_fraction(chosen):.1f}%",
+            ),
         ],
         "notice": notice,
     }
@@ -252,9 +271,22 @@ def memory(p: Params) -> dict[str, Any]:
     chosen = (s.weight_dtype, s.kv_dtype, attention)
     if chosen not in combos:
         combos.append(chosen)
-    variants: dict[str, list[Any]] = {k: [] for k in (
-        "label", "weight_dtype", "kv_dtype", "attention", "selected", "weights_gb", "kv_kb_per_token",
-        "max_batch", "batch_at_tpot", "step_ms_at_tpot", "tokens_per_s_per_gpu")}
+    variants: dict[str, list[Any]] = {
+        k: []
+        for k in (
+            "label",
+            "weight_dtype",
+            "kv_dtype",
+            "attention",
+            "selected",
+            "weights_gb",
+            "kv_kb_per_token",
+            "max_batch",
+            "batch_at_tpot",
+            "step_ms_at_tpot",
+            "tokens_per_s_per_gpu",
+        )
+    }
     for w, k, a in combos:
         model = s.model if a == "gqa" else with_mha(s.model)
         plan = MemoryPlan(model, s.hardware, w, k, s.tp)
@@ -284,19 +316,25 @@ def memory(p: Params) -> dict[str, Any]:
         except DoesNotFit as exc:
             warning = exc.message
     elif pick["max_batch"] == 0:
-        warning = (f"{plan.describe()}: not even one sequence of {context:,} tokens fits the "
-                   f"{plan.kv_capacity_tokens:,}-token KV cache left after the weights")
+        warning = (
+            f"{plan.describe()}: not even one sequence of {context:,} tokens fits the "
+            f"{plan.kv_capacity_tokens:,}-token KV cache left after the weights"
+        )
     best = max(range(len(combos)), key=lambda j: variants["tokens_per_s_per_gpu"][j])
     if pick["batch_at_tpot"]:
-        yours = (f"your choice fits {pick['max_batch']:,} sequences of {context:,} tokens and serves "
-                 f"{fmt(pick['tokens_per_s_per_gpu'])} tokens/s per GPU at batch {pick['batch_at_tpot']:,} within "
-                 f"{fmt(tpot_ms)} ms TPOT")
+        yours = (
+            f"your choice fits {pick['max_batch']:,} sequences of {context:,} tokens and serves "
+            f"{fmt(pick['tokens_per_s_per_gpu'])} tokens/s per GPU at batch {pick['batch_at_tpot']:,} within "
+            f"{fmt(tpot_ms)} ms TPOT"
+        )
     else:
         yours = f"your choice cannot meet {fmt(tpot_ms)} ms TPOT at {context:,} tokens of context"
     best_label = variants["label"][best].replace("<br>", " · ")
-    notice = (f"{yours}; {best_label} serves {fmt(variants['tokens_per_s_per_gpu'][best])}. "
-              f"Multi-head attention (MHA, one KV head per query head) needs "
-              f"{s.model.num_heads // s.model.num_kv_heads}x the KV per token of GQA here.")
+    notice = (
+        f"{yours}; {best_label} serves {fmt(variants['tokens_per_s_per_gpu'][best])}. "
+        f"Multi-head attention (MHA, one KV head per query head) needs "
+        f"{s.model.num_heads // s.model.num_kv_heads}x the KV per token of GQA here."
+    )
     return {
         "config": {**s.to_dict(), "attention": attention, "context": context, "tpot_ms": tpot_ms},
         "variants": variants,

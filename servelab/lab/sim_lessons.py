@@ -36,8 +36,16 @@ CDF_POINTS = 201
 
 def _sim_config(s: Setup, scheduler: dict[str, Any] | None = None, **kwargs: Any) -> SimConfig:
     """The setup's deployment as its engine profile runs it; `scheduler`: knobs the lesson sets."""
-    return engine_sim_config(s.engine_profile, scheduler=scheduler, model=s.model, hardware=s.hardware, tp=s.tp,
-                             weight_dtype=s.weight_dtype, kv_cache_dtype=s.kv_dtype, **kwargs)
+    return engine_sim_config(
+        s.engine_profile,
+        scheduler=scheduler,
+        model=s.model,
+        hardware=s.hardware,
+        tp=s.tp,
+        weight_dtype=s.weight_dtype,
+        kv_cache_dtype=s.kv_dtype,
+        **kwargs,
+    )
 
 
 def cdf(values: list[float] | np.ndarray, scale: float = 1e3) -> dict[str, Any]:
@@ -62,6 +70,7 @@ def _itl_gaps_s(records: list[RequestRecord]) -> np.ndarray:
 
 # ---- 3. TTFT and TPOT as SLOs, under sustained load ---------------------------------------------
 
+
 def _spread_bounds(center: int) -> tuple[int, int]:
     # Requests vary in length (half to 1.5x the chosen length) so the distributions have a shape.
     return max(1, center // 2), max(1, center * 3 // 2)
@@ -77,8 +86,9 @@ def _slo_requests(rate: float) -> int:
     return int(min(SLO_MAX_REQUESTS, max(SLO_MIN_REQUESTS, rate * SLO_RUN_S)))
 
 
-def _open_loop_run(budget: Budget, s_key: tuple, rate: float, num_requests: int, prompt_len: int,
-                   output_len: int) -> SimResult:
+def _open_loop_run(
+    budget: Budget, s_key: tuple, rate: float, num_requests: int, prompt_len: int, output_len: int
+) -> SimResult:
     """One Poisson run. No SLO here: the targets are applied afterwards (`_steady`), so changing a
     target re-uses the simulation."""
     budget.require_memory(prompt_tokens=num_requests * prompt_len, output_tokens=num_requests * output_len,
@@ -86,8 +96,13 @@ def _open_loop_run(budget: Budget, s_key: tuple, rate: float, num_requests: int,
 
     def run() -> SimResult:
         s = _setup_from_key(s_key)
-        workload = WorkloadSpec(num_requests=num_requests, rate=rate, input_len=_spread(prompt_len, "prompt"),
-                                output_len=_spread(output_len, "output"), seed=0)
+        workload = WorkloadSpec(
+            num_requests=num_requests,
+            rate=rate,
+            input_len=_spread(prompt_len, "prompt"),
+            output_len=_spread(output_len, "output"),
+            seed=0,
+        )
         return simulate(_sim_config(s), workload, check=budget.check)
 
     key = ("open-loop", s_key, rate, num_requests, prompt_len, output_len)
@@ -117,8 +132,13 @@ class Steady:
 def _steady(result: SimResult, rate: float, slo: SLO) -> Steady:
     n = len(result.records)
     start_s = _warmup_s(rate, n)
-    steady = steady_state_summary(result.records, skip_first=0, after_s=start_s, slo=slo,
-                                  num_devices=int(result.config.get("num_devices", 1) or 1))
+    steady = steady_state_summary(
+        result.records,
+        skip_first=0,
+        after_s=start_s,
+        slo=slo,
+        num_devices=int(result.config.get("num_devices", 1) or 1),
+    )
     assert steady is not None  # the warm-up is a fraction of the arrivals: some always remain
     end_s = max(r.arrival_s for r in result.records)
     window_s = max(end_s - start_s, 1e-9)
@@ -144,8 +164,14 @@ def _sweep(budget: Budget, s: Setup, prompt_len: int, output_len: int, slo: SLO,
     center = saturation_estimate_rps(s, prompt_len, output_len)
     lo_rate, hi_rate = LIMITS["slo"]["rate"]
     rates = sorted({float(f"{min(hi_rate, max(lo_rate, f * center)):.3g}") for f in SWEEP_FRACTIONS})
-    out: dict[str, list[Any]] = {"offered_rps": rates, "achieved_rps": [], "goodput_rps": [], "ttft_ms": [],
-                                 "tpot_ms": [], "meets": []}
+    out: dict[str, list[Any]] = {
+        "offered_rps": rates,
+        "achieved_rps": [],
+        "goodput_rps": [],
+        "ttft_ms": [],
+        "tpot_ms": [],
+        "meets": [],
+    }
     for rate in rates:
         st = _steady(_open_loop_run(budget, _key(s), rate, _slo_requests(rate), prompt_len, output_len), rate, slo)
         sm = st.summary
@@ -166,13 +192,16 @@ def _knee_text(knee: float | None, saturation: float) -> str:
     if knee is None:
         return "Every swept rate meets the targets: tighten them to find the knee."
     when = "before" if knee < saturation else "only once"
-    return (f"The targets break from about {fmt(knee)} req/s offered, {when} the system saturates "
-            f"(it completes at most about {fmt(saturation)} req/s).")
+    return (
+        f"The targets break from about {fmt(knee)} req/s offered, {when} the system saturates "
+        f"(it completes at most about {fmt(saturation)} req/s)."
+    )
 
 
 def _meets(ttft_s: float | None, tpot_s: float | None, slo: SLO) -> bool:
-    return ((ttft_s is None or slo.ttft_s is None or ttft_s <= slo.ttft_s)
-            and (tpot_s is None or slo.tpot_s is None or tpot_s <= slo.tpot_s))
+    return (ttft_s is None or slo.ttft_s is None or ttft_s <= slo.ttft_s) and (
+        tpot_s is None or slo.tpot_s is None or tpot_s <= slo.tpot_s
+    )
 
 
 def _key(s: Setup) -> tuple:
@@ -181,8 +210,18 @@ def _key(s: Setup) -> tuple:
 
 def _setup_from_key(key: tuple) -> Setup:
     model, hardware, w, k, tp, profile = key
-    return setup_from(Params({"model": model, "hardware": hardware, "weight_dtype": w, "kv_dtype": k, "tp": str(tp),
-                              "engine_profile": profile}))
+    return setup_from(
+        Params(
+            {
+                "model": model,
+                "hardware": hardware,
+                "weight_dtype": w,
+                "kv_dtype": k,
+                "tp": str(tp),
+                "engine_profile": profile,
+            }
+        )
+    )
 
 
 def _check_len(s: Setup, prompt_len: int, output_len: int, *, spread: float = 1.5) -> None:
@@ -192,7 +231,9 @@ def _check_len(s: Setup, prompt_len: int, output_len: int, *, spread: float = 1.
     if longest > s.model.max_context:
         raise InvalidArgument(
             f"prompt_len + output_len: the longest request ({longest:,} tokens with the spread) exceeds "
-            f"{s.model.name}'s maximum context of {s.model.max_context:,} tokens", param="prompt_len")
+            f"{s.model.name}'s maximum context of {s.model.max_context:,} tokens",
+            param="prompt_len",
+        )
 
 
 def _require_request_fits(s: Setup, prompt_len: int, output_len: int) -> None:
@@ -210,7 +251,8 @@ def _require_request_fits(s: Setup, prompt_len: int, output_len: int) -> None:
             f"{plan.describe()}: the longest request (prompt {longest_prompt:,} + output {longest_output:,} tokens, "
             f"from prompt_len {prompt_len:,} and output_len {output_len:,} with the spread) cannot fit one replica's "
             f"KV cache of {pool:,} tokens; lower prompt_len or output_len, or use fp8 KV, a larger tp or a bigger "
-            f"accelerator")
+            f"accelerator"
+        )
 
 
 def slo(p: Params, budget: Budget) -> dict[str, Any]:
@@ -243,14 +285,23 @@ def slo(p: Params, budget: Budget) -> dict[str, Any]:
     sweep = _sweep(budget, s, prompt_len, output_len, target, "p90")
     saturated = st.achieved_rps < SATURATED_BELOW * st.offered_rps  # against what actually arrived
     if saturated:
-        load = (f"{fmt(rate)} req/s offered is more than it sustains: it completes {fmt(st.achieved_rps)} "
-                f"req/s and the queue grows for as long as the load lasts")
+        load = (
+            f"{fmt(rate)} req/s offered is more than it sustains: it completes {fmt(st.achieved_rps)} "
+            f"req/s and the queue grows for as long as the load lasts"
+        )
     else:
         load = f"at {fmt(rate)} req/s offered it keeps up ({fmt(st.achieved_rps)} req/s completed)"
     knee = sweep["knee_rps"]
     return {
-        "config": {**s.to_dict(), "rate": rate, "prompt_len": prompt_len, "output_len": output_len,
-                   "num_requests": num_requests, "warmup_s": warmup_s, "measured_requests": n},
+        "config": {
+            **s.to_dict(),
+            "rate": rate,
+            "prompt_len": prompt_len,
+            "output_len": output_len,
+            "num_requests": num_requests,
+            "warmup_s": warmup_s,
+            "measured_requests": n,
+        },
         "ttft_slo_ms": ttft_slo_ms,
         "tpot_slo_ms": tpot_slo_ms,
         "ttft_ms": ttft_cdf,
@@ -278,8 +329,7 @@ def slo(p: Params, budget: Budget) -> dict[str, Any]:
             f"{load}; the p90 TTFT is {fmt(p90_ttft or math.nan)} ms and p90 TPOT {fmt(p90_tpot or math.nan)} ms, "
             f"so the deployment {'meets' if meets else 'misses'} the p90 targets "
             f"({fmt(100 * (sm.slo_attainment or 0.0))}% of requests meet both, a goodput of {fmt(st.goodput_rps)} "
-            f"req/s). "
-            + _knee_text(knee, sweep["saturation_rps"])
+            f"req/s). " + _knee_text(knee, sweep["saturation_rps"])
         ),
     }
 
@@ -316,11 +366,13 @@ def _require_kv_fit(s: Setup, requests: list[RequestSpec], _arrival_s: float) ->
             f"{plan.describe()}: {len(users)} decoding users at {per_user:,} tokens each plus the "
             f"{requests[-1].prompt_tokens:,}-token prompt need {need:,} tokens of KV cache, but "
             f"{plan.kv_capacity_tokens:,} fit after the weights; lower prompt_len or decode_batch, "
-            f"or use fp8 KV, a larger tp or a bigger accelerator")
+            f"or use fp8 KV, a larger tp or a bigger accelerator"
+        )
 
 
-def _chunk_runs(budget: Budget, s_key: tuple, prompt_len: int, decode_batch: int,
-                chunk_tokens: int) -> tuple[SimResult, SimResult, float]:
+def _chunk_runs(
+    budget: Budget, s_key: tuple, prompt_len: int, decode_batch: int, chunk_tokens: int
+) -> tuple[SimResult, SimResult, float]:
     s = _setup_from_key(s_key)
     requests, arrival_s = _chunk_requests(s, prompt_len, decode_batch, chunk_tokens)
     budget.require_memory(prompt_tokens=sum(r.prompt_tokens for r in requests),
@@ -330,9 +382,15 @@ def _chunk_runs(budget: Budget, s_key: tuple, prompt_len: int, decode_batch: int
     def run() -> tuple[SimResult, SimResult]:
         runs = {}
         for policy in ("prefill-first", "chunked"):
-            config = _sim_config(s, scheduler={"policy": policy, "max_num_batched_tokens": chunk_tokens,
-                                               "max_num_seqs": max(256, decode_batch + 1),
-                                               "enable_prefix_caching": False})
+            config = _sim_config(
+                s,
+                scheduler={
+                    "policy": policy,
+                    "max_num_batched_tokens": chunk_tokens,
+                    "max_num_seqs": max(256, decode_batch + 1),
+                    "enable_prefix_caching": False,
+                },
+            )
             runs[policy] = simulate(config, requests, concurrency=len(requests), check=budget.check)
         return runs["prefill-first"], runs["chunked"]
 
@@ -369,8 +427,11 @@ def _timeline(result: SimResult, long_id: str, window: tuple[float, float], labe
         users_seq.extend([int(r.request_id)] * sel.size)
     return {
         "label": label,
-        "steps": {"start_ms": (start[keep] * 1e3).tolist(), "duration_ms": (dur[keep] * 1e3).tolist(),
-                  "prefill_tokens": prefill[keep].tolist()},
+        "steps": {
+            "start_ms": (start[keep] * 1e3).tolist(),
+            "duration_ms": (dur[keep] * 1e3).tolist(),
+            "prefill_tokens": prefill[keep].tolist(),
+        },
         "tokens": {"time_ms": users_t, "seq": users_seq},
         "long_tokens": {"time_ms": long_t, "seq": long_seq},
         "max_user_gap_ms": max_gap_s * 1e3,
@@ -387,8 +448,11 @@ def chunked_prefill(p: Params, budget: Budget) -> dict[str, Any]:
     if prompt_len + 8 > s.model.max_context:  # the long request generates 8 tokens (_chunk_requests)
         from servelab.errors import InvalidArgument
 
-        raise InvalidArgument(f"prompt_len: {prompt_len:,} plus the 8 tokens the long request generates exceeds "
-                              f"{s.model.name}'s maximum context of {s.model.max_context:,} tokens", param="prompt_len")
+        raise InvalidArgument(
+            f"prompt_len: {prompt_len:,} plus the 8 tokens the long request generates exceeds "
+            f"{s.model.name}'s maximum context of {s.model.max_context:,} tokens",
+            param="prompt_len",
+        )
     _require_kv_fit(s, *_chunk_requests(s, prompt_len, decode_batch, chunk_tokens))
     first, chunked, arrival_s = _chunk_runs(budget, _key(s), prompt_len, decode_batch, chunk_tokens)
     long_id = str(decode_batch)
@@ -406,7 +470,9 @@ def chunked_prefill(p: Params, budget: Budget) -> dict[str, Any]:
         "stats": [
             stat("prefill-first: worst gap between a user's tokens", fmt(a["max_user_gap_ms"], "ms")),
             stat("chunked: worst gap between a user's tokens", fmt(b["max_user_gap_ms"], "ms")),
-            stat("long prompt TTFT, prefill-first / chunked", f"{fmt(a['long_ttft_ms'])} / {fmt(b['long_ttft_ms'])} ms"),
+            stat(
+                "long prompt TTFT, prefill-first / chunked", f"{fmt(a['long_ttft_ms'])} / {fmt(b['long_ttft_ms'])} ms"
+            ),
         ],
         "notice": (
             f"prefill-first stalls every decoding user for {fmt(a['max_user_gap_ms'])} ms while the "
@@ -419,18 +485,35 @@ def chunked_prefill(p: Params, budget: Budget) -> dict[str, Any]:
 
 # ---- 5. Disaggregated serving -------------------------------------------------------------------------
 
-def _disagg_runs(budget: Budget, s_key: tuple, rate: float, prefill_gpus: int, decode_gpus: int,
-                 link_bytes_per_s: float, prompt_len: int, output_len: int) -> tuple[SimResult, SimResult]:
+
+def _disagg_runs(
+    budget: Budget,
+    s_key: tuple,
+    rate: float,
+    prefill_gpus: int,
+    decode_gpus: int,
+    link_bytes_per_s: float,
+    prompt_len: int,
+    output_len: int,
+) -> tuple[SimResult, SimResult]:
     budget.require_memory(prompt_tokens=DISAGG_NUM_REQUESTS * prompt_len, output_tokens=DISAGG_NUM_REQUESTS * output_len,
                           inputs="prompt_len or output_len")  # fmt: skip
 
     def run() -> tuple[SimResult, SimResult]:
         s = _setup_from_key(s_key)
-        workload = WorkloadSpec(num_requests=DISAGG_NUM_REQUESTS, rate=rate, input_len=_spread(prompt_len, "prompt"),
-                                output_len=_spread(output_len, "output"), seed=0)
+        workload = WorkloadSpec(
+            num_requests=DISAGG_NUM_REQUESTS,
+            rate=rate,
+            input_len=_spread(prompt_len, "prompt"),
+            output_len=_spread(output_len, "output"),
+            seed=0,
+        )
         colocated = simulate(_sim_config(s, replicas=prefill_gpus + decode_gpus), workload, check=budget.check)
-        split = simulate(_sim_config(s, disagg=(prefill_gpus, decode_gpus), link_bandwidth_bytes_per_s=link_bytes_per_s),
-                         workload, check=budget.check)
+        split = simulate(
+            _sim_config(s, disagg=(prefill_gpus, decode_gpus), link_bandwidth_bytes_per_s=link_bytes_per_s),
+            workload,
+            check=budget.check,
+        )
         return colocated, split
 
     key = ("disaggregated", s_key, rate, prefill_gpus, decode_gpus, link_bytes_per_s, prompt_len, output_len)
@@ -455,8 +538,10 @@ def _disagg_notice(a: dict[str, Any], b: dict[str, Any], kv: dict[str, float]) -
     a_itl, b_itl = a["itl_ms"]["percentiles"], b["itl_ms"]["percentiles"]
     a50, b50 = a_itl.get("p50", math.nan), b_itl.get("p50", math.nan)
     if b50 > a50 * 1.005:
-        median = (f"its median ITL is slightly worse ({fmt(b50)} against {fmt(a50)} ms: the decode pool runs "
-                  f"bigger batches on fewer GPUs), so only the tail improves")
+        median = (
+            f"its median ITL is slightly worse ({fmt(b50)} against {fmt(a50)} ms: the decode pool runs "
+            f"bigger batches on fewer GPUs), so only the tail improves"
+        )
     else:
         median = f"its median ITL is {fmt(b50)} against {fmt(a50)} ms"
     return (
@@ -478,31 +563,49 @@ def disaggregated(p: Params, budget: Budget) -> dict[str, Any]:
     if prefill_gpus + decode_gpus > 8:
         from servelab.errors import InvalidArgument
 
-        raise InvalidArgument(f"prefill_gpus + decode_gpus: at most 8 replicas, got {prefill_gpus + decode_gpus}",
-                              param="decode_gpus")
+        raise InvalidArgument(
+            f"prefill_gpus + decode_gpus: at most 8 replicas, got {prefill_gpus + decode_gpus}", param="decode_gpus"
+        )
     _check_len(s, prompt_len, output_len)
     _require_request_fits(s, prompt_len, output_len)
-    colocated, split = _disagg_runs(budget, _key(s), rate, prefill_gpus, decode_gpus, link_gbps * 1e9, prompt_len, output_len)
+    colocated, split = _disagg_runs(
+        budget, _key(s), rate, prefill_gpus, decode_gpus, link_gbps * 1e9, prompt_len, output_len
+    )
     n = prefill_gpus + decode_gpus
     a = _side(colocated, f"colocated ({n} replicas)")
     b = _side(split, f"disaggregated {prefill_gpus}P:{decode_gpus}D")
     kv = b["kv_transfer_ms"] or {}
     return {
-        "config": {**s.to_dict(), "rate": rate, "prefill_gpus": prefill_gpus, "decode_gpus": decode_gpus,
-                   "link_gbps": link_gbps, "prompt_len": prompt_len, "output_len": output_len,
-                   "num_requests": DISAGG_NUM_REQUESTS},
+        "config": {
+            **s.to_dict(),
+            "rate": rate,
+            "prefill_gpus": prefill_gpus,
+            "decode_gpus": decode_gpus,
+            "link_gbps": link_gbps,
+            "prompt_len": prompt_len,
+            "output_len": output_len,
+            "num_requests": DISAGG_NUM_REQUESTS,
+        },
         "colocated": a,
         "disaggregated": b,
         "stats": [
-            stat("p90 TTFT colocated / split", f"{fmt(a['ttft_ms']['percentiles'].get('p90'))} / "
-                 f"{fmt(b['ttft_ms']['percentiles'].get('p90'))} ms"),
-            stat("p50 ITL colocated / split", f"{fmt(a['itl_ms']['percentiles'].get('p50'))} / "
-                 f"{fmt(b['itl_ms']['percentiles'].get('p50'))} ms"),
-            stat("p99 ITL colocated / split", f"{fmt(a['itl_ms']['percentiles'].get('p99'))} / "
-                 f"{fmt(b['itl_ms']['percentiles'].get('p99'))} ms"),
+            stat(
+                "p90 TTFT colocated / split",
+                f"{fmt(a['ttft_ms']['percentiles'].get('p90'))} / {fmt(b['ttft_ms']['percentiles'].get('p90'))} ms",
+            ),
+            stat(
+                "p50 ITL colocated / split",
+                f"{fmt(a['itl_ms']['percentiles'].get('p50'))} / {fmt(b['itl_ms']['percentiles'].get('p50'))} ms",
+            ),
+            stat(
+                "p99 ITL colocated / split",
+                f"{fmt(a['itl_ms']['percentiles'].get('p99'))} / {fmt(b['itl_ms']['percentiles'].get('p99'))} ms",
+            ),
             stat("KV transfer p50 / p99", f"{fmt(kv.get('p50', math.nan))} / {fmt(kv.get('p99', math.nan))} ms"),
-            stat("output tok/s per GPU colocated / split", f"{fmt(a['output_tokens_per_s_per_gpu'])} / "
-                 f"{fmt(b['output_tokens_per_s_per_gpu'])}"),
+            stat(
+                "output tok/s per GPU colocated / split",
+                f"{fmt(a['output_tokens_per_s_per_gpu'])} / {fmt(b['output_tokens_per_s_per_gpu'])}",
+            ),
         ],
         "notice": _disagg_notice(a, b, kv),
     }

@@ -113,7 +113,8 @@ class Budget:
         if time.monotonic() > self.deadline:
             raise SimulationOverBudget(
                 f"the {self.lesson} lesson ran past the lab's time budget of {sims.time_budget_s:g} s per lesson; "
-                "lower the rate, prompt_len or output_len")
+                "lower the rate, prompt_len or output_len"
+            )
 
     def require_memory(self, *, prompt_tokens: int, output_tokens: int, inputs: str) -> None:
         """Refuses a run whose simulated tokens would take more than the per-run memory budget;
@@ -128,7 +129,8 @@ class Budget:
                 f"the {self.lesson} lesson would simulate {prompt_tokens:,} prompt and {output_tokens:,} output tokens "
                 f"in one run, about {(prompt_bytes + output_bytes) / 2**20:,.0f} MiB while it runs, past the lab's "
                 f"budget of {limit / 2**20:,.0f} MiB per run; lower {inputs}",
-                param=heavier if heavier in names else names[-1])
+                param=heavier if heavier in names else names[-1],
+            )
 
     def cached(self, key: Hashable, run: Callable[[], T], size: Callable[[T], int]) -> T:
         """The cached result for `key`, or `run()`'s, then kept (an identical request answers from it)."""

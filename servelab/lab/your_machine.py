@@ -48,7 +48,7 @@ def parse_records(body: Any) -> tuple[list[RequestRecord], int, float]:
     """The page's measurements, checked: at most the panel's own request limit. Returns the
     records, the concurrency and each client's pause after a request in seconds (0 if not sent)."""
     if not isinstance(body, dict) or not isinstance(body.get("records"), list):
-        raise InvalidArgument("body: expected {\"concurrency\": C, \"records\": [...]}", param="records")
+        raise InvalidArgument('body: expected {"concurrency": C, "records": [...]}', param="records")
     lo, hi = LIMITS["live"]["requests"]
     items = body["records"]
     if not lo <= len(items) <= hi:
@@ -56,13 +56,15 @@ def parse_records(body: Any) -> tuple[list[RequestRecord], int, float]:
     c_lo, c_hi = LIMITS["live"]["concurrency"]
     concurrency = body.get("concurrency")
     if isinstance(concurrency, bool) or not isinstance(concurrency, int) or not c_lo <= concurrency <= c_hi:
-        raise InvalidArgument(f"concurrency: must be an integer between {c_lo:g} and {c_hi:g}, got {concurrency!r}",
-                              param="concurrency")
+        raise InvalidArgument(
+            f"concurrency: must be an integer between {c_lo:g} and {c_hi:g}, got {concurrency!r}", param="concurrency"
+        )
     t_lo, t_hi = LIMITS["live"]["think_ms"]
     think_ms = body.get("think_ms", 0)
     if isinstance(think_ms, bool) or not isinstance(think_ms, int | float) or not t_lo <= think_ms <= t_hi:
-        raise InvalidArgument(f"think_ms: must be a number between {t_lo:g} and {t_hi:g}, got {think_ms!r}",
-                              param="think_ms")
+        raise InvalidArgument(
+            f"think_ms: must be a number between {t_lo:g} and {t_hi:g}, got {think_ms!r}", param="think_ms"
+        )
     records = []
     for i, item in enumerate(items):
         if not isinstance(item, dict):
@@ -76,10 +78,22 @@ def parse_records(body: Any) -> tuple[list[RequestRecord], int, float]:
         prompt = int(_number(item, "prompt_tokens", i) or 0)
         output = int(_number(item, "output_tokens", i) or 0)
         if ok and not sent <= first <= last:
-            raise InvalidArgument(f"records[{i}]: times must run sent_s <= first_token_s <= last_token_s", param="records")
-        records.append(RequestRecord(request_id=str(i), arrival_s=sent, first_scheduled_s=None, first_token_s=first,
-                                     token_times_s=(), end_s=last, prompt_tokens=prompt, output_tokens=output,
-                                     success=ok))
+            raise InvalidArgument(
+                f"records[{i}]: times must run sent_s <= first_token_s <= last_token_s", param="records"
+            )
+        records.append(
+            RequestRecord(
+                request_id=str(i),
+                arrival_s=sent,
+                first_scheduled_s=None,
+                first_token_s=first,
+                token_times_s=(),
+                end_s=last,
+                prompt_tokens=prompt,
+                output_tokens=output,
+                success=ok,
+            )
+        )
     return records, concurrency, think_ms / 1e3
 
 
@@ -104,8 +118,13 @@ def _ms_values(records: list[RequestRecord], attr: str) -> list[float]:
 class Predictor:
     """Replays measured traffic through the simulator; one replay at a time (429 beyond)."""
 
-    def __init__(self, profile: dict[str, Any] | None, profile_path: str | None,
-                 metrics_text: Callable[[], str] | None, served_model: Callable[[], str | None] | None = None):
+    def __init__(
+        self,
+        profile: dict[str, Any] | None,
+        profile_path: str | None,
+        metrics_text: Callable[[], str] | None,
+        served_model: Callable[[], str | None] | None = None,
+    ):
         self.profile = profile
         self.profile_path = profile_path
         self._metrics_text = metrics_text
@@ -117,11 +136,17 @@ class Predictor:
         held_out = ((self.profile or {}).get("fit") or {}).get("held_out") or {}
         return {
             "engine": self._metrics_text is not None,
-            "profile": None if self.profile is None else {
-                "path": self.profile_path, "model": self.profile.get("model"),
-                "host": (self.profile.get("host") or {}).get("cpu") if isinstance(self.profile.get("host"), dict)
+            "profile": None
+            if self.profile is None
+            else {
+                "path": self.profile_path,
+                "model": self.profile.get("model"),
+                "host": (self.profile.get("host") or {}).get("cpu")
+                if isinstance(self.profile.get("host"), dict)
                 else self.profile.get("host"),
-                "coefficients": self.profile["fit"]["coefficients"], "held_out": held_out},
+                "coefficients": self.profile["fit"]["coefficients"],
+                "held_out": held_out,
+            },
             "defaults": LOAD_DEFAULTS,
         }
 
@@ -142,8 +167,10 @@ class Predictor:
         predicted = None
         why_not = None
         if self.profile is None:
-            why_not = ("no profile loaded: run `servelab calibrate --out profile.json` on this host, then "
-                       "`servelab serve --profile profile.json`, to overlay the simulator's prediction")
+            why_not = (
+                "no profile loaded: run `servelab calibrate --out profile.json` on this host, then "
+                "`servelab serve --profile profile.json`, to overlay the simulator's prediction"
+            )
         elif self._metrics_text is None:
             why_not = "no engine here: the prediction replays a measured load, which needs `servelab serve`"
         elif not ok:
@@ -160,24 +187,42 @@ class Predictor:
 
             rows = [r.to_dict() for r in compare(measured, predicted.summary)]
         p50 = {k: _ms(getattr(measured, f"{k}_s").p50) for k in ("ttft", "tpot")}
-        stats = [stat("requests (ok / sent)", f"{len(ok)} / {len(records)}"),
-                 stat("measured p50 TTFT / TPOT", f"{fmt(p50['ttft'])} / {fmt(p50['tpot'])} ms")]
+        stats = [
+            stat("requests (ok / sent)", f"{len(ok)} / {len(records)}"),
+            stat("measured p50 TTFT / TPOT", f"{fmt(p50['ttft'])} / {fmt(p50['tpot'])} ms"),
+        ]
         if predicted is not None:
             sp = predicted.summary
             stats.append(stat("predicted p50 TTFT / TPOT", f"{fmt(_ms(sp.ttft_s.p50))} / {fmt(_ms(sp.tpot_s.p50))} ms"))
             errs = {r["metric"]: r["error_pct"] for r in rows}
-            notice = (f"the simulator, priced by {self.profile_path}, predicts p50 TPOT "
-                      f"{_pct(errs.get('TPOT p50'))} and p50 TTFT {_pct(errs.get('TTFT p50'))} off the measurement "
-                      f"for this load ({len(ok)} requests at concurrency {concurrency}, each client pausing "
-                      f"{fmt(think_s * 1e3)} ms after a request, as the replay's do).")
+            notice = (
+                f"the simulator, priced by {self.profile_path}, predicts p50 TPOT "
+                f"{_pct(errs.get('TPOT p50'))} and p50 TTFT {_pct(errs.get('TTFT p50'))} off the measurement "
+                f"for this load ({len(ok)} requests at concurrency {concurrency}, each client pausing "
+                f"{fmt(think_s * 1e3)} ms after a request, as the replay's do)."
+            )
         else:
-            notice = (f"measured {len(ok)} requests at concurrency {concurrency}: p50 TTFT {fmt(p50['ttft'])} ms, "
-                      f"p50 TPOT {fmt(p50['tpot'])} ms; {why_not}.")
+            notice = (
+                f"measured {len(ok)} requests at concurrency {concurrency}: p50 TTFT {fmt(p50['ttft'])} ms, "
+                f"p50 TPOT {fmt(p50['tpot'])} ms; {why_not}."
+            )
         return {
-            "config": {"concurrency": concurrency, "requests": len(records), "think_ms": think_s * 1e3,
-                       "profile": self.profile_path},
-            "ttft": {"edges_ms": ttft_edges, "measured": _hist(out_ttft, ttft_edges), "predicted": _hist(sim_ttft, ttft_edges)},
-            "tpot": {"edges_ms": tpot_edges, "measured": _hist(out_tpot, tpot_edges), "predicted": _hist(sim_tpot, tpot_edges)},
+            "config": {
+                "concurrency": concurrency,
+                "requests": len(records),
+                "think_ms": think_s * 1e3,
+                "profile": self.profile_path,
+            },
+            "ttft": {
+                "edges_ms": ttft_edges,
+                "measured": _hist(out_ttft, ttft_edges),
+                "predicted": _hist(sim_ttft, ttft_edges),
+            },
+            "tpot": {
+                "edges_ms": tpot_edges,
+                "measured": _hist(out_tpot, tpot_edges),
+                "predicted": _hist(sim_tpot, tpot_edges),
+            },
             "has_prediction": predicted is not None,
             "why_no_prediction": why_not,
             "comparison": rows,
@@ -193,8 +238,11 @@ class Predictor:
         from servelab.sim import simulate
 
         server = server_config(self._metrics_text())
-        missing = [k for k in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
-                   if not server.get(k, "").isdigit()]
+        missing = [
+            k
+            for k in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
+            if not server.get(k, "").isdigit()
+        ]
         if missing:
             return None, f"the server's /metrics do not publish {', '.join(missing)}: cannot set up the simulator"
         model = catalog_model_for(self.profile, self._served_model())

@@ -246,7 +246,13 @@ def format_summary_table(summary: Summary) -> str:
         lines.append(f"{'SLO attainment':<34}{s.slo_attainment:.1%}")
     header = f"{'latency (ms)':<14}" + "".join(f"{h:>10}" for h in ("mean", "p50", "p90", "p95", "p99", "max"))
     lines += ["", header, "-" * len(header)]
-    for label, dist in (("TTFT", s.ttft_s), ("TPOT", s.tpot_s), ("ITL", s.itl_s), ("E2E", s.e2e_s), ("Queue", s.queue_s)):
+    for label, dist in (
+        ("TTFT", s.ttft_s),
+        ("TPOT", s.tpot_s),
+        ("ITL", s.itl_s),
+        ("E2E", s.e2e_s),
+        ("Queue", s.queue_s),
+    ):
         row = (dist.mean, dist.p50, dist.p90, dist.p95, dist.p99, dist.max)
         lines.append(f"{label:<14}" + "".join(f"{_ms(v):>10}" for v in row))
     return "\n".join(lines)

@@ -36,7 +36,8 @@ from servelab.runtime.linear import DenseLinear
 # ggml type id -> (our kernel's format code, weights a block, bytes a block)
 GGUF_BLOCK_FORMATS = {
     t.type_id: (t.kernel_code, t.block_weights, t.block_bytes)
-    for t in GGML_TYPES if t.kernel_code is not None and t.is_block_format
+    for t in GGML_TYPES
+    if t.kernel_code is not None and t.is_block_format
 }
 _Q4_1 = GGML_TYPE_BY_NAME["Q4_1"].kernel_code
 # Q4_1's bytes regrouped sixteen outputs a group, one output a vector lane (the C file's Q4_1_G16):
@@ -123,9 +124,18 @@ class BlockQuantLinear:
         bias = None if self.bias is None else self.bias.data_ptr()
         for seg in self.segments:  # each writes its columns of y (4 bytes an fp32)
             kernel(
-                seg.fmt, seg.data.data_ptr(), seg.data.shape[1], in_features, seg.data.shape[0],
-                x.data_ptr(), rows, None if bias is None else bias + 4 * seg.start,
-                y.data_ptr() + 4 * seg.start, out_features, scratch.data_ptr(), threads,
+                seg.fmt,
+                seg.data.data_ptr(),
+                seg.data.shape[1],
+                in_features,
+                seg.data.shape[0],
+                x.data_ptr(),
+                rows,
+                None if bias is None else bias + 4 * seg.start,
+                y.data_ptr() + 4 * seg.start,
+                out_features,
+                scratch.data_ptr(),
+                threads,
             )
         return y
 
@@ -149,7 +159,9 @@ class BlockQuantLinear:
         w = torch.empty(out_features, in_features, dtype=torch.float32)
         for seg in self.segments:
             n = seg.data.shape[0]
-            self.kernels.block_dequant(seg.fmt, seg.data.data_ptr(), seg.data.shape[1], in_features, 0, n, w[seg.start :].data_ptr())
+            self.kernels.block_dequant(
+                seg.fmt, seg.data.data_ptr(), seg.data.shape[1], in_features, 0, n, w[seg.start :].data_ptr()
+            )
         return w
 
 

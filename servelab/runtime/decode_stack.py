@@ -47,32 +47,76 @@ class _Segment(ctypes.Structure):
 
 class _Linear(ctypes.Structure):
     _fields_ = [
-        ("kind", _i64), ("in_features", _i64), ("out_features", _i64), ("bias", _ptr), ("invariant", _i64),
-        ("fused_formats", _i64), ("num_segments", _i64), ("seg", _Segment * _MAX_SEGMENTS),
-        ("int8_packed", _ptr), ("int8_scale", _ptr), ("int8_zero", _ptr), ("int8_kp", _i64),
-        ("half_weight", _ptr), ("half_format", _i64), ("half_gemv_max_rows", _i64),
+        ("kind", _i64),
+        ("in_features", _i64),
+        ("out_features", _i64),
+        ("bias", _ptr),
+        ("invariant", _i64),
+        ("fused_formats", _i64),
+        ("num_segments", _i64),
+        ("seg", _Segment * _MAX_SEGMENTS),
+        ("int8_packed", _ptr),
+        ("int8_scale", _ptr),
+        ("int8_zero", _ptr),
+        ("int8_kp", _i64),
+        ("half_weight", _ptr),
+        ("half_format", _i64),
+        ("half_gemv_max_rows", _i64),
     ]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("input_norm", _ptr), ("post_norm", _ptr), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear)]
+    _fields_ = [
+        ("input_norm", _ptr),
+        ("post_norm", _ptr),
+        ("qkv", _Linear),
+        ("o", _Linear),
+        ("gate_up", _Linear),
+        ("down", _Linear),
+    ]
 
 
 class _Stack(ctypes.Structure):
     _fields_ = [
-        ("layers", ctypes.POINTER(_Layer)), ("num_layers", _i64), ("hidden", _i64), ("num_heads", _i64),
-        ("num_kv_heads", _i64), ("head_dim", _i64), ("intermediate", _i64), ("eps", _f32), ("scale", _f32),
-        ("paged_attention", _i64), ("fused_max_rows", _i64), ("panel_outputs", _i64), ("final_norm", _ptr),
-        ("head", _Linear), ("embed", _ptr), ("embed_rows", _i64),
+        ("layers", ctypes.POINTER(_Layer)),
+        ("num_layers", _i64),
+        ("hidden", _i64),
+        ("num_heads", _i64),
+        ("num_kv_heads", _i64),
+        ("head_dim", _i64),
+        ("intermediate", _i64),
+        ("eps", _f32),
+        ("scale", _f32),
+        ("paged_attention", _i64),
+        ("fused_max_rows", _i64),
+        ("panel_outputs", _i64),
+        ("final_norm", _ptr),
+        ("head", _Linear),
+        ("embed", _ptr),
+        ("embed_rows", _i64),
     ]
 
 
 class _Step(ctypes.Structure):
     _fields_ = [
-        ("rows", _i64), ("cos", _ptr), ("sin", _ptr), ("positions", _ptr), ("slots", _ptr), ("k_cache", _ptr),
-        ("v_cache", _ptr), ("num_slots", _i64), ("kv_format", _i64), ("block_table", _ptr), ("table_stride", _i64),
-        ("block_size", _i64), ("ctx_lens", _ptr), ("max_ctx", _i64), ("threads", _i64), ("logits", _ptr),
-        ("ids", _ptr), ("greedy", _ptr),
+        ("rows", _i64),
+        ("cos", _ptr),
+        ("sin", _ptr),
+        ("positions", _ptr),
+        ("slots", _ptr),
+        ("k_cache", _ptr),
+        ("v_cache", _ptr),
+        ("num_slots", _i64),
+        ("kv_format", _i64),
+        ("block_table", _ptr),
+        ("table_stride", _i64),
+        ("block_size", _i64),
+        ("ctx_lens", _ptr),
+        ("max_ctx", _i64),
+        ("threads", _i64),
+        ("logits", _ptr),
+        ("ids", _ptr),
+        ("greedy", _ptr),
     ]
 
 
@@ -85,7 +129,9 @@ def _describe(lin: Any, kernels: native.NativeKernels) -> _Linear | None:
     if not _fp32_contiguous(lin.bias):
         return None
     out_features, in_features = lin.shape
-    d = _Linear(in_features=in_features, out_features=out_features, bias=None if lin.bias is None else lin.bias.data_ptr())
+    d = _Linear(
+        in_features=in_features, out_features=out_features, bias=None if lin.bias is None else lin.bias.data_ptr()
+    )
     if isinstance(lin, HalfLinear):
         if lin.kernels is not kernels:
             return None
@@ -130,8 +176,15 @@ class DecodeStack:
     """The model's layers as csrc/decode_stack.c runs them; `build` says whether it can."""
 
     def __init__(
-        self, kernels: native.NativeKernels, stack: _Stack, layers: Any, invariant: bool, max_rows: int | None,
-        head_max_rows: int | None, vocab: int, keep: list,
+        self,
+        kernels: native.NativeKernels,
+        stack: _Stack,
+        layers: Any,
+        invariant: bool,
+        max_rows: int | None,
+        head_max_rows: int | None,
+        vocab: int,
+        keep: list,
     ):
         self.kernels = kernels
         self._stack = stack
@@ -152,8 +205,15 @@ class DecodeStack:
 
     @classmethod
     def build(
-        cls, kernels: native.NativeKernels, config: ModelSpec, layers: Sequence[Any], scale: float, *,
-        paged_attention: bool, embed: torch.Tensor | None = None, final_norm: torch.Tensor | None = None,
+        cls,
+        kernels: native.NativeKernels,
+        config: ModelSpec,
+        layers: Sequence[Any],
+        scale: float,
+        *,
+        paged_attention: bool,
+        embed: torch.Tensor | None = None,
+        final_norm: torch.Tensor | None = None,
         head: Any = None,
     ) -> DecodeStack | None:
         """The stack for `layers` (model.LayerWeights) on `kernels`, attention scaled by `scale`, or
@@ -164,7 +224,12 @@ class DecodeStack:
         if not layers or H % KV:
             return None
         hidden, inter = layers[0].o.shape[0], layers[0].down.shape[1]
-        want = {"qkv": ((H + 2 * KV) * D, hidden), "o": (hidden, H * D), "gate_up": (2 * inter, hidden), "down": (hidden, inter)}
+        want = {
+            "qkv": ((H + 2 * KV) * D, hidden),
+            "o": (hidden, H * D),
+            "gate_up": (2 * inter, hidden),
+            "down": (hidden, inter),
+        }
         array = (_Layer * len(layers))()
         keep: list[Any] = []
         invariant, max_rows = True, None
@@ -183,9 +248,18 @@ class DecodeStack:
                 keep.append(lin)
             keep += [layer.input_norm, layer.post_norm]
         stack = _Stack(
-            layers=array, num_layers=len(layers), hidden=hidden, num_heads=H, num_kv_heads=KV, head_dim=D,
-            intermediate=inter, eps=config.rms_norm_eps, scale=scale, paged_attention=int(paged_attention),
-            fused_max_rows=block_quant.FUSED_MAX_ROWS, panel_outputs=block_quant.PANEL_OUTPUTS,
+            layers=array,
+            num_layers=len(layers),
+            hidden=hidden,
+            num_heads=H,
+            num_kv_heads=KV,
+            head_dim=D,
+            intermediate=inter,
+            eps=config.rms_norm_eps,
+            scale=scale,
+            paged_attention=int(paged_attention),
+            fused_max_rows=block_quant.FUSED_MAX_ROWS,
+            panel_outputs=block_quant.PANEL_OUTPUTS,
         )
         ends = all(t is not None for t in (head, embed, final_norm))
         ends = ends and _fp32_contiguous(final_norm) and _fp32_contiguous(embed)
@@ -200,8 +274,10 @@ class DecodeStack:
 
     def accepts(self, meta: Any, rows: int) -> bool:
         """Whether this step is one the stack runs: decodes only, few enough rows for the packed kernels."""
-        return not meta.prefills and meta.num_decodes == rows > 0 and (
-            self.invariant or self.max_rows is None or rows <= self.max_rows
+        return (
+            not meta.prefills
+            and meta.num_decodes == rows > 0
+            and (self.invariant or self.max_rows is None or rows <= self.max_rows)
         )
 
     def accepts_head(self, rows: int) -> bool:
@@ -209,8 +285,13 @@ class DecodeStack:
         return self.has_head and (self.head_max_rows is None or rows <= self.head_max_rows)
 
     def __call__(
-        self, x: torch.Tensor, meta: Any, cos: torch.Tensor, sin: torch.Tensor,
-        k_cache: Sequence[torch.Tensor], v_cache: Sequence[torch.Tensor],
+        self,
+        x: torch.Tensor,
+        meta: Any,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: Sequence[torch.Tensor],
+        v_cache: Sequence[torch.Tensor],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer over the embedded decodes x [rows, hidden] (updated in place); returns
         (x, delta), the residual stream and the last MLP output still to be added to it, as the
@@ -220,8 +301,13 @@ class DecodeStack:
         return x, delta
 
     def logits(
-        self, ids: torch.Tensor, meta: Any, cos: torch.Tensor, sin: torch.Tensor,
-        k_cache: Sequence[torch.Tensor], v_cache: Sequence[torch.Tensor],
+        self,
+        ids: torch.Tensor,
+        meta: Any,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        k_cache: Sequence[torch.Tensor],
+        v_cache: Sequence[torch.Tensor],
     ) -> torch.Tensor:
         """From the decodes' token ids (int64 [rows]) to fp32 logits [rows, vocab] in one call: the
         embedding, the layers, the final norm and the LM head over every row, the bits the model's

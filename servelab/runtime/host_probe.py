@@ -84,8 +84,9 @@ def fbgemm_int8_ops_per_s(n: int = 1024, repeats: int = 5) -> float | None:
     return 2 * n**3 / _best_s(lambda: torch.ops.quantized.linear_dynamic(x, packed, True), repeats)
 
 
-def peak_rate(rate_at: Callable[[int], float | None], sizes: tuple[int, ...] = (256, 512, 1024, 2048),
-              budget_s: float = 0.2) -> float | None:
+def peak_rate(
+    rate_at: Callable[[int], float | None], sizes: tuple[int, ...] = (256, 512, 1024, 2048), budget_s: float = 0.2
+) -> float | None:
     """The best rate over growing square sizes, stopping once one multiply takes budget_s: a
     slow dtype (bf16 emulated on an AVX2 core runs at ~1 GFLOP/s) must not take a minute."""
     best: float | None = None
@@ -103,19 +104,27 @@ def memory_bytes() -> float:
     return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
 
 
-def peak_float_flops_per_s(dtype: torch.dtype, sizes: tuple[int, ...] = (256, 512, 1024, 2048),
-                           repeats: int = 3) -> float | None:
+def peak_float_flops_per_s(
+    dtype: torch.dtype, sizes: tuple[int, ...] = (256, 512, 1024, 2048), repeats: int = 3
+) -> float | None:
     """The faster of torch.mm and a linear layer at the best size (fp32: and servelab's own GEMM),
     the best rate this host reaches in that dtype."""
-    rates = [peak_rate(lambda n: rate(dtype, n, repeats=repeats), sizes)
-             for rate in (matmul_flops_per_s, linear_flops_per_s)]
+    rates = [
+        peak_rate(lambda n: rate(dtype, n, repeats=repeats), sizes) for rate in (matmul_flops_per_s, linear_flops_per_s)
+    ]
     if dtype == torch.float32:
         rates.append(peak_rate(lambda n: native_gemm_flops_per_s(n, repeats=repeats), sizes))
     return max((r for r in rates if r is not None), default=None)
 
 
-def probe_hardware(name: str, description: str, *, size_bytes: int = 1 << 30,
-                   sizes: tuple[int, ...] = (256, 512, 1024, 2048), repeats: int = 3) -> dict[str, Any]:
+def probe_hardware(
+    name: str,
+    description: str,
+    *,
+    size_bytes: int = 1 << 30,
+    sizes: tuple[int, ...] = (256, 512, 1024, 2048),
+    repeats: int = 3,
+) -> dict[str, Any]:
     """A hardware file's fields for this host: streaming read bandwidth (what a decode step's
     weights are priced at) and the peak matmul rates. bf16 is the cost model's 16-bit rate: where
     the CPU has no native bf16 matmul (slower than fp32), its fp32 rate stands in, as the format asks."""
@@ -189,8 +198,9 @@ class OtherLoadMeter:
 ALLREDUCE_TOKENS = (1, 8, 32, 128, 512)
 
 
-def _allreduce_rank(rank: int, ranks: int, port: int, hidden: int, tokens: tuple[int, ...], iters: int,
-                    out: str) -> None:
+def _allreduce_rank(
+    rank: int, ranks: int, port: int, hidden: int, tokens: tuple[int, ...], iters: int, out: str
+) -> None:
     import json
     import statistics
 
@@ -210,8 +220,9 @@ def _allreduce_rank(rank: int, ranks: int, port: int, hidden: int, tokens: tuple
                 t0 = time.perf_counter()
                 dist.all_reduce(x)
                 times.append(time.perf_counter() - t0)
-            rows.append({"tokens": n, "bytes": x.numel() * 4, "median_s": statistics.median(times),
-                         "fastest_s": min(times)})
+            rows.append(
+                {"tokens": n, "bytes": x.numel() * 4, "median_s": statistics.median(times), "fastest_s": min(times)}
+            )
         if rank == 0:
             with open(out, "w", encoding="utf-8") as f:
                 json.dump(rows, f)
@@ -219,8 +230,9 @@ def _allreduce_rank(rank: int, ranks: int, port: int, hidden: int, tokens: tuple
         dist.destroy_process_group()
 
 
-def allreduce_times(ranks: int, hidden: int, tokens: tuple[int, ...] = ALLREDUCE_TOKENS,
-                    iters: int = 50) -> list[dict[str, float]]:
+def allreduce_times(
+    ranks: int, hidden: int, tokens: tuple[int, ...] = ALLREDUCE_TOKENS, iters: int = 50
+) -> list[dict[str, float]]:
     """Times a gloo all-reduce among `ranks` processes on 127.0.0.1 (as the engine's ranks join)
     at each message size: per size, the median and fastest of `iters`, after a barrier each."""
     import json

@@ -92,7 +92,9 @@ class PagedKVCache:
     def export_block(self, block: int) -> torch.Tensor:
         """Every layer's K and V of one block, copied out: [2, layers, kv_heads, block_size, head_dim]."""
         start = block * self.block_size
-        return torch.stack((self.k[:, :, start : start + self.block_size], self.v[:, :, start : start + self.block_size]))
+        return torch.stack(
+            (self.k[:, :, start : start + self.block_size], self.v[:, :, start : start + self.block_size])
+        )
 
     def import_block(self, block: int, kv: torch.Tensor) -> None:
         start = block * self.block_size

@@ -118,12 +118,21 @@ class HalfLinear(DenseLinear):
         flat = x.reshape(rows, in_features).float().contiguous()
         y = torch.empty(rows, out_features, dtype=torch.float32)
         rc = self.kernels.half_linear(
-            native.KV_FORMATS[self.weight.dtype], self.weight.data_ptr(), in_features, out_features, flat.data_ptr(),
-            rows, None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), int(rows > HALF_GEMV_MAX_ROWS),
+            native.KV_FORMATS[self.weight.dtype],
+            self.weight.data_ptr(),
+            in_features,
+            out_features,
+            flat.data_ptr(),
+            rows,
+            None if self.bias is None else self.bias.data_ptr(),
+            y.data_ptr(),
+            int(rows > HALF_GEMV_MAX_ROWS),
             torch.get_num_threads(),
         )
         if rc != 0:
-            raise MemoryError(f"half linear: no memory for the widened panels of a {out_features} x {in_features} weight")
+            raise MemoryError(
+                f"half linear: no memory for the widened panels of a {out_features} x {in_features} weight"
+            )
         return y.reshape(*x.shape[:-1], out_features)
 
 

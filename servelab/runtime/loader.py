@@ -61,7 +61,9 @@ def load_model(
     check_device(device)
     p = Path(path)
     if not p.exists():
-        raise NotFound(f"model {str(path)!r} does not exist (give a .gguf file or an HF model directory)", param="model")
+        raise NotFound(
+            f"model {str(path)!r} does not exist (give a .gguf file or an HF model directory)", param="model"
+        )
     if p.is_dir():
         return _load_hf_dir(p, dtype, device, tp_rank, tp_size)
     return _load_gguf(p, dtype, device, tp_rank, tp_size)
@@ -92,7 +94,9 @@ def check_servable(spec: ModelSpec) -> None:
             param="model",
         )
     if spec.qkv_bias and spec.architecture != "qwen2":
-        raise InvalidArgument("attention_bias=true (bias on every attention projection) is not supported", param="model")
+        raise InvalidArgument(
+            "attention_bias=true (bias on every attention projection) is not supported", param="model"
+        )
     rope_inv_freq(spec)  # raises on a RoPE scaling the model does not implement
 
 
@@ -135,7 +139,9 @@ def _log_half_storage(model: LlamaModel) -> None:
         logger.info(
             "weights: %d linears kept in their checkpoint's %s (%.1f MB), widened to float32 in registers: exact, "
             "half the bytes of an fp32 copy (SERVELAB_HALF_WEIGHTS=0 widens them at load)",
-            len(kept), str(kept[0].weight.dtype).removeprefix("torch."), sum(w.nbytes for w in kept) / 1e6,
+            len(kept),
+            str(kept[0].weight.dtype).removeprefix("torch."),
+            sum(w.nbytes for w in kept) / 1e6,
         )
 
 
@@ -147,8 +153,9 @@ def read_gguf_tensors(path: Path) -> tuple[GGUFFile, dict[str, GGUFTensor]]:
     gguf = read_gguf(path)
     raw = np.memmap(path, dtype=np.uint8, mode="r")
     tensors = {
-        name: GGUFTensor(name, t.shape, t.ggml_type.type_id,
-                         raw[t.offset : t.offset + t.nbytes].reshape(t.num_rows, -1))
+        name: GGUFTensor(
+            name, t.shape, t.ggml_type.type_id, raw[t.offset : t.offset + t.nbytes].reshape(t.num_rows, -1)
+        )
         for name, t in gguf.tensors.items()
     }
     return gguf, tensors
@@ -157,8 +164,9 @@ def read_gguf_tensors(path: Path) -> tuple[GGUFFile, dict[str, GGUFTensor]]:
 def _load_gguf(path: Path, dtype: torch.dtype, device: str, tp_rank: int, tp_size: int) -> LoadedModel:
     gguf, tensors = read_gguf_tensors(path)
     name = path.name[: -len(".gguf")] if path.name.endswith(".gguf") else path.name
-    spec = ModelSpec.from_gguf_metadata(gguf.metadata, name=name,
-                                        tensor_shapes={n: t.shape for n, t in gguf.tensors.items()})
+    spec = ModelSpec.from_gguf_metadata(
+        gguf.metadata, name=name, tensor_shapes={n: t.shape for n, t in gguf.tensors.items()}
+    )
     check_servable(spec)
     model_spec = spec
     if (shard := _shard(spec, tp_rank, tp_size)) is not None:

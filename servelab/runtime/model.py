@@ -173,7 +173,9 @@ class LlamaModel:
         if self.quantization == kind:
             return
         if self.quantization is not None:
-            raise InvalidArgument(f"the model's linears are already {self.quantization}, not {kind}", param="quantization")
+            raise InvalidArgument(
+                f"the model's linears are already {self.quantization}, not {kind}", param="quantization"
+            )
         make = LINEARS[kind].from_weight
 
         def quantized(w: Linear) -> Linear:

@@ -41,8 +41,15 @@ import torch
 from servelab.errors import InvalidArgument
 
 _SOURCES = (
-    "decode_attention.c", "prefill_attention.c", "layer_ops.c", "block_quant_linear.c", "int8_linear.c", "parallel.c",
-    "decode_stack.c", "half_linear.c", "bf16_linear.c",
+    "decode_attention.c",
+    "prefill_attention.c",
+    "layer_ops.c",
+    "block_quant_linear.c",
+    "int8_linear.c",
+    "parallel.c",
+    "decode_stack.c",
+    "half_linear.c",
+    "bf16_linear.c",
 )
 _HEADERS = ("vec_exp.h", "parallel.h", "half.h", "fp.h", "isa.h")
 # KV-cache dtypes the attention and K/V-store kernels read and write (their kv_format codes, half.h)
@@ -89,8 +96,15 @@ _LEVELS = {level.name: level for level in ISA_LEVELS}
 # torch.cpu.get_capabilities()'s names (cpuinfo's probe of cpuid and the OS's saved registers)
 # for the features our levels name; /proc/cpuinfo uses the names on the right.
 _TORCH_FEATURES = {
-    "avx2": "avx2", "fma3": "fma", "f16c": "f16c", "avx512_f": "avx512f", "avx512_bw": "avx512bw",
-    "avx512_vl": "avx512vl", "avx512_dq": "avx512dq", "avx512_vnni": "avx512vnni", "avx512_bf16": "avx512bf16",
+    "avx2": "avx2",
+    "fma3": "fma",
+    "f16c": "f16c",
+    "avx512_f": "avx512f",
+    "avx512_bw": "avx512bw",
+    "avx512_vl": "avx512vl",
+    "avx512_dq": "avx512dq",
+    "avx512_vnni": "avx512vnni",
+    "avx512_bf16": "avx512bf16",
 }
 _PROC_FEATURES = {"avx512_vnni": "avx512vnni", "avx512_bf16": "avx512bf16"}
 _features_of: tuple[object, frozenset[str]] = (None, frozenset())  # (torch's mapping, our features)
@@ -216,7 +230,9 @@ def _build(level: IsaLevel, csrc: Path | None = None, cdll: type[ctypes.CDLL] = 
                 (Path(tmp) / name).write_bytes(text)
             paths = [str(Path(tmp) / name) for name in _SOURCES]
             tmp_lib = Path(tmp) / lib_path.name
-            proc = subprocess.run([cc, *flags, *paths, "-o", str(tmp_lib), "-lm", "-lpthread"], capture_output=True, text=True)
+            proc = subprocess.run(
+                [cc, *flags, *paths, "-o", str(tmp_lib), "-lm", "-lpthread"], capture_output=True, text=True
+            )
             if proc.returncode != 0:
                 raise RuntimeError(f"{cc} failed: {proc.stderr.strip()[:500]}")
             os.replace(tmp_lib, lib_path)  # atomic: concurrent builders each install a whole file
@@ -232,22 +248,76 @@ def _build(level: IsaLevel, csrc: Path | None = None, cdll: type[ctypes.CDLL] = 
         level=level.name,
         decode_attention=fn(
             "servelab_decode_attention",
-            ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, f32, ptr, i64, ptr, i64,
+            ptr,
+            i64,
+            ptr,
+            ptr,
+            i64,
+            i64,
+            ptr,
+            i64,
+            i64,
+            ptr,
+            i64,
+            i64,
+            i64,
+            i64,
+            f32,
+            ptr,
+            i64,
+            ptr,
+            i64,
         ),
         prefill_attention=fn(
             "servelab_prefill_attention_f32", ptr, i64, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, ptr, ptr, i64
         ),
         prefill_attention_chunks=fn(
             "servelab_prefill_attention_chunks_f32",
-            ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, f32, ptr, i64, ptr, i64,
+            ptr,
+            i64,
+            ptr,
+            ptr,
+            i64,
+            i64,
+            ptr,
+            i64,
+            i64,
+            i64,
+            i64,
+            f32,
+            ptr,
+            i64,
+            ptr,
+            i64,
         ),
         paged_attention=fn(
             "servelab_paged_attention_f32",
-            ptr, i64, ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, f32, ptr, ptr, i64, i64,
+            ptr,
+            i64,
+            ptr,
+            ptr,
+            i64,
+            i64,
+            ptr,
+            i64,
+            i64,
+            ptr,
+            i64,
+            i64,
+            i64,
+            i64,
+            i64,
+            f32,
+            ptr,
+            ptr,
+            i64,
+            i64,
         ),
         add_rms_norm=fn("servelab_add_rms_norm_f32", ptr, ptr, ptr, ptr, i64, i64, f32),
         silu_mul=fn("servelab_silu_mul_f32", ptr, ptr, i64, i64),
-        rope_store_kv=fn("servelab_rope_store_kv", ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64),
+        rope_store_kv=fn(
+            "servelab_rope_store_kv", ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, ptr, i64, i64
+        ),
         block_quant_linear=fn(
             "servelab_block_quant_linear_f32", i64, ptr, i64, i64, i64, ptr, i64, ptr, ptr, i64, ptr, i64
         ),
@@ -260,11 +330,15 @@ def _build(level: IsaLevel, csrc: Path | None = None, cdll: type[ctypes.CDLL] = 
         block_dequant=fn("servelab_block_dequant_f32", i64, ptr, i64, i64, i64, i64, ptr),
         argmax_rows=fn("servelab_argmax_rows_f32", ptr, i64, i64, ptr, i64),
         nonfinite_rows=fn("servelab_nonfinite_rows_f32", ptr, i64, i64, ptr, restype=i64),
-        int8_linear=fn("servelab_int8_linear_f32", ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64, restype=ctypes.c_int),
+        int8_linear=fn(
+            "servelab_int8_linear_f32", ptr, ptr, ptr, ptr, i64, i64, i64, ptr, i64, ptr, i64, restype=ctypes.c_int
+        ),
         paged_attention_scratch=fn("servelab_paged_attention_scratch_floats", i64, i64, restype=i64),
         decode_stack=fn("servelab_decode_stack", ptr, ptr, ptr, ptr, ptr, restype=ctypes.c_int),
         decode_stack_arena=fn("servelab_decode_stack_arena_floats", ptr, i64, i64, i64, restype=i64),
-        half_linear=fn("servelab_half_linear_f32", i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, restype=ctypes.c_int),
+        half_linear=fn(
+            "servelab_half_linear_f32", i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, restype=ctypes.c_int
+        ),
         bf16_linear=fn("servelab_bf16_linear_f32", ptr, i64, i64, ptr, i64, ptr, ptr, i64, restype=ctypes.c_int),
     )
 
@@ -342,10 +416,25 @@ def decode_attention(
     per_part = (H // kv_heads) * max_ctx
     scratch = torch.empty(threads * per_part, dtype=torch.float32)
     kernels.decode_attention(
-        q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.shape[1], KV_FORMATS[k.dtype],
-        block_table.data_ptr(), block_table.stride(0), block_size,
-        ctx_lens.data_ptr(), B, kv_heads, H // kv_heads, D, scale,
-        scratch.data_ptr(), per_part, out.data_ptr(), threads,
+        q.data_ptr(),
+        q.stride(0),
+        k.data_ptr(),
+        v.data_ptr(),
+        k.shape[1],
+        KV_FORMATS[k.dtype],
+        block_table.data_ptr(),
+        block_table.stride(0),
+        block_size,
+        ctx_lens.data_ptr(),
+        B,
+        kv_heads,
+        H // kv_heads,
+        D,
+        scale,
+        scratch.data_ptr(),
+        per_part,
+        out.data_ptr(),
+        threads,
     )
 
 
@@ -383,15 +472,33 @@ def prefill_attention(
     scratch = torch.empty(_prefill_scratch_floats([(n, start_pos)], KV, D, threads), dtype=torch.float32)
     out = torch.empty(n, H * D, dtype=torch.float32)
     kernels.prefill_attention(
-        q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), n, start_pos, H, KV, D,
-        scale, out.data_ptr(), scratch.data_ptr(), threads,
+        q.data_ptr(),
+        q.stride(0),
+        k.data_ptr(),
+        v.data_ptr(),
+        k.stride(0),
+        k.stride(1),
+        n,
+        start_pos,
+        H,
+        KV,
+        D,
+        scale,
+        out.data_ptr(),
+        scratch.data_ptr(),
+        threads,
     )
     return out
 
 
 def prefill_attention_chunks(
-    kernels: NativeKernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, chunks: list[tuple[int, int]],
-    scale: float, out: torch.Tensor,
+    kernels: NativeKernels,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    chunks: list[tuple[int, int]],
+    scale: float,
+    out: torch.Tensor,
 ) -> None:
     """Causal attention of several whole-prompt prefill chunks in one call (one thread-pool job a
     layer, not one a prompt): chunk (offset, n) is rows offset .. offset + n - 1 of q [T, H, D]
@@ -404,8 +511,22 @@ def prefill_attention_chunks(
     table = torch.tensor([(offset, n, 0, offset) for offset, n in chunks], dtype=torch.int64)
     scratch = torch.empty(_prefill_scratch_floats([(n, 0) for _, n in chunks], KV, D, threads), dtype=torch.float32)
     kernels.prefill_attention_chunks(
-        q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), table.data_ptr(), len(chunks),
-        H, KV, D, scale, out.data_ptr(), out.stride(0), scratch.data_ptr(), threads,
+        q.data_ptr(),
+        q.stride(0),
+        k.data_ptr(),
+        v.data_ptr(),
+        k.stride(0),
+        k.stride(1),
+        table.data_ptr(),
+        len(chunks),
+        H,
+        KV,
+        D,
+        scale,
+        out.data_ptr(),
+        out.stride(0),
+        scratch.data_ptr(),
+        threads,
     )
 
 
@@ -430,9 +551,26 @@ def paged_attention(
     per_part = kernels.paged_attention_scratch(max_ctx, D)
     scratch = torch.empty(threads * per_part, dtype=torch.float32)
     kernels.paged_attention(
-        q.data_ptr(), q.stride(0), k.data_ptr(), v.data_ptr(), k.shape[1], KV_FORMATS[k.dtype],
-        block_table.data_ptr(), block_table.stride(0), block_size, ctx_lens.data_ptr(), B, kv_heads, H // kv_heads, D,
-        max_ctx, scale, out.data_ptr(), scratch.data_ptr(), per_part, threads,
+        q.data_ptr(),
+        q.stride(0),
+        k.data_ptr(),
+        v.data_ptr(),
+        k.shape[1],
+        KV_FORMATS[k.dtype],
+        block_table.data_ptr(),
+        block_table.stride(0),
+        block_size,
+        ctx_lens.data_ptr(),
+        B,
+        kv_heads,
+        H // kv_heads,
+        D,
+        max_ctx,
+        scale,
+        out.data_ptr(),
+        scratch.data_ptr(),
+        per_part,
+        threads,
     )
 
 
@@ -443,8 +581,13 @@ def add_rms_norm(
     contiguous [rows, hidden] (weight [hidden])."""
     out = torch.empty_like(x)
     kernels.add_rms_norm(
-        x.data_ptr(), None if delta is None else delta.data_ptr(), weight.data_ptr(), out.data_ptr(),
-        x.shape[0], x.shape[1], eps,
+        x.data_ptr(),
+        None if delta is None else delta.data_ptr(),
+        weight.data_ptr(),
+        out.data_ptr(),
+        x.shape[0],
+        x.shape[1],
+        eps,
     )
     return out
 
@@ -475,8 +618,19 @@ def rope_store_kv(
     rounded to nearest even as torch's casts round). cos/sin: contiguous [max_pos, D] tables
     covering every position; positions and slots: [T] int64."""
     kernels.rope_store_kv(
-        qkv.data_ptr(), qkv.shape[0], qkv.shape[1], num_heads, num_kv_heads, head_dim, cos.data_ptr(),
-        sin.data_ptr(), positions.data_ptr(), slots.data_ptr(), k.data_ptr(), v.data_ptr(), k.shape[1],
+        qkv.data_ptr(),
+        qkv.shape[0],
+        qkv.shape[1],
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        cos.data_ptr(),
+        sin.data_ptr(),
+        positions.data_ptr(),
+        slots.data_ptr(),
+        k.data_ptr(),
+        v.data_ptr(),
+        k.shape[1],
         KV_FORMATS[k.dtype],
     )
 

@@ -86,8 +86,15 @@ class TorchOps:
         return cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
 
     def rope_store_kv(
-        self, qkv: torch.Tensor, rotary: Any, slots: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-        num_heads: int, num_kv_heads: int, head_dim: int,
+        self,
+        qkv: torch.Tensor,
+        rotary: Any,
+        slots: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """RoPE (HF rotate-half) on Q and K of a fused qkv [T, (H + 2 KV) * D], K and V stored into
         their slots of one layer's cache; returns q [T, H, D], k and v [T, KV, D]."""
@@ -103,8 +110,14 @@ class TorchOps:
         return q, k, v
 
     def attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-        meta: Any, scale: float,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        meta: Any,
+        scale: float,
     ) -> torch.Tensor:
         """[T, H * D]: the decodes (the first meta.num_decodes tokens) over their blocks of the
         cache, then each prefill chunk over its context. `meta`: model.AttentionMetadata."""
@@ -117,8 +130,15 @@ class TorchOps:
         return out
 
     def prefills_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-        prefills: list, scale: float, out: torch.Tensor,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        prefills: list,
+        scale: float,
+        out: torch.Tensor,
     ) -> None:
         """Each prefill chunk's rows of out [T, H * D] (`prefills`: AttentionMetadata.prefills), one
         chunk at a time."""
@@ -186,8 +206,14 @@ class NativeOps(TorchOps):
         self, config: Any, layers: list[Any], scale: float, embed: torch.Tensor, final_norm: torch.Tensor, head: Any
     ) -> DecodeStack | None:
         return DecodeStack.build(
-            self.kernels, config, layers, scale, paged_attention=self.batch_invariant, embed=embed,
-            final_norm=final_norm, head=head,
+            self.kernels,
+            config,
+            layers,
+            scale,
+            paged_attention=self.batch_invariant,
+            embed=embed,
+            final_norm=final_norm,
+            head=head,
         )
 
     def add_rms_norm(
@@ -207,8 +233,15 @@ class NativeOps(TorchOps):
         return cos, sin, positions  # the kernel reads the tables by position itself
 
     def rope_store_kv(
-        self, qkv: torch.Tensor, rotary: Any, slots: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-        num_heads: int, num_kv_heads: int, head_dim: int,
+        self,
+        qkv: torch.Tensor,
+        rotary: Any,
+        slots: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         T, H, KV, D = qkv.shape[0], num_heads, num_kv_heads, head_dim
         cos, sin, positions = rotary
@@ -220,8 +253,15 @@ class NativeOps(TorchOps):
         )
 
     def prefills_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor,
-        prefills: list, scale: float, out: torch.Tensor,
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        prefills: list,
+        scale: float,
+        out: torch.Tensor,
     ) -> None:
         # the chunks that are whole prompts in one call, straight into out (the same bits as one by
         # one); those with earlier context in the cache one by one
@@ -237,8 +277,16 @@ class NativeOps(TorchOps):
         self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: Any, scale: float, out: torch.Tensor
     ) -> None:
         native.decode_attention(
-            self.kernels, q, kc, vc, meta.decode_block_table, meta.decode_ctx_lens, meta.decode_max_ctx,
-            meta.block_size, scale, out,
+            self.kernels,
+            q,
+            kc,
+            vc,
+            meta.decode_block_table,
+            meta.decode_ctx_lens,
+            meta.decode_max_ctx,
+            meta.block_size,
+            scale,
+            out,
         )
 
     def prefill_attention(
@@ -274,8 +322,16 @@ class InvariantOps(NativeOps):
     ) -> None:
         # the prefill kernel's order: a token decoded gets the bits it gets recomputed
         native.paged_attention(
-            self.kernels, q, kc, vc, meta.decode_block_table, meta.decode_ctx_lens, meta.decode_max_ctx,
-            meta.block_size, scale, out,
+            self.kernels,
+            q,
+            kc,
+            vc,
+            meta.decode_block_table,
+            meta.decode_ctx_lens,
+            meta.decode_max_ctx,
+            meta.block_size,
+            scale,
+            out,
         )
 
 

@@ -95,9 +95,17 @@ class Int8Linear:
         if rows == 0:
             return y
         rc = self.kernels.int8_linear(
-            self.packed.data_ptr(), self.scale.data_ptr(), self.zero.data_ptr(),
-            None if self.bias is None else self.bias.data_ptr(), in_features, self.packed.shape[1] * 4,
-            out_features, x.data_ptr(), rows, y.data_ptr(), torch.get_num_threads(),
+            self.packed.data_ptr(),
+            self.scale.data_ptr(),
+            self.zero.data_ptr(),
+            None if self.bias is None else self.bias.data_ptr(),
+            in_features,
+            self.packed.shape[1] * 4,
+            out_features,
+            x.data_ptr(),
+            rows,
+            y.data_ptr(),
+            torch.get_num_threads(),
         )
         if rc != 0:
             raise MemoryError(f"int8 linear: no memory for {rows} x {in_features} quantized activations")
@@ -154,8 +162,14 @@ class Bf16Linear:
         flat = x.reshape(rows, in_features).float().contiguous()
         y = torch.empty(rows, out_features, dtype=torch.float32)
         rc = self.kernels.bf16_linear(
-            self.packed.data_ptr(), in_features, out_features, flat.data_ptr(), rows,
-            None if self.bias is None else self.bias.data_ptr(), y.data_ptr(), torch.get_num_threads(),
+            self.packed.data_ptr(),
+            in_features,
+            out_features,
+            flat.data_ptr(),
+            rows,
+            None if self.bias is None else self.bias.data_ptr(),
+            y.data_ptr(),
+            torch.get_num_threads(),
         )
         if rc != 0:
             raise MemoryError(f"bf16 linear: no memory for {rows} x {in_features} rounded activations")

@@ -102,7 +102,12 @@ def build_model(
     head_parts = None if kernels is None or (part := get_packed(head_name)) is None else [part]
     packed_head = block_quant.pack(lm_head, head_parts, kernels)
     return LlamaModel(
-        spec, embed, layers, cast(need("model.norm.weight")), lm_head, rope_freq_divisors,
+        spec,
+        embed,
+        layers,
+        cast(need("model.norm.weight")),
+        lm_head,
+        rope_freq_divisors,
         lm_head_packed=packed_head if isinstance(packed_head, block_quant.BlockQuantLinear) else None,
     )
 

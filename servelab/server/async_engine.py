@@ -22,8 +22,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TextIO
 
 from servelab.core.admission import check_room_to_wait
-from servelab.engine.client import (EngineFailure, EngineRequest, EngineStopped, Failed, OutputObserver, RequestStream,
-                                    StepObserver, TransferObserver, take_commands)
+from servelab.engine.client import (
+    EngineFailure,
+    EngineRequest,
+    EngineStopped,
+    Failed,
+    OutputObserver,
+    RequestStream,
+    StepObserver,
+    TransferObserver,
+    take_commands,
+)
 from servelab.errors import ServelabError
 
 if TYPE_CHECKING:
@@ -244,8 +253,11 @@ class AsyncEngine:
             return
         admitted: list[str] = []
         try:
-            check_room_to_wait([r.request_id for r in command.requests], self.engine.scheduler.num_waiting,
-                               self.engine.scheduler_config.max_waiting)
+            check_room_to_wait(
+                [r.request_id for r in command.requests],
+                self.engine.scheduler.num_waiting,
+                self.engine.scheduler_config.max_waiting,
+            )
             for r in command.requests:
                 self.engine.add_request(
                     r.request_id, r.prompt, r.params, priority=r.priority, arrival_s=r.arrival_s, pooling=r.pooling
@@ -316,9 +328,18 @@ class AsyncEngine:
         """The step's shape sums and times: `waited_s` the loop slept for work before it, `step_s`
         the engine's step (`execute_s` of it the executor's), `end_s` after its outputs were posted."""
         tokens, seqs, context, pairs, decodes = self.engine.last_plan.shape_totals()
-        record = {"start_s": round(start, 6), "end_s": round(end, 6), "waited_s": round(self._waited_s, 6),
-                  "step_s": round(stepped - start, 6), "execute_s": round(self.engine.last_execute_s, 6),
-                  "num_tokens": tokens, "num_seqs": seqs, "context_tokens": context, "pairs": pairs, "decode_seqs": decodes}
+        record = {
+            "start_s": round(start, 6),
+            "end_s": round(end, 6),
+            "waited_s": round(self._waited_s, 6),
+            "step_s": round(stepped - start, 6),
+            "execute_s": round(self.engine.last_execute_s, 6),
+            "num_tokens": tokens,
+            "num_seqs": seqs,
+            "context_tokens": context,
+            "pairs": pairs,
+            "decode_seqs": decodes,
+        }
         self._waited_s = 0.0
         try:
             self.step_log.write(json.dumps(record) + "\n")

@@ -67,7 +67,9 @@ class ConnectionCounts:
             return f"the server has {self.total} connections open, its limit (--max-connections)"
         held = self.by_client[client]
         if limits.max_connections_per_client is not None and held >= limits.max_connections_per_client:
-            return f"this client address has {held} connections open, the limit per address (--max-connections-per-client)"
+            return (
+                f"this client address has {held} connections open, the limit per address (--max-connections-per-client)"
+            )
         self.total += 1
         self.by_client[client] += 1
         return None
@@ -197,7 +199,9 @@ class LimitedH11Protocol(H11Protocol):
             if self._head_bytes:  # a request started and did not finish its headers in time
                 message = (f"the request headers did not arrive within {self.limits.header_timeout_s:g} s "
                            "(--header-timeout)")  # fmt: skip
-                logger.warning("servelab: closed a connection from %s: %s", self.client[0] if self.client else "?", message)
+                logger.warning(
+                    "servelab: closed a connection from %s: %s", self.client[0] if self.client else "?", message
+                )
                 self.transport.write(_raw_error(408, "Request Timeout", message, "invalid_request_error"))
         else:
             message = f"the request body did not arrive within {self.limits.body_timeout_s:g} s (--body-timeout)"

@@ -59,16 +59,20 @@ def parse_pooler_config(text: str) -> PoolingParams:
     unknown = sorted(set(config) - {"pooling_type", "normalize"})
     if unknown:
         raise InvalidArgument(
-            f"--pooler-config: unknown key(s) {', '.join(unknown)} (known: pooling_type, normalize)", param="pooler_config"
+            f"--pooler-config: unknown key(s) {', '.join(unknown)} (known: pooling_type, normalize)",
+            param="pooler_config",
         )
     kind = config.get("pooling_type", "LAST")
     if not isinstance(kind, str) or kind.upper() not in POOLING_TYPES:
         raise InvalidArgument(
-            f"--pooler-config: pooling_type must be one of {', '.join(POOLING_TYPES)}, got {kind!r}", param="pooler_config"
+            f"--pooler-config: pooling_type must be one of {', '.join(POOLING_TYPES)}, got {kind!r}",
+            param="pooler_config",
         )
     normalize = config.get("normalize", True)
     if not isinstance(normalize, bool):
-        raise InvalidArgument(f"--pooler-config: normalize must be true or false, got {normalize!r}", param="pooler_config")
+        raise InvalidArgument(
+            f"--pooler-config: normalize must be true or false, got {normalize!r}", param="pooler_config"
+        )
     return PoolingParams(kind.upper(), normalize)
 
 

@@ -194,7 +194,9 @@ async def prepare_logits_processors(
     await lane.run(state.front.prepare_logits_processors, first, *siblings, grammar=grammar)
 
 
-async def unless_disconnected(request: Request | None, work: Awaitable[T], while_: str = "its request was being prepared") -> T:
+async def unless_disconnected(
+    request: Request | None, work: Awaitable[T], while_: str = "its request was being prepared"
+) -> T:
     """`work`'s result, or ClientDisconnected (and `work` cancelled: a compile's cancel kills its
     worker process, an engine stream's aborts its request) once the client hangs up."""
     if request is None:

@@ -74,23 +74,33 @@ COMMON: dict[str, FieldRule] = {
     "min_tokens": _h("vLLM extension"),
     "prompt_logprobs": _h("vLLM extension: logprobs of the prompt's tokens (not with stream)"),
     "allowed_token_ids": _h("vLLM extension: only these ids may be sampled"),
-    "bad_words": _h(f"vLLM extension: up to {MAX_BAD_WORDS} words of at most {MAX_BAD_WORD_CHARS} characters, "
-                    "never completed in the output"),
+    "bad_words": _h(
+        f"vLLM extension: up to {MAX_BAD_WORDS} words of at most {MAX_BAD_WORD_CHARS} characters, "
+        "never completed in the output"
+    ),
     "structured_outputs": _h("vLLM extension: one of json, regex, choice, grammar, json_object"),
     "guided_json": _h("vLLM's older name for structured_outputs.json"),
     "guided_regex": _h("vLLM's older name for structured_outputs.regex"),
     "guided_choice": _h("vLLM's older name for structured_outputs.choice"),
     "guided_grammar": _h("vLLM's older name for structured_outputs.grammar"),
-    "repetition_penalty": _h("vLLM extension: in (0, 100]; the logits of tokens in the prompt or output are divided by it "
-                             "where positive, multiplied where not; default: the model's generation_config.json, else 1 (off)"),
-    "include_stop_str_in_output": _h("vLLM extension: the stop string, or the text of the stop token or EOS, that ended "
-                                     "the choice stays in its text"),
-    "skip_special_tokens": _h("vLLM extension: false keeps special tokens in the text (the EOS that ends a choice only "
-                              "with include_stop_str_in_output)"),
-    "spaces_between_special_tokens": _i("vLLM extension: fast tokenizers, the only kind servelab loads, write special "
-                                        "tokens as they are either way, as in vLLM"),
-    "truncate_prompt_tokens": _h("vLLM extension: keep the prompt's last N tokens (-1: the last max_model_len); "
-                                 "N above max_model_len is a 400"),
+    "repetition_penalty": _h(
+        "vLLM extension: in (0, 100]; the logits of tokens in the prompt or output are divided by it "
+        "where positive, multiplied where not; default: the model's generation_config.json, else 1 (off)"
+    ),
+    "include_stop_str_in_output": _h(
+        "vLLM extension: the stop string, or the text of the stop token or EOS, that ended the choice stays in its text"
+    ),
+    "skip_special_tokens": _h(
+        "vLLM extension: false keeps special tokens in the text (the EOS that ends a choice only "
+        "with include_stop_str_in_output)"
+    ),
+    "spaces_between_special_tokens": _i(
+        "vLLM extension: fast tokenizers, the only kind servelab loads, write special "
+        "tokens as they are either way, as in vLLM"
+    ),
+    "truncate_prompt_tokens": _h(
+        "vLLM extension: keep the prompt's last N tokens (-1: the last max_model_len); N above max_model_len is a 400"
+    ),
     "return_tokens_as_token_ids": _h("vLLM extension: logprobs' tokens written as token_id:<id>"),
     "request_id": _h("vLLM extension: the answer's id is cmpl- (chat: chatcmpl-) followed by it"),
     "length_penalty": _i("vLLM extension: it weighs beam search's lengths only, and beam search is refused"),
@@ -113,15 +123,19 @@ CHAT: dict[str, FieldRule] = {
     "logprobs": _h("the sampled tokens' logprobs"),
     "top_logprobs": _h("0-20 alternatives per token, with logprobs=true"),
     "add_generation_prompt": _h("vLLM extension: end the prompt with the template's assistant header"),
-    "continue_final_message": _h("vLLM extension: the last message left open for the model to continue; "
-                                 "needs add_generation_prompt false"),
+    "continue_final_message": _h(
+        "vLLM extension: the last message left open for the model to continue; needs add_generation_prompt false"
+    ),
     "add_special_tokens": _h("vLLM extension: default false, as the template writes its own special tokens"),
     "documents": _h("vLLM extension: shown to the chat template as documents"),
-    "chat_template": _h("vLLM extension: a Jinja template for this request, rendered in the model template's sandbox; "
-                        "needs serve --trust-request-chat-template (a 400 otherwise), as vLLM"),
+    "chat_template": _h(
+        "vLLM extension: a Jinja template for this request, rendered in the model template's sandbox; "
+        "needs serve --trust-request-chat-template (a 400 otherwise), as vLLM"
+    ),
     "chat_template_kwargs": _h("vLLM extension: more variables for the chat template"),
-    "echo": _h("vLLM extension: the answer starts with the last message's content when that message has the "
-               "answer's role"),
+    "echo": _h(
+        "vLLM extension: the answer starts with the last message's content when that message has the answer's role"
+    ),
     "include_reasoning": _i("vLLM extension: this model does not reason, so there is nothing to include or leave out"),
     "mm_processor_kwargs": _r("this model takes text only", {}),
     "tools": _h("function tools, shown to the chat template"),

@@ -126,7 +126,11 @@ class RequestGuard:
         if scope["method"] in ("POST", "PUT", "PATCH") and scope["path"] not in OPEN_PATHS:  # probes send no body
             content_type = headers.get("content-type")
             if not is_json_media_type((content_type or "").partition(";")[0].strip().lower()):
-                sent = f"Content-Type {content_type!r} is not accepted" if content_type else "this request has no Content-Type"
+                sent = (
+                    f"Content-Type {content_type!r} is not accepted"
+                    if content_type
+                    else "this request has no Content-Type"
+                )
                 return error_response(
                     415, f"{sent}: the body must be JSON, sent with the header 'Content-Type: application/json'",
                     code="unsupported_media_type",
@@ -156,5 +160,14 @@ class RequestGuard:
         return counted
 
 
-__all__ = ["DEFAULT_MAX_REQUEST_BYTES", "LOOPBACK_HOSTS", "OPEN_PATHS", "RequestGuard", "RequestTooLarge",
-           "host_allowed", "host_name", "is_json_media_type", "is_loopback_address"]
+__all__ = [
+    "DEFAULT_MAX_REQUEST_BYTES",
+    "LOOPBACK_HOSTS",
+    "OPEN_PATHS",
+    "RequestGuard",
+    "RequestTooLarge",
+    "host_allowed",
+    "host_name",
+    "is_json_media_type",
+    "is_loopback_address",
+]

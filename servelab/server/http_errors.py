@@ -142,13 +142,15 @@ def decode_json_object(raw: bytes) -> dict[str, Any]:
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise InvalidArgument(f"request body is not valid UTF-8: byte {exc.start} ({raw[exc.start:exc.start + 1]!r})")
+        raise InvalidArgument(f"request body is not valid UTF-8: byte {exc.start} ({raw[exc.start : exc.start + 1]!r})")
     try:
         obj = json.loads(text, parse_constant=_reject_non_finite, parse_float=_finite_float)
     except json.JSONDecodeError as exc:
         raise InvalidArgument(f"request body is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}")
     except RecursionError:
-        raise InvalidArgument("request body is nested too deeply to parse; no request needs more than a few levels") from None
+        raise InvalidArgument(
+            "request body is nested too deeply to parse; no request needs more than a few levels"
+        ) from None
     except ValueError as exc:  # an integer of more than 4,300 digits
         raise InvalidArgument(f"request body is not valid JSON: {exc}") from None
     if not isinstance(obj, dict):

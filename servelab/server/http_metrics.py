@@ -28,7 +28,7 @@ UNMATCHED = "none"
 def route_template(scope: Scope, root_path: str) -> str:
     """The template of the route that served `scope` (read once the router has run), behind the
     prefix of any mount it went through; "none" for a request no route took."""
-    mount_prefix = scope.get("root_path", "")[len(root_path):]
+    mount_prefix = scope.get("root_path", "")[len(root_path) :]
     route_path = getattr(scope.get("route"), "path", "")
     return mount_prefix + route_path or UNMATCHED
 

@@ -97,7 +97,9 @@ class _EngineStatsCollector(Collector):
     @staticmethod
     def _families(prefix: str, labels: list[str], rows: list[tuple[list[str], EngineStats]],
                   with_reasons: bool = True) -> Iterator[Metric]:  # fmt: skip
-        def gauge(name: str, doc: str, value: Callable[[EngineStats], float], family_prefix: str = prefix) -> GaugeMetricFamily:
+        def gauge(
+            name: str, doc: str, value: Callable[[EngineStats], float], family_prefix: str = prefix
+        ) -> GaugeMetricFamily:
             family = GaugeMetricFamily(family_prefix + name, doc, labels=labels)
             for values, stats in rows:
                 family.add_metric(values, value(stats))
@@ -300,7 +302,11 @@ class ServerMetrics:
                 if out.first_scheduled_offset_s is not None:
                     self.queue_time.labels(**labels).observe(max(0.0, out.first_scheduled_offset_s))
             # The gaps that end at this output's tokens (the first token has none).
-            times = out.token_offsets_s if out.prev_token_offset_s is None else [out.prev_token_offset_s, *out.token_offsets_s]
+            times = (
+                out.token_offsets_s
+                if out.prev_token_offset_s is None
+                else [out.prev_token_offset_s, *out.token_offsets_s]
+            )
             for before, after in zip(times, times[1:]):
                 self.itl.labels(**labels).observe(max(0.0, after - before))
         if out.finished:

@@ -123,7 +123,9 @@ class EchoPrompt:
     text_offsets: list[int] | None = None
 
 
-def echo_prompts(front: EngineFront, req: p.CompletionRequest, prompt_ids: list[list[int]], offsets: bool) -> list[EchoPrompt]:
+def echo_prompts(
+    front: EngineFront, req: p.CompletionRequest, prompt_ids: list[list[int]], offsets: bool
+) -> list[EchoPrompt]:
     """Blocking: each prompt as the client sent it (as the engine ran it, once truncated), for
     echo, with its tokens' offsets if asked."""
     out = []

@@ -254,7 +254,11 @@ class CompletionRenderer(_Renderer):
             )
         return p.dump(
             p.CompletionResponse(
-                id=self.request_id, created=self.created, model=self.state.model_name, choices=choices, usage=self.usage()
+                id=self.request_id,
+                created=self.created,
+                model=self.state.model_name,
+                choices=choices,
+                usage=self.usage(),
             )
         )
 
@@ -272,8 +276,12 @@ class ChatRenderer(_Renderer):
         content = []
         for lp in items:
             text = self.token(lp.token_id)
-            top = [p.TopLogprob(token=(t_text := self.token(t)), logprob=v, bytes=list(t_text.encode())) for t, v in lp.top]
-            content.append(p.ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top))
+            top = [
+                p.TopLogprob(token=(t_text := self.token(t)), logprob=v, bytes=list(t_text.encode())) for t, v in lp.top
+            ]
+            content.append(
+                p.ChatTokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode()), top_logprobs=top)
+            )
         return p.ChatLogprobs(content=content)
 
     def _chunk(self, choices: list[p.ChatStreamChoice], usage: p.UsageInfo | None = None) -> dict:
@@ -341,8 +349,12 @@ class ChatRenderer(_Renderer):
                                                    self.req.prompt_logprobs)  # fmt: skip
         return p.dump(
             p.ChatCompletionResponse(
-                id=self.request_id, created=self.created, model=self.state.model_name, choices=choices,
-                usage=self.usage(), prompt_logprobs=prompt_logprobs,
+                id=self.request_id,
+                created=self.created,
+                model=self.state.model_name,
+                choices=choices,
+                usage=self.usage(),
+                prompt_logprobs=prompt_logprobs,
             )
         )
 

@@ -25,7 +25,6 @@ from servelab.server.render import ChatRenderer
 from servelab.server.response_store import ResponseStore
 
 
-
 class ResponsesRequest(_Request):
     input: str | list[dict[str, Any]]
     model: str | None = None
@@ -193,7 +192,9 @@ def fields_as_sent() -> Iterator[None]:
         raise
 
 
-def chat_request(req: ResponsesRequest, history: list[dict[str, Any]], messages: list[dict[str, Any]]) -> p.ChatCompletionRequest:
+def chat_request(
+    req: ResponsesRequest, history: list[dict[str, Any]], messages: list[dict[str, Any]]
+) -> p.ChatCompletionRequest:
     """The chat completion request this Responses request is: instructions (never carried over
     from a previous response, as OpenAI does), the stored history, then the new input."""
     tools, tool_choice = chat_tools(req)
@@ -317,7 +318,9 @@ class ResponseRenderer:
                 if not delta:
                     continue
                 if not opened:
-                    yield self._event("response.output_item.added", output_index=0, item=self._message_item("", "in_progress"))
+                    yield self._event(
+                        "response.output_item.added", output_index=0, item=self._message_item("", "in_progress")
+                    )
                     yield self._event("response.content_part.added", **where, part=self._text_part(""))
                     opened = True
                 yield self._event("response.output_text.delta", **where, delta=delta, logprobs=[])
@@ -330,13 +333,17 @@ class ResponseRenderer:
         for index, item in enumerate(output):
             if item["type"] == "message":
                 if not opened:
-                    yield self._event("response.output_item.added", output_index=0, item=self._message_item("", "in_progress"))
+                    yield self._event(
+                        "response.output_item.added", output_index=0, item=self._message_item("", "in_progress")
+                    )
                     yield self._event("response.content_part.added", **where, part=self._text_part(""))
                 full = item["content"][0]["text"]
                 yield self._event("response.output_text.done", **where, text=full, logprobs=[])
                 yield self._event("response.content_part.done", **where, part=item["content"][0])
             else:
-                yield self._event("response.output_item.added", output_index=index, item={**item, "status": "in_progress"})
+                yield self._event(
+                    "response.output_item.added", output_index=index, item={**item, "status": "in_progress"}
+                )
                 yield self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
                                   arguments=item["arguments"])  # fmt: skip
             yield self._event("response.output_item.done", output_index=index, item=item)
@@ -344,5 +351,12 @@ class ResponseRenderer:
         yield self._event(final, response=response)
 
 
-__all__ = ["ResponseRenderer", "ResponseStore", "ResponsesRequest", "chat_request", "fields_as_sent", "input_messages",
-           "refuse_unsupported"]
+__all__ = [
+    "ResponseRenderer",
+    "ResponseStore",
+    "ResponsesRequest",
+    "chat_request",
+    "fields_as_sent",
+    "input_messages",
+    "refuse_unsupported",
+]

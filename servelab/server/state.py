@@ -58,10 +58,19 @@ class ServerState:
         sc = front.scheduler_config
         if sc.max_waiting:  # requests being prepared wait too: the same bound
             self.offload.small.max_pending = sc.max_waiting
-        cache_info = {"block_size": str(sc.block_size), "num_blocks": str(sc.num_blocks), "cache_dtype": front.kv_cache_dtype}
-        scheduler_info = {"max_num_seqs": str(sc.max_num_seqs), "max_num_batched_tokens": str(sc.max_num_batched_tokens),
-                          "max_model_len": str(sc.max_model_len), "policy": sc.policy, "order": sc.order,
-                          "enable_prefix_caching": str(sc.enable_prefix_caching).lower()}
+        cache_info = {
+            "block_size": str(sc.block_size),
+            "num_blocks": str(sc.num_blocks),
+            "cache_dtype": front.kv_cache_dtype,
+        }
+        scheduler_info = {
+            "max_num_seqs": str(sc.max_num_seqs),
+            "max_num_batched_tokens": str(sc.max_num_batched_tokens),
+            "max_model_len": str(sc.max_model_len),
+            "policy": sc.policy,
+            "order": sc.order,
+            "enable_prefix_caching": str(sc.enable_prefix_caching).lower(),
+        }
         self.metrics = ServerMetrics(front.model_name, lambda: client.stats, cache_info, front.max_model_len,
                                      scheduler_info, client.worker_stats, namespace=self.metrics_namespace)  # fmt: skip
         client.add_observer(self.metrics.observe)

@@ -21,7 +21,6 @@ from servelab.server import protocol as p
 from servelab.server.tool_parsers import TOOL_CALL_PARSERS, JsonListParser, ToolCallParser
 
 
-
 def sampling_kwargs(req: p.CompletionRequest | p.ChatCompletionRequest) -> dict[str, Any]:
     """SamplingParams fields from the request (their ranges are checked by SamplingParams)."""
     out: dict[str, Any] = {}
@@ -55,7 +54,9 @@ def output_spec(req: p.CompletionRequest | p.ChatCompletionRequest) -> Structure
         found.append(StructuredOutputSpec.json_schema(rf.json_schema.json_schema, "response_format"))
     so = req.structured_outputs
     if so is not None:
-        given = [k for k in ("json_", "regex", "choice", "grammar", "json_object") if getattr(so, k) not in (None, False)]
+        given = [
+            k for k in ("json_", "regex", "choice", "grammar", "json_object") if getattr(so, k) not in (None, False)
+        ]
         if len(given) != 1:
             names = ", ".join(k.rstrip("_") for k in given) or "none"
             raise InvalidArgument(

@@ -128,7 +128,8 @@ class ClusterSim:
             pool = []
             for _ in range(count):
                 scheduler = (
-                    ImplicitDecodeScheduler(config, token, keep_finished=0) if implicit
+                    ImplicitDecodeScheduler(config, token, keep_finished=0)
+                    if implicit
                     else Scheduler(config, keep_finished=0)
                 )
                 replica = Replica(len(self.replicas), role, scheduler, SimExecutor(cost_model, token))
@@ -266,7 +267,9 @@ class ClusterRun:
         rid = str(req.spec.index)
         replica = sim.decode_router.pick(sim.pools["decode"])
         seq = SimSequence(
-            rid, req.prompt_token_ids, SamplingParams(max_tokens=req.spec.output_tokens, ignore_eos=True),
+            rid,
+            req.prompt_token_ids,
+            SamplingParams(max_tokens=req.spec.output_tokens, ignore_eos=True),
             arrival_s=req.sent_s,
         )
         seq.prefix.hashes = list(req.prompt_block_hashes)
@@ -345,8 +348,15 @@ class ClusterRun:
         ok = seq.finish_reason is not None and seq.finish_reason.value == "length"
         self.records.append(
             RequestRecord(
-                seq.request_id, req.sent_s, req.first_scheduled_s, seq.first_token_s, times, t,
-                req.spec.prompt_tokens, seq.num_output_tokens, success=ok,
+                seq.request_id,
+                req.sent_s,
+                req.first_scheduled_s,
+                seq.first_token_s,
+                times,
+                t,
+                req.spec.prompt_tokens,
+                seq.num_output_tokens,
+                success=ok,
                 error=None if ok else f"finished with {seq.finish_reason}",
                 num_cached_tokens=req.num_cached_tokens,
             )
@@ -356,8 +366,16 @@ class ClusterRun:
     def fail(self, req: _Request, t: float, error: str) -> None:
         self.records.append(
             RequestRecord(
-                str(req.spec.index), req.sent_s, req.first_scheduled_s, None, array("d"), t,
-                req.spec.prompt_tokens, 0, success=False, error=error,
+                str(req.spec.index),
+                req.sent_s,
+                req.first_scheduled_s,
+                None,
+                array("d"),
+                t,
+                req.spec.prompt_tokens,
+                0,
+                success=False,
+                error=error,
             )
         )
         self.finish_client(req, t)

@@ -44,9 +44,19 @@ class EngineProfile:
     summary: str
     entries: Mapping[str, Mapping[str, Any]]  # setting -> its rule, "source" and "ref"
 
-    def settings(self, model: ModelSpec, hardware: HardwareSpec, *, tp: int = 1, weight_dtype: str = "bf16",
-                 kv_cache_dtype: str = "bf16", num_blocks: int | None = None, block_size: int = 16,
-                 max_model_len: int | None = None, memory_fraction: float | None = None) -> EngineSettings:
+    def settings(
+        self,
+        model: ModelSpec,
+        hardware: HardwareSpec,
+        *,
+        tp: int = 1,
+        weight_dtype: str = "bf16",
+        kv_cache_dtype: str = "bf16",
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        max_model_len: int | None = None,
+        memory_fraction: float | None = None,
+    ) -> EngineSettings:
         """What this engine would run with on `hardware` serving `model`. Where a budget depends on
         the KV pool, the pool is `num_blocks` when given, else what the memory plan leaves at
         `memory_fraction` (default: the profile's)."""
@@ -84,15 +94,24 @@ class EngineProfile:
         entry = self.entries["host"]
         if entry.get("none"):
             return None
-        return HostCost(step_s=entry["step_s"], per_layer_s=entry["per_layer_s"], per_seq_s=entry["per_seq_s"],
-                        overlapped=entry["overlapped"])
+        return HostCost(
+            step_s=entry["step_s"],
+            per_layer_s=entry["per_layer_s"],
+            per_seq_s=entry["per_seq_s"],
+            overlapped=entry["overlapped"],
+        )
 
     def provenance(self) -> dict[str, dict[str, str]]:
         return {key: {"source": e["source"], "ref": e["ref"]} for key, e in self.entries.items()}
 
     def to_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "engine": self.engine, "version": self.version, "summary": self.summary,
-                "settings": {k: dict(v) for k, v in self.entries.items()}}
+        return {
+            "name": self.name,
+            "engine": self.engine,
+            "version": self.version,
+            "summary": self.summary,
+            "settings": {k: dict(v) for k, v in self.entries.items()},
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,17 +152,25 @@ def _pick(entry: Mapping[str, Any], hardware: HardwareSpec) -> Any:
 
 def _from_kv_pool(rule: Mapping[str, int], pool_tokens: int, context_len: int) -> int:
     """SGLang's max_running_requests: half the KV pool in tokens, capped by its request pool."""
-    req_pool = min(max(pool_tokens * rule["req_pool_per_context"] // context_len, rule["req_pool_min"]),
-                   rule["req_pool_max"])
+    req_pool = min(
+        max(pool_tokens * rule["req_pool_per_context"] // context_len, rule["req_pool_min"]), rule["req_pool_max"]
+    )
     return max(1, min(pool_tokens // rule["divisor"], req_pool))
 
 
 @cache
 def engine_profiles() -> dict[str, EngineProfile]:
     data = json.loads(PROFILES_PATH.read_text(encoding="utf-8"))
-    return {name: EngineProfile(name, p["engine"], p["version"], p["summary"],
-                                {k: v for k, v in p.items() if k not in ("engine", "version", "summary")})
-            for name, p in data["profiles"].items()}
+    return {
+        name: EngineProfile(
+            name,
+            p["engine"],
+            p["version"],
+            p["summary"],
+            {k: v for k, v in p.items() if k not in ("engine", "version", "summary")},
+        )
+        for name, p in data["profiles"].items()
+    }
 
 
 def engine_profile(name: str) -> EngineProfile:
@@ -151,8 +178,9 @@ def engine_profile(name: str) -> EngineProfile:
     profiles = engine_profiles()
     profile = profiles.get(name.strip().lower())
     if profile is None:
-        raise InvalidArgument(f"unknown engine profile {name!r}; choose one of {', '.join(profiles)}",
-                              param="engine_profile")
+        raise InvalidArgument(
+            f"unknown engine profile {name!r}; choose one of {', '.join(profiles)}", param="engine_profile"
+        )
     return profile
 
 

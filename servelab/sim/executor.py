@@ -46,9 +46,15 @@ class SimExecutor:
             assert isinstance(plan, ImplicitStepPlan) and self._time_from_totals is not None
             num_tokens, num_seqs, context_tokens, pairs = Roofline.totals(shape)
             implicit_context = plan.implicit_context_tokens
-            return StepResult(sampled, self._time_from_totals(
-                num_tokens + implicit, num_seqs + implicit, context_tokens + implicit_context,
-                pairs + implicit_context))
+            return StepResult(
+                sampled,
+                self._time_from_totals(
+                    num_tokens + implicit,
+                    num_seqs + implicit,
+                    context_tokens + implicit_context,
+                    pairs + implicit_context,
+                ),
+            )
         if self._time_from_totals is None:
             shape = plan.shape()
             self.last_num_decode = sum(1 for q, _ in shape if q == 1)

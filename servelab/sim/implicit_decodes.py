@@ -171,8 +171,14 @@ class ImplicitDecodeScheduler(Scheduler):
         return budget
 
     def _apply(  # type: ignore[override]
-        self, plan: ImplicitStepPlan, result: StepResult, now: float, outputs: list[RequestOutput],
-        finished: list[Sequence], *, stream: bool,
+        self,
+        plan: ImplicitStepPlan,
+        result: StepResult,
+        now: float,
+        outputs: list[RequestOutput],
+        finished: list[Sequence],
+        *,
+        stream: bool,
     ) -> None:
         scheduled = plan.scheduled
         sampled = result.sampled_token_ids
@@ -321,8 +327,7 @@ class ImplicitDecodeScheduler(Scheduler):
         token (for the next tick) and by schedule() after a decode got its block (for this one)."""
         table_end = len(seq.block_table) * self.config.block_size
         if (
-            num_known > table_end
-            or num_known + 1 >= seq.implicit_limit  # also when the implicit token would stop it
+            num_known > table_end or num_known + 1 >= seq.implicit_limit  # also when the implicit token would stop it
         ):
             return False  # it needs a block or stops at this very step: the core loops handle that
         seq.implicit_from = tick

@@ -61,7 +61,10 @@ class SimConfig:
     host_cost: HostCost | None = None
 
     def __post_init__(self) -> None:
-        self.weight_dtype, self.kv_cache_dtype = canonical_dtype(self.weight_dtype), canonical_dtype(self.kv_cache_dtype)
+        self.weight_dtype, self.kv_cache_dtype = (
+            canonical_dtype(self.weight_dtype),
+            canonical_dtype(self.kv_cache_dtype),
+        )
         if self.disagg is not None:
             p, d = self.disagg
             if p < 1 or d < 1:
@@ -69,8 +72,9 @@ class SimConfig:
         elif self.replicas < 1:
             raise InvalidArgument(f"replicas must be >= 1, got {self.replicas}", param="replicas")
         if self.num_replicas > MAX_REPLICAS:
-            raise InvalidArgument(f"replicas: at most {MAX_REPLICAS:,} in one simulation, got {self.num_replicas:,}",
-                                  param="replicas")
+            raise InvalidArgument(
+                f"replicas: at most {MAX_REPLICAS:,} in one simulation, got {self.num_replicas:,}", param="replicas"
+            )
         if self.router not in ROUTERS:
             raise InvalidArgument(f"router must be one of {', '.join(ROUTERS)}, got {self.router!r}")
         if self.link_bandwidth_bytes_per_s is not None and not self.link_bandwidth_bytes_per_s > 0:
@@ -143,12 +147,23 @@ def engine_sim_config(profile: str, *, scheduler: Mapping[str, Any] | None = Non
     base = SimConfig(**fields)
     overrides = dict(scheduler or {})
     settings = engine_profile(profile).settings(
-        base.model_spec, base.hardware_spec, tp=base.tp, weight_dtype=base.weight_dtype,
-        kv_cache_dtype=base.kv_cache_dtype, num_blocks=overrides.get("num_blocks"),
+        base.model_spec,
+        base.hardware_spec,
+        tp=base.tp,
+        weight_dtype=base.weight_dtype,
+        kv_cache_dtype=base.kv_cache_dtype,
+        num_blocks=overrides.get("num_blocks"),
         block_size=overrides.get("block_size", SchedulerConfig().block_size),
-        max_model_len=overrides.get("max_model_len"), memory_fraction=fields.get("memory_fraction"))
-    return replace(base, engine_profile=settings.profile, scheduler=settings.scheduler_config(overrides),
-                   memory_fraction=settings.memory_fraction, host_cost=settings.host)
+        max_model_len=overrides.get("max_model_len"),
+        memory_fraction=fields.get("memory_fraction"),
+    )
+    return replace(
+        base,
+        engine_profile=settings.profile,
+        scheduler=settings.scheduler_config(overrides),
+        memory_fraction=settings.memory_fraction,
+        host_cost=settings.host,
+    )
 
 
 @dataclass(slots=True)
@@ -227,14 +242,16 @@ def scheduler_config(config: SimConfig) -> ResolvedSchedulerConfig:
     model = config.model_spec
     num_blocks = config.scheduler.num_blocks
     if num_blocks is None:
-        plan = MemoryPlan(model, config.hardware_spec, config.weight_dtype, config.kv_cache_dtype, config.tp,
-                          config.memory_fraction)
+        plan = MemoryPlan(
+            model, config.hardware_spec, config.weight_dtype, config.kv_cache_dtype, config.tp, config.memory_fraction
+        )
         plan.require_weights_fit()
         num_blocks = plan.kv_capacity_tokens // config.scheduler.block_size
         if num_blocks < 1:
             raise DoesNotFit(f"{plan.describe()}: no room left for even one KV block after the weights")
-    return config.scheduler.resolve(num_blocks=num_blocks,
-                                    max_model_len=config.scheduler.max_model_len or model.max_context)
+    return config.scheduler.resolve(
+        num_blocks=num_blocks, max_model_len=config.scheduler.max_model_len or model.max_context
+    )
 
 
 def kv_slots_needed(prompt_tokens: int, output_tokens: int) -> int:
@@ -254,8 +271,9 @@ def _check_lengths(requests: list[RequestSpec], sched: ResolvedSchedulerConfig) 
                 f"max_model_len {limit}; shorten --input-len/--output-len or raise --max-model-len"
             )
         if sched.policy == "decode-first-whole" and r.prompt_tokens > sched.max_num_batched_tokens:
-            raise RequestTooLong(whole_prompt_too_long(f"request {r.index}", r.prompt_tokens,
-                                                       sched.max_num_batched_tokens))
+            raise RequestTooLong(
+                whole_prompt_too_long(f"request {r.index}", r.prompt_tokens, sched.max_num_batched_tokens)
+            )
         if r.prompt_tokens > pool:
             raise RequestTooLong(
                 f"request {r.index}: prompt of {r.prompt_tokens} tokens can never fit a replica's KV pool "
@@ -345,8 +363,14 @@ def simulate(
     summary = summarize(out.records, out.duration_s, config.num_devices, config.slo, preemptions)
     steady = None
     if warmup_requests or warmup_s:
-        steady = steady_state_summary(out.records, skip_first=warmup_requests, after_s=warmup_s,
-                                      num_devices=config.num_devices, slo=config.slo, preemptions=preemptions)
+        steady = steady_state_summary(
+            out.records,
+            skip_first=warmup_requests,
+            after_s=warmup_s,
+            num_devices=config.num_devices,
+            slo=config.slo,
+            preemptions=preemptions,
+        )
     cfg = config.to_dict()
     cfg["max_model_len"] = sched.max_model_len
     cfg["num_blocks"] = sched.num_blocks
@@ -356,8 +380,12 @@ def simulate(
     if isinstance(workload, WorkloadSpec):
         cfg["workload"] = workload.to_dict()
     else:
-        cfg["workload"] = {"num_requests": len(requests), "concurrency": concurrency,
-                           "mean_think_time_s": sum(thinks) / len(thinks), "source": "request list"}
+        cfg["workload"] = {
+            "num_requests": len(requests),
+            "concurrency": concurrency,
+            "mean_think_time_s": sum(thinks) / len(thinks),
+            "source": "request list",
+        }
     return SimResult(
         records=out.records,
         summary=summary,

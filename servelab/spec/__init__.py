@@ -6,6 +6,16 @@ from servelab.spec.hardware import HARDWARE, HardwareSpec, get_hardware
 from servelab.spec.model import MODELS, ModelSpec, get_model
 
 __all__ = [
-    "DType", "HARDWARE", "HardwareSpec", "KV_DTYPES", "MODELS", "ModelSpec", "WEIGHT_DTYPES",
-    "get_hardware", "get_model", "gguf_metadata", "kv_dtype", "weight_dtype",
+    "DType",
+    "HARDWARE",
+    "HardwareSpec",
+    "KV_DTYPES",
+    "MODELS",
+    "ModelSpec",
+    "WEIGHT_DTYPES",
+    "get_hardware",
+    "get_model",
+    "gguf_metadata",
+    "kv_dtype",
+    "weight_dtype",
 ]

@@ -147,4 +147,3 @@ def kv_dtype_alias(cls: type[T]) -> type[T]:
     cls.__init__ = __init__  # type: ignore[method-assign]
     cls.kv_dtype = property(old_name)  # type: ignore[attr-defined]
     return cls
-

@@ -117,9 +117,7 @@ def _parse(path: Path, buf: mmap.mmap) -> GGUFFile:
         nbytes = math.prod(shape[1:]) * ggml_type.row_bytes(shape[0])
         begin = data_start + offset
         if begin + nbytes > file_size:
-            raise InvalidArgument(
-                f"{str(path)!r} is truncated: tensor {name!r} runs past its end", param="model"
-            )
+            raise InvalidArgument(f"{str(path)!r} is truncated: tensor {name!r} runs past its end", param="model")
         tensors[name] = GGUFTensorInfo(name, shape, ggml_type, begin, nbytes)
     return GGUFFile(path, version, metadata, tensors)
 

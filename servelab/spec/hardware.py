@@ -129,7 +129,8 @@ def get_hardware(name: str) -> HardwareSpec:
     except KeyError:
         raise InvalidArgument(
             f"unknown hardware {name!r}; choose one of: {', '.join(HARDWARE)}, or a JSON or YAML hardware file "
-            f"(shipped: {', '.join(shipped_files())})", param="hardware"
+            f"(shipped: {', '.join(shipped_files())})",
+            param="hardware",
         ) from None
 
 

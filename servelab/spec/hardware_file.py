@@ -80,7 +80,9 @@ def _parse_yaml(raw: str, path: Path) -> Any:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc)
-        raise InvalidArgument(f"hardware file {str(path)!r}: invalid YAML{where}: {problem}", param="hardware") from None
+        raise InvalidArgument(
+            f"hardware file {str(path)!r}: invalid YAML{where}: {problem}", param="hardware"
+        ) from None
 
 
 def parse_hardware(data: Any, *, source: str, default_name: str) -> HardwareSpec:
@@ -96,8 +98,9 @@ def parse_hardware(data: Any, *, source: str, default_name: str) -> HardwareSpec
     unknown = sorted(set(data) - set(spec_fields))
     if unknown:
         raise fail(f"unknown field(s) {', '.join(map(repr, unknown))}; known: {', '.join(spec_fields)}")
-    required = [n for n, f in spec_fields.items()
-                if f.default is MISSING and f.default_factory is MISSING and n != "name"]
+    required = [
+        n for n, f in spec_fields.items() if f.default is MISSING and f.default_factory is MISSING and n != "name"
+    ]
     missing = [n for n in required if n not in data]
     if missing:
         raise fail(f"missing field(s) {', '.join(map(repr, missing))}")
@@ -121,8 +124,9 @@ def parse_hardware(data: Any, *, source: str, default_name: str) -> HardwareSpec
         if key not in compute_dtypes:
             raise fail(f"peak_flops key {key!r} is not a compute dtype; known: {', '.join(compute_dtypes)}")
     if REQUIRED_PEAK not in peaks:
-        raise fail(f"peak_flops needs {REQUIRED_PEAK!r} (the 16-bit matmul rate; on a CPU without native bf16, "
-                   "its fp32 rate)")
+        raise fail(
+            f"peak_flops needs {REQUIRED_PEAK!r} (the 16-bit matmul rate; on a CPU without native bf16, its fp32 rate)"
+        )
 
     def optional(field: str) -> float | None:
         return None if data.get(field) is None else positive(field, data[field])

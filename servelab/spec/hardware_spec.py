@@ -29,10 +29,14 @@ class HardwareSpec:
         """Where the cost model's parameters for this part come from."""
         k = self.kernels
         if k is None:
-            return ("extrapolated: datasheet peaks at the end-to-end Efficiency defaults fitted on A100, H100 and "
-                    "H200 runs (docs/fidelity.md)")
-        parts = [f"measured kernels: GEMMs ({', '.join(k.gemm)}) from {k.source} ({k.ref})",
-                 f"attention {k.attention_source}"]
+            return (
+                "extrapolated: datasheet peaks at the end-to-end Efficiency defaults fitted on A100, H100 and "
+                "H200 runs (docs/fidelity.md)"
+            )
+        parts = [
+            f"measured kernels: GEMMs ({', '.join(k.gemm)}) from {k.source} ({k.ref})",
+            f"attention {k.attention_source}",
+        ]
         if k.collectives is not None:
             parts.append(f"collectives from {k.collectives.source} ({k.collectives.ref})")
         return "; ".join(parts)

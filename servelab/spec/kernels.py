@@ -165,15 +165,25 @@ def parse_profile(data: Mapping[str, Any]) -> KernelProfile:
     collectives = data.get("collectives")
     return KernelProfile(
         gemm=MappingProxyType({k: GemmEfficiency(**v) for k, v in data["gemm"].items()}),
-        source=data["source"], ref=data["ref"], fitted=data["fitted"], residuals=_residuals(data["residuals"]),
+        source=data["source"],
+        ref=data["ref"],
+        fitted=data["fitted"],
+        residuals=_residuals(data["residuals"]),
         gemm_shapes=GemmShapes(**data["gemm_shapes"]),
         attention=AttentionEfficiency(
             **{k: v for k, v in attention.items() if k not in ("head_dims", "source", "residuals")},
-            head_dims=tuple(attention["head_dims"])),
-        attention_source=attention["source"], attention_residuals=_residuals(attention["residuals"]),
-        collectives=None if collectives is None else CollectiveProfile(
-            topology=collectives["topology"], source=collectives["source"], ref=collectives["ref"],
-            fits=tuple(CollectiveFit(**f) for f in collectives["fits"])),
+            head_dims=tuple(attention["head_dims"]),
+        ),
+        attention_source=attention["source"],
+        attention_residuals=_residuals(attention["residuals"]),
+        collectives=None
+        if collectives is None
+        else CollectiveProfile(
+            topology=collectives["topology"],
+            source=collectives["source"],
+            ref=collectives["ref"],
+            fits=tuple(CollectiveFit(**f) for f in collectives["fits"]),
+        ),
     )
 
 
@@ -193,8 +203,12 @@ def load_host_overheads(path: Path = FITS_PATH) -> dict[str, HostOverhead]:
     out = {}
     for name, entry in _read(path)["host_overheads"].items():
         out[name] = HostOverhead(
-            per_step_s=entry["per_step_s"], per_seq_s=entry["per_seq_s"],
+            per_step_s=entry["per_step_s"],
+            per_seq_s=entry["per_seq_s"],
             components=MappingProxyType({k: (v["per_step_s"], v["per_seq_s"]) for k, v in entry["components"].items()}),
-            source=entry["source"], ref=entry["ref"], fitted=entry["fitted"],
-            residuals=MappingProxyType(dict(entry["residuals"])))
+            source=entry["source"],
+            ref=entry["ref"],
+            fitted=entry["fitted"],
+            residuals=MappingProxyType(dict(entry["residuals"])),
+        )
     return out

@@ -51,8 +51,18 @@ class ModelSpec:
     sliding_window: int | None = None  # tokens each query attends back over; None: the whole context
 
     def __post_init__(self) -> None:
-        for field_name in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim",
-                           "ffn_size", "vocab_size", "max_context", "num_experts", "num_active_experts"):
+        for field_name in (
+            "num_layers",
+            "hidden_size",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "ffn_size",
+            "vocab_size",
+            "max_context",
+            "num_experts",
+            "num_active_experts",
+        ):
             value = getattr(self, field_name)
             if not isinstance(value, int) or value <= 0:
                 raise InvalidArgument(f"model {self.name!r}: {field_name} must be a positive integer, got {value!r}")
@@ -69,8 +79,19 @@ class ModelSpec:
 
     # rope_scaling is a dict, so the generated hash would fail; the other fields identify a spec.
     def __hash__(self) -> int:
-        return hash((self.name, self.num_layers, self.hidden_size, self.num_heads, self.num_kv_heads,
-                     self.head_dim, self.ffn_size, self.vocab_size, self.num_experts))
+        return hash(
+            (
+                self.name,
+                self.num_layers,
+                self.hidden_size,
+                self.num_heads,
+                self.num_kv_heads,
+                self.head_dim,
+                self.ffn_size,
+                self.vocab_size,
+                self.num_experts,
+            )
+        )
 
     # ---- shapes -----------------------------------------------------------------------------
     @property
@@ -120,8 +141,12 @@ class ModelSpec:
 
     @property
     def num_params(self) -> int:
-        per_layer = (self.attention_params_per_layer + self.num_experts * self.expert_params_per_layer
-                     + self.router_params_per_layer + self.norm_params_per_layer)
+        per_layer = (
+            self.attention_params_per_layer
+            + self.num_experts * self.expert_params_per_layer
+            + self.router_params_per_layer
+            + self.norm_params_per_layer
+        )
         output = 0 if self.tie_embeddings else self.lm_head_params
         return self.num_layers * per_layer + self.embedding_params + output + self.hidden_size
 
@@ -135,8 +160,11 @@ class ModelSpec:
     def matmul_params_per_token(self) -> int:
         """Active parameters that multiply each token, excluding the LM head (which only runs
         for positions that produce logits) and the input embedding (a row gather, not a matmul)."""
-        per_layer = (self.attention_params_per_layer + self.num_active_experts * self.expert_params_per_layer
-                     + self.router_params_per_layer)
+        per_layer = (
+            self.attention_params_per_layer
+            + self.num_active_experts * self.expert_params_per_layer
+            + self.router_params_per_layer
+        )
         return self.num_layers * per_layer
 
     def weight_bytes(self, dtype: str = "bf16") -> float:
@@ -156,7 +184,9 @@ class ModelSpec:
 
     # ---- constructors -----------------------------------------------------------------------
     @classmethod
-    def from_hf_config(cls, config: Mapping[str, Any] | str | os.PathLike[str], *, name: str | None = None) -> ModelSpec:
+    def from_hf_config(
+        cls, config: Mapping[str, Any] | str | os.PathLike[str], *, name: str | None = None
+    ) -> ModelSpec:
         """From a Hugging Face `config.json` (a dict, the file, or the model directory)."""
         source = "config.json"
         if not isinstance(config, Mapping):
@@ -214,8 +244,9 @@ class ModelSpec:
             window = optional_int("sliding_window")
         rope_scaling = config.get("rope_scaling")
         if rope_scaling is not None and not isinstance(rope_scaling, Mapping):
-            raise InvalidArgument(f"{source}: rope_scaling must be an object or null, got {rope_scaling!r}",
-                                  param="config")
+            raise InvalidArgument(
+                f"{source}: rope_scaling must be an object or null, got {rope_scaling!r}", param="config"
+            )
         return cls(
             name=name or config.get("_name_or_path") or model_type,
             num_layers=need("num_hidden_layers"),
@@ -238,8 +269,13 @@ class ModelSpec:
         )
 
     @classmethod
-    def from_gguf_metadata(cls, metadata: Mapping[str, Any], *, name: str | None = None,
-                           tensor_shapes: Mapping[str, Sequence[int]] | None = None) -> ModelSpec:
+    def from_gguf_metadata(
+        cls,
+        metadata: Mapping[str, Any],
+        *,
+        name: str | None = None,
+        tensor_shapes: Mapping[str, Sequence[int]] | None = None,
+    ) -> ModelSpec:
         """From GGUF metadata and, where known, the tensors' shapes in ggml order (a GGUF file's
         index: see `from_gguf`). Only the tensors tell whether the embeddings are tied (the file
         has no `output.weight`) and whether Q/K/V carry a bias; without them: untied, and the
@@ -257,8 +293,9 @@ class ModelSpec:
             """A positive integer, or None where an optional key is absent."""
             value = get(key)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
-                raise InvalidArgument(f"GGUF metadata: '{arch}.{key}' must be a positive integer, got {value!r}",
-                                      param="model")
+                raise InvalidArgument(
+                    f"GGUF metadata: '{arch}.{key}' must be a positive integer, got {value!r}", param="model"
+                )
             return value
 
         def need(key: str) -> int:
@@ -279,8 +316,11 @@ class ModelSpec:
             vocab = len(tokens)
         scaling = None
         if get("rope.scaling.type") not in (None, "none"):
-            scaling = {"rope_type": get("rope.scaling.type"), "factor": get("rope.scaling.factor"),
-                       "original_max_position_embeddings": get("rope.scaling.original_context_length")}
+            scaling = {
+                "rope_type": get("rope.scaling.type"),
+                "factor": get("rope.scaling.factor"),
+                "original_max_position_embeddings": get("rope.scaling.original_context_length"),
+            }
         num_experts = count("expert_count") or 1
         return cls(
             name=name or metadata.get("general.name") or arch,
@@ -314,66 +354,226 @@ class ModelSpec:
 # ---- catalog ------------------------------------------------------------------------------------
 # Values are the models' public Hugging Face config.json files (repository named per entry).
 
-_LLAMA31_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                 "original_max_position_embeddings": 8192}
+_LLAMA31_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
 _LLAMA32_ROPE = {**_LLAMA31_ROPE, "factor": 32.0}
 
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
     for spec in (
         # meta-llama/Llama-3.1-8B
-        ModelSpec("llama-3.1-8b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
-                  ffn_size=14336, vocab_size=128256, tie_embeddings=False, max_context=131072,
-                  rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, rms_norm_eps=1e-5),
+        ModelSpec(
+            "llama-3.1-8b",
+            num_layers=32,
+            hidden_size=4096,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            ffn_size=14336,
+            vocab_size=128256,
+            tie_embeddings=False,
+            max_context=131072,
+            rope_theta=500000.0,
+            rope_scaling=_LLAMA31_ROPE,
+            rms_norm_eps=1e-5,
+        ),
         # meta-llama/Llama-3.1-70B
-        ModelSpec("llama-3.1-70b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
-                  ffn_size=28672, vocab_size=128256, tie_embeddings=False, max_context=131072,
-                  rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, rms_norm_eps=1e-5),
+        ModelSpec(
+            "llama-3.1-70b",
+            num_layers=80,
+            hidden_size=8192,
+            num_heads=64,
+            num_kv_heads=8,
+            head_dim=128,
+            ffn_size=28672,
+            vocab_size=128256,
+            tie_embeddings=False,
+            max_context=131072,
+            rope_theta=500000.0,
+            rope_scaling=_LLAMA31_ROPE,
+            rms_norm_eps=1e-5,
+        ),
         # meta-llama/Llama-3.1-405B
-        ModelSpec("llama-3.1-405b", num_layers=126, hidden_size=16384, num_heads=128, num_kv_heads=8, head_dim=128,
-                  ffn_size=53248, vocab_size=128256, tie_embeddings=False, max_context=131072,
-                  rope_theta=500000.0, rope_scaling=_LLAMA31_ROPE, rms_norm_eps=1e-5),
+        ModelSpec(
+            "llama-3.1-405b",
+            num_layers=126,
+            hidden_size=16384,
+            num_heads=128,
+            num_kv_heads=8,
+            head_dim=128,
+            ffn_size=53248,
+            vocab_size=128256,
+            tie_embeddings=False,
+            max_context=131072,
+            rope_theta=500000.0,
+            rope_scaling=_LLAMA31_ROPE,
+            rms_norm_eps=1e-5,
+        ),
         # meta-llama/Llama-3.2-1B
-        ModelSpec("llama-3.2-1b", num_layers=16, hidden_size=2048, num_heads=32, num_kv_heads=8, head_dim=64,
-                  ffn_size=8192, vocab_size=128256, tie_embeddings=True, max_context=131072,
-                  rope_theta=500000.0, rope_scaling=_LLAMA32_ROPE, rms_norm_eps=1e-5),
+        ModelSpec(
+            "llama-3.2-1b",
+            num_layers=16,
+            hidden_size=2048,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=64,
+            ffn_size=8192,
+            vocab_size=128256,
+            tie_embeddings=True,
+            max_context=131072,
+            rope_theta=500000.0,
+            rope_scaling=_LLAMA32_ROPE,
+            rms_norm_eps=1e-5,
+        ),
         # meta-llama/Llama-3.2-3B
-        ModelSpec("llama-3.2-3b", num_layers=28, hidden_size=3072, num_heads=24, num_kv_heads=8, head_dim=128,
-                  ffn_size=8192, vocab_size=128256, tie_embeddings=True, max_context=131072,
-                  rope_theta=500000.0, rope_scaling=_LLAMA32_ROPE, rms_norm_eps=1e-5),
+        ModelSpec(
+            "llama-3.2-3b",
+            num_layers=28,
+            hidden_size=3072,
+            num_heads=24,
+            num_kv_heads=8,
+            head_dim=128,
+            ffn_size=8192,
+            vocab_size=128256,
+            tie_embeddings=True,
+            max_context=131072,
+            rope_theta=500000.0,
+            rope_scaling=_LLAMA32_ROPE,
+            rms_norm_eps=1e-5,
+        ),
         # mistralai/Mistral-7B-Instruct-v0.3 (v0.3: 32768-token vocab, no sliding window)
-        ModelSpec("mistral-7b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
-                  ffn_size=14336, vocab_size=32768, tie_embeddings=False, max_context=32768,
-                  rope_theta=1000000.0, rms_norm_eps=1e-5, architecture="mistral"),
+        ModelSpec(
+            "mistral-7b",
+            num_layers=32,
+            hidden_size=4096,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            ffn_size=14336,
+            vocab_size=32768,
+            tie_embeddings=False,
+            max_context=32768,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-5,
+            architecture="mistral",
+        ),
         # mistralai/Mixtral-8x7B-v0.1
-        ModelSpec("mixtral-8x7b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=8, head_dim=128,
-                  ffn_size=14336, vocab_size=32000, tie_embeddings=False, max_context=32768,
-                  rope_theta=1000000.0, rms_norm_eps=1e-5, num_experts=8, num_active_experts=2,
-                  architecture="mixtral"),
+        ModelSpec(
+            "mixtral-8x7b",
+            num_layers=32,
+            hidden_size=4096,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            ffn_size=14336,
+            vocab_size=32000,
+            tie_embeddings=False,
+            max_context=32768,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-5,
+            num_experts=8,
+            num_active_experts=2,
+            architecture="mixtral",
+        ),
         # Qwen/Qwen2.5-7B-Instruct
-        ModelSpec("qwen2.5-7b", num_layers=28, hidden_size=3584, num_heads=28, num_kv_heads=4, head_dim=128,
-                  ffn_size=18944, vocab_size=152064, tie_embeddings=False, max_context=32768,
-                  rope_theta=1000000.0, rms_norm_eps=1e-6, qkv_bias=True, architecture="qwen2"),
+        ModelSpec(
+            "qwen2.5-7b",
+            num_layers=28,
+            hidden_size=3584,
+            num_heads=28,
+            num_kv_heads=4,
+            head_dim=128,
+            ffn_size=18944,
+            vocab_size=152064,
+            tie_embeddings=False,
+            max_context=32768,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            qkv_bias=True,
+            architecture="qwen2",
+        ),
         # Qwen/Qwen2.5-72B-Instruct
-        ModelSpec("qwen2.5-72b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
-                  ffn_size=29568, vocab_size=152064, tie_embeddings=False, max_context=32768,
-                  rope_theta=1000000.0, rms_norm_eps=1e-6, qkv_bias=True, architecture="qwen2"),
+        ModelSpec(
+            "qwen2.5-72b",
+            num_layers=80,
+            hidden_size=8192,
+            num_heads=64,
+            num_kv_heads=8,
+            head_dim=128,
+            ffn_size=29568,
+            vocab_size=152064,
+            tie_embeddings=False,
+            max_context=32768,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            qkv_bias=True,
+            architecture="qwen2",
+        ),
         # HuggingFaceTB/SmolLM2-135M (the bundled model)
-        ModelSpec("smollm2-135m", num_layers=30, hidden_size=576, num_heads=9, num_kv_heads=3, head_dim=64,
-                  ffn_size=1536, vocab_size=49152, tie_embeddings=True, max_context=8192,
-                  rope_theta=100000.0, rms_norm_eps=1e-5),
+        ModelSpec(
+            "smollm2-135m",
+            num_layers=30,
+            hidden_size=576,
+            num_heads=9,
+            num_kv_heads=3,
+            head_dim=64,
+            ffn_size=1536,
+            vocab_size=49152,
+            tie_embeddings=True,
+            max_context=8192,
+            rope_theta=100000.0,
+            rms_norm_eps=1e-5,
+        ),
         # meta-llama/Llama-2-7b-hf (multi-head attention: 32 KV heads); in docs/fidelity.md's measurements
-        ModelSpec("llama-2-7b", num_layers=32, hidden_size=4096, num_heads=32, num_kv_heads=32, head_dim=128,
-                  ffn_size=11008, vocab_size=32000, tie_embeddings=False, max_context=4096,
-                  rope_theta=10000.0, rms_norm_eps=1e-5),
+        ModelSpec(
+            "llama-2-7b",
+            num_layers=32,
+            hidden_size=4096,
+            num_heads=32,
+            num_kv_heads=32,
+            head_dim=128,
+            ffn_size=11008,
+            vocab_size=32000,
+            tie_embeddings=False,
+            max_context=4096,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-5,
+        ),
         # meta-llama/Llama-2-13b-hf
-        ModelSpec("llama-2-13b", num_layers=40, hidden_size=5120, num_heads=40, num_kv_heads=40, head_dim=128,
-                  ffn_size=13824, vocab_size=32000, tie_embeddings=False, max_context=4096,
-                  rope_theta=10000.0, rms_norm_eps=1e-5),
+        ModelSpec(
+            "llama-2-13b",
+            num_layers=40,
+            hidden_size=5120,
+            num_heads=40,
+            num_kv_heads=40,
+            head_dim=128,
+            ffn_size=13824,
+            vocab_size=32000,
+            tie_embeddings=False,
+            max_context=4096,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-5,
+        ),
         # meta-llama/Llama-2-70b-hf
-        ModelSpec("llama-2-70b", num_layers=80, hidden_size=8192, num_heads=64, num_kv_heads=8, head_dim=128,
-                  ffn_size=28672, vocab_size=32000, tie_embeddings=False, max_context=4096,
-                  rope_theta=10000.0, rms_norm_eps=1e-5),
+        ModelSpec(
+            "llama-2-70b",
+            num_layers=80,
+            hidden_size=8192,
+            num_heads=64,
+            num_kv_heads=8,
+            head_dim=128,
+            ffn_size=28672,
+            vocab_size=32000,
+            tie_embeddings=False,
+            max_context=4096,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-5,
+        ),
     )
 }
 

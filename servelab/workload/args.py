@@ -42,7 +42,12 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         default=1.0,
         help="gamma shape of inter-arrival gaps: 1 = Poisson, <1 burstier, inf = constant rate (default 1)",
     )
-    g.add_argument("--num-requests", type=int, default=None, help="requests to send (default 1000, or all of a trace; at most 1,000,000)")
+    g.add_argument(
+        "--num-requests",
+        type=int,
+        default=None,
+        help="requests to send (default 1000, or all of a trace; at most 1,000,000)",
+    )
     g.add_argument(
         "--input-len",
         default=None,

@@ -57,10 +57,14 @@ class ArrivalProcess:
         if not burstiness > 0:
             raise InvalidArgument(f"burstiness must be > 0, got {burstiness}", param="burstiness")
         if not (math.isfinite(think_time_s) and think_time_s >= 0):
-            raise InvalidArgument(f"think time must be a finite duration >= 0 s, got {think_time_s}", param="think_time")
+            raise InvalidArgument(
+                f"think time must be a finite duration >= 0 s, got {think_time_s}", param="think_time"
+            )
         if think_time_dist not in THINK_DISTS:
-            raise InvalidArgument(f"think time distribution must be one of {', '.join(THINK_DISTS)}, "
-                                  f"got {think_time_dist!r}", param="think_time")
+            raise InvalidArgument(
+                f"think time distribution must be one of {', '.join(THINK_DISTS)}, got {think_time_dist!r}",
+                param="think_time",
+            )
         if think_time_s > 0 and rate is not None:
             raise InvalidArgument(
                 "--think-time paces a closed loop (--concurrency C); --rate sends requests at the rate's own "
@@ -82,8 +86,14 @@ class ArrivalProcess:
             raise InvalidArgument("a closed-loop workload needs a concurrency (--concurrency C)")
         if kind == "poisson" and burstiness != 1.0:
             raise InvalidArgument(f"a Poisson process has burstiness 1, got {burstiness}; use gamma")
-        return cls(kind, math.inf if rate is None else float(rate), float(burstiness), concurrency, float(think_time_s),
-                   think_time_dist)
+        return cls(
+            kind,
+            math.inf if rate is None else float(rate),
+            float(burstiness),
+            concurrency,
+            float(think_time_s),
+            think_time_dist,
+        )
 
     @property
     def closed_loop(self) -> bool:

@@ -97,7 +97,9 @@ def load_trace(path: str | Path) -> list[TraceRow]:
     """Rows sorted by arrival time."""
     path = Path(path)
     if not path.is_file():
-        raise NotFound(f"trace {str(path)!r}: no such file (expected JSONL with arrival_s, prompt_tokens, output_tokens)")
+        raise NotFound(
+            f"trace {str(path)!r}: no such file (expected JSONL with arrival_s, prompt_tokens, output_tokens)"
+        )
     rows = []
     try:
         with path.open(encoding="utf-8") as f:

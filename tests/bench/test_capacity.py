@@ -18,8 +18,9 @@ def _summary(tpot_s: float, n: int = 20, failed: int = 0):
     for i in range(n):
         ok = i >= failed
         times = [0.1 + k * tpot_s for k in range(5)] if ok else []
-        records.append(RequestRecord(str(i), 0.0, None, times[0] if ok else None, times, 1.0, 10, 5, ok,
-                                     None if ok else "boom"))
+        records.append(
+            RequestRecord(str(i), 0.0, None, times[0] if ok else None, times, 1.0, 10, 5, ok, None if ok else "boom")
+        )
     return summarize(records, 1.0)
 
 
@@ -53,8 +54,9 @@ def test_infeasible_slo_reports_no_capacity():
 def test_failed_requests_fail_a_level_and_an_early_stop_is_a_failure():
     assert not slo_check(_summary(0.01, n=20, failed=3), SLO(tpot_s=0.05), 90)[0]  # 15% failed > 10%
     assert slo_check(_summary(0.01, n=20, failed=2), SLO(tpot_s=0.05), 90)[0]
-    result = find_capacity(lambda c: LevelRun(_summary(0.01), "stopped early: saturated") if c > 4 else _summary(0.01),
-                           SLO(tpot_s=0.05))
+    result = find_capacity(
+        lambda c: LevelRun(_summary(0.01), "stopped early: saturated") if c > 4 else _summary(0.01), SLO(tpot_s=0.05)
+    )
     assert result.best.load == 4 and result.first_failing.stopped_early
 
 

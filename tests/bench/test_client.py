@@ -56,7 +56,9 @@ def _server_log(log: Path, want: set[str] = frozenset(), timeout_s: float = 10.0
 async def _run(url: str, requests, concurrency: int, endpoint: str = "chat", **kw):
     async with OpenAIStreamClient(url, model="mock-model", endpoint=endpoint, max_connections=concurrency, **kw) as c:
         # Warm-up opens the pool's connections, as `servelab bench --warmup` does.
-        await run_load(c, [BenchRequest(10**6 + i, f"warm-{i}", 1, 2) for i in range(concurrency)], concurrency=concurrency)
+        await run_load(
+            c, [BenchRequest(10**6 + i, f"warm-{i}", 1, 2) for i in range(concurrency)], concurrency=concurrency
+        )
         return await run_load(c, requests, concurrency=concurrency)
 
 
@@ -135,8 +137,9 @@ def test_failures_are_counted_with_reasons(mock_server):
 
 def test_usage_disagreement_is_reported(mock_server):
     url, _ = mock_server
-    out = asyncio.run(_run(url, [BenchRequest(0, "BADUSAGE-0", 1, 5), BenchRequest(1, "fine-1", 1, 5)], 2,
-                           endpoint="completions"))
+    out = asyncio.run(
+        _run(url, [BenchRequest(0, "BADUSAGE-0", 1, 5), BenchRequest(1, "fine-1", 1, 5)], 2, endpoint="completions")
+    )
     records, report = to_records(out.results, out.start_s, lambda text: len(text.split()))
     assert report.output_mismatch == 1 and report.output_mismatch_max == 1
     assert [r.output_tokens for r in records] == [6, 5]  # the server's usage is the authority
@@ -167,8 +170,21 @@ def test_unreachable_server_is_a_clear_error():
 
 
 def test_cli_unreachable_exits_2(capsys):
-    rc = cli_main(["bench", "--base-url", "http://127.0.0.1:9", "--concurrency", "2", "--num-requests", "2",
-                   "--input-len", "8", "--output-len", "4"])
+    rc = cli_main(
+        [
+            "bench",
+            "--base-url",
+            "http://127.0.0.1:9",
+            "--concurrency",
+            "2",
+            "--num-requests",
+            "2",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+        ]
+    )
     assert rc == 2
     assert "cannot reach the server" in capsys.readouterr().err
 
@@ -183,9 +199,30 @@ def test_base_url_normalization():
 def test_cli_json_is_the_shared_summary_schema(mock_server, tmp_path, capsys):
     url, _ = mock_server
     out_file = tmp_path / "req.jsonl"
-    rc = cli_main(["bench", "--base-url", url, "--concurrency", "4", "--num-requests", "12", "--input-len", "16",
-                   "--output-len", "5", "--warmup", "2", "--json", "--slo-tpot", "100ms", "--requests-out",
-                   str(out_file), "--save-result", str(tmp_path / "res.json")])
+    rc = cli_main(
+        [
+            "bench",
+            "--base-url",
+            url,
+            "--concurrency",
+            "4",
+            "--num-requests",
+            "12",
+            "--input-len",
+            "16",
+            "--output-len",
+            "5",
+            "--warmup",
+            "2",
+            "--json",
+            "--slo-tpot",
+            "100ms",
+            "--requests-out",
+            str(out_file),
+            "--save-result",
+            str(tmp_path / "res.json"),
+        ]
+    )
     assert rc == 0
     data = json.loads(capsys.readouterr().out)
     # Key for key what `servelab sim --json` prints, so the two compare field by field.
@@ -198,21 +235,59 @@ def test_cli_json_is_the_shared_summary_schema(mock_server, tmp_path, capsys):
 def test_cli_fails_when_no_request_completes_and_keeps_the_report(mock_server, tmp_path, capsys):
     url, _ = mock_server
     saved = tmp_path / "res.json"
-    rc = cli_main(["bench", "--base-url", url, "--concurrency", "2", "--num-requests", "2", "--input-len", "8",
-                   "--output-len", "4", "--request-timeout", "10ms", "--no-progress", "--save-result", str(saved)])
+    rc = cli_main(
+        [
+            "bench",
+            "--base-url",
+            url,
+            "--concurrency",
+            "2",
+            "--num-requests",
+            "2",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--request-timeout",
+            "10ms",
+            "--no-progress",
+            "--save-result",
+            str(saved),
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 1
     assert "0 / 2" in captured.out and "2 x timeout" in captured.out  # the report is printed all the same
-    assert captured.err.splitlines()[-1] == ("servelab bench: no request completed: 2 of 2 failed "
-                                             "(2 x timeout: no complete response within 0.01s)")
+    assert captured.err.splitlines()[-1] == (
+        "servelab bench: no request completed: 2 of 2 failed (2 x timeout: no complete response within 0.01s)"
+    )
     assert json.loads(saved.read_text())["summary"]["failed"] == 2
 
 
 def test_cli_capacity_search_fails_when_no_level_completes_a_request(mock_server, capsys):
     url, _ = mock_server
-    rc = cli_main(["bench", "--base-url", url, "--find-capacity", "--slo-tpot", "200ms", "--max-load", "2",
-                   "--num-requests", "2", "--input-len", "8", "--output-len", "4", "--request-timeout", "10ms",
-                   "--no-progress", "--json"])
+    rc = cli_main(
+        [
+            "bench",
+            "--base-url",
+            url,
+            "--find-capacity",
+            "--slo-tpot",
+            "200ms",
+            "--max-load",
+            "2",
+            "--num-requests",
+            "2",
+            "--input-len",
+            "8",
+            "--output-len",
+            "4",
+            "--request-timeout",
+            "10ms",
+            "--no-progress",
+            "--json",
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 1 and json.loads(captured.out)["capacity"]
     assert "servelab bench: no request completed" in captured.err.splitlines()[-1]

@@ -20,8 +20,16 @@ servelab:num_requests_running{model_name="m"} 0.0
 
 def test_server_config_reads_both_info_gauges():
     cfg = server_config(METRICS_TEXT)
-    assert cfg == {"block_size": "16", "cache_dtype": "float32", "num_blocks": "512", "enable_prefix_caching": "true",
-                   "max_model_len": "2048", "max_num_batched_tokens": "256", "max_num_seqs": "8", "policy": "chunked"}
+    assert cfg == {
+        "block_size": "16",
+        "cache_dtype": "float32",
+        "num_blocks": "512",
+        "enable_prefix_caching": "true",
+        "max_model_len": "2048",
+        "max_num_batched_tokens": "256",
+        "max_num_seqs": "8",
+        "policy": "chunked",
+    }
     check_server_config(cfg, "http://x")
 
 
@@ -39,8 +47,13 @@ sglang:token_usage{model_name="m"} 0.28
 
 def test_server_config_reads_sglangs_limit_gauges():
     cfg = server_config(SGLANG_TEXT)
-    assert cfg == {"max_num_seqs": "4096", "max_num_batched_tokens": "16384", "max_model_len": "8192",
-                   "block_size": "16", "num_blocks": str(161721 // 16)}
+    assert cfg == {
+        "max_num_seqs": "4096",
+        "max_num_batched_tokens": "16384",
+        "max_model_len": "8192",
+        "block_size": "16",
+        "num_blocks": str(161721 // 16),
+    }
     check_server_config(cfg, "http://x")
     # A server that exports only some of them is refused for the rest, by name.
     with pytest.raises(InvalidArgument, match="missing num_blocks"):
@@ -55,15 +68,27 @@ def test_a_server_without_its_configuration_is_refused_by_name(text):
 
 def _record(i: int, arrival: float, ok: bool = True, out: int = 4) -> RequestRecord:
     times = [arrival + 0.1 + 0.02 * k for k in range(out)] if ok else []
-    return RequestRecord(f"r{i}", arrival, None, times[0] if times else None, times, times[-1] if times else arrival,
-                         prompt_tokens=10 + i, output_tokens=out if ok else 0, success=ok)
+    return RequestRecord(
+        f"r{i}",
+        arrival,
+        None,
+        times[0] if times else None,
+        times,
+        times[-1] if times else arrival,
+        prompt_tokens=10 + i,
+        output_tokens=out if ok else 0,
+        success=ok,
+    )
 
 
 def test_replay_trace_keeps_send_times_and_lengths_of_successful_requests():
     recs = [_record(0, 0.5), _record(1, 0.2), _record(2, 0.9, ok=False), _record(3, 1.4, out=7)]
     trace = replay_trace(recs)
     assert [(s.arrival_s, s.prompt_tokens, s.output_tokens) for s in trace] == [
-        (0.0, 11, 4), (pytest.approx(0.3), 10, 4), (pytest.approx(1.2), 13, 7)]
+        (0.0, 11, 4),
+        (pytest.approx(0.3), 10, 4),
+        (pytest.approx(1.2), 13, 7),
+    ]
     assert [s.index for s in trace] == [0, 1, 2]
     # a closed loop replays without times, in the order it was sent
     closed = replay_trace(recs, closed_loop=True)
@@ -74,9 +99,19 @@ def test_replay_trace_keeps_send_times_and_lengths_of_successful_requests():
 
 def test_compare_gives_signed_errors_and_target_verdicts():
     measured = summarize([_record(i, 0.1 * i) for i in range(5)], 1.0)
-    slower = [RequestRecord(r.request_id, r.arrival_s, None, r.first_token_s + 0.1,
-                            [t + 0.1 for t in r.token_times_s], r.end_s + 0.1, r.prompt_tokens, r.output_tokens)
-              for r in (_record(i, 0.1 * i) for i in range(5))]
+    slower = [
+        RequestRecord(
+            r.request_id,
+            r.arrival_s,
+            None,
+            r.first_token_s + 0.1,
+            [t + 0.1 for t in r.token_times_s],
+            r.end_s + 0.1,
+            r.prompt_tokens,
+            r.output_tokens,
+        )
+        for r in (_record(i, 0.1 * i) for i in range(5))
+    ]
     simulated = summarize(slower, 1.0)
     rows = {r.metric: r for r in compare(measured, simulated)}
     # TTFT 100 ms measured, 200 ms simulated: +100%, outside the 20% target
@@ -97,16 +132,28 @@ def test_the_replay_runs_the_servers_scheduler_priced_by_the_profile():
     coefs = {"per_step_s": 0.01, "per_token_s": 0.001, "per_seq_s": 0.0, "per_context_token_s": 0.0, "per_pair_s": 0.0}
     config = sim_config({"fit": {"coefficients": coefs}}, server_config(METRICS_TEXT), get_model("smollm2-135m"), None)
     sched = config.scheduler
-    assert (sched.num_blocks, sched.block_size, sched.max_num_seqs, sched.max_num_batched_tokens,
-            sched.max_model_len, sched.policy, sched.enable_prefix_caching) == (512, 16, 8, 256, 2048, "chunked", True)
+    assert (
+        sched.num_blocks,
+        sched.block_size,
+        sched.max_num_seqs,
+        sched.max_num_batched_tokens,
+        sched.max_model_len,
+        sched.policy,
+        sched.enable_prefix_caching,
+    ) == (512, 16, 8, 256, 2048, "chunked", True)
     trace = replay_trace([_record(0, 0.0, out=3)])
     r = simulate(config, trace).records[0]
     # a 10-token prompt in one step (0.01 + 10 * 0.001), then two decode steps of 0.011 s each
     assert r.ttft_s == pytest.approx(0.02) and r.e2e_s == pytest.approx(0.042)
 
 
-SERVER = {"num_blocks": "512", "block_size": "16", "max_num_seqs": "8", "max_num_batched_tokens": "256",
-          "max_model_len": "2048"}
+SERVER = {
+    "num_blocks": "512",
+    "block_size": "16",
+    "max_num_seqs": "8",
+    "max_num_batched_tokens": "256",
+    "max_model_len": "2048",
+}
 ENGINE = {"per_step_s": 8e-3, "per_token_s": 1e-3, "per_seq_s": 5e-4, "per_context_token_s": 2e-6, "per_pair_s": 1e-9}
 
 
@@ -121,8 +168,9 @@ def _server_run(per_step_s: float, per_seq_s: float, concurrency: int, engine=EN
 
     profile = {"fit": {"coefficients": engine}}
     cost = replace(ProfileStepCost.from_profile(profile), server_per_step_s=per_step_s, server_per_seq_s=per_seq_s)
-    records = [RequestRecord(f"r{i}", 0.0, None, 0.0, [0.0], 0.0, 40 + 3 * i, 12 + i % 5)
-               for i in range(3 * concurrency + 4)]
+    records = [
+        RequestRecord(f"r{i}", 0.0, None, 0.0, [0.0], 0.0, 40 + 3 * i, 12 + i % 5) for i in range(3 * concurrency + 4)
+    ]
     config = sim_config(profile, SERVER, get_model("smollm2-135m"), None, cost)
     records = replay(config, records, concurrency, think_s).records  # as a bench run's records: one send time each
     return ServerRun(concurrency, records, replay(config, records, concurrency, think_s).summary.tpot_s.p50, think_s)
@@ -198,9 +246,11 @@ def test_a_served_step_lasts_until_the_next_starts_less_the_idle_wait():
     from servelab.bench.fidelity import ServedStep
 
     shape = {"num_tokens": 1, "num_seqs": 1, "context_tokens": 9, "pairs": 9, "execute_s": 0.008}
-    log = [{**shape, "start_s": 10.0, "end_s": 10.011, "waited_s": 0.0},
-           {**shape, "start_s": 10.012, "end_s": 10.021, "waited_s": 0.0},  # straight after: 12 ms
-           {**shape, "start_s": 11.0, "end_s": 11.010, "waited_s": 0.950}]  # after an idle wait: 38 ms
+    log = [
+        {**shape, "start_s": 10.0, "end_s": 10.011, "waited_s": 0.0},
+        {**shape, "start_s": 10.012, "end_s": 10.021, "waited_s": 0.0},  # straight after: 12 ms
+        {**shape, "start_s": 11.0, "end_s": 11.010, "waited_s": 0.950},
+    ]  # after an idle wait: 38 ms
     steps = ServedStep.from_log(log)
     assert [st.served_s for st in steps] == pytest.approx([0.012, 0.038, 0.010])  # the last: to its own end
     assert ServedStep.from_row(steps[1].to_row()) == ServedStep(1, 1, 9, 9, 0.038, 0.008)  # kept to 1 µs
@@ -218,8 +268,9 @@ def test_the_runs_check_the_term_replayed_with_each_requests_own_think_time():
     for c in (1, 4, 8):
         draws = np.random.default_rng(c).exponential(0.05, size=3 * c + 4).tolist()
         runs.append(_server_run(1e-3, 4e-4, c, think_s=draws))
-    term = fit_server_term({"fit": {"coefficients": ENGINE}}, SERVER, get_model("smollm2-135m"),
-                           _served_steps(1e-3, 4e-4), runs)
+    term = fit_server_term(
+        {"fit": {"coefficients": ENGINE}}, SERVER, get_model("smollm2-135m"), _served_steps(1e-3, 4e-4), runs
+    )
     for r, run in zip(term["runs"], runs):
         assert r["think_s"] == run.think_s and r["think_time_s"] == pytest.approx(np.mean(run.think_s))
         assert r["fitted_tpot_p50_s"] == pytest.approx(run.tpot_p50_s, rel=1e-3)

@@ -17,8 +17,16 @@ WORKLOAD = {"num_requests": 24, "input_len": "256", "output_len": "16", "seed": 
 
 
 def _job(**kw) -> PlanJob:
-    base = dict(model="llama-3.1-8b", hardware="h100-sxm", tp=1, slo=SLO(tpot_s=0.030, ttft_s=1.0), percentile=90,
-                workload=WORKLOAD, target_rate=10.0, price_per_device_hour=3.0)
+    base = dict(
+        model="llama-3.1-8b",
+        hardware="h100-sxm",
+        tp=1,
+        slo=SLO(tpot_s=0.030, ttft_s=1.0),
+        percentile=90,
+        workload=WORKLOAD,
+        target_rate=10.0,
+        price_per_device_hour=3.0,
+    )
     base.update(kw)
     return PlanJob(**base)
 
@@ -66,9 +74,32 @@ def test_prices():
 
 
 def test_plan_cli_json_runs_configurations_in_parallel(capsys):
-    rc = cli_main(["plan", "--model", "llama-3.1-70b", "--hardware", "h100-sxm,h200", "--tp", "1,4",
-                   "--slo-tpot", "60ms", "--slo-ttft", "2s", "--num-requests", "16", "--input-len", "256",
-                   "--output-len", "8", "--target-rate", "5", "--json", "--workers", "2"])
+    rc = cli_main(
+        [
+            "plan",
+            "--model",
+            "llama-3.1-70b",
+            "--hardware",
+            "h100-sxm,h200",
+            "--tp",
+            "1,4",
+            "--slo-tpot",
+            "60ms",
+            "--slo-ttft",
+            "2s",
+            "--num-requests",
+            "16",
+            "--input-len",
+            "256",
+            "--output-len",
+            "8",
+            "--target-rate",
+            "5",
+            "--json",
+            "--workers",
+            "2",
+        ]
+    )
     assert rc == 0
     data = json.loads(capsys.readouterr().out)
     rows = {(c["hardware"], c["tp"]): c for c in data["configs"]}
@@ -87,12 +118,18 @@ def test_plan_cli_errors(capsys):
     assert "searches the load itself" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--target-rate", "inf"], "--target-rate must be a finite number > 0 requests/s, got inf"),  # was OverflowError
-    (["--slo-tpot", "1e400s"], "--slo-tpot: must be a finite duration, got '1e400s'"),
-    (["--max-concurrency", "1000000", "--max-num-seqs", "1000000"], "--max-concurrency must be at most 100,000"),
-    (["--max-num-seqs", "1000000"], "--max-num-seqs 1,000,000: the search would go up to 4 x that"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ["--target-rate", "inf"],
+            "--target-rate must be a finite number > 0 requests/s, got inf",
+        ),  # was OverflowError
+        (["--slo-tpot", "1e400s"], "--slo-tpot: must be a finite duration, got '1e400s'"),
+        (["--max-concurrency", "1000000", "--max-num-seqs", "1000000"], "--max-concurrency must be at most 100,000"),
+        (["--max-num-seqs", "1000000"], "--max-num-seqs 1,000,000: the search would go up to 4 x that"),
+    ],
+)
 def test_plan_refuses_what_cannot_be_planned_with_one_line(argv, message, capsys):
     assert cli_main(["plan", "--slo-tpot", "50ms", *argv]) == 2
     err = capsys.readouterr().err
@@ -143,8 +180,13 @@ def test_a_capacity_capped_by_max_num_seqs_says_so():
 
 def test_a_capacity_capped_by_the_kv_cache_says_so():
     # An L4 keeps ~42k tokens of Llama-3.1-8B KV after the weights: ten 4,160-token requests.
-    row = plan_one(_job(hardware="l4", slo=SLO(tpot_s=0.5, ttft_s=20.0),
-                        workload={"num_requests": 24, "input_len": "4096", "output_len": "64", "seed": 0}))
+    row = plan_one(
+        _job(
+            hardware="l4",
+            slo=SLO(tpot_s=0.5, ttft_s=20.0),
+            workload={"num_requests": 24, "input_len": "4096", "output_len": "64", "seed": 0},
+        )
+    )
     b = row.binding
     assert row.meets_slo and b.limit == "kv-cache"
     assert b.peak_running < b.at_concurrency and b.peak_running < b.max_num_seqs
@@ -171,8 +213,25 @@ def test_no_binding_when_no_load_meets_the_slo():
 
 
 def test_plan_cli_names_the_binding_limit(capsys):
-    args = ["plan", "--hardware", "h100-sxm", "--slo-tpot", "30ms", "--slo-ttft", "1s", "--max-num-seqs", "4",
-            "--num-requests", "24", "--input-len", "256", "--output-len", "16", "--workers", "1"]
+    args = [
+        "plan",
+        "--hardware",
+        "h100-sxm",
+        "--slo-tpot",
+        "30ms",
+        "--slo-ttft",
+        "1s",
+        "--max-num-seqs",
+        "4",
+        "--num-requests",
+        "24",
+        "--input-len",
+        "256",
+        "--output-len",
+        "16",
+        "--workers",
+        "1",
+    ]
     assert cli_main(args) == 0
     out = capsys.readouterr().out
     assert "bound by" in out and "max-num-seqs" in out

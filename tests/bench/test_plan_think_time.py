@@ -12,8 +12,16 @@ WORKLOAD = {"input_len": "256", "output_len": "64", "seed": 0}
 
 
 def _row(**think):  # noqa: ANN003, ANN202
-    return plan_one(PlanJob(model="llama-3.1-8b", hardware="h100-sxm", tp=1, slo=SLO(tpot_s=0.012), percentile=90,
-                            workload={**WORKLOAD, **think}))
+    return plan_one(
+        PlanJob(
+            model="llama-3.1-8b",
+            hardware="h100-sxm",
+            tp=1,
+            slo=SLO(tpot_s=0.012),
+            percentile=90,
+            workload={**WORKLOAD, **think},
+        )
+    )
 
 
 def test_users_who_read_between_requests_fit_in_greater_numbers():
@@ -40,8 +48,21 @@ def test_a_constant_think_time_keeps_users_in_lockstep():
 
 
 def test_plan_cli_says_the_think_time(capsys):
-    argv = ["plan", "--hardware", "h100-sxm", "--slo-tpot", "12ms", "--input-len", "256", "--output-len", "64",
-            "--num-requests", "40", "--workers", "1"]
+    argv = [
+        "plan",
+        "--hardware",
+        "h100-sxm",
+        "--slo-tpot",
+        "12ms",
+        "--input-len",
+        "256",
+        "--output-len",
+        "64",
+        "--num-requests",
+        "40",
+        "--workers",
+        "1",
+    ]
     assert cli_main([*argv, "--think-time", "exp:2s", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["workload"]["think_time_s"] == 2.0 and data["workload"]["think_time_dist"] == "exponential"

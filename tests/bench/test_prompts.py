@@ -6,10 +6,13 @@ from servelab.bench.prompts import load_tokenizer
 from servelab.errors import InvalidArgument
 
 
-@pytest.mark.parametrize("content, reason", [
-    (b"{bad", "key must be a string"),  # malformed JSON
-    (b"\xff\xfe\x00\x01binary", "valid UTF-8"),  # not text
-])
+@pytest.mark.parametrize(
+    "content, reason",
+    [
+        (b"{bad", "key must be a string"),  # malformed JSON
+        (b"\xff\xfe\x00\x01binary", "valid UTF-8"),  # not text
+    ],
+)
 def test_an_unreadable_tokenizer_file_names_the_flag_and_the_file(tmp_path, content, reason):
     path = tmp_path / "bad.json"
     path.write_bytes(content)

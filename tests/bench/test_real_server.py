@@ -56,9 +56,28 @@ def tiny_server(tmp_path_factory):
 def test_fifty_requests_complete_and_usage_matches(tiny_server, tmp_path, capsys):
     url, model_dir = tiny_server
     requests_out = tmp_path / "requests.jsonl"
-    rc = cli_main(["bench", "--base-url", url, "--concurrency", "8", "--num-requests", "50", "--input-len", "16-48",
-                   "--output-len", "4-12", "--tokenizer", str(model_dir), "--warmup", "2", "--json",
-                   "--requests-out", str(requests_out)])
+    rc = cli_main(
+        [
+            "bench",
+            "--base-url",
+            url,
+            "--concurrency",
+            "8",
+            "--num-requests",
+            "50",
+            "--input-len",
+            "16-48",
+            "--output-len",
+            "4-12",
+            "--tokenizer",
+            str(model_dir),
+            "--warmup",
+            "2",
+            "--json",
+            "--requests-out",
+            str(requests_out),
+        ]
+    )
     assert rc == 0
     data = json.loads(capsys.readouterr().out)
     summary, client = data["summary"], data["client"]

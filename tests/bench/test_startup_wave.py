@@ -94,8 +94,9 @@ def test_capacity_search_is_not_decided_by_the_start_up_wave(queueing_server):
     # Levels the steady state passes and the whole run (wave counted) fails: had the wave been
     # counted, the search would have stopped below them. Judged within each run, so a loaded host
     # (client jitter costs a few ms of TTFT, and moves the capacity itself) cannot flip it.
-    decided_by_wave = [load for load, out in runs
-                       if out.steady is not None and out.steady.ttft_s.p90 <= 0.040 < out.summary.ttft_s.p90]
+    decided_by_wave = [
+        load for load, out in runs if out.steady is not None and out.steady.ttft_s.p90 <= 0.040 < out.summary.ttft_s.p90
+    ]
     assert decided_by_wave and max(decided_by_wave) <= result.best.load, result.describe()
     assert result.first_failing is not None and result.first_failing.load <= 56, result.describe()
     at_best = next(out for load, out in runs if load == result.best.load)

@@ -22,8 +22,9 @@ MOCK = Path(__file__).with_name("mock_openai_server.py")
 
 @pytest.fixture(scope="module")
 def url():
-    proc = subprocess.Popen([sys.executable, str(MOCK), "--ttft-ms", "20", "--tpot-ms", "10"], stdout=subprocess.PIPE,
-                            text=True)
+    proc = subprocess.Popen(
+        [sys.executable, str(MOCK), "--ttft-ms", "20", "--tpot-ms", "10"], stdout=subprocess.PIPE, text=True
+    )
     try:
         yield f"http://127.0.0.1:{int(proc.stdout.readline().split()[1])}"
     finally:

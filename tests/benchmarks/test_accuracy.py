@@ -18,7 +18,9 @@ import accuracy  # noqa: E402
 @pytest.fixture(scope="module")
 def result(tmp_path_factory):
     model = write_tiny_llama(tmp_path_factory.mktemp("acc") / "tiny")
-    return accuracy.run(str(model), list(accuracy.PATHS), tokens=64, window=64, llama_python=None, threads=1, quiet=True)
+    return accuracy.run(
+        str(model), list(accuracy.PATHS), tokens=64, window=64, llama_python=None, threads=1, quiet=True
+    )
 
 
 def test_every_path_is_scored_on_the_same_tokens(result):

@@ -133,8 +133,12 @@ def test_clients_are_found_in_venvs_or_left_out(tmp_path, monkeypatch):
     aiperf.write_text("#!/bin/sh\n")
     aiperf.chmod(0o755)
     by_name = {c.name: c.program for c in ca.find_clients(tmp_path, None, str(tmp_path / "missing"), None)}
-    assert by_name == {"servelab bench": sys.executable, "AIPerf": str(aiperf), "GuideLLM": None,
-                       "vLLM bench serve": None}
+    assert by_name == {
+        "servelab bench": sys.executable,
+        "AIPerf": str(aiperf),
+        "GuideLLM": None,
+        "vLLM bench serve": None,
+    }
 
 
 @pytest.mark.slow
@@ -147,7 +151,10 @@ def test_quick_run_servelab_bench_agrees_with_the_server(tmp_path):
     argv = [sys.executable, str(_BENCH / "clients_agree.py"), "--quick", "--json", str(out)]
     if venvs := os.environ.get("SERVELAB_CLIENT_VENVS"):
         argv += ["--venvs", venvs]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(_BENCH.parent), os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(_BENCH.parent), os.environ.get("PYTHONPATH")])),
+    }
     proc = subprocess.run(argv, check=False, capture_output=True, text=True, env=env, timeout=840)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     medians = json.loads(out.read_text())["medians"]

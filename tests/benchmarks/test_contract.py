@@ -38,8 +38,10 @@ def _scripts() -> list[str]:
 
 def _is_run_by(script: str, text: str) -> bool:
     stem = Path(script).stem
-    return bool(re.search(rf"^\s*(import {stem}\b|from {stem} import )", text, re.M)
-                or re.search(rf"[\"']{re.escape(script)}[\"']", text))
+    return bool(
+        re.search(rf"^\s*(import {stem}\b|from {stem} import )", text, re.M)
+        or re.search(rf"[\"']{re.escape(script)}[\"']", text)
+    )
 
 
 def test_every_benchmark_is_run_by_a_test_or_exempt():

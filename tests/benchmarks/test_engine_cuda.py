@@ -45,8 +45,23 @@ def test_sixteen_bit_criteria_allow_drift_but_not_disagreement():
 
 def test_the_script_runs_on_the_cpu(tmp_path, capsys):
     model = write_tiny_llama(tmp_path / "tiny")
-    rc = engine_cuda.main(["--device", "cpu", "--model", str(model), "--batch", "4", "--new-tokens", "8",
-                           "--rounds", "1", "--probe-bytes", str(1 << 24), "--json"])
+    rc = engine_cuda.main(
+        [
+            "--device",
+            "cpu",
+            "--model",
+            str(model),
+            "--batch",
+            "4",
+            "--new-tokens",
+            "8",
+            "--rounds",
+            "1",
+            "--probe-bytes",
+            str(1 << 24),
+            "--json",
+        ]
+    )
     out = capsys.readouterr().out
     result = json.loads(out.strip().splitlines()[-1])
     assert rc == 0 and "PASS" in out
@@ -74,12 +89,29 @@ def test_the_twin_has_the_models_tensors_and_runs(tmp_path, capsys):
     for name in ("config.json", "tokenizer.json"):
         (description / name).write_bytes((model / name).read_bytes())
     twin = engine_cuda.write_twin(description, tmp_path / "twin")
-    with safe_open(str(model / "model.safetensors"), "pt") as real, safe_open(str(twin / "model.safetensors"), "pt") as ours:
+    with (
+        safe_open(str(model / "model.safetensors"), "pt") as real,
+        safe_open(str(twin / "model.safetensors"), "pt") as ours,
+    ):
         assert sorted(real.keys()) == sorted(ours.keys())
         for name in real.keys():
             assert real.get_slice(name).get_shape() == ours.get_slice(name).get_shape(), name
             assert ours.get_slice(name).get_dtype() == "BF16"
-    rc = engine_cuda.main(["--device", "cpu", "--twin", str(description), "--batch", "2", "--new-tokens", "4",
-                           "--rounds", "1", "--probe-bytes", str(1 << 24)])
+    rc = engine_cuda.main(
+        [
+            "--device",
+            "cpu",
+            "--twin",
+            str(description),
+            "--batch",
+            "2",
+            "--new-tokens",
+            "4",
+            "--rounds",
+            "1",
+            "--probe-bytes",
+            str(1 << 24),
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0 and "a twin of" in out and "PASS" in out

@@ -102,8 +102,10 @@ def test_prefill_step_split_quick_accounts_for_each_step_by_kind(tiny, capsys):
 def test_build_ab_quick_times_the_flagged_build_against_the_default(tiny, kernels, capsys):
     build_ab.main(["--cflags=-DSL_SPIN_NS=0", "--model", tiny, "--quick"])
     out = capsys.readouterr().out
-    rounds = {name: [float(x) for x in rest.split()] for name, rest in
-              re.findall(r"^(default|flagged)\s+ms a step: median\s+[\d.]+\s+rounds ([\d. ]+)$", out, re.M)}
+    rounds = {
+        name: [float(x) for x in rest.split()]
+        for name, rest in re.findall(r"^(default|flagged)\s+ms a step: median\s+[\d.]+\s+rounds ([\d. ]+)$", out, re.M)
+    }
     assert set(rounds) == {"default", "flagged"} and all(len(r) == 2 and min(r) > 0 for r in rounds.values())
     ratio = float(re.search(r"median of rounds: ([\d.]+)x", out).group(1))
     assert 0.2 < ratio < 5  # the same code, one spin setting apart

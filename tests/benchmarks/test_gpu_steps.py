@@ -19,7 +19,7 @@ def test_quick_cpu_run_times_every_step_kind(tmp_path):
     torch.manual_seed(0)
     assert gpu_steps.main(["--device", "cpu", "--quick", "--repeats", "2", "--out", str(out)]) == 0
     d = json.loads(out.read_text())
-    (name, _, _, prefills, batches, contexts, mixed), = gpu_steps.QUICK_PLAN
+    ((name, _, _, prefills, batches, contexts, mixed),) = gpu_steps.QUICK_PLAN
     expected = {(p, 0, 0) for p in prefills} | {(0, b, c) for b in batches for c in contexts} | set(mixed)
     assert {(r["prefill_tokens"], r["decode_batch"], r["decode_context"]) for r in d["steps"]} == expected
     assert all(r["eager_s"] > 0 and "graph_s" not in r for r in d["steps"])  # graphs are CUDA's

@@ -31,8 +31,12 @@ def test_int8_linear_quick_times_three_paths_and_keeps_the_error_small(capsys):
     int8_linear.main(["--quick"])
     out = capsys.readouterr().out
     assert out.startswith("9 matrices")  # 2 layers x 4 fused linears + the head
-    rows = {int(m[0]): m for m in re.findall(r"^\s+(\d+)\s+([\d.]+)ms\s+([\d.]+)ms\s+([\d.]+)ms\s+\S+\s+\S+\s+([\d.]+)\s+([\d.]+)$",
-                                             out, re.M)}
+    rows = {
+        int(m[0]): m
+        for m in re.findall(
+            r"^\s+(\d+)\s+([\d.]+)ms\s+([\d.]+)ms\s+([\d.]+)ms\s+\S+\s+\S+\s+([\d.]+)\s+([\d.]+)$", out, re.M
+        )
+    }
     assert set(rows) == {1, 8}
     for _, *times, err_ours, err_fbgemm in rows.values():
         assert all(float(t) > 0 for t in times)
@@ -58,7 +62,9 @@ def test_isa_levels_quick_times_each_build_against_the_first(kernels, capsys):
 def test_panel_linears_quick_sums_the_kinds_of_each_row_count(kernels, capsys):
     panel_linears.main(["--quick", "--level", kernels.level, "--base", str(ROOT)])
     rows = re.findall(r"^rows\s+(\d+) (\w+)\s+(.*)$", capsys.readouterr().out, re.M)
-    assert [(n, kind) for n, kind, _ in rows] == [(n, k) for n in ("4", "16") for k in (*panel_linears.KINDS, "lm_head", "all")]
+    assert [(n, kind) for n, kind, _ in rows] == [
+        (n, k) for n in ("4", "16") for k in (*panel_linears.KINDS, "lm_head", "all")
+    ]
     for i in range(0, len(rows), 6):
         cells = [re.findall(r"(\w+)\s+([\d.]+) \(\s*([\d.]+)\)", c) for _, _, c in rows[i : i + 6]]
         for b, name in enumerate(("ours", "base", "mkl")):
@@ -74,8 +80,10 @@ def test_gemv_layouts_quick_streams_both_layouts(kernels, capsys):
     out = capsys.readouterr().out
     assert out.startswith("8 Q4_1 matrices")  # 2 layers x 4 fused linears
     bandwidth = float(re.search(r"host read bandwidth ([\d.]+) GB/s", out).group(1))
-    rates = {name: (float(rate), int(share)) for name, rate, share in
-             re.findall(r"^(Q4_1_G16|GGUF rows)\s+stream\s+([\d.]+) GB/s \(\s*(\d+)%\)", out, re.M)}
+    rates = {
+        name: (float(rate), int(share))
+        for name, rate, share in re.findall(r"^(Q4_1_G16|GGUF rows)\s+stream\s+([\d.]+) GB/s \(\s*(\d+)%\)", out, re.M)
+    }
     assert set(rates) == {"Q4_1_G16", "GGUF rows"}
     for rate, share in rates.values():
         assert rate > 0 and share == pytest.approx(100 * rate / bandwidth, abs=2)
@@ -98,8 +106,10 @@ def test_half_weights_quick_linears_time_every_path(kernels, capsys):
 def test_half_weights_quick_engine_keeps_bf16_at_half_the_bytes(kernels, capsys):
     half_weights.main(["engine", "--quick"])
     out = capsys.readouterr().out
-    rows = dict((m, (float(a), float(b), float(r))) for m, a, b, r in
-                re.findall(r"^(\w+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x$", out, re.M))
+    rows = dict(
+        (m, (float(a), float(b), float(r)))
+        for m, a, b, r in re.findall(r"^(\w+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x$", out, re.M)
+    )
     assert set(rows) == {"decode_b1", "prefill_512"}
     for a, b, ratio in rows.values():
         assert a > 0 and b > 0 and ratio == pytest.approx(a / b, abs=0.01)

@@ -25,10 +25,22 @@ import peers  # noqa: E402
 
 
 # A small Llama: 2 layers, 64 wide, 4 heads of 16 (2 KV heads), ffn 128, vocab 100.
-MODEL = ModelSpec(name="t", num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, head_dim=16, ffn_size=128,
-                  vocab_size=100, tie_embeddings=True, max_context=4096, rope_theta=1e4)
-LIMITS = host_limits.HostLimits(read_bandwidth_bytes_per_s=10e9,
-                                peak_ops_per_s={"fp32": 100e9, "bf16": 50e9, "int8": None}, threads=2)
+MODEL = ModelSpec(
+    name="t",
+    num_layers=2,
+    hidden_size=64,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    ffn_size=128,
+    vocab_size=100,
+    tie_embeddings=True,
+    max_context=4096,
+    rope_theta=1e4,
+)
+LIMITS = host_limits.HostLimits(
+    read_bandwidth_bytes_per_s=10e9, peak_ops_per_s={"fp32": 100e9, "bf16": 50e9, "int8": None}, threads=2
+)
 
 
 def test_defaults_time_every_engine_and_metric():
@@ -42,13 +54,16 @@ def test_subsets_keep_the_canonical_order():
     assert args.engines == ["servelab", "llama.cpp"] and args.only == ["decode_b1", "prefill_512"]
 
 
-@pytest.mark.parametrize("argv, named", [
-    (["--engines", "servelab,sglang"], "'sglang'"),
-    (["--only", "decode_b64"], "'decode_b64'"),
-    (["--only", ","], "empty list"),
-    (["--rounds", "0"], "--rounds must be at least 1, got 0"),
-    (["--threads", "-2"], "--threads must be at least 1, got -2"),
-])
+@pytest.mark.parametrize(
+    "argv, named",
+    [
+        (["--engines", "servelab,sglang"], "'sglang'"),
+        (["--only", "decode_b64"], "'decode_b64'"),
+        (["--only", ","], "empty list"),
+        (["--rounds", "0"], "--rounds must be at least 1, got 0"),
+        (["--threads", "-2"], "--threads must be at least 1, got -2"),
+    ],
+)
 def test_bad_arguments_exit_2_naming_the_input(argv, named, capsys):
     with pytest.raises(SystemExit) as e:
         peers.parse_args(argv)
@@ -56,15 +71,23 @@ def test_bad_arguments_exit_2_naming_the_input(argv, named, capsys):
 
 
 def test_ratios_are_each_servelab_config_over_each_peer():
-    medians = {"servelab": {"decode_b1": 40.0, "prefill_512": 300.0},
-               "servelab-int8": {"decode_b1": 60.0, "prefill_512": 450.0},
-               "hf-fp32": {"decode_b1": 10.0, "prefill_512": 300.0},
-               "llama.cpp": {"decode_b1": 80.0, "prefill_512": 150.0}}
+    medians = {
+        "servelab": {"decode_b1": 40.0, "prefill_512": 300.0},
+        "servelab-int8": {"decode_b1": 60.0, "prefill_512": 450.0},
+        "hf-fp32": {"decode_b1": 10.0, "prefill_512": 300.0},
+        "llama.cpp": {"decode_b1": 80.0, "prefill_512": 150.0},
+    }
     r = peers.ratios(medians)
-    assert r == {"servelab": {"hf-fp32": {"decode_b1": 4.0, "prefill_512": 1.0},
-                              "llama.cpp": {"decode_b1": 0.5, "prefill_512": 2.0}},
-                 "servelab-int8": {"hf-fp32": {"decode_b1": 6.0, "prefill_512": 1.5},
-                                   "llama.cpp": {"decode_b1": 0.75, "prefill_512": 3.0}}}
+    assert r == {
+        "servelab": {
+            "hf-fp32": {"decode_b1": 4.0, "prefill_512": 1.0},
+            "llama.cpp": {"decode_b1": 0.5, "prefill_512": 2.0},
+        },
+        "servelab-int8": {
+            "hf-fp32": {"decode_b1": 6.0, "prefill_512": 1.5},
+            "llama.cpp": {"decode_b1": 0.75, "prefill_512": 3.0},
+        },
+    }
 
 
 def test_decode_fraction_is_bytes_read_per_second_over_bandwidth():
@@ -112,12 +135,22 @@ def test_interleave_reverses_the_order_every_other_round():
     calls = []
     engines = [_Fake("a", calls), _Fake("b", calls)]
     results = peers.interleave(engines, ["decode_b1", "prefill_512"], rounds=2)
-    assert calls == [("a", "decode_b1"), ("b", "decode_b1"), ("a", "prefill_512"), ("b", "prefill_512"),
-                     ("b", "decode_b1"), ("a", "decode_b1"), ("b", "prefill_512"), ("a", "prefill_512")]
+    assert calls == [
+        ("a", "decode_b1"),
+        ("b", "decode_b1"),
+        ("a", "prefill_512"),
+        ("b", "prefill_512"),
+        ("b", "decode_b1"),
+        ("a", "decode_b1"),
+        ("b", "prefill_512"),
+        ("a", "prefill_512"),
+    ]
     each = {"decode_b1": [1.0, 3.0], "prefill_512": [2.0, 4.0]}  # an engine's own 1st..4th call
     assert results == {"a": each, "b": each}
-    assert peers.medians_of(results) == {"a": {"decode_b1": 2.0, "prefill_512": 3.0},
-                                         "b": {"decode_b1": 2.0, "prefill_512": 3.0}}
+    assert peers.medians_of(results) == {
+        "a": {"decode_b1": 2.0, "prefill_512": 3.0},
+        "b": {"decode_b1": 2.0, "prefill_512": 3.0},
+    }
 
 
 def test_report_prints_every_engine_metric_and_ratio():
@@ -175,12 +208,19 @@ def test_llama_cpp_worker_answers_each_workload(tmp_path):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed here (make bench-peers installs it)")
     from servelab.engine.bundled import bundled_model_path
 
-    requests = [{"op": "decode_b1", "prompt": list(range(200, 208)), "new": 4},
-                {"op": "decode_batch", "prompts": [list(range(300, 306)), list(range(400, 410))], "new": 3},
-                {"op": "prefill", "prompt": list(range(500, 532))}]
-    out = subprocess.run([sys.executable, str(_DIR / "peers_llama_cpp.py"), "--model", str(bundled_model_path()),
-                          "--threads", "1"], input="".join(json.dumps(r) + "\n" for r in requests),
-                         capture_output=True, text=True, timeout=120, check=True).stdout.splitlines()
+    requests = [
+        {"op": "decode_b1", "prompt": list(range(200, 208)), "new": 4},
+        {"op": "decode_batch", "prompts": [list(range(300, 306)), list(range(400, 410))], "new": 3},
+        {"op": "prefill", "prompt": list(range(500, 532))},
+    ]
+    out = subprocess.run(
+        [sys.executable, str(_DIR / "peers_llama_cpp.py"), "--model", str(bundled_model_path()), "--threads", "1"],
+        input="".join(json.dumps(r) + "\n" for r in requests),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    ).stdout.splitlines()
     ready = json.loads(out[0])["ready"]
     assert 50e6 < ready["weight_bytes"] < 200e6  # the Q4_1 file's tensors, not an fp32 copy
     values = [json.loads(line)["value"] for line in out[1:]]
@@ -195,12 +235,23 @@ def test_vllm_worker_answers_each_workload(tmp_path):
     from tests.tiny_models import write_tiny_llama
 
     model = write_tiny_llama(tmp_path / "tiny", hidden=256, heads=4, kv_heads=2)  # vLLM's CPU attention: head_dim >= 32
-    requests = [{"op": "decode_b1", "prompt": list(range(200, 208)), "new": 64},
-                {"op": "decode_batch", "prompts": [list(range(300, 306)), list(range(400, 410))], "new": 3},
-                {"op": "prefill", "prompt": list(range(100, 132))}]
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0")
-    out = subprocess.run([python, str(_DIR / "peers_vllm.py"), "--model", str(model), "--dtype", "float32"], input="".join(json.dumps(r) + "\n" for r in requests),
-                         capture_output=True, text=True, timeout=900, check=True, env=env).stdout.splitlines()
+    requests = [
+        {"op": "decode_b1", "prompt": list(range(200, 208)), "new": 64},
+        {"op": "decode_batch", "prompts": [list(range(300, 306)), list(range(400, 410))], "new": 3},
+        {"op": "prefill", "prompt": list(range(100, 132))},
+    ]
+    env = dict(
+        os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="0"
+    )
+    out = subprocess.run(
+        [python, str(_DIR / "peers_vllm.py"), "--model", str(model), "--dtype", "float32"],
+        input="".join(json.dumps(r) + "\n" for r in requests),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        check=True,
+        env=env,
+    ).stdout.splitlines()
     assert json.loads(out[0])["ready"]["dtype"] == "float32"  # stdout holds the protocol alone: vLLM logs to stderr
     values = [json.loads(line)["value"] for line in out[1:]]
     assert len(values) == 3 and all(v > 0 for v in values)

@@ -22,8 +22,11 @@ def test_scheduler_step_quick_times_both_calls_and_the_floor(capsys):
     assert scheduler_step.main(["--quick"]) == 0
     out = capsys.readouterr().out
     assert "16 decoding sequences, 50 steps x 1 repeats" in out
-    for pattern in (r"\(the simulator\): median ([\d.]+) ms", r"\(the engine\): median ([\d.]+) ms",
-                    r"floor \(one object per sequence\): median ([\d.]+) ms"):
+    for pattern in (
+        r"\(the simulator\): median ([\d.]+) ms",
+        r"\(the engine\): median ([\d.]+) ms",
+        r"floor \(one object per sequence\): median ([\d.]+) ms",
+    ):
         assert _ms(pattern, out) > 0
 
 

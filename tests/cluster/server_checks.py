@@ -18,7 +18,9 @@ def metric(text: str, name: str) -> dict[str, float]:
     for line in text.splitlines():
         if line.startswith(name + "{") or line.startswith(name + " "):
             labels, value = line[len(name) :].rsplit(" ", 1)
-            worker = next((p.split("=")[1].strip('"}') for p in labels.strip("{}").split(",") if p.startswith("worker=")), "")
+            worker = next(
+                (p.split("=")[1].strip('"}') for p in labels.strip("{}").split(",") if p.startswith("worker=")), ""
+            )
             out[worker] = float(value)
     return out
 

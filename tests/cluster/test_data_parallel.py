@@ -44,10 +44,6 @@ def dp_server(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     assert gone(pids, timeout_s=10), f"worker processes {pids} outlived the server"
 
 
-
-
-
-
 @pytest.fixture(scope="module")
 def reference_texts(tiny_dir: Path) -> list[str]:
     return _reference_texts(tiny_dir, 24)
@@ -103,7 +99,10 @@ def test_aborts_leak_no_kv_block_on_any_worker(dp_server):
     deadline = time.monotonic() + 15
     while True:  # the workers report their pools with each step and heartbeat
         text = httpx.get(url + "/metrics").text
-        free, total = metric(text, "servelab:worker_kv_cache_blocks_free"), metric(text, "servelab:worker_kv_cache_blocks_total")
+        free, total = (
+            metric(text, "servelab:worker_kv_cache_blocks_free"),
+            metric(text, "servelab:worker_kv_cache_blocks_total"),
+        )
         running = metric(text, "servelab:num_requests_running")
         if (free == total and running == {"": 0.0}) or time.monotonic() > deadline:
             break

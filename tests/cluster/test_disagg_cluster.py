@@ -49,13 +49,14 @@ def _complete_all(url: str) -> list[str]:
         return list(pool.map(complete, PROMPTS))
 
 
-
-
 def _wait_pools_full(url: str) -> tuple[dict, dict]:
     deadline = time.monotonic() + 15
     while True:  # the workers report their pools with each step and heartbeat
         text = httpx.get(url + "/metrics").text
-        free, total = metric(text, "servelab:worker_kv_cache_blocks_free"), metric(text, "servelab:worker_kv_cache_blocks_total")
+        free, total = (
+            metric(text, "servelab:worker_kv_cache_blocks_free"),
+            metric(text, "servelab:worker_kv_cache_blocks_total"),
+        )
         if free == total or time.monotonic() > deadline:
             return free, total
         time.sleep(0.3)

@@ -101,7 +101,9 @@ def test_a_request_the_decode_side_cannot_start_fails_alone_and_frees_its_blocks
 
     front, prefill = FakeLink(0), FakeLink(1)
     loop = DecodeLoop(engine, front, DisaggConfig(1, 1), {1: prefill})
-    loop._on_peer(1, Offer("r", list(range(1, 40)), 7, GREEDY, None, 0.1, 0.0, [], KVLayout.of(engine.executor.kv_cache)))
+    loop._on_peer(
+        1, Offer("r", list(range(1, 40)), 7, GREEDY, None, 0.1, 0.0, [], KVLayout.of(engine.executor.kv_cache))
+    )
     loop._after_step()
     assert engine.stats().num_blocks_free == 13  # reserved
     monkeypatch.setattr(engine, "prepare_logits_processors", cannot_prepare)

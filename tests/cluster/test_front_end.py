@@ -195,7 +195,9 @@ def test_aborts_and_early_exits_leak_no_block_on_any_worker(fake_engine):
 
     cluster, engines, _ = memory_cluster(fake_engine, 2, max_model_len=1024, num_blocks=256)
     aborted = []
-    cluster.add_observer(lambda out: aborted.append(out.request_id) if out.finish_reason is FinishReason.ABORT else None)
+    cluster.add_observer(
+        lambda out: aborted.append(out.request_id) if out.finish_reason is FinishReason.ABORT else None
+    )
     run(main(cluster))
     assert sorted(aborted) == [f"x{i}" for i in range(5)]
     for engine in engines.values():

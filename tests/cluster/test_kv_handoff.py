@@ -30,7 +30,7 @@ def test_held_blocks_are_never_handed_out_and_all_come_back(ops):
         s = Sequence(str(i), [prefix * 1000 + t for t in range(length)], SamplingParams())
         hits = bm.find_cached_prefix(s)
         if bm.allocate(s, hits, length):
-            assert not {b for h in held for b in h} & set(s.block_table[len(hits):])
+            assert not {b for h in held for b in h} & set(s.block_table[len(hits) :])
             s.num_computed_tokens = length
             bm.commit_computed_blocks(s)
             live.append(s)
@@ -99,7 +99,13 @@ def test_a_handed_off_request_decodes_as_if_prefilled_locally(tiny_engine_factor
         first, held = _prefill(prefill, str(i), prompt, GREEDY)
         seq = decode.reserve_prefilled(str(i), prompt, first, GREEDY)
         first_block = seq.num_cached_tokens // 16
-        _copy_kv(prefill.executor.kv_cache, held[first_block:], decode.executor.kv_cache, seq.block_table[first_block:], granularity)
+        _copy_kv(
+            prefill.executor.kv_cache,
+            held[first_block:],
+            decode.executor.kv_cache,
+            seq.block_table[first_block:],
+            granularity,
+        )
         sent_blocks.append(len(held) - first_block)
         prefill.release_held(held)
         decode.start_prefilled(seq)

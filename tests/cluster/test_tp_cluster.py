@@ -42,8 +42,6 @@ def _children(pid: int) -> list[tuple[int, str]]:
     return out
 
 
-
-
 def _tp_ranks(worker_pid: int) -> list[int]:
     """Its tensor-parallel ranks: the processes it spawned, less its grammar workers."""
     from tests.cluster.server_checks import is_grammar_worker

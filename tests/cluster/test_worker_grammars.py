@@ -79,7 +79,10 @@ def test_a_compile_past_the_timeout_is_refused_while_a_plain_request_on_the_work
     plain, plain_s, error, refused_s, ok = _run(main(cluster))
     assert plain[-1].finish_reason is FinishReason.LENGTH and plain_s < 1.0, plain_s
     assert error.param == "response_format"
-    assert f"did not compile within {TIMEOUT_S:g} s" in error.message and "--structured-output-compile-timeout" in error.message
+    assert (
+        f"did not compile within {TIMEOUT_S:g} s" in error.message
+        and "--structured-output-compile-timeout" in error.message
+    )
     assert refused_s < TIMEOUT_S + 2.0
     assert wait_until(lambda: grammars.num_killed == 1, 5), "the runaway compile's process was not killed"
     assert pid not in grammars.worker_pids()

@@ -14,8 +14,11 @@ COEFS = {"per_step_s": 0.002, "per_token_s": 5e-5, "per_seq_s": 1e-4, "per_conte
 @pytest.fixture
 def profile_file(tmp_path):
     path = tmp_path / "profile.json"
-    path.write_text(json.dumps({"format": "servelab-profile", "version": 1, "model": "smollm2-135m",
-                                "fit": {"coefficients": COEFS}}))
+    path.write_text(
+        json.dumps(
+            {"format": "servelab-profile", "version": 1, "model": "smollm2-135m", "fit": {"coefficients": COEFS}}
+        )
+    )
     return str(path)
 
 
@@ -23,13 +26,18 @@ def test_calibrate_tiny_model_writes_a_valid_profile(tmp_path, monkeypatch, caps
     from tests.tiny_models import write_tiny_llama
 
     model = write_tiny_llama(tmp_path / "tiny")
-    tiny = calibrate.Grid(chunk=32, prefill_lens=(8, 32, 64), decode_batches=(1, 4), decode_contexts=(16, 48),
-                          decode_steps=3, repeats=2)
+    tiny = calibrate.Grid(
+        chunk=32, prefill_lens=(8, 32, 64), decode_batches=(1, 4), decode_contexts=(16, 48), decode_steps=3, repeats=2
+    )
     monkeypatch.setitem(calibrate.GRIDS, "coarse", tiny)
     out = tmp_path / "p.json"
     # a tiny model's steps are too short to time well on a shared host: accept any fit here
-    assert main(["calibrate", "--model", str(model), "--dtype", "float32", "--out", str(out),
-                 "--max-heldout-error", "1e9"]) == 0
+    assert (
+        main(
+            ["calibrate", "--model", str(model), "--dtype", "float32", "--out", str(out), "--max-heldout-error", "1e9"]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "held-out error" in text and "median of 2 interleaved passes" in text and "per-shape spread" in text
     profile = load_profile(str(out))
@@ -75,8 +83,15 @@ def test_the_coarse_grid_times_the_steps_a_served_engine_runs():
     # the grid's own scenarios keep the chunked budget (many mixed steps of one chunk)
     assert sum(sc.budget is None for sc in plan) == len(plan) - len(together) - len(joined)
     # a grid of prompts only (no decode batches) still plans
-    only = calibrate.Grid(chunk=128, prefill_lens=(128,), decode_batches=(), decode_contexts=(32,), decode_steps=3,
-                          repeats=1, together=(2,))
+    only = calibrate.Grid(
+        chunk=128,
+        prefill_lens=(128,),
+        decode_batches=(),
+        decode_contexts=(32,),
+        decode_steps=3,
+        repeats=1,
+        together=(2,),
+    )
     assert [len(sc.prompts) for sc in calibrate.scenarios(only, 8192)] == [1, 2]
 
 
@@ -84,20 +99,46 @@ def test_calibrate_times_steps_at_the_serving_budget_and_by_the_fastest_pass(tmp
     from tests.tiny_models import write_tiny_llama
 
     model = write_tiny_llama(tmp_path / "tiny")
-    tiny = calibrate.Grid(chunk=32, prefill_lens=(8, 32), decode_batches=(1, 4), decode_contexts=(16,),
-                          decode_steps=2, repeats=3, together=(2, 4), joined_batches=(1, 3))
+    tiny = calibrate.Grid(
+        chunk=32,
+        prefill_lens=(8, 32),
+        decode_batches=(1, 4),
+        decode_contexts=(16,),
+        decode_steps=2,
+        repeats=3,
+        together=(2, 4),
+        joined_batches=(1, 3),
+    )
     monkeypatch.setitem(calibrate.GRIDS, "coarse", tiny)
     monkeypatch.setattr(calibrate, "serving_budget", lambda: 128)
     out = tmp_path / "p.json"
-    assert main(["calibrate", "--model", str(model), "--dtype", "float32", "--out", str(out),
-                 "--max-heldout-error", "1e9", "--step-time-statistic", "fastest"]) == 0
+    assert (
+        main(
+            [
+                "calibrate",
+                "--model",
+                str(model),
+                "--dtype",
+                "float32",
+                "--out",
+                str(out),
+                "--max-heldout-error",
+                "1e9",
+                "--step-time-statistic",
+                "fastest",
+            ]
+        )
+        == 0
+    )
     assert "fastest of 3 interleaved passes" in capsys.readouterr().out
     profile = load_profile(str(out))
     ms = profile["measurements"]
     # 4 prompts of 32 in one step of the whole 128-token budget; 1 and 3 decodes beside a whole prompt
     assert any(m["num_tokens"] == 128 and m["num_seqs"] == 4 for m in ms)
-    assert {m["num_tokens"] for m in ms if m["num_seqs"] in (2, 4) and m["num_tokens"] - m["num_seqs"] == 32 - 1} \
-        == {33, 35}
+    assert {m["num_tokens"] for m in ms if m["num_seqs"] in (2, 4) and m["num_tokens"] - m["num_seqs"] == 32 - 1} == {
+        33,
+        35,
+    }
     assert max(m["num_tokens"] for m in ms if m["num_seqs"] == 1) <= 32  # the chunked scenarios' budget holds
     assert all(m["time_s"] == min(m["samples_s"]) for m in ms)
     assert profile["step_time_statistic"] == "fastest of the interleaved passes"
@@ -110,9 +151,18 @@ def test_calibrate_refuses_a_fit_that_misses_its_held_out_steps(tmp_path, monkey
     model = write_tiny_llama(tmp_path / "tiny")
     rng = __import__("random").Random(0)
     # times unrelated to the shapes: no linear model predicts them
-    junk = [{"num_tokens": n, "num_seqs": 1, "context_tokens": n, "pairs": n * (n + 1) // 2,
-             "samples_s": [t, t * 1.5], "time_s": t, "spread_pct": 50.0}
-            for n, t in ((rng.randrange(1, 200), rng.uniform(1e-3, 1.0)) for _ in range(40))]
+    junk = [
+        {
+            "num_tokens": n,
+            "num_seqs": 1,
+            "context_tokens": n,
+            "pairs": n * (n + 1) // 2,
+            "samples_s": [t, t * 1.5],
+            "time_s": t,
+            "spread_pct": 50.0,
+        }
+        for n, t in ((rng.randrange(1, 200), rng.uniform(1e-3, 1.0)) for _ in range(40))
+    ]
     monkeypatch.setattr(calibrate, "measure", lambda engine, grid, before_pass=None, statistic="fastest": junk)
     out = tmp_path / "p.json"
     args = ["calibrate", "--model", str(model), "--dtype", "float32", "--out", str(out)]
@@ -127,13 +177,44 @@ def test_calibrate_refuses_a_fit_that_misses_its_held_out_steps(tmp_path, monkey
 
 def test_sim_profile_prices_each_step_by_the_formula(profile_file, tmp_path):
     records = tmp_path / "r.jsonl"
-    assert main(["sim", "--model", "smollm2-135m", "--hardware", "generic-cpu.json", "--dtype", "fp32",
-                 "--kv-dtype", "fp32", "--profile", profile_file, "--concurrency", "1", "--num-requests", "1",
-                 "--input-len", "100", "--output-len", "3", "--requests-out", str(records), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "sim",
+                "--model",
+                "smollm2-135m",
+                "--hardware",
+                "generic-cpu.json",
+                "--dtype",
+                "fp32",
+                "--kv-dtype",
+                "fp32",
+                "--profile",
+                profile_file,
+                "--concurrency",
+                "1",
+                "--num-requests",
+                "1",
+                "--input-len",
+                "100",
+                "--output-len",
+                "3",
+                "--requests-out",
+                str(records),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     r = json.loads(records.read_text())
     c = COEFS
-    prefill = c["per_step_s"] + 100 * c["per_token_s"] + c["per_seq_s"] + 100 * c["per_context_token_s"] \
+    prefill = (
+        c["per_step_s"]
+        + 100 * c["per_token_s"]
+        + c["per_seq_s"]
+        + 100 * c["per_context_token_s"]
         + (100 * 100 - 100 * 99 // 2) * c["per_pair_s"]
+    )
     decode = c["per_step_s"] + c["per_token_s"] + c["per_seq_s"] + 101 * (c["per_context_token_s"] + c["per_pair_s"])
     assert r["ttft_s"] == pytest.approx(prefill, rel=1e-9)
     assert r["token_times_s"][1] - r["token_times_s"][0] == pytest.approx(decode, rel=1e-9)
@@ -144,40 +225,159 @@ def test_sim_prices_prefill_and_decode_only_steps_by_path_and_says_so(tmp_path, 
     extra = {"per_prefill_step_s": 3e-3}
     serving = {"per_step_s": 1e-3, "per_seq_s": 2e-4}
     path = tmp_path / "p.json"
-    path.write_text(json.dumps({"format": "servelab-profile", "version": 1, "model": "smollm2-135m",
-                                "fit": {"coefficients": {**COEFS, **extra}}, "server": serving}))
+    path.write_text(
+        json.dumps(
+            {
+                "format": "servelab-profile",
+                "version": 1,
+                "model": "smollm2-135m",
+                "fit": {"coefficients": {**COEFS, **extra}},
+                "server": serving,
+            }
+        )
+    )
     records = tmp_path / "r.jsonl"
-    assert main(["sim", "--model", "smollm2-135m", "--hardware", "generic-cpu.json", "--dtype", "fp32",
-                 "--kv-dtype", "fp32", "--profile", str(path), "--concurrency", "1", "--num-requests", "1",
-                 "--input-len", "100", "--output-len", "3", "--requests-out", str(records), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "sim",
+                "--model",
+                "smollm2-135m",
+                "--hardware",
+                "generic-cpu.json",
+                "--dtype",
+                "fp32",
+                "--kv-dtype",
+                "fp32",
+                "--profile",
+                str(path),
+                "--concurrency",
+                "1",
+                "--num-requests",
+                "1",
+                "--input-len",
+                "100",
+                "--output-len",
+                "3",
+                "--requests-out",
+                str(records),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
-    assert (f"steps priced by {path}: calibrated profile (prefill steps +3.00 ms over decode-only ones; "
-            f"serving term 1.00 ms per step + 0.20 ms per sequence)") in out
+    assert (
+        f"steps priced by {path}: calibrated profile (prefill steps +3.00 ms over decode-only ones; "
+        f"serving term 1.00 ms per step + 0.20 ms per sequence)"
+    ) in out
     r = json.loads(records.read_text())
     c = COEFS
-    prefill = c["per_step_s"] + 100 * c["per_token_s"] + c["per_seq_s"] + 100 * c["per_context_token_s"] \
+    prefill = (
+        c["per_step_s"]
+        + 100 * c["per_token_s"]
+        + c["per_seq_s"]
+        + 100 * c["per_context_token_s"]
         + (100 * 100 - 100 * 99 // 2) * c["per_pair_s"]
+    )
     decode = c["per_step_s"] + c["per_token_s"] + c["per_seq_s"] + 101 * (c["per_context_token_s"] + c["per_pair_s"])
     served = serving["per_step_s"] + serving["per_seq_s"]
     assert r["ttft_s"] == pytest.approx(prefill + extra["per_prefill_step_s"] + served, rel=1e-9)
     assert r["token_times_s"][1] - r["token_times_s"][0] == pytest.approx(decode + served, rel=1e-9)
-    assert main(["plan", "--model", "smollm2-135m", "--hardware", "generic-cpu.json", "--dtype", "fp32",
-                 "--kv-dtype", "fp32", "--profile", str(path), "--slo-tpot", "10ms", "--input-len", "64",
-                 "--output-len", "8", "--num-requests", "10", "--max-concurrency", "2", "--workers", "1"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "smollm2-135m",
+                "--hardware",
+                "generic-cpu.json",
+                "--dtype",
+                "fp32",
+                "--kv-dtype",
+                "fp32",
+                "--profile",
+                str(path),
+                "--slo-tpot",
+                "10ms",
+                "--input-len",
+                "64",
+                "--output-len",
+                "8",
+                "--num-requests",
+                "10",
+                "--max-concurrency",
+                "2",
+                "--workers",
+                "1",
+            ]
+        )
+        == 0
+    )
     assert "serving term 1.00 ms per step + 0.20 ms per sequence" in capsys.readouterr().out
 
 
 def test_roofline_and_plan_take_a_profile(profile_file, capsys):
-    assert main(["roofline", "--model", "smollm2-135m", "--hardware", "generic-cpu.json", "--dtype", "fp32",
-                 "--kv-dtype", "fp32", "--batch", "1,4", "--context", "100", "--profile", profile_file, "--json"]) == 0
+    assert (
+        main(
+            [
+                "roofline",
+                "--model",
+                "smollm2-135m",
+                "--hardware",
+                "generic-cpu.json",
+                "--dtype",
+                "fp32",
+                "--kv-dtype",
+                "fp32",
+                "--batch",
+                "1,4",
+                "--context",
+                "100",
+                "--profile",
+                profile_file,
+                "--json",
+            ]
+        )
+        == 0
+    )
     rows = json.loads(capsys.readouterr().out)
     c = COEFS
-    expected = c["per_step_s"] + 4 * (c["per_token_s"] + c["per_seq_s"] + 100 * (c["per_context_token_s"] + c["per_pair_s"]))
+    expected = c["per_step_s"] + 4 * (
+        c["per_token_s"] + c["per_seq_s"] + 100 * (c["per_context_token_s"] + c["per_pair_s"])
+    )
     assert rows[1]["profile_step_time_s"] == pytest.approx(expected, rel=1e-12)
-    assert main(["plan", "--model", "smollm2-135m", "--hardware", "generic-cpu.json", "--dtype", "fp32",
-                 "--kv-dtype", "fp32", "--profile", profile_file, "--slo-tpot", "10ms", "--input-len", "64",
-                 "--output-len", "8", "--num-requests", "20", "--max-concurrency", "8", "--workers", "1",
-                 "--json"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "smollm2-135m",
+                "--hardware",
+                "generic-cpu.json",
+                "--dtype",
+                "fp32",
+                "--kv-dtype",
+                "fp32",
+                "--profile",
+                profile_file,
+                "--slo-tpot",
+                "10ms",
+                "--input-len",
+                "64",
+                "--output-len",
+                "8",
+                "--num-requests",
+                "20",
+                "--max-concurrency",
+                "8",
+                "--workers",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
     plan = json.loads(capsys.readouterr().out)
     assert plan["cost_model"] == "calibrated profile (one form for decode-only and prefill steps; no serving term)"
     row = plan["configs"][0]
@@ -185,11 +385,24 @@ def test_roofline_and_plan_take_a_profile(profile_file, capsys):
     assert row["tpot_s"] is not None and row["tpot_s"] <= 0.010 and row["capacity_concurrency"] >= 1
 
 
-@pytest.mark.parametrize("cmd", [
-    ["sim", "--model", "smollm2-135m", "--hardware", "generic-cpu.json", "--concurrency", "1", "--num-requests", "1"],
-    ["roofline", "--model", "smollm2-135m", "--hardware", "generic-cpu.json"],
-    ["plan", "--model", "smollm2-135m", "--hardware", "generic-cpu.json", "--slo-tpot", "10ms"],
-])
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        [
+            "sim",
+            "--model",
+            "smollm2-135m",
+            "--hardware",
+            "generic-cpu.json",
+            "--concurrency",
+            "1",
+            "--num-requests",
+            "1",
+        ],
+        ["roofline", "--model", "smollm2-135m", "--hardware", "generic-cpu.json"],
+        ["plan", "--model", "smollm2-135m", "--hardware", "generic-cpu.json", "--slo-tpot", "10ms"],
+    ],
+)
 def test_bad_profile_is_a_clear_cli_error(cmd, tmp_path, capsys):
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"format": "servelab-profile", "version": 1, "fit": {"coefficients": {}}}))
@@ -203,7 +416,6 @@ def test_calibrate_refuses_an_unwritable_out(tmp_path, capsys):
     assert "--out" in capsys.readouterr().err
 
 
-
 def test_calibrate_refuses_a_hardware_out_that_hardware_would_not_read(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert main(["calibrate", "--out", "p.json", "--hardware-out", "x.txt"]) == 2  # refused before any timing
@@ -215,22 +427,42 @@ def test_calibrate_refuses_a_hardware_out_that_hardware_would_not_read(tmp_path,
     (tmp_path / "mine.json").write_text((SHIPPED_DIR / "generic-cpu.json").read_text())
     assert main(["roofline", "--model", "smollm2-135m", "--hardware", "mine.json", "--batch", "1", "--json"]) == 0
 
+
 def test_calibrate_writes_a_hardware_file_for_this_host(tmp_path, monkeypatch, capsys):
     from servelab.runtime import host_probe
     from tests.tiny_models import write_tiny_llama
     from servelab.spec.hardware_file import load_hardware_file
 
     model = write_tiny_llama(tmp_path / "tiny")
-    tiny = calibrate.Grid(chunk=32, prefill_lens=(8, 32), decode_batches=(1, 2), decode_contexts=(16,),
-                          decode_steps=2, repeats=1)
+    tiny = calibrate.Grid(
+        chunk=32, prefill_lens=(8, 32), decode_batches=(1, 2), decode_contexts=(16,), decode_steps=2, repeats=1
+    )
     monkeypatch.setitem(calibrate.GRIDS, "coarse", tiny)
     real_probe = host_probe.probe_hardware
-    monkeypatch.setattr(host_probe, "probe_hardware",
-                        lambda name, description: real_probe(name, description, size_bytes=16 << 20, sizes=(128, 256),
-                                                                   repeats=2))
+    monkeypatch.setattr(
+        host_probe,
+        "probe_hardware",
+        lambda name, description: real_probe(name, description, size_bytes=16 << 20, sizes=(128, 256), repeats=2),
+    )
     hw = tmp_path / "host.yaml"  # written as YAML, read back by --hardware
-    assert main(["calibrate", "--model", str(model), "--dtype", "float32", "--out", str(tmp_path / "p.json"),
-                 "--hardware-out", str(hw), "--max-heldout-error", "1e9"]) == 0
+    assert (
+        main(
+            [
+                "calibrate",
+                "--model",
+                str(model),
+                "--dtype",
+                "float32",
+                "--out",
+                str(tmp_path / "p.json"),
+                "--hardware-out",
+                str(hw),
+                "--max-heldout-error",
+                "1e9",
+            ]
+        )
+        == 0
+    )
     assert f"use it with --hardware {hw}" in capsys.readouterr().out
     spec = load_hardware_file(str(hw))
     assert spec.name.startswith("host-")
@@ -238,9 +470,25 @@ def test_calibrate_writes_a_hardware_file_for_this_host(tmp_path, monkeypatch, c
     assert 1e9 < spec.bandwidth_bytes_per_s < 5e12 and 1e9 < spec.memory_bytes < 1e14
     assert 1e8 < spec.peak_flops["fp32"] < 1e15 and spec.peak_flops["bf16"] >= spec.peak_flops["fp32"]
     # and the cost model takes it
-    assert main(["roofline", "--model", "smollm2-135m", "--hardware", str(hw), "--dtype", "fp32",
-                 "--kv-dtype", "fp32", "--batch", "1", "--json"]) == 0
-
+    assert (
+        main(
+            [
+                "roofline",
+                "--model",
+                "smollm2-135m",
+                "--hardware",
+                str(hw),
+                "--dtype",
+                "fp32",
+                "--kv-dtype",
+                "fp32",
+                "--batch",
+                "1",
+                "--json",
+            ]
+        )
+        == 0
+    )
 
 
 def test_calibrate_refuses_cuda_without_a_device(tmp_path, capsys):
@@ -254,8 +502,26 @@ def test_calibrate_refuses_cuda_without_a_device(tmp_path, capsys):
 
 
 def test_sim_refuses_a_tp_the_profile_cannot_price(profile_file, capsys):
-    assert main(["sim", "--model", "smollm2-135m", "--hardware", "generic-cpu.json", "--profile", profile_file,
-                 "--tp", "3", "--concurrency", "1", "--num-requests", "1"]) == 2
+    assert (
+        main(
+            [
+                "sim",
+                "--model",
+                "smollm2-135m",
+                "--hardware",
+                "generic-cpu.json",
+                "--profile",
+                profile_file,
+                "--tp",
+                "3",
+                "--concurrency",
+                "1",
+                "--num-requests",
+                "1",
+            ]
+        )
+        == 2
+    )
     assert "has no TP term" in capsys.readouterr().err
 
 
@@ -264,12 +530,29 @@ def test_calibrate_with_tensor_parallel_writes_the_tp_term(tmp_path, monkeypatch
     from tests.tiny_models import write_tiny_llama
 
     model = write_tiny_llama(tmp_path / "tiny")
-    tiny = calibrate.Grid(chunk=32, prefill_lens=(8, 32), decode_batches=(1, 2), decode_contexts=(16,),
-                          decode_steps=2, repeats=1)
+    tiny = calibrate.Grid(
+        chunk=32, prefill_lens=(8, 32), decode_batches=(1, 2), decode_contexts=(16,), decode_steps=2, repeats=1
+    )
     monkeypatch.setitem(calibrate.GRIDS, "coarse", tiny)
     out = tmp_path / "p.json"
-    assert main(["calibrate", "--model", str(model), "--dtype", "float32", "--out", str(out),
-                 "--tensor-parallel-size", "2", "--max-heldout-error", "1e9"]) == 0
+    assert (
+        main(
+            [
+                "calibrate",
+                "--model",
+                str(model),
+                "--dtype",
+                "float32",
+                "--out",
+                str(out),
+                "--tensor-parallel-size",
+                "2",
+                "--max-heldout-error",
+                "1e9",
+            ]
+        )
+        == 0
+    )
     assert "tp term, gloo all-reduce among 2 ranks" in capsys.readouterr().out
     profile = load_profile(str(out))
     term = profile["tp"]
@@ -316,8 +599,9 @@ def test_kernel_rows_come_from_the_linears_the_engine_loaded():
         pytest.skip(f"bundled model unavailable: {e}")
     found = []
     for deterministic in (False, True):
-        engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=path, dtype="float32", max_model_len=256,
-                                                            deterministic=deterministic))
+        engine = LLMEngine.from_args(
+            EngineArgs.from_kwargs(model=path, dtype="float32", max_model_len=256, deterministic=deterministic)
+        )
         try:
             found.append(calibrate.kernel_rows_of(engine))
         finally:

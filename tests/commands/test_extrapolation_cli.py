@@ -17,10 +17,13 @@ def _out(capsys) -> str:
     return capsys.readouterr().out
 
 
-@pytest.mark.parametrize(("hardware", "dtype", "needle"), [
-    ("l40s", "bfloat16", "l40s has no measured kernels"),
-    ("h200", "int4", "no measured int4 kernels on h200"),
-])
+@pytest.mark.parametrize(
+    ("hardware", "dtype", "needle"),
+    [
+        ("l40s", "bfloat16", "l40s has no measured kernels"),
+        ("h200", "int4", "no measured int4 kernels on h200"),
+    ],
+)
 def test_roofline_first_line_and_json_say_it_extrapolates(capsys, hardware, dtype, needle):
     argv = ["roofline", "--model", "llama-3.1-8b", "--hardware", hardware, "--dtype", dtype, "--batch", "1,8"]
     assert main(argv) == 0
@@ -53,8 +56,20 @@ def test_sim_first_line_and_json(capsys):
 
 
 def test_plan_first_line_names_the_rows_that_extrapolate(capsys):
-    argv = ["plan", "--model", "llama-3.1-8b", "--hardware", "h200,l40s", *LOAD, "--slo-tpot", "200ms",
-            "--max-concurrency", "2", "--workers", "1"]
+    argv = [
+        "plan",
+        "--model",
+        "llama-3.1-8b",
+        "--hardware",
+        "h200,l40s",
+        *LOAD,
+        "--slo-tpot",
+        "200ms",
+        "--max-concurrency",
+        "2",
+        "--workers",
+        "1",
+    ]
     assert main(argv) == 0
     first = _out(capsys).splitlines()[0]
     assert first.startswith("extrapolated: l40s tp=1: l40s has no measured kernels")

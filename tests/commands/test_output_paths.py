@@ -19,8 +19,12 @@ ROOFLINE = ["roofline", "--model", "llama-3.1-8b", "--hardware", "h100-sxm"]
 def bad(tmp_path):
     a_file = tmp_path / "a-file"
     a_file.write_text("x")
-    return {"missing_dir": str(tmp_path / "nope" / "out.jsonl"), "a_dir": str(tmp_path), "a_file": str(a_file),
-            "under_a_file": str(a_file / "plots")}
+    return {
+        "missing_dir": str(tmp_path / "nope" / "out.jsonl"),
+        "a_dir": str(tmp_path),
+        "a_file": str(a_file),
+        "under_a_file": str(a_file / "plots"),
+    }
 
 
 @pytest.mark.parametrize(

@@ -22,8 +22,12 @@ def test_done_command_prints_the_seed_numbers(capsys):
     assert "0.0152 ms" in out  # one token's compute at peak
     assert "ridge 295" in out
     table = {line.split()[0]: line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["64"])}
-    step_ms, per_user, total, bound = (float(table["1"][1]), float(table["1"][2]),
-                                       float(table["1"][3].replace(",", "")), table["1"][4])
+    step_ms, per_user, total, bound = (
+        float(table["1"][1]),
+        float(table["1"][2]),
+        float(table["1"][3].replace(",", "")),
+        table["1"][4],
+    )
     assert 135 <= per_user <= 165 and total == pytest.approx(per_user, rel=0.01) and bound == "memory"
     assert step_ms == pytest.approx(1000 / per_user, rel=0.01)
     assert 63 <= float(table["64"][2]) <= 77
@@ -35,8 +39,18 @@ def test_done_command_prints_the_seed_numbers(capsys):
 def test_json_rows(capsys):
     rows = run_json(capsys, "--batch", "1,8,64", "--context", "2048")
     assert [r["batch"] for r in rows] == [1, 8, 64]
-    required = {"batch", "context", "step_time_s", "tokens_per_s_per_user", "tokens_per_s_total", "bound",
-                "arithmetic_intensity", "weight_bytes", "kv_bytes", "fits"}
+    required = {
+        "batch",
+        "context",
+        "step_time_s",
+        "tokens_per_s_per_user",
+        "tokens_per_s_total",
+        "bound",
+        "arithmetic_intensity",
+        "weight_bytes",
+        "kv_bytes",
+        "fits",
+    }
     for row in rows:
         assert required <= set(row) and "prefill_time_s" not in row
         assert row["bound"] in ("memory", "compute") and row["fits"] is True
@@ -82,12 +96,23 @@ def test_plot_writes_a_png(tmp_path: Path, capsys):
 
 
 def test_model_from_an_hf_config_file(tmp_path: Path, capsys):
-    config = {"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32,
-              "num_hidden_layers": 32, "num_key_value_heads": 8, "vocab_size": 128256,
-              "max_position_embeddings": 131072, "rope_theta": 500000.0, "tie_word_embeddings": False}
+    config = {
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_attention_heads": 32,
+        "num_hidden_layers": 32,
+        "num_key_value_heads": 8,
+        "vocab_size": 128256,
+        "max_position_embeddings": 131072,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+    }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    assert main(["roofline", "--model", str(tmp_path / "config.json"), "--hardware", "h100-sxm", "--json",
-                 "--batch", "1"]) == 0
+    assert (
+        main(["roofline", "--model", str(tmp_path / "config.json"), "--hardware", "h100-sxm", "--json", "--batch", "1"])
+        == 0
+    )
     from_file = json.loads(capsys.readouterr().out)[0]
     assert from_file["step_time_s"] == pytest.approx(run_json(capsys, "--batch", "1")[0]["step_time_s"])
     # sim and plan take the same --model forms (spec.model.resolve_model), plan's worker processes too
@@ -100,21 +125,29 @@ def test_model_from_an_hf_config_file(tmp_path: Path, capsys):
     assert json.loads(capsys.readouterr().out)["configs"][0]["output_tokens_per_s_per_device"] > 0
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--model", "llama-9b", "--hardware", "h100-sxm"], "unknown model 'llama-9b'; choose one of: llama-3.1-8b"),
-    (["--model", "llama-3.1-8b", "--hardware", "h900"], "unknown hardware 'h900'; choose one of: h100-sxm"),
-    (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--batch", "1,300"], "the limit at this context is batch 208"),
-    (["--model", "llama-3.1-405b", "--hardware", "h100-sxm"], "weights take 811.7 GB per device"),
-    (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--tp", "3"], "tp=3 does not divide"),
-    (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--batch", "1,x"], "--batch: 'x' is not an integer"),
-    (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--context", "200000"], "maximum context of 131072"),
-    (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--dtype", "fp4"], "unknown weight dtype 'fp4'"),
-    (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--kv-cache-dtype", "int4"], "unknown KV-cache dtype"),
-    (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--bandwidth-fraction", "2"], "bandwidth_fraction"),
-    (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--batch", "1,,2"], "--batch: empty item in '1,,2'"),
-    (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--step-overhead=-1ms"],
-     "--step-overhead: must be >= 0, got '-1ms'"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--model", "llama-9b", "--hardware", "h100-sxm"], "unknown model 'llama-9b'; choose one of: llama-3.1-8b"),
+        (["--model", "llama-3.1-8b", "--hardware", "h900"], "unknown hardware 'h900'; choose one of: h100-sxm"),
+        (
+            ["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--batch", "1,300"],
+            "the limit at this context is batch 208",
+        ),
+        (["--model", "llama-3.1-405b", "--hardware", "h100-sxm"], "weights take 811.7 GB per device"),
+        (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--tp", "3"], "tp=3 does not divide"),
+        (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--batch", "1,x"], "--batch: 'x' is not an integer"),
+        (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--context", "200000"], "maximum context of 131072"),
+        (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--dtype", "fp4"], "unknown weight dtype 'fp4'"),
+        (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--kv-cache-dtype", "int4"], "unknown KV-cache dtype"),
+        (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--bandwidth-fraction", "2"], "bandwidth_fraction"),
+        (["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--batch", "1,,2"], "--batch: empty item in '1,,2'"),
+        (
+            ["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--step-overhead=-1ms"],
+            "--step-overhead: must be >= 0, got '-1ms'",
+        ),
+    ],
+)
 def test_bad_input_is_a_one_line_error_with_status_2(capsys, args, needle):
     assert main(["roofline", *args]) == 2
     captured = capsys.readouterr()
@@ -124,15 +157,29 @@ def test_bad_input_is_a_one_line_error_with_status_2(capsys, args, needle):
     assert needle in lines[0]
 
 
-@pytest.mark.parametrize("flag, content, needle", [
-    ("--model", json.dumps({"model_type": "llama", "hidden_size": 4096, "intermediate_size": 14336,
-                            "num_attention_heads": 0, "num_hidden_layers": 32, "vocab_size": 128256,
-                            "max_position_embeddings": 131072}),
-     "num_attention_heads must be a positive integer, got 0"),
-    ("--model", "[1]", "expected a JSON object"),
-    ("--model", b"\xff\xfe\x00binary", "cannot read"),
-    ("--profile", b"\xff\xfe\x00binary", "not JSON"),
-])
+@pytest.mark.parametrize(
+    "flag, content, needle",
+    [
+        (
+            "--model",
+            json.dumps(
+                {
+                    "model_type": "llama",
+                    "hidden_size": 4096,
+                    "intermediate_size": 14336,
+                    "num_attention_heads": 0,
+                    "num_hidden_layers": 32,
+                    "vocab_size": 128256,
+                    "max_position_embeddings": 131072,
+                }
+            ),
+            "num_attention_heads must be a positive integer, got 0",
+        ),
+        ("--model", "[1]", "expected a JSON object"),
+        ("--model", b"\xff\xfe\x00binary", "cannot read"),
+        ("--profile", b"\xff\xfe\x00binary", "not JSON"),
+    ],
+)
 def test_malformed_input_files_are_one_line_errors(tmp_path: Path, capsys, flag, content, needle):
     path = tmp_path / "config.json"
     path.write_bytes(content if isinstance(content, bytes) else content.encode())
@@ -143,8 +190,12 @@ def test_malformed_input_files_are_one_line_errors(tmp_path: Path, capsys, flag,
 
 
 def test_subprocess_exit_status_and_no_traceback():
-    proc = subprocess.run([sys.executable, "-m", "servelab", "roofline", "--model", "gpt-5", "--hardware", "h100-sxm"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "servelab", "roofline", "--model", "gpt-5", "--hardware", "h100-sxm"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert proc.stderr.strip().splitlines() == [proc.stderr.strip()]
@@ -152,12 +203,14 @@ def test_subprocess_exit_status_and_no_traceback():
 
 
 def test_catalog_commands_start_without_torch_or_numpy():
-    code = ("import sys, io, contextlib\n"
-            "from servelab.cli import main\n"
-            "with contextlib.redirect_stdout(io.StringIO()):\n"
-            "    for argv in (['roofline', '--model', 'llama-3.1-8b', '--hardware', 'h100-sxm'], ['models'], ['hardware']):\n"
-            "        assert main(argv) == 0\n"
-            "print(sorted(m for m in ('torch', 'numpy', 'matplotlib') if m in sys.modules))\n")
+    code = (
+        "import sys, io, contextlib\n"
+        "from servelab.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()):\n"
+        "    for argv in (['roofline', '--model', 'llama-3.1-8b', '--hardware', 'h100-sxm'], ['models'], ['hardware']):\n"
+        "        assert main(argv) == 0\n"
+        "print(sorted(m for m in ('torch', 'numpy', 'matplotlib') if m in sys.modules))\n"
+    )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert proc.stdout.strip() == "[]"

@@ -24,8 +24,15 @@ KNOBS = {f.name for f in dataclasses.fields(SchedulerConfig)}
 # The knobs each command takes a flag for.
 COMMAND_KNOBS = {
     "serve": KNOBS,
-    "sim": {"policy", "admission", "max_num_batched_tokens", "max_num_seqs", "max_model_len", "num_blocks",
-            "enable_prefix_caching"},
+    "sim": {
+        "policy",
+        "admission",
+        "max_num_batched_tokens",
+        "max_num_seqs",
+        "max_model_len",
+        "num_blocks",
+        "enable_prefix_caching",
+    },
     "plan": {"policy", "admission", "max_num_seqs", "max_num_batched_tokens"},
     "generate": {"max_model_len"},
     "chat": {"max_model_len"},
@@ -80,7 +87,10 @@ def test_sim_flags_given_win_over_the_engine_profile():
 
     config = config_from_args(_parse("sim", "--engine-profile", "vllm", "--max-num-seqs", "64", "--rate", "1"))
     assert (config.engine_profile, config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens) == (
-        "vllm", 64, 8192)
+        "vllm",
+        64,
+        8192,
+    )
 
 
 def _argv(config: SchedulerConfig) -> list[str]:

@@ -10,13 +10,37 @@ import pytest
 from servelab.commands.validate import STEP_DRIFT_WARN_PCT, _log_size, describe_steps, served_steps
 from servelab.errors import InvalidArgument
 
-PROFILE = {"fit": {"coefficients": {"per_step_s": 0.010, "per_token_s": 0.0, "per_seq_s": 0.0,
-                                    "per_context_token_s": 0.0, "per_pair_s": 0.0}}}
+PROFILE = {
+    "fit": {
+        "coefficients": {
+            "per_step_s": 0.010,
+            "per_token_s": 0.0,
+            "per_seq_s": 0.0,
+            "per_context_token_s": 0.0,
+            "per_pair_s": 0.0,
+        }
+    }
+}
 
 
 def _line(start: float, took: float) -> str:
-    return json.dumps({"start_s": start, "end_s": start + took, "waited_s": 0.0, "step_s": took, "execute_s": took,
-                       "num_tokens": 1, "num_seqs": 1, "context_tokens": 9, "pairs": 9, "decode_seqs": 1}) + "\n"
+    return (
+        json.dumps(
+            {
+                "start_s": start,
+                "end_s": start + took,
+                "waited_s": 0.0,
+                "step_s": took,
+                "execute_s": took,
+                "num_tokens": 1,
+                "num_seqs": 1,
+                "context_tokens": 9,
+                "pairs": 9,
+                "decode_seqs": 1,
+            }
+        )
+        + "\n"
+    )
 
 
 def test_only_the_steps_logged_during_the_run_are_priced(tmp_path):

@@ -16,7 +16,12 @@ from tests.fake_executor import FakeExecutor
 
 
 def make_seq(rid: str, prompt_len: int, max_tokens: int, arrival_s: float = 0.0) -> Sequence:
-    return Sequence(rid, [zlib.crc32(rid.encode()) % 1000 + i for i in range(prompt_len)], SamplingParams(max_tokens=max_tokens), arrival_s=arrival_s)
+    return Sequence(
+        rid,
+        [zlib.crc32(rid.encode()) % 1000 + i for i in range(prompt_len)],
+        SamplingParams(max_tokens=max_tokens),
+        arrival_s=arrival_s,
+    )
 
 
 def scheduler(**kw) -> Scheduler:
@@ -64,7 +69,10 @@ def test_rejections_go_to_the_hook_or_raise():
     seqs = [make_seq("ok", 4, 2), make_seq("too-long", 60, 10), make_seq("ok2", 4, 2)]
     rejected = []
     finished = run_to_completion(
-        scheduler(max_model_len=64), FakeExecutor(), seqs, on_reject=lambda q, e: rejected.append((q.request_id, type(e)))
+        scheduler(max_model_len=64),
+        FakeExecutor(),
+        seqs,
+        on_reject=lambda q, e: rejected.append((q.request_id, type(e))),
     )
     assert rejected == [("too-long", RequestTooLong)]
     assert [q.request_id for q in finished] == ["ok", "ok2"]
@@ -77,7 +85,11 @@ def test_a_full_queue_rejects_the_overflow_of_a_burst():
     rejected = []
     stats = DriverStats()
     finished = run_to_completion(
-        scheduler(max_waiting=3), FakeExecutor(), seqs, on_reject=lambda q, e: rejected.append((q.request_id, e)), stats=stats
+        scheduler(max_waiting=3),
+        FakeExecutor(),
+        seqs,
+        on_reject=lambda q, e: rejected.append((q.request_id, e)),
+        stats=stats,
     )
     assert [rid for rid, _ in rejected] == ["r3", "r4"]
     assert all(isinstance(e, QueueFull) for _, e in rejected)

@@ -196,10 +196,17 @@ request = st.tuples(st.integers(1, 60), st.integers(1, 40), st.sampled_from([0.0
     budget=st.integers(8, 96),
     max_num_seqs=st.integers(1, 12),
 )
-def test_every_request_finishes_within_the_budgets_and_no_block_leaks(requests, policy, admission, num_blocks,
-                                                                       budget, max_num_seqs):
-    cfg = config(policy=policy, admission=admission, num_blocks=num_blocks, max_num_batched_tokens=budget,
-                 max_num_seqs=max_num_seqs, max_model_len=100)
+def test_every_request_finishes_within_the_budgets_and_no_block_leaks(
+    requests, policy, admission, num_blocks, budget, max_num_seqs
+):
+    cfg = config(
+        policy=policy,
+        admission=admission,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs,
+        max_model_len=100,
+    )
     s = Scheduler(cfg)
     seqs = [seq(f"r{i}", p, o, arrival_s=t, base=100 * i) for i, (p, o, t) in enumerate(requests)]
     rejected = []
@@ -219,11 +226,18 @@ def test_every_request_finishes_within_the_budgets_and_no_block_leaks(requests, 
             part_way = [q for q in s.running if len(q.token_ids) - q.num_computed_tokens > 1]
             assert len(part_way) <= 1, "more than one prompt part-way through its chunks"
 
-    done = run_to_completion(s, FakeExecutor(), seqs, on_step=on_step,
-                             on_reject=lambda q, err: rejected.append(q.request_id), max_steps=20_000)
+    done = run_to_completion(
+        s,
+        FakeExecutor(),
+        seqs,
+        on_step=on_step,
+        on_reject=lambda q, err: rejected.append(q.request_id),
+        max_steps=20_000,
+    )
     assert len(done) + len(rejected) == len(seqs)
     assert all(q.num_output_tokens == q.params.max_tokens for q in done)
     assert s.block_manager.num_used_blocks == 0 and not s.running and not s.waiting
     # Only decode-first-whole refuses a request the others take: a prompt longer than the budget.
-    assert all(policy == "decode-first-whole" and q.num_prompt_tokens > budget
-               for q in seqs if q.request_id in rejected)
+    assert all(
+        policy == "decode-first-whole" and q.num_prompt_tokens > budget for q in seqs if q.request_id in rejected
+    )

@@ -76,8 +76,7 @@ def test_prefix_affinity_skips_a_replica_that_left_the_pool():
     assert router.pick([reps[1]], h) is reps[1]  # it died: the survivor gets the prefix
 
 
-@given(st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=6), min_size=1, max_size=40),
-       st.sampled_from(ROUTERS))
+@given(st.lists(st.lists(st.integers(0, 3), min_size=0, max_size=6), min_size=1, max_size=40), st.sampled_from(ROUTERS))
 def test_every_router_picks_one_of_the_offered_replicas(prompts, kind):
     router = Router(kind, affinity_memory_blocks=8)
     reps = [Rep(i) for i in range(3)]

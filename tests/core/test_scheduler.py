@@ -28,7 +28,9 @@ from tests.scheduler_checks import check_block_manager, check_invariants, waitin
 
 def make_seq(rid: str, prompt_len: int = 8, max_tokens: int = 4, *, base: int = 1000, **kw) -> Sequence:
     params_kw = {k: kw.pop(k) for k in ("stop_token_ids", "ignore_eos", "min_tokens") if k in kw}
-    return Sequence(rid, [base + i for i in range(prompt_len)], SamplingParams(max_tokens=max_tokens, **params_kw), **kw)
+    return Sequence(
+        rid, [base + i for i in range(prompt_len)], SamplingParams(max_tokens=max_tokens, **params_kw), **kw
+    )
 
 
 def config(**kw) -> SchedulerConfig:
@@ -74,7 +76,10 @@ class Stepper:
         ({"max_num_seqs": 0}, "max_num_seqs must be"),
         ({"max_model_len": 0}, "max_model_len must be"),
         ({"max_waiting": 0}, "max_waiting must be an integer >= 1 or None"),
-        ({"policy": "sarathi"}, "policy must be one of chunked, prefill-first, prefill-first-chunked, decode-first-whole, got 'sarathi'"),
+        (
+            {"policy": "sarathi"},
+            "policy must be one of chunked, prefill-first, prefill-first-chunked, decode-first-whole, got 'sarathi'",
+        ),
         ({"order": "lifo"}, "order must be one of fcfs, priority, got 'lifo'"),
     ],
 )
@@ -206,7 +211,9 @@ def decode_gaps_when_a_long_prompt_arrives(policy: str) -> tuple[float, float, i
     tokens of a decoding sequence while the prompt is prefilled, the duration of one full-budget
     step, and the number of steps the prompt's prefill took."""
     budget = 512
-    s = Scheduler(config(num_blocks=2048, block_size=16, max_num_batched_tokens=budget, max_model_len=8192, policy=policy))
+    s = Scheduler(
+        config(num_blocks=2048, block_size=16, max_num_batched_tokens=budget, max_model_len=8192, policy=policy)
+    )
     ex = FakeExecutor(step_s=0.002, per_token_s=0.00005)
     decoders = [make_seq(f"d{i}", 32, 200, base=100 * i) for i in range(8)]
     for d in decoders:
@@ -249,7 +256,9 @@ def test_prefill_first_stalls_decodes_for_the_whole_prompt():
 
 def test_preemption_takes_the_newest_first_and_recomputes_prompt_plus_output():
     # 6 blocks of 4: three sequences of 8-token prompts fill them once they decode.
-    s = Scheduler(config(num_blocks=6, block_size=4, max_num_batched_tokens=64, max_model_len=24, enable_prefix_caching=False))
+    s = Scheduler(
+        config(num_blocks=6, block_size=4, max_num_batched_tokens=64, max_model_len=24, enable_prefix_caching=False)
+    )
     seqs = [make_seq(f"r{i}", 7, 9, base=100 * i) for i in range(3)]
     for q in seqs:
         s.add(q)
@@ -351,7 +360,11 @@ def test_priority_order_admits_by_priority_then_arrival():
 
 def test_priority_order_preempts_the_lowest_priority_first():
     s = Scheduler(config(order="priority", num_blocks=6, block_size=4, max_model_len=24, enable_prefix_caching=False))
-    seqs = [make_seq("p0", 7, 9, priority=0), make_seq("p9", 7, 9, base=200, priority=9), make_seq("p1", 7, 9, base=300, priority=1)]
+    seqs = [
+        make_seq("p0", 7, 9, priority=0),
+        make_seq("p9", 7, 9, base=200, priority=9),
+        make_seq("p1", 7, 9, base=300, priority=1),
+    ]
     for q in seqs:
         s.add(q)
     st_ = Stepper(s)
@@ -508,8 +521,11 @@ def test_finished_only_update_changes_no_state_only_the_events():
             plan = s.schedule(now)
             result = executor.execute(plan)
             now += result.duration_s
-            events += [(e.request_id, e.new_token_ids, e.finish_reason) for e in s.update(
-                plan, result, now, finished_only=finished_only) if e.finished or not finished_only]
+            events += [
+                (e.request_id, e.new_token_ids, e.finish_reason)
+                for e in s.update(plan, result, now, finished_only=finished_only)
+                if e.finished or not finished_only
+            ]
             check_invariants(s)
         state = [(q.token_ids, q.token_times_s, q.finish_reason, q.stop_reason, q.num_preemptions) for q in seqs]
         streamed = [e for e in events if e[2] is None]
@@ -595,9 +611,7 @@ def small_token_fn(seq: Sequence, position: int) -> int:
     return (zlib.crc32(seq.request_id.encode()) + position * 7) % 23
 
 
-def run_workload(
-    cfg: SchedulerConfig, workload: list[dict], *, full_check_every: int = 1
-) -> tuple:
+def run_workload(cfg: SchedulerConfig, workload: list[dict], *, full_check_every: int = 1) -> tuple:
     s = Scheduler(cfg)
     executor = CheckingExecutor(s, full_check_every, token_fn=small_token_fn)
     seqs, abort_at = [], {}

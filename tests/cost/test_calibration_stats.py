@@ -9,16 +9,33 @@ from types import SimpleNamespace
 import pytest
 
 from servelab.commands import calibrate
-from servelab.cost.calibration_stats import (NOISY_OTHER_CPUS, NOISY_SPREAD_PCT, aggregate, host_noise, spread_pct,
-                                             step_time_estimate)
+from servelab.cost.calibration_stats import (
+    NOISY_OTHER_CPUS,
+    NOISY_SPREAD_PCT,
+    aggregate,
+    host_noise,
+    spread_pct,
+    step_time_estimate,
+)
 from servelab.cost.profile import ProfileStepCost, fit
 from servelab.cost.roofline import Roofline
 
-TRUE = {"per_step_s": 12e-3, "per_prefill_step_s": 10e-3, "per_token_s": 2.5e-3, "per_seq_s": 1.5e-3, "per_context_token_s": 4e-6,
-        "per_pair_s": 2e-8}
+TRUE = {
+    "per_step_s": 12e-3,
+    "per_prefill_step_s": 10e-3,
+    "per_token_s": 2.5e-3,
+    "per_seq_s": 1.5e-3,
+    "per_context_token_s": 4e-6,
+    "per_pair_s": 2e-8,
+}
 # the shapes validate's runs step through: batch-1/4/16 decode, a prompt, a decode batch a prompt joins
-REFERENCE = {"decode b1": [(1, 100)], "decode b4": [(1, 150)] * 4, "decode b16": [(1, 160)] * 16,
-             "prefill 128": [(128, 128)], "mixed": [(1, 150)] * 8 + [(64, 64)]}
+REFERENCE = {
+    "decode b1": [(1, 100)],
+    "decode b4": [(1, 150)] * 4,
+    "decode b16": [(1, 160)] * 16,
+    "prefill 128": [(128, 128)],
+    "mixed": [(1, 150)] * 8 + [(64, 64)],
+}
 
 
 def grid_shapes():
@@ -45,8 +62,16 @@ def noisy_calibration(busy: float, seed: int, passes: int = 5, statistic=min):
                 slow *= 3
             samples.append(t * slow)
         tokens, seqs, ctx, pairs = Roofline.totals(shape)
-        out.append({"num_tokens": tokens, "num_seqs": seqs, "context_tokens": ctx, "pairs": pairs,
-                    "samples_s": samples, "time_s": statistic(samples)})
+        out.append(
+            {
+                "num_tokens": tokens,
+                "num_seqs": seqs,
+                "context_tokens": ctx,
+                "pairs": pairs,
+                "samples_s": samples,
+                "time_s": statistic(samples),
+            }
+        )
     return out
 
 
@@ -88,8 +113,15 @@ def test_fit_drops_outlier_shapes():
     ms = []
     for shape in grid_shapes():
         tokens, seqs, ctx, pairs = Roofline.totals(shape)
-        ms.append({"num_tokens": tokens, "num_seqs": seqs, "context_tokens": ctx, "pairs": pairs,
-                   "time_s": truth.step_time_s(shape)})
+        ms.append(
+            {
+                "num_tokens": tokens,
+                "num_seqs": seqs,
+                "context_tokens": ctx,
+                "pairs": pairs,
+                "time_s": truth.step_time_s(shape),
+            }
+        )
     bad = [0, 5, 10, 21, 30]  # training steps (every 4th, from index 3, is held out): no pass was clean
     for i in bad:
         ms[i] = {**ms[i], "time_s": ms[i]["time_s"] * 2.5}
@@ -143,8 +175,14 @@ def test_a_slow_spell_does_not_land_on_every_pass_of_a_shape(monkeypatch):
     # shape's runs inside it; interleaved passes leave each shape a clean pass.
     clock = [0.0]
     monkeypatch.setattr(calibrate.time, "perf_counter", lambda: clock[0])
-    grid = calibrate.Grid(chunk=4096, prefill_lens=(10, 20, 30, 40, 50, 60, 70, 80), decode_batches=(),
-                          decode_contexts=(), decode_steps=1, repeats=5)
+    grid = calibrate.Grid(
+        chunk=4096,
+        prefill_lens=(10, 20, 30, 40, 50, 60, 70, 80),
+        decode_batches=(),
+        decode_contexts=(),
+        decode_steps=1,
+        repeats=5,
+    )
     engine = _FakeEngine(clock, spell=(3, 12))  # steps 0-1 are the warm-ups; 9 slow steps follow
     ms = calibrate.measure(engine, grid, statistic="fastest")
     assert sorted(m["num_tokens"] for m in ms) == [10, 20, 30, 40, 50, 60, 70, 80]

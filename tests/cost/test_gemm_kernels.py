@@ -38,8 +38,12 @@ def test_catalog_fits_reproduce_their_measurements(name):
     assert hw.kernels is not None
     for dtype, eff in hw.kernels.gemm.items():
         points = fit.h200_points(dtype) if name == "h200" else fit.vidur_points(name[:4])[0]
-        errs = [abs(e) for e in fit.errors_pct(eff, points, fit.WEIGHT_BYTES[dtype], hw.peak_flops_per_s(dtype),
-                                               hw.bandwidth_bytes_per_s)]
+        errs = [
+            abs(e)
+            for e in fit.errors_pct(
+                eff, points, fit.WEIGHT_BYTES[dtype], hw.peak_flops_per_s(dtype), hw.bandwidth_bytes_per_s
+            )
+        ]
         recorded = hw.kernels.residuals[dtype]
         assert recorded["points"] == len(points) > 200
         assert statistics.median(errs) == pytest.approx(recorded["median_abs_error_pct"], abs=0.06)
@@ -54,11 +58,20 @@ def test_short_prompt_costs_more_than_one_weight_stream():
     fit = _fit_module()
     h100 = get_hardware("h100-sxm")
     eff = h100.kernels.for_dtype("bf16")
-    rows = [p for p in fit.vidur_points("h100")[0] if (p[2], p[3]) in
-            {(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)}]  # Llama 2 7B at TP1
+    rows = [
+        p
+        for p in fit.vidur_points("h100")[0]
+        if (p[2], p[3]) in {(12288, 4096), (4096, 4096), (22016, 4096), (4096, 11008)}
+    ]  # Llama 2 7B at TP1
     measured = {m: sum(t for _, mm, _, _, t in rows if mm == m) for m in (1, 128)}
-    predicted = {m: sum(gemm_time_s(eff, m, n, k, 2.0, h100.peak_flops_per_s(), h100.bandwidth_bytes_per_s)
-                        for _, mm, n, k, _ in rows if mm == m) for m in (1, 128)}
+    predicted = {
+        m: sum(
+            gemm_time_s(eff, m, n, k, 2.0, h100.peak_flops_per_s(), h100.bandwidth_bytes_per_s)
+            for _, mm, n, k, _ in rows
+            if mm == m
+        )
+        for m in (1, 128)
+    }
     margin = measured[128] / measured[1]
     assert margin > 1.1
     assert predicted[128] / predicted[1] == pytest.approx(margin, abs=0.06)
@@ -69,8 +82,9 @@ def test_short_prompt_costs_more_than_one_weight_stream():
 
 
 def test_the_crossover_is_smooth_and_tiles_pad():
-    eff = GemmEfficiency(bandwidth_fraction=0.9, compute_fraction=0.7, sharpness=2.0, tile_tokens=64,
-                         kernel_overhead_s=0.0)
+    eff = GemmEfficiency(
+        bandwidth_fraction=0.9, compute_fraction=0.7, sharpness=2.0, tile_tokens=64, kernel_overhead_s=0.0
+    )
     assert padded_tokens(1, 64) == 64 and padded_tokens(65, 64) == 128 and padded_tokens(64, 64) == 64
     args = (4096, 4096, 2.0, 1e15, 4e12)
     memory_s = 4096 * 4096 * 2.0 / (4e12 * 0.9)
@@ -78,7 +92,7 @@ def test_the_crossover_is_smooth_and_tiles_pad():
     assert t > memory_s  # above the larger of the two sides where they are close
     compute_tile_s = 2 * 64 * 4096 * 4096 / (1e15 * 0.7)
     # a new tile costs a whole tile: 65 tokens pay the FLOPs of 128
-    assert gemm_time_s(eff, 65, *args) > (memory_s ** 2 + (2 * compute_tile_s) ** 2) ** 0.5 * 0.999
+    assert gemm_time_s(eff, 65, *args) > (memory_s**2 + (2 * compute_tile_s) ** 2) ** 0.5 * 0.999
     assert gemm_time_s(eff, 0, *args) == 0.0
 
 
@@ -93,13 +107,16 @@ def test_every_catalog_entry_says_where_its_parameters_come_from():
     assert {n for n, hw in HARDWARE.items() if hw.kernels} == {"a100-80gb", "h100-sxm", "h200"}
 
 
-@pytest.mark.parametrize(("model", "hardware", "dtype", "tp", "measured"), [
-    ("llama-3.1-8b", "h100-sxm", "bfloat16", 1, True),
-    ("llama-3.1-70b", "h200", "fp8", 4, True),
-    ("mixtral-8x7b", "a100-80gb", "bfloat16", 2, True),
-    ("llama-3.1-8b", "a100-80gb", "int8", 1, False),  # no measured int8 kernels
-    ("llama-3.1-8b", "l40s", "bfloat16", 1, False),
-])
+@pytest.mark.parametrize(
+    ("model", "hardware", "dtype", "tp", "measured"),
+    [
+        ("llama-3.1-8b", "h100-sxm", "bfloat16", 1, True),
+        ("llama-3.1-70b", "h200", "fp8", 4, True),
+        ("mixtral-8x7b", "a100-80gb", "bfloat16", 2, True),
+        ("llama-3.1-8b", "a100-80gb", "int8", 1, False),  # no measured int8 kernels
+        ("llama-3.1-8b", "l40s", "bfloat16", 1, False),
+    ],
+)
 def test_measured_path_adds_up_and_names_its_source(model, hardware, dtype, tp, measured):
     r = Roofline(get_model(model), get_hardware(hardware), weight_dtype=dtype, tp=tp, measured_kernels=True)
     assert (r.gemm is not None) == measured
@@ -112,8 +129,10 @@ def test_measured_path_adds_up_and_names_its_source(model, hardware, dtype, tp, 
 
         def scaled(terms):
             return sum(v / _fraction(eff, k) for k, v in terms.items())
+
         total = max(scaled(compute), scaled(memory)) + sum(
-            v * (1.0 if k == MEASURED_KERNELS_TERM else _value(eff, k)) for k, v in added.items())
+            v * (1.0 if k == MEASURED_KERNELS_TERM else _value(eff, k)) for k, v in added.items()
+        )
         assert total == pytest.approx(r.step_time_s(shape), rel=1e-9)
         assert r.step(shape).time_s == pytest.approx(r.step_time_s(shape), rel=1e-12)
         assert (MEASURED_KERNELS_TERM in added) == measured
@@ -132,8 +151,7 @@ def _value(eff, key):
 
 def test_a_hardware_file_cannot_claim_measured_kernels(tmp_path):
     path = tmp_path / "gpu.json"
-    path.write_text('{"memory_bytes": 1e9, "bandwidth_bytes_per_s": 1e11, "peak_flops": {"bf16": 1e13}, '
-                    '"kernels": {}}')
+    path.write_text('{"memory_bytes": 1e9, "bandwidth_bytes_per_s": 1e11, "peak_flops": {"bf16": 1e13}, "kernels": {}}')
     with pytest.raises(Exception, match="unknown field"):
         get_hardware(str(path))
 

@@ -30,8 +30,9 @@ def test_overlapped_host_costs_max_of_gpu_and_host_serial_costs_the_sum(roofline
     gpu_s = roofline.step_time_s(shape)
     host_s = host.time_s(MODEL.num_layers, len(shape))
     serial = HostOverheadCost(roofline, host, MODEL.num_layers)
-    overlapped = HostOverheadCost(roofline, HostCost(host.step_s, host.per_layer_s, host.per_seq_s, overlapped=True),
-                                  MODEL.num_layers)
+    overlapped = HostOverheadCost(
+        roofline, HostCost(host.step_s, host.per_layer_s, host.per_seq_s, overlapped=True), MODEL.num_layers
+    )
     assert serial.step_time_s(shape) == pytest.approx(gpu_s + host_s, rel=1e-12)
     assert overlapped.step_time_s(shape) == pytest.approx(max(gpu_s, host_s), rel=1e-12)
     # The fast path the simulator takes gives the same time, and step() reports it with the

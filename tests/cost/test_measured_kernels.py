@@ -45,8 +45,10 @@ def test_attention_fits_reproduce_their_measurements(fit, name):
     points = fit.h200_attention_points()[0] if measured_on == "h200" else fit.vidur_attention_points()[0]
     for phase in ("prefill", "decode"):
         pts = [p for p in points if p[0] == phase]
-        errs = [abs(e) for e in fit.attention_errors_pct(k.attention, pts, on.peak_flops_per_s("bf16"),
-                                                         on.bandwidth_bytes_per_s)]
+        errs = [
+            abs(e)
+            for e in fit.attention_errors_pct(k.attention, pts, on.peak_flops_per_s("bf16"), on.bandwidth_bytes_per_s)
+        ]
         recorded = k.attention_residuals[phase]
         assert recorded["points"] == len(pts) >= 8
         assert statistics.median(errs) == pytest.approx(recorded["median_abs_error_pct"], abs=0.06)
@@ -79,8 +81,9 @@ def test_the_roofline_runs_one_measured_attention_call_per_layer(shape, prefill)
     totals = Roofline.totals(shape)
     flops = totals[3] * 4.0 * model.num_heads * model.head_dim
     kv_bytes = totals[2] * r.kv_bytes_per_token / model.num_layers
-    per_layer = attention_time_s(h100.kernels.attention, flops, kv_bytes, prefill, h100.peak_flops_per_s("bf16"),
-                                 h100.bandwidth_bytes_per_s)
+    per_layer = attention_time_s(
+        h100.kernels.attention, flops, kv_bytes, prefill, h100.peak_flops_per_s("bf16"), h100.bandwidth_bytes_per_s
+    )
     assert r._attention_s(*totals) == pytest.approx(model.num_layers * per_layer, rel=1e-12)
 
 
@@ -103,8 +106,11 @@ def test_collective_fits_reproduce_their_measurements(fit, name):
 def test_all_reduce_grows_with_the_message_as_measured(fit, topology_of, workers):
     profile = HARDWARE[topology_of].kernels.collectives
     f = profile.all_reduce(workers)
-    (table,) = [t for t in json.loads(fit.VIDUR.read_text())["network"]
-                if t["topology"] == profile.topology and t["op"] == "all_reduce"]
+    (table,) = [
+        t
+        for t in json.loads(fit.VIDUR.read_text())["network"]
+        if t["topology"] == profile.topology and t["op"] == "all_reduce"
+    ]
     rows = dict(sorted((size, t) for w, per_node, size, t in table["rows"] if w == per_node == workers))
     sizes = sorted(rows)
     assert all(f.time_s(a) < f.time_s(b) for a, b in zip(sizes, sizes[1:]))
@@ -144,25 +150,34 @@ def test_host_overhead_is_one_engines_data_with_provenance(fit):
 
 
 # ---- extrapolation ---------------------------------------------------------------------------------
-@pytest.mark.parametrize(("model", "hardware", "tp"), [
-    ("llama-3.1-8b", "h100-sxm", 1), ("llama-3.1-8b", "h200", 2), ("llama-3.1-70b", "h200", 8),
-    ("llama-2-7b", "a100-80gb", 4), ("mixtral-8x7b", "a100-80gb", 2),
-])
+@pytest.mark.parametrize(
+    ("model", "hardware", "tp"),
+    [
+        ("llama-3.1-8b", "h100-sxm", 1),
+        ("llama-3.1-8b", "h200", 2),
+        ("llama-3.1-70b", "h200", 8),
+        ("llama-2-7b", "a100-80gb", 4),
+        ("mixtral-8x7b", "a100-80gb", 2),
+    ],
+)
 def test_a_measured_deployment_does_not_extrapolate(model, hardware, tp):
     assert extrapolation(get_model(model), get_hardware(hardware), "bfloat16", "bfloat16", tp) == ()
     assert Roofline(get_model(model), get_hardware(hardware), tp=tp).extrapolation == ()
 
 
-@pytest.mark.parametrize(("hardware", "weight", "kv", "model", "needle"), [
-    ("l4", "bfloat16", "bfloat16", "llama-3.1-8b", "l4 has no measured kernels"),
-    ("mi300x", "bfloat16", "bfloat16", "llama-3.1-8b", "mi300x has no measured kernels"),
-    ("b200", "fp8", "fp8", "llama-3.1-8b", "b200 has no measured kernels"),
-    ("h200", "int4", "bfloat16", "llama-3.1-8b", "no measured int4 kernels on h200"),
-    ("a100-80gb", "fp8", "bfloat16", "llama-3.1-8b", "no measured fp8 kernels on a100-80gb"),
-    ("h200", "fp8", "fp8", "llama-3.1-8b", "fp8 KV cache"),
-    ("h200", "bfloat16", "bfloat16", "smollm2-135m", "head_dim 64"),
-    ("h200", "bfloat16", "bfloat16", "smollm2-135m", "outside the measured GEMMs"),
-])
+@pytest.mark.parametrize(
+    ("hardware", "weight", "kv", "model", "needle"),
+    [
+        ("l4", "bfloat16", "bfloat16", "llama-3.1-8b", "l4 has no measured kernels"),
+        ("mi300x", "bfloat16", "bfloat16", "llama-3.1-8b", "mi300x has no measured kernels"),
+        ("b200", "fp8", "fp8", "llama-3.1-8b", "b200 has no measured kernels"),
+        ("h200", "int4", "bfloat16", "llama-3.1-8b", "no measured int4 kernels on h200"),
+        ("a100-80gb", "fp8", "bfloat16", "llama-3.1-8b", "no measured fp8 kernels on a100-80gb"),
+        ("h200", "fp8", "fp8", "llama-3.1-8b", "fp8 KV cache"),
+        ("h200", "bfloat16", "bfloat16", "smollm2-135m", "head_dim 64"),
+        ("h200", "bfloat16", "bfloat16", "smollm2-135m", "outside the measured GEMMs"),
+    ],
+)
 def test_an_unmeasured_deployment_says_it_extrapolates(hardware, weight, kv, model, needle):
     reasons = Roofline(get_model(model), get_hardware(hardware), weight_dtype=weight, kv_dtype=kv).extrapolation
     assert any(needle in r for r in reasons), reasons

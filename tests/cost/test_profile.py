@@ -7,12 +7,18 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from servelab.cost.profile import (PROFILE_FORMAT, PROFILE_VERSION, TERMS, KernelRows, ProfileStepCost, fit,
-                                   load_profile)
+from servelab.cost.profile import PROFILE_FORMAT, PROFILE_VERSION, TERMS, KernelRows, ProfileStepCost, fit, load_profile
 from servelab.cost.roofline import Roofline
 from servelab.errors import InvalidArgument
 
-KNOWN = {"per_step_s": 2e-3, "per_prefill_step_s": 6e-3, "per_token_s": 5e-5, "per_seq_s": 1e-4, "per_context_token_s": 2e-7, "per_pair_s": 1e-8}
+KNOWN = {
+    "per_step_s": 2e-3,
+    "per_prefill_step_s": 6e-3,
+    "per_token_s": 5e-5,
+    "per_seq_s": 1e-4,
+    "per_context_token_s": 2e-7,
+    "per_pair_s": 1e-8,
+}
 
 
 def profile_dict(coefs=KNOWN, model="smollm2-135m"):
@@ -40,8 +46,10 @@ def test_fit_recovers_known_coefficients():
 
 def test_fit_keeps_coefficients_non_negative():
     # Times that fall with context would want a negative slope: NNLS clamps it to 0.
-    ms = [{"num_tokens": 1, "num_seqs": 1, "context_tokens": c, "pairs": c, "time_s": 1e-2 - c * 1e-6}
-          for c in range(100, 2000, 50)]
+    ms = [
+        {"num_tokens": 1, "num_seqs": 1, "context_tokens": c, "pairs": c, "time_s": 1e-2 - c * 1e-6}
+        for c in range(100, 2000, 50)
+    ]
     coefs = fit(ms)["coefficients"]
     assert all(v >= 0 for v in coefs.values()) and coefs["per_context_token_s"] == 0
 
@@ -53,8 +61,14 @@ def test_step_time_equals_formula_and_totals_path(pairs):
     cost = ProfileStepCost(**KNOWN)
     t, s, c, p = Roofline.totals(shape)
     prefill = any(q > 1 for q, _ in shape)  # the engine's per-op path: a step with any prompt token
-    formula = (KNOWN["per_step_s"] + KNOWN["per_prefill_step_s"] * prefill + KNOWN["per_token_s"] * t
-               + KNOWN["per_seq_s"] * s + KNOWN["per_context_token_s"] * c + KNOWN["per_pair_s"] * p)
+    formula = (
+        KNOWN["per_step_s"]
+        + KNOWN["per_prefill_step_s"] * prefill
+        + KNOWN["per_token_s"] * t
+        + KNOWN["per_seq_s"] * s
+        + KNOWN["per_context_token_s"] * c
+        + KNOWN["per_pair_s"] * p
+    )
     assert cost.step_time_s(shape) == pytest.approx(formula, rel=1e-12)
     assert cost.time_from_totals(t, s, c, p) == cost.step_time_s(shape)
     assert cost.step(shape).time_s == cost.step_time_s(shape)
@@ -84,7 +98,6 @@ def test_load_profile_errors(tmp_path, capsys):
     assert set(TERMS) == set(KNOWN) | set(SWITCHES)
 
 
-
 def test_load_profile_rejects_binary_files_and_non_finite_values(tmp_path):
     path = tmp_path / "p.json"
     path.write_bytes(b"\xff\xfe\x00\x01binary")
@@ -98,6 +111,7 @@ def test_load_profile_rejects_binary_files_and_non_finite_values(tmp_path):
     with pytest.raises(InvalidArgument, match="server.per_step_s must be a finite number"):
         load_profile(str(path))
 
+
 def test_a_profile_from_before_the_prefill_term_loads_and_prices_as_it_did(tmp_path):
     old = {k: v for k, v in KNOWN.items() if k != "per_prefill_step_s"}
     path = tmp_path / "old.json"
@@ -106,8 +120,13 @@ def test_a_profile_from_before_the_prefill_term_loads_and_prices_as_it_did(tmp_p
     assert cost.per_prefill_step_s == 0.0
     for shape in ([(64, 64)], [(1, 300)] * 3, [(1, 300)] * 3 + [(16, 16)]):
         t, s, c, p = Roofline.totals(shape)
-        assert cost.step_time_s(shape) == pytest.approx(old["per_step_s"] + old["per_token_s"] * t + old["per_seq_s"] * s
-                                                        + old["per_context_token_s"] * c + old["per_pair_s"] * p)
+        assert cost.step_time_s(shape) == pytest.approx(
+            old["per_step_s"]
+            + old["per_token_s"] * t
+            + old["per_seq_s"] * s
+            + old["per_context_token_s"] * c
+            + old["per_pair_s"] * p
+        )
     assert "one form for decode-only and prefill steps" in cost.describe()
 
 
@@ -164,9 +183,16 @@ def test_an_old_per_token_serving_term_is_priced_per_sequence_and_named(tmp_path
         load_profile(str(path))
 
 
-TP_TERM = {"ranks": 2, "backend": "gloo", "allreduce_latency_s": 500e-6, "allreduce_bytes_per_s": 500e6,
-           "collectives_per_step": 62, "hidden_allreduces_per_step": 61, "bytes_per_token": 576 * 4,
-           "compute_scales_with_ranks": False}
+TP_TERM = {
+    "ranks": 2,
+    "backend": "gloo",
+    "allreduce_latency_s": 500e-6,
+    "allreduce_bytes_per_s": 500e6,
+    "collectives_per_step": 62,
+    "hidden_allreduces_per_step": 61,
+    "bytes_per_token": 576 * 4,
+    "compute_scales_with_ranks": False,
+}
 
 
 def test_fit_allreduce_recovers_latency_and_bandwidth():
@@ -193,14 +219,19 @@ def test_profile_step_cost_moves_the_communication_between_tp_sizes():
     with_term = {**tp1, "tp": TP_TERM}
     at2 = profile_step_cost(with_term, 2)
     # a CPU host's ranks share its cores: the engine's compute stays, the all-reduces add
-    assert at2.step_time_s(shape) == pytest.approx(ProfileStepCost.from_profile(tp1).step_time_s(shape)
-                                                   + comm_step + 4 * comm_token, rel=1e-12)
+    assert at2.step_time_s(shape) == pytest.approx(
+        ProfileStepCost.from_profile(tp1).step_time_s(shape) + comm_step + 4 * comm_token, rel=1e-12
+    )
     # calibrated at TP=2 (the all-reduces inside the fit): TP=1 takes them out again
-    calibrated_at2 = {**with_term, "engine_flags": {"tensor_parallel_size": 2},
-                      "fit": {"coefficients": {k: getattr(at2, k) for k in KNOWN}}}
+    calibrated_at2 = {
+        **with_term,
+        "engine_flags": {"tensor_parallel_size": 2},
+        "fit": {"coefficients": {k: getattr(at2, k) for k in KNOWN}},
+    }
     assert profile_step_cost(calibrated_at2, 2) == at2
     assert profile_step_cost(calibrated_at2, 1).step_time_s(shape) == pytest.approx(
-        ProfileStepCost.from_profile(tp1).step_time_s(shape), rel=1e-9)
+        ProfileStepCost.from_profile(tp1).step_time_s(shape), rel=1e-9
+    )
     # ranks with a device each: compute splits between them; 4 ranks move 1.5x a 2-rank ring's bytes
     gpus = {**tp1, "tp": {**TP_TERM, "compute_scales_with_ranks": True}}
     at4 = profile_step_cost(gpus, 4)
@@ -258,7 +289,8 @@ def test_a_switch_no_measured_step_went_past_is_not_fitted():
     cost = ProfileStepCost.from_profile({**profile_dict(result["coefficients"]), "kernel_rows": result["kernel_rows"]})
     c = result["coefficients"]
     assert cost.step_time_s([(128, 128)] * 16) - cost.step_time_s([(128, 128)] * 8) == pytest.approx(
-        8 * (128 * c["per_token_s"] + c["per_seq_s"] + 128 * c["per_context_token_s"] + 8256 * c["per_pair_s"]))
+        8 * (128 * c["per_token_s"] + c["per_seq_s"] + 128 * c["per_context_token_s"] + 8256 * c["per_pair_s"])
+    )
     assert c["per_token_s"] > 0
 
 
@@ -271,29 +303,46 @@ def test_kernel_switches_price_the_engine_paths():
     at_r, past_r = [(128, 128)], [(128, 128)] * 16  # 2048 tokens: 1920 of them past R, at the MKL slope
     assert cost.step_time_s(at_r) == pytest.approx(flat.step_time_s(at_r) + SWITCHES["per_wide_step_s"], rel=1e-12)
     assert cost.step_time_s(past_r) == pytest.approx(
-        flat.step_time_s(past_r) + SWITCHES["per_wide_step_s"] + SWITCHES["per_dense_step_s"]
-        + 1920 * (SWITCHES["per_dense_token_s"] - KNOWN["per_token_s"]), rel=1e-12)
+        flat.step_time_s(past_r)
+        + SWITCHES["per_wide_step_s"]
+        + SWITCHES["per_dense_step_s"]
+        + 1920 * (SWITCHES["per_dense_token_s"] - KNOWN["per_token_s"]),
+        rel=1e-12,
+    )
     # a decode batch over R leaves the one-call decode stack: it pays the per-op path too
     big = [(1, 100)] * 130
     assert cost.step_time_s(big) == pytest.approx(
-        flat.step_time_s(big) + KNOWN["per_prefill_step_s"] + SWITCHES["per_wide_step_s"] + SWITCHES["per_dense_step_s"]
-        + 2 * (SWITCHES["per_dense_token_s"] - KNOWN["per_token_s"]), rel=1e-12)
-    assert cost.step(big).overhead_s == pytest.approx(KNOWN["per_step_s"] + KNOWN["per_prefill_step_s"]
-                                                      + SWITCHES["per_wide_step_s"] + SWITCHES["per_dense_step_s"])
+        flat.step_time_s(big)
+        + KNOWN["per_prefill_step_s"]
+        + SWITCHES["per_wide_step_s"]
+        + SWITCHES["per_dense_step_s"]
+        + 2 * (SWITCHES["per_dense_token_s"] - KNOWN["per_token_s"]),
+        rel=1e-12,
+    )
+    assert cost.step(big).overhead_s == pytest.approx(
+        KNOWN["per_step_s"] + KNOWN["per_prefill_step_s"] + SWITCHES["per_wide_step_s"] + SWITCHES["per_dense_step_s"]
+    )
     assert "kernel switches: +9.00 ms over 4 rows, +4.00 ms and 0.020 ms a token over 128 rows" in cost.describe()
 
 
 def test_a_profile_with_kernel_rows_loads_and_one_from_before_prices_as_it_did(tmp_path):
     path = tmp_path / "p.json"
-    path.write_text(json.dumps({**profile_dict({**KNOWN, **SWITCHES}), "kernel_rows": {"fused_max_rows": 4,
-                                                                                       "max_rows": 128}}))
+    path.write_text(
+        json.dumps({**profile_dict({**KNOWN, **SWITCHES}), "kernel_rows": {"fused_max_rows": 4, "max_rows": 128}})
+    )
     cost = ProfileStepCost.from_profile(load_profile(str(path)))
     assert (cost.fused_max_rows, cost.max_rows, cost.per_dense_token_s) == (4, 128, 2e-5)
     # written before kernel_rows: the switch terms are absent and every token is priced per_token_s
     old = ProfileStepCost.from_profile(profile_dict())
     assert old.kernel_rows == KernelRows() and old.step_time_s([(128, 128)] * 16) == pytest.approx(
-        KNOWN["per_step_s"] + KNOWN["per_prefill_step_s"] + 2048 * KNOWN["per_token_s"] + 16 * KNOWN["per_seq_s"]
-        + 2048 * KNOWN["per_context_token_s"] + 16 * 128 * 129 / 2 * KNOWN["per_pair_s"], rel=1e-12)
+        KNOWN["per_step_s"]
+        + KNOWN["per_prefill_step_s"]
+        + 2048 * KNOWN["per_token_s"]
+        + 16 * KNOWN["per_seq_s"]
+        + 2048 * KNOWN["per_context_token_s"]
+        + 16 * 128 * 129 / 2 * KNOWN["per_pair_s"],
+        rel=1e-12,
+    )
     for bad in ({"fused_max_rows": 0, "max_rows": 128}, {"fused_max_rows": 4, "max_rows": "many"}, [4, 128]):
         path.write_text(json.dumps({**profile_dict(), "kernel_rows": bad}))
         with pytest.raises(InvalidArgument, match=r"kernel_rows\.\w+ must be a row count >= 1 or null"):

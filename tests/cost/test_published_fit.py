@@ -36,15 +36,21 @@ def fitted() -> Efficiency:
 
 def test_the_fit_reproduces_the_committed_defaults(fitted):
     committed, refit = Efficiency(), fp.rounded(fitted)
-    drift = {k: (fp.get_param(committed, k), fp.get_param(refit, k)) for k in fp.PARAMS
-             if not math.isclose(fp.get_param(committed, k), fp.get_param(refit, k), rel_tol=1e-9)}
+    drift = {
+        k: (fp.get_param(committed, k), fp.get_param(refit, k))
+        for k in fp.PARAMS
+        if not math.isclose(fp.get_param(committed, k), fp.get_param(refit, k), rel_tol=1e-9)
+    }
     assert not drift, f"Efficiency defaults differ from the fit (committed, fitted): {drift}"
 
 
 def test_the_measured_kernel_terms_are_the_refit_on_top_of_the_kernels():
     committed, refit = MEASURED_KERNELS_EFFICIENCY, fp.rounded(fp.fit(TRAIN, measured=True))
-    drift = {k: (fp.get_param(committed, k), fp.get_param(refit, k)) for k in fp.PARAMS
-             if not math.isclose(fp.get_param(committed, k), fp.get_param(refit, k), rel_tol=1e-9)}
+    drift = {
+        k: (fp.get_param(committed, k), fp.get_param(refit, k))
+        for k in fp.PARAMS
+        if not math.isclose(fp.get_param(committed, k), fp.get_param(refit, k), rel_tol=1e-9)
+    }
     assert not drift, f"MEASURED_KERNELS_EFFICIENCY differs from the fit (committed, fitted): {drift}"
 
 
@@ -63,9 +69,14 @@ def test_the_default_is_the_better_of_the_two_on_the_test_set():
 
 
 def test_the_fit_does_not_depend_on_where_it_starts(fitted):
-    seed_era = Efficiency(bandwidth_fraction=0.7, compute_fraction=0.6, step_overhead_s=1.5e-4, per_layer_overhead_s=0.0,
-                          allreduce_latency_s=5e-6,
-                          formats={f: FormatEfficiency(0.7, 0.6) for f in fp.FORMATS})
+    seed_era = Efficiency(
+        bandwidth_fraction=0.7,
+        compute_fraction=0.6,
+        step_overhead_s=1.5e-4,
+        per_layer_overhead_s=0.0,
+        allreduce_latency_s=5e-6,
+        formats={f: FormatEfficiency(0.7, 0.6) for f in fp.FORMATS},
+    )
     assert fp.rounded(fp.fit(TRAIN, start=seed_era)) == fp.rounded(fitted)
 
 
@@ -106,20 +117,30 @@ fractions = st.floats(0.05, 1.0)
 @st.composite
 def efficiencies(draw) -> Efficiency:
     return Efficiency(
-        bandwidth_fraction=draw(fractions), compute_fraction=draw(fractions),
-        step_overhead_s=draw(st.floats(0, 1e-3)), per_layer_overhead_s=draw(st.floats(0, 1e-4)),
+        bandwidth_fraction=draw(fractions),
+        compute_fraction=draw(fractions),
+        step_overhead_s=draw(st.floats(0, 1e-3)),
+        per_layer_overhead_s=draw(st.floats(0, 1e-4)),
         per_seq_overhead_s=draw(st.floats(0, 1e-4)),
-        interconnect_fraction=draw(fractions), allreduce_latency_s=draw(st.floats(0, 2e-5)),
-        formats={f: FormatEfficiency(draw(fractions), draw(fractions)) for f in fp.FORMATS})
+        interconnect_fraction=draw(fractions),
+        allreduce_latency_s=draw(st.floats(0, 2e-5)),
+        formats={f: FormatEfficiency(draw(fractions), draw(fractions)) for f in fp.FORMATS},
+    )
 
 
-shapes = st.lists(st.tuples(st.integers(1, 600), st.integers(0, 3000)).map(lambda qc: (qc[0], qc[0] + qc[1])),
-                  min_size=1, max_size=12)
+shapes = st.lists(
+    st.tuples(st.integers(1, 600), st.integers(0, 3000)).map(lambda qc: (qc[0], qc[0] + qc[1])), min_size=1, max_size=12
+)
 
 
 @settings(max_examples=150, deadline=None)
-@given(eff=efficiencies(), shape=shapes, model=st.sampled_from(MODELS), tp=st.sampled_from([1, 2, 8]),
-       dtype=st.sampled_from(["bf16", "fp8", "int8", "int4", "q4_0"]))
+@given(
+    eff=efficiencies(),
+    shape=shapes,
+    model=st.sampled_from(MODELS),
+    tp=st.sampled_from([1, 2, 8]),
+    dtype=st.sampled_from(["bf16", "fp8", "int8", "int4", "q4_0"]),
+)
 def test_time_terms_add_up_to_the_step_time(eff, shape, model, tp, dtype):
     r = Roofline(get_model(model), H100, weight_dtype=dtype, tp=tp, efficiency=eff)
     totals = Roofline.totals(shape)
@@ -155,7 +176,8 @@ def test_per_layer_cost_grows_with_depth(shape, extra):
 @given(shape=decode_batches, extra=st.floats(1e-7, 1e-4))
 def test_per_sequence_cost_grows_with_the_batch(shape, extra):
     assert price(shape, per_seq_overhead_s=extra) - price(shape, per_seq_overhead_s=0.0) == pytest.approx(
-        len(shape) * extra, rel=1e-6)
+        len(shape) * extra, rel=1e-6
+    )
 
 
 @settings(max_examples=40, deadline=None)
@@ -180,9 +202,13 @@ def test_a_formats_kernel_efficiency_prices_only_that_format(shape, dtype, frac)
     memory_bound = r.step(shape).bound == "memory"
     base, slower = price(shape, dtype=dtype), price(shape, dtype=dtype, formats=slower_bw)
     assert slower > base if memory_bound else slower >= base
-    fast = Roofline(get_model("llama-3.1-8b"), H100, weight_dtype=dtype,
-                    efficiency=replace(Efficiency(), formats=faster_compute))
-    slow_c, fast_c = price(shape, dtype=dtype, formats=slower_compute), price(shape, dtype=dtype, formats=faster_compute)
+    fast = Roofline(
+        get_model("llama-3.1-8b"), H100, weight_dtype=dtype, efficiency=replace(Efficiency(), formats=faster_compute)
+    )
+    slow_c, fast_c = (
+        price(shape, dtype=dtype, formats=slower_compute),
+        price(shape, dtype=dtype, formats=faster_compute),
+    )
     assert slow_c > fast_c if fast.step(shape).bound == "compute" else slow_c >= fast_c
     for other in ("bf16", "fp16", "q4_0"):  # formats without an entry keep the 16-bit fractions
         assert price(shape, dtype=other, formats=slower_bw) == price(shape, dtype=other)
@@ -191,10 +217,15 @@ def test_a_formats_kernel_efficiency_prices_only_that_format(shape, dtype, frac)
 
 def test_quantized_formats_are_priced_by_their_own_fractions():
     # at batch 1 every format is memory-bound: its weight stream runs at its own fraction
-    r = {d: Roofline(get_model("llama-2-7b"), get_hardware("a100-80gb"), weight_dtype=d) for d in ("bf16", "int8", "int4")}
+    r = {
+        d: Roofline(get_model("llama-2-7b"), get_hardware("a100-80gb"), weight_dtype=d)
+        for d in ("bf16", "int8", "int4")
+    }
     eff = Efficiency()
     weights = {d: r[d].decode(1, 64).weight_bytes for d in r}
-    assert weights["int8"] == pytest.approx(weights["bf16"] / 2) and weights["int4"] == pytest.approx(weights["bf16"] / 4)
+    assert weights["int8"] == pytest.approx(weights["bf16"] / 2) and weights["int4"] == pytest.approx(
+        weights["bf16"] / 4
+    )
     t = {d: r[d].decode(1, 64).memory_time_s for d in r}
     kv_act = t["bf16"] - weights["bf16"] / (r["bf16"].peak_bandwidth_bytes_per_s * eff.bandwidth_fraction)
     for d in ("int8", "int4"):

@@ -79,12 +79,22 @@ def test_breakdown_is_consistent():
 def test_efficiencies_are_explicit_parameters():
     base = Roofline(LLAMA8B, H100)
     slower = Roofline(LLAMA8B, H100, efficiency=Efficiency(bandwidth_fraction=base.efficiency.bandwidth_fraction / 2))
-    fast = Roofline(LLAMA8B, H100, efficiency=Efficiency(bandwidth_fraction=1.0, compute_fraction=1.0, step_overhead_s=0.0,
-                                                         per_layer_overhead_s=0.0, per_seq_overhead_s=0.0))
+    fast = Roofline(
+        LLAMA8B,
+        H100,
+        efficiency=Efficiency(
+            bandwidth_fraction=1.0,
+            compute_fraction=1.0,
+            step_overhead_s=0.0,
+            per_layer_overhead_s=0.0,
+            per_seq_overhead_s=0.0,
+        ),
+    )
     assert fast.decode(1, 1).time_s == pytest.approx(fast.decode(1, 1).peak_memory_time_s)
     assert slower.decode(1, 1).memory_time_s == pytest.approx(2 * base.decode(1, 1).memory_time_s)
-    layered = Roofline(LLAMA8B, H100, efficiency=Efficiency(per_layer_overhead_s=1e-5, step_overhead_s=0.0,
-                                                            per_seq_overhead_s=0.0))
+    layered = Roofline(
+        LLAMA8B, H100, efficiency=Efficiency(per_layer_overhead_s=1e-5, step_overhead_s=0.0, per_seq_overhead_s=0.0)
+    )
     assert layered.decode(1, 1).overhead_s == pytest.approx(32 * 1e-5)
     with pytest.raises(InvalidArgument, match="bandwidth_fraction"):
         Efficiency(bandwidth_fraction=1.5)

@@ -21,9 +21,15 @@ def bundled_engine(max_model_len: int, max_num_batched_tokens: int):
         path = bundled_model_path()
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"bundled model unavailable: {e}")
-    engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=str(path), dtype="float32", max_model_len=max_model_len,
-                                                        max_num_batched_tokens=max_num_batched_tokens,
-                                                        enable_prefix_caching=False))
+    engine = LLMEngine.from_args(
+        EngineArgs.from_kwargs(
+            model=str(path),
+            dtype="float32",
+            max_model_len=max_model_len,
+            max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=False,
+        )
+    )
     stack = engine.executor.model.decode_stack
     if stack is None:
         engine.close()

@@ -38,7 +38,9 @@ def _packed(fmt: str, out_features: int, in_features: int, seed: int) -> tuple[t
         block_bytes, f16_at = K_QUANTS[fmt]
         raw = rng.integers(0, 256, size=(out_features * in_features // 256, block_bytes), dtype=np.uint8)
         for at in f16_at:
-            raw[:, at : at + 2] = rng.uniform(0.001, 0.05, size=len(raw)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+            raw[:, at : at + 2] = (
+                rng.uniform(0.001, 0.05, size=len(raw)).astype(np.float16).view(np.uint8).reshape(-1, 2)
+            )
         raw = raw.reshape(out_features, -1)
     else:
         w = (rng.standard_normal((out_features, in_features)) * 0.05 + rng.uniform(-0.02, 0.02)).astype(np.float32)
@@ -117,7 +119,9 @@ def test_a_linear_packed_without_its_fp32_copy_expands_it_where_a_step_needs_it(
     name, kernels = isa_kernels
     avx2 = native.native_kernels("avx2")
     if block_quant.max_rows(kernels) is not None or avx2 is None:
-        pytest.skip(f"needs kernels without the MKL switch (a native AVX-512 level) and avx2; {name} is {kernels.level}")
+        pytest.skip(
+            f"needs kernels without the MKL switch (a native AVX-512 level) and avx2; {name} is {kernels.level}"
+        )
     raw, dense = _packed("Q4_1", 40, 64, seed=3)
     linear = replace(block_quant.pack(dense, [(3, raw)], kernels), kernels=avx2)
     assert linear.dense is None
@@ -146,6 +150,7 @@ def test_parts_in_different_formats_pack_as_segments(kernel, formats, in_feature
 
 def test_parts_that_cannot_be_packed_stay_dense(kernel):
     raw8, dense8 = _packed("Q8_0", 4, 64, seed=2)
+
     def stays_dense(linear) -> bool:
         return isinstance(linear, DenseLinear) and linear.weight is dense8
 
@@ -183,9 +188,24 @@ def test_every_isa_level_reads_the_blocks_as_the_loader_and_matches_fp32(isa_ker
 def _call(kernel, seg, in_features: int, x: torch.Tensor) -> torch.Tensor:
     """One segment through a kernel entry point, as BlockQuantLinear calls it."""
     rows, out_features = x.shape[0], seg.data.shape[0]
-    y, scratch = torch.empty(rows, out_features), torch.empty(2 * block_quant.PANEL_OUTPUTS * in_features + rows * in_features)
-    kernel(seg.fmt, seg.data.data_ptr(), seg.data.shape[1], in_features, out_features, x.data_ptr(), rows, None,
-           y.data_ptr(), out_features, scratch.data_ptr(), 2)
+    y, scratch = (
+        torch.empty(rows, out_features),
+        torch.empty(2 * block_quant.PANEL_OUTPUTS * in_features + rows * in_features),
+    )
+    kernel(
+        seg.fmt,
+        seg.data.data_ptr(),
+        seg.data.shape[1],
+        in_features,
+        out_features,
+        x.data_ptr(),
+        rows,
+        None,
+        y.data_ptr(),
+        out_features,
+        scratch.data_ptr(),
+        2,
+    )
     return y
 
 
@@ -257,8 +277,10 @@ def test_panel_rows_of_any_shape_give_each_row_its_bits_alone(isa_kernels, data,
     grouped = any(seg.fmt == block_quant.Q4_1_G16 for seg in linear.segments)  # the k-major panel past 4 rows
     if block_quant.FUSED_MAX_ROWS < rows <= same_order and not grouped:
         assert torch.equal(default, together), name
-    elif rows > block_quant.FUSED_MAX_ROWS and rows <= (block_quant.max_rows(kernels) or rows) and (
-        grouped or rows > same_order
+    elif (
+        rows > block_quant.FUSED_MAX_ROWS
+        and rows <= (block_quant.max_rows(kernels) or rows)
+        and (grouped or rows > same_order)
     ):
         # from the fewest rows at which each segment takes the kernel it takes here
         first = same_order + 1 if rows > same_order else block_quant.FUSED_MAX_ROWS + 1
@@ -296,7 +318,9 @@ def test_gguf_model_gives_the_same_logits_with_its_packed_weights(kernel, tiny_l
 
 
 def test_fp16_and_hf_models_have_no_packed_weights(tiny_llama, tmp_path):
-    assert all(isinstance(w, DenseLinear) for w in load_model(tiny_llama, dtype=torch.float32).model.layers[0].linears())
+    assert all(
+        isinstance(w, DenseLinear) for w in load_model(tiny_llama, dtype=torch.float32).model.layers[0].linears()
+    )
     path = _write_gguf(tiny_llama, tmp_path / "tiny-f16.gguf", "F16")
     model = load_model(path, dtype=torch.float32).model  # F16 weights stay 16-bit (test_half_linear.py), unpacked
     assert not any(isinstance(w, BlockQuantLinear) for w in [*model.layers[0].linears(), model.lm_head])

@@ -12,18 +12,50 @@ from servelab.cli import main
 
 
 def test_generate_prints_text_and_a_timing_line(tiny_llama, capsys):
-    rc = main(["generate", "--model", str(tiny_llama), "--dtype", "float32", "--prompt", "hello world",
-               "--max-tokens", "6", "--temperature", "0", "--ignore-eos"])
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_llama),
+            "--dtype",
+            "float32",
+            "--prompt",
+            "hello world",
+            "--max-tokens",
+            "6",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     text, timing = out.rstrip("\n").rsplit("\n", 1)
     assert text.strip()
-    assert re.search(r"\d+ prompt \+ 6 output tokens \(length\) \| TTFT [\d.]+ ms \| TPOT [\d.]+ ms \| [\d.]+ tok/s", timing)
+    assert re.search(
+        r"\d+ prompt \+ 6 output tokens \(length\) \| TTFT [\d.]+ ms \| TPOT [\d.]+ ms \| [\d.]+ tok/s", timing
+    )
 
 
 def test_generate_with_a_16_bit_kv_cache_says_so(tiny_llama, capsys):
-    rc = main(["generate", "--model", str(tiny_llama), "--dtype", "float32", "--kv-cache-dtype", "float16",
-               "--prompt", "hello world", "--max-tokens", "3", "--temperature", "0", "--ignore-eos"])
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_llama),
+            "--dtype",
+            "float32",
+            "--kv-cache-dtype",
+            "float16",
+            "--prompt",
+            "hello world",
+            "--max-tokens",
+            "3",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+        ]
+    )
     assert rc == 0
     assert "float32, KV cache float16]" in capsys.readouterr().out
 
@@ -36,8 +68,24 @@ def test_generate_deterministic_says_so(tiny_llama, capsys):
 
 
 def test_generate_json_and_chat_template(tiny_llama, capsys):
-    rc = main(["generate", "--model", str(tiny_llama), "--dtype", "float32", "--prompt", "hi", "--chat", "--json",
-               "--max-tokens", "4", "--temperature", "0", "--ignore-eos"])
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_llama),
+            "--dtype",
+            "float32",
+            "--prompt",
+            "hi",
+            "--chat",
+            "--json",
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+        ]
+    )
     data = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and len(data["token_ids"]) == 4 and data["finish_reason"] == "length"
     assert data["ttft_s"] > 0 and data["e2e_s"] >= data["ttft_s"]
@@ -64,8 +112,21 @@ def test_generate_user_errors_exit_2_with_a_message(tiny_llama, capsys, argv, me
 
 def test_chat_keeps_history_and_resets(tiny_llama, capsys, monkeypatch):
     monkeypatch.setattr("sys.stdin", io.StringIO("hello world\nwhat is the model\n/reset\nfast\n/exit\n"))
-    rc = main(["chat", "--model", str(tiny_llama), "--dtype", "float32", "--max-tokens", "5", "--temperature", "0",
-               "--ignore-eos", "--stats"])
+    rc = main(
+        [
+            "chat",
+            "--model",
+            str(tiny_llama),
+            "--dtype",
+            "float32",
+            "--max-tokens",
+            "5",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--stats",
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0
     assert len([line for line in captured.out.splitlines() if line.strip()]) == 3  # three replies
@@ -77,8 +138,22 @@ def test_chat_keeps_history_and_resets(tiny_llama, capsys, monkeypatch):
 
 def test_generate_replaces_bytes_that_are_not_utf8_and_says_so(tiny_llama, capsys):
     # Python hands argv's undecodable bytes over as lone surrogates (surrogateescape)
-    rc = main(["generate", "--model", str(tiny_llama), "--dtype", "float32", "--prompt", "a\udcffb", "--max-tokens",
-               "2", "--temperature", "0", "--ignore-eos"])
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_llama),
+            "--dtype",
+            "float32",
+            "--prompt",
+            "a\udcffb",
+            "--max-tokens",
+            "2",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 0, err
     assert err.count("U+FFFD") == 1 and "--prompt holds bytes that are not UTF-8" in err and "Traceback" not in err
@@ -88,21 +163,45 @@ def test_chat_replaces_bytes_that_are_not_utf8_once(tiny_llama, capsys, monkeypa
     # a strict stdin (a UTF-8 locale) would raise UnicodeDecodeError; UTF-8 mode gives lone surrogates
     stdin = io.TextIOWrapper(io.BytesIO(b"a\xffb\n\xfe\xfe\n/exit\n"), encoding="utf-8", errors="strict")
     monkeypatch.setattr("sys.stdin", stdin)
-    rc = main(["chat", "--model", str(tiny_llama), "--dtype", "float32", "--max-tokens", "2", "--temperature", "0",
-               "--ignore-eos"])
+    rc = main(
+        [
+            "chat",
+            "--model",
+            str(tiny_llama),
+            "--dtype",
+            "float32",
+            "--max-tokens",
+            "2",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert len([line for line in captured.out.splitlines() if line.strip()]) == 2  # both turns answered
     assert captured.err.count("U+FFFD") == 1 and "your message holds bytes that are not UTF-8" in captured.err
 
 
-def test_chat_survives_a_message_too_long_and_a_conversation_that_outgrew_the_context(tiny_llama, capsys,
-                                                                                      monkeypatch):
+def test_chat_survives_a_message_too_long_and_a_conversation_that_outgrew_the_context(tiny_llama, capsys, monkeypatch):
     # the tiny model's context is 2048 tokens; "word " is about 3 of its tokens
     lines = ["word " * 700, "word " * 400, "word " * 400, "hi", "/exit"]
     monkeypatch.setattr("sys.stdin", io.StringIO("\n".join(lines) + "\n"))
-    rc = main(["chat", "--model", str(tiny_llama), "--dtype", "float32", "--max-tokens", "5", "--temperature", "0",
-               "--ignore-eos", "--stats"])
+    rc = main(
+        [
+            "chat",
+            "--model",
+            str(tiny_llama),
+            "--dtype",
+            "float32",
+            "--max-tokens",
+            "5",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--stats",
+        ]
+    )
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     assert len([line for line in captured.out.splitlines() if line.strip()]) == 2  # the 2nd and 4th got replies

@@ -48,7 +48,10 @@ class _Pool:
         self.kv = PagedKVCache(model.config, blocks, BLOCK, dtype=kv_dtype)
         for t in self.kv.k_layers + self.kv.v_layers:  # unwritten slots compare equal too
             t.zero_()
-        order = torch.randperm(blocks - 1, generator=torch.Generator().manual_seed(len(prompts)))[: per_seq * len(prompts)] + 1
+        order = (
+            torch.randperm(blocks - 1, generator=torch.Generator().manual_seed(len(prompts)))[: per_seq * len(prompts)]
+            + 1
+        )
         self.tables = order.view(len(prompts), per_seq)
         self.model = model
         self.tokens = [list(p) for p in prompts]
@@ -62,9 +65,17 @@ class _Pool:
         for i, toks in enumerate(self.tokens):
             n = len(toks)
             meta = AttentionMetadata(
-                positions=torch.arange(n), slots=torch.tensor([self.slot(i, p) for p in range(n)]), num_decodes=0,
-                block_size=BLOCK, decode_block_table=None, decode_ctx_lens=None, decode_max_ctx=0,
-                decode_ctx_slots=None, decode_mask=None, prefills=[(0, n, 0, None)], logits_indices=torch.tensor([n - 1]),
+                positions=torch.arange(n),
+                slots=torch.tensor([self.slot(i, p) for p in range(n)]),
+                num_decodes=0,
+                block_size=BLOCK,
+                decode_block_table=None,
+                decode_ctx_lens=None,
+                decode_max_ctx=0,
+                decode_ctx_slots=None,
+                decode_mask=None,
+                prefills=[(0, n, 0, None)],
+                logits_indices=torch.tensor([n - 1]),
             )
             last.append(self.model.forward(torch.tensor(toks), meta, self.kv.k_layers, self.kv.v_layers)[-1])
         return last
@@ -75,9 +86,16 @@ class _Pool:
         max_ctx = int(ctx.max())
         slots = torch.tensor([self.slot(i, int(p)) for i, p in enumerate(pos)])
         return AttentionMetadata(
-            positions=pos, slots=slots, num_decodes=len(self.tokens), block_size=BLOCK,
-            decode_block_table=self.tables.contiguous(), decode_ctx_lens=ctx, decode_max_ctx=max_ctx,
-            decode_ctx_slots=None, decode_mask=None, prefills=[],
+            positions=pos,
+            slots=slots,
+            num_decodes=len(self.tokens),
+            block_size=BLOCK,
+            decode_block_table=self.tables.contiguous(),
+            decode_ctx_lens=ctx,
+            decode_max_ctx=max_ctx,
+            decode_ctx_slots=None,
+            decode_mask=None,
+            prefills=[],
             logits_indices=None if every_row else torch.arange(len(self.tokens)),  # None: the stack runs the head
             argmax=argmax,
         )
@@ -137,7 +155,9 @@ def test_stack_gives_the_per_op_bits_on_packed_weights(gguf_models, name, fmt, m
 @pytest.mark.parametrize("name", NATIVE_OPS)
 @pytest.mark.parametrize("odd", [False, True], ids=["hd16", "hd48"])
 @pytest.mark.parametrize("kind", ["int8", "bf16"])
-def test_stack_gives_the_per_op_bits_quantized_and_with_a_16_bit_cache(gguf_models, odd_gguf, name, odd, kind, monkeypatch):
+def test_stack_gives_the_per_op_bits_quantized_and_with_a_16_bit_cache(
+    gguf_models, odd_gguf, name, odd, kind, monkeypatch
+):
     model = load_model(odd_gguf if odd else gguf_models["Q4_1"], dtype=torch.float32).model
     model.use_ops(make_ops_at(name, monkeypatch))
     model.quantize(kind)
@@ -288,5 +308,7 @@ def test_a_token_id_outside_the_vocabulary_raises_on_both_paths(gguf_models):
         model.decode_stack = s
         for bad in (vocab, -1):
             with pytest.raises(IndexError):
-                pool.model.forward(torch.tensor([bad]), pool.decode_meta(every_row=True), pool.kv.k_layers, pool.kv.v_layers)
+                pool.model.forward(
+                    torch.tensor([bad]), pool.decode_meta(every_row=True), pool.kv.k_layers, pool.kv.v_layers
+                )
     model.decode_stack = stack

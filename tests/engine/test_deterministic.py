@@ -130,14 +130,18 @@ def _runs(make, prompts: list[list[int]], max_tokens: int, pressured_blocks: int
 def _tiny(tiny_llama, deterministic: bool, **variant):
     def make(**kwargs):
         return LLMEngine.from_args(
-            EngineArgs.from_kwargs(model=str(tiny_llama), dtype="float32", deterministic=deterministic, block_size=4, **variant, **kwargs)
+            EngineArgs.from_kwargs(
+                model=str(tiny_llama), dtype="float32", deterministic=deterministic, block_size=4, **variant, **kwargs
+            )
         )
 
     return make
 
 
 VARIANTS = {
-    "fp32": {}, "fp16-kv": {"kv_cache_dtype": "float16"}, "int8": {"quantization": "int8"},
+    "fp32": {},
+    "fp16-kv": {"kv_cache_dtype": "float16"},
+    "int8": {"quantization": "int8"},
     "bf16": {"quantization": "bf16"},
 }
 

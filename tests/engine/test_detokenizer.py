@@ -92,6 +92,7 @@ def test_prompt_context_keeps_the_leading_space_of_the_first_output_token():
 
 # ------------------------------------------------------------------------------ StopChecker
 
+
 def feed(checker: StopChecker, pieces: list[str]) -> tuple[str, str | None, int | None]:
     out, stop, offset = [], None, None
     for piece in pieces:

@@ -35,7 +35,10 @@ def _prompts() -> dict[str, list[int]]:
 
 
 def _run(engine, setup=None, prefix: str = "") -> dict[str, tuple[list[int], FinishReason]]:
-    seqs = {prefix + rid: engine.add_request(prefix + rid, ids, _params(i)) for i, (rid, ids) in enumerate(_prompts().items())}
+    seqs = {
+        prefix + rid: engine.add_request(prefix + rid, ids, _params(i))
+        for i, (rid, ids) in enumerate(_prompts().items())
+    }
     if setup is not None:
         setup(engine, seqs[BAD])
     finished = {}
@@ -139,7 +142,9 @@ def test_stop_token_ids_outside_the_vocabulary_are_refused(tiny_engine_factory):
     engine = tiny_engine_factory()
     vocab = engine.vocab_size
     for bad in (vocab, -1):
-        with pytest.raises(InvalidArgument, match=rf"stop_token_ids holds {bad}, outside the vocabulary \[0, {vocab}\)") as err:
+        with pytest.raises(
+            InvalidArgument, match=rf"stop_token_ids holds {bad}, outside the vocabulary \[0, {vocab}\)"
+        ) as err:
             engine.add_request("x", [5, 6, 7], SamplingParams(stop_token_ids=[3, bad], min_tokens=1))
         assert err.value.param == "stop_token_ids"
     assert not engine.has_unfinished()

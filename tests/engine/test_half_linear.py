@@ -146,7 +146,9 @@ def test_an_environment_switch_widens_them_at_load(checkpoints, monkeypatch):
 
 def test_bf16_compute_keeps_the_plain_bf16_path(checkpoints):
     model = load_model(checkpoints["bf16"][0], dtype=torch.bfloat16).model
-    assert all(type(w) is DenseLinear and w.weight.dtype == torch.bfloat16 for layer in model.layers for w in layer.linears())
+    assert all(
+        type(w) is DenseLinear and w.weight.dtype == torch.bfloat16 for layer in model.layers for w in layer.linears()
+    )
 
 
 @pytest.mark.parametrize("ops", NATIVE_OPS)

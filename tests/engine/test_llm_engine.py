@@ -59,8 +59,10 @@ def test_include_stop_str_in_output_keeps_the_stop_string_or_token(engine):
     greedy = {"max_tokens": 30, "temperature": 0, "ignore_eos": True}
     full, ids = _text(engine, "full-ref", PROMPT, SamplingParams(**greedy))
     stop = full[10:13]
-    assert _text(engine, "kept", PROMPT, SamplingParams(**greedy, stop=[stop], include_stop_str_in_output=True))[0] == (
-        full[: full.index(stop) + len(stop)])
+    assert (
+        _text(engine, "kept", PROMPT, SamplingParams(**greedy, stop=[stop], include_stop_str_in_output=True))[0]
+        == (full[: full.index(stop) + len(stop)])
+    )
     # a stop token id is an ordinary token here: its text goes only with include_stop_str_in_output
     stop_id = ids[5]
     first = ids.index(stop_id)
@@ -157,7 +159,9 @@ def test_engine_args_errors_name_the_input(tiny_llama, tmp_path):
     with pytest.raises(InvalidArgument, match="exceeds the model's context"):
         LLMEngine.from_args(EngineArgs.from_kwargs(model=str(tiny_llama), max_model_len=10**6))
     with pytest.raises(InvalidArgument, match="does not fit the KV cache"):
-        LLMEngine.from_args(EngineArgs.from_kwargs(model=str(tiny_llama), num_blocks=2, block_size=16, max_model_len=256))
+        LLMEngine.from_args(
+            EngineArgs.from_kwargs(model=str(tiny_llama), num_blocks=2, block_size=16, max_model_len=256)
+        )
 
 
 def test_defaults_kv_pool_and_context(tiny_engine_factory):
@@ -181,7 +185,10 @@ def test_a_16_bit_kv_cache_holds_twice_the_blocks(tiny_engine_factory, tiny_llam
         seq = half.add_request("r", PROMPT, SamplingParams(max_tokens=5, temperature=0, ignore_eos=True))
         _drain(half)
         assert seq.num_output_tokens == 5 and half.stats().num_blocks_free == half.stats().num_blocks_total
-    with pytest.raises(InvalidArgument, match=r"the engine cannot use KV-cache dtype 'fp8': it supports auto, bfloat16, float16, float32; the cost model"):
+    with pytest.raises(
+        InvalidArgument,
+        match=r"the engine cannot use KV-cache dtype 'fp8': it supports auto, bfloat16, float16, float32; the cost model",
+    ):
         tiny_engine_factory(kv_cache_dtype="fp8")
 
 
@@ -325,7 +332,9 @@ def test_logits_processor_state_ends_with_its_request(engine):
     request ends: finished, stopped by a string, or aborted mid-run."""
     biased = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True, logit_bias={5: 3.0})
     engine.add_request("done", PROMPT, biased)
-    engine.add_request("cut", PROMPT, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True, logit_bias={5: 3.0}))
+    engine.add_request(
+        "cut", PROMPT, SamplingParams(max_tokens=50, temperature=0, ignore_eos=True, logit_bias={5: 3.0})
+    )
     engine.step()
     assert set(engine.logits_processors._rows) == {"done", "cut"}
     engine.abort("cut")

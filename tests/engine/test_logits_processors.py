@@ -43,7 +43,9 @@ _IDS = itertools.count()
 
 def make_seq(tokenizer, outputs=(), rid="r", **params) -> Sequence:
     # unique ids: the module's processors keep per-request state by id, as the engine's do
-    s = Sequence(f"{rid}-{next(_IDS)}", [1, 2, 3], SamplingParams(**params), eos_token_ids=tuple(tokenizer.eos_token_ids))
+    s = Sequence(
+        f"{rid}-{next(_IDS)}", [1, 2, 3], SamplingParams(**params), eos_token_ids=tuple(tokenizer.eos_token_ids)
+    )
     s.token_ids.extend(outputs)
     return s
 
@@ -74,7 +76,10 @@ def test_bad_values_name_the_field(params, param, text):
 
 def test_token_ids_outside_the_vocabulary_are_refused(processors, tokenizer):
     vocab = tokenizer.vocab_size
-    for params, param in (({"logit_bias": {vocab: 1.0}}, "logit_bias"), ({"allowed_token_ids": [0, vocab + 3]}, "allowed_token_ids")):
+    for params, param in (
+        ({"logit_bias": {vocab: 1.0}}, "logit_bias"),
+        ({"allowed_token_ids": [0, vocab + 3]}, "allowed_token_ids"),
+    ):
         with pytest.raises(InvalidArgument) as e:
             processors.prepare(SamplingParams(**params))
         assert e.value.param == param and f"outside the vocabulary [0, {vocab})" in e.value.message
@@ -85,7 +90,9 @@ def test_token_ids_outside_the_vocabulary_are_refused(processors, tokenizer):
     [
         StructuredOutputSpec("regex", "[a-", source="structured_outputs"),
         StructuredOutputSpec("grammar", "root ::= missing_rule", source="structured_outputs"),
-        StructuredOutputSpec.json_schema({"type": "object", "properties": {"a": {"type": "nosuchtype"}}}, "response_format"),
+        StructuredOutputSpec.json_schema(
+            {"type": "object", "properties": {"a": {"type": "nosuchtype"}}}, "response_format"
+        ),
     ],
 )
 def test_a_constraint_that_does_not_compile_is_a_400_naming_its_field(processors, spec):
@@ -137,7 +144,9 @@ def test_rows_without_edits_sample_exactly_as_without_the_hook(processors, token
 )
 def test_only_allowed_token_ids_are_sampled(processors, tokenizer, allowed, temperature, seed):
     logits = random_logits(1, tokenizer.vocab_size, seed=seed % 1000)
-    seq = make_seq(tokenizer, temperature=temperature, seed=seed, allowed_token_ids=allowed, logit_bias={allowed[0]: -100})
+    seq = make_seq(
+        tokenizer, temperature=temperature, seed=seed, allowed_token_ids=allowed, logit_bias={allowed[0]: -100}
+    )
     tokens, _ = Sampler(0, processors).sample(logits, [seq])
     assert tokens[0] in allowed
 
@@ -225,7 +234,10 @@ def test_a_first_token_with_no_candidate_is_refused_at_admission(processors, tok
     cases = [
         ({"allowed_token_ids": [paris], "bad_words": ["Paris"]}, "bad_words"),
         ({"allowed_token_ids": [eos], "min_tokens": 2, "max_tokens": 4}, "min_tokens"),
-        ({"allowed_token_ids": [paris, 7], "stop_token_ids": [7], "bad_words": ["Paris"], "min_tokens": 1}, "min_tokens"),
+        (
+            {"allowed_token_ids": [paris, 7], "stop_token_ids": [7], "bad_words": ["Paris"], "min_tokens": 1},
+            "min_tokens",
+        ),
     ]
     for kwargs, param in cases:
         with pytest.raises(InvalidArgument) as e:
@@ -242,7 +254,10 @@ def test_a_first_token_with_no_candidate_is_refused_at_admission(processors, tok
 def generate(processors, tokenizer, spec, *, max_tokens=60, temperature=1.0, seed=0, rows=1) -> list[Sequence]:
     """Random logits as the 'model': whatever the model wants, the grammar decides what is legal."""
     sampler = Sampler(seed, processors)
-    seqs = [make_seq(tokenizer, rid=f"r{i}", temperature=temperature, seed=seed * 100 + i, structured_output=spec) for i in range(rows)]
+    seqs = [
+        make_seq(tokenizer, rid=f"r{i}", temperature=temperature, seed=seed * 100 + i, structured_output=spec)
+        for i in range(rows)
+    ]
     live = list(seqs)
     for step in range(max_tokens):
         if not live:
@@ -345,7 +360,9 @@ def test_constrained_requests_survive_preemption(tiny_engine_factory):
     assert sum(s.num_preemptions for s in seqs) > 0
     for s in seqs:
         assert s.finish_reason.value == "stop", s.finish_reason
-        assert re.fullmatch(pattern, engine.tokenizer.decode(s.output_token_ids)), engine.tokenizer.decode(s.output_token_ids)
+        assert re.fullmatch(pattern, engine.tokenizer.decode(s.output_token_ids)), engine.tokenizer.decode(
+            s.output_token_ids
+        )
 
 
 def test_the_models_inference_tensors_are_edited(processors, tokenizer):
@@ -353,7 +370,9 @@ def test_the_models_inference_tensors_are_edited(processors, tokenizer):
     tensors, which torch lets no one edit in place outside that mode."""
     with torch.inference_mode():
         logits = random_logits(2, tokenizer.vocab_size)
-    two = tokenizer.encode(" New York")  # " York" alone allowed, banned after " New": nothing left, the row is zeroed too
+    two = tokenizer.encode(
+        " New York"
+    )  # " York" alone allowed, banned after " New": nothing left, the row is zeroed too
     seqs = [make_seq(tokenizer, temperature=0, logit_bias={42: 100}),
             make_seq(tokenizer, two[:1], rid="s", temperature=1.0, allowed_token_ids=two[1:], bad_words=["New York"])]  # fmt: skip
     tokens, _ = Sampler(0, processors).sample(logits, seqs)

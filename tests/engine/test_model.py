@@ -23,7 +23,10 @@ VARIANTS = {
     "llama3-rope-scaling": {
         "rope_theta": 500000.0,
         "rope_scaling": {
-            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
             "original_max_position_embeddings": 64,
         },
     },
@@ -61,7 +64,7 @@ def test_greedy_64_tokens_match_hf_generate(variant):
         engine.step()
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=64, min_new_tokens=64, do_sample=False)
-    assert seq.output_token_ids == out[0, len(prompt):].tolist()
+    assert seq.output_token_ids == out[0, len(prompt) :].tolist()
     assert len(seq.output_token_ids) == 64
 
 
@@ -80,7 +83,9 @@ def test_bundled_smollm2_gguf_matches_transformers_gguf_loader():
 
     path = bundled_model_path()
     ours = load_model(path, dtype=torch.float32)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    ).eval()
     tokenizer = Tokenizer.from_gguf(path)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "Name three rivers in Europe."}])
     ids = tokenizer.encode(prompt)
@@ -92,4 +97,4 @@ def test_bundled_smollm2_gguf_matches_transformers_gguf_loader():
         engine.step()
     with torch.no_grad():
         out = hf.generate(torch.tensor([ids]), max_new_tokens=64, min_new_tokens=64, do_sample=False)
-    assert seq.output_token_ids == out[0, len(ids):].tolist()
+    assert seq.output_token_ids == out[0, len(ids) :].tolist()

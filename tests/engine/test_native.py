@@ -71,7 +71,9 @@ def test_kernel_matches_per_sequence_attention(kernel, kv_heads, group, head_dim
         for threads in (1, 2, 3, 5):
             torch.set_num_threads(threads)
             again = torch.full_like(out, float("nan"))
-            native.decode_attention(kernel, q, kc, vc, table, torch.tensor(ctx_lens), max(ctx_lens), block_size, scale, again)
+            native.decode_attention(
+                kernel, q, kc, vc, table, torch.tensor(ctx_lens), max(ctx_lens), block_size, scale, again
+            )
             assert torch.equal(again, out), threads
     finally:
         torch.set_num_threads(before)
@@ -112,11 +114,33 @@ def _store_inputs() -> torch.Tensor:
     bits = torch.randint(-(2**31), 2**31, (4000,), generator=g, dtype=torch.int64).to(torch.int32)  # both signs
     raw = bits.view(torch.float32)
     raw = torch.where(raw.isfinite(), raw, torch.zeros_like(raw))
-    special = torch.tensor([
-        0.0, -0.0, 1.0, -1.0, 1 + 2**-11, 1 + 3 * 2**-11, 1 + 2**-8, 1 + 3 * 2**-8,  # fp16 / bf16 ties
-        2**-24, 2**-25, 1.5 * 2**-25, 3 * 2**-25, 2**-14, 2**-14 - 2**-25, 6e-8, 1e-10,
-        65504.0, 65519.0, 65520.0, 7e4, -7e4, 3.4e38, 3.3961e38,
-    ])
+    special = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            1 + 2**-11,
+            1 + 3 * 2**-11,
+            1 + 2**-8,
+            1 + 3 * 2**-8,  # fp16 / bf16 ties
+            2**-24,
+            2**-25,
+            1.5 * 2**-25,
+            3 * 2**-25,
+            2**-14,
+            2**-14 - 2**-25,
+            6e-8,
+            1e-10,
+            65504.0,
+            65519.0,
+            65520.0,
+            7e4,
+            -7e4,
+            3.4e38,
+            3.3961e38,
+        ]
+    )
     values = torch.cat([special, -special, ordinary, raw])
     return values[: values.numel() // 16 * 16]  # whole K/V rows of 8 (the specials come first)
 
@@ -146,7 +170,11 @@ def _prefill_reference(q, k, v, start_pos, scale):
     n, ctx = q.shape[0], k.shape[0]
     mask = torch.arange(ctx)[None, :] <= torch.arange(start_pos, start_pos + n)[:, None]
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask, scale=scale,
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=mask,
+        scale=scale,
         enable_gqa=True,
     )
     return o[0].transpose(0, 1).reshape(n, -1)
@@ -179,7 +207,9 @@ def test_prefill_kernel_matches_sdpa(kernel, threads):
     try:
         for q, k, v, start in _prefill_cases():
             want = _prefill_reference(q, k, v, start, 0.3)
-            torch.testing.assert_close(native.prefill_attention(kernel, q, k, v, start, 0.3), want, rtol=2e-5, atol=2e-5)
+            torch.testing.assert_close(
+                native.prefill_attention(kernel, q, k, v, start, 0.3), want, rtol=2e-5, atol=2e-5
+            )
     finally:
         torch.set_num_threads(1)
 
@@ -187,7 +217,11 @@ def test_prefill_kernel_matches_sdpa(kernel, threads):
 def _check_prefill_nan(kernels):
     """A NaN in one key makes exactly the rows that see it NaN (the sampler then reports them)."""
     g = torch.Generator().manual_seed(9)
-    q, k, v = torch.randn(40, 4, 16, generator=g), torch.randn(40, 2, 16, generator=g), torch.randn(40, 2, 16, generator=g)
+    q, k, v = (
+        torch.randn(40, 4, 16, generator=g),
+        torch.randn(40, 2, 16, generator=g),
+        torch.randn(40, 2, 16, generator=g),
+    )
     k[17, 1, 3] = float("nan")  # KV head 1: query heads 2 and 3, positions 17 on
     out = native.prefill_attention(kernels, q, k, v, 0, 0.25).view(40, 4, 16)
     assert out[17:, 2:].isnan().all(dim=-1).all()
@@ -249,7 +283,12 @@ def test_every_isa_level_rounds_and_attends_the_same(isa_kernels):
     for x in _argmax_cases():
         assert native.argmax_rows(kernels, x) == x.argmax(dim=-1).tolist(), (name, x.shape)
     for q, k, v, start in _prefill_cases():
-        torch.testing.assert_close(native.prefill_attention(kernels, q, k, v, start, 0.3), _prefill_reference(q, k, v, start, 0.3), rtol=2e-5, atol=2e-5)
+        torch.testing.assert_close(
+            native.prefill_attention(kernels, q, k, v, start, 0.3),
+            _prefill_reference(q, k, v, start, 0.3),
+            rtol=2e-5,
+            atol=2e-5,
+        )
     _check_prefill_nan(kernels)
     g = torch.Generator().manual_seed(1)
     x, w = torch.randn(7, 37, generator=g), torch.randn(37, generator=g)
@@ -336,7 +375,11 @@ def test_avx512_levels_give_avx2s_bits_in_attention_and_the_layer_ops(level):
                 got[name] = (rows, k.view(torch.int16), v.view(torch.int16))
             assert all(torch.equal(a, b) for a, b in zip(got[level], got["avx2"])), (level, kv_dtype, D)
     for hidden in (7, 8, 15, 16, 37, 576):  # under one vector, one of 8, one of 16, and tails
-        x, delta, w = torch.randn(3, hidden, generator=g), torch.randn(3, hidden, generator=g), torch.randn(hidden, generator=g)
+        x, delta, w = (
+            torch.randn(3, hidden, generator=g),
+            torch.randn(3, hidden, generator=g),
+            torch.randn(hidden, generator=g),
+        )
         x2 = x.clone()
         got, want = native.add_rms_norm(kernels, x, delta, w, 1e-6), native.add_rms_norm(avx2, x2, delta, w, 1e-6)
         assert torch.equal(x, x2) and torch.equal(got, want), (level, hidden)
@@ -361,7 +404,11 @@ def test_a_failed_build_falls_back_and_says_why(monkeypatch, tmp_path):
 @pytest.mark.parametrize("rows,hidden", [(1, 576), (7, 37), (32, 64)])
 def test_add_rms_norm_and_silu_mul_match_pytorch(kernel, rows, hidden):
     g = torch.Generator().manual_seed(rows)
-    x, delta, w = torch.randn(rows, hidden, generator=g), torch.randn(rows, hidden, generator=g), torch.randn(hidden, generator=g)
+    x, delta, w = (
+        torch.randn(rows, hidden, generator=g),
+        torch.randn(rows, hidden, generator=g),
+        torch.randn(hidden, generator=g),
+    )
     expected_x = x + delta
     expected = F.rms_norm(expected_x, (hidden,), w, 1e-6)
     got = native.add_rms_norm(kernel, x, delta, w, 1e-6)
@@ -386,8 +433,14 @@ def _argmax_cases() -> list[torch.Tensor]:
     tails = torch.randn(4, 91, generator=g)  # AVX-512: 64 + 16, then 11 scalar; AVX2: 64, 16 + 11
     tails[0, 90] = tails[1, 70] = tails[2, 85] = tails[3, 63] = 9.0  # the largest in each part
     tails[2, 20] = 9.0  # and a tie with an earlier one
-    return [wide, torch.randn(5, 7, generator=g), torch.randn(3, 37, generator=g), torch.randn(1, 1, generator=g),
-            torch.randint(0, 3, (4, 1000), generator=g).float(), tails]  # many ties
+    return [
+        wide,
+        torch.randn(5, 7, generator=g),
+        torch.randn(3, 37, generator=g),
+        torch.randn(1, 1, generator=g),
+        torch.randint(0, 3, (4, 1000), generator=g).float(),
+        tails,
+    ]  # many ties
 
 
 def test_nonfinite_rows_are_exactly_the_rows_torch_finds(isa_kernels):
@@ -431,7 +484,9 @@ def test_engine_generates_the_same_tokens_on_the_pytorch_path(kernel, tiny_engin
         if not use_native:
             engine.executor.model.use_ops(TorchOps())
         seqs = [
-            engine.add_request(f"r{i}", list(range(10 + i, 10 + i + n)), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True))
+            engine.add_request(
+                f"r{i}", list(range(10 + i, 10 + i + n)), SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+            )
             for i, n in enumerate((3, 17, 40, 9))
         ]
         while engine.has_unfinished():
@@ -458,8 +513,15 @@ def test_importing_servelab_makes_idle_openmp_threads_wait_passively(preset, wan
 
 
 _AVX512_HOST = {  # torch.cpu.get_capabilities() of an AVX-512 host with VNNI but no BF16
-    "avx2": True, "fma3": True, "f16c": True, "avx512_f": True, "avx512_bw": True, "avx512_vl": True,
-    "avx512_dq": True, "avx512_vnni": True, "avx512_bf16": False,
+    "avx2": True,
+    "fma3": True,
+    "f16c": True,
+    "avx512_f": True,
+    "avx512_bw": True,
+    "avx512_vl": True,
+    "avx512_dq": True,
+    "avx512_vnni": True,
+    "avx512_bf16": False,
 }
 
 
@@ -474,7 +536,9 @@ def test_the_default_level_is_the_highest_the_cpu_has_and_the_env_only_lowers_it
     assert native.best_level() == "avx512_vnni"
     assert "SERVELAB_ISA=avx512_bf16, but this CPU has only" in native.level_choice()
     monkeypatch.setenv("SERVELAB_ISA", "avx1024")
-    with pytest.raises(InvalidArgument, match=r"SERVELAB_ISA='avx1024' is not an ISA level \(known, lowest first: port"):
+    with pytest.raises(
+        InvalidArgument, match=r"SERVELAB_ISA='avx1024' is not an ISA level \(known, lowest first: port"
+    ):
         native.best_level()
     monkeypatch.setenv("SERVELAB_ISA", "portable")
     monkeypatch.setattr(native, "_logged", set())
@@ -501,7 +565,9 @@ def test_build_compiles_the_sources_given_with_the_extra_flags_and_leaves_the_lo
         (csrc / src.name).write_bytes(src.read_bytes())
     (csrc / "parallel.c").write_text("/* another tree's pool */\n")
     cc = tmp_path / "cc"  # records its arguments and the sources it is given, then fails
-    cc.write_text('#!/bin/sh\necho "$@" > "$0.args"\nfor a; do case "$a" in *.c) cat "$a" >> "$0.args";; esac; done\nexit 1\n')
+    cc.write_text(
+        '#!/bin/sh\necho "$@" > "$0.args"\nfor a; do case "$a" in *.c) cat "$a" >> "$0.args";; esac; done\nexit 1\n'
+    )
     cc.chmod(0o755)
     monkeypatch.setenv("CC", str(cc))
     monkeypatch.setenv("SERVELAB_CACHE_DIR", str(tmp_path / "cache"))
@@ -566,7 +632,9 @@ def test_levels_checked_on_simde_also_build_with_the_real_intrinsics(name, tmp_p
     checks = ["-O0", "-Werror=implicit-function-declaration", "-Werror=incompatible-pointer-types", "-Wl,-z,defs"]
     sources = [str(csrc.joinpath(source)) for source in native._SOURCES]
     out = str(tmp_path / "real.so")
-    proc = subprocess.run([cc, *flags, *checks, *sources, "-o", out, "-lm", "-lpthread"], capture_output=True, text=True)
+    proc = subprocess.run(
+        [cc, *flags, *checks, *sources, "-o", out, "-lm", "-lpthread"], capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 

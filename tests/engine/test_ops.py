@@ -54,7 +54,9 @@ def test_every_ops_implementation_gives_the_reference_logits(tiny_model, referen
     model.use_ops(ops)
     assert model.ops is ops and model.batch_invariant == name.startswith("invariant")
     if name != "torch":  # linears with C kernels of their own run the ops' build of them
-        assert all(getattr(lin, "kernels", ops.kernels) is ops.kernels for lin in (*model.layers[0].linears(), model.lm_head))
+        assert all(
+            getattr(lin, "kernels", ops.kernels) is ops.kernels for lin in (*model.layers[0].linears(), model.lm_head)
+        )
     ids, reference = reference_logits
     for chunk, want in reference.items():
         got = prefill_logits(model, ids, chunk=chunk)

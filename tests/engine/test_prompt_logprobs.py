@@ -80,7 +80,9 @@ def test_prompt_logprobs_are_not_duplicated_by_a_preemption(tiny_engine_factory,
     engine = tiny_engine_factory(num_blocks=7, max_num_batched_tokens=16, max_model_len=112)
     params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, prompt_logprobs=1)
     a = engine.add_request("a", PROMPT, params)
-    b = engine.add_request("b", PROMPT, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, prompt_logprobs=1))
+    b = engine.add_request(
+        "b", PROMPT, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, prompt_logprobs=1)
+    )
     while engine.has_unfinished():
         engine.step()
     assert a.num_preemptions + b.num_preemptions >= 1

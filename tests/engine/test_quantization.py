@@ -221,8 +221,11 @@ def test_int8_without_the_native_kernels_says_why(monkeypatch):
 
 @pytest.mark.parametrize(
     "kwargs, param",
-    [({"quantization": "int4"}, "quantization"), ({"quantization": "int8", "dtype": "bfloat16"}, "dtype"),
-     ({"quantization": "int8", "device": "cuda"}, "quantization")],
+    [
+        ({"quantization": "int4"}, "quantization"),
+        ({"quantization": "int8", "dtype": "bfloat16"}, "dtype"),
+        ({"quantization": "int8", "device": "cuda"}, "quantization"),
+    ],
 )
 def test_bad_quantization_arguments_name_the_input(kwargs, param):
     with pytest.raises(InvalidArgument) as err:
@@ -235,7 +238,10 @@ def test_bad_quantization_arguments_name_the_input(kwargs, param):
 def test_quantized_engine_generates(kernel, tiny_engine_factory, kind):
     engine = tiny_engine_factory(quantization=kind)
     assert engine.executor.model.quantization == kind
-    seqs = [engine.add_request(f"r{i}", [5 + i, 9, 12], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)) for i in range(3)]
+    seqs = [
+        engine.add_request(f"r{i}", [5 + i, 9, 12], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True))
+        for i in range(3)
+    ]
     while engine.has_unfinished():
         engine.step()
     assert all(len(s.output_token_ids) == 8 for s in seqs)
@@ -245,12 +251,41 @@ def test_quantized_engine_generates(kernel, tiny_engine_factory, kind):
 def test_generate_cli_takes_quantization(kernel, tiny_llama, capsys, kind):
     from servelab.cli import main
 
-    rc = main(["generate", "--model", str(tiny_llama), "--quantization", kind, "--prompt", "hello",
-               "--max-tokens", "4", "--temperature", "0", "--ignore-eos", "--json"])
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_llama),
+            "--quantization",
+            kind,
+            "--prompt",
+            "hello",
+            "--max-tokens",
+            "4",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+            "--json",
+        ]
+    )
     assert rc == 0
     assert '"token_ids"' in capsys.readouterr().out
-    rc = main(["generate", "--model", str(tiny_llama), "--quantization", kind, "--prompt", "hello",
-               "--max-tokens", "2", "--temperature", "0", "--ignore-eos"])
+    rc = main(
+        [
+            "generate",
+            "--model",
+            str(tiny_llama),
+            "--quantization",
+            kind,
+            "--prompt",
+            "hello",
+            "--max-tokens",
+            "2",
+            "--temperature",
+            "0",
+            "--ignore-eos",
+        ]
+    )
     assert rc == 0
     assert f"float32, {kind} linears]" in capsys.readouterr().out  # the timing line says what ran
 
@@ -304,7 +339,9 @@ def test_bf16_kernel_is_the_stated_arithmetic_at_every_isa_level(isa_kernels, ou
     on one thread or two, and a row's result whatever the other rows."""
     name, kernels = isa_kernels
     g = torch.Generator().manual_seed(out_features + in_features)
-    lin = Bf16Linear.from_weight(torch.randn(out_features, in_features, generator=g), torch.randn(out_features, generator=g))
+    lin = Bf16Linear.from_weight(
+        torch.randn(out_features, in_features, generator=g), torch.randn(out_features, generator=g)
+    )
     lin.kernels = kernels
     x = torch.randn(19, in_features, generator=g) * torch.logspace(-2, 2, 19)[:, None]
     want = _bf16_reference(lin.weight, x, lin.bias)

@@ -24,6 +24,7 @@ def probs_logits(probs: list[float]) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------ transforms
 
+
 def test_top_k_mask_keeps_the_k_largest_per_row():
     x = torch.tensor([[0.1, 3.0, 2.0, -1.0, 5.0], [4.0, 3.0, 2.0, 1.0, 0.0]])
     out = _top_k_mask(x, [2, 4])
@@ -149,6 +150,7 @@ def test_min_tokens_bans_eos_and_stop_token_ids_until_reached():
 
 # ------------------------------------------------------------------------------ greedy, seeds
 
+
 def test_greedy_is_argmax_in_a_mixed_batch():
     torch.manual_seed(0)
     logits = torch.randn(8, 1000)
@@ -200,8 +202,12 @@ def test_a_row_with_non_finite_logits_gets_no_token(bad):
     logits[1, 7] = bad
     logits[3] = bad
     before = logits.clone()
-    seqs = [seq(temperature=0.0), seq(temperature=1.0, logprobs=2), seq(temperature=0.7, top_p=0.9, logprobs=1),
-            seq(temperature=1.0, seed=3)]
+    seqs = [
+        seq(temperature=0.0),
+        seq(temperature=1.0, logprobs=2),
+        seq(temperature=0.7, top_p=0.9, logprobs=1),
+        seq(temperature=1.0, seed=3),
+    ]
     tokens, logprobs = Sampler().sample(logits, seqs)
     assert tokens[1] is None and tokens[3] is None and logprobs[1] is None  # the scheduler ends them: "error"
     assert tokens[0] == logits[0].argmax().item() and 0 <= tokens[2] < 300 and logprobs[2].token_id == tokens[2]
@@ -216,7 +222,9 @@ def test_bf16_logits_and_input_not_modified():
     assert torch.equal(logits, before)
 
 
-def run_steps(sampler: Sampler, target: Sequence, others: list[Sequence], logits_rows: torch.Tensor, steps: int) -> list[int]:
+def run_steps(
+    sampler: Sampler, target: Sequence, others: list[Sequence], logits_rows: torch.Tensor, steps: int
+) -> list[int]:
     """Sample `steps` tokens for `target` while sharing each batch with `others`."""
     out = []
     for step in range(steps):
@@ -253,6 +261,7 @@ def test_seeded_request_is_reproducible_whatever_else_is_in_the_batch():
 
 # ------------------------------------------------------------------------------ logprobs
 
+
 def test_logprobs_come_from_the_unmodified_log_softmax():
     torch.manual_seed(0)
     logits = torch.randn(3, 300)
@@ -275,6 +284,7 @@ def test_logprobs_come_from_the_unmodified_log_softmax():
 
 
 # ------------------------------------------------------------------------------ distribution
+
 
 def chi_square(counts: list[int], expected_probs: list[float]) -> float:
     n = sum(counts)

@@ -69,14 +69,18 @@ def test_gguf_slices_are_the_dequantized_tensors_slices():
 
     path = bundled_model_path()
     gguf, tensors = read_gguf_tensors(path)
-    spec = ModelSpec.from_gguf_metadata(gguf.metadata, name="b", tensor_shapes={n: t.shape for n, t in gguf.tensors.items()})
+    spec = ModelSpec.from_gguf_metadata(
+        gguf.metadata, name="b", tensor_shapes={n: t.shape for n, t in gguf.tensors.items()}
+    )
     shard = Shard(spec, 1, 3)
     names = [n for n in tensors if n.startswith("blk.0.") or not n.startswith("blk.")]
     sliced = shard_gguf_tensors({n: tensors[n] for n in names}, shard)
     for name in names:
         full = dequantize_gguf_tensor(tensors[name])
         part = shard.slice_of(hf_name(name) or "")
-        want = full if part is None else full[part.start : part.stop] if part.dim == 0 else full[:, part.start : part.stop]
+        want = (
+            full if part is None else full[part.start : part.stop] if part.dim == 0 else full[:, part.start : part.stop]
+        )
         assert dequantize_gguf_tensor(sliced[name]).equal(want), name
 
 
@@ -96,7 +100,9 @@ def test_a_model_the_ranks_cannot_split_is_refused_before_any_worker_starts(tmp_
 def _engine(path, tp: int, quantization: str | None = None):
     from servelab.engine.llm_engine import EngineArgs, LLMEngine
 
-    return LLMEngine.from_args(EngineArgs(model=str(path), dtype="float32", tensor_parallel_size=tp, quantization=quantization))
+    return LLMEngine.from_args(
+        EngineArgs(model=str(path), dtype="float32", tensor_parallel_size=tp, quantization=quantization)
+    )
 
 
 def _greedy(engine, prompts: list[list[int]], max_tokens: int) -> dict[str, list[int]]:

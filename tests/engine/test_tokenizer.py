@@ -39,14 +39,54 @@ def bundled_gguf() -> Path | None:
 def varied_strings(n: int = 300, seed: int = 0) -> list[str]:
     """Code, prose, numbers, contractions, whitespace runs, CRLF, unicode scripts and emoji."""
     fragments = [
-        "def f(x):\n    return x**2  # square\n", "for (int i = 0; i < n; ++i) { a[i] += b[i]; }",
-        "    \t\t  ", "\n\n\n", "\r\n", "   leading", "trailing   ", "I'll", "DON'T", "they're", "We've", "it's",
-        "12345", "3.14159", "1,000,000", "0x7fff", "2024-05-01T12:00:00Z", "$19.99", "x = y + z",
-        "Hello, world!", "The quick brown fox jumps over the lazy dog.", "naïve café résumé", "Ünïcödé",
-        "日本語のテキスト", "中文分词测试", "한국어 문장", "Привет, мир!", "مرحبا بالعالم", "שלום", "ελληνικά",
-        "😀", "👩‍💻", "🇫🇷", "🧑🏽‍🚀 launch", "∑∫√∞", "→ ← ↑", "<html><body>hi</body></html>", "{\"key\": [1, 2]}",
-        "SELECT * FROM t WHERE id = 42;", "https://example.com/a?b=c&d=e", "snake_case camelCase PascalCase",
-        "   ", " ", "...", "!!!???", "a\u00a0b", "tab\tseparated\tvalues", "<|im_start|>user\nhi<|im_end|>",
+        "def f(x):\n    return x**2  # square\n",
+        "for (int i = 0; i < n; ++i) { a[i] += b[i]; }",
+        "    \t\t  ",
+        "\n\n\n",
+        "\r\n",
+        "   leading",
+        "trailing   ",
+        "I'll",
+        "DON'T",
+        "they're",
+        "We've",
+        "it's",
+        "12345",
+        "3.14159",
+        "1,000,000",
+        "0x7fff",
+        "2024-05-01T12:00:00Z",
+        "$19.99",
+        "x = y + z",
+        "Hello, world!",
+        "The quick brown fox jumps over the lazy dog.",
+        "naïve café résumé",
+        "Ünïcödé",
+        "日本語のテキスト",
+        "中文分词测试",
+        "한국어 문장",
+        "Привет, мир!",
+        "مرحبا بالعالم",
+        "שלום",
+        "ελληνικά",
+        "😀",
+        "👩‍💻",
+        "🇫🇷",
+        "🧑🏽‍🚀 launch",
+        "∑∫√∞",
+        "→ ← ↑",
+        "<html><body>hi</body></html>",
+        '{"key": [1, 2]}',
+        "SELECT * FROM t WHERE id = 42;",
+        "https://example.com/a?b=c&d=e",
+        "snake_case camelCase PascalCase",
+        "   ",
+        " ",
+        "...",
+        "!!!???",
+        "a\u00a0b",
+        "tab\tseparated\tvalues",
+        "<|im_start|>user\nhi<|im_end|>",
     ]
     rng = random.Random(seed)
     out = list(fragments)
@@ -100,6 +140,7 @@ def gguf_metadata_from(tok: HFTokenizer, pre: str, **extra) -> dict:
 
 
 # ------------------------------------------------------------------------------ GGUF
+
 
 @pytest.mark.parametrize(
     ("pre", "regex", "digits", "ignore_merges"),
@@ -174,6 +215,7 @@ def test_bundled_smollm2_gguf_tokenizer():
 
 # ------------------------------------------------------------------------------ HF directory
 
+
 def write_hf_dir(path: Path, *, chat_template=CHATML, generation_config: dict | None = None) -> HFTokenizer:
     tok = train_bpe(None)
     path.mkdir(parents=True, exist_ok=True)
@@ -201,7 +243,13 @@ def test_hf_dir_tokenizer(tmp_path):
 
 
 def test_hf_dir_named_templates_and_jinja_file(tmp_path):
-    write_hf_dir(tmp_path / "a", chat_template=[{"name": "tool_use", "template": "T"}, {"name": "default", "template": "D{{ messages|length }}"}])
+    write_hf_dir(
+        tmp_path / "a",
+        chat_template=[
+            {"name": "tool_use", "template": "T"},
+            {"name": "default", "template": "D{{ messages|length }}"},
+        ],
+    )
     assert Tokenizer.from_hf_dir(tmp_path / "a").apply_chat_template([{"role": "user", "content": "x"}]) == "D1"
     write_hf_dir(tmp_path / "b", chat_template=None)
     (tmp_path / "b" / "chat_template.jinja").write_text("J{{ messages[0].content }}")
@@ -223,6 +271,7 @@ def test_hf_dir_unreadable_tokenizer_json_is_a_clear_error(tmp_path):
 
 
 # ------------------------------------------------------------------------------ chat templates
+
 
 @pytest.fixture(scope="module")
 def chat_tok(tmp_path_factory) -> Tokenizer:
@@ -259,7 +308,10 @@ def test_chat_template_hf_environment(chat_tok):
 
 def test_chat_template_errors(chat_tok):
     raising = Tokenizer(
-        chat_tok.backend, bos_token_id=None, eos_token_ids=(), chat_template="{{ raise_exception('roles must alternate') }}"
+        chat_tok.backend,
+        bos_token_id=None,
+        eos_token_ids=(),
+        chat_template="{{ raise_exception('roles must alternate') }}",
     )
     with pytest.raises(InvalidArgument, match="roles must alternate"):
         raising.apply_chat_template([{"role": "user", "content": "x"}])
@@ -283,7 +335,9 @@ def test_encode_prompt_drops_a_doubled_bos_only(tmp_path):
     tok = Tokenizer.from_hf_dir(write_tiny_llama(tmp_path / "m"))
     bos = tok.bos_token_id = 5  # the tiny tokenizer has no BOS of its own
     doubled = [bos, bos, 7]
-    tok.encode = lambda _text, add_special_tokens=False: list(doubled)  # a template that starts with BOS, plus the added one
+    tok.encode = lambda _text, add_special_tokens=False: list(
+        doubled
+    )  # a template that starts with BOS, plus the added one
     assert tok.encode_prompt("x") == [bos, 7]
     doubled[:] = [bos, 7]
     assert tok.encode_prompt("x") == [bos, 7]  # a single BOS stays

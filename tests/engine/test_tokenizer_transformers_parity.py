@@ -26,7 +26,15 @@ pytestmark = [
 ]
 
 EXTRA = [
-    " " * 17, "\n" * 5 + "x", "a" * 300, "🙂" * 9, "\u200b\u200d", "e\u0301", "ｆｕｌｌｗｉｄｔｈ", "x  1", "v2.0\r\n 3",
+    " " * 17,
+    "\n" * 5 + "x",
+    "a" * 300,
+    "🙂" * 9,
+    "\u200b\u200d",
+    "e\u0301",
+    "ｆｕｌｌｗｉｄｔｈ",
+    "x  1",
+    "v2.0\r\n 3",
     "<|im_start|>system\nYou are SmolLM.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n",
 ]
 

@@ -27,7 +27,13 @@ def test_dequantize_matches_the_gguf_package(qtype):
     x = np.random.default_rng(0).standard_normal((6, 256)).astype(np.float32)
     qt = gguf.GGMLQuantizationType[qtype]
     raw = (x if qtype == "F32" else gguf.quants.quantize(x, qt)).view(np.uint8)
-    ref = x if qtype == "F32" else gguf.quants.dequantize(raw, qt) if qtype != "F16" else raw.view(np.float16).astype(np.float32)
+    ref = (
+        x
+        if qtype == "F32"
+        else gguf.quants.dequantize(raw, qt)
+        if qtype != "F16"
+        else raw.view(np.float16).astype(np.float32)
+    )
     ours = dequantize_gguf_tensor(GGUFTensor("w", (256, 6), int(qt), raw))
     assert ours.shape == (6, 256) and ours.dtype == torch.float32
     np.testing.assert_array_equal(ours.numpy(), ref)
@@ -72,9 +78,17 @@ def _write_gguf(hf_dir, out, qtype: str):
     w.add_eos_token_id(cfg["eos_token_id"])
     w.add_add_bos_token(False)
     w.add_chat_template(json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"])
-    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm", "self_attn.q_proj": "attn_q",
-             "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
-             "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
+    names = {
+        "input_layernorm": "attn_norm",
+        "post_attention_layernorm": "ffn_norm",
+        "self_attn.q_proj": "attn_q",
+        "self_attn.k_proj": "attn_k",
+        "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output",
+        "mlp.gate_proj": "ffn_gate",
+        "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down",
+    }
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     for name, t in load_file(str(hf_dir / "model.safetensors")).items():
         if name == "model.embed_tokens.weight":

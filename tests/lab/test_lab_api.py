@@ -36,6 +36,7 @@ def error(client, lesson: str, status: int = 400, **params) -> str:
 
 # ---- catalog and page -------------------------------------------------------------------------
 
+
 def test_catalog_lists_the_catalogs_and_seed_defaults(client):
     cat = client.get("/api/catalog").json()
     assert {m["name"] for m in cat["models"]} >= {"llama-3.1-8b", "llama-3.1-70b"}
@@ -45,7 +46,12 @@ def test_catalog_lists_the_catalogs_and_seed_defaults(client):
     assert [p["name"] for p in cat["engine_profiles"]] == ["servelab", "vllm", "sglang", "trtllm"]
     for lesson in cat["lessons"]:
         d = cat["defaults"][lesson]
-        assert (d["model"], d["hardware"], d["weight_dtype"], d["kv_dtype"]) == ("llama-3.1-8b", "h100-sxm", "bfloat16", "bfloat16")
+        assert (d["model"], d["hardware"], d["weight_dtype"], d["kv_dtype"]) == (
+            "llama-3.1-8b",
+            "h100-sxm",
+            "bfloat16",
+            "bfloat16",
+        )
 
 
 def test_page_and_static_files_are_served_offline(client):
@@ -69,6 +75,7 @@ def test_unknown_lesson_is_404_naming_the_lessons(client):
 
 
 # ---- 1. two workloads -----------------------------------------------------------------------
+
 
 def test_two_workloads_is_the_roofline(client):
     d = get(client, "two-workloads", prompt_len=2048, batch=1)
@@ -94,8 +101,16 @@ def test_two_workloads_is_the_roofline(client):
 
 
 def test_two_workloads_other_model_hardware_and_dtype(client):
-    d = get(client, "two-workloads", model="qwen2.5-7b", hardware="a100-80gb", weight_dtype="fp8", kv_dtype="fp8",
-            prompt_len=1000, batch=8)
+    d = get(
+        client,
+        "two-workloads",
+        model="qwen2.5-7b",
+        hardware="a100-80gb",
+        weight_dtype="fp8",
+        kv_dtype="fp8",
+        prompt_len=1000,
+        batch=8,
+    )
     r = Roofline(get_model("qwen2.5-7b"), get_hardware("a100-80gb"), "fp8", "fp8")
     assert d["decode"]["time_ms"] == pytest.approx(r.decode(8, 1000).time_s * 1e3)
     assert 1000 in d["sweep"]["prompt_len"]
@@ -122,11 +137,13 @@ def test_tp_that_does_not_divide_the_heads_is_a_400(client):
 
 # ---- 2. batching ----------------------------------------------------------------------------
 
+
 def test_batching_is_the_roofline_and_reproduces_the_seed(client):
     d = get(client, "batching", batch=64, context=2048)
     r = rl()
-    for b, total, user, kv in zip(d["sweep"]["batch"], d["sweep"]["tokens_per_s_total"],
-                                  d["sweep"]["tokens_per_s_per_user"], d["sweep"]["kv_gb"]):
+    for b, total, user, kv in zip(
+        d["sweep"]["batch"], d["sweep"]["tokens_per_s_total"], d["sweep"]["tokens_per_s_per_user"], d["sweep"]["kv_gb"]
+    ):
         c = r.decode(b, 2048)
         assert total == pytest.approx(b / c.time_s)
         assert user == pytest.approx(1 / c.time_s)
@@ -169,6 +186,7 @@ def test_batching_bad_parameters(client, params):
 
 # ---- 6. memory ------------------------------------------------------------------------------
 
+
 def test_old_dtype_spellings_still_work_and_read_as_the_canonical_names(client):
     old = get(client, "memory", context=8192, tpot_ms=50, weight_dtype="bf16", kv_dtype="fp16")
     new = get(client, "memory", context=8192, tpot_ms=50, weight_dtype="bfloat16", kv_dtype="float16")
@@ -182,8 +200,9 @@ def test_memory_variants_are_the_memory_plan_and_roofline(client):
     d = get(client, "memory", context=8192, tpot_ms=50)
     v = d["variants"]
     assert sum(v["selected"]) == 1 and v["selected"][0]
-    for w, k, a, max_batch, b, tps in zip(v["weight_dtype"], v["kv_dtype"], v["attention"], v["max_batch"],
-                                          v["batch_at_tpot"], v["tokens_per_s_per_gpu"]):
+    for w, k, a, max_batch, b, tps in zip(
+        v["weight_dtype"], v["kv_dtype"], v["attention"], v["max_batch"], v["batch_at_tpot"], v["tokens_per_s_per_gpu"]
+    ):
         model = MODEL if a == "gqa" else with_mha(MODEL)
         plan = MemoryPlan(model, HW, w, k)
         assert max_batch == plan.max_batch(8192)
@@ -194,7 +213,9 @@ def test_memory_variants_are_the_memory_plan_and_roofline(client):
         assert b == max_batch or r.decode(b + 1, 8192).time_s > 0.050
         assert tps == pytest.approx(b / r.decode(b, 8192).time_s)
     kv = dict(zip(zip(v["weight_dtype"], v["kv_dtype"], v["attention"]), v["kv_kb_per_token"]))
-    assert kv[("bfloat16", "bfloat16", "mha")] == pytest.approx(4 * kv[("bfloat16", "bfloat16", "gqa")])  # 32 heads vs 8 KV heads
+    assert kv[("bfloat16", "bfloat16", "mha")] == pytest.approx(
+        4 * kv[("bfloat16", "bfloat16", "gqa")]
+    )  # 32 heads vs 8 KV heads
     assert kv[("bfloat16", "fp8", "gqa")] == pytest.approx(kv[("bfloat16", "bfloat16", "gqa")] / 2)
 
 
@@ -203,7 +224,10 @@ def test_memory_selected_variant_follows_the_controls(client, attention):
     d = get(client, "memory", weight_dtype="int8", kv_dtype="fp8", attention=attention, context=4096, tpot_ms=30)
     i = d["variants"]["selected"].index(True)
     assert (d["variants"]["weight_dtype"][i], d["variants"]["kv_dtype"][i], d["variants"]["attention"][i]) == (
-        "int8", "fp8", "mha")
+        "int8",
+        "fp8",
+        "mha",
+    )
     assert "MHA" in d["variants"]["label"][i] and "multi-head attention" in d["notice"].lower()
     assert d["selected"]["max_batch"] == MemoryPlan(with_mha(MODEL), HW, "int8", "fp8").max_batch(4096)
 
@@ -222,6 +246,7 @@ def test_memory_tight_target_and_bad_parameters(client):
 
 # ---- 3. SLOs -----------------------------------------------------------------------------------
 
+
 def test_slo_numbers_are_the_simulators_steady_state(client):
     from servelab.lab.sim_lessons import WARMUP_FRACTION, _slo_requests
 
@@ -229,7 +254,9 @@ def test_slo_numbers_are_the_simulators_steady_state(client):
     n = d["config"]["num_requests"]
     assert n == _slo_requests(12) and n >= 12 * 30  # sustained: 30 s of arrivals, not a 200-request burst
     slo = SLO(ttft_s=0.05, tpot_s=0.010)
-    result = simulate(SimConfig(), WorkloadSpec(num_requests=n, rate=12, input_len="512-1536", output_len="64-192", seed=0))
+    result = simulate(
+        SimConfig(), WorkloadSpec(num_requests=n, rate=12, input_len="512-1536", output_len="64-192", seed=0)
+    )
     warmup_s = WARMUP_FRACTION * n / 12
     assert d["config"]["warmup_s"] == pytest.approx(warmup_s)
     sm = steady_state_summary(result.records, skip_first=0, after_s=warmup_s, slo=slo)
@@ -294,16 +321,20 @@ def test_slo_runs_as_the_chosen_engines_defaults(client):
     assert "choose one of servelab, vllm, sglang, trtllm" in error(client, "slo", engine_profile="tgi")
 
 
-@pytest.mark.parametrize("params, needle", [
-    ({"rate": "0"}, "rate: must be between 0.1 and 1000"),
-    ({"output_len": "1"}, "output_len: must be between 2"),
-    ({"prompt_len": "100000", "output_len": "8000"}, "exceeds llama-3.1-8b's maximum context"),
-])
+@pytest.mark.parametrize(
+    "params, needle",
+    [
+        ({"rate": "0"}, "rate: must be between 0.1 and 1000"),
+        ({"output_len": "1"}, "output_len: must be between 2"),
+        ({"prompt_len": "100000", "output_len": "8000"}, "exceeds llama-3.1-8b's maximum context"),
+    ],
+)
 def test_slo_bad_parameters(client, params, needle):
     assert needle in error(client, "slo", **params)
 
 
 # ---- 4. chunked prefill -----------------------------------------------------------------------------
+
 
 def test_chunked_prefill_shows_the_stall_and_its_fix(client):
     d = get(client, "chunked-prefill", prompt_len=8192, decode_batch=16, chunk_tokens=512)
@@ -339,9 +370,11 @@ def test_chunked_prefill_names_prompt_len_and_the_length_the_user_gave(client):
 
 # ---- 5. disaggregated ---------------------------------------------------------------------------------
 
+
 def test_disaggregated_is_the_simulators(client):
-    d = get(client, "disaggregated", rate=6, prefill_gpus=1, decode_gpus=1, link_gbps=50, prompt_len=2048,
-            output_len=128)
+    d = get(
+        client, "disaggregated", rate=6, prefill_gpus=1, decode_gpus=1, link_gbps=50, prompt_len=2048, output_len=128
+    )
     n = d["config"]["num_requests"]
     workload = WorkloadSpec(num_requests=n, rate=6, input_len="1024-3072", output_len="64-192", seed=0)
     colocated = simulate(SimConfig(replicas=2), workload)
@@ -361,7 +394,9 @@ def test_disaggregated_slower_link_costs_ttft(client):
     fast = get(client, "disaggregated", link_gbps=400)
     slow = get(client, "disaggregated", link_gbps=2)
     assert slow["disaggregated"]["kv_transfer_ms"]["p50"] > 10 * fast["disaggregated"]["kv_transfer_ms"]["p50"]
-    assert slow["disaggregated"]["ttft_ms"]["percentiles"]["p50"] > fast["disaggregated"]["ttft_ms"]["percentiles"]["p50"]
+    assert (
+        slow["disaggregated"]["ttft_ms"]["percentiles"]["p50"] > fast["disaggregated"]["ttft_ms"]["percentiles"]["p50"]
+    )
 
 
 def test_disaggregated_bad_parameters(client):
@@ -370,6 +405,7 @@ def test_disaggregated_bad_parameters(client):
 
 
 # ---- helpers -------------------------------------------------------------------------------------
+
 
 def test_cdf_of_many_samples_uses_quantiles():
     from servelab.lab.sim_lessons import CDF_POINTS, cdf
@@ -385,6 +421,7 @@ def test_cdf_of_many_samples_uses_quantiles():
 
 
 # ---- 7. capacity ---------------------------------------------------------------------------------
+
 
 def _wait_done(client, **params) -> dict:
     import time
@@ -410,11 +447,16 @@ def test_capacity_is_the_planners_uncapped_result(client):
     assert set(plan["hardware"]) == set(__import__("servelab.spec", fromlist=["HARDWARE"]).HARDWARE)
     assert set(plan["status"]) == {"simulated"}
     i = plan["hardware"].index("h100-sxm")
-    job = next(j for j in _jobs(("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", 50.0, 512, 32)) if j.hardware == "h100-sxm")
+    job = next(
+        j
+        for j in _jobs(("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", 50.0, 512, 32))
+        if j.hardware == "h100-sxm"
+    )
     row = plan_one(job)
     assert plan["tokens_per_s_per_gpu"][i] == pytest.approx(row.tokens_per_s_per_device)
     assert plan["usd_per_million_tokens"][i] == pytest.approx(
-        HW.price_per_hour_usd / (row.tokens_per_s_per_device * 3600) * 1e6)
+        HW.price_per_hour_usd / (row.tokens_per_s_per_device * 3600) * 1e6
+    )
     # Uncapped: the first edition stopped at 64 users; now the KV cache (memory) binds, past 64, and is named.
     wall = memory_wall("llama-3.1-8b", "h100-sxm", "bfloat16", "bfloat16", 1, 512 + 32)
     assert plan["concurrency"][i] >= wall > 64
@@ -460,6 +502,7 @@ def test_capacity_bad_parameters(client):
 
 # ---- limits: one source of truth ------------------------------------------------------------------
 
+
 def _n(v: float) -> str:
     return str(int(v)) if float(v).is_integer() else str(v)
 
@@ -484,8 +527,9 @@ def test_chunked_prefill_sizes_each_user_at_its_own_context(client):
     d = get(client, "chunked-prefill", prompt_len=32768, decode_batch=16, chunk_tokens=512)
     assert d["prefill_first"]["long_ttft_ms"] > d["chunked"]["max_user_gap_ms"]
     # What truly does not fit (a 135M-token KV budget is far off; use a small accelerator) says what to change.
-    d = get(client, "chunked-prefill", model="llama-3.1-70b", hardware="h100-sxm", tp="2",
-            prompt_len=32768, decode_batch=64)
+    d = get(
+        client, "chunked-prefill", model="llama-3.1-70b", hardware="h100-sxm", tp="2", prompt_len=32768, decode_batch=64
+    )
     assert "need" in d["warning"] and "lower prompt_len or decode_batch" in d["warning"], d["warning"]
     assert d["no_fit"]["label"].startswith("does not fit: 64 decoding users")
 
@@ -525,6 +569,7 @@ def test_two_workloads_that_fit_have_no_warning(client):
 
 # ---- does not fit: one answer everywhere -----------------------------------------------------------
 
+
 @pytest.mark.parametrize("lesson", ["slo", "chunked-prefill", "disaggregated", "request-cost"])
 def test_a_configuration_that_does_not_fit_is_drawn_shaded_not_refused(client, lesson):
     d = get(client, lesson, model="llama-3.1-70b")  # 141 GB of weights on one 80 GB H100
@@ -533,11 +578,14 @@ def test_a_configuration_that_does_not_fit_is_drawn_shaded_not_refused(client, l
     assert d["config"]["model"] == "llama-3.1-70b"
 
 
-@pytest.mark.parametrize(("lesson", "params"), [
-    ("slo", {"prompt_len": 1200, "output_len": 1000, "rate": 0.1}),  # would cut every output short
-    ("slo", {"prompt_len": 4000}),  # a prompt alone larger than the pool
-    ("disaggregated", {"prompt_len": 4000}),
-])
+@pytest.mark.parametrize(
+    ("lesson", "params"),
+    [
+        ("slo", {"prompt_len": 1200, "output_len": 1000, "rate": 0.1}),  # would cut every output short
+        ("slo", {"prompt_len": 4000}),  # a prompt alone larger than the pool
+        ("disaggregated", {"prompt_len": 4000}),
+    ],
+)
 def test_a_request_longer_than_the_kv_pool_is_no_fit_not_truncated(client, lesson, params):
     # 70B in fp8 with float32 KV on one H100: 2,192 tokens of KV cache per replica
     d = get(client, lesson, model="llama-3.1-70b", weight_dtype="fp8", kv_dtype="float32", **params)
@@ -609,7 +657,11 @@ def test_capacity_names_the_labs_ceiling_when_it_binds():
     from servelab.lab.capacity_lesson import BIND_LABEL, SEARCH_CEILING_USERS, _binds, _jobs
 
     # 18-token requests fill an H100's KV cache only past 23,000 users: the search stops at the ceiling.
-    job = next(j for j in _jobs(("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", 50.0, 16, 2)) if j.hardware == "h100-sxm")
+    job = next(
+        j
+        for j in _jobs(("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", 50.0, 16, 2))
+        if j.hardware == "h100-sxm"
+    )
     assert job.max_concurrency == SEARCH_CEILING_USERS
     row = SimpleNamespace(binding=SimpleNamespace(limit="search-maximum", at_concurrency=SEARCH_CEILING_USERS))
     assert _binds(row) == "ceiling" and "4,096-user ceiling" in BIND_LABEL["ceiling"]

@@ -20,29 +20,76 @@ import pytest
 pytestmark = [pytest.mark.browser, pytest.mark.slow]
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+CHROMIUM_ARGS = [
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
 
 # lesson -> (control to move, its new value, [(chart id, trace index, axis, path in the API's JSON)])
 LESSONS = {
-    "two-workloads": ("prompt_len", "4096", [("times", 0, "y", "phases.time_ms"),
-                                             ("prefill-sweep", 0, "y", "sweep.prefill_ms"),
-                                             ("roofline", 2, "x", "decode.intensity")]),
-    "batching": ("context", "8192", [("throughput", 0, "y", "sweep.tokens_per_s_total"),
-                                     ("throughput", 1, "y", "sweep.tokens_per_s_per_user"),
-                                     ("bytes", 1, "y", "sweep.kv_gb"), ("memory", 1, "x", "memory.kv_gb")]),
-    "slo": ("rate", "30", [("ttft-cdf", 0, "x", "ttft_ms.x"), ("tpot-cdf", 0, "x", "tpot_ms.x"),
-                           ("goodput", 1, "y", "sweep.achieved_rps"), ("goodput", 3, "y", "achieved_rps")]),
-    "chunked-prefill": ("chunk_tokens", "1024", [("steps-chunked", 0, "y", "chunked.steps.duration_ms"),
-                                                 ("tokens-prefill_first", 0, "x", "prefill_first.tokens.time_ms")]),
-    "disaggregated": ("link_gbps", "5", [("ttft", 1, "x", "disaggregated.ttft_ms.x"),
-                                         ("itl", 0, "x", "colocated.itl_ms.x")]),
-    "memory": ("context", "32768", [("max-batch", 0, "y", "variants.max_batch"),
-                                    ("capacity", 0, "y", "variants.tokens_per_s_per_gpu")]),
-    "capacity": ("output_len", "16", [("tokens-per-gpu", 0, "y", "plan.tokens_per_s_per_gpu"),
-                                      ("cost", 0, "y", "plan.usd_per_million_tokens")]),  # from START below
-    "request-cost": ("output_len", "1024", [("money", 1, "y", "money.decode_usd"),
-                                            ("latency", 1, "y", "latency.decode_ms")]),
+    "two-workloads": (
+        "prompt_len",
+        "4096",
+        [
+            ("times", 0, "y", "phases.time_ms"),
+            ("prefill-sweep", 0, "y", "sweep.prefill_ms"),
+            ("roofline", 2, "x", "decode.intensity"),
+        ],
+    ),
+    "batching": (
+        "context",
+        "8192",
+        [
+            ("throughput", 0, "y", "sweep.tokens_per_s_total"),
+            ("throughput", 1, "y", "sweep.tokens_per_s_per_user"),
+            ("bytes", 1, "y", "sweep.kv_gb"),
+            ("memory", 1, "x", "memory.kv_gb"),
+        ],
+    ),
+    "slo": (
+        "rate",
+        "30",
+        [
+            ("ttft-cdf", 0, "x", "ttft_ms.x"),
+            ("tpot-cdf", 0, "x", "tpot_ms.x"),
+            ("goodput", 1, "y", "sweep.achieved_rps"),
+            ("goodput", 3, "y", "achieved_rps"),
+        ],
+    ),
+    "chunked-prefill": (
+        "chunk_tokens",
+        "1024",
+        [
+            ("steps-chunked", 0, "y", "chunked.steps.duration_ms"),
+            ("tokens-prefill_first", 0, "x", "prefill_first.tokens.time_ms"),
+        ],
+    ),
+    "disaggregated": (
+        "link_gbps",
+        "5",
+        [("ttft", 1, "x", "disaggregated.ttft_ms.x"), ("itl", 0, "x", "colocated.itl_ms.x")],
+    ),
+    "memory": (
+        "context",
+        "32768",
+        [("max-batch", 0, "y", "variants.max_batch"), ("capacity", 0, "y", "variants.tokens_per_s_per_gpu")],
+    ),
+    "capacity": (
+        "output_len",
+        "16",
+        [("tokens-per-gpu", 0, "y", "plan.tokens_per_s_per_gpu"), ("cost", 0, "y", "plan.usd_per_million_tokens")],
+    ),  # from START below
+    "request-cost": (
+        "output_len",
+        "1024",
+        [("money", 1, "y", "money.decode_usd"), ("latency", 1, "y", "latency.decode_ms")],
+    ),
 }
 # Where a lesson's test starts, when not at its defaults: short capacity plans keep the test cheap.
 START = {"capacity": "&output_len=32"}
@@ -123,8 +170,10 @@ def _wait_render(page, after: int, timeout_s: float = 300) -> None:
 
 def _wait_settled(page, timeout_s: float = 300) -> None:
     """Until the page shows a final answer: no request in flight, no partial (202) result drawn."""
-    page.wait_for_function("!document.body.classList.contains('busy') && window.lab.last && "
-                           "window.lab.last.data.status !== 'running'", timeout=timeout_s * 1000)
+    page.wait_for_function(
+        "!document.body.classList.contains('busy') && window.lab.last && window.lab.last.data.status !== 'running'",
+        timeout=timeout_s * 1000,
+    )
 
 
 def _renders(page) -> int:
@@ -182,8 +231,10 @@ def test_lesson_draws_the_apis_numbers_and_follows_its_control(page, lab_server,
 
 
 def test_shared_url_restores_the_view(page, lab_server):
-    page.goto(f"{lab_server.url}/?" + urlencode({"lesson": "batching", "batch": 16, "context": 512,
-                                                  "hardware": "h200", "weight_dtype": "fp8"}))
+    page.goto(
+        f"{lab_server.url}/?"
+        + urlencode({"lesson": "batching", "batch": 16, "context": 512, "hardware": "h200", "weight_dtype": "fp8"})
+    )
     _wait_render(page, 0)
     assert page.input_value("#ctl-batch") == "16" and page.input_value("#ctl-hardware") == "h200"
     assert page.locator("nav a.active").inner_text().startswith("2.")
@@ -230,9 +281,13 @@ def test_bad_input_and_configs_that_do_not_fit_say_why(page, lab_server, tmp_pat
 def test_live_panel_shows_the_engines_figures(browser, tmp_path):
     from servelab.lab.app import create_lab_app
 
-    stats = {"running": 3, "waiting": 1, "kv_usage": 0.4,
-             "ttft_s": {"le": [0.05, 0.1, float("inf")], "counts": [5, 2, 0]},
-             "itl_s": {"le": [0.01, 0.02, float("inf")], "counts": [40, 3, 1]}}
+    stats = {
+        "running": 3,
+        "waiting": 1,
+        "kv_usage": 0.4,
+        "ttft_s": {"le": [0.05, 0.1, float("inf")], "counts": [5, 2, 0]},
+        "itl_s": {"le": [0.01, 0.02, float("inf")], "counts": [40, 3, 1]},
+    }
     server = _Server(create_lab_app(engine_metrics_source=lambda: dict(stats)))
     try:
         context = browser.new_context(viewport={"width": 1400, "height": 1000})
@@ -305,7 +360,9 @@ def test_batching_defaults_shade_and_name_the_no_fit_region(page, lab_server):
         texts = [a["text"] for a in layout["annotations"]]
         assert "KV cache full at batch 208" in texts, (chart, texts)
     # On the log-x throughput chart the shade starts at batch 208 and runs past the last swept batch.
-    rect = next(s for s in page.evaluate("document.getElementById('chart-throughput').layout.shapes") if s["type"] == "rect")
+    rect = next(
+        s for s in page.evaluate("document.getElementById('chart-throughput').layout.shapes") if s["type"] == "rect"
+    )
     assert rect["x0"] == 208 and rect["x1"] > 1024
     # Powers of two are labelled as such, not "16.384k".
     ticks = page.evaluate("document.getElementById('chart-throughput').layout.xaxis.ticktext")
@@ -322,7 +379,9 @@ def test_form_limits_are_the_apis(page, lab_server):
         page.goto(f"{lab_server.url}/?lesson={lesson}")
         page.wait_for_selector("#controls input")
         for name, lim in limits[lesson].items():
-            got = page.evaluate(f"[document.getElementById('ctl-{name}').min, document.getElementById('ctl-{name}').max]")
+            got = page.evaluate(
+                f"[document.getElementById('ctl-{name}').min, document.getElementById('ctl-{name}').max]"
+            )
             assert [float(v) for v in got] == [lim["min"], lim["max"]], (lesson, name)
     # The form refuses what the API would (65 users) without asking the server.
     page.goto(f"{lab_server.url}/?lesson=chunked-prefill")
@@ -358,7 +417,9 @@ def test_lesson_1_roofline_shades_the_ridge_and_the_decode_wall(page, lab_server
     data = page.evaluate("window.lab.last.data")
     assert wall["x0"] == pytest.approx(data["limits"]["roofline"]["intensity"])
     texts = [a["text"] for a in page.evaluate("document.getElementById('chart-roofline').layout.annotations")]
-    assert "decode at 2,048 tokens: batch > 208 does not fit" in texts and any(t.startswith("compute-bound") for t in texts)
+    assert "decode at 2,048 tokens: batch > 208 does not fit" in texts and any(
+        t.startswith("compute-bound") for t in texts
+    )
     # The formulas beside the charts are the API's own lines.
     page.click("#formulas summary")
     shown = page.locator("#formulas-body").inner_text()
@@ -403,10 +464,14 @@ def test_capacity_is_uncapped_names_its_limit_and_answers_fast(page, lab_server)
     plan = page.evaluate("window.lab.last.data.plan")
     i = plan["hardware"].index("h100-sxm")
     assert plan["concurrency"][i] > 64  # the first edition's cap was 64 users
-    drawn = [t.replace("<br>", " ") for t in page.evaluate("document.getElementById('chart-tokens-per-gpu').data[0].text")]
+    drawn = [
+        t.replace("<br>", " ") for t in page.evaluate("document.getElementById('chart-tokens-per-gpu').data[0].text")
+    ]
     names = {"memory": "memory (KV cache", "slo": "the TPOT target"}
     for j, binds in enumerate(plan["binds"]):  # every bar that serves names the limit that bound it
-        assert (binds in names and names[binds] in drawn[j] and "users" in drawn[j]) or not plan["meets_slo"][j], drawn[j]
+        assert (binds in names and names[binds] in drawn[j] and "users" in drawn[j]) or not plan["meets_slo"][j], drawn[
+            j
+        ]
 
 
 def test_your_machine_measures_the_engine_and_overlays_the_prediction(browser, tmp_path):
@@ -423,12 +488,25 @@ def test_your_machine_measures_the_engine_and_overlays_the_prediction(browser, t
 
     model_dir = write_tiny_llama(tmp_path / "tiny")
     tokenizer = Tokenizer.from_hf_dir(model_dir)
-    config = SchedulerConfig(num_blocks=256, block_size=16, max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512)
+    config = SchedulerConfig(
+        num_blocks=256, block_size=16, max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512
+    )
     engine = LLMEngine(FakeExecutor(vocab_size=tokenizer.vocab_size), tokenizer, config, "tiny")
     app = create_app(engine)
-    profile = {"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "model": "smollm2-135m",
-               "fit": {"coefficients": {"per_step_s": 2e-3, "per_token_s": 1e-5, "per_seq_s": 1e-4,
-                                        "per_context_token_s": 0.0, "per_pair_s": 0.0}}}
+    profile = {
+        "format": PROFILE_FORMAT,
+        "version": PROFILE_VERSION,
+        "model": "smollm2-135m",
+        "fit": {
+            "coefficients": {
+                "per_step_s": 2e-3,
+                "per_token_s": 1e-5,
+                "per_seq_s": 1e-4,
+                "per_context_token_s": 0.0,
+                "per_pair_s": 0.0,
+            }
+        },
+    }
     assert mount_lab(app, profile, "calibrated.json", "tiny")
     server = _Server(app)
     try:

@@ -44,8 +44,11 @@ def test_plans_share_one_bounded_pool_queue_and_cache(monkeypatch):
 
     # The pool, queue and cache are what is tested here, not the search: keep each search short.
     jobs = capacity_lesson._jobs
-    monkeypatch.setattr(capacity_lesson, "_jobs",
-                        lambda key: [dataclasses.replace(j, max_concurrency=4, tolerance=None) for j in jobs(key)])
+    monkeypatch.setattr(
+        capacity_lesson,
+        "_jobs",
+        lambda key: [dataclasses.replace(j, max_concurrency=4, tolerance=None) for j in jobs(key)],
+    )
     _wait_no_children()  # other tests' pools
     app = create_lab_app()
     planner = app.state.capacity_planner = CapacityPlanner(max_workers=1, max_running=1, max_cached=2)

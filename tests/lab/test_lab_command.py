@@ -33,8 +33,12 @@ def test_servelab_lab_serves_the_page_and_api():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([sys.executable, "-m", "servelab", "lab", "--port", str(port)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "servelab", "lab", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -49,7 +53,9 @@ def test_servelab_lab_serves_the_page_and_api():
         assert page.status_code == 200 and "servelab lab" in page.text
         batching = httpx.post(url + "/api/lessons/batching", json={"batch": 64}, timeout=30).json()
         assert batching["selected"]["tokens_per_s_total"] == pytest.approx(4500, rel=0.1)
-        assert httpx.get(url + "/static/plotly.min.js", timeout=30).headers["content-type"].startswith("text/javascript")
+        assert (
+            httpx.get(url + "/static/plotly.min.js", timeout=30).headers["content-type"].startswith("text/javascript")
+        )
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -15,9 +15,17 @@ from servelab.lab.live import parse_prometheus_text
 def _server_metrics(running: int = 3, waiting: int = 2, kv: float = 0.25):
     from servelab.server.metrics import ServerMetrics
 
-    stats = SimpleNamespace(num_running=running, num_waiting=waiting, kv_cache_usage=kv, num_blocks_total=100,
-                            num_blocks_free=75, num_preemptions=0, prefix_cache_hits=0, prefix_cache_queries=0,
-                            num_waiting_deferred=0)
+    stats = SimpleNamespace(
+        num_running=running,
+        num_waiting=waiting,
+        kv_cache_usage=kv,
+        num_blocks_total=100,
+        num_blocks_free=75,
+        num_preemptions=0,
+        prefix_cache_hits=0,
+        prefix_cache_queries=0,
+        num_waiting_deferred=0,
+    )
     return ServerMetrics("m", lambda: stats)
 
 
@@ -85,7 +93,9 @@ def test_lab_mounted_in_the_real_server_shows_its_requests(tmp_path):
 
     model_dir = write_tiny_llama(tmp_path / "tiny")
     tokenizer = Tokenizer.from_hf_dir(model_dir)
-    config = SchedulerConfig(num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=128)
+    config = SchedulerConfig(
+        num_blocks=64, block_size=16, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=128
+    )
     engine = LLMEngine(FakeExecutor(vocab_size=tokenizer.vocab_size), tokenizer, config, "tiny")
     app = create_app(engine)
     with TestClient(app) as client:

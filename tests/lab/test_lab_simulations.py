@@ -142,7 +142,8 @@ def test_sigterm_during_a_simulation_exits_promptly():
                 time.sleep(0.2)
         answers = []
         runner = threading.Thread(
-            target=lambda: answers.append(httpx.post(f"{url}/api/lessons/slo", json=LONG_SLO, timeout=60)))
+            target=lambda: answers.append(httpx.post(f"{url}/api/lessons/slo", json=LONG_SLO, timeout=60))
+        )
         runner.start()
         time.sleep(1.0)
         assert runner.is_alive()
@@ -167,8 +168,9 @@ def test_sigterm_to_servelab_serve_during_a_lab_simulation_exits_within_the_drai
     server = launch_server(model, tmp_path / "logs", "--shutdown-timeout", "5s", lab=True)
     try:
         answers = []
-        runner = threading.Thread(target=lambda: answers.append(
-            httpx.post(f"{server.url}/lab/api/lessons/slo", json=LONG_SLO, timeout=60)))
+        runner = threading.Thread(
+            target=lambda: answers.append(httpx.post(f"{server.url}/lab/api/lessons/slo", json=LONG_SLO, timeout=60))
+        )
         runner.start()
         time.sleep(1.0)
         assert runner.is_alive()

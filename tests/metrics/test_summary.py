@@ -71,8 +71,19 @@ def test_goodput_needs_every_target():
 def test_schema_and_table():
     s = summarize([rec("a", 0.0, [0.1, 0.2])], 1.0, slo=SLO(tpot_s=0.05))
     d = s.to_dict()
-    for key in ("num_requests", "completed", "failed", "duration_s", "request_throughput", "input_throughput",
-                "output_throughput", "output_throughput_per_device", "preemptions", "goodput", "slo_attainment"):
+    for key in (
+        "num_requests",
+        "completed",
+        "failed",
+        "duration_s",
+        "request_throughput",
+        "input_throughput",
+        "output_throughput",
+        "output_throughput_per_device",
+        "preemptions",
+        "goodput",
+        "slo_attainment",
+    ):
         assert key in d
     for metric in ("ttft_s", "tpot_s", "itl_s", "e2e_s", "queue_s"):
         assert set(d[metric]) == {"mean", "p50", "p90", "p95", "p99", "max"}

@@ -99,7 +99,9 @@ class ServerProcess:
 _SERVING = re.compile(r"serving .* on http://127\.0\.0\.1:(\d+)")
 
 
-def launch_server(model_dir: Path, log_dir: Path, *args: str, timeout_s: float = 180.0, lab: bool = False) -> ServerProcess:
+def launch_server(
+    model_dir: Path, log_dir: Path, *args: str, timeout_s: float = 180.0, lab: bool = False
+) -> ServerProcess:
     """`python -m servelab serve --port 0 ...`: the OS picks a free port and the log names it.
     The lab stays unmounted unless `lab`."""
     log_dir.mkdir(parents=True, exist_ok=True)

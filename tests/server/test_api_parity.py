@@ -123,7 +123,13 @@ def test_the_first_chat_chunk_comes_with_the_first_token_and_carries_role_and_te
 
 
 def test_each_choice_opens_with_its_role_once(client):
-    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "ignore_eos": True, "n": 3, "stream": True}
+    body = {
+        "messages": [{"role": "user", "content": "hi"}],
+        "max_tokens": 3,
+        "ignore_eos": True,
+        "n": 3,
+        "stream": True,
+    }
     chunks = [c for c in _sse(client.post("/v1/chat/completions", json=body))[:-1] if c["choices"]]
     for index in range(3):
         deltas = [c["choices"][0]["delta"] for c in chunks if c["choices"][0]["index"] == index]
@@ -349,7 +355,9 @@ def test_stream_deltas_omit_absent_keys_at_every_depth():
     first = P.DeltaMessage(role="assistant", tool_calls=[
         P.ToolCallDelta(index=0, id="call_1", type="function", function=P.FunctionCallDelta(name="f"))])  # fmt: skip
     later = P.DeltaMessage(tool_calls=[P.ToolCallDelta(index=0, function=P.FunctionCallDelta(arguments='{"a"'))])
-    assert P.dump(first) == {"role": "assistant",
-                             "tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "f"}}]}
+    assert P.dump(first) == {
+        "role": "assistant",
+        "tool_calls": [{"index": 0, "id": "call_1", "type": "function", "function": {"name": "f"}}],
+    }
     assert P.dump(later) == {"tool_calls": [{"index": 0, "function": {"arguments": '{"a"'}}]}
     assert P.dump(P.DeltaMessage(content="")) == {"content": ""}

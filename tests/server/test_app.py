@@ -51,8 +51,12 @@ def test_completion_usage_and_length_finish(client):
     body = resp.json()
     assert body["object"] == "text_completion" and body["model"] == "fake-model"
     assert body["choices"][0]["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": len(prompt_ids), "completion_tokens": 7, "total_tokens": len(prompt_ids) + 7,
-                             "prompt_tokens_details": {"cached_tokens": 0}}
+    assert body["usage"] == {
+        "prompt_tokens": len(prompt_ids),
+        "completion_tokens": 7,
+        "total_tokens": len(prompt_ids) + 7,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
 
 
 def test_stop_string_finishes_with_stop_and_is_cut(client):
@@ -83,7 +87,10 @@ def test_n_choices_and_prompt_lists(client):
     p2 = client.post("/tokenize", json={"prompt": "the quick brown fox"}).json()["count"]
     # A prompt counts once however many choices share it, as OpenAI counts it.
     assert {k: body["usage"][k] for k in ("prompt_tokens", "completion_tokens", "total_tokens")} == {
-        "prompt_tokens": p1 + p2, "completion_tokens": 12, "total_tokens": p1 + p2 + 12}
+        "prompt_tokens": p1 + p2,
+        "completion_tokens": 12,
+        "total_tokens": p1 + p2 + 12,
+    }
 
 
 def test_chat_streaming_events_end_in_done_with_usage(client):
@@ -100,12 +107,19 @@ def test_chat_streaming_events_end_in_done_with_usage(client):
     assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
     usage_chunk = chunks[-1]
     assert usage_chunk["choices"] == []
-    assert usage_chunk["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 5, "total_tokens": prompt_tokens + 5,
-                                    "prompt_tokens_details": {"cached_tokens": 0}}
+    assert usage_chunk["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 5,
+        "total_tokens": prompt_tokens + 5,
+        "prompt_tokens_details": {"cached_tokens": 0},
+    }
     assert all(c["usage"] is None for c in chunks[:-1])
 
     plain = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 5, "ignore_eos": True}).json()
-    assert plain["usage"] == {**usage_chunk["usage"], "prompt_tokens_details": {"cached_tokens": 16}}  # the same prompt again
+    assert plain["usage"] == {
+        **usage_chunk["usage"],
+        "prompt_tokens_details": {"cached_tokens": 16},
+    }  # the same prompt again
     assert plain["choices"][0]["message"]["role"] == "assistant"
 
 
@@ -163,7 +177,9 @@ def test_prompt_over_the_context_names_both_numbers(client):
     assert err["code"] == "context_length_exceeded"  # as OpenAI names it
     err = _error(client.post("/v1/completions", json={"prompt": list(range(10, 150)), "max_tokens": 1}), 400)
     assert "128" in err["message"] and "140" in err["message"]
-    err = _error(client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "fox " * 200}]}), 400)
+    err = _error(
+        client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "fox " * 200}]}), 400
+    )
     assert "128" in err["message"]
 
 
@@ -195,7 +211,9 @@ def test_non_finite_numbers_are_not_json(client, constant):
 def test_unknown_model_and_route_answer_404(client):
     err = _error(client.post("/v1/completions", json={"prompt": "x", "model": "gpt-9"}), 404)
     assert "gpt-9" in err["message"] and "fake-model" in err["message"] and err["code"] == "model_not_found"
-    _error(client.post("/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}), 404)
+    _error(
+        client.post("/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}), 404
+    )
     _error(client.get("/v1/nothing"), 404)
     _error(client.get("/v1/completions"), 405)
 
@@ -226,7 +244,9 @@ def test_a_failing_step_answers_500_and_the_next_request_succeeds(fake_engine):
     with TestClient(app) as c:
         err = _error(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 5}), 500)
         assert "injected failure" in err["message"]
-        events = _sse(c.post("/v1/completions", json={"prompt": "x", "max_tokens": 5, "stream": True, "ignore_eos": True}))
+        events = _sse(
+            c.post("/v1/completions", json={"prompt": "x", "max_tokens": 5, "stream": True, "ignore_eos": True})
+        )
         assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
         assert c.get("/health").status_code == 200
 
@@ -239,7 +259,10 @@ def test_metrics_count_every_request(client):
         client.post("/v1/completions", json={"prompt": "hi", "max_tokens": max_tokens, "ignore_eos": True})
     client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2, "n": 2, "ignore_eos": True})
     after = client.get("/metrics").text
-    assert _metric(after, "servelab:time_to_first_token_seconds", "servelab:time_to_first_token_seconds_count") == ttft0 + 5
+    assert (
+        _metric(after, "servelab:time_to_first_token_seconds", "servelab:time_to_first_token_seconds_count")
+        == ttft0 + 5
+    )
     assert _metric(after, "servelab:generation_tokens", "servelab:generation_tokens_total") == gen0 + 2 + 3 + 4 + 4
     assert _metric(after, "servelab:request_success", "servelab:request_success_total", finished_reason="length") >= 5
     assert _metric(after, "servelab:num_requests_running") == 0
@@ -265,7 +288,9 @@ def test_logprobs_keep_the_eos_that_ends_a_choice(tiny_model_dir):
     token's string) though the content skips it, so the entries count completion_tokens."""
     from servelab.engine.llm_engine import EngineArgs
 
-    with TestClient(create_app(EngineArgs.from_kwargs(model=str(tiny_model_dir), num_blocks=64, max_model_len=256))) as c:
+    with TestClient(
+        create_app(EngineArgs.from_kwargs(model=str(tiny_model_dir), num_blocks=64, max_model_len=256))
+    ) as c:
         tokenizer = c.app.state.servelab.front.tokenizer
         eos = tokenizer.eos_token_ids[0]
         eos_text = tokenizer.decode([eos], skip_special_tokens=False)
@@ -279,7 +304,9 @@ def test_logprobs_keep_the_eos_that_ends_a_choice(tiny_model_dir):
         assert len(tokens) == 3 == answer["usage"]["completion_tokens"]
         assert tokens[-1] == eos_text and "".join(tokens[:-1]) == choice["message"]["content"]
         events = _sse(c.post("/v1/chat/completions", json={**body, "stream": True}))
-        streamed = [e for ev in events[:-1] for ch in ev["choices"] if ch.get("logprobs") for e in ch["logprobs"]["content"]]
+        streamed = [
+            e for ev in events[:-1] for ch in ev["choices"] if ch.get("logprobs") for e in ch["logprobs"]["content"]
+        ]
         assert [e["token"] for e in streamed] == tokens
         completion = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 8, "min_tokens": 2, "temperature": 0,
                                                       "logprobs": 0, "logit_bias": {str(eos): 100}}).json()  # fmt: skip
@@ -295,14 +322,20 @@ def test_constraints_that_leave_no_token_are_the_clients_error(tiny_model_dir):
     step finds it; never a 500, and the server serves on."""
     from servelab.engine.llm_engine import EngineArgs
 
-    with TestClient(create_app(EngineArgs.from_kwargs(model=str(tiny_model_dir), num_blocks=64, max_model_len=256))) as c:
+    with TestClient(
+        create_app(EngineArgs.from_kwargs(model=str(tiny_model_dir), num_blocks=64, max_model_len=256))
+    ) as c:
         tok = c.app.state.servelab.front.tokenizer
         bang = tok.encode("!")
         assert tok.encode("!!") == bang * 2
-        refused = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "allowed_token_ids": bang, "bad_words": ["!"]})
+        refused = c.post(
+            "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "allowed_token_ids": bang, "bad_words": ["!"]}
+        )
         assert _error(refused, 400)["param"] == "bad_words"
         eos = tok.eos_token_ids[0]
-        refused = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 4, "allowed_token_ids": [eos], "min_tokens": 2})
+        refused = c.post(
+            "/v1/completions", json={"prompt": "hi", "max_tokens": 4, "allowed_token_ids": [eos], "min_tokens": 2}
+        )
         assert _error(refused, 400)["param"] == "min_tokens"
         # "!" is allowed alone; after one "!" the bad word "!!" bans it: found at the second token
         body = {"prompt": "hi", "max_tokens": 4, "allowed_token_ids": bang, "bad_words": ["!!"]}

@@ -54,8 +54,15 @@ def test_echo_with_max_tokens_0_scores_the_prompt(served):
 
 def test_echo_with_generation_streams_the_prompt_first(served):
     client, _ = served
-    body = {"prompt": PROMPT, "echo": True, "logprobs": 0, "max_tokens": 3, "ignore_eos": True, "stream": True,
-            "temperature": 0}
+    body = {
+        "prompt": PROMPT,
+        "echo": True,
+        "logprobs": 0,
+        "max_tokens": 3,
+        "ignore_eos": True,
+        "stream": True,
+        "temperature": 0,
+    }
     resp = client.post("/v1/completions", json=body)
     chunks = [json.loads(e[6:]) for e in resp.text.split("\n\n") if e.startswith("data: {")]
     text = "".join(c["choices"][0]["text"] for c in chunks)
@@ -80,7 +87,9 @@ def test_vllm_prompt_logprobs_on_completions_and_chat(served):
         assert any(v["rank"] == 1 for v in entry.values())
     messages = [{"role": "user", "content": "hello there"}]
     n_chat = client.post("/tokenize", json={"messages": messages}).json()["count"]
-    chat = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, "prompt_logprobs": 0}).json()
+    chat = client.post(
+        "/v1/chat/completions", json={"messages": messages, "max_tokens": 1, "prompt_logprobs": 0}
+    ).json()
     assert len(chat["prompt_logprobs"]) == n_chat and chat["prompt_logprobs"][0] is None
 
 
@@ -148,26 +157,31 @@ def test_n_choices_score_their_prompt_once(served, monkeypatch):
         assert c["prompt_logprobs"][0] is None
         got = [{t: v["logprob"] for t, v in entry.items()} for entry in c["prompt_logprobs"][1:]]
         assert [sorted(g) for g in got] == [sorted(w) for w in want]
-        assert [g[t] for g in got for t in sorted(g)] == pytest.approx([w[t] for w in want for t in sorted(w)], abs=1e-4)
+        assert [g[t] for g in got for t in sorted(g)] == pytest.approx(
+            [w[t] for w in want for t in sorted(w)], abs=1e-4
+        )
         for key in ("tokens", "text_offset"):
             assert c["logprobs"][key][: len(ids)] == one["logprobs"][key][: len(ids)]
         assert c["logprobs"]["token_logprobs"][1 : len(ids)] == pytest.approx(
-            one["logprobs"]["token_logprobs"][1 : len(ids)], abs=1e-4)
+            one["logprobs"]["token_logprobs"][1 : len(ids)], abs=1e-4
+        )
     scored_rows.clear()
     streamed = _streamed(client, {**body, "n": 3})
     assert sum(scored_rows) == len(ids) - 1 and sorted(streamed) == [0, 1, 2]
     for c in streamed.values():
         assert c["tokens"][: len(ids)] == one["logprobs"]["tokens"][: len(ids)]
-        assert c["token_logprobs"][1 : len(ids)] == pytest.approx(one["logprobs"]["token_logprobs"][1 : len(ids)], abs=1e-4)
+        assert c["token_logprobs"][1 : len(ids)] == pytest.approx(
+            one["logprobs"]["token_logprobs"][1 : len(ids)], abs=1e-4
+        )
 
 
 def test_text_offsets_agree_between_stream_and_whole_answer_across_split_characters(served):
     client, engine = served
-    prompt = "Smile \U0001F642 ok \u00e9t\u00e9"
+    prompt = "Smile \U0001f642 ok \u00e9t\u00e9"
     ids = client.post("/tokenize", json={"prompt": prompt}).json()["tokens"]
     pieces = [engine.tokenizer.decode([t]) for t in ids]
     assert any("\ufffd" in piece for piece in pieces), "the prompt should split a character over tokens"
-    answer = "\U0001F642\u00e9\U0001F642"
+    answer = "\U0001f642\u00e9\U0001f642"
     body = {"prompt": prompt, "echo": True, "logprobs": 0, "max_tokens": 16, "temperature": 0,
             "structured_outputs": {"choice": [answer]}}  # fmt: skip
     whole = _post(client, body)["choices"][0]

@@ -103,7 +103,9 @@ def test_prefix_caching_with_a_repeated_prefix(tiny_model_dir, hf, pooling_type)
         assert client.post("/v1/completions", json={"prompt": prefix + [7], "max_tokens": 2}).status_code == 200
         hits_before = engine.scheduler.block_manager.prefix_cache_hits
         for one in inputs:
-            assert (vectors(client.post("/v1/embeddings", json={"input": one}))[0] - reference(hf, one, pooling_type)).abs().max() <= TOL
+            assert (
+                vectors(client.post("/v1/embeddings", json={"input": one}))[0] - reference(hf, one, pooling_type)
+            ).abs().max() <= TOL
         hits = engine.scheduler.block_manager.prefix_cache_hits - hits_before
         assert hits == (0 if pooling_type == "MEAN" else 2 * 96)
     assert_no_leak(engine)
@@ -136,7 +138,9 @@ def _error(resp, status: int, param: str) -> str:
 def test_refusals_name_the_field_and_leak_nothing(tiny_model_dir):
     client, engine = make_client(tiny_model_dir, max_model_len=128)
     with client:
-        assert "dimensions" in _error(client.post("/v1/embeddings", json={"input": "hi", "dimensions": 8}), 400, "dimensions")
+        assert "dimensions" in _error(
+            client.post("/v1/embeddings", json={"input": "hi", "dimensions": 8}), 400, "dimensions"
+        )
         message = _error(client.post("/v1/embeddings", json={"input": ids_of(129, 7)}), 400, "input")
         assert "128" in message and "truncate_prompt_tokens" in message
         _error(client.post("/v1/embeddings", json={"input": [5, 100000]}), 400, "input")

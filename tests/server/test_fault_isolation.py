@@ -31,7 +31,9 @@ def _body(i: int, **extra) -> dict:
 def test_four_streams_survive_one_failing_request(tiny_model_dir, monkeypatch):
     from servelab.engine.llm_engine import EngineArgs, LLMEngine
 
-    engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=str(tiny_model_dir), dtype="float32", num_blocks=64, max_model_len=256))
+    engine = LLMEngine.from_args(
+        EngineArgs.from_kwargs(model=str(tiny_model_dir), dtype="float32", num_blocks=64, max_model_len=256)
+    )
     real = Sampler.sample
     shared_steps = []  # batch sizes of the steps in which the bad request failed
     failing = threading.Event()  # set once the bad request has shared a step with another

@@ -64,7 +64,9 @@ def test_slow_compiles_do_not_hold_up_a_plain_request(grammar_client):
     assert client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2,
                                                 "structured_outputs": {"regex": "[a-z]+"}}).status_code == 200  # fmt: skip
     results: list = []
-    threads = [_post_in_thread(client, {"prompt": "x", "max_tokens": 2, **slow_regex(6 + i)}, results) for i in range(2)]
+    threads = [
+        _post_in_thread(client, {"prompt": "x", "max_tokens": 2, **slow_regex(6 + i)}, results) for i in range(2)
+    ]
     grammars = client.app.state.servelab.grammars
     assert wait_until(lambda: len(grammars.worker_pids()) == 2, 10)  # both compiles running
     assert plain_completion_s(client) < 2.0

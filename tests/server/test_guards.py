@@ -51,7 +51,9 @@ def test_health_and_metrics_stay_open(keyed):
 ])  # fmt: skip
 def test_browser_simple_content_types_get_415_showing_the_header(fake_engine, content_type):
     with TestClient(create_app(fake_engine())) as c:
-        r = c.post("/v1/completions", content=b'{"prompt": "hi", "max_tokens": 1}', headers={"Content-Type": content_type})
+        r = c.post(
+            "/v1/completions", content=b'{"prompt": "hi", "max_tokens": 1}', headers={"Content-Type": content_type}
+        )
         assert r.status_code == 415, r.text
         assert "Content-Type: application/json" in r.json()["error"]["message"]
         ok = c.post("/v1/completions", content=b'{"prompt": "hi", "max_tokens": 1}',
@@ -85,8 +87,14 @@ def test_no_cors_headers_unless_origins_are_allowed(fake_engine):
     app = create_app(fake_engine(), api_key="sk-right", allowed_origins=["https://app.example"])
     with TestClient(app) as c:
         good = {"Origin": "https://app.example"}
-        pre = c.options("/v1/completions", headers={**good, "Access-Control-Request-Method": "POST",
-                                                     "Access-Control-Request-Headers": "authorization,content-type"})
+        pre = c.options(
+            "/v1/completions",
+            headers={
+                **good,
+                "Access-Control-Request-Method": "POST",
+                "Access-Control-Request-Headers": "authorization,content-type",
+            },
+        )
         assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "https://app.example"
         r = c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}, headers={**good, **KEY})
         assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "https://app.example"
@@ -182,7 +190,9 @@ def test_tokenizing_runs_off_the_event_loop(fake_engine):
     tokenizer.encode_chat, tokenizer.encode_user_text = slowly(slow_chat), slowly(slow_text)
 
     async def work(client: httpx.AsyncClient) -> httpx.Response:
-        chat = client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})
+        chat = client.post(
+            "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        )
         completion = client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         tokenize = client.post("/tokenize", json={"prompt": "hi"})
         responses = await asyncio.gather(chat, completion, tokenize)
@@ -274,6 +284,7 @@ def test_long_token_id_lists_neither_hold_the_loop_nor_are_checked_per_choice(fa
 
     sequence.SamplingParams.validate = counting
     try:
+
         async def post(client: httpx.AsyncClient) -> httpx.Response:
             return await client.post("/v1/completions", json={**body, "allowed_token_ids": list(range(vocab))})
 

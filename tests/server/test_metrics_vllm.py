@@ -39,7 +39,7 @@ def selectors(query: str) -> list[tuple[str, dict[str, str | None]]]:
     found = []
     for m in re.finditer(r"([A-Za-z_:][\w:]*)\s*(\{[^}]*\})?", query):
         name, matchers = m.group(1), m.group(2) or ""
-        if query[m.end():].lstrip().startswith("(") or name in PROMQL_KEYWORDS:
+        if query[m.end() :].lstrip().startswith("(") or name in PROMQL_KEYWORDS:
             continue  # a function or an operator, not a metric
         needed: dict[str, str | None] = {label: None for label in kept}
         for label, op, value in re.findall(r'(\w+)\s*(=~|!=|!~|=)\s*"([^"]*)"', matchers):
@@ -63,7 +63,9 @@ def _types(text: str) -> dict[str, str]:
 
 
 def _value(text: str, name: str, **labels: str) -> float:
-    return sum(s.value for s in _samples(text) if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value for s in _samples(text) if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 @pytest.fixture
@@ -89,13 +91,18 @@ def test_every_grafana_query_finds_its_metrics_and_labels(vllm_client):
     missing = []
     for query in QUERIES:
         for name, needed in selectors(query):
-            needed = {label: MODEL if label == "model_name" and value == "" else value for label, value in needed.items()}
+            needed = {
+                label: MODEL if label == "model_name" and value == "" else value for label, value in needed.items()
+            }
             if not any(s.name == name and all(label in s.labels and value in (None, s.labels[label])
                                               for label, value in needed.items()) for s in samples):  # fmt: skip
                 missing.append(f"{name} {needed}")
     assert not missing, missing
     assert len(QUERIES) == 27 and {n for q in QUERIES for n, _ in selectors(q)} >= {
-        "vllm:request_max_num_generation_tokens_sum", "vllm:request_success_total", "vllm:kv_cache_usage_perc"}
+        "vllm:request_max_num_generation_tokens_sum",
+        "vllm:request_success_total",
+        "vllm:kv_cache_usage_perc",
+    }
 
 
 def test_vllm_namespace_has_vllms_labels_types_and_buckets(vllm_client):

@@ -27,14 +27,18 @@ def client(http) -> openai.OpenAI:
 
 
 def _chat_text(http, messages: list[dict], max_tokens: int) -> tuple[str, dict]:
-    body = http.post("/v1/chat/completions", json={"messages": messages, "max_tokens": max_tokens, "ignore_eos": True}).json()
+    body = http.post(
+        "/v1/chat/completions", json={"messages": messages, "max_tokens": max_tokens, "ignore_eos": True}
+    ).json()
     return body["choices"][0]["message"]["content"], body["usage"]
 
 
 def test_create_is_the_chat_completion_of_the_same_messages(client, http):
     resp = client.responses.create(model="fake-model", input="hello there", instructions="be brief", max_output_tokens=6,
                                    extra_body={"ignore_eos": True})  # fmt: skip
-    text, usage = _chat_text(http, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}], 6)
+    text, usage = _chat_text(
+        http, [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hello there"}], 6
+    )
     assert resp.object == "response" and resp.id.startswith("resp_") and resp.model == "fake-model"
     assert resp.output_text == text
     assert resp.status == "incomplete" and resp.incomplete_details.reason == "max_output_tokens"
@@ -55,7 +59,9 @@ def test_message_items_with_input_text_parts(client, http):
 
 
 def test_stream_has_the_responses_event_sequence(client):
-    stream = client.responses.create(input="stream me", max_output_tokens=8, stream=True, extra_body={"ignore_eos": True})
+    stream = client.responses.create(
+        input="stream me", max_output_tokens=8, stream=True, extra_body={"ignore_eos": True}
+    )
     events = list(stream)
     kinds = [e.type for e in events]
     deltas = [e.delta for e in events if e.type == "response.output_text.delta"]

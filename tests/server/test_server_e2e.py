@@ -176,7 +176,9 @@ def test_errors_through_the_openai_client(server, client):
         client.completions.create(model="no-such-model", prompt="x")
     assert e.value.status_code == 404 and "no-such-model" in e.value.message
     with pytest.raises(openai.BadRequestError):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True, max_tokens=0)
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], stream=True, max_tokens=0
+        )
 
 
 def test_raw_errors_and_the_engine_survives(server, client):
@@ -254,7 +256,11 @@ def test_32_concurrent_streams_complete_with_correct_usage_and_batch(server):
     assert len(many) == 32
     for (n_content, finish, usage), n_prompt in zip(many, prompt_tokens):
         assert finish == "length" and n_content > 0
-        assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (n_prompt, max_tokens, n_prompt + max_tokens)
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (
+            n_prompt,
+            max_tokens,
+            n_prompt + max_tokens,
+        )
     # Batching: the 32 streams share the engine's steps (one running batch, not a queue of
     # one-at-a-time requests), and so together outrun one stream. How far depends on how much
     # of a token's cost is the model's: on this tiny model with native kernels the HTTP/SSE
@@ -364,7 +370,9 @@ def test_metrics_parse_and_count_every_request(server, client):
     itl0 = m(before, "servelab:inter_token_latency_seconds_count")
     prompt_total = completion_total = requests = 0
     for i in range(4):
-        r = client.completions.create(model=MODEL, prompt=f"metrics {i}", max_tokens=3 + i, extra_body={"ignore_eos": True})
+        r = client.completions.create(
+            model=MODEL, prompt=f"metrics {i}", max_tokens=3 + i, extra_body={"ignore_eos": True}
+        )
         prompt_total += r.usage.prompt_tokens
         completion_total += r.usage.completion_tokens
         requests += 1
@@ -382,7 +390,11 @@ def test_metrics_parse_and_count_every_request(server, client):
     assert m(after, "servelab:generation_tokens_total") == gen0 + completion_total
     assert m(after, "servelab:inter_token_latency_seconds_count") == itl0 + completion_total - requests
     assert m(after, "servelab:time_to_first_token_seconds_bucket", le="+Inf") == ttft0 + requests
-    for name in ("servelab:num_preemptions_total", "servelab:prefix_cache_hits_total", "servelab:prefix_cache_queries_total"):
+    for name in (
+        "servelab:num_preemptions_total",
+        "servelab:prefix_cache_hits_total",
+        "servelab:prefix_cache_queries_total",
+    ):
         assert m(after, name) >= 0
     assert m(after, "servelab:prefix_cache_queries_total") > 0
     assert 0 <= m(after, "servelab:kv_cache_usage_perc") <= 1
@@ -425,7 +437,9 @@ def test_body_limit_and_cors_flags(small_server):
     origin = {"Origin": "https://app.example"}
     ok = httpx.post(f"{small_server.url}/tokenize", json={"prompt": "x"}, headers={**auth, **origin})
     assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "https://app.example"
-    other = httpx.post(f"{small_server.url}/tokenize", json={"prompt": "x"}, headers={**auth, "Origin": "https://evil.example"})
+    other = httpx.post(
+        f"{small_server.url}/tokenize", json={"prompt": "x"}, headers={**auth, "Origin": "https://evil.example"}
+    )
     assert "access-control-allow-origin" not in other.headers
 
 

@@ -64,7 +64,9 @@ def test_echo_logprobs_score_the_prompt(client):
 
 def test_refused_fields_and_field_names_through_the_openai_client(client):
     with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "x"}], reasoning_effort="high")
+        client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "x"}], reasoning_effort="high"
+        )
     assert e.value.param == "reasoning_effort"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": [
@@ -123,8 +125,26 @@ async def _vllm_style_ttfts(url: str, prompts: list[str], concurrency: int) -> l
 
 
 def test_a_vllm_style_ttft_agrees_with_servelab_bench(server, tiny_model_dir, capsys):
-    argv = ["bench", "--base-url", server.url, "--endpoint", "chat", "--concurrency", "4", "--num-requests", "8",
-            "--input-len", "200", "--output-len", "4", "--tokenizer", str(tiny_model_dir), "--json", "--seed", "77"]
+    argv = [
+        "bench",
+        "--base-url",
+        server.url,
+        "--endpoint",
+        "chat",
+        "--concurrency",
+        "4",
+        "--num-requests",
+        "8",
+        "--input-len",
+        "200",
+        "--output-len",
+        "4",
+        "--tokenizer",
+        str(tiny_model_dir),
+        "--json",
+        "--seed",
+        "77",
+    ]
     assert cli_main(argv) == 0
     bench_ttft = json.loads(capsys.readouterr().out)["summary"]["ttft_s"]["mean"]
     prompts = [f"request {i}: " + "the prefill of a long prompt " * 33 for i in range(8)]

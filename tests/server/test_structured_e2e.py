@@ -15,7 +15,10 @@ jsonschema = pytest.importorskip("jsonschema")
 
 PERSON = {
     "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
     "required": ["name", "age"],
     "additionalProperties": False,
 }
@@ -49,7 +52,9 @@ def test_logit_bias_bans_and_forces_tokens(client):
     plain = client.completions.create(model=model(client), prompt=prompt, max_tokens=3, temperature=0)
     assert plain.choices[0].text.startswith(" Paris")
     paris = str(7042)  # " Paris" in SmolLM2's vocabulary
-    banned = client.completions.create(model=model(client), prompt=prompt, max_tokens=3, temperature=0, logit_bias={paris: -100})
+    banned = client.completions.create(
+        model=model(client), prompt=prompt, max_tokens=3, temperature=0, logit_bias={paris: -100}
+    )
     assert "Paris" not in banned.choices[0].text
     forced = client.chat.completions.create(model=model(client), messages=ASK, max_tokens=2, temperature=0,
                                             logit_bias={"33": 100})  # fmt: skip
@@ -69,7 +74,9 @@ def test_allowed_token_ids_and_bad_words(client):
                                   extra_body={"bad_words": ["Paris"]})  # fmt: skip
     assert "Paris" not in r.choices[0].text
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=model(client), prompt=prompt, max_tokens=1, extra_body={"allowed_token_ids": []})
+        client.completions.create(
+            model=model(client), prompt=prompt, max_tokens=1, extra_body={"allowed_token_ids": []}
+        )
     assert e.value.body["param"] == "allowed_token_ids"
     with pytest.raises(openai.BadRequestError) as e:  # "1" alone allowed, and "11" bans it after one "1"
         client.completions.create(model=model(client), prompt=prompt, max_tokens=4,
@@ -127,7 +134,9 @@ def test_auto_tool_choice_without_a_parser_is_refused_and_none_is_text(client):
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=model(client), messages=ASK, max_tokens=4, tools=TOOLS)
     assert e.value.body["param"] == "tool_choice" and "--tool-call-parser" in e.value.body["message"]
-    r = client.chat.completions.create(model=model(client), messages=ASK, max_tokens=4, temperature=0, tools=TOOLS, tool_choice="none")
+    r = client.chat.completions.create(
+        model=model(client), messages=ASK, max_tokens=4, temperature=0, tools=TOOLS, tool_choice="none"
+    )
     assert r.choices[0].message.content and not r.choices[0].message.tool_calls
 
 

@@ -60,7 +60,9 @@ def test_parallel_tool_calls_false_keeps_the_first_call():
 
 def _request(**fields) -> p.ChatCompletionRequest:
     tools = [{"type": "function", "function": {"name": n}} for n in ("a", "b")]
-    return p.ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": tools, **fields})
+    return p.ChatCompletionRequest.model_validate(
+        {"messages": [{"role": "user", "content": "x"}], "tools": tools, **fields}
+    )
 
 
 def test_required_builds_a_list_of_calls_over_the_tools():
@@ -94,7 +96,9 @@ def scripted_app(tiny_model_dir, text: str, **app_kwargs):
         return script[i] if i < len(script) else tokenizer.eos_token_id
 
     executor = FakeExecutor(vocab_size=tokenizer.vocab_size, token_fn=token_fn)
-    config = SchedulerConfig(num_blocks=128, block_size=16, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024)
+    config = SchedulerConfig(
+        num_blocks=128, block_size=16, max_num_seqs=4, max_num_batched_tokens=256, max_model_len=1024
+    )
     processors = LogitsProcessors(tokenizer, tokenizer.vocab_size)
     return create_app(LLMEngine(executor, tokenizer, config, "fake-model", logits_processors=processors), **app_kwargs)
 
@@ -130,7 +134,10 @@ WEATHER_TOOLS = [
     {"type": "function", "function": {"name": "get_time", "parameters": {
         "type": "object", "properties": {"tz": {"type": "string"}, "hours": {"type": "integer"}}, "required": ["tz"]}}},
 ]  # fmt: skip
-TWO_CALLS = [("get_weather", '{"city": "Paris, France", "unit": "C"}'), ("get_time", '{"tz": "Europe/Paris", "hours": 24}')]
+TWO_CALLS = [
+    ("get_weather", '{"city": "Paris, France", "unit": "C"}'),
+    ("get_time", '{"tz": "Europe/Paris", "hours": 24}'),
+]
 
 
 def _body(**fields) -> dict:

@@ -61,8 +61,14 @@ def test_hermes():
     assert parse("hermes", text) == ("a  b", [("f", '{"x": "</tool_call>"}'), ("g", "{}")])
     # keys in another order, "parameters", and arguments sent as a JSON string
     assert parse("hermes", '<tool_call>{"arguments": {"x": 1}, "name": "f"}</tool_call>') == (None, [("f", '{"x": 1}')])
-    assert parse("hermes", '<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>') == (None, [("f", '{"x": 1}')])
-    assert parse("hermes", '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>') == (None, [("f", '{"x": 1}')])
+    assert parse("hermes", '<tool_call>{"name": "f", "parameters": {"x": 1}}</tool_call>') == (
+        None,
+        [("f", '{"x": 1}')],
+    )
+    assert parse("hermes", '<tool_call>{"name": "f", "arguments": "{\\"x\\": 1}"}</tool_call>') == (
+        None,
+        [("f", '{"x": 1}')],
+    )
 
 
 @pytest.mark.parametrize("text", [
@@ -84,7 +90,10 @@ def test_llama3_json():
     assert parse("llama3_json", '{"name": "f", "parameters": {}} done') == ("done", [("f", "{}")])
     # JSON that is not a call, and an object mid-text without the tag, are content
     assert parse("llama3_json", '{"answer": 42}') == ('{"answer": 42}', [])
-    assert parse("llama3_json", 'it is {"name": "f", "parameters": {}}') == ('it is {"name": "f", "parameters": {}}', [])
+    assert parse("llama3_json", 'it is {"name": "f", "parameters": {}}') == (
+        'it is {"name": "f", "parameters": {}}',
+        [],
+    )
     assert parse("llama3_json", '{"name": "f", "parameters": {x}}') == ('{"name": "f", "parameters": {x}}', [])
 
 
@@ -92,7 +101,10 @@ def test_mistral():
     text = 'ok [TOOL_CALLS] [{"name": "f", "arguments": {"x": 1}}, {"name": "g", "arguments": {}}]'
     assert parse("mistral", text) == ("ok", [("f", '{"x": 1}'), ("g", "{}")])
     assert parse("mistral", "[TOOL_CALLS] no list") == ("[TOOL_CALLS] no list", [])
-    assert parse("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {x}}]') == ('[TOOL_CALLS][{"name": "f", "arguments": {x}}]', [])
+    assert parse("mistral", '[TOOL_CALLS][{"name": "f", "arguments": {x}}]') == (
+        '[TOOL_CALLS][{"name": "f", "arguments": {x}}]',
+        [],
+    )
     # the tag is a special token, which the detokenizer drops: a list opening the answer is read too
     assert parse("mistral", ' [{"name": "f", "arguments": {}}] ok') == ("ok", [("f", "{}")])
     assert parse("mistral", "[1] is a list") == ("[1] is a list", [])
@@ -126,7 +138,7 @@ def test_qwen3_xml():
     text = (
         "Let me see.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nSan Francisco\n</parameter>\n"
         "<parameter=days>\n3\n</parameter>\n<parameter=metric>\nTrue\n</parameter>\n<parameter=scale>\n2.0\n"
-        "</parameter>\n<parameter=options>\n{\"a\": [1]}\n</parameter>\n<parameter=tags>\n[\"x\"]\n</parameter>\n"
+        '</parameter>\n<parameter=options>\n{"a": [1]}\n</parameter>\n<parameter=tags>\n["x"]\n</parameter>\n'
         "<parameter=code>\nif a < b:\n    pass\n</parameter>\n</function>\n</tool_call>\n"
         "<tool_call>\n<function=ping>\n</function>\n</tool_call> done"
     )
@@ -182,12 +194,16 @@ def _render(fmt: str, calls: list[tuple[str, dict]], before: str, after: str) ->
         body = json.dumps([{"name": n, "arguments": a} for n, a in calls])
         return body if fmt == "required" else before + "[TOOL_CALLS]" + body + after
     if fmt == "qwen3_xml":
-        return before + "".join(
-            f"<tool_call>\n<function={n}>\n"
-            + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in a.items())
-            + "</function>\n</tool_call>\n"
-            for n, a in calls
-        ) + after
+        return (
+            before
+            + "".join(
+                f"<tool_call>\n<function={n}>\n"
+                + "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in a.items())
+                + "</function>\n</tool_call>\n"
+                for n, a in calls
+            )
+            + after
+        )
     assert fmt == "pythonic"
     return "[" + ", ".join(f"{n}({', '.join(f'{k}={v!r}' for k, v in a.items())})" for n, a in calls) + "]"
 
@@ -196,7 +212,8 @@ _identifier = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,8}", fullmatch=True).filte
 _scalar = (st.none() | st.booleans() | st.integers(-(10**6), 10**6) | st.text(max_size=8)
            | st.floats(allow_nan=False, allow_infinity=False))  # fmt: skip
 _value = st.recursive(
-    _scalar, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
+    _scalar,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=4), inner, max_size=3),
     max_leaves=6,
 )
 _calls = st.lists(st.tuples(_identifier, st.dictionaries(_identifier, _value, max_size=3)), min_size=1, max_size=3)
@@ -272,8 +289,22 @@ _NOISE = {
     "mistral": ["[TOOL_CALLS]", "[", '{"name": "f", "arguments": ', "{", "}", "]", ",", '"', " ", "1"],
     "pythonic": ["[", "f(", "x=", "1", "'a'", "(", ")", "]", ",", " ", "y", "=", "'", "\\", "{", "}", "1e999"],
     "required": ["[", '{"name": "f", "arguments": ', "{", "}", "]", ",", '"', " ", "1", "tru"],
-    "qwen3_xml": ["<tool_call>", "</tool_call>", "<function=get_weather>", "<function=", "</function>", "<parameter=",
-                  "days>", "</parameter>", "<", ">", "\n", "3", "x", "null"],
+    "qwen3_xml": [
+        "<tool_call>",
+        "</tool_call>",
+        "<function=get_weather>",
+        "<function=",
+        "</function>",
+        "<parameter=",
+        "days>",
+        "</parameter>",
+        "<",
+        ">",
+        "\n",
+        "3",
+        "x",
+        "null",
+    ],
 }
 
 

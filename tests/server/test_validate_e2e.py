@@ -21,15 +21,38 @@ def test_calibrate_then_validate_against_a_live_server(server_launcher, tmp_path
         path = bundled_model_path()
     except Exception as e:
         pytest.skip(f"bundled model unavailable: {e}")
-    small = calibrate.Grid(chunk=64, prefill_lens=(16, 64, 128), decode_batches=(1, 2, 4), decode_contexts=(32, 96),
-                           decode_steps=3, repeats=2)
+    small = calibrate.Grid(
+        chunk=64,
+        prefill_lens=(16, 64, 128),
+        decode_batches=(1, 2, 4),
+        decode_contexts=(32, 96),
+        decode_steps=3,
+        repeats=2,
+    )
     monkeypatch.setitem(calibrate.GRIDS, "coarse", small)
     # the serving term (per step and per sequence) from two short closed loops against the server calibrate starts
     monkeypatch.setattr(calibrate, "SERVER_RUNS", ((1, 2), (2, 3)))
     monkeypatch.setattr(calibrate, "SERVER_OUTPUT_LEN", 6)
     profile = tmp_path / "profile.json"
-    assert main(["calibrate", "--model", str(path), "--dtype", "float32", "--max-model-len", "512",
-                 "--out", str(profile), "--max-heldout-error", "1e9", "--server-term"]) == 0  # accuracy is not tested
+    assert (
+        main(
+            [
+                "calibrate",
+                "--model",
+                str(path),
+                "--dtype",
+                "float32",
+                "--max-model-len",
+                "512",
+                "--out",
+                str(profile),
+                "--max-heldout-error",
+                "1e9",
+                "--server-term",
+            ]
+        )
+        == 0
+    )  # accuracy is not tested
     text = capsys.readouterr().out
     assert "server_per_step_s" in text and "server_per_seq_s" in text and "per_prefill_step_s" in text
     term = json.loads(profile.read_text())["server"]
@@ -43,13 +66,39 @@ def test_calibrate_then_validate_against_a_live_server(server_launcher, tmp_path
         assert len(r["think_s"]) == r["requests"] and min(r["think_s"]) >= 0
         assert r["think_time_s"] == pytest.approx(sum(r["think_s"]) / r["requests"]) and r["think_time_s"] > 0
     step_log = tmp_path / "steps.jsonl"
-    server = server_launcher(path, "--max-model-len", "512", "--dtype", "float32", "--max-num-seqs", "4",
-                             "--step-log", str(step_log))
+    server = server_launcher(
+        path, "--max-model-len", "512", "--dtype", "float32", "--max-num-seqs", "4", "--step-log", str(step_log)
+    )
     saved = tmp_path / "validate.json"
-    assert main(["validate", "--base-url", server.url, "--profile", str(profile), "--concurrency", "2",
-                 "--num-requests", "6", "--input-len", "24", "--output-len", "6", "--seed", "3",
-                 "--think-time", "20ms", "--save-result", str(saved), "--no-progress",
-                 "--step-log", str(step_log)]) == 0
+    assert (
+        main(
+            [
+                "validate",
+                "--base-url",
+                server.url,
+                "--profile",
+                str(profile),
+                "--concurrency",
+                "2",
+                "--num-requests",
+                "6",
+                "--input-len",
+                "24",
+                "--output-len",
+                "6",
+                "--seed",
+                "3",
+                "--think-time",
+                "20ms",
+                "--save-result",
+                str(saved),
+                "--no-progress",
+                "--step-log",
+                str(step_log),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     print(text)
     assert "ms per step +" in text.splitlines()[0]  # which serving term the replay used
@@ -74,4 +123,5 @@ def test_calibrate_then_validate_against_a_live_server(server_launcher, tmp_path
     rows = {r["metric"]: r for r in out["comparison"]}
     assert rows["TPOT p50"]["measured"] > 0 and rows["TPOT p50"]["simulated"] > 0
     assert rows["TPOT p50"]["error_pct"] == pytest.approx(
-        (rows["TPOT p50"]["simulated"] - rows["TPOT p50"]["measured"]) / rows["TPOT p50"]["measured"] * 100)
+        (rows["TPOT p50"]["simulated"] - rows["TPOT p50"]["measured"]) / rows["TPOT p50"]["measured"] * 100
+    )

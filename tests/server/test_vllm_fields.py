@@ -106,7 +106,9 @@ def test_include_stop_str_in_output_keeps_the_stop_string(served):
     text = _completion(client, max_tokens=20, ignore_eos=True)["choices"][0]["text"]
     stop = text[6:9]
     cut = _completion(client, max_tokens=20, ignore_eos=True, stop=[stop])["choices"][0]
-    kept = _completion(client, max_tokens=20, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)["choices"][0]
+    kept = _completion(client, max_tokens=20, ignore_eos=True, stop=[stop], include_stop_str_in_output=True)["choices"][
+        0
+    ]
     assert cut["text"] == text[: text.index(stop)] and kept["text"] == text[: text.index(stop) + len(stop)]
     assert cut["finish_reason"] == kept["finish_reason"] == "stop"
 
@@ -134,11 +136,16 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(served):
     assert body["usage"]["prompt_tokens"] == 4
     assert choice["text"].startswith(engine.tokenizer.decode(ids[-4:]))
     assert len(choice["logprobs"]["tokens"]) == 4 + 1
-    chat = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1, "truncate_prompt_tokens": 3})
+    chat = client.post(
+        "/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 1, "truncate_prompt_tokens": 3}
+    )
     assert chat.json()["usage"]["prompt_tokens"] == 3
     # longer than the context, served once truncated; -1 keeps the last max_model_len tokens
     long_prompt = " ".join(["cache"] * 400)
-    assert _completion(client, prompt=long_prompt, max_tokens=1, truncate_prompt_tokens=200)["usage"]["prompt_tokens"] == 200
+    assert (
+        _completion(client, prompt=long_prompt, max_tokens=1, truncate_prompt_tokens=200)["usage"]["prompt_tokens"]
+        == 200
+    )
     resp = client.post("/v1/completions", json={"prompt": long_prompt, "max_tokens": 1, "truncate_prompt_tokens": -1})
     assert _error(resp, 400)["param"] == "prompt"  # the last 256 tokens leave no room for the completion
     for bad in (0, -2, 257):
@@ -160,7 +167,9 @@ def test_return_tokens_as_token_ids(served):
                                                          "top_logprobs": 2, "return_tokens_as_token_ids": True,
                                                          "stream": streamed})  # fmt: skip
         if streamed:
-            entries = [e for c in _sse(resp) for ch in c["choices"] if ch.get("logprobs") for e in ch["logprobs"]["content"]]
+            entries = [
+                e for c in _sse(resp) for ch in c["choices"] if ch.get("logprobs") for e in ch["logprobs"]["content"]
+            ]
         else:
             entries = resp.json()["choices"][0]["logprobs"]["content"]
         assert len(entries) == 3
@@ -228,7 +237,10 @@ def test_a_request_chat_template_with_documents_and_kwargs(served):
     assert body["usage"]["prompt_tokens"] == len(want)
     assert [int(next(iter(e))) for e in body["prompt_logprobs"][1:]] == want[1:]
     # the model's own template sees documents and kwargs too, and still renders the same without them
-    assert _chat(client, messages=MESSAGES, chat_template_kwargs={"x": 1})["usage"] == _chat(client, messages=MESSAGES)["usage"]
+    assert (
+        _chat(client, messages=MESSAGES, chat_template_kwargs={"x": 1})["usage"]
+        == _chat(client, messages=MESSAGES)["usage"]
+    )
 
 
 @pytest.mark.parametrize(("template", "words"), [

@@ -126,8 +126,10 @@ COMPLETION_COMPANIONS: dict[str, dict[str, Any]] = {
 CHAT_COMPANIONS: dict[str, dict[str, Any]] = {
     "tools": {"tool_choice": "none"},  # "auto" needs a tool-call parser this model has none for
     "top_logprobs": {"logprobs": True},
-    "continue_final_message": {"add_generation_prompt": False,
-                               "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}]},
+    "continue_final_message": {
+        "add_generation_prompt": False,
+        "messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The"}],
+    },
     "stream_options": {"stream": True},
     "return_tokens_as_token_ids": {"logprobs": True},
 }

@@ -18,8 +18,10 @@ QUERIES = [
     'histogram_quantile(0.95, sum by(le) (rate(vllm:e2e_request_latency_seconds_bucket{model_name="$model_name"}[$__rate_interval])))',
     'histogram_quantile(0.9, sum by(le) (rate(vllm:e2e_request_latency_seconds_bucket{model_name="$model_name"}[$__rate_interval])))',
     'histogram_quantile(0.5, sum by(le) (rate(vllm:e2e_request_latency_seconds_bucket{model_name="$model_name"}[$__rate_interval])))',
-    ('rate(vllm:e2e_request_latency_seconds_sum{model_name="$model_name"}[$__rate_interval])\n/\n'
-     'rate(vllm:e2e_request_latency_seconds_count{model_name="$model_name"}[$__rate_interval])'),
+    (
+        'rate(vllm:e2e_request_latency_seconds_sum{model_name="$model_name"}[$__rate_interval])\n/\n'
+        'rate(vllm:e2e_request_latency_seconds_count{model_name="$model_name"}[$__rate_interval])'
+    ),
     # Token Throughput
     'rate(vllm:prompt_tokens_total{model_name="$model_name"}[$__rate_interval])',
     'rate(vllm:generation_tokens_total{model_name="$model_name"}[$__rate_interval])',
@@ -28,8 +30,10 @@ QUERIES = [
     'histogram_quantile(0.95, sum by(le) (rate(vllm:inter_token_latency_seconds_bucket{model_name="$model_name"}[$__rate_interval])))',
     'histogram_quantile(0.9, sum by(le) (rate(vllm:inter_token_latency_seconds_bucket{model_name="$model_name"}[$__rate_interval])))',
     'histogram_quantile(0.5, sum by(le) (rate(vllm:inter_token_latency_seconds_bucket{model_name="$model_name"}[$__rate_interval])))',
-    ('rate(vllm:inter_token_latency_seconds_sum{model_name="$model_name"}[$__rate_interval])\n/\n'
-     'rate(vllm:inter_token_latency_seconds_count{model_name="$model_name"}[$__rate_interval])'),
+    (
+        'rate(vllm:inter_token_latency_seconds_sum{model_name="$model_name"}[$__rate_interval])\n/\n'
+        'rate(vllm:inter_token_latency_seconds_count{model_name="$model_name"}[$__rate_interval])'
+    ),
     # Scheduler State
     'vllm:num_requests_running{model_name="$model_name"}',
     'vllm:num_requests_waiting{model_name="$model_name"}',
@@ -38,8 +42,10 @@ QUERIES = [
     'histogram_quantile(0.95, sum by(le) (rate(vllm:time_to_first_token_seconds_bucket{model_name="$model_name"}[$__rate_interval])))',
     'histogram_quantile(0.9, sum by(le) (rate(vllm:time_to_first_token_seconds_bucket{model_name="$model_name"}[$__rate_interval])))',
     'histogram_quantile(0.5, sum by(le) (rate(vllm:time_to_first_token_seconds_bucket{model_name="$model_name"}[$__rate_interval])))',
-    ('rate(vllm:time_to_first_token_seconds_sum{model_name="$model_name"}[$__rate_interval])\n/\n'
-     'rate(vllm:time_to_first_token_seconds_count{model_name="$model_name"}[$__rate_interval])'),
+    (
+        'rate(vllm:time_to_first_token_seconds_sum{model_name="$model_name"}[$__rate_interval])\n/\n'
+        'rate(vllm:time_to_first_token_seconds_count{model_name="$model_name"}[$__rate_interval])'
+    ),
     # Cache Utilization
     'vllm:kv_cache_usage_perc{model_name="$model_name"}',
     # Request Prompt Length, Request Generation Length (heatmaps)

@@ -21,14 +21,22 @@ def test_the_profiles_are_the_four_engines_and_every_setting_names_its_source():
     assert list(engine_profiles()) == ["servelab", "vllm", "sglang", "trtllm"]
     assert DEFAULT_ENGINE_PROFILE == "servelab"
     for profile in engine_profiles().values():
-        assert set(profile.entries) == {"policy", "admission", "max_num_batched_tokens", "max_num_seqs",
-                                        "kv_memory", "host"}
+        assert set(profile.entries) == {
+            "policy",
+            "admission",
+            "max_num_batched_tokens",
+            "max_num_seqs",
+            "kv_memory",
+            "host",
+        }
         for key, entry in profile.provenance().items():
             assert entry["source"].strip() and entry["ref"].strip(), f"{profile.name}.{key} has no source"
 
 
 def test_an_unknown_profile_is_a_clear_error_listing_the_names():
-    with pytest.raises(InvalidArgument, match="unknown engine profile 'tgi'; choose one of servelab, vllm, sglang, trtllm"):
+    with pytest.raises(
+        InvalidArgument, match="unknown engine profile 'tgi'; choose one of servelab, vllm, sglang, trtllm"
+    ):
         engine_profile("tgi")
     with pytest.raises(InvalidArgument, match="choose one of servelab, vllm"):
         SimConfig(engine_profile="tgi")
@@ -89,8 +97,9 @@ def test_trtllm_gives_the_kv_cache_its_share_of_what_the_weights_leave():
 
 
 def test_flags_a_user_gives_win_over_the_profile():
-    config = engine_sim_config("vllm", hardware="h100-sxm", scheduler={"max_num_seqs": 64, "admission": "no-evict"},
-                               memory_fraction=0.8)
+    config = engine_sim_config(
+        "vllm", hardware="h100-sxm", scheduler={"max_num_seqs": 64, "admission": "no-evict"}, memory_fraction=0.8
+    )
     assert (config.scheduler.max_num_seqs, config.scheduler.admission) == (64, "no-evict")
     assert config.scheduler.max_num_batched_tokens == 8192  # still vLLM's on an H100
     assert config.memory_fraction == 0.8
@@ -152,8 +161,11 @@ def test_sim_prints_and_reports_the_profile_it_used(capsys):
     argv = ["sim", "--rate", "5", "--num-requests", "20", "--no-progress"]
     assert main([*argv, "--engine-profile", "trtllm", "--json"]) == 0
     config = json.loads(capsys.readouterr().out)["config"]
-    assert (config["engine_profile"], config["scheduler"], config["admission"]) == ("trtllm", "decode-first-whole",
-                                                                                     "no-evict")
+    assert (config["engine_profile"], config["scheduler"], config["admission"]) == (
+        "trtllm",
+        "decode-first-whole",
+        "no-evict",
+    )
     assert (config["max_num_batched_tokens"], config["max_num_seqs"]) == (8192, 2048)
     assert main(argv) == 0
     assert "engine profile servelab: chunked, admission recompute, 2,048 tokens/step" in capsys.readouterr().out

@@ -39,8 +39,9 @@ def build(workload: list[dict], cls: type[Sequence] = SimSequence) -> list[Seque
         # the prefix cache's first-published-wins rule then depends on the order of commits.
         own = [100 + (i * 13 + j) % 50 for j in range(w["prompt_len"])] if w["own"] else []
         prompt = (w["prefix"] + own) or [5]
-        seqs.append(cls(f"r{i}", prompt, params, arrival_s=w["arrival_s"], priority=w["priority"],
-                             eos_token_ids=w["eos"]))
+        seqs.append(
+            cls(f"r{i}", prompt, params, arrival_s=w["arrival_s"], priority=w["priority"], eos_token_ids=w["eos"])
+        )
     return seqs
 
 
@@ -49,8 +50,17 @@ def num_implicit(plan) -> int:
 
 
 def snapshot(s: Scheduler) -> list[tuple]:
-    return [(q.request_id, list(q.token_ids), list(q.token_times_s), q.num_computed_tokens, list(q.block_table),
-             q.prefix.num_committed) for q in s.running]
+    return [
+        (
+            q.request_id,
+            list(q.token_ids),
+            list(q.token_times_s),
+            q.num_computed_tokens,
+            list(q.block_table),
+            q.prefix.num_committed,
+        )
+        for q in s.running
+    ]
 
 
 def drive(cfg: SchedulerConfig, workload: list[dict], *, implicit: bool, sync_every: int) -> dict:
@@ -85,8 +95,9 @@ def drive(cfg: SchedulerConfig, workload: list[dict], *, implicit: bool, sync_ev
         totals = (*plan.shape_totals(), num_sampling, tuple(q.request_id for q in plan.preempted))
         duration = 1e-3 + 1e-5 * totals[0] + 1e-6 * totals[1] + 1e-7 * totals[2] + 1e-8 * totals[3]
         now += duration
-        s.update(plan, StepResult([TOKEN if e.samples else None for e in plan.scheduled], duration), now,
-                 finished_only=True)
+        s.update(
+            plan, StepResult([TOKEN if e.samples else None for e in plan.scheduled], duration), now, finished_only=True
+        )
         steps.append(totals)
         if num_implicit(plan):
             coverage["implicit_steps"] += 1
@@ -105,11 +116,30 @@ def drive(cfg: SchedulerConfig, workload: list[dict], *, implicit: bool, sync_ev
         "steps": steps,
         "snapshots": snapshots,
         "rejected": rejected,
-        "seqs": [(q.request_id, q.token_ids, q.token_times_s, q.finish_reason, q.status, q.num_preemptions,
-                  q.first_scheduled_s, q.first_token_s, q.finished_s, q.num_cached_tokens, q.stop_reason)
-                 for q in seqs],
-        "counters": (s.num_preemptions, s.num_finished, bm.prefix_cache_hits, bm.prefix_cache_queries,
-                     bm.num_evictions, bm.num_cached_blocks),
+        "seqs": [
+            (
+                q.request_id,
+                q.token_ids,
+                q.token_times_s,
+                q.finish_reason,
+                q.status,
+                q.num_preemptions,
+                q.first_scheduled_s,
+                q.first_token_s,
+                q.finished_s,
+                q.num_cached_tokens,
+                q.stop_reason,
+            )
+            for q in seqs
+        ],
+        "counters": (
+            s.num_preemptions,
+            s.num_finished,
+            bm.prefix_cache_hits,
+            bm.prefix_cache_queries,
+            bm.num_evictions,
+            bm.num_cached_blocks,
+        ),
         "coverage": coverage,
     }
 
@@ -152,8 +182,14 @@ def test_implicit_decodes_match_the_explicit_loops(
     workload, num_blocks, block_size, budget, max_num_seqs, policy, admission, order, caching, sync_every
 ):
     cfg = SchedulerConfig(
-        num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=budget, max_num_seqs=max_num_seqs,
-        max_model_len=min(num_blocks * block_size, 90), policy=policy, admission=admission, order=order,
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs,
+        max_model_len=min(num_blocks * block_size, 90),
+        policy=policy,
+        admission=admission,
+        order=order,
         enable_prefix_caching=caching,
     )
     explicit = drive(cfg, workload, implicit=False, sync_every=sync_every)
@@ -166,15 +202,34 @@ def test_implicit_decodes_match_the_explicit_loops(
 def test_a_decode_made_implicit_twice_for_one_tick_wakes_once(caching):
     """Hypothesis found it: a decode the token budget caught up, then made implicit again with
     the same next event, was filed twice under that tick and woken (finished) twice."""
+
     def request(max_tokens, prompt_len=1, own=False, prefix=()):
-        return {"arrival_s": 0.0, "prompt_len": prompt_len, "own": own, "prefix": list(prefix),
-                "max_tokens": max_tokens, "min_tokens": 0, "stop": [], "eos": (0,), "ignore_eos": False,
-                "priority": 0, "abort_after": None}
+        return {
+            "arrival_s": 0.0,
+            "prompt_len": prompt_len,
+            "own": own,
+            "prefix": list(prefix),
+            "max_tokens": max_tokens,
+            "min_tokens": 0,
+            "stop": [],
+            "eos": (0,),
+            "ignore_eos": False,
+            "priority": 0,
+            "abort_after": None,
+        }
 
     workload = [request(n) for n in (1,) * 7 + (3, 3, 6, 6, 6)]
     workload += [request(6, prefix=range(500, 516)), request(6, 28, own=True), request(7, 30, own=True)]
-    cfg = SchedulerConfig(num_blocks=15, block_size=8, max_num_batched_tokens=7, max_num_seqs=8, max_model_len=90,
-                          policy="prefill-first", order="fcfs", enable_prefix_caching=caching)
+    cfg = SchedulerConfig(
+        num_blocks=15,
+        block_size=8,
+        max_num_batched_tokens=7,
+        max_num_seqs=8,
+        max_model_len=90,
+        policy="prefill-first",
+        order="fcfs",
+        enable_prefix_caching=caching,
+    )
     explicit = drive(cfg, workload, implicit=False, sync_every=7)
     implicit = drive(cfg, workload, implicit=True, sync_every=7)
     for key in COMPARED:
@@ -188,20 +243,33 @@ def test_seeded_random_workloads_match_and_reach_the_hard_cases():
     rng = random.Random(20261129)
     totals = {"implicit_steps": 0, "implicit_steps_at_full_budget": 0, "preemptions": 0, "hits": 0}
     for _ in range(300):
-        workload = [{
-            "arrival_s": rng.choice([0.0, 0.0, 0.004, 0.01, 0.03]), "prompt_len": rng.randint(1, 40),
-            "own": rng.random() < 0.5, "prefix": rng.choice([[], list(range(500, 516)), list(range(600, 637))]),
-            "max_tokens": rng.randint(1, 40), "min_tokens": rng.randint(0, 3),
-            "stop": rng.choice([[], [], [1], [TOKEN]]), "eos": rng.choice([(0,), (0,), (TOKEN,)]),
-            "ignore_eos": rng.random() < 0.5, "priority": rng.randint(0, 2),
-            "abort_after": rng.choice([None, None, None, rng.randint(0, 30)]),
-        } for _ in range(rng.randint(1, 16))]
+        workload = [
+            {
+                "arrival_s": rng.choice([0.0, 0.0, 0.004, 0.01, 0.03]),
+                "prompt_len": rng.randint(1, 40),
+                "own": rng.random() < 0.5,
+                "prefix": rng.choice([[], list(range(500, 516)), list(range(600, 637))]),
+                "max_tokens": rng.randint(1, 40),
+                "min_tokens": rng.randint(0, 3),
+                "stop": rng.choice([[], [], [1], [TOKEN]]),
+                "eos": rng.choice([(0,), (0,), (TOKEN,)]),
+                "ignore_eos": rng.random() < 0.5,
+                "priority": rng.randint(0, 2),
+                "abort_after": rng.choice([None, None, None, rng.randint(0, 30)]),
+            }
+            for _ in range(rng.randint(1, 16))
+        ]
         num_blocks, block_size = rng.randint(6, 60), rng.choice([1, 2, 4, 8])
         cfg = SchedulerConfig(
-            num_blocks=num_blocks, block_size=block_size, max_num_batched_tokens=rng.randint(1, 80),
-            max_num_seqs=rng.randint(1, 10), max_model_len=min(num_blocks * block_size, 90),
-            policy=rng.choice(POLICIES), order=rng.choice(["fcfs", "priority"]),
-            enable_prefix_caching=rng.random() < 0.5, admission=rng.choice(ADMISSIONS),
+            num_blocks=num_blocks,
+            block_size=block_size,
+            max_num_batched_tokens=rng.randint(1, 80),
+            max_num_seqs=rng.randint(1, 10),
+            max_model_len=min(num_blocks * block_size, 90),
+            policy=rng.choice(POLICIES),
+            order=rng.choice(["fcfs", "priority"]),
+            enable_prefix_caching=rng.random() < 0.5,
+            admission=rng.choice(ADMISSIONS),
         )
         sync_every = rng.choice([5, 1000])
         explicit = drive(cfg, workload, implicit=False, sync_every=sync_every)
@@ -220,8 +288,22 @@ def test_a_steady_batch_runs_implicitly_and_catches_up_exactly():
     # 8 requests of 200 tokens in one pool: after their prefill every step is 8 implicit decodes,
     # and each request wakes only when its block fills (every 16 steps) or it finishes.
     cfg = SchedulerConfig(num_blocks=400, block_size=16, max_num_batched_tokens=512, max_num_seqs=8, max_model_len=8192)
-    workload = [dict(arrival_s=0.0, prompt_len=40, own=True, prefix=[], max_tokens=200, min_tokens=0, stop=[],
-                     eos=(0,), ignore_eos=True, priority=0, abort_after=None) for _ in range(8)]
+    workload = [
+        dict(
+            arrival_s=0.0,
+            prompt_len=40,
+            own=True,
+            prefix=[],
+            max_tokens=200,
+            min_tokens=0,
+            stop=[],
+            eos=(0,),
+            ignore_eos=True,
+            priority=0,
+            abort_after=None,
+        )
+        for _ in range(8)
+    ]
     s = ImplicitDecodeScheduler(cfg, TOKEN)
     seqs = build(workload)
     for q in seqs:
@@ -263,8 +345,10 @@ def outcome(result) -> tuple:
     trace = result.trace
     return (
         sorted((r.to_dict() for r in result.records), key=lambda d: int(d["request_id"])),
-        [list(getattr(trace, name)) for name in ("replica", "start_s", "duration_s", "num_seqs", "num_decode",
-                                                 "num_tokens", "kv_usage")],
+        [
+            list(getattr(trace, name))
+            for name in ("replica", "start_s", "duration_s", "num_seqs", "num_decode", "num_tokens", "kv_usage")
+        ],
         result.replica_stats,
     )
 
@@ -280,13 +364,26 @@ def test_the_simulator_gives_the_core_schedulers_results(case):
     from servelab.workload import WorkloadSpec
 
     config, workload = {
-        "shared-prefix": (SimConfig(scheduler=SchedulerConfig(block_size=16)), WorkloadSpec(
-            120, rate=40.0, input_len="300-900", output_len="20-200", shared_prefix_fraction=0.5,
-            num_prefix_groups=3, seed=11)),
-        "preempting": (SimConfig(scheduler=SchedulerConfig(num_blocks=300, max_num_batched_tokens=512)), WorkloadSpec(
-            80, rate=None, concurrency=None, input_len="lognormal:400,0.5", output_len="16-300", seed=12)),
-        "disaggregated": (SimConfig(disagg=(1, 1)), WorkloadSpec(
-            80, rate=30.0, input_len="512", output_len="1-150", shared_prefix_fraction=0.25, seed=13)),
+        "shared-prefix": (
+            SimConfig(scheduler=SchedulerConfig(block_size=16)),
+            WorkloadSpec(
+                120,
+                rate=40.0,
+                input_len="300-900",
+                output_len="20-200",
+                shared_prefix_fraction=0.5,
+                num_prefix_groups=3,
+                seed=11,
+            ),
+        ),
+        "preempting": (
+            SimConfig(scheduler=SchedulerConfig(num_blocks=300, max_num_batched_tokens=512)),
+            WorkloadSpec(80, rate=None, concurrency=None, input_len="lognormal:400,0.5", output_len="16-300", seed=12),
+        ),
+        "disaggregated": (
+            SimConfig(disagg=(1, 1)),
+            WorkloadSpec(80, rate=30.0, input_len="512", output_len="1-150", shared_prefix_fraction=0.25, seed=13),
+        ),
     }[case]
     roofline = build_cost_model(config)
     sched = scheduler_config(config)

@@ -53,10 +53,13 @@ def test_executor_prices_the_schedulers_sums_as_the_roofline_prices_the_shape():
 
     roofline = Roofline(get_model("llama-3.1-8b"), get_hardware("h100-sxm"))
     ex = SimExecutor(roofline)
-    s = Scheduler(SchedulerConfig(num_blocks=400, block_size=16, max_num_batched_tokens=300, max_num_seqs=8,
-                                  max_model_len=8192))
+    s = Scheduler(
+        SchedulerConfig(num_blocks=400, block_size=16, max_num_batched_tokens=300, max_num_seqs=8, max_model_len=8192)
+    )
     for i in range(12):
-        s.add(Sequence(f"r{i}", list(range(i, i + 40 + 37 * i)), SamplingParams(max_tokens=5 + i, ignore_eos=True)), 0.0)
+        s.add(
+            Sequence(f"r{i}", list(range(i, i + 40 + 37 * i)), SamplingParams(max_tokens=5 + i, ignore_eos=True)), 0.0
+        )
     now, kinds, all_sample = 0.0, set(), set()
     while s.has_unfinished():
         plan = s.schedule(now)
@@ -90,8 +93,9 @@ def test_closed_loop_never_exceeds_its_concurrency():
     wl = WorkloadSpec(60, concurrency=5, input_len="64-256", output_len="8-64", seed=2)
     result = simulate(SimConfig(cost_model=LinearCost(), scheduler=SchedulerConfig(num_blocks=2000)), wl)
     assert result.summary.completed == 60
-    events = sorted([(r.arrival_s, 1) for r in result.records] + [(r.end_s, -1) for r in result.records],
-                    key=lambda e: (e[0], e[1]))
+    events = sorted(
+        [(r.arrival_s, 1) for r in result.records] + [(r.end_s, -1) for r in result.records], key=lambda e: (e[0], e[1])
+    )
     in_flight = peak = 0
     for _, d in events:
         in_flight += d
@@ -101,7 +105,9 @@ def test_closed_loop_never_exceeds_its_concurrency():
 
 def test_capped_open_loop_sends_when_a_slot_frees():
     reqs = [RequestSpec(i, 0.0, prompt_tokens=32, output_tokens=10) for i in range(4)]
-    result = simulate(SimConfig(cost_model=LinearCost(), scheduler=SchedulerConfig(num_blocks=100)), reqs, concurrency=2)
+    result = simulate(
+        SimConfig(cost_model=LinearCost(), scheduler=SchedulerConfig(num_blocks=100)), reqs, concurrency=2
+    )
     arrivals = sorted(r.arrival_s for r in result.records)
     assert arrivals[:2] == [0.0, 0.0] and arrivals[2] > 0
 
@@ -120,7 +126,9 @@ def test_a_request_that_outgrows_the_kv_pool_is_refused_not_cut_short():
 @pytest.mark.parametrize("router", ["round-robin", "least-outstanding", "least-kv"])
 def test_routers_spread_load_over_replicas(router):
     wl = WorkloadSpec(200, rate=400.0, input_len="128", output_len="32", seed=0)
-    result = simulate(SimConfig(cost_model=LinearCost(), replicas=4, router=router, scheduler=SchedulerConfig(num_blocks=4000)), wl)
+    result = simulate(
+        SimConfig(cost_model=LinearCost(), replicas=4, router=router, scheduler=SchedulerConfig(num_blocks=4000)), wl
+    )
     finished = [s["finished"] for s in result.replica_stats]
     assert sum(finished) == 200
     assert min(finished) >= 30, finished
@@ -154,14 +162,40 @@ def run_cli(capsys, *argv):
 
 def test_cli_json_schema_requests_out_and_plots(tmp_path, capsys):
     reqs_out = tmp_path / "reqs.jsonl"
-    code, out, _ = run_cli(capsys, "--rate", "5", "--num-requests", "40", "--input-len", "256", "--output-len", "32",
-                           "--slo-ttft", "500ms", "--slo-tpot", "50ms", "--json",
-                           "--requests-out", str(reqs_out), "--plot-dir", str(tmp_path / "plots"))
+    code, out, _ = run_cli(
+        capsys,
+        "--rate",
+        "5",
+        "--num-requests",
+        "40",
+        "--input-len",
+        "256",
+        "--output-len",
+        "32",
+        "--slo-ttft",
+        "500ms",
+        "--slo-tpot",
+        "50ms",
+        "--json",
+        "--requests-out",
+        str(reqs_out),
+        "--plot-dir",
+        str(tmp_path / "plots"),
+    )
     assert code == 0
     doc = json.loads(out)
     s = doc["summary"]
-    for key in ("num_requests", "completed", "duration_s", "request_throughput", "output_throughput",
-                "output_throughput_per_device", "preemptions", "goodput", "slo_attainment"):
+    for key in (
+        "num_requests",
+        "completed",
+        "duration_s",
+        "request_throughput",
+        "output_throughput",
+        "output_throughput_per_device",
+        "preemptions",
+        "goodput",
+        "slo_attainment",
+    ):
         assert key in s
     for metric in ("ttft_s", "tpot_s", "itl_s", "e2e_s"):
         assert set(s[metric]) == {"mean", "p50", "p90", "p95", "p99", "max"}
@@ -197,8 +231,23 @@ def test_cli_header_gives_a_traces_own_request_count(tmp_path, capsys):
         (["--rate", "-3"], "--rate must be > 0"),
         (["--rate", "1", "--input-len", "9000", "--max-model-len", "8192"], "exceeds max_model_len 8192"),
         (["--model", "llama-3.1-70b", "--rate", "1"], "weights take"),
-        (["--model", "llama-3.1-70b", "--dtype", "fp8", "--kv-cache-dtype", "float32", "--input-len", "1800",
-          "--output-len", "1500", "--rate", "1"], "prompt 1800 + output 1500 tokens can never fit a replica's KV pool"),
+        (
+            [
+                "--model",
+                "llama-3.1-70b",
+                "--dtype",
+                "fp8",
+                "--kv-cache-dtype",
+                "float32",
+                "--input-len",
+                "1800",
+                "--output-len",
+                "1500",
+                "--rate",
+                "1",
+            ],
+            "prompt 1800 + output 1500 tokens can never fit a replica's KV pool",
+        ),
         (["--num-requests", "3"], "give a load"),
         (["--rate", "1", "--scheduler", "fastest"], "policy must be one of"),
         (["--rate", "1", "--slo-ttft", "soon"], "--slo-ttft"),
@@ -207,7 +256,9 @@ def test_cli_header_gives_a_traces_own_request_count(tmp_path, capsys):
     ],
 )
 def test_cli_bad_input_exits_2_with_a_clear_message(capsys, argv, message):
-    code, _, err = run_cli(capsys, *argv, "--num-requests", "3") if "--num-requests" not in argv else run_cli(capsys, *argv)
+    code, _, err = (
+        run_cli(capsys, *argv, "--num-requests", "3") if "--num-requests" not in argv else run_cli(capsys, *argv)
+    )
     assert code == 2
     assert message in err and "Traceback" not in err
 
@@ -226,8 +277,19 @@ def test_sim_steady_state_leaves_out_the_start_up_wave_and_matches_plan(capsys):
                                                     "seed": 0}))  # fmt: skip
     c = int(row.capacity_concurrency)
     assert c >= 8
-    code, out, _ = run_cli(capsys, "--concurrency", str(c), "--num-requests", str(n + c), *STEADY_LOAD,
-                           "--slo-ttft", "500ms", "--slo-tpot", "50ms", "--json")
+    code, out, _ = run_cli(
+        capsys,
+        "--concurrency",
+        str(c),
+        "--num-requests",
+        str(n + c),
+        *STEADY_LOAD,
+        "--slo-ttft",
+        "500ms",
+        "--slo-tpot",
+        "50ms",
+        "--json",
+    )
     assert code == 0
     doc = json.loads(out)
     whole, steady = doc["summary"], doc["steady_state"]["summary"]
@@ -241,8 +303,19 @@ def test_sim_steady_state_leaves_out_the_start_up_wave_and_matches_plan(capsys):
 def test_sim_warmup_by_count_and_by_time(capsys):
     code, out, _ = run_cli(capsys, "--rate", "20", "--num-requests", "60", *STEADY_LOAD, "--json")
     assert code == 0 and "steady_state" not in json.loads(out)  # an open loop has no start-up wave
-    code, out, _ = run_cli(capsys, "--rate", "20", "--num-requests", "60", *STEADY_LOAD, "--warmup", "10",
-                           "--json", "--requests-out", "/dev/null")
+    code, out, _ = run_cli(
+        capsys,
+        "--rate",
+        "20",
+        "--num-requests",
+        "60",
+        *STEADY_LOAD,
+        "--warmup",
+        "10",
+        "--json",
+        "--requests-out",
+        "/dev/null",
+    )
     st = json.loads(out)["steady_state"]
     assert st["startup_requests_excluded"] == 10 and st["summary"]["num_requests"] == 50
     code, out, _ = run_cli(capsys, "--rate", "20", "--num-requests", "60", *STEADY_LOAD, "--warmup", "1s", "--json")
@@ -251,8 +324,9 @@ def test_sim_warmup_by_count_and_by_time(capsys):
     assert st["warmup_s"] == 1.0 and 0 < st["startup_requests_excluded"] < 60
     assert st["summary"]["num_requests"] + st["startup_requests_excluded"] == 60
     assert st["summary"]["duration_s"] < doc["summary"]["duration_s"]
-    code, out, _ = run_cli(capsys, "--concurrency", "8", "--num-requests", "24", *STEADY_LOAD, "--warmup", "0",
-                           "--json")
+    code, out, _ = run_cli(
+        capsys, "--concurrency", "8", "--num-requests", "24", *STEADY_LOAD, "--warmup", "0", "--json"
+    )
     assert "steady_state" not in json.loads(out)
     code, out, _ = run_cli(capsys, "--concurrency", "8", "--num-requests", "24", *STEADY_LOAD)
     assert "steady state (without the first 8 requests, the start-up wave sent at once):" in out

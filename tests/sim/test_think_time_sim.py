@@ -70,8 +70,9 @@ def test_no_think_time_is_the_closed_loop_as_it_was():
 @pytest.mark.parametrize("dist", ["constant", "exponential"])
 def test_littles_law_holds_in_a_long_closed_loop(dist):
     c, think_time_s = 4, 0.2
-    wl = WorkloadSpec(400, concurrency=c, input_len="100", output_len="20-60", seed=0, think_time_s=think_time_s,
-                      think_time_dist=dist)
+    wl = WorkloadSpec(
+        400, concurrency=c, input_len="100", output_len="20-60", seed=0, think_time_s=think_time_s, think_time_dist=dist
+    )
     result = simulate(_config(), wl)
     s = result.summary
     thinks = [r.think_s for r in wl.generate()]  # the draws' own mean, where they are random
@@ -82,8 +83,9 @@ def test_littles_law_holds_in_a_long_closed_loop(dist):
 
 def test_disaggregated_pools_honor_the_think_time():
     config = SimConfig(cost_model=ConstantCost(), disagg=(1, 1), scheduler=SchedulerConfig(num_blocks=2000))
-    records = _by_index(simulate(config, WorkloadSpec(12, concurrency=2, input_len="64", output_len="8",
-                                                      think_time_s=0.5)))
+    records = _by_index(
+        simulate(config, WorkloadSpec(12, concurrency=2, input_len="64", output_len="8", think_time_s=0.5))
+    )
     ends = sorted(r.end_s for r in records)[:10]
     assert [r.arrival_s for r in records[2:]] == pytest.approx([e + 0.5 for e in ends])
 
@@ -94,8 +96,21 @@ def test_requests_with_their_own_arrival_times_refuse_a_think_time():
 
 
 def test_cli_json_and_table_show_the_think_time(capsys):
-    argv = ["sim", "--model", "llama-3.1-8b", "--concurrency", "4", "--think-time", "50ms", "--num-requests", "12",
-            "--input-len", "128", "--output-len", "16"]
+    argv = [
+        "sim",
+        "--model",
+        "llama-3.1-8b",
+        "--concurrency",
+        "4",
+        "--think-time",
+        "50ms",
+        "--num-requests",
+        "12",
+        "--input-len",
+        "128",
+        "--output-len",
+        "16",
+    ]
     assert cli_main([*argv, "--json"]) == 0
     import json
 

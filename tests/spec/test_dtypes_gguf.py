@@ -14,16 +14,16 @@ FP16 = 2  # a block scale or minimum
 # Bytes per block, summed from ggml-common.h's block structs (an independent derivation of the
 # numbers the gguf package tabulates): (weights per block, bytes per block).
 LAYOUTS = {
-    "q4_0": (32, FP16 + 32 // 2),                            # d, 4-bit quants
-    "q4_1": (32, 2 * FP16 + 32 // 2),                        # d, m, 4-bit quants
-    "q5_0": (32, FP16 + 4 + 32 // 2),                        # d, high bits, low nibbles
+    "q4_0": (32, FP16 + 32 // 2),  # d, 4-bit quants
+    "q4_1": (32, 2 * FP16 + 32 // 2),  # d, m, 4-bit quants
+    "q5_0": (32, FP16 + 4 + 32 // 2),  # d, high bits, low nibbles
     "q5_1": (32, 2 * FP16 + 4 + 32 // 2),
     "q8_0": (32, FP16 + 32),
-    "q2_k": (256, 256 // 16 + 256 // 4 + 2 * FP16),          # scales, 2-bit quants, d, dmin
-    "q3_k": (256, 256 // 8 + 256 // 4 + 12 + FP16),          # high bits, low bits, scales, d
-    "q4_k": (256, 2 * FP16 + 12 + 256 // 2),                 # d, dmin, scales, 4-bit quants
+    "q2_k": (256, 256 // 16 + 256 // 4 + 2 * FP16),  # scales, 2-bit quants, d, dmin
+    "q3_k": (256, 256 // 8 + 256 // 4 + 12 + FP16),  # high bits, low bits, scales, d
+    "q4_k": (256, 2 * FP16 + 12 + 256 // 2),  # d, dmin, scales, 4-bit quants
     "q5_k": (256, 2 * FP16 + 12 + 256 // 8 + 256 // 2),
-    "q6_k": (256, 256 // 2 + 256 // 4 + 256 // 16 + FP16),   # low 4, high 2, scales, d
+    "q6_k": (256, 256 // 2 + 256 // 4 + 256 // 16 + FP16),  # low 4, high 2, scales, d
 }
 
 
@@ -66,7 +66,11 @@ def test_fp32_weights_and_kv_cache():
     llama = get_model("llama-3.1-8b")
     assert weight_dtype("fp32").bytes_per_element == 4.0
     assert llama.weight_bytes("fp32") == 2 * llama.weight_bytes("bf16")
-    assert llama.kv_bytes_per_token("fp32") == 2 * llama.kv_bytes_per_token("bf16") == kv_dtype("fp32").bytes_per_element * 65_536
+    assert (
+        llama.kv_bytes_per_token("fp32")
+        == 2 * llama.kv_bytes_per_token("bf16")
+        == kv_dtype("fp32").bytes_per_element * 65_536
+    )
 
 
 def test_fp32_compute_rate():

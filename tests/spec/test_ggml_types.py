@@ -52,8 +52,13 @@ def test_the_engines_block_formats_are_the_table_rows_with_a_kernel():
     pytest.importorskip("torch")
     from servelab.runtime import block_quant
 
-    assert block_quant.GGUF_BLOCK_FORMATS == {2: (1, 32, 18), 3: (2, 32, 20), 8: (0, 32, 34), 12: (3, 256, 144),
-                                              14: (4, 256, 210)}
+    assert block_quant.GGUF_BLOCK_FORMATS == {
+        2: (1, 32, 18),
+        3: (2, 32, 20),
+        8: (0, 32, 34),
+        12: (3, 256, 144),
+        14: (4, 256, 210),
+    }
     # and Q4_1 regrouped (a layout of Q4_1's blocks, the in-register kernel's too)
     assert block_quant.FORMAT_NAMES == {0: "Q8_0", 1: "Q4_0", 2: "Q4_1", 3: "Q4_K", 4: "Q6_K", 5: "F32", 6: "Q4_1"}
     assert sorted(block_quant._FUSED_FORMATS) == [0, 1, 2, 6] and block_quant._F32 == 5

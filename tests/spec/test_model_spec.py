@@ -8,35 +8,95 @@ from servelab.spec import MODELS, ModelSpec, get_model
 
 # Trimmed copies of the public config.json files (the keys ModelSpec reads, plus some it ignores).
 LLAMA_31_8B = {
-    "architectures": ["LlamaForCausalLM"], "model_type": "llama", "attention_bias": False,
-    "hidden_size": 4096, "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256, "max_position_embeddings": 131072,
-    "rms_norm_eps": 1e-05, "rope_theta": 500000.0, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "attention_bias": False,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 128256,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 500000.0,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
 }
 MISTRAL_7B_V03 = {
-    "architectures": ["MistralForCausalLM"], "model_type": "mistral", "hidden_size": 4096,
-    "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
-    "head_dim": 128, "vocab_size": 32768, "max_position_embeddings": 32768, "rms_norm_eps": 1e-05,
-    "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
+    "architectures": ["MistralForCausalLM"],
+    "model_type": "mistral",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "vocab_size": 32768,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1000000.0,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
 }
 QWEN25_7B = {
-    "architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "hidden_size": 3584,
-    "intermediate_size": 18944, "num_attention_heads": 28, "num_hidden_layers": 28, "num_key_value_heads": 4,
-    "vocab_size": 152064, "max_position_embeddings": 32768, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
-    "sliding_window": 131072, "use_sliding_window": False, "tie_word_embeddings": False,
+    "architectures": ["Qwen2ForCausalLM"],
+    "model_type": "qwen2",
+    "hidden_size": 3584,
+    "intermediate_size": 18944,
+    "num_attention_heads": 28,
+    "num_hidden_layers": 28,
+    "num_key_value_heads": 4,
+    "vocab_size": 152064,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0,
+    "sliding_window": 131072,
+    "use_sliding_window": False,
+    "tie_word_embeddings": False,
 }
 MIXTRAL_8X7B = {
-    "architectures": ["MixtralForCausalLM"], "model_type": "mixtral", "hidden_size": 4096,
-    "intermediate_size": 14336, "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
-    "num_local_experts": 8, "num_experts_per_tok": 2, "vocab_size": 32000, "max_position_embeddings": 32768,
-    "rms_norm_eps": 1e-05, "rope_theta": 1e6, "tie_word_embeddings": False,
+    "architectures": ["MixtralForCausalLM"],
+    "model_type": "mixtral",
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_attention_heads": 32,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "num_experts_per_tok": 2,
+    "vocab_size": 32000,
+    "max_position_embeddings": 32768,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1e6,
+    "tie_word_embeddings": False,
 }
 
-SHAPE_FIELDS = ("num_layers", "hidden_size", "num_heads", "num_kv_heads", "head_dim", "ffn_size", "vocab_size",
-                "tie_embeddings", "max_context", "rope_theta", "rope_scaling", "rms_norm_eps", "qkv_bias",
-                "num_experts", "num_active_experts")
+SHAPE_FIELDS = (
+    "num_layers",
+    "hidden_size",
+    "num_heads",
+    "num_kv_heads",
+    "head_dim",
+    "ffn_size",
+    "vocab_size",
+    "tie_embeddings",
+    "max_context",
+    "rope_theta",
+    "rope_scaling",
+    "rms_norm_eps",
+    "qkv_bias",
+    "num_experts",
+    "num_active_experts",
+)
 
 
 def same_shape(a: ModelSpec, b: ModelSpec) -> bool:
@@ -48,11 +108,19 @@ def test_seed_parameter_counts_are_computed_from_the_spec():
     assert get_model("llama-3.1-70b").num_params == pytest.approx(70.6e9, rel=0.005)
 
 
-@pytest.mark.parametrize("name, published", [
-    ("llama-3.1-405b", 405.85e9), ("llama-3.2-1b", 1.236e9), ("llama-3.2-3b", 3.213e9),
-    ("mistral-7b", 7.248e9), ("mixtral-8x7b", 46.70e9), ("qwen2.5-7b", 7.616e9), ("qwen2.5-72b", 72.71e9),
-    ("smollm2-135m", 134.5e6),
-])
+@pytest.mark.parametrize(
+    "name, published",
+    [
+        ("llama-3.1-405b", 405.85e9),
+        ("llama-3.2-1b", 1.236e9),
+        ("llama-3.2-3b", 3.213e9),
+        ("mistral-7b", 7.248e9),
+        ("mixtral-8x7b", 46.70e9),
+        ("qwen2.5-7b", 7.616e9),
+        ("qwen2.5-72b", 72.71e9),
+        ("smollm2-135m", 134.5e6),
+    ],
+)
 def test_catalog_parameter_counts_match_published_sizes(name, published):
     assert get_model(name).num_params == pytest.approx(published, rel=0.005)
 
@@ -74,8 +142,18 @@ def test_kv_bytes_per_token_counts_kv_heads_not_attention_heads():
 
 
 def test_catalog_has_the_required_models_and_rejects_unknown_names():
-    required = {"llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "llama-3.2-1b", "llama-3.2-3b", "mistral-7b",
-                "mixtral-8x7b", "qwen2.5-7b", "qwen2.5-72b", "smollm2-135m"}
+    required = {
+        "llama-3.1-8b",
+        "llama-3.1-70b",
+        "llama-3.1-405b",
+        "llama-3.2-1b",
+        "llama-3.2-3b",
+        "mistral-7b",
+        "mixtral-8x7b",
+        "qwen2.5-7b",
+        "qwen2.5-72b",
+        "smollm2-135m",
+    }
     assert required <= set(MODELS)
     assert get_model("Llama-3.1-8B") is MODELS["llama-3.1-8b"]
     with pytest.raises(InvalidArgument) as err:
@@ -93,17 +171,44 @@ def test_bundled_model_shape():
 def test_spec_is_hashable_and_validates():
     assert len({get_model("llama-3.1-8b"), get_model("llama-3.1-8b"), get_model("mistral-7b")}) == 2
     with pytest.raises(InvalidArgument, match="multiple of num_kv_heads"):
-        ModelSpec("bad", 2, 64, num_heads=6, num_kv_heads=4, head_dim=16, ffn_size=128, vocab_size=10,
-                  tie_embeddings=True, max_context=128, rope_theta=1e4)
+        ModelSpec(
+            "bad",
+            2,
+            64,
+            num_heads=6,
+            num_kv_heads=4,
+            head_dim=16,
+            ffn_size=128,
+            vocab_size=10,
+            tie_embeddings=True,
+            max_context=128,
+            rope_theta=1e4,
+        )
     with pytest.raises(InvalidArgument, match="num_layers"):
-        ModelSpec("bad", 0, 64, num_heads=4, num_kv_heads=4, head_dim=16, ffn_size=128, vocab_size=10,
-                  tie_embeddings=True, max_context=128, rope_theta=1e4)
+        ModelSpec(
+            "bad",
+            0,
+            64,
+            num_heads=4,
+            num_kv_heads=4,
+            head_dim=16,
+            ffn_size=128,
+            vocab_size=10,
+            tie_embeddings=True,
+            max_context=128,
+            rope_theta=1e4,
+        )
 
 
-@pytest.mark.parametrize("config, catalog_name", [
-    (LLAMA_31_8B, "llama-3.1-8b"), (MISTRAL_7B_V03, "mistral-7b"), (QWEN25_7B, "qwen2.5-7b"),
-    (MIXTRAL_8X7B, "mixtral-8x7b"),
-])
+@pytest.mark.parametrize(
+    "config, catalog_name",
+    [
+        (LLAMA_31_8B, "llama-3.1-8b"),
+        (MISTRAL_7B_V03, "mistral-7b"),
+        (QWEN25_7B, "qwen2.5-7b"),
+        (MIXTRAL_8X7B, "mixtral-8x7b"),
+    ],
+)
 def test_from_hf_config_file_matches_catalog(tmp_path: Path, config, catalog_name):
     model_dir = tmp_path / catalog_name
     model_dir.mkdir()
@@ -146,17 +251,20 @@ def test_from_hf_config_errors_name_the_problem(tmp_path: Path):
         ModelSpec.from_hf_config(bad)
 
 
-@pytest.mark.parametrize("change, message", [
-    ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
-    ({"hidden_size": "abc"}, "hidden_size must be a positive integer, got 'abc'"),
-    ({"intermediate_size": None}, "intermediate_size must be a positive integer, got None"),
-    ({"vocab_size": 10.5}, "vocab_size must be a positive integer, got 10.5"),
-    ({"num_hidden_layers": True}, "num_hidden_layers must be a positive integer, got True"),
-    ({"num_key_value_heads": -8}, "num_key_value_heads must be a positive integer, got -8"),
-    ({"head_dim": "128"}, "head_dim must be a positive integer"),
-    ({"rope_theta": "big"}, "rope_theta must be a positive number"),
-    ({"rope_scaling": [1]}, "rope_scaling must be an object"),
-])
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"num_attention_heads": 0}, "num_attention_heads must be a positive integer, got 0"),
+        ({"hidden_size": "abc"}, "hidden_size must be a positive integer, got 'abc'"),
+        ({"intermediate_size": None}, "intermediate_size must be a positive integer, got None"),
+        ({"vocab_size": 10.5}, "vocab_size must be a positive integer, got 10.5"),
+        ({"num_hidden_layers": True}, "num_hidden_layers must be a positive integer, got True"),
+        ({"num_key_value_heads": -8}, "num_key_value_heads must be a positive integer, got -8"),
+        ({"head_dim": "128"}, "head_dim must be a positive integer"),
+        ({"rope_theta": "big"}, "rope_theta must be a positive number"),
+        ({"rope_scaling": [1]}, "rope_scaling must be an object"),
+    ],
+)
 def test_from_hf_config_rejects_malformed_values_naming_the_key(tmp_path: Path, change, message):
     path = tmp_path / "config.json"
     path.write_text(json.dumps({**LLAMA_31_8B, **change}))

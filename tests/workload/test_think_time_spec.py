@@ -50,8 +50,14 @@ def test_a_negative_or_endless_think_time_is_refused(value):
         WorkloadSpec(concurrency=2, think_time_s=value)
 
 
-@pytest.mark.parametrize("text, message", [("-5ms", "--think-time must be >= 0"), ("inf", "--think-time: cannot parse"),
-                                           ("soon", "--think-time: cannot parse")])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("-5ms", "--think-time must be >= 0"),
+        ("inf", "--think-time: cannot parse"),
+        ("soon", "--think-time: cannot parse"),
+    ],
+)
 def test_bad_flag_values_name_the_flag(text, message):
     with pytest.raises(InvalidArgument, match=message):
         _parse("--concurrency", "2", f"--think-time={text}")

@@ -24,8 +24,12 @@ def rng(seed=0):
 
 @pytest.mark.parametrize(
     "text, kind, mean",
-    [("1024", "fixed", 1024), ("512-2048", "uniform", 1280), ("uniform:512,2048", "uniform", 1280),
-     ("lognormal:1024,0.5", "lognormal", 1024)],
+    [
+        ("1024", "fixed", 1024),
+        ("512-2048", "uniform", 1280),
+        ("uniform:512,2048", "uniform", 1280),
+        ("lognormal:1024,0.5", "lognormal", 1024),
+    ],
 )
 def test_length_forms_parse_and_sample_the_asked_mean(text, kind, mean):
     dist = LengthDist.parse(text)
@@ -50,8 +54,16 @@ def test_bad_lengths_name_the_input(bad):
         LengthDist.parse(bad, name="input length")
 
 
-@pytest.mark.parametrize("huge", ["1000000000000000000000000", "1-100000000000000000000",
-                                  "uniform:1,100000000000000000000", "lognormal:1e308,1", "lognormal:inf,1"])
+@pytest.mark.parametrize(
+    "huge",
+    [
+        "1000000000000000000000000",
+        "1-100000000000000000000",
+        "uniform:1,100000000000000000000",
+        "lognormal:1e308,1",
+        "lognormal:inf,1",
+    ],
+)
 def test_lengths_past_a_billion_tokens_are_refused_not_overflowed(huge):
     # before: OverflowError or numpy's ValueError from sampling, or 1-token prompts from an inf mean
     with pytest.raises(InvalidArgument, match="input length: .* at most 1,000,000,000 tokens"):
@@ -84,7 +96,9 @@ def test_constant_and_infinite_rate_and_closed_loop():
     assert closed.closed_loop and closed.arrival_times_s(rng(), 5) is None
 
 
-@pytest.mark.parametrize("kwargs", [dict(rate=0), dict(rate=-1), dict(rate=1, burstiness=0), dict(rate=None, concurrency=0)])
+@pytest.mark.parametrize(
+    "kwargs", [dict(rate=0), dict(rate=-1), dict(rate=1, burstiness=0), dict(rate=None, concurrency=0)]
+)
 def test_bad_arrivals_are_rejected(kwargs):
     with pytest.raises(InvalidArgument):
         ArrivalProcess.create(**kwargs)
@@ -137,10 +151,13 @@ def write_sharegpt(path, n=20):
     entries = []
     for i in range(n):
         entries.append(
-            {"id": str(i), "conversations": [
-                {"from": "human", "value": " ".join(["word"] * (6 + 3 * i))},
-                {"from": "gpt", "value": " ".join(["answer"] * (30 + i))},
-            ]}
+            {
+                "id": str(i),
+                "conversations": [
+                    {"from": "human", "value": " ".join(["word"] * (6 + 3 * i))},
+                    {"from": "gpt", "value": " ".join(["answer"] * (30 + i))},
+                ],
+            }
         )
     entries.append({"id": "short", "conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]})
     entries.append({"id": "one-turn", "conversations": [{"from": "human", "value": "only a question here"}]})
@@ -166,8 +183,10 @@ def test_sharegpt_lengths_from_words_or_a_tokenizer(tmp_path):
 
 def test_trace_gives_arrivals_and_lengths(tmp_path):
     path = tmp_path / "t.jsonl"
-    rows = [{"arrival_s": 2.0, "prompt_tokens": 50, "output_tokens": 5},
-            {"arrival_s": 0.5, "prompt_tokens": 70, "output_tokens": 9, "prefix_tokens": 10, "prefix_group": 2}]
+    rows = [
+        {"arrival_s": 2.0, "prompt_tokens": 50, "output_tokens": 5},
+        {"arrival_s": 0.5, "prompt_tokens": 70, "output_tokens": 9, "prefix_tokens": 10, "prefix_group": 2},
+    ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     reqs = WorkloadSpec(trace=str(path)).generate()
     assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in reqs] == [(0.5, 70, 9), (2.0, 50, 5)]
@@ -178,8 +197,9 @@ def test_trace_gives_arrivals_and_lengths(tmp_path):
 
 def test_a_traces_description_counts_its_requests_and_names_its_arrivals(tmp_path):
     path = tmp_path / "t.jsonl"
-    path.write_text("".join(json.dumps({"arrival_s": t, "prompt_tokens": 50, "output_tokens": 5}) + "\n"
-                            for t in (0.0, 1.0, 2.0)))
+    path.write_text(
+        "".join(json.dumps({"arrival_s": t, "prompt_tokens": 50, "output_tokens": 5}) + "\n" for t in (0.0, 1.0, 2.0))
+    )
     # not 1000 requests "poisson at inf req/s": the trace's 3, sent at its own times
     assert WorkloadSpec(trace=str(path)).describe() == f"3 requests, trace {path}, at the trace's arrival times"
     assert WorkloadSpec(num_requests=20, trace=str(path)).describe().startswith("3 requests,")  # capped by the trace
@@ -200,17 +220,19 @@ def test_bad_files_get_clear_errors(tmp_path):
         WorkloadSpec(trace=str(bad), rate=2.0)
 
 
-
-@pytest.mark.parametrize("row, message", [
-    ({"prompt_tokens": 10.5}, "prompt_tokens must be an integer >= 1, got 10.5"),
-    ({"prompt_tokens": True}, "prompt_tokens must be an integer >= 1, got True"),
-    ({"output_tokens": "9"}, "output_tokens must be an integer >= 1, got '9'"),
-    ({"output_tokens": 0}, "output_tokens must be an integer >= 1, got 0"),
-    ({"prefix_tokens": 2.5}, "prefix_tokens must be an integer >= 0, got 2.5"),
-    ({"prefix_group": False}, "prefix_group must be an integer, got False"),
-    ({"arrival_s": "1.5"}, "arrival_s must be a number of seconds, got '1.5'"),
-    ({"arrival_s": True}, "arrival_s must be a number of seconds, got True"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ({"prompt_tokens": 10.5}, "prompt_tokens must be an integer >= 1, got 10.5"),
+        ({"prompt_tokens": True}, "prompt_tokens must be an integer >= 1, got True"),
+        ({"output_tokens": "9"}, "output_tokens must be an integer >= 1, got '9'"),
+        ({"output_tokens": 0}, "output_tokens must be an integer >= 1, got 0"),
+        ({"prefix_tokens": 2.5}, "prefix_tokens must be an integer >= 0, got 2.5"),
+        ({"prefix_group": False}, "prefix_group must be an integer, got False"),
+        ({"arrival_s": "1.5"}, "arrival_s must be a number of seconds, got '1.5'"),
+        ({"arrival_s": True}, "arrival_s must be a number of seconds, got True"),
+    ],
+)
 def test_trace_token_counts_must_be_integers(tmp_path, row, message):
     path = tmp_path / "t.jsonl"
     path.write_text(json.dumps({"arrival_s": 0, "prompt_tokens": 50, "output_tokens": 5, **row}) + "\n")
@@ -224,12 +246,27 @@ def test_a_binary_trace_file_gets_a_clear_error(tmp_path):
     with pytest.raises(InvalidArgument, match="binary.json.*not UTF-8"):
         WorkloadSpec(trace=str(path)).generate()
 
+
 def test_cli_flags_round_trip():
     parser = argparse.ArgumentParser()
     add_workload_arguments(parser)
     args = parser.parse_args(
-        ["--rate", "5", "--burstiness", "0.5", "--num-requests", "30", "--input-len", "lognormal:800,0.3",
-         "--output-len", "10-20", "--shared-prefix", "0.25", "--seed", "3"]
+        [
+            "--rate",
+            "5",
+            "--burstiness",
+            "0.5",
+            "--num-requests",
+            "30",
+            "--input-len",
+            "lognormal:800,0.3",
+            "--output-len",
+            "10-20",
+            "--shared-prefix",
+            "0.25",
+            "--seed",
+            "3",
+        ]
     )
     spec = workload_from_args(args)
     assert spec.arrivals.kind == "gamma" and spec.num_requests == 30 and spec.seed == 3
@@ -254,8 +291,11 @@ def test_simulated_prompt_blocks_are_equal_exactly_when_the_real_tokens_make_the
     for i in range(60):
         prompt = rng.choice([40, 100, 160, 161, 200, 300])
         prefix = min(prompt, rng.choice([0, 0, 48, 100, 150, 300]))
-        specs.append(RequestSpec(i, 0.0, prompt_tokens=prompt, output_tokens=1, prefix_tokens=prefix,
-                                 prefix_group=rng.randint(0, 2)))
+        specs.append(
+            RequestSpec(
+                i, 0.0, prompt_tokens=prompt, output_tokens=1, prefix_tokens=prefix, prefix_group=rng.randint(0, 2)
+            )
+        )
     bm = BlockManager(1, bs)
     real, stand_in = {}, {}
     for spec in specs:
@@ -272,18 +312,27 @@ def test_simulated_prompt_blocks_are_equal_exactly_when_the_real_tokens_make_the
     assert same_real == same_sim
     assert len(same_real) > len(keys)  # some blocks are shared, so the check has teeth
     # The stand-in ids tell a request's own tokens from every other request's and group's.
-    tags = {spec.index: set(simulated_prompt(spec, bs)[0][spec.prefix_tokens:]) for spec in specs
-            if spec.prompt_tokens > spec.prefix_tokens}
+    tags = {
+        spec.index: set(simulated_prompt(spec, bs)[0][spec.prefix_tokens :])
+        for spec in specs
+        if spec.prompt_tokens > spec.prefix_tokens
+    }
     assert all(len(t) == 1 for t in tags.values()) and len({t.pop() for t in tags.values()}) == len(tags)
     assert simulated_prompt(specs[0], bs, seed=1)[1] != simulated_prompt(specs[0], bs, seed=2)[1]
 
 
-@pytest.mark.parametrize(("kwargs", "message"), [
-    # a float64 clock 1e16 s in: every latency printed 0.00
-    ({"num_requests": 20, "rate": 1e-15}, r"rate 1e-15 requests/s spreads 20 requests .* at least 2e-08 requests/s"),
-    ({"num_requests": 20, "concurrency": 4, "think_time_s": 1e14}, r"think time 1e\+14 s: .* at most 2e\+08 s"),
-    ({"num_requests": 10_000_000, "rate": 1e9}, "num_requests must be at most 1,000,000"),  # grew to 12 GB
-])
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        # a float64 clock 1e16 s in: every latency printed 0.00
+        (
+            {"num_requests": 20, "rate": 1e-15},
+            r"rate 1e-15 requests/s spreads 20 requests .* at least 2e-08 requests/s",
+        ),
+        ({"num_requests": 20, "concurrency": 4, "think_time_s": 1e14}, r"think time 1e\+14 s: .* at most 2e\+08 s"),
+        ({"num_requests": 10_000_000, "rate": 1e9}, "num_requests must be at most 1,000,000"),  # grew to 12 GB
+    ],
+)
 def test_a_workload_the_clock_or_memory_cannot_hold_is_refused(kwargs, message):
     with pytest.raises(InvalidArgument, match=message):
         WorkloadSpec(**kwargs)

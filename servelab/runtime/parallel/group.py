@@ -72,6 +72,7 @@ def host_store() -> Any:
 
 def join_groups(rank: int, size: int, store: Any) -> Groups:
     """Forms both groups over `store` (rank 0's host_store(), or a client of it); every rank calls it."""
+
     def group(name: str, timeout: timedelta) -> Any:
         return dist.ProcessGroupGloo(dist.PrefixStore(f"tp/{name}/", store), rank, size, timeout)
 
@@ -116,8 +117,12 @@ class TensorParallelGroup:
             mp.current_process().daemon = False  # these exit by themselves when it dies (worker.py)
         ctx = mp.get_context("spawn")
         self.workers = [
-            ctx.Process(target=rank_main, args=(rank, size, port, threads_per_rank, *rank_args),
-                        name=f"servelab-tp-rank{rank}", daemon=True)  # fmt: skip
+            ctx.Process(
+                target=rank_main,
+                args=(rank, size, port, threads_per_rank, *rank_args),
+                name=f"servelab-tp-rank{rank}",
+                daemon=True,
+            )  # fmt: skip
             for rank in range(1, size)
         ]
         for w in self.workers:
@@ -221,8 +226,9 @@ class TensorParallelModel:
         self.group.close()
 
 
-def start_tensor_parallel(model: Any, spec: Any, size: int, rank_main: Callable[..., None],
-                          rank_args: tuple) -> TensorParallelModel:
+def start_tensor_parallel(
+    model: Any, spec: Any, size: int, rank_main: Callable[..., None], rank_args: tuple
+) -> TensorParallelModel:
     """Starts ranks 1..size-1, each a process running `rank_main(rank, size, store port, threads,
     *rank_args)` (worker.worker_main: it loads its own shard and follows rank 0), and makes `model`, rank 0's shard, its part of the whole. The host's torch threads are split
     between the ranks, which share its cores."""

@@ -42,7 +42,8 @@ def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
         )  # fmt: skip
     if spec.ffn_size % size:
         raise InvalidArgument(
-            f"tensor_parallel_size={size} must divide the model's MLP size {spec.ffn_size}", param="tensor_parallel_size"
+            f"tensor_parallel_size={size} must divide the model's MLP size {spec.ffn_size}",
+            param="tensor_parallel_size",
         )
     if spec.vocab_size < size:
         raise InvalidArgument(

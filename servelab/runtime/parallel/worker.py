@@ -28,7 +28,14 @@ def _exit_when_orphaned(parent: int) -> None:
 
 
 def worker_main(
-    rank: int, size: int, port: int, threads: int, path: str, dtype: Any, device: str, options: ModelOptions,
+    rank: int,
+    size: int,
+    port: int,
+    threads: int,
+    path: str,
+    dtype: Any,
+    device: str,
+    options: ModelOptions,
     parent: int,
 ) -> None:
     """`port`: rank 0's store (group.host_store)."""

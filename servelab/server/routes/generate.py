@@ -43,7 +43,9 @@ async def completions(request: Request, state: State) -> Response:
     state.check_model(req.model)
     refuse_unsupported(req, fields.COMPLETIONS)
     if req.max_tokens == 0 and not req.echo:
-        raise InvalidArgument("max_tokens must be >= 1 (0 only with echo=true, to score the prompt)", param="max_tokens")
+        raise InvalidArgument(
+            "max_tokens must be >= 1 (0 only with echo=true, to score the prompt)", param="max_tokens"
+        )
     prompt_logprobs = prompt_logprobs_wanted(
         prompt_logprobs=req.prompt_logprobs, echo_logprobs=req.logprobs if req.echo else None, stream=req.stream
     )
@@ -88,8 +90,11 @@ async def start_chat(
     refuse_unsupported(req, fields.CHAT)
     refuse_non_text_parts(req.messages)
     if req.chat_template is not None and not state.trust_request_chat_template:
-        raise InvalidArgument("a request's own chat_template needs the server started with "
-                              "--trust-request-chat-template; leave it out to use the model's", param="chat_template")
+        raise InvalidArgument(
+            "a request's own chat_template needs the server started with "
+            "--trust-request-chat-template; leave it out to use the model's",
+            param="chat_template",
+        )
     if req.top_logprobs and not req.logprobs:  # 0 asks for nothing: vLLM's default, which clients send
         raise InvalidArgument("top_logprobs needs logprobs=true", param="top_logprobs")
     plan = tool_plan(req, state.tool_call_parser)
@@ -104,7 +109,9 @@ async def start_chat(
                                      top_logprobs, arrival_s, prompt_logprobs)  # fmt: skip
     await prepare_logits_processors(state, lane, engine_requests, request)
     stream = await state.submit(engine_requests, req.n)
-    return ChatRenderer(state, answer_id("chatcmpl-", req, request_id), req, engine_requests, plan, chat_echo(req)), stream
+    return ChatRenderer(
+        state, answer_id("chatcmpl-", req, request_id), req, engine_requests, plan, chat_echo(req)
+    ), stream
 
 
 def chat_echo(req: p.ChatCompletionRequest) -> str:

@@ -31,7 +31,11 @@ async def create_response(request: Request, state: State) -> Response:
     state.check_accepting()
     state.check_model(req.model)
     refuse_unsupported(req)
-    history = [] if req.previous_response_id is None else state.responses.get(req.previous_response_id, "previous_response_id").history
+    history = (
+        []
+        if req.previous_response_id is None
+        else state.responses.get(req.previous_response_id, "previous_response_id").history
+    )
     messages = input_messages(req.input)
     chat = chat_request(req, history, messages)
     with fields_as_sent():

@@ -52,7 +52,9 @@ async def tokenizer_info(state: State) -> Response:
         "eos_token": tok.eos_token,
         "pad_token": tok.id_to_token(tok.pad_token_id) if tok.pad_token_id is not None else None,
         "model_max_length": state.front.max_model_len,
-        "added_tokens_decoder": {str(i): {"content": t.content, "special": t.special} for i, t in sorted(added.items())},
+        "added_tokens_decoder": {
+            str(i): {"content": t.content, "special": t.special} for i, t in sorted(added.items())
+        },
     }
     if tok.chat_template:
         config["chat_template"] = tok.chat_template
