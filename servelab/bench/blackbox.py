@@ -747,16 +747,24 @@ def infer_chunk(results: Results, rtt_s: float, rows: KernelRows = NO_KERNEL_ROW
     }
 
 
-def infer_max_seqs(results: Results) -> dict[str, Any]:
-    """The server's sequence limit: the first wave of the bursts larger than it."""
-    waves: dict[int, list[int]] = {}
+def _burst_waves(results: Results) -> dict[tuple[int, int], int]:
+    """(prompt length, burst size) -> the median first wave of those bursts."""
+    waves: dict[tuple[int, int], list[int]] = {}
     for r in results.of("burst"):
         w = decode_window(r)
         if w is not None:
-            waves.setdefault(r["batch"], []).append(w["wave"])
+            waves.setdefault((r["target"], r["batch"]), []).append(w["wave"])
+    return {k: round(statistics.median(ws)) for k, ws in waves.items()}
+
+
+def infer_max_seqs(results: Results) -> dict[str, Any]:
+    """The server's sequence limit: the first wave of the bursts larger than it, at the shortest
+    prompts (where the KV cache binds last)."""
+    waves = _burst_waves(results)
     if not waves:
         return {"value": None, "why": "no burst measured"}
-    medians = {b: round(statistics.median(ws)) for b, ws in waves.items()}
+    shortest = min(t for t, _ in waves)
+    medians = {b: w for (t, b), w in waves.items() if t == shortest}
     capped = [m for b, m in medians.items() if m < b]
     largest = max(medians)
     if capped:
@@ -778,6 +786,30 @@ def infer_max_seqs(results: Results) -> dict[str, Any]:
     }
 
 
+def infer_kv_tokens(results: Results, output_tokens: int) -> dict[str, Any]:
+    """The KV cache's size in tokens, from the onset of queueing: a burst of long prompts that ran
+    fewer requests at a time than the same burst of the shortest prompts ran out of KV, not of
+    sequence slots, so its first wave's requests (prompt + output each) filled it and one more did
+    not fit. Otherwise only a lower bound: the most any first wave held."""
+    waves = _burst_waves(results)
+    if not waves:
+        return {"value": None, "at_least": None, "why": "no burst measured"}
+    shortest = min(t for t, _ in waves)
+    held = {(t, b): w * (t + output_tokens) for (t, b), w in waves.items()}
+    short_of_kv = [(t, b, w) for (t, b), w in waves.items()
+                   if t > shortest and (s := waves.get((shortest, b))) is not None and w < s]  # fmt: skip
+    if short_of_kv:
+        t, b, w = min(short_of_kv, key=lambda x: x[2] * (x[0] + output_tokens))
+        return {
+            "value": w * (t + output_tokens),
+            "at_most": (w + 1) * (t + output_tokens),
+            "why": f"bursts of {b} requests of {t} prompt tokens ran {w} at a time where {shortest}-token ones ran "
+            f"{waves[(shortest, b)]}: {w} requests of {t + output_tokens} tokens filled the KV cache",
+        }
+    most = max(held.values())
+    return {"value": None, "at_least": most, "why": f"no burst ran out of KV: it holds at least {most} tokens"}
+
+
 # ---- the profile --------------------------------------------------------------------------------
 
 
@@ -786,7 +818,11 @@ def _setting(value: Any, source: str, confidence: str, why: str) -> dict[str, An
 
 
 def server_settings(
-    server: ServerInfo, chunk: dict[str, Any], seqs: dict[str, Any], longest_seen: int
+    server: ServerInfo,
+    chunk: dict[str, Any],
+    seqs: dict[str, Any],
+    longest_seen: int,
+    kv: dict[str, Any] | None = None,
 ) -> dict[str, dict[str, Any]]:
     """What the simulator needs to run the server's scheduler, each with where it came from:
     the server's /metrics ("metrics", exact), an inference from the measurements, or an
@@ -827,13 +863,16 @@ def server_settings(
     blocks = exported("num_blocks") or exported("num_gpu_blocks")
     if blocks:
         out["num_blocks"] = _setting(blocks, "metrics", "exact", "the server's /metrics")
+    elif kv is not None and kv.get("value"):
+        out["num_blocks"] = _setting(-(-kv["value"] // out["block_size"]["value"]), "inferred", "medium", kv["why"])
     else:
         need = out["max_model_len"]["value"] * out["max_num_seqs"]["value"]
+        seen = f" ({kv['why']})" if kv is not None and kv.get("at_least") else ""
         out["num_blocks"] = _setting(
-            -(-need // out["block_size"]["value"]),
+            -(-max(need, (kv or {}).get("at_least") or 0) // out["block_size"]["value"]),
             "assumed",
             "low",
-            "the server does not export its KV capacity and no run reached it: "
+            f"the server does not export its KV capacity and no run reached it{seen}: "
             "enough for max_num_seqs full-length sequences",
         )
     caching = cfg.get("enable_prefix_caching", "").lower()  # vLLM's label says True, servelab's true
@@ -887,7 +926,7 @@ def build_profile(server: ServerInfo, results: Results, run: dict[str, Any], des
     }
     fitted.pop("holdout_every", None)
     longest = max((r["prompt_tokens"] for r in results.of("prefill")), default=0)
-    settings = server_settings(server, chunk, seqs, longest + 1)
+    settings = server_settings(server, chunk, seqs, longest + 1, infer_kv_tokens(results, design.burst_output))
     return {
         "format": PROFILE_FORMAT,
         "version": PROFILE_VERSION,
