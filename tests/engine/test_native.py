@@ -561,7 +561,7 @@ def test_build_compiles_the_sources_given_with_the_extra_flags_and_leaves_the_lo
 
     csrc = tmp_path / "csrc"
     csrc.mkdir()
-    for src in resources.files("servelab.engine").joinpath("csrc").iterdir():
+    for src in resources.files("servelab.runtime").joinpath("csrc").iterdir():
         (csrc / src.name).write_bytes(src.read_bytes())
     (csrc / "parallel.c").write_text("/* another tree's pool */\n")
     cc = tmp_path / "cc"  # records its arguments and the sources it is given, then fails
