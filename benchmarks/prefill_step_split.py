@@ -22,6 +22,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch loads
@@ -53,13 +54,19 @@ class Timed:
         return getattr(self.fn, name)
 
 
-def instrument(model, totals: dict[str, int]) -> None:
+_UNSET = object()
+
+
+def instrument(model, totals: dict[str, int]) -> Callable[[], None]:
+    """Wrap the model's linears and its ops' kernels in timers; returns what undoes the ops' part
+    (the ops object can be shared by every model of a dtype in this process)."""
     for layer in model.layers:
         for kind in ("qkv", "o", "gate_up", "down"):
             setattr(layer, kind, Timed(getattr(layer, kind), kind, totals))
     model.lm_head = Timed(model.lm_head, "lm_head", totals)
     model.embedding = Timed(model.embedding, "embed", totals)
     ops = model.ops
+    saved: dict[str, object] = {}
     # attention includes the prefill attention kernel it calls; rms_norm is the final norm
     for name, label in (
         ("attention", "attention"),
@@ -68,7 +75,17 @@ def instrument(model, totals: dict[str, int]) -> None:
         ("rms_norm", "norms"),
         ("silu_mul", "silu_mul"),
     ):
+        saved[name] = ops.__dict__.get(name, _UNSET)
         setattr(ops, name, Timed(getattr(ops, name), label, totals))
+
+    def undo() -> None:
+        for name, value in saved.items():
+            if value is _UNSET:
+                delattr(ops, name)
+            else:
+                setattr(ops, name, value)
+
+    return undo
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -88,8 +105,17 @@ def main(argv: list[str] | None = None) -> int:
     engine = runner.engine
     model = engine.executor.model
     totals: dict[str, int] = {}
-    instrument(model, totals)
-    max_rows = {"mkl": block_quant.MAX_ROWS, "panel": args.panel_rows}
+    committed = block_quant.MAX_ROWS, block_quant.PANEL_ONLY_LEVELS
+    undo = instrument(model, totals)
+    try:
+        return _run(args, runner, engine, totals, committed[0])
+    finally:  # the process may go on (a test): leave the kernels' switches and ops as they were
+        undo()
+        block_quant.MAX_ROWS, block_quant.PANEL_ONLY_LEVELS = committed
+
+
+def _run(args: argparse.Namespace, runner: Servelab, engine, totals: dict[str, int], mkl_rows: int) -> int:  # noqa: ANN001
+    max_rows = {"mkl": mkl_rows, "panel": args.panel_rows}
     block_quant.PANEL_ONLY_LEVELS = frozenset()  # MAX_ROWS decides at every level, as each mode sets it
     modes = [m for m in args.modes.split(",") if m]
     shapes = {"512": [(512, 7)], "32x32": [(32, 100 + i) for i in range(32)]}
