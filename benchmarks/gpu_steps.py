@@ -4,6 +4,7 @@ from Python. The cost model prices steps, so these are its end-to-end check on a
 fits of benchmarks/gpu_kernels.py summed into a step, against the step measured.
 
     python benchmarks/gpu_steps.py --out gpu_steps.json                  # on a CUDA device
+    python benchmarks/gpu_steps.py --compile --out gpu_steps_compiled.json  # each layer compiled
     python benchmarks/gpu_steps.py --device cpu --quick --out x.json     # the same code on a CPU
 
 The model is written here in plain PyTorch, weights random (timing does not depend on their
@@ -64,6 +65,8 @@ FULL_PLAN = [
     ("llama-3.1-8b", "fp8", None, [128, 512, 2048, 8192], [1, 64, 256], [2048], [(512, 64, 2048)]),
     ("llama-3.1-70b", "bf16", 16, [128, 512, 2048, 8192], [1, 64, 256], [512, 2048], [(512, 64, 2048)]),
 ]
+# --compile: fewer shapes, each compiled once (Inductor takes tens of seconds a shape)
+COMPILED_PLAN = [("llama-3.1-8b", "bf16", None, [128, 2048], [1, 64, 256], [2048], [(512, 64, 2048)])]
 QUICK_PLAN = [("tiny", "bf16", None, [16, 64], [1, 4], [32, 128], [(16, 4, 32)])]
 MAX_KV_BYTES = 72 << 30
 
@@ -129,37 +132,49 @@ class Model:
         return [(torch.randn(kv, device=self.device, dtype=self.act), torch.randn(kv, device=self.device, dtype=self.act))
                 for _ in range(self.layers)]  # fmt: skip
 
-    def step(self, prefill: int, batch: int, context: int,
-             caches: list[tuple[torch.Tensor, torch.Tensor]] | None) -> Callable[[], torch.Tensor]:  # fmt: skip
-        """A step over one `prefill`-token prompt (0: none) and `batch` decodes at `context`."""
+    def layer(self, x: torch.Tensor, w: dict, cache: tuple[torch.Tensor, torch.Tensor] | None, cos: torch.Tensor,
+              sin: torch.Tensor, prefill: int, batch: int, context: int) -> torch.Tensor:  # fmt: skip
+        """One decoder layer over the step's tokens: the prompt's first, then the decodes'."""
         s = self.s
         q_dim, kv_dim, group = s.heads * s.head_dim, s.kv_heads * s.head_dim, s.heads // s.kv_heads
+        h = F.rms_norm(x, (s.hidden,), w["n1"])
+        qkv = self.linear(h, w["qkv"])
+        q = self.rope(qkv[:, :q_dim].view(-1, s.heads, s.head_dim), cos, sin)
+        k = self.rope(qkv[:, q_dim : q_dim + kv_dim].view(-1, s.kv_heads, s.head_dim), cos, sin)
+        v = qkv[:, q_dim + kv_dim :].view(-1, s.kv_heads, s.head_dim)
+        outs = []
+        if prefill:
+            qp, kp, vp = (t[:prefill].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+            outs.append(self.causal(qp, kp, vp).squeeze(0).transpose(0, 1).reshape(prefill, q_dim))
+        if batch:
+            assert cache is not None
+            kc, vc = cache
+            kc[:, :, context] = k[prefill:]
+            vc[:, :, context] = v[prefill:]
+            qd = q[prefill:].view(batch, s.kv_heads, group, s.head_dim)
+            outs.append(F.scaled_dot_product_attention(qd, kc, vc).reshape(batch, q_dim))
+        x = x + self.linear(torch.cat(outs) if len(outs) > 1 else outs[0], w["o"])
+        h = self.linear(F.rms_norm(x, (s.hidden,), w["n2"]), w["gate_up"])
+        g, u = h.chunk(2, dim=-1)
+        return x + self.linear(F.silu(g) * u, w["down"])
+
+    def step(self, prefill: int, batch: int, context: int, caches: list[tuple[torch.Tensor, torch.Tensor]] | None,
+             compiled: bool = False) -> Callable[[], torch.Tensor]:  # fmt: skip
+        """A step over one `prefill`-token prompt (0: none) and `batch` decodes at `context`;
+        `compiled`: each layer through torch.compile (Inductor fuses its small kernels, as
+        gpt-fast's compiled decode does)."""
+        s = self.s
         tokens = torch.randint(0, s.vocab, (prefill + batch,), device=self.device)
         pos = torch.cat((torch.arange(prefill, device=self.device), torch.full((batch,), context, device=self.device)))
+        if compiled:  # one compile per step shape; past dynamo's default limit (8) it would run uncompiled
+            torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+        layer = torch.compile(self.layer, dynamic=False) if compiled else self.layer
 
         def run() -> torch.Tensor:
             x = self.embed[tokens]
             cos, sin = self.rotary(pos)
             for i, w in enumerate(self.w):
-                h = F.rms_norm(x, (s.hidden,), w["n1"])
-                qkv = self.linear(h, w["qkv"])
-                q = self.rope(qkv[:, :q_dim].view(-1, s.heads, s.head_dim), cos, sin)
-                k = self.rope(qkv[:, q_dim : q_dim + kv_dim].view(-1, s.kv_heads, s.head_dim), cos, sin)
-                v = qkv[:, q_dim + kv_dim :].view(-1, s.kv_heads, s.head_dim)
-                outs = []
-                if prefill:
-                    qp, kp, vp = (t[:prefill].transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-                    outs.append(self.causal(qp, kp, vp).squeeze(0).transpose(0, 1).reshape(prefill, q_dim))
-                if batch:
-                    kc, vc = caches[i]
-                    kc[:, :, context] = k[prefill:]
-                    vc[:, :, context] = v[prefill:]
-                    qd = q[prefill:].view(batch, s.kv_heads, group, s.head_dim)
-                    outs.append(F.scaled_dot_product_attention(qd, kc, vc).reshape(batch, q_dim))
-                x = x + self.linear(torch.cat(outs) if len(outs) > 1 else outs[0], w["o"])
-                h = self.linear(F.rms_norm(x, (s.hidden,), w["n2"]), w["gate_up"])
-                g, u = h.chunk(2, dim=-1)
-                x = x + self.linear(F.silu(g) * u, w["down"])
+                x = layer(x, w, caches[i] if caches else None, cos, sin, prefill, batch, context)
             last = torch.cat((x[prefill - 1 : prefill], x[prefill:])) if prefill else x
             return self.linear(F.rms_norm(last, (s.hidden,), self.norm), self.head)
 
@@ -202,7 +217,7 @@ def time_step(run: Callable[[], torch.Tensor], device: torch.device, repeats: in
     return out
 
 
-def measure(plan: list, device: torch.device, repeats: int, max_kv_bytes: int) -> list[dict]:
+def measure(plan: list, device: torch.device, repeats: int, max_kv_bytes: int, compiled: bool = False) -> list[dict]:
     rows = []
     act = torch.bfloat16 if device.type == "cuda" else torch.float32
     for name, dtype, layers, prefills, batches, contexts, mixed in plan:
@@ -219,8 +234,10 @@ def measure(plan: list, device: torch.device, repeats: int, max_kv_bytes: int) -
             caches = model.caches(batch, context) if batch else None
             row = dict(model=name, dtype=dtype, layers=n_layers, model_layers=shape.layers, prefill_tokens=prefill,
                        decode_batch=batch, decode_context=context)  # fmt: skip
+            if compiled:
+                row["compiled"] = True
             try:
-                row.update(time_step(model.step(prefill, batch, context, caches), device, repeats))
+                row.update(time_step(model.step(prefill, batch, context, caches, compiled), device, repeats))
             except (RuntimeError, TypeError) as e:  # e.g. an FP8 shape cuBLASLt refuses
                 row["error"] = str(e).splitlines()[0][:200]
             rows.append(row)
@@ -244,20 +261,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="a tiny model and few points (a smoke test)")
     ap.add_argument("--repeats", type=int, default=15, help="timed runs per point (median)")
     ap.add_argument("--out", type=Path, required=True, help="where to write the JSON")
+    ap.add_argument(
+        "--compile",
+        action="store_true",
+        help="each layer through torch.compile, on fewer shapes (COMPILED_PLAN); CUDA only",
+    )
     args = ap.parse_args(argv)
+    if args.compile and args.device != "cuda":
+        print("gpu_steps: --compile times Inductor's GPU kernels; it needs --device cuda", file=sys.stderr)
+        return 2
     if args.device == "cuda" and not torch.cuda.is_available():
         print("gpu_steps: --device cuda but torch sees no CUDA device (use --device cpu)", file=sys.stderr)
         return 2
     dev = torch.device(args.device)
     torch.manual_seed(0)
-    plan = QUICK_PLAN if args.quick else FULL_PLAN
+    plan = QUICK_PLAN if args.quick else COMPILED_PLAN if args.compile else FULL_PLAN
     result: dict = dict(torch=torch.__version__, device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                         quick=args.quick, repeats=args.repeats,
                         models={name: asdict(MODELS[name]) for name, *_ in plan})  # fmt: skip
     started = time.perf_counter()
     result["steps"] = []
     for entry in plan:  # written after each model: a run cut short keeps what it had
-        result["steps"] += measure([entry], dev, args.repeats, MAX_KV_BYTES)
+        result["steps"] += measure([entry], dev, args.repeats, MAX_KV_BYTES, compiled=args.compile)
         result["wall_s"] = time.perf_counter() - started
         args.out.write_text(json.dumps(result, indent=1))
     print(f"wrote {args.out} in {result['wall_s']:.0f} s")

@@ -53,3 +53,25 @@ def test_a_given_per_layer_cost_is_used_as_given():
     data = json.loads(gpu_steps_check.DATA.read_text())
     zero = gpu_steps_check.price(data, per_layer_s=0.0)
     assert all(r["kernels_per_layer_s"] == r["measured_kernels_s"] for r in zero)
+
+
+def test_compiled_layers_leave_no_per_layer_cost():
+    """The same steps with each layer compiled (Inductor fuses the norms, rotary, SiLU and adds
+    into the GEMMs' neighbours): the measured kernels alone price them, and the fitted per-layer
+    cost falls to nothing, so that cost is the engine's, not the GPU's."""
+    data = json.loads((gpu_steps_check.DATA.parent / "h200_steps_compiled.json").read_text())
+    assert all(r["compiled"] for r in data["steps"])
+    rows = gpu_steps_check.price(data)
+    assert len(rows) == 18 and rows[0]["per_layer_s"] < 10e-6
+    assert statistics.median(abs(r["measured_kernels_error_pct"]) for r in rows) < 6.0
+    plain = {
+        gpu_steps_check.label(r): r["graph_s"]
+        for r in gpu_steps_check.price(json.loads(gpu_steps_check.DATA.read_text()))
+    }
+    faster = [r["graph_s"] < plain[gpu_steps_check.label(r)] for r in rows if gpu_steps_check.label(r) in plain]
+    assert len(faster) >= 10 and all(faster)
+
+
+def test_compile_needs_a_gpu(tmp_path, capsys):
+    assert gpu_steps.main(["--device", "cpu", "--compile", "--out", str(tmp_path / "x.json")]) == 2
+    assert "--compile" in capsys.readouterr().err
