@@ -110,6 +110,6 @@ class SpeculativeConfig:
 
     def to_json(self) -> str:
         """The flag's text for this config (what `parse` reads back)."""
-        keys = ("method", "num_speculative_tokens")
+        keys: tuple[str, ...] = ("method", "num_speculative_tokens")
         keys += ("model",) if self.method == "draft_model" else ("prompt_lookup_max", "prompt_lookup_min")
         return json.dumps({k: getattr(self, k) for k in keys})
