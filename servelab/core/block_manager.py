@@ -330,6 +330,15 @@ class BlockManager:
         seq.block_table.clear()
         seq.prefix.num_committed = 0
 
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Give back seq's blocks past the first `num_tokens` positions (KV of rejected
+        speculative tokens: never published, so they go straight to the free pool)."""
+        keep = -(-num_tokens // self.block_size)
+        table = seq.block_table
+        if len(table) > keep:
+            self._append_run(self._drop_refs(table[keep:][::-1]))
+            del table[keep:]
+
     def _drop_refs(self, tail_first: list[int]) -> list[int]:
         """One reference less on each block; the ones nobody holds any more go back to the free
         pools: unpublished ones at once, published ones returned as a run for the LRU."""

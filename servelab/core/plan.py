@@ -18,12 +18,23 @@ class ScheduledSeq:
     lives at KV slot `block_table[p // block_size] * block_size + p % block_size` with
     p = start_pos + i. A prefill chunk that does not reach the end of the sequence's known
     tokens samples nothing (`samples` is False); a decode step is one token and samples.
+
+    A verification step (speculative decoding) is a decode plus `num_draft` proposed tokens:
+    its last `num_draft` tokens are `seq.draft_token_ids[:num_draft]`, not yet in `token_ids`.
+    The executor scores all its positions and reports the drafts it accepted (StepResult.accepted).
     """
 
     seq: Sequence
     num_tokens: int
     start_pos: int
     samples: bool
+    num_draft: int = 0
+
+    def token_ids(self) -> list[int]:
+        """The chunk's input tokens, drafts included."""
+        seq = self.seq
+        known = seq.token_ids[self.start_pos : self.start_pos + self.num_tokens - self.num_draft]
+        return known + seq.draft_token_ids[: self.num_draft] if self.num_draft else known
 
     @property
     def context_len(self) -> int:
@@ -88,6 +99,9 @@ class StepResult:
     # (index into plan.scheduled, pooled vector) for each pooling sequence whose prompt's last
     # chunk ran this step; update() sets seq.pooled and finishes it.
     pooled: list[tuple[int, list[float]]] | None = None
+    # (index into plan.scheduled, the drafts accepted in order, their logprobs or None) for each
+    # verification entry; its `sampled_token_ids` entry is the token sampled after them.
+    accepted: list[tuple[int, list[int], list[TokenLogprobs] | None]] | None = None
 
 
 class Executor(Protocol):

@@ -4,16 +4,9 @@
 an executor runs it; `update(plan, result, now)` appends the sampled tokens, applies the stop
 conditions, frees what finished and returns the events a streaming server needs.
 
-Policies:
-- `chunked` (vLLM V1 / Sarathi-Serve): running sequences first (a decode is 1 token; a prompt
-  still being prefilled continues with its next chunk), then waiting prompts in order, each
-  taking a chunk of whatever token budget is left. A long prompt spans several steps, so it never
-  holds the running decodes back by more than one step's budget.
-- `prefill-first` (vLLM V0 default): if waiting prompts can be admitted, the step is prefill-only
-  and runs whole prompts; decodes wait for a step without new prompts. Kept to show the stall.
-- `prefill-first-chunked` (SGLang): prefill-only steps as above, but in chunks of the budget: the
-  prompt part-way through continues first, then waiting prompts fill what is left.
-- `decode-first-whole` (TensorRT-LLM without chunked context): as `chunked`, with whole prompts.
+Policies (`SchedulerConfig.policy`, whose docstring defines them): `chunked` mixes running
+decodes and prompt chunks in one step; `prefill-first` and `prefill-first-chunked` give prompts
+steps of their own, whole or in chunks; `decode-first-whole` adds whole prompts after the decodes.
 
 Preemption is by recompute: when a running sequence needs a block and none is free, the newest
 running sequence (lowest priority under `priority`) loses its blocks and goes back to the front
@@ -21,9 +14,11 @@ of the waiting queue; its prompt plus the tokens generated so far are prefilled 
 cheaply when its blocks are still in the prefix cache.
 
 Admission (the checks a new request passes, the waiting queue's order and bound, the KV
-reservation of `no-evict` and `reserve-ratio`) is in `admission.py`. The simulator runs a subclass (`sim/implicit_decodes.py`) that takes steady
-decodes out of the per-step loops through the methods marked "hook", and decides exactly what
-this class decides. Sequences prefilled by another worker join through `prefilled.py`.
+reservation of `no-evict` and `reserve-ratio`) is in `admission.py`; sequences prefilled by
+another worker join through `prefilled.py`; decodes carrying speculative drafts are verified
+through `speculative.py`. The simulator runs a subclass (`sim/implicit_decodes.py`) that takes
+steady decodes out of the per-step loops through the methods marked "hook", and decides exactly
+what this class decides.
 """
 
 from __future__ import annotations
@@ -40,6 +35,7 @@ from servelab.core.plan import RequestOutput, ScheduledSeq, StepPlan, StepResult
 from servelab.core.sequence import FinishReason, Sequence, SequenceStatus, check_stop
 from servelab.core.admission import KVReservation, WaitingQueue, check_new
 from servelab.core.scheduler_stats import SchedulerStats
+from servelab.core.speculative import SpecDecodeCounters, VerifiedDecodes
 from servelab.errors import InvalidArgument, NotFound
 
 _RUNNING = SequenceStatus.RUNNING
@@ -50,7 +46,7 @@ _FINISHED = SequenceStatus.FINISHED
 by_order = attrgetter("order_key")
 
 
-class Scheduler(PrefilledSequences):
+class Scheduler(PrefilledSequences, VerifiedDecodes):
     def __init__(self, config: SchedulerConfig, *, keep_finished: int = 1024) -> None:
         self.config = config = config.resolve()  # InvalidArgument while the pool or context is unsized
         self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
@@ -58,7 +54,7 @@ class Scheduler(PrefilledSequences):
         self._whole = config.policy in ("prefill-first", "decode-first-whole")  # prompts never chunked
         self._partial: Sequence | None = None  # prefill-first-chunked: the prompt part-way through
         self._reservation = (
-            None if config.admission == "recompute" else KVReservation(config.admission, config.block_size)
+            KVReservation(config.admission, config.block_size) if config.admission != "recompute" else None
         )
         self.waiting = WaitingQueue(config.order, config.max_waiting)
         self.running: list[Sequence] = []  # sorted by order_key: the tail is preempted first
@@ -67,10 +63,9 @@ class Scheduler(PrefilledSequences):
         self._keep_finished = keep_finished
         self.num_preemptions = 0
         self.num_finished = 0
+        self.spec_counters = SpecDecodeCounters()
         self._num_reserved = 0  # sequences holding blocks for KV on its way (reserve_prefilled)
-        # A sequence this long stops: at max_model_len, or when its next decode would need a KV
-        # slot past the whole pool.
-        self._len_cap = min(config.max_model_len, config.kv_capacity_tokens + 1)
+        self._len_cap = min(config.max_model_len, config.kv_capacity_tokens + 1)  # see length_limit
 
     # ---- introspection -------------------------------------------------------------------------
 
@@ -193,6 +188,7 @@ class Scheduler(PrefilledSequences):
         n = num_known - start
         if n > budget:  # noqa: PLR1730 -- a compare is cheaper than min() on this hot path
             n = budget
+        k = self._num_drafts(seq, budget) if n == 1 and seq.draft_token_ids else 0
         end = start + n
         # A decode needs a new block only when its last one is full (every block_size steps).
         if (
@@ -201,7 +197,7 @@ class Scheduler(PrefilledSequences):
             and not self._preempt_until_fits(seq, end, preempted)
         ):
             return None
-        return ScheduledSeq(seq, n, start, end == num_known and seq.pooling is None)
+        return ScheduledSeq(seq, n + k, start, end == num_known and seq.pooling is None, k)
 
     def _schedule_waiting(self, plan: StepPlan, budget: int, now: float, *, whole: bool) -> bool:
         """Admit waiting sequences in order while budgets and blocks allow. `whole`: whole prompts
@@ -312,6 +308,7 @@ class Scheduler(PrefilledSequences):
                 scheduled[i].seq.pooled = vector
         outputs: list[RequestOutput] = []
         finished: list[Sequence] = []
+        self._take_accepted(plan, result)  # speculative decoding's verification entries, if any
         self._apply(plan, result, now, outputs, finished, stream=not finished_only)
         # Usually one or two of ~100 finish in a step: list.remove (a C scan by identity, order
         # kept) is cheaper than rebuilding the list in Python.
@@ -349,6 +346,8 @@ class Scheduler(PrefilledSequences):
         seq = entry.seq
         if seq.status is not _RUNNING:
             return False  # aborted or finished by the engine while the step ran
+        if entry.num_draft:
+            return self._apply_verified(entry, token, lp, now, outputs, finished, stream)
         seq.num_computed_tokens = computed = entry.start_pos + entry.num_tokens
         if computed >= (seq.prefix.num_committed + 1) * self.config.block_size:  # a block filled: publish it
             self.block_manager.commit_computed_blocks(seq)
@@ -426,13 +425,10 @@ class Scheduler(PrefilledSequences):
         An already finished or unknown request changes nothing: False by default (a client that
         disconnects after its last token is normal), or NotFound naming why with `strict=True`.
         """
-        if not strict:
-            try:
-                return self._finish_now(request_id, FinishReason.ABORT, now, "abort")
-            except NotFound:
-                return False
+        if request_id in self._live or not strict:
+            return request_id in self._live and self._finish_now(request_id, FinishReason.ABORT, now, "abort")
         seq = self._recent_finished.get(request_id)
-        if seq is not None and request_id not in self._live:
+        if seq is not None:
             raise NotFound(
                 f"cannot abort request {request_id!r}: it already finished "
                 f"({seq.finish_reason.value if seq.finish_reason else 'unknown'})",

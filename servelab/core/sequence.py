@@ -315,6 +315,9 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (last admission)
     block_table: list[int] = field(default_factory=list)
+    # Tokens a proposer guessed for the next step (speculative decoding); the scheduler verifies
+    # as many as the budgets allow, and update() clears them.
+    draft_token_ids: list[int] = field(default_factory=list, repr=False)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

@@ -1,4 +1,5 @@
-"""Speculative decoding's configuration, shared by the engine and the simulator. Pure Python.
+"""Speculative decoding, in the scheduler's terms: its configuration (shared by the engine and
+the simulator), the verification entries a Scheduler runs, and their acceptance counters. Pure Python.
 
 The flag follows vLLM: `--speculative-config '{"method": "ngram", "num_speculative_tokens": 4,
 "prompt_lookup_max": 4}'` proposes from the request's own tokens (prompt lookup), and
@@ -9,9 +10,13 @@ The flag follows vLLM: `--speculative-config '{"method": "ngram", "num_speculati
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
+from servelab.core.block_manager import BlockManager
+from servelab.core.config import ResolvedSchedulerConfig
+from servelab.core.plan import RequestOutput, ScheduledSeq, StepPlan, StepResult
+from servelab.core.sequence import FinishReason, Sequence, TokenLogprobs, check_stop
 from servelab.errors import InvalidArgument
 
 METHODS = ("ngram", "draft_model")
@@ -113,3 +118,109 @@ class SpeculativeConfig:
         keys: tuple[str, ...] = ("method", "num_speculative_tokens")
         keys += ("model",) if self.method == "draft_model" else ("prompt_lookup_max", "prompt_lookup_min")
         return json.dumps({k: getattr(self, k) for k in keys})
+
+
+@dataclass(slots=True)
+class SpecDecodeCounters:
+    """vLLM's spec-decode families: verification entries, draft tokens scored, drafts accepted,
+    and acceptance by draft position (position i counts entries that accepted more than i)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.accepted_per_position
+        if len(per_pos) < num_draft:
+            per_pos.extend([0] * (num_draft - len(per_pos)))
+        for i in range(num_accepted):
+            per_pos[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+
+class VerifiedDecodes:
+    """A Scheduler mixin: decodes that carry proposed tokens (`Sequence.draft_token_ids`) run as
+    verification entries of 1 + k tokens, and their results append the accepted drafts plus the
+    token sampled after them, rolling the KV back past the last accepted position."""
+
+    # What it uses of the Scheduler it is mixed into.
+    config: ResolvedSchedulerConfig
+    block_manager: BlockManager
+    spec_counters: SpecDecodeCounters
+    _verified: dict[str, tuple[list[int], list[TokenLogprobs] | None]]
+    _len_cap: int
+
+    if TYPE_CHECKING:
+
+        def length_limit(self, seq: Sequence) -> int: ...
+        def _finish(self, seq: Sequence, reason: FinishReason, now: float | None) -> None: ...
+
+    def _num_drafts(self, seq: Sequence, budget: int) -> int:
+        """How many of a decoding seq's proposals this step verifies: those within the token
+        budget and the length limit whose KV slots are free. A short pool drops the proposals
+        rather than preempting anyone for guesses."""
+        num_known = len(seq.token_ids)
+        k = min(len(seq.draft_token_ids), budget - 1, self.length_limit(seq) - num_known - 1)
+        if k <= 0 or not self.block_manager.append_slots(seq, num_known + k):
+            return 0
+        return k
+
+    def _take_accepted(self, plan: StepPlan, result: StepResult) -> None:
+        """The accepted drafts of each verification entry, by request id, for `_apply_verified`."""
+        self._verified = {plan.scheduled[i].seq.request_id: (toks, lps) for i, toks, lps in result.accepted or ()}
+
+    def _apply_verified(
+        self,
+        entry: ScheduledSeq,
+        token: int | None,
+        lp: TokenLogprobs | None,
+        now: float,
+        outputs: list[RequestOutput],
+        finished: list[Sequence],
+        stream: bool,
+    ) -> bool:
+        """A verification entry's result: the accepted drafts, then `token`, each checked against
+        the stop conditions in turn. True if its sequence runs on."""
+        seq = entry.seq
+        drafts, draft_lps = self._verified.pop(seq.request_id, ([], None))
+        if len(drafts) > entry.num_draft or drafts != seq.draft_token_ids[: len(drafts)]:
+            raise ValueError(f"request {seq.request_id!r}: accepted tokens {drafts} are not a prefix of its drafts")
+        self.spec_counters.record(entry.num_draft, len(drafts))
+        seq.draft_token_ids = []
+        if token is None:  # the step failed for this request: nothing it computed is kept
+            self._finish(seq, FinishReason.ERROR, now)
+            finished.append(seq)
+            outputs.append(RequestOutput(seq.request_id, [], True, FinishReason.ERROR, seq))
+            return False
+        new = [*drafts, token]
+        lps = None if lp is None or (drafts and draft_lps is None) else [*(draft_lps or ()), lp]
+        reason = None
+        for n, tok in enumerate(new, 1):
+            seq.token_ids.append(tok)
+            seq.token_times_s.append(now)
+            reason = check_stop(seq, tok, self._len_cap)
+            if reason is not None:
+                del new[n:]
+                break
+        if lps is not None:
+            del lps[len(new) :]
+        # KV is valid up to the last accepted draft; the slots of rejected ones are rewritten.
+        seq.num_computed_tokens = entry.start_pos + 1 + len(drafts)
+        self.block_manager.trim(seq, len(seq.token_ids))
+        if seq.num_computed_tokens >= (seq.prefix.num_committed + 1) * self.config.block_size:
+            self.block_manager.commit_computed_blocks(seq)
+        if reason is not None:
+            self._finish(seq, reason, now)
+            finished.append(seq)
+            outputs.append(RequestOutput(seq.request_id, new, True, reason, seq, lps))
+            return False
+        if stream:
+            outputs.append(RequestOutput(seq.request_id, new, False, None, seq, lps))
+        return True
