@@ -26,6 +26,8 @@ from servelab.sim.engine_profiles import engine_profiles
 from servelab.spec import HARDWARE, KV_DTYPES, MODELS, WEIGHT_DTYPES
 
 if TYPE_CHECKING:
+    from fastapi.responses import JSONResponse
+
     from servelab.lab.capacity_lesson import CapacityPlanner
     from servelab.lab.simulations import Budget, Simulations
 
@@ -113,7 +115,10 @@ def catalog() -> dict[str, Any]:
     }
 
 
-def run_lesson(name: str, params: Params, planner: CapacityPlanner, simulations: Simulations) -> dict[str, Any]:
+def run_lesson(
+    name: str, params: Params, planner: CapacityPlanner, simulations: Simulations
+) -> dict[str, Any] | JSONResponse:
+    """The lesson's JSON; the capacity plan answers a 202 response with its progress while it runs."""
     try:
         fn = LESSONS[name]
     except KeyError:

@@ -19,6 +19,7 @@ start processes per distinct URL, nor remember every URL forever.
 
 from __future__ import annotations
 
+import functools
 import multiprocessing
 import os
 import threading
@@ -171,7 +172,7 @@ class CapacityPlanner:
         state.remaining = len(jobs)
         for job in jobs:
             future = self._pool.submit(plan_one, job)
-            future.add_done_callback(lambda f, hw=job.hardware: self._job_done(state, hw, f))
+            future.add_done_callback(functools.partial(self._job_done, state, job.hardware))
         return state
 
     def _job_done(self, state: _PlanState, hardware: str, future: Future) -> None:

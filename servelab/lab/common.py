@@ -84,8 +84,9 @@ def ms(seconds: float) -> float:
     return seconds * 1e3
 
 
-def fmt(value: float, unit: str = "", digits: int = 3) -> str:
-    """A readable figure for prose and stat tiles: 3 significant digits, thousands separators."""
+def fmt(value: float | None, unit: str = "", digits: int = 3) -> str:
+    """A readable figure for prose and stat tiles: 3 significant digits, thousands separators;
+    "n/a" for a figure that does not exist (None) or is not finite."""
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "n/a"
     if value == 0:

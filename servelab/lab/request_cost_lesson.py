@@ -108,12 +108,12 @@ def request_cost(p: Params) -> dict[str, Any]:
     i = prompts.index(prompt_len)
     j = outputs.index(output_len)
     total = money["total_usd"][i]
-    prefill_share = None if not total else money["prefill_usd"][i] / total
+    prefill_pct = None if not total else 100 * (money["prefill_usd"][i] / total)  # of the request's cost
     e2e = lat["e2e_ms"][j]
     double = i + 1 < len(prompts) and money["total_usd"][i + 1]
     notice_money = (
         f"at {prompt_len:,} prompt tokens a request costs ${fmt(total)} per {PER_REQUESTS:,} requests "
-        f"at ${fmt(price)}/GPU-hour, {fmt(100 * prefill_share)}% of it prefill"
+        f"at ${fmt(price)}/GPU-hour, {fmt(prefill_pct)}% of it prefill"
         if total
         else "this request does not fit at all"
     )
@@ -169,7 +169,7 @@ def request_cost(p: Params) -> dict[str, Any]:
             stat("TTFT (prefill)", fmt(ms(ttft_s), "ms")),
             stat("end-to-end latency", fmt(e2e, "ms")),
             stat(f"$ per {PER_REQUESTS:,} requests", "n/a" if not total else f"${fmt(total)}"),
-            stat("prefill's share of the cost", "n/a" if prefill_share is None else f"{100 * prefill_share:.0f}%"),
+            stat("prefill's share of the cost", "n/a" if prefill_pct is None else f"{prefill_pct:.0f}%"),
             stat("price", f"${fmt(price)} per GPU-hour"),
         ],
         "notice": notice,

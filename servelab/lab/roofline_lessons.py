@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
 from servelab.cost import MemoryPlan, Roofline, StepCost
+from servelab.cost.step_cost import Bound
 from servelab.errors import DoesNotFit
 from servelab.lab.common import fmt, gb, ms, powers_of_two, setup_from, stat
 from servelab.lab.formulas import step_formula
@@ -133,6 +134,19 @@ def two_workloads(p: Params) -> dict[str, Any]:
     }
 
 
+class SelectedStep(TypedDict):
+    """The decode step at the chosen batch, as the batching lesson's JSON carries it."""
+
+    batch: int
+    step_ms: float
+    tokens_per_s_per_user: float
+    tokens_per_s_total: float
+    weight_gb: float
+    kv_gb: float
+    intensity: float
+    bound: Bound
+
+
 def batching(p: Params) -> dict[str, Any]:
     s = setup_from(p)
     batch = p.int("batch", 64, **bounds("batching", "batch"))
@@ -174,7 +188,7 @@ def batching(p: Params) -> dict[str, Any]:
         "max_batch": plan.max_batch(context) if plan.weights_fit else 0,
         "reason": reason,
     }
-    selected = {
+    selected: SelectedStep = {
         "batch": batch,
         "step_ms": ms(chosen.time_s),
         "tokens_per_s_per_user": 1.0 / chosen.time_s,
@@ -223,7 +237,7 @@ def batching(p: Params) -> dict[str, Any]:
             stat("largest batch that fits", f"{memory['max_batch']:,}"),
             stat(
                 "tensor cores busy at batch 1 / yours",
-                f"{sweep['busy_pct'][0]:.1f}% / {100 * busy_fraction(chosen):.1f}%",
+                f"{100 * busy_fraction(one):.1f}% / {100 * busy_fraction(chosen):.1f}%",
             ),
         ],
         "notice": notice,

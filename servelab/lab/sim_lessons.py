@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -159,33 +159,50 @@ def saturation_estimate_rps(s: Setup, prompt_len: int, output_len: int) -> float
     return 1.0 / gpu_s
 
 
-def _sweep(budget: Budget, s: Setup, prompt_len: int, output_len: int, slo: SLO, pct: str) -> dict[str, Any]:
+class RateSweep(TypedDict):
+    """The SLO lesson's sweep of offered rates, as its JSON carries it: one entry a rate in each list."""
+
+    offered_rps: list[float]
+    achieved_rps: list[float]
+    goodput_rps: list[float]
+    ttft_ms: list[float | None]  # at the sweep's percentile; None where no request finished
+    tpot_ms: list[float | None]
+    meets: list[bool]
+    saturation_rps: float
+    knee_rps: float | None
+
+
+def _sweep(budget: Budget, s: Setup, prompt_len: int, output_len: int, slo: SLO, pct: str) -> RateSweep:
     """Offered rate against achieved rate and goodput, around the saturation estimate."""
     center = saturation_estimate_rps(s, prompt_len, output_len)
     lo_rate, hi_rate = LIMITS["slo"]["rate"]
     rates = sorted({float(f"{min(hi_rate, max(lo_rate, f * center)):.3g}") for f in SWEEP_FRACTIONS})
-    out: dict[str, list[Any]] = {
-        "offered_rps": rates,
-        "achieved_rps": [],
-        "goodput_rps": [],
-        "ttft_ms": [],
-        "tpot_ms": [],
-        "meets": [],
-    }
+    achieved: list[float] = []
+    goodput: list[float] = []
+    ttft_ms: list[float | None] = []
+    tpot_ms: list[float | None] = []
+    meets: list[bool] = []
     for rate in rates:
         st = _steady(_open_loop_run(budget, _key(s), rate, _slo_requests(rate), prompt_len, output_len), rate, slo)
         sm = st.summary
         ttft, tpot = getattr(sm.ttft_s, pct), getattr(sm.tpot_s, pct)
-        out["achieved_rps"].append(st.achieved_rps)
-        out["goodput_rps"].append(st.goodput_rps)
-        out["ttft_ms"].append(None if ttft is None else ttft * 1e3)
-        out["tpot_ms"].append(None if tpot is None else tpot * 1e3)
-        out["meets"].append(_meets(ttft, tpot, slo))
+        achieved.append(st.achieved_rps)
+        goodput.append(st.goodput_rps)
+        ttft_ms.append(None if ttft is None else ttft * 1e3)
+        tpot_ms.append(None if tpot is None else tpot * 1e3)
+        meets.append(_meets(ttft, tpot, slo))
     # Saturation: the most the system completed, whatever was offered. The knee: the first
     # offered rate whose percentile latencies break a target.
-    out["saturation_rps"] = max(out["achieved_rps"])
-    out["knee_rps"] = next((r for r, ok in zip(rates, out["meets"]) if not ok), None)
-    return out
+    return {
+        "offered_rps": rates,
+        "achieved_rps": achieved,
+        "goodput_rps": goodput,
+        "ttft_ms": ttft_ms,
+        "tpot_ms": tpot_ms,
+        "meets": meets,
+        "saturation_rps": max(achieved),
+        "knee_rps": next((r for r, ok in zip(rates, meets) if not ok), None),
+    }
 
 
 def _knee_text(knee: float | None, saturation: float) -> str:
@@ -264,7 +281,8 @@ def slo(p: Params, budget: Budget) -> dict[str, Any]:
     output_len = p.int("output_len", 128, **bounds("slo", "output_len"))
     _check_len(s, prompt_len, output_len)
     _require_request_fits(s, prompt_len, output_len)
-    target = SLO(ttft_s=ttft_slo_ms / 1e3, tpot_s=tpot_slo_ms / 1e3)
+    ttft_slo_s, tpot_slo_s = ttft_slo_ms / 1e3, tpot_slo_ms / 1e3
+    target = SLO(ttft_s=ttft_slo_s, tpot_s=tpot_slo_s)
     num_requests = _slo_requests(rate)
     result = _open_loop_run(budget, _key(s), rate, num_requests, prompt_len, output_len)
     st = _steady(result, rate, target)
@@ -275,8 +293,8 @@ def slo(p: Params, budget: Budget) -> dict[str, Any]:
     ttfts = [r.ttft_s for r in ok if r.ttft_s is not None]
     tpots = [r.tpot_s for r in ok if r.tpot_s is not None]
     n = len(measured)
-    ttft_ok = sum(1 for r in ok if r.ttft_s is not None and r.ttft_s <= target.ttft_s)
-    tpot_ok = sum(1 for r in ok if r.tpot_s is None or r.tpot_s <= target.tpot_s)
+    ttft_ok = sum(1 for r in ok if r.ttft_s is not None and r.ttft_s <= ttft_slo_s)
+    tpot_ok = sum(1 for r in ok if r.tpot_s is None or r.tpot_s <= tpot_slo_s)
     attainment = {"ttft": ttft_ok / n, "tpot": tpot_ok / n, "both": sm.slo_attainment}
     ttft_cdf = {**cdf(ttfts), "percentiles": _percentiles_ms(sm.ttft_s)}
     tpot_cdf = {**cdf(tpots), "percentiles": _percentiles_ms(sm.tpot_s)}

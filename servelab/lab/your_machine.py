@@ -35,13 +35,15 @@ class PredictionBusy(ServelabError):
     error_type = "rate_limit_exceeded"
 
 
-def _number(item: dict[str, Any], name: str, index: int, *, allow_none: bool = False) -> float | None:
+def _number(item: dict[str, Any], name: str, index: int) -> float:
     value = item.get(name)
-    if value is None and allow_none:
-        return None
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
         raise InvalidArgument(f"records[{index}].{name}: must be a finite number >= 0, got {value!r}", param=name)
     return float(value)
+
+
+def _number_or_none(item: dict[str, Any], name: str, index: int) -> float | None:
+    return None if item.get(name) is None else _number(item, name, index)
 
 
 def parse_records(body: Any) -> tuple[list[RequestRecord], int, float]:
@@ -73,11 +75,12 @@ def parse_records(body: Any) -> tuple[list[RequestRecord], int, float]:
         if not isinstance(ok, bool):  # bool("no") is True: a string would count a failure as a success
             raise InvalidArgument(f"records[{i}].ok: must be true or false, got {ok!r}", param="ok")
         sent = _number(item, "sent_s", i)
-        first = _number(item, "first_token_s", i, allow_none=not ok)
-        last = _number(item, "last_token_s", i, allow_none=not ok)
-        prompt = int(_number(item, "prompt_tokens", i) or 0)
-        output = int(_number(item, "output_tokens", i) or 0)
-        if ok and not sent <= first <= last:
+        # a failed request may have no first or last token
+        first = _number(item, "first_token_s", i) if ok else _number_or_none(item, "first_token_s", i)
+        last = _number(item, "last_token_s", i) if ok else _number_or_none(item, "last_token_s", i)
+        prompt = int(_number(item, "prompt_tokens", i))
+        output = int(_number(item, "output_tokens", i))
+        if ok and (first is None or last is None or not sent <= first <= last):
             raise InvalidArgument(
                 f"records[{i}]: times must run sent_s <= first_token_s <= last_token_s", param="records"
             )
@@ -176,7 +179,7 @@ class Predictor:
         elif not ok:
             why_not = "no request succeeded: nothing to replay"
         else:
-            predicted, why_not = self._replay(records, concurrency, think_s)
+            predicted, why_not = self._replay(self.profile, self._metrics_text, records, concurrency, think_s)
         out_ttft, out_tpot = _ms_values(records, "ttft_s"), _ms_values(records, "tpot_s")
         sim_ttft = [] if predicted is None else _ms_values(predicted.records, "ttft_s")
         sim_tpot = [] if predicted is None else _ms_values(predicted.records, "tpot_s")
@@ -232,12 +235,19 @@ class Predictor:
             "notice": notice,
         }
 
-    def _replay(self, records: list[RequestRecord], concurrency: int, think_s: float) -> tuple[Any, str | None]:
+    def _replay(
+        self,
+        profile: dict[str, Any],
+        metrics_text: Callable[[], str],
+        records: list[RequestRecord],
+        concurrency: int,
+        think_s: float,
+    ) -> tuple[Any, str | None]:
         from servelab.bench.fidelity import replay_trace, server_config, sim_config
         from servelab.cost.profile import catalog_model_for
         from servelab.sim import simulate
 
-        server = server_config(self._metrics_text())
+        server = server_config(metrics_text())
         missing = [
             k
             for k in ("num_blocks", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len")
@@ -245,11 +255,11 @@ class Predictor:
         ]
         if missing:
             return None, f"the server's /metrics do not publish {', '.join(missing)}: cannot set up the simulator"
-        model = catalog_model_for(self.profile, self._served_model())
+        model = catalog_model_for(profile, self._served_model())
         if model is None:
-            return None, f"no catalog model matches the profile's model {self.profile.get('model')!r}"
+            return None, f"no catalog model matches the profile's model {profile.get('model')!r}"
         trace = replay_trace(records, closed_loop=True, think_s=think_s)
-        return simulate(sim_config(self.profile, server, model, None), trace, concurrency=concurrency), None
+        return simulate(sim_config(profile, server, model, None), trace, concurrency=concurrency), None
 
 
 def _ms(seconds: float | None) -> float:

@@ -30,7 +30,16 @@ import torch.nn.functional as F
 
 from servelab.runtime import native
 from servelab.spec.ggml_types import GGML_TYPE_BY_NAME, GGML_TYPES, Kernel
-from servelab.runtime.linear import DenseLinear
+from servelab.runtime.linear import DenseLinear, Linear
+
+
+def _kernel_code(name: str) -> int:
+    """Our kernel's format code for the ggml type `name`, one the kernels take."""
+    code = GGML_TYPE_BY_NAME[name].kernel_code
+    if code is None:
+        raise ValueError(f"ggml type {name} has no kernel format")
+    return code
+
 
 # Views of ggml's type table (spec/ggml_types.py) in the shapes the kernels use.
 # ggml type id -> (our kernel's format code, weights a block, bytes a block)
@@ -39,7 +48,7 @@ GGUF_BLOCK_FORMATS = {
     for t in GGML_TYPES
     if t.kernel_code is not None and t.is_block_format
 }
-_Q4_1 = GGML_TYPE_BY_NAME["Q4_1"].kernel_code
+_Q4_1 = _kernel_code("Q4_1")
 # Q4_1's bytes regrouped sixteen outputs a group, one output a vector lane (the C file's Q4_1_G16):
 # at the AVX-512 levels outside deterministic mode, the 1-4-row kernel then needs no horizontal
 # sums and half the instructions a block (docs/benchmarks.md, "GGUF blocks kept packed").
@@ -47,7 +56,7 @@ Q4_1_G16 = 6
 FORMAT_NAMES = {t.kernel_code: t.name for t in GGML_TYPES if t.kernel_code is not None} | {Q4_1_G16: "Q4_1"}
 _FUSED_FORMATS = (*(t.kernel_code for t in GGML_TYPES if t.kernel is Kernel.PANEL_AND_ROWS), Q4_1_G16)
 _GROUP = 16  # outputs a Q4_1_G16 group
-_F32 = GGML_TYPE_BY_NAME["F32"].kernel_code  # a plain fp32 weight, through the panel kernel (deterministic mode)
+_F32 = _kernel_code("F32")  # a plain fp32 weight, through the panel kernel (deterministic mode)
 
 # Where one kernel overtakes the other, measured over SmolLM2's matrices (docs/benchmarks.md).
 FUSED_MAX_ROWS = 4  # up to here the in-register kernel, then the panel kernel
@@ -208,11 +217,13 @@ def fused_formats(linear: BlockQuantLinear) -> bool:
     return all(seg.fmt in _FUSED_FORMATS for seg in linear.segments)
 
 
-def batch_invariant(weight: BlockQuantLinear | DenseLinear, kernels: native.NativeKernels) -> BlockQuantLinear:
+def batch_invariant(weight: Linear, kernels: native.NativeKernels) -> BlockQuantLinear:
     """A linear whose every row count runs the panel kernel: a packed weight as it is, a dense
     fp32 one as a single F32 segment (no copy). ValueError for a weight the kernel cannot take."""
     if isinstance(weight, BlockQuantLinear):
         return replace(weight, invariant=True)
+    if not isinstance(weight, DenseLinear):
+        raise ValueError(f"a batch-invariant linear needs a dense or GGUF-block weight, not {type(weight).__name__}")
     dense = weight.weight
     out_features, in_features = dense.shape
     if dense.dtype != torch.float32 or dense.device.type != "cpu" or in_features % 32:

@@ -261,15 +261,15 @@ class DecodeStack:
             fused_max_rows=block_quant.FUSED_MAX_ROWS,
             panel_outputs=block_quant.PANEL_OUTPUTS,
         )
-        ends = all(t is not None for t in (head, embed, final_norm))
-        ends = ends and _fp32_contiguous(final_norm) and _fp32_contiguous(embed)
-        d = _describe(head, kernels) if ends else None
         head_max_rows, vocab = None, 0
-        if d is not None and head.shape[1] == hidden and embed.dim() == 2 and embed.shape[1] == hidden:
-            stack.final_norm, stack.head = final_norm.data_ptr(), d
-            stack.embed, stack.embed_rows = embed.data_ptr(), embed.shape[0]
-            head_max_rows, vocab = _row_limit(head, kernels), head.shape[0]
-            keep += [embed, final_norm, head]
+        if head is not None and embed is not None and final_norm is not None:
+            ends = _fp32_contiguous(final_norm) and _fp32_contiguous(embed)
+            d = _describe(head, kernels) if ends else None
+            if d is not None and head.shape[1] == hidden and embed.dim() == 2 and embed.shape[1] == hidden:
+                stack.final_norm, stack.head = final_norm.data_ptr(), d
+                stack.embed, stack.embed_rows = embed.data_ptr(), embed.shape[0]
+                head_max_rows, vocab = _row_limit(head, kernels), head.shape[0]
+                keep += [embed, final_norm, head]
         return cls(kernels, stack, array, invariant, max_rows, head_max_rows, vocab, keep)
 
     def accepts(self, meta: Any, rows: int) -> bool:

@@ -9,8 +9,8 @@ which kind it holds.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import Field, dataclass, field
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -19,8 +19,14 @@ from servelab.runtime import native
 
 
 class Linear(Protocol):
-    shape: tuple[int, int]  # [out, in], as the dense weight is
+    # every linear is a dataclass: dataclasses.replace makes its variants (a bias folded in, other kernels)
+    __dataclass_fields__: ClassVar[dict[str, Field[Any]]]
     bias: torch.Tensor | None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[out, in], as the dense weight is."""
+        ...
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor: ...
 
@@ -77,7 +83,7 @@ class TransposedHead(DenseLinear):
     over a pre-transposed copy streams the head faster than MKL's F.linear; more rows take
     F.linear. Costs one more copy of the head."""
 
-    weight_t: torch.Tensor | None = None
+    weight_t: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         self.weight_t = self.weight.t().contiguous()
@@ -156,8 +162,19 @@ def lm_head(weight: torch.Tensor, packed: Linear | None) -> Linear:
     return DenseLinear(weight)
 
 
+@runtime_checkable
+class WrappedLinear(Protocol):
+    """A linear that adds communication around the one holding the weight (runtime/parallel/layers.py)."""
+
+    @property
+    def inner(self) -> Linear: ...
+
+    def with_inner(self, inner: Linear) -> Linear:
+        """The same wrapper around `inner`."""
+        ...
+
+
 def map_weight(fn: Callable[[Linear], Linear], lin: Linear) -> Linear:
     """`fn` applied to the linear that holds the weight, inside any wrapper that adds
-    communication around it (runtime/parallel/layers.py: such a wrapper has `inner` and `with_inner`)."""
-    inner = getattr(lin, "inner", None)
-    return fn(lin) if inner is None else lin.with_inner(map_weight(fn, inner))
+    communication around it."""
+    return lin.with_inner(map_weight(fn, lin.inner)) if isinstance(lin, WrappedLinear) else fn(lin)

@@ -15,7 +15,7 @@ import torch
 
 from servelab.runtime.linear import HalfLinear
 from servelab.runtime.model import LlamaModel, rope_inv_freq
-from servelab.runtime.weight_layout import GGUFTensor, build_model, dequantize_gguf_tensor, gguf_getters
+from servelab.runtime.weight_layout import GGUFTensor, TensorGetter, build_model, dequantize_gguf_tensor, gguf_getters
 from servelab.errors import InvalidArgument, NotFound
 from servelab.spec.gguf_reader import GGUFFile, read_gguf
 from servelab.spec.model import ModelSpec
@@ -117,10 +117,11 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: str, tp_rank: int, tp_s
     handles = [safe_open(str(f), framework="pt") for f in files]
     where = {name: h for h in handles for name in h.keys()}
 
-    def get(name: str) -> torch.Tensor | None:
+    def tensor(name: str) -> torch.Tensor | None:
         h = where.get(name)
         return None if h is None else h.get_tensor(name)
 
+    get: TensorGetter = tensor
     if (shard := _shard(spec, tp_rank, tp_size)) is not None:
         from servelab.runtime.parallel.shard_loading import safetensors_getter
 

@@ -238,13 +238,14 @@ class LlamaModel:
         cos, sin = self._rope_tables(max([meta.decode_max_ctx] + [start + n for _, n, start, _ in meta.prefills]))
 
         stack, rows, n = self.decode_stack, meta.logits_indices, input_ids.shape[0]
-        stacked = stack is not None and stack.accepts(meta, n)  # every layer in one native call
-        if stacked and rows is None and stack.accepts_head(n) and input_ids.dtype == torch.int64:
+        if stack is not None and not stack.accepts(meta, n):
+            stack = None  # every layer in one native call only for the steps it accepts
+        if stack is not None and rows is None and stack.accepts_head(n) and input_ids.dtype == torch.int64:
             # from ids to logits in the call: no torch op after the weights' stream (decode_stack.py)
             return stack.logits(input_ids, meta, cos, sin, k_cache, v_cache)
         x = self.embedding(input_ids)
         delta: torch.Tensor | None = None  # the residual stream's pending addend: x + delta is the true x
-        if stacked:
+        if stack is not None:
             x, delta = stack(x, meta, cos, sin, k_cache, v_cache)
             layers = []
         else:
@@ -259,11 +260,11 @@ class LlamaModel:
 
         pooled = meta.pooled_indices
         if pooled is not None:
-            hidden = ops.rms_norm(x[pooled] + delta[pooled], self.final_norm, eps).float()
+            hidden = ops.rms_norm(_with_delta(x, delta, pooled), self.final_norm, eps).float()
         if rows is None:  # every row samples, in order
             _, x = ops.add_rms_norm(x, delta, self.final_norm, eps)
         else:
-            x = ops.rms_norm(x[rows] + delta[rows], self.final_norm, eps)
+            x = ops.rms_norm(_with_delta(x, delta, rows), self.final_norm, eps)
         if pooled is None:
             return self.lm_head(x).float()
         # a step of pooling chunks alone samples nothing: no head to run
@@ -275,6 +276,11 @@ class LlamaModel:
         `logits` read it (meta.argmax, in the decode stack's call), else None."""
         stack = self.decode_stack
         return None if stack is None else stack.greedy_tokens(logits)
+
+
+def _with_delta(x: torch.Tensor, delta: torch.Tensor | None, rows: torch.Tensor) -> torch.Tensor:
+    """Rows `rows` of the residual stream x + delta (delta None: no layer ran, x is whole)."""
+    return x[rows] if delta is None else x[rows] + delta[rows]
 
 
 def _nbytes(t: torch.Tensor) -> int:

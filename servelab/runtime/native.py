@@ -34,7 +34,9 @@ import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
+from typing import overload
 
 import torch
 
@@ -214,8 +216,8 @@ class NativeKernels:
 
 
 def _build(level: IsaLevel, csrc: Path | None = None, cdll: type[ctypes.CDLL] = ctypes.CDLL) -> NativeKernels:
-    csrc = csrc or resources.files("servelab.runtime").joinpath("csrc")
-    sources = {name: csrc.joinpath(name).read_bytes() for name in _SOURCES + _HEADERS}
+    src: Traversable = csrc or resources.files("servelab.runtime").joinpath("csrc")
+    sources = {name: src.joinpath(name).read_bytes() for name in _SOURCES + _HEADERS}
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
@@ -239,7 +241,16 @@ def _build(level: IsaLevel, csrc: Path | None = None, cdll: type[ctypes.CDLL] = 
     lib = cdll(str(lib_path))
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
 
-    def fn(name: str, *argtypes, restype=None) -> Callable[..., None]:
+    # ctypes converts an integer restype's result to a Python int and returns None for no restype
+    @overload
+    def fn(name: str, *argtypes: type[ctypes._SimpleCData]) -> Callable[..., None]: ...
+    @overload
+    def fn(
+        name: str, *argtypes: type[ctypes._SimpleCData], restype: type[ctypes._SimpleCData[int]]
+    ) -> Callable[..., int]: ...
+    def fn(
+        name: str, *argtypes: type[ctypes._SimpleCData], restype: type[ctypes._SimpleCData[int]] | None = None
+    ) -> Callable[..., int | None]:
         f = getattr(lib, name)
         f.argtypes, f.restype = list(argtypes), restype
         return f

@@ -194,6 +194,6 @@ class Bf16Linear:
 
 
 # --quantization's choices -> the linear each weight becomes
-LINEARS = {"int8": Int8Linear, "bf16": Bf16Linear}
+LINEARS: dict[str, type[Int8Linear] | type[Bf16Linear]] = {"int8": Int8Linear, "bf16": Bf16Linear}
 # Their classes: each one kernel at every row count, a row's sums its own (batch-invariant)
-QUANTIZED = tuple(LINEARS.values())
+QUANTIZED = (Int8Linear, Bf16Linear)

@@ -55,9 +55,9 @@ def build_model(
                 return half
         dense = cast(torch.cat(raw, dim=0)) if len(raw) > 1 else cast(raw[0])
         parts = None
-        if kernels is not None:
-            found = [get_packed(n) for n in names]
-            parts = None if any(p is None for p in found) else found
+        if kernels is not None and get_packed is not None:
+            found = [p for n in names if (p := get_packed(n)) is not None]
+            parts = found if len(found) == len(names) else None
         return block_quant.pack(dense, parts, kernels)
 
     def need(name: str) -> torch.Tensor:
@@ -99,7 +99,9 @@ def build_model(
                           rope_freq_divisors, lm_head_packed=half_head)  # fmt: skip
     lm_head = embed if head is None else cast(head)
     head_name = "model.embed_tokens.weight" if head is None else "lm_head.weight"
-    head_parts = None if kernels is None or (part := get_packed(head_name)) is None else [part]
+    head_parts = None
+    if kernels is not None and get_packed is not None and (part := get_packed(head_name)) is not None:
+        head_parts = [part]
     packed_head = block_quant.pack(lm_head, head_parts, kernels)
     return LlamaModel(
         spec,

@@ -19,6 +19,7 @@ from servelab.runtime import block_quant, native
 from servelab.runtime.block_quant import BlockQuantLinear
 from servelab.runtime.linear import DenseLinear, TransposedHead
 from servelab.runtime.loader import load_model
+from servelab.runtime.quantization import Int8Linear
 from servelab.runtime.weight_layout import GGUFTensor, dequantize_gguf_tensor
 from servelab.spec.ggml_types import GGML_TYPE_BY_NAME
 from tests.tiny_models import max_rel_diff, prefill_logits
@@ -160,6 +161,15 @@ def test_parts_that_cannot_be_packed_stay_dense(kernel):
     assert stays_dense(block_quant.pack(dense8, [(8, raw8)], None))  # no kernels
     assert stays_dense(block_quant.pack(dense8, None, kernel))  # not from a GGUF block format
     assert isinstance(block_quant.pack(dense8.bfloat16(), [(8, raw8)], kernel), DenseLinear)
+
+
+def test_batch_invariant_refuses_a_linear_the_panel_kernel_cannot_take(kernel):
+    """Deterministic mode runs dense fp32 and GGUF-block weights on the panel kernel; it names
+    any other linear or shape it cannot take (ops.InvariantOps answers that as a user error)."""
+    with pytest.raises(ValueError, match="dense or GGUF-block weight, not Int8Linear"):
+        block_quant.batch_invariant(Int8Linear.from_weight(torch.randn(64, 64)), kernel)
+    with pytest.raises(ValueError, match="multiple of 32 inputs"):
+        block_quant.batch_invariant(DenseLinear(torch.randn(8, 48)), kernel)
 
 
 def test_every_isa_level_reads_the_blocks_as_the_loader_and_matches_fp32(isa_kernels):

@@ -66,6 +66,19 @@ def test_without_a_profile_the_panel_measures_and_says_how_to_predict():
     assert "servelab calibrate" in d["why_no_prediction"] and "--profile" in d["notice"]
 
 
+def test_a_failed_request_may_lack_its_token_times_and_counts_as_failed():
+    client = TestClient(create_lab_app(lambda: METRICS, profile=PROFILE, profile_path="p.json"))
+    records = _records()
+    records[1] = {**records[1], "ok": False, "first_token_s": None, "last_token_s": None, "output_tokens": 0}
+    d = client.post("/api/live/predict", json={"concurrency": 1, "records": records}).json()
+    assert d["has_prediction"] and sum(d["ttft"]["measured"]) == 3
+    assert {"label": "requests (ok / sent)", "value": "3 / 4"} in d["stats"]
+    # a successful one must carry both, in order
+    del records[2]["first_token_s"]
+    r = client.post("/api/live/predict", json={"concurrency": 1, "records": records})
+    assert r.status_code == 400 and "records[2].first_token_s: must be a finite number" in r.json()["error"]["message"]
+
+
 @pytest.mark.parametrize(
     ("body", "needle"),
     [

@@ -160,14 +160,16 @@ class TensorParallelGroup:
     def broadcast(self, obj: Any) -> None:
         """One object from rank 0 to every worker (the step's inputs, or None to stop)."""
         self.check_alive()
+        groups = self.kv_groups()  # RankFailed once the group failed or closed
         try:
-            broadcast_object(self.groups.control, obj)
+            broadcast_object(groups.control, obj)
         except RuntimeError as exc:
             self._check_dead_after_failure()
             self._fail(f"broadcast failed ({exc})", exc)
 
     def kv_groups(self) -> Groups:
-        """The groups, for a KV export or import (kv_shards.py); RankFailed once the group failed."""
+        """The groups (the step broadcast; a KV export or import, kv_shards.py); RankFailed once the
+        group failed or closed."""
         if self.failure is not None or self.groups is None:
             raise RankFailed(self.failure or "the tensor-parallel group is closed")
         return self.groups
@@ -233,5 +235,5 @@ def start_tensor_parallel(
     *rank_args)` (worker.worker_main: it loads its own shard and follows rank 0), and makes `model`, rank 0's shard, its part of the whole. The host's torch threads are split
     between the ranks, which share its cores."""
     group = TensorParallelGroup(size, rank_main, rank_args, max(1, torch.get_num_threads() // size))
-    parallelize(model, Shard(spec, 0, size), group.groups.compute)
+    parallelize(model, Shard(spec, 0, size), group.kv_groups().compute)
     return TensorParallelModel(model, group)
