@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import TextIO
 
 
-class _CurrentStderr(logging.StreamHandler):
+class _CurrentStderr(logging.StreamHandler[TextIO]):
     """Writes to whatever sys.stderr is when a line is logged, not to the stream it was at set-up
     (a replaced or closed stderr, as under a test's capture, would otherwise lose the line)."""
 
@@ -14,11 +15,11 @@ class _CurrentStderr(logging.StreamHandler):
         logging.Handler.__init__(self)
 
     @property
-    def stream(self):  # type: ignore[override]
+    def stream(self) -> TextIO:
         return sys.stderr
 
     @stream.setter
-    def stream(self, _value) -> None:
+    def stream(self, _value: TextIO) -> None:
         pass
 
 

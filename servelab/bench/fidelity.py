@@ -104,6 +104,7 @@ def sim_config(
 ) -> SimConfig:
     """The simulator set up as the server is (its KV pool, budgets, policy and order), priced by
     the profile (or by `cost_model`, a variant of it)."""
+    default = SchedulerConfig()  # for a knob the server does not report
     scheduler = SchedulerConfig(
         num_blocks=int(server["num_blocks"]),
         block_size=int(server["block_size"]),
@@ -111,7 +112,8 @@ def sim_config(
         max_num_batched_tokens=int(server["max_num_batched_tokens"]),
         max_model_len=int(server["max_model_len"]),
         enable_prefix_caching=server.get("enable_prefix_caching", "true").lower() == "true",  # vLLM: True
-        **{k: server[k] for k in ("policy", "order") if k in server},
+        policy=server.get("policy", default.policy),
+        order=server.get("order", default.order),
     )
     cost = cost_model if cost_model is not None else ProfileStepCost.from_profile(profile)
     return SimConfig(model=model, cost_model=cost, scheduler=scheduler, slo=slo)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
 
 from servelab.bench.binding import Binding, Observed, binding_limit, observe
 from servelab.bench.capacity import CapacityResult, find_capacity
@@ -21,6 +21,11 @@ from servelab.metrics import SLO
 from servelab.spec.dtypes import DEFAULT_DTYPE, kv_dtype_alias
 from servelab.units import parse_str_list
 from servelab.workload import WorkloadSpec
+
+if TYPE_CHECKING:
+    from servelab.cost.profile import ProfileStepCost
+    from servelab.spec.hardware import HardwareSpec
+    from servelab.spec.model import ModelSpec
 
 # The capacity search's ceiling on concurrent requests: each level simulates that many in flight
 # (and several times as many requests), so past it a plan only exhausts memory.
@@ -100,7 +105,19 @@ def cost_per_million_tokens(price_per_device_hour: float, tokens_per_s_per_devic
     return price_per_device_hour / (tokens_per_s_per_device * 3600.0) * 1e6
 
 
-def _profile_cost(path: str, tp: int):  # noqa: ANN202
+class _Deployment(TypedDict):
+    """What a plan row deploys: SimConfig's fields for the model on its hardware."""
+
+    model: ModelSpec
+    hardware: HardwareSpec
+    tp: int
+    weight_dtype: str
+    kv_cache_dtype: str
+    slo: SLO | None
+    cost_model: ProfileStepCost | None
+
+
+def _profile_cost(path: str, tp: int) -> ProfileStepCost:
     from servelab.cost.profile import load_profile, profile_step_cost
 
     return profile_step_cost(load_profile(path), tp)  # no model check: `plan` made it once
@@ -117,7 +134,7 @@ def plan_one(job: PlanJob) -> PlanRow:
 
     model, hardware = resolve_model(job.model), get_hardware(job.hardware)
     row = PlanRow(hardware=hardware.name, tp=job.tp, fits=False, price_per_device_hour=job.price_per_device_hour)
-    deployment = {
+    deployment: _Deployment = {
         "model": model,
         "hardware": hardware,
         "tp": job.tp,

@@ -65,11 +65,9 @@ class ClientReport:
                 f"{'Prompt tokens differ from plan':<34}{self.prompt_mismatch} requests "
                 f"(max {self.prompt_mismatch_max}; server tokenizer or template differs)"
             )
-        lag = self.send_lag_s
-        if lag.get("p50") is not None:
-            out.append(
-                f"{'Send lag vs plan (ms)':<34}p50 {lag['p50'] * 1e3:.2f}, p99 {lag['p99'] * 1e3:.2f}, max {lag['max'] * 1e3:.2f}"
-            )
+        p50, p99, peak = (self.send_lag_s.get(k) for k in ("p50", "p99", "max"))
+        if p50 is not None and p99 is not None and peak is not None:
+            out.append(f"{'Send lag vs plan (ms)':<34}p50 {p50 * 1e3:.2f}, p99 {p99 * 1e3:.2f}, max {peak * 1e3:.2f}")
         for reason, count in sorted(self.failures.items(), key=lambda kv: -kv[1]):
             out.append(f"{'Failed':<34}{count} x {reason}")
         return out

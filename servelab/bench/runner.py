@@ -14,6 +14,7 @@ import asyncio
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 from servelab.bench.client import BenchRequest, OpenAIStreamClient, StreamResult
 
@@ -181,7 +182,8 @@ async def run_load(
     async def until_done_or_aborted(work: asyncio.Future[list[None]]) -> int:
         """Wait for `work`; if the abort rule fires first, cancel it. Returns the requests cut off."""
         aborted = asyncio.create_task(stop_sending.wait())
-        await asyncio.wait({work, aborted}, return_when=asyncio.FIRST_COMPLETED)
+        either: list[asyncio.Future[Any]] = [work, aborted]  # two result types: asyncio.wait's own bound
+        await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
         aborted.cancel()
         if work.done():
             return 0

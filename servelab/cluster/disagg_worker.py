@@ -163,10 +163,16 @@ def disagg_loop(engine: LLMEngine, link: Link, config: m.WorkerConfig, rdv: Rend
 
 def _transfer_view(engine: LLMEngine) -> Any:
     """The cache the KV transfers read and write: under tensor parallelism, every rank's heads."""
+    from servelab.engine.model_executor import ModelExecutor
     from servelab.runtime.parallel.group import TensorParallelModel
 
-    kv = engine.executor.kv_cache
-    model = engine.executor.model
+    executor = engine.executor
+    if not isinstance(executor, ModelExecutor):
+        raise TypeError(
+            f"a disaggregated worker moves a real model's KV cache; its engine runs {type(executor).__name__}"
+        )
+    kv = executor.kv_cache
+    model = executor.model
     if not isinstance(model, TensorParallelModel):
         return kv
     from servelab.runtime.parallel.kv_shards import TensorParallelKV
@@ -218,6 +224,7 @@ class _DisaggLoop(WorkerLoop):
 
     def _relink(self, command: m.LinkPeer) -> None:
         """Forms the pair link with a restarted peer (blocks until it comes), on a thread of its own."""
+        assert self.rdv is not None, "disagg_loop gives every worker the rendezvous its restarted peers link at"
         try:
             link = pair_link(self.rdv, command.name, command.rank)
         except PeerLost as exc:
@@ -300,6 +307,7 @@ class PrefillLoop(_DisaggLoop):
 
     def _admit(self, command: m.AddRequests) -> None:
         for r in command.requests:
+            assert r.decode_rank is not None, "the front end names each prefill request's decode worker"
             self.decode_rank[r.request_id] = r.decode_rank
         super()._admit(command)
         for r in command.requests:

@@ -51,7 +51,7 @@ from servelab.engine.outputs import EngineOutput, EngineStats
 from servelab.errors import QueueFull, ServelabError, Unsupported
 
 if TYPE_CHECKING:
-    from collections.abc import Callable
+    from collections.abc import Callable, Sequence
 
 logger = logging.getLogger("servelab.cluster")
 
@@ -364,7 +364,7 @@ class ClusterEngine:
             return self.front.tokenizer.encode_prompt(prompt)
         return [int(t) for t in prompt]
 
-    def _dispatch(self, items: list[EngineOutput | Failed]) -> None:
+    def _dispatch(self, items: Sequence[EngineOutput | Failed]) -> None:
         for item in items:
             sink = self._sinks.get(item.request_id)
             if sink is not None:
@@ -393,7 +393,10 @@ class ClusterEngine:
             logger.warning("worker %d sent an unexpected %s", w.index, type(message).__name__)
 
     def _on_admitted(self, message: m.Admitted) -> None:
-        future, worker, request_ids = self._admissions.pop(message.batch, (None, None, []))
+        admission = self._admissions.pop(message.batch, None)
+        if admission is None:  # its worker was declared failed first, which failed the admission
+            return
+        future, worker, request_ids = admission
         if message.error is not None:
             for rid in request_ids:  # never admitted: no final output will come
                 remote = self._remote.pop(rid, None)
@@ -402,10 +405,10 @@ class ClusterEngine:
             error = message.error.known() or EngineFailure(
                 f"worker {worker.index} could not admit the request: {message.error.message}"
             )
-            if future is not None and not future.done():
+            if not future.done():
                 future.set_exception(error)
             return
-        if future is not None and not future.done():
+        if not future.done():
             future.set_result(None)
 
     def _on_outputs(self, w: WorkerHandle, message: m.Outputs) -> None:
@@ -491,7 +494,8 @@ class ClusterEngine:
             if w.process.is_alive():
                 w.process.kill()
             w.process.join(timeout=STOP_WAIT_S)
-        if not restart:
+        start_replacement = self.restart
+        if not restart or start_replacement is None:
             return
         delay_s = min(RESTART_BACKOFF_S * 2**w.restarts, MAX_RESTART_BACKOFF_S)
         if self._stopping.wait(delay_s):
@@ -499,7 +503,7 @@ class ClusterEngine:
         logger.info("servelab: restarting worker %d (attempt %d of %d)", w.index, w.restarts + 1, self.restart_limit)
         with self._restarting:
             try:
-                replacement = self.restart(w, self._peers_of(w))
+                replacement = start_replacement(w, self._peers_of(w))
             except Exception as exc:  # noqa: BLE001 - any failure to start is reported and retried
                 self._post(self._restart_failed, w, f"{type(exc).__name__}: {exc}")
                 return

@@ -152,8 +152,9 @@ class LocalRestart:
         try:
             link = pair_link(self.front_rdv, name, old.index)
             link.send(m.WorkerConfig(self.engine_args, old.role, self.threads, self.disagg, self.grammar, peer_links))
-            for p in peers if peer_links is not None else ():
-                p.sends.put(m.LinkPeer(old.index, peer_links[p.index]))
+            if peer_links is not None:
+                for p in peers:
+                    p.sends.put(m.LinkPeer(old.index, peer_links[p.index]))
             ready = _ready(old.index, link.recv(timeout_s=self.front_rdv.timeout_s))
             _check_alike({0: old.ready, old.index: ready})
         except BaseException:

@@ -15,6 +15,7 @@ worker from a dead one even during a long step.
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -131,7 +132,7 @@ class WorkerLoop:
                         compiling[rid].cancel()
                         aborted.add(rid)
             spec = self._grammar_to_compile(item)
-            if spec is None:
+            if spec is None or self.grammars is None:
                 self.commands.put(self._prepared(item))
                 continue
             cached = self.grammars.backend.cache.get(spec)
@@ -141,7 +142,10 @@ class WorkerLoop:
             future = self.grammars.submit(spec)
             for rid in self._request_ids(item):
                 compiling[rid] = future
-            future.add_done_callback(lambda f, arrival=item: self.arrivals.put(_Compiled(arrival, f)))
+            future.add_done_callback(functools.partial(self._compiled, item))
+
+    def _compiled(self, arrival: Any, future: Future) -> None:
+        self.arrivals.put(_Compiled(arrival, future))
 
     def _grammar_to_compile(self, item: Any) -> StructuredOutputSpec | None:
         params = self._params_to_prepare(item)
@@ -153,8 +157,8 @@ class WorkerLoop:
         future = done.future
         if future.cancelled():
             return self._unprepared(done.arrival, _aborted_while_compiling())
-        if future.exception() is not None:
-            return self._unprepared(done.arrival, future.exception())
+        if (exc := future.exception()) is not None:
+            return self._unprepared(done.arrival, exc)
         return self._prepared(done.arrival, future.result())
 
     def _prepared(self, item: Any, grammar: Any = None) -> Any:

@@ -139,7 +139,7 @@ def sampling_params_from(args: argparse.Namespace, defaults: dict[str, float] | 
         max_tokens=args.max_tokens,
         temperature=pick("temperature"),
         top_p=pick("top_p"),
-        top_k=pick("top_k"),
+        top_k=int(pick("top_k")),  # a generation_config.json may write top_k as a float (50.0)
         min_p=pick("min_p"),
         seed=args.seed,
         stop=list(args.stop),
@@ -202,8 +202,8 @@ def timing_line(seq, engine) -> str:
     dtype = getattr(model, "dtype", None)
     kv = getattr(getattr(engine.executor, "kv_cache", None), "dtype", dtype)
     dtypes = "" if dtype is None else f", {str(dtype).removeprefix('torch.')}"
-    if getattr(model, "quantization", None):
-        dtypes += f", {model.quantization} linears"
+    if quantization := getattr(model, "quantization", None):
+        dtypes += f", {quantization} linears"
     if getattr(model, "batch_invariant", False):
         dtypes += ", deterministic"
     if (group := getattr(model, "group", None)) is not None:

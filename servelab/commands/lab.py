@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import signal
 import socket
+from types import FrameType
 
 from servelab.errors import InvalidArgument
 
@@ -42,13 +43,14 @@ def run(args: argparse.Namespace) -> int:
                          allowed_hosts=allowed_hosts)  # fmt: skip
 
     class _Server(uvicorn.Server):
-        def handle_exit(self, sig: int, frame: object) -> None:
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             app.state.stop()  # a running simulation's thread would keep the process alive
             super().handle_exit(sig, frame)
 
     limits = ConnectionLimits()
+    # the protocol keeps connections alive for limits.keep_alive_timeout_s
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning", http=http_protocol(limits),
-                            ws="none", timeout_keep_alive=limits.keep_alive_timeout_s)  # fmt: skip
+                            ws="none")  # fmt: skip
     print(f"servelab lab: open http://{args.host}:{args.port}/ (works offline; Ctrl-C to stop)", flush=True)
     # uvicorn re-raises the signal it caught once it has shut down; a no-op handler then lets a
     # graceful SIGTERM exit 0, as a supervisor expects.

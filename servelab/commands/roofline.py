@@ -76,14 +76,13 @@ def _efficiency(args: argparse.Namespace) -> Any:
     from servelab.cost.roofline import default_efficiency
 
     eff = default_efficiency(args.measured_kernels)
-    changes: dict[str, float] = {}
     if args.bandwidth_fraction is not None:
-        changes["bandwidth_fraction"] = args.bandwidth_fraction
+        eff = replace(eff, bandwidth_fraction=args.bandwidth_fraction)
     if args.compute_fraction is not None:
-        changes["compute_fraction"] = args.compute_fraction
+        eff = replace(eff, compute_fraction=args.compute_fraction)
     if args.step_overhead is not None:
-        changes["step_overhead_s"] = parse_duration_s(args.step_overhead, name="--step-overhead")
-    return replace(eff, **changes) if changes else eff
+        eff = replace(eff, step_overhead_s=parse_duration_s(args.step_overhead, name="--step-overhead"))
+    return eff
 
 
 def build(args: argparse.Namespace) -> tuple[Any, list[int]]:  # (Roofline, batches)

@@ -5,9 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import signal
 import socket
 import time
+from types import FrameType
 from typing import TYPE_CHECKING, TextIO
 
 from servelab.commands._cluster_cli import add_cluster_arguments, check_cluster_flags, uses_cluster
@@ -366,7 +368,7 @@ def run(args: argparse.Namespace) -> int:
         Retry-After, not connection refused) and uvicorn is told once nothing runs or the grace
         period is over. A second signal stops at once."""
 
-        def handle_exit(self, sig: int, frame: object) -> None:
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             stop_lab = getattr(app.state, "stop_lab", None)
             if stop_lab is not None:  # its simulations run in threads the exit would wait for
                 stop_lab()
@@ -403,14 +405,13 @@ def run(args: argparse.Namespace) -> int:
     _raise_open_file_limit((limits.max_connections or 0) + 256)
     config = uvicorn.Config(
         app,
-        http=http_protocol(limits),
+        http=http_protocol(limits),  # it keeps connections alive for limits.keep_alive_timeout_s
         ws="none",
-        timeout_keep_alive=limits.keep_alive_timeout_s,
         log_level=args.log_level,
         access_log=not args.no_access_log,
         # The app itself aborts what is left when the grace period ends (its clients get an error
         # event and [DONE]); uvicorn's own cancellation is only the backstop.
-        timeout_graceful_shutdown=shutdown_timeout_s + 5,
+        timeout_graceful_shutdown=math.ceil(shutdown_timeout_s) + 5,
         lifespan="on",
     )
     server = _Server(config)

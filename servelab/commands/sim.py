@@ -231,10 +231,13 @@ def run(args: argparse.Namespace) -> int:
         print(format_summary_table(result.steady))
     if c["disagg"]:
         t = result.kv_transfer_s
-        print(
-            f"\nKV transfer (prefill→decode): mean {t.mean * 1e3:.2f} ms, p99 {t.p99 * 1e3:.2f} ms, "
-            f"{result.kv_transfer_bytes / 1e9:.1f} GB in total"
-        )
+        if t.mean is None or t.p99 is None:  # no request reached the decode pool
+            print("\nKV transfer (prefill→decode): none")
+        else:
+            print(
+                f"\nKV transfer (prefill→decode): mean {t.mean * 1e3:.2f} ms, p99 {t.p99 * 1e3:.2f} ms, "
+                f"{result.kv_transfer_bytes / 1e9:.1f} GB in total"
+            )
     print(f"\nsimulated {result.num_steps:,} steps in {result.wall_s:.1f} s of wall time")
     for path in plots:
         print(f"wrote {path}")

@@ -99,10 +99,9 @@ def _lifespan(
 ) -> Callable[[FastAPI], AbstractAsyncContextManager[None]]:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
-        if state.client is None:
+        if not state.is_attached:
             assert isinstance(engine, EngineArgs)
             state.attach(AsyncEngine(await asyncio.to_thread(LLMEngine.from_args, engine)))  # before the port opens
-        assert state.client is not None
         state.loop = asyncio.get_running_loop()
         state.client.start()
         try:

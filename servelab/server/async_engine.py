@@ -121,12 +121,13 @@ class AsyncEngine:
 
     async def stop(self) -> None:
         """Abort whatever is still in flight and end the engine thread."""
-        if not self.is_running:
+        thread = self._thread
+        if thread is None or not self.is_running:
             return
         command = _Stop()
         self._commands.put(command)
         await asyncio.to_thread(command.done.wait)
-        await asyncio.to_thread(self._thread.join)
+        await asyncio.to_thread(thread.join)
         # Whoever still waits would wait forever: tell them.
         stopped = EngineStopped("the server is shutting down; the request was aborted")
         self._dispatch([Failed(rid, stopped) for rid in list(self._sinks)])
@@ -322,12 +323,14 @@ class AsyncEngine:
         self._refresh_stats()
         self._post(outputs)
         if self.step_log is not None and num_tokens:
-            self._log_step(start, stepped, time.perf_counter())
+            self._log_step(self.step_log, start, stepped, time.perf_counter())
 
-    def _log_step(self, start: float, stepped: float, end: float) -> None:
+    def _log_step(self, step_log: TextIO, start: float, stepped: float, end: float) -> None:
         """The step's shape sums and times: `waited_s` the loop slept for work before it, `step_s`
         the engine's step (`execute_s` of it the executor's), `end_s` after its outputs were posted."""
-        tokens, seqs, context, pairs, decodes = self.engine.last_plan.shape_totals()
+        plan = self.engine.last_plan
+        assert plan is not None, "a step that processed tokens leaves its plan in LLMEngine.last_plan"
+        tokens, seqs, context, pairs, decodes = plan.shape_totals()
         record = {
             "start_s": round(start, 6),
             "end_s": round(end, 6),
@@ -342,7 +345,7 @@ class AsyncEngine:
         }
         self._waited_s = 0.0
         try:
-            self.step_log.write(json.dumps(record) + "\n")
+            step_log.write(json.dumps(record) + "\n")
         except (OSError, ValueError):  # a full disk or a closed file ends the log, not the server
             logger.exception("--step-log: writing failed; no more steps are logged")
             self.step_log = None

@@ -12,11 +12,9 @@ is uvicorn's h11 protocol with those limits, passed to uvicorn as `http=`.
 from __future__ import annotations
 
 import asyncio
-import functools
 import json
 import logging
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -92,13 +90,14 @@ def _raw_error(status: int, reason: str, message: str, error_type: str, extra: t
 
 class LimitedH11Protocol(H11Protocol):
     """uvicorn's h11 protocol under ConnectionLimits. Pass it to uvicorn as
-    `http=functools.partial(LimitedH11Protocol, counts=ConnectionCounts(limits))`."""
+    `http=http_protocol(limits)`."""
 
     def __init__(self, *args: Any, counts: ConnectionCounts, **kwargs: Any):
         super().__init__(*args, **kwargs)
         self.counts = counts
         self.limits = counts.limits
-        self.timeout_keep_alive = self.limits.keep_alive_timeout_s
+        # uvicorn types its keep-alive timeout int; it only reaches loop.call_later, which takes float seconds
+        self.timeout_keep_alive = self.limits.keep_alive_timeout_s  # type: ignore[assignment]
         self._client_key: str | None = None  # set once counted in
         self._refused = False
         self._timer: asyncio.TimerHandle | None = None  # the header or the body deadline
@@ -143,10 +142,10 @@ class LimitedH11Protocol(H11Protocol):
             self._head_bytes = True
         super().data_received(data)
 
-    def eof_received(self) -> bool | None:
+    def eof_received(self) -> None:
         if self._refused:
-            return None  # asyncio closes the transport
-        return super().eof_received()
+            return  # asyncio closes the transport
+        super().eof_received()
 
     def handle_events(self) -> None:
         super().handle_events()
@@ -214,10 +213,17 @@ class LimitedH11Protocol(H11Protocol):
         self.transport.close()
 
 
-def http_protocol(limits: ConnectionLimits) -> Callable[..., LimitedH11Protocol]:
+def http_protocol(limits: ConnectionLimits) -> type[LimitedH11Protocol]:
     """uvicorn's `http=` for one server under `limits` (with uvicorn's `ws="none"`: a connection
-    handed to a WebSocket protocol would leave the counts)."""
-    return functools.partial(LimitedH11Protocol, counts=ConnectionCounts(limits))
+    handed to a WebSocket protocol would leave the counts). A class, as uvicorn's Config expects,
+    whose connections share one server's counts."""
+    counts = ConnectionCounts(limits)
+
+    class CountedH11Protocol(LimitedH11Protocol):
+        def __init__(self, *args: Any, **kwargs: Any):
+            super().__init__(*args, counts=counts, **kwargs)
+
+    return CountedH11Protocol
 
 
 __all__ = [

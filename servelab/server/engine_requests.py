@@ -97,7 +97,11 @@ def build_requests(
     # Errors name the field the client sent, not our internal name for it.
     chat = isinstance(req, p.ChatCompletionRequest)
     prompt_param = "messages" if chat else "prompt"
-    max_tokens_param = "max_completion_tokens" if chat and req.max_completion_tokens is not None else "max_tokens"
+    max_tokens_param = (
+        "max_completion_tokens"
+        if isinstance(req, p.ChatCompletionRequest) and req.max_completion_tokens is not None
+        else "max_tokens"
+    )
     as_sent = {"max_tokens": max_tokens_param, "logprobs": "top_logprobs" if chat else "logprobs"}
     defaults = front.sampling_defaults
     # echo with max_tokens 0: the route runs one token, which no one sees.
@@ -137,7 +141,8 @@ def build_requests(
                         max_tokens=room,
                         temperature=default("temperature") if req.temperature is None else req.temperature,
                         top_p=default("top_p") if req.top_p is None else req.top_p,
-                        top_k=default("top_k") if req.top_k is None else 0 if req.top_k == -1 else req.top_k,
+                        # a generation_config.json may write top_k as a float (50.0)
+                        top_k=int(default("top_k")) if req.top_k is None else 0 if req.top_k == -1 else req.top_k,
                         min_p=req.min_p if "min_p" in req.model_fields_set else default("min_p"),
                         presence_penalty=req.presence_penalty,
                         frequency_penalty=req.frequency_penalty,
@@ -166,10 +171,11 @@ def renamed_params(as_sent: dict[str, str]) -> Iterator[None]:
     try:
         yield
     except InvalidArgument as exc:
-        new = as_sent.get(exc.param or "")
-        if new is None or new == exc.param:
+        param = exc.param
+        new = as_sent.get(param) if param is not None else None
+        if param is None or new is None or new == param:
             raise
-        message = new + exc.message.removeprefix(exc.param) if exc.message.startswith(exc.param) else exc.message
+        message = new + exc.message.removeprefix(param) if exc.message.startswith(param) else exc.message
         raise InvalidArgument(message, param=new) from None
 
 

@@ -77,6 +77,11 @@ class RequestTooLarge(ServelabError):
     code = "request_too_large"
 
 
+def _authorised(headers: dict[str, str], api_key: str) -> bool:
+    scheme, _, token = headers.get("authorization", "").partition(" ")
+    return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), api_key.encode())
+
+
 def _too_large_message(limit: int) -> str:
     return (
         f"request body is larger than this server's limit of {limit:,} bytes (--max-request-bytes); "
@@ -118,7 +123,7 @@ class RequestGuard:
                          f"{', '.join(sorted(self.allowed_hosts))} (--allowed-hosts)",
                     code="misdirected_request",
                 )  # fmt: skip
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS and not self._authorised(headers):
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS and not _authorised(headers, self.api_key):
             return error_response(
                 401, "missing or wrong API key: send the header 'Authorization: Bearer <key>'",
                 error_type="authentication_error",
@@ -139,10 +144,6 @@ class RequestGuard:
         if length is not None and length.strip().isdigit() and int(length) > self.max_request_bytes:
             return error_response(413, _too_large_message(self.max_request_bytes), code=RequestTooLarge.code)
         return None
-
-    def _authorised(self, headers: dict[str, str]) -> bool:
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
     def _counting(self, receive: Receive) -> Receive:
         limit = self.max_request_bytes

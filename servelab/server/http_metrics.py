@@ -39,10 +39,10 @@ class HttpMetricsMiddleware:
         self.state = state
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        metrics = self.state.metrics
-        if scope["type"] != "http" or metrics is None or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or not self.state.is_attached or scope["path"] in OPEN_PATHS:
             await self.app(scope, receive, send)
             return
+        metrics = self.state.metrics
         root_path = scope.get("root_path", "")
         start = time.perf_counter()
         status_code = 500  # what the client gets if the app raises before it starts a response

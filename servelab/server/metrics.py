@@ -54,7 +54,8 @@ REJECTION_REASONS = ("queue_full", "draining", "engine_stopped", "too_long")
 
 def buckets_1_2_5(max_value: int) -> list[int]:
     """1, 2, 5, 10, 20, 50 ... up to max_value: vLLM's buckets for token counts."""
-    out, scale = [], 1
+    out: list[int] = []
+    scale = 1
     while True:
         for mantissa in (1, 2, 5):
             value = mantissa * scale

@@ -20,6 +20,10 @@ from pydantic import BaseModel, ConfigDict, Field, model_serializer
 # Requests
 
 
+FinishReasonName = Literal["stop", "length", "abort"]  # how an engine request ended, as the API names it
+ChatFinishReasonName = Literal["stop", "length", "abort", "tool_calls"]
+
+
 class _Request(BaseModel):
     # strict: "temperature": "0.5" is a client bug worth reporting; extra="allow": unknown
     # fields from newer clients must not break old servers.
@@ -122,7 +126,9 @@ class _SamplingFields(_Request):
 
     @property
     def continuous_usage(self) -> bool:
-        return bool(self.include_usage and self.stream_options.continuous_usage_stats)
+        return bool(
+            self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
+        )
 
 
 class CompletionRequest(_SamplingFields):
@@ -228,7 +234,7 @@ class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort"] | None = None
+    finish_reason: FinishReasonName | None = None
     prompt_logprobs: list[dict[str, dict[str, Any]] | None] | None = None  # vLLM's extra
 
 
@@ -296,7 +302,7 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
+    finish_reason: ChatFinishReasonName | None = None
 
 
 class ChatCompletionResponse(BaseModel):
@@ -319,7 +325,7 @@ class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
     logprobs: ChatLogprobs | None = None
-    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None = None
+    finish_reason: ChatFinishReasonName | None = None
 
 
 class ChatCompletionChunk(BaseModel):

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -25,7 +26,12 @@ if TYPE_CHECKING:
     from servelab.server.state import ServerState
 
 
-def finish_reason_str(out: EngineOutput) -> str | None:
+_FINISH_REASON_NAMES: dict[FinishReason, p.FinishReasonName] = {
+    FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort"
+}  # fmt: skip
+
+
+def finish_reason_str(out: EngineOutput) -> p.FinishReasonName | None:
     reason = out.finish_reason
     if reason is None:
         return None
@@ -36,14 +42,14 @@ def finish_reason_str(out: EngineOutput) -> str | None:
                 "min_tokens with its EOS and stop_token_ids, a grammar or response_format) together leave no token to "
                 "sample; relax one of them", code="unsatisfiable_constraints")  # fmt: skip
         raise EngineFailure("the engine failed while generating this request")
-    return reason.value  # "stop" | "length" | "abort"
+    return _FINISH_REASON_NAMES[reason]
 
 
 @dataclass
 class _Choice:
     index: int
     text: list[str] = field(default_factory=list)
-    finish_reason: str | None = None
+    finish_reason: p.FinishReasonName | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int | None = None  # set from the first output, after the prompt's admission
@@ -62,7 +68,7 @@ class _Choice:
         return self.started and len(self.prompt_logprobs) >= self.prompt_tokens - 1
 
 
-class _Renderer:
+class _Renderer(ABC):
     """Shared by both endpoints: choices by engine request id, usage, stream plumbing."""
 
     def __init__(self, state: ServerState, request_id: str, req: Any, engine_requests: list[EngineRequest]):
@@ -124,6 +130,18 @@ class _Renderer:
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached_tokens),
         )
+
+    @abstractmethod
+    def chunk(self, choice: _Choice, out: EngineOutput) -> dict | None:
+        """The SSE chunk for a choice's new output; None while there is nothing to send."""
+
+    @abstractmethod
+    def usage_chunk(self) -> dict:
+        """The last chunk of a stream whose client asked for usage."""
+
+    @abstractmethod
+    def response(self) -> dict:
+        """The whole answer, once every choice has finished."""
 
     async def stream(self, stream: RequestStream) -> AsyncIterator[str]:
         # Nothing goes out before the first token exists: a client stamps TTFT at the first chunk.
@@ -220,7 +238,7 @@ class CompletionRenderer(_Renderer):
             choices=[
                 p.CompletionChoice(
                     index=index,
-                    text=(self.echoes[index // self.n].text if opening else "") + text,
+                    text=(self.echoes[index // self.n].text if opening and self.echoes is not None else "") + text,
                     logprobs=logprobs,
                     finish_reason=choice.finish_reason if out.finished else None,
                 )
@@ -298,7 +316,7 @@ class ChatRenderer(_Renderer):
         if not (opening or out.text_delta or out.finished or out.logprobs):
             return None
         logprobs = self._logprobs(out.logprobs) if self.req.logprobs and out.logprobs else None
-        finish_reason = choice.finish_reason if out.finished else None
+        finish_reason: p.ChatFinishReasonName | None = choice.finish_reason if out.finished else None
         if self.plan is not None:
             tools = self.tool_streams[choice.index]
             delta = tools.feed(out.text_delta, out.finished)
@@ -324,11 +342,12 @@ class ChatRenderer(_Renderer):
         return self._chunk([], usage=self.usage())
 
     def _choice(self, c: _Choice) -> p.ChatChoice:
-        content: str | None = "".join(c.text)
+        text = "".join(c.text)
+        content: str | None = text
         calls: list[p.ToolCall] = []
-        finish_reason = c.finish_reason
+        finish_reason: p.ChatFinishReasonName | None = c.finish_reason
         if self.plan is not None:
-            content, calls = parse_tool_calls(self.plan, content)
+            content, calls = parse_tool_calls(self.plan, text)
             if calls and finish_reason == "stop":
                 finish_reason = "tool_calls"
         if self.echo:

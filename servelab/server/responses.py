@@ -184,9 +184,10 @@ def fields_as_sent() -> Iterator[None]:
     try:
         yield
     except ServelabError as exc:
-        name = _AS_SENT.get(exc.param or "")
-        if name is not None:
-            exc.message = exc.message.replace(exc.param, name)
+        param = exc.param
+        name = _AS_SENT.get(param) if param is not None else None
+        if param is not None and name is not None:
+            exc.message = exc.message.replace(param, name)
             exc.args = (exc.message,)
             exc.param = name
         raise
@@ -259,8 +260,9 @@ class ResponseRenderer:
 
     def _usage(self) -> dict[str, Any]:
         u = self.chat.usage()
+        cached_tokens = u.prompt_tokens_details.cached_tokens if u.prompt_tokens_details is not None else 0
         return {"input_tokens": u.prompt_tokens,
-                "input_tokens_details": {"cached_tokens": u.prompt_tokens_details.cached_tokens},
+                "input_tokens_details": {"cached_tokens": cached_tokens},
                 "output_tokens": u.completion_tokens, "output_tokens_details": {"reasoning_tokens": 0},
                 "total_tokens": u.total_tokens}  # fmt: skip
 

@@ -31,9 +31,10 @@ class ServerState:
     """What the routes share. One per app: several apps can live in one process."""
 
     api_key: str | None
-    front: EngineFront | None = None  # the tokenizer, names and limits
-    client: EngineClient | None = None  # runs the requests
-    metrics: ServerMetrics | None = None
+    # set together by attach(), before the port opens; routes read them through the properties below
+    _front: EngineFront | None = None
+    _client: EngineClient | None = None
+    _metrics: ServerMetrics | None = None
     model_name: str = ""
     started_s: float = field(default_factory=time.time)
     draining: bool = False  # set on SIGTERM: finish what is running, take nothing new
@@ -50,9 +51,8 @@ class ServerState:
     def attach(self, client: EngineClient) -> None:
         """Serve through `client` (an AsyncEngine over one LLMEngine, or the front end of
         data-parallel or disaggregated workers) and count what it does in the metrics."""
-        front = self.front = client.front
+        front = client.front
         self.model_name = front.model_name
-        self.client = client
         if front.logits_processors is not None:
             self.grammars = GrammarWorkers(front.logits_processors.structured, self.grammar_config)
         sc = front.scheduler_config
@@ -71,11 +71,38 @@ class ServerState:
             "order": sc.order,
             "enable_prefix_caching": str(sc.enable_prefix_caching).lower(),
         }
-        self.metrics = ServerMetrics(front.model_name, lambda: client.stats, cache_info, front.max_model_len,
-                                     scheduler_info, client.worker_stats, namespace=self.metrics_namespace)  # fmt: skip
-        client.add_observer(self.metrics.observe)
-        client.add_step_observer(self.metrics.observe_step)
-        client.add_transfer_observer(self.metrics.observe_kv_transfer)
+        metrics = ServerMetrics(front.model_name, lambda: client.stats, cache_info, front.max_model_len,
+                                scheduler_info, client.worker_stats, namespace=self.metrics_namespace)  # fmt: skip
+        client.add_observer(metrics.observe)
+        client.add_step_observer(metrics.observe_step)
+        client.add_transfer_observer(metrics.observe_kv_transfer)
+        self._front, self._client, self._metrics = front, client, metrics
+
+    @property
+    def is_attached(self) -> bool:
+        """Whether an engine client is attached (an app built from EngineArgs attaches at start-up)."""
+        return self._client is not None
+
+    @property
+    def front(self) -> EngineFront:
+        """The tokenizer, names and limits of the attached engine."""
+        if self._front is None:
+            raise EngineNotAttached()
+        return self._front
+
+    @property
+    def client(self) -> EngineClient:
+        """The attached engine client, which runs the requests."""
+        if self._client is None:
+            raise EngineNotAttached()
+        return self._client
+
+    @property
+    def metrics(self) -> ServerMetrics:
+        """/metrics' counters for the attached engine."""
+        if self._metrics is None:
+            raise EngineNotAttached()
+        return self._metrics
 
     def check_accepting(self) -> None:
         if self.draining:
@@ -97,8 +124,8 @@ class ServerState:
             raise
 
     def _count_rejection(self, reason: str) -> None:
-        if self.metrics is not None:
-            self.metrics.observe_rejected(reason)
+        if self._metrics is not None:
+            self._metrics.observe_rejected(reason)
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -122,30 +149,37 @@ class ServerState:
         """Return once no request is in flight in the engine, or after `timeout_s`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        while self.client is not None and self.client.num_in_flight and loop.time() < deadline:
+        while self._client is not None and self._client.num_in_flight and loop.time() < deadline:
             await asyncio.sleep(0.05)
 
     def abort_now(self) -> int:
         """Abort every running request at once (a second shutdown signal): each client gets an
         error event and a clean end of stream. On the event loop's thread."""
-        if self.client is None:
+        if self._client is None:
             return 0
-        n = self.client.abort_all(EngineStopped("the server was stopped before this request finished "
+        n = self._client.abort_all(EngineStopped("the server was stopped before this request finished "
                                                       "(second shutdown signal)"))  # fmt: skip
         if n:
             logger.info("servelab: second signal: aborted %d request(s) still running", n)
         return n
 
     def _abort_after_grace(self) -> None:
-        n = self.client.abort_all(
+        if self._client is None:
+            return
+        n = self._client.abort_all(
             EngineStopped("the server shut down before this request finished (shutdown grace period over)")
         )
         if n:
             logger.info("servelab: grace period over: aborted %d request(s) still running", n)
 
 
-_REJECTIONS = {QueueFull: "queue_full", ServerDraining: "draining", EngineStopped: "engine_stopped",
-               RequestTooLong: "too_long"}  # fmt: skip
+class EngineNotAttached(RuntimeError):
+    def __init__(self) -> None:
+        super().__init__("the server has no engine attached yet: create_app's lifespan attaches it before serving")
+
+
+_REJECTIONS: dict[type[BaseException], str] = {QueueFull: "queue_full", ServerDraining: "draining",
+                                               EngineStopped: "engine_stopped", RequestTooLong: "too_long"}  # fmt: skip
 
 
 async def server_state(request: Request) -> ServerState:
@@ -155,4 +189,4 @@ async def server_state(request: Request) -> ServerState:
 
 State = Annotated[ServerState, Depends(server_state)]  # a route's parameter type for its app's state
 
-__all__ = ["ServerState", "State", "server_state"]
+__all__ = ["EngineNotAttached", "ServerState", "State", "server_state"]

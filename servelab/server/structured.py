@@ -106,7 +106,10 @@ class ToolPlan:
 
     def new_parser(self) -> ToolCallParser:
         """A parser for one answer (not for a named function, whose whole answer is its arguments)."""
-        return JsonListParser(None) if self.forced_any else TOOL_CALL_PARSERS[self.parser](self.parameters)
+        if self.forced_any:
+            return JsonListParser(None)
+        assert self.parser is not None, "tool_plan gives a parser to every plan for tool_choice 'auto'"
+        return TOOL_CALL_PARSERS[self.parser](self.parameters)
 
 
 def _parameters(tool: p.Tool) -> dict[str, Any]:

@@ -280,7 +280,7 @@ class ToolCallParser:
         if self._index is None:
             m = _JSON_HEAD.match(text, obj.start)
             name = _json_string(m.group(1)) if m is not None and text[m.end()] == "{" else None
-            if name is not None:
+            if m is not None and name is not None:
                 self._begin_call(name)
                 args, self._sent = _JsonSpan(m.end()), m.end()
                 self._json = (obj, args)

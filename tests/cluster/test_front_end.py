@@ -227,6 +227,17 @@ def test_admission_errors_come_back_as_themselves_and_leave_nothing(fake_engine)
     run(main(cluster))
 
 
+def test_a_refusal_that_arrives_after_its_worker_was_declared_failed_is_dropped(fake_engine):
+    from servelab.cluster import messages as m
+
+    cluster, _, _ = memory_cluster(fake_engine, 2)
+    # the worker refused a batch that the front end had already failed along with the worker (its
+    # receiving thread can post one more message after posting the failure)
+    refusal = m.Admitted(batch=7, error=m.WireError("RuntimeError", "the worker could not admit it"))
+    cluster._on_message(cluster.workers[0], refusal)
+    assert not cluster._admissions and not cluster._remote
+
+
 def test_counters_keep_a_dead_workers_share_and_gauges_drop_it(fake_engine):
     counters = ("num_preemptions", "prefix_cache_hits", "prefix_cache_queries")
 

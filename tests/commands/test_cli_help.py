@@ -42,5 +42,6 @@ def test_generate_and_the_api_share_sampling_defaults():
     args = build_parser("generate").parse_args(["generate", "--prompt", "x"])
     assert sampling_params_from(args).temperature == SamplingParams().temperature == 1.0
     assert sampling_params_from(args, {"temperature": 0.6, "top_k": 20}).temperature == 0.6
+    assert sampling_params_from(args, {"top_k": 20.0}).top_k == 20  # generation_config.json may write a float
     args = build_parser("generate").parse_args(["generate", "--prompt", "x", "--temperature", "0"])
     assert sampling_params_from(args, {"temperature": 0.6}).temperature == 0.0

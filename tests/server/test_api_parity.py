@@ -293,6 +293,18 @@ def test_a_request_without_sampling_fields_takes_the_models_generation_config(fa
     assert (seen[-1].temperature, seen[-1].top_k, seen[-1].repetition_penalty) == (0.9, 0, 1.0)
 
 
+def test_a_generation_config_top_k_written_as_a_float_samples_as_an_int(fake_engine):
+    engine = fake_engine()
+    engine.sampling_defaults = {"top_k": 20.0}  # json.load reads `"top_k": 20.0` as a float
+    seen = []
+    inner = engine.executor.execute
+    engine.executor.execute = lambda plan: (seen.extend(s.seq.params for s in plan.scheduled), inner(plan))[1]
+    with TestClient(create_app(engine)) as c:
+        resp = c.post("/v1/completions", json={"prompt": "x", "max_tokens": 1})
+    assert resp.status_code == 200, resp.text
+    assert seen[0].top_k == 20 and isinstance(seen[0].top_k, int)
+
+
 def test_generation_config_defaults_are_read_from_the_model_dir(tmp_path):
     from servelab.engine.generation_config import load_sampling_defaults
 

@@ -276,7 +276,7 @@ def test_engine_args_load_the_model_at_startup(tiny_model_dir):
     from servelab.engine.llm_engine import EngineArgs
 
     app = create_app(EngineArgs.from_kwargs(model=str(tiny_model_dir), num_blocks=64, max_model_len=256))
-    assert app.state.servelab.client is None  # nothing loads until the server starts
+    assert not app.state.servelab.is_attached  # nothing loads until the server starts
     with TestClient(app) as c:
         body = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 3, "ignore_eos": True}).json()
         assert body["model"] == tiny_model_dir.name and body["usage"]["completion_tokens"] == 3

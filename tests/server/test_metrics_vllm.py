@@ -230,8 +230,8 @@ def test_a_full_queue_is_counted_and_its_choices_forgotten():
             raise QueueFull("the waiting queue is full")
 
     state = ServerState(api_key=None)
-    state.metrics = ServerMetrics(MODEL, lambda: IDLE)
-    state.client = FullQueue()
+    state._metrics = ServerMetrics(MODEL, lambda: IDLE)
+    state._client = FullQueue()
     requests = [type("R", (), {"request_id": f"r-{i}"})() for i in range(4)]
     with pytest.raises(QueueFull):
         asyncio.run(state.submit(requests, n=2))

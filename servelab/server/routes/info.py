@@ -17,7 +17,7 @@ router = APIRouter()
 @router.head("/health", include_in_schema=False)  # load balancers' probes
 @router.get("/health")
 async def health(state: State) -> Response:
-    client = state.client
+    client = state.client if state.is_attached else None
     if state.draining:
         down: str | None = "the server is shutting down"
     elif client is None or not client.is_running:

@@ -21,14 +21,14 @@ async def tokenize(request: Request, state: State) -> Response:
     state.check_accepting()
     state.check_model(req.model)
     lane = state.offload.lane(len(await request.body()))  # the body is read: this is its length
-    if (req.prompt is None) == (req.messages is None):
-        raise InvalidArgument("send exactly one of 'prompt' or 'messages'", param="prompt")
     tokenizer = state.front.tokenizer
-    if req.messages is not None:
+    if req.messages is not None and req.prompt is None:
         messages = [{"role": m.role, "content": m.text()} for m in req.messages]
         ids = await lane.run(tokenizer.encode_chat, messages, req.add_generation_prompt, req.add_special_tokens)
-    else:
+    elif req.prompt is not None and req.messages is None:
         ids = await lane.run(encode_prompt, state.front, req.prompt, add_special_tokens=req.add_special_tokens)
+    else:
+        raise InvalidArgument("send exactly one of 'prompt' or 'messages'", param="prompt")
     return JSONResponse({"count": len(ids), "max_model_len": state.front.max_model_len, "tokens": ids})
 
 
