@@ -20,7 +20,7 @@ may revise the topics).
 
 The whole prompt (instruction and passage) is `prompt_tokens` long, counted with the tokenizer
 when one is given, else estimated from words; passages are cut at word boundaries, so a count
-lands within a token or two of the target.
+lands within a few tokens of the target (one word of code can be several tokens).
 """
 
 from __future__ import annotations
@@ -136,8 +136,7 @@ class TextPrompts:
         if self.kind == "edit":
             if output_tokens is not None:
                 raise InvalidArgument(
-                    "the edit workload's output is the edited passage, whose length the prompt sets: "
-                    "drop --output-len",
+                    "the edit workload's output is the edited passage, whose length the prompt sets: drop --output-len",
                     param="output_len",
                 )
             edit = EDITS[int(np.random.default_rng([self.seed, 0xED17, index]).integers(len(EDITS)))]
