@@ -66,11 +66,11 @@ def parse_counters(metrics_text: str) -> SpecCounters | None:
         else:
             totals[name] = totals.get(name, 0.0) + value
     for ns in NAMESPACES:
-        names = [f"{ns}:{family}" for family in (_DRAFTS, _DRAFT_TOKENS, _ACCEPTED)]
-        if all(n in totals for n in names):
+        drafts, draft_tokens, accepted = (f"{ns}:{family}" for family in (_DRAFTS, _DRAFT_TOKENS, _ACCEPTED))
+        if drafts in totals and draft_tokens in totals and accepted in totals:
             by_pos = positions.get(ns, {})
             per_position = tuple(by_pos.get(i, 0.0) for i in range(max(by_pos) + 1)) if by_pos else ()
-            return SpecCounters(*(totals[n] for n in names), per_position)
+            return SpecCounters(totals[drafts], totals[draft_tokens], totals[accepted], per_position)
     return None
 
 
