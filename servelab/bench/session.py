@@ -26,6 +26,7 @@ from servelab.metrics import (
     summarize,
 )
 from servelab.workload import RequestSpec, WorkloadSpec
+from servelab.workload.texts import TEXT_KINDS
 
 
 @dataclass(slots=True)
@@ -112,7 +113,7 @@ class BenchSession:
         if open_loop:
             wave = 0
         if warmup > 0:
-            await self._warmup(specs, warmup, workload.concurrency)
+            await self._warmup(self._warmup_specs(workload, specs, warmup), warmup, workload.concurrency)
         self._round += 1_000
         if open_loop:
             if duration_s is not None:
@@ -161,6 +162,15 @@ class BenchSession:
         )
         return BenchRun(summary, records, outcome.results, report, outcome.abort_reason, outcome.cancelled,
                         steady=steady, startup_requests=wave)  # fmt: skip
+
+    def _warmup_specs(self, workload: WorkloadSpec, specs: list[RequestSpec], n: int) -> list[RequestSpec]:
+        """The specs the warm-up cycles through. A text workload's prompts are fixed per request, so
+        warming up on the measured ones would leave their passages in the server's prefix cache:
+        it warms up on the requests that follow them instead."""
+        if workload.kind not in TEXT_KINDS:
+            return specs
+        more = replace_workload(workload, num_requests=len(specs) + n)
+        return more.generate(tokenizer=self.prompts.count_tokens if self.prompts.exact else None)[len(specs) :]
 
     async def _warmup(self, specs: list[RequestSpec], n: int, concurrency: int | None) -> None:
         """Requests that open the connections and wake the server; never measured."""
@@ -231,6 +241,7 @@ def replace_workload(base: WorkloadSpec, **changes: Any) -> WorkloadSpec:
             "arrival",
             "think_time_s",
             "think_time_dist",
+            "dataset_kind",
         )
     }
     fields.update(changes)

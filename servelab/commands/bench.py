@@ -77,6 +77,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     o.add_argument("--save-result", default=None, metavar="FILE", help="write the JSON result to FILE")
     o.add_argument("--requests-out", default=None, metavar="FILE.jsonl", help="write one JSON line per request")
     o.add_argument("--plot-dir", default=None, metavar="DIR", help="write PNG plots (latency CDFs, timeline)")
+    o.add_argument(
+        "--spec-profile-out",
+        default=None,
+        metavar="FILE",
+        help="write the server's speculative-decoding acceptance over the run (its /metrics counters) as "
+        "an acceptance profile for `servelab sim --spec-acceptance-profile`",
+    )
     o.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -124,6 +131,12 @@ def _check_args(args: argparse.Namespace) -> None:
     check_output_file(args.save_result, "--save-result")
     check_output_file(args.requests_out, "--requests-out")
     check_output_dir(args.plot_dir, "--plot-dir")
+    check_output_file(args.spec_profile_out, "--spec-profile-out")
+    if args.spec_profile_out and args.find_capacity:
+        raise InvalidArgument(
+            "--spec-profile-out measures one run's acceptance; a capacity search runs many: drop one",
+            param="spec_profile_out",
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -207,29 +220,64 @@ def _run(args: argparse.Namespace, workload, slo, loop: asyncio.AbstractEventLoo
             from servelab.bench.session import replace_workload
 
             workload = replace_workload(workload, num_requests=int(workload.rate * duration_s * 1.5) + 16)
-        before = loop.run_until_complete(_prefix_cache_counters(session.client))
+        before = loop.run_until_complete(session.client.metrics_text())
         result = loop.run_until_complete(session.run(workload, duration_s=duration_s, warmup=args.warmup))
-        after = loop.run_until_complete(_prefix_cache_counters(session.client))
+        after = loop.run_until_complete(session.client.metrics_text())
     finally:
         loop.run_until_complete(session.client.aclose())
-    from servelab.bench.prefix_cache import PrefixCacheReport
+    from servelab.bench import prefix_cache, spec_decode
 
-    shared = workload.shared_prefix_fraction > 0 or workload.trace is not None or workload.dataset is not None
-    cache = PrefixCacheReport.between(before, after, shared_prefixes_asked=shared, endpoint=args.endpoint)
-    return _report_run(args, result, config, workload, cache)
+    # Text workloads share their instruction, as chat prompts share a template's opening.
+    shared = workload.shared_prefix_fraction > 0 or workload.trace is not None or workload.kind != "random"
+    cache = prefix_cache.PrefixCacheReport.between(
+        _parsed(prefix_cache.parse_counters, before),
+        _parsed(prefix_cache.parse_counters, after),
+        shared_prefixes_asked=shared,
+        endpoint=args.endpoint,
+    )
+    spec = spec_decode.SpecDecodeReport.between(
+        _parsed(spec_decode.parse_counters, before),
+        _parsed(spec_decode.parse_counters, after),
+        source=f"{config['base_url']} {config['model']} {workload.describe()}",
+    )
+    return _report_run(args, result, config, workload, cache, spec)
 
 
-async def _prefix_cache_counters(client):  # noqa: ANN001, ANN202
-    from servelab.bench.prefix_cache import parse_counters
-
-    text = await client.metrics_text()
-    return None if text is None else parse_counters(text)
+def _parsed(parse, metrics_text: str | None):  # noqa: ANN001, ANN202
+    return None if metrics_text is None else parse(metrics_text)
 
 
-def _report_run(args: argparse.Namespace, result, config: dict[str, Any], workload, cache=None) -> int:  # noqa: ANN001
+def _write_spec_profile(path: str, spec, base_url: str) -> str | None:  # noqa: ANN001
+    """Write the run's acceptance profile to `path`; why not, in one line, when it cannot."""
+    if spec is None:
+        return (
+            f"--spec-profile-out: the server at {base_url} exports no speculative-decoding counters on /metrics "
+            "(vllm:spec_decode_* or servelab:spec_decode_*): is speculation on (--speculative-config)? Nothing written"
+        )
+    if not spec.drafted:
+        return "--spec-profile-out: the server drafted no tokens during the run; nothing written"
+    if not spec.profile.accepted_per_position:
+        return (
+            "--spec-profile-out: the server exports no per-position acceptance "
+            "(spec_decode_num_accepted_tokens_per_pos_total); nothing written"
+        )
+    try:
+        spec.profile.check(f"--spec-profile-out {path!r}")
+    except InvalidArgument as exc:  # counters read while the server was mid-update, or reset by a restart
+        return f"{exc.message}; nothing written"
+    spec.profile.write(path)
+    return None
+
+
+def _report_run(args: argparse.Namespace, result, config: dict[str, Any], workload, cache=None, spec=None) -> int:  # noqa: ANN001
     from servelab.metrics import format_summary_table
 
     out = {"summary": result.summary.to_dict(), "config": config, "client": result.report.to_dict()}
+    if spec is not None:  # the server's spec-decode counters over the run (warm-up included)
+        out["spec_decode"] = spec.to_dict()
+    profile_error = None
+    if args.spec_profile_out:
+        profile_error = _write_spec_profile(args.spec_profile_out, spec, config["base_url"])
     if cache is not None:  # the server's prefix-cache counters over the run (warm-up included)
         out["server_prefix_cache"] = cache.to_dict()
         if cache.unexpected:
@@ -262,9 +310,18 @@ def _report_run(args: argparse.Namespace, result, config: dict[str, Any], worklo
         if extra:
             print()
             print("\n".join(extra))
+        if spec is not None and spec.lines():
+            print()
+            print("\n".join(spec.lines()))
         for path in plots:
             print(f"wrote {path}")
-    return _fail_if_nothing_completed(result.summary, result.report)
+        if args.spec_profile_out and profile_error is None:
+            print(f"wrote {args.spec_profile_out}")
+    rc = _fail_if_nothing_completed(result.summary, result.report)
+    if profile_error is not None:
+        print(f"servelab bench: {profile_error}", file=sys.stderr)
+        return rc or 1
+    return rc
 
 
 def nothing_completed(summary, report) -> str | None:  # noqa: ANN001

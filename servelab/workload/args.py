@@ -7,7 +7,7 @@ import argparse
 from servelab.errors import InvalidArgument
 from servelab.workload.arrivals import parse_think_time
 from servelab.workload.lengths import LengthDist
-from servelab.workload.spec import MAX_NUM_REQUESTS, WorkloadSpec
+from servelab.workload.spec import DATASET_KINDS, DEFAULT_TEXT_INPUT_LEN, MAX_NUM_REQUESTS, WorkloadSpec
 
 
 def _float(text: str) -> float:
@@ -64,6 +64,15 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--prefix-groups", type=int, default=1, help="number of distinct shared prefixes (default 1)")
     load.add_argument("--trace", default=None, help="JSONL trace: arrival_s, prompt_tokens, output_tokens per line")
     g.add_argument("--dataset", default=None, help="ShareGPT-format JSON file to draw prompt/output lengths from")
+    g.add_argument(
+        "--dataset-kind",
+        choices=DATASET_KINDS,
+        default=None,
+        help="what the prompts are: random (seeded random words, the default), sharegpt (--dataset's), "
+        "edit (copy a Python docs passage with a small edit: speculative decoding's n-gram lookup hits) "
+        "or summarize (summarize a passage: some hits); edit and summarize draw --input-len "
+        f"(default {DEFAULT_TEXT_INPUT_LEN}) as the whole prompt's length",
+    )
     g.add_argument("--seed", type=int, default=0,
                    help="seed of the lengths, arrivals and prompt texts (default 0: the same requests every run; "
                         "vary it between bench runs against one server, or its prefix cache serves the repeats)")  # fmt: skip
@@ -101,4 +110,5 @@ def workload_from_args(args: argparse.Namespace) -> WorkloadSpec:
         trace=args.trace,
         think_time_s=think_time_s,
         think_time_dist=think_time_dist,
+        dataset_kind=args.dataset_kind,
     )

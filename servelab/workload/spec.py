@@ -13,10 +13,14 @@ from servelab.errors import InvalidArgument
 from servelab.workload.arrivals import ArrivalProcess
 from servelab.workload.datasets import Tokenizer, load_sharegpt, load_trace
 from servelab.workload.lengths import LengthDist
+from servelab.workload.texts import TEXT_KINDS, TextPrompts
 
 DEFAULT_NUM_REQUESTS = 1000
 DEFAULT_INPUT_LEN = "1024"
 DEFAULT_OUTPUT_LEN = "256"
+DEFAULT_TEXT_INPUT_LEN = "uniform:128,512"  # an edit's output is as long as its passage
+# What the prompts are: seeded random words, a ShareGPT file's, or a task on a passage (texts.py).
+DATASET_KINDS = ("random", "sharegpt", *TEXT_KINDS)
 MAX_NUM_REQUESTS = 10**6  # each request's record and token times are kept in memory
 # A float64 clock past ~1e9 s (32 years) still resolves microseconds; far beyond it, every latency
 # of a run rounds to 0. A workload whose expected span passes this is refused, not mis-measured.
@@ -58,7 +62,10 @@ class WorkloadSpec:
     trace they default to the file's lengths (an explicit `output_len` overrides a dataset's).
     `think_time_s`: in a closed loop, how long a client waits after its request ends (last token
     or error) before it sends the next one, constant or, with `think_time_dist` "exponential", its
-    mean (drawn per request from the seed); refused with a rate or a trace's own send times."""
+    mean (drawn per request from the seed); refused with a rate or a trace's own send times.
+    `dataset_kind`: what the prompts are (DATASET_KINDS); None means `sharegpt` with a dataset and
+    `random` otherwise. The text kinds (`edit`, `summarize`) draw `input_len` as the whole
+    prompt's length, default DEFAULT_TEXT_INPUT_LEN."""
 
     num_requests: int | None = None  # None: 1000, or every row of a trace
     rate: float | None = None
@@ -74,6 +81,7 @@ class WorkloadSpec:
     arrival: str | None = None  # force "poisson" | "gamma" | "constant" | "closed"
     think_time_s: float = 0.0
     think_time_dist: str = "constant"
+    dataset_kind: str | None = None
     _arrivals: ArrivalProcess = field(init=False, repr=False)
     _trace_rows: int | None = field(init=False, repr=False, compare=False, default=None)  # what the trace gives
 
@@ -111,11 +119,50 @@ class WorkloadSpec:
             raise InvalidArgument("a trace carries its own prompt lengths; drop --input-len")
         if self.dataset and self.input_len is not None:
             raise InvalidArgument("a dataset gives the prompt lengths; drop --input-len")
+        self._check_kind()
         # Parse now so a bad string fails before any work is done.
         if self.input_len is not None:
             self.input_len = LengthDist.parse(self.input_len, name="input length")
         if self.output_len is not None:
             self.output_len = LengthDist.parse(self.output_len, name="output length")
+
+    def _check_kind(self) -> None:
+        kind = self.dataset_kind
+        if kind is None:
+            return
+        if kind not in DATASET_KINDS:
+            raise InvalidArgument(
+                f"--dataset-kind must be one of {', '.join(DATASET_KINDS)}, got {kind!r}", param="dataset_kind"
+            )
+        if kind == "sharegpt" and not self.dataset:
+            raise InvalidArgument("--dataset-kind sharegpt reads a file: give it with --dataset FILE", param="dataset")
+        if kind in ("random", *TEXT_KINDS) and self.dataset:
+            raise InvalidArgument(
+                f"--dataset FILE is a ShareGPT file; --dataset-kind {kind} makes its own prompts: drop one",
+                param="dataset_kind",
+            )
+        if kind in TEXT_KINDS and self.trace:
+            raise InvalidArgument(
+                f"a trace carries its own prompts; --dataset-kind {kind} makes its own: drop one", param="dataset_kind"
+            )
+        if kind in TEXT_KINDS and self.shared_prefix_fraction:
+            raise InvalidArgument(
+                f"--dataset-kind {kind} prompts share only their instruction; drop --shared-prefix",
+                param="shared_prefix",
+            )
+        if kind == "edit" and self.output_len is not None:
+            raise InvalidArgument(
+                "--dataset-kind edit: the output is the edited passage, as long as the prompt makes it; "
+                "drop --output-len",
+                param="output_len",
+            )
+
+    @property
+    def kind(self) -> str:
+        """What the prompts are: one of DATASET_KINDS."""
+        if self.dataset_kind is not None:
+            return self.dataset_kind
+        return "sharegpt" if self.dataset else "random"
 
     def _check_span(self) -> None:
         """Refuse a load whose expected span passes MAX_VIRTUAL_SPAN_S (a tiny rate, a huge think time)."""
@@ -144,7 +191,9 @@ class WorkloadSpec:
 
     @property
     def input_dist(self) -> LengthDist:
-        return self.input_len if isinstance(self.input_len, LengthDist) else LengthDist.parse(DEFAULT_INPUT_LEN)
+        if isinstance(self.input_len, LengthDist):
+            return self.input_len
+        return LengthDist.parse(DEFAULT_TEXT_INPUT_LEN if self.kind in TEXT_KINDS else DEFAULT_INPUT_LEN)
 
     @property
     def output_dist(self) -> LengthDist:
@@ -168,6 +217,14 @@ class WorkloadSpec:
             texts = [convs[i].prompt_text for i in picks]
             if self.output_len is not None:
                 output = self.output_dist.sample(self._rng(_STREAM_OUTPUT), n)
+        elif self.kind in TEXT_KINDS:
+            targets = self.input_dist.sample(self._rng(_STREAM_INPUT), n)
+            outs = None if self.output_len is None else self.output_dist.sample(self._rng(_STREAM_OUTPUT), n)
+            maker = TextPrompts(self.kind, self.seed, tokenizer)
+            made = [maker.prompt(i, int(targets[i]), None if outs is None else int(outs[i])) for i in range(n)]
+            prompt = np.array([m.prompt_tokens for m in made], dtype=np.int64)
+            output = np.array([m.output_tokens for m in made], dtype=np.int64)
+            texts = [m.text for m in made]
         else:
             prompt = self.input_dist.sample(self._rng(_STREAM_INPUT), n)
             output = self.output_dist.sample(self._rng(_STREAM_OUTPUT), n)
@@ -238,6 +295,7 @@ class WorkloadSpec:
             "trace": None if self.trace is None else str(Path(self.trace)),
             "think_time_s": self.think_time_s,
             "think_time_dist": self.think_time_dist,
+            "dataset_kind": None if self.trace else self.kind,
         }
 
     def describe(self) -> str:
@@ -255,6 +313,11 @@ class WorkloadSpec:
                     arrivals += f", at most {self.concurrency} in flight"
         elif self.dataset:
             lengths = f"dataset {self.dataset}"
+        elif self.kind == "edit":
+            lengths = f"edit a Python docs passage, {self.input_dist} in, the edited passage out"
+        elif self.kind == "summarize":
+            out = "a quarter of the passage" if self.output_len is None else str(self.output_dist)
+            lengths = f"summarize a Python docs passage, {self.input_dist} in, {out} out"
         else:
             lengths = f"{self.input_dist} in, {self.output_dist} out"
         text = f"{n} request{'' if n == 1 else 's'}, {lengths}, {arrivals}"

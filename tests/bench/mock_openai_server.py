@@ -11,6 +11,10 @@ With `--prefill-ms P`, prompts are prefilled one at a time, P each, before the T
 request's first token waits for the prefills queued ahead of it, as on a real server, so a burst
 of simultaneous requests (a closed loop's start-up wave) sees TTFTs of P, 2P, ... while a steady
 stream of spread-out arrivals sees about P.
+With `--spec-tokens K`, GET /metrics exports vLLM's speculative-decoding counters (under
+`--metrics-prefix`, default `vllm`) as if each output token had come from one verification step
+of K drafted tokens, the j-th step of a request accepting j mod (K + 1) of them; the counters
+move before a stream's [DONE], so a client that has read it sees them.
 Behaviour switches, by a word in the prompt: FAIL -> HTTP 500; DROP -> the connection is closed
 after 2 tokens; HANG -> nothing is ever sent; BADUSAGE -> usage reports one token too many.
 """
@@ -24,8 +28,20 @@ import time
 
 
 class MockServer:
-    def __init__(self, ttft_s: float, tpot_s: float, log_path: str | None, prefill_s: float = 0.0) -> None:
+    def __init__(
+        self,
+        ttft_s: float,
+        tpot_s: float,
+        log_path: str | None,
+        prefill_s: float = 0.0,
+        spec_tokens: int = 0,
+        metrics_prefix: str = "vllm",
+    ) -> None:
         self.ttft_s = ttft_s
+        self.spec_tokens = spec_tokens
+        self.metrics_prefix = metrics_prefix
+        self.num_drafts = self.num_draft_tokens = 0
+        self.accepted_per_position = [0] * spec_tokens
         self.tpot_s = tpot_s
         self.prefill_s = prefill_s
         self.prefill_free_s = 0.0  # when the one prefill "unit" finishes its queue (perf_counter)
@@ -43,7 +59,9 @@ class MockServer:
                 headers = {k.strip().lower(): v.strip() for k, v in (ln.split(":", 1) for ln in lines[1:] if ":" in ln)}
                 body = await reader.readexactly(int(headers.get("content-length", "0")))
                 received_s = time.perf_counter()
-                if method == "GET" and path.endswith("/models"):
+                if method == "GET" and path == "/metrics" and self.spec_tokens:
+                    self._text(writer, self._metrics())
+                elif method == "GET" and path.endswith("/models"):
                     self._json(writer, 200, {"object": "list", "data": [{"id": "mock-model", "object": "model"}]})
                 elif method == "POST" and path.endswith(("/completions", "/chat/completions")):
                     if not await self._complete(json.loads(body), path, received_s, writer):
@@ -55,6 +73,35 @@ class MockServer:
             pass
         finally:
             writer.close()
+
+    def _metrics(self) -> str:
+        ns, labels = self.metrics_prefix, 'engine="0",model_name="mock-model"'
+        lines = [
+            f"# TYPE {ns}:spec_decode_num_drafts_total counter",
+            f"{ns}:spec_decode_num_drafts_total{{{labels}}} {float(self.num_drafts)}",
+            f"{ns}:spec_decode_num_drafts_created{{{labels}}} 1.7e9",
+            f"{ns}:spec_decode_num_draft_tokens_total{{{labels}}} {float(self.num_draft_tokens)}",
+            f"{ns}:spec_decode_num_accepted_tokens_total{{{labels}}} {float(sum(self.accepted_per_position))}",
+        ]
+        lines += [
+            f'{ns}:spec_decode_num_accepted_tokens_per_pos_total{{{labels},position="{i}"}} {float(count)}'
+            for i, count in enumerate(self.accepted_per_position)
+        ]
+        return "\n".join(lines) + "\n"
+
+    def _record_drafts(self, num_steps: int) -> None:
+        k = self.spec_tokens
+        for step in range(num_steps):
+            self.num_drafts += 1
+            self.num_draft_tokens += k
+            for i in range(step % (k + 1)):
+                self.accepted_per_position[i] += 1
+
+    def _text(self, writer: asyncio.StreamWriter, text: str) -> None:
+        data = text.encode()
+        writer.write(
+            f"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data
+        )
 
     def _json(self, writer: asyncio.StreamWriter, status: int, obj: dict) -> None:
         data = json.dumps(obj).encode()
@@ -107,6 +154,8 @@ class MockServer:
         reported = n + 1 if "BADUSAGE" in prompt else n
         usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": reported, "total_tokens": 0}
         event({"choices": [], "usage": usage})
+        if self.spec_tokens:
+            self._record_drafts(n)
         event("[DONE]")
         writer.write(b"0\r\n\r\n")
         if self.log is not None:
@@ -121,8 +170,12 @@ async def main() -> None:
     parser.add_argument("--tpot-ms", type=float, default=20.0)
     parser.add_argument("--prefill-ms", type=float, default=0.0, help="serial prefill time per request")
     parser.add_argument("--log", default=None, help="JSONL file of the server-side timestamps")
+    parser.add_argument("--spec-tokens", type=int, default=0, help="export spec-decode counters, K drafts a step")
+    parser.add_argument("--metrics-prefix", default="vllm", help="the counters' namespace: vllm or servelab")
     args = parser.parse_args()
-    mock = MockServer(args.ttft_ms / 1e3, args.tpot_ms / 1e3, args.log, args.prefill_ms / 1e3)
+    mock = MockServer(
+        args.ttft_ms / 1e3, args.tpot_ms / 1e3, args.log, args.prefill_ms / 1e3, args.spec_tokens, args.metrics_prefix
+    )
     server = await asyncio.start_server(mock.handle, "127.0.0.1", args.port, backlog=1024)
     print(f"PORT {server.sockets[0].getsockname()[1]}", flush=True)
     async with server:
