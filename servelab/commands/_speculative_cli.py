@@ -23,7 +23,8 @@ def add_speculative_arguments(group: Any) -> None:
         type=float,
         default=None,
         metavar="RATE",
-        help="probability that each draft token is accepted, 0..1, independently per position",
+        help="probability that a draft token is accepted once every draft before it was, 0..1, the same at "
+        "each position (vLLM's accepted / proposed ratio is lower: give its counters as a profile)",
     )
     group.add_argument(
         "--spec-acceptance-profile",
@@ -66,9 +67,11 @@ def speculation_from_args(args: argparse.Namespace) -> tuple[Any, Any] | None:
         raise InvalidArgument(message, param="spec_acceptance_profile") from None
 
 
-def describe_speculation(config: Any, acceptance: Any, draft: Any) -> str:
-    """One line: what is proposed, how it is priced, and what it yields per verification."""
+def describe_speculation(config: Any, acceptance: Any, draft: Any = None) -> str:
+    """One line: what is proposed, how it is priced (given the DraftCost), and what it yields per verification."""
+    priced = "" if draft is None else f"{draft.describe()}; "
     return (
-        f"speculative decoding: {config.to_json()}; {draft.describe()}; acceptance {acceptance.source} "
-        f"-> {acceptance.expected_tokens():.2f} tokens per verification step in expectation"
+        f"speculative decoding: {config.to_json()}; {priced}acceptance {acceptance.source} "
+        f"-> {acceptance.expected_tokens():.2f} tokens per verification step in expectation "
+        f"(draft acceptance {acceptance.draft_acceptance_rate:.3f}: accepted / proposed, as vLLM reports it)"
     )

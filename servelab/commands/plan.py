@@ -16,7 +16,7 @@ from servelab.commands._engine_profile_cli import (
     wants_list,
 )
 from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_overrides_from_args
-from servelab.commands._speculative_cli import add_speculative_arguments, speculation_from_args
+from servelab.commands._speculative_cli import add_speculative_arguments, describe_speculation, speculation_from_args
 from servelab.errors import InvalidArgument
 from servelab.spec.model import MODEL_HELP
 from servelab.units import parse_duration_s, parse_int_list, parse_str_list
@@ -199,10 +199,7 @@ def run(args: argparse.Namespace) -> int:
         )
         return 0
     if speculative is not None:
-        print(
-            f"speculative decoding: {speculative.to_json()}; acceptance {acceptance.source} -> "
-            f"{acceptance.expected_tokens():.2f} tokens per verification step in expectation"
-        )
+        print(describe_speculation(speculative, acceptance))
     print(_table(rows, model.name, slo, args, spec, engine))
     if args.plot:
         print(f"wrote {args.plot}")

@@ -10,6 +10,7 @@ import pytest
 
 from servelab.cli import main
 from servelab.core.config import SchedulerConfig
+from servelab.core.scheduler import Scheduler
 from servelab.core.speculative import SpeculativeConfig
 from servelab.cost.roofline import Roofline
 from servelab.cost.speculative import Acceptance, DraftCost, SpeculativeCost, draft_cost
@@ -18,7 +19,9 @@ from servelab.sim import SimConfig, simulate
 from servelab.sim.cluster import ClusterSim
 from servelab.sim.runner import build_cost_model, scheduler_config
 from servelab.sim.speculation_sweep import compare_speculation, crossover_concurrency
-from servelab.sim.speculative import Speculation
+from servelab.sim.executor import SimExecutor
+from servelab.sim.implicit_decodes import ImplicitDecodeScheduler
+from servelab.sim.speculative import Speculation, SpeculativeSimExecutor
 from servelab.spec.hardware import get_hardware
 from servelab.spec.model import get_model
 from servelab.workload import RequestSpec, WorkloadSpec
@@ -39,10 +42,20 @@ def run(alpha: float | None, concurrency: int = 1, n: int = 8, out: int = 129, s
     return simulate(spec_config(alpha, **kw), workload)
 
 
-def test_plain_runs_do_not_change():
-    # The plain path keeps its implicit-decode scheduler and its exact numbers.
-    a, b = run(None), spec_config(None)
-    assert b.speculative is None and a.speculation is None and "speculation" not in a.to_dict()
+def test_only_speculative_runs_leave_the_implicit_decode_path():
+    for alpha in (None, 0.5):
+        config = spec_config(alpha)
+        sim = ClusterSim({"mixed": (1, scheduler_config(config))}, build_cost_model(config),
+                         speculation=config.speculation())  # fmt: skip
+        replica = sim.replicas[0]
+        if alpha is None:
+            assert isinstance(replica.scheduler, ImplicitDecodeScheduler) and type(replica.executor) is SimExecutor
+            assert sim.drafts is None
+        else:
+            assert type(replica.scheduler) is Scheduler and isinstance(replica.executor, SpeculativeSimExecutor)
+            assert sim.drafts == [1] * K
+    plain = run(None)
+    assert plain.speculation is None and "speculation" not in plain.to_dict()
 
 
 def test_zero_acceptance_wastes_only_the_verification():
