@@ -201,6 +201,14 @@ def _speculative_table(table_rows: list[dict[str, Any]]) -> str:
     return render_table(headers, body, left=())
 
 
+def spec_memory_limit(spec: Any, roofline: Any, context: int) -> int:
+    """The largest batch whose KV fits beside a draft model's weights and KV (the target's alone for ngram)."""
+    from servelab.cost.speculative import kv_tokens_beside_draft
+
+    model = getattr(spec.draft.draft_model, "model", None)
+    return kv_tokens_beside_draft(roofline.memory, model) // context
+
+
 def crossover_note(crossover: int | None, limit: int, context: int) -> str:
     if crossover is None:
         return f"speculation pays at every batch at context {context} (memory limit: batch {limit:,})"
@@ -373,8 +381,10 @@ def run(args: argparse.Namespace) -> int:
         plot(roofline, batches, args.context, args.plot)
     if args.json:
         if spec is not None:
+            limit = spec_memory_limit(spec, roofline, args.context)
             for row in table_rows:
                 row["speculative"]["crossover_batch"] = crossover
+                row["speculative"]["memory_limit_batch"] = limit
         print(json.dumps(table_rows, indent=2))
         return 0
     if roofline.extrapolation:
@@ -401,7 +411,7 @@ def run(args: argparse.Namespace) -> int:
         print()
         print(describe_speculation(spec.draft.config, spec.acceptance, spec.draft))
         print(_speculative_table(table_rows))
-        print(crossover_note(crossover, roofline.memory.max_batch(args.context), args.context))
+        print(crossover_note(crossover, spec_memory_limit(spec, roofline, args.context), args.context))
     if args.prompt_len:
         cost = roofline.prefill(args.prompt_len)
         print(

@@ -46,6 +46,12 @@ def test_roofline_with_a_draft_model(capsys):
     config = '{"model": "llama-3.2-1b", "num_speculative_tokens": 3}'
     assert main([*ROOFLINE, "--batch", "1", "--speculative-config", config, "--spec-acceptance", "0.8"]) == 0
     assert "3 forward passes of the draft model llama-3.2-1b per step" in capsys.readouterr().out
+    assert main([*ROOFLINE, "--json", "--batch", "1", "--speculative-config", config, "--spec-acceptance", "0.8"]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    # the draft's weights and KV share the memory: fewer sequences fit than the target alone allows
+    assert 0 < row["speculative"]["memory_limit_batch"] < 833
+    assert main([*ROOFLINE, "--json", "--batch", "1", "--speculative-config", NGRAM, "--spec-acceptance", "0.8"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["speculative"]["memory_limit_batch"] == 833
 
 
 @pytest.mark.parametrize(
