@@ -97,6 +97,9 @@ class PlanJob:
     # place of `scheduler`; None: `scheduler` as given.
     engine_profile: str | None = None
     scheduler_overrides: dict[str, Any] | None = None
+    # Speculative decoding: vLLM's --speculative-config JSON and the acceptance model (cost/speculative.py).
+    speculative: str | None = None
+    spec_acceptance: Any = None
     requests_per_client: int = 4  # measured requests per level: this many per client (at least 100)
     tolerance: float | None = None  # the search's bisection tolerance (default: find_capacity's)
 
@@ -142,6 +145,8 @@ def plan_one(job: PlanJob) -> PlanRow:
         "kv_cache_dtype": job.kv_cache_dtype,
         "slo": job.slo,
         "cost_model": None if job.profile is None else _profile_cost(job.profile, job.tp),
+        "speculative": job.speculative,
+        "spec_acceptance": job.spec_acceptance,
     }
     if job.engine_profile is None:
         config = SimConfig(scheduler=job.scheduler, **deployment)

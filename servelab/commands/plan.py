@@ -16,6 +16,7 @@ from servelab.commands._engine_profile_cli import (
     wants_list,
 )
 from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_overrides_from_args
+from servelab.commands._speculative_cli import add_speculative_arguments, describe_speculation, speculation_from_args
 from servelab.errors import InvalidArgument
 from servelab.spec.model import MODEL_HELP
 from servelab.units import parse_duration_s, parse_int_list, parse_str_list
@@ -54,6 +55,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         defaults=profile_defaults(),
         unset=PROFILE_UNSET,
     )
+    add_speculative_arguments(parser.add_argument_group("speculative decoding"))
     t = parser.add_argument_group("targets")
     t.add_argument("--slo-tpot", default=None, help="TPOT target, e.g. 50ms")
     t.add_argument("--slo-ttft", default=None, help="TTFT target, e.g. 1s")
@@ -103,6 +105,11 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgument("plan searches the load itself: drop --rate/--concurrency/--trace")
     scheduler = scheduler_overrides_from_args(args)
     weight, kv = cost_dtypes(args)
+    speculative, acceptance = speculation_from_args(args) or (None, None)
+    if speculative is not None:
+        from servelab.cost.speculative import draft_model_spec
+
+        draft_model_spec(speculative)  # an unknown draft model fails here, not in every worker
     if args.workers is not None and args.workers < 1:
         raise InvalidArgument(f"--workers must be >= 1, got {args.workers}")
     if args.max_concurrency is not None and args.max_concurrency < 1:
@@ -161,6 +168,8 @@ def run(args: argparse.Namespace) -> int:
             target_rate=args.target_rate,
             price_per_device_hour=prices.get(get_hardware(h).name),
             profile=args.profile,
+            speculative=None if speculative is None else speculative.to_json(),
+            spec_acceptance=acceptance,
         )
         for h in hardware
         for tp in tps
@@ -177,6 +186,8 @@ def run(args: argparse.Namespace) -> int:
                     "model": model.name,
                     "engine_profile": engine,
                     "cost_model": cost_model,
+                    "speculative_config": None if speculative is None else speculative.to_json(),
+                    "spec_acceptance": None if acceptance is None else acceptance.to_dict(),
                     "slo": slo.to_dict(),
                     "percentile": args.percentile,
                     "target_rate": args.target_rate,
@@ -187,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
             )
         )
         return 0
+    if speculative is not None:
+        print(describe_speculation(speculative, acceptance))
     print(_table(rows, model.name, slo, args, spec, engine))
     if args.plot:
         print(f"wrote {args.plot}")

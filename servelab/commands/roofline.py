@@ -3,6 +3,8 @@
 One row per batch size: step time (= TPOT), tokens/s per user and in total, which roof binds,
 arithmetic intensity, and whether weights plus KV fit in memory. The header gives the seed's
 peak-rate figures (weights streamed once, one token's compute, the ridge) beside the predictions.
+With `--speculative-config` a second table prices speculative decoding at each batch size against
+plain decoding, and names the batch where it stops paying.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import json
 from typing import Any
 
 from servelab.commands._dtype_cli import add_cost_dtype_arguments, cost_dtypes
+from servelab.commands._speculative_cli import add_speculative_arguments, describe_speculation, speculation_from_args
 from servelab.errors import InvalidArgument
 from servelab.spec.model import MODEL_HELP, resolve_model
 from servelab.units import parse_duration_s, parse_int_list
@@ -64,6 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE.json",
         help="also print a `servelab calibrate` profile's measured-fit step times beside the roofline's",
     )
+    add_speculative_arguments(parser.add_argument_group("speculative decoding"))
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
     parser.add_argument(
         "--plot", default=None, metavar="FILE.png", help="plot tokens/s per user and in total against batch size"
@@ -153,6 +157,65 @@ def rows(roofline: Any, batches: list[int], context: int, prompt_len: int | None
             row["prefill_time_s"] = prefill.time_s
         out.append(row)
     return out
+
+
+def speculative_cost(args: argparse.Namespace, roofline: Any) -> Any:  # SpeculativeCost | None
+    from servelab.cost.speculative import SpeculativeCost, draft_cost
+
+    speculation = speculation_from_args(args)
+    if speculation is None:
+        return None
+    config, acceptance = speculation
+    draft = draft_cost(config, roofline.hardware, roofline.weight_dtype, roofline.kv_dtype, roofline.tp)
+    return SpeculativeCost(roofline, draft, acceptance)
+
+
+def add_speculative_rows(spec: Any, table_rows: list[dict[str, Any]], context: int) -> int | None:
+    """Each row's speculative figures under "speculative"; returns the crossover batch."""
+    for row in table_rows:
+        row["speculative"] = spec.row(row["batch"], context).to_dict()
+    return spec.crossover_batch(context)
+
+
+def _speculative_table(table_rows: list[dict[str, Any]]) -> str:
+    from servelab.commands._table import render_table
+
+    headers = ["batch", "plain TPOT ms", "verify ms", "draft ms", "tok/step", "spec TPOT ms", "spec tok/s total",
+               "speedup"]  # fmt: skip
+    body = []
+    for r in table_rows:
+        s = r["speculative"]
+        body.append(
+            [
+                r["batch"],
+                f"{s['plain_tpot_s'] * 1e3:.2f}",
+                f"{s['verify_step_s'] * 1e3:.2f}",
+                f"{s['draft_step_s'] * 1e3:.2f}",
+                f"{s['tokens_per_step']:.2f}",
+                f"{s['spec_tpot_s'] * 1e3:.2f}",
+                f"{s['spec_tokens_per_s_total']:,.0f}",
+                f"{s['speedup']:.2f}x",
+            ]
+        )
+    return render_table(headers, body, left=())
+
+
+def spec_memory_limit(spec: Any, roofline: Any, context: int) -> int:
+    """The largest batch whose KV fits beside a draft model's weights and KV (the target's alone for ngram)."""
+    from servelab.cost.speculative import kv_tokens_beside_draft
+
+    model = getattr(spec.draft.draft_model, "model", None)
+    return kv_tokens_beside_draft(roofline.memory, model) // context
+
+
+def crossover_note(crossover: int | None, limit: int, context: int) -> str:
+    if crossover is None:
+        return f"speculation pays at every batch at context {context} (memory limit: batch {limit:,})"
+    where = "within" if crossover <= limit else "beyond"
+    return (
+        f"speculation stops paying from batch {crossover:,} at context {context} "
+        f"({where} the memory limit of batch {limit:,})"
+    )
 
 
 def _compute_bound_note(roofline: Any, context: int) -> str:
@@ -310,10 +373,17 @@ def run(args: argparse.Namespace) -> int:
     check_plot_file(args.plot, "--plot")
     roofline, batches = build(args)
     table_rows = rows(roofline, batches, args.context, args.prompt_len)
+    spec = speculative_cost(args, roofline)
+    crossover = None if spec is None else add_speculative_rows(spec, table_rows, args.context)
     profile = None if args.profile is None else _add_profile(args, roofline.model.name, table_rows)
     if args.plot:
         plot(roofline, batches, args.context, args.plot)
     if args.json:
+        if spec is not None:
+            limit = spec_memory_limit(spec, roofline, args.context)
+            for row in table_rows:
+                row["speculative"]["crossover_batch"] = crossover
+                row["speculative"]["memory_limit_batch"] = limit
         print(json.dumps(table_rows, indent=2))
         return 0
     if roofline.extrapolation:
@@ -336,6 +406,11 @@ def run(args: argparse.Namespace) -> int:
             )
     print()
     print(_compute_bound_note(roofline, args.context))
+    if spec is not None:
+        print()
+        print(describe_speculation(spec.draft.config, spec.acceptance, spec.draft))
+        print(_speculative_table(table_rows))
+        print(crossover_note(crossover, spec_memory_limit(spec, roofline, args.context), args.context))
     if args.prompt_len:
         cost = roofline.prefill(args.prompt_len)
         print(

@@ -16,6 +16,7 @@ from servelab.commands._engine_profile_cli import (
     wants_list,
 )
 from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_overrides_from_args
+from servelab.commands._speculative_cli import add_speculative_arguments, describe_speculation, speculation_from_args
 from servelab.errors import InvalidArgument
 from servelab.core.router import ROUTERS
 from servelab.spec.model import MODEL_HELP
@@ -87,6 +88,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         defaults=profile_defaults(),
         unset={"max_model_len": "the model's", "num_blocks": "from the memory plan", **PROFILE_UNSET},
     )
+    sp = parser.add_argument_group("speculative decoding")
+    add_speculative_arguments(sp)
+    sp.add_argument(
+        "--compare-speculation",
+        default=None,
+        metavar="CONCURRENCIES",
+        help="run each concurrency of this comma list (e.g. 1,4,16,64) as a closed loop with and without "
+        "the speculation, and print TPOT, throughput, speedup and the concurrency where it stops paying",
+    )
     add_workload_arguments(parser)
     o = parser.add_argument_group("output")
     o.add_argument(
@@ -153,6 +163,10 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201
         from servelab.cost.profile import load_profile, profile_step_cost
 
         cost_model = profile_step_cost(load_profile(args.profile, model=model.name), tp=args.tp)
+    speculation = speculation_from_args(args)
+    if speculation is not None and args.disagg is not None:
+        raise InvalidArgument("--speculative-config is simulated on colocated replicas; drop --disagg")
+    speculative, acceptance = speculation or (None, None)
     return engine_sim_config(
         args.engine_profile,
         model=model,
@@ -168,6 +182,8 @@ def config_from_args(args: argparse.Namespace):  # noqa: ANN201
         link_bandwidth_bytes_per_s=None if args.link_bandwidth is None else args.link_bandwidth * 1e9,
         link_latency_s=parse_duration_s(args.link_latency, name="--link-latency"),
         slo=_slo(args),
+        speculative=speculative,
+        spec_acceptance=acceptance,
     )
 
 
@@ -182,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     config = config_from_args(args)
     workload = workload_from_args(args)
+    if args.compare_speculation is not None:
+        return _compare(args, config, workload)
     warmup_requests, warmup_s = parse_warmup(args.warmup)
     check_output_file(args.requests_out, "--requests-out")
     check_output_dir(args.plot_dir, "--plot-dir")
@@ -217,6 +235,8 @@ def run(args: argparse.Namespace) -> int:
     )
     print(f"workload: {workload.describe()}")
     print(describe_config(config))
+    if result.speculation is not None:
+        print(_speculation_lines(config, result.speculation))
     if args.profile is not None:
         print(f"steps priced by {args.profile}: {c['cost_model']}")
         if config.host_cost is not None:
@@ -241,6 +261,88 @@ def run(args: argparse.Namespace) -> int:
     print(f"\nsimulated {result.num_steps:,} steps in {result.wall_s:.1f} s of wall time")
     for path in plots:
         print(f"wrote {path}")
+    return 0
+
+
+def _speculation_lines(config, speculation: dict) -> str:  # noqa: ANN001
+    spec = config.speculation()
+    r = speculation["realised"]
+    if not r["num_verifications"]:
+        return describe_speculation(spec.config, spec.acceptance, spec.draft) + "\nrealised: no verification ran"
+    return (
+        describe_speculation(spec.config, spec.acceptance, spec.draft)
+        + f"\nrealised: {r['num_verifications']:,} verifications, draft acceptance {r['draft_acceptance_rate']:.3f}, "
+        f"{r['tokens_per_verification']:.2f} tokens per verification step"
+    )
+
+
+def _compare(args: argparse.Namespace, config, workload) -> int:  # noqa: ANN001
+    from servelab.commands._table import render_table
+    from servelab.cost.speculative import SpeculativeCost
+    from servelab.sim.runner import build_cost_model
+    from servelab.sim.speculation_sweep import compare_speculation, crossover_concurrency
+    from servelab.units import parse_int_list
+
+    concurrencies = parse_int_list(args.compare_speculation, name="--compare-speculation")
+    if config.speculative is None:
+        raise InvalidArgument("--compare-speculation needs --speculative-config and an acceptance")
+    if args.concurrency is not None:
+        raise InvalidArgument("--compare-speculation sets the concurrencies; drop --concurrency")
+    levels = compare_speculation(config, workload, concurrencies)
+    crossover = crossover_concurrency(levels)
+    spec = config.speculation()
+    # The roofline's view at the same load: a steady decode batch at the mean context.
+    requests = workload.generate()
+    context = round(sum(r.prompt_tokens + r.output_tokens / 2 for r in requests) / len(requests))
+    analytic = SpeculativeCost(build_cost_model(config), spec.draft, spec.acceptance).crossover_batch(context)
+    if args.json:
+        print(json.dumps({"config": config.to_dict(), "levels": [level.to_dict() for level in levels],
+                          "crossover_concurrency": crossover, "cost_model_crossover_batch": analytic,
+                          "cost_model_context": context}, indent=2))  # fmt: skip
+        return 0
+    c = config.to_dict()
+    if c["extrapolation"]:
+        from servelab.cost.roofline import extrapolation_notice
+
+        print(extrapolation_notice(c["extrapolation"]))
+    print(f"{c['model']} on {c['hardware']} x{c['num_devices']} (tp={c['tp']}, {c['replicas']} replica(s))")
+    lengths = (
+        f"dataset {workload.dataset}" if workload.dataset else f"{workload.input_dist} in, {workload.output_dist} out"
+    )
+    print(
+        f"workload: {lengths}; at each concurrency C a closed loop, the same requests with and without "
+        f"speculation, its first C left out"
+    )
+    print(describe_config(config))
+    print(describe_speculation(spec.config, spec.acceptance, spec.draft))
+    print()
+    headers = ["concurrency", "plain TPOT ms", "spec TPOT ms", "plain tok/s", "spec tok/s", "tok/verify",
+               "TPOT speedup", "tok/s ratio", "note"]  # fmt: skip
+    body = [
+        [
+            level.concurrency,
+            f"{level.plain.tpot_s.mean * 1e3:.2f}",
+            f"{level.spec.tpot_s.mean * 1e3:.2f}",
+            f"{level.plain.output_throughput:,.0f}",
+            f"{level.spec.output_throughput:,.0f}",
+            "-" if level.tokens_per_verification is None else f"{level.tokens_per_verification:.2f}",
+            f"{level.speedup:.2f}x",
+            f"{level.throughput_ratio:.2f}x",
+            "<- crossover" if level.concurrency == crossover else "",
+        ]
+        for level in levels
+    ]
+    print(render_table(headers, body, left=(8,)))
+    print()
+    if crossover is None:
+        print(f"speculation pays at every concurrency up to {concurrencies[-1]:,} (steady-state mean TPOT and tok/s)")
+    else:
+        print(
+            f"speculation stops paying at concurrency {crossover:,} (steady-state mean TPOT or tok/s worse than "
+            "without it)"
+        )
+    where = "no crossover" if analytic is None else f"crossover at batch {analytic:,}"
+    print(f"the cost model's steady decode at context {context:,}: {where}")
     return 0
 
 

@@ -57,8 +57,11 @@ class HostOverheadCost:
         gpu_totals = getattr(gpu, "time_from_totals", None)
         if gpu_totals is not None:
 
-            def time_from_totals(num_tokens: int, num_seqs: int, context_tokens: int, pairs: int) -> float:
-                return self._combine(gpu_totals(num_tokens, num_seqs, context_tokens, pairs), num_seqs)
+            def time_from_totals(
+                num_tokens: int, num_seqs: int, context_tokens: int, pairs: int, logit_rows: int | None = None
+            ) -> float:
+                gpu_s = gpu_totals(num_tokens, num_seqs, context_tokens, pairs, logit_rows=logit_rows)
+                return self._combine(gpu_s, num_seqs)
 
             self.time_from_totals = time_from_totals
 

@@ -347,12 +347,18 @@ class ProfileStepCost:
         serving = ServingTerm(self.server_per_step_s, self.server_per_seq_s, self.serving_form).describe()
         return f"calibrated profile ({split}{kernels}; {serving})"
 
-    def time_from_totals(self, num_tokens: int, num_seqs: int, context_tokens: int, pairs: int) -> float:
+    def time_from_totals(
+        self, num_tokens: int, num_seqs: int, context_tokens: int, pairs: int, logit_rows: int | None = None
+    ) -> float:
+        """`logit_rows` past one per sequence (a speculative verification's) each cost `per_seq_s`:
+        the fit measured one logit row and its sampling per sequence and cannot split the two."""
         if num_tokens == 0:
             return 0.0
         x = features(num_tokens, num_seqs, context_tokens, pairs, self.kernel_rows)
+        extra_rows = 0 if logit_rows is None else logit_rows - num_seqs
         return (
             sum(c * f for c, f in zip(self.coefficients(), x))
+            + self.per_seq_s * extra_rows
             + self.server_per_step_s
             + self.server_per_seq_s * num_seqs
         )

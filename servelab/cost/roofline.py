@@ -360,10 +360,10 @@ class Roofline:
         assert self.gemm is not None
         return gemm_time_s(self.gemm, tokens, nk[0], nk[1], *self._gemm_args)
 
-    def _linear_s(self, num_tokens: int, num_seqs: int) -> float:
+    def _linear_s(self, num_tokens: int, logit_rows: int) -> float:
         """Every linear layer of the step by the measured GEMM model: each layer's projections and
         MLP over the step's tokens (a MoE layer runs each expert it expects to be hit over its
-        share of them), and the LM head over one position per sequence. Cached by token count: a
+        share of them), and the LM head over the positions that compute logits. Cached by token count: a
         simulation sees few distinct ones."""
         layer_s = self._layer_linear_cache.get(num_tokens)
         if layer_s is None:
@@ -377,9 +377,9 @@ class Roofline:
                 layer_s += self._gemm_s(num_tokens, (self._num_experts, self.model.hidden_size))  # router
             layer_s *= self.model.num_layers
             self._layer_linear_cache[num_tokens] = layer_s
-        head_s = self._lm_head_cache.get(num_seqs)
+        head_s = self._lm_head_cache.get(logit_rows)
         if head_s is None:
-            head_s = self._lm_head_cache[num_seqs] = self._gemm_s(num_seqs, self._lm_head)
+            head_s = self._lm_head_cache[logit_rows] = self._gemm_s(logit_rows, self._lm_head)
         return layer_s + head_s
 
     # ---- the seed's headline figures --------------------------------------------------------
@@ -430,15 +430,21 @@ class Roofline:
     def step_time_s(self, shape: Shape) -> float:
         return self.time_from_totals(*self.totals(shape))
 
-    def time_from_totals(self, num_tokens: int, num_seqs: int, context_tokens: int, pairs: int) -> float:
-        """The hot path: a step's time from its four sums (a simulator can keep them running)."""
+    def time_from_totals(
+        self, num_tokens: int, num_seqs: int, context_tokens: int, pairs: int, logit_rows: int | None = None
+    ) -> float:
+        """The hot path: a step's time from its four sums (a simulator can keep them running).
+        `logit_rows`: positions that compute logits, when not one per sequence (a speculative
+        verification scores every position of its chunk)."""
         if num_tokens == 0:
             return 0.0
+        if logit_rows is None:
+            logit_rows = num_seqs
         if self.gemm is not None:  # measured kernels run one after another: their times add up
             compute_s = pairs * self._attention_s_per_pair
             memory_s = context_tokens * self._attention_s_per_context_token
             return (
-                self._linear_s(num_tokens, num_seqs)
+                self._linear_s(num_tokens, logit_rows)
                 + (compute_s if compute_s > memory_s else memory_s)
                 + (self._prefill_attention_overhead_s if num_tokens > num_seqs else self._decode_attention_overhead_s)
                 + num_tokens * (self._memory_s_per_token + self._comm_s_per_token)
@@ -448,7 +454,7 @@ class Roofline:
             )
         compute_s = (
             num_tokens * self._compute_s_per_token
-            + num_seqs * self._compute_s_per_seq
+            + logit_rows * self._compute_s_per_seq
             + pairs * self._compute_s_per_pair
         )
         weight_s = self._dense_weight_s
@@ -532,9 +538,15 @@ class Roofline:
     def step(self, shape: Shape) -> StepCost:
         return self.cost_from_totals(*self.totals(shape))
 
-    def cost_from_totals(self, num_tokens: int, num_seqs: int, context_tokens: int, pairs: int) -> StepCost:
+    def cost_from_totals(
+        self, num_tokens: int, num_seqs: int, context_tokens: int, pairs: int, logit_rows: int | None = None
+    ) -> StepCost:
+        if logit_rows is None:
+            logit_rows = num_seqs
         flops = (
-            num_tokens * self._flops_per_token + num_seqs * self._flops_per_seq + pairs * self._flops_per_attention_pair
+            num_tokens * self._flops_per_token
+            + logit_rows * self._flops_per_seq
+            + pairs * self._flops_per_attention_pair
         )
         weight_bytes = self._weight_bytes(num_tokens) if num_tokens else 0.0
         kv_read = context_tokens * self.kv_bytes_per_token
@@ -561,7 +573,7 @@ class Roofline:
                 + weight_bytes / (self.peak_bandwidth_bytes_per_s * self.gemm.bandwidth_fraction)
             )
             time_s = (
-                self._linear_s(num_tokens, num_seqs)
+                self._linear_s(num_tokens, logit_rows)
                 + self._attention_s(num_tokens, num_seqs, context_tokens, pairs)
                 + new_bytes_s
                 + comm_s

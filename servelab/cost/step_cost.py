@@ -51,7 +51,9 @@ class StepCostModel(Protocol):
     A model may also offer `time_from_totals(num_tokens, num_seqs, context_tokens, pairs)` (the
     sums of `Roofline.totals(shape)`); the simulator then prices steps from the scheduler's running
     sums and never builds the shape. It must return exactly what `step_time_s` returns for a
-    shape with those sums (a subclass that overrides one must override the other)."""
+    shape with those sums (a subclass that overrides one must override the other), and take
+    `logit_rows=` (positions that compute logits, default one per sequence) for speculative
+    verification steps."""
 
     def step_time_s(self, shape: Shape) -> float: ...
 

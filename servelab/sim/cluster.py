@@ -31,6 +31,7 @@ from servelab.errors import ServelabError
 from servelab.metrics import RequestRecord
 from servelab.sim.executor import SimExecutor, StepCostModel
 from servelab.sim.implicit_decodes import ImplicitDecodeScheduler, SimSequence
+from servelab.sim.speculative import Speculation, SpeculativeSimExecutor, propose
 from servelab.core.router import Router
 from servelab.workload import RequestSpec, simulated_prompt
 
@@ -116,14 +117,18 @@ class ClusterSim:
         kv_bytes_per_token: float = 0.0,
         link_bandwidth_bytes_per_s: float = float("inf"),
         link_latency_s: float = 0.0,
+        speculation: Speculation | None = None,
     ) -> None:
-        """`pools` maps a role ("mixed", or "prefill" and "decode") to (replica count, config)."""
+        """`pools` maps a role ("mixed", or "prefill" and "decode") to (replica count, config).
+        With `speculation`, every decoding sequence proposes its drafts before each step."""
         self.replicas: list[Replica] = []
         self.pools: dict[str, list[Replica]] = {}
         # Every simulated token is this id, so steady decodes can run implicitly; that needs a
-        # cost model that prices a step from its sums (the roofline does).
+        # cost model that prices a step from its sums (the roofline does). A speculative decode
+        # advances by a drawn number of tokens a step, which implicit decodes cannot express.
         token = 1
-        implicit = getattr(cost_model, "time_from_totals", None) is not None
+        implicit = getattr(cost_model, "time_from_totals", None) is not None and speculation is None
+        self.drafts = [token] * speculation.k if speculation is not None else None
         for role, (count, config) in pools.items():
             pool = []
             for _ in range(count):
@@ -132,7 +137,13 @@ class ClusterSim:
                     if implicit
                     else Scheduler(config, keep_finished=0)
                 )
-                replica = Replica(len(self.replicas), role, scheduler, SimExecutor(cost_model, token))
+                index = len(self.replicas)
+                executor = (
+                    SimExecutor(cost_model, token)
+                    if speculation is None
+                    else SpeculativeSimExecutor(cost_model, speculation, f"{seed}:{index}", token)
+                )
+                replica = Replica(index, role, scheduler, executor)
                 pool.append(replica)
                 self.replicas.append(replica)
             self.pools[role] = pool
@@ -281,6 +292,8 @@ class ClusterRun:
 
     def start_step(self, replica: Replica, t: float) -> None:
         sched = replica.scheduler
+        if self.sim.drafts is not None:
+            propose(sched, self.sim.drafts)
         plan = sched.schedule(t)
         if plan.is_empty:
             replica.busy = False

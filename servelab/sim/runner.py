@@ -14,14 +14,17 @@ from typing import Any
 
 from servelab.core.admission import whole_prompt_too_long
 from servelab.core.config import ResolvedSchedulerConfig, SchedulerConfig
+from servelab.core.speculative import SpeculativeConfig
 from servelab.cost.host_overhead import HostCost, HostOverheadCost
 from servelab.cost.memory import MemoryPlan
+from servelab.cost.speculative import Acceptance, draft_cost, draft_model_spec, kv_tokens_beside_draft
 from servelab.cost.step_cost import StepCostModel
 from servelab.errors import DoesNotFit, InvalidArgument, RequestTooLong
 from servelab.metrics import SLO, RequestRecord, Summary, steady_state_summary, summarize
 from servelab.metrics.summary import Dist
 from servelab.sim.cluster import ClusterSim, StepTrace
 from servelab.sim.engine_profiles import engine_profile
+from servelab.sim.speculative import Speculation, realised
 from servelab.core.router import ROUTERS
 from servelab.spec.dtypes import DEFAULT_DTYPE, canonical_dtype, kv_dtype_alias
 from servelab.spec.hardware import HardwareSpec, get_hardware
@@ -59,12 +62,32 @@ class SimConfig:
     engine_profile: str | None = None
     # The engine's host work per step, added after the roofline's time or hidden behind it.
     host_cost: HostCost | None = None
+    # Speculative decoding (vLLM's --speculative-config, or its JSON) and how often drafts are
+    # accepted; None: plain decoding.
+    speculative: SpeculativeConfig | str | None = None
+    spec_acceptance: Acceptance | None = None
 
     def __post_init__(self) -> None:
         self.weight_dtype, self.kv_cache_dtype = (
             canonical_dtype(self.weight_dtype),
             canonical_dtype(self.kv_cache_dtype),
         )
+        self.speculative = SpeculativeConfig.parse(self.speculative)
+        if self.speculative is None:
+            if self.spec_acceptance is not None:
+                raise InvalidArgument("an acceptance model needs a speculative config", param="spec_acceptance")
+        else:
+            if self.spec_acceptance is None:
+                raise InvalidArgument(
+                    "speculative decoding needs an acceptance model (a rate or a measured profile)",
+                    param="spec_acceptance",
+                )
+            self.spec_acceptance = self.spec_acceptance.for_k(self.speculative.num_speculative_tokens)
+            if self.disagg is not None:
+                raise InvalidArgument(
+                    "speculative decoding is simulated on colocated replicas, not with disaggregation",
+                    param="speculative_config",
+                )
         if self.disagg is not None:
             p, d = self.disagg
             if p < 1 or d < 1:
@@ -103,6 +126,22 @@ class SimConfig:
         return extrapolation(self.model_spec, self.hardware_spec, self.weight_dtype, self.kv_cache_dtype, self.tp)
 
     @property
+    def spec_config(self) -> SpeculativeConfig:
+        assert isinstance(self.speculative, SpeculativeConfig)  # parsed in __post_init__
+        return self.speculative
+
+    def speculation(self) -> Speculation | None:
+        """The draft and acceptance models of a speculative run, the draft priced on the same devices."""
+        if self.speculative is None:
+            return None
+        assert self.spec_acceptance is not None  # __post_init__ requires it
+        config = self.spec_config
+        draft = draft_cost(
+            config, self.hardware_spec, self.weight_dtype, self.kv_cache_dtype, self.tp, efficiency=self.efficiency
+        )
+        return Speculation(config, self.spec_acceptance, draft)
+
+    @property
     def num_replicas(self) -> int:
         return sum(self.disagg) if self.disagg else self.replicas
 
@@ -136,6 +175,8 @@ class SimConfig:
             "cost_model": "roofline" if self.cost_model is None else _describe(self.cost_model),
             "extrapolation": list(self.extrapolation),
             "host_cost": None if self.host_cost is None or self.cost_model is not None else self.host_cost.describe(),
+            "speculative_config": None if self.speculative is None else self.spec_config.to_json(),
+            "spec_acceptance": None if self.spec_acceptance is None else self.spec_acceptance.to_dict(),
             "slo": None if self.slo is None else self.slo.to_dict(),
         }
 
@@ -181,6 +222,8 @@ class SimResult:
     steady: Summary | None = None
     warmup_requests_excluded: int = 0
     warmup_s: float = 0.0
+    # Speculative runs: what was modelled and what the run accepted (`realised`).
+    speculation: dict[str, Any] | None = None
 
     @property
     def num_steps(self) -> int:
@@ -194,6 +237,8 @@ class SimResult:
         if self.steady is not None:
             out["steady_state"] = {"startup_requests_excluded": self.warmup_requests_excluded,
                                    "warmup_s": self.warmup_s, "summary": self.steady.to_dict()}  # fmt: skip
+        if self.speculation is not None:
+            out["speculation"] = self.speculation
         out["sim"] = {"steps": self.num_steps, "wall_s": self.wall_s}
         return out
 
@@ -246,7 +291,9 @@ def scheduler_config(config: SimConfig) -> ResolvedSchedulerConfig:
             model, config.hardware_spec, config.weight_dtype, config.kv_cache_dtype, config.tp, config.memory_fraction
         )
         plan.require_weights_fit()
-        num_blocks = plan.kv_capacity_tokens // config.scheduler.block_size
+        # A draft model's weights and KV share the devices with the target's.
+        draft = None if config.speculative is None else draft_model_spec(config.spec_config)
+        num_blocks = kv_tokens_beside_draft(plan, draft) // config.scheduler.block_size
         if num_blocks < 1:
             raise DoesNotFit(f"{plan.describe()}: no room left for even one KV block after the weights")
     return config.scheduler.resolve(
@@ -338,6 +385,7 @@ def simulate(
     else:
         pools = {"mixed": (config.replicas, sched)}
     link_bw = config.link_bandwidth_bytes_per_s or DEFAULT_LINK_BYTES_PER_S_PER_DEVICE * config.tp
+    speculation = config.speculation()
     sim = ClusterSim(
         pools,
         cost_model,
@@ -346,6 +394,7 @@ def simulate(
         kv_bytes_per_token=model.kv_bytes_per_token(config.kv_cache_dtype),
         link_bandwidth_bytes_per_s=link_bw,
         link_latency_s=config.link_latency_s,
+        speculation=speculation,
     )
     bar = None
     if progress:
@@ -398,6 +447,13 @@ def simulate(
         steady=steady,
         warmup_requests_excluded=0 if steady is None else summary.num_requests - steady.num_requests,
         warmup_s=warmup_s,
+        speculation=None
+        if speculation is None
+        else {
+            **speculation.describe(),
+            "realised": realised([r.scheduler.spec_counters for r in out.replicas]),
+            "draft_busy_s": sum(getattr(r.executor, "draft_s", 0.0) for r in out.replicas),
+        },
     )
 
 
