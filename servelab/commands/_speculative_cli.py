@@ -60,8 +60,12 @@ def speculation_from_args(args: argparse.Namespace) -> tuple[Any, Any] | None:
         if not 0.0 <= rate <= 1.0:
             raise InvalidArgument(f"--spec-acceptance must be in [0, 1], got {rate:g}", param="spec_acceptance")
         return config, Acceptance.rate(rate, k)
+    from servelab.workload.acceptance import load_profile
+
     try:
-        return config, Acceptance.load(profile).for_k(k)
+        measured = load_profile(profile)  # the format `bench --spec-profile-out` writes
+        acceptance = Acceptance.from_counts(measured.num_drafts, measured.accepted_per_position, f"profile {profile}")
+        return config, acceptance.for_k(k)
     except InvalidArgument as e:
         message = e.message if e.message.startswith("--") else f"--spec-acceptance-profile: {e.message}"
         raise InvalidArgument(message, param="spec_acceptance_profile") from None

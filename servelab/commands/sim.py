@@ -267,11 +267,11 @@ def run(args: argparse.Namespace) -> int:
 def _speculation_lines(config, speculation: dict) -> str:  # noqa: ANN001
     spec = config.speculation()
     r = speculation["realised"]
-    if not r["num_verifications"]:
+    if not r["num_drafts"]:
         return describe_speculation(spec.config, spec.acceptance, spec.draft) + "\nrealised: no verification ran"
     return (
         describe_speculation(spec.config, spec.acceptance, spec.draft)
-        + f"\nrealised: {r['num_verifications']:,} verifications, draft acceptance {r['draft_acceptance_rate']:.3f}, "
+        + f"\nrealised: {r['num_drafts']:,} verifications, draft acceptance {r['acceptance_rate']:.3f}, "
         f"{r['tokens_per_verification']:.2f} tokens per verification step"
     )
 

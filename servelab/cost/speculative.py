@@ -21,7 +21,6 @@ batches and stops paying at the crossover batch.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -40,11 +39,6 @@ from servelab.spec.model import ModelSpec
 NGRAM_PROPOSE_S_PER_SEQ = 10e-6
 # The crossover search's ceiling on the decode batch.
 MAX_CROSSOVER_BATCH = 1 << 20
-PROFILE_FORMAT = (
-    'a JSON object: {"acceptance_per_position": [a_1, ..., a_K]} (a_i = P(draft i accepted | drafts before it '
-    'accepted)) or vLLM\'s counters {"num_drafts": N, "accepted_per_position": [n_1, ..., n_K]} '
-    "(n_i = verifications that accepted draft i)"
-)
 
 
 def _check_rate(value: float, what: str, param: str) -> float:
@@ -84,45 +78,6 @@ class Acceptance:
                 param="spec_acceptance_profile",
             )
         return cls(tuple(b / a if a else 0.0 for a, b in zip(counts, counts[1:])), source)
-
-    @classmethod
-    def from_json(cls, data: Any, source: str) -> Acceptance:
-        """A profile: {"acceptance_per_position": [...]} or {"num_drafts": N, "accepted_per_position": [...]}."""
-        if isinstance(data, dict) and "acceptance_per_position" in data:
-            rates = data["acceptance_per_position"]
-            if not isinstance(rates, list) or not rates:
-                raise InvalidArgument(
-                    f"{source}: acceptance_per_position must be a non-empty list", param="spec_acceptance_profile"
-                )
-            return cls(
-                tuple(_check_rate(a, f"{source}: acceptance_per_position[{i}]", "spec_acceptance_profile")
-                      for i, a in enumerate(rates)),
-                source,
-            )  # fmt: skip
-        if isinstance(data, dict) and "num_drafts" in data and "accepted_per_position" in data:
-            counts = data["accepted_per_position"]
-            if not isinstance(counts, list) or not counts:
-                raise InvalidArgument(
-                    f"{source}: accepted_per_position must be a non-empty list", param="spec_acceptance_profile"
-                )
-            return cls.from_counts(data["num_drafts"], counts, source)
-        raise InvalidArgument(f"{source}: expected {PROFILE_FORMAT}", param="spec_acceptance_profile")
-
-    @classmethod
-    def load(cls, path: str) -> Acceptance:
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except OSError as e:
-            raise InvalidArgument(
-                f"--spec-acceptance-profile: cannot read {path}: {e.strerror}", param="spec_acceptance_profile"
-            ) from None
-        except (json.JSONDecodeError, UnicodeDecodeError) as e:
-            raise InvalidArgument(
-                f"--spec-acceptance-profile: {path} is not JSON ({e}); expected {PROFILE_FORMAT}",
-                param="spec_acceptance_profile",
-            ) from None
-        return cls.from_json(data, f"profile {path}")
 
     def for_k(self, k: int) -> Acceptance:
         """The first `k` positions; a profile measured with fewer drafts cannot say what later ones do."""

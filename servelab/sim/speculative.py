@@ -22,6 +22,7 @@ from servelab.core.speculative import SpecDecodeCounters, SpeculativeConfig
 from servelab.cost.speculative import Acceptance, DraftCost
 from servelab.cost.step_cost import StepCostModel
 from servelab.sim.executor import SimExecutor
+from servelab.workload.acceptance import AcceptanceProfile
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,23 +99,19 @@ class SpeculativeSimExecutor(SimExecutor):
 
 
 def realised(counters: list[SpecDecodeCounters]) -> dict[str, Any]:
-    """The replicas' counters summed: what the run accepted, as vLLM's metrics report it."""
-    total = SpecDecodeCounters()
+    """The replicas' counters summed: what the run accepted, as an acceptance profile (the format
+    `bench --spec-profile-out` writes and `--spec-acceptance-profile` reads) plus its tokens per
+    verification step."""
+    per_pos: list[int] = []
     for c in counters:
-        total.num_drafts += c.num_drafts
-        total.num_draft_tokens += c.num_draft_tokens
-        total.num_accepted_tokens += c.num_accepted_tokens
-        per_pos = total.accepted_per_position
-        if len(per_pos) < len(c.accepted_per_position):
-            per_pos.extend([0] * (len(c.accepted_per_position) - len(per_pos)))
+        per_pos.extend([0] * (len(c.accepted_per_position) - len(per_pos)))
         for i, n in enumerate(c.accepted_per_position):
             per_pos[i] += n
-    return {
-        "num_verifications": total.num_drafts,
-        "num_draft_tokens": total.num_draft_tokens,
-        "num_accepted_tokens": total.num_accepted_tokens,
-        "draft_acceptance_rate": total.acceptance_rate,
-        "tokens_per_verification": 1 + total.num_accepted_tokens / total.num_drafts if total.num_drafts else None,
-        "num_drafts": total.num_drafts,
-        "accepted_per_position": total.accepted_per_position,
-    }
+    profile = AcceptanceProfile(
+        num_drafts=sum(c.num_drafts for c in counters),
+        num_draft_tokens=sum(c.num_draft_tokens for c in counters),
+        num_accepted_tokens=sum(c.num_accepted_tokens for c in counters),
+        accepted_per_position=tuple(per_pos),
+        source="servelab sim",
+    )
+    return {**profile.to_dict(), "tokens_per_verification": profile.tokens_per_step if profile.num_drafts else None}

@@ -7,6 +7,7 @@ import json
 import pytest
 
 from servelab.cli import main
+from servelab.workload.acceptance import AcceptanceProfile
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
 ROOFLINE = ["roofline", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--context", "512"]
@@ -36,7 +37,10 @@ def test_roofline_json_carries_the_speculative_row(capsys):
 
 def test_roofline_reads_an_acceptance_profile(tmp_path, capsys):
     path = tmp_path / "acceptance.json"
-    path.write_text(json.dumps({"num_drafts": 100, "accepted_per_position": [80, 60, 30, 10]}))
+    counts = [80, 60, 30, 10]
+    profile = AcceptanceProfile(num_drafts=100, num_draft_tokens=400, num_accepted_tokens=180,
+                                accepted_per_position=tuple(counts), source="test")  # fmt: skip
+    profile.write(path)
     args = [*ROOFLINE, "--json", "--batch", "1", "--speculative-config", NGRAM, "--spec-acceptance-profile", str(path)]
     assert main(args) == 0
     assert json.loads(capsys.readouterr().out)[0]["speculative"]["tokens_per_step"] == pytest.approx(2.8)
@@ -67,7 +71,10 @@ def test_roofline_with_a_draft_model(capsys):
             ["--speculative-config", NGRAM, "--spec-acceptance", "0.5", "--spec-acceptance-profile", "x.json"],
             "exactly one of",
         ),
-        (["--speculative-config", NGRAM, "--spec-acceptance-profile", "/no/such.json"], "cannot read /no/such.json"),
+        (
+            ["--speculative-config", NGRAM, "--spec-acceptance-profile", "/no/such.json"],
+            "'/no/such.json': no such file",
+        ),
         (
             ["--speculative-config", '{"model": "nope-7b", "num_speculative_tokens": 2}', "--spec-acceptance", ".5"],
             "speculative_config.model 'nope-7b'",
@@ -83,7 +90,9 @@ def test_bad_speculation_flags_are_one_line_errors(capsys, args, needle):
 
 def test_a_short_profile_names_the_flag(tmp_path, capsys):
     path = tmp_path / "acceptance.json"
-    path.write_text(json.dumps({"acceptance_per_position": [0.9, 0.8]}))
+    AcceptanceProfile(num_drafts=10, num_draft_tokens=20, num_accepted_tokens=15, accepted_per_position=(9, 6)).write(
+        path
+    )
     assert main([*ROOFLINE, "--speculative-config", NGRAM, "--spec-acceptance-profile", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"error: --spec-acceptance-profile: profile {path} covers 2 draft position(s), fewer than " in err

@@ -3,7 +3,6 @@ verification and draft pricing, and the speedup's shape (falls to below 1 at the
 
 from __future__ import annotations
 
-import json
 import math
 import random
 
@@ -52,38 +51,20 @@ def test_expected_tokens_per_position():
 
 def test_counters_give_conditional_rates():
     # 10 verifications: 8 accepted draft 1, 4 of those draft 2, 1 draft 3
-    a = Acceptance.from_json({"num_drafts": 10, "accepted_per_position": [8, 4, 1, 0]}, "p")
+    a = Acceptance.from_counts(10, [8, 4, 1, 0], "p")
     assert a.per_position == pytest.approx((0.8, 0.5, 0.25, 0.0))
     assert a.for_k(2).per_position == pytest.approx((0.8, 0.5))
-    assert Acceptance.from_json({"acceptance_per_position": [0.9, 0.7]}, "p").per_position == (0.9, 0.7)
+    with pytest.raises(InvalidArgument, match="covers 4 draft position"):
+        a.for_k(5)
 
 
 @pytest.mark.parametrize(
-    ("data", "match"),
-    [
-        ({"num_drafts": 10, "accepted_per_position": [4, 8]}, "must not grow"),
-        ({"num_drafts": 0, "accepted_per_position": [0]}, "num_drafts"),
-        ({"acceptance_per_position": [0.5, 1.5]}, r"acceptance_per_position\[1\]"),
-        ({"acceptance_per_position": []}, "non-empty"),
-        ([0.5, 0.5], "expected a JSON object"),
-    ],
+    ("num_drafts", "counts", "match"),
+    [(10, [4, 8], "must not grow"), (0, [0], "num_drafts"), (10, [-1], "integers >= 0")],
 )
-def test_bad_profiles_are_refused(data, match):
+def test_bad_counts_are_refused(num_drafts, counts, match):
     with pytest.raises(InvalidArgument, match=match):
-        Acceptance.from_json(data, "profile p.json")
-
-
-def test_profile_file_and_its_length(tmp_path):
-    path = tmp_path / "acc.json"
-    path.write_text(json.dumps({"acceptance_per_position": [0.9, 0.8]}))
-    a = Acceptance.load(str(path))
-    with pytest.raises(InvalidArgument, match="covers 2 draft position"):
-        a.for_k(4)
-    (tmp_path / "bad.json").write_text("{")
-    with pytest.raises(InvalidArgument, match="not JSON"):
-        Acceptance.load(str(tmp_path / "bad.json"))
-    with pytest.raises(InvalidArgument, match="cannot read"):
-        Acceptance.load(str(tmp_path / "missing.json"))
+        Acceptance.from_counts(num_drafts, counts, "profile p.json")
 
 
 def test_sampled_acceptance_has_the_expected_mean():
