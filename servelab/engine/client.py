@@ -80,10 +80,12 @@ def prepare_logits_processors(processors: LogitsProcessors | None, params: Sampl
         return
     if processors is None:
         asked = [f for f in ("logit_bias", "allowed_token_ids", "bad_words") if getattr(params, f)]
+        if params.structured_output is not None:
+            asked.append(params.structured_output.source)
         raise InvalidArgument(
             "this engine does not sample real logits, so logit_bias, allowed_token_ids, bad_words and "
             "structured outputs are not available",
-            param=asked[0] if asked else params.structured_output.source,
+            param=asked[0],
         )
     processors.prepare(params, *siblings, grammar=grammar)
 

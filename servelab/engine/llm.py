@@ -10,7 +10,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from servelab.core.plan import TokenLogprobs
 from servelab.core.sequence import FinishReason, PoolingParams, SamplingParams, Sequence
@@ -75,7 +75,7 @@ class EmbeddingOutput:
     embedding: list[float]
 
 
-def _is_chat(x: Any) -> bool:
+def _is_chat(x: Any) -> TypeGuard[Chat]:
     return isinstance(x, list) and bool(x) and all(isinstance(m, dict) for m in x)
 
 
@@ -240,20 +240,23 @@ class LLM:
             while engine.has_unfinished():
                 engine.step()
             raise
-        bad = next((seq for _, seq in seqs if seq.pooled is None), None)
-        if bad is not None:
-            raise InvalidArgument(f"request {bad.request_id} returned no embedding: {bad.error or bad.finish_reason}")
-        return [EmbeddingOutput(rid, list(seq.prompt_token_ids), seq.pooled) for rid, seq in seqs]
+        results = []
+        for rid, seq in seqs:
+            if seq.pooled is None:
+                raise InvalidArgument(f"request {rid} returned no embedding: {seq.error or seq.finish_reason}")
+            results.append(EmbeddingOutput(rid, list(seq.prompt_token_ids), seq.pooled))
+        return results
 
     def chat(
         self, messages: Chat | Seq[Chat], sampling_params: SamplingParams | Seq[SamplingParams] | None = None
     ) -> list[GenerationOutput]:
         """Like `generate`, for one chat or a list of chats."""
+        chats: list[Chat]
         if _is_chat(messages):
             chats = [messages]
         else:
-            chats = list(messages) if isinstance(messages, (list, tuple)) else None
-            if not chats or not all(_is_chat(c) for c in chats):
+            chats = [c for c in messages if _is_chat(c)] if isinstance(messages, (list, tuple)) else []
+            if not chats or len(chats) != len(messages):
                 got = "a string (use generate() for plain text)" if isinstance(messages, str) else repr(messages)[:80]
                 raise InvalidArgument(
                     "messages must be a chat (a list of {'role', 'content'} message dicts) or a list of chats, "
