@@ -39,6 +39,7 @@ class EngineOutput:
     stop_reason: int | str | None = None  # the stop string or token id that ended it
     error: str | None = None  # why it ended with finish reason "error", where known
     pooled: list[float] | None = None  # an embedding request's vector, once finished
+    prompt_token_ids: list[int] | None = None  # in the request's first output only
 
     @property
     def last_token_offset_s(self) -> float | None:

@@ -101,7 +101,7 @@ def test_max_waiting_bounds_the_clusters_waiting_requests_not_each_workers(fake_
     run(main(cluster))
     for engine in engines.values():
         stats = engine.stats()
-        assert stats.num_blocks_free == stats.num_blocks_total and not engine._requests
+        assert stats.num_blocks_free == stats.num_blocks_total and not engine.core._requests
 
 
 def test_a_full_cluster_answers_the_same_503_as_one_engine(fake_engine):
@@ -203,7 +203,7 @@ def test_aborts_and_early_exits_leak_no_block_on_any_worker(fake_engine):
     for engine in engines.values():
         stats = engine.stats()
         assert stats.num_blocks_free == stats.num_blocks_total and stats.num_running == stats.num_waiting == 0
-        assert not engine._requests
+        assert not engine.core._requests
 
 
 def test_admission_errors_come_back_as_themselves_and_leave_nothing(fake_engine):
