@@ -343,15 +343,4 @@ class LLMEngine:
         return failed_output(out, self.core.finish(out.request_id, FinishReason.ERROR))
 
     def stats(self) -> EngineStats:
-        s = self.core.stats()
-        return EngineStats(
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            kv_cache_usage=float(s.kv_usage),
-            num_blocks_total=self.scheduler_config.num_blocks,
-            num_blocks_free=int(s.num_free_blocks),
-            num_preemptions=int(s.num_preemptions),
-            prefix_cache_hits=int(s.prefix_cache_hits),
-            prefix_cache_queries=int(s.prefix_cache_queries),
-            num_waiting_deferred=self.scheduler.num_reserved,
-        )
+        return EngineStats(self.core.stats(), self.scheduler_config.num_blocks, self.scheduler.num_reserved)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -261,7 +262,7 @@ def test_cluster_counters_never_decrease_whatever_reports_and_deaths_come(events
     from servelab.cluster.front_end import ClusterEngine, WorkerHandle
     from servelab.engine.outputs import EngineStats
 
-    workers = [WorkerHandle(i, link=None, ready=None, stats=EngineStats(0, 0, 0.0, 8, 8, 0, 0, 0)) for i in range(3)]
+    workers = [WorkerHandle(i, link=None, ready=None, stats=EngineStats.idle(8)) for i in range(3)]
     cluster = SimpleNamespace(workers=workers, retired=[])
     totals = lambda s: (s.num_preemptions, s.prefix_cache_hits, s.prefix_cache_queries)  # noqa: E731
     last = totals(ClusterEngine.stats.fget(cluster))
@@ -269,8 +270,9 @@ def test_cluster_counters_never_decrease_whatever_reports_and_deaths_come(events
         w = workers[i]
         if w.alive:
             s = w.stats
-            w.stats = EngineStats(0, 0, 0.0, 8, 8, s.num_preemptions + d, s.prefix_cache_hits + d,
-                                  s.prefix_cache_queries + 2 * d)  # fmt: skip
+            counts = replace(s.scheduler, num_preemptions=s.num_preemptions + d, prefix_cache_hits=s.prefix_cache_hits + d,
+                             prefix_cache_queries=s.prefix_cache_queries + 2 * d)  # fmt: skip
+            w.stats = EngineStats(counts, 8)
             if dies:
                 w.failure = "killed"
         now = totals(ClusterEngine.stats.fget(cluster))
