@@ -5,7 +5,7 @@ tokenizes a request into an `EngineCoreRequest`; `EngineCore` (engine/core.py, t
 the executor) runs it and returns plain `EngineOutput`s; `OutputProcessor`
 (engine/output_processor.py) adds their text and applies stop strings. The in-process server
 (server/async_engine.py), a cluster worker (cluster/worker_loop.py) and the offline `LLM` all
-drive it through `add_request`, `abort` and `step`.
+drive it through `add_request`, `abort` and `step` (client.SyncEngine).
 
 Single-threaded by design: the server calls `step()` from one dedicated thread and hands it
 requests and aborts through a queue. Importing this module does not import torch; the model is

@@ -127,3 +127,63 @@ def test_a_prefilled_requests_first_token_can_hold_its_stop_string(tokenizer):
     assert len(outs) == 1 and outs[0].finished and outs[0].finish_reason is FinishReason.STOP
     assert outs[0].new_token_ids == [first] and stop not in outs[0].text_delta
     assert engine.core.num_requests == 0 and engine.stats().num_blocks_free == CONFIG.num_blocks
+
+
+class _OnlySyncEngine:
+    """LLMEngine behind client.SyncEngine's calls alone; add_request returns nothing, so a caller
+    must build its results from the outputs."""
+
+    def __init__(self, engine: LLMEngine):
+        self._engine = engine
+        self.front = engine.front
+        self.sequences: dict = {}
+
+    def add_request(self, request_id, prompt, params, **kwargs) -> None:
+        self.sequences[request_id] = self._engine.add_request(request_id, prompt, params, **kwargs)
+
+    def abort(self, request_id):
+        return self._engine.abort(request_id)
+
+    def step(self):
+        return self._engine.step()
+
+    def has_unfinished(self):
+        return self._engine.has_unfinished()
+
+    def stats(self):
+        return self._engine.stats()
+
+    def close(self):
+        self._engine.close()
+
+
+def test_the_offline_llm_builds_its_results_from_the_outputs_alone(tokenizer):
+    from servelab.engine.llm import LLM
+
+    engine = _OnlySyncEngine(LLMEngine(_executor(tokenizer), tokenizer, CONFIG, "fake"))
+    llm = LLM.from_engine(engine)
+    outs = llm.generate(["hello world", [5, 6, 7]], SamplingParams(max_tokens=6, ignore_eos=True))
+    for out in outs:
+        seq = engine.sequences[out.request_id]
+        assert out.prompt_token_ids == seq.prompt_token_ids and out.token_ids == seq.output_token_ids
+        assert out.text == tokenizer.decode(seq.output_token_ids) and out.finish_reason is FinishReason.LENGTH
+        t, a = out.timings, seq.arrival_s
+        assert t.ttft_s == seq.first_token_s - a and t.e2e_s == seq.token_times_s[-1] - a
+        assert t.queue_s == seq.first_scheduled_s - a and len(t.itl_s) == 5
+        assert t.tpot_s == pytest.approx((t.e2e_s - t.ttft_s) / 5)
+
+
+def test_the_offline_llm_leaves_the_engine_clean_when_interrupted(tokenizer):
+    from servelab.engine.llm import LLM
+
+    inner = LLMEngine(_executor(tokenizer), tokenizer, CONFIG, "fake")
+    llm = LLM.from_engine(_OnlySyncEngine(inner))
+
+    def interrupt(out) -> None:
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(["a", "b"], SamplingParams(max_tokens=30, ignore_eos=True), on_output=interrupt)
+    assert not inner.has_unfinished() and inner.core.num_requests == 0
+    assert inner.stats().num_blocks_free == CONFIG.num_blocks
+    assert [o.text for o in llm.generate("a", SamplingParams(max_tokens=3, ignore_eos=True))] != [""]
