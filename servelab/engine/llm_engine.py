@@ -74,6 +74,10 @@ class LLMEngine:
     def executor(self) -> Executor:
         return self.core.executor
 
+    @executor.setter
+    def executor(self, executor: Executor) -> None:
+        self.core.executor = executor
+
     @property
     def scheduler(self) -> Scheduler:
         return self.core.scheduler
@@ -95,6 +99,10 @@ class LLMEngine:
         """logit_bias, allowed_token_ids, bad_words, structured outputs: the sampler applies them;
         None where the executor samples no real logits (a simulated or fake one)."""
         return self.core.logits_processors
+
+    @logits_processors.setter
+    def logits_processors(self, processors: LogitsProcessors | None) -> None:
+        self.core.logits_processors = self.input_processor.logits_processors = processors
 
     @property
     def last_step_num_tokens(self) -> int:
