@@ -68,7 +68,7 @@ bench-peers: $(PEERS_VENV)/.installed
 	$(PEERS_BIN)/python benchmarks/peers.py $(PEERS_ARGS)
 
 # SIMDe's headers (Debian's libsimde-dev, MIT) in .simde/, for the kernel tests of the AVX-512
-# levels on a CPU without them (tests/engine/isa_levels.py finds them there). `make test` does not
+# levels on a CPU without them (tests/runtime/isa_levels.py finds them there). `make test` does not
 # need them: without them those cases skip and say so.
 SIMDE_DIR := .simde
 

@@ -193,18 +193,7 @@ class ClusterEngine:
         so that a worker's death never makes a total go down (Prometheus would read a reset)."""
         live = [w.stats for w in self.workers if w.alive and w.stats is not None]
         every = [w.stats for w in [*self.retired, *self.workers] if w.stats is not None]
-        total = sum(s.num_blocks_total for s in live)
-        return EngineStats(
-            num_running=sum(s.num_running for s in live),
-            num_waiting=sum(s.num_waiting for s in live),
-            kv_cache_usage=sum(s.kv_cache_usage * s.num_blocks_total for s in live) / total if total else 0.0,
-            num_blocks_total=total,
-            num_blocks_free=sum(s.num_blocks_free for s in live),
-            num_preemptions=sum(s.num_preemptions for s in every),
-            prefix_cache_hits=sum(s.prefix_cache_hits for s in every),
-            prefix_cache_queries=sum(s.prefix_cache_queries for s in every),
-            num_waiting_deferred=sum(s.num_waiting_deferred for s in live),
-        )
+        return EngineStats.total(live, every)
 
     @property
     def num_waiting(self) -> int:
@@ -615,5 +604,4 @@ class ClusterEngine:
 
 
 def _empty_stats(front: EngineFront) -> EngineStats:
-    n = front.scheduler_config.num_blocks
-    return EngineStats(0, 0, 0.0, n, n, 0, 0, 0)
+    return EngineStats.idle(front.scheduler_config.num_blocks)

@@ -1,7 +1,8 @@
 """The engine-client interface: what the HTTP layer drives, whatever runs the model.
 
 `EngineClient` is implemented by the in-process AsyncEngine (server/async_engine.py) and by the
-front end of data-parallel or disaggregated workers (cluster/front_end.py). Requests go in as
+front end of data-parallel or disaggregated workers (cluster/front_end.py); `SyncEngine` is what
+each of those steps on its engine thread, and what the offline `LLM` steps directly. Requests go in as
 `EngineRequest`s; each client request comes back as a `RequestStream` of plain `EngineOutput`s
 (engine/outputs.py), ended by a finished output or a `Failed`. `EngineFront` is the engine's input
 and output side without its model: the tokenizer, names and limits, and the logits processors
@@ -80,10 +81,12 @@ def prepare_logits_processors(processors: LogitsProcessors | None, params: Sampl
         return
     if processors is None:
         asked = [f for f in ("logit_bias", "allowed_token_ids", "bad_words") if getattr(params, f)]
+        if params.structured_output is not None:
+            asked.append(params.structured_output.source)
         raise InvalidArgument(
             "this engine does not sample real logits, so logit_bias, allowed_token_ids, bad_words and "
             "structured outputs are not available",
-            param=asked[0] if asked else params.structured_output.source,
+            param=asked[0],
         )
     processors.prepare(params, *siblings, grammar=grammar)
 
@@ -159,6 +162,32 @@ class EngineClient(Protocol):
     def health(self) -> dict[str, Any]:
         """/health's body: {"status": "ok" | "degraded" | "down", ...}."""
         ...
+
+
+class SyncEngine(Protocol):
+    """The engine as a step loop drives it, on one thread: LLMEngine (engine/llm_engine.py). The
+    server's engine thread (AsyncEngine), a cluster worker's loop and the offline `LLM` add
+    requests, step and abort through these calls and read only the plain outputs."""
+
+    @property
+    def front(self) -> EngineFront: ...
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams, *, priority: int = 0,
+                    arrival_s: float | None = None, pooling: PoolingParams | None = None) -> object:  # fmt: skip
+        """Checks and queues a request; raises InvalidArgument / RequestTooLong / QueueFull."""
+        ...
+
+    def abort(self, request_id: str) -> bool:
+        """Cancels a request; its last output (finish reason ABORT) comes from the next step()."""
+        ...
+
+    def step(self) -> list[EngineOutput]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def close(self) -> None: ...
 
 
 class StreamSource(Protocol):

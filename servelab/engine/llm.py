@@ -1,7 +1,8 @@
 """The offline API: `LLM(model=...).generate(prompts or chats, SamplingParams)`.
 
-It drives the same `LLMEngine` as the server, to completion, and returns each request's text,
-token ids, finish reason and timings (TTFT, TPOT, E2E, queue time on the engine's wall clock).
+It drives the same engine as the server, through the same calls (client.SyncEngine: add_request,
+step, abort), to completion, and builds each request's text, token ids, finish reason and timings
+(TTFT, TPOT, E2E, queue time on the engine's wall clock) from its plain outputs alone.
 """
 
 from __future__ import annotations
@@ -10,10 +11,11 @@ import itertools
 import time
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeGuard
 
 from servelab.core.plan import TokenLogprobs
-from servelab.core.sequence import FinishReason, PoolingParams, SamplingParams, Sequence
+from servelab.core.sequence import FinishReason, PoolingParams, SamplingParams
+from servelab.engine.client import SyncEngine
 from servelab.engine.llm_engine import EngineArgs, LLMEngine
 from servelab.engine.outputs import EngineOutput
 from servelab.errors import InvalidArgument
@@ -35,19 +37,20 @@ class RequestTimings:
     itl_s: list[float]  # gaps between consecutive tokens
 
     @classmethod
-    def of(cls, seq: Sequence) -> RequestTimings:
-        a = seq.arrival_s
-        ttft = None if seq.first_token_s is None else seq.first_token_s - a
-        e2e = None if not seq.token_times_s else seq.token_times_s[-1] - a
-        n = seq.num_output_tokens
+    def of(cls, outputs: list[EngineOutput]) -> RequestTimings:
+        """From every output of one request, in order (their times are offsets from its arrival)."""
+        last = outputs[-1]
+        times = [t for out in outputs for t in out.token_offsets_s]
+        ttft = last.first_token_offset_s
+        e2e = times[-1] if times else None
+        n = last.num_output_tokens
         tpot = (e2e - ttft) / (n - 1) if ttft is not None and e2e is not None and n > 1 else None
-        times = seq.token_times_s
         return cls(
-            queue_s=None if seq.first_scheduled_s is None else seq.first_scheduled_s - a,
+            queue_s=last.first_scheduled_offset_s,
             ttft_s=ttft,
             tpot_s=tpot,
             e2e_s=e2e,
-            itl_s=[b - a_ for a_, b in zip(times, times[1:])],
+            itl_s=[b - a for a, b in zip(times, times[1:])],
         )
 
 
@@ -75,7 +78,7 @@ class EmbeddingOutput:
     embedding: list[float]
 
 
-def _is_chat(x: Any) -> bool:
+def _is_chat(x: Any) -> TypeGuard[Chat]:
     return isinstance(x, list) and bool(x) and all(isinstance(m, dict) for m in x)
 
 
@@ -125,17 +128,18 @@ class LLM:
     scheduler's knobs (`SchedulerConfig` fields, e.g. `max_num_seqs=8`)."""
 
     def __init__(self, model: str | None = None, **engine_kwargs: Any):
-        self.engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=model, **engine_kwargs))
-        self.tokenizer = self.engine.tokenizer
-        self._ids = itertools.count()
+        self._attach(LLMEngine.from_args(EngineArgs.from_kwargs(model=model, **engine_kwargs)))
 
     @classmethod
-    def from_engine(cls, engine: LLMEngine) -> LLM:
+    def from_engine(cls, engine: SyncEngine) -> LLM:
         self = cls.__new__(cls)
-        self.engine = engine
-        self.tokenizer = engine.tokenizer
-        self._ids = itertools.count()
+        self._attach(engine)
         return self
+
+    def _attach(self, engine: SyncEngine) -> None:
+        self.engine = engine
+        self.tokenizer = engine.front.tokenizer
+        self._ids = itertools.count()
 
     def render(self, prompt: Prompt) -> str | list[int]:
         """A chat becomes token ids through the model's chat template (special tokens only from the
@@ -174,45 +178,23 @@ class LLM:
                 raise InvalidArgument(
                     f"got {len(params)} sampling params for {len(items)} prompts", param="sampling_params"
                 )
-        engine = self.engine
-        seqs: list[tuple[str, Sequence]] = []
-        texts: dict[str, list[str]] = {}
-        logprobs: dict[str, list[TokenLogprobs]] = {}
-        try:
-            now = time.perf_counter()
-            for prompt, p in zip(items, params):
-                rid = f"llm-{next(self._ids)}"
-                seqs.append((rid, engine.add_request(rid, self.render(prompt), p, arrival_s=now)))
-                texts[rid] = []
-            while engine.has_unfinished():
-                for out in engine.step():
-                    if out.request_id in texts:
-                        texts[out.request_id].append(out.text_delta)
-                        if out.logprobs:
-                            logprobs.setdefault(out.request_id, []).extend(out.logprobs)
-                    if on_output is not None:
-                        on_output(out)
-        except BaseException:
-            for rid, _ in seqs:  # leave the engine clean for the next call (Ctrl-C, errors)
-                engine.abort(rid)
-            while engine.has_unfinished():
-                engine.step()
-            raise
         results = []
-        for (rid, seq), prompt in zip(seqs, items):
+        for prompt, outputs in zip(items, self._run(items, params, on_output=on_output)):
+            last = outputs[-1]
+            logprobs = [lp for out in outputs for lp in out.logprobs or ()]
             results.append(
                 GenerationOutput(
-                    request_id=rid,
+                    request_id=last.request_id,
                     prompt=prompt,
-                    prompt_token_ids=list(seq.prompt_token_ids),
-                    text="".join(texts[rid]),
-                    token_ids=list(seq.output_token_ids),
-                    finish_reason=seq.finish_reason,
-                    stop_reason=seq.stop_reason,
-                    num_cached_tokens=seq.num_cached_tokens,
-                    num_preemptions=seq.num_preemptions,
-                    timings=RequestTimings.of(seq),
-                    logprobs=logprobs.get(rid),
+                    prompt_token_ids=list(outputs[0].prompt_token_ids or ()),
+                    text="".join(out.text_delta for out in outputs),
+                    token_ids=[t for out in outputs for t in out.new_token_ids],
+                    finish_reason=last.finish_reason,
+                    stop_reason=last.stop_reason,
+                    num_cached_tokens=last.num_cached_tokens,
+                    num_preemptions=last.num_preemptions,
+                    timings=RequestTimings.of(outputs),
+                    logprobs=logprobs or None,
                 )
             )
         return results
@@ -223,37 +205,54 @@ class LLM:
         """Each prompt's embedding (LAST-token pooling, normalized, unless `pooling_params` says
         otherwise), batched by the scheduler as prefill-only requests; outputs in prompt order."""
         items = _normalise_prompts(prompts)
-        pooling = pooling_params or PoolingParams()
+        params = [SamplingParams(max_tokens=1) for _ in items]
+        results = []
+        for outputs in self._run(items, params, pooling=pooling_params or PoolingParams()):
+            last = outputs[-1]
+            if last.pooled is None:
+                raise InvalidArgument(
+                    f"request {last.request_id} returned no embedding: {last.error or last.finish_reason}"
+                )
+            results.append(EmbeddingOutput(last.request_id, list(outputs[0].prompt_token_ids or ()), last.pooled))
+        return results
+
+    def _run(self, prompts: list[Prompt], params: list[SamplingParams], *, pooling: PoolingParams | None = None,
+             on_output: Callable[[EngineOutput], None] | None = None) -> list[list[EngineOutput]]:  # fmt: skip
+        """Each prompt's outputs, in prompt order, after running them all to completion. On any
+        error (Ctrl-C included) the requests are aborted and stepped out: the engine is left clean."""
         engine = self.engine
-        seqs: list[tuple[str, Sequence]] = []
+        ids = [f"llm-{next(self._ids)}" for _ in prompts]
+        outputs: dict[str, list[EngineOutput]] = {rid: [] for rid in ids}
+        added: list[str] = []
         try:
             now = time.perf_counter()
-            for prompt in items:
-                rid = f"llm-{next(self._ids)}"
-                seqs.append((rid, engine.add_request(rid, self.render(prompt), SamplingParams(max_tokens=1),
-                                                     arrival_s=now, pooling=pooling)))  # fmt: skip
+            for rid, prompt, p in zip(ids, prompts, params):
+                engine.add_request(rid, self.render(prompt), p, arrival_s=now, pooling=pooling)
+                added.append(rid)
             while engine.has_unfinished():
-                engine.step()
+                for out in engine.step():
+                    if out.request_id in outputs:
+                        outputs[out.request_id].append(out)
+                    if on_output is not None:
+                        on_output(out)
         except BaseException:
-            for rid, _ in seqs:
+            for rid in added:
                 engine.abort(rid)
             while engine.has_unfinished():
                 engine.step()
             raise
-        bad = next((seq for _, seq in seqs if seq.pooled is None), None)
-        if bad is not None:
-            raise InvalidArgument(f"request {bad.request_id} returned no embedding: {bad.error or bad.finish_reason}")
-        return [EmbeddingOutput(rid, list(seq.prompt_token_ids), seq.pooled) for rid, seq in seqs]
+        return [outputs[rid] for rid in ids]
 
     def chat(
         self, messages: Chat | Seq[Chat], sampling_params: SamplingParams | Seq[SamplingParams] | None = None
     ) -> list[GenerationOutput]:
         """Like `generate`, for one chat or a list of chats."""
+        chats: list[Chat]
         if _is_chat(messages):
             chats = [messages]
         else:
-            chats = list(messages) if isinstance(messages, (list, tuple)) else None
-            if not chats or not all(_is_chat(c) for c in chats):
+            chats = [c for c in messages if _is_chat(c)] if isinstance(messages, (list, tuple)) else []
+            if not chats or len(chats) != len(messages):
                 got = "a string (use generate() for plain text)" if isinstance(messages, str) else repr(messages)[:80]
                 raise InvalidArgument(
                     "messages must be a chat (a list of {'role', 'content'} message dicts) or a list of chats, "

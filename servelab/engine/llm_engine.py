@@ -1,4 +1,11 @@
-"""The engine loop: requests in, scheduler steps through an executor, text deltas out.
+"""The engine: an input processor, an engine core and an output processor, driven one step at a time.
+
+`LLMEngine` composes them as vLLM v1 does: `InputProcessor` (engine/input_processor.py) checks and
+tokenizes a request into an `EngineCoreRequest`; `EngineCore` (engine/core.py, the scheduler and
+the executor) runs it and returns plain `EngineOutput`s; `OutputProcessor`
+(engine/output_processor.py) adds their text and applies stop strings. The in-process server
+(server/async_engine.py), a cluster worker (cluster/worker_loop.py) and the offline `LLM` all
+drive it through `add_request`, `abort` and `step` (client.SyncEngine).
 
 Single-threaded by design: the server calls `step()` from one dedicated thread and hands it
 requests and aborts through a queue. Importing this module does not import torch; the model is
@@ -8,15 +15,11 @@ loaded inside `LLMEngine.from_args`, so the CLI and the server start fast until 
 from __future__ import annotations
 
 import logging
-import operator
 import os
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from servelab.core.config import SchedulerConfig
-from servelab.core.plan import RequestOutput, StepPlan, TokenLogprobs
 from servelab.core.sequence import FinishReason, PoolingParams, SamplingParams, Sequence
 from servelab.engine.args import (
     DEFAULT_KV_CACHE_MEMORY_BYTES,
@@ -24,39 +27,24 @@ from servelab.engine.args import (
     EngineArgs,
     native_bf16_on_cpu,
 )
-from servelab.engine.client import EngineFront, prepare_logits_processors
-from servelab.engine.detokenizer import RequestTextStream
+from servelab.engine.client import EngineFront
+from servelab.engine.core import EngineCore
+from servelab.engine.input_processor import InputProcessor
+from servelab.engine.output_processor import OutputProcessor, failed_output
 from servelab.engine.outputs import EngineOutput, EngineStats
-from servelab.errors import InvalidArgument, RequestTooLong
+from servelab.errors import InvalidArgument
 
 if TYPE_CHECKING:
-    from servelab.core.plan import Executor
+    from servelab.core.config import ResolvedSchedulerConfig
+    from servelab.core.plan import Executor, StepPlan, TokenLogprobs
     from servelab.core.scheduler import Scheduler
     from servelab.engine.logits_processors import LogitsProcessors
     from servelab.engine.tokenizer import Tokenizer
     from servelab.spec.model import ModelSpec
 
+__all__ = ["EngineArgs", "LLMEngine"]
+
 logger = logging.getLogger("servelab.engine")
-
-
-def _token_id(t: Any) -> int:
-    """A prompt's token id as an int: any integer (numpy's too), never a bool or a float."""
-    try:
-        if not isinstance(t, bool):
-            return operator.index(t)
-    except TypeError:
-        pass
-    raise InvalidArgument(f"prompt token ids must be integers, got {t!r}", param="prompt")
-
-
-@dataclass(slots=True)
-class _RequestState:
-    """Per-request text state: the detokenizer and stop-string matcher, and the text so far."""
-
-    seq: Sequence
-    stream: RequestTextStream
-    output_text: str = ""
-    prompt_logprobs_sent: int = 0  # entries of seq.prompt_logprobs already in an output
 
 
 class LLMEngine:
@@ -68,28 +56,65 @@ class LLMEngine:
         model_name: str,
         logits_processors: LogitsProcessors | None = None,
     ):
-        from servelab.core.scheduler import Scheduler
-
-        self.executor = executor
+        self.core = EngineCore(executor, scheduler_config, logits_processors)
         self.tokenizer = tokenizer
-        self.scheduler: Scheduler = Scheduler(scheduler_config)
-        self.scheduler_config = self.scheduler.config  # resolved: the pool and context are sized
         self.model_name = model_name
-        self.max_model_len = self.scheduler_config.max_model_len
-        self.vocab_size: int = getattr(executor, "vocab_size", None) or tokenizer.vocab_size
+        vocab_size: int = getattr(executor, "vocab_size", None) or tokenizer.vocab_size
+        self.input_processor = InputProcessor(tokenizer, vocab_size, self.core.config.max_model_len, logits_processors)
+        self.output_processor = OutputProcessor(tokenizer)
         # The model's description (its shape, for the engine and the cost model), set by from_args;
         # None for an engine over a simulated or fake executor.
         self.model_spec: ModelSpec | None = None
         # Sampling fields the model's generation_config.json sets (generation_config.py), set by from_args.
         self.sampling_defaults: dict[str, float] = {}
-        # logit_bias, allowed_token_ids, bad_words, structured outputs: the sampler applies them;
-        # None where the executor samples no real logits (a simulated or fake one).
-        self.logits_processors = logits_processors
-        self._requests: dict[str, _RequestState] = {}
-        self._aborted: list[EngineOutput] = []  # outputs for the next step(): aborts, transferred first tokens
-        self.last_step_num_tokens = 0  # query tokens the last step ran (the metrics' iteration tokens)
-        self.last_plan: StepPlan | None = None  # the last step's plan and its executor's wall time
-        self.last_execute_s = 0.0
+        self._pending: list[EngineOutput] = []  # outputs for the next step(): aborts, transferred first tokens
+
+    # What callers read of the parts, by their old names.
+    @property
+    def executor(self) -> Executor:
+        return self.core.executor
+
+    @executor.setter
+    def executor(self, executor: Executor) -> None:
+        self.core.executor = executor
+
+    @property
+    def scheduler(self) -> Scheduler:
+        return self.core.scheduler
+
+    @property
+    def scheduler_config(self) -> ResolvedSchedulerConfig:
+        return self.core.config
+
+    @property
+    def max_model_len(self) -> int:
+        return self.core.config.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.input_processor.vocab_size
+
+    @property
+    def logits_processors(self) -> LogitsProcessors | None:
+        """logit_bias, allowed_token_ids, bad_words, structured outputs: the sampler applies them;
+        None where the executor samples no real logits (a simulated or fake one)."""
+        return self.core.logits_processors
+
+    @logits_processors.setter
+    def logits_processors(self, processors: LogitsProcessors | None) -> None:
+        self.core.logits_processors = self.input_processor.logits_processors = processors
+
+    @property
+    def last_step_num_tokens(self) -> int:
+        return self.core.last_step_num_tokens
+
+    @property
+    def last_plan(self) -> StepPlan | None:
+        return self.core.last_plan
+
+    @property
+    def last_execute_s(self) -> float:
+        return self.core.last_execute_s
 
     @property
     def front(self) -> EngineFront:
@@ -201,9 +226,7 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stops what the engine started besides itself (tensor-parallel workers); idempotent."""
-        close = getattr(getattr(self.executor, "model", None), "close", None)
-        if close is not None:
-            close()
+        self.core.close()
 
     # ------------------------------------------------------------------ requests
 
@@ -221,97 +244,40 @@ class LLMEngine:
         tokenizer.apply_chat_template first), checks limits, queues. Raises RequestTooLong /
         QueueFull / InvalidArgument with clear messages. With `pooling`, the request only
         prefills its prompt and ends with the pooled vector in `seq.pooled` (params' sampling
-        fields are then unused)."""
-        if request_id in self._requests:
+        fields are then unused). The returned sequence is for code in this process (tests, the
+        CLI); outputs never carry it."""
+        if request_id in self.core:
             raise InvalidArgument(f"request id {request_id!r} is already in use", param="request_id")
-        if not isinstance(params, SamplingParams):
-            raise InvalidArgument(
-                f"sampling_params must be a SamplingParams, got {type(params).__name__}", param="sampling_params"
-            )
-        params.validate(lists=params.prepared_edits is None)  # prepared: its lists were checked then
-        self.prepare_logits_processors(params)
-        if isinstance(prompt, str):
-            try:
-                prompt.encode("utf-8")
-            except UnicodeEncodeError as exc:  # what JSON's \ud800 escapes make; no tokenizer takes it
-                raise InvalidArgument(
-                    f"prompt: contains a lone UTF-16 surrogate ({prompt[exc.start]!r} at character {exc.start}), "
-                    "which is not Unicode text",
-                    param="prompt",
-                ) from None
-            token_ids = self.tokenizer.encode_prompt(prompt)
-        else:
-            token_ids = [_token_id(t) for t in prompt]
-            bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise InvalidArgument(
-                    f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="prompt"
-                )
-        bad = next((t for t in params.stop_token_ids if not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise InvalidArgument(
-                f"stop_token_ids holds {bad}, outside the vocabulary [0, {self.vocab_size})", param="stop_token_ids"
-            )
-        if not token_ids:
-            raise InvalidArgument("prompt is empty: it must hold at least one token", param="prompt")
-        if pooling is not None and not isinstance(pooling, PoolingParams):
-            raise InvalidArgument(f"pooling must be a PoolingParams, got {type(pooling).__name__}", param="pooling")
-        if pooling is not None and len(token_ids) > self.max_model_len:
-            raise RequestTooLong(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the input has "
-                f"{len(token_ids)} tokens; shorten it",
-                param="input",
-            )
-        if pooling is None and len(token_ids) + params.max_tokens > self.max_model_len:
-            raise RequestTooLong(
-                f"this model's maximum context length is {self.max_model_len} tokens, but the request asks for "
-                f"{len(token_ids) + params.max_tokens} ({len(token_ids)} in the prompt, {params.max_tokens} in the "
-                f"completion); shorten the prompt or lower max_tokens",
-                param="max_tokens",
-            )
-        seq = Sequence(
-            request_id=request_id,
-            prompt_token_ids=token_ids,
-            params=params,
-            arrival_s=time.perf_counter() if arrival_s is None else arrival_s,
-            priority=priority,
-            eos_token_ids=tuple(self.tokenizer.eos_token_ids),
-            pooling=pooling,
-        )
-        self.scheduler.add(seq, seq.arrival_s)  # raises QueueFull / RequestTooLong for the KV pool
-        self._requests[request_id] = self._new_state(seq)
+        request = self.input_processor.process(request_id, prompt, params, priority=priority, arrival_s=arrival_s,
+                                               pooling=pooling)  # fmt: skip
+        seq = self.core.add_request(request)  # raises QueueFull / RequestTooLong for the KV pool
+        self.output_processor.add_request(request_id, request.prompt_token_ids, params)
         return seq
 
     def prepare_logits_processors(self, params: SamplingParams, *siblings: SamplingParams, grammar: Any = None) -> None:
-        """Checks token ids against the vocabulary, tokenizes bad words and compiles the grammar
-        (cached; `grammar` when the caller compiled it), attached to the params (`siblings`, the
-        request's other choices, share it). The server calls it on a worker thread before
+        """InputProcessor.prepare_logits_processors: the server calls it on a worker thread before
         admission, so that add_request, on the step loop's thread, finds the work done."""
-        prepare_logits_processors(self.logits_processors, params, *siblings, grammar=grammar)
-
-    def _new_state(self, seq: Sequence) -> _RequestState:
-        params = seq.params
-        stream = RequestTextStream(self.tokenizer, seq.prompt_token_ids, params.stop, params.skip_special_tokens,
-                                   params.include_stop_str_in_output)  # fmt: skip
-        return _RequestState(seq=seq, stream=stream)
-
-    def _forget(self, request_id: str) -> _RequestState | None:
-        """Drop an ending request's engine-side state: its text stream and its logits-processor rows."""
-        if self.logits_processors is not None:
-            self.logits_processors.release(request_id)
-        return self._requests.pop(request_id, None)
+        self.input_processor.prepare_logits_processors(params, *siblings, grammar=grammar)
 
     def abort(self, request_id: str) -> bool:
         """Cancels a request; its stream gets one last output with finish_reason ABORT on the next step."""
-        state = self._forget(request_id)
-        if state is None:
+        self.output_processor.forget(request_id)
+        out = self.core.abort(request_id)
+        if out is None:
             return False
-        self.scheduler.abort(request_id)
-        self._aborted.append(_output(state, [], "", True, state.seq.finish_reason or FinishReason.ABORT))
+        self._pending.append(out)
         return True
 
     def has_unfinished(self) -> bool:
-        return bool(self._aborted) or self.scheduler.num_running + self.scheduler.num_waiting > 0
+        return bool(self._pending) or self.core.has_unfinished()
+
+    def output_text(self, request_id: str) -> str | None:
+        return self.output_processor.output_text(request_id)
+
+    def sequence(self, request_id: str) -> Sequence | None:
+        """A request's live sequence, for code in the engine's own process (a prefill worker hands
+        a prefilled one on); None once it ended. Outputs never carry it."""
+        return self.core.sequence(request_id)
 
     # ------------------------------------------------------------------ disaggregated prefill/decode
 
@@ -319,23 +285,11 @@ class LLMEngine:
         """Prefill side: a running request whose first token was just sampled leaves this engine
         without an output; its KV blocks stay held and are returned, for release_held() once they
         have been sent (cluster/disagg_worker.py)."""
-        state = self._forget(request_id)
-        if state is None:
-            raise InvalidArgument(f"cannot detach request {request_id!r}: no such request", param="request_id")
-        held = self.scheduler.block_manager.hold(state.seq)
-        self.scheduler.finish(
-            request_id, FinishReason.STOP, time.perf_counter()
-        )  # here it is done: the rest runs elsewhere
-        return held
-
-    def sequence(self, request_id: str) -> Sequence | None:
-        """A request's live sequence, for code in the engine's own process (a prefill worker hands
-        a prefilled one on); None once it ended. Outputs never carry it."""
-        state = self._requests.get(request_id)
-        return None if state is None else state.seq
+        self.output_processor.forget(request_id)
+        return self.core.detach_prefilled(request_id)
 
     def release_held(self, held: list[int]) -> None:
-        self.scheduler.block_manager.release(held)
+        self.core.release_held(held)
 
     def reserve_prefilled(
         self,
@@ -349,140 +303,52 @@ class LLMEngine:
         while this pool is short (the caller retries). The returned sequence's num_cached_tokens
         prompt tokens were already cached here and need not be sent. `arrival_s`: when the request
         arrived, on this clock (None: now)."""
-        if request_id in self._requests:
-            raise InvalidArgument(f"request id {request_id!r} is already in use", param="request_id")
-        seq = Sequence(
-            request_id=request_id,
-            prompt_token_ids=list(prompt_token_ids),
-            params=params,
-            arrival_s=arrival_s or 0.0,
-            eos_token_ids=tuple(self.tokenizer.eos_token_ids),
-        )
-        seq.token_ids.append(first_token_id)
-        return seq if self.scheduler.reserve_prefilled(seq, time.perf_counter()) else None
+        request = self.input_processor.prefilled(request_id, prompt_token_ids, params, arrival_s)
+        return self.core.reserve_prefilled(request, first_token_id)
 
     def start_prefilled(self, seq: Sequence, first_logprobs: TokenLogprobs | None = None) -> None:
         """Decode side: the reserved sequence's KV is written; it joins the running set and its
         first token is streamed by the next step()."""
         self.prepare_logits_processors(seq.params)
-        now = time.perf_counter()
-        self.scheduler.start_prefilled(seq, now)
-        seq.token_times_s.append(now)
-        state = self._requests[seq.request_id] = self._new_state(seq)
-        delta = state.stream.add([seq.last_token_id])
-        state.output_text = delta.text
-        logprobs = None if first_logprobs is None else [first_logprobs]
-        self._aborted.append(_output(state, [seq.last_token_id], delta.text, False, None, logprobs))
+        out = self.core.start_prefilled(seq, first_logprobs)
+        self.output_processor.add_request(seq.request_id, seq.prompt_token_ids, seq.params)
+        processed = self._process(out)
+        if processed is not None:
+            self._pending.append(processed)
 
     def cancel_prefilled(self, seq: Sequence) -> None:
         """Decode side: a reservation whose KV did not arrive gives its blocks back."""
-        self.scheduler.cancel_reserved(seq)
+        self.core.cancel_prefilled(seq)
 
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[EngineOutput]:
-        outputs, self._aborted = self._aborted, []
-        now = time.perf_counter()
-        plan = self.scheduler.schedule(now)
-        self.last_step_num_tokens = plan.num_batched_tokens
-        self.last_plan = plan
-        if plan.is_empty:
-            return outputs
-        t0 = time.perf_counter()
-        result = self.executor.execute(plan)
-        self.last_execute_s = time.perf_counter() - t0
-        for request_output in self.scheduler.update(plan, result, time.perf_counter()):
-            try:
-                out = self._process(request_output)
-            except Exception as exc:  # detokenizing or stop-string matching: only this request ends
-                out = self._fail(request_output.request_id, exc)
-            if out is not None:
-                outputs.append(out)
+        outputs, self._pending = self._pending, []
+        for out in self.core.step():
+            processed = self._process(out)
+            if processed is not None:
+                outputs.append(processed)
         return outputs
 
-    def _process(self, ro: RequestOutput) -> EngineOutput | None:
-        state = self._requests.get(ro.request_id)
-        if state is None:  # aborted while its step ran
-            return None
-        seq = state.seq
-        finished, reason = ro.finished, ro.finish_reason
-        new_text_ids = ro.new_token_ids
-        if reason is FinishReason.STOP and not seq.params.include_stop_str_in_output:
-            # As vLLM: the EOS or stop token that ended the request adds no text (skip_special_tokens
-            # false would show an EOS; a stop token id may be an ordinary word).
-            new_text_ids = new_text_ids[:-1]
-        delta = state.stream.add(new_text_ids) if new_text_ids else None
-        text = delta.text if delta is not None else ""
-        stop = delta.stop if delta is not None else None
-        if stop is None and finished:
-            tail = state.stream.flush()  # held-back text was not a stop string after all (or is one now)
-            text += tail.text
-            stop = tail.stop
-        if stop is not None:
-            if not finished:
-                self.scheduler.finish(seq.request_id, FinishReason.STOP, time.perf_counter(), stop)
-            seq.finish_reason = reason = FinishReason.STOP
-            seq.stop_reason = stop
-            finished = True
-        state.output_text += text
-        if finished:
-            self._forget(ro.request_id)
-        return _output(state, ro.new_token_ids, text, finished, reason, ro.logprobs)
+    def _process(self, out: EngineOutput) -> EngineOutput | None:
+        """The output with its text; a stop string found in it ends the request in the core too.
+        Detokenizing or stop-string matching that raises ends only this request, with an error."""
+        ended_here = not out.finished
+        try:
+            processed = self.output_processor.process(out)
+        except Exception as exc:
+            return self._fail(out, exc)
+        if processed is not None and processed.finished and ended_here:
+            processed.finished_offset_s = self.core.finish(out.request_id, FinishReason.STOP, processed.stop_reason)
+        return processed
 
-    def _fail(self, request_id: str, exc: Exception) -> EngineOutput | None:
-        """End one request with finish reason "error" after its output could not be processed."""
-        state = self._forget(request_id)
-        if state is None:
-            return None
+    def _fail(self, out: EngineOutput, exc: Exception) -> EngineOutput:
         logger.error(
             "request %s: processing its output raised %s: %s; ending it with an error",
-            request_id, type(exc).__name__, exc, exc_info=exc,
+            out.request_id, type(exc).__name__, exc, exc_info=exc,
         )  # fmt: skip
-        seq = state.seq
-        if not seq.is_finished:
-            self.scheduler.finish(request_id, FinishReason.ERROR, time.perf_counter())
-        seq.finish_reason = FinishReason.ERROR  # also when it had just finished: its text is incomplete
-        return _output(state, [], "", True, FinishReason.ERROR)
-
-    def output_text(self, request_id: str) -> str | None:
-        state = self._requests.get(request_id)
-        return None if state is None else state.output_text
+        self.output_processor.forget(out.request_id)
+        return failed_output(out, self.core.finish(out.request_id, FinishReason.ERROR))
 
     def stats(self) -> EngineStats:
-        s = self.scheduler.stats()
-        return EngineStats(
-            num_running=s.num_running,
-            num_waiting=s.num_waiting,
-            kv_cache_usage=float(s.kv_usage),
-            num_blocks_total=self.scheduler_config.num_blocks,
-            num_blocks_free=int(s.num_free_blocks),
-            num_preemptions=int(s.num_preemptions),
-            prefix_cache_hits=int(s.prefix_cache_hits),
-            prefix_cache_queries=int(s.prefix_cache_queries),
-            num_waiting_deferred=self.scheduler.num_reserved,
-        )
-
-
-def _output(state: _RequestState, new_token_ids: list[int], text: str, finished: bool,
-            reason: FinishReason | None, logprobs: list[TokenLogprobs] | None = None) -> EngineOutput:  # fmt: skip
-    """The plain output of a request's sequence as it stands, its times after its arrival."""
-    seq = state.seq
-    arrival = seq.arrival_s
-    times = seq.token_times_s
-    k = len(new_token_ids)
-    prompt_logprobs = seq.prompt_logprobs[state.prompt_logprobs_sent :]
-    state.prompt_logprobs_sent = len(seq.prompt_logprobs)
-
-    def after(t: float | None) -> float | None:
-        return None if t is None else t - arrival
-
-    return EngineOutput(
-        request_id=seq.request_id, new_token_ids=list(new_token_ids), text_delta=text, finished=finished,
-        finish_reason=reason, logprobs=logprobs, num_prompt_tokens=seq.num_prompt_tokens,
-        num_output_tokens=seq.num_output_tokens, num_cached_tokens=seq.num_cached_tokens,
-        num_preemptions=seq.num_preemptions, max_tokens=seq.params.max_tokens, prompt_only=seq.params.prompt_only,
-        prompt_logprobs=list(prompt_logprobs), token_offsets_s=[t - arrival for t in times[-k:]] if k else [],
-        prev_token_offset_s=after(times[-k - 1]) if len(times) > k else None,
-        first_token_offset_s=after(seq.first_token_s), first_scheduled_offset_s=after(seq.first_scheduled_s),
-        finished_offset_s=after(seq.finished_s), stop_reason=seq.stop_reason, error=seq.error, pooled=seq.pooled,
-    )  # fmt: skip
+        return EngineStats(self.core.stats(), self.scheduler_config.num_blocks, self.scheduler.num_reserved)

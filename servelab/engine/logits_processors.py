@@ -112,7 +112,7 @@ class LogitsProcessors:
         allowed id a one-token bad word (banned always), or, under min_tokens, an EOS or stop id.
         Conflicts that only arise later (a grammar's, a longer bad word's) end the request when
         they do (NO_TOKEN_LEFT)."""
-        allowed, banned = set(params.allowed_token_ids), {w[0] for w in bad_words if len(w) == 1}
+        allowed, banned = set(params.allowed_token_ids or ()), {w[0] for w in bad_words if len(w) == 1}
         if allowed <= banned:
             raise InvalidArgument(
                 "every id in allowed_token_ids is also a one-token bad word, so no token can ever be sampled",
@@ -150,7 +150,7 @@ class LogitsProcessors:
             if state is None:
                 state = self._rows[seq.request_id] = self._new_state(seq.params)
             row, edits = logits[i], state.edits
-            if edits.bias_ids is not None:
+            if edits.bias_ids is not None and edits.bias_values is not None:
                 row[edits.bias_ids] += edits.bias_values
             if edits.allowed_ids is not None:
                 kept = row[edits.allowed_ids]
@@ -173,7 +173,9 @@ class LogitsProcessors:
         if masked:
             bitmask = self.structured.bitmask(logits.shape[0])
             for i in masked:
-                self._rows[seqs[i].request_id].matcher.matcher.fill_next_token_bitmask(bitmask, i)
+                matcher = self._rows[seqs[i].request_id].matcher
+                assert matcher is not None  # masked rows are the ones with a grammar
+                matcher.matcher.fill_next_token_bitmask(bitmask, i)
             self.structured.apply_bitmask(logits, bitmask, masked)
         for i in rows:
             if i not in failed and self._leaves_no_token(logits, i, seqs[i], bitmask if i in masked else None):

@@ -13,6 +13,7 @@ import ctypes
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import overload
 
 import torch
 
@@ -81,11 +82,14 @@ class ModelExecutor:
             pool_spans, pool_rows = _pooled_rows(entries, plan.pooled, batch.row_of_last)
             meta.pooled_indices = torch.tensor(pool_rows, dtype=torch.int64, device=self.device)
 
-        logits = self.run_model(batch, meta)
+        out = self.run_model(batch, meta)
         pooled = None
-        if pool_spans is not None:
-            logits, hidden = logits
+        if isinstance(out, tuple):  # a pooling step's forward returns the hidden states too
+            logits, hidden = out
+            assert pool_spans is not None
             pooled = _pool(entries, pool_spans, hidden)
+        else:
+            logits = out
         prompt_logprobs = None
         if scored:
             prompt_logprobs = _score_prompt(logits[len(sampling) :], entries, scored)
@@ -201,6 +205,10 @@ class ModelExecutor:
             argmax=every_row and bool(sampled_seqs) and self.sampler.plain_greedy(sampled_seqs),
         )
 
+    @overload
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor: ...
+    @overload
+    def _to_device(self, t: None) -> None: ...
     def _to_device(self, t: torch.Tensor | None) -> torch.Tensor | None:
         # .to() is a dispatched op even when a no-op
         return t if t is None or self.device.type == "cpu" else t.to(self.device)
@@ -250,7 +258,7 @@ class _DecodeInts:
             self._array = (ctypes.c_int64 * buf.numel()).from_address(buf.data_ptr())
             self._views = (*buf[: 4 * rows].view(4, rows).unbind(0), buf[4 * rows :].view(rows, width))
             self._buf, self._shape = buf, (rows, width)
-        self._array[:] = values
+        self._array[:] = values  # type: ignore[assignment]  # typeshed: a ctypes slice takes only c_int64 | int lists
         return self._views
 
 

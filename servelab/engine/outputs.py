@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from servelab.core.scheduler_stats import SchedulerStats
+
 if TYPE_CHECKING:
     from servelab.core.plan import TokenLogprobs
     from servelab.core.sequence import FinishReason
@@ -39,6 +41,7 @@ class EngineOutput:
     stop_reason: int | str | None = None  # the stop string or token id that ended it
     error: str | None = None  # why it ended with finish reason "error", where known
     pooled: list[float] | None = None  # an embedding request's vector, once finished
+    prompt_token_ids: list[int] | None = None  # in the request's first output only
 
     @property
     def last_token_offset_s(self) -> float | None:
@@ -48,12 +51,66 @@ class EngineOutput:
 
 @dataclass(slots=True)
 class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float  # 0..1
+    """An engine's gauges and totals: its scheduler's `SchedulerStats` (the one source of the
+    queue, KV and prefix-cache figures) and what the engine adds, the pool's size and the
+    requests whose KV is on its way. The properties are the names /metrics serves them under."""
+
+    scheduler: SchedulerStats
     num_blocks_total: int
-    num_blocks_free: int
-    num_preemptions: int
-    prefix_cache_hits: int  # tokens served from the prefix cache, total
-    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache, total
     num_waiting_deferred: int = 0  # holding blocks while their KV arrives from a prefill worker
+
+    @classmethod
+    def idle(cls, num_blocks: int) -> EngineStats:
+        """An engine with nothing to do, before its first report."""
+        return cls(SchedulerStats(0, 0, 0.0, num_blocks, 0, 0, 0, 0, 0, 0), num_blocks)
+
+    @classmethod
+    def total(cls, live: list[EngineStats], every: list[EngineStats]) -> EngineStats:
+        """Several engines' as one: gauges summed over the `live` ones (KV usage: the blocks in use
+        over all their blocks), totals over `every` one, so that a total never goes down when an
+        engine leaves."""
+        blocks = sum(s.num_blocks_total for s in live)
+        scheduler = SchedulerStats(
+            num_running=sum(s.scheduler.num_running for s in live),
+            num_waiting=sum(s.scheduler.num_waiting for s in live),
+            kv_usage=sum(s.scheduler.kv_usage * s.num_blocks_total for s in live) / blocks if blocks else 0.0,
+            num_free_blocks=sum(s.scheduler.num_free_blocks for s in live),
+            num_used_blocks=sum(s.scheduler.num_used_blocks for s in live),
+            num_cached_blocks=sum(s.scheduler.num_cached_blocks for s in live),
+            prefix_cache_hits=sum(s.scheduler.prefix_cache_hits for s in every),
+            prefix_cache_queries=sum(s.scheduler.prefix_cache_queries for s in every),
+            num_preemptions=sum(s.scheduler.num_preemptions for s in every),
+            num_finished=sum(s.scheduler.num_finished for s in every),
+        )
+        return cls(scheduler, blocks, sum(s.num_waiting_deferred for s in live))
+
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    @property
+    def kv_cache_usage(self) -> float:
+        """0..1"""
+        return self.scheduler.kv_usage
+
+    @property
+    def num_blocks_free(self) -> int:
+        return self.scheduler.num_free_blocks
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.scheduler.num_preemptions
+
+    @property
+    def prefix_cache_hits(self) -> int:
+        """Tokens served from the prefix cache, total."""
+        return self.scheduler.prefix_cache_hits
+
+    @property
+    def prefix_cache_queries(self) -> int:
+        """Prompt tokens looked up in the prefix cache, total."""
+        return self.scheduler.prefix_cache_queries

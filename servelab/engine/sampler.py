@@ -108,15 +108,16 @@ class Sampler:
 
         greedy_rows = [i for i, p in enumerate(params) if p.temperature < _GREEDY_TEMPERATURE]
         if len(greedy_rows) == n:
-            tokens: list[int | None] = _argmax(logits)
+            sampled = _argmax(logits)
         else:
             token_ids = torch.empty(n, dtype=torch.long)
             if greedy_rows:
                 token_ids[greedy_rows] = torch.tensor(_argmax(logits[greedy_rows]), dtype=torch.long)
             random_rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_TEMPERATURE]
             token_ids[random_rows] = self._sample_random(logits, seqs, random_rows)
-            tokens = token_ids.tolist()
-        logprobs = None if raw_logprobs is None else self._logprobs(raw_logprobs, logprob_rows, tokens, params, n)
+            sampled = token_ids.tolist()
+        logprobs = None if raw_logprobs is None else self._logprobs(raw_logprobs, logprob_rows, sampled, params, n)
+        tokens: list[int | None] = list(sampled)
         for i in bad_rows:
             tokens[i] = None
             if logprobs is not None:

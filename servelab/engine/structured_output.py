@@ -105,6 +105,7 @@ def compile_spec(compiler: Any, spec: StructuredOutputSpec) -> Any:
         if spec.kind == "regex":
             return compiler.compile_regex(spec.value)
         if spec.kind == "choice":
+            assert isinstance(spec.value, tuple)  # StructuredOutputSpec checked it
             return compiler.compile_grammar(_choice_grammar(spec.value))
         return compiler.compile_grammar(spec.value)
     except Exception as e:  # xgrammar raises RuntimeError / ValueError subclasses with its parser's message

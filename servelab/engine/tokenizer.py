@@ -339,8 +339,9 @@ class Tokenizer:
         pad_token = _token_content(config.get("pad_token"))
         bos_id = backend.token_to_id(bos_token) if bos_token else None
         eos_ids: list[int] = []
-        if eos_token and backend.token_to_id(eos_token) is not None:
-            eos_ids.append(backend.token_to_id(eos_token))
+        eos_id = backend.token_to_id(eos_token) if eos_token else None
+        if eos_id is not None:
+            eos_ids.append(eos_id)
         gen_eos = generation_config.get("eos_token_id")
         if isinstance(gen_eos, int):
             eos_ids.append(gen_eos)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import re
 import time
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -101,7 +102,7 @@ def test_max_waiting_bounds_the_clusters_waiting_requests_not_each_workers(fake_
     run(main(cluster))
     for engine in engines.values():
         stats = engine.stats()
-        assert stats.num_blocks_free == stats.num_blocks_total and not engine._requests
+        assert stats.num_blocks_free == stats.num_blocks_total and not engine.core._requests
 
 
 def test_a_full_cluster_answers_the_same_503_as_one_engine(fake_engine):
@@ -203,7 +204,7 @@ def test_aborts_and_early_exits_leak_no_block_on_any_worker(fake_engine):
     for engine in engines.values():
         stats = engine.stats()
         assert stats.num_blocks_free == stats.num_blocks_total and stats.num_running == stats.num_waiting == 0
-        assert not engine._requests
+        assert not engine.core._requests
 
 
 def test_admission_errors_come_back_as_themselves_and_leave_nothing(fake_engine):
@@ -272,7 +273,7 @@ def test_cluster_counters_never_decrease_whatever_reports_and_deaths_come(events
     from servelab.cluster.front_end import ClusterEngine, WorkerHandle
     from servelab.engine.outputs import EngineStats
 
-    workers = [WorkerHandle(i, link=None, ready=None, stats=EngineStats(0, 0, 0.0, 8, 8, 0, 0, 0)) for i in range(3)]
+    workers = [WorkerHandle(i, link=None, ready=None, stats=EngineStats.idle(8)) for i in range(3)]
     cluster = SimpleNamespace(workers=workers, retired=[])
     totals = lambda s: (s.num_preemptions, s.prefix_cache_hits, s.prefix_cache_queries)  # noqa: E731
     last = totals(ClusterEngine.stats.fget(cluster))
@@ -280,8 +281,9 @@ def test_cluster_counters_never_decrease_whatever_reports_and_deaths_come(events
         w = workers[i]
         if w.alive:
             s = w.stats
-            w.stats = EngineStats(0, 0, 0.0, 8, 8, s.num_preemptions + d, s.prefix_cache_hits + d,
-                                  s.prefix_cache_queries + 2 * d)  # fmt: skip
+            counts = replace(s.scheduler, num_preemptions=s.num_preemptions + d, prefix_cache_hits=s.prefix_cache_hits + d,
+                             prefix_cache_queries=s.prefix_cache_queries + 2 * d)  # fmt: skip
+            w.stats = EngineStats(counts, 8)
             if dies:
                 w.failure = "killed"
         now = totals(ClusterEngine.stats.fget(cluster))

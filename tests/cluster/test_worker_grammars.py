@@ -88,7 +88,7 @@ def test_a_compile_past_the_timeout_is_refused_while_a_plain_request_on_the_work
     assert pid not in grammars.worker_pids()
     assert ok[-1].finish_reason is FinishReason.STOP and ok[-1].num_output_tokens >= 1
     assert not cluster._remote and not cluster._admissions and cluster.workers[0].outstanding == 0
-    assert not engine._requests
+    assert not engine.core._requests
 
 
 @pytest.mark.slow  # 4 s: the grammar worker's start, and its replacement's after the kill
@@ -111,4 +111,4 @@ def test_an_abort_during_its_compile_kills_the_compile_and_admits_nothing(gramma
 
     plain = _run(main(cluster))
     assert plain[-1].finish_reason is FinishReason.LENGTH
-    assert cluster.workers[0].outstanding == 0 and not engine._requests
+    assert cluster.workers[0].outstanding == 0 and not engine.core._requests

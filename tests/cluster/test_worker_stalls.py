@@ -134,7 +134,7 @@ def test_a_request_the_worker_cannot_prepare_is_refused_with_its_error_and_leave
 
     cluster, engines, _ = memory_cluster(tiny_engine_factory, 1, num_blocks=64, max_model_len=256)
     assert run(main(cluster)).finish_reason is FinishReason.LENGTH
-    assert not engines[1]._requests
+    assert not engines[1].core._requests
 
 
 HANG_TOKEN = 477  # a prompt that starts with it hangs the worker that runs it (the hook below)
@@ -152,7 +152,7 @@ def hanging_worker_main() -> None:
     real_step = worker.WorkerLoop._step
 
     def step(self) -> None:
-        if any(state.seq.prompt_token_ids[0] == HANG_TOKEN for state in self.engine._requests.values()):
+        if any(state.seq.prompt_token_ids[0] == HANG_TOKEN for state in self.engine.core._requests.values()):
             threading.Event().wait()
         real_step(self)
 

@@ -22,7 +22,7 @@ from servelab.engine.llm_engine import EngineArgs, LLMEngine
 from servelab.errors import InvalidArgument
 from tests.scheduler_checks import check_invariants
 
-from .test_block_quant import FORMATS, _packed
+from tests.runtime.test_block_quant import FORMATS, _packed
 
 ROW_COUNTS = (1, 2, 3, 4, 5, 7, 8, 33, block_quant.MAX_ROWS + 1, 300)
 

@@ -94,7 +94,7 @@ def _detokenizer_raises(monkeypatch):
         return real(self, token_ids)
 
     monkeypatch.setattr(RequestTextStream, "add", add)
-    return lambda engine, seq: bad_streams.append(engine._requests[seq.request_id].stream)
+    return lambda engine, seq: bad_streams.append(engine.output_processor._requests[seq.request_id].stream)
 
 
 def _huge_temperature(monkeypatch):

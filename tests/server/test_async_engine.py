@@ -116,7 +116,7 @@ def test_choices_are_admitted_all_or_none_and_never_if_they_cannot_fit(fake_engi
         second = await bridge.submit([_req("second", 200)])  # waiting: room for one more
         with pytest.raises(QueueFull):
             await bridge.submit([_req("pair-0", 5), _req("pair-1", 5)])
-        waiting, seen = bridge.stats.num_waiting, set(engine._requests)
+        waiting, seen = bridge.stats.num_waiting, set(engine.core._requests)
         await first.aclose()
         second.close()
         await bridge.stop()

@@ -21,8 +21,7 @@ from servelab.server.state import ServerState
 from tests.server.vllm_grafana_queries import QUERIES, VARIABLES
 
 MODEL = "fake-model"
-IDLE = EngineStats(num_running=0, num_waiting=0, kv_cache_usage=0.0, num_blocks_total=1, num_blocks_free=1,
-                   num_preemptions=0, prefix_cache_hits=0, prefix_cache_queries=0)  # fmt: skip
+IDLE = EngineStats.idle(num_blocks=1)
 PROMQL_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "and", "or", "unless", "bool",
                    "offset"}  # fmt: skip
 
@@ -160,7 +159,7 @@ def test_new_request_families_count_what_happened(vllm_client):
 
 def test_waiting_by_reason_sums_to_the_waiting_gauge():
     """As vLLM's: capacity (in the queue) + deferred (blocks held, KV on its way) = waiting."""
-    stats = replace(IDLE, num_waiting=2, num_waiting_deferred=1)
+    stats = replace(IDLE, scheduler=replace(IDLE.scheduler, num_waiting=2), num_waiting_deferred=1)
     text = ServerMetrics(MODEL, lambda: stats, namespace="vllm").render().decode()
     assert _value(text, "vllm:num_requests_waiting_by_reason", reason="capacity") == 2
     assert _value(text, "vllm:num_requests_waiting_by_reason", reason="deferred") == 1

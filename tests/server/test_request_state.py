@@ -52,11 +52,12 @@ def test_finished_abandoned_cancelled_and_rejected_requests_leave_no_state(fake_
                     await bridge.submit([_req(f"long-{i}", 500, prompt)])
         await asyncio.gather(*jobs, return_exceptions=True)
         for _ in range(300):  # aborts reach the engine thread asynchronously
-            if bridge.stats.num_running == 0 and not bridge._live and not engine._aborted:
+            if bridge.stats.num_running == 0 and not bridge._live and not engine._pending:
                 break
             await asyncio.sleep(0.01)
         scheduler = engine.scheduler
-        left = (dict(bridge._sinks), set(bridge._live), dict(engine._requests), list(engine._aborted),
+        left = (dict(bridge._sinks), set(bridge._live), {**engine.core._requests, **engine.output_processor._requests},
+                list(engine._pending),
                 dict(scheduler._live), dict(scheduler.block_manager._owners),
                 bridge.stats)  # fmt: skip
         await bridge.stop()

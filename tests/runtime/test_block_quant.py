@@ -1,6 +1,6 @@
 """Linears that keep their GGUF blocks (runtime/block_quant.py, csrc/block_quant_linear.c): the
 kernel's weights are bit-identical to the loader's dequantization, its products match fp32
-F.linear at every ISA level (tests/engine/isa_levels.py), and a GGUF model gives the same logits with
+F.linear at every ISA level (tests/runtime/isa_levels.py), and a GGUF model gives the same logits with
 and without the packed path."""
 
 from __future__ import annotations

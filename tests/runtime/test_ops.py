@@ -1,6 +1,6 @@
 """The kernel backend chosen once at load (runtime/ops.py) and the one linear interface
 (runtime/linear.py): every ops implementation this host can run gives the reference ops' logits on
-the tiny model (an AVX-512 level the CPU lacks runs on SIMDe, tests/engine/isa_levels.py; without
+the tiny model (an AVX-512 level the CPU lacks runs on SIMDe, tests/runtime/isa_levels.py; without
 SIMDe it is skipped and says why); every kind of linear is `y = lin(x)` with its bias inside."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from servelab.runtime.ops import OPS_NAMES, InvariantOps, NativeOps, OpsUnavaila
 from servelab.runtime.quantization import Int8Linear
 from servelab.runtime.loader import load_model
 from servelab.errors import InvalidArgument
-from tests.engine.isa_levels import make_ops_at
+from tests.runtime.isa_levels import make_ops_at
 from tests.tiny_models import max_rel_diff, prefill_logits
 
 from .test_block_quant import FORMATS, _packed

@@ -1,6 +1,6 @@
 """The native decode-attention kernel against a plain per-sequence reference (over fp32, fp16 and
 bf16 caches), the prefill-attention kernel against SDPA, the K/V store rounding as torch rounds,
-the model with and without the kernels, every ISA level's build (tests/engine/isa_levels.py), the
+the model with and without the kernels, every ISA level's build (tests/runtime/isa_levels.py), the
 default level and SERVELAB_ISA, each level's flags giving its own ISA whatever the compiler's
 default, the SIMDe-tested levels building with the real intrinsics too, and a failed build
 falling back with its reason recorded."""
@@ -18,7 +18,7 @@ from servelab.runtime import native
 from servelab.runtime.loader import load_model
 from servelab.runtime.ops import NativeOps, TorchOps, select_ops
 from servelab.errors import InvalidArgument
-from tests.engine.isa_levels import SIMDE_LEVELS, kernels_at
+from tests.runtime.isa_levels import SIMDE_LEVELS, kernels_at
 from tests.tiny_models import prefill_logits
 
 

@@ -42,7 +42,7 @@ def _in_a_fresh_process(check: str) -> None:
     glibc's mmap threshold and a pool may then reuse pages already touched."""
     script = textwrap.dedent(f"""
         import torch
-        from tests.engine.test_kv_cache import CONFIG, NUM_BLOCKS, resident_fraction
+        from tests.runtime.test_kv_cache import CONFIG, NUM_BLOCKS, resident_fraction
         from servelab.runtime.kv_cache import PagedKVCache
         {check}
     """)

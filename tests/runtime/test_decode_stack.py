@@ -1,6 +1,6 @@
 """A decode-only step's layers in one native call (runtime/decode_stack.py, csrc/decode_stack.c):
 the same bits as the per-op path, at every ISA level (an AVX-512 level this CPU lacks on SIMDe,
-tests/engine/isa_levels.py), for packed, int8 and deterministic-mode linears, over batches of
+tests/runtime/isa_levels.py), for packed, int8 and deterministic-mode linears, over batches of
 decodes at different contexts in a scrambled pool; greedy decodes at each level give the portable
 build's tokens; and it stays out of the way where it cannot run."""
 
@@ -14,7 +14,7 @@ from servelab.runtime.kv_cache import PagedKVCache
 from servelab.runtime.loader import load_model
 from servelab.runtime.model import AttentionMetadata
 from servelab.runtime.ops import OPS_NAMES, TorchOps
-from tests.engine.isa_levels import make_ops_at
+from tests.runtime.isa_levels import make_ops_at
 from tests.tiny_models import max_rel_diff, write_tiny_llama
 
 from .test_weights import _write_gguf
