@@ -24,6 +24,7 @@ from servelab.workload import WorkloadSpec
 
 if TYPE_CHECKING:
     from servelab.cost.profile import ProfileStepCost
+    from servelab.cost.speculative import Acceptance
     from servelab.spec.hardware import HardwareSpec
     from servelab.spec.model import ModelSpec
 
@@ -99,7 +100,7 @@ class PlanJob:
     scheduler_overrides: dict[str, Any] | None = None
     # Speculative decoding: vLLM's --speculative-config JSON and the acceptance model (cost/speculative.py).
     speculative: str | None = None
-    spec_acceptance: Any = None
+    spec_acceptance: Acceptance | None = None
     requests_per_client: int = 4  # measured requests per level: this many per client (at least 100)
     tolerance: float | None = None  # the search's bisection tolerance (default: find_capacity's)
 
@@ -118,6 +119,8 @@ class _Deployment(TypedDict):
     kv_cache_dtype: str
     slo: SLO | None
     cost_model: ProfileStepCost | None
+    speculative: str | None
+    spec_acceptance: Acceptance | None
 
 
 def _profile_cost(path: str, tp: int) -> ProfileStepCost:

@@ -276,6 +276,11 @@ def _speculation_lines(config, speculation: dict) -> str:  # noqa: ANN001
     )
 
 
+def _tpot_ms(summary) -> str:  # noqa: ANN001
+    mean = summary.tpot_s.mean
+    return "-" if mean is None else f"{mean * 1e3:.2f}"
+
+
 def _compare(args: argparse.Namespace, config, workload) -> int:  # noqa: ANN001
     from servelab.commands._table import render_table
     from servelab.cost.speculative import SpeculativeCost
@@ -321,8 +326,8 @@ def _compare(args: argparse.Namespace, config, workload) -> int:  # noqa: ANN001
     body = [
         [
             level.concurrency,
-            f"{level.plain.tpot_s.mean * 1e3:.2f}",
-            f"{level.spec.tpot_s.mean * 1e3:.2f}",
+            _tpot_ms(level.plain),
+            _tpot_ms(level.spec),
             f"{level.plain.output_throughput:,.0f}",
             f"{level.spec.output_throughput:,.0f}",
             "-" if level.tokens_per_verification is None else f"{level.tokens_per_verification:.2f}",

@@ -116,5 +116,7 @@ class InputProcessor:
         token_ids = [_token_id(t) for t in prompt]
         bad = next((t for t in token_ids if not 0 <= t < self.vocab_size), None)
         if bad is not None:
-            raise InvalidArgument(f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="prompt")
+            raise InvalidArgument(
+                f"prompt token id {bad} is outside the vocabulary [0, {self.vocab_size})", param="prompt"
+            )
         return token_ids
