@@ -17,7 +17,7 @@ import numpy as np
 
 from servelab.errors import DoesNotFit
 from servelab.lab.common import Setup, fmt, setup_from, stat
-from servelab.lab.limits import LIMITS, bounds
+from servelab.lab.limits import LIMITS, bounds, longest_tokens
 from servelab.lab.params import Params
 from servelab.lab.simulations import Budget, result_bytes
 from servelab.metrics import SLO, RequestRecord, Summary, steady_state_summary
@@ -286,11 +286,11 @@ def _setup_from_key(key: tuple) -> Setup:
     )
 
 
-def _check_len(s: Setup, prompt_len: int, output_len: int, *, spread: float = 1.5) -> None:
-    from servelab.errors import InvalidArgument
-
-    longest = int((prompt_len + output_len) * spread)
+def _check_len(s: Setup, lesson: str, prompt_len: int, output_len: int) -> None:
+    longest = longest_tokens(lesson, {"prompt_len": prompt_len, "output_len": output_len})
     if longest > s.model.max_context:
+        from servelab.errors import InvalidArgument
+
         raise InvalidArgument(
             f"prompt_len + output_len: the longest request ({longest:,} tokens with the spread) exceeds "
             f"{s.model.name}'s maximum context of {s.model.max_context:,} tokens",
@@ -324,7 +324,7 @@ def slo(p: Params, budget: Budget) -> dict[str, Any]:
     tpot_slo_ms = p.float("tpot_slo_ms", 20.0, **bounds("slo", "tpot_slo_ms"))
     prompt_len = p.int("prompt_len", 1024, **bounds("slo", "prompt_len"))
     output_len = p.int("output_len", 128, **bounds("slo", "output_len"))
-    _check_len(s, prompt_len, output_len)
+    _check_len(s, "slo", prompt_len, output_len)
     _require_request_fits(s, prompt_len, output_len)
     ttft_slo_s, tpot_slo_s = ttft_slo_ms / 1e3, tpot_slo_ms / 1e3
     target = SLO(ttft_s=ttft_slo_s, tpot_s=tpot_slo_s)
@@ -518,7 +518,7 @@ def chunked_prefill(p: Params, budget: Budget) -> dict[str, Any]:
     prompt_len = p.int("prompt_len", 8192, **bounds("chunked-prefill", "prompt_len"))
     decode_batch = p.int("decode_batch", 16, **bounds("chunked-prefill", "decode_batch"))
     chunk_tokens = p.int("chunk_tokens", 512, **bounds("chunked-prefill", "chunk_tokens"))
-    if prompt_len + 8 > s.model.max_context:  # the long request generates 8 tokens (_chunk_requests)
+    if longest_tokens("chunked-prefill", {"prompt_len": prompt_len}) > s.model.max_context:
         from servelab.errors import InvalidArgument
 
         raise InvalidArgument(
@@ -671,7 +671,7 @@ def disaggregated(p: Params, budget: Budget) -> dict[str, Any]:
         raise InvalidArgument(
             f"prefill_gpus + decode_gpus: at most 8 replicas, got {prefill_gpus + decode_gpus}", param="decode_gpus"
         )
-    _check_len(s, prompt_len, output_len)
+    _check_len(s, "disaggregated", prompt_len, output_len)
     _require_request_fits(s, prompt_len, output_len)
     colocated, split = _disagg_runs(
         budget, _key(s), rate, prefill_gpus, decode_gpus, link_gbps * 1e9, prompt_len, output_len

@@ -701,3 +701,28 @@ def test_simulations_past_the_limit_answer_429_and_leave_the_lab_responsive(clie
         for _ in range(MAX_RUNNING_SIMULATIONS):
             slots.release()
     assert client.post("/api/lessons/slo", json={}).status_code == 200
+
+
+def _context_max(rule: dict, max_context: int, others: int) -> int:
+    """The page's formula (applyContextRule in lab.js) for a length's largest value."""
+    num, den = rule["spread"]
+    return (den * max_context + den - 1) // num - rule["extra"] - others
+
+
+@pytest.mark.parametrize("model", ["llama-2-7b", "llama-3.1-8b"])
+def test_the_forms_context_limits_are_the_lessons(client, model):
+    """At the max the page computes, a lesson accepts the length; one token more is the context's 400."""
+    cat = client.get("/api/catalog").json()
+    max_context = next(m["max_context"] for m in cat["models"] if m["name"] == model)
+    defaults = cat["defaults"]
+    for lesson, rule in cat["context_rules"].items():
+        field, *rest = rule["fields"]
+        others = sum(int(defaults[lesson][f]) for f in rest)
+        top = min(cat["limits"][lesson][field]["max"], _context_max(rule, max_context, others))
+        params = {"model": model, **{f: defaults[lesson][f] for f in rest}}
+        at_max = client.post(f"/api/lessons/{lesson}", json={**params, field: top})
+        # A simulated lesson may still refuse a run that long for its budget, never for the context.
+        assert "maximum context" not in at_max.text, (lesson, at_max.text)
+        if top < cat["limits"][lesson][field]["max"]:
+            over = client.post(f"/api/lessons/{lesson}", json={**params, field: top + 1})
+            assert over.status_code == 400 and "maximum context" in over.json()["error"]["message"], (lesson, over.text)
