@@ -21,6 +21,7 @@ from servelab.lab import roofline_lessons
 from servelab.lab.request_cost_lesson import request_cost
 from servelab.lab.common import TP_CHOICES, common_defaults, setup_from
 from servelab.lab.limits import published as published_limits
+from servelab.lab.limits import published_context_rules
 from servelab.lab.params import Params
 from servelab.sim.engine_profiles import engine_profiles
 from servelab.spec import HARDWARE, KV_DTYPES, MODELS, WEIGHT_DTYPES
@@ -111,6 +112,9 @@ def catalog() -> dict[str, Any]:
         "lessons": list(LESSONS),
         # The forms' min/max: the same bounds the lessons validate against.
         "limits": published_limits(),
+        # Each lesson's lengths must fit the chosen model's max_context (the models' entries): the
+        # form lowers its max to match, and the lesson answers a 400 beyond it.
+        "context_rules": published_context_rules(),
         "defaults": {name: {**common_defaults(), **values} for name, values in LESSON_DEFAULTS.items()},
     }
 

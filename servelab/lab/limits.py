@@ -62,6 +62,26 @@ LIMITS: dict[str, dict[str, tuple[float, float]]] = {
 }
 
 
+# lesson -> the token counts whose sum must fit the model's context: (fields, extra tokens, spread).
+# A request's longest length is spread × (Σ fields + extra), floored; the form lowers each field's
+# max to what the chosen model allows, and the lesson refuses the same values with a 400.
+CONTEXT_RULES: dict[str, tuple[tuple[str, ...], int, tuple[int, int]]] = {
+    "two-workloads": (("prompt_len",), 0, (1, 1)),
+    "batching": (("context",), 0, (1, 1)),
+    "slo": (("prompt_len", "output_len"), 0, (3, 2)),  # the workload's lengths run to 1.5x the chosen ones
+    "chunked-prefill": (("prompt_len",), 8, (1, 1)),  # the long request generates 8 tokens
+    "disaggregated": (("prompt_len", "output_len"), 0, (3, 2)),
+    "memory": (("context",), 0, (1, 1)),
+    "request-cost": (("prompt_len", "output_len"), 0, (1, 1)),
+}
+
+
+def longest_tokens(lesson: str, values: dict[str, int]) -> int:
+    """The longest request the lesson runs for these inputs, as its context rule counts it."""
+    fields, extra, (num, den) = CONTEXT_RULES[lesson]
+    return num * (sum(values[f] for f in fields) + extra) // den
+
+
 def bounds(lesson: str, name: str) -> dict[str, Any]:
     """`lo=` and `hi=` keywords for `Params.int`/`Params.float`."""
     lo, hi = LIMITS[lesson][name]
@@ -71,4 +91,11 @@ def bounds(lesson: str, name: str) -> dict[str, Any]:
 def published() -> dict[str, dict[str, dict[str, float]]]:
     return {
         lesson: {name: {"min": lo, "max": hi} for name, (lo, hi) in inputs.items()} for lesson, inputs in LIMITS.items()
+    }
+
+
+def published_context_rules() -> dict[str, dict[str, Any]]:
+    return {
+        lesson: {"fields": list(fields), "extra": extra, "spread": [num, den]}
+        for lesson, (fields, extra, (num, den)) in CONTEXT_RULES.items()
     }

@@ -28,7 +28,31 @@ def _point(cost: StepCost) -> dict[str, Any]:
         "compute_ms": ms(cost.compute_time_s),
         "memory_ms": ms(cost.memory_time_s),
         "bound": cost.bound,
+        "side_of_ridge": side_of_ridge(cost),
     }
+
+
+def side_of_ridge(cost: StepCost) -> str:
+    """"above" or "below" the datasheet ridge: where the step's intensity puts it on the roofline."""
+    return "above" if cost.arithmetic_intensity >= cost.ridge_flops_per_byte else "below"
+
+
+def bound_sentence(name: str, cost: StepCost) -> str:
+    """Where a step sits against the ridge and what it waits on, both read from its own numbers.
+    The bound is the cost model's verdict (compute time against memory time at the achievable
+    rates); when it disagrees with the datasheet ridge, the sentence says why."""
+    ridge = cost.ridge_flops_per_byte
+    intensity = cost.arithmetic_intensity
+    side = side_of_ridge(cost)
+    factor = ridge / intensity if side == "below" else intensity / ridge
+    where = f"{name} sits at {fmt(intensity)} FLOP/byte, {fmt(factor)}x {side} the ridge of {ridge:.0f}"
+    waits = "waits on memory" if cost.bound == "memory" else "waits on arithmetic"
+    if (side == "below") == (cost.bound == "memory"):
+        return f"{where}: {cost.bound}-bound, it {waits}"
+    return (
+        f"{where}, yet {cost.bound}-bound: at the achievable rates its compute takes "
+        f"{fmt(ms(cost.compute_time_s))} ms against {fmt(ms(cost.memory_time_s))} ms of memory traffic, so it {waits}"
+    )
 
 
 def busy_fraction(cost: StepCost) -> float:
@@ -71,7 +95,6 @@ def two_workloads(p: Params) -> dict[str, Any]:
         "decode_step_ms": [ms(rl.decode(batch, n).time_s) for n in lengths],
     }
     ridge = rl.ridge_flops_per_byte
-    ratio = prefill.time_s / decode.time_s
     # On the roofline, a decode step's intensity grows with its batch until the KV cache is full:
     # further right, decode at this context does not fit.
     max_batch = plan.max_batch(prompt_len) if plan.weights_fit else 0
@@ -84,10 +107,14 @@ def two_workloads(p: Params) -> dict[str, Any]:
         ),
     }
     idle = 1.0 - busy_fraction(decode)
+    decode_point = _point(decode)
+    # A mixture of experts reads only the experts its tokens hit, not every resident weight.
+    decode_point["weights_read_ms"] = ms(decode.weight_bytes / rl.peak_bandwidth_bytes_per_s)
     return {
         "config": {**s.to_dict(), "prompt_len": prompt_len, "batch": batch},
         "prefill": _point(prefill),
-        "decode": _point(decode),
+        "decode": decode_point,
+        "fits": {"weights": plan.weights_fit, "decode": warning is None},
         "phases": {
             "label": [f"prefill {prompt_len:,} tokens", f"one decode step (batch {batch})"],
             "time_ms": [ms(prefill.time_s), ms(decode.time_s)],
@@ -117,21 +144,40 @@ def two_workloads(p: Params) -> dict[str, Any]:
         "stats": [
             stat("prefill time (TTFT floor)", fmt(ms(prefill.time_s), "ms")),
             stat("one decode step (TPOT)", fmt(ms(decode.time_s), "ms")),
-            stat("weights streamed once at peak bandwidth", fmt(ms(rl.weight_stream_time_s), "ms")),
+            stat("weights one decode step reads, at peak bandwidth", fmt(decode_point["weights_read_ms"], "ms")),
             stat("compute per token at peak", fmt(ms(rl.token_compute_time_s), "ms")),
             stat("prefill intensity", fmt(prefill.arithmetic_intensity, "FLOP/B")),
             stat("decode intensity", fmt(decode.arithmetic_intensity, "FLOP/B")),
             stat("ridge", fmt(ridge, "FLOP/B")),
             stat(f"tensor cores idle in a batch-{batch:,} decode step", f"{100 * idle:.1f}%"),
         ],
-        "notice": (
-            f"prefill of {prompt_len:,} tokens is {prefill.bound}-bound at {fmt(prefill.arithmetic_intensity)} "
-            f"FLOP/byte and takes {fmt(ratio)}x as long as one decode step, which sits at "
-            f"{fmt(decode.arithmetic_intensity)} FLOP/byte, {fmt(ridge / decode.arithmetic_intensity)}x below "
-            f"the ridge of {ridge:.0f}: decode waits on memory, and the tensor cores sit idle "
-            f"{100 * idle:.1f}% of the step."
-        ),
+        "notice": _two_workloads_notice(plan, prompt_len, batch, prefill, decode, idle, warning is None),
     }
+
+
+def _two_workloads_notice(
+    plan: MemoryPlan, prompt_len: int, batch: int, prefill: StepCost, decode: StepCost, idle: float, decode_fits: bool
+) -> str:
+    """Lesson 1's note: what fits, where each phase sits against the ridge, and what decode waits on."""
+    ratio = prefill.time_s / decode.time_s
+    steps = (
+        f"{bound_sentence(f'prefill of {prompt_len:,} tokens', prefill)}; "
+        f"{bound_sentence(f'a decode step of batch {batch:,}', decode)}"
+    )
+    if decode.bound == "memory":
+        steps += f", and the tensor cores sit idle {100 * idle:.1f}% of it"
+    if not plan.weights_fit:
+        return (
+            f"{plan.model.name}'s weights take {fmt(gb(plan.weight_bytes_per_device))} GB per device and only "
+            f"{fmt(gb(plan.usable_bytes))} GB is usable: it does not run here. Were there memory for it, {steps}."
+        )
+    timing = f"Prefill takes {fmt(ratio)}x as long as one decode step."
+    if not decode_fits:
+        timing = (
+            f"Batch {batch:,} at {prompt_len:,} tokens does not fit the KV cache: the decode step is what it would "
+            f"take with enough memory."
+        )
+    return f"{steps[0].upper()}{steps[1:]}. {timing}"
 
 
 class SelectedStep(TypedDict):
@@ -154,8 +200,10 @@ def batching(p: Params) -> dict[str, Any]:
     rl = s.roofline()
     plan = rl.memory
     batches = powers_of_two(1, 1024)
-    if batch not in batches:
-        batches = sorted([*batches, batch])
+    # The frontier's last point that fits is the memory limit itself, not the power of two below it.
+    wall = plan.max_batch(context) if plan.weights_fit else 0
+    extra = {b for b in (batch, wall) if 1 <= b <= max(batch, batches[-1])}
+    batches = sorted({*batches, *extra})
     costs = [rl.decode(b, context) for b in batches]
     sweep = {
         "batch": batches,
@@ -203,11 +251,7 @@ def batching(p: Params) -> dict[str, Any]:
         crossing = "at this context each sequence's KV adds more bytes than its FLOPs can cover: no batch becomes compute-bound"
     else:
         crossing = f"compute catches up with bandwidth at batch {crossover:,}"
-    notice = (
-        f"batch {batch} runs {fmt(selected['tokens_per_s_total'])} tokens/s in total but "
-        f"{fmt(selected['tokens_per_s_per_user'])} per user (batch 1: {fmt(1.0 / one.time_s)}); "
-        f"KV is {fmt(100 * selected['kv_gb'] / (selected['kv_gb'] + selected['weight_gb']))}% of the bytes; {crossing}."
-    )
+    notice = _batching_notice(rl, batch, context, chosen, one, crossing)
     # Where the sweep crosses a limit, the charts shade beyond it and name it.
     limits = {
         "memory": (
@@ -244,6 +288,38 @@ def batching(p: Params) -> dict[str, Any]:
     }
 
 
+def _batching_notice(rl: Roofline, batch: int, context: int, chosen: StepCost, one: StepCost, crossing: str) -> str:
+    """Lesson 2's note: throughput is quoted only for a batch that fits; otherwise for the largest
+    one that does, or for none when the weights alone do not fit."""
+    plan = rl.memory
+    kv_share = 100 * (chosen.kv_read_bytes + chosen.kv_write_bytes) / chosen.total_bytes
+    shape = f"KV is {fmt(kv_share)}% of the bytes a batch-{batch:,} step reads; {crossing}"
+    if not plan.weights_fit:
+        return (
+            f"{plan.model.name}'s weights take {fmt(gb(plan.weight_bytes_per_device))} GB per device and only "
+            f"{fmt(gb(plan.usable_bytes))} GB is usable: no batch runs here, and the curves are the steps' cost "
+            f"were there memory for them. {shape[0].upper()}{shape[1:]}."
+        )
+    batch_1 = f"batch 1: {fmt(1.0 / one.time_s)} tokens/s"
+    if plan.fits(batch, context):
+        head = (
+            f"batch {batch:,} runs {fmt(batch / chosen.time_s)} tokens/s in total but "
+            f"{fmt(1.0 / chosen.time_s)} per user ({batch_1})"
+        )
+    else:
+        wall = plan.max_batch(context)
+        if wall:
+            at_wall = rl.decode(wall, context)
+            head = (
+                f"batch {batch:,} does not fit at {context:,} tokens: the KV cache is full at batch {wall:,}, "
+                f"which runs {fmt(wall / at_wall.time_s)} tokens/s in total and {fmt(1.0 / at_wall.time_s)} per user "
+                f"({batch_1})"
+            )
+        else:
+            head = f"not one sequence of {context:,} tokens fits the KV cache left after the weights ({batch_1})"
+    return f"{head}; {shape}."
+
+
 def with_mha(model: ModelSpec) -> ModelSpec:
     """The same model with one KV head per attention head (multi-head attention, no GQA)."""
     return dataclasses.replace(model, name=f"{model.name} (MHA)", num_kv_heads=model.num_heads)
@@ -268,6 +344,57 @@ def batch_at_tpot(rl: Roofline, context: int, max_batch: int, tpot_s: float) -> 
         else:
             high = mid
     return low
+
+
+# What sets a variant's batch at the TPOT target: the first limit it meets.
+BINDS_LABEL = {
+    "weights": "weights do not fit",
+    "kv": "no sequence fits the KV cache",
+    "tpot": "batch 1 misses the TPOT target",
+    "kv-full": "KV cache full",
+    "tpot-batch": "TPOT target",
+}
+
+
+def capacity_binds(plan: MemoryPlan, max_batch: int, batch_at_target: int) -> str:
+    """Which limit sets a variant's batch: the weights, the KV of one sequence, the TPOT target
+    at batch 1, the full KV cache (the target would allow more) or the TPOT target."""
+    if not plan.weights_fit:
+        return "weights"
+    if max_batch == 0:
+        return "kv"
+    if batch_at_target == 0:
+        return "tpot"
+    return "kv-full" if batch_at_target == max_batch else "tpot-batch"
+
+
+def _memory_yours(plan: MemoryPlan, pick: dict[str, Any], context: int, tpot_ms: float, batch_1_ms: float) -> str:
+    binds = pick["binds"]
+    if binds == "weights":
+        return (
+            f"your choice's weights take {fmt(gb(plan.weight_bytes_per_device))} GB per device and only "
+            f"{fmt(gb(plan.usable_bytes))} GB is usable: it does not run, whatever the TPOT target"
+        )
+    if binds == "kv":
+        return (
+            f"your choice's weights fit, but not one sequence of {context:,} tokens fits the "
+            f"{plan.kv_capacity_tokens:,}-token KV cache left beside them"
+        )
+    if binds == "tpot":
+        return (
+            f"your choice fits {pick['max_batch']:,} sequences of {context:,} tokens, but even batch 1 takes "
+            f"{fmt(batch_1_ms)} ms a step, over the {fmt(tpot_ms)} ms TPOT target"
+        )
+    served = (
+        f"serves {fmt(pick['tokens_per_s_per_gpu'])} tokens/s per GPU at batch {pick['batch_at_tpot']:,} within "
+        f"{fmt(tpot_ms)} ms TPOT"
+    )
+    if binds == "kv-full":
+        return f"your choice {served}: the KV cache is full there ({pick['max_batch']:,} sequences of {context:,} tokens)"
+    return (
+        f"your choice fits {pick['max_batch']:,} sequences of {context:,} tokens but {served}: the TPOT target "
+        f"binds before memory does"
+    )
 
 
 VARIANT_WEIGHT_DTYPES = ("bfloat16", "fp8", "int4")
@@ -299,6 +426,8 @@ def memory(p: Params) -> dict[str, Any]:
             "batch_at_tpot",
             "step_ms_at_tpot",
             "tokens_per_s_per_gpu",
+            "binds",
+            "bar_label",
         )
     }
     for w, k, a in combos:
@@ -319,6 +448,9 @@ def memory(p: Params) -> dict[str, Any]:
         variants["batch_at_tpot"].append(b)
         variants["step_ms_at_tpot"].append(None if step_s is None else ms(step_s))
         variants["tokens_per_s_per_gpu"].append(0.0 if step_s is None else b / step_s / s.tp)
+        binds = capacity_binds(plan, max_batch, b)
+        variants["binds"].append(binds)
+        variants["bar_label"].append(BINDS_LABEL[binds])
     i = combos.index(chosen)
     pick = {key: values[i] for key, values in variants.items()}
     model = s.model if attention == "gqa" else with_mha(s.model)
@@ -335,20 +467,21 @@ def memory(p: Params) -> dict[str, Any]:
             f"{plan.kv_capacity_tokens:,}-token KV cache left after the weights"
         )
     best = max(range(len(combos)), key=lambda j: variants["tokens_per_s_per_gpu"][j])
-    if pick["batch_at_tpot"]:
-        yours = (
-            f"your choice fits {pick['max_batch']:,} sequences of {context:,} tokens and serves "
-            f"{fmt(pick['tokens_per_s_per_gpu'])} tokens/s per GPU at batch {pick['batch_at_tpot']:,} within "
-            f"{fmt(tpot_ms)} ms TPOT"
-        )
-    else:
-        yours = f"your choice cannot meet {fmt(tpot_ms)} ms TPOT at {context:,} tokens of context"
+    batch_1_ms = ms(Roofline(model, s.hardware, s.weight_dtype, s.kv_dtype, s.tp).decode(1, context).time_s)
+    yours = _memory_yours(plan, pick, context, tpot_ms, batch_1_ms)
     best_label = variants["label"][best].replace("<br>", " · ")
-    notice = (
-        f"{yours}; {best_label} serves {fmt(variants['tokens_per_s_per_gpu'][best])}. "
-        f"Multi-head attention (MHA, one KV head per query head) needs "
-        f"{s.model.num_heads // s.model.num_kv_heads}x the KV per token of GQA here."
+    best_text = (
+        f"{best_label} serves the most, {fmt(variants['tokens_per_s_per_gpu'][best])} tokens/s per GPU"
+        if variants["tokens_per_s_per_gpu"][best] > 0
+        else "no variant serves this context within the target"
     )
+    group = s.model.num_heads // s.model.num_kv_heads
+    mha = (
+        f"Multi-head attention (MHA, one KV head per query head) needs {group}x the KV per token of GQA here."
+        if group > 1
+        else f"{s.model.name} already has one KV head per query head: GQA and MHA are the same here."
+    )
+    notice = f"{yours}; {best_text}. {mha}"
     return {
         "config": {**s.to_dict(), "attention": attention, "context": context, "tpot_ms": tpot_ms},
         "variants": variants,
@@ -360,6 +493,8 @@ def memory(p: Params) -> dict[str, Any]:
             stat("largest batch at this context", f"{pick['max_batch']:,}"),
             stat("batch within the TPOT target", f"{pick['batch_at_tpot']:,}"),
             stat("tokens/s per GPU at the target", fmt(pick["tokens_per_s_per_gpu"])),
+            stat("what binds", BINDS_LABEL[pick["binds"]]),
         ],
+        "batch_1_step_ms": batch_1_ms,
         "notice": notice,
     }

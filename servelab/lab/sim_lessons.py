@@ -17,7 +17,7 @@ import numpy as np
 
 from servelab.errors import DoesNotFit
 from servelab.lab.common import Setup, fmt, setup_from, stat
-from servelab.lab.limits import LIMITS, bounds
+from servelab.lab.limits import LIMITS, bounds, longest_tokens
 from servelab.lab.params import Params
 from servelab.lab.simulations import Budget, result_bytes
 from servelab.metrics import SLO, RequestRecord, Summary, steady_state_summary
@@ -25,8 +25,11 @@ from servelab.sim import SimConfig, SimResult, simulate
 from servelab.sim.runner import engine_sim_config
 from servelab.workload import RequestSpec, WorkloadSpec
 
-SLO_RUN_S = 30.0  # seconds of arrivals in the SLO lesson's runs: long enough for a queue to build
-SLO_MIN_REQUESTS, SLO_MAX_REQUESTS = 300, 900
+# Every rate of the SLO lesson runs for a duration, not a request count, so high rates are measured
+# as long as low ones: SLO_STEADY_S of arrivals after the warm-up (long enough for a queue to build
+# above saturation), and at least SLO_MIN_REQUESTS requests for the percentiles at low rates.
+SLO_STEADY_S = 20.0
+SLO_MIN_REQUESTS = 300
 WARMUP_FRACTION = 0.2  # the first fifth of the arrivals fill the system from empty: not measured
 SWEEP_FRACTIONS = (0.3, 0.6, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5)  # of the saturation estimate
 SATURATED_BELOW = 0.9  # achieved under this share of the offered rate: the system is not keeping up
@@ -82,8 +85,9 @@ def _spread(center: int, name: str) -> str:
 
 
 def _slo_requests(rate: float) -> int:
-    """Enough requests for SLO_RUN_S of arrivals, within what answers in about a second."""
-    return int(min(SLO_MAX_REQUESTS, max(SLO_MIN_REQUESTS, rate * SLO_RUN_S)))
+    """Enough requests for SLO_STEADY_S of arrivals after the warm-up, and never fewer than
+    SLO_MIN_REQUESTS. A run too big for the lab's memory budget is refused with its inputs named."""
+    return max(SLO_MIN_REQUESTS, math.ceil(rate * SLO_STEADY_S / (1.0 - WARMUP_FRACTION)))
 
 
 def _open_loop_run(
@@ -123,6 +127,7 @@ class Steady:
     summary: Summary
     offered_rps: float
     achieved_rps: float
+    window_s: float
 
     @property
     def goodput_rps(self) -> float:
@@ -144,7 +149,7 @@ def _steady(result: SimResult, rate: float, slo: SLO) -> Steady:
     window_s = max(end_s - start_s, 1e-9)
     arrived = sum(1 for r in result.records if start_s <= r.arrival_s <= end_s)
     done = sum(1 for r in result.records if r.success and (t := r.last_token_s) is not None and start_s <= t <= end_s)
-    return Steady(steady, arrived / window_s, done / window_s)
+    return Steady(steady, arrived / window_s, done / window_s, window_s)
 
 
 def saturation_estimate_rps(s: Setup, prompt_len: int, output_len: int) -> float:
@@ -160,16 +165,23 @@ def saturation_estimate_rps(s: Setup, prompt_len: int, output_len: int) -> float
 
 
 class RateSweep(TypedDict):
-    """The SLO lesson's sweep of offered rates, as its JSON carries it: one entry a rate in each list."""
+    """The SLO lesson's sweep of rates, as its JSON carries it: one entry a rate in each list.
+    `offered_rps` is the nominal Poisson rate; `arrived_rps` what the run's arrivals actually
+    came at over the measurement window, and `achieved_rps` what it completed there: the charts
+    plot the measured rates."""
 
     offered_rps: list[float]
+    arrived_rps: list[float]
     achieved_rps: list[float]
     goodput_rps: list[float]
+    measured_s: list[float]  # seconds of steady state each rate was measured over
     ttft_ms: list[float | None]  # at the sweep's percentile; None where no request finished
     tpot_ms: list[float | None]
+    tpot_pct_ms: dict[str, list[float | None]]  # per-request TPOT at p50 / p90 / p99
+    itl_pct_ms: dict[str, list[float | None]]  # per-token gaps (ITL), pooled, at p50 / p90 / p99
     meets: list[bool]
     saturation_rps: float
-    knee_rps: float | None
+    knee_rps: float | None  # the first rate (arrived) whose percentile latencies break a target
 
 
 def _sweep(budget: Budget, s: Setup, prompt_len: int, output_len: int, slo: SLO, pct: str) -> RateSweep:
@@ -177,32 +189,52 @@ def _sweep(budget: Budget, s: Setup, prompt_len: int, output_len: int, slo: SLO,
     center = saturation_estimate_rps(s, prompt_len, output_len)
     lo_rate, hi_rate = LIMITS["slo"]["rate"]
     rates = sorted({float(f"{min(hi_rate, max(lo_rate, f * center)):.3g}") for f in SWEEP_FRACTIONS})
+    arrived: list[float] = []
     achieved: list[float] = []
     goodput: list[float] = []
+    measured_s: list[float] = []
     ttft_ms: list[float | None] = []
     tpot_ms: list[float | None] = []
+    tpot_pct: dict[str, list[float | None]] = {k: [] for k in PERCENTILES}
+    itl_pct: dict[str, list[float | None]] = {k: [] for k in PERCENTILES}
     meets: list[bool] = []
     for rate in rates:
         st = _steady(_open_loop_run(budget, _key(s), rate, _slo_requests(rate), prompt_len, output_len), rate, slo)
         sm = st.summary
         ttft, tpot = getattr(sm.ttft_s, pct), getattr(sm.tpot_s, pct)
+        arrived.append(st.offered_rps)
         achieved.append(st.achieved_rps)
         goodput.append(st.goodput_rps)
+        measured_s.append(st.window_s)
         ttft_ms.append(None if ttft is None else ttft * 1e3)
         tpot_ms.append(None if tpot is None else tpot * 1e3)
+        for k in PERCENTILES:
+            tpot_pct[k].append(_ms_or_none(getattr(sm.tpot_s, k)))
+            itl_pct[k].append(_ms_or_none(getattr(sm.itl_s, k)))
         meets.append(_meets(ttft, tpot, slo))
     # Saturation: the most the system completed, whatever was offered. The knee: the first
-    # offered rate whose percentile latencies break a target.
+    # rate, as it arrived, whose percentile latencies break a target.
     return {
         "offered_rps": rates,
+        "arrived_rps": arrived,
         "achieved_rps": achieved,
         "goodput_rps": goodput,
+        "measured_s": measured_s,
         "ttft_ms": ttft_ms,
         "tpot_ms": tpot_ms,
+        "tpot_pct_ms": tpot_pct,
+        "itl_pct_ms": itl_pct,
         "meets": meets,
         "saturation_rps": max(achieved),
-        "knee_rps": next((r for r, ok in zip(rates, meets) if not ok), None),
+        "knee_rps": next((r for r, ok in zip(arrived, meets) if not ok), None),
     }
+
+
+PERCENTILES = ("p50", "p90", "p99")
+
+
+def _ms_or_none(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1e3
 
 
 def _knee_text(knee: float | None, saturation: float) -> str:
@@ -210,9 +242,22 @@ def _knee_text(knee: float | None, saturation: float) -> str:
         return "Every swept rate meets the targets: tighten them to find the knee."
     when = "before" if knee < saturation else "only once"
     return (
-        f"The targets break from about {fmt(knee)} req/s offered, {when} the system saturates "
+        f"The targets break from about {fmt(knee)} req/s arriving, {when} the system saturates "
         f"(it completes at most about {fmt(saturation)} req/s)."
     )
+
+
+STALL_RATIO = 1.2  # a p99 token gap this far above the p99 TPOT is steps a request's mean hides
+
+
+def _itl_text(itl: dict[str, float], tpot: dict[str, float]) -> str:
+    itl99, tpot99 = itl.get("p99"), tpot.get("p99")
+    if itl99 is None or tpot99 is None:
+        return ""
+    text = f"Per token, the p99 gap is {fmt(itl99)} ms against a p99 TPOT of {fmt(tpot99)} ms"
+    if itl99 > STALL_RATIO * tpot99:
+        return text + ": the steps that carry a prefill stall tokens, and a request's average hides them."
+    return text + "."
 
 
 def _meets(ttft_s: float | None, tpot_s: float | None, slo: SLO) -> bool:
@@ -241,11 +286,11 @@ def _setup_from_key(key: tuple) -> Setup:
     )
 
 
-def _check_len(s: Setup, prompt_len: int, output_len: int, *, spread: float = 1.5) -> None:
-    from servelab.errors import InvalidArgument
-
-    longest = int((prompt_len + output_len) * spread)
+def _check_len(s: Setup, lesson: str, prompt_len: int, output_len: int) -> None:
+    longest = longest_tokens(lesson, {"prompt_len": prompt_len, "output_len": output_len})
     if longest > s.model.max_context:
+        from servelab.errors import InvalidArgument
+
         raise InvalidArgument(
             f"prompt_len + output_len: the longest request ({longest:,} tokens with the spread) exceeds "
             f"{s.model.name}'s maximum context of {s.model.max_context:,} tokens",
@@ -279,7 +324,7 @@ def slo(p: Params, budget: Budget) -> dict[str, Any]:
     tpot_slo_ms = p.float("tpot_slo_ms", 20.0, **bounds("slo", "tpot_slo_ms"))
     prompt_len = p.int("prompt_len", 1024, **bounds("slo", "prompt_len"))
     output_len = p.int("output_len", 128, **bounds("slo", "output_len"))
-    _check_len(s, prompt_len, output_len)
+    _check_len(s, "slo", prompt_len, output_len)
     _require_request_fits(s, prompt_len, output_len)
     ttft_slo_s, tpot_slo_s = ttft_slo_ms / 1e3, tpot_slo_ms / 1e3
     target = SLO(ttft_s=ttft_slo_s, tpot_s=tpot_slo_s)
@@ -298,17 +343,20 @@ def slo(p: Params, budget: Budget) -> dict[str, Any]:
     attainment = {"ttft": ttft_ok / n, "tpot": tpot_ok / n, "both": sm.slo_attainment}
     ttft_cdf = {**cdf(ttfts), "percentiles": _percentiles_ms(sm.ttft_s)}
     tpot_cdf = {**cdf(tpots), "percentiles": _percentiles_ms(sm.tpot_s)}
+    # Per-token gaps show the prefill stalls that a request's mean (its TPOT) averages away.
+    itl_cdf = {**cdf(_itl_gaps_s(ok)), "percentiles": _percentiles_ms(sm.itl_s)}
     p90_ttft, p90_tpot = ttft_cdf["percentiles"].get("p90"), tpot_cdf["percentiles"].get("p90")
     meets = _meets(None if p90_ttft is None else p90_ttft / 1e3, None if p90_tpot is None else p90_tpot / 1e3, target)
     sweep = _sweep(budget, s, prompt_len, output_len, target, "p90")
     saturated = st.achieved_rps < SATURATED_BELOW * st.offered_rps  # against what actually arrived
+    offered = f"{fmt(rate)} req/s offered ({fmt(st.offered_rps)} arrived)"
     if saturated:
         load = (
-            f"{fmt(rate)} req/s offered is more than it sustains: it completes {fmt(st.achieved_rps)} "
+            f"{offered} is more than it sustains: it completes {fmt(st.achieved_rps)} "
             f"req/s and the queue grows for as long as the load lasts"
         )
     else:
-        load = f"at {fmt(rate)} req/s offered it keeps up ({fmt(st.achieved_rps)} req/s completed)"
+        load = f"at {offered} it keeps up ({fmt(st.achieved_rps)} req/s completed)"
     knee = sweep["knee_rps"]
     return {
         "config": {
@@ -324,6 +372,7 @@ def slo(p: Params, budget: Budget) -> dict[str, Any]:
         "tpot_slo_ms": tpot_slo_ms,
         "ttft_ms": ttft_cdf,
         "tpot_ms": tpot_cdf,
+        "itl_ms": itl_cdf,
         "attainment": attainment,
         "offered_rps": rate,
         "arrived_rps": st.offered_rps,  # the Poisson sample's own rate over the window
@@ -338,16 +387,22 @@ def slo(p: Params, budget: Budget) -> dict[str, Any]:
             stat("offered / achieved rate", f"{fmt(rate)} / {fmt(st.achieved_rps)} req/s"),
             stat("p50 / p90 / p99 TTFT", " / ".join(fmt(v, "") for v in ttft_cdf["percentiles"].values()) + " ms"),
             stat("p50 / p90 / p99 TPOT", " / ".join(fmt(v, "") for v in tpot_cdf["percentiles"].values()) + " ms"),
+            stat("p50 / p90 / p99 ITL", " / ".join(fmt(v, "") for v in itl_cdf["percentiles"].values()) + " ms"),
             stat("SLO attainment (both)", fmt(100 * (sm.slo_attainment or 0.0), "%")),
             stat("goodput", fmt(st.goodput_rps, "req/s")),
             stat("saturates at about", fmt(sweep["saturation_rps"], "req/s")),
-            stat("measured", f"{n:,} of {num_requests:,} requests (first {fmt(warmup_s)} s of arrivals left out)"),
+            stat(
+                "measured",
+                f"{n:,} of {num_requests:,} requests over {fmt(st.window_s)} s (first {fmt(warmup_s)} s of arrivals "
+                f"left out)",
+            ),
         ],
         "notice": (
             f"{load}; the p90 TTFT is {fmt(p90_ttft or math.nan)} ms and p90 TPOT {fmt(p90_tpot or math.nan)} ms, "
             f"so the deployment {'meets' if meets else 'misses'} the p90 targets "
             f"({fmt(100 * (sm.slo_attainment or 0.0))}% of requests meet both, a goodput of {fmt(st.goodput_rps)} "
-            f"req/s). " + _knee_text(knee, sweep["saturation_rps"])
+            f"req/s). " + _itl_text(itl_cdf["percentiles"], tpot_cdf["percentiles"]) + " "
+            + _knee_text(knee, sweep["saturation_rps"])
         ),
     }
 
@@ -463,7 +518,7 @@ def chunked_prefill(p: Params, budget: Budget) -> dict[str, Any]:
     prompt_len = p.int("prompt_len", 8192, **bounds("chunked-prefill", "prompt_len"))
     decode_batch = p.int("decode_batch", 16, **bounds("chunked-prefill", "decode_batch"))
     chunk_tokens = p.int("chunk_tokens", 512, **bounds("chunked-prefill", "chunk_tokens"))
-    if prompt_len + 8 > s.model.max_context:  # the long request generates 8 tokens (_chunk_requests)
+    if longest_tokens("chunked-prefill", {"prompt_len": prompt_len}) > s.model.max_context:
         from servelab.errors import InvalidArgument
 
         raise InvalidArgument(
@@ -492,13 +547,30 @@ def chunked_prefill(p: Params, budget: Budget) -> dict[str, Any]:
                 "long prompt TTFT, prefill-first / chunked", f"{fmt(a['long_ttft_ms'])} / {fmt(b['long_ttft_ms'])} ms"
             ),
         ],
-        "notice": (
-            f"prefill-first stalls every decoding user for {fmt(a['max_user_gap_ms'])} ms while the "
-            f"{prompt_len:,}-token prompt runs in one step; chunked prefill caps the worst gap at "
-            f"{fmt(b['max_user_gap_ms'])} ms, and the long prompt's TTFT goes from {fmt(a['long_ttft_ms'])} to "
-            f"{fmt(b['long_ttft_ms'])} ms."
-        ),
+        "notice": _chunked_notice(a, b, prompt_len, chunk_tokens),
     }
+
+
+def _chunked_notice(a: dict[str, Any], b: dict[str, Any], prompt_len: int, chunk_tokens: int) -> str:
+    """Lesson 4's note: the stall prefill-first causes, and what chunking does to it, as measured."""
+    first_gap, chunked_gap = a["max_user_gap_ms"], b["max_user_gap_ms"]
+    head = (
+        f"prefill-first stalls the decoding users for up to {fmt(first_gap)} ms while the {prompt_len:,}-token "
+        f"prompt runs in one step"
+    )
+    if chunk_tokens >= prompt_len:
+        effect = (
+            f"a chunk budget of {chunk_tokens:,} tokens holds the whole prompt, so chunking changes nothing "
+            f"(worst gap {fmt(chunked_gap)} ms)"
+        )
+    elif chunked_gap < first_gap:
+        effect = f"chunks of {chunk_tokens:,} tokens cap the worst gap at {fmt(chunked_gap)} ms"
+    else:
+        effect = f"chunks of {chunk_tokens:,} tokens do not shorten the worst gap ({fmt(chunked_gap)} ms)"
+    return (
+        f"{head}; {effect}. The long prompt's TTFT goes from {fmt(a['long_ttft_ms'])} to "
+        f"{fmt(b['long_ttft_ms'])} ms."
+    )
 
 
 # ---- 5. Disaggregated serving -------------------------------------------------------------------------
@@ -551,22 +623,37 @@ def _side(result: SimResult, label: str) -> dict[str, Any]:
     }
 
 
+def _compare(split: float | None, colocated: float | None) -> str:
+    """"better", "worse" or "the same" (within half a percent) for a latency, lower being better."""
+    if split is None or colocated is None:
+        return "not measured"
+    if abs(split - colocated) <= 0.005 * colocated:
+        return "the same"
+    return "better" if split < colocated else "worse"
+
+
 def _disagg_notice(a: dict[str, Any], b: dict[str, Any], kv: dict[str, float]) -> str:
-    """The split's trade, both halves: the ITL tail against its median, and the TTFT it pays."""
+    """The split's trade, read from both runs: its ITL tail and median against colocated, each
+    called better or worse as the numbers say, and the TTFT it pays."""
     a_itl, b_itl = a["itl_ms"]["percentiles"], b["itl_ms"]["percentiles"]
-    a50, b50 = a_itl.get("p50", math.nan), b_itl.get("p50", math.nan)
-    if b50 > a50 * 1.005:
-        median = (
-            f"its median ITL is slightly worse ({fmt(b50)} against {fmt(a50)} ms: the decode pool runs "
-            f"bigger batches on fewer GPUs), so only the tail improves"
-        )
-    else:
-        median = f"its median ITL is {fmt(b50)} against {fmt(a50)} ms"
-    return (
+    tail = _compare(b_itl.get("p99"), a_itl.get("p99"))
+    median = _compare(b_itl.get("p50"), a_itl.get("p50"))
+    figures = (
         f"the split's p99 inter-token latency is {fmt(b_itl.get('p99'))} ms against {fmt(a_itl.get('p99'))} ms "
-        f"colocated, because no prefill interrupts its decodes; {median}. Its p90 TTFT of "
-        f"{fmt(b['ttft_ms']['percentiles'].get('p90'))} ms (vs {fmt(a['ttft_ms']['percentiles'].get('p90'))}) "
-        f"includes a median {fmt(kv.get('p50', math.nan))} ms KV transfer."
+        f"colocated ({tail}) and its median {fmt(b_itl.get('p50'))} against {fmt(a_itl.get('p50'))} ms ({median})"
+    )
+    if tail == "better" and median != "better":
+        verdict = "only the tail improves: no prefill interrupts its decodes, but fewer GPUs decode bigger batches"
+    elif tail == "better":
+        verdict = "both improve: no prefill interrupts its decodes"
+    elif median == "better":
+        verdict = "only the median improves; the tail does not, so this split does not buy the tail at this load"
+    else:
+        verdict = "neither improves at this load and split"
+    ttft_a, ttft_b = a["ttft_ms"]["percentiles"].get("p90"), b["ttft_ms"]["percentiles"].get("p90")
+    return (
+        f"{figures}: {verdict}. Its p90 TTFT is {fmt(ttft_b)} ms against {fmt(ttft_a)} ms colocated "
+        f"({_compare(ttft_b, ttft_a)}), including a median {fmt(kv.get('p50', math.nan))} ms KV transfer."
     )
 
 
@@ -584,7 +671,7 @@ def disaggregated(p: Params, budget: Budget) -> dict[str, Any]:
         raise InvalidArgument(
             f"prefill_gpus + decode_gpus: at most 8 replicas, got {prefill_gpus + decode_gpus}", param="decode_gpus"
         )
-    _check_len(s, prompt_len, output_len)
+    _check_len(s, "disaggregated", prompt_len, output_len)
     _require_request_fits(s, prompt_len, output_len)
     colocated, split = _disagg_runs(
         budget, _key(s), rate, prefill_gpus, decode_gpus, link_gbps * 1e9, prompt_len, output_len

@@ -370,7 +370,8 @@ def test_batching_defaults_shade_and_name_the_no_fit_region(page, lab_server):
 
 
 def test_form_limits_are_the_apis(page, lab_server):
-    limits = httpx.get(f"{lab_server.url}/api/catalog").json()["limits"]
+    catalog = httpx.get(f"{lab_server.url}/api/catalog").json()
+    limits = catalog["limits"]
     page.goto(f"{lab_server.url}/?lesson=chunked-prefill")
     _wait_render(page, 0)
     assert page.get_attribute("#ctl-decode_batch", "max") == "64"
@@ -378,11 +379,16 @@ def test_form_limits_are_the_apis(page, lab_server):
     for lesson in LESSONS:
         page.goto(f"{lab_server.url}/?lesson={lesson}")
         page.wait_for_selector("#controls input")
+        rule = catalog["context_rules"].get(lesson, {"fields": []})
         for name, lim in limits[lesson].items():
             got = page.evaluate(
                 f"[document.getElementById('ctl-{name}').min, document.getElementById('ctl-{name}').max]"
             )
-            assert [float(v) for v in got] == [lim["min"], lim["max"]], (lesson, name)
+            assert float(got[0]) == lim["min"], (lesson, name)
+            if name in rule["fields"]:  # lowered to what the default model's context allows
+                assert float(got[1]) <= lim["max"], (lesson, name)
+            else:
+                assert float(got[1]) == lim["max"], (lesson, name)
     # The form refuses what the API would (65 users) without asking the server.
     page.goto(f"{lab_server.url}/?lesson=chunked-prefill")
     _wait_render(page, 0)
@@ -413,10 +419,14 @@ def test_a_lesson_that_cannot_run_shades_every_chart_and_says_what_to_change(pag
 def test_lesson_1_roofline_shades_the_ridge_and_the_decode_wall(page, lab_server):
     page.goto(f"{lab_server.url}/?lesson=two-workloads")
     _wait_settled(page)
-    (wall,) = _no_fit_rects(page, "roofline")
+    # The decode wall limits decode only: a line, never a red shade over the prefill point (which fits).
+    assert _no_fit_rects(page, "roofline") == []
     data = page.evaluate("window.lab.last.data")
-    assert wall["x0"] == pytest.approx(data["limits"]["roofline"]["intensity"])
-    texts = [a["text"] for a in page.evaluate("document.getElementById('chart-roofline').layout.annotations")]
+    shapes = page.evaluate("document.getElementById('chart-roofline').layout.shapes")
+    walls = [s for s in shapes if s["type"] == "line" and s["line"]["color"] == "#c62828"]
+    assert len(walls) == 1 and walls[0]["x0"] == pytest.approx(data["limits"]["roofline"]["intensity"])
+    assert data["prefill"]["intensity"] > walls[0]["x0"]  # the default prefill sits right of the wall
+    texts = [a["text"].replace("<br>", " ") for a in page.evaluate("document.getElementById('chart-roofline').layout.annotations")]
     assert "decode at 2,048 tokens: batch > 208 does not fit" in texts and any(
         t.startswith("compute-bound") for t in texts
     )
@@ -545,3 +555,39 @@ def test_log_axes_label_whole_figures_with_units_of_a_thousand_and_a_million(pag
     _wait_settled(page)
     ticks = page.evaluate("document.getElementById('chart-latency').layout.yaxis.ticktext")
     assert "1M" in ticks and "1k" in ticks and not any("," in t for t in ticks), ticks  # not "1,000k"
+
+
+def _boxes(page, chart: str, selector: str) -> list[dict]:
+    return page.evaluate(
+        f"[...document.querySelectorAll('#chart-{chart} {selector}')].map((e) => e.getBoundingClientRect())"
+        ".filter((r) => r.width > 0 && r.height > 0).map((r) => ({l: r.left, r: r.right, t: r.top, b: r.bottom}))"
+    )
+
+
+def _overlap(a: dict, b: dict) -> bool:
+    return a["l"] < b["r"] and b["l"] < a["r"] and a["t"] < b["b"] and b["t"] < a["b"]
+
+
+@pytest.mark.parametrize("lesson", ["two-workloads", "slo", "chunked-prefill", "disaggregated", "memory", "request-cost"])
+def test_phone_charts_keep_legends_titles_labels_and_points_apart(browser, lab_server, lesson):
+    """At 390 px: no legend on an x-axis title, no roofline label on a point, bar labels >= 11 px."""
+    context = browser.new_context(viewport=VIEWPORTS["phone"])
+    page = context.new_page()
+    try:
+        page.goto(f"{lab_server.url}/?lesson={lesson}")
+        _wait_settled(page)
+        page.wait_for_timeout(300)
+        for chart in page.evaluate("[...document.querySelectorAll('#charts .chart')].map((c) => c.id.slice(6))"):
+            for legend in _boxes(page, chart, ".legend .bg"):
+                for title in _boxes(page, chart, ".g-xtitle text"):
+                    assert not _overlap(legend, title), (lesson, chart)
+            sizes = page.evaluate(
+                f"[...document.querySelectorAll('#chart-{chart} .bartext')].map((e) => parseFloat(getComputedStyle(e).fontSize))"
+            )
+            assert all(size >= 11 for size in sizes), (lesson, chart, sizes)
+        if lesson == "two-workloads":
+            points = _boxes(page, "roofline", ".scatterlayer .points path")
+            for label in _boxes(page, "roofline", ".annotation-text-g"):
+                assert not any(_overlap(label, p) for p in points), label
+    finally:
+        context.close()

@@ -32,7 +32,7 @@ const logAxis = (...series) => {
     return out;
   };
   let tickvals = make();
-  if (tickvals.length < 3) { mantissas = [1, 1.5, 2, 3, 4, 5, 6, 8]; tickvals = make(); }
+  if (tickvals.length < 4) { mantissas = [1, 1.5, 2, 3, 4, 5, 6, 8]; tickvals = make(); }
   return { type: "log", tickvals, ticktext: tickvals.map(tickText) };
 };
 // The region beyond a limit, shaded and named: [lo, hi] in the axis's data coordinates.
@@ -86,15 +86,19 @@ const pctAnnotations = (pcts, color) => Object.entries(pcts).map(([k, v], i) => 
 }));
 
 // One bar per dtype/attention variant; on a phone the bars lie down so their 3-line labels stay readable.
-const variantBars = (d, values, color, name, title, unit, narrow) => {
+// `texts`: each bar's label; a zero bar's says which limit made it zero.
+const variantBars = (d, values, color, name, title, unit, narrow, texts) => {
   const colors = d.variants.selected.map((s) => (s ? "#c62828" : color));
+  const text = texts || values.map((v, i) => (v ? fmtNum(v) : d.variants.bar_label[i]));
+  const label = { text, textposition: "outside", cliponaxis: false, textfont: { size: 11 }, constraintext: "none" };
+  const top = Math.max(1, ...values) * (narrow ? 1.9 : 1.3); // room for the labels beyond the longest bar
   if (!narrow)
-    return { data: [{ type: "bar", x: d.variants.label, y: values, marker: { color: colors }, name }],
-             layout: baseLayout(title, "", unit, { rest: { margin: { l: 64, r: 20, t: 44, b: 80 } } }) };
+    return { data: [Object.assign({ type: "bar", x: d.variants.label, y: values, marker: { color: colors }, name }, label)],
+             layout: baseLayout(title, "", unit, { yaxis: { range: [0, top] }, rest: { margin: { l: 64, r: 20, t: 44, b: 80 } } }) };
   const labels = d.variants.label.map((l) => l.replace(/<br>/g, " · "));
-  return { data: [{ type: "bar", orientation: "h", y: labels, x: values, marker: { color: colors }, name }],
-           layout: baseLayout(title, unit, "", { yaxis: { autorange: "reversed", tickfont: { size: 10 } },
-             rest: { height: 520, margin: { l: 130, r: 12, t: 60, b: 52 } } }) };
+  return { data: [Object.assign({ type: "bar", orientation: "h", y: labels, x: values, marker: { color: colors }, name }, label)],
+           layout: baseLayout(title, unit, "", { xaxis: { range: [0, top] }, yaxis: { autorange: "reversed", tickfont: { size: 11 } },
+             rest: { height: 560, margin: { l: 150, r: 12, t: 60, b: 52 } } }) };
 };
 
 const LESSONS = [
@@ -113,18 +117,25 @@ const LESSONS = [
       { id: "roofline", make: (d) => ({
           data: [
             { x: d.roofline.intensity, y: d.roofline.attainable_tflops, mode: "lines", name: "roofline", line: { color: "#444" } },
-            { x: [d.prefill.intensity], y: [d.prefill.achieved_tflops], mode: "markers+text", name: "prefill",
-              text: ["prefill"], textposition: "top left", marker: { size: 13, color: "#2d6cdf" } },
-            { x: [d.decode.intensity], y: [d.decode.achieved_tflops], mode: "markers+text", name: "decode step",
-              text: ["decode"], textposition: "top right", marker: { size: 13, color: "#e07b00" } },
+            // The points are named in the legend: text beside them would sit on the roof or on each other.
+            { x: [d.prefill.intensity], y: [d.prefill.achieved_tflops], mode: "markers", name: "prefill (" + d.prefill.bound + "-bound)",
+              marker: { size: 13, color: "#2d6cdf" } },
+            { x: [d.decode.intensity], y: [d.decode.achieved_tflops], mode: "markers", name: "decode step (" + d.decode.bound + "-bound)",
+              marker: { size: 13, color: "#e07b00" } },
           ],
           layout: (() => {
-            // Right of the ridge a step is compute-bound (grey); right of the decode wall, decode at this context does not fit (red).
+            // Right of the ridge a step is compute-bound (grey). The decode wall limits decode alone, so it is a
+            // line, not a shade: a prefill right of it still fits. Labels sit at the bottom, under the roof.
             const xs = d.roofline.intensity, xMax = Math.max(...xs) * 1.5, wall = d.limits.roofline;
-            const shades = [limitShade(d.ridge_flops_per_byte, xMax, "compute-bound beyond the ridge (" + d.ridge_label + ")", "rgba(120,120,120,0.12)", 0.09)];
-            if (wall.intensity < Math.max(...xs)) shades.push(limitShade(Math.max(wall.intensity, Math.min(...xs)), xMax, wall.label, NO_FIT, 0));
-            const sh = withShades(shades);
+            const ridge = limitShade(d.ridge_flops_per_byte, xMax, "compute-bound beyond the ridge (" + d.ridge_label + ")", "rgba(120,120,120,0.12)");
+            Object.assign(ridge.annotation, { y: 0.02, yanchor: "bottom" });
+            const sh = withShades([ridge]);
             sh.shapes.push({ type: "line", x0: d.ridge_flops_per_byte, x1: d.ridge_flops_per_byte, y0: 0, y1: 1, yref: "paper", line: { dash: "dash", color: "#999" } });
+            if (wall.intensity > 0 && wall.intensity < Math.max(...xs)) {
+              const m = marker(wall.intensity, wrap(wall.label, 24), "#c62828", "dot");
+              Object.assign(m.annotation, { y: 0.14, yanchor: "bottom" });
+              sh.shapes.push(m.shape); sh.annotations.push(m.annotation);
+            }
             return baseLayout("Roofline: arithmetic intensity against the ridge", "arithmetic intensity (FLOP/byte)",
               "attained TFLOP/s", { xaxis: logAxis(xs), yaxis: Object.assign(logAxis(d.roofline.attainable_tflops, [d.prefill.achieved_tflops, d.decode.achieved_tflops]), { rangemode: "normal" }), rest: sh });
           })() }) },
@@ -239,19 +250,34 @@ const LESSONS = [
     charts: [
       { id: "goodput", wide: true, make: (d) => {
           const sw = d.sweep;
+          // x is the rate the run's arrivals actually came at (a Poisson sample is not its nominal rate).
           const marks = [marker(sw.saturation_rps, "saturates: at most " + fmtNum(sw.saturation_rps) + " req/s completed", "#555", "dash", 0),
-                         marker(d.offered_rps, "your rate", "#c62828", "dot", 0.18)];
+                         marker(d.arrived_rps, "your rate", "#c62828", "dot", 0.18)];
           if (sw.knee_rps != null) marks.push(marker(sw.knee_rps, "p90 targets break", "#e65100", "dashdot", 0.09));
-          const top = Math.max(...sw.offered_rps, d.offered_rps) * 1.05;
+          const top = Math.max(...sw.arrived_rps, d.arrived_rps) * 1.05;
           return {
             data: [
-              { x: [0, top], y: [0, top], mode: "lines", name: "achieved = offered", line: { color: "#bbb", dash: "dot" }, hoverinfo: "skip" },
-              { x: sw.offered_rps, y: sw.achieved_rps, mode: "lines+markers", name: "achieved (completed req/s)", line: { color: "#2d6cdf" } },
-              { x: sw.offered_rps, y: sw.goodput_rps, mode: "lines+markers", name: "goodput (met both p90 targets)", line: { color: "#43a047" } },
-              { x: [d.offered_rps], y: [d.achieved_rps], mode: "markers", name: "your rate: achieved", marker: { size: 13, symbol: "star", color: "#c62828" } },
+              { x: [0, top], y: [0, top], mode: "lines", name: "completed = arrived", line: { color: "#bbb", dash: "dot" }, hoverinfo: "skip" },
+              { x: sw.arrived_rps, y: sw.achieved_rps, mode: "lines+markers", name: "achieved (completed req/s)", line: { color: "#2d6cdf" } },
+              { x: sw.arrived_rps, y: sw.goodput_rps, mode: "lines+markers", name: "goodput (met both p90 targets)", line: { color: "#43a047" } },
+              { x: [d.arrived_rps], y: [d.achieved_rps], mode: "markers", name: "your rate: achieved", marker: { size: 13, symbol: "star", color: "#c62828" } },
             ],
-            layout: baseLayout("Offered rate against achieved rate and goodput", "offered rate (req/s)", "req/s",
+            layout: baseLayout("Arrival rate against achieved rate and goodput", "arrival rate, measured (req/s)", "req/s",
               { xaxis: { range: [0, top] }, rest: withShades(marks) }),
+          };
+        } },
+      { id: "latency-vs-rate", wide: true, make: (d) => {
+          // Per-request TPOT averages a request's steps; per-token gaps (ITL) show the steps that carried a prefill.
+          const sw = d.sweep, dash = { p50: "dot", p90: "dash", p99: "solid" };
+          const lines = (pcts, what, color) => Object.keys(dash).map((k) => ({ x: sw.arrived_rps, y: pcts[k], mode: "lines+markers",
+            name: what + " " + k, line: { color, dash: dash[k] }, marker: { size: 5 } }));
+          const slo = marker(d.tpot_slo_ms, "", "#c62828", "solid").shape;
+          return {
+            data: [...lines(sw.tpot_pct_ms, "TPOT", "#e07b00"), ...lines(sw.itl_pct_ms, "ITL", "#6a1b9a")],
+            layout: baseLayout("Per-request TPOT and per-token ITL against the arrival rate", "arrival rate, measured (req/s)", "ms",
+              { rest: { shapes: [Object.assign(slo, { x0: 0, x1: 1, xref: "paper", y0: d.tpot_slo_ms, y1: d.tpot_slo_ms, yref: "y" })],
+                        annotations: [{ x: 0, xref: "paper", xanchor: "left", y: d.tpot_slo_ms, yanchor: "bottom", text: "TPOT SLO",
+                                        showarrow: false, font: { size: 11, color: "#c62828" } }] } }),
           };
         } },
       { id: "ttft-cdf", make: (d) => ({
@@ -264,6 +290,10 @@ const LESSONS = [
           layout: baseLayout("TPOT distribution (CDF)", "TPOT (ms)", "fraction of requests", { rest: {
             shapes: [...pctShapes(d.tpot_ms.percentiles, "#e07b00"), { type: "line", x0: d.tpot_slo_ms, x1: d.tpot_slo_ms, y0: 0, y1: 1, yref: "paper", line: { color: "#c62828", width: 2 } }],
             annotations: [...pctAnnotations(d.tpot_ms.percentiles, "#e07b00"), { x: d.tpot_slo_ms, y: 1, yref: "paper", yanchor: "bottom", text: "SLO", showarrow: false, font: { color: "#c62828" } }] } }) }) },
+      { id: "itl-cdf", make: (d) => ({
+          data: cdfTraces(d.itl_ms, "ITL", "#6a1b9a"),
+          layout: baseLayout("Per-token gaps (ITL, CDF)", "gap between tokens (ms, log scale)", "fraction of gaps", { xaxis: logAxis(d.itl_ms.x),
+            rest: { shapes: pctShapes(d.itl_ms.percentiles, "#6a1b9a"), annotations: pctAnnotations(d.itl_ms.percentiles, "#6a1b9a") } }) }) },
     ],
   },
   {
@@ -275,12 +305,14 @@ const LESSONS = [
     controls: [...COMMON, num("prompt_len", "long prompt (tokens)"), num("decode_batch", "decoding users"),
                num("chunk_tokens", "chunk budget (tokens/step)")],
     charts: ["prefill_first", "chunked"].flatMap((mode) => [
+      // Both policies' steps on one y-scale: the comparison of a stall with a chunk is the lesson.
       { id: "steps-" + mode, make: (d) => ({
           data: [{ type: "bar", x: d[mode].steps.start_ms, y: d[mode].steps.duration_ms, width: d[mode].steps.duration_ms, offset: 0,
                    marker: { color: d[mode].steps.prefill_tokens.map((t) => (t > 0 ? "#c62828" : "#2d6cdf")) },
                    hovertext: d[mode].steps.prefill_tokens.map((t) => (t > 0 ? t + " prefill tokens" : "decode only")), name: "step" }],
           layout: baseLayout(d[mode].label + ": step durations (red = carries prefill)", "time (ms)", "step duration (ms)",
-            { rest: { xaxis: { title: { text: "time (ms)" }, range: d.time_range_ms } } }) }) },
+            { yaxis: { range: [0, 1.08 * Math.max(d.prefill_first.longest_step_ms, d.chunked.longest_step_ms)] },
+              rest: { xaxis: { title: { text: "time (ms)" }, range: d.time_range_ms } } }) }) },
       { id: "tokens-" + mode, make: (d) => ({
           data: [
             { x: d[mode].tokens.time_ms, y: d[mode].tokens.seq, mode: "markers", name: "decoding users' tokens", marker: { size: 4, color: "#2d6cdf" } },
@@ -318,7 +350,8 @@ const LESSONS = [
       { id: "max-batch", make: (d, narrow) => variantBars(d, d.variants.max_batch, "#2d6cdf", "largest batch",
           "Largest batch that fits at this context", "sequences", narrow) },
       { id: "capacity", make: (d, narrow) => variantBars(d, d.variants.tokens_per_s_per_gpu, "#43a047", "tokens/s",
-          "Capacity at the TPOT target (tokens/s per GPU)", "tokens/s", narrow) },
+          "Capacity at the TPOT target (tokens/s per GPU)", "tokens/s", narrow,
+          d.variants.tokens_per_s_per_gpu.map((v, i) => (v ? fmtNum(v) + " · " : "") + d.variants.bar_label[i])) },
     ],
   },
   {
@@ -358,12 +391,14 @@ LESSONS.push({
         const shades = lim ? [limitShade(lim.output_len, Math.max(...L.output_len) * 1.5, lim.label, NO_FIT, 0)] : [];
         return {
           data: [
-            { type: "scatter", x: L.output_len, y: L.ttft_ms, mode: "lines", stackgroup: "e2e", name: "TTFT (prefill)", line: { color: "#2d6cdf" } },
-            { type: "scatter", x: L.output_len, y: L.decode_ms, mode: "lines", stackgroup: "e2e", name: "decode steps", line: { color: "#e07b00" } },
+            // Lines, not stacked areas: on a log axis a stacked band's height means nothing.
+            { x: L.output_len, y: L.e2e_ms, mode: "lines", name: "end to end", line: { color: "#1d2330" } },
+            { x: L.output_len, y: L.ttft_ms, mode: "lines", name: "TTFT (prefill)", line: { color: "#2d6cdf", dash: "dot" } },
+            { x: L.output_len, y: L.decode_ms, mode: "lines", name: "decode steps", line: { color: "#e07b00", dash: "dash" } },
             { x: [d.selected.output_len], y: [d.selected.e2e_ms], mode: "markers", name: "your request", marker: { size: 13, symbol: "star", color: "#c62828" } },
           ],
           layout: baseLayout("Long outputs cost total latency", "output tokens", "end-to-end latency (ms, log scale)",
-            { xaxis: pow2Axis(L.output_len), yaxis: Object.assign(logAxis(L.ttft_ms, L.e2e_ms), { rangemode: "normal" }), rest: withShades(shades) }),
+            { xaxis: pow2Axis(L.output_len), yaxis: Object.assign(logAxis(L.ttft_ms, L.decode_ms, L.e2e_ms), { rangemode: "normal" }), rest: withShades(shades) }),
         };
       } },
     { id: "money", make: (d) => {
@@ -371,13 +406,14 @@ LESSONS.push({
         const shades = lim ? [limitShade(lim.prompt_len, Math.max(...M.prompt_len) * 1.5, lim.label, NO_FIT, 0)] : [];
         return {
           data: [
-            { type: "scatter", x: M.prompt_len, y: M.prefill_usd, mode: "lines", stackgroup: "usd", name: "prefill", line: { color: "#2d6cdf" } },
-            { type: "scatter", x: M.prompt_len, y: M.decode_usd, mode: "lines", stackgroup: "usd", name: "share of decode steps", line: { color: "#e07b00" } },
+            { x: M.prompt_len, y: M.total_usd, mode: "lines", name: "total", line: { color: "#1d2330" } },
+            { x: M.prompt_len, y: M.prefill_usd, mode: "lines", name: "prefill", line: { color: "#2d6cdf", dash: "dot" } },
+            { x: M.prompt_len, y: M.decode_usd, mode: "lines", name: "share of decode steps", line: { color: "#e07b00", dash: "dash" } },
             { x: [d.selected.prompt_len], y: [d.selected.usd_per_k_requests], mode: "markers", name: "your request", marker: { size: 13, symbol: "star", color: "#c62828" } },
           ],
           layout: baseLayout("Long prompts cost money ($ per " + d.per_requests.toLocaleString("en") + " requests)", "prompt tokens",
             "$ per " + d.per_requests.toLocaleString("en") + " requests (log scale)", { xaxis: pow2Axis(M.prompt_len),
-              yaxis: Object.assign(logAxis(M.prefill_usd, M.total_usd), { rangemode: "normal" }), rest: withShades(shades) }),
+              yaxis: Object.assign(logAxis(M.prefill_usd, M.decode_usd, M.total_usd), { rangemode: "normal" }), rest: withShades(shades) }),
         };
       } },
   ],
@@ -423,7 +459,7 @@ function histogram(h, title) {
 
 // ---------------------------------------------------------------------------------------------
 
-const state = { catalog: null, lesson: null, seq: 0, liveTimer: null, live: false, load: null, setup: null };
+const state = { catalog: null, lesson: null, seq: 0, liveTimer: null, live: false, load: null, setup: null, ruleHandler: null };
 window.lab = { renders: 0, last: null, errors: 0 };
 const $ = (id) => document.getElementById(id);
 
@@ -518,11 +554,40 @@ function buildControls(lesson, values) {
     if (slider) label.appendChild(slider.range);
     form.appendChild(label);
   }
+  if (state.ruleHandler) { form.removeEventListener("input", state.ruleHandler); form.removeEventListener("change", state.ruleHandler, true); }
+  state.ruleHandler = null;
+  if (!lesson.live) {
+    state.ruleHandler = () => applyContextRule(lesson);
+    applyContextRule(lesson);
+    form.addEventListener("input", state.ruleHandler);
+    form.addEventListener("change", state.ruleHandler, true); // capture: before the refresh that validates
+  }
   if (lesson.live && state.live) {
     const button = document.createElement("button");
     button.type = "button"; button.id = "send-load"; button.textContent = "Send load";
     button.addEventListener("click", sendLoad);
     form.appendChild(button);
+  }
+}
+
+// A lesson's lengths must fit the chosen model's context (the catalog's rule, the API's own check):
+// each length's max is lowered to what the model and the other lengths leave, so the form refuses
+// what the lesson would.
+function applyContextRule(lesson) {
+  const rule = (state.catalog.context_rules || {})[lesson.id];
+  const modelSel = $("ctl-model");
+  if (!rule || !modelSel) return;
+  const model = state.catalog.models.find((m) => m.name === modelSel.value);
+  if (!model) return;
+  const [num, den] = rule.spread;
+  // floor(num × total / den) <= max_context  <=>  total <= floor((den × max_context + den - 1) / num)
+  const total = Math.floor((den * model.max_context + den - 1) / num) - rule.extra;
+  for (const name of rule.fields) {
+    const el = $("ctl-" + name);
+    if (!el) continue;
+    const others = rule.fields.filter((f) => f !== name).reduce((sum, f) => sum + (Number($("ctl-" + f).value) || 0), 0);
+    const published = state.catalog.limits[lesson.id][name].max;
+    el.max = Math.max(Number(el.min) || 1, Math.min(published, total - others));
   }
 }
 
@@ -592,6 +657,12 @@ function draw(chart, fig) {
     title.text = title.text.includes(": ") ? title.text.replace(": ", ":<br>") : wrap(title.text, 40);
     title.font = Object.assign({}, title.font, { size: 13 });
     fig.layout.margin = Object.assign({ l: 64, r: 20, b: 52 }, fig.layout.margin, { t: 60 });
+  }
+  if (narrow && fig.data.length > 1 && fig.layout.showlegend !== false) {
+    // A phone's legend wraps to several rows: anchor it by its top, below the x-axis title, and make room.
+    fig.layout.legend = Object.assign({}, fig.layout.legend, { orientation: "h", yanchor: "top", y: -0.3, font: { size: 11 } });
+    fig.layout.margin = Object.assign({}, fig.layout.margin, { b: Math.max(130, (fig.layout.margin && fig.layout.margin.b) || 0) });
+    fig.layout.height = Math.max(fig.layout.height || 0, 440);
   }
   Plotly.react("chart-" + chart.id, fig.data, fig.layout, { displaylogo: false, responsive: true });
 }

@@ -1,0 +1,222 @@
+"""Every lesson's note says what its own numbers say: random inputs for each lesson's API, and
+each claim of the note checked against the figures in the same response (and, where the response
+does not carry them, against the memory plan the lesson used)."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+from servelab.cost import MemoryPlan
+from servelab.lab.app import create_lab_app
+from servelab.lab.common import fmt
+from servelab.lab.roofline_lessons import with_mha
+from servelab.spec import HARDWARE, KV_DTYPES, MODELS, WEIGHT_DTYPES, get_hardware, get_model
+
+CLIENT = TestClient(create_lab_app())
+FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SIMULATED = settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+setups = st.fixed_dictionaries(
+    {
+        "model": st.sampled_from(list(MODELS)),
+        "hardware": st.sampled_from(list(HARDWARE)),
+        "weight_dtype": st.sampled_from(list(WEIGHT_DTYPES)),
+        "kv_dtype": st.sampled_from(list(KV_DTYPES)),
+        "tp": st.sampled_from(["1", "2", "4", "8"]),
+    }
+)
+
+
+def answer(lesson: str, params: dict) -> dict:
+    """The lesson's JSON; inputs the lesson refuses (a tp that does not divide the heads, a context
+    past the model's) are not this test's subject."""
+    response = CLIENT.post(f"/api/lessons/{lesson}", json={k: str(v) for k, v in params.items()})
+    assume(response.status_code == 200)
+    body = response.json()
+    assume("no_fit" not in body)
+    return body
+
+
+def plan_of(params: dict, attention: str = "gqa") -> MemoryPlan:
+    model = get_model(params["model"])
+    if attention == "mha":
+        model = with_mha(model)
+    return MemoryPlan(model, get_hardware(params["hardware"]), params["weight_dtype"], params["kv_dtype"],
+                      int(params["tp"]))  # fmt: skip
+
+
+def check_step_claim(text: str, point: dict, ridge: float) -> None:
+    """A phase's sentence: its intensity, its side of the ridge and its bound, as its numbers say."""
+    side = "above" if point["intensity"] >= ridge else "below"
+    factor = ridge / point["intensity"] if side == "below" else point["intensity"] / ridge
+    assert f"{fmt(point['intensity'])} FLOP/byte, {fmt(factor)}x {side} the ridge" in text
+    bound = "compute" if point["compute_ms"] > point["memory_ms"] else "memory"
+    assert point["bound"] == bound and f"{bound}-bound" in text
+    other = "memory" if bound == "compute" else "compute"
+    assert f"{other}-bound" not in text
+    assert ("waits on memory" in text) == (bound == "memory")
+
+
+@FAST
+@given(setups, st.integers(1, 131072), st.integers(1, 4096))
+def test_two_workloads_note(setup, prompt_len, batch):
+    d = answer("two-workloads", {**setup, "prompt_len": prompt_len, "batch": batch})
+    note, ridge = d["notice"], d["ridge_flops_per_byte"]
+    prefill_text, _, decode_text = note.partition("; a decode step")
+    assert decode_text, note
+    check_step_claim(prefill_text, d["prefill"], ridge)
+    check_step_claim(decode_text, d["decode"], ridge)
+    plan = plan_of(setup)
+    assert d["fits"]["weights"] == plan.weights_fit
+    if not plan.weights_fit:
+        assert "does not run here" in note and "Prefill takes" not in note
+    elif not plan.fits(batch, prompt_len):
+        assert "does not fit the KV cache" in note and d["warning"]
+    else:
+        ratio = d["prefill"]["time_ms"] / d["decode"]["time_ms"]
+        assert f"Prefill takes {fmt(ratio)}x as long as one decode step" in note and d["warning"] is None
+    # A step never streams more weights than its own time allows (a MoE reads only the experts it hits).
+    assert d["decode"]["weights_read_ms"] <= d["decode"]["time_ms"] * (1 + 1e-9)
+    assert d["phases"]["bound"] == [f"{d['prefill']['bound']}-bound", f"{d['decode']['bound']}-bound"]
+
+
+@FAST
+@given(setups, st.integers(1, 4096), st.integers(1, 131072))
+def test_batching_note(setup, batch, context):
+    d = answer("batching", {**setup, "batch": batch, "context": context})
+    note, sw = d["notice"], d["sweep"]
+    plan = plan_of(setup)
+    if not plan.weights_fit:
+        assert "no batch runs here" in note and "tokens/s in total" not in note
+        return
+    wall = plan.max_batch(context)
+    assert d["memory"]["max_batch"] == wall
+    if 1 <= wall <= sw["batch"][-1]:
+        assert wall in sw["batch"]  # the frontier ends at the memory limit itself
+    if plan.fits(batch, context):
+        assert f"batch {batch:,} runs {fmt(d['selected']['tokens_per_s_total'])} tokens/s in total" in note
+    elif wall:
+        i = sw["batch"].index(wall)
+        assert f"full at batch {wall:,}, which runs {fmt(sw['tokens_per_s_total'][i])} tokens/s in total" in note
+    else:
+        assert "not one sequence" in note and "in total" not in note
+    # Compute catches up at the crossover and stays caught up: the sweep's bounds agree with the note.
+    crossover = d["crossover_batch"]
+    for b, bound in zip(sw["batch"], sw["bound"]):
+        assert bound == ("compute" if crossover is not None and b >= crossover else "memory")
+    assert (f"compute catches up with bandwidth at batch {crossover:,}" in note) if crossover else "no batch" in note
+
+
+@FAST
+@given(setups, st.sampled_from(["gqa", "mha"]), st.integers(1, 131072), st.floats(1.0, 500.0))
+def test_memory_note_names_what_binds(setup, attention, context, tpot_ms):
+    d = answer("memory", {**setup, "attention": attention, "context": context, "tpot_ms": f"{tpot_ms:.3f}"})
+    v, pick, note = d["variants"], d["selected"], d["notice"]
+    target = d["config"]["tpot_ms"]
+    for i, binds in enumerate(v["binds"]):
+        plan = plan_of({**setup, "weight_dtype": v["weight_dtype"][i], "kv_dtype": v["kv_dtype"][i]}, v["attention"][i])
+        if not plan.weights_fit:
+            assert binds == "weights" and v["max_batch"][i] == 0
+        elif v["max_batch"][i] == 0:
+            assert binds == "kv"
+        elif v["batch_at_tpot"][i] == 0:
+            assert binds == "tpot"
+        else:
+            assert binds == ("kv-full" if v["batch_at_tpot"][i] == v["max_batch"][i] else "tpot-batch")
+            assert v["step_ms_at_tpot"][i] <= target * (1 + 1e-9)
+        assert v["bar_label"][i]  # a zero bar still says why
+    binds = pick["binds"]
+    if binds == "weights":
+        assert "does not run, whatever the TPOT target" in note and "even batch 1" not in note
+    elif binds == "kv":
+        assert "not one sequence" in note
+    elif binds == "tpot":
+        assert d["batch_1_step_ms"] > target and f"even batch 1 takes {fmt(d['batch_1_step_ms'])} ms" in note
+    elif binds == "kv-full":
+        assert "the KV cache is full there" in note
+    else:
+        assert "the TPOT target binds before memory does" in note
+
+
+@SIMULATED
+@given(st.integers(256, 4096), st.integers(1, 8), st.integers(16, 8192))
+def test_chunked_prefill_note(prompt_len, decode_batch, chunk_tokens):
+    d = answer("chunked-prefill", {"prompt_len": prompt_len, "decode_batch": decode_batch, "chunk_tokens": chunk_tokens})
+    a, b, note = d["prefill_first"], d["chunked"], d["notice"]
+    assert f"for up to {fmt(a['max_user_gap_ms'])} ms" in note
+    if chunk_tokens >= prompt_len:
+        assert "changes nothing" in note
+    elif b["max_user_gap_ms"] < a["max_user_gap_ms"]:
+        assert f"cap the worst gap at {fmt(b['max_user_gap_ms'])} ms" in note
+    else:
+        assert "do not shorten the worst gap" in note
+
+
+def _verdict(split: float, colocated: float) -> str:
+    if abs(split - colocated) <= 0.005 * colocated:
+        return "the same"
+    return "better" if split < colocated else "worse"
+
+
+@SIMULATED
+@given(st.floats(0.5, 12.0), st.integers(1, 3), st.integers(1, 3), st.integers(128, 2048), st.integers(16, 128))
+def test_disaggregated_note_says_which_percentile_improves(rate, prefill_gpus, decode_gpus, prompt_len, output_len):
+    d = answer("disaggregated", {"rate": f"{rate:.2f}", "prefill_gpus": prefill_gpus, "decode_gpus": decode_gpus,
+                                 "prompt_len": prompt_len, "output_len": output_len})  # fmt: skip
+    a, b, note = d["colocated"]["itl_ms"]["percentiles"], d["disaggregated"]["itl_ms"]["percentiles"], d["notice"]
+    tail, median = _verdict(b["p99"], a["p99"]), _verdict(b["p50"], a["p50"])
+    assert f"{fmt(a['p99'])} ms colocated ({tail})" in note
+    assert f"against {fmt(a['p50'])} ms ({median})" in note
+    assert ("tail improves" in note) == (tail == "better" and median != "better")
+    if tail != "better":
+        assert "no prefill interrupts" not in note
+
+
+@SIMULATED
+@given(st.floats(2.0, 40.0), st.floats(50.0, 2000.0), st.floats(5.0, 60.0))
+def test_slo_note_and_sweep(rate, ttft_slo_ms, tpot_slo_ms):
+    d = answer("slo", {"rate": f"{rate:.1f}", "ttft_slo_ms": f"{ttft_slo_ms:.0f}", "tpot_slo_ms": f"{tpot_slo_ms:.0f}"})
+    note, sw = d["notice"], d["sweep"]
+    p90_ttft, p90_tpot = d["ttft_ms"]["percentiles"]["p90"], d["tpot_ms"]["percentiles"]["p90"]
+    meets = p90_ttft <= d["ttft_slo_ms"] and p90_tpot <= d["tpot_slo_ms"]
+    assert ("meets the p90 targets" in note) == meets and ("misses the p90 targets" in note) == (not meets)
+    assert d["saturated"] == (d["achieved_rps"] < 0.9 * d["arrived_rps"])
+    assert ("more than it sustains" in note) == d["saturated"]
+    # The knee is the first measured rate whose p90s break a target.
+    for i, ok in enumerate(sw["meets"]):
+        assert ok == (
+            (sw["ttft_ms"][i] is None or sw["ttft_ms"][i] <= d["ttft_slo_ms"])
+            and (sw["tpot_ms"][i] is None or sw["tpot_ms"][i] <= d["tpot_slo_ms"])
+        )
+    first_miss = next((r for r, ok in zip(sw["arrived_rps"], sw["meets"]) if not ok), None)
+    assert sw["knee_rps"] == first_miss
+    if first_miss is None:
+        assert "Every swept rate meets the targets" in note
+    else:
+        assert f"break from about {fmt(first_miss)} req/s arriving" in note
+    itl99, tpot99 = d["itl_ms"]["percentiles"]["p99"], d["tpot_ms"]["percentiles"]["p99"]
+    assert f"the p99 gap is {fmt(itl99)} ms against a p99 TPOT of {fmt(tpot99)} ms" in note
+    assert ("a request's average hides them" in note) == (itl99 > 1.2 * tpot99)
+
+
+@FAST
+@given(setups, st.integers(16, 32768), st.integers(2, 4096), st.integers(1, 512))
+def test_request_cost_note(setup, prompt_len, output_len, batch):
+    d = answer("request-cost", {**setup, "prompt_len": prompt_len, "output_len": output_len, "batch": batch})
+    note, sel = d["notice"], d["selected"]
+    if sel["usd_per_k_requests"]:
+        assert f"costs ${fmt(sel['usd_per_k_requests'])} per" in note
+    if sel["e2e_ms"]:
+        assert f"take {fmt(sel['e2e_ms'])} ms end to end against a {fmt(sel['ttft_ms'])} ms TTFT" in note
+
+
+@pytest.mark.parametrize("lesson", ["two-workloads", "batching", "memory"])
+def test_a_model_that_does_not_fit_is_never_quoted_as_running(lesson):
+    response = CLIENT.post(f"/api/lessons/{lesson}", json={"model": "llama-3.1-70b"})
+    assert response.status_code == 200
+    d = response.json()
+    assert "does not run" in d["notice"] or "no batch runs" in d["notice"]
+    assert "tokens/s in total" not in d["notice"]
