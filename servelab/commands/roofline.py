@@ -67,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="FILE.json",
         help="also print a `servelab calibrate` profile's measured-fit step times beside the roofline's",
     )
+    parser.add_argument(
+        "--by-operator",
+        action="store_true",
+        help="also split each decode step (and the prefill, with --prompt-len) by operator: QKV projection, "
+        "attention, output projection, MLP, LM head, each with its FLOP/byte and bound",
+    )
     add_speculative_arguments(parser.add_argument_group("speculative decoding"))
     parser.add_argument("--json", action="store_true", help="print a JSON list of rows instead of a table")
     parser.add_argument(
@@ -157,6 +163,40 @@ def rows(roofline: Any, batches: list[int], context: int, prompt_len: int | None
             row["prefill_time_s"] = prefill.time_s
         out.append(row)
     return out
+
+
+def add_operator_rows(roofline: Any, table_rows: list[dict[str, Any]], context: int, prompt_len: int | None) -> None:
+    """Each row's step split by operator under "operators" (and its prefill's under "prefill_operators")."""
+    from servelab.cost.operators import operator_costs
+
+    prefill = operator_costs(roofline, [(prompt_len, prompt_len)]) if prompt_len else None
+    for row in table_rows:
+        row["operators"] = [o.to_dict() for o in operator_costs(roofline, [(1, context)] * row["batch"])]
+        if prefill is not None:
+            row["prefill_operators"] = [o.to_dict() for o in prefill]
+
+
+def _operator_table(table_rows: list[dict[str, Any]]) -> str:
+    from servelab.commands._table import render_table
+
+    headers = ["step", "operator", "ms", "FLOP/byte", "TFLOP/s", "bound"]
+    body = []
+    steps = [(f"decode batch {r['batch']}", r["operators"]) for r in table_rows]
+    if "prefill_operators" in table_rows[0]:
+        steps.insert(0, (f"prefill {table_rows[0]['prompt_len']:,}", table_rows[0]["prefill_operators"]))
+    for step, ops in steps:
+        for o in ops:
+            body.append(
+                [
+                    step,
+                    o["label"],
+                    f"{o['time_s'] * 1e3:.3f}",
+                    f"{o['arithmetic_intensity']:,.1f}",
+                    f"{o['attained_flops_per_s'] / 1e12:,.1f}",
+                    o["bound"],
+                ]
+            )
+    return render_table(headers, body, left=(0, 1, 5))
 
 
 def speculative_cost(args: argparse.Namespace, roofline: Any) -> Any:  # SpeculativeCost | None
@@ -378,6 +418,8 @@ def run(args: argparse.Namespace) -> int:
     profile = None if args.profile is None else _add_profile(args, roofline.model.name, table_rows)
     if args.plot:
         plot(roofline, batches, args.context, args.plot)
+    if args.by_operator:
+        add_operator_rows(roofline, table_rows, args.context, args.prompt_len)
     if args.json:
         if spec is not None:
             limit = spec_memory_limit(spec, roofline, args.context)
@@ -411,6 +453,9 @@ def run(args: argparse.Namespace) -> int:
         print(describe_speculation(spec.draft.config, spec.acceptance, spec.draft))
         print(_speculative_table(table_rows))
         print(crossover_note(crossover, spec_memory_limit(spec, roofline, args.context), args.context))
+    if args.by_operator:
+        print()
+        print(_operator_table(table_rows))
     if args.prompt_len:
         cost = roofline.prefill(args.prompt_len)
         print(

@@ -394,6 +394,21 @@ class Roofline:
         return (self._flops_per_token + self._flops_per_seq) / self.peak_flops_per_s
 
     @property
+    def achievable_flops_per_s(self) -> float:
+        """FLOP/s the weight format's matmuls reach on the end-to-end path."""
+        return self._flops_per_s
+
+    @property
+    def achievable_weight_bytes_per_s(self) -> float:
+        """Bytes/s at which the weight format streams its weights."""
+        return self._weight_bytes_per_s
+
+    @property
+    def achievable_bytes_per_s(self) -> float:
+        """Bytes/s for KV and activations."""
+        return self._bytes_per_s
+
+    @property
     def achievable_ridge_flops_per_byte(self) -> float:
         """The intensity at which a step turns compute-bound at the achievable rates, which is
         where `StepCost.bound` flips (below the datasheet ridge when compute falls short more)."""

@@ -8,6 +8,7 @@ from typing import Any, TypedDict
 import numpy as np
 
 from servelab.cost import MemoryPlan, Roofline, StepCost
+from servelab.cost.operators import OPERATOR_LABELS, operator_costs
 from servelab.cost.step_cost import Bound
 from servelab.errors import DoesNotFit
 from servelab.lab.common import fmt, gb, ms, powers_of_two, setup_from, stat
@@ -70,6 +71,53 @@ def roofline_curve(rl: Roofline) -> dict[str, list[float]]:
     return {"intensity": intensity.tolist(), "attainable_tflops": attainable.tolist()}
 
 
+def operator_points(rl: Roofline, prompt_len: int, batch: int) -> dict[str, Any]:
+    """Each operator of a prefill step and of a decode step (at batch 1 and at `batch`) as a
+    point under the roof: its intensity and the FLOP rate it attains."""
+
+    def points(shape: list[tuple[int, int]]) -> dict[str, list[Any]]:
+        ops = operator_costs(rl, shape)
+        return {
+            "intensity": [o.arithmetic_intensity for o in ops],
+            "achieved_tflops": [o.attained_flops_per_s / 1e12 for o in ops],
+            "time_ms": [ms(o.time_s) for o in ops],
+            "bound": [o.bound for o in ops],
+        }
+
+    phases = {"prefill": points([(prompt_len, prompt_len)]), "decode_batch_1": points([(1, prompt_len)])}
+    if batch > 1:
+        phases[f"decode_batch_{batch}"] = points([(1, prompt_len)] * batch)
+    return {
+        "names": list(OPERATOR_LABELS),
+        "labels": list(OPERATOR_LABELS.values()),
+        "phases": phases,
+        "phase_labels": {
+            "prefill": f"prefill {prompt_len:,} tokens",
+            "decode_batch_1": "decode, batch 1",
+            **({f"decode_batch_{batch}": f"decode, batch {batch:,}"} if batch > 1 else {}),
+        },
+    }
+
+
+def _operators_sentence(ops: dict[str, Any], batch: int) -> str:
+    """Which operators stay memory-bound in decode and how far the matmuls move with the batch."""
+    names = ops["names"]
+    phases = ops["phases"]
+    a, mlp = names.index("attention"), names.index("mlp")
+    one = phases["decode_batch_1"]
+    last = phases.get(f"decode_batch_{batch}", one)
+    text = (
+        f"Per operator, decode attention sits at {fmt(last['intensity'][a])} FLOP/byte and is "
+        f"{last['bound'][a]}-bound at any batch (each sequence reads its own KV)"
+    )
+    if batch > 1:
+        text += (
+            f", while the MLP moves from {fmt(one['intensity'][mlp])} FLOP/byte at batch 1 to "
+            f"{fmt(last['intensity'][mlp])} at batch {batch:,} ({last['bound'][mlp]}-bound)"
+        )
+    return text + "."
+
+
 def two_workloads(p: Params) -> dict[str, Any]:
     s = setup_from(p)
     prompt_len = p.int("prompt_len", 2048, **bounds("two-workloads", "prompt_len"))
@@ -110,6 +158,7 @@ def two_workloads(p: Params) -> dict[str, Any]:
     decode_point = _point(decode)
     # A mixture of experts reads only the experts its tokens hit, not every resident weight.
     decode_point["weights_read_ms"] = ms(decode.weight_bytes / rl.peak_bandwidth_bytes_per_s)
+    operators = operator_points(rl, prompt_len, batch)
     return {
         "config": {**s.to_dict(), "prompt_len": prompt_len, "batch": batch},
         "prefill": _point(prefill),
@@ -133,6 +182,7 @@ def two_workloads(p: Params) -> dict[str, Any]:
             "roofline": decode_wall,
         },
         "tensor_cores_idle": idle,
+        "operators": operators,
         "formulas": [
             step_formula(f"prefill of {prompt_len:,} tokens", prefill, rl),
             step_formula(f"one decode step, batch {batch:,} at {prompt_len:,} tokens", decode, rl),
@@ -151,7 +201,9 @@ def two_workloads(p: Params) -> dict[str, Any]:
             stat("ridge", fmt(ridge, "FLOP/B")),
             stat(f"tensor cores idle in a batch-{batch:,} decode step", f"{100 * idle:.1f}%"),
         ],
-        "notice": _two_workloads_notice(plan, prompt_len, batch, prefill, decode, idle, warning is None),
+        "notice": _two_workloads_notice(plan, prompt_len, batch, prefill, decode, idle, warning is None)
+        + " "
+        + _operators_sentence(operators, batch),
     }
 
 

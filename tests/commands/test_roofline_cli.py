@@ -236,3 +236,23 @@ def test_hardware_command(capsys):
     hardware = {h["name"]: h for h in json.loads(capsys.readouterr().out)}
     assert hardware["h200"]["memory_bytes"] == 141e9
     assert 280 <= hardware["h100-sxm"]["ridge_flops_per_byte_bf16"] <= 310
+
+
+def test_by_operator_splits_each_step(capsys):
+    rows = run_json(capsys, "--batch", "1,128", "--context", "2048", "--prompt-len", "2048", "--by-operator")
+    names = [o["name"] for o in rows[0]["operators"]]
+    assert names == ["qkv_proj", "attention", "o_proj", "mlp", "lm_head"]
+    for row in rows:
+        assert sum(o["flops"] for o in row["operators"]) == pytest.approx(row["flops"], rel=1e-9)
+        attention = row["operators"][1]
+        assert attention["bound"] == "memory"
+    # The matmuls' intensity grows with the batch; decode attention's does not.
+    one, many = rows[0]["operators"], rows[1]["operators"]
+    assert many[3]["arithmetic_intensity"] > 100 * one[3]["arithmetic_intensity"]
+    assert many[1]["arithmetic_intensity"] == pytest.approx(one[1]["arithmetic_intensity"])
+    assert all(o["bound"] == "compute" for o in rows[0]["prefill_operators"][:4])
+    assert main([*SEED, "--batch", "1", "--by-operator"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert any(line.startswith("decode batch 1") and "attention" in line for line in lines)
+    assert not any(line.startswith("prefill ") for line in lines)

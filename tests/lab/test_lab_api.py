@@ -100,6 +100,23 @@ def test_two_workloads_is_the_roofline(client):
     assert "below the ridge" in d["notice"]
 
 
+def test_two_workloads_splits_each_step_by_operator(client):
+    from servelab.cost.operators import operator_costs
+
+    d = get(client, "two-workloads", prompt_len=2048, batch=64)
+    ops, r = d["operators"], rl()
+    assert ops["names"] == ["qkv_proj", "attention", "o_proj", "mlp", "lm_head"]
+    assert list(ops["phases"]) == ["prefill", "decode_batch_1", "decode_batch_64"]
+    expected = operator_costs(r, [(1, 2048)] * 64)
+    assert ops["phases"]["decode_batch_64"]["intensity"] == pytest.approx([o.arithmetic_intensity for o in expected])
+    one, many = ops["phases"]["decode_batch_1"], ops["phases"]["decode_batch_64"]
+    assert many["bound"][1] == one["bound"][1] == "memory"
+    assert many["intensity"][1] == pytest.approx(one["intensity"][1])
+    assert many["intensity"][3] > 50 * one["intensity"][3]
+    assert "decode attention sits at" in d["notice"] and "the MLP moves from" in d["notice"]
+    assert list(get(client, "two-workloads", batch=1)["operators"]["phases"]) == ["prefill", "decode_batch_1"]
+
+
 def test_two_workloads_other_model_hardware_and_dtype(client):
     d = get(
         client,

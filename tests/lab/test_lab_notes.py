@@ -60,6 +60,22 @@ def check_step_claim(text: str, point: dict, ridge: float) -> None:
     assert ("waits on memory" in text) == (bound == "memory")
 
 
+def check_operators_claim(text: str, ops: dict, batch: int) -> None:
+    """The per-operator sentence: decode attention's intensity and bound, and the MLP's move with
+    the batch, as the operator points say."""
+    a, mlp = ops["names"].index("attention"), ops["names"].index("mlp")
+    one = ops["phases"]["decode_batch_1"]
+    last = ops["phases"].get(f"decode_batch_{batch}", one)
+    assert f"decode attention sits at {fmt(last['intensity'][a])} FLOP/byte and is {last['bound'][a]}-bound" in text
+    if batch > 1:
+        assert (
+            f"the MLP moves from {fmt(one['intensity'][mlp])} FLOP/byte at batch 1 to "
+            f"{fmt(last['intensity'][mlp])} at batch {batch:,} ({last['bound'][mlp]}-bound)"
+        ) in text
+    else:
+        assert "the MLP moves" not in text
+
+
 @FAST
 @given(setups, st.integers(1, 131072), st.integers(1, 4096))
 def test_two_workloads_note(setup, prompt_len, batch):
@@ -67,6 +83,8 @@ def test_two_workloads_note(setup, prompt_len, batch):
     note, ridge = d["notice"], d["ridge_flops_per_byte"]
     prefill_text, _, decode_text = note.partition("; a decode step")
     assert decode_text, note
+    decode_text, _, operators_text = decode_text.partition(" Per operator, ")
+    check_operators_claim(operators_text, d["operators"], batch)
     check_step_claim(prefill_text, d["prefill"], ridge)
     check_step_claim(decode_text, d["decode"], ridge)
     plan = plan_of(setup)

@@ -107,6 +107,7 @@ const LESSONS = [
     prose: [
       "Prefill pushes every prompt token through the model in one step: big matrix multiplications, many FLOPs for each byte of weights read. Decode makes one token per sequence per step and must still read every weight, so its arithmetic intensity is tiny.",
       "The roofline puts both on one chart: below the ridge a step waits for memory, above it for arithmetic.",
+      "Split by operator, as LLM-Viewer draws it: batching moves the matrix multiplications (QKV, output projection, MLP, LM head) right, since the batch shares their weights; decode attention stays put below the ridge, since each sequence reads its own KV cache.",
     ],
     controls: [...COMMON, num("prompt_len", "prompt length (tokens)"), num("batch", "decode batch")],
     charts: [
@@ -139,6 +140,30 @@ const LESSONS = [
             return baseLayout("Roofline: arithmetic intensity against the ridge", "arithmetic intensity (FLOP/byte)",
               "attained TFLOP/s", { xaxis: logAxis(xs), yaxis: Object.assign(logAxis(d.roofline.attainable_tflops, [d.prefill.achieved_tflops, d.decode.achieved_tflops]), { rangemode: "normal" }), rest: sh });
           })() }) },
+      { id: "operators", wide: true, make: (d) => {
+          // Each operator of a step as its own point: colour names the operator, the symbol the step.
+          const ops = d.operators, phases = Object.keys(ops.phases);
+          const colors = ["#2d6cdf", "#c62828", "#00897b", "#e07b00", "#6a1b9a"];
+          const symbols = { prefill: "circle", decode_batch_1: "diamond-open" };
+          const symbol = (ph) => symbols[ph] || "diamond";
+          const data = [{ x: d.roofline.intensity, y: d.roofline.attainable_tflops, mode: "lines", name: "roofline", line: { color: "#444" } }];
+          ops.labels.forEach((label, i) => {
+            const decodes = phases.filter((ph) => ph !== "prefill");
+            // The move of each decode matmul with the batch, batch 1 to the chosen one.
+            if (decodes.length > 1) data.push({ x: decodes.map((ph) => ops.phases[ph].intensity[i]), y: decodes.map((ph) => ops.phases[ph].achieved_tflops[i]),
+              mode: "lines", line: { color: colors[i], dash: "dot", width: 1 }, showlegend: false, hoverinfo: "skip" });
+            data.push({ x: phases.map((ph) => ops.phases[ph].intensity[i]), y: phases.map((ph) => ops.phases[ph].achieved_tflops[i]), mode: "markers", name: label,
+              text: phases.map((ph) => ops.phase_labels[ph] + ": " + label + ", " + ops.phases[ph].bound[i] + "-bound, " + fmtNum(ops.phases[ph].time_ms[i]) + " ms"),
+              hoverinfo: "text", marker: { size: 11, color: colors[i], symbol: phases.map(symbol), line: { width: 2, color: colors[i] } } });
+          });
+          for (const ph of phases) data.push({ x: [null], y: [null], mode: "markers", name: ops.phase_labels[ph], marker: { size: 10, color: "#777", symbol: symbol(ph) } });
+          const xs = d.roofline.intensity;
+          const all = phases.flatMap((ph) => ops.phases[ph].achieved_tflops);
+          const ridge = limitShade(d.ridge_flops_per_byte, Math.max(...xs) * 1.5, "compute-bound beyond the ridge", "rgba(120,120,120,0.12)");
+          Object.assign(ridge.annotation, { y: 0.02, yanchor: "bottom" });
+          return { data, layout: baseLayout("Per operator: prefill, and decode at batch 1 and yours", "arithmetic intensity (FLOP/byte)", "attained TFLOP/s",
+            { xaxis: logAxis(xs), yaxis: Object.assign(logAxis(d.roofline.attainable_tflops, all), { rangemode: "normal" }), rest: withShades([ridge]) }) };
+        } },
       { id: "prefill-sweep", wide: true, make: (d) => ({
           data: [
             { x: d.sweep.prompt_len, y: d.sweep.prefill_ms, mode: "lines+markers", name: "prefill time (TTFT floor)" },
