@@ -93,7 +93,11 @@ def operator_costs(rl: Roofline, shape: Shape, logit_rows: int | None = None) ->
     kv_width = kv_heads_per_device(m, tp) * m.head_dim
     hidden = m.hidden_size
     ffn = max(1, m.ffn_size // tp)
-    flops_s, weight_bps, other_bps = rl.achievable_flops_per_s, rl.achievable_weight_bytes_per_s, rl.achievable_bytes_per_s
+    flops_s, weight_bps, other_bps = (
+        rl.achievable_flops_per_s,
+        rl.achievable_weight_bytes_per_s,
+        rl.achievable_bytes_per_s,
+    )
 
     def op(name: str, flops: float, weight_bytes: float, other_bytes: float) -> OperatorCost:
         return OperatorCost(
@@ -102,7 +106,9 @@ def operator_costs(rl: Roofline, shape: Shape, logit_rows: int | None = None) ->
 
     def linear(name: str, tokens: int, n: int, k: int, copies: int = layers) -> OperatorCost:
         # An (tokens x k) @ (k x n) matmul: reads its weights and input, writes its output.
-        return op(name, copies * 2.0 * tokens * n * k, copies * n * k * bpe, copies * tokens * (n + k) * ACTIVATION_BYTES)
+        return op(
+            name, copies * 2.0 * tokens * n * k, copies * n * k * bpe, copies * tokens * (n + k) * ACTIVATION_BYTES
+        )
 
     qkv = linear("qkv_proj", num_tokens, q_width + 2 * kv_width, hidden)
     o_proj = linear("o_proj", num_tokens, hidden, q_width)
@@ -115,7 +121,9 @@ def operator_costs(rl: Roofline, shape: Shape, logit_rows: int | None = None) ->
     # The MLP: each token through its active experts' gate, up and down; the weights of every
     # expert some token was routed to (all of them for a dense model), and a MoE router.
     mlp_flops = layers * 2.0 * num_tokens * m.num_active_experts * 3 * hidden * ffn
-    experts_read = 1.0 if not m.is_moe else m.num_experts * (1.0 - (1.0 - m.num_active_experts / m.num_experts) ** num_tokens)
+    experts_read = (
+        1.0 if not m.is_moe else m.num_experts * (1.0 - (1.0 - m.num_active_experts / m.num_experts) ** num_tokens)
+    )
     mlp_weights = layers * experts_read * 3 * hidden * ffn * bpe
     mlp_activations = layers * num_tokens * m.num_active_experts * (2 * ffn + hidden + ffn + hidden) * ACTIVATION_BYTES
     if m.is_moe:

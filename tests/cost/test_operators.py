@@ -42,7 +42,9 @@ def test_decode_attention_stays_memory_bound_while_the_matmuls_move_right(model)
     attention = [s["attention"] for s in steps]
     assert all(a.bound == "memory" for a in attention)
     # Each sequence brings its own KV: attention's intensity does not grow with the batch.
-    assert max(a.arithmetic_intensity for a in attention) == pytest.approx(min(a.arithmetic_intensity for a in attention))
+    assert max(a.arithmetic_intensity for a in attention) == pytest.approx(
+        min(a.arithmetic_intensity for a in attention)
+    )
     assert attention[0].arithmetic_intensity < rl.ridge_flops_per_byte / 10
     for name in ("qkv_proj", "o_proj", "mlp", "lm_head"):
         intensity = [s[name].arithmetic_intensity for s in steps]
