@@ -38,14 +38,21 @@ LessonFn = Callable[[Params], dict[str, Any]]
 class Simulated:
     """A lesson answered by the simulator: it runs under the lab's Simulations (a slot, a Budget)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, module: str = "sim_lessons"):
         self.name = name
+        self.module = module
 
     def __call__(self, p: Params, budget: Budget) -> dict[str, Any]:
         # The simulator pulls in the scheduler and numpy-heavy metrics; import it on first use.
-        from servelab.lab import sim_lessons
+        import importlib
 
-        return getattr(sim_lessons, self.name)(p, budget)
+        return getattr(importlib.import_module(f"servelab.lab.{self.module}"), self.name)(p, budget)
+
+
+def _qps_vs_tokens(p: Params) -> dict[str, Any]:
+    from servelab.lab.seed_lessons import qps_vs_tokens
+
+    return qps_vs_tokens(p)
 
 
 LESSONS: dict[str, LessonFn | Simulated | None] = {
@@ -57,6 +64,10 @@ LESSONS: dict[str, LessonFn | Simulated | None] = {
     "memory": roofline_lessons.memory,
     "capacity": None,
     "request-cost": request_cost,  # needs the lab's CapacityPlanner: see run_lesson
+    # The seed's design claims: put limits on both, capacity not in QPS, token by token.
+    "limits": Simulated("limits", "seed_lessons"),
+    "qps-vs-tokens": _qps_vs_tokens,
+    "decode-chain": Simulated("decode_chain", "seed_lessons"),
 }
 
 # The controls' starting values, per lesson (the API's own defaults are the same).
@@ -77,6 +88,16 @@ LESSON_DEFAULTS: dict[str, dict[str, Any]] = {
     "memory": {"attention": "gqa", "context": 8192, "tpot_ms": 50},
     "capacity": {"tpot_ms": 50, "prompt_len": 1024, "output_len": 256},
     "request-cost": {"prompt_len": 2048, "output_len": 256, "batch": 32, "price_per_gpu_hour": None},
+    "limits": {"rate": 4, "prompt_len": 2048, "output_len": 256, "prompt_cap": 4096, "output_cap": 512},
+    "qps-vs-tokens": {
+        "qps": 10,
+        "tpot_ms": 50,
+        "a_prompt_len": 256,
+        "a_output_len": 128,
+        "b_prompt_len": 8192,
+        "b_output_len": 512,
+    },
+    "decode-chain": {"prompt_len": 1024, "output_len": 32, "batch": 8},
 }
 
 

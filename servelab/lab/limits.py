@@ -59,6 +59,24 @@ LIMITS: dict[str, dict[str, tuple[float, float]]] = {
         "think_ms": (0, 10_000),
     },
     "capacity": {"tpot_ms": (1.0, 10_000.0), "prompt_len": (1, 131072), "output_len": (2, 8192)},
+    # 400 simulated requests four times (no caps, each cap, both): means past these would run for seconds.
+    "limits": {
+        "rate": (0.1, 100.0),
+        "prompt_len": (16, 16384),
+        "output_len": (2, 2048),
+        "prompt_cap": (16, 131072),
+        "output_cap": (2, 32768),
+    },
+    "qps-vs-tokens": {
+        "qps": (0.1, 10_000.0),
+        "tpot_ms": (1.0, 10_000.0),
+        "a_prompt_len": (1, 131072),
+        "a_output_len": (2, 32768),
+        "b_prompt_len": (1, 131072),
+        "b_output_len": (2, 32768),
+    },
+    # Every token of the traced sequence is drawn: a chain of at most 512 links.
+    "decode-chain": {"prompt_len": (1, 131072), "output_len": (2, 512), "batch": (1, 256)},
 }
 
 
@@ -73,6 +91,8 @@ CONTEXT_RULES: dict[str, tuple[tuple[str, ...], int, tuple[int, int]]] = {
     "disaggregated": (("prompt_len", "output_len"), 0, (3, 2)),
     "memory": (("context",), 0, (1, 1)),
     "request-cost": (("prompt_len", "output_len"), 0, (1, 1)),
+    "limits": (("prompt_len", "output_len"), 0, (1, 1)),  # the means; the tail is cut to what the model takes
+    "decode-chain": (("prompt_len", "output_len"), 0, (1, 1)),
 }
 
 

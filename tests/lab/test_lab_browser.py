@@ -90,6 +90,21 @@ LESSONS = {
         "1024",
         [("money", 1, "y", "money.decode_usd"), ("latency", 1, "y", "latency.decode_ms")],
     ),
+    "limits": (
+        "output_cap",
+        "256",
+        [("cost", 0, "y", "variants.usd_per_k_requests"), ("lengths", 0, "x", "lengths.prompt.x")],
+    ),
+    "qps-vs-tokens": (
+        "qps",
+        "20",
+        [("gpus-vs-qps", 0, "y", "sweep.gpus_a"), ("gpus-vs-qps", 1, "y", "sweep.gpus_b")],
+    ),
+    "decode-chain": (
+        "output_len",
+        "48",
+        [("chain", 0, "x", "chain.time_ms"), ("steps", 0, "y", "chain.step_ms")],
+    ),
 }
 # Where a lesson's test starts, when not at its defaults: short capacity plans keep the test cheap.
 START = {"capacity": "&output_len=32"}
@@ -403,7 +418,9 @@ def _no_fit_rects(page, chart: str) -> list:
     return [s for s in shapes if s["type"] == "rect" and "198, 40, 40" in s["fillcolor"]]
 
 
-@pytest.mark.parametrize("lesson", ["slo", "chunked-prefill", "disaggregated", "request-cost"])
+@pytest.mark.parametrize(
+    "lesson", ["slo", "chunked-prefill", "disaggregated", "request-cost", "limits", "qps-vs-tokens", "decode-chain"]
+)
 def test_a_lesson_that_cannot_run_shades_every_chart_and_says_what_to_change(page, lab_server, lesson):
     page.goto(f"{lab_server.url}/?lesson={lesson}&model=llama-3.1-70b")
     _wait_settled(page)
@@ -426,7 +443,10 @@ def test_lesson_1_roofline_shades_the_ridge_and_the_decode_wall(page, lab_server
     walls = [s for s in shapes if s["type"] == "line" and s["line"]["color"] == "#c62828"]
     assert len(walls) == 1 and walls[0]["x0"] == pytest.approx(data["limits"]["roofline"]["intensity"])
     assert data["prefill"]["intensity"] > walls[0]["x0"]  # the default prefill sits right of the wall
-    texts = [a["text"].replace("<br>", " ") for a in page.evaluate("document.getElementById('chart-roofline').layout.annotations")]
+    texts = [
+        a["text"].replace("<br>", " ")
+        for a in page.evaluate("document.getElementById('chart-roofline').layout.annotations")
+    ]
     assert "decode at 2,048 tokens: batch > 208 does not fit" in texts and any(
         t.startswith("compute-bound") for t in texts
     )
@@ -568,7 +588,20 @@ def _overlap(a: dict, b: dict) -> bool:
     return a["l"] < b["r"] and b["l"] < a["r"] and a["t"] < b["b"] and b["t"] < a["b"]
 
 
-@pytest.mark.parametrize("lesson", ["two-workloads", "slo", "chunked-prefill", "disaggregated", "memory", "request-cost"])
+@pytest.mark.parametrize(
+    "lesson",
+    [
+        "two-workloads",
+        "slo",
+        "chunked-prefill",
+        "disaggregated",
+        "memory",
+        "request-cost",
+        "limits",
+        "qps-vs-tokens",
+        "decode-chain",
+    ],
+)
 def test_phone_charts_keep_legends_titles_labels_and_points_apart(browser, lab_server, lesson):
     """At 390 px: no legend on an x-axis title, no roofline label on a point, bar labels >= 11 px."""
     context = browser.new_context(viewport=VIEWPORTS["phone"])

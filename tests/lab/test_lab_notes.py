@@ -162,7 +162,9 @@ def test_memory_note_names_what_binds(setup, attention, context, tpot_ms):
 @SIMULATED
 @given(st.integers(256, 4096), st.integers(1, 8), st.integers(16, 8192))
 def test_chunked_prefill_note(prompt_len, decode_batch, chunk_tokens):
-    d = answer("chunked-prefill", {"prompt_len": prompt_len, "decode_batch": decode_batch, "chunk_tokens": chunk_tokens})
+    d = answer(
+        "chunked-prefill", {"prompt_len": prompt_len, "decode_batch": decode_batch, "chunk_tokens": chunk_tokens}
+    )
     a, b, note = d["prefill_first"], d["chunked"], d["notice"]
     assert f"for up to {fmt(a['max_user_gap_ms'])} ms" in note
     if chunk_tokens >= prompt_len:
@@ -238,3 +240,70 @@ def test_a_model_that_does_not_fit_is_never_quoted_as_running(lesson):
     d = response.json()
     assert "does not run" in d["notice"] or "no batch runs" in d["notice"]
     assert "tokens/s in total" not in d["notice"]
+
+
+def change_text(before: float, after: float) -> str:
+    if abs(after - before) <= 0.01 * before:
+        return f"unchanged at {fmt(before)} ms"
+    return f"{'down' if after < before else 'up'} from {fmt(before)} to {fmt(after)} ms"
+
+
+@SIMULATED
+@given(
+    st.sampled_from(["h100-sxm", "a100-80gb", "l40s"]),
+    st.floats(0.5, 8.0),
+    st.integers(64, 4096),
+    st.integers(16, 512),
+    st.integers(64, 16384),
+    st.integers(8, 2048),
+)
+def test_limits_note(hardware, rate, prompt_len, output_len, prompt_cap, output_cap):
+    d = answer("limits", {"hardware": hardware, "rate": f"{rate:.2f}", "prompt_len": prompt_len,
+                          "output_len": output_len, "prompt_cap": prompt_cap, "output_cap": output_cap})  # fmt: skip
+    note, v = d["notice"], d["variants"]
+    if v["cut_prompts"][1]:
+        assert f"Capping prompts at {prompt_cap:,} tokens cuts {v['cut_prompts'][1]:,} of them" in note
+        assert f"p99 TTFT {change_text(v['ttft_p99_ms'][0], v['ttft_p99_ms'][1])}" in note
+        assert f"from ${fmt(v['usd_per_k_requests'][0])} to ${fmt(v['usd_per_k_requests'][1])}" in note
+    else:
+        assert "the prompt cap changes nothing here" in note
+        assert v["ttft_p99_ms"][1] == v["ttft_p99_ms"][0]
+    if v["cut_outputs"][2]:
+        assert f"Capping outputs at {output_cap:,} tokens cuts {v['cut_outputs'][2]:,}" in note
+        assert f"p99 end to end {change_text(v['e2e_p99_ms'][0], v['e2e_p99_ms'][2])}" in note
+        assert f"p99 TPOT {change_text(v['tpot_p99_ms'][0], v['tpot_p99_ms'][2])}" in note
+    else:
+        assert "the output cap changes nothing here" in note
+    assert f"at ${fmt(v['usd_per_m_output_tokens'][3])} per million output tokens" in note
+
+
+@FAST
+@given(setups, st.floats(0.1, 1000), st.integers(5, 500), st.integers(1, 16384), st.integers(2, 4096),
+       st.integers(1, 16384), st.integers(2, 4096))  # fmt: skip
+def test_qps_vs_tokens_note(setup, qps, tpot_ms, a_prompt, a_output, b_prompt, b_output):
+    d = answer("qps-vs-tokens", {**setup, "qps": f"{qps:.3g}", "tpot_ms": tpot_ms, "a_prompt_len": a_prompt,
+                                 "a_output_len": a_output, "b_prompt_len": b_prompt, "b_output_len": b_output})  # fmt: skip
+    a, b = d["workloads"]["a"], d["workloads"]["b"]
+    note = d["notice"]
+    assert f"B moves {fmt(b['tokens_per_s'] / a['tokens_per_s'])}x the tokens per second of A" in note
+    assert f"needs {fmt(b['gpus'] / a['gpus'])}x the GPUs ({fmt(b['gpus'])} against {fmt(a['gpus'])})" in note
+    assert f"one GPU serves {fmt(a['qps_per_gpu'])} req/s of A but {fmt(b['qps_per_gpu'])} of B" in note
+    # More tokens per request never needs fewer GPUs at the same rate and target.
+    if b_prompt >= a_prompt and b_output >= a_output:
+        assert b["gpus"] >= a["gpus"] * (1 - 1e-9)
+
+
+@SIMULATED
+@given(setups, st.integers(1, 8192), st.integers(2, 128), st.integers(1, 64))
+def test_decode_chain_note(setup, prompt_len, output_len, batch):
+    d = answer("decode-chain", {**setup, "prompt_len": prompt_len, "output_len": output_len, "batch": batch})
+    steps = d["chain"]["step_ms"]
+    assert len(steps) == output_len
+    note = d["notice"]
+    assert f"Each of the {output_len - 1:,} decode steps waits for the token before it" in note
+    assert (
+        f"take {fmt(d['decode_ms'])} ms at batch {batch:,}, {fmt(d['decode_ms'] / (output_len - 1))} ms a step" in note
+    )
+    assert f"one step would compute them all in {fmt(d['one_step_ms'])} ms" in note
+    assert d["decode_ms"] == pytest.approx(sum(steps[1:]))
+    assert ("the dependency, not the arithmetic, sets the time" in note) == (d["decode_ms"] > 2 * d["one_step_ms"])

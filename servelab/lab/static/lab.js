@@ -444,6 +444,125 @@ LESSONS.push({
   ],
 });
 
+// The seed's design claims, each drawn from its own API answer (servelab/lab/seed_lessons.py).
+const CAP_COLORS = ["#1d2330", "#2d6cdf", "#e07b00", "#43a047"];
+LESSONS.push({
+  id: "limits", title: "9. Put limits on both",
+  prose: [
+    "Real prompts and outputs have long tails: a few requests are ten or twenty times the typical one. The same heavy-tailed stream is simulated four times: without caps, with a prompt cap (longer prompts cut to it), with an output cap (max_tokens) and with both.",
+    "A long prompt holds up every request behind it for its prefill (TTFT) and fills the KV cache; a long output keeps its sequence in the batch, and its growing context slows every step (TPOT). The cost is the GPU time of the same requests with the KV cache full of them.",
+  ],
+  controls: [...COMMON, ENGINE, num("rate", "request rate (req/s)", 0.1), num("prompt_len", "mean prompt tokens"), num("output_len", "mean output tokens"),
+             num("prompt_cap", "prompt cap (tokens)"), num("output_cap", "output cap (tokens)")],
+  charts: [
+    { id: "tails", wide: true, make: (d) => {
+        const v = d.variants;
+        const series = [["ttft_p50_ms", "TTFT p50"], ["ttft_p99_ms", "TTFT p99"], ["tpot_p99_ms", "TPOT p99"], ["e2e_p99_ms", "end to end p99"]];
+        return {
+          data: v.label.map((label, i) => ({ type: "bar", name: label, x: series.map((s) => s[1]), y: series.map((s) => v[s[0]][i]),
+            marker: { color: CAP_COLORS[i] }, text: series.map((s) => fmtNum(v[s[0]][i])), textposition: "outside", cliponaxis: false, textfont: { size: 11 } })),
+          layout: baseLayout("Latency tails with and without caps", "", "ms (log scale)",
+            { yaxis: Object.assign(logAxis(...series.map((s) => v[s[0]])), { rangemode: "normal" }), rest: { barmode: "group" } }),
+        };
+      } },
+    { id: "ttft-cdf", make: (d) => ({
+        data: d.variants.name.flatMap((n, i) => cdfTraces(d.ttft_ms[n], d.ttft_ms[n].label, CAP_COLORS[i])),
+        layout: baseLayout("TTFT distribution (CDF)", "TTFT (ms, log scale)", "fraction of requests",
+          { xaxis: logAxis(...d.variants.name.map((n) => d.ttft_ms[n].x)) }) }) },
+    { id: "cost", make: (d) => {
+        const v = d.variants;
+        return {
+          data: [{ type: "bar", x: v.label, y: v.usd_per_k_requests, name: "$ per 1,000 requests", marker: { color: CAP_COLORS },
+                   text: v.usd_per_k_requests.map((x, i) => "$" + fmtNum(x) + " · $" + fmtNum(v.usd_per_m_output_tokens[i]) + "/M out"),
+                   textposition: "outside", cliponaxis: false, textfont: { size: 11 } }],
+          layout: baseLayout("GPU cost at full load ($ per 1,000 requests)", "", "$ per 1,000 requests",
+            { yaxis: { range: [0, Math.max(...v.usd_per_k_requests) * 1.3] } }),
+        };
+      } },
+    { id: "lengths", make: (d) => {
+        const caps = [["prompt", d.config.prompt_cap, "#2d6cdf"], ["output", d.config.output_cap, "#e07b00"]];
+        return {
+          data: caps.map(([k, , color]) => ({ x: d.lengths[k].x, y: d.lengths[k].cdf, mode: "lines", name: k + " lengths", line: { color, shape: "hv" } })),
+          layout: baseLayout("The workload's lengths and the caps", "tokens (log scale)", "fraction of requests",
+            { xaxis: logAxis(d.lengths.prompt.x, d.lengths.output.x, [d.config.prompt_cap, d.config.output_cap]),
+              rest: withShades(caps.map(([k, cap, color], i) => marker(cap, k + " cap", color, "dash", 0.1 * i))) }),
+        };
+      } },
+  ],
+});
+
+LESSONS.push({
+  id: "qps-vs-tokens", title: "10. Capacity is tokens/s, not QPS",
+  prose: [
+    "Two services each receive the same number of requests per second. One answers short chat turns; the other summarizes long documents. A request count says they are the same size.",
+    "They are not: GPU time follows tokens (every prompt token's prefill, every output token's decode step), so capacity is stated as tokens per second per GPU at a target TPOT. Each workload runs at the largest batch that meets the target and fits the KV cache.",
+  ],
+  controls: [...COMMON, num("qps", "requests per second (both)", 0.1), num("tpot_ms", "TPOT target (ms)"),
+             num("a_prompt_len", "A: prompt tokens"), num("a_output_len", "A: output tokens"),
+             num("b_prompt_len", "B: prompt tokens"), num("b_output_len", "B: output tokens")],
+  charts: [
+    { id: "tokens", make: (d) => {
+        const w = [d.workloads.a, d.workloads.b], x = w.map((v) => v.label);
+        return {
+          data: [
+            { type: "bar", x, y: w.map((v) => v.prompt_tokens_per_s), name: "prompt tokens/s", marker: { color: "#2d6cdf" } },
+            { type: "bar", x, y: w.map((v) => v.output_tokens_per_s), name: "output tokens/s", marker: { color: "#e07b00" },
+              text: w.map((v) => fmtNum(v.tokens_per_s) + " tokens/s"), textposition: "outside", cliponaxis: false, textfont: { size: 11 } },
+          ],
+          layout: baseLayout("Same QPS, tokens per second", "", "tokens/s", { rest: { barmode: "stack" },
+            yaxis: { range: [0, Math.max(...w.map((v) => v.tokens_per_s)) * 1.25] } }),
+        };
+      } },
+    { id: "gpus", make: (d) => {
+        const w = [d.workloads.a, d.workloads.b];
+        return {
+          data: [{ type: "bar", x: w.map((v) => v.label), y: w.map((v) => v.gpus), name: "GPUs needed", marker: { color: ["#43a047", "#c62828"] },
+                   text: w.map((v) => fmtNum(v.gpus) + " GPUs (" + v.gpus_whole + " whole) · batch " + v.batch), textposition: "outside", cliponaxis: false, textfont: { size: 11 } }],
+          layout: baseLayout("Same QPS, GPUs needed at the TPOT target", "", "GPUs", { yaxis: { range: [0, Math.max(...w.map((v) => v.gpus)) * 1.3] } }),
+        };
+      } },
+    { id: "gpus-vs-qps", wide: true, make: (d) => ({
+        data: [
+          { x: d.sweep.qps, y: d.sweep.gpus_a, mode: "lines+markers", name: d.workloads.a.label, line: { color: "#43a047", shape: "hv" } },
+          { x: d.sweep.qps, y: d.sweep.gpus_b, mode: "lines+markers", name: d.workloads.b.label, line: { color: "#c62828", shape: "hv" } },
+        ],
+        layout: baseLayout("GPUs against request rate", "requests per second (log scale)", "GPUs (log scale)",
+          { xaxis: logAxis(d.sweep.qps), yaxis: Object.assign(logAxis(d.sweep.gpus_a, d.sweep.gpus_b), { rangemode: "normal" }),
+            rest: withShades([marker(d.config.qps, "your rate", "#555", "dot", 0)]) }) }) },
+  ],
+});
+
+LESSONS.push({
+  id: "decode-chain", title: "11. One token at a time",
+  prose: [
+    "Each new token depends on the one before it: the model must have token n before it can compute token n + 1, so a sequence's decode steps run one after another and never in parallel.",
+    "The simulator traces one sequence decoding among others (the batch): its prefill makes the first token, then every step adds one, each waiting for the last. Were the tokens known in advance (a prompt, or a draft to check), one step would compute them all.",
+  ],
+  controls: [...COMMON, ENGINE, num("prompt_len", "prompt tokens"), num("output_len", "output tokens"), num("batch", "sequences decoding together")],
+  charts: [
+    { id: "chain", wide: true, make: (d) => {
+        const c = d.chain, n = c.token.length;
+        // Arrows from each token to the next, as long as there are few enough to read.
+        const arrows = n <= 64 ? c.token.slice(1).map((t, i) => ({ x: c.time_ms[i + 1], y: t, ax: c.time_ms[i], ay: c.token[i], xref: "x", yref: "y",
+          axref: "x", ayref: "y", showarrow: true, arrowhead: 2, arrowsize: 0.8, arrowwidth: 1, arrowcolor: "#2d6cdf", text: "" })) : [];
+        return {
+          data: [
+            { x: c.time_ms, y: c.token, mode: "markers", name: "token n, from token n - 1", marker: { size: 8, color: "#2d6cdf" },
+              text: c.step_ms.map((s, i) => "token " + (i + 1) + ": its step " + fmtNum(s) + " ms"), hoverinfo: "text" },
+            { x: [0, d.one_step_ms], y: [n, n], mode: "lines+markers", name: "all " + n + " tokens in one step, were they known",
+              line: { color: "#c62828", width: 3 }, marker: { size: 8, color: "#c62828" } },
+          ],
+          layout: baseLayout("Each token waits for the one before it", "time since the request arrived (ms)", "output token",
+            { rest: { annotations: arrows } }),
+        };
+      } },
+    { id: "steps", wide: true, make: (d) => ({
+        data: [{ type: "bar", x: d.chain.token, y: d.chain.step_ms, name: "step time", marker: { color: d.chain.token.map((t) => (t === 1 ? "#2d6cdf" : "#e07b00")) } }],
+        layout: baseLayout("Each token's step (the first is the prefill, TTFT)", "output token", "ms (log scale)",
+          { yaxis: Object.assign(logAxis(d.chain.step_ms), { rangemode: "normal" }) }) }) },
+  ],
+});
+
 // The "your machine" panel: the engine's own metrics, polled, and a short load sent from this page to
 // the server's own /v1/completions (its API key and limits apply), measured here and, with a profile,
 // replayed through the simulator by api/live/predict.
