@@ -9,8 +9,9 @@ profile whose simulator prediction the "your machine" panel overlays on what the
 
 from __future__ import annotations
 
+import importlib
 import importlib.resources
-
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -48,6 +49,15 @@ def _error_response(exc: ServelabError) -> JSONResponse:
     body = error_json(exc)
     headers = {"Retry-After": str(RETRY_AFTER_S)} if exc.http_status == 429 else None  # plans and replays alike
     return JSONResponse(body, status_code=exc.http_status, headers=headers)
+
+
+def _import_simulator_in_background() -> None:
+    """The simulated lessons import the scheduler, the simulator and numpy-heavy metrics (0.6 s of
+    CPU on the development host): start that while the page loads, so the first simulated lesson
+    does not pay it. A lesson asked for sooner waits on the same import, no longer."""
+    threading.Thread(
+        target=importlib.import_module, args=("servelab.lab.seed_lessons",), name="lab-imports", daemon=True
+    ).start()
 
 
 def create_lab_app(
@@ -90,6 +100,7 @@ def create_lab_app(
     app.state.engine_metrics_source = engine_metrics_source
     app.state.capacity_planner = CapacityPlanner()
     app.state.simulations = simulations or Simulations()
+    _import_simulator_in_background()
 
     def stop() -> None:
         # Called from a signal handler: both only set flags and signal processes.
