@@ -96,9 +96,9 @@ LESSONS = {
         [("cost", 0, "y", "variants.usd_per_k_requests"), ("lengths", 0, "x", "lengths.prompt.x")],
     ),
     "qps-vs-tokens": (
-        "qps",
-        "20",
-        [("gpus-vs-qps", 0, "y", "sweep.gpus_a"), ("gpus-vs-qps", 1, "y", "sweep.gpus_b")],
+        "b_prompt_len",
+        "16384",
+        [("gpus-vs-qps", 1, "y", "sweep.gpus_b"), ("gpus-vs-qps", 0, "y", "sweep.gpus_a")],
     ),
     "decode-chain": (
         "output_len",
@@ -443,6 +443,9 @@ def test_lesson_1_roofline_shades_the_ridge_and_the_decode_wall(page, lab_server
     walls = [s for s in shapes if s["type"] == "line" and s["line"]["color"] == "#c62828"]
     assert len(walls) == 1 and walls[0]["x0"] == pytest.approx(data["limits"]["roofline"]["intensity"])
     assert data["prefill"]["intensity"] > walls[0]["x0"]  # the default prefill sits right of the wall
+    # The wall's label is placed in the log axis's own units: the axis spans the roofline, not 10^58.
+    x_range = page.evaluate("document.getElementById('chart-roofline').layout.xaxis.range")
+    assert x_range[0] < -0.5 and x_range[1] < 6
     texts = [
         a["text"].replace("<br>", " ")
         for a in page.evaluate("document.getElementById('chart-roofline').layout.annotations")

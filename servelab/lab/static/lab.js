@@ -134,7 +134,8 @@ const LESSONS = [
             sh.shapes.push({ type: "line", x0: d.ridge_flops_per_byte, x1: d.ridge_flops_per_byte, y0: 0, y1: 1, yref: "paper", line: { dash: "dash", color: "#999" } });
             if (wall.intensity > 0 && wall.intensity < Math.max(...xs)) {
               const m = marker(wall.intensity, wrap(wall.label, 24), "#c62828", "dot");
-              Object.assign(m.annotation, { y: 0.14, yanchor: "bottom" });
+              // On a log axis an annotation's x is in log10 units (a shape's is not).
+              Object.assign(m.annotation, { x: Math.log10(wall.intensity), y: 0.14, yanchor: "bottom" });
               sh.shapes.push(m.shape); sh.annotations.push(m.annotation);
             }
             return baseLayout("Roofline: arithmetic intensity against the ridge", "arithmetic intensity (FLOP/byte)",
@@ -485,7 +486,11 @@ LESSONS.push({
           data: caps.map(([k, , color]) => ({ x: d.lengths[k].x, y: d.lengths[k].cdf, mode: "lines", name: k + " lengths", line: { color, shape: "hv" } })),
           layout: baseLayout("The workload's lengths and the caps", "tokens (log scale)", "fraction of requests",
             { xaxis: logAxis(d.lengths.prompt.x, d.lengths.output.x, [d.config.prompt_cap, d.config.output_cap]),
-              rest: withShades(caps.map(([k, cap, color], i) => marker(cap, k + " cap", color, "dash", 0.1 * i))) }),
+              rest: withShades(caps.map(([k, cap, color], i) => {
+                const m = marker(cap, k + " cap", color, "dash", 0.1 * i);
+                m.annotation.x = Math.log10(cap); // log axis: an annotation's x in log10 units
+                return m;
+              })) }),
         };
       } },
   ],
@@ -528,7 +533,11 @@ LESSONS.push({
         ],
         layout: baseLayout("GPUs against request rate", "requests per second (log scale)", "GPUs (log scale)",
           { xaxis: logAxis(d.sweep.qps), yaxis: Object.assign(logAxis(d.sweep.gpus_a, d.sweep.gpus_b), { rangemode: "normal" }),
-            rest: withShades([marker(d.config.qps, "your rate", "#555", "dot", 0)]) }) }) },
+            rest: (() => {
+              const m = marker(d.config.qps, "your rate", "#555", "dot", 0);
+              m.annotation.x = Math.log10(d.config.qps); // log axis: an annotation's x in log10 units
+              return withShades([m]);
+            })() }) }) },
   ],
 });
 
@@ -544,7 +553,7 @@ LESSONS.push({
         const c = d.chain, n = c.token.length;
         // Arrows from each token to the next, as long as there are few enough to read.
         const arrows = n <= 64 ? c.token.slice(1).map((t, i) => ({ x: c.time_ms[i + 1], y: t, ax: c.time_ms[i], ay: c.token[i], xref: "x", yref: "y",
-          axref: "x", ayref: "y", showarrow: true, arrowhead: 2, arrowsize: 0.8, arrowwidth: 1, arrowcolor: "#2d6cdf", text: "" })) : [];
+          axref: "x", ayref: "y", showarrow: true, arrowhead: 2, arrowsize: 1, arrowwidth: 1.5, standoff: 5, startstandoff: 5, arrowcolor: "#2d6cdf", text: "" })) : [];
         return {
           data: [
             { x: c.time_ms, y: c.token, mode: "markers", name: "token n, from token n - 1", marker: { size: 8, color: "#2d6cdf" },
