@@ -88,7 +88,7 @@ LESSONS = {
     "request-cost": (
         "output_len",
         "1024",
-        [("money", 1, "y", "money.decode_usd"), ("latency", 1, "y", "latency.decode_ms")],
+        [("money", 2, "y", "money.decode_usd"), ("latency", 2, "y", "latency.decode_ms")],
     ),
     "limits": (
         "output_cap",

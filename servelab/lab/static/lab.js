@@ -456,12 +456,14 @@ LESSONS.push({
   controls: [...COMMON, ENGINE, num("rate", "request rate (req/s)", 0.1), num("prompt_len", "mean prompt tokens"), num("output_len", "mean output tokens"),
              num("prompt_cap", "prompt cap (tokens)"), num("output_cap", "output cap (tokens)")],
   charts: [
-    { id: "tails", wide: true, make: (d) => {
+    { id: "tails", wide: true, make: (d, narrow) => {
         const v = d.variants;
         const series = [["ttft_p50_ms", "TTFT p50"], ["ttft_p99_ms", "TTFT p99"], ["tpot_p99_ms", "TPOT p99"], ["e2e_p99_ms", "end to end p99"]];
+        // On a phone sixteen bar labels would sit on each other: the figures are in the hover and the tiles.
+        const label = (i) => (narrow ? {} : { text: series.map((s) => fmtNum(v[s[0]][i])), textposition: "outside", cliponaxis: false, textfont: { size: 11 } });
         return {
-          data: v.label.map((label, i) => ({ type: "bar", name: label, x: series.map((s) => s[1]), y: series.map((s) => v[s[0]][i]),
-            marker: { color: CAP_COLORS[i] }, text: series.map((s) => fmtNum(v[s[0]][i])), textposition: "outside", cliponaxis: false, textfont: { size: 11 } })),
+          data: v.label.map((name, i) => Object.assign({ type: "bar", name, x: series.map((s) => s[1]), y: series.map((s) => v[s[0]][i]),
+            marker: { color: CAP_COLORS[i] } }, label(i))),
           layout: baseLayout("Latency tails with and without caps", "", "ms (log scale)",
             { yaxis: Object.assign(logAxis(...series.map((s) => v[s[0]])), { rangemode: "normal" }), rest: { barmode: "group" } }),
         };
@@ -470,11 +472,11 @@ LESSONS.push({
         data: d.variants.name.flatMap((n, i) => cdfTraces(d.ttft_ms[n], d.ttft_ms[n].label, CAP_COLORS[i])),
         layout: baseLayout("TTFT distribution (CDF)", "TTFT (ms, log scale)", "fraction of requests",
           { xaxis: logAxis(...d.variants.name.map((n) => d.ttft_ms[n].x)) }) }) },
-    { id: "cost", make: (d) => {
+    { id: "cost", make: (d, narrow) => {
         const v = d.variants;
         return {
           data: [{ type: "bar", x: v.label, y: v.usd_per_k_requests, name: "$ per 1,000 requests", marker: { color: CAP_COLORS },
-                   text: v.usd_per_k_requests.map((x, i) => "$" + fmtNum(x) + " · $" + fmtNum(v.usd_per_m_output_tokens[i]) + "/M out"),
+                   text: v.usd_per_k_requests.map((x, i) => "$" + fmtNum(x) + (narrow ? "" : " · $" + fmtNum(v.usd_per_m_output_tokens[i]) + "/M out")),
                    textposition: "outside", cliponaxis: false, textfont: { size: 11 } }],
           layout: baseLayout("GPU cost at full load ($ per 1,000 requests)", "", "$ per 1,000 requests",
             { yaxis: { range: [0, Math.max(...v.usd_per_k_requests) * 1.3] } }),
