@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from servelab.core.speculative import MAX_SPECULATIVE_TOKENS
 from servelab.errors import ServelabError
 
 MAX_TOKENS = 1 << 20  # a context bound for the form; the model's own max_context is checked by the roofline
@@ -49,6 +50,13 @@ LIMITS: dict[str, dict[str, tuple[float, float]]] = {
         "output_len": (2, 32768),
         "batch": (1, MAX_BATCH),
         "price_per_gpu_hour": (0.01, 1000.0),
+    },
+    # Five requests per client at concurrencies up to 64, with and without speculation: short on purpose.
+    "speculative": {
+        "num_speculative_tokens": (1, MAX_SPECULATIVE_TOKENS),
+        "acceptance": (0.0, 1.0),
+        "prompt_len": (1, 16384),
+        "output_len": (2, 512),
     },
     # The "your machine" panel's load, sent by the page to the server it runs under: short on purpose.
     "live": {
