@@ -206,6 +206,7 @@ def measured_acceptance(engine_metrics: EngineMetrics | None) -> tuple[Acceptanc
     if engine_metrics is None:
         return None, {
             "available": False,
+            "status": "not attached to a server",
             "why": "the lab is not running inside `servelab serve`: open a server's "
             "/lab/ (one started with --speculative-config) to overlay its measured acceptance",
         }
@@ -214,11 +215,16 @@ def measured_acceptance(engine_metrics: EngineMetrics | None) -> tuple[Acceptanc
     try:
         text = engine_metrics()
     except Exception as exc:  # the engine may be starting or stopping; the lesson still answers
-        return None, {"available": False, "why": f"the server's metrics are unavailable: {exc}"}
+        return None, {
+            "available": False,
+            "status": "metrics unavailable",
+            "why": f"the server's metrics are unavailable: {exc}",
+        }
     counters = parse_counters(text) if isinstance(text, str) else None
     if counters is None or counters.num_drafts < 1:
         return None, {
             "available": False,
+            "status": "no spec-decode counters",
             "why": "the server exports no speculative-decoding counters "
             "(spec_decode_num_drafts_total ...) or has verified no drafts yet: start it with "
             "--speculative-config and send it some load",
@@ -229,7 +235,7 @@ def measured_acceptance(engine_metrics: EngineMetrics | None) -> tuple[Acceptanc
         try:
             acceptance = Acceptance.from_counts(drafts, per_position, "your server's spec-decode counters")
         except InvalidArgument as exc:  # the server's numbers, not the reader's input: say so, answer the rest
-            return None, {"available": False, "why": exc.message}
+            return None, {"available": False, "status": "counters inconsistent", "why": exc.message}
         how = "by draft position"
     else:
         k = max(1, min(MAX_SPECULATIVE_TOKENS, round(counters.num_draft_tokens / drafts)))
@@ -238,6 +244,8 @@ def measured_acceptance(engine_metrics: EngineMetrics | None) -> tuple[Acceptanc
         how = "as one rate (the server exports no per-position counts)"
     return acceptance, {
         "available": True,
+        "status": f"{acceptance.draft_acceptance_rate:.0%} of drafts accepted, "
+        f"{acceptance.expected_tokens():.2f} tokens per verification",
         "num_drafts": drafts,
         "num_draft_tokens": round(counters.num_draft_tokens),
         "num_accepted_tokens": round(counters.num_accepted_tokens),
@@ -388,6 +396,7 @@ def speculative(p: Params, budget: Budget, engine_metrics: EngineMetrics | None 
                 f"none up to {concurrencies[-1]}" if sim_crossover is None else f"concurrency {sim_crossover}",
             ),
             stat("memory limit", f"batch {memory_batch:,}"),
+            stat("your server (measured)", measured_info["status"]),
         ],
         "notice": notice,
     }
