@@ -10,7 +10,7 @@ from servelab.errors import ServelabError
 
 MAX_TOKENS = 1 << 20  # a context bound for the form; the model's own max_context is checked by the roofline
 MAX_BATCH = 4096
-# Simulator lessons (slo, chunked-prefill, disaggregated) running at once: each holds a worker thread
+# Simulator lessons (slo, chunked-prefill, disaggregated, speculative) running at once: each holds a worker thread
 # for up to seconds, so more would starve the page's other requests (/api/health included); 429 beyond.
 MAX_RUNNING_SIMULATIONS = 2
 RETRY_AFTER_S = 5  # what a 429 from a busy lab tells the page to wait
