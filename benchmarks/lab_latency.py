@@ -24,6 +24,7 @@ CHANGES = {
     "memory": {"context": 32768},
     "request-cost": {"output_len": 1024},
     "capacity": {"tpot_ms": 45},
+    "speculative": {"acceptance": 0.9},
 }
 
 

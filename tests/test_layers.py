@@ -17,7 +17,7 @@ ALLOWED: dict[str, set[str]] = {
     "core": set(),
     "workload": set(),
     "metrics": set(),
-    "cost": {"spec"},
+    "cost": {"core", "spec"},  # core: the configurations it prices (SpeculativeConfig)
     # the model, its weights and kernels: never the step loop, the tokenizer or sampling
     "runtime": {"spec"},
     "engine": {"core", "spec", "runtime"},

@@ -13,6 +13,7 @@ with the limit named. Neither is a 400: the configuration is valid, it just does
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -30,22 +31,26 @@ if TYPE_CHECKING:
     from fastapi.responses import JSONResponse
 
     from servelab.lab.capacity_lesson import CapacityPlanner
+    from servelab.lab.live import EngineMetricsSource
     from servelab.lab.simulations import Budget, Simulations
 
 LessonFn = Callable[[Params], dict[str, Any]]
 
 
 class Simulated:
-    """A lesson answered by the simulator: it runs under the lab's Simulations (a slot, a Budget)."""
+    """A lesson answered by the simulator: it runs under the lab's Simulations (a slot, a Budget).
+    `module` holds its function; one that `reads_engine` is also given the running engine's
+    metrics source (None outside `servelab serve`)."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, module: str = "sim_lessons", reads_engine: bool = False):
         self.name = name
+        self.module = module
+        self.reads_engine = reads_engine
 
-    def __call__(self, p: Params, budget: Budget) -> dict[str, Any]:
+    def __call__(self, p: Params, budget: Budget, engine_metrics: EngineMetricsSource | None = None) -> dict[str, Any]:
         # The simulator pulls in the scheduler and numpy-heavy metrics; import it on first use.
-        from servelab.lab import sim_lessons
-
-        return getattr(sim_lessons, self.name)(p, budget)
+        fn = getattr(importlib.import_module(f"servelab.lab.{self.module}"), self.name)
+        return fn(p, budget, engine_metrics) if self.reads_engine else fn(p, budget)
 
 
 LESSONS: dict[str, LessonFn | Simulated | None] = {
@@ -57,6 +62,7 @@ LESSONS: dict[str, LessonFn | Simulated | None] = {
     "memory": roofline_lessons.memory,
     "capacity": None,
     "request-cost": request_cost,  # needs the lab's CapacityPlanner: see run_lesson
+    "speculative": Simulated("speculative", module="speculative_lesson", reads_engine=True),
 }
 
 # The controls' starting values, per lesson (the API's own defaults are the same).
@@ -77,10 +83,20 @@ LESSON_DEFAULTS: dict[str, dict[str, Any]] = {
     "memory": {"attention": "gqa", "context": 8192, "tpot_ms": 50},
     "capacity": {"tpot_ms": 50, "prompt_len": 1024, "output_len": 256},
     "request-cost": {"prompt_len": 2048, "output_len": 256, "batch": 32, "price_per_gpu_hour": None},
+    # Llama 3.1 8B's natural draft model: the same tokenizer, an eighth of the weights.
+    "speculative": {
+        "method": "llama-3.2-1b",
+        "num_speculative_tokens": 4,
+        "acceptance": 0.7,
+        "prompt_len": 512,
+        "output_len": 128,
+    },
 }
 
 
 def catalog() -> dict[str, Any]:
+    from servelab.lab import speculative_lesson  # imports this module's LESSON_DEFAULTS
+
     return {
         "models": [
             {
@@ -110,6 +126,11 @@ def catalog() -> dict[str, Any]:
             for p in engine_profiles().values()
         ],
         "lessons": list(LESSONS),
+        # The speculative lesson's accelerators (the catalog's and the lab's CPU) and proposers.
+        "speculative": {
+            "hardware": speculative_lesson.hardware_choices(),
+            "methods": speculative_lesson.method_choices(),
+        },
         # The forms' min/max: the same bounds the lessons validate against.
         "limits": published_limits(),
         # Each lesson's lengths must fit the chosen model's max_context (the models' entries): the
@@ -120,9 +141,14 @@ def catalog() -> dict[str, Any]:
 
 
 def run_lesson(
-    name: str, params: Params, planner: CapacityPlanner, simulations: Simulations
+    name: str,
+    params: Params,
+    planner: CapacityPlanner,
+    simulations: Simulations,
+    engine_metrics: EngineMetricsSource | None = None,
 ) -> dict[str, Any] | JSONResponse:
-    """The lesson's JSON; the capacity plan answers a 202 response with its progress while it runs."""
+    """The lesson's JSON; the capacity plan answers a 202 response with its progress while it runs.
+    `engine_metrics`: the running server's metrics, for the lessons that overlay its measurements."""
     try:
         fn = LESSONS[name]
     except KeyError:
@@ -133,7 +159,7 @@ def run_lesson(
         return capacity_lesson.capacity(params, planner)
     try:
         if isinstance(fn, Simulated):
-            return simulations.run(name, lambda budget: fn(params, budget))
+            return simulations.run(name, lambda budget: fn(params, budget, engine_metrics))
         return fn(params)
     except DoesNotFit as exc:
         return does_not_fit(name, params, exc)

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
+from servelab.core.speculative import MAX_SPECULATIVE_TOKENS
 from servelab.errors import ServelabError
 
 MAX_TOKENS = 1 << 20  # a context bound for the form; the model's own max_context is checked by the roofline
 MAX_BATCH = 4096
-# Simulator lessons (slo, chunked-prefill, disaggregated) running at once: each holds a worker thread
+# Simulator lessons (slo, chunked-prefill, disaggregated, speculative) running at once: each holds a worker thread
 # for up to seconds, so more would starve the page's other requests (/api/health included); 429 beyond.
 MAX_RUNNING_SIMULATIONS = 2
 RETRY_AFTER_S = 5  # what a 429 from a busy lab tells the page to wait
@@ -49,6 +50,13 @@ LIMITS: dict[str, dict[str, tuple[float, float]]] = {
         "output_len": (2, 32768),
         "batch": (1, MAX_BATCH),
         "price_per_gpu_hour": (0.01, 1000.0),
+    },
+    # Five requests per client at concurrencies up to 64, with and without speculation: short on purpose.
+    "speculative": {
+        "num_speculative_tokens": (1, MAX_SPECULATIVE_TOKENS),
+        "acceptance": (0.0, 1.0),
+        "prompt_len": (1, 16384),
+        "output_len": (2, 512),
     },
     # The "your machine" panel's load, sent by the page to the server it runs under: short on purpose.
     "live": {

@@ -42,7 +42,7 @@ def test_catalog_lists_the_catalogs_and_seed_defaults(client):
     assert {m["name"] for m in cat["models"]} >= {"llama-3.1-8b", "llama-3.1-70b"}
     assert "h100-sxm" in {h["name"] for h in cat["hardware"]}
     assert cat["weight_dtypes"][0] == "bfloat16" and "fp8" in cat["kv_dtypes"]
-    assert len(cat["lessons"]) == 8
+    assert len(cat["lessons"]) == 9
     assert [p["name"] for p in cat["engine_profiles"]] == ["servelab", "vllm", "sglang", "trtllm"]
     for lesson in cat["lessons"]:
         d = cat["defaults"][lesson]
@@ -522,7 +522,7 @@ def test_catalog_publishes_the_limits_the_lessons_enforce(client):
     for lesson, inputs in limits.items():
         for name, lim in inputs.items():
             above = lim["max"] + (1 if float(lim["max"]).is_integer() else 0.5)
-            below = lim["min"] - (1 if lim["min"] >= 1 else lim["min"] / 2)
+            below = lim["min"] - (1 if lim["min"] >= 1 else lim["min"] / 2 or 0.5)
             for value in (above, below):
                 message = error(client, lesson, **{name: value})
                 assert message.startswith(f"{name}: must be between {_n(lim['min'])} and {_n(lim['max'])}"), message

@@ -90,6 +90,16 @@ LESSONS = {
         "1024",
         [("money", 1, "y", "money.decode_usd"), ("latency", 1, "y", "latency.decode_ms")],
     ),
+    "speculative": (
+        "num_speculative_tokens",
+        "8",
+        [
+            ("spec-speedup", 1, "y", "curves.1.speedup"),
+            ("spec-speedup", 0, "x", "curves.0.batch"),
+            ("spec-tpot", 1, "y", "curves.1.spec_tpot_ms"),
+            ("spec-tpot", 0, "y", "curves.1.plain_tpot_ms"),
+        ],
+    ),
 }
 # Where a lesson's test starts, when not at its defaults: short capacity plans keep the test cheap.
 START = {"capacity": "&output_len=32"}
@@ -160,7 +170,7 @@ def page(browser):
 
 def _dig(data, path: str):
     for part in path.split("."):
-        data = data[part]
+        data = data[int(part)] if isinstance(data, list) else data[part]
     return data if isinstance(data, list) else [data]
 
 
@@ -426,7 +436,10 @@ def test_lesson_1_roofline_shades_the_ridge_and_the_decode_wall(page, lab_server
     walls = [s for s in shapes if s["type"] == "line" and s["line"]["color"] == "#c62828"]
     assert len(walls) == 1 and walls[0]["x0"] == pytest.approx(data["limits"]["roofline"]["intensity"])
     assert data["prefill"]["intensity"] > walls[0]["x0"]  # the default prefill sits right of the wall
-    texts = [a["text"].replace("<br>", " ") for a in page.evaluate("document.getElementById('chart-roofline').layout.annotations")]
+    texts = [
+        a["text"].replace("<br>", " ")
+        for a in page.evaluate("document.getElementById('chart-roofline').layout.annotations")
+    ]
     assert "decode at 2,048 tokens: batch > 208 does not fit" in texts and any(
         t.startswith("compute-bound") for t in texts
     )
@@ -568,7 +581,9 @@ def _overlap(a: dict, b: dict) -> bool:
     return a["l"] < b["r"] and b["l"] < a["r"] and a["t"] < b["b"] and b["t"] < a["b"]
 
 
-@pytest.mark.parametrize("lesson", ["two-workloads", "slo", "chunked-prefill", "disaggregated", "memory", "request-cost"])
+@pytest.mark.parametrize(
+    "lesson", ["two-workloads", "slo", "chunked-prefill", "disaggregated", "memory", "request-cost"]
+)
 def test_phone_charts_keep_legends_titles_labels_and_points_apart(browser, lab_server, lesson):
     """At 390 px: no legend on an x-axis title, no roofline label on a point, bar labels >= 11 px."""
     context = browser.new_context(viewport=VIEWPORTS["phone"])
@@ -591,3 +606,61 @@ def test_phone_charts_keep_legends_titles_labels_and_points_apart(browser, lab_s
                 assert not any(_overlap(label, p) for p in points), label
     finally:
         context.close()
+
+
+SPEC_COUNTERS = """vllm:spec_decode_num_drafts_total 1000
+vllm:spec_decode_num_draft_tokens_total 4000
+vllm:spec_decode_num_accepted_tokens_total 2000
+vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 800
+vllm:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 600
+vllm:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 400
+vllm:spec_decode_num_accepted_tokens_per_pos_total{position="3"} 200
+"""
+
+
+@pytest.mark.parametrize("size", list(VIEWPORTS))
+def test_speculative_lesson_marks_the_crossover_and_overlays_the_servers_acceptance(browser, size, tmp_path):
+    from servelab.lab.app import create_lab_app
+
+    server = _Server(create_lab_app(engine_metrics_source=lambda: SPEC_COUNTERS))
+    context = browser.new_context(viewport=VIEWPORTS[size])
+    page = context.new_page()
+    problems = []
+    page.on("console", lambda m: m.type in ("error", "warning") and problems.append(m.text))
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    try:
+        page.goto(f"{server.url}/?lesson=speculative&hardware=generic-cpu&method=ngram")
+        _wait_settled(page)
+        assert page.input_value("#ctl-hardware") == "generic-cpu"  # the lab's CPU is among the accelerators
+        data = _api(server, "speculative", {"hardware": "generic-cpu", "method": "ngram"})
+        fig = page.evaluate(
+            "(() => { const c = document.getElementById('chart-spec-speedup'); return { data: c.data, layout: c.layout }; })()"
+        )
+        assert fig["layout"]["xaxis"]["type"] == "log"
+        names = [t["name"] for t in fig["data"]]
+        # One line per acceptance, the crossover markers at 1x, the simulator's dots, the measured curve.
+        assert len([n for n in names if n.startswith("roofline, ")]) == len(data["curves"])
+        cross = next(t for t in fig["data"] if t["name"] == "crossover (roofline)")
+        assert cross["x"] == [c["crossover_batch"] for c in data["curves"] if (c["crossover_batch"] or 0) > 1]
+        assert set(cross["y"]) == {1}
+        sim = next(t for t in fig["data"] if t["name"] == "simulator (concurrency)")
+        assert sim["x"] == data["config"]["sim_concurrencies"]
+        assert sim["y"] == pytest.approx([lv["speedup"] for lv in data["sim"]["levels"]])
+        measured = next(t for t in fig["data"] if "measured acceptance" in t["name"])
+        assert "predicted" in measured["name"] and measured["line"]["dash"] == "dash"
+        assert measured["y"] == pytest.approx(data["measured"]["curve"]["speedup"])
+        # The 1x line across the plot, and the chosen curve's crossover named.
+        assert any(s["type"] == "line" and s["y0"] == s["y1"] == 1 for s in fig["layout"]["shapes"])
+        mine = next(c for c in data["curves"] if c["chosen"])
+        texts = [a["text"] for a in fig["layout"]["annotations"]]
+        assert f"your crossover: batch {mine['crossover_batch']:,}" in texts, texts
+        assert "measured" in page.locator("#summary").inner_text()
+        assert "predicts" in page.locator("#notice").inner_text()
+        page.wait_for_timeout(300)  # Plotly's responsive resize
+        widths = page.evaluate("[document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+        assert widths[0] <= widths[1], widths
+        page.screenshot(path=str(tmp_path / f"lab-speculative-{size}.png"), full_page=True)
+        assert problems == []
+    finally:
+        context.close()
+        server.stop()
