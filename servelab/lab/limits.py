@@ -107,3 +107,32 @@ def published_context_rules() -> dict[str, dict[str, Any]]:
         lesson: {"fields": list(fields), "extra": extra, "spread": [num, den]}
         for lesson, (fields, extra, (num, den)) in CONTEXT_RULES.items()
     }
+
+
+# The controls' starting values, per lesson (the API's own defaults are the same).
+LESSON_DEFAULTS: dict[str, dict[str, Any]] = {
+    "two-workloads": {"prompt_len": 2048, "batch": 1},
+    "batching": {"batch": 64, "context": 2048},
+    # Near the knee: at 24 req/s the p90 targets hold, a few req/s more and TPOT breaks them.
+    "slo": {"rate": 24, "ttft_slo_ms": 500, "tpot_slo_ms": 20, "prompt_len": 1024, "output_len": 128},
+    "chunked-prefill": {"prompt_len": 8192, "decode_batch": 16, "chunk_tokens": 512},
+    "disaggregated": {
+        "rate": 6,
+        "prefill_gpus": 1,
+        "decode_gpus": 1,
+        "link_gbps": 50,
+        "prompt_len": 2048,
+        "output_len": 128,
+    },
+    "memory": {"attention": "gqa", "context": 8192, "tpot_ms": 50},
+    "capacity": {"tpot_ms": 50, "prompt_len": 1024, "output_len": 256},
+    "request-cost": {"prompt_len": 2048, "output_len": 256, "batch": 32, "price_per_gpu_hour": None},
+    # Llama 3.1 8B's natural draft model: the same tokenizer, an eighth of the weights.
+    "speculative": {
+        "method": "llama-3.2-1b",
+        "num_speculative_tokens": 4,
+        "acceptance": 0.7,
+        "prompt_len": 512,
+        "output_len": 128,
+    },
+}

@@ -26,9 +26,8 @@ from servelab.cost.speculative import (
     kv_tokens_beside_draft,
 )
 from servelab.errors import DoesNotFit, InvalidArgument
-from servelab.lab.api import LESSON_DEFAULTS
 from servelab.lab.common import DEFAULT_HARDWARE, Setup, fmt, powers_of_two, setup_from, stat
-from servelab.lab.limits import bounds
+from servelab.lab.limits import LESSON_DEFAULTS, bounds
 from servelab.lab.params import Params
 from servelab.lab.simulations import Budget
 from servelab.spec import HARDWARE, MODELS, HardwareSpec, get_hardware
