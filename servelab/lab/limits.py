@@ -1,5 +1,6 @@
-"""The numeric bounds of every lesson's inputs: the API validates against them and publishes
-them in the catalog, and the page's forms take their min/max from there (one source of truth)."""
+"""The numeric bounds and starting values of every lesson's inputs: the API validates against the
+bounds and publishes both in the catalog, and the page's forms take their min/max and defaults from
+there (one source of truth)."""
 
 from __future__ import annotations
 
