@@ -82,8 +82,8 @@ def binding_limit(
             )
         elif ceiling == "kv-cache":
             detail = (
-                f"{kv}: concurrency {load} fills it at full length and meets the targets (KV peaked at "
-                f"{seen.peak_kv_usage:.0%}, {seen.peak_running} sequences running, {seen.preemptions} "
+                f"{kv}: {load} requests fill it at full length, and concurrency {load} meets the targets "
+                f"(peak {seen.peak_running} sequences running, KV {seen.peak_kv_usage:.0%}, {seen.preemptions} "
                 f"preemptions); more clients would queue for memory"
             )
         else:
