@@ -74,7 +74,7 @@ LESSON_DEFAULTS: dict[str, dict[str, Any]] = {
         "output_len": 128,
     },
     "memory": {"attention": "gqa", "context": 8192, "tpot_ms": 50},
-    "capacity": {"tpot_ms": 50, "prompt_len": 1024, "output_len": 256},
+    "capacity": {"ttft_ms": 2000, "tpot_ms": 50, "prompt_len": 1024, "output_len": 256},
     "request-cost": {"prompt_len": 2048, "output_len": 256, "batch": 32, "price_per_gpu_hour": None},
 }
 

@@ -58,7 +58,12 @@ LIMITS: dict[str, dict[str, tuple[float, float]]] = {
         "max_tokens": (2, 256),
         "think_ms": (0, 10_000),
     },
-    "capacity": {"tpot_ms": (1.0, 10_000.0), "prompt_len": (1, 131072), "output_len": (2, 8192)},
+    "capacity": {
+        "tpot_ms": (1.0, 10_000.0),
+        "ttft_ms": (1.0, 600_000.0),
+        "prompt_len": (1, 131072),
+        "output_len": (2, 8192),
+    },
 }
 
 
