@@ -295,8 +295,9 @@ def _table(rows, args: argparse.Namespace, inputs: PlanInputs) -> str:  # noqa: 
         if args.target_rate is not None:
             row.append("-" if r.devices_needed is None else r.devices_needed)
         table_rows.append(row)
-        if r.binding is not None:
-            # The reason already says "still meets the targets at the search's maximum" in other words.
+        if r.binding is not None and r.binding.limit not in ("ttft", "tpot"):
+            # A missed target needs no note beyond its column; --json has the detail. The reason
+            # already says "still meets the targets at the search's maximum" in other words.
             notes.append(f"{r.hardware} tp={r.tp}: bound by {r.binding.detail}")
         elif r.reason:
             notes.append(f"{r.hardware} tp={r.tp}: {r.reason}")
