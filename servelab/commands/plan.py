@@ -7,7 +7,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from servelab.commands._dtype_cli import add_cost_dtype_arguments, cost_dtypes
 from servelab.commands._engine_profile_cli import (
@@ -21,6 +21,11 @@ from servelab.commands._scheduler_cli import add_scheduler_arguments, scheduler_
 from servelab.errors import InvalidArgument
 from servelab.spec.model import MODEL_HELP
 from servelab.units import parse_duration_s, parse_int_list, parse_str_list
+
+if TYPE_CHECKING:
+    from servelab.bench.planner import PlanJob
+    from servelab.metrics import SLO
+    from servelab.workload import WorkloadSpec
 
 HELP = "capacity plan: tokens/s per device at TTFT and TPOT targets across hardware and TP"
 
@@ -89,12 +94,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 class PlanInputs:
     """What the flags ask for: the jobs, and what the output restates."""
 
-    jobs: list[Any]  # PlanJob, one per (accelerator, TP)
+    jobs: list[PlanJob]  # one per (accelerator, TP)
     model: str
     engine: str
-    slo: Any  # metrics.SLO
+    slo: SLO
     default_ttft: bool  # the TTFT target is DEFAULT_SLO_TTFT_S, not given
-    spec: Any  # the workload's WorkloadSpec
+    spec: WorkloadSpec
     workload: dict[str, Any]
     cost_model: str
 
