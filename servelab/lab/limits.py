@@ -67,7 +67,12 @@ LIMITS: dict[str, dict[str, tuple[float, float]]] = {
         "max_tokens": (2, 256),
         "think_ms": (0, 10_000),
     },
-    "capacity": {"tpot_ms": (1.0, 10_000.0), "prompt_len": (1, 131072), "output_len": (2, 8192)},
+    "capacity": {
+        "tpot_ms": (1.0, 10_000.0),
+        "ttft_ms": (1.0, 600_000.0),
+        "prompt_len": (1, 131072),
+        "output_len": (2, 8192),
+    },
 }
 
 
@@ -126,7 +131,7 @@ LESSON_DEFAULTS: dict[str, dict[str, Any]] = {
         "output_len": 128,
     },
     "memory": {"attention": "gqa", "context": 8192, "tpot_ms": 50},
-    "capacity": {"tpot_ms": 50, "prompt_len": 1024, "output_len": 256},
+    "capacity": {"ttft_ms": 2000, "tpot_ms": 50, "prompt_len": 1024, "output_len": 256},
     "request-cost": {"prompt_len": 2048, "output_len": 256, "batch": 32, "price_per_gpu_hour": None},
     # Llama 3.1 8B's natural draft model: the same tokenizer, an eighth of the weights.
     "speculative": {

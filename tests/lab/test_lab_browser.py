@@ -464,9 +464,12 @@ def test_sliders_move_with_the_number_boxes(page, lab_server):
     assert slider.input_value() == "1000"
 
 
-def test_capacity_is_uncapped_names_its_limit_and_answers_fast(page, lab_server):
+def test_capacity_names_its_limit_shows_its_commands_and_answers_fast(page, lab_server):
     """The lab's targets: the first chart in under 2 s, a change drawn in under 1 s (the partial
-    answer: simulated rows so far plus the roofline's estimate), the search uncapped."""
+    answer: simulated rows so far plus the roofline's upper bound); each bar names its limit and
+    the page lists the `servelab plan` command behind each bar."""
+    from servelab.lab.capacity_lesson import BIND_LABEL
+
     page.goto(f"{lab_server.url}/?lesson=two-workloads")
     _wait_settled(page)
     n = _renders(page)
@@ -485,16 +488,17 @@ def test_capacity_is_uncapped_names_its_limit_and_answers_fast(page, lab_server)
     assert load_s < 2.0 and change_s < 1.0, (load_s, change_s)
     _wait_settled(page)
     plan = page.evaluate("window.lab.last.data.plan")
-    i = plan["hardware"].index("h100-sxm")
-    assert plan["concurrency"][i] > 64  # the first edition's cap was 64 users
     drawn = [
         t.replace("<br>", " ") for t in page.evaluate("document.getElementById('chart-tokens-per-gpu').data[0].text")
     ]
-    names = {"memory": "memory (KV cache", "slo": "the TPOT target"}
     for j, binds in enumerate(plan["binds"]):  # every bar that serves names the limit that bound it
-        assert (binds in names and names[binds] in drawn[j] and "users" in drawn[j]) or not plan["meets_slo"][j], drawn[
-            j
-        ]
+        if plan["meets_slo"][j]:
+            assert "users" in drawn[j] and BIND_LABEL[binds].split(" (")[0] in drawn[j], drawn[j]
+            assert plan["ttft_ms"][j] <= 2000 and plan["tpot_ms"][j] <= 50
+    assert page.is_visible("#commands summary")
+    commands = page.text_content("#commands-body").splitlines()  # folded: the text, not what is drawn
+    assert commands == plan["command"] and all(c.startswith("servelab plan --model") for c in commands)
+    assert "--output-len 32" in commands[0]
 
 
 def test_your_machine_measures_the_engine_and_overlays_the_prediction(browser, tmp_path):

@@ -357,17 +357,17 @@ const LESSONS = [
   {
     id: "capacity", title: "7. Capacity and cost across accelerators",
     prose: [
-      "Self-hosted capacity is tokens per second per GPU at a target TPOT, not QPS. The planner finds, for each accelerator, the largest load whose decode steps meet the target and that fits in memory, and turns it into dollars per million output tokens.",
-      "The search has no cap: it adds users until the TPOT target breaks or the KV cache is full, and each bar names which limit bound. Bars appear first as the roofline's estimate (pale) and turn solid as each accelerator's simulation ends.",
+      "Self-hosted capacity is tokens per second per GPU at a target TTFT and TPOT, not QPS. For each accelerator the planner (`servelab plan`, the same code) finds the most concurrent requests whose p90 TTFT and p90 TPOT both meet the targets, up to the most that run at once, and turns them into dollars per million output tokens. Clients queued for a slot or for memory are not users: their wait breaks the TTFT target.",
+      "Each bar names the limit that bound it (the TTFT target, the TPOT target, or memory: the KV cache full, measured at the limit itself), and the command under the chart reproduces it. Until an accelerator's simulation ends its bar is pale: the roofline's upper bound, which can be far above the simulated answer.",
     ],
-    controls: [...COMMON, ENGINE, num("tpot_ms", "TPOT target (ms)"), num("prompt_len", "prompt tokens"), num("output_len", "output tokens")],
+    controls: [...COMMON, ENGINE, num("ttft_ms", "TTFT target (ms)"), num("tpot_ms", "TPOT target (ms)"), num("prompt_len", "prompt tokens"), num("output_len", "output tokens")],
     charts: [
       { id: "tokens-per-gpu", make: (d) => ({
           data: [{ type: "bar", x: d.plan.hardware, y: d.plan.tokens_per_s_per_gpu, name: "tokens/s per GPU", text: d.plan.config.map((t) => wrap(t, 18)),
-                   textposition: "outside", cliponaxis: false,
+                   textposition: "outside", cliponaxis: false, hovertext: d.plan.command, hoverinfo: "text+y",
                    marker: { color: d.plan.status.map((s, i) => (s === "estimate" ? "rgba(45,108,223,0.3)" : d.plan.binds[i] === "memory" ? "#2d6cdf" : "#1b3f8b")),
                              line: { color: "#2d6cdf", width: d.plan.status.map((s) => (s === "estimate" ? 2 : 0)) } } }],
-          layout: baseLayout("Output tokens/s per GPU at the TPOT target" + (d.status === "running" ? " (pale: roofline estimate, simulating)" : ""),
+          layout: baseLayout("Output tokens/s per GPU at the TTFT and TPOT targets" + (d.status === "running" ? " (pale: upper bound from the roofline, simulating)" : ""),
             "", "tokens/s per GPU", { yaxis: { range: [0, Math.max(1, ...d.plan.tokens_per_s_per_gpu) * 1.3] } }) }) },
       { id: "cost", make: (d) => ({
           data: [{ type: "bar", x: d.plan.hardware, y: d.plan.usd_per_million_tokens, name: "$ per million tokens",
@@ -695,6 +695,7 @@ function showError(message) {
   $("notice").textContent = "";
   $("summary").innerHTML = "";
   $("formulas").hidden = true;
+  $("commands").hidden = true;
   for (const chart of $("charts").children) Plotly.purge(chart);
   $("charts").hidden = true;
   $("charts").classList.remove("stale");
@@ -726,6 +727,12 @@ function renderFormulas(formulas) {
   }
 }
 
+// The `servelab plan` command behind each bar of the capacity lesson.
+function renderCommands(commands) {
+  $("commands").hidden = !commands || !commands.length;
+  $("commands-body").textContent = (commands || []).join("\n");
+}
+
 function draw(chart, fig) {
   const narrow = $("chart-" + chart.id).clientWidth < 520;
   const title = fig.layout.title;
@@ -753,6 +760,7 @@ function render(lesson, data) {
   $("notice").textContent = (lesson.live && state.load ? state.load.notice : data.notice) || "";
   renderStats(lesson.live && state.load ? [...state.load.stats, ...(data.stats || [])] : data.stats);
   renderFormulas(data.formulas);
+  renderCommands(data.plan && data.plan.command);
   for (const chart of lesson.charts) {
     const el = $("chart-" + chart.id);
     const narrow = el.clientWidth < 520;
@@ -827,6 +835,7 @@ function showMachineSetup() {
   $("notice").textContent = "";
   $("summary").innerHTML = "";
   $("formulas").hidden = true;
+  $("commands").hidden = true;
   $("charts").hidden = true;
   window.lab.last = { lesson: "live", data: { status: "no-engine", setup } };
   window.lab.renders += 1;
