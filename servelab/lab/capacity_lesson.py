@@ -21,6 +21,8 @@ start processes per distinct URL, nor remember every URL forever.
 
 from __future__ import annotations
 
+import argparse
+
 import functools
 import multiprocessing
 import os
@@ -88,11 +90,11 @@ def plan_command(key: PlanKey, hardware: str) -> str:
 
 def _jobs(key: PlanKey) -> list[Any]:
     """The jobs `servelab plan` runs for each bar's command, built by plan's own parser and code."""
-    from servelab.cli import build_parser
-    from servelab.commands.plan import plan_inputs
+    from servelab.commands.plan import add_arguments, plan_inputs
 
-    parser = build_parser("plan")
-    return [job for hw in HARDWARE for job in plan_inputs(parser.parse_args(plan_argv(key, hw))).jobs]
+    parser = argparse.ArgumentParser(prog="servelab plan")
+    add_arguments(parser)
+    return [job for hw in HARDWARE for job in plan_inputs(parser.parse_args(plan_argv(key, hw)[1:])).jobs]
 
 
 class CapacityPlanner:

@@ -144,7 +144,9 @@ def test_memory_note_names_what_binds(setup, attention, context, tpot_ms):
 @SIMULATED
 @given(st.integers(256, 4096), st.integers(1, 8), st.integers(16, 8192))
 def test_chunked_prefill_note(prompt_len, decode_batch, chunk_tokens):
-    d = answer("chunked-prefill", {"prompt_len": prompt_len, "decode_batch": decode_batch, "chunk_tokens": chunk_tokens})
+    d = answer(
+        "chunked-prefill", {"prompt_len": prompt_len, "decode_batch": decode_batch, "chunk_tokens": chunk_tokens}
+    )
     a, b, note = d["prefill_first"], d["chunked"], d["notice"]
     assert f"for up to {fmt(a['max_user_gap_ms'])} ms" in note
     if chunk_tokens >= prompt_len:
