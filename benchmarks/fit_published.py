@@ -378,7 +378,10 @@ def scores(data: dict[str, Any], pricings: dict[str, Pricing], markdown: bool) -
     """Median |error| per set and metric kind, and points past CAUSE_PCT, for each pricing."""
     lines = []
     if markdown:
-        lines += ["| pricing | set | points | median | TTFT | throughput | beyond 30% |", "|---|---|---:|---:|---:|---:|---:|"]
+        lines += [
+            "| pricing | set | points | median | TTFT | throughput | beyond 30% |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
     for name, pricing in pricings.items():
         for set_name in ("train", "test", *MODERN_SETS):
             pts = [p for p in data["points"] if p["set"] == set_name and p["run"]["kind"] in PRICED_KINDS]
@@ -388,8 +391,10 @@ def scores(data: dict[str, Any], pricings: dict[str, Pricing], markdown: bool) -
             if markdown:
                 lines.append(f"| {name} | {set_name} | {len(pts)} | {' | '.join(cells)} | {beyond} |")
             else:
-                lines.append(f"{name:28} {set_name:13} {len(pts):3} points  median {cells[0]:>6}  TTFT {cells[1]:>6}  "
-                             f"throughput {cells[2]:>6}  beyond 30%: {beyond}")
+                lines.append(
+                    f"{name:28} {set_name:13} {len(pts):3} points  median {cells[0]:>6}  TTFT {cells[1]:>6}  "
+                    f"throughput {cells[2]:>6}  beyond 30%: {beyond}"
+                )
     return lines
 
 

@@ -134,11 +134,10 @@ class Efficiency:
         unknown = set(data) - known
         if unknown:
             raise InvalidArgument(f"unknown efficiency terms: {', '.join(sorted(unknown))}", param="efficiency")
-        top = {k: float(v) for k, v in data.items() if k != "formats"}
-        if "formats" not in data:
-            return cls(**top)
-        formats = {k: FormatEfficiency(**v) for k, v in data["formats"].items()}
-        return cls(**top, formats=formats)
+        top: dict[str, Any] = {k: float(v) for k, v in data.items() if k != "formats"}
+        if "formats" in data:
+            top["formats"] = {k: FormatEfficiency(**v) for k, v in data["formats"].items()}
+        return cls(**top)
 
 
 # The end-to-end terms refitted on top of the measured kernels (benchmarks/fit_published.py
