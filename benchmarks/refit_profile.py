@@ -179,7 +179,7 @@ def replay_run(path: Path, profile: dict, cost: ProfileStepCost, spread: bool) -
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path, help="validate_runs.sh folders (profile.json, c*.json, rate.json)")
     ap.add_argument(
@@ -204,7 +204,7 @@ def main() -> None:
         default=["none"],
         help="replay with one time per shape (none), or each step drawn from the passes' spread",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     table: list[str] = []
     for folder in args.runs:
         profile = json.loads((folder / "profile.json").read_text())

@@ -11,13 +11,6 @@ ROOT = Path(__file__).resolve().parents[2]
 EXEMPT = {
     # Shell drivers of long server loads (minutes each, servers on real ports).
     "disagg_runs.sh": "drives serve --disagg and bench for minutes",
-    "validate_runs.sh": "drives calibrate, serve and validate for minutes",
-    # Read the folders validate_runs.sh writes (profile.json, c*.json, rate.json, steps.jsonl);
-    # no such folder is committed as a fixture yet.
-    "client_gap.py": "replays validate_runs.sh folders",
-    "refit_profile.py": "refits validate_runs.sh folders",
-    "step_residuals.py": "prices a validate_runs.sh folder's step log",
-    "validate_table.py": "tabulates validate_runs.sh folders",
     "calibrate_repeatability.py": "runs calibrate (minutes) or compares its profiles",
     # Start `servelab serve` processes and load them for minutes.
     "big_requests.py": "servers polled while curl sends 10 MB bodies",
