@@ -14,9 +14,6 @@ EXEMPT = {
     # Start `servelab serve` processes and load them for minutes.
     "big_requests.py": "servers polled while curl sends 10 MB bodies",
     "soak.py": "an hour of load against a server, RSS sampled",
-    # torch.distributed process groups on 127.0.0.1.
-    "tp_allreduce.py": "gloo ranks and TP engines on the bundled model",
-    "tp_kv_gather.py": "a TP=3 engine on the bundled model",
     # Reads a clone of microsoft/vidur that the test host does not have.
     "vidur_extract.py": "needs a git clone of github.com/microsoft/vidur",
 }
