@@ -14,8 +14,6 @@ EXEMPT = {
     # Start `servelab serve` processes and load them for minutes.
     "big_requests.py": "servers polled while curl sends 10 MB bodies",
     "soak.py": "an hour of load against a server, RSS sampled",
-    # Reads a clone of microsoft/vidur that the test host does not have.
-    "vidur_extract.py": "needs a git clone of github.com/microsoft/vidur",
 }
 
 
