@@ -11,9 +11,6 @@ ROOT = Path(__file__).resolve().parents[2]
 EXEMPT = {
     # Shell drivers of long server loads (minutes each, servers on real ports).
     "disagg_runs.sh": "drives serve --disagg and bench for minutes",
-    # Start `servelab serve` processes and load them for minutes.
-    "big_requests.py": "servers polled while curl sends 10 MB bodies",
-    "soak.py": "an hour of load against a server, RSS sampled",
 }
 
 
