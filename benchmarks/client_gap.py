@@ -72,7 +72,7 @@ def main(argv: list[str] | None = None) -> None:
                     m = measured[attr][pct] if pct else measured[attr]
                     s = sim[attr][pct] if pct else sim[attr]
                     k = 1 if pct is None else 1e3
-                    cells.append(f"{m * k:,.1f} / {s * k:,.1f} ({(s - m) / m * 100:+.0f}%)")
+                    cells.append(f"{m * k:,.1f} / {s * k:,.1f} ({f'{(s - m) / m * 100:+.0f}%' if m else '-'})")
                 rows.append(
                     (
                         int(path.stem[1:]),

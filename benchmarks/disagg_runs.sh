@@ -80,6 +80,6 @@ for label, bench, sims in runs:
         line = f"{name:12}{m:>9.2f}s"
         for _, s in ss:
             v = s[key][q]
-            line += f"{v:>16.2f}s{(v - m) / m:>+7.0%}"
+            line += f"{v:>16.2f}s" + (f"{(v - m) / m:>+7.0%}" if m else f"{'-':>7}")  # tokens in one chunk: ITL 0
         print(line)
 PYEOF

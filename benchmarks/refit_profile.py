@@ -253,7 +253,7 @@ def main(argv: list[str] | None = None) -> None:
                         rows_out = replay_run(path, new, cost, spread == "passes")
                         cells = [
                             f"{m * (1e3 if 'tok/s' not in n else 1):,.1f} / "
-                            f"{s * (1e3 if 'tok/s' not in n else 1):,.1f} ({(s - m) / m * 100:+.0f}%)"
+                            f"{s * (1e3 if 'tok/s' not in n else 1):,.1f} ({f'{(s - m) / m * 100:+.0f}%' if m else '-'})"
                             for n, (m, s) in rows_out.items()
                         ]
                         table.append(

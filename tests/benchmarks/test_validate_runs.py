@@ -44,7 +44,8 @@ def _cells(row: str) -> list[str]:
 
 
 def _pair(cell: str) -> tuple[float, float]:
-    """'9.5 / 1.4 ms (-86%)' -> (measured, simulated)."""
+    """'9.5 / 1.4 ms (-86%)' -> (measured, simulated). A measured TPOT may be 0: a loaded host can
+    send all of a reply's tokens in one chunk."""
     m = re.match(r"([\d,.]+) / ([\d,.]+)", cell)
     assert m, cell
     return float(m.group(1).replace(",", "")), float(m.group(2).replace(",", ""))
@@ -79,7 +80,7 @@ def test_validate_table_prints_the_profile_and_a_row_per_load(folder, capsys):
         "Poisson 8.0 req/s (12 requests)",
     ]
     for row in rows:
-        assert len(row) == 6 and all(m > 0 and s > 0 for m, s in map(_pair, row[2:])), row
+        assert len(row) == 6 and all(m >= 0 and s > 0 for m, s in map(_pair, row[2:])), row
 
 
 def test_step_residuals_groups_each_stage_s_steps(folder, capsys):
@@ -128,4 +129,4 @@ def test_refit_profile_refits_by_statistic_and_replays_each_load(folder, capsys)
     assert len(rows) == len(LOADS) * 2 * 2  # loads x statistics x spreads
     assert {r[0] for r in rows} == set(LOADS) and {r[4] for r in rows} == {"none", "passes"}
     for row in rows:
-        assert all(m > 0 and s > 0 for m, s in map(_pair, row[5:])), row
+        assert all(m >= 0 and s > 0 for m, s in map(_pair, row[5:])), row
