@@ -123,6 +123,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "it ran beyond the profile's price, per step and per sequence; about a minute",
     )
     parser.add_argument(
+        "--sim-model",
+        default=None,
+        metavar="NAME",
+        help="--server-term: catalog model the serving term's simulator runs (default: the one the "
+        "model's name matches; name one for a model outside the catalog)",
+    )
+    parser.add_argument(
         "--hardware-out",
         default=None,
         metavar="FILE.json|FILE.yaml",
@@ -520,6 +527,10 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgument(f"--quiet-wait must be >= 0, got {args.quiet_wait!r}")
     if not args.max_heldout_error > 0:
         raise InvalidArgument(f"--max-heldout-error must be > 0 (a %), got {args.max_heldout_error:g}")
+    if args.sim_model is not None:
+        from servelab.spec.model import get_model
+
+        get_model(args.sim_model)  # a misspelt name fails now, not after minutes of timing
     grid = GRIDS[args.grid]
     # the same shapes every repeat: no prefix cache, the grid's budget
     engine_args = engine_args_from(args, max_num_batched_tokens=grid.chunk, enable_prefix_caching=False)
@@ -784,7 +795,7 @@ def measure_server_term(args: argparse.Namespace, profile: dict[str, Any]) -> di
                         proc.wait()
         with open(step_log, encoding="utf-8") as f:
             steps = ServedStep.from_log([json.loads(line) for line in f if line.strip()])
-    model = validate.sim_model(profile, None, served)
+    model = validate.sim_model(profile, args.sim_model, served)
     term = fit_server_term(profile, server, model, steps, runs)
     return {
         **term,
