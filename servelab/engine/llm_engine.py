@@ -28,7 +28,7 @@ from servelab.engine.args import (
     native_bf16_on_cpu,
 )
 from servelab.engine.client import EngineFront
-from servelab.engine.core import EngineCore
+from servelab.engine.core import EngineCore, EngineCoreRequest
 from servelab.engine.input_processor import InputProcessor
 from servelab.engine.output_processor import OutputProcessor, failed_output
 from servelab.engine.outputs import EngineOutput, EngineStats
@@ -250,8 +250,19 @@ class LLMEngine:
             raise InvalidArgument(f"request id {request_id!r} is already in use", param="request_id")
         request = self.input_processor.process(request_id, prompt, params, priority=priority, arrival_s=arrival_s,
                                                pooling=pooling)  # fmt: skip
+        return self._queue(request)
+
+    def add_core_request(self, request: EngineCoreRequest) -> Sequence:
+        """A request another process's input processor made (a cluster's front end): its logits
+        processors are prepared here, where they run, and it is queued as add_request queues."""
+        if request.request_id in self.core:
+            raise InvalidArgument(f"request id {request.request_id!r} is already in use", param="request_id")
+        self.input_processor.prepare_logits_processors(request.params)
+        return self._queue(request)
+
+    def _queue(self, request: EngineCoreRequest) -> Sequence:
         seq = self.core.add_request(request)  # raises QueueFull / RequestTooLong for the KV pool
-        self.output_processor.add_request(request_id, request.prompt_token_ids, params)
+        self.output_processor.add_request(request.request_id, request.prompt_token_ids, request.params)
         return seq
 
     def prepare_logits_processors(self, params: SamplingParams, *siblings: SamplingParams, grammar: Any = None) -> None:
