@@ -27,10 +27,10 @@ from servelab.runtime.weight_layout import (
 )
 from servelab.errors import InvalidArgument, NotFound
 from servelab.spec.gguf_reader import GGUFFile, read_gguf
-from servelab.spec.model import ModelSpec
+from servelab.spec.model import ENGINE_ARCHITECTURES, ModelSpec
 
 # HF model_type / GGUF general.architecture values the engine runs (Qwen2.5 is "qwen2"; Phi-4 "phi3")
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+SUPPORTED_ARCHITECTURES = ENGINE_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
 

@@ -34,6 +34,9 @@ _QK_NORM_ARCHS = ("qwen3",)
 _HF_SLIDING_BY_DEFAULT = ("mistral", "mixtral", "phi3")
 # RoPE scaling names older configs use for the ones HF runs today.
 _ROPE_TYPE_ALIASES = {"su": "longrope"}
+# What the engine (servelab/runtime) runs; the cost model prices every spec.
+ENGINE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass(frozen=True, slots=True)
@@ -175,6 +178,22 @@ class ModelSpec:
             + self.router_params_per_layer
         )
         return self.num_layers * per_layer
+
+    @property
+    def engine_refusal(self) -> str | None:
+        """Why the engine cannot run this model (None: it can); the cost model prices it either way."""
+        if self.is_moe:
+            return f"{self.num_experts}-expert MoE"
+        if self.architecture not in ENGINE_ARCHITECTURES:
+            return f"architecture {self.architecture!r}"
+        if self.rotary_dim is not None and self.rotary_dim != self.head_dim:
+            return "partial rotary embeddings"
+        kind = (self.rope_scaling or {}).get("rope_type", "default")
+        if kind not in ENGINE_ROPE_TYPES:
+            return f"rope scaling {kind!r}"
+        if self.qkv_bias and self.architecture != "qwen2":
+            return "attention_bias"
+        return None
 
     def weight_bytes(self, dtype: str = "bf16") -> float:
         return self.num_params * _weight_dtype(dtype).bytes_per_element
@@ -566,6 +585,73 @@ MODELS: dict[str, ModelSpec] = {
             rms_norm_eps=1e-6,
             qkv_bias=True,
             architecture="qwen2",
+        ),
+        # Qwen/Qwen3-8B
+        ModelSpec(
+            "qwen3-8b",
+            num_layers=36,
+            hidden_size=4096,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            ffn_size=12288,
+            vocab_size=151936,
+            tie_embeddings=False,
+            max_context=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            architecture="qwen3",
+            qk_norm=True,
+        ),
+        # Qwen/Qwen3-0.6B
+        ModelSpec(
+            "qwen3-0.6b",
+            num_layers=28,
+            hidden_size=1024,
+            num_heads=16,
+            num_kv_heads=8,
+            head_dim=128,
+            ffn_size=3072,
+            vocab_size=151936,
+            tie_embeddings=True,
+            max_context=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            architecture="qwen3",
+            qk_norm=True,
+        ),
+        # microsoft/Phi-3-mini-128k-instruct (LongRoPE; the factor lists matter to the engine only)
+        ModelSpec(
+            "phi-3-mini-128k",
+            num_layers=32,
+            hidden_size=3072,
+            num_heads=32,
+            num_kv_heads=32,
+            head_dim=96,
+            ffn_size=8192,
+            vocab_size=32064,
+            tie_embeddings=False,
+            max_context=131072,
+            rope_theta=10000.0,
+            rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 4096},
+            rms_norm_eps=1e-5,
+            architecture="phi3",
+        ),
+        # microsoft/phi-4
+        ModelSpec(
+            "phi-4",
+            num_layers=40,
+            hidden_size=5120,
+            num_heads=40,
+            num_kv_heads=10,
+            head_dim=128,
+            ffn_size=17920,
+            vocab_size=100352,
+            tie_embeddings=False,
+            max_context=16384,
+            rope_theta=250000.0,
+            rms_norm_eps=1e-5,
+            architecture="phi3",
         ),
         # HuggingFaceTB/SmolLM2-135M (the bundled model)
         ModelSpec(
