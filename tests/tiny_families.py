@@ -56,9 +56,13 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     "phi3": (  # Phi-3 / Phi-4: fused qkv_proj and gate_up_proj, LongRoPE from 64 to 256 positions
         "Phi3Config",
         dict(
-            _COMMON, hidden_size=128, num_key_value_heads=4, max_position_embeddings=256,
-            original_max_position_embeddings=64, rope_scaling={"rope_type": "longrope", "short_factor": _SHORT,
-            "long_factor": _LONG}, sliding_window=None,
+            _COMMON,
+            hidden_size=128,
+            num_key_value_heads=4,
+            max_position_embeddings=256,
+            original_max_position_embeddings=64,
+            rope_scaling={"rope_type": "longrope", "short_factor": _SHORT, "long_factor": _LONG},
+            sliding_window=None,
         ),
     ),  # fmt: skip
 }

@@ -261,6 +261,7 @@ class LlamaModel:
         """The fused qkv [T, (H + 2 KV) * D] with each head of Q and of K RMS-normalised (Qwen3)."""
         cfg = self.config
         T, H, KV, D = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        assert layer.q_norm is not None and layer.k_norm is not None  # the caller checked: a Qwen3 layer
         q = self.ops.rms_norm(qkv[:, : H * D].reshape(T * H, D), layer.q_norm, cfg.rms_norm_eps)
         k = self.ops.rms_norm(qkv[:, H * D : (H + KV) * D].reshape(T * KV, D), layer.k_norm, cfg.rms_norm_eps)
         return torch.cat((q.view(T, H * D), k.view(T, KV * D), qkv[:, (H + KV) * D :]), dim=1)

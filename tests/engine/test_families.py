@@ -18,7 +18,7 @@ from servelab.engine.llm_engine import EngineArgs, LLMEngine
 from servelab.errors import InvalidArgument
 from servelab.runtime.loader import load_model
 from servelab.runtime.ops import OPS_NAMES
-from tests.engine.isa_levels import make_ops_at
+from tests.runtime.isa_levels import make_ops_at
 from tests.tiny_families import FAMILIES, write_family, write_gguf
 from tests.tiny_models import max_rel_diff, prefill_logits
 
