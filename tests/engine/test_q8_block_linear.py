@@ -199,3 +199,73 @@ def test_a_fused_weight_of_two_formats_quantizes_once_for_both(kernel):
     one = block_quant.with_q8(block_quant.pack(dense1, [(FORMATS["Q4_1"], raw1)], kernel), 1, 2)(x)
     eight = block_quant.with_q8(block_quant.pack(dense8, [(FORMATS["Q8_0"], raw8)], kernel), 1, 2)(x)
     assert torch.equal(y, torch.cat([one, eight], dim=1))
+
+
+@pytest.fixture(scope="module")
+def tiny_q4_1(tiny_llama, tmp_path_factory):
+    from .test_weights import _write_gguf
+
+    return _write_gguf(tiny_llama, tmp_path_factory.mktemp("q8-engine") / "tiny-Q4_1.gguf", "Q4_1")
+
+
+def _engine(path, **kwargs):
+    from servelab.engine.llm_engine import EngineArgs, LLMEngine
+
+    return LLMEngine.from_args(EngineArgs.from_kwargs(model=str(path), **kwargs))
+
+
+def test_the_default_engine_takes_int8_from_the_threshold_and_the_flags_keep_fp32(kernel, tiny_q4_1, caplog):
+    """On a CPU the default runs a GGUF model's many-row linears on the int8 dot products (two
+    passes) and says so at load; --exact, an explicit --dtype float32 and --deterministic keep
+    the exact kernels at every row count."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="servelab.engine"):
+        model = _engine(tiny_q4_1).executor.model
+    assert model.q8_linears() == len(model.layers) * 4 + 1
+    lin = model.layers[0].gate_up
+    assert lin.q8_min_rows == block_quant.Q8_MIN_ROWS >= 2 and lin.q8_passes == 2  # batch-1 decode stays exact
+    assert f"below {block_quant.Q8_MIN_ROWS} rows" in caplog.text and "--exact keeps fp32 everywhere" in caplog.text
+    for flags in ({"exact": True}, {"dtype": "float32"}, {"deterministic": True}):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="servelab.engine"):
+            exact = _engine(tiny_q4_1, **flags).executor.model
+        assert exact.q8_linears() == 0, flags
+        assert "exact fp32 over GGUF blocks at every row count" in caplog.text, flags
+
+
+def test_exact_refuses_what_it_cannot_keep():
+    from servelab.engine.args import EngineArgs
+    from servelab.errors import InvalidArgument
+
+    with pytest.raises(InvalidArgument, match="quantization") as exc:
+        EngineArgs(exact=True, quantization="int8")
+    assert exc.value.param == "exact"
+    with pytest.raises(InvalidArgument, match="float32") as exc:
+        EngineArgs(exact=True, dtype="bfloat16")
+    assert exc.value.param == "dtype"
+    with pytest.raises(InvalidArgument, match="True or False"):
+        EngineArgs(exact="yes")
+    assert EngineArgs(exact=True, dtype="float32").exact
+
+
+def test_greedy_output_of_the_default_matches_exact_and_rows_stay_independent(kernel, tiny_q4_1):
+    """The default's 16-bit activations keep greedy tokens on a tiny model; and each row's
+    result is its own within the int8 path (batches above the threshold agree with each other)."""
+    from servelab.core.sequence import SamplingParams
+
+    prompts = [[5, 9, 17, 3], [100, 200, 7], [11] * 9, [42, 43, 44, 45, 46]]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+
+    def run(engine, batch):
+        out = {}
+        for start in range(0, len(prompts), batch):
+            ids = [f"b{batch}-{start + i}" for i in range(len(prompts[start : start + batch]))]
+            seqs = [engine.add_request(r, p, params) for r, p in zip(ids, prompts[start : start + batch])]
+            while engine.has_unfinished():
+                engine.step()
+            out.update({start + i: s.output_token_ids for i, s in enumerate(seqs)})
+        return out
+
+    default, exact = _engine(tiny_q4_1, enable_prefix_caching=False), _engine(tiny_q4_1, exact=True)
+    assert run(default, 4) == run(default, 2) == run(exact, 4)
