@@ -269,3 +269,13 @@ def test_greedy_output_of_the_default_matches_exact_and_rows_stay_independent(ke
 
     default, exact = _engine(tiny_q4_1, enable_prefix_caching=False), _engine(tiny_q4_1, exact=True)
     assert run(default, 4) == run(default, 2) == run(exact, 4)
+
+
+def test_calibrate_reads_one_switch_below_the_int8_rows(kernel, tiny_q4_1):
+    from servelab.commands.calibrate import kernel_rows_of
+
+    rows = kernel_rows_of(_engine(tiny_q4_1))
+    assert rows is not None and "int8 dot products" in rows["linears"]
+    assert (rows["fused_max_rows"], rows["max_rows"]) == (block_quant.Q8_MIN_ROWS - 1, None)
+    exact = kernel_rows_of(_engine(tiny_q4_1, exact=True))
+    assert exact is not None and exact["max_rows"] == block_quant.same_order_max_rows(kernel)
