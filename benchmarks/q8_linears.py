@@ -93,7 +93,9 @@ def decode(batches: list[int], rounds: int) -> None:
             order = list(engines.items())
             for name, e in order if r % 2 == 0 else reversed(order):
                 results[name].append(run(e, batch))
-        print(f"B={batch}: " + "  ".join(f"{k} {statistics.median(v):.1f} tok/s" for k, v in results.items()), flush=True)
+        print(
+            f"B={batch}: " + "  ".join(f"{k} {statistics.median(v):.1f} tok/s" for k, v in results.items()), flush=True
+        )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -195,7 +195,9 @@ class LlamaModel:
     def q8_linears(self) -> int:
         """How many of the linears (the LM head included) take the int8 dot products for many rows."""
         all_linears = [w for layer in self.layers for w in layer.linears()] + [self.lm_head]
-        return sum(getattr(w, "q8_min_rows", None) is not None and getattr(w, "q8", None) is not None for w in all_linears)
+        return sum(
+            getattr(w, "q8_min_rows", None) is not None and getattr(w, "q8", None) is not None for w in all_linears
+        )
 
     def make_batch_invariant(self) -> None:
         """Deterministic mode: the invariant ops (runtime/ops.py, InvariantOps) and linears. Costs

@@ -40,6 +40,8 @@ def test_quick_times_the_three_paths_per_linear(capsys):
 def test_quick_decode_times_exact_and_both_thresholds(capsys):
     q8_linears.main(["--quick", "--decode", "2"])
     out = capsys.readouterr().out
-    found = re.search(r"^B=2: exact ([\d.]+) tok/s  int8 from 1 row ([\d.]+) tok/s  int8 from 2 rows ([\d.]+) tok/s$", out, re.M)
+    found = re.search(
+        r"^B=2: exact ([\d.]+) tok/s  int8 from 1 row ([\d.]+) tok/s  int8 from 2 rows ([\d.]+) tok/s$", out, re.M
+    )
     assert found, out
     assert all(float(v) > 0 for v in found.groups())
