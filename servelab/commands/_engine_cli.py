@@ -23,7 +23,7 @@ from servelab.errors import InvalidArgument
 from servelab.units import parse_bytes
 
 # the engine flags of generate, chat and calibrate (serve adds its own: served_model_name, seed, ...)
-ENGINE_FLAGS = ("model", "dtype", "kv_cache_dtype", "device", "quantization", "deterministic",
+ENGINE_FLAGS = ("model", "dtype", "kv_cache_dtype", "device", "quantization", "deterministic", "exact",
                 "tensor_parallel_size")  # fmt: skip
 
 

@@ -347,7 +347,8 @@ def kernel_rows_of(engine: Any) -> dict[str, Any] | None:
     from what the engine loaded: GGUF blocks kept packed switch at block_quant.FUSED_MAX_ROWS (to
     the panel kernel; only formats with the in-register kernel) and past
     block_quant.same_order_max_rows (to MKL up to AVX2, to the k-major panel at the AVX-512
-    levels; decode-only steps leave the stack there), 16-bit weights at linear.HALF_GEMV_MAX_ROWS and
+    levels; decode-only steps leave the stack there), or with the default's int8 dot products
+    (block_quant.with_q8) once, below their first row count, 16-bit weights at linear.HALF_GEMV_MAX_ROWS and
     HALF_GEMM_MAX_ROWS. None when the linears have no
     such switch or mix kinds: dense fp32 and int8 (one kernel at every row count), deterministic
     mode (the panel kernel for every row count), tensor-parallel wrappers, CUDA."""
@@ -361,6 +362,14 @@ def kernel_rows_of(engine: Any) -> dict[str, Any] | None:
     if all(isinstance(lin, block_quant.BlockQuantLinear) for lin in linears):
         fused = all(block_quant.fused_formats(lin) for lin in linears)
         formats = sorted({lin.format_name for lin in linears})
+        q8_rows = {lin.q8_min_rows if lin.q8 is not None else None for lin in linears}
+        if len(q8_rows) == 1 and (q8_min_rows := q8_rows.pop()) is not None:
+            # the default's int8 dot products: one kernel from q8_min_rows rows on, on the stack too
+            return {
+                "fused_max_rows": q8_min_rows - 1,
+                "max_rows": None,
+                "linears": f"GGUF blocks kept packed ({', '.join(formats)}), int8 dot products from {q8_min_rows} rows",
+            }
         return {
             "fused_max_rows": block_quant.FUSED_MAX_ROWS if fused else None,
             "max_rows": block_quant.same_order_max_rows(linears[0].kernels),

@@ -72,7 +72,7 @@ class EngineArgs:
     quantization: str | None = field(default=None, metadata=knob(
         "CPU linears that trade numerics for speed, batch-invariant: int8 (7-bit weights, int8 activations; "
         "1.5-6x faster than fp32) or bf16 (bf16 weights and activations, fp32 sums; prefill GEMMs ~2x faster "
-        "on AVX512-BF16)", choices=QUANTIZATIONS, unset="off, exact fp32"))  # fmt: skip
+        "on AVX512-BF16)", choices=QUANTIZATIONS, unset="off: the default linears (see --exact)"))  # fmt: skip
     # The KV cache's storage dtype: "auto" = the compute dtype. A 16-bit cache under fp32 compute
     # holds twice the tokens in the same memory and halves the bytes decode attention reads;
     # keys and values are rounded to it as they are stored (see LlamaModel.forward); fp16 saturates
@@ -89,6 +89,17 @@ class EngineArgs:
         metadata=knob(
             "greedy output bit-identical whatever else is in the batch, however prompts are chunked and across "
             "preemption: one kernel for every batch size, float32 compute, CPU only; slower (docs/benchmarks.md)"
+        ),
+    )
+    # On a CPU the default runs a GGUF model's many-row steps (prefill, batched decode) on int8
+    # dot products over its blocks (runtime/block_quant.py, within docs/accuracy.md's contract);
+    # exact keeps fp32 sums over the dequantized weights at every row count, as an explicit
+    # --dtype float32 and deterministic mode do.
+    exact: bool = field(
+        default=False,
+        metadata=knob(
+            "bit-exact float32 linears at every batch size: without it a GGUF model's prefill and batched decode "
+            "on a CPU take int8 dot products over its blocks (faster; KL vs fp32 in docs/accuracy.md)"
         ),
     )
     # True: the KV pool's memory is made resident at start (a server: flat RSS, a pool too big
@@ -169,6 +180,13 @@ class EngineArgs:
                     f"got dtype {self.dtype!r}",
                     param="dtype",
                 )
+        if self.exact:
+            if self.quantization is not None:
+                raise InvalidArgument(
+                    f"exact keeps float32 linears; it cannot go with quantization {self.quantization!r}", param="exact"
+                )
+            if self.dtype not in (None, "float32"):
+                raise InvalidArgument(f"exact computes in float32, got dtype {self.dtype!r}", param="dtype")
         if self.tensor_parallel_size < 1:
             raise InvalidArgument(
                 f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}", param="tensor_parallel_size"
@@ -192,7 +210,7 @@ class EngineArgs:
             _require_type(name, getattr(self, name), str, "a string", optional=True)
         for name in ("device", "kv_cache_dtype"):
             _require_type(name, getattr(self, name), str, "a string")
-        for name in ("deterministic", "kv_cache_prefault"):
+        for name in ("deterministic", "exact", "kv_cache_prefault"):
             _require_type(name, getattr(self, name), bool, "True or False")
         _require_int("seed", self.seed)
         _require_int("tensor_parallel_size", self.tensor_parallel_size)

@@ -137,6 +137,7 @@ class LLMEngine:
         from servelab.engine.sampler import Sampler
         from servelab.engine.tokenizer import Tokenizer
         from servelab.runtime.kv_cache import PagedKVCache
+        from servelab.runtime.block_quant import Q8_MIN_ROWS, linear_paths
         from servelab.runtime.loader import ModelOptions, load_model, servable_context
         from servelab.runtime.weights import CPU_AUTO_DTYPE_REASON, CPU_BF16_DTYPE_REASON, resolve_dtype
 
@@ -149,8 +150,9 @@ class LLMEngine:
                 CPU_BF16_DTYPE_REASON,
             )
             args = mapped
-        dtype = resolve_dtype("float32" if args.quantization or args.deterministic else args.dtype, args.device)
-        if args.dtype is None and args.device == "cpu" and not (args.quantization or args.deterministic):
+        fp32 = args.quantization or args.deterministic or args.exact
+        dtype = resolve_dtype("float32" if fp32 else args.dtype, args.device)
+        if args.dtype is None and args.device == "cpu" and not fp32:
             logger.info("dtype auto -> float32: %s", CPU_AUTO_DTYPE_REASON)
         if args.quantization is not None:
             from servelab.runtime.quantization import check_supported
@@ -158,8 +160,17 @@ class LLMEngine:
             check_supported(args.quantization)  # before the minutes of loading
         tp = args.tensor_parallel_size
         loaded = load_model(path, dtype=dtype, device=args.device, tp_rank=0, tp_size=tp)
-        options = ModelOptions(args.quantization, args.deterministic)
+        # an explicit --dtype float32, --exact and --deterministic keep exact fp32 linears everywhere
+        q8 = args.dtype is None and not (args.exact or args.deterministic or args.quantization)
+        options = ModelOptions(args.quantization, args.deterministic, Q8_MIN_ROWS if q8 else None)
         options.apply(loaded.model)
+        if (
+            paths := linear_paths(
+                [*(w for layer in loaded.model.layers for w in layer.linears()), loaded.model.lm_head],
+                options.q8_min_rows,
+            )
+        ) is not None:
+            logger.info("%s", paths)
         tokenizer = Tokenizer.from_hf_dir(path) if Path(path).is_dir() else Tokenizer.from_gguf(path)
         if args.deterministic:
             logger.info(

@@ -49,12 +49,16 @@ class ModelOptions:
 
     quantization: str | None = None
     deterministic: bool = False
+    # GGUF-block linears take int8 dot products from this many rows (None: exact fp32 everywhere)
+    q8_min_rows: int | None = None
 
     def apply(self, model: LlamaModel) -> None:
         if self.quantization is not None:
             model.quantize(self.quantization)
         if self.deterministic:
             model.make_batch_invariant()
+        elif self.q8_min_rows is not None and self.quantization is None:
+            model.use_q8(self.q8_min_rows)
 
 
 def check_device(device: str) -> None:

@@ -170,6 +170,18 @@ class LlamaModel:
         self.quantization = kind
         self.use_ops(self.ops)  # the new linears on the ops' kernels
 
+    def use_q8(self, min_rows: int | None) -> None:
+        """GGUF-block linears take the int8 dot products over their blocks from `min_rows` rows
+        (None: exact fp32 at every row count) where the ops have them (block_quant.with_q8)."""
+        self.use_ops(self.ops.with_q8(min_rows))
+
+    def q8_linears(self) -> int:
+        """How many of the linears (the LM head included) take the int8 dot products for many rows."""
+        all_linears = [w for layer in self.layers for w in layer.linears()] + [self.lm_head]
+        return sum(
+            getattr(w, "q8_min_rows", None) is not None and getattr(w, "q8", None) is not None for w in all_linears
+        )
+
     def make_batch_invariant(self) -> None:
         """Deterministic mode: the invariant ops (runtime/ops.py, InvariantOps) and linears. Costs
         speed (docs/benchmarks.md)."""
