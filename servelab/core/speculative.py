@@ -193,6 +193,7 @@ class VerifiedDecodes:
         if len(drafts) > entry.num_draft or drafts != seq.draft_token_ids[: len(drafts)]:
             raise ValueError(f"request {seq.request_id!r}: accepted tokens {drafts} are not a prefix of its drafts")
         self.spec_counters.record(entry.num_draft, len(drafts))
+        seq.num_accepted_draft_tokens += len(drafts)
         seq.draft_token_ids = []
         if token is None:  # the step failed for this request: nothing it computed is kept
             self._finish(seq, FinishReason.ERROR, now)

@@ -27,6 +27,7 @@ from servelab.engine.args import (
 from servelab.engine.client import EngineFront, prepare_logits_processors
 from servelab.engine.detokenizer import RequestTextStream
 from servelab.engine.outputs import EngineOutput, EngineStats
+from servelab.engine.speculative import Proposers
 from servelab.errors import InvalidArgument, RequestTooLong
 
 if TYPE_CHECKING:
@@ -90,6 +91,8 @@ class LLMEngine:
         self.last_step_num_tokens = 0  # query tokens the last step ran (the metrics' iteration tokens)
         self.last_plan: StepPlan | None = None  # the last step's plan and its executor's wall time
         self.last_execute_s = 0.0
+        # Speculative decoding: drafts set before each schedule(); from_args sets the configured method.
+        self.proposers = Proposers(None, self.vocab_size)
 
     @property
     def front(self) -> EngineFront:
@@ -197,6 +200,7 @@ class LLMEngine:
         engine = cls(executor, tokenizer, scheduler_config, name, processors)
         engine.model_spec = spec
         engine.sampling_defaults = load_sampling_defaults(path)
+        engine.proposers = Proposers(args.speculative_config, engine.vocab_size)
         return engine
 
     def close(self) -> None:
@@ -280,6 +284,8 @@ class LLMEngine:
         )
         self.scheduler.add(seq, seq.arrival_s)  # raises QueueFull / RequestTooLong for the KV pool
         self._requests[request_id] = self._new_state(seq)
+        if params.prediction:
+            self.proposers.add_prediction(request_id, params.prediction)
         return seq
 
     def prepare_logits_processors(self, params: SamplingParams, *siblings: SamplingParams, grammar: Any = None) -> None:
@@ -299,6 +305,7 @@ class LLMEngine:
         """Drop an ending request's engine-side state: its text stream and its logits-processor rows."""
         if self.logits_processors is not None:
             self.logits_processors.release(request_id)
+        self.proposers.release(request_id)
         return self._requests.pop(request_id, None)
 
     def abort(self, request_id: str) -> bool:
@@ -382,6 +389,7 @@ class LLMEngine:
 
     def step(self) -> list[EngineOutput]:
         outputs, self._aborted = self._aborted, []
+        self.proposers.propose(self.scheduler.running)
         now = time.perf_counter()
         plan = self.scheduler.schedule(now)
         self.last_step_num_tokens = plan.num_batched_tokens
@@ -450,6 +458,7 @@ class LLMEngine:
 
     def stats(self) -> EngineStats:
         s = self.scheduler.stats()
+        spec = self.scheduler.spec_counters
         return EngineStats(
             num_running=s.num_running,
             num_waiting=s.num_waiting,
@@ -460,6 +469,10 @@ class LLMEngine:
             prefix_cache_hits=int(s.prefix_cache_hits),
             prefix_cache_queries=int(s.prefix_cache_queries),
             num_waiting_deferred=self.scheduler.num_reserved,
+            spec_num_drafts=spec.num_drafts,
+            spec_num_draft_tokens=spec.num_draft_tokens,
+            spec_num_accepted_tokens=spec.num_accepted_tokens,
+            spec_accepted_per_position=list(spec.accepted_per_position),
         )
 
 
@@ -485,4 +498,15 @@ def _output(state: _RequestState, new_token_ids: list[int], text: str, finished:
         prev_token_offset_s=after(times[-k - 1]) if len(times) > k else None,
         first_token_offset_s=after(seq.first_token_s), first_scheduled_offset_s=after(seq.first_scheduled_s),
         finished_offset_s=after(seq.finished_s), stop_reason=seq.stop_reason, error=seq.error, pooled=seq.pooled,
+        **_prediction_usage(seq),
     )  # fmt: skip
+
+
+def _prediction_usage(seq: Sequence) -> dict[str, int]:
+    """OpenAI's accepted/rejected_prediction_tokens for a request with a prediction: the drafts
+    verification kept, and the prediction's other tokens."""
+    prediction = seq.params.prediction
+    if prediction is None:
+        return {}
+    accepted = seq.num_accepted_draft_tokens
+    return {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": max(len(prediction) - accepted, 0)}

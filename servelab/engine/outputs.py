@@ -39,6 +39,10 @@ class EngineOutput:
     stop_reason: int | str | None = None  # the stop string or token id that ended it
     error: str | None = None  # why it ended with finish reason "error", where known
     pooled: list[float] | None = None  # an embedding request's vector, once finished
+    # With a `prediction`, OpenAI's completion_tokens_details: the prediction's tokens that
+    # verification kept in the output, and the rest of them.
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     @property
     def last_token_offset_s(self) -> float | None:
@@ -57,3 +61,9 @@ class EngineStats:
     prefix_cache_hits: int  # tokens served from the prefix cache, total
     prefix_cache_queries: int  # prompt tokens looked up in the prefix cache, total
     num_waiting_deferred: int = 0  # holding blocks while their KV arrives from a prefill worker
+    # Speculative decoding, vLLM's families: verification entries, drafts scored, drafts
+    # accepted, and per draft position the entries that accepted it.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = field(default_factory=list)

@@ -1,0 +1,223 @@
+"""Speculative decoding in the engine: proposers that guess each decoding sequence's next tokens
+before the scheduler plans a step, and the rows a verification entry samples.
+
+Proposers set `Sequence.draft_token_ids`; the scheduler (core/speculative.py) turns such a decode
+into one entry of 1 + k tokens. The executor scores every position of it, and the sampler picks
+one token per position as if the drafts before it had been generated (`verification_rows`): the
+entry keeps the drafts up to the first position whose token differs, plus that token.
+
+- `NgramProposer` (prompt lookup): the tokens that followed the latest earlier occurrence of the
+  sequence's last n tokens, n from prompt_lookup_max down to prompt_lookup_min, over prompt and
+  output. An index of n-gram -> latest start, kept up to date token by token, makes a step's
+  lookup O(n) per sequence whatever the context's length.
+- `PredictionProposer`: OpenAI's `prediction`, the request's own guess of its output. The
+  output's last n tokens are found in the prediction (the first occurrence at or after where the
+  last match ended, else the last one), so an edit that diverges and rejoins the text hits again.
+"""
+
+from __future__ import annotations
+
+import copy
+from bisect import bisect_left
+from dataclasses import dataclass, field
+
+from servelab.core.plan import ScheduledSeq
+from servelab.core.sequence import Sequence
+from servelab.core.speculative import SpeculativeConfig
+
+# Drafts per step from a request's prediction when no --speculative-config sets K.
+DEFAULT_PREDICTION_TOKENS = 8
+# The n-gram sizes a prediction is aligned by (longest first).
+PREDICTION_LOOKUP_MAX = 4
+PREDICTION_LOOKUP_MIN = 1
+
+
+def speculates(seq: Sequence) -> bool:
+    """Whether a sequence may carry drafts: a decoding one, without a grammar (structured outputs
+    are not verified draft by draft: their matcher advances one sampled token at a time)."""
+    return (
+        seq.num_computed_tokens == len(seq.token_ids) - 1
+        and seq.pooling is None
+        and seq.params.structured_output is None
+        and not seq.params.prompt_only
+    )
+
+
+@dataclass(slots=True)
+class _NgramIndex:
+    """n -> {n-gram: latest start} over a token list's first `num_indexed` + n - 1 tokens: the
+    n-grams with at least one token after them."""
+
+    sizes: range
+    starts: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
+    num_ends: int = 0  # n-grams ending before this index are in
+
+    def extend(self, tokens: list[int], end: int) -> None:
+        """Indexes the n-grams that end before `end` (exclusive)."""
+        for e in range(self.num_ends, end):
+            for n in self.sizes:
+                s = e - n + 1
+                if s >= 0:
+                    self.starts.setdefault(n, {})[tuple(tokens[s : e + 1])] = s
+        self.num_ends = max(self.num_ends, end)
+
+    def lookup(self, tokens: list[int], k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the last n tokens."""
+        L = len(tokens)
+        self.extend(tokens, L - 1)  # the suffix itself ends at L - 1 and has no continuation
+        for n in reversed(self.sizes):
+            if n > L - 1:
+                continue
+            s = self.starts.get(n, {}).get(tuple(tokens[L - n :]))
+            if s is not None:
+                return tokens[s + n : s + n + k]
+        return []
+
+
+class NgramProposer:
+    """Prompt lookup (vLLM's `method: ngram`): drafts from the sequence's own tokens."""
+
+    def __init__(self, config: SpeculativeConfig):
+        self.k = config.num_speculative_tokens
+        self.sizes = range(config.prompt_lookup_min, config.prompt_lookup_max + 1)
+        self._index: dict[str, _NgramIndex] = {}
+
+    def propose(self, seq: Sequence) -> list[int]:
+        index = self._index.get(seq.request_id)
+        if index is None:
+            index = self._index[seq.request_id] = _NgramIndex(self.sizes)
+        return index.lookup(seq.token_ids, self.k)
+
+    def release(self, request_id: str) -> None:
+        self._index.pop(request_id, None)
+
+
+@dataclass(slots=True)
+class _Prediction:
+    token_ids: list[int]
+    # n -> {n-gram: its starts in the prediction, ascending}
+    starts: dict[int, dict[tuple[int, ...], list[int]]]
+    cursor: int = 0  # where the output's last match ended in the prediction
+
+
+class PredictionProposer:
+    """A request's `prediction` (its expected output, as token ids) as its drafts."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self._predictions: dict[str, _Prediction] = {}
+
+    def add(self, request_id: str, token_ids: list[int]) -> None:
+        starts: dict[int, dict[tuple[int, ...], list[int]]] = {}
+        for n in range(PREDICTION_LOOKUP_MIN, PREDICTION_LOOKUP_MAX + 1):
+            table = starts[n] = {}
+            for s in range(len(token_ids) - n):  # n-grams with a token after them
+                table.setdefault(tuple(token_ids[s : s + n]), []).append(s)
+        self._predictions[request_id] = _Prediction(list(token_ids), starts)
+
+    def has(self, request_id: str) -> bool:
+        return request_id in self._predictions
+
+    def propose(self, seq: Sequence) -> list[int]:
+        pred = self._predictions.get(seq.request_id)
+        if pred is None:
+            return []
+        output = seq.token_ids[seq.num_prompt_tokens :]
+        for n in range(min(PREDICTION_LOOKUP_MAX, len(output)), PREDICTION_LOOKUP_MIN - 1, -1):
+            starts = pred.starts[n].get(tuple(output[len(output) - n :]))
+            if not starts:
+                continue
+            i = bisect_left(starts, pred.cursor - n)
+            s = starts[i] if i < len(starts) else starts[-1]
+            pred.cursor = s + n
+            return pred.token_ids[s + n : s + n + self.k]
+        if not output:  # nothing to align yet: the prediction's start
+            return pred.token_ids[: self.k]
+        return []
+
+    def release(self, request_id: str) -> None:
+        self._predictions.pop(request_id, None)
+
+
+class Proposers:
+    """The engine's proposers, run before each schedule(): a request's prediction first, else
+    the configured method (n-gram); `config` None speculates only for requests with a prediction."""
+
+    def __init__(self, config: SpeculativeConfig | None, vocab_size: int):
+        self.config = config
+        self.vocab_size = vocab_size
+        self.ngram = NgramProposer(config) if config is not None and config.method == "ngram" else None
+        k = config.num_speculative_tokens if config is not None else DEFAULT_PREDICTION_TOKENS
+        self.prediction = PredictionProposer(k)
+
+    @property
+    def active(self) -> bool:
+        return self.ngram is not None or bool(self.prediction._predictions)
+
+    def add_prediction(self, request_id: str, token_ids: list[int]) -> None:
+        # Ids past the model's vocabulary (a tokenizer with more entries) can never be accepted.
+        self.prediction.add(request_id, [t for t in token_ids if 0 <= t < self.vocab_size])
+
+    def propose(self, running: list[Sequence]) -> None:
+        if not self.active:
+            return
+        for seq in running:
+            if not speculates(seq):
+                continue
+            if self.prediction.has(seq.request_id):
+                seq.draft_token_ids = self.prediction.propose(seq)
+            elif self.ngram is not None:
+                seq.draft_token_ids = self.ngram.propose(seq)
+
+    def release(self, request_id: str) -> None:
+        self.prediction.release(request_id)
+        if self.ngram is not None:
+            self.ngram.release(request_id)
+
+
+@dataclass(slots=True)
+class VerificationRows:
+    """The rows a step samples: one per sampling entry, 1 + k for a verification entry. Row j of
+    an entry's span sees its sequence with the first j drafts as generated, so penalties,
+    min_tokens, bad words and seeds treat them as they would have treated sampled tokens."""
+
+    seqs: list[Sequence] = field(default_factory=list)
+    drafts: list[int] = field(default_factory=list)  # per row: the draft it verifies, -1 for none
+    logit_rows: list[int] = field(default_factory=list)  # per row: its row in the forward's output
+    spans: list[tuple[int, int, int]] = field(default_factory=list)  # (entry, first row, num drafts)
+
+    @property
+    def any_drafts(self) -> bool:
+        return len(self.seqs) > len(self.spans)
+
+
+def verification_rows(
+    entries: list[ScheduledSeq], sampling: list[int], row_of_last: dict[int, int]
+) -> VerificationRows:
+    rows = VerificationRows()
+    for i in sampling:
+        s = entries[i]
+        k, last = s.num_draft, row_of_last[i]
+        rows.spans.append((i, len(rows.seqs), k))
+        if not k:
+            rows.seqs.append(s.seq)
+            rows.drafts.append(-1)
+            rows.logit_rows.append(last)
+            continue
+        drafts = s.seq.draft_token_ids[:k]
+        rows.seqs.append(s.seq)
+        for j in range(1, k + 1):
+            view = copy.copy(s.seq)
+            view.token_ids = s.seq.token_ids + drafts[:j]
+            rows.seqs.append(view)
+        rows.drafts += [*drafts, -1]
+        rows.logit_rows += range(last - k, last + 1)
+    return rows
+
+
+def accepted_length(tokens: list[int | None], first: int, drafts: list[int]) -> int:
+    """How many drafts the entry keeps: up to the first row whose token differs from its draft."""
+    a = 0
+    while a < len(drafts) and tokens[first + a] == drafts[a]:
+        a += 1
+    return a
