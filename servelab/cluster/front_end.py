@@ -204,6 +204,12 @@ class ClusterEngine:
             prefix_cache_hits=sum(s.prefix_cache_hits for s in every),
             prefix_cache_queries=sum(s.prefix_cache_queries for s in every),
             num_waiting_deferred=sum(s.num_waiting_deferred for s in live),
+            spec_num_drafts=sum(s.spec_num_drafts for s in every),
+            spec_num_draft_tokens=sum(s.spec_num_draft_tokens for s in every),
+            spec_num_accepted_tokens=sum(s.spec_num_accepted_tokens for s in every),
+            spec_accepted_per_position=[
+                sum(p) for p in itertools.zip_longest(*(s.spec_accepted_per_position for s in every), fillvalue=0)
+            ],
         )
 
     @property
