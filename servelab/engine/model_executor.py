@@ -66,8 +66,10 @@ class ModelExecutor:
         if plan.block_size != self.block_size:
             raise ValueError(f"plan block_size {plan.block_size} != KV cache block_size {self.block_size}")
         entries = plan.scheduled
-        decodes = [i for i, s in enumerate(entries) if s.num_tokens == 1]
-        prefills = [i for i, s in enumerate(entries) if s.num_tokens > 1]
+        # A verification entry (a decode and its drafts) runs as decode rows, one per position,
+        # each attending to its own context: the kernels, and so the bits, of plain decodes.
+        decodes = [i for i, s in enumerate(entries) if s.num_tokens - s.num_draft == 1]
+        prefills = [i for i, s in enumerate(entries) if s.num_tokens - s.num_draft > 1]
         batch = StepBatch()
         if decodes:
             self.prepare_decode(entries, decodes, batch, decode_only=not prefills)
@@ -97,21 +99,28 @@ class ModelExecutor:
     def prepare_decode(self, entries: list[ScheduledSeq], decodes: list[int], batch: StepBatch, *,
                        decode_only: bool) -> None:  # fmt: skip
         """Lays out the decode rows: each sequence's one new token, its slot, and the block table
-        its attention reads."""
+        its attention reads. A verification entry has a row per position: row j holds its j-th
+        token and attends to the context up to it, drafts before it included (each layer stores
+        the step's keys before any row attends)."""
         bs = self.block_size
-        B = len(decodes)
-        ctx_lens = [entries[i].start_pos + 1 for i in decodes]
+        ctx_lens: list[int] = []
+        for i in decodes:
+            s = entries[i]
+            ctx_lens += range(s.start_pos + 1, s.start_pos + s.num_tokens + 1)
+        B = len(ctx_lens)
         max_ctx = max(ctx_lens)
         max_blocks = -(-max_ctx // bs)
         # Built as Python lists, then one tensor each (decodes only: one buffer): not a few calls a row.
         rows_bt, decode_slots = [], []
-        for row, i in enumerate(decodes):
+        for i in decodes:
             s = entries[i]
-            bt = s.seq.block_table[: -(-(s.start_pos + 1) // bs)]
-            rows_bt.append(bt + [0] * (max_blocks - len(bt)))
-            decode_slots.append(bt[s.start_pos // bs] * bs + s.start_pos % bs)  # the new token's slot
-            batch.input_ids.append(s.seq.token_ids[s.start_pos])
-            batch.row_of_last[i] = row
+            bt = s.seq.block_table[: -(-s.context_len // bs)]
+            padded = bt + [0] * (max_blocks - len(bt))
+            for p in range(s.start_pos, s.context_len):
+                rows_bt.append(padded)
+                decode_slots.append(bt[p // bs] * bs + p % bs)  # the new token's slot
+            batch.input_ids += s.token_ids() if s.num_draft else [s.seq.token_ids[s.start_pos]]
+            batch.row_of_last[i] = len(batch.input_ids) - 1
         if not decode_only or self.device.type != "cpu":
             table = torch.tensor(rows_bt, dtype=torch.int64)
             ctx = torch.tensor(ctx_lens, dtype=torch.int64)
