@@ -207,6 +207,11 @@ class EngineArgs:
                 raise InvalidArgument(
                     "speculative decoding runs with tensor_parallel_size 1 only", param="speculative_config"
                 )
+            if self.device != "cpu":
+                raise InvalidArgument(
+                    f"speculative decoding runs on cpu only so far, got device {self.device!r}",
+                    param="speculative_config",
+                )
         if not 0 <= self.seed <= MAX_SEED:
             raise InvalidArgument(f"seed must be in [0, {MAX_SEED}] (2**63 - 1), got {self.seed}", param="seed")
 

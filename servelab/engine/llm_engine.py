@@ -200,7 +200,9 @@ class LLMEngine:
         engine = cls(executor, tokenizer, scheduler_config, name, processors)
         engine.model_spec = spec
         engine.sampling_defaults = load_sampling_defaults(path)
-        engine.proposers = Proposers(args.speculative_config, engine.vocab_size)
+        # Not yet on CUDA or across tensor-parallel ranks: there a prediction changes nothing.
+        cpu_alone = args.device == "cpu" and tp == 1
+        engine.proposers = Proposers(args.speculative_config, engine.vocab_size, predictions=cpu_alone)
         return engine
 
     def close(self) -> None:

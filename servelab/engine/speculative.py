@@ -141,11 +141,13 @@ class PredictionProposer:
 
 class Proposers:
     """The engine's proposers, run before each schedule(): a request's prediction first, else
-    the configured method (n-gram); `config` None speculates only for requests with a prediction."""
+    the configured method (n-gram); `config` None speculates only for requests with a prediction
+    (none where `predictions` is False)."""
 
-    def __init__(self, config: SpeculativeConfig | None, vocab_size: int):
+    def __init__(self, config: SpeculativeConfig | None, vocab_size: int, *, predictions: bool = True):
         self.config = config
         self.vocab_size = vocab_size
+        self.predictions = predictions
         self.ngram = NgramProposer(config) if config is not None and config.method == "ngram" else None
         k = config.num_speculative_tokens if config is not None else DEFAULT_PREDICTION_TOKENS
         self.prediction = PredictionProposer(k)
@@ -155,6 +157,8 @@ class Proposers:
         return self.ngram is not None or bool(self.prediction._predictions)
 
     def add_prediction(self, request_id: str, token_ids: list[int]) -> None:
+        if not self.predictions:
+            return
         # Ids past the model's vocabulary (a tokenizer with more entries) can never be accepted.
         self.prediction.add(request_id, [t for t in token_ids if 0 <= t < self.vocab_size])
 

@@ -103,6 +103,49 @@ def test_greedy_tokens_are_identical_in_default_mode(tiny_llama):
     ]
 
 
+def test_greedy_tokens_are_identical_on_the_pytorch_ops(tiny_llama):
+    """The ops without block tables (gather + SDPA, as on CUDA): each verification row's mask
+    stops at its own position."""
+    from servelab.runtime.ops import TorchOps
+
+    def make(spec):
+        engine = _engine(tiny_llama, spec)
+        engine.executor.model.use_ops(TorchOps())
+        return engine
+
+    prompts = _repetitive_prompts(make(None).vocab_size, seed=6)
+    params = SamplingParams(max_tokens=20, temperature=0, ignore_eos=True)
+    spec = make(NGRAM)
+    assert [o[0] for o in _generate(spec, prompts, params)] == [o[0] for o in _generate(make(None), prompts, params)]
+    assert spec.scheduler.spec_counters.num_accepted_tokens > 0
+
+
+@pytest.mark.slow
+def test_bundled_model_greedy_output_is_bit_identical_on_an_edit_workload():
+    import json
+    import struct
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import spec_decode
+
+    def make(spec):
+        return LLMEngine.from_args(
+            EngineArgs.from_kwargs(deterministic=True, max_model_len=512, speculative_config=spec)
+        )
+
+    spec = make(json.dumps({"method": "ngram", "num_speculative_tokens": 3}))
+    prompts = spec_decode.prompts(spec, 2)
+    params = SamplingParams(max_tokens=48, temperature=0, logprobs=0)
+
+    def bits(outputs):
+        return [(o[0], [struct.pack("<f", lp[1]) for lp in o[1]]) for o in outputs]
+
+    assert bits(_generate(spec, prompts, params)) == bits(_generate(make(None), prompts, params))
+    assert spec.scheduler.spec_counters.acceptance_rate > 0.5
+
+
 def test_stop_conditions_and_logit_edits_behave_as_without_speculation(tiny_llama):
     base = _engine(tiny_llama, None, deterministic=True)
     prompts = _repetitive_prompts(base.vocab_size, n=4, seed=2)
@@ -206,6 +249,10 @@ def test_engine_args_refuse_what_speculation_does_not_support(tiny_llama):
     assert err.value.param == "speculative_config"
     with pytest.raises(InvalidArgument, match="tensor_parallel_size 1"):
         EngineArgs(speculative_config=NGRAM, tensor_parallel_size=2)
+    with pytest.raises(InvalidArgument, match="cpu only"):
+        EngineArgs(speculative_config=NGRAM, device="cuda")
+    with pytest.raises(InvalidArgument, match="draft_model' is not supported"):
+        EngineArgs(speculative_config='{"model": "/some/draft", "num_speculative_tokens": 3}')
     with pytest.raises(InvalidArgument, match="not a token id"):
         SamplingParams(prediction=[1, -2])
 
