@@ -111,7 +111,8 @@ class EngineArgs:
     # SpeculativeConfig once made; requests with a `prediction` speculate whatever it says.
     speculative_config: SpeculativeConfig | None = field(default=None, metadata=knob(
         "speculative decoding, as vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
-        "\"prompt_lookup_max\": 4}' (prompt lookup); greedy output is unchanged, sampled output keeps its "
+        "\"prompt_lookup_max\": 4}' (prompt lookup) or '{\"model\": PATH, \"num_speculative_tokens\": 4}' (a draft "
+        "model sharing the tokenizer); greedy output is unchanged, sampled output keeps its "
         "distribution", unset="off (requests with a prediction still speculate)", metavar="JSON"))  # fmt: skip
 
     def __post_init__(self) -> None:
@@ -195,12 +196,6 @@ class EngineArgs:
             if not isinstance(spec, SpeculativeConfig):
                 raise InvalidArgument(
                     f"speculative_config must be a SpeculativeConfig, a dict or its JSON, got {spec!r}",
-                    param="speculative_config",
-                )
-            if spec.method == "draft_model":
-                raise InvalidArgument(
-                    "speculative_config: method 'draft_model' is not supported by the engine yet; use "
-                    "'ngram' (prompt lookup)",
                     param="speculative_config",
                 )
             if self.tensor_parallel_size > 1:

@@ -202,7 +202,14 @@ class LLMEngine:
         engine.sampling_defaults = load_sampling_defaults(path)
         # Not yet on CUDA or across tensor-parallel ranks: there a prediction changes nothing.
         cpu_alone = args.device == "cpu" and tp == 1
-        engine.proposers = Proposers(args.speculative_config, engine.vocab_size, predictions=cpu_alone)
+        spec_config, draft = args.speculative_config, None
+        if spec_config is not None and spec_config.method == "draft_model":
+            from servelab.engine.speculative import load_draft_proposer
+
+            draft = load_draft_proposer(spec_config, dtype=dtype, device=args.device, options=options,
+                                        num_blocks=num_blocks, block_size=knobs.block_size,
+                                        vocab_size=model.vocab_size)  # fmt: skip
+        engine.proposers = Proposers(spec_config, engine.vocab_size, predictions=cpu_alone, draft=draft)
         return engine
 
     def close(self) -> None:

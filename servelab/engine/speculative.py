@@ -13,17 +13,28 @@ entry keeps the drafts up to the first position whose token differs, plus that t
 - `PredictionProposer`: OpenAI's `prediction`, the request's own guess of its output. The
   output's last n tokens are found in the prediction (the first occurrence at or after where the
   last match ended, else the last one), so an edit that diverges and rejoins the text hits again.
+- `DraftModelProposer`: K greedy steps of a second, smaller model, batched over the decoding
+  sequences, on its own executor and paged KV cache; each sequence's draft KV is kept across
+  steps up to the last position the target accepted, so a step feeds it only the new tokens.
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 from bisect import bisect_left
 from dataclasses import dataclass, field
 
-from servelab.core.plan import ScheduledSeq
-from servelab.core.sequence import Sequence
+from typing import TYPE_CHECKING
+
+from servelab.core.plan import ScheduledSeq, StepPlan
+from servelab.core.sequence import SamplingParams, Sequence
 from servelab.core.speculative import SpeculativeConfig
+
+if TYPE_CHECKING:
+    from servelab.core.plan import Executor
+
+logger = logging.getLogger("servelab.engine")
 
 # Drafts per step from a request's prediction when no --speculative-config sets K.
 DEFAULT_PREDICTION_TOKENS = 8
@@ -139,22 +150,136 @@ class PredictionProposer:
         self._predictions.pop(request_id, None)
 
 
+_DRAFT_GREEDY = SamplingParams(max_tokens=1 << 30, temperature=0.0)
+
+
+class DraftModelProposer:
+    """A draft model's greedy continuation of each decoding sequence (vLLM's draft_model method).
+
+    Each sequence has a mirror here: its tokens, the draft KV blocks from this proposer's own
+    pool, and how many leading positions that KV holds. A step runs K forward passes of the
+    draft over all the mirrors at once: the first feeds each the tokens its KV lacks (the ones
+    the target accepted or sampled since), the others one draft each. A sequence that would
+    not fit the pool or the draft's context gets no drafts this step."""
+
+    def __init__(self, executor: Executor, k: int, num_blocks: int, block_size: int, max_context: int):
+        self.executor = executor
+        self.k = k
+        self.block_size = block_size
+        self.max_context = max_context
+        self._free = list(range(num_blocks - 1, -1, -1))
+        self._mirrors: dict[str, Sequence] = {}
+        self._known: dict[str, int] = {}  # the target's token count when each mirror last proposed
+
+    def propose_all(self, seqs: list[Sequence]) -> None:
+        mirrors = [m for m in (self._mirror(seq) for seq in seqs) if m is not None]
+        if not mirrors:
+            return
+        known = {m.request_id: len(m.token_ids) for m in mirrors}
+        for _ in range(self.k):
+            plan = StepPlan(block_size=self.block_size)
+            for m in mirrors:
+                n = len(m.token_ids) - m.num_computed_tokens
+                plan.scheduled.append(ScheduledSeq(m, n, m.num_computed_tokens, True))
+                plan.num_batched_tokens += n
+            result = self.executor.execute(plan)
+            alive = []
+            for m, token in zip(mirrors, result.sampled_token_ids):
+                m.num_computed_tokens = len(m.token_ids)
+                if token is not None:  # a failed draft row only costs that sequence its drafts
+                    m.token_ids.append(token)
+                    alive.append(m)
+            mirrors = alive
+        for seq in seqs:
+            m = self._mirrors.get(seq.request_id)
+            if m is not None and seq.request_id in known:
+                seq.draft_token_ids = m.token_ids[known[seq.request_id] :]
+
+    def _mirror(self, seq: Sequence) -> Sequence | None:
+        """The sequence's mirror, its tokens the target's, its KV valid up to the first position
+        whose token the target did not keep, with blocks for this step's K passes; None when
+        they do not fit."""
+        m = self._mirrors.get(seq.request_id)
+        if m is None:
+            m = self._mirrors[seq.request_id] = Sequence(seq.request_id, [], _DRAFT_GREEDY)
+        tokens = seq.token_ids
+        # The target's tokens only grow: past where it stood last time, the mirror's are drafts,
+        # valid as far as the target kept them.
+        limit = min(m.num_computed_tokens, len(tokens) - 1)
+        valid = min(self._known.get(seq.request_id, 0), limit)
+        while valid < limit and m.token_ids[valid] == tokens[valid]:
+            valid += 1
+        self._known[seq.request_id] = len(tokens)
+        m.token_ids = list(tokens)
+        m.num_computed_tokens = valid
+        needed = len(tokens) + self.k - 1  # the last draft is sampled, never fed
+        if needed > self.max_context:
+            return None
+        num_blocks = -(-needed // self.block_size)
+        if num_blocks - len(m.block_table) > len(self._free):
+            return None
+        while len(m.block_table) < num_blocks:
+            m.block_table.append(self._free.pop())
+        return m
+
+    def release(self, request_id: str) -> None:
+        m = self._mirrors.pop(request_id, None)
+        self._known.pop(request_id, None)
+        if m is not None:
+            self._free += reversed(m.block_table)
+
+
+def load_draft_proposer(
+    config: SpeculativeConfig, *, dtype, device: str, options, num_blocks: int, block_size: int, vocab_size: int
+) -> DraftModelProposer:
+    """The draft model of `config` on an executor of its own, its KV pool as many tokens as the
+    target's (blocks are allocated as they are first written). InvalidArgument naming
+    speculative_config where the draft cannot draft for the target."""
+    from servelab.engine.model_executor import ModelExecutor
+    from servelab.engine.sampler import Sampler
+    from servelab.errors import InvalidArgument
+    from servelab.runtime.kv_cache import PagedKVCache
+    from servelab.runtime.loader import load_model, servable_context
+
+    loaded = load_model(config.model, dtype=dtype, device=device)
+    options.apply(loaded.model)
+    if loaded.model.vocab_size != vocab_size:
+        raise InvalidArgument(
+            f"speculative_config.model: the draft model's vocabulary has {loaded.model.vocab_size} tokens and the "
+            f"target's {vocab_size}; a draft must share the target's tokenizer",
+            param="speculative_config",
+        )
+    kv = PagedKVCache(loaded.model.config, num_blocks, block_size, dtype=dtype, device=device)
+    executor = ModelExecutor(loaded.model, kv, sampler=Sampler(0))
+    return DraftModelProposer(
+        executor, config.num_speculative_tokens, num_blocks, block_size, servable_context(loaded.spec)
+    )
+
+
 class Proposers:
     """The engine's proposers, run before each schedule(): a request's prediction first, else
     the configured method (n-gram); `config` None speculates only for requests with a prediction
     (none where `predictions` is False)."""
 
-    def __init__(self, config: SpeculativeConfig | None, vocab_size: int, *, predictions: bool = True):
+    def __init__(
+        self,
+        config: SpeculativeConfig | None,
+        vocab_size: int,
+        *,
+        predictions: bool = True,
+        draft: DraftModelProposer | None = None,
+    ):
         self.config = config
         self.vocab_size = vocab_size
         self.predictions = predictions
+        self.draft = draft
         self.ngram = NgramProposer(config) if config is not None and config.method == "ngram" else None
         k = config.num_speculative_tokens if config is not None else DEFAULT_PREDICTION_TOKENS
         self.prediction = PredictionProposer(k)
 
     @property
     def active(self) -> bool:
-        return self.ngram is not None or bool(self.prediction._predictions)
+        return self.ngram is not None or self.draft is not None or bool(self.prediction._predictions)
 
     def add_prediction(self, request_id: str, token_ids: list[int]) -> None:
         if not self.predictions:
@@ -165,6 +290,7 @@ class Proposers:
     def propose(self, running: list[Sequence]) -> None:
         if not self.active:
             return
+        by_draft: list[Sequence] = []
         for seq in running:
             if not speculates(seq):
                 continue
@@ -172,11 +298,24 @@ class Proposers:
                 seq.draft_token_ids = self.prediction.propose(seq)
             elif self.ngram is not None:
                 seq.draft_token_ids = self.ngram.propose(seq)
+            elif self.draft is not None:
+                by_draft.append(seq)
+        if by_draft:
+            try:
+                self.draft.propose_all(by_draft)
+            except Exception as exc:  # drafts only make a step faster: the requests go on without
+                logger.warning("the draft model failed (%s: %s); these sequences decode without drafts this step",
+                               type(exc).__name__, exc)  # fmt: skip
+                for seq in by_draft:
+                    seq.draft_token_ids = []
+                    self.draft.release(seq.request_id)  # its draft KV is in an unknown state
 
     def release(self, request_id: str) -> None:
         self.prediction.release(request_id)
         if self.ngram is not None:
             self.ngram.release(request_id)
+        if self.draft is not None:
+            self.draft.release(request_id)
 
 
 @dataclass(slots=True)

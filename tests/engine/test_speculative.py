@@ -5,6 +5,7 @@ preemption; and that rejection sampling keeps the target distribution (chi-squar
 
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -17,7 +18,7 @@ from servelab.engine.sampler import Sampler
 from servelab.engine.speculative import NgramProposer, PredictionProposer, Proposers
 from servelab.errors import InvalidArgument
 from tests.scheduler_checks import check_invariants
-from tests.tiny_models import prefill_logits
+from tests.tiny_models import prefill_logits, write_tiny_llama
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3}'
 
@@ -188,6 +189,51 @@ def test_structured_output_requests_do_not_speculate(tiny_llama):
     assert engine.scheduler.spec_counters.num_drafts == 0 and out[0][3] is not None
 
 
+# ------------------------------------------------------------------------------- draft model
+
+
+def _draft(path, k: int = 3) -> str:
+    return json.dumps({"model": str(path), "num_speculative_tokens": k})
+
+
+@pytest.fixture(scope="module")
+def other_tiny_llama(tmp_path_factory):
+    """Another random model with the same vocabulary size: a poor draft, but a valid one."""
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-draft"), seed=1, hidden=32, num_layers=1)
+
+
+@pytest.mark.parametrize(
+    "knobs", [{}, {"num_blocks": 30, "enable_prefix_caching": False}], ids=["batched", "preempted"]
+)
+def test_a_model_drafting_for_itself_is_always_accepted_and_changes_nothing(tiny_llama, knobs):
+    base = _engine(tiny_llama, None, deterministic=True, **knobs)
+    prompts = _repetitive_prompts(base.vocab_size, seed=7)
+    expected = _generate(base, prompts, GREEDY)
+    engine = _engine(tiny_llama, _draft(tiny_llama), deterministic=True, **knobs)
+    assert _generate(engine, prompts, GREEDY) == expected
+    counters = engine.scheduler.spec_counters
+    assert counters.num_drafts > 0 and counters.acceptance_rate == 1.0  # the same bits, so the same argmax
+    if knobs:
+        assert engine.stats().num_preemptions > 0
+    assert len(engine.proposers.draft._free) == engine.scheduler_config.num_blocks  # every draft block back
+
+
+def test_a_poor_draft_model_changes_no_output(tiny_llama, other_tiny_llama):
+    base = _engine(tiny_llama, None, deterministic=True)
+    prompts = _repetitive_prompts(base.vocab_size, seed=8)
+    expected = _generate(base, prompts, GREEDY)
+    engine = _engine(tiny_llama, _draft(other_tiny_llama, k=4), deterministic=True)
+    assert _generate(engine, prompts, GREEDY) == expected
+    assert engine.scheduler.spec_counters.num_draft_tokens > 0
+
+
+def test_a_draft_model_with_another_vocabulary_is_refused(tiny_llama, tmp_path):
+    draft = write_tiny_llama(tmp_path / "draft", vocab_size=300)
+    with pytest.raises(InvalidArgument, match="vocabulary") as err:
+        _engine(tiny_llama, _draft(draft))
+    assert err.value.param == "speculative_config"
+
+
 # ------------------------------------------------------------------------------- prediction
 
 
@@ -251,8 +297,6 @@ def test_engine_args_refuse_what_speculation_does_not_support(tiny_llama):
         EngineArgs(speculative_config=NGRAM, tensor_parallel_size=2)
     with pytest.raises(InvalidArgument, match="cpu only"):
         EngineArgs(speculative_config=NGRAM, device="cuda")
-    with pytest.raises(InvalidArgument, match="draft_model' is not supported"):
-        EngineArgs(speculative_config='{"model": "/some/draft", "num_speculative_tokens": 3}')
     with pytest.raises(InvalidArgument, match="not a token id"):
         SamplingParams(prediction=[1, -2])
 
