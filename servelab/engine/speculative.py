@@ -8,8 +8,8 @@ entry keeps the drafts up to the first position whose token differs, plus that t
 
 - `NgramProposer` (prompt lookup): the tokens that followed the latest earlier occurrence of the
   sequence's last n tokens, n from prompt_lookup_max down to prompt_lookup_min, over prompt and
-  output. An index of n-gram -> latest start, kept up to date token by token, makes a step's
-  lookup O(n) per sequence whatever the context's length.
+  output. Each token's positions, indexed token by token as the sequence grows, bound a step's
+  lookup to the last token's 64 latest occurrences, whatever the context's length.
 - `PredictionProposer`: OpenAI's `prediction`, the request's own guess of its output. The
   output's last n tokens are found in the prediction (the first occurrence at or after where the
   last match ended, else the last one), so an edit that diverges and rejoins the text hits again.
@@ -54,35 +54,39 @@ def speculates(seq: Sequence) -> bool:
     )
 
 
+# Earlier occurrences of a sequence's last token that a lookup compares, latest first: bounds a
+# step's work for a token that occurs thousands of times.
+MAX_NGRAM_CANDIDATES = 64
+
+
 @dataclass(slots=True)
 class _NgramIndex:
-    """n -> {n-gram: latest start} over a token list's first `num_indexed` + n - 1 tokens: the
-    n-grams with at least one token after them."""
+    """Each token's positions in a sequence (those with a token after them), ascending: O(1)
+    memory a token, however long prompt_lookup_max is."""
 
-    sizes: range
-    starts: dict[int, dict[tuple[int, ...], int]] = field(default_factory=dict)
-    num_ends: int = 0  # n-grams ending before this index are in
+    positions: dict[int, list[int]] = field(default_factory=dict)
+    num_indexed: int = 0
 
-    def extend(self, tokens: list[int], end: int) -> None:
-        """Indexes the n-grams that end before `end` (exclusive)."""
-        for e in range(self.num_ends, end):
-            for n in self.sizes:
-                s = e - n + 1
-                if s >= 0:
-                    self.starts.setdefault(n, {})[tuple(tokens[s : e + 1])] = s
-        self.num_ends = max(self.num_ends, end)
-
-    def lookup(self, tokens: list[int], k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the last n tokens."""
+    def lookup(self, tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest suffix
+        (n_max tokens down to n_min) found among the last token's latest occurrences."""
         L = len(tokens)
-        self.extend(tokens, L - 1)  # the suffix itself ends at L - 1 and has no continuation
-        for n in reversed(self.sizes):
-            if n > L - 1:
-                continue
-            s = self.starts.get(n, {}).get(tuple(tokens[L - n :]))
-            if s is not None:
-                return tokens[s + n : s + n + k]
-        return []
+        for p in range(self.num_indexed, L - 1):  # the last token has no continuation yet
+            self.positions.setdefault(tokens[p], []).append(p)
+        self.num_indexed = max(self.num_indexed, L - 1)
+        candidates = self.positions.get(tokens[-1])
+        if not candidates:
+            return []
+        best_len, best_end = 0, -1
+        for e in reversed(candidates[-MAX_NGRAM_CANDIDATES:]):
+            m = 1
+            while m < n_max and m <= e and tokens[e - m] == tokens[L - 1 - m]:
+                m += 1
+            if m > best_len:
+                best_len, best_end = m, e
+                if m == n_max:
+                    break
+        return tokens[best_end + 1 : best_end + 1 + k] if best_len >= n_min else []
 
 
 class NgramProposer:
@@ -90,14 +94,14 @@ class NgramProposer:
 
     def __init__(self, config: SpeculativeConfig):
         self.k = config.num_speculative_tokens
-        self.sizes = range(config.prompt_lookup_min, config.prompt_lookup_max + 1)
+        self.n_min, self.n_max = config.prompt_lookup_min, config.prompt_lookup_max
         self._index: dict[str, _NgramIndex] = {}
 
     def propose(self, seq: Sequence) -> list[int]:
         index = self._index.get(seq.request_id)
         if index is None:
-            index = self._index[seq.request_id] = _NgramIndex(self.sizes)
-        return index.lookup(seq.token_ids, self.k)
+            index = self._index[seq.request_id] = _NgramIndex()
+        return index.lookup(seq.token_ids, self.k, self.n_min, self.n_max)
 
     def release(self, request_id: str) -> None:
         self._index.pop(request_id, None)

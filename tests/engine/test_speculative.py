@@ -279,6 +279,28 @@ def test_ngram_proposer_takes_the_latest_earlier_occurrence():
     assert proposer.propose(Sequence("q", [1, 2, 3], SamplingParams())) == []
 
 
+def _reference_lookup(tokens: list[int], k: int, n_min: int, n_max: int) -> list[int]:
+    """The definition, by brute force: n from n_max down, the latest earlier occurrence."""
+    L = len(tokens)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        for s in range(L - n - 1, -1, -1):
+            if tokens[s : s + n] == tokens[L - n :]:
+                return tokens[s + n : s + n + k]
+    return []
+
+
+@pytest.mark.parametrize("n_min, n_max", [(1, 4), (2, 3), (1, 12)])
+def test_ngram_lookup_matches_its_definition_as_the_sequence_grows(n_min, n_max):
+    rng = random.Random(n_max)
+    config = SpeculativeConfig("ngram", 5, prompt_lookup_max=n_max, prompt_lookup_min=n_min)
+    for trial in range(30):
+        proposer = NgramProposer(config)
+        seq = Sequence(f"r{trial}", [rng.randrange(6) for _ in range(rng.randint(1, 30))], SamplingParams())
+        for _ in range(40):  # few distinct tokens: repeats at every length; the index grows a token a time
+            assert proposer.propose(seq) == _reference_lookup(seq.token_ids, 5, n_min, n_max), seq.token_ids
+            seq.token_ids += [rng.randrange(6) for _ in range(rng.randint(1, 3))]
+
+
 def test_proposers_skip_sequences_that_are_not_decoding(tiny_llama):
     proposers = Proposers(SpeculativeConfig.parse(NGRAM), vocab_size=100)
     seq = Sequence("r", [1, 2, 1, 2, 1], SamplingParams())
