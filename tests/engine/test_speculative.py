@@ -172,6 +172,28 @@ def test_stop_conditions_and_logit_edits_behave_as_without_speculation(tiny_llam
     assert got == expected
 
 
+def test_a_row_that_fails_in_a_verification_ends_only_its_request(tiny_llama, monkeypatch):
+    base = _engine(tiny_llama, None, deterministic=True)
+    prompts = _repetitive_prompts(base.vocab_size, n=4, seed=9)
+    expected = _generate(base, prompts, GREEDY)
+    real = Sampler.sample
+
+    def sample(self, logits, seqs, argmax=None, drafts=None):
+        tokens, logprobs = real(self, logits, seqs, argmax, drafts)
+        for i, seq in enumerate(seqs):  # request r1's rows fail once it has 3 tokens, drafts counted
+            if seq.request_id == "r1" and seq.num_output_tokens >= 3:
+                tokens[i] = None
+                self.row_errors[i] = "injected"
+        return tokens, logprobs
+
+    monkeypatch.setattr(Sampler, "sample", sample)
+    engine = _engine(tiny_llama, NGRAM, deterministic=True)
+    got = _generate(engine, prompts, GREEDY)  # also checks that every block came back
+    assert got[1][3].value == "error" and len(got[1][0]) <= 3
+    assert [got[i] for i in (0, 2, 3)] == [expected[i] for i in (0, 2, 3)]
+    assert engine.scheduler.spec_counters.num_drafts > 0
+
+
 def test_seeded_sampling_is_reproducible_with_speculation(tiny_llama):
     prompts = _repetitive_prompts(_engine(tiny_llama, None).vocab_size, n=3, seed=4)
     params = [SamplingParams(max_tokens=20, temperature=0.7, seed=11 + i, ignore_eos=True) for i in range(3)]
