@@ -81,7 +81,7 @@ GRIDS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_engine_arguments(parser)
+    add_engine_arguments(parser, decoding=False)
     parser.add_argument("--out", required=True, metavar="FILE.json", help="where to write the profile")
     parser.add_argument(
         "--grid",

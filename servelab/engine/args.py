@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from servelab.core.config import SchedulerConfig, knob
+from servelab.core.speculative import SpeculativeConfig
 from servelab.errors import InvalidArgument
 from servelab.spec.dtypes import FLOAT_DTYPES, canonical_dtype, require_supported
 
@@ -117,7 +118,16 @@ class EngineArgs:
         ),
     )
 
+    # Speculative decoding (vLLM's --speculative-config): a JSON text or dict on the way in, a
+    # SpeculativeConfig once made; requests with a `prediction` speculate whatever it says.
+    speculative_config: SpeculativeConfig | None = field(default=None, metadata=knob(
+        "speculative decoding, as vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4}' (prompt lookup) or '{\"model\": PATH, \"num_speculative_tokens\": 4}' (a draft "
+        "model sharing the tokenizer); greedy output is unchanged, sampled output keeps its "
+        "distribution", unset="off (requests with a prediction still speculate)", metavar="JSON"))  # fmt: skip
+
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if isinstance(self.model, os.PathLike):
             self.model = os.fspath(self.model)
         # One vocabulary (spec/dtypes.py): old spellings such as "bf16" name the same dtype.
@@ -199,6 +209,22 @@ class EngineArgs:
             raise InvalidArgument(
                 f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}", param="kv_cache_memory_bytes"
             )
+        spec = self.speculative_config
+        if spec is not None:
+            if not isinstance(spec, SpeculativeConfig):
+                raise InvalidArgument(
+                    f"speculative_config must be a SpeculativeConfig, a dict or its JSON, got {spec!r}",
+                    param="speculative_config",
+                )
+            if self.tensor_parallel_size > 1:
+                raise InvalidArgument(
+                    "speculative decoding runs with tensor_parallel_size 1 only", param="speculative_config"
+                )
+            if self.device != "cpu":
+                raise InvalidArgument(
+                    f"speculative decoding runs on cpu only so far, got device {self.device!r}",
+                    param="speculative_config",
+                )
         if not 0 <= self.seed <= MAX_SEED:
             raise InvalidArgument(f"seed must be in [0, {MAX_SEED}] (2**63 - 1), got {self.seed}", param="seed")
 

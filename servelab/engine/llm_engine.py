@@ -31,6 +31,7 @@ from servelab.engine.client import EngineFront
 from servelab.engine.core import EngineCore, EngineCoreRequest
 from servelab.engine.input_processor import InputProcessor
 from servelab.engine.output_processor import OutputProcessor, failed_output
+from servelab.engine.speculative import Proposers
 from servelab.engine.outputs import EngineOutput, EngineStats
 from servelab.errors import InvalidArgument
 
@@ -61,6 +62,8 @@ class LLMEngine:
         self.model_name = model_name
         vocab_size: int = getattr(executor, "vocab_size", None) or tokenizer.vocab_size
         self.input_processor = InputProcessor(tokenizer, vocab_size, self.core.config.max_model_len, logits_processors)
+        # requests with a `prediction` speculate; from_args adds the configured method (--speculative-config)
+        self.core.proposers = Proposers(None, vocab_size)
         self.output_processor = OutputProcessor(tokenizer)
         # The model's description (its shape, for the engine and the cost model), set by from_args;
         # None for an engine over a simulated or fake executor.
@@ -233,6 +236,16 @@ class LLMEngine:
         engine = cls(executor, tokenizer, scheduler_config, name, processors)
         engine.model_spec = spec
         engine.sampling_defaults = load_sampling_defaults(path)
+        # Not yet on CUDA or across tensor-parallel ranks: there a prediction changes nothing.
+        cpu_alone = args.device == "cpu" and tp == 1
+        spec_config, draft = args.speculative_config, None
+        if spec_config is not None and spec_config.method == "draft_model":
+            from servelab.engine.speculative import load_draft_proposer
+
+            draft = load_draft_proposer(spec_config, dtype=dtype, device=args.device, options=options,
+                                        num_blocks=num_blocks, block_size=knobs.block_size,
+                                        vocab_size=model.vocab_size)  # fmt: skip
+        engine.core.proposers = Proposers(spec_config, engine.vocab_size, predictions=cpu_alone, draft=draft)
         return engine
 
     def close(self) -> None:
