@@ -21,7 +21,7 @@ from servelab.core.plan import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
 from servelab.core.sequence import Sequence
 from servelab.engine.row_isolation import sample_isolated
 from servelab.engine.sampler import NON_FINITE_LOGITS, Sampler
-from servelab.engine.speculative import VerificationRows, accepted_length, verification_rows
+from servelab.engine.verification import VerificationRows, accepted_length, verification_rows
 from servelab.runtime.kv_cache import PagedKVCache
 from servelab.runtime.model import AttentionMetadata, LlamaModel
 

@@ -237,7 +237,7 @@ def test_a_model_drafting_for_itself_is_always_accepted_and_changes_nothing(tiny
     assert counters.num_drafts > 0 and counters.acceptance_rate == 1.0  # the same bits, so the same argmax
     if knobs:
         assert engine.stats().num_preemptions > 0
-    assert len(engine.proposers.draft._free) == engine.scheduler_config.num_blocks  # every draft block back
+    assert len(engine.core.proposers.draft._free) == engine.scheduler_config.num_blocks  # every draft block back
 
 
 def test_a_poor_draft_model_changes_no_output(tiny_llama, other_tiny_llama):
