@@ -47,7 +47,8 @@ from servelab.runtime.model import AttentionMetadata
 TEXT = Path(__file__).parent / "data" / "accuracy_text.txt"
 # name -> engine flags; "fp32" is the reference every other path is scored against.
 PATHS: dict[str, dict] = {
-    "fp32": {},
+    "fp32": {"exact": True},
+    "q8": {},  # the default: int8 dot products over the GGUF blocks for many-row steps
     "kv-bf16": {"kv_cache_dtype": "bfloat16"},
     "kv-fp16": {"kv_cache_dtype": "float16"},
     "quant-bf16": {"quantization": "bf16"},

@@ -8,11 +8,15 @@ client's work) sends one big body. Cases:
 - chat-10MB-16MiB: the same under --max-request-bytes 16MiB (400: it cannot fit the context)
 - tokenize-2MB:    /tokenize of 2 MB of text, which is tokenized in full (~450k tokens)
 
-    python benchmarks/big_requests.py [chat-10MB chat-10MB-16MiB tokenize-2MB]
+Each line gives the answer's status beside the one expected. `--quick` runs the same three cases
+with bodies a tenth the size (and limits to match), in seconds; `--model DIR` serves another model.
+
+    python benchmarks/big_requests.py [chat-10MB chat-10MB-16MiB tokenize-2MB] [--quick] [--model DIR]
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import signal
 import socket
@@ -25,10 +29,16 @@ from pathlib import Path
 
 import httpx
 
+# name -> (serve flags, route, body bytes, the status expected), and the same cases a tenth the size
 CASES = {
-    "chat-10MB": ([], "/v1/chat/completions", 10_000_000),
-    "chat-10MB-16MiB": (["--max-request-bytes", "16MiB"], "/v1/chat/completions", 10_000_000),
-    "tokenize-2MB": ([], "/tokenize", 2_000_000),
+    "chat-10MB": ([], "/v1/chat/completions", 10_000_000, "413"),
+    "chat-10MB-16MiB": (["--max-request-bytes", "16MiB"], "/v1/chat/completions", 10_000_000, "400"),
+    "tokenize-2MB": ([], "/tokenize", 2_000_000, "200"),
+}
+QUICK_CASES = {
+    "chat-10MB": (["--max-request-bytes", "512KiB"], "/v1/chat/completions", 1_000_000, "413"),
+    "chat-10MB-16MiB": (["--max-request-bytes", "2MiB"], "/v1/chat/completions", 1_000_000, "400"),
+    "tokenize-2MB": ([], "/tokenize", 200_000, "200"),
 }
 
 
@@ -43,8 +53,9 @@ def _ms(values: list[float], q: float) -> float:
     return values[int(q * (len(values) - 1))] * 1e3
 
 
-def run_case(name: str, workdir: Path) -> str:
-    flags, route, size = CASES[name]
+def run_case(name: str, workdir: Path, quick: bool = False, model: str | None = None) -> str:
+    flags, route, size, expected = (QUICK_CASES if quick else CASES)[name]
+    flags = [*flags, *(["--model", model] if model else [])]
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "servelab", "serve", "--port", str(port), "--no-access-log", "--no-lab", *flags]
@@ -82,13 +93,16 @@ def run_case(name: str, workdir: Path) -> str:
         during = []
         sender = threading.Thread(target=post)
         sender.start()
-        while sender.is_alive():
+        while True:  # at least one poll, however fast the answer
             t0 = time.perf_counter()
             client.get(f"{url}/health")
             during.append(time.perf_counter() - t0)
+            if not sender.is_alive():
+                break
             time.sleep(0.02)
         sender.join()
-        return (f"{name}: {result['status']} in {result['s']:.2f} s; /health idle p50 {_ms(idle, 0.5):.0f} ms; "
+        return (f"{name} ({size:,} bytes): {result['status']} (expected {expected}) in {result['s']:.2f} s; "
+                f"/health idle p50 {_ms(idle, 0.5):.0f} ms; "
                 f"during: {len(during)} polls, p50 {_ms(during, 0.5):.0f} ms, p90 {_ms(during, 0.9):.0f} ms, "
                 f"max {_ms(during, 1.0):.0f} ms")  # fmt: skip
     finally:
@@ -96,11 +110,18 @@ def run_case(name: str, workdir: Path) -> str:
         server.wait(60)
 
 
-def main() -> None:
-    names = sys.argv[1:] or list(CASES)
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("cases", nargs="*", help=f"default: all ({', '.join(CASES)})")
+    ap.add_argument("--quick", action="store_true", help="bodies a tenth the size, limits to match")
+    ap.add_argument("--model", default=None, help="what `servelab serve` loads (default: the bundled model)")
+    args = ap.parse_args(argv)
+    unknown = [c for c in args.cases if c not in CASES]
+    if unknown:
+        ap.error(f"unknown case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
     with tempfile.TemporaryDirectory() as tmp:
-        for name in names:
-            print(run_case(name, Path(tmp)), flush=True)
+        for name in args.cases or list(CASES):
+            print(run_case(name, Path(tmp), args.quick, args.model), flush=True)
 
 
 if __name__ == "__main__":

@@ -49,19 +49,19 @@ def run_calibrations(runs: int, out_dir: Path, flags: list[str]) -> list[Path]:
     return paths
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("profiles", nargs="*", help="profiles to compare (instead of --runs)")
     ap.add_argument("--runs", type=int, default=0, help="run calibrate this many times first")
     ap.add_argument("--out-dir", default="calibrate-repeat", help="where --runs writes its profiles")
     ap.add_argument("--calibrate-args", default="", help="more calibrate flags for --runs, as one string")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     paths = [Path(p) for p in args.profiles]
     if args.runs:
         paths += run_calibrations(args.runs, Path(args.out_dir), shlex.split(args.calibrate_args))
-    if len(paths) < 2:
-        ap.error("give two or more profiles, or --runs N (N >= 2)")
+    if len(set(paths)) < 2:
+        ap.error("give two or more different profiles, or --runs N (N >= 2)")
     profiles = {str(p): load_profile(str(p)) for p in paths}
     preds = {p: predictions(prof) for p, prof in profiles.items()}
     disagreement = {

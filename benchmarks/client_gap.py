@@ -2,9 +2,9 @@
 (c*.json) through the simulator, once as `sim` runs a closed loop with no think time (a finished
 request's client sends its next one at the same instant, so it joins the very next step) and
 once with that next request arriving `gap` seconds later (the simulator's think time: after the
-engine has started its next step, as on a live server). The serving term is refitted under each
-(from calibrate's own server runs, replayed with the same gap); the step costs are the folder's
-profile. docs/fidelity.md, "Closed loops: the client's round trip".
+engine has started its next step, as on a live server). The step costs are the folder's profile,
+its serving term refitted from the steps calibrate's server runs logged (a profile without them
+keeps its own). docs/fidelity.md, "Closed loops: the client's round trip".
 
     python benchmarks/client_gap.py run12 run13 [--gaps 0 0.002]
 """
@@ -35,11 +35,11 @@ COLUMNS = (
 )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path, help="validate_runs.sh folders (profile.json, c*.json)")
     ap.add_argument("--gaps", nargs="+", type=float, default=[0.0, 0.002], metavar="S")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     print("| load | run | client gap | serving term a seq | " + " | ".join(n for n, _, _ in COLUMNS) + " |")
     print("|---|---|---|---|" + "---|" * len(COLUMNS))
     rows: list[tuple[int, str]] = []
@@ -48,9 +48,9 @@ def main() -> None:
         paths = sorted(folder.glob("c*.json"), key=lambda p: int(p.stem[1:]))
         first = json.loads(paths[0].read_text())["config"]
         model = get_model(first["sim_model"])
+        serving = refit_serving(profile, first["server"], model) or profile["server"]
+        cost = ProfileStepCost.from_profile({**profile, "server": serving})
         for gap in args.gaps:
-            serving = refit_serving(profile, first["server"], model, False, think_time_s=gap)
-            cost = ProfileStepCost.from_profile({**profile, "server": serving})
             for path in paths:
                 run = json.loads(path.read_text())
                 cfg, w, measured = run["config"], run["config"]["workload"], run["measured"]
@@ -72,7 +72,7 @@ def main() -> None:
                     m = measured[attr][pct] if pct else measured[attr]
                     s = sim[attr][pct] if pct else sim[attr]
                     k = 1 if pct is None else 1e3
-                    cells.append(f"{m * k:,.1f} / {s * k:,.1f} ({(s - m) / m * 100:+.0f}%)")
+                    cells.append(f"{m * k:,.1f} / {s * k:,.1f} ({f'{(s - m) / m * 100:+.0f}%' if m else '-'})")
                 rows.append(
                     (
                         int(path.stem[1:]),

@@ -5,9 +5,11 @@ measurements (decode_b1, decode_b32, prefill_512, as engine_cpu.py defines them;
 default, or `--quantization int8|bf16`); the
 rounds alternate who goes first, and only one worker runs at a time. Besides the wall-clock
 rates it reports each rate over the worker's CPU time, which a loaded machine disturbs less.
+A checkout against itself measures the noise of the comparison; `--quick` (one round) with a tiny
+`--model` checks that it runs.
 
     git archive <old-rev> | tar -x -C /tmp/servelab-old
-    python benchmarks/engine_ab.py /tmp/servelab-old . [--rounds 5] [--threads 1] [--quantization int8]
+    python benchmarks/engine_ab.py /tmp/servelab-old . [--rounds 5] [--threads 1] [--quantization int8] [--model DIR]
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import servelab  # noqa: F401 - before torch, as engine_cpu.py does
 import torch
 torch.set_num_threads(int(sys.argv[1]))
 from engine_cpu import Servelab
-s = Servelab("float32", quantization=sys.argv[2] or None)
+s = Servelab("float32", quantization=sys.argv[2] or None, model=sys.argv[3] or None)
 s.decode_b1(); s.prefill_512()  # warm-up
 print("ready", flush=True)
 for line in sys.stdin:
@@ -45,42 +47,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--quantization", choices=["int8", "bf16"], default=None, help="both engines' opt-in linears")
+    parser.add_argument("--model", default=None, help="an HF model directory (default: the bundled GGUF)")
+    parser.add_argument("--quick", action="store_true", help="one round")
     args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds = 1
+    if args.rounds < 1:
+        parser.error(f"--rounds must be >= 1, got {args.rounds}")
+    model = os.path.abspath(args.model) if args.model else ""
+    # by position, not by path: a checkout against itself runs two workers
     trees = [os.path.abspath(args.old), os.path.abspath(args.new)]
-    workers = {}
+    workers = []
     for tree in trees:
-        workers[tree] = subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(args.threads), args.quantization or ""],
+        workers.append(subprocess.Popen(
+            [sys.executable, "-c", WORKER, str(args.threads), args.quantization or "", model],
             cwd=tree,
             env=dict(os.environ, PYTHONPATH=tree),
             text=True,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
-        )
-    for tree, worker in workers.items():
+        ))  # fmt: skip
+    for tree, worker in zip(trees, workers):
         if worker.stdout.readline().strip() != "ready":
-            raise SystemExit(f"the worker for {tree} did not start")
-    wall = {t: {m: [] for m in METRICS} for t in trees}
-    cpu = {t: {m: [] for m in METRICS} for t in trees}
+            raise SystemExit(f"the worker for {tree} did not start (run engine_cpu.py there to see why)")
+    wall = [{m: [] for m in METRICS} for _ in trees]
+    cpu = [{m: [] for m in METRICS} for _ in trees]
     for r in range(args.rounds):
         for m in METRICS:
-            for tree in trees if r % 2 == 0 else trees[::-1]:
-                workers[tree].stdin.write(m + "\n")
-                workers[tree].stdin.flush()
-                rate, wall_per_cpu = json.loads(workers[tree].stdout.readline())
-                wall[tree][m].append(rate)
-                cpu[tree][m].append(rate * wall_per_cpu)
-        print(
-            f"round {r + 1}: "
-            + "; ".join(f"{m} {wall[trees[0]][m][-1]:.1f} / {wall[trees[1]][m][-1]:.1f}" for m in METRICS)
-        )
-    for worker in workers.values():
+            for i in (0, 1) if r % 2 == 0 else (1, 0):
+                workers[i].stdin.write(m + "\n")
+                workers[i].stdin.flush()
+                rate, wall_per_cpu = json.loads(workers[i].stdout.readline())
+                wall[i][m].append(rate)
+                cpu[i][m].append(rate * wall_per_cpu)
+        print(f"round {r + 1}: " + "; ".join(f"{m} {wall[0][m][-1]:.1f} / {wall[1][m][-1]:.1f}" for m in METRICS))
+    for worker in workers:
         worker.stdin.close()
         worker.wait()
     for label, rates in (("wall clock", wall), ("CPU time", cpu)):
-        old = {m: statistics.median(rates[trees[0]][m]) for m in METRICS}
-        new = {m: statistics.median(rates[trees[1]][m]) for m in METRICS}
+        old = {m: statistics.median(rates[0][m]) for m in METRICS}
+        new = {m: statistics.median(rates[1][m]) for m in METRICS}
         print(
             f"{label:10s} medians, old / new (tok/s): "
             + "; ".join(f"{m} {old[m]:.1f} / {new[m]:.1f} = {new[m] / old[m]:.3f}x" for m in METRICS)

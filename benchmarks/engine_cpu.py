@@ -20,7 +20,9 @@ It also reports model bandwidth utilisation at batch 1: the bytes a decode step 
 `--kv-cache-dtype float16` (servelab's KV cache in fp16 under fp32 compute; HF keeps --dtype).
 `--deterministic` adds a third engine, servelab in deterministic mode (float32, its other flags
 as given), interleaved with the others, and reports what the mode costs: its figures / servelab's.
-`--quick`: one round and a short bandwidth probe (with a tiny `--model`, a check that it runs).
+`--exact` adds servelab with `--exact` the same way (what the default's int8 dot products over
+the GGUF blocks gain over exact fp32: servelab / exact). `--dtype auto` runs servelab's default
+(HF in float32). `--quick`: one round and a short bandwidth probe (with a tiny `--model`, a check that it runs).
 """
 
 from __future__ import annotations
@@ -62,19 +64,22 @@ class Servelab:
         kv_cache_dtype: str = "auto",
         deterministic: bool = False,
         model: str | None = None,
+        exact: bool = False,
     ):
-        self.name = "deterministic" if deterministic else "servelab"
+        self.name = "deterministic" if deterministic else "exact" if exact else "servelab"
         # Prefix caching off: every round reuses the same prompts and must not be served from cache.
         self.engine = LLMEngine.from_args(
             EngineArgs.from_kwargs(
                 model=model,
-                dtype="float32" if deterministic or quantization else dtype,  # both compute in fp32
+                # both compute in fp32; "auto": the engine's default (fp32 on a CPU)
+                dtype="float32" if deterministic or quantization else None if dtype == "auto" else dtype,
                 enable_prefix_caching=False,
                 max_num_seqs=64,
                 max_num_batched_tokens=2048,
                 quantization=quantization,
                 kv_cache_dtype=kv_cache_dtype,
                 deterministic=deterministic,
+                exact=exact,
             )
         )
         self.model = self.engine.executor.model
@@ -166,7 +171,13 @@ class HF:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["bfloat16", "float32", "auto"],
+        help="both engines' dtype; auto: servelab's default (float32 linears, int8 dot products over GGUF blocks "
+        "for many rows), HF in float32",
+    )
     parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds; medians are reported")
     parser.add_argument("--threads", type=int, default=None, help="torch threads for both engines (default: torch's)")
     parser.add_argument("--only", default="decode_b1,decode_b32,prefill_512", help="comma-separated subset")
@@ -185,6 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         help="servelab's KV cache storage (HF unchanged)",
     )
     parser.add_argument("--deterministic", action="store_true", help="also servelab in deterministic mode: its cost")
+    parser.add_argument("--exact", action="store_true", help="also servelab with --exact: what the default gains")
     parser.add_argument("--model", default=None, help="an HF model directory (default: the bundled GGUF)")
     parser.add_argument("--quick", action="store_true", help="one round, a short bandwidth probe")
     args = parser.parse_args(argv)
@@ -199,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         engines.append(
             Servelab(args.dtype, args.quantization, args.kv_cache_dtype, deterministic=True, model=args.model)
         )
-    engines += [] if args.no_hf else [HF(args.dtype, args.model)]
+    if args.exact:
+        engines.append(Servelab(args.dtype, args.quantization, args.kv_cache_dtype, model=args.model, exact=True))
+    engines += [] if args.no_hf else [HF("float32" if args.dtype == "auto" else args.dtype, args.model)]
     for e in engines:  # warm-up: first calls allocate, fault pages in and pick kernels
         e.decode_b1()
         e.prefill_512()
@@ -243,6 +257,9 @@ def main(argv: list[str] | None = None) -> int:
         )
     for m in det_ratios:
         print(f"{m:14s} deterministic {medians['deterministic'][m]:10.1f}/s = {det_ratios[m]:.2f}x servelab's")
+    exact_ratios = {m: medians["servelab"][m] / medians["exact"][m] for m in metrics} if "exact" in medians else {}
+    for m in exact_ratios:
+        print(f"{m:14s} --exact {medians['exact'][m]:10.1f}/s; servelab = {exact_ratios[m]:.2f}x --exact")
     print(f"measured read bandwidth: {bandwidth / 1e9:.1f} GB/s; bytes per decode step: {step_bytes / 1e6:.0f} MB")
     if mbu is not None:
         print(f"model bandwidth utilisation at batch 1: {mbu * 100:.0f}%")
@@ -264,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
                     "ratios": ratios,
                     "deterministic": medians.get("deterministic"),
                     "deterministic_ratios": det_ratios,
+                    "exact": medians.get("exact"),
+                    "exact_ratios": exact_ratios,
                     "raw": results,
                     "bandwidth_bytes_per_s": bandwidth,
                     "decode_step_bytes": step_bytes,

@@ -9,6 +9,12 @@ the fitted model and prints the tables of docs/fidelity.md ("Published measureme
     .venv/bin/python benchmarks/fit_published.py --markdown   # the tables for docs/fidelity.md
     .venv/bin/python benchmarks/fit_published.py --measured-kernels  # the same on top of the measured kernels
     .venv/bin/python benchmarks/fit_published.py --compare    # each committed fit's medians; the points that move
+    .venv/bin/python benchmarks/fit_published.py --presets    # each engine preset's terms, fitted on its engine's points
+
+Every point names the engine that ran it (on the point or its source). An engine preset of
+servelab/spec/engine_profiles.json with training points of its own (train and modern-train) carries
+the terms fitted on those points alone (`gpu.efficiency`); the others price with the defaults. The
+modern sets are priced with the preset of each point's engine.
 
 The fit is least squares on relative error with every term non-negative (fractions are fitted as
 1/fraction >= 1, so none exceeds the datasheet). A step's time is max(compute, memory) + added
@@ -21,8 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import statistics
 from dataclasses import fields, replace
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 from servelab.cost.profile import nnls
@@ -33,6 +41,7 @@ from servelab.cost.roofline import (
     Roofline,
     default_efficiency,
 )
+from servelab.sim.engine_profiles import DEFAULT_ENGINE_PROFILE, engine_profiles
 from servelab.spec.hardware import get_hardware
 from servelab.spec.model import get_model
 
@@ -53,11 +62,46 @@ PRICED_KINDS = ("static", "decode_step")
 MODERN_SETS = ("modern-train", "modern-test")
 # Whether the roofline prices with the catalog's measured kernels (Roofline's default: no).
 MEASURED = False
+# The sets an engine preset's terms are fitted on.
+PRESET_TRAINING_SETS = ("train", "modern-train")
+# A point's engine -> the preset that models it; an engine without a preset (gpt-fast, torchao: "other") takes the default's.
+PRESET_OF_ENGINE = {"vllm": "vllm", "sglang": "sglang", "trtllm": "trtllm"}
 
 
 def load(path: Path = DATA) -> dict[str, Any]:
     with open(path, encoding="utf-8") as f:
         return json.load(f)
+
+
+def engine_of(point: dict[str, Any], data: dict[str, Any]) -> str:
+    """The engine that ran a point: the point's own field, else its source's."""
+    return point.get("engine") or data["sources"][point["source"]]["engine"]
+
+
+def preset_of(point: dict[str, Any], data: dict[str, Any]) -> str:
+    return PRESET_OF_ENGINE.get(engine_of(point, data), DEFAULT_ENGINE_PROFILE)
+
+
+def committed_preset_efficiencies() -> dict[str, Efficiency]:
+    """Each engine preset's committed roofline terms (the defaults where it has none of its own)."""
+    return {name: profile.efficiency() or Efficiency() for name, profile in engine_profiles().items()}
+
+
+def fit_presets(data: dict[str, Any]) -> dict[str, Efficiency]:
+    """Each preset other than the default, fitted (2 significant figures) on the training points of
+    the engines it models; a preset without any keeps no terms of its own and is left out."""
+    out = {}
+    for name in engine_profiles():
+        if name == DEFAULT_ENGINE_PROFILE:
+            continue
+        points = [
+            p
+            for p in data["points"]
+            if p["set"] in PRESET_TRAINING_SETS and p["run"]["kind"] in PRICED_KINDS and preset_of(p, data) == name
+        ]
+        if points:
+            out[name] = rounded(fit(points))
+    return out
 
 
 def roofline(point: dict[str, Any], efficiency: Efficiency, measured: bool = MEASURED) -> Roofline:
@@ -122,11 +166,21 @@ def published_time_s(point: dict[str, Any]) -> float:
     raise ValueError(f"{point['id']}: unknown metric {metric!r}")
 
 
-def predict(point: dict[str, Any], efficiency: Efficiency, measured: bool = MEASURED) -> float:
+# An Efficiency for every point, or one per point (each point's engine preset: `by_preset`).
+Pricing = Efficiency | Callable[[dict[str, Any]], Efficiency]
+
+
+def by_preset(data: dict[str, Any], presets: dict[str, Efficiency]) -> Callable[[dict[str, Any]], Efficiency]:
+    return lambda point: presets[preset_of(point, data)]
+
+
+def predict(point: dict[str, Any], efficiency: Pricing, measured: bool = MEASURED) -> float:
+    if not isinstance(efficiency, Efficiency):
+        efficiency = efficiency(point)
     return metric_from_time(point, run_time_s(point, roofline(point, efficiency, measured)))
 
 
-def error_pct(point: dict[str, Any], efficiency: Efficiency, measured: bool = MEASURED) -> float:
+def error_pct(point: dict[str, Any], efficiency: Pricing, measured: bool = MEASURED) -> float:
     return (predict(point, efficiency, measured) - point["value"]) / point["value"] * 100.0
 
 
@@ -266,7 +320,7 @@ def number(v: float) -> str:
 
 
 def table(
-    points: list[dict[str, Any]], eff: Efficiency, markdown: bool, notes: dict[str, str], measured: bool = MEASURED
+    points: list[dict[str, Any]], eff: Pricing, markdown: bool, notes: dict[str, str], measured: bool = MEASURED
 ) -> list[str]:
     """One line per point; an exception's reason goes into `notes` once, keyed by a letter."""
     lines = []
@@ -297,12 +351,51 @@ def table(
     return lines
 
 
-def summary(points: list[dict[str, Any]], eff: Efficiency, measured: bool = MEASURED) -> str:
+def summary(points: list[dict[str, Any]], eff: Pricing, measured: bool = MEASURED) -> str:
     errs = sorted(abs(error_pct(p, eff, measured)) for p in points)
     return (
-        f"{len(errs)} points: median |error| {errs[len(errs) // 2]:.1f}%, max {errs[-1]:.1f}%, "
+        f"{len(errs)} points: median |error| {statistics.median(errs):.1f}%, max {errs[-1]:.1f}%, "
         f"{sum(e <= DEFAULT_BOUND_PCT for e in errs)} within {DEFAULT_BOUND_PCT:.0f}%"
     )
+
+
+METRIC_KINDS = {"ttft_ms": "TTFT", "output_tok_s": "throughput", "output_tok_s_per_gpu": "throughput"}
+# Points beyond this |error| need a written cause (docs/fidelity.md).
+CAUSE_PCT = 30.0
+
+
+def medians(points: list[dict[str, Any]], eff: Pricing, measured: bool = MEASURED) -> dict[str, float]:
+    """Median |error| over all points and per metric kind (TTFT, throughput)."""
+    errs: dict[str, list[float]] = {"all": []}
+    for p in points:
+        e = abs(error_pct(p, eff, measured))
+        errs["all"].append(e)
+        errs.setdefault(METRIC_KINDS[p["metric"]], []).append(e)
+    return {k: statistics.median(v) for k, v in errs.items() if v}
+
+
+def scores(data: dict[str, Any], pricings: dict[str, Pricing], markdown: bool) -> list[str]:
+    """Median |error| per set and metric kind, and points past CAUSE_PCT, for each pricing."""
+    lines = []
+    if markdown:
+        lines += [
+            "| pricing | set | points | median | TTFT | throughput | beyond 30% |",
+            "|---|---|---:|---:|---:|---:|---:|",
+        ]
+    for name, pricing in pricings.items():
+        for set_name in ("train", "test", *MODERN_SETS):
+            pts = [p for p in data["points"] if p["set"] == set_name and p["run"]["kind"] in PRICED_KINDS]
+            m = medians(pts, pricing)
+            beyond = sum(abs(error_pct(p, pricing)) > CAUSE_PCT for p in pts)
+            cells = [f"{m[k]:.1f}%" if k in m else "-" for k in ("all", "TTFT", "throughput")]
+            if markdown:
+                lines.append(f"| {name} | {set_name} | {len(pts)} | {' | '.join(cells)} | {beyond} |")
+            else:
+                lines.append(
+                    f"{name:28} {set_name:13} {len(pts):3} points  median {cells[0]:>6}  TTFT {cells[1]:>6}  "
+                    f"throughput {cells[2]:>6}  beyond 30%: {beyond}"
+                )
+    return lines
 
 
 def efficiency_lines(eff: Efficiency) -> list[str]:
@@ -318,7 +411,7 @@ def compare(train: list[dict[str, Any]], test: list[dict[str, Any]], markdown: b
 
     def median(points: list[dict[str, Any]], measured: bool) -> float:
         errs = sorted(abs(error_pct(p, fits[measured], measured)) for p in points)
-        return errs[len(errs) // 2]
+        return statistics.median(errs)
 
     lines = [
         f"median |error|: training {median(train, False):.1f}% end-to-end, {median(train, True):.1f}% measured "
@@ -341,6 +434,11 @@ def compare(train: list[dict[str, Any]], test: list[dict[str, Any]], markdown: b
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument(
+        "--presets",
+        action="store_true",
+        help="fit each engine preset's terms on its engine's training points; score them against the defaults",
+    )
     parser.add_argument("--markdown", action="store_true", help="print docs/fidelity.md's tables")
     parser.add_argument(
         "--measured-kernels",
@@ -360,6 +458,16 @@ def main() -> None:
     if args.compare:
         print("\n".join(compare(train, test, args.markdown)))
         return
+    presets = committed_preset_efficiencies()
+    if args.presets:
+        for name, eff in fit_presets(data).items():
+            same = all(math.isclose(get_param(eff, k), get_param(presets[name], k), rel_tol=1e-9) for k in PARAMS)
+            print(f"preset {name}, fitted on its engine's training points (2 significant figures):")
+            print(*efficiency_lines(eff), sep="\n")
+            print("the committed preset " + ("matches the fit" if same else "differs from the fit") + "\n")
+        pricings: dict[str, Pricing] = {"defaults": Efficiency(), "engine presets": by_preset(data, presets)}
+        print("\n".join(scores(data, pricings, args.markdown)))
+        return
     fitted = rounded(fit(train, measured=measured))
     print("fitted (2 significant figures):", *efficiency_lines(fitted), sep="\n")
     default = default_efficiency(measured)
@@ -371,14 +479,20 @@ def main() -> None:
         print("\n".join(table(pts, fitted, args.markdown, notes, measured)))
     print("\nWhy the bounds above 15%:")
     print("\n".join(f"- ({k}) {v}" for k, v in notes.items()))
+    # The modern sets, each point priced by its engine's preset (the defaults: the fit above).
+    pricing = by_preset(data, {**presets, DEFAULT_ENGINE_PROFILE: fitted})
+    modern_notes: dict[str, str] = {}
     for name in MODERN_SETS:
         pts = [p for p in data["points"] if p["set"] == name]
         priced = [p for p in pts if p["run"]["kind"] in PRICED_KINDS]
         if priced:
             print(
-                f"\n{name.upper()}, not fitted ({summary(priced, fitted, measured)}; {len(pts) - len(priced)} unpriced kept)"
+                f"\n{name.upper()}, each point by its engine's preset ({summary(priced, pricing, measured)}; "
+                f"{len(pts) - len(priced)} unpriced kept)"
             )
-            print("\n".join(table(priced, fitted, args.markdown, {}, measured)))
+            print("\n".join(table(priced, pricing, args.markdown, modern_notes, measured)))
+    print("\nWhy the modern points past 30%:")
+    print("\n".join(f"- ({k}) {v}" for k, v in modern_notes.items()))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ CHANGES: dict[str, list[dict]] = {
     "qps-vs-tokens": [{"qps": 20}, {"b_prompt_len": 32768}, {"tpot_ms": 30}],
     "decode-chain": [{"output_len": 64}, {"batch": 64}, {"prompt_len": 8192}],
     "capacity": [{"tpot_ms": 45}],
+    "speculative": [{"acceptance": 0.9}],
 }
 
 

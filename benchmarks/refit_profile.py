@@ -179,7 +179,7 @@ def replay_run(path: Path, profile: dict, cost: ProfileStepCost, spread: bool) -
     return out
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", nargs="+", type=Path, help="validate_runs.sh folders (profile.json, c*.json, rate.json)")
     ap.add_argument(
@@ -204,7 +204,7 @@ def main() -> None:
         default=["none"],
         help="replay with one time per shape (none), or each step drawn from the passes' spread",
     )
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     table: list[str] = []
     for folder in args.runs:
         profile = json.loads((folder / "profile.json").read_text())
@@ -253,7 +253,7 @@ def main() -> None:
                         rows_out = replay_run(path, new, cost, spread == "passes")
                         cells = [
                             f"{m * (1e3 if 'tok/s' not in n else 1):,.1f} / "
-                            f"{s * (1e3 if 'tok/s' not in n else 1):,.1f} ({(s - m) / m * 100:+.0f}%)"
+                            f"{s * (1e3 if 'tok/s' not in n else 1):,.1f} ({f'{(s - m) / m * 100:+.0f}%' if m else '-'})"
                             for n, (m, s) in rows_out.items()
                         ]
                         table.append(

@@ -11,6 +11,9 @@ the largest sample after warm-up against the sample at the end of warm-up.
 
     .venv/bin/python benchmarks/soak.py --duration 60m --concurrency 6 --out /tmp/soak.json
     .venv/bin/python benchmarks/soak.py --duration 5m --warmup 1m --server-args "--kv-cache-memory 256MiB"
+
+`--quick` (20 s of load, 5 s warm-up, short requests; flags given beside it win) with a tiny model
+(`--server-args "--model DIR"`) checks that the soak runs; its verdict means little.
 """
 
 from __future__ import annotations
@@ -253,7 +256,7 @@ async def soak(args: argparse.Namespace) -> int:
             print("last errors:", *counters.last_errors, sep="\n  ")
         if args.out:
             with open(args.out, "w") as f:
-                json.dump({"argv": sys.argv, "verdict": text, "ok": ok, "counters": asdict(counters),
+                json.dump({"argv": args.argv, "verdict": text, "ok": ok, "counters": asdict(counters),
                            "samples": [asdict(s) for s in samples]}, f, indent=1)  # fmt: skip
         return 0 if ok is not False else 1
     finally:
@@ -265,7 +268,10 @@ async def soak(args: argparse.Namespace) -> int:
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-def main() -> int:
+QUICK = {"duration": 20.0, "warmup": 5.0, "sample_every": 1.0, "concurrency": 3, "max_input": 128, "max_output": 24}
+
+
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="target a running server instead of starting one (needs --pid)")
     p.add_argument("--pid", type=int, help="the process id of the --url server, for its RSS")
@@ -289,7 +295,12 @@ def main() -> int:
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the samples and the verdict as JSON")
-    args = p.parse_args()
+    p.add_argument("--quick", action="store_true", help="20 s of short requests after a 5 s warm-up")
+    args = p.parse_args(argv)
+    if args.quick:
+        p.set_defaults(**QUICK)
+        args = p.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     if args.concurrency < 1:
         p.error(f"--concurrency must be >= 1, got {args.concurrency}")
     return asyncio.run(soak(args))

@@ -61,12 +61,12 @@ def report(profile: dict, lines: list[dict], name: str) -> None:
         )
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folder", nargs="?", type=Path, help="a validate_runs.sh folder")
     ap.add_argument("--profile", type=Path)
     ap.add_argument("--steps", type=Path)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     if args.folder is None and (args.profile is None or args.steps is None):
         ap.error("give a validate_runs.sh folder, or --profile and --steps")
     profile = json.loads((args.profile or args.folder / "profile.json").read_text())

@@ -13,7 +13,10 @@ sizes, and the engine's step time at TP=1 and TP=N on the bundled model.
 - `--check`: also 64 greedy tokens at TP=1 and TP=N on the bundled model (equal?), and the
   largest difference of their logits over the whole sequence (tests do this on tiny models).
 
-    python benchmarks/tp_allreduce.py [--ranks 2 3] [--tp 3] [--iters 50] [--check] [--json]
+`--model DIR` times another model (its hidden size sets the messages); `--quick` (2 ranks, TP=2,
+5 iterations, 4 decode steps) with a tiny `--model` checks that it runs.
+
+    python benchmarks/tp_allreduce.py [--ranks 2 3] [--tp 3] [--iters 50] [--check] [--json] [--model DIR] [--quick]
 """
 
 from __future__ import annotations
@@ -30,21 +33,22 @@ import torch
 from servelab.core.sequence import SamplingParams
 from servelab.cost.profile import fit_allreduce, tp_comm_s
 from servelab.cost.roofline import Efficiency
+from servelab.engine.bundled import bundled_model_path
 from servelab.engine.llm_engine import EngineArgs, LLMEngine
 from servelab.runtime.host_probe import ALLREDUCE_TOKENS, allreduce_times
+from servelab.spec.model import resolve_model
 
-HIDDEN = 576  # the bundled model's hidden size
 TOKENS = ALLREDUCE_TOKENS
 
 
-def allreduce_table(ranks: int, iters: int) -> list[dict]:
-    rows = allreduce_times(ranks, HIDDEN, TOKENS, iters)  # the same probe as `calibrate --tensor-parallel-size`
+def allreduce_table(ranks: int, hidden: int, iters: int) -> list[dict]:
+    rows = allreduce_times(ranks, hidden, TOKENS, iters)  # the same probe as `calibrate --tensor-parallel-size`
     return [{"tokens": r["tokens"], "bytes": r["bytes"], "median_us": r["median_s"] * 1e6,
              "algbw_MB_s": r["bytes"] / r["median_s"] / 1e6} for r in rows]  # fmt: skip
 
 
-def step_times(tp: int, decodes: int = 32) -> dict:
-    engine = LLMEngine.from_args(EngineArgs(tensor_parallel_size=tp))
+def step_times(model: str, tp: int, decodes: int = 32) -> dict:
+    engine = LLMEngine.from_args(EngineArgs(model=model, tensor_parallel_size=tp))
     try:
         engine.add_request("warm", list(range(100, 116)), SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
         while engine.has_unfinished():
@@ -62,13 +66,13 @@ def step_times(tp: int, decodes: int = 32) -> dict:
         engine.close()
 
 
-def check_bundled(tp: int) -> dict:
+def check_greedy_and_logits(model: str, tp: int) -> dict:
     import sys
 
     sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from tests.tiny_models import prefill_logits
 
-    engines = {n: LLMEngine.from_args(EngineArgs(tensor_parallel_size=n)) for n in (1, tp)}
+    engines = {n: LLMEngine.from_args(EngineArgs(model=model, tensor_parallel_size=n)) for n in (1, tp)}
     try:
         seqs = {}
         for n, engine in engines.items():
@@ -87,24 +91,34 @@ def check_bundled(tp: int) -> dict:
             e.close()
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ranks", type=int, nargs="+", default=[2, 3], help="processes in the all-reduce timing")
     ap.add_argument("--tp", type=int, default=3, help="tensor-parallel size of the step timing (divides 9)")
     ap.add_argument("--iters", type=int, default=50)
     ap.add_argument("--check", action="store_true", help="greedy tokens and logits, TP=N against TP=1")
     ap.add_argument("--json", action="store_true")
-    args = ap.parse_args()
+    ap.add_argument("--model", default=None, help="an HF model directory or GGUF file (default: the bundled GGUF)")
+    ap.add_argument("--quick", action="store_true", help="2 ranks, TP=2, 5 iterations, 4 decode steps")
+    args = ap.parse_args(argv)
+    decodes = 32
+    if args.quick:
+        args.ranks, args.tp, args.iters, decodes = [2], 2, 5, 4
+    if args.iters < 1 or min(args.ranks) < 2 or args.tp < 2:
+        ap.error("--iters must be >= 1, and --ranks and --tp >= 2")
+    model = args.model or str(bundled_model_path())
+    spec = resolve_model(model)
+    hidden, layers = spec.hidden_size, spec.num_layers
 
     load = os.getloadavg()
     result = {
         "host": {"cpus": os.cpu_count(), "loadavg_1_5_15": load, "torch_threads": torch.get_num_threads()},
-        "allreduce": {ranks: allreduce_table(ranks, args.iters) for ranks in args.ranks},
-        "steps": [step_times(1), step_times(args.tp)],
+        "model": {"path": model, "hidden": hidden, "layers": layers},
+        "allreduce": {ranks: allreduce_table(ranks, hidden, args.iters) for ranks in args.ranks},
+        "steps": [step_times(model, 1, decodes), step_times(model, args.tp, decodes)],
     }
     if args.check:
-        result["check"] = check_bundled(args.tp)
-    layers = 30  # the bundled model's
+        result["check"] = check_greedy_and_logits(model, args.tp)
     eff = Efficiency()
     result["cost_model"] = {"allreduce_latency_us": eff.allreduce_latency_s * 1e6, "allreduces_per_step": 2 * layers,
                             "modelled_latency_per_step_ms": 2 * layers * eff.allreduce_latency_s * 1e3}  # fmt: skip
@@ -116,7 +130,7 @@ def main() -> None:
             [{"bytes": r["bytes"], "median_s": r["median_us"] / 1e6} for r in result["allreduce"][args.tp]]
         )
         term = {"ranks": args.tp, "collectives_per_step": 2 * layers + 2, "hidden_allreduces_per_step": 2 * layers + 1,
-                "bytes_per_token": HIDDEN * 4, "allreduce_latency_s": fitted["latency_s"],
+                "bytes_per_token": hidden * 4, "allreduce_latency_s": fitted["latency_s"],
                 "allreduce_bytes_per_s": fitted["bytes_per_s"]}  # fmt: skip
         tp1 = result["steps"][0]
         predicted = {}
@@ -129,7 +143,7 @@ def main() -> None:
         return
     print(f"host: {result['host']}")
     for ranks, rows in result["allreduce"].items():
-        print(f"gloo all-reduce, {ranks} ranks, fp32 [tokens, {HIDDEN}]:")
+        print(f"gloo all-reduce, {ranks} ranks, fp32 [tokens, {hidden}]:")
         for r in rows:
             print(f"  {r['tokens']:>4} tokens {r['bytes']:>9} B  {r['median_us']:9.1f} us  {r['algbw_MB_s']:8.1f} MB/s")
     for s in result["steps"]:

@@ -2,8 +2,9 @@
 into each piece (export) and scattering them (import), against one engine's cache, on the
 bundled model (SmolLM2-135M: 3 KV heads, so TP=3 gives each rank one). The wire itself is
 benchmarks/kv_transfer.py's; this times only the part inside a worker. Interleaved, medians.
+`--quick` (TP=2, 3 rounds) with a tiny `--model` checks that it runs.
 
-    python benchmarks/tp_kv_gather.py [--tp 3] [--iters 30]
+    python benchmarks/tp_kv_gather.py [--tp 3] [--iters 30] [--model DIR] [--quick]
 """
 
 from __future__ import annotations
@@ -14,25 +15,36 @@ import time
 
 import servelab  # noqa: F401 - first: it sets OMP_WAIT_POLICY before torch loads (servelab/__init__.py)
 from servelab.core.sequence import SamplingParams
+from servelab.engine.bundled import bundled_model_path
 from servelab.engine.llm_engine import EngineArgs, LLMEngine
 from servelab.runtime.parallel.kv_shards import TensorParallelKV
+from servelab.spec.model import resolve_model
 
 
-def _prefilled(tp: int, prompt: list[int]) -> tuple[LLMEngine, list[int]]:
-    engine = LLMEngine.from_args(EngineArgs.from_kwargs(dtype="float32", tensor_parallel_size=tp, num_blocks=64))
+def _prefilled(model: str | None, tp: int, prompt: list[int]) -> tuple[LLMEngine, list[int]]:
+    engine = LLMEngine.from_args(
+        EngineArgs.from_kwargs(model=model, dtype="float32", tensor_parallel_size=tp, num_blocks=64)
+    )
     engine.add_request("r", prompt, SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     engine.step()
     return engine, engine.detach_prefilled("r")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tp", type=int, default=3)
     ap.add_argument("--iters", type=int, default=30)
-    args = ap.parse_args()
-    prompt = [1 + (7 * i) % 5000 for i in range(128)]  # 8 blocks of 16 tokens
-    one, one_blocks = _prefilled(1, prompt)
-    many, many_blocks = _prefilled(args.tp, prompt)
+    ap.add_argument("--model", default=None, help="an HF model directory or GGUF file (default: the bundled GGUF)")
+    ap.add_argument("--quick", action="store_true", help="TP=2, 3 rounds")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tp, args.iters = 2, 3
+    if args.tp < 2 or args.iters < 1:
+        ap.error(f"--tp must be >= 2 and --iters >= 1, got {args.tp} and {args.iters}")
+    vocab = min(5000, resolve_model(args.model or str(bundled_model_path())).vocab_size - 1)
+    prompt = [1 + (7 * i) % vocab for i in range(128)]  # 8 blocks of 16 tokens
+    one, one_blocks = _prefilled(args.model, 1, prompt)
+    many, many_blocks = _prefilled(args.model, args.tp, prompt)
     try:
         whole, tp = one.executor.kv_cache, TensorParallelKV(many.executor.kv_cache, many.executor.model.group)
         piece = whole.export_block(one_blocks[0])

@@ -79,11 +79,11 @@ def profile_lines(folder: Path) -> list[str]:
     return lines
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("folders", nargs="+", type=Path)
     ap.add_argument("--label", nargs="*", default=None, help="a run label per folder (default: its name)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     labels = args.label or [f.name for f in args.folders]
     for folder in args.folders:
         print("\n".join(profile_lines(folder)))

@@ -36,10 +36,10 @@ MS = 1e-3
 
 
 def git_show(clone: Path, commit: str, path: str) -> list[dict[str, str]]:
-    text = subprocess.run(
-        ["git", "-C", str(clone), "show", f"{commit}:{path}"], check=True, capture_output=True, text=True
-    ).stdout
-    return list(csv.DictReader(io.StringIO(text)))
+    done = subprocess.run(["git", "-C", str(clone), "show", f"{commit}:{path}"], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"{clone} has no {path} at {commit} (a clone of {REPO}?): {done.stderr.strip()}")
+    return list(csv.DictReader(io.StringIO(done.stdout)))
 
 
 def linear_shapes(row: dict[str, str]) -> dict[str, tuple[int, int]]:
@@ -122,8 +122,8 @@ def network_tables(clone: Path, commit: str) -> list[dict[str, object]]:
     return tables
 
 
-def attention_table(clone: Path) -> dict[str, object]:
-    commit, path = ATTENTION_AT
+def attention_table(clone: Path, commit: str) -> dict[str, object]:
+    path = ATTENTION_AT[1]
     rows = []
     for row in git_show(clone, commit, path):
         batch, kv = int(row["batch_size"]), int(row["kv_cache_size"])
@@ -144,8 +144,8 @@ def attention_table(clone: Path) -> dict[str, object]:
     }
 
 
-def cpu_overhead_table(clone: Path) -> dict[str, object]:
-    commit, path = CPU_OVERHEADS_AT
+def cpu_overhead_table(clone: Path, commit: str) -> dict[str, object]:
+    path = CPU_OVERHEADS_AT[1]
     stages = ("schedule", "sampler_e2e", "prepare_inputs_e2e", "process_model_outputs")
     rows = [
         [
@@ -168,12 +168,16 @@ def source(commit: str, path: str) -> dict[str, str]:
     return {"repo": REPO, "commit": commit, "path": path}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("clone", type=Path, help="a git clone (or bare mirror) of github.com/microsoft/vidur")
-    parser.add_argument("--commit", default="HEAD")
+    parser.add_argument("--commit", default="HEAD", help="where the linear and network tables are read")
+    parser.add_argument("--attention-commit", default=ATTENTION_AT[0], help=f"where {ATTENTION_AT[1]} is read")
+    parser.add_argument(
+        "--cpu-overheads-commit", default=CPU_OVERHEADS_AT[0], help=f"where {CPU_OVERHEADS_AT[1]} is read"
+    )
     parser.add_argument("--out", type=Path, default=OUT)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     commit = subprocess.run(
         ["git", "-C", str(args.clone), "rev-parse", args.commit], check=True, capture_output=True, text=True
     ).stdout.strip()
@@ -183,9 +187,9 @@ def main() -> None:
         "licence": "MIT, Copyright (c) Microsoft Corporation (github.com/microsoft/vidur/blob/main/LICENSE)",
         "dtype": "float16 (Vidur profiles the models in fp16)",
         "linear": linear_tables(args.clone, commit),
-        "attention": [attention_table(args.clone)],
+        "attention": [attention_table(args.clone, args.attention_commit)],
         "network": network_tables(args.clone, commit),
-        "cpu_overheads": [cpu_overhead_table(args.clone)],
+        "cpu_overheads": [cpu_overhead_table(args.clone, args.cpu_overheads_commit)],
     }
     args.out.write_text(json.dumps(data, separators=(",", ":")) + "\n")
     print(f"wrote {args.out} ({args.out.stat().st_size / 1e3:.0f} kB)")

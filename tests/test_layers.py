@@ -17,7 +17,7 @@ ALLOWED: dict[str, set[str]] = {
     "core": set(),
     "workload": set(),
     "metrics": set(),
-    "cost": {"spec"},
+    "cost": {"core", "spec"},  # core: the configurations it prices (SpeculativeConfig)
     # the model, its weights and kernels: never the step loop, the tokenizer or sampling
     "runtime": {"spec"},
     "engine": {"core", "spec", "runtime"},
@@ -28,7 +28,8 @@ ALLOWED: dict[str, set[str]] = {
     # the load generator builds exact-length prompts with the engine's tokenizer (imported lazily)
     "bench": {"core", "workload", "metrics", "sim", "cost", "spec", "engine"},
     # and the server's HTTP guards and JSON decoder (server.guards, server.http_errors: no engine, no torch)
-    "lab": {"core", "bench", "sim", "cost", "spec", "workload", "metrics", "server"},
+    # and `servelab plan`'s flags and job building, so each capacity bar is the command it shows
+    "lab": {"core", "bench", "sim", "cost", "spec", "workload", "metrics", "server", "commands"},
     "commands": {
         "bench",
         "cluster",

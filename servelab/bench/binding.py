@@ -1,11 +1,12 @@
-"""Which limit set a planned capacity: the SLO itself (latency grows with the batch), the
-scheduler's `--max-num-seqs`, or the KV cache (no room for more sequences)?
+"""Which limit set a planned capacity: a latency target (TTFT or TPOT: latency grows with the
+batch, and TTFT with any wait for a slot), the scheduler's `--max-num-seqs`, or the KV cache (no
+room for one more request at its full length)?
 
-Judged on the simulated level that decided the search: the first failing load above the capacity,
-or the capacity itself when the search stopped at its maximum without failing. A level is bound
-by max-num-seqs when its running batch reached that cap (extra clients queued for a slot), and by
-the KV cache when, below the cap, clients waited while the pool had no room for one more request
-(or sequences were preempted). A search that never failed is bound by its own maximum.
+The planner's search stops at the most sequences that can run at once (`--max-num-seqs` or the KV
+cache, whichever is lower), so a search that never failed is bound by that ceiling, measured at
+the ceiling itself; clients beyond it would only queue. A search that failed is judged on its first
+failing level: bound by max-num-seqs or the KV cache when clients waited for a slot or for memory
+there (with think time a level can offer more clients than run), else by the target it missed.
 """
 
 from __future__ import annotations
@@ -13,12 +14,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from servelab.bench.capacity import CapacityResult
+from servelab.bench.capacity import CapacityResult, missed_targets
 
 if TYPE_CHECKING:
     from servelab.sim import SimResult
 
-Limit = Literal["slo", "max-num-seqs", "kv-cache", "search-maximum"]
+# "slo": the level failed on failed requests, not on a latency percentile.
+Limit = Literal["ttft", "tpot", "e2e", "slo", "max-num-seqs", "kv-cache", "search-maximum"]
+Ceiling = Literal["max-num-seqs", "kv-cache", "search-maximum"]
+_TARGET_LIMIT: dict[str, Limit] = {"TTFT": "ttft", "TPOT": "tpot", "E2E": "e2e"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,17 +56,45 @@ class Binding:
 
 
 def binding_limit(
-    result: CapacityResult, observed: dict[int, Observed], *, max_num_seqs: int, request_tokens: int
+    result: CapacityResult,
+    observed: dict[int, Observed],
+    *,
+    max_num_seqs: int,
+    request_tokens: int,
+    ceiling: Ceiling = "search-maximum",
 ) -> Binding | None:
     """`request_tokens`: the longest request's prompt + output, what one more sequence needs in
-    the KV cache. None when no load met the SLO (nothing was bound)."""
+    the KV cache; `ceiling`: what set the search's maximum load. None when no load met the
+    targets (nothing was bound)."""
     if result.best is None:
         return None
     level = result.first_failing if result.first_failing is not None else result.best
     load = int(level.load)
     seen = observed[load]
+    kv = f"the KV cache ({seen.kv_capacity_tokens:,} tokens, {request_tokens:,} per request)"
+    limit: Limit
+    if level is result.best:
+        limit = ceiling
+        if ceiling == "max-num-seqs":
+            detail = (
+                f"--max-num-seqs {max_num_seqs}: concurrency {load} meets the targets with {seen.peak_running} "
+                f"sequences running; more clients would only queue for a slot"
+            )
+        elif ceiling == "kv-cache":
+            detail = (
+                f"{kv}: {load} requests fill it at full length, and concurrency {load} meets the targets "
+                f"(peak {seen.peak_running} sequences running, KV {seen.peak_kv_usage:.0%}, {seen.preemptions} "
+                f"preemptions); more clients would queue for memory"
+            )
+        else:
+            detail = (
+                f"the search's maximum: concurrency {load} still meets the targets with {seen.peak_running} "
+                f"sequences running, KV {seen.peak_kv_usage:.0%}"
+            )
+        return Binding(limit, load, seen.peak_running, max_num_seqs, seen.peak_kv_usage,
+                       seen.kv_capacity_tokens, seen.preemptions, detail)  # fmt: skip
     if load > max_num_seqs and seen.peak_running >= max_num_seqs:
-        limit: Limit = "max-num-seqs"
+        limit = "max-num-seqs"
         detail = (
             f"--max-num-seqs {max_num_seqs}: at concurrency {load} the running batch peaked at "
             f"{seen.peak_running} sequences and the other clients queued for a slot"
@@ -72,36 +104,22 @@ def binding_limit(
     ):
         limit = "kv-cache"
         detail = (
-            f"the KV cache ({seen.kv_capacity_tokens:,} tokens, {request_tokens:,} per request): at "
-            f"concurrency {load} it peaked at {seen.peak_kv_usage:.0%} with {seen.peak_running} sequences "
-            f"running (< --max-num-seqs {max_num_seqs}), {seen.preemptions} preemptions"
-        )
-    elif level is result.best:
-        limit = "search-maximum"
-        detail = (
-            f"the search's maximum: concurrency {load} still meets the SLO with {seen.peak_running} "
-            f"sequences running, KV {seen.peak_kv_usage:.0%}"
+            f"{kv}: at concurrency {load} it peaked at {seen.peak_kv_usage:.0%} with {seen.peak_running} "
+            f"sequences running (< --max-num-seqs {max_num_seqs}), {seen.preemptions} preemptions"
         )
     else:
-        limit = "slo"
+        missed = missed_targets(level.summary, result.slo, result.percentile)
+        # Both missed: the one missed by the larger factor.
+        worst = max(missed, key=lambda m: m[1] / m[2], default=None)
+        limit = "slo" if worst is None else _TARGET_LIMIT[worst[0]]
+        name = "the targets" if worst is None else f"the {worst[0]} target"
         detail = (
-            f"the SLO: at concurrency {load} the batch ({seen.peak_running} sequences, KV "
+            f"{name}: at concurrency {load} the batch ({seen.peak_running} sequences, KV "
             f"{seen.peak_kv_usage:.0%}) was below --max-num-seqs {max_num_seqs} and the KV cache"
         )
-    if level is result.first_failing:
-        detail += f"; {level.reason}"
-    elif limit != "search-maximum":
-        detail += " (still passing at the search's maximum)"
-    return Binding(
-        limit,
-        load,
-        seen.peak_running,
-        max_num_seqs,
-        seen.peak_kv_usage,
-        seen.kv_capacity_tokens,
-        seen.preemptions,
-        detail,
-    )
+    detail += f"; {level.reason}"
+    return Binding(limit, load, seen.peak_running, max_num_seqs, seen.peak_kv_usage,
+                   seen.kv_capacity_tokens, seen.preemptions, detail)  # fmt: skip
 
 
-__all__ = ["Binding", "Observed", "binding_limit", "observe"]
+__all__ = ["Binding", "Ceiling", "Limit", "Observed", "binding_limit", "observe"]

@@ -125,6 +125,23 @@ def check_percentile(percentile: int) -> int:
     return percentile
 
 
+def missed_targets(summary: Summary, slo: SLO, percentile: int) -> list[tuple[str, float, float]]:
+    """(label, percentile value, target) of every latency target the summary misses, in the order
+    TTFT, TPOT, E2E."""
+    key = f"p{percentile}"
+    missed = []
+    for label, target, dist in (
+        ("TTFT", slo.ttft_s, summary.ttft_s),
+        ("TPOT", slo.tpot_s, summary.tpot_s),
+        ("E2E", slo.e2e_s, summary.e2e_s),
+    ):
+        value = None if target is None else getattr(dist, key)
+        # None: e.g. the TPOT of one-token outputs, nothing to miss
+        if target is not None and value is not None and value > target:
+            missed.append((label, value, target))
+    return missed
+
+
 def slo_check(summary: Summary, slo: SLO, percentile: int) -> tuple[bool, str]:
     """(passed, reason it failed)."""
     check_percentile(percentile)
@@ -133,19 +150,8 @@ def slo_check(summary: Summary, slo: SLO, percentile: int) -> tuple[bool, str]:
     allowed_failures = (100 - percentile) / 100.0
     if summary.failed / summary.num_requests > allowed_failures:
         return False, f"{summary.failed}/{summary.num_requests} requests failed"
-    key = f"p{percentile}"
-    for label, target, dist in (
-        ("TTFT", slo.ttft_s, summary.ttft_s),
-        ("TPOT", slo.tpot_s, summary.tpot_s),
-        ("E2E", slo.e2e_s, summary.e2e_s),
-    ):
-        if target is None:
-            continue
-        value = getattr(dist, key)
-        if value is None:
-            continue  # e.g. TPOT of one-token outputs: nothing to miss
-        if value > target:
-            return False, f"{key} {label} {value * 1e3:.1f} ms > {target * 1e3:g} ms"
+    for label, value, target in missed_targets(summary, slo, percentile)[:1]:
+        return False, f"p{percentile} {label} {value * 1e3:.1f} ms > {target * 1e3:g} ms"
     return True, ""
 
 

@@ -9,11 +9,12 @@ plain data (names, numbers, strings) and returns a plain dict.
 from __future__ import annotations
 
 import math
+import statistics
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
-from servelab.bench.binding import Binding, Observed, binding_limit, observe
+from servelab.bench.binding import Binding, Ceiling, Observed, binding_limit, observe
 from servelab.bench.capacity import CapacityResult, find_capacity
 from servelab.core.config import SchedulerConfig
 from servelab.errors import DoesNotFit, InvalidArgument, RequestTooLong
@@ -31,6 +32,10 @@ if TYPE_CHECKING:
 # The capacity search's ceiling on concurrent requests: each level simulates that many in flight
 # (and several times as many requests), so past it a plan only exhausts memory.
 MAX_CONCURRENCY = 100_000
+# The TTFT target when none is given: MLPerf Inference's server-scenario limit for Llama 2 70B and
+# Llama 3.1 8B. A 32k-token prefill of Llama 3.1 8B alone fits in it on an H100; a client that
+# waits a whole request for a slot (10 s at 256 tokens x 40 ms) does not.
+DEFAULT_SLO_TTFT_S = 2.0
 
 
 @dataclass(slots=True)
@@ -48,7 +53,8 @@ class PlanRow:
     devices_needed: int | None = None  # for the target request rate
     cost_per_million_output_tokens: float | None = None
     capacity: dict[str, Any] | None = None  # the full CapacityResult.to_dict()
-    binding: Binding | None = None  # which limit set the capacity (SLO, --max-num-seqs, KV cache, search max)
+    binding: Binding | None = None  # which limit set the capacity (TTFT, TPOT, --max-num-seqs, KV cache, ...)
+    max_running: int | None = None  # the most sequences that run at once: --max-num-seqs or the KV cache
     frontier: list[tuple[float, float, bool]] = field(default_factory=list)  # (tok/s/user, tok/s/device, passed)
     extrapolation: list[str] = field(default_factory=list)  # why its price rests on no measured kernel
 
@@ -71,6 +77,7 @@ class PlanRow:
             "devices_needed": self.devices_needed,
             "cost_per_million_output_tokens": self.cost_per_million_output_tokens,
             "binding_limit": None if self.binding is None else self.binding.to_dict(),
+            "max_running": self.max_running,
             "capacity": self.capacity,
             "extrapolation": self.extrapolation,
         }
@@ -134,7 +141,7 @@ def plan_one(job: PlanJob) -> PlanRow:
     that cannot serve: the row says why."""
     from servelab.cost.memory import MemoryPlan
     from servelab.sim import SimConfig, simulate
-    from servelab.sim.runner import engine_sim_config
+    from servelab.sim.runner import engine_sim_config, kv_slots_needed, scheduler_config
     from servelab.spec.hardware import get_hardware
     from servelab.spec.model import resolve_model
 
@@ -160,8 +167,10 @@ def plan_one(job: PlanJob) -> PlanRow:
         memory = MemoryPlan(model, hardware, job.weight_dtype, job.kv_cache_dtype, job.tp, config.memory_fraction)
         memory.require_weights_fit()
         base = WorkloadSpec(**job.workload)
-        longest = max(s.prompt_tokens + s.output_tokens for s in base.generate())
+        requests = base.generate()
+        longest = max(s.prompt_tokens + s.output_tokens for s in requests)
         memory.require_fit(1, longest)
+        sched = scheduler_config(config)
     except (DoesNotFit, InvalidArgument) as exc:
         row.reason = exc.message
         return row
@@ -183,13 +192,21 @@ def plan_one(job: PlanJob) -> PlanRow:
         observed[c] = observe(result)
         return result.steady_or_whole
 
-    # Beyond a few times max_num_seqs the extra requests only queue: TTFT grows, TPOT does not.
-    # Users who think are in flight only E2E / (E2E + think) of the time (Little's law), so as
-    # many more of them fit; E2E is at least one user's alone.
-    # The default ceiling stops at MAX_CONCURRENCY (a row that still meets the SLO there says so).
-    max_load = job.max_concurrency or min(MAX_CONCURRENCY, 4 * max_num_seqs * _think_factor(config, job.workload))
-    if fixed_n:
-        max_load = min(max_load, fixed_n)  # more clients than requests changes nothing
+    # Clients beyond what runs at once only queue: they add TTFT, no throughput, and are not users.
+    # So the search stops at the most sequences that can run, measured there exactly: the
+    # scheduler's cap or the requests whose KV fits at once at full length (the workload's mean
+    # request), whichever is lower. Users who think are in flight only E2E / (E2E + think) of the
+    # time (Little's law), so as many more of them fit; E2E is at least one user's alone.
+    blocks_per_request = statistics.fmean(
+        math.ceil(kv_slots_needed(r.prompt_tokens, r.output_tokens) / sched.block_size) for r in requests
+    )
+    kv_wall = max(1, int(sched.num_blocks // blocks_per_request))
+    row.max_running = min(max_num_seqs, kv_wall)
+    ceiling: Ceiling = "max-num-seqs" if max_num_seqs <= kv_wall else "kv-cache"
+    max_load = row.max_running * _think_factor(config, job.workload)
+    for cap in (job.max_concurrency, MAX_CONCURRENCY, fixed_n):  # fixed_n: more clients than requests changes nothing
+        if cap is not None and cap < max_load:
+            max_load, ceiling = cap, "search-maximum"
     try:
         result = find_capacity(
             measure, job.slo, percentile=job.percentile, mode="concurrency", max_load=max_load, tolerance=job.tolerance
@@ -199,7 +216,7 @@ def plan_one(job: PlanJob) -> PlanRow:
         row.reason = exc.message
         return row
     fill_row(row, result, job)
-    row.binding = binding_limit(result, observed, max_num_seqs=max_num_seqs, request_tokens=longest)
+    row.binding = binding_limit(result, observed, max_num_seqs=max_num_seqs, request_tokens=longest, ceiling=ceiling)
     return row
 
 
@@ -239,7 +256,7 @@ def fill_row(row: PlanRow, result: CapacityResult, job: PlanJob) -> None:
             job.price_per_device_hour, s.output_throughput_per_device
         )
     if result.reached_max_load:
-        row.reason = f"still meets the SLO at concurrency {result.best.load:g} (the search's maximum)"
+        row.reason = f"still meets the targets at concurrency {result.best.load:g} (the search's maximum)"
 
 
 def rank(rows: list[PlanRow]) -> list[PlanRow]:

@@ -306,9 +306,9 @@ class PrefillLoop(_DisaggLoop):
         self.held: dict[str, _Held] = {}  # prefilled, waiting for (or in) their transfer
 
     def _admit(self, command: m.AddRequests) -> None:
+        assert command.decode_rank is not None, "the front end names each prefill request's decode worker"
         for r in command.requests:
-            assert r.decode_rank is not None, "the front end names each prefill request's decode worker"
-            self.decode_rank[r.request_id] = r.decode_rank
+            self.decode_rank[r.request_id] = command.decode_rank
         super()._admit(command)
         for r in command.requests:
             if r.request_id not in self.live:  # refused

@@ -47,6 +47,8 @@ from servelab.engine.client import (
     StepObserver,
     TransferObserver,
 )
+from servelab.engine.core import EngineCoreRequest
+from servelab.engine.input_processor import InputProcessor
 from servelab.engine.outputs import EngineOutput, EngineStats
 from servelab.errors import QueueFull, ServelabError, Unsupported
 
@@ -110,6 +112,8 @@ class ClusterEngine:
                  restart: Callable[[WorkerHandle, list[WorkerHandle]], WorkerHandle] | None = None,
                  restart_limit: int = DEFAULT_RESTART_LIMIT):  # fmt: skip
         self.front = front
+        # vLLM v1's split: requests are tokenized and checked here, and the workers' cores take them as they are
+        self._inputs = InputProcessor(front.tokenizer, front.vocab_size, front.max_model_len, front.logits_processors)
         self.workers = workers
         self.restart = restart  # (a failed worker, its peers) -> its running replacement (blocking); None: none
         self._restarting = threading.Lock()  # one restart at a time (restart threads only)
@@ -246,10 +250,14 @@ class ClusterEngine:
             if rid in self._sinks or rid in self._remote:
                 raise ServelabError(f"request id {rid!r} is already in flight")
         check_room_to_wait(request_ids, self.num_waiting, self.front.scheduler_config.max_waiting)
-        prompts = [self._token_ids(r.prompt) for r in requests]
-        hashes = chain_block_hashes(prompts[0], self.block_size) if self.router.kind == "prefix-affinity" else ()
         now = time.perf_counter()
-        arrivals = [now if r.arrival_s is None else r.arrival_s for r in requests]
+        core = [self._inputs.process(r.request_id, r.prompt, r.params, priority=r.priority,
+                                     arrival_s=now if r.arrival_s is None else r.arrival_s) for r in requests]  # fmt: skip
+        hashes = (
+            chain_block_hashes(core[0].prompt_token_ids, self.block_size)
+            if self.router.kind == "prefix-affinity"
+            else ()
+        )
         sink: asyncio.Queue = asyncio.Queue()
         for rid in request_ids:
             self._sinks[rid] = sink
@@ -265,7 +273,7 @@ class ClusterEngine:
             try:
                 # disaggregated: the decode worker its KV goes to, chosen with it
                 decode = self.decode_router.pick(self._pool("decode"), hashes) if worker.role == "prefill" else None
-                await self._admit(worker, requests, prompts, arrivals, decode)
+                await self._admit(worker, core, decode)
             except QueueFull as exc:
                 full.add(worker.index)
                 last_full = exc
@@ -275,22 +283,18 @@ class ClusterEngine:
             else:
                 return stream
 
-    async def _admit(self, worker: WorkerHandle, requests: list[EngineRequest], prompts: list[list[int]],
-                     arrivals: list[float], decode: WorkerHandle | None = None) -> None:  # fmt: skip
-        now = time.perf_counter()
-        wire = []
-        for r, ids, arrival in zip(requests, prompts, arrivals):
-            prompt = EngineOutput(r.request_id, [], "", False, num_prompt_tokens=len(ids), max_tokens=r.params.max_tokens,
-                                  prompt_only=r.params.prompt_only)  # fmt: skip
+    async def _admit(self, worker: WorkerHandle, requests: list[EngineCoreRequest],
+                     decode: WorkerHandle | None = None) -> None:  # fmt: skip
+        for r in requests:
+            prompt = EngineOutput(r.request_id, [], "", False, num_prompt_tokens=len(r.prompt_token_ids),
+                                  max_tokens=r.params.max_tokens, prompt_only=r.params.prompt_only)  # fmt: skip
             self._remote[r.request_id] = _Remote(worker, prompt, decode)
-            wire.append(m.WireRequest(r.request_id, ids, r.params, r.priority, now - arrival,
-                                      None if decode is None else decode.index))  # fmt: skip
         batch = next(self._batches)
         future = asyncio.get_running_loop().create_future()
         self._admissions[batch] = (future, worker, [r.request_id for r in requests])
         for w in (worker,) if decode is None else (worker, decode):
             w.outstanding += len(requests)
-        worker.sends.put(m.AddRequests(batch, wire))
+        worker.sends.put(m.AddRequests(batch, requests, time.perf_counter(), None if decode is None else decode.index))
         await future
 
     def _pool(self, *roles: str) -> list[WorkerHandle]:
@@ -347,11 +351,6 @@ class ClusterEngine:
         leave()
 
     # ---- messages (event loop thread) -------------------------------------------------------
-
-    def _token_ids(self, prompt: str | list[int]) -> list[int]:
-        if isinstance(prompt, str):
-            return self.front.tokenizer.encode_prompt(prompt)
-        return [int(t) for t in prompt]
 
     def _dispatch(self, items: Sequence[EngineOutput | Failed]) -> None:
         for item in items:

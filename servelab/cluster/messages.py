@@ -1,7 +1,8 @@
-"""What travels on a link: small pickled dataclasses. Times cross processes (and hosts, whose
-clocks differ) as offsets from the request's arrival, never as clock readings: the front end
-sends a request's age, and the worker's engine answers with plain EngineOutputs, whose times
-are relative to that arrival."""
+"""What travels on a link: small pickled dataclasses. A request goes as the engine core's own
+EngineCoreRequest, made by the front end's input processor; the worker's engine answers with
+plain EngineOutputs. Times cross processes (and hosts, whose clocks differ) as offsets, never as
+clock readings: AddRequests carries the front end's clock at sending, from which the worker
+takes each request's age, and outputs' times are relative to the request's arrival."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from servelab.errors import ServelabError
 
 if TYPE_CHECKING:
     from servelab.core.config import ResolvedSchedulerConfig
-    from servelab.core.sequence import SamplingParams
+    from servelab.engine.core import EngineCoreRequest
     from servelab.engine.llm_engine import EngineArgs
     from servelab.engine.outputs import EngineOutput, EngineStats
 
@@ -38,21 +39,14 @@ class WorkerConfig:
 
 
 @dataclass(slots=True)
-class WireRequest:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    priority: int
-    age_s: float  # how long ago it arrived at the front end
-    decode_rank: int | None = None  # to a prefill worker: the decode worker its KV goes to
-
-
-@dataclass(slots=True)
 class AddRequests:
-    """All admitted or none (the n choices of one client request); answered by Admitted."""
+    """All admitted or none (the n choices of one client request); answered by Admitted. Their
+    `arrival_s` and `sent_s` are on the front end's clock: a request's age is their difference."""
 
     batch: int
-    requests: list[WireRequest]
+    requests: list[EngineCoreRequest]
+    sent_s: float
+    decode_rank: int | None = None  # to a prefill worker: the decode worker their KV goes to
 
 
 @dataclass(slots=True)

@@ -15,6 +15,7 @@ worker from a dead one even during a long step.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import queue
@@ -253,9 +254,8 @@ class WorkerLoop:
         admitted: list[str] = []
         try:
             for r in command.requests:
-                arrival = now - max(0.0, r.age_s)
-                self.engine.add_request(r.request_id, r.prompt_token_ids, r.params, priority=r.priority,
-                                        arrival_s=arrival)  # fmt: skip
+                age_s = max(0.0, command.sent_s - r.arrival_s)
+                self.engine.add_core_request(dataclasses.replace(r, arrival_s=now - age_s))
                 admitted.append(r.request_id)
                 self.live.add(r.request_id)
         except Exception as exc:  # all or nothing: n choices are one request to the client

@@ -23,8 +23,10 @@ from servelab.errors import InvalidArgument
 from servelab.units import parse_bytes
 
 # the engine flags of generate, chat and calibrate (serve adds its own: served_model_name, seed, ...)
-ENGINE_FLAGS = ("model", "dtype", "kv_cache_dtype", "device", "quantization", "deterministic",
+ENGINE_FLAGS = ("model", "dtype", "kv_cache_dtype", "device", "quantization", "deterministic", "exact",
                 "tensor_parallel_size")  # fmt: skip
+# generate's and chat's besides (calibrate times plain steps: it has no speculation)
+DECODING_FLAGS = ("speculative_config",)
 
 
 def _knobs() -> dict[str, Field]:
@@ -66,10 +68,10 @@ def add_engine_args_flags(group: Any, names: Iterable[str]) -> None:
             add_deprecated_flag(group, old, action)
 
 
-def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """The engine group of generate, chat and calibrate."""
+def add_engine_arguments(parser: argparse.ArgumentParser, *, decoding: bool = True) -> None:
+    """The engine group of generate, chat and calibrate (`decoding` False: without DECODING_FLAGS)."""
     g = parser.add_argument_group("engine")
-    add_engine_args_flags(g, ENGINE_FLAGS)
+    add_engine_args_flags(g, ENGINE_FLAGS + (DECODING_FLAGS if decoding else ()))
     add_scheduler_arguments(
         g, ("max_model_len",), unset={"max_model_len": f"the model's, at most {DEFAULT_MAX_MODEL_LEN}"}
     )
@@ -159,7 +161,7 @@ def set_threads(args: argparse.Namespace) -> None:
 def build_engine(args: argparse.Namespace):
     from servelab.engine.llm_engine import LLMEngine
 
-    engine_args = engine_args_from(args)
+    engine_args = engine_args_from(args, ENGINE_FLAGS + DECODING_FLAGS)
     set_threads(args)
     return LLMEngine.from_args(engine_args)
 

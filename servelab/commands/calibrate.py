@@ -81,7 +81,7 @@ GRIDS = {
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    add_engine_arguments(parser)
+    add_engine_arguments(parser, decoding=False)
     parser.add_argument("--out", required=True, metavar="FILE.json", help="where to write the profile")
     parser.add_argument(
         "--grid",
@@ -121,6 +121,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(clients pausing {describe_think_time(*parse_think_time(SERVER_THINK_TIME))} between "
         "requests), and fit the time the server's work (HTTP, detokenize, SSE) adds to each step "
         "it ran beyond the profile's price, per step and per sequence; about a minute",
+    )
+    parser.add_argument(
+        "--sim-model",
+        default=None,
+        metavar="NAME",
+        help="--server-term: catalog model the serving term's simulator runs (default: the one the "
+        "model's name matches; name one for a model outside the catalog)",
     )
     parser.add_argument(
         "--hardware-out",
@@ -340,7 +347,8 @@ def kernel_rows_of(engine: Any) -> dict[str, Any] | None:
     from what the engine loaded: GGUF blocks kept packed switch at block_quant.FUSED_MAX_ROWS (to
     the panel kernel; only formats with the in-register kernel) and past
     block_quant.same_order_max_rows (to MKL up to AVX2, to the k-major panel at the AVX-512
-    levels; decode-only steps leave the stack there), 16-bit weights at linear.HALF_GEMV_MAX_ROWS and
+    levels; decode-only steps leave the stack there), or with the default's int8 dot products
+    (block_quant.with_q8) once, below their first row count, 16-bit weights at linear.HALF_GEMV_MAX_ROWS and
     HALF_GEMM_MAX_ROWS. None when the linears have no
     such switch or mix kinds: dense fp32 and int8 (one kernel at every row count), deterministic
     mode (the panel kernel for every row count), tensor-parallel wrappers, CUDA."""
@@ -354,6 +362,14 @@ def kernel_rows_of(engine: Any) -> dict[str, Any] | None:
     if all(isinstance(lin, block_quant.BlockQuantLinear) for lin in linears):
         fused = all(block_quant.fused_formats(lin) for lin in linears)
         formats = sorted({lin.format_name for lin in linears})
+        q8_rows = {lin.q8_min_rows if lin.q8 is not None else None for lin in linears}
+        if len(q8_rows) == 1 and (q8_min_rows := q8_rows.pop()) is not None:
+            # the default's int8 dot products: one kernel from q8_min_rows rows on, on the stack too
+            return {
+                "fused_max_rows": q8_min_rows - 1,
+                "max_rows": None,
+                "linears": f"GGUF blocks kept packed ({', '.join(formats)}), int8 dot products from {q8_min_rows} rows",
+            }
         return {
             "fused_max_rows": block_quant.FUSED_MAX_ROWS if fused else None,
             "max_rows": block_quant.same_order_max_rows(linears[0].kernels),
@@ -520,6 +536,10 @@ def run(args: argparse.Namespace) -> int:
         raise InvalidArgument(f"--quiet-wait must be >= 0, got {args.quiet_wait!r}")
     if not args.max_heldout_error > 0:
         raise InvalidArgument(f"--max-heldout-error must be > 0 (a %), got {args.max_heldout_error:g}")
+    if args.sim_model is not None:
+        from servelab.spec.model import get_model
+
+        get_model(args.sim_model)  # a misspelt name fails now, not after minutes of timing
     grid = GRIDS[args.grid]
     # the same shapes every repeat: no prefix cache, the grid's budget
     engine_args = engine_args_from(args, max_num_batched_tokens=grid.chunk, enable_prefix_caching=False)
@@ -784,7 +804,7 @@ def measure_server_term(args: argparse.Namespace, profile: dict[str, Any]) -> di
                         proc.wait()
         with open(step_log, encoding="utf-8") as f:
             steps = ServedStep.from_log([json.loads(line) for line in f if line.strip()])
-    model = validate.sim_model(profile, None, served)
+    model = validate.sim_model(profile, args.sim_model, served)
     term = fit_server_term(profile, server, model, steps, runs)
     return {
         **term,

@@ -1,4 +1,5 @@
-"""`servelab models`: the model catalog, with parameter counts computed from each spec."""
+"""`servelab models`: the model catalog, with parameter counts computed from each spec, and
+whether the engine runs each model beside the cost model, which prices them all."""
 
 from __future__ import annotations
 
@@ -21,7 +22,8 @@ def run(args: argparse.Namespace) -> int:
     from servelab.spec.model import MODELS
 
     if args.json:
-        print(json.dumps([m.to_dict() for m in MODELS.values()], indent=2))
+        print(json.dumps([{**m.to_dict(), "engine_loads": m.engine_refusal is None} for m in MODELS.values()],
+                         indent=2))  # fmt: skip
         return 0
     headers = [
         "model",
@@ -38,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
         "tied",
         "max ctx",
         "KV/token bf16",
+        "engine",
     ]
     body = [
         [
@@ -55,8 +58,10 @@ def run(args: argparse.Namespace) -> int:
             "yes" if m.tie_embeddings else "no",
             m.max_context,
             f"{m.kv_bytes_per_token('bf16') / 1024:,.0f} KiB",
+            "loads" if m.engine_refusal is None else f"no: {m.engine_refusal}",
         ]
         for m in MODELS.values()
     ]
-    print(render_table(headers, body, left=(0, 11)))
+    print(render_table(headers, body, left=(0, 11, 14)))
+    print("The cost model (roofline, sim, plan) prices every model; `engine` says whether servelab's engine runs it.")
     return 0

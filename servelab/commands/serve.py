@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 HELP = "serve a model over an OpenAI-compatible HTTP API"
 # serve's EngineArgs flags (servelab/engine/args.py), in the "model" and "engine and limits" groups
 _MODEL_FLAGS = ("model", "served_model_name", "dtype", "kv_cache_dtype", "quantization", "device", "deterministic",
-                "tensor_parallel_size", "seed")  # fmt: skip
+                "exact", "tensor_parallel_size", "seed", "speculative_config")  # fmt: skip
 _LIMIT_FLAGS = ("kv_cache_memory_bytes",)
 
 

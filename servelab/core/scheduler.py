@@ -98,6 +98,7 @@ class Scheduler(PrefilledSequences, VerifiedDecodes):
             prefix_cache_queries=bm.prefix_cache_queries,
             num_preemptions=self.num_preemptions,
             num_finished=self.num_finished,
+            **self.spec_counters.stats_fields(),
         )
 
     # ---- admission -----------------------------------------------------------------------------

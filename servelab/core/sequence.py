@@ -93,6 +93,9 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None  # only these may be sampled
     bad_words: list[str] = field(default_factory=list)  # never completed in the output
     structured_output: StructuredOutputSpec | None = None
+    # OpenAI's `prediction`: token ids the output is expected to resemble, proposed as drafts
+    # (speculative decoding; engine/speculative.py). It changes the speed, never the output.
+    prediction: list[int] | None = None
     # The engine's admission-time work for the edits above (their tensors, the bad words' token
     # ids, the compiled grammar), attached off the step loop so that the step loop neither
     # tokenizes nor compiles, even if the compile cache dropped the grammar since. An opaque
@@ -232,6 +235,14 @@ class SamplingParams:
                 raise InvalidArgument(
                     f"allowed_token_ids: {bad!r} is not a token id (an integer >= 0)", param="allowed_token_ids"
                 )
+        if self.prediction is not None:
+            if not isinstance(self.prediction, list):
+                raise InvalidArgument(
+                    f"prediction must be a list of token ids, got {type(self.prediction).__name__}", param="prediction"
+                )
+            bad = next((t for t in self.prediction if not _is_int(t) or t < 0), None)
+            if bad is not None:
+                raise InvalidArgument(f"prediction: {bad!r} is not a token id (an integer >= 0)", param="prediction")
         bad_word = next((w for w in self.bad_words if not isinstance(w, str) or not w.strip()), None)
         if bad_word is not None:
             raise InvalidArgument(f"bad_words: {bad_word!r} is not a non-blank string", param="bad_words")
@@ -318,6 +329,7 @@ class Sequence:
     # Tokens a proposer guessed for the next step (speculative decoding); the scheduler verifies
     # as many as the budgets allow, and update() clears them.
     draft_token_ids: list[int] = field(default_factory=list, repr=False)
+    num_accepted_draft_tokens: int = 0  # drafts verification kept, over the request's life
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

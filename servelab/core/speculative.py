@@ -144,6 +144,15 @@ class SpecDecodeCounters:
     def acceptance_rate(self) -> float:
         return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
 
+    def stats_fields(self) -> dict[str, Any]:
+        """The counters as SchedulerStats' spec_* fields (a copy)."""
+        return {
+            "spec_num_drafts": self.num_drafts,
+            "spec_num_draft_tokens": self.num_draft_tokens,
+            "spec_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_accepted_per_position": list(self.accepted_per_position),
+        }
+
 
 class VerifiedDecodes:
     """A Scheduler mixin: decodes that carry proposed tokens (`Sequence.draft_token_ids`) run as
@@ -193,6 +202,7 @@ class VerifiedDecodes:
         if len(drafts) > entry.num_draft or drafts != seq.draft_token_ids[: len(drafts)]:
             raise ValueError(f"request {seq.request_id!r}: accepted tokens {drafts} are not a prefix of its drafts")
         self.spec_counters.record(entry.num_draft, len(drafts))
+        seq.num_accepted_draft_tokens += len(drafts)
         seq.draft_token_ids = []
         if token is None:  # the step failed for this request: nothing it computed is kept
             self._finish(seq, FinishReason.ERROR, now)

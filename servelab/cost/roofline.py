@@ -23,9 +23,10 @@ docs/fidelity.md for the published measurements the defaults are fitted to.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from operator import mul
 from types import MappingProxyType
+from typing import Any
 
 from servelab.cost.gemm import gemm_time_s
 from servelab.cost.memory import DEFAULT_MEMORY_FRACTION, MemoryPlan, kv_heads_per_device
@@ -116,6 +117,27 @@ class Efficiency:
         """The (bandwidth, compute) fractions a weight format's kernels reach."""
         fmt = self.formats.get(weight_dtype.lower())
         return fmt if fmt is not None else FormatEfficiency(self.bandwidth_fraction, self.compute_fraction)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (an engine preset's `gpu.efficiency` in engine_profiles.json)."""
+        out: dict[str, Any] = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "formats"}
+        out["formats"] = {
+            k: {"bandwidth_fraction": v.bandwidth_fraction, "compute_fraction": v.compute_fraction}
+            for k, v in sorted(self.formats.items())
+        }
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Efficiency:
+        """The inverse of `to_dict`; a field left out keeps its default."""
+        known = {f.name for f in fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise InvalidArgument(f"unknown efficiency terms: {', '.join(sorted(unknown))}", param="efficiency")
+        top: dict[str, Any] = {k: float(v) for k, v in data.items() if k != "formats"}
+        if "formats" in data:
+            top["formats"] = {k: FormatEfficiency(**v) for k, v in data["formats"].items()}
+        return cls(**top)
 
 
 # The end-to-end terms refitted on top of the measured kernels (benchmarks/fit_published.py

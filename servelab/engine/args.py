@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from servelab.core.config import SchedulerConfig, knob
+from servelab.core.speculative import SpeculativeConfig
 from servelab.errors import InvalidArgument
 from servelab.spec.dtypes import FLOAT_DTYPES, canonical_dtype, require_supported
 
@@ -72,7 +73,7 @@ class EngineArgs:
     quantization: str | None = field(default=None, metadata=knob(
         "CPU linears that trade numerics for speed, batch-invariant: int8 (7-bit weights, int8 activations; "
         "1.5-6x faster than fp32) or bf16 (bf16 weights and activations, fp32 sums; prefill GEMMs ~2x faster "
-        "on AVX512-BF16)", choices=QUANTIZATIONS, unset="off, exact fp32"))  # fmt: skip
+        "on AVX512-BF16)", choices=QUANTIZATIONS, unset="off: the default linears (see --exact)"))  # fmt: skip
     # The KV cache's storage dtype: "auto" = the compute dtype. A 16-bit cache under fp32 compute
     # holds twice the tokens in the same memory and halves the bytes decode attention reads;
     # keys and values are rounded to it as they are stored (see LlamaModel.forward); fp16 saturates
@@ -91,6 +92,17 @@ class EngineArgs:
             "preemption: one kernel for every batch size, float32 compute, CPU only; slower (docs/benchmarks.md)"
         ),
     )
+    # On a CPU the default runs a GGUF model's many-row steps (prefill, batched decode) on int8
+    # dot products over its blocks (runtime/block_quant.py, within docs/accuracy.md's contract);
+    # exact keeps fp32 sums over the dequantized weights at every row count, as an explicit
+    # --dtype float32 and deterministic mode do.
+    exact: bool = field(
+        default=False,
+        metadata=knob(
+            "bit-exact float32 linears at every batch size: without it a GGUF model's prefill and batched decode "
+            "on a CPU take int8 dot products over its blocks (faster; KL vs fp32 in docs/accuracy.md)"
+        ),
+    )
     # True: the KV pool's memory is made resident at start (a server: flat RSS, a pool too big
     # fails at once); False: pages are touched as blocks first fill (fast start for offline use)
     kv_cache_prefault: bool = False
@@ -106,7 +118,16 @@ class EngineArgs:
         ),
     )
 
+    # Speculative decoding (vLLM's --speculative-config): a JSON text or dict on the way in, a
+    # SpeculativeConfig once made; requests with a `prediction` speculate whatever it says.
+    speculative_config: SpeculativeConfig | None = field(default=None, metadata=knob(
+        "speculative decoding, as vLLM: '{\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_max\": 4}' (prompt lookup) or '{\"model\": PATH, \"num_speculative_tokens\": 4}' (a draft "
+        "model sharing the tokenizer); greedy output is unchanged, sampled output keeps its "
+        "distribution", unset="off (requests with a prediction still speculate)", metavar="JSON"))  # fmt: skip
+
     def __post_init__(self) -> None:
+        self.speculative_config = SpeculativeConfig.parse(self.speculative_config)
         if isinstance(self.model, os.PathLike):
             self.model = os.fspath(self.model)
         # One vocabulary (spec/dtypes.py): old spellings such as "bf16" name the same dtype.
@@ -169,6 +190,13 @@ class EngineArgs:
                     f"got dtype {self.dtype!r}",
                     param="dtype",
                 )
+        if self.exact:
+            if self.quantization is not None:
+                raise InvalidArgument(
+                    f"exact keeps float32 linears; it cannot go with quantization {self.quantization!r}", param="exact"
+                )
+            if self.dtype not in (None, "float32"):
+                raise InvalidArgument(f"exact computes in float32, got dtype {self.dtype!r}", param="dtype")
         if self.tensor_parallel_size < 1:
             raise InvalidArgument(
                 f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}", param="tensor_parallel_size"
@@ -181,6 +209,22 @@ class EngineArgs:
             raise InvalidArgument(
                 f"kv_cache_memory_bytes must be >= 1, got {self.kv_cache_memory_bytes}", param="kv_cache_memory_bytes"
             )
+        spec = self.speculative_config
+        if spec is not None:
+            if not isinstance(spec, SpeculativeConfig):
+                raise InvalidArgument(
+                    f"speculative_config must be a SpeculativeConfig, a dict or its JSON, got {spec!r}",
+                    param="speculative_config",
+                )
+            if self.tensor_parallel_size > 1:
+                raise InvalidArgument(
+                    "speculative decoding runs with tensor_parallel_size 1 only", param="speculative_config"
+                )
+            if self.device != "cpu":
+                raise InvalidArgument(
+                    f"speculative decoding runs on cpu only so far, got device {self.device!r}",
+                    param="speculative_config",
+                )
         if not 0 <= self.seed <= MAX_SEED:
             raise InvalidArgument(f"seed must be in [0, {MAX_SEED}] (2**63 - 1), got {self.seed}", param="seed")
 
@@ -192,7 +236,7 @@ class EngineArgs:
             _require_type(name, getattr(self, name), str, "a string", optional=True)
         for name in ("device", "kv_cache_dtype"):
             _require_type(name, getattr(self, name), str, "a string")
-        for name in ("deterministic", "kv_cache_prefault"):
+        for name in ("deterministic", "exact", "kv_cache_prefault"):
             _require_type(name, getattr(self, name), bool, "True or False")
         _require_int("seed", self.seed)
         _require_int("tensor_parallel_size", self.tensor_parallel_size)

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from servelab.core.scheduler import Scheduler
     from servelab.core.scheduler_stats import SchedulerStats
     from servelab.engine.logits_processors import LogitsProcessors
+    from servelab.engine.speculative import Proposers
 
 
 @dataclass(slots=True)
@@ -48,7 +49,7 @@ class EngineCore:
     """Scheduler + executor. Single-threaded: one step loop calls every method."""
 
     def __init__(self, executor: Executor, scheduler_config: SchedulerConfig,
-                 logits_processors: LogitsProcessors | None = None):  # fmt: skip
+                 logits_processors: LogitsProcessors | None = None, proposers: Proposers | None = None):  # fmt: skip
         from servelab.core.scheduler import Scheduler
 
         self.executor = executor
@@ -60,6 +61,8 @@ class EngineCore:
         self.last_step_num_tokens = 0  # query tokens the last step ran (the metrics' iteration tokens)
         self.last_plan: StepPlan | None = None  # the last step's plan and its executor's wall time
         self.last_execute_s = 0.0
+        # Speculative decoding: drafts set on running sequences before each schedule(); None: never
+        self.proposers = proposers
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -84,6 +87,8 @@ class EngineCore:
         )
         self.scheduler.add(seq, seq.arrival_s)
         self._requests[seq.request_id] = _CoreState(seq)
+        if request.params.prediction and self.proposers is not None:
+            self.proposers.add_prediction(seq.request_id, request.params.prediction)
         return seq
 
     def abort(self, request_id: str) -> EngineOutput | None:
@@ -121,6 +126,8 @@ class EngineCore:
 
     def step(self) -> list[EngineOutput]:
         """One scheduler step through the executor: the news of every request it touched."""
+        if self.proposers is not None:
+            self.proposers.propose(self.scheduler.running)
         plan = self.scheduler.schedule(time.perf_counter())
         self.last_step_num_tokens = plan.num_batched_tokens
         self.last_plan = plan
@@ -147,6 +154,8 @@ class EngineCore:
     def _forget(self, request_id: str) -> _CoreState | None:
         if self.logits_processors is not None:
             self.logits_processors.release(request_id)
+        if self.proposers is not None:
+            self.proposers.release(request_id)
         return self._requests.pop(request_id, None)
 
     def close(self) -> None:
@@ -227,5 +236,15 @@ class EngineCore:
             prev_token_offset_s=after(times[-k - 1]) if len(times) > k else None,
             first_token_offset_s=after(seq.first_token_s), first_scheduled_offset_s=after(seq.first_scheduled_s),
             finished_offset_s=after(seq.finished_s), stop_reason=seq.stop_reason, error=seq.error, pooled=seq.pooled,
-            prompt_token_ids=prompt_token_ids,
+            prompt_token_ids=prompt_token_ids, **_prediction_usage(seq),
         )  # fmt: skip
+
+
+def _prediction_usage(seq: Sequence) -> dict[str, int]:
+    """OpenAI's accepted/rejected_prediction_tokens for a request with a prediction: the drafts
+    verification kept, and the prediction's other tokens."""
+    prediction = seq.params.prediction
+    if prediction is None:
+        return {}
+    accepted = seq.num_accepted_draft_tokens
+    return {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": max(len(prediction) - accepted, 0)}

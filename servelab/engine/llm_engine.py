@@ -28,9 +28,10 @@ from servelab.engine.args import (
     native_bf16_on_cpu,
 )
 from servelab.engine.client import EngineFront
-from servelab.engine.core import EngineCore
+from servelab.engine.core import EngineCore, EngineCoreRequest
 from servelab.engine.input_processor import InputProcessor
 from servelab.engine.output_processor import OutputProcessor, failed_output
+from servelab.engine.speculative import Proposers
 from servelab.engine.outputs import EngineOutput, EngineStats
 from servelab.errors import InvalidArgument
 
@@ -61,6 +62,8 @@ class LLMEngine:
         self.model_name = model_name
         vocab_size: int = getattr(executor, "vocab_size", None) or tokenizer.vocab_size
         self.input_processor = InputProcessor(tokenizer, vocab_size, self.core.config.max_model_len, logits_processors)
+        # requests with a `prediction` speculate; from_args adds the configured method (--speculative-config)
+        self.core.proposers = Proposers(None, vocab_size)
         self.output_processor = OutputProcessor(tokenizer)
         # The model's description (its shape, for the engine and the cost model), set by from_args;
         # None for an engine over a simulated or fake executor.
@@ -137,6 +140,7 @@ class LLMEngine:
         from servelab.engine.sampler import Sampler
         from servelab.engine.tokenizer import Tokenizer
         from servelab.runtime.kv_cache import PagedKVCache
+        from servelab.runtime.block_quant import Q8_MIN_ROWS, linear_paths
         from servelab.runtime.loader import ModelOptions, load_model, servable_context
         from servelab.runtime.weights import CPU_AUTO_DTYPE_REASON, CPU_BF16_DTYPE_REASON, resolve_dtype
 
@@ -149,8 +153,9 @@ class LLMEngine:
                 CPU_BF16_DTYPE_REASON,
             )
             args = mapped
-        dtype = resolve_dtype("float32" if args.quantization or args.deterministic else args.dtype, args.device)
-        if args.dtype is None and args.device == "cpu" and not (args.quantization or args.deterministic):
+        fp32 = args.quantization or args.deterministic or args.exact
+        dtype = resolve_dtype("float32" if fp32 else args.dtype, args.device)
+        if args.dtype is None and args.device == "cpu" and not fp32:
             logger.info("dtype auto -> float32: %s", CPU_AUTO_DTYPE_REASON)
         if args.quantization is not None:
             from servelab.runtime.quantization import check_supported
@@ -158,8 +163,17 @@ class LLMEngine:
             check_supported(args.quantization)  # before the minutes of loading
         tp = args.tensor_parallel_size
         loaded = load_model(path, dtype=dtype, device=args.device, tp_rank=0, tp_size=tp)
-        options = ModelOptions(args.quantization, args.deterministic)
+        # an explicit --dtype float32, --exact and --deterministic keep exact fp32 linears everywhere
+        q8 = args.dtype is None and not (args.exact or args.deterministic or args.quantization)
+        options = ModelOptions(args.quantization, args.deterministic, Q8_MIN_ROWS if q8 else None)
         options.apply(loaded.model)
+        if (
+            paths := linear_paths(
+                [*(w for layer in loaded.model.layers for w in layer.linears()), loaded.model.lm_head],
+                options.q8_min_rows,
+            )
+        ) is not None:
+            logger.info("%s", paths)
         tokenizer = Tokenizer.from_hf_dir(path) if Path(path).is_dir() else Tokenizer.from_gguf(path)
         if args.deterministic:
             logger.info(
@@ -222,6 +236,16 @@ class LLMEngine:
         engine = cls(executor, tokenizer, scheduler_config, name, processors)
         engine.model_spec = spec
         engine.sampling_defaults = load_sampling_defaults(path)
+        # Not yet on CUDA or across tensor-parallel ranks: there a prediction changes nothing.
+        cpu_alone = args.device == "cpu" and tp == 1
+        spec_config, draft = args.speculative_config, None
+        if spec_config is not None and spec_config.method == "draft_model":
+            from servelab.engine.speculative import load_draft_proposer
+
+            draft = load_draft_proposer(spec_config, dtype=dtype, device=args.device, options=options,
+                                        num_blocks=num_blocks, block_size=knobs.block_size,
+                                        vocab_size=model.vocab_size)  # fmt: skip
+        engine.core.proposers = Proposers(spec_config, engine.vocab_size, predictions=cpu_alone, draft=draft)
         return engine
 
     def close(self) -> None:
@@ -250,8 +274,19 @@ class LLMEngine:
             raise InvalidArgument(f"request id {request_id!r} is already in use", param="request_id")
         request = self.input_processor.process(request_id, prompt, params, priority=priority, arrival_s=arrival_s,
                                                pooling=pooling)  # fmt: skip
+        return self._queue(request)
+
+    def add_core_request(self, request: EngineCoreRequest) -> Sequence:
+        """A request another process's input processor made (a cluster's front end): its logits
+        processors are prepared here, where they run, and it is queued as add_request queues."""
+        if request.request_id in self.core:
+            raise InvalidArgument(f"request id {request.request_id!r} is already in use", param="request_id")
+        self.input_processor.prepare_logits_processors(request.params)
+        return self._queue(request)
+
+    def _queue(self, request: EngineCoreRequest) -> Sequence:
         seq = self.core.add_request(request)  # raises QueueFull / RequestTooLong for the KV pool
-        self.output_processor.add_request(request_id, request.prompt_token_ids, params)
+        self.output_processor.add_request(request.request_id, request.prompt_token_ids, request.params)
         return seq
 
     def prepare_logits_processors(self, params: SamplingParams, *siblings: SamplingParams, grammar: Any = None) -> None:

@@ -21,6 +21,7 @@ from servelab.core.plan import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
 from servelab.core.sequence import Sequence
 from servelab.engine.row_isolation import sample_isolated
 from servelab.engine.sampler import NON_FINITE_LOGITS, Sampler
+from servelab.engine.verification import VerificationRows, accepted_length, verification_rows
 from servelab.runtime.kv_cache import PagedKVCache
 from servelab.runtime.model import AttentionMetadata, LlamaModel
 
@@ -66,17 +67,19 @@ class ModelExecutor:
         if plan.block_size != self.block_size:
             raise ValueError(f"plan block_size {plan.block_size} != KV cache block_size {self.block_size}")
         entries = plan.scheduled
-        decodes = [i for i, s in enumerate(entries) if s.num_tokens == 1]
-        prefills = [i for i, s in enumerate(entries) if s.num_tokens > 1]
+        # A verification entry (a decode and its drafts) runs as decode rows, one per position,
+        # each attending to its own context: the kernels, and so the bits, of plain decodes.
+        decodes = [i for i, s in enumerate(entries) if s.num_tokens - s.num_draft == 1]
+        prefills = [i for i, s in enumerate(entries) if s.num_tokens - s.num_draft > 1]
         batch = StepBatch()
         if decodes:
             self.prepare_decode(entries, decodes, batch, decode_only=not prefills)
         self.prepare_prefill(entries, prefills, batch)
 
         sampling = [i for i in range(len(entries)) if entries[i].samples]  # pooling entries never sample
-        sampled_seqs = [entries[i].seq for i in sampling]
+        rows = verification_rows(entries, sampling, batch.row_of_last)
         scored, scored_rows = _prompt_rows(entries, batch.row_of_last)
-        meta = self._attention_metadata(batch, [batch.row_of_last[i] for i in sampling] + scored_rows, sampled_seqs)
+        meta = self._attention_metadata(batch, rows.logit_rows + scored_rows, rows.seqs)
         pool_spans = None
         if plan.pooled:
             pool_spans, pool_rows = _pooled_rows(entries, plan.pooled, batch.row_of_last)
@@ -92,29 +95,36 @@ class ModelExecutor:
             logits = out
         prompt_logprobs = None
         if scored:
-            prompt_logprobs = _score_prompt(logits[len(sampling) :], entries, scored)
-            logits = logits[: len(sampling)]
-        sampled, logprobs = self.sample(entries, sampling, logits, meta.argmax)
-        return StepResult(sampled, time.perf_counter() - t0, logprobs, prompt_logprobs, pooled)
+            prompt_logprobs = _score_prompt(logits[len(rows.seqs) :], entries, scored)
+            logits = logits[: len(rows.seqs)]
+        sampled, logprobs, accepted = self.sample(entries, rows, logits, meta.argmax)
+        return StepResult(sampled, time.perf_counter() - t0, logprobs, prompt_logprobs, pooled, accepted)
 
     def prepare_decode(self, entries: list[ScheduledSeq], decodes: list[int], batch: StepBatch, *,
                        decode_only: bool) -> None:  # fmt: skip
         """Lays out the decode rows: each sequence's one new token, its slot, and the block table
-        its attention reads."""
+        its attention reads. A verification entry has a row per position: row j holds its j-th
+        token and attends to the context up to it, drafts before it included (each layer stores
+        the step's keys before any row attends)."""
         bs = self.block_size
-        B = len(decodes)
-        ctx_lens = [entries[i].start_pos + 1 for i in decodes]
+        ctx_lens: list[int] = []
+        for i in decodes:
+            s = entries[i]
+            ctx_lens += range(s.start_pos + 1, s.start_pos + s.num_tokens + 1)
+        B = len(ctx_lens)
         max_ctx = max(ctx_lens)
         max_blocks = -(-max_ctx // bs)
         # Built as Python lists, then one tensor each (decodes only: one buffer): not a few calls a row.
         rows_bt, decode_slots = [], []
-        for row, i in enumerate(decodes):
+        for i in decodes:
             s = entries[i]
-            bt = s.seq.block_table[: -(-(s.start_pos + 1) // bs)]
-            rows_bt.append(bt + [0] * (max_blocks - len(bt)))
-            decode_slots.append(bt[s.start_pos // bs] * bs + s.start_pos % bs)  # the new token's slot
-            batch.input_ids.append(s.seq.token_ids[s.start_pos])
-            batch.row_of_last[i] = row
+            bt = s.seq.block_table[: -(-s.context_len // bs)]
+            padded = bt + [0] * (max_blocks - len(bt))
+            for p in range(s.start_pos, s.context_len):
+                rows_bt.append(padded)
+                decode_slots.append(bt[p // bs] * bs + p % bs)  # the new token's slot
+            batch.input_ids += s.token_ids() if s.num_draft else [s.seq.token_ids[s.start_pos]]
+            batch.row_of_last[i] = len(batch.input_ids) - 1
         if not decode_only or self.device.type != "cpu":
             table = torch.tensor(rows_bt, dtype=torch.int64)
             ctx = torch.tensor(ctx_lens, dtype=torch.int64)
@@ -137,12 +147,13 @@ class ModelExecutor:
 
     def prepare_prefill(self, entries: list[ScheduledSeq], prefills: list[int], batch: StepBatch) -> None:
         """Appends each prefill chunk's rows: its tokens, positions and KV slots, and the slots of
-        the context before it that its attention reads."""
+        the context before it that its attention reads. A verification entry (a decode and its
+        drafts) is such a chunk."""
         offset = len(batch.input_ids)
         for i in prefills:
             s = entries[i]
             n, start = s.num_tokens, s.start_pos
-            batch.input_ids.extend(s.seq.token_ids[start : start + n])
+            batch.input_ids.extend(s.token_ids())
             seq_slots = self._slots(s.seq.block_table, start + n)
             batch.positions.append(torch.arange(start, start + n, dtype=torch.int64))
             batch.slots.append(seq_slots[start:])
@@ -159,30 +170,39 @@ class ModelExecutor:
         return self.model.forward(ids, meta, self.kv_cache.k_layers, self.kv_cache.v_layers)
 
     def sample(
-        self, entries: list[ScheduledSeq], sampling: list[int], logits: torch.Tensor, argmax: bool
-    ) -> tuple[list[int | None], list[TokenLogprobs | None] | None]:
+        self, entries: list[ScheduledSeq], rows: VerificationRows, logits: torch.Tensor, argmax: bool
+    ) -> tuple[list[int | None], list[TokenLogprobs | None] | None, list[tuple[int, list[int], list | None]] | None]:
         """One token per sampling entry (None for the others and for a row that failed, which
-        ends its request with an error), and their logprobs when any asked for them."""
+        ends its request with an error), their logprobs when any asked for them, and each
+        verification entry's accepted drafts (StepResult.accepted)."""
         sampled: list[int | None] = [None] * len(entries)
-        if not sampling:
-            return sampled, None
-        sampled_seqs = [entries[i].seq for i in sampling]
+        if not rows.seqs:
+            return sampled, None, None
         greedy = self.model.greedy_tokens(logits) if argmax else None
         cpu_logits = logits.cpu() if self.device.type != "cpu" else logits
-        rows = sample_isolated(self.sampler, cpu_logits, sampled_seqs, self.vocab_size, greedy)
-        for j, reason in rows.errors.items():  # the scheduler ends these with finish reason "error"
-            hint = NON_FINITE_HINT if reason == NON_FINITE_LOGITS and self.kv_cache.dtype == torch.float16 else ""
-            seq = sampled_seqs[j]
-            seq.error = reason
-            logger.warning("request %s: %s; ending it with an error%s", seq.request_id, reason, hint)
-        for i, tok in zip(sampling, rows.tokens):
-            sampled[i] = tok
-        if rows.logprobs is None:
-            return sampled, None
-        logprobs: list[TokenLogprobs | None] = [None] * len(entries)
-        for i, lp in zip(sampling, rows.logprobs):
-            logprobs[i] = lp
-        return sampled, logprobs
+        drafts = rows.drafts if rows.any_drafts else None
+        out = sample_isolated(self.sampler, cpu_logits, rows.seqs, self.vocab_size, greedy, drafts)
+        logprobs: list[TokenLogprobs | None] | None = None if out.logprobs is None else [None] * len(entries)
+        accepted: list[tuple[int, list[int], list | None]] = []
+        for i, first, k in rows.spans:
+            seq = entries[i].seq
+            kept = (
+                seq.draft_token_ids[: accepted_length(out.tokens, first, rows.drafts[first : first + k])] if k else []
+            )
+            row = first + len(kept)  # the token after the accepted drafts; rows past it are discarded
+            reason = out.errors.get(row)
+            if reason is not None:  # the scheduler ends this request with finish reason "error"
+                hint = NON_FINITE_HINT if reason == NON_FINITE_LOGITS and self.kv_cache.dtype == torch.float16 else ""
+                seq.error = reason
+                logger.warning("request %s: %s; ending it with an error%s", seq.request_id, reason, hint)
+            sampled[i] = out.tokens[row]
+            row_logprobs = None if out.logprobs is None else out.logprobs[first : row + 1]
+            if logprobs is not None and row_logprobs is not None:
+                logprobs[i] = row_logprobs[-1]
+            if k:
+                draft_lps = row_logprobs[:-1] if row_logprobs and row_logprobs[0] is not None else None
+                accepted.append((i, kept, draft_lps))
+        return sampled, logprobs, accepted or None
 
     def _attention_metadata(
         self, batch: StepBatch, logit_rows: list[int], sampled_seqs: list[Sequence]

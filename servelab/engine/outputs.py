@@ -5,6 +5,8 @@ whose clocks differ."""
 
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -42,6 +44,10 @@ class EngineOutput:
     error: str | None = None  # why it ended with finish reason "error", where known
     pooled: list[float] | None = None  # an embedding request's vector, once finished
     prompt_token_ids: list[int] | None = None  # in the request's first output only
+    # With a `prediction`, OpenAI's completion_tokens_details: the prediction's tokens that
+    # verification kept in the output, and the rest of them.
+    accepted_prediction_tokens: int | None = None
+    rejected_prediction_tokens: int | None = None
 
     @property
     def last_token_offset_s(self) -> float | None:
@@ -81,6 +87,13 @@ class EngineStats:
             prefix_cache_queries=sum(s.scheduler.prefix_cache_queries for s in every),
             num_preemptions=sum(s.scheduler.num_preemptions for s in every),
             num_finished=sum(s.scheduler.num_finished for s in every),
+            spec_num_drafts=sum(s.scheduler.spec_num_drafts for s in every),
+            spec_num_draft_tokens=sum(s.scheduler.spec_num_draft_tokens for s in every),
+            spec_num_accepted_tokens=sum(s.scheduler.spec_num_accepted_tokens for s in every),
+            spec_accepted_per_position=[
+                sum(p)
+                for p in itertools.zip_longest(*(s.scheduler.spec_accepted_per_position for s in every), fillvalue=0)
+            ],  # fmt: skip
         )
         return cls(scheduler, blocks, sum(s.num_waiting_deferred for s in live))
 
@@ -114,3 +127,19 @@ class EngineStats:
     def prefix_cache_queries(self) -> int:
         """Prompt tokens looked up in the prefix cache, total."""
         return self.scheduler.prefix_cache_queries
+
+    @property
+    def spec_num_drafts(self) -> int:
+        return self.scheduler.spec_num_drafts
+
+    @property
+    def spec_num_draft_tokens(self) -> int:
+        return self.scheduler.spec_num_draft_tokens
+
+    @property
+    def spec_num_accepted_tokens(self) -> int:
+        return self.scheduler.spec_num_accepted_tokens
+
+    @property
+    def spec_accepted_per_position(self) -> list[int]:
+        return self.scheduler.spec_accepted_per_position

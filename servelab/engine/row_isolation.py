@@ -32,15 +32,21 @@ class SampledRows:
 
 
 def sample_isolated(
-    sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], vocab_size: int, argmax: list[int] | None = None
+    sampler: Sampler,
+    logits: torch.Tensor,
+    seqs: list[Sequence],
+    vocab_size: int,
+    argmax: list[int] | None = None,
+    drafts: list[int] | None = None,
 ) -> SampledRows:
-    """sampler.sample(logits, seqs, argmax), with each row's failure confined to that row."""
+    """sampler.sample(logits, seqs, argmax, drafts), with each row's failure confined to that row."""
     # The sampler edits constrained rows (logit_bias, grammars ...) in place: keep them as the
     # model made them, so that a retry row by row does not apply the edits twice.
     edited = [i for i, s in enumerate(seqs) if s.params.edits_logits]
     original = logits[edited].clone() if edited else None
     try:
-        tokens, logprobs = sampler.sample(logits, seqs, argmax)
+        draft_args = () if drafts is None else (drafts,)  # a step without drafts calls the plain signature
+        tokens, logprobs = sampler.sample(logits, seqs, argmax, *draft_args)
         rows = SampledRows(list(tokens), None if logprobs is None else list(logprobs), dict(sampler.row_errors))
     except Exception as exc:
         logger.warning(
@@ -50,7 +56,7 @@ def sample_isolated(
         if original is not None:
             with torch.inference_mode():  # the model's logits are inference tensors
                 logits[edited] = original
-        rows = _row_by_row(sampler, logits, seqs)
+        rows = _row_by_row(sampler, logits, seqs, drafts)
     for i, token in enumerate(rows.tokens):
         if token is None:
             rows.errors.setdefault(i, NON_FINITE_LOGITS)
@@ -63,11 +69,12 @@ def sample_isolated(
     return rows
 
 
-def _row_by_row(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence]) -> SampledRows:
+def _row_by_row(sampler: Sampler, logits: torch.Tensor, seqs: list[Sequence], drafts: list[int] | None) -> SampledRows:
     rows = SampledRows([None] * len(seqs), None)
     for i, seq in enumerate(seqs):
         try:
-            tokens, logprobs = sampler.sample(logits[i : i + 1], [seq])
+            draft_args = () if drafts is None else (drafts[i : i + 1],)
+            tokens, logprobs = sampler.sample(logits[i : i + 1], [seq], None, *draft_args)
         except Exception as exc:
             rows.errors[i] = f"sampling raised {type(exc).__name__}: {exc}"
             continue

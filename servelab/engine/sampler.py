@@ -61,10 +61,20 @@ class Sampler:
         return True
 
     def sample(
-        self, logits: torch.Tensor, seqs: list[Sequence], argmax: list[int] | None = None
+        self,
+        logits: torch.Tensor,
+        seqs: list[Sequence],
+        argmax: list[int] | None = None,
+        drafts: list[int] | None = None,
     ) -> tuple[list[int | None], list[TokenLogprobs | None] | None]:
         """Token ids, and per row its logprobs (None where the request did not ask), or None
         when no request in the batch asked for logprobs.
+
+        `drafts`: per row, a proposed token to verify (-1: none; speculative decoding). A greedy
+        row's token is its argmax, which accepts the draft when they agree. A random row keeps
+        the draft with probability p(draft), else draws from p without it, renormalised: exact
+        rejection sampling for a deterministic proposal, so the row's token is distributed as p
+        either way, and equals the draft exactly when the draft is accepted.
 
         `argmax`: each row's argmax (-1 for a non-finite row) where the forward read it with the
         logits (model.greedy_tokens); taken as the tokens when every row is `plain_greedy`.
@@ -114,7 +124,7 @@ class Sampler:
             if greedy_rows:
                 token_ids[greedy_rows] = torch.tensor(_argmax(logits[greedy_rows]), dtype=torch.long)
             random_rows = [i for i, p in enumerate(params) if p.temperature >= _GREEDY_TEMPERATURE]
-            token_ids[random_rows] = self._sample_random(logits, seqs, random_rows)
+            token_ids[random_rows] = self._sample_random(logits, seqs, random_rows, drafts)
             sampled = token_ids.tolist()
         logprobs = None if raw_logprobs is None else self._logprobs(raw_logprobs, logprob_rows, sampled, params, n)
         tokens: list[int | None] = list(sampled)
@@ -187,7 +197,9 @@ class Sampler:
                     logits[i, banned] = _MASK
         return logits
 
-    def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> torch.Tensor:
+    def _sample_random(
+        self, logits: torch.Tensor, seqs: list[Sequence], rows: list[int], drafts: list[int] | None = None
+    ) -> torch.Tensor:
         params = [seqs[i].params for i in rows]
         vocab = logits.shape[1]
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32).unsqueeze(1)
@@ -218,6 +230,9 @@ class Sampler:
                 if p.seed is not None:
                     g = torch.Generator().manual_seed(_step_seed(p.seed, seqs[rows[j]].num_output_tokens))
                     uniform[j] = torch.rand(1, generator=g)
+        row_drafts = [-1] * len(rows) if drafts is None else [drafts[i] for i in rows]
+        if max(row_drafts) >= 0:
+            return _sample_draft_first(probs, uniform, row_drafts)
         return _inverse_cdf_sample(probs, uniform)
 
     # ------------------------------------------------------------------ logprobs
@@ -276,6 +291,28 @@ def _inverse_cdf_sample(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Ten
     overflow = tokens >= probs.shape[1]  # u x total rounded up to total: take the last token with mass
     if overflow.any():
         tokens[overflow] = torch.searchsorted(cdf[overflow], total[overflow], right=False).squeeze(1)
+    return tokens
+
+
+def _sample_draft_first(probs: torch.Tensor, uniform: torch.Tensor, drafts: list[int]) -> torch.Tensor:
+    """Inverse-CDF sampling with each row's draft (-1: none) first in the CDF's order: the draft
+    when u x total < p(draft) (probability p(draft)), else the rest's inverse CDF at the leftover
+    u, which is uniform over it. One uniform per row, as without drafts, so seeds still decide."""
+    rows = [j for j, d in enumerate(drafts) if d >= 0]
+    idx = torch.tensor(rows, dtype=torch.long)
+    draft = torch.tensor([drafts[j] for j in rows], dtype=torch.long)
+    total = probs[idx].sum(dim=-1)
+    p_draft = probs[idx, draft]
+    rest = total - p_draft
+    target = uniform[idx] * total
+    # A draft that holds all the mass (top_k 1, a sure token) is kept even where u x total rounds up.
+    keep = (target < p_draft) | (rest <= 0)
+    probs = probs.clone()
+    probs[idx, draft] = 0.0
+    uniform = uniform.clone()
+    uniform[idx] = torch.where(keep, 0.0, ((target - p_draft) / rest.clamp(min=1e-38)).clamp(0.0, 1.0))
+    tokens = _inverse_cdf_sample(probs, uniform)
+    tokens[idx[keep]] = draft[keep]
     return tokens
 
 

@@ -13,6 +13,7 @@ with the limit named. Neither is a 400: the configuration is valid, it just does
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,7 +22,7 @@ from servelab.lab import roofline_lessons
 from servelab.lab.request_cost_lesson import request_cost
 from servelab.lab.common import TP_CHOICES, common_defaults, setup_from
 from servelab.lab.limits import published as published_limits
-from servelab.lab.limits import published_context_rules
+from servelab.lab.limits import LESSON_DEFAULTS, published_context_rules
 from servelab.lab.params import Params
 from servelab.sim.engine_profiles import engine_profiles
 from servelab.spec import HARDWARE, KV_DTYPES, MODELS, WEIGHT_DTYPES
@@ -30,23 +31,26 @@ if TYPE_CHECKING:
     from fastapi.responses import JSONResponse
 
     from servelab.lab.capacity_lesson import CapacityPlanner
+    from servelab.lab.live import EngineMetricsSource
     from servelab.lab.simulations import Budget, Simulations
 
 LessonFn = Callable[[Params], dict[str, Any]]
 
 
 class Simulated:
-    """A lesson answered by the simulator: it runs under the lab's Simulations (a slot, a Budget)."""
+    """A lesson answered by the simulator: it runs under the lab's Simulations (a slot, a Budget).
+    `module` holds its function; one that `reads_engine` is also given the running engine's
+    metrics source (None outside `servelab serve`)."""
 
-    def __init__(self, name: str, module: str = "sim_lessons"):
+    def __init__(self, name: str, module: str = "sim_lessons", reads_engine: bool = False):
         self.name = name
         self.module = module
+        self.reads_engine = reads_engine
 
-    def __call__(self, p: Params, budget: Budget) -> dict[str, Any]:
+    def __call__(self, p: Params, budget: Budget, engine_metrics: EngineMetricsSource | None = None) -> dict[str, Any]:
         # The simulator pulls in the scheduler and numpy-heavy metrics; import it on first use.
-        import importlib
-
-        return getattr(importlib.import_module(f"servelab.lab.{self.module}"), self.name)(p, budget)
+        fn = getattr(importlib.import_module(f"servelab.lab.{self.module}"), self.name)
+        return fn(p, budget, engine_metrics) if self.reads_engine else fn(p, budget)
 
 
 def _qps_vs_tokens(p: Params) -> dict[str, Any]:
@@ -68,40 +72,13 @@ LESSONS: dict[str, LessonFn | Simulated | None] = {
     "limits": Simulated("limits", "seed_lessons"),
     "qps-vs-tokens": _qps_vs_tokens,
     "decode-chain": Simulated("decode_chain", "seed_lessons"),
-}
-
-# The controls' starting values, per lesson (the API's own defaults are the same).
-LESSON_DEFAULTS: dict[str, dict[str, Any]] = {
-    "two-workloads": {"prompt_len": 2048, "batch": 1},
-    "batching": {"batch": 64, "context": 2048},
-    # Near the knee: at 24 req/s the p90 targets hold, a few req/s more and TPOT breaks them.
-    "slo": {"rate": 24, "ttft_slo_ms": 500, "tpot_slo_ms": 20, "prompt_len": 1024, "output_len": 128},
-    "chunked-prefill": {"prompt_len": 8192, "decode_batch": 16, "chunk_tokens": 512},
-    "disaggregated": {
-        "rate": 6,
-        "prefill_gpus": 1,
-        "decode_gpus": 1,
-        "link_gbps": 50,
-        "prompt_len": 2048,
-        "output_len": 128,
-    },
-    "memory": {"attention": "gqa", "context": 8192, "tpot_ms": 50},
-    "capacity": {"tpot_ms": 50, "prompt_len": 1024, "output_len": 256},
-    "request-cost": {"prompt_len": 2048, "output_len": 256, "batch": 32, "price_per_gpu_hour": None},
-    "limits": {"rate": 4, "prompt_len": 2048, "output_len": 256, "prompt_cap": 4096, "output_cap": 512},
-    "qps-vs-tokens": {
-        "qps": 10,
-        "tpot_ms": 50,
-        "a_prompt_len": 256,
-        "a_output_len": 128,
-        "b_prompt_len": 8192,
-        "b_output_len": 512,
-    },
-    "decode-chain": {"prompt_len": 1024, "output_len": 32, "batch": 8},
+    "speculative": Simulated("speculative", module="speculative_lesson", reads_engine=True),
 }
 
 
 def catalog() -> dict[str, Any]:
+    from servelab.lab import speculative_lesson
+
     return {
         "models": [
             {
@@ -131,6 +108,11 @@ def catalog() -> dict[str, Any]:
             for p in engine_profiles().values()
         ],
         "lessons": list(LESSONS),
+        # The speculative lesson's accelerators (the catalog's and the lab's CPU) and proposers.
+        "speculative": {
+            "hardware": speculative_lesson.hardware_choices(),
+            "methods": speculative_lesson.method_choices(),
+        },
         # The forms' min/max: the same bounds the lessons validate against.
         "limits": published_limits(),
         # Each lesson's lengths must fit the chosen model's max_context (the models' entries): the
@@ -141,9 +123,14 @@ def catalog() -> dict[str, Any]:
 
 
 def run_lesson(
-    name: str, params: Params, planner: CapacityPlanner, simulations: Simulations
+    name: str,
+    params: Params,
+    planner: CapacityPlanner,
+    simulations: Simulations,
+    engine_metrics: EngineMetricsSource | None = None,
 ) -> dict[str, Any] | JSONResponse:
-    """The lesson's JSON; the capacity plan answers a 202 response with its progress while it runs."""
+    """The lesson's JSON; the capacity plan answers a 202 response with its progress while it runs.
+    `engine_metrics`: the running server's metrics, for the lessons that overlay its measurements."""
     try:
         fn = LESSONS[name]
     except KeyError:
@@ -154,7 +141,7 @@ def run_lesson(
         return capacity_lesson.capacity(params, planner)
     try:
         if isinstance(fn, Simulated):
-            return simulations.run(name, lambda budget: fn(params, budget))
+            return simulations.run(name, lambda budget: fn(params, budget, engine_metrics))
         return fn(params)
     except DoesNotFit as exc:
         return does_not_fit(name, params, exc)

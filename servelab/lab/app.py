@@ -147,7 +147,7 @@ def create_lab_app(
         params = Params(decode_json_object(await request.body()))
         # A dict, or a ready response (the capacity plan answers 202 while it runs).
         return await run_in_threadpool(api.run_lesson, name, params, app.state.capacity_planner,
-                                       app.state.simulations)  # fmt: skip
+                                       app.state.simulations, app.state.engine_metrics_source)  # fmt: skip
 
     @app.get("/api/lessons/{name}")
     def lesson_get(name: str) -> JSONResponse:

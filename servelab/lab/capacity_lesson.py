@@ -1,15 +1,17 @@
-"""Lesson 7: capacity and cost across accelerators, the capacity planner's own result
-(`servelab.bench.planner`, the same code as `servelab plan`).
+"""Lesson 7: capacity and cost across accelerators, `servelab plan`'s own result.
 
-The search is uncapped: for each accelerator it runs until the TPOT target or the memory limit
-binds (the KV cache: the search's maximum lies past the number of users whose requests fill it),
-and the chart names which one did.
+For each accelerator the lesson builds the `servelab plan` command line it shows under the chart,
+parses it with plan's own parser and runs the jobs `plan` would run (`commands.plan.plan_inputs`,
+then `bench.planner.plan_one`), so a bar and the command beside it give the same numbers.
+Capacity is the concurrent requests that meet both targets, the TTFT and the TPOT at the 90th
+percentile, up to the most that run at once (the KV cache, or the lab's sequence cap): queued
+clients are not users. The chart names the limit that bound each bar.
 
 A plan is a capacity search on the simulator for every accelerator, which takes far longer than
 one HTTP request should wait. So the first request for a parameter set starts the plan in the
 background and answers 202 with its progress and a partial result: the accelerators simulated so
-far, and for the others the roofline's instant estimate (marked as such); the page draws it and
-polls until the 200 with the whole result.
+far, and for the others the roofline's upper bound (marked as such; the bars keep the catalog's
+order, so nothing moves when a simulation lands); the page draws it and polls until the 200.
 
 Every plan of one lab runs on its `CapacityPlanner`: one process pool (started on demand, shut
 down when idle), at most MAX_RUNNING_PLANS plans at once (429 beyond), and an LRU cache of the
@@ -19,9 +21,12 @@ start processes per distinct URL, nor remember every URL forever.
 
 from __future__ import annotations
 
+import argparse
+
 import functools
 import multiprocessing
 import os
+import shlex
 import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -35,18 +40,12 @@ from servelab.lab.common import fmt, setup_from, stat
 from servelab.lab.limits import RETRY_AFTER_S, LabBusy, bounds
 from servelab.lab.params import Params
 from servelab.lab.simulations import SimulationCancelled
-from servelab.metrics import SLO
 from servelab.spec import HARDWARE
 
-# Each accelerator's search runs ~10 simulations; these keep a whole plan near ten CPU-seconds.
-REQUESTS_PER_USER = 2  # measured requests per simulated user at each level (plus the first wave)
-PAST_MEMORY_WALL = 1.25  # the search's maximum, as a multiple of the users whose requests fill the KV cache
-TOLERANCE_FRACTION = 0.03  # the bisection stops within this share of the memory wall
-MAX_NUM_SEQS = 1 << 16  # the scheduler's sequence cap, out of the way: memory or the SLO binds first
-# Short requests put the memory wall at tens of thousands of users, whose simulation would take
-# minutes: the search stops here, and the bar says so. It is the largest batch the lab's forms take.
-SEARCH_CEILING_USERS = 4096
 PLAN_PERCENTILE = 90
+# The lab's sequence cap, in place of the engine profile's (256 for servelab): past it memory or
+# the targets bind for all but the shortest requests, which the bar then says.
+MAX_NUM_SEQS = 4096
 MAX_RUNNING_PLANS = 2  # each keeps the whole pool busy for seconds; more would only queue
 MAX_CACHED_PLANS = 64  # a plan's result is a few kB
 
@@ -60,45 +59,42 @@ class _PlanState:
     remaining: int = 0
 
 
-def memory_wall(model: str, hardware: str, w: str, k: str, tp: int, request_tokens: int) -> int:
-    """Users whose requests, each at its full length, fill the KV cache (0: nothing fits)."""
-    from servelab.cost import MemoryPlan
-    from servelab.spec import get_hardware, get_model
+@dataclass(frozen=True, slots=True)
+class PlanKey:
+    """One capacity plan's inputs: what the form sets."""
 
-    try:
-        plan = MemoryPlan(get_model(model), get_hardware(hardware), w, k, tp)
-    except ServelabError:
-        return 0
-    return plan.max_batch(request_tokens) if plan.weights_fit else 0
+    model: str
+    weight_dtype: str
+    kv_dtype: str
+    tp: int
+    engine_profile: str
+    tpot_ms: float
+    ttft_ms: float
+    prompt_len: int
+    output_len: int
 
 
-def _jobs(key: tuple) -> list[Any]:
-    from servelab.bench.planner import PlanJob
+def plan_argv(key: PlanKey, hardware: str) -> list[str]:
+    """The `servelab plan` arguments of one accelerator's bar."""
+    return [
+        "plan", "--model", key.model, "--hardware", hardware, "--tp", str(key.tp),
+        "--dtype", key.weight_dtype, "--kv-cache-dtype", key.kv_dtype, "--engine-profile", key.engine_profile,
+        "--max-num-seqs", str(MAX_NUM_SEQS), "--slo-ttft", f"{key.ttft_ms:g}ms", "--slo-tpot", f"{key.tpot_ms:g}ms",
+        "--percentile", str(PLAN_PERCENTILE), "--input-len", str(key.prompt_len), "--output-len", str(key.output_len),
+    ]  # fmt: skip
 
-    model, w, k, tp, engine_profile, tpot_ms, prompt_len, output_len = key
-    workload = {"input_len": str(prompt_len), "output_len": str(output_len), "seed": 0}
-    jobs = []
-    for hw in HARDWARE.values():
-        wall = max(1, memory_wall(model, hw.name, w, k, tp, prompt_len + output_len))
-        jobs.append(
-            PlanJob(
-                model=model,
-                hardware=hw.name,
-                tp=tp,
-                slo=SLO(tpot_s=tpot_ms / 1e3),
-                percentile=PLAN_PERCENTILE,
-                workload=workload,
-                weight_dtype=w,
-                kv_cache_dtype=k,
-                engine_profile=engine_profile,
-                scheduler_overrides={"max_num_seqs": MAX_NUM_SEQS},
-                max_concurrency=min(int(wall * PAST_MEMORY_WALL) + 1, SEARCH_CEILING_USERS),
-                price_per_device_hour=hw.price_per_hour_usd,
-                requests_per_client=REQUESTS_PER_USER,
-                tolerance=max(1.0, TOLERANCE_FRACTION * wall),
-            )
-        )
-    return jobs
+
+def plan_command(key: PlanKey, hardware: str) -> str:
+    return "servelab " + shlex.join(plan_argv(key, hardware))
+
+
+def _jobs(key: PlanKey) -> list[Any]:
+    """The jobs `servelab plan` runs for each bar's command, built by plan's own parser and code."""
+    from servelab.commands.plan import add_arguments, plan_inputs
+
+    parser = argparse.ArgumentParser(prog="servelab plan")
+    add_arguments(parser)
+    return [job for hw in HARDWARE for job in plan_inputs(parser.parse_args(plan_argv(key, hw)[1:])).jobs]
 
 
 class CapacityPlanner:
@@ -109,7 +105,7 @@ class CapacityPlanner:
         self.max_workers = max_workers or max(1, min(len(HARDWARE), os.cpu_count() or 1))
         self.max_running = max_running
         self.max_cached = max(max_cached, max_running)
-        self._plans: OrderedDict[tuple, _PlanState] = OrderedDict()
+        self._plans: OrderedDict[PlanKey, _PlanState] = OrderedDict()
         self._pool: ProcessPoolExecutor | None = None
         self._retiring: threading.Thread | None = None  # shuts an idle pool down
         self._closed = False
@@ -126,7 +122,7 @@ class CapacityPlanner:
         with self._lock:
             return 0 if self._pool is None else len(self._pool._processes or {})  # noqa: SLF001
 
-    def plan_for(self, key: tuple, wait: bool = False) -> _PlanState:
+    def plan_for(self, key: PlanKey, wait: bool = False) -> _PlanState:
         with self._lock:
             state = self._plans.get(key)
             if state is not None and not (state.done.is_set() and state.error):
@@ -142,7 +138,7 @@ class CapacityPlanner:
         with self._lock:
             return state.done.is_set(), dict(state.rows)
 
-    def _start(self, key: tuple) -> _PlanState:
+    def _start(self, key: PlanKey) -> _PlanState:
         if self._closed:
             raise SimulationCancelled("the server is shutting down; it starts no new capacity plan")
         if self.num_running >= self.max_running:
@@ -216,79 +212,84 @@ class CapacityPlanner:
 
 
 def capacity(p: Params, planner: CapacityPlanner) -> dict[str, Any] | JSONResponse:
+    from servelab.bench.planner import DEFAULT_SLO_TTFT_S
+
     s = setup_from(p)
     tpot_ms = p.float("tpot_ms", 50.0, **bounds("capacity", "tpot_ms"))
+    ttft_ms = p.float("ttft_ms", DEFAULT_SLO_TTFT_S * 1e3, **bounds("capacity", "ttft_ms"))
     prompt_len = p.int("prompt_len", 1024, **bounds("capacity", "prompt_len"))
     output_len = p.int("output_len", 256, **bounds("capacity", "output_len"))
     s.roofline()._check_context(prompt_len + output_len, "prompt_len + output_len")  # noqa: SLF001
-    key = (s.model.name, s.weight_dtype, s.kv_dtype, s.tp, s.engine_profile, tpot_ms, prompt_len, output_len)
+    key = PlanKey(s.model.name, s.weight_dtype, s.kv_dtype, s.tp, s.engine_profile, tpot_ms, ttft_ms, prompt_len,
+                  output_len)  # fmt: skip
     state = planner.plan_for(key)
     done, rows = planner.snapshot(state)
     if not done:
-        partial = result(s, rows, tpot_ms, prompt_len, output_len)
+        partial = result(s, key, rows)
         partial.update(
             status="running",
             done=len(rows),
             total=state.total,
-            message=f"planning: {len(rows)} of {state.total} accelerators simulated; "
-            f"the others show the roofline's estimate until their search ends",
+            message=f"planning: {len(rows)} of {state.total} accelerators simulated; the others show the "
+            f"roofline's upper bound until their search ends",
         )
         return JSONResponse(partial, status_code=202)
     if state.error:
         raise ServelabError(f"the capacity plan failed: {state.error}")
-    return result(s, rows, tpot_ms, prompt_len, output_len)
+    return result(s, key, rows)
 
 
-def estimate(s: Any, hardware: Any, tpot_ms: float, prompt_len: int, output_len: int) -> dict[str, Any]:
-    """The roofline's instant answer for one accelerator, shown until its simulation ends: the
-    largest batch whose decode step at the mean context meets the TPOT target, capped by the KV
-    cache; its throughput counts each user's prefill once per request (a batch's users produce
-    batch × output_len tokens in output_len decode steps plus batch prefills)."""
-    from servelab.cost import Roofline
+def upper_bound(s: Any, hardware: Any, key: PlanKey) -> dict[str, Any]:
+    """The roofline's instant upper bound for one accelerator, shown until its simulation ends.
+    Users: no more than run at once (the requests whose KV fits at full length at the engine's
+    memory share, the lab's sequence cap) nor than whose decode step at the shortest context (the
+    prompt alone) meets the TPOT target; none when one prefill alone misses the TTFT target.
+    Tokens/s: those users' decode steps alone, as if no prefill ever took a step."""
+    from servelab.cost import MemoryPlan, Roofline
     from servelab.lab.roofline_lessons import batch_at_tpot
+    from servelab.sim.engine_profiles import engine_profile
 
+    w, k = s.weight_dtype, s.kv_dtype
     try:
-        rl = Roofline(s.model, hardware, s.weight_dtype, s.kv_dtype, s.tp)
+        rl = Roofline(s.model, hardware, w, k, s.tp)
+        share = (
+            engine_profile(s.engine_profile)
+            .settings(s.model, hardware, tp=s.tp, weight_dtype=w, kv_cache_dtype=k)
+            .memory_fraction
+        )
+        memory = MemoryPlan(s.model, hardware, w, k, s.tp, share)
     except ServelabError:
-        return {"fits": False, "batch": 0, "tokens_per_s_per_gpu": 0.0}
-    wall = rl.memory.max_batch(prompt_len + output_len) if rl.memory.weights_fit else 0
-    context = prompt_len + output_len // 2
-    batch = batch_at_tpot(rl, context, wall, tpot_ms / 1e3)
-    cycle_s = output_len * rl.decode(batch, context).time_s + batch * rl.prefill(prompt_len).time_s if batch else 0.0
-    tps = batch * output_len / cycle_s / s.tp if batch else 0.0
-    return {
-        "fits": wall > 0,
-        "batch": batch,
-        "tokens_per_s_per_gpu": tps,
-        "binds": "memory" if batch == wall else "slo",
-    }
+        return {"fits": False, "users": 0, "tokens_per_s_per_gpu": 0.0}
+    if not memory.weights_fit:
+        return {"fits": False, "users": 0, "tokens_per_s_per_gpu": 0.0}
+    wall = min(memory.max_batch(key.prompt_len + key.output_len - 1), MAX_NUM_SEQS)
+    users = 0
+    if rl.prefill(key.prompt_len).time_s <= key.ttft_ms / 1e3:
+        users = batch_at_tpot(rl, key.prompt_len, wall, key.tpot_ms / 1e3)
+    tps = users / rl.decode(users, key.prompt_len).time_s / s.tp if users else 0.0
+    return {"fits": wall > 0, "users": users, "tokens_per_s_per_gpu": tps}
 
 
-def _binds(row: Any) -> str | None:
-    """Which limit set the row's capacity, in the lesson's words: "memory" (the KV cache: the
-    planner saw it full, or the search passed its maximum, beyond the memory wall), "slo", or
-    "ceiling" (still passing at SEARCH_CEILING_USERS, short of the memory wall)."""
-    if row.binding is None:
-        return None
-    limit = row.binding.limit
-    if limit == "search-maximum" and row.binding.at_concurrency >= SEARCH_CEILING_USERS:
-        return "ceiling"
-    return "memory" if limit in ("kv-cache", "search-maximum") else limit
-
-
+# Which limit set a bar, in the lesson's words (binding.Limit's ids; the KV cache is "memory").
 BIND_LABEL = {
     "memory": "memory (KV cache full)",
-    "slo": "the TPOT target",
-    "max-num-seqs": "--max-num-seqs",
-    "ceiling": f"the lab's {SEARCH_CEILING_USERS:,}-user ceiling, short of memory",
+    "ttft": "the TTFT target",
+    "tpot": "the TPOT target",
+    "max-num-seqs": f"the lab's {MAX_NUM_SEQS:,}-sequence cap",
+    "slo": "failed requests",
+    "search-maximum": "the search's maximum",
 }
 
 
-def result(s: Any, rows_by_hw: dict[str, Any], tpot_ms: float, prompt_len: int, output_len: int) -> dict[str, Any]:
-    from servelab.bench.planner import PlanRow, cost_per_million_tokens, rank
+def _binds(row: Any) -> str | None:
+    if row.binding is None:
+        return None
+    return "memory" if row.binding.limit == "kv-cache" else str(row.binding.limit)
 
-    simulated = rank([rows_by_hw[name] for name in HARDWARE if name in rows_by_hw])
-    pending = [name for name in HARDWARE if name not in rows_by_hw]
+
+def result(s: Any, key: PlanKey, rows_by_hw: dict[str, Any]) -> dict[str, Any]:
+    from servelab.bench.planner import cost_per_million_tokens
+
     plan: dict[str, list[Any]] = {
         k: []
         for k in (
@@ -299,6 +300,7 @@ def result(s: Any, rows_by_hw: dict[str, Any], tpot_ms: float, prompt_len: int, 
             "tokens_per_s_per_gpu",
             "usd_per_million_tokens",
             "concurrency",
+            "ttft_ms",
             "tpot_ms",
             "price_per_gpu_hour",
             "binds",
@@ -306,91 +308,105 @@ def result(s: Any, rows_by_hw: dict[str, Any], tpot_ms: float, prompt_len: int, 
             "config",
             "reason",
             "status",
+            "command",
         )
     }
-
-    def add(r: PlanRow, status: str, binds: str | None) -> None:
-        plan["hardware"].append(r.hardware)
-        plan["tp"].append(r.tp)
+    # The catalog's order, simulated or not: a bar never moves when its simulation lands.
+    for name, hw in HARDWARE.items():
+        plan["hardware"].append(name)
+        plan["tp"].append(s.tp)
+        plan["price_per_gpu_hour"].append(hw.price_per_hour_usd)
+        plan["command"].append(plan_command(key, name))
+        r = rows_by_hw.get(name)
+        if r is None:
+            bound = upper_bound(s, hw, key)
+            tps = bound["tokens_per_s_per_gpu"] or None
+            plan["status"].append("estimate")
+            plan["fits"].append(bound["fits"])
+            plan["meets_slo"].append(None)  # not known until simulated
+            plan["tokens_per_s_per_gpu"].append(tps or 0.0)
+            plan["usd_per_million_tokens"].append(
+                None
+                if not tps or hw.price_per_hour_usd is None
+                else cost_per_million_tokens(hw.price_per_hour_usd, tps)
+            )
+            plan["concurrency"].append(bound["users"] or None)
+            plan["ttft_ms"].append(None)
+            plan["tpot_ms"].append(None)
+            plan["binds"].append(None)
+            plan["binding"].append(None)
+            plan["config"].append(
+                f"≤ {bound['users']:,} users: upper bound from the roofline, simulating"
+                if bound["fits"]
+                else "does not fit"
+            )
+            plan["reason"].append("upper bound from the roofline; simulating")
+            continue
+        binds = _binds(r)
+        plan["status"].append("simulated")
         plan["fits"].append(r.fits)
         plan["meets_slo"].append(r.meets_slo)
         plan["tokens_per_s_per_gpu"].append(r.tokens_per_s_per_device or 0.0)
         plan["usd_per_million_tokens"].append(r.cost_per_million_output_tokens)
         plan["concurrency"].append(r.capacity_concurrency)
+        plan["ttft_ms"].append(None if r.ttft_s is None else r.ttft_s * 1e3)
         plan["tpot_ms"].append(None if r.tpot_s is None else r.tpot_s * 1e3)
-        plan["price_per_gpu_hour"].append(r.price_per_device_hour)
         plan["binds"].append(binds)
         plan["binding"].append(None if r.binding is None else r.binding.detail)
-        plan["status"].append(status)
         if r.meets_slo:
-            prefix = "≈ " if status == "estimate" else "≥ " if binds == "ceiling" else ""
-            plan["config"].append(f"{prefix}{r.capacity_concurrency:,.0f} users · {BIND_LABEL.get(binds or '', binds)}")
+            plan["config"].append(f"{r.capacity_concurrency:,.0f} users · {BIND_LABEL.get(binds or '', binds)}")
         else:
-            plan["config"].append("does not fit" if not r.fits else "misses the target")
+            plan["config"].append("does not fit" if not r.fits else "misses the targets")
         plan["reason"].append(r.reason or None)
 
-    for r in simulated:
-        add(r, "simulated", _binds(r))
-    for name in pending:
-        hw = HARDWARE[name]
-        e = estimate(s, hw, tpot_ms, prompt_len, output_len)
-        tps = e["tokens_per_s_per_gpu"] or None
-        row = PlanRow(
-            hardware=name,
-            tp=s.tp,
-            fits=e["fits"],
-            capacity_concurrency=e["batch"] or None,
-            tokens_per_s_per_device=tps,
-            price_per_device_hour=hw.price_per_hour_usd,
-            reason="roofline estimate; simulating",
-            cost_per_million_output_tokens=None
-            if not tps or hw.price_per_hour_usd is None
-            else cost_per_million_tokens(hw.price_per_hour_usd, tps),
-        )
-        add(row, "estimate", e.get("binds") if tps else None)
+    simulated = [rows_by_hw[name] for name in HARDWARE if name in rows_by_hw]
+    pending = len(simulated) < len(HARDWARE)
     serving = [r for r in simulated if r.meets_slo]
+    targets = f"p{PLAN_PERCENTILE} TTFT ≤ {fmt(key.ttft_ms)} ms and TPOT ≤ {fmt(key.tpot_ms)} ms"
     warning = None
     if simulated and not pending and not serving:
         reasons = "; ".join(f"{r.hardware}: {r.reason}" for r in simulated)
         warning = (
-            f"no accelerator serves {s.model.name} within {fmt(tpot_ms)} ms TPOT: {reasons}; loosen the TPOT "
-            f"target, shorten the requests, use smaller dtypes or raise TP"
+            f"no accelerator serves {s.model.name} within {targets}: {reasons}; loosen the targets, shorten the "
+            f"requests, use smaller dtypes or raise TP"
         )
     if serving:
-        cheapest = serving[0]
+        cheapest = min(serving, key=lambda r: r.cost_per_million_output_tokens or float("inf"))
         fastest = max(serving, key=lambda r: r.tokens_per_s_per_device or 0.0)
-        bound = ", ".join(f"{r.hardware} by {BIND_LABEL.get(_binds(r) or '', _binds(r))}" for r in serving)
+        limits = ", ".join(f"{r.hardware} by {BIND_LABEL.get(_binds(r) or '', _binds(r))}" for r in serving)
         notice = (
             f"{fastest.hardware} serves the most tokens/s per GPU ({fmt(fastest.tokens_per_s_per_device)}), "
             f"but {cheapest.hardware} is cheapest at ${fmt(cheapest.cost_per_million_output_tokens or 0.0)} per "
-            f"million output tokens; capacity is tokens/s per GPU at the TPOT target, not QPS. "
-            f"What bound each: {bound}."
+            f"million output tokens; capacity is tokens/s per GPU at {targets}, not QPS. What bound each: {limits}."
         )
+        if pending:
+            notice += " The pale bars are the roofline's upper bound, until their simulation ends."
     elif pending:
-        notice = "simulating; the bars that are not yet simulated are the roofline's estimate."
+        notice = "simulating; the pale bars are the roofline's upper bound until their simulation ends."
     else:
-        notice = "nothing meets the target: loosen the TPOT target, shorten the requests, or raise TP."
+        notice = "nothing meets the targets: loosen them, shorten the requests, or raise TP."
     return {
-        "status": "done" if not pending else "running",
+        "status": "running" if pending else "done",
         "config": {
             **s.to_dict(),
-            "tpot_ms": tpot_ms,
-            "prompt_len": prompt_len,
-            "output_len": output_len,
-            "requests_per_user": REQUESTS_PER_USER,
+            "tpot_ms": key.tpot_ms,
+            "ttft_ms": key.ttft_ms,
+            "prompt_len": key.prompt_len,
+            "output_len": key.output_len,
             "percentile": PLAN_PERCENTILE,
+            "max_num_seqs": MAX_NUM_SEQS,
         },
         "plan": plan,
         "warning": warning,
         "stats": [
-            stat("target", f"p{PLAN_PERCENTILE} TPOT ≤ {fmt(tpot_ms)} ms"),
+            stat("targets", targets),
             stat(
-                "accelerators that meet it",
+                "accelerators that meet them",
                 f"{len(serving)} of the {len(simulated)} simulated so far"
                 if pending
                 else f"{len(serving)} of {len(simulated)}",
             ),
-            stat("search", "users until the TPOT target or the KV cache binds"),
+            stat("users", "concurrent requests that meet both targets, up to what runs at once"),
         ],
         "notice": notice,
     }

@@ -1,15 +1,17 @@
-"""The numeric bounds of every lesson's inputs: the API validates against them and publishes
-them in the catalog, and the page's forms take their min/max from there (one source of truth)."""
+"""The numeric bounds and starting values of every lesson's inputs: the API validates against the
+bounds and publishes both in the catalog, and the page's forms take their min/max and defaults from
+there (one source of truth)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from servelab.core.speculative import MAX_SPECULATIVE_TOKENS
 from servelab.errors import ServelabError
 
 MAX_TOKENS = 1 << 20  # a context bound for the form; the model's own max_context is checked by the roofline
 MAX_BATCH = 4096
-# Simulator lessons (slo, chunked-prefill, disaggregated) running at once: each holds a worker thread
+# Simulator lessons (slo, chunked-prefill, disaggregated, speculative) running at once: each holds a worker thread
 # for up to seconds, so more would starve the page's other requests (/api/health included); 429 beyond.
 MAX_RUNNING_SIMULATIONS = 2
 RETRY_AFTER_S = 5  # what a 429 from a busy lab tells the page to wait
@@ -50,6 +52,13 @@ LIMITS: dict[str, dict[str, tuple[float, float]]] = {
         "batch": (1, MAX_BATCH),
         "price_per_gpu_hour": (0.01, 1000.0),
     },
+    # Five requests per client at concurrencies up to 64, with and without speculation: short on purpose.
+    "speculative": {
+        "num_speculative_tokens": (1, MAX_SPECULATIVE_TOKENS),
+        "acceptance": (0.0, 1.0),
+        "prompt_len": (1, 16384),
+        "output_len": (2, 512),
+    },
     # The "your machine" panel's load, sent by the page to the server it runs under: short on purpose.
     "live": {
         "requests": (1, 64),
@@ -58,7 +67,12 @@ LIMITS: dict[str, dict[str, tuple[float, float]]] = {
         "max_tokens": (2, 256),
         "think_ms": (0, 10_000),
     },
-    "capacity": {"tpot_ms": (1.0, 10_000.0), "prompt_len": (1, 131072), "output_len": (2, 8192)},
+    "capacity": {
+        "tpot_ms": (1.0, 10_000.0),
+        "ttft_ms": (1.0, 600_000.0),
+        "prompt_len": (1, 131072),
+        "output_len": (2, 8192),
+    },
     # 400 simulated requests four times (no caps, each cap, both): means past these would run for seconds.
     "limits": {
         "rate": (0.1, 100.0),
@@ -119,3 +133,42 @@ def published_context_rules() -> dict[str, dict[str, Any]]:
         lesson: {"fields": list(fields), "extra": extra, "spread": [num, den]}
         for lesson, (fields, extra, (num, den)) in CONTEXT_RULES.items()
     }
+
+
+# The controls' starting values, per lesson (the API's own defaults are the same).
+LESSON_DEFAULTS: dict[str, dict[str, Any]] = {
+    "two-workloads": {"prompt_len": 2048, "batch": 1},
+    "batching": {"batch": 64, "context": 2048},
+    # Near the knee: at 24 req/s the p90 targets hold, a few req/s more and TPOT breaks them.
+    "slo": {"rate": 24, "ttft_slo_ms": 500, "tpot_slo_ms": 20, "prompt_len": 1024, "output_len": 128},
+    "chunked-prefill": {"prompt_len": 8192, "decode_batch": 16, "chunk_tokens": 512},
+    "disaggregated": {
+        "rate": 6,
+        "prefill_gpus": 1,
+        "decode_gpus": 1,
+        "link_gbps": 50,
+        "prompt_len": 2048,
+        "output_len": 128,
+    },
+    "memory": {"attention": "gqa", "context": 8192, "tpot_ms": 50},
+    "capacity": {"ttft_ms": 2000, "tpot_ms": 50, "prompt_len": 1024, "output_len": 256},
+    "request-cost": {"prompt_len": 2048, "output_len": 256, "batch": 32, "price_per_gpu_hour": None},
+    # Llama 3.1 8B's natural draft model: the same tokenizer, an eighth of the weights.
+    "limits": {"rate": 4, "prompt_len": 2048, "output_len": 256, "prompt_cap": 4096, "output_cap": 512},
+    "qps-vs-tokens": {
+        "qps": 10,
+        "tpot_ms": 50,
+        "a_prompt_len": 256,
+        "a_output_len": 128,
+        "b_prompt_len": 8192,
+        "b_output_len": 512,
+    },
+    "decode-chain": {"prompt_len": 1024, "output_len": 32, "batch": 8},
+    "speculative": {
+        "method": "llama-3.2-1b",
+        "num_speculative_tokens": 4,
+        "acceptance": 0.7,
+        "prompt_len": 512,
+        "output_len": 128,
+    },
+}

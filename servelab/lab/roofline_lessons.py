@@ -34,7 +34,7 @@ def _point(cost: StepCost) -> dict[str, Any]:
 
 
 def side_of_ridge(cost: StepCost) -> str:
-    """"above" or "below" the datasheet ridge: where the step's intensity puts it on the roofline."""
+    """ "above" or "below" the datasheet ridge: where the step's intensity puts it on the roofline."""
     return "above" if cost.arithmetic_intensity >= cost.ridge_flops_per_byte else "below"
 
 
@@ -442,7 +442,9 @@ def _memory_yours(plan: MemoryPlan, pick: dict[str, Any], context: int, tpot_ms:
         f"{fmt(tpot_ms)} ms TPOT"
     )
     if binds == "kv-full":
-        return f"your choice {served}: the KV cache is full there ({pick['max_batch']:,} sequences of {context:,} tokens)"
+        return (
+            f"your choice {served}: the KV cache is full there ({pick['max_batch']:,} sequences of {context:,} tokens)"
+        )
     return (
         f"your choice fits {pick['max_batch']:,} sequences of {context:,} tokens but {served}: the TPOT target "
         f"binds before memory does"

@@ -401,7 +401,9 @@ def slo(p: Params, budget: Budget) -> dict[str, Any]:
             f"{load}; the p90 TTFT is {fmt(p90_ttft or math.nan)} ms and p90 TPOT {fmt(p90_tpot or math.nan)} ms, "
             f"so the deployment {'meets' if meets else 'misses'} the p90 targets "
             f"({fmt(100 * (sm.slo_attainment or 0.0))}% of requests meet both, a goodput of {fmt(st.goodput_rps)} "
-            f"req/s). " + _itl_text(itl_cdf["percentiles"], tpot_cdf["percentiles"]) + " "
+            f"req/s). "
+            + _itl_text(itl_cdf["percentiles"], tpot_cdf["percentiles"])
+            + " "
             + _knee_text(knee, sweep["saturation_rps"])
         ),
     }
@@ -568,8 +570,7 @@ def _chunked_notice(a: dict[str, Any], b: dict[str, Any], prompt_len: int, chunk
     else:
         effect = f"chunks of {chunk_tokens:,} tokens do not shorten the worst gap ({fmt(chunked_gap)} ms)"
     return (
-        f"{head}; {effect}. The long prompt's TTFT goes from {fmt(a['long_ttft_ms'])} to "
-        f"{fmt(b['long_ttft_ms'])} ms."
+        f"{head}; {effect}. The long prompt's TTFT goes from {fmt(a['long_ttft_ms'])} to {fmt(b['long_ttft_ms'])} ms."
     )
 
 
@@ -624,7 +625,7 @@ def _side(result: SimResult, label: str) -> dict[str, Any]:
 
 
 def _compare(split: float | None, colocated: float | None) -> str:
-    """"better", "worse" or "the same" (within half a percent) for a latency, lower being better."""
+    """ "better", "worse" or "the same" (within half a percent) for a latency, lower being better."""
     if split is None or colocated is None:
         return "not measured"
     if abs(split - colocated) <= 0.005 * colocated:

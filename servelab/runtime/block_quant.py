@@ -15,6 +15,14 @@ weights, fp32 sums either way (only the rounding order differs), so this is on b
 unlike the approximate `--quantization int8`. Costs the packed copy's memory. Timings:
 docs/benchmarks.md, "GGUF blocks kept packed".
 
+Steps of many rows (from the engine's q8_min_rows, prefill and batched decode) are bound by the
+multiply-adds instead, and there the default runs csrc/q8_block_linear.c: each row's activations
+quantized to int8 per 32-input block, int8 dot products (VNNI's vpdpbusd) with the blocks' own
+quants, scaled by both blocks' scales: llama.cpp's Q4_1 x Q8_1 / Q8_0 x Q8_0 method, within the
+accuracy contract of docs/accuracy.md but not exact, so `--exact` (and deterministic mode) keeps
+the fp32 kernels at every row count. Q4_1 is read in its Q4_1_G16 bytes; Q4_0 and Q8_0 weights
+get a copy in the same sixteen-outputs-a-group shape (q8_segments).
+
 Formats: Q8_0, Q4_0, Q4_1 (32 weights a block; both kernels) and Q4_K, Q6_K (256; the panel
 kernel, also for one row). A fused matrix whose parts differ in format keeps one packed segment
 per run of a format. F16 and BF16 tensors stay 16-bit (linear.HalfLinear); others (Q5_K, ...)
@@ -57,6 +65,9 @@ FORMAT_NAMES = {t.kernel_code: t.name for t in GGML_TYPES if t.kernel_code is no
 _FUSED_FORMATS = (*(t.kernel_code for t in GGML_TYPES if t.kernel is Kernel.PANEL_AND_ROWS), Q4_1_G16)
 _GROUP = 16  # outputs a Q4_1_G16 group
 _F32 = _kernel_code("F32")  # a plain fp32 weight, through the panel kernel (deterministic mode)
+_Q8_0, _Q4_0 = _kernel_code("Q8_0"), _kernel_code("Q4_0")
+# csrc/q8_block_linear.c's layouts of Q8_0 and Q4_0, sixteen outputs a group like Q4_1_G16
+Q8_0_G16, Q4_0_G16 = 7, 8
 
 # Where one kernel overtakes the other, measured over SmolLM2's matrices (docs/benchmarks.md).
 FUSED_MAX_ROWS = 4  # up to here the in-register kernel, then the panel kernel
@@ -68,6 +79,13 @@ PANEL_OUTPUTS = 48  # outputs the panel kernel expands at a time (PANEL in the C
 # deterministic mode): 0.91-0.96x the panel kernel's time at 48 rows, 0.81-0.88x at 128, 0.79-0.84x
 # at 512; 1.01x at 32, where filling its transposed panel costs what the tiles save.
 KMAJOR_MIN_ROWS = 48
+# From this many rows the engine's default takes the int8 dot products (with_q8): the crossover
+# against the exact kernels measured in docs/benchmarks.md ("Q8 activations over GGUF blocks");
+# batch-1 decode stays exact.
+Q8_MIN_ROWS = 2
+# The ISA each level's int8 dot products run on, for the load log
+_Q8_ISA = {"avx512_bf16": "AVX512-VNNI", "avx512_vnni": "AVX512-VNNI", "avx512": "AVX-512 vpmaddubsw",
+           "avx2": "AVX2 vpmaddubsw", "portable": "portable C"}  # fmt: skip
 
 
 @dataclass(slots=True)
@@ -78,6 +96,17 @@ class PackedRows:
     fmt: int  # a key of FORMAT_NAMES
     data: torch.Tensor
     start: int
+
+
+@dataclass(slots=True)
+class Q8Rows:
+    """Outputs [start, start + rows) of a weight in a layout of csrc/q8_block_linear.c: `data`
+    holds ceil(rows / 16) groups of sixteen outputs (the last padded with zero scales)."""
+
+    fmt: int  # Q4_1_G16, Q4_0_G16 or Q8_0_G16
+    data: torch.Tensor
+    start: int
+    rows: int
 
 
 @dataclass(slots=True)
@@ -97,6 +126,11 @@ class BlockQuantLinear:
     # in their own order).
     invariant: bool = False
     bias: torch.Tensor | None = None  # fp32 [out]
+    # From this many rows (None: never) a call takes the int8 dot products over `q8`, the weight
+    # in csrc/q8_block_linear.c's layouts (with_q8); not in deterministic mode.
+    q8_min_rows: int | None = None
+    q8: tuple[Q8Rows, ...] | None = None
+    q8_passes: int = 2  # int8 passes over each activation: 1 (8 bits) or 2 (16 bits, 256 q + q2)
 
     def __post_init__(self) -> None:
         # Q4_1 segments in the layout these kernels and this mode read best (so also after
@@ -112,6 +146,8 @@ class BlockQuantLinear:
         rows, limit = x.shape[0], max_rows(self.kernels)
         if rows == 0:
             return x.new_zeros(0, self.shape[0])
+        if self.q8 is not None and self.q8_min_rows is not None and rows >= self.q8_min_rows and not self.invariant:
+            return self._q8_call(x)
         if limit is not None and rows > limit and not self.invariant:
             if self.dense is None:  # packed where the kernels needed no copy, run where they do
                 self.dense = self.dequantize()
@@ -144,6 +180,31 @@ class BlockQuantLinear:
                 y.data_ptr() + 4 * seg.start,
                 out_features,
                 scratch.data_ptr(),
+                threads,
+            )
+        return y
+
+    def _q8_call(self, x: torch.Tensor) -> torch.Tensor:
+        """y over the int8 dot products: x quantized once, then each segment's columns."""
+        x = x.float().contiguous()
+        rows, (out_features, in_features) = x.shape[0], self.shape
+        threads = torch.get_num_threads()
+        act = torch.empty(self.kernels.q8_act_bytes(rows, in_features), dtype=torch.uint8)
+        self.kernels.q8_quantize(x.data_ptr(), rows, in_features, self.q8_passes, act.data_ptr(), threads)
+        y = torch.empty(rows, out_features, dtype=torch.float32)
+        bias = None if self.bias is None else self.bias.data_ptr()
+        for seg in self.q8 or ():
+            self.kernels.q8_block_linear(
+                seg.fmt,
+                seg.data.data_ptr(),
+                in_features,
+                seg.rows,
+                act.data_ptr(),
+                self.q8_passes,
+                rows,
+                None if bias is None else bias + 4 * seg.start,
+                y.data_ptr() + 4 * seg.start,
+                out_features,
                 threads,
             )
         return y
@@ -212,6 +273,46 @@ def regrouped(seg: PackedRows, group: bool) -> PackedRows:
     return PackedRows(_Q4_1, data.reshape(rows, row_bytes).contiguous(), seg.start)
 
 
+def q8_layout(seg: PackedRows) -> Q8Rows | None:
+    """A segment in csrc/q8_block_linear.c's layout: Q4_1_G16's own bytes, else a copy grouped
+    sixteen outputs a group (the last padded with zero rows), per group and block the 16 fp16 d,
+    16 fp16 m (zero but for Q4_1), then the quants four bytes an output a 64-byte vector. None
+    for a format it has no kernel for (Q4_K, Q6_K, F32)."""
+    if seg.fmt == Q4_1_G16:
+        return Q8Rows(Q4_1_G16, seg.data, seg.start, seg.data.shape[0])
+    if seg.fmt not in (_Q4_1, _Q4_0, _Q8_0):
+        return None
+    rows, row_bytes = seg.data.shape
+    padded = -(-rows // _GROUP) * _GROUP
+    data = torch.cat([seg.data, seg.data.new_zeros(padded - rows, row_bytes)]) if padded != rows else seg.data
+    if seg.fmt == _Q4_1:
+        return Q8Rows(Q4_1_G16, regrouped(PackedRows(_Q4_1, data.contiguous(), seg.start), True).data, seg.start, rows)
+    block_bytes, lanes = (34, 8) if seg.fmt == _Q8_0 else (18, 4)  # lanes: 64-byte vectors a block
+    nblocks = row_bytes // block_bytes
+    blk = data.view(padded // _GROUP, _GROUP, nblocks, block_bytes).permute(0, 2, 1, 3)  # [G, blocks, 16, bytes]
+    quants = blk[..., 2:].reshape(padded // _GROUP, nblocks, _GROUP, lanes, 4).transpose(2, 3)
+    d = blk[..., :2].flatten(2)
+    grouped = torch.cat([d, torch.zeros_like(d), quants.flatten(2)], dim=2)
+    return Q8Rows(Q8_0_G16 if seg.fmt == _Q8_0 else Q4_0_G16, grouped.contiguous(), seg.start, rows)
+
+
+def with_q8(linear: BlockQuantLinear, min_rows: int | None, passes: int = 2) -> BlockQuantLinear:
+    """`linear` taking the int8 dot products from `min_rows` rows (None: never) with `passes`
+    int8 passes over each activation, where every segment's format has them; else as it is, on
+    its exact kernels at every row count."""
+    if passes not in (1, 2):
+        raise ValueError(f"q8 passes must be 1 or 2, got {passes}")
+    if min_rows is None:
+        return replace(linear, q8_min_rows=None, q8=None)
+    if linear.q8 is not None:
+        return replace(linear, q8_min_rows=min_rows, q8_passes=passes)
+    layouts = [q8_layout(seg) for seg in linear.segments]
+    segments = tuple(seg for seg in layouts if seg is not None)
+    if len(segments) != len(layouts):
+        return replace(linear, q8_min_rows=None, q8=None)
+    return replace(linear, q8_min_rows=min_rows, q8=segments, q8_passes=passes)
+
+
 def fused_formats(linear: BlockQuantLinear) -> bool:
     """Whether every segment's format has the in-register kernel (for up to FUSED_MAX_ROWS rows)."""
     return all(seg.fmt in _FUSED_FORMATS for seg in linear.segments)
@@ -267,3 +368,23 @@ def pack(
         return DenseLinear(dense)
     keep = dense if max_rows(kernels) is not None else None  # the fp32 copy only where MKL may run
     return BlockQuantLinear(tuple(segments), kernels, keep, (out_features, in_features))
+
+
+def linear_paths(linears: list[Linear], q8_min_rows: int | None) -> str | None:
+    """One line for the load log: which kernels a model's GGUF-block linears (`linears`, every
+    layer's and the head) take at which row counts, and why; None for a model without any."""
+    blocks = [w for w in (getattr(w, "inner", w) for w in linears) if isinstance(w, BlockQuantLinear)]
+    if not blocks:
+        return None
+    if q8_min_rows is None or blocks[0].invariant:
+        return "linears: exact fp32 over GGUF blocks at every row count (--exact, --dtype float32 or --deterministic)"
+    q8 = [w for w in blocks if w.q8 is not None and w.q8_min_rows is not None]
+    if not q8:
+        return f"linears: exact fp32 over GGUF blocks at every row count ({blocks[0].format_name} has no int8 kernel)"
+    isa = _Q8_ISA.get(q8[0].kernels.level.split("-")[0], q8[0].kernels.level)
+    some = "" if len(q8) == len(linears) else f" for {len(q8)} of {len(linears)} linears (the rest exact)"
+    return (
+        f"linears: exact fp32 over GGUF blocks below {q8_min_rows} rows (decode of one sequence, bound by the "
+        f"weights' bytes), Q8 activations x GGUF blocks ({isa}) from {q8_min_rows} rows{some} (compute-bound; "
+        "within the accuracy contract, KL vs fp32 in docs/accuracy.md); --exact keeps fp32 everywhere"
+    )

@@ -45,6 +45,10 @@ class _Segment(ctypes.Structure):
     _fields_ = [("fmt", _i64), ("data", _ptr), ("row_bytes", _i64), ("rows", _i64), ("start", _i64)]
 
 
+class _Q8Segment(ctypes.Structure):
+    _fields_ = [("fmt", _i64), ("data", _ptr), ("rows", _i64), ("start", _i64)]
+
+
 class _Linear(ctypes.Structure):
     _fields_ = [
         ("kind", _i64),
@@ -62,6 +66,9 @@ class _Linear(ctypes.Structure):
         ("half_weight", _ptr),
         ("half_format", _i64),
         ("half_gemv_max_rows", _i64),
+        ("q8_min_rows", _i64),
+        ("q8_passes", _i64),
+        ("q8", _Q8Segment * _MAX_SEGMENTS),
     ]
 
 
@@ -157,6 +164,12 @@ def _describe(lin: Any, kernels: native.NativeKernels) -> _Linear | None:
         if not seg.data.is_contiguous():
             return None
         d.seg[i] = _Segment(seg.fmt, seg.data.data_ptr(), seg.data.shape[1], seg.data.shape[0], seg.start)
+    if lin.q8 is not None and lin.q8_min_rows is not None:
+        if len(lin.q8) != len(lin.segments) or not all(seg.data.is_contiguous() for seg in lin.q8):
+            return None
+        d.q8_min_rows, d.q8_passes = max(lin.q8_min_rows, 1), lin.q8_passes
+        for i, q8seg in enumerate(lin.q8):
+            d.q8[i] = _Q8Segment(q8seg.fmt, q8seg.data.data_ptr(), q8seg.rows, q8seg.start)
     return d
 
 
@@ -165,7 +178,12 @@ def _row_limit(lin: Any, kernels: native.NativeKernels) -> int | None:
     the per-op path takes MKL's GEMM or the k-major panel, which sum in another order."""
     if isinstance(lin, QUANTIZED) or lin.invariant:
         return None
-    return HALF_GEMM_MAX_ROWS if isinstance(lin, HalfLinear) else block_quant.same_order_max_rows(kernels)
+    if isinstance(lin, HalfLinear):
+        return HALF_GEMM_MAX_ROWS
+    same_order = block_quant.same_order_max_rows(kernels)
+    if lin.q8 is not None and lin.q8_min_rows is not None and lin.q8_min_rows <= same_order + 1:
+        return None  # from q8_min_rows rows on, the int8 dot products in both paths
+    return same_order
 
 
 def _min_rows(a: int | None, b: int | None) -> int | None:

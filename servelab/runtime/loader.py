@@ -7,20 +7,30 @@ model only: the engine loads the tokenizer from the same path.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from servelab.runtime.linear import HalfLinear
-from servelab.runtime.model import LlamaModel, rope_inv_freq
-from servelab.runtime.weight_layout import GGUFTensor, TensorGetter, build_model, dequantize_gguf_tensor, gguf_getters
+from servelab.runtime.model import LlamaModel
+from servelab.runtime.rope import Rope
+from servelab.runtime.weight_layout import (
+    GGUFTensor,
+    TensorGetter,
+    build_model,
+    dequantize_gguf_tensor,
+    fused_rows,
+    gguf_getters,
+    split_fused_gguf,
+)
 from servelab.errors import InvalidArgument, NotFound
 from servelab.spec.gguf_reader import GGUFFile, read_gguf
-from servelab.spec.model import ModelSpec
+from servelab.spec.model import ENGINE_ARCHITECTURES, ModelSpec
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# HF model_type / GGUF general.architecture values the engine runs (Qwen2.5 is "qwen2"; Phi-4 "phi3")
+SUPPORTED_ARCHITECTURES = ENGINE_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
 
@@ -39,12 +49,16 @@ class ModelOptions:
 
     quantization: str | None = None
     deterministic: bool = False
+    # GGUF-block linears take int8 dot products from this many rows (None: exact fp32 everywhere)
+    q8_min_rows: int | None = None
 
     def apply(self, model: LlamaModel) -> None:
         if self.quantization is not None:
             model.quantize(self.quantization)
         if self.deterministic:
             model.make_batch_invariant()
+        elif self.q8_min_rows is not None and self.quantization is None:
+            model.use_q8(self.q8_min_rows)
 
 
 def check_device(device: str) -> None:
@@ -97,7 +111,7 @@ def check_servable(spec: ModelSpec) -> None:
         raise InvalidArgument(
             "attention_bias=true (bias on every attention projection) is not supported", param="model"
         )
-    rope_inv_freq(spec)  # raises on a RoPE scaling the model does not implement
+    Rope.from_spec(spec)  # raises on a RoPE scaling the model does not implement
 
 
 # ---------------------------------------------------------------------------------------- HF
@@ -119,13 +133,19 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: str, tp_rank: int, tp_s
 
     def tensor(name: str) -> torch.Tensor | None:
         h = where.get(name)
-        return None if h is None else h.get_tensor(name)
+        if h is not None:
+            return h.get_tensor(name)
+        fused = fused_rows(spec, name)
+        if fused is None or fused[0] not in where:
+            return None
+        source, start, rows = fused
+        return where[source].get_slice(source)[start : start + rows]
 
     get: TensorGetter = tensor
     if (shard := _shard(spec, tp_rank, tp_size)) is not None:
         from servelab.runtime.parallel.shard_loading import safetensors_getter
 
-        get = safetensors_getter(where, shard)
+        get = safetensors_getter(where, shard, lambda name: fused_rows(spec, name))
     model = build_model(spec if shard is None else shard.local_spec(), get, dtype, device)
     _log_half_storage(model)
     return LoadedModel(model, spec, path.name, path)
@@ -168,7 +188,17 @@ def _load_gguf(path: Path, dtype: torch.dtype, device: str, tp_rank: int, tp_siz
     spec = ModelSpec.from_gguf_metadata(
         gguf.metadata, name=name, tensor_shapes={n: t.shape for n, t in gguf.tensors.items()}
     )
+    if spec.rope_scaling is not None and spec.rope_scaling.get("rope_type") == "longrope":
+        factors = {f"{kind}_factor": tensors.get(f"rope_factors_{kind}.weight") for kind in ("short", "long")}
+        if None in factors.values():
+            raise InvalidArgument(
+                f"GGUF file {str(path)!r} has LongRoPE but lacks rope_factors_short.weight or rope_factors_long.weight",
+                param="model",
+            )
+        lists = {key: dequantize_gguf_tensor(t).reshape(-1).tolist() for key, t in factors.items() if t is not None}
+        spec = replace(spec, rope_scaling={**spec.rope_scaling, **lists})
     check_servable(spec)
+    tensors = split_fused_gguf(spec, tensors)
     model_spec = spec
     if (shard := _shard(spec, tp_rank, tp_size)) is not None:
         from servelab.runtime.parallel.shard_loading import shard_gguf_tensors

@@ -1,11 +1,13 @@
-"""A Llama-family decoder written for serving: Llama 2/3/3.1, Mistral, Qwen2 (qkv bias), SmolLM.
+"""A Llama-family decoder written for serving: Llama 2/3/3.x, Mistral, Qwen2/2.5 (qkv bias), Qwen3
+(per-head Q/K RMSNorm), Phi-3/Phi-4 (LongRoPE), SmolLM.
 
 One forward pass takes a flattened batch of tokens from mixed prefill chunks and decodes
 (varlen). Each token carries its position and its KV slot; K/V go into the paged cache and each
 sequence attends over its own blocks. Only the positions that sample get logits.
 
 Shapes follow the HF checkpoint layout (weights are [out, in]) with Q/K/V fused into one matrix
-and gate/up into another, so a layer is four GEMMs. RoPE uses the HF rotate-half convention.
+and gate/up into another, so a layer is four GEMMs. RoPE uses the HF rotate-half convention; its
+scalings live in rope.py, as tables.
 """
 
 from __future__ import annotations
@@ -21,41 +23,14 @@ from servelab.runtime import linear
 from servelab.runtime.linear import Linear
 from servelab.runtime.ops import Ops, select_ops
 from servelab.runtime.quantization import LINEARS
+from servelab.runtime.rope import Rope
 from servelab.errors import InvalidArgument
 from servelab.spec.model import ModelSpec
 
 
-def rope_inv_freq(config: ModelSpec, freq_divisors: torch.Tensor | None = None) -> torch.Tensor:
-    """Inverse frequencies (fp32, [head_dim/2]), with llama3 / linear scaling applied like HF does."""
-    dim = config.head_dim
-    inv_freq = 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
-    if freq_divisors is not None:  # GGUF stores llama3 scaling as precomputed per-dimension divisors
-        return inv_freq / freq_divisors.float()
-    scaling = config.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return inv_freq
-    if kind == "linear":
-        return inv_freq / float(scaling["factor"])
-    if kind == "llama3":
-        factor = float(scaling["factor"])
-        low_freq_factor = float(scaling["low_freq_factor"])
-        high_freq_factor = float(scaling["high_freq_factor"])
-        old_len = float(scaling["original_max_position_embeddings"])
-        low_freq_wavelen = old_len / low_freq_factor
-        high_freq_wavelen = old_len / high_freq_factor
-        wavelen = 2 * math.pi / inv_freq
-        scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-        smooth = (old_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-        is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-        return torch.where(is_medium, smoothed, scaled)
-    raise InvalidArgument(f"rope scaling type {kind!r} is not supported (supported: default, linear, llama3)")
-
-
 @dataclass(slots=True)
 class LayerWeights:
-    """One decoder layer: its two norms' weights and its four linears (runtime/linear.py)."""
+    """One decoder layer: its norms' weights and its four linears (runtime/linear.py)."""
 
     input_norm: torch.Tensor
     qkv: Linear  # [q_size + 2 * kv_size, hidden], with the qkv bias when the model has one
@@ -64,6 +39,8 @@ class LayerWeights:
     gate_up: Linear  # [2 * intermediate, hidden]
     down: Linear  # [hidden, intermediate]
     qkv_bias: InitVar[torch.Tensor | None] = None  # as the loader hands it over: folded into qkv
+    q_norm: torch.Tensor | None = None  # [head_dim]: RMSNorm weight of each Q head before RoPE (Qwen3)
+    k_norm: torch.Tensor | None = None  # [head_dim]: the same for each K head
 
     def __post_init__(self, qkv_bias: torch.Tensor | None) -> None:
         if qkv_bias is not None:
@@ -71,6 +48,10 @@ class LayerWeights:
 
     def linears(self) -> tuple[Linear, ...]:
         return (self.qkv, self.o, self.gate_up, self.down)
+
+    def norms(self) -> tuple[torch.Tensor, ...]:
+        heads = () if self.q_norm is None or self.k_norm is None else (self.q_norm, self.k_norm)
+        return (self.input_norm, self.post_norm, *heads)
 
 
 @dataclass(slots=True)
@@ -133,7 +114,7 @@ class LlamaModel:
         self.quantization: str | None = None  # "int8" or "bf16" after quantize
         self.dtype = embed.dtype
         self.device = embed.device
-        self.inv_freq = rope_inv_freq(config, rope_freq_divisors).to(self.device)
+        self.rope = Rope.from_spec(config, rope_freq_divisors)
         self._rope_len = 0
         self._cos = self._sin = torch.empty(0)
         self.scale = 1.0 / math.sqrt(config.head_dim)
@@ -148,9 +129,11 @@ class LlamaModel:
         self.lm_head = prepare(self.lm_head)
         # decode-only steps in one native call where the ops and linears allow; None: op by op.
         # Whatever replaces a layer's linears afterwards calls use_ops again (parallel/layers.py).
-        self.decode_stack = ops.decode_stack(
-            self.config, self.layers, self.scale, self.embed, self.final_norm, self.lm_head
-        )
+        self.decode_stack = None
+        if not self.config.qk_norm:  # the native stack has no per-head Q/K norm
+            self.decode_stack = ops.decode_stack(
+                self.config, self.layers, self.scale, self.embed, self.final_norm, self.lm_head
+            )
 
     @property
     def vocab_size(self) -> int:
@@ -187,6 +170,18 @@ class LlamaModel:
         self.quantization = kind
         self.use_ops(self.ops)  # the new linears on the ops' kernels
 
+    def use_q8(self, min_rows: int | None) -> None:
+        """GGUF-block linears take the int8 dot products over their blocks from `min_rows` rows
+        (None: exact fp32 at every row count) where the ops have them (block_quant.with_q8)."""
+        self.use_ops(self.ops.with_q8(min_rows))
+
+    def q8_linears(self) -> int:
+        """How many of the linears (the LM head included) take the int8 dot products for many rows."""
+        all_linears = [w for layer in self.layers for w in layer.linears()] + [self.lm_head]
+        return sum(
+            getattr(w, "q8_min_rows", None) is not None and getattr(w, "q8", None) is not None for w in all_linears
+        )
+
     def make_batch_invariant(self) -> None:
         """Deterministic mode: the invariant ops (runtime/ops.py, InvariantOps) and linears. Costs
         speed (docs/benchmarks.md)."""
@@ -195,7 +190,7 @@ class LlamaModel:
     def num_parameters(self) -> int:
         n = self.embed.numel() + self.final_norm.numel() + (0 if self.tied_head else self.lm_head.numel())
         for layer in self.layers:
-            n += layer.input_norm.numel() + layer.post_norm.numel() + sum(w.numel() for w in layer.linears())
+            n += sum(t.numel() for t in layer.norms()) + sum(w.numel() for w in layer.linears())
         return n
 
     def weight_bytes(self) -> int:
@@ -203,16 +198,14 @@ class LlamaModel:
         the head is read whole even when tied to the embedding)."""
         n = self.lm_head.nbytes + _nbytes(self.final_norm)
         for layer in self.layers:
-            n += _nbytes(layer.input_norm) + _nbytes(layer.post_norm) + sum(w.nbytes for w in layer.linears())
+            n += sum(_nbytes(t) for t in layer.norms()) + sum(w.nbytes for w in layer.linears())
         return n
 
     def _rope_tables(self, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin for positions up to max_pos (rope.Rope.tables; rows per set: self._rope_len)."""
         if max_pos > self._rope_len:
             n = max(max_pos, 2 * self._rope_len, 4096)
-            # Same fp32 arithmetic as HF's rotary embedding, so positions far out agree bit for bit.
-            freqs = torch.arange(n, device=self.device, dtype=torch.float32)[:, None] * self.inv_freq[None, :]
-            emb = torch.cat((freqs, freqs), dim=-1)
-            self._cos, self._sin = emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+            self._cos, self._sin = self.rope.tables(n, self.dtype, self.device)
             self._rope_len = n
         return self._cos, self._sin
 
@@ -236,6 +229,8 @@ class LlamaModel:
         eps, heads = cfg.rms_norm_eps, (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
         # the highest position + 1, from the plan's ints (a reduction over meta.positions is a torch op)
         cos, sin = self._rope_tables(max([meta.decode_max_ctx] + [start + n for _, n, start, _ in meta.prefills]))
+        if self.rope.sets > 1:  # RoPE reads the tables at these rows (rope.Rope.table_rows)
+            meta = replace(meta, positions=self.rope.table_rows(meta, self._rope_len))
 
         stack, rows, n = self.decode_stack, meta.logits_indices, input_ids.shape[0]
         if stack is not None and not stack.accepts(meta, n):
@@ -253,7 +248,10 @@ class LlamaModel:
         rotary = ops.rotary(cos, sin, meta.positions) if layers else None
         for layer, kc, vc in zip(layers, k_cache, v_cache):
             x, h = ops.add_rms_norm(x, delta, layer.input_norm, eps)
-            q, k, v = ops.rope_store_kv(layer.qkv(h), rotary, meta.slots, kc, vc, *heads)
+            qkv = layer.qkv(h)
+            if layer.q_norm is not None:
+                qkv = self._norm_heads(qkv, layer)
+            q, k, v = ops.rope_store_kv(qkv, rotary, meta.slots, kc, vc, *heads)
             attn = ops.attention(q, k, v, kc, vc, meta, self.scale)
             x, h = ops.add_rms_norm(x, layer.o(attn), layer.post_norm, eps)
             delta = layer.down(ops.silu_mul(layer.gate_up(h)))
@@ -270,6 +268,15 @@ class LlamaModel:
         # a step of pooling chunks alone samples nothing: no head to run
         logits = self.lm_head(x).float() if x.shape[0] else x.new_empty((0, self.vocab_size), dtype=torch.float32)
         return logits, hidden
+
+    def _norm_heads(self, qkv: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
+        """The fused qkv [T, (H + 2 KV) * D] with each head of Q and of K RMS-normalised (Qwen3)."""
+        cfg = self.config
+        T, H, KV, D = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        assert layer.q_norm is not None and layer.k_norm is not None  # the caller checked: a Qwen3 layer
+        q = self.ops.rms_norm(qkv[:, : H * D].reshape(T * H, D), layer.q_norm, cfg.rms_norm_eps)
+        k = self.ops.rms_norm(qkv[:, H * D : (H + KV) * D].reshape(T * KV, D), layer.k_norm, cfg.rms_norm_eps)
+        return torch.cat((q.view(T, H * D), k.view(T, KV * D), qkv[:, (H + KV) * D :]), dim=1)
 
     def greedy_tokens(self, logits: torch.Tensor) -> list[int] | None:
         """Each row's argmax (-1: a row with a NaN or an inf) where the forward that returned

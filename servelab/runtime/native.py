@@ -4,8 +4,9 @@ Decode attention over an fp32, fp16 or bf16 KV cache (csrc/decode_attention.c), 
 attention (csrc/prefill_attention.c), the per-layer elementwise ops (csrc/layer_ops.c: residual
 add + RMSNorm, SwiGLU, RoPE with the K/V store; and the sampler's row-wise argmax), linears
 straight from GGUF blocks (csrc/block_quant_linear.c, used by block_quant.py), linears over bf16 or
-fp16 weights with fp32 sums (csrc/half_linear.c, linear.HalfLinear) and the opt-in int8 and bf16
-linears (csrc/int8_linear.c and bf16_linear.c, used by quantization.py). Attention, the linears
+fp16 weights with fp32 sums (csrc/half_linear.c, linear.HalfLinear), int8 dot products over the
+GGUF blocks for many-row steps (csrc/q8_block_linear.c, block_quant.py) and the opt-in int8 and
+bf16 linears (csrc/int8_linear.c and bf16_linear.c, used by quantization.py). Attention, the linears
 and the argmax split their work over torch.get_num_threads() threads of our own pool
 (csrc/parallel.c).
 
@@ -52,6 +53,7 @@ _SOURCES = (
     "decode_stack.c",
     "half_linear.c",
     "bf16_linear.c",
+    "q8_block_linear.c",
 )
 _HEADERS = ("vec_exp.h", "parallel.h", "half.h", "fp.h", "isa.h")
 # KV-cache dtypes the attention and K/V-store kernels read and write (their kv_format codes, half.h)
@@ -213,6 +215,9 @@ class NativeKernels:
     decode_stack_arena: Callable[..., int]
     half_linear: Callable[..., int]
     bf16_linear: Callable[..., int]
+    q8_act_bytes: Callable[..., int]
+    q8_quantize: Callable[..., None]
+    q8_block_linear: Callable[..., None]
 
 
 def _build(level: IsaLevel, csrc: Path | None = None, cdll: type[ctypes.CDLL] = ctypes.CDLL) -> NativeKernels:
@@ -351,6 +356,9 @@ def _build(level: IsaLevel, csrc: Path | None = None, cdll: type[ctypes.CDLL] = 
             "servelab_half_linear_f32", i64, ptr, i64, i64, ptr, i64, ptr, ptr, i64, i64, restype=ctypes.c_int
         ),
         bf16_linear=fn("servelab_bf16_linear_f32", ptr, i64, i64, ptr, i64, ptr, ptr, i64, restype=ctypes.c_int),
+        q8_act_bytes=fn("servelab_q8_act_bytes", i64, i64, restype=i64),
+        q8_quantize=fn("servelab_q8_quantize_f32", ptr, i64, i64, i64, ptr, i64),
+        q8_block_linear=fn("servelab_q8_block_linear_f32", i64, ptr, i64, i64, ptr, i64, i64, ptr, ptr, i64, i64),
     )
 
 

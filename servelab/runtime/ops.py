@@ -6,7 +6,9 @@ Implementations:
 
 - `TorchOps`: plain PyTorch, any device and dtype. The reference, and what CUDA runs.
 - `NativeOps`: our C kernels (runtime/native.py) for fp32 on the CPU, built for one ISA level
-  (the linears' own kernels too). The same values as TorchOps up to fp32 summation order. A
+  (the linears' own kernels too). The same values as TorchOps up to fp32 summation order; or,
+  with `with_q8` (the engine's default), GGUF-block linears of many rows on int8 dot products
+  (block_quant.py), within docs/accuracy.md's contract. A
   decode-only step runs every layer in one native call where the linears allow
   (runtime/decode_stack.py): the same kernels in the same order, the same bits.
 - `InvariantOps`: `--deterministic`. NativeOps with every row's arithmetic independent of the
@@ -51,6 +53,11 @@ class TorchOps:
     def prepare_linear(self, linear: Linear) -> Linear:
         """The linear as these ops run it (deterministic mode swaps in invariant kernels)."""
         return linear
+
+    def with_q8(self, min_rows: int | None) -> Ops:
+        """These ops with GGUF-block linears taking the int8 dot products from `min_rows` rows
+        (None: exact fp32 at every row count), where the ops have them; else these ops."""
+        return self
 
     def decode_stack(
         self, config: Any, layers: list[Any], scale: float, embed: torch.Tensor, final_norm: torch.Tensor, head: Any
@@ -191,16 +198,23 @@ class NativeOps(TorchOps):
 
     reads_block_tables = True
 
-    def __init__(self, kernels: native.NativeKernels, level: str):
+    def __init__(self, kernels: native.NativeKernels, level: str, q8_min_rows: int | None = None):
         self.kernels = kernels
         self.level = level
         self.name = f"native-{level}"
+        # GGUF-block linears from this many rows: int8 dot products (block_quant.with_q8); None: exact
+        self.q8_min_rows = q8_min_rows
 
     def prepare_linear(self, linear: Linear) -> Linear:
         # the linears' own C kernels at this ISA level too (the loader packs with the best one's)
-        if isinstance(linear, (block_quant.BlockQuantLinear, HalfLinear, *QUANTIZED)):
+        if isinstance(linear, block_quant.BlockQuantLinear):
+            return block_quant.with_q8(replace(linear, kernels=self.kernels), self.q8_min_rows)
+        if isinstance(linear, (HalfLinear, *QUANTIZED)):
             return replace(linear, kernels=self.kernels)
         return linear
+
+    def with_q8(self, min_rows: int | None) -> Ops:
+        return NativeOps(self.kernels, self.level, min_rows)
 
     def decode_stack(
         self, config: Any, layers: list[Any], scale: float, embed: torch.Tensor, final_norm: torch.Tensor, head: Any
@@ -305,6 +319,9 @@ class InvariantOps(NativeOps):
     def __init__(self, kernels: native.NativeKernels, level: str):
         super().__init__(kernels, level)
         self.name = f"invariant-{level}"
+
+    def with_q8(self, min_rows: int | None) -> Ops:
+        return self  # one kernel a linear at every row count: the exact panel kernel
 
     def prepare_linear(self, linear: Linear) -> Linear:
         linear = super().prepare_linear(linear)

@@ -1,6 +1,8 @@
 """Weights into the model's layout: HF and GGUF tensor names onto our layers, llama.cpp's RoPE row
 order undone, GGUF blocks dequantized, Q/K/V and gate/up fused, and block-quantized copies kept
-for the CPU kernels.
+for the CPU kernels. Checkpoints that come fused already (Phi-3's qkv_proj and gate_up_proj,
+llama.cpp's attn_qkv and fused ffn_up) are read as row ranges of the fused tensor, so sharding
+and packing see the separate matrices every other model has.
 
 llama.cpp's converter permutes the rows of Q and K of `llama`-architecture models so that its
 interleaved RoPE applies; we undo that permutation so the HF rotate-half convention holds and the
@@ -75,8 +77,13 @@ def build_model(
         bias = None
         if spec.qkv_bias:
             bias = cast(torch.cat([need(p + f"self_attn.{n}_proj.bias") for n in "qkv"], dim=0))
+        q_norm = k_norm = None
+        if spec.qk_norm:
+            q_norm, k_norm = cast(need(p + "self_attn.q_norm.weight")), cast(need(p + "self_attn.k_norm.weight"))
         layers.append(
             LayerWeights(
+                q_norm=q_norm,
+                k_norm=k_norm,
                 input_norm=cast(need(p + "input_layernorm.weight")),
                 qkv=linear([p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
                 qkv_bias=bias,
@@ -114,6 +121,23 @@ def build_model(
     )
 
 
+def fused_rows(spec: ModelSpec, name: str) -> tuple[str, int, int] | None:
+    """Where a checkpoint that fuses Q/K/V into `qkv_proj` and gate/up into `gate_up_proj`
+    (Phi-3) keeps HF tensor `name`: (the fused tensor's name, first row, rows); None for any other."""
+    q, kv, ffn = spec.q_size, spec.kv_size, spec.ffn_size
+    parts = {
+        "self_attn.q_proj.weight": ("self_attn.qkv_proj.weight", 0, q),
+        "self_attn.k_proj.weight": ("self_attn.qkv_proj.weight", q, kv),
+        "self_attn.v_proj.weight": ("self_attn.qkv_proj.weight", q + kv, kv),
+        "mlp.gate_proj.weight": ("mlp.gate_up_proj.weight", 0, ffn),
+        "mlp.up_proj.weight": ("mlp.gate_up_proj.weight", ffn, ffn),
+    }
+    for suffix, (fused, start, rows) in parts.items():
+        if name.endswith(suffix):
+            return name[: -len(suffix)] + fused, start, rows
+    return None
+
+
 # ---------------------------------------------------------------------------------------- GGUF
 
 _GGUF_LAYER_NAMES = {
@@ -126,6 +150,8 @@ _GGUF_LAYER_NAMES = {
     "attn_q.bias": "self_attn.q_proj.bias",
     "attn_k.bias": "self_attn.k_proj.bias",
     "attn_v.bias": "self_attn.v_proj.bias",
+    "attn_q_norm.weight": "self_attn.q_norm.weight",
+    "attn_k_norm.weight": "self_attn.k_norm.weight",
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
@@ -160,6 +186,35 @@ class GGUFTensor:
     shape: tuple[int, ...]  # ggml order: shape[0] is the contiguous (input) dimension
     tensor_type: int  # ggml type id (spec/ggml_types.py)
     data: np.ndarray  # raw bytes [rows, row_bytes] (uint8), a view into the memory-mapped file
+
+    def rows(self, name: str, start: int, count: int) -> GGUFTensor:
+        """Rows [start, start + count) of a 2-D weight as tensor `name`: a view, not a copy."""
+        return GGUFTensor(name, (self.shape[0], count), self.tensor_type, self.data[start : start + count])
+
+
+def split_fused_gguf(spec: ModelSpec, tensors: dict[str, GGUFTensor]) -> dict[str, GGUFTensor]:
+    """llama.cpp's fused tensors (Phi-3's `attn_qkv`, and `ffn_up` holding gate then up where the
+    file has no `ffn_gate`) as the separate `attn_q`/`attn_k`/`attn_v` and `ffn_gate`/`ffn_up`."""
+    out = dict(tensors)
+    q, kv, ffn = spec.q_size, spec.kv_size, spec.ffn_size
+    for name, t in tensors.items():
+        prefix = name[: name.rfind(".", 0, name.rfind(".")) + 1]  # "blk.N."
+        if name.endswith(".attn_qkv.weight"):
+            if t.shape[-1] != q + 2 * kv:
+                raise InvalidArgument(f"GGUF tensor {name!r} has {t.shape[-1]} rows; the model needs {q + 2 * kv}",
+                                      param="model")  # fmt: skip
+            del out[name]
+            out[prefix + "attn_q.weight"] = t.rows(prefix + "attn_q.weight", 0, q)
+            out[prefix + "attn_k.weight"] = t.rows(prefix + "attn_k.weight", q, kv)
+            out[prefix + "attn_v.weight"] = t.rows(prefix + "attn_v.weight", q + kv, kv)
+        elif name.endswith(".ffn_up.weight") and prefix + "ffn_gate.weight" not in tensors:
+            if t.shape[-1] != 2 * ffn:
+                raise InvalidArgument(
+                    f"GGUF tensor {name!r} has {t.shape[-1]} rows and the file no ffn_gate; a fused gate/up needs "
+                    f"{2 * ffn}", param="model")  # fmt: skip
+            out[prefix + "ffn_gate.weight"] = t.rows(prefix + "ffn_gate.weight", 0, ffn)
+            out[name] = t.rows(name, ffn, ffn)
+    return out
 
 
 def gguf_getters(spec: ModelSpec, tensors: dict[str, GGUFTensor]) -> tuple[TensorGetter, PackedGetter]:

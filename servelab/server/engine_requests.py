@@ -94,6 +94,7 @@ def build_requests(
     check_bad_words(list(req.bad_words or []))
     check_token_id_lists(front, req)
     edits = sampling_kwargs(req)
+    prediction = prediction_token_ids(front, req)
     # Errors name the field the client sent, not our internal name for it.
     chat = isinstance(req, p.ChatCompletionRequest)
     prompt_param = "messages" if chat else "prompt"
@@ -159,10 +160,25 @@ def build_requests(
                         prompt_logprobs=scoring,
                         prompt_only=prompt_only,
                         min_tokens=req.min_tokens,
+                        prediction=prediction,
                         **edits,
                     )
             out.append(EngineRequest(f"{request_id}-{index}", prompt, params, req.priority, arrival_s))
     return out
+
+
+def prediction_token_ids(front: EngineFront, req: p.CompletionRequest | p.ChatCompletionRequest) -> list[int] | None:
+    """The prediction's tokens, as the output would hold them (no special tokens added); a
+    prediction longer than the context could never be verified whole and is refused."""
+    if req.prediction is None:
+        return None
+    ids = front.tokenizer.encode(req.prediction.text(), add_special_tokens=False)
+    if len(ids) > front.max_model_len:
+        raise InvalidArgument(
+            f"prediction has {len(ids)} tokens; at most max_model_len={front.max_model_len} are allowed",
+            param="prediction",
+        )
+    return ids
 
 
 @contextmanager

@@ -51,6 +51,11 @@ def _r(note: str, *neutral: Any) -> FieldRule:
     return FieldRule(Status.REFUSED, note, (None, *neutral))
 
 
+PREDICTION = _h(
+    "{type: content, content: text or text parts}: proposed as drafts and verified (speculative decoding); "
+    "the output is unchanged, usage reports accepted/rejected_prediction_tokens"
+)
+
 COMMON: dict[str, FieldRule] = {
     "model": _h("must name the served model (404 otherwise); may be left out"),
     "n": _h("choices per prompt, each its own sequence"),
@@ -149,7 +154,7 @@ CHAT: dict[str, FieldRule] = {
     "store": _r("servelab stores no completions", False),
     "audio": _r("this model takes and returns text only"),
     "modalities": _r("this model returns text only", ["text"]),
-    "prediction": _r("predicted outputs (speculative decoding from a given text) are not implemented"),
+    "prediction": PREDICTION,
     "reasoning_effort": _r("this model does not reason before it answers"),
     "verbosity": _r("this model has no verbosity control"),
     "web_search_options": _r("servelab has no web search"),
@@ -167,6 +172,7 @@ COMPLETIONS: dict[str, FieldRule] = {
     "prompt_embeds": _r("prompts are text or token ids; embeddings are not taken"),
     "best_of": _r("server-side best-of-n is not implemented; ask for n choices and rank them", 1),
     "suffix": _r("insertion (fill-in-the-middle) is not implemented", ""),
+    "prediction": PREDICTION,
 }
 
 # Content part types a text model takes; the others are refused by name.

@@ -135,6 +135,19 @@ class _EngineStatsCollector(Collector):
         yield counter("prefix_cache_hits", "Prompt tokens served from the prefix cache.", lambda s: s.prefix_cache_hits)
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       lambda s: s.prefix_cache_queries)  # fmt: skip
+        # Speculative decoding (vLLM's spec_decode families): a draft is one verification entry.
+        yield counter("spec_decode_num_drafts", "Verification entries (a decode with drafts) run.",
+                      lambda s: s.spec_num_drafts)  # fmt: skip
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens verified.", lambda s: s.spec_num_draft_tokens)
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
+                      lambda s: s.spec_num_accepted_tokens)  # fmt: skip
+        per_pos = CounterMetricFamily(prefix + "spec_decode_num_accepted_tokens_per_pos",
+                                      "Draft tokens accepted, by their position in the draft.",
+                                      labels=[*labels, "position"])  # fmt: skip
+        for values, stats in rows:
+            for position, count in enumerate(stats.spec_accepted_per_position):
+                per_pos.add_metric([*values, str(position)], count)
+        yield per_pos
 
 
 class HttpMetrics:

@@ -119,6 +119,7 @@ class _SamplingFields(_Request):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    prediction: Prediction | None = None  # OpenAI's predicted output (speculative decoding)
 
     @property
     def include_usage(self) -> bool:
@@ -143,6 +144,18 @@ class CompletionRequest(_SamplingFields):
 class ContentPart(_Request):
     type: str
     text: str | None = None
+
+
+class Prediction(_Request):
+    """OpenAI's predicted output: text the answer is expected to resemble, verified as drafts."""
+
+    type: Literal["content"]
+    content: str | list[ContentPart]
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text or "" for part in self.content)
 
 
 class ChatMessage(_Request):
@@ -216,11 +229,24 @@ class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0  # prompt tokens served from the prefix cache
 
 
+class CompletionTokensDetails(BaseModel):
+    accepted_prediction_tokens: int = 0  # the prediction's tokens that verification kept
+    rejected_prediction_tokens: int = 0  # the prediction's other tokens
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
+    completion_tokens_details: CompletionTokensDetails | None = None  # only for a request with a prediction
+
+    @model_serializer(mode="wrap")
+    def _details_where_set(self, handler: Any) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("completion_tokens_details") is None:
+            out.pop("completion_tokens_details", None)
+        return out
 
 
 class CompletionLogprobs(BaseModel):

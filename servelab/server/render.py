@@ -53,6 +53,7 @@ class _Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int | None = None  # set from the first output, after the prompt's admission
+    prediction: tuple[int, int] | None = None  # (accepted, rejected) prediction tokens, with a prediction
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     # Per logprobs entry: where its token starts in the output text, i.e. the length of the text
     # emitted before the step that made it (the same whether streamed or not).
@@ -109,6 +110,8 @@ class _Renderer(ABC):
         if out.text_delta:
             choice.text.append(out.text_delta)
             choice.text_len += len(out.text_delta)
+        if out.accepted_prediction_tokens is not None:
+            choice.prediction = (out.accepted_prediction_tokens, out.rejected_prediction_tokens or 0)
         if choice.cached_tokens is None:
             # The first admission's hits: a preemption's recompute is the server's business, not the client's.
             choice.cached_tokens = out.num_cached_tokens
@@ -124,11 +127,19 @@ class _Renderer(ABC):
         prompt_tokens = sum(c.prompt_tokens for c in firsts)
         completion_tokens = sum(c.completion_tokens for c in self.choices.values())
         cached_tokens = sum(c.cached_tokens or 0 for c in firsts)
+        predicted = [c.prediction for c in self.choices.values() if c.prediction is not None]
+        details = None
+        if getattr(self.req, "prediction", None) is not None:
+            details = p.CompletionTokensDetails(
+                accepted_prediction_tokens=sum(a for a, _ in predicted),
+                rejected_prediction_tokens=sum(r for _, r in predicted),
+            )
         return p.UsageInfo(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached_tokens),
+            completion_tokens_details=details,
         )
 
     @abstractmethod

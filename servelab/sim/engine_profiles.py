@@ -4,7 +4,8 @@
 servelab) and simulate the deployment as that engine runs it out of the box: its token and
 sequence budgets for the accelerator at hand, its step composition and admission (the scheduler's
 `policy` and `admission`), the share of memory it gives the KV cache, and its host work per step,
-added after the GPU's or hidden behind it. The values and their sources live in
+added after the GPU's or hidden behind it, and the roofline's GPU terms (per-layer and per-sequence
+costs, achieved fractions) fitted to that engine's own published runs where there are any. The values and their sources live in
 servelab/spec/engine_profiles.json; flags a user gives win over the profile's.
 
 The default is `servelab`: this repository's engine, whose settings are the scheduler's and the
@@ -23,6 +24,7 @@ from typing import Any
 from servelab.core.config import SchedulerConfig
 from servelab.cost.host_overhead import HostCost
 from servelab.cost.memory import MemoryPlan
+from servelab.cost.roofline import Efficiency
 from servelab.errors import InvalidArgument
 from servelab.spec.hardware import HardwareSpec
 from servelab.spec.model import ModelSpec
@@ -74,7 +76,7 @@ class EngineProfile:
                 scheduler[key] = _from_kv_pool(entry["from_kv_pool"], pool, max_model_len or model.max_context)
             else:
                 scheduler[key] = _pick(entry, hardware)
-        return EngineSettings(self.name, scheduler, memory_fraction, self._host())
+        return EngineSettings(self.name, scheduler, memory_fraction, self._host(), self.efficiency())
 
     def _memory_fraction(self, model: ModelSpec, hardware: HardwareSpec, tp: int, weight_dtype: str) -> float:
         entry = self.entries["kv_memory"]
@@ -101,6 +103,14 @@ class EngineProfile:
             overlapped=entry["overlapped"],
         )
 
+    def efficiency(self) -> Efficiency | None:
+        """The roofline's terms for this engine (benchmarks/fit_published.py --presets fits them on
+        the engine's training points); None: it has none of its own and prices with the defaults."""
+        entry = self.entries["gpu"]
+        if entry.get("default"):
+            return None
+        return Efficiency.from_dict(entry["efficiency"])
+
     def provenance(self) -> dict[str, dict[str, str]]:
         return {key: {"source": e["source"], "ref": e["ref"]} for key, e in self.entries.items()}
 
@@ -116,12 +126,14 @@ class EngineProfile:
 
 @dataclass(frozen=True, slots=True)
 class EngineSettings:
-    """A profile resolved for one deployment: scheduler knobs, KV memory share, host cost."""
+    """A profile resolved for one deployment: scheduler knobs, KV memory share, host cost and the
+    roofline's terms (None: the defaults)."""
 
     profile: str
     scheduler: Mapping[str, Any]
     memory_fraction: float
     host: HostCost | None
+    efficiency: Efficiency | None = None
 
     def scheduler_config(self, overrides: Mapping[str, Any] | None = None) -> SchedulerConfig:
         """The profile's scheduler with the knobs a user set (`overrides`) winning."""

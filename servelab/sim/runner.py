@@ -184,7 +184,8 @@ class SimConfig:
 def engine_sim_config(profile: str, *, scheduler: Mapping[str, Any] | None = None, **fields: Any) -> SimConfig:
     """A SimConfig for the deployment in `fields` (SimConfig's own: model, hardware, tp, dtypes,
     replicas, ...) run as `profile` runs it: its scheduler with the knobs in `scheduler` winning,
-    its KV memory share (unless `memory_fraction` is among `fields`) and its host cost."""
+    its KV memory share (unless `memory_fraction` is among `fields`), its host cost and its roofline
+    terms (unless `efficiency` is among `fields`)."""
     base = SimConfig(**fields)
     overrides = dict(scheduler or {})
     settings = engine_profile(profile).settings(
@@ -204,6 +205,7 @@ def engine_sim_config(profile: str, *, scheduler: Mapping[str, Any] | None = Non
         scheduler=settings.scheduler_config(overrides),
         memory_fraction=settings.memory_fraction,
         host_cost=settings.host,
+        efficiency=base.efficiency if "efficiency" in fields else settings.efficiency,
     )
 
 

@@ -3,6 +3,7 @@ stops paying (`servelab sim --compare-speculation`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -65,10 +66,16 @@ def _steady(result: SimResult) -> Summary:
     return summary
 
 
-def compare_speculation(config: SimConfig, workload: WorkloadSpec, concurrencies: list[int]) -> list[ComparedLevel]:
+def compare_speculation(
+    config: SimConfig,
+    workload: WorkloadSpec,
+    concurrencies: list[int],
+    check: Callable[[], None] | None = None,
+) -> list[ComparedLevel]:
     """Each concurrency as a closed loop, with `config`'s speculation and without it. A level
     sends its start-up wave (left out of the summary) and at least MIN_REQUESTS_PER_CLIENT
-    measured requests per client, or the workload's `num_requests` if more."""
+    measured requests per client, or the workload's `num_requests` if more. `check` is
+    `simulate`'s: called as the runs go, it may raise to end them (a deadline, a stopping server)."""
     if config.speculative is None:
         raise InvalidArgument("comparing speculation needs a speculative config", param="speculative_config")
     if workload.rate is not None or workload.trace is not None:
@@ -80,8 +87,8 @@ def compare_speculation(config: SimConfig, workload: WorkloadSpec, concurrencies
     for c in concurrencies:
         n = max(workload.num_requests or 0, MIN_REQUESTS_PER_CLIENT * c) + c
         level = replace(workload, concurrency=c, num_requests=n)
-        plain = simulate(plain_config, level)
-        spec = simulate(config, level)
+        plain = simulate(plain_config, level, check=check)
+        spec = simulate(config, level, check=check)
         realised = (spec.speculation or {}).get("realised", {})
         levels.append(ComparedLevel(c, _steady(plain), _steady(spec), realised.get("tokens_per_verification")))
     return levels

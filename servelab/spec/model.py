@@ -1,9 +1,12 @@
-"""The one description of a decoder-only transformer (Llama family: Llama, Mistral, Qwen2,
-Mixtral), parsed from an HF `config.json` or GGUF metadata, and the catalog of well-known models.
+"""The one description of a decoder-only transformer (Llama family: Llama 2/3, Mistral, Qwen2,
+Qwen2.5, Qwen3, Phi-3/Phi-4, Mixtral), parsed from an HF `config.json` or GGUF metadata, and the
+catalog of well-known models.
 
 The cost model reads its parameter counts and KV bytes per token; the engine builds its model,
 RoPE and KV cache from the same fields. Counts assume the Llama block: RMSNorm, attention with
-grouped KV heads (GQA), SwiGLU MLP (gate, up, down), optional MoE routing over SwiGLU experts.
+grouped KV heads (GQA), optional per-head Q/K RMSNorm (Qwen3), SwiGLU MLP (gate, up, down),
+optional MoE routing over SwiGLU experts. Phi-3's fused qkv_proj and gate_up_proj hold the same
+parameters as the separate matrices.
 """
 
 from __future__ import annotations
@@ -20,13 +23,20 @@ from servelab.spec.dtypes import kv_dtype as _kv_dtype
 from servelab.spec.dtypes import weight_dtype as _weight_dtype
 
 # HF `model_type` -> whether Q/K/V always carry a bias (Qwen2's do, whatever `attention_bias` says).
-_HF_MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": True, "mixtral": False}
+_HF_MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "phi3": False, "mixtral": False}
 # GGUF `general.architecture` values we read; llama.cpp files Mistral and Mixtral under "llama"
 # (older converters wrote "mistral").
-_GGUF_ARCHS = {"llama": False, "mistral": False, "qwen2": True}
+_GGUF_ARCHS = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "phi3": False}
+# Architectures (HF model_type and GGUF alike) that RMS-normalise each head of Q and K before RoPE.
+_QK_NORM_ARCHS = ("qwen3",)
 # HF model types whose `sliding_window` applies unless `use_sliding_window` says otherwise
-# (Qwen2 configs carry a window they do not use).
-_HF_SLIDING_BY_DEFAULT = ("mistral", "mixtral")
+# (Qwen2 and Qwen3 configs carry a window they do not use).
+_HF_SLIDING_BY_DEFAULT = ("mistral", "mixtral", "phi3")
+# RoPE scaling names older configs use for the ones HF runs today.
+_ROPE_TYPE_ALIASES = {"su": "longrope"}
+# What the engine (servelab/runtime) runs; the cost model prices every spec.
+ENGINE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +59,8 @@ class ModelSpec:
     num_active_experts: int = 1  # experts each token is routed to
     architecture: str = "llama"
     sliding_window: int | None = None  # tokens each query attends back over; None: the whole context
+    qk_norm: bool = False  # RMSNorm over each head of Q and of K before RoPE (Qwen3)
+    rotary_dim: int | None = None  # leading dimensions of each head that RoPE rotates; None: all of head_dim
 
     def __post_init__(self) -> None:
         for field_name in (
@@ -137,7 +149,7 @@ class ModelSpec:
 
     @property
     def norm_params_per_layer(self) -> int:
-        return 2 * self.hidden_size
+        return 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
 
     @property
     def num_params(self) -> int:
@@ -166,6 +178,22 @@ class ModelSpec:
             + self.router_params_per_layer
         )
         return self.num_layers * per_layer
+
+    @property
+    def engine_refusal(self) -> str | None:
+        """Why the engine cannot run this model (None: it can); the cost model prices it either way."""
+        if self.is_moe:
+            return f"{self.num_experts}-expert MoE"
+        if self.architecture not in ENGINE_ARCHITECTURES:
+            return f"architecture {self.architecture!r}"
+        if self.rotary_dim is not None and self.rotary_dim != self.head_dim:
+            return "partial rotary embeddings"
+        kind = (self.rope_scaling or {}).get("rope_type", "default")
+        if kind not in ENGINE_ROPE_TYPES:
+            return f"rope scaling {kind!r}"
+        if self.qkv_bias and self.architecture != "qwen2":
+            return "attention_bias"
+        return None
 
     def weight_bytes(self, dtype: str = "bf16") -> float:
         return self.num_params * _weight_dtype(dtype).bytes_per_element
@@ -242,30 +270,29 @@ class ModelSpec:
         window = None  # read only where it applies: Qwen2 configs carry one they do not use
         if config.get("use_sliding_window", model_type in _HF_SLIDING_BY_DEFAULT):
             window = optional_int("sliding_window")
-        rope_scaling = config.get("rope_scaling")
-        if rope_scaling is not None and not isinstance(rope_scaling, Mapping):
-            raise InvalidArgument(
-                f"{source}: rope_scaling must be an object or null, got {rope_scaling!r}", param="config"
-            )
+        rope_scaling, rope_theta, rotary_fraction = _hf_rope(config, source)
+        head_dim = optional_int("head_dim") or hidden // heads
         return cls(
             name=name or config.get("_name_or_path") or model_type,
             num_layers=need("num_hidden_layers"),
             hidden_size=hidden,
             num_heads=heads,
             num_kv_heads=optional_int("num_key_value_heads") or heads,
-            head_dim=optional_int("head_dim") or hidden // heads,
+            head_dim=head_dim,
             ffn_size=need("intermediate_size"),
             vocab_size=need("vocab_size"),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_context=need("max_position_embeddings"),
-            rope_theta=positive_float("rope_theta", 10000.0),
-            rope_scaling=dict(rope_scaling) if rope_scaling else None,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             rms_norm_eps=positive_float("rms_norm_eps", 1e-6),
             qkv_bias=_HF_MODEL_TYPES[model_type] or bool(config.get("attention_bias", False)),
             num_experts=num_experts,
             num_active_experts=(optional_int("num_experts_per_tok") or 1) if num_experts > 1 else 1,
             architecture=model_type,
             sliding_window=window,
+            qk_norm=model_type in _QK_NORM_ARCHS,
+            rotary_dim=None if rotary_fraction == 1.0 else int(head_dim * rotary_fraction),
         )
 
     @classmethod
@@ -321,6 +348,15 @@ class ModelSpec:
                 "factor": get("rope.scaling.factor"),
                 "original_max_position_embeddings": get("rope.scaling.original_context_length"),
             }
+        if "rope_factors_long.weight" in shapes:  # Phi-3's LongRoPE: the factor lists are tensors
+            scaling = {
+                "rope_type": "longrope",
+                "original_max_position_embeddings": count("rope.scaling.original_context_length"),
+                "attention_factor": get("rope.scaling.attn_factor"),
+            }
+        # llama.cpp's defaults: head_dim from the heads, RoPE over all of it
+        head_dim = count("attention.key_length") or hidden // heads
+        rotary_dim = count("rope.dimension_count")
         num_experts = count("expert_count") or 1
         return cls(
             name=name or metadata.get("general.name") or arch,
@@ -328,7 +364,7 @@ class ModelSpec:
             hidden_size=hidden,
             num_heads=heads,
             num_kv_heads=count("attention.head_count_kv") or heads,
-            head_dim=count("attention.key_length") or count("rope.dimension_count") or hidden // heads,
+            head_dim=head_dim,
             ffn_size=need("feed_forward_length"),
             vocab_size=int(vocab),
             tie_embeddings=bool(shapes) and "output.weight" not in shapes,
@@ -340,6 +376,9 @@ class ModelSpec:
             num_experts=num_experts,
             num_active_experts=(count("expert_used_count") or 1) if num_experts > 1 else 1,
             architecture=arch,
+            sliding_window=get("attention.sliding_window") or None,  # llama.cpp writes 0 for none
+            qk_norm=arch in _QK_NORM_ARCHS,
+            rotary_dim=None if rotary_dim in (None, head_dim) else rotary_dim,
         )
 
     @classmethod
@@ -349,6 +388,39 @@ class ModelSpec:
         gguf = read_gguf(path)
         shapes = {t.name: t.shape for t in gguf.tensors.values()}
         return cls.from_gguf_metadata(gguf.metadata, name=name, tensor_shapes=shapes)
+
+
+def _hf_rope(config: Mapping[str, Any], source: str) -> tuple[dict[str, Any] | None, float, float]:
+    """(scaling, theta, rotated fraction of each head) from a config.json: `rope_scaling` and
+    top-level `rope_theta` / `partial_rotary_factor` as transformers 4 writes them, or the one
+    `rope_parameters` object of transformers 5. Scaling is None for plain RoPE, else HF's keys
+    under the canonical `rope_type` ("su" read as "longrope")."""
+    params = config.get("rope_parameters")
+    if params is None:
+        params = config.get("rope_scaling")
+    if params is not None and not isinstance(params, Mapping):
+        raise InvalidArgument(f"{source}: rope_scaling must be an object or null, got {params!r}", param="config")
+    scaling = dict(params or {})
+    theta = config.get("rope_theta", scaling.pop("rope_theta", 10000.0))
+    fraction = config.get("partial_rotary_factor", scaling.pop("partial_rotary_factor", 1.0))
+    scaling.pop("rope_theta", None)
+    scaling.pop("partial_rotary_factor", None)
+    for key, value in (("rope_theta", theta), ("partial_rotary_factor", fraction)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+            raise InvalidArgument(f"{source}: {key} must be a positive number, got {value!r}", param="config")
+    if not 0 < fraction <= 1:
+        raise InvalidArgument(f"{source}: partial_rotary_factor must be in (0, 1], got {fraction!r}", param="config")
+    kind = scaling.pop("type", None)
+    kind = scaling.get("rope_type", kind) or "default"
+    kind = _ROPE_TYPE_ALIASES.get(kind, kind)
+    if kind == "default":
+        return None, float(theta), float(fraction)
+    scaling["rope_type"] = kind
+    # Phi-3 keeps its pretraining length beside max_position_embeddings; HF gives that one priority
+    if kind == "longrope":
+        original = config.get("original_max_position_embeddings", scaling.get("original_max_position_embeddings"))
+        scaling["original_max_position_embeddings"] = original or config.get("max_position_embeddings")
+    return scaling, float(theta), float(fraction)
 
 
 # ---- catalog ------------------------------------------------------------------------------------
@@ -513,6 +585,73 @@ MODELS: dict[str, ModelSpec] = {
             rms_norm_eps=1e-6,
             qkv_bias=True,
             architecture="qwen2",
+        ),
+        # Qwen/Qwen3-8B
+        ModelSpec(
+            "qwen3-8b",
+            num_layers=36,
+            hidden_size=4096,
+            num_heads=32,
+            num_kv_heads=8,
+            head_dim=128,
+            ffn_size=12288,
+            vocab_size=151936,
+            tie_embeddings=False,
+            max_context=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            architecture="qwen3",
+            qk_norm=True,
+        ),
+        # Qwen/Qwen3-0.6B
+        ModelSpec(
+            "qwen3-0.6b",
+            num_layers=28,
+            hidden_size=1024,
+            num_heads=16,
+            num_kv_heads=8,
+            head_dim=128,
+            ffn_size=3072,
+            vocab_size=151936,
+            tie_embeddings=True,
+            max_context=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            architecture="qwen3",
+            qk_norm=True,
+        ),
+        # microsoft/Phi-3-mini-128k-instruct (LongRoPE; the factor lists matter to the engine only)
+        ModelSpec(
+            "phi-3-mini-128k",
+            num_layers=32,
+            hidden_size=3072,
+            num_heads=32,
+            num_kv_heads=32,
+            head_dim=96,
+            ffn_size=8192,
+            vocab_size=32064,
+            tie_embeddings=False,
+            max_context=131072,
+            rope_theta=10000.0,
+            rope_scaling={"rope_type": "longrope", "original_max_position_embeddings": 4096},
+            rms_norm_eps=1e-5,
+            architecture="phi3",
+        ),
+        # microsoft/phi-4
+        ModelSpec(
+            "phi-4",
+            num_layers=40,
+            hidden_size=5120,
+            num_heads=40,
+            num_kv_heads=10,
+            head_dim=128,
+            ffn_size=17920,
+            vocab_size=100352,
+            tie_embeddings=False,
+            max_context=16384,
+            rope_theta=250000.0,
+            rms_norm_eps=1e-5,
+            architecture="phi3",
         ),
         # HuggingFaceTB/SmolLM2-135M (the bundled model)
         ModelSpec(

@@ -122,3 +122,42 @@ def test_rate_search_on_the_simulator_matches_a_brute_force_sweep():
     tolerance = 0.05 * result.first_failing.load
     assert boundary - tolerance - 0.5 <= result.best.load <= first_fail
     assert result.first_failing.load - result.best.load <= tolerance
+
+
+def _summary_ttft(ttft_s: float, tpot_s: float, n: int = 20):
+    records = [
+        RequestRecord(str(i), 0.0, None, ttft_s, [ttft_s + k * tpot_s for k in range(5)], 1.0, 10, 5, True, None)
+        for i in range(n)
+    ]
+    return summarize(records, 1.0)
+
+
+def test_missed_targets_names_each_target_missed():
+    from servelab.bench.capacity import missed_targets
+
+    s = _summary_ttft(ttft_s=3.0, tpot_s=0.060)
+    assert [m[0] for m in missed_targets(s, SLO(ttft_s=2.0, tpot_s=0.050), 90)] == ["TTFT", "TPOT"]
+    assert [m[0] for m in missed_targets(s, SLO(ttft_s=4.0, tpot_s=0.050), 90)] == ["TPOT"]
+    assert missed_targets(s, SLO(ttft_s=4.0, tpot_s=0.070), 90) == []
+    assert slo_check(s, SLO(ttft_s=2.0, tpot_s=0.050), 90) == (False, "p90 TTFT 3000.0 ms > 2000 ms")
+
+
+def test_binding_names_the_target_missed_by_more():
+    from servelab.bench.binding import Observed, binding_limit
+
+    def at(load: int) -> Observed:
+        return Observed(peak_running=load, peak_kv_usage=0.1, preemptions=0, kv_capacity_tokens=100_000)
+
+    def search(ttft_s: float, tpot_s: float):
+        slo = SLO(ttft_s=2.0, tpot_s=0.050)
+        return find_capacity(lambda c: _summary_ttft(0.1, 0.01) if c < 6 else _summary_ttft(ttft_s, tpot_s), slo)
+
+    # TTFT 3 s is 1.5x its target, TPOT 60 ms 1.2x: the TTFT target bound.
+    b = binding_limit(search(3.0, 0.060), {c: at(c) for c in range(1, 9)}, max_num_seqs=256, request_tokens=100)
+    assert b.limit == "ttft" and b.at_concurrency == 6 and "the TTFT target" in b.detail
+    b = binding_limit(search(2.1, 0.090), {c: at(c) for c in range(1, 9)}, max_num_seqs=256, request_tokens=100)
+    assert b.limit == "tpot" and "the TPOT target" in b.detail
+    # A search that passed at its ceiling is bound by what set it.
+    passed = find_capacity(lambda c: _summary_ttft(0.1, 0.01), SLO(ttft_s=2.0), max_load=4)
+    b = binding_limit(passed, {4: at(4)}, max_num_seqs=4, request_tokens=100, ceiling="max-num-seqs")
+    assert b.limit == "max-num-seqs" and "more clients would only queue for a slot" in b.detail

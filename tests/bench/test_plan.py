@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from servelab.bench.planner import PlanJob, cost_per_million_tokens, parse_prices, plan_one, rank
+from servelab.bench.planner import DEFAULT_SLO_TTFT_S, PlanJob, cost_per_million_tokens, parse_prices, plan_one, rank
 from servelab.cli import main as cli_main
 from servelab.core.config import SchedulerConfig
 from servelab.errors import InvalidArgument, NotFound
@@ -127,7 +127,6 @@ def test_plan_cli_errors(capsys):
         ),  # was OverflowError
         (["--slo-tpot", "1e400s"], "--slo-tpot: must be a finite duration, got '1e400s'"),
         (["--max-concurrency", "1000000", "--max-num-seqs", "1000000"], "--max-concurrency must be at most 100,000"),
-        (["--max-num-seqs", "1000000"], "--max-num-seqs 1,000,000: the search would go up to 4 x that"),
     ],
 )
 def test_plan_refuses_what_cannot_be_planned_with_one_line(argv, message, capsys):
@@ -171,10 +170,12 @@ SHORT = {"num_requests": 24, "input_len": "256", "output_len": "16", "seed": 0}
 
 
 def test_a_capacity_capped_by_max_num_seqs_says_so():
+    # Clients past the cap would only queue for a slot: the search stops at the cap, measured there.
     row = plan_one(_job(scheduler=SchedulerConfig(max_num_seqs=4), workload=SHORT))
     b = row.binding
-    assert row.meets_slo and b.limit == "max-num-seqs"
-    assert b.max_num_seqs == 4 and b.peak_running == 4 and b.at_concurrency > 4
+    assert row.meets_slo and b.limit == "max-num-seqs" and row.max_running == 4
+    assert row.capacity_concurrency == 4 and b.at_concurrency == 4 and b.peak_running == 4
+    assert max(lv["load"] for lv in row.capacity["levels"]) == 4
     assert "--max-num-seqs 4" in b.detail and row.to_dict()["binding_limit"]["limit"] == "max-num-seqs"
 
 
@@ -189,22 +190,38 @@ def test_a_capacity_capped_by_the_kv_cache_says_so():
     )
     b = row.binding
     assert row.meets_slo and b.limit == "kv-cache"
-    assert b.peak_running < b.at_concurrency and b.peak_running < b.max_num_seqs
-    assert (1 - b.peak_kv_usage) * b.kv_capacity_tokens < 4160
+    # Measured at the limit itself: the most 4,160-token requests the pool holds, all running.
+    wall = b.kv_capacity_tokens // (16 * math.ceil((4096 + 63) / 16))
+    assert row.max_running == wall == row.capacity_concurrency == b.at_concurrency == b.peak_running
+    assert b.preemptions == 0 and (1 - b.peak_kv_usage) * b.kv_capacity_tokens < 4160
     assert f"{b.kv_capacity_tokens:,} tokens" in b.detail
 
 
-def test_a_capacity_set_by_the_slo_says_so():
+def test_a_capacity_set_by_the_tpot_target_says_so():
     row = plan_one(_job(slo=SLO(tpot_s=0.012), workload=SHORT))
     b = row.binding
-    assert row.meets_slo and b.limit == "slo", b
+    assert row.meets_slo and b.limit == "tpot", b
     assert b.peak_running < b.max_num_seqs and b.preemptions == 0
-    assert "p90 TPOT" in b.detail and b.at_concurrency == row.capacity_concurrency + 1
+    assert "the TPOT target" in b.detail and "p90 TPOT" in b.detail
+    assert b.at_concurrency == row.capacity_concurrency + 1
+
+
+def test_a_capacity_set_by_the_ttft_target_says_so():
+    # 8k-token prompts: a few prefills at once already take a second.
+    row = plan_one(
+        _job(slo=SLO(tpot_s=0.2, ttft_s=1.0), workload={"num_requests": 48, "input_len": "8192", "output_len": "16"})
+    )
+    b = row.binding
+    assert row.meets_slo and b.limit == "ttft", b
+    assert row.ttft_s <= 1.0 and "the TTFT target" in b.detail and "p90 TTFT" in b.detail
+    assert b.at_concurrency == row.capacity_concurrency + 1 < row.max_running
 
 
 def test_a_search_that_never_failed_is_bound_by_its_maximum():
     row = plan_one(_job(workload=SHORT))  # 24 requests: the search stops at concurrency 24
     assert row.binding.limit == "search-maximum" and row.binding.at_concurrency == 24
+    row = plan_one(_job(workload=SHORT, max_concurrency=6))
+    assert row.binding.limit == "search-maximum" and row.capacity_concurrency == 6
 
 
 def test_no_binding_when_no_load_meets_the_slo():
@@ -235,7 +252,37 @@ def test_plan_cli_names_the_binding_limit(capsys):
     assert cli_main(args) == 0
     out = capsys.readouterr().out
     assert "bound by" in out and "max-num-seqs" in out
-    assert "bound by --max-num-seqs 4: at concurrency 16 the running batch peaked at 4 sequences" in out
+    assert "bound by --max-num-seqs 4: concurrency 4 meets the targets with 4 sequences running" in out
     assert cli_main([*args, "--json"]) == 0
     config = json.loads(capsys.readouterr().out)["configs"][0]
     assert config["binding_limit"]["limit"] == "max-num-seqs" and config["binding_limit"]["peak_running"] == 4
+
+
+def test_queued_clients_are_not_users_and_the_default_ttft_target_is_stated(capsys):
+    # Without a TTFT target, 1,024 clients sharing 256 slots passed at a p90 TTFT of 28.6 s.
+    assert cli_main(["plan", "--slo-tpot", "50ms", "--workers", "1", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    row = data["configs"][0]
+    assert data["slo"]["ttft_s"] == DEFAULT_SLO_TTFT_S and data["slo_ttft_default"] is True
+    assert row["capacity_concurrency"] <= row["max_running"] <= 256
+    assert row["ttft_s"] <= DEFAULT_SLO_TTFT_S and row["tpot_s"] <= 0.050
+    assert row["binding_limit"]["peak_running"] == row["capacity_concurrency"]
+    assert cli_main(["plan", "--slo-tpot", "50ms", "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "p90 TTFT <= 2000 ms (the default; --slo-ttft to change), p90 TPOT <= 50 ms" in out
+    assert f"{row['capacity_concurrency']:g}" in out and "max-num-seqs" in out
+
+
+def test_slo_ttft_none_drops_the_ttft_target(capsys):
+    argv = ["plan", "--slo-tpot", "30ms", "--slo-ttft", "none", "--num-requests", "24", "--input-len", "256",
+            "--output-len", "16", "--workers", "1"]  # fmt: skip
+    assert cli_main([*argv, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["slo"]["ttft_s"] is None and data["slo_ttft_default"] is False
+    assert data["configs"][0]["ttft_s"] is not None  # still stated
+    assert cli_main(argv) == 0
+    assert "p90 TPOT <= 30 ms (no TTFT target)" in capsys.readouterr().out
+    assert cli_main(["plan", "--slo-ttft", "none"]) == 2
+    assert "--slo-ttft none leaves no target: give --slo-tpot" in capsys.readouterr().err
+    assert cli_main(["plan", "--slo-tpot", "30ms", "--slo-ttft", "soon"]) == 2
+    assert "--slo-ttft" in capsys.readouterr().err

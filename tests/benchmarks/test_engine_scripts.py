@@ -71,6 +71,13 @@ def test_engine_cpu_quick_gives_both_engines_rates_and_their_ratios(tiny, capsys
     assert 0 < report["mbu_b1"] < 1 and report["decode_step_bytes"] > 0
 
 
+def test_engine_cpu_quick_times_the_default_against_exact(tiny, capsys):
+    engine_cpu.main(["--model", tiny, "--quick", "--dtype", "auto", "--exact", "--no-hf", "--json"])
+    report = json.loads(capsys.readouterr().out.splitlines()[-1])
+    for m, ratio in report["exact_ratios"].items():
+        assert ratio == pytest.approx(report["servelab"][m] / report["exact"][m]) and ratio > 0
+
+
 def test_decode_step_split_quick_splits_both_modes_into_kernels_and_the_rest(tiny, kernels, capsys):
     decode_step_split.main(["--model", tiny, "--quick", "--quantization", "int8", "--batch", "2", "--by-kernel"])
     out = capsys.readouterr().out

@@ -13,6 +13,7 @@ from servelab.cluster.disagg_config import DisaggConfig
 from servelab.cluster.disagg_worker import DecodeLoop, Go, Offer, PrefillLoop, Refuse
 from servelab.cluster.kv_transfer import KVTransferError
 from servelab.core.sequence import SamplingParams
+from servelab.engine.core import EngineCoreRequest
 
 GREEDY = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
 
@@ -49,6 +50,11 @@ def _to_front(loop) -> list:
     return sent
 
 
+def _request(request_id: str, end: int) -> EngineCoreRequest:
+    """A request as the front end's input processor makes it: token ids 1..end-1, arrived at 0."""
+    return EngineCoreRequest(request_id, list(range(1, end)), GREEDY, arrival_s=0.0)
+
+
 def _failed(sent: list) -> list[str]:
     return [rid for msg in sent if isinstance(msg, m.RequestsFailed) for rid in msg.request_ids]
 
@@ -58,7 +64,7 @@ def test_a_failed_send_frees_the_prefill_side_and_fails_the_request(tiny_engine_
     engine = tiny_engine_factory(num_blocks=16)
     front, decode = FakeLink(0), FakeLink(2)
     loop = PrefillLoop(engine, front, DisaggConfig(1, 1), {2: decode})
-    loop._admit(m.AddRequests(0, [m.WireRequest("r", list(range(1, 40)), GREEDY, 0, 0.0, 2)]))
+    loop._admit(m.AddRequests(0, [_request("r", 40)], 0.0, 2))
     while not decode.sent:
         loop._step()
     offer = decode.sent[0]
@@ -145,10 +151,10 @@ def test_a_lost_decode_worker_fails_what_the_prefill_worker_holds_or_runs_for_it
     engine = tiny_engine_factory(num_blocks=16)
     decode = FakeLink(2)
     loop = PrefillLoop(engine, FakeLink(0), DisaggConfig(1, 1), {2: decode})
-    loop._admit(m.AddRequests(0, [m.WireRequest("held", list(range(1, 20)), GREEDY, 0, 0.0, 2)]))
+    loop._admit(m.AddRequests(0, [_request("held", 20)], 0.0, 2))
     while not decode.sent:
         loop._step()  # "held" is prefilled and offered
-    loop._admit(m.AddRequests(1, [m.WireRequest("queued", list(range(1, 30)), GREEDY, 0, 0.0, 2)]))
+    loop._admit(m.AddRequests(1, [_request("queued", 30)], 0.0, 2))
     loop._on_peer_gone(2, "connection lost")
     assert sorted(_failed(_to_front(loop))) == ["held", "queued"]
     stats = engine.stats()

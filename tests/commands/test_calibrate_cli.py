@@ -614,3 +614,14 @@ def test_kernel_rows_come_from_the_linears_the_engine_loaded():
     want = (block_quant.FUSED_MAX_ROWS, block_quant.same_order_max_rows(native.native_kernels()))
     assert (packed["fused_max_rows"], packed["max_rows"]) == want
     assert invariant is None
+
+
+def test_calibrate_refuses_an_unknown_sim_model_before_timing(tmp_path, monkeypatch, capsys):
+    from tests.tiny_models import write_tiny_llama
+
+    model = write_tiny_llama(tmp_path / "tiny")
+    monkeypatch.setattr(calibrate, "measure", lambda *a, **k: pytest.fail("timed steps for a bad --sim-model"))
+    out = tmp_path / "p.json"
+    args = ["calibrate", "--model", str(model), "--out", str(out), "--server-term", "--sim-model", "llama-9"]
+    assert main(args) == 2
+    assert "unknown model 'llama-9'" in capsys.readouterr().err and not out.exists()

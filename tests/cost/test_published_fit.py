@@ -240,3 +240,62 @@ def test_new_terms_are_checked():
         Efficiency(per_seq_overhead_s=-1e-6)
     with pytest.raises(Exception, match="bandwidth_fraction"):
         FormatEfficiency(bandwidth_fraction=0.0, compute_fraction=0.5)
+
+
+# ---- engine presets: each fitted on its own engine's training points -----------------------------
+PRESETS = fp.committed_preset_efficiencies()
+BY_PRESET = fp.by_preset(DATA, PRESETS)
+MODERN_TEST = [p for p in DATA["points"] if p["set"] == "modern-test" and p["run"]["kind"] in fp.PRICED_KINDS]
+MODERN = [p for p in DATA["points"] if p["set"] in fp.MODERN_SETS and p["run"]["kind"] in fp.PRICED_KINDS]
+
+
+def test_each_engine_preset_carries_the_fit_on_its_engines_training_points():
+    fitted = fp.fit_presets(DATA)
+    assert set(fitted) == {"trtllm"}, "only TensorRT-LLM has training points of its own"
+    for name, eff in fitted.items():
+        drift = {
+            k: (fp.get_param(PRESETS[name], k), fp.get_param(eff, k))
+            for k in fp.PARAMS
+            if not math.isclose(fp.get_param(PRESETS[name], k), fp.get_param(eff, k), rel_tol=1e-9)
+        }
+        assert not drift, f"engine_profiles.json's {name} gpu terms differ from the fit (committed, fitted): {drift}"
+    for name in ("servelab", "vllm", "sglang"):
+        assert PRESETS[name] == Efficiency()
+
+
+def test_every_point_names_an_engine_and_no_preset_is_fitted_on_held_out_points():
+    for p in DATA["points"]:
+        assert fp.engine_of(p, DATA) in ("trtllm", "vllm", "sglang", "other")
+    trained = {p["source"] for p in DATA["points"] if p["set"] in fp.PRESET_TRAINING_SETS}
+    held_out = {p["source"] for p in DATA["points"] if p["set"] == "modern-test"}
+    assert not trained & held_out
+
+
+def test_the_engine_presets_beat_the_defaults_on_every_held_out_set():
+    """docs/fidelity.md, "Engine presets": priced by each point's engine preset, the held-out sets
+    come out closer than with the defaults alone, and modern-test stays at its documented medians."""
+    for name in ("test", "modern-test"):
+        pts = [p for p in DATA["points"] if p["set"] == name and p["run"]["kind"] in fp.PRICED_KINDS]
+        assert fp.medians(pts, BY_PRESET)["all"] < fp.medians(pts, Efficiency())["all"], name
+    m = fp.medians(MODERN_TEST, BY_PRESET)
+    assert m["all"] <= 9.0 and m["TTFT"] <= 10.0 and m["throughput"] <= 10.0, m
+
+
+def test_every_modern_point_is_within_its_bound_and_each_past_30pct_names_its_cause():
+    for p in MODERN:
+        err = fp.error_pct(p, BY_PRESET)
+        bound = p.get("bound_pct", fp.CAUSE_PCT)
+        if bound > fp.CAUSE_PCT:
+            assert len(p.get("why", "")) > 60, f"{p['id']}: a point past 30% needs its cause"
+        assert abs(err) <= bound, f"{p['id']}: {err:+.1f}% (bound {bound}%)"
+
+
+def test_the_trtllm_preset_prices_short_prompts_and_wide_tp_closer_than_the_defaults():
+    """Two patterns on TensorRT-LLM's held-out points, median |error| over each group: 128-token
+    first tokens (within 15%), and TP >= 4 at batch >= 64 (L40S over PCIe, 19%: docs/fidelity.md
+    says why; a regression guard, not the 15% goal)."""
+    short = [p for p in MODERN_TEST if p["metric"] == "ttft_ms" and p["run"]["input_len"] <= 512]
+    wide = [p for p in MODERN_TEST if p["tp"] >= 4 and p["run"]["batch"] >= 64 and fp.engine_of(p, DATA) == "trtllm"]
+    assert len(short) == 8 and len(wide) == 5
+    assert fp.medians(short, BY_PRESET)["all"] <= 10.0 < fp.medians(short, Efficiency())["all"]
+    assert fp.medians(wide, BY_PRESET)["all"] <= 20.0

@@ -42,7 +42,7 @@ def test_catalog_lists_the_catalogs_and_seed_defaults(client):
     assert {m["name"] for m in cat["models"]} >= {"llama-3.1-8b", "llama-3.1-70b"}
     assert "h100-sxm" in {h["name"] for h in cat["hardware"]}
     assert cat["weight_dtypes"][0] == "bfloat16" and "fp8" in cat["kv_dtypes"]
-    assert len(cat["lessons"]) == 11
+    assert len(cat["lessons"]) == 12
     assert [p["name"] for p in cat["engine_profiles"]] == ["servelab", "vllm", "sglang", "trtllm"]
     for lesson in cat["lessons"]:
         d = cat["defaults"][lesson]
@@ -461,65 +461,135 @@ def _wait_done(client, **params) -> dict:
     raise AssertionError("the capacity plan did not finish")
 
 
-def test_capacity_is_the_planners_uncapped_result(client):
-    from servelab.bench.planner import plan_one
-    from servelab.lab.capacity_lesson import _jobs, memory_wall
+def _plan_cli(command: str, capsys) -> dict:
+    """What `servelab plan` prints for a bar's command, as JSON."""
+    import json
+    import shlex
 
-    d = _wait_done(client, tpot_ms=50, prompt_len=512, output_len=32)
+    from servelab.cli import main as cli_main
+
+    argv = shlex.split(command)
+    assert argv[:2] == ["servelab", "plan"]
+    capsys.readouterr()
+    assert cli_main([*argv[1:], "--json", "--workers", "1"]) == 0
+    return json.loads(capsys.readouterr().out)["configs"][0]
+
+
+def _assert_bar_is_the_plan(plan: dict, i: int, config: dict) -> None:
+    assert config["hardware"] == plan["hardware"][i]
+    assert plan["concurrency"][i] == pytest.approx(config["capacity_concurrency"], rel=0.02)
+    assert plan["tokens_per_s_per_gpu"][i] == pytest.approx(config["output_tokens_per_s_per_device"], rel=0.02)
+    assert plan["ttft_ms"][i] == pytest.approx(config["ttft_s"] * 1e3, rel=0.02)
+    assert plan["tpot_ms"][i] == pytest.approx(config["tpot_s"] * 1e3, rel=0.02)
+
+
+def test_capacity_bars_are_servelab_plans_numbers(client, capsys):
+    from servelab.lab.capacity_lesson import BIND_LABEL
+    from servelab.spec import HARDWARE
+
+    d = _wait_done(client, ttft_ms=2000, tpot_ms=50, prompt_len=512, output_len=32)
     plan = d["plan"]
-    assert set(plan["hardware"]) == set(__import__("servelab.spec", fromlist=["HARDWARE"]).HARDWARE)
+    assert plan["hardware"] == list(HARDWARE)  # the catalog's order: no bar moves when a simulation lands
     assert set(plan["status"]) == {"simulated"}
     i = plan["hardware"].index("h100-sxm")
-    job = next(
-        j
-        for j in _jobs(("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", 50.0, 512, 32))
-        if j.hardware == "h100-sxm"
+    assert plan["command"][i] == (
+        "servelab plan --model llama-3.1-8b --hardware h100-sxm --tp 1 --dtype bfloat16 --kv-cache-dtype bfloat16 "
+        "--engine-profile servelab --max-num-seqs 4096 --slo-ttft 2000ms --slo-tpot 50ms --percentile 90 "
+        "--input-len 512 --output-len 32"
     )
-    row = plan_one(job)
-    assert plan["tokens_per_s_per_gpu"][i] == pytest.approx(row.tokens_per_s_per_device)
+    _assert_bar_is_the_plan(plan, i, _plan_cli(plan["command"][i], capsys))
     assert plan["usd_per_million_tokens"][i] == pytest.approx(
-        HW.price_per_hour_usd / (row.tokens_per_s_per_device * 3600) * 1e6
+        HW.price_per_hour_usd / (plan["tokens_per_s_per_gpu"][i] * 3600) * 1e6
     )
-    # Uncapped: the first edition stopped at 64 users; now the KV cache (memory) binds, past 64, and is named.
-    wall = memory_wall("llama-3.1-8b", "h100-sxm", "bfloat16", "bfloat16", 1, 512 + 32)
-    assert plan["concurrency"][i] >= wall > 64
-    assert plan["binds"][i] == "memory" and "memory (KV cache full)" in plan["config"][i]
-    assert all(b in ("memory", "slo") for b, ok in zip(plan["binds"], plan["meets_slo"]) if ok)
-    # Ranked cheapest first among the accelerators that meet the target.
-    costs = [c for c, ok in zip(plan["usd_per_million_tokens"], plan["meets_slo"]) if ok]
-    assert costs == sorted(costs)
+    # Users meet both targets: no bar's percentile TTFT or TPOT is over its target.
+    for ok, ttft_ms, tpot_ms, binds, config in zip(
+        plan["meets_slo"], plan["ttft_ms"], plan["tpot_ms"], plan["binds"], plan["config"]
+    ):
+        if ok:
+            assert ttft_ms <= 2000 and tpot_ms <= 50
+            assert binds in ("memory", "ttft", "tpot", "max-num-seqs") and config.endswith(BIND_LABEL[binds])
+    assert "p90 TTFT ≤ 2,000 ms and TPOT ≤ 50 ms" in d["stats"][0]["value"]
 
 
-def test_capacity_answers_at_once_with_estimates_then_simulations():
+def test_capacity_bars_equal_the_plan_command_for_other_targets(capsys):
+    """The lab's own path (its jobs from its command line, `plan_one`, `result`) on a second input:
+    each bar equals what `servelab plan` prints for the bar's command."""
+    from servelab.bench.planner import plan_one
+    from servelab.lab.capacity_lesson import PlanKey, _jobs, result
+    from servelab.lab.common import setup_from
+    from servelab.lab.params import Params
+
+    key = PlanKey("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", 30.0, 300.0, 1024, 16)
+    rows = {job.hardware: plan_one(job) for job in _jobs(key) if job.hardware in ("h100-sxm", "l40s")}
+    plan = result(setup_from(Params({})), key, rows)["plan"]
+    for hw in rows:
+        i = plan["hardware"].index(hw)
+        assert plan["status"][i] == "simulated" and plan["meets_slo"][i]
+        _assert_bar_is_the_plan(plan, i, _plan_cli(plan["command"][i], capsys))
+
+
+def test_a_kv_bound_bar_is_measured_at_the_kv_limit():
+    from servelab.bench.planner import plan_one
+    from servelab.lab.capacity_lesson import PlanKey, _jobs
+
+    # An L4 keeps ~42k tokens of Llama-3.1-8B KV after the weights: ten 4,160-token requests.
+    key = PlanKey("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", 500.0, 20_000.0, 4096, 64)
+    row = plan_one(next(j for j in _jobs(key) if j.hardware == "l4"))
+    b = row.binding
+    assert b.limit == "kv-cache" and row.capacity_concurrency == row.max_running == b.peak_running
+    assert b.preemptions == 0 and row.capacity["levels"][-1]["load"] == row.max_running
+
+
+def test_capacity_answers_at_once_with_upper_bounds_then_simulations():
     from fastapi.testclient import TestClient
 
     from servelab.lab.app import create_lab_app
     from servelab.lab.capacity_lesson import CapacityPlanner
+    from servelab.spec import HARDWARE
 
     app = create_lab_app()
     app.state.capacity_planner = CapacityPlanner(max_workers=1)
-    first = TestClient(app).post("/api/lessons/capacity", json={"tpot_ms": 40, "prompt_len": 100, "output_len": 20})
+    params = {"ttft_ms": 2000, "tpot_ms": 20, "prompt_len": 1024, "output_len": 16}
+    first = TestClient(app).post("/api/lessons/capacity", json=params)
     app.state.capacity_planner.close()
     assert first.status_code == 202
     body = first.json()
     assert body["status"] == "running" and "accelerators simulated" in body["message"]
     plan = body["plan"]
     assert len(plan["hardware"]) == body["total"] and "estimate" in plan["status"]
-    # An estimate is the roofline's batch within the target, capped by the KV cache.
-    from servelab.lab.roofline_lessons import batch_at_tpot
-
+    assert "the roofline's upper bound" in body["message"] and "the roofline's upper bound" in body["notice"]
+    assert plan["hardware"] == list(HARDWARE)  # the estimates sort nothing
     i = plan["hardware"].index("h100-sxm")
-    if plan["status"][i] == "estimate":
-        r = rl()
-        wall = r.memory.max_batch(120)
-        b = batch_at_tpot(r, 110, wall, 0.040)
-        cycle_s = 20 * r.decode(b, 110).time_s + b * r.prefill(100).time_s  # output_len steps + each user's prefill
-        assert plan["concurrency"][i] == b and plan["tokens_per_s_per_gpu"][i] == pytest.approx(b * 20 / cycle_s)
-        assert plan["config"][i].startswith("≈ ")
+    assert plan["status"][i] == "estimate"
+    assert plan["config"][i].startswith("≤ ") and "upper bound from the roofline" in plan["config"][i]
+    assert plan["meets_slo"][i] is None and plan["binds"][i] is None
+
+
+def test_the_upper_bound_is_never_below_the_simulated_capacity():
+    # The issue's case: TPOT 20 ms with 16-token outputs on an H100 showed ≈226 users, then 8 simulated.
+    from servelab.bench.planner import plan_one
+    from servelab.lab.capacity_lesson import PlanKey, _jobs, upper_bound
+    from servelab.lab.common import setup_from
+    from servelab.lab.params import Params
+    from servelab.spec import HARDWARE
+
+    s = setup_from(Params({}))
+    for key, hws in (
+        (PlanKey("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", 20.0, 2000.0, 1024, 16), ("h100-sxm",)),
+        (PlanKey("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", 500.0, 20_000.0, 4096, 64), ("l4",)),
+    ):
+        for job in _jobs(key):
+            if job.hardware not in hws:
+                continue
+            row, bound = plan_one(job), upper_bound(s, HARDWARE[job.hardware], key)
+            assert row.meets_slo
+            assert bound["users"] >= row.capacity_concurrency
+            assert bound["tokens_per_s_per_gpu"] >= row.tokens_per_s_per_device
 
 
 def test_capacity_bad_parameters(client):
     assert error(client, "capacity", tpot_ms="0").startswith("tpot_ms: must be between 1")
+    assert error(client, "capacity", ttft_ms="-5").startswith("ttft_ms: must be between 1")
     assert "maximum context" in error(client, "capacity", prompt_len=131072, output_len=100)
 
 
@@ -539,7 +609,7 @@ def test_catalog_publishes_the_limits_the_lessons_enforce(client):
     for lesson, inputs in limits.items():
         for name, lim in inputs.items():
             above = lim["max"] + (1 if float(lim["max"]).is_integer() else 0.5)
-            below = lim["min"] - (1 if lim["min"] >= 1 else lim["min"] / 2)
+            below = lim["min"] - (1 if lim["min"] >= 1 else lim["min"] / 2 or 0.5)
             for value in (above, below):
                 message = error(client, lesson, **{name: value})
                 assert message.startswith(f"{name}: must be between {_n(lim['min'])} and {_n(lim['max'])}"), message
@@ -682,21 +752,18 @@ def test_disaggregated_never_says_the_tail_improves_when_it_is_worse(client):
     assert "tail improves" not in d["notice"] and "only the tail" not in d["notice"]
 
 
-def test_capacity_names_the_labs_ceiling_when_it_binds():
+def test_capacity_names_the_labs_sequence_cap_when_it_binds():
     from types import SimpleNamespace
 
-    from servelab.lab.capacity_lesson import BIND_LABEL, SEARCH_CEILING_USERS, _binds, _jobs
+    from servelab.lab.capacity_lesson import BIND_LABEL, MAX_NUM_SEQS, PlanKey, _binds, _jobs
 
-    # 18-token requests fill an H100's KV cache only past 23,000 users: the search stops at the ceiling.
-    job = next(
-        j
-        for j in _jobs(("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", 50.0, 16, 2))
-        if j.hardware == "h100-sxm"
-    )
-    assert job.max_concurrency == SEARCH_CEILING_USERS
-    row = SimpleNamespace(binding=SimpleNamespace(limit="search-maximum", at_concurrency=SEARCH_CEILING_USERS))
-    assert _binds(row) == "ceiling" and "4,096-user ceiling" in BIND_LABEL["ceiling"]
-    row.binding.at_concurrency = 417  # past the memory wall, below the ceiling: memory bound
+    # 18-token requests fill an H100's KV cache only past 23,000 users: the lab's cap binds first.
+    key = PlanKey("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", 50.0, 2000.0, 16, 2)
+    job = next(j for j in _jobs(key) if j.hardware == "h100-sxm")
+    assert job.scheduler_overrides["max_num_seqs"] == MAX_NUM_SEQS and job.max_concurrency is None
+    row = SimpleNamespace(binding=SimpleNamespace(limit="max-num-seqs"))
+    assert _binds(row) == "max-num-seqs" and "4,096-sequence cap" in BIND_LABEL["max-num-seqs"]
+    row.binding.limit = "kv-cache"
     assert _binds(row) == "memory"
 
 

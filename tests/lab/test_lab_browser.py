@@ -105,6 +105,16 @@ LESSONS = {
         "48",
         [("chain", 0, "x", "chain.time_ms"), ("steps", 0, "y", "chain.step_ms")],
     ),
+    "speculative": (
+        "num_speculative_tokens",
+        "8",
+        [
+            ("spec-speedup", 1, "y", "curves.1.speedup"),
+            ("spec-speedup", 0, "x", "curves.0.batch"),
+            ("spec-tpot", 1, "y", "curves.1.spec_tpot_ms"),
+            ("spec-tpot", 0, "y", "curves.1.plain_tpot_ms"),
+        ],
+    ),
 }
 # Where a lesson's test starts, when not at its defaults: short capacity plans keep the test cheap.
 START = {"capacity": "&output_len=32"}
@@ -175,7 +185,7 @@ def page(browser):
 
 def _dig(data, path: str):
     for part in path.split("."):
-        data = data[part]
+        data = data[int(part)] if isinstance(data, list) else data[part]
     return data if isinstance(data, list) else [data]
 
 
@@ -474,9 +484,12 @@ def test_sliders_move_with_the_number_boxes(page, lab_server):
     assert slider.input_value() == "1000"
 
 
-def test_capacity_is_uncapped_names_its_limit_and_answers_fast(page, lab_server):
+def test_capacity_names_its_limit_shows_its_commands_and_answers_fast(page, lab_server):
     """The lab's targets: the first chart in under 2 s, a change drawn in under 1 s (the partial
-    answer: simulated rows so far plus the roofline's estimate), the search uncapped."""
+    answer: simulated rows so far plus the roofline's upper bound); each bar names its limit and
+    the page lists the `servelab plan` command behind each bar."""
+    from servelab.lab.capacity_lesson import BIND_LABEL
+
     page.goto(f"{lab_server.url}/?lesson=two-workloads")
     _wait_settled(page)
     n = _renders(page)
@@ -495,16 +508,17 @@ def test_capacity_is_uncapped_names_its_limit_and_answers_fast(page, lab_server)
     assert load_s < 2.0 and change_s < 1.0, (load_s, change_s)
     _wait_settled(page)
     plan = page.evaluate("window.lab.last.data.plan")
-    i = plan["hardware"].index("h100-sxm")
-    assert plan["concurrency"][i] > 64  # the first edition's cap was 64 users
     drawn = [
         t.replace("<br>", " ") for t in page.evaluate("document.getElementById('chart-tokens-per-gpu').data[0].text")
     ]
-    names = {"memory": "memory (KV cache", "slo": "the TPOT target"}
     for j, binds in enumerate(plan["binds"]):  # every bar that serves names the limit that bound it
-        assert (binds in names and names[binds] in drawn[j] and "users" in drawn[j]) or not plan["meets_slo"][j], drawn[
-            j
-        ]
+        if plan["meets_slo"][j]:
+            assert "users" in drawn[j] and BIND_LABEL[binds].split(" (")[0] in drawn[j], drawn[j]
+            assert plan["ttft_ms"][j] <= 2000 and plan["tpot_ms"][j] <= 50
+    assert page.is_visible("#commands summary")
+    commands = page.text_content("#commands-body").splitlines()  # folded: the text, not what is drawn
+    assert commands == plan["command"] and all(c.startswith("servelab plan --model") for c in commands)
+    assert "--output-len 32" in commands[0]
 
 
 def test_your_machine_measures_the_engine_and_overlays_the_prediction(browser, tmp_path):
@@ -627,3 +641,61 @@ def test_phone_charts_keep_legends_titles_labels_and_points_apart(browser, lab_s
                 assert not any(_overlap(label, p) for p in points), label
     finally:
         context.close()
+
+
+SPEC_COUNTERS = """vllm:spec_decode_num_drafts_total 1000
+vllm:spec_decode_num_draft_tokens_total 4000
+vllm:spec_decode_num_accepted_tokens_total 2000
+vllm:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 800
+vllm:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 600
+vllm:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 400
+vllm:spec_decode_num_accepted_tokens_per_pos_total{position="3"} 200
+"""
+
+
+@pytest.mark.parametrize("size", list(VIEWPORTS))
+def test_speculative_lesson_marks_the_crossover_and_overlays_the_servers_acceptance(browser, size, tmp_path):
+    from servelab.lab.app import create_lab_app
+
+    server = _Server(create_lab_app(engine_metrics_source=lambda: SPEC_COUNTERS))
+    context = browser.new_context(viewport=VIEWPORTS[size])
+    page = context.new_page()
+    problems = []
+    page.on("console", lambda m: m.type in ("error", "warning") and problems.append(m.text))
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    try:
+        page.goto(f"{server.url}/?lesson=speculative&hardware=generic-cpu&method=ngram")
+        _wait_settled(page)
+        assert page.input_value("#ctl-hardware") == "generic-cpu"  # the lab's CPU is among the accelerators
+        data = _api(server, "speculative", {"hardware": "generic-cpu", "method": "ngram"})
+        fig = page.evaluate(
+            "(() => { const c = document.getElementById('chart-spec-speedup'); return { data: c.data, layout: c.layout }; })()"
+        )
+        assert fig["layout"]["xaxis"]["type"] == "log"
+        names = [t["name"] for t in fig["data"]]
+        # One line per acceptance, the crossover markers at 1x, the simulator's dots, the measured curve.
+        assert len([n for n in names if n.startswith("roofline, ")]) == len(data["curves"])
+        cross = next(t for t in fig["data"] if t["name"] == "crossover (roofline)")
+        assert cross["x"] == [c["crossover_batch"] for c in data["curves"] if (c["crossover_batch"] or 0) > 1]
+        assert set(cross["y"]) == {1}
+        sim = next(t for t in fig["data"] if t["name"] == "simulator (concurrency)")
+        assert sim["x"] == data["config"]["sim_concurrencies"]
+        assert sim["y"] == pytest.approx([lv["speedup"] for lv in data["sim"]["levels"]])
+        measured = next(t for t in fig["data"] if "measured acceptance" in t["name"])
+        assert "predicted" in measured["name"] and measured["line"]["dash"] == "dash"
+        assert measured["y"] == pytest.approx(data["measured"]["curve"]["speedup"])
+        # The 1x line across the plot, and the chosen curve's crossover named.
+        assert any(s["type"] == "line" and s["y0"] == s["y1"] == 1 for s in fig["layout"]["shapes"])
+        mine = next(c for c in data["curves"] if c["chosen"])
+        texts = [a["text"] for a in fig["layout"]["annotations"]]
+        assert f"your crossover: batch {mine['crossover_batch']:,}" in texts, texts
+        assert "measured" in page.locator("#summary").inner_text()
+        assert "predicts" in page.locator("#notice").inner_text()
+        page.wait_for_timeout(300)  # Plotly's responsive resize
+        widths = page.evaluate("[document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+        assert widths[0] <= widths[1], widths
+        page.screenshot(path=str(tmp_path / f"lab-speculative-{size}.png"), full_page=True)
+        assert problems == []
+    finally:
+        context.close()
+        server.stop()

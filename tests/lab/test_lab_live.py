@@ -3,8 +3,6 @@ metrics (the Prometheus text of `servelab serve`) or from a mapping."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 from fastapi.testclient import TestClient
 
@@ -13,19 +11,12 @@ from servelab.lab.live import parse_prometheus_text
 
 
 def _server_metrics(running: int = 3, waiting: int = 2, kv: float = 0.25):
+    from servelab.core.scheduler_stats import SchedulerStats
+    from servelab.engine.outputs import EngineStats
     from servelab.server.metrics import ServerMetrics
 
-    stats = SimpleNamespace(
-        num_running=running,
-        num_waiting=waiting,
-        kv_cache_usage=kv,
-        num_blocks_total=100,
-        num_blocks_free=75,
-        num_preemptions=0,
-        prefix_cache_hits=0,
-        prefix_cache_queries=0,
-        num_waiting_deferred=0,
-    )
+    # 100 blocks, 25 of them used
+    stats = EngineStats(SchedulerStats(running, waiting, kv, 75, 25, 0, 0, 0, 0, 0), num_blocks_total=100)
     return ServerMetrics("m", lambda: stats)
 
 

@@ -312,3 +312,17 @@ def test_a_token_id_outside_the_vocabulary_raises_on_both_paths(gguf_models):
                     torch.tensor([bad]), pool.decode_meta(every_row=True), pool.kv.k_layers, pool.kv.v_layers
                 )
     model.decode_stack = stack
+
+
+@pytest.mark.parametrize("name", [n for n in NATIVE_OPS if n.startswith("native")])
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q8_0"])
+def test_stack_gives_the_per_op_bits_on_the_int8_dot_products(gguf_models, name, fmt, monkeypatch):
+    """The default's int8 dot products over the blocks from block_quant.Q8_MIN_ROWS rows: the
+    three-row decodes run them in the stack as the per-op path does, and the stack takes any
+    number of decodes (both paths sum a row the same way at every row count past the threshold)."""
+    model = load_model(gguf_models[fmt], dtype=torch.float32).model
+    model.use_ops(make_ops_at(name, monkeypatch))
+    model.use_q8(2)
+    assert model.q8_linears() == len(model.layers) * 4 + 1
+    assert model.decode_stack.max_rows is None and model.decode_stack.head_max_rows is None
+    _stack_against_per_op(model)

@@ -7,10 +7,12 @@ from dataclasses import replace
 import pytest
 
 from servelab.core.config import SchedulerConfig
+from servelab.cost import Efficiency, Roofline
 from servelab.errors import InvalidArgument
 from servelab.sim import SimConfig, simulate
 from servelab.sim.engine_profiles import DEFAULT_ENGINE_PROFILE, engine_profile, engine_profiles
-from servelab.sim.runner import engine_sim_config, scheduler_config
+from servelab.sim.runner import build_cost_model, engine_sim_config, scheduler_config
+from servelab.spec import get_hardware, get_model
 from servelab.workload import WorkloadSpec
 
 GB = 1e9
@@ -28,9 +30,23 @@ def test_the_profiles_are_the_four_engines_and_every_setting_names_its_source():
             "max_num_seqs",
             "kv_memory",
             "host",
+            "gpu",
         }
         for key, entry in profile.provenance().items():
             assert entry["source"].strip() and entry["ref"].strip(), f"{profile.name}.{key} has no source"
+
+
+def test_a_preset_with_its_own_roofline_terms_prices_the_simulated_steps_with_them():
+    trtllm = engine_profile("trtllm").efficiency()
+    assert trtllm is not None and trtllm != Efficiency()
+    assert engine_profile("servelab").efficiency() is None  # the defaults, as the simulator always ran
+    config = engine_sim_config("trtllm", model="llama-2-7b", hardware="h100-sxm", weight_dtype="fp8")
+    assert config.efficiency == trtllm
+    shape = [(1, 512)] * 32
+    expected = Roofline(get_model("llama-2-7b"), get_hardware("h100-sxm"), "fp8", "bf16", efficiency=trtllm)
+    assert build_cost_model(config).step_time_s(shape) == pytest.approx(expected.step_time_s(shape))
+    # an Efficiency the caller gives wins over the preset's
+    assert engine_sim_config("trtllm", efficiency=Efficiency()).efficiency == Efficiency()
 
 
 def test_an_unknown_profile_is_a_clear_error_listing_the_names():

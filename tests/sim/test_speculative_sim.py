@@ -170,6 +170,23 @@ def test_bad_configs_are_refused():
         compare_speculation(spec_config(0.5), WorkloadSpec(num_requests=4, rate=1.0), [1])
 
 
+def test_compare_speculation_runs_under_the_callers_check():
+    class Stop(Exception):
+        pass
+
+    calls = []
+
+    def check() -> None:
+        calls.append(1)
+        if len(calls) > 3:
+            raise Stop
+
+    workload = WorkloadSpec(num_requests=1, input_len="256", output_len="512", seed=0)
+    with pytest.raises(Stop):
+        compare_speculation(spec_config(0.7), workload, [1, 16], check=check)
+    assert len(calls) == 4  # the runs called it as they went, and its exception ended them
+
+
 SIM = ["sim", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--input-len", "128", "--output-len", "64"]
 
 

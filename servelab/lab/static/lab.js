@@ -383,17 +383,17 @@ const LESSONS = [
   {
     id: "capacity", title: "7. Capacity and cost across accelerators",
     prose: [
-      "Self-hosted capacity is tokens per second per GPU at a target TPOT, not QPS. The planner finds, for each accelerator, the largest load whose decode steps meet the target and that fits in memory, and turns it into dollars per million output tokens.",
-      "The search has no cap: it adds users until the TPOT target breaks or the KV cache is full, and each bar names which limit bound. Bars appear first as the roofline's estimate (pale) and turn solid as each accelerator's simulation ends.",
+      "Self-hosted capacity is tokens per second per GPU at a target TTFT and TPOT, not QPS. For each accelerator the planner (`servelab plan`, the same code) finds the most concurrent requests whose p90 TTFT and p90 TPOT both meet the targets, up to the most that run at once, and turns them into dollars per million output tokens. Clients queued for a slot or for memory are not users: their wait breaks the TTFT target.",
+      "Each bar names the limit that bound it (the TTFT target, the TPOT target, or memory: the KV cache full, measured at the limit itself), and the command under the chart reproduces it. Until an accelerator's simulation ends its bar is pale: the roofline's upper bound, which can be far above the simulated answer.",
     ],
-    controls: [...COMMON, ENGINE, num("tpot_ms", "TPOT target (ms)"), num("prompt_len", "prompt tokens"), num("output_len", "output tokens")],
+    controls: [...COMMON, ENGINE, num("ttft_ms", "TTFT target (ms)"), num("tpot_ms", "TPOT target (ms)"), num("prompt_len", "prompt tokens"), num("output_len", "output tokens")],
     charts: [
       { id: "tokens-per-gpu", make: (d) => ({
           data: [{ type: "bar", x: d.plan.hardware, y: d.plan.tokens_per_s_per_gpu, name: "tokens/s per GPU", text: d.plan.config.map((t) => wrap(t, 18)),
-                   textposition: "outside", cliponaxis: false,
+                   textposition: "outside", cliponaxis: false, hovertext: d.plan.command, hoverinfo: "text+y",
                    marker: { color: d.plan.status.map((s, i) => (s === "estimate" ? "rgba(45,108,223,0.3)" : d.plan.binds[i] === "memory" ? "#2d6cdf" : "#1b3f8b")),
                              line: { color: "#2d6cdf", width: d.plan.status.map((s) => (s === "estimate" ? 2 : 0)) } } }],
-          layout: baseLayout("Output tokens/s per GPU at the TPOT target" + (d.status === "running" ? " (pale: roofline estimate, simulating)" : ""),
+          layout: baseLayout("Output tokens/s per GPU at the TTFT and TPOT targets" + (d.status === "running" ? " (pale: upper bound from the roofline, simulating)" : ""),
             "", "tokens/s per GPU", { yaxis: { range: [0, Math.max(1, ...d.plan.tokens_per_s_per_gpu) * 1.3] } }) }) },
       { id: "cost", make: (d) => ({
           data: [{ type: "bar", x: d.plan.hardware, y: d.plan.usd_per_million_tokens, name: "$ per million tokens",
@@ -574,6 +574,82 @@ LESSONS.push({
   ],
 });
 
+// Lesson 12: speculative decoding. The curves are the roofline's (servelab.cost.speculative), the dots the
+// simulator's closed loops at a few concurrencies, the dashed green curve the server's measured acceptance, priced.
+const SPEC_ALPHA_COLORS = { 0.5: "#9aa3b2", 0.7: "#2d6cdf", 0.9: "#6a1b9a" };
+const specColor = (c) => (c.alpha == null ? "#c62828" : SPEC_ALPHA_COLORS[c.alpha] || "#c62828");
+LESSONS.push({
+  id: "speculative", title: "12. Spending the idle FLOPs",
+  prose: [
+    "At batch 1 a decode step leaves the arithmetic units idle almost all the time: it waits for the weights to stream in. Speculative decoding spends that idle compute on tokens: a cheap proposer (prompt lookup, or a small draft model) guesses K tokens, and one forward pass of the target checks all of them, reading the weights once. Each step keeps the accepted guesses plus one token of its own.",
+    "The verification does K + 1 times the arithmetic of a decode step. While the step is memory-bound that is free; as the batch grows the arithmetic catches up with the bandwidth and the extra FLOPs start to cost, until speculation is slower than plain decoding: the crossover, the batching lesson seen from the other side. Higher acceptance moves it out.",
+    "Under `servelab serve --speculative-config ...`, the lab reads your server's spec-decode counters and draws the curve its measured acceptance predicts (dashed green). That curve is a prediction: measuring the speedup itself needs the server run twice, with and without speculation.",
+  ],
+  controls: ["model", pick("hardware", "accelerator", (cat) => cat.speculative.hardware), "weight_dtype", "kv_dtype", "tp", ENGINE,
+             pick("method", "proposer (ngram or draft model)", (cat) => cat.speculative.methods), num("num_speculative_tokens", "K (tokens proposed)"),
+             num("acceptance", "acceptance α", 0.05), num("prompt_len", "prompt tokens"), num("output_len", "output tokens")],
+  charts: [
+    { id: "spec-speedup", wide: true, make: (d, narrow) => {
+        const batches = d.curves[0].batch, maxB = Math.max(...batches);
+        const data = d.curves.map((c) => ({ x: c.batch, y: c.speedup, mode: "lines", name: "roofline, " + c.label + (c.chosen ? " (yours)" : ""),
+          line: { color: specColor(c), width: c.chosen ? 3 : 1.5 } }));
+        const crossed = d.curves.filter((c) => c.crossover_batch != null && c.crossover_batch > 1);
+        data.push({ x: crossed.map((c) => c.crossover_batch), y: crossed.map(() => 1), mode: "markers", name: "crossover (roofline)",
+          text: crossed.map((c) => c.label + ": stops paying at batch " + c.crossover_batch.toLocaleString("en")),
+          marker: { size: 11, symbol: "x", color: crossed.map(specColor), line: { width: 1, color: "#000" } } });
+        const lv = d.sim.levels;
+        data.push({ x: lv.map((l) => l.concurrency), y: lv.map((l) => l.speedup), mode: "markers", name: "simulator (concurrency)",
+          text: lv.map((l) => "concurrency " + l.concurrency + ": TPOT " + fmtNum(l.plain_tpot_s * 1e3) + " → " + fmtNum(l.spec_tpot_s * 1e3) + " ms, " +
+                        fmtNum(l.tokens_per_verification) + " tokens/verification, tok/s ×" + fmtNum(l.throughput_ratio)),
+          marker: { size: 12, color: lv.map((l) => (l.pays ? "#43a047" : "#c62828")), line: { width: 1, color: "#000" } } });
+        if (d.measured.available) data.push({ x: d.measured.curve.batch, y: d.measured.curve.speedup, mode: "lines", name: d.measured.curve.label,
+          line: { color: "#2e7d32", dash: "dash", width: 2 } });
+        const shades = [];
+        const mem = d.limits.memory;
+        if (mem.batch < maxB) shades.push(limitShade(Math.max(mem.batch, 1), maxB * 1.5, mem.label, NO_FIT, 0));
+        const mine = d.curves.find((c) => c.chosen);
+        if (mine.crossover_batch != null && mine.crossover_batch > 1) {
+          const m = marker(mine.crossover_batch, "your crossover: batch " + mine.crossover_batch.toLocaleString("en"), "#c62828", "dot", 0.09);
+          m.annotation.x = Math.log10(mine.crossover_batch); // annotations on a log axis take the exponent; shapes take the value
+          shades.push(m);
+        }
+        const sh = withShades(shades);
+        sh.shapes.push({ type: "line", xref: "paper", x0: 0, x1: 1, y0: 1, y1: 1, line: { color: "#000", width: 1.5, dash: "dash" } });
+        sh.annotations.push({ xref: "paper", x: 0, y: 1, yanchor: "bottom", xanchor: "left", text: "1× (no gain)", showarrow: false, font: { size: 11, color: "#000" } });
+        const ys = [...d.curves.flatMap((c) => c.speedup), ...lv.map((l) => l.speedup)];
+        return { data, layout: baseLayout("Speedup per user against batch size", "decode batch (simulator: concurrency)", "speedup (plain TPOT ÷ speculative)",
+          { xaxis: pow2Axis(batches), yaxis: { range: [0, Math.max(1.5, ...ys) * 1.08] },
+            // On a phone the six legend entries stack below the plot: room for them under the axis title.
+            rest: Object.assign(sh, narrow ? { height: 560, legend: { orientation: "h", y: -0.3, font: { size: 11 } } }
+                                           : { legend: { orientation: "h", y: -0.25, font: { size: 11 } } }) }) };
+      } },
+    { id: "spec-tpot", make: (d) => {
+        const mine = d.curves.find((c) => c.chosen), lv = d.sim.levels;
+        return {
+          data: [
+            { x: mine.batch, y: mine.plain_tpot_ms, mode: "lines", name: "plain (roofline)", line: { color: "#555" } },
+            { x: mine.batch, y: mine.spec_tpot_ms, mode: "lines", name: "speculative (roofline)", line: { color: "#c62828" } },
+            { x: lv.map((l) => l.concurrency), y: lv.map((l) => l.plain_tpot_s * 1e3), mode: "markers", name: "plain (simulator)", marker: { size: 10, color: "#555", symbol: "circle-open" } },
+            { x: lv.map((l) => l.concurrency), y: lv.map((l) => l.spec_tpot_s * 1e3), mode: "markers", name: "speculative (simulator)", marker: { size: 10, color: "#c62828" } },
+          ],
+          layout: baseLayout("TPOT with and without speculation", "decode batch (simulator: concurrency)", "TPOT (ms, log scale)",
+            { xaxis: pow2Axis(mine.batch), yaxis: Object.assign(logAxis(mine.plain_tpot_ms, mine.spec_tpot_ms), { rangemode: "normal" }) }),
+        };
+      } },
+    { id: "spec-tokens", make: (d) => {
+        const lv = d.sim.levels, mine = d.curves.find((c) => c.chosen);
+        const expected = mine.acceptance.expected_tokens_per_verification;
+        return {
+          data: [{ type: "bar", x: lv.map((l) => String(l.concurrency)), y: lv.map((l) => l.tokens_per_verification), name: "realised (simulator)", marker: { color: "#2d6cdf" } }],
+          layout: baseLayout("Tokens per verification step", "concurrency", "tokens per sequence per step", { xaxis: { type: "category" }, rest: {
+            shapes: [{ type: "line", xref: "paper", x0: 0, x1: 1, y0: expected, y1: expected, line: { color: "#c62828", dash: "dash" } }],
+            annotations: [{ xref: "paper", x: 1, y: expected, xanchor: "right", yanchor: "bottom", showarrow: false, font: { size: 11, color: "#c62828" },
+              text: "expected " + fmtNum(expected) + " (K = " + mine.acceptance.acceptance_per_position.length + ")" }] } }),
+        };
+      } },
+  ],
+});
+
 // The "your machine" panel: the engine's own metrics, polled, and a short load sent from this page to
 // the server's own /v1/completions (its API key and limits apply), measured here and, with a profile,
 // replayed through the simulator by api/live/predict.
@@ -624,6 +700,7 @@ function lessonById(id) {
 
 function controlSpec(c, lesson) {
   if (typeof c !== "string") {
+    if (c.type === "select" && typeof c.options === "function") return Object.assign({}, c, { options: c.options(state.catalog) });
     if (c.type !== "number") return c;
     const lim = (state.catalog.limits[lesson.id] || {})[c.name];
     if (!lim) throw new Error("the API publishes no limits for " + lesson.id + "." + c.name);
@@ -773,6 +850,7 @@ function showError(message) {
   $("notice").textContent = "";
   $("summary").innerHTML = "";
   $("formulas").hidden = true;
+  $("commands").hidden = true;
   for (const chart of $("charts").children) Plotly.purge(chart);
   $("charts").hidden = true;
   $("charts").classList.remove("stale");
@@ -804,6 +882,12 @@ function renderFormulas(formulas) {
   }
 }
 
+// The `servelab plan` command behind each bar of the capacity lesson.
+function renderCommands(commands) {
+  $("commands").hidden = !commands || !commands.length;
+  $("commands-body").textContent = (commands || []).join("\n");
+}
+
 function draw(chart, fig) {
   const narrow = $("chart-" + chart.id).clientWidth < 520;
   const title = fig.layout.title;
@@ -831,6 +915,7 @@ function render(lesson, data) {
   $("notice").textContent = (lesson.live && state.load ? state.load.notice : data.notice) || "";
   renderStats(lesson.live && state.load ? [...state.load.stats, ...(data.stats || [])] : data.stats);
   renderFormulas(data.formulas);
+  renderCommands(data.plan && data.plan.command);
   for (const chart of lesson.charts) {
     const el = $("chart-" + chart.id);
     const narrow = el.clientWidth < 520;
@@ -905,6 +990,7 @@ function showMachineSetup() {
   $("notice").textContent = "";
   $("summary").innerHTML = "";
   $("formulas").hidden = true;
+  $("commands").hidden = true;
   $("charts").hidden = true;
   window.lab.last = { lesson: "live", data: { status: "no-engine", setup } };
   window.lab.renders += 1;

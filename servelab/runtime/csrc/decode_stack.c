@@ -27,6 +27,13 @@ struct sl_segment {
     int64_t row_bytes, rows, start;
 };
 
+/* The same outputs in a layout of csrc/q8_block_linear.c (block_quant.Q8Rows). */
+struct sl_q8_segment {
+    int64_t fmt;
+    const uint8_t *data;
+    int64_t rows, start;
+};
+
 struct sl_linear {
     int64_t kind, in_features, out_features;
     const float *bias;                  /* NULL or [out_features] */
@@ -41,6 +48,9 @@ struct sl_linear {
     const uint16_t *half_weight;        /* LINEAR_HALF: linear.HalfLinear's bf16/fp16 [out, in];
                                            LINEAR_BF16: quantization.Bf16Linear's packed panels */
     int64_t half_format, half_gemv_max_rows;  /* half.h's KV_F16 / KV_BF16; its GEMV path up to here */
+    int64_t q8_min_rows;                /* LINEAR_BLOCKS: from this many rows the int8 dot products (0: never) */
+    int64_t q8_passes;                  /* ... with 1 or 2 int8 passes over each activation */
+    struct sl_q8_segment q8[SL_MAX_SEGMENTS];  /* ... over these, num_segments of them */
 };
 
 struct sl_layer {
@@ -106,6 +116,12 @@ void servelab_paged_attention_f32(const float *q, int64_t q_stride, const void *
 int64_t servelab_paged_attention_scratch_floats(int64_t max_ctx, int64_t head_dim);
 int servelab_half_linear_f32(int64_t fmt, const uint16_t *w, int64_t in, int64_t out, const float *x, int64_t rows,
                              const float *bias, float *y, int64_t gemm, int64_t threads);
+int64_t servelab_q8_act_bytes(int64_t rows, int64_t in);
+void servelab_q8_quantize_f32(const float *x, int64_t rows, int64_t in, int64_t passes, uint8_t *buf,
+                              int64_t threads);
+void servelab_q8_block_linear_f32(int64_t fmt, const uint8_t *w, int64_t in, int64_t out, const uint8_t *act,
+                                  int64_t passes, int64_t rows, const float *bias, float *y, int64_t y_stride,
+                                  int64_t threads);
 int servelab_bf16_linear_f32(const uint16_t *w, int64_t in, int64_t out, const float *x, int64_t rows,
                              const float *bias, float *y, int64_t threads);
 
@@ -118,11 +134,12 @@ static int64_t attention_per_part(const struct sl_stack *s, int64_t max_ctx) {
 }
 
 /* Floats of linear scratch (as block_quant.py sizes it: the in-register kernel's per-block sums
- * and row, or a panel a thread), for the widest input. */
+ * and row, a panel a thread, or the quantized activations), for the widest input. */
 static int64_t linear_scratch(const struct sl_stack *s, int64_t rows, int64_t threads) {
     const int64_t in = max3(s->hidden, s->num_heads * s->head_dim, s->intermediate);
     const int64_t fused = rows * (in / 32) + threads * in, panel = threads * s->panel_outputs * in;
-    return fused > panel ? fused : panel;
+    const int64_t q8 = (servelab_q8_act_bytes(rows, in) + 3) / 4;
+    return max3(fused, panel, q8);
 }
 
 static int64_t qkv_width(const struct sl_stack *s) { return (s->num_heads + 2 * s->num_kv_heads) * s->head_dim; }
@@ -146,6 +163,16 @@ static int run_linear(const struct sl_stack *s, const struct sl_linear *l, const
     if (l->kind == LINEAR_INT8)
         return servelab_int8_linear_f32(l->int8_packed, l->int8_scale, l->int8_zero, l->bias, l->in_features,
                                         l->int8_kp, l->out_features, x, rows, y, threads);
+    if (l->q8_min_rows && rows >= l->q8_min_rows && !l->invariant) {
+        uint8_t *act = (uint8_t *)scratch;
+        servelab_q8_quantize_f32(x, rows, l->in_features, l->q8_passes, act, threads);
+        for (int64_t i = 0; i < l->num_segments; i++) {
+            const struct sl_q8_segment *g = &l->q8[i];
+            servelab_q8_block_linear_f32(g->fmt, g->data, l->in_features, g->rows, act, l->q8_passes, rows,
+                                         l->bias ? l->bias + g->start : NULL, y + g->start, l->out_features, threads);
+        }
+        return 0;
+    }
     const int fused = rows <= s->fused_max_rows && !l->invariant && l->fused_formats;
     for (int64_t i = 0; i < l->num_segments; i++) {
         const struct sl_segment *g = &l->seg[i];

@@ -8,6 +8,7 @@ of each row's bytes, both before dequantization; a column range that splits a bl
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -17,18 +18,27 @@ from servelab.runtime.weight_layout import GGUFTensor, TensorGetter, dequantize_
 from servelab.spec.ggml_types import GGML_TYPE_BY_ID, GGML_TYPE_BY_NAME
 
 
-def safetensors_getter(where: dict[str, Any], shard: Shard) -> TensorGetter:
-    """`build_model`'s getter over safetensors handles (name -> handle) that reads `shard`'s slices."""
+def safetensors_getter(
+    where: dict[str, Any], shard: Shard, fused: Callable[[str], tuple[str, int, int] | None] = lambda name: None
+) -> TensorGetter:
+    """`build_model`'s getter over safetensors handles (name -> handle) that reads `shard`'s
+    slices; `fused(name)`: where a checkpoint that fuses `name` with others keeps its rows
+    (weight_layout.fused_rows), whose shard is a row range of the fused tensor."""
 
     def get(name: str):
-        h = where.get(name)
+        source, first = name, 0
+        if name not in where and (found := fused(name)) is not None and found[0] in where:
+            source, first, _ = found
+        h = where.get(source)
         if h is None:
             return None
         part = shard.slice_of(name)
         if part is None:
-            return h.get_tensor(name)
-        view = h.get_slice(name)
-        return view[part.start : part.stop] if part.dim == 0 else view[:, part.start : part.stop]
+            return h.get_tensor(source)
+        view = h.get_slice(source)
+        if part.dim == 0:
+            return view[first + part.start : first + part.stop]
+        return view[:, part.start : part.stop]  # row-parallel: o_proj and down_proj, never fused
 
     return get
 

@@ -1,0 +1,231 @@
+"""Test helpers: tiny random models of each family the engine loads, built with transformers' own
+config and model classes (so the checkpoint is exactly what `save_pretrained` writes), and the
+same model as a GGUF file written the way llama.cpp's convert_hf_to_gguf.py writes it.
+
+`write_family(path, name)` writes an HF directory (config.json, model.safetensors, the tiny BPE
+tokenizer of tests/tiny_models.py); `write_gguf(hf_dir, out)` converts it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+from tests.tiny_models import EOS_TOKEN, IM_END, _write_tokenizer
+
+VOCAB = 512
+_COMMON: dict[str, Any] = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, rms_norm_eps=1e-5,
+)  # fmt: skip
+_LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 64,
+}
+# Phi-3's LongRoPE: 16 factors (head_dim 32 / 2), growing with the wavelength as the real ones do.
+_SHORT = [round(1.0 + 0.05 * i, 3) for i in range(16)]
+_LONG = [round(1.0 + 0.5 * i, 3) for i in range(16)]
+
+# name -> (transformers config class, its arguments). Each has the detail that changes the numbers.
+FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
+    "llama3": (  # Llama 3.x: rope_scaling llama3, past original_max_position_embeddings at 64
+        "LlamaConfig",
+        dict(_COMMON, rope_theta=500000.0, rope_scaling=_LLAMA3_ROPE, max_position_embeddings=512),
+    ),
+    "llama-tied": (  # Llama 3.2 1B/3B: tied embeddings
+        "LlamaConfig",
+        dict(_COMMON, rope_theta=500000.0, tie_word_embeddings=True, max_position_embeddings=512),
+    ),
+    "qwen2.5": (  # Qwen2.5: qkv bias
+        "Qwen2Config",
+        dict(_COMMON, rope_theta=1000000.0, max_position_embeddings=512, use_sliding_window=False),
+    ),
+    "qwen3": (  # Qwen3: per-head q/k RMSNorm, head_dim 32 (not hidden / heads), no qkv bias
+        "Qwen3Config",
+        dict(_COMMON, head_dim=32, rope_theta=1000000.0, max_position_embeddings=512),
+    ),
+    "qwen3-tied": (  # Qwen3 0.6B-4B: tied embeddings too
+        "Qwen3Config",
+        dict(_COMMON, head_dim=32, rope_theta=1000000.0, max_position_embeddings=512, tie_word_embeddings=True),
+    ),
+    "phi3": (  # Phi-3 / Phi-4: fused qkv_proj and gate_up_proj, LongRoPE from 64 to 256 positions
+        "Phi3Config",
+        dict(
+            _COMMON,
+            hidden_size=128,
+            num_key_value_heads=4,
+            max_position_embeddings=256,
+            original_max_position_embeddings=64,
+            rope_scaling={"rope_type": "longrope", "short_factor": _SHORT, "long_factor": _LONG},
+            sliding_window=None,
+        ),
+    ),  # fmt: skip
+}
+
+
+def hf_config(name: str, eos_id: int | None = None, pad_id: int | None = None):
+    import transformers
+
+    cls, kwargs = FAMILIES[name]
+    return getattr(transformers, cls)(**kwargs, eos_token_id=eos_id, pad_token_id=pad_id, bos_token_id=None)
+
+
+def write_family(path: str | Path, name: str, *, seed: int = 0) -> Path:
+    """A random `name` model (a FAMILIES key) as an HF directory, its weights scaled like a trained
+    model's (activations of order one) so greedy decoding has clear winners."""
+    import torch
+    import transformers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    _write_tokenizer(path, VOCAB, seed)
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
+    config = hf_config(name, tok.token_to_id(IM_END), tok.token_to_id(EOS_TOKEN))
+    config.dtype = torch.float32
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("norm.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            elif pname.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
+            elif pname.endswith("embed_tokens.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+            elif pname == "lm_head.weight":  # untied: spread the logits over several units
+                p.copy_(4.0 * torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+    model.save_pretrained(path)
+    return path
+
+
+def _llama_cpp_permute(w, n_head: int):
+    """convert_hf_to_gguf.py's LlamaModel.permute: Q/K rows into ggml's interleaved RoPE order."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_LAYER_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.q_proj.bias": "attn_q.bias",
+    "self_attn.k_proj.bias": "attn_k.bias",
+    "self_attn.v_proj.bias": "attn_v.bias",
+    "self_attn.qkv_proj.weight": "attn_qkv.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "self_attn.q_norm.weight": "attn_q_norm.weight",
+    "self_attn.k_norm.weight": "attn_k_norm.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.gate_up_proj.weight": "ffn_up.weight",  # llama.cpp's phi3 keeps gate and up fused in ffn_up
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+_TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+              "lm_head.weight": "output.weight"}  # fmt: skip
+
+
+def write_gguf(hf_dir: Path, out: Path) -> Path:
+    """The HF directory `write_family` wrote, as llama.cpp's converter writes it (F32 tensors):
+    arch llama (Q/K rows permuted, llama3's scaling as `rope_freqs.weight`), qwen2, qwen3 or phi3
+    (LongRoPE as `rope_factors_long/short.weight`, `rope.scaling.attn_factor`); no `output.weight`
+    when the embeddings are tied."""
+    import gguf
+    import torch
+    from safetensors.torch import load_file
+
+    cfg = json.loads((hf_dir / "config.json").read_text())
+    arch = cfg["model_type"]
+    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
+    theta = cfg.get("rope_theta", rope.get("rope_theta"))
+    heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_block_count(cfg["num_hidden_layers"])
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(theta)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_rope_dimension_count(head_dim)
+    if cfg.get("head_dim"):
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    _add_tokenizer(w, hf_dir, cfg)
+
+    tensors = load_file(str(hf_dir / "model.safetensors"))
+    if cfg.get("tie_word_embeddings"):
+        tensors.pop("lm_head.weight", None)
+    extra: dict[str, torch.Tensor] = {}
+    kind = rope.get("rope_type", rope.get("type"))
+    if arch == "llama" and kind == "llama3":
+        extra["rope_freqs.weight"] = _llama3_rope_factors(rope, theta, head_dim)
+    if arch == "phi3" and kind in ("longrope", "su"):
+        original = cfg["original_max_position_embeddings"]
+        scale = cfg["max_position_embeddings"] / original
+        w.add_rope_scaling_orig_ctx_len(original)
+        w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+        extra["rope_factors_long.weight"] = torch.tensor(rope["long_factor"], dtype=torch.float32)
+        extra["rope_factors_short.weight"] = torch.tensor(rope["short_factor"], dtype=torch.float32)
+    for name, t in {**tensors, **extra}.items():
+        if name in _TOP_NAMES:
+            name = _TOP_NAMES[name]
+        elif name.startswith("model.layers."):
+            _, _, i, rest = name.split(".", 3)
+            name = f"blk.{i}.{_LAYER_NAMES[rest]}"
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            t = _llama_cpp_permute(t, heads if "attn_q" in name else kv_heads)
+        w.add_tensor(name, t.float().contiguous().numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _llama3_rope_factors(rope: dict, theta: float, head_dim: int):
+    """convert_hf_to_gguf.py's LlamaModel.generate_extra_tensors: llama3 scaling as divisors."""
+    import torch
+
+    factor, low, high = rope["factor"], rope["low_freq_factor"], rope["high_freq_factor"]
+    old_len = rope["original_max_position_embeddings"]
+    freqs = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+    factors = []
+    for freq in freqs.tolist():
+        wavelen = 2 * math.pi / freq
+        if wavelen < old_len / high:
+            factors.append(1.0)
+        elif wavelen > old_len / low:
+            factors.append(factor)
+        else:
+            smooth = (old_len / wavelen - low) / (high - low)
+            factors.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(factors, dtype=torch.float32)
+
+
+def _add_tokenizer(w, hf_dir: Path, cfg: dict) -> None:
+    tok = json.loads((hf_dir / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    tokens = [t for t, _ in vocab] + [f"[PAD{i}]" for i in range(cfg["vocab_size"] - len(vocab))]
+    added = {a["id"]: a["content"] for a in tok["added_tokens"]}
+    for i, content in added.items():
+        tokens[i] = content
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3 if i in added else 1 for i in range(len(tokens))])
+    w.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in tok["model"]["merges"]])
+    w.add_eos_token_id(cfg["eos_token_id"])
+    w.add_add_bos_token(False)
+    w.add_chat_template(json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"])
