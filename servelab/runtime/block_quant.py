@@ -80,7 +80,7 @@ PANEL_OUTPUTS = 48  # outputs the panel kernel expands at a time (PANEL in the C
 # at 512; 1.01x at 32, where filling its transposed panel costs what the tiles save.
 KMAJOR_MIN_ROWS = 48
 # From this many rows the engine's default takes the int8 dot products (with_q8): the crossover
-# against the exact kernels measured in docs/benchmarks.md ("Q8 activations over GGUF blocks");
+# against the exact kernels measured in docs/benchmarks.md ("Int8 dot products over the blocks");
 # batch-1 decode stays exact.
 Q8_MIN_ROWS = 2
 # The ISA each level's int8 dot products run on, for the load log
