@@ -23,7 +23,8 @@ def test_quick_run_benches_servelab_at_each_level(tmp_path, capsys):
     assert set(rows) == {"1", "2"}
     for r in rows.values():
         assert r["completed"] > 0 and r["failed"] == 0
-        assert r["output_tok_s"] > 0 and 0 < r["tpot_p50_s"] < 1 and r["ttft_p50_s"] > 0
+        # a tiny model's tokens may reach the client in one chunk (TPOT 0) on a busy host
+        assert r["output_tok_s"] > 0 and 0 <= r["tpot_p50_s"] < 1 and r["ttft_p50_s"] > 0
 
 
 def test_a_peer_without_its_python_is_skipped_by_name(monkeypatch, tmp_path):
