@@ -74,22 +74,18 @@ class EngineCore:
 
     def add_request(self, request: EngineCoreRequest) -> Sequence:
         """Queues a request; QueueFull / RequestTooLong when the KV pool or the queue cannot take it."""
-        if request.request_id in self._requests:
-            raise InvalidArgument(f"request id {request.request_id!r} is already in use", param="request_id")
-        seq = Sequence(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            params=request.params,
-            arrival_s=request.arrival_s,
-            priority=request.priority,
-            eos_token_ids=request.eos_token_ids,
-            pooling=request.pooling,
-        )
+        seq = self._new_sequence(request)
         self.scheduler.add(seq, seq.arrival_s)
         self._requests[seq.request_id] = _CoreState(seq)
         if request.params.prediction and self.proposers is not None:
             self.proposers.add_prediction(seq.request_id, request.params.prediction)
         return seq
+
+    def _new_sequence(self, request: EngineCoreRequest) -> Sequence:
+        if request.request_id in self._requests:
+            raise InvalidArgument(f"request id {request.request_id!r} is already in use", param="request_id")
+        return Sequence(request.request_id, request.prompt_token_ids, request.params, arrival_s=request.arrival_s,
+                        priority=request.priority, eos_token_ids=request.eos_token_ids, pooling=request.pooling)  # fmt: skip
 
     def abort(self, request_id: str) -> EngineOutput | None:
         """Cancels a request, freeing its blocks; its last output (finish reason ABORT), or None
@@ -183,15 +179,7 @@ class EngineCore:
     def reserve_prefilled(self, request: EngineCoreRequest, first_token_id: int) -> Sequence | None:
         """Decode side: blocks for a request prefilled elsewhere, before its KV arrives; None
         while this pool is short (the caller retries)."""
-        if request.request_id in self._requests:
-            raise InvalidArgument(f"request id {request.request_id!r} is already in use", param="request_id")
-        seq = Sequence(
-            request_id=request.request_id,
-            prompt_token_ids=request.prompt_token_ids,
-            params=request.params,
-            arrival_s=request.arrival_s,
-            eos_token_ids=request.eos_token_ids,
-        )
+        seq = self._new_sequence(request)
         seq.token_ids.append(first_token_id)
         return seq if self.scheduler.reserve_prefilled(seq, time.perf_counter()) else None
 
