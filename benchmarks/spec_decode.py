@@ -159,8 +159,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument(
         "--k",
         type=int,
-        default=3,
-        help="num_speculative_tokens (3: a verification step is 4 rows, the fused kernels' most)",
+        default=4,
+        help="num_speculative_tokens (4: the fastest on this edit workload, docs/benchmarks.md)",
     )
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
