@@ -11,7 +11,7 @@ import itertools
 import time
 from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
-from typing import Any, TypeGuard
+from typing import Any, TypeGuard, cast
 
 from servelab.core.plan import TokenLogprobs
 from servelab.core.sequence import FinishReason, PoolingParams, SamplingParams
@@ -146,7 +146,7 @@ class LLM:
         template, never from message text); text and ids pass through."""
         if _is_chat(prompt):
             return self.tokenizer.encode_chat(prompt, add_generation_prompt=True)
-        return prompt  # type: ignore[return-value]
+        return cast("str | list[int]", prompt)  # not a chat: text or token ids, as _normalise_prompts checked
 
     def generate(
         self,

@@ -108,7 +108,7 @@ class LimitedH11Protocol(H11Protocol):
 
     # ---- connection life -------------------------------------------------------------------
 
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]  # uvicorn narrows it too
         super().connection_made(transport)
         client = self.client[0] if self.client else "unknown"
         why = self.counts.admit(client)
