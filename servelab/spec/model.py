@@ -1,12 +1,13 @@
 """The one description of a decoder-only transformer (Llama family: Llama 2/3, Mistral, Qwen2,
-Qwen2.5, Qwen3, Phi-3/Phi-4, Mixtral), parsed from an HF `config.json` or GGUF metadata, and the
+Qwen2.5, Qwen3, Phi-3/Phi-4, Mixtral; Gemma 2 and Gemma 3), parsed from an HF `config.json` or GGUF metadata, and the
 catalog of well-known models.
 
 The cost model reads its parameter counts and KV bytes per token; the engine builds its model,
 RoPE and KV cache from the same fields. Counts assume the Llama block: RMSNorm, attention with
 grouped KV heads (GQA), optional per-head Q/K RMSNorm (Qwen3), SwiGLU MLP (gate, up, down),
 optional MoE routing over SwiGLU experts. Phi-3's fused qkv_proj and gate_up_proj hold the same
-parameters as the separate matrices.
+parameters as the separate matrices. Gemma's block has the same matrices (its GeGLU MLP is
+SwiGLU's three, with GELU for SiLU) and four norms a layer instead of two.
 """
 
 from __future__ import annotations
@@ -23,19 +24,24 @@ from servelab.spec.dtypes import kv_dtype as _kv_dtype
 from servelab.spec.dtypes import weight_dtype as _weight_dtype
 
 # HF `model_type` -> whether Q/K/V always carry a bias (Qwen2's do, whatever `attention_bias` says).
-_HF_MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "phi3": False, "mixtral": False}
+_HF_MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "phi3": False, "mixtral": False,
+                   "gemma2": False, "gemma3_text": False, "gemma3": False}  # fmt: skip
 # GGUF `general.architecture` values we read; llama.cpp files Mistral and Mixtral under "llama"
 # (older converters wrote "mistral").
-_GGUF_ARCHS = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "phi3": False}
+_GGUF_ARCHS = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "phi3": False, "gemma2": False,
+               "gemma3": False}  # fmt: skip
 # Architectures (HF model_type and GGUF alike) that RMS-normalise each head of Q and K before RoPE.
-_QK_NORM_ARCHS = ("qwen3",)
+_QK_NORM_ARCHS = ("qwen3", "gemma3")
+# Gemma's block: RMSNorm as (1 + weight), a norm after attention and after the MLP too, GeGLU
+# (tanh-approximated GELU), embeddings scaled by sqrt(hidden_size).
+GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 # HF model types whose `sliding_window` applies unless `use_sliding_window` says otherwise
 # (Qwen2 and Qwen3 configs carry a window they do not use).
-_HF_SLIDING_BY_DEFAULT = ("mistral", "mixtral", "phi3")
+_HF_SLIDING_BY_DEFAULT = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text")
 # RoPE scaling names older configs use for the ones HF runs today.
 _ROPE_TYPE_ALIASES = {"su": "longrope"}
 # What the engine (servelab/runtime) runs; the cost model prices every spec.
-ENGINE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+ENGINE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
 ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
@@ -61,6 +67,11 @@ class ModelSpec:
     sliding_window: int | None = None  # tokens each query attends back over; None: the whole context
     qk_norm: bool = False  # RMSNorm over each head of Q and of K before RoPE (Qwen3)
     rotary_dim: int | None = None  # leading dimensions of each head that RoPE rotates; None: all of head_dim
+    sliding_layers: tuple[int, ...] | None = None  # the layers that attend over sliding_window; None: all
+    attention_scale: float | None = None  # of Q·K before the softmax; None: head_dim ** -0.5
+    attn_logit_softcap: float | None = None  # scores become cap * tanh(score / cap) (Gemma 2)
+    final_logit_softcap: float | None = None  # the same on the output logits (Gemma 2)
+    local_rope_theta: float | None = None  # RoPE base of the sliding layers, unscaled (Gemma 3); None: rope_theta
 
     def __post_init__(self) -> None:
         for field_name in (
@@ -148,8 +159,24 @@ class ModelSpec:
         return self.hidden_size * self.num_experts if self.is_moe else 0
 
     @property
+    def gemma_block(self) -> bool:
+        """Gemma's layer (GEMMA_ARCHITECTURES): (1 + w) norms, four a layer, GeGLU, scaled embeddings."""
+        return self.architecture in GEMMA_ARCHITECTURES
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.attention_scale if self.attention_scale is not None else self.head_dim**-0.5
+
+    def layer_window(self, layer: int) -> int | None:
+        """Tokens layer `layer`'s queries attend back over (the query's own included); None: all."""
+        if self.sliding_window is None or (self.sliding_layers is not None and layer not in self.sliding_layers):
+            return None
+        return self.sliding_window
+
+    @property
     def norm_params_per_layer(self) -> int:
-        return 2 * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+        norms = 4 if self.gemma_block else 2
+        return norms * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
 
     @property
     def num_params(self) -> int:
@@ -237,6 +264,13 @@ class ModelSpec:
                 name = os.path.basename(os.path.dirname(os.path.abspath(path))) or None
         config = dict(config)
         model_type = config.get("model_type")
+        if model_type == "gemma3":  # the multimodal checkpoint: the engine serves its language model
+            text = config.get("text_config")
+            if not isinstance(text, Mapping):
+                raise InvalidArgument(f"{source}: a gemma3 config needs a text_config object", param="config")
+            config, model_type = {**text, "model_type": "gemma3_text"}, "gemma3_text"
+        if model_type in _GEMMA_DEFAULTS:
+            config = _gemma_config(config, model_type, source)
         if model_type not in _HF_MODEL_TYPES:
             raise InvalidArgument(
                 f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(_HF_MODEL_TYPES)}",
@@ -264,6 +298,9 @@ class ModelSpec:
                 raise InvalidArgument(f"{source}: {key} must be a positive number, got {value!r}", param="config")
             return float(value)
 
+        def optional_float(key: str) -> float | None:
+            return None if config.get(key) is None else positive_float(key, 0.0)
+
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
         num_experts = optional_int("num_local_experts") or 1
@@ -272,9 +309,11 @@ class ModelSpec:
             window = optional_int("sliding_window")
         rope_scaling, rope_theta, rotary_fraction = _hf_rope(config, source)
         head_dim = optional_int("head_dim") or hidden // heads
+        num_layers = need("num_hidden_layers")
+        gemma = model_type in _GEMMA_DEFAULTS
         return cls(
             name=name or config.get("_name_or_path") or model_type,
-            num_layers=need("num_hidden_layers"),
+            num_layers=num_layers,
             hidden_size=hidden,
             num_heads=heads,
             num_kv_heads=optional_int("num_key_value_heads") or heads,
@@ -289,10 +328,15 @@ class ModelSpec:
             qkv_bias=_HF_MODEL_TYPES[model_type] or bool(config.get("attention_bias", False)),
             num_experts=num_experts,
             num_active_experts=(optional_int("num_experts_per_tok") or 1) if num_experts > 1 else 1,
-            architecture=model_type,
+            architecture="gemma3" if model_type == "gemma3_text" else model_type,
             sliding_window=window,
-            qk_norm=model_type in _QK_NORM_ARCHS,
+            qk_norm=model_type in _QK_NORM_ARCHS or model_type == "gemma3_text",
             rotary_dim=None if rotary_fraction == 1.0 else int(head_dim * rotary_fraction),
+            sliding_layers=None if window is None else _hf_sliding_layers(config, model_type, num_layers, source),
+            attention_scale=positive_float("query_pre_attn_scalar", 256) ** -0.5 if gemma else None,
+            attn_logit_softcap=optional_float("attn_logit_softcapping") if gemma else None,
+            final_logit_softcap=optional_float("final_logit_softcapping") if gemma else None,
+            local_rope_theta=positive_float("rope_local_base_freq", 10000.0) if model_type == "gemma3_text" else None,
         )
 
     @classmethod
@@ -358,9 +402,17 @@ class ModelSpec:
         head_dim = count("attention.key_length") or hidden // heads
         rotary_dim = count("rope.dimension_count")
         num_experts = count("expert_count") or 1
+        num_layers = need("block_count")
+        window = get("attention.sliding_window") or None  # llama.cpp writes 0 for none
+        sliding_layers = None
+        if window is not None:
+            sliding_layers = _gguf_sliding_layers(arch, get("attention.sliding_window_pattern"), num_layers)
+        attention_scale = None
+        if arch in GEMMA_ARCHITECTURES:
+            attention_scale = _gguf_attention_scale(arch, get("attention.scale"), num_layers, hidden, heads, head_dim)
         return cls(
             name=name or metadata.get("general.name") or arch,
-            num_layers=need("block_count"),
+            num_layers=num_layers,
             hidden_size=hidden,
             num_heads=heads,
             num_kv_heads=count("attention.head_count_kv") or heads,
@@ -376,9 +428,14 @@ class ModelSpec:
             num_experts=num_experts,
             num_active_experts=(count("expert_used_count") or 1) if num_experts > 1 else 1,
             architecture=arch,
-            sliding_window=get("attention.sliding_window") or None,  # llama.cpp writes 0 for none
+            sliding_window=window,
             qk_norm=arch in _QK_NORM_ARCHS,
             rotary_dim=None if rotary_dim in (None, head_dim) else rotary_dim,
+            sliding_layers=sliding_layers,
+            attention_scale=attention_scale,
+            attn_logit_softcap=get("attn_logit_softcapping") or None,
+            final_logit_softcap=get("final_logit_softcapping") or None,
+            local_rope_theta=_GGUF_LOCAL_ROPE_THETA.get(arch),
         )
 
     @classmethod
@@ -388,6 +445,105 @@ class ModelSpec:
         gguf = read_gguf(path)
         shapes = {t.name: t.shape for t in gguf.tensors.values()}
         return cls.from_gguf_metadata(gguf.metadata, name=name, tensor_shapes=shapes)
+
+
+# transformers' defaults for what a Gemma config.json may leave out: a multimodal Gemma 3's
+# text_config holds only what differs from Gemma3TextConfig's.
+_GEMMA_DEFAULTS: dict[str, dict[str, Any]] = {
+    "gemma2": dict(
+        vocab_size=256000, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, max_position_embeddings=8192, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=30.0,
+        attn_logit_softcapping=50.0,
+    ),
+    "gemma3_text": dict(
+        vocab_size=262208, hidden_size=2304, intermediate_size=9216, num_hidden_layers=26, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=256, max_position_embeddings=131072, rms_norm_eps=1e-6,
+        tie_word_embeddings=True, query_pre_attn_scalar=256, sliding_window=4096, final_logit_softcapping=None,
+        attn_logit_softcapping=None, rope_local_base_freq=10000.0,
+    ),
+}  # fmt: skip
+# llama.cpp's Gemma 2/3 attend locally every layer but each Nth (src/llama-model.cpp's swa pattern).
+_GGUF_SLIDING_PATTERN = {"gemma2": 2, "gemma3": 6}
+# and runs Gemma 3's local layers on RoPE base 10000, unscaled, whatever the global layers use
+_GGUF_LOCAL_ROPE_THETA = {"gemma3": 10000.0}
+# Block counts of the Gemma 27B models, whose query_pre_attn_scalar is hidden / heads, not head_dim.
+_GGUF_GEMMA_27B_LAYERS = {"gemma2": 46, "gemma3": 62}
+
+
+def _gemma_config(config: dict[str, Any], model_type: str, source: str) -> dict[str, Any]:
+    """A Gemma config.json with transformers' defaults filled in, Gemma 3's two RoPE settings
+    (transformers 5's `rope_parameters` per layer type, or 4's `rope_scaling` and
+    `rope_local_base_freq`) as the global layers' RoPE and `rope_local_base_freq`."""
+    config = {**_GEMMA_DEFAULTS[model_type], **config}
+    activation = config.get("hidden_activation") or config.get("hidden_act") or "gelu_pytorch_tanh"
+    if activation not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise InvalidArgument(
+            f"{source}: hidden_activation {activation!r} is not supported for {model_type} (supported: "
+            "gelu_pytorch_tanh)", param="config")  # fmt: skip
+    params = config.get("rope_parameters")
+    if model_type == "gemma3_text" and isinstance(params, Mapping) and "full_attention" in params:
+        local = params.get("sliding_attention") or {}
+        if local.get("rope_type", "default") != "default":
+            raise InvalidArgument(
+                f"{source}: RoPE scaling {local.get('rope_type')!r} on the sliding-window layers is not supported",
+                param="config",
+            )
+        config["rope_parameters"] = params["full_attention"]
+        config["rope_local_base_freq"] = local.get("rope_theta", config["rope_local_base_freq"])
+    global_params = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    if model_type == "gemma3_text" and "rope_theta" not in config and "rope_theta" not in global_params:
+        config["rope_theta"] = 1_000_000.0  # Gemma3TextConfig's global base
+    return config
+
+
+def _hf_sliding_layers(
+    config: Mapping[str, Any], model_type: str, num_layers: int, source: str
+) -> tuple[int, ...] | None:
+    """The layers that attend over the window (None: all): `layer_types` where the config has it,
+    else what transformers derives for the family (Gemma 2 every other layer from the first;
+    Gemma 3 all but each `sliding_window_pattern`-th; Qwen2 from `max_window_layers` on)."""
+    types = config.get("layer_types")
+    if types is not None:
+        if not isinstance(types, Sequence) or isinstance(types, str) or len(types) != num_layers:
+            raise InvalidArgument(f"{source}: layer_types must list {num_layers} layer types", param="config")
+        sliding = tuple(i for i, kind in enumerate(types) if kind == "sliding_attention")
+    elif model_type in ("gemma2", "gemma3_text"):
+        pattern = config.get("sliding_window_pattern", 2 if model_type == "gemma2" else 6)
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
+            raise InvalidArgument(f"{source}: sliding_window_pattern must be a positive integer", param="config")
+        sliding = tuple(i for i in range(num_layers) if (i + 1) % pattern)
+    elif model_type in ("qwen2", "qwen3"):
+        first = config.get("max_window_layers", 28)  # Qwen2Config's default
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise InvalidArgument(f"{source}: max_window_layers must be a non-negative integer", param="config")
+        sliding = tuple(range(first, num_layers))
+    else:
+        return None
+    return None if len(sliding) == num_layers else sliding
+
+
+def _gguf_sliding_layers(arch: str, pattern: Any, num_layers: int) -> tuple[int, ...] | None:
+    """llama.cpp's rule: `attention.sliding_window_pattern` (a period, or one flag a layer) where
+    the file has it, else the architecture's fixed period; every layer for the others."""
+    if isinstance(pattern, (list, tuple)) and len(pattern) == num_layers:
+        sliding = tuple(i for i, flag in enumerate(pattern) if flag)
+    else:
+        period = pattern if isinstance(pattern, int) and pattern > 0 else _GGUF_SLIDING_PATTERN.get(arch)
+        if period is None:
+            return None
+        sliding = tuple(i for i in range(num_layers) if (i + 1) % period)
+    return None if len(sliding) == num_layers else sliding
+
+
+def _gguf_attention_scale(arch: str, scale: Any, num_layers: int, hidden: int, heads: int, head_dim: int) -> float:
+    """Gemma's softmax scale from a GGUF file: `attention.scale` where written, else llama.cpp's
+    rule (the files carry no query_pre_attn_scalar): hidden / heads for the 27B models, head_dim
+    for the others."""
+    if isinstance(scale, (int, float)) and scale > 0:
+        return float(scale)
+    scalar = hidden // heads if _GGUF_GEMMA_27B_LAYERS.get(arch) == num_layers else head_dim
+    return scalar**-0.5
 
 
 def _hf_rope(config: Mapping[str, Any], source: str) -> tuple[dict[str, Any] | None, float, float]:
@@ -434,6 +590,32 @@ _LLAMA31_ROPE = {
     "original_max_position_embeddings": 8192,
 }
 _LLAMA32_ROPE = {**_LLAMA31_ROPE, "factor": 32.0}
+_GEMMA3_ROPE = {"rope_type": "linear", "factor": 8.0}  # the 4B-27B's global layers
+
+
+def _gemma2(name: str, *, layers: int, hidden: int, heads: int, kv_heads: int, head_dim: int, ffn: int,
+            scalar: int) -> ModelSpec:  # fmt: skip
+    """A Gemma 2 model: 4096-token window on every other layer from the first, soft-capping 50 and 30."""
+    return ModelSpec(
+        name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        ffn_size=ffn, vocab_size=256000, tie_embeddings=True, max_context=8192, rope_theta=10000.0,
+        rms_norm_eps=1e-6, architecture="gemma2", sliding_window=4096, sliding_layers=tuple(range(0, layers, 2)),
+        attention_scale=scalar**-0.5, attn_logit_softcap=50.0, final_logit_softcap=30.0,
+    )  # fmt: skip
+
+
+def _gemma3(name: str, *, layers: int, hidden: int, heads: int, kv_heads: int, ffn: int, head_dim: int = 256,
+            scalar: int = 256, vocab: int = 262208, context: int = 131072, window: int = 1024,
+            scaling: dict[str, Any] | None = _GEMMA3_ROPE) -> ModelSpec:  # fmt: skip
+    """A Gemma 3 language model: five window layers to each global one, local RoPE base 10000."""
+    return ModelSpec(
+        name, num_layers=layers, hidden_size=hidden, num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim,
+        ffn_size=ffn, vocab_size=vocab, tie_embeddings=True, max_context=context, rope_theta=1_000_000.0,
+        rope_scaling=scaling, rms_norm_eps=1e-6, architecture="gemma3", sliding_window=window,
+        sliding_layers=tuple(i for i in range(layers) if (i + 1) % 6), qk_norm=True, attention_scale=scalar**-0.5,
+        local_rope_theta=10000.0,
+    )  # fmt: skip
+
 
 MODELS: dict[str, ModelSpec] = {
     spec.name: spec
@@ -653,6 +835,29 @@ MODELS: dict[str, ModelSpec] = {
             rms_norm_eps=1e-5,
             architecture="phi3",
         ),
+        # google/gemma-2-2b
+        _gemma2("gemma-2-2b", layers=26, hidden=2304, heads=8, kv_heads=4, head_dim=256, ffn=9216, scalar=256),
+        # google/gemma-2-9b
+        _gemma2("gemma-2-9b", layers=42, hidden=3584, heads=16, kv_heads=8, head_dim=256, ffn=14336, scalar=256),
+        # google/gemma-2-27b
+        _gemma2("gemma-2-27b", layers=46, hidden=4608, heads=32, kv_heads=16, head_dim=128, ffn=36864, scalar=144),
+        # google/gemma-3-1b-it (text only; 512-token window, no RoPE scaling)
+        _gemma3(
+            "gemma-3-1b",
+            layers=26,
+            hidden=1152,
+            heads=4,
+            kv_heads=1,
+            ffn=6912,
+            vocab=262144,
+            context=32768,
+            window=512,
+            scaling=None,
+        ),
+        # google/gemma-3-4b-it (its language model)
+        _gemma3("gemma-3-4b", layers=34, hidden=2560, heads=8, kv_heads=4, ffn=10240),
+        # google/gemma-3-27b-it (its language model)
+        _gemma3("gemma-3-27b", layers=62, hidden=5376, heads=32, kv_heads=16, ffn=21504, head_dim=128, scalar=168),
         # HuggingFaceTB/SmolLM2-135M (the bundled model)
         ModelSpec(
             "smollm2-135m",

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from servelab.cli import main
+from servelab.errors import InvalidArgument
 from servelab.spec.model import MODELS, ModelSpec
 
 _BASE = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
@@ -84,3 +85,82 @@ def test_models_lists_what_the_engine_loads_beside_what_the_cost_model_prices(ca
     assert main(["models", "--json"]) == 0
     listed = {m["name"]: m["engine_loads"] for m in json.loads(capsys.readouterr().out)}
     assert listed["phi-3-mini-128k"] and not listed["mixtral-8x7b"]
+
+
+# google/gemma-3-4b-it's config.json: its text_config holds only what differs from Gemma3TextConfig's defaults
+_GEMMA3_4B = {
+    "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3", "mm_tokens_per_image": 256,
+    "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                    "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                    "sliding_window": 1024},
+    "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152},
+}  # fmt: skip
+# google/gemma-2-9b's config.json (transformers 4)
+_GEMMA2_9B = {
+    "model_type": "gemma2", "hidden_size": 3584, "intermediate_size": 14336, "num_hidden_layers": 42,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 256, "vocab_size": 256000,
+    "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "query_pre_attn_scalar": 256,
+    "sliding_window": 4096, "attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0,
+    "hidden_activation": "gelu_pytorch_tanh", "tie_word_embeddings": True,
+}  # fmt: skip
+
+
+def test_a_multimodal_gemma3_config_is_its_language_model_with_transformers_defaults():
+    spec = ModelSpec.from_hf_config(_GEMMA3_4B, name="gemma-3-4b")
+    assert spec == MODELS["gemma-3-4b"]
+    assert (spec.num_heads, spec.head_dim, spec.vocab_size, spec.max_context) == (8, 256, 262208, 131072)
+    assert spec.local_rope_theta == 10000.0 and spec.rope_theta == 1e6 and spec.qk_norm
+    assert [spec.layer_window(i) for i in range(6)] == [1024] * 5 + [None]
+    assert spec.engine_refusal is None
+
+
+def test_gemma3_rope_as_transformers_5_writes_it_per_layer_type():
+    spec = ModelSpec.from_hf_config({**_BASE, "model_type": "gemma3_text", "layer_types": [
+        "sliding_attention", "full_attention"], "rope_parameters": {
+        "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 5e5},
+        "sliding_attention": {"rope_type": "default", "rope_theta": 20000.0}}})  # fmt: skip
+    assert spec.rope_scaling == {"rope_type": "linear", "factor": 2.0} and spec.rope_theta == 5e5
+    assert spec.local_rope_theta == 20000.0 and spec.sliding_layers == (0,) and spec.sliding_window == 4096
+
+
+def test_gemma2_config_and_its_counts():
+    spec = ModelSpec.from_hf_config(_GEMMA2_9B, name="gemma-2-9b")
+    assert spec == MODELS["gemma-2-9b"]
+    assert (spec.attn_logit_softcap, spec.final_logit_softcap, spec.softmax_scale) == (50.0, 30.0, 256**-0.5)
+    assert [spec.layer_window(i) for i in range(4)] == [4096, None, 4096, None]
+    # google/gemma-2-2b and gemma-3-1b as transformers counts them: GeGLU holds SwiGLU's three
+    # matrices, and a layer has four norms
+    assert MODELS["gemma-2-2b"].num_params == 2_614_341_888
+    assert MODELS["gemma-3-1b"].num_params == 999_885_952
+
+
+def test_gemma_refuses_an_activation_it_does_not_run():
+    with pytest.raises(InvalidArgument, match="hidden_activation 'silu'"):
+        ModelSpec.from_hf_config({**_GEMMA2_9B, "hidden_activation": "silu"})
+
+
+def test_sliding_layers_of_qwen2_and_mistral():
+    qwen2 = ModelSpec.from_hf_config({**_BASE, "model_type": "qwen2", "use_sliding_window": True,
+                                      "sliding_window": 32, "max_window_layers": 1})  # fmt: skip
+    assert qwen2.sliding_layers == (1,) and [qwen2.layer_window(i) for i in range(2)] == [None, 32]
+    mistral = ModelSpec.from_hf_config({**_BASE, "model_type": "mistral", "sliding_window": 32})
+    assert mistral.sliding_layers is None and mistral.layer_window(1) == 32
+
+
+def test_gguf_metadata_of_gemma2_and_gemma3_as_llama_cpp_reads_it():
+    def meta(arch: str, layers: int, **extra) -> dict:
+        base = {"block_count": layers, "context_length": 8192, "embedding_length": 4608, "feed_forward_length": 128,
+                "attention.head_count": 32, "attention.head_count_kv": 16, "attention.key_length": 128,
+                "attention.sliding_window": 4096, "vocab_size": 512, **extra}  # fmt: skip
+        return {"general.architecture": arch, **{f"{arch}.{k}": v for k, v in base.items()}}
+
+    gemma2_27b = ModelSpec.from_gguf_metadata(meta("gemma2", 46, attn_logit_softcapping=50.0,
+                                                   final_logit_softcapping=30.0))  # fmt: skip
+    assert gemma2_27b.softmax_scale == 144**-0.5  # hidden / heads: llama.cpp's 27B rule
+    assert gemma2_27b.sliding_layers == tuple(range(0, 46, 2)) and gemma2_27b.attn_logit_softcap == 50.0
+    gemma2 = ModelSpec.from_gguf_metadata(meta("gemma2", 42))
+    assert gemma2.softmax_scale == 128**-0.5 and gemma2.final_logit_softcap is None
+    gemma3 = ModelSpec.from_gguf_metadata(meta("gemma3", 12, **{"attention.scale": 0.1}))
+    assert gemma3.softmax_scale == 0.1 and gemma3.qk_norm and gemma3.local_rope_theta == 10000.0
+    assert gemma3.sliding_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)
+    assert gemma3.engine_refusal is None and gemma3.norm_params_per_layer == 4 * 4608 + 2 * 128
