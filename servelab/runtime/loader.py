@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -22,6 +23,7 @@ from servelab.runtime.weight_layout import (
     build_model,
     dequantize_gguf_tensor,
     fused_rows,
+    gemma_norm_multipliers,
     gguf_getters,
     split_fused_gguf,
 )
@@ -92,11 +94,9 @@ def _shard(spec: ModelSpec, tp_rank: int, tp_size: int):
 
 
 def servable_context(spec: ModelSpec) -> int:
-    """The longest context the engine serves this model at. There is no sliding-window attention
-    here: beyond the window we would be wrong, so stop at it."""
-    if spec.sliding_window is None:
-        return spec.max_context
-    return min(spec.max_context, spec.sliding_window)
+    """The longest context the engine serves this model at: all of it. Sliding-window layers
+    attend over their window (runtime/ops.py) and keep the whole context in the KV cache."""
+    return spec.max_context
 
 
 def check_servable(spec: ModelSpec) -> None:
@@ -130,6 +130,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: str, tp_rank: int, tp_s
 
     handles = [safe_open(str(f), framework="pt") for f in files]
     where = {name: h for h in handles for name in h.keys()}
+    where.update(_language_model_names(where))
 
     def tensor(name: str) -> torch.Tensor | None:
         h = where.get(name)
@@ -146,9 +147,38 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: str, tp_rank: int, tp_s
         from servelab.runtime.parallel.shard_loading import safetensors_getter
 
         get = safetensors_getter(where, shard, lambda name: fused_rows(spec, name))
+    if spec.gemma_block:
+        get = gemma_norm_multipliers(get)
     model = build_model(spec if shard is None else shard.local_spec(), get, dtype, device)
     _log_half_storage(model)
     return LoadedModel(model, spec, path.name, path)
+
+
+class _Renamed:
+    """A safetensors handle read under other names than the file's."""
+
+    def __init__(self, handle: Any, names: dict[str, str]):
+        self.handle, self.names = handle, names  # our name -> the file's
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        return self.handle.get_tensor(self.names[name])
+
+    def get_slice(self, name: str) -> Any:
+        return self.handle.get_slice(self.names[name])
+
+
+def _language_model_names(where: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal checkpoint's (Gemma 3's) language-model tensors under the names a text model's
+    have: `model.language_model.X` (transformers >= 4.52) or `language_model.model.X` as `model.X`,
+    `language_model.lm_head.weight` as `lm_head.weight`. The vision tower's go unread: the engine
+    serves text."""
+    names = {}
+    for name in where:
+        if name.startswith("model.language_model."):
+            names["model." + name.removeprefix("model.language_model.")] = name
+        elif name.startswith("language_model."):
+            names[name.removeprefix("language_model.")] = name
+    return {ours: _Renamed(where[theirs], {ours: theirs}) for ours, theirs in names.items() if ours not in where}
 
 
 def _log_half_storage(model: LlamaModel) -> None:

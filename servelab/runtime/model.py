@@ -1,5 +1,6 @@
 """A Llama-family decoder written for serving: Llama 2/3/3.x, Mistral, Qwen2/2.5 (qkv bias), Qwen3
-(per-head Q/K RMSNorm), Phi-3/Phi-4 (LongRoPE), SmolLM.
+(per-head Q/K RMSNorm), Phi-3/Phi-4 (LongRoPE), SmolLM; Gemma 2/3 (norms after attention and the
+MLP too, GeGLU, scaled embeddings, soft-capping, local RoPE base).
 
 One forward pass takes a flattened batch of tokens from mixed prefill chunks and decodes
 (varlen). Each token carries its position and its KV slot; K/V go into the paged cache and each
@@ -7,12 +8,12 @@ sequence attends over its own blocks. Only the positions that sample get logits.
 
 Shapes follow the HF checkpoint layout (weights are [out, in]) with Q/K/V fused into one matrix
 and gate/up into another, so a layer is four GEMMs. RoPE uses the HF rotate-half convention; its
-scalings live in rope.py, as tables.
+scalings live in rope.py, as tables. Sliding-window layers attend to the last `window` positions
+(the whole context stays in the cache).
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import InitVar, dataclass, replace
 from functools import partial
@@ -41,6 +42,8 @@ class LayerWeights:
     qkv_bias: InitVar[torch.Tensor | None] = None  # as the loader hands it over: folded into qkv
     q_norm: torch.Tensor | None = None  # [head_dim]: RMSNorm weight of each Q head before RoPE (Qwen3)
     k_norm: torch.Tensor | None = None  # [head_dim]: the same for each K head
+    attn_out_norm: torch.Tensor | None = None  # [hidden]: on attention's output before the residual add (Gemma)
+    mlp_out_norm: torch.Tensor | None = None  # [hidden]: on the MLP's output before the residual add (Gemma)
 
     def __post_init__(self, qkv_bias: torch.Tensor | None) -> None:
         if qkv_bias is not None:
@@ -50,8 +53,8 @@ class LayerWeights:
         return (self.qkv, self.o, self.gate_up, self.down)
 
     def norms(self) -> tuple[torch.Tensor, ...]:
-        heads = () if self.q_norm is None or self.k_norm is None else (self.q_norm, self.k_norm)
-        return (self.input_norm, self.post_norm, *heads)
+        extra = (self.q_norm, self.k_norm, self.attn_out_norm, self.mlp_out_norm)
+        return (self.input_norm, self.post_norm, *(t for t in extra if t is not None))
 
 
 @dataclass(slots=True)
@@ -115,9 +118,18 @@ class LlamaModel:
         self.dtype = embed.dtype
         self.device = embed.device
         self.rope = Rope.from_spec(config, rope_freq_divisors)
+        # Gemma 3's sliding layers: their own base, without the global layers' scaling
+        self.local_rope = None
+        if config.local_rope_theta is not None:
+            self.local_rope = Rope.from_spec(replace(config, rope_theta=config.local_rope_theta, rope_scaling=None))
         self._rope_len = 0
-        self._cos = self._sin = torch.empty(0)
-        self.scale = 1.0 / math.sqrt(config.head_dim)
+        self._cos = self._sin = self._local_cos = self._local_sin = torch.empty(0)
+        self.scale = config.softmax_scale
+        self.windows = [config.layer_window(i) for i in range(config.num_layers)]
+        # HF multiplies by sqrt(hidden) rounded to the compute dtype
+        self.embed_scale = (
+            torch.tensor(config.hidden_size**0.5, dtype=self.dtype).item() if config.gemma_block else None
+        )
         self.use_ops(ops or select_ops(self.device, self.dtype))
 
     def use_ops(self, ops: Ops) -> None:
@@ -130,7 +142,9 @@ class LlamaModel:
         # decode-only steps in one native call where the ops and linears allow; None: op by op.
         # Whatever replaces a layer's linears afterwards calls use_ops again (parallel/layers.py).
         self.decode_stack = None
-        if not self.config.qk_norm:  # the native stack has no per-head Q/K norm
+        # the native stack has no per-head Q/K norm, nothing of Gemma's block, and no sliding
+        # window (forward skips it on the steps where a window cuts a decode's context)
+        if not (self.config.qk_norm or self.config.gemma_block):
             self.decode_stack = ops.decode_stack(
                 self.config, self.layers, self.scale, self.embed, self.final_norm, self.lm_head
             )
@@ -185,6 +199,11 @@ class LlamaModel:
     def make_batch_invariant(self) -> None:
         """Deterministic mode: the invariant ops (runtime/ops.py, InvariantOps) and linears. Costs
         speed (docs/benchmarks.md)."""
+        cfg = self.config
+        if cfg.sliding_window is not None or cfg.attn_logit_softcap is not None:
+            raise InvalidArgument(
+                f"deterministic mode runs attention in the native kernels, which have no sliding window or "
+                f"soft-capping; model {cfg.name!r} needs them", param="deterministic")  # fmt: skip
         self.use_ops(select_ops(self.device, self.dtype, deterministic=True))
 
     def num_parameters(self) -> int:
@@ -206,6 +225,8 @@ class LlamaModel:
         if max_pos > self._rope_len:
             n = max(max_pos, 2 * self._rope_len, 4096)
             self._cos, self._sin = self.rope.tables(n, self.dtype, self.device)
+            if self.local_rope is not None:
+                self._local_cos, self._local_sin = self.local_rope.tables(n, self.dtype, self.device)
             self._rope_len = n
         return self._cos, self._sin
 
@@ -235,10 +256,15 @@ class LlamaModel:
         stack, rows, n = self.decode_stack, meta.logits_indices, input_ids.shape[0]
         if stack is not None and not stack.accepts(meta, n):
             stack = None  # every layer in one native call only for the steps it accepts
+        window = cfg.sliding_window
+        if stack is not None and window is not None and meta.decode_max_ctx > window:
+            stack = None  # its attention reads the whole context
         if stack is not None and rows is None and stack.accepts_head(n) and input_ids.dtype == torch.int64:
             # from ids to logits in the call: no torch op after the weights' stream (decode_stack.py)
             return stack.logits(input_ids, meta, cos, sin, k_cache, v_cache)
         x = self.embedding(input_ids)
+        if self.embed_scale is not None:
+            x = x * self.embed_scale
         delta: torch.Tensor | None = None  # the residual stream's pending addend: x + delta is the true x
         if stack is not None:
             x, delta = stack(x, meta, cos, sin, k_cache, v_cache)
@@ -246,15 +272,24 @@ class LlamaModel:
         else:
             layers = self.layers
         rotary = ops.rotary(cos, sin, meta.positions) if layers else None
-        for layer, kc, vc in zip(layers, k_cache, v_cache):
+        local_rotary = rotary
+        if layers and self.local_rope is not None:
+            local_rotary = ops.rotary(self._local_cos, self._local_sin, meta.positions)
+        act = ops.gelu_tanh_mul if cfg.gemma_block else ops.silu_mul
+        softcap = cfg.attn_logit_softcap
+        for layer, kc, vc, window in zip(layers, k_cache, v_cache, self.windows):
             x, h = ops.add_rms_norm(x, delta, layer.input_norm, eps)
             qkv = layer.qkv(h)
             if layer.q_norm is not None:
                 qkv = self._norm_heads(qkv, layer)
-            q, k, v = ops.rope_store_kv(qkv, rotary, meta.slots, kc, vc, *heads)
-            attn = ops.attention(q, k, v, kc, vc, meta, self.scale)
-            x, h = ops.add_rms_norm(x, layer.o(attn), layer.post_norm, eps)
-            delta = layer.down(ops.silu_mul(layer.gate_up(h)))
+            q, k, v = ops.rope_store_kv(qkv, rotary if window is None else local_rotary, meta.slots, kc, vc, *heads)
+            out = layer.o(ops.attention(q, k, v, kc, vc, meta, self.scale, window=window, softcap=softcap))
+            if layer.attn_out_norm is not None:
+                out = ops.rms_norm(out, layer.attn_out_norm, eps)
+            x, h = ops.add_rms_norm(x, out, layer.post_norm, eps)
+            delta = layer.down(act(layer.gate_up(h)))
+            if layer.mlp_out_norm is not None:
+                delta = ops.rms_norm(delta, layer.mlp_out_norm, eps)
 
         pooled = meta.pooled_indices
         if pooled is not None:
@@ -264,10 +299,17 @@ class LlamaModel:
         else:
             x = ops.rms_norm(_with_delta(x, delta, rows), self.final_norm, eps)
         if pooled is None:
-            return self.lm_head(x).float()
+            return self._softcap(self.lm_head(x).float())
         # a step of pooling chunks alone samples nothing: no head to run
         logits = self.lm_head(x).float() if x.shape[0] else x.new_empty((0, self.vocab_size), dtype=torch.float32)
-        return logits, hidden
+        return self._softcap(logits), hidden
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """cap * tanh(logits / cap) where the model caps its logits (Gemma 2), in place."""
+        cap = self.config.final_logit_softcap
+        if cap is None:
+            return logits
+        return logits.div_(cap).tanh_().mul_(cap)
 
     def _norm_heads(self, qkv: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
         """The fused qkv [T, (H + 2 KV) * D] with each head of Q and of K RMS-normalised (Qwen3)."""

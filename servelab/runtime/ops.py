@@ -1,8 +1,8 @@
 """The kernels a decoder layer runs, behind one object chosen once at load.
 
 The model calls an `Ops` for everything but its linears (which are objects of their own,
-runtime/linear.py): residual add + RMSNorm, RoPE with the K/V store, paged attention, SwiGLU.
-Implementations:
+runtime/linear.py): residual add + RMSNorm, RoPE with the K/V store, paged attention (with a
+sliding window and soft-capping where the layer has them), SwiGLU and GeGLU. Implementations:
 
 - `TorchOps`: plain PyTorch, any device and dtype. The reference, and what CUDA runs.
 - `NativeOps`: our C kernels (runtime/native.py) for fp32 on the CPU, built for one ISA level
@@ -10,7 +10,9 @@ Implementations:
   with `with_q8` (the engine's default), GGUF-block linears of many rows on int8 dot products
   (block_quant.py), within docs/accuracy.md's contract. A
   decode-only step runs every layer in one native call where the linears allow
-  (runtime/decode_stack.py): the same kernels in the same order, the same bits.
+  (runtime/decode_stack.py): the same kernels in the same order, the same bits. The C attention
+  kernels have no sliding window or soft-capping: attention whose window cuts the context, or
+  that soft-caps (Gemma), runs TorchOps's.
 - `InvariantOps`: `--deterministic`. NativeOps with every row's arithmetic independent of the
   rest of the batch: decode attention in the prefill kernel's order, the per-row final norm,
   and every linear on one kernel for every row count.
@@ -88,6 +90,11 @@ class TorchOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
+    def gelu_tanh_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """GeGLU (Gemma: GELU's tanh approximation) of a fused [rows, 2 * inter] gate/up output."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
     def rotary(self, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor) -> Any:
         """Per step, from the [max_pos, D] tables: what rope_store_kv needs for these positions."""
         return cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1)  # [T, 1, D]
@@ -125,15 +132,20 @@ class TorchOps:
         vc: torch.Tensor,
         meta: Any,
         scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """[T, H * D]: the decodes (the first meta.num_decodes tokens) over their blocks of the
-        cache, then each prefill chunk over its context. `meta`: model.AttentionMetadata."""
+        cache, then each prefill chunk over its context. `meta`: model.AttentionMetadata. A query
+        at position p attends to the keys in (p - window, p] (window None: [0, p]); `softcap`:
+        scores become softcap * tanh(score / softcap) before the softmax."""
         T, H, D = q.shape
         out = torch.empty(T, H * D, dtype=q.dtype, device=q.device)
         B = meta.num_decodes
         if B:
-            self.decode_attention(q[:B], kc, vc, meta, scale, out[:B])
-        self.prefills_attention(q, k, v, kc, vc, meta.prefills, scale, out)
+            self.decode_attention(q[:B], kc, vc, meta, scale, out[:B], window=window, softcap=softcap)
+        self.prefills_attention(q, k, v, kc, vc, meta.prefills, scale, out, window=window, softcap=softcap)
         return out
 
     def prefills_attention(
@@ -146,6 +158,9 @@ class TorchOps:
         prefills: list,
         scale: float,
         out: torch.Tensor,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         """Each prefill chunk's rows of out [T, H * D] (`prefills`: AttentionMetadata.prefills), one
         chunk at a time."""
@@ -157,37 +172,63 @@ class TorchOps:
             else:  # earlier context is in the cache (a previous chunk or a prefix-cache hit)
                 kp = kc.index_select(1, ctx_slots).to(q.dtype).transpose(0, 1)  # [ctx, KV, D]
                 vp = vc.index_select(1, ctx_slots).to(q.dtype).transpose(0, 1)
-            out[offset : offset + n] = self.prefill_attention(q[offset : offset + n], kp, vp, start_pos, scale)
+            out[offset : offset + n] = self.prefill_attention(
+                q[offset : offset + n], kp, vp, start_pos, scale, window=window, softcap=softcap
+            )
 
     def decode_attention(
-        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: Any, scale: float, out: torch.Tensor
+        self,
+        q: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        meta: Any,
+        scale: float,
+        out: torch.Tensor,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         """out [B, H * D] = each decode's query q [B, H, D] over its context: one batched SDPA
         over a padded gather of the contexts."""
         B, H, D = q.shape
         KV = kc.shape[0]
+        slots, mask = meta.decode_ctx_slots, meta.decode_mask
+        if slots is None:  # metadata for ops that read the block tables: the same gather from them
+            slots, mask = _decode_context(meta)
+        if window is not None and meta.decode_max_ctx > window:  # the keys before the window drop out
+            first = (meta.decode_ctx_lens - window).view(B, 1, 1, 1)
+            mask = mask & (torch.arange(mask.shape[-1], device=q.device) >= first)
         # index_select over the flat slot list: the same copy as kc[slots_2d], several times faster
-        flat_slots = meta.decode_ctx_slots.view(-1)
+        flat_slots = slots.reshape(-1)
         kd = kc.index_select(1, flat_slots).view(KV, B, -1, D).transpose(0, 1).to(q.dtype)  # [B, KV, ctx, D]
         vd = vc.index_select(1, flat_slots).view(KV, B, -1, D).transpose(0, 1).to(q.dtype)
-        o = F.scaled_dot_product_attention(
-            q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=H != KV
-        )
+        o = _attend(q.unsqueeze(2), kd, vd, mask, scale, softcap)
         out.copy_(o.reshape(B, H * D))
 
     def prefill_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start_pos: int,
+        scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
         """Causal attention [n, H * D] of q [n, H, D] at positions start_pos.. over k, v [ctx, KV, D]."""
         n, H, D = q.shape
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))  # [1, heads, tokens, D]
         gqa = H != k.shape[1]
-        if start_pos == 0:  # plain causal attention
+        if start_pos == 0 and softcap is None and (window is None or n <= window):  # plain causal attention
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
         else:
             qpos = torch.arange(start_pos, start_pos + n, device=q.device)[:, None]
-            mask = torch.arange(k.shape[2], device=q.device)[None, :] <= qpos
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+            kpos = torch.arange(k.shape[2], device=q.device)[None, :]
+            mask = kpos <= qpos
+            if window is not None:
+                mask &= kpos > qpos - window
+            o = _attend(q, k, v, mask, scale, softcap)
         return o[0].transpose(0, 1).reshape(n, H * D)
 
 
@@ -276,20 +317,35 @@ class NativeOps(TorchOps):
         prefills: list,
         scale: float,
         out: torch.Tensor,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
         # the chunks that are whole prompts in one call, straight into out (the same bits as one by
         # one); those with earlier context in the cache one by one
-        whole = [(offset, n) for offset, n, _, ctx_slots in prefills if ctx_slots is None]
+        whole = [(offset, n) for offset, n, _, ctx in prefills if ctx is None and _plain(n, window, softcap)]
         if whole:
             if kc.dtype != q.dtype:  # the values the cache holds, as a later chunk will read them
                 k, v = k.to(kc.dtype).to(q.dtype), v.to(vc.dtype).to(q.dtype)
             native.prefill_attention_chunks(self.kernels, q, k, v, whole, scale, out)
-            prefills = [p for p in prefills if p[3] is not None]
-        super().prefills_attention(q, k, v, kc, vc, prefills, scale, out)
+            prefills = [p for p in prefills if p[3] is not None or not _plain(p[1], window, softcap)]
+        super().prefills_attention(q, k, v, kc, vc, prefills, scale, out, window=window, softcap=softcap)
 
     def decode_attention(
-        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: Any, scale: float, out: torch.Tensor
+        self,
+        q: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        meta: Any,
+        scale: float,
+        out: torch.Tensor,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
+        if not _plain(meta.decode_max_ctx, window, softcap):
+            TorchOps.decode_attention(self, q, kc, vc, meta, scale, out, window=window, softcap=softcap)
+            return
         native.decode_attention(
             self.kernels,
             q,
@@ -304,8 +360,18 @@ class NativeOps(TorchOps):
         )
 
     def prefill_attention(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start_pos: int, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        start_pos: int,
+        scale: float,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> torch.Tensor:
+        if not _plain(start_pos + q.shape[0], window, softcap):
+            return super().prefill_attention(q, k, v, start_pos, scale, window=window, softcap=softcap)
         return native.prefill_attention(self.kernels, q, k, v, start_pos, scale)
 
 
@@ -335,8 +401,19 @@ class InvariantOps(NativeOps):
             raise InvalidArgument(f"deterministic mode cannot run this model: {exc}", param="deterministic") from exc
 
     def decode_attention(
-        self, q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, meta: Any, scale: float, out: torch.Tensor
+        self,
+        q: torch.Tensor,
+        kc: torch.Tensor,
+        vc: torch.Tensor,
+        meta: Any,
+        scale: float,
+        out: torch.Tensor,
+        *,
+        window: int | None = None,
+        softcap: float | None = None,
     ) -> None:
+        if not _plain(meta.decode_max_ctx, window, softcap):  # LlamaModel.make_batch_invariant refuses these
+            raise InvalidArgument("deterministic mode has no sliding-window or soft-capped attention", param="model")
         # the prefill kernel's order: a token decoded gets the bits it gets recomputed
         native.paged_attention(
             self.kernels,
@@ -353,6 +430,40 @@ class InvariantOps(NativeOps):
 
 
 Ops = TorchOps  # the interface: TorchOps's methods, which the others override
+
+
+def _plain(end_pos: int, window: int | None, softcap: float | None) -> bool:
+    """Whether attention over positions [0, end_pos) is plain causal attention, the C kernels' kind:
+    no soft-capping, and no window that cuts any query's context."""
+    return softcap is None and (window is None or end_pos <= window)
+
+
+def _decode_context(meta: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each decode's context slots [B, max_ctx] (padding: slot 0) and mask [B, 1, 1, max_ctx] from
+    the block tables, as the executor builds them for ops that do not read the tables."""
+    bs, max_ctx, table = meta.block_size, meta.decode_max_ctx, meta.decode_block_table
+    pos = torch.arange(max_ctx, device=table.device)
+    slots = table.index_select(1, pos // bs) * bs + pos % bs
+    mask = pos[None, :] < meta.decode_ctx_lens[:, None]
+    return slots * mask, mask.view(-1, 1, 1, max_ctx)
+
+
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float, softcap: float | None
+) -> torch.Tensor:
+    """Attention of q [B, H, n, D] over k, v [B, KV, ctx, D] where mask (broadcast to [B, H, n, ctx])
+    is True. SDPA has no soft-capping: with it, the scores in full, as transformers' eager Gemma 2
+    computes them (softmax in fp32)."""
+    H, KV = q.shape[1], k.shape[1]
+    if softcap is None:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=H != KV)
+    if H != KV:
+        k, v = k.repeat_interleave(H // KV, dim=1), v.repeat_interleave(H // KV, dim=1)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    probs = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(probs, v)
+
 
 # Every implementation by name, for make_ops and the tests; "native-*" and "invariant-*" for
 # each ISA level of native.ISA_LEVELS.

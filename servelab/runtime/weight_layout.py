@@ -7,6 +7,10 @@ and packing see the separate matrices every other model has.
 llama.cpp's converter permutes the rows of Q and K of `llama`-architecture models so that its
 interleaved RoPE applies; we undo that permutation so the HF rotate-half convention holds and the
 same model code serves both formats.
+
+Gemma's RMSNorm multiplies by (1 + weight): HF checkpoints store the weight, llama.cpp's converter
+writes 1 + weight into GGUF files, and the model multiplies by what the getters hand it, so the HF
+getter adds the 1 (`gemma_norm_multipliers`) and the GGUF one reads the file as it is.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from servelab.runtime.model import LayerWeights, LlamaModel
 from servelab.runtime.weights import keeps_half_storage
 from servelab.errors import InvalidArgument
 from servelab.spec.ggml_types import GGML_TYPE_BY_ID, GGML_TYPE_BY_NAME
-from servelab.spec.model import ModelSpec
+from servelab.spec.model import GEMMA_ARCHITECTURES, ModelSpec
 
 # `get(name)`: an fp32, fp16 or bf16 CPU tensor in HF layout for an HF-style name, or None.
 TensorGetter = Callable[[str], torch.Tensor | None]
@@ -71,6 +75,9 @@ def build_model(
     def cast(t: torch.Tensor) -> torch.Tensor:
         return t.to(device=device, dtype=dtype).contiguous()
 
+    gemma = spec.gemma_block
+    # the norm before the MLP: Llama's post_attention_layernorm; Gemma's comes after attention's output
+    mlp_norm = "pre_feedforward_layernorm.weight" if gemma else "post_attention_layernorm.weight"
     layers = []
     for i in range(spec.num_layers):
         p = f"model.layers.{i}."
@@ -88,7 +95,9 @@ def build_model(
                 qkv=linear([p + f"self_attn.{n}_proj.weight" for n in "qkv"]),
                 qkv_bias=bias,
                 o=linear([p + "self_attn.o_proj.weight"]),
-                post_norm=cast(need(p + "post_attention_layernorm.weight")),
+                post_norm=cast(need(p + mlp_norm)),
+                attn_out_norm=cast(need(p + "post_attention_layernorm.weight")) if gemma else None,
+                mlp_out_norm=cast(need(p + "post_feedforward_layernorm.weight")) if gemma else None,
                 gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
                 down=linear([p + "mlp.down_proj.weight"]),
             )
@@ -119,6 +128,17 @@ def build_model(
         rope_freq_divisors,
         lm_head_packed=packed_head if isinstance(packed_head, block_quant.BlockQuantLinear) else None,
     )
+
+
+def gemma_norm_multipliers(get: TensorGetter) -> TensorGetter:
+    """`get` over an HF Gemma checkpoint, every RMSNorm weight w handed over as 1 + w (in fp32, as
+    transformers adds it): what the model multiplies by."""
+
+    def multiplier(name: str) -> torch.Tensor | None:
+        t = get(name)
+        return t.float() + 1.0 if t is not None and name.endswith("norm.weight") else t
+
+    return multiplier
 
 
 def fused_rows(spec: ModelSpec, name: str) -> tuple[str, int, int] | None:
@@ -156,6 +176,13 @@ _GGUF_LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
+# Gemma's four norms a layer (llama.cpp's ffn_norm is the one before the MLP in both).
+_GEMMA_GGUF_LAYER_NAMES = {
+    **_GGUF_LAYER_NAMES,
+    "ffn_norm.weight": "pre_feedforward_layernorm.weight",
+    "post_attention_norm.weight": "post_attention_layernorm.weight",
+    "post_ffw_norm.weight": "post_feedforward_layernorm.weight",
+}
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
     "output_norm.weight": "model.norm.weight",
@@ -163,14 +190,15 @@ _GGUF_TOP_NAMES = {
 }
 
 
-def hf_name(gguf_name: str) -> str | None:
+def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
     """The HF checkpoint's name for a GGUF tensor name; None for tensors the model does not use."""
     if gguf_name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[gguf_name]
     if gguf_name.startswith("blk."):
         _, idx, rest = gguf_name.split(".", 2)
-        if rest in _GGUF_LAYER_NAMES:
-            return f"model.layers.{idx}.{_GGUF_LAYER_NAMES[rest]}"
+        names = _GEMMA_GGUF_LAYER_NAMES if architecture in GEMMA_ARCHITECTURES else _GGUF_LAYER_NAMES
+        if rest in names:
+            return f"model.layers.{idx}.{names[rest]}"
     return None
 
 
@@ -221,7 +249,7 @@ def gguf_getters(spec: ModelSpec, tensors: dict[str, GGUFTensor]) -> tuple[Tenso
     """`build_model`'s getters over a GGUF file's tensors: HF names, RoPE rows in HF order; dense
     weights dequantized to fp32 (F16 and BF16 ones as they are stored: build_model widens or
     keeps them), packed ones as the file's blocks."""
-    by_hf = {hf: t for name, t in tensors.items() if (hf := hf_name(name)) is not None}
+    by_hf = {hf: t for name, t in tensors.items() if (hf := hf_name(name, spec.architecture)) is not None}
     permuted = spec.architecture in ROPE_PERMUTED_ARCHS
 
     def rope_rows(name: str, w: torch.Tensor) -> torch.Tensor:
