@@ -30,6 +30,10 @@ _LLAMA3_ROPE = {
 # Phi-3's LongRoPE: 16 factors (head_dim 32 / 2), growing with the wavelength as the real ones do.
 _SHORT = [round(1.0 + 0.05 * i, 3) for i in range(16)]
 _LONG = [round(1.0 + 0.5 * i, 3) for i in range(16)]
+# Gemma: head_dim 32 (not hidden / heads) and query_pre_attn_scalar equal to it, as the 2B-12B
+# models have (GGUF files carry no scalar: llama.cpp takes head_dim); an 8-token window.
+GEMMA_WINDOW = 8
+_GEMMA = dict(_COMMON, head_dim=32, query_pre_attn_scalar=32, sliding_window=GEMMA_WINDOW, max_position_embeddings=512)
 
 # name -> (transformers config class, its arguments). Each has the detail that changes the numbers.
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
@@ -65,6 +69,21 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             sliding_window=None,
         ),
     ),  # fmt: skip
+    "gemma2": (  # Gemma 2: local/global layers, attention and final soft-capping (low enough to bite)
+        "Gemma2Config",
+        dict(_GEMMA, attn_logit_softcapping=10.0, final_logit_softcapping=30.0),
+    ),
+    "gemma3": (  # Gemma 3 text: 5 local layers then 1 global, q/k norms, local RoPE base, linear scaling
+        "Gemma3TextConfig",
+        dict(
+            _GEMMA,
+            num_hidden_layers=6,
+            rope_parameters={
+                "full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1000000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            },
+        ),
+    ),
 }
 
 
@@ -93,8 +112,9 @@ def write_family(path: str | Path, name: str, *, seed: int = 0) -> Path:
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if pname.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            if pname.endswith("norm.weight"):  # Gemma stores the offset from 1
+                offset = 0.0 if config.model_type.startswith("gemma") else 1.0
+                p.copy_(offset + 0.1 * torch.randn(p.shape, generator=gen))
             elif pname.endswith("bias"):
                 p.copy_(0.1 * torch.randn(p.shape, generator=gen))
             elif pname.endswith("embed_tokens.weight"):
@@ -130,6 +150,12 @@ _LAYER_NAMES = {
     "mlp.gate_up_proj.weight": "ffn_up.weight",  # llama.cpp's phi3 keeps gate and up fused in ffn_up
     "mlp.down_proj.weight": "ffn_down.weight",
 }
+_GEMMA_LAYER_NAMES = {
+    **_LAYER_NAMES,
+    "post_attention_layernorm.weight": "post_attention_norm.weight",
+    "pre_feedforward_layernorm.weight": "ffn_norm.weight",
+    "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
+}
 _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
               "lm_head.weight": "output.weight"}  # fmt: skip
 
@@ -137,8 +163,10 @@ _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weig
 def write_gguf(hf_dir: Path, out: Path) -> Path:
     """The HF directory `write_family` wrote, as llama.cpp's converter writes it (F32 tensors):
     arch llama (Q/K rows permuted, llama3's scaling as `rope_freqs.weight`), qwen2, qwen3 or phi3
-    (LongRoPE as `rope_factors_long/short.weight`, `rope.scaling.attn_factor`); no `output.weight`
-    when the embeddings are tied."""
+    (LongRoPE as `rope_factors_long/short.weight`, `rope.scaling.attn_factor`), gemma2 or gemma3
+    (Gemma2Model/Gemma3Model: 1 added to every norm weight, soft-capping and window keys, no RoPE
+    base for gemma2, Gemma 3's embedding cut to the tokenizer's size); no `output.weight` when the
+    embeddings are tied."""
     import gguf
     import torch
     from safetensors.torch import load_file
@@ -149,6 +177,11 @@ def write_gguf(hf_dir: Path, out: Path) -> Path:
     theta = cfg.get("rope_theta", rope.get("rope_theta"))
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    arch = "gemma3" if arch == "gemma3_text" else arch
+    gemma = arch in ("gemma2", "gemma3")
+    if arch == "gemma3":
+        rope = rope.get("full_attention", rope)  # the global layers'; llama.cpp fixes the local ones
+        theta = rope.get("rope_theta", theta)
     w = gguf.GGUFWriter(str(out), arch)
     w.add_block_count(cfg["num_hidden_layers"])
     w.add_context_length(cfg["max_position_embeddings"])
@@ -156,17 +189,35 @@ def write_gguf(hf_dir: Path, out: Path) -> Path:
     w.add_feed_forward_length(cfg["intermediate_size"])
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(theta)
+    if arch != "gemma2":
+        w.add_rope_freq_base(theta)
     w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_rope_dimension_count(head_dim)
+    if not gemma:
+        w.add_rope_dimension_count(head_dim)
+    if arch == "gemma2":
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if gemma:
+        if cfg.get("final_logit_softcapping") and arch == "gemma3":
+            w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+        w.add_sliding_window(cfg["sliding_window"])
+    if arch == "gemma3" and rope.get("rope_type") == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(rope["factor"])
     if cfg.get("head_dim"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     _add_tokenizer(w, hf_dir, cfg)
 
     tensors = load_file(str(hf_dir / "model.safetensors"))
-    if cfg.get("tie_word_embeddings"):
+    if cfg.get("tie_word_embeddings") or gemma:
         tensors.pop("lm_head.weight", None)
+    if arch == "gemma3":  # Gemma3Model.modify_tensors: the rows past the tokenizer's go
+        tok = json.loads((hf_dir / "tokenizer.json").read_text())
+        tensors["model.embed_tokens.weight"] = tensors["model.embed_tokens.weight"][
+            : len(tok["model"]["vocab"]) + len(tok["added_tokens"])
+        ]
+    layer_names = _GEMMA_LAYER_NAMES if gemma else _LAYER_NAMES
     extra: dict[str, torch.Tensor] = {}
     kind = rope.get("rope_type", rope.get("type"))
     if arch == "llama" and kind == "llama3":
@@ -183,7 +234,9 @@ def write_gguf(hf_dir: Path, out: Path) -> Path:
             name = _TOP_NAMES[name]
         elif name.startswith("model.layers."):
             _, _, i, rest = name.split(".", 3)
-            name = f"blk.{i}.{_LAYER_NAMES[rest]}"
+            name = f"blk.{i}.{layer_names[rest]}"
+        if gemma and name.endswith("norm.weight"):  # Gemma2Model / Gemma3Model: (1 + w) stored whole
+            t = t + 1
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             t = _llama_cpp_permute(t, heads if "attn_q" in name else kv_heads)
         w.add_tensor(name, t.float().contiguous().numpy())
