@@ -18,6 +18,7 @@ from servelab.runtime.linear import DenseLinear, TransposedHead
 from servelab.runtime.ops import OPS_NAMES, InvariantOps, NativeOps, OpsUnavailable, TorchOps, make_ops, select_ops
 from servelab.runtime.quantization import Int8Linear
 from servelab.runtime.loader import load_model
+from servelab.runtime.model import AttentionMetadata
 from servelab.errors import InvalidArgument
 from tests.runtime.isa_levels import make_ops_at
 from tests.tiny_models import max_rel_diff, prefill_logits
@@ -128,3 +129,47 @@ def test_every_linear_is_x_times_its_weight_plus_its_bias(kernel, rows, with_bia
         if rows:
             tol = 2e-2 if kind == "int8" else 1e-5  # int8 quantizes the activations too
             assert (y.double() - want).abs().max() <= tol * max(1.0, float(want.abs().max())), kind
+
+
+def _windowed_reference(q, k, v, window, scale, softcap):
+    """Attention of q [n, H, D] (positions 0..n-1) over k, v [n, KV, D], written out: keys in
+    (p - window, p], scores soft-capped."""
+    n, H, D = q.shape
+    k, v = (t.repeat_interleave(H // t.shape[1], dim=1) for t in (k, v))
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    qpos, kpos = torch.arange(n)[:, None], torch.arange(n)[None, :]
+    scores = scores.masked_fill(~((kpos <= qpos) & (kpos > qpos - window)), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(n, H * D)
+
+
+@pytest.mark.parametrize("softcap", [None, 2.0])
+@pytest.mark.parametrize("name", ["torch", *(n for n in OPS_NAMES if n.startswith("native"))])
+def test_sliding_window_attention_in_prefill_chunks_and_decodes(name, softcap, monkeypatch):
+    """Every query sees only the last `window` keys, whether it comes in a whole prompt, a later
+    chunk over the cache, or a decode reading the block table (the native ops' metadata)."""
+    ops = make_ops_at(name, monkeypatch)
+    gen = torch.Generator().manual_seed(0)
+    n, H, KV, D, window, bs = 23, 4, 2, 16, 5, 4
+    q, k, v = (torch.randn(n, h, D, generator=gen) for h in (H, KV, KV))
+    ref = _windowed_reference(q, k, v, window, 0.3, softcap)
+    whole = ops.prefill_attention(q, k, v, 0, 0.3, window=window, softcap=softcap)
+    assert max_rel_diff(whole, ref) < 1e-5
+    later = ops.prefill_attention(q[9:], k, v, 9, 0.3, window=window, softcap=softcap)
+    assert max_rel_diff(later, ref[9:]) < 1e-5
+    # decodes at positions 22 and 3, their keys in scrambled blocks of a paged cache
+    table = torch.tensor([[5, 0, 3, 1, 6, 2], [4, 7, 7, 7, 7, 7]])
+    kc, vc = torch.zeros(KV, 8 * bs, D), torch.zeros(KV, 8 * bs, D)
+    for row, length in ((0, n), (1, 4)):
+        slots = table[row, torch.arange(length) // bs] * bs + torch.arange(length) % bs
+        kc[:, slots], vc[:, slots] = k[:length].transpose(0, 1), v[:length].transpose(0, 1)
+    ctx = torch.tensor([n, 4])
+    meta = AttentionMetadata(
+        positions=ctx - 1, slots=torch.zeros(2, dtype=torch.int64), num_decodes=2, block_size=bs,
+        decode_block_table=table, decode_ctx_lens=ctx, decode_max_ctx=n, decode_ctx_slots=None, decode_mask=None,
+        prefills=[], logits_indices=None,
+    )  # fmt: skip
+    out = torch.empty(2, H * D)
+    ops.decode_attention(torch.stack((q[n - 1], q[3])), kc, vc, meta, 0.3, out, window=window, softcap=softcap)
+    assert max_rel_diff(out, torch.stack((ref[n - 1], ref[3]))) < 1e-5

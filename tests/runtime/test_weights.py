@@ -160,12 +160,15 @@ def test_the_loader_refuses_what_the_spec_describes_but_the_engine_cannot_run():
         check_servable(replace(llama, rope_scaling={"rope_type": "yarn", "factor": 4.0}))
 
 
-def test_the_engine_serves_up_to_the_sliding_window():
+def test_the_engine_serves_past_the_sliding_window():
+    """Windowed layers attend over their window (tests/engine/test_families.py), so the whole
+    context is served."""
     from dataclasses import replace
 
     mistral = get_model("mistral-7b")
     assert servable_context(mistral) == 32768
-    assert servable_context(replace(mistral, sliding_window=4096)) == 4096
+    assert servable_context(replace(mistral, sliding_window=4096)) == 32768
+    assert servable_context(get_model("gemma-3-4b")) == 131072
 
 
 def test_q8_0_gguf_stays_close_to_the_full_precision_model(tiny_llama, tmp_path):
