@@ -1,6 +1,8 @@
 """Each model family the engine loads against HF transformers, from the HF directory and from the
 GGUF file llama.cpp's converter would write (tests/tiny_families.py): Llama 3.x (llama3 RoPE
-scaling), tied embeddings, Qwen2.5, Qwen3 (per-head q/k RMSNorm), Phi-3 (fused weights, LongRoPE).
+scaling), tied embeddings, Qwen2.5, Qwen3 (per-head q/k RMSNorm), Phi-3 (fused weights, LongRoPE),
+and the mixtures of experts Mixtral, Qwen3-MoE (with a dense layer) and OLMoE (whole-projection
+q/k norm, clip_qkv, top-k weights not renormalised).
 
 Tolerance: fp32 logits within 1e-5 of transformers', relative to the largest logit (measured:
 ~5e-7 on every family and format); greedy tokens identical.
@@ -19,7 +21,7 @@ from servelab.errors import InvalidArgument
 from servelab.runtime.loader import load_model
 from servelab.runtime.ops import OPS_NAMES
 from tests.runtime.isa_levels import make_ops_at
-from tests.tiny_families import FAMILIES, write_family, write_gguf
+from tests.tiny_families import FAMILIES, GGUF_ARCH, write_family, write_gguf
 from tests.tiny_models import max_rel_diff, prefill_logits
 
 transformers = pytest.importorskip("transformers")
@@ -62,7 +64,8 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 def test_logits_match_transformers_in_one_pass_chunks_and_decodes(family, fmt):
     name, paths, hf = family
     loaded = load_model(paths[fmt], dtype=torch.float32)
-    assert loaded.spec.architecture == hf.config.model_type
+    model_type = hf.config.model_type
+    assert loaded.spec.architecture == (GGUF_ARCH.get(model_type, model_type) if fmt == "gguf" else model_type)
     assert loaded.spec.tie_embeddings == bool(hf.config.tie_word_embeddings) == loaded.model.tied_head
     ref = _hf_logits(hf, LONG_IDS)
     assert max_rel_diff(prefill_logits(loaded.model, LONG_IDS), ref) <= TOLERANCE
@@ -81,7 +84,7 @@ def test_logits_match_transformers_in_one_pass_chunks_and_decodes(family, fmt):
 @pytest.mark.parametrize("name", OPS_NAMES)
 def test_logits_match_transformers_at_every_isa_level(family, name, monkeypatch):
     family_name, paths, hf = family
-    if family_name not in ("llama3", "qwen3", "phi3"):
+    if family_name not in ("llama3", "qwen3", "phi3", "olmoe"):
         pytest.skip("the ISA levels differ in kernels, not in families: one of each new detail")
     model = load_model(paths["safetensors"], dtype=torch.float32).model
     model.use_ops(make_ops_at(name, monkeypatch))

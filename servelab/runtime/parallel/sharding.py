@@ -40,6 +40,11 @@ def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
             f"tensor_parallel_size={size} must divide the model's {spec.num_kv_heads} KV heads or be a multiple "
             f"of them", param="tensor_parallel_size",
         )  # fmt: skip
+    if spec.is_moe and size > 1:
+        raise InvalidArgument(
+            f"tensor_parallel_size={size}: the model is a {spec.num_experts}-expert MoE, and the engine does not "
+            "shard experts (serve it with tensor_parallel_size=1)", param="tensor_parallel_size",
+        )  # fmt: skip
     if spec.ffn_size % size:
         raise InvalidArgument(
             f"tensor_parallel_size={size} must divide the model's MLP size {spec.ffn_size}",
