@@ -56,11 +56,11 @@ class LayerWeights:
         mlp = self.moe.linears() if self.moe is not None else (self.gate_up, self.down)
         return (self.qkv, self.o, *(w for w in mlp if w is not None))
 
-    def map_linears(self, fn: Callable[[Linear], Linear]) -> None:
-        """Every linear of the layer replaced by `fn` of it."""
+    def map_linears(self, fn: Callable[[Linear], Linear], *, router: bool = False) -> None:
+        """Every linear of the layer replaced by `fn` of it; a MoE router too with `router`."""
         self.qkv, self.o = fn(self.qkv), fn(self.o)
         if self.moe is not None:
-            self.moe.map_linears(fn)
+            self.moe.map_linears(fn, router=router)
         else:
             self.gate_up = None if self.gate_up is None else fn(self.gate_up)
             self.down = None if self.down is None else fn(self.down)
@@ -148,7 +148,7 @@ class LlamaModel:
         self.ops = ops
         prepare = partial(linear.map_weight, ops.prepare_linear)
         for layer in self.layers:
-            layer.map_linears(prepare)
+            layer.map_linears(prepare, router=True)
         self.lm_head = prepare(self.lm_head)
         # decode-only steps in one native call where the ops and linears allow; None: op by op.
         # Whatever replaces a layer's linears afterwards calls use_ops again (parallel/layers.py).
@@ -222,7 +222,7 @@ class LlamaModel:
         """Bytes a decode step reads when it reads every weight once (the embedding row gather is
         negligible; the head is read whole even when tied to the embedding). A MoE step reads only
         the experts its tokens were routed to: `step_weight_bytes`."""
-        n = self._dense_weight_bytes()
+        n = self.dense_weight_bytes()
         for layer in self.layers:
             n += 0 if layer.moe is None else sum(layer.moe.expert_nbytes(e) for e in range(layer.moe.num_experts))
         return n
@@ -230,18 +230,18 @@ class LlamaModel:
     def step_weight_bytes(self) -> int:
         """Weight bytes the last forward read: every dense weight once, and of each MoE layer's
         experts only those its tokens were routed to (weight_bytes() for a dense model)."""
-        n = self._dense_weight_bytes()
+        n = self.dense_weight_bytes()
         for layer in self.layers:
             n += 0 if layer.moe is None else sum(layer.moe.expert_nbytes(e) for e in layer.moe.experts_hit)
         return n
 
-    def _dense_weight_bytes(self) -> int:
+    def dense_weight_bytes(self) -> int:
         """Every weight one step reads whatever its tokens, the routers included (not the experts)."""
         n = self.lm_head.nbytes + _nbytes(self.final_norm)
         for layer in self.layers:
             n += sum(_nbytes(t) for t in layer.norms()) + layer.qkv.nbytes + layer.o.nbytes
             if layer.moe is not None:
-                n += layer.moe.router_nbytes
+                n += layer.moe.router.nbytes
             else:
                 n += sum(w.nbytes for w in (layer.gate_up, layer.down) if w is not None)
         return n

@@ -19,7 +19,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from servelab.runtime.linear import Linear
 
@@ -28,7 +27,9 @@ from servelab.runtime.linear import Linear
 class MoEMLP:
     """One layer's experts and router."""
 
-    router: torch.Tensor  # [num_experts, hidden], in the compute dtype: kept exact, routing is sensitive to it
+    # [num_experts, hidden]: on the ops' kernels (batch-invariant ones in deterministic mode), never
+    # quantized (vLLM and llama.cpp keep it unquantized too: routing is sensitive to it)
+    router: Linear
     gate_up: list[Linear]  # per expert, [2 * ffn, hidden]: gate then up
     down: list[Linear]  # per expert, [hidden, ffn]
     top_k: int
@@ -40,24 +41,25 @@ class MoEMLP:
         return self.router.shape[0]
 
     def linears(self) -> tuple[Linear, ...]:
+        """The experts' linears (not the router)."""
         return (*self.gate_up, *self.down)
 
-    def map_linears(self, fn: Callable[[Linear], Linear]) -> None:
+    def map_linears(self, fn: Callable[[Linear], Linear], *, router: bool = False) -> None:
+        """Every expert's linears replaced by `fn` of them; with `router`, the router's too."""
         self.gate_up = [fn(w) for w in self.gate_up]
         self.down = [fn(w) for w in self.down]
+        if router:
+            self.router = fn(self.router)
 
     def expert_nbytes(self, expert: int) -> int:
         return self.gate_up[expert].nbytes + self.down[expert].nbytes
 
-    @property
-    def router_nbytes(self) -> int:
-        return self.router.numel() * self.router.element_size()
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(routing weights [T, k] fp32, expert ids [T, k] int64), the most probable first:
         softmax over every expert's logit, the top k, renormalised where the model does
         (which makes Mixtral's a softmax over the k chosen logits)."""
-        probs = torch.softmax(F.linear(x, self.router).float(), dim=-1)
+        probs = torch.softmax(self.router(x).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.normalize:
             weights = weights / weights.sum(dim=-1, keepdim=True)

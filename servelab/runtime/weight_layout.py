@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from servelab.runtime import block_quant, moe, native
-from servelab.runtime.linear import HALF_DTYPES, Linear, half_linear
+from servelab.runtime.linear import HALF_DTYPES, DenseLinear, Linear, half_linear
 from servelab.runtime.model import LayerWeights, LlamaModel
 from servelab.runtime.weights import keeps_half_storage
 from servelab.errors import InvalidArgument
@@ -86,7 +86,7 @@ def build_model(
         if spec.is_moe and i not in spec.dense_layers:
             n = range(spec.num_experts)
             experts = moe.MoEMLP(
-                router=cast(need(moe.router_name(p))),
+                router=DenseLinear(cast(need(moe.router_name(p)))),
                 gate_up=[linear([moe.expert_name(p, e, "gate_proj"), moe.expert_name(p, e, "up_proj")]) for e in n],
                 down=[linear([moe.expert_name(p, e, "down_proj")]) for e in n],
                 top_k=spec.num_active_experts,
