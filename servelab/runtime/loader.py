@@ -148,10 +148,19 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: str, tp_rank: int, tp_s
     if (shard := _shard(spec, tp_rank, tp_size)) is not None:
         from servelab.runtime.parallel.shard_loading import safetensors_getter
 
-        get = safetensors_getter(where, shard, lambda name: fused_rows(spec, name))
+        get = safetensors_getter(where, shard, lambda name: fused_rows(spec, name) or _mixtral_rows(where, name))
     model = build_model(spec if shard is None else shard.local_spec(), get, dtype, device)
     _log_half_storage(model)
     return LoadedModel(model, spec, path.name, path)
+
+
+def _mixtral_rows(where: dict, name: str) -> tuple[str, int, int] | None:
+    """Mixtral's checkpoint tensor holding a MoE tensor `name` whole (moe.mixtral_name), as
+    (name, first row, rows); None where the checkpoint has no such tensor."""
+    alias = moe.mixtral_name(name)
+    if alias is None or alias not in where:
+        return None
+    return alias, 0, where[alias].get_slice(alias).get_shape()[0]
 
 
 def _log_half_storage(model: LlamaModel) -> None:

@@ -35,6 +35,8 @@ class MoEMLP:
     top_k: int
     normalize: bool  # renormalise the k chosen probabilities to sum to one (norm_topk_prob)
     experts_hit: tuple[int, ...] = field(default=(), init=False)  # the experts the last call ran
+    # under tensor parallelism, sums the output over the ranks in place (parallel/layers.py)
+    reduce: Callable[[torch.Tensor], None] | None = None
 
     @property
     def num_experts(self) -> int:
@@ -53,7 +55,6 @@ class MoEMLP:
 
     def expert_nbytes(self, expert: int) -> int:
         return self.gate_up[expert].nbytes + self.down[expert].nbytes
-
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(routing weights [T, k] fp32, expert ids [T, k] int64), the most probable first:
@@ -83,7 +84,10 @@ class MoEMLP:
             out.index_copy_(0, slots, self.down[expert](act(self.gate_up[expert](rows))))
             hit.append(expert)
         self.experts_hit = tuple(hit)
-        return (out.view(tokens, k, -1) * weights.to(x.dtype).unsqueeze(-1)).sum(dim=1)
+        y = (out.view(tokens, k, -1) * weights.to(x.dtype).unsqueeze(-1)).sum(dim=1)
+        if self.reduce is not None:
+            self.reduce(y)
+        return y
 
 
 # The HF checkpoint names of a MoE layer's tensors, as the loader asks for them (Qwen3-MoE's and

@@ -175,16 +175,24 @@ def test_a_gguf_architecture_the_engine_does_not_run_is_refused_by_name(tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("name", "fmt"), [("qwen3", "safetensors"), ("phi3", "safetensors"), ("phi3", "gguf")])
+@pytest.mark.parametrize(
+    ("name", "fmt"),
+    [("qwen3", "safetensors"), ("phi3", "safetensors"), ("phi3", "gguf"), ("mixtral", "safetensors"),
+     ("qwen3-moe", "gguf")],
+)  # fmt: skip
 def test_tensor_parallel_2_matches_transformers(tmp_path_factory, name, fmt):
-    """TP=2: Q/K norms replicated, Phi-3's fused weights split per rank (a rank reads its rows)."""
+    """TP=2: Q/K norms replicated, Phi-3's fused weights split per rank (a rank reads its rows),
+    each expert's intermediate dimension split with the router replicated (Mixtral's HF names;
+    Qwen3-MoE's stacked GGUF experts and its dense layer)."""
     path = write_family(tmp_path_factory.mktemp(name) / name, name, seed=3)
     model_path = write_gguf(path, path.parent / f"{name}.gguf") if fmt == "gguf" else path
     hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     engine = LLMEngine.from_args(EngineArgs(model=str(model_path), dtype="float32", tensor_parallel_size=2))
     try:
         prompt = LONG_IDS[:80]
-        seq = engine.add_request("r", prompt, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+        # min_tokens: EOS suppressed until then, as min_new_tokens does in transformers' generate
+        params = SamplingParams(max_tokens=32, min_tokens=32, temperature=0)
+        seq = engine.add_request("r", prompt, params)
         while engine.has_unfinished():
             engine.step()
         assert seq.output_token_ids == _hf_greedy(hf, prompt, 32)

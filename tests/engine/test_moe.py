@@ -1,7 +1,8 @@
 """Mixtures of experts in the engine (runtime/moe.py): grouped routing against a per-token
 reference, untouched experts not called, batch invariance under deterministic ops, the per-step
 weight-bytes counter, GGUF-quantized experts, the HF and GGUF specs of each family, clip_qkv, and
-TP refused by name. Parity with transformers is tests/engine/test_families.py's."""
+the tensor-parallel split of experts. Parity with transformers (TP=2 too) is
+tests/engine/test_families.py's."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from servelab.runtime import block_quant
 from servelab.runtime.linear import DenseLinear, Linear
 from servelab.runtime.loader import load_model
 from servelab.runtime.moe import MoEMLP
-from servelab.runtime.parallel.sharding import check_tensor_parallel
+from servelab.runtime.parallel.sharding import Slice, check_tensor_parallel
 from servelab.spec.model import ModelSpec
 from tests.tiny_families import MOE_FAMILIES, write_family, write_gguf
 from tests.tiny_models import max_rel_diff, prefill_logits
@@ -191,11 +192,19 @@ def test_olmoe_s_clip_qkv_changes_the_logits_so_parity_checks_it(paths):
     assert max_rel_diff(ours, ref) <= 1e-5
 
 
-def test_tensor_parallel_is_refused_for_moe_by_name(paths, tmp_path):
-    spec = ModelSpec.from_hf_config(paths["mixtral"]["safetensors"])
-    check_tensor_parallel(spec, 1)
-    with pytest.raises(InvalidArgument, match="8-expert MoE, and the engine does not shard experts"):
-        check_tensor_parallel(spec, 2)
+def test_tensor_parallel_splits_each_expert_and_names_a_size_that_does_not_divide(paths):
+    from servelab.runtime.parallel.sharding import Shard
+
+    spec = ModelSpec.from_hf_config(paths["qwen3-moe"]["safetensors"])  # experts' ffn 32, dense layer's 128
+    shard = Shard(spec, 1, 2)
+    assert (shard.local_spec().ffn_size, shard.local_spec().dense_ffn_size) == (16, 64)
+    p = "model.layers.0."
+    assert shard.slice_of(p + "mlp.experts.5.up_proj.weight") == Slice(0, 16, 32)
+    assert shard.slice_of(p + "mlp.experts.5.down_proj.weight") == Slice(1, 16, 32)
+    assert shard.slice_of("model.layers.1.mlp.gate_proj.weight") == Slice(0, 64, 128)  # the dense layer
+    assert shard.slice_of(p + "mlp.gate.weight") is None  # the router: whole on every rank
+    with pytest.raises(InvalidArgument, match="must divide each expert's MLP size 32"):
+        check_tensor_parallel(replace(spec, num_heads=12, num_kv_heads=3), 3)
 
 
 def test_a_moe_config_with_a_bad_expert_count_is_named(paths, tmp_path):
