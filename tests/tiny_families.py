@@ -180,14 +180,15 @@ _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weig
               "lm_head.weight": "output.weight"}  # fmt: skip
 
 
-def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32") -> Path:
+def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", *, stack_experts: bool = True) -> Path:
     """The HF directory `write_family` wrote, as llama.cpp's converter writes it (F32 tensors):
     arch llama (Q/K rows permuted, llama3's scaling as `rope_freqs.weight`; Mixtral too), qwen2,
     qwen3, phi3 (LongRoPE as `rope_factors_long/short.weight`, `rope.scaling.attn_factor`),
     qwen3moe or olmoe (MoE: `expert_count`, `expert_used_count`, Qwen3-MoE's
     `expert_feed_forward_length`, each layer's experts stacked per projection beside the router
     `ffn_gate_inp`); no `output.weight` when the embeddings are tied. `qtype` (e.g. "Q8_0"):
-    every matrix but the router in that ggml type, as llama-quantize leaves them."""
+    every matrix but the router in that ggml type, as llama-quantize leaves them. `stack_experts`
+    False: one `ffn_gate.E.weight` tensor per expert, as converters before the stacking wrote Mixtral."""
     import gguf
     import torch
     from safetensors.torch import load_file
@@ -242,7 +243,11 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32") -> Path:
             i, e = parts[2], int(parts[parts.index("experts") + 1])
             stacks.setdefault(f"blk.{i}.{_EXPERT_NAMES[parts[-2]]}.weight", {})[e] = t
     tensors = {n: t for n, t in tensors.items() if ".experts." not in n}
-    extra.update({name: torch.stack([by_id[e] for e in sorted(by_id)]) for name, by_id in stacks.items()})
+    for name, by_id in stacks.items():
+        if stack_experts:
+            extra[name] = torch.stack([by_id[e] for e in sorted(by_id)])
+        else:
+            extra.update({name.replace("_exps.weight", f".{e}.weight"): t for e, t in by_id.items()})
     for name, t in {**tensors, **extra}.items():
         if name in _TOP_NAMES:
             name = _TOP_NAMES[name]

@@ -115,9 +115,11 @@ def mixtral_name(name: str) -> str | None:
     return None
 
 
-# llama.cpp stacks a layer's experts into one tensor per projection, [n_expert, out, in].
+# llama.cpp stacks a layer's experts into one tensor per projection, [n_expert, out, in]; files
+# converted before it did (early Mixtral GGUFs) keep one tensor per expert, `ffn_gate.E.weight`.
 GGUF_STACKED = {"ffn_gate_exps": "gate_proj", "ffn_up_exps": "up_proj", "ffn_down_exps": "down_proj"}
-_GGUF_EXPERT_NAME = re.compile(r"^(ffn_gate_exps|ffn_up_exps|ffn_down_exps)\.(\d+)\.weight$")
+_GGUF_PER_EXPERT = {"ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+_GGUF_EXPERT_NAME = re.compile(r"^(ffn_(?:gate|up|down)(?:_exps)?)\.(\d+)\.weight$")
 
 
 def gguf_expert_name(stacked: str, expert: int) -> str:
@@ -126,7 +128,8 @@ def gguf_expert_name(stacked: str, expert: int) -> str:
 
 
 def hf_name_of_gguf_expert(rest: str) -> str | None:
-    """`mlp.experts.E.<proj>.weight` for `gguf_expert_name`'s names; None for any other."""
+    """`mlp.experts.E.<proj>.weight` for `gguf_expert_name`'s names and the older per-expert
+    tensors' (after "blk.N."); None for any other."""
     if m := _GGUF_EXPERT_NAME.match(rest):
-        return f"mlp.experts.{m[2]}.{GGUF_STACKED[m[1]]}.weight"
+        return f"mlp.experts.{m[2]}.{GGUF_STACKED.get(m[1]) or _GGUF_PER_EXPERT[m[1]]}.weight"
     return None

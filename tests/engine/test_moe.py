@@ -227,3 +227,9 @@ def test_int8_quantizes_the_experts_and_leaves_the_router_exact(paths):
     ids = IDS[:40]
     ours, exact = prefill_logits(model, ids), prefill_logits(ref, ids)
     assert not torch.equal(ours, exact) and (ours.argmax(-1) == exact.argmax(-1)).float().mean() >= 0.9
+
+
+def test_gguf_with_one_tensor_per_expert_loads_like_the_stacked_one(paths, tmp_path):
+    path = write_gguf(paths["mixtral"]["safetensors"], tmp_path / "mixtral-per-expert.gguf", stack_experts=False)
+    stacked = prefill_logits(load_model(paths["mixtral"]["gguf"], dtype=torch.float32).model, IDS)
+    assert torch.equal(prefill_logits(load_model(path, dtype=torch.float32).model, IDS), stacked)
