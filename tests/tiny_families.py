@@ -84,7 +84,48 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             },
         ),
     ),
+    "mixtral": (  # Mixtral: 8 experts, top-2, softmax over the chosen two
+        "MixtralConfig",
+        dict(
+            _COMMON,
+            num_local_experts=8,
+            num_experts_per_tok=2,
+            rope_theta=1000000.0,
+            max_position_embeddings=512,
+            sliding_window=None,
+        ),
+    ),
+    "qwen3-moe": (  # Qwen3-MoE: per-head q/k norm, moe_intermediate_size, a dense layer (mlp_only_layers)
+        "Qwen3MoeConfig",
+        dict(
+            _COMMON,
+            num_hidden_layers=3,
+            head_dim=32,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            norm_topk_prob=True,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            rope_theta=1000000.0,
+            max_position_embeddings=512,
+        ),
+    ),
+    "olmoe": (  # OLMoE: q/k norm over the whole projections, top-k weights not renormalised, clip_qkv
+        "OlmoeConfig",
+        dict(
+            _COMMON,
+            num_experts=8,
+            num_experts_per_tok=2,
+            norm_topk_prob=False,
+            clip_qkv=2.0,
+            rope_theta=10000.0,
+            max_position_embeddings=512,
+        ),
+    ),
 }
+# The mixtures of experts among FAMILIES.
+MOE_FAMILIES = ("mixtral", "qwen3-moe", "olmoe")
 
 
 def hf_config(name: str, eos_id: int | None = None, pad_id: int | None = None):
@@ -121,8 +162,8 @@ def write_family(path: str | Path, name: str, *, seed: int = 0) -> Path:
                 p.copy_(torch.randn(p.shape, generator=gen))
             elif pname == "lm_head.weight":  # untied: spread the logits over several units
                 p.copy_(4.0 * torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[1] ** 0.5)
+            else:  # transformers keeps experts stacked, [n_expert, out, in]: scale by the input width
+                p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
     model.save_pretrained(path)
     return path
 
@@ -156,23 +197,32 @@ _GEMMA_LAYER_NAMES = {
     "pre_feedforward_layernorm.weight": "ffn_norm.weight",
     "post_feedforward_layernorm.weight": "post_ffw_norm.weight",
 }
+# llama.cpp stacks each layer's experts into one tensor per projection (Mixtral's w1/w3/w2 too).
+_EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                 "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}  # fmt: skip
+# HF model_type -> the GGUF architecture llama.cpp's converter writes it as.
+GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe"}
 _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
               "lm_head.weight": "output.weight"}  # fmt: skip
 
 
-def write_gguf(hf_dir: Path, out: Path) -> Path:
+def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", *, stack_experts: bool = True) -> Path:
     """The HF directory `write_family` wrote, as llama.cpp's converter writes it (F32 tensors):
-    arch llama (Q/K rows permuted, llama3's scaling as `rope_freqs.weight`), qwen2, qwen3 or phi3
-    (LongRoPE as `rope_factors_long/short.weight`, `rope.scaling.attn_factor`), gemma2 or gemma3
-    (Gemma2Model/Gemma3Model: 1 added to every norm weight, soft-capping and window keys, no RoPE
-    base for gemma2, Gemma 3's embedding cut to the tokenizer's size); no `output.weight` when the
-    embeddings are tied."""
+    arch llama (Q/K rows permuted, llama3's scaling as `rope_freqs.weight`; Mixtral too), qwen2,
+    qwen3, phi3 (LongRoPE as `rope_factors_long/short.weight`, `rope.scaling.attn_factor`), gemma2
+    or gemma3 (Gemma2Model/Gemma3Model: 1 added to every norm weight, soft-capping and window keys,
+    no RoPE base for gemma2, Gemma 3's embedding cut to the tokenizer's size), qwen3moe or olmoe
+    (MoE: `expert_count`, `expert_used_count`, Qwen3-MoE's `expert_feed_forward_length`, each
+    layer's experts stacked per projection beside the router `ffn_gate_inp`); no `output.weight`
+    when the embeddings are tied. `qtype` (e.g. "Q8_0"): every matrix but the router in that ggml
+    type, as llama-quantize leaves them. `stack_experts` False: one `ffn_gate.E.weight` tensor per
+    expert, as converters before the stacking wrote Mixtral."""
     import gguf
     import torch
     from safetensors.torch import load_file
 
     cfg = json.loads((hf_dir / "config.json").read_text())
-    arch = cfg["model_type"]
+    arch = GGUF_ARCH.get(cfg["model_type"], cfg["model_type"])
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     theta = cfg.get("rope_theta", rope.get("rope_theta"))
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -207,6 +257,14 @@ def write_gguf(hf_dir: Path, out: Path) -> Path:
     if cfg.get("head_dim"):
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
+    experts = cfg.get("num_local_experts") or cfg.get("num_experts")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(cfg["num_experts_per_tok"])
+    if cfg.get("moe_intermediate_size"):
+        w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("clip_qkv"):
+        w.add_clamp_kqv(cfg["clip_qkv"])
     _add_tokenizer(w, hf_dir, cfg)
 
     tensors = load_file(str(hf_dir / "model.safetensors"))
@@ -229,9 +287,23 @@ def write_gguf(hf_dir: Path, out: Path) -> Path:
         w.add_rope_scaling_attn_factors(math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
         extra["rope_factors_long.weight"] = torch.tensor(rope["long_factor"], dtype=torch.float32)
         extra["rope_factors_short.weight"] = torch.tensor(rope["short_factor"], dtype=torch.float32)
+    stacks: dict[str, dict[int, torch.Tensor]] = {}
+    for name, t in tensors.items():  # convert_hf_to_gguf.py's modify_tensors: experts stacked in order
+        parts = name.split(".")
+        if "experts" in parts:
+            i, e = parts[2], int(parts[parts.index("experts") + 1])
+            stacks.setdefault(f"blk.{i}.{_EXPERT_NAMES[parts[-2]]}.weight", {})[e] = t
+    tensors = {n: t for n, t in tensors.items() if ".experts." not in n}
+    for name, by_id in stacks.items():
+        if stack_experts:
+            extra[name] = torch.stack([by_id[e] for e in sorted(by_id)])
+        else:
+            extra.update({name.replace("_exps.weight", f".{e}.weight"): t for e, t in by_id.items()})
     for name, t in {**tensors, **extra}.items():
         if name in _TOP_NAMES:
             name = _TOP_NAMES[name]
+        elif name.endswith(("mlp.gate.weight", "block_sparse_moe.gate.weight")):
+            name = f"blk.{name.split('.')[2]}.ffn_gate_inp.weight"
         elif name.startswith("model.layers."):
             _, _, i, rest = name.split(".", 3)
             name = f"blk.{i}.{layer_names[rest]}"
@@ -239,7 +311,12 @@ def write_gguf(hf_dir: Path, out: Path) -> Path:
             t = t + 1
         if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
             t = _llama_cpp_permute(t, heads if "attn_q" in name else kv_heads)
-        w.add_tensor(name, t.float().contiguous().numpy())
+        arr = t.float().contiguous().numpy()
+        if qtype != "F32" and arr.ndim >= 2 and not name.endswith("ffn_gate_inp.weight"):
+            kind = gguf.GGMLQuantizationType[qtype]
+            w.add_tensor(name, gguf.quants.quantize(arr, kind), raw_dtype=kind)
+        else:
+            w.add_tensor(name, arr)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

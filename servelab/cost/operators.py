@@ -119,16 +119,18 @@ def operator_costs(rl: Roofline, shape: Shape, logit_rows: int | None = None) ->
         (context_tokens + num_tokens) * rl.kv_bytes_per_token + layers * num_tokens * 2 * q_width * ACTIVATION_BYTES,
     )
     # The MLP: each token through its active experts' gate, up and down; the weights of every
-    # expert some token was routed to (all of them for a dense model), and a MoE router.
-    mlp_flops = layers * 2.0 * num_tokens * m.num_active_experts * 3 * hidden * ffn
-    experts_read = (
-        1.0 if not m.is_moe else m.num_experts * (1.0 - (1.0 - m.num_active_experts / m.num_experts) ** num_tokens)
-    )
-    mlp_weights = layers * experts_read * 3 * hidden * ffn * bpe
-    mlp_activations = layers * num_tokens * m.num_active_experts * (2 * ffn + hidden + ffn + hidden) * ACTIVATION_BYTES
+    # expert some token was routed to, and a MoE router; a dense layer's one MLP (every layer's
+    # in a dense model, Qwen3-MoE's mlp_only_layers in a MoE).
+    moe_layers, dense_layers = m.num_moe_layers, layers - m.num_moe_layers
+    dense_ffn = max(1, (m.dense_ffn_size or m.ffn_size) // tp)
+    experts_read = m.num_experts * (1.0 - (1.0 - m.num_active_experts / m.num_experts) ** num_tokens)
+    mlp_flops = 2.0 * num_tokens * 3 * hidden * (moe_layers * m.num_active_experts * ffn + dense_layers * dense_ffn)
+    mlp_weights = 3 * hidden * (moe_layers * experts_read * ffn + dense_layers * dense_ffn) * bpe
+    per_token = moe_layers * m.num_active_experts * (3 * ffn + 2 * hidden) + dense_layers * (3 * dense_ffn + 2 * hidden)
+    mlp_activations = num_tokens * per_token * ACTIVATION_BYTES
     if m.is_moe:
-        mlp_flops += layers * 2.0 * num_tokens * hidden * m.num_experts
-        mlp_weights += layers * hidden * m.num_experts * bpe
+        mlp_flops += moe_layers * 2.0 * num_tokens * hidden * m.num_experts
+        mlp_weights += moe_layers * hidden * m.num_experts * bpe
     mlp = op("mlp", mlp_flops, mlp_weights, mlp_activations)
     lm_head = linear("lm_head", rows, max(1, m.vocab_size // tp), hidden, copies=1)
     return [qkv, attention, o_proj, mlp, lm_head]

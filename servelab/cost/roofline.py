@@ -235,11 +235,12 @@ def extrapolation_notice(reasons: tuple[str, ...] | list[str]) -> str:
     return "extrapolated: " + "; ".join(reasons)
 
 
-def _linear_shapes(model: ModelSpec, tp: int) -> list[tuple[int, int]]:
-    """(N, K) per device of each linear layer of a layer (the MLP's once, an expert's for MoE)."""
+def _linear_shapes(model: ModelSpec, tp: int, ffn_size: int | None = None) -> list[tuple[int, int]]:
+    """(N, K) per device of each linear layer of a layer (the MLP's once, an expert's for MoE;
+    `ffn_size`: another MLP's, a MoE's dense layers')."""
     m = model
     q_heads = max(1, m.num_heads // tp)
-    ffn = max(1, m.ffn_size // tp)
+    ffn = max(1, (ffn_size or m.ffn_size) // tp)
     return [
         ((q_heads + 2 * kv_heads_per_device(m, tp)) * m.head_dim, m.hidden_size),
         (m.hidden_size, q_heads * m.head_dim),
@@ -297,18 +298,19 @@ class Roofline:
 
         # Bytes: dense weights stream once per step. The input embedding is gathered by token, so
         # only the LM head's copy of the vocabulary matrix streams (tied or not). MoE experts
-        # stream only if some token in the step was routed to them.
+        # stream only if some token in the step was routed to them; a MoE's routers and its dense
+        # layers' MLPs (Qwen3-MoE's mlp_only_layers) stream every step.
         bpe = wdt.bytes_per_element
         expert_bytes_per_layer = m.expert_params_per_layer * bpe / tp
         dense_params = (
-            m.num_layers * (m.attention_params_per_layer + m.router_params_per_layer + m.norm_params_per_layer)
+            m.num_layers * (m.attention_params_per_layer + m.norm_params_per_layer)
+            + m.num_moe_layers * m.router_params_per_layer
+            + (m.num_layers - m.num_moe_layers) * m.dense_mlp_params
             + m.lm_head_params
             + m.hidden_size
         )
-        if not m.is_moe:
-            dense_params += m.num_layers * m.expert_params_per_layer
         self._dense_weight_bytes = dense_params * bpe / tp
-        self._expert_bytes_all_layers = m.num_layers * expert_bytes_per_layer * m.num_experts if m.is_moe else 0.0
+        self._expert_bytes_all_layers = m.num_moe_layers * expert_bytes_per_layer * m.num_experts
         self._num_experts = m.num_experts
         self._expert_miss_prob = 1.0 - m.num_active_experts / m.num_experts  # per token, per expert
         self.kv_bytes_per_token = self.memory.kv_bytes_per_token_per_device
@@ -316,7 +318,11 @@ class Roofline:
         # adds, o_proj and down_proj outputs: ~8 reads+writes, replicated under TP) plus the
         # sharded q/k/v and SwiGLU intermediates (gate+up written and read, product written and read).
         q_kv_width = (m.num_heads + 2 * kv_heads_per_device(m, 1)) * m.head_dim
-        sharded = 2 * q_kv_width + 6 * m.ffn_size * m.num_active_experts
+        dense_layers = m.num_layers - m.num_moe_layers
+        mlp_width = (
+            m.num_moe_layers * m.ffn_size * m.num_active_experts + dense_layers * (m.dense_ffn_size or m.ffn_size)
+        ) / m.num_layers
+        sharded = 2 * q_kv_width + 6 * mlp_width
         self._activation_bytes_per_token = m.num_layers * (8 * m.hidden_size + sharded / tp) * ACTIVATION_BYTES
 
         # Tensor parallelism: two all-reduces of the hidden state per layer (after attention and
@@ -373,6 +379,7 @@ class Roofline:
         qkv, o, gate_up, down = _linear_shapes(m, tp)
         self._attn_linears = (qkv, o)
         self._mlp_linears = (gate_up, down)
+        self._dense_mlp_linears = tuple(_linear_shapes(m, tp, m.dense_ffn_size)[2:])  # a MoE's dense layers
         self._lm_head = (max(1, m.vocab_size // tp), m.hidden_size)
         self._gemm_args = (bytes_per_weight, self.peak_flops_per_s, hw.bandwidth_bytes_per_s)
         self._layer_linear_cache: dict[int, float] = {}
@@ -389,15 +396,17 @@ class Roofline:
         simulation sees few distinct ones."""
         layer_s = self._layer_linear_cache.get(num_tokens)
         if layer_s is None:
-            layer_s = sum(self._gemm_s(num_tokens, nk) for nk in self._attn_linears)
-            if self._num_experts == 1:
-                layer_s += sum(self._gemm_s(num_tokens, nk) for nk in self._mlp_linears)
-            else:
+            m = self.model
+            layer_s = m.num_layers * sum(self._gemm_s(num_tokens, nk) for nk in self._attn_linears)
+            dense_layers = m.num_layers - m.num_moe_layers
+            if dense_layers:
+                layer_s += dense_layers * sum(self._gemm_s(num_tokens, nk) for nk in self._dense_mlp_linears)
+            if m.num_moe_layers:
                 hit = self._num_experts * self._expert_hit_fraction(num_tokens)
-                per_expert = num_tokens * self.model.num_active_experts / hit
-                layer_s += hit * sum(self._gemm_s(per_expert, nk) for nk in self._mlp_linears)
-                layer_s += self._gemm_s(num_tokens, (self._num_experts, self.model.hidden_size))  # router
-            layer_s *= self.model.num_layers
+                per_expert = num_tokens * m.num_active_experts / hit
+                moe_s = hit * sum(self._gemm_s(per_expert, nk) for nk in self._mlp_linears)
+                moe_s += self._gemm_s(num_tokens, (self._num_experts, m.hidden_size))  # router
+                layer_s += m.num_moe_layers * moe_s
             self._layer_linear_cache[num_tokens] = layer_s
         head_s = self._lm_head_cache.get(logit_rows)
         if head_s is None:

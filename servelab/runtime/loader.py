@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from servelab.runtime import moe
 from servelab.runtime.linear import HalfLinear
 from servelab.runtime.model import LlamaModel
 from servelab.runtime.rope import Rope
@@ -31,7 +32,8 @@ from servelab.errors import InvalidArgument, NotFound
 from servelab.spec.gguf_reader import GGUFFile, read_gguf
 from servelab.spec.model import ENGINE_ARCHITECTURES, ModelSpec
 
-# HF model_type / GGUF general.architecture values the engine runs (Qwen2.5 is "qwen2"; Phi-4 "phi3")
+# HF model_type / GGUF general.architecture values the engine runs (Qwen2.5 is "qwen2"; Phi-4 "phi3";
+# llama.cpp files Mixtral as "llama")
 SUPPORTED_ARCHITECTURES = ENGINE_ARCHITECTURES
 
 logger = logging.getLogger(__name__)
@@ -101,12 +103,11 @@ def servable_context(spec: ModelSpec) -> int:
 
 def check_servable(spec: ModelSpec) -> None:
     """What the spec can describe but the engine cannot run, refused before any weight is read."""
-    if spec.architecture not in SUPPORTED_ARCHITECTURES or spec.is_moe:
-        kind = f"{spec.num_experts}-expert MoE" if spec.is_moe else repr(spec.architecture)
+    if spec.architecture not in SUPPORTED_ARCHITECTURES:
         raise InvalidArgument(
-            f"model {spec.name!r}: architecture {kind} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})",
-            param="model",
-        )
+            f"model {spec.name!r}: architecture {spec.architecture!r} is not supported (supported: "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)})", param="model",
+        )  # fmt: skip
     if spec.qkv_bias and spec.architecture != "qwen2":
         raise InvalidArgument(
             "attention_bias=true (bias on every attention projection) is not supported", param="model"
@@ -136,6 +137,8 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: str, tp_rank: int, tp_s
         h = where.get(name)
         if h is not None:
             return h.get_tensor(name)
+        if (alias := moe.mixtral_name(name)) is not None and alias in where:
+            return where[alias].get_tensor(alias)
         fused = fused_rows(spec, name)
         if fused is None or fused[0] not in where:
             return None
@@ -146,7 +149,7 @@ def _load_hf_dir(path: Path, dtype: torch.dtype, device: str, tp_rank: int, tp_s
     if (shard := _shard(spec, tp_rank, tp_size)) is not None:
         from servelab.runtime.parallel.shard_loading import safetensors_getter
 
-        get = safetensors_getter(where, shard, lambda name: fused_rows(spec, name))
+        get = safetensors_getter(where, shard, lambda name: fused_rows(spec, name) or _mixtral_rows(where, name))
     if spec.gemma_block:
         get = gemma_norm_multipliers(get)
     model = build_model(spec if shard is None else shard.local_spec(), get, dtype, device)
@@ -179,6 +182,15 @@ def _language_model_names(where: dict[str, Any]) -> dict[str, Any]:
         elif name.startswith("language_model."):
             names[name.removeprefix("language_model.")] = name
     return {ours: _Renamed(where[theirs], {ours: theirs}) for ours, theirs in names.items() if ours not in where}
+
+
+def _mixtral_rows(where: dict, name: str) -> tuple[str, int, int] | None:
+    """Mixtral's checkpoint tensor holding a MoE tensor `name` whole (moe.mixtral_name), as
+    (name, first row, rows); None where the checkpoint has no such tensor."""
+    alias = moe.mixtral_name(name)
+    if alias is None or alias not in where:
+        return None
+    return alias, 0, where[alias].get_slice(alias).get_shape()[0]
 
 
 def _log_half_storage(model: LlamaModel) -> None:

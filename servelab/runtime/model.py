@@ -1,6 +1,8 @@
 """A Llama-family decoder written for serving: Llama 2/3/3.x, Mistral, Qwen2/2.5 (qkv bias), Qwen3
 (per-head Q/K RMSNorm), Phi-3/Phi-4 (LongRoPE), SmolLM; Gemma 2/3 (norms after attention and the
-MLP too, GeGLU, scaled embeddings, soft-capping, local RoPE base).
+MLP too, GeGLU, scaled embeddings, soft-capping, local RoPE base); and the mixtures of experts
+Mixtral, Qwen3-MoE and OLMoE (whole-projection Q/K RMSNorm, clip_qkv), whose MLPs are
+runtime/moe.py's.
 
 One forward pass takes a flattened batch of tokens from mixed prefill chunks and decodes
 (varlen). Each token carries its position and its KV slot; K/V go into the paged cache and each
@@ -22,6 +24,7 @@ import torch
 
 from servelab.runtime import linear
 from servelab.runtime.linear import Linear
+from servelab.runtime.moe import MoEMLP
 from servelab.runtime.ops import Ops, select_ops
 from servelab.runtime.quantization import LINEARS
 from servelab.runtime.rope import Rope
@@ -31,26 +34,47 @@ from servelab.spec.model import ModelSpec
 
 @dataclass(slots=True)
 class LayerWeights:
-    """One decoder layer: its norms' weights and its four linears (runtime/linear.py)."""
+    """One decoder layer: its norms' weights and its four linears (runtime/linear.py); a MoE
+    layer has its experts (`moe`) in place of gate_up and down."""
 
     input_norm: torch.Tensor
     qkv: Linear  # [q_size + 2 * kv_size, hidden], with the qkv bias when the model has one
     o: Linear  # [hidden, q_size]
     post_norm: torch.Tensor
-    gate_up: Linear  # [2 * intermediate, hidden]
-    down: Linear  # [hidden, intermediate]
+    gate_up: Linear | None = None  # [2 * intermediate, hidden]; None in a MoE layer
+    down: Linear | None = None  # [hidden, intermediate]; None in a MoE layer
     qkv_bias: InitVar[torch.Tensor | None] = None  # as the loader hands it over: folded into qkv
-    q_norm: torch.Tensor | None = None  # [head_dim]: RMSNorm weight of each Q head before RoPE (Qwen3)
-    k_norm: torch.Tensor | None = None  # [head_dim]: the same for each K head
+    # RMSNorm weights of Q and K before RoPE: [head_dim], applied to each head (Qwen3, Gemma 3), or
+    # [q_size] and [kv_size], applied to the whole projection (OLMoE)
+    q_norm: torch.Tensor | None = None
+    k_norm: torch.Tensor | None = None
     attn_out_norm: torch.Tensor | None = None  # [hidden]: on attention's output before the residual add (Gemma)
     mlp_out_norm: torch.Tensor | None = None  # [hidden]: on the MLP's output before the residual add (Gemma)
+    moe: MoEMLP | None = None
 
     def __post_init__(self, qkv_bias: torch.Tensor | None) -> None:
         if qkv_bias is not None:
             self.qkv = replace(self.qkv, bias=qkv_bias)
 
     def linears(self) -> tuple[Linear, ...]:
-        return (self.qkv, self.o, self.gate_up, self.down)
+        mlp = self.moe.linears() if self.moe is not None else (self.gate_up, self.down)
+        return (self.qkv, self.o, *(w for w in mlp if w is not None))
+
+    def map_linears(self, fn: Callable[[Linear], Linear], *, router: bool = False) -> None:
+        """Every linear of the layer replaced by `fn` of it; a MoE router too with `router`."""
+        self.qkv, self.o = fn(self.qkv), fn(self.o)
+        if self.moe is not None:
+            self.moe.map_linears(fn, router=router)
+        else:
+            self.gate_up = None if self.gate_up is None else fn(self.gate_up)
+            self.down = None if self.down is None else fn(self.down)
+
+    def mlp(self, h: torch.Tensor, act: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """The SwiGLU MLP, or the experts `h`'s tokens are routed to; `act` is SwiGLU's gate."""
+        if self.moe is not None:
+            return self.moe(h, act)
+        assert self.gate_up is not None and self.down is not None  # a dense layer has both
+        return self.down(act(self.gate_up(h)))
 
     def norms(self) -> tuple[torch.Tensor, ...]:
         extra = (self.q_norm, self.k_norm, self.attn_out_norm, self.mlp_out_norm)
@@ -137,14 +161,15 @@ class LlamaModel:
         self.ops = ops
         prepare = partial(linear.map_weight, ops.prepare_linear)
         for layer in self.layers:
-            layer.qkv, layer.o, layer.gate_up, layer.down = (prepare(w) for w in layer.linears())
+            layer.map_linears(prepare, router=True)
         self.lm_head = prepare(self.lm_head)
         # decode-only steps in one native call where the ops and linears allow; None: op by op.
         # Whatever replaces a layer's linears afterwards calls use_ops again (parallel/layers.py).
         self.decode_stack = None
-        # the native stack has no per-head Q/K norm, nothing of Gemma's block, and no sliding
-        # window (forward skips it on the steps where a window cuts a decode's context)
-        if not (self.config.qk_norm or self.config.gemma_block):
+        # the native stack has no Q/K norm, clamp, experts, nothing of Gemma's block, and no
+        # sliding window (forward skips it on the steps where a window cuts a decode's context)
+        cfg = self.config
+        if not (cfg.qk_norm or cfg.clip_qkv is not None or cfg.is_moe or cfg.gemma_block):
             self.decode_stack = ops.decode_stack(
                 self.config, self.layers, self.scale, self.embed, self.final_norm, self.lm_head
             )
@@ -179,7 +204,7 @@ class LlamaModel:
             return make(w.dequantize(), w.bias)
 
         for layer in self.layers:
-            layer.qkv, layer.o, layer.gate_up, layer.down = (linear.map_weight(quantized, w) for w in layer.linears())
+            layer.map_linears(partial(linear.map_weight, quantized))
         self.lm_head = linear.map_weight(quantized, self.lm_head)
         self.quantization = kind
         self.use_ops(self.ops)  # the new linears on the ops' kernels
@@ -210,14 +235,35 @@ class LlamaModel:
         n = self.embed.numel() + self.final_norm.numel() + (0 if self.tied_head else self.lm_head.numel())
         for layer in self.layers:
             n += sum(t.numel() for t in layer.norms()) + sum(w.numel() for w in layer.linears())
+            n += 0 if layer.moe is None else layer.moe.router.numel()
         return n
 
     def weight_bytes(self) -> int:
-        """Bytes one decode step reads: every weight once (the embedding row gather is negligible;
-        the head is read whole even when tied to the embedding)."""
+        """Bytes a decode step reads when it reads every weight once (the embedding row gather is
+        negligible; the head is read whole even when tied to the embedding). A MoE step reads only
+        the experts its tokens were routed to: `step_weight_bytes`."""
+        n = self.dense_weight_bytes()
+        for layer in self.layers:
+            n += 0 if layer.moe is None else sum(layer.moe.expert_nbytes(e) for e in range(layer.moe.num_experts))
+        return n
+
+    def step_weight_bytes(self) -> int:
+        """Weight bytes the last forward read: every dense weight once, and of each MoE layer's
+        experts only those its tokens were routed to (weight_bytes() for a dense model)."""
+        n = self.dense_weight_bytes()
+        for layer in self.layers:
+            n += 0 if layer.moe is None else sum(layer.moe.expert_nbytes(e) for e in layer.moe.experts_hit)
+        return n
+
+    def dense_weight_bytes(self) -> int:
+        """Every weight one step reads whatever its tokens, the routers included (not the experts)."""
         n = self.lm_head.nbytes + _nbytes(self.final_norm)
         for layer in self.layers:
-            n += sum(_nbytes(t) for t in layer.norms()) + sum(w.nbytes for w in layer.linears())
+            n += sum(_nbytes(t) for t in layer.norms()) + layer.qkv.nbytes + layer.o.nbytes
+            if layer.moe is not None:
+                n += layer.moe.router.nbytes
+            else:
+                n += sum(w.nbytes for w in (layer.gate_up, layer.down) if w is not None)
         return n
 
     def _rope_tables(self, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -282,12 +328,14 @@ class LlamaModel:
             qkv = layer.qkv(h)
             if layer.q_norm is not None:
                 qkv = self._norm_heads(qkv, layer)
+            if cfg.clip_qkv is not None:
+                qkv = qkv.clamp(-cfg.clip_qkv, cfg.clip_qkv)
             q, k, v = ops.rope_store_kv(qkv, rotary if window is None else local_rotary, meta.slots, kc, vc, *heads)
             out = layer.o(ops.attention(q, k, v, kc, vc, meta, self.scale, window=window, softcap=softcap))
             if layer.attn_out_norm is not None:
                 out = ops.rms_norm(out, layer.attn_out_norm, eps)
             x, h = ops.add_rms_norm(x, out, layer.post_norm, eps)
-            delta = layer.down(act(layer.gate_up(h)))
+            delta = layer.mlp(h, act)
             if layer.mlp_out_norm is not None:
                 delta = ops.rms_norm(delta, layer.mlp_out_norm, eps)
 
@@ -312,12 +360,14 @@ class LlamaModel:
         return logits.div_(cap).tanh_().mul_(cap)
 
     def _norm_heads(self, qkv: torch.Tensor, layer: LayerWeights) -> torch.Tensor:
-        """The fused qkv [T, (H + 2 KV) * D] with each head of Q and of K RMS-normalised (Qwen3)."""
+        """The fused qkv [T, (H + 2 KV) * D] with Q and K RMS-normalised: each head (Qwen3's
+        norms are [D]) or the whole projection (OLMoE's are [H * D] and [KV * D])."""
         cfg = self.config
         T, H, KV, D = qkv.shape[0], cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        assert layer.q_norm is not None and layer.k_norm is not None  # the caller checked: a Qwen3 layer
-        q = self.ops.rms_norm(qkv[:, : H * D].reshape(T * H, D), layer.q_norm, cfg.rms_norm_eps)
-        k = self.ops.rms_norm(qkv[:, H * D : (H + KV) * D].reshape(T * KV, D), layer.k_norm, cfg.rms_norm_eps)
+        assert layer.q_norm is not None and layer.k_norm is not None  # the caller checked: a Q/K-norm layer
+        q = self.ops.rms_norm(qkv[:, : H * D].reshape(-1, layer.q_norm.numel()), layer.q_norm, cfg.rms_norm_eps)
+        k_rows = qkv[:, H * D : (H + KV) * D].reshape(-1, layer.k_norm.numel())
+        k = self.ops.rms_norm(k_rows, layer.k_norm, cfg.rms_norm_eps)
         return torch.cat((q.view(T, H * D), k.view(T, KV * D), qkv[:, (H + KV) * D :]), dim=1)
 
     def greedy_tokens(self, logits: torch.Tensor) -> list[int] | None:

@@ -6,7 +6,9 @@ and packing see the separate matrices every other model has.
 
 llama.cpp's converter permutes the rows of Q and K of `llama`-architecture models so that its
 interleaved RoPE applies; we undo that permutation so the HF rotate-half convention holds and the
-same model code serves both formats.
+same model code serves both formats. Its MoE files stack each layer's experts into one tensor per
+projection ([n_expert, out, in]); each expert is read as its slice of rows, as HF's separate
+`mlp.experts.N.*` tensors.
 
 Gemma's RMSNorm multiplies by (1 + weight): HF checkpoints store the weight, llama.cpp's converter
 writes 1 + weight into GGUF files, and the model multiplies by what the getters hand it, so the HF
@@ -21,8 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from servelab.runtime import block_quant, native
-from servelab.runtime.linear import HALF_DTYPES, Linear, half_linear
+from servelab.runtime import block_quant, moe, native
+from servelab.runtime.linear import HALF_DTYPES, DenseLinear, Linear, half_linear
 from servelab.runtime.model import LayerWeights, LlamaModel
 from servelab.runtime.weights import keeps_half_storage
 from servelab.errors import InvalidArgument
@@ -87,6 +89,17 @@ def build_model(
         q_norm = k_norm = None
         if spec.qk_norm:
             q_norm, k_norm = cast(need(p + "self_attn.q_norm.weight")), cast(need(p + "self_attn.k_norm.weight"))
+        experts = None
+        if spec.is_moe and i not in spec.dense_layers:
+            n = range(spec.num_experts)
+            experts = moe.MoEMLP(
+                router=DenseLinear(cast(need(moe.router_name(p)))),
+                gate_up=[linear([moe.expert_name(p, e, "gate_proj"), moe.expert_name(p, e, "up_proj")]) for e in n],
+                down=[linear([moe.expert_name(p, e, "down_proj")]) for e in n],
+                top_k=spec.num_active_experts,
+                normalize=spec.norm_topk_prob,
+            )
+        dense = experts is None
         layers.append(
             LayerWeights(
                 q_norm=q_norm,
@@ -98,8 +111,9 @@ def build_model(
                 post_norm=cast(need(p + mlp_norm)),
                 attn_out_norm=cast(need(p + "post_attention_layernorm.weight")) if gemma else None,
                 mlp_out_norm=cast(need(p + "post_feedforward_layernorm.weight")) if gemma else None,
-                gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]),
-                down=linear([p + "mlp.down_proj.weight"]),
+                gate_up=linear([p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"]) if dense else None,
+                down=linear([p + "mlp.down_proj.weight"]) if dense else None,
+                moe=experts,
             )
         )
     raw_embed = need("model.embed_tokens.weight")
@@ -175,6 +189,7 @@ _GGUF_LAYER_NAMES = {
     "ffn_gate.weight": "mlp.gate_proj.weight",
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
+    "ffn_gate_inp.weight": "mlp.gate.weight",  # a MoE layer's router
 }
 # Gemma's four norms a layer (llama.cpp's ffn_norm is the one before the MLP in both).
 _GEMMA_GGUF_LAYER_NAMES = {
@@ -199,6 +214,8 @@ def hf_name(gguf_name: str, architecture: str = "llama") -> str | None:
         names = _GEMMA_GGUF_LAYER_NAMES if architecture in GEMMA_ARCHITECTURES else _GGUF_LAYER_NAMES
         if rest in names:
             return f"model.layers.{idx}.{names[rest]}"
+        if (expert := moe.hf_name_of_gguf_expert(rest)) is not None:
+            return f"model.layers.{idx}.{expert}"
     return None
 
 
@@ -242,6 +259,15 @@ def split_fused_gguf(spec: ModelSpec, tensors: dict[str, GGUFTensor]) -> dict[st
                     f"{2 * ffn}", param="model")  # fmt: skip
             out[prefix + "ffn_gate.weight"] = t.rows(prefix + "ffn_gate.weight", 0, ffn)
             out[name] = t.rows(name, ffn, ffn)
+        elif (stacked := name[len(prefix) : -len(".weight")]) in moe.GGUF_STACKED:
+            del out[name]
+            experts, rows = t.shape[-1], t.shape[1]  # ggml order: [in, out, n_expert]
+            if experts != spec.num_experts:
+                raise InvalidArgument(f"GGUF tensor {name!r} stacks {experts} experts; the model has {spec.num_experts}",
+                                      param="model")  # fmt: skip
+            for e in range(experts):
+                part = prefix + moe.gguf_expert_name(stacked, e)
+                out[part] = t.rows(part, e * rows, rows)
     return out
 
 

@@ -1,13 +1,16 @@
 """The one description of a decoder-only transformer (Llama family: Llama 2/3, Mistral, Qwen2,
-Qwen2.5, Qwen3, Phi-3/Phi-4, Mixtral; Gemma 2 and Gemma 3), parsed from an HF `config.json` or GGUF metadata, and the
+Qwen2.5, Qwen3, Phi-3/Phi-4, Gemma 2 and Gemma 3, and the mixtures of experts Mixtral, Qwen3-MoE and
+OLMoE), parsed from an HF `config.json` or GGUF metadata, and the
 catalog of well-known models.
 
 The cost model reads its parameter counts and KV bytes per token; the engine builds its model,
 RoPE and KV cache from the same fields. Counts assume the Llama block: RMSNorm, attention with
-grouped KV heads (GQA), optional per-head Q/K RMSNorm (Qwen3), SwiGLU MLP (gate, up, down),
-optional MoE routing over SwiGLU experts. Phi-3's fused qkv_proj and gate_up_proj hold the same
-parameters as the separate matrices. Gemma's block has the same matrices (its GeGLU MLP is
-SwiGLU's three, with GELU for SiLU) and four norms a layer instead of two.
+grouped KV heads (GQA), optional Q/K RMSNorm (per head: Qwen3; over the whole projection:
+OLMoE), SwiGLU MLP (gate, up, down), optional MoE routing over SwiGLU experts (with dense-MLP
+layers where Qwen3-MoE's `mlp_only_layers` / `decoder_sparse_step` put them). Phi-3's fused
+qkv_proj and gate_up_proj hold the same parameters as the separate matrices. Gemma's block has
+the same matrices (its GeGLU MLP is SwiGLU's three, with GELU for SiLU) and four norms a layer
+instead of two.
 """
 
 from __future__ import annotations
@@ -25,23 +28,32 @@ from servelab.spec.dtypes import weight_dtype as _weight_dtype
 
 # HF `model_type` -> whether Q/K/V always carry a bias (Qwen2's do, whatever `attention_bias` says).
 _HF_MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "phi3": False, "mixtral": False,
-                   "gemma2": False, "gemma3_text": False, "gemma3": False}  # fmt: skip
+                   "gemma2": False, "gemma3_text": False, "gemma3": False, "qwen3_moe": False,
+                   "olmoe": False}  # fmt: skip
 # GGUF `general.architecture` values we read; llama.cpp files Mistral and Mixtral under "llama"
 # (older converters wrote "mistral").
 _GGUF_ARCHS = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "phi3": False, "gemma2": False,
-               "gemma3": False}  # fmt: skip
+               "gemma3": False, "qwen3moe": False, "olmoe": False}  # fmt: skip
 # Architectures (HF model_type and GGUF alike) that RMS-normalise each head of Q and K before RoPE.
-_QK_NORM_ARCHS = ("qwen3", "gemma3")
+_QK_NORM_ARCHS = ("qwen3", "gemma3", "qwen3_moe", "qwen3moe")
+# ... and those that RMS-normalise the whole Q and K projections (one weight over all heads).
+_QK_NORM_WHOLE_ARCHS = ("olmoe",)
 # Gemma's block: RMSNorm as (1 + weight), a norm after attention and after the MLP too, GeGLU
 # (tanh-approximated GELU), embeddings scaled by sqrt(hidden_size).
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
+# Whether a MoE renormalises its top-k routing weights to sum to one where the config does not say
+# (HF's `norm_topk_prob`; Mixtral always does). llama.cpp hard-codes the same per architecture.
+_HF_NORM_TOPK_DEFAULT = {"mixtral": True, "qwen3_moe": False, "olmoe": False}
+_GGUF_NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False}
 # HF model types whose `sliding_window` applies unless `use_sliding_window` says otherwise
 # (Qwen2 and Qwen3 configs carry a window they do not use).
 _HF_SLIDING_BY_DEFAULT = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text")
 # RoPE scaling names older configs use for the ones HF runs today.
 _ROPE_TYPE_ALIASES = {"su": "longrope"}
 # What the engine (servelab/runtime) runs; the cost model prices every spec.
-ENGINE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+ENGINE_ARCHITECTURES = (
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe", "qwen3moe", "olmoe",
+)  # fmt: skip
 ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
 
@@ -53,7 +65,7 @@ class ModelSpec:
     num_heads: int
     num_kv_heads: int
     head_dim: int
-    ffn_size: int  # intermediate size of one (expert) SwiGLU MLP
+    ffn_size: int  # intermediate size of one SwiGLU MLP; of one expert in a MoE
     vocab_size: int
     tie_embeddings: bool
     max_context: int
@@ -72,6 +84,11 @@ class ModelSpec:
     attn_logit_softcap: float | None = None  # scores become cap * tanh(score / cap) (Gemma 2)
     final_logit_softcap: float | None = None  # the same on the output logits (Gemma 2)
     local_rope_theta: float | None = None  # RoPE base of the sliding layers, unscaled (Gemma 3); None: rope_theta
+    qk_norm_per_head: bool = True  # with qk_norm: one weight per head_dim (Qwen3), else over all of Q / K (OLMoE)
+    clip_qkv: float | None = None  # Q, K and V clamped to [-clip, clip] after the projections (OLMoE)
+    norm_topk_prob: bool = True  # MoE: the k chosen routing probabilities renormalised to sum to one
+    dense_layers: tuple[int, ...] = ()  # MoE: layers with a dense MLP instead of experts (Qwen3-MoE)
+    dense_ffn_size: int | None = None  # MoE: intermediate size of those dense MLPs; None: ffn_size
 
     def __post_init__(self) -> None:
         for field_name in (
@@ -98,6 +115,11 @@ class ModelSpec:
             raise InvalidArgument(
                 f"model {self.name!r}: num_active_experts ({self.num_active_experts}) exceeds "
                 f"num_experts ({self.num_experts})"
+            )
+        if any(not 0 <= i < self.num_layers for i in self.dense_layers):
+            raise InvalidArgument(
+                f"model {self.name!r}: dense_layers {list(self.dense_layers)} must be layer indices below "
+                f"{self.num_layers}"
             )
 
     # rope_scaling is a dict, so the generated hash would fail; the other fields identify a spec.
@@ -156,6 +178,7 @@ class ModelSpec:
 
     @property
     def router_params_per_layer(self) -> int:
+        """A MoE layer's router; 0 in a dense model (and in a MoE's dense layers: see num_moe_layers)."""
         return self.hidden_size * self.num_experts if self.is_moe else 0
 
     @property
@@ -174,43 +197,55 @@ class ModelSpec:
         return self.sliding_window
 
     @property
+    def num_moe_layers(self) -> int:
+        """Layers whose MLP is a mixture of experts; the rest have one dense MLP."""
+        return self.num_layers - len(set(self.dense_layers)) if self.is_moe else 0
+
+    @property
+    def dense_mlp_params(self) -> int:
+        """One dense layer's SwiGLU MLP (every layer's in a dense model)."""
+        return 3 * self.hidden_size * (self.dense_ffn_size or self.ffn_size)
+
+    @property
     def norm_params_per_layer(self) -> int:
-        norms = 4 if self.gemma_block else 2
-        return norms * self.hidden_size + (2 * self.head_dim if self.qk_norm else 0)
+        qk = 0
+        if self.qk_norm:
+            qk = 2 * self.head_dim if self.qk_norm_per_head else self.q_size + self.kv_size
+        return (4 if self.gemma_block else 2) * self.hidden_size + qk
+
+    @property
+    def mlp_params(self) -> int:
+        """Every layer's MLPs together: each MoE layer's experts and router, each dense layer's MLP."""
+        moe = self.num_experts * self.expert_params_per_layer + self.router_params_per_layer
+        return self.num_moe_layers * moe + (self.num_layers - self.num_moe_layers) * self.dense_mlp_params
 
     @property
     def num_params(self) -> int:
-        per_layer = (
-            self.attention_params_per_layer
-            + self.num_experts * self.expert_params_per_layer
-            + self.router_params_per_layer
-            + self.norm_params_per_layer
-        )
+        per_layer = self.attention_params_per_layer + self.norm_params_per_layer
         output = 0 if self.tie_embeddings else self.lm_head_params
-        return self.num_layers * per_layer + self.embedding_params + output + self.hidden_size
+        return self.num_layers * per_layer + self.mlp_params + self.embedding_params + output + self.hidden_size
 
     @property
     def num_active_params(self) -> int:
         """Parameters one token touches (MoE: only its routed experts)."""
         inactive = (self.num_experts - self.num_active_experts) * self.expert_params_per_layer
-        return self.num_params - self.num_layers * inactive
+        return self.num_params - self.num_moe_layers * inactive
 
     @property
     def matmul_params_per_token(self) -> int:
         """Active parameters that multiply each token, excluding the LM head (which only runs
         for positions that produce logits) and the input embedding (a row gather, not a matmul)."""
-        per_layer = (
-            self.attention_params_per_layer
-            + self.num_active_experts * self.expert_params_per_layer
-            + self.router_params_per_layer
+        moe = self.num_active_experts * self.expert_params_per_layer + self.router_params_per_layer
+        dense_layers = self.num_layers - self.num_moe_layers
+        return (
+            self.num_layers * self.attention_params_per_layer
+            + self.num_moe_layers * moe
+            + dense_layers * self.dense_mlp_params
         )
-        return self.num_layers * per_layer
 
     @property
     def engine_refusal(self) -> str | None:
         """Why the engine cannot run this model (None: it can); the cost model prices it either way."""
-        if self.is_moe:
-            return f"{self.num_experts}-expert MoE"
         if self.architecture not in ENGINE_ARCHITECTURES:
             return f"architecture {self.architecture!r}"
         if self.rotary_dim is not None and self.rotary_dim != self.head_dim:
@@ -303,7 +338,13 @@ class ModelSpec:
 
         hidden = need("hidden_size")
         heads = need("num_attention_heads")
-        num_experts = optional_int("num_local_experts") or 1
+        num_experts = optional_int("num_local_experts") or optional_int("num_experts") or 1
+        moe = _hf_moe(config, source, need("num_hidden_layers"), num_experts) if num_experts > 1 else {}
+        clip = config.get("clip_qkv")
+        if clip is not None and (
+            isinstance(clip, bool) or not isinstance(clip, (int, float)) or not 0 < clip < math.inf
+        ):
+            raise InvalidArgument(f"{source}: clip_qkv must be a positive number or null, got {clip!r}", param="config")
         window = None  # read only where it applies: Qwen2 configs carry one they do not use
         if config.get("use_sliding_window", model_type in _HF_SLIDING_BY_DEFAULT):
             window = optional_int("sliding_window")
@@ -311,6 +352,7 @@ class ModelSpec:
         head_dim = optional_int("head_dim") or hidden // heads
         num_layers = need("num_hidden_layers")
         gemma = model_type in _GEMMA_DEFAULTS
+        ffn_size = moe.pop("ffn_size", None) or need("intermediate_size")
         return cls(
             name=name or config.get("_name_or_path") or model_type,
             num_layers=num_layers,
@@ -318,7 +360,7 @@ class ModelSpec:
             num_heads=heads,
             num_kv_heads=optional_int("num_key_value_heads") or heads,
             head_dim=head_dim,
-            ffn_size=need("intermediate_size"),
+            ffn_size=ffn_size,
             vocab_size=need("vocab_size"),
             tie_embeddings=bool(config.get("tie_word_embeddings", False)),
             max_context=need("max_position_embeddings"),
@@ -330,13 +372,16 @@ class ModelSpec:
             num_active_experts=(optional_int("num_experts_per_tok") or 1) if num_experts > 1 else 1,
             architecture="gemma3" if model_type == "gemma3_text" else model_type,
             sliding_window=window,
-            qk_norm=model_type in _QK_NORM_ARCHS or model_type == "gemma3_text",
+            qk_norm=model_type in _QK_NORM_ARCHS or model_type == "gemma3_text" or model_type in _QK_NORM_WHOLE_ARCHS,
             rotary_dim=None if rotary_fraction == 1.0 else int(head_dim * rotary_fraction),
             sliding_layers=None if window is None else _hf_sliding_layers(config, model_type, num_layers, source),
             attention_scale=positive_float("query_pre_attn_scalar", 256) ** -0.5 if gemma else None,
             attn_logit_softcap=optional_float("attn_logit_softcapping") if gemma else None,
             final_logit_softcap=optional_float("final_logit_softcapping") if gemma else None,
             local_rope_theta=positive_float("rope_local_base_freq", 10000.0) if model_type == "gemma3_text" else None,
+            qk_norm_per_head=model_type not in _QK_NORM_WHOLE_ARCHS,
+            clip_qkv=None if clip is None else float(clip),
+            **moe,
         )
 
     @classmethod
@@ -410,6 +455,13 @@ class ModelSpec:
         attention_scale = None
         if arch in GEMMA_ARCHITECTURES:
             attention_scale = _gguf_attention_scale(arch, get("attention.scale"), num_layers, hidden, heads, head_dim)
+        ffn = need("feed_forward_length")
+        expert_ffn = count("expert_feed_forward_length") if num_experts > 1 else None
+        # a MoE file's dense layers are those without a router (the experts sit beside it), where
+        # the index lists any layer's tensors
+        routed = [i for i in range(num_layers) if f"blk.{i}.ffn_gate_inp.weight" in shapes]
+        dense = tuple(i for i in range(num_layers) if i not in routed) if num_experts > 1 and routed else ()
+        clip = get("attention.clamp_kqv")
         return cls(
             name=name or metadata.get("general.name") or arch,
             num_layers=num_layers,
@@ -417,7 +469,7 @@ class ModelSpec:
             num_heads=heads,
             num_kv_heads=count("attention.head_count_kv") or heads,
             head_dim=head_dim,
-            ffn_size=need("feed_forward_length"),
+            ffn_size=expert_ffn or ffn,
             vocab_size=int(vocab),
             tie_embeddings=bool(shapes) and "output.weight" not in shapes,
             max_context=need("context_length"),
@@ -429,13 +481,18 @@ class ModelSpec:
             num_active_experts=(count("expert_used_count") or 1) if num_experts > 1 else 1,
             architecture=arch,
             sliding_window=window,
-            qk_norm=arch in _QK_NORM_ARCHS,
+            qk_norm=arch in _QK_NORM_ARCHS or arch in _QK_NORM_WHOLE_ARCHS,
             rotary_dim=None if rotary_dim in (None, head_dim) else rotary_dim,
             sliding_layers=sliding_layers,
             attention_scale=attention_scale,
             attn_logit_softcap=get("attn_logit_softcapping") or None,
             final_logit_softcap=get("final_logit_softcapping") or None,
             local_rope_theta=_GGUF_LOCAL_ROPE_THETA.get(arch),
+            qk_norm_per_head=arch not in _QK_NORM_WHOLE_ARCHS,
+            clip_qkv=float(clip) if clip else None,
+            norm_topk_prob=bool(get("expert_weights_norm", _GGUF_NORM_TOPK.get(arch, True))),
+            dense_layers=dense,
+            dense_ffn_size=ffn if dense and expert_ffn else None,
         )
 
     @classmethod
@@ -544,6 +601,37 @@ def _gguf_attention_scale(arch: str, scale: Any, num_layers: int, hidden: int, h
         return float(scale)
     scalar = hidden // heads if _GGUF_GEMMA_27B_LAYERS.get(arch) == num_layers else head_dim
     return scalar**-0.5
+
+
+def _hf_moe(config: Mapping[str, Any], source: str, num_layers: int, num_experts: int) -> dict[str, Any]:
+    """A MoE config's ModelSpec fields: the expert's intermediate size (`moe_intermediate_size`
+    where the config has one: Qwen3-MoE's `intermediate_size` is its dense layers'), whether the
+    top-k weights are renormalised, and the layers HF builds with a dense MLP
+    (`mlp_only_layers`, or not a multiple of `decoder_sparse_step`)."""
+    model_type = config["model_type"]
+    fields: dict[str, Any] = {
+        "norm_topk_prob": bool(config.get("norm_topk_prob", _HF_NORM_TOPK_DEFAULT.get(model_type, True)))
+    }
+    step = config.get("decoder_sparse_step", 1)
+    only = config.get("mlp_only_layers") or []
+    if isinstance(step, bool) or not isinstance(step, int) or step <= 0:
+        raise InvalidArgument(f"{source}: decoder_sparse_step must be a positive integer, got {step!r}", param="config")
+    if not isinstance(only, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in only):
+        raise InvalidArgument(
+            f"{source}: mlp_only_layers must be a list of layer indices, got {only!r}", param="config"
+        )
+    dense = tuple(i for i in range(num_layers) if i in only or (i + 1) % step != 0)
+    for key, field in (("moe_intermediate_size", "ffn_size"), ("intermediate_size", "dense_ffn_size")):
+        value = config.get(key)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0):
+            raise InvalidArgument(f"{source}: {key} must be a positive integer, got {value!r}", param="config")
+        if key == "moe_intermediate_size" and value is not None:
+            fields[field] = value
+    if dense and "ffn_size" in fields:
+        fields["dense_ffn_size"] = config.get("intermediate_size")
+    if dense:
+        fields["dense_layers"] = dense
+    return fields
 
 
 def _hf_rope(config: Mapping[str, Any], source: str) -> tuple[dict[str, Any] | None, float, float]:
@@ -733,6 +821,46 @@ MODELS: dict[str, ModelSpec] = {
             num_experts=8,
             num_active_experts=2,
             architecture="mixtral",
+        ),
+        # Qwen/Qwen3-30B-A3B (128 experts of 768, top-8, renormalised; every layer sparse)
+        ModelSpec(
+            "qwen3-30b-a3b",
+            num_layers=48,
+            hidden_size=2048,
+            num_heads=32,
+            num_kv_heads=4,
+            head_dim=128,
+            ffn_size=768,
+            vocab_size=151936,
+            tie_embeddings=False,
+            max_context=40960,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            num_experts=128,
+            num_active_experts=8,
+            architecture="qwen3_moe",
+            qk_norm=True,
+        ),
+        # allenai/OLMoE-1B-7B-0924 (64 experts, top-8, not renormalised; q/k norm over the projections)
+        ModelSpec(
+            "olmoe-1b-7b",
+            num_layers=16,
+            hidden_size=2048,
+            num_heads=16,
+            num_kv_heads=16,
+            head_dim=128,
+            ffn_size=1024,
+            vocab_size=50304,
+            tie_embeddings=False,
+            max_context=4096,
+            rope_theta=10000.0,
+            rms_norm_eps=1e-5,
+            num_experts=64,
+            num_active_experts=8,
+            architecture="olmoe",
+            qk_norm=True,
+            qk_norm_per_head=False,
+            norm_topk_prob=False,
         ),
         # Qwen/Qwen2.5-7B-Instruct
         ModelSpec(

@@ -2,7 +2,9 @@
 GGUF file llama.cpp's converter would write (tests/tiny_families.py): Llama 3.x (llama3 RoPE
 scaling), tied embeddings, Qwen2.5, Qwen3 (per-head q/k RMSNorm), Phi-3 (fused weights, LongRoPE),
 Gemma 2 (soft-capping, local/global layers) and Gemma 3 (q/k norms, local RoPE base, linear
-scaling), whose 8-token windows every prompt here crosses; and Mistral's window.
+scaling), whose 8-token windows every prompt here crosses; Mistral's window; and the mixtures of
+experts Mixtral, Qwen3-MoE (with a dense layer) and OLMoE (whole-projection q/k norm, clip_qkv,
+top-k weights not renormalised).
 
 Tolerance: fp32 logits within 1e-5 of transformers', relative to the largest logit (measured:
 ~5e-7 on every family and format); greedy tokens identical.
@@ -23,7 +25,7 @@ from servelab.errors import InvalidArgument
 from servelab.runtime.loader import load_model
 from servelab.runtime.ops import OPS_NAMES
 from tests.runtime.isa_levels import make_ops_at
-from tests.tiny_families import FAMILIES, GEMMA_WINDOW, write_family, write_gguf
+from tests.tiny_families import FAMILIES, GEMMA_WINDOW, GGUF_ARCH, write_family, write_gguf
 from tests.tiny_models import max_rel_diff, prefill_logits
 
 transformers = pytest.importorskip("transformers")
@@ -73,7 +75,8 @@ def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
 def test_logits_match_transformers_in_one_pass_chunks_and_decodes(family, fmt):
     name, paths, hf = family
     loaded = load_model(paths[fmt], dtype=torch.float32)
-    assert loaded.spec.architecture == hf.config.model_type.removesuffix("_text")  # Gemma 3's text model
+    model_type = hf.config.model_type.removesuffix("_text")  # Gemma 3's text model
+    assert loaded.spec.architecture == (GGUF_ARCH.get(model_type, model_type) if fmt == "gguf" else model_type)
     assert loaded.spec.tie_embeddings == bool(hf.config.tie_word_embeddings) == loaded.model.tied_head
     ref = _hf_logits(hf, LONG_IDS)
     assert max_rel_diff(prefill_logits(loaded.model, LONG_IDS), ref) <= TOLERANCE
@@ -92,7 +95,7 @@ def test_logits_match_transformers_in_one_pass_chunks_and_decodes(family, fmt):
 @pytest.mark.parametrize("name", OPS_NAMES)
 def test_logits_match_transformers_at_every_isa_level(family, name, monkeypatch):
     family_name, paths, hf = family
-    if family_name not in ("llama3", "qwen3", "phi3", "gemma2", "gemma3"):
+    if family_name not in ("llama3", "qwen3", "phi3", "gemma2", "gemma3", "olmoe"):
         pytest.skip("the ISA levels differ in kernels, not in families: one of each new detail")
     if family_name.startswith("gemma") and name.startswith("invariant"):
         pytest.skip("deterministic mode refuses windowed models (test_deterministic_mode_refuses_...)")
@@ -187,24 +190,23 @@ def test_a_gguf_architecture_the_engine_does_not_run_is_refused_by_name(tmp_path
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "fmt"),
-    [
-        ("qwen3", "safetensors"),
-        ("phi3", "safetensors"),
-        ("phi3", "gguf"),
-        ("gemma2", "gguf"),
-        ("gemma3", "safetensors"),
-    ],
-)
+    [("qwen3", "safetensors"), ("phi3", "safetensors"), ("phi3", "gguf"), ("gemma2", "gguf"),
+     ("gemma3", "safetensors"), ("mixtral", "safetensors"), ("qwen3-moe", "gguf")],
+)  # fmt: skip
 def test_tensor_parallel_2_matches_transformers(tmp_path_factory, name, fmt):
     """TP=2: Q/K norms replicated, Phi-3's fused weights split per rank (a rank reads its rows);
-    Gemma's extra norms act on the reduced outputs, its logits are capped after the gather."""
+    Gemma's extra norms act on the reduced outputs, its logits are capped after the gather; each
+    expert's intermediate dimension split with the router replicated (Mixtral's HF names;
+    Qwen3-MoE's stacked GGUF experts and its dense layer)."""
     path = write_family(tmp_path_factory.mktemp(name) / name, name, seed=3)
     model_path = write_gguf(path, path.parent / f"{name}.gguf") if fmt == "gguf" else path
     hf = _hf_model(path)
     engine = LLMEngine.from_args(EngineArgs(model=str(model_path), dtype="float32", tensor_parallel_size=2))
     try:
         prompt = LONG_IDS[:80]
-        seq = engine.add_request("r", prompt, SamplingParams(max_tokens=32, temperature=0, ignore_eos=True))
+        # min_tokens: EOS suppressed until then, as min_new_tokens does in transformers' generate
+        params = SamplingParams(max_tokens=32, min_tokens=32, temperature=0)
+        seq = engine.add_request("r", prompt, params)
         while engine.has_unfinished():
             engine.step()
         assert seq.output_token_ids == _hf_greedy(hf, prompt, 32)

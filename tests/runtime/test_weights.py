@@ -150,9 +150,10 @@ def test_the_loader_refuses_what_the_spec_describes_but_the_engine_cannot_run():
     from dataclasses import replace
 
     check_servable(get_model("qwen2.5-7b"))
-    with pytest.raises(InvalidArgument, match="8-expert MoE is not supported"):
-        check_servable(get_model("mixtral-8x7b"))
+    check_servable(get_model("mixtral-8x7b"))  # a MoE
     llama = get_model("llama-3.2-1b")
+    with pytest.raises(InvalidArgument, match="architecture 'gpt2' is not supported"):
+        check_servable(replace(llama, architecture="gpt2"))
     check_servable(llama)  # llama3 RoPE scaling
     with pytest.raises(InvalidArgument, match="attention_bias=true"):
         check_servable(replace(llama, qkv_bias=True))

@@ -10,6 +10,7 @@ torch.distributed's functions, which only know groups made from its default grou
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -79,6 +80,10 @@ class VocabParallelHead(_Wrapped):
         return torch.cat(parts, dim=1)[:, : self.vocab_size]
 
 
+def _all_reduce(group: Any, x: torch.Tensor) -> None:
+    group.allreduce([x]).wait()
+
+
 @dataclass(slots=True)
 class VocabParallelEmbedding:
     """This rank's rows of the embedding; a token outside them contributes zeros, so the
@@ -102,10 +107,13 @@ def parallelize(model: Any, shard: Shard, group: Any) -> None:
     rank's part of the whole: the row-parallel linears reduce, the head gathers, the embedding
     reduces. `model`: runtime.model.LlamaModel."""
     for layer in model.layers:
-        if layer.o.bias is not None or layer.down.bias is not None:
+        if layer.o.bias is not None or (layer.down is not None and layer.down.bias is not None):
             raise ValueError("row-parallel linears with a bias are not supported")
         layer.o = RowParallelLinear(layer.o, group)
-        layer.down = RowParallelLinear(layer.down, group)
+        if layer.moe is not None:  # every expert's partial sums, weighted and added, then one all-reduce
+            layer.moe.reduce = partial(_all_reduce, group)
+        else:
+            layer.down = RowParallelLinear(layer.down, group)
     model.lm_head = VocabParallelHead(model.lm_head, group, shard.spec.vocab_size, shard.vocab_per_rank, shard.size)
     model.embedding = VocabParallelEmbedding(model.embed, shard.vocab_range[0], group)
     model.use_ops(model.ops)  # the ops see the wrapped linears (no one-call decode stack over them)

@@ -5,6 +5,10 @@ heads and its slice of the MLP with no communication. Row-parallel (columns): o_
 each rank's partial sums are all-reduced. Embedding and LM head: each rank holds a contiguous
 slice of the vocabulary. Norms are replicated.
 
+A MoE layer is split the same way inside every expert (vLLM's tensor-parallel MoE, not expert
+parallelism): each rank holds every expert's slice of the intermediate dimension and the whole
+router, so every rank routes each token alike, and the layer's output is all-reduced once.
+
 KV heads split across ranks like the query heads; with fewer KV heads than ranks, each KV head
 is replicated on the ranks whose query heads read it (vLLM's rule), so every rank holds one.
 """
@@ -41,8 +45,14 @@ def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
             f"of them", param="tensor_parallel_size",
         )  # fmt: skip
     if spec.ffn_size % size:
+        what = "each expert's MLP size" if spec.is_moe else "the model's MLP size"
         raise InvalidArgument(
-            f"tensor_parallel_size={size} must divide the model's MLP size {spec.ffn_size}",
+            f"tensor_parallel_size={size} must divide {what} {spec.ffn_size}",
+            param="tensor_parallel_size",
+        )
+    if spec.dense_layers and spec.dense_ffn_size is not None and spec.dense_ffn_size % size:
+        raise InvalidArgument(
+            f"tensor_parallel_size={size} must divide the MLP size {spec.dense_ffn_size} of the model's dense layers",
             param="tensor_parallel_size",
         )
     if spec.vocab_size < size:
@@ -81,6 +91,11 @@ class Shard:
         return self.spec.ffn_size // self.size
 
     @property
+    def dense_ffn_size(self) -> int:
+        """A dense layer's MLP slice (a MoE's dense layers' own size where it has one)."""
+        return (self.spec.dense_ffn_size or self.spec.ffn_size) // self.size
+
+    @property
     def vocab_per_rank(self) -> int:
         """Rows of every rank's vocabulary slice; the last may hold fewer (padded when gathered)."""
         return -(-self.spec.vocab_size // self.size)
@@ -92,7 +107,9 @@ class Shard:
 
     def local_spec(self) -> ModelSpec:
         """The shape this rank's model and KV cache have: its heads and its slice of the MLP."""
-        return replace(self.spec, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, ffn_size=self.ffn_size)
+        dense_ffn = None if self.spec.dense_ffn_size is None else self.dense_ffn_size
+        return replace(self.spec, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, ffn_size=self.ffn_size,
+                       dense_ffn_size=dense_ffn)  # fmt: skip
 
     def slice_of(self, name: str) -> Slice | None:
         """The part of HF tensor `name` this rank holds; None: the whole tensor (norms)."""
@@ -107,10 +124,17 @@ class Shard:
         if name.endswith("self_attn.o_proj.weight"):
             q0 = self.rank * self.num_heads * d
             return Slice(1, q0, q0 + self.num_heads * d)
+        if ".mlp.experts." in name:  # every expert's slice of its intermediate dimension
+            ffn = self.ffn_size
+            if name.endswith(("gate_proj.weight", "up_proj.weight")):
+                return Slice(0, self.rank * ffn, (self.rank + 1) * ffn)
+            if name.endswith("down_proj.weight"):
+                return Slice(1, self.rank * ffn, (self.rank + 1) * ffn)
+        ffn = self.dense_ffn_size
         if name.endswith(("mlp.gate_proj.weight", "mlp.up_proj.weight")):
-            return Slice(0, self.rank * self.ffn_size, (self.rank + 1) * self.ffn_size)
+            return Slice(0, self.rank * ffn, (self.rank + 1) * ffn)
         if name.endswith("mlp.down_proj.weight"):
-            return Slice(1, self.rank * self.ffn_size, (self.rank + 1) * self.ffn_size)
+            return Slice(1, self.rank * ffn, (self.rank + 1) * ffn)
         if name in ("model.embed_tokens.weight", "lm_head.weight"):
             return Slice(0, *self.vocab_range)
         return None
