@@ -64,3 +64,30 @@ def test_dtypes():
         weight_dtype("int3")
     with pytest.raises(InvalidArgument, match="int4.*bfloat16"):
         kv_dtype("int4")
+
+
+def test_every_catalog_part_says_where_its_parameters_come_from():
+    from servelab.spec.hardware import HARDWARE
+
+    for name, hw in HARDWARE.items():
+        assert hw.datasheet and "(" in hw.datasheet, f"{name}: no datasheet named"
+        assert hw.provenance.endswith(f"memory, bandwidth, peaks and link from {hw.datasheet}")
+        assert ("measured kernels" in hw.provenance) == (hw.kernels is not None), name
+        assert hw.kernels is not None or "extrapolated" in hw.provenance, name
+
+
+def test_a_hardware_file_names_itself_as_the_source_unless_it_cites_one(tmp_path):
+    import json
+
+    from servelab.spec.hardware import get_hardware
+
+    body = {"memory_bytes": 32e9, "bandwidth_bytes_per_s": 51.2e9, "peak_flops": {"bf16": 768e9}}
+    plain = tmp_path / "box.json"
+    plain.write_text(json.dumps(body))
+    assert get_hardware(str(plain)).provenance.endswith(f"from the hardware file {plain}")
+    cited = tmp_path / "cited.json"
+    cited.write_text(json.dumps({**body, "datasheet": "vendor sheet rev 3 (example.com)"}))
+    assert "vendor sheet rev 3" in get_hardware(str(cited)).provenance
+    cited.write_text(json.dumps({**body, "datasheet": ""}))
+    with pytest.raises(InvalidArgument, match="datasheet"):
+        get_hardware(str(cited))
