@@ -22,6 +22,8 @@ class HardwareSpec:
     description: str = ""
     # Where memory, bandwidth, peaks and link come from (a datasheet, or the hardware file).
     datasheet: str = field(default="", compare=False)
+    # The SM (or CU) generation: parts that share it run the same kernels ("hopper", "ampere", ...).
+    architecture: str = ""
     # Measured GEMM, attention and collective fits with their provenance (kernel_fits.json); None:
     # the cost model extrapolates from its end-to-end defaults.
     kernels: KernelProfile | None = field(default=None, hash=False, compare=False)
