@@ -156,6 +156,8 @@ def rows(roofline: Any, batches: list[int], context: int, prompt_len: int | None
             "peak_compute_time_s": cost.peak_compute_time_s,
             "peak_memory_time_s": cost.peak_memory_time_s,
             "parameter_source": roofline.parameter_source,
+            # the p of the compute/memory p-norm; None: max() (no measured GEMMs on this part)
+            "overlap_sharpness": None if roofline.overlap_sharpness == float("inf") else roofline.overlap_sharpness,
             "extrapolation": list(roofline.extrapolation),
         }
         if prefill is not None:
@@ -315,10 +317,12 @@ def _efficiency_line(roofline: Any) -> str:
             f"{eff.bandwidth_fraction:.0%} of peak bandwidth, {fixed_s * 1e3:.2f} ms per step ({m.num_layers} "
             f"layers) + {eff.per_seq_overhead_s * 1e6:.1f} us per sequence besides the kernels"
         )
+    p = roofline.overlap_sharpness
+    overlap = "max() of the two" if p == float("inf") else f"their p-norm, p = {p:.3g} (measured GEMMs)"
     return (
         f"predicted at {bandwidth} and {fmt.compute_fraction:.0%} of peak compute (ridge "
-        f"{roofline.achievable_ridge_flops_per_byte:.0f} FLOP/byte), {fixed_s * 1e3:.2f} ms per step "
-        f"({m.num_layers} layers) + {eff.per_seq_overhead_s * 1e6:.1f} us per sequence"
+        f"{roofline.achievable_ridge_flops_per_byte:.0f} FLOP/byte) combined as {overlap}, "
+        f"{fixed_s * 1e3:.2f} ms per step ({m.num_layers} layers) + {eff.per_seq_overhead_s * 1e6:.1f} us per sequence"
     )
 
 
