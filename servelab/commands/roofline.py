@@ -55,6 +55,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--compute-fraction", type=float, default=None, help="achievable share of peak FLOP/s")
     e.add_argument("--step-overhead", default=None, help="fixed cost per step besides the per-layer one, e.g. 150us")
     e.add_argument(
+        "--engine-profile",
+        default=None,
+        metavar="NAME",
+        help="price with an engine preset's roofline terms, as `sim` and `plan` do with the same flag "
+        "(servelab/spec/engine_profiles.json, key gpu): servelab, vllm, sglang, trtllm; default: the "
+        "Efficiency defaults, which servelab, vllm and sglang carry",
+    )
+    e.add_argument(
         "--measured-kernels",
         action="store_true",
         help="price linear layers, attention and all-reduces from the part's measured kernels (A100, "
@@ -86,6 +94,15 @@ def _efficiency(args: argparse.Namespace) -> Any:
     from servelab.cost.roofline import default_efficiency
 
     eff = default_efficiency(args.measured_kernels)
+    if args.engine_profile is not None:
+        from servelab.sim.engine_profiles import engine_profile
+
+        if args.measured_kernels:
+            raise InvalidArgument(
+                "--engine-profile and --measured-kernels each choose the end-to-end terms; give one",
+                param="engine_profile",
+            )
+        eff = engine_profile(args.engine_profile).efficiency() or eff
     if args.bandwidth_fraction is not None:
         eff = replace(eff, bandwidth_fraction=args.bandwidth_fraction)
     if args.compute_fraction is not None:
