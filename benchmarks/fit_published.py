@@ -17,9 +17,11 @@ the terms fitted on those points alone (`gpu.efficiency`); the others price with
 modern sets are priced with the preset of each point's engine.
 
 The fit is least squares on relative error with every term non-negative (fractions are fitted as
-1/fraction >= 1, so none exceeds the datasheet). A step's time is max(compute, memory) + added
-terms; the max is linearised by fixing, for every step, the side that binds under the current
-parameters, and the fit repeats until the parameters stop moving.
+1/fraction >= 1, so none exceeds the datasheet). A step's time is overlap(compute, memory) + added
+terms, the p-norm of the part's measured GEMMs (max() where none was measured). The p-norm is
+homogeneous of degree 1, so at the current parameters it equals w_c·compute + w_m·memory with
+w = (side / time)^(p-1) (for max(), 1 on the binding side); the fit holds those weights, solves,
+and repeats until the parameters stop moving.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from servelab.cost.roofline import (
     FormatEfficiency,
     Roofline,
     default_efficiency,
+    overlap,
 )
 from servelab.sim.engine_profiles import DEFAULT_ENGINE_PROFILE, engine_profiles
 from servelab.spec.hardware import get_hardware
@@ -64,6 +67,9 @@ MODERN_SETS = ("modern-train", "modern-test")
 MEASURED = False
 # The sets an engine preset's terms are fitted on.
 PRESET_TRAINING_SETS = ("train", "modern-train")
+# A preset holds nothing: its engine's own TP runs at batch 64 to 1,024 move megabytes per
+# all-reduce, which identifies the link's achieved rate (a preset without such runs keeps 0.7).
+PRESET_HELD: dict[str, float] = {}
 # A point's engine -> the preset that models it; an engine without a preset (gpt-fast, torchao: "other") takes the default's.
 PRESET_OF_ENGINE = {"vllm": "vllm", "sglang": "sglang", "trtllm": "trtllm"}
 
@@ -100,7 +106,7 @@ def fit_presets(data: dict[str, Any]) -> dict[str, Efficiency]:
             if p["set"] in PRESET_TRAINING_SETS and p["run"]["kind"] in PRICED_KINDS and preset_of(p, data) == name
         ]
         if points:
-            out[name] = rounded(fit(points))
+            out[name] = rounded(fit(points, held=PRESET_HELD))
     return out
 
 
@@ -221,9 +227,17 @@ def with_params(eff: Efficiency, values: dict[str, float]) -> Efficiency:
     return replace(eff, **top, formats=formats)
 
 
+def side_weights(compute_s: float, memory_s: float, sharpness: float) -> tuple[float, float]:
+    """d time / d side for time = overlap(compute, memory): (1, 0) or (0, 1) for max()."""
+    if sharpness == math.inf or compute_s <= 0.0 or memory_s <= 0.0:
+        return (1.0, 0.0) if compute_s > memory_s else (0.0, 1.0)
+    t = overlap(compute_s, memory_s, sharpness)
+    return (compute_s / t) ** (sharpness - 1.0), (memory_s / t) ** (sharpness - 1.0)
+
+
 def _row(point: dict[str, Any], eff: Efficiency, measured: bool) -> tuple[dict[str, float], tuple[str, ...]]:
-    """The point's run time as Σ coefficient × term, each step on the side of the max that binds
-    under `eff`; also which side each step took (the fit stops when these stop changing)."""
+    """The point's run time as Σ coefficient × term, each step's two sides weighted by their share
+    of the overlap under `eff`; also which side each step is bound by."""
     r = roofline(point, eff, measured)
     row: dict[str, float] = {}
     sides = []
@@ -231,10 +245,14 @@ def _row(point: dict[str, Any], eff: Efficiency, measured: bool) -> tuple[dict[s
         compute, memory, added = r.time_terms(*totals)
         c = sum(v / get_param(eff, k) for k, v in compute.items())
         m = sum(v / get_param(eff, k) for k, v in memory.items())
-        side = compute if c > m else memory
         sides.append("c" if c > m else "m")
-        for k, v in (*side.items(), *added.items()):
+        for k, v in added.items():
             row[k] = row.get(k, 0.0) + n * v
+        # The p-norm is homogeneous of degree 1, so time = w_c·compute + w_m·memory with
+        # w = (side / time)^(p-1) (Euler): the same linearisation as picking max()'s binding side.
+        for side, weight in zip((compute, memory), side_weights(c, m, r.overlap_sharpness)):
+            for k, v in side.items():
+                row[k] = row.get(k, 0.0) + n * weight * v
     return row, tuple(sides)
 
 
@@ -252,8 +270,16 @@ def fit(
     held = HELD if held is None else held
     eff = with_params(start or Efficiency(), held)
     previous: list[float] | None = None
+    base_held = held
     for _ in range(max_rounds):
-        rows, _sides = zip(*(_row(p, eff, measured) for p in points))
+        rows, sides = zip(*(_row(p, eff, measured) for p in points))
+        # A format without a compute-bound training step cannot identify its compute fraction (its
+        # compute side only shows through the overlap, at a weight of ~0): it follows the 16-bit one.
+        compute_bound = {p["weight_dtype"] for p, side in zip(points, sides) if "c" in side}
+        held = {
+            **base_held,
+            **{f"formats.{f}.compute_fraction": eff.compute_fraction for f in FORMATS if f not in compute_bound},
+        }
         free = [k for k in PARAMS if k not in held and any(row.get(k, 0.0) for row in rows)]
         a = np.array([[row.get(k, 0.0) for k in free] for row in rows])
         y = np.array([published_time_s(p) for p in points])

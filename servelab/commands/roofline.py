@@ -55,6 +55,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument("--compute-fraction", type=float, default=None, help="achievable share of peak FLOP/s")
     e.add_argument("--step-overhead", default=None, help="fixed cost per step besides the per-layer one, e.g. 150us")
     e.add_argument(
+        "--engine-profile",
+        default=None,
+        metavar="NAME",
+        help="price with an engine preset's roofline terms, as `sim` and `plan` do with the same flag "
+        "(servelab/spec/engine_profiles.json, key gpu): servelab, vllm, sglang, trtllm; default: the "
+        "Efficiency defaults, which servelab, vllm and sglang carry",
+    )
+    e.add_argument(
         "--measured-kernels",
         action="store_true",
         help="price linear layers, attention and all-reduces from the part's measured kernels (A100, "
@@ -86,6 +94,15 @@ def _efficiency(args: argparse.Namespace) -> Any:
     from servelab.cost.roofline import default_efficiency
 
     eff = default_efficiency(args.measured_kernels)
+    if args.engine_profile is not None:
+        from servelab.sim.engine_profiles import engine_profile
+
+        if args.measured_kernels:
+            raise InvalidArgument(
+                "--engine-profile and --measured-kernels each choose the end-to-end terms; give one",
+                param="engine_profile",
+            )
+        eff = engine_profile(args.engine_profile).efficiency() or eff
     if args.bandwidth_fraction is not None:
         eff = replace(eff, bandwidth_fraction=args.bandwidth_fraction)
     if args.compute_fraction is not None:
@@ -156,6 +173,8 @@ def rows(roofline: Any, batches: list[int], context: int, prompt_len: int | None
             "peak_compute_time_s": cost.peak_compute_time_s,
             "peak_memory_time_s": cost.peak_memory_time_s,
             "parameter_source": roofline.parameter_source,
+            # the p of the compute/memory p-norm; None: max() (no measured GEMMs on this part)
+            "overlap_sharpness": None if roofline.overlap_sharpness == float("inf") else roofline.overlap_sharpness,
             "extrapolation": list(roofline.extrapolation),
         }
         if prefill is not None:
@@ -315,10 +334,12 @@ def _efficiency_line(roofline: Any) -> str:
             f"{eff.bandwidth_fraction:.0%} of peak bandwidth, {fixed_s * 1e3:.2f} ms per step ({m.num_layers} "
             f"layers) + {eff.per_seq_overhead_s * 1e6:.1f} us per sequence besides the kernels"
         )
+    p = roofline.overlap_sharpness
+    overlap = "max() of the two" if p == float("inf") else f"their p-norm, p = {p:.3g} (measured GEMMs)"
     return (
         f"predicted at {bandwidth} and {fmt.compute_fraction:.0%} of peak compute (ridge "
-        f"{roofline.achievable_ridge_flops_per_byte:.0f} FLOP/byte), {fixed_s * 1e3:.2f} ms per step "
-        f"({m.num_layers} layers) + {eff.per_seq_overhead_s * 1e6:.1f} us per sequence"
+        f"{roofline.achievable_ridge_flops_per_byte:.0f} FLOP/byte) combined as {overlap}, "
+        f"{fixed_s * 1e3:.2f} ms per step ({m.num_layers} layers) + {eff.per_seq_overhead_s * 1e6:.1f} us per sequence"
     )
 
 

@@ -1,12 +1,17 @@
 """Roofline cost model of one engine step.
 
 A step moves bytes (the weights once, every sequence's KV cache, the new KV, activations) and
-does FLOPs (2 per active parameter per token, plus attention). Its time is whichever of the two
-takes longer at achievable rates, plus tensor-parallel all-reduces and fixed overheads:
+does FLOPs (2 per active parameter per token, plus attention). Its time is the two sides at
+achievable rates, combined as the part's measured GEMMs combine them, plus tensor-parallel
+all-reduces and fixed overheads:
 
-    time = max(flops / (peak_flops × compute_fraction[format]),
-               weight_bytes / (bandwidth × bandwidth_fraction[format]) + other_bytes / (bandwidth × bandwidth_fraction))
-           + all-reduce time + step_overhead_s + num_layers × per_layer_overhead_s + num_seqs × per_seq_overhead_s
+    compute = flops / (peak_flops × compute_fraction[format])
+    memory  = weight_bytes / (bandwidth × bandwidth_fraction[format]) + other_bytes / (bandwidth × bandwidth_fraction)
+    time    = (compute^p + memory^p)^(1/p)
+              + all-reduce time + step_overhead_s + num_layers × per_layer_overhead_s + num_seqs × per_seq_overhead_s
+
+p is the sharpness of the GEMMs measured on the part or its architecture (`overlap_sharpness`);
+inf, i.e. max(compute, memory), where none was measured.
 
 With `measured_kernels=True`, a part with measured kernels for the weight format (A100, H100,
 H200: servelab/spec/kernel_fits.json) prices a step as the kernels it runs one after another: every
@@ -22,6 +27,7 @@ docs/fidelity.md for the published measurements the defaults are fitted to.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from operator import mul
@@ -35,9 +41,28 @@ from servelab.errors import InvalidArgument
 from servelab.spec.dtypes import ACTIVATION_BYTES, DEFAULT_DTYPE
 from servelab.spec.dtypes import kv_dtype as _kv_dtype
 from servelab.spec.dtypes import weight_dtype as _weight_dtype
-from servelab.spec.hardware import HardwareSpec
+from servelab.spec.hardware import HardwareSpec, measured_gemm
 from servelab.spec.kernels import AttentionEfficiency, CollectiveFit, GemmEfficiency
 from servelab.spec.model import ModelSpec
+
+
+def overlap(compute_s: float, memory_s: float, sharpness: float) -> float:
+    """A step's time from its compute and memory sides: their p-norm, which tends to max() as the
+    sharpness grows. Near the ridge neither the loads nor the math hide fully behind the other
+    (measured GEMMs: sharpness 1.6 to 6 on A100, H100 and H200, servelab/spec/kernel_fits.json)."""
+    if sharpness == math.inf:
+        return compute_s if compute_s > memory_s else memory_s
+    if compute_s <= 0.0 or memory_s <= 0.0:
+        return compute_s + memory_s
+    return (compute_s**sharpness + memory_s**sharpness) ** (1.0 / sharpness)
+
+
+def overlap_sharpness(hardware: HardwareSpec, compute_dtype: str) -> float:
+    """How sharply a step's compute and memory sides overlap on this part: the sharpness of the
+    GEMMs measured for the compute dtype on it or its architecture (else its 16-bit ones: such
+    weights run 16-bit math), or inf (max(), the plain roofline) where no GEMM was measured."""
+    gemm = measured_gemm(hardware, compute_dtype) or measured_gemm(hardware, "bf16")
+    return math.inf if gemm is None else gemm.sharpness
 
 
 def _check_fraction(name: str, value: float) -> None:
@@ -65,9 +90,9 @@ class FormatEfficiency:
 # Fitted with BF16's terms by benchmarks/fit_published.py (docs/fidelity.md, "Published measurements").
 _DEFAULT_FORMATS: Mapping[str, FormatEfficiency] = MappingProxyType(
     {
-        "int8": FormatEfficiency(bandwidth_fraction=0.72, compute_fraction=0.68),
-        "int4": FormatEfficiency(bandwidth_fraction=0.50, compute_fraction=0.68),
-        "fp8": FormatEfficiency(bandwidth_fraction=0.55, compute_fraction=0.45),
+        "int8": FormatEfficiency(bandwidth_fraction=0.71, compute_fraction=0.67),
+        "int4": FormatEfficiency(bandwidth_fraction=0.49, compute_fraction=0.67),
+        "fp8": FormatEfficiency(bandwidth_fraction=0.51, compute_fraction=0.45),
     }
 )
 
@@ -90,15 +115,17 @@ class Efficiency:
       fraction of the link rate, after a fixed latency per all-reduce (two per layer).
     - formats: per quantized weight format (`int8`, `int4`, `fp8`), its kernels' own fractions;
       formats not listed (BF16, FP16, FP32, GGUF blocks) use the two above.
+
+    How the compute and memory sides overlap is the part's, not the engine's: `overlap_sharpness`.
     """
 
-    bandwidth_fraction: float = 0.88
-    compute_fraction: float = 0.68
+    bandwidth_fraction: float = 0.92
+    compute_fraction: float = 0.67
     step_overhead_s: float = 0.0
-    per_layer_overhead_s: float = 6.6e-5
-    per_seq_overhead_s: float = 7.7e-6
+    per_layer_overhead_s: float = 6.3e-5
+    per_seq_overhead_s: float = 6.7e-6
     interconnect_fraction: float = 0.7
-    allreduce_latency_s: float = 3.6e-6
+    allreduce_latency_s: float = 5.8e-6
     formats: Mapping[str, FormatEfficiency] = field(default_factory=lambda: dict(_DEFAULT_FORMATS), hash=False)
 
     def __post_init__(self) -> None:
@@ -145,16 +172,16 @@ class Efficiency:
 # fixed costs inside the measured kernels leave no per-layer term; docs/fidelity.md compares the two.
 MEASURED_KERNELS_EFFICIENCY = Efficiency(
     bandwidth_fraction=1.0,
-    compute_fraction=0.68,
+    compute_fraction=0.67,
     step_overhead_s=0.0,
     per_layer_overhead_s=0.0,
-    per_seq_overhead_s=4.9e-6,
+    per_seq_overhead_s=4.7e-6,
     interconnect_fraction=0.7,
     allreduce_latency_s=3.3e-5,
     formats={
-        "int8": FormatEfficiency(bandwidth_fraction=0.59, compute_fraction=0.68),
-        "int4": FormatEfficiency(bandwidth_fraction=0.38, compute_fraction=0.68),
-        "fp8": FormatEfficiency(bandwidth_fraction=0.32, compute_fraction=0.42),
+        "int8": FormatEfficiency(bandwidth_fraction=0.59, compute_fraction=0.67),
+        "int4": FormatEfficiency(bandwidth_fraction=0.38, compute_fraction=0.67),
+        "fp8": FormatEfficiency(bandwidth_fraction=0.32, compute_fraction=0.41),
     },
 )
 
@@ -199,7 +226,7 @@ def extrapolation(
     if k is None:
         return (
             f"{hardware.name} has no measured kernels: its datasheet peaks at the fractions fitted on "
-            "A100, H100 and H200",
+            "A100 and H100 runs, compute and memory combined by max()",
         )
     reasons = []
     wdt = _weight_dtype(weight_dtype)
@@ -348,6 +375,7 @@ class Roofline:
             self._allreduces_per_step = 0
             self._comm_s_per_token = self._comm_s_per_step = 0.0
         self._overhead_s = eff.step_overhead_s + m.num_layers * eff.per_layer_overhead_s
+        self.overlap_sharpness = overlap_sharpness(hardware, wdt.compute_dtype)
         self._per_seq_s = eff.per_seq_overhead_s
 
         if self.gemm is not None:
@@ -508,8 +536,13 @@ class Roofline:
             weight_s += self._expert_s_all_layers * (1.0 - self._expert_miss_prob**num_tokens)
         memory_s = weight_s + context_tokens * self._memory_s_per_context_token + num_tokens * self._memory_s_per_token
         # a conditional, not max(): this line runs millions of times per simulation
+        p = self.overlap_sharpness
         return (
-            (compute_s if compute_s > memory_s else memory_s)
+            (
+                (compute_s if compute_s > memory_s else memory_s)
+                if p == math.inf
+                else (compute_s**p + memory_s**p) ** (1.0 / p)
+            )
             + num_tokens * self._comm_s_per_token
             + self._comm_s_per_step
             + self._overhead_s
@@ -523,7 +556,7 @@ class Roofline:
         (compute side, memory side, added). A fraction's term is multiplied by 1 / fraction, an
         overhead's by its value, and
 
-            time = max(Σ compute side, Σ memory side) + Σ added
+            time = overlap(Σ compute side, Σ memory side, overlap_sharpness) + Σ added
 
 
         gives `time_from_totals` (its test holds the two together). Keys are Efficiency field
@@ -628,7 +661,7 @@ class Roofline:
         else:
             compute_s = flops / self._flops_per_s
             memory_s = weight_bytes / self._weight_bytes_per_s + other_memory_s
-            time_s = max(compute_s, memory_s) + comm_s + overhead_s
+            time_s = overlap(compute_s, memory_s, self.overlap_sharpness) + comm_s + overhead_s
         return StepCost(
             time_s=time_s,
             num_tokens=num_tokens,

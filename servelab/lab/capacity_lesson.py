@@ -245,13 +245,13 @@ def upper_bound(s: Any, hardware: Any, key: PlanKey) -> dict[str, Any]:
     memory share, the lab's sequence cap) nor than whose decode step at the shortest context (the
     prompt alone) meets the TPOT target; none when one prefill alone misses the TTFT target.
     Tokens/s: those users' decode steps alone, as if no prefill ever took a step."""
-    from servelab.cost import MemoryPlan, Roofline
+    from servelab.cost import MemoryPlan
     from servelab.lab.roofline_lessons import batch_at_tpot
     from servelab.sim.engine_profiles import engine_profile
 
     w, k = s.weight_dtype, s.kv_dtype
     try:
-        rl = Roofline(s.model, hardware, w, k, s.tp)
+        rl = s.roofline(hardware=hardware)
         share = (
             engine_profile(s.engine_profile)
             .settings(s.model, hardware, tp=s.tp, weight_dtype=w, kv_cache_dtype=k)

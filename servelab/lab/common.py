@@ -9,8 +9,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from servelab.cost import MemoryPlan, Roofline
-from servelab.sim.engine_profiles import DEFAULT_ENGINE_PROFILE, engine_profiles
+from servelab.cost import Efficiency, MemoryPlan, Roofline
+from servelab.sim.engine_profiles import DEFAULT_ENGINE_PROFILE, engine_profile, engine_profiles
 from servelab.lab.params import Params
 from servelab.spec import HARDWARE, KV_DTYPES, MODELS, WEIGHT_DTYPES, HardwareSpec, ModelSpec, get_hardware, get_model
 from servelab.spec.dtypes import DEFAULT_DTYPE, DEPRECATED_ALIASES, canonical_dtype
@@ -29,11 +29,25 @@ class Setup:
     tp: int
     engine_profile: str = DEFAULT_ENGINE_PROFILE  # whose defaults the simulated lessons run with
 
+    @property
+    def efficiency(self) -> Efficiency:
+        """The engine preset's roofline terms, so the lab's roofline lessons price as its simulated ones."""
+        return engine_profile(self.engine_profile).efficiency() or Efficiency()
+
     def roofline(
-        self, model: ModelSpec | None = None, weight_dtype: str | None = None, kv_dtype: str | None = None
+        self,
+        model: ModelSpec | None = None,
+        weight_dtype: str | None = None,
+        kv_dtype: str | None = None,
+        hardware: HardwareSpec | None = None,
     ) -> Roofline:
         return Roofline(
-            model or self.model, self.hardware, weight_dtype or self.weight_dtype, kv_dtype or self.kv_dtype, self.tp
+            model or self.model,
+            hardware or self.hardware,
+            weight_dtype or self.weight_dtype,
+            kv_dtype or self.kv_dtype,
+            self.tp,
+            efficiency=self.efficiency,
         )
 
     def memory(

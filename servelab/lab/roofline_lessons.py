@@ -487,7 +487,7 @@ def memory(p: Params) -> dict[str, Any]:
     for w, k, a in combos:
         model = s.model if a == "gqa" else with_mha(s.model)
         plan = MemoryPlan(model, s.hardware, w, k, s.tp)
-        rl = Roofline(model, s.hardware, w, k, s.tp)
+        rl = s.roofline(model, w, k)
         max_batch = plan.max_batch(context) if plan.weights_fit else 0
         b = batch_at_tpot(rl, context, max_batch, tpot_ms / 1e3)
         step_s = rl.decode(b, context).time_s if b else None
@@ -521,7 +521,7 @@ def memory(p: Params) -> dict[str, Any]:
             f"{plan.kv_capacity_tokens:,}-token KV cache left after the weights"
         )
     best = max(range(len(combos)), key=lambda j: variants["tokens_per_s_per_gpu"][j])
-    batch_1_ms = ms(Roofline(model, s.hardware, s.weight_dtype, s.kv_dtype, s.tp).decode(1, context).time_s)
+    batch_1_ms = ms(s.roofline(model).decode(1, context).time_s)
     yours = _memory_yours(plan, pick, context, tpot_ms, batch_1_ms)
     best_label = variants["label"][best].replace("<br>", " · ")
     best_text = (

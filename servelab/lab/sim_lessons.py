@@ -319,7 +319,7 @@ def _require_request_fits(s: Setup, prompt_len: int, output_len: int) -> None:
 
 def slo(p: Params, budget: Budget) -> dict[str, Any]:
     s = setup_from(p)
-    rate = p.float("rate", 24.0, **bounds("slo", "rate"))
+    rate = p.float("rate", 20.0, **bounds("slo", "rate"))
     ttft_slo_ms = p.float("ttft_slo_ms", 500.0, **bounds("slo", "ttft_slo_ms"))
     tpot_slo_ms = p.float("tpot_slo_ms", 20.0, **bounds("slo", "tpot_slo_ms"))
     prompt_len = p.int("prompt_len", 1024, **bounds("slo", "prompt_len"))

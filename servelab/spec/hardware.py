@@ -19,7 +19,7 @@ from dataclasses import replace
 from servelab.errors import InvalidArgument
 from servelab.spec.hardware_file import is_hardware_file, load_hardware_file, resolve_path, shipped_files
 from servelab.spec.hardware_spec import HardwareSpec
-from servelab.spec.kernels import load_fits
+from servelab.spec.kernels import GemmEfficiency, load_fits
 
 TB = 1e12
 GB = 1e9
@@ -38,6 +38,8 @@ HARDWARE: dict[str, HardwareSpec] = {
         interconnect_bytes_per_s=450 * GB,
         price_per_hour_usd=3.00,
         description="NVIDIA H100 SXM5 80GB",
+        datasheet="the NVIDIA H100 SXM5 datasheet (nvidia.com/en-us/data-center/h100)",
+        architecture="hopper",
     ),
     # NVIDIA H200 SXM datasheet (nvidia.com/en-us/data-center/h200): 141 GB HBM3e, 4.8 TB/s;
     # same Hopper tensor cores as H100 SXM (BF16 1,979 / FP8 3,958 sparse -> 989.4 / 1,979 dense).
@@ -50,6 +52,8 @@ HARDWARE: dict[str, HardwareSpec] = {
         interconnect_bytes_per_s=450 * GB,
         price_per_hour_usd=3.80,
         description="NVIDIA H200 SXM 141GB",
+        datasheet="the NVIDIA H200 SXM datasheet (nvidia.com/en-us/data-center/h200)",
+        architecture="hopper",
     ),
     # NVIDIA A100 datasheet (nvidia.com/en-us/data-center/a100), 80GB SXM: HBM2e 2,039 GB/s;
     # BF16 312 TFLOPS dense (624 sparse), INT8 624 TOPS dense; no FP8 tensor cores.
@@ -62,6 +66,8 @@ HARDWARE: dict[str, HardwareSpec] = {
         interconnect_bytes_per_s=300 * GB,
         price_per_hour_usd=1.80,
         description="NVIDIA A100 SXM4 80GB",
+        datasheet="the NVIDIA A100 80GB SXM datasheet (nvidia.com/en-us/data-center/a100)",
+        architecture="ampere",
     ),
     # NVIDIA L4 datasheet (nvidia.com/en-us/data-center/l4): 24 GB GDDR6, 300 GB/s;
     # BF16 242 / FP8 485 / INT8 485 "with sparsity" -> 121 / 242.5 / 242.5 dense.
@@ -74,6 +80,8 @@ HARDWARE: dict[str, HardwareSpec] = {
         interconnect_bytes_per_s=32 * GB,
         price_per_hour_usd=0.80,
         description="NVIDIA L4 24GB (PCIe)",
+        datasheet="the NVIDIA L4 datasheet (nvidia.com/en-us/data-center/l4)",
+        architecture="ada",
     ),
     # NVIDIA L40S datasheet (nvidia.com/en-us/data-center/l40s): 48 GB GDDR6, 864 GB/s;
     # BF16 362.05 / FP8 733 / INT8 733 dense (733 / 1,466 / 1,466 with sparsity).
@@ -86,6 +94,8 @@ HARDWARE: dict[str, HardwareSpec] = {
         interconnect_bytes_per_s=32 * GB,
         price_per_hour_usd=1.50,
         description="NVIDIA L40S 48GB (PCIe)",
+        datasheet="the NVIDIA L40S datasheet (nvidia.com/en-us/data-center/l40s); PCIe Gen4 x16 link",
+        architecture="ada",
     ),
     # AMD Instinct MI300X datasheet (amd.com/en/products/accelerators/instinct/mi300/mi300x.html):
     # 192 GB HBM3, 5.3 TB/s; BF16 1,307.4 TFLOPS, FP8 2,614.9 TFLOPS, INT8 2,614.9 TOPS dense.
@@ -98,6 +108,8 @@ HARDWARE: dict[str, HardwareSpec] = {
         interconnect_bytes_per_s=448 * GB,
         price_per_hour_usd=2.50,
         description="AMD Instinct MI300X 192GB",
+        datasheet="the AMD Instinct MI300X datasheet (amd.com/en/products/accelerators/instinct/mi300/mi300x.html)",
+        architecture="cdna3",
     ),
     # NVIDIA HGX B200 spec (nvidia.com/en-us/data-center/hgx): per GPU 180 GB HBM3e (1.44 TB per
     # 8-GPU board; the launch figure was 192 GB), 8 TB/s; FP16/BF16 4.5 PF, FP8 9 PF, INT8 9 POPS
@@ -110,6 +122,8 @@ HARDWARE: dict[str, HardwareSpec] = {
         interconnect_bytes_per_s=900 * GB,
         price_per_hour_usd=5.50,
         description="NVIDIA B200 (HGX) 180GB",
+        datasheet="NVIDIA's HGX B200 specification (nvidia.com/en-us/data-center/hgx)",
+        architecture="blackwell",
     ),
 }
 
@@ -118,6 +132,20 @@ HARDWARE: dict[str, HardwareSpec] = {
 for _name, _profile in load_fits().items():
     HARDWARE[_name] = replace(HARDWARE[_name], kernels=_profile)
 del _name, _profile
+
+
+def measured_gemm(hardware: HardwareSpec, compute_dtype: str) -> GemmEfficiency | None:
+    """The GEMM fit measured for this compute dtype on the part itself, else on a catalog part of
+    the same architecture (the same SMs run the same kernels: H100's FP8 GEMMs are measured on an
+    H200), else None."""
+    candidates = [hardware] + [
+        h for h in HARDWARE.values() if hardware.architecture and h.architecture == hardware.architecture
+    ]
+    for part in candidates:
+        gemm = part.kernels.for_dtype(compute_dtype) if part.kernels is not None else None
+        if gemm is not None:
+            return gemm
+    return None
 
 
 def get_hardware(name: str) -> HardwareSpec:

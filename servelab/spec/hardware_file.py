@@ -116,6 +116,12 @@ def parse_hardware(data: Any, *, source: str, default_name: str) -> HardwareSpec
     description = data.get("description", "")
     if not isinstance(description, str):
         raise fail(f"description must be a string, got {description!r}")
+    datasheet = data.get("datasheet", f"the hardware file {source}")
+    if not isinstance(datasheet, str) or not datasheet.strip():
+        raise fail(f"datasheet must be a non-empty string (where the figures come from), got {datasheet!r}")
+    architecture = data.get("architecture", "")
+    if not isinstance(architecture, str):
+        raise fail(f"architecture must be a string (e.g. 'hopper'), got {architecture!r}")
     peaks = data["peak_flops"]
     if not isinstance(peaks, dict):
         raise fail(f"peak_flops must be an object of compute dtype -> FLOP/s, got {peaks!r}")
@@ -137,6 +143,8 @@ def parse_hardware(data: Any, *, source: str, default_name: str) -> HardwareSpec
         bandwidth_bytes_per_s=positive("bandwidth_bytes_per_s", data["bandwidth_bytes_per_s"]),
         peak_flops={k: positive(f"peak_flops.{k}", v) for k, v in peaks.items()},
         description=description,
+        datasheet=datasheet,
+        architecture=architecture.strip().lower(),
         interconnect_bytes_per_s=optional("interconnect_bytes_per_s"),
         price_per_hour_usd=optional("price_per_hour_usd"),
     )

@@ -20,6 +20,10 @@ class HardwareSpec:
     interconnect_bytes_per_s: float | None = None
     price_per_hour_usd: float | None = None
     description: str = ""
+    # Where memory, bandwidth, peaks and link come from (a datasheet, or the hardware file).
+    datasheet: str = field(default="", compare=False)
+    # The SM (or CU) generation: parts that share it run the same kernels ("hopper", "ampere", ...).
+    architecture: str = ""
     # Measured GEMM, attention and collective fits with their provenance (kernel_fits.json); None:
     # the cost model extrapolates from its end-to-end defaults.
     kernels: KernelProfile | None = field(default=None, hash=False, compare=False)
@@ -28,10 +32,11 @@ class HardwareSpec:
     def provenance(self) -> str:
         """Where the cost model's parameters for this part come from."""
         k = self.kernels
+        figures = f"memory, bandwidth, peaks and link from {self.datasheet or 'no stated source'}"
         if k is None:
             return (
-                "extrapolated: datasheet peaks at the end-to-end Efficiency defaults fitted on A100, H100 and "
-                "H200 runs (docs/fidelity.md)"
+                "extrapolated: datasheet peaks at the end-to-end Efficiency defaults fitted on A100 and H100 runs "
+                f"(docs/fidelity.md); {figures}"
             )
         parts = [
             f"measured kernels: GEMMs ({', '.join(k.gemm)}) from {k.source} ({k.ref})",
@@ -39,7 +44,7 @@ class HardwareSpec:
         ]
         if k.collectives is not None:
             parts.append(f"collectives from {k.collectives.source} ({k.collectives.ref})")
-        return "; ".join(parts)
+        return "; ".join([*parts, figures])
 
     def peak_flops_per_s(self, compute_dtype: str = "bf16") -> float:
         """The matmul rate for a compute dtype. Hardware without FP8/INT8 tensor cores (A100 has no

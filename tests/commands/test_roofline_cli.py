@@ -146,6 +146,14 @@ def test_model_from_an_hf_config_file(tmp_path: Path, capsys):
             ["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--step-overhead=-1ms"],
             "--step-overhead: must be >= 0, got '-1ms'",
         ),
+        (
+            ["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--engine-profile", "vlm"],
+            "unknown engine profile 'vlm'",
+        ),
+        (
+            ["--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--engine-profile", "trtllm", "--measured-kernels"],
+            "--engine-profile and --measured-kernels each choose the end-to-end terms",
+        ),
     ],
 )
 def test_bad_input_is_a_one_line_error_with_status_2(capsys, args, needle):
@@ -256,3 +264,20 @@ def test_by_operator_splits_each_step(capsys):
     lines = out.splitlines()
     assert any(line.startswith("decode batch 1") and "attention" in line for line in lines)
     assert not any(line.startswith("prefill ") for line in lines)
+
+
+def test_an_engine_profile_prices_with_its_presets_terms(capsys):
+    """`roofline --engine-profile` reads the same terms `sim` and `plan` do with the same flag."""
+    from servelab.cost import Efficiency, Roofline
+    from servelab.sim.engine_profiles import engine_profile
+    from servelab.spec import get_hardware, get_model
+
+    def step_s(eff):
+        return Roofline(get_model("llama-3.1-8b"), get_hardware("h100-sxm"), efficiency=eff).decode(64, 2048).time_s
+
+    plain = run_json(capsys, "--batch", "64")[0]["step_time_s"]
+    for name in ("servelab", "vllm", "trtllm"):
+        row = run_json(capsys, "--batch", "64", "--engine-profile", name)[0]
+        assert row["step_time_s"] == pytest.approx(step_s(engine_profile(name).efficiency() or Efficiency()), rel=1e-12)
+    assert run_json(capsys, "--batch", "64", "--engine-profile", "servelab")[0]["step_time_s"] == plain
+    assert run_json(capsys, "--batch", "64", "--engine-profile", "trtllm")[0]["step_time_s"] != plain

@@ -14,13 +14,13 @@ ROOFLINE = ["roofline", "--model", "llama-3.1-8b", "--hardware", "h100-sxm", "--
 
 
 def test_roofline_prints_speculation_against_plain_decoding(capsys):
-    assert main([*ROOFLINE, "--batch", "1,64,512", "--speculative-config", NGRAM, "--spec-acceptance", "0.7"]) == 0
+    assert main([*ROOFLINE, "--batch", "1,64,800", "--speculative-config", NGRAM, "--spec-acceptance", "0.7"]) == 0
     out = capsys.readouterr().out
     assert "2.77 tokens per verification step" in out
     rows = {line.split()[0]: line.split() for line in out.split("speculative decoding:")[1].splitlines()[3:6]}
     assert float(rows["1"][-1].rstrip("x")) == pytest.approx(2.76, abs=0.02)
-    assert float(rows["512"][-1].rstrip("x")) < 1.0
-    assert "speculation stops paying from batch 461 at context 512 (within the memory limit" in out
+    assert float(rows["800"][-1].rstrip("x")) < 1.0
+    assert "speculation stops paying from batch 542 at context 512 (within the memory limit" in out
 
 
 def test_roofline_json_carries_the_speculative_row(capsys):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from servelab.cost.gemm import gemm_time_s, padded_tokens
-from servelab.cost.roofline import MEASURED_KERNELS_TERM, Roofline
+from servelab.cost.roofline import MEASURED_KERNELS_TERM, Roofline, overlap
 from servelab.spec.hardware import HARDWARE, get_hardware
 from servelab.spec.kernels import GemmEfficiency
 from servelab.spec.model import get_model
@@ -130,7 +130,7 @@ def test_measured_path_adds_up_and_names_its_source(model, hardware, dtype, tp, 
         def scaled(terms):
             return sum(v / _fraction(eff, k) for k, v in terms.items())
 
-        total = max(scaled(compute), scaled(memory)) + sum(
+        total = overlap(scaled(compute), scaled(memory), r.overlap_sharpness) + sum(
             v * (1.0 if k == MEASURED_KERNELS_TERM else _value(eff, k)) for k, v in added.items()
         )
         assert total == pytest.approx(r.step_time_s(shape), rel=1e-9)

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from servelab.cost import Efficiency, Roofline
-from servelab.cost.roofline import MEASURED_KERNELS_EFFICIENCY, FormatEfficiency
+from servelab.cost.roofline import MEASURED_KERNELS_EFFICIENCY, FormatEfficiency, overlap
 from servelab.spec import get_hardware, get_model
 
 _SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "fit_published.py"
@@ -148,7 +148,7 @@ def test_time_terms_add_up_to_the_step_time(eff, shape, model, tp, dtype):
     c = sum(v / fp.get_param(eff, k) for k, v in compute.items())
     m = sum(v / fp.get_param(eff, k) for k, v in memory.items())
     rest = sum(v / fp.get_param(eff, k) if fp.is_fraction(k) else v * fp.get_param(eff, k) for k, v in added.items())
-    expected = max(c, m) + rest
+    expected = overlap(c, m, r.overlap_sharpness) + rest
     assert r.time_from_totals(*totals) == pytest.approx(expected, rel=1e-9)
     assert r.step(shape).time_s == pytest.approx(expected, rel=1e-9)
 
@@ -278,7 +278,7 @@ def test_the_engine_presets_beat_the_defaults_on_every_held_out_set():
         pts = [p for p in DATA["points"] if p["set"] == name and p["run"]["kind"] in fp.PRICED_KINDS]
         assert fp.medians(pts, BY_PRESET)["all"] < fp.medians(pts, Efficiency())["all"], name
     m = fp.medians(MODERN_TEST, BY_PRESET)
-    assert m["all"] <= 9.0 and m["TTFT"] <= 10.0 and m["throughput"] <= 10.0, m
+    assert m["all"] <= 7.0 and m["TTFT"] <= 10.0 and m["throughput"] <= 10.0, m
 
 
 def test_every_modern_point_is_within_its_bound_and_each_past_30pct_names_its_cause():
@@ -291,11 +291,75 @@ def test_every_modern_point_is_within_its_bound_and_each_past_30pct_names_its_ca
 
 
 def test_the_trtllm_preset_prices_short_prompts_and_wide_tp_closer_than_the_defaults():
-    """Two patterns on TensorRT-LLM's held-out points, median |error| over each group: 128-token
-    first tokens (within 15%), and TP >= 4 at batch >= 64 (L40S over PCIe, 19%: docs/fidelity.md
-    says why; a regression guard, not the 15% goal)."""
+    """Two patterns on TensorRT-LLM's held-out points: 128-token first tokens (median within 10%;
+    three MoE or TP 8 rows past 15%, docs/fidelity.md), and TP >= 4 at batch >= 64 (L40S over PCIe),
+    every one within 15% now that the preset fits the link's rate on its own TP runs."""
     short = [p for p in MODERN_TEST if p["metric"] == "ttft_ms" and p["run"]["input_len"] <= 512]
     wide = [p for p in MODERN_TEST if p["tp"] >= 4 and p["run"]["batch"] >= 64 and fp.engine_of(p, DATA) == "trtllm"]
     assert len(short) == 8 and len(wide) == 5
     assert fp.medians(short, BY_PRESET)["all"] <= 10.0 < fp.medians(short, Efficiency())["all"]
-    assert fp.medians(wide, BY_PRESET)["all"] <= 20.0
+    assert all(abs(fp.error_pct(p, BY_PRESET)) <= 15.0 for p in wide), [fp.error_pct(p, BY_PRESET) for p in wide]
+    held = dict(PRESETS["trtllm"].to_dict(), interconnect_fraction=fp.HELD["interconnect_fraction"])
+    at_held_rate = fp.by_preset(DATA, {**PRESETS, "trtllm": Efficiency.from_dict(held)})
+    assert fp.medians(wide, BY_PRESET)["all"] < fp.medians(wide, at_held_rate)["all"]
+
+
+def test_an_engine_preset_fits_the_links_rate_the_defaults_hold_it():
+    """The defaults' TP points are all at batch 1 (kilobyte all-reduces): the rate stays held. The
+    trtllm preset's TP runs at batch 64 to 1,024 identify it, and it comes out below the held 0.7."""
+    assert Efficiency().interconnect_fraction == fp.HELD["interconnect_fraction"]
+    assert "interconnect_fraction" not in fp.PRESET_HELD
+    assert PRESETS["trtllm"].interconnect_fraction < fp.HELD["interconnect_fraction"]
+
+
+# ---- the overlap of compute and memory is the part's measured GEMMs' ---------------------------
+def test_the_overlap_sharpness_is_the_parts_measured_gemms(tmp_path):
+    import json
+
+    from servelab.spec.hardware import HARDWARE
+
+    kernels = {name: HARDWARE[name].kernels for name in ("a100-80gb", "h100-sxm", "h200")}
+    sharpness = {
+        (hw, dtype): Roofline(get_model("llama-3.1-8b"), get_hardware(hw), weight_dtype=dtype).overlap_sharpness
+        for hw in ("a100-80gb", "h100-sxm", "h200", "l40s", "mi300x")
+        for dtype in ("bf16", "fp8", "int4")
+    }
+    assert sharpness["h100-sxm", "bf16"] == kernels["h100-sxm"].gemm["bf16"].sharpness
+    # H100 has no FP8 GEMM of its own: the H200's (same SMs, same kernels) stands in
+    assert sharpness["h100-sxm", "fp8"] == kernels["h200"].gemm["fp8"].sharpness
+    assert sharpness["h200", "fp8"] == kernels["h200"].gemm["fp8"].sharpness
+    # no FP8 tensor cores, and weight-only int4: 16-bit math, the part's 16-bit GEMMs
+    assert (
+        sharpness["a100-80gb", "fp8"] == sharpness["a100-80gb", "int4"] == kernels["a100-80gb"].gemm["bf16"].sharpness
+    )
+    # nothing measured on the architecture: the plain roofline's max()
+    assert all(sharpness[hw, d] == math.inf for hw in ("l40s", "mi300x") for d in ("bf16", "fp8", "int4"))
+    body = {"memory_bytes": 80e9, "bandwidth_bytes_per_s": 3.35e12, "peak_flops": {"bf16": 989e12, "fp8": 1979e12}}
+    for arch, expected in (("hopper", kernels["h200"].gemm["fp8"].sharpness), ("", math.inf)):
+        path = tmp_path / f"part-{arch or 'none'}.json"
+        path.write_text(json.dumps({**body, "architecture": arch}))
+        assert Roofline(get_model("llama-3.1-8b"), get_hardware(str(path)), "fp8").overlap_sharpness == expected
+
+
+@settings(max_examples=200, deadline=None)
+@given(c=st.floats(1e-6, 1.0), m=st.floats(1e-6, 1.0), p=st.floats(1.0, 12.0))
+def test_the_overlap_lies_between_max_and_sum_and_its_weights_rebuild_it(c, m, p):
+    t = overlap(c, m, p)
+    assert max(c, m) * (1 - 1e-12) <= t <= (c + m) * (1 + 1e-12)
+    w_c, w_m = fp.side_weights(c, m, p)
+    assert w_c * c + w_m * m == pytest.approx(t, rel=1e-9)  # Euler: the fit's linearisation is exact
+    assert overlap(c, m, math.inf) == max(c, m) and fp.side_weights(c, m, math.inf) in ((1.0, 0.0), (0.0, 1.0))
+
+
+def test_a_step_near_the_ridge_costs_more_than_its_slower_side():
+    """The short-prompt effect: a 256-token prefill of Llama-2-7B on an H100 sits at the ridge, where
+    the measured GEMMs overlap loads and math imperfectly (2^(1/1.63) = 1.53x either side), 128
+    tokens a little below it (1.2x); batch-1 decode, 300x below, does not notice."""
+    r = Roofline(get_model("llama-2-7b"), H100)
+    ratio = {}
+    for tokens in (128, 256):
+        s = r.prefill(tokens)
+        ratio[tokens] = (s.time_s - s.overhead_s) / max(s.compute_time_s, s.memory_time_s)
+    assert 1.15 < ratio[128] < ratio[256] <= 2 ** (1 / r.overlap_sharpness) * (1 + 1e-9)
+    far = r.decode(1, 128)
+    assert far.time_s - far.overhead_s == pytest.approx(far.memory_time_s, rel=1e-3)

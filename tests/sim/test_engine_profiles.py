@@ -185,3 +185,24 @@ def test_sim_prints_and_reports_the_profile_it_used(capsys):
     assert (config["max_num_batched_tokens"], config["max_num_seqs"]) == (8192, 2048)
     assert main(argv) == 0
     assert "engine profile servelab: chunked, admission recompute, 2,048 tokens/step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", list(engine_profiles()))
+def test_roofline_sim_plan_and_the_lab_read_the_same_terms(name):
+    """One source of truth per preset: `sim` and `plan` (engine_sim_config), the lab's roofline
+    lessons (Setup.roofline) and, for the default preset, the `roofline` command's Efficiency."""
+    import argparse
+
+    from servelab.commands import roofline as roofline_cmd
+    from servelab.lab.common import Setup
+
+    model, hw = get_model("llama-2-70b"), get_hardware("h100-sxm")
+    sim_eff = build_cost_model(engine_sim_config(name, model="llama-2-70b", hardware="h100-sxm", tp=4))
+    sim_eff = getattr(sim_eff, "gpu", sim_eff).efficiency
+    lab = Setup(model, hw, "bf16", "bf16", 4, engine_profile=name).roofline()
+    assert lab.efficiency == sim_eff == (engine_profile(name).efficiency() or Efficiency())
+    if name == DEFAULT_ENGINE_PROFILE:
+        parser = argparse.ArgumentParser()
+        roofline_cmd.add_arguments(parser)
+        args = parser.parse_args(["--model", "llama-2-70b", "--hardware", "h100-sxm"])
+        assert roofline_cmd._efficiency(args) == sim_eff

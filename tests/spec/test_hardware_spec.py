@@ -64,3 +64,49 @@ def test_dtypes():
         weight_dtype("int3")
     with pytest.raises(InvalidArgument, match="int4.*bfloat16"):
         kv_dtype("int4")
+
+
+def test_every_catalog_part_says_where_its_parameters_come_from():
+    from servelab.spec.hardware import HARDWARE
+
+    for name, hw in HARDWARE.items():
+        assert hw.datasheet and "(" in hw.datasheet, f"{name}: no datasheet named"
+        assert hw.provenance.endswith(f"memory, bandwidth, peaks and link from {hw.datasheet}")
+        assert ("measured kernels" in hw.provenance) == (hw.kernels is not None), name
+        assert hw.kernels is not None or "extrapolated" in hw.provenance, name
+
+
+def test_a_hardware_file_names_itself_as_the_source_unless_it_cites_one(tmp_path):
+    import json
+
+    from servelab.spec.hardware import get_hardware
+
+    body = {"memory_bytes": 32e9, "bandwidth_bytes_per_s": 51.2e9, "peak_flops": {"bf16": 768e9}}
+    plain = tmp_path / "box.json"
+    plain.write_text(json.dumps(body))
+    assert get_hardware(str(plain)).provenance.endswith(f"from the hardware file {plain}")
+    cited = tmp_path / "cited.json"
+    cited.write_text(json.dumps({**body, "datasheet": "vendor sheet rev 3 (example.com)"}))
+    assert "vendor sheet rev 3" in get_hardware(str(cited)).provenance
+    cited.write_text(json.dumps({**body, "datasheet": ""}))
+    with pytest.raises(InvalidArgument, match="datasheet"):
+        get_hardware(str(cited))
+
+
+def test_parts_of_one_architecture_share_their_measured_gemms(tmp_path):
+    import json
+
+    from servelab.spec.hardware import measured_gemm
+
+    h100, h200, a100 = get_hardware("h100-sxm"), get_hardware("h200"), get_hardware("a100-80gb")
+    assert h100.architecture == h200.architecture == "hopper" and a100.architecture == "ampere"
+    assert measured_gemm(h100, "bf16") is h100.kernels.gemm["bf16"]  # its own first
+    assert measured_gemm(h100, "fp8") is h200.kernels.gemm["fp8"]  # else its architecture's
+    assert measured_gemm(a100, "fp8") is None and measured_gemm(get_hardware("l40s"), "bf16") is None
+    body = {"memory_bytes": 80e9, "bandwidth_bytes_per_s": 3e12, "peak_flops": {"bf16": 1e15}}
+    path = tmp_path / "part.json"
+    path.write_text(json.dumps({**body, "architecture": " Hopper "}))
+    assert measured_gemm(get_hardware(str(path)), "fp8") is h200.kernels.gemm["fp8"]
+    path.write_text(json.dumps({**body, "architecture": 9}))
+    with pytest.raises(InvalidArgument, match="architecture"):
+        get_hardware(str(path))
