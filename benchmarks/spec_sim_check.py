@@ -21,6 +21,7 @@
     python benchmarks/spec_sim_check.py [--model PATH] [--k 4] [--concurrency 1,2,4,8,16,32]
         [--rounds 2] [--requests-per-client 3] [--input-len uniform:128,256]
         [--profile PATH] [--out DIR] [--json] [--quick]
+    python benchmarks/spec_sim_check.py --measured DIR [--profile PATH]   # simulate an earlier run again
 """
 
 from __future__ import annotations
@@ -232,6 +233,16 @@ def print_report(report: dict) -> None:
     print(f"speedup within {TARGET_PCT:g}% at concurrency {checked}: {'yes' if report['within_target'] else 'no'}")
 
 
+def earlier(args: argparse.Namespace, folder: Path) -> tuple[dict, AcceptanceProfile, dict[str, str], float]:
+    """An earlier run's measurements (its report.json and acceptance.json), with its settings."""
+    report = json.loads((folder / "report.json").read_text())
+    for name in ("rounds", "requests_per_client", "input_len"):
+        setattr(args, name, report[name])
+    runs = {side: {int(c): v for c, v in by_c.items()} for side, by_c in report["runs"].items()}
+    args.concurrency = sorted(runs["plain"])
+    return runs, load_profile(folder / "acceptance.json"), report["budgets"], report["load_average_before"]
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=None, help="GGUF or HF directory (default: the bundled model)")
@@ -249,6 +260,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=None, help="keep the servers' logs, the profiles and report.json here")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quick", action="store_true", help="concurrency 1,2, one round, short requests (a smoke test)")
+    ap.add_argument("--measured", default=None, metavar="DIR",
+                    help="simulate again against the runs an earlier --out DIR holds (with --profile: another "
+                         "profile); measures nothing")  # fmt: skip
     args = ap.parse_args(argv)
     if args.quick:
         args.concurrency, args.rounds, args.requests_per_client = "1,2", 1, 1
@@ -259,9 +273,13 @@ def main(argv: list[str] | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = Path(args.out or tmp)
         out_dir.mkdir(parents=True, exist_ok=True)
-        profile = calibrated_profile(args, out_dir)
-        load_before = load_average()
-        runs, acceptance, budgets = measure(args, spec, out_dir)
+        if args.measured:
+            runs, acceptance, budgets, load_before = earlier(args, Path(args.measured))
+            profile = args.profile or str(Path(args.measured) / "profile.json")
+        else:
+            profile = calibrated_profile(args, out_dir)
+            load_before = load_average()
+            runs, acceptance, budgets = measure(args, spec, out_dir)
         acceptance_path = out_dir / "acceptance.json"
         acceptance.write(acceptance_path)
         sim = simulate(args, spec, profile, str(acceptance_path), budgets)
@@ -271,7 +289,8 @@ def main(argv: list[str] | None = None) -> dict:
             "rounds": args.rounds,
             "requests_per_client": args.requests_per_client,
             "input_len": args.input_len,
-            "profile": profile if args.profile else "calibrate --server-term, this run",
+            "profile": profile if args.profile or args.measured else "calibrate --server-term, this run",
+            "budgets": budgets,
             "acceptance": {**acceptance.to_dict(), "tokens_per_step": acceptance.tokens_per_step},
             "load_average_before": load_before,
             **compare(args, runs, sim),

@@ -100,3 +100,7 @@ def test_quick_run_measures_simulates_and_compares(tiny, tmp_path, capsys):
     spec_sim_check.print_report(report)
     text = capsys.readouterr().out
     assert "sim speedup" in text and "crossover: measured" in text and "within 15%" in text
+    # simulated again from the folder, nothing measured: the same comparison (the simulator is seeded)
+    again = spec_sim_check.main(["--measured", str(out), "--profile", str(profile), "--json"])
+    capsys.readouterr()
+    assert again["levels"] == report["levels"] and again["acceptance"] == report["acceptance"]
