@@ -8,6 +8,9 @@
     {ns}:spec_decode_num_accepted_tokens_total        draft tokens accepted
     {ns}:spec_decode_num_accepted_tokens_per_pos_total{position="i"}
                                                       drafts whose position i was accepted
+    {ns}:generation_tokens_total, {ns}:request_success_total
+                                                      with them, the decode steps the run took:
+                                                      tokens - finished requests - accepted drafts
 
 each summed over its label sets (engines, models) except `position`. A server that exports none
 of them (speculation off on vLLM, or an older server) gets no report. `--spec-profile-out FILE`
@@ -29,6 +32,8 @@ _DRAFTS = "spec_decode_num_drafts_total"
 _DRAFT_TOKENS = "spec_decode_num_draft_tokens_total"
 _ACCEPTED = "spec_decode_num_accepted_tokens_total"
 _PER_POSITION = "spec_decode_num_accepted_tokens_per_pos_total"
+_GENERATED = "generation_tokens_total"
+_FINISHED = "request_success_total"
 _POSITION = re.compile(r'(?:^|,)\s*position\s*=\s*"(\d+)"')
 
 
@@ -38,6 +43,8 @@ class SpecCounters:
     num_draft_tokens: float
     num_accepted_tokens: float
     accepted_per_position: tuple[float, ...]  # empty when the server exports no per-position counts
+    generation_tokens: float | None = None  # None: the server exports no such total
+    finished_requests: float | None = None
 
 
 def parse_counters(metrics_text: str) -> SpecCounters | None:
@@ -50,7 +57,14 @@ def parse_counters(metrics_text: str) -> SpecCounters | None:
             continue
         name, labels, rest = _split(line)
         ns, _, family = name.partition(":")
-        if ns not in NAMESPACES or family not in (_DRAFTS, _DRAFT_TOKENS, _ACCEPTED, _PER_POSITION):
+        if ns not in NAMESPACES or family not in (
+            _DRAFTS,
+            _DRAFT_TOKENS,
+            _ACCEPTED,
+            _PER_POSITION,
+            _GENERATED,
+            _FINISHED,
+        ):
             continue
         try:
             value = float(rest.split()[0])
@@ -70,7 +84,10 @@ def parse_counters(metrics_text: str) -> SpecCounters | None:
         if drafts in totals and draft_tokens in totals and accepted in totals:
             by_pos = positions.get(ns, {})
             per_position = tuple(by_pos.get(i, 0.0) for i in range(max(by_pos) + 1)) if by_pos else ()
-            return SpecCounters(totals[drafts], totals[draft_tokens], totals[accepted], per_position)
+            generated, finished = totals.get(f"{ns}:{_GENERATED}"), totals.get(f"{ns}:{_FINISHED}")
+            return SpecCounters(
+                totals[drafts], totals[draft_tokens], totals[accepted], per_position, generated, finished
+            )
     return None
 
 
@@ -96,13 +113,25 @@ class SpecDecodeReport:
         k = max(len(before.accepted_per_position), len(after.accepted_per_position))
         b = before.accepted_per_position + (0.0,) * (k - len(before.accepted_per_position))
         a = after.accepted_per_position + (0.0,) * (k - len(after.accepted_per_position))
+        drafts = round(after.num_drafts - before.num_drafts)
+        accepted = round(after.num_accepted_tokens - before.num_accepted_tokens)
+        steps = None
+        gb, ga = before.generation_tokens, after.generation_tokens
+        fb, fa = before.finished_requests, after.finished_requests
+        if gb is not None and ga is not None and fb is not None and fa is not None:
+            # every finished request's first token came from its prefill, every other from a decode
+            # step: one a step, plus the drafts that step accepted
+            steps = round(ga - gb) - round(fa - fb) - accepted
+            if steps < drafts:  # a request in flight at either read: the counts do not close
+                steps = None
         return cls(
             AcceptanceProfile(
-                num_drafts=round(after.num_drafts - before.num_drafts),
+                num_drafts=drafts,
                 num_draft_tokens=round(after.num_draft_tokens - before.num_draft_tokens),
-                num_accepted_tokens=round(after.num_accepted_tokens - before.num_accepted_tokens),
+                num_accepted_tokens=accepted,
                 accepted_per_position=tuple(round(y - x) for x, y in zip(b, a)),
                 source=source,
+                num_decode_steps=steps,
             )
         )
 
@@ -122,6 +151,9 @@ class SpecDecodeReport:
             f"{'  Mean accepted per draft':<34}{p.mean_accepted_per_draft:.2f}",
             f"{'  Tokens per verification step':<34}{p.tokens_per_step:.2f}",
         ]
+        if p.num_decode_steps is not None:
+            out.append(f"{'  Decode steps with drafts':<34}{p.num_drafts:,} of {p.num_decode_steps:,} "
+                       f"({p.draft_coverage:.1%})")  # fmt: skip
         if p.accepted_per_position:
             rates = "  ".join(f"{i}: {a:.0%}" for i, a in enumerate(p.acceptance_per_position))
             out.append(f"{'  Acceptance by position':<34}{rates}")

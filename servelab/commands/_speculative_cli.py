@@ -64,7 +64,9 @@ def speculation_from_args(args: argparse.Namespace) -> tuple[Any, Any] | None:
 
     try:
         measured = load_profile(profile)  # the format `bench --spec-profile-out` writes
-        acceptance = Acceptance.from_counts(measured.num_drafts, measured.accepted_per_position, f"profile {profile}")
+        acceptance = Acceptance.from_counts(
+            measured.num_drafts, measured.accepted_per_position, f"profile {profile}", measured.draft_coverage
+        )
         return config, acceptance.for_k(k)
     except InvalidArgument as e:
         message = e.message if e.message.startswith("--") else f"--spec-acceptance-profile: {e.message}"
@@ -78,4 +80,5 @@ def describe_speculation(config: Any, acceptance: Any, draft: Any = None) -> str
         f"speculative decoding: {config.to_json()}; {priced}acceptance {acceptance.source} "
         f"-> {acceptance.expected_tokens():.2f} tokens per verification step in expectation "
         f"(draft acceptance {acceptance.draft_acceptance_rate:.3f}: accepted / proposed, as vLLM reports it)"
+        + (f"; {acceptance.coverage:.1%} of decode steps draft" if acceptance.coverage < 1.0 else "")
     )

@@ -351,11 +351,21 @@ class ProfileStepCost:
         self, num_tokens: int, num_seqs: int, context_tokens: int, pairs: int, logit_rows: int | None = None
     ) -> float:
         """`logit_rows` past one per sequence (a speculative verification's) each cost `per_seq_s`:
-        the fit measured one logit row and its sampling per sequence and cannot split the two."""
+        the fit measured one logit row and its sampling per sequence and cannot split the two.
+
+        A step whose every query token computes logits holds decodes and verification entries
+        only, and the engine runs each of its tokens as a decode row (engine/model_executor.py):
+        one call of the decode stack, each row attending to its own context. It is priced as a
+        decode step of that many rows (off the per-op path, Σcontext = Σpairs); the serving term
+        still counts the sequences, which the server streams once a step each."""
         if num_tokens == 0:
             return 0.0
-        x = features(num_tokens, num_seqs, context_tokens, pairs, self.kernel_rows)
-        extra_rows = 0 if logit_rows is None else logit_rows - num_seqs
+        rows, extra_rows = num_seqs, 0
+        if logit_rows is not None and logit_rows == num_tokens:
+            rows, context_tokens = num_tokens, pairs
+        elif logit_rows is not None:
+            extra_rows = logit_rows - num_seqs
+        x = features(num_tokens, rows, context_tokens, pairs, self.kernel_rows)
         return (
             sum(c * f for c, f in zip(self.coefficients(), x))
             + self.per_seq_s * extra_rows

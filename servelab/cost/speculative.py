@@ -50,10 +50,13 @@ def _check_rate(value: float, what: str, param: str) -> float:
 @dataclass(frozen=True, slots=True)
 class Acceptance:
     """How often drafts are accepted: `per_position[i]` is P(draft i + 1 accepted | drafts 1..i
-    accepted), per draft position; `source` says where it came from (a rate, or a profile file)."""
+    accepted), per draft position; `source` says where it came from (a rate, or a profile file).
+    `coverage` is the share of decode steps that propose drafts at all: prompt lookup proposes
+    nothing where its last n-gram has no earlier match, and that step is a plain decode."""
 
     per_position: tuple[float, ...]
     source: str
+    coverage: float = 1.0
 
     @classmethod
     def rate(cls, alpha: float, k: int, param: str = "spec_acceptance") -> Acceptance:
@@ -62,9 +65,12 @@ class Acceptance:
         return cls((alpha,) * k, f"rate {alpha:g} per draft token")
 
     @classmethod
-    def from_counts(cls, num_drafts: int, accepted_per_position: Sequence[int], source: str) -> Acceptance:
+    def from_counts(
+        cls, num_drafts: int, accepted_per_position: Sequence[int], source: str, coverage: float = 1.0
+    ) -> Acceptance:
         """From vLLM's (and SpecDecodeCounters') counters: verifications, and per position those
-        that accepted that draft (so the counts never grow with position)."""
+        that accepted that draft (so the counts never grow with position); `coverage`, the share of
+        decode steps that drafted (an acceptance profile's draft_coverage)."""
         counts = [num_drafts, *accepted_per_position]
         if any(isinstance(n, bool) or not isinstance(n, int) or n < 0 for n in counts) or num_drafts == 0:
             raise InvalidArgument(
@@ -77,7 +83,8 @@ class Acceptance:
                 f"draft i - 1), got {list(accepted_per_position)} of {num_drafts} verifications",
                 param="spec_acceptance_profile",
             )
-        return cls(tuple(b / a if a else 0.0 for a, b in zip(counts, counts[1:])), source)
+        coverage = _check_rate(coverage, "the draft coverage", "spec_acceptance_profile")
+        return cls(tuple(b / a if a else 0.0 for a, b in zip(counts, counts[1:])), source, coverage)
 
     def for_k(self, k: int) -> Acceptance:
         """The first `k` positions; a profile measured with fewer drafts cannot say what later ones do."""
@@ -87,7 +94,7 @@ class Acceptance:
                 f"num_speculative_tokens = {k}",
                 param="spec_acceptance_profile",
             )
-        return self if len(self.per_position) == k else Acceptance(self.per_position[:k], self.source)
+        return self if len(self.per_position) == k else Acceptance(self.per_position[:k], self.source, self.coverage)
 
     @property
     def k(self) -> int:
@@ -121,6 +128,7 @@ class Acceptance:
             "acceptance_per_position": list(self.per_position),
             "draft_acceptance_rate": self.draft_acceptance_rate,
             "expected_tokens_per_verification": self.expected_tokens(),
+            "draft_coverage": self.coverage,
         }
 
 
@@ -224,14 +232,19 @@ class SpeculativeCost:
         self.acceptance = acceptance.for_k(self.k)
 
     def row(self, batch: int, context: int) -> SpeculativeRow:
+        """With a coverage p under 1, a share p of the steps verify and the others decode plainly:
+        the mean of the two steps, weighted so (exact at batch 1; at larger batches the two kinds
+        of sequence share steps, which this treats as separate steps of the whole batch)."""
         if batch < 1:
             raise InvalidArgument(f"batch must be at least 1, got {batch}", param="batch")
-        k = self.k
+        k, p = self.k, self.acceptance.coverage
         tokens = self.acceptance.expected_tokens()
         plain = self.target.step_time_s([(1, context)] * batch)
         verify = time_with_logits(self.target, [(k + 1, context + k)] * batch, batch * (k + 1))
         new = max(1, round(tokens))  # the draft model's first pass reads the tokens the verification added
         draft = self.draft.time_s([], [(new, context + new)] * batch)
+        if p < 1.0:
+            verify, draft, tokens = p * verify + (1 - p) * plain, p * draft, p * tokens + (1 - p)
         return SpeculativeRow(batch, plain, verify, draft, tokens)
 
     def rows(self, batches: Sequence[int], context: int) -> list[SpeculativeRow]:

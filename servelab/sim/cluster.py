@@ -17,6 +17,7 @@ recomputed and samples the first output token, so TTFT includes the transfer.
 from __future__ import annotations
 
 import heapq
+import random
 from array import array
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -129,6 +130,8 @@ class ClusterSim:
         token = 1
         implicit = getattr(cost_model, "time_from_totals", None) is not None and speculation is None
         self.drafts = [token] * speculation.k if speculation is not None else None
+        self.draft_coverage = 1.0 if speculation is None else speculation.acceptance.coverage
+        self.propose_rng = random.Random(f"{seed}:propose")  # which steps draft, at a coverage under 1
         for role, (count, config) in pools.items():
             pool = []
             for _ in range(count):
@@ -293,7 +296,7 @@ class ClusterRun:
     def start_step(self, replica: Replica, t: float) -> None:
         sched = replica.scheduler
         if self.sim.drafts is not None:
-            propose(sched, self.sim.drafts)
+            propose(sched, self.sim.drafts, self.sim.propose_rng, self.sim.draft_coverage)
         plan = sched.schedule(t)
         if plan.is_empty:
             replica.busy = False

@@ -48,6 +48,8 @@ class ComparedLevel:
             "concurrency": self.concurrency,
             "plain_tpot_s": self.plain.tpot_s.mean,
             "spec_tpot_s": self.spec.tpot_s.mean,
+            "plain_tpot_p50_s": self.plain.tpot_s.p50,
+            "spec_tpot_p50_s": self.spec.tpot_s.p50,
             "plain_output_throughput": self.plain.output_throughput,
             "spec_output_throughput": self.spec.output_throughput,
             "speedup": self.speedup,

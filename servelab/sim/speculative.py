@@ -45,10 +45,13 @@ class Speculation:
         }
 
 
-def propose(scheduler: Scheduler, drafts: list[int]) -> None:
-    """Give each decoding sequence (its prompt done, one token left to feed) the drafts to verify."""
+def propose(scheduler: Scheduler, drafts: list[int], rng: random.Random | None = None, coverage: float = 1.0) -> None:
+    """Give each decoding sequence (its prompt done, one token left to feed) the drafts to verify,
+    with probability `coverage` a step (drawn from `rng`); the others decode plainly this step."""
     for seq in scheduler.running:
         if len(seq.token_ids) - seq.num_computed_tokens == 1 and seq.num_output_tokens and not seq.draft_token_ids:
+            if coverage < 1.0 and rng is not None and rng.random() >= coverage:
+                continue
             seq.draft_token_ids = drafts  # never mutated: the scheduler replaces the list
 
 

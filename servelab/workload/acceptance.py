@@ -16,7 +16,12 @@ The file is one JSON object:
                                               a_i: accepted_per_position[i] / accepted_per_position[i-1],
                                               a_0 = accepted_per_position[0] / num_drafts: the chance
                                               position i is accepted once every earlier one was
-      "source": "http://127.0.0.1:8000/v1 llama-1b 200 requests, edit a Python docs passage, ..."
+      "source": "http://127.0.0.1:8000/v1 llama-1b 200 requests, edit a Python docs passage, ...",
+      "num_decode_steps": 1500,               optional: decode steps of the run's sequences, with
+                                              drafts or without (prompt lookup proposes nothing where
+                                              its last n-gram has no earlier match: that step decodes
+                                              one token); num_drafts / num_decode_steps is the
+                                              draft coverage (1 when absent)
     }
 
 A draft's accepted tokens are a prefix of it, so the counts never rise with the position and
@@ -44,6 +49,12 @@ class AcceptanceProfile:
     num_accepted_tokens: int
     accepted_per_position: tuple[int, ...]
     source: str = ""
+    num_decode_steps: int | None = None  # None: unknown, taken as every decode step drafting
+
+    @property
+    def draft_coverage(self) -> float:
+        """The share of decode steps that verified drafts (1.0 when num_decode_steps is unknown)."""
+        return self.num_drafts / self.num_decode_steps if self.num_decode_steps else 1.0
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -96,6 +107,11 @@ class AcceptanceProfile:
                 f"{where}: accepted_per_position sums to {sum(counts)}, not num_accepted_tokens "
                 f"({self.num_accepted_tokens})"
             )
+        if self.num_decode_steps is not None and self.num_decode_steps < self.num_drafts:
+            raise InvalidArgument(
+                f"{where}: num_decode_steps ({self.num_decode_steps}) is below num_drafts ({self.num_drafts}): "
+                f"every draft is verified in a decode step"
+            )
         if counts[0] > self.num_drafts or any(b > a for a, b in zip(counts, counts[1:])):
             raise InvalidArgument(
                 f"{where}: accepted_per_position must not rise with the position nor pass num_drafts "
@@ -103,7 +119,7 @@ class AcceptanceProfile:
             )
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "num_speculative_tokens": self.num_speculative_tokens,
             "num_drafts": self.num_drafts,
             "num_draft_tokens": self.num_draft_tokens,
@@ -113,6 +129,10 @@ class AcceptanceProfile:
             "acceptance_per_position": list(self.acceptance_per_position),
             "source": self.source,
         }
+        if self.num_decode_steps is not None:
+            out["num_decode_steps"] = self.num_decode_steps
+            out["draft_coverage"] = self.draft_coverage
+        return out
 
     def write(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
@@ -140,12 +160,16 @@ def load_profile(path: str | Path) -> AcceptanceProfile:
         raise InvalidArgument(f"{where}: accepted_per_position must be a list of counts, got {counts!r}")
     for i, count in enumerate(counts):
         _check_count(count, f"{where}: accepted_per_position[{i}]")
+    steps = data.get("num_decode_steps")
+    if steps is not None:
+        _check_count(steps, f"{where}: num_decode_steps")
     profile = AcceptanceProfile(
         num_drafts=data["num_drafts"],
         num_draft_tokens=data["num_draft_tokens"],
         num_accepted_tokens=data["num_accepted_tokens"],
         accepted_per_position=tuple(counts),
         source=str(data.get("source", "")),
+        num_decode_steps=steps,
     )
     if data["num_speculative_tokens"] != len(counts):
         raise InvalidArgument(

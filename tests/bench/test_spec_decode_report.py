@@ -165,3 +165,22 @@ def test_a_profile_is_refused_for_a_capacity_search(capsys):
     argv = ["bench", "--base-url", "http://127.0.0.1:9", "--find-capacity", "--slo-tpot", "1s"]
     assert cli_main([*argv, "--spec-profile-out", "p.json"]) == 2
     assert "--spec-profile-out" in capsys.readouterr().err
+
+
+def test_the_generated_tokens_give_the_decode_steps_and_the_draft_coverage():
+    served = SERVELAB + (
+        'servelab:generation_tokens_total{model_name="m"} 400\n'
+        'servelab:request_success_total{finished_reason="length",model_name="m"} 3\n'
+        'servelab:request_success_total{finished_reason="stop",model_name="m"} 1\n'
+    )
+    before = parse_counters(served)
+    assert before == SpecCounters(10.0, 40.0, 7.0, (5.0, 2.0), 400.0, 4.0)
+    # 8 requests, 1,008 tokens: 1,000 from decode steps, 240 of them accepted drafts, so 760 steps
+    after = SpecCounters(210.0, 840.0, 247.0, (165.0, 82.0), 1408.0, 12.0)
+    p = SpecDecodeReport.between(before, after).profile
+    assert p.num_decode_steps == 760 and p.draft_coverage == pytest.approx(200 / 760)
+    assert "Decode steps with drafts        200 of 760 (26.3%)" in "\n".join(SpecDecodeReport(p).lines())
+    # without the totals, or with counts that do not close (a request in flight), no step count
+    assert SpecDecodeReport.between(parse_counters(SERVELAB), after).profile.num_decode_steps is None
+    short = SpecCounters(210.0, 840.0, 247.0, (165.0, 82.0), 600.0, 12.0)
+    assert SpecDecodeReport.between(before, short).profile.num_decode_steps is None

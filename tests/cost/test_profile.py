@@ -2,6 +2,7 @@
 
 import json
 import random
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -323,6 +324,25 @@ def test_kernel_switches_price_the_engine_paths():
         KNOWN["per_step_s"] + KNOWN["per_prefill_step_s"] + SWITCHES["per_wide_step_s"] + SWITCHES["per_dense_step_s"]
     )
     assert "kernel switches: +9.00 ms over 4 rows, +4.00 ms and 0.020 ms a token over 128 rows" in cost.describe()
+
+
+def test_a_verification_step_is_priced_as_the_decode_rows_the_engine_runs():
+    # the int8 default's switch (kernel_rows.fused_max_rows = 1): one row takes the exact kernel,
+    # two or more the int8 path; a verification of K = 4 drafts is 5 decode rows on the decode stack
+    cost = ProfileStepCost(**KNOWN, **SWITCHES, fused_max_rows=1)
+    tokens, seqs, context, pairs = Roofline.totals([(5, 304)] * 3)
+    as_rows = cost.step_time_s([(1, c) for c in range(300, 305)] * 3)
+    assert cost.time_from_totals(tokens, seqs, context, pairs, logit_rows=15) == pytest.approx(as_rows, rel=1e-12)
+    # no per-op path: that is a prefill chunk's, whose rows do not all compute logits
+    chunk = cost.time_from_totals(tokens, seqs, context, pairs, logit_rows=3)
+    assert chunk - as_rows > KNOWN["per_prefill_step_s"] / 2
+    one_row = cost.step_time_s([(1, 300)])
+    assert as_rows > 3 * one_row + SWITCHES["per_wide_step_s"] - 2 * KNOWN["per_step_s"]
+    # the serving term streams each sequence once a step, however many rows it verified
+    served = replace(cost, server_per_step_s=1e-3, server_per_seq_s=2e-4)
+    assert served.time_from_totals(tokens, seqs, context, pairs, logit_rows=15) == pytest.approx(
+        as_rows + 1e-3 + 3 * 2e-4, rel=1e-12
+    )
 
 
 def test_a_profile_with_kernel_rows_loads_and_one_from_before_prices_as_it_did(tmp_path):

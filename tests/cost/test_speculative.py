@@ -203,3 +203,17 @@ def test_a_slower_draft_costs_its_passes():
     assert row.draft_step_s > 0.3 * row.plain_step_s  # four passes of a 16-layer model
     assert math.isclose(row.spec_tpot_s, (row.verify_step_s + row.draft_step_s) / row.tokens_per_step)
     assert spec.crossover_batch(1024) is not None
+
+
+def test_a_coverage_under_one_mixes_verification_and_plain_steps():
+    full = SpeculativeCost(TARGET, DraftCost(NGRAM4), Acceptance((0.8,) * 4, "p"))
+    part = SpeculativeCost(TARGET, DraftCost(NGRAM4), Acceptance((0.8,) * 4, "p", coverage=0.6))
+    f, p = full.row(1, 512), part.row(1, 512)
+    tokens = Acceptance((0.8,) * 4, "p").expected_tokens()
+    step = 0.6 * (f.verify_step_s + f.draft_step_s) + 0.4 * f.plain_step_s
+    assert p.spec_tpot_s == pytest.approx(step / (0.6 * tokens + 0.4), rel=1e-12)
+    assert 1.0 < p.speedup < f.speedup and p.plain_tpot_s == f.plain_tpot_s
+    assert Acceptance.from_counts(10, [8, 4], "p", coverage=0.5).coverage == 0.5
+    with pytest.raises(InvalidArgument, match=r"the draft coverage must be a number in \[0, 1\], got 1.5"):
+        Acceptance.from_counts(10, [8, 4], "p", coverage=1.5)
+    assert Acceptance.from_counts(10, [8, 4, 2], "p", coverage=0.5).for_k(2).coverage == 0.5

@@ -271,3 +271,21 @@ def test_speculation_record_is_json_ready():
     speculation = config.speculation()
     assert isinstance(speculation, Speculation)
     json.dumps(speculation.describe())
+
+
+def test_a_coverage_under_one_leaves_that_share_of_decode_steps_plain():
+    # prompt lookup with no match proposes nothing: that step decodes one token, as without speculation
+    full = SimConfig(speculative=NGRAM, spec_acceptance=Acceptance((0.8,) * K, "p"))
+    part = SimConfig(speculative=NGRAM, spec_acceptance=Acceptance((0.8,) * K, "p", coverage=0.6))
+    workload = WorkloadSpec(num_requests=8, concurrency=2, input_len="128", output_len="300", seed=1)
+    a, b = simulate(full, workload), simulate(part, workload)
+    assert a.summary.completed == b.summary.completed == 8
+    ra, rb = a.speculation["realised"], b.speculation["realised"]
+    steps = b.summary.total_output_tokens - 8 - rb["num_accepted_tokens"]  # first tokens come from prefill
+    assert rb["num_drafts"] / steps == pytest.approx(0.6, abs=0.04)
+    full_steps = a.summary.total_output_tokens - 8 - ra["num_accepted_tokens"]
+    # every decode step verified but a request's last, where the length limit leaves no room for drafts
+    assert full_steps - 8 <= ra["num_drafts"] < full_steps
+    assert b.num_steps > a.num_steps and b.summary.tpot_s.mean > a.summary.tpot_s.mean
+    assert b.speculation["acceptance"]["draft_coverage"] == 0.6
+    assert b.speculation == simulate(part, workload).speculation  # which steps draft is seeded too

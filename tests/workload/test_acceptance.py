@@ -77,3 +77,22 @@ def test_a_missing_or_unreadable_file(tmp_path):
     (tmp_path / "y.json").write_text("[1, 2]")
     with pytest.raises(InvalidArgument, match="expected a JSON object, got list"):
         load_profile(tmp_path / "y.json")
+
+
+def test_the_decode_step_count_gives_the_draft_coverage_and_is_checked(tmp_path):
+    covered = AcceptanceProfile(200, 780, 240, (160, 60, 20, 0), "s", num_decode_steps=250)
+    assert covered.draft_coverage == pytest.approx(0.8) and PROFILE.draft_coverage == 1.0
+    path = tmp_path / "p.json"
+    covered.write(path)
+    data = json.loads(path.read_text())
+    assert data["num_decode_steps"] == 250 and data["draft_coverage"] == pytest.approx(0.8)
+    assert load_profile(path) == covered
+    assert "num_decode_steps" not in PROFILE.to_dict()  # a profile without it stays vLLM's fields
+    data["num_decode_steps"] = 150  # fewer steps than verifications cannot be
+    path.write_text(json.dumps(data))
+    with pytest.raises(InvalidArgument, match=r"num_decode_steps \(150\) is below num_drafts \(200\)"):
+        load_profile(path)
+    data["num_decode_steps"] = 2.5
+    path.write_text(json.dumps(data))
+    with pytest.raises(InvalidArgument, match="num_decode_steps must be an integer >= 0, got 2.5"):
+        load_profile(path)
