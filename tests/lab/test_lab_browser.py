@@ -484,6 +484,72 @@ def test_sliders_move_with_the_number_boxes(page, lab_server):
     assert slider.input_value() == "1000"
 
 
+# The roofline lessons' sliders (lesson, slider, chart, trace, axis): dragged, each redraws its chart.
+DRAGGED = [("two-workloads", "prompt_len", "times", 0, "y"), ("batching", "context", "throughput", 0, "y"),
+           ("memory", "context", "capacity", 0, "y")]  # fmt: skip
+
+
+@pytest.mark.parametrize(("lesson", "control", "chart", "trace", "axis"), DRAGGED)
+def test_roofline_sliders_redraw_while_dragged(page, lab_server, lesson, control, chart, trace, axis):
+    """Mouse down on the thumb, moves, and only then up: the chart follows before the release, each
+    frame (request to redraw) in under 100 ms at the median, and the last frame is the last value."""
+    page.goto(f"{lab_server.url}/?lesson={lesson}")
+    _wait_settled(page)
+    drawn = f"document.getElementById('chart-{chart}').data[{trace}].{axis}"
+    before = page.evaluate(drawn)
+    box = page.locator(f"#slider-{control}").bounding_box()
+    y = box["y"] + box["height"] / 2
+    x0 = box["x"] + box["width"] * float(page.locator(f"#slider-{control}").input_value()) / 1000
+    page.evaluate("window.lab.frames = []")
+    n = _renders(page)
+    page.mouse.move(x0, y)
+    page.mouse.down()
+    seen = []
+    for i in range(1, 13):  # drag left: shorter contexts fit every lesson's chart
+        page.mouse.move(x0 - i * box["width"] / 30, y, steps=2)
+        page.wait_for_timeout(40)
+        seen.append(page.evaluate(drawn))
+    _wait_render(page, n, timeout_s=5)  # drawn while the button is still down
+    during = page.evaluate(drawn)
+    assert during != before, "the chart did not follow the thumb before the release"
+    assert len({str(v) for v in seen}) > 2, "the chart redrew only once or twice in a dozen moves"
+    page.mouse.up()
+    page.wait_for_function("!document.body.classList.contains('busy')", timeout=5000)
+    page.wait_for_timeout(200)
+    answered = page.evaluate("window.lab.frames.map((f) => f.answered_ms)")
+    print(f"{lesson}: answered in median {sorted(answered)[len(answered) // 2]:.1f} ms")
+    frames = page.evaluate("window.lab.frames.map((f) => f.ms)")
+    median_ms = sorted(frames)[len(frames) // 2]
+    print(f"{lesson}: {len(frames)} frames while dragging, median {median_ms:.1f} ms, max {max(frames):.1f} ms")
+    assert median_ms < 100, frames
+    # The last frame drawn is the value the slider ended on (no stale answer drawn last).
+    value = page.input_value(f"#ctl-{control}")
+    assert page.evaluate("window.lab.last.data.config")[control] == int(value)
+    assert f"{control}={value}" in page.url
+    # The release redraws every chart, those below the fold included, with the API's numbers.
+    _chart_matches_api(page, lab_server, lesson, LESSONS[lesson][2])
+    assert page.console_problems == []
+
+
+def test_a_simulation_shows_computing_with_its_elapsed_time(page, lab_server):
+    """Fresh inputs to a simulated lesson: "computing… N s" shows while it runs, and goes with the answer."""
+    page.goto(f"{lab_server.url}/?lesson=slo")
+    _wait_settled(page)
+    assert page.locator("#progress").is_hidden()
+    n = _renders(page)
+    page.fill("#ctl-output_len", "1500")  # a length no other test runs: not cached
+    page.dispatch_event("#ctl-output_len", "change")
+    page.wait_for_selector("#progress", state="visible", timeout=2000)
+    assert page.locator("#progress").inner_text().startswith("computing… ")
+    page.wait_for_function("/computing… [0-9.]+ s/.test(document.getElementById('progress').textContent)"
+                           " && parseFloat(document.getElementById('progress').textContent.slice(11)) >= 0.2",
+                           timeout=5000)  # fmt: skip
+    _wait_render(page, n)
+    _wait_settled(page)
+    assert page.locator("#progress").is_hidden()
+    assert page.evaluate("window.lab.last.data.config.output_len") == 1500
+
+
 def test_capacity_names_its_limit_shows_its_commands_and_answers_fast(page, lab_server):
     """The lab's targets: the first chart in under 2 s, a change drawn in under 1 s (the partial
     answer: simulated rows so far plus the roofline's upper bound); each bar names its limit and
