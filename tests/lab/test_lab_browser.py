@@ -492,7 +492,8 @@ DRAGGED = [("two-workloads", "prompt_len", "times", 0, "y"), ("batching", "conte
 @pytest.mark.parametrize(("lesson", "control", "chart", "trace", "axis"), DRAGGED)
 def test_roofline_sliders_redraw_while_dragged(page, lab_server, lesson, control, chart, trace, axis):
     """Mouse down on the thumb, moves, and only then up: the chart follows before the release, each
-    frame (request to redraw) in under 100 ms at the median, and the last frame is the last value."""
+    frame (request to redraw) in under 100 ms at the median on a quiet host, and the last frame is
+    the last value."""
     page.goto(f"{lab_server.url}/?lesson={lesson}")
     _wait_settled(page)
     drawn = f"document.getElementById('chart-{chart}').data[{trace}].{axis}"
@@ -520,8 +521,12 @@ def test_roofline_sliders_redraw_while_dragged(page, lab_server, lesson, control
     print(f"{lesson}: answered in median {sorted(answered)[len(answered) // 2]:.1f} ms")
     frames = page.evaluate("window.lab.frames.map((f) => f.ms)")
     median_ms = sorted(frames)[len(frames) // 2]
-    print(f"{lesson}: {len(frames)} frames while dragging, median {median_ms:.1f} ms, max {max(frames):.1f} ms")
-    assert median_ms < 100, frames
+    # 100 ms on a quiet host; on one running more jobs than it has cores (the shared 2-core CI host
+    # often runs 6-10), the browser and the server get cores/load of a core each, and wait that much longer.
+    busy = max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    print(f"{lesson}: {len(frames)} frames while dragging, median {median_ms:.1f} ms, max {max(frames):.1f} ms; "
+          f"host load {busy:.1f}x its cores")  # fmt: skip
+    assert median_ms < 100 * busy, frames
     # The last frame drawn is the value the slider ended on (no stale answer drawn last).
     value = page.input_value(f"#ctl-{control}")
     assert page.evaluate("window.lab.last.data.config")[control] == int(value)
@@ -671,40 +676,38 @@ def _overlap(a: dict, b: dict) -> bool:
     return a["l"] < b["r"] and b["l"] < a["r"] and a["t"] < b["b"] and b["t"] < a["b"]
 
 
-@pytest.mark.parametrize(
-    "lesson",
-    [
-        "two-workloads",
-        "slo",
-        "chunked-prefill",
-        "disaggregated",
-        "memory",
-        "request-cost",
-        "limits",
-        "qps-vs-tokens",
-        "decode-chain",
-    ],
-)
+def _inside(inner: dict, outer: dict, slack_px: float = 1.0) -> bool:
+    return (inner["l"] >= outer["l"] - slack_px and inner["r"] <= outer["r"] + slack_px
+            and inner["t"] >= outer["t"] - slack_px and inner["b"] <= outer["b"] + slack_px)  # fmt: skip
+
+
+@pytest.mark.parametrize("lesson", list(LESSONS))
 def test_phone_charts_keep_legends_titles_labels_and_points_apart(browser, lab_server, lesson):
-    """At 390 px: no legend on an x-axis title, no roofline label on a point, bar labels >= 11 px."""
+    """At 390 px, in every chart of every lesson: no legend on an axis title or the chart's title,
+    no label (annotation) on a marker or off the chart, bar labels >= 11 px."""
     context = browser.new_context(viewport=VIEWPORTS["phone"])
     page = context.new_page()
     try:
-        page.goto(f"{lab_server.url}/?lesson={lesson}")
+        page.goto(f"{lab_server.url}/?lesson={lesson}{START.get(lesson, '')}")
         _wait_settled(page)
         page.wait_for_timeout(300)
         for chart in page.evaluate("[...document.querySelectorAll('#charts .chart')].map((c) => c.id.slice(6))"):
+            where = (lesson, chart)
+            box = _boxes(page, chart, ".main-svg")[0]
+            titles = [*_boxes(page, chart, ".g-xtitle text"), *_boxes(page, chart, ".g-ytitle text"),
+                      *_boxes(page, chart, ".g-gtitle text")]  # fmt: skip
             for legend in _boxes(page, chart, ".legend .bg"):
-                for title in _boxes(page, chart, ".g-xtitle text"):
-                    assert not _overlap(legend, title), (lesson, chart)
+                assert not any(_overlap(legend, title) for title in titles), where
+            points = _boxes(page, chart, ".scatterlayer .points path")
+            for label in _boxes(page, chart, ".annotation-text-g:not(:has(text:empty))"):
+                assert _inside(label, box), (*where, label, box)
+                assert not any(_overlap(label, p) for p in points), (*where, label)
+            for text in [*titles, *_boxes(page, chart, ".legend .legendtext")]:
+                assert _inside(text, box), (*where, text, box)
             sizes = page.evaluate(
                 f"[...document.querySelectorAll('#chart-{chart} .bartext')].map((e) => parseFloat(getComputedStyle(e).fontSize))"
             )
-            assert all(size >= 11 for size in sizes), (lesson, chart, sizes)
-        if lesson == "two-workloads":
-            points = _boxes(page, "roofline", ".scatterlayer .points path")
-            for label in _boxes(page, "roofline", ".annotation-text-g"):
-                assert not any(_overlap(label, p) for p in points), label
+            assert all(size >= 11 for size in sizes), (*where, sizes)
     finally:
         context.close()
 

@@ -35,13 +35,15 @@ const logAxis = (...series) => {
   if (tickvals.length < 4) { mantissas = [1, 1.5, 2, 3, 4, 5, 6, 8]; tickvals = make(); }
   return { type: "log", tickvals, ticktext: tickvals.map(tickText) };
 };
-// The region beyond a limit, shaded and named: [lo, hi] in the axis's data coordinates.
+// The region beyond a limit, shaded and named: [lo, hi] in the axis's data coordinates. On a phone the
+// name moves to the legend (see draw), where no curve can run under it.
+const SHADE_LABEL = "limit-shade";
 const NO_FIT = "rgba(198, 40, 40, 0.12)";
 // Labels sit at the plot's right edge, inside it, so a narrow shade never pushes its name off the chart.
 const limitShade = (x0, x1, text, color, yShift) => ({
   shape: { type: "rect", xref: "x", yref: "paper", x0, x1, y0: 0, y1: 1, fillcolor: color, line: { width: 0 }, layer: "below" },
   annotation: { x: 1, y: 1 - (yShift || 0), xref: "paper", yref: "paper", xanchor: "right", yanchor: "top", text, showarrow: false,
-                font: { size: 11, color: color === NO_FIT ? "#c62828" : "#555" }, bgcolor: "rgba(255,255,255,0.7)" },
+                font: { size: 11, color: color === NO_FIT ? "#c62828" : "#555" }, bgcolor: "rgba(255,255,255,0.7)", name: SHADE_LABEL },
 });
 // Shades for the batching charts: beyond the KV-cache limit (red) and beyond the compute ridge (grey).
 const batchShades = (d, toX, last) => {
@@ -61,10 +63,10 @@ const noFitFigure = (label) => ({
     shapes: [{ type: "rect", xref: "paper", yref: "paper", x0: 0, x1: 1, y0: 0, y1: 1, fillcolor: NO_FIT, line: { width: 0 } }],
     annotations: [{ x: 0.5, y: 0.5, xref: "paper", yref: "paper", text: wrap(label), showarrow: false, font: { size: 13, color: "#c62828" } }] } }),
 });
-// A vertical marker at x with a label on top.
-const marker = (x, text, color, dash, yShift) => ({
+// A vertical marker at x with a label on top, to its right (or, with xanchor "right", to its left).
+const marker = (x, text, color, dash, yShift, xanchor) => ({
   shape: { type: "line", x0: x, x1: x, y0: 0, y1: 1, yref: "paper", line: { color, width: 2, dash: dash || "solid" } },
-  annotation: { x, y: 1 - (yShift || 0), yref: "paper", xanchor: "left", yanchor: "top", text, showarrow: false, font: { size: 11, color }, bgcolor: "rgba(255,255,255,0.7)" },
+  annotation: { x, y: 1 - (yShift || 0), yref: "paper", xanchor: xanchor || "left", yanchor: "top", text, showarrow: false, font: { size: 11, color }, bgcolor: "rgba(255,255,255,0.7)" },
 });
 const baseLayout = (title, x, y, extra) => Object.assign({
   title: { text: title, font: { size: 15 } },
@@ -274,13 +276,16 @@ const LESSONS = [
     controls: [...COMMON, ENGINE, num("rate", "request rate (req/s)", 0.1), num("ttft_slo_ms", "TTFT SLO (ms)"),
                num("tpot_slo_ms", "TPOT SLO (ms)"), num("prompt_len", "prompt tokens"), num("output_len", "output tokens")],
     charts: [
-      { id: "goodput", wide: true, make: (d) => {
+      { id: "goodput", wide: true, make: (d, narrow) => {
           const sw = d.sweep;
-          // x is the rate the run's arrivals actually came at (a Poisson sample is not its nominal rate).
-          const marks = [marker(sw.saturation_rps, "saturates: at most " + fmtNum(sw.saturation_rps) + " req/s completed", "#555", "dash", 0),
-                         marker(d.arrived_rps, "your rate", "#c62828", "dot", 0.18)];
-          if (sw.knee_rps != null) marks.push(marker(sw.knee_rps, "p90 targets break", "#e65100", "dashdot", 0.09));
           const top = Math.max(...sw.arrived_rps, d.arrived_rps) * 1.05;
+          // Labels in the right half of the axis sit left of their line, so none runs off the chart.
+          const side = (x) => (x > top / 2 ? "right" : "left");
+          const saturates = "saturates: at most" + (narrow ? "<br>" : " ") + fmtNum(sw.saturation_rps) + " req/s completed";
+          // x is the rate the run's arrivals actually came at (a Poisson sample is not its nominal rate).
+          const marks = [marker(sw.saturation_rps, saturates, "#555", "dash", 0, side(sw.saturation_rps)),
+                         marker(d.arrived_rps, "your rate", "#c62828", "dot", narrow ? 0.24 : 0.18, side(d.arrived_rps))];
+          if (sw.knee_rps != null) marks.push(marker(sw.knee_rps, "p90 targets break", "#e65100", "dashdot", narrow ? 0.15 : 0.09, side(sw.knee_rps)));
           return {
             data: [
               { x: [0, top], y: [0, top], mode: "lines", name: "completed = arrived", line: { color: "#bbb", dash: "dot" }, hoverinfo: "skip" },
@@ -899,11 +904,21 @@ function draw(chart, fig) {
     title.font = Object.assign({}, title.font, { size: 13 });
     fig.layout.margin = Object.assign({ l: 64, r: 20, b: 52 }, fig.layout.margin, { t: 60 });
   }
+  const shadeLabels = narrow ? (fig.layout.annotations || []).filter((a) => a.name === SHADE_LABEL) : [];
+  if (shadeLabels.length) {
+    // On a phone a limit's name would cover the curves that run into its shade: it joins the legend.
+    fig.layout.annotations = fig.layout.annotations.filter((a) => a.name !== SHADE_LABEL);
+    fig.data = [...fig.data, ...shadeLabels.map((a) => ({ x: [null], y: [null], mode: "markers", name: wrap(a.text.replace(/<br>/g, " "), 40),
+      marker: { symbol: "square", size: 12, color: a.font.color, opacity: 0.3 }, hoverinfo: "skip" }))];
+  }
   if (narrow && fig.data.length > 1 && fig.layout.showlegend !== false) {
     // A phone's legend wraps to several rows: anchor it by its top, below the x-axis title, and make room.
     fig.layout.legend = Object.assign({}, fig.layout.legend, { orientation: "h", yanchor: "top", y: -0.3, font: { size: 11 } });
-    fig.layout.margin = Object.assign({}, fig.layout.margin, { b: Math.max(130, (fig.layout.margin && fig.layout.margin.b) || 0) });
-    fig.layout.height = Math.max(fig.layout.height || 0, 440);
+    // Room for a row per entry at worst (a long name takes a row of its own), beside a plot of 240 px.
+    const entries = fig.data.filter((t) => t.showlegend !== false).length;
+    const bottom = Math.max(130, 80 + 21 * entries, (fig.layout.margin && fig.layout.margin.b) || 0);
+    fig.layout.margin = Object.assign({}, fig.layout.margin, { b: bottom });
+    fig.layout.height = Math.max(fig.layout.height || 0, 440, bottom + fig.layout.margin.t + 240);
   }
   Plotly.react("chart-" + chart.id, fig.data, fig.layout, { displaylogo: false, responsive: true });
 }
