@@ -76,6 +76,11 @@ LESSONS: dict[str, LessonFn | Simulated | None] = {
 }
 
 
+def instant_lessons() -> list[str]:
+    """The lessons computed from the roofline alone (no simulation, no capacity plan)."""
+    return [name for name, fn in LESSONS.items() if fn is not None and not isinstance(fn, Simulated)]
+
+
 def catalog() -> dict[str, Any]:
     from servelab.lab import speculative_lesson
 
@@ -108,6 +113,8 @@ def catalog() -> dict[str, Any]:
             for p in engine_profiles().values()
         ],
         "lessons": list(LESSONS),
+        # Answered by the roofline alone in milliseconds: their sliders redraw while dragged.
+        "instant_lessons": instant_lessons(),
         # The speculative lesson's accelerators (the catalog's and the lab's CPU) and proposers.
         "speculative": {
             "hardware": speculative_lesson.hardware_choices(),

@@ -30,6 +30,13 @@ from servelab.workload import RequestSpec, WorkloadSpec
 # above saturation), and at least SLO_MIN_REQUESTS requests for the percentiles at low rates.
 SLO_STEADY_S = 20.0
 SLO_MIN_REQUESTS = 300
+# Swept rates at or below LIGHT_LOAD of the saturation estimate keep no queue: their latencies sit
+# near the unloaded floor with a narrow spread, and the system is steady once the warm-up has
+# lasted a request's lifetime. Their floor is SLO_LIGHT_MIN_REQUESTS, raised until the warm-up
+# spans a lifetime. At low rates the floor is nearly all of a run's cost (small batches: a
+# simulated step per few tokens); docs/lab.md has the figures.
+LIGHT_LOAD = 0.6
+SLO_LIGHT_MIN_REQUESTS = 100
 WARMUP_FRACTION = 0.2  # the first fifth of the arrivals fill the system from empty: not measured
 SWEEP_FRACTIONS = (0.3, 0.6, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5)  # of the saturation estimate
 SATURATED_BELOW = 0.9  # achieved under this share of the offered rate: the system is not keeping up
@@ -84,10 +91,28 @@ def _spread(center: int, name: str) -> str:
     return f"{low}-{high}" if high > low else str(center)
 
 
-def _slo_requests(rate: float) -> int:
+def _slo_requests(rate: float, light_lifetime_s: float | None = None) -> int:
     """Enough requests for SLO_STEADY_S of arrivals after the warm-up, and never fewer than
-    SLO_MIN_REQUESTS. A run too big for the lab's memory budget is refused with its inputs named."""
-    return max(SLO_MIN_REQUESTS, math.ceil(rate * SLO_STEADY_S / (1.0 - WARMUP_FRACTION)))
+    SLO_MIN_REQUESTS. A swept rate under light load passes its requests' lifetime: its floor is
+    SLO_LIGHT_MIN_REQUESTS, or as many as make the warm-up last that lifetime. A run too big for
+    the lab's memory budget is refused with its inputs named."""
+    floor = SLO_MIN_REQUESTS
+    if light_lifetime_s is not None:
+        warm = math.ceil(rate * light_lifetime_s / WARMUP_FRACTION)
+        floor = min(SLO_MIN_REQUESTS, max(SLO_LIGHT_MIN_REQUESTS, warm))
+    return max(floor, math.ceil(rate * SLO_STEADY_S / (1.0 - WARMUP_FRACTION)))
+
+
+def lifetime_s(s: Setup, prompt_len: int, output_len: int, rate: float) -> float:
+    """A request's prefill and decode steps at the batch Little's law gives at `rate` (the
+    concurrency its lifetime and the rate imply, estimated twice from batch 1)."""
+    rl = s.roofline()
+    context = prompt_len + output_len // 2
+    batch, life_s = 1, 0.0
+    for _ in range(2):
+        life_s = rl.prefill(prompt_len).time_s + output_len * rl.decode(batch, context).time_s
+        batch = max(1, math.ceil(rate * life_s))
+    return life_s
 
 
 def _open_loop_run(
@@ -199,7 +224,9 @@ def _sweep(budget: Budget, s: Setup, prompt_len: int, output_len: int, slo: SLO,
     itl_pct: dict[str, list[float | None]] = {k: [] for k in PERCENTILES}
     meets: list[bool] = []
     for rate in rates:
-        st = _steady(_open_loop_run(budget, _key(s), rate, _slo_requests(rate), prompt_len, output_len), rate, slo)
+        light = lifetime_s(s, prompt_len, output_len, rate) if rate <= LIGHT_LOAD * center else None
+        num_requests = _slo_requests(rate, light)
+        st = _steady(_open_loop_run(budget, _key(s), rate, num_requests, prompt_len, output_len), rate, slo)
         sm = st.summary
         ttft, tpot = getattr(sm.ttft_s, pct), getattr(sm.tpot_s, pct)
         arrived.append(st.offered_rps)

@@ -294,6 +294,27 @@ def test_slo_numbers_are_the_simulators_steady_state(client):
     assert d["goodput_rps"] == pytest.approx(d["achieved_rps"] * sm.slo_attainment)
 
 
+def test_slo_light_load_rates_need_fewer_requests_but_a_warm_up_of_a_lifetime():
+    from servelab.lab.common import setup_from
+    from servelab.lab.params import Params
+    from servelab.lab.sim_lessons import SLO_LIGHT_MIN_REQUESTS, SLO_MIN_REQUESTS, WARMUP_FRACTION, _slo_requests
+    from servelab.lab.sim_lessons import lifetime_s
+
+    assert _slo_requests(1.0) == SLO_MIN_REQUESTS
+    assert _slo_requests(1.0, light_lifetime_s=1.0) == SLO_LIGHT_MIN_REQUESTS
+    # The warm-up (the first fifth of the arrivals) lasts at least one lifetime...
+    n = _slo_requests(1.0, light_lifetime_s=40.0)
+    assert WARMUP_FRACTION * n / 1.0 >= 40.0 and n < SLO_MIN_REQUESTS
+    # ...but a light-load rate never runs more than any other, nor less than 20 s of arrivals.
+    assert _slo_requests(1.0, light_lifetime_s=1000.0) == SLO_MIN_REQUESTS
+    assert _slo_requests(50.0, light_lifetime_s=0.1) == _slo_requests(50.0) > SLO_MIN_REQUESTS
+    s = setup_from(Params({}))
+    rl = s.roofline()
+    short, long = lifetime_s(s, 1024, 128, 2.0), lifetime_s(s, 1024, 2048, 2.0)
+    assert long > short >= rl.prefill(1024).time_s + 128 * rl.decode(1, 1024 + 64).time_s
+    assert lifetime_s(s, 1024, 2048, 20.0) > long  # more requests in flight: bigger, slower steps
+
+
 def test_slo_above_saturation_shows_offered_and_achieved_and_misses(client):
     from servelab.lab.sim_lessons import SLO_STEADY_S
 
@@ -780,7 +801,11 @@ def test_simulations_past_the_limit_answer_429_and_leave_the_lab_responsive(clie
             assert r.status_code == 429 and r.headers["retry-after"] == "5", r.text
             assert f"already running {MAX_RUNNING_SIMULATIONS} simulations" in r.json()["error"]["message"]
         assert client.get("/api/health").status_code == 200
-        assert client.post("/api/lessons/batching", json={}).status_code == 200  # the roofline needs no slot
+        # The lessons whose sliders redraw while dragged are the roofline's: they need no slot.
+        instant = client.get("/api/catalog").json()["instant_lessons"]
+        assert set(instant) == {"two-workloads", "batching", "memory", "request-cost", "qps-vs-tokens"}
+        for lesson in instant:
+            assert client.post(f"/api/lessons/{lesson}", json={}).status_code == 200, lesson
     finally:
         for _ in range(MAX_RUNNING_SIMULATIONS):
             slots.release()

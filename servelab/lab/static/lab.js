@@ -35,13 +35,15 @@ const logAxis = (...series) => {
   if (tickvals.length < 4) { mantissas = [1, 1.5, 2, 3, 4, 5, 6, 8]; tickvals = make(); }
   return { type: "log", tickvals, ticktext: tickvals.map(tickText) };
 };
-// The region beyond a limit, shaded and named: [lo, hi] in the axis's data coordinates.
+// The region beyond a limit, shaded and named: [lo, hi] in the axis's data coordinates. On a phone the
+// name moves to the legend (see draw), where no curve can run under it.
+const SHADE_LABEL = "limit-shade";
 const NO_FIT = "rgba(198, 40, 40, 0.12)";
 // Labels sit at the plot's right edge, inside it, so a narrow shade never pushes its name off the chart.
 const limitShade = (x0, x1, text, color, yShift) => ({
   shape: { type: "rect", xref: "x", yref: "paper", x0, x1, y0: 0, y1: 1, fillcolor: color, line: { width: 0 }, layer: "below" },
   annotation: { x: 1, y: 1 - (yShift || 0), xref: "paper", yref: "paper", xanchor: "right", yanchor: "top", text, showarrow: false,
-                font: { size: 11, color: color === NO_FIT ? "#c62828" : "#555" }, bgcolor: "rgba(255,255,255,0.7)" },
+                font: { size: 11, color: color === NO_FIT ? "#c62828" : "#555" }, bgcolor: "rgba(255,255,255,0.7)", name: SHADE_LABEL },
 });
 // Shades for the batching charts: beyond the KV-cache limit (red) and beyond the compute ridge (grey).
 const batchShades = (d, toX, last) => {
@@ -61,10 +63,10 @@ const noFitFigure = (label) => ({
     shapes: [{ type: "rect", xref: "paper", yref: "paper", x0: 0, x1: 1, y0: 0, y1: 1, fillcolor: NO_FIT, line: { width: 0 } }],
     annotations: [{ x: 0.5, y: 0.5, xref: "paper", yref: "paper", text: wrap(label), showarrow: false, font: { size: 13, color: "#c62828" } }] } }),
 });
-// A vertical marker at x with a label on top.
-const marker = (x, text, color, dash, yShift) => ({
+// A vertical marker at x with a label on top, to its right (or, with xanchor "right", to its left).
+const marker = (x, text, color, dash, yShift, xanchor) => ({
   shape: { type: "line", x0: x, x1: x, y0: 0, y1: 1, yref: "paper", line: { color, width: 2, dash: dash || "solid" } },
-  annotation: { x, y: 1 - (yShift || 0), yref: "paper", xanchor: "left", yanchor: "top", text, showarrow: false, font: { size: 11, color }, bgcolor: "rgba(255,255,255,0.7)" },
+  annotation: { x, y: 1 - (yShift || 0), yref: "paper", xanchor: xanchor || "left", yanchor: "top", text, showarrow: false, font: { size: 11, color }, bgcolor: "rgba(255,255,255,0.7)" },
 });
 const baseLayout = (title, x, y, extra) => Object.assign({
   title: { text: title, font: { size: 15 } },
@@ -274,13 +276,16 @@ const LESSONS = [
     controls: [...COMMON, ENGINE, num("rate", "request rate (req/s)", 0.1), num("ttft_slo_ms", "TTFT SLO (ms)"),
                num("tpot_slo_ms", "TPOT SLO (ms)"), num("prompt_len", "prompt tokens"), num("output_len", "output tokens")],
     charts: [
-      { id: "goodput", wide: true, make: (d) => {
+      { id: "goodput", wide: true, make: (d, narrow) => {
           const sw = d.sweep;
-          // x is the rate the run's arrivals actually came at (a Poisson sample is not its nominal rate).
-          const marks = [marker(sw.saturation_rps, "saturates: at most " + fmtNum(sw.saturation_rps) + " req/s completed", "#555", "dash", 0),
-                         marker(d.arrived_rps, "your rate", "#c62828", "dot", 0.18)];
-          if (sw.knee_rps != null) marks.push(marker(sw.knee_rps, "p90 targets break", "#e65100", "dashdot", 0.09));
           const top = Math.max(...sw.arrived_rps, d.arrived_rps) * 1.05;
+          // Labels in the right half of the axis sit left of their line, so none runs off the chart.
+          const side = (x) => (x > top / 2 ? "right" : "left");
+          const saturates = "saturates: at most" + (narrow ? "<br>" : " ") + fmtNum(sw.saturation_rps) + " req/s completed";
+          // x is the rate the run's arrivals actually came at (a Poisson sample is not its nominal rate).
+          const marks = [marker(sw.saturation_rps, saturates, "#555", "dash", 0, side(sw.saturation_rps)),
+                         marker(d.arrived_rps, "your rate", "#c62828", "dot", narrow ? 0.24 : 0.18, side(d.arrived_rps))];
+          if (sw.knee_rps != null) marks.push(marker(sw.knee_rps, "p90 targets break", "#e65100", "dashdot", narrow ? 0.15 : 0.09, side(sw.knee_rps)));
           return {
             data: [
               { x: [0, top], y: [0, top], mode: "lines", name: "completed = arrived", line: { color: "#bbb", dash: "dot" }, hoverinfo: "skip" },
@@ -690,8 +695,9 @@ function histogram(h, title) {
 
 // ---------------------------------------------------------------------------------------------
 
-const state = { catalog: null, lesson: null, seq: 0, liveTimer: null, live: false, load: null, setup: null, ruleHandler: null };
-window.lab = { renders: 0, last: null, errors: 0 };
+const state = { catalog: null, lesson: null, seq: 0, liveTimer: null, live: false, load: null, setup: null, ruleHandler: null,
+                progressTimer: null, startedAt: 0 };
+window.lab = { renders: 0, last: null, errors: 0, frames: [] };
 const $ = (id) => document.getElementById(id);
 
 function lessonById(id) {
@@ -732,7 +738,7 @@ function buildNav() {
 // A slider beside each number box. Wide ranges slide on a log scale so the small values stay reachable;
 // the box stays the exact value, and both move together.
 const SLIDER_STEPS = 1000;
-function sliderFor(input, c) {
+function sliderFor(input, c, instant) {
   const lo = Number(c.min), hi = Number(c.max);
   const log = lo > 0 && hi / lo > 100;
   const toPos = (v) => (log ? Math.log(v / lo) / Math.log(hi / lo) : (v - lo) / (hi - lo)) * SLIDER_STEPS;
@@ -748,8 +754,9 @@ function sliderFor(input, c) {
   range.type = "range"; range.min = 0; range.max = SLIDER_STEPS; range.step = 1; range.className = "slider";
   range.id = "slider-" + c.name; range.setAttribute("aria-label", c.label + " (slider)");
   const sync = () => { const v = Number(input.value); if (input.value !== "" && Number.isFinite(v)) range.value = toPos(Math.min(hi, Math.max(lo, v))); };
-  range.addEventListener("input", () => { input.value = fromPos(Number(range.value)); });
-  range.addEventListener("change", () => { input.value = fromPos(Number(range.value)); refresh(); });
+  // A lesson the roofline answers in milliseconds follows the thumb; a simulated one waits for the release.
+  range.addEventListener("input", () => { input.value = fromPos(Number(range.value)); if (instant) refreshLatest(true); });
+  range.addEventListener("change", () => { input.value = fromPos(Number(range.value)); if (instant) refreshLatest(false); else refresh(); });
   input.addEventListener("input", sync);
   sync();
   return { range, sync };
@@ -781,7 +788,7 @@ function buildControls(lesson, values) {
     const v = values[c.name] !== undefined ? values[c.name] : defaults[c.name];
     if (v !== undefined && v !== null) input.value = v;
     if (!lesson.live) input.addEventListener("change", () => { if (slider) slider.sync(); refresh(); });
-    if (c.type === "number") slider = sliderFor(input, c);
+    if (c.type === "number") slider = sliderFor(input, c, state.catalog.instant_lessons.includes(lesson.id));
     label.appendChild(input);
     if (slider) label.appendChild(slider.range);
     form.appendChild(label);
@@ -897,16 +904,26 @@ function draw(chart, fig) {
     title.font = Object.assign({}, title.font, { size: 13 });
     fig.layout.margin = Object.assign({ l: 64, r: 20, b: 52 }, fig.layout.margin, { t: 60 });
   }
+  const shadeLabels = narrow ? (fig.layout.annotations || []).filter((a) => a.name === SHADE_LABEL) : [];
+  if (shadeLabels.length) {
+    // On a phone a limit's name would cover the curves that run into its shade: it joins the legend.
+    fig.layout.annotations = fig.layout.annotations.filter((a) => a.name !== SHADE_LABEL);
+    fig.data = [...fig.data, ...shadeLabels.map((a) => ({ x: [null], y: [null], mode: "markers", name: wrap(a.text.replace(/<br>/g, " "), 40),
+      marker: { symbol: "square", size: 12, color: a.font.color, opacity: 0.3 }, hoverinfo: "skip" }))];
+  }
   if (narrow && fig.data.length > 1 && fig.layout.showlegend !== false) {
     // A phone's legend wraps to several rows: anchor it by its top, below the x-axis title, and make room.
     fig.layout.legend = Object.assign({}, fig.layout.legend, { orientation: "h", yanchor: "top", y: -0.3, font: { size: 11 } });
-    fig.layout.margin = Object.assign({}, fig.layout.margin, { b: Math.max(130, (fig.layout.margin && fig.layout.margin.b) || 0) });
-    fig.layout.height = Math.max(fig.layout.height || 0, 440);
+    // Room for a row per entry at worst (a long name takes a row of its own), beside a plot of 240 px.
+    const entries = fig.data.filter((t) => t.showlegend !== false).length;
+    const bottom = Math.max(130, 80 + 21 * entries, (fig.layout.margin && fig.layout.margin.b) || 0);
+    fig.layout.margin = Object.assign({}, fig.layout.margin, { b: bottom });
+    fig.layout.height = Math.max(fig.layout.height || 0, 440, bottom + fig.layout.margin.t + 240);
   }
   Plotly.react("chart-" + chart.id, fig.data, fig.layout, { displaylogo: false, responsive: true });
 }
 
-function render(lesson, data) {
+function render(lesson, data, visibleOnly) {
   $("error").hidden = true;
   $("warning").textContent = data.warning || "";
   $("warning").hidden = !data.warning;
@@ -918,6 +935,7 @@ function render(lesson, data) {
   renderCommands(data.plan && data.plan.command);
   for (const chart of lesson.charts) {
     const el = $("chart-" + chart.id);
+    if (visibleOnly && !onScreen(el)) continue;
     const narrow = el.clientWidth < 520;
     let fig;
     if (data.no_fit) fig = noFitFigure(data.no_fit.label);
@@ -938,7 +956,43 @@ function countError() {
   document.body.dataset.errors = String(window.lab.errors);
 }
 
-async function refresh() {
+// While a slider is dragged: at most one request in flight, and the last one sent carries the latest
+// value (values passed over while one was in flight are coalesced into it).
+// Mid-drag, only the charts on screen are redrawn (Plotly takes 15-60 ms a chart); the release redraws all.
+const dragging = { inFlight: false, pending: false, visibleOnly: true };
+function refreshLatest(visibleOnly) {
+  if (dragging.inFlight) {
+    dragging.visibleOnly = dragging.pending ? dragging.visibleOnly && visibleOnly : visibleOnly;
+    dragging.pending = true;
+    return;
+  }
+  dragging.inFlight = true;
+  refresh(false, visibleOnly).finally(() => {
+    dragging.inFlight = false;
+    if (dragging.pending) { dragging.pending = false; refreshLatest(dragging.visibleOnly); }
+  });
+}
+const onScreen = (el) => { const r = el.getBoundingClientRect(); return r.bottom > 0 && r.top < window.innerHeight; };
+
+// "computing… 1.2 s" while an answer is on its way (shown once it takes longer than a frame or two).
+const PROGRESS_AFTER_MS = 150;
+function showProgress(seq, startedAt) {
+  clearInterval(state.progressTimer);
+  const tick = () => {
+    const elapsed = performance.now() - startedAt;
+    if (seq !== state.seq) return;
+    $("progress").hidden = elapsed < PROGRESS_AFTER_MS;
+    $("progress").textContent = "computing… " + (elapsed / 1000).toFixed(1) + " s";
+  };
+  tick();
+  state.progressTimer = setInterval(tick, 100);
+}
+function hideProgress() {
+  clearInterval(state.progressTimer);
+  $("progress").hidden = true;
+}
+
+async function refresh(poll, visibleOnly) {
   const lesson = state.lesson;
   const params = currentParams();
   const query = new URLSearchParams(lesson.live ? {} : params);
@@ -948,30 +1002,40 @@ async function refresh() {
   const bad = invalidControls();
   if (bad.length && !lesson.live) { showError(bad.join("\n")); countError(); return; }
   const seq = ++state.seq;
+  const sentAt = performance.now();
+  if (!poll) state.startedAt = sentAt; // a capacity plan's polls count from the first request
+  showProgress(seq, state.startedAt);
   document.body.classList.add("busy");
-  $("charts").classList.add("stale"); // the old charts stay, dimmed, until the new numbers arrive
+  // The old charts stay, dimmed, until the new numbers arrive; the roofline's come within a frame, undimmed.
+  if (!state.catalog.instant_lessons.includes(lesson.id)) $("charts").classList.add("stale");
+  let polling = false;
   try {
     // A lesson is a JSON POST of the form's values (strings, as typed: the server validates them).
     const response = lesson.live ? await fetch("api/live") : await fetch("api/lessons/" + lesson.id, {
       method: "POST", headers: { "Content-Type": "application/json" }, body: JSON.stringify(Object.fromEntries(params)),
     });
     const body = await response.json();
+    const answeredMs = performance.now() - sentAt;
     if (seq !== state.seq) return; // a newer request superseded this one
     if (response.status === 202) {
       // A long computation (the capacity plan) runs on the server: draw its partial result, show progress, poll.
       if (body.plan) render(lesson, body);
       $("notice").textContent = body.message;
-      setTimeout(() => { if (seq === state.seq) refresh(); }, 700);
+      setTimeout(() => { if (seq === state.seq) refresh(true); }, 700);
+      polling = true;
       return;
     }
     if (!response.ok) {
       showError((body.error && body.error.message) || response.statusText);
       countError();
     } else {
-      render(lesson, body);
+      render(lesson, body, visibleOnly);
+      // Request to redraw, for the drag test and anyone timing the page: the last 200.
+      window.lab.frames.push({ lesson: lesson.id, ms: performance.now() - sentAt, answered_ms: answeredMs });
+      if (window.lab.frames.length > 200) window.lab.frames.shift();
     }
   } finally {
-    if (seq === state.seq) document.body.classList.remove("busy");
+    if (seq === state.seq && !polling) { document.body.classList.remove("busy"); hideProgress(); }
   }
 }
 
