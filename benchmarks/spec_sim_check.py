@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -306,4 +307,6 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 if __name__ == "__main__":
+    # SIGTERM unwinds like Ctrl-C, so measure()'s `finally` stops both servers
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     main()
