@@ -85,6 +85,14 @@ LESSONS = {
         "16",
         [("tokens-per-gpu", 0, "y", "plan.tokens_per_s_per_gpu"), ("cost", 0, "y", "plan.usd_per_million_tokens")],
     ),  # from START below
+    "capacity-pareto": (
+        "tpot_ms",
+        "40",
+        [
+            ("pareto", 2, "x", "curves.0.capacity.tokens_per_s_per_user"),  # h100-sxm's star
+            ("pareto", 2, "y", "curves.0.capacity.tokens_per_s_per_device"),
+        ],
+    ),
     "request-cost": (
         "output_len",
         "1024",
@@ -117,7 +125,7 @@ LESSONS = {
     ),
 }
 # Where a lesson's test starts, when not at its defaults: short capacity plans keep the test cheap.
-START = {"capacity": "&output_len=32"}
+START = {"capacity": "&output_len=32", "capacity-pareto": "&output_len=32"}
 # The panels every lesson has, plus "your machine" (which, without an engine, says how to get one).
 PAGES = [*LESSONS, "live"]
 
@@ -699,3 +707,42 @@ def test_speculative_lesson_marks_the_crossover_and_overlays_the_servers_accepta
     finally:
         context.close()
         server.stop()
+
+
+@pytest.mark.parametrize("size", list(VIEWPORTS))
+def test_pareto_lesson_draws_each_front_the_target_line_and_its_command(browser, lab_server, size):
+    """Each accelerator's line is its Pareto-optimal points, the dominated ones faint beside it;
+    the TPOT target is a vertical line at 1000 / TPOT; nothing overflows, and on a phone the legend
+    stays off the x-axis title."""
+    context = browser.new_context(viewport=VIEWPORTS[size])
+    page = context.new_page()
+    problems: list[str] = []
+    page.on("console", lambda m: m.type in ("error", "warning") and problems.append(m.text))
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    try:
+        page.goto(f"{lab_server.url}/?lesson=capacity-pareto&accelerators=h100-sxm,a100-80gb&output_len=32&tpot_ms=40")
+        _wait_settled(page)
+        page.wait_for_timeout(300)
+        d = page.evaluate("window.lab.last.data")
+        traces = page.evaluate("document.getElementById('chart-pareto').data")
+        for i, curve in enumerate(d["curves"]):
+            pts = curve["points"]
+            front, rest = traces[3 * i], traces[3 * i + 1]
+            on = [j for j, keep in enumerate(pts["pareto"]) if keep]
+            assert front["x"] == [pts["tokens_per_s_per_user"][j] for j in on]
+            assert front["y"] == [pts["tokens_per_s_per_device"][j] for j in on]
+            assert len(rest["x"]) == len(pts["pareto"]) - len(on) and rest["marker"]["opacity"] < 0.5
+            assert all("per million output tokens" in t for t in front["hovertext"])  # $/M tokens on hover
+        shapes = page.evaluate("document.getElementById('chart-pareto').layout.shapes")
+        assert [s["x0"] for s in shapes] == [pytest.approx(1000 / 40)]
+        assert page.text_content("#commands-body").startswith(
+            "servelab plan --model llama-3.1-8b --hardware h100-sxm,a100-80gb"
+        )
+        widths = page.evaluate("[document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+        assert widths[0] <= widths[1], widths
+        for legend in _boxes(page, "pareto", ".legend .bg"):
+            for title in _boxes(page, "pareto", ".g-xtitle text"):
+                assert not _overlap(legend, title)
+        assert problems == []
+    finally:
+        context.close()

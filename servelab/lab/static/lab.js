@@ -403,6 +403,46 @@ const LESSONS = [
   },
 ];
 
+// The canonical capacity chart: throughput per GPU against speed per user, one Pareto curve per accelerator
+// from `servelab plan`'s simulated levels (servelab/bench/pareto.py; `plan --plot` draws the same).
+const PARETO_COLORS = ["#2d6cdf", "#e07b00", "#43a047", "#6a1b9a"];
+function paretoHover(c, j) {
+  const P = c.points, usd = P.usd_per_million_tokens[j];
+  return c.hardware + " tp=" + P.tp[j] + ", " + P.concurrency[j] + " users<br>" + fmtNum(P.tokens_per_s_per_device[j]) + " tok/s per GPU, " +
+    fmtNum(P.tokens_per_s_per_user[j]) + " tok/s per user<br>p90 TPOT " + fmtNum(P.tpot_ms[j]) + " ms, p90 TTFT " + fmtNum(P.ttft_ms[j]) + " ms" +
+    (P.serves[j] ? "" : " (misses the TTFT target)") + "<br>" + (usd == null ? "no price in the catalog" : "$" + fmtNum(usd) + " per million output tokens");
+}
+function paretoFigure(d, narrow) {
+  const data = [];
+  d.curves.forEach((c, i) => {
+    const P = c.points, color = PARETO_COLORS[i % PARETO_COLORS.length];
+    const where = (keep) => P.pareto.map((p, j) => (keep(p) ? j : -1)).filter((j) => j >= 0);
+    const trace = (idx, extra) => Object.assign({ x: idx.map((j) => P.tokens_per_s_per_user[j]), y: idx.map((j) => P.tokens_per_s_per_device[j]),
+      hovertext: idx.map((j) => paretoHover(c, j)), hoverinfo: "text", legendgroup: c.hardware }, extra);
+    data.push(trace(where((p) => p), { mode: "lines+markers", name: c.hardware, line: { color, width: 2 }, marker: { color, size: 7 } }));
+    data.push(trace(where((p) => !p), { mode: "markers", name: c.hardware + " (dominated)", showlegend: false, marker: { color, size: 7, opacity: 0.25 } }));
+    if (c.capacity) {
+      const k = P.concurrency.findIndex((n, j) => n === c.capacity.concurrency && P.tp[j] === c.capacity.tp);
+      data.push({ x: [c.capacity.tokens_per_s_per_user], y: [c.capacity.tokens_per_s_per_device], mode: "markers", name: c.hardware + " at the target",
+        showlegend: false, legendgroup: c.hardware, hoverinfo: "text", hovertext: ["capacity at the target: " + paretoHover(c, k)],
+        marker: { symbol: "star", size: narrow ? 13 : 16, color, line: { color: "#000", width: 1 } } });
+    }
+  });
+  const line = marker(d.tpot_line_tokens_per_s_per_user, "TPOT " + fmtNum(d.config.tpot_ms) + " ms", "#c62828", "dash");
+  return { data, layout: baseLayout("Throughput per GPU against speed per user (★: capacity at the target)", "output tokens/s per user (1 / p90 TPOT)",
+    "output tokens/s per GPU", { rest: withShades([line]) }) };
+}
+LESSONS.splice(LESSONS.findIndex((l) => l.id === "capacity") + 1, 0, {
+  id: "capacity-pareto", title: "7b. Capacity on the Pareto frontier",
+  prose: [
+    "Batching trades one user's speed for the GPU's total: more users per GPU, each served more slowly. Each point is one simulated concurrency (`servelab plan`'s search, then on past the first level that misses the TPOT target); the line joins the accelerator's Pareto-optimal points, those no other point beats on both axes. Faint points are dominated, or miss the TTFT target.",
+    "The TPOT target is the dashed line at 1 / TPOT tokens/s per user. Capacity is the highest point on a curve right of it that meets both targets: the same tokens/s per GPU as `servelab plan`. Hover a point for its $ per million output tokens at the catalog price.",
+  ],
+  controls: [{ name: "accelerators", label: "accelerators (comma list, up to 4)", type: "text" }, "model", "weight_dtype", "kv_dtype", "tp", ENGINE,
+             num("ttft_ms", "TTFT target (ms)"), num("tpot_ms", "TPOT target (ms)"), num("prompt_len", "prompt tokens"), num("output_len", "output tokens")],
+  charts: [{ id: "pareto", wide: true, make: paretoFigure }],
+});
+
 LESSONS.push({
   id: "request-cost", title: "8. What a request costs",
   prose: [
@@ -772,6 +812,9 @@ function buildControls(lesson, values) {
         opt.value = o; opt.textContent = o;
         input.appendChild(opt);
       }
+    } else if (c.type === "text") {
+      input = document.createElement("input");
+      input.type = "text"; input.required = true;
     } else {
       input = document.createElement("input");
       input.type = "number"; input.min = c.min; input.max = c.max; input.step = c.step; input.required = !c.optional;
@@ -915,7 +958,7 @@ function render(lesson, data) {
   $("notice").textContent = (lesson.live && state.load ? state.load.notice : data.notice) || "";
   renderStats(lesson.live && state.load ? [...state.load.stats, ...(data.stats || [])] : data.stats);
   renderFormulas(data.formulas);
-  renderCommands(data.plan && data.plan.command);
+  renderCommands(data.commands || (data.plan && data.plan.command));
   for (const chart of lesson.charts) {
     const el = $("chart-" + chart.id);
     const narrow = el.clientWidth < 520;
