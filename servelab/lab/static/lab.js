@@ -697,12 +697,13 @@ const LIVE = {
   id: "live", title: "Your machine", live: true,
   prose: [
     "Everything else in the lab is predicted. Here the real engine answers: send a short load from this page to the server the lab runs in, and see the TTFT and TPOT it measured.",
-    "With a calibrated profile (`servelab calibrate --out profile.json`, then `servelab serve --profile profile.json`) the simulator replays exactly that traffic, and its prediction is drawn over the measurement. The charts below the load read the engine's own metrics every two seconds.",
+    "With a calibrated profile the simulator replays exactly that traffic, and its prediction is drawn over the measurement, p50, p90 and p99 side by side. Calibrate measures this server from outside in the background (`servelab calibrate --base-url`, about a minute and a half); `servelab serve --profile profile.json` loads one made earlier. The profile's held-out error and the host's noise while it was measured say how far to trust it. The charts below the load read the engine's own metrics every two seconds.",
   ],
   controls: [num("requests", "requests"), num("concurrency", "concurrency"), num("prompt_words", "prompt words"), num("max_tokens", "output tokens"), num("think_ms", "pause after each request (ms)")],
   charts: [
     { id: "machine-ttft", load: true, make: (d) => loadHistogram(d, "ttft", "TTFT: measured" + (d.has_prediction ? " vs predicted" : ""), "TTFT (ms)") },
     { id: "machine-tpot", load: true, make: (d) => loadHistogram(d, "tpot", "TPOT: measured" + (d.has_prediction ? " vs predicted" : ""), "TPOT (ms)") },
+    { id: "machine-percentiles", load: true, wide: true, placeholder: "… and their p50, p90 and p99, predicted beside measured", make: percentileBars },
     { id: "live-queue", make: (d) => ({
         data: [{ type: "bar", x: ["running", "waiting"], y: [d.running, d.waiting], marker: { color: ["#2d6cdf", "#e07b00"] }, name: "requests" }],
         layout: baseLayout("Requests", "", "requests") }) },
@@ -721,6 +722,88 @@ function loadHistogram(d, key, title, unit) {
   const data = [{ type: "bar", x: mids, y: h.measured, width: widths, name: "measured", marker: { color: "rgba(45,108,223,0.7)" } }];
   if (d.has_prediction) data.push({ type: "bar", x: mids, y: h.predicted, width: widths, name: "predicted (simulator + profile)", marker: { color: "rgba(224,123,0,0.55)" } });
   return { data, layout: baseLayout(title, unit + ", log scale", "requests", { xaxis: logAxis(e), rest: { barmode: "overlay" } }) };
+}
+
+// p50, p90 and p99 of TTFT and TPOT, measured beside predicted, each prediction's error on its bar.
+function percentileBars(d) {
+  const x = [], measured = [], predicted = [], errors = [];
+  for (const metric of ["TTFT", "TPOT"]) {
+    const t = d.percentiles[metric];
+    t.percentiles.forEach((p, i) => { x.push(metric + " " + p); measured.push(t.measured_ms[i]); predicted.push(t.predicted_ms[i]); errors.push(t.error_pct[i]); });
+  }
+  const data = [{ type: "bar", x, y: measured, name: "measured", marker: { color: "rgba(45,108,223,0.8)" },
+                  text: measured.map((v) => (v == null ? "" : fmtNum(v))), textposition: "outside", cliponaxis: false, textfont: { size: 11 } }];
+  if (d.has_prediction)
+    data.push({ type: "bar", x, y: predicted, name: "predicted (simulator + profile)", marker: { color: "rgba(224,123,0,0.8)" },
+                text: errors.map((e) => (e == null ? "" : (e >= 0 ? "+" : "") + Math.round(e) + "%")), textposition: "outside", cliponaxis: false,
+                textfont: { size: 11 } });
+  return { data, layout: baseLayout("p50 / p90 / p99: measured" + (d.has_prediction ? " beside predicted (error on the bar)" : ""), "",
+    "ms (log scale)", { xaxis: { type: "category" }, yaxis: Object.assign(logAxis(measured, predicted), { rangemode: "normal" }), rest: { barmode: "group" } }) };
+}
+
+// The profile the prediction uses (its held-out error, the host's noise while it was measured) and
+// the button that calibrates this server in the background (api/live/calibrate), with its progress.
+function profileLine(p) {
+  if (!p) return "No profile loaded: the prediction needs one. Calibrate measures this server from outside for about a minute and a half.";
+  const held = p.held_out ? "held-out error median " + fmtNum(p.held_out.median_abs_pct) + "%, max " + fmtNum(p.held_out.max_abs_pct) + "% over " + p.held_out.count + " steps"
+                          : "held-out error not recorded";
+  const noise = !p.noise ? "host noise not recorded" : p.noise.noisy == null ? "host noise not measured"
+    : (p.noise.noisy ? "host NOISY while calibrating" : "host quiet while calibrating") + (p.noise.spread_median_pct == null ? "" : " (median repeat " + fmtNum(p.noise.spread_median_pct) + "% over its fastest; " + p.noise.rule + ")");
+  return "Profile " + p.path + " (" + p.model + ", " + p.source + "): " + held + "; " + noise + ".";
+}
+function calibrationLine(c) {
+  if (c.state === "running") {
+    const points = c.points_total ? c.points_done + " of " + c.points_total + " points" : "starting";
+    return "calibrating: " + points + ", " + Math.round(c.elapsed_s) + " s of its " + c.budget_s + " s budget" + (c.current ? " (" + c.current + ")" : "");
+  }
+  if (c.state === "done") return "calibrated in " + Math.round(c.elapsed_s) + " s: the profile above is loaded; send a load to compare.";
+  if (c.state === "failed" || c.state === "cancelled") return "calibration " + c.state + ": " + c.error;
+  return "";
+}
+async function renderMachineProfile(lesson) {
+  let box = $("machine-profile");
+  if (!lesson.live || !state.live) { if (box) box.remove(); return; }
+  if (!box) {
+    box = document.createElement("div"); box.id = "machine-profile"; box.className = "machine-profile";
+    const text = document.createElement("p"); text.id = "machine-profile-text";
+    const button = document.createElement("button"); button.type = "button"; button.id = "calibrate";
+    button.addEventListener("click", startCalibration);
+    const status = document.createElement("p"); status.id = "calibrate-status"; status.setAttribute("role", "status");
+    box.append(text, button, status);
+    $("controls").after(box);
+  }
+  $("machine-profile-text").textContent = profileLine(state.setup.profile);
+  const c = await fetch("api/live/calibrate").then((r) => r.json());
+  showCalibration(c);
+  if (c.state === "running") pollCalibration();
+}
+function showCalibration(c) {
+  const button = $("calibrate"), status = $("calibrate-status");
+  if (!button) return;
+  button.disabled = c.state === "running";
+  button.textContent = (state.setup.profile ? "Recalibrate" : "Calibrate") + " this server (~" + c.budget_s + " s)";
+  status.textContent = calibrationLine(c);
+  status.classList.toggle("error", c.state === "failed" || c.state === "cancelled");
+}
+async function startCalibration() {
+  const response = await fetch("api/live/calibrate", { method: "POST", headers: { "Content-Type": "application/json" }, body: "{}" });
+  const body = await response.json();
+  if (!response.ok) { $("calibrate-status").textContent = (body.error && body.error.message) || response.statusText; $("calibrate-status").classList.add("error"); return; }
+  showCalibration(body);
+  pollCalibration();
+}
+function pollCalibration() {
+  clearTimeout(state.calibrationTimer);
+  state.calibrationTimer = setTimeout(async () => {
+    const c = await fetch("api/live/calibrate").then((r) => r.json());
+    if (c.state === "done") {
+      state.setup = await fetch("api/live/setup").then((r) => r.json());
+      const text = $("machine-profile-text");
+      if (text) text.textContent = profileLine(state.setup.profile);
+    }
+    showCalibration(c);
+    if (c.state === "running") pollCalibration();
+  }, 1000);
 }
 
 function histogram(h, title) {
@@ -964,7 +1047,7 @@ function render(lesson, data) {
     const narrow = el.clientWidth < 520;
     let fig;
     if (data.no_fit) fig = noFitFigure(data.no_fit.label);
-    else if (chart.load) fig = state.load ? chart.make(state.load, narrow) : placeholder(chart.id === "machine-ttft" ? "press Send load to measure TTFT" : "… and TPOT");
+    else if (chart.load) fig = state.load ? chart.make(state.load, narrow) : placeholder(chart.placeholder || (chart.id === "machine-ttft" ? "press Send load to measure TTFT" : "… and TPOT"));
     else fig = chart.make(data, narrow);
     draw(chart, fig);
   }
@@ -1026,6 +1109,7 @@ function showMachineSetup() {
     const c = setup.profile.coefficients;
     lines.push("Profile " + setup.profile.path + " (model " + setup.profile.model + "): per step " + fmtNum(c.per_step_s * 1e3) + " ms, per token " +
                fmtNum(c.per_token_s * 1e3) + " ms, per sequence " + fmtNum(c.per_seq_s * 1e3) + " ms, per context token " + fmtNum(c.per_context_token_s * 1e6) + " µs.");
+    lines.push(profileLine(setup.profile));
   }
   $("error").hidden = true;
   $("warning").textContent = lines.join("\n");
@@ -1132,6 +1216,7 @@ function openLesson(id, values) {
   }
   for (const a of $("nav").children) a.classList.toggle("active", a.dataset.lesson === lesson.id);
   buildControls(lesson, values);
+  renderMachineProfile(lesson);
   const charts = $("charts");
   for (const chart of charts.children) Plotly.purge(chart);
   charts.innerHTML = "";
