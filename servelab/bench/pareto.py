@@ -14,10 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from servelab.bench.planner import PlanRow
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +27,15 @@ class SweptLevel:
     ttft_s: float | None
     passed: bool  # meets every target: the capacity search's verdict
     serves: bool  # meets every target but TPOT's (failed requests and TTFT within bounds)
+
+
+class SweptRow(Protocol):
+    """What a curve needs of a plan row (`bench.planner.PlanRow`)."""
+
+    hardware: str
+    tp: int
+    price_per_device_hour: float | None
+    frontier: list[SweptLevel]
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,10 +107,10 @@ def _usd_per_million(price_per_device_hour: float | None, tokens_per_s_per_devic
     return price_per_device_hour / (tokens_per_s_per_device * 3600.0) * 1e6
 
 
-def frontier_curves(rows: Sequence[PlanRow]) -> list[ParetoCurve]:
+def frontier_curves(rows: Sequence[SweptRow]) -> list[ParetoCurve]:
     """One curve per accelerator, over all its TP degrees (per-device throughput compares them),
     in the order the rows first name each accelerator."""
-    by_hardware: dict[str, list[PlanRow]] = {}
+    by_hardware: dict[str, list[SweptRow]] = {}
     for row in rows:
         by_hardware.setdefault(row.hardware, []).append(row)
     curves = []
@@ -134,4 +140,4 @@ def frontier_curves(rows: Sequence[PlanRow]) -> list[ParetoCurve]:
     return curves
 
 
-__all__ = ["FrontierPoint", "ParetoCurve", "SweptLevel", "frontier_curves", "pareto_mask"]
+__all__ = ["FrontierPoint", "ParetoCurve", "SweptLevel", "SweptRow", "frontier_curves", "pareto_mask"]
