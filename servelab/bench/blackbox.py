@@ -974,7 +974,10 @@ def prefill_noise(results: Results) -> dict[str, Any]:
             by_len.setdefault(r["target"], []).append(r["ttft_s"])
     repeated = [v for v in by_len.values() if len(v) > 1]
     if not repeated:
-        return {"noisy": None, "describe": "host noise not measured: no prefill was repeated (--repeats 1)"}
+        return {
+            "noisy": None,
+            "describe": "host noise not measured: no prefill was measured twice (one pass, or the budget ended the second)",
+        }
     noise = host_noise(repeated)
     return {
         **noise.to_dict(),

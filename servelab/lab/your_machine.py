@@ -336,7 +336,7 @@ def noise_of(profile: dict[str, Any]) -> dict[str, Any] | None:
         "than its fastest"
         + (
             ""
-            if thresholds.get("other_cpus") is None
+            if thresholds.get("other_cpus") is None or noise.get("other_cpus") is None  # unmeasured from outside
             else f", or other processes kept over {thresholds['other_cpus']:g} CPUs busy"
         ),
         "describe": noise.get("describe"),

@@ -172,7 +172,7 @@ def test_the_labs_command_is_a_short_black_box_calibrate_that_calibrate_parses()
     assert (args.base_url, args.out, args.budget, args.served_model) == (
         "http://127.0.0.1:8000",
         "/tmp/p.json",
-        "90s",
+        "120s",
         "m",
     )
-    assert (args.max_prompt_tokens, args.max_concurrency, args.repeats) == (512, 8, 2)
+    assert (args.max_prompt_tokens, args.max_concurrency, args.repeats) == (256, 4, 2)

@@ -697,7 +697,7 @@ const LIVE = {
   id: "live", title: "Your machine", live: true,
   prose: [
     "Everything else in the lab is predicted. Here the real engine answers: send a short load from this page to the server the lab runs in, and see the TTFT and TPOT it measured.",
-    "With a calibrated profile the simulator replays exactly that traffic, and its prediction is drawn over the measurement, p50, p90 and p99 side by side. Calibrate measures this server from outside in the background (`servelab calibrate --base-url`, about a minute and a half); `servelab serve --profile profile.json` loads one made earlier. The profile's held-out error and the host's noise while it was measured say how far to trust it. The charts below the load read the engine's own metrics every two seconds.",
+    "With a calibrated profile the simulator replays exactly that traffic, and its prediction is drawn over the measurement, p50, p90 and p99 side by side. Calibrate measures this server from outside in the background (`servelab calibrate --base-url`, about two minutes); `servelab serve --profile profile.json` loads one made earlier. The profile's held-out error and the host's noise while it was measured say how far to trust it. The charts below the load read the engine's own metrics every two seconds.",
   ],
   controls: [num("requests", "requests"), num("concurrency", "concurrency"), num("prompt_words", "prompt words"), num("max_tokens", "output tokens"), num("think_ms", "pause after each request (ms)")],
   charts: [
@@ -744,7 +744,7 @@ function percentileBars(d) {
 // The profile the prediction uses (its held-out error, the host's noise while it was measured) and
 // the button that calibrates this server in the background (api/live/calibrate), with its progress.
 function profileLine(p) {
-  if (!p) return "No profile loaded: the prediction needs one. Calibrate measures this server from outside for about a minute and a half.";
+  if (!p) return "No profile loaded: the prediction needs one. Calibrate measures this server from outside for about two minutes.";
   const held = p.held_out ? "held-out error median " + fmtNum(p.held_out.median_abs_pct) + "%, max " + fmtNum(p.held_out.max_abs_pct) + "% over " + p.held_out.count + " steps"
                           : "held-out error not recorded";
   const noise = !p.noise ? "host noise not recorded" : p.noise.noisy == null ? "host noise not measured"
