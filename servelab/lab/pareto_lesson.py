@@ -19,7 +19,6 @@ import functools
 import shlex
 from typing import TYPE_CHECKING, Any
 
-from servelab.errors import InvalidArgument
 from servelab.lab.capacity_lesson import PLAN_PERCENTILE
 from servelab.lab.common import fmt, setup_from, stat
 from servelab.lab.limits import bounds
@@ -37,21 +36,8 @@ ROW_BYTES = 4096  # a PlanRow's levels and summaries, for the lab's result cache
 
 
 def accelerators_from(p: Params) -> list[str]:
-    raw = p._raw("accelerators")  # noqa: SLF001
-    names = list(DEFAULT_ACCELERATORS) if raw is None else [n.strip() for n in raw.split(",") if n.strip()]
-    unknown = [n for n in names if n not in HARDWARE]
-    if unknown:
-        raise InvalidArgument(
-            f"accelerators: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(HARDWARE)}",
-            param="accelerators",
-        )
-    if not 1 <= len(names) <= MAX_ACCELERATORS or len(set(names)) != len(names):
-        raise InvalidArgument(
-            f"accelerators: between 1 and {MAX_ACCELERATORS} distinct accelerators (each one's plan costs up to "
-            f"2 s of CPU), got {len(names)}{'' if len(set(names)) == len(names) else ' with repeats'}",
-            param="accelerators",
-        )
-    return names
+    # Each accelerator is a plan of up to 2 CPU-seconds: at most MAX_ACCELERATORS.
+    return p.choices("accelerators", DEFAULT_ACCELERATORS, list(HARDWARE), most=MAX_ACCELERATORS)
 
 
 def plan_argv(setup: Any, accelerators: list[str], ttft_ms: float, tpot_ms: float, prompt_len: int,
