@@ -36,6 +36,13 @@ CHANGES: dict[str, list[dict]] = {
     "qps-vs-tokens": [{"qps": 20}, {"b_prompt_len": 32768}, {"tpot_ms": 30}],
     "decode-chain": [{"output_len": 64}, {"batch": 64}, {"prompt_len": 8192}],
     "capacity": [{"tpot_ms": 45}],
+    "capacity-pareto": [
+        {"tpot_ms": 40},
+        {"accelerators": "h200,l40s"},
+        {"output_len": 64},
+        {"prompt_len": 2048},
+        {"ttft_ms": 500},
+    ],
     "speculative": [{"acceptance": 0.9}],
 }
 

@@ -925,6 +925,7 @@ def build_profile(server: ServerInfo, results: Results, run: dict[str, Any], des
         "how": "the joins' mixed steps, priced by the fit they were kept out of",
     }
     fitted.pop("holdout_every", None)
+    noise = prefill_noise(results)
     longest = max((r["prompt_tokens"] for r in results.of("prefill")), default=0)
     settings = server_settings(server, chunk, seqs, longest + 1, infer_kv_tokens(results, design.burst_output))
     return {
@@ -945,6 +946,7 @@ def build_profile(server: ServerInfo, results: Results, run: dict[str, Any], des
             "repeats": design.repeats,
         },
         "run": run,
+        "host_noise": noise,
         "fit": fitted,
         "observations": [
             {
@@ -957,6 +959,30 @@ def build_profile(server: ServerInfo, results: Results, run: dict[str, Any], des
             }
             for o, e in zip(obs, errs)
         ],
+    }
+
+
+def prefill_noise(results: Results) -> dict[str, Any]:
+    """How much the repeats of each single-request prefill (same length, fresh prompt) spread: the
+    in-engine calibrate's rule (`cost.calibration_stats`, noisy past a 10% median spread) applied
+    to the TTFTs a quiet server would repeat. Other processes' CPU use is not measured from here."""
+    from servelab.cost.calibration_stats import host_noise
+
+    by_len: dict[int, list[float]] = {}
+    for r in results.of("prefill"):
+        if r.get("ttft_s") is not None and r["ttft_s"] > 0:
+            by_len.setdefault(r["target"], []).append(r["ttft_s"])
+    repeated = [v for v in by_len.values() if len(v) > 1]
+    if not repeated:
+        return {
+            "noisy": None,
+            "describe": "host noise not measured: no prefill was measured twice (one pass, or the budget ended the second)",
+        }
+    noise = host_noise(repeated)
+    return {
+        **noise.to_dict(),
+        "measured_on": "the repeated single-request prefills' TTFTs",
+        "describe": noise.describe(),
     }
 
 
@@ -1000,16 +1026,23 @@ def report_lines(profile: dict[str, Any]) -> list[str]:
             "server does not honour ignore_eos, so its waves and decode steps are guessed from fewer "
             "tokens; pass --extra-body with a logit_bias of -100 on its end-of-sequence token ids"
         )
+    if profile.get("host_noise"):
+        lines.append(profile["host_noise"]["describe"])
     if profile["run"]["stopped"]:
         lines.append(f"note: {profile['run']['stopped']}; --resume adds the rest")
     return lines
 
 
-def progress_printer(enabled: bool) -> Callable[[str, int, int], None] | None:
+def progress_printer(enabled: bool, bar: bool = True) -> Callable[[str, int, int], None] | None:
+    """A bar redrawn in place on a terminal; elsewhere (a log, the lab's background run) one line
+    per point, `progress DONE/TOTAL LABEL`."""
     if not enabled:
         return None
 
     def show(label: str, done: int, total: int) -> None:
+        if not bar:
+            print(f"progress {done}/{total} {label}", file=sys.stderr, flush=True)
+            return
         width = 30
         filled = width * done // max(total, 1)
         end = "\n" if done == total else ""

@@ -8,6 +8,7 @@ plain data (names, numbers, strings) and returns a plain dict.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
 from concurrent.futures import ProcessPoolExecutor
@@ -15,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from servelab.bench.binding import Binding, Ceiling, Observed, binding_limit, observe
-from servelab.bench.capacity import CapacityResult, find_capacity
+from servelab.bench.capacity import CapacityResult, Level, find_capacity, slo_check
+from servelab.bench.pareto import SweptLevel
 from servelab.core.config import SchedulerConfig
 from servelab.errors import DoesNotFit, InvalidArgument, RequestTooLong
 from servelab.metrics import SLO
@@ -32,6 +34,9 @@ if TYPE_CHECKING:
 # The capacity search's ceiling on concurrent requests: each level simulates that many in flight
 # (and several times as many requests), so past it a plan only exhausts memory.
 MAX_CONCURRENCY = 100_000
+# Levels a frontier sweep adds past the search's first failing level: each doubles the load, so
+# three reach 8x it; a ceiling (what runs at once) ends them sooner.
+SWEEP_PAST_FAILURE = 3
 # The TTFT target when none is given: MLPerf Inference's server-scenario limit for Llama 2 70B and
 # Llama 3.1 8B. A 32k-token prefill of Llama 3.1 8B alone fits in it on an H100; a client that
 # waits a whole request for a slot (10 s at 256 tokens x 40 ms) does not.
@@ -55,7 +60,7 @@ class PlanRow:
     capacity: dict[str, Any] | None = None  # the full CapacityResult.to_dict()
     binding: Binding | None = None  # which limit set the capacity (TTFT, TPOT, --max-num-seqs, KV cache, ...)
     max_running: int | None = None  # the most sequences that run at once: --max-num-seqs or the KV cache
-    frontier: list[tuple[float, float, bool]] = field(default_factory=list)  # (tok/s/user, tok/s/device, passed)
+    frontier: list[SweptLevel] = field(default_factory=list)  # every simulated concurrency, in load order
     extrapolation: list[str] = field(default_factory=list)  # why its price rests on no measured kernel
 
     @property
@@ -110,6 +115,9 @@ class PlanJob:
     spec_acceptance: Acceptance | None = None
     requests_per_client: int = 4  # measured requests per level: this many per client (at least 100)
     tolerance: float | None = None  # the search's bisection tolerance (default: find_capacity's)
+    # Past the first failing level, double on to what runs at once (at most SWEEP_PAST_FAILURE
+    # levels), so the frontier chart's curve reaches the high-throughput end.
+    sweep_to_ceiling: bool = False
 
 
 def cost_per_million_tokens(price_per_device_hour: float, tokens_per_s_per_device: float) -> float:
@@ -215,7 +223,12 @@ def plan_one(job: PlanJob) -> PlanRow:
         row.fits = False
         row.reason = exc.message
         return row
-    fill_row(row, result, job)
+    past = _sweep_past_failure(result, max_load) if job.sweep_to_ceiling else []
+    extra = []
+    for c in past:
+        summary = measure(c)
+        extra.append(Level(c, summary, *slo_check(summary, job.slo, job.percentile)))
+    fill_row(row, result, job, extra)
     row.binding = binding_limit(result, observed, max_num_seqs=max_num_seqs, request_tokens=longest, ceiling=ceiling)
     return row
 
@@ -232,14 +245,38 @@ def _think_factor(config, workload: dict[str, Any]) -> int:  # noqa: ANN001
     return 1 + math.ceil(think_s / e2e_s) if e2e_s else 1
 
 
-def fill_row(row: PlanRow, result: CapacityResult, job: PlanJob) -> None:
+def _sweep_past_failure(result: CapacityResult, max_load: float) -> list[int]:
+    """The loads a frontier sweep adds: doubling from the first failing level, up to `max_load`."""
+    if result.first_failing is None:
+        return []
+    measured = {int(lv.load) for lv in result.levels}
+    loads: list[int] = []
+    load = int(max(lv.load for lv in result.levels))
+    while len(loads) < SWEEP_PAST_FAILURE and load < max_load:
+        load = int(min(load * 2, max_load))
+        if load not in measured:
+            loads.append(load)
+    return loads
+
+
+def fill_row(row: PlanRow, result: CapacityResult, job: PlanJob, extra: list[Level] | None = None) -> None:
+    """The row from the search's result; `extra` are levels swept past it for the frontier only."""
     row.capacity = result.to_dict()
     key = f"p{job.percentile}"
-    for level in sorted(result.levels, key=lambda lv: lv.load):
+    without_tpot = dataclasses.replace(job.slo, tpot_s=None)
+    for level in sorted([*result.levels, *(extra or [])], key=lambda lv: lv.load):
         s = level.summary
-        per_user = None if s.tpot_s.mean in (None, 0) else 1.0 / s.tpot_s.mean
-        if per_user is not None:
-            row.frontier.append((per_user, s.output_throughput_per_device, level.passed))
+        serves = slo_check(s, without_tpot, job.percentile)[0]
+        row.frontier.append(
+            SweptLevel(
+                concurrency=int(level.load),
+                tokens_per_s_per_device=s.output_throughput_per_device,
+                tpot_s=getattr(s.tpot_s, key),
+                ttft_s=getattr(s.ttft_s, key),
+                passed=level.passed,
+                serves=serves,
+            )
+        )
     if result.best is None:
         row.reason = result.describe()
         return

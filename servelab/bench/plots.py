@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from servelab.bench.capacity import CapacityResult
+from servelab.bench.pareto import ParetoCurve
 from servelab.metrics import RequestRecord
 
 
@@ -97,34 +98,57 @@ def write_capacity_plot(result: CapacityResult, path: str | Path) -> Path:
     return path
 
 
-def write_frontier_plot(rows, path: str | Path, title: str = "") -> Path:  # noqa: ANN001
-    """For each configuration, the measured levels as (tokens/s per user, tokens/s per device):
-    the trade-off batching makes between one user's speed and the device's total."""
+def write_frontier_plot(
+    curves: Sequence[ParetoCurve], path: str | Path, *, tpot_target_s: float | None, percentile: int, title: str = ""
+) -> Path:
+    """The throughput-interactivity frontier (`servelab.bench.pareto`): per accelerator, its
+    Pareto-optimal levels joined, the others faint, the TPOT target a vertical line and the
+    capacity read off it starred with its $/M tokens. The format follows the file's extension."""
     plt = _plt()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig, ax = plt.subplots(figsize=(8, 5))
-    for row in rows:
-        if not row.frontier:
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    for curve in curves:
+        if not curve.points:
             continue
-        users, devices, passed = zip(*sorted(row.frontier))
-        (line,) = ax.plot(users, devices, lw=1, label=f"{row.hardware} tp={row.tp}")
-        ax.scatter(
-            [u for u, p in zip(users, passed) if p],
-            [d for d, p in zip(devices, passed) if p],
-            color=line.get_color(),
-            s=18,
+        front = curve.front
+        (line,) = ax.plot(
+            [p.tokens_per_s_per_user for p in front],
+            [p.level.tokens_per_s_per_device for p in front],
+            marker="o",
+            ms=4,
+            lw=1.5,
+            label=curve.hardware,
         )
+        rest = [p for p in curve.points if not p.pareto]
         ax.scatter(
-            [u for u, p in zip(users, passed) if not p],
-            [d for d, p in zip(devices, passed) if not p],
+            [p.tokens_per_s_per_user for p in rest],
+            [p.level.tokens_per_s_per_device for p in rest],
             color=line.get_color(),
-            s=18,
-            facecolors="none",
+            alpha=0.25,
+            s=14,
         )
-    ax.set_xlabel("output tokens/s per user (1 / mean TPOT)")
+        cap = curve.capacity
+        if cap is not None:
+            ax.scatter([cap.tokens_per_s_per_user], [cap.level.tokens_per_s_per_device], color=line.get_color(),
+                       marker="*", s=160, edgecolors="k", linewidths=0.6, zorder=5)  # fmt: skip
+            cost = "" if cap.usd_per_million_tokens is None else f", ${cap.usd_per_million_tokens:.3f}/M tok"
+            ax.annotate(
+                f"{cap.level.tokens_per_s_per_device:,.0f} tok/s/GPU at {cap.level.concurrency} users{cost}",
+                (cap.tokens_per_s_per_user, cap.level.tokens_per_s_per_device),
+                xytext=(8, 4),
+                textcoords="offset points",
+                fontsize=8,
+            )
+    if tpot_target_s is not None:
+        x = 1.0 / tpot_target_s
+        ax.axvline(x, color="k", ls="--", lw=0.9)
+        ax.annotate(f"TPOT target {tpot_target_s * 1e3:g} ms", (x, 0.98), xycoords=("data", "axes fraction"),
+                    xytext=(4, 0), textcoords="offset points", fontsize=8, va="top")  # fmt: skip
+    ax.set_xlabel(f"output tokens/s per user (1 / p{percentile} TPOT)")
     ax.set_ylabel("output tokens/s per device")
-    ax.set_title(title or "throughput frontier (filled: meets the SLO)")
+    ax.set_title(title or "throughput per device against speed per user (line: Pareto-optimal levels)")
+    ax.set_ylim(bottom=0)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -23,6 +23,9 @@ from servelab.workload.arrivals import describe_think_time, parse_think_time
 # A fit that misses its held-out steps by more than this (median) would mislead sim and plan.
 DEFAULT_MAX_HELDOUT_ERROR_PCT = 20.0
 
+# --base-url's bearer token when --api-key is not given (the lab's background calibrate sets it).
+API_KEY_ENV = "SERVELAB_API_KEY"
+
 QUIET_WINDOW_S = 1.0  # --quiet-wait samples the host's other load over windows this long
 
 # --server-term's closed-loop runs: (concurrency, measured requests), and their lengths. The server
@@ -152,7 +155,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="the model name to request (default: the first one /v1/models lists)",
     )
-    b.add_argument("--api-key", default=None, help="bearer token for the server")
+    b.add_argument(
+        "--api-key",
+        default=None,
+        help=f"bearer token for the server (default: ${API_KEY_ENV}, which keeps it off the process list)",
+    )
     b.add_argument(
         "--budget",
         default="10m",
@@ -484,7 +491,8 @@ def run_black_box(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise InvalidArgument(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     extra = parse_extra_body(args.extra_body)
-    client = OpenAIStreamClient(args.base_url, model=args.served_model, api_key=args.api_key,
+    api_key = args.api_key or os.environ.get(API_KEY_ENV) or None
+    client = OpenAIStreamClient(args.base_url, model=args.served_model, api_key=api_key,
                                 timeout_s=parse_duration_s(args.request_timeout, name="--request-timeout"),
                                 extra_body=extra)  # fmt: skip
 
@@ -499,7 +507,7 @@ def run_black_box(args: argparse.Namespace) -> int:
             results.start(server)
             seed = time.time_ns() % (1 << 31)  # new prompts each run: no cache from an earlier one helps
             prober = bb.Prober(client, PromptBuilder(load_tokenizer(None), seed=seed), seed)
-            show = bb.progress_printer(not args.no_progress and sys.stderr.isatty())
+            show = bb.progress_printer(not args.no_progress, bar=sys.stderr.isatty())
             run = await bb.measure(prober, design, results, budget_s, show)
             return bb.build_profile(server, results, run, design)
         finally:

@@ -88,7 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser)
     o = parser.add_argument_group("output")
     o.add_argument("--json", action="store_true", help="print one JSON object")
-    o.add_argument("--plot", default=None, metavar="FILE.png", help="per-user vs per-device throughput frontier")
+    o.add_argument(
+        "--plot",
+        default=None,
+        metavar="FILE.png|FILE.svg",
+        help="draw throughput per device against tokens/s per user (1 / TPOT), the Pareto curve of each "
+        "accelerator with the TPOT target across it; the levels continue past the first that fails",
+    )
     o.add_argument("--workers", type=int, default=None, help="worker processes (default: one per CPU)")
 
 
@@ -109,6 +115,7 @@ class PlanInputs:
 
 
 def run(args: argparse.Namespace) -> int:
+    from servelab.bench.pareto import frontier_curves
     from servelab.bench.planner import rank, run_plan
 
     if wants_list(args):
@@ -117,10 +124,12 @@ def run(args: argparse.Namespace) -> int:
     inputs = plan_inputs(args)
     jobs = inputs.jobs
     rows = rank(run_plan(jobs, workers=args.workers or min(len(jobs), os.cpu_count() or 1)))
+    curves = frontier_curves(rows)
     if args.plot:
         from servelab.bench.plots import write_frontier_plot
 
-        write_frontier_plot(rows, args.plot, title=f"{inputs.model}: per-user vs per-device throughput")
+        write_frontier_plot(curves, args.plot, tpot_target_s=inputs.slo.tpot_s, percentile=args.percentile,
+                            title=f"{inputs.model}: throughput per device against speed per user")  # fmt: skip
     if args.json:
         print(
             json.dumps(
@@ -136,6 +145,7 @@ def run(args: argparse.Namespace) -> int:
                     "target_rate": args.target_rate,
                     "workload": inputs.workload,
                     "configs": [r.to_dict() for r in rows],
+                    "frontier": [c.to_dict() for c in curves],
                 },
                 indent=2,
             )
@@ -246,6 +256,7 @@ def plan_inputs(args: argparse.Namespace) -> PlanInputs:
             profile=args.profile,
             speculative=None if speculative is None else speculative.to_json(),
             spec_acceptance=acceptance,
+            sweep_to_ceiling=args.plot is not None,
         )
         for h in hardware
         for tp in tps

@@ -67,6 +67,7 @@ LESSONS: dict[str, LessonFn | Simulated | None] = {
     "disaggregated": Simulated("disaggregated"),
     "memory": roofline_lessons.memory,
     "capacity": None,
+    "capacity-pareto": Simulated("capacity_pareto", "pareto_lesson"),
     "request-cost": request_cost,  # needs the lab's CapacityPlanner: see run_lesson
     # The seed's design claims: put limits on both, capacity not in QPS, token by token.
     "limits": Simulated("limits", "seed_lessons"),

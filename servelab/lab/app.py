@@ -25,6 +25,7 @@ from servelab.lab.live import EngineMetricsSource, read_engine_stats
 from servelab.lab.params import Params
 
 if TYPE_CHECKING:
+    from servelab.lab.calibration_job import CalibrationRunner
     from servelab.lab.simulations import Simulations
 
 _STATIC_FILES = {"lab.js": "text/javascript", "lab.css": "text/css"}
@@ -51,6 +52,13 @@ def _error_response(exc: ServelabError) -> JSONResponse:
     return JSONResponse(body, status_code=exc.http_status, headers=headers)
 
 
+def server_root_url(request: Request) -> str:
+    """The server the lab is mounted in: the page sends its load to ../v1 from the lab's root, so
+    the server's root is the parent of the lab's mount."""
+    lab_root = request.url.path.rsplit("/api/", 1)[0]
+    return f"{request.url.scheme}://{request.url.netloc}{lab_root.rsplit('/', 1)[0]}"
+
+
 def _import_simulator_in_background() -> None:
     """The simulated lessons import the scheduler, the simulator and numpy-heavy metrics (0.6 s of
     CPU on the development host): start that while the page loads, so the first simulated lesson
@@ -69,6 +77,7 @@ def create_lab_app(
     max_request_bytes: int | None = None,
     allowed_hosts: frozenset[str] | None = None,
     simulations: Simulations | None = None,
+    calibration: CalibrationRunner | None = None,
 ) -> FastAPI:
     """The lab as an ASGI app. Mount it anywhere (`app.mount("/lab", create_lab_app(...))`): the
     page addresses its API and files by relative URLs. `profile` is a loaded `servelab calibrate`
@@ -77,13 +86,16 @@ def create_lab_app(
     own request guard in front of it (a JSON Content-Type on a POST, the body limit, the Host
     check against `allowed_hosts`); mounted in `servelab serve`, the server's guard already covers
     it. `simulations` (default: the lab's own, with the default budgets) runs the simulator
-    lessons; `app.state.stop()`, for a stopping server, ends the running simulations and capacity
-    plans within milliseconds and refuses new ones (503).
+    lessons; `calibration` (default: `servelab calibrate --base-url` in a subprocess) runs the
+    "your machine" panel's background calibration. `app.state.stop()`, for a stopping server,
+    ends the running simulations, capacity plans and calibration within milliseconds and refuses
+    new ones (503).
 
     A lesson is a POST with its inputs as a JSON object: a simulation takes seconds of CPU, and a
     JSON POST is what another site's page cannot send without the CORS preflight this server
     never grants."""
     from servelab.lab import api  # the lesson registry imports the cost model; keep app import cheap
+    from servelab.lab.calibration_job import CalibrationRunner
     from servelab.lab.capacity_lesson import CapacityPlanner
     from servelab.lab.simulations import Simulations
     from servelab.lab.your_machine import Predictor
@@ -102,15 +114,18 @@ def create_lab_app(
     app.state.simulations = simulations or Simulations()
     _import_simulator_in_background()
 
-    def stop() -> None:
-        # Called from a signal handler: both only set flags and signal processes.
-        app.state.simulations.cancel()
-        app.state.capacity_planner.close()
-
-    app.state.stop = stop
     app.state.predictor = Predictor(
         profile, profile_path, metrics_text if engine_metrics_source else None, served_model
     )
+    app.state.calibration = calibration or CalibrationRunner(app.state.predictor.set_profile)
+
+    def stop() -> None:
+        # Called from a signal handler: each only sets flags and signals processes.
+        app.state.simulations.cancel()
+        app.state.capacity_planner.close()
+        app.state.calibration.stop()
+
+    app.state.stop = stop
 
     @app.exception_handler(ServelabError)
     async def _servelab_error(_: Request, exc: ServelabError) -> JSONResponse:
@@ -167,6 +182,23 @@ def create_lab_app(
     @app.get("/api/live/setup")
     def live_setup() -> dict[str, Any]:
         return app.state.predictor.describe()
+
+    @app.get("/api/live/calibrate")
+    def calibrate_status() -> dict[str, Any]:
+        return app.state.calibration.status()
+
+    @app.post("/api/live/calibrate", status_code=202)
+    def calibrate_start(request: Request) -> dict[str, Any]:
+        """Starts `servelab calibrate --base-url` against this server in the background (the
+        GET reports its progress); the profile it writes is loaded into the panel."""
+        if app.state.engine_metrics_source is None:
+            raise NotFound(
+                "no engine here: calibrating measures the server the lab runs in, which needs `servelab serve`"
+            )
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        api_key = token.strip() if scheme.lower() == "bearer" else None
+        served = served_model() if served_model is not None else None
+        return app.state.calibration.start(server_root_url(request), api_key, served)
 
     @app.post("/api/live/predict")
     async def live_predict(request: Request) -> dict[str, Any]:

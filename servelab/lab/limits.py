@@ -73,6 +73,13 @@ LIMITS: dict[str, dict[str, tuple[float, float]]] = {
         "prompt_len": (1, 131072),
         "output_len": (2, 8192),
     },
+    # Each accelerator is a `plan` run on the simulator: lengths past these take seconds per curve.
+    "capacity-pareto": {
+        "tpot_ms": (1.0, 10_000.0),
+        "ttft_ms": (1.0, 600_000.0),
+        "prompt_len": (1, 32768),
+        "output_len": (2, 4096),
+    },
     # 400 simulated requests four times (no caps, each cap, both): means past these would run for seconds.
     "limits": {
         "rate": (0.1, 100.0),
@@ -105,6 +112,7 @@ CONTEXT_RULES: dict[str, tuple[tuple[str, ...], int, tuple[int, int]]] = {
     "disaggregated": (("prompt_len", "output_len"), 0, (3, 2)),
     "memory": (("context",), 0, (1, 1)),
     "request-cost": (("prompt_len", "output_len"), 0, (1, 1)),
+    "capacity-pareto": (("prompt_len", "output_len"), 0, (1, 1)),
     "limits": (("prompt_len", "output_len"), 0, (1, 1)),  # the means; the tail is cut to what the model takes
     "decode-chain": (("prompt_len", "output_len"), 0, (1, 1)),
 }
@@ -152,6 +160,14 @@ LESSON_DEFAULTS: dict[str, dict[str, Any]] = {
     },
     "memory": {"attention": "gqa", "context": 8192, "tpot_ms": 50},
     "capacity": {"ttft_ms": 2000, "tpot_ms": 50, "prompt_len": 1024, "output_len": 256},
+    # The TPOT line crosses both curves: each capacity lies inside its curve, not at its end.
+    "capacity-pareto": {
+        "accelerators": "h100-sxm,a100-80gb",
+        "ttft_ms": 2000,
+        "tpot_ms": 30,
+        "prompt_len": 1024,
+        "output_len": 128,
+    },
     "request-cost": {"prompt_len": 2048, "output_len": 256, "batch": 32, "price_per_gpu_hour": None},
     # Llama 3.1 8B's natural draft model: the same tokenizer, an eighth of the weights.
     "limits": {"rate": 4, "prompt_len": 2048, "output_len": 256, "prompt_cap": 4096, "output_cap": 512},

@@ -3,6 +3,7 @@ the parameter and its limits, which the app answers with a 400."""
 
 from __future__ import annotations
 
+import builtins
 import math
 from collections.abc import Mapping, Sequence
 
@@ -54,6 +55,22 @@ class Params:
         if not math.isfinite(value) or not lo <= value <= hi:
             raise InvalidArgument(f"{name}: must be between {lo:g} and {hi:g}, got {raw}", param=name)
         return value
+
+    def choices(self, name: str, default: Sequence[str], choices: Sequence[str], *, most: builtins.int) -> list[str]:
+        """A comma list of 1 to `most` distinct values from `choices`."""
+        raw = self._raw(name)
+        names = list(default) if raw is None else [n.strip() for n in raw.split(",") if n.strip()]
+        unknown = [n for n in names if n not in choices]
+        if unknown:
+            raise InvalidArgument(
+                f"{name}: unknown {', '.join(map(repr, unknown))}; choose from {', '.join(choices)}", param=name
+            )
+        if not 1 <= len(names) <= most or len(set(names)) != len(names):
+            repeats = "" if len(set(names)) == len(names) else " with repeats"
+            raise InvalidArgument(
+                f"{name}: between 1 and {most} distinct values, got {len(names)}{repeats}", param=name
+            )
+        return names
 
     def choice(self, name: str, default: str, choices: Sequence[str]) -> str:
         raw = self._raw(name)

@@ -21,7 +21,7 @@ import numpy as np
 from servelab.errors import InvalidArgument, ServelabError
 from servelab.lab.common import fmt, stat
 from servelab.lab.limits import LIMITS
-from servelab.metrics import RequestRecord, summarize
+from servelab.metrics import RequestRecord, Summary, summarize
 
 HIST_BINS = 12
 # The panel's form. Each client pauses think_ms after a request, and the replay's clients do too:
@@ -132,54 +132,66 @@ class Predictor:
         self.profile_path = profile_path
         self._metrics_text = metrics_text
         self._served_model = served_model or (lambda: None)
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # the profile and its path change together
+        self._replaying = threading.Lock()
+
+    def set_profile(self, profile: dict[str, Any], path: str) -> None:
+        """A profile that finished calibrating while the lab runs: later predictions use it."""
+        with self._lock:
+            self.profile, self.profile_path = profile, path
 
     def describe(self) -> dict[str, Any]:
         """What the panel can do here, for the page (shown before any load is sent)."""
-        held_out = ((self.profile or {}).get("fit") or {}).get("held_out") or {}
+        return {"engine": self._metrics_text is not None, "profile": self.profile_summary(), "defaults": LOAD_DEFAULTS}
+
+    def profile_summary(self) -> dict[str, Any] | None:
+        """The loaded profile as the panel shows it: its fit, its held-out error and how noisy the
+        host was while it was measured (None where the profile does not say)."""
+        profile = self.profile
+        if profile is None:
+            return None
+        fit = profile.get("fit") or {}
+        host = profile.get("host")
         return {
-            "engine": self._metrics_text is not None,
-            "profile": None
-            if self.profile is None
-            else {
-                "path": self.profile_path,
-                "model": self.profile.get("model"),
-                "host": (self.profile.get("host") or {}).get("cpu")
-                if isinstance(self.profile.get("host"), dict)
-                else self.profile.get("host"),
-                "coefficients": self.profile["fit"]["coefficients"],
-                "held_out": held_out,
-            },
-            "defaults": LOAD_DEFAULTS,
+            "path": self.profile_path,
+            "model": profile.get("model"),
+            "source": profile.get("source", "engine"),
+            "host": host.get("cpu") if isinstance(host, dict) else host,
+            "coefficients": fit.get("coefficients", {}),
+            "held_out": fit.get("heldout") or None,
+            "noise": noise_of(profile),
         }
 
     def predict(self, body: Any) -> dict[str, Any]:
         records, concurrency, think_s = parse_records(body)
-        if not self._lock.acquire(blocking=False):
+        if not self._replaying.acquire(blocking=False):
             raise PredictionBusy("the lab is already replaying a load through the simulator; retry in a second")
         try:
             return self._predict(records, concurrency, think_s)
         finally:
-            self._lock.release()
+            self._replaying.release()
 
     def _predict(self, records: list[RequestRecord], concurrency: int, think_s: float) -> dict[str, Any]:
         ok = [r for r in records if r.success]
         start = min(r.arrival_s for r in records)
         end = max((r.end_s or r.arrival_s) for r in records)
         measured = summarize(records, end - start)
+        with self._lock:
+            profile, profile_path = self.profile, self.profile_path
         predicted = None
         why_not = None
-        if self.profile is None:
+        if profile is None:
             why_not = (
-                "no profile loaded: run `servelab calibrate --out profile.json` on this host, then "
-                "`servelab serve --profile profile.json`, to overlay the simulator's prediction"
+                "no profile loaded: press Calibrate (about two minutes, against this server), or run "
+                "`servelab calibrate --out profile.json` on this host and `servelab serve --profile profile.json`, "
+                "to overlay the simulator's prediction"
             )
         elif self._metrics_text is None:
             why_not = "no engine here: the prediction replays a measured load, which needs `servelab serve`"
         elif not ok:
             why_not = "no request succeeded: nothing to replay"
         else:
-            predicted, why_not = self._replay(self.profile, self._metrics_text, records, concurrency, think_s)
+            predicted, why_not = self._replay(profile, self._metrics_text, records, concurrency, think_s)
         out_ttft, out_tpot = _ms_values(records, "ttft_s"), _ms_values(records, "tpot_s")
         sim_ttft = [] if predicted is None else _ms_values(predicted.records, "ttft_s")
         sim_tpot = [] if predicted is None else _ms_values(predicted.records, "tpot_s")
@@ -189,22 +201,32 @@ class Predictor:
             from servelab.bench.fidelity import compare
 
             rows = [r.to_dict() for r in compare(measured, predicted.summary)]
-        p50 = {k: _ms(getattr(measured, f"{k}_s").p50) for k in ("ttft", "tpot")}
-        stats = [
-            stat("requests (ok / sent)", f"{len(ok)} / {len(records)}"),
-            stat("measured p50 TTFT / TPOT", f"{fmt(p50['ttft'])} / {fmt(p50['tpot'])} ms"),
-        ]
+        side_by_side = percentile_table(measured, None if predicted is None else predicted.summary)
+        stats = [stat("requests (ok / sent)", f"{len(ok)} / {len(records)}")]
+        for metric in ("TTFT", "TPOT"):
+            m, sim = side_by_side[metric]["measured_ms"], side_by_side[metric]["predicted_ms"]
+            value = " / ".join(fmt(v) for v in m) + " ms"
+            if predicted is not None:
+                value += " measured, " + " / ".join(fmt(v) for v in sim) + " ms predicted"
+            stats.append(stat(f"{metric} p50 / p90 / p99", value))
+        if profile is not None:
+            summary = self.profile_summary() or {}
+            stats += profile_stats(summary)
         if predicted is not None:
-            sp = predicted.summary
-            stats.append(stat("predicted p50 TTFT / TPOT", f"{fmt(_ms(sp.ttft_s.p50))} / {fmt(_ms(sp.tpot_s.p50))} ms"))
-            errs = {r["metric"]: r["error_pct"] for r in rows}
             notice = (
-                f"the simulator, priced by {self.profile_path}, predicts p50 TPOT "
-                f"{_pct(errs.get('TPOT p50'))} and p50 TTFT {_pct(errs.get('TTFT p50'))} off the measurement "
-                f"for this load ({len(ok)} requests at concurrency {concurrency}, each client pausing "
-                f"{fmt(think_s * 1e3)} ms after a request, as the replay's do)."
+                f"the simulator, priced by {profile_path}, predicts TTFT {_pcts(side_by_side, 'TTFT')} and TPOT "
+                f"{_pcts(side_by_side, 'TPOT')} off the measurement at p50 / p90 / p99 for this load ({len(ok)} requests at "
+                f"concurrency {concurrency}, each client pausing {fmt(think_s * 1e3)} ms after a request, as the "
+                "replay's do)."
             )
+            noise = noise_of(profile or {})
+            if noise is not None and noise["noisy"]:
+                notice += (
+                    " The profile was measured on a noisy host: its step times carry other processes' "
+                    "interference, so expect errors of that size; recalibrate on a quiet host."
+                )
         else:
+            p50 = {k: _ms(getattr(measured, f"{k}_s").p50) for k in ("ttft", "tpot")}
             notice = (
                 f"measured {len(ok)} requests at concurrency {concurrency}: p50 TTFT {fmt(p50['ttft'])} ms, "
                 f"p50 TPOT {fmt(p50['tpot'])} ms; {why_not}."
@@ -214,7 +236,7 @@ class Predictor:
                 "concurrency": concurrency,
                 "requests": len(records),
                 "think_ms": think_s * 1e3,
-                "profile": self.profile_path,
+                "profile": profile_path,
             },
             "ttft": {
                 "edges_ms": ttft_edges,
@@ -226,6 +248,7 @@ class Predictor:
                 "measured": _hist(out_tpot, tpot_edges),
                 "predicted": _hist(sim_tpot, tpot_edges),
             },
+            "percentiles": side_by_side,
             "has_prediction": predicted is not None,
             "why_no_prediction": why_not,
             "comparison": rows,
@@ -268,3 +291,80 @@ def _ms(seconds: float | None) -> float:
 
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{value:+.0f}%"
+
+
+def _pcts(table: dict[str, dict[str, list[Any]]], metric: str) -> str:
+    return " / ".join(_pct(e) for e in table[metric]["error_pct"])
+
+
+PERCENTILES = ("p50", "p90", "p99")
+
+
+def percentile_table(measured: Summary, predicted: Summary | None) -> dict[str, dict[str, list[Any]]]:
+    """TTFT and TPOT at p50, p90 and p99 in ms, measured beside predicted (None without a
+    prediction), with the prediction's error in %: the chart's bars and the stat tiles."""
+    table: dict[str, dict[str, list[Any]]] = {}
+    for metric in ("TTFT", "TPOT"):
+        name = f"{metric.lower()}_s"
+        m = [getattr(getattr(measured, name), p) for p in PERCENTILES]
+        sim = (
+            [None] * len(PERCENTILES)
+            if predicted is None
+            else [getattr(getattr(predicted, name), p) for p in PERCENTILES]
+        )
+        table[metric] = {
+            "percentiles": list(PERCENTILES),
+            "measured_ms": [None if v is None else v * 1e3 for v in m],
+            "predicted_ms": [None if v is None else v * 1e3 for v in sim],
+            "error_pct": [None if a is None or b is None or a == 0 else (b - a) / a * 100.0 for a, b in zip(m, sim)],
+        }
+    return table
+
+
+def noise_of(profile: dict[str, Any]) -> dict[str, Any] | None:
+    """The profile's own verdict on its host (`host_noise`, written by `servelab calibrate` in the
+    engine and from outside); None for a profile that does not record one."""
+    noise = profile.get("host_noise")
+    if not isinstance(noise, dict) or "noisy" not in noise:
+        return None
+    thresholds = noise.get("thresholds") or {}
+    return {
+        "noisy": noise["noisy"],
+        "spread_median_pct": noise.get("spread_median_pct"),
+        "other_cpus": noise.get("other_cpus"),
+        "rule": f"noisy when a step's median repeat is over {thresholds.get('spread_median_pct', 10):g}% slower "
+        "than its fastest"
+        + (
+            ""
+            if thresholds.get("other_cpus") is None or noise.get("other_cpus") is None  # unmeasured from outside
+            else f", or other processes kept over {thresholds['other_cpus']:g} CPUs busy"
+        ),
+        "describe": noise.get("describe"),
+    }
+
+
+def profile_stats(summary: dict[str, Any]) -> list[dict[str, str]]:
+    """The profile's held-out error and noise flag, as stat tiles."""
+    held, noise = summary.get("held_out"), summary.get("noise")
+    out = []
+    if held:
+        out.append(
+            stat(
+                "profile's held-out error (median / max)",
+                f"{fmt(held.get('median_abs_pct'))}% / {fmt(held.get('max_abs_pct'))}% over {held.get('count')} steps",
+            )
+        )
+    else:
+        out.append(stat("profile's held-out error", "not recorded in the profile"))
+    if noise is None:
+        out.append(stat("host while calibrating", "not recorded in the profile"))
+    else:
+        verdict = "unknown" if noise["noisy"] is None else "NOISY" if noise["noisy"] else "quiet"
+        spread = noise.get("spread_median_pct")
+        out.append(
+            stat(
+                "host while calibrating",
+                verdict + ("" if spread is None else f" (median repeat {fmt(spread)}% over its fastest)"),
+            )
+        )
+    return out

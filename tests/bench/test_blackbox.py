@@ -59,6 +59,8 @@ def test_a_profile_fitted_from_outside_recovers_the_servers_cost_and_settings(ti
     profile = load_profile(str(out))
     c = profile["fit"]["coefficients"]
     assert profile["fit"]["heldout"]["median_abs_pct"] < 15
+    noise = profile["host_noise"]  # the panel shows it beside the held-out error
+    assert isinstance(noise["noisy"], bool) and noise["measured_on"].startswith("the repeated single-request")
     # The fit prices what the server does beyond the executor (HTTP, tokenizing, scheduling), so it
     # is judged by its prices, against the executor's: never below them, and not far above.
     cost = ProfileStepCost.from_profile(profile)
@@ -150,3 +152,31 @@ def test_validate_predicts_an_unseen_load_from_the_black_box_profile(timed_serve
     assert abs(errors["TPOT p50"]) < 15 and abs(errors["output tok/s"]) < 15, errors
     assert abs(errors["TTFT p50"]) < 25, errors
     assert result["config"]["server"]["max_num_seqs"] == str(MAX_SEQS)
+
+
+def test_host_noise_is_the_spread_of_repeated_prefills():
+    from servelab.bench.blackbox import Results, prefill_noise
+
+    def results(*ttfts_by_len: tuple[float, ...]) -> Results:
+        r = Results(None)
+        for n, ttfts in zip((64, 128), ttfts_by_len):
+            for rep, t in enumerate(ttfts):
+                r.add({"phase": "prefill", "batch": 1, "target": n, "repeat": rep, "ttft_s": t})
+        return r
+
+    quiet = prefill_noise(results((0.100, 0.102, 0.101), (0.200, 0.204, 0.201)))
+    assert quiet["noisy"] is False and quiet["spread_median_pct"] == pytest.approx(0.75)  # 1% and 0.5%
+    noisy = prefill_noise(results((0.100, 0.130, 0.125), (0.200, 0.260, 0.250)))
+    assert noisy["noisy"] is True and "NOISY" in noisy["describe"]
+    once = prefill_noise(results((0.100,), (0.200,)))
+    assert once["noisy"] is None and "not measured" in once["describe"]
+
+
+def test_progress_is_one_line_a_point_off_a_terminal(capsys):
+    from servelab.bench.blackbox import progress_printer
+
+    show = progress_printer(True, bar=False)
+    show("prefill b=1 L=64", 1, 40)
+    show("burst b=8 L=64", 2, 40)
+    assert capsys.readouterr().err.splitlines() == ["progress 1/40 prefill b=1 L=64", "progress 2/40 burst b=8 L=64"]
+    assert progress_printer(False) is None

@@ -42,7 +42,7 @@ def test_catalog_lists_the_catalogs_and_seed_defaults(client):
     assert {m["name"] for m in cat["models"]} >= {"llama-3.1-8b", "llama-3.1-70b"}
     assert "h100-sxm" in {h["name"] for h in cat["hardware"]}
     assert cat["weight_dtypes"][0] == "bfloat16" and "fp8" in cat["kv_dtypes"]
-    assert len(cat["lessons"]) == 12
+    assert len(cat["lessons"]) == 13
     assert [p["name"] for p in cat["engine_profiles"]] == ["servelab", "vllm", "sglang", "trtllm"]
     for lesson in cat["lessons"]:
         d = cat["defaults"][lesson]

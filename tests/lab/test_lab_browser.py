@@ -85,6 +85,14 @@ LESSONS = {
         "16",
         [("tokens-per-gpu", 0, "y", "plan.tokens_per_s_per_gpu"), ("cost", 0, "y", "plan.usd_per_million_tokens")],
     ),  # from START below
+    "capacity-pareto": (
+        "tpot_ms",
+        "40",
+        [
+            ("pareto", 2, "x", "curves.0.capacity.tokens_per_s_per_user"),  # h100-sxm's star
+            ("pareto", 2, "y", "curves.0.capacity.tokens_per_s_per_device"),
+        ],
+    ),
     "request-cost": (
         "output_len",
         "1024",
@@ -117,7 +125,7 @@ LESSONS = {
     ),
 }
 # Where a lesson's test starts, when not at its defaults: short capacity plans keep the test cheap.
-START = {"capacity": "&output_len=32"}
+START = {"capacity": "&output_len=32", "capacity-pareto": "&output_len=32"}
 # The panels every lesson has, plus "your machine" (which, without an engine, says how to get one).
 PAGES = [*LESSONS, "live"]
 
@@ -764,6 +772,119 @@ def test_speculative_lesson_marks_the_crossover_and_overlays_the_servers_accepta
         widths = page.evaluate("[document.documentElement.scrollWidth, document.documentElement.clientWidth]")
         assert widths[0] <= widths[1], widths
         page.screenshot(path=str(tmp_path / f"lab-speculative-{size}.png"), full_page=True)
+        assert problems == []
+    finally:
+        context.close()
+        server.stop()
+
+
+@pytest.mark.parametrize("size", list(VIEWPORTS))
+def test_pareto_lesson_draws_each_front_the_target_line_and_its_command(browser, lab_server, size):
+    """Each accelerator's line is its Pareto-optimal points, the dominated ones faint beside it;
+    the TPOT target is a vertical line at 1000 / TPOT; nothing overflows, and on a phone the legend
+    stays off the x-axis title."""
+    context = browser.new_context(viewport=VIEWPORTS[size])
+    page = context.new_page()
+    problems: list[str] = []
+    page.on("console", lambda m: m.type in ("error", "warning") and problems.append(m.text))
+    page.on("pageerror", lambda e: problems.append(str(e)))
+    try:
+        page.goto(f"{lab_server.url}/?lesson=capacity-pareto&accelerators=h100-sxm,a100-80gb&output_len=32&tpot_ms=40")
+        _wait_settled(page)
+        page.wait_for_timeout(300)
+        d = page.evaluate("window.lab.last.data")
+        traces = page.evaluate("document.getElementById('chart-pareto').data")
+        for i, curve in enumerate(d["curves"]):
+            pts = curve["points"]
+            front, rest = traces[3 * i], traces[3 * i + 1]
+            on = [j for j, keep in enumerate(pts["pareto"]) if keep]
+            assert front["x"] == [pts["tokens_per_s_per_user"][j] for j in on]
+            assert front["y"] == [pts["tokens_per_s_per_device"][j] for j in on]
+            assert len(rest["x"]) == len(pts["pareto"]) - len(on) and rest["marker"]["opacity"] < 0.5
+            assert all("per million output tokens" in t for t in front["hovertext"])  # $/M tokens on hover
+        shapes = page.evaluate("document.getElementById('chart-pareto').layout.shapes")
+        assert [s["x0"] for s in shapes] == [pytest.approx(1000 / 40)]
+        assert page.text_content("#commands-body").startswith(
+            "servelab plan --model llama-3.1-8b --hardware h100-sxm,a100-80gb"
+        )
+        widths = page.evaluate("[document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+        assert widths[0] <= widths[1], widths
+        for legend in _boxes(page, "pareto", ".legend .bg"):
+            for title in _boxes(page, "pareto", ".g-xtitle text"):
+                assert not _overlap(legend, title)
+        assert problems == []
+    finally:
+        context.close()
+
+
+@pytest.mark.parametrize("size", list(VIEWPORTS))
+def test_your_machine_calibrates_in_the_background_and_shows_percentiles_side_by_side(browser, tmp_path, size):
+    """Without a profile the panel offers Calibrate; its progress shows while it runs, the profile
+    it writes (held-out error, noise flag) is loaded, and a load then compares p50/p90/p99."""
+    import json
+    import sys
+
+    from starlette.routing import Mount
+
+    from servelab.commands.serve import mount_lab
+    from servelab.core.config import SchedulerConfig
+    from servelab.engine.llm_engine import LLMEngine
+    from servelab.engine.tokenizer import Tokenizer
+    from servelab.lab.calibration_job import CalibrationRunner
+    from servelab.server.app import create_app
+    from tests.fake_executor import FakeExecutor
+    from tests.lab.test_lab_calibration import PROFILE, STAND_IN
+    from tests.tiny_models import write_tiny_llama
+
+    model_dir = write_tiny_llama(tmp_path / "tiny")
+    tokenizer = Tokenizer.from_hf_dir(model_dir)
+    config = SchedulerConfig(
+        num_blocks=256, block_size=16, max_num_seqs=8, max_num_batched_tokens=512, max_model_len=512
+    )
+    app = create_app(LLMEngine(FakeExecutor(vocab_size=tokenizer.vocab_size), tokenizer, config, "tiny"))
+    assert mount_lab(app, None, None, "tiny")
+    lab = next(r.app for r in app.routes if isinstance(r, Mount) and r.path == "/lab")
+    script, fitted = tmp_path / "stand_in.py", tmp_path / "fitted.json"
+    script.write_text(STAND_IN.replace("for i in range(1, 4):", "for i in range(1, 4):\n    time.sleep(0.4)"))
+    fitted.write_text(json.dumps(PROFILE))
+    lab.state.calibration = CalibrationRunner(
+        lab.state.predictor.set_profile,
+        lambda url, out, model: [sys.executable, str(script), out, "ok", str(tmp_path / "seen.json"), str(fitted)],
+        out_dir=str(tmp_path),
+    )
+    server = _Server(app)
+    context = browser.new_context(viewport=VIEWPORTS[size])
+    try:
+        page = context.new_page()
+        problems = []
+        page.on("console", lambda m: m.type == "error" and problems.append(m.text))
+        page.goto(f"{server.url}/lab/?lesson=live")
+        page.wait_for_selector("#calibrate")
+        assert "No profile loaded" in page.text_content("#machine-profile-text")
+        page.click("#calibrate")
+        page.wait_for_function("document.getElementById('calibrate-status').textContent.includes('of 3 points')")
+        assert page.is_disabled("#calibrate")
+        page.wait_for_function("document.getElementById('calibrate-status').textContent.startsWith('calibrated')")
+        text = page.text_content("#machine-profile-text")
+        assert "held-out error median 4.5%, max 11% over 12 steps" in text and "host NOISY while calibrating" in text
+        page.fill("#ctl-requests", "6")
+        page.fill("#ctl-max_tokens", "8")
+        page.click("#send-load")
+        page.wait_for_function("window.lab.load && window.lab.load.has_prediction", timeout=60_000)
+        page.wait_for_function("document.getElementById('chart-machine-percentiles').data.length === 2")
+        bars = page.evaluate("document.getElementById('chart-machine-percentiles').data")
+        assert bars[0]["x"] == ["TTFT p50", "TTFT p90", "TTFT p99", "TPOT p50", "TPOT p90", "TPOT p99"]
+        table = page.evaluate("window.lab.load.percentiles")
+        assert bars[1]["y"] == table["TTFT"]["predicted_ms"] + table["TPOT"]["predicted_ms"]
+        errors = table["TTFT"]["error_pct"] + table["TPOT"]["error_pct"]
+        assert any(e is not None for e in errors)  # each prediction's error on its bar (none against a 0 ms TPOT)
+        assert all((t == "") == (e is None) and (e is None or t.endswith("%")) for t, e in zip(bars[1]["text"], errors))
+        summary = page.text_content("#summary")
+        assert "TTFT p50 / p90 / p99" in summary and "held-out error" in summary and "NOISY" in summary
+        page.wait_for_timeout(300)
+        widths = page.evaluate("[document.documentElement.scrollWidth, document.documentElement.clientWidth]")
+        assert widths[0] <= widths[1], widths
+        page.screenshot(path=str(tmp_path / f"lab-live-calibrated-{size}.png"), full_page=True)  # a stand-in profile
         assert problems == []
     finally:
         context.close()

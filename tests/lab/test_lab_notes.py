@@ -307,3 +307,49 @@ def test_decode_chain_note(setup, prompt_len, output_len, batch):
     assert f"one step would compute them all in {fmt(d['one_step_ms'])} ms" in note
     assert d["decode_ms"] == pytest.approx(sum(steps[1:]))
     assert ("the dependency, not the arithmetic, sets the time" in note) == (d["decode_ms"] > 2 * d["one_step_ms"])
+
+
+@SIMULATED
+@given(
+    st.lists(st.sampled_from(list(HARDWARE)), min_size=1, max_size=2, unique=True),
+    st.sampled_from(["llama-3.1-8b", "llama-3.1-70b", "qwen2.5-7b"]),
+    st.sampled_from(["1", "2"]),
+    st.floats(8.0, 120.0),
+    st.floats(100.0, 5000.0),
+    st.integers(64, 2048),
+    st.integers(8, 64),
+)
+def test_capacity_pareto_note(accelerators, model, tp, tpot_ms, ttft_ms, prompt_len, output_len):
+    assume(model in MODELS)
+    d = answer("capacity-pareto", {"accelerators": ",".join(accelerators), "model": model, "tp": tp,
+                                   "tpot_ms": tpot_ms, "ttft_ms": ttft_ms, "prompt_len": prompt_len,
+                                   "output_len": output_len})  # fmt: skip
+    note, line = d["notice"], d["tpot_line_tokens_per_s_per_user"]
+    caps = {c["hardware"]: c["capacity"] for c in d["curves"] if c["capacity"] is not None}
+    for hw, cap in caps.items():  # read right of the TPOT line, from a level that meets both targets
+        curve = next(c for c in d["curves"] if c["hardware"] == hw)
+        j = curve["points"]["concurrency"].index(cap["concurrency"])
+        assert cap["tokens_per_s_per_user"] >= line and curve["points"]["pareto"][j] and curve["points"]["passed"][j]
+        assert curve["points"]["tpot_ms"][j] <= tpot_ms and curve["points"]["ttft_ms"][j] <= ttft_ms
+    if caps:
+        best = max(caps, key=lambda hw: caps[hw]["tokens_per_s_per_device"])
+        cap = caps[best]
+        assert f"{best} serves the most: {fmt(cap['tokens_per_s_per_device'])} tokens/s per GPU at " in note
+        assert f" at {cap['concurrency']} users" in note
+        priced = {hw: c["usd_per_million_tokens"] for hw, c in caps.items() if c["usd_per_million_tokens"] is not None}
+        if priced:
+            cheapest = min(priced, key=priced.get)
+            assert f"{cheapest} is cheapest, ${fmt(priced[cheapest])} per million" in note
+    else:
+        assert "serves the most" not in note and "No accelerator here serves" in note
+    for hw, verdict in d["verdicts"].items():
+        assert (
+            (f"{hw}: does not fit" in note)
+            == (verdict == "does not fit")
+            == (f"{hw}: does not fit" in (d["warning"] or ""))
+        )
+        assert (hw in caps) == (verdict not in ("does not fit", "misses the targets at every concurrency"))
+        misses = verdict == "misses the targets at every concurrency"
+        assert misses == (hw not in caps and verdict != "does not fit")
+        if misses:
+            assert hw in note.split(" the targets at every concurrency")[0].rsplit(".", 1)[-1]

@@ -408,6 +408,46 @@ const LESSONS = [
   },
 ];
 
+// The canonical capacity chart: throughput per GPU against speed per user, one Pareto curve per accelerator
+// from `servelab plan`'s simulated levels (servelab/bench/pareto.py; `plan --plot` draws the same).
+const PARETO_COLORS = ["#2d6cdf", "#e07b00", "#43a047", "#6a1b9a"];
+function paretoHover(c, j) {
+  const P = c.points, usd = P.usd_per_million_tokens[j];
+  return c.hardware + " tp=" + P.tp[j] + ", " + P.concurrency[j] + " users<br>" + fmtNum(P.tokens_per_s_per_device[j]) + " tok/s per GPU, " +
+    fmtNum(P.tokens_per_s_per_user[j]) + " tok/s per user<br>p90 TPOT " + fmtNum(P.tpot_ms[j]) + " ms, p90 TTFT " + fmtNum(P.ttft_ms[j]) + " ms" +
+    (P.serves[j] ? "" : " (misses the TTFT target)") + "<br>" + (usd == null ? "no price in the catalog" : "$" + fmtNum(usd) + " per million output tokens");
+}
+function paretoFigure(d, narrow) {
+  const data = [];
+  d.curves.forEach((c, i) => {
+    const P = c.points, color = PARETO_COLORS[i % PARETO_COLORS.length];
+    const where = (keep) => P.pareto.map((p, j) => (keep(p) ? j : -1)).filter((j) => j >= 0);
+    const trace = (idx, extra) => Object.assign({ x: idx.map((j) => P.tokens_per_s_per_user[j]), y: idx.map((j) => P.tokens_per_s_per_device[j]),
+      hovertext: idx.map((j) => paretoHover(c, j)), hoverinfo: "text", legendgroup: c.hardware }, extra);
+    data.push(trace(where((p) => p), { mode: "lines+markers", name: c.hardware, line: { color, width: 2 }, marker: { color, size: 7 } }));
+    data.push(trace(where((p) => !p), { mode: "markers", name: c.hardware + " (dominated)", showlegend: false, marker: { color, size: 7, opacity: 0.25 } }));
+    if (c.capacity) {
+      const k = P.concurrency.findIndex((n, j) => n === c.capacity.concurrency && P.tp[j] === c.capacity.tp);
+      data.push({ x: [c.capacity.tokens_per_s_per_user], y: [c.capacity.tokens_per_s_per_device], mode: "markers", name: c.hardware + " at the target",
+        showlegend: false, legendgroup: c.hardware, hoverinfo: "text", hovertext: ["capacity at the target: " + paretoHover(c, k)],
+        marker: { symbol: "star", size: narrow ? 13 : 16, color, line: { color: "#000", width: 1 } } });
+    }
+  });
+  const line = marker(d.tpot_line_tokens_per_s_per_user, "TPOT " + fmtNum(d.config.tpot_ms) + " ms", "#c62828", "dash");
+  return { data, layout: baseLayout("Throughput per GPU against speed per user (★: capacity at the target)", "output tokens/s per user (1 / p90 TPOT)",
+    "output tokens/s per GPU", { rest: withShades([line]) }) };
+}
+LESSONS.splice(LESSONS.findIndex((l) => l.id === "capacity") + 1, 0, {
+  id: "capacity-pareto", title: "7b. Capacity on the Pareto frontier",
+  prose: [
+    "Batching trades one user's speed for the GPU's total: more users per GPU, each served more slowly. Each point is one simulated concurrency (`servelab plan`'s search, then on past the first level that misses the TPOT target); the line joins the accelerator's Pareto-optimal points, those no other point beats on both axes. Faint points are dominated, or miss the TTFT target.",
+    "The TPOT target is the dashed line at 1 / TPOT tokens/s per user. Capacity is the highest point on a curve right of it that meets both targets: the same tokens/s per GPU as `servelab plan`. Hover a point for its $ per million output tokens at the catalog price.",
+  ],
+  controls: [{ name: "accelerators", label: "accelerators (comma list, up to 4)", type: "text" }, "model", "weight_dtype", "kv_dtype", "tp", ENGINE,
+             num("ttft_ms", "TTFT target (ms)"), num("tpot_ms", "TPOT target (ms)"), num("prompt_len", "prompt tokens"), num("output_len", "output tokens")],
+  charts: [{ id: "pareto", wide: true, make: paretoFigure }],
+});
+
 LESSONS.push({
   id: "request-cost", title: "8. What a request costs",
   prose: [
@@ -662,12 +702,13 @@ const LIVE = {
   id: "live", title: "Your machine", live: true,
   prose: [
     "Everything else in the lab is predicted. Here the real engine answers: send a short load from this page to the server the lab runs in, and see the TTFT and TPOT it measured.",
-    "With a calibrated profile (`servelab calibrate --out profile.json`, then `servelab serve --profile profile.json`) the simulator replays exactly that traffic, and its prediction is drawn over the measurement. The charts below the load read the engine's own metrics every two seconds.",
+    "With a calibrated profile the simulator replays exactly that traffic, and its prediction is drawn over the measurement, p50, p90 and p99 side by side. Calibrate measures this server from outside in the background (`servelab calibrate --base-url`, about two minutes); `servelab serve --profile profile.json` loads one made earlier. The profile's held-out error and the host's noise while it was measured say how far to trust it. The charts below the load read the engine's own metrics every two seconds.",
   ],
   controls: [num("requests", "requests"), num("concurrency", "concurrency"), num("prompt_words", "prompt words"), num("max_tokens", "output tokens"), num("think_ms", "pause after each request (ms)")],
   charts: [
     { id: "machine-ttft", load: true, make: (d) => loadHistogram(d, "ttft", "TTFT: measured" + (d.has_prediction ? " vs predicted" : ""), "TTFT (ms)") },
     { id: "machine-tpot", load: true, make: (d) => loadHistogram(d, "tpot", "TPOT: measured" + (d.has_prediction ? " vs predicted" : ""), "TPOT (ms)") },
+    { id: "machine-percentiles", load: true, wide: true, placeholder: "… and their p50, p90 and p99, predicted beside measured", make: percentileBars },
     { id: "live-queue", make: (d) => ({
         data: [{ type: "bar", x: ["running", "waiting"], y: [d.running, d.waiting], marker: { color: ["#2d6cdf", "#e07b00"] }, name: "requests" }],
         layout: baseLayout("Requests", "", "requests") }) },
@@ -686,6 +727,88 @@ function loadHistogram(d, key, title, unit) {
   const data = [{ type: "bar", x: mids, y: h.measured, width: widths, name: "measured", marker: { color: "rgba(45,108,223,0.7)" } }];
   if (d.has_prediction) data.push({ type: "bar", x: mids, y: h.predicted, width: widths, name: "predicted (simulator + profile)", marker: { color: "rgba(224,123,0,0.55)" } });
   return { data, layout: baseLayout(title, unit + ", log scale", "requests", { xaxis: logAxis(e), rest: { barmode: "overlay" } }) };
+}
+
+// p50, p90 and p99 of TTFT and TPOT, measured beside predicted, each prediction's error on its bar.
+function percentileBars(d) {
+  const x = [], measured = [], predicted = [], errors = [];
+  for (const metric of ["TTFT", "TPOT"]) {
+    const t = d.percentiles[metric];
+    t.percentiles.forEach((p, i) => { x.push(metric + " " + p); measured.push(t.measured_ms[i]); predicted.push(t.predicted_ms[i]); errors.push(t.error_pct[i]); });
+  }
+  const data = [{ type: "bar", x, y: measured, name: "measured", marker: { color: "rgba(45,108,223,0.8)" },
+                  text: measured.map((v) => (v == null ? "" : fmtNum(v))), textposition: "outside", cliponaxis: false, textfont: { size: 11 } }];
+  if (d.has_prediction)
+    data.push({ type: "bar", x, y: predicted, name: "predicted (simulator + profile)", marker: { color: "rgba(224,123,0,0.8)" },
+                text: errors.map((e) => (e == null ? "" : (e >= 0 ? "+" : "") + Math.round(e) + "%")), textposition: "outside", cliponaxis: false,
+                textfont: { size: 11 } });
+  return { data, layout: baseLayout("p50 / p90 / p99: measured" + (d.has_prediction ? " beside predicted (error on the bar)" : ""), "",
+    "ms (log scale)", { xaxis: { type: "category" }, yaxis: Object.assign(logAxis(measured, predicted), { rangemode: "normal" }), rest: { barmode: "group" } }) };
+}
+
+// The profile the prediction uses (its held-out error, the host's noise while it was measured) and
+// the button that calibrates this server in the background (api/live/calibrate), with its progress.
+function profileLine(p) {
+  if (!p) return "No profile loaded: the prediction needs one. Calibrate measures this server from outside for about two minutes.";
+  const held = p.held_out ? "held-out error median " + fmtNum(p.held_out.median_abs_pct) + "%, max " + fmtNum(p.held_out.max_abs_pct) + "% over " + p.held_out.count + " steps"
+                          : "held-out error not recorded";
+  const noise = !p.noise ? "host noise not recorded" : p.noise.noisy == null ? "host noise not measured"
+    : (p.noise.noisy ? "host NOISY while calibrating" : "host quiet while calibrating") + (p.noise.spread_median_pct == null ? "" : " (median repeat " + fmtNum(p.noise.spread_median_pct) + "% over its fastest; " + p.noise.rule + ")");
+  return "Profile " + p.path + " (" + p.model + ", " + p.source + "): " + held + "; " + noise + ".";
+}
+function calibrationLine(c) {
+  if (c.state === "running") {
+    const points = c.points_total ? c.points_done + " of " + c.points_total + " points" : "starting";
+    return "calibrating: " + points + ", " + Math.round(c.elapsed_s) + " s of its " + c.budget_s + " s budget" + (c.current ? " (" + c.current + ")" : "");
+  }
+  if (c.state === "done") return "calibrated in " + Math.round(c.elapsed_s) + " s: the profile above is loaded; send a load to compare.";
+  if (c.state === "failed" || c.state === "cancelled") return "calibration " + c.state + ": " + c.error;
+  return "";
+}
+async function renderMachineProfile(lesson) {
+  let box = $("machine-profile");
+  if (!lesson.live || !state.live) { if (box) box.remove(); return; }
+  if (!box) {
+    box = document.createElement("div"); box.id = "machine-profile"; box.className = "machine-profile";
+    const text = document.createElement("p"); text.id = "machine-profile-text";
+    const button = document.createElement("button"); button.type = "button"; button.id = "calibrate";
+    button.addEventListener("click", startCalibration);
+    const status = document.createElement("p"); status.id = "calibrate-status"; status.setAttribute("role", "status");
+    box.append(text, button, status);
+    $("controls").after(box);
+  }
+  $("machine-profile-text").textContent = profileLine(state.setup.profile);
+  const c = await fetch("api/live/calibrate").then((r) => r.json());
+  showCalibration(c);
+  if (c.state === "running") pollCalibration();
+}
+function showCalibration(c) {
+  const button = $("calibrate"), status = $("calibrate-status");
+  if (!button) return;
+  button.disabled = c.state === "running";
+  button.textContent = (state.setup.profile ? "Recalibrate" : "Calibrate") + " this server (~" + c.budget_s + " s)";
+  status.textContent = calibrationLine(c);
+  status.classList.toggle("error", c.state === "failed" || c.state === "cancelled");
+}
+async function startCalibration() {
+  const response = await fetch("api/live/calibrate", { method: "POST", headers: { "Content-Type": "application/json" }, body: "{}" });
+  const body = await response.json();
+  if (!response.ok) { $("calibrate-status").textContent = (body.error && body.error.message) || response.statusText; $("calibrate-status").classList.add("error"); return; }
+  showCalibration(body);
+  pollCalibration();
+}
+function pollCalibration() {
+  clearTimeout(state.calibrationTimer);
+  state.calibrationTimer = setTimeout(async () => {
+    const c = await fetch("api/live/calibrate").then((r) => r.json());
+    if (c.state === "done") {
+      state.setup = await fetch("api/live/setup").then((r) => r.json());
+      const text = $("machine-profile-text");
+      if (text) text.textContent = profileLine(state.setup.profile);
+    }
+    showCalibration(c);
+    if (c.state === "running") pollCalibration();
+  }, 1000);
 }
 
 function histogram(h, title) {
@@ -779,6 +902,9 @@ function buildControls(lesson, values) {
         opt.value = o; opt.textContent = o;
         input.appendChild(opt);
       }
+    } else if (c.type === "text") {
+      input = document.createElement("input");
+      input.type = "text"; input.required = true;
     } else {
       input = document.createElement("input");
       input.type = "number"; input.min = c.min; input.max = c.max; input.step = c.step; input.required = !c.optional;
@@ -932,14 +1058,14 @@ function render(lesson, data, visibleOnly) {
   $("notice").textContent = (lesson.live && state.load ? state.load.notice : data.notice) || "";
   renderStats(lesson.live && state.load ? [...state.load.stats, ...(data.stats || [])] : data.stats);
   renderFormulas(data.formulas);
-  renderCommands(data.plan && data.plan.command);
+  renderCommands(data.commands || (data.plan && data.plan.command));
   for (const chart of lesson.charts) {
     const el = $("chart-" + chart.id);
     if (visibleOnly && !onScreen(el)) continue;
     const narrow = el.clientWidth < 520;
     let fig;
     if (data.no_fit) fig = noFitFigure(data.no_fit.label);
-    else if (chart.load) fig = state.load ? chart.make(state.load, narrow) : placeholder(chart.id === "machine-ttft" ? "press Send load to measure TTFT" : "… and TPOT");
+    else if (chart.load) fig = state.load ? chart.make(state.load, narrow) : placeholder(chart.placeholder || (chart.id === "machine-ttft" ? "press Send load to measure TTFT" : "… and TPOT"));
     else fig = chart.make(data, narrow);
     draw(chart, fig);
   }
@@ -1047,6 +1173,7 @@ function showMachineSetup() {
     const c = setup.profile.coefficients;
     lines.push("Profile " + setup.profile.path + " (model " + setup.profile.model + "): per step " + fmtNum(c.per_step_s * 1e3) + " ms, per token " +
                fmtNum(c.per_token_s * 1e3) + " ms, per sequence " + fmtNum(c.per_seq_s * 1e3) + " ms, per context token " + fmtNum(c.per_context_token_s * 1e6) + " µs.");
+    lines.push(profileLine(setup.profile));
   }
   $("error").hidden = true;
   $("warning").textContent = lines.join("\n");
@@ -1153,6 +1280,7 @@ function openLesson(id, values) {
   }
   for (const a of $("nav").children) a.classList.toggle("active", a.dataset.lesson === lesson.id);
   buildControls(lesson, values);
+  renderMachineProfile(lesson);
   const charts = $("charts");
   for (const chart of charts.children) Plotly.purge(chart);
   charts.innerHTML = "";
