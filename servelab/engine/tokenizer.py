@@ -503,7 +503,8 @@ def _sentencepiece_from_gguf(metadata: Mapping[str, Any], source: str) -> HFToke
 
     SPM merges the adjacent pair whose concatenation is the highest-scoring vocabulary piece
     (leftmost on ties). BPE does the same given every split of every piece into two pieces as a
-    merge, ranked by the piece's score (transformers' SentencePieceExtractor). Characters outside
+    merge, ranked by the piece's score (transformers' SentencePieceExtractor); a BPE rank cannot
+    tie, so two different pieces of equal score go by id rather than leftmost. Characters outside
     the vocabulary fall back to the `<0xXX>` byte tokens, or to the unknown token without them.
     """
     tokens: list[str] = metadata["tokenizer.ggml.tokens"]
