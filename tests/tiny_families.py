@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.tiny_models import EOS_TOKEN, IM_END, _write_tokenizer
+from tests.tiny_spm import SpmVocab, add_spm_tokenizer, gemma_vocab, llama_vocab, phi3_vocab
 
 VOCAB = 512
 _COMMON: dict[str, Any] = dict(
@@ -206,7 +207,9 @@ _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weig
               "lm_head.weight": "output.weight"}  # fmt: skip
 
 
-def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", *, stack_experts: bool = True) -> Path:
+def write_gguf(
+    hf_dir: Path, out: Path, qtype: str = "F32", *, stack_experts: bool = True, spm: SpmVocab | None = None
+) -> Path:
     """The HF directory `write_family` wrote, as llama.cpp's converter writes it (F32 tensors):
     arch llama (Q/K rows permuted, llama3's scaling as `rope_freqs.weight`; Mixtral too), qwen2,
     qwen3, phi3 (LongRoPE as `rope_factors_long/short.weight`, `rope.scaling.attn_factor`), gemma2
@@ -216,7 +219,8 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", *, stack_experts: bo
     layer's experts stacked per projection beside the router `ffn_gate_inp`); no `output.weight`
     when the embeddings are tied. `qtype` (e.g. "Q8_0"): every matrix but the router in that ggml
     type, as llama-quantize leaves them. `stack_experts` False: one `ffn_gate.E.weight` tensor per
-    expert, as converters before the stacking wrote Mixtral."""
+    expert, as converters before the stacking wrote Mixtral. `spm` writes that SentencePiece
+    vocabulary (`spm_vocab_for`) instead of the directory's byte-level BPE."""
     import gguf
     import torch
     from safetensors.torch import load_file
@@ -265,7 +269,10 @@ def write_gguf(hf_dir: Path, out: Path, qtype: str = "F32", *, stack_experts: bo
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
     if cfg.get("clip_qkv"):
         w.add_clamp_kqv(cfg["clip_qkv"])
-    _add_tokenizer(w, hf_dir, cfg)
+    if spm is None:
+        _add_tokenizer(w, hf_dir, cfg)
+    else:
+        add_spm_tokenizer(w, spm)
 
     tensors = load_file(str(hf_dir / "model.safetensors"))
     if cfg.get("tie_word_embeddings") or gemma:
@@ -359,3 +366,15 @@ def _add_tokenizer(w, hf_dir: Path, cfg: dict) -> None:
     w.add_eos_token_id(cfg["eos_token_id"])
     w.add_add_bos_token(False)
     w.add_chat_template(json.loads((hf_dir / "tokenizer_config.json").read_text())["chat_template"])
+
+
+# The tokenizer each family's real GGUF carries (convert_hf_to_gguf.py): SentencePiece for Llama 2,
+# Mistral, Mixtral, Phi-3 and Gemma; byte-level BPE ('gpt2', the directory's) for Llama 3 and Qwen.
+_SPM_VOCABS = {"llama2": llama_vocab, "mistral": llama_vocab, "mixtral": llama_vocab, "phi3": phi3_vocab,
+               "gemma": gemma_vocab, "gemma2": gemma_vocab, "gemma3": gemma_vocab}  # fmt: skip
+
+
+def spm_vocab_for(family: str, seed: int = 0) -> SpmVocab | None:
+    """The SentencePiece vocabulary (VOCAB tokens) `family`'s GGUF carries, or None for a 'gpt2' one."""
+    make = _SPM_VOCABS.get(family)
+    return None if make is None else make(VOCAB, seed)

@@ -13,13 +13,13 @@ import json
 import os
 import re
 import uuid
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
-from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 from tokenizers import Tokenizer as HFTokenizer
 
 from servelab.errors import InvalidArgument, NotFound
@@ -78,8 +78,15 @@ SUPPORTED_GGUF_PRE_TOKENIZERS = tuple(sorted(_BPE_PRE_TOKENIZERS))
 _DECODE_RELEASING_GIL_FROM = 1024
 
 # llama.cpp token types
+_TOKEN_TYPE_NORMAL = 1
+_TOKEN_TYPE_UNKNOWN = 2
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
+_TOKEN_TYPE_BYTE = 6
+
+_PHI3_KEEPS_WHITESPACE_AFTER = frozenset({"<unk>", "<s>", "<|endoftext|>"})
+
+SUPPORTED_GGUF_TOKENIZER_MODELS = {"gpt2": "byte-level BPE", "llama": "SentencePiece"}
 
 # Chat templates end a turn with one of these; when the template uses one and it is not the
 # declared EOS, generation must stop on it too (SmolLM2/Qwen: <|im_end|>, Llama 3: <|eot_id|>).
@@ -115,8 +122,13 @@ class Tokenizer:
         eos_token: str | None = None,
         pad_token_id: int | None = None,
         name: str = "",
+        strip_space_prefix: bool = False,
     ):
+        """`strip_space_prefix`: the vocabulary prefixes text with a space (SentencePiece's dummy
+        prefix), which `decode` drops from the first token, unless that token is a skipped
+        special one (llama.cpp's rule)."""
         self.backend = backend
+        self.strip_space_prefix = strip_space_prefix
         self.bos_token_id = bos_token_id
         self.eos_token_ids: tuple[int, ...] = tuple(dict.fromkeys(int(i) for i in eos_token_ids))
         self.eos_token_id: int | None = self.eos_token_ids[0] if self.eos_token_ids else None
@@ -133,6 +145,7 @@ class Tokenizer:
         self._plain.encode_special_tokens = True
         special = {t.content: i for i, t in backend.get_added_tokens_decoder().items() if t.special and t.content}
         self.special_token_ids: dict[str, int] = special  # text -> id of every special (control) token
+        self._special_ids = frozenset(special.values())
         self._special_text = (
             re.compile("|".join(re.escape(t) for t in sorted(special, key=len, reverse=True))) if special else None
         )
@@ -253,8 +266,16 @@ class Tokenizer:
         ids = list(ids)
         if len(ids) > _DECODE_RELEASING_GIL_FROM:
             # `decode` holds the GIL throughout; `decode_batch` releases it.
-            return self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
-        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+            text = self.backend.decode_batch([ids], skip_special_tokens=skip_special_tokens)[0]
+        else:
+            text = self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+        if (
+            self.strip_space_prefix
+            and text.startswith(" ")
+            and not (skip_special_tokens and ids[0] in self._special_ids)
+        ):
+            return text[1:]
+        return text
 
     def id_to_token(self, i: int) -> str | None:
         return self.backend.id_to_token(i)
@@ -371,69 +392,30 @@ class Tokenizer:
             metadata, source = gguf_metadata(path_or_metadata), str(path_or_metadata)
 
         model_type = metadata.get("tokenizer.ggml.model")
-        if model_type != "gpt2":
+        strip_space_prefix = False
+        if model_type == "gpt2":
+            backend = _byte_level_bpe_from_gguf(metadata, source)
+            defaults: dict[str, Any] = {"add_bos": False}
+        elif model_type == "llama":
+            backend = _sentencepiece_from_gguf(metadata, source)
+            strip_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+            # llama.cpp's defaults for a SentencePiece vocabulary that omits these keys
+            defaults = {"add_bos": True, "tokenizer.ggml.bos_token_id": 1, "tokenizer.ggml.eos_token_id": 2}
+        else:
             raise InvalidArgument(
-                f"{source}: tokenizer.ggml.model {model_type!r} is not supported; servelab builds byte-level BPE "
-                f"('gpt2') tokenizers from GGUF. Use the model's HF directory (tokenizer.json) instead."
+                f"{source}: tokenizer.ggml.model {model_type!r} is not supported; servelab builds "
+                f"{', '.join(f'{k!r} ({v})' for k, v in SUPPORTED_GGUF_TOKENIZER_MODELS.items())} tokenizers "
+                f"from GGUF. Use the model's HF directory (tokenizer.json) instead."
             )
-        pre = metadata.get("tokenizer.ggml.pre", "default")
-        if pre not in _BPE_PRE_TOKENIZERS:
-            raise InvalidArgument(
-                f"{source}: pre-tokenizer tokenizer.ggml.pre={pre!r} is not supported "
-                f"(supported: {', '.join(SUPPORTED_GGUF_PRE_TOKENIZERS)}). Use the model's HF directory instead."
-            )
-        split_regex, split_digits, ignore_merges = _BPE_PRE_TOKENIZERS[pre]
-
         tokens: list[str] = metadata["tokenizer.ggml.tokens"]
-        token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-        merges: list[str] = metadata.get("tokenizer.ggml.merges") or []
 
-        alphabet = _byte_level_alphabet()
-        alphabet_chars = set(alphabet.values())
-        vocab: dict[str, int] = {}
-        for i, token in enumerate(tokens):
-            # Vocabulary entries are stored in the byte-level spelling; an entry written in plain
-            # text (some converters do this for added tokens) is respelled so BPE can reach it.
-            if not set(token) <= alphabet_chars:
-                token = "".join(alphabet[b] for b in token.encode("utf-8"))
-            vocab.setdefault(token, i)
-        merge_pairs = []
-        for m in merges:
-            left, sep, right = m.partition(" ")
-            if sep:
-                merge_pairs.append((left, right))
-
-        bpe = models.BPE(vocab=vocab, merges=merge_pairs, ignore_merges=ignore_merges)
-        backend = HFTokenizer(bpe)
-        splits: list[Any] = []
-        if split_digits:
-            splits.append(pre_tokenizers.Digits(individual_digits=True))
-        splits.append(pre_tokenizers.Split(Regex(split_regex), behavior="isolated", invert=False))
-        splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
-        backend.pre_tokenizer = pre_tokenizers.Sequence(splits)
-        backend.decoder = decoders.ByteLevel()
-
-        # Control tokens (<|im_start|>, <|eot_id|>, ...) must be matched whole in text and are
-        # skipped when decoding with skip_special_tokens; user-defined ones are matched whole but
-        # kept in decoded text.
-        special = [
-            AddedToken(t, special=True, normalized=False)
-            for t, kind in zip(tokens, token_types)
-            if kind == _TOKEN_TYPE_CONTROL and set(t) <= alphabet_chars
-        ]
-        user_defined = [
-            AddedToken(t, special=False, normalized=False)
-            for t, kind in zip(tokens, token_types)
-            if kind == _TOKEN_TYPE_USER_DEFINED
-        ]
-        if special:
-            backend.add_special_tokens(special)
-        if user_defined:
-            backend.add_tokens(user_defined)
-
-        bos_id = metadata.get("tokenizer.ggml.bos_token_id")
-        eos_id = metadata.get("tokenizer.ggml.eos_token_id")
-        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", False))
+        bos_id = metadata.get("tokenizer.ggml.bos_token_id", defaults.get("tokenizer.ggml.bos_token_id"))
+        eos_id = metadata.get("tokenizer.ggml.eos_token_id", defaults.get("tokenizer.ggml.eos_token_id"))
+        pad_id = metadata.get("tokenizer.ggml.padding_token_id")
+        for key, token_id in (("bos_token_id", bos_id), ("eos_token_id", eos_id), ("padding_token_id", pad_id)):
+            if token_id is not None and not 0 <= token_id < len(tokens):
+                raise InvalidArgument(f"{source}: tokenizer.ggml.{key}={token_id} is outside the {len(tokens)} tokens")
+        add_bos = bool(metadata.get("tokenizer.ggml.add_bos_token", defaults["add_bos"]))
         add_eos = bool(metadata.get("tokenizer.ggml.add_eos_token", False))
         template_single, template_pair, special_pairs = "$A", "$A $B", []
         if add_bos and bos_id is not None:
@@ -453,7 +435,6 @@ class Tokenizer:
             if metadata.get(key) is not None:
                 eos_ids.append(metadata[key])
         eos_ids.extend(_end_of_turn_ids(backend, chat_template))
-        pad_id = metadata.get("tokenizer.ggml.padding_token_id")
         return cls(
             backend,
             bos_token_id=bos_id,
@@ -461,6 +442,7 @@ class Tokenizer:
             chat_template=chat_template,
             pad_token_id=pad_id,
             name=str(metadata.get("general.name") or Path(str(source)).stem),
+            strip_space_prefix=strip_space_prefix,
         )
 
     @classmethod
@@ -472,6 +454,135 @@ class Tokenizer:
         if p.is_file() and p.suffix.lower() == ".gguf":
             return cls.from_gguf(p)
         raise NotFound(f"no tokenizer at {p}: expected a .gguf file or a directory with tokenizer.json")
+
+
+def _byte_level_bpe_from_gguf(metadata: Mapping[str, Any], source: str) -> HFTokenizer:
+    """A 'gpt2' GGUF vocabulary: byte-level BPE over the split regex `tokenizer.ggml.pre` names."""
+    pre = metadata.get("tokenizer.ggml.pre", "default")
+    if pre not in _BPE_PRE_TOKENIZERS:
+        raise InvalidArgument(
+            f"{source}: pre-tokenizer tokenizer.ggml.pre={pre!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_GGUF_PRE_TOKENIZERS)}). Use the model's HF directory instead."
+        )
+    split_regex, split_digits, ignore_merges = _BPE_PRE_TOKENIZERS[pre]
+
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    merges: list[str] = metadata.get("tokenizer.ggml.merges") or []
+
+    alphabet = _byte_level_alphabet()
+    alphabet_chars = set(alphabet.values())
+    vocab: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        # Vocabulary entries are stored in the byte-level spelling; an entry written in plain
+        # text (some converters do this for added tokens) is respelled so BPE can reach it.
+        if not set(token) <= alphabet_chars:
+            token = "".join(alphabet[b] for b in token.encode("utf-8"))
+        vocab.setdefault(token, i)
+    merge_pairs = []
+    for m in merges:
+        left, sep, right = m.partition(" ")
+        if sep:
+            merge_pairs.append((left, right))
+
+    bpe = models.BPE(vocab=vocab, merges=merge_pairs, ignore_merges=ignore_merges)
+    backend = HFTokenizer(bpe)
+    splits: list[Any] = []
+    if split_digits:
+        splits.append(pre_tokenizers.Digits(individual_digits=True))
+    splits.append(pre_tokenizers.Split(Regex(split_regex), behavior="isolated", invert=False))
+    splits.append(pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False))
+    backend.pre_tokenizer = pre_tokenizers.Sequence(splits)
+    backend.decoder = decoders.ByteLevel()
+    _add_control_and_user_defined(backend, metadata, tokens, token_types, lambda t: set(t) <= alphabet_chars)
+    return backend
+
+
+def _sentencepiece_from_gguf(metadata: Mapping[str, Any], source: str) -> HFTokenizer:
+    """A 'llama' GGUF vocabulary: SentencePiece BPE as llama.cpp's `llm_tokenizer_spm` runs it.
+
+    SPM merges the adjacent pair whose concatenation is the highest-scoring vocabulary piece
+    (leftmost on ties). BPE does the same given every split of every piece into two pieces as a
+    merge, ranked by the piece's score (transformers' SentencePieceExtractor); a BPE rank cannot
+    tie, so two different pieces of equal score go by id rather than leftmost. Characters outside
+    the vocabulary fall back to the `<0xXX>` byte tokens, or to the unknown token without them.
+    """
+    tokens: list[str] = metadata["tokenizer.ggml.tokens"]
+    token_types: list[int] = metadata.get("tokenizer.ggml.token_type") or [_TOKEN_TYPE_NORMAL] * len(tokens)
+    scores: list[float] | None = metadata.get("tokenizer.ggml.scores")
+    if scores is None or len(scores) != len(tokens) or len(token_types) != len(tokens):
+        raise InvalidArgument(
+            f"{source}: a SentencePiece GGUF needs tokenizer.ggml.scores and tokenizer.ggml.token_type with one "
+            f"entry per token ({len(tokens)}); got {'no' if scores is None else len(scores)} scores and "
+            f"{len(token_types)} token types"
+        )
+    vocab: dict[str, int] = {}
+    for i, token in enumerate(tokens):
+        vocab.setdefault(token, i)
+    unk_id = metadata.get("tokenizer.ggml.unknown_token_id", 0)  # llama.cpp's default
+    unk = tokens[unk_id] if isinstance(unk_id, int) and 0 <= unk_id < len(tokens) else None
+    bpe = models.BPE(
+        vocab=vocab,
+        merges=_merges_by_score(vocab, scores),
+        unk_token=unk,
+        fuse_unk=True,
+        byte_fallback=_TOKEN_TYPE_BYTE in token_types,
+    )
+    backend = HFTokenizer(bpe)
+    add_space_prefix = bool(metadata.get("tokenizer.ggml.add_space_prefix", True))
+    replace_spaces = normalizers.Replace(" ", "▁")
+    # The prefix goes before every run of text, the first and each one after a special token, as
+    # llama.cpp does; the HF normalizer runs on exactly those runs.
+    backend.normalizer = (
+        normalizers.Sequence([normalizers.Prepend("▁"), replace_spaces]) if add_space_prefix else replace_spaces
+    )
+    # The prefix space is dropped by `Tokenizer.decode`, which knows whether a special token led.
+    backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()])
+    _add_control_and_user_defined(backend, metadata, tokens, token_types, lambda t: True)
+    return backend
+
+
+def _merges_by_score(vocab: Mapping[str, int], scores: Sequence[float]) -> list[tuple[str, str]]:
+    """Every split of a piece into two vocabulary pieces, the best-scoring piece's first."""
+    ranked = []
+    for token, token_id in vocab.items():
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            if left in vocab and right in vocab:
+                ranked.append((-scores[token_id], token_id, cut, left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _add_control_and_user_defined(
+    backend: HFTokenizer,
+    metadata: Mapping[str, Any],
+    tokens: Sequence[str],
+    token_types: Sequence[int],
+    representable: Callable[[str], bool],
+) -> None:
+    """Control (and unknown) tokens (<|im_start|>, <end_of_turn>, ...) are matched whole in text and
+    skipped when decoding with skip_special_tokens; user-defined ones are matched whole but kept
+    in decoded text."""
+    # llama.cpp strips the whitespace after Phi-3's special tokens, keyed on the model's name
+    # (llama-vocab.cpp): the file itself does not say so.
+    name = str(metadata.get("general.name") or "").lower()
+    rstrip = "phi-3" in name or "phi3" in name
+
+    def added(token: str, special: bool) -> AddedToken:
+        strip = rstrip and token not in _PHI3_KEEPS_WHITESPACE_AFTER
+        return AddedToken(token, special=special, normalized=False, rstrip=strip)
+
+    special = [
+        added(t, True)
+        for t, kind in zip(tokens, token_types)
+        if kind in (_TOKEN_TYPE_CONTROL, _TOKEN_TYPE_UNKNOWN) and t and representable(t)
+    ]
+    user_defined = [added(t, False) for t, kind in zip(tokens, token_types) if kind == _TOKEN_TYPE_USER_DEFINED and t]
+    if special:
+        backend.add_special_tokens(special)
+    if user_defined:
+        backend.add_tokens(user_defined)
 
 
 def _encode_releasing_gil(backend: HFTokenizer, text: str, add_special_tokens: bool) -> list[int]:

@@ -191,8 +191,13 @@ def test_gguf_special_tokens_eos_and_bos():
 
 def test_gguf_unsupported_tokenizer_model_and_pre_are_clear_errors():
     md = gguf_metadata_from(train_bpe(None), "gpt2")
-    with pytest.raises(InvalidArgument, match="tokenizer.ggml.model 'llama' is not supported"):
-        Tokenizer.from_gguf({**md, "tokenizer.ggml.model": "llama"})
+    for model in ("gemma4", "bert", "t5", None):
+        with pytest.raises(InvalidArgument, match=f"tokenizer.ggml.model {model!r} is not supported.*'gpt2'.*'llama'"):
+            Tokenizer.from_gguf({**md, "tokenizer.ggml.model": model})
+    with pytest.raises(InvalidArgument, match="SentencePiece GGUF needs tokenizer.ggml.scores"):
+        Tokenizer.from_gguf({**md, "tokenizer.ggml.model": "llama"})  # a 'llama' vocabulary without scores
+    with pytest.raises(InvalidArgument, match="eos_token_id=99999 is outside"):
+        Tokenizer.from_gguf({**md, "tokenizer.ggml.eos_token_id": 99999})
     with pytest.raises(InvalidArgument, match="tokenizer.ggml.pre='chatglm-bpe' is not supported.*smollm"):
         Tokenizer.from_gguf({**md, "tokenizer.ggml.pre": "chatglm-bpe"})
     assert {"llama-bpe", "llama3", "smollm", "qwen2", "gpt2", "default"} <= set(SUPPORTED_GGUF_PRE_TOKENIZERS)
