@@ -40,10 +40,11 @@ def test_users_who_read_between_requests_fit_in_greater_numbers():
 
 
 def test_a_constant_think_time_keeps_users_in_lockstep():
-    # All users start together and, pausing alike, come back together: the same bursts as with
-    # no think time, so no more users fit, only fewer tokens per device.
+    # All users start together and, pausing alike, come back nearly together (each after its own
+    # E2E): about the bursts of no think time, so about as many users fit (exponential pauses
+    # spread them: 3x and more), only fewer tokens per device.
     alone, lockstep = _row(), _row(think_time_s=2.0)
-    assert lockstep.capacity_concurrency <= alone.capacity_concurrency
+    assert lockstep.capacity_concurrency <= 1.05 * alone.capacity_concurrency
     assert lockstep.tokens_per_s_per_device < alone.tokens_per_s_per_device / 2
 
 
