@@ -310,10 +310,20 @@ def _header(roofline: Any, context: int) -> list[str]:
         (
             f"memory: KV {plan.kv_bytes_per_token_per_device:,.0f} bytes/token/device; {plan.kv_capacity_bytes / 1e9:.1f} GB "
             f"left at {plan.memory_fraction:.0%} of {hw.memory_bytes / 1e9:.0f} GB = {plan.kv_capacity_tokens:,} tokens "
-            f"= batch {plan.max_batch(context):,} at context {context}"
+            f"= batch {plan.max_batch(context):,} at context {context}" + _window_note(m)
         ),
         _efficiency_line(roofline),
     ]
+
+
+def _window_note(model: Any) -> str:
+    """Why a windowed model's KV capacity counts every layer's whole context."""
+    if model.sliding_window is None:
+        return ""
+    return (
+        f"; the engine keeps every layer's whole context (no freeing of blocks outside the "
+        f"{model.sliding_window:,}-token window yet), though window layers attend to and read only the window"
+    )
 
 
 def _efficiency_line(roofline: Any) -> str:

@@ -5,7 +5,8 @@ Every operator is summed over the layers and priced as a roofline of its own at 
 achievable rates (`Roofline.achievable_*`): its time is the longer of its FLOPs at the compute
 rate and its bytes (weights at the format's rate, activations and KV at the plain one). Bytes are
 per device: each operator reads its weights and input activations and writes its output;
-attention reads every sequence's K and V and writes the step's new K and V, so a decode step's
+attention reads every sequence's K and V (a sliding-window layer's last `window` positions only)
+and writes the step's new K and V, so a decode step's
 attention has the same intensity at any batch (each sequence brings its own KV), while a linear
 layer's weights are shared by the batch and its intensity grows with it.
 
@@ -84,7 +85,7 @@ class OperatorCost:
 def operator_costs(rl: Roofline, shape: Shape, logit_rows: int | None = None) -> list[OperatorCost]:
     """The step `shape` (see `servelab.cost.step_cost`) split into OPERATORS, in that order.
     `logit_rows`: positions that compute logits (default one per sequence)."""
-    num_tokens, num_seqs, context_tokens, pairs = rl.totals(shape)
+    num_tokens, num_seqs, context_tokens, pairs = rl.step_totals(shape)
     rows = num_seqs if logit_rows is None else logit_rows
     m, tp = rl.model, rl.tp
     layers = m.num_layers

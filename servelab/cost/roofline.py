@@ -28,7 +28,7 @@ docs/fidelity.md for the published measurements the defaults are fitted to.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from operator import mul
 from types import MappingProxyType
@@ -276,6 +276,14 @@ def _linear_shapes(model: ModelSpec, tp: int, ffn_size: int | None = None) -> li
     ]
 
 
+def _window_prefix_pairs(n: int, window: int) -> int:
+    """(query, key) pairs of positions 0..n-1 when each attends to at most `window` keys
+    (itself and the window - 1 before it): Σ_{j=1..n} min(j, window)."""
+    if n <= window:
+        return n * (n + 1) // 2
+    return window * (window + 1) // 2 + (n - window) * window
+
+
 class Roofline:
     """Prices a step of `model` on `tp` devices of `hardware`. Bytes and FLOPs are per device."""
 
@@ -322,6 +330,10 @@ class Roofline:
         self._flops_per_token = 2.0 * m.matmul_params_per_token / tp
         self._flops_per_seq = 2.0 * m.lm_head_params / tp
         self._flops_per_attention_pair = 4.0 * m.num_layers * m.num_heads * m.head_dim / tp
+        # Sliding-window layers attend to (and read the KV of) at most `window` keys per query;
+        # `step_totals` folds them into the context and pair sums as a layer average.
+        self._window = m.sliding_window
+        self._num_window_layers = sum(m.layer_window(i) is not None for i in range(m.num_layers))
 
         # Bytes: dense weights stream once per step. The input embedding is gathered by token, so
         # only the LM head's copy of the vocabulary matrix streams (tied or not). MoE experts
@@ -400,6 +412,9 @@ class Roofline:
         self._expert_s_all_layers = self._expert_bytes_all_layers / self._weight_bytes_per_s
         self._memory_s_per_context_token = self.kv_bytes_per_token / self._bytes_per_s
         self._memory_s_per_token = (self.kv_bytes_per_token + self._activation_bytes_per_token) / self._bytes_per_s
+        # A window's keys depend on each sequence's context, which the plain sums a simulator
+        # keeps running cannot tell: a windowed model is priced from the shape (`step_totals`).
+        self.time_from_totals: Callable[..., float] | None = None if self._num_window_layers else self._time_from_totals
 
     def _init_linears(self, bytes_per_weight: float) -> None:
         """(N, K) per device of each linear layer, for the measured GEMM model."""
@@ -478,6 +493,11 @@ class Roofline:
         # Expected fraction of experts hit by at least one of the step's tokens (per layer).
         return 1.0 - self._expert_miss_prob**num_tokens
 
+    def experts_hit(self, num_tokens: int) -> float:
+        """Expected distinct experts a MoE layer reads in a step of `num_tokens` tokens, each routed
+        to k of E experts: E(1 - (1 - k/E)^tokens), k at one token, nearly all E at large batch."""
+        return self._num_experts * self._expert_hit_fraction(num_tokens)
+
     def _weight_bytes(self, num_tokens: int) -> float:
         if self._num_experts == 1:
             return self._dense_weight_bytes
@@ -502,14 +522,39 @@ class Roofline:
         return num_tokens, num_seqs, context_tokens, pairs
 
     def step_time_s(self, shape: Shape) -> float:
-        return self.time_from_totals(*self.totals(shape))
+        return self._time_from_totals(*self.step_totals(shape))
 
-    def time_from_totals(
-        self, num_tokens: int, num_seqs: int, context_tokens: int, pairs: int, logit_rows: int | None = None
+    def step_totals(self, shape: Shape) -> tuple[int, int, float, float]:
+        """`totals(shape)` with each sliding-window layer's keys capped at its window: Σ context
+        and Σ pairs averaged over the layers (what every layer-wide per-key constant multiplies).
+        The same four sums as `totals` for a model without a window."""
+        num_tokens, num_seqs, context_tokens, pairs = self.totals(shape)
+        if not self._num_window_layers or not shape:
+            return num_tokens, num_seqs, context_tokens, pairs
+        w = self._window
+        assert w is not None
+        window_context = window_pairs = 0
+        for q, c in shape:
+            window_context += c if c < w else w
+            window_pairs += _window_prefix_pairs(c, w) - _window_prefix_pairs(c - q, w)
+        return num_tokens, num_seqs, *self._layer_average(context_tokens, pairs, window_context, window_pairs)
+
+    def _layer_average(
+        self, context_tokens: float, pairs: float, window_context: float, window_pairs: float
+    ) -> tuple[float, float]:
+        layers, local = self.model.num_layers, self._num_window_layers
+        return (
+            ((layers - local) * context_tokens + local * window_context) / layers,
+            ((layers - local) * pairs + local * window_pairs) / layers,
+        )
+
+    def _time_from_totals(
+        self, num_tokens: int, num_seqs: int, context_tokens: float, pairs: float, logit_rows: int | None = None
     ) -> float:
         """The hot path: a step's time from its four sums (a simulator can keep them running).
         `logit_rows`: positions that compute logits, when not one per sequence (a speculative
-        verification scores every position of its chunk)."""
+        verification scores every position of its chunk). Offered as `time_from_totals` only
+        where the plain sums price the step (no sliding window): see `__init__`."""
         if num_tokens == 0:
             return 0.0
         if logit_rows is None:
@@ -550,7 +595,7 @@ class Roofline:
         )
 
     def time_terms(
-        self, num_tokens: int, num_seqs: int, context_tokens: int, pairs: int
+        self, num_tokens: int, num_seqs: int, context_tokens: float, pairs: float
     ) -> tuple[dict[str, float], dict[str, float], dict[str, float]]:
         """A step's time split by the Efficiency parameter each part scales with, for fitting:
         (compute side, memory side, added). A fraction's term is multiplied by 1 / fraction, an
@@ -593,7 +638,7 @@ class Roofline:
             self._added_terms(num_tokens, num_seqs),
         )
 
-    def _attention_s(self, num_tokens: int, num_seqs: int, context_tokens: int, pairs: int) -> float:
+    def _attention_s(self, num_tokens: int, num_seqs: int, context_tokens: float, pairs: float) -> float:
         """The measured attention kernels of a step, one call per layer."""
         compute_s = pairs * self._attention_s_per_pair
         memory_s = context_tokens * self._attention_s_per_context_token
@@ -615,11 +660,12 @@ class Roofline:
         return added
 
     def step(self, shape: Shape) -> StepCost:
-        return self.cost_from_totals(*self.totals(shape))
+        return self.cost_from_totals(*self.step_totals(shape))
 
     def cost_from_totals(
-        self, num_tokens: int, num_seqs: int, context_tokens: int, pairs: int, logit_rows: int | None = None
+        self, num_tokens: int, num_seqs: int, context_tokens: float, pairs: float, logit_rows: int | None = None
     ) -> StepCost:
+        """A step's cost from its sums (`step_totals`: a windowed model's are layer averages)."""
         if logit_rows is None:
             logit_rows = num_seqs
         flops = (
@@ -698,7 +744,12 @@ class Roofline:
         if batch < 1:
             raise InvalidArgument(f"batch must be at least 1, got {batch}", param="batch")
         self._check_context(context_len, "context")
-        return self.cost_from_totals(batch, batch, batch * context_len, batch * context_len)
+        keys: float = context_len
+        if self._num_window_layers:  # a decode token attends to min(context, window) keys on a window layer
+            assert self._window is not None
+            local = min(context_len, self._window)
+            keys = self._layer_average(context_len, context_len, local, local)[0]
+        return self.cost_from_totals(batch, batch, batch * keys, batch * keys)
 
     def prefill(self, prompt_len: int, batch: int = 1) -> StepCost:
         """Prefill of `batch` fresh prompts of `prompt_len` tokens in one step (TTFT at idle)."""

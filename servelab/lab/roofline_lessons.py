@@ -304,6 +304,9 @@ def batching(p: Params) -> dict[str, Any]:
     else:
         crossing = f"compute catches up with bandwidth at batch {crossover:,}"
     notice = _batching_notice(rl, batch, context, chosen, one, crossing)
+    moe = _moe_streamed(rl, batch, chosen, one)
+    if moe is not None:
+        notice += " " + moe["sentence"]
     # Where the sweep crosses a limit, the charts shade beyond it and name it.
     limits = {
         "memory": (
@@ -322,6 +325,7 @@ def batching(p: Params) -> dict[str, Any]:
         "selected": selected,
         "crossover_batch": crossover,
         "memory": memory,
+        "moe": moe,
         "warning": reason,
         "formulas": [step_formula(f"one decode step, batch {batch:,} at {context:,} tokens", chosen, rl)],
         "stats": [
@@ -370,6 +374,36 @@ def _batching_notice(rl: Roofline, batch: int, context: int, chosen: StepCost, o
         else:
             head = f"not one sequence of {context:,} tokens fits the KV cache left after the weights ({batch_1})"
     return f"{head}; {shape}."
+
+
+def _moe_streamed(rl: Roofline, batch: int, chosen: StepCost, one: StepCost) -> dict[str, Any] | None:
+    """What a mixture of experts changes in lesson 2: a decode step streams only the experts its
+    tokens are routed to, few at batch 1 and nearly all at a large batch, against all the weights
+    resident. None for a dense model."""
+    m = rl.model
+    if not m.is_moe:
+        return None
+    total_gb, one_gb, chosen_gb = gb(rl.memory.weight_bytes_per_device), gb(one.weight_bytes), gb(chosen.weight_bytes)
+    hit_1, hit = rl.experts_hit(1), rl.experts_hit(batch)
+    per_layer = f"of its {m.num_experts} experts per MoE layer"
+    sentence = (
+        f"{m.name} is a mixture of experts: each token runs {m.num_active_experts} {per_layer}, so a batch-1 "
+        f"step streams {fmt(one_gb)} of its {fmt(total_gb)} GB of weights ({fmt(hit_1)} experts hit per layer)"
+    )
+    if batch > 1:
+        sentence += (
+            f" and a batch-{batch:,} step {fmt(chosen_gb)} GB ({fmt(hit)} experts hit): the weights a step reads "
+            f"grow with the batch until every expert is hit"
+        )
+    return {
+        "weights_gb_total": total_gb,
+        "weights_gb_batch_1": one_gb,
+        "weights_gb": chosen_gb,
+        "experts": m.num_experts,
+        "experts_hit_batch_1": hit_1,
+        "experts_hit": hit,
+        "sentence": sentence + ".",
+    }
 
 
 def with_mha(model: ModelSpec) -> ModelSpec:
@@ -536,6 +570,20 @@ def memory(p: Params) -> dict[str, Any]:
         else f"{s.model.name} already has one KV head per query head: GQA and MHA are the same here."
     )
     notice = f"{yours}; {best_text}. {mha}"
+    moe = None
+    if s.model.is_moe:
+        rl = s.roofline(model)
+        moe = {
+            "weights_gb": gb(plan.weight_bytes_per_device),
+            "weights_gb_batch_1": gb(rl.decode(1, context).weight_bytes),
+            "active_experts": s.model.num_active_experts,
+            "experts": s.model.num_experts,
+        }
+        notice += (
+            f" {s.model.name} is a mixture of experts: all {moe['experts']} experts of every MoE layer stay "
+            f"resident ({fmt(moe['weights_gb'])} GB per device), though a batch-1 decode step reads "
+            f"{moe['active_experts']} of them per layer ({fmt(moe['weights_gb_batch_1'])} GB)."
+        )
     return {
         "config": {**s.to_dict(), "attention": attention, "context": context, "tpot_ms": tpot_ms},
         "variants": variants,
@@ -550,5 +598,6 @@ def memory(p: Params) -> dict[str, Any]:
             stat("what binds", BINDS_LABEL[pick["binds"]]),
         ],
         "batch_1_step_ms": batch_1_ms,
+        "moe": moe,
         "notice": notice,
     }

@@ -189,15 +189,16 @@ class TorchOps:
         softcap: float | None = None,
     ) -> None:
         """out [B, H * D] = each decode's query q [B, H, D] over its context: one batched SDPA
-        over a padded gather of the contexts."""
+        over a padded gather of the contexts (of a window layer's last `window` positions)."""
         B, H, D = q.shape
         KV = kc.shape[0]
         slots, mask = meta.decode_ctx_slots, meta.decode_mask
         if slots is None:  # metadata for ops that read the block tables: the same gather from them
             slots, mask = _decode_context(meta)
-        if window is not None and meta.decode_max_ctx > window:  # the keys before the window drop out
-            first = (meta.decode_ctx_lens - window).view(B, 1, 1, 1)
-            mask = mask & (torch.arange(mask.shape[-1], device=q.device) >= first)
+        if window is not None and meta.decode_max_ctx > window:  # gather each decode's last `window` keys only
+            ctx_lens = meta.decode_ctx_lens.view(B, 1)
+            pos = (ctx_lens - window).clamp(min=0) + torch.arange(window, device=q.device)
+            slots, mask = slots.gather(1, pos), (pos < ctx_lens).view(B, 1, 1, window)
         # index_select over the flat slot list: the same copy as kc[slots_2d], several times faster
         flat_slots = slots.reshape(-1)
         kd = kc.index_select(1, flat_slots).view(KV, B, -1, D).transpose(0, 1).to(q.dtype)  # [B, KV, ctx, D]

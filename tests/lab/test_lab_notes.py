@@ -353,3 +353,66 @@ def test_capacity_pareto_note(accelerators, model, tp, tpot_ms, ttft_ms, prompt_
         assert misses == (hw not in caps and verdict != "does not fit")
         if misses:
             assert hw in note.split(" the targets at every concurrency")[0].rsplit(".", 1)[-1]
+
+
+# The families whose steps read other than "all the weights, the whole context": mixtures of
+# experts (a step reads the experts its tokens hit) and Gemma (window layers read their window).
+FAMILY_MODELS = ["mixtral-8x7b", "qwen3-30b-a3b", "olmoe-1b-7b", "gemma-2-9b", "gemma-3-27b"]
+family_setups = st.fixed_dictionaries(
+    {
+        "model": st.sampled_from(FAMILY_MODELS),
+        "hardware": st.sampled_from(["h100-sxm", "h200", "a100-80gb", "mi300x"]),
+        "weight_dtype": st.sampled_from(list(WEIGHT_DTYPES)),
+        "kv_dtype": st.sampled_from(list(KV_DTYPES)),
+        "tp": st.sampled_from(["1", "2", "8"]),
+    }
+)
+
+
+@FAST
+@given(family_setups, st.integers(1, 4096), st.integers(1, 32768))
+def test_the_batching_note_says_which_experts_a_step_streams(setup, batch, context):
+    d = answer("batching", {**setup, "batch": batch, "context": context})
+    test_batching_note.hypothesis.inner_test(setup, batch, context)
+    note, moe, sw = d["notice"], d["moe"], d["sweep"]
+    model = get_model(setup["model"])
+    if not model.is_moe:
+        assert moe is None and "mixture of experts" not in note
+        return
+    plan = plan_of(setup)
+    k, e = model.num_active_experts, model.num_experts
+    assert moe["experts_hit_batch_1"] == pytest.approx(k)
+    assert k <= moe["experts_hit"] <= e and (batch == 1 or moe["experts_hit"] > k)
+    # The figures are the chart's: the sweep's batch-1 and chosen-batch weights, the plan's total.
+    assert moe["weights_gb_batch_1"] == sw["weight_gb"][sw["batch"].index(1)]
+    assert moe["weights_gb"] == d["selected"]["weight_gb"] <= moe["weights_gb_total"]
+    assert moe["weights_gb_total"] == pytest.approx(plan.weight_bytes_per_device / 1e9)
+    assert moe["weights_gb_batch_1"] <= moe["weights_gb"]
+    assert (
+        f"each token runs {k} of its {e} experts per MoE layer, so a batch-1 step streams "
+        f"{fmt(moe['weights_gb_batch_1'])} of its {fmt(moe['weights_gb_total'])} GB of weights" in note
+    )
+    if batch > 1:
+        assert f"a batch-{batch:,} step {fmt(moe['weights_gb'])} GB ({fmt(moe['experts_hit'])} experts hit)" in note
+    # No step streams its weights faster than the datasheet bandwidth.
+    for weight_gb, step_ms in zip(sw["weight_gb"], sw["step_ms"]):
+        assert weight_gb * 1e9 / get_hardware(setup["hardware"]).bandwidth_bytes_per_s * 1e3 <= step_ms
+
+
+@FAST
+@given(family_setups, st.sampled_from(["gqa", "mha"]), st.integers(1, 32768), st.floats(1.0, 500.0))
+def test_the_memory_note_says_every_expert_stays_resident(setup, attention, context, tpot_ms):
+    d = answer("memory", {**setup, "attention": attention, "context": context, "tpot_ms": f"{tpot_ms:.3f}"})
+    test_memory_note_names_what_binds.hypothesis.inner_test(setup, attention, context, tpot_ms)
+    note, moe = d["notice"], d["moe"]
+    model = get_model(setup["model"])
+    if not model.is_moe:
+        assert moe is None and "mixture of experts" not in note
+        return
+    assert moe["weights_gb"] == d["selected"]["weights_gb"]
+    assert moe["weights_gb_batch_1"] < moe["weights_gb"]
+    assert (
+        f"all {model.num_experts} experts of every MoE layer stay resident ({fmt(moe['weights_gb'])} GB per "
+        f"device), though a batch-1 decode step reads {model.num_active_experts} of them per layer "
+        f"({fmt(moe['weights_gb_batch_1'])} GB)" in note
+    )
