@@ -23,7 +23,14 @@ def rl(model=MODEL, hw=HW, w="bf16", k="bf16", tp=1) -> Roofline:
 
 
 def get(client, lesson: str, **params) -> dict:
+    """The lesson's full answer: a lesson that answers in stages (202 while the rest runs) is polled."""
+    import time
+
+    deadline = time.monotonic() + 600
     response = client.post(f"/api/lessons/{lesson}", json=params)
+    while response.status_code == 202 and time.monotonic() < deadline:
+        time.sleep(0.3)
+        response = client.post(f"/api/lessons/{lesson}", json=params)
     assert response.status_code == 200, response.text
     return response.json()
 
