@@ -228,13 +228,12 @@ def sweep_rates(s: Setup, prompt_len: int, output_len: int) -> list[tuple[float,
 @dataclass(frozen=True, slots=True)
 class SweepKey:
     """One SLO rate sweep, run in the background on the lab's planner (`capacity_lesson`): one
-    job per rate, each a `sweep_point`. The targets are part of it: they set each rate's goodput."""
+    job per rate, each a `sweep_point`. The targets are not part of it: they are applied to the
+    points afterwards (`sweep_of`), so changing a target re-simulates nothing."""
 
     s_key: tuple
     prompt_len: int
     output_len: int
-    ttft_s: float
-    tpot_s: float
     rates: tuple[tuple[float, int], ...]
 
     @property
@@ -248,47 +247,61 @@ class SweepKey:
 _WORKER_SIMULATIONS: Simulations | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What an SLO reads of a measured request (`SLO.met_by`), without its token times."""
+
+    success: bool
+    ttft_s: float | None
+    tpot_s: float | None
+    e2e_s: float | None
+
+
 def sweep_point(args: tuple[SweepKey, float, int]) -> dict[str, Any]:
     """One rate of the sweep, in a worker process (under a lesson's default Budget): its
-    steady-state figures at the sweep's percentile, small enough to send back."""
+    steady-state figures at the sweep's percentile and each measured request's outcome, small
+    enough to send back (a run's records are megabytes)."""
     global _WORKER_SIMULATIONS
     key, rate, num_requests = args
     if _WORKER_SIMULATIONS is None:
         _WORKER_SIMULATIONS = Simulations()
     budget = Budget(_WORKER_SIMULATIONS, "slo")
-    slo = SLO(ttft_s=key.ttft_s, tpot_s=key.tpot_s)
     run = _open_loop_run(budget, key.s_key, rate, num_requests, key.prompt_len, key.output_len)
-    st = _steady(run, rate, slo)
+    st = _steady(run, rate, SLO())
     sm = st.summary
-    ttft, tpot = sm.ttft_s.p90, sm.tpot_s.p90
+    start_s = _warmup_s(rate, len(run.records))
     return {
         "offered_rps": rate,
         "arrived_rps": st.offered_rps,
         "achieved_rps": st.achieved_rps,
-        "goodput_rps": st.goodput_rps,
         "measured_s": st.window_s,
-        "ttft_ms": _ms_or_none(ttft),
-        "tpot_ms": _ms_or_none(tpot),
+        "ttft_ms": _ms_or_none(sm.ttft_s.p90),
+        "tpot_ms": _ms_or_none(sm.tpot_s.p90),
         "tpot_pct_ms": {k: _ms_or_none(getattr(sm.tpot_s, k)) for k in PERCENTILES},
         "itl_pct_ms": {k: _ms_or_none(getattr(sm.itl_s, k)) for k in PERCENTILES},
-        "meets": _meets(ttft, tpot, slo),
+        "outcomes": [Outcome(r.success, r.ttft_s, r.tpot_s, r.e2e_s) for r in run.records if r.arrival_s >= start_s],
     }
 
 
-def sweep_of(points: list[dict[str, Any]], complete: bool) -> RateSweep:
-    """The sweep's JSON from the rates simulated so far (in rate order). Saturation and the knee
-    are only stated once every rate is in: a partial sweep cannot know them."""
+def sweep_of(points: list[dict[str, Any]], complete: bool, slo: SLO) -> RateSweep:
+    """The sweep's JSON from the rates simulated so far (in rate order), with `slo` applied.
+    Saturation and the knee are only stated once every rate is in: a partial sweep cannot know them."""
     points = sorted(points, key=lambda pt: pt["offered_rps"])
     arrived = [pt["arrived_rps"] for pt in points]
     achieved = [pt["achieved_rps"] for pt in points]
-    meets = [pt["meets"] for pt in points]
+    # Goodput as the steady summary counts it: the measured requests that meet every target.
+    attainment = [sum(map(slo.met_by, pt["outcomes"])) / len(pt["outcomes"]) for pt in points]
+    meets = [
+        _meets(None if pt["ttft_ms"] is None else pt["ttft_ms"] / 1e3, None if pt["tpot_ms"] is None else pt["tpot_ms"] / 1e3, slo)
+        for pt in points
+    ]  # fmt: skip
     # Saturation: the most the system completed, whatever was offered. The knee: the first
     # rate, as it arrived, whose percentile latencies break a target.
     return {
         "offered_rps": [pt["offered_rps"] for pt in points],
         "arrived_rps": arrived,
         "achieved_rps": achieved,
-        "goodput_rps": [pt["goodput_rps"] for pt in points],
+        "goodput_rps": [a * att for a, att in zip(achieved, attainment)],
         "measured_s": [pt["measured_s"] for pt in points],
         "ttft_ms": [pt["ttft_ms"] for pt in points],
         "tpot_ms": [pt["tpot_ms"] for pt in points],
@@ -321,13 +334,13 @@ def _knee_text(knee: float | None, saturation: float) -> str:
 SWEEP_PENDING = "The rate sweep is still running: saturation and the knee follow once every rate is simulated."
 
 
-def _background_sweep(planner: CapacityPlanner, key: SweepKey) -> tuple[RateSweep, dict[str, Any]]:
+def _background_sweep(planner: CapacityPlanner, key: SweepKey, slo: SLO) -> tuple[RateSweep, dict[str, Any]]:
     """The sweep as far as it has run, and its progress. A lab already running its most background
     jobs answers the chosen rate alone, and the next poll asks again."""
     try:
         state = planner.plan_for(key)
     except LabBusy:
-        return sweep_of([], False), {"status": "running", "done": 0, "total": key.total,
+        return sweep_of([], False, slo), {"status": "running", "done": 0, "total": key.total,
                                      "message": "the rate sweep waits for a free slot"}  # fmt: skip
     done, rows = planner.snapshot(state)
     if done and state.error:
@@ -335,7 +348,7 @@ def _background_sweep(planner: CapacityPlanner, key: SweepKey) -> tuple[RateSwee
     progress = {"status": "done" if done else "running", "done": len(rows), "total": state.total}
     if not done:
         progress["message"] = f"sweeping the rate: {len(rows)} of {state.total} rates simulated"
-    return sweep_of(list(rows.values()), done), progress
+    return sweep_of(list(rows.values()), done, slo), progress
 
 
 STALL_RATIO = 1.2  # a p99 token gap this far above the p99 TPOT is steps a request's mean hides
@@ -444,8 +457,7 @@ def slo(p: Params, budget: Budget, planner: CapacityPlanner) -> dict[str, Any]:
     itl_cdf = {**cdf(_itl_gaps_s(ok)), "percentiles": _percentiles_ms(sm.itl_s)}
     p90_ttft, p90_tpot = ttft_cdf["percentiles"].get("p90"), tpot_cdf["percentiles"].get("p90")
     meets = _meets(None if p90_ttft is None else p90_ttft / 1e3, None if p90_tpot is None else p90_tpot / 1e3, target)
-    sweep, progress = _background_sweep(planner, SweepKey(_key(s), prompt_len, output_len, ttft_slo_s, tpot_slo_s,
-                                                          tuple(rates)))  # fmt: skip
+    sweep, progress = _background_sweep(planner, SweepKey(_key(s), prompt_len, output_len, tuple(rates)), target)
     saturated = st.achieved_rps < SATURATED_BELOW * st.offered_rps  # against what actually arrived
     offered = f"{fmt(rate)} req/s offered ({fmt(st.offered_rps)} arrived)"
     if saturated:
