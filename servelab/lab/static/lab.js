@@ -929,7 +929,8 @@ function render(lesson, data, visibleOnly) {
   $("warning").textContent = data.warning || "";
   $("warning").hidden = !data.warning;
   $("charts").hidden = false;
-  $("charts").classList.toggle("stale", data.status === "running");
+  // A capacity plan's pale bars are estimates; the SLO lesson's first stage is final for its rate, only the sweep is to come.
+  $("charts").classList.toggle("stale", data.status === "running" && !data.sweep);
   $("notice").textContent = (lesson.live && state.load ? state.load.notice : data.notice) || "";
   renderStats(lesson.live && state.load ? [...state.load.stats, ...(data.stats || [])] : data.stats);
   renderFormulas(data.formulas);
@@ -1008,7 +1009,8 @@ async function refresh(poll, visibleOnly) {
   showProgress(seq, state.startedAt);
   document.body.classList.add("busy");
   // The old charts stay, dimmed, until the new numbers arrive; the roofline's come within a frame, undimmed.
-  if (!state.catalog.instant_lessons.includes(lesson.id)) $("charts").classList.add("stale");
+  // A poll leaves them as its last answer drew them (the SLO lesson's first stage stays undimmed).
+  if (!poll && !state.catalog.instant_lessons.includes(lesson.id)) $("charts").classList.add("stale");
   let polling = false;
   try {
     // A lesson is a JSON POST of the form's values (strings, as typed: the server validates them).
