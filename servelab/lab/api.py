@@ -42,14 +42,18 @@ class Simulated:
     `module` holds its function; one that `reads_engine` is also given the running engine's
     metrics source (None outside `servelab serve`)."""
 
-    def __init__(self, name: str, module: str = "sim_lessons", reads_engine: bool = False):
+    def __init__(self, name: str, module: str = "sim_lessons", reads_engine: bool = False, background: bool = False):
         self.name = name
         self.module = module
         self.reads_engine = reads_engine
+        self.background = background  # it also runs jobs on the lab's planner, answered by polling
 
-    def __call__(self, p: Params, budget: Budget, engine_metrics: EngineMetricsSource | None = None) -> dict[str, Any]:
+    def __call__(self, p: Params, budget: Budget, planner: CapacityPlanner,
+                 engine_metrics: EngineMetricsSource | None = None) -> dict[str, Any]:  # fmt: skip
         # The simulator pulls in the scheduler and numpy-heavy metrics; import it on first use.
         fn = getattr(importlib.import_module(f"servelab.lab.{self.module}"), self.name)
+        if self.background:
+            return fn(p, budget, planner)
         return fn(p, budget, engine_metrics) if self.reads_engine else fn(p, budget)
 
 
@@ -62,7 +66,7 @@ def _qps_vs_tokens(p: Params) -> dict[str, Any]:
 LESSONS: dict[str, LessonFn | Simulated | None] = {
     "two-workloads": roofline_lessons.two_workloads,
     "batching": roofline_lessons.batching,
-    "slo": Simulated("slo"),
+    "slo": Simulated("slo", background=True),  # the chosen rate at once, the rate sweep by polling
     "chunked-prefill": Simulated("chunked_prefill"),
     "disaggregated": Simulated("disaggregated"),
     "memory": roofline_lessons.memory,
@@ -149,7 +153,12 @@ def run_lesson(
         return capacity_lesson.capacity(params, planner)
     try:
         if isinstance(fn, Simulated):
-            return simulations.run(name, lambda budget: fn(params, budget, engine_metrics))
+            body = simulations.run(name, lambda budget: fn(params, budget, planner, engine_metrics))
+            if body.get("status") == "running":  # the rest is on its way: the page draws this and polls
+                from fastapi.responses import JSONResponse
+
+                return JSONResponse(body, status_code=202)
+            return body
         return fn(params)
     except DoesNotFit as exc:
         return does_not_fit(name, params, exc)

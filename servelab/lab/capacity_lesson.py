@@ -16,7 +16,8 @@ order, so nothing moves when a simulation lands); the page draws it and polls un
 Every plan of one lab runs on its `CapacityPlanner`: one process pool (started on demand, shut
 down when idle), at most MAX_RUNNING_PLANS plans at once (429 beyond), and an LRU cache of the
 last MAX_CACHED_PLANS results (plans are deterministic). A lab reachable by anyone must not
-start processes per distinct URL, nor remember every URL forever.
+start processes per distinct URL, nor remember every URL forever. The SLO lesson's rate sweep
+runs on the same planner (`sim_lessons.SweepKey`): any key with `total` and `jobs()` does.
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ import os
 import shlex
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from concurrent.futures import Future, ProcessPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi.responses import JSONResponse
 
@@ -73,6 +75,25 @@ class PlanKey:
     prompt_len: int
     output_len: int
 
+    @property
+    def total(self) -> int:
+        return len(HARDWARE)
+
+    def jobs(self) -> list[tuple[str, Callable[[Any], Any], Any]]:
+        """(row name, picklable function, its argument): one `plan_one` per accelerator."""
+        from servelab.bench.planner import plan_one
+
+        return [(job.hardware, plan_one, job) for job in _jobs(self)]
+
+
+class BackgroundKey(Protocol):
+    """What the planner runs: a hashable key whose `jobs()` fill `total` rows, each in the pool."""
+
+    @property
+    def total(self) -> int: ...
+
+    def jobs(self) -> list[tuple[str, Callable[[Any], Any], Any]]: ...
+
 
 def plan_argv(key: PlanKey, hardware: str) -> list[str]:
     """The `servelab plan` arguments of one accelerator's bar."""
@@ -98,14 +119,15 @@ def _jobs(key: PlanKey) -> list[Any]:
 
 
 class CapacityPlanner:
-    """The capacity plans of one lab: a bounded pool, a bounded queue, a bounded cache."""
+    """The background jobs of one lab (capacity plans, rate sweeps): a bounded pool, a bounded
+    queue, a bounded cache."""
 
     def __init__(self, *, max_workers: int | None = None, max_running: int = MAX_RUNNING_PLANS,
                  max_cached: int = MAX_CACHED_PLANS):  # fmt: skip
         self.max_workers = max_workers or max(1, min(len(HARDWARE), os.cpu_count() or 1))
         self.max_running = max_running
         self.max_cached = max(max_cached, max_running)
-        self._plans: OrderedDict[PlanKey, _PlanState] = OrderedDict()
+        self._plans: OrderedDict[BackgroundKey, _PlanState] = OrderedDict()
         self._pool: ProcessPoolExecutor | None = None
         self._retiring: threading.Thread | None = None  # shuts an idle pool down
         self._closed = False
@@ -122,7 +144,7 @@ class CapacityPlanner:
         with self._lock:
             return 0 if self._pool is None else len(self._pool._processes or {})  # noqa: SLF001
 
-    def plan_for(self, key: PlanKey, wait: bool = False) -> _PlanState:
+    def plan_for(self, key: BackgroundKey, wait: bool = False) -> _PlanState:
         with self._lock:
             state = self._plans.get(key)
             if state is not None and not (state.done.is_set() and state.error):
@@ -138,7 +160,7 @@ class CapacityPlanner:
         with self._lock:
             return state.done.is_set(), dict(state.rows)
 
-    def _start(self, key: PlanKey) -> _PlanState:
+    def _start(self, key: BackgroundKey) -> _PlanState:
         if self._closed:
             raise SimulationCancelled("the server is shutting down; it starts no new capacity plan")
         if self.num_running >= self.max_running:
@@ -146,18 +168,16 @@ class CapacityPlanner:
                 f"the lab is already running {self.max_running} capacity plans (the most it runs at once); "
                 f"retry in {RETRY_AFTER_S} s"
             )
-        state = _PlanState(total=len(HARDWARE))
+        state = _PlanState(total=key.total)
         self._plans[key] = state
         self._plans.move_to_end(key)
         self._evict()
         try:
-            jobs = _jobs(key)
+            jobs = key.jobs()
         except Exception as exc:  # reported to the page; the next request retries
             state.error = f"{type(exc).__name__}: {exc}"
             state.done.set()
             return state
-        from servelab.bench.planner import plan_one
-
         if self._pool is None:
             if self._retiring is not None:  # never two pools' processes at once
                 self._retiring.join()
@@ -166,15 +186,15 @@ class CapacityPlanner:
             self._pool = ProcessPoolExecutor(max_workers=self.max_workers,
                                              mp_context=multiprocessing.get_context("spawn"))  # fmt: skip
         state.remaining = len(jobs)
-        for job in jobs:
-            future = self._pool.submit(plan_one, job)
-            future.add_done_callback(functools.partial(self._job_done, state, job.hardware))
+        for name, fn, arg in jobs:
+            future = self._pool.submit(fn, arg)
+            future.add_done_callback(functools.partial(self._job_done, state, name))
         return state
 
-    def _job_done(self, state: _PlanState, hardware: str, future: Future) -> None:
+    def _job_done(self, state: _PlanState, name: str, future: Future) -> None:
         with self._lock:
             try:
-                state.rows[hardware] = future.result()
+                state.rows[name] = future.result()
             except Exception as exc:
                 state.error = state.error or f"{type(exc).__name__}: {exc}"
             state.remaining -= 1

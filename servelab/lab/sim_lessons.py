@@ -11,19 +11,22 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, TypedDict
+from typing import TYPE_CHECKING, Any, TypedDict, cast
 
 import numpy as np
 
-from servelab.errors import DoesNotFit
+from servelab.errors import DoesNotFit, ServelabError
 from servelab.lab.common import Setup, fmt, setup_from, stat
-from servelab.lab.limits import LIMITS, bounds, longest_tokens
+from servelab.lab.limits import LIMITS, LabBusy, bounds, longest_tokens
 from servelab.lab.params import Params
-from servelab.lab.simulations import Budget, result_bytes
+from servelab.lab.simulations import Budget, Simulations, result_bytes
 from servelab.metrics import SLO, RequestRecord, Summary, steady_state_summary
 from servelab.sim import SimConfig, SimResult, simulate
 from servelab.sim.runner import engine_sim_config
 from servelab.workload import RequestSpec, WorkloadSpec
+
+if TYPE_CHECKING:
+    from servelab.lab.capacity_lesson import CapacityPlanner
 
 # Every rate of the SLO lesson runs for a duration, not a request count, so high rates are measured
 # as long as low ones: SLO_STEADY_S of arrivals after the warm-up (long enough for a queue to build
@@ -205,55 +208,135 @@ class RateSweep(TypedDict):
     tpot_pct_ms: dict[str, list[float | None]]  # per-request TPOT at p50 / p90 / p99
     itl_pct_ms: dict[str, list[float | None]]  # per-token gaps (ITL), pooled, at p50 / p90 / p99
     meets: list[bool]
-    saturation_rps: float
+    complete: bool  # every rate simulated; until then the sweep is the rates done so far
+    saturation_rps: float | None  # None until complete
     knee_rps: float | None  # the first rate (arrived) whose percentile latencies break a target
 
 
-def _sweep(budget: Budget, s: Setup, prompt_len: int, output_len: int, slo: SLO, pct: str) -> RateSweep:
-    """Offered rate against achieved rate and goodput, around the saturation estimate."""
+def sweep_rates(s: Setup, prompt_len: int, output_len: int) -> list[tuple[float, int]]:
+    """The swept rates around the saturation estimate, each with its run's number of requests."""
     center = saturation_estimate_rps(s, prompt_len, output_len)
     lo_rate, hi_rate = LIMITS["slo"]["rate"]
     rates = sorted({float(f"{min(hi_rate, max(lo_rate, f * center)):.3g}") for f in SWEEP_FRACTIONS})
-    arrived: list[float] = []
-    achieved: list[float] = []
-    goodput: list[float] = []
-    measured_s: list[float] = []
-    ttft_ms: list[float | None] = []
-    tpot_ms: list[float | None] = []
-    tpot_pct: dict[str, list[float | None]] = {k: [] for k in PERCENTILES}
-    itl_pct: dict[str, list[float | None]] = {k: [] for k in PERCENTILES}
-    meets: list[bool] = []
+    out = []
     for rate in rates:
         light = lifetime_s(s, prompt_len, output_len, rate) if rate <= LIGHT_LOAD * center else None
-        num_requests = _slo_requests(rate, light)
-        st = _steady(_open_loop_run(budget, _key(s), rate, num_requests, prompt_len, output_len), rate, slo)
-        sm = st.summary
-        ttft, tpot = getattr(sm.ttft_s, pct), getattr(sm.tpot_s, pct)
-        arrived.append(st.offered_rps)
-        achieved.append(st.achieved_rps)
-        goodput.append(st.goodput_rps)
-        measured_s.append(st.window_s)
-        ttft_ms.append(None if ttft is None else ttft * 1e3)
-        tpot_ms.append(None if tpot is None else tpot * 1e3)
-        for k in PERCENTILES:
-            tpot_pct[k].append(_ms_or_none(getattr(sm.tpot_s, k)))
-            itl_pct[k].append(_ms_or_none(getattr(sm.itl_s, k)))
-        meets.append(_meets(ttft, tpot, slo))
+        out.append((rate, _slo_requests(rate, light)))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class SweepKey:
+    """One SLO rate sweep, run in the background on the lab's planner (`capacity_lesson`): one
+    job per rate, each a `sweep_point`. The targets are not part of it: they are applied to the
+    points afterwards (`sweep_of`), so changing a target re-simulates nothing."""
+
+    s_key: tuple
+    prompt_len: int
+    output_len: int
+    rates: tuple[tuple[float, int], ...]
+
+    @property
+    def total(self) -> int:
+        return len(self.rates)
+
+    def jobs(self) -> list[tuple[str, Any, Any]]:
+        return [(f"{rate:g}", sweep_point, (self, rate, n)) for rate, n in self.rates]
+
+
+_WORKER_SIMULATIONS: Simulations | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What an SLO reads of a measured request (`SLO.met_by`), without its token times."""
+
+    success: bool
+    ttft_s: float | None
+    tpot_s: float | None
+    e2e_s: float | None
+
+
+def sweep_point(args: tuple[SweepKey, float, int]) -> dict[str, Any]:
+    """One rate of the sweep, in a worker process (under a lesson's default Budget): its
+    steady-state figures at the sweep's percentile and each measured request's outcome, small
+    enough to send back (a run's records are megabytes)."""
+    global _WORKER_SIMULATIONS
+    key, rate, num_requests = args
+    if _WORKER_SIMULATIONS is None:
+        _WORKER_SIMULATIONS = Simulations()
+    budget = Budget(_WORKER_SIMULATIONS, "slo")
+    run = _open_loop_run(budget, key.s_key, rate, num_requests, key.prompt_len, key.output_len)
+    st = _steady(run, rate, SLO())
+    sm = st.summary
+    start_s = _warmup_s(rate, len(run.records))
+    return {
+        "offered_rps": rate,
+        "arrived_rps": st.offered_rps,
+        "achieved_rps": st.achieved_rps,
+        "measured_s": st.window_s,
+        "ttft_ms": _ms_or_none(sm.ttft_s.p90),
+        "tpot_ms": _ms_or_none(sm.tpot_s.p90),
+        "tpot_pct_ms": {k: _ms_or_none(getattr(sm.tpot_s, k)) for k in PERCENTILES},
+        "itl_pct_ms": {k: _ms_or_none(getattr(sm.itl_s, k)) for k in PERCENTILES},
+        "outcomes": _pack([r for r in run.records if r.arrival_s >= start_s]),
+    }
+
+
+def _pack(records: list[RequestRecord]) -> dict[str, np.ndarray]:
+    """Outcomes as arrays (NaN: no value): 17 bytes a request where objects take ~150, since the
+    planner keeps its last results."""
+    nan = math.nan
+
+    def col(attr: str) -> np.ndarray:
+        return np.array([nan if (v := getattr(r, attr)) is None else v for r in records], dtype=np.float64)
+
+    return {"success": np.array([r.success for r in records], dtype=bool), "ttft_s": col("ttft_s"),
+            "tpot_s": col("tpot_s"), "e2e_s": col("e2e_s")}  # fmt: skip
+
+
+def _unpack(packed: dict[str, np.ndarray]) -> list[Outcome]:
+    def value(x: float) -> float | None:
+        return None if math.isnan(x) else x
+
+    return [
+        Outcome(bool(ok), value(ttft), value(tpot), value(e2e))
+        for ok, ttft, tpot, e2e in zip(
+            packed["success"], packed["ttft_s"].tolist(), packed["tpot_s"].tolist(), packed["e2e_s"].tolist()
+        )  # fmt: skip
+    ]
+
+
+def sweep_of(points: list[dict[str, Any]], complete: bool, slo: SLO) -> RateSweep:
+    """The sweep's JSON from the rates simulated so far (in rate order), with `slo` applied.
+    Saturation and the knee are only stated once every rate is in: a partial sweep cannot know them."""
+    points = sorted(points, key=lambda pt: pt["offered_rps"])
+    arrived = [pt["arrived_rps"] for pt in points]
+    achieved = [pt["achieved_rps"] for pt in points]
+    # Goodput as the steady summary counts it: the measured requests that meet every target.
+    # SLO.met_by reads only what an Outcome holds of a record.
+    outcomes = [cast("list[RequestRecord]", _unpack(pt["outcomes"])) for pt in points]
+    attainment = [sum(map(slo.met_by, out)) / len(out) for out in outcomes]
+    meets = [
+        _meets(None if pt["ttft_ms"] is None else pt["ttft_ms"] / 1e3, None if pt["tpot_ms"] is None else pt["tpot_ms"] / 1e3, slo)
+        for pt in points
+    ]  # fmt: skip
     # Saturation: the most the system completed, whatever was offered. The knee: the first
     # rate, as it arrived, whose percentile latencies break a target.
     return {
-        "offered_rps": rates,
+        "offered_rps": [pt["offered_rps"] for pt in points],
         "arrived_rps": arrived,
         "achieved_rps": achieved,
-        "goodput_rps": goodput,
-        "measured_s": measured_s,
-        "ttft_ms": ttft_ms,
-        "tpot_ms": tpot_ms,
-        "tpot_pct_ms": tpot_pct,
-        "itl_pct_ms": itl_pct,
+        "goodput_rps": [a * att for a, att in zip(achieved, attainment)],
+        "measured_s": [pt["measured_s"] for pt in points],
+        "ttft_ms": [pt["ttft_ms"] for pt in points],
+        "tpot_ms": [pt["tpot_ms"] for pt in points],
+        "tpot_pct_ms": {k: [pt["tpot_pct_ms"][k] for pt in points] for k in PERCENTILES},
+        "itl_pct_ms": {k: [pt["itl_pct_ms"][k] for pt in points] for k in PERCENTILES},
         "meets": meets,
-        "saturation_rps": max(achieved),
-        "knee_rps": next((r for r, ok in zip(arrived, meets) if not ok), None),
+        "complete": complete,
+        "saturation_rps": max(achieved) if complete else None,
+        "knee_rps": next((r for r, ok in zip(arrived, meets) if not ok), None) if complete else None,
     }
 
 
@@ -272,6 +355,26 @@ def _knee_text(knee: float | None, saturation: float) -> str:
         f"The targets break from about {fmt(knee)} req/s arriving, {when} the system saturates "
         f"(it completes at most about {fmt(saturation)} req/s)."
     )
+
+
+SWEEP_PENDING = "The rate sweep is still running: saturation and the knee follow once every rate is simulated."
+
+
+def _background_sweep(planner: CapacityPlanner, key: SweepKey, slo: SLO) -> tuple[RateSweep, dict[str, Any]]:
+    """The sweep as far as it has run, and its progress. A lab already running its most background
+    jobs answers the chosen rate alone, and the next poll asks again."""
+    try:
+        state = planner.plan_for(key)
+    except LabBusy:
+        return sweep_of([], False, slo), {"status": "running", "done": 0, "total": key.total,
+                                     "message": "the rate sweep waits for a free slot"}  # fmt: skip
+    done, rows = planner.snapshot(state)
+    if done and state.error:
+        raise ServelabError(f"the rate sweep failed: {state.error}")
+    progress = {"status": "done" if done else "running", "done": len(rows), "total": state.total}
+    if not done:
+        progress["message"] = f"sweeping the rate: {len(rows)} of {state.total} rates simulated"
+    return sweep_of(list(rows.values()), done, slo), progress
 
 
 STALL_RATIO = 1.2  # a p99 token gap this far above the p99 TPOT is steps a request's mean hides
@@ -344,7 +447,9 @@ def _require_request_fits(s: Setup, prompt_len: int, output_len: int) -> None:
         )
 
 
-def slo(p: Params, budget: Budget) -> dict[str, Any]:
+def slo(p: Params, budget: Budget, planner: CapacityPlanner) -> dict[str, Any]:
+    """The chosen rate's run, answered at once; the rate sweep runs on `planner` in the background
+    and fills in as the page polls (`status` "running" with `done` of `total` rates, until "done")."""
     s = setup_from(p)
     rate = p.float("rate", 20.0, **bounds("slo", "rate"))
     ttft_slo_ms = p.float("ttft_slo_ms", 500.0, **bounds("slo", "ttft_slo_ms"))
@@ -356,6 +461,10 @@ def slo(p: Params, budget: Budget) -> dict[str, Any]:
     ttft_slo_s, tpot_slo_s = ttft_slo_ms / 1e3, tpot_slo_ms / 1e3
     target = SLO(ttft_s=ttft_slo_s, tpot_s=tpot_slo_s)
     num_requests = _slo_requests(rate)
+    rates = sweep_rates(s, prompt_len, output_len)
+    for swept, n in rates:  # a sweep run past the memory budget is refused now, not in the background
+        budget.require_memory(prompt_tokens=n * prompt_len, output_tokens=n * output_len,
+                              inputs="rate, prompt_len or output_len")  # fmt: skip
     result = _open_loop_run(budget, _key(s), rate, num_requests, prompt_len, output_len)
     st = _steady(result, rate, target)
     sm = st.summary
@@ -374,7 +483,7 @@ def slo(p: Params, budget: Budget) -> dict[str, Any]:
     itl_cdf = {**cdf(_itl_gaps_s(ok)), "percentiles": _percentiles_ms(sm.itl_s)}
     p90_ttft, p90_tpot = ttft_cdf["percentiles"].get("p90"), tpot_cdf["percentiles"].get("p90")
     meets = _meets(None if p90_ttft is None else p90_ttft / 1e3, None if p90_tpot is None else p90_tpot / 1e3, target)
-    sweep = _sweep(budget, s, prompt_len, output_len, target, "p90")
+    sweep, progress = _background_sweep(planner, SweepKey(_key(s), prompt_len, output_len, tuple(rates)), target)
     saturated = st.achieved_rps < SATURATED_BELOW * st.offered_rps  # against what actually arrived
     offered = f"{fmt(rate)} req/s offered ({fmt(st.offered_rps)} arrived)"
     if saturated:
@@ -385,7 +494,9 @@ def slo(p: Params, budget: Budget) -> dict[str, Any]:
     else:
         load = f"at {offered} it keeps up ({fmt(st.achieved_rps)} req/s completed)"
     knee = sweep["knee_rps"]
+    saturation = sweep["saturation_rps"]
     return {
+        **progress,
         "config": {
             **s.to_dict(),
             "rate": rate,
@@ -417,7 +528,9 @@ def slo(p: Params, budget: Budget) -> dict[str, Any]:
             stat("p50 / p90 / p99 ITL", " / ".join(fmt(v, "") for v in itl_cdf["percentiles"].values()) + " ms"),
             stat("SLO attainment (both)", fmt(100 * (sm.slo_attainment or 0.0), "%")),
             stat("goodput", fmt(st.goodput_rps, "req/s")),
-            stat("saturates at about", fmt(sweep["saturation_rps"], "req/s")),
+            stat("saturates at about", fmt(saturation, "req/s"))
+            if saturation is not None
+            else stat("rate sweep", f"{progress['done']} of {progress['total']} rates simulated"),
             stat(
                 "measured",
                 f"{n:,} of {num_requests:,} requests over {fmt(st.window_s)} s (first {fmt(warmup_s)} s of arrivals "
@@ -431,7 +544,7 @@ def slo(p: Params, budget: Budget) -> dict[str, Any]:
             f"req/s). "
             + _itl_text(itl_cdf["percentiles"], tpot_cdf["percentiles"])
             + " "
-            + _knee_text(knee, sweep["saturation_rps"])
+            + (_knee_text(knee, saturation) if saturation is not None else SWEEP_PENDING)
         ),
     }
 

@@ -23,7 +23,14 @@ def rl(model=MODEL, hw=HW, w="bf16", k="bf16", tp=1) -> Roofline:
 
 
 def get(client, lesson: str, **params) -> dict:
+    """The lesson's full answer: a lesson that answers in stages (202 while the rest runs) is polled."""
+    import time
+
+    deadline = time.monotonic() + 600
     response = client.post(f"/api/lessons/{lesson}", json=params)
+    while response.status_code == 202 and time.monotonic() < deadline:
+        time.sleep(0.3)
+        response = client.post(f"/api/lessons/{lesson}", json=params)
     assert response.status_code == 200, response.text
     return response.json()
 
@@ -347,6 +354,38 @@ def test_slo_higher_rate_raises_tail_latency(client):
     high = get(client, "slo", rate=40)
     assert high["ttft_ms"]["percentiles"]["p90"] > low["ttft_ms"]["percentiles"]["p90"]
     assert high["tpot_ms"]["percentiles"]["p90"] > low["tpot_ms"]["percentiles"]["p90"]
+
+
+def test_slo_answers_the_chosen_rate_first_then_the_sweep_and_a_new_target_reuses_it():
+    from fastapi.testclient import TestClient
+
+    from servelab.lab.app import create_lab_app
+
+    app = create_lab_app()
+    c = TestClient(app)
+    params = {"rate": "9", "ttft_slo_ms": "300", "tpot_slo_ms": "15", "prompt_len": "700", "output_len": "90"}
+    try:
+        first = c.post("/api/lessons/slo", json=params)
+        assert first.status_code == 202, first.text  # drawn at once: the chosen rate, the sweep to come
+        early = first.json()
+        assert early["status"] == "running" and 0 <= early["done"] < early["total"]
+        assert len(early["sweep"]["offered_rps"]) == early["done"] and early["sweep"]["saturation_rps"] is None
+        full = get(c, "slo", **params)
+        assert full["status"] == "done" and full["sweep"]["complete"]
+        # The chosen rate's figures do not change when the sweep lands.
+        for k in ("ttft_ms", "tpot_ms", "itl_ms", "achieved_rps", "goodput_rps", "attainment"):
+            assert full[k] == early[k]
+        # A new target re-simulates nothing: the finished sweep is re-judged at once.
+        looser = c.post("/api/lessons/slo", json={**params, "tpot_slo_ms": "60"})
+        assert looser.status_code == 200, looser.text
+        sw, sw2 = full["sweep"], looser.json()["sweep"]
+        assert sw2["achieved_rps"] == sw["achieved_rps"] and sw2["tpot_ms"] == sw["tpot_ms"]
+        assert all(g2 >= g for g, g2 in zip(sw["goodput_rps"], sw2["goodput_rps"]))
+        assert sw2["meets"] == [
+            (t is None or t <= 60) and (f is None or f <= 300) for t, f in zip(sw2["tpot_ms"], sw2["ttft_ms"])
+        ]
+    finally:
+        app.state.stop()
 
 
 def test_slo_runs_as_the_chosen_engines_defaults(client):

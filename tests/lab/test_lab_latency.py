@@ -1,5 +1,10 @@
 """Every simulator lesson answers fresh inputs within 2 s at the 90th percentile, through the API.
 
+The SLO and capacity lessons answer in stages: their first answer (the chosen rate's simulation;
+the roofline's labelled upper bound per accelerator) comes as a 202 while the rate sweep or the
+capacity plan runs in the background, and the page polls for the rest. Their time here is the
+time to that first answer, which is what the page draws at once.
+
 Each lesson gets N parameter sets drawn at random (log-uniform) inside its form's limits, each new
 to the lab (nothing cached). The 2 s holds on a quiet core of the 2-core development host; on a
 host busy with other jobs a lesson waits for the CPU as well, so the bound is on the CPU time the
@@ -12,7 +17,7 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -20,6 +25,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from servelab.lab.app import create_lab_app
+from servelab.lab.capacity_lesson import CapacityPlanner
 from servelab.lab.limits import LIMITS
 
 pytestmark = pytest.mark.slow
@@ -71,6 +77,11 @@ DRAWS: dict[str, Callable[[random.Random], dict[str, str]]] = {
     "decode-chain": lambda r: _draw(
         r, "decode-chain", {"prompt_len": (16, 32768), "output_len": (2, 512), "batch": (1, 256)}
     ),
+    "capacity": lambda r: _draw(
+        r,
+        "capacity",
+        {"tpot_ms": (5, 200), "ttft_ms": (100, 10000), "prompt_len": (16, 32768), "output_len": (16, 4096)},
+    ),
     "speculative": lambda r: {
         **_draw(r, "speculative", {"prompt_len": (16, 16384), "output_len": (16, 512)}),
         "acceptance": f"{r.uniform(0.3, 0.95):.2f}",
@@ -79,24 +90,17 @@ DRAWS: dict[str, Callable[[random.Random], dict[str, str]]] = {
 
 
 @pytest.fixture(scope="module")
-def client() -> TestClient:
+def client() -> Iterator[TestClient]:
     c = TestClient(create_lab_app())
     c.get("/api/catalog")
     import servelab.lab.seed_lessons  # noqa: F401 - the simulator's imports, paid once, not by the first lesson
     import servelab.lab.speculative_lesson  # noqa: F401
 
-    return c
+    yield c
+    c.app.state.capacity_planner.close()
 
 
-# The SLO lesson's sweep simulates 9 runs of 100-1,000+ requests each; with outputs of 1-2K tokens
-# its steady state needs minutes of simulated time, and fresh lengths cost 2.1-2.8 CPU-s at p90.
-SLOWER = {"slo": "fresh lengths with outputs of 1-2K tokens: p90 2.1-2.8 CPU-s (docs/lab.md)"}
-
-
-@pytest.mark.parametrize(
-    "lesson",
-    [pytest.param(n, marks=pytest.mark.xfail(reason=SLOWER[n], strict=False)) if n in SLOWER else n for n in DRAWS],
-)
+@pytest.mark.parametrize("lesson", list(DRAWS))
 def test_simulator_lesson_answers_fresh_inputs_within_2_s_p90(client, lesson):
     rng = random.Random(f"{lesson}-44")
     cpu_s: list[float] = []
@@ -104,16 +108,22 @@ def test_simulator_lesson_answers_fresh_inputs_within_2_s_p90(client, lesson):
     answers: list[tuple[dict[str, Any], int]] = []
     for _ in range(FRESH_INPUTS):
         params = DRAWS[lesson](rng)
+        # Each input gets a quiet planner: the previous input's sweep or plan is ended, as a page
+        # that moved on no longer waits for it, and it takes neither a slot nor the other core.
+        client.app.state.capacity_planner.close()
+        client.app.state.capacity_planner = CapacityPlanner()
         t, c = time.perf_counter(), time.process_time()
         r = client.post(f"/api/lessons/{lesson}", json=params)
         cpu_s.append(time.process_time() - c)
         wall_s.append(time.perf_counter() - t)
         answers.append((params, r.status_code))
-        # An answer, a no-fit, or a 400 that names the input to lower: never a crash or a 5xx.
-        assert r.status_code in (200, 400), (params, r.text)
+        # An answer (a first stage: 202), a no-fit, or a 400 that names the input to lower: never a crash or a 5xx.
+        assert r.status_code in (200, 202, 400), (params, r.text)
+        if r.status_code == 202:  # a real first answer, drawn at once, not a bare progress report
+            assert r.json().get("sweep" if lesson == "slo" else "plan"), r.text
         if r.status_code == 400:
             assert r.json()["error"]["param"], r.text
     p90_s = float(np.percentile(cpu_s, 90))
     print(f"{lesson}: CPU p90 {p90_s:.2f} s, max {max(cpu_s):.2f} s; wall p90 {np.percentile(wall_s, 90):.2f} s over "
-          f"{len(cpu_s)} fresh inputs; {sum(code == 200 for _, code in answers)} answered 200")  # fmt: skip
+          f"{len(cpu_s)} fresh inputs; {sum(code in (200, 202) for _, code in answers)} answered")  # fmt: skip
     assert p90_s < TARGET_P90_S, list(zip(answers, cpu_s))

@@ -19,6 +19,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from servelab.lab.app import create_lab_app
+from servelab.lab.capacity_lesson import CapacityPlanner
 from servelab.lab.simulations import ResultCache, Simulations
 
 REPO = Path(__file__).resolve().parents[2]
@@ -76,17 +77,22 @@ def _count_simulations(monkeypatch) -> list[int]:
 
 def test_the_result_cache_stays_under_its_bound_in_bytes(monkeypatch):
     calls = _count_simulations(monkeypatch)
-    sims = Simulations(cache_bytes=8 * 2**20)
-    client = TestClient(create_lab_app(simulations=sims))
-    for rate in (4, 8, 16):
-        assert client.post("/api/lessons/slo", json={"rate": rate, "output_len": 256}).status_code == 200
-        assert 0 < sims.cache.bytes <= 8 * 2**20
+    sims = Simulations(cache_bytes=3 * 2**20)
+    app = create_lab_app(simulations=sims)
+    app.state.capacity_planner = CapacityPlanner(max_running=0)  # the in-process runs only: no sweep
+    client = TestClient(app)
+    for rate in (4, 8, 16, 32):
+        # The chosen rate's run is the lesson's in-process simulation (202: the sweep would follow).
+        assert client.post("/api/lessons/slo", json={"rate": rate, "output_len": 256}).status_code == 202
+        assert 0 < sims.cache.bytes <= 3 * 2**20
     assert 0 < len(sims.cache) < len(calls)  # some results did not fit and were dropped
 
 
 def test_a_repeated_lesson_answers_from_the_cache(monkeypatch):
     calls = _count_simulations(monkeypatch)
-    client = TestClient(create_lab_app(simulations=Simulations()))
+    app = create_lab_app(simulations=Simulations())
+    app.state.capacity_planner = CapacityPlanner(max_running=0)
+    client = TestClient(app)
     first = client.post("/api/lessons/slo", json={"rate": 8, "output_len": 64}).json()
     simulated = len(calls)
     assert simulated > 0

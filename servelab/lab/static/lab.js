@@ -283,8 +283,9 @@ const LESSONS = [
           const side = (x) => (x > top / 2 ? "right" : "left");
           const saturates = "saturates: at most" + (narrow ? "<br>" : " ") + fmtNum(sw.saturation_rps) + " req/s completed";
           // x is the rate the run's arrivals actually came at (a Poisson sample is not its nominal rate).
-          const marks = [marker(sw.saturation_rps, saturates, "#555", "dash", 0, side(sw.saturation_rps)),
-                         marker(d.arrived_rps, "your rate", "#c62828", "dot", narrow ? 0.24 : 0.18, side(d.arrived_rps))];
+          // A sweep still running has no saturation yet: its rates so far are drawn, then the rest.
+          const marks = [marker(d.arrived_rps, "your rate", "#c62828", "dot", narrow ? 0.24 : 0.18, side(d.arrived_rps))];
+          if (sw.saturation_rps != null) marks.unshift(marker(sw.saturation_rps, saturates, "#555", "dash", 0, side(sw.saturation_rps)));
           if (sw.knee_rps != null) marks.push(marker(sw.knee_rps, "p90 targets break", "#e65100", "dashdot", narrow ? 0.15 : 0.09, side(sw.knee_rps)));
           return {
             data: [
@@ -1054,7 +1055,8 @@ function render(lesson, data, visibleOnly) {
   $("warning").textContent = data.warning || "";
   $("warning").hidden = !data.warning;
   $("charts").hidden = false;
-  $("charts").classList.toggle("stale", data.status === "running");
+  // A capacity plan's pale bars are estimates; the SLO lesson's first stage is final for its rate, only the sweep is to come.
+  $("charts").classList.toggle("stale", data.status === "running" && !data.sweep);
   $("notice").textContent = (lesson.live && state.load ? state.load.notice : data.notice) || "";
   renderStats(lesson.live && state.load ? [...state.load.stats, ...(data.stats || [])] : data.stats);
   renderFormulas(data.formulas);
@@ -1133,7 +1135,8 @@ async function refresh(poll, visibleOnly) {
   showProgress(seq, state.startedAt);
   document.body.classList.add("busy");
   // The old charts stay, dimmed, until the new numbers arrive; the roofline's come within a frame, undimmed.
-  if (!state.catalog.instant_lessons.includes(lesson.id)) $("charts").classList.add("stale");
+  // A poll leaves them as its last answer drew them (the SLO lesson's first stage stays undimmed).
+  if (!poll && !state.catalog.instant_lessons.includes(lesson.id)) $("charts").classList.add("stale");
   let polling = false;
   try {
     // A lesson is a JSON POST of the form's values (strings, as typed: the server validates them).
@@ -1144,9 +1147,9 @@ async function refresh(poll, visibleOnly) {
     const answeredMs = performance.now() - sentAt;
     if (seq !== state.seq) return; // a newer request superseded this one
     if (response.status === 202) {
-      // A long computation (the capacity plan) runs on the server: draw its partial result, show progress, poll.
-      if (body.plan) render(lesson, body);
-      $("notice").textContent = body.message;
+      // A long computation (the capacity plan, the SLO sweep) runs on the server: draw its partial result, show progress, poll.
+      if (body.plan || body.sweep) render(lesson, body);
+      if (!body.sweep) $("notice").textContent = body.message; // the SLO note already says what is still running
       setTimeout(() => { if (seq === state.seq) refresh(true); }, 700);
       polling = true;
       return;
