@@ -83,8 +83,9 @@ const cdfTraces = (series, name, color) => [
 const pctShapes = (pcts, color, yref) => Object.entries(pcts).map(([k, v]) => ({
   type: "line", x0: v, x1: v, y0: 0, y1: 1, yref: yref || "paper", line: { color, width: 1, dash: "dot" },
 }));
-const pctAnnotations = (pcts, color) => Object.entries(pcts).map(([k, v], i) => ({
-  x: v, y: 0.08 + 0.1 * i, yref: "paper", text: k, showarrow: false, font: { color, size: 11 }, xanchor: "left",
+// On a log axis Plotly places annotations at log10(x) (shapes take x itself).
+const pctAnnotations = (pcts, color, log) => Object.entries(pcts).map(([k, v], i) => ({
+  x: log ? Math.log10(v) : v, y: 0.08 + 0.1 * i, yref: "paper", text: k, showarrow: false, font: { color, size: 11 }, xanchor: "left",
 }));
 
 // One bar per dtype/attention variant; on a phone the bars lie down so their 3-line labels stay readable.
@@ -325,7 +326,7 @@ const LESSONS = [
       { id: "itl-cdf", make: (d) => ({
           data: cdfTraces(d.itl_ms, "ITL", "#6a1b9a"),
           layout: baseLayout("Per-token gaps (ITL, CDF)", "gap between tokens (ms, log scale)", "fraction of gaps", { xaxis: logAxis(d.itl_ms.x),
-            rest: { shapes: pctShapes(d.itl_ms.percentiles, "#6a1b9a"), annotations: pctAnnotations(d.itl_ms.percentiles, "#6a1b9a") } }) }) },
+            rest: { shapes: pctShapes(d.itl_ms.percentiles, "#6a1b9a"), annotations: pctAnnotations(d.itl_ms.percentiles, "#6a1b9a", true) } }) }) },
     ],
   },
   {
