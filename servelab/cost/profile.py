@@ -356,13 +356,15 @@ class ProfileStepCost:
         A step whose every query token computes logits holds decodes and verification entries
         only, and the engine runs each of its tokens as a decode row (engine/model_executor.py):
         one call of the decode stack, each row attending to its own context. It is priced as a
-        decode step of that many rows (off the per-op path, Σcontext = Σpairs); the serving term
-        still counts the sequences, which the server streams once a step each."""
+        decode step of that many rows (off the per-op path), save that the K + 1 rows of a
+        sequence read the same KV blocks, from cache after the first: per_context_token_s (the
+        KV read) counts each sequence's context once, per_pair_s every row's dot products. The
+        serving term still counts the sequences, which the server streams once a step each."""
         if num_tokens == 0:
             return 0.0
         rows, extra_rows = num_seqs, 0
         if logit_rows is not None and logit_rows == num_tokens:
-            rows, context_tokens = num_tokens, pairs
+            rows = num_tokens
         elif logit_rows is not None:
             extra_rows = logit_rows - num_seqs
         x = features(num_tokens, rows, context_tokens, pairs, self.kernel_rows)

@@ -331,7 +331,10 @@ def test_a_verification_step_is_priced_as_the_decode_rows_the_engine_runs():
     # two or more the int8 path; a verification of K = 4 drafts is 5 decode rows on the decode stack
     cost = ProfileStepCost(**KNOWN, **SWITCHES, fused_max_rows=1)
     tokens, seqs, context, pairs = Roofline.totals([(5, 304)] * 3)
-    as_rows = cost.step_time_s([(1, c) for c in range(300, 305)] * 3)
+    decode_rows = cost.step_time_s([(1, c) for c in range(300, 305)] * 3)
+    # but a sequence's 5 rows read its KV once: the KV-read term counts 3 contexts, not 15 rows'
+    as_rows = decode_rows - KNOWN["per_context_token_s"] * (pairs - context)
+    assert context == 3 * 304 and pairs == 3 * sum(range(300, 305))
     assert cost.time_from_totals(tokens, seqs, context, pairs, logit_rows=15) == pytest.approx(as_rows, rel=1e-12)
     # no per-op path: that is a prefill chunk's, whose rows do not all compute logits
     chunk = cost.time_from_totals(tokens, seqs, context, pairs, logit_rows=3)
