@@ -348,6 +348,25 @@ def test_a_verification_step_is_priced_as_the_decode_rows_the_engine_runs():
     )
 
 
+def test_a_verification_step_grows_with_context_by_one_kv_read_per_sequence():
+    # B sequences x (K + 1) rows: a longer context adds its KV read once per sequence and its dot
+    # products once per row, where B x (K + 1) independent decode rows would read it K + 1 times
+    cost = ProfileStepCost(**KNOWN, **SWITCHES, fused_max_rows=1)
+    b, k, longer = 4, 4, 500
+
+    def verify_s(context: int) -> float:
+        return cost.time_from_totals(*Roofline.totals([(k + 1, context + k)] * b), logit_rows=b * (k + 1))
+
+    growth = verify_s(100 + longer) - verify_s(100)
+    assert growth == pytest.approx(
+        longer * b * (KNOWN["per_context_token_s"] + (k + 1) * KNOWN["per_pair_s"]), rel=1e-9
+    )
+    # the same rows as decodes: each sequence's KV read K times more, contexts c .. c + K
+    c = 100 + longer
+    rows = cost.step_time_s([(1, c + j) for j in range(k + 1)] * b)
+    assert rows - verify_s(c) == pytest.approx(KNOWN["per_context_token_s"] * b * (k * c + k * (k - 1) // 2), rel=1e-9)
+
+
 def test_a_profile_with_kernel_rows_loads_and_one_from_before_prices_as_it_did(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(
