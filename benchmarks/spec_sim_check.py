@@ -18,7 +18,12 @@
    tok/s ratio per concurrency with the error, and the crossover: the first concurrency where
    speculation stops paying (TPOT or tok/s worse, `sim`'s rule).
 
-    python benchmarks/spec_sim_check.py [--model PATH] [--k 4] [--concurrency 1,2,4,8,16,32]
+With `--draft-model PATH` the speculative server drafts with that model instead of prompt lookup
+(`{"model": PATH, "num_speculative_tokens": K}`), and the simulator prices its passes with the same
+profile; a calibrated profile measured one model, so the draft must be that model (the bundled model
+drafting for itself shows what a draft as large as its target costs).
+
+    python benchmarks/spec_sim_check.py [--model PATH] [--k 4] [--concurrency 1,2,4,8,16,32] [--draft-model PATH]
         [--rounds 2] [--requests-per-client 3] [--input-len uniform:128,256]
         [--profile PATH] [--out DIR] [--json] [--quick]
     python benchmarks/spec_sim_check.py --measured DIR [--profile PATH]   # simulate an earlier run again
@@ -43,7 +48,7 @@ from servelab.bench.fidelity import server_config
 from servelab.workload.acceptance import AcceptanceProfile, load_profile
 
 TARGET_PCT = 15.0  # the issue's bar on the predicted speedup at concurrency 1, 4 and 16
-SIDES = ("plain", "ngram")
+SIDES = ("plain", "spec")  # the speculative side: n-gram or a draft model
 
 
 def servelab(*argv: str) -> str:
@@ -94,14 +99,14 @@ def measure(args: argparse.Namespace, spec: dict, out_dir: Path) -> tuple[dict, 
     runs: dict[str, dict[int, list[dict]]] = {side: {c: [] for c in args.concurrency} for side in SIDES}
     profiles: list[AcceptanceProfile] = []
     servers = {"plain": start_server(args.model, flags, str(out_dir)),
-               "ngram": start_server(args.model, [*flags, "--speculative-config", json.dumps(spec)], str(out_dir))}  # fmt: skip
+               "spec": start_server(args.model, [*flags, "--speculative-config", json.dumps(spec)], str(out_dir))}  # fmt: skip
     try:
         budgets = server_config(httpx.get(servers["plain"][1] + "/metrics", timeout=10).text)
         for r in range(args.rounds):
             for c in args.concurrency:
                 seed = args.seed + 1000 * r + c
                 for side in SIDES if r % 2 == 0 else SIDES[::-1]:
-                    path = str(out_dir / f"acceptance-r{r}-c{c}.json") if side == "ngram" else None
+                    path = str(out_dir / f"acceptance-r{r}-c{c}.json") if side == "spec" else None
                     runs[side][c].append(bench(servers[side][1], args, c, seed, path))
                     if path:
                         profiles.append(load_profile(path))
@@ -170,7 +175,7 @@ def compare(args: argparse.Namespace, runs: dict, sim: dict) -> dict:
     rows = []
     predicted = {level["concurrency"]: level for level in sim["levels"]}
     for c in args.concurrency:
-        plain, fast = runs["plain"][c], runs["ngram"][c]
+        plain, fast = runs["plain"][c], runs["spec"][c]
         # per round, so that each ratio is of two runs minutes apart, then the median over rounds
         speedups = [p["tpot_p50_s"] / f["tpot_p50_s"] for p, f in zip(plain, fast)]
         ratios = [f["output_throughput"] / p["output_throughput"] for p, f in zip(plain, fast)]
@@ -208,7 +213,9 @@ def within_target(levels: list[dict]) -> bool:
 
 def print_report(report: dict) -> None:
     a = report["acceptance"]
-    print(f"edit workload through `servelab serve`, {report['model']}, ngram K={report['config']['num_speculative_tokens']}"
+    config = report["config"]
+    method = "ngram" if config.get("method") == "ngram" else f"draft model {Path(config['model']).name}"
+    print(f"edit workload through `servelab serve`, {report['model']}, {method} K={config['num_speculative_tokens']}"
           f"; {report['rounds']} interleaved round(s), {report['requests_per_client']} measured requests per client, "
           f"prompts of {report['input_len']} tokens, the edited passage out; prefix cache off")  # fmt: skip
     print(f"acceptance (bench, pooled): {a['acceptance_rate']:.1%} of drafts, {a['tokens_per_step']:.2f} tokens per "
@@ -239,7 +246,11 @@ def earlier(args: argparse.Namespace, folder: Path) -> tuple[dict, AcceptancePro
     report = json.loads((folder / "report.json").read_text())
     for name in ("rounds", "requests_per_client", "input_len"):
         setattr(args, name, report[name])
-    runs = {side: {int(c): v for c, v in by_c.items()} for side, by_c in report["runs"].items()}
+    # reports before the draft-model runs named the speculative side "ngram"
+    runs = {"spec" if side == "ngram" else side: {int(c): v for c, v in by_c.items()}
+            for side, by_c in report["runs"].items()}  # fmt: skip
+    args.spec = report["config"]
+    args.sim_model = report.get("sim_model", args.sim_model)
     args.concurrency = sorted(runs["plain"])
     return runs, load_profile(folder / "acceptance.json"), report["budgets"], report["load_average_before"]
 
@@ -251,6 +262,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--k", type=int, default=4, help="num_speculative_tokens (as benchmarks/spec_decode.py)")
     ap.add_argument("--prompt-lookup-max", type=int, default=4)
     ap.add_argument("--prompt-lookup-min", type=int, default=2)
+    ap.add_argument("--draft-model", default=None, metavar="PATH",
+                    help="speculate with this draft model instead of prompt lookup (e.g. the bundled GGUF drafting for "
+                         "itself: the cost of a draft as large as the target)")  # fmt: skip
     ap.add_argument("--concurrency", default="1,2,4,8,16,32", help="comma-separated closed-loop concurrencies")
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds over every concurrency")
     ap.add_argument("--requests-per-client", type=int, default=3, help="measured requests per client")
@@ -269,13 +283,17 @@ def main(argv: list[str] | None = None) -> dict:
         args.concurrency, args.rounds, args.requests_per_client = "1,2", 1, 1
         args.input_len = "64"
     args.concurrency = sorted({int(c) for c in args.concurrency.split(",")})
-    spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.prompt_lookup_max,
-            "prompt_lookup_min": args.prompt_lookup_min}  # fmt: skip
+    if args.draft_model:
+        spec = {"model": str(Path(args.draft_model).resolve()), "num_speculative_tokens": args.k}
+    else:
+        spec = {"method": "ngram", "num_speculative_tokens": args.k, "prompt_lookup_max": args.prompt_lookup_max,
+                "prompt_lookup_min": args.prompt_lookup_min}  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = Path(args.out or tmp)
         out_dir.mkdir(parents=True, exist_ok=True)
         if args.measured:
             runs, acceptance, budgets, load_before = earlier(args, Path(args.measured))
+            spec = args.spec
             profile = args.profile or str(Path(args.measured) / "profile.json")
         else:
             profile = calibrated_profile(args, out_dir)
@@ -287,6 +305,7 @@ def main(argv: list[str] | None = None) -> dict:
         report = {
             "config": spec,
             "model": args.model or "the bundled model",
+            "sim_model": args.sim_model,
             "rounds": args.rounds,
             "requests_per_client": args.requests_per_client,
             "input_len": args.input_len,

@@ -322,6 +322,10 @@ class ProfileStepCost:
     def kernel_rows(self) -> KernelRows:
         return KernelRows(self.fused_max_rows, self.max_rows)
 
+    def without_serving(self) -> ProfileStepCost:
+        """The engine's step alone: what a draft model's forward pass costs, streaming nothing."""
+        return replace(self, server_per_step_s=0.0, server_per_seq_s=0.0, serving_form="none")
+
     def coefficients(self) -> tuple[float, ...]:
         """The fitted coefficients in TERMS' order (the serving term apart)."""
         return tuple(getattr(self, name) for name in TERMS)

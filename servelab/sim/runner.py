@@ -17,7 +17,7 @@ from servelab.core.config import ResolvedSchedulerConfig, SchedulerConfig
 from servelab.core.speculative import SpeculativeConfig
 from servelab.cost.host_overhead import HostCost, HostOverheadCost
 from servelab.cost.memory import MemoryPlan
-from servelab.cost.speculative import Acceptance, draft_cost, draft_model_spec, kv_tokens_beside_draft
+from servelab.cost.speculative import Acceptance, DraftCost, draft_cost, draft_model_spec, kv_tokens_beside_draft
 from servelab.cost.step_cost import StepCostModel
 from servelab.errors import DoesNotFit, InvalidArgument, RequestTooLong
 from servelab.metrics import SLO, RequestRecord, Summary, steady_state_summary, summarize
@@ -136,10 +136,31 @@ class SimConfig:
             return None
         assert self.spec_acceptance is not None  # __post_init__ requires it
         config = self.spec_config
-        draft = draft_cost(
-            config, self.hardware_spec, self.weight_dtype, self.kv_cache_dtype, self.tp, efficiency=self.efficiency
-        )
+        if self.cost_model is not None and config.method == "draft_model":
+            draft = DraftCost(config, self._measured_draft(config))
+        else:
+            draft = draft_cost(
+                config, self.hardware_spec, self.weight_dtype, self.kv_cache_dtype, self.tp, efficiency=self.efficiency
+            )
         return Speculation(config, self.spec_acceptance, draft)
+
+    def _measured_draft(self, config: SpeculativeConfig) -> StepCostModel:
+        """A calibrated profile prices only the model it measured, on its own host: a draft that is
+        that model runs its passes at the profile's step times, less the serving term (a draft pass
+        streams nothing); any other draft has no measured price there and is refused."""
+        draft = draft_model_spec(config)
+        assert draft is not None  # method draft_model
+        target = self.model_spec
+        if _dims(draft) != _dims(target):
+            raise InvalidArgument(
+                f"speculative_config.model {config.model!r} ({draft.name}) is not the model the calibrated "
+                f"profile measured ({target.name}): a step cost profile has no price for another model on its "
+                "host; simulate the draft model on a catalog accelerator instead",
+                param="speculative_config",
+            )
+        assert self.cost_model is not None  # only called under a profile
+        without_serving = getattr(self.cost_model, "without_serving", None)
+        return without_serving() if callable(without_serving) else self.cost_model
 
     @property
     def num_replicas(self) -> int:
@@ -257,6 +278,12 @@ class SimResult:
     def peak_kv_usage(self) -> float:
         """Highest fraction of a replica's KV pool in use at a step's start over the run."""
         return max(self.trace.kv_usage, default=0.0)
+
+
+def _dims(spec: ModelSpec) -> tuple[int, ...]:
+    """What makes two specs the same network for pricing (names differ: catalog vs file)."""
+    return (spec.num_layers, spec.hidden_size, spec.num_heads, spec.num_kv_heads, spec.head_dim, spec.ffn_size,
+            spec.vocab_size, spec.num_experts, spec.num_active_experts)  # fmt: skip
 
 
 def _describe(cost_model: StepCostModel) -> str:

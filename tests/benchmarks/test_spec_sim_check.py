@@ -38,7 +38,7 @@ def test_compare_takes_per_round_ratios_and_the_first_concurrency_that_stops_pay
     args = SimpleNamespace(concurrency=[1, 4, 16])
     runs = {
         "plain": {1: [run(4, 200), run(5, 180)], 4: [run(10, 350), run(10, 360)], 16: [run(30, 500), run(30, 500)]},
-        "ngram": {1: [run(2.5, 320), run(2.5, 300)], 4: [run(8, 420), run(8, 400)], 16: [run(29, 480), run(29, 490)]},
+        "spec": {1: [run(2.5, 320), run(2.5, 300)], 4: [run(8, 420), run(8, 400)], 16: [run(29, 480), run(29, 490)]},
     }
 
     def level(c: int, plain_ms: float, spec_ms: float, ratio: float) -> dict:
@@ -104,3 +104,28 @@ def test_quick_run_measures_simulates_and_compares(tiny, tmp_path, capsys):
     again = spec_sim_check.main(["--measured", str(out), "--profile", str(profile), "--json"])
     capsys.readouterr()
     assert again["levels"] == report["levels"] and again["acceptance"] == report["acceptance"]
+
+
+@pytest.mark.slow  # two servers and four bench runs
+def test_quick_run_with_the_model_drafting_for_itself(tiny, tmp_path, capsys):
+    """A draft model as large as the target: every draft accepted (greedy), the passes priced by
+    the profile of the target, so the simulator says speculation does not pay, as measured."""
+    profile = tmp_path / "profile.json"
+    coefficients = {"per_step_s": 1e-3, "per_token_s": 5e-5, "per_seq_s": 2e-5, "per_context_token_s": 1e-8,
+                    "per_pair_s": 1e-9, "per_prefill_step_s": 5e-4, "per_wide_step_s": 4e-4}  # fmt: skip
+    profile.write_text(json.dumps({"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "model": "tiny",
+                                   "fit": {"coefficients": coefficients},
+                                   "kernel_rows": {"fused_max_rows": 1, "max_rows": None}}))  # fmt: skip
+    out = tmp_path / "out"
+    report = spec_sim_check.main(["--model", tiny, "--sim-model", tiny, "--draft-model", tiny, "--quick",
+                                  "--profile", str(profile), "--out", str(out), "--json"])  # fmt: skip
+    capsys.readouterr()
+    assert report["config"] == {"model": str(Path(tiny).resolve()), "num_speculative_tokens": 4}
+    assert report["acceptance"]["acceptance_rate"] == 1.0  # greedy: the same model proposes what it checks
+    for r in report["levels"]:
+        assert r["sim_speedup"] < 1.0  # four draft passes cost about as much as four decodes
+    again = spec_sim_check.main(["--measured", str(out), "--profile", str(profile), "--json"])
+    capsys.readouterr()
+    assert again["config"] == report["config"] and again["levels"] == report["levels"]
+    spec_sim_check.print_report(report)
+    assert "draft model" in capsys.readouterr().out

@@ -157,6 +157,29 @@ def test_a_draft_model_costs_its_passes_and_its_memory():
     assert isinstance(draft, Roofline)
 
 
+def test_under_a_profile_the_draft_is_the_profiled_model_or_refused():
+    """A calibrated profile measured one model on one host: a draft that is that model runs its
+    passes at the profile's step times (less the serving term); another draft is refused."""
+    from servelab.cost.profile import ProfileStepCost
+
+    profile = ProfileStepCost(per_step_s=3e-3, per_token_s=7e-4, per_seq_s=2e-4, per_context_token_s=1e-6,
+                              per_pair_s=1e-9, server_per_step_s=5e-4, server_per_seq_s=1e-4)  # fmt: skip
+    same = SimConfig(model="llama-3.2-1b", cost_model=profile,
+                     speculative='{"model": "llama-3.2-1b", "num_speculative_tokens": 3}',
+                     spec_acceptance=Acceptance.rate(0.8, 3))  # fmt: skip
+    speculation = same.speculation()
+    assert speculation is not None
+    draft = speculation.draft
+    # one decode row of the profile, without the serving term: per step + per token + per seq + context
+    one = draft.draft_model.time_from_totals(1, 1, 100, 100)
+    assert one == pytest.approx(3e-3 + 7e-4 + 2e-4 + 1e-4 + 1e-7)
+    assert draft.time_s([], [(1, 100)]) > 2 * one  # K = 3 passes
+    with pytest.raises(InvalidArgument, match="not the model the calibrated profile measured"):
+        SimConfig(model="llama-3.1-8b", cost_model=profile,
+                  speculative='{"model": "llama-3.2-1b", "num_speculative_tokens": 3}',
+                  spec_acceptance=Acceptance.rate(0.8, 3)).speculation()  # fmt: skip
+
+
 def test_bad_configs_are_refused():
     with pytest.raises(InvalidArgument, match="needs an acceptance model"):
         SimConfig(speculative=NGRAM)
