@@ -131,6 +131,15 @@ def calibrated_profile(args: argparse.Namespace, out_dir: Path) -> str:
     return path
 
 
+def tokenizer_path(model: str | None) -> str:
+    """What bench counts the edit prompts' tokens with: the served model's tokenizer."""
+    if model:
+        return model
+    from servelab.engine.bundled import bundled_model_path
+
+    return str(bundled_model_path())
+
+
 def simulate(args: argparse.Namespace, spec: dict, profile: str, acceptance: str, budgets: dict[str, str]) -> dict:
     """`servelab sim --compare-speculation` at the measured concurrencies, lengths and budgets."""
     return json.loads(
@@ -155,6 +164,8 @@ def simulate(args: argparse.Namespace, spec: dict, profile: str, acceptance: str
             "--seed",
             str(args.seed),
             "--no-prefix-caching",
+            "--tokenizer",
+            tokenizer_path(args.model),
             "--max-num-seqs",
             budgets["max_num_seqs"],
             "--max-num-batched-tokens",

@@ -98,6 +98,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "the speculation, and print TPOT, throughput, speedup and the concurrency where it stops paying",
     )
     add_workload_arguments(parser)
+    parser.add_argument(
+        "--tokenizer",
+        default=None,
+        metavar="PATH",
+        help="GGUF, HF model dir or tokenizer.json that counts the tokens of --dataset-kind edit/summarize "
+        "prompts and answers, and of --dataset conversations, as `bench` does (default: estimated from words)",
+    )
     o = parser.add_argument_group("output")
     o.add_argument(
         "--warmup",
@@ -198,6 +205,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     config = config_from_args(args)
     workload = workload_from_args(args)
+    if args.tokenizer is not None:
+        from dataclasses import replace
+
+        from servelab.bench.prompts import load_tokenizer
+
+        tokenizer = load_tokenizer(args.tokenizer)
+        assert tokenizer is not None  # a path loads or raises
+        workload = replace(workload, tokenizer=lambda text: tokenizer.encode(text))
     if args.compare_speculation is not None:
         return _compare(args, config, workload)
     warmup_requests, warmup_s = parse_warmup(args.warmup)

@@ -82,6 +82,9 @@ class WorkloadSpec:
     think_time_s: float = 0.0
     think_time_dist: str = "constant"
     dataset_kind: str | None = None
+    # counts a text's tokens for the text kinds and datasets (None: estimated from words); bench
+    # passes its tokenizer to generate(), the simulator sets it here (`sim --tokenizer`)
+    tokenizer: Tokenizer | None = field(default=None, repr=False, compare=False)
     _arrivals: ArrivalProcess = field(init=False, repr=False)
     _trace_rows: int | None = field(init=False, repr=False, compare=False, default=None)  # what the trace gives
 
@@ -203,6 +206,7 @@ class WorkloadSpec:
         return np.random.default_rng([self.seed, stream])
 
     def generate(self, tokenizer: Tokenizer | None = None) -> list[RequestSpec]:
+        tokenizer = tokenizer or self.tokenizer
         if self.trace:
             return self._from_trace(self.trace)
         n = self.num_requests or DEFAULT_NUM_REQUESTS

@@ -4,6 +4,7 @@ lengths a tokenizer measures."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 
 import pytest
@@ -16,6 +17,14 @@ from servelab.workload import WorkloadSpec, add_workload_arguments, workload_fro
 from servelab.workload.texts import EDITS, TextPrompts, apply_edit
 
 ALL_DOCS = "\n".join(topics.values())
+
+
+# A tokenizers-library tokenizer.json that splits on whitespace and gives every word one id.
+WORD_LEVEL = {
+    "version": "1.0", "truncation": None, "padding": None, "added_tokens": [], "normalizer": None,
+    "pre_tokenizer": {"type": "WhitespaceSplit"}, "post_processor": None, "decoder": None,
+    "model": {"type": "WordLevel", "vocab": {"[UNK]": 0}, "unk_token": "[UNK]"},
+}  # fmt: skip
 
 
 def word_pieces(text: str) -> list[str]:
@@ -65,6 +74,31 @@ def test_lengths_are_the_tokenizers():
         assert p.output_tokens == len(word_pieces(p.expected_output))
     estimated = TextPrompts("edit", seed=0).prompt(0, 500)
     assert abs(estimated.prompt_tokens - 500) <= 2  # the word-count estimate, without a tokenizer
+
+
+def test_a_workload_counts_with_its_own_tokenizer_as_bench_counts_with_its():
+    """`sim --tokenizer` sets WorkloadSpec.tokenizer: the simulated requests are bench's, token for token."""
+    spec = WorkloadSpec(num_requests=4, concurrency=1, input_len="200", dataset_kind="edit", seed=3)
+    counted = WorkloadSpec(num_requests=4, concurrency=1, input_len="200", dataset_kind="edit", seed=3,
+                           tokenizer=word_pieces)  # fmt: skip
+    assert [r.to_dict() for r in counted.generate()] == [r.to_dict() for r in spec.generate(tokenizer=word_pieces)]
+    assert [r.output_tokens for r in counted.generate()] != [r.output_tokens for r in spec.generate()]
+
+
+def test_sim_tokenizer_flag(tmp_path, capsys):
+    from servelab.cli import main
+
+    tok = tmp_path / "tokenizer.json"
+    argv = ["sim", "--model", "smollm2-135m", "--dataset-kind", "edit", "--num-requests", "4", "--concurrency", "2",
+            "--json"]  # fmt: skip
+    assert main([*argv, "--tokenizer", str(tok)]) == 2
+    assert "no such file" in capsys.readouterr().err
+    tok.write_text(json.dumps(WORD_LEVEL))  # a word-level tokenizer.json: one token a word
+    assert main([*argv, "--tokenizer", str(tok)]) == 0
+    exact = json.loads(capsys.readouterr().out)
+    assert main(argv) == 0
+    estimated = json.loads(capsys.readouterr().out)
+    assert exact["summary"]["output_throughput"] != estimated["summary"]["output_throughput"]
 
 
 def test_a_summary_is_a_quarter_of_the_passage_or_the_length_asked():
