@@ -175,6 +175,8 @@ def rows(roofline: Any, batches: list[int], context: int, prompt_len: int | None
             "parameter_source": roofline.parameter_source,
             # the p of the compute/memory p-norm; None: max() (no measured GEMMs on this part)
             "overlap_sharpness": None if roofline.overlap_sharpness == float("inf") else roofline.overlap_sharpness,
+            # rows a linear layer's GEMM computes at once (1: no rounding); a MoE expert's share rounds up too
+            "gemm_tile_tokens": roofline.tile_tokens,
             "extrapolation": list(roofline.extrapolation),
         }
         if prefill is not None:
@@ -346,6 +348,8 @@ def _efficiency_line(roofline: Any) -> str:
         )
     p = roofline.overlap_sharpness
     overlap = "max() of the two" if p == float("inf") else f"their p-norm, p = {p:.3g} (measured GEMMs)"
+    if roofline.tile_tokens > 1:
+        overlap += f", linear layers in tiles of {roofline.tile_tokens} rows"
     return (
         f"predicted at {bandwidth} and {fmt.compute_fraction:.0%} of peak compute (ridge "
         f"{roofline.achievable_ridge_flops_per_byte:.0f} FLOP/byte) combined as {overlap}, "

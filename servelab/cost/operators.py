@@ -3,7 +3,9 @@ output projection, the MLP and the LM head, each its own point on the roofline.
 
 Every operator is summed over the layers and priced as a roofline of its own at the end-to-end
 achievable rates (`Roofline.achievable_*`): its time is the longer of its FLOPs at the compute
-rate and its bytes (weights at the format's rate, activations and KV at the plain one). Bytes are
+rate and its bytes (weights at the format's rate, activations and KV at the plain one). A linear
+operator's compute time counts the rows its GEMMs run (whole tiles of `Roofline.tile_tokens`; each
+hit expert over its share of the tokens), as the step's does; its FLOPs are the useful ones. Bytes are
 per device: each operator reads its weights and input activations and writes its output;
 attention reads every sequence's K and V (a sliding-window layer's last `window` positions only)
 and writes the step's new K and V, so a decode step's
@@ -20,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from servelab.cost.memory import kv_heads_per_device
-from servelab.cost.roofline import Roofline
+from servelab.cost.roofline import Roofline, tiled_rows
 from servelab.cost.step_cost import Bound, Shape
 from servelab.spec.dtypes import ACTIVATION_BYTES
 from servelab.spec.dtypes import weight_dtype as _weight_dtype
@@ -100,15 +102,24 @@ def operator_costs(rl: Roofline, shape: Shape, logit_rows: int | None = None) ->
         rl.achievable_bytes_per_s,
     )
 
-    def op(name: str, flops: float, weight_bytes: float, other_bytes: float) -> OperatorCost:
+    tile = rl.tile_tokens
+
+    def op(
+        name: str, flops: float, weight_bytes: float, other_bytes: float, tiled_flops: float | None = None
+    ) -> OperatorCost:
+        compute_s = (flops if tiled_flops is None else tiled_flops) / flops_s
         return OperatorCost(
-            name, flops, weight_bytes, other_bytes, flops / flops_s, weight_bytes / weight_bps + other_bytes / other_bps
+            name, flops, weight_bytes, other_bytes, compute_s, weight_bytes / weight_bps + other_bytes / other_bps
         )
 
     def linear(name: str, tokens: int, n: int, k: int, copies: int = layers) -> OperatorCost:
         # An (tokens x k) @ (k x n) matmul: reads its weights and input, writes its output.
         return op(
-            name, copies * 2.0 * tokens * n * k, copies * n * k * bpe, copies * tokens * (n + k) * ACTIVATION_BYTES
+            name,
+            copies * 2.0 * tokens * n * k,
+            copies * n * k * bpe,
+            copies * tokens * (n + k) * ACTIVATION_BYTES,
+            copies * 2.0 * tiled_rows(tokens, tile) * n * k,
         )
 
     qkv = linear("qkv_proj", num_tokens, q_width + 2 * kv_width, hidden)
@@ -126,12 +137,22 @@ def operator_costs(rl: Roofline, shape: Shape, logit_rows: int | None = None) ->
     dense_ffn = max(1, (m.dense_ffn_size or m.ffn_size) // tp)
     experts_read = m.num_experts * (1.0 - (1.0 - m.num_active_experts / m.num_experts) ** num_tokens)
     mlp_flops = 2.0 * num_tokens * 3 * hidden * (moe_layers * m.num_active_experts * ffn + dense_layers * dense_ffn)
+    # Each hit expert's GEMMs run its share of the tokens, the dense MLPs and the router all of them.
+    expert_rows = (
+        experts_read * tiled_rows(num_tokens * m.num_active_experts / experts_read, tile)
+        if moe_layers and num_tokens
+        else 0.0
+    )
+    mlp_tiled_flops = (
+        2.0 * 3 * hidden * (moe_layers * expert_rows * ffn + tiled_rows(num_tokens, tile) * dense_layers * dense_ffn)
+    )
     mlp_weights = 3 * hidden * (moe_layers * experts_read * ffn + dense_layers * dense_ffn) * bpe
     per_token = moe_layers * m.num_active_experts * (3 * ffn + 2 * hidden) + dense_layers * (3 * dense_ffn + 2 * hidden)
     mlp_activations = num_tokens * per_token * ACTIVATION_BYTES
     if m.is_moe:
         mlp_flops += moe_layers * 2.0 * num_tokens * hidden * m.num_experts
+        mlp_tiled_flops += moe_layers * 2.0 * tiled_rows(num_tokens, tile) * hidden * m.num_experts
         mlp_weights += moe_layers * hidden * m.num_experts * bpe
-    mlp = op("mlp", mlp_flops, mlp_weights, mlp_activations)
+    mlp = op("mlp", mlp_flops, mlp_weights, mlp_activations, mlp_tiled_flops)
     lm_head = linear("lm_head", rows, max(1, m.vocab_size // tp), hidden, copies=1)
     return [qkv, attention, o_proj, mlp, lm_head]

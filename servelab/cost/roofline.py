@@ -11,7 +11,9 @@ all-reduces and fixed overheads:
               + all-reduce time + step_overhead_s + num_layers × per_layer_overhead_s + num_seqs × per_seq_overhead_s
 
 p is the sharpness of the GEMMs measured on the part or its architecture (`overlap_sharpness`);
-inf, i.e. max(compute, memory), where none was measured.
+inf, i.e. max(compute, memory), where none was measured. The same GEMMs' tile sets the linear
+layers' FLOPs: a GEMM of M rows runs whole tiles of `tile_tokens` rows (`gemm_tile_tokens`), and a
+MoE layer's expert GEMMs each see their share of the step's tokens, T·k / (experts hit), not T.
 
 With `measured_kernels=True`, a part with measured kernels for the weight format (A100, H100,
 H200: servelab/spec/kernel_fits.json) prices a step as the kernels it runs one after another: every
@@ -57,12 +59,32 @@ def overlap(compute_s: float, memory_s: float, sharpness: float) -> float:
     return (compute_s**sharpness + memory_s**sharpness) ** (1.0 / sharpness)
 
 
+def _step_gemm(hardware: HardwareSpec, compute_dtype: str) -> GemmEfficiency | None:
+    """The GEMMs measured for the compute dtype on the part or its architecture, else its 16-bit
+    ones (such weights run 16-bit math), else None."""
+    return measured_gemm(hardware, compute_dtype) or measured_gemm(hardware, "bf16")
+
+
 def overlap_sharpness(hardware: HardwareSpec, compute_dtype: str) -> float:
     """How sharply a step's compute and memory sides overlap on this part: the sharpness of the
     GEMMs measured for the compute dtype on it or its architecture (else its 16-bit ones: such
     weights run 16-bit math), or inf (max(), the plain roofline) where no GEMM was measured."""
-    gemm = measured_gemm(hardware, compute_dtype) or measured_gemm(hardware, "bf16")
+    gemm = _step_gemm(hardware, compute_dtype)
     return math.inf if gemm is None else gemm.sharpness
+
+
+def gemm_tile_tokens(hardware: HardwareSpec, compute_dtype: str) -> int:
+    """Rows a linear layer's GEMM computes in one tile on this part: the tile of the GEMMs that set
+    `overlap_sharpness` (H200: 32 rows in BF16, 128 in FP8; Hopper's FP8 on an H100 too), 1 (no
+    padding) where none was measured or the fit found no step."""
+    gemm = _step_gemm(hardware, compute_dtype)
+    return 1 if gemm is None else gemm.tile_tokens
+
+
+def tiled_rows(rows: float, tile_tokens: int) -> float:
+    """The rows a GEMM of `rows` tokens computes: whole tiles (an expected, fractional count rounds
+    up the same way); `rows` itself for a tile of 1."""
+    return rows if tile_tokens == 1 else -(-rows // tile_tokens) * tile_tokens
 
 
 def _check_fraction(name: str, value: float) -> None:
@@ -329,6 +351,14 @@ class Roofline:
         # (query, key, head, head_dim) element.
         self._flops_per_token = 2.0 * m.matmul_params_per_token / tp
         self._flops_per_seq = 2.0 * m.lm_head_params / tp
+        # The linear layers' FLOPs as their GEMMs run them: every GEMM over whole tiles of rows, a
+        # MoE layer's experts each over their share of the tokens (an expert at 32 of a 128-token
+        # prompt's rows computes a whole 128-row tile). `_expert_flops_per_row`: one token through
+        # one expert in every MoE layer; the rest of `_flops_per_token` sees every token.
+        self.tile_tokens = gemm_tile_tokens(hardware, wdt.compute_dtype)
+        self._expert_flops_per_row = 2.0 * m.num_moe_layers * m.expert_params_per_layer / tp
+        self._shared_flops_per_token = self._flops_per_token - m.num_active_experts * self._expert_flops_per_row
+        self._tiled_flops_cache: dict[int, float] = {}
         self._flops_per_attention_pair = 4.0 * m.num_layers * m.num_heads * m.head_dim / tp
         # Sliding-window layers attend to (and read the KV of) at most `window` keys per query;
         # `step_totals` folds them into the context and pair sums as a layer average.
@@ -498,6 +528,23 @@ class Roofline:
         to k of E experts: E(1 - (1 - k/E)^tokens), k at one token, nearly all E at large batch."""
         return self._num_experts * self._expert_hit_fraction(num_tokens)
 
+    def _linear_flops(self, num_tokens: int, logit_rows: int) -> float:
+        """FLOPs the step's linear layers compute, tiles padded: `num_tokens` rows through the
+        attention projections, routers and dense MLPs, each hit expert its expected share of the
+        rows, the LM head `logit_rows`. Without a tile (1), the plain 2 x parameters x tokens."""
+        tile = self.tile_tokens
+        if tile == 1:
+            return num_tokens * self._flops_per_token + logit_rows * self._flops_per_seq
+        body = self._tiled_flops_cache.get(num_tokens)
+        if body is None:
+            body = tiled_rows(num_tokens, tile) * self._shared_flops_per_token
+            if self._num_experts != 1 and num_tokens:
+                hit = self.experts_hit(num_tokens)
+                rows = num_tokens * self.model.num_active_experts / hit
+                body += hit * tiled_rows(rows, tile) * self._expert_flops_per_row
+            self._tiled_flops_cache[num_tokens] = body
+        return body + tiled_rows(logit_rows, tile) * self._flops_per_seq
+
     def _weight_bytes(self, num_tokens: int) -> float:
         if self._num_experts == 1:
             return self._dense_weight_bytes
@@ -571,11 +618,16 @@ class Roofline:
                 + self._overhead_s
                 + num_seqs * self._per_seq_s
             )
-        compute_s = (
-            num_tokens * self._compute_s_per_token
-            + logit_rows * self._compute_s_per_seq
-            + pairs * self._compute_s_per_pair
-        )
+        if self.tile_tokens == 1:
+            compute_s = (
+                num_tokens * self._compute_s_per_token
+                + logit_rows * self._compute_s_per_seq
+                + pairs * self._compute_s_per_pair
+            )
+        else:
+            compute_s = (
+                self._linear_flops(num_tokens, logit_rows) / self._flops_per_s + pairs * self._compute_s_per_pair
+            )
         weight_s = self._dense_weight_s
         if self._num_experts != 1:
             weight_s += self._expert_s_all_layers * (1.0 - self._expert_miss_prob**num_tokens)
@@ -622,9 +674,7 @@ class Roofline:
         fmt_key = (
             f"formats.{self.weight_dtype.lower()}." if self.weight_dtype.lower() in self.efficiency.formats else ""
         )
-        flops = (
-            num_tokens * self._flops_per_token + num_seqs * self._flops_per_seq + pairs * self._flops_per_attention_pair
-        )
+        flops = self._linear_flops(num_tokens, num_seqs) + pairs * self._flops_per_attention_pair
         other_bytes = context_tokens * self.kv_bytes_per_token + num_tokens * (
             self.kv_bytes_per_token + self._activation_bytes_per_token
         )
@@ -705,7 +755,8 @@ class Roofline:
                 + overhead_s
             )
         else:
-            compute_s = flops / self._flops_per_s
+            tiled_flops = self._linear_flops(num_tokens, logit_rows) + pairs * self._flops_per_attention_pair
+            compute_s = tiled_flops / self._flops_per_s if num_tokens else 0.0
             memory_s = weight_bytes / self._weight_bytes_per_s + other_memory_s
             time_s = overlap(compute_s, memory_s, self.overlap_sharpness) + comm_s + overhead_s
         return StepCost(

@@ -281,3 +281,16 @@ def test_an_engine_profile_prices_with_its_presets_terms(capsys):
         assert row["step_time_s"] == pytest.approx(step_s(engine_profile(name).efficiency() or Efficiency()), rel=1e-12)
     assert run_json(capsys, "--batch", "64", "--engine-profile", "servelab")[0]["step_time_s"] == plain
     assert run_json(capsys, "--batch", "64", "--engine-profile", "trtllm")[0]["step_time_s"] != plain
+
+
+def test_the_gemm_tile_is_printed_where_the_part_measured_one(capsys):
+    """H200's FP8 GEMMs compute 128-row tiles (a MoE expert's few rows round up to one); H100's
+    BF16 fit found no step, so neither the line nor --json names a tile beyond 1."""
+    moe = ["roofline", "--model", "mixtral-8x7b", "--hardware", "h200", "--dtype", "fp8", "--tp", "2", "--batch", "1"]
+    assert main(moe) == 0
+    assert "linear layers in tiles of 128 rows" in capsys.readouterr().out
+    assert main([*moe, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["gemm_tile_tokens"] == 128
+    assert main([*SEED, "--batch", "1"]) == 0
+    assert "tiles of" not in capsys.readouterr().out
+    assert run_json(capsys, "--batch", "1")[0]["gemm_tile_tokens"] == 1

@@ -292,12 +292,19 @@ def test_every_modern_point_is_within_its_bound_and_each_past_30pct_names_its_ca
 
 def test_the_trtllm_preset_prices_short_prompts_and_wide_tp_closer_than_the_defaults():
     """Two patterns on TensorRT-LLM's held-out points: 128-token first tokens (median within 10%;
-    three MoE or TP 8 rows past 15%, docs/fidelity.md), and TP >= 4 at batch >= 64 (L40S over PCIe),
-    every one within 15% now that the preset fits the link's rate on its own TP runs."""
+    each within 15% but Mixtral's over four L40S, whose cause docs/fidelity.md writes), and TP >= 4
+    at batch >= 64 (L40S over PCIe), every one within 15% now that the preset fits the link's rate
+    on its own TP runs."""
     short = [p for p in MODERN_TEST if p["metric"] == "ttft_ms" and p["run"]["input_len"] <= 512]
     wide = [p for p in MODERN_TEST if p["tp"] >= 4 and p["run"]["batch"] >= 64 and fp.engine_of(p, DATA) == "trtllm"]
     assert len(short) == 8 and len(wide) == 5
     assert fp.medians(short, BY_PRESET)["all"] <= 10.0 < fp.medians(short, Efficiency())["all"]
+    past_15 = [(p["model"], p["hardware"]) for p in short if abs(fp.error_pct(p, BY_PRESET)) > 15.0]
+    assert past_15 == [("mixtral-8x7b", "l40s")], past_15
+    # Mixtral's experts see 32 of the 128 rows each, one FP8 tile of 128 on an H200: -15.0% without
+    # the tiles, -10.6% with them.
+    (moe_h200,) = [p for p in short if (p["model"], p["hardware"]) == ("mixtral-8x7b", "h200")]
+    assert abs(fp.error_pct(moe_h200, BY_PRESET)) < 12.0
     assert all(abs(fp.error_pct(p, BY_PRESET)) <= 15.0 for p in wide), [fp.error_pct(p, BY_PRESET) for p in wide]
     held = dict(PRESETS["trtllm"].to_dict(), interconnect_fraction=fp.HELD["interconnect_fraction"])
     at_held_rate = fp.by_preset(DATA, {**PRESETS, "trtllm": Efficiency.from_dict(held)})
