@@ -112,6 +112,23 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
             max_position_embeddings=512,
         ),
     ),
+    "qwen2-moe": (  # Qwen2-MoE: Q/K/V bias, a shared expert with its sigmoid gate, a dense layer
+        "Qwen2MoeConfig",
+        dict(
+            _COMMON,
+            num_hidden_layers=3,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+            norm_topk_prob=False,
+            decoder_sparse_step=1,
+            mlp_only_layers=[1],
+            rope_theta=1000000.0,
+            max_position_embeddings=512,
+            use_sliding_window=False,
+        ),
+    ),
     "olmoe": (  # OLMoE: q/k norm over the whole projections, top-k weights not renormalised, clip_qkv
         "OlmoeConfig",
         dict(
@@ -126,7 +143,7 @@ FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     ),
 }
 # The mixtures of experts among FAMILIES.
-MOE_FAMILIES = ("mixtral", "qwen3-moe", "olmoe")
+MOE_FAMILIES = ("mixtral", "qwen2-moe", "qwen3-moe", "olmoe")
 
 
 def hf_config(name: str, eos_id: int | None = None, pad_id: int | None = None):
@@ -191,6 +208,10 @@ _LAYER_NAMES = {
     "mlp.up_proj.weight": "ffn_up.weight",
     "mlp.gate_up_proj.weight": "ffn_up.weight",  # llama.cpp's phi3 keeps gate and up fused in ffn_up
     "mlp.down_proj.weight": "ffn_down.weight",
+    "mlp.shared_expert.gate_proj.weight": "ffn_gate_shexp.weight",  # Qwen2-MoE's shared expert
+    "mlp.shared_expert.up_proj.weight": "ffn_up_shexp.weight",
+    "mlp.shared_expert.down_proj.weight": "ffn_down_shexp.weight",
+    "mlp.shared_expert_gate.weight": "ffn_gate_inp_shexp.weight",
 }
 _GEMMA_LAYER_NAMES = {
     **_LAYER_NAMES,
@@ -202,7 +223,7 @@ _GEMMA_LAYER_NAMES = {
 _EXPERT_NAMES = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
                  "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}  # fmt: skip
 # HF model_type -> the GGUF architecture llama.cpp's converter writes it as.
-GGUF_ARCH = {"mixtral": "llama", "qwen3_moe": "qwen3moe"}
+GGUF_ARCH = {"mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe"}
 _TOP_NAMES = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
               "lm_head.weight": "output.weight"}  # fmt: skip
 
@@ -214,8 +235,9 @@ def write_gguf(
     arch llama (Q/K rows permuted, llama3's scaling as `rope_freqs.weight`; Mixtral too), qwen2,
     qwen3, phi3 (LongRoPE as `rope_factors_long/short.weight`, `rope.scaling.attn_factor`), gemma2
     or gemma3 (Gemma2Model/Gemma3Model: 1 added to every norm weight, soft-capping and window keys,
-    no RoPE base for gemma2, Gemma 3's embedding cut to the tokenizer's size), qwen3moe or olmoe
-    (MoE: `expert_count`, `expert_used_count`, Qwen3-MoE's `expert_feed_forward_length`, each
+    no RoPE base for gemma2, Gemma 3's embedding cut to the tokenizer's size), qwen2moe, qwen3moe or
+    olmoe (MoE: `expert_count`, `expert_used_count`, the `expert_feed_forward_length`, Qwen2-MoE's
+    `expert_shared_feed_forward_length` and `*_shexp` tensors, each
     layer's experts stacked per projection beside the router `ffn_gate_inp`); no `output.weight`
     when the embeddings are tied. `qtype` (e.g. "Q8_0"): every matrix but the router in that ggml
     type, as llama-quantize leaves them. `stack_experts` False: one `ffn_gate.E.weight` tensor per
@@ -267,6 +289,8 @@ def write_gguf(
         w.add_expert_used_count(cfg["num_experts_per_tok"])
     if cfg.get("moe_intermediate_size"):
         w.add_expert_feed_forward_length(cfg["moe_intermediate_size"])
+    if cfg.get("shared_expert_intermediate_size"):
+        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     if cfg.get("clip_qkv"):
         w.add_clamp_kqv(cfg["clip_qkv"])
     if spm is None:

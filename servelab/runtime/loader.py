@@ -30,7 +30,7 @@ from servelab.runtime.weight_layout import (
 )
 from servelab.errors import InvalidArgument, NotFound
 from servelab.spec.gguf_reader import GGUFFile, read_gguf
-from servelab.spec.model import ENGINE_ARCHITECTURES, ModelSpec
+from servelab.spec.model import ENGINE_ARCHITECTURES, QKV_BIAS_ARCHS, ModelSpec
 
 # HF model_type / GGUF general.architecture values the engine runs (Qwen2.5 is "qwen2"; Phi-4 "phi3";
 # llama.cpp files Mixtral as "llama")
@@ -108,7 +108,7 @@ def check_servable(spec: ModelSpec) -> None:
             f"model {spec.name!r}: architecture {spec.architecture!r} is not supported (supported: "
             f"{', '.join(SUPPORTED_ARCHITECTURES)})", param="model",
         )  # fmt: skip
-    if spec.qkv_bias and spec.architecture != "qwen2":
+    if spec.qkv_bias and spec.architecture not in QKV_BIAS_ARCHS:
         raise InvalidArgument(
             "attention_bias=true (bias on every attention projection) is not supported", param="model"
         )

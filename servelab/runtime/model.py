@@ -235,7 +235,7 @@ class LlamaModel:
         n = self.embed.numel() + self.final_norm.numel() + (0 if self.tied_head else self.lm_head.numel())
         for layer in self.layers:
             n += sum(t.numel() for t in layer.norms()) + sum(w.numel() for w in layer.linears())
-            n += 0 if layer.moe is None else layer.moe.router.numel()
+            n += 0 if layer.moe is None else sum(w.numel() for w in layer.moe.gates())
         return n
 
     def weight_bytes(self) -> int:
@@ -256,12 +256,13 @@ class LlamaModel:
         return n
 
     def dense_weight_bytes(self) -> int:
-        """Every weight one step reads whatever its tokens, the routers included (not the experts)."""
+        """Every weight one step reads whatever its tokens, the routers and shared experts included
+        (not the routed experts)."""
         n = self.lm_head.nbytes + _nbytes(self.final_norm)
         for layer in self.layers:
             n += sum(_nbytes(t) for t in layer.norms()) + layer.qkv.nbytes + layer.o.nbytes
             if layer.moe is not None:
-                n += layer.moe.router.nbytes
+                n += layer.moe.dense_nbytes()
             else:
                 n += sum(w.nbytes for w in (layer.gate_up, layer.down) if w is not None)
         return n

@@ -1,5 +1,6 @@
-"""A mixture-of-experts MLP (Mixtral, Qwen3-MoE, OLMoE): a router picks each token's top-k
-experts, and each expert that got tokens runs its SwiGLU over them as one GEMM per linear.
+"""A mixture-of-experts MLP (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): a router picks each token's
+top-k experts, and each expert that got tokens runs its SwiGLU over them as one GEMM per linear.
+Qwen2-MoE adds a shared expert that every token runs, its output scaled by sigmoid(gate . x).
 
 Tokens are grouped by expert with one sort, so the Python loop runs over the experts a step hit,
 never over tokens; an expert no token chose is not called, so its weights are not read. Each
@@ -34,6 +35,11 @@ class MoEMLP:
     down: list[Linear]  # per expert, [hidden, ffn]
     top_k: int
     normalize: bool  # renormalise the k chosen probabilities to sum to one (norm_topk_prob)
+    # Qwen2-MoE's shared expert, every token's (gate/up [2 * shared_ffn, hidden], down), and its
+    # gate [1, hidden] (kept unquantized like the router); None: no shared expert
+    shared_gate_up: Linear | None = None
+    shared_down: Linear | None = None
+    shared_gate: Linear | None = None
     experts_hit: tuple[int, ...] = field(default=(), init=False)  # the experts the last call ran
     # under tensor parallelism, sums the output over the ranks in place (parallel/layers.py)
     reduce: Callable[[torch.Tensor], None] | None = None
@@ -43,15 +49,30 @@ class MoEMLP:
         return self.router.shape[0]
 
     def linears(self) -> tuple[Linear, ...]:
-        """The experts' linears (not the router)."""
-        return (*self.gate_up, *self.down)
+        """The experts' linears, the shared expert's included (not the router or the shared gate)."""
+        shared = (self.shared_gate_up, self.shared_down)
+        return (*self.gate_up, *self.down, *(w for w in shared if w is not None))
 
     def map_linears(self, fn: Callable[[Linear], Linear], *, router: bool = False) -> None:
-        """Every expert's linears replaced by `fn` of them; with `router`, the router's too."""
+        """Every expert's linears replaced by `fn` of them; with `router`, the router's (and the
+        shared expert's gate) too."""
         self.gate_up = [fn(w) for w in self.gate_up]
         self.down = [fn(w) for w in self.down]
+        if self.shared_gate_up is not None and self.shared_down is not None:
+            self.shared_gate_up, self.shared_down = fn(self.shared_gate_up), fn(self.shared_down)
         if router:
             self.router = fn(self.router)
+            if self.shared_gate is not None:
+                self.shared_gate = fn(self.shared_gate)
+
+    def gates(self) -> tuple[Linear, ...]:
+        """The router and the shared expert's gate: never quantized, read every call."""
+        return (self.router,) if self.shared_gate is None else (self.router, self.shared_gate)
+
+    def dense_nbytes(self) -> int:
+        """What every call reads whatever the routing: the gates and the shared expert."""
+        shared = (self.shared_gate_up, self.shared_down)
+        return sum(w.nbytes for w in self.gates()) + sum(w.nbytes for w in shared if w is not None)
 
     def expert_nbytes(self, expert: int) -> int:
         return self.gate_up[expert].nbytes + self.down[expert].nbytes
@@ -85,6 +106,10 @@ class MoEMLP:
             hit.append(expert)
         self.experts_hit = tuple(hit)
         y = (out.view(tokens, k, -1) * weights.to(x.dtype).unsqueeze(-1)).sum(dim=1)
+        if self.shared_gate_up is not None and self.shared_down is not None and self.shared_gate is not None:
+            # under TP each rank adds its slice's partial sums, gated alike: the all-reduce sums them
+            gate = torch.sigmoid(self.shared_gate(x).float()).to(x.dtype)
+            y = y + gate * self.shared_down(act(self.shared_gate_up(x)))
         if self.reduce is not None:
             self.reduce(y)
         return y
@@ -99,6 +124,11 @@ _ROUTER_NAME = re.compile(r"^(model\.layers\.\d+\.)mlp\.gate\.weight$")
 
 def router_name(prefix: str) -> str:
     return prefix + "mlp.gate.weight"
+
+
+def shared_expert_name(prefix: str, proj: str) -> str:
+    """Qwen2-MoE's shared expert (`proj`: gate_proj, up_proj, down_proj) or, for "gate", its gate."""
+    return prefix + ("mlp.shared_expert_gate.weight" if proj == "gate" else f"mlp.shared_expert.{proj}.weight")
 
 
 def expert_name(prefix: str, expert: int, proj: str) -> str:

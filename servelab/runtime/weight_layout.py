@@ -99,6 +99,11 @@ def build_model(
                 top_k=spec.num_active_experts,
                 normalize=spec.norm_topk_prob,
             )
+            if spec.shared_ffn_size:
+                shared = [moe.shared_expert_name(p, proj) for proj in ("gate_proj", "up_proj", "down_proj", "gate")]
+                experts.shared_gate_up = linear(shared[:2])
+                experts.shared_down = linear([shared[2]])
+                experts.shared_gate = DenseLinear(cast(need(shared[3])))
         dense = experts is None
         layers.append(
             LayerWeights(
@@ -190,6 +195,10 @@ _GGUF_LAYER_NAMES = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
     "ffn_gate_inp.weight": "mlp.gate.weight",  # a MoE layer's router
+    "ffn_gate_shexp.weight": "mlp.shared_expert.gate_proj.weight",  # Qwen2-MoE's shared expert
+    "ffn_up_shexp.weight": "mlp.shared_expert.up_proj.weight",
+    "ffn_down_shexp.weight": "mlp.shared_expert.down_proj.weight",
+    "ffn_gate_inp_shexp.weight": "mlp.shared_expert_gate.weight",
 }
 # Gemma's four norms a layer (llama.cpp's ffn_norm is the one before the MLP in both).
 _GEMMA_GGUF_LAYER_NAMES = {

@@ -1,13 +1,14 @@
 """The one description of a decoder-only transformer (Llama family: Llama 2/3, Mistral, Qwen2,
-Qwen2.5, Qwen3, Phi-3/Phi-4, Gemma 2 and Gemma 3, and the mixtures of experts Mixtral, Qwen3-MoE and
-OLMoE), parsed from an HF `config.json` or GGUF metadata, and the
+Qwen2.5, Qwen3, Phi-3/Phi-4, Gemma 2 and Gemma 3, and the mixtures of experts Mixtral, Qwen2-MoE,
+Qwen3-MoE and OLMoE), parsed from an HF `config.json` or GGUF metadata, and the
 catalog of well-known models.
 
 The cost model reads its parameter counts and KV bytes per token; the engine builds its model,
 RoPE and KV cache from the same fields. Counts assume the Llama block: RMSNorm, attention with
 grouped KV heads (GQA), optional Q/K RMSNorm (per head: Qwen3; over the whole projection:
 OLMoE), SwiGLU MLP (gate, up, down), optional MoE routing over SwiGLU experts (with dense-MLP
-layers where Qwen3-MoE's `mlp_only_layers` / `decoder_sparse_step` put them). Phi-3's fused
+layers where Qwen3-MoE's `mlp_only_layers` / `decoder_sparse_step` put them, and Qwen2-MoE's shared
+expert beside the routed ones, scaled by a sigmoid gate). Phi-3's fused
 qkv_proj and gate_up_proj hold the same parameters as the separate matrices. Gemma's block has
 the same matrices (its GeGLU MLP is SwiGLU's three, with GELU for SiLU) and four norms a layer
 instead of two.
@@ -28,12 +29,12 @@ from servelab.spec.dtypes import weight_dtype as _weight_dtype
 
 # HF `model_type` -> whether Q/K/V always carry a bias (Qwen2's do, whatever `attention_bias` says).
 _HF_MODEL_TYPES = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "phi3": False, "mixtral": False,
-                   "gemma2": False, "gemma3_text": False, "gemma3": False, "qwen3_moe": False,
+                   "gemma2": False, "gemma3_text": False, "gemma3": False, "qwen2_moe": True, "qwen3_moe": False,
                    "olmoe": False}  # fmt: skip
 # GGUF `general.architecture` values we read; llama.cpp files Mistral and Mixtral under "llama"
 # (older converters wrote "mistral").
 _GGUF_ARCHS = {"llama": False, "mistral": False, "qwen2": True, "qwen3": False, "phi3": False, "gemma2": False,
-               "gemma3": False, "qwen3moe": False, "olmoe": False}  # fmt: skip
+               "gemma3": False, "qwen2moe": True, "qwen3moe": False, "olmoe": False}  # fmt: skip
 # Architectures (HF model_type and GGUF alike) that RMS-normalise each head of Q and K before RoPE.
 _QK_NORM_ARCHS = ("qwen3", "gemma3", "qwen3_moe", "qwen3moe")
 # ... and those that RMS-normalise the whole Q and K projections (one weight over all heads).
@@ -43,8 +44,10 @@ _QK_NORM_WHOLE_ARCHS = ("olmoe",)
 GEMMA_ARCHITECTURES = ("gemma2", "gemma3")
 # Whether a MoE renormalises its top-k routing weights to sum to one where the config does not say
 # (HF's `norm_topk_prob`; Mixtral always does). llama.cpp hard-codes the same per architecture.
-_HF_NORM_TOPK_DEFAULT = {"mixtral": True, "qwen3_moe": False, "olmoe": False}
-_GGUF_NORM_TOPK = {"llama": True, "qwen3moe": True, "olmoe": False}
+_HF_NORM_TOPK_DEFAULT = {"mixtral": True, "qwen2_moe": False, "qwen3_moe": False, "olmoe": False}
+_GGUF_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True, "olmoe": False}
+# Architectures whose Q/K/V projections may carry a bias (the engine adds it after the fused QKV).
+QKV_BIAS_ARCHS = ("qwen2", "qwen2_moe", "qwen2moe")
 # HF model types whose `sliding_window` applies unless `use_sliding_window` says otherwise
 # (Qwen2 and Qwen3 configs carry a window they do not use).
 _HF_SLIDING_BY_DEFAULT = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text")
@@ -52,7 +55,8 @@ _HF_SLIDING_BY_DEFAULT = ("mistral", "mixtral", "phi3", "gemma2", "gemma3_text")
 _ROPE_TYPE_ALIASES = {"su": "longrope"}
 # What the engine (servelab/runtime) runs; the cost model prices every spec.
 ENGINE_ARCHITECTURES = (
-    "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen3_moe", "qwen3moe", "olmoe",
+    "llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3", "mixtral", "qwen2_moe", "qwen2moe",
+    "qwen3_moe", "qwen3moe", "olmoe",
 )  # fmt: skip
 ENGINE_ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 
@@ -89,6 +93,9 @@ class ModelSpec:
     norm_topk_prob: bool = True  # MoE: the k chosen routing probabilities renormalised to sum to one
     dense_layers: tuple[int, ...] = ()  # MoE: layers with a dense MLP instead of experts (Qwen3-MoE)
     dense_ffn_size: int | None = None  # MoE: intermediate size of those dense MLPs; None: ffn_size
+    # MoE: intermediate size of the shared expert every token runs beside its routed ones, its output
+    # scaled by sigmoid(a [1, hidden] gate) (Qwen2-MoE); 0: none
+    shared_ffn_size: int = 0
 
     def __post_init__(self) -> None:
         for field_name in (
@@ -182,6 +189,11 @@ class ModelSpec:
         return self.hidden_size * self.num_experts if self.is_moe else 0
 
     @property
+    def shared_expert_params_per_layer(self) -> int:
+        """A MoE layer's shared expert (a SwiGLU MLP) and its gate; 0 without one."""
+        return 3 * self.hidden_size * self.shared_ffn_size + self.hidden_size if self.shared_ffn_size else 0
+
+    @property
     def gemma_block(self) -> bool:
         """Gemma's layer (GEMMA_ARCHITECTURES): (1 + w) norms, four a layer, GeGLU, scaled embeddings."""
         return self.architecture in GEMMA_ARCHITECTURES
@@ -215,8 +227,13 @@ class ModelSpec:
 
     @property
     def mlp_params(self) -> int:
-        """Every layer's MLPs together: each MoE layer's experts and router, each dense layer's MLP."""
-        moe = self.num_experts * self.expert_params_per_layer + self.router_params_per_layer
+        """Every layer's MLPs together: each MoE layer's experts, shared expert and router, each
+        dense layer's MLP."""
+        moe = (
+            self.num_experts * self.expert_params_per_layer
+            + self.router_params_per_layer
+            + self.shared_expert_params_per_layer
+        )
         return self.num_moe_layers * moe + (self.num_layers - self.num_moe_layers) * self.dense_mlp_params
 
     @property
@@ -227,7 +244,7 @@ class ModelSpec:
 
     @property
     def num_active_params(self) -> int:
-        """Parameters one token touches (MoE: only its routed experts)."""
+        """Parameters one token touches (MoE: only its routed experts, and the shared one)."""
         inactive = (self.num_experts - self.num_active_experts) * self.expert_params_per_layer
         return self.num_params - self.num_moe_layers * inactive
 
@@ -235,7 +252,11 @@ class ModelSpec:
     def matmul_params_per_token(self) -> int:
         """Active parameters that multiply each token, excluding the LM head (which only runs
         for positions that produce logits) and the input embedding (a row gather, not a matmul)."""
-        moe = self.num_active_experts * self.expert_params_per_layer + self.router_params_per_layer
+        moe = (
+            self.num_active_experts * self.expert_params_per_layer
+            + self.router_params_per_layer
+            + self.shared_expert_params_per_layer
+        )
         dense_layers = self.num_layers - self.num_moe_layers
         return (
             self.num_layers * self.attention_params_per_layer
@@ -253,7 +274,7 @@ class ModelSpec:
         kind = (self.rope_scaling or {}).get("rope_type", "default")
         if kind not in ENGINE_ROPE_TYPES:
             return f"rope scaling {kind!r}"
-        if self.qkv_bias and self.architecture != "qwen2":
+        if self.qkv_bias and self.architecture not in QKV_BIAS_ARCHS:
             return "attention_bias"
         return None
 
@@ -491,6 +512,7 @@ class ModelSpec:
             qk_norm_per_head=arch not in _QK_NORM_WHOLE_ARCHS,
             clip_qkv=float(clip) if clip else None,
             norm_topk_prob=bool(get("expert_weights_norm", _GGUF_NORM_TOPK.get(arch, True))),
+            shared_ffn_size=(count("expert_shared_feed_forward_length") or 0) if num_experts > 1 else 0,
             dense_layers=dense,
             dense_ffn_size=ffn if dense and expert_ffn else None,
         )
@@ -627,6 +649,13 @@ def _hf_moe(config: Mapping[str, Any], source: str, num_layers: int, num_experts
             raise InvalidArgument(f"{source}: {key} must be a positive integer, got {value!r}", param="config")
         if key == "moe_intermediate_size" and value is not None:
             fields[field] = value
+    shared = config.get("shared_expert_intermediate_size")
+    if shared is not None and (isinstance(shared, bool) or not isinstance(shared, int) or shared < 0):
+        raise InvalidArgument(
+            f"{source}: shared_expert_intermediate_size must be a non-negative integer, got {shared!r}", param="config"
+        )
+    if shared:
+        fields["shared_ffn_size"] = shared
     if dense and "ffn_size" in fields:
         fields["dense_ffn_size"] = config.get("intermediate_size")
     if dense:
@@ -840,6 +869,48 @@ MODELS: dict[str, ModelSpec] = {
             num_active_experts=8,
             architecture="qwen3_moe",
             qk_norm=True,
+        ),
+        # Qwen/Qwen1.5-MoE-A2.7B (60 experts of 1,408, top-4, not renormalised, a shared expert of 5,632)
+        ModelSpec(
+            "qwen1.5-moe-a2.7b",
+            num_layers=24,
+            hidden_size=2048,
+            num_heads=16,
+            num_kv_heads=16,
+            head_dim=128,
+            ffn_size=1408,
+            vocab_size=151936,
+            tie_embeddings=False,
+            max_context=8192,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            qkv_bias=True,
+            num_experts=60,
+            num_active_experts=4,
+            architecture="qwen2_moe",
+            norm_topk_prob=False,
+            shared_ffn_size=5632,
+        ),
+        # Qwen/Qwen2-57B-A14B (64 experts of 2,560, top-8, not renormalised, a shared expert of 20,480)
+        ModelSpec(
+            "qwen2-57b-a14b",
+            num_layers=28,
+            hidden_size=3584,
+            num_heads=28,
+            num_kv_heads=4,
+            head_dim=128,
+            ffn_size=2560,
+            vocab_size=151936,
+            tie_embeddings=False,
+            max_context=32768,
+            rope_theta=1000000.0,
+            rms_norm_eps=1e-6,
+            qkv_bias=True,
+            num_experts=64,
+            num_active_experts=8,
+            architecture="qwen2_moe",
+            norm_topk_prob=False,
+            shared_ffn_size=20480,
         ),
         # allenai/OLMoE-1B-7B-0924 (64 experts, top-8, not renormalised; q/k norm over the projections)
         ModelSpec(

@@ -191,7 +191,7 @@ def test_a_gguf_architecture_the_engine_does_not_run_is_refused_by_name(tmp_path
 @pytest.mark.parametrize(
     ("name", "fmt"),
     [("qwen3", "safetensors"), ("phi3", "safetensors"), ("phi3", "gguf"), ("gemma2", "gguf"),
-     ("gemma3", "safetensors"), ("mixtral", "safetensors"), ("qwen3-moe", "gguf")],
+     ("gemma3", "safetensors"), ("mixtral", "safetensors"), ("qwen2-moe", "gguf"), ("qwen3-moe", "gguf")],
 )  # fmt: skip
 def test_tensor_parallel_2_matches_transformers(tmp_path_factory, name, fmt):
     """TP=2: Q/K norms replicated, Phi-3's fused weights split per rank (a rank reads its rows);

@@ -156,8 +156,9 @@ def test_hf_and_gguf_give_one_spec(paths, name):
         == from_hf
     )
     assert from_hf.is_moe and (from_hf.num_experts, from_hf.num_active_experts) == (8, 2)
-    expected = {"mixtral": ((), True), "qwen3-moe": ((1,), True), "olmoe": ((), False)}[name]
-    assert (from_hf.dense_layers, from_hf.norm_topk_prob) == expected
+    expected = {"mixtral": ((), True, 0), "qwen2-moe": ((1,), False, 64), "qwen3-moe": ((1,), True, 0),
+                "olmoe": ((), False, 0)}[name]  # fmt: skip
+    assert (from_hf.dense_layers, from_hf.norm_topk_prob, from_hf.shared_ffn_size) == expected
     hf = transformers.AutoModelForCausalLM.from_pretrained(paths[name]["safetensors"])
     assert from_hf.num_params == sum(p.numel() for p in hf.parameters())
 
@@ -176,6 +177,32 @@ def test_qwen3_moe_reads_its_expert_and_dense_mlp_sizes():
         ModelSpec.from_hf_config({**config, "decoder_sparse_step": 0})
     with pytest.raises(InvalidArgument, match="mlp_only_layers must be a list"):
         ModelSpec.from_hf_config({**config, "mlp_only_layers": "3"})
+
+
+def test_qwen2_moe_s_shared_expert_changes_the_logits_so_parity_checks_it(paths):
+    """The shared expert and its gate move the logits far beyond the parity tolerance, so the
+    family's parity test checks them; and under TP each rank holds its slice of the shared expert."""
+    from servelab.runtime.parallel.sharding import Shard
+
+    path = paths["qwen2-moe"]["safetensors"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    without = copy.deepcopy(hf)
+    with torch.no_grad():
+        for layer in without.model.layers:
+            if hasattr(layer.mlp, "shared_expert_gate"):
+                layer.mlp.shared_expert_gate.weight.fill_(-1e4)  # sigmoid -> 0: the shared expert off
+        ref, off = (m(torch.tensor([IDS])).logits[0] for m in (hf, without))
+    assert max_rel_diff(off, ref) > 1e-3
+    ours = prefill_logits(load_model(path, dtype=torch.float32).model, IDS)
+    assert max_rel_diff(ours, ref) <= 1e-5
+    spec = ModelSpec.from_hf_config(path)
+    shard = Shard(spec, 1, 2)
+    assert shard.local_spec().shared_ffn_size == 32
+    assert shard.slice_of("model.layers.0.mlp.shared_expert.up_proj.weight").start == 32
+    assert shard.slice_of("model.layers.0.mlp.shared_expert.down_proj.weight").dim == 1
+    assert shard.slice_of("model.layers.0.mlp.shared_expert_gate.weight") is None  # replicated
+    with pytest.raises(InvalidArgument, match="shared expert's MLP size 64"):
+        Shard(replace(spec, num_heads=5 * 4, num_kv_heads=5, ffn_size=40, dense_ffn_size=40), 0, 5)
 
 
 def test_olmoe_s_clip_qkv_changes_the_logits_so_parity_checks_it(paths):

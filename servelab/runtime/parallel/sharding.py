@@ -7,7 +7,8 @@ slice of the vocabulary. Norms are replicated.
 
 A MoE layer is split the same way inside every expert (vLLM's tensor-parallel MoE, not expert
 parallelism): each rank holds every expert's slice of the intermediate dimension and the whole
-router, so every rank routes each token alike, and the layer's output is all-reduced once.
+router, so every rank routes each token alike, and the layer's output is all-reduced once. A shared
+expert (Qwen2-MoE) is split like a dense MLP and its gate replicated.
 
 KV heads split across ranks like the query heads; with fewer KV heads than ranks, each KV head
 is replicated on the ranks whose query heads read it (vLLM's rule), so every rank holds one.
@@ -48,6 +49,11 @@ def check_tensor_parallel(spec: ModelSpec, size: int) -> None:
         what = "each expert's MLP size" if spec.is_moe else "the model's MLP size"
         raise InvalidArgument(
             f"tensor_parallel_size={size} must divide {what} {spec.ffn_size}",
+            param="tensor_parallel_size",
+        )
+    if spec.shared_ffn_size % size:
+        raise InvalidArgument(
+            f"tensor_parallel_size={size} must divide the shared expert's MLP size {spec.shared_ffn_size}",
             param="tensor_parallel_size",
         )
     if spec.dense_layers and spec.dense_ffn_size is not None and spec.dense_ffn_size % size:
@@ -109,7 +115,7 @@ class Shard:
         """The shape this rank's model and KV cache have: its heads and its slice of the MLP."""
         dense_ffn = None if self.spec.dense_ffn_size is None else self.dense_ffn_size
         return replace(self.spec, num_heads=self.num_heads, num_kv_heads=self.num_kv_heads, ffn_size=self.ffn_size,
-                       dense_ffn_size=dense_ffn)  # fmt: skip
+                       dense_ffn_size=dense_ffn, shared_ffn_size=self.spec.shared_ffn_size // self.size)  # fmt: skip
 
     def slice_of(self, name: str) -> Slice | None:
         """The part of HF tensor `name` this rank holds; None: the whole tensor (norms)."""
@@ -126,6 +132,12 @@ class Shard:
             return Slice(1, q0, q0 + self.num_heads * d)
         if ".mlp.experts." in name:  # every expert's slice of its intermediate dimension
             ffn = self.ffn_size
+            if name.endswith(("gate_proj.weight", "up_proj.weight")):
+                return Slice(0, self.rank * ffn, (self.rank + 1) * ffn)
+            if name.endswith("down_proj.weight"):
+                return Slice(1, self.rank * ffn, (self.rank + 1) * ffn)
+        if ".mlp.shared_expert." in name:  # the shared expert's slice, as a dense MLP's
+            ffn = self.spec.shared_ffn_size // self.size
             if name.endswith(("gate_proj.weight", "up_proj.weight")):
                 return Slice(0, self.rank * ffn, (self.rank + 1) * ffn)
             if name.endswith("down_proj.weight"):
