@@ -153,6 +153,14 @@ def operator_costs(rl: Roofline, shape: Shape, logit_rows: int | None = None) ->
         mlp_flops += moe_layers * 2.0 * num_tokens * hidden * m.num_experts
         mlp_tiled_flops += moe_layers * 2.0 * tiled_rows(num_tokens, tile) * hidden * m.num_experts
         mlp_weights += moe_layers * hidden * m.num_experts * bpe
+    if m.shared_ffn_size:  # Qwen2-MoE's shared expert (split like a dense MLP) and its gate, every token
+        shared = 3 * hidden * max(1, m.shared_ffn_size // tp) + hidden
+        mlp_flops += moe_layers * 2.0 * num_tokens * shared
+        mlp_tiled_flops += moe_layers * 2.0 * tiled_rows(num_tokens, tile) * shared
+        mlp_weights += moe_layers * shared * bpe
+        mlp_activations += (
+            num_tokens * moe_layers * (3 * max(1, m.shared_ffn_size // tp) + 2 * hidden) * ACTIVATION_BYTES
+        )
     mlp = op("mlp", mlp_flops, mlp_weights, mlp_activations, mlp_tiled_flops)
     lm_head = linear("lm_head", rows, max(1, m.vocab_size // tp), hidden, copies=1)
     return [qkv, attention, o_proj, mlp, lm_head]

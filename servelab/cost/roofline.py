@@ -367,13 +367,13 @@ class Roofline:
 
         # Bytes: dense weights stream once per step. The input embedding is gathered by token, so
         # only the LM head's copy of the vocabulary matrix streams (tied or not). MoE experts
-        # stream only if some token in the step was routed to them; a MoE's routers and its dense
-        # layers' MLPs (Qwen3-MoE's mlp_only_layers) stream every step.
+        # stream only if some token in the step was routed to them; a MoE's routers, shared experts
+        # (Qwen2-MoE) and dense layers' MLPs (Qwen3-MoE's mlp_only_layers) stream every step.
         bpe = wdt.bytes_per_element
         expert_bytes_per_layer = m.expert_params_per_layer * bpe / tp
         dense_params = (
             m.num_layers * (m.attention_params_per_layer + m.norm_params_per_layer)
-            + m.num_moe_layers * m.router_params_per_layer
+            + m.num_moe_layers * (m.router_params_per_layer + m.shared_expert_params_per_layer)
             + (m.num_layers - m.num_moe_layers) * m.dense_mlp_params
             + m.lm_head_params
             + m.hidden_size
@@ -389,7 +389,8 @@ class Roofline:
         q_kv_width = (m.num_heads + 2 * kv_heads_per_device(m, 1)) * m.head_dim
         dense_layers = m.num_layers - m.num_moe_layers
         mlp_width = (
-            m.num_moe_layers * m.ffn_size * m.num_active_experts + dense_layers * (m.dense_ffn_size or m.ffn_size)
+            m.num_moe_layers * (m.ffn_size * m.num_active_experts + m.shared_ffn_size)
+            + dense_layers * (m.dense_ffn_size or m.ffn_size)
         ) / m.num_layers
         sharded = 2 * q_kv_width + 6 * mlp_width
         self._activation_bytes_per_token = m.num_layers * (8 * m.hidden_size + sharded / tp) * ACTIVATION_BYTES
@@ -453,6 +454,8 @@ class Roofline:
         self._attn_linears = (qkv, o)
         self._mlp_linears = (gate_up, down)
         self._dense_mlp_linears = tuple(_linear_shapes(m, tp, m.dense_ffn_size)[2:])  # a MoE's dense layers
+        # a MoE layer's shared expert (Qwen2-MoE), over every token
+        self._shared_linears = tuple(_linear_shapes(m, tp, m.shared_ffn_size)[2:]) if m.shared_ffn_size else ()
         self._lm_head = (max(1, m.vocab_size // tp), m.hidden_size)
         self._gemm_args = (bytes_per_weight, self.peak_flops_per_s, hw.bandwidth_bytes_per_s)
         self._layer_linear_cache: dict[int, float] = {}
@@ -479,6 +482,7 @@ class Roofline:
                 per_expert = num_tokens * m.num_active_experts / hit
                 moe_s = hit * sum(self._gemm_s(per_expert, nk) for nk in self._mlp_linears)
                 moe_s += self._gemm_s(num_tokens, (self._num_experts, m.hidden_size))  # router
+                moe_s += sum(self._gemm_s(num_tokens, nk) for nk in self._shared_linears)
                 layer_s += m.num_moe_layers * moe_s
             self._layer_linear_cache[num_tokens] = layer_s
         head_s = self._lm_head_cache.get(logit_rows)

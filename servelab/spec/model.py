@@ -258,8 +258,9 @@ class ModelSpec:
             + self.shared_expert_params_per_layer
         )
         dense_layers = self.num_layers - self.num_moe_layers
+        bias = self.q_size + 2 * self.kv_size if self.qkv_bias else 0  # added, not multiplied
         return (
-            self.num_layers * self.attention_params_per_layer
+            self.num_layers * (self.attention_params_per_layer - bias)
             + self.num_moe_layers * moe
             + dense_layers * self.dense_mlp_params
         )

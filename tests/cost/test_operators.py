@@ -22,7 +22,7 @@ def by_name(rl: Roofline, shape) -> dict:
     return {o.name: o for o in ops}
 
 
-@pytest.mark.parametrize("model", ["llama-3.1-8b", "llama-2-7b", "mixtral-8x7b"])
+@pytest.mark.parametrize("model", ["llama-3.1-8b", "llama-2-7b", "mixtral-8x7b", "qwen2-57b-a14b"])
 @pytest.mark.parametrize("shape", [[(2048, 2048)], [(1, 2048)], [(1, 2048)] * 64, [(512, 1024), (1, 300), (1, 90)]])
 def test_the_operators_add_up_to_the_step(model, shape):
     rl = roofline(model, "h200")

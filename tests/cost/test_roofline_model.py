@@ -1,6 +1,7 @@
 """Mechanics of the roofline: one function for every step shape, TP, MoE, dtypes, efficiencies."""
 
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -141,6 +142,22 @@ def test_moe_reads_only_the_experts_its_tokens_hit():
     # compute follows active parameters, not total
     dense_equiv = Roofline(get_model("mistral-7b"), H100, tp=2)
     assert one.flops < 2 * dense_equiv.decode(1, 512).flops
+
+
+def test_a_shared_expert_streams_every_step_and_computes_every_token():
+    spec = get_model("qwen2-57b-a14b")  # 64 experts of 2,560, top 8, a shared expert of 20,480
+    r = Roofline(spec, H100, tp=4)
+    one, many = r.decode(1, 512), r.decode(512, 512)
+    embedding = spec.embedding_params * 2 / 4
+    experts_all = spec.num_layers * 64 * spec.expert_params_per_layer * 2 / 4
+    # batch 1: everything but the embedding and 56 of 64 experts, the shared expert included
+    assert one.weight_bytes == pytest.approx(r.memory.weight_bytes_per_device - embedding - experts_all * 56 / 64)
+    assert many.weight_bytes == pytest.approx(r.memory.weight_bytes_per_device - embedding, rel=1e-6)
+    shared = spec.num_layers * spec.shared_expert_params_per_layer
+    assert shared == 28 * (3 * 3584 * 20480 + 3584)
+    without = Roofline(replace(spec, shared_ffn_size=0), H100, tp=4)
+    assert one.weight_bytes - without.decode(1, 512).weight_bytes == pytest.approx(shared * 2 / 4)
+    assert one.flops - without.decode(1, 512).flops == pytest.approx(2 * shared / 4)
 
 
 def test_weight_dtypes_change_bytes_and_compute_rate():
