@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from servelab.core.kv_groups import KVGroups
 from servelab.errors import InvalidArgument
 
 POLICIES = ("chunked", "prefill-first", "prefill-first-chunked", "decode-first-whole")
@@ -117,17 +118,28 @@ class SchedulerConfig:
         if self.order not in ORDERS:
             raise InvalidArgument(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}", param="order")
 
-    def resolve(self, *, num_blocks: int | None = None, max_model_len: int | None = None) -> ResolvedSchedulerConfig:
+    def resolve(
+        self, *, num_blocks: int | None = None, max_model_len: int | None = None, kv_groups: KVGroups | None = None
+    ) -> ResolvedSchedulerConfig:
         """This config with the pool size and context limit the owner derived (by default the ones
-        already set), as the type a Scheduler runs on. InvalidArgument names one still unset."""
-        if isinstance(self, ResolvedSchedulerConfig) and num_blocks is None and max_model_len is None:
+        already set), and the model's KV groups, as the type a Scheduler runs on. InvalidArgument
+        names one still unset."""
+        if isinstance(self, ResolvedSchedulerConfig) and num_blocks is max_model_len is kv_groups is None:
             return self
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         if num_blocks is not None:
             values["num_blocks"] = num_blocks
         if max_model_len is not None:
             values["max_model_len"] = max_model_len
+        if kv_groups is not None:
+            values["kv_groups"] = kv_groups
         return ResolvedSchedulerConfig(**values)
+
+    @property
+    def chunk_tokens(self) -> int | None:
+        """The most positions one step computes of a sequence: a chunk, or None (a whole
+        context) where the policy runs whole prompts."""
+        return None if self.policy in ("prefill-first", "decode-first-whole") else self.max_num_batched_tokens
 
 
 UNSIZED = ("num_blocks", "max_model_len")  # the knobs the owner sizes: None until resolved
@@ -140,6 +152,9 @@ class ResolvedSchedulerConfig(SchedulerConfig):
 
     num_blocks: int
     max_model_len: int
+    # How the model's layers share the pool's pages (core/kv_groups.py); one full group: a block
+    # holds every layer.
+    kv_groups: KVGroups = field(default_factory=KVGroups.single)
 
     def __post_init__(self) -> None:
         for name in UNSIZED:
@@ -152,4 +167,11 @@ class ResolvedSchedulerConfig(SchedulerConfig):
 
     @property
     def kv_capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """The longest prompt the pool holds: a prompt's one step writes every group's pages."""
+        return self.num_blocks // self.kv_groups.num_groups * self.block_size
+
+    @property
+    def kv_context_tokens(self) -> int | None:
+        """The longest sequence the pool holds on its own (None: no length is too long: every
+        layer attends over a window)."""
+        return self.kv_groups.max_context_tokens(self.num_blocks, self.block_size, self.chunk_tokens)
