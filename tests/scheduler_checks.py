@@ -75,7 +75,7 @@ def check_block_manager(bm: BlockManager, held: list[list[int]] = ()) -> None:
             assert len(table) == len(seq.block_table), f"{seq.request_id}: group {g}'s table is out of step"
             live = [b for b in table if b != NULL_BLOCK]
             assert table[len(table) - len(live) :] == live, f"{seq.request_id}: a freed entry after a live one"
-            assert not live or bm.groups.windows[g] is not None or len(live) == len(table), "a full group lost a block"
+            assert not live or bm.group_windows[g] is not None or len(live) == len(table), "a full group lost a block"
             assert len(set(live)) == len(live), f"{seq.request_id}: block twice in a table"
             unpublished = [b for b in table[seq.prefix.num_committed :] if b != NULL_BLOCK]
             assert all(bm._block_hash[b] is None for b in unpublished), (

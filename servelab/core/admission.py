@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from operator import itemgetter
 
 from servelab.core.block_manager import BlockManager
-from servelab.core.kv_groups import KVGroups
+from servelab.core.kv_groups import FULL, pages_for
 from servelab.core.config import ResolvedSchedulerConfig
 from servelab.core.sequence import Sequence, SequenceStatus
 from servelab.errors import InvalidArgument, QueueFull, RequestTooLong
@@ -48,7 +48,7 @@ def check_new(seq: Sequence, cfg: ResolvedSchedulerConfig) -> None:
         raise RequestTooLong(
             f"request {rid!r}: prompt of {num_prompt} tokens can never fit the KV cache pool of "
             f"{cfg.kv_capacity_tokens} tokens ({cfg.num_blocks} blocks x {cfg.block_size}"
-            f"{_groups_note(cfg.kv_groups.num_groups)})",
+            f"{_groups_note(len(cfg.kv_group_windows))})",
             param="prompt",
         )
     if cfg.policy == "decode-first-whole" and num_prompt > cfg.max_num_batched_tokens:
@@ -193,11 +193,15 @@ class KVReservation:
     __slots__ = ("_block_size", "_booked", "_chunk", "_clip", "_decay", "_groups", "_init", "_min", "ratio")
 
     def __init__(
-        self, admission: str, block_size: int, groups: KVGroups | None = None, chunk_tokens: int | None = None
+        self,
+        admission: str,
+        block_size: int,
+        group_windows: tuple[int | None, ...] = FULL,
+        chunk_tokens: int | None = None,
     ) -> None:
         self._block_size = block_size
-        # a model with several KV groups books pages: a windowed group's are bounded by its window
-        self._groups = groups if groups is not None and groups.num_groups > 1 else None
+        # a windowed model books pages: a windowed group's are bounded by its window
+        self._groups = None if group_windows == FULL else group_windows
         self._chunk = chunk_tokens
         self._booked = 0  # blocks booked by running (and reserved) sequences, all of them
         if admission == "no-evict":
@@ -226,7 +230,7 @@ class KVReservation:
             rest = self._clip
         num_tokens = max(known, known + rest - 1)
         if self._groups is not None:
-            return self._groups.pages_for(num_tokens, self._block_size, self._chunk or num_tokens)
+            return pages_for(self._groups, num_tokens, self._block_size, self._chunk or num_tokens)
         return -(-num_tokens // self._block_size)
 
     def admits(self, booking: int, block_manager: BlockManager) -> bool:

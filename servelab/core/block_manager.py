@@ -18,7 +18,7 @@ allocation evicts ~64 blocks from the front runs with slices and one map() over 
 free appends one run, instead of an OrderedDict operation per block; the simulator runs millions
 of blocks through here. A prefix hit on a cached free block takes it out of its run.
 
-KV groups (core/kv_groups.py): a model with sliding-window layers may split its layers into
+KV groups (spec/kv_groups.py): a model with sliding-window layers may split its layers into
 groups, each with its own block table per sequence (group 0's is `seq.block_table`, the others'
 `seq.group_tables`), all drawing pages from this one pool. A windowed group's entries that fall
 out of the window become NULL_BLOCK and their pages go back to the pool, published ones to the
@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import deque
 from operator import itemgetter
 
-from servelab.core.kv_groups import KVGroups
+from servelab.core.kv_groups import FULL
 from servelab.core.sequence import Sequence
 
 # Parent "hash" of a sequence's first block. Any fixed int works; it only has to be shared.
@@ -61,16 +61,16 @@ class BlockManager:
         num_blocks: int,
         block_size: int = 16,
         enable_prefix_caching: bool = True,
-        groups: KVGroups | None = None,
+        group_windows: tuple[int | None, ...] = FULL,
     ) -> None:
         # sizes >= 1: the scheduler's config checked them when it was made (SchedulerConfig.validate)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
-        self.groups = groups or KVGroups.single()
-        self.num_groups = self.groups.num_groups
+        self.group_windows = group_windows  # each KV group's window (None: full attention), full ones first
+        self.num_groups = len(group_windows)
         # (group, window) of each windowed group: the ones free_out_of_window visits
-        self.windowed = [(g, w) for g, w in enumerate(self.groups.windows) if w is not None]
+        self.windowed = [(g, w) for g, w in enumerate(group_windows) if w is not None]
 
         self._ref_counts: list[int] = [0] * num_blocks
         # Published blocks, both ways: block -> hash (None: unpublished) and hash -> block. The
@@ -176,14 +176,14 @@ class BlockManager:
         found = [list(map(lookup, hashes if g == 0 else [hash((h, g)) for h in hashes]))
                  for g in range(self.num_groups)]  # fmt: skip
         n = len(hashes)
-        for g, window in enumerate(self.groups.windows):
+        for g, window in enumerate(self.group_windows):
             if window is None and None in found[g][:n]:
                 n = found[g].index(None)
         bs = self.block_size
         while n and any(None in found[g][self._first_needed(w, n * bs) : n] for g, w in self.windowed):
             n -= 1
         hits: list[list[int]] = []
-        for g, window in enumerate(self.groups.windows):
+        for g, window in enumerate(self.group_windows):
             first = self._first_needed(window, n * bs)
             hits.append([NULL_BLOCK] * first + found[g][first:n])  # type: ignore[operator]  # no None left in [first, n)
         return hits

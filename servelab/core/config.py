@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from servelab.core.kv_groups import KVGroups
+from servelab.core.kv_groups import FULL, max_context_tokens
 from servelab.errors import InvalidArgument
 
 POLICIES = ("chunked", "prefill-first", "prefill-first-chunked", "decode-first-whole")
@@ -119,20 +119,24 @@ class SchedulerConfig:
             raise InvalidArgument(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}", param="order")
 
     def resolve(
-        self, *, num_blocks: int | None = None, max_model_len: int | None = None, kv_groups: KVGroups | None = None
+        self,
+        *,
+        num_blocks: int | None = None,
+        max_model_len: int | None = None,
+        kv_group_windows: tuple[int | None, ...] | None = None,
     ) -> ResolvedSchedulerConfig:
         """This config with the pool size and context limit the owner derived (by default the ones
-        already set), and the model's KV groups, as the type a Scheduler runs on. InvalidArgument
-        names one still unset."""
-        if isinstance(self, ResolvedSchedulerConfig) and num_blocks is max_model_len is kv_groups is None:
+        already set), and the windows of the model's KV groups, as the type a Scheduler runs on.
+        InvalidArgument names one still unset."""
+        if isinstance(self, ResolvedSchedulerConfig) and num_blocks is max_model_len is kv_group_windows is None:
             return self
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         if num_blocks is not None:
             values["num_blocks"] = num_blocks
         if max_model_len is not None:
             values["max_model_len"] = max_model_len
-        if kv_groups is not None:
-            values["kv_groups"] = kv_groups
+        if kv_group_windows is not None:
+            values["kv_group_windows"] = kv_group_windows
         return ResolvedSchedulerConfig(**values)
 
     @property
@@ -152,9 +156,9 @@ class ResolvedSchedulerConfig(SchedulerConfig):
 
     num_blocks: int
     max_model_len: int
-    # How the model's layers share the pool's pages (core/kv_groups.py); one full group: a block
-    # holds every layer.
-    kv_groups: KVGroups = field(default_factory=KVGroups.single)
+    # The window of each KV group the model's layers share the pool's pages in (spec/kv_groups.py;
+    # None: full attention); one full group: a block holds every layer.
+    kv_group_windows: tuple[int | None, ...] = FULL
 
     def __post_init__(self) -> None:
         for name in UNSIZED:
@@ -168,10 +172,10 @@ class ResolvedSchedulerConfig(SchedulerConfig):
     @property
     def kv_capacity_tokens(self) -> int:
         """The longest prompt the pool holds: a prompt's one step writes every group's pages."""
-        return self.num_blocks // self.kv_groups.num_groups * self.block_size
+        return self.num_blocks // len(self.kv_group_windows) * self.block_size
 
     @property
     def kv_context_tokens(self) -> int | None:
         """The longest sequence the pool holds on its own (None: no length is too long: every
         layer attends over a window)."""
-        return self.kv_groups.max_context_tokens(self.num_blocks, self.block_size, self.chunk_tokens)
+        return max_context_tokens(self.kv_group_windows, self.num_blocks, self.block_size, self.chunk_tokens)

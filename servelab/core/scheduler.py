@@ -50,14 +50,14 @@ class Scheduler(PrefilledSequences, VerifiedDecodes):
     def __init__(self, config: SchedulerConfig, *, keep_finished: int = 1024) -> None:
         self.config = config = config.resolve()  # InvalidArgument while the pool or context is unsized
         self.block_manager = BlockManager(
-            config.num_blocks, config.block_size, config.enable_prefix_caching, config.kv_groups
+            config.num_blocks, config.block_size, config.enable_prefix_caching, config.kv_group_windows
         )
         self._frees_window = bool(self.block_manager.windowed)
         self._mixed = config.policy in ("chunked", "decode-first-whole")  # decodes and prompts share a step
         self._whole = config.policy in ("prefill-first", "decode-first-whole")  # prompts never chunked
         self._partial: Sequence | None = None  # prefill-first-chunked: the prompt part-way through
         self._reservation = (
-            KVReservation(config.admission, config.block_size, config.kv_groups, config.chunk_tokens)
+            KVReservation(config.admission, config.block_size, config.kv_group_windows, config.chunk_tokens)
             if config.admission != "recompute"
             else None
         )

@@ -1,5 +1,5 @@
-"""KV groups (core/kv_groups.py): sliding-window layers free the pages that leave the window, and
-the prefix cache stays correct when windowed and full layers share the pool."""
+"""KV groups (spec/kv_groups.py, core/kv_groups.py): sliding-window layers free the pages that
+leave the window, and the prefix cache stays correct when windowed and full layers share the pool."""
 
 from __future__ import annotations
 
@@ -9,16 +9,17 @@ from hypothesis import strategies as st
 
 from servelab.core.block_manager import NULL_BLOCK, BlockManager
 from servelab.core.config import ADMISSIONS, POLICIES, SchedulerConfig
-from servelab.core.kv_groups import KVGroups
+from servelab.core.kv_groups import max_context_tokens, pages_for
 from servelab.core.scheduler import Scheduler
 from servelab.core.sequence import SamplingParams, Sequence
+from servelab.spec.kv_groups import KVGroups
 from tests.driver import run_to_completion
 from tests.fake_executor import FakeExecutor
 from tests.scheduler_checks import check_block_manager, check_invariants
 
-GEMMA2 = KVGroups.from_layer_windows([8, None] * 3)  # alternating local and global layers
-GEMMA3 = KVGroups.from_layer_windows([8, 8, 8, 8, 8, None] * 2)  # five local, then one global
-MISTRAL = KVGroups.from_layer_windows([8] * 4)  # every layer windowed: one group
+GEMMA2 = (None, 8)  # alternating local and global layers: a full group and a windowed one
+GEMMA3 = (None, 8, 8, 8, 8, 8)  # five local layers, then one global
+MISTRAL = (8,)  # every layer windowed: one group
 
 
 def seq(rid: str, prompt: list[int], max_tokens: int, arrival_s: float = 0.0) -> Sequence:
@@ -30,17 +31,19 @@ def live(table: list[int]) -> list[int]:
 
 
 def test_layers_are_grouped_by_window_in_groups_of_the_rarest_kinds_count():
-    assert GEMMA2.windows == (None, 8) and GEMMA2.slots_per_page == 3
-    assert GEMMA2.layer_group == (1, 0, 1, 0, 1, 0) and GEMMA2.layer_slot == (0, 0, 1, 1, 2, 2)
+    gemma2 = KVGroups.from_layer_windows([8, None] * 3)
+    assert gemma2.windows == GEMMA2 and gemma2.slots_per_page == 3
+    assert gemma2.layer_group == (1, 0, 1, 0, 1, 0) and gemma2.layer_slot == (0, 0, 1, 1, 2, 2)
     # 10 local layers in groups of 2 (the 2 global layers' count): 5 windowed groups, no padding
-    assert GEMMA3.windows == (None, 8, 8, 8, 8, 8) and GEMMA3.slots_per_page == 2
-    assert GEMMA3.layer_group[5] == GEMMA3.layer_group[11] == 0
+    gemma3 = KVGroups.from_layer_windows([8, 8, 8, 8, 8, None] * 2)
+    assert gemma3.windows == GEMMA3 and gemma3.slots_per_page == 2
+    assert gemma3.layer_group[5] == gemma3.layer_group[11] == 0
     # 26 layers, global every 6th (Gemma 3 1B): 22 local layers in 6 groups of 4, the last padded
     g3_1b = KVGroups.from_layer_windows([None if (i + 1) % 6 == 0 else 512 for i in range(26)])
     assert g3_1b.num_groups == 7 and g3_1b.slots_per_page == 4
     assert max(g3_1b.layer_slot) == 3 and g3_1b.layer_group.count(6) == 2
     # one kind of layer: one group of every layer, as a cache without groups lays them out
-    for one in (MISTRAL, KVGroups.single(5)):
+    for one in (KVGroups.from_layer_windows([8] * 4), KVGroups.from_layer_windows([None] * 5)):
         assert one.num_groups == 1 and one.slots_per_page == len(one.layer_slot)
         assert one.layer_slot == tuple(range(len(one.layer_slot)))
 
@@ -48,20 +51,20 @@ def test_layers_are_grouped_by_window_in_groups_of_the_rarest_kinds_count():
 def test_capacity_counts_a_windowed_groups_pages_up_to_its_window():
     bs = 4
     # a decode holds every full block and ceil(8 / 4) + 1 = 3 windowed ones
-    assert GEMMA2.pages_for(400, bs) == 100 + 3
-    assert GEMMA2.pages_for(8, bs) == 2 + 2  # shorter than the window: every block
+    assert pages_for(GEMMA2, 400, bs) == 100 + 3
+    assert pages_for(GEMMA2, 8, bs) == 2 + 2  # shorter than the window: every block
     # a step writing a 16-token chunk reads the 7 positions before it too: 23 span up to 7 blocks
-    assert GEMMA2.pages_for(400, bs, chunk_tokens=16) == 100 + 7
+    assert pages_for(GEMMA2, 400, bs, chunk_tokens=16) == 100 + 7
     # the longest lone sequence: 200 pages hold 197 full blocks beside 3 windowed ones
-    assert GEMMA2.max_context_tokens(200, bs, 1) == 197 * bs
-    assert GEMMA2.max_context_tokens(200, bs, None) == 100 * bs  # a whole context in one step: both groups
-    assert MISTRAL.max_context_tokens(10, bs, 16) is None  # every layer windowed: no length too long
-    assert KVGroups.single(4).max_context_tokens(200, bs, 16) == 800  # a plain model: the pool
+    assert max_context_tokens(GEMMA2, 200, bs, 1) == 197 * bs
+    assert max_context_tokens(GEMMA2, 200, bs, None) == 100 * bs  # a whole context in one step: both groups
+    assert max_context_tokens(MISTRAL, 10, bs, 16) is None  # every layer windowed: no length too long
+    assert max_context_tokens((None,), 200, bs, 16) == 800  # a plain model: the pool
 
 
 def test_a_long_decode_holds_at_most_the_windows_pages_and_publishes_what_it_frees():
     bs, window = 4, 8
-    bm = BlockManager(64, bs, groups=GEMMA2)
+    bm = BlockManager(64, bs, group_windows=GEMMA2)
     s = seq("a", list(range(10)), 200)
     assert bm.allocate(s, [], 10)
     s.num_computed_tokens = 10
@@ -86,7 +89,7 @@ def test_a_long_decode_holds_at_most_the_windows_pages_and_publishes_what_it_fre
 
 def test_a_shared_prefix_hits_in_every_group_though_its_windowed_pages_left_the_window():
     bs = 4
-    bm = BlockManager(64, bs, groups=GEMMA2)
+    bm = BlockManager(64, bs, group_windows=GEMMA2)
     prompt = list(range(40))
     a = seq("a", prompt + [7], 1)
     assert bm.allocate(a, bm.find_cached_prefix(a), 41)
@@ -106,7 +109,7 @@ def test_a_shared_prefix_hits_in_every_group_though_its_windowed_pages_left_the_
 
 def test_a_prefix_whose_windowed_pages_were_evicted_hits_only_as_far_as_the_window_allows():
     bs = 4
-    bm = BlockManager(24, bs, groups=GEMMA2)
+    bm = BlockManager(24, bs, group_windows=GEMMA2)
     a = seq("a", list(range(40)) + [7], 1)
     assert bm.allocate(a, [], 41)
     a.num_computed_tokens = 41
@@ -132,7 +135,7 @@ def test_a_prefix_whose_windowed_pages_were_evicted_hits_only_as_far_as_the_wind
 
 def test_without_a_full_group_a_hit_needs_only_the_windows_blocks():
     bs = 4
-    bm = BlockManager(32, bs, groups=MISTRAL)
+    bm = BlockManager(32, bs, group_windows=MISTRAL)
     a = seq("a", list(range(40)) + [7], 1)
     assert bm.allocate(a, [], 41)
     a.num_computed_tokens = 41
@@ -151,7 +154,7 @@ def test_without_a_full_group_a_hit_needs_only_the_windows_blocks():
 
 
 def test_speculative_trim_gives_back_every_groups_tail():
-    bm = BlockManager(32, 4, groups=GEMMA2)
+    bm = BlockManager(32, 4, group_windows=GEMMA2)
     s = seq("a", list(range(10)), 10)
     assert bm.allocate(s, [], 10)
     assert bm.append_slots(s, 18)  # room for drafts
@@ -166,15 +169,16 @@ def test_a_windowed_models_pool_runs_more_long_sequences_at_once():
     12 + 180 tokens: 48 blocks each of every layer overflow 200 blocks, and preempt; 48 full pages
     and 3 windowed ones each fit 400 pages, and none is preempted."""
 
-    def preemptions(groups: KVGroups, num_blocks: int) -> int:
-        cfg = SchedulerConfig(num_blocks=num_blocks, block_size=4, max_model_len=512).resolve(kv_groups=groups)
-        s = Scheduler(cfg)
+    def preemptions(windows: tuple[int | None, ...], num_blocks: int) -> int:
+        s = Scheduler(
+            SchedulerConfig(num_blocks=num_blocks, block_size=4, max_model_len=512).resolve(kv_group_windows=windows)
+        )
         seqs = [seq(f"r{i}", [100 * i + j for j in range(12)], 180) for i in range(7)]
         done = run_to_completion(s, FakeExecutor(), seqs, on_step=lambda *_: check_invariants(s), max_steps=50_000)
         assert len(done) == 7 and s.block_manager.num_used_blocks == 0
         return s.num_preemptions
 
-    assert preemptions(KVGroups.single(), 200) > 0
+    assert preemptions((None,), 200) > 0
     assert preemptions(GEMMA2, 400) == 0
 
 
@@ -198,7 +202,7 @@ def test_windowed_groups_leak_nothing_across_preemption_prefix_hits_and_aborts(
     cfg = SchedulerConfig(
         num_blocks=num_blocks, block_size=bs, max_model_len=100, policy=policy, admission=admission,
         max_num_batched_tokens=budget, max_num_seqs=8,
-    ).resolve(kv_groups=groups)  # fmt: skip
+    ).resolve(kv_group_windows=groups)  # fmt: skip
     s = Scheduler(cfg)
     shared = list(range(30))  # a prefix half the requests share: prefix hits
     seqs = [
@@ -239,7 +243,7 @@ def test_windowed_groups_leak_nothing_across_preemption_prefix_hits_and_aborts(
 def test_a_prompt_longer_than_every_groups_share_of_the_pool_is_refused_by_name():
     from servelab.errors import RequestTooLong
 
-    cfg = SchedulerConfig(num_blocks=20, block_size=4, max_model_len=400).resolve(kv_groups=GEMMA2)
+    cfg = SchedulerConfig(num_blocks=20, block_size=4, max_model_len=400).resolve(kv_group_windows=GEMMA2)
     s = Scheduler(cfg)
     assert cfg.kv_capacity_tokens == 40
     with pytest.raises(RequestTooLong, match="pool of 40 tokens .20 blocks x 4, shared by 2 KV groups"):
