@@ -21,7 +21,7 @@ from servelab.cluster.channel import ClusterFailed, Link, PeerLost, Rendezvous, 
 from servelab.cluster.disagg_worker import disagg_loop
 from servelab.cluster.worker_loop import WorkerLoop
 from servelab.engine.grammar_workers import GrammarWorkers
-from servelab.errors import ServelabError
+from servelab.errors import InvalidArgument, ServelabError
 
 if TYPE_CHECKING:
     from servelab.engine.llm_engine import LLMEngine
@@ -145,7 +145,10 @@ def _build(config: m.WorkerConfig, rank: int, link: Link) -> LLMEngine | None:
     if config.threads:
         torch.set_num_threads(config.threads)
     try:
-        return LLMEngine.from_args(config.engine_args)
+        engine = LLMEngine.from_args(config.engine_args)
+        if config.disagg is not None:
+            _check_transferable(engine)
+        return engine
     except Exception as exc:
         if isinstance(exc, ServelabError):  # a bad model or flag: its message says it all
             logger.error("servelab worker %d: the engine did not start: %s", rank, exc.message)
@@ -153,6 +156,19 @@ def _build(config: m.WorkerConfig, rank: int, link: Link) -> LLMEngine | None:
             logger.exception("servelab worker %d: the engine did not start", rank)
         link.send(m.WorkerFailed(rank, m.WireError.of(exc)))
         return None
+
+
+def _check_transferable(engine: LLMEngine) -> None:
+    """A disaggregated worker sends and receives a prefill's KV as whole blocks of one table;
+    sliding-window layers free their blocks out of the window, and may keep a table per KV group."""
+    windows = engine.core.config.kv_group_windows
+    if any(w is not None for w in windows):
+        engine.close()
+        raise InvalidArgument(
+            f"disaggregated prefill/decode does not support sliding-window layers (window {max(w or 0 for w in windows)}): "
+            f"their KV blocks are freed as they leave the window; serve this model without --disagg",
+            param="model",
+        )
 
 
 def _kv_dtype(engine: LLMEngine) -> str:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from servelab.core.config import SchedulerConfig
+from servelab.core.kv_groups import max_context_tokens
 from servelab.core.sequence import FinishReason, PoolingParams, SamplingParams, Sequence
 from servelab.engine.args import (
     DEFAULT_KV_CACHE_MEMORY_BYTES,
@@ -34,6 +35,7 @@ from servelab.engine.output_processor import OutputProcessor, failed_output
 from servelab.engine.speculative import Proposers
 from servelab.engine.outputs import EngineOutput, EngineStats
 from servelab.errors import InvalidArgument
+from servelab.spec.kv_groups import KVGroups
 
 if TYPE_CHECKING:
     from servelab.core.config import ResolvedSchedulerConfig
@@ -203,8 +205,11 @@ class LLMEngine:
                     f"(one block of {knobs.block_size} tokens needs {block_bytes} bytes)",
                     param="kv_cache_memory_bytes",
                 )
-        capacity_tokens = num_blocks * knobs.block_size
-        if capacity_tokens < max_model_len:
+        groups = KVGroups.of_model(model.config)
+        # a windowed layer holds only its window: the longest sequence grows with the pool's share
+        # of full-attention layers (None: every layer windowed, no length too long)
+        capacity_tokens = max_context_tokens(groups.windows, num_blocks, knobs.block_size, knobs.chunk_tokens)
+        if capacity_tokens is not None and capacity_tokens < max_model_len:
             if knobs.max_model_len is not None:
                 raise InvalidArgument(
                     f"max_model_len={max_model_len} does not fit the KV cache of {num_blocks} blocks x "
@@ -231,7 +236,9 @@ class LLMEngine:
             model.group.broadcast((num_blocks, knobs.block_size, kv_dtype, args.kv_cache_prefault))  # their pools
         processors = LogitsProcessors(tokenizer, model.vocab_size)
         executor = ModelExecutor(model, kv_cache, sampler=Sampler(args.seed, processors))
-        scheduler_config = knobs.resolve(num_blocks=num_blocks, max_model_len=max_model_len)
+        scheduler_config = knobs.resolve(
+            num_blocks=num_blocks, max_model_len=max_model_len, kv_group_windows=groups.windows
+        )
         name = args.served_model_name or loaded.name
         engine = cls(executor, tokenizer, scheduler_config, name, processors)
         engine.model_spec = spec
