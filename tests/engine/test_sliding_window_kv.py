@@ -148,3 +148,22 @@ def test_tensor_parallel_2_frees_the_window_like_one_rank(tmp_path):
         _check(hf.eval(), IDS[:20], seq.output_token_ids, logprobs)
     finally:
         engine.close()
+
+
+def test_predicted_outputs_roll_back_every_groups_pages(family):
+    """A prediction (speculative drafts) half right: the rejected drafts' pages go back from every
+    group's table, and the tokens and logprobs are transformers' own."""
+    _, path, hf = family
+    engine = _engine(path)
+    prompt = IDS[:20]
+    expected = _hf_greedy(hf, prompt, 40)
+    prediction = expected[:10] + [3] * 10 + expected[20:]
+    params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, logprobs=5, prediction=prediction)
+    seq = engine.add_request("p", prompt, params)
+    logprobs: list[list[tuple[int, float]]] = []
+    while engine.has_unfinished():
+        for out in engine.step():
+            logprobs += [lp.top for lp in out.logprobs or ()]
+    assert seq.num_accepted_draft_tokens >= 10
+    _check(hf, prompt, seq.output_token_ids, logprobs)
+    assert engine.core.scheduler.block_manager.num_used_blocks == 0
