@@ -231,7 +231,8 @@ class BlockManager:
         table = seq.block_table
         table.extend(cached_blocks)
         table.extend(self._take_free_blocks(num_fresh))
-        seq.group_tables = [group_hits + self._take_free_blocks(num_fresh) for group_hits in hits[1:]]
+        if len(hits) > 1:
+            seq.group_tables = [group_hits + self._take_free_blocks(num_fresh) for group_hits in hits[1:]]
         seq.prefix.num_committed = len(cached_blocks)
         self._owners[seq.request_id] = seq
         if self.enable_prefix_caching:
@@ -417,9 +418,10 @@ class BlockManager:
                 raise RuntimeError(f"sequence {seq.request_id!r} holds blocks this manager did not give")
             return
         self._free_table(seq.block_table)
-        for table in seq.group_tables:
-            self._free_table(table)
-        seq.group_tables = []
+        if seq.group_tables:
+            for table in seq.group_tables:
+                self._free_table(table)
+            seq.group_tables = []
         seq.prefix.num_committed = 0
 
     def _free_table(self, table: list[int]) -> None:
