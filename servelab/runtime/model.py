@@ -156,6 +156,7 @@ class LlamaModel:
         self.scale = config.softmax_scale
         self.windows = [config.layer_window(i) for i in range(config.num_layers)]
         self.layer_group = KVGroups.of_model(config).layer_group  # each layer's attention metadata in meta.by_group
+        self.num_kv_groups = max(self.layer_group) + 1
         # HF multiplies by sqrt(hidden) rounded to the compute dtype
         self.embed_scale = (
             torch.tensor(config.hidden_size**0.5, dtype=self.dtype).item() if config.gemma_block else None
@@ -176,7 +177,7 @@ class LlamaModel:
         # sliding window (forward skips it on the steps where a window cuts a decode's context)
         cfg = self.config
         # nor a block table per KV group
-        if not (cfg.qk_norm or cfg.clip_qkv is not None or cfg.is_moe or cfg.gemma_block or max(self.layer_group)):
+        if not (cfg.qk_norm or cfg.clip_qkv is not None or cfg.is_moe or cfg.gemma_block or self.num_kv_groups > 1):
             self.decode_stack = ops.decode_stack(
                 self.config, self.layers, self.scale, self.embed, self.final_norm, self.lm_head
             )
@@ -331,7 +332,7 @@ class LlamaModel:
         act = ops.gelu_tanh_mul if cfg.gemma_block else ops.silu_mul
         softcap = cfg.attn_logit_softcap
         metas = meta.by_group
-        if metas is None and layers and self.layer_group[-1] != self.layer_group[0]:
+        if metas is None and layers and self.num_kv_groups > 1:
             raise ValueError("this model keeps a block table per KV group: its metadata needs by_group")
         for layer, kc, vc, window, group in zip(layers, k_cache, v_cache, self.windows, self.layer_group):
             lmeta = meta if metas is None or group == 0 else metas[group]

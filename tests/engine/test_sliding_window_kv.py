@@ -167,3 +167,12 @@ def test_predicted_outputs_roll_back_every_groups_pages(family):
     assert seq.num_accepted_draft_tokens >= 10
     _check(hf, prompt, seq.output_token_ids, logprobs)
     assert engine.core.scheduler.block_manager.num_used_blocks == 0
+
+
+def test_a_disaggregated_worker_refuses_a_windowed_model_by_name(tmp_path):
+    from servelab.cluster.worker import _check_transferable
+    from servelab.errors import InvalidArgument
+
+    engine = _engine(_write(tmp_path, "gemma2"))
+    with pytest.raises(InvalidArgument, match="disaggregated prefill/decode does not support sliding-window layers"):
+        _check_transferable(engine)
