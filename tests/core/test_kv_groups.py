@@ -216,6 +216,8 @@ def test_windowed_groups_leak_nothing_across_preemption_prefix_hits_and_aborts(
         nonlocal steps
         steps += 1
         check_invariants(s)
+        if admission == "no-evict":  # bookings in pages, a windowed group's bounded by its window
+            assert not plan.preempted
         chunk = max((e.num_tokens for e in plan.scheduled), default=1)
         for q in s.running:
             for g, w in s.block_manager.windowed:
