@@ -194,9 +194,11 @@ class LLMEngine:
                 param="max_model_len",
             )
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
-        block_bytes = PagedKVCache.bytes_per_block(model.config, knobs.block_size, kv_dtype)  # this rank's heads
-        if knobs.num_blocks is not None:
-            num_blocks = knobs.num_blocks
+        # a page: one KV group's layers (all of them for a plain model), this rank's heads
+        block_bytes = PagedKVCache.bytes_per_block(model.config, knobs.block_size, kv_dtype)
+        groups = KVGroups.of_model(model.config)
+        if knobs.num_blocks is not None:  # blocks of every layer: a windowed model gets the pages of that memory
+            num_blocks = groups.pages_in(knobs.num_blocks)
         else:
             num_blocks = (args.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES) // block_bytes
             if num_blocks < 1:
@@ -205,7 +207,6 @@ class LLMEngine:
                     f"(one block of {knobs.block_size} tokens needs {block_bytes} bytes)",
                     param="kv_cache_memory_bytes",
                 )
-        groups = KVGroups.of_model(model.config)
         # a windowed layer holds only its window: the longest sequence grows with the pool's share
         # of full-attention layers (None: every layer windowed, no length too long)
         capacity_tokens = max_context_tokens(groups.windows, num_blocks, knobs.block_size, knobs.chunk_tokens)

@@ -177,7 +177,8 @@ class ModelExecutor:
         """seq's block table of KV group `group`, freed entries (NULL_BLOCK) read as block 0."""
         table = seq.block_table if group == 0 else seq.group_tables[group - 1]
         if self._windowed and table and table[0] == NULL_BLOCK:
-            return [0] * table.count(NULL_BLOCK) + table[table.count(NULL_BLOCK) :]
+            freed = table.count(NULL_BLOCK)  # they lead the table
+            return [0] * freed + table[freed:]
         return table
 
     def _group_metadata(

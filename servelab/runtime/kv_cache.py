@@ -98,15 +98,6 @@ class PagedKVCache:
         self.k_layers[layer].index_copy_(1, slots, kv[0])
         self.v_layers[layer].index_copy_(1, slots, kv[1])
 
-    def check_one_group(self) -> None:
-        """Whole-block transfer (export_block and the layer pieces) moves one block table's
-        blocks: a model with several KV groups has a table per group."""
-        if self.groups.num_groups > 1:
-            raise DoesNotFit(
-                "disaggregated KV transfer moves one block table per sequence; a model whose layers mix "
-                "sliding-window and full attention keeps one per KV group, which it does not support yet"
-            )
-
     def export_block(self, block: int) -> torch.Tensor:
         """Every layer's K and V of one block, copied out: [2, layers, kv_heads, block_size, head_dim]."""
         start = block * self.block_size

@@ -290,15 +290,16 @@ def scheduler_config(config: SimConfig) -> ResolvedSchedulerConfig:
     model = config.model_spec
     groups = KVGroups.of_model(model)  # a windowed model's pages hold a group's layers (spec/kv_groups.py)
     num_blocks = config.scheduler.num_blocks
-    if num_blocks is None:
+    if num_blocks is not None:  # blocks of every layer, as the engine counts them
+        num_blocks = groups.pages_in(num_blocks)
+    else:
         plan = MemoryPlan(
             model, config.hardware_spec, config.weight_dtype, config.kv_cache_dtype, config.tp, config.memory_fraction
         )
         plan.require_weights_fit()
         # A draft model's weights and KV share the devices with the target's.
         draft = None if config.speculative is None else draft_model_spec(config.spec_config)
-        pages = kv_tokens_beside_draft(plan, draft) * model.num_layers // groups.slots_per_page
-        num_blocks = pages // config.scheduler.block_size
+        num_blocks = groups.pages_in(kv_tokens_beside_draft(plan, draft) // config.scheduler.block_size)
         if num_blocks < 1:
             raise DoesNotFit(f"{plan.describe()}: no room left for even one KV block after the weights")
     return config.scheduler.resolve(

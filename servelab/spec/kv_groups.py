@@ -59,3 +59,7 @@ class KVGroups:
     @property
     def num_groups(self) -> int:
         return len(self.windows)
+
+    def pages_in(self, num_blocks: int) -> int:
+        """Pages of `slots_per_page` layers in the memory of `num_blocks` blocks of every layer."""
+        return num_blocks * len(self.layer_slot) // self.slots_per_page
