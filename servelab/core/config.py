@@ -58,7 +58,10 @@ class SchedulerConfig:
       them in with `resolve`, which returns the `ResolvedSchedulerConfig` a `Scheduler` runs on.
     """
 
-    num_blocks: int | None = field(default=None, metadata=knob("KV blocks in the pool"))
+    num_blocks: int | None = field(
+        default=None,
+        metadata=knob("KV blocks in the pool (pages of a KV group's layers for a model with sliding-window layers)"),
+    )
     block_size: int = field(default=16, metadata=knob("tokens per KV block"))
     max_num_batched_tokens: int = field(default=2048, metadata=knob("token budget of one step"))
     max_num_seqs: int = field(default=256, metadata=knob("most sequences running at once"))

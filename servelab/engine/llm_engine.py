@@ -197,8 +197,8 @@ class LLMEngine:
         # a page: one KV group's layers (all of them for a plain model), this rank's heads
         block_bytes = PagedKVCache.bytes_per_block(model.config, knobs.block_size, kv_dtype)
         groups = KVGroups.of_model(model.config)
-        if knobs.num_blocks is not None:  # blocks of every layer: a windowed model gets the pages of that memory
-            num_blocks = groups.pages_in(knobs.num_blocks)
+        if knobs.num_blocks is not None:
+            num_blocks = knobs.num_blocks
         else:
             num_blocks = (args.kv_cache_memory_bytes or DEFAULT_KV_CACHE_MEMORY_BYTES) // block_bytes
             if num_blocks < 1:

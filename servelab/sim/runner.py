@@ -290,9 +290,7 @@ def scheduler_config(config: SimConfig) -> ResolvedSchedulerConfig:
     model = config.model_spec
     groups = KVGroups.of_model(model)  # a windowed model's pages hold a group's layers (spec/kv_groups.py)
     num_blocks = config.scheduler.num_blocks
-    if num_blocks is not None:  # blocks of every layer, as the engine counts them
-        num_blocks = groups.pages_in(num_blocks)
-    else:
+    if num_blocks is None:
         plan = MemoryPlan(
             model, config.hardware_spec, config.weight_dtype, config.kv_cache_dtype, config.tp, config.memory_fraction
         )

@@ -130,10 +130,11 @@ def test_a_gemma_pool_holds_more_pages_than_blocks_of_every_layer(family):
     engine = _engine(path)
     cfg = engine.core.config
     assert cfg.num_blocks == {"gemma2": 2, "gemma3": 6, "mistral": 1}[name] * OLD_BLOCKS
-    # num_blocks asked for explicitly counts blocks of every layer: the same memory, the same pages
+    # num_blocks asked for explicitly counts pages, as the pool and /metrics do
     scheduler = SchedulerConfig(num_blocks=OLD_BLOCKS, block_size=BLOCK_SIZE, max_num_batched_tokens=16)
     asked = LLMEngine.from_args(EngineArgs(model=str(path), dtype="float32", scheduler=scheduler))
-    assert asked.core.config.num_blocks == cfg.num_blocks
+    assert asked.core.config.num_blocks == OLD_BLOCKS
+    assert asked.executor.kv_cache.nbytes * cfg.num_blocks == engine.executor.kv_cache.nbytes * OLD_BLOCKS
     assert cfg.kv_capacity_tokens == OLD_BLOCKS * BLOCK_SIZE  # a whole prompt: every group's pages
     if name == "mistral":
         assert cfg.kv_context_tokens is None  # no length too long: every layer windowed
