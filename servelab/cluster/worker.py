@@ -14,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from servelab.cluster import messages as m
@@ -145,9 +146,10 @@ def _build(config: m.WorkerConfig, rank: int, link: Link) -> LLMEngine | None:
     if config.threads:
         torch.set_num_threads(config.threads)
     try:
-        engine = LLMEngine.from_args(config.engine_args)
-        if config.disagg is not None:
-            _check_transferable(engine)
+        if config.disagg is None:
+            return LLMEngine.from_args(config.engine_args)
+        engine = LLMEngine.from_args(replace(config.engine_args, free_window_blocks=False))
+        _check_transferable(engine)
         return engine
     except Exception as exc:
         if isinstance(exc, ServelabError):  # a bad model or flag: its message says it all
@@ -159,14 +161,15 @@ def _build(config: m.WorkerConfig, rank: int, link: Link) -> LLMEngine | None:
 
 
 def _check_transferable(engine: LLMEngine) -> None:
-    """A disaggregated worker sends and receives a prefill's KV as whole blocks of one table;
-    sliding-window layers free their blocks out of the window, and may keep a table per KV group."""
-    windows = engine.core.config.kv_group_windows
-    if any(w is not None for w in windows):
+    """A disaggregated worker sends and receives a prefill's KV as whole blocks of one table (its
+    engine keeps a window layer's blocks); a model mixing window and full layers has a table per
+    KV group."""
+    groups = len(engine.core.config.kv_group_windows)
+    if groups > 1:
         engine.close()
         raise InvalidArgument(
-            f"disaggregated prefill/decode does not support sliding-window layers (window {max(w or 0 for w in windows)}): "
-            f"their KV blocks are freed as they leave the window; serve this model without --disagg",
+            f"disaggregated prefill/decode does not support a model that mixes sliding-window and full-attention "
+            f"layers ({groups} KV groups, a block table each; transfers move one): serve it without --disagg",
             param="model",
         )
 

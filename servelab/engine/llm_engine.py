@@ -209,7 +209,8 @@ class LLMEngine:
                 )
         # a windowed layer holds only its window: the longest sequence grows with the pool's share
         # of full-attention layers (None: every layer windowed, no length too long)
-        capacity_tokens = max_context_tokens(groups.windows, num_blocks, knobs.block_size, knobs.chunk_tokens)
+        windows = groups.windows if args.free_window_blocks else (None,) * groups.num_groups
+        capacity_tokens = max_context_tokens(windows, num_blocks, knobs.block_size, knobs.chunk_tokens)
         if capacity_tokens is not None and capacity_tokens < max_model_len:
             if knobs.max_model_len is not None:
                 raise InvalidArgument(
@@ -237,9 +238,7 @@ class LLMEngine:
             model.group.broadcast((num_blocks, knobs.block_size, kv_dtype, args.kv_cache_prefault))  # their pools
         processors = LogitsProcessors(tokenizer, model.vocab_size)
         executor = ModelExecutor(model, kv_cache, sampler=Sampler(args.seed, processors))
-        scheduler_config = knobs.resolve(
-            num_blocks=num_blocks, max_model_len=max_model_len, kv_group_windows=groups.windows
-        )
+        scheduler_config = knobs.resolve(num_blocks=num_blocks, max_model_len=max_model_len, kv_group_windows=windows)
         name = args.served_model_name or loaded.name
         engine = cls(executor, tokenizer, scheduler_config, name, processors)
         engine.model_spec = spec

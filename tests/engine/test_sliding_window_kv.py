@@ -174,10 +174,19 @@ def test_predicted_outputs_roll_back_every_groups_pages(family):
     assert engine.core.scheduler.block_manager.num_used_blocks == 0
 
 
-def test_a_disaggregated_worker_refuses_a_windowed_model_by_name(tmp_path):
+def test_a_disaggregated_worker_keeps_window_blocks_and_refuses_mixed_layers_by_name(tmp_path):
+    """Its transfers move one table's whole blocks: an all-windowed model keeps every block (one
+    full group to the block manager); one that mixes window and full layers is refused."""
     from servelab.cluster.worker import _check_transferable
     from servelab.errors import InvalidArgument
 
-    engine = _engine(_write(tmp_path, "gemma2"))
-    with pytest.raises(InvalidArgument, match="disaggregated prefill/decode does not support sliding-window layers"):
-        _check_transferable(engine)
+    path = _write(tmp_path, "mistral")
+    mistral = _engine(path, free_window_blocks=False)
+    assert mistral.core.config.kv_group_windows == (None,) and not mistral.core.scheduler.block_manager.windowed
+    _check_transferable(mistral)
+    kept, _ = _run(mistral, "kept", IDS[:20], 20)
+    freed, _ = _run(_engine(path), "freed", IDS[:20], 20)
+    assert kept.output_token_ids == freed.output_token_ids
+    gemma = _engine(_write(tmp_path, "gemma2"), free_window_blocks=False)
+    with pytest.raises(InvalidArgument, match="mixes sliding-window and full-attention layers .2 KV groups"):
+        _check_transferable(gemma)
