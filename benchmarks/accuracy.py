@@ -92,13 +92,19 @@ def window_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     model = llm.engine.executor.model
     n = len(ids)
     blocks = -(-n // BLOCK)
-    kv = PagedKVCache(model.config, blocks, BLOCK, dtype=llm.engine.executor.kv_cache.dtype)
-    meta = AttentionMetadata(
-        positions=torch.arange(n), slots=torch.arange(n), num_decodes=0, block_size=BLOCK, decode_block_table=None,
-        decode_ctx_lens=None, decode_max_ctx=0, decode_ctx_slots=None, decode_mask=None, prefills=[(0, n, 0, None)],
-        logits_indices=torch.arange(n),
-    )  # fmt: skip
-    return model.forward(torch.tensor(ids), meta, kv.k_layers, kv.v_layers).float()
+    groups = model.num_kv_groups  # a windowed model's KV groups: pages of their own each
+    kv = PagedKVCache(model.config, blocks * groups, BLOCK, dtype=llm.engine.executor.kv_cache.dtype)
+    metas = [
+        AttentionMetadata(
+            positions=torch.arange(n), slots=torch.arange(n) + g * blocks * BLOCK, num_decodes=0, block_size=BLOCK,
+            decode_block_table=None, decode_ctx_lens=None, decode_max_ctx=0, decode_ctx_slots=None, decode_mask=None,
+            prefills=[(0, n, 0, None)], logits_indices=torch.arange(n),
+        )
+        for g in range(groups)
+    ]  # fmt: skip
+    if groups > 1:
+        metas[0].by_group = metas
+    return model.forward(torch.tensor(ids), metas[0], kv.k_layers, kv.v_layers).float()
 
 
 class LlamaCpp:

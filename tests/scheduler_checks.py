@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from servelab.core.block_manager import BlockManager
+from servelab.core.block_manager import NULL_BLOCK, BlockManager
 from servelab.core.scheduler import Scheduler
 from servelab.core.sequence import SequenceStatus
 from servelab.sim.implicit_decodes import ImplicitDecodeScheduler
@@ -69,11 +69,20 @@ def check_block_manager(bm: BlockManager, held: list[list[int]] = ()) -> None:
         for b in blocks:
             expected[b] += 1
     for seq in bm._owners.values():
-        assert len(set(seq.block_table)) == len(seq.block_table), f"{seq.request_id}: block twice in a table"
-        unpublished = seq.block_table[seq.prefix.num_committed :]
-        assert all(bm._block_hash[b] is None for b in unpublished), f"{seq.request_id}: uncommitted block has a hash"
-        for b in seq.block_table:
-            expected[b] += 1
+        tables = [seq.block_table, *seq.group_tables]
+        assert len(tables) == bm.num_groups, f"{seq.request_id}: {len(tables)} block tables for {bm.num_groups} groups"
+        for g, table in enumerate(tables):
+            assert len(table) == len(seq.block_table), f"{seq.request_id}: group {g}'s table is out of step"
+            live = [b for b in table if b != NULL_BLOCK]
+            assert table[len(table) - len(live) :] == live, f"{seq.request_id}: a freed entry after a live one"
+            assert not live or bm.group_windows[g] is not None or len(live) == len(table), "a full group lost a block"
+            assert len(set(live)) == len(live), f"{seq.request_id}: block twice in a table"
+            unpublished = [b for b in table[seq.prefix.num_committed :] if b != NULL_BLOCK]
+            assert all(bm._block_hash[b] is None for b in unpublished), (
+                f"{seq.request_id}: uncommitted block has a hash"
+            )
+            for b in live:
+                expected[b] += 1
     assert expected == bm._ref_counts, "reference counts differ from the block tables"
     free_uncached = set(bm._free_uncached)
     lru_blocks = [b for run in bm._lru for b in run]

@@ -203,52 +203,64 @@ def prefill_logits(model, token_ids: list[int], *, chunk: int | None = None, blo
     import torch
 
     from servelab.runtime.kv_cache import PagedKVCache
-    from servelab.runtime.model import AttentionMetadata
+    from servelab.spec.kv_groups import KVGroups
 
     T = len(token_ids)
     nb = -(-T // block_size) + 1
-    kv = PagedKVCache(model.config, nb + 3, block_size, dtype=kv_dtype or model.dtype)
-    # A scrambled block table, so a wrong slot computation cannot pass by accident.
-    table = list(range(nb + 2, 2, -1))
-    slot = lambda p: table[p // block_size] * block_size + p % block_size  # noqa: E731
+    groups = KVGroups.of_model(model.config).num_groups  # a block table per KV group, on disjoint pages
+    kv = PagedKVCache(model.config, nb * groups + 3, block_size, dtype=kv_dtype or model.dtype)
+    # Scrambled block tables, so a wrong slot computation cannot pass by accident.
+    tables = [list(range(nb * (g + 1) + 2, nb * g + 2, -1)) for g in range(groups)]
     chunk = chunk or T
     out = []
     for start in range(0, T, chunk):
         n = min(chunk, T - start)
         ids = torch.tensor(token_ids[start : start + n])
-        slots = torch.tensor([slot(p) for p in range(start, start + n)])
-        if n == 1:
-            ctx = torch.tensor([[slot(p) for p in range(start + 1)]])
-            meta = AttentionMetadata(
-                positions=torch.tensor([start]),
-                slots=slots,
-                num_decodes=1,
-                block_size=block_size,
-                decode_block_table=torch.tensor([table]),
-                decode_ctx_lens=torch.tensor([start + 1]),
-                decode_max_ctx=start + 1,
-                decode_ctx_slots=ctx,
-                decode_mask=torch.ones(1, 1, 1, start + 1, dtype=torch.bool),
-                prefills=[],
-                logits_indices=torch.tensor([0]),
-            )
-        else:
-            ctx = None if start == 0 else torch.tensor([slot(p) for p in range(start + n)])
-            meta = AttentionMetadata(
-                positions=torch.arange(start, start + n),
-                slots=slots,
-                num_decodes=0,
-                block_size=block_size,
-                decode_block_table=None,
-                decode_ctx_lens=None,
-                decode_max_ctx=0,
-                decode_ctx_slots=None,
-                decode_mask=None,
-                prefills=[(0, n, start, ctx)],
-                logits_indices=torch.arange(n),
-            )
+        metas = [_chunk_metadata(table, start, n, block_size) for table in tables]
+        meta = metas[0]
+        if groups > 1:
+            meta.by_group = metas
         out.append(model.forward(ids, meta, kv.k_layers, kv.v_layers))
     return torch.cat(out)
+
+
+def _chunk_metadata(table: list[int], start: int, n: int, block_size: int):
+    """The attention metadata of positions [start, start + n) over one block table: a decode
+    when n == 1, else a prefill chunk."""
+    import torch
+
+    from servelab.runtime.model import AttentionMetadata
+
+    slot = lambda p: table[p // block_size] * block_size + p % block_size  # noqa: E731
+    slots = torch.tensor([slot(p) for p in range(start, start + n)])
+    if n == 1:
+        return AttentionMetadata(
+            positions=torch.tensor([start]),
+            slots=slots,
+            num_decodes=1,
+            block_size=block_size,
+            decode_block_table=torch.tensor([table]),
+            decode_ctx_lens=torch.tensor([start + 1]),
+            decode_max_ctx=start + 1,
+            decode_ctx_slots=torch.tensor([[slot(p) for p in range(start + 1)]]),
+            decode_mask=torch.ones(1, 1, 1, start + 1, dtype=torch.bool),
+            prefills=[],
+            logits_indices=torch.tensor([0]),
+        )
+    ctx = None if start == 0 else torch.tensor([slot(p) for p in range(start + n)])
+    return AttentionMetadata(
+        positions=torch.arange(start, start + n),
+        slots=slots,
+        num_decodes=0,
+        block_size=block_size,
+        decode_block_table=None,
+        decode_ctx_lens=None,
+        decode_max_ctx=0,
+        decode_ctx_slots=None,
+        decode_mask=None,
+        prefills=[(0, n, start, ctx)],
+        logits_indices=torch.arange(n),
+    )
 
 
 def max_rel_diff(ours, ref) -> float:

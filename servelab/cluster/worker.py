@@ -14,6 +14,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from servelab.cluster import messages as m
@@ -21,7 +22,7 @@ from servelab.cluster.channel import ClusterFailed, Link, PeerLost, Rendezvous, 
 from servelab.cluster.disagg_worker import disagg_loop
 from servelab.cluster.worker_loop import WorkerLoop
 from servelab.engine.grammar_workers import GrammarWorkers
-from servelab.errors import ServelabError
+from servelab.errors import InvalidArgument, ServelabError
 
 if TYPE_CHECKING:
     from servelab.engine.llm_engine import LLMEngine
@@ -145,7 +146,11 @@ def _build(config: m.WorkerConfig, rank: int, link: Link) -> LLMEngine | None:
     if config.threads:
         torch.set_num_threads(config.threads)
     try:
-        return LLMEngine.from_args(config.engine_args)
+        if config.disagg is None:
+            return LLMEngine.from_args(config.engine_args)
+        engine = LLMEngine.from_args(replace(config.engine_args, free_window_blocks=False))
+        _check_transferable(engine)
+        return engine
     except Exception as exc:
         if isinstance(exc, ServelabError):  # a bad model or flag: its message says it all
             logger.error("servelab worker %d: the engine did not start: %s", rank, exc.message)
@@ -153,6 +158,20 @@ def _build(config: m.WorkerConfig, rank: int, link: Link) -> LLMEngine | None:
             logger.exception("servelab worker %d: the engine did not start", rank)
         link.send(m.WorkerFailed(rank, m.WireError.of(exc)))
         return None
+
+
+def _check_transferable(engine: LLMEngine) -> None:
+    """A disaggregated worker sends and receives a prefill's KV as whole blocks of one table (its
+    engine keeps a window layer's blocks); a model mixing window and full layers has a table per
+    KV group."""
+    groups = len(engine.core.config.kv_group_windows)
+    if groups > 1:
+        engine.close()
+        raise InvalidArgument(
+            f"disaggregated prefill/decode does not support a model that mixes sliding-window and full-attention "
+            f"layers ({groups} KV groups, a block table each; transfers move one): serve it without --disagg",
+            param="model",
+        )
 
 
 def _kv_dtype(engine: LLMEngine) -> str:

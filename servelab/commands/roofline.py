@@ -319,12 +319,13 @@ def _header(roofline: Any, context: int) -> list[str]:
 
 
 def _window_note(model: Any) -> str:
-    """Why a windowed model's KV capacity counts every layer's whole context."""
+    """Why a windowed model's batch exceeds tokens ÷ context."""
     if model.sliding_window is None:
         return ""
+    local = sum(model.layer_window(i) is not None for i in range(model.num_layers))
     return (
-        f"; the engine keeps every layer's whole context (no freeing of blocks outside the "
-        f"{model.sliding_window:,}-token window yet), though window layers attend to and read only the window"
+        f" ({local} of {model.num_layers} layers keep only their {model.sliding_window:,}-token window's KV: "
+        f"the engine frees the blocks that leave it)"
     )
 
 

@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from operator import itemgetter
 
 from servelab.core.block_manager import BlockManager
+from servelab.core.kv_groups import FULL, pages_for
 from servelab.core.config import ResolvedSchedulerConfig
 from servelab.core.sequence import Sequence, SequenceStatus
 from servelab.errors import InvalidArgument, QueueFull, RequestTooLong
@@ -46,13 +47,18 @@ def check_new(seq: Sequence, cfg: ResolvedSchedulerConfig) -> None:
     if num_prompt > cfg.kv_capacity_tokens:
         raise RequestTooLong(
             f"request {rid!r}: prompt of {num_prompt} tokens can never fit the KV cache pool of "
-            f"{cfg.kv_capacity_tokens} tokens ({cfg.num_blocks} blocks x {cfg.block_size})",
+            f"{cfg.kv_capacity_tokens} tokens ({cfg.num_blocks} blocks x {cfg.block_size}"
+            f"{_groups_note(len(cfg.kv_group_windows))})",
             param="prompt",
         )
     if cfg.policy == "decode-first-whole" and num_prompt > cfg.max_num_batched_tokens:
         raise RequestTooLong(
             whole_prompt_too_long(f"request {rid!r}", num_prompt, cfg.max_num_batched_tokens), param="prompt"
         )
+
+
+def _groups_note(num_groups: int) -> str:
+    return f", shared by {num_groups} KV groups" if num_groups > 1 else ""
 
 
 def check_prefilled(seq: Sequence, cfg: ResolvedSchedulerConfig) -> None:
@@ -184,10 +190,19 @@ class KVReservation:
       tokens. Admission is optimistic, so a decode can still run short and preempt.
     """
 
-    __slots__ = ("_block_size", "_booked", "_clip", "_decay", "_init", "_min", "ratio")
+    __slots__ = ("_block_size", "_booked", "_chunk", "_clip", "_decay", "_groups", "_init", "_min", "ratio")
 
-    def __init__(self, admission: str, block_size: int) -> None:
+    def __init__(
+        self,
+        admission: str,
+        block_size: int,
+        group_windows: tuple[int | None, ...] = FULL,
+        chunk_tokens: int | None = None,
+    ) -> None:
         self._block_size = block_size
+        # a windowed model books pages: a windowed group's are bounded by its window
+        self._groups = None if group_windows == FULL else group_windows
+        self._chunk = chunk_tokens
         self._booked = 0  # blocks booked by running (and reserved) sequences, all of them
         if admission == "no-evict":
             self._init = self._min = 1.0
@@ -213,7 +228,10 @@ class KVReservation:
         rest = length_limit - known
         if self._clip is not None and rest > self._clip:
             rest = self._clip
-        return -(-max(known, known + rest - 1) // self._block_size)
+        num_tokens = max(known, known + rest - 1)
+        if self._groups is not None:
+            return pages_for(self._groups, num_tokens, self._block_size, self._chunk or num_tokens)
+        return -(-num_tokens // self._block_size)
 
     def admits(self, booking: int, block_manager: BlockManager) -> bool:
         """Whether a sequence booking this many blocks fits beside the running ones' bookings."""

@@ -17,6 +17,14 @@ The LRU is a queue of runs: the cached blocks one `free` released, table tail fi
 allocation evicts ~64 blocks from the front runs with slices and one map() over dict.pop, and a
 free appends one run, instead of an OrderedDict operation per block; the simulator runs millions
 of blocks through here. A prefix hit on a cached free block takes it out of its run.
+
+KV groups (spec/kv_groups.py): a model with sliding-window layers may split its layers into
+groups, each with its own block table per sequence (group 0's is `seq.block_table`, the others'
+`seq.group_tables`), all drawing pages from this one pool. A windowed group's entries that fall
+out of the window become NULL_BLOCK and their pages go back to the pool, published ones to the
+LRU, so a later prefix hit may still reuse them. Group g > 0 publishes a block under
+hash((chain hash, g)); a prefix of n blocks is a hit when every full group holds all n and every
+windowed group the blocks the query at position n * block_size reads.
 """
 
 from __future__ import annotations
@@ -24,10 +32,13 @@ from __future__ import annotations
 from collections import deque
 from operator import itemgetter
 
+from servelab.core.kv_groups import FULL
 from servelab.core.sequence import Sequence
 
 # Parent "hash" of a sequence's first block. Any fixed int works; it only has to be shared.
 _ROOT_HASH = 0x5E4E1AB
+# A windowed group's table entry whose page was freed out of the window.
+NULL_BLOCK = -1
 
 
 def chain_block_hashes(token_ids: list[int], block_size: int, parent: int = _ROOT_HASH) -> list[int]:
@@ -45,11 +56,21 @@ def chain_block_hashes(token_ids: list[int], block_size: int, parent: int = _ROO
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int = 16, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        group_windows: tuple[int | None, ...] = FULL,
+    ) -> None:
         # sizes >= 1: the scheduler's config checked them when it was made (SchedulerConfig.validate)
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.group_windows = group_windows  # each KV group's window (None: full attention), full ones first
+        self.num_groups = len(group_windows)
+        # (group, window) of each windowed group: the ones free_out_of_window visits
+        self.windowed = [(g, w) for g, w in enumerate(group_windows) if w is not None]
 
         self._ref_counts: list[int] = [0] * num_blocks
         # Published blocks, both ways: block -> hash (None: unpublished) and hash -> block. The
@@ -132,6 +153,8 @@ class BlockManager:
             return []
         self._update_block_hashes(seq)
         max_blocks = (len(seq.token_ids) - 1) // self.block_size
+        if self.windowed:
+            return self._group_hits(seq.prefix.hashes[:max_blocks])[0]
         hits: list[int] = []
         lookup = self._hash_to_block
         for h in seq.prefix.hashes[:max_blocks]:
@@ -141,13 +164,48 @@ class BlockManager:
             hits.append(block)
         return hits
 
+    def _first_needed(self, window: int | None, pos: int) -> int:
+        """The first block a query at `pos` reads under `window` (None: the whole context)."""
+        return 0 if window is None else max(0, (pos - window + 1) // self.block_size)
+
+    def _group_hits(self, hashes: list[int]) -> list[list[int]]:
+        """Per group, its blocks of the longest prefix of `hashes` that every group can serve:
+        the whole prefix for a full group, the blocks the next query's window reads for a windowed
+        one (NULL_BLOCK before them). Every group's list has the same length."""
+        lookup = self._hash_to_block.get
+        found = [list(map(lookup, hashes if g == 0 else [hash((h, g)) for h in hashes]))
+                 for g in range(self.num_groups)]  # fmt: skip
+        n = len(hashes)
+        for g, window in enumerate(self.group_windows):
+            if window is None and None in found[g][:n]:
+                n = found[g].index(None)
+        bs = self.block_size
+        while n and any(None in found[g][self._first_needed(w, n * bs) : n] for g, w in self.windowed):
+            n -= 1
+        hits: list[list[int]] = []
+        for g, window in enumerate(self.group_windows):
+            first = self._first_needed(window, n * bs)
+            hits.append([NULL_BLOCK] * first + found[g][first:n])  # type: ignore[operator]  # no None left in [first, n)
+        return hits
+
+    def _hits_of_groups(self, seq: Sequence, cached_blocks: list[int]) -> list[list[int]]:
+        """Every group's share of a prefix hit whose group-0 blocks are `cached_blocks`."""
+        if self.num_groups == 1:
+            return [cached_blocks]
+        hits = self._group_hits(seq.prefix.hashes[: len(cached_blocks)])
+        if hits[0] != cached_blocks:
+            raise RuntimeError(f"sequence {seq.request_id!r}: its prefix hit changed since find_cached_prefix")
+        return hits
+
     # ---- allocation ----------------------------------------------------------------------------
 
     def can_allocate(self, seq: Sequence, cached_blocks: list[int], num_tokens: int) -> bool:
         """Whether `allocate(seq, cached_blocks, num_tokens)` would succeed."""
-        num_new = self.num_blocks_for(num_tokens) - len(cached_blocks)
+        num_new = (self.num_blocks_for(num_tokens) - len(cached_blocks)) * self.num_groups
         # A hit on a cached *free* block takes it out of the free pool too.
-        num_revived = sum(1 for b in cached_blocks if self._ref_counts[b] == 0)
+        refs = self._ref_counts
+        hits = self._hits_of_groups(seq, cached_blocks)
+        num_revived = sum(1 for table in hits for b in table if b != NULL_BLOCK and refs[b] == 0)
         return num_new + num_revived <= self.num_free_blocks
 
     def allocate(self, seq: Sequence, cached_blocks: list[int], num_tokens: int) -> bool:
@@ -159,15 +217,22 @@ class BlockManager:
         if not self.can_allocate(seq, cached_blocks, num_tokens):
             return False
         refs = self._ref_counts
+        hits = self._hits_of_groups(seq, cached_blocks)
         # Take the hits first so that the fresh allocation below cannot evict them.
-        for b in cached_blocks:
-            if refs[b] == 0:
-                self._run_of[b].remove(b)  # type: ignore[union-attr]  # out of its LRU run: a cached free block has one
-                self._num_free_cached -= 1
-            refs[b] += 1
+        for group_hits in hits:
+            for b in group_hits:
+                if b == NULL_BLOCK:
+                    continue
+                if refs[b] == 0:
+                    self._run_of[b].remove(b)  # type: ignore[union-attr]  # out of its LRU run: a cached free block has one
+                    self._num_free_cached -= 1
+                refs[b] += 1
+        num_fresh = self.num_blocks_for(num_tokens) - len(cached_blocks)
         table = seq.block_table
         table.extend(cached_blocks)
-        table.extend(self._take_free_blocks(self.num_blocks_for(num_tokens) - len(cached_blocks)))
+        table.extend(self._take_free_blocks(num_fresh))
+        if len(hits) > 1:
+            seq.group_tables = [group_hits + self._take_free_blocks(num_fresh) for group_hits in hits[1:]]
         seq.prefix.num_committed = len(cached_blocks)
         self._owners[seq.request_id] = seq
         if self.enable_prefix_caching:
@@ -182,6 +247,8 @@ class BlockManager:
         num_new = -(-num_tokens // self.block_size) - len(table)
         if num_new <= 0:
             return True
+        if self.num_groups > 1:
+            return self._append_to_groups(seq, num_new)
         if num_new > len(self._free_uncached) + self._num_free_cached:
             return False
         if num_new == 1:
@@ -209,6 +276,32 @@ class BlockManager:
         else:
             table.extend(self._take_free_blocks(num_new))
         return True
+
+    def _append_to_groups(self, seq: Sequence, num_new: int) -> bool:
+        """append_slots for a model with several KV groups: `num_new` blocks on every table."""
+        if num_new * self.num_groups > self.num_free_blocks:
+            return False
+        seq.block_table.extend(self._take_free_blocks(num_new))
+        for table in seq.group_tables:
+            table.extend(self._take_free_blocks(num_new))
+        return True
+
+    def free_out_of_window(self, seq: Sequence) -> None:
+        """Release the pages of seq's windowed groups that no query from its next position
+        (num_computed_tokens) on reads: those wholly before num_computed_tokens - window + 1.
+        Their entries become NULL_BLOCK; published pages stay in the prefix cache's LRU."""
+        pos = seq.num_computed_tokens
+        for g, window in self.windowed:
+            table = seq.block_table if g == 0 else seq.group_tables[g - 1]
+            cut = self._first_needed(window, pos)
+            if cut == 0 or cut > len(table) or table[cut - 1] == NULL_BLOCK:
+                continue  # nothing out of the window, or freed already
+            start = cut - 1
+            while start and table[start - 1] != NULL_BLOCK:
+                start -= 1
+            out = table[start:cut]
+            table[start:cut] = [NULL_BLOCK] * len(out)
+            self._append_run(self._drop_refs(out))  # oldest first: evicted first
 
     def _take_free_blocks(self, count: int) -> list[int]:
         """`count` free blocks (the caller checked there are enough): never-hashed ones first, from
@@ -281,6 +374,8 @@ class BlockManager:
         for block, h, holder in zip(new_blocks, new_hashes, holders):
             if holder == block:  # else another copy of this prefix was published first
                 block_hash[block] = h
+        if seq.group_tables:
+            self._publish_groups(seq, start, num_full)
 
     def commit_next_block(self, seq: Sequence, tokens_hash: int) -> None:
         """Publish seq's next full block, whose tokens hash to `tokens_hash` (the hash of their
@@ -298,6 +393,22 @@ class BlockManager:
         block = seq.block_table[index]
         if self._hash_to_block.setdefault(h, block) == block:
             self._block_hash[block] = h
+        if seq.group_tables:
+            self._publish_groups(seq, index, index + 1)
+
+    def _publish_groups(self, seq: Sequence, start: int, end: int) -> None:
+        """commit_computed_blocks for blocks [start, end) of groups 1..: each under
+        hash((the block's chain hash, its group))."""
+        hashes = seq.prefix.hashes
+        block_hash = self._block_hash
+        publish = self._hash_to_block.setdefault
+        for g, table in enumerate(seq.group_tables, 1):
+            for j in range(start, end):
+                block = table[j]
+                if block != NULL_BLOCK:
+                    h = hash((hashes[j], g))
+                    if publish(h, block) == block:
+                        block_hash[block] = h
 
     def free(self, seq: Sequence) -> None:
         """Release seq's blocks. Cached blocks stay reusable; the table's tail goes to the LRU
@@ -306,10 +417,20 @@ class BlockManager:
             if seq.block_table:
                 raise RuntimeError(f"sequence {seq.request_id!r} holds blocks this manager did not give")
             return
+        self._free_table(seq.block_table)
+        if seq.group_tables:
+            for table in seq.group_tables:
+                self._free_table(table)
+            seq.group_tables = []
+        seq.prefix.num_committed = 0
+
+    def _free_table(self, table: list[int]) -> None:
+        """free() for one of seq's block tables, which it empties."""
+        if table and table[0] == NULL_BLOCK:  # a windowed group's: its freed pages lead the table
+            del table[: table.count(NULL_BLOCK)]
         refs = self._ref_counts
         block_hash = self._block_hash
         free_uncached = self._free_uncached
-        table = seq.block_table
         tail_first = table[::-1]
         hashes = _gather(block_hash, tail_first)
         unpublished = hashes.count(None)
@@ -327,17 +448,16 @@ class BlockManager:
         else:
             run = self._drop_refs(tail_first)
         self._append_run(run)
-        seq.block_table.clear()
-        seq.prefix.num_committed = 0
+        table.clear()
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Give back seq's blocks past the first `num_tokens` positions (KV of rejected
         speculative tokens: never published, so they go straight to the free pool)."""
         keep = -(-num_tokens // self.block_size)
-        table = seq.block_table
-        if len(table) > keep:
-            self._append_run(self._drop_refs(table[keep:][::-1]))
-            del table[keep:]
+        for table in (seq.block_table, *seq.group_tables):
+            if len(table) > keep:  # a tail past the computed tokens: never out of a window
+                self._append_run(self._drop_refs(table[keep:][::-1]))
+                del table[keep:]
 
     def _drop_refs(self, tail_first: list[int]) -> list[int]:
         """One reference less on each block; the ones nobody holds any more go back to the free
@@ -369,6 +489,8 @@ class BlockManager:
         """One more reference on each of seq's blocks, so that they outlive seq's own free(): a
         prefill worker holds a finished prefill's KV until it has been sent. Returns the blocks,
         to give to release()."""
+        if self.windowed:  # a prefill's KV is sent as whole blocks of one table (cluster/kv_transfer.py)
+            raise RuntimeError("holding blocks for transfer needs a model without sliding-window layers")
         refs = self._ref_counts
         for block in seq.block_table:
             refs[block] += 1

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from servelab.core.kv_groups import FULL, max_context_tokens
 from servelab.errors import InvalidArgument
 
 POLICIES = ("chunked", "prefill-first", "prefill-first-chunked", "decode-first-whole")
@@ -57,7 +58,10 @@ class SchedulerConfig:
       them in with `resolve`, which returns the `ResolvedSchedulerConfig` a `Scheduler` runs on.
     """
 
-    num_blocks: int | None = field(default=None, metadata=knob("KV blocks in the pool"))
+    num_blocks: int | None = field(
+        default=None,
+        metadata=knob("KV blocks in the pool (pages of a KV group's layers for a model with sliding-window layers)"),
+    )
     block_size: int = field(default=16, metadata=knob("tokens per KV block"))
     max_num_batched_tokens: int = field(default=2048, metadata=knob("token budget of one step"))
     max_num_seqs: int = field(default=256, metadata=knob("most sequences running at once"))
@@ -117,17 +121,32 @@ class SchedulerConfig:
         if self.order not in ORDERS:
             raise InvalidArgument(f"order must be one of {', '.join(ORDERS)}, got {self.order!r}", param="order")
 
-    def resolve(self, *, num_blocks: int | None = None, max_model_len: int | None = None) -> ResolvedSchedulerConfig:
+    def resolve(
+        self,
+        *,
+        num_blocks: int | None = None,
+        max_model_len: int | None = None,
+        kv_group_windows: tuple[int | None, ...] | None = None,
+    ) -> ResolvedSchedulerConfig:
         """This config with the pool size and context limit the owner derived (by default the ones
-        already set), as the type a Scheduler runs on. InvalidArgument names one still unset."""
-        if isinstance(self, ResolvedSchedulerConfig) and num_blocks is None and max_model_len is None:
+        already set), and the windows of the model's KV groups, as the type a Scheduler runs on.
+        InvalidArgument names one still unset."""
+        if isinstance(self, ResolvedSchedulerConfig) and num_blocks is max_model_len is kv_group_windows is None:
             return self
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         if num_blocks is not None:
             values["num_blocks"] = num_blocks
         if max_model_len is not None:
             values["max_model_len"] = max_model_len
+        if kv_group_windows is not None:
+            values["kv_group_windows"] = kv_group_windows
         return ResolvedSchedulerConfig(**values)
+
+    @property
+    def chunk_tokens(self) -> int | None:
+        """The most positions one step computes of a sequence: a chunk, or None (a whole
+        context) where the policy runs whole prompts."""
+        return None if self.policy in ("prefill-first", "decode-first-whole") else self.max_num_batched_tokens
 
 
 UNSIZED = ("num_blocks", "max_model_len")  # the knobs the owner sizes: None until resolved
@@ -140,6 +159,9 @@ class ResolvedSchedulerConfig(SchedulerConfig):
 
     num_blocks: int
     max_model_len: int
+    # The window of each KV group the model's layers share the pool's pages in (spec/kv_groups.py;
+    # None: full attention); one full group: a block holds every layer.
+    kv_group_windows: tuple[int | None, ...] = FULL
 
     def __post_init__(self) -> None:
         for name in UNSIZED:
@@ -152,4 +174,11 @@ class ResolvedSchedulerConfig(SchedulerConfig):
 
     @property
     def kv_capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
+        """The longest prompt the pool holds: a prompt's one step writes every group's pages."""
+        return self.num_blocks // len(self.kv_group_windows) * self.block_size
+
+    @property
+    def kv_context_tokens(self) -> int | None:
+        """The longest sequence the pool holds on its own (None: no length is too long: every
+        layer attends over a window)."""
+        return max_context_tokens(self.kv_group_windows, self.num_blocks, self.block_size, self.chunk_tokens)

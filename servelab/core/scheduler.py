@@ -49,12 +49,17 @@ by_order = attrgetter("order_key")
 class Scheduler(PrefilledSequences, VerifiedDecodes):
     def __init__(self, config: SchedulerConfig, *, keep_finished: int = 1024) -> None:
         self.config = config = config.resolve()  # InvalidArgument while the pool or context is unsized
-        self.block_manager = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.block_manager = BlockManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching, config.kv_group_windows
+        )
+        self._frees_window = bool(self.block_manager.windowed)
         self._mixed = config.policy in ("chunked", "decode-first-whole")  # decodes and prompts share a step
         self._whole = config.policy in ("prefill-first", "decode-first-whole")  # prompts never chunked
         self._partial: Sequence | None = None  # prefill-first-chunked: the prompt part-way through
         self._reservation = (
-            KVReservation(config.admission, config.block_size) if config.admission != "recompute" else None
+            KVReservation(config.admission, config.block_size, config.kv_group_windows, config.chunk_tokens)
+            if config.admission != "recompute"
+            else None
         )
         self.waiting = WaitingQueue(config.order, config.max_waiting)
         self.running: list[Sequence] = []  # sorted by order_key: the tail is preempted first
@@ -65,7 +70,8 @@ class Scheduler(PrefilledSequences, VerifiedDecodes):
         self.num_finished = 0
         self.spec_counters = SpecDecodeCounters()
         self._num_reserved = 0  # sequences holding blocks for KV on its way (reserve_prefilled)
-        self._len_cap = min(config.max_model_len, config.kv_capacity_tokens + 1)  # see length_limit
+        context = config.kv_context_tokens  # see length_limit
+        self._len_cap = config.max_model_len if context is None else min(config.max_model_len, context + 1)
 
     # ---- introspection -------------------------------------------------------------------------
 
@@ -352,6 +358,8 @@ class Scheduler(PrefilledSequences, VerifiedDecodes):
         seq.num_computed_tokens = computed = entry.start_pos + entry.num_tokens
         if computed >= (seq.prefix.num_committed + 1) * self.config.block_size:  # a block filled: publish it
             self.block_manager.commit_computed_blocks(seq)
+        if self._frees_window:
+            self.block_manager.free_out_of_window(seq)
         if not entry.samples:
             if seq.pooling is not None and computed == seq.num_prompt_tokens:
                 self._finish_pooled(seq, now, outputs, finished)

@@ -326,6 +326,8 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache (last admission)
     block_table: list[int] = field(default_factory=list)
+    # The block tables of KV groups 1.. (spec/kv_groups.py); empty for a model with one group.
+    group_tables: list[list[int]] = field(default_factory=list, repr=False)
     # Tokens a proposer guessed for the next step (speculative decoding); the scheduler verifies
     # as many as the budgets allow, and update() clears them.
     draft_token_ids: list[int] = field(default_factory=list, repr=False)

@@ -226,6 +226,8 @@ class VerifiedDecodes:
         self.block_manager.trim(seq, len(seq.token_ids))
         if seq.num_computed_tokens >= (seq.prefix.num_committed + 1) * self.config.block_size:
             self.block_manager.commit_computed_blocks(seq)
+        if self.block_manager.windowed:
+            self.block_manager.free_out_of_window(seq)
         if reason is not None:
             self._finish(seq, reason, now)
             finished.append(seq)

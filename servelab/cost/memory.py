@@ -95,18 +95,34 @@ class MemoryPlan:
 
     @property
     def kv_capacity_tokens(self) -> int:
+        """Tokens of every layer's KV that fit: a windowed model's sequences hold more (max_batch)."""
         return int(self.kv_capacity_bytes // self.kv_bytes_per_token_per_device)
+
+    def kv_bytes_per_sequence(self, context_len: int) -> float:
+        """KV bytes one sequence of `context_len` tokens holds per device: every layer's whole
+        context, but a sliding-window layer's last `window` tokens only (the engine frees the
+        blocks that leave the window)."""
+        m = self.model
+        if m.sliding_window is None:
+            return context_len * self.kv_bytes_per_token_per_device
+        windows = [m.layer_window(i) for i in range(m.num_layers)]
+        layer_tokens = sum(context_len if w is None else min(context_len, w) for w in windows)
+        return layer_tokens * self.kv_bytes_per_token_per_device / m.num_layers
 
     def max_batch(self, context_len: int) -> int:
         """Most sequences of `context_len` tokens whose KV fits at once (0 if not even one)."""
         if context_len <= 0:
             raise InvalidArgument(f"context length must be positive, got {context_len}", param="context")
+        if self.model.sliding_window is not None:
+            return int(self.kv_capacity_bytes // self.kv_bytes_per_sequence(context_len))
         return self.kv_capacity_tokens // context_len
 
     def kv_bytes(self, batch: int, context_len: int) -> float:
-        return batch * context_len * self.kv_bytes_per_token_per_device
+        return batch * self.kv_bytes_per_sequence(context_len)
 
     def fits(self, batch: int, context_len: int) -> bool:
+        if self.model.sliding_window is not None:
+            return self.weights_fit and self.kv_bytes(batch, context_len) <= self.kv_capacity_bytes
         return self.weights_fit and batch * context_len <= self.kv_capacity_tokens
 
     def describe(self) -> str:

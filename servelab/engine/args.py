@@ -106,6 +106,10 @@ class EngineArgs:
     # True: the KV pool's memory is made resident at start (a server: flat RSS, a pool too big
     # fails at once); False: pages are touched as blocks first fill (fast start for offline use)
     kv_cache_prefault: bool = False
+    # True: a sliding-window layer's KV blocks go back to the pool as they leave the window
+    # (spec/kv_groups.py); False: every block stays for the whole context (a disaggregated worker,
+    # whose transfers move one block table's whole blocks)
+    free_window_blocks: bool = True
     # Ranks the model is split across (Megatron sharding, runtime/parallel/): each rank a process
     # on this host joined by gloo, holding its heads' KV cache; kv_cache_memory_bytes is per rank.
     tensor_parallel_size: int = field(
@@ -236,7 +240,7 @@ class EngineArgs:
             _require_type(name, getattr(self, name), str, "a string", optional=True)
         for name in ("device", "kv_cache_dtype"):
             _require_type(name, getattr(self, name), str, "a string")
-        for name in ("deterministic", "exact", "kv_cache_prefault"):
+        for name in ("deterministic", "exact", "kv_cache_prefault", "free_window_blocks"):
             _require_type(name, getattr(self, name), bool, "True or False")
         _require_int("seed", self.seed)
         _require_int("tensor_parallel_size", self.tensor_parallel_size)

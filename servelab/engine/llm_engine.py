@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from servelab.core.config import SchedulerConfig
+from servelab.core.kv_groups import max_context_tokens
 from servelab.core.sequence import FinishReason, PoolingParams, SamplingParams, Sequence
 from servelab.engine.args import (
     DEFAULT_KV_CACHE_MEMORY_BYTES,
@@ -34,6 +35,7 @@ from servelab.engine.output_processor import OutputProcessor, failed_output
 from servelab.engine.speculative import Proposers
 from servelab.engine.outputs import EngineOutput, EngineStats
 from servelab.errors import InvalidArgument
+from servelab.spec.kv_groups import KVGroups
 
 if TYPE_CHECKING:
     from servelab.core.config import ResolvedSchedulerConfig
@@ -192,7 +194,9 @@ class LLMEngine:
                 param="max_model_len",
             )
         kv_dtype = dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
-        block_bytes = PagedKVCache.bytes_per_block(model.config, knobs.block_size, kv_dtype)  # this rank's heads
+        # a page: one KV group's layers (all of them for a plain model), this rank's heads
+        block_bytes = PagedKVCache.bytes_per_block(model.config, knobs.block_size, kv_dtype)
+        groups = KVGroups.of_model(model.config)
         if knobs.num_blocks is not None:
             num_blocks = knobs.num_blocks
         else:
@@ -203,8 +207,11 @@ class LLMEngine:
                     f"(one block of {knobs.block_size} tokens needs {block_bytes} bytes)",
                     param="kv_cache_memory_bytes",
                 )
-        capacity_tokens = num_blocks * knobs.block_size
-        if capacity_tokens < max_model_len:
+        # a windowed layer holds only its window: the longest sequence grows with the pool's share
+        # of full-attention layers (None: every layer windowed, no length too long)
+        windows = groups.windows if args.free_window_blocks else (None,) * groups.num_groups
+        capacity_tokens = max_context_tokens(windows, num_blocks, knobs.block_size, knobs.chunk_tokens)
+        if capacity_tokens is not None and capacity_tokens < max_model_len:
             if knobs.max_model_len is not None:
                 raise InvalidArgument(
                     f"max_model_len={max_model_len} does not fit the KV cache of {num_blocks} blocks x "
@@ -231,7 +238,7 @@ class LLMEngine:
             model.group.broadcast((num_blocks, knobs.block_size, kv_dtype, args.kv_cache_prefault))  # their pools
         processors = LogitsProcessors(tokenizer, model.vocab_size)
         executor = ModelExecutor(model, kv_cache, sampler=Sampler(args.seed, processors))
-        scheduler_config = knobs.resolve(num_blocks=num_blocks, max_model_len=max_model_len)
+        scheduler_config = knobs.resolve(num_blocks=num_blocks, max_model_len=max_model_len, kv_group_windows=windows)
         name = args.served_model_name or loaded.name
         engine = cls(executor, tokenizer, scheduler_config, name, processors)
         engine.model_spec = spec

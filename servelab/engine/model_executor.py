@@ -5,6 +5,11 @@ the StepPlan out as one flat batch (tokens, positions, KV slots, per-sequence co
 `run_model` runs one forward pass over it, and `sample` picks each sampling row's token. Decodes
 go first in the flat batch so they attend together (from their block tables, or in one padded
 SDPA); prefill chunks follow, each on its own.
+
+A model with several KV groups (spec/kv_groups.py) gets the slot-dependent tensors once per
+group, from that group's block tables (AttentionMetadata.by_group). A windowed group's entries
+freed out of the window (NULL_BLOCK) read as block 0: only masked keys, outside every query's
+window, point there.
 """
 
 from __future__ import annotations
@@ -12,11 +17,12 @@ from __future__ import annotations
 import ctypes
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import overload
 
 import torch
 
+from servelab.core.block_manager import NULL_BLOCK
 from servelab.core.plan import ScheduledSeq, StepPlan, StepResult, TokenLogprobs
 from servelab.core.sequence import Sequence
 from servelab.engine.row_isolation import sample_isolated
@@ -57,6 +63,8 @@ class ModelExecutor:
         self.device = model.device
         self._offsets = torch.arange(self.block_size, dtype=torch.int64)
         self._decode_ints = _DecodeInts()
+        self.groups = kv_cache.groups
+        self._windowed = any(w is not None for w in self.groups.windows)  # tables may hold NULL_BLOCK
 
     @property
     def vocab_size(self) -> int:
@@ -80,6 +88,9 @@ class ModelExecutor:
         rows = verification_rows(entries, sampling, batch.row_of_last)
         scored, scored_rows = _prompt_rows(entries, batch.row_of_last)
         meta = self._attention_metadata(batch, rows.logit_rows + scored_rows, rows.seqs)
+        if self.groups.num_groups > 1:
+            meta.by_group = [meta] + [self._group_metadata(entries, decodes, prefills, g, meta)
+                                      for g in range(1, self.groups.num_groups)]  # fmt: skip
         pool_spans = None
         if plan.pooled:
             pool_spans, pool_rows = _pooled_rows(entries, plan.pooled, batch.row_of_last)
@@ -101,11 +112,11 @@ class ModelExecutor:
         return StepResult(sampled, time.perf_counter() - t0, logprobs, prompt_logprobs, pooled, accepted)
 
     def prepare_decode(self, entries: list[ScheduledSeq], decodes: list[int], batch: StepBatch, *,
-                       decode_only: bool) -> None:  # fmt: skip
+                       decode_only: bool, group: int = 0) -> None:  # fmt: skip
         """Lays out the decode rows: each sequence's one new token, its slot, and the block table
-        its attention reads. A verification entry has a row per position: row j holds its j-th
-        token and attends to the context up to it, drafts before it included (each layer stores
-        the step's keys before any row attends)."""
+        its attention reads (KV group `group`'s). A verification entry has a row per position: row j
+        holds its j-th token and attends to the context up to it, drafts before it included (each
+        layer stores the step's keys before any row attends)."""
         bs = self.block_size
         ctx_lens: list[int] = []
         for i in decodes:
@@ -118,7 +129,7 @@ class ModelExecutor:
         rows_bt, decode_slots = [], []
         for i in decodes:
             s = entries[i]
-            bt = s.seq.block_table[: -(-s.context_len // bs)]
+            bt = self._table(s.seq, group)[: -(-s.context_len // bs)]
             padded = bt + [0] * (max_blocks - len(bt))
             for p in range(s.start_pos, s.context_len):
                 rows_bt.append(padded)
@@ -145,21 +156,48 @@ class ModelExecutor:
             batch.decode_mask = (torch.arange(max_ctx)[None, :] < ctx[:, None]).view(B, 1, 1, max_ctx)
             batch.decode_ctx_slots = all_slots * batch.decode_mask.view(B, max_ctx)
 
-    def prepare_prefill(self, entries: list[ScheduledSeq], prefills: list[int], batch: StepBatch) -> None:
-        """Appends each prefill chunk's rows: its tokens, positions and KV slots, and the slots of
-        the context before it that its attention reads. A verification entry (a decode and its
-        drafts) is such a chunk."""
+    def prepare_prefill(self, entries: list[ScheduledSeq], prefills: list[int], batch: StepBatch,
+                        group: int = 0) -> None:  # fmt: skip
+        """Appends each prefill chunk's rows: its tokens, positions and KV slots (KV group
+        `group`'s), and the slots of the context before it that its attention reads. A
+        verification entry (a decode and its drafts) is such a chunk."""
         offset = len(batch.input_ids)
         for i in prefills:
             s = entries[i]
             n, start = s.num_tokens, s.start_pos
             batch.input_ids.extend(s.token_ids())
-            seq_slots = self._slots(s.seq.block_table, start + n)
+            seq_slots = self._slots(self._table(s.seq, group), start + n)
             batch.positions.append(torch.arange(start, start + n, dtype=torch.int64))
             batch.slots.append(seq_slots[start:])
             batch.prefills.append((offset, n, start, None if start == 0 else seq_slots.to(self.device)))
             batch.row_of_last[i] = offset + n - 1
             offset += n
+
+    def _table(self, seq: Sequence, group: int) -> list[int]:
+        """seq's block table of KV group `group`, freed entries (NULL_BLOCK) read as block 0."""
+        table = seq.block_table if group == 0 else seq.group_tables[group - 1]
+        if self._windowed and table and table[0] == NULL_BLOCK:
+            freed = table.count(NULL_BLOCK)  # they lead the table
+            return [0] * freed + table[freed:]
+        return table
+
+    def _group_metadata(
+        self, entries: list[ScheduledSeq], decodes: list[int], prefills: list[int], group: int, meta: AttentionMetadata
+    ) -> AttentionMetadata:
+        """`meta` with the slot-dependent tensors of KV group `group`."""
+        batch = StepBatch()
+        if decodes:
+            self.prepare_decode(entries, decodes, batch, decode_only=False, group=group)
+        self.prepare_prefill(entries, prefills, batch, group)
+        slots = batch.slots
+        return replace(
+            meta,
+            slots=self._to_device(slots[0] if len(slots) == 1 else torch.cat(slots)),
+            decode_block_table=self._to_device(batch.decode_block_table),
+            decode_ctx_slots=self._to_device(batch.decode_ctx_slots),
+            decode_mask=self._to_device(batch.decode_mask),
+            prefills=batch.prefills,
+        )
 
     def run_model(self, batch: StepBatch, meta: AttentionMetadata) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """One forward pass over the flat batch: the logits of meta's rows (and, when it pools, the

@@ -165,9 +165,11 @@ class DraftModelProposer:
     the target accepted or sampled since), the others one draft each. A sequence that would
     not fit the pool or the draft's context gets no drafts this step."""
 
-    def __init__(self, executor: Executor, k: int, num_blocks: int, block_size: int, max_context: int):
+    def __init__(self, executor: Executor, k: int, num_blocks: int, block_size: int, max_context: int,
+                 num_groups: int = 1):  # fmt: skip
         self.executor = executor
         self.k = k
+        self.num_groups = num_groups  # the draft's KV groups (spec/kv_groups.py): a block table each
         self.block_size = block_size
         self.max_context = max_context
         self._free = list(range(num_blocks - 1, -1, -1))
@@ -205,6 +207,7 @@ class DraftModelProposer:
         m = self._mirrors.get(seq.request_id)
         if m is None:
             m = self._mirrors[seq.request_id] = Sequence(seq.request_id, [], _DRAFT_GREEDY)
+            m.group_tables = [[] for _ in range(self.num_groups - 1)]
         tokens = seq.token_ids
         # The target's tokens only grow: past where it stood last time, the mirror's are drafts,
         # valid as far as the target kept them.
@@ -219,17 +222,19 @@ class DraftModelProposer:
         if needed > self.max_context:
             return None
         num_blocks = -(-needed // self.block_size)
-        if num_blocks - len(m.block_table) > len(self._free):
+        if (num_blocks - len(m.block_table)) * self.num_groups > len(self._free):
             return None
-        while len(m.block_table) < num_blocks:
-            m.block_table.append(self._free.pop())
+        for table in (m.block_table, *m.group_tables):  # every block kept: the draft frees no window
+            while len(table) < num_blocks:
+                table.append(self._free.pop())
         return m
 
     def release(self, request_id: str) -> None:
         m = self._mirrors.pop(request_id, None)
         self._known.pop(request_id, None)
         if m is not None:
-            self._free += reversed(m.block_table)
+            for table in (m.block_table, *m.group_tables):
+                self._free += reversed(table)
 
 
 def load_draft_proposer(
@@ -256,7 +261,12 @@ def load_draft_proposer(
     kv = PagedKVCache(loaded.model.config, num_blocks, block_size, dtype=dtype, device=device)
     executor = ModelExecutor(loaded.model, kv, sampler=Sampler(0))
     return DraftModelProposer(
-        executor, config.num_speculative_tokens, num_blocks, block_size, servable_context(loaded.spec)
+        executor,
+        config.num_speculative_tokens,
+        num_blocks,
+        block_size,
+        servable_context(loaded.spec),
+        kv.groups.num_groups,
     )
 
 

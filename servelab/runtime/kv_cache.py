@@ -1,5 +1,10 @@
 """The paged KV cache: per layer, K and V of shape [kv_heads, num_blocks * block_size, head_dim].
 
+A model whose layers attend over different windows shares pages between KV groups
+(spec/kv_groups.py): K and V are [S, kv_heads, num_blocks * block_size, head_dim], S layers per
+page, and layer i is slot `layer_slot[i]` of the pages in its group's block table. A model with
+one group (every plain model) has S = num_layers: one slot per layer, as above.
+
 The scheduler's block manager owns which blocks belong to whom; this module owns only the
 memory. A token at position p of a sequence lives at flat slot
 `block_table[p // block_size] * block_size + p % block_size`, so the model sees each layer as
@@ -14,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from servelab.errors import DoesNotFit
+from servelab.spec.kv_groups import KVGroups
 from servelab.spec.model import ModelSpec
 
 
@@ -36,7 +42,8 @@ class PagedKVCache:
         self.block_size = block_size
         self.num_layers = config.num_layers
         self.dtype = dtype
-        shape = (config.num_layers, config.num_kv_heads, num_blocks * block_size, config.head_dim)
+        self.groups = KVGroups.of_model(config)
+        shape = (self.groups.slots_per_page, config.num_kv_heads, num_blocks * block_size, config.head_dim)
         try:
             # empty, then zero only what must be: without prefault, pages are touched only as
             # blocks fill, so a generous pool costs no start-up time. A server prefaults (~1 s
@@ -56,13 +63,15 @@ class PagedKVCache:
                 f"{self.bytes_per_block(config, block_size, dtype) * num_blocks / 2**30:.2f} GiB "
                 f"on {device}, which cannot be allocated ({exc}); lower num_blocks or kv_cache_memory_bytes"
             ) from exc
-        self.k_layers = list(self.k.unbind(0))
-        self.v_layers = list(self.v.unbind(0))
+        k_slots, v_slots = self.k.unbind(0), self.v.unbind(0)
+        self.k_layers = [k_slots[s] for s in self.groups.layer_slot]
+        self.v_layers = [v_slots[s] for s in self.groups.layer_slot]
 
     @staticmethod
     def bytes_per_block(config: ModelSpec, block_size: int, dtype: torch.dtype) -> int:
-        """K and V of one block across every layer."""
-        return 2 * config.num_layers * block_size * config.num_kv_heads * config.head_dim * dtype_size(dtype)
+        """K and V of one block (a page) across its slots: every layer, for a model with one KV group."""
+        slots = KVGroups.of_model(config).slots_per_page
+        return 2 * slots * block_size * config.num_kv_heads * config.head_dim * dtype_size(dtype)
 
     @property
     def nbytes(self) -> int:

@@ -10,8 +10,9 @@ sequence attends over its own blocks. Only the positions that sample get logits.
 
 Shapes follow the HF checkpoint layout (weights are [out, in]) with Q/K/V fused into one matrix
 and gate/up into another, so a layer is four GEMMs. RoPE uses the HF rotate-half convention; its
-scalings live in rope.py, as tables. Sliding-window layers attend to the last `window` positions
-(the whole context stays in the cache).
+scalings live in rope.py, as tables. Sliding-window layers attend to the last `window` positions;
+the block manager frees their KV as it leaves the window, and where the model mixes windowed and
+full layers each KV group (spec/kv_groups.py) has its own block tables and attention metadata.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from servelab.runtime.ops import Ops, select_ops
 from servelab.runtime.quantization import LINEARS
 from servelab.runtime.rope import Rope
 from servelab.errors import InvalidArgument
+from servelab.spec.kv_groups import KVGroups
 from servelab.spec.model import ModelSpec
 
 
@@ -110,6 +112,9 @@ class AttentionMetadata:
     # Rows whose final hidden states (after the final norm) are also returned, for pooling
     # requests (embeddings); None on every step that has none.
     pooled_indices: torch.Tensor | None = None
+    # A model with several KV groups: each group's metadata (this one is group 0's), by group;
+    # only the slot-dependent fields differ. None: one group.
+    by_group: list[AttentionMetadata] | None = None
 
 
 class LlamaModel:
@@ -150,6 +155,8 @@ class LlamaModel:
         self._cos = self._sin = self._local_cos = self._local_sin = torch.empty(0)
         self.scale = config.softmax_scale
         self.windows = [config.layer_window(i) for i in range(config.num_layers)]
+        self.layer_group = KVGroups.of_model(config).layer_group  # each layer's attention metadata in meta.by_group
+        self.num_kv_groups = max(self.layer_group) + 1
         # HF multiplies by sqrt(hidden) rounded to the compute dtype
         self.embed_scale = (
             torch.tensor(config.hidden_size**0.5, dtype=self.dtype).item() if config.gemma_block else None
@@ -169,7 +176,8 @@ class LlamaModel:
         # the native stack has no Q/K norm, clamp, experts, nothing of Gemma's block, and no
         # sliding window (forward skips it on the steps where a window cuts a decode's context)
         cfg = self.config
-        if not (cfg.qk_norm or cfg.clip_qkv is not None or cfg.is_moe or cfg.gemma_block):
+        # nor a block table per KV group
+        if not (cfg.qk_norm or cfg.clip_qkv is not None or cfg.is_moe or cfg.gemma_block or self.num_kv_groups > 1):
             self.decode_stack = ops.decode_stack(
                 self.config, self.layers, self.scale, self.embed, self.final_norm, self.lm_head
             )
@@ -324,15 +332,19 @@ class LlamaModel:
             local_rotary = ops.rotary(self._local_cos, self._local_sin, meta.positions)
         act = ops.gelu_tanh_mul if cfg.gemma_block else ops.silu_mul
         softcap = cfg.attn_logit_softcap
-        for layer, kc, vc, window in zip(layers, k_cache, v_cache, self.windows):
+        metas = meta.by_group
+        if metas is None and layers and self.num_kv_groups > 1:
+            raise ValueError("this model keeps a block table per KV group: its metadata needs by_group")
+        for layer, kc, vc, window, group in zip(layers, k_cache, v_cache, self.windows, self.layer_group):
+            lmeta = meta if metas is None or group == 0 else metas[group]
             x, h = ops.add_rms_norm(x, delta, layer.input_norm, eps)
             qkv = layer.qkv(h)
             if layer.q_norm is not None:
                 qkv = self._norm_heads(qkv, layer)
             if cfg.clip_qkv is not None:
                 qkv = qkv.clamp(-cfg.clip_qkv, cfg.clip_qkv)
-            q, k, v = ops.rope_store_kv(qkv, rotary if window is None else local_rotary, meta.slots, kc, vc, *heads)
-            out = layer.o(ops.attention(q, k, v, kc, vc, meta, self.scale, window=window, softcap=softcap))
+            q, k, v = ops.rope_store_kv(qkv, rotary if window is None else local_rotary, lmeta.slots, kc, vc, *heads)
+            out = layer.o(ops.attention(q, k, v, kc, vc, lmeta, self.scale, window=window, softcap=softcap))
             if layer.attn_out_norm is not None:
                 out = ops.rms_norm(out, layer.attn_out_norm, eps)
             x, h = ops.add_rms_norm(x, out, layer.post_norm, eps)

@@ -28,6 +28,7 @@ from servelab.sim.speculative import Speculation, realised
 from servelab.core.router import ROUTERS
 from servelab.spec.dtypes import DEFAULT_DTYPE, canonical_dtype, kv_dtype_alias
 from servelab.spec.hardware import HardwareSpec, get_hardware
+from servelab.spec.kv_groups import KVGroups
 from servelab.spec.model import ModelSpec, get_model
 from servelab.workload import RequestSpec, WorkloadSpec
 
@@ -314,6 +315,7 @@ def build_cost_model(config: SimConfig) -> StepCostModel:
 def scheduler_config(config: SimConfig) -> ResolvedSchedulerConfig:
     """One replica's scheduler: the KV pool is what the memory plan leaves after the weights."""
     model = config.model_spec
+    groups = KVGroups.of_model(model)  # a windowed model's pages hold a group's layers (spec/kv_groups.py)
     num_blocks = config.scheduler.num_blocks
     if num_blocks is None:
         plan = MemoryPlan(
@@ -322,11 +324,13 @@ def scheduler_config(config: SimConfig) -> ResolvedSchedulerConfig:
         plan.require_weights_fit()
         # A draft model's weights and KV share the devices with the target's.
         draft = None if config.speculative is None else draft_model_spec(config.spec_config)
-        num_blocks = kv_tokens_beside_draft(plan, draft) // config.scheduler.block_size
+        num_blocks = groups.pages_in(kv_tokens_beside_draft(plan, draft) // config.scheduler.block_size)
         if num_blocks < 1:
             raise DoesNotFit(f"{plan.describe()}: no room left for even one KV block after the weights")
     return config.scheduler.resolve(
-        num_blocks=num_blocks, max_model_len=config.scheduler.max_model_len or model.max_context
+        num_blocks=num_blocks,
+        max_model_len=config.scheduler.max_model_len or model.max_context,
+        kv_group_windows=groups.windows,
     )
 
 

@@ -1,6 +1,6 @@
 """Sliding-window layers in the cost model: a window layer's attention FLOPs and KV reads use at
-most `window` keys per query, global layers the whole context, while KV capacity keeps every
-layer's whole context (the engine frees no out-of-window block)."""
+most `window` keys per query, global layers the whole context, and a window layer's KV holds at
+most `window` tokens per sequence (the engine frees the blocks that leave the window)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def tiny(sliding_layers: tuple[int, ...] | None) -> ModelSpec:
     )  # fmt: skip
 
 
-def test_gemma_2_at_8k_caps_the_window_layers_attention_and_keeps_the_whole_kv_resident():
+def test_gemma_2_at_8k_caps_the_window_layers_attention_and_kv():
     gemma = get_model("gemma-2-9b")
     windowed, full = Roofline(gemma, H200), Roofline(no_window(gemma), H200)
     assert gemma.sliding_window == 4096 and len(gemma.sliding_layers or ()) == gemma.num_layers // 2
@@ -45,9 +45,14 @@ def test_gemma_2_at_8k_caps_the_window_layers_attention_and_keeps_the_whole_kv_r
         f.activation_bytes,
     )
     assert w.time_s < f.time_s
-    # Capacity: every layer's whole context stays in the cache.
-    assert windowed.memory.kv_capacity_tokens == full.memory.kv_capacity_tokens
-    assert windowed.memory.max_batch(8192) == full.memory.max_batch(8192)
+    # Capacity: the window layers hold 4,096 of 8,192 tokens each: a sequence takes 3/4 of the bytes.
+    wm, fm = windowed.memory, full.memory
+    assert wm.kv_capacity_tokens == fm.kv_capacity_tokens  # tokens of every layer
+    assert wm.kv_bytes(1, 8192) == pytest.approx(0.75 * fm.kv_bytes(1, 8192), rel=1e-12)
+    assert wm.max_batch(8192) == int(wm.kv_capacity_bytes // (0.75 * 8192 * wm.kv_bytes_per_token_per_device))
+    assert wm.max_batch(8192) >= 4 * fm.max_batch(8192) // 3 > fm.max_batch(8192)
+    assert wm.fits(wm.max_batch(8192), 8192) and not wm.fits(wm.max_batch(8192) + 1, 8192)
+    assert wm.max_batch(4096) == fm.max_batch(4096)  # inside the window: every layer its whole context
     # Inside the window, the two price the same step.
     assert windowed.decode(8, 4096) == full.decode(8, 4096)
 
@@ -121,3 +126,23 @@ def test_sim_runs_a_windowed_model_end_to_end():
     }
     assert runs["window"].summary.completed == runs["full"].summary.completed == 8
     assert runs["window"].summary.tpot_s.mean < runs["full"].summary.tpot_s.mean
+
+
+def test_the_simulators_windowed_pool_has_a_page_per_group_and_holds_more_sequences():
+    """Gemma 2 9B's pages hold its 21 local or its 21 global layers: twice as many as blocks of
+    all 42, the same longest prompt, and a longer lone context (the local layers' blocks are
+    freed past the window). At 20% of an H200, 16 requests of 6,000 + 200 tokens wait less."""
+    from servelab.sim.runner import scheduler_config
+
+    gemma = get_model("gemma-2-9b")
+    configs = {name: SimConfig(model=m, hardware="h200", memory_fraction=0.2)
+               for name, m in (("window", gemma), ("full", no_window(gemma)))}  # fmt: skip
+    window, full = (scheduler_config(c) for c in configs.values())
+    assert window.kv_group_windows == (None, 4096) and full.kv_group_windows == (None,)
+    assert abs(window.num_blocks - 2 * full.num_blocks) <= 1
+    assert abs(window.kv_capacity_tokens - full.kv_capacity_tokens) <= 16
+    assert window.kv_context_tokens > 1.7 * full.kv_capacity_tokens
+    workload = WorkloadSpec(num_requests=16, input_len="6000", output_len="200")
+    runs = {name: simulate(c, workload) for name, c in configs.items()}
+    assert runs["window"].summary.completed == runs["full"].summary.completed == 16
+    assert runs["window"].summary.ttft_s.mean < 0.9 * runs["full"].summary.ttft_s.mean

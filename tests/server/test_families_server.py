@@ -13,6 +13,8 @@ import torch
 from fastapi.testclient import TestClient
 
 from servelab.server.app import create_app
+from servelab.spec.kv_groups import KVGroups
+from servelab.spec.model import ModelSpec
 from tests.tiny_families import GEMMA_WINDOW, write_family, write_gguf
 
 transformers = pytest.importorskip("transformers")
@@ -53,9 +55,11 @@ def test_completions_match_transformers(family, fmt, budget):
     from servelab.engine.llm_engine import EngineArgs, LLMEngine
 
     paths, want, want_top = family
+    # the memory of 64 blocks of every layer: Gemma 3's pages hold one KV group's layers (one in six)
+    num_blocks = KVGroups.of_model(ModelSpec.from_gguf(paths["gguf"])).pages_in(64)
     engine = LLMEngine.from_args(
         EngineArgs.from_kwargs(
-            model=str(paths[fmt]), dtype="float32", num_blocks=64, block_size=4, max_num_batched_tokens=budget
+            model=str(paths[fmt]), dtype="float32", num_blocks=num_blocks, block_size=4, max_num_batched_tokens=budget
         )
     )
     body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "logprobs": TOP}
