@@ -66,6 +66,7 @@ def _hf_decode_logits(hf, ids: list[int]) -> torch.Tensor:
 
 
 def _hf_greedy(hf, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens; min_new_tokens keeps transformers going past EOS by banning it."""
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
     return out[0, len(prompt) :].tolist()
@@ -118,8 +119,12 @@ def test_greedy_tokens_match_transformers_generate(family, fmt):
     engine = LLMEngine.from_args(EngineArgs(model=str(paths[fmt]), dtype="float32"))
     prompts = {"short": engine.tokenizer.encode("The model is fast and the cache is"), "long": LONG_IDS[:100]}
     steps = {"short": 40, "long": 40}
+    # EOS banned as transformers' min_new_tokens bans it (ignore_eos alone may pick it)
+    ban_eos = {hf.generation_config.eos_token_id: -100.0}
     seqs = {
-        key: engine.add_request(key, ids, SamplingParams(max_tokens=steps[key], temperature=0, ignore_eos=True))
+        key: engine.add_request(
+            key, ids, SamplingParams(max_tokens=steps[key], temperature=0, ignore_eos=True, logit_bias=ban_eos)
+        )
         for key, ids in prompts.items()
     }
     while engine.has_unfinished():
