@@ -84,6 +84,11 @@ class StepTrace:
     def __len__(self) -> int:
         return len(self.start_s)
 
+    def copy(self) -> StepTrace:
+        columns = (self.replica, self.start_s, self.duration_s, self.num_seqs, self.num_decode, self.num_tokens,
+                   self.kv_usage)  # fmt: skip
+        return StepTrace(*(array(column.typecode, column) for column in columns))
+
 
 @dataclass(slots=True, eq=False)
 class _Request:
@@ -105,6 +110,10 @@ class LoopResult:
     replicas: list[Replica]
     kv_transfer_s: list[float]
     kv_transfer_bytes: float
+    stopped_early: str = ""  # why `stop` ended the run before every request finished
+    # A stopped run goes on to its end from where it stopped, as if it never had (its own
+    # result: this one's records and trace stay as they were at the stop).
+    resume: Callable[[], LoopResult] | None = None
 
 
 class ClusterSim:
@@ -170,12 +179,15 @@ class ClusterSim:
         concurrency: int | None = None,
         on_done: Callable[[int], None] | None = None,
         check: Callable[[], None] | None = None,
+        stop: Callable[[RequestRecord], str] | None = None,
     ) -> LoopResult:
         """`concurrency` caps requests in flight; with no arrival times it is a closed loop, whose
         clients send their next request a finished request's `think_s` after it ended. `check`
         is called every CHECK_EVERY_EVENTS events: what it raises ends the run (a time budget,
-        a shutdown)."""
-        return ClusterRun(self, requests, concurrency, on_done, check).run()
+        a shutdown). `stop` sees each request's record as it finishes; a reason it returns ends
+        the run after that event, with the unfinished requests left out of the records, and
+        `LoopResult.resume` runs it on to its end."""
+        return ClusterRun(self, requests, concurrency, on_done, check, stop).run()
 
 
 class ClusterRun:
@@ -190,8 +202,11 @@ class ClusterRun:
         concurrency: int | None,
         on_done: Callable[[int], None] | None,
         check: Callable[[], None] | None = None,
+        stop: Callable[[RequestRecord], str] | None = None,
     ) -> None:
         self.sim = sim
+        self.stop = stop
+        self.stopped_early = ""
         self.concurrency = concurrency
         self.on_done = on_done
         self.check = check
@@ -221,21 +236,32 @@ class ClusterRun:
                 self.send(pending.popleft(), 0.0)
         if self.arrivals:
             self.push_next_arrival()
+        return self._loop()
+
+    def _loop(self) -> LoopResult:
         events, heappop, check = self.events, heapq.heappop, self.check
         until_check = CHECK_EVERY_EVENTS
         while events:
             self.now, _, handler, a, b = heappop(events)
             handler(a, b)
+            if self.stopped_early:
+                return LoopResult(list(self.records), self.now, self.trace.copy(), self.sim.replicas,
+                                  list(self.transfers), self.transfer_bytes, self.stopped_early, self._resume)  # fmt: skip
             if check is not None:
                 until_check -= 1
                 if not until_check:
                     check()
                     until_check = CHECK_EVERY_EVENTS
         # Anything still live never got a step (a scheduler that cannot make progress): count it.
-        pending.clear()
+        self.pending.clear()
         for req in list(self.live.values()):
             self.fail(req, self.now, "never completed: the simulation ran out of events")
         return LoopResult(self.records, self.now, self.trace, self.sim.replicas, self.transfers, self.transfer_bytes)
+
+    def _resume(self) -> LoopResult:
+        self.stop = None
+        self.stopped_early = ""
+        return self._loop()
 
     def push(self, t: float, handler: Callable[[Any, Any], None], a: Any, b: Any = None) -> None:
         self.counter += 1
@@ -401,6 +427,9 @@ class ClusterRun:
         self.in_flight -= 1
         if self.on_done is not None:
             self.on_done(1)
+        if self.stop is not None and not self.stopped_early:
+            # The run stops after this event, whatever else it does (so it can resume as if it never stopped).
+            self.stopped_early = self.stop(self.records[-1])
         if self.pending and (self.closed or self.in_flight < (self.concurrency or 0)):
             if self.closed and req.spec.think_s > 0:
                 # An event, never inline: even a tiny think time lands after the step that
