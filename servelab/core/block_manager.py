@@ -22,6 +22,7 @@ of blocks through here. A prefix hit on a cached free block takes it out of its 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from operator import itemgetter
 
 from servelab.core.sequence import Sequence
@@ -208,6 +209,16 @@ class BlockManager:
             table.append(block)
         else:
             table.extend(self._take_free_blocks(num_new))
+        return True
+
+    def append_block_each(self, seqs: Collection[Sequence]) -> bool:
+        """One more block at the end of each of `seqs`' tables, handed out in their order exactly as
+        append_slots would one by one (decodes crossing into a new block in the same step). Returns
+        False, changing nothing, when the pool is short for all of them."""
+        if len(seqs) > len(self._free_uncached) + self._num_free_cached:
+            return False
+        for seq, block in zip(seqs, self._take_free_blocks(len(seqs))):
+            seq.block_table.append(block)
         return True
 
     def _take_free_blocks(self, count: int) -> list[int]:

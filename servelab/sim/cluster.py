@@ -227,6 +227,7 @@ class ClusterRun:
         else:
             self.arrivals = sorted(requests, key=lambda r: (r.arrival_s, r.index))
         self.next_arrival = 0
+        self._params: dict[int, SamplingParams] = {}
 
     def run(self) -> LoopResult:
         # Closed loop and capped open loop start with as many requests as the cap allows.
@@ -262,6 +263,14 @@ class ClusterRun:
         self.stop = None
         self.stopped_early = ""
         return self._loop()
+
+    def params(self, max_tokens: int) -> SamplingParams:
+        """The sampling params of every request with this output length: one object, checked once
+        (nothing in the scheduler writes to a sequence's params)."""
+        params = self._params.get(max_tokens)
+        if params is None:
+            params = self._params[max_tokens] = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return params
 
     def push(self, t: float, handler: Callable[[Any, Any], None], a: Any, b: Any = None) -> None:
         self.counter += 1
@@ -309,7 +318,7 @@ class ClusterRun:
         seq = SimSequence(
             rid,
             req.prompt_token_ids,
-            SamplingParams(max_tokens=req.spec.output_tokens, ignore_eos=True),
+            self.params(req.spec.output_tokens),
             arrival_s=req.sent_s,
         )
         seq.prefix.hashes = list(req.prompt_block_hashes)
@@ -350,7 +359,7 @@ class ClusterRun:
         rid = str(spec.index)
         self.live[rid] = req
         max_tokens = 1 if sim.disagg else spec.output_tokens
-        seq = SimSequence(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_s=t)
+        seq = SimSequence(rid, ids, self.params(max_tokens), arrival_s=t)
         seq.prefix.hashes = list(hashes)  # the prefix cache would compute the same identities
         replica = sim.entry_router.pick(sim.entry_pool, hashes)
         req.prefill_replica = replica

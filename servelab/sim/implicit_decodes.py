@@ -130,16 +130,28 @@ class ImplicitDecodeScheduler(Scheduler):
         preempted = plan.preempted
         seqs, cutting = self._step_order(budget)
         last = None
+        # Implicit decodes whose block filled, met in a row: they take their blocks together
+        # before the next explicit entry (the budget cannot stop the loop among them uncut).
+        group: list[SimSequence] = []
         for seq in seqs:
             if budget <= 0:
                 break
             if seq.implicit_from >= 0:
-                if seq.implicit_needs_block and not self._take_block(seq, tick, preempted):
-                    break  # seq itself was the newest left and was preempted: nothing more runs
+                if seq.implicit_needs_block:
+                    if not cutting:
+                        group.append(seq)
+                        continue
+                    if not self._take_block(seq, tick, preempted):
+                        break  # seq itself was the newest left and was preempted: nothing more runs
                 if cutting:
                     budget -= 1
                     last = seq
                 continue
+            if group:
+                taken = self._take_group(group, tick, preempted)
+                group = []
+                if not taken:
+                    break
             if seq.status is not _RUNNING:
                 continue  # preempted by an earlier entry of this step
             last = seq
@@ -161,6 +173,8 @@ class ImplicitDecodeScheduler(Scheduler):
                 continue
             scheduled.append(entry)
             budget -= entry.num_tokens
+        if group:
+            self._take_group(group, tick, preempted)
         self._num_running_entries = len(scheduled)
         if cutting:
             self._explicit_after(last)  # the budget ran out before them: they skip this step
@@ -220,6 +234,27 @@ class ImplicitDecodeScheduler(Scheduler):
         if not explicit:
             return needs_block, False
         return sorted(explicit + needs_block, key=by_order), False  # both few, both in key order
+
+    def _take_group(self, seqs: list[SimSequence], tick: int, preempted: list[Sequence]) -> bool:
+        """_take_block for each of `seqs` (implicit decodes whose block filled, in `running` order,
+        with no other entry between them): in one go when the pool has a block for each, so that
+        none preempts, else one by one. False if one was preempted itself (nothing more runs)."""
+        bs = self.config.block_size
+        # Each context at `tick` needs exactly one more block, as append_slots would count.
+        if all(-(-(len(s.token_ids) + tick - s.implicit_from) // bs) == len(s.block_table) + 1 for s in seqs) and (
+            self.block_manager.append_block_each(seqs)
+        ):
+            schedule_wake = self._schedule_wake
+            for seq in seqs:
+                seq.implicit_needs_block = False
+                schedule_wake(seq, tick, len(seq.token_ids) + tick - seq.implicit_from)
+            return True
+        for seq in seqs:
+            # One preempted by an earlier one's block is explicit now, and not running: as the
+            # step's loop would, pass over it.
+            if seq.implicit_from >= 0 and not self._take_block(seq, tick, preempted):
+                return False
+        return True
 
     def _take_block(self, seq: SimSequence, tick: int, preempted: list[Sequence]) -> bool:
         """An implicit sequence whose block filled last step takes a new one, as the core loop

@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from servelab.core.block_manager import BlockManager
 from servelab.core.config import ADMISSIONS, POLICIES, SchedulerConfig
 from servelab.core.plan import StepResult
 from servelab.core.scheduler import Scheduler
@@ -236,12 +237,22 @@ def test_a_decode_made_implicit_twice_for_one_tick_wakes_once(caching):
         assert implicit[key] == explicit[key], key
 
 
-def test_seeded_random_workloads_match_and_reach_the_hard_cases():
+def test_seeded_random_workloads_match_and_reach_the_hard_cases(monkeypatch):
     # Hypothesis shrinks towards small cases; these 300 seeded ones are larger and are checked to
     # reach what is hard to get right: steps where the token budget binds with implicit decodes
-    # in the batch (the cut must fall where the explicit loop puts it), preemption, and reuse.
+    # in the batch (the cut must fall where the explicit loop puts it), preemption, reuse, and
+    # decodes whose blocks filled together taking new ones in one go or, the pool short, one by one.
     rng = random.Random(20261129)
     totals = {"implicit_steps": 0, "implicit_steps_at_full_budget": 0, "preemptions": 0, "hits": 0}
+    together = {True: 0, False: 0}
+    append_block_each = BlockManager.append_block_each
+
+    def counted(self, seqs):  # noqa: ANN001, ANN202
+        ok = append_block_each(self, seqs)
+        together[ok] += len(seqs) > 1
+        return ok
+
+    monkeypatch.setattr(BlockManager, "append_block_each", counted)
     for _ in range(300):
         workload = [
             {
@@ -282,6 +293,7 @@ def test_seeded_random_workloads_match_and_reach_the_hard_cases():
         totals["hits"] += implicit["counters"][2]
     assert totals["implicit_steps"] > 1000 and totals["implicit_steps_at_full_budget"] > 20
     assert totals["preemptions"] > 50 and totals["hits"] > 0
+    assert together[True] > 20 and together[False] > 5, together
 
 
 def test_a_steady_batch_runs_implicitly_and_catches_up_exactly():
