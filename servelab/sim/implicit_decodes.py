@@ -15,10 +15,10 @@ them); a step costs the few sequences that need attention instead of every runni
 
 from __future__ import annotations
 
-from bisect import insort
+from bisect import bisect_left, insort
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from itertools import chain, repeat
+from itertools import repeat
 from typing import cast
 
 from servelab.core.config import SchedulerConfig
@@ -27,11 +27,6 @@ from servelab.core.scheduler import Scheduler, by_order
 from servelab.core.sequence import FinishReason, Sequence, SequenceStatus
 
 _RUNNING = SequenceStatus.RUNNING
-_WAKE = object()  # update() items: (entry, token), or (sequence, _WAKE) for an implicit event
-
-
-def _item_order_key(item: tuple) -> tuple:
-    return item[0].order_key if item[1] is _WAKE else item[0].seq.order_key
 
 
 @dataclass(slots=True, eq=False)
@@ -196,20 +191,41 @@ class ImplicitDecodeScheduler(Scheduler):
     ) -> None:
         scheduled = plan.scheduled
         sampled = result.sampled_token_ids
-        items: Iterable[tuple] = zip(scheduled, sampled)
+        start = 0  # the entries before it are applied
         if plan.num_implicit_decodes:
             tick = len(self._clock)
             self._clock.append(now)  # every implicit decode gained a token at `now`
             woken = self._wake.pop(tick, None)
             if woken:
-                items = self._merge_woken(woken, tick, scheduled, sampled)
-        apply_entry = self._apply_entry
-        for entry, token in items:
-            if token is _WAKE:
-                self._wake_implicit(entry, now, finished, outputs)
-            elif apply_entry(entry, token, None, now, outputs, finished, False):
-                seq = entry.seq
-                self._go_implicit(seq, len(self._clock), len(seq.token_ids))
+                # The implicit sequences whose event is now, where the core loop would meet them:
+                # among the running sequences' entries in `running` order (both in key order),
+                # before the entries of sequences admitted this step.
+                due = self._due(woken, tick)
+                due.sort(key=by_order)
+                pos = 0
+                for start in range(self._num_running_entries):  # usually none: all running are implicit
+                    entry = scheduled[start]
+                    end = bisect_left(due, entry.seq.order_key, pos, key=by_order)
+                    if end > pos:
+                        self._wake_implicit(due[pos:end], now, finished, outputs)
+                        pos = end
+                    self._apply_running(entry, sampled[start], now, outputs, finished)
+                start = self._num_running_entries
+                self._wake_implicit(due[pos:] if pos else due, now, finished, outputs)
+        for entry, token in zip(scheduled[start:] if start else scheduled, sampled[start:] if start else sampled):
+            self._apply_running(entry, token, now, outputs, finished)
+
+    def _apply_running(
+        self,
+        entry: ScheduledSeq,
+        token: int | None,
+        now: float,
+        outputs: list[RequestOutput],
+        finished: list[Sequence],
+    ) -> None:
+        if self._apply_entry(entry, token, None, now, outputs, finished, False):
+            seq = entry.seq
+            self._go_implicit(seq, len(self._clock), len(seq.token_ids))  # type: ignore[arg-type]
 
     # ---- implicit decodes ----------------------------------------------------------------------
 
@@ -279,49 +295,45 @@ class ImplicitDecodeScheduler(Scheduler):
         else:
             bucket.append(seq)
 
-    def _merge_woken(
-        self, woken: list[SimSequence], tick: int, scheduled: list[ScheduledSeq], sampled: list[int | None]
-    ) -> Iterable[tuple]:
-        """The step's entries with the implicit sequences whose event is at `tick` put where the
-        core loop would meet them: among the running sequences' entries in `running` order,
-        before the entries of sequences admitted this step."""
-        # A sequence caught up and made implicit again can be filed twice under one tick: wake it once.
-        due: list[tuple] = []
+    def _due(self, woken: list[SimSequence], tick: int) -> list[SimSequence]:
+        """The sequences filed under `tick` whose event it still is, each once (one caught up and
+        made implicit again can be filed twice under one tick)."""
+        due = []
         seen: set[int] = set()
         for seq in woken:
             if seq.implicit_from >= 0 and seq.implicit_wake == tick and id(seq) not in seen:
                 seen.add(id(seq))
-                due.append((seq, _WAKE))
-        num_running = self._num_running_entries  # usually 0: every running sequence is implicit
-        due += zip(scheduled[:num_running], sampled[:num_running])
-        due.sort(key=_item_order_key)
-        return chain(due, zip(scheduled[num_running:], sampled[num_running:]))
+                due.append(seq)
+        return due
 
     def _wake_implicit(
-        self, seq: SimSequence, now: float, finished: list[Sequence], outputs: list[RequestOutput]
+        self, seqs: Iterable[SimSequence], now: float, finished: list[Sequence], outputs: list[RequestOutput]
     ) -> None:
-        """update() at an implicit sequence's event tick, at its place in the step's order: publish
-        the block that filled, and finish it at its length limit or mark it for a new block."""
+        """update() at implicit sequences' event tick, in the step's order: publish the block that
+        filled, and finish each at its length limit or mark it for a new block."""
         tick = len(self._clock) - 1
         token = self._token
-        num_known = len(seq.token_ids)
-        end = num_known + tick - seq.implicit_from  # its computed count after this step
         bs = self.config.block_size
-        if end >= (seq.prefix.num_committed + 1) * bs:  # its last block filled: publish it
-            if end - bs >= num_known:
-                block_tokens_hash = self._full_block_hash
+        full_block_hash = self._full_block_hash
+        commit_next_block = self.block_manager.commit_next_block
+        needs_block = self._needs_block
+        for seq in seqs:
+            num_known = len(seq.token_ids)
+            end = num_known + tick - seq.implicit_from  # its computed count after this step
+            if end >= (seq.prefix.num_committed + 1) * bs:  # its last block filled: publish it
+                if end - bs >= num_known:
+                    commit_next_block(seq, full_block_hash)
+                else:
+                    commit_next_block(seq, hash((*seq.token_ids[end - bs :], *repeat(token, end - num_known))))
+            if end + 1 >= seq.implicit_limit:
+                # The implicit token cannot stop it: only the length limit ends it.
+                self._finish(seq, FinishReason.LENGTH, now)  # catches it up, this step's token included
+                finished.append(seq)
+                outputs.append(RequestOutput(seq.request_id, [token], True, FinishReason.LENGTH, seq))
             else:
-                block_tokens_hash = hash((*seq.token_ids[end - bs :], *repeat(token, end - num_known)))
-            self.block_manager.commit_next_block(seq, block_tokens_hash)
-        if end + 1 >= seq.implicit_limit:
-            # The implicit token cannot stop it: only the length limit ends it.
-            self._finish(seq, FinishReason.LENGTH, now)  # catches it up, this step's token included
-            finished.append(seq)
-            outputs.append(RequestOutput(seq.request_id, [token], True, FinishReason.LENGTH, seq))
-        else:
-            seq.implicit_needs_block = True
-            seq.implicit_wake = -1
-            self._needs_block.append(seq)
+                seq.implicit_needs_block = True
+                seq.implicit_wake = -1
+                needs_block.append(seq)
 
     def _explicit_after(self, last: SimSequence | None) -> None:
         """After a step the token budget cut: implicit sequences past `last` did not run."""
