@@ -256,14 +256,21 @@ class ImplicitDecodeScheduler(Scheduler):
         with no other entry between them): in one go when the pool has a block for each, so that
         none preempts, else one by one. False if one was preempted itself (nothing more runs)."""
         bs = self.config.block_size
-        # Each context at `tick` needs exactly one more block, as append_slots would count.
-        if all(-(-(len(s.token_ids) + tick - s.implicit_from) // bs) == len(s.block_table) + 1 for s in seqs) and (
+        ends = [len(seq.token_ids) + tick - seq.implicit_from for seq in seqs]  # contexts at `tick`
+        # Each needs exactly one more block, as append_slots would count.
+        if all(-(-end // bs) == len(seq.block_table) + 1 for seq, end in zip(seqs, ends)) and (
             self.block_manager.append_block_each(seqs)
         ):
-            schedule_wake = self._schedule_wake
-            for seq in seqs:
+            wakes = self._wake
+            for seq, end in zip(seqs, ends):  # _schedule_wake, inlined: one pass over many
                 seq.implicit_needs_block = False
-                schedule_wake(seq, tick, len(seq.token_ids) + tick - seq.implicit_from)
+                wake = tick + min(len(seq.block_table) * bs - end, seq.implicit_limit - end - 1)
+                seq.implicit_wake = wake
+                bucket = wakes.get(wake)
+                if bucket is None:
+                    wakes[wake] = [seq]
+                else:
+                    bucket.append(seq)
             return True
         for seq in seqs:
             # One preempted by an earlier one's block is explicit now, and not running: as the
