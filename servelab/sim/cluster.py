@@ -207,6 +207,7 @@ class ClusterRun:
         self.sim = sim
         self.stop = stop
         self.stopped_early = ""
+        self.steps_in_place = 0  # by run_quiet_steps since the last event
         self.concurrency = concurrency
         self.on_done = on_done
         self.check = check
@@ -249,8 +250,10 @@ class ClusterRun:
                 return LoopResult(list(self.records), self.now, self.trace.copy(), self.sim.replicas,
                                   list(self.transfers), self.transfer_bytes, self.stopped_early, self._resume)  # fmt: skip
             if check is not None:
-                until_check -= 1
-                if not until_check:
+                # Steps run in place (run_quiet_steps) count as the events they replace.
+                until_check -= 1 + self.steps_in_place
+                self.steps_in_place = 0
+                if until_check <= 0:
                     check()
                     until_check = CHECK_EVERY_EVENTS
         # Anything still live never got a step (a scheduler that cannot make progress): count it.
@@ -330,6 +333,8 @@ class ClusterRun:
 
     def start_step(self, replica: Replica, t: float) -> None:
         sched = replica.scheduler
+        if self.sim.drafts is None and isinstance(sched, ImplicitDecodeScheduler):
+            t = self.run_quiet_steps(replica, sched, t)
         if self.sim.drafts is not None:
             propose(sched, self.sim.drafts, self.sim.propose_rng, self.sim.draft_coverage)
         plan = sched.schedule(t)
@@ -350,6 +355,40 @@ class ClusterRun:
         trace.num_tokens.append(plan.num_batched_tokens)
         trace.kv_usage.append(sched.block_manager.usage)
         self.push(t + dur, self.step_done, replica, (plan, result))
+
+    def run_quiet_steps(self, replica: Replica, sched: ImplicitDecodeScheduler, t: float) -> float:
+        """Run, in place, the steps from `t` that are implicit decodes only and end before any
+        other event: what start_step, the step's end event and update() would do for each (the
+        same trace row, times and clock), without the plan, the result or the event queue.
+        Returns when the next step starts, to plan as usual."""
+        events = self.events
+        executor = replica.executor
+        trace = self.trace
+        usage = -1.0
+        while (quiet := sched.quiet_step()) is not None:
+            count, context_tokens = quiet
+            dur = executor.decode_time_s(count, context_tokens)
+            if dur is None:
+                break
+            end = t + dur
+            if events and events[0][0] <= end:
+                break  # an event comes first (a tie too: it was queued before this step's end)
+            if usage < 0:
+                usage = sched.block_manager.usage  # no block is taken or freed in such steps
+            replica.busy = True
+            replica.num_steps += 1
+            replica.busy_s += dur
+            trace.replica.append(replica.index)
+            trace.start_s.append(t)
+            trace.duration_s.append(dur)
+            trace.num_seqs.append(count)
+            trace.num_decode.append(count)
+            trace.num_tokens.append(count)
+            trace.kv_usage.append(usage)
+            sched.tick_quiet(end)
+            self.now = t = end
+            self.steps_in_place += 1
+        return t
 
     def send(self, spec: RequestSpec, t: float) -> None:
         sim = self.sim

@@ -391,6 +391,31 @@ class ImplicitDecodeScheduler(Scheduler):
         self._explicit.remove(seq)
         return True
 
+    def quiet_step(self) -> tuple[int, int] | None:
+        """(decodes, their context tokens) of the next step if it is only implicit decodes and
+        nothing happens to any of them (no event at its tick, nothing waiting or explicit, no
+        admission booking that ages per step): schedule() would plan just that, and update()
+        would only tick the clock (`tick_quiet`). None otherwise: schedule() as usual."""
+        count = self._num_implicit
+        if (
+            not count
+            or self._explicit
+            or self._needs_block
+            or self.waiting
+            or self._partial is not None
+            or self._reservation is not None
+            or count > self.config.max_num_batched_tokens
+        ):
+            return None
+        tick = len(self._clock)
+        if tick in self._wake:
+            return None
+        return count, self._implicit_base + count * tick
+
+    def tick_quiet(self, now: float) -> None:
+        """schedule() and update() of a step `quiet_step` described, which ended at `now`."""
+        self._clock.append(now)
+
     def sync(self) -> None:
         """Bring every implicit decode up to date (tokens, times, computed counts) and make it
         explicit. For inspection and tests; the simulator never needs it."""

@@ -21,7 +21,9 @@ from servelab.core.plan import StepResult
 from servelab.core.scheduler import Scheduler
 from servelab.core.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from servelab.errors import ServelabError
+from servelab.sim import SimConfig, simulate
 from servelab.sim.implicit_decodes import ImplicitDecodeScheduler, ImplicitStepPlan, SimSequence
+from servelab.workload import WorkloadSpec
 from tests.scheduler_checks import check_invariants
 
 TOKEN = 7  # what the executor samples, every time
@@ -414,3 +416,35 @@ def test_it_runs_only_sequences_that_carry_the_implicit_state():
     with pytest.raises(TypeError, match="runs SimSequence, got Sequence"):
         s.add(Sequence("r0", [1, 2, 3], SamplingParams(max_tokens=2)), 0.0)
     assert not s.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    "config,workload",
+    [
+        (SimConfig(), WorkloadSpec(num_requests=40, concurrency=2, input_len="64-900", output_len="1-300", seed=3)),
+        (SimConfig(replicas=2), WorkloadSpec(num_requests=60, rate=3.0, input_len="512", output_len="200", seed=4)),
+        (
+            SimConfig(scheduler=SchedulerConfig(max_num_batched_tokens=64)),
+            WorkloadSpec(num_requests=30, concurrency=80, input_len="16-200", output_len="50-150", seed=5),
+        ),
+    ],
+)
+def test_steps_run_in_place_between_events_change_nothing(monkeypatch, config, workload):
+    # Steps of implicit decodes only that end before any other event skip the plan, the result
+    # and the event queue (ClusterRun.run_quiet_steps): the records and trace are the same.
+    quiet = simulate(config, workload)
+    in_place = []
+    tick_quiet = ImplicitDecodeScheduler.tick_quiet
+    monkeypatch.setattr(
+        ImplicitDecodeScheduler, "tick_quiet", lambda self, now: in_place.append(now) or tick_quiet(self, now)
+    )
+    counted = simulate(config, workload)
+    monkeypatch.setattr(ImplicitDecodeScheduler, "quiet_step", lambda self: None)
+    evented = simulate(config, workload)
+    # A lone replica's light load runs most steps in place; two replicas' steps interleave.
+    assert len(in_place) > len(evented.trace) * (0.5 if config.replicas == 1 and workload.concurrency == 2 else 0.02)
+    for run in (quiet, counted):
+        assert [r.to_dict() for r in run.records] == [r.to_dict() for r in evented.records]
+        for column in ("replica", "start_s", "duration_s", "num_seqs", "num_decode", "num_tokens", "kv_usage"):
+            assert getattr(run.trace, column) == getattr(evented.trace, column), column
+        assert run.replica_stats == evented.replica_stats
