@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import math
 import statistics
+import time
 from concurrent.futures import ProcessPoolExecutor
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -65,6 +66,7 @@ class PlanRow:
     max_running: int | None = None  # the most sequences that run at once: --max-num-seqs or the KV cache
     frontier: list[SweptLevel] = field(default_factory=list)  # every simulated concurrency, in load order
     extrapolation: list[str] = field(default_factory=list)  # why its price rests on no measured kernel
+    cpu_s: float = 0.0  # CPU time plan_one took (a measurement of the planner, not of the plan: not in to_dict)
 
     @property
     def meets_slo(self) -> bool:
@@ -153,6 +155,13 @@ def _profile_cost(path: str, tp: int) -> ProfileStepCost:
 def plan_one(job: PlanJob) -> PlanRow:
     """Memory check, then the capacity search on the simulator. Never raises for a configuration
     that cannot serve: the row says why."""
+    start_cpu_s = time.process_time()
+    row = _plan_one(job)
+    row.cpu_s = time.process_time() - start_cpu_s
+    return row
+
+
+def _plan_one(job: PlanJob) -> PlanRow:
     from servelab.cost.memory import MemoryPlan
     from servelab.sim import SimConfig, simulate
     from servelab.sim.runner import engine_sim_config, kv_slots_needed, scheduler_config
