@@ -12,6 +12,7 @@ one HTTP request should wait. So the first request for a parameter set starts th
 background and answers 202 with its progress and a partial result: the accelerators simulated so
 far, and for the others the roofline's upper bound (marked as such; the bars keep the catalog's
 order, so nothing moves when a simulation lands); the page draws it and polls until the 200.
+The form's accelerator is simulated first, the others longest first (`PlanKey.jobs`).
 
 Every plan of one lab runs on its `CapacityPlanner`: one process pool (started on demand, shut
 down when idle), at most MAX_RUNNING_PLANS plans at once (429 beyond), and an LRU cache of the
