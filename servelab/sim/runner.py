@@ -215,7 +215,9 @@ def engine_sim_config(profile: str, *, scheduler: Mapping[str, Any] | None = Non
 @dataclass(slots=True)
 class SimResult:
     records: list[RequestRecord]
-    summary: Summary
+    # The whole run's summary, or how to make it: made when first read (`summary`), since a
+    # caller of the steady state alone (`plan`) never reads it.
+    whole: Summary | Callable[[], Summary] = field(repr=False)
     trace: StepTrace
     replica_stats: list[dict[str, Any]]
     config: dict[str, Any]
@@ -232,6 +234,13 @@ class SimResult:
     stopped_early: str = ""  # why `simulate(stop=...)` ended the run before every request finished
     # A stopped run's way on: the whole run's result, as if it had never stopped.
     resume: Callable[[], SimResult] | None = field(default=None, repr=False)
+
+    @property
+    def summary(self) -> Summary:
+        """The whole run's summary, warm-up included."""
+        if not isinstance(self.whole, Summary):
+            self.whole = self.whole()
+        return self.whole
 
     @property
     def num_steps(self) -> int:
@@ -440,7 +449,7 @@ def simulate(
 
     def result(out: LoopResult, wall_s: float) -> SimResult:
         preemptions = sum(r.scheduler.num_preemptions for r in out.replicas)
-        summary = summarize(out.records, out.duration_s, config.num_devices, config.slo, preemptions)
+        whole = functools.partial(summarize, out.records, out.duration_s, config.num_devices, config.slo, preemptions)
         steady = None
         if warmup_requests or warmup_s:
             steady = steady_state_summary(
@@ -468,7 +477,7 @@ def simulate(
             }
         return SimResult(
             records=out.records,
-            summary=summary,
+            whole=whole,
             trace=out.trace,
             replica_stats=[r.stats() for r in out.replicas],
             config=cfg,
@@ -476,7 +485,7 @@ def simulate(
             kv_transfer_bytes=out.kv_transfer_bytes,
             wall_s=wall_s,
             steady=steady,
-            warmup_requests_excluded=0 if steady is None else summary.num_requests - steady.num_requests,
+            warmup_requests_excluded=0 if steady is None else len(out.records) - steady.num_requests,
             warmup_s=warmup_s,
             stopped_early=out.stopped_early,
             resume=None if out.resume is None else functools.partial(resumed, out.resume),
