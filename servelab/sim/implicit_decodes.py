@@ -305,12 +305,9 @@ class ImplicitDecodeScheduler(Scheduler):
     def _due(self, woken: list[SimSequence], tick: int) -> list[SimSequence]:
         """The sequences filed under `tick` whose event it still is, each once (one caught up and
         made implicit again can be filed twice under one tick)."""
-        due = []
-        seen: set[int] = set()
-        for seq in woken:
-            if seq.implicit_from >= 0 and seq.implicit_wake == tick and id(seq) not in seen:
-                seen.add(id(seq))
-                due.append(seq)
+        due = [seq for seq in woken if seq.implicit_wake == tick and seq.implicit_from >= 0]
+        if len(set(map(id, due))) < len(due):  # rare: keep one of each (the caller sorts them)
+            due = list({id(seq): seq for seq in due}.values())
         return due
 
     def _wake_implicit(
