@@ -36,7 +36,8 @@ class Observed:
 
 
 def observe(result: SimResult) -> Observed:
-    return Observed(result.peak_running, result.peak_kv_usage, result.summary.preemptions,
+    # The steady summary's preemptions are the run's, as the whole summary's are.
+    return Observed(result.peak_running, result.peak_kv_usage, result.steady_or_whole.preemptions,
                     int(result.config["kv_capacity_tokens"]))  # fmt: skip
 
 

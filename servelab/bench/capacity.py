@@ -9,7 +9,8 @@ fails would fail at any higher load, which holds for a stable server and a fixed
 
 A level passes when at most (100 - percentile)% of its requests failed outright and the
 percentile TTFT (and TPOT, E2E) of the completed requests is at most the target. Capacity is
-reported as output tokens/s per device at the highest passing level.
+reported as output tokens/s per device at the highest passing level. A level may end as soon as
+its finished requests decide that it fails (`CertainFailure`); its outcome is the whole run's.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from servelab.errors import InvalidArgument
-from servelab.metrics import SLO, Summary
+from servelab.metrics import SLO, RequestRecord, Summary
 
 SearchMode = Literal["concurrency", "rate"]
 SUPPORTED_PERCENTILES = (50, 90, 95, 99)
@@ -168,6 +169,49 @@ def certainly_fails(violators: int, failures: int, total: int, percentile: int) 
     if failures > (100 - percentile) / 100.0 * total:
         return True
     return violators >= total - math.floor(percentile / 100.0 * (total - 1))
+
+
+class CertainFailure:
+    """Fed a level's finished requests one by one, says when the level is certain to fail: the
+    percentile of one target's metric is already over it, or too many requests failed, whatever
+    the unfinished requests do (`certainly_fails`, per target: a request over the TTFT target and
+    another over the TPOT target do not add up to one percentile). `total` is the number of
+    requests the level's summary will count: those numbered `skip_below` and up (a closed loop's
+    start-up wave is not measured)."""
+
+    __slots__ = ("slo", "percentile", "total", "skip_below", "failures", "over")
+
+    def __init__(self, slo: SLO, percentile: int, total: int, *, skip_below: int = 0) -> None:
+        self.slo = slo
+        self.percentile = check_percentile(percentile)
+        self.total = total
+        self.skip_below = skip_below
+        self.failures = 0
+        self.over = {"TTFT": 0, "TPOT": 0, "E2E": 0}  # requests over each target so far
+
+    def __call__(self, record: RequestRecord) -> str:
+        """Empty while the outcome is open, else why the level fails."""
+        if int(record.request_id) < self.skip_below:
+            return ""
+        if not record.success:
+            # A failed request has no latency in the percentiles: it only counts as a failure.
+            self.failures += 1
+        else:
+            slo = self.slo
+            for label, target, value in (
+                ("TTFT", slo.ttft_s, record.ttft_s if slo.ttft_s is not None else None),
+                ("TPOT", slo.tpot_s, record.tpot_s if slo.tpot_s is not None else None),
+                ("E2E", slo.e2e_s, record.e2e_s if slo.e2e_s is not None else None),
+            ):
+                if value is not None and value > target:  # type: ignore[operator]
+                    self.over[label] += 1
+        p, total = self.percentile, self.total
+        if certainly_fails(0, self.failures, total, p):
+            return f"stopped early: {self.failures} of {total} requests failed already"
+        for label, count in self.over.items():
+            if count and certainly_fails(count, 0, total, p):
+                return f"stopped early: {count} of {total} requests over the {label} target already decide p{p}"
+        return ""
 
 
 def find_capacity(

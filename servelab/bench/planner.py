@@ -9,14 +9,17 @@ plain data (names, numbers, strings) and returns a plain dict.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
+import time
+from collections.abc import Callable
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from servelab.bench.binding import Binding, Ceiling, Observed, binding_limit, observe
-from servelab.bench.capacity import CapacityResult, Level, find_capacity, slo_check
+from servelab.bench.capacity import CapacityResult, CertainFailure, Level, LevelRun, find_capacity, slo_check
 from servelab.bench.pareto import SweptLevel
 from servelab.core.config import SchedulerConfig
 from servelab.errors import DoesNotFit, InvalidArgument, RequestTooLong
@@ -28,6 +31,7 @@ from servelab.workload import WorkloadSpec
 if TYPE_CHECKING:
     from servelab.cost.profile import ProfileStepCost
     from servelab.cost.speculative import Acceptance
+    from servelab.sim import SimResult
     from servelab.spec.hardware import HardwareSpec
     from servelab.spec.model import ModelSpec
 
@@ -62,6 +66,7 @@ class PlanRow:
     max_running: int | None = None  # the most sequences that run at once: --max-num-seqs or the KV cache
     frontier: list[SweptLevel] = field(default_factory=list)  # every simulated concurrency, in load order
     extrapolation: list[str] = field(default_factory=list)  # why its price rests on no measured kernel
+    cpu_s: float = 0.0  # CPU time plan_one took (a measurement of the planner, not of the plan: not in to_dict)
 
     @property
     def meets_slo(self) -> bool:
@@ -118,6 +123,9 @@ class PlanJob:
     # Past the first failing level, double on to what runs at once (at most SWEEP_PAST_FAILURE
     # levels), so the frontier chart's curve reaches the high-throughput end.
     sweep_to_ceiling: bool = False
+    # Stop a level as soon as it is certain to fail (`capacity.CertainFailure`); the answers are
+    # the same either way. Off under `sweep_to_ceiling`: the frontier wants every level whole.
+    early_stop: bool = True
 
 
 def cost_per_million_tokens(price_per_device_hour: float, tokens_per_s_per_device: float) -> float:
@@ -147,6 +155,13 @@ def _profile_cost(path: str, tp: int) -> ProfileStepCost:
 def plan_one(job: PlanJob) -> PlanRow:
     """Memory check, then the capacity search on the simulator. Never raises for a configuration
     that cannot serve: the row says why."""
+    start_cpu_s = time.process_time()
+    row = _plan_one(job)
+    row.cpu_s = time.process_time() - start_cpu_s
+    return row
+
+
+def _plan_one(job: PlanJob) -> PlanRow:
     from servelab.cost.memory import MemoryPlan
     from servelab.sim import SimConfig, simulate
     from servelab.sim.runner import engine_sim_config, kv_slots_needed, scheduler_config
@@ -186,8 +201,12 @@ def plan_one(job: PlanJob) -> PlanRow:
     row.extrapolation = list(config.extrapolation)
     fixed_n = job.workload.get("num_requests")
     observed: dict[int, Observed] = {}
+    # The lowest level stopped early, paused where it stopped: the search's first failing level
+    # when it ends, whose whole run the row reports. A level stops only when it fails, and the
+    # search only probes below its lowest failure, so one is kept at a time.
+    paused: dict[int, Callable[[], SimResult]] = {}
 
-    def measure(concurrency: float):  # noqa: ANN202
+    def measure(concurrency: float, early_stop: bool = False) -> LevelRun:
         c = int(concurrency)
         n = fixed_n or max(100, job.requests_per_client * c)
         # All c clients send their first request at t = 0, so that wave's prompts queue behind one
@@ -196,9 +215,23 @@ def plan_one(job: PlanJob) -> PlanRow:
         # --warmup`, the first wave runs (it fills the batch) but is not measured.
         # `simulate` leaves a closed loop's wave out of its steady-state summary by default.
         workload = WorkloadSpec(**{**job.workload, "num_requests": n + c, "concurrency": c, "rate": None})
-        result = simulate(config, workload)
+        stop = CertainFailure(job.slo, job.percentile, n, skip_below=c) if early_stop else None
+        result = simulate(config, workload, stop=stop)
         observed[c] = observe(result)
-        return result.steady_or_whole
+        if result.resume is not None:
+            paused.clear()
+            paused[c] = result.resume
+        return LevelRun(result.steady_or_whole, result.stopped_early)
+
+    def measure_whole(concurrency: float) -> LevelRun:
+        """A level's whole run: the paused one resumed, else run afresh."""
+        c = int(concurrency)
+        resume = paused.pop(c, None)
+        if resume is None:
+            return measure(c)
+        result = resume()
+        observed[c] = observe(result)
+        return LevelRun(result.steady_or_whole)
 
     # Clients beyond what runs at once only queue: they add TTFT, no throughput, and are not users.
     # So the search stops at the most sequences that can run, measured there exactly: the
@@ -215,10 +248,19 @@ def plan_one(job: PlanJob) -> PlanRow:
     for cap in (job.max_concurrency, MAX_CONCURRENCY, fixed_n):  # fixed_n: more clients than requests changes nothing
         if cap is not None and cap < max_load:
             max_load, ceiling = cap, "search-maximum"
+    early_stop = job.early_stop and not job.sweep_to_ceiling
     try:
         result = find_capacity(
-            measure, job.slo, percentile=job.percentile, mode="concurrency", max_load=max_load, tolerance=job.tolerance
+            functools.partial(measure, early_stop=early_stop),
+            job.slo,
+            percentile=job.percentile,
+            mode="concurrency",
+            max_load=max_load,
+            tolerance=job.tolerance,
         )
+        if result.first_failing is not None and result.first_failing.stopped_early:
+            _measure_whole(result, measure_whole)
+        paused.clear()
     except (RequestTooLong, DoesNotFit) as exc:
         row.fits = False
         row.reason = exc.message
@@ -226,11 +268,25 @@ def plan_one(job: PlanJob) -> PlanRow:
     past = _sweep_past_failure(result, max_load) if job.sweep_to_ceiling else []
     extra = []
     for c in past:
-        summary = measure(c)
+        summary = measure(c).summary
         extra.append(Level(c, summary, *slo_check(summary, job.slo, job.percentile)))
     fill_row(row, result, job, extra)
     row.binding = binding_limit(result, observed, max_num_seqs=max_num_seqs, request_tokens=longest, ceiling=ceiling)
     return row
+
+
+def _measure_whole(result: CapacityResult, measure: Callable[[float], LevelRun]) -> None:
+    """Run the search's first failing level, stopped early, on to its end: the reason it failed,
+    the limit that binds and the numbers beside them are the whole level's, as if it had never
+    stopped. Its pass or fail is what the early stop decided (the rule is exact)."""
+    first = result.first_failing
+    assert first is not None
+    whole = measure(first.load).summary
+    passed, reason = slo_check(whole, result.slo, result.percentile)
+    assert not passed, f"concurrency {first.load:g} stopped early as failing, yet passes when run whole"
+    level = Level(first.load, whole, passed, reason)
+    result.levels[result.levels.index(first)] = level
+    result.first_failing = level
 
 
 def _think_factor(config, workload: dict[str, Any]) -> int:  # noqa: ANN001
@@ -265,6 +321,8 @@ def fill_row(row: PlanRow, result: CapacityResult, job: PlanJob, extra: list[Lev
     key = f"p{job.percentile}"
     without_tpot = dataclasses.replace(job.slo, tpot_s=None)
     for level in sorted([*result.levels, *(extra or [])], key=lambda lv: lv.load):
+        if level.stopped_early:
+            continue  # a part of a level: no steady-state point to draw
         s = level.summary
         serves = slo_check(s, without_tpot, job.percentile)[0]
         row.frontier.append(

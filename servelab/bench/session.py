@@ -258,30 +258,32 @@ def _saturation_rule(slo: SLO, percentile: int, total: int, *, skip_below: int =
         results = [r for r in results if r.index >= skip_below]
         in_flight = [f for f in in_flight if f.index >= skip_below]
         failures = sum(1 for r in results if not r.success)
-        violators = 0
+        # Per target: a request over the TTFT target and another over the TPOT target do not
+        # decide either percentile.
+        over = {"TTFT": 0, "TPOT": 0, "E2E": 0}
         for r in results:
             if not r.success or r.first_token_s is None:
                 continue
             if slo.ttft_s is not None and r.first_token_s - r.send_s > slo.ttft_s:
-                violators += 1
-                continue
+                over["TTFT"] += 1
             n = r.usage_output_tokens or len(r.token_times_s)
             if slo.tpot_s is not None and n > 1 and (r.token_times_s[-1] - r.first_token_s) / (n - 1) > slo.tpot_s:
-                violators += 1
-                continue
+                over["TPOT"] += 1
             if slo.e2e_s is not None and r.token_times_s[-1] - r.send_s > slo.e2e_s:
-                violators += 1
+                over["E2E"] += 1
         for f in in_flight:
             waited_s = now - f.send_s
-            if (slo.ttft_s is not None and f.first_token_s is None and waited_s > slo.ttft_s) or (
-                slo.e2e_s is not None and waited_s > slo.e2e_s
-            ):
-                violators += 1
-        if certainly_fails(violators, failures, total, percentile):
-            return (
-                f"stopped early: {violators} requests over target and {failures} failed of {total} "
-                f"already decide p{percentile}"
-            )
+            if slo.ttft_s is not None and f.first_token_s is None and waited_s > slo.ttft_s:
+                over["TTFT"] += 1
+            if slo.e2e_s is not None and waited_s > slo.e2e_s:
+                over["E2E"] += 1
+        if certainly_fails(0, failures, total, percentile):
+            return f"stopped early: {failures} of {total} requests failed already decide p{percentile}"
+        for label, count in over.items():
+            if count and certainly_fails(count, 0, total, percentile):
+                return (
+                    f"stopped early: {count} requests over the {label} target of {total} already decide p{percentile}"
+                )
         return ""
 
     return rule

@@ -30,6 +30,7 @@ windowed group the blocks the query at position n * block_size reads.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Collection
 from operator import itemgetter
 
 from servelab.core.kv_groups import FULL
@@ -302,6 +303,18 @@ class BlockManager:
             out = table[start:cut]
             table[start:cut] = [NULL_BLOCK] * len(out)
             self._append_run(self._drop_refs(out))  # oldest first: evicted first
+
+    def append_block_each(self, seqs: Collection[Sequence]) -> bool:
+        """One more block at the end of each of `seqs`' tables, handed out in their order exactly as
+        append_slots would one by one (decodes crossing into a new block in the same step). Returns
+        False, changing nothing, when the pool is short for all of them. One KV group only (the
+        simulator's implicit decodes, which windowed models do not take)."""
+        assert self.num_groups == 1, "append_block_each grows group 0's tables only"
+        if len(seqs) > len(self._free_uncached) + self._num_free_cached:
+            return False
+        for seq, block in zip(seqs, self._take_free_blocks(len(seqs))):
+            seq.block_table.append(block)
+        return True
 
     def _take_free_blocks(self, count: int) -> list[int]:
         """`count` free blocks (the caller checked there are enough): never-hashed ones first, from

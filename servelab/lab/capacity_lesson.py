@@ -12,6 +12,7 @@ one HTTP request should wait. So the first request for a parameter set starts th
 background and answers 202 with its progress and a partial result: the accelerators simulated so
 far, and for the others the roofline's upper bound (marked as such; the bars keep the catalog's
 order, so nothing moves when a simulation lands); the page draws it and polls until the 200.
+The form's accelerator is simulated first, the others longest first (`PlanKey.jobs`).
 
 Every plan of one lab runs on its `CapacityPlanner`: one process pool (started on demand, shut
 down when idle), at most MAX_RUNNING_PLANS plans at once (429 beyond), and an LRU cache of the
@@ -38,7 +39,7 @@ from typing import Any, Protocol
 from fastapi.responses import JSONResponse
 
 from servelab.errors import ServelabError
-from servelab.lab.common import fmt, setup_from, stat
+from servelab.lab.common import DEFAULT_HARDWARE, fmt, setup_from, stat
 from servelab.lab.limits import RETRY_AFTER_S, LabBusy, bounds
 from servelab.lab.params import Params
 from servelab.lab.simulations import SimulationCancelled
@@ -80,10 +81,18 @@ class PlanKey:
         return len(HARDWARE)
 
     def jobs(self) -> list[tuple[str, Callable[[Any], Any], Any]]:
-        """(row name, picklable function, its argument): one `plan_one` per accelerator."""
+        """(row name, picklable function, its argument): one `plan_one` per accelerator, the
+        longest first (the most users the roofline allows: a search simulates a few times as many
+        requests), so that the pool's workers finish together rather than one waiting on the last."""
         from servelab.bench.planner import plan_one
+        from servelab.lab.common import Setup
+        from servelab.spec.model import get_model
 
-        return [(job.hardware, plan_one, job) for job in _jobs(self)]
+        s = Setup(get_model(self.model), HARDWARE[DEFAULT_HARDWARE], self.weight_dtype, self.kv_dtype, self.tp,
+                  self.engine_profile)  # fmt: skip
+        users = {name: upper_bound(s, hw, self)["users"] for name, hw in HARDWARE.items()}
+        jobs = [(job.hardware, plan_one, job) for job in _jobs(self)]
+        return sorted(jobs, key=lambda job: -users.get(job[0], 0))
 
 
 class BackgroundKey(Protocol):
@@ -93,6 +102,12 @@ class BackgroundKey(Protocol):
     def total(self) -> int: ...
 
     def jobs(self) -> list[tuple[str, Callable[[Any], Any], Any]]: ...
+
+
+def job_order(jobs: list[tuple[str, Any, Any]], first: str | None = None) -> list[tuple[str, Any, Any]]:
+    """The order the planner hands jobs to its workers: the row named `first` (the page's own
+    accelerator, drawn first) ahead of the others, which keep their order."""
+    return sorted(jobs, key=lambda job: job[0] != first) if first is not None else list(jobs)
 
 
 def plan_argv(key: PlanKey, hardware: str) -> list[str]:
@@ -144,13 +159,14 @@ class CapacityPlanner:
         with self._lock:
             return 0 if self._pool is None else len(self._pool._processes or {})  # noqa: SLF001
 
-    def plan_for(self, key: BackgroundKey, wait: bool = False) -> _PlanState:
+    def plan_for(self, key: BackgroundKey, wait: bool = False, first: str | None = None) -> _PlanState:
+        """The plan of `key`, started if new (the job named `first` ahead of the others)."""
         with self._lock:
             state = self._plans.get(key)
             if state is not None and not (state.done.is_set() and state.error):
                 self._plans.move_to_end(key)
             else:
-                state = self._start(key)
+                state = self._start(key, first)
         if wait:
             state.done.wait()
         return state
@@ -160,7 +176,7 @@ class CapacityPlanner:
         with self._lock:
             return state.done.is_set(), dict(state.rows)
 
-    def _start(self, key: BackgroundKey) -> _PlanState:
+    def _start(self, key: BackgroundKey, first: str | None = None) -> _PlanState:
         if self._closed:
             raise SimulationCancelled("the server is shutting down; it starts no new capacity plan")
         if self.num_running >= self.max_running:
@@ -173,7 +189,7 @@ class CapacityPlanner:
         self._plans.move_to_end(key)
         self._evict()
         try:
-            jobs = key.jobs()
+            jobs = job_order(key.jobs(), first)
         except Exception as exc:  # reported to the page; the next request retries
             state.error = f"{type(exc).__name__}: {exc}"
             state.done.set()
@@ -242,7 +258,7 @@ def capacity(p: Params, planner: CapacityPlanner) -> dict[str, Any] | JSONRespon
     s.roofline()._check_context(prompt_len + output_len, "prompt_len + output_len")  # noqa: SLF001
     key = PlanKey(s.model.name, s.weight_dtype, s.kv_dtype, s.tp, s.engine_profile, tpot_ms, ttft_ms, prompt_len,
                   output_len)  # fmt: skip
-    state = planner.plan_for(key)
+    state = planner.plan_for(key, first=s.hardware.name)
     done, rows = planner.snapshot(state)
     if not done:
         partial = result(s, key, rows)

@@ -102,7 +102,7 @@ def capacity_pareto(p: Params, budget: Budget) -> dict[str, Any]:
     warning = None
     if no_fit:
         warning = "; ".join(f"{hw}: does not fit: {by_hw[hw].reason}" for hw in no_fit)
-        notice += f" {', '.join(no_fit)}: does not fit (the warning says what to change)."
+        notice += f" {'; '.join(f'{hw}: does not fit' for hw in no_fit)} (the warning says what to change)."
     return {
         "config": {
             **s.to_dict(),

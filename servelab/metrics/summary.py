@@ -10,6 +10,7 @@ counted (`failed`), never silently dropped: they produce no latencies and never 
 from __future__ import annotations
 
 import math
+from array import array
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -130,15 +131,15 @@ class Summary:
 
 def _pooled_itl_s(records: list[RequestRecord]) -> np.ndarray:
     lengths = [len(r.token_times_s) for r in records]
-    total = sum(lengths)
-    if total == 0:
+    if sum(lengths) == 0:
         return np.empty(0)
-    times = np.empty(total, dtype=np.float64)
-    pos = 0
-    for r, n in zip(records, lengths):
-        times[pos : pos + n] = r.token_times_s
-        pos += n
-    gaps = np.diff(times)
+    # One buffer of every token time: extending an array.array by another (the simulator's
+    # records) is a copy in C, where assigning one into a numpy slice converts it value by value.
+    pooled = array("d")
+    extend = pooled.extend
+    for r in records:
+        extend(r.token_times_s)
+    gaps = np.diff(np.frombuffer(pooled, dtype=np.float64))
     # Drop the "gaps" that span two requests: the last token of one to the first of the next.
     keep = np.ones(gaps.size, dtype=bool)
     ends = np.cumsum(lengths)[:-1] - 1

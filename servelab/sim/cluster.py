@@ -84,6 +84,11 @@ class StepTrace:
     def __len__(self) -> int:
         return len(self.start_s)
 
+    def copy(self) -> StepTrace:
+        columns = (self.replica, self.start_s, self.duration_s, self.num_seqs, self.num_decode, self.num_tokens,
+                   self.kv_usage)  # fmt: skip
+        return StepTrace(*(array(column.typecode, column) for column in columns))
+
 
 @dataclass(slots=True, eq=False)
 class _Request:
@@ -105,6 +110,10 @@ class LoopResult:
     replicas: list[Replica]
     kv_transfer_s: list[float]
     kv_transfer_bytes: float
+    stopped_early: str = ""  # why `stop` ended the run before every request finished
+    # A stopped run goes on to its end from where it stopped, as if it never had (its own
+    # result: this one's records and trace stay as they were at the stop).
+    resume: Callable[[], LoopResult] | None = None
 
 
 class ClusterSim:
@@ -170,12 +179,15 @@ class ClusterSim:
         concurrency: int | None = None,
         on_done: Callable[[int], None] | None = None,
         check: Callable[[], None] | None = None,
+        stop: Callable[[RequestRecord], str] | None = None,
     ) -> LoopResult:
         """`concurrency` caps requests in flight; with no arrival times it is a closed loop, whose
         clients send their next request a finished request's `think_s` after it ended. `check`
         is called every CHECK_EVERY_EVENTS events: what it raises ends the run (a time budget,
-        a shutdown)."""
-        return ClusterRun(self, requests, concurrency, on_done, check).run()
+        a shutdown). `stop` sees each request's record as it finishes; a reason it returns ends
+        the run after that event, with the unfinished requests left out of the records, and
+        `LoopResult.resume` runs it on to its end."""
+        return ClusterRun(self, requests, concurrency, on_done, check, stop).run()
 
 
 class ClusterRun:
@@ -190,8 +202,12 @@ class ClusterRun:
         concurrency: int | None,
         on_done: Callable[[int], None] | None,
         check: Callable[[], None] | None = None,
+        stop: Callable[[RequestRecord], str] | None = None,
     ) -> None:
         self.sim = sim
+        self.stop = stop
+        self.stopped_early = ""
+        self.steps_in_place = 0  # by run_quiet_steps since the last event
         self.concurrency = concurrency
         self.on_done = on_done
         self.check = check
@@ -212,6 +228,7 @@ class ClusterRun:
         else:
             self.arrivals = sorted(requests, key=lambda r: (r.arrival_s, r.index))
         self.next_arrival = 0
+        self._params: dict[int, SamplingParams] = {}
 
     def run(self) -> LoopResult:
         # Closed loop and capped open loop start with as many requests as the cap allows.
@@ -221,21 +238,42 @@ class ClusterRun:
                 self.send(pending.popleft(), 0.0)
         if self.arrivals:
             self.push_next_arrival()
+        return self._loop()
+
+    def _loop(self) -> LoopResult:
         events, heappop, check = self.events, heapq.heappop, self.check
         until_check = CHECK_EVERY_EVENTS
         while events:
             self.now, _, handler, a, b = heappop(events)
             handler(a, b)
+            if self.stopped_early:
+                return LoopResult(list(self.records), self.now, self.trace.copy(), self.sim.replicas,
+                                  list(self.transfers), self.transfer_bytes, self.stopped_early, self._resume)  # fmt: skip
             if check is not None:
-                until_check -= 1
-                if not until_check:
+                # Steps run in place (run_quiet_steps) count as the events they replace.
+                until_check -= 1 + self.steps_in_place
+                self.steps_in_place = 0
+                if until_check <= 0:
                     check()
                     until_check = CHECK_EVERY_EVENTS
         # Anything still live never got a step (a scheduler that cannot make progress): count it.
-        pending.clear()
+        self.pending.clear()
         for req in list(self.live.values()):
             self.fail(req, self.now, "never completed: the simulation ran out of events")
         return LoopResult(self.records, self.now, self.trace, self.sim.replicas, self.transfers, self.transfer_bytes)
+
+    def _resume(self) -> LoopResult:
+        self.stop = None
+        self.stopped_early = ""
+        return self._loop()
+
+    def params(self, max_tokens: int) -> SamplingParams:
+        """The sampling params of every request with this output length: one object, checked once
+        (nothing in the scheduler writes to a sequence's params)."""
+        params = self._params.get(max_tokens)
+        if params is None:
+            params = self._params[max_tokens] = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+        return params
 
     def push(self, t: float, handler: Callable[[Any, Any], None], a: Any, b: Any = None) -> None:
         self.counter += 1
@@ -283,7 +321,7 @@ class ClusterRun:
         seq = SimSequence(
             rid,
             req.prompt_token_ids,
-            SamplingParams(max_tokens=req.spec.output_tokens, ignore_eos=True),
+            self.params(req.spec.output_tokens),
             arrival_s=req.sent_s,
         )
         seq.prefix.hashes = list(req.prompt_block_hashes)
@@ -295,6 +333,8 @@ class ClusterRun:
 
     def start_step(self, replica: Replica, t: float) -> None:
         sched = replica.scheduler
+        if self.sim.drafts is None and isinstance(sched, ImplicitDecodeScheduler):
+            t = self.run_quiet_steps(replica, sched, t)
         if self.sim.drafts is not None:
             propose(sched, self.sim.drafts, self.sim.propose_rng, self.sim.draft_coverage)
         plan = sched.schedule(t)
@@ -316,6 +356,40 @@ class ClusterRun:
         trace.kv_usage.append(sched.block_manager.usage)
         self.push(t + dur, self.step_done, replica, (plan, result))
 
+    def run_quiet_steps(self, replica: Replica, sched: ImplicitDecodeScheduler, t: float) -> float:
+        """Run, in place, the steps from `t` that are implicit decodes only and end before any
+        other event: what start_step, the step's end event and update() would do for each (the
+        same trace row, times and clock), without the plan, the result or the event queue.
+        Returns when the next step starts, to plan as usual."""
+        events = self.events
+        executor = replica.executor
+        trace = self.trace
+        usage = -1.0
+        while (quiet := sched.quiet_step()) is not None:
+            count, context_tokens = quiet
+            dur = executor.decode_time_s(count, context_tokens)
+            if dur is None:
+                break
+            end = t + dur
+            if events and events[0][0] <= end:
+                break  # an event comes first (a tie too: it was queued before this step's end)
+            if usage < 0:
+                usage = sched.block_manager.usage  # no block is taken or freed in such steps
+            replica.busy = True
+            replica.num_steps += 1
+            replica.busy_s += dur
+            trace.replica.append(replica.index)
+            trace.start_s.append(t)
+            trace.duration_s.append(dur)
+            trace.num_seqs.append(count)
+            trace.num_decode.append(count)
+            trace.num_tokens.append(count)
+            trace.kv_usage.append(usage)
+            sched.tick_quiet(end)
+            self.now = t = end
+            self.steps_in_place += 1
+        return t
+
     def send(self, spec: RequestSpec, t: float) -> None:
         sim = self.sim
         self.in_flight += 1
@@ -324,7 +398,7 @@ class ClusterRun:
         rid = str(spec.index)
         self.live[rid] = req
         max_tokens = 1 if sim.disagg else spec.output_tokens
-        seq = SimSequence(rid, ids, SamplingParams(max_tokens=max_tokens, ignore_eos=True), arrival_s=t)
+        seq = SimSequence(rid, ids, self.params(max_tokens), arrival_s=t)
         seq.prefix.hashes = list(hashes)  # the prefix cache would compute the same identities
         replica = sim.entry_router.pick(sim.entry_pool, hashes)
         req.prefill_replica = replica
@@ -401,6 +475,9 @@ class ClusterRun:
         self.in_flight -= 1
         if self.on_done is not None:
             self.on_done(1)
+        if self.stop is not None and not self.stopped_early:
+            # The run stops after this event, whatever else it does (so it can resume as if it never stopped).
+            self.stopped_early = self.stop(self.records[-1])
         if self.pending and (self.closed or self.in_flight < (self.concurrency or 0)):
             if self.closed and req.spec.think_s > 0:
                 # An event, never inline: even a tiny think time lands after the step that

@@ -64,6 +64,14 @@ class SimExecutor:
         self.last_num_decode = num_decode
         return StepResult(sampled, self._time_from_totals(num_tokens, num_seqs, context_tokens, pairs))
 
+    def decode_time_s(self, num_decodes: int, context_tokens: int) -> float | None:
+        """execute() of a step of `num_decodes` decodes (one query token each) at contexts that sum
+        to `context_tokens`, priced from its totals; None where the cost model has none."""
+        if self._time_from_totals is None or self.preloaded:
+            return None
+        self.last_num_decode = num_decodes
+        return self._time_from_totals(num_decodes, num_decodes, context_tokens, context_tokens)
+
     def _shape_after_preloaded(self, plan: StepPlan) -> list[tuple[int, int]]:
         preloaded = self.preloaded
         shape = []

@@ -15,10 +15,10 @@ them); a step costs the few sequences that need attention instead of every runni
 
 from __future__ import annotations
 
-from bisect import insort
+from bisect import bisect_left, insort
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from itertools import chain, repeat
+from itertools import repeat
 from typing import cast
 
 from servelab.core.config import SchedulerConfig
@@ -27,11 +27,6 @@ from servelab.core.scheduler import Scheduler, by_order
 from servelab.core.sequence import FinishReason, Sequence, SequenceStatus
 
 _RUNNING = SequenceStatus.RUNNING
-_WAKE = object()  # update() items: (entry, token), or (sequence, _WAKE) for an implicit event
-
-
-def _item_order_key(item: tuple) -> tuple:
-    return item[0].order_key if item[1] is _WAKE else item[0].seq.order_key
 
 
 @dataclass(slots=True, eq=False)
@@ -130,16 +125,28 @@ class ImplicitDecodeScheduler(Scheduler):
         preempted = plan.preempted
         seqs, cutting = self._step_order(budget)
         last = None
+        # Implicit decodes whose block filled, met in a row: they take their blocks together
+        # before the next explicit entry (the budget cannot stop the loop among them uncut).
+        group: list[SimSequence] = []
         for seq in seqs:
             if budget <= 0:
                 break
             if seq.implicit_from >= 0:
-                if seq.implicit_needs_block and not self._take_block(seq, tick, preempted):
-                    break  # seq itself was the newest left and was preempted: nothing more runs
+                if seq.implicit_needs_block:
+                    if not cutting:
+                        group.append(seq)
+                        continue
+                    if not self._take_block(seq, tick, preempted):
+                        break  # seq itself was the newest left and was preempted: nothing more runs
                 if cutting:
                     budget -= 1
                     last = seq
                 continue
+            if group:
+                taken = self._take_group(group, tick, preempted)
+                group = []
+                if not taken:
+                    break
             if seq.status is not _RUNNING:
                 continue  # preempted by an earlier entry of this step
             last = seq
@@ -161,6 +168,8 @@ class ImplicitDecodeScheduler(Scheduler):
                 continue
             scheduled.append(entry)
             budget -= entry.num_tokens
+        if group:
+            self._take_group(group, tick, preempted)
         self._num_running_entries = len(scheduled)
         if cutting:
             self._explicit_after(last)  # the budget ran out before them: they skip this step
@@ -182,20 +191,41 @@ class ImplicitDecodeScheduler(Scheduler):
     ) -> None:
         scheduled = plan.scheduled
         sampled = result.sampled_token_ids
-        items: Iterable[tuple] = zip(scheduled, sampled)
+        start = 0  # the entries before it are applied
         if plan.num_implicit_decodes:
             tick = len(self._clock)
             self._clock.append(now)  # every implicit decode gained a token at `now`
             woken = self._wake.pop(tick, None)
             if woken:
-                items = self._merge_woken(woken, tick, scheduled, sampled)
-        apply_entry = self._apply_entry
-        for entry, token in items:
-            if token is _WAKE:
-                self._wake_implicit(entry, now, finished, outputs)
-            elif apply_entry(entry, token, None, now, outputs, finished, False):
-                seq = entry.seq
-                self._go_implicit(seq, len(self._clock), len(seq.token_ids))
+                # The implicit sequences whose event is now, where the core loop would meet them:
+                # among the running sequences' entries in `running` order (both in key order),
+                # before the entries of sequences admitted this step.
+                due = self._due(woken, tick)
+                due.sort(key=by_order)
+                pos = 0
+                for start in range(self._num_running_entries):  # usually none: all running are implicit
+                    entry = scheduled[start]
+                    end = bisect_left(due, entry.seq.order_key, pos, key=by_order)
+                    if end > pos:
+                        self._wake_implicit(due[pos:end], now, finished, outputs)
+                        pos = end
+                    self._apply_running(entry, sampled[start], now, outputs, finished)
+                start = self._num_running_entries
+                self._wake_implicit(due[pos:] if pos else due, now, finished, outputs)
+        for entry, token in zip(scheduled[start:] if start else scheduled, sampled[start:] if start else sampled):
+            self._apply_running(entry, token, now, outputs, finished)
+
+    def _apply_running(
+        self,
+        entry: ScheduledSeq,
+        token: int | None,
+        now: float,
+        outputs: list[RequestOutput],
+        finished: list[Sequence],
+    ) -> None:
+        if self._apply_entry(entry, token, None, now, outputs, finished, False):
+            seq = entry.seq
+            self._go_implicit(seq, len(self._clock), len(seq.token_ids))  # type: ignore[arg-type]
 
     # ---- implicit decodes ----------------------------------------------------------------------
 
@@ -221,6 +251,34 @@ class ImplicitDecodeScheduler(Scheduler):
             return needs_block, False
         return sorted(explicit + needs_block, key=by_order), False  # both few, both in key order
 
+    def _take_group(self, seqs: list[SimSequence], tick: int, preempted: list[Sequence]) -> bool:
+        """_take_block for each of `seqs` (implicit decodes whose block filled, in `running` order,
+        with no other entry between them): in one go when the pool has a block for each, so that
+        none preempts, else one by one. False if one was preempted itself (nothing more runs)."""
+        bs = self.config.block_size
+        ends = [len(seq.token_ids) + tick - seq.implicit_from for seq in seqs]  # contexts at `tick`
+        # Each needs exactly one more block, as append_slots would count.
+        if all(-(-end // bs) == len(seq.block_table) + 1 for seq, end in zip(seqs, ends)) and (
+            self.block_manager.append_block_each(seqs)
+        ):
+            wakes = self._wake
+            for seq, end in zip(seqs, ends):  # _schedule_wake, inlined: one pass over many
+                seq.implicit_needs_block = False
+                wake = tick + min(len(seq.block_table) * bs - end, seq.implicit_limit - end - 1)
+                seq.implicit_wake = wake
+                bucket = wakes.get(wake)
+                if bucket is None:
+                    wakes[wake] = [seq]
+                else:
+                    bucket.append(seq)
+            return True
+        for seq in seqs:
+            # One preempted by an earlier one's block is explicit now, and not running: as the
+            # step's loop would, pass over it.
+            if seq.implicit_from >= 0 and not self._take_block(seq, tick, preempted):
+                return False
+        return True
+
     def _take_block(self, seq: SimSequence, tick: int, preempted: list[Sequence]) -> bool:
         """An implicit sequence whose block filled last step takes a new one, as the core loop
         would (preempting from the tail if the pool is short), and waits for its next event.
@@ -244,49 +302,42 @@ class ImplicitDecodeScheduler(Scheduler):
         else:
             bucket.append(seq)
 
-    def _merge_woken(
-        self, woken: list[SimSequence], tick: int, scheduled: list[ScheduledSeq], sampled: list[int | None]
-    ) -> Iterable[tuple]:
-        """The step's entries with the implicit sequences whose event is at `tick` put where the
-        core loop would meet them: among the running sequences' entries in `running` order,
-        before the entries of sequences admitted this step."""
-        # A sequence caught up and made implicit again can be filed twice under one tick: wake it once.
-        due: list[tuple] = []
-        seen: set[int] = set()
-        for seq in woken:
-            if seq.implicit_from >= 0 and seq.implicit_wake == tick and id(seq) not in seen:
-                seen.add(id(seq))
-                due.append((seq, _WAKE))
-        num_running = self._num_running_entries  # usually 0: every running sequence is implicit
-        due += zip(scheduled[:num_running], sampled[:num_running])
-        due.sort(key=_item_order_key)
-        return chain(due, zip(scheduled[num_running:], sampled[num_running:]))
+    def _due(self, woken: list[SimSequence], tick: int) -> list[SimSequence]:
+        """The sequences filed under `tick` whose event it still is, each once (one caught up and
+        made implicit again can be filed twice under one tick)."""
+        due = [seq for seq in woken if seq.implicit_wake == tick and seq.implicit_from >= 0]
+        if len(set(map(id, due))) < len(due):  # rare: keep one of each (the caller sorts them)
+            due = list({id(seq): seq for seq in due}.values())
+        return due
 
     def _wake_implicit(
-        self, seq: SimSequence, now: float, finished: list[Sequence], outputs: list[RequestOutput]
+        self, seqs: Iterable[SimSequence], now: float, finished: list[Sequence], outputs: list[RequestOutput]
     ) -> None:
-        """update() at an implicit sequence's event tick, at its place in the step's order: publish
-        the block that filled, and finish it at its length limit or mark it for a new block."""
+        """update() at implicit sequences' event tick, in the step's order: publish the block that
+        filled, and finish each at its length limit or mark it for a new block."""
         tick = len(self._clock) - 1
         token = self._token
-        num_known = len(seq.token_ids)
-        end = num_known + tick - seq.implicit_from  # its computed count after this step
         bs = self.config.block_size
-        if end >= (seq.prefix.num_committed + 1) * bs:  # its last block filled: publish it
-            if end - bs >= num_known:
-                block_tokens_hash = self._full_block_hash
+        full_block_hash = self._full_block_hash
+        commit_next_block = self.block_manager.commit_next_block
+        needs_block = self._needs_block
+        for seq in seqs:
+            num_known = len(seq.token_ids)
+            end = num_known + tick - seq.implicit_from  # its computed count after this step
+            if end >= (seq.prefix.num_committed + 1) * bs:  # its last block filled: publish it
+                if end - bs >= num_known:
+                    commit_next_block(seq, full_block_hash)
+                else:
+                    commit_next_block(seq, hash((*seq.token_ids[end - bs :], *repeat(token, end - num_known))))
+            if end + 1 >= seq.implicit_limit:
+                # The implicit token cannot stop it: only the length limit ends it.
+                self._finish(seq, FinishReason.LENGTH, now)  # catches it up, this step's token included
+                finished.append(seq)
+                outputs.append(RequestOutput(seq.request_id, [token], True, FinishReason.LENGTH, seq))
             else:
-                block_tokens_hash = hash((*seq.token_ids[end - bs :], *repeat(token, end - num_known)))
-            self.block_manager.commit_next_block(seq, block_tokens_hash)
-        if end + 1 >= seq.implicit_limit:
-            # The implicit token cannot stop it: only the length limit ends it.
-            self._finish(seq, FinishReason.LENGTH, now)  # catches it up, this step's token included
-            finished.append(seq)
-            outputs.append(RequestOutput(seq.request_id, [token], True, FinishReason.LENGTH, seq))
-        else:
-            seq.implicit_needs_block = True
-            seq.implicit_wake = -1
-            self._needs_block.append(seq)
+                seq.implicit_needs_block = True
+                seq.implicit_wake = -1
+                needs_block.append(seq)
 
     def _explicit_after(self, last: SimSequence | None) -> None:
         """After a step the token budget cut: implicit sequences past `last` did not run."""
@@ -336,6 +387,31 @@ class ImplicitDecodeScheduler(Scheduler):
         self._schedule_wake(seq, tick, num_known)
         self._explicit.remove(seq)
         return True
+
+    def quiet_step(self) -> tuple[int, int] | None:
+        """(decodes, their context tokens) of the next step if it is only implicit decodes and
+        nothing happens to any of them (no event at its tick, nothing waiting or explicit, no
+        admission booking that ages per step): schedule() would plan just that, and update()
+        would only tick the clock (`tick_quiet`). None otherwise: schedule() as usual."""
+        count = self._num_implicit
+        if (
+            not count
+            or self._explicit
+            or self._needs_block
+            or self.waiting
+            or self._partial is not None
+            or self._reservation is not None
+            or count > self.config.max_num_batched_tokens
+        ):
+            return None
+        tick = len(self._clock)
+        if tick in self._wake:
+            return None
+        return count, self._implicit_base + count * tick
+
+    def tick_quiet(self, now: float) -> None:
+        """schedule() and update() of a step `quiet_step` described, which ended at `now`."""
+        self._clock.append(now)
 
     def sync(self) -> None:
         """Bring every implicit decode up to date (tokens, times, computed counts) and make it

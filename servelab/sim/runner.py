@@ -5,10 +5,13 @@ Used by `servelab sim`, the capacity planner and the lab. Imports no torch.
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import gc
 import math
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -22,7 +25,7 @@ from servelab.cost.step_cost import StepCostModel
 from servelab.errors import DoesNotFit, InvalidArgument, RequestTooLong
 from servelab.metrics import SLO, RequestRecord, Summary, steady_state_summary, summarize
 from servelab.metrics.summary import Dist
-from servelab.sim.cluster import ClusterSim, StepTrace
+from servelab.sim.cluster import ClusterSim, LoopResult, StepTrace
 from servelab.sim.engine_profiles import engine_profile
 from servelab.sim.speculative import Speculation, realised
 from servelab.core.router import ROUTERS
@@ -234,7 +237,9 @@ def engine_sim_config(profile: str, *, scheduler: Mapping[str, Any] | None = Non
 @dataclass(slots=True)
 class SimResult:
     records: list[RequestRecord]
-    summary: Summary
+    # The whole run's summary, or how to make it: made when first read (`summary`), since a
+    # caller of the steady state alone (`plan`) never reads it.
+    whole: Summary | Callable[[], Summary] = field(repr=False)
     trace: StepTrace
     replica_stats: list[dict[str, Any]]
     config: dict[str, Any]
@@ -248,6 +253,16 @@ class SimResult:
     warmup_s: float = 0.0
     # Speculative runs: what was modelled and what the run accepted (`realised`).
     speculation: dict[str, Any] | None = None
+    stopped_early: str = ""  # why `simulate(stop=...)` ended the run before every request finished
+    # A stopped run's way on: the whole run's result, as if it had never stopped.
+    resume: Callable[[], SimResult] | None = field(default=None, repr=False)
+
+    @property
+    def summary(self) -> Summary:
+        """The whole run's summary, warm-up included."""
+        if not isinstance(self.whole, Summary):
+            self.whole = self.whole()
+        return self.whole
 
     @property
     def num_steps(self) -> int:
@@ -264,6 +279,8 @@ class SimResult:
         if self.speculation is not None:
             out["speculation"] = self.speculation
         out["sim"] = {"steps": self.num_steps, "wall_s": self.wall_s}
+        if self.stopped_early:
+            out["sim"]["stopped_early"] = self.stopped_early
         return out
 
     @property
@@ -367,6 +384,21 @@ def _check_lengths(requests: list[RequestSpec], sched: ResolvedSchedulerConfig) 
             )
 
 
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection while the event loop runs: a run allocates millions of
+    short-lived objects and keeps thousands of sequences and records alive, so the collector's
+    passes over them took a tenth of a run, to free a few thousand objects (about one per
+    request) that it frees when the run is over instead."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def simulate(
     config: SimConfig,
     workload: WorkloadSpec | list[RequestSpec],
@@ -375,6 +407,7 @@ def simulate(
     warmup_requests: int | None = None,
     warmup_s: float = 0.0,
     check: Callable[[], None] | None = None,
+    stop: Callable[[RequestRecord], str] | None = None,
 ) -> SimResult:
     """Run a workload through the simulated cluster. With a list of RequestSpec, `concurrency`
     caps requests in flight (a closed loop when they carry no arrival times; there each request's
@@ -383,7 +416,9 @@ def simulate(
     The steady-state summary leaves out the first `warmup_requests` requests (default: a closed
     loop's start-up wave, `concurrency` requests; none for an open loop) and those arriving
     before `warmup_s`. `check`, called every few thousand events, ends the run by raising (a
-    caller's time budget or shutdown)."""
+    caller's time budget or shutdown). `stop`, shown each request's record as it finishes, ends
+    the run when it returns a reason (`SimResult.stopped_early`; the summaries then cover the
+    requests that finished)."""
     if isinstance(workload, WorkloadSpec):
         requests = workload.generate()
         concurrency = workload.concurrency
@@ -436,58 +471,71 @@ def simulate(
         bar = tqdm(total=len(requests), unit="req", desc="simulating", file=sys.stderr, mininterval=0.5)
     start = time.perf_counter()
     try:
-        out = sim.run(requests, concurrency, on_done=None if bar is None else bar.update, check=check)
+        with _gc_paused():
+            out = sim.run(requests, concurrency, on_done=None if bar is None else bar.update, check=check, stop=stop)
     finally:
         if bar is not None:
             bar.close()
     wall_s = time.perf_counter() - start
-    preemptions = sum(r.scheduler.num_preemptions for r in out.replicas)
-    summary = summarize(out.records, out.duration_s, config.num_devices, config.slo, preemptions)
-    steady = None
-    if warmup_requests or warmup_s:
-        steady = steady_state_summary(
-            out.records,
-            skip_first=warmup_requests,
-            after_s=warmup_s,
-            num_devices=config.num_devices,
-            slo=config.slo,
-            preemptions=preemptions,
+
+    def result(out: LoopResult, wall_s: float) -> SimResult:
+        preemptions = sum(r.scheduler.num_preemptions for r in out.replicas)
+        whole = functools.partial(summarize, out.records, out.duration_s, config.num_devices, config.slo, preemptions)
+        steady = None
+        if warmup_requests or warmup_s:
+            steady = steady_state_summary(
+                out.records,
+                skip_first=warmup_requests,
+                after_s=warmup_s,
+                num_devices=config.num_devices,
+                slo=config.slo,
+                preemptions=preemptions,
+            )
+        cfg = config.to_dict()
+        cfg["max_model_len"] = sched.max_model_len
+        cfg["num_blocks"] = sched.num_blocks
+        cfg["kv_capacity_tokens"] = sched.kv_capacity_tokens
+        if config.disagg:
+            cfg["link_bandwidth_bytes_per_s"] = link_bw
+        if isinstance(workload, WorkloadSpec):
+            cfg["workload"] = workload.to_dict()
+        else:
+            cfg["workload"] = {
+                "num_requests": len(requests),
+                "concurrency": concurrency,
+                "mean_think_time_s": sum(thinks) / len(thinks),
+                "source": "request list",
+            }
+        return SimResult(
+            records=out.records,
+            whole=whole,
+            trace=out.trace,
+            replica_stats=[r.stats() for r in out.replicas],
+            config=cfg,
+            kv_transfer_s=Dist.of(out.kv_transfer_s),
+            kv_transfer_bytes=out.kv_transfer_bytes,
+            wall_s=wall_s,
+            steady=steady,
+            warmup_requests_excluded=0 if steady is None else len(out.records) - steady.num_requests,
+            warmup_s=warmup_s,
+            stopped_early=out.stopped_early,
+            resume=None if out.resume is None else functools.partial(resumed, out.resume),
+            speculation=None
+            if speculation is None
+            else {
+                **speculation.describe(),
+                "realised": realised([r.scheduler.spec_counters for r in out.replicas]),
+                "draft_busy_s": sum(getattr(r.executor, "draft_s", 0.0) for r in out.replicas),
+            },
         )
-    cfg = config.to_dict()
-    cfg["max_model_len"] = sched.max_model_len
-    cfg["num_blocks"] = sched.num_blocks
-    cfg["kv_capacity_tokens"] = sched.kv_capacity_tokens
-    if config.disagg:
-        cfg["link_bandwidth_bytes_per_s"] = link_bw
-    if isinstance(workload, WorkloadSpec):
-        cfg["workload"] = workload.to_dict()
-    else:
-        cfg["workload"] = {
-            "num_requests": len(requests),
-            "concurrency": concurrency,
-            "mean_think_time_s": sum(thinks) / len(thinks),
-            "source": "request list",
-        }
-    return SimResult(
-        records=out.records,
-        summary=summary,
-        trace=out.trace,
-        replica_stats=[r.stats() for r in out.replicas],
-        config=cfg,
-        kv_transfer_s=Dist.of(out.kv_transfer_s),
-        kv_transfer_bytes=out.kv_transfer_bytes,
-        wall_s=wall_s,
-        steady=steady,
-        warmup_requests_excluded=0 if steady is None else summary.num_requests - steady.num_requests,
-        warmup_s=warmup_s,
-        speculation=None
-        if speculation is None
-        else {
-            **speculation.describe(),
-            "realised": realised([r.scheduler.spec_counters for r in out.replicas]),
-            "draft_busy_s": sum(getattr(r.executor, "draft_s", 0.0) for r in out.replicas),
-        },
-    )
+
+    def resumed(resume: Callable[[], LoopResult]) -> SimResult:
+        start = time.perf_counter()
+        with _gc_paused():
+            out = resume()
+        return result(out, wall_s + time.perf_counter() - start)
+
+    return result(out, wall_s)
 
 
 __all__ = ["SimConfig", "SimResult", "build_cost_model", "kv_slots_needed", "scheduler_config", "simulate"]

@@ -4,6 +4,7 @@ search, and is reported apart from the steady state in a plain run."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -106,3 +107,14 @@ def test_capacity_search_is_not_decided_by_the_start_up_wave(queueing_server):
     assert at_best.summary.ttft_s.max > 0.5 * c * 0.010
     # ... and the level was judged without it.
     assert result.best.summary.num_requests == 8 * c and result.best.summary.ttft_s.p90 <= 0.040
+
+
+def test_early_stop_counts_each_target_on_its_own():
+    # 10 measured at p90: 2 requests over one target decide it; one over TTFT and another over
+    # TPOT decide neither percentile, and the level may still pass.
+    slo = SLO(ttft_s=0.5, tpot_s=0.05)
+    slow_decode = dataclasses.replace(_result(1, 0.1), token_times_s=[0.1, 1.0, 2.0], usage_output_tokens=3)
+    rule = _saturation_rule(slo, 90, total=10)
+    assert rule([_result(0, 2.0), slow_decode], [], 5.0) == ""
+    assert "TTFT" in rule([_result(0, 2.0), _result(2, 2.0)], [], 5.0)
+    assert "TPOT" in rule([slow_decode, dataclasses.replace(slow_decode, index=3)], [], 5.0)

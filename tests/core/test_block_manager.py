@@ -209,3 +209,43 @@ def test_block_hashes_are_the_same_one_block_at_a_time_or_all_at_once():
     bm.find_cached_prefix(other)
     assert other.prefix.hashes[:5] == whole.prefix.hashes[:5]
     assert not set(other.prefix.hashes[5:]) & set(whole.prefix.hashes)
+
+
+def _pool_with_cached_and_uncached_free_blocks() -> tuple[BlockManager, list[Sequence]]:
+    """A pool whose free blocks are 1 never-hashed block and 6 cached ones in 3 LRU runs, and
+    four running sequences, each with its last block full."""
+    bm = BlockManager(num_blocks=15, block_size=4)
+    for i, rid in enumerate("xyz"):
+        s = seq(rid, range(100 * i, 100 * i + 9))  # 2 full blocks + 1 partial
+        admit(bm, s)
+        bm.free(s)
+    running = [seq(f"r{i}", range(1000 + 10 * i, 1000 + 10 * i + 8)) for i in range(4)]
+    for s in running:
+        admit(bm, s)
+    return bm, running
+
+
+@pytest.mark.parametrize("count", [1, 3, 4])
+def test_one_block_each_is_what_append_slots_gives_one_by_one(count):
+    together, a = _pool_with_cached_and_uncached_free_blocks()
+    apart, b = _pool_with_cached_and_uncached_free_blocks()
+    assert together.append_block_each(a[:count])
+    for s in b[:count]:
+        assert apart.append_slots(s, len(s.block_table) * 4 + 1)
+    assert [s.block_table for s in a] == [s.block_table for s in b]
+    assert together.num_evictions == apart.num_evictions == count - 1
+    for name in ("_free_uncached", "_ref_counts", "_block_hash", "_hash_to_block"):
+        assert getattr(together, name) == getattr(apart, name), name
+    assert [list(run) for run in together._lru] == [list(run) for run in apart._lru]
+    check_block_manager(together)
+
+
+def test_one_block_each_changes_nothing_when_the_pool_is_short():
+    bm, running = _pool_with_cached_and_uncached_free_blocks()
+    filler = seq("f", range(5000, 5000 + 4 * bm.num_free_blocks - 8))
+    admit(bm, filler)  # leaves 2 free
+    tables = [list(s.block_table) for s in running]
+    assert not bm.append_block_each(running[:3])
+    assert [s.block_table for s in running] == tables and bm.num_free_blocks == 2
+    assert bm.append_block_each(running[:2]) and bm.num_free_blocks == 0
+    check_block_manager(bm)

@@ -68,3 +68,37 @@ def test_plans_share_one_bounded_pool_queue_and_cache(monkeypatch):
     assert client.post("/api/lessons/capacity", json=_params(2)).status_code == 202  # ... so it plans again
     _wait_done(client, _params(2))
     planner.close()
+
+
+class _Key:
+    """A background key whose jobs finish at once (str of an int): only the order is tested."""
+
+    total = 4
+
+    def jobs(self) -> list:
+        return [(name, str, i) for i, name in enumerate("abcd")]
+
+
+def test_the_pages_own_accelerator_is_planned_first_and_the_rest_keep_their_order():
+    planner = CapacityPlanner(max_workers=1)  # one worker: jobs end in the order handed out
+    try:
+        state = planner.plan_for(_Key(), wait=True, first="c")
+    finally:
+        planner.close()
+    assert state.error is None and list(state.rows) == ["c", "a", "b", "d"]
+    assert state.rows["c"] == "2"
+
+
+def test_plan_jobs_come_longest_first_by_the_roofline_bound():
+    from servelab.lab.capacity_lesson import PlanKey, job_order, upper_bound
+    from servelab.lab.common import setup_from
+    from servelab.lab.params import Params
+    from servelab.spec import HARDWARE
+
+    key = PlanKey("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", 50.0, 2000.0, 1024, 256)
+    names = [name for name, _, _ in key.jobs()]
+    assert sorted(names) == sorted(HARDWARE)
+    s = setup_from(Params({}))
+    users = [upper_bound(s, HARDWARE[name], key)["users"] for name in names]
+    assert users == sorted(users, reverse=True) and users[-1] == 0  # the L4 fits no user: last
+    assert [name for name, _, _ in job_order(key.jobs(), "l4")] == ["l4", *names[:-1]]

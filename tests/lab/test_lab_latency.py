@@ -14,6 +14,7 @@ the answer's wall time on a quiet core. The wall time is printed beside it.
 
 from __future__ import annotations
 
+import heapq
 import math
 import random
 import time
@@ -127,3 +128,38 @@ def test_simulator_lesson_answers_fresh_inputs_within_2_s_p90(client, lesson):
     print(f"{lesson}: CPU p90 {p90_s:.2f} s, max {max(cpu_s):.2f} s; wall p90 {np.percentile(wall_s, 90):.2f} s over "
           f"{len(cpu_s)} fresh inputs; {sum(code in (200, 202) for _, code in answers)} answered")  # fmt: skip
     assert p90_s < TARGET_P90_S, list(zip(answers, cpu_s))
+
+
+# The capacity lesson's full answer: every accelerator's plan, on the lab's pool of two workers.
+# The issue asks for 2 s; on fresh inputs it is not there yet (docs/lab.md gives the figures), so
+# this bound, about 1.3x today's p90 (7.7 s), keeps it from growing; the first answer is instant.
+FULL_ANSWER_SETS = 10
+FULL_ANSWER_WORKERS = 2
+FULL_ANSWER_P90_S = 10.0
+
+
+def _pool_wall_s(cpu_s: list[float], workers: int) -> float:
+    """When the last job ends if each, in order, goes to the first worker free (quiet cores)."""
+    free_at = [0.0] * workers
+    for t in cpu_s:
+        heapq.heappush(free_at, heapq.heappop(free_at) + t)
+    return max(free_at)
+
+
+def test_capacity_full_answer_on_fresh_inputs_within_its_bound():
+    from servelab.lab.capacity_lesson import PlanKey, job_order
+    from servelab.lab.common import DEFAULT_HARDWARE
+
+    rng = random.Random("capacity-full-44")
+    walls_s: list[float] = []
+    for _ in range(FULL_ANSWER_SETS):
+        p = DRAWS["capacity"](rng)
+        key = PlanKey("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", float(p["tpot_ms"]), float(p["ttft_ms"]),
+                      int(p["prompt_len"]), int(p["output_len"]))  # fmt: skip
+        rows = [fn(job) for _, fn, job in job_order(key.jobs(), DEFAULT_HARDWARE)]
+        assert all(row.fits or row.reason for row in rows), p
+        walls_s.append(_pool_wall_s([row.cpu_s for row in rows], FULL_ANSWER_WORKERS))
+    p90_s = float(np.percentile(walls_s, 90))
+    print(f"capacity, full answer on {FULL_ANSWER_WORKERS} workers: p90 {p90_s:.2f} s, median "
+          f"{np.median(walls_s):.2f} s, max {max(walls_s):.2f} s over {len(walls_s)} fresh inputs")  # fmt: skip
+    assert p90_s < FULL_ANSWER_P90_S, walls_s

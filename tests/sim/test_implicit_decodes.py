@@ -15,12 +15,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from servelab.core.block_manager import BlockManager
 from servelab.core.config import ADMISSIONS, POLICIES, SchedulerConfig
 from servelab.core.plan import StepResult
 from servelab.core.scheduler import Scheduler
 from servelab.core.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
 from servelab.errors import ServelabError
+from servelab.sim import SimConfig, simulate
 from servelab.sim.implicit_decodes import ImplicitDecodeScheduler, ImplicitStepPlan, SimSequence
+from servelab.workload import WorkloadSpec
 from tests.scheduler_checks import check_invariants
 
 TOKEN = 7  # what the executor samples, every time
@@ -236,12 +239,22 @@ def test_a_decode_made_implicit_twice_for_one_tick_wakes_once(caching):
         assert implicit[key] == explicit[key], key
 
 
-def test_seeded_random_workloads_match_and_reach_the_hard_cases():
+def test_seeded_random_workloads_match_and_reach_the_hard_cases(monkeypatch):
     # Hypothesis shrinks towards small cases; these 300 seeded ones are larger and are checked to
     # reach what is hard to get right: steps where the token budget binds with implicit decodes
-    # in the batch (the cut must fall where the explicit loop puts it), preemption, and reuse.
+    # in the batch (the cut must fall where the explicit loop puts it), preemption, reuse, and
+    # decodes whose blocks filled together taking new ones in one go or, the pool short, one by one.
     rng = random.Random(20261129)
     totals = {"implicit_steps": 0, "implicit_steps_at_full_budget": 0, "preemptions": 0, "hits": 0}
+    together = {True: 0, False: 0}
+    append_block_each = BlockManager.append_block_each
+
+    def counted(self, seqs):  # noqa: ANN001, ANN202
+        ok = append_block_each(self, seqs)
+        together[ok] += len(seqs) > 1
+        return ok
+
+    monkeypatch.setattr(BlockManager, "append_block_each", counted)
     for _ in range(300):
         workload = [
             {
@@ -282,6 +295,7 @@ def test_seeded_random_workloads_match_and_reach_the_hard_cases():
         totals["hits"] += implicit["counters"][2]
     assert totals["implicit_steps"] > 1000 and totals["implicit_steps_at_full_budget"] > 20
     assert totals["preemptions"] > 50 and totals["hits"] > 0
+    assert together[True] > 20 and together[False] > 5, together
 
 
 def test_a_steady_batch_runs_implicitly_and_catches_up_exactly():
@@ -402,3 +416,35 @@ def test_it_runs_only_sequences_that_carry_the_implicit_state():
     with pytest.raises(TypeError, match="runs SimSequence, got Sequence"):
         s.add(Sequence("r0", [1, 2, 3], SamplingParams(max_tokens=2)), 0.0)
     assert not s.has_unfinished()
+
+
+@pytest.mark.parametrize(
+    "config,workload",
+    [
+        (SimConfig(), WorkloadSpec(num_requests=40, concurrency=2, input_len="64-900", output_len="1-300", seed=3)),
+        (SimConfig(replicas=2), WorkloadSpec(num_requests=60, rate=3.0, input_len="512", output_len="200", seed=4)),
+        (
+            SimConfig(scheduler=SchedulerConfig(max_num_batched_tokens=64)),
+            WorkloadSpec(num_requests=30, concurrency=80, input_len="16-200", output_len="50-150", seed=5),
+        ),
+    ],
+)
+def test_steps_run_in_place_between_events_change_nothing(monkeypatch, config, workload):
+    # Steps of implicit decodes only that end before any other event skip the plan, the result
+    # and the event queue (ClusterRun.run_quiet_steps): the records and trace are the same.
+    quiet = simulate(config, workload)
+    in_place = []
+    tick_quiet = ImplicitDecodeScheduler.tick_quiet
+    monkeypatch.setattr(
+        ImplicitDecodeScheduler, "tick_quiet", lambda self, now: in_place.append(now) or tick_quiet(self, now)
+    )
+    counted = simulate(config, workload)
+    monkeypatch.setattr(ImplicitDecodeScheduler, "quiet_step", lambda self: None)
+    evented = simulate(config, workload)
+    # A lone replica's light load runs most steps in place; two replicas' steps interleave.
+    assert len(in_place) > len(evented.trace) * (0.5 if config.replicas == 1 and workload.concurrency == 2 else 0.02)
+    for run in (quiet, counted):
+        assert [r.to_dict() for r in run.records] == [r.to_dict() for r in evented.records]
+        for column in ("replica", "start_s", "duration_s", "num_seqs", "num_decode", "num_tokens", "kv_usage"):
+            assert getattr(run.trace, column) == getattr(evented.trace, column), column
+        assert run.replica_stats == evented.replica_stats
