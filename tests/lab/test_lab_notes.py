@@ -4,7 +4,6 @@ does not carry them, against the memory plan the lesson used)."""
 
 from __future__ import annotations
 
-
 import time
 
 import pytest
