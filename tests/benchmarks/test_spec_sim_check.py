@@ -69,6 +69,16 @@ def test_within_target_needs_concurrency_1_4_and_16_within_15_pct():
     assert not spec_sim_check.within_target([{"concurrency": 2, "speedup_error_pct": 0.0}])
 
 
+def write_profile(path: Path, model: str) -> Path:
+    """A made-up calibrate profile of `model`, with the int8 default's switch at 2 rows."""
+    coefficients = {"per_step_s": 1e-3, "per_token_s": 5e-5, "per_seq_s": 2e-5, "per_context_token_s": 1e-8,
+                    "per_pair_s": 1e-9, "per_prefill_step_s": 5e-4, "per_wide_step_s": 4e-4}  # fmt: skip
+    path.write_text(json.dumps({"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "model": model,
+                                "fit": {"coefficients": coefficients},
+                                "kernel_rows": {"fused_max_rows": 1, "max_rows": None}}))  # fmt: skip
+    return path
+
+
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory) -> str:
     return str(write_tiny_llama(tmp_path_factory.mktemp("tiny"), max_position_embeddings=1024))
@@ -76,12 +86,7 @@ def tiny(tmp_path_factory) -> str:
 
 @pytest.mark.slow  # two servers and six bench runs, about half a minute
 def test_quick_run_measures_simulates_and_compares(tiny, tmp_path, capsys):
-    profile = tmp_path / "profile.json"
-    coefficients = {"per_step_s": 1e-3, "per_token_s": 5e-5, "per_seq_s": 2e-5, "per_context_token_s": 1e-8,
-                    "per_pair_s": 1e-9, "per_prefill_step_s": 5e-4, "per_wide_step_s": 4e-4}  # fmt: skip
-    profile.write_text(json.dumps({"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "model": "smollm2-135m",
-                                   "fit": {"coefficients": coefficients},
-                                   "kernel_rows": {"fused_max_rows": 1, "max_rows": None}}))  # fmt: skip
+    profile = write_profile(tmp_path / "profile.json", "smollm2-135m")
     out = tmp_path / "out"
     report = spec_sim_check.main(["--model", tiny, "--quick", "--profile", str(profile), "--out", str(out), "--json"])
     assert json.loads(capsys.readouterr().out) == report
@@ -110,12 +115,7 @@ def test_quick_run_measures_simulates_and_compares(tiny, tmp_path, capsys):
 def test_quick_run_with_the_model_drafting_for_itself(tiny, tmp_path, capsys):
     """A draft model as large as the target: every draft accepted (greedy), the passes priced by
     the profile of the target, so the simulator says speculation does not pay, as measured."""
-    profile = tmp_path / "profile.json"
-    coefficients = {"per_step_s": 1e-3, "per_token_s": 5e-5, "per_seq_s": 2e-5, "per_context_token_s": 1e-8,
-                    "per_pair_s": 1e-9, "per_prefill_step_s": 5e-4, "per_wide_step_s": 4e-4}  # fmt: skip
-    profile.write_text(json.dumps({"format": PROFILE_FORMAT, "version": PROFILE_VERSION, "model": "tiny",
-                                   "fit": {"coefficients": coefficients},
-                                   "kernel_rows": {"fused_max_rows": 1, "max_rows": None}}))  # fmt: skip
+    profile = write_profile(tmp_path / "profile.json", "tiny")
     out = tmp_path / "out"
     report = spec_sim_check.main(["--model", tiny, "--sim-model", tiny, "--draft-model", tiny, "--quick",
                                   "--profile", str(profile), "--out", str(out), "--json"])  # fmt: skip
