@@ -8,6 +8,9 @@ worker is free first. The p90s over the sets are the figures in docs/lab.md and 
 CPU time, not wall time, because the host is shared; worker start-up (~0.5 CPU-s each) is left out.
 
     PYTHONPATH=. python benchmarks/capacity_lesson_speed.py [--sets 10] [--workers 2] [--seed 44]
+        [--defaults | --quick]
+
+`--quick`: one tight set (TPOT 6 ms, 128 + 16 tokens) whose every plan is small (a smoke test).
 """
 
 from __future__ import annotations
@@ -23,6 +26,9 @@ import numpy as np
 from servelab.bench.planner import plan_one
 from servelab.lab.capacity_lesson import PlanKey, job_order
 from servelab.lab.limits import LESSON_DEFAULTS, LIMITS
+
+
+QUICK = {"tpot_ms": 6.0, "ttft_ms": 200.0, "prompt_len": 128, "output_len": 16}
 
 
 def draw(rng: random.Random) -> dict[str, float]:
@@ -49,9 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workers", type=int, default=2, help="the lab's worker processes (default 2)")
     ap.add_argument("--seed", type=int, default=44)
     ap.add_argument("--defaults", action="store_true", help="the lesson's default inputs only")
+    ap.add_argument("--quick", action="store_true", help="one small set (a smoke test)")
     args = ap.parse_args(argv)
     rng = random.Random(args.seed)
-    sets = [LESSON_DEFAULTS["capacity"]] if args.defaults else [draw(rng) for _ in range(args.sets)]
+    if args.quick:
+        sets: list[dict[str, float]] = [QUICK]
+    else:
+        sets = [LESSON_DEFAULTS["capacity"]] if args.defaults else [draw(rng) for _ in range(args.sets)]
     totals, walls = [], []
     for params in sets:
         key = PlanKey("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", float(params["tpot_ms"]),

@@ -165,7 +165,7 @@ def simulate(args: argparse.Namespace, spec: dict, profile: str, acceptance: str
             str(args.seed),
             "--no-prefix-caching",
             "--tokenizer",
-            tokenizer_path(args.model),
+            args.tokenizer,
             "--max-num-seqs",
             budgets["max_num_seqs"],
             "--max-num-batched-tokens",
@@ -262,6 +262,8 @@ def earlier(args: argparse.Namespace, folder: Path) -> tuple[dict, AcceptancePro
             for side, by_c in report["runs"].items()}  # fmt: skip
     args.spec = report["config"]
     args.sim_model = report.get("sim_model", args.sim_model)
+    served = None if report["model"] == "the bundled model" else report["model"]
+    args.tokenizer = report.get("tokenizer") or tokenizer_path(served)
     args.concurrency = sorted(runs["plain"])
     return runs, load_profile(folder / "acceptance.json"), report["budgets"], report["load_average_before"]
 
@@ -307,6 +309,7 @@ def main(argv: list[str] | None = None) -> dict:
             spec = args.spec
             profile = args.profile or str(Path(args.measured) / "profile.json")
         else:
+            args.tokenizer = tokenizer_path(args.model)
             profile = calibrated_profile(args, out_dir)
             load_before = load_average()
             runs, acceptance, budgets = measure(args, spec, out_dir)
@@ -317,6 +320,7 @@ def main(argv: list[str] | None = None) -> dict:
             "config": spec,
             "model": args.model or "the bundled model",
             "sim_model": args.sim_model,
+            "tokenizer": args.tokenizer,
             "rounds": args.rounds,
             "requests_per_client": args.requests_per_client,
             "input_len": args.input_len,

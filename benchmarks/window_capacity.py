@@ -39,7 +39,7 @@ def run(groups: KVGroups, num_layers: int, blocks: int, args: argparse.Namespace
     return {"pages": pages, "steps": steps, "tokens/step": round(tokens / steps, 1), "preemptions": s.num_preemptions}
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> dict[str, dict[str, int]]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="gemma-2-9b")
     parser.add_argument("--blocks", type=int, default=4096, help="the pool, as blocks of every layer")
@@ -47,15 +47,18 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--prompt", type=int, default=2048)
     parser.add_argument("--output", type=int, default=6000)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     model = get_model(args.model)
     grouped = KVGroups.of_model(model)
     per_layer = KVGroups.from_layer_windows([None] * model.num_layers)
     print(f"{model.name}: windows {grouped.windows}, {grouped.slots_per_page} layers a page; pool "
           f"{args.blocks} blocks x {args.block_size} tokens of all {model.num_layers} layers; "
           f"{args.requests} requests of {args.prompt} + {args.output} tokens")  # fmt: skip
+    results = {}
     for name, groups in (("every block kept", per_layer), ("KV groups", grouped)):
-        print(f"{name:>17}: {run(groups, model.num_layers, args.blocks, args)}")
+        results[name] = run(groups, model.num_layers, args.blocks, args)
+        print(f"{name:>17}: {results[name]}")
+    return results
 
 
 if __name__ == "__main__":
