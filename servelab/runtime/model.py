@@ -155,8 +155,9 @@ class LlamaModel:
         self._cos = self._sin = self._local_cos = self._local_sin = torch.empty(0)
         self.scale = config.softmax_scale
         self.windows = [config.layer_window(i) for i in range(config.num_layers)]
-        self.layer_group = KVGroups.of_model(config).layer_group  # each layer's attention metadata in meta.by_group
-        self.num_kv_groups = max(self.layer_group) + 1
+        groups = KVGroups.of_model(config)
+        self.layer_group = groups.layer_group  # each layer's attention metadata in meta.by_group
+        self.num_kv_groups = groups.num_groups
         # HF multiplies by sqrt(hidden) rounded to the compute dtype
         self.embed_scale = (
             torch.tensor(config.hidden_size**0.5, dtype=self.dtype).item() if config.gemma_block else None
