@@ -137,11 +137,11 @@ async def _health_latencies_while(app, work) -> tuple[list[float], httpx.Respons
             return latencies, task.result()
 
 
-def _assert_responsive(latencies: list[float]) -> None:
-    # /health within 100 ms, bar the odd poll that a host shared with other jobs delays; work on
-    # the loop would hold a poll for the whole tokenization (seconds for 10 MB).
+def _assert_responsive(latencies: list[float], worst: float = 0.5) -> None:
+    # /health within 100 ms, bar the odd poll that a host shared with other jobs delays (by up to
+    # `worst`); work on the loop would hold a poll for the whole tokenization (seconds for 10 MB).
     latencies = sorted(latencies)
-    assert latencies and latencies[int(0.9 * (len(latencies) - 1))] < 0.1 and latencies[-1] < 0.5, latencies
+    assert latencies and latencies[int(0.9 * (len(latencies) - 1))] < 0.1 and latencies[-1] < worst, latencies
 
 
 def test_health_answers_within_100ms_while_a_10mb_request_is_rejected(fake_engine):
@@ -182,7 +182,7 @@ def test_tokenizing_runs_off_the_event_loop(fake_engine):
 
     def slowly(fn):
         def run(*args, **kwargs):
-            time.sleep(1.0)
+            time.sleep(1.5)
             return fn(*args, **kwargs)
 
         return run
@@ -201,7 +201,8 @@ def test_tokenizing_runs_off_the_event_loop(fake_engine):
 
     latencies, _ = asyncio.run(_health_latencies_while(create_app(engine), work))
     assert len(latencies) >= 5
-    _assert_responsive(latencies)
+    # Tokenizing on the loop would hold a poll for the whole 1.5 s; a busy CI host has held one 0.6 s.
+    _assert_responsive(latencies, worst=1.0)
 
 
 def test_client_text_never_becomes_special_tokens_but_token_ids_may(fake_engine):
