@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from servelab.cost.calibration_stats import STATISTICS, aggregate
-from servelab.cost.profile import TERMS, KernelRows, ProfileStepCost, features, fit
+from servelab.cost.profile import TERMS, KernelRows, ProfileStepCost, fit, step_features
 from servelab.cost.roofline import Roofline
 from servelab.cost.step_cost import Shape, StepCost
 
@@ -96,7 +96,12 @@ class SpreadStepCost:
 
 
 def held_out_by_path(ms: list[dict], coefs: dict[str, float], rows: KernelRows, every: int) -> str:
-    x = np.array([features(m["num_tokens"], m["num_seqs"], m["context_tokens"], m["pairs"], rows) for m in ms])
+    x = np.array(
+        [
+            step_features(m["num_tokens"], m["num_seqs"], m["context_tokens"], m["pairs"], m.get("logit_rows"), rows)
+            for m in ms
+        ]
+    )
     y = np.array([m["time_s"] for m in ms])
     err = np.abs(x @ np.array([coefs[k] for k in TERMS]) - y) / y * 100
     held = np.zeros(len(y), bool)

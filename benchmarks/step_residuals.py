@@ -43,7 +43,7 @@ def report(profile: dict, lines: list[dict], name: str) -> None:
     steps = ServedStep.from_log(lines)
     groups: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
     for line, st in zip(lines, steps):
-        price = cost.time_from_totals(st.num_tokens, st.num_seqs, st.context_tokens, st.pairs)
+        price = cost.time_from_totals(st.num_tokens, st.num_seqs, st.context_tokens, st.pairs, st.logit_rows)
         groups.setdefault((kind(line), st.num_seqs), []).append((price, st.served_s, st.execute_s))
     served_total = sum(st.served_s for st in steps)
     missed_total = sum(s - p for g in groups.values() for p, s, _ in g)

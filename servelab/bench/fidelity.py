@@ -196,6 +196,7 @@ class ServedStep:
     pairs: int
     served_s: float
     execute_s: float  # the executor's share: the rest is scheduling, detokenizing, posting outputs
+    logit_rows: int | None = None  # one a sequence plus its drafts (speculative decoding); None: one a sequence
 
     def to_row(self) -> list[float]:
         """As a profile keeps it (`server.served_steps`): the fields in order, times rounded to 1 µs."""
@@ -227,6 +228,7 @@ class ServedStep:
                     line["pairs"],
                     served,
                     line["execute_s"],
+                    line.get("logit_rows"),
                 )
             )
         return steps
@@ -257,7 +259,7 @@ def fit_server_term(
     base = ProfileStepCost.from_profile({**profile, "server": None})
     by_seqs: dict[int, list[tuple[float, float]]] = {}
     for st in steps:
-        price = base.time_from_totals(st.num_tokens, st.num_seqs, st.context_tokens, st.pairs)
+        price = base.time_from_totals(st.num_tokens, st.num_seqs, st.context_tokens, st.pairs, st.logit_rows)
         by_seqs.setdefault(st.num_seqs, []).append((st.served_s - price, st.served_s - st.execute_s))
     groups = [
         {

@@ -16,6 +16,7 @@ from typing import Any
 
 from servelab.commands._engine_cli import add_engine_arguments, engine_args_from, set_threads
 from servelab.cost.calibration_stats import DEFAULT_STATISTIC, NOISY_OTHER_CPUS, STATISTICS
+from servelab.engine.speculative import DEFAULT_PREDICTION_TOKENS
 from servelab.errors import InvalidArgument
 from servelab.units import parse_duration_s
 from servelab.workload.arrivals import describe_think_time, parse_think_time
@@ -55,6 +56,13 @@ class Grid:
     # whole `chunk`-token prompt: the steps a served closed loop or a rate run makes.
     together: tuple[int, ...] = ()
     joined_batches: tuple[int, ...] = ()
+    # Verification steps (speculative decoding) at each (batch, context) here: every sequence
+    # carries its own greedy output as a `prediction`, so each step after the prefill (one step,
+    # not timed) runs K + 1 rows per sequence over the same KV. Beside the decodes, whose rows
+    # each read their own context, they separate the KV read (per context token) from the
+    # attention arithmetic (per pair).
+    verify_batches: tuple[int, ...] = ()
+    verify_contexts: tuple[int, ...] = ()
 
 
 GRIDS = {
@@ -69,6 +77,8 @@ GRIDS = {
         repeats=5,
         together=(2, 4, 8, 16),
         joined_batches=(1, 3),
+        verify_batches=(1, 4, 16),
+        verify_contexts=(160, 512),
     ),
     "full": Grid(
         chunk=512,
@@ -79,6 +89,8 @@ GRIDS = {
         repeats=5,
         together=(2, 4),
         joined_batches=(1, 3, 15),
+        verify_batches=(1, 4, 16),
+        verify_contexts=(256, 1024),
     ),
 }
 
@@ -204,10 +216,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
-def _timed(engine: Any, log: list[tuple[tuple[int, int, int, int], float]]) -> None:
-    """Wraps the executor so that every step's shape sums and wall time are logged."""
-    from servelab.cost.roofline import Roofline
+StepKey = tuple[int, int, int, int, int]  # query tokens, sequences, Σ context, Σ pairs, logit rows
 
+
+def _timed(engine: Any, log: list[tuple[StepKey, float]]) -> None:
+    """Wraps the executor so that every step's shape sums, its logit rows (one per sequence plus
+    its drafts) and its wall time are logged."""
     execute = engine.executor.execute
 
     def timed_execute(plan):  # noqa: ANN001, ANN202
@@ -215,7 +229,9 @@ def _timed(engine: Any, log: list[tuple[tuple[int, int, int, int], float]]) -> N
         result = execute(plan)
         elapsed = time.perf_counter() - t0
         if not plan.is_empty:
-            log.append((Roofline.totals(plan.shape()), elapsed))
+            tokens, seqs, context, pairs, _ = plan.shape_totals()
+            drafts = sum(s.num_draft for s in plan.scheduled)
+            log.append(((tokens, seqs, context, pairs, seqs + drafts), elapsed))
         return result
 
     engine.executor.execute = timed_execute
@@ -230,29 +246,56 @@ class Scenario:
     late: tuple[tuple[int, int], ...] = ()
     join_step: int = 2
     budget: int | None = None  # the scheduler's token budget for this scenario (None: the grid's chunk)
+    # Verification steps: the same prompts every pass, each with its greedy output as a prediction;
+    # only the steps that verify drafts are kept.
+    predicted: bool = False
 
 
-def _scenario(engine: Any, scenario: Scenario, rng: random.Random, chunk: int) -> None:
+@dataclass(slots=True)
+class Predictions:
+    """A predicted scenario's fixed prompts and each one's greedy output, learned in a run before
+    the timed passes (prefix caching is off, so a repeated prompt is computed afresh)."""
+
+    prompts: list[list[int]]
+    outputs: list[list[int]]
+
+
+def _scenario(
+    engine: Any, scenario: Scenario, rng: random.Random, chunk: int, predictions: Predictions | None = None
+) -> list[list[int]]:
+    """Runs the scenario to the end; the output tokens of its first requests, in order. With
+    `predictions`, its first requests are those prompts, and each carries its output (where known)
+    as a `prediction`."""
     from servelab.core.sequence import SamplingParams
 
     # the scheduler reads its budget at every schedule(): one engine serves every scenario's
     engine.scheduler.config.max_num_batched_tokens = scenario.budget or chunk
+    outputs: dict[str, list[int]] = {}
 
-    def add(n: int, out: int) -> None:
-        ids = [rng.randrange(engine.vocab_size) for _ in range(n)]
-        engine.add_request(
-            f"cal-{rng.getrandbits(48):x}", ids, SamplingParams(max_tokens=out, ignore_eos=True, temperature=0.0)
-        )
+    def add(n: int, out: int, i: int | None = None) -> None:
+        if predictions is not None and i is not None:
+            ids = predictions.prompts[i]
+            predicted = predictions.outputs[i] if i < len(predictions.outputs) else None
+        else:
+            ids, predicted = [rng.randrange(engine.vocab_size) for _ in range(n)], None
+        request_id = f"cal-{rng.getrandbits(48):x}"
+        if i is not None:
+            outputs[request_id] = []
+        params = SamplingParams(max_tokens=out, ignore_eos=True, temperature=0.0, prediction=predicted)
+        engine.add_request(request_id, ids, params)
 
-    for n, out in scenario.prompts:
-        add(n, out)
+    for i, (n, out) in enumerate(scenario.prompts):
+        add(n, out, i)
     steps = 0
     while engine.has_unfinished():
-        engine.step()
+        for o in engine.step():
+            if o.request_id in outputs:
+                outputs[o.request_id] += o.new_token_ids
         steps += 1
         if steps == scenario.join_step:
             for n, out in scenario.late:
                 add(n, out)
+    return list(outputs.values())
 
 
 def prefill_steps(grid: Grid, batch: int, context: int) -> int:
@@ -296,6 +339,15 @@ def scenarios(grid: Grid, max_len: int, budget: int | None = None) -> list[Scena
             for b in grid.joined_batches
             if fits and b * c + grid.chunk <= budget
         ]
+    # each verification step takes up to K + 1 tokens a sequence: a prediction's K at most
+    # DEFAULT_PREDICTION_TOKENS (or --speculative-config's, which may be larger: more steps then)
+    out_len = grid.decode_steps * (DEFAULT_PREDICTION_TOKENS + 1) + 1
+    out += [
+        Scenario(((c, out_len),) * b, budget=max(b * c, b * (DEFAULT_PREDICTION_TOKENS + 1)), predicted=True)
+        for c in grid.verify_contexts
+        for b in grid.verify_batches
+        if c + out_len + 1 <= max_len
+    ]
     return out
 
 
@@ -312,16 +364,25 @@ def measure(
     is then the `statistic` of its passes (cost/calibration_stats.py says which and why)."""
     from servelab.cost.calibration_stats import aggregate
 
-    log: list[tuple[tuple[int, int, int, int], float]] = []
+    log: list[tuple[StepKey, float]] = []
     _timed(engine, log)
     rng = random.Random(seed)
     plan = scenarios(grid, engine.max_model_len)
+    proposers = getattr(getattr(engine, "core", None), "proposers", None)
+    if proposers is None or not proposers.predictions:  # this engine ignores predictions (CUDA, TP)
+        plan = [sc for sc in plan if not sc.predicted]
     if not plan:
         raise InvalidArgument(f"no calibration shape fits max_model_len={engine.max_model_len}")
     biggest = max(plan, key=lambda sc: sum(n for n, _ in sc.prompts))
     for warm in [plan[0]] + ([biggest] if biggest != plan[0] else []):
         _scenario(engine, warm, rng, grid.chunk)  # warm-up: first touch of the KV pool, kernel builds
-    runs: list[list[list[tuple[tuple[int, int, int, int], float]]]] = [[] for _ in plan]
+    predictions: dict[int, Predictions] = {}
+    for i, sc in enumerate(plan):
+        if sc.predicted:  # the greedy outputs the timed passes then predict
+            fixed = Predictions([[rng.randrange(engine.vocab_size) for _ in range(n)] for n, _ in sc.prompts], [])
+            fixed.outputs = _scenario(engine, sc, rng, grid.chunk, fixed)
+            predictions[i] = fixed
+    runs: list[list[list[tuple[StepKey, float]]]] = [[] for _ in plan]
     order = list(range(len(plan)))
     for _ in range(grid.repeats):
         if before_pass is not None:
@@ -329,20 +390,23 @@ def measure(
         rng.shuffle(order)
         for i in order:
             log.clear()
-            _scenario(engine, plan[i], rng, grid.chunk)
+            _scenario(engine, plan[i], rng, grid.chunk, predictions.get(i))
             runs[i].append(list(log))
     measurements: list[dict[str, Any]] = []
-    for scenario_runs in runs:
+    for scenario, scenario_runs in zip(plan, runs):
         for steps in zip(*scenario_runs):
             if len({s for s, _ in steps}) != 1:  # a pass scheduled differently: not one shape
                 continue
-            tokens, seqs, ctx, pairs = steps[0][0]
+            tokens, seqs, ctx, pairs, logit_rows = steps[0][0]
+            if scenario.predicted and logit_rows == seqs:  # its whole-batch prefill: not what it is for
+                continue
             measurements.append(
                 {
                     "num_tokens": tokens,
                     "num_seqs": seqs,
                     "context_tokens": ctx,
                     "pairs": pairs,
+                    "logit_rows": logit_rows,
                     "samples_s": [t for _, t in steps],
                 }
             )

@@ -165,7 +165,9 @@ def served_steps(profile: dict[str, Any], path: str, start: int) -> dict[str, An
         raise InvalidArgument(f"--step-log: {path} got no step during the run: is it this server's log?")
     cost = ProfileStepCost.from_profile(profile)
     served = sum(st.served_s for st in steps)
-    priced = sum(cost.time_from_totals(st.num_tokens, st.num_seqs, st.context_tokens, st.pairs) for st in steps)
+    priced = sum(
+        cost.time_from_totals(st.num_tokens, st.num_seqs, st.context_tokens, st.pairs, st.logit_rows) for st in steps
+    )
     return {
         "path": path,
         "steps": len(steps),

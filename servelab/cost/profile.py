@@ -125,6 +125,34 @@ def features(
     ]
 
 
+def step_features(
+    num_tokens: int,
+    num_seqs: int,
+    context_tokens: int,
+    pairs: int,
+    logit_rows: int | None = None,
+    rows: KernelRows = NO_KERNEL_ROWS,
+) -> list[float]:
+    """`features` of a step whose `logit_rows` positions compute logits (None: one per sequence).
+
+    A step whose every query token computes logits holds decodes and verification entries (a
+    decode and its drafts) only, and the engine runs each of its tokens as a decode row
+    (engine/model_executor.py): one call of the decode stack, each row attending to its own
+    context. It is a decode step of that many rows (off the per-op path), save that the K + 1
+    rows of a sequence read the same KV blocks, from cache after the first: the context column
+    (the KV read) counts each sequence's context once, the pairs column every row's dot products.
+    In any other step, logit rows past one per sequence each count as a sequence: a logit row
+    and its sampling."""
+    seqs, extra_rows = num_seqs, 0
+    if logit_rows is not None and logit_rows == num_tokens:
+        seqs = num_tokens
+    elif logit_rows is not None:
+        extra_rows = logit_rows - num_seqs
+    x = features(num_tokens, seqs, context_tokens, pairs, rows)
+    x[3] += extra_rows
+    return x
+
+
 def nnls(a: Any, b: Any, max_iter: int = 200) -> Any:
     """Least squares with x >= 0 (Lawson-Hanson active set); numpy only, scipy is not a dependency."""
     import numpy as np
@@ -177,7 +205,14 @@ def fit(
     returned as "kernel_rows"), and a term whose column is all 0 is left out of the fit at 0."""
     rows = reached(rows, measurements)
     x = [
-        features(int(m["num_tokens"]), int(m["num_seqs"]), int(m["context_tokens"]), int(m["pairs"]), rows)
+        step_features(
+            int(m["num_tokens"]),
+            int(m["num_seqs"]),
+            int(m["context_tokens"]),
+            int(m["pairs"]),
+            None if m.get("logit_rows") is None else int(m["logit_rows"]),
+            rows,
+        )  # fmt: skip
         for m in measurements
     ]
     fitted = fit_rows(x, [m["time_s"] for m in measurements], holdout_every, outlier_mads, outlier_floor_pct)
@@ -354,27 +389,15 @@ class ProfileStepCost:
     def time_from_totals(
         self, num_tokens: int, num_seqs: int, context_tokens: int, pairs: int, logit_rows: int | None = None
     ) -> float:
-        """`logit_rows` past one per sequence (a speculative verification's) each cost `per_seq_s`:
-        the fit measured one logit row and its sampling per sequence and cannot split the two.
-
-        A step whose every query token computes logits holds decodes and verification entries
-        only, and the engine runs each of its tokens as a decode row (engine/model_executor.py):
-        one call of the decode stack, each row attending to its own context. It is priced as a
-        decode step of that many rows (off the per-op path), save that the K + 1 rows of a
-        sequence read the same KV blocks, from cache after the first: per_context_token_s (the
-        KV read) counts each sequence's context once, per_pair_s every row's dot products. The
-        serving term still counts the sequences, which the server streams once a step each."""
+        """The step's price when `logit_rows` positions compute logits (a speculative
+        verification's K + 1 per entry; None: one per sequence), by `step_features`, the columns
+        calibrate fitted. The serving term counts the sequences, which the server streams once a
+        step each."""
         if num_tokens == 0:
             return 0.0
-        rows, extra_rows = num_seqs, 0
-        if logit_rows is not None and logit_rows == num_tokens:
-            rows = num_tokens
-        elif logit_rows is not None:
-            extra_rows = logit_rows - num_seqs
-        x = features(num_tokens, rows, context_tokens, pairs, self.kernel_rows)
+        x = step_features(num_tokens, num_seqs, context_tokens, pairs, logit_rows, self.kernel_rows)
         return (
             sum(c * f for c, f in zip(self.coefficients(), x))
-            + self.per_seq_s * extra_rows
             + self.server_per_step_s
             + self.server_per_seq_s * num_seqs
         )

@@ -27,8 +27,9 @@ def test_calibrate_tiny_model_writes_a_valid_profile(tmp_path, monkeypatch, caps
 
     model = write_tiny_llama(tmp_path / "tiny")
     tiny = calibrate.Grid(
-        chunk=32, prefill_lens=(8, 32, 64), decode_batches=(1, 4), decode_contexts=(16, 48), decode_steps=3, repeats=2
-    )
+        chunk=32, prefill_lens=(8, 32, 64), decode_batches=(1, 4), decode_contexts=(16, 48), decode_steps=3, repeats=2,
+        verify_batches=(1, 3), verify_contexts=(24,),
+    )  # fmt: skip
     monkeypatch.setitem(calibrate.GRIDS, "coarse", tiny)
     out = tmp_path / "p.json"
     # a tiny model's steps are too short to time well on a shared host: accept any fit here
@@ -59,6 +60,15 @@ def test_calibrate_tiny_model_writes_a_valid_profile(tmp_path, monkeypatch, caps
     for context in (16, 48):
         assert any(m["num_tokens"] == m["num_seqs"] == 4 and m["context_tokens"] > 4 * context for m in ms), context
     assert any(m["num_seqs"] == 5 and m["num_tokens"] > 5 and m["context_tokens"] > 4 * 48 for m in ms)
+    # verification steps: each sequence's greedy output, as its prediction, verified K + 1 rows at a
+    # time, every row computing logits (the decode stack's path, priced as such by the fit)
+    k = calibrate.DEFAULT_PREDICTION_TOKENS
+    verified = [m for m in ms if m["logit_rows"] == m["num_tokens"] > m["num_seqs"]]
+    assert {m["num_seqs"] for m in verified} == {1, 3}
+    assert all(
+        m["num_tokens"] == (k + 1) * m["num_seqs"] and m["context_tokens"] > 24 * m["num_seqs"] for m in verified
+    )
+    assert sum(m["num_seqs"] == 3 for m in verified) >= 2
     assert all(m["time_s"] > 0 for m in ms)
     assert all(len(m["samples_s"]) == 2 and m["time_s"] == pytest.approx(sum(m["samples_s"]) / 2) for m in ms)
     noise = profile["host_noise"]
@@ -75,13 +85,17 @@ def test_the_coarse_grid_times_the_steps_a_served_engine_runs():
     grid = calibrate.GRIDS["coarse"]
     budget = calibrate.serving_budget()
     plan = calibrate.scenarios(grid, 8192)
-    together = [sc for sc in plan if sc.budget == budget and not sc.late]
+    together = [sc for sc in plan if sc.budget == budget and not sc.late and not sc.predicted]
     assert max(len(sc.prompts) * grid.chunk for sc in together) == budget
     assert {len(sc.prompts) for sc in together} == set(grid.together)
     joined = [len(sc.prompts) + sum(n for n, _ in sc.late) for sc in plan if sc.budget == budget and sc.late]
     assert joined and all(rows > grid.chunk for rows in joined)
-    # the grid's own scenarios keep the chunked budget (many mixed steps of one chunk)
-    assert sum(sc.budget is None for sc in plan) == len(plan) - len(together) - len(joined)
+    # the grid's own scenarios keep the chunked budget (many mixed steps of one chunk); the
+    # verification scenarios prefill their whole batch in one step, then verify together
+    verify = [sc for sc in plan if sc.predicted]
+    assert len(verify) == len(grid.verify_batches) * len(grid.verify_contexts)
+    assert all(sc.budget >= sum(n for n, _ in sc.prompts) for sc in verify)
+    assert sum(sc.budget is None for sc in plan) == len(plan) - len(together) - len(joined) - len(verify)
     # a grid of prompts only (no decode batches) still plans
     only = calibrate.Grid(
         chunk=128,

@@ -167,7 +167,10 @@ class _FakeEngine:
 
     def step(self):
         n = self.pending.pop()
-        self.executor.execute(SimpleNamespace(is_empty=False, shape=lambda: [(n, n)]))
+        totals = (n, 1, n, n * (n + 1) // 2, 0)
+        plan = SimpleNamespace(is_empty=False, shape=lambda: [(n, n)], shape_totals=lambda: totals, scheduled=[])
+        self.executor.execute(plan)
+        return []
 
 
 def test_a_slow_spell_does_not_land_on_every_pass_of_a_shape(monkeypatch):

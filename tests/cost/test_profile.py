@@ -348,6 +348,36 @@ def test_a_verification_step_is_priced_as_the_decode_rows_the_engine_runs():
     )
 
 
+def test_verification_steps_let_the_fit_split_the_kv_read_from_the_dot_products():
+    # a decode row has as many pairs as context tokens, so decode steps alone cannot tell the KV
+    # read (per context token) from the dot products (per pair); calibrate's verification steps,
+    # K + 1 rows a sequence over one KV read, can: the fit prices them as time_from_totals does
+    truth = ProfileStepCost(**KNOWN, **SWITCHES, fused_max_rows=1)
+    rng = random.Random(5)
+    ms = []
+    for _ in range(60):
+        b, c = rng.choice([1, 4, 16]), rng.randrange(100, 2000)
+        k = rng.choice([0, 0, 8, 63])  # plain decodes, verifications of 8 drafts, prefill chunks
+        shape = [(k + 1, c + k)] * b
+        totals = Roofline.totals(shape)
+        logit_rows = b * (k + 1) if k < 63 else b
+        t = truth.time_from_totals(*totals, logit_rows=logit_rows)
+        ms.append(
+            dict(zip(("num_tokens", "num_seqs", "context_tokens", "pairs"), totals), logit_rows=logit_rows, time_s=t)
+        )
+    result = fit(ms, rows=KernelRows(1, None))
+    split = result["coefficients"]
+    assert split["per_context_token_s"] == pytest.approx(KNOWN["per_context_token_s"], rel=1e-4)
+    assert split["per_pair_s"] == pytest.approx(KNOWN["per_pair_s"], rel=1e-4)
+    assert result["heldout"]["max_abs_pct"] < 1e-6
+    # read without their logit rows, verifications would take the prefill chunks' per-op path
+    blind = fit([{k: v for k, v in m.items() if k != "logit_rows"} for m in ms], rows=KernelRows(1, None))
+    assert blind["heldout"]["max_abs_pct"] > 1.0
+    # the decodes alone leave the split to chance: here NNLS puts it all on one of the two
+    decodes = fit([m for m in ms if m["num_tokens"] == m["num_seqs"]], rows=KernelRows(1, None))["coefficients"]
+    assert 0.0 in (decodes["per_context_token_s"], decodes["per_pair_s"])
+
+
 def test_a_verification_step_grows_with_context_by_one_kv_read_per_sequence():
     # B sequences x (K + 1) rows: a longer context adds its KV read once per sequence and its dot
     # products once per row, where B x (K + 1) independent decode rows would read it K + 1 times

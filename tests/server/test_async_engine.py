@@ -283,6 +283,7 @@ def test_the_step_log_has_a_line_per_step_with_its_shape_and_times(fake_engine):
     for x in lines:
         assert x["start_s"] <= x["start_s"] + x["execute_s"] <= x["start_s"] + x["step_s"] + 1e-6 <= x["end_s"] + 1e-6
         assert x["pairs"] >= x["context_tokens"] >= x["num_tokens"]
+        assert x["logit_rows"] == x["num_seqs"]  # no drafts: one logit row a sequence
     assert all(a["end_s"] <= b["start_s"] for a, b in zip(lines, lines[1:]))
 
 
