@@ -14,8 +14,9 @@ far, and for the others the roofline's upper bound (marked as such; the bars kee
 order, so nothing moves when a simulation lands); the page draws it and polls until the 200.
 The form's accelerator is simulated first, the others longest first (`PlanKey.jobs`).
 
-Every plan of one lab runs on its `CapacityPlanner`: one process pool (started on demand, shut
-down when idle), at most MAX_RUNNING_PLANS plans at once (429 beyond), and an LRU cache of the
+Every plan of one lab runs on its `CapacityPlanner`: one process pool (started on demand, kept
+for POOL_IDLE_S after the last plan so that the next input skips the workers' start-up, then shut
+down), at most MAX_RUNNING_PLANS plans at once (429 beyond), and an LRU cache of the
 last MAX_CACHED_PLANS results (plans are deterministic). A lab reachable by anyone must not
 start processes per distinct URL, nor remember every URL forever. The SLO lesson's rate sweep
 runs on the same planner (`sim_lessons.SweepKey`): any key with `total` and `jobs()` does.
@@ -51,6 +52,9 @@ PLAN_PERCENTILE = 90
 MAX_NUM_SEQS = 4096
 MAX_RUNNING_PLANS = 2  # each keeps the whole pool busy for seconds; more would only queue
 MAX_CACHED_PLANS = 64  # a plan's result is a few kB
+# An idle pool's workers wait this long for the next plan (a reader trying inputs one after
+# another) before they exit: a fresh pool's start-up costs each worker ~0.5 CPU-s.
+POOL_IDLE_S = 60.0
 
 
 @dataclass(slots=True)
@@ -142,9 +146,11 @@ class CapacityPlanner:
         self.max_workers = max_workers or max(1, min(len(HARDWARE), os.cpu_count() or 1))
         self.max_running = max_running
         self.max_cached = max(max_cached, max_running)
+        self.idle_s = POOL_IDLE_S
         self._plans: OrderedDict[BackgroundKey, _PlanState] = OrderedDict()
         self._pool: ProcessPoolExecutor | None = None
         self._retiring: threading.Thread | None = None  # shuts an idle pool down
+        self._idle_timer: threading.Timer | None = None  # retires the pool once idle for idle_s
         self._closed = False
         # Re-entrant: a future that is already done runs its callback in the submitting thread.
         self._lock = threading.RLock()
@@ -194,6 +200,11 @@ class CapacityPlanner:
             state.error = f"{type(exc).__name__}: {exc}"
             state.done.set()
             return state
+        if self._idle_timer is not None:  # the warm pool takes this plan
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        if self._pool is not None and self._pool._broken:  # noqa: SLF001  a worker died: a new pool
+            self._retire(self._pool)
         if self._pool is None:
             if self._retiring is not None:  # never two pools' processes at once
                 self._retiring.join()
@@ -217,12 +228,25 @@ class CapacityPlanner:
             if state.remaining > 0:
                 return
             state.done.set()
-            if self.num_running == 0 and self._pool is not None:
-                # Idle: give the worker processes back; the next plan starts a new pool. Not
-                # here, though: this callback runs on the pool's own management thread.
-                self._retiring = threading.Thread(target=self._pool.shutdown, name="lab-plan-pool-shutdown")
-                self._retiring.start()
-                self._pool = None
+            if self.num_running == 0 and self._pool is not None and not self._closed:
+                if self.idle_s > 0:  # idle: the workers wait for the next plan a while
+                    self._idle_timer = threading.Timer(self.idle_s, self._retire_if_idle, (self._pool,))
+                    self._idle_timer.daemon = True
+                    self._idle_timer.start()
+                else:
+                    self._retire(self._pool)
+
+    def _retire_if_idle(self, pool: ProcessPoolExecutor) -> None:
+        with self._lock:
+            if self._pool is pool and self.num_running == 0:
+                self._retire(pool)
+
+    def _retire(self, pool: ProcessPoolExecutor) -> None:
+        """Gives the worker processes back; the next plan starts a new pool. Never on the pool's
+        own management thread, where `_job_done` runs: shutdown joins it. Under the lock."""
+        self._retiring = threading.Thread(target=pool.shutdown, name="lab-plan-pool-shutdown")
+        self._retiring.start()
+        self._pool = None
 
     def _evict(self) -> None:
         while len(self._plans) > self.max_cached:
@@ -241,6 +265,9 @@ class CapacityPlanner:
         with self._lock:
             self._closed = True
             pool, self._pool = self._pool, None
+            if self._idle_timer is not None:
+                self._idle_timer.cancel()
+                self._idle_timer = None
         if pool is not None:
             for process in list((pool._processes or {}).values()):  # noqa: SLF001
                 process.terminate()

@@ -50,6 +50,7 @@ def test_plans_share_one_bounded_pool_queue_and_cache(monkeypatch):
         lambda key: [dataclasses.replace(j, max_concurrency=4, tolerance=None) for j in jobs(key)],
     )
     _wait_no_children()  # other tests' pools
+    monkeypatch.setattr(capacity_lesson, "POOL_IDLE_S", 2.0)
     app = create_lab_app()
     planner = app.state.capacity_planner = CapacityPlanner(max_workers=1, max_running=1, max_cached=2)
     client = TestClient(app)
@@ -59,10 +60,13 @@ def test_plans_share_one_bounded_pool_queue_and_cache(monkeypatch):
     assert busy.status_code == 429, busy.text
     assert busy.headers["retry-after"] == "5" and "1 capacity plans" in busy.json()["error"]["message"]
     _wait_done(client, _params(2))
-
-    _wait_no_children()  # idle again: the worker processes are given back
-
+    warm = {p.pid for p in multiprocessing.active_children()}
+    assert len(warm) == 1  # idle, the worker waits for the next plan ...
     _wait_done(client, _params(3))
+    assert {p.pid for p in multiprocessing.active_children()} == warm  # ... and runs it
+
+    _wait_no_children()  # idle for POOL_IDLE_S: the worker processes are given back
+
     _wait_done(client, _params(4))
     assert len(planner) == 2  # the oldest result (output_len 2) was dropped ...
     assert client.post("/api/lessons/capacity", json=_params(2)).status_code == 202  # ... so it plans again
@@ -102,3 +106,28 @@ def test_plan_jobs_come_longest_first_by_the_roofline_bound():
     users = [upper_bound(s, HARDWARE[name], key)["users"] for name in names]
     assert users == sorted(users, reverse=True) and users[-1] == 0  # the L4 fits no user: last
     assert [name for name, _, _ in job_order(key.jobs(), "l4")] == ["l4", *names[:-1]]
+
+
+class _Crash:
+    """A key whose one job kills its worker process."""
+
+    total = 1
+
+    def jobs(self) -> list:
+        import os
+
+        return [("a", os._exit, 1)]
+
+
+def test_a_warm_pool_whose_worker_died_is_replaced(monkeypatch):
+    from servelab.lab import capacity_lesson
+
+    monkeypatch.setattr(capacity_lesson, "POOL_IDLE_S", 30.0)  # the broken pool would otherwise stay warm
+    planner = CapacityPlanner(max_workers=1)
+    try:
+        crashed = planner.plan_for(_Crash(), wait=True)
+        assert crashed.error and "BrokenProcessPool" in crashed.error
+        state = planner.plan_for(_Key(), wait=True)
+        assert state.error is None and state.rows == {name: str(i) for i, name in enumerate("abcd")}
+    finally:
+        planner.close()
