@@ -61,6 +61,21 @@ def test_compare_takes_per_round_ratios_and_the_first_concurrency_that_stops_pay
     assert spec_sim_check.within_target(out["levels"][:2])  # 1 and 4: -7% and -6%
 
 
+def test_compare_reports_the_mean_tpot_speedup_where_the_runs_recorded_it():
+    args = SimpleNamespace(concurrency=[4])
+    plain = [{**run(10, 350), "tpot_mean_s": 0.012}, {**run(10, 360), "tpot_mean_s": 0.011}]
+    fast = [{**run(8, 420), "tpot_mean_s": 0.008}, {**run(8, 400), "tpot_mean_s": 0.010}]
+    level = {"concurrency": 4, "plain_tpot_p50_s": 0.010, "spec_tpot_p50_s": 0.009, "plain_tpot_s": 0.0115,
+             "spec_tpot_s": 0.0092, "throughput_ratio": 1.1}  # fmt: skip
+    sim = {"levels": [level], "crossover_concurrency": None, "cost_model_crossover_batch": None}
+    (row,) = spec_sim_check.compare(args, {"plain": {4: plain}, "spec": {4: fast}}, sim)["levels"]
+    assert row["mean_speedup"] == pytest.approx((1.5 + 1.1) / 2) and row["sim_mean_speedup"] == pytest.approx(1.25)
+    assert row["mean_speedup_error_pct"] == pytest.approx((1.25 / 1.3 - 1) * 100)
+    # runs from before it have the median's speedup only
+    (old,) = spec_sim_check.compare(args, {"plain": {4: [run(10, 350)]}, "spec": {4: [run(8, 420)]}}, sim)["levels"]
+    assert "mean_speedup" not in old and old["speedup"] == pytest.approx(1.25)
+
+
 def test_within_target_needs_concurrency_1_4_and_16_within_15_pct():
     rows = [{"concurrency": c, "speedup_error_pct": e} for c, e in ((1, 14.9), (2, 40.0), (4, -3.0), (16, -15.0))]
     assert spec_sim_check.within_target(rows)
@@ -105,6 +120,7 @@ def test_quick_run_measures_simulates_and_compares(tiny, tmp_path, capsys):
     spec_sim_check.print_report(report)
     text = capsys.readouterr().out
     assert "sim speedup" in text and "crossover: measured" in text and "within 15%" in text
+    assert all(r["mean_speedup"] > 0 and r["sim_mean_speedup"] > 0 for r in report["levels"])
     # simulated again from the folder, nothing measured: the same comparison (the simulator is seeded)
     again = spec_sim_check.main(["--measured", str(out), "--profile", str(profile), "--json"])
     capsys.readouterr()
