@@ -230,8 +230,7 @@ def _timed(engine: Any, log: list[tuple[StepKey, float]]) -> None:
         elapsed = time.perf_counter() - t0
         if not plan.is_empty:
             tokens, seqs, context, pairs, _ = plan.shape_totals()
-            drafts = sum(s.num_draft for s in plan.scheduled)
-            log.append(((tokens, seqs, context, pairs, seqs + drafts), elapsed))
+            log.append(((tokens, seqs, context, pairs, plan.logit_rows()), elapsed))
         return result
 
     engine.executor.execute = timed_execute

@@ -84,6 +84,10 @@ class StepPlan:
             decodes += q == 1
         return num_tokens, len(self.scheduled), context, pairs, decodes
 
+    def logit_rows(self) -> int:
+        """Positions that compute logits: one an entry, plus each verification entry's drafts."""
+        return len(self.scheduled) + sum(s.num_draft for s in self.scheduled)
+
 
 @dataclass(slots=True)
 class StepResult:

@@ -212,7 +212,7 @@ def fit(
             int(m["pairs"]),
             None if m.get("logit_rows") is None else int(m["logit_rows"]),
             rows,
-        )  # fmt: skip
+        )
         for m in measurements
     ]
     fitted = fit_rows(x, [m["time_s"] for m in measurements], holdout_every, outlier_mads, outlier_floor_pct)

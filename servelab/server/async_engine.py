@@ -331,7 +331,6 @@ class AsyncEngine:
         plan = self.engine.last_plan
         assert plan is not None, "a step that processed tokens leaves its plan in LLMEngine.last_plan"
         tokens, seqs, context, pairs, decodes = plan.shape_totals()
-        drafts = sum(s.num_draft for s in plan.scheduled)
         record = {
             "start_s": round(start, 6),
             "end_s": round(end, 6),
@@ -343,7 +342,7 @@ class AsyncEngine:
             "context_tokens": context,
             "pairs": pairs,
             "decode_seqs": decodes,
-            "logit_rows": seqs + drafts,  # a verification entry's drafts each compute logits too
+            "logit_rows": plan.logit_rows(),  # a verification entry's drafts each compute logits too
         }
         self._waited_s = 0.0
         try:

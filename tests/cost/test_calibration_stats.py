@@ -168,7 +168,9 @@ class _FakeEngine:
     def step(self):
         n = self.pending.pop()
         totals = (n, 1, n, n * (n + 1) // 2, 0)
-        plan = SimpleNamespace(is_empty=False, shape=lambda: [(n, n)], shape_totals=lambda: totals, scheduled=[])
+        plan = SimpleNamespace(
+            is_empty=False, shape=lambda: [(n, n)], shape_totals=lambda: totals, logit_rows=lambda: 1
+        )
         self.executor.execute(plan)
         return []
 
