@@ -9,8 +9,9 @@
    requests are a warm-up (`--warmup`), then `--requests-per-client` x concurrency are measured.
    TPOT is the median of per-request TPOT, tok/s the run's output throughput; each cell is the
    median over rounds. The speculative server's counters (`--spec-profile-out`) give the
-   acceptance profile, pooled over all its runs: acceptance by draft position, and the share of
-   decode steps that drafted at all (prompt lookup proposes nothing where its n-gram has no match).
+   acceptance profile, pooled over all its runs: acceptance by draft position, the share of decode
+   steps that drafted at all (prompt lookup proposes nothing where its n-gram has no match), and
+   each request's own counts (servelab's `usage.spec_decode`), which the simulator draws per request.
 3. `servelab sim --compare-speculation` (the same workload, seed and concurrencies, the servers'
    budgets and KV pool read from their /metrics) with the pooled acceptance profile and this host's
    `servelab calibrate --server-term` profile (or `--profile PATH`).
@@ -79,7 +80,7 @@ def bench(url: str, args: argparse.Namespace, concurrency: int, seed: int, profi
 
 
 def pooled(profiles: list[AcceptanceProfile], source: str) -> AcceptanceProfile:
-    """The counts of several runs summed: one profile over all of them."""
+    """The counts of several runs summed, their requests' own counts gathered: one profile over all."""
     k = max(p.num_speculative_tokens for p in profiles)
     per_pos = [sum(p.accepted_per_position[i] for p in profiles if i < p.num_speculative_tokens) for i in range(k)]
     steps = [p.num_decode_steps for p in profiles]
@@ -90,6 +91,7 @@ def pooled(profiles: list[AcceptanceProfile], source: str) -> AcceptanceProfile:
         accepted_per_position=tuple(per_pos),
         source=source,
         num_decode_steps=None if None in steps else sum(s for s in steps if s is not None),
+        per_request=tuple(r for p in profiles for r in p.per_request),
     )
 
 
@@ -207,9 +209,8 @@ def compare(args: argparse.Namespace, runs: dict, sim: dict) -> dict:
             "draft_coverage": statistics.median(f["draft_coverage"] for f in fast),
         }
         row["speedup_error_pct"] = (sim_speedup / row["speedup"] - 1.0) * 100.0
-        # The mean TPOT's speedup beside the median's: the simulator draws every request's drafts
-        # from one pooled acceptance, so its per-request TPOTs spread less than the measured ones
-        # (requests that copy long runs against ones that hardly draft), which moves the median.
+        # The mean TPOT's speedup beside the median's: the median depends on how requests differ
+        # (some copy long runs, others hardly draft), which the profile's per-request counts carry.
         if all("tpot_mean_s" in x for x in plain + fast):  # runs recorded before it lack it
             means = [p["tpot_mean_s"] / f["tpot_mean_s"] for p, f in zip(plain, fast)]
             row["mean_speedup"] = statistics.median(means)
@@ -238,7 +239,8 @@ def print_report(report: dict) -> None:
           f"; {report['rounds']} interleaved round(s), {report['requests_per_client']} measured requests per client, "
           f"prompts of {report['input_len']} tokens, the edited passage out; prefix cache off")  # fmt: skip
     print(f"acceptance (bench, pooled): {a['acceptance_rate']:.1%} of drafts, {a['tokens_per_step']:.2f} tokens per "
-          f"verification, {a.get('draft_coverage', 1.0):.1%} of decode steps drafted; profile {report['profile']}")  # fmt: skip
+          f"verification, {a.get('draft_coverage', 1.0):.1%} of decode steps drafted, "
+          f"{len(a.get('per_request', ())):,} requests' own counts; profile {report['profile']}")  # fmt: skip
     print()
     head = (f"{'conc':>4} {'plain ms':>9} {'spec ms':>8} {'speedup':>8} {'tok/s x':>8} {'sim plain':>9} {'sim spec':>9}"
             f" {'sim speedup':>11} {'error':>7} {'sim tok/s x':>11} {'mean TPOT x (sim, error)':>26} {'load':>5}")  # fmt: skip

@@ -51,6 +51,7 @@ class StreamResult:
     usage_prompt_tokens: int | None = None
     usage_output_tokens: int | None = None
     usage_cached_tokens: int | None = None
+    usage_spec_decode: dict[str, Any] | None = None  # servelab's usage.spec_decode, where the server sends it
     text: str = ""
     success: bool = False
     error: str | None = None
@@ -315,6 +316,8 @@ def _read_usage(usage: dict[str, Any], result: StreamResult) -> None:
     details = usage.get("prompt_tokens_details") or {}
     if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
         result.usage_cached_tokens = details["cached_tokens"]
+    if isinstance(usage.get("spec_decode"), dict):
+        result.usage_spec_decode = usage["spec_decode"]
 
 
 def _error_message(body: str) -> str:

@@ -13,7 +13,9 @@
                                                       tokens - finished requests - accepted drafts
 
 each summed over its label sets (engines, models) except `position`. A server that exports none
-of them (speculation off on vLLM, or an older server) gets no report. `--spec-profile-out FILE`
+of them (speculation off on vLLM, or an older server) gets no report. servelab also returns each
+request's own counts in its `usage.spec_decode`; the report keeps them per request
+(`per_request_acceptance`), so the profile says how acceptance varies between requests. `--spec-profile-out FILE`
 writes the difference as an acceptance profile, the JSON format `servelab.workload.acceptance`
 documents and loads (`load_profile`), for `servelab sim --spec-acceptance-profile FILE`.
 """
@@ -23,9 +25,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from servelab.workload.acceptance import AcceptanceProfile, load_profile
+from collections.abc import Iterable
+from typing import Any
 
-__all__ = ["SpecCounters", "SpecDecodeReport", "load_profile", "parse_counters"]
+from servelab.errors import InvalidArgument
+from servelab.workload.acceptance import AcceptanceProfile, RequestAcceptance, load_profile
+
+__all__ = ["SpecCounters", "SpecDecodeReport", "load_profile", "parse_counters", "per_request_acceptance"]
 
 NAMESPACES = ("servelab", "vllm")
 _DRAFTS = "spec_decode_num_drafts_total"
@@ -107,7 +113,8 @@ class SpecDecodeReport:
     profile: AcceptanceProfile
 
     @classmethod
-    def between(cls, before: SpecCounters | None, after: SpecCounters | None, source: str = "") -> SpecDecodeReport | None:  # fmt: skip
+    def between(cls, before: SpecCounters | None, after: SpecCounters | None, source: str = "",
+                per_request: tuple[RequestAcceptance, ...] = ()) -> SpecDecodeReport | None:  # fmt: skip
         if before is None or after is None:
             return None
         k = max(len(before.accepted_per_position), len(after.accepted_per_position))
@@ -132,6 +139,7 @@ class SpecDecodeReport:
                 accepted_per_position=tuple(round(y - x) for x, y in zip(b, a)),
                 source=source,
                 num_decode_steps=steps,
+                per_request=per_request,
             )
         )
 
@@ -157,12 +165,53 @@ class SpecDecodeReport:
         if p.accepted_per_position:
             rates = "  ".join(f"{i}: {a:.0%}" for i, a in enumerate(p.acceptance_per_position))
             out.append(f"{'  Acceptance by position':<34}{rates}")
+        spread = self.per_request_spread()
+        if spread is not None:
+            out.append(f"{'  Tokens per decode step, by request':<34}p10 {spread[0]:.2f}  p50 {spread[1]:.2f}  "
+                       f"p90 {spread[2]:.2f} ({len(p.per_request):,} requests)")  # fmt: skip
         return out
+
+    def per_request_spread(self) -> tuple[float, float, float] | None:
+        """p10 / p50 / p90 over requests of their output tokens per decode step (1 + accepted drafts
+        per step): how unevenly speculation served them; None without per-request counts."""
+        ratios = sorted(1.0 + sum(r.accepted_per_position) / r.num_decode_steps
+                        for r in self.profile.per_request if r.num_decode_steps)  # fmt: skip
+        if not ratios:
+            return None
+        at = lambda q: ratios[min(len(ratios) - 1, int(q * len(ratios)))]  # noqa: E731
+        return at(0.1), at(0.5), at(0.9)
 
     def to_dict(self) -> dict:
         p = self.profile
         out = p.to_dict()
         del out["source"]
+        out.pop("per_request", None)  # the profile file keeps them; the report their spread
+        spread = self.per_request_spread()
+        if spread is not None:
+            out["tokens_per_decode_step_by_request"] = dict(zip(("p10", "p50", "p90"), spread))
         out["mean_accepted_per_draft"] = p.mean_accepted_per_draft
         out["tokens_per_step"] = p.tokens_per_step
         return out
+
+
+def per_request_acceptance(usages: Iterable[tuple[int, dict[str, Any]]]) -> tuple[RequestAcceptance, ...]:
+    """Each finished request's counts, from (completion tokens, `usage.spec_decode`) pairs; its
+    decode steps are its tokens after the first (which its prefill made) less the drafts it kept.
+    A malformed entry is left out rather than failing the run's report."""
+    out = []
+    for completion_tokens, usage in usages:
+        try:
+            counts = tuple(usage.get("accepted_per_position", ()))
+            record = RequestAcceptance(
+                num_decode_steps=completion_tokens - 1 - sum(counts),
+                num_drafts=usage["num_drafts"],
+                num_draft_tokens=usage["num_draft_tokens"],
+                accepted_per_position=counts,
+            )
+            if record.num_decode_steps < 0 or not all(isinstance(n, int) and n >= 0 for n in (*counts, record.num_drafts)):  # fmt: skip
+                continue
+            record.check("usage.spec_decode")
+        except (KeyError, TypeError, InvalidArgument):
+            continue
+        out.append(record)
+    return tuple(out)

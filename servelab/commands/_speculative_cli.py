@@ -64,10 +64,7 @@ def speculation_from_args(args: argparse.Namespace) -> tuple[Any, Any] | None:
 
     try:
         measured = load_profile(profile)  # the format `bench --spec-profile-out` writes
-        acceptance = Acceptance.from_counts(
-            measured.num_drafts, measured.accepted_per_position, f"profile {profile}", measured.draft_coverage
-        )
-        return config, acceptance.for_k(k)
+        return config, Acceptance.from_profile(measured, f"profile {profile}").for_k(k)
     except InvalidArgument as e:
         message = e.message if e.message.startswith("--") else f"--spec-acceptance-profile: {e.message}"
         raise InvalidArgument(message, param="spec_acceptance_profile") from None
@@ -81,4 +78,9 @@ def describe_speculation(config: Any, acceptance: Any, draft: Any = None) -> str
         f"-> {acceptance.expected_tokens():.2f} tokens per verification step in expectation "
         f"(draft acceptance {acceptance.draft_acceptance_rate:.3f}: accepted / proposed, as vLLM reports it)"
         + (f"; {acceptance.coverage:.1%} of decode steps draft" if acceptance.coverage < 1.0 else "")
+        + (
+            f"; each request draws one of {len(acceptance.per_request):,} measured requests' acceptance"
+            if acceptance.per_request
+            else ""
+        )  # fmt: skip
     )

@@ -32,10 +32,10 @@ from servelab.core.block_manager import BlockManager
 from servelab.core.config import SchedulerConfig
 from servelab.core.prefilled import PrefilledSequences
 from servelab.core.plan import RequestOutput, ScheduledSeq, StepPlan, StepResult, TokenLogprobs
-from servelab.core.sequence import FinishReason, Sequence, SequenceStatus, check_stop
+from servelab.core.sequence import FinishReason, Sequence, SequenceStatus, SpecDecodeCounters, check_stop
 from servelab.core.admission import KVReservation, WaitingQueue, check_new
 from servelab.core.scheduler_stats import SchedulerStats
-from servelab.core.speculative import SpecDecodeCounters, VerifiedDecodes
+from servelab.core.speculative import VerifiedDecodes
 from servelab.errors import InvalidArgument, NotFound
 
 _RUNNING = SequenceStatus.RUNNING

@@ -306,6 +306,50 @@ class PrefixState:
     num_committed: int = 0
 
 
+@dataclass(slots=True)
+class SpecDecodeCounters:
+    """vLLM's spec-decode families, a scheduler's or one request's: verification entries, draft
+    tokens scored, drafts accepted, and acceptance by draft position (position i counts entries
+    that accepted more than i)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.accepted_per_position
+        if len(per_pos) < num_draft:
+            per_pos.extend([0] * (num_draft - len(per_pos)))
+        for i in range(num_accepted):
+            per_pos[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        """The counters under vLLM's family names (what a response's `usage.spec_decode` carries)."""
+        return {
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+        }
+
+    def stats_fields(self) -> dict[str, Any]:
+        """The counters as SchedulerStats' spec_* fields (a copy)."""
+        return {
+            "spec_num_drafts": self.num_drafts,
+            "spec_num_draft_tokens": self.num_draft_tokens,
+            "spec_num_accepted_tokens": self.num_accepted_tokens,
+            "spec_accepted_per_position": list(self.accepted_per_position),
+        }
+
+
 @dataclass(slots=True, eq=False)
 class Sequence:
     """One request's tokens and lifecycle. `token_ids` holds prompt then output.
@@ -331,7 +375,8 @@ class Sequence:
     # Tokens a proposer guessed for the next step (speculative decoding); the scheduler verifies
     # as many as the budgets allow, and update() clears them.
     draft_token_ids: list[int] = field(default_factory=list, repr=False)
-    num_accepted_draft_tokens: int = 0  # drafts verification kept, over the request's life
+    # This request's verifications over its life (None until it may draft): what `usage` reports.
+    spec_counters: SpecDecodeCounters | None = field(default=None, repr=False)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it

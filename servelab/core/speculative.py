@@ -10,13 +10,13 @@ The flag follows vLLM: `--speculative-config '{"method": "ngram", "num_speculati
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from servelab.core.block_manager import BlockManager
 from servelab.core.config import ResolvedSchedulerConfig
 from servelab.core.plan import RequestOutput, ScheduledSeq, StepPlan, StepResult
-from servelab.core.sequence import FinishReason, Sequence, TokenLogprobs, check_stop
+from servelab.core.sequence import FinishReason, Sequence, SpecDecodeCounters, TokenLogprobs, check_stop
 from servelab.errors import InvalidArgument
 
 METHODS = ("ngram", "draft_model")
@@ -120,40 +120,6 @@ class SpeculativeConfig:
         return json.dumps({k: getattr(self, k) for k in keys})
 
 
-@dataclass(slots=True)
-class SpecDecodeCounters:
-    """vLLM's spec-decode families: verification entries, draft tokens scored, drafts accepted,
-    and acceptance by draft position (position i counts entries that accepted more than i)."""
-
-    num_drafts: int = 0
-    num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-
-    def record(self, num_draft: int, num_accepted: int) -> None:
-        self.num_drafts += 1
-        self.num_draft_tokens += num_draft
-        self.num_accepted_tokens += num_accepted
-        per_pos = self.accepted_per_position
-        if len(per_pos) < num_draft:
-            per_pos.extend([0] * (num_draft - len(per_pos)))
-        for i in range(num_accepted):
-            per_pos[i] += 1
-
-    @property
-    def acceptance_rate(self) -> float:
-        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
-
-    def stats_fields(self) -> dict[str, Any]:
-        """The counters as SchedulerStats' spec_* fields (a copy)."""
-        return {
-            "spec_num_drafts": self.num_drafts,
-            "spec_num_draft_tokens": self.num_draft_tokens,
-            "spec_num_accepted_tokens": self.num_accepted_tokens,
-            "spec_accepted_per_position": list(self.accepted_per_position),
-        }
-
-
 class VerifiedDecodes:
     """A Scheduler mixin: decodes that carry proposed tokens (`Sequence.draft_token_ids`) run as
     verification entries of 1 + k tokens, and their results append the accepted drafts plus the
@@ -202,7 +168,9 @@ class VerifiedDecodes:
         if len(drafts) > entry.num_draft or drafts != seq.draft_token_ids[: len(drafts)]:
             raise ValueError(f"request {seq.request_id!r}: accepted tokens {drafts} are not a prefix of its drafts")
         self.spec_counters.record(entry.num_draft, len(drafts))
-        seq.num_accepted_draft_tokens += len(drafts)
+        if seq.spec_counters is None:
+            seq.spec_counters = SpecDecodeCounters()
+        seq.spec_counters.record(entry.num_draft, len(drafts))
         seq.draft_token_ids = []
         if token is None:  # the step failed for this request: nothing it computed is kept
             self._finish(seq, FinishReason.ERROR, now)

@@ -57,6 +57,9 @@ class Acceptance:
     per_position: tuple[float, ...]
     source: str
     coverage: float = 1.0
+    # Measured requests' own acceptances (with their coverage), for a simulator that gives each
+    # request one of them; the pooled rates above stay what the analytic model uses.
+    per_request: tuple[Acceptance, ...] = ()
 
     @classmethod
     def rate(cls, alpha: float, k: int, param: str = "spec_acceptance") -> Acceptance:
@@ -86,6 +89,24 @@ class Acceptance:
         coverage = _check_rate(coverage, "the draft coverage", "spec_acceptance_profile")
         return cls(tuple(b / a if a else 0.0 for a, b in zip(counts, counts[1:])), source, coverage)
 
+    @classmethod
+    def from_profile(cls, profile: Any, source: str) -> Acceptance:
+        """A measured profile's (`workload.acceptance.AcceptanceProfile`) pooled acceptance and,
+        where it holds them, each request's own: a position its drafts never reached takes the
+        pooled rate; a request with no decode step is left out."""
+        pooled = cls.from_counts(profile.num_drafts, profile.accepted_per_position, source, profile.draft_coverage)
+        requests = []
+        for r in profile.per_request:
+            if not r.num_decode_steps:
+                continue
+            reach = [r.num_drafts, *r.accepted_per_position]
+            rates = tuple(
+                reach[i + 1] / reach[i] if i + 1 < len(reach) and reach[i] else pooled_rate
+                for i, pooled_rate in enumerate(pooled.per_position)
+            )
+            requests.append(cls(rates, source, r.num_drafts / r.num_decode_steps))
+        return cls(pooled.per_position, source, pooled.coverage, tuple(requests))
+
     def for_k(self, k: int) -> Acceptance:
         """The first `k` positions; a profile measured with fewer drafts cannot say what later ones do."""
         if len(self.per_position) < k:
@@ -94,7 +115,11 @@ class Acceptance:
                 f"num_speculative_tokens = {k}",
                 param="spec_acceptance_profile",
             )
-        return self if len(self.per_position) == k else Acceptance(self.per_position[:k], self.source, self.coverage)
+        if len(self.per_position) == k:
+            return self
+        return Acceptance(
+            self.per_position[:k], self.source, self.coverage, tuple(r.for_k(k) for r in self.per_request)
+        )
 
     @property
     def k(self) -> int:
@@ -129,7 +154,7 @@ class Acceptance:
             "draft_acceptance_rate": self.draft_acceptance_rate,
             "expected_tokens_per_verification": self.expected_tokens(),
             "draft_coverage": self.coverage,
-        }
+        } | ({"requests_measured": len(self.per_request)} if self.per_request else {})
 
 
 def expected_tokens_iid(alpha: float, k: int) -> float:

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from servelab.core.sequence import FinishReason, PoolingParams, SamplingParams, Sequence
+from servelab.core.sequence import FinishReason, PoolingParams, SamplingParams, Sequence, SpecDecodeCounters
 from servelab.engine.outputs import EngineOutput
 from servelab.errors import InvalidArgument
 
@@ -77,8 +77,11 @@ class EngineCore:
         seq = self._new_sequence(request)
         self.scheduler.add(seq, seq.arrival_s)
         self._requests[seq.request_id] = _CoreState(seq)
-        if request.params.prediction and self.proposers is not None:
-            self.proposers.add_prediction(seq.request_id, request.params.prediction)
+        if self.proposers is not None:
+            if request.params.prediction:
+                self.proposers.add_prediction(seq.request_id, request.params.prediction)
+            if self.proposers.config is not None or request.params.prediction:
+                seq.spec_counters = SpecDecodeCounters()  # counted from zero: a request may never draft
         return seq
 
     def _new_sequence(self, request: EngineCoreRequest) -> Sequence:
@@ -225,6 +228,7 @@ class EngineCore:
             first_token_offset_s=after(seq.first_token_s), first_scheduled_offset_s=after(seq.first_scheduled_s),
             finished_offset_s=after(seq.finished_s), stop_reason=seq.stop_reason, error=seq.error, pooled=seq.pooled,
             prompt_token_ids=prompt_token_ids, **_prediction_usage(seq),
+            spec_decode=seq.spec_counters,
         )  # fmt: skip
 
 
@@ -234,5 +238,5 @@ def _prediction_usage(seq: Sequence) -> dict[str, int]:
     prediction = seq.params.prediction
     if prediction is None:
         return {}
-    accepted = seq.num_accepted_draft_tokens
+    accepted = seq.spec_counters.num_accepted_tokens if seq.spec_counters is not None else 0
     return {"accepted_prediction_tokens": accepted, "rejected_prediction_tokens": max(len(prediction) - accepted, 0)}

@@ -15,6 +15,7 @@ from servelab.core.scheduler_stats import SchedulerStats
 if TYPE_CHECKING:
     from servelab.core.plan import TokenLogprobs
     from servelab.core.sequence import FinishReason
+    from servelab.core.sequence import SpecDecodeCounters
 
 
 @dataclass(slots=True)
@@ -48,6 +49,8 @@ class EngineOutput:
     # verification kept in the output, and the rest of them.
     accepted_prediction_tokens: int | None = None
     rejected_prediction_tokens: int | None = None
+    # A speculating engine's counters for this request so far (None when it cannot draft).
+    spec_decode: SpecDecodeCounters | None = None
 
     @property
     def last_token_offset_s(self) -> float | None:

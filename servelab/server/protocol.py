@@ -234,18 +234,30 @@ class CompletionTokensDetails(BaseModel):
     rejected_prediction_tokens: int = 0  # the prediction's other tokens
 
 
+class SpecDecodeUsage(BaseModel):
+    """servelab's extension: this request's speculative decoding, in vLLM's spec-decode counter
+    terms, so a load generator can see how acceptance varies between requests."""
+
+    num_drafts: int = 0  # verification steps that scored drafts
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = Field(default_factory=list)  # verifications that kept position i
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
     prompt_tokens_details: PromptTokensDetails | None = None
     completion_tokens_details: CompletionTokensDetails | None = None  # only for a request with a prediction
+    spec_decode: SpecDecodeUsage | None = None  # only from a server that may draft for the request
 
     @model_serializer(mode="wrap")
     def _details_where_set(self, handler: Any) -> dict[str, Any]:
         out = handler(self)
-        if out.get("completion_tokens_details") is None:
-            out.pop("completion_tokens_details", None)
+        for name in ("completion_tokens_details", "spec_decode"):
+            if out.get(name) is None:
+                out.pop(name, None)
         return out
 
 

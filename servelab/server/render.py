@@ -22,6 +22,7 @@ from servelab.server.structured import ToolCallStream, ToolPlan, parse_tool_call
 
 if TYPE_CHECKING:
     from servelab.core.plan import TokenLogprobs
+    from servelab.core.sequence import SpecDecodeCounters
     from servelab.engine.outputs import EngineOutput
     from servelab.server.state import ServerState
 
@@ -54,6 +55,7 @@ class _Choice:
     completion_tokens: int = 0
     cached_tokens: int | None = None  # set from the first output, after the prompt's admission
     prediction: tuple[int, int] | None = None  # (accepted, rejected) prediction tokens, with a prediction
+    spec_decode: SpecDecodeCounters | None = None  # its verifications, where the engine may draft for it
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     # Per logprobs entry: where its token starts in the output text, i.e. the length of the text
     # emitted before the step that made it (the same whether streamed or not).
@@ -110,6 +112,8 @@ class _Renderer(ABC):
         if out.text_delta:
             choice.text.append(out.text_delta)
             choice.text_len += len(out.text_delta)
+        if out.spec_decode is not None:
+            choice.spec_decode = out.spec_decode
         if out.accepted_prediction_tokens is not None:
             choice.prediction = (out.accepted_prediction_tokens, out.rejected_prediction_tokens or 0)
         if choice.cached_tokens is None:
@@ -140,6 +144,23 @@ class _Renderer(ABC):
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=p.PromptTokensDetails(cached_tokens=cached_tokens),
             completion_tokens_details=details,
+            spec_decode=self._spec_decode_usage(),
+        )
+
+    def _spec_decode_usage(self) -> p.SpecDecodeUsage | None:
+        """The choices' verification counters summed; None where the engine drafts for none."""
+        counters = [c.spec_decode for c in self.choices.values() if c.spec_decode is not None]
+        if not counters:
+            return None
+        per_pos = [0] * max(len(c.accepted_per_position) for c in counters)
+        for c in counters:
+            for i, n in enumerate(c.accepted_per_position):
+                per_pos[i] += n
+        return p.SpecDecodeUsage(
+            num_drafts=sum(c.num_drafts for c in counters),
+            num_draft_tokens=sum(c.num_draft_tokens for c in counters),
+            num_accepted_tokens=sum(c.num_accepted_tokens for c in counters),
+            accepted_per_position=per_pos,
         )
 
     @abstractmethod

@@ -32,7 +32,7 @@ from servelab.errors import ServelabError
 from servelab.metrics import RequestRecord
 from servelab.sim.executor import SimExecutor, StepCostModel
 from servelab.sim.implicit_decodes import ImplicitDecodeScheduler, SimSequence
-from servelab.sim.speculative import Speculation, SpeculativeSimExecutor, propose
+from servelab.sim.speculative import RequestAcceptances, Speculation, SpeculativeSimExecutor, propose
 from servelab.core.router import Router
 from servelab.workload import RequestSpec, simulated_prompt
 
@@ -139,7 +139,13 @@ class ClusterSim:
         token = 1
         implicit = getattr(cost_model, "time_from_totals", None) is not None and speculation is None
         self.drafts = [token] * speculation.k if speculation is not None else None
-        self.draft_coverage = 1.0 if speculation is None else speculation.acceptance.coverage
+        self.draft_coverage: float | RequestAcceptances = 1.0
+        if speculation is not None:
+            self.draft_coverage = (
+                RequestAcceptances(speculation.acceptance, f"{seed}:acceptance")
+                if speculation.acceptance.per_request
+                else speculation.acceptance.coverage
+            )
         self.propose_rng = random.Random(f"{seed}:propose")  # which steps draft, at a coverage under 1
         for role, (count, config) in pools.items():
             pool = []
@@ -153,7 +159,13 @@ class ClusterSim:
                 executor = (
                     SimExecutor(cost_model, token)
                     if speculation is None
-                    else SpeculativeSimExecutor(cost_model, speculation, f"{seed}:{index}", token)
+                    else SpeculativeSimExecutor(
+                        cost_model,
+                        speculation,
+                        f"{seed}:{index}",
+                        token,
+                        self.draft_coverage if isinstance(self.draft_coverage, RequestAcceptances) else None,
+                    )
                 )
                 replica = Replica(index, role, scheduler, executor)
                 pool.append(replica)
@@ -451,6 +463,8 @@ class ClusterRun:
                 num_cached_tokens=req.num_cached_tokens,
             )
         )
+        if isinstance(sim.draft_coverage, RequestAcceptances):
+            sim.draft_coverage.forget(seq.request_id)
         self.finish_client(req, t)
 
     def fail(self, req: _Request, t: float, error: str) -> None:

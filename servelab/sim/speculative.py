@@ -7,7 +7,9 @@ the budget, the length limit and free blocks). The executor draws how many draft
 accepts (position by position, from the acceptance model, with a seeded RNG), returns them as
 `StepResult.accepted`, and prices the step as the verification plus the draft step that proposes
 the next drafts. The Scheduler appends the accepted tokens, rolls back the KV of rejected ones
-and counts them in `spec_counters`.
+and counts them in `spec_counters`. With an acceptance profile measured per request, each request
+takes one measured request's acceptance and coverage (`RequestAcceptances`), so some requests copy
+long runs and others hardly draft, as on the server.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import Any
 
 from servelab.core.plan import StepPlan, StepResult, TokenLogprobs
 from servelab.core.scheduler import Scheduler
-from servelab.core.speculative import SpecDecodeCounters, SpeculativeConfig
+from servelab.core.sequence import SpecDecodeCounters
+from servelab.core.speculative import SpeculativeConfig
 from servelab.cost.speculative import Acceptance, DraftCost
 from servelab.cost.step_cost import StepCostModel
 from servelab.sim.executor import SimExecutor
@@ -45,12 +48,44 @@ class Speculation:
         }
 
 
-def propose(scheduler: Scheduler, drafts: list[int], rng: random.Random | None = None, coverage: float = 1.0) -> None:
+class RequestAcceptances:
+    """Each simulated request's acceptance: the pooled model, or where it holds measured requests'
+    own, one of them drawn for the request (seeded by the run's seed and the request id, so a run
+    is reproducible and a request keeps its draw on any replica)."""
+
+    def __init__(self, acceptance: Acceptance, seed: Any):
+        self.pooled = acceptance
+        self.seed = seed
+        self._drawn: dict[str, Acceptance] = {}
+
+    def __call__(self, request_id: str) -> Acceptance:
+        options = self.pooled.per_request
+        if not options:
+            return self.pooled
+        drawn = self._drawn.get(request_id)
+        if drawn is None:
+            drawn = self._drawn[request_id] = options[
+                random.Random(f"{self.seed}:{request_id}").randrange(len(options))
+            ]
+        return drawn
+
+    def forget(self, request_id: str) -> None:
+        self._drawn.pop(request_id, None)
+
+
+def propose(
+    scheduler: Scheduler,
+    drafts: list[int],
+    rng: random.Random | None = None,
+    coverage: float | RequestAcceptances = 1.0,
+) -> None:
     """Give each decoding sequence (its prompt done, one token left to feed) the drafts to verify,
-    with probability `coverage` a step (drawn from `rng`); the others decode plainly this step."""
+    with probability `coverage` a step (drawn from `rng`; a RequestAcceptances gives each request
+    its own); the others decode plainly this step."""
     for seq in scheduler.running:
         if len(seq.token_ids) - seq.num_computed_tokens == 1 and seq.num_output_tokens and not seq.draft_token_ids:
-            if coverage < 1.0 and rng is not None and rng.random() >= coverage:
+            p = coverage if isinstance(coverage, float) else coverage(seq.request_id).coverage
+            if p < 1.0 and rng is not None and rng.random() >= p:
                 continue
             seq.draft_token_ids = drafts  # never mutated: the scheduler replaces the list
 
@@ -58,9 +93,11 @@ def propose(scheduler: Scheduler, drafts: list[int], rng: random.Random | None =
 class SpeculativeSimExecutor(SimExecutor):
     """A SimExecutor for verification entries: accepted drafts drawn, verification + draft priced."""
 
-    def __init__(self, cost_model: StepCostModel, speculation: Speculation, seed: Any, sampled_token_id: int = 1):
+    def __init__(self, cost_model: StepCostModel, speculation: Speculation, seed: Any, sampled_token_id: int = 1,
+                 acceptance_of: RequestAcceptances | None = None):  # fmt: skip
         super().__init__(cost_model, sampled_token_id)
         self.speculation = speculation
+        self.acceptance_of = acceptance_of or RequestAcceptances(speculation.acceptance, seed)
         self.rng = random.Random(seed)
         self.draft_s = 0.0  # the draft steps' share of the busy time
 
@@ -73,7 +110,7 @@ class SpeculativeSimExecutor(SimExecutor):
         if plan.is_empty:
             self.last_num_decode = 0
             return StepResult(sampled, 0.0)
-        acceptance, rng = self.speculation.acceptance, self.rng
+        acceptance_of, rng = self.acceptance_of, self.rng
         accepted: list[tuple[int, list[int], list[TokenLogprobs] | None]] = []
         chunks: list[tuple[int, int]] = []  # prompt chunks that sample nothing: the draft model runs them too
         proposing: list[tuple[int, int]] = []  # (tokens new to the draft model, context after them)
@@ -81,7 +118,7 @@ class SpeculativeSimExecutor(SimExecutor):
         for i, s in enumerate(scheduled):
             logit_rows += 1 + s.num_draft
             if s.num_draft:
-                n = acceptance.sample(rng, s.num_draft)
+                n = acceptance_of(s.seq.request_id).sample(rng, s.num_draft)
                 accepted.append((i, s.seq.draft_token_ids[:n], None))
                 proposing.append((1 + n, s.start_pos + 1 + n))
                 num_decode += 1

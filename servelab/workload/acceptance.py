@@ -22,7 +22,12 @@ The file is one JSON object:
                                               its last n-gram has no earlier match: that step decodes
                                               one token); num_drafts / num_decode_steps is the
                                               draft coverage (1 when absent)
-    }
+      "per_request": [                        optional: the same counts for each finished request,
+        {"num_decode_steps": 40, "num_drafts": 31, "num_draft_tokens": 120,
+         "accepted_per_position": [25, 20, 16, 11]},
+        ...                                   from servelab's `usage.spec_decode`; with them the
+      ]                                       simulator gives each request one measured request's
+    }                                         acceptance, so requests differ as they did
 
 A draft's accepted tokens are a prefix of it, so the counts never rise with the position and
 sum to `num_accepted_tokens`. A draft may be shorter than K (the length limit or the token
@@ -43,6 +48,38 @@ _INT_FIELDS = ("num_speculative_tokens", "num_drafts", "num_draft_tokens", "num_
 
 
 @dataclass(frozen=True, slots=True)
+class RequestAcceptance:
+    """One request's verifications: its decode steps, those that drafted, and what they accepted."""
+
+    num_decode_steps: int
+    num_drafts: int
+    num_draft_tokens: int
+    accepted_per_position: tuple[int, ...]
+
+    def check(self, where: str) -> None:
+        counts = self.accepted_per_position
+        if self.num_drafts > self.num_decode_steps:
+            raise InvalidArgument(
+                f"{where}: num_drafts ({self.num_drafts}) exceeds num_decode_steps ({self.num_decode_steps})"
+            )
+        if self.num_draft_tokens > self.num_drafts * max(len(counts), 1) or (counts and counts[0] > self.num_drafts):
+            raise InvalidArgument(f"{where}: more draft tokens or acceptances than {self.num_drafts} drafts allow")
+        if sum(counts) > self.num_draft_tokens or any(b > a for a, b in zip(counts, counts[1:])):
+            raise InvalidArgument(
+                f"{where}: accepted_per_position must not rise with the position nor pass num_draft_tokens, "
+                f"got {list(counts)}"
+            )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "num_decode_steps": self.num_decode_steps,
+            "num_drafts": self.num_drafts,
+            "num_draft_tokens": self.num_draft_tokens,
+            "accepted_per_position": list(self.accepted_per_position),
+        }
+
+
+@dataclass(frozen=True, slots=True)
 class AcceptanceProfile:
     num_drafts: int
     num_draft_tokens: int
@@ -50,6 +87,7 @@ class AcceptanceProfile:
     accepted_per_position: tuple[int, ...]
     source: str = ""
     num_decode_steps: int | None = None  # None: unknown, taken as every decode step drafting
+    per_request: tuple[RequestAcceptance, ...] = ()  # empty: the server reports no request's own
 
     @property
     def draft_coverage(self) -> float:
@@ -132,6 +170,8 @@ class AcceptanceProfile:
         if self.num_decode_steps is not None:
             out["num_decode_steps"] = self.num_decode_steps
             out["draft_coverage"] = self.draft_coverage
+        if self.per_request:
+            out["per_request"] = [r.to_dict() for r in self.per_request]
         return out
 
     def write(self, path: str | Path) -> None:
@@ -170,6 +210,7 @@ def load_profile(path: str | Path) -> AcceptanceProfile:
         accepted_per_position=tuple(counts),
         source=str(data.get("source", "")),
         num_decode_steps=steps,
+        per_request=_load_per_request(data.get("per_request", []), where),
     )
     if data["num_speculative_tokens"] != len(counts):
         raise InvalidArgument(
@@ -186,6 +227,32 @@ def load_profile(path: str | Path) -> AcceptanceProfile:
             f"({profile.acceptance_rate:.6g})"
         )
     return profile
+
+
+def _load_per_request(records: object, where: str) -> tuple[RequestAcceptance, ...]:
+    if not isinstance(records, list):
+        raise InvalidArgument(f"{where}: per_request must be a list of objects, got {type(records).__name__}")
+    out = []
+    for i, record in enumerate(records):
+        at = f"{where}: per_request[{i}]"
+        if not isinstance(record, dict):
+            raise InvalidArgument(f"{at} must be an object, got {record!r}")
+        fields = ("num_decode_steps", "num_drafts", "num_draft_tokens")
+        for name in fields:
+            if name not in record:
+                raise InvalidArgument(f"{at}: missing field {name!r}")
+            _check_count(record[name], f"{at}.{name}")
+        counts = record.get("accepted_per_position", [])
+        if not isinstance(counts, list):
+            raise InvalidArgument(f"{at}.accepted_per_position must be a list of counts, got {counts!r}")
+        for j, count in enumerate(counts):
+            _check_count(count, f"{at}.accepted_per_position[{j}]")
+        request = RequestAcceptance(
+            record["num_decode_steps"], record["num_drafts"], record["num_draft_tokens"], tuple(counts)
+        )
+        request.check(at)
+        out.append(request)
+    return tuple(out)
 
 
 def _check_count(value: object, where: str) -> None:

@@ -97,6 +97,22 @@ class MockServer:
             for i in range(step % (k + 1)):
                 self.accepted_per_position[i] += 1
 
+    def _request_drafts(self, n: int) -> dict:
+        """servelab's usage.spec_decode for an n-token output, consistent with it: step s keeps
+        s % (K + 1) drafts, as many as fit before the length limit; a step with no room drafts none."""
+        k, produced, step = self.spec_tokens, 1, 0
+        drafts = draft_tokens = 0
+        per_position = [0] * k
+        while produced < n:
+            room, kept = min(k, n - produced - 1), 0
+            if room > 0:
+                drafts, draft_tokens, kept = drafts + 1, draft_tokens + room, min(step % (k + 1), room)
+                for i in range(kept):
+                    per_position[i] += 1
+            produced, step = produced + kept + 1, step + 1
+        return {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": sum(per_position),
+                "accepted_per_position": per_position}  # fmt: skip
+
     def _text(self, writer: asyncio.StreamWriter, text: str) -> None:
         data = text.encode()
         writer.write(
@@ -153,6 +169,8 @@ class MockServer:
                 return False
         reported = n + 1 if "BADUSAGE" in prompt else n
         usage = {"prompt_tokens": len(prompt.split()), "completion_tokens": reported, "total_tokens": 0}
+        if self.spec_tokens:
+            usage["spec_decode"] = self._request_drafts(n)
         event({"choices": [], "usage": usage})
         if self.spec_tokens:
             self._record_drafts(n)

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from servelab.bench.spec_decode import SpecCounters, SpecDecodeReport, parse_counters
+from servelab.bench.spec_decode import SpecCounters, SpecDecodeReport, parse_counters, per_request_acceptance
 from servelab.cli import main as cli_main
-from servelab.workload.acceptance import load_profile
+from servelab.workload.acceptance import AcceptanceProfile, RequestAcceptance, load_profile
 
 MOCK = Path(__file__).with_name("mock_openai_server.py")
 
@@ -132,10 +132,13 @@ def test_bench_prints_the_block_and_writes_the_profile(spec_server, tmp_path, ca
         assert block[1].split()[-2:] == ["20", "(60)"]
         assert "24 (40.0% of draft tokens)" in block[2] and block[3].endswith("1.20") and block[4].endswith("2.20")
         assert block[5].endswith("0: 60%  1: 67%  2: 50%")
+        # each request's own counts (its usage.spec_decode): 5 tokens in 3 decode steps, one kept draft
+        assert block[6].endswith("p10 1.33  p50 1.33  p90 1.33 (4 requests)")
         assert f"wrote {out_file}" in printed
         profile = load_profile(out_file)
         assert profile.to_dict() | WANT == profile.to_dict() and profile.num_speculative_tokens == 3
         assert profile.source.startswith(f"{spec_server}/v1 mock-model 4 requests")
+        assert profile.per_request == (RequestAcceptance(3, 2, 5, (1, 0, 0)),) * 4
     data = json.loads(out_file.read_text())
     assert data["acceptance_per_position"] == pytest.approx([0.6, 2 / 3, 0.5]) and data["acceptance_rate"] == 0.4
 
@@ -184,3 +187,18 @@ def test_the_generated_tokens_give_the_decode_steps_and_the_draft_coverage():
     assert SpecDecodeReport.between(parse_counters(SERVELAB), after).profile.num_decode_steps is None
     short = SpecCounters(210.0, 840.0, 247.0, (165.0, 82.0), 600.0, 12.0)
     assert SpecDecodeReport.between(before, short).profile.num_decode_steps is None
+
+
+def test_per_request_counts_come_from_usage_and_a_malformed_entry_is_left_out():
+    good = {"num_drafts": 4, "num_draft_tokens": 12, "num_accepted_tokens": 5, "accepted_per_position": [3, 2, 0]}
+    records = per_request_acceptance([
+        (20, good),  # 19 tokens after the prefill's, 5 of them kept drafts: 14 decode steps
+        (1, {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_position": []}),
+        (3, good),  # more kept drafts than tokens: counts that do not close
+        (20, {"num_drafts": 4}),  # fields missing
+        (20, {**good, "accepted_per_position": [2, 3, 0]}),  # rises with the position
+        (20, {**good, "num_drafts": "4"}),
+    ])  # fmt: skip
+    assert records == (RequestAcceptance(14, 4, 12, (3, 2, 0)), RequestAcceptance(0, 0, 0, ()))
+    p10, p50, p90 = SpecDecodeReport(AcceptanceProfile(4, 12, 5, (3, 2, 0), per_request=records)).per_request_spread()
+    assert p10 == p50 == p90 == pytest.approx(1 + 5 / 14)  # the request with no decode step has no ratio

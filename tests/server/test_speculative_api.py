@@ -35,13 +35,17 @@ def _completion(client, **body):
 
 def test_a_prediction_changes_no_text_and_reports_its_tokens_in_usage(client):
     plain = _completion(client)
-    assert "completion_tokens_details" not in plain["usage"]  # only a request with a prediction has it
+    # only a request with a prediction has them, on a server that does not speculate otherwise
+    assert "completion_tokens_details" not in plain["usage"] and "spec_decode" not in plain["usage"]
     text = plain["choices"][0]["text"]
     predicted = _completion(client, prediction={"type": "content", "content": text})
     assert predicted["choices"][0]["text"] == text
     details = predicted["usage"]["completion_tokens_details"]
     assert details["accepted_prediction_tokens"] > 0
     assert details["rejected_prediction_tokens"] >= 0
+    own = predicted["usage"]["spec_decode"]  # the request's verifications, in vLLM's counter terms
+    assert own["num_accepted_tokens"] == sum(own["accepted_per_position"]) == details["accepted_prediction_tokens"]
+    assert 0 < own["num_drafts"] <= predicted["usage"]["completion_tokens"] - 1
     wrong = _completion(client, prediction={"type": "content", "content": "cheese wine music art history"})
     assert wrong["choices"][0]["text"] == text
     assert wrong["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 0
@@ -99,3 +103,7 @@ def test_spec_decode_metrics_use_vllms_names(tiny_model_dir):
     assert drafts > 0 and draft_tokens >= drafts and 0 < accepted <= draft_tokens
     assert any('position="0"' in k for k in per_pos)
     assert sum(per_pos.values()) == accepted
+    # the one request's own counts, in its usage, are the server's
+    own = r.json()["usage"]["spec_decode"]
+    assert (own["num_drafts"], own["num_draft_tokens"], own["num_accepted_tokens"]) == (drafts, draft_tokens, accepted)
+    assert own["accepted_per_position"] == [per_pos[k] for k in sorted(per_pos, key=lambda k: k.split('position="')[1])]

@@ -21,11 +21,11 @@ from servelab.sim.runner import build_cost_model, scheduler_config
 from servelab.sim.speculation_sweep import compare_speculation, crossover_concurrency
 from servelab.sim.executor import SimExecutor
 from servelab.sim.implicit_decodes import ImplicitDecodeScheduler
-from servelab.sim.speculative import Speculation, SpeculativeSimExecutor
+from servelab.sim.speculative import RequestAcceptances, Speculation, SpeculativeSimExecutor
 from servelab.spec.hardware import get_hardware
 from servelab.spec.model import get_model
 from servelab.workload import RequestSpec, WorkloadSpec
-from servelab.workload.acceptance import load_profile
+from servelab.workload.acceptance import AcceptanceProfile, RequestAcceptance, load_profile
 from tests.scheduler_checks import check_block_manager
 
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 4}'
@@ -312,3 +312,64 @@ def test_a_coverage_under_one_leaves_that_share_of_decode_steps_plain():
     assert b.num_steps > a.num_steps and b.summary.tpot_s.mean > a.summary.tpot_s.mean
     assert b.speculation["acceptance"]["draft_coverage"] == 0.6
     assert b.speculation == simulate(part, workload).speculation  # which steps draft is seeded too
+
+
+def _two_kinds_of_request(n: int) -> AcceptanceProfile:
+    """A profile of requests that copy everything (every draft kept, every step drafting) and
+    requests that never draft, half and half: pooled, a middling acceptance; per request, two kinds."""
+    copier = RequestAcceptance(100, 100, 100 * K, (100,) * K)
+    plain = RequestAcceptance(100, 0, 0, ())
+    records = tuple(copier if i % 2 else plain for i in range(n))
+    drafts = sum(r.num_drafts for r in records)
+    return AcceptanceProfile(
+        num_drafts=drafts,
+        num_draft_tokens=drafts * K,
+        num_accepted_tokens=drafts * K,
+        accepted_per_position=(drafts,) * K,
+        num_decode_steps=sum(r.num_decode_steps for r in records),
+        per_request=records,
+    )
+
+
+def test_a_per_request_profile_gives_each_request_a_measured_requests_acceptance():
+    profile = _two_kinds_of_request(20)
+    mixed = Acceptance.from_profile(profile, "two kinds")
+    assert mixed.coverage == pytest.approx(0.5) and mixed.per_position == (1.0,) * K
+    assert sorted({(r.coverage, r.per_position) for r in mixed.per_request}) == [(0.0, (1.0,) * K), (1.0, (1.0,) * K)]
+    pooled = Acceptance(mixed.per_position, "pooled", mixed.coverage)
+    workload = WorkloadSpec(num_requests=24, concurrency=4, input_len="128", output_len="200", seed=2)
+    a = simulate(SimConfig(speculative=NGRAM, spec_acceptance=mixed), workload)
+    b = simulate(SimConfig(speculative=NGRAM, spec_acceptance=pooled), workload)
+    assert a.summary.completed == b.summary.completed == 24
+    # pooled, every request drafts on half its steps; per request, a request drafts always or never
+    tpots = sorted(r.tpot_s for r in a.records)
+    assert tpots[-1] / tpots[0] > 3.0
+    spread_pooled = sorted(r.tpot_s for r in b.records)
+    assert spread_pooled[-1] / spread_pooled[0] < 1.5
+    # per request, a copier drafts at every decode step and keeps all K; the others never draft
+    r = a.speculation["realised"]
+    assert r["num_drafts"] > 0 and r["num_accepted_tokens"] == r["num_draft_tokens"]
+    assert a.speculation == simulate(SimConfig(speculative=NGRAM, spec_acceptance=mixed), workload).speculation
+    assert a.speculation["acceptance"]["requests_measured"] == 20
+
+
+def test_a_request_keeps_its_draw_and_positions_it_never_reached_take_the_pooled_rate():
+    profile = AcceptanceProfile(
+        num_drafts=10,
+        num_draft_tokens=40,
+        num_accepted_tokens=20,
+        accepted_per_position=(8, 6, 4, 2),
+        per_request=(RequestAcceptance(12, 10, 40, (8, 6, 4, 2)), RequestAcceptance(5, 2, 8, (0, 0, 0, 0)),
+                     RequestAcceptance(0, 0, 0, ())),
+    )  # fmt: skip
+    acceptance = Acceptance.from_profile(profile, "p")
+    # the request with no decode step is left out; the one that never kept a draft rejects position
+    # 0 and has the pooled rates after it
+    assert len(acceptance.per_request) == 2
+    assert acceptance.per_request[1].per_position == (0.0, 0.75, 2 / 3, 0.5)
+    assert acceptance.per_request[1].coverage == 0.4
+    assert acceptance.for_k(2).per_request[0].per_position == (0.8, 0.75)
+    draws = RequestAcceptances(acceptance, seed=0)
+    assert all(draws("r7") is draws("r7") for _ in range(3))
+    assert {id(draws(f"r{i}")) for i in range(40)} == {id(r) for r in acceptance.per_request}
+    assert RequestAcceptances(Acceptance.rate(0.5, K), 0)("any").per_position == (0.5,) * K

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from servelab.errors import InvalidArgument, NotFound
-from servelab.workload.acceptance import AcceptanceProfile, load_profile
+from servelab.workload.acceptance import AcceptanceProfile, RequestAcceptance, load_profile
 
 PROFILE = AcceptanceProfile(
     num_drafts=200, num_draft_tokens=780, num_accepted_tokens=240, accepted_per_position=(160, 60, 20, 0), source="s"
@@ -95,4 +95,32 @@ def test_the_decode_step_count_gives_the_draft_coverage_and_is_checked(tmp_path)
     data["num_decode_steps"] = 2.5
     path.write_text(json.dumps(data))
     with pytest.raises(InvalidArgument, match="num_decode_steps must be an integer >= 0, got 2.5"):
+        load_profile(path)
+
+
+@pytest.mark.parametrize(
+    "record, message",
+    [
+        ("x", r"per_request\[1\] must be an object"),
+        ({"num_drafts": 1, "num_draft_tokens": 4}, r"per_request\[1\]: missing field 'num_decode_steps'"),
+        ({"num_decode_steps": 2, "num_drafts": 3, "num_draft_tokens": 4}, r"num_drafts \(3\) exceeds num_decode_steps"),
+        ({"num_decode_steps": 5, "num_drafts": 2, "num_draft_tokens": 4, "accepted_per_position": [1, 2]}, "rise"),
+        ({"num_decode_steps": 5, "num_drafts": 1, "num_draft_tokens": 9, "accepted_per_position": [1]}, "more draft"),
+        ({"num_decode_steps": -1, "num_drafts": 0, "num_draft_tokens": 0}, r"num_decode_steps must be an integer"),
+    ],
+)
+def test_per_request_counts_load_back_and_a_bad_one_is_named(tmp_path, record, message):
+    one = RequestAcceptance(
+        num_decode_steps=40, num_drafts=31, num_draft_tokens=120, accepted_per_position=(25, 20, 10, 5)
+    )
+    profile = AcceptanceProfile(200, 780, 240, (160, 60, 20, 0), "s", per_request=(one, RequestAcceptance(9, 0, 0, ())))
+    path = tmp_path / "p.json"
+    profile.write(path)
+    data = json.loads(path.read_text())
+    assert data["per_request"][0] == {"num_decode_steps": 40, "num_drafts": 31, "num_draft_tokens": 120,
+                                      "accepted_per_position": [25, 20, 10, 5]}  # fmt: skip
+    assert load_profile(path) == profile
+    data["per_request"][1] = record
+    path.write_text(json.dumps(data))
+    with pytest.raises(InvalidArgument, match=message):
         load_profile(path)
