@@ -12,7 +12,7 @@ the largest sample after warm-up against the sample at the end of warm-up.
     .venv/bin/python benchmarks/soak.py --duration 60m --concurrency 6 --out /tmp/soak.json
     .venv/bin/python benchmarks/soak.py --duration 5m --warmup 1m --server-args "--kv-cache-memory 256MiB"
 
-`--quick` (20 s of load, 5 s warm-up, short requests; flags given beside it win) with a tiny model
+`--quick` (10 s of load, 3 s warm-up, short requests; flags given beside it win) with a tiny model
 (`--server-args "--model DIR"`) checks that the soak runs; its verdict means little.
 """
 
@@ -268,7 +268,7 @@ async def soak(args: argparse.Namespace) -> int:
                 os.killpg(proc.pid, signal.SIGKILL)
 
 
-QUICK = {"duration": 20.0, "warmup": 5.0, "sample_every": 1.0, "concurrency": 3, "max_input": 128, "max_output": 24}
+QUICK = {"duration": 10.0, "warmup": 3.0, "sample_every": 0.5, "concurrency": 3, "max_input": 128, "max_output": 24}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--request-timeout", type=float, default=300.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", help="write the samples and the verdict as JSON")
-    p.add_argument("--quick", action="store_true", help="20 s of short requests after a 5 s warm-up")
+    p.add_argument("--quick", action="store_true", help="10 s of short requests after a 3 s warm-up")
     args = p.parse_args(argv)
     if args.quick:
         p.set_defaults(**QUICK)

@@ -12,9 +12,13 @@
    acceptance profile, pooled over all its runs: acceptance by draft position, the share of decode
    steps that drafted at all (prompt lookup proposes nothing where its n-gram has no match), and
    each request's own counts (servelab's `usage.spec_decode`), which the simulator draws per request.
-3. `servelab sim --compare-speculation` (the same workload, seed and concurrencies, the servers'
-   budgets and KV pool read from their /metrics) with the pooled acceptance profile and this host's
-   `servelab calibrate --server-term` profile (or `--profile PATH`).
+3. `servelab sim --compare-speculation` (the same workload and concurrencies, the servers'
+   budgets and KV pool read from their /metrics) with this host's `servelab calibrate
+   --server-term` profile (or `--profile PATH`). By default each (round, concurrency) is simulated
+   on its own, with the seed bench sent it with and the acceptance bench measured on those
+   requests, and the speedup is the median over rounds as measured: at concurrency 1 a run holds a
+   handful of requests, whose acceptance can be far from the pool's. `--acceptance pooled`
+   simulates every level once with the acceptance pooled over all runs.
 4. Measured against predicted: the speedup (plain TPOT p50 / speculative TPOT p50) and the
    tok/s ratio per concurrency with the error, and the crossover: the first concurrency where
    speculation stops paying (TPOT or tok/s worse, `sim`'s rule).
@@ -26,8 +30,9 @@ drafting for itself shows what a draft as large as its target costs).
 
     python benchmarks/spec_sim_check.py [--model PATH] [--k 4] [--concurrency 1,2,4,8,16,32] [--draft-model PATH]
         [--rounds 2] [--requests-per-client 3] [--input-len uniform:128,256]
-        [--profile PATH] [--out DIR] [--json] [--quick]
-    python benchmarks/spec_sim_check.py --measured DIR [--profile PATH]   # simulate an earlier run again
+        [--seed 100] [--acceptance per-run|pooled] [--profile PATH] [--out DIR] [--json] [--quick]
+    python benchmarks/spec_sim_check.py --measured DIR [--profile PATH] [--acceptance per-run|pooled]
+        # simulate an earlier run again, with its seed and its profile
 """
 
 from __future__ import annotations
@@ -76,6 +81,7 @@ def bench(url: str, args: argparse.Namespace, concurrency: int, seed: int, profi
     if result["failed"]:
         raise RuntimeError(f"{result['failed']} request(s) failed at concurrency {concurrency}")
     return {"tpot_p50_s": result["tpot_s"]["p50"], "tpot_mean_s": result["tpot_s"]["mean"],
+            "tpot_p90_s": result["tpot_s"]["p90"],
             "output_throughput": result["output_throughput"], "load_average": load_average()}  # fmt: skip
 
 
@@ -106,7 +112,7 @@ def measure(args: argparse.Namespace, spec: dict, out_dir: Path) -> tuple[dict, 
         budgets = server_config(httpx.get(servers["plain"][1] + "/metrics", timeout=10).text)
         for r in range(args.rounds):
             for c in args.concurrency:
-                seed = args.seed + 1000 * r + c
+                seed = run_seed(args, r, c)
                 for side in SIDES if r % 2 == 0 else SIDES[::-1]:
                     path = str(out_dir / f"acceptance-r{r}-c{c}.json") if side == "spec" else None
                     runs[side][c].append(bench(servers[side][1], args, c, seed, path))
@@ -142,8 +148,10 @@ def tokenizer_path(model: str | None) -> str:
     return str(bundled_model_path())
 
 
-def simulate(args: argparse.Namespace, spec: dict, profile: str, acceptance: str, budgets: dict[str, str]) -> dict:
-    """`servelab sim --compare-speculation` at the measured concurrencies, lengths and budgets."""
+def simulate(args: argparse.Namespace, spec: dict, profile: str, acceptance: str, budgets: dict[str, str],
+             concurrency: list[int] | None = None, seed: int | None = None) -> dict:  # fmt: skip
+    """`servelab sim --compare-speculation` at the measured concurrencies (or `concurrency`),
+    lengths and budgets, with the run's seed (or `seed`)."""
     return json.loads(
         servelab(
             "sim",
@@ -156,7 +164,7 @@ def simulate(args: argparse.Namespace, spec: dict, profile: str, acceptance: str
             "--spec-acceptance-profile",
             acceptance,
             "--compare-speculation",
-            ",".join(map(str, args.concurrency)),
+            ",".join(map(str, concurrency or args.concurrency)),
             "--dataset-kind",
             "edit",
             "--input-len",
@@ -164,7 +172,7 @@ def simulate(args: argparse.Namespace, spec: dict, profile: str, acceptance: str
             "--num-requests",
             str(args.requests_per_client),
             "--seed",
-            str(args.seed),
+            str(args.seed if seed is None else seed),
             "--no-prefix-caching",
             "--tokenizer",
             args.tokenizer,
@@ -177,6 +185,38 @@ def simulate(args: argparse.Namespace, spec: dict, profile: str, acceptance: str
             "--json",
         )  # fmt: skip
     )
+
+
+def simulate_runs(args: argparse.Namespace, spec: dict, profile: str, acceptances: dict[tuple[int, int], str],
+                  budgets: dict[str, str]) -> dict:  # fmt: skip
+    """Each measured (round, concurrency) simulated on its own: the seed bench sent it with (so
+    the same requests) and the acceptance bench measured on those requests. A level holds its
+    rounds; the predicted crossover is the first level whose median round stops paying."""
+    levels, cost_batch = [], None
+    for c in args.concurrency:
+        rounds = []
+        for r in range(args.rounds):
+            out = simulate(args, spec, profile, acceptances[(r, c)], budgets, [c], run_seed(args, r, c))
+            rounds.append(out["levels"][0])
+            cost_batch = out["cost_model_crossover_batch"]
+        levels.append({"concurrency": c, "rounds": rounds})
+    crossover = next(
+        (
+            level["concurrency"]
+            for level in levels
+            if not pays(
+                statistics.median(x["plain_tpot_p50_s"] / x["spec_tpot_p50_s"] for x in level["rounds"]),
+                statistics.median(x["throughput_ratio"] for x in level["rounds"]),
+            )
+        ),
+        None,
+    )
+    return {"levels": levels, "crossover_concurrency": crossover, "cost_model_crossover_batch": cost_batch}
+
+
+def run_seed(args: argparse.Namespace, r: int, c: int) -> int:
+    """The seed of round r at concurrency c (both servers get its requests)."""
+    return args.seed + 1000 * r + c
 
 
 def pays(speedup: float, throughput_ratio: float) -> bool:
@@ -193,7 +233,8 @@ def compare(args: argparse.Namespace, runs: dict, sim: dict) -> dict:
         speedups = [p["tpot_p50_s"] / f["tpot_p50_s"] for p, f in zip(plain, fast)]
         ratios = [f["output_throughput"] / p["output_throughput"] for p, f in zip(plain, fast)]
         level = predicted[c]
-        sim_speedup = level["plain_tpot_p50_s"] / level["spec_tpot_p50_s"]
+        sim_rounds = level.get("rounds", [level])  # simulated per run, or once with the pooled acceptance
+        sim_speedup = statistics.median(x["plain_tpot_p50_s"] / x["spec_tpot_p50_s"] for x in sim_rounds)
         row = {
             "concurrency": c,
             "plain_tpot_ms": statistics.median(p["tpot_p50_s"] for p in plain) * 1e3,
@@ -201,10 +242,10 @@ def compare(args: argparse.Namespace, runs: dict, sim: dict) -> dict:
             "speedup": statistics.median(speedups),
             "speedup_rounds": speedups,
             "throughput_ratio": statistics.median(ratios),
-            "sim_plain_tpot_ms": level["plain_tpot_p50_s"] * 1e3,
-            "sim_spec_tpot_ms": level["spec_tpot_p50_s"] * 1e3,
+            "sim_plain_tpot_ms": statistics.median(x["plain_tpot_p50_s"] for x in sim_rounds) * 1e3,
+            "sim_spec_tpot_ms": statistics.median(x["spec_tpot_p50_s"] for x in sim_rounds) * 1e3,
             "sim_speedup": sim_speedup,
-            "sim_throughput_ratio": level["throughput_ratio"],
+            "sim_throughput_ratio": statistics.median(x["throughput_ratio"] for x in sim_rounds),
             "load_average": statistics.median(x["load_average"] for x in plain + fast),
             "draft_coverage": statistics.median(f["draft_coverage"] for f in fast),
         }
@@ -214,8 +255,14 @@ def compare(args: argparse.Namespace, runs: dict, sim: dict) -> dict:
         if all("tpot_mean_s" in x for x in plain + fast):  # runs recorded before it lack it
             means = [p["tpot_mean_s"] / f["tpot_mean_s"] for p, f in zip(plain, fast)]
             row["mean_speedup"] = statistics.median(means)
-            row["sim_mean_speedup"] = level["plain_tpot_s"] / level["spec_tpot_s"]
+            row["sim_mean_speedup"] = statistics.median(x["plain_tpot_s"] / x["spec_tpot_s"] for x in sim_rounds)
             row["mean_speedup_error_pct"] = (row["sim_mean_speedup"] / row["mean_speedup"] - 1.0) * 100.0
+        # How requests spread: the speculative side's TPOT p90 over its p50, measured and simulated.
+        if all("tpot_p90_s" in f for f in fast) and all("spec_tpot_p90_s" in x for x in sim_rounds):
+            row["spec_p90_over_p50"] = statistics.median(f["tpot_p90_s"] / f["tpot_p50_s"] for f in fast)
+            row["sim_spec_p90_over_p50"] = statistics.median(
+                x["spec_tpot_p90_s"] / x["spec_tpot_p50_s"] for x in sim_rounds
+            )
         rows.append(row)
     measured = next((r["concurrency"] for r in rows if not pays(r["speedup"], r["throughput_ratio"])), None)
     return {"levels": rows, "measured_crossover": measured, "predicted_crossover": sim["crossover_concurrency"],
@@ -241,9 +288,12 @@ def print_report(report: dict) -> None:
     print(f"acceptance (bench, pooled): {a['acceptance_rate']:.1%} of drafts, {a['tokens_per_step']:.2f} tokens per "
           f"verification, {a.get('draft_coverage', 1.0):.1%} of decode steps drafted, "
           f"{len(a.get('per_request', ())):,} requests' own counts; profile {report['profile']}")  # fmt: skip
+    if report.get("acceptance_per") == "per-run":
+        print("simulated per run: each round and concurrency with its seed and the acceptance measured on its requests")
     print()
     head = (f"{'conc':>4} {'plain ms':>9} {'spec ms':>8} {'speedup':>8} {'tok/s x':>8} {'sim plain':>9} {'sim spec':>9}"
-            f" {'sim speedup':>11} {'error':>7} {'sim tok/s x':>11} {'mean TPOT x (sim, error)':>26} {'load':>5}")  # fmt: skip
+            f" {'sim speedup':>11} {'error':>7} {'sim tok/s x':>11} {'mean TPOT x (sim, error)':>26}"
+            f" {'spec p90/p50 (sim)':>18} {'load':>5}")  # fmt: skip
     print(head)
     for r in report["levels"]:
         mean = (
@@ -251,10 +301,11 @@ def print_report(report: dict) -> None:
             if "mean_speedup" in r
             else "-"
         )
+        spread = f"{r['spec_p90_over_p50']:.2f} ({r['sim_spec_p90_over_p50']:.2f})" if "spec_p90_over_p50" in r else "-"
         print(f"{r['concurrency']:>4} {r['plain_tpot_ms']:>9.2f} {r['spec_tpot_ms']:>8.2f} {r['speedup']:>7.2f}x "
               f"{r['throughput_ratio']:>7.2f}x {r['sim_plain_tpot_ms']:>9.2f} {r['sim_spec_tpot_ms']:>9.2f} "
               f"{r['sim_speedup']:>10.2f}x {r['speedup_error_pct']:>+6.1f}% {r['sim_throughput_ratio']:>10.2f}x "
-              f"{mean:>26} {r['load_average']:>5.2f}")  # fmt: skip
+              f"{mean:>26} {spread:>18} {r['load_average']:>5.2f}")  # fmt: skip
     print()
 
     def crossing(c: int | None) -> str:
@@ -272,6 +323,7 @@ def earlier(args: argparse.Namespace, folder: Path) -> tuple[dict, AcceptancePro
     report = json.loads((folder / "report.json").read_text())
     for name in ("rounds", "requests_per_client", "input_len"):
         setattr(args, name, report[name])
+    args.seed = report.get("seed", args.seed)  # each run's seed derives from it: the same requests
     # reports before the draft-model runs named the speculative side "ngram"
     runs = {"spec" if side == "ngram" else side: {int(c): v for c, v in by_c.items()}
             for side, by_c in report["runs"].items()}  # fmt: skip
@@ -303,6 +355,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=None, help="keep the servers' logs, the profiles and report.json here")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quick", action="store_true", help="concurrency 1,2, one round, short requests (a smoke test)")
+    ap.add_argument("--acceptance", choices=("per-run", "pooled"), default="per-run",
+                    help="per-run: simulate each round and concurrency with its seed and the acceptance bench "
+                         "measured on its requests (the default); pooled: one simulation of every level with the "
+                         "acceptance pooled over all runs")  # fmt: skip
     ap.add_argument("--measured", default=None, metavar="DIR",
                     help="simulate again against the runs an earlier --out DIR holds (with --profile: another "
                          "profile); measures nothing")  # fmt: skip
@@ -322,7 +378,9 @@ def main(argv: list[str] | None = None) -> dict:
         if args.measured:
             runs, acceptance, budgets, load_before = earlier(args, Path(args.measured))
             spec = args.spec
-            profile = args.profile or str(Path(args.measured) / "profile.json")
+            # the profile the run was priced with: its own calibration, or the one it was given
+            given = json.loads((Path(args.measured) / "report.json").read_text()).get("profile", "")
+            profile = args.profile or (given if Path(given).is_file() else str(Path(args.measured) / "profile.json"))
         else:
             args.tokenizer = tokenizer_path(args.model)
             profile = calibrated_profile(args, out_dir)
@@ -330,7 +388,13 @@ def main(argv: list[str] | None = None) -> dict:
             runs, acceptance, budgets = measure(args, spec, out_dir)
         acceptance_path = out_dir / "acceptance.json"
         acceptance.write(acceptance_path)
-        sim = simulate(args, spec, profile, str(acceptance_path), budgets)
+        source = Path(args.measured) if args.measured else out_dir
+        per_run = {(r, c): source / f"acceptance-r{r}-c{c}.json" for r in range(args.rounds) for c in args.concurrency}
+        if args.acceptance == "per-run" and all(path.exists() for path in per_run.values()):
+            sim = simulate_runs(args, spec, profile, {k: str(v) for k, v in per_run.items()}, budgets)
+        else:  # pooled, or an earlier run that kept no per-run profiles
+            args.acceptance = "pooled"
+            sim = simulate(args, spec, profile, str(acceptance_path), budgets)
         report = {
             "config": spec,
             "model": args.model or "the bundled model",
@@ -338,8 +402,10 @@ def main(argv: list[str] | None = None) -> dict:
             "tokenizer": args.tokenizer,
             "rounds": args.rounds,
             "requests_per_client": args.requests_per_client,
+            "seed": args.seed,
             "input_len": args.input_len,
             "profile": profile if args.profile or args.measured else "calibrate --server-term, this run",
+            "acceptance_per": args.acceptance,
             "budgets": budgets,
             "acceptance": {**acceptance.to_dict(), "tokens_per_step": acceptance.tokens_per_step},
             "load_average_before": load_before,

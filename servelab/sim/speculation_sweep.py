@@ -50,6 +50,8 @@ class ComparedLevel:
             "spec_tpot_s": self.spec.tpot_s.mean,
             "plain_tpot_p50_s": self.plain.tpot_s.p50,
             "spec_tpot_p50_s": self.spec.tpot_s.p50,
+            "plain_tpot_p90_s": self.plain.tpot_s.p90,
+            "spec_tpot_p90_s": self.spec.tpot_s.p90,
             "plain_output_throughput": self.plain.output_throughput,
             "spec_output_throughput": self.spec.output_throughput,
             "speedup": self.speedup,

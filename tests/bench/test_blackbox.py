@@ -47,15 +47,25 @@ def _calibrate(url: str, out, *extra: str) -> int:
                  "--max-concurrency", "8", "--repeats", "3", "--no-progress", *extra])  # fmt: skip
 
 
-def test_a_profile_fitted_from_outside_recovers_the_servers_cost_and_settings(timed_server, tmp_path, monkeypatch):
+@pytest.fixture(scope="module")
+def black_box_profile(timed_server, tmp_path_factory) -> Path:
+    """One calibration from outside, the server's /metrics hidden throughout: the settings must
+    come from the measurements alone. Two tests read it."""
+    out = tmp_path_factory.mktemp("black-box") / "p.json"
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("servelab.bench.client.OpenAIStreamClient.metrics_text", _no_metrics)
+        assert _calibrate(timed_server, out) == 0
+    return out
+
+
+def test_a_profile_fitted_from_outside_recovers_the_servers_cost_and_settings(timed_server, black_box_profile,
+                                                                              monkeypatch):  # fmt: skip
     from servelab.bench import blackbox as bb
     from servelab.cost.profile import ProfileStepCost, load_profile
 
     url = timed_server
-    # Hide the server's /metrics: the settings must come from the measurements alone.
     monkeypatch.setattr("servelab.bench.client.OpenAIStreamClient.metrics_text", _no_metrics)
-    out = tmp_path / "p.json"
-    assert _calibrate(url, out) == 0
+    out = black_box_profile
     profile = load_profile(str(out))
     c = profile["fit"]["coefficients"]
     assert profile["fit"]["heldout"]["median_abs_pct"] < 15
@@ -79,10 +89,10 @@ def test_a_profile_fitted_from_outside_recovers_the_servers_cost_and_settings(ti
     for family in ("num_requests_running", "num_requests_waiting", "kv_cache_usage_perc"):
         assert f'servelab:{family}{{model_name="timed-model"}} 0.0' in metrics, family
     # the partial results hold every point, so a resumed run measures nothing new
-    lines = (tmp_path / "p.json.partial.jsonl").read_text().splitlines()
+    lines = out.with_name("p.json.partial.jsonl").read_text().splitlines()
     assert json.loads(lines[0])["phase"] == "header"
     t0 = time.perf_counter()
-    assert _calibrate(url, tmp_path / "p.json", "--resume") == 0
+    assert _calibrate(url, out, "--resume") == 0
     assert time.perf_counter() - t0 < 5
     again = load_profile(str(out))
     assert again["run"]["measured"] == again["run"]["resumed"] == again["run"]["points"]
@@ -132,7 +142,8 @@ def test_a_server_that_is_not_there_is_a_clear_error(tmp_path, capsys):
     assert "cannot reach" in err and "Traceback" not in err
 
 
-def test_validate_predicts_an_unseen_load_from_the_black_box_profile(timed_server, tmp_path, monkeypatch, capsys):
+def test_validate_predicts_an_unseen_load_from_the_black_box_profile(timed_server, black_box_profile, monkeypatch,
+                                                                    capsys):  # fmt: skip
     """Calibrated from outside, with the server's /metrics hidden throughout: validate at a
     concurrency and lengths the calibration never ran predicts p50 TPOT and throughput within
     15%, and p50 TTFT within 25%."""
@@ -140,8 +151,7 @@ def test_validate_predicts_an_unseen_load_from_the_black_box_profile(timed_serve
 
     url = timed_server
     monkeypatch.setattr("servelab.bench.client.OpenAIStreamClient.metrics_text", _no_metrics)
-    profile = tmp_path / "p.json"
-    assert _calibrate(url, profile) == 0
+    profile = black_box_profile
     capsys.readouterr()
     assert main(["validate", "--base-url", url, "--profile", str(profile), "--sim-model", "smollm2-135m",
                  "--concurrency", "3", "--input-len", "150", "--output-len", "40", "--num-requests", "30",

@@ -38,7 +38,7 @@ def test_soak_quick_samples_the_server_and_gives_a_verdict(tiny, tmp_path, capsy
     assert (verdict.group(1) == "PASS") == report["ok"] and int(verdict.group(3)) >= int(verdict.group(2)) > 0
     assert report["verdict"] in capsys.readouterr().out
     samples = report["samples"]
-    assert len(samples) >= 15 and samples[-1]["elapsed_s"] >= 19 and all(s["rss_bytes"] > 0 for s in samples)
+    assert len(samples) >= 15 and samples[-1]["elapsed_s"] >= 9.5 and all(s["rss_bytes"] > 0 for s in samples)
     counters = report["counters"]
     assert counters["requests"] > 20 and counters["output_tokens"] > 0
     # a random model may end a reply at once (no text); the server itself must not fail a request

@@ -76,6 +76,22 @@ def test_compare_reports_the_mean_tpot_speedup_where_the_runs_recorded_it():
     assert "mean_speedup" not in old and old["speedup"] == pytest.approx(1.25)
 
 
+def test_per_run_simulations_give_the_median_over_rounds():
+    args = SimpleNamespace(concurrency=[4])
+    runs = {"plain": {4: [run(10, 350), run(10, 360)]}, "spec": {4: [run(8, 420), run(5, 400)]}}
+
+    def sim_round(plain_ms: float, spec_ms: float, ratio: float) -> dict:
+        return {"concurrency": 4, "plain_tpot_p50_s": plain_ms / 1e3, "spec_tpot_p50_s": spec_ms / 1e3,
+                "throughput_ratio": ratio}  # fmt: skip
+
+    sim = {"levels": [{"concurrency": 4, "rounds": [sim_round(10, 8, 1.1), sim_round(12, 6, 1.3)]}],
+           "crossover_concurrency": None, "cost_model_crossover_batch": None}  # fmt: skip
+    (row,) = spec_sim_check.compare(args, runs, sim)["levels"]
+    assert row["speedup"] == pytest.approx((1.25 + 2.0) / 2) and row["sim_speedup"] == pytest.approx((1.25 + 2.0) / 2)
+    assert row["sim_throughput_ratio"] == pytest.approx(1.2) and row["sim_plain_tpot_ms"] == pytest.approx(11)
+    assert row["speedup_error_pct"] == pytest.approx(0.0)
+
+
 def test_within_target_needs_concurrency_1_4_and_16_within_15_pct():
     rows = [{"concurrency": c, "speedup_error_pct": e} for c, e in ((1, 14.9), (2, 40.0), (4, -3.0), (16, -15.0))]
     assert spec_sim_check.within_target(rows)
@@ -116,6 +132,14 @@ def test_quick_run_measures_simulates_and_compares(tiny, tmp_path, capsys):
     assert a["num_decode_steps"] >= a["num_drafts"] and 0 < a["draft_coverage"] <= 1
     assert json.loads((out / "report.json").read_text()) == report
     assert (out / "acceptance.json").exists()
+    # each (round, concurrency) simulated with its own seed and the acceptance measured on its requests
+    assert report["acceptance_per"] == "per-run" and all((out / f"acceptance-r0-c{c}.json").exists() for c in (1, 2))
+    assert all(r["spec_p90_over_p50"] >= 1 and r["sim_spec_p90_over_p50"] >= 1 for r in report["levels"])
+    pooled = spec_sim_check.main(
+        ["--measured", str(out), "--profile", str(profile), "--acceptance", "pooled", "--json"]
+    )
+    capsys.readouterr()
+    assert pooled["acceptance_per"] == "pooled" and pooled["levels"][0]["speedup"] == report["levels"][0]["speedup"]
     # the printed table, from the same report
     spec_sim_check.print_report(report)
     text = capsys.readouterr().out
