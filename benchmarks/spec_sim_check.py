@@ -30,8 +30,8 @@ drafting for itself shows what a draft as large as its target costs).
 
     python benchmarks/spec_sim_check.py [--model PATH] [--k 4] [--concurrency 1,2,4,8,16,32] [--draft-model PATH]
         [--rounds 2] [--requests-per-client 3] [--input-len uniform:128,256]
-        [--seed 100] [--acceptance per-run|pooled] [--profile PATH] [--out DIR] [--json] [--quick]
-    python benchmarks/spec_sim_check.py --measured DIR [--profile PATH] [--acceptance per-run|pooled]
+        [--seed 100] [--acceptance per-run|pooled] [--requests-alike] [--profile PATH] [--out DIR] [--json] [--quick]
+    python benchmarks/spec_sim_check.py --measured DIR [--profile PATH] [--acceptance per-run|pooled] [--requests-alike]
         # simulate an earlier run again, with its seed and its profile
 """
 
@@ -45,6 +45,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -359,6 +360,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="per-run: simulate each round and concurrency with its seed and the acceptance bench "
                          "measured on its requests (the default); pooled: one simulation of every level with the "
                          "acceptance pooled over all runs")  # fmt: skip
+    ap.add_argument("--requests-alike", action="store_true",
+                    help="leave out the profiles' per-request counts: every simulated request follows the same "
+                         "acceptance")  # fmt: skip
     ap.add_argument("--measured", default=None, metavar="DIR",
                     help="simulate again against the runs an earlier --out DIR holds (with --profile: another "
                          "profile); measures nothing")  # fmt: skip
@@ -386,10 +390,16 @@ def main(argv: list[str] | None = None) -> dict:
             profile = calibrated_profile(args, out_dir)
             load_before = load_average()
             runs, acceptance, budgets = measure(args, spec, out_dir)
+        if args.requests_alike:
+            acceptance = replace(acceptance, per_request=())
         acceptance_path = out_dir / "acceptance.json"
         acceptance.write(acceptance_path)
         source = Path(args.measured) if args.measured else out_dir
         per_run = {(r, c): source / f"acceptance-r{r}-c{c}.json" for r in range(args.rounds) for c in args.concurrency}
+        if args.requests_alike and all(path.exists() for path in per_run.values()):
+            for key, path in per_run.items():
+                per_run[key] = out_dir / f"alike-r{key[0]}-c{key[1]}.json"
+                replace(load_profile(path), per_request=()).write(per_run[key])
         if args.acceptance == "per-run" and all(path.exists() for path in per_run.values()):
             sim = simulate_runs(args, spec, profile, {k: str(v) for k, v in per_run.items()}, budgets)
         else:  # pooled, or an earlier run that kept no per-run profiles
@@ -406,6 +416,7 @@ def main(argv: list[str] | None = None) -> dict:
             "input_len": args.input_len,
             "profile": profile if args.profile or args.measured else "calibrate --server-term, this run",
             "acceptance_per": args.acceptance,
+            "requests_alike": args.requests_alike,
             "budgets": budgets,
             "acceptance": {**acceptance.to_dict(), "tokens_per_step": acceptance.tokens_per_step},
             "load_average_before": load_before,

@@ -167,7 +167,7 @@ class SpecDecodeReport:
             out.append(f"{'  Acceptance by position':<34}{rates}")
         spread = self.per_request_spread()
         if spread is not None:
-            out.append(f"{'  Tokens per decode step, by request':<34}p10 {spread[0]:.2f}  p50 {spread[1]:.2f}  "
+            out.append(f"{'  Per request, tokens a step':<34}p10 {spread[0]:.2f}  p50 {spread[1]:.2f}  "
                        f"p90 {spread[2]:.2f} ({len(p.per_request):,} requests)")  # fmt: skip
         return out
 
@@ -194,24 +194,13 @@ class SpecDecodeReport:
         return out
 
 
-def per_request_acceptance(usages: Iterable[tuple[int, dict[str, Any]]]) -> tuple[RequestAcceptance, ...]:
-    """Each finished request's counts, from (completion tokens, `usage.spec_decode`) pairs; its
-    decode steps are its tokens after the first (which its prefill made) less the drafts it kept.
-    A malformed entry is left out rather than failing the run's report."""
+def per_request_acceptance(usages: Iterable[dict[str, Any]]) -> tuple[RequestAcceptance, ...]:
+    """Each finished request's counts, from servelab's `usage.spec_decode` (its decode steps
+    among them). A malformed entry is left out rather than failing the run's report."""
     out = []
-    for completion_tokens, usage in usages:
+    for usage in usages:
         try:
-            counts = tuple(usage.get("accepted_per_position", ()))
-            record = RequestAcceptance(
-                num_decode_steps=completion_tokens - 1 - sum(counts),
-                num_drafts=usage["num_drafts"],
-                num_draft_tokens=usage["num_draft_tokens"],
-                accepted_per_position=counts,
-            )
-            if record.num_decode_steps < 0 or not all(isinstance(n, int) and n >= 0 for n in (*counts, record.num_drafts)):  # fmt: skip
-                continue
-            record.check("usage.spec_decode")
-        except (KeyError, TypeError, InvalidArgument):
+            out.append(RequestAcceptance.from_dict(usage, "usage.spec_decode"))
+        except InvalidArgument:
             continue
-        out.append(record)
     return tuple(out)

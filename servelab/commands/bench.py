@@ -240,9 +240,7 @@ def _run(args: argparse.Namespace, workload, slo, loop: asyncio.AbstractEventLoo
         _parsed(spec_decode.parse_counters, after),
         source=f"{config['base_url']} {config['model']} {workload.describe()}",
         per_request=spec_decode.per_request_acceptance(
-            (r.usage_output_tokens, r.usage_spec_decode)
-            for r in result.results
-            if r.success and r.usage_spec_decode is not None and r.usage_output_tokens is not None
+            r.usage_spec_decode for r in result.results if r.success and r.usage_spec_decode is not None
         ),
     )
     return _report_run(args, result, config, workload, cache, spec)

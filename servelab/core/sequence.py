@@ -340,6 +340,25 @@ class SpecDecodeCounters:
             "accepted_per_position": list(self.accepted_per_position),
         }
 
+    def copy(self) -> SpecDecodeCounters:
+        return SpecDecodeCounters(
+            self.num_drafts, self.num_draft_tokens, self.num_accepted_tokens, list(self.accepted_per_position)
+        )
+
+    @classmethod
+    def merged(cls, counters: list[SpecDecodeCounters]) -> SpecDecodeCounters:
+        """Several counters summed, position by position."""
+        out = cls()
+        for c in counters:
+            out.num_drafts += c.num_drafts
+            out.num_draft_tokens += c.num_draft_tokens
+            out.num_accepted_tokens += c.num_accepted_tokens
+            per_pos = out.accepted_per_position
+            per_pos.extend([0] * (len(c.accepted_per_position) - len(per_pos)))
+            for i, n in enumerate(c.accepted_per_position):
+                per_pos[i] += n
+        return out
+
     def stats_fields(self) -> dict[str, Any]:
         """The counters as SchedulerStats' spec_* fields (a copy)."""
         return {

@@ -168,9 +168,6 @@ class VerifiedDecodes:
         if len(drafts) > entry.num_draft or drafts != seq.draft_token_ids[: len(drafts)]:
             raise ValueError(f"request {seq.request_id!r}: accepted tokens {drafts} are not a prefix of its drafts")
         self.spec_counters.record(entry.num_draft, len(drafts))
-        if seq.spec_counters is None:
-            seq.spec_counters = SpecDecodeCounters()
-        seq.spec_counters.record(entry.num_draft, len(drafts))
         seq.draft_token_ids = []
         if token is None:  # the step failed for this request: nothing it computed is kept
             self._finish(seq, FinishReason.ERROR, now)
@@ -189,6 +186,11 @@ class VerifiedDecodes:
                 break
         if lps is not None:
             del lps[len(new) :]
+        if seq.spec_counters is not None:
+            # The request's own count keeps the drafts its output kept beyond the step's one token
+            # (a stop token among the drafts ends it there), so that its decode steps are its
+            # tokens after the first less these.
+            seq.spec_counters.record(entry.num_draft, len(new) - 1)
         # KV is valid up to the last accepted draft; the slots of rejected ones are rewritten.
         seq.num_computed_tokens = entry.start_pos + 1 + len(drafts)
         self.block_manager.trim(seq, len(seq.token_ids))

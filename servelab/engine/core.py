@@ -80,7 +80,7 @@ class EngineCore:
         if self.proposers is not None:
             if request.params.prediction:
                 self.proposers.add_prediction(seq.request_id, request.params.prediction)
-            if self.proposers.config is not None or request.params.prediction:
+            if self.proposers.may_draft_for(seq):
                 seq.spec_counters = SpecDecodeCounters()  # counted from zero: a request may never draft
         return seq
 
@@ -228,7 +228,7 @@ class EngineCore:
             first_token_offset_s=after(seq.first_token_s), first_scheduled_offset_s=after(seq.first_scheduled_s),
             finished_offset_s=after(seq.finished_s), stop_reason=seq.stop_reason, error=seq.error, pooled=seq.pooled,
             prompt_token_ids=prompt_token_ids, **_prediction_usage(seq),
-            spec_decode=seq.spec_counters,
+            spec_decode=None if seq.spec_counters is None else seq.spec_counters.copy(),
         )  # fmt: skip
 
 

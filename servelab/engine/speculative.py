@@ -291,6 +291,14 @@ class Proposers:
         k = config.num_speculative_tokens if config is not None else DEFAULT_PREDICTION_TOKENS
         self.prediction = PredictionProposer(k)
 
+    def may_draft_for(self, seq: Sequence) -> bool:
+        """Whether any proposer may ever draft for this new request (`speculates` aside from its
+        progress): the configured method, or its own prediction where predictions are taken."""
+        if seq.pooling is not None or seq.params.structured_output is not None or seq.params.prompt_only:
+            return False
+        has_prediction = self.predictions and self.prediction.has(seq.request_id)
+        return self.ngram is not None or self.draft is not None or has_prediction
+
     @property
     def active(self) -> bool:
         return self.ngram is not None or self.draft is not None or bool(self.prediction._predictions)

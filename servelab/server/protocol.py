@@ -238,9 +238,10 @@ class SpecDecodeUsage(BaseModel):
     """servelab's extension: this request's speculative decoding, in vLLM's spec-decode counter
     terms, so a load generator can see how acceptance varies between requests."""
 
+    num_decode_steps: int = 0  # steps after the prefill's token, drafting or not
     num_drafts: int = 0  # verification steps that scored drafts
     num_draft_tokens: int = 0
-    num_accepted_tokens: int = 0
+    num_accepted_tokens: int = 0  # drafts the output kept beyond each step's one token
     accepted_per_position: list[int] = Field(default_factory=list)  # verifications that kept position i
 
 

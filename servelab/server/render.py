@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi.responses import JSONResponse, Response
 
-from servelab.core.sequence import NO_TOKEN_LEFT, FinishReason
+from servelab.core.sequence import NO_TOKEN_LEFT, FinishReason, SpecDecodeCounters
 from servelab.errors import InvalidArgument, ServelabError
 from servelab.server import protocol as p
 from servelab.engine.client import EngineFailure, EngineRequest, RequestStream
@@ -22,7 +22,6 @@ from servelab.server.structured import ToolCallStream, ToolPlan, parse_tool_call
 
 if TYPE_CHECKING:
     from servelab.core.plan import TokenLogprobs
-    from servelab.core.sequence import SpecDecodeCounters
     from servelab.engine.outputs import EngineOutput
     from servelab.server.state import ServerState
 
@@ -148,20 +147,16 @@ class _Renderer(ABC):
         )
 
     def _spec_decode_usage(self) -> p.SpecDecodeUsage | None:
-        """The choices' verification counters summed; None where the engine drafts for none."""
-        counters = [c.spec_decode for c in self.choices.values() if c.spec_decode is not None]
-        if not counters:
+        """The choices' verification counters summed, with their decode steps (a choice's tokens
+        after its first, less the drafts it kept beyond each step's one); None where the engine
+        drafts for none of them."""
+        drafted = [c for c in self.choices.values() if c.spec_decode is not None]
+        if not drafted:
             return None
-        per_pos = [0] * max(len(c.accepted_per_position) for c in counters)
-        for c in counters:
-            for i, n in enumerate(c.accepted_per_position):
-                per_pos[i] += n
-        return p.SpecDecodeUsage(
-            num_drafts=sum(c.num_drafts for c in counters),
-            num_draft_tokens=sum(c.num_draft_tokens for c in counters),
-            num_accepted_tokens=sum(c.num_accepted_tokens for c in counters),
-            accepted_per_position=per_pos,
-        )
+        total = SpecDecodeCounters.merged([c.spec_decode for c in drafted if c.spec_decode is not None])
+        steps = sum(max(c.completion_tokens - 1 - c.spec_decode.num_accepted_tokens, 0)
+                    for c in drafted if c.spec_decode is not None)  # fmt: skip
+        return p.SpecDecodeUsage(num_decode_steps=steps, **total.to_dict())
 
     @abstractmethod
     def chunk(self, choice: _Choice, out: EngineOutput) -> dict | None:

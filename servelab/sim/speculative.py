@@ -84,7 +84,7 @@ def propose(
     its own); the others decode plainly this step."""
     for seq in scheduler.running:
         if len(seq.token_ids) - seq.num_computed_tokens == 1 and seq.num_output_tokens and not seq.draft_token_ids:
-            p = coverage if isinstance(coverage, float) else coverage(seq.request_id).coverage
+            p = coverage(seq.request_id).coverage if isinstance(coverage, RequestAcceptances) else coverage
             if p < 1.0 and rng is not None and rng.random() >= p:
                 continue
             seq.draft_token_ids = drafts  # never mutated: the scheduler replaces the list
@@ -142,16 +142,12 @@ def realised(counters: list[SpecDecodeCounters]) -> dict[str, Any]:
     """The replicas' counters summed: what the run accepted, as an acceptance profile (the format
     `bench --spec-profile-out` writes and `--spec-acceptance-profile` reads) plus its tokens per
     verification step."""
-    per_pos: list[int] = []
-    for c in counters:
-        per_pos.extend([0] * (len(c.accepted_per_position) - len(per_pos)))
-        for i, n in enumerate(c.accepted_per_position):
-            per_pos[i] += n
+    total = SpecDecodeCounters.merged(counters)
     profile = AcceptanceProfile(
-        num_drafts=sum(c.num_drafts for c in counters),
-        num_draft_tokens=sum(c.num_draft_tokens for c in counters),
-        num_accepted_tokens=sum(c.num_accepted_tokens for c in counters),
-        accepted_per_position=tuple(per_pos),
+        num_drafts=total.num_drafts,
+        num_draft_tokens=total.num_draft_tokens,
+        num_accepted_tokens=total.num_accepted_tokens,
+        accepted_per_position=tuple(total.accepted_per_position),
         source="servelab sim",
     )
     return {**profile.to_dict(), "tokens_per_verification": profile.tokens_per_step if profile.num_drafts else None}

@@ -70,6 +70,25 @@ class RequestAcceptance:
                 f"got {list(counts)}"
             )
 
+    @classmethod
+    def from_dict(cls, record: object, where: str) -> RequestAcceptance:
+        """One request's counts from JSON (a profile's `per_request` entry, or a response's
+        `usage.spec_decode`), checked: an InvalidArgument names `where` and the field."""
+        if not isinstance(record, dict):
+            raise InvalidArgument(f"{where} must be an object, got {record!r}")
+        for name in ("num_decode_steps", "num_drafts", "num_draft_tokens"):
+            if name not in record:
+                raise InvalidArgument(f"{where}: missing field {name!r}")
+            _check_count(record[name], f"{where}.{name}")
+        counts = record.get("accepted_per_position", [])
+        if not isinstance(counts, list):
+            raise InvalidArgument(f"{where}.accepted_per_position must be a list of counts, got {counts!r}")
+        for j, count in enumerate(counts):
+            _check_count(count, f"{where}.accepted_per_position[{j}]")
+        request = cls(record["num_decode_steps"], record["num_drafts"], record["num_draft_tokens"], tuple(counts))
+        request.check(where)
+        return request
+
     def to_dict(self) -> dict[str, Any]:
         return {
             "num_decode_steps": self.num_decode_steps,
@@ -232,27 +251,7 @@ def load_profile(path: str | Path) -> AcceptanceProfile:
 def _load_per_request(records: object, where: str) -> tuple[RequestAcceptance, ...]:
     if not isinstance(records, list):
         raise InvalidArgument(f"{where}: per_request must be a list of objects, got {type(records).__name__}")
-    out = []
-    for i, record in enumerate(records):
-        at = f"{where}: per_request[{i}]"
-        if not isinstance(record, dict):
-            raise InvalidArgument(f"{at} must be an object, got {record!r}")
-        fields = ("num_decode_steps", "num_drafts", "num_draft_tokens")
-        for name in fields:
-            if name not in record:
-                raise InvalidArgument(f"{at}: missing field {name!r}")
-            _check_count(record[name], f"{at}.{name}")
-        counts = record.get("accepted_per_position", [])
-        if not isinstance(counts, list):
-            raise InvalidArgument(f"{at}.accepted_per_position must be a list of counts, got {counts!r}")
-        for j, count in enumerate(counts):
-            _check_count(count, f"{at}.accepted_per_position[{j}]")
-        request = RequestAcceptance(
-            record["num_decode_steps"], record["num_drafts"], record["num_draft_tokens"], tuple(counts)
-        )
-        request.check(at)
-        out.append(request)
-    return tuple(out)
+    return tuple(RequestAcceptance.from_dict(record, f"{where}: per_request[{i}]") for i, record in enumerate(records))
 
 
 def _check_count(value: object, where: str) -> None:

@@ -110,8 +110,8 @@ class MockServer:
                 for i in range(kept):
                     per_position[i] += 1
             produced, step = produced + kept + 1, step + 1
-        return {"num_drafts": drafts, "num_draft_tokens": draft_tokens, "num_accepted_tokens": sum(per_position),
-                "accepted_per_position": per_position}  # fmt: skip
+        return {"num_decode_steps": step, "num_drafts": drafts, "num_draft_tokens": draft_tokens,
+                "num_accepted_tokens": sum(per_position), "accepted_per_position": per_position}  # fmt: skip
 
     def _text(self, writer: asyncio.StreamWriter, text: str) -> None:
         data = text.encode()

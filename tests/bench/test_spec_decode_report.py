@@ -133,7 +133,7 @@ def test_bench_prints_the_block_and_writes_the_profile(spec_server, tmp_path, ca
         assert "24 (40.0% of draft tokens)" in block[2] and block[3].endswith("1.20") and block[4].endswith("2.20")
         assert block[5].endswith("0: 60%  1: 67%  2: 50%")
         # each request's own counts (its usage.spec_decode): 5 tokens in 3 decode steps, one kept draft
-        assert block[6].endswith("p10 1.33  p50 1.33  p90 1.33 (4 requests)")
+        assert block[6] == "  Per request, tokens a step      p10 1.33  p50 1.33  p90 1.33 (4 requests)"
         assert f"wrote {out_file}" in printed
         profile = load_profile(out_file)
         assert profile.to_dict() | WANT == profile.to_dict() and profile.num_speculative_tokens == 3
@@ -190,14 +190,17 @@ def test_the_generated_tokens_give_the_decode_steps_and_the_draft_coverage():
 
 
 def test_per_request_counts_come_from_usage_and_a_malformed_entry_is_left_out():
-    good = {"num_drafts": 4, "num_draft_tokens": 12, "num_accepted_tokens": 5, "accepted_per_position": [3, 2, 0]}
+    good = {"num_decode_steps": 14, "num_drafts": 4, "num_draft_tokens": 12, "num_accepted_tokens": 5,
+            "accepted_per_position": [3, 2, 0]}  # fmt: skip
     records = per_request_acceptance([
-        (20, good),  # 19 tokens after the prefill's, 5 of them kept drafts: 14 decode steps
-        (1, {"num_drafts": 0, "num_draft_tokens": 0, "num_accepted_tokens": 0, "accepted_per_position": []}),
-        (3, good),  # more kept drafts than tokens: counts that do not close
-        (20, {"num_drafts": 4}),  # fields missing
-        (20, {**good, "accepted_per_position": [2, 3, 0]}),  # rises with the position
-        (20, {**good, "num_drafts": "4"}),
+        good,
+        {"num_decode_steps": 0, "num_drafts": 0, "num_draft_tokens": 0, "accepted_per_position": []},
+        {**good, "num_decode_steps": 3},  # more drafts than decode steps: counts that do not close
+        {"num_drafts": 4},  # fields missing
+        {**good, "accepted_per_position": [2, 3, 0]},  # rises with the position
+        {**good, "num_drafts": "4"},
+        {**good, "num_draft_tokens": 2.5},
+        "not an object",
     ])  # fmt: skip
     assert records == (RequestAcceptance(14, 4, 12, (3, 2, 0)), RequestAcceptance(0, 0, 0, ()))
     p10, p50, p90 = SpecDecodeReport(AcceptanceProfile(4, 12, 5, (3, 2, 0), per_request=records)).per_request_spread()

@@ -45,7 +45,11 @@ def test_a_prediction_changes_no_text_and_reports_its_tokens_in_usage(client):
     assert details["rejected_prediction_tokens"] >= 0
     own = predicted["usage"]["spec_decode"]  # the request's verifications, in vLLM's counter terms
     assert own["num_accepted_tokens"] == sum(own["accepted_per_position"]) == details["accepted_prediction_tokens"]
-    assert 0 < own["num_drafts"] <= predicted["usage"]["completion_tokens"] - 1
+    assert 0 < own["num_drafts"] <= own["num_decode_steps"] < predicted["usage"]["completion_tokens"]
+    # a structured-output request never drafts, so it carries no counts
+    constrained = _completion(client, prediction={"type": "content", "content": text},
+                              response_format={"type": "json_object"})  # fmt: skip
+    assert "spec_decode" not in constrained["usage"]
     wrong = _completion(client, prediction={"type": "content", "content": "cheese wine music art history"})
     assert wrong["choices"][0]["text"] == text
     assert wrong["usage"]["completion_tokens_details"]["accepted_prediction_tokens"] == 0
@@ -104,6 +108,9 @@ def test_spec_decode_metrics_use_vllms_names(tiny_model_dir):
     assert any('position="0"' in k for k in per_pos)
     assert sum(per_pos.values()) == accepted
     # the one request's own counts, in its usage, are the server's
-    own = r.json()["usage"]["spec_decode"]
+    usage = r.json()["usage"]
+    own = usage["spec_decode"]
     assert (own["num_drafts"], own["num_draft_tokens"], own["num_accepted_tokens"]) == (drafts, draft_tokens, accepted)
+    # every token after the prefill's came from a decode step: one a step, plus the drafts it kept
+    assert own["num_decode_steps"] == usage["completion_tokens"] - 1 - accepted >= own["num_drafts"]
     assert own["accepted_per_position"] == [per_pos[k] for k in sorted(per_pos, key=lambda k: k.split('position="')[1])]
