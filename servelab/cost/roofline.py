@@ -814,22 +814,32 @@ class Roofline:
         return self.step([(prompt_len, prompt_len)] * batch)
 
     def compute_bound_batch(self, context_len: int, limit: int = 1 << 24) -> int | None:
-        """Smallest decode batch at `context_len` whose step is compute-bound (memory capacity
-        ignored), or None: when each sequence adds more bytes (its KV) than FLOPs can cover, no
-        batch ever gets there."""
+        """Smallest decode batch at `context_len` from which every larger batch is compute-bound
+        (memory capacity ignored), or None: when each sequence adds more bytes (its KV) than FLOPs
+        can cover, no batch ever gets there.
+
+        GEMMs run whole tiles of rows, so within a tile the compute stays put while the KV read
+        grows: near the crossover a batch just past a tile's start can be compute-bound and the
+        tile's last batch memory-bound again. At the tiles' last batches both sides grow linearly,
+        so the search runs over those, then finds where the first compute-bound tile turns."""
+        tile = self.tile_tokens
 
         def compute_bound(batch: int) -> bool:
             return self.decode(batch, context_len).bound == "compute"
 
-        if not compute_bound(limit):
+        last_tile = limit // tile
+        if last_tile < 1 or not compute_bound(last_tile * tile):
             return None
-        low, high = 0, 1  # invariant: low is memory-bound (or 0), high is compute-bound
-        while not compute_bound(high):
-            low, high = high, high * 2
+        low, high = 0, 1  # in tiles: low's last batch is memory-bound (or 0), high's compute-bound
+        while not compute_bound(high * tile):
+            low, high = high, min(high * 2, last_tile)
         while high - low > 1:
             mid = (low + high) // 2
-            if compute_bound(mid):
+            if compute_bound(mid * tile):
                 high = mid
             else:
                 low = mid
-        return high
+        first = high * tile  # compute-bound, as is every tile end past it
+        while first > low * tile + 1 and compute_bound(first - 1):
+            first -= 1
+        return first
