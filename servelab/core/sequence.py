@@ -361,12 +361,7 @@ class SpecDecodeCounters:
 
     def stats_fields(self) -> dict[str, Any]:
         """The counters as SchedulerStats' spec_* fields (a copy)."""
-        return {
-            "spec_num_drafts": self.num_drafts,
-            "spec_num_draft_tokens": self.num_draft_tokens,
-            "spec_num_accepted_tokens": self.num_accepted_tokens,
-            "spec_accepted_per_position": list(self.accepted_per_position),
-        }
+        return {f"spec_{name}": value for name, value in self.to_dict().items()}
 
 
 @dataclass(slots=True, eq=False)

@@ -42,15 +42,15 @@ PREDICTION_LOOKUP_MAX = 4
 PREDICTION_LOOKUP_MIN = 1
 
 
+def may_speculate(seq: Sequence) -> bool:
+    """Whether a request may ever carry drafts: one that generates, without a grammar (structured
+    outputs are not verified draft by draft: their matcher advances one sampled token at a time)."""
+    return seq.pooling is None and seq.params.structured_output is None and not seq.params.prompt_only
+
+
 def speculates(seq: Sequence) -> bool:
-    """Whether a sequence may carry drafts: a decoding one, without a grammar (structured outputs
-    are not verified draft by draft: their matcher advances one sampled token at a time)."""
-    return (
-        seq.num_computed_tokens == len(seq.token_ids) - 1
-        and seq.pooling is None
-        and seq.params.structured_output is None
-        and not seq.params.prompt_only
-    )
+    """Whether a sequence may carry drafts this step: a decoding one that may speculate at all."""
+    return seq.num_computed_tokens == len(seq.token_ids) - 1 and may_speculate(seq)
 
 
 # Earlier occurrences of a sequence's last token that a lookup compares, latest first: bounds a
@@ -292,9 +292,9 @@ class Proposers:
         self.prediction = PredictionProposer(k)
 
     def may_draft_for(self, seq: Sequence) -> bool:
-        """Whether any proposer may ever draft for this new request (`speculates` aside from its
-        progress): the configured method, or its own prediction where predictions are taken."""
-        if seq.pooling is not None or seq.params.structured_output is not None or seq.params.prompt_only:
+        """Whether any proposer may ever draft for this new request: one that may speculate, with
+        the configured method or its own prediction where predictions are taken."""
+        if not may_speculate(seq):
             return False
         has_prediction = self.predictions and self.prediction.has(seq.request_id)
         return self.ngram is not None or self.draft is not None or has_prediction

@@ -150,12 +150,11 @@ class _Renderer(ABC):
         """The choices' verification counters summed, with their decode steps (a choice's tokens
         after its first, less the drafts it kept beyond each step's one); None where the engine
         drafts for none of them."""
-        drafted = [c for c in self.choices.values() if c.spec_decode is not None]
+        drafted = [(c.completion_tokens, c.spec_decode) for c in self.choices.values() if c.spec_decode is not None]
         if not drafted:
             return None
-        total = SpecDecodeCounters.merged([c.spec_decode for c in drafted if c.spec_decode is not None])
-        steps = sum(max(c.completion_tokens - 1 - c.spec_decode.num_accepted_tokens, 0)
-                    for c in drafted if c.spec_decode is not None)  # fmt: skip
+        steps = sum(max(tokens - 1 - counters.num_accepted_tokens, 0) for tokens, counters in drafted)
+        total = SpecDecodeCounters.merged([counters for _, counters in drafted])
         return p.SpecDecodeUsage(num_decode_steps=steps, **total.to_dict())
 
     @abstractmethod

@@ -139,13 +139,13 @@ class ClusterSim:
         token = 1
         implicit = getattr(cost_model, "time_from_totals", None) is not None and speculation is None
         self.drafts = [token] * speculation.k if speculation is not None else None
+        # Each request's acceptance; with no per-request profile a step's coverage is one number.
+        acceptances = None if speculation is None else RequestAcceptances(speculation.acceptance, f"{seed}:acceptance")
+        self.acceptances = acceptances
         self.draft_coverage: float | RequestAcceptances = 1.0
-        if speculation is not None:
-            self.draft_coverage = (
-                RequestAcceptances(speculation.acceptance, f"{seed}:acceptance")
-                if speculation.acceptance.per_request
-                else speculation.acceptance.coverage
-            )
+        if speculation is not None and acceptances is not None:
+            per_request = speculation.acceptance.per_request
+            self.draft_coverage = acceptances if per_request else speculation.acceptance.coverage
         self.propose_rng = random.Random(f"{seed}:propose")  # which steps draft, at a coverage under 1
         for role, (count, config) in pools.items():
             pool = []
@@ -156,17 +156,11 @@ class ClusterSim:
                     else Scheduler(config, keep_finished=0)
                 )
                 index = len(self.replicas)
-                executor = (
-                    SimExecutor(cost_model, token)
-                    if speculation is None
-                    else SpeculativeSimExecutor(
-                        cost_model,
-                        speculation,
-                        f"{seed}:{index}",
-                        token,
-                        self.draft_coverage if isinstance(self.draft_coverage, RequestAcceptances) else None,
+                executor: SimExecutor = SimExecutor(cost_model, token)
+                if speculation is not None and self.acceptances is not None:
+                    executor = SpeculativeSimExecutor(
+                        cost_model, speculation, self.acceptances, f"{seed}:{index}", token
                     )
-                )
                 replica = Replica(index, role, scheduler, executor)
                 pool.append(replica)
                 self.replicas.append(replica)
@@ -463,8 +457,8 @@ class ClusterRun:
                 num_cached_tokens=req.num_cached_tokens,
             )
         )
-        if isinstance(sim.draft_coverage, RequestAcceptances):
-            sim.draft_coverage.forget(seq.request_id)
+        if sim.acceptances is not None:
+            sim.acceptances.forget(seq.request_id)
         self.finish_client(req, t)
 
     def fail(self, req: _Request, t: float, error: str) -> None:

@@ -93,11 +93,11 @@ def propose(
 class SpeculativeSimExecutor(SimExecutor):
     """A SimExecutor for verification entries: accepted drafts drawn, verification + draft priced."""
 
-    def __init__(self, cost_model: StepCostModel, speculation: Speculation, seed: Any, sampled_token_id: int = 1,
-                 acceptance_of: RequestAcceptances | None = None):  # fmt: skip
+    def __init__(self, cost_model: StepCostModel, speculation: Speculation, acceptance_of: RequestAcceptances,
+                 seed: Any, sampled_token_id: int = 1):  # fmt: skip
         super().__init__(cost_model, sampled_token_id)
         self.speculation = speculation
-        self.acceptance_of = acceptance_of or RequestAcceptances(speculation.acceptance, seed)
+        self.acceptance_of = acceptance_of  # the cluster's: it forgets a request's draw when it finishes
         self.rng = random.Random(seed)
         self.draft_s = 0.0  # the draft steps' share of the busy time
 
