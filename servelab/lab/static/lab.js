@@ -1087,7 +1087,8 @@ function countError() {
 
 // While a slider is dragged: at most one request in flight, and the last one sent carries the latest
 // value (values passed over while one was in flight are coalesced into it).
-// Mid-drag, only the charts on screen are redrawn (Plotly takes 15-60 ms a chart); the release redraws all.
+// Mid-drag, only the charts at least half on screen are redrawn (Plotly takes 10-60 ms a chart, and a
+// sliver at the window's edge is not what the reader watches); the release redraws all.
 const dragging = { inFlight: false, pending: false, visibleOnly: true };
 function refreshLatest(visibleOnly) {
   if (dragging.inFlight) {
@@ -1101,7 +1102,10 @@ function refreshLatest(visibleOnly) {
     if (dragging.pending) { dragging.pending = false; refreshLatest(dragging.visibleOnly); }
   });
 }
-const onScreen = (el) => { const r = el.getBoundingClientRect(); return r.bottom > 0 && r.top < window.innerHeight; };
+const onScreen = (el) => {
+  const r = el.getBoundingClientRect();
+  return r.height > 0 && Math.min(r.bottom, window.innerHeight) - Math.max(r.top, 0) >= r.height / 2;
+};
 
 // "computing… 1.2 s" while an answer is on its way (shown once it takes longer than a frame or two).
 const PROGRESS_AFTER_MS = 150;
