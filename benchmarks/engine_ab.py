@@ -1,15 +1,16 @@
 """Two servelab checkouts on the bundled model, interleaved round by round: did a change cost speed?
 
 One warm worker process per checkout runs that checkout's own `benchmarks/engine_cpu.py`
-measurements (decode_b1, decode_b32, prefill_512, as engine_cpu.py defines them; the exact fp32
-default, or `--quantization int8|bf16`); the
+measurements (decode_b1, decode_b32, prefill_512, as engine_cpu.py defines them; the default
+path, `--dtype float32` for the exact one, or `--quantization int8|bf16`); the
 rounds alternate who goes first, and only one worker runs at a time. Besides the wall-clock
 rates it reports each rate over the worker's CPU time, which a loaded machine disturbs less.
 A checkout against itself measures the noise of the comparison; `--quick` (one round) with a tiny
 `--model` checks that it runs.
 
     git archive <old-rev> | tar -x -C /tmp/servelab-old
-    python benchmarks/engine_ab.py /tmp/servelab-old . [--rounds 5] [--threads 1] [--quantization int8] [--model DIR]
+    python benchmarks/engine_ab.py /tmp/servelab-old . [--rounds 5] [--threads 1] [--dtype float32]
+        [--quantization int8] [--model DIR]
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ import servelab  # noqa: F401 - before torch, as engine_cpu.py does
 import torch
 torch.set_num_threads(int(sys.argv[1]))
 from engine_cpu import Servelab
-s = Servelab("float32", quantization=sys.argv[2] or None, model=sys.argv[3] or None)
+s = Servelab(sys.argv[4], quantization=sys.argv[2] or None, model=sys.argv[3] or None)
 s.decode_b1(); s.prefill_512()  # warm-up
 print("ready", flush=True)
 for line in sys.stdin:
@@ -46,6 +47,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("new", help="the checkout under test (its root)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument(
+        "--dtype", choices=["auto", "float32"], default="auto", help="auto: the default path; float32: the exact one"
+    )
     parser.add_argument("--quantization", choices=["int8", "bf16"], default=None, help="both engines' opt-in linears")
     parser.add_argument("--model", default=None, help="an HF model directory (default: the bundled GGUF)")
     parser.add_argument("--quick", action="store_true", help="one round")
@@ -60,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     workers = []
     for tree in trees:
         workers.append(subprocess.Popen(
-            [sys.executable, "-c", WORKER, str(args.threads), args.quantization or "", model],
+            [sys.executable, "-c", WORKER, str(args.threads), args.quantization or "", model, args.dtype],
             cwd=tree,
             env=dict(os.environ, PYTHONPATH=tree),
             text=True,
@@ -93,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
             + "; ".join(f"{m} {old[m]:.1f} / {new[m]:.1f} = {new[m] / old[m]:.3f}x" for m in METRICS)
         )
     print(
-        f"{args.quantization or 'default'} linears, {args.threads} thread(s), {args.rounds} rounds; load average at the end: "
+        f"{args.quantization or ('exact' if args.dtype == 'float32' else 'default')} linears, {args.threads} thread(s), {args.rounds} rounds; load average at the end: "
         + " ".join(f"{x:.2f}" for x in os.getloadavg())
     )
     return 0

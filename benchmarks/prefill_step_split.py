@@ -1,6 +1,7 @@
-"""Where a prefill step goes, by kind of work, with the linears of big chunks on MKL (over the
-dense fp32 weights, above block_quant.MAX_ROWS, at every ISA level) against the panel kernel (over
-the packed blocks, up to --panel-rows), interleaved round by round.
+"""Where a prefill step goes, by kind of work: the engine's default (int8 dot products over the
+GGUF blocks) and the exact path, whose linears of big chunks run on MKL (over the dense fp32
+weights, above block_quant.MAX_ROWS) or on the panel kernel (over the packed blocks, up to
+--panel-rows), interleaved round by round.
 
 Two steps, as benchmarks/engine_cpu.py runs them: `prefill_512` (one 512-token prompt) and
 `prefill_32x32` (decode_b32's first step: 32 prompts of 32 tokens, 1024 rows). Each step is
@@ -9,9 +10,9 @@ layer loop are wrapped in a timer (~0.3 us a call), and "else" is the step minus
 account for (scheduling, metadata, sampling, the final gather and add, Python).
 
     python benchmarks/prefill_step_split.py [--threads 2] [--rounds 5] [--steps 512,32x32]
-        [--panel-rows 1024] [--modes mkl,panel] [--model DIR] [--quick]
+        [--modes default,mkl,panel] [--panel-rows 4096] [--model DIR] [--quick]
 
-The bundled model unless `--model` names an HF directory (whose dense linears both modes run on
+The bundled model unless `--model` names an HF directory (whose dense linears every mode runs on
 MKL alike); `--quick`: one round.
 """
 
@@ -94,35 +95,52 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", default="512,32x32", help="comma-separated: 512 (one prompt), 32x32 (32 prompts)")
     parser.add_argument("--panel-rows", type=int, default=4096, help="MAX_ROWS in the panel mode")
-    parser.add_argument("--modes", default="mkl,panel", help="mkl: MAX_ROWS as committed; panel: --panel-rows")
+    parser.add_argument(
+        "--modes",
+        default="default,mkl",
+        help="default: the engine's default path; mkl: the exact path, MAX_ROWS as committed; panel: the exact "
+        "path with MAX_ROWS=--panel-rows",
+    )
     parser.add_argument("--model", default=None, help="an HF model directory (default: the bundled GGUF)")
     parser.add_argument("--quick", action="store_true", help="one round")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds = 1
     torch.set_num_threads(args.threads)
-    runner = Servelab("float32", model=args.model)
-    engine = runner.engine
-    model = engine.executor.model
+    modes = [m for m in args.modes.split(",") if m]
+    unknown = sorted(set(modes) - {"default", "mkl", "panel"})
+    if unknown:
+        parser.error(f"--modes: unknown {', '.join(unknown)} (default, mkl, panel)")
+    # the default path on an engine of its own; mkl and panel share the exact one
+    runners = {path: Servelab(dtype, model=args.model) for path, dtype in (("default", "auto"), ("exact", "float32"))
+               if any(_path(m) == path for m in modes)}  # fmt: skip
     totals: dict[str, int] = {}
     committed = block_quant.MAX_ROWS, block_quant.PANEL_ONLY_LEVELS
-    undo = instrument(model, totals)
+    undo = [instrument(r.engine.executor.model, totals) for r in runners.values()]
     try:
-        return _run(args, runner, engine, totals, committed[0])
+        return _run(args, modes, runners, totals, committed[0])
     finally:  # the process may go on (a test): leave the kernels' switches and ops as they were
-        undo()
+        for u in reversed(undo):
+            u()
         block_quant.MAX_ROWS, block_quant.PANEL_ONLY_LEVELS = committed
 
 
-def _run(args: argparse.Namespace, runner: Servelab, engine, totals: dict[str, int], mkl_rows: int) -> int:  # noqa: ANN001
-    max_rows = {"mkl": mkl_rows, "panel": args.panel_rows}
+def _path(mode: str) -> str:
+    return "default" if mode == "default" else "exact"
+
+
+def _run(args: argparse.Namespace, modes: list[str], runners: dict[str, Servelab], totals: dict[str, int],
+         mkl_rows: int) -> int:  # fmt: skip
+    max_rows = {"default": mkl_rows, "mkl": mkl_rows, "panel": args.panel_rows}
     block_quant.PANEL_ONLY_LEVELS = frozenset()  # MAX_ROWS decides at every level, as each mode sets it
-    modes = [m for m in args.modes.split(",") if m]
     shapes = {"512": [(512, 7)], "32x32": [(32, 100 + i) for i in range(32)]}
     steps = [s for s in args.steps.split(",") if s]
     n = [0]
 
-    def one_step(step: str) -> tuple[float, dict[str, int]]:
+    def one_step(step: str, mode: str) -> tuple[float, dict[str, int]]:
+        runner = runners[_path(mode)]
+        engine = runner.engine
+        block_quant.MAX_ROWS = max_rows[mode]
         for length, seed in shapes[step]:
             n[0] += 1
             engine.add_request(
@@ -140,19 +158,17 @@ def _run(args: argparse.Namespace, runner: Servelab, engine, totals: dict[str, i
 
     results: dict[tuple[str, str], list[tuple[float, dict[str, int]]]] = {}
     for mode in modes:  # warm-up, each mode once
-        block_quant.MAX_ROWS = max_rows[mode]
         for step in steps:
-            one_step(step)
+            one_step(step, mode)
     for r in range(args.rounds):
         for step in steps:
             for mode in modes if r % 2 == 0 else modes[::-1]:
-                block_quant.MAX_ROWS = max_rows[mode]
-                results.setdefault((step, mode), []).append(one_step(step))
-    weights = "HF weights" if args.model else "fp32 over Q4_1 (head Q8_0)"
+                results.setdefault((step, mode), []).append(one_step(step, mode))
+    weights = "HF weights" if args.model else "Q4_1 layers, Q8_0 head"
     print(
         f"prefill steps, {args.model or 'bundled SmolLM2-135M'}, {weights}, {args.threads} threads, "
-        f"{args.rounds} interleaved rounds, medians in ms; mkl: MAX_ROWS={max_rows['mkl']}, "
-        f"panel: MAX_ROWS={args.panel_rows}"
+        f"{args.rounds} interleaved rounds, medians in ms; default: int8 dot products over the blocks; "
+        f"mkl: exact, MAX_ROWS={max_rows['mkl']}; panel: exact, MAX_ROWS={args.panel_rows}"
     )
     for step in steps:
         rows = sum(length for length, _ in shapes[step])
