@@ -48,9 +48,10 @@ TEXT = Path(__file__).parent / "data" / "accuracy_text.txt"
 # name -> engine flags; "fp32" is the reference every other path is scored against.
 PATHS: dict[str, dict] = {
     "fp32": {"exact": True},
-    "q8": {},  # the default: int8 dot products over the GGUF blocks for many-row steps
-    "kv-bf16": {"kv_cache_dtype": "bfloat16"},
-    "kv-fp16": {"kv_cache_dtype": "float16"},
+    "default": {},  # int8 dot products over the GGUF blocks for many-row steps, a float16 KV cache
+    "q8": {"kv_cache_dtype": "float32"},  # the default's int8 dot products alone
+    "kv-fp16": {"exact": True, "kv_cache_dtype": "float16"},  # a 16-bit cache alone
+    "kv-bf16": {"exact": True, "kv_cache_dtype": "bfloat16"},
     "quant-bf16": {"quantization": "bf16"},
     "quant-int8": {"quantization": "int8"},
     "dtype-bf16": {"dtype": "bfloat16"},

@@ -9,10 +9,11 @@ PY=${PY:-.venv/bin/python}
 OUT=${OUT:-disagg-runs}
 mkdir -p $OUT
 export PYTHONPATH=$PWD
-MODEL_FLAGS= FIT_FLAGS= SIM_MODEL=smollm2-135m DECODES=3 DECODE_OUT=160 LONG=5 LONG_EVERY=3.0
+# a float32 KV cache in the engines, as the simulator below prices the transfers (docs/disaggregation.md)
+MODEL_FLAGS="--kv-cache-dtype float32" FIT_FLAGS= SIM_MODEL=smollm2-135m DECODES=3 DECODE_OUT=160 LONG=5 LONG_EVERY=3.0
 if [ -n "${QUICK:-}" ]; then
   $PY -c 'import sys; from tests.tiny_models import write_tiny_llama; write_tiny_llama(sys.argv[1])' $OUT/model || exit 1
-  MODEL_FLAGS="--model $OUT/model" FIT_FLAGS="--max-heldout-error 1e9" SIM_MODEL=$OUT/model DECODE_OUT=48 LONG=3 LONG_EVERY=0.3
+  MODEL_FLAGS="--model $OUT/model --kv-cache-dtype float32" FIT_FLAGS="--max-heldout-error 1e9" SIM_MODEL=$OUT/model DECODE_OUT=48 LONG=3 LONG_EVERY=0.3
 fi
 # $DECODES steady decodes from t=0 (64-token prompts, $DECODE_OUT tokens out), then a 512-token
 # prompt (8 out) every $LONG_EVERY s from t=1.5 s (QUICK: t=0.1 s): each long prefill lands on running decodes.

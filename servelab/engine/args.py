@@ -74,13 +74,15 @@ class EngineArgs:
         "CPU linears that trade numerics for speed, batch-invariant: int8 (7-bit weights, int8 activations; "
         "1.5-6x faster than fp32) or bf16 (bf16 weights and activations, fp32 sums; prefill GEMMs ~2x faster "
         "on AVX512-BF16)", choices=QUANTIZATIONS, unset="off: the default linears (see --exact)"))  # fmt: skip
-    # The KV cache's storage dtype: "auto" = the compute dtype. A 16-bit cache under fp32 compute
-    # holds twice the tokens in the same memory and halves the bytes decode attention reads;
-    # keys and values are rounded to it as they are stored (see LlamaModel.forward); fp16 saturates
-    # to inf above 65504, bf16 keeps fp32's range.
+    # The KV cache's storage dtype: "auto" = float16 on a CPU's default path (int8 dot products; not
+    # --exact, --deterministic, an explicit --dtype or --quantization), else the compute dtype. A
+    # 16-bit cache under fp32 compute holds twice the tokens in the same memory and halves the bytes
+    # decode attention reads; keys and values are rounded to it as they are stored (see
+    # LlamaModel.forward); fp16 saturates to inf above 65504, bf16 keeps fp32's range.
     kv_cache_dtype: str = field(default="auto", metadata=knob(
-        "KV cache storage: auto (the compute dtype), " + ", ".join(DTYPES) + "; 16 bits hold twice the tokens of "
-        "float32 (float16 saturates to inf above 65504, bfloat16 keeps float32's range with fewer bits)",
+        "KV cache storage: auto (float16 on a CPU's default path, else the compute dtype), " + ", ".join(DTYPES)
+        + "; 16 bits hold twice the tokens of float32 (float16 saturates to inf above 65504, bfloat16 keeps "
+        "float32's range with fewer bits)",
         parse="dtype", deprecated_flags=("--kv-dtype",)))  # fmt: skip
     # Greedy output bit-identical whatever else is in the batch, however prompts are chunked and
     # across preemption: every row count and decode take the same kernels (runtime/model.py,

@@ -144,7 +144,12 @@ class LLMEngine:
         from servelab.runtime.kv_cache import PagedKVCache
         from servelab.runtime.block_quant import Q8_MIN_ROWS, linear_paths
         from servelab.runtime.loader import ModelOptions, load_model, servable_context
-        from servelab.runtime.weights import CPU_AUTO_DTYPE_REASON, CPU_BF16_DTYPE_REASON, resolve_dtype
+        from servelab.runtime.weights import (
+            CPU_AUTO_DTYPE_REASON,
+            CPU_AUTO_KV_CACHE_REASON,
+            CPU_BF16_DTYPE_REASON,
+            resolve_dtype,
+        )
 
         path = args.model or str(bundled_model_path())
         if (mapped := native_bf16_on_cpu(args)) is not args:
@@ -193,7 +198,14 @@ class LLMEngine:
                 f"max_model_len={max_model_len} exceeds the model's context of {model_context} tokens",
                 param="max_model_len",
             )
-        kv_dtype = dtype if args.kv_cache_dtype == "auto" else getattr(torch, args.kv_cache_dtype)
+        if args.kv_cache_dtype != "auto":
+            kv_dtype = getattr(torch, args.kv_cache_dtype)
+        elif q8 and args.device == "cpu":
+            # the default path's cache: within the accuracy contract, half the bytes decode reads
+            kv_dtype = torch.float16
+            logger.info("KV cache auto -> float16: %s", CPU_AUTO_KV_CACHE_REASON)
+        else:
+            kv_dtype = dtype
         # a page: one KV group's layers (all of them for a plain model), this rank's heads
         block_bytes = PagedKVCache.bytes_per_block(model.config, knobs.block_size, kv_dtype)
         groups = KVGroups.of_model(model.config)

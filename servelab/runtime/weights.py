@@ -26,6 +26,12 @@ CPU_BF16_DTYPE_REASON = (
     "fp32 reference (docs/accuracy.md); the bf16 linears use vdpbf16ps on AVX512-BF16"
 )
 
+# Why the default path on a CPU keeps its KV cache in float16 (LLMEngine.from_args).
+CPU_AUTO_KV_CACHE_REASON = (
+    "twice the tokens in the same memory and half the bytes decode attention reads, as close to the float32 "
+    "reference as the default's int8 dot products (docs/accuracy.md); --exact, --kv-cache-dtype float32 keep float32"
+)
+
 
 def keeps_half_storage(dtype: torch.dtype, device: str) -> bool:
     """Whether the linears of a bf16 or fp16 checkpoint keep their 16-bit weights: under fp32

@@ -7,6 +7,7 @@ heads cross from the prefill worker to the decode worker, and the output equals 
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -141,8 +142,11 @@ def test_disagg_with_tp_moves_every_ranks_heads(tiny_dir, expected_texts, tmp_pa
         text = httpx.get(server.url + "/metrics").text
         sent = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                 if line.startswith("servelab:kv_transfer_bytes_sum")]  # fmt: skip
-        # each prompt fills one 16-token block: K and V x 2 layers x 2 KV heads (both ranks') x 16 dims, fp32
-        assert sent == [len(PROMPTS) * 2 * 2 * 2 * 16 * 16 * 4], text
+        # each prompt fills one 16-token block: K and V x 2 layers x 2 KV heads (both ranks') x 16 dims,
+        # in the cache's dtype (float16, the default path's)
+        cache_dtype = re.search(r'servelab:cache_config_info\{[^}]*cache_dtype="(\w+)"', text)[1]
+        itemsize = {"float16": 2, "bfloat16": 2, "float32": 4}[cache_dtype]
+        assert sent == [len(PROMPTS) * 2 * 2 * 2 * 16 * 16 * itemsize], text
     finally:
         assert server.stop() == 0, server.log()
     assert gone(workers + ranks, timeout_s=15)
