@@ -66,7 +66,7 @@ def add_cost_dtype_arguments(group: Any) -> None:
 
 def cost_dtypes(args: argparse.Namespace) -> tuple[str, str]:
     """(weight dtype, KV-cache dtype) for the cost model, checked. A KV cache of 'auto' is the
-    engine's meaning: the compute dtype, i.e. the weights' float dtype, else 16-bit activations."""
+    compute dtype, as a GPU engine keeps it: the weights' float dtype, else 16-bit activations."""
     weight = weight_dtype(args.dtype).name
     if args.kv_cache_dtype == "auto":
         return weight, weight if weight in FLOAT_DTYPES else DEFAULT_DTYPE

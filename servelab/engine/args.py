@@ -22,7 +22,7 @@ from servelab.spec.dtypes import FLOAT_DTYPES, canonical_dtype, require_supporte
 DEFAULT_MAX_MODEL_LEN = 8192  # CPU default: longer contexts are possible but unusably slow here
 DEFAULT_KV_CACHE_MEMORY_BYTES = 1 << 30
 DTYPES = FLOAT_DTYPES  # the compute dtypes; names in spec/dtypes.py's vocabulary
-KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: the compute dtype
+KV_CACHE_DTYPES = ("auto", *DTYPES)  # auto: float16 on the CPU int8 path, else the compute dtype (kv_cache_dtype)
 DEVICES = ("cpu", "cuda")
 QUANTIZATIONS = ("int8", "bf16")  # runtime/quantization.py implements them (it imports torch; this module does not)
 MAX_SEED = 2**63 - 1  # seeds are in [0, MAX_SEED]: torch's generators take them, as does every int64 field
@@ -74,13 +74,14 @@ class EngineArgs:
         "CPU linears that trade numerics for speed, batch-invariant: int8 (7-bit weights, int8 activations; "
         "1.5-6x faster than fp32) or bf16 (bf16 weights and activations, fp32 sums; prefill GEMMs ~2x faster "
         "on AVX512-BF16)", choices=QUANTIZATIONS, unset="off: the default linears (see --exact)"))  # fmt: skip
-    # The KV cache's storage dtype: "auto" = float16 on a CPU's default path (int8 dot products; not
-    # --exact, --deterministic, an explicit --dtype or --quantization), else the compute dtype. A
+    # The KV cache's storage dtype: "auto" = float16 where a CPU's default path runs a GGUF model's
+    # int8 dot products (not --exact, --deterministic, an explicit --dtype or --quantization), else
+    # the compute dtype. A
     # 16-bit cache under fp32 compute holds twice the tokens in the same memory and halves the bytes
     # decode attention reads; keys and values are rounded to it as they are stored (see
     # LlamaModel.forward); fp16 saturates to inf above 65504, bf16 keeps fp32's range.
     kv_cache_dtype: str = field(default="auto", metadata=knob(
-        "KV cache storage: auto (float16 on a CPU's default path, else the compute dtype), " + ", ".join(DTYPES)
+        "KV cache storage: auto (float16 beside a GGUF model's int8 dot products on a CPU, else the compute dtype), " + ", ".join(DTYPES)
         + "; 16 bits hold twice the tokens of float32 (float16 saturates to inf above 65504, bfloat16 keeps "
         "float32's range with fewer bits)",
         parse="dtype", deprecated_flags=("--kv-dtype",)))  # fmt: skip

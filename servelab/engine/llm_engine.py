@@ -142,7 +142,7 @@ class LLMEngine:
         from servelab.engine.sampler import Sampler
         from servelab.engine.tokenizer import Tokenizer
         from servelab.runtime.kv_cache import PagedKVCache
-        from servelab.runtime.block_quant import Q8_MIN_ROWS, linear_paths
+        from servelab.runtime.block_quant import Q8_MIN_ROWS, linear_paths, runs_q8
         from servelab.runtime.loader import ModelOptions, load_model, servable_context
         from servelab.runtime.weights import (
             CPU_AUTO_DTYPE_REASON,
@@ -174,12 +174,8 @@ class LLMEngine:
         q8 = args.dtype is None and not (args.exact or args.deterministic or args.quantization)
         options = ModelOptions(args.quantization, args.deterministic, Q8_MIN_ROWS if q8 else None)
         options.apply(loaded.model)
-        if (
-            paths := linear_paths(
-                [*(w for layer in loaded.model.layers for w in layer.linears()), loaded.model.lm_head],
-                options.q8_min_rows,
-            )
-        ) is not None:
+        linears = [*(w for layer in loaded.model.layers for w in layer.linears()), loaded.model.lm_head]
+        if (paths := linear_paths(linears, options.q8_min_rows)) is not None:
             logger.info("%s", paths)
         tokenizer = Tokenizer.from_hf_dir(path) if Path(path).is_dir() else Tokenizer.from_gguf(path)
         if args.deterministic:
@@ -200,8 +196,8 @@ class LLMEngine:
             )
         if args.kv_cache_dtype != "auto":
             kv_dtype = getattr(torch, args.kv_cache_dtype)
-        elif q8 and args.device == "cpu":
-            # the default path's cache: within the accuracy contract, half the bytes decode reads
+        elif q8 and args.device == "cpu" and runs_q8(linears):
+            # the int8 path's cache: within the accuracy contract, half the bytes decode reads
             kv_dtype = torch.float16
             logger.info("KV cache auto -> float16: %s", CPU_AUTO_KV_CACHE_REASON)
         else:
@@ -261,8 +257,8 @@ class LLMEngine:
         if spec_config is not None and spec_config.method == "draft_model":
             from servelab.engine.speculative import load_draft_proposer
 
-            draft = load_draft_proposer(spec_config, dtype=dtype, device=args.device, options=options,
-                                        num_blocks=num_blocks, block_size=knobs.block_size,
+            draft = load_draft_proposer(spec_config, dtype=dtype, kv_dtype=kv_dtype, device=args.device,
+                                        options=options, num_blocks=num_blocks, block_size=knobs.block_size,
                                         vocab_size=model.vocab_size)  # fmt: skip
         engine.core.proposers = Proposers(spec_config, engine.vocab_size, predictions=cpu_alone, draft=draft)
         return engine

@@ -238,10 +238,18 @@ class DraftModelProposer:
 
 
 def load_draft_proposer(
-    config: SpeculativeConfig, *, dtype, device: str, options, num_blocks: int, block_size: int, vocab_size: int
+    config: SpeculativeConfig,
+    *,
+    dtype,
+    kv_dtype,
+    device: str,
+    options,
+    num_blocks: int,
+    block_size: int,
+    vocab_size: int,
 ) -> DraftModelProposer:
     """The draft model of `config` on an executor of its own, its KV pool as many tokens as the
-    target's (blocks are allocated as they are first written). InvalidArgument naming
+    target's, in the target's KV dtype (blocks are allocated as they are first written). InvalidArgument naming
     speculative_config where the draft cannot draft for the target."""
     from servelab.engine.model_executor import ModelExecutor
     from servelab.engine.sampler import Sampler
@@ -258,7 +266,7 @@ def load_draft_proposer(
             f"target's {vocab_size}; a draft must share the target's tokenizer",
             param="speculative_config",
         )
-    kv = PagedKVCache(loaded.model.config, num_blocks, block_size, dtype=dtype, device=device)
+    kv = PagedKVCache(loaded.model.config, num_blocks, block_size, dtype=kv_dtype, device=device)
     executor = ModelExecutor(loaded.model, kv, sampler=Sampler(0))
     return DraftModelProposer(
         executor,

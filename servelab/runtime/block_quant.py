@@ -370,6 +370,14 @@ def pack(
     return BlockQuantLinear(tuple(segments), kernels, keep, (out_features, in_features))
 
 
+def runs_q8(linears: list[Linear]) -> bool:
+    """Whether any of `linears` takes the int8 dot products over its GGUF blocks for many rows."""
+    return any(
+        isinstance(w, BlockQuantLinear) and w.q8 is not None and w.q8_min_rows is not None
+        for w in (getattr(w, "inner", w) for w in linears)
+    )
+
+
 def linear_paths(linears: list[Linear], q8_min_rows: int | None) -> str | None:
     """One line for the load log: which kernels a model's GGUF-block linears (`linears`, every
     layer's and the head) take at which row counts, and why; None for a model without any."""
