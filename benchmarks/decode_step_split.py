@@ -6,10 +6,12 @@ Each native entry point is wrapped in a timer (~0.2 us a call, counted as kernel
 "else" share is if anything understated for the per-op path, which makes ~270 calls a step). A
 step is `LLMEngine.step()` whole: scheduling, metadata, forward, sampling, detokenizing.
 
-    python benchmarks/decode_step_split.py [--threads 2] [--rounds 6] [--steps 30] [--quantization int8]
-        [--batch 32] [--by-kernel] [--model DIR] [--quick]
+    python benchmarks/decode_step_split.py [--threads 2] [--rounds 6] [--steps 30] [--dtype float32]
+        [--quantization int8] [--batch 32] [--by-kernel] [--model DIR] [--quick]
 
-The bundled model unless `--model` names an HF directory; `--quick`: two rounds of 4 steps.
+The engine's default path (int8 dot products from 2 rows, an fp16 KV cache) unless `--dtype
+float32` asks for the exact one (fp32 linears and KV cache). The bundled model unless `--model`
+names an HF directory; `--quick`: two rounds of 4 steps.
 """
 
 from __future__ import annotations
@@ -38,6 +40,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--steps", type=int, default=30, help="decode steps a round and mode")
+    parser.add_argument(
+        "--dtype", choices=["auto", "float32"], default="auto", help="auto: the default path; float32: the exact one"
+    )
     parser.add_argument("--quantization", choices=QUANTIZATIONS, default=None)
     parser.add_argument("--batch", type=int, default=1, help="sequences decoding together")
     parser.add_argument("--by-kernel", action="store_true", help="split the op-by-op kernel time by entry point")
@@ -48,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         args.rounds, args.steps = 2, 4
     torch.set_num_threads(args.threads)
 
-    runner = Servelab("float32", args.quantization, model=args.model)
+    runner = Servelab(args.dtype, args.quantization, model=args.model)
     engine = runner.engine
     model = engine.executor.model
     kernel_ns = [0]
@@ -105,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
             recording[0] = False
     model.decode_stack = stack
     print(
-        f"batch-{args.batch} decode step, {args.model or 'bundled SmolLM2-135M'}, fp32{' ' + args.quantization if args.quantization else ''}, "
+        f"batch-{args.batch} decode step, {args.model or 'bundled SmolLM2-135M'}, "
+        f"{args.quantization or ('exact fp32' if args.dtype == 'float32' else 'default path')}, "
         f"{args.threads} threads, {args.rounds} interleaved rounds of {args.steps} steps (medians)"
     )
     print(f"{'mode':10s} {'step ms':>8s} {'tok/s':>7s} {'kernels ms':>10s} {'else ms':>8s} {'else %':>7s}")
