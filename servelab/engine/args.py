@@ -76,14 +76,13 @@ class EngineArgs:
         "on AVX512-BF16)", choices=QUANTIZATIONS, unset="off: the default linears (see --exact)"))  # fmt: skip
     # The KV cache's storage dtype: "auto" = float16 where a CPU's default path runs a GGUF model's
     # int8 dot products (not --exact, --deterministic, an explicit --dtype or --quantization), else
-    # the compute dtype. A
-    # 16-bit cache under fp32 compute holds twice the tokens in the same memory and halves the bytes
-    # decode attention reads; keys and values are rounded to it as they are stored (see
-    # LlamaModel.forward); fp16 saturates to inf above 65504, bf16 keeps fp32's range.
+    # the compute dtype. A 16-bit cache under fp32 compute holds twice the tokens in the same memory
+    # and halves the bytes decode attention reads; keys and values are rounded to it as they are
+    # stored (see LlamaModel.forward); fp16 saturates to inf above 65504, bf16 keeps fp32's range.
     kv_cache_dtype: str = field(default="auto", metadata=knob(
-        "KV cache storage: auto (float16 beside a GGUF model's int8 dot products on a CPU, else the compute dtype), " + ", ".join(DTYPES)
-        + "; 16 bits hold twice the tokens of float32 (float16 saturates to inf above 65504, bfloat16 keeps "
-        "float32's range with fewer bits)",
+        "KV cache storage: auto (float16 beside a GGUF model's int8 dot products on a CPU, else the compute "
+        "dtype), " + ", ".join(DTYPES) + "; 16 bits hold twice the tokens of float32 (float16 saturates to inf "
+        "above 65504, bfloat16 keeps float32's range with fewer bits)",
         parse="dtype", deprecated_flags=("--kv-dtype",)))  # fmt: skip
     # Greedy output bit-identical whatever else is in the batch, however prompts are chunked and
     # across preemption: every row count and decode take the same kernels (runtime/model.py,

@@ -142,7 +142,7 @@ class LLMEngine:
         from servelab.engine.sampler import Sampler
         from servelab.engine.tokenizer import Tokenizer
         from servelab.runtime.kv_cache import PagedKVCache
-        from servelab.runtime.block_quant import Q8_MIN_ROWS, linear_paths, runs_q8
+        from servelab.runtime.block_quant import Q8_MIN_ROWS, linear_paths, q8_linears
         from servelab.runtime.loader import ModelOptions, load_model, servable_context
         from servelab.runtime.weights import (
             CPU_AUTO_DTYPE_REASON,
@@ -196,8 +196,9 @@ class LLMEngine:
             )
         if args.kv_cache_dtype != "auto":
             kv_dtype = getattr(torch, args.kv_cache_dtype)
-        elif q8 and args.device == "cpu" and runs_q8(linears):
-            # the int8 path's cache: within the accuracy contract, half the bytes decode reads
+        elif q8_linears(linears):
+            # the int8 path's cache (a CPU's default over GGUF blocks): within the accuracy contract,
+            # half the bytes decode reads
             kv_dtype = torch.float16
             logger.info("KV cache auto -> float16: %s", CPU_AUTO_KV_CACHE_REASON)
         else:

@@ -249,8 +249,8 @@ def load_draft_proposer(
     vocab_size: int,
 ) -> DraftModelProposer:
     """The draft model of `config` on an executor of its own, its KV pool as many tokens as the
-    target's, in the target's KV dtype (blocks are allocated as they are first written). InvalidArgument naming
-    speculative_config where the draft cannot draft for the target."""
+    target's, in the target's KV dtype (blocks are allocated as they are first written).
+    InvalidArgument naming speculative_config where the draft cannot draft for the target."""
     from servelab.engine.model_executor import ModelExecutor
     from servelab.engine.sampler import Sampler
     from servelab.errors import InvalidArgument

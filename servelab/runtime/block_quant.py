@@ -31,6 +31,8 @@ keep the fp32 path.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from dataclasses import dataclass, replace
 
 import torch
@@ -370,23 +372,24 @@ def pack(
     return BlockQuantLinear(tuple(segments), kernels, keep, (out_features, in_features))
 
 
-def runs_q8(linears: list[Linear]) -> bool:
-    """Whether any of `linears` takes the int8 dot products over its GGUF blocks for many rows."""
-    return any(
-        isinstance(w, BlockQuantLinear) and w.q8 is not None and w.q8_min_rows is not None
-        for w in (getattr(w, "inner", w) for w in linears)
-    )
+def _block_linears(linears: Sequence[Linear]) -> list[BlockQuantLinear]:
+    return [w for w in (getattr(w, "inner", w) for w in linears) if isinstance(w, BlockQuantLinear)]
+
+
+def q8_linears(linears: Sequence[Linear]) -> list[BlockQuantLinear]:
+    """Those of `linears` that take the int8 dot products over their GGUF blocks for many rows."""
+    return [w for w in _block_linears(linears) if w.q8 is not None and w.q8_min_rows is not None]
 
 
 def linear_paths(linears: list[Linear], q8_min_rows: int | None) -> str | None:
     """One line for the load log: which kernels a model's GGUF-block linears (`linears`, every
     layer's and the head) take at which row counts, and why; None for a model without any."""
-    blocks = [w for w in (getattr(w, "inner", w) for w in linears) if isinstance(w, BlockQuantLinear)]
+    blocks = _block_linears(linears)
     if not blocks:
         return None
     if q8_min_rows is None or blocks[0].invariant:
         return "linears: exact fp32 over GGUF blocks at every row count (--exact, --dtype float32 or --deterministic)"
-    q8 = [w for w in blocks if w.q8 is not None and w.q8_min_rows is not None]
+    q8 = q8_linears(blocks)
     if not q8:
         return f"linears: exact fp32 over GGUF blocks at every row count ({blocks[0].format_name} has no int8 kernel)"
     isa = _Q8_ISA.get(q8[0].kernels.level.split("-")[0], q8[0].kernels.level)

@@ -37,3 +37,12 @@ def _kv_dtype(model: str, **flags) -> torch.dtype:
 )
 def test_the_kv_cache_dtype_follows_the_path(models, model, flags, expected):
     assert _kv_dtype(models[model], **flags) == expected
+
+
+def test_a_draft_models_cache_takes_the_targets_dtype(models):
+    """Its pool is sized in the target's blocks: in another dtype it would hold other bytes."""
+    draft = {"model": models["gguf"], "num_speculative_tokens": 2}
+    for flags, expected in (({}, torch.float16), ({"kv_cache_dtype": "float32"}, torch.float32)):
+        engine = LLM(models["gguf"], num_blocks=16, speculative_config=draft, **flags).engine
+        assert engine.executor.kv_cache.dtype == expected
+        assert engine.core.proposers.draft.executor.kv_cache.dtype == expected
