@@ -589,10 +589,11 @@ def observations(
     for r in results.of("prefill"):
         by_len.setdefault(r["target"], []).append(r)
     for target, rs in sorted(by_len.items()):
-        n = round(statistics.median(r["prompt_tokens"] for r in rs))
         # one request alone: anything else on the host only adds to its TTFT, so the fastest repeat
-        # is the server's own time (a decode step's is already a median over its window)
-        t = min(r["ttft_s"] for r in rs) - rtt_s
+        # is the server's own time (a decode step's is already a median over its window), at that
+        # repeat's own length: a target's prompts tokenize a few tokens apart, maybe across a chunk
+        fastest = min(rs, key=lambda r: r["ttft_s"])
+        n, t = fastest["prompt_tokens"], fastest["ttft_s"] - rtt_s
         out.append(
             Observation(
                 "prefill",
@@ -679,11 +680,12 @@ def cross_validated_errors(obs: Sequence[Observation], folds: int = CV_FOLDS) ->
 
 
 def _cross_validated_error(obs: Sequence[Observation], kind: str) -> float:
-    """Median |error| % of the `kind` points out of their fit: a chunk budget or a kernel switch
+    """Mean |error| % of the `kind` points out of their fit: a chunk budget or a kernel switch
     adds a term, a freedom a fit to all points would use to chase noise, so candidates are
-    compared on points outside their fit."""
+    compared on points outside their fit. The mean, not the median: two budgets differ only at
+    the lengths between their boundaries, a few of the points (each already a fastest repeat)."""
     errors = [abs(e) for o, e in zip(obs, cross_validated_errors(obs)) if o.kind == kind]
-    return statistics.median(errors) if errors else math.inf
+    return statistics.fmean(errors) if errors else math.inf
 
 
 def decode_rows(results: Results) -> KernelRows:

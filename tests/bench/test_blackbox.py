@@ -81,7 +81,7 @@ def test_a_profile_fitted_from_outside_recovers_the_servers_cost_and_settings(ti
     assert prefill < priced < 1.6 * prefill
     settings = profile["server_settings"]
     assert settings["max_num_seqs"]["value"] == MAX_SEQS and settings["max_num_seqs"]["source"] == "inferred"
-    assert settings["max_num_batched_tokens"]["value"] == CHUNK
+    assert settings["max_num_batched_tokens"]["value"] == CHUNK, profile["inferred"]["chunk_budget"]
     assert settings["max_model_len"]["value"] == MAX_MODEL_LEN  # /v1/models says so
     assert settings["num_blocks"]["source"] == "assumed"
     # nothing left in the server: every request ended, every block back
