@@ -1,6 +1,6 @@
 """servelab against its peers on CPU, side by side in one run, on the bundled SmolLM2-135M GGUF.
 
-Engines: servelab (its default config, `--quantization int8` and `bf16`), HF transformers (bf16 and
+Engines: servelab (its default config, `--exact`, `--quantization int8` and `bf16`), HF transformers (bf16 and
 fp32, in this process, from the same GGUF) and llama.cpp (llama-cpp-python, on the same Q4_1 GGUF
 file, in a worker process of its own: benchmarks/peers_llama_cpp.py) and vLLM's CPU build
 (`vllm.LLM`, bf16, eager, prefix cache off, on an HF copy of the same GGUF, in its own virtualenv
@@ -20,7 +20,8 @@ cores while it waits for its next turn, so the worker is stopped (SIGSTOP) betwe
 measurements. servelab and HF share this process, under servelab's OMP_WAIT_POLICY=PASSIVE.
 
     python benchmarks/peers.py [--rounds 3] [--threads 2] [--json] [--only decode_b1,...]
-                               [--engines servelab,servelab-int8,servelab-bf16,hf-bf16,hf-fp32,llama.cpp,vllm]
+                               [--engines servelab,servelab-exact,servelab-int8,servelab-bf16,hf-bf16,hf-fp32,
+                                          llama.cpp,vllm]
 """
 
 from __future__ import annotations
@@ -54,8 +55,8 @@ from servelab.spec.hardware import HardwareSpec  # noqa: E402
 from servelab.spec.model import ModelSpec  # noqa: E402
 
 METRICS = ("decode_b1", "decode_b32", "prefill_512")
-ENGINES = ("servelab", "servelab-int8", "servelab-bf16", "hf-bf16", "hf-fp32", "llama.cpp", "vllm")
-SERVELAB_ENGINES = ("servelab", "servelab-int8", "servelab-bf16")
+ENGINES = ("servelab", "servelab-exact", "servelab-int8", "servelab-bf16", "hf-bf16", "hf-fp32", "llama.cpp", "vllm")
+SERVELAB_ENGINES = ("servelab", "servelab-exact", "servelab-int8", "servelab-bf16")
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,8 +158,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 class ServelabPeer(workloads.Servelab):
-    def __init__(self, name: str, quantization: str | None) -> None:
-        super().__init__("auto", quantization)  # auto: whatever a user who passes no flag gets
+    def __init__(self, name: str, quantization: str | None, exact: bool = False) -> None:
+        super().__init__("auto", quantization, exact=exact)  # auto: whatever a user who passes no flag gets
         self.name = name
         executor = self.engine.executor
         compute = quantization or weight_dtype(_dtype_name(self.model.dtype)).compute_dtype
@@ -307,6 +308,8 @@ class VllmPeer(WorkerPeer):
 def make_engine(name: str, threads: int, omp_wait_policy: str):
     if name == "servelab":
         return ServelabPeer(name, None)
+    if name == "servelab-exact":
+        return ServelabPeer(name, None, exact=True)
     if name.startswith("servelab-"):
         return ServelabPeer(name, name.removeprefix("servelab-"))
     if name == "hf-bf16":

@@ -255,3 +255,17 @@ def test_vllm_worker_answers_each_workload(tmp_path):
     assert json.loads(out[0])["ready"]["dtype"] == "float32"  # stdout holds the protocol alone: vLLM logs to stderr
     values = [json.loads(line)["value"] for line in out[1:]]
     assert len(values) == 3 and all(v > 0 for v in values)
+
+
+@pytest.mark.slow
+def test_servelab_exact_is_the_exact_path_beside_the_default():
+    from servelab.runtime.block_quant import q8_linears
+
+    def int8_linears(peer) -> int:  # noqa: ANN001
+        return len(q8_linears([w for layer in peer.model.layers for w in layer.linears()]))
+
+    exact, default = peers.make_engine("servelab-exact", 2, "PASSIVE"), peers.make_engine("servelab", 2, "PASSIVE")
+    assert exact.name == "servelab-exact" and exact.profile.kv_dtype == "float32" and int8_linears(exact) == 0
+    if int8_linears(default):  # where this CPU runs the default's int8 dot products
+        assert default.profile.kv_dtype == "float16"
+    assert exact.decode_b1() > 0
