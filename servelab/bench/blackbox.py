@@ -81,6 +81,14 @@ def make_design(max_prompt: int, max_batch: int, max_burst_tokens: int, repeats:
     output), up to `max_burst_tokens` prompt tokens a burst."""
     if max_prompt < 32:
         raise InvalidArgument(f"--max-prompt-tokens must be >= 32, got {max_prompt}")
+    # A burst's prompt and its outputs fit the context, as max_prompt and one output token do.
+    burst_cap = max_prompt + 1 - BURST_OUTPUT_TOKENS
+    if burst_cap < 16:
+        raise InvalidArgument(
+            f"calibrating needs prompts of up to {15 + BURST_OUTPUT_TOKENS} tokens or more (its bursts run 16-token "
+            f"prompts and {BURST_OUTPUT_TOKENS} output tokens); --max-prompt-tokens and the server's context allow "
+            f"{max_prompt}"
+        )
     lens = {16, 32, max_prompt}
     for c in CHUNK_CANDIDATES:
         if c + c // 4 <= max_prompt:
@@ -88,10 +96,14 @@ def make_design(max_prompt: int, max_batch: int, max_burst_tokens: int, repeats:
     batches = [b for b in (1, 2, 4, 8, 16, 32, 64, 128, 256) if b <= max_batch] or [1]
     if max_batch not in batches and max_batch > 1:
         batches.append(max_batch)
-    prompt_lens = sorted({min(n, max_prompt) for n in BURST_PROMPT_LENS} | {max(64, max_prompt - BURST_OUTPUT_TOKENS)})
+    longest = min(max(64, max_prompt - BURST_OUTPUT_TOKENS), burst_cap)
+    prompt_lens = sorted({min(n, burst_cap) for n in BURST_PROMPT_LENS} | {longest})
     bursts = tuple((b, n) for n in prompt_lens for b in batches if b * n <= max_burst_tokens or b == 1)
     join_batches = sorted({min(2, max_batch), max(1, max_batch // 4)})
-    joins = tuple((b, n) for b in join_batches for n in sorted({min(128, max_prompt), max(32, max_prompt // 2)}))
+    # a join's decodes run BURST_PROMPT_LENS[0] prompt tokens and twice the bursts' outputs
+    room = max_prompt + 1 >= BURST_PROMPT_LENS[0] + 2 * BURST_OUTPUT_TOKENS
+    joins = tuple((b, n) for b in join_batches for n in sorted({min(128, max_prompt), max(32, max_prompt // 2)})
+                  if room)  # fmt: skip
     return Design(tuple(sorted(lens)), bursts, joins, repeats=repeats)
 
 
@@ -292,8 +304,8 @@ class Prober:
         out = []
         for _ in range(n):
             t0 = time.perf_counter()
-            await _get_json(self.client, self.client.base_url + "/models")
-            out.append(time.perf_counter() - t0)
+            if await _get_json(self.client, self.client.base_url + "/models") is not None:
+                out.append(time.perf_counter() - t0)  # a failed or timed-out GET times nothing
         return out
 
     def request(self, prompt_tokens: int, output_tokens: int) -> BenchRequest:
@@ -529,7 +541,8 @@ def decode_window(burst: dict[str, Any]) -> dict[str, Any] | None:
         contexts.append(r["prompt_tokens"] + (i + j) / 2 * per_chunk)
     if not per_token:
         return None
-    return {"wave": len(wave), "step_s": statistics.median(per_token), "context": statistics.fmean(contexts)}
+    return {"wave": len(wave), "step_s": statistics.median(per_token), "context": statistics.fmean(contexts),
+            "prompt_tokens": statistics.fmean(r["prompt_tokens"] for r in wave)}  # fmt: skip
 
 
 def join_window(record: dict[str, Any], chunk: int | None) -> dict[str, Any] | None:
@@ -579,6 +592,15 @@ def join_row(window: dict[str, Any], n: int, chunk: int | None, rows: KernelRows
     return row
 
 
+def round_trip_s(results: Results) -> float:
+    """The client's round trip to subtract from a TTFT: the lower quartile of the measured ones, as
+    a prefill is priced at its fastest repeat, which rode one of the faster round trips."""
+    samples = [s for r in results.of("rtt") for s in r["samples_s"]]
+    if len(samples) < 2:
+        return samples[0] if samples else 0.0
+    return statistics.quantiles(samples, n=4, method="inclusive")[0]
+
+
 def observations(
     results: Results, rtt_s: float, chunk: int | None, rows: KernelRows = NO_KERNEL_ROWS
 ) -> list[Observation]:
@@ -610,7 +632,7 @@ def observations(
         windows = [w for w in map(decode_window, rs) if w is not None]
         if not windows:
             continue
-        wave = round(statistics.median(w["wave"] for w in windows))
+        wave, windows = modal_wave(windows)
         context = statistics.fmean(w["context"] for w in windows)
         step = statistics.median(w["step_s"] for w in windows)
         row = features(wave, wave, round(wave * context), round(wave * context), rows)
@@ -749,14 +771,30 @@ def infer_chunk(results: Results, rtt_s: float, rows: KernelRows = NO_KERNEL_ROW
     }
 
 
-def _burst_waves(results: Results) -> dict[tuple[int, int], int]:
-    """(prompt length, burst size) -> the median first wave of those bursts."""
-    waves: dict[tuple[int, int], list[int]] = {}
+def modal_wave(windows: list[dict[str, Any]]) -> tuple[int, list[dict[str, Any]]]:
+    """The first wave most of a burst's repeats ran (the larger on a tie: a repeat proves the server
+    can run that many at once), with those repeats' windows: a decode step is timed, and a limit
+    read, only at a batch some repeat ran, never at a median between two."""
+    by_wave: dict[int, list[dict[str, Any]]] = {}
+    for w in windows:
+        by_wave.setdefault(w["wave"], []).append(w)
+    wave = max(by_wave, key=lambda n: (len(by_wave[n]), n))
+    return wave, by_wave[wave]
+
+
+def _burst_waves(results: Results) -> dict[tuple[int, int], tuple[int, float]]:
+    """(target prompt length, burst size) -> the first wave of those bursts (`modal_wave`) and
+    its requests' mean prompt length as the server counted it."""
+    windows: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for r in results.of("burst"):
         w = decode_window(r)
         if w is not None:
-            waves.setdefault((r["target"], r["batch"]), []).append(w["wave"])
-    return {k: round(statistics.median(ws)) for k, ws in waves.items()}
+            windows.setdefault((r["target"], r["batch"]), []).append(w)
+    out = {}
+    for key, ws in windows.items():
+        wave, same = modal_wave(ws)
+        out[key] = (wave, statistics.fmean(w["prompt_tokens"] for w in same))
+    return out
 
 
 def infer_max_seqs(results: Results) -> dict[str, Any]:
@@ -766,7 +804,7 @@ def infer_max_seqs(results: Results) -> dict[str, Any]:
     if not waves:
         return {"value": None, "why": "no burst measured"}
     shortest = min(t for t, _ in waves)
-    medians = {b: w for (t, b), w in waves.items() if t == shortest}
+    medians = {b: w for (t, b), (w, _) in waves.items() if t == shortest}
     capped = [m for b, m in medians.items() if m < b]
     largest = max(medians)
     if capped:
@@ -793,20 +831,24 @@ def infer_kv_tokens(results: Results, output_tokens: int) -> dict[str, Any]:
     fewer requests at a time than the same burst of the shortest prompts ran out of KV, not of
     sequence slots, so its first wave's requests (prompt + output each) filled it and one more did
     not fit. Otherwise only a lower bound: the most any first wave held."""
-    waves = _burst_waves(results)
-    if not waves:
+    found = _burst_waves(results)
+    if not found:
         return {"value": None, "at_least": None, "why": "no burst measured"}
+    waves = {key: w for key, (w, _) in found.items()}
+    # a request's tokens: its prompt as the server counted it (a target tokenizes a few off) + output
+    size = {key: round(p) + output_tokens for key, (_, p) in found.items()}
     shortest = min(t for t, _ in waves)
-    held = {(t, b): w * (t + output_tokens) for (t, b), w in waves.items()}
+    held = {key: w * size[key] for key, w in waves.items()}
     short_of_kv = [(t, b, w) for (t, b), w in waves.items()
                    if t > shortest and (s := waves.get((shortest, b))) is not None and w < s]  # fmt: skip
     if short_of_kv:
-        t, b, w = min(short_of_kv, key=lambda x: x[2] * (x[0] + output_tokens))
+        t, b, w = min(short_of_kv, key=lambda x: held[x[:2]])
+        n = size[(t, b)]
         return {
-            "value": w * (t + output_tokens),
-            "at_most": (w + 1) * (t + output_tokens),
-            "why": f"bursts of {b} requests of {t} prompt tokens ran {w} at a time where {shortest}-token ones ran "
-            f"{waves[(shortest, b)]}: {w} requests of {t + output_tokens} tokens filled the KV cache",
+            "value": w * n,
+            "at_most": (w + 1) * n,
+            "why": f"bursts of {b} requests of {n - output_tokens} prompt tokens ran {w} at a time where "
+            f"{shortest}-token ones ran {waves[(shortest, b)]}: {w} requests of {n} tokens filled the KV cache",
         }
     most = max(held.values())
     return {"value": None, "at_least": most, "why": f"no burst ran out of KV: it holds at least {most} tokens"}
@@ -893,8 +935,7 @@ def sim_server_config(settings: dict[str, dict[str, Any]]) -> dict[str, str]:
 
 
 def build_profile(server: ServerInfo, results: Results, run: dict[str, Any], design: Design) -> dict[str, Any]:
-    rtts = results.of("rtt")
-    rtt_s = statistics.median(rtts[0]["samples_s"]) if rtts else 0.0
+    rtt_s = round_trip_s(results)
     rows = decode_rows(results)
     chunk = infer_chunk(results, rtt_s, rows)
     seqs = infer_max_seqs(results)
@@ -905,15 +946,16 @@ def build_profile(server: ServerInfo, results: Results, run: dict[str, Any], des
     rows = KernelRows(switch["value"], rows.max_rows)
     run = {**run, "short_outputs": short_outputs(results, design.burst_output)}
     obs = observations(results, rtt_s, settings_chunk, rows)
-    if len(obs) < 6:
-        raise ServelabError(
-            f"only {len(obs)} points measured ({run['stopped'] or 'the design is too small'}): "
-            "give a longer --budget, or --resume to add to them"
-        )
-    fitted = _fit(obs)
-    errs = _errors_pct(obs, fitted["coefficients"])
     fit_obs = [o for o in obs if o.kind in FITTED]
-    held = dict(zip(map(id, fit_obs), cross_validated_errors(fit_obs)))
+    try:
+        fitted = _fit(obs)
+        held = dict(zip(map(id, fit_obs), cross_validated_errors(fit_obs)))
+    except InvalidArgument as exc:  # too few points for the fit, or for its folds
+        raise ServelabError(
+            f"only {len(fit_obs)} prefill and decode points measured ({run['stopped'] or 'the design is too small'}), "
+            f"too few to fit and cross-validate ({exc.message}): give a longer --budget, or --resume to add to them"
+        ) from None
+    errs = _errors_pct(obs, fitted["coefficients"])
     fitted["heldout"] = {
         "count": len(held),
         "median_abs_pct": statistics.median(abs(e) for e in held.values()),
@@ -938,7 +980,11 @@ def build_profile(server: ServerInfo, results: Results, run: dict[str, Any], des
         "model": server.model,
         "server_kind": server.to_dict(),
         "server_settings": settings,
-        "client": {"round_trip_s": rtt_s, "how": "median GET /v1/models, subtracted from every TTFT"},
+        "client": {
+            "round_trip_s": rtt_s,
+            "how": "the lower quartile of GET /v1/models round trips, subtracted "
+            "from every TTFT (a length's fastest repeat rode a fast one)",
+        },
         "inferred": {"chunk_budget": chunk, "max_num_seqs": seqs, "decode_switch": switch},
         "kernel_rows": {"fused_max_rows": rows.fused_max_rows, "max_rows": rows.max_rows},
         "design": {
