@@ -300,7 +300,8 @@ def _chunk_text(chunk: dict[str, Any], result: StreamResult) -> str:
     for choice in chunk.get("choices") or ():
         delta = choice.get("delta")
         if delta is not None:  # chat: role-only and empty deltas carry no token
-            text += (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+            # reasoning models stream their thinking as `reasoning` (vLLM today) or `reasoning_content`
+            text += (delta.get("content") or "") + (delta.get("reasoning") or delta.get("reasoning_content") or "")
         else:
             text += choice.get("text") or ""
         if choice.get("finish_reason"):

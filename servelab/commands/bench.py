@@ -126,6 +126,10 @@ def _check_args(args: argparse.Namespace) -> None:
     check_load_args(args)
     if args.max_load is not None and not args.max_load > 0:
         raise InvalidArgument(f"--max-load must be > 0, got {args.max_load:g}")
+    if args.find_capacity and args.search != "rate" and args.max_load is not None and args.max_load < 1:
+        raise InvalidArgument(
+            f"--max-load is a number of clients with --search concurrency: at least 1, got {args.max_load:g}"
+        )
     from servelab.commands._outputs import check_output_dir, check_output_file
 
     check_output_file(args.save_result, "--save-result")
@@ -194,6 +198,24 @@ def make_session(args: argparse.Namespace, slo, max_connections: int | None):  #
 
 def _run(args: argparse.Namespace, workload, slo, loop: asyncio.AbstractEventLoop) -> int:  # noqa: ANN001
     duration_s = None if args.duration is None else parse_duration_s(args.duration, name="--duration")
+    sized = workload
+    if (
+        not args.find_capacity
+        and workload.num_requests is None
+        and duration_s is not None
+        and workload.rate is not None
+    ):
+        # Enough planned arrivals to cover the duration; the surplus is never sent.
+        from servelab.bench.session import replace_workload
+        from servelab.workload.spec import MAX_NUM_REQUESTS
+
+        planned = int(workload.rate * duration_s * 1.5) + 16
+        if planned > MAX_NUM_REQUESTS:
+            raise InvalidArgument(
+                f"--rate {workload.rate:g} for --duration {duration_s:g} s plans {planned:,} requests, more than the "
+                f"{MAX_NUM_REQUESTS:,} a run keeps: give a shorter --duration or a lower --rate"
+            )
+        sized = replace_workload(workload, num_requests=planned)
     if args.find_capacity:
         # The pool must hold the largest level; None (unbounded) when the load is a rate.
         cap = None if args.search == "rate" else int(args.max_load or 1 << 16)
@@ -215,13 +237,8 @@ def _run(args: argparse.Namespace, workload, slo, loop: asyncio.AbstractEventLoo
         }
         if args.find_capacity:
             return _find_capacity(args, session, workload, slo, loop, config, duration_s)
-        if workload.num_requests is None and duration_s is not None and workload.rate is not None:
-            # Enough planned arrivals to cover the duration; the surplus is never sent.
-            from servelab.bench.session import replace_workload
-
-            workload = replace_workload(workload, num_requests=int(workload.rate * duration_s * 1.5) + 16)
         before = loop.run_until_complete(session.client.metrics_text())
-        result = loop.run_until_complete(session.run(workload, duration_s=duration_s, warmup=args.warmup))
+        result = loop.run_until_complete(session.run(sized, duration_s=duration_s, warmup=args.warmup))
         after = loop.run_until_complete(session.client.metrics_text())
     finally:
         loop.run_until_complete(session.client.aclose())
@@ -238,12 +255,12 @@ def _run(args: argparse.Namespace, workload, slo, loop: asyncio.AbstractEventLoo
     spec = spec_decode.SpecDecodeReport.between(
         _parsed(spec_decode.parse_counters, before),
         _parsed(spec_decode.parse_counters, after),
-        source=f"{config['base_url']} {config['model']} {workload.describe()}",
+        source=f"{config['base_url']} {config['model']} {sized.describe()}",
         per_request=spec_decode.per_request_acceptance(
             r.usage_spec_decode for r in result.results if r.success and r.usage_spec_decode is not None
         ),
     )
-    return _report_run(args, result, config, workload, cache, spec)
+    return _report_run(args, result, config, sized, cache, spec)
 
 
 def _parsed(parse, metrics_text: str | None):  # noqa: ANN001, ANN202

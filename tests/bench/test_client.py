@@ -298,3 +298,31 @@ def test_cli_rejects_bad_arguments(capsys):
     assert rc == 2 and "--warmup" in capsys.readouterr().err
     rc = cli_main(["bench", "--base-url", "http://127.0.0.1:9", "--find-capacity", "--concurrency", "1"])
     assert rc == 2 and "--slo-tpot" in capsys.readouterr().err
+
+
+def test_no_arrival_within_the_duration_is_a_clear_error(mock_server, capsys):
+    url, _ = mock_server
+    # at 0.01 req/s the first arrival (drawn too) lands far past one second
+    rc = cli_main(["bench", "--base-url", url, "--model", "mock-model", "--rate", "0.01", "--duration", "1s",
+                   "--input-len", "8", "--output-len", "4", "--seed", "1"])  # fmt: skip
+    err = capsys.readouterr().err
+    assert rc == 2 and "no request arrives within --duration 1 s" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("field", ["reasoning", "reasoning_content"])
+def test_a_reasoning_models_thinking_counts_as_tokens(field):
+    from servelab.bench.client import StreamResult, _chunk_text
+
+    result = StreamResult(index=0, planned_send_s=None, send_s=0.0, end_s=0.0, prompt_tokens_planned=1,
+                          output_tokens_planned=1)  # fmt: skip
+    assert _chunk_text({"choices": [{"delta": {field: "Let me think"}}]}, result) == "Let me think"
+    assert _chunk_text({"choices": [{"delta": {"content": "4"}}]}, result) == "4"
+
+
+def test_capacity_and_duration_arguments_that_cannot_run_are_named(capsys):
+    base = ["bench", "--base-url", "http://127.0.0.1:9"]
+    rc = cli_main([*base, "--find-capacity", "--slo-tpot", "50ms", "--max-load", "0.5"])
+    assert rc == 2 and "--max-load is a number of clients with --search concurrency: at least 1" in capsys.readouterr().err
+    rc = cli_main([*base, "--rate", "1000", "--duration", "1000s"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "--rate 1000 for --duration 1000 s plans 1,500,016 requests" in err, err

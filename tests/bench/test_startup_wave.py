@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,21 @@ def test_early_stop_counts_each_target_on_its_own():
     assert rule([_result(0, 2.0), slow_decode], [], 5.0) == ""
     assert "TTFT" in rule([_result(0, 2.0), _result(2, 2.0)], [], 5.0)
     assert "TPOT" in rule([slow_decode, dataclasses.replace(slow_decode, index=3)], [], 5.0)
+
+
+def test_a_trace_replayed_by_concurrent_clients_has_its_start_up_wave(queueing_server, tmp_path):
+    # With --concurrency a trace is a closed loop (its arrival times are dropped), so its first C
+    # requests are the wave and the steady state is reported without them.
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"arrival_s": i * 0.01, "prompt_tokens": 8, "output_tokens": 3}) + "\n"
+                             for i in range(12)))  # fmt: skip
+    loop = asyncio.new_event_loop()
+    client = OpenAIStreamClient(queueing_server, model="mock-model", max_connections=4)
+    try:
+        out = loop.run_until_complete(
+            BenchSession(client, PromptBuilder(None, seed=0)).run(WorkloadSpec(trace=str(trace), concurrency=4))
+        )
+        loop.run_until_complete(client.aclose())
+    finally:
+        loop.close()
+    assert out.startup_requests == 4 and out.steady is not None and out.steady.num_requests == 8
