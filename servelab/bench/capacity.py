@@ -238,6 +238,8 @@ def find_capacity(
         raise InvalidArgument(f"the search's start load must be > 0, got {load:g}")
     if integer:
         load = float(max(1, round(load)))
+        if max_load is not None:
+            max_load = float(math.floor(max_load))  # a concurrency is whole: never report one not run
     if max_load is not None and max_load < load:
         raise InvalidArgument(f"the search's maximum load {max_load:g} is below its start {load:g}")
     if tolerance is None:

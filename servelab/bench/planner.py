@@ -162,6 +162,7 @@ def plan_one(job: PlanJob) -> PlanRow:
 
 
 def _plan_one(job: PlanJob) -> PlanRow:
+    from servelab.core.kv_groups import pages_for
     from servelab.cost.memory import MemoryPlan
     from servelab.sim import SimConfig, simulate
     from servelab.sim.runner import engine_sim_config, kv_slots_needed, scheduler_config
@@ -236,15 +237,21 @@ def _plan_one(job: PlanJob) -> PlanRow:
     # Clients beyond what runs at once only queue: they add TTFT, no throughput, and are not users.
     # So the search stops at the most sequences that can run, measured there exactly: the
     # scheduler's cap or the requests whose KV fits at once at full length (the workload's mean
-    # request), whichever is lower. Users who think are in flight only E2E / (E2E + think) of the
-    # time (Little's law), so as many more of them fit; E2E is at least one user's alone.
+    # request, with its pages at full length in every KV group, a sliding-window group's only its window's),
+    # whichever is lower. Users who think are in flight only E2E / (E2E + think) of the time
+    # (Little's law), so as many more of them fit; E2E is at least one user's alone.
     blocks_per_request = statistics.fmean(
-        math.ceil(kv_slots_needed(r.prompt_tokens, r.output_tokens) / sched.block_size) for r in requests
+        pages_for(sched.kv_group_windows, kv_slots_needed(r.prompt_tokens, r.output_tokens), sched.block_size)
+        for r in requests
     )
     kv_wall = max(1, int(sched.num_blocks // blocks_per_request))
     row.max_running = min(max_num_seqs, kv_wall)
     ceiling: Ceiling = "max-num-seqs" if max_num_seqs <= kv_wall else "kv-cache"
-    max_load = row.max_running * _think_factor(config, job.workload)
+    try:
+        max_load = row.max_running * _think_factor(config, job.workload)
+    except (RequestTooLong, DoesNotFit) as exc:
+        row.fits, row.reason = False, exc.message
+        return row
     for cap in (job.max_concurrency, MAX_CONCURRENCY, fixed_n):  # fixed_n: more clients than requests changes nothing
         if cap is not None and cap < max_load:
             max_load, ceiling = cap, "search-maximum"
@@ -360,9 +367,9 @@ def rank(rows: list[PlanRow]) -> list[PlanRow]:
 
     def key(row: PlanRow) -> tuple:
         if row.meets_slo:
-            cost = row.cost_per_million_output_tokens
-            return (0, cost if cost is not None else 0.0, -(row.tokens_per_s_per_device or 0.0))
-        return (1 if row.fits else 2, 0.0, 0.0)
+            cost = row.cost_per_million_output_tokens  # priced rows first: no price is not free
+            return (0, cost is None, cost or 0.0, -(row.tokens_per_s_per_device or 0.0))
+        return (1 if row.fits else 2, False, 0.0, 0.0)
 
     return sorted(rows, key=key)
 

@@ -320,8 +320,8 @@ def _table(rows, args: argparse.Namespace, inputs: PlanInputs) -> str:  # noqa: 
             f"{r.capacity_concurrency:g}",
             f"{r.tokens_per_s_per_device:,.0f}",
             f"{r.requests_per_s:.2f}",
-            f"{r.ttft_s * 1e3:.0f} ms",
-            f"{r.tpot_s * 1e3:.1f} ms",
+            "-" if r.ttft_s is None else f"{r.ttft_s * 1e3:.0f} ms",
+            "-" if r.tpot_s is None else f"{r.tpot_s * 1e3:.1f} ms",  # one-token outputs have no TPOT
             "-" if r.price_per_device_hour is None else f"{r.price_per_device_hour:.2f}",
             "-" if r.cost_per_million_output_tokens is None else f"{r.cost_per_million_output_tokens:.3f}",
             "-" if r.binding is None else LIMIT_LABELS.get(r.binding.limit, r.binding.limit),

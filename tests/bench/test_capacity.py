@@ -65,6 +65,14 @@ def test_max_load_caps_the_doubling():
     assert result.reached_max_load and result.best.load == 24
 
 
+def test_a_fractional_cap_on_concurrency_reports_only_what_it_ran():
+    calls = []
+    result = find_capacity(lambda c: calls.append(c) or _summary(0.01), SLO(tpot_s=0.05), max_load=2.5)
+    assert calls == [1, 2] and result.best.load == 2 and result.reached_max_load
+    with pytest.raises(InvalidArgument, match="maximum load 0 is below its start 1"):
+        find_capacity(lambda c: _summary(0.01), SLO(tpot_s=0.05), max_load=0.5)
+
+
 def test_certainly_fails_agrees_with_numpy_percentiles():
     rng = np.random.default_rng(0)
     for _ in range(300):

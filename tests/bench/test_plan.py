@@ -197,6 +197,35 @@ def test_a_capacity_capped_by_the_kv_cache_says_so():
     assert f"{b.kv_capacity_tokens:,} tokens" in b.detail
 
 
+def test_the_kv_ceiling_counts_a_sliding_window_models_pages_in_every_group():
+    # Gemma 2 alternates full and 4,096-token window layers: a request holds pages in both groups,
+    # so the pool runs half the requests a one-group count would put at its ceiling.
+    row = plan_one(
+        _job(
+            model="gemma-2-9b",
+            slo=SLO(tpot_s=0.05),
+            workload={**WORKLOAD, "num_requests": None, "input_len": "1024", "output_len": "256"},
+        )  # fmt: skip
+    )
+    b = row.binding
+    assert b.limit == "kv-cache" and row.capacity_concurrency == row.max_running == b.peak_running
+    assert b.preemptions == 0
+
+
+def test_rows_without_a_price_rank_after_priced_ones():
+    from servelab.bench.planner import PlanRow
+
+    def row(name: str, tps: float, price: float | None) -> PlanRow:
+        r = PlanRow(hardware=name, tp=1, fits=True, price_per_device_hour=price)
+        r.tokens_per_s_per_device, r.capacity_concurrency = tps, 1
+        r.cost_per_million_output_tokens = None if price is None else cost_per_million_tokens(price, tps)
+        return r
+
+    rows = [row("my-box", 50.0, None), row("h100-sxm", 5000.0, 3.0)]
+    assert all(r.meets_slo for r in rows)
+    assert [r.hardware for r in rank(rows)] == ["h100-sxm", "my-box"]
+
+
 def test_a_capacity_set_by_the_tpot_target_says_so():
     row = plan_one(_job(slo=SLO(tpot_s=0.012), workload=SHORT))
     b = row.binding
@@ -286,3 +315,18 @@ def test_slo_ttft_none_drops_the_ttft_target(capsys):
     assert "--slo-ttft none leaves no target: give --slo-tpot" in capsys.readouterr().err
     assert cli_main(["plan", "--slo-tpot", "30ms", "--slo-ttft", "soon"]) == 2
     assert "--slo-ttft" in capsys.readouterr().err
+
+
+def test_one_token_outputs_print_no_tpot(capsys):
+    argv = ["plan", "--hardware", "h100-sxm", "--input-len", "64", "--output-len", "1", "--max-concurrency", "4",
+            "--slo-ttft", "2s"]  # fmt: skip
+    assert cli_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "h100-sxm" in out and "Traceback" not in out
+
+
+def test_a_request_too_long_with_think_time_is_a_row_not_an_error(capsys):
+    argv = ["plan", "--hardware", "h200", "--input-len", "140000", "--output-len", "16", "--slo-ttft", "2s",
+            "--think-time", "exp:1s"]  # fmt: skip
+    assert cli_main(argv) == 0
+    assert "h200" in capsys.readouterr().out
