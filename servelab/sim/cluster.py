@@ -124,13 +124,14 @@ class ClusterSim:
         *,
         router: str = "round-robin",
         seed: int = 0,
-        kv_bytes_per_token: float = 0.0,
+        kv_bytes: Callable[[int], float] | None = None,
         link_bandwidth_bytes_per_s: float = float("inf"),
         link_latency_s: float = 0.0,
         speculation: Speculation | None = None,
     ) -> None:
         """`pools` maps a role ("mixed", or "prefill" and "decode") to (replica count, config).
-        With `speculation`, every decoding sequence proposes its drafts before each step."""
+        With `speculation`, every decoding sequence proposes its drafts before each step.
+        `kv_bytes(n)`: the bytes a prefill of n prompt tokens sends to a decode replica (None: none)."""
         self.replicas: list[Replica] = []
         self.pools: dict[str, list[Replica]] = {}
         # Every simulated token is this id, so steady decodes can run implicitly; that needs a
@@ -175,7 +176,7 @@ class ClusterSim:
             raise ValueError(f"all pools must share one block size, got {sorted(sizes)}")
         self.block_size = sizes.pop()
         self.seed = seed
-        self.kv_bytes_per_token = kv_bytes_per_token
+        self.kv_bytes = kv_bytes
         self.link_bandwidth_bytes_per_s = link_bandwidth_bytes_per_s
         self.link_latency_s = link_latency_s
 
@@ -430,7 +431,7 @@ class ClusterRun:
             req.first_scheduled_s = seq.first_scheduled_s
             req.num_cached_tokens = seq.num_cached_tokens
         if replica.role == "prefill":
-            nbytes = sim.kv_bytes_per_token * req.spec.prompt_tokens
+            nbytes = 0.0 if sim.kv_bytes is None else sim.kv_bytes(req.spec.prompt_tokens)
             start = max(t, replica.link_free_s)
             wire_s = nbytes / sim.link_bandwidth_bytes_per_s
             replica.link_free_s = start + wire_s

@@ -329,6 +329,17 @@ def build_cost_model(config: SimConfig) -> StepCostModel:
     return HostOverheadCost(roofline, config.host_cost, config.model_spec.num_layers)
 
 
+def transfer_bytes(config: SimConfig) -> Callable[[int], float]:
+    """The KV bytes a disaggregated prefill of n prompt tokens sends: what each of its TP ranks
+    holds (a sliding-window layer only its window; a KV head shared by ranks, once a rank), summed
+    over the ranks, as the decode replica's ranks each receive their own."""
+    plan = MemoryPlan(
+        config.model_spec, config.hardware_spec, config.weight_dtype, config.kv_cache_dtype, config.tp,
+        config.memory_fraction,
+    )  # fmt: skip
+    return lambda n: plan.kv_bytes_per_sequence(n) * config.tp
+
+
 def scheduler_config(config: SimConfig) -> ResolvedSchedulerConfig:
     """One replica's scheduler: the KV pool is what the memory plan leaves after the weights."""
     model = config.model_spec
@@ -440,7 +451,6 @@ def simulate(
         warmup_requests = (concurrency or 0) if closed_loop else 0  # a closed loop has a concurrency
     if warmup_requests < 0 or warmup_s < 0:
         raise InvalidArgument(f"the warm-up must be >= 0, got {warmup_requests} requests, {warmup_s:g} s")
-    model = config.model_spec
     sched = scheduler_config(config)
     _check_lengths(requests, sched)
     cost_model = build_cost_model(config)
@@ -459,7 +469,7 @@ def simulate(
         cost_model,
         router=config.router,
         seed=seed,
-        kv_bytes_per_token=model.kv_bytes_per_token(config.kv_cache_dtype),
+        kv_bytes=transfer_bytes(config) if config.disagg else None,
         link_bandwidth_bytes_per_s=link_bw,
         link_latency_s=config.link_latency_s,
         speculation=speculation,

@@ -146,6 +146,24 @@ def test_disagg_tokens_come_from_the_decode_pool():
     assert result.to_dict()["kv_transfer"]["total_bytes"] == result.kv_transfer_bytes
 
 
+@pytest.mark.parametrize(("model", "tp"), [("llama-3.1-8b", 1), ("gemma-3-1b", 1), ("qwen3-30b-a3b", 8)])
+def test_a_disaggregated_prefill_sends_the_kv_its_ranks_hold(model, tp):
+    # What every rank holds, summed: a sliding-window layer's window only (gemma-3), and a KV head
+    # that several ranks keep (qwen3-30b-a3b: 4 KV heads over 8 ranks), once a rank.
+    from servelab.spec.model import resolve_model
+
+    spec, n = resolve_model(model), 4096
+    wl = WorkloadSpec(2, concurrency=1, input_len=str(n), output_len="4", seed=0)
+    result = simulate(SimConfig(model=model, hardware="h100-sxm", tp=tp, disagg=(1, 1)), wl)
+    per_layer_token = 2 * -(-spec.num_kv_heads // tp) * spec.head_dim * 2 * tp  # bf16 K and V, over the ranks
+    tokens = sum(n if (w := spec.layer_window(i)) is None else min(n, w) for i in range(spec.num_layers))
+    assert result.kv_transfer_bytes == pytest.approx(2 * tokens * per_layer_token)
+    if spec.sliding_window is not None:
+        assert tokens < spec.num_layers * n
+    if spec.num_kv_heads < tp:
+        assert result.kv_transfer_bytes > 2 * spec.kv_bytes_per_token("bf16") * n
+
+
 def test_prefix_sharing_shows_in_cached_tokens():
     wl = WorkloadSpec(30, rate=2.0, input_len="1024", output_len="4", shared_prefix_fraction=0.75, seed=0)
     result = simulate(SimConfig(cost_model=LinearCost(), scheduler=SchedulerConfig(num_blocks=4000)), wl)
