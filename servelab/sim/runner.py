@@ -93,6 +93,8 @@ class SimConfig:
                     param="speculative_config",
                 )
         if self.disagg is not None:
+            if len(self.disagg) != 2:
+                raise InvalidArgument(f"disagg is (prefill replicas, decode replicas), got {self.disagg!r}")
             p, d = self.disagg
             if p < 1 or d < 1:
                 raise InvalidArgument(f"disaggregation needs >= 1 prefill and >= 1 decode replica, got {p}:{d}")
@@ -442,6 +444,8 @@ def simulate(
     closed_loop = requests[0].arrival_s is None
     if closed_loop and concurrency is None:
         raise InvalidArgument("requests without arrival times need a concurrency (closed loop)")
+    if concurrency is not None and concurrency < 1:  # 0 would queue every arrival and send none
+        raise InvalidArgument(f"concurrency must be >= 1, got {concurrency}", param="concurrency")
     thinks = [r.think_s for r in requests]
     if not all(math.isfinite(t) and t >= 0 for t in thinks):
         raise InvalidArgument(f"think times must be finite durations >= 0 s, got {min(thinks)} .. {max(thinks)}")

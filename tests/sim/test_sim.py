@@ -385,3 +385,13 @@ def test_check_is_called_during_a_run_and_ends_it_by_raising():
         simulate(SimConfig(model="llama-3.1-8b", hardware="h100-sxm"), workload, check=check)
     assert len(calls) == 3 and sum(r.success for r in whole.records) == 2000
     assert ran <= len(whole.trace) * 3 // CHECK_EVERY_EVENTS + 1  # every CHECK_EVERY_EVENTS events, not more often
+
+
+def test_api_inputs_that_would_lose_requests_are_refused():
+    from servelab.errors import InvalidArgument
+
+    open_loop = [RequestSpec(i, 0.1 * i, 16, 4) for i in range(4)]
+    with pytest.raises(InvalidArgument, match="concurrency must be >= 1, got 0"):
+        simulate(SimConfig(cost_model=LinearCost()), open_loop, concurrency=0)
+    with pytest.raises(InvalidArgument, match=r"disagg is \(prefill replicas, decode replicas\)"):
+        SimConfig(disagg=(1,))
