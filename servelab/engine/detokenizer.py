@@ -137,6 +137,11 @@ class StopChecker:
         self._emitted_chars += emit_upto
         return StopCheck(buf[:emit_upto])
 
+    def release(self, text: str) -> str:
+        """`text` emitted unchecked: nothing may stop the request yet (its min_tokens)."""
+        self._emitted_chars += len(text)
+        return text
+
     def flush(self) -> str:
         """At the end of the request (EOS, length, ...): the held-back text was not a stop."""
         held, self._held = self._held, ""
@@ -169,19 +174,25 @@ class RequestTextStream:
     FinishReason.STOP when `stop` is set, and call `flush()` when it finishes for any other reason.
     """
 
-    __slots__ = ("detokenizer", "stop_checker")
+    __slots__ = ("detokenizer", "stop_checker", "min_tokens", "num_tokens")
 
     def __init__(
         self, tokenizer: _Decoder, prompt_token_ids: Sequence[int], stop: Sequence[str] = (),
-        skip_special_tokens: bool = True, include_stop: bool = False,
+        skip_special_tokens: bool = True, include_stop: bool = False, min_tokens: int = 0,
     ):  # fmt: skip
         self.detokenizer = IncrementalDetokenizer(tokenizer, prompt_token_ids, skip_special_tokens)
         self.stop_checker = StopChecker(stop, include_stop)
+        self.min_tokens = min_tokens  # no stop string ends a request before it has more (vLLM's rule)
+        self.num_tokens = 0
 
     def add(self, token_ids: Sequence[int]) -> TextDelta:
         if self.stop_checker.stopped is not None:
             return TextDelta("", self.stop_checker.stopped)
-        check = self.stop_checker.add(self.detokenizer.add(token_ids))
+        text = self.detokenizer.add(token_ids)
+        self.num_tokens += len(token_ids)
+        if self.num_tokens <= self.min_tokens:
+            return TextDelta(self.stop_checker.release(text))
+        check = self.stop_checker.add(text)
         return TextDelta(check.text, check.stop)
 
     def flush(self) -> TextDelta:

@@ -41,7 +41,7 @@ class OutputProcessor:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         stream = RequestTextStream(self.tokenizer, prompt_token_ids, params.stop, params.skip_special_tokens,
-                                   params.include_stop_str_in_output)  # fmt: skip
+                                   params.include_stop_str_in_output, params.min_tokens)  # fmt: skip
         self._requests[request_id] = _RequestState(stream, params.include_stop_str_in_output)
 
     def forget(self, request_id: str) -> bool:

@@ -176,3 +176,23 @@ def test_request_text_stream_with_real_tokens(tok):
     text = "".join(ts.add([i]).text for i in ids)
     assert text == "ends with "
     assert text + ts.flush().text == "ends with nev"
+
+
+def test_no_stop_string_ends_a_request_before_min_tokens(tok):
+    # vLLM's rule: stop strings are looked for once the output has more than min_tokens tokens.
+    ids = tok.encode("a stop here, then more text and a stop again")
+    first = next(n for n in range(1, len(ids) + 1) if "stop" in tok.decode(ids[:n]))
+
+    def run(min_tokens: int) -> tuple[str, int]:
+        ts = RequestTextStream(tok, prompt_token_ids=[], stop=["stop"], min_tokens=min_tokens)
+        text = ""
+        for n, i in enumerate(ids, 1):
+            delta = ts.add([i])
+            text += delta.text
+            if delta.stop:
+                return text, n
+        return text + ts.flush().text, len(ids)
+
+    assert run(0) == ("a ", first)  # the first stop ends it
+    text, n = run(first)  # the first stop falls within min_tokens: it streams on to the second
+    assert n > first and text.startswith("a stop here") and text.endswith(" a ")

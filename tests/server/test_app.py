@@ -345,3 +345,21 @@ def test_constraints_that_leave_no_token_are_the_clients_error(tiny_model_dir):
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == "unsatisfiable_constraints"
         assert c.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
         assert c.app.state.servelab.client.engine.scheduler.block_manager.num_free_blocks == 64
+
+
+def test_min_tokens_holds_back_stop_strings_too(tiny_model_dir):
+    """As vLLM: a stop string ends a choice only once it has more than min_tokens tokens."""
+    from servelab.engine.llm_engine import EngineArgs
+
+    with TestClient(
+        create_app(EngineArgs.from_kwargs(model=str(tiny_model_dir), num_blocks=64, max_model_len=256))
+    ) as c:
+        body = {"prompt": "the model", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        free = c.post("/v1/completions", json=body).json()["choices"][0]["text"]
+        stop = free[len(free) // 4 : len(free) // 4 + 2]  # text the greedy answer reaches early
+        early = c.post("/v1/completions", json={**body, "stop": [stop]}).json()
+        assert early["choices"][0]["finish_reason"] == "stop"
+        n = early["usage"]["completion_tokens"] + 1
+        held = c.post("/v1/completions", json={**body, "stop": [stop], "min_tokens": n}).json()
+        assert held["usage"]["completion_tokens"] >= n, held
+        assert held["choices"][0]["text"].startswith(early["choices"][0]["text"] + stop)
