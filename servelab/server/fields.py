@@ -74,9 +74,9 @@ COMMON: dict[str, FieldRule] = {
     "top_k": _h("vLLM extension: 0 or -1 = off"),
     "min_p": _h("vLLM extension"),
     "ignore_eos": _h("vLLM extension"),
-    "priority": _h("vLLM extension: lower runs first under --order priority"),
+    "priority": _h("vLLM extension: lower runs first under --order priority; refused under fcfs, as vLLM"),
     "stop_token_ids": _h("vLLM extension"),
-    "min_tokens": _h("vLLM extension"),
+    "min_tokens": _h("vLLM extension: no EOS, stop token id or stop string ends the choice before it"),
     "prompt_logprobs": _h("vLLM extension: logprobs of the prompt's tokens (not with stream)"),
     "allowed_token_ids": _h("vLLM extension: only these ids may be sampled"),
     "bad_words": _h(
@@ -137,7 +137,10 @@ CHAT: dict[str, FieldRule] = {
         "vLLM extension: a Jinja template for this request, rendered in the model template's sandbox; "
         "needs serve --trust-request-chat-template (a 400 otherwise), as vLLM"
     ),
-    "chat_template_kwargs": _h("vLLM extension: more variables for the chat template"),
+    "chat_template_kwargs": _h(
+        "vLLM extension: more variables for the chat template (its add_generation_prompt "
+        "and continue_final_message win over the fields)"
+    ),
     "echo": _h(
         "vLLM extension: the answer starts with the last message's content when that message has the answer's role"
     ),
@@ -166,7 +169,7 @@ COMPLETIONS: dict[str, FieldRule] = {
     **COMMON,
     "prompt": _h("a string, a list of token ids, or a list of either"),
     "max_tokens": _h("default 16, as OpenAI; 0 only with echo"),
-    "logprobs": _h("0-20 alternatives per token"),
+    "logprobs": _h("the sampled token and 0-20 alternatives per token"),
     "echo": _h("the prompt before the completion; with logprobs, the prompt's logprobs (first: null)"),
     "add_special_tokens": _h("vLLM extension: the BOS/EOS the tokenizer adds to a text prompt; default true"),
     "prompt_embeds": _r("prompts are text or token ids; embeddings are not taken"),

@@ -14,6 +14,7 @@ from servelab.server.prompt_scoring import token_text_offsets
 
 if TYPE_CHECKING:
     from servelab.engine.client import EngineFront
+    from servelab.engine.tokenizer import Tokenizer
     from servelab.server import protocol as p
 
 
@@ -77,22 +78,39 @@ def chat_prompt_ids(front: EngineFront, req: p.ChatCompletionRequest) -> list[in
     keep = prompt_tokens_kept(front, req.truncate_prompt_tokens)
     if keep is None:
         check_fits_untokenized(front, "".join(m["content"] for m in messages), "messages")
-    ids = front.tokenizer.encode_chat(
-        messages, req.add_generation_prompt, req.add_special_tokens, chat_template=req.chat_template,
-        continue_final_message=req.continue_final_message, **chat_template_variables(req),
-    )  # fmt: skip
+    ids = encode_chat_request(front.tokenizer, req, messages, req.add_special_tokens)
     return ids if keep is None else ids[-keep:]
 
 
-def chat_template_variables(req: p.ChatCompletionRequest) -> dict[str, Any]:
-    """What the chat template sees besides the messages: the request's chat_template_kwargs, then
-    tools and documents (which win over a same-named kwarg, as the named fields do in vLLM)."""
+# chat_template_kwargs that would reach the tokenizer rather than the template: the messages, the
+# template itself (a request's own needs --trust-request-chat-template) and special tokens
+_NOT_TEMPLATE_VARIABLES = ("messages", "chat_template", "add_special_tokens", "tokenize")
+
+
+def encode_chat_request(tokenizer: Tokenizer, req: p._ChatTemplateFields, messages: list[dict[str, Any]],
+                        add_special_tokens: bool) -> list[int]:  # fmt: skip
+    """Blocking: the chat's token ids as its template renders them (the chat endpoint's and
+    /tokenize's). chat_template_kwargs reach the template; add_generation_prompt and
+    continue_final_message among them win over the request's fields, as in vLLM."""
     variables = dict(req.chat_template_kwargs or {})
+    for key in _NOT_TEMPLATE_VARIABLES:
+        if key in variables:
+            raise InvalidArgument(
+                f"chat_template_kwargs cannot set {key!r}: it is not a template variable"
+                + (" (send the request's own field)" if key != "messages" else ""),
+                param="chat_template_kwargs",
+            )
+    add_generation_prompt = variables.pop("add_generation_prompt", req.add_generation_prompt)
+    continue_final_message = variables.pop("continue_final_message", req.continue_final_message)
+    # tools and documents win over a same-named kwarg, as the named fields do in vLLM
     if req.tools:
         variables["tools"] = [t.model_dump(exclude_none=True) for t in req.tools]
     if req.documents is not None:
         variables["documents"] = req.documents
-    return variables
+    return tokenizer.encode_chat(
+        messages, bool(add_generation_prompt), add_special_tokens, chat_template=req.chat_template,
+        continue_final_message=bool(continue_final_message), **variables,
+    )  # fmt: skip
 
 
 def prompt_ids(front: EngineFront, one: str | list[int], param: str, keep: int | None,
@@ -144,7 +162,7 @@ def detokenize_checked(front: EngineFront, tokens: list[int]) -> str:
 
 __all__ = [
     "chat_prompt_ids",
-    "chat_template_variables",
+    "encode_chat_request",
     "check_fits_untokenized",
     "check_token_ids",
     "completion_prompt_ids",

@@ -171,25 +171,17 @@ class ChatMessage(_Request):
         return "".join(part.text or "" for part in self.content if part.type == "text")
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _ChatTemplateFields(_Request):
+    """How the chat template renders the messages (vLLM's chat extensions): the chat endpoint's,
+    and /tokenize's for messages, so that both count the same tokens."""
+
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
-    max_completion_tokens: int | None = None
-    logprobs: bool = False
-    top_logprobs: int | None = None
-    prompt_logprobs: int | None = None  # vLLM extension
-    # vLLM's chat extensions: how the template renders the messages.
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last message left open, for the model to continue
-    add_special_tokens: bool = False  # the template writes the special tokens it wants
     documents: list[dict[str, str]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    echo: bool = False  # the answer starts with the last message's content when it has the answer's role
-    include_reasoning: bool = True  # there is no reasoning to include or leave out
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
-    parallel_tool_calls: bool | None = None  # false: at most one call
 
     def template_messages(self) -> list[dict[str, Any]]:
         # Chat templates know system/user/assistant; OpenAI's newer "developer" role is a system prompt.
@@ -204,12 +196,31 @@ class ChatCompletionRequest(_SamplingFields):
         return out
 
 
+class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
+    max_tokens: int | None = None  # deprecated by OpenAI in favour of max_completion_tokens
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
+    prompt_logprobs: int | None = None  # vLLM extension
+    add_special_tokens: bool = False  # the template writes the special tokens it wants
+    echo: bool = False  # the answer starts with the last message's content when it has the answer's role
+    include_reasoning: bool = True  # there is no reasoning to include or leave out
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call
+
+
 class TokenizeRequest(_Request):
+    """A prompt, or a chat's messages (TokenizeChatRequest below): vLLM's two /tokenize bodies."""
+
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
-    add_generation_prompt: bool = True
+    add_special_tokens: bool | None = None  # None: a prompt's True, a chat's False (as the chat endpoint)
+
+
+class TokenizeChatRequest(_ChatTemplateFields):
+    model: str | None = None
+    add_special_tokens: bool = False
 
 
 class DetokenizeRequest(_Request):

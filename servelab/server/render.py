@@ -227,7 +227,13 @@ class CompletionRenderer(_Renderer):
         def add(token_id: int, logprob: float | None, top: list[tuple[int, float]] | None, offset: int) -> None:
             out.tokens.append(self.token(token_id))
             out.token_logprobs.append(logprob)
-            out.top_logprobs.append(None if top is None else {self.token(t): v for t, v in top})
+            alternatives = None
+            if top is not None:
+                # the chosen token always, then the top k (OpenAI: up to logprobs + 1 entries, as vLLM)
+                alternatives = {} if logprob is None else {self.token(token_id): logprob}
+                for t, v in top:
+                    alternatives.setdefault(self.token(t), v)
+            out.top_logprobs.append(alternatives)
             out.text_offset.append(offset)
 
         base = 0

@@ -16,7 +16,7 @@ from fastapi import Depends, Request
 
 from servelab.core.sequence import PoolingParams
 from servelab.engine.grammar_workers import GrammarConfig, GrammarWorkers
-from servelab.errors import NotFound, QueueFull, RequestTooLong
+from servelab.errors import InvalidArgument, NotFound, QueueFull, RequestTooLong
 from servelab.engine.client import EngineClient, EngineFront, EngineRequest, EngineStopped, RequestStream
 from servelab.server.http_errors import ServerDraining
 from servelab.server.metrics import ServerMetrics
@@ -112,6 +112,13 @@ class ServerState:
     async def submit(self, requests: list[EngineRequest], n: int = 1) -> RequestStream:
         """Admit a request's engine requests (its prompts' `n` choices each, in order) and count
         it in /metrics: the choices as one request, a refusal by its reason."""
+        if any(r.priority for r in requests) and self.front.scheduler_config.order != "priority":
+            # as vLLM: a priority the queue would ignore is refused, not dropped
+            raise InvalidArgument(
+                "a request's priority needs the server started with --order priority; this one admits in "
+                "arrival order (leave priority out, or at 0)",
+                param="priority",
+            )
         request_ids = [r.request_id for r in requests]
         self.metrics.expect_choices(request_ids, n)
         try:

@@ -322,7 +322,9 @@ def test_a_reasoning_models_thinking_counts_as_tokens(field):
 def test_capacity_and_duration_arguments_that_cannot_run_are_named(capsys):
     base = ["bench", "--base-url", "http://127.0.0.1:9"]
     rc = cli_main([*base, "--find-capacity", "--slo-tpot", "50ms", "--max-load", "0.5"])
-    assert rc == 2 and "--max-load is a number of clients with --search concurrency: at least 1" in capsys.readouterr().err
+    assert (
+        rc == 2 and "--max-load is a number of clients with --search concurrency: at least 1" in capsys.readouterr().err
+    )
     rc = cli_main([*base, "--rate", "1000", "--duration", "1000s"])
     err = capsys.readouterr().err
     assert rc == 2 and "--rate 1000 for --duration 1000 s plans 1,500,016 requests" in err, err

@@ -46,7 +46,11 @@ def test_echo_with_max_tokens_0_scores_the_prompt(served):
     ref = _reference(engine, ids)
     want = [ref[p, ids[p + 1]].item() for p in range(len(ids) - 1)]
     assert lp["token_logprobs"][1:] == pytest.approx(want, abs=1e-4)
-    assert all(len(top) <= 2 for top in lp["top_logprobs"][1:])
+    # the prompt's own token with its logprob, then the top 2: up to 3 entries (OpenAI, vLLM)
+    assert all(
+        len(top) <= 3 and top[t] == v
+        for t, v, top in zip(lp["tokens"][1:], lp["token_logprobs"][1:], lp["top_logprobs"][1:])
+    )
     assert lp["text_offset"][0] == 0 and lp["text_offset"] == sorted(lp["text_offset"])
     # the loglikelihood of a continuation: the sum over its tokens
     assert sum(lp["token_logprobs"][-5:]) == pytest.approx(sum(want[-5:]), abs=1e-4)
@@ -212,3 +216,16 @@ def test_echo_with_max_tokens_0_counts_no_generated_token(served):
     assert _generation_tokens(client) == before
     _post(client, {"prompt": PROMPT, "max_tokens": 2, "ignore_eos": True})
     assert _generation_tokens(client) == before + 2
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_a_sampled_token_is_always_among_its_top_logprobs(served, k):
+    # OpenAI's legacy completions (and vLLM) return the sampled token's logprob at every position,
+    # with the top k beside it: a harness indexes top_logprobs[i][tokens[i]].
+    client, _ = served
+    body = {"prompt": PROMPT, "max_tokens": 12, "temperature": 1.5, "seed": 3, "logprobs": k, "ignore_eos": True}
+    lp = client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert all(
+        top[t] == v and len(top) <= k + 1 for t, v, top in zip(lp["tokens"], lp["token_logprobs"], lp["top_logprobs"])
+    )
+    assert any(max(top.values()) > v for v, top in zip(lp["token_logprobs"], lp["top_logprobs"])) or k == 0

@@ -231,7 +231,7 @@ def test_a_full_queue_is_counted_and_its_choices_forgotten():
     state = ServerState(api_key=None)
     state._metrics = ServerMetrics(MODEL, lambda: IDLE)
     state._client = FullQueue()
-    requests = [type("R", (), {"request_id": f"r-{i}"})() for i in range(4)]
+    requests = [type("R", (), {"request_id": f"r-{i}", "priority": 0})() for i in range(4)]
     with pytest.raises(QueueFull):
         asyncio.run(state.submit(requests, n=2))
     text = state.metrics.render().decode()

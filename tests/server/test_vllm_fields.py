@@ -34,10 +34,22 @@ IDS = ["completions", "chat"]
 def served(tiny_model_dir):
     from servelab.engine.llm_engine import EngineArgs, LLMEngine
 
+    # --order priority: a request's priority is honoured (under fcfs it is refused: see below)
     engine = LLMEngine.from_args(EngineArgs.from_kwargs(model=str(tiny_model_dir), dtype="float32", num_blocks=64,
-                                                        max_model_len=256))  # fmt: skip
+                                                        max_model_len=256, order="priority"))  # fmt: skip
     with TestClient(create_app(engine, trust_request_chat_template=True)) as client:
         yield client, engine
+
+
+def test_a_priority_is_refused_where_the_queue_would_ignore_it(tiny_model_dir):
+    from servelab.engine.llm_engine import EngineArgs
+
+    args = EngineArgs.from_kwargs(model=str(tiny_model_dir), num_blocks=64, max_model_len=256)  # order fcfs
+    with TestClient(create_app(args)) as client:
+        body = {"prompt": "hello", "max_tokens": 2}
+        assert client.post("/v1/completions", json={**body, "priority": 0}).status_code == 200
+        err = _error(client.post("/v1/completions", json={**body, "priority": 1}), 400)
+        assert err["param"] == "priority" and "--order priority" in err["message"]
 
 
 def _error(resp, status: int) -> dict:
@@ -269,3 +281,35 @@ def test_a_request_chat_template_needs_the_server_to_trust_it(tiny_model_dir):
         ok = client.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 2})
         assert ok.status_code == 200, ok.text
     assert engine.scheduler.block_manager.num_free_blocks == 64
+
+
+def test_chat_template_kwargs_set_template_variables_and_nothing_else(served):
+    client, _ = served
+    messages = [{"role": "user", "content": "hi"}]
+
+    def prompt_tokens(**body) -> int:
+        resp = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 1, **body})
+        assert resp.status_code == 200, resp.text
+        return resp.json()["usage"]["prompt_tokens"]
+
+    # as vLLM, a template flag among the kwargs wins over the request's field
+    assert (
+        prompt_tokens(chat_template_kwargs={"add_generation_prompt": False})
+        == prompt_tokens(add_generation_prompt=False)
+        < prompt_tokens()
+    )
+    for key in ("chat_template", "messages", "add_special_tokens"):
+        body = {"messages": messages, "max_tokens": 1, "chat_template_kwargs": {key: "x"}}
+        err = _error(client.post("/v1/chat/completions", json=body), 400)
+        assert err["param"] == "chat_template_kwargs" and repr(key) in err["message"]
+
+
+def test_tokenize_counts_a_chat_as_the_chat_endpoint_runs_it(served):
+    client, _ = served
+    for body in (
+        {"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]},
+        {"messages": [{"role": "user", "content": "hi"}], "add_generation_prompt": False},
+        {"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"add_generation_prompt": False}},
+    ):
+        used = client.post("/v1/chat/completions", json={**body, "max_tokens": 1}).json()["usage"]["prompt_tokens"]
+        assert client.post("/tokenize", json=body).json()["count"] == used, body

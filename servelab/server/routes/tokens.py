@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, Response
 from servelab.errors import InvalidArgument
 from servelab.server import protocol as p
 from servelab.server.http_errors import parse_body
-from servelab.server.prompts import detokenize_checked, encode_prompt
+from servelab.server.prompts import detokenize_checked, encode_chat_request, encode_prompt
 from servelab.server.state import State
 
 router = APIRouter()
@@ -21,12 +21,21 @@ async def tokenize(request: Request, state: State) -> Response:
     state.check_accepting()
     state.check_model(req.model)
     lane = state.offload.lane(len(await request.body()))  # the body is read: this is its length
-    tokenizer = state.front.tokenizer
     if req.messages is not None and req.prompt is None:
-        messages = [{"role": m.role, "content": m.text()} for m in req.messages]
-        ids = await lane.run(tokenizer.encode_chat, messages, req.add_generation_prompt, req.add_special_tokens)
+        # the chat endpoint's template path, so both count the same tokens
+        chat = await parse_body(request, p.TokenizeChatRequest, state.offload)
+        if chat.chat_template is not None and not state.trust_request_chat_template:
+            raise InvalidArgument(
+                "a request's own chat_template needs the server started with --trust-request-chat-template; "
+                "leave it out to use the model's",
+                param="chat_template",
+            )
+        ids = await lane.run(
+            encode_chat_request, state.front.tokenizer, chat, chat.template_messages(), chat.add_special_tokens
+        )
     elif req.prompt is not None and req.messages is None:
-        ids = await lane.run(encode_prompt, state.front, req.prompt, add_special_tokens=req.add_special_tokens)
+        add_special_tokens = True if req.add_special_tokens is None else req.add_special_tokens
+        ids = await lane.run(encode_prompt, state.front, req.prompt, add_special_tokens=add_special_tokens)
     else:
         raise InvalidArgument("send exactly one of 'prompt' or 'messages'", param="prompt")
     return JSONResponse({"count": len(ids), "max_model_len": state.front.max_model_len, "tokens": ids})
