@@ -200,7 +200,8 @@ class BenchSession:
     ) -> Callable[[float], LevelRun]:
         """A synchronous `measure(load) -> LevelRun` for the capacity search, driving `loop`:
         each level runs a workload like `base` at that load. Without --num-requests a level has
-        max(64, 8 x concurrency) requests, or 30 s worth at a rate, so it reaches a steady state.
+        max(64, 8 x concurrency) requests, or 30 s worth at a rate (a level's `duration_s` worth
+        when one is given, as a plain run sizes it), so it reaches a steady state.
         At a concurrency C, a first wave of C requests (all clients at once) runs on top of those
         and is not measured: it only says how the server absorbs a burst of C prompts, and at 8
         requests per client it is 1/8 of the samples, enough to decide a p90 TTFT by itself."""
@@ -210,7 +211,8 @@ class BenchSession:
                 n = base.num_requests or max(64, 8 * int(load))
                 workload = replace_workload(base, concurrency=int(load), rate=None, num_requests=n)
             else:
-                n = base.num_requests or max(64, math.ceil(30 * load))
+                span_s = 30.0 if duration_s is None else duration_s * 1.5  # the surplus is never sent
+                n = base.num_requests or max(64, math.ceil(span_s * load))
                 workload = replace_workload(base, rate=float(load), num_requests=n)
             out = loop.run_until_complete(
                 self.run(

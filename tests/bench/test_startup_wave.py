@@ -137,3 +137,25 @@ def test_a_trace_replayed_by_concurrent_clients_has_its_start_up_wave(queueing_s
     finally:
         loop.close()
     assert out.startup_requests == 4 and out.steady is not None and out.steady.num_requests == 8
+
+
+def test_a_rate_level_plans_arrivals_for_its_whole_duration():
+    # `--search rate --duration 120s`: each level's arrivals span the duration, not 30 s of it
+    seen = []
+
+    async def run(workload, **kw):
+        seen.append((workload.rate, workload.num_requests, kw["duration_s"]))
+        raise asyncio.CancelledError
+
+    session = BenchSession(None, PromptBuilder(None, seed=0))
+    session.run = run
+    loop = asyncio.new_event_loop()
+    try:
+        base = WorkloadSpec(num_requests=None, rate=1.0, input_len="8", output_len="4", seed=0)
+        for duration_s, want in ((None, 30 * 10), (120.0, 1.5 * 120 * 10)):
+            measure = session.measure_fn(loop, base, "rate", 90, duration_s=duration_s)
+            with pytest.raises(asyncio.CancelledError):
+                measure(10.0)
+            assert seen[-1] == (10.0, want, duration_s)
+    finally:
+        loop.close()
