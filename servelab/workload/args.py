@@ -59,7 +59,8 @@ def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
         type=_float,
         default=0.0,
         metavar="FRACTION",
-        help="fraction of each prompt shared with its prefix group, so prefix caching shows (default 0)",
+        help="a prefix each group's prompts share, as a system prompt, this fraction of the mean prompt (a "
+        "shorter prompt shares all but its last token), so prefix caching shows (default 0)",
     )
     g.add_argument("--prefix-groups", type=int, default=1, help="number of distinct shared prefixes (default 1)")
     load.add_argument("--trace", default=None, help="JSONL trace: arrival_s, prompt_tokens, output_tokens per line")

@@ -56,6 +56,11 @@ class ArrivalProcess:
             raise InvalidArgument(f"concurrency must be >= 1, got {concurrency}", param="concurrency")
         if not burstiness > 0:
             raise InvalidArgument(f"burstiness must be > 0, got {burstiness}", param="burstiness")
+        if burstiness != 1.0 and rate is None:
+            raise InvalidArgument(
+                f"burstiness {burstiness:g} shapes the gaps between a rate's arrivals: give --rate R, or drop it",
+                param="burstiness",
+            )
         if not (math.isfinite(think_time_s) and think_time_s >= 0):
             raise InvalidArgument(
                 f"think time must be a finite duration >= 0 s, got {think_time_s}", param="think_time"

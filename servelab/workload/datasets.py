@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 from pathlib import Path
 
 from servelab.errors import InvalidArgument, NotFound
+from servelab.workload.lengths import MAX_TOKENS
 
 # A tokenizer callable returns the tokens of a text (a list of ids) or directly their count.
 Tokenizer = Callable[[str], "Sequence[int] | int"]
@@ -111,7 +112,9 @@ def load_trace(path: str | Path) -> list[TraceRow]:
     if not rows:
         raise InvalidArgument(f"trace {str(path)!r}: no requests in it")
     rows.sort(key=lambda r: r.arrival_s)
-    return rows
+    # times from the first arrival: a trace stamped with wall-clock times starts at once
+    start = rows[0].arrival_s
+    return [replace(r, arrival_s=r.arrival_s - start) for r in rows] if start else rows
 
 
 def _trace_time(value: object, where: str) -> float:
@@ -142,6 +145,12 @@ def _trace_row(line: str, where: str) -> TraceRow:
         raise InvalidArgument(f"{where}: arrival_s must be a finite time >= 0, got {row.arrival_s}")
     if not 0 <= row.prefix_tokens < row.prompt_tokens:
         raise InvalidArgument(f"{where}: prefix_tokens must be in [0, prompt_tokens)")
+    if row.prefix_group < 0:
+        raise InvalidArgument(f"{where}: prefix_group must be >= 0, got {row.prefix_group}")
+    if row.prompt_text is not None and not isinstance(row.prompt_text, str):
+        raise InvalidArgument(f"{where}: prompt must be text, got {type(row.prompt_text).__name__}")
+    if max(row.prompt_tokens, row.output_tokens) > MAX_TOKENS:
+        raise InvalidArgument(f"{where}: prompt_tokens and output_tokens must be at most {MAX_TOKENS:,}")
     return row
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -14,6 +15,8 @@ from servelab.workload.arrivals import ArrivalProcess
 from servelab.workload.datasets import Tokenizer, load_sharegpt, load_trace
 from servelab.workload.lengths import LengthDist
 from servelab.workload.texts import TEXT_KINDS, TextPrompts
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_NUM_REQUESTS = 1000
 DEFAULT_INPUT_LEN = "1024"
@@ -122,6 +125,11 @@ class WorkloadSpec:
             raise InvalidArgument("a trace carries its own prompt lengths; drop --input-len")
         if self.dataset and self.input_len is not None:
             raise InvalidArgument("a dataset gives the prompt lengths; drop --input-len")
+        if self.dataset and self.shared_prefix_fraction:
+            raise InvalidArgument(
+                "a dataset's prompts are sent as their own text, which shares no prefix: drop --shared-prefix",
+                param="shared_prefix",
+            )
         self._check_kind()
         # Parse now so a bad string fails before any work is done.
         if self.input_len is not None:
@@ -216,6 +224,9 @@ class WorkloadSpec:
             rng = self._rng(_STREAM_DATASET)
             # Without replacement while the file lasts (as vLLM's bench), with replacement past that.
             picks = rng.permutation(len(convs))[:n] if n <= len(convs) else rng.integers(len(convs), size=n)
+            if n > len(convs):
+                logger.warning("%s: %d usable conversations for %d requests: prompts repeat, and a server's prefix "
+                               "cache serves the repeats", self.dataset, len(convs), n)  # fmt: skip
             prompt = np.array([convs[i].prompt_tokens for i in picks], dtype=np.int64)
             output = np.array([convs[i].output_tokens for i in picks], dtype=np.int64)
             texts = [convs[i].prompt_text for i in picks]
@@ -234,9 +245,10 @@ class WorkloadSpec:
             output = self.output_dist.sample(self._rng(_STREAM_OUTPUT), n)
         arrivals = self._arrivals.arrival_times_s(self._rng(_STREAM_ARRIVALS), n)
         thinks = self._arrivals.think_times_s(self._rng(_STREAM_THINK), n)
-        # One prefix length for the whole workload, like a system prompt: a fraction of the mean
-        # prompt, cut short only where a prompt is shorter (each prompt keeps one token of its own).
-        prefix_len = int(self.shared_prefix_fraction * float(prompt.mean()))
+        # One prefix length for the whole workload, like a system prompt: a fraction of the length
+        # distribution's mean (not the sample's: more requests must not move every prefix), cut
+        # short only where a prompt is shorter (each prompt keeps one token of its own).
+        prefix_len = int(self.shared_prefix_fraction * self.input_dist.mean)
         prefix = np.minimum(prefix_len, prompt - 1)
         groups = self._rng(_STREAM_GROUPS).integers(self.num_prefix_groups, size=n)
         return [
@@ -255,6 +267,8 @@ class WorkloadSpec:
 
     def _from_trace(self, trace: str) -> list[RequestSpec]:
         rows = load_trace(trace)
+        # a shared prefix is a fraction of the whole trace's mean prompt, as of a distribution's
+        prefix_len = int(self.shared_prefix_fraction * sum(r.prompt_tokens for r in rows) / len(rows))
         if self.num_requests is not None:
             rows = rows[: self.num_requests]
         self._trace_rows = len(rows)
@@ -267,7 +281,7 @@ class WorkloadSpec:
         for i, row in enumerate(rows):
             prefix, group = row.prefix_tokens, row.prefix_group
             if self.shared_prefix_fraction > 0 and prefix == 0:
-                prefix = min(int(row.prompt_tokens * self.shared_prefix_fraction), row.prompt_tokens - 1)
+                prefix = min(prefix_len, row.prompt_tokens - 1)
             specs.append(
                 RequestSpec(
                     index=i,

@@ -97,7 +97,14 @@ def test_constant_and_infinite_rate_and_closed_loop():
 
 
 @pytest.mark.parametrize(
-    "kwargs", [dict(rate=0), dict(rate=-1), dict(rate=1, burstiness=0), dict(rate=None, concurrency=0)]
+    "kwargs",
+    [
+        dict(rate=0),
+        dict(rate=-1),
+        dict(rate=1, burstiness=0),
+        dict(rate=None, concurrency=0),
+        dict(rate=None, concurrency=4, burstiness=0.5),  # burstiness shapes a rate's gaps: none to shape
+    ],
 )
 def test_bad_arrivals_are_rejected(kwargs):
     with pytest.raises(InvalidArgument):
@@ -137,6 +144,36 @@ def test_shared_prefix_tokens_are_shared_within_a_group_only():
     # The unique parts differ between requests.
     assert len({tuple(t[500:]) for t in ids}) == len(ids)
     assert all(0 <= x < 32000 for t in ids for x in t)
+
+
+def test_a_shared_prefix_is_a_fraction_of_the_mean_prompt_whatever_the_request_count():
+    # of the distribution's mean, not the sample's: asking for more requests moves no prefix
+    few = WorkloadSpec(5, rate=1.0, input_len="lognormal:1024,1.5", shared_prefix_fraction=0.5, seed=1).generate()
+    many = WorkloadSpec(50, rate=1.0, input_len="lognormal:1024,1.5", shared_prefix_fraction=0.5, seed=1).generate()
+    assert [r.prefix_tokens for r in few] == [r.prefix_tokens for r in many[:5]]
+    assert all(r.prefix_tokens == min(512, r.prompt_tokens - 1) for r in many)
+
+
+def test_a_traces_shared_prefix_is_a_fraction_of_its_mean_prompt(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"arrival_s": i, "prompt_tokens": n, "output_tokens": 4}) + "\n"
+                            for i, n in enumerate((100, 300, 50))))  # fmt: skip
+    reqs = WorkloadSpec(trace=str(path), shared_prefix_fraction=0.5).generate()
+    assert [r.prefix_tokens for r in reqs] == [75, 75, 49]  # half of the mean 150, all but one token of 50
+
+
+def test_a_trace_stamped_with_wall_clock_times_starts_at_once(tmp_path):
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps({"arrival_s": 1.7e9 + t, "prompt_tokens": 8, "output_tokens": 4}) + "\n"
+                            for t in (0.0, 0.25)))  # fmt: skip
+    assert [r.arrival_s for r in WorkloadSpec(trace=str(path)).generate()] == [0.0, 0.25]
+
+
+def test_a_dataset_with_a_shared_prefix_is_refused(tmp_path):
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps([{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]}]))
+    with pytest.raises(InvalidArgument, match="drop --shared-prefix"):
+        WorkloadSpec(10, rate=1.0, dataset=str(path), shared_prefix_fraction=0.5)
 
 
 def test_token_ids_reproducible_and_prefix_consistent_across_lengths():
@@ -189,7 +226,8 @@ def test_trace_gives_arrivals_and_lengths(tmp_path):
     ]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     reqs = WorkloadSpec(trace=str(path)).generate()
-    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in reqs] == [(0.5, 70, 9), (2.0, 50, 5)]
+    # times from the first arrival
+    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens) for r in reqs] == [(0.0, 70, 9), (1.5, 50, 5)]
     assert reqs[0].prefix_tokens == 10 and reqs[0].prefix_group == 2
     assert len(WorkloadSpec(num_requests=1, trace=str(path)).generate()) == 1
     assert all(r.arrival_s is None for r in WorkloadSpec(trace=str(path), concurrency=2).generate())
@@ -231,6 +269,9 @@ def test_bad_files_get_clear_errors(tmp_path):
         ({"prefix_group": False}, "prefix_group must be an integer, got False"),
         ({"arrival_s": "1.5"}, "arrival_s must be a number of seconds, got '1.5'"),
         ({"arrival_s": True}, "arrival_s must be a number of seconds, got True"),
+        ({"prefix_group": -1}, "prefix_group must be >= 0, got -1"),
+        ({"prompt": 123}, "prompt must be text, got int"),
+        ({"prompt_tokens": 10**12}, "prompt_tokens and output_tokens must be at most 1,000,000,000"),
     ],
 )
 def test_trace_token_counts_must_be_integers(tmp_path, row, message):
