@@ -88,12 +88,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _efficiency(args: argparse.Namespace) -> Any:
+def _efficiency(args: argparse.Namespace, hardware: Any, weight_dtype: str) -> Any:
     from dataclasses import replace
 
-    from servelab.cost.roofline import default_efficiency
+    from servelab.cost.roofline import default_efficiency, has_measured_kernels
 
-    eff = default_efficiency(args.measured_kernels)
+    eff = default_efficiency(args.measured_kernels and has_measured_kernels(hardware, weight_dtype))
     if args.engine_profile is not None:
         from servelab.sim.engine_profiles import engine_profile
 
@@ -123,13 +123,14 @@ def build(args: argparse.Namespace) -> tuple[Any, list[int]]:  # (Roofline, batc
         raise InvalidArgument(f"--prompt-len must be at least 1 token, got {args.prompt_len}")
     model = resolve_model(args.model)
     weight, kv = cost_dtypes(args)
+    hardware = get_hardware(args.hardware)
     roofline = Roofline(
         model,
-        get_hardware(args.hardware),
+        hardware,
         weight_dtype=weight,
         kv_dtype=kv,
         tp=args.tp,
-        efficiency=_efficiency(args),
+        efficiency=_efficiency(args, hardware, weight),
         memory_fraction=args.memory_fraction,
         measured_kernels=args.measured_kernels,
     )

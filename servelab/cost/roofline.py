@@ -213,6 +213,13 @@ def default_efficiency(measured_kernels: bool) -> Efficiency:
     return MEASURED_KERNELS_EFFICIENCY if measured_kernels else Efficiency()
 
 
+def has_measured_kernels(hardware: HardwareSpec, weight_dtype: str) -> bool:
+    """Whether `measured_kernels=True` prices this part and weight format with measured kernels
+    (else it keeps the end-to-end pricing, and the end-to-end terms with it)."""
+    wdt = _weight_dtype(weight_dtype)
+    return _measured_gemm(hardware, wdt.compute_dtype, wdt.bytes_per_element) is not None
+
+
 # Bytes per weight of the formats the measured GEMM parameters were fitted on.
 _MEASURED_WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0}
 # The name fit_published.py gives the measured kernels' seconds (linear layers, attention, measured
@@ -323,14 +330,16 @@ class Roofline:
         self.model = model
         self.hardware = hardware
         self.tp = tp
-        self.efficiency = eff = efficiency or default_efficiency(measured_kernels)
         self.memory = MemoryPlan(model, hardware, weight_dtype, kv_dtype, tp, memory_fraction)  # validates
         self.weight_dtype, self.kv_dtype = self.memory.weight_dtype, self.memory.kv_cache_dtype  # canonical names
         wdt = _weight_dtype(weight_dtype)
-        fmt = eff.for_format(weight_dtype)
         m = model
-        # Measured kernels price the step where the part has them for this weight format.
+        # Measured kernels price the step where the part has them for this weight format; elsewhere
+        # the end-to-end pricing runs with its own terms (those refitted on top of the kernels would
+        # drop its per-layer costs and bandwidth fractions).
         self.gemm = _measured_gemm(hardware, wdt.compute_dtype, wdt.bytes_per_element) if measured_kernels else None
+        self.efficiency = eff = efficiency or default_efficiency(self.gemm is not None)
+        fmt = eff.for_format(weight_dtype)
         kernels = hardware.kernels if self.gemm is not None else None
         self.attention: AttentionEfficiency | None = kernels.attention if kernels is not None else None
         self.allreduce: CollectiveFit | None = (

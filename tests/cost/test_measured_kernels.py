@@ -188,3 +188,25 @@ def test_a_hardware_file_extrapolates():
     (reason,) = extrapolation(get_model("smollm2-135m"), spec, "fp32", "fp32", 1)
     assert "no measured kernels" in reason
     assert spec.provenance.startswith("extrapolated")
+
+
+@pytest.mark.parametrize(("hardware", "weight"), [("b200", "bfloat16"), ("l40s", "bfloat16"), ("h100-sxm", "q4_k")])
+def test_where_no_kernel_was_measured_the_end_to_end_pricing_keeps_its_own_terms(hardware, weight, capsys):
+    # --measured-kernels on a part or format without measured GEMMs prices as without the flag,
+    # not with the terms refitted on top of measured kernels (no per-layer cost, full bandwidth)
+    model = get_model("llama-3.1-8b")
+    plain = Roofline(model, get_hardware(hardware), weight_dtype=weight)
+    asked = Roofline(model, get_hardware(hardware), weight_dtype=weight, measured_kernels=True)
+    assert asked.gemm is None and asked.efficiency == plain.efficiency
+    for batch, context in ((1, 2048), (64, 1024)):
+        assert asked.decode(batch, context).time_s == plain.decode(batch, context).time_s
+    # and the CLI's terms follow the same rule
+    from servelab.cli import main
+
+    def step_s(*flags: str) -> float:
+        argv = ["roofline", "--model", "llama-3.1-8b", "--hardware", hardware, "--dtype", weight, "--batch", "1"]
+        assert main([*argv, "--json", *flags]) == 0
+        rows = json.loads(capsys.readouterr().out)
+        return (rows[0] if isinstance(rows, list) else rows)["step_time_s"]
+
+    assert step_s("--measured-kernels") == step_s() == plain.decode(1, 2048).time_s  # the CLI's default context
