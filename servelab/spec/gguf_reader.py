@@ -102,7 +102,9 @@ def _parse(path: Path, buf: mmap.mmap) -> GGUFFile:
         pos += 12
         index.append((name, tuple(int(d) for d in shape), type_id, offset))
 
-    alignment = int(metadata.get("general.alignment", DEFAULT_ALIGNMENT))
+    alignment = metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+    if isinstance(alignment, bool) or not isinstance(alignment, int) or alignment <= 0:
+        raise InvalidArgument(f"GGUF metadata: general.alignment must be a positive integer, got {alignment!r}")
     data_start = -(-pos // alignment) * alignment
     file_size = len(buf)
     tensors = {}

@@ -442,6 +442,13 @@ class ModelSpec:
                 raise InvalidArgument(f"GGUF metadata lacks the required key '{arch}.{key}'", param="model")
             return value
 
+        def positive_number(key: str, default: float) -> float:
+            value = get(key, default)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf:
+                raise InvalidArgument(f"GGUF metadata: '{arch}.{key}' must be a positive number, got {value!r}",
+                                      param="model")  # fmt: skip
+            return float(value)
+
         hidden = need("embedding_length")
         heads = need("attention.head_count")
         shapes = tensor_shapes or {}
@@ -471,6 +478,8 @@ class ModelSpec:
         num_experts = count("expert_count") or 1
         num_layers = need("block_count")
         window = get("attention.sliding_window") or None  # llama.cpp writes 0 for none
+        if window is not None:
+            window = count("attention.sliding_window")
         sliding_layers = None
         if window is not None:
             sliding_layers = _gguf_sliding_layers(arch, get("attention.sliding_window_pattern"), num_layers)
@@ -495,9 +504,9 @@ class ModelSpec:
             vocab_size=int(vocab),
             tie_embeddings=bool(shapes) and "output.weight" not in shapes,
             max_context=need("context_length"),
-            rope_theta=float(get("rope.freq_base", 10000.0)),
+            rope_theta=positive_number("rope.freq_base", 10000.0),
             rope_scaling=scaling,
-            rms_norm_eps=float(get("attention.layer_norm_rms_epsilon", 1e-5)),
+            rms_norm_eps=positive_number("attention.layer_norm_rms_epsilon", 1e-5),
             qkv_bias=("blk.0.attn_q.bias" in shapes) if "blk.0.attn_q.weight" in shapes else _GGUF_ARCHS[arch],
             num_experts=num_experts,
             num_active_experts=(count("expert_used_count") or 1) if num_experts > 1 else 1,

@@ -164,3 +164,15 @@ def test_gguf_metadata_of_gemma2_and_gemma3_as_llama_cpp_reads_it():
     assert gemma3.softmax_scale == 0.1 and gemma3.qk_norm and gemma3.local_rope_theta == 10000.0
     assert gemma3.sliding_layers == (0, 1, 2, 3, 4, 6, 7, 8, 9, 10)
     assert gemma3.engine_refusal is None and gemma3.norm_params_per_layer == 4 * 4608 + 2 * 128
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [("rope.freq_base", "fast"), ("attention.layer_norm_rms_epsilon", -1.0), ("attention.sliding_window", "4k")],
+)
+def test_malformed_gguf_numbers_are_refused_by_key(key, value):
+    base = {"block_count": 2, "context_length": 256, "embedding_length": 64, "feed_forward_length": 128,
+            "attention.head_count": 4, "attention.head_count_kv": 2, "vocab_size": 512}  # fmt: skip
+    metadata = {"general.architecture": "llama", **{f"llama.{k}": v for k, v in base.items()}, f"llama.{key}": value}
+    with pytest.raises(InvalidArgument, match=f"'llama.{key}' must be a positive"):
+        ModelSpec.from_gguf_metadata(metadata)

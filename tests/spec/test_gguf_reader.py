@@ -129,3 +129,9 @@ def test_foreign_files_are_refused(tmp_path):
     old.write_bytes(b"GGUF" + (1).to_bytes(4, "little") + bytes(16))
     with pytest.raises(InvalidArgument, match="GGUF version 1 is not supported"):
         read_gguf(old)
+
+
+def test_a_zero_alignment_is_refused_by_name(tmp_path):
+    path = write(tmp_path / "t.gguf", general__alignment=0, tokenizer__tokens=["a", "b"])
+    with pytest.raises(InvalidArgument, match="general.alignment must be a positive integer, got 0"):
+        read_gguf(path)
