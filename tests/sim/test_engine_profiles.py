@@ -205,4 +205,4 @@ def test_roofline_sim_plan_and_the_lab_read_the_same_terms(name):
         parser = argparse.ArgumentParser()
         roofline_cmd.add_arguments(parser)
         args = parser.parse_args(["--model", "llama-2-70b", "--hardware", "h100-sxm"])
-        assert roofline_cmd._efficiency(args) == sim_eff
+        assert roofline_cmd._efficiency(args, hw, "bf16") == sim_eff
