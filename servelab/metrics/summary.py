@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import math
 from array import array
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -205,20 +206,54 @@ def steady_state_summary(
     slo: SLO | None = None,
     preemptions: int = 0,
 ) -> Summary | None:
-    """The summary of a closed-loop run without its start-up wave: the requests numbered
-    `skip_first` and later (`request_id` is the request's index in send order, as the simulator
-    and the bench client number them) that arrived at or after `after_s`, over the time from the
-    first of them being sent to the last of them finishing. None when no request is left.
+    """The summary of a closed-loop run without its start-up wave: the latencies of the requests
+    numbered `skip_first` and later (`request_id` is the request's index in send order, as the
+    simulator and the bench client number them) that arrived at or after `after_s`, and the rates
+    (tokens, requests, goodput) of the steady stretch: from when no earlier request is running to
+    the last send, everything the server finished in it over its length (`duration_s`). None when
+    no request is left.
 
     A closed loop at concurrency C starts all C clients at once, so those C prompts queue behind
     one another: a burst no sustained load sees, yet a large enough share of a short run's
     samples to decide a p90 TTFT on its own."""
-    measured = [r for r in records if int(r.request_id) >= skip_first and r.arrival_s >= after_s]
+    records = list(records)
+    is_measured = [int(r.request_id) >= skip_first and r.arrival_s >= after_s for r in records]
+    measured = [r for r, m in zip(records, is_measured) if m]
     if not measured:
         return None
     start_s = min(r.arrival_s for r in measured)
     end_s = max((t for r in measured if (t := r.last_token_s) is not None), default=start_s)
-    return summarize(measured, end_s - start_s, num_devices, slo, preemptions)
+    out = summarize(measured, end_s - start_s, num_devices, slo, preemptions)
+    # The rates: from when no earlier request is left running to the last request's send, after
+    # which the clients run out of work and the load drains. Over the measured requests' whole
+    # span, the wave's last requests hold the server at its start and the drain idles it at its
+    # end, and the rates come out low (docs/benchmarking.md, "Steady state").
+    earlier_end_s = max((t for r, m in zip(records, is_measured) if not m and (t := r.last_token_s) is not None),
+                        default=start_s)  # fmt: skip
+    t0, t1 = max(start_s, earlier_end_s), max(r.arrival_s for r in measured)
+    done = prefilled = emitted = good = 0
+    for r in records:
+        times = r.token_times_s
+        if not r.success or not len(times) or times[-1] < t0 or times[0] > t1:
+            continue
+        emitted += bisect_right(times, t1) - bisect_left(times, t0)
+        if t0 <= times[0]:
+            prefilled += r.prompt_tokens
+        if times[-1] <= t1:
+            done += 1
+            good += slo is not None and slo.met_by(r)
+    if t1 <= t0 or not done:  # a run too short to hold a steady stretch: its measured requests' span
+        return out
+    per_s = 1.0 / (t1 - t0)
+    return replace(
+        out,
+        duration_s=t1 - t0,
+        request_throughput=done * per_s,
+        input_throughput=prefilled * per_s,
+        output_throughput=emitted * per_s,
+        output_throughput_per_device=emitted * per_s / num_devices,
+        goodput=None if out.goodput is None else good * per_s,
+    )
 
 
 def _ms(value: float | None) -> str:

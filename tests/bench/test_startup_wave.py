@@ -33,8 +33,30 @@ def test_steady_state_summary_leaves_out_the_first_requests_and_their_time():
     records = [_record(i, 0.0, 1.0 + i) for i in range(4)] + [_record(4 + i, 5.0 + i, 0.1) for i in range(8)]
     steady = steady_state_summary(records, skip_first=4)
     assert steady.num_requests == 8 and steady.ttft_s.max == pytest.approx(0.1)
-    assert steady.duration_s == pytest.approx(12.13 - 5.0)  # first measured send to last measured token
+    # its rates over the steady stretch: from the first measured send (the wave is done by then)
+    # to the last send; seven requests finished in it, of 4 tokens each
+    assert steady.duration_s == pytest.approx(12.0 - 5.0)
+    assert steady.request_throughput == pytest.approx(7 / 7.0) and steady.output_throughput == pytest.approx(4.0)
     assert steady_state_summary(records[:4], skip_first=4) is None
+
+
+def test_the_steady_rates_follow_littles_law_in_a_closed_loop():
+    """C clients with no think time each keep one request in flight: C / mean E2E requests a
+    second. Over the measured requests' whole span the wave's tail and the drain pulled the rate
+    30% under it at these mixed lengths."""
+    from servelab.sim import simulate
+    from servelab.sim.runner import engine_sim_config
+
+    config = engine_sim_config("servelab", model="llama-3.1-8b", hardware="h100-sxm", tp=1, weight_dtype="bfloat16",
+                               kv_cache_dtype="bfloat16")  # fmt: skip
+    wl = WorkloadSpec(num_requests=320, concurrency=64, input_len="uniform:16,1024", output_len="uniform:16,1024")
+    result = simulate(config, wl)
+    steady = result.steady_or_whole
+    little = 64 / steady.e2e_s.mean
+    assert steady.request_throughput == pytest.approx(little, rel=0.08)
+    measured = [r for r in result.records if int(r.request_id) >= 64]
+    span_s = max(r.last_token_s for r in measured) - min(r.arrival_s for r in measured)
+    assert len(measured) / span_s < 0.8 * little  # the whole span's rate
 
 
 def test_steady_state_summary_by_time_leaves_out_what_arrived_before_it():
