@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
 
-from servelab.errors import NotFound, ServelabError
+from servelab.errors import InvalidArgument, NotFound, ServelabError
 from servelab.lab.limits import RETRY_AFTER_S
 from servelab.lab.live import EngineMetricsSource, read_engine_stats
 from servelab.lab.params import Params
@@ -54,9 +54,18 @@ def _error_response(exc: ServelabError) -> JSONResponse:
 
 def server_root_url(request: Request) -> str:
     """The server the lab is mounted in: the page sends its load to ../v1 from the lab's root, so
-    the server's root is the parent of the lab's mount."""
+    the server's root is the parent of the lab's mount. Its address is the socket's the request
+    came in on, not the Host header, which the client writes: calibration sends minutes of load,
+    with the caller's key, and must send them nowhere but here."""
     lab_root = request.url.path.rsplit("/api/", 1)[0]
-    return f"{request.url.scheme}://{request.url.netloc}{lab_root.rsplit('/', 1)[0]}"
+    server = request.scope.get("server")
+    if server is None:
+        raise InvalidArgument("the lab cannot tell which address this server listens on", param="base_url")
+    host, port = server
+    netloc = f"[{host}]" if ":" in host else host
+    if port is not None and port != {"http": 80, "https": 443}.get(request.url.scheme):
+        netloc += f":{port}"
+    return f"{request.url.scheme}://{netloc}{lab_root.rsplit('/', 1)[0]}"
 
 
 def _import_simulator_in_background() -> None:

@@ -110,15 +110,15 @@ def request_cost(p: Params) -> dict[str, Any]:
     total = money["total_usd"][i]
     prefill_pct = None if not total else 100 * (money["prefill_usd"][i] / total)  # of the request's cost
     e2e = lat["e2e_ms"][j]
-    double = i + 1 < len(prompts) and money["total_usd"][i + 1]
+    next_point = i + 1 < len(prompts) and money["total_usd"][i + 1]
     notice_money = (
         f"at {prompt_len:,} prompt tokens a request costs ${fmt(total)} per {PER_REQUESTS:,} requests "
         f"at ${fmt(price)}/GPU-hour, {fmt(prefill_pct)}% of it prefill"
         if total
         else "this request does not fit at all"
     )
-    if double:
-        notice_money += f"; twice the prompt costs ${fmt(money['total_usd'][i + 1])}"
+    if next_point:  # the sweep's next point, not always twice the prompt
+        notice_money += f"; at {prompts[i + 1]:,} prompt tokens it costs ${fmt(money['total_usd'][i + 1])}"
     notice = (
         f"{notice_money}. Its {output_len:,} output tokens take {fmt(e2e)} ms end to end against a "
         f"{fmt(ms(ttft_s))} ms TTFT: each token is one more decode step."

@@ -36,11 +36,13 @@ VARIANTS = (("none", "no caps"), ("prompt", "prompt cap"), ("output", "output ca
 
 
 def _heavy_tailed_requests(
-    rate: float, prompt_len: int, output_len: int, longest: int, num_requests: int = LIMITS_REQUESTS
+    rate: float, prompt_len: int, output_len: int, longest: tuple[int, int], num_requests: int = LIMITS_REQUESTS
 ) -> list[RequestSpec]:
     """A Poisson stream (seed 0) with lognormal prompt and output lengths of the given means; no
-    request is longer than `longest` tokens in all (what the deployment accepts with no caps:
-    the model's context and one replica's KV cache), its prompt shortened first."""
+    request is longer than what the deployment accepts with no caps (`longest`: tokens in all, as
+    the model's context and one replica's KV cache allow, and in a prompt, as a step that runs
+    prompts whole allows), its prompt shortened first."""
+    longest_total, longest_prompt = longest
     workload = WorkloadSpec(
         num_requests=num_requests,
         rate=rate,
@@ -50,8 +52,8 @@ def _heavy_tailed_requests(
     )
     out = []
     for r in workload.generate():
-        output = max(2, min(r.output_tokens, longest // 2))
-        prompt = max(1, min(r.prompt_tokens, longest - output))
+        output = max(2, min(r.output_tokens, longest_total // 2))
+        prompt = max(1, min(r.prompt_tokens, longest_total - output, longest_prompt))
         out.append(RequestSpec(r.index, r.arrival_s, prompt, output))
     return out
 
@@ -70,12 +72,14 @@ def _capped(requests: list[RequestSpec], prompt_cap: int | None, output_cap: int
     ]
 
 
-def _longest_request(s: Setup) -> int:
+def _longest_request(s: Setup) -> tuple[int, int]:
+    """(tokens a request may hold in all, tokens its prompt may hold) with no caps."""
     from servelab.sim.runner import scheduler_config
 
     s.memory().require_weights_fit()
     sched = scheduler_config(_sim_config(s))
-    return min(s.model.max_context, sched.num_blocks * sched.block_size - sched.block_size)
+    total = min(s.model.max_context, sched.num_blocks * sched.block_size - sched.block_size)
+    return total, sched.max_num_batched_tokens if sched.policy == "decode-first-whole" else total
 
 
 def _limits_runs(
@@ -365,6 +369,13 @@ def _chain_requests(s: Setup, prompt_len: int, output_len: int, batch: int) -> t
     arrival_s = (2 * rl.prefill(prompt_len, others).time_s + 4 * step_s) if others else 0.0
     busy_s = arrival_s + rl.prefill(prompt_len).time_s + 1.5 * output_len * step_s
     others_output = math.ceil(busy_s / rl.decode(batch, prompt_len).time_s) + 8
+    if others and prompt_len + others_output > s.model.max_context:
+        raise InvalidArgument(
+            f"prompt_len: the other {others} sequences must keep decoding ({others_output:,} tokens each) through "
+            f"the traced one's steps, past {s.model.name}'s context of {s.model.max_context:,} tokens at a "
+            f"{prompt_len:,}-token prompt: lower prompt_len or output_len",
+            param="prompt_len",
+        )
     requests = [RequestSpec(i, 0.0, prompt_len, others_output) for i in range(others)]
     return [*requests, RequestSpec(others, arrival_s, prompt_len, output_len)], arrival_s
 

@@ -190,6 +190,8 @@ class Predictor:
             why_not = "no engine here: the prediction replays a measured load, which needs `servelab serve`"
         elif not ok:
             why_not = "no request succeeded: nothing to replay"
+        elif not _replayable(records):
+            why_not = "no request that succeeded produced a token: nothing to replay"
         else:
             predicted, why_not = self._replay(profile, self._metrics_text, records, concurrency, think_s)
         out_ttft, out_tpot = _ms_values(records, "ttft_s"), _ms_values(records, "tpot_s")
@@ -283,6 +285,12 @@ class Predictor:
             return None, f"no catalog model matches the profile's model {profile.get('model')!r}"
         trace = replay_trace(records, closed_loop=True, think_s=think_s)
         return simulate(sim_config(profile, server, model, None), trace, concurrency=concurrency), None
+
+
+def _replayable(records: list[RequestRecord]) -> bool:
+    from servelab.bench.fidelity import replayed
+
+    return bool(replayed(records))
 
 
 def _ms(seconds: float | None) -> float:

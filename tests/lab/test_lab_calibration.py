@@ -108,6 +108,11 @@ def test_a_calibration_reports_progress_and_its_profile_drives_the_prediction(tm
     assert table["TPOT"]["measured_ms"][0] == pytest.approx(10.0) and table["TPOT"]["predicted_ms"][0] == pytest.approx(
         10.0
     )
+    # requests that succeeded without a token (an immediate EOS) leave nothing to replay: the
+    # measurement comes back with the reason, not a 400
+    empty = [{**r, "output_tokens": 0} for r in _records()]
+    no_tokens = client.post("/api/live/predict", json={"concurrency": 1, "records": empty})
+    assert no_tokens.status_code == 200 and "produced a token" in no_tokens.json()["why_no_prediction"]
     stats = {s["label"]: s["value"] for s in d["stats"]}
     assert stats["profile's held-out error (median / max)"] == "4.5% / 11% over 12 steps"
     assert stats["host while calibrating"].startswith("NOISY") and "noisy host" in d["notice"]
@@ -157,6 +162,11 @@ def test_the_server_root_is_the_labs_parent_mount(tmp_path):
     server.mount("/lab", lab)
     assert TestClient(server).post("/lab/api/live/calibrate").status_code == 202
     assert seen == ["http://testserver"]
+    # the address the request came in on, not the Host header its client wrote: calibration's
+    # minutes of load, and the caller's key, go nowhere else
+    headers = {"Host": "attacker.example:4444"}
+    assert TestClient(server).post("/lab/api/live/calibrate", headers=headers).status_code == 202
+    assert seen == ["http://testserver"] * 2
 
 
 def test_the_labs_command_is_a_short_black_box_calibrate_that_calibrate_parses():

@@ -177,16 +177,19 @@ def test_memory_note_names_what_binds(setup, attention, context, tpot_ms):
 
 
 @SIMULATED
-@given(st.integers(256, 4096), st.integers(1, 8), st.integers(16, 8192))
+@given(st.integers(256, 4096), st.integers(1, 64), st.integers(16, 8192))
+@example(512, 64, 512)  # the budget holds the prompt alone, not beside the decodes: it is split
 def test_chunked_prefill_note(prompt_len, decode_batch, chunk_tokens):
     d = answer(
         "chunked-prefill", {"prompt_len": prompt_len, "decode_batch": decode_batch, "chunk_tokens": chunk_tokens}
     )
     a, b, note = d["prefill_first"], d["chunked"], d["notice"]
     assert f"for up to {fmt(a['max_user_gap_ms'])} ms" in note
-    if chunk_tokens >= prompt_len:
-        assert "changes nothing" in note
-    elif b["max_user_gap_ms"] < a["max_user_gap_ms"]:
+    same = all(abs(b[k] - a[k]) <= 0.005 * a[k] for k in ("max_user_gap_ms", "long_ttft_ms"))
+    assert ("changes nothing" in note) == same
+    if same:
+        return
+    if b["max_user_gap_ms"] < a["max_user_gap_ms"]:
         assert f"cap the worst gap at {fmt(b['max_user_gap_ms'])} ms" in note
     else:
         assert "do not shorten the worst gap" in note

@@ -31,7 +31,7 @@ def error(client, lesson: str, **params) -> str:
 
 
 def test_caps_cut_only_the_tail_and_the_same_requests_run_in_every_variant():
-    base = _heavy_tailed_requests(4.0, 2048, 256, longest=131072)
+    base = _heavy_tailed_requests(4.0, 2048, 256, longest=(131072, 131072))
     capped = _capped(base, 4096, 512)
     assert [r.arrival_s for r in capped] == [r.arrival_s for r in base]
     assert all(c.prompt_tokens == min(b.prompt_tokens, 4096) for b, c in zip(base, capped))
@@ -40,7 +40,7 @@ def test_caps_cut_only_the_tail_and_the_same_requests_run_in_every_variant():
     assert max(r.prompt_tokens for r in base) > 8 * 2048
     assert 0 < sum(r.prompt_tokens > 4096 for r in base) < len(base) / 4
     # Nothing longer than the deployment takes, prompt first.
-    short = _heavy_tailed_requests(4.0, 2048, 256, longest=4096)
+    short = _heavy_tailed_requests(4.0, 2048, 256, longest=(4096, 4096))
     assert all(r.prompt_tokens + r.output_tokens <= 4096 and r.output_tokens >= 2 for r in short)
 
 
@@ -68,7 +68,7 @@ def test_limits_gpu_time_is_the_roofline_at_the_batch_the_kv_cache_holds(client)
     from servelab.lab.seed_lessons import full_load_gpu_s
 
     d = get(client, "limits", rate=2, prompt_len=1024, output_len=128, prompt_cap=2048, output_cap=256)
-    requests = _capped(_heavy_tailed_requests(2.0, 1024, 128, longest=131072), 2048, 256)
+    requests = _capped(_heavy_tailed_requests(2.0, 1024, 128, longest=(131072, 131072)), 2048, 256)
     rl = Roofline(MODEL, HW)
     mean = sum(r.prompt_tokens + r.output_tokens for r in requests) / len(requests)
     batch = min(256, int(rl.memory.kv_capacity_tokens // mean))
@@ -154,3 +154,13 @@ def test_decode_chain_that_does_not_fit_says_so(client):
     d = get(client, "decode-chain", prompt_len=100000, batch=8)
     assert d["no_fit"] and "lower batch or prompt_len" in d["warning"]
     assert "output_len" in error(client, "decode-chain", output_len=600)
+
+
+def test_form_valid_inputs_the_deployment_refuses_name_the_field(client):
+    # an engine that runs prompts whole: the limits lesson's no-cap stream keeps its prompts within
+    # the step (it ran at the defaults), and the simulator lessons name prompt_len
+    assert get(client, "limits", engine_profile="trtllm")
+    assert "runs a prompt whole" in error(client, "slo", engine_profile="trtllm", prompt_len=6000)
+    # the traced sequence's companions decode through its steps: past the context, prompt_len is named
+    response = client.post("/api/lessons/decode-chain", json={"prompt_len": 130000, "output_len": 512, "batch": 2})
+    assert response.status_code == 400 and response.json()["error"]["param"] == "prompt_len", response.text
