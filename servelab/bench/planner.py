@@ -52,7 +52,8 @@ class PlanRow:
     hardware: str
     tp: int
     fits: bool
-    reason: str = ""  # why it does not fit, or why no load meets the SLO
+    reason: str = ""  # why it does not fit, why no load meets the SLO, or that the search ran out of time
+    timed_out: bool = False  # the search passed the job's time_limit_s: no answer
     capacity_concurrency: float | None = None
     tokens_per_s_per_device: float | None = None
     requests_per_s: float | None = None  # per replica (tp devices) at the capacity
@@ -78,6 +79,7 @@ class PlanRow:
             "tp": self.tp,
             "fits": self.fits,
             "reason": self.reason or None,
+            "timed_out": self.timed_out,
             "capacity_concurrency": self.capacity_concurrency,
             "output_tokens_per_s_per_device": self.tokens_per_s_per_device,
             "requests_per_s_per_replica": self.requests_per_s,
@@ -126,6 +128,9 @@ class PlanJob:
     # Stop a level as soon as it is certain to fail (`capacity.CertainFailure`); the answers are
     # the same either way. Off under `sweep_to_ceiling`: the frontier wants every level whole.
     early_stop: bool = True
+    # Wall seconds the search may take (the lab's, for a server's shared workers); past them the
+    # row answers nothing and says so. None: no limit (the CLI).
+    time_limit_s: float | None = None
 
 
 def cost_per_million_tokens(price_per_device_hour: float, tokens_per_s_per_device: float) -> float:
@@ -207,6 +212,12 @@ def _plan_one(job: PlanJob) -> PlanRow:
     # search only probes below its lowest failure, so one is kept at a time.
     paused: dict[int, Callable[[], SimResult]] = {}
 
+    deadline = None if job.time_limit_s is None else time.monotonic() + job.time_limit_s
+
+    def check() -> None:
+        if deadline is not None and time.monotonic() > deadline:
+            raise _PastTimeLimit
+
     def measure(concurrency: float, early_stop: bool = False) -> LevelRun:
         c = int(concurrency)
         n = fixed_n or max(100, job.requests_per_client * c)
@@ -217,7 +228,7 @@ def _plan_one(job: PlanJob) -> PlanRow:
         # `simulate` leaves a closed loop's wave out of its steady-state summary by default.
         workload = WorkloadSpec(**{**job.workload, "num_requests": n + c, "concurrency": c, "rate": None})
         stop = CertainFailure(job.slo, job.percentile, n, skip_below=c) if early_stop else None
-        result = simulate(config, workload, stop=stop)
+        result = simulate(config, workload, stop=stop, check=check)
         observed[c] = observe(result)
         if result.resume is not None:
             paused.clear()
@@ -268,18 +279,29 @@ def _plan_one(job: PlanJob) -> PlanRow:
         if result.first_failing is not None and result.first_failing.stopped_early:
             _measure_whole(result, measure_whole)
         paused.clear()
+        past = _sweep_past_failure(result, max_load) if job.sweep_to_ceiling else []
+        extra = []
+        for c in past:
+            summary = measure(c).summary
+            extra.append(Level(c, summary, *slo_check(summary, job.slo, job.percentile)))
     except (RequestTooLong, DoesNotFit) as exc:
         row.fits = False
         row.reason = exc.message
         return row
-    past = _sweep_past_failure(result, max_load) if job.sweep_to_ceiling else []
-    extra = []
-    for c in past:
-        summary = measure(c).summary
-        extra.append(Level(c, summary, *slo_check(summary, job.slo, job.percentile)))
+    except _PastTimeLimit:
+        row.timed_out = True
+        row.reason = (
+            f"the search ran past its time limit of {job.time_limit_s:g} s; shorter outputs or tighter targets "
+            f"need fewer simulated requests"
+        )
+        return row
     fill_row(row, result, job, extra)
     row.binding = binding_limit(result, observed, max_num_seqs=max_num_seqs, request_tokens=longest, ceiling=ceiling)
     return row
+
+
+class _PastTimeLimit(Exception):
+    """Raised inside a simulation when the search passes its job's time_limit_s."""
 
 
 def _measure_whole(result: CapacityResult, measure: Callable[[float], LevelRun]) -> None:

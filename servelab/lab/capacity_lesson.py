@@ -25,6 +25,7 @@ runs on the same planner (`sim_lessons.SweepKey`): any key with `total` and `job
 from __future__ import annotations
 
 import argparse
+import dataclasses
 
 import functools
 import multiprocessing
@@ -51,6 +52,9 @@ PLAN_PERCENTILE = 90
 # the targets bind for all but the shortest requests, which the bar then says.
 MAX_NUM_SEQS = 4096
 MAX_RUNNING_PLANS = 2  # each keeps the whole pool busy for seconds; more would only queue
+# A bar's search may take this long on a worker; past it the bar says so (the page's answers come in
+# seconds; 8,000-token outputs at loose targets would keep the shared workers for minutes).
+JOB_TIME_LIMIT_S = 60.0
 MAX_CACHED_PLANS = 64  # a plan's result is a few kB
 # An idle pool's workers wait this long for the next plan (a reader trying inputs one after
 # another) before they exit: a fresh pool's start-up costs each worker ~0.5 CPU-s.
@@ -134,7 +138,11 @@ def _jobs(key: PlanKey) -> list[Any]:
 
     parser = argparse.ArgumentParser(prog="servelab plan")
     add_arguments(parser)
-    return [job for hw in HARDWARE for job in plan_inputs(parser.parse_args(plan_argv(key, hw)[1:])).jobs]
+    return [
+        dataclasses.replace(job, time_limit_s=JOB_TIME_LIMIT_S)
+        for hw in HARDWARE
+        for job in plan_inputs(parser.parse_args(plan_argv(key, hw)[1:])).jobs
+    ]
 
 
 class CapacityPlanner:
@@ -419,7 +427,9 @@ def result(s: Any, key: PlanKey, rows_by_hw: dict[str, Any]) -> dict[str, Any]:
         if r.meets_slo:
             plan["config"].append(f"{r.capacity_concurrency:,.0f} users · {BIND_LABEL.get(binds or '', binds)}")
         else:
-            plan["config"].append("does not fit" if not r.fits else "misses the targets")
+            plan["config"].append(
+                "does not fit" if not r.fits else "ran past the time limit" if r.timed_out else "misses the targets"
+            )
         plan["reason"].append(r.reason or None)
 
     simulated = [rows_by_hw[name] for name in HARDWARE if name in rows_by_hw]

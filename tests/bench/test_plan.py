@@ -330,3 +330,11 @@ def test_a_request_too_long_with_think_time_is_a_row_not_an_error(capsys):
             "--think-time", "exp:1s"]  # fmt: skip
     assert cli_main(argv) == 0
     assert "h200" in capsys.readouterr().out
+
+
+def test_a_search_past_its_time_limit_answers_nothing_and_says_so():
+    # the lab gives its jobs a limit (a server's shared workers); the CLI gives none
+    row = plan_one(_job(workload={**WORKLOAD, "num_requests": None, "output_len": "4096"}, time_limit_s=0.05))
+    assert row.timed_out and row.fits and not row.meets_slo and row.capacity_concurrency is None
+    assert "time limit of 0.05 s" in row.reason and row.to_dict()["timed_out"]
+    assert not plan_one(_job()).timed_out

@@ -647,6 +647,22 @@ def test_the_upper_bound_is_never_below_the_simulated_capacity():
             assert bound["tokens_per_s_per_gpu"] >= row.tokens_per_s_per_device
 
 
+def test_each_bar_is_plans_search_with_the_labs_time_limit():
+    from servelab.bench.planner import PlanRow
+    from servelab.lab.capacity_lesson import JOB_TIME_LIMIT_S, PlanKey, _jobs, result
+    from servelab.lab.common import setup_from
+    from servelab.lab.params import Params
+
+    key = PlanKey("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", 50.0, 2000.0, 1024, 256)
+    jobs = _jobs(key)
+    assert jobs and all(j.time_limit_s == JOB_TIME_LIMIT_S for j in jobs)
+    # a bar whose search ran out of time says so, not that it misses the targets
+    late = PlanRow(hardware="h100-sxm", tp=1, fits=True, timed_out=True, reason="the search ran past its time limit")
+    plan = result(setup_from(Params({})), key, {"h100-sxm": late})["plan"]
+    i = plan["hardware"].index("h100-sxm")
+    assert plan["config"][i] == "ran past the time limit" and "time limit" in plan["reason"][i]
+
+
 def test_capacity_bad_parameters(client):
     assert error(client, "capacity", tpot_ms="0").startswith("tpot_ms: must be between 1")
     assert error(client, "capacity", ttft_ms="-5").startswith("ttft_ms: must be between 1")
