@@ -102,17 +102,15 @@ class BenchSession:
         the start-up wave; `BenchRun.steady` summarizes the rest. `startup_wave_extra` sends the
         wave on top of the workload's requests and keeps it out of the early-stop rule, so the
         steady summary covers `num_requests` requests (the capacity search's levels)."""
-        tokenizer = self.prompts.count_tokens if self.prompts.exact else None
-        specs = workload.generate(tokenizer=tokenizer)
-        # open loop where the specs carry send times: a rate, or a trace replayed at its own times
-        # (a trace with a concurrency is a closed loop, with its start-up wave)
-        open_loop = specs[0].arrival_s is not None
+        # open loop: a rate, or a trace replayed at its own times (a trace with a concurrency is a
+        # closed loop, with its start-up wave)
+        open_loop = not workload.arrivals.closed_loop
         if not open_loop and workload.concurrency is None:
             raise InvalidArgument("give a load: --rate R (requests/s) or --concurrency C")
         wave = 0 if open_loop or workload.concurrency is None else workload.concurrency
         if startup_wave_extra and wave and workload.num_requests is not None:
             workload = replace_workload(workload, num_requests=workload.num_requests + wave)
-            specs = workload.generate(tokenizer=tokenizer)
+        specs = workload.generate(tokenizer=self.prompts.count_tokens if self.prompts.exact else None)
         if warmup > 0:
             await self._warmup(self._warmup_specs(workload, specs, warmup), warmup, workload.concurrency)
         self._round += 1_000

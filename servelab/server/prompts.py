@@ -78,7 +78,7 @@ def chat_prompt_ids(front: EngineFront, req: p.ChatCompletionRequest) -> list[in
     keep = prompt_tokens_kept(front, req.truncate_prompt_tokens)
     if keep is None:
         check_fits_untokenized(front, "".join(m["content"] for m in messages), "messages")
-    ids = encode_chat_request(front.tokenizer, req, messages, req.add_special_tokens)
+    ids = encode_chat_request(front.tokenizer, req, messages)
     return ids if keep is None else ids[-keep:]
 
 
@@ -87,11 +87,21 @@ def chat_prompt_ids(front: EngineFront, req: p.ChatCompletionRequest) -> list[in
 _NOT_TEMPLATE_VARIABLES = ("messages", "chat_template", "add_special_tokens", "tokenize")
 
 
-def encode_chat_request(tokenizer: Tokenizer, req: p._ChatTemplateFields, messages: list[dict[str, Any]],
-                        add_special_tokens: bool) -> list[int]:  # fmt: skip
-    """Blocking: the chat's token ids as its template renders them (the chat endpoint's and
-    /tokenize's). chat_template_kwargs reach the template; add_generation_prompt and
-    continue_final_message among them win over the request's fields, as in vLLM."""
+def check_request_chat_template(req: p._ChatTemplateFields, trusted: bool) -> None:
+    """A request's own chat_template runs only on a server started to trust it."""
+    if req.chat_template is not None and not trusted:
+        raise InvalidArgument(
+            "a request's own chat_template needs the server started with --trust-request-chat-template; "
+            "leave it out to use the model's",
+            param="chat_template",
+        )
+
+
+def encode_chat_request(tokenizer: Tokenizer, req: p._ChatTemplateFields, messages: list[dict[str, Any]]) -> list[int]:
+    """Blocking: the chat's token ids as its template renders `messages` (the request's
+    template_messages()): the chat endpoint's and /tokenize's. chat_template_kwargs reach the
+    template; add_generation_prompt and continue_final_message among them win over the request's
+    fields, as in vLLM."""
     variables = dict(req.chat_template_kwargs or {})
     for key in _NOT_TEMPLATE_VARIABLES:
         if key in variables:
@@ -108,7 +118,7 @@ def encode_chat_request(tokenizer: Tokenizer, req: p._ChatTemplateFields, messag
     if req.documents is not None:
         variables["documents"] = req.documents
     return tokenizer.encode_chat(
-        messages, bool(add_generation_prompt), add_special_tokens, chat_template=req.chat_template,
+        messages, bool(add_generation_prompt), req.add_special_tokens, chat_template=req.chat_template,
         continue_final_message=bool(continue_final_message), **variables,
     )  # fmt: skip
 
@@ -162,6 +172,7 @@ def detokenize_checked(front: EngineFront, tokens: list[int]) -> str:
 
 __all__ = [
     "chat_prompt_ids",
+    "check_request_chat_template",
     "encode_chat_request",
     "check_fits_untokenized",
     "check_token_ids",

@@ -178,6 +178,7 @@ class _ChatTemplateFields(_Request):
     messages: list[ChatMessage] = Field(min_length=1)
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last message left open, for the model to continue
+    add_special_tokens: bool = False  # the template writes the special tokens it wants
     documents: list[dict[str, str]] | None = None
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -202,7 +203,6 @@ class ChatCompletionRequest(_SamplingFields, _ChatTemplateFields):
     logprobs: bool = False
     top_logprobs: int | None = None
     prompt_logprobs: int | None = None  # vLLM extension
-    add_special_tokens: bool = False  # the template writes the special tokens it wants
     echo: bool = False  # the answer starts with the last message's content when it has the answer's role
     include_reasoning: bool = True  # there is no reasoning to include or leave out
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
@@ -220,7 +220,6 @@ class TokenizeRequest(_Request):
 
 class TokenizeChatRequest(_ChatTemplateFields):
     model: str | None = None
-    add_special_tokens: bool = False
 
 
 class DetokenizeRequest(_Request):

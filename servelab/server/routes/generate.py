@@ -24,7 +24,12 @@ from servelab.server.engine_requests import (
 from servelab.server.fields import refuse_non_text_parts, refuse_unsupported
 from servelab.server.http_errors import parse_body
 from servelab.server.prompt_scoring import prompt_logprobs_wanted
-from servelab.server.prompts import chat_prompt_ids, completion_prompt_ids, echo_prompts
+from servelab.server.prompts import (
+    chat_prompt_ids,
+    check_request_chat_template,
+    completion_prompt_ids,
+    echo_prompts,
+)
 from servelab.server.render import ChatRenderer, CompletionRenderer
 from servelab.server.sse import sse_response
 from servelab.server.state import ServerState, State
@@ -89,12 +94,7 @@ async def start_chat(
     `request` is the HTTP request: its body's size picks the lane, its disconnect ends a compile."""
     refuse_unsupported(req, fields.CHAT)
     refuse_non_text_parts(req.messages)
-    if req.chat_template is not None and not state.trust_request_chat_template:
-        raise InvalidArgument(
-            "a request's own chat_template needs the server started with "
-            "--trust-request-chat-template; leave it out to use the model's",
-            param="chat_template",
-        )
+    check_request_chat_template(req, state.trust_request_chat_template)
     if req.top_logprobs and not req.logprobs:  # 0 asks for nothing: vLLM's default, which clients send
         raise InvalidArgument("top_logprobs needs logprobs=true", param="top_logprobs")
     plan = tool_plan(req, state.tool_call_parser)

@@ -9,7 +9,12 @@ from fastapi.responses import JSONResponse, Response
 from servelab.errors import InvalidArgument
 from servelab.server import protocol as p
 from servelab.server.http_errors import parse_body
-from servelab.server.prompts import detokenize_checked, encode_chat_request, encode_prompt
+from servelab.server.prompts import (
+    check_request_chat_template,
+    detokenize_checked,
+    encode_chat_request,
+    encode_prompt,
+)
 from servelab.server.state import State
 
 router = APIRouter()
@@ -24,15 +29,8 @@ async def tokenize(request: Request, state: State) -> Response:
     if req.messages is not None and req.prompt is None:
         # the chat endpoint's template path, so both count the same tokens
         chat = await parse_body(request, p.TokenizeChatRequest, state.offload)
-        if chat.chat_template is not None and not state.trust_request_chat_template:
-            raise InvalidArgument(
-                "a request's own chat_template needs the server started with --trust-request-chat-template; "
-                "leave it out to use the model's",
-                param="chat_template",
-            )
-        ids = await lane.run(
-            encode_chat_request, state.front.tokenizer, chat, chat.template_messages(), chat.add_special_tokens
-        )
+        check_request_chat_template(chat, state.trust_request_chat_template)
+        ids = await lane.run(encode_chat_request, state.front.tokenizer, chat, chat.template_messages())
     elif req.prompt is not None and req.messages is None:
         add_special_tokens = True if req.add_special_tokens is None else req.add_special_tokens
         ids = await lane.run(encode_prompt, state.front, req.prompt, add_special_tokens=add_special_tokens)
