@@ -17,11 +17,13 @@ recomputed and samples the first output token, so TTFT includes the transfer.
 from __future__ import annotations
 
 import heapq
+import math
 import random
 from array import array
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from itertools import repeat
 from typing import Any
 
 from servelab.core.config import SchedulerConfig
@@ -368,33 +370,46 @@ class ClusterRun:
         other event: what start_step, the step's end event and update() would do for each (the
         same trace row, times and clock), without the plan, the result or the event queue.
         Returns when the next step starts, to plan as usual."""
-        events = self.events
-        executor = replica.executor
-        trace = self.trace
-        usage = -1.0
-        while (quiet := sched.quiet_step()) is not None:
-            count, context_tokens = quiet
-            dur = executor.decode_time_s(count, context_tokens)
+        quiet = sched.quiet_steps()
+        if quiet is None:
+            return t
+        count, context_tokens, steps = quiet
+        decode_time_s = replica.executor.decode_time_s
+        # Nothing is queued while the steps run in place, so the first event stays first.
+        next_event_s = self.events[0][0] if self.events else math.inf
+        starts: list[float] = []
+        durations: list[float] = []
+        ends: list[float] = []
+        busy_s = replica.busy_s
+        for _ in range(steps):
+            dur = decode_time_s(count, context_tokens)
             if dur is None:
                 break
             end = t + dur
-            if events and events[0][0] <= end:
+            if next_event_s <= end:
                 break  # an event comes first (a tie too: it was queued before this step's end)
-            if usage < 0:
-                usage = sched.block_manager.usage  # no block is taken or freed in such steps
-            replica.busy = True
-            replica.num_steps += 1
-            replica.busy_s += dur
-            trace.replica.append(replica.index)
-            trace.start_s.append(t)
-            trace.duration_s.append(dur)
-            trace.num_seqs.append(count)
-            trace.num_decode.append(count)
-            trace.num_tokens.append(count)
-            trace.kv_usage.append(usage)
-            sched.tick_quiet(end)
-            self.now = t = end
-            self.steps_in_place += 1
+            starts.append(t)
+            durations.append(dur)
+            ends.append(end)
+            busy_s += dur
+            t = end
+            context_tokens += count
+        n = len(starts)
+        if not n:
+            return t
+        replica.busy = True
+        replica.num_steps += n
+        replica.busy_s = busy_s
+        trace = self.trace
+        trace.replica.extend(repeat(replica.index, n))
+        trace.start_s.extend(starts)
+        trace.duration_s.extend(durations)
+        for column in (trace.num_seqs, trace.num_decode, trace.num_tokens):
+            column.extend(repeat(count, n))
+        trace.kv_usage.extend(repeat(sched.block_manager.usage, n))  # no block is taken or freed in such steps
+        sched.tick_quiet(ends)
+        self.now = t
+        self.steps_in_place += n
         return t
 
     def send(self, spec: RequestSpec, t: float) -> None:

@@ -388,11 +388,13 @@ class ImplicitDecodeScheduler(Scheduler):
         self._explicit.remove(seq)
         return True
 
-    def quiet_step(self) -> tuple[int, int] | None:
-        """(decodes, their context tokens) of the next step if it is only implicit decodes and
-        nothing happens to any of them (no event at its tick, nothing waiting or explicit, no
-        admission booking that ages per step): schedule() would plan just that, and update()
-        would only tick the clock (`tick_quiet`). None otherwise: schedule() as usual."""
+    def quiet_steps(self) -> tuple[int, int, int] | None:
+        """(decodes, their context tokens at the first, steps) of the next steps that are only
+        implicit decodes and where nothing happens to any of them (no event at their ticks,
+        nothing waiting or explicit, no admission booking that ages per step): schedule() would
+        plan just that, the context growing by the decodes each step, and update() would only
+        tick the clock (`tick_quiet`). Valid only while nothing else happens (an arrival ends
+        it). None where the next step is not such a step: schedule() as usual."""
         count = self._num_implicit
         if (
             not count
@@ -405,13 +407,15 @@ class ImplicitDecodeScheduler(Scheduler):
         ):
             return None
         tick = len(self._clock)
-        if tick in self._wake:
+        # Every implicit decode is filed under its next event's tick (past ticks are popped).
+        steps = min(self._wake, default=tick) - tick
+        if steps <= 0:
             return None
-        return count, self._implicit_base + count * tick
+        return count, self._implicit_base + count * tick, steps
 
-    def tick_quiet(self, now: float) -> None:
-        """schedule() and update() of a step `quiet_step` described, which ended at `now`."""
-        self._clock.append(now)
+    def tick_quiet(self, ends: list[float]) -> None:
+        """schedule() and update() of quiet steps (`quiet_steps`), which ended at `ends`."""
+        self._clock.extend(ends)
 
     def sync(self) -> None:
         """Bring every implicit decode up to date (tokens, times, computed counts) and make it

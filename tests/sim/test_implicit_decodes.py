@@ -436,10 +436,10 @@ def test_steps_run_in_place_between_events_change_nothing(monkeypatch, config, w
     in_place = []
     tick_quiet = ImplicitDecodeScheduler.tick_quiet
     monkeypatch.setattr(
-        ImplicitDecodeScheduler, "tick_quiet", lambda self, now: in_place.append(now) or tick_quiet(self, now)
+        ImplicitDecodeScheduler, "tick_quiet", lambda self, ends: in_place.extend(ends) or tick_quiet(self, ends)
     )
     counted = simulate(config, workload)
-    monkeypatch.setattr(ImplicitDecodeScheduler, "quiet_step", lambda self: None)
+    monkeypatch.setattr(ImplicitDecodeScheduler, "quiet_steps", lambda self: None)
     evented = simulate(config, workload)
     # A lone replica's light load runs most steps in place; two replicas' steps interleave.
     assert len(in_place) > len(evented.trace) * (0.5 if config.replicas == 1 and workload.concurrency == 2 else 0.02)
