@@ -3,9 +3,17 @@
 Generic over a `measure(load) -> Summary` callable, so the same search runs against a real
 server (`servelab bench --find-capacity`) and against the simulator (`servelab plan`). The load
 is a concurrency (integer, the default) or a request rate. The search doubles from `start` until
-a level fails, then bisects between the last passing and the first failing level until they are
-within the tolerance (1 for concurrency; a relative 5% for rate). It assumes that a level that
-fails would fail at any higher load, which holds for a stable server and a fixed workload.
+a level fails, then narrows the bracket between the last passing and the first failing level
+until they are within the tolerance (1 for concurrency; a relative 5% for rate). It assumes that a
+level that fails would fail at any higher load, which holds for a stable server and a fixed
+workload; under that assumption every way of narrowing the bracket ends on the same boundary.
+
+The bracket narrows by interpolation: each probe is where the line through its two ends' margins
+(the worst target's percentile over the target) crosses 1, as regula falsi with the Illinois
+rule (an end kept twice in a row has its margin's distance from 1 halved, so neither end
+stalls), held within ITP's bound (Oliveira and Takahashi, ACM TOMS 2020) so that the search
+never takes more than one level beyond what bisection would. TPOT grows about linearly with
+concurrency and TTFT smoothly, so a search that bisected in 9-10 levels ends in about half that.
 
 A level passes when at most (100 - percentile)% of its requests failed outright and the
 percentile TTFT (and TPOT, E2E) of the completed requests is at most the target. Capacity is
@@ -26,7 +34,10 @@ from servelab.metrics import SLO, RequestRecord, Summary
 SearchMode = Literal["concurrency", "rate"]
 SUPPORTED_PERCENTILES = (50, 90, 95, 99)
 DEFAULT_RATE_TOLERANCE = 0.05
-_MAX_LEVELS = 40  # a search that has not converged by then is bisecting towards an infeasible SLO
+_MAX_LEVELS = 40  # a search that has not converged by then is narrowing towards an infeasible SLO
+# Levels the bracket phase may take beyond bisection's count, in exchange for probing where the
+# margins point (ITP's n0).
+ITP_SLACK = 1
 
 
 @dataclass(slots=True)
@@ -95,7 +106,7 @@ class CapacityResult:
         unit = "concurrency" if self.mode == "concurrency" else "req/s"
         targets = _targets(self.slo, self.percentile)
         if self.best is None:
-            first = self.levels[0] if self.levels else None
+            first = min(self.levels, key=lambda lv: lv.load) if self.levels else None
             why = f" (at the lowest load tried, {first.load:g}: {first.reason})" if first else ""
             return f"no load meets {targets}{why}"
         s = self.best.summary
@@ -224,9 +235,13 @@ def find_capacity(
     max_load: float | None = None,
     tolerance: float | None = None,
     on_level: Callable[[Level], None] | None = None,
+    max_first: bool = False,
 ) -> CapacityResult:
-    """Double from `start`, then bisect. `tolerance`: absolute for concurrency (default 1, the
-    exact boundary), relative to the failing load for rate (default 0.05)."""
+    """Double from `start`, then narrow the bracket. `tolerance`: absolute for concurrency (default 1, the
+    exact boundary), relative to the failing load for rate (default 0.05). `max_first`: run
+    `max_load` right after `start` passes, and end there if it passes too (a ceiling that often binds, as
+    the simulator's KV cache does, then costs one level instead of all the doublings below it);
+    the answer is the same either way."""
     check_percentile(percentile)
     if slo.is_empty:
         raise InvalidArgument("a capacity search needs at least one target: --slo-ttft and/or --slo-tpot")
@@ -261,13 +276,23 @@ def find_capacity(
             on_level(level)
         return level
 
+    top = None  # max_load's level, run right after the start's under max_first
+
     # Phase 1: double until a level fails (or the maximum load passes).
     while len(result.levels) < _MAX_LEVELS:
+        if top is not None and load >= top.load:
+            result.first_failing = top
+            break
         level = run(load)
         if not level.passed:
             result.first_failing = level
             break
         result.best = level
+        if max_first and top is None and max_load is not None and max_load > load:
+            top = run(max_load)
+            if top.passed:
+                result.best, result.reached_max_load = top, True
+                return result
         if max_load is not None and load >= max_load:
             result.reached_max_load = True
             return result
@@ -275,22 +300,74 @@ def find_capacity(
     if result.first_failing is None:
         return result
 
-    # Phase 2: bisect between the highest pass (or 0) and the lowest fail.
+    # Phase 2: narrow the bracket between the highest pass (or 0) and the lowest fail.
     lo = result.best.load if result.best is not None else 0.0
     hi = result.first_failing.load
     floor_load = 1.0 if integer else hi * 2.0**-10  # below this, the SLO is infeasible
-    while len(result.levels) < _MAX_LEVELS:
-        gap_ok = (hi - lo) <= tolerance if integer else (hi - lo) <= tolerance * hi
-        if gap_ok or hi <= floor_load:
-            break
-        mid = math.floor((lo + hi) / 2) if integer else (lo + hi) / 2
-        if integer and (mid <= lo or mid >= hi):
-            break
-        if integer and mid < 1:
-            break
-        level = run(mid)
-        if level.passed:
-            lo, result.best = mid, level
-        else:
+
+    def converged() -> bool:
+        return (hi - lo) <= tolerance if integer else (hi - lo) <= tolerance * hi
+
+    if result.best is None:
+        # Nothing passed: no margin below to interpolate from; halve towards the floor.
+        while len(result.levels) < _MAX_LEVELS and not converged() and hi > floor_load:
+            mid = math.floor(hi / 2) if integer else hi / 2
+            if integer and mid < 1:
+                break
+            level = run(mid)
+            if level.passed:
+                lo, result.best = mid, level
+                break
             hi, result.first_failing = mid, level
+        if result.best is None:
+            return result
+    # Each end's margin minus 1: <= 0 at the pass, > 0 at the fail; None where no latency decides it.
+    f_lo = _excess(result.best.summary, slo, percentile)
+    f_hi = _excess(result.first_failing.summary, slo, percentile)
+    eps = tolerance / 2 if integer else tolerance * lo / 2
+    n_max = max(0, math.ceil(math.log2((hi - lo) / (2 * eps)))) + ITP_SLACK if lo < hi else 0
+    probes = 0
+    kept = 0  # +1: the fail end was kept last probe (a pass moved lo); -1: the pass end was kept
+    while len(result.levels) < _MAX_LEVELS and not converged():
+        mid = (lo + hi) / 2
+        x = mid
+        if f_lo is not None and f_hi is not None and f_lo <= 0.0 < f_hi:
+            x = lo - f_lo * (hi - lo) / (f_hi - f_lo)  # where the line through the ends crosses 0
+        # ITP's bound: at most n_max probes in all, whatever the margins do.
+        radius = max(0.0, eps * 2.0 ** (n_max - probes) - (hi - lo) / 2)
+        if abs(x - mid) > radius:
+            x = mid + math.copysign(radius, x - mid)
+        at = min(max(math.floor(x), lo + 1), hi - 1) if integer else min(max(x, lo + eps / 4), hi - eps / 4)
+        if integer and not lo < at < hi:
+            break
+        probes += 1
+        level = run(at)
+        excess = _excess(level.summary, slo, percentile)
+        if level.passed:
+            lo, result.best = at, level
+            f_lo = excess if excess is not None and excess <= 0.0 else None
+            if kept == 1 and f_hi is not None:
+                f_hi /= 2  # Illinois: the fail end is kept again
+            kept = 1
+        else:
+            hi, result.first_failing = at, level
+            f_hi = excess if excess is not None and excess > 0.0 else None
+            if kept == -1 and f_lo is not None:
+                f_lo /= 2  # Illinois: the pass end is kept again
+            kept = -1
     return result
+
+
+def _excess(summary: Summary, slo: SLO, percentile: int) -> float | None:
+    """The worst target's percentile over its target, minus 1 (> 0 misses it); None where no
+    target has a value, or where failed requests decide the level (latency says nothing then)."""
+    if summary.num_requests and summary.failed / summary.num_requests > (100 - percentile) / 100.0:
+        return None
+    key = f"p{percentile}"
+    worst = None
+    for target, dist in ((slo.ttft_s, summary.ttft_s), (slo.tpot_s, summary.tpot_s), (slo.e2e_s, summary.e2e_s)):
+        value = None if target is None else getattr(dist, key)
+        if target and value is not None:
+            ratio = value / target - 1.0
+            worst = ratio if worst is None else max(worst, ratio)
+    return worst

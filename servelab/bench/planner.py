@@ -121,7 +121,7 @@ class PlanJob:
     speculative: str | None = None
     spec_acceptance: Acceptance | None = None
     requests_per_client: int = 4  # measured requests per level: this many per client (at least 100)
-    tolerance: float | None = None  # the search's bisection tolerance (default: find_capacity's)
+    tolerance: float | None = None  # the search's tolerance (default: find_capacity's)
     # Past the first failing level, double on to what runs at once (at most SWEEP_PAST_FAILURE
     # levels), so the frontier chart's curve reaches the high-throughput end.
     sweep_to_ceiling: bool = False
@@ -275,6 +275,9 @@ def _plan_one(job: PlanJob) -> PlanRow:
             mode="concurrency",
             max_load=max_load,
             tolerance=job.tolerance,
+            # The ceiling binds often (a KV-bound capacity is measured there): try it right after the
+            # first level, unless the frontier wants the levels below it.
+            max_first=not job.sweep_to_ceiling,
         )
         if result.first_failing is not None and result.first_failing.stopped_early:
             _measure_whole(result, measure_whole)

@@ -41,7 +41,8 @@ def test_doubles_then_bisects_to_the_exact_boundary():
 
 def test_rate_search_stops_within_relative_tolerance():
     result = find_capacity(lambda r: _summary(0.0005 + 0.001 * r), SLO(tpot_s=0.050), mode="rate", start=1.0)
-    assert result.best.load <= 49.5 < result.first_failing.load
+    # 49.5 itself is the boundary (TPOT exactly 50 ms): rounding decides which side it falls on.
+    assert result.best.load <= 49.5 <= result.first_failing.load
     assert (result.first_failing.load - result.best.load) <= 0.05 * result.first_failing.load
 
 
@@ -71,6 +72,29 @@ def test_a_fractional_cap_on_concurrency_reports_only_what_it_ran():
     assert calls == [1, 2] and result.best.load == 2 and result.reached_max_load
     with pytest.raises(InvalidArgument, match="maximum load 0 is below its start 1"):
         find_capacity(lambda c: _summary(0.01), SLO(tpot_s=0.05), max_load=0.5)
+
+
+def test_max_first_ends_at_a_passing_ceiling_and_otherwise_answers_as_without():
+    def search(boundary, max_load, **kw):
+        calls = []
+
+        def measure(c):
+            calls.append(c)
+            return _summary(0.010 if c <= boundary else 0.060)  # a cliff at the boundary
+
+        return find_capacity(measure, SLO(tpot_s=0.050), max_load=max_load, **kw), calls
+
+    result, calls = search(100, 37, max_first=True)
+    assert calls == [1, 37] and result.best.load == 37 and result.reached_max_load
+    for boundary, max_load in ((20, 37), (32, 37), (36, 37), (1, 37), (0, 37), (64, 1000)):
+        plain, plain_calls = search(boundary, max_load)
+        first, first_calls = search(boundary, max_load, max_first=True)
+        assert first_calls[: 2 if boundary else 1] == [1, max_load][: 2 if boundary else 1]
+        assert first_calls.count(max_load) == (1 if boundary else 0)
+        assert (first.capacity_load, first.first_failing.load) == (plain.capacity_load, plain.first_failing.load)
+        assert not first.reached_max_load
+    # Nothing passes: the reason names the lowest load tried, not the ceiling run first.
+    assert "at the lowest load tried, 1:" in search(0, 37, max_first=True)[0].describe()
 
 
 def test_certainly_fails_agrees_with_numpy_percentiles():

@@ -127,14 +127,19 @@ def test_a_plan_with_early_stops_answers_as_one_without(plan):
     fast, slow = plan_one(job), plan_one(dataclasses.replace(job, early_stop=False))
     stopped = [lv for lv in fast.capacity["levels"] if lv["stopped_early"]]
     assert stopped, "the plan exercises the early stop"
-    assert [(lv["load"], lv["passed"]) for lv in fast.capacity["levels"]] == [
-        (lv["load"], lv["passed"]) for lv in slow.capacity["levels"]
-    ]
+    # A stopped level's margin is its part's, so the probes after it may differ; where both searches
+    # ran a load, they agree on it.
+    slow_passed = {lv["load"]: lv["passed"] for lv in slow.capacity["levels"]}
+    common = [lv for lv in fast.capacity["levels"] if lv["load"] in slow_passed]
+    assert len(common) >= 2 and all(lv["passed"] == slow_passed[lv["load"]] for lv in common)
     for name in ("capacity_concurrency", "tokens_per_s_per_device", "requests_per_s", "ttft_s", "tpot_s",
                  "cost_per_million_output_tokens", "binding", "max_running", "reason"):  # fmt: skip
         assert getattr(fast, name) == getattr(slow, name), name
     for key in ("best", "first_failing", "capacity_load"):
         assert fast.capacity[key] == slow.capacity[key], key
-    # The frontier draws the levels run whole only.
+    # The frontier draws the levels run whole only, each as the search without stops drew it.
     loads = {lv["load"] for lv in stopped}
-    assert [p for p in slow.frontier if p.concurrency not in loads] == fast.frontier
+    assert not loads & {p.concurrency for p in fast.frontier}
+    slow_points = {p.concurrency: p for p in slow.frontier}
+    assert all(slow_points[p.concurrency] == p for p in fast.frontier if p.concurrency in slow_points)
+    assert len(fast.frontier) == len(fast.capacity["levels"]) - len(loads)
