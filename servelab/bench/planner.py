@@ -35,6 +35,9 @@ if TYPE_CHECKING:
     from servelab.spec.hardware import HardwareSpec
     from servelab.spec.model import ModelSpec
 
+# Measured requests per client in a capacity level, and the fewest a level measures.
+REQUESTS_PER_CLIENT = 4
+MIN_LEVEL_REQUESTS = 100
 # The capacity search's ceiling on concurrent requests: each level simulates that many in flight
 # (and several times as many requests), so past it a plan only exhausts memory.
 MAX_CONCURRENCY = 100_000
@@ -120,7 +123,7 @@ class PlanJob:
     # Speculative decoding: vLLM's --speculative-config JSON and the acceptance model (cost/speculative.py).
     speculative: str | None = None
     spec_acceptance: Acceptance | None = None
-    requests_per_client: int = 4  # measured requests per level: this many per client (at least 100)
+    requests_per_client: int = REQUESTS_PER_CLIENT  # measured requests per level: this many per client
     tolerance: float | None = None  # the search's tolerance (default: find_capacity's)
     # Past the first failing level, double on to what runs at once (at most SWEEP_PAST_FAILURE
     # levels), so the frontier chart's curve reaches the high-throughput end.
@@ -131,6 +134,13 @@ class PlanJob:
     # Wall seconds the search may take (the lab's, for a server's shared workers); past them the
     # row answers nothing and says so. None: no limit (the CLI).
     time_limit_s: float | None = None
+
+
+def level_requests(concurrency: int, requests_per_client: int = REQUESTS_PER_CLIENT, fixed: int | None = None) -> int:
+    """The requests a capacity level at `concurrency` simulates: its measured ones (`fixed`, else
+    `requests_per_client` per client and at least MIN_LEVEL_REQUESTS) after a first wave of one
+    per client that is not measured."""
+    return (fixed or max(MIN_LEVEL_REQUESTS, requests_per_client * concurrency)) + concurrency
 
 
 def cost_per_million_tokens(price_per_device_hour: float, tokens_per_s_per_device: float) -> float:
@@ -220,7 +230,7 @@ def _plan_one(job: PlanJob) -> PlanRow:
 
     def measure(concurrency: float, early_stop: bool = False) -> LevelRun:
         c = int(concurrency)
-        n = fixed_n or max(100, job.requests_per_client * c)
+        n = level_requests(c, job.requests_per_client, fixed_n) - c
         # All c clients send their first request at t = 0, so that wave's prompts queue behind one
         # another: a start-up burst no sustained load sees, yet with 4 requests per client (the default) a
         # quarter of the samples, enough to decide a p90 TTFT on its own. Like `servelab bench
@@ -435,4 +445,13 @@ def parse_prices(text: str | None, hardware: list[str]) -> dict[str, float]:
     return prices
 
 
-__all__ = ["PlanJob", "PlanRow", "cost_per_million_tokens", "parse_prices", "plan_one", "rank", "run_plan"]
+__all__ = [
+    "PlanJob",
+    "PlanRow",
+    "cost_per_million_tokens",
+    "level_requests",
+    "parse_prices",
+    "plan_one",
+    "rank",
+    "run_plan",
+]

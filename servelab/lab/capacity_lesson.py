@@ -44,7 +44,7 @@ from servelab.errors import ServelabError
 from servelab.lab.common import DEFAULT_HARDWARE, fmt, setup_from, stat
 from servelab.lab.limits import RETRY_AFTER_S, LabBusy, bounds
 from servelab.lab.params import Params
-from servelab.lab.simulations import SimulationCancelled
+from servelab.lab.simulations import SimulationCancelled, max_plan_concurrency
 from servelab.spec import HARDWARE
 
 PLAN_PERCENTILE = 90
@@ -118,12 +118,20 @@ def job_order(jobs: list[tuple[str, Any, Any]], first: str | None = None) -> lis
     return sorted(jobs, key=lambda job: job[0] != first) if first is not None else list(jobs)
 
 
+def memory_cap_argv(prompt_len: int, output_len: int) -> list[str]:
+    """`--max-concurrency N` where the lab's memory budget per simulation caps a capacity level
+    below MAX_NUM_SEQS clients (long requests), else nothing."""
+    cap = max_plan_concurrency(prompt_len, output_len)
+    return ["--max-concurrency", str(cap)] if cap < MAX_NUM_SEQS else []
+
+
 def plan_argv(key: PlanKey, hardware: str) -> list[str]:
     """The `servelab plan` arguments of one accelerator's bar."""
     return [
         "plan", "--model", key.model, "--hardware", hardware, "--tp", str(key.tp),
         "--dtype", key.weight_dtype, "--kv-cache-dtype", key.kv_dtype, "--engine-profile", key.engine_profile,
-        "--max-num-seqs", str(MAX_NUM_SEQS), "--slo-ttft", f"{key.ttft_ms:g}ms", "--slo-tpot", f"{key.tpot_ms:g}ms",
+        "--max-num-seqs", str(MAX_NUM_SEQS), *memory_cap_argv(key.prompt_len, key.output_len),
+        "--slo-ttft", f"{key.ttft_ms:g}ms", "--slo-tpot", f"{key.tpot_ms:g}ms",
         "--percentile", str(PLAN_PERCENTILE), "--input-len", str(key.prompt_len), "--output-len", str(key.output_len),
     ]  # fmt: skip
 
@@ -333,7 +341,11 @@ def upper_bound(s: Any, hardware: Any, key: PlanKey) -> dict[str, Any]:
         return {"fits": False, "users": 0, "tokens_per_s_per_gpu": 0.0}
     if not memory.weights_fit:
         return {"fits": False, "users": 0, "tokens_per_s_per_gpu": 0.0}
-    wall = min(memory.max_batch(key.prompt_len + key.output_len - 1), MAX_NUM_SEQS)
+    wall = min(
+        memory.max_batch(key.prompt_len + key.output_len - 1),
+        MAX_NUM_SEQS,
+        max_plan_concurrency(key.prompt_len, key.output_len),
+    )
     users = 0
     if rl.prefill(key.prompt_len).time_s <= key.ttft_ms / 1e3:
         users = batch_at_tpot(rl, key.prompt_len, wall, key.tpot_ms / 1e3)
@@ -348,7 +360,7 @@ BIND_LABEL = {
     "tpot": "the TPOT target",
     "max-num-seqs": f"the lab's {MAX_NUM_SEQS:,}-sequence cap",
     "slo": "failed requests",
-    "search-maximum": "the search's maximum",
+    "search-maximum": "the lab's memory budget per simulation (--max-concurrency)",
 }
 
 

@@ -21,7 +21,7 @@ import shlex
 import time
 from typing import TYPE_CHECKING, Any
 
-from servelab.lab.capacity_lesson import PLAN_PERCENTILE
+from servelab.lab.capacity_lesson import PLAN_PERCENTILE, memory_cap_argv
 from servelab.lab.common import fmt, setup_from, stat
 from servelab.lab.limits import bounds
 from servelab.lab.params import Params
@@ -49,7 +49,8 @@ def plan_argv(setup: Any, accelerators: list[str], ttft_ms: float, tpot_ms: floa
         "plan", "--model", setup.model.name, "--hardware", ",".join(accelerators), "--tp", str(setup.tp),
         "--dtype", setup.weight_dtype, "--kv-cache-dtype", setup.kv_dtype, "--engine-profile", setup.engine_profile,
         "--slo-ttft", f"{ttft_ms:g}ms", "--slo-tpot", f"{tpot_ms:g}ms", "--percentile", str(PLAN_PERCENTILE),
-        "--input-len", str(prompt_len), "--output-len", str(output_len), "--plot", "frontier.png",
+        "--input-len", str(prompt_len), "--output-len", str(output_len),
+        *memory_cap_argv(prompt_len, output_len), "--plot", "frontier.png",
     ]  # fmt: skip
 
 

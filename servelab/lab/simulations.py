@@ -33,6 +33,20 @@ RESULT_BYTES_PER_TOKEN = 8
 RESULT_BYTES_PER_REQUEST = 3000
 
 
+def max_plan_concurrency(prompt_len: int, output_len: int, budget_bytes: int = DEFAULT_MEMORY_BUDGET_BYTES) -> int:
+    """The most clients a capacity level (`servelab plan`'s) may have for its simulation to stay
+    within the per-run memory budget: its requests (`planner.level_requests`) at their peak bytes
+    per prompt and output token. At least 1."""
+    from servelab.bench.planner import level_requests
+
+    per_request = PEAK_BYTES_PER_PROMPT_TOKEN * prompt_len + PEAK_BYTES_PER_OUTPUT_TOKEN * output_len
+    lo, hi = 1, max(2, budget_bytes // per_request + 1)  # level_requests(c) > c: hi never fits
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if level_requests(mid) * per_request <= budget_bytes else (lo, mid)
+    return lo
+
+
 class SimulationOverBudget(ServelabError):
     """A lesson's configuration costs more than the lab gives one run; smaller inputs fit."""
 
@@ -171,4 +185,12 @@ class Simulations:
         self.stopping.set()
 
 
-__all__ = ["Budget", "ResultCache", "SimulationCancelled", "SimulationOverBudget", "Simulations", "result_bytes"]
+__all__ = [
+    "Budget",
+    "ResultCache",
+    "SimulationCancelled",
+    "SimulationOverBudget",
+    "Simulations",
+    "max_plan_concurrency",
+    "result_bytes",
+]

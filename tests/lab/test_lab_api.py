@@ -588,6 +588,44 @@ def test_capacity_bars_equal_the_plan_command_for_other_targets(capsys):
         _assert_bar_is_the_plan(plan, i, _plan_cli(plan["command"][i], capsys))
 
 
+def test_a_capacity_level_is_sized_to_the_labs_memory_budget():
+    from servelab.bench.planner import level_requests
+    from servelab.lab.capacity_lesson import MAX_NUM_SEQS, PlanKey, _jobs, plan_command
+    from servelab.lab.simulations import (
+        DEFAULT_MEMORY_BUDGET_BYTES,
+        PEAK_BYTES_PER_OUTPUT_TOKEN,
+        PEAK_BYTES_PER_PROMPT_TOKEN,
+        max_plan_concurrency,
+    )
+
+    for prompt_len, output_len in ((16, 4096), (32768, 4096), (1024, 256), (16, 16)):
+        per_request = PEAK_BYTES_PER_PROMPT_TOKEN * prompt_len + PEAK_BYTES_PER_OUTPUT_TOKEN * output_len
+        cap = max_plan_concurrency(prompt_len, output_len)
+        assert level_requests(cap) * per_request <= DEFAULT_MEMORY_BUDGET_BYTES < level_requests(cap + 1) * per_request
+        key = PlanKey("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", 50.0, 2000.0, prompt_len, output_len)
+        capped = cap < MAX_NUM_SEQS
+        assert ("--max-concurrency" in plan_command(key, "b200")) == capped
+        assert {job.max_concurrency for job in _jobs(key)} == {cap if capped else None}
+    assert max_plan_concurrency(16, 4096) == 204  # 16 + 4,096 tokens: a B200's KV cache holds more
+
+
+def test_a_bar_capped_by_the_memory_budget_says_so_and_is_the_plans(monkeypatch, capsys):
+    import servelab.lab.capacity_lesson as lesson
+    from servelab.bench.planner import plan_one
+    from servelab.lab.common import setup_from
+    from servelab.lab.params import Params
+
+    monkeypatch.setattr(lesson, "max_plan_concurrency", lambda prompt_len, output_len: 6)
+    key = lesson.PlanKey("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", 200.0, 5000.0, 128, 16)
+    rows = {job.hardware: plan_one(job) for job in lesson._jobs(key) if job.hardware == "h100-sxm"}
+    plan = lesson.result(setup_from(Params({})), key, rows)["plan"]
+    i = plan["hardware"].index("h100-sxm")
+    assert "--max-concurrency 6 " in plan["command"][i]
+    assert plan["concurrency"][i] == 6 and plan["binds"][i] == "search-maximum"
+    assert plan["config"][i].endswith("the lab's memory budget per simulation (--max-concurrency)")
+    _assert_bar_is_the_plan(plan, i, _plan_cli(plan["command"][i], capsys))
+
+
 def test_a_kv_bound_bar_is_measured_at_the_kv_limit():
     from servelab.bench.planner import plan_one
     from servelab.lab.capacity_lesson import PlanKey, _jobs
