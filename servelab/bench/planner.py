@@ -286,8 +286,9 @@ def _plan_one(job: PlanJob) -> PlanRow:
             max_load=max_load,
             tolerance=job.tolerance,
             # The ceiling binds often (a KV-bound capacity is measured there): try it right after the
-            # first level, unless the frontier wants the levels below it.
-            max_first=not job.sweep_to_ceiling,
+            # first level where the cost model does not rule it out, unless the frontier wants the
+            # levels below it.
+            max_first=not job.sweep_to_ceiling and _ceiling_may_pass(config, requests, int(max_load), job.slo),
         )
         if result.first_failing is not None and result.first_failing.stopped_early:
             _measure_whole(result, measure_whole)
@@ -311,6 +312,21 @@ def _plan_one(job: PlanJob) -> PlanRow:
     fill_row(row, result, job, extra)
     row.binding = binding_limit(result, observed, max_num_seqs=max_num_seqs, request_tokens=longest, ceiling=ceiling)
     return row
+
+
+def _ceiling_may_pass(config, requests: list, concurrency: int, slo: SLO) -> bool:  # noqa: ANN001
+    """False where the cost model alone rules out meeting the targets at `concurrency`: a decode
+    step of that many sequences at the mean request's mid-decode context is over the TPOT
+    target, or the mean prompt's prefill alone is over the TTFT target. Only the search's order
+    hangs on it (a ceiling that fails costs a large level), never its answer."""
+    from servelab.sim.runner import build_cost_model
+
+    cost = build_cost_model(config)
+    prompt = round(statistics.fmean(r.prompt_tokens for r in requests))
+    context = prompt + round(statistics.fmean(r.output_tokens for r in requests) / 2)
+    if slo.tpot_s is not None and cost.step_time_s([(1, max(1, context))] * concurrency) > slo.tpot_s:
+        return False
+    return slo.ttft_s is None or cost.step_time_s([(max(1, prompt), max(1, prompt))]) <= slo.ttft_s
 
 
 class _PastTimeLimit(Exception):

@@ -88,16 +88,21 @@ class PlanKey:
     def total(self) -> int:
         return len(HARDWARE)
 
+    def setup(self) -> Any:
+        """The lessons' Setup of this key (the form's accelerator as its hardware)."""
+        from servelab.lab.common import Setup
+        from servelab.spec.model import get_model
+
+        return Setup(get_model(self.model), HARDWARE[DEFAULT_HARDWARE], self.weight_dtype, self.kv_dtype, self.tp,
+                     self.engine_profile)  # fmt: skip
+
     def jobs(self) -> list[tuple[str, Callable[[Any], Any], Any]]:
         """(row name, picklable function, its argument): one `plan_one` per accelerator, the
         longest first (the most users the roofline allows: a search simulates a few times as many
         requests), so that the pool's workers finish together rather than one waiting on the last."""
         from servelab.bench.planner import plan_one
-        from servelab.lab.common import Setup
-        from servelab.spec.model import get_model
 
-        s = Setup(get_model(self.model), HARDWARE[DEFAULT_HARDWARE], self.weight_dtype, self.kv_dtype, self.tp,
-                  self.engine_profile)  # fmt: skip
+        s = self.setup()
         users = {name: upper_bound(s, hw, self)["users"] for name, hw in HARDWARE.items()}
         jobs = [(job.hardware, plan_one, job) for job in _jobs(self)]
         return sorted(jobs, key=lambda job: -users.get(job[0], 0))
@@ -118,19 +123,13 @@ def job_order(jobs: list[tuple[str, Any, Any]], first: str | None = None) -> lis
     return sorted(jobs, key=lambda job: job[0] != first) if first is not None else list(jobs)
 
 
-def memory_cap_argv(prompt_len: int, output_len: int) -> list[str]:
-    """`--max-concurrency N` where the lab's memory budget per simulation caps a capacity level
-    below MAX_NUM_SEQS clients (long requests), else nothing."""
-    cap = max_plan_concurrency(prompt_len, output_len)
-    return ["--max-concurrency", str(cap)] if cap < MAX_NUM_SEQS else []
-
-
 def plan_argv(key: PlanKey, hardware: str) -> list[str]:
     """The `servelab plan` arguments of one accelerator's bar."""
     return [
         "plan", "--model", key.model, "--hardware", hardware, "--tp", str(key.tp),
         "--dtype", key.weight_dtype, "--kv-cache-dtype", key.kv_dtype, "--engine-profile", key.engine_profile,
-        "--max-num-seqs", str(MAX_NUM_SEQS), *memory_cap_argv(key.prompt_len, key.output_len),
+        "--max-num-seqs", str(MAX_NUM_SEQS),
+        *memory_cap_argv(key.setup(), [hardware], key.prompt_len, key.output_len, MAX_NUM_SEQS),
         "--slo-ttft", f"{key.ttft_ms:g}ms", "--slo-tpot", f"{key.tpot_ms:g}ms",
         "--percentile", str(PLAN_PERCENTILE), "--input-len", str(key.prompt_len), "--output-len", str(key.output_len),
     ]  # fmt: skip
@@ -318,34 +317,53 @@ def capacity(p: Params, planner: CapacityPlanner) -> dict[str, Any] | JSONRespon
     return result(s, key, rows)
 
 
-def upper_bound(s: Any, hardware: Any, key: PlanKey) -> dict[str, Any]:
-    """The roofline's instant upper bound for one accelerator, shown until its simulation ends.
-    Users: no more than run at once (the requests whose KV fits at full length at the engine's
-    memory share, the lab's sequence cap) nor than whose decode step at the shortest context (the
-    prompt alone) meets the TPOT target; none when one prefill alone misses the TTFT target.
-    Tokens/s: those users' decode steps alone, as if no prefill ever took a step."""
+def most_running(s: Any, hardware: Any, tokens: int, max_num_seqs: int | None = None) -> int:
+    """What runs at once on `hardware`: the requests of `tokens` whose KV fits at full length at the
+    engine's memory share, at most `max_num_seqs` (default: the engine profile's); 0 where the
+    weights do not fit."""
     from servelab.cost import MemoryPlan
-    from servelab.lab.roofline_lessons import batch_at_tpot
     from servelab.sim.engine_profiles import engine_profile
 
     w, k = s.weight_dtype, s.kv_dtype
     try:
-        rl = s.roofline(hardware=hardware)
-        share = (
-            engine_profile(s.engine_profile)
-            .settings(s.model, hardware, tp=s.tp, weight_dtype=w, kv_cache_dtype=k)
-            .memory_fraction
-        )
-        memory = MemoryPlan(s.model, hardware, w, k, s.tp, share)
+        settings = engine_profile(s.engine_profile).settings(s.model, hardware, tp=s.tp, weight_dtype=w,
+                                                             kv_cache_dtype=k)  # fmt: skip
+        memory = MemoryPlan(s.model, hardware, w, k, s.tp, settings.memory_fraction)
     except ServelabError:
-        return {"fits": False, "users": 0, "tokens_per_s_per_gpu": 0.0}
+        return 0
     if not memory.weights_fit:
-        return {"fits": False, "users": 0, "tokens_per_s_per_gpu": 0.0}
+        return 0
+    cap = settings.scheduler["max_num_seqs"] if max_num_seqs is None else max_num_seqs
+    return max(0, min(memory.max_batch(tokens - 1), cap))
+
+
+def memory_cap_argv(s: Any, hardware: list[str], prompt_len: int, output_len: int,
+                    max_num_seqs: int | None = None) -> list[str]:  # fmt: skip
+    """`--max-concurrency N` where the lab's memory budget per simulation caps a capacity level
+    below what runs at once on one of `hardware` (long requests), else nothing."""
+    cap = max_plan_concurrency(prompt_len, output_len)
+    running = max(most_running(s, HARDWARE[hw], prompt_len + output_len, max_num_seqs) for hw in hardware)
+    return ["--max-concurrency", str(cap)] if cap < running else []
+
+
+def upper_bound(s: Any, hardware: Any, key: PlanKey) -> dict[str, Any]:
+    """The roofline's instant upper bound for one accelerator, shown until its simulation ends.
+    Users: no more than run at once (the requests whose KV fits at full length at the engine's
+    memory share, the lab's sequence cap and memory budget) nor than whose decode step at the
+    shortest context (the prompt alone) meets the TPOT target; none when one prefill alone misses
+    the TTFT target. Tokens/s: those users' decode steps alone, as if no prefill ever took a step."""
+    from servelab.lab.roofline_lessons import batch_at_tpot
+
     wall = min(
-        memory.max_batch(key.prompt_len + key.output_len - 1),
-        MAX_NUM_SEQS,
+        most_running(s, hardware, key.prompt_len + key.output_len, MAX_NUM_SEQS),
         max_plan_concurrency(key.prompt_len, key.output_len),
     )
+    if wall <= 0:
+        return {"fits": False, "users": 0, "tokens_per_s_per_gpu": 0.0}
+    try:
+        rl = s.roofline(hardware=hardware)
+    except ServelabError:
+        return {"fits": False, "users": 0, "tokens_per_s_per_gpu": 0.0}
     users = 0
     if rl.prefill(key.prompt_len).time_s <= key.ttft_ms / 1e3:
         users = batch_at_tpot(rl, key.prompt_len, wall, key.tpot_ms / 1e3)

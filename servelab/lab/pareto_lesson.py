@@ -50,7 +50,7 @@ def plan_argv(setup: Any, accelerators: list[str], ttft_ms: float, tpot_ms: floa
         "--dtype", setup.weight_dtype, "--kv-cache-dtype", setup.kv_dtype, "--engine-profile", setup.engine_profile,
         "--slo-ttft", f"{ttft_ms:g}ms", "--slo-tpot", f"{tpot_ms:g}ms", "--percentile", str(PLAN_PERCENTILE),
         "--input-len", str(prompt_len), "--output-len", str(output_len),
-        *memory_cap_argv(prompt_len, output_len), "--plot", "frontier.png",
+        *memory_cap_argv(setup, accelerators, prompt_len, output_len), "--plot", "frontier.png",
     ]  # fmt: skip
 
 

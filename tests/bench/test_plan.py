@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 
@@ -195,6 +197,26 @@ def test_a_capacity_capped_by_the_kv_cache_says_so():
     assert row.max_running == wall == row.capacity_concurrency == b.at_concurrency == b.peak_running
     assert b.preemptions == 0 and (1 - b.peak_kv_usage) * b.kv_capacity_tokens < 4160
     assert f"{b.kv_capacity_tokens:,} tokens" in b.detail
+
+
+def test_plan_tries_its_ceiling_right_after_the_first_level_where_it_may_pass():
+    def loads(**kw):
+        row = plan_one(_job(workload={"input_len": "4096", "output_len": "64", "seed": 0}, **kw))
+        return [lv["load"] for lv in row.capacity["levels"]], row
+
+    # Loose targets: the KV ceiling passes, two levels in all.
+    levels, row = loads(hardware="l4", slo=SLO(tpot_s=0.5, ttft_s=20.0))
+    assert levels == [1, row.max_running] and row.capacity_concurrency == row.max_running
+    # A TPOT target one sequence meets and a full batch's decode step misses (an H100 holds ~100 of
+    # these requests): the search doubles as usual.
+    levels, row = loads(hardware="h100-sxm", slo=SLO(tpot_s=0.012, ttft_s=20.0))
+    assert levels[:2] == [1, 2] and row.max_running not in levels and row.capacity_concurrency > 1
+    # --plot's frontier wants every doubling: no ceiling first.
+    row = plan_one(dataclasses.replace(
+        _job(hardware="l4", slo=SLO(tpot_s=0.5, ttft_s=20.0), workload={"input_len": "4096", "output_len": "64"}),
+        sweep_to_ceiling=True,
+    ))  # fmt: skip
+    assert [lv["load"] for lv in row.capacity["levels"]][:2] == [1, 2]
 
 
 def test_the_kv_ceiling_counts_a_sliding_window_models_pages_in_every_group():

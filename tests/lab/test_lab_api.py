@@ -590,23 +590,29 @@ def test_capacity_bars_equal_the_plan_command_for_other_targets(capsys):
 
 def test_a_capacity_level_is_sized_to_the_labs_memory_budget():
     from servelab.bench.planner import level_requests
-    from servelab.lab.capacity_lesson import MAX_NUM_SEQS, PlanKey, _jobs, plan_command
+    from servelab.lab.capacity_lesson import MAX_NUM_SEQS, PlanKey, _jobs, most_running, plan_command
     from servelab.lab.simulations import (
         DEFAULT_MEMORY_BUDGET_BYTES,
         PEAK_BYTES_PER_OUTPUT_TOKEN,
         PEAK_BYTES_PER_PROMPT_TOKEN,
         max_plan_concurrency,
     )
+    from servelab.spec import HARDWARE
 
     for prompt_len, output_len in ((16, 4096), (32768, 4096), (1024, 256), (16, 16)):
         per_request = PEAK_BYTES_PER_PROMPT_TOKEN * prompt_len + PEAK_BYTES_PER_OUTPUT_TOKEN * output_len
         cap = max_plan_concurrency(prompt_len, output_len)
         assert level_requests(cap) * per_request <= DEFAULT_MEMORY_BUDGET_BYTES < level_requests(cap + 1) * per_request
         key = PlanKey("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", 50.0, 2000.0, prompt_len, output_len)
-        capped = cap < MAX_NUM_SEQS
-        assert ("--max-concurrency" in plan_command(key, "b200")) == capped
-        assert {job.max_concurrency for job in _jobs(key)} == {cap if capped else None}
-    assert max_plan_concurrency(16, 4096) == 204  # 16 + 4,096 tokens: a B200's KV cache holds more
+        for job in _jobs(key):
+            # The command caps the search only where the budget is below what runs at once.
+            running = most_running(key.setup(), HARDWARE[job.hardware], prompt_len + output_len, MAX_NUM_SEQS)
+            assert job.max_concurrency == (cap if cap < running else None), (prompt_len, output_len, job.hardware)
+            assert ("--max-concurrency" in plan_command(key, job.hardware)) == (cap < running)
+    # 16 + 4,096 tokens: a B200's KV cache holds more than the budget's 204; an L4's holds fewer.
+    assert max_plan_concurrency(16, 4096) == 204
+    key = PlanKey("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", 50.0, 2000.0, 16, 4096)
+    assert "--max-concurrency 204 " in plan_command(key, "b200") and "--max-concurrency" not in plan_command(key, "l4")
 
 
 def test_a_bar_capped_by_the_memory_budget_says_so_and_is_the_plans(monkeypatch, capsys):
