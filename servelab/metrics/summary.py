@@ -204,14 +204,15 @@ def steady_state_summary(
     after_s: float = 0.0,
     num_devices: int = 1,
     slo: SLO | None = None,
-    preemptions: int = 0,
+    preemption_times_s: Iterable[float] = (),
 ) -> Summary | None:
     """The summary of a closed-loop run without its start-up wave: the latencies of the requests
     numbered `skip_first` and later (`request_id` is the request's index in send order, as the
     simulator and the bench client number them) that arrived at or after `after_s`, and the rates
     (tokens, requests, goodput) of the steady stretch: from when no earlier request is running to
-    the last send, everything the server finished in it over its length (`duration_s`). None when
-    no request is left.
+    the last send, everything the server finished in it over its length (`duration_s`). Its
+    preemptions are those of `preemption_times_s` (when the server preempted, where known) in that
+    stretch. None when no request is left.
 
     A closed loop at concurrency C starts all C clients at once, so those C prompts queue behind
     one another: a burst no sustained load sees, yet a large enough share of a short run's
@@ -223,7 +224,12 @@ def steady_state_summary(
         return None
     start_s = min(r.arrival_s for r in measured)
     end_s = max((t for r in measured if (t := r.last_token_s) is not None), default=start_s)
-    out = summarize(measured, end_s - start_s, num_devices, slo, preemptions)
+    preempted = sorted(preemption_times_s)
+
+    def preemptions(t0: float, t1: float) -> int:
+        return bisect_right(preempted, t1) - bisect_left(preempted, t0)
+
+    out = summarize(measured, end_s - start_s, num_devices, slo, preemptions(start_s, end_s))
     # The rates: from when no earlier request is left running to the last request's send, after
     # which the clients run out of work and the load drains. Over the measured requests' whole
     # span, the wave's last requests hold the server at its start and the drain idles it at its
@@ -253,6 +259,7 @@ def steady_state_summary(
         output_throughput=emitted * per_s,
         output_throughput_per_device=emitted * per_s / num_devices,
         goodput=None if out.goodput is None else good * per_s,
+        preemptions=preemptions(t0, t1),
     )
 
 

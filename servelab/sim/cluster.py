@@ -112,6 +112,7 @@ class LoopResult:
     replicas: list[Replica]
     kv_transfer_s: list[float]
     kv_transfer_bytes: float
+    preempted_s: list[float]  # when each preemption happened (the start of the step that made it)
     stopped_early: str = ""  # why `stop` ended the run before every request finished
     # A stopped run goes on to its end from where it stopped, as if it never had (its own
     # result: this one's records and trace stay as they were at the stop).
@@ -217,6 +218,7 @@ class ClusterRun:
         self.stop = stop
         self.stopped_early = ""
         self.steps_in_place = 0  # by run_quiet_steps since the last event
+        self.preempted_s: list[float] = []
         self.concurrency = concurrency
         self.on_done = on_done
         self.check = check
@@ -257,7 +259,8 @@ class ClusterRun:
             handler(a, b)
             if self.stopped_early:
                 return LoopResult(list(self.records), self.now, self.trace.copy(), self.sim.replicas,
-                                  list(self.transfers), self.transfer_bytes, self.stopped_early, self._resume)  # fmt: skip
+                                  list(self.transfers), self.transfer_bytes, list(self.preempted_s),
+                                  self.stopped_early, self._resume)  # fmt: skip
             if check is not None:
                 # Steps run in place (run_quiet_steps) count as the events they replace.
                 until_check -= 1 + self.steps_in_place
@@ -269,7 +272,8 @@ class ClusterRun:
         self.pending.clear()
         for req in list(self.live.values()):
             self.fail(req, self.now, "never completed: the simulation ran out of events")
-        return LoopResult(self.records, self.now, self.trace, self.sim.replicas, self.transfers, self.transfer_bytes)
+        return LoopResult(self.records, self.now, self.trace, self.sim.replicas, self.transfers, self.transfer_bytes,
+                          self.preempted_s)  # fmt: skip
 
     def _resume(self) -> LoopResult:
         self.stop = None
@@ -347,6 +351,8 @@ class ClusterRun:
         if self.sim.drafts is not None:
             propose(sched, self.sim.drafts, self.sim.propose_rng, self.sim.draft_coverage)
         plan = sched.schedule(t)
+        if plan.preempted:
+            self.preempted_s.extend(repeat(t, len(plan.preempted)))
         if plan.is_empty:
             replica.busy = False
             return

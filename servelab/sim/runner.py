@@ -503,7 +503,7 @@ def simulate(
                 after_s=warmup_s,
                 num_devices=config.num_devices,
                 slo=config.slo,
-                preemptions=preemptions,
+                preemption_times_s=out.preempted_s,
             )
         cfg = config.to_dict()
         cfg["max_model_len"] = sched.max_model_len

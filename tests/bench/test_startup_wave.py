@@ -38,6 +38,8 @@ def test_steady_state_summary_leaves_out_the_first_requests_and_their_time():
     assert steady.duration_s == pytest.approx(12.0 - 5.0)
     assert steady.request_throughput == pytest.approx(7 / 7.0) and steady.output_throughput == pytest.approx(4.0)
     assert steady_state_summary(records[:4], skip_first=4) is None
+    # Preemptions: the stretch's own, not the wave's.
+    assert steady_state_summary(records, skip_first=4, preemption_times_s=[0.5, 3.0, 5.0, 9.5, 12.5]).preemptions == 2
 
 
 def test_the_steady_rates_follow_littles_law_in_a_closed_loop():

@@ -83,6 +83,19 @@ def test_disaggregation_keeps_decode_clean_and_pays_the_transfer_in_ttft():
     assert min(r.ttft_s for r in slow.records) > kv_bytes / 2.5e9
 
 
+def test_the_steady_summary_counts_the_preemptions_of_its_stretch_only():
+    wl = WorkloadSpec(120, concurrency=48, input_len="256-768", output_len="64-384", seed=3)
+    result = simulate(SimConfig(scheduler=SchedulerConfig(num_blocks=300)), wl)
+    whole, steady = result.summary, result.steady
+    assert whole.preemptions == sum(r["preemptions"] for r in result.replica_stats) > 0
+    # The stretch starts once no wave request is left running and ends at the last send.
+    wave_end_s = max(r.last_token_s for r in result.records if int(r.request_id) < 48)
+    last_send_s = max(r.arrival_s for r in result.records)
+    assert steady.duration_s == pytest.approx(last_send_s - wave_end_s)
+    # The wave's burst preempts too; the steady stretch counts only its own.
+    assert 0 < steady.preemptions < whole.preemptions
+
+
 def test_same_seed_same_results_and_kv_pressure_preempts_but_completes():
     wl = WorkloadSpec(120, concurrency=48, input_len="256-768", output_len="64-384", seed=3)
     # 300 blocks x 16 = 4,800 tokens of KV for 48 clients of up to 1,152 tokens each.
