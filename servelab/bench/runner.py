@@ -148,6 +148,9 @@ async def run_load(
                 break
             if limit is not None:
                 await limit.acquire()
+                if stop_sending.is_set() or past_deadline():  # while it waited for a slot
+                    limit.release()
+                    break
 
             async def guarded(req: BenchRequest = request, planned: float = planned_abs) -> None:
                 try:

@@ -62,6 +62,21 @@ def test_an_abort_ends_a_thinking_worker_at_once(url):
     assert out.aborted and time.perf_counter() - start < 3.0
 
 
+def test_an_open_loop_waiting_for_a_slot_sends_nothing_after_an_abort(url):
+    # Every request due at once, one slot: the second waits for the first's slot, and the abort on
+    # the first's result must stop it there rather than send it and cut it off.
+    requests = [BenchRequest(i, f"slot-{i} hello", 2, 3, planned_send_s=0.0) for i in range(4)]
+
+    async def run():  # noqa: ANN202
+        async with OpenAIStreamClient(url, model="mock-model", endpoint="completions", max_connections=1) as c:
+            return await run_load(
+                c, requests, concurrency=1, should_abort=lambda done, _f, _n: "enough" if done else ""
+            )
+
+    out = asyncio.run(asyncio.wait_for(run(), timeout=10))
+    assert out.aborted and len(out.results) == 1 and out.cancelled == 0
+
+
 def test_the_deadline_ends_a_thinking_worker_at_once(url):
     start = time.perf_counter()
     out = asyncio.run(_run(url, 6, 2, 30.0, duration_s=0.3))
