@@ -36,7 +36,8 @@ class Observed:
 
 
 def observe(result: SimResult) -> Observed:
-    # The steady summary's preemptions are the run's, as the whole summary's are.
+    # Preemptions in the steady stretch (the whole run's where there is none): the start-up wave's
+    # burst can preempt where the sustained load does not.
     return Observed(result.peak_running, result.peak_kv_usage, result.steady_or_whole.preemptions,
                     int(result.config["kv_capacity_tokens"]))  # fmt: skip
 

@@ -6,13 +6,14 @@ is a concurrency (integer, the default) or a request rate. The search doubles fr
 a level fails, then narrows the bracket between the last passing and the first failing level
 until they are within the tolerance (1 for concurrency; a relative 5% for rate). It assumes that a
 level that fails would fail at any higher load, which holds for a stable server and a fixed
-workload; under that assumption every way of narrowing the bracket ends on the same boundary.
+workload; under that assumption every way of narrowing a concurrency bracket to 1 ends on the
+same boundary (a rate search ends somewhere inside its last 5%).
 
 The bracket narrows by interpolation: each probe is where the line through its two ends' margins
 (the worst target's percentile over the target) crosses 1, as regula falsi with the Illinois
 rule (an end kept twice in a row has its margin's distance from 1 halved, so neither end
-stalls), held within ITP's bound (Oliveira and Takahashi, ACM TOMS 2020) so that the search
-never takes more than one level beyond what bisection would. TPOT grows about linearly with
+stalls), held within ITP's bound (Oliveira and Takahashi, ACM TOMS 2020) so that a concurrency
+search never takes more than one level beyond what bisection would (a rate search about that). TPOT grows about linearly with
 concurrency and TTFT smoothly, so a search that bisected in 9-10 levels ends in about half that.
 
 A level passes when at most (100 - percentile)% of its requests failed outright and the
@@ -337,7 +338,7 @@ def find_capacity(
         radius = max(0.0, eps * 2.0 ** (n_max - probes) - (hi - lo) / 2)
         if abs(x - mid) > radius:
             x = mid + math.copysign(radius, x - mid)
-        at = min(max(math.floor(x), lo + 1), hi - 1) if integer else min(max(x, lo + eps / 4), hi - eps / 4)
+        at = int(min(max(math.floor(x), lo + 1), hi - 1)) if integer else min(max(x, lo + eps / 4), hi - eps / 4)
         if integer and not lo < at < hi:
             break
         probes += 1
