@@ -6,10 +6,12 @@ time t, timed by the SimExecutor's cost model and completes at t + duration, whe
 `Scheduler.update` appends the tokens (so token times are step end times). Nothing sleeps: the
 clock jumps from event to event. `ClusterRun` is one run: its state and one method per event.
 
-Disaggregated mode: a request first runs on a prefill replica with max_tokens=1 (its sampled
-token is dropped, as a vLLM disaggregation proxy does). Its KV then crosses the prefill
-replica's link, one transfer at a time (bytes / bandwidth, plus a latency that overlaps the next
-transfer), and joins a decode replica's scheduler, which must find it blocks. There every
+Disaggregated mode: a request's decode replica is picked with its prefill replica (as the front
+end does), and it first runs on the prefill replica with max_tokens=1 (its sampled token is
+dropped, as a vLLM disaggregation proxy does). Its KV then crosses the prefill replica's link,
+one transfer at a time (bytes / bandwidth, plus a latency that overlaps the next transfer): the
+blocks past the decode replica's own prefix-cache hits, as a decode worker asks for. It then
+joins the decode replica's scheduler, which must find it blocks. There every
 prompt position but the last costs nothing (the KV is already there); the last prompt token is
 recomputed and samples the first output token, so TTFT includes the transfer.
 """
@@ -102,6 +104,10 @@ class _Request:
     num_cached_tokens: int = 0
     transfer_s: float = 0.0
     prefill_replica: Replica | None = None
+    # Disaggregated: the decode replica its KV goes to, picked with its prefill replica (as the
+    # front end does) and counting it as outstanding from then on.
+    decode_replica: Replica | None = None
+    decode_seq: SimSequence | None = None  # its decode-side sequence, made when its KV leaves
 
 
 @dataclass(slots=True)
@@ -327,19 +333,12 @@ class ClusterRun:
             self.send(self.pending.popleft(), self.now)
 
     def kv_arrive(self, req: _Request, _: None) -> None:
-        """A prefilled request's KV reaches the decode pool: it joins a decode replica."""
-        sim = self.sim
-        rid = str(req.spec.index)
-        replica = sim.decode_router.pick(sim.pools["decode"])
-        seq = SimSequence(
-            rid,
-            req.prompt_token_ids,
-            self.params(req.spec.output_tokens),
-            arrival_s=req.sent_s,
-        )
-        seq.prefix.hashes = list(req.prompt_block_hashes)
+        """A prefilled request's KV reaches the decode pool: it joins its decode replica."""
+        replica, seq = req.decode_replica, req.decode_seq
+        assert replica is not None and seq is not None  # request_finished set both before sending
+        rid = seq.request_id
         replica.executor.preloaded[rid] = req.spec.prompt_tokens - 1
-        if not self.add_to(replica, seq, req, self.now):
+        if not self.add_to(replica, seq, req, self.now, routed=True):
             replica.executor.preloaded.pop(rid, None)
 
     # ---- actions -------------------------------------------------------------------------------
@@ -430,15 +429,21 @@ class ClusterRun:
         seq.prefix.hashes = list(hashes)  # the prefix cache would compute the same identities
         replica = sim.entry_router.pick(sim.entry_pool, hashes)
         req.prefill_replica = replica
+        if sim.disagg:
+            req.decode_replica = sim.decode_router.pick(sim.pools["decode"], hashes)
+            req.decode_replica.outstanding += 1
         self.add_to(replica, seq, req, t)
 
-    def add_to(self, replica: Replica, seq: Sequence, req: _Request, t: float) -> bool:
+    def add_to(self, replica: Replica, seq: Sequence, req: _Request, t: float, *, routed: bool = False) -> bool:
+        """Add `seq` to `replica`'s scheduler (a failure fails the request). `routed`: the replica
+        counted the request as outstanding when it was picked (a disaggregated decode replica)."""
         try:
             replica.scheduler.add(seq, t)
         except ServelabError as exc:
             self.fail(req, t, exc.message)
             return False
-        replica.outstanding += 1
+        if not routed:
+            replica.outstanding += 1
         if not replica.busy:
             self.start_step(replica, t)
         return True
@@ -452,7 +457,18 @@ class ClusterRun:
             req.first_scheduled_s = seq.first_scheduled_s
             req.num_cached_tokens = seq.num_cached_tokens
         if replica.role == "prefill":
-            nbytes = 0.0 if sim.kv_bytes is None else sim.kv_bytes(req.spec.prompt_tokens)
+            # The decode replica takes the prompt now and is sent only the blocks past what its
+            # own prefix cache holds, as a decode worker reserves it before the transfer.
+            decode = req.decode_replica
+            assert decode is not None  # send() picked it
+            decode_seq = req.decode_seq = SimSequence(
+                seq.request_id, req.prompt_token_ids, self.params(req.spec.output_tokens), arrival_s=req.sent_s
+            )
+            decode_seq.prefix.hashes = list(req.prompt_block_hashes)
+            cached = len(decode.scheduler.block_manager.find_cached_prefix(decode_seq)) * sim.block_size
+            nbytes = (
+                0.0 if sim.kv_bytes is None else max(0.0, sim.kv_bytes(req.spec.prompt_tokens) - sim.kv_bytes(cached))
+            )
             start = max(t, replica.link_free_s)
             wire_s = nbytes / sim.link_bandwidth_bytes_per_s
             replica.link_free_s = start + wire_s
@@ -484,6 +500,10 @@ class ClusterRun:
         self.finish_client(req, t)
 
     def fail(self, req: _Request, t: float, error: str) -> None:
+        decode = req.decode_replica
+        if decode is not None:  # counted when picked, and never reached it or was refused there
+            decode.outstanding -= 1
+            req.decode_replica = None
         self.records.append(
             RequestRecord(
                 str(req.spec.index),

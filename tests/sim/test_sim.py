@@ -1,3 +1,4 @@
+import dataclasses
 import json
 
 import pytest
@@ -162,6 +163,25 @@ def test_a_disaggregated_prefill_sends_the_kv_its_ranks_hold(model, tp):
         assert tokens < spec.num_layers * n
     if spec.num_kv_heads < tp:
         assert result.kv_transfer_bytes > 2 * spec.kv_bytes_per_token("bf16") * n
+
+
+def test_a_disaggregated_prefill_sends_only_what_the_decode_side_has_not_cached():
+    # 30 requests sharing a 768-token prefix of 1,024, one decode replica: once the first has
+    # decoded there, its prefix cache holds the shared blocks and each later request's transfer
+    # carries only the rest, as a decode worker that reserves the prompt first asks for.
+    from servelab.sim.runner import transfer_bytes
+
+    config = SimConfig(model="llama-3.1-8b", hardware="h100-sxm", disagg=(1, 1))
+    per_request = transfer_bytes(config)
+    wl = WorkloadSpec(30, rate=2.0, input_len="1024", output_len="4", shared_prefix_fraction=0.75, seed=0)
+    shared = simulate(config, wl)
+    assert shared.summary.completed == 30
+    unshared = per_request(1024) * 30
+    # The first request sends all 1,024 tokens; each later one the 256 past the shared 48 blocks.
+    assert shared.kv_transfer_bytes == pytest.approx(per_request(1024) + 29 * per_request(256))
+    # Without prefix caching every request sends its whole prompt.
+    plain = simulate(dataclasses.replace(config, scheduler=SchedulerConfig(enable_prefix_caching=False)), wl)
+    assert plain.kv_transfer_bytes == pytest.approx(unshared)
 
 
 def test_prefix_sharing_shows_in_cached_tokens():
