@@ -138,21 +138,27 @@ def check_percentile(percentile: int) -> int:
     return percentile
 
 
-def missed_targets(summary: Summary, slo: SLO, percentile: int) -> list[tuple[str, float, float]]:
-    """(label, percentile value, target) of every latency target the summary misses, in the order
-    TTFT, TPOT, E2E."""
+def target_values(summary: Summary, slo: SLO, percentile: int) -> list[tuple[str, float, float]]:
+    """(label, percentile value, target) of every latency target set that the summary has a value
+    for, in the order TTFT, TPOT, E2E (no value: e.g. the TPOT of one-token outputs)."""
     key = f"p{percentile}"
-    missed = []
+    out = []
     for label, target, dist in (
         ("TTFT", slo.ttft_s, summary.ttft_s),
         ("TPOT", slo.tpot_s, summary.tpot_s),
         ("E2E", slo.e2e_s, summary.e2e_s),
     ):
         value = None if target is None else getattr(dist, key)
-        # None: e.g. the TPOT of one-token outputs, nothing to miss
-        if target is not None and value is not None and value > target:
-            missed.append((label, value, target))
-    return missed
+        if target is not None and value is not None:
+            out.append((label, value, target))
+    return out
+
+
+def missed_targets(summary: Summary, slo: SLO, percentile: int) -> list[tuple[str, float, float]]:
+    """`target_values` the summary misses."""
+    return [
+        (label, value, target) for label, value, target in target_values(summary, slo, percentile) if value > target
+    ]
 
 
 def slo_check(summary: Summary, slo: SLO, percentile: int) -> tuple[bool, str]:
@@ -364,11 +370,5 @@ def _excess(summary: Summary, slo: SLO, percentile: int) -> float | None:
     target has a value, or where failed requests decide the level (latency says nothing then)."""
     if summary.num_requests and summary.failed / summary.num_requests > (100 - percentile) / 100.0:
         return None
-    key = f"p{percentile}"
-    worst = None
-    for target, dist in ((slo.ttft_s, summary.ttft_s), (slo.tpot_s, summary.tpot_s), (slo.e2e_s, summary.e2e_s)):
-        value = None if target is None else getattr(dist, key)
-        if target and value is not None:
-            ratio = value / target - 1.0
-            worst = ratio if worst is None else max(worst, ratio)
-    return worst
+    ratios = [value / target - 1.0 for _, value, target in target_values(summary, slo, percentile) if target > 0]
+    return max(ratios, default=None)

@@ -107,7 +107,6 @@ class _Request:
     # Disaggregated: the decode replica its KV goes to, picked with its prefill replica (as the
     # front end does) and counting it as outstanding from then on.
     decode_replica: Replica | None = None
-    decode_seq: SimSequence | None = None  # its decode-side sequence, made when its KV leaves
 
 
 @dataclass(slots=True)
@@ -332,10 +331,10 @@ class ClusterRun:
         if self.pending:
             self.send(self.pending.popleft(), self.now)
 
-    def kv_arrive(self, req: _Request, _: None) -> None:
-        """A prefilled request's KV reaches the decode pool: it joins its decode replica."""
-        replica, seq = req.decode_replica, req.decode_seq
-        assert replica is not None and seq is not None  # request_finished set both before sending
+    def kv_arrive(self, req: _Request, seq: SimSequence) -> None:
+        """A prefilled request's KV reaches the decode pool: `seq` joins its decode replica."""
+        replica = req.decode_replica
+        assert replica is not None  # send() picked it
         rid = seq.request_id
         replica.executor.preloaded[rid] = req.spec.prompt_tokens - 1
         if not self.add_to(replica, seq, req, self.now, routed=True):
@@ -384,7 +383,6 @@ class ClusterRun:
         next_event_s = self.events[0][0] if self.events else math.inf
         starts: list[float] = []
         durations: list[float] = []
-        ends: list[float] = []
         busy_s = replica.busy_s
         for _ in range(steps):
             dur = decode_time_s(count, context_tokens)
@@ -395,7 +393,6 @@ class ClusterRun:
                 break  # an event comes first (a tie too: it was queued before this step's end)
             starts.append(t)
             durations.append(dur)
-            ends.append(end)
             busy_s += dur
             t = end
             context_tokens += count
@@ -412,6 +409,8 @@ class ClusterRun:
         for column in (trace.num_seqs, trace.num_decode, trace.num_tokens):
             column.extend(repeat(count, n))
         trace.kv_usage.extend(repeat(sched.block_manager.usage, n))  # no block is taken or freed in such steps
+        ends = starts[1:]  # each step ends where the next starts
+        ends.append(t)
         sched.tick_quiet(ends)
         self.now = t
         self.steps_in_place += n
@@ -461,7 +460,7 @@ class ClusterRun:
             # own prefix cache holds, as a decode worker reserves it before the transfer.
             decode = req.decode_replica
             assert decode is not None  # send() picked it
-            decode_seq = req.decode_seq = SimSequence(
+            decode_seq = SimSequence(
                 seq.request_id, req.prompt_token_ids, self.params(req.spec.output_tokens), arrival_s=req.sent_s
             )
             decode_seq.prefix.hashes = list(req.prompt_block_hashes)
@@ -476,7 +475,7 @@ class ClusterRun:
             req.transfer_s = done - t
             self.transfers.append(done - t)
             self.transfer_bytes += nbytes
-            self.push(done, self.kv_arrive, req)
+            self.push(done, self.kv_arrive, req, decode_seq)
             return
         times = array("d", seq.token_times_s)
         ok = seq.finish_reason is not None and seq.finish_reason.value == "length"
