@@ -1,10 +1,11 @@
 """Which limit set a planned capacity: a latency target (TTFT or TPOT: latency grows with the
-batch, and TTFT with any wait for a slot), the scheduler's `--max-num-seqs`, or the KV cache (no
-room for one more request at its full length)?
+batch, and TTFT with any wait for a slot), the scheduler's `--max-num-seqs`, the KV cache (no
+room for one more request at its full length), or the token budget (`--max-num-batched-tokens`:
+each step's tokens carry only so many decodes beside the prompts joining them)?
 
-The planner's search stops at the most sequences that can run at once (`--max-num-seqs` or the KV
-cache, whichever is lower), so a search that never failed is bound by that ceiling, measured at
-the ceiling itself; clients beyond it would only queue. A search that failed is judged on its first
+The planner's search stops at the most sequences that can run at once (the lowest of the three),
+so a search that never failed is bound by that ceiling, measured at the ceiling itself; clients
+beyond it would only queue. A search that failed is judged on its first
 failing level: bound by max-num-seqs or the KV cache when clients waited for a slot or for memory
 there (with think time a level can offer more clients than run), else by the target it missed.
 """
@@ -20,8 +21,8 @@ if TYPE_CHECKING:
     from servelab.sim import SimResult
 
 # "slo": the level failed on failed requests, not on a latency percentile.
-Limit = Literal["ttft", "tpot", "e2e", "slo", "max-num-seqs", "kv-cache", "search-maximum"]
-Ceiling = Literal["max-num-seqs", "kv-cache", "search-maximum"]
+Limit = Literal["ttft", "tpot", "e2e", "slo", "max-num-seqs", "kv-cache", "max-num-batched-tokens", "search-maximum"]
+Ceiling = Literal["max-num-seqs", "kv-cache", "max-num-batched-tokens", "search-maximum"]
 _TARGET_LIMIT: dict[str, Limit] = {"TTFT": "ttft", "TPOT": "tpot", "E2E": "e2e"}
 
 
@@ -64,9 +65,11 @@ def binding_limit(
     max_num_seqs: int,
     request_tokens: int,
     ceiling: Ceiling = "search-maximum",
+    budget_tokens: int | None = None,
 ) -> Binding | None:
     """`request_tokens`: the longest request's prompt + output, what one more sequence needs in
-    the KV cache; `ceiling`: what set the search's maximum load. None when no load met the
+    the KV cache; `ceiling`: what set the search's maximum load; `budget_tokens`: the
+    scheduler's --max-num-batched-tokens. None when no load met the
     targets (nothing was bound)."""
     if result.best is None:
         return None
@@ -87,6 +90,13 @@ def binding_limit(
                 f"{kv}: {load} requests fill it at full length, and concurrency {load} meets the targets "
                 f"(peak {seen.peak_running} sequences running, KV {seen.peak_kv_usage:.0%}, {seen.preemptions} "
                 f"preemptions); more clients would queue for memory"
+            )
+        elif ceiling == "max-num-batched-tokens":
+            detail = (
+                f"the token budget (--max-num-batched-tokens {budget_tokens}): concurrency {load} meets the targets "
+                f"with {seen.peak_running} sequences running at the peak, about as many as its tokens per step carry "
+                f"beside the prompts joining them (the mean request, by Little's law); more clients would only wait "
+                f"for admission"
             )
         else:
             detail = (

@@ -2,19 +2,26 @@
 
 Generic over a `measure(load) -> Summary` callable, so the same search runs against a real
 server (`servelab bench --find-capacity`) and against the simulator (`servelab plan`). The load
-is a concurrency (integer, the default) or a request rate. The search doubles from `start` until
-a level fails, then narrows the bracket between the last passing and the first failing level
-until they are within the tolerance (1 for concurrency; a relative 5% for rate). It assumes that a
-level that fails would fail at any higher load, which holds for a stable server and a fixed
-workload; under that assumption every way of narrowing a concurrency bracket to 1 ends on the
-same boundary (a rate search ends somewhere inside its last 5%).
+is a concurrency (integer, the default) or a request rate. The search doubles from `start` (or,
+for a start that estimates the boundary, steps by `first_step` and then its powers) until a level
+fails, then narrows the bracket between the last passing and the first failing level until they
+are within the tolerance of the failing load (1% for concurrency, at least one client; 5% for
+rate). Finer would be false precision: a level's percentiles move by a few tenths of a percent
+from one concurrency to the next for no reason but where the requests happened to fall, so that
+near the boundary a level can pass above one that failed. The search assumes that a level that
+fails would fail at any higher load, which holds for a stable server and a fixed workload; under
+that assumption it ends inside the tolerance below the boundary, and below 100 clients on the
+boundary itself.
 
-The bracket narrows by interpolation: each probe is where the line through its two ends' margins
-(the worst target's percentile over the target) crosses 1, as regula falsi with the Illinois
-rule (an end kept twice in a row has its margin's distance from 1 halved, so neither end
-stalls), held within ITP's bound (Oliveira and Takahashi, ACM TOMS 2020) so that a concurrency
-search never takes more than one level beyond what bisection would (a rate search about that). TPOT grows about linearly with
-concurrency and TTFT smoothly, so a search that bisected in 9-10 levels ends in about half that.
+The bracket narrows by interpolation: each probe is where the first target's line through its
+two ends' margins (that target's percentile over the target) crosses 1. Each target is
+interpolated on its own, since the worst of them kinks where a flat one (a TPOT held by the token
+budget) hands over to a rising one (a TTFT that queueing lifts). It is regula falsi with the
+Anderson-Bjorck rule (an end kept twice in a row has its margins scaled down by how far the other
+end's fell towards 1, so neither end stalls, even beside a jump), held within ITP's bound
+(Oliveira and Takahashi, ACM TOMS 2020) so that a search never takes more than three levels beyond
+what bisection would. TPOT grows about linearly with concurrency and TTFT smoothly, so a search
+that bisected in 9-10 levels ends in about half that.
 
 A level passes when at most (100 - percentile)% of its requests failed outright and the
 percentile TTFT (and TPOT, E2E) of the completed requests is at most the target. Capacity is
@@ -34,11 +41,14 @@ from servelab.metrics import SLO, RequestRecord, Summary
 
 SearchMode = Literal["concurrency", "rate"]
 SUPPORTED_PERCENTILES = (50, 90, 95, 99)
+DEFAULT_CONCURRENCY_TOLERANCE = 0.01
 DEFAULT_RATE_TOLERANCE = 0.05
 _MAX_LEVELS = 40  # a search that has not converged by then is narrowing towards an infeasible SLO
 # Levels the bracket phase may take beyond bisection's count, in exchange for probing where the
 # margins point (ITP's n0).
-ITP_SLACK = 1
+ITP_SLACK = 2
+# How far from its target a level's worst margin may be for a start's small first step to go on.
+NEAR = 0.2
 
 
 @dataclass(slots=True)
@@ -105,7 +115,7 @@ class CapacityResult:
 
     def describe(self) -> str:
         unit = "concurrency" if self.mode == "concurrency" else "req/s"
-        targets = _targets(self.slo, self.percentile)
+        targets = targets_text(self.slo, self.percentile)
         if self.best is None:
             first = min(self.levels, key=lambda lv: lv.load) if self.levels else None
             why = f" (at the lowest load tried, {first.load:g}: {first.reason})" if first else ""
@@ -122,7 +132,7 @@ class CapacityResult:
         return text
 
 
-def _targets(slo: SLO, percentile: int) -> str:
+def targets_text(slo: SLO, percentile: int) -> str:
     parts = []
     for label, value in (("TTFT", slo.ttft_s), ("TPOT", slo.tpot_s), ("E2E", slo.e2e_s)):
         if value is not None:
@@ -242,13 +252,13 @@ def find_capacity(
     max_load: float | None = None,
     tolerance: float | None = None,
     on_level: Callable[[Level], None] | None = None,
-    max_first: bool = False,
+    first_step: float = 2.0,
 ) -> CapacityResult:
-    """Double from `start`, then narrow the bracket. `tolerance`: absolute for concurrency (default 1, the
-    exact boundary), relative to the failing load for rate (default 0.05). `max_first`: run
-    `max_load` right after `start` passes, and end there if it passes too (a ceiling that often binds, as
-    the simulator's KV cache does, then costs one level instead of all the doublings below it);
-    the answer is the same either way."""
+    """Double from `start`, then narrow the bracket. `tolerance`: relative to the failing load (default
+    0.01 for concurrency, where the bracket also ends at 1 client apart whatever the tolerance, and 0.05
+    for rate). `first_step`: for a start that estimates the boundary, the first load ratio up from
+    it (or down, if it fails), each later one its square up to 2, while the margins are within
+    NEAR of the targets (beyond, the search doubles or halves at once)."""
     check_percentile(percentile)
     if slo.is_empty:
         raise InvalidArgument("a capacity search needs at least one target: --slo-ttft and/or --slo-tpot")
@@ -265,9 +275,9 @@ def find_capacity(
     if max_load is not None and max_load < load:
         raise InvalidArgument(f"the search's maximum load {max_load:g} is below its start {load:g}")
     if tolerance is None:
-        tolerance = 1.0 if integer else DEFAULT_RATE_TOLERANCE
-    if not tolerance > 0:
-        raise InvalidArgument(f"the search tolerance must be > 0, got {tolerance:g}")
+        tolerance = DEFAULT_CONCURRENCY_TOLERANCE if integer else DEFAULT_RATE_TOLERANCE
+    if not 0 < tolerance < 1:
+        raise InvalidArgument(f"the search tolerance is a fraction of the load, > 0 and < 1, got {tolerance:g}")
     result = CapacityResult(mode=mode, percentile=percentile, slo=slo)
 
     def run(at: float) -> Level:
@@ -283,27 +293,24 @@ def find_capacity(
             on_level(level)
         return level
 
-    top = None  # max_load's level, run right after the start's under max_first
-
-    # Phase 1: double until a level fails (or the maximum load passes).
+    # Phase 1: step up until a level fails (or the maximum load passes).
+    step = first_step
     while len(result.levels) < _MAX_LEVELS:
-        if top is not None and load >= top.load:
-            result.first_failing = top
-            break
         level = run(load)
         if not level.passed:
             result.first_failing = level
             break
         result.best = level
-        if max_first and top is None and max_load is not None and max_load > load:
-            top = run(max_load)
-            if top.passed:
-                result.best, result.reached_max_load = top, True
-                return result
         if max_load is not None and load >= max_load:
             result.reached_max_load = True
             return result
-        load = load * 2 if max_load is None else min(load * 2, max_load)
+        if not _near(level, slo, percentile):
+            step = 2.0
+        up = load * step
+        load = float(max(load + 1, math.floor(up))) if integer else up
+        if max_load is not None:
+            load = min(load, max_load)
+        step = min(2.0, step * step)
     if result.first_failing is None:
         return result
 
@@ -313,12 +320,14 @@ def find_capacity(
     floor_load = 1.0 if integer else hi * 2.0**-10  # below this, the SLO is infeasible
 
     def converged() -> bool:
-        return (hi - lo) <= tolerance if integer else (hi - lo) <= tolerance * hi
+        return hi - lo <= (max(1.0, tolerance * hi) if integer else tolerance * hi)
 
     if result.best is None:
-        # Nothing passed: no margin below to interpolate from; halve towards the floor.
+        # Nothing passed: no margin below to interpolate from; step down towards the floor.
+        step = first_step if _near(result.first_failing, slo, percentile) else 2.0
         while len(result.levels) < _MAX_LEVELS and not converged() and hi > floor_load:
-            mid = math.floor(hi / 2) if integer else hi / 2
+            mid = math.floor(hi / step) if integer else hi / step
+            step = min(2.0, step * step)
             if integer and mid < 1:
                 break
             level = run(mid)
@@ -328,18 +337,24 @@ def find_capacity(
             hi, result.first_failing = mid, level
         if result.best is None:
             return result
-    # Each end's margin minus 1: <= 0 at the pass, > 0 at the fail; None where no latency decides it.
+    # Each end's margins minus 1, per target: <= 0 at the pass, the failing ones > 0 at the fail;
+    # empty where no latency decides the level.
     f_lo = _excess(result.best.summary, slo, percentile)
     f_hi = _excess(result.first_failing.summary, slo, percentile)
-    eps = tolerance / 2 if integer else tolerance * lo / 2
+    eps = (max(1.0, tolerance * lo) if integer else tolerance * lo) / 2
     n_max = max(0, math.ceil(math.log2((hi - lo) / (2 * eps)))) + ITP_SLACK if lo < hi else 0
     probes = 0
     kept = 0  # +1: the fail end was kept last probe (a pass moved lo); -1: the pass end was kept
     while len(result.levels) < _MAX_LEVELS and not converged():
         mid = (lo + hi) / 2
-        x = mid
-        if f_lo is not None and f_hi is not None and f_lo <= 0.0 < f_hi:
-            x = lo - f_lo * (hi - lo) / (f_hi - f_lo)  # where the line through the ends crosses 0
+        # Where the first target's line through the ends crosses 0: each target is interpolated
+        # on its own, since their maximum kinks where a flat one hands over to a rising one.
+        crossings = [
+            lo - f_lo[label] * (hi - lo) / (f_hi[label] - f_lo[label])
+            for label in f_hi.keys() & f_lo.keys()
+            if f_lo[label] <= 0.0 < f_hi[label]
+        ]
+        x = min(crossings, default=mid)
         # ITP's bound: at most n_max probes in all, whatever the margins do.
         radius = max(0.0, eps * 2.0 ** (n_max - probes) - (hi - lo) / 2)
         if abs(x - mid) > radius:
@@ -352,23 +367,39 @@ def find_capacity(
         excess = _excess(level.summary, slo, percentile)
         if level.passed:
             lo, result.best = at, level
-            f_lo = excess if excess is not None and excess <= 0.0 else None
-            if kept == 1 and f_hi is not None:
-                f_hi /= 2  # Illinois: the fail end is kept again
-            kept = 1
+            new_lo = {label: e for label, e in excess.items() if e <= 0.0}
+            if kept == 1:  # the fail end is kept again
+                f_hi = {label: e * _damping(f_lo.get(label), new_lo.get(label)) for label, e in f_hi.items()}
+            f_lo, kept = new_lo, 1
         else:
             hi, result.first_failing = at, level
-            f_hi = excess if excess is not None and excess > 0.0 else None
-            if kept == -1 and f_lo is not None:
-                f_lo /= 2  # Illinois: the pass end is kept again
-            kept = -1
+            if kept == -1:  # the pass end is kept again
+                f_lo = {label: e * _damping(f_hi.get(label), excess.get(label)) for label, e in f_lo.items()}
+            f_hi, kept = excess, -1
     return result
 
 
-def _excess(summary: Summary, slo: SLO, percentile: int) -> float | None:
-    """The worst target's percentile over its target, minus 1 (> 0 misses it); None where no
-    target has a value, or where failed requests decide the level (latency says nothing then)."""
+def _near(level: Level, slo: SLO, percentile: int) -> bool:
+    """Whether the level's worst margin is within NEAR of its target, either way."""
+    excess = _excess(level.summary, slo, percentile)
+    return bool(excess) and abs(max(excess.values())) <= NEAR
+
+
+def _damping(before: float | None, after: float | None) -> float:
+    """Anderson-Bjorck: how much the end kept twice has its margin scaled, from how far the
+    moving end's margin fell towards 0 (nearly all of it where the margin is flat near a cliff,
+    so the next line pivots towards the kept end); a half where it did not fall."""
+    if before is None or after is None or before == 0.0:
+        return 0.5
+    m = 1.0 - after / before
+    return m if m > 0.0 else 0.5
+
+
+def _excess(summary: Summary, slo: SLO, percentile: int) -> dict[str, float]:
+    """Each target's percentile over the target, minus 1 (> 0 misses it), by label; empty where
+    failed requests decide the level (latency says nothing then)."""
     if summary.num_requests and summary.failed / summary.num_requests > (100 - percentile) / 100.0:
-        return None
-    ratios = [value / target - 1.0 for _, value, target in target_values(summary, slo, percentile) if target > 0]
-    return max(ratios, default=None)
+        return {}
+    return {
+        label: value / target - 1.0 for label, value, target in target_values(summary, slo, percentile) if target > 0
+    }

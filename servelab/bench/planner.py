@@ -19,7 +19,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
 
 from servelab.bench.binding import Binding, Ceiling, Observed, binding_limit, observe
-from servelab.bench.capacity import CapacityResult, CertainFailure, Level, LevelRun, find_capacity, slo_check
+from servelab.bench.capacity import (
+    CapacityResult,
+    CertainFailure,
+    Level,
+    LevelRun,
+    find_capacity,
+    slo_check,
+    targets_text,
+)
 from servelab.bench.pareto import SweptLevel
 from servelab.core.config import SchedulerConfig
 from servelab.errors import DoesNotFit, InvalidArgument, RequestTooLong
@@ -180,7 +188,7 @@ def _plan_one(job: PlanJob) -> PlanRow:
     from servelab.core.kv_groups import pages_for
     from servelab.cost.memory import MemoryPlan
     from servelab.sim import SimConfig, simulate
-    from servelab.sim.runner import engine_sim_config, kv_slots_needed, scheduler_config
+    from servelab.sim.runner import build_cost_model, engine_sim_config, kv_slots_needed, scheduler_config
     from servelab.spec.hardware import get_hardware
     from servelab.spec.model import resolve_model
 
@@ -256,18 +264,28 @@ def _plan_one(job: PlanJob) -> PlanRow:
         return LevelRun(result.steady_or_whole)
 
     # Clients beyond what runs at once only queue: they add TTFT, no throughput, and are not users.
-    # So the search stops at the most sequences that can run, measured there exactly: the
-    # scheduler's cap or the requests whose KV fits at once at full length (the workload's mean
-    # request, with its pages at full length in every KV group, a sliding-window group's only its window's),
-    # whichever is lower. Users who think are in flight only E2E / (E2E + think) of the time
-    # (Little's law), so as many more of them fit; E2E is at least one user's alone.
+    # So the search stops at the most sequences that can run, measured there exactly, whichever
+    # is lowest of: the scheduler's cap; the requests whose KV fits at once at full length (the
+    # workload's mean request, with its pages at full length in every KV group, a sliding-window
+    # group's only its window's); and what the token budget keeps running (the mean request's
+    # prompt past its shared prefix). Users who think are in flight only E2E / (E2E + think) of
+    # the time (Little's law), so as many more of them fit; E2E is at least one user's alone.
     blocks_per_request = statistics.fmean(
         pages_for(sched.kv_group_windows, kv_slots_needed(r.prompt_tokens, r.output_tokens), sched.block_size)
         for r in requests
     )
     kv_wall = max(1, int(sched.num_blocks // blocks_per_request))
-    row.max_running = min(max_num_seqs, kv_wall)
-    ceiling: Ceiling = "max-num-seqs" if max_num_seqs <= kv_wall else "kv-cache"
+    budget_wall = sched.budget_running(
+        statistics.fmean(r.prompt_tokens - min(r.prefix_tokens, r.prompt_tokens) for r in requests),
+        statistics.fmean(r.output_tokens for r in requests),
+    )
+    walls: dict[Ceiling, int] = {
+        "max-num-seqs": max_num_seqs,
+        "kv-cache": kv_wall,
+        "max-num-batched-tokens": budget_wall,
+    }
+    ceiling = min(walls, key=walls.__getitem__)  # the first of equals
+    row.max_running = walls[ceiling]
     try:
         max_load = row.max_running * _think_factor(config, job.workload)
     except (RequestTooLong, DoesNotFit) as exc:
@@ -277,18 +295,26 @@ def _plan_one(job: PlanJob) -> PlanRow:
         if cap is not None and cap < max_load:
             max_load, ceiling = cap, "search-maximum"
     early_stop = job.early_stop and not job.sweep_to_ceiling
+    cost = build_cost_model(config)
+    # --plot's frontier draws levels that miss the targets too.
+    out_of_reach = None if job.sweep_to_ceiling else _out_of_reach(config, cost, requests, sched, job.slo)
+    if out_of_reach is not None:
+        row.reason = f"no load meets {targets_text(job.slo, job.percentile)}: {out_of_reach}"
+        return row
+    # --plot's frontier wants every doubling from 1.
+    start = None if job.sweep_to_ceiling else _steady_estimate(
+        cost, requests, int(max_load), sched.max_num_batched_tokens, job.slo)  # fmt: skip
     try:
         result = find_capacity(
-            functools.partial(measure, early_stop=early_stop),
-            job.slo,
+            measure=functools.partial(measure, early_stop=early_stop),
+            slo=job.slo,
             percentile=job.percentile,
             mode="concurrency",
             max_load=max_load,
             tolerance=job.tolerance,
-            # The ceiling binds often (a KV-bound capacity is measured there): try it right after the
-            # first level where the cost model does not rule it out, unless the frontier wants the
-            # levels below it.
-            max_first=not job.sweep_to_ceiling and _ceiling_may_pass(config, requests, int(max_load), job.slo),
+            # From the estimate in steps of 10% while its margins are within 20% of the targets.
+            start=start,
+            first_step=2.0 if start is None else 1.1,
         )
         if result.first_failing is not None and result.first_failing.stopped_early:
             _measure_whole(result, measure_whole)
@@ -310,23 +336,64 @@ def _plan_one(job: PlanJob) -> PlanRow:
         )
         return row
     fill_row(row, result, job, extra)
-    row.binding = binding_limit(result, observed, max_num_seqs=max_num_seqs, request_tokens=longest, ceiling=ceiling)
+    row.binding = binding_limit(result, observed, max_num_seqs=max_num_seqs, request_tokens=longest, ceiling=ceiling,
+                                budget_tokens=sched.max_num_batched_tokens)  # fmt: skip
     return row
 
 
-def _ceiling_may_pass(config, requests: list, concurrency: int, slo: SLO) -> bool:  # noqa: ANN001
-    """False where the cost model alone rules out meeting the targets at `concurrency`: a decode
-    step of that many sequences at the mean request's mid-decode context is over the TPOT
-    target, or the mean prompt's prefill alone is over the TTFT target. Only the search's order
-    hangs on it (a ceiling that fails costs a large level), never its answer."""
-    from servelab.sim.runner import build_cost_model
+def alone_bounds(cost, requests: list, block_size: int) -> tuple[float, float | None]:  # noqa: ANN001
+    """Lower bounds, from the cost model, on every request's (TTFT, TPOT) at any load: its prompt's
+    uncached tokens in one step of their own (chunks or company only add to it: a step's time is
+    subadditive in its tokens), and one decode step of it alone at its prompt's length (None when
+    no request decodes)."""
+    ttft_s = min(
+        cost.step_time_s([(max(1, r.prompt_tokens - r.prefix_tokens // block_size * block_size), r.prompt_tokens)])
+        for r in requests
+    )
+    decoding = [r.prompt_tokens for r in requests if r.output_tokens > 1]
+    return ttft_s, min(cost.step_time_s([(1, p + 1)]) for p in decoding) if decoding else None
 
-    cost = build_cost_model(config)
-    prompt = round(statistics.fmean(r.prompt_tokens for r in requests))
-    context = prompt + round(statistics.fmean(r.output_tokens for r in requests) / 2)
-    if slo.tpot_s is not None and cost.step_time_s([(1, max(1, context))] * concurrency) > slo.tpot_s:
-        return False
-    return slo.ttft_s is None or cost.step_time_s([(max(1, prompt), max(1, prompt))]) <= slo.ttft_s
+
+def _out_of_reach(config, cost, requests: list, sched: SchedulerConfig, slo: SLO) -> str | None:  # noqa: ANN001
+    """Why no load can meet the targets where `alone_bounds` proves it (over a target: every
+    level's percentile is too, and simulating one would only confirm it), else None. Only for
+    requests of one length, whose bounds hold for every level's requests as for the sample's, on
+    the roofline cost model (subadditive), without speculation (several tokens a step)."""
+    one_length = len({(r.prompt_tokens, r.output_tokens, r.prefix_tokens) for r in requests}) == 1
+    if not one_length or config.cost_model is not None or config.speculative is not None:
+        return None
+    ttft_s, tpot_s = alone_bounds(cost, requests, sched.block_size)
+    if slo.ttft_s is not None and ttft_s > slo.ttft_s:
+        return f"one request alone takes {ttft_s * 1e3:,.1f} ms to prefill its prompt, over the TTFT target"
+    if slo.tpot_s is not None and tpot_s is not None and tpot_s > slo.tpot_s:
+        return f"a decode step of one sequence alone takes {tpot_s * 1e3:,.2f} ms, over the TPOT target"
+    return None
+
+
+def _steady_estimate(cost, requests: list, max_load: int, budget: int, slo: SLO) -> int | None:  # noqa: ANN001
+    """Where the capacity search starts: the most clients, up to `max_load`, whose steady step the
+    cost model puts within the TPOT target: their decodes at the mean request's mid-decode context
+    beside the prompt tokens they send a step (clients x prompt / output, up to the token budget).
+    Where TPOT binds, the boundary is usually within 10% of it; where TTFT or a ceiling binds, it
+    is an overestimate the search halves down from. None without a TPOT target (the search
+    doubles from 1). Which levels run hangs on it, and the answer only within the search's
+    tolerance while failures are monotone in load."""
+    if slo.tpot_s is None:
+        return None
+    prompt = max(1, round(statistics.fmean(r.prompt_tokens for r in requests)))
+    output = max(1, round(statistics.fmean(r.output_tokens for r in requests)))
+    context = prompt + output // 2
+
+    def within(clients: int) -> bool:
+        chunk = min(max(0, budget - clients), round(clients * prompt / output))
+        shape = [(1, context)] * clients + ([(chunk, prompt)] if chunk else [])
+        return cost.step_time_s(shape) <= slo.tpot_s
+
+    lo, hi = 1, max_load + 1  # within(lo) is not checked: one client is the least the search can start at
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if within(mid) else (lo, mid)
+    return lo
 
 
 class _PastTimeLimit(Exception):

@@ -32,7 +32,8 @@ HELP = "capacity plan: tokens/s per device at TTFT and TPOT targets across hardw
 
 
 # The table's words for binding.Limit (the JSON keeps the ids).
-LIMIT_LABELS = {"ttft": "TTFT", "tpot": "TPOT", "e2e": "E2E", "slo": "failed requests", "kv-cache": "KV cache"}
+LIMIT_LABELS = {"ttft": "TTFT", "tpot": "TPOT", "e2e": "E2E", "slo": "failed requests", "kv-cache": "KV cache",
+                "max-num-batched-tokens": "token budget"}  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -7,6 +7,7 @@ from its fields (`servelab.commands._scheduler_cli`), so a default or a help lin
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -141,6 +142,23 @@ class SchedulerConfig:
         if kv_group_windows is not None:
             values["kv_group_windows"] = kv_group_windows
         return ResolvedSchedulerConfig(**values)
+
+    def budget_running(self, prompt_tokens: float, output_tokens: float) -> int:
+        """The most sequences the token budget keeps running under a steady stream of requests of
+        these mean lengths (`prompt_tokens`: the ones computed, past prefix-cache hits), so that
+        clients beyond it wait for admission. Where prompts share steps with decodes (chunked,
+        decode-first-whole), a request costs prompt + D step tokens over its D = output - 1 decode
+        steps, so requests finish at L = budget / that cost a step, and by Little's law L x D
+        decode at once beside at most L + 1 prompts in prefill (L whole ones and a chunk of the
+        next). A speculative step scores at least as many tokens as it keeps, so its requests cost
+        no less and run no more. Where prompts run in steps of their own, one decode step's batch
+        is the bound: the budget."""
+        budget = self.max_num_batched_tokens
+        if self.policy in ("prefill-first", "prefill-first-chunked"):
+            return budget
+        decodes = max(0.0, output_tokens - 1.0)
+        rate = budget / max(1.0, prompt_tokens + decodes)
+        return math.ceil(rate * (decodes + 1.0) + 1.0)
 
     @property
     def chunk_tokens(self) -> int | None:

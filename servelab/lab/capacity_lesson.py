@@ -317,10 +317,12 @@ def capacity(p: Params, planner: CapacityPlanner) -> dict[str, Any] | JSONRespon
     return result(s, key, rows)
 
 
-def most_running(s: Any, hardware: Any, tokens: int, max_num_seqs: int | None = None) -> int:
-    """What runs at once on `hardware`: the requests of `tokens` whose KV fits at full length at the
-    engine's memory share, at most `max_num_seqs` (default: the engine profile's); 0 where the
-    weights do not fit."""
+def most_running(s: Any, hardware: Any, prompt_len: int, output_len: int, max_num_seqs: int | None = None) -> int:
+    """What runs at once on `hardware`, as `servelab plan`'s ceiling counts it: requests of these
+    lengths whose KV fits at full length at the engine's memory share, at most `max_num_seqs`
+    (default: the engine profile's) and what its token budget keeps running; 0 where the weights
+    do not fit."""
+    from servelab.core.config import SchedulerConfig
     from servelab.cost import MemoryPlan
     from servelab.sim.engine_profiles import engine_profile
 
@@ -333,8 +335,10 @@ def most_running(s: Any, hardware: Any, tokens: int, max_num_seqs: int | None = 
         return 0
     if not memory.weights_fit:
         return 0
-    cap = settings.scheduler["max_num_seqs"] if max_num_seqs is None else max_num_seqs
-    return max(0, min(memory.max_batch(tokens - 1), cap))
+    scheduler = SchedulerConfig(**settings.scheduler)
+    cap = scheduler.max_num_seqs if max_num_seqs is None else max_num_seqs
+    budget = scheduler.budget_running(prompt_len, output_len)
+    return max(0, min(memory.max_batch(prompt_len + output_len - 1), cap, budget))
 
 
 def memory_cap_argv(s: Any, hardware: list[str], prompt_len: int, output_len: int,
@@ -342,7 +346,7 @@ def memory_cap_argv(s: Any, hardware: list[str], prompt_len: int, output_len: in
     """`--max-concurrency N` where the lab's memory budget per simulation caps a capacity level
     below what runs at once on one of `hardware` (long requests), else nothing."""
     cap = max_plan_concurrency(prompt_len, output_len)
-    running = max(most_running(s, HARDWARE[hw], prompt_len + output_len, max_num_seqs) for hw in hardware)
+    running = max(most_running(s, HARDWARE[hw], prompt_len, output_len, max_num_seqs) for hw in hardware)
     return ["--max-concurrency", str(cap)] if cap < running else []
 
 
@@ -355,7 +359,7 @@ def upper_bound(s: Any, hardware: Any, key: PlanKey) -> dict[str, Any]:
     from servelab.lab.roofline_lessons import batch_at_tpot
 
     wall = min(
-        most_running(s, hardware, key.prompt_len + key.output_len, MAX_NUM_SEQS),
+        most_running(s, hardware, key.prompt_len, key.output_len, MAX_NUM_SEQS),
         max_plan_concurrency(key.prompt_len, key.output_len),
     )
     if wall <= 0:
@@ -378,6 +382,7 @@ BIND_LABEL = {
     "tpot": "the TPOT target",
     "max-num-seqs": f"the lab's {MAX_NUM_SEQS:,}-sequence cap",
     "slo": "failed requests",
+    "max-num-batched-tokens": "the engine's token budget per step (prompts share it with decodes)",
     "search-maximum": "the lab's memory budget per simulation (--max-concurrency)",
 }
 

@@ -3,6 +3,8 @@ simulator."""
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -74,27 +76,31 @@ def test_a_fractional_cap_on_concurrency_reports_only_what_it_ran():
         find_capacity(lambda c: _summary(0.01), SLO(tpot_s=0.05), max_load=0.5)
 
 
-def test_max_first_ends_at_a_passing_ceiling_and_otherwise_answers_as_without():
-    def search(boundary, max_load, **kw):
+def test_a_start_near_the_boundary_steps_by_its_first_step_and_answers_as_from_one():
+    def search(boundary, **kw):
         calls = []
 
         def measure(c):
             calls.append(c)
-            return _summary(0.010 if c <= boundary else 0.060)  # a cliff at the boundary
+            return _summary(0.050 * math.sqrt(c / (boundary + 0.5)))  # p90 TPOT; the target is 50 ms
 
-        return find_capacity(measure, SLO(tpot_s=0.050), max_load=max_load, **kw), calls
+        return find_capacity(measure, SLO(tpot_s=0.050), **kw), calls
 
-    result, calls = search(100, 37, max_first=True)
-    assert calls == [1, 37] and result.best.load == 37 and result.reached_max_load
-    for boundary, max_load in ((20, 37), (32, 37), (36, 37), (1, 37), (0, 37), (64, 1000)):
-        plain, plain_calls = search(boundary, max_load)
-        first, first_calls = search(boundary, max_load, max_first=True)
-        assert first_calls[: 2 if boundary else 1] == [1, max_load][: 2 if boundary else 1]
-        assert first_calls.count(max_load) == (1 if boundary else 0)
-        assert (first.capacity_load, first.first_failing.load) == (plain.capacity_load, plain.first_failing.load)
-        assert not first.reached_max_load
-    # Nothing passes: the reason names the lowest load tried, not the ceiling run first.
-    assert "at the lowest load tried, 1:" in search(0, 37, max_first=True)[0].describe()
+    # Just below: up 10%, then 21%, and the bracket narrows from there.
+    result, calls = search(105, start=100, first_step=1.1)
+    assert calls[:2] == [100, 110] and result.best.load == 105
+    # Just above: down 10%, then 21%.
+    result, calls = search(80, start=100, first_step=1.1)
+    assert calls[:3] == [100, 90, 74] and result.best.load == 80
+    # Far from it (the margins beyond 20%): doubling or halving at once.
+    assert search(1000, start=100, first_step=1.1)[1][:3] == [100, 200, 400]
+    assert search(10, start=100, first_step=1.1)[1][:3] == [100, 50, 25]
+    for boundary in (3, 10, 37, 80, 105, 1000):
+        plain = search(boundary)[0]
+        near = search(boundary, start=boundary * 0.95, first_step=1.1)[0]
+        tolerance = max(1.0, 0.01 * plain.first_failing.load)
+        for r in (plain, near):
+            assert boundary - tolerance <= r.best.load <= boundary < r.first_failing.load
 
 
 def test_certainly_fails_agrees_with_numpy_percentiles():
@@ -114,6 +120,8 @@ def test_certainly_fails_agrees_with_numpy_percentiles():
 
 
 def test_bad_search_arguments():
+    with pytest.raises(InvalidArgument, match="a fraction of the load"):
+        find_capacity(lambda c: _summary(0.01), SLO(tpot_s=0.05), tolerance=1.0)
     with pytest.raises(InvalidArgument, match="percentile"):
         find_capacity(lambda c: _summary(0.01), SLO(tpot_s=0.05), percentile=80)
     with pytest.raises(InvalidArgument, match="target"):

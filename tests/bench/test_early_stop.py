@@ -116,7 +116,7 @@ PLANS = [
         slo=SLO(ttft_s=0.5, tpot_s=0.030),
         workload={"input_len": "128-4096", "output_len": "16-512", "seed": 7},
     ),
-    dict(hardware="h100-sxm", slo=SLO(tpot_s=0.020), workload={"input_len": "1024", "output_len": "16"}),
+    dict(hardware="h100-sxm", slo=SLO(tpot_s=0.020), workload={"input_len": "1024", "output_len": "48"}),
 ]
 
 

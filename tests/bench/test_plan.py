@@ -8,6 +8,8 @@ import json
 import math
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from servelab.bench.planner import DEFAULT_SLO_TTFT_S, PlanJob, cost_per_million_tokens, parse_prices, plan_one, rank
 from servelab.cli import main as cli_main
@@ -199,24 +201,104 @@ def test_a_capacity_capped_by_the_kv_cache_says_so():
     assert f"{b.kv_capacity_tokens:,} tokens" in b.detail
 
 
-def test_plan_tries_its_ceiling_right_after_the_first_level_where_it_may_pass():
+def test_plan_starts_its_search_at_the_cost_models_estimate():
     def loads(**kw):
         row = plan_one(_job(workload={"input_len": "4096", "output_len": "64", "seed": 0}, **kw))
         return [lv["load"] for lv in row.capacity["levels"]], row
 
-    # Loose targets: the KV ceiling passes, two levels in all.
+    # Loose targets: the estimate is the KV ceiling, which passes: one level in all.
     levels, row = loads(hardware="l4", slo=SLO(tpot_s=0.5, ttft_s=20.0))
-    assert levels == [1, row.max_running] and row.capacity_concurrency == row.max_running
+    assert levels == [row.max_running] == [row.capacity_concurrency]
     # A TPOT target one sequence meets and a full batch's decode step misses (an H100 holds ~100 of
-    # these requests): the search doubles as usual.
+    # these requests): it starts at the boundary, 4, and one step up fails.
     levels, row = loads(hardware="h100-sxm", slo=SLO(tpot_s=0.012, ttft_s=20.0))
-    assert levels[:2] == [1, 2] and row.max_running not in levels and row.capacity_concurrency > 1
-    # --plot's frontier wants every doubling: no ceiling first.
+    assert levels == [4, 5] and row.capacity_concurrency == 4 < row.max_running
+    # --plot's frontier wants every doubling.
     row = plan_one(dataclasses.replace(
         _job(hardware="l4", slo=SLO(tpot_s=0.5, ttft_s=20.0), workload={"input_len": "4096", "output_len": "64"}),
         sweep_to_ceiling=True,
     ))  # fmt: skip
     assert [lv["load"] for lv in row.capacity["levels"]][:2] == [1, 2]
+
+
+@pytest.mark.parametrize(("prompt", "output"), [(21, 136), (1024, 128), (8192, 16), (128, 1)])
+def test_the_token_budget_wall_is_what_runs_at_once_under_a_queue(prompt, output):
+    # Twice as many clients as the wall: the steps run about the wall's sequences and the rest
+    # wait for admission, whatever the split of prompt and output tokens.
+    from servelab.sim import SimConfig, simulate
+    from servelab.workload import WorkloadSpec
+
+    sched = SchedulerConfig(max_num_seqs=4096)
+    wall = sched.budget_running(prompt, output)
+    config = SimConfig(model="llama-3.1-8b", hardware="h100-sxm", scheduler=sched)
+    clients = 2 * wall
+    result = simulate(config, WorkloadSpec(num_requests=6 * clients, concurrency=clients,
+                                           input_len=str(prompt), output_len=str(output)))  # fmt: skip
+    steady = sorted(result.trace.num_seqs[len(result.trace.num_seqs) // 2 :])
+    median = steady[len(steady) // 2]
+    assert 0.9 * wall <= median <= wall, (wall, median)
+
+
+@pytest.mark.parametrize(("coverage", "acceptance", "output"), [(0.2, 0.3, 136), (1.0, 0.0, 6)])
+def test_the_token_budget_wall_holds_under_speculative_decoding(coverage, acceptance, output):
+    # Drafts in a fifth of the steps, or none accepted on short outputs: a step's tokens still carry
+    # no more sequences than the plain wall, whatever the K + 1 positions a verification scores.
+    from servelab.cost.speculative import Acceptance
+    from servelab.sim import SimConfig, simulate
+    from servelab.workload import WorkloadSpec
+
+    sched = SchedulerConfig(max_num_seqs=4096)
+    wall = sched.budget_running(21, output)
+    config = SimConfig(model="llama-3.1-8b", hardware="h100-sxm", scheduler=sched,
+                       speculative='{"method": "ngram", "num_speculative_tokens": 4}',
+                       spec_acceptance=dataclasses.replace(Acceptance.rate(acceptance, 4), coverage=coverage))  # fmt: skip
+    clients = 2 * wall
+    result = simulate(config, WorkloadSpec(num_requests=3 * clients, concurrency=clients, input_len="21",
+                                           output_len=str(output)))  # fmt: skip
+    steady = sorted(result.trace.num_seqs[len(result.trace.num_seqs) // 2 :])
+    assert steady[len(steady) // 2] <= wall
+
+
+def test_out_of_reach_rows_skip_the_search_but_not_the_frontier():
+    # One sequence's decode step on an L4 is over a 10 ms TPOT: no level can pass, and `plan`
+    # says so without simulating; `--plot` still draws the levels (they may meet the TTFT target).
+    job = _job(hardware="l4", slo=SLO(ttft_s=2.0, tpot_s=0.010), workload={"input_len": "512", "output_len": "64"})
+    row = plan_one(job)
+    assert row.fits and not row.meets_slo and row.capacity is None and "decode step of one sequence alone" in row.reason
+    swept = plan_one(dataclasses.replace(job, sweep_to_ceiling=True))
+    assert not swept.meets_slo and len(swept.frontier) >= 4
+    # Lengths that vary: the sample's shortest request need not be a level's, so the search runs.
+    varied = plan_one(_job(hardware="l4", slo=SLO(ttft_s=2.0, tpot_s=0.010),
+                           workload={"input_len": "256-768", "output_len": "64"}))  # fmt: skip
+    assert not varied.meets_slo and varied.capacity is not None
+
+
+def test_a_capacity_at_the_token_budget_counts_no_queued_client():
+    # 8k-token prompts, 16-token outputs: 2,048 tokens a step carry about four decodes beside the
+    # prompt in prefill. Clients beyond five only queue (TTFT grows, throughput does not), and a
+    # 1 s TTFT target would count three of them as users.
+    row = plan_one(
+        _job(slo=SLO(tpot_s=0.2, ttft_s=1.0), workload={"num_requests": 48, "input_len": "8192", "output_len": "16"})
+    )
+    b = row.binding
+    assert row.max_running == 5 == row.capacity_concurrency and b.limit == "max-num-batched-tokens", b
+    assert "--max-num-batched-tokens 2048" in b.detail and row.ttft_s < 0.5
+
+
+def test_the_search_from_the_estimate_answers_as_the_one_from_one(monkeypatch):
+    # 512 + 512 tokens at a 12 ms TPOT: the cost model puts the boundary near 80 clients, so the
+    # search starts there and skips the levels below, the costliest per request.
+    import servelab.bench.planner as planner
+
+    job = _job(slo=SLO(tpot_s=0.012, ttft_s=2.0), workload={"input_len": "512", "output_len": "512", "seed": 0})
+    row = plan_one(job)
+    levels = [lv["load"] for lv in row.capacity["levels"]]
+    monkeypatch.setattr(planner, "_steady_estimate", lambda *args: None)
+    from_one = plan_one(job)
+    assert levels[0] > 64 and len(levels) < len(from_one.capacity["levels"]) - 4
+    assert [lv["load"] for lv in from_one.capacity["levels"]][:3] == [1, 2, 4]
+    assert row.capacity_concurrency == from_one.capacity_concurrency == 76
+    assert row.tokens_per_s_per_device == from_one.tokens_per_s_per_device
 
 
 def test_the_kv_ceiling_counts_a_sliding_window_models_pages_in_every_group():
@@ -258,9 +340,9 @@ def test_a_capacity_set_by_the_tpot_target_says_so():
 
 
 def test_a_capacity_set_by_the_ttft_target_says_so():
-    # 8k-token prompts: a few prefills at once already take a second.
+    # 8k-token prompts: three prefills at once already take a quarter of a second.
     row = plan_one(
-        _job(slo=SLO(tpot_s=0.2, ttft_s=1.0), workload={"num_requests": 48, "input_len": "8192", "output_len": "16"})
+        _job(slo=SLO(tpot_s=0.2, ttft_s=0.25), workload={"num_requests": 48, "input_len": "8192", "output_len": "16"})
     )
     b = row.binding
     assert row.meets_slo and b.limit == "ttft", b
@@ -360,3 +442,30 @@ def test_a_search_past_its_time_limit_answers_nothing_and_says_so():
     assert row.timed_out and row.fits and not row.meets_slo and row.capacity_concurrency is None
     assert "time limit of 0.05 s" in row.reason and row.to_dict()["timed_out"]
     assert not plan_one(_job()).timed_out
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    model=st.sampled_from(["llama-3.1-8b", "gemma-2-9b", "mixtral-8x7b"]),
+    hardware=st.sampled_from(["h100-sxm", "b200", "l4", "mi300x"]),
+    prompt=st.integers(16, 9000),
+    output=st.integers(2, 40),
+    clients=st.integers(1, 6),
+    shared=st.sampled_from([0.0, 0.5]),
+    seed=st.integers(0, 3),
+)
+def test_the_alone_bounds_are_below_every_simulated_request(model, hardware, prompt, output, clients, shared, seed):
+    # The bounds that let `plan` skip a configuration no load can serve: every request's TTFT and
+    # TPOT, at any load, chunked or not, with or without prefix hits, on measured or datasheet kernels.
+    from servelab.bench.planner import alone_bounds
+    from servelab.sim import SimConfig, simulate
+    from servelab.sim.runner import build_cost_model
+    from servelab.workload import WorkloadSpec
+
+    config = SimConfig(model=model, hardware=hardware, tp=8 if model == "mixtral-8x7b" else 1)
+    workload = WorkloadSpec(num_requests=3 * clients + 2, concurrency=clients, input_len=f"{prompt // 2}-{prompt}",
+                            output_len=f"2-{output}", shared_prefix_fraction=shared, seed=seed)  # fmt: skip
+    ttft_s, tpot_s = alone_bounds(build_cost_model(config), workload.generate(), config.scheduler.block_size)
+    records = simulate(config, workload).records
+    assert min(r.ttft_s for r in records) >= ttft_s * (1 - 1e-9)
+    assert min(r.tpot_s for r in records if r.tpot_s is not None) >= tpot_s * (1 - 1e-9)

@@ -112,7 +112,7 @@ def test_capacity_search_is_not_decided_by_the_start_up_wave(queueing_server):
         runs: list = []
         base = WorkloadSpec(num_requests=None, concurrency=1, input_len="8", output_len="9", seed=0)
         measure = session.measure_fn(loop, base, "concurrency", 90, warmup=0, runs=runs)
-        result = find_capacity(measure, slo, percentile=90, start=12, max_load=64, tolerance=4)
+        result = find_capacity(measure, slo, percentile=90, start=12, max_load=64, tolerance=0.1)
     finally:
         loop.run_until_complete(client.aclose())
         loop.close()

@@ -567,7 +567,9 @@ def test_capacity_bars_are_servelab_plans_numbers(client, capsys):
     ):
         if ok:
             assert ttft_ms <= 2000 and tpot_ms <= 50
-            assert binds in ("memory", "ttft", "tpot", "max-num-seqs") and config.endswith(BIND_LABEL[binds])
+            assert binds in ("memory", "ttft", "tpot", "max-num-seqs", "max-num-batched-tokens") and config.endswith(
+                BIND_LABEL[binds]
+            )
     assert "p90 TTFT ≤ 2,000 ms and TPOT ≤ 50 ms" in d["stats"][0]["value"]
 
 
@@ -606,7 +608,7 @@ def test_a_capacity_level_is_sized_to_the_labs_memory_budget():
         key = PlanKey("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", 50.0, 2000.0, prompt_len, output_len)
         for job in _jobs(key):
             # The command caps the search only where the budget is below what runs at once.
-            running = most_running(key.setup(), HARDWARE[job.hardware], prompt_len + output_len, MAX_NUM_SEQS)
+            running = most_running(key.setup(), HARDWARE[job.hardware], prompt_len, output_len, MAX_NUM_SEQS)
             assert job.max_concurrency == (cap if cap < running else None), (prompt_len, output_len, job.hardware)
             assert ("--max-concurrency" in plan_command(key, job.hardware)) == (cap < running)
     # 16 + 4,096 tokens: a B200's KV cache holds more than the budget's 204; an L4's holds fewer.
