@@ -131,3 +131,25 @@ def test_a_warm_pool_whose_worker_died_is_replaced(monkeypatch):
         assert state.error is None and state.rows == {name: str(i) for i, name in enumerate("abcd")}
     finally:
         planner.close()
+
+
+@pytest.mark.parametrize(
+    ("targets", "lengths", "hardware"),
+    [
+        # A generous TTFT target lets clients queue for the token budget: the bar must not count them.
+        ((50.2, 8690.0), (21, 136), "b200"),
+        ((50.2, 8690.0), (21, 136), "mi300x"),
+        ((50.0, 2000.0), (1024, 256), "b200"),
+        ((50.0, 2000.0), (1024, 256), "a100-80gb"),
+    ],
+)
+def test_the_roofline_bound_shown_first_is_above_the_plans_answer(targets, lengths, hardware):
+    from servelab.bench.planner import plan_one
+    from servelab.lab.capacity_lesson import PlanKey, _jobs, upper_bound
+    from servelab.spec import HARDWARE
+
+    key = PlanKey("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", *targets, *lengths)
+    job = next(j for j in _jobs(key) if j.hardware == hardware)
+    row, bound = plan_one(job), upper_bound(key.setup(), HARDWARE[hardware], key)
+    assert row.capacity_concurrency is not None and row.capacity_concurrency <= bound["users"], (row, bound)
+    assert row.tokens_per_s_per_device <= bound["tokens_per_s_per_gpu"], (row, bound)
