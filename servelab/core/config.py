@@ -146,19 +146,28 @@ class SchedulerConfig:
     def budget_running(self, prompt_tokens: float, output_tokens: float) -> int:
         """The most sequences the token budget keeps running under a steady stream of requests of
         these mean lengths (`prompt_tokens`: the ones computed, past prefix-cache hits), so that
-        clients beyond it wait for admission. Where prompts share steps with decodes (chunked,
-        decode-first-whole), a request costs prompt + D step tokens over its D = output - 1 decode
-        steps, so requests finish at L = budget / that cost a step, and by Little's law L x D
-        decode at once beside at most L + 1 prompts in prefill (L whole ones and a chunk of the
-        next). A speculative step scores at least as many tokens as it keeps, so its requests cost
-        no less and run no more. Where prompts run in steps of their own, one decode step's batch
-        is the bound: the budget."""
+        clients beyond it wait for admission. A request costs prompt + D step tokens over its
+        D = output - 1 decode steps (a speculative step scores at least as many tokens as it
+        keeps, so its requests cost no less and run no more).
+        - Chunked: requests finish at L = budget / that cost a step, and by Little's law L x D
+          decode at once beside at most L + 1 prompts in prefill (L whole ones and a chunk of the
+          next).
+        - Decode-first-whole: k = budget // that cost whole prompts join a step beside the decodes
+          of k x D requests, so k x output run; under one a step, a prompt joins whenever the
+          decodes leave room for it, at most budget - prompt of them.
+        - Prefill-first policies run prompts in steps of their own: one decode step's batch is
+          the bound, the budget."""
         budget = self.max_num_batched_tokens
         if self.policy in ("prefill-first", "prefill-first-chunked"):
             return budget
         decodes = max(0.0, output_tokens - 1.0)
-        rate = budget / max(1.0, prompt_tokens + decodes)
-        return math.ceil(rate * (decodes + 1.0) + 1.0)
+        cost = max(1.0, prompt_tokens + decodes)
+        if self.policy == "decode-first-whole":
+            whole = math.floor(budget / cost)
+            if whole >= 1 or not decodes:
+                return max(1, math.ceil(whole * (decodes + 1.0)))
+            return max(1, math.ceil(max(0.0, budget - prompt_tokens) * (decodes + 1.0) / decodes))
+        return math.ceil(budget / cost * (decodes + 1.0) + 1.0)
 
     @property
     def chunk_tokens(self) -> int | None:

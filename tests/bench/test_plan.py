@@ -221,16 +221,27 @@ def test_plan_starts_its_search_at_the_cost_models_estimate():
     assert [lv["load"] for lv in row.capacity["levels"]][:2] == [1, 2]
 
 
-@pytest.mark.parametrize(("prompt", "output"), [(21, 136), (1024, 128), (8192, 16), (128, 1)])
-def test_the_token_budget_wall_is_what_runs_at_once_under_a_queue(prompt, output):
+@pytest.mark.parametrize(
+    ("policy", "prompt", "output", "hardware"),
+    [
+        ("chunked", 21, 136, "h100-sxm"),
+        ("chunked", 1024, 128, "h100-sxm"),
+        ("chunked", 8192, 16, "h100-sxm"),
+        ("chunked", 128, 1, "h100-sxm"),
+        ("decode-first-whole", 1024, 128, "h100-sxm"),  # one whole prompt a step
+        ("decode-first-whole", 512, 64, "h100-sxm"),  # three
+        ("decode-first-whole", 1900, 400, "b200"),  # fewer than one: when the decodes leave room
+    ],
+)
+def test_the_token_budget_wall_is_what_runs_at_once_under_a_queue(policy, prompt, output, hardware):
     # Twice as many clients as the wall: the steps run about the wall's sequences and the rest
     # wait for admission, whatever the split of prompt and output tokens.
     from servelab.sim import SimConfig, simulate
     from servelab.workload import WorkloadSpec
 
-    sched = SchedulerConfig(max_num_seqs=4096)
+    sched = SchedulerConfig(max_num_seqs=4096, policy=policy)
     wall = sched.budget_running(prompt, output)
-    config = SimConfig(model="llama-3.1-8b", hardware="h100-sxm", scheduler=sched)
+    config = SimConfig(model="llama-3.1-8b", hardware=hardware, scheduler=sched)
     clients = 2 * wall
     result = simulate(config, WorkloadSpec(num_requests=6 * clients, concurrency=clients,
                                            input_len=str(prompt), output_len=str(output)))  # fmt: skip
