@@ -57,6 +57,11 @@ HELD: dict[str, float] = {
     # Every training TP point is at batch 1, where an all-reduce moves kilobytes: latency, not bytes.
     "interconnect_fraction": 0.7,
 }
+# On top of the measured kernels the 16-bit bandwidth fraction prices only new KV and activations:
+# whole steps measured on an H100 and an H200 (benchmarks/gpu_steps.py --compile) are priced by the
+# kernels alone at 1.0, so the fit holds it there rather than let it absorb what the training
+# engines' own kernels were slower at.
+MEASURED_HELD: dict[str, float] = {**HELD, "bandwidth_fraction": 1.0}
 FORMATS = ("int8", "int4", "fp8")
 DEFAULT_BOUND_PCT = 15.0
 # Run kinds the roofline prices alone; others (e.g. "served": the engine chose the batching) are kept for the simulator.
@@ -267,7 +272,7 @@ def fit(
     """Efficiency fitted to `points` (relative least squares, all terms >= 0, fractions <= 1)."""
     import numpy as np
 
-    held = HELD if held is None else held
+    held = (MEASURED_HELD if measured else HELD) if held is None else held
     eff = with_params(start or Efficiency(), held)
     previous: list[float] | None = None
     base_held = held

@@ -11,11 +11,13 @@ parameters with their provenance into servelab/spec/kernel_fits.json:
     .venv/bin/python benchmarks/gpu_kernels_fit.py           # fit, print residual tables, write the JSON
     .venv/bin/python benchmarks/gpu_kernels_fit.py --check   # fit and print; fail if the JSON differs
 
-Sources: A100 and H100 from Vidur's published operator profiles (benchmarks/data/vidur_profiles.json,
-fp16, extracted by benchmarks/vidur_extract.py); H200 from our own run of benchmarks/gpu_kernels.py
-(benchmarks/data/h200_kernels.json, BF16 and FP8). Vidur has attention for A100 only: H100 takes
-H200's (the same Hopper SM and kernels; the fractions apply to H100's own peaks). H200 takes the
-H100 NVSwitch node's collectives (the same NVLink 4 switch fabric).
+Sources: A100's and H100's 16-bit linear layers from Vidur's published operator profiles
+(benchmarks/data/vidur_profiles.json, fp16, extracted by benchmarks/vidur_extract.py: eight and six
+models' shapes and tensor-parallel shards); everything else on H100 and H200 from our own runs of
+benchmarks/gpu_kernels.py (benchmarks/data/h100_kernels.json and h200_kernels.json: FP8 GEMMs,
+attention, and H200's BF16 GEMMs); A100's attention from Vidur's. H100's own BF16 GEMMs are the
+cross-check of Vidur's fit: a second, independent measurement of the same part, priced by it.
+H200 takes the H100 NVSwitch node's collectives (the same NVLink 4 switch fabric).
 
 The GEMM fit minimises the squared log of predicted / measured time over every point: the tile is
 chosen from a few candidates, the four continuous terms by damped Gauss-Newton. The other fits are
@@ -44,7 +46,9 @@ from servelab.spec.kernels import FITS_PATH, AttentionEfficiency, GemmEfficiency
 
 DATA = Path(__file__).parent / "data"
 VIDUR = DATA / "vidur_profiles.json"
+H100 = DATA / "h100_kernels.json"
 H200 = DATA / "h200_kernels.json"
+OWN_RUNS = {"h100-sxm": H100, "h200": H200}  # the parts with a run of benchmarks/gpu_kernels.py
 TILES = (1, 16, 32, 64, 128)
 WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0}
 START = GemmEfficiency(
@@ -72,10 +76,18 @@ def vidur_points(gpu: str) -> tuple[list[Point], str]:
     return points, ref
 
 
-def h200_points(dtype: str) -> list[Point]:
-    data = json.loads(H200.read_text())
+def own_points(path: Path, dtype: str) -> list[Point]:
+    """The GEMMs of a run of benchmarks/gpu_kernels.py in one format (FP8: row-wise scales)."""
+    data = json.loads(path.read_text())
     name = {"bf16": "bfloat16", "fp8": "fp8"}[dtype]
     return [(g["layer"], g["m"], g["n"], g["k"], g["time_s"]) for g in data["gemm"] if g["dtype"] == name]
+
+
+def gemm_points(name: str, dtype: str) -> list[Point]:
+    """The linear-layer timings the catalog part's fit for this format is fitted to."""
+    if name == "h200" or dtype == "fp8":
+        return own_points(OWN_RUNS[name], dtype)
+    return vidur_points(name.split("-")[0])[0]
 
 
 def errors_pct(eff: GemmEfficiency, points: list[Point], weight_bytes: float, peak: float, bw: float) -> list[float]:
@@ -172,8 +184,8 @@ def vidur_attention_points() -> tuple[list[AttentionPoint], str, int]:
     return points, f"{src['repo']}@{src['commit'][:12]}:{src['path']}", head_dim
 
 
-def h200_attention_points() -> tuple[list[AttentionPoint], int]:
-    data = json.loads(H200.read_text())
+def own_attention_points(path: Path) -> tuple[list[AttentionPoint], int]:
+    data = json.loads(path.read_text())
     points = [
         _attention_point("prefill", 1, r["seq_len"], 0, r["heads"], r["kv_heads"], r["head_dim"], r["time_s"])
         for r in data["prefill_attention"]
@@ -334,17 +346,19 @@ def summary(errs: list[float]) -> dict[str, float]:
 
 
 # Which measured attention and collectives each part takes: (its own or a sibling's, and why).
-ATTENTION_FROM = {"a100-80gb": "a100-80gb", "h100-sxm": "h200", "h200": "h200"}
+ATTENTION_FROM = {"a100-80gb": "a100-80gb", "h100-sxm": "h100-sxm", "h200": "h200"}
 TOPOLOGY = {"a100-80gb": "a100_dgx", "h100-sxm": "h100_dgx", "h200": "h100_dgx"}
 
 
 def _attention_entry(name: str, lines: list[str]) -> dict[str, Any]:
     measured_on = ATTENTION_FROM[name]
     hw, on = HARDWARE[name], HARDWARE[measured_on]
-    if measured_on == "h200":
-        points, head_dim = h200_attention_points()
-        source = "benchmarks/gpu_kernels.py on one H200 (SDPA, fastest of flash/cuDNN/efficient; BF16)"
-        ref = "benchmarks/data/h200_kernels.json"
+    if measured_on in OWN_RUNS:
+        run = OWN_RUNS[measured_on]
+        points, head_dim = own_attention_points(run)
+        device = json.loads(run.read_text())["device"]
+        source = f"benchmarks/gpu_kernels.py on one {device} (SDPA, fastest of flash/cuDNN/efficient; BF16)"
+        ref = f"benchmarks/data/{run.name}"
     else:
         points, ref, head_dim = vidur_attention_points()
         source = "Vidur's A100 attention profile (FlashInfer prefill and decode kernels; fp16; MIT)"
@@ -391,32 +405,66 @@ def _collectives_entry(name: str, lines: list[str]) -> dict[str, Any]:
     return {"topology": topology, "source": source, "ref": ref, "fits": fits}
 
 
-def fit_all() -> tuple[dict[str, Any], list[str]]:
-    sources: list[tuple[str, str, str, str, dict[str, list[Point]]]] = []
-    for gpu, name in (("a100", "a100-80gb"), ("h100", "h100-sxm")):
-        pts, ref = vidur_points(gpu)
-        sources.append(
-            (
-                name,
-                f"Vidur's {gpu.upper()} linear-layer profiles (fp16, by tokens and tensor-parallel shard; MIT)",
-                ref,
-                "CUDA events around each operator",
-                {"bf16": pts},
-            )
+def _cross_check(name: str, fitted: dict[str, Any], lines: list[str]) -> dict[str, Any]:
+    """The part's BF16 linear layers measured twice (Vidur's profile, our own run), each priced by
+    the fit to the other: two independent measurements, one model."""
+    hw, vidur_fit = HARDWARE[name], GemmEfficiency(**fitted)
+    run = OWN_RUNS[name]
+    ours, theirs = own_points(run, "bf16"), gemm_points(name, "bf16")
+    args = (WEIGHT_BYTES["bf16"], hw.peak_flops_per_s("bf16"), hw.bandwidth_bytes_per_s)
+    own_fit = fit_one(ours, *args)
+    out = {}
+    for key, label, eff, pts in (
+        ("own_run_by_vidur_fit", "own by Vidur's", vidur_fit, ours),
+        ("vidur_by_own_fit", "Vidur's by own", own_fit, theirs),
+    ):
+        errs = errors_pct(eff, pts, *args)
+        s = summary(errs)
+        lines.append(
+            f"{name:10} {'bf16':5} {label:15} {s['points']:6} {s['median_abs_error_pct']:11.1f}% "
+            f"{s['max_abs_error_pct']:8.1f}%   signed median {statistics.median(errs):+.1f}%"
         )
-    sources.append(
+        out[key] = {"signed_median_error_pct": round(statistics.median(errs), 1), **s}
+    lines.append(f"{name:10} {'bf16':5} {'(own run fit)':15} {own_fit}")
+    return {
+        "what": "the BF16 linear layers measured twice, by Vidur and by our own run, each priced by the fit to the other",
+        "ref": f"benchmarks/data/{run.name}",
+        "own_run_fit": asdict(own_fit),
+        **out,
+    }
+
+
+def fit_all() -> tuple[dict[str, Any], list[str]]:
+    vidur = "Vidur's {} linear-layer profiles (fp16, by tokens and tensor-parallel shard; MIT)"
+    a100_ref, h100_ref = vidur_points("a100")[1], vidur_points("h100")[1]
+    graphs = "CUDA-graph replays, weights rotated past L2"
+
+    def own(name: str) -> str:
+        data = json.loads(OWN_RUNS[name].read_text())
+        return f"benchmarks/gpu_kernels.py on one {data['device']} (torch {data['torch'].split('+')[0]})"
+
+    sources: list[tuple[str, str, str, str, tuple[str, ...]]] = [
+        ("a100-80gb", vidur.format("A100"), a100_ref, "CUDA events around each operator", ("bf16",)),
+        (
+            "h100-sxm",
+            f"{vidur.format('H100')} for BF16; {own('h100-sxm')} for FP8",
+            f"{h100_ref}; benchmarks/data/{H100.name}",
+            f"BF16: CUDA events around each operator; FP8: {graphs}",
+            ("bf16", "fp8"),
+        ),
         (
             "h200",
-            "benchmarks/gpu_kernels.py on one H200 (torch 2.11, cu130)",
-            "benchmarks/data/h200_kernels.json",
-            "CUDA-graph replays, weights rotated past L2",
-            {"bf16": h200_points("bf16"), "fp8": h200_points("fp8")},
-        )
-    )
+            own("h200"),
+            f"benchmarks/data/{H200.name}",
+            graphs,
+            ("bf16", "fp8"),
+        ),
+    ]
     out: dict[str, Any] = {}
     lines = [f"{'gpu':10} {'what':5} {'layer':15} {'points':>6} {'median |err|':>12} {'max |err|':>9}"]
-    for name, source, ref, how, by_dtype in sources:
+    for name, source, ref, how, dtypes in sources:
         hw = HARDWARE[name]
+        by_dtype = {dtype: gemm_points(name, dtype) for dtype in dtypes}
         gemm, residuals = {}, {}
         for dtype, pts in by_dtype.items():
             peak, wb = hw.peak_flops_per_s(dtype), WEIGHT_BYTES[dtype]
@@ -452,6 +500,8 @@ def fit_all() -> tuple[dict[str, Any], list[str]]:
             "attention": _attention_entry(name, lines),
             "collectives": _collectives_entry(name, lines),
         }
+        if name == "h100-sxm":
+            out[name]["cross_check"] = _cross_check(name, gemm["bf16"], lines)
     host = host_overheads()
     for engine, h in host.items():
         r = h["residuals"]

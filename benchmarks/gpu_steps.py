@@ -66,9 +66,17 @@ FULL_PLAN = [
     ("llama-3.1-70b", "bf16", 16, [128, 512, 2048, 8192], [1, 64, 256], [512, 2048], [(512, 64, 2048)]),
 ]
 # --compile: fewer shapes, each compiled once (Inductor takes tens of seconds a shape)
-COMPILED_PLAN = [("llama-3.1-8b", "bf16", None, [128, 2048], [1, 64, 256], [2048], [(512, 64, 2048)])]
+COMPILED_PLAN = [
+    (name, dtype, layers, [128, 2048], [1, 64, 256], [2048], [(512, 64, 2048)])
+    for name, dtype, layers in (
+        ("llama-3.1-8b", "bf16", None),
+        ("llama-3.1-70b", "bf16", 16),
+        ("llama-3.1-8b", "fp8", None),
+    )
+]
 QUICK_PLAN = [("tiny", "bf16", None, [16, 64], [1, 4], [32, 128], [(16, 4, 32)])]
 MAX_KV_BYTES = 72 << 30
+ACTIVATION_ROOM = 6 << 30  # a step's activations and the graph's pool, beside the KV cache
 
 
 class Model:
@@ -228,8 +236,11 @@ def measure(plan: list, device: torch.device, repeats: int, max_kv_bytes: int, c
         model = Model(shape, n_layers, dtype, device, act)
         kv_per_token = n_layers * 2 * shape.kv_heads * shape.head_dim * act.itemsize
         points = [(t, 0, 0) for t in prefills] + [(0, b, c) for b in batches for c in contexts] + list(mixed)
+        room = max_kv_bytes
+        if device.type == "cuda":  # what is left beside the weights, less room for a step's activations
+            room = min(room, torch.cuda.mem_get_info(device)[0] - ACTIVATION_ROOM)
         for prefill, batch, context in points:
-            if batch * (context + 1) * kv_per_token > max_kv_bytes:
+            if batch * (context + 1) * kv_per_token > room:
                 continue
             caches = model.caches(batch, context) if batch else None
             row = dict(model=name, dtype=dtype, layers=n_layers, model_layers=shape.layers, prefill_tokens=prefill,

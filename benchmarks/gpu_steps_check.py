@@ -27,7 +27,7 @@ from servelab.spec.hardware import get_hardware
 from servelab.spec.model import get_model
 
 DATA = Path(__file__).parent / "data" / "h200_steps.json"
-HARDWARE = {"NVIDIA H200": "h200"}
+HARDWARE = {"NVIDIA H200": "h200", "NVIDIA H100 80GB HBM3": "h100-sxm"}
 
 
 def step_shape(row: dict) -> list[tuple[int, int]]:

@@ -65,9 +65,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     e.add_argument(
         "--measured-kernels",
         action="store_true",
-        help="price linear layers, attention and all-reduces from the part's measured kernels (A100, "
-        "H100: Vidur's profiles; H200: benchmarks/data/h200_kernels.json) instead of the end-to-end "
-        "fractions (docs/fidelity.md, 'Measured GPU kernels')",
+        help="price linear layers, attention and all-reduces from the part's measured kernels (A100, and "
+        "H100's 16-bit GEMMs: Vidur's profiles; H100's FP8 GEMMs and attention, H200: "
+        "benchmarks/data/h100_kernels.json, h200_kernels.json) instead of the end-to-end fractions "
+        "(docs/fidelity.md, 'Measured GPU kernels')",
     )
     parser.add_argument(
         "--profile",

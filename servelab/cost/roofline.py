@@ -141,13 +141,13 @@ class Efficiency:
     How the compute and memory sides overlap is the part's, not the engine's: `overlap_sharpness`.
     """
 
-    bandwidth_fraction: float = 0.92
+    bandwidth_fraction: float = 0.91
     compute_fraction: float = 0.67
     step_overhead_s: float = 0.0
     per_layer_overhead_s: float = 6.3e-5
-    per_seq_overhead_s: float = 6.7e-6
+    per_seq_overhead_s: float = 6.4e-6
     interconnect_fraction: float = 0.7
-    allreduce_latency_s: float = 5.8e-6
+    allreduce_latency_s: float = 5.7e-6
     formats: Mapping[str, FormatEfficiency] = field(default_factory=lambda: dict(_DEFAULT_FORMATS), hash=False)
 
     def __post_init__(self) -> None:
@@ -197,13 +197,13 @@ MEASURED_KERNELS_EFFICIENCY = Efficiency(
     compute_fraction=0.67,
     step_overhead_s=0.0,
     per_layer_overhead_s=0.0,
-    per_seq_overhead_s=4.7e-6,
+    per_seq_overhead_s=4.0e-6,
     interconnect_fraction=0.7,
     allreduce_latency_s=3.3e-5,
     formats={
         "int8": FormatEfficiency(bandwidth_fraction=0.59, compute_fraction=0.67),
         "int4": FormatEfficiency(bandwidth_fraction=0.38, compute_fraction=0.67),
-        "fp8": FormatEfficiency(bandwidth_fraction=0.32, compute_fraction=0.41),
+        "fp8": FormatEfficiency(bandwidth_fraction=0.51, compute_fraction=0.67),
     },
 )
 

@@ -136,8 +136,8 @@ del _name, _profile
 
 def measured_gemm(hardware: HardwareSpec, compute_dtype: str) -> GemmEfficiency | None:
     """The GEMM fit measured for this compute dtype on the part itself, else on a catalog part of
-    the same architecture (the same SMs run the same kernels: H100's FP8 GEMMs are measured on an
-    H200), else None."""
+    the same architecture (the same SMs run the same kernels: a hardware file of a Hopper part takes
+    the H100's), else None."""
     candidates = [hardware] + [
         h for h in HARDWARE.values() if hardware.architecture and h.architecture == hardware.architecture
     ]

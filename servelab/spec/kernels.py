@@ -2,10 +2,11 @@
 kernels and collectives run, with where the numbers come from; and one engine's measured host cost
 per step.
 
-benchmarks/gpu_kernels_fit.py fits them to published per-operator profiles (Vidur's, for A100 and
-H100) and to our own kernel run (benchmarks/data/h200_kernels.json) and writes kernel_fits.json
-beside this file; hardware.py attaches each entry to its catalog part. A part without one
-extrapolates from the end-to-end Efficiency defaults, and says so (`provenance`).
+benchmarks/gpu_kernels_fit.py fits them to published per-operator profiles (Vidur's: A100, and
+H100's 16-bit GEMMs) and to our own kernel runs (benchmarks/data/h100_kernels.json,
+h200_kernels.json) and writes kernel_fits.json beside this file; hardware.py attaches each entry to
+its catalog part. A part without one extrapolates from the end-to-end Efficiency defaults, and says
+so (`provenance`).
 """
 
 from __future__ import annotations

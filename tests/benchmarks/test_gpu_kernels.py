@@ -3,6 +3,8 @@ must hold every part with FLOPs and bytes that agree with the shapes timed, and 
 its H200 run, which the cost model's fit reads."""
 
 import json
+
+import pytest
 import sys
 from pathlib import Path
 
@@ -36,12 +38,20 @@ def test_skip_leaves_parts_out(tmp_path):
     assert "gemm" not in d and "decode_attention" not in d and d["prefill_attention"]
 
 
-def test_h200_data_is_complete():
-    d = json.loads((ROOT / "benchmarks/data/h200_kernels.json").read_text())
-    assert d["device"] == "NVIDIA H200" and not any("error" in r for r in d["gemm"])
+@pytest.mark.parametrize(
+    ("run", "device", "dtypes"),
+    [
+        ("h200_kernels.json", "NVIDIA H200", ("bfloat16", "fp8")),
+        ("h100_kernels.json", "NVIDIA H100 80GB HBM3", ("bfloat16", "fp8", "fp8_tensor")),
+    ],
+)
+def test_kernel_runs_are_complete(run, device, dtypes):
+    d = json.loads((ROOT / "benchmarks/data" / run).read_text())
+    assert d["device"] == device and not any("error" in r for r in d["gemm"])
     expected = {(model, layer, dtype, m) for model, layers in gpu_kernels.SHAPES.items() for layer, _, _ in layers
-                for dtype in ("bfloat16", "fp8") for m in gpu_kernels.TOKENS}  # fmt: skip
+                for dtype in dtypes for m in gpu_kernels.TOKENS}  # fmt: skip
     assert {(r["model"], r["layer"], r["dtype"], r["m"]) for r in d["gemm"]} == expected
+    assert len(d["prefill_attention"]) == len(gpu_kernels.PREFILL_LENS) and d["decode_attention"]
     # Weight streaming at one token cannot beat the copy bandwidth measured in the same run.
     for r in d["gemm"]:
         if r["m"] == 1:

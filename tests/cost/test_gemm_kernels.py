@@ -37,7 +37,7 @@ def test_catalog_fits_reproduce_their_measurements(name):
     hw = HARDWARE[name]
     assert hw.kernels is not None
     for dtype, eff in hw.kernels.gemm.items():
-        points = fit.h200_points(dtype) if name == "h200" else fit.vidur_points(name[:4])[0]
+        points = fit.gemm_points(name, dtype)
         errs = [
             abs(e)
             for e in fit.errors_pct(
@@ -79,6 +79,27 @@ def test_short_prompt_costs_more_than_one_weight_stream():
     roofline = Roofline(model, h100, measured_kernels=True)
     stream_s = roofline.memory.weight_bytes_per_device / (h100.bandwidth_bytes_per_s * eff.bandwidth_fraction)
     assert roofline.prefill(128).time_s > margin * stream_s
+
+
+def test_two_measurements_of_the_h100_agree():
+    """The H100's BF16 linear layers measured twice, by Vidur (six models' shapes, eager, CUDA
+    events) and by our run (Llama 3.1 8B and 70B, CUDA graphs): each set priced by the fit to the
+    other is off by a median of about its own residual, with no bias past 3%."""
+    fit = _fit_module()
+    h100 = get_hardware("h100-sxm")
+    args = (fit.WEIGHT_BYTES["bf16"], h100.peak_flops_per_s("bf16"), h100.bandwidth_bytes_per_s)
+    ours, theirs = fit.own_points(fit.H100, "bf16"), fit.gemm_points("h100-sxm", "bf16")
+    assert len(ours) == 264 and len(theirs) == 1932
+    own_fit = fit.fit_one(ours, *args)
+    recorded = json.loads((ROOT / "servelab/spec/kernel_fits.json").read_text())["hardware"]["h100-sxm"]["cross_check"]
+    assert GemmEfficiency(**recorded["own_run_fit"]) == own_fit
+    for key, eff, pts in (
+        ("own_run_by_vidur_fit", h100.kernels.for_dtype("bf16"), ours),
+        ("vidur_by_own_fit", own_fit, theirs),
+    ):
+        errs = fit.errors_pct(eff, pts, *args)
+        assert statistics.median(abs(e) for e in errs) == pytest.approx(recorded[key]["median_abs_error_pct"], abs=0.06)
+        assert statistics.median(abs(e) for e in errs) < 7.0 and abs(statistics.median(errs)) < 3.0
 
 
 def test_the_crossover_is_smooth_and_tiles_pad():

@@ -28,8 +28,9 @@ def test_the_tile_is_the_measured_gemms_and_one_where_none_was_measured():
     h200 = get_hardware("h200")
     assert gemm_tile_tokens(h200, "fp8") == h200.kernels.gemm["fp8"].tile_tokens == 128
     assert gemm_tile_tokens(h200, "bf16") == h200.kernels.gemm["bf16"].tile_tokens == 32
-    # H100 has no FP8 GEMM of its own: Hopper's, measured on the H200, stands in (as for the overlap)
-    assert gemm_tile_tokens(get_hardware("h100-sxm"), "fp8") == 128
+    h100 = get_hardware("h100-sxm")
+    assert gemm_tile_tokens(h100, "fp8") == h100.kernels.gemm["fp8"].tile_tokens == 128
+    assert gemm_tile_tokens(h100, "bf16") == 1  # Vidur's H100 fit found no step
     assert gemm_tile_tokens(get_hardware("a100-80gb"), "bf16") == 1  # Vidur's A100 fit found no step
     assert gemm_tile_tokens(get_hardware("l40s"), "fp8") == 1  # nothing measured on Ada
 

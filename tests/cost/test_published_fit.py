@@ -332,8 +332,7 @@ def test_the_overlap_sharpness_is_the_parts_measured_gemms(tmp_path):
         for dtype in ("bf16", "fp8", "int4")
     }
     assert sharpness["h100-sxm", "bf16"] == kernels["h100-sxm"].gemm["bf16"].sharpness
-    # H100 has no FP8 GEMM of its own: the H200's (same SMs, same kernels) stands in
-    assert sharpness["h100-sxm", "fp8"] == kernels["h200"].gemm["fp8"].sharpness
+    assert sharpness["h100-sxm", "fp8"] == kernels["h100-sxm"].gemm["fp8"].sharpness
     assert sharpness["h200", "fp8"] == kernels["h200"].gemm["fp8"].sharpness
     # no FP8 tensor cores, and weight-only int4: 16-bit math, the part's 16-bit GEMMs
     assert (
@@ -342,7 +341,7 @@ def test_the_overlap_sharpness_is_the_parts_measured_gemms(tmp_path):
     # nothing measured on the architecture: the plain roofline's max()
     assert all(sharpness[hw, d] == math.inf for hw in ("l40s", "mi300x") for d in ("bf16", "fp8", "int4"))
     body = {"memory_bytes": 80e9, "bandwidth_bytes_per_s": 3.35e12, "peak_flops": {"bf16": 989e12, "fp8": 1979e12}}
-    for arch, expected in (("hopper", kernels["h200"].gemm["fp8"].sharpness), ("", math.inf)):
+    for arch, expected in (("hopper", kernels["h100-sxm"].gemm["fp8"].sharpness), ("", math.inf)):
         path = tmp_path / f"part-{arch or 'none'}.json"
         path.write_text(json.dumps({**body, "architecture": arch}))
         assert Roofline(get_model("llama-3.1-8b"), get_hardware(str(path)), "fp8").overlap_sharpness == expected

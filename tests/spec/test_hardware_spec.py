@@ -100,13 +100,13 @@ def test_parts_of_one_architecture_share_their_measured_gemms(tmp_path):
 
     h100, h200, a100 = get_hardware("h100-sxm"), get_hardware("h200"), get_hardware("a100-80gb")
     assert h100.architecture == h200.architecture == "hopper" and a100.architecture == "ampere"
-    assert measured_gemm(h100, "bf16") is h100.kernels.gemm["bf16"]  # its own first
-    assert measured_gemm(h100, "fp8") is h200.kernels.gemm["fp8"]  # else its architecture's
+    assert measured_gemm(h100, "fp8") is h100.kernels.gemm["fp8"]  # its own first
+    assert measured_gemm(h200, "fp8") is h200.kernels.gemm["fp8"]
     assert measured_gemm(a100, "fp8") is None and measured_gemm(get_hardware("l40s"), "bf16") is None
     body = {"memory_bytes": 80e9, "bandwidth_bytes_per_s": 3e12, "peak_flops": {"bf16": 1e15}}
     path = tmp_path / "part.json"
-    path.write_text(json.dumps({**body, "architecture": " Hopper "}))
-    assert measured_gemm(get_hardware(str(path)), "fp8") is h200.kernels.gemm["fp8"]
+    path.write_text(json.dumps({**body, "architecture": " Hopper "}))  # else its architecture's
+    assert measured_gemm(get_hardware(str(path)), "fp8") is h100.kernels.gemm["fp8"]
     path.write_text(json.dumps({**body, "architecture": 9}))
     with pytest.raises(InvalidArgument, match="architecture"):
         get_hardware(str(path))
