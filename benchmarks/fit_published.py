@@ -127,6 +127,18 @@ def roofline(point: dict[str, Any], efficiency: Efficiency, measured: bool = MEA
     )
 
 
+def on_measured_path(point: dict[str, Any]) -> bool:
+    """Whether the part has measured GEMMs for the point's weight format: elsewhere the measured path
+    prices the step end to end with the defaults, as `Roofline(..., measured_kernels=True)` does."""
+    return roofline(point, Efficiency(), True).gemm is not None
+
+
+def measured_pricing(efficiency: Efficiency) -> Callable[[dict[str, Any]], Efficiency]:
+    """What `--measured-kernels` prices a point with: the terms refitted on top of the kernels where
+    the kernels price it, the end-to-end defaults where they do not."""
+    return lambda point: efficiency if on_measured_path(point) else Efficiency()
+
+
 def steps(point: dict[str, Any], groups: int | None = None) -> list[tuple[int, tuple[int, int, int, int]]]:
     """(how many, step totals) for the steps of a point's run; with `groups`, decode steps are
     merged into at most that many groups priced at their mean context."""
@@ -273,6 +285,8 @@ def fit(
     import numpy as np
 
     held = (MEASURED_HELD if measured else HELD) if held is None else held
+    if measured:  # the terms refitted on top of the kernels price only the points the kernels price
+        points = [p for p in points if on_measured_path(p)]
     eff = with_params(start or Efficiency(), held)
     previous: list[float] | None = None
     base_held = held
@@ -438,7 +452,7 @@ def efficiency_lines(eff: Efficiency) -> list[str]:
 def compare(train: list[dict[str, Any]], test: list[dict[str, Any]], markdown: bool) -> list[str]:
     """The committed end-to-end defaults against the measured kernels with their refitted terms:
     medians per set, then every point whose |error| moves by more than 5 points."""
-    fits = {False: default_efficiency(False), True: default_efficiency(True)}
+    fits: dict[bool, Pricing] = {False: default_efficiency(False), True: measured_pricing(default_efficiency(True))}
 
     def median(points: list[dict[str, Any]], measured: bool) -> float:
         errs = sorted(abs(error_pct(p, fits[measured], measured)) for p in points)
@@ -505,9 +519,10 @@ def main() -> None:
     drift = [k for k in PARAMS if not math.isclose(get_param(default, k), get_param(fitted, k), rel_tol=1e-9)]
     print("the committed defaults " + ("match the fit" if not drift else f"differ from the fit in: {', '.join(drift)}"))
     notes: dict[str, str] = {}
+    priced_by = measured_pricing(fitted) if measured else fitted
     for name, pts in (("TRAINING", train), ("TEST", test)):
-        print(f"\n{name} ({summary(pts, fitted, measured)})")
-        print("\n".join(table(pts, fitted, args.markdown, notes, measured)))
+        print(f"\n{name} ({summary(pts, priced_by, measured)})")
+        print("\n".join(table(pts, priced_by, args.markdown, notes, measured)))
     print("\nWhy the bounds above 15%:")
     print("\n".join(f"- ({k}) {v}" for k, v in notes.items()))
     # The modern sets, each point priced by its engine's preset (the defaults: the fit above).

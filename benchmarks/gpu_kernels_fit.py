@@ -49,6 +49,7 @@ VIDUR = DATA / "vidur_profiles.json"
 H100 = DATA / "h100_kernels.json"
 H200 = DATA / "h200_kernels.json"
 OWN_RUNS = {"h100-sxm": H100, "h200": H200}  # the parts with a run of benchmarks/gpu_kernels.py
+VIDUR_BF16 = ("a100-80gb", "h100-sxm")  # the parts whose 16-bit linear layers are fitted to Vidur's profile
 TILES = (1, 16, 32, 64, 128)
 WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0}
 START = GemmEfficiency(
@@ -85,9 +86,11 @@ def own_points(path: Path, dtype: str) -> list[Point]:
 
 def gemm_points(name: str, dtype: str) -> list[Point]:
     """The linear-layer timings the catalog part's fit for this format is fitted to."""
-    if name == "h200" or dtype == "fp8":
-        return own_points(OWN_RUNS[name], dtype)
-    return vidur_points(name.split("-")[0])[0]
+    if dtype == "bf16" and name in VIDUR_BF16:
+        return vidur_points(name.split("-")[0])[0]
+    if name not in OWN_RUNS:
+        raise ValueError(f"no {dtype} linear layers measured on {name}")
+    return own_points(OWN_RUNS[name], dtype)
 
 
 def errors_pct(eff: GemmEfficiency, points: list[Point], weight_bytes: float, peak: float, bw: float) -> list[float]:
@@ -345,25 +348,26 @@ def summary(errs: list[float]) -> dict[str, float]:
     }
 
 
-# Which measured attention and collectives each part takes: (its own or a sibling's, and why).
-ATTENTION_FROM = {"a100-80gb": "a100-80gb", "h100-sxm": "h100-sxm", "h200": "h200"}
+# Which node's measured collectives each part takes (H200: the H100's, the same NVLink 4 NVSwitch fabric).
 TOPOLOGY = {"a100-80gb": "a100_dgx", "h100-sxm": "h100_dgx", "h200": "h100_dgx"}
 
 
-def _attention_entry(name: str, lines: list[str]) -> dict[str, Any]:
-    measured_on = ATTENTION_FROM[name]
-    hw, on = HARDWARE[name], HARDWARE[measured_on]
-    if measured_on in OWN_RUNS:
-        run = OWN_RUNS[measured_on]
+def attention_points(name: str) -> tuple[list[AttentionPoint], str, str, int]:
+    """(points, source, ref, head_dim) of the attention timings the part's fit is fitted to: its own
+    run, else (A100) Vidur's profile."""
+    if name in OWN_RUNS:
+        run = OWN_RUNS[name]
         points, head_dim = own_attention_points(run)
         device = json.loads(run.read_text())["device"]
         source = f"benchmarks/gpu_kernels.py on one {device} (SDPA, fastest of flash/cuDNN/efficient; BF16)"
-        ref = f"benchmarks/data/{run.name}"
-    else:
-        points, ref, head_dim = vidur_attention_points()
-        source = "Vidur's A100 attention profile (FlashInfer prefill and decode kernels; fp16; MIT)"
-    if measured_on != name:
-        source = f"measured on {measured_on} (the same SM and kernels), as fractions of {name}'s peaks: {source}"
+        return points, source, f"benchmarks/data/{run.name}", head_dim
+    points, ref, head_dim = vidur_attention_points()
+    return points, "Vidur's A100 attention profile (FlashInfer prefill and decode kernels; fp16; MIT)", ref, head_dim
+
+
+def _attention_entry(name: str, lines: list[str]) -> dict[str, Any]:
+    on = HARDWARE[name]
+    points, source, ref, head_dim = attention_points(name)
     eff = fit_attention(points, on.peak_flops_per_s("bf16"), on.bandwidth_bytes_per_s, head_dim)
     residuals = {}
     for phase in ("prefill", "decode"):
@@ -376,8 +380,7 @@ def _attention_entry(name: str, lines: list[str]) -> dict[str, Any]:
             f"{name:10} {'attn':5} {phase:15} {r['points']:6} {r['median_abs_error_pct']:11.1f}% "
             f"{r['max_abs_error_pct']:8.1f}%"
         )
-    lines.append(f"{name:10} {'attn':5} {'(from ' + measured_on + ')':15} {eff}")
-    del hw
+    lines.append(f"{name:10} {'attn':5} {'(fitted)':15} {eff}")
     return {
         **{k: v for k, v in asdict(eff).items() if k != "head_dims"},
         "head_dims": list(eff.head_dims),
@@ -408,6 +411,7 @@ def _collectives_entry(name: str, lines: list[str]) -> dict[str, Any]:
 def _cross_check(name: str, fitted: dict[str, Any], lines: list[str]) -> dict[str, Any]:
     """The part's BF16 linear layers measured twice (Vidur's profile, our own run), each priced by
     the fit to the other: two independent measurements, one model."""
+    assert name in OWN_RUNS and name in VIDUR_BF16, f"{name}: its BF16 layers are measured once"
     hw, vidur_fit = HARDWARE[name], GemmEfficiency(**fitted)
     run = OWN_RUNS[name]
     ours, theirs = own_points(run, "bf16"), gemm_points(name, "bf16")

@@ -240,11 +240,14 @@ def measure(plan: list, device: torch.device, repeats: int, max_kv_bytes: int, c
         if device.type == "cuda":  # what is left beside the weights, less room for a step's activations
             room = min(room, torch.cuda.mem_get_info(device)[0] - ACTIVATION_ROOM)
         for prefill, batch, context in points:
-            if batch * (context + 1) * kv_per_token > room:
-                continue
-            caches = model.caches(batch, context) if batch else None
             row = dict(model=name, dtype=dtype, layers=n_layers, model_layers=shape.layers, prefill_tokens=prefill,
                        decode_batch=batch, decode_context=context)  # fmt: skip
+            if batch and batch * (context + 1) * kv_per_token > room:
+                row["skipped"] = f"its KV cache, {batch * (context + 1) * kv_per_token / 2**30:.1f} GiB, does not fit"
+                rows.append(row)
+                print(f"{name} {dtype} L{n_layers} prefill={prefill} decode={batch}x{context} {row['skipped']}")
+                continue
+            caches = model.caches(batch, context) if batch else None
             if compiled:
                 row["compiled"] = True
             try:

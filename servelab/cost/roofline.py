@@ -75,7 +75,7 @@ def overlap_sharpness(hardware: HardwareSpec, compute_dtype: str) -> float:
 
 def gemm_tile_tokens(hardware: HardwareSpec, compute_dtype: str) -> int:
     """Rows a linear layer's GEMM computes in one tile on this part: the tile of the GEMMs that set
-    `overlap_sharpness` (H200: 32 rows in BF16, 128 in FP8; Hopper's FP8 on an H100 too), 1 (no
+    `overlap_sharpness` (H200: 32 rows in BF16; 128 in FP8 on both Hoppers), 1 (no
     padding) where none was measured or the fit found no step."""
     gemm = _step_gemm(hardware, compute_dtype)
     return 1 if gemm is None else gemm.tile_tokens
@@ -197,12 +197,12 @@ MEASURED_KERNELS_EFFICIENCY = Efficiency(
     compute_fraction=0.67,
     step_overhead_s=0.0,
     per_layer_overhead_s=0.0,
-    per_seq_overhead_s=4.0e-6,
+    per_seq_overhead_s=3.9e-6,
     interconnect_fraction=0.7,
-    allreduce_latency_s=3.3e-5,
+    allreduce_latency_s=5.7e-6,
     formats={
-        "int8": FormatEfficiency(bandwidth_fraction=0.59, compute_fraction=0.67),
-        "int4": FormatEfficiency(bandwidth_fraction=0.38, compute_fraction=0.67),
+        "int8": FormatEfficiency(bandwidth_fraction=0.71, compute_fraction=0.67),
+        "int4": FormatEfficiency(bandwidth_fraction=0.49, compute_fraction=0.67),
         "fp8": FormatEfficiency(bandwidth_fraction=0.51, compute_fraction=0.67),
     },
 )

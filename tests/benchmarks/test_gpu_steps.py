@@ -67,8 +67,8 @@ def test_a_given_per_layer_cost_is_used_as_given():
     assert all(r["kernels_per_layer_s"] == r["measured_kernels_s"] for r in zero)
 
 
-@pytest.mark.parametrize(("part", "count"), [("h200", 18), ("h100", 16)])
-def test_compiled_layers_leave_no_per_layer_cost(part, count):
+@pytest.mark.parametrize(("part", "count", "bound_pct"), [("h200", 18, 6.0), ("h100", 16, 6.5)])
+def test_compiled_layers_leave_no_per_layer_cost(part, count, bound_pct):
     """The same steps with each layer compiled (Inductor fuses the norms, rotary, SiLU and adds
     into the GEMMs' neighbours): the measured kernels alone price them, and the fitted per-layer
     cost falls to nothing, so that cost is the engine's, not the GPU's."""
@@ -76,7 +76,7 @@ def test_compiled_layers_leave_no_per_layer_cost(part, count):
     assert all(r["compiled"] for r in data["steps"])
     rows = gpu_steps_check.price(data)
     assert len(rows) == count and rows[0]["per_layer_s"] < 10e-6
-    assert statistics.median(abs(r["measured_kernels_error_pct"]) for r in rows) < 6.5
+    assert statistics.median(abs(r["measured_kernels_error_pct"]) for r in rows) < bound_pct
     plain = {gpu_steps_check.label(r): r["graph_s"] for r in gpu_steps_check.price(_steps(f"{part}_steps.json"))}
     faster = [r["graph_s"] < plain[gpu_steps_check.label(r)] for r in rows if gpu_steps_check.label(r) in plain]
     assert len(faster) >= 10 and all(faster)

@@ -43,14 +43,8 @@ def fit():
 
 @pytest.mark.parametrize("name", MEASURED)
 def test_attention_fits_reproduce_their_measurements(fit, name):
-    k = HARDWARE[name].kernels
-    measured_on = fit.ATTENTION_FROM[name]
-    on = HARDWARE[measured_on]
-    points = (
-        fit.own_attention_points(fit.OWN_RUNS[measured_on])[0]
-        if measured_on in fit.OWN_RUNS
-        else fit.vidur_attention_points()[0]
-    )
+    k, on = HARDWARE[name].kernels, HARDWARE[name]
+    points, _, ref, _ = fit.attention_points(name)
     for phase in ("prefill", "decode"):
         pts = [p for p in points if p[0] == phase]
         errs = [
@@ -61,8 +55,8 @@ def test_attention_fits_reproduce_their_measurements(fit, name):
         assert recorded["points"] == len(pts) >= 8
         assert statistics.median(errs) == pytest.approx(recorded["median_abs_error_pct"], abs=0.06)
         assert max(errs) == pytest.approx(recorded["max_abs_error_pct"], abs=0.06)
-        assert statistics.median(errs) <= ATTENTION_BOUND_PCT[measured_on][phase]
-    assert measured_on in k.attention_source or measured_on == name
+        assert statistics.median(errs) <= ATTENTION_BOUND_PCT[name][phase]
+    assert ref in k.attention_source
 
 
 def test_decode_attention_is_bound_by_kv_bytes_and_prefill_by_flops():

@@ -105,7 +105,8 @@ def test_parts_of_one_architecture_share_their_measured_gemms(tmp_path):
     assert measured_gemm(a100, "fp8") is None and measured_gemm(get_hardware("l40s"), "bf16") is None
     body = {"memory_bytes": 80e9, "bandwidth_bytes_per_s": 3e12, "peak_flops": {"bf16": 1e15}}
     path = tmp_path / "part.json"
-    path.write_text(json.dumps({**body, "architecture": " Hopper "}))  # else its architecture's
+    # else the first catalog part of its architecture that measured it (the H100, before the H200)
+    path.write_text(json.dumps({**body, "architecture": " Hopper "}))
     assert measured_gemm(get_hardware(str(path)), "fp8") is h100.kernels.gemm["fp8"]
     path.write_text(json.dumps({**body, "architecture": 9}))
     with pytest.raises(InvalidArgument, match="architecture"):
