@@ -242,22 +242,22 @@ def measure(plan: list, device: torch.device, repeats: int, max_kv_bytes: int, c
         for prefill, batch, context in points:
             row = dict(model=name, dtype=dtype, layers=n_layers, model_layers=shape.layers, prefill_tokens=prefill,
                        decode_batch=batch, decode_context=context)  # fmt: skip
-            if batch and batch * (context + 1) * kv_per_token > room:
-                row["skipped"] = f"its KV cache, {batch * (context + 1) * kv_per_token / 2**30:.1f} GiB, does not fit"
-                rows.append(row)
-                print(f"{name} {dtype} L{n_layers} prefill={prefill} decode={batch}x{context} {row['skipped']}")
-                continue
-            caches = model.caches(batch, context) if batch else None
-            if compiled:
-                row["compiled"] = True
-            try:
-                row.update(time_step(model.step(prefill, batch, context, caches, compiled), device, repeats))
-            except (RuntimeError, TypeError) as e:  # e.g. an FP8 shape cuBLASLt refuses
-                row["error"] = str(e).splitlines()[0][:200]
+            kv_bytes = batch * (context + 1) * kv_per_token
+            caches = None
+            if kv_bytes > room:  # never a prefill alone: it keeps no cache
+                row["skipped"] = f"its KV cache, {kv_bytes / 2**30:.1f} GiB, does not fit"
+            else:
+                caches = model.caches(batch, context) if batch else None
+                if compiled:
+                    row["compiled"] = True
+                try:
+                    row.update(time_step(model.step(prefill, batch, context, caches, compiled), device, repeats))
+                except (RuntimeError, TypeError) as e:  # e.g. an FP8 shape cuBLASLt refuses
+                    row["error"] = str(e).splitlines()[0][:200]
             rows.append(row)
             shown = " ".join(f"{k}={v * 1e3:.3f}ms" for k, v in row.items() if k.endswith("_s"))
-            print(f"{name} {dtype} L{n_layers} prefill={prefill} decode={batch}x{context} {shown or row.get('error')}",
-                  flush=True)  # fmt: skip
+            print(f"{name} {dtype} L{n_layers} prefill={prefill} decode={batch}x{context} "
+                  f"{shown or row.get('error') or row['skipped']}", flush=True)  # fmt: skip
             del caches
             if device.type == "cuda":
                 torch.cuda.empty_cache()

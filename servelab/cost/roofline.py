@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from operator import mul
 from types import MappingProxyType
 from typing import Any
@@ -192,19 +192,14 @@ class Efficiency:
 # The end-to-end terms refitted on top of the measured kernels (benchmarks/fit_published.py
 # --measured-kernels): what `Roofline(..., measured_kernels=True)` uses unless given its own. The
 # fixed costs inside the measured kernels leave no per-layer term; docs/fidelity.md compares the two.
-MEASURED_KERNELS_EFFICIENCY = Efficiency(
+# Only the terms below differ from the end-to-end defaults (on this path the measured GEMMs carry the
+# compute side, so FP8's compute fraction is left to follow the 16-bit one).
+MEASURED_KERNELS_EFFICIENCY = replace(
+    Efficiency(),
     bandwidth_fraction=1.0,
-    compute_fraction=0.67,
-    step_overhead_s=0.0,
     per_layer_overhead_s=0.0,
     per_seq_overhead_s=3.9e-6,
-    interconnect_fraction=0.7,
-    allreduce_latency_s=5.7e-6,
-    formats={
-        "int8": FormatEfficiency(bandwidth_fraction=0.71, compute_fraction=0.67),
-        "int4": FormatEfficiency(bandwidth_fraction=0.49, compute_fraction=0.67),
-        "fp8": FormatEfficiency(bandwidth_fraction=0.51, compute_fraction=0.67),
-    },
+    formats={**_DEFAULT_FORMATS, "fp8": FormatEfficiency(bandwidth_fraction=0.51, compute_fraction=0.67)},
 )
 
 
