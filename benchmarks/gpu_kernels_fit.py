@@ -6,7 +6,11 @@ parameters with their provenance into servelab/spec/kernel_fits.json:
   context, to attention-kernel timings;
 - collectives: all-reduce and send/recv as latency + bytes / bandwidth per topology and group size,
   to Vidur's network tables;
-- one engine's host cost per step (per step + per sequence), to Vidur's CPU overheads.
+- one engine's host cost per step (per step + per sequence), to Vidur's CPU overheads;
+- the end-to-end roofline's overlap sharpness per part, to the whole steps benchmarks/gpu_steps.py
+  measured on it (plain and compiled), priced with the end-to-end Efficiency defaults
+  (gpu_steps_check.fit_step_sharpness). Those defaults are fitted given this sharpness
+  (benchmarks/fit_published.py), so the two fits are alternated until neither moves.
 
     .venv/bin/python benchmarks/gpu_kernels_fit.py           # fit, print residual tables, write the JSON
     .venv/bin/python benchmarks/gpu_kernels_fit.py --check   # fit and print; fail if the JSON differs
@@ -44,11 +48,19 @@ from servelab.cost.profile import nnls
 from servelab.spec.hardware import HARDWARE
 from servelab.spec.kernels import FITS_PATH, AttentionEfficiency, GemmEfficiency
 
+sys.path.insert(0, str(Path(__file__).parent))
+import gpu_steps_check  # noqa: E402
+
 DATA = Path(__file__).parent / "data"
 VIDUR = DATA / "vidur_profiles.json"
 H100 = DATA / "h100_kernels.json"
 H200 = DATA / "h200_kernels.json"
 OWN_RUNS = {"h100-sxm": H100, "h200": H200}  # the parts with a run of benchmarks/gpu_kernels.py
+# The parts with whole steps measured by benchmarks/gpu_steps.py: run name -> file.
+STEP_RUNS = {
+    part: {"plain": DATA / f"{short}_steps.json", "compiled": DATA / f"{short}_steps_compiled.json"}
+    for part, short in (("h100-sxm", "h100"), ("h200", "h200"))
+}
 VIDUR_BF16 = ("a100-80gb", "h100-sxm")  # the parts whose 16-bit linear layers are fitted to Vidur's profile
 TILES = (1, 16, 32, 64, 128)
 WEIGHT_BYTES = {"bf16": 2.0, "fp8": 1.0}
@@ -438,6 +450,30 @@ def _cross_check(name: str, fitted: dict[str, Any], lines: list[str]) -> dict[st
     }
 
 
+def steps_entry(name: str, lines: list[str]) -> dict[str, Any]:
+    """The part's end-to-end overlap sharpness in BF16, fitted on its measured whole steps (the
+    FP8 steps run one scale a tensor, not the row-wise scales of the FP8 GEMM fit: FP8 keeps its
+    GEMMs' sharpness)."""
+    runs = {run: json.loads(path.read_text()) for run, path in STEP_RUNS[name].items()}
+    sharpness, residuals = gpu_steps_check.fit_step_sharpness(runs, "bf16")
+    for run, r in residuals.items():
+        lines.append(
+            f"{name:10} {'bf16':5} {'steps ' + run:15} {r['points']:6} {r['median_abs_error_pct']:11.1f}% "
+            f"{r['max_abs_error_pct']:8.1f}%   sharpness {sharpness} (the GEMMs': median "
+            f"{r['median_abs_error_pct_at_gemm_sharpness']:.1f}%)"
+        )
+    device = next(iter(runs.values()))["device"]
+    return {
+        "sharpness": {"bf16": sharpness},
+        "source": f"benchmarks/gpu_steps.py on one {device}: whole BF16 model steps (prefills, decode batches and "
+        "both at once), CUDA graphs, each layer plain PyTorch and each compiled",
+        "ref": "; ".join(f"benchmarks/data/{p.name}" for p in STEP_RUNS[name].values()),
+        "fitted": "the end-to-end overlap sharpness, with the Efficiency defaults, least squares on log time, "
+        "each run weighted alike, on a grid of 0.05; by benchmarks/gpu_kernels_fit.py",
+        "residuals": residuals,
+    }
+
+
 def fit_all() -> tuple[dict[str, Any], list[str]]:
     vidur = "Vidur's {} linear-layer profiles (fp16, by tokens and tensor-parallel shard; MIT)"
     a100_ref, h100_ref = vidur_points("a100")[1], vidur_points("h100")[1]
@@ -506,6 +542,8 @@ def fit_all() -> tuple[dict[str, Any], list[str]]:
         }
         if name == "h100-sxm":
             out[name]["cross_check"] = _cross_check(name, gemm["bf16"], lines)
+        if name in STEP_RUNS:
+            out[name]["steps"] = steps_entry(name, lines)
     host = host_overheads()
     for engine, h in host.items():
         r = h["residuals"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import statistics
 import sys
 from pathlib import Path
@@ -23,11 +24,14 @@ try:
 except ModuleNotFoundError:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from servelab.cost.roofline import Roofline, default_efficiency
-from servelab.spec.hardware import get_hardware
+from servelab.spec.hardware import get_hardware, measured_gemm
 from servelab.spec.model import get_model
 
 DATA = Path(__file__).parent / "data" / "h200_steps.json"
 HARDWARE = {"NVIDIA H200": "h200", "NVIDIA H100 80GB HBM3": "h100-sxm"}
+# The sharpness values the whole-step fit chooses among (1 to 8 in steps of 0.05): a grid, so a
+# refit of the same data and defaults lands on the same value.
+SHARPNESS_GRID = tuple(round(1.0 + 0.05 * i, 2) for i in range(141))
 
 
 def step_shape(row: dict) -> list[tuple[int, int]]:
@@ -66,6 +70,49 @@ def fit_per_layer_s(rows: list[dict]) -> float:
     a = [r["layers"] / r["graph_s"] for r in rows]
     b = [1.0 - r["measured_kernels_s"] / r["graph_s"] for r in rows]
     return max(0.0, sum(x * y for x, y in zip(a, b)) / sum(x * x for x in a))
+
+
+def fit_step_sharpness(runs: dict[str, dict], dtype: str = "bf16") -> tuple[float, dict[str, dict[str, float]]]:
+    """The end-to-end overlap sharpness of one part: the grid value that prices its measured whole
+    steps of `dtype` (`runs`: name -> a gpu_steps.py run, e.g. plain and compiled) best with the
+    end-to-end Efficiency defaults, least squares on log time, each run weighted alike (each is one
+    engine's way of running the same steps); and each run's residuals at it and at the sharpness
+    of the part's GEMMs."""
+    priced: dict[str, list[tuple[Roofline, list[tuple[int, int]], float]]] = {}
+    gemm_p = math.inf
+    for name, data in runs.items():
+        hw = get_hardware(HARDWARE.get(data["device"], data["device"]))
+        priced[name] = []
+        for r in data["steps"]:
+            if "graph_s" not in r or r["dtype"] != dtype:
+                continue
+            model = dataclasses.replace(get_model(r["model"]), num_layers=r["layers"])
+            roof = Roofline(model, hw, weight_dtype=dtype, kv_dtype="bf16")
+            priced[name].append((roof, step_shape(r), r["graph_s"]))
+        gemm_p = measured_gemm(hw, dtype).sharpness  # type: ignore[union-attr]
+
+    def errors(rows: list, p: float) -> list[float]:
+        out = []
+        for roof, shape, measured_s in rows:
+            roof.overlap_sharpness = p
+            out.append(roof.step_time_s(shape) / measured_s)
+        return out
+
+    def loss(p: float) -> float:
+        return sum(statistics.fmean(math.log(e) ** 2 for e in errors(rows, p)) for rows in priced.values())
+
+    best = min(SHARPNESS_GRID, key=loss)
+
+    def stats(rows: list, p: float) -> dict[str, float]:
+        errs = [abs(e - 1.0) * 100.0 for e in errors(rows, p)]
+        return {"points": len(errs), "median_abs_error_pct": round(statistics.median(errs), 1),
+                "max_abs_error_pct": round(max(errs), 1)}  # fmt: skip
+
+    residuals = {}
+    for name, rows in priced.items():
+        residuals[name] = stats(rows, best)
+        residuals[name]["median_abs_error_pct_at_gemm_sharpness"] = stats(rows, gemm_p)["median_abs_error_pct"]
+    return best, residuals
 
 
 def label(r: dict) -> str:

@@ -177,6 +177,7 @@ def rows(roofline: Any, batches: list[int], context: int, prompt_len: int | None
             "parameter_source": roofline.parameter_source,
             # the p of the compute/memory p-norm; None: max() (no measured GEMMs on this part)
             "overlap_sharpness": None if roofline.overlap_sharpness == float("inf") else roofline.overlap_sharpness,
+            "overlap_source": roofline.overlap_source or None,  # fitted on measured steps or GEMMs
             # rows a linear layer's GEMM computes at once (1: no rounding); a MoE expert's share rounds up too
             "gemm_tile_tokens": roofline.tile_tokens,
             "extrapolation": list(roofline.extrapolation),
@@ -350,7 +351,7 @@ def _efficiency_line(roofline: Any) -> str:
             f"layers) + {eff.per_seq_overhead_s * 1e6:.1f} us per sequence besides the kernels"
         )
     p = roofline.overlap_sharpness
-    overlap = "max() of the two" if p == float("inf") else f"their p-norm, p = {p:.3g} (measured GEMMs)"
+    overlap = "max() of the two" if p == float("inf") else f"their p-norm, p = {p:.3g} ({roofline.overlap_source})"
     if roofline.tile_tokens > 1:
         overlap += f", linear layers in tiles of {roofline.tile_tokens} rows"
     return (

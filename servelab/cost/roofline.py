@@ -10,8 +10,9 @@ all-reduces and fixed overheads:
     time    = (compute^p + memory^p)^(1/p)
               + all-reduce time + step_overhead_s + num_layers × per_layer_overhead_s + num_seqs × per_seq_overhead_s
 
-p is the sharpness of the GEMMs measured on the part or its architecture (`overlap_sharpness`);
-inf, i.e. max(compute, memory), where none was measured. The same GEMMs' tile sets the linear
+p is the overlap sharpness fitted on whole steps measured on the part (H100, H200 in BF16), else
+that of the GEMMs measured on it or its architecture (`overlap_sharpness`); inf, i.e. max(compute,
+memory), where none was measured. The same GEMMs' tile sets the linear
 layers' FLOPs: a GEMM of M rows runs whole tiles of `tile_tokens` rows (`gemm_tile_tokens`), and a
 MoE layer's expert GEMMs each see their share of the step's tokens, T·k / (experts hit), not T.
 
@@ -43,7 +44,7 @@ from servelab.errors import InvalidArgument
 from servelab.spec.dtypes import ACTIVATION_BYTES, DEFAULT_DTYPE
 from servelab.spec.dtypes import kv_dtype as _kv_dtype
 from servelab.spec.dtypes import weight_dtype as _weight_dtype
-from servelab.spec.hardware import HardwareSpec, measured_gemm
+from servelab.spec.hardware import HardwareSpec, measured_gemm, measured_step_sharpness
 from servelab.spec.kernels import AttentionEfficiency, CollectiveFit, GemmEfficiency
 from servelab.spec.model import ModelSpec
 
@@ -59,23 +60,41 @@ def overlap(compute_s: float, memory_s: float, sharpness: float) -> float:
     return (compute_s**sharpness + memory_s**sharpness) ** (1.0 / sharpness)
 
 
+def _step_dtype(hardware: HardwareSpec, compute_dtype: str) -> str | None:
+    """The compute dtype whose measured GEMMs price a step of this one: its own where measured on
+    the part or its architecture, else the 16-bit ones (such weights run 16-bit math), else None."""
+    return next((d for d in (compute_dtype, "bf16") if measured_gemm(hardware, d) is not None), None)
+
+
 def _step_gemm(hardware: HardwareSpec, compute_dtype: str) -> GemmEfficiency | None:
-    """The GEMMs measured for the compute dtype on the part or its architecture, else its 16-bit
-    ones (such weights run 16-bit math), else None."""
-    return measured_gemm(hardware, compute_dtype) or measured_gemm(hardware, "bf16")
+    dtype = _step_dtype(hardware, compute_dtype)
+    return None if dtype is None else measured_gemm(hardware, dtype)
 
 
 def overlap_sharpness(hardware: HardwareSpec, compute_dtype: str) -> float:
-    """How sharply a step's compute and memory sides overlap on this part: the sharpness of the
-    GEMMs measured for the compute dtype on it or its architecture (else its 16-bit ones: such
-    weights run 16-bit math), or inf (max(), the plain roofline) where no GEMM was measured."""
-    gemm = _step_gemm(hardware, compute_dtype)
-    return math.inf if gemm is None else gemm.sharpness
+    """How sharply a step's compute and memory sides overlap on this part: fitted on whole steps
+    measured on it, where they were (a step is many kernels, each bound on its own side, so it need
+    not overlap as any one GEMM does); else the sharpness of the GEMMs measured for the compute
+    dtype on it or its architecture (else its 16-bit ones); else inf (max(), the plain roofline)."""
+    dtype = _step_dtype(hardware, compute_dtype)
+    if dtype is None:
+        return math.inf
+    gemm = measured_gemm(hardware, dtype)
+    assert gemm is not None
+    return measured_step_sharpness(hardware, dtype) or gemm.sharpness
+
+
+def overlap_source(hardware: HardwareSpec, compute_dtype: str) -> str:
+    """What `overlap_sharpness` was fitted on: "measured steps", "measured GEMMs", or "" (max())."""
+    dtype = _step_dtype(hardware, compute_dtype)
+    if dtype is None:
+        return ""
+    return "measured steps" if measured_step_sharpness(hardware, dtype) is not None else "measured GEMMs"
 
 
 def gemm_tile_tokens(hardware: HardwareSpec, compute_dtype: str) -> int:
-    """Rows a linear layer's GEMM computes in one tile on this part: the tile of the GEMMs that set
-    `overlap_sharpness` (H200: 32 rows in BF16; 128 in FP8 on both Hoppers), 1 (no
+    """Rows a linear layer's GEMM computes in one tile on this part: the tile of the GEMMs measured
+    for the step's compute dtype (H200: 32 rows in BF16; 128 in FP8 on both Hoppers), 1 (no
     padding) where none was measured or the fit found no step."""
     gemm = _step_gemm(hardware, compute_dtype)
     return 1 if gemm is None else gemm.tile_tokens
@@ -114,7 +133,7 @@ _DEFAULT_FORMATS: Mapping[str, FormatEfficiency] = MappingProxyType(
     {
         "int8": FormatEfficiency(bandwidth_fraction=0.71, compute_fraction=0.67),
         "int4": FormatEfficiency(bandwidth_fraction=0.49, compute_fraction=0.67),
-        "fp8": FormatEfficiency(bandwidth_fraction=0.51, compute_fraction=0.45),
+        "fp8": FormatEfficiency(bandwidth_fraction=0.52, compute_fraction=0.45),
     }
 )
 
@@ -145,9 +164,9 @@ class Efficiency:
     compute_fraction: float = 0.67
     step_overhead_s: float = 0.0
     per_layer_overhead_s: float = 6.3e-5
-    per_seq_overhead_s: float = 6.4e-6
+    per_seq_overhead_s: float = 6.5e-6
     interconnect_fraction: float = 0.7
-    allreduce_latency_s: float = 5.7e-6
+    allreduce_latency_s: float = 5.6e-6
     formats: Mapping[str, FormatEfficiency] = field(default_factory=lambda: dict(_DEFAULT_FORMATS), hash=False)
 
     def __post_init__(self) -> None:
@@ -199,7 +218,7 @@ MEASURED_KERNELS_EFFICIENCY = replace(
     bandwidth_fraction=1.0,
     per_layer_overhead_s=0.0,
     per_seq_overhead_s=3.9e-6,
-    formats={**_DEFAULT_FORMATS, "fp8": FormatEfficiency(bandwidth_fraction=0.51, compute_fraction=0.67)},
+    formats={**_DEFAULT_FORMATS, "fp8": FormatEfficiency(bandwidth_fraction=0.52, compute_fraction=0.67)},
 )
 
 
@@ -423,6 +442,7 @@ class Roofline:
             self._comm_s_per_token = self._comm_s_per_step = 0.0
         self._overhead_s = eff.step_overhead_s + m.num_layers * eff.per_layer_overhead_s
         self.overlap_sharpness = overlap_sharpness(hardware, wdt.compute_dtype)
+        self.overlap_source = overlap_source(hardware, wdt.compute_dtype)
         self._per_seq_s = eff.per_seq_overhead_s
 
         if self.gemm is not None:

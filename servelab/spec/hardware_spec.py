@@ -44,6 +44,9 @@ class HardwareSpec:
         ]
         if k.collectives is not None:
             parts.append(f"collectives from {k.collectives.source} ({k.collectives.ref})")
+        if k.steps is not None:
+            sharpness = ", ".join(f"{dtype} {p:g}" for dtype, p in k.steps.sharpness.items())
+            parts.append(f"end-to-end overlap sharpness ({sharpness}) fitted on {k.steps.source} ({k.steps.ref})")
         return "; ".join([*parts, figures])
 
     def peak_flops_per_s(self, compute_dtype: str = "bf16") -> float:

@@ -119,6 +119,33 @@ class GemmShapes:
     max_tokens: int
 
 
+def _dtype_key(compute_dtype: str) -> str:
+    """The key a fit is stored under: "bf16" covers fp16."""
+    return "bf16" if compute_dtype in ("bf16", "fp16") else compute_dtype
+
+
+@dataclass(frozen=True, slots=True)
+class StepFit:
+    """How sharply compute and memory overlap in a whole step on this part (the end-to-end
+    roofline's p-norm), by compute dtype: fitted on whole model steps measured on the part
+    (benchmarks/gpu_steps.py), priced with the end-to-end Efficiency defaults. A step is many
+    kernels, each bound on its own side, so its overlap need not be any one GEMM's."""
+
+    sharpness: Mapping[str, float] = field(hash=False)
+    source: str
+    ref: str
+    fitted: str
+    residuals: Mapping[str, Mapping[str, float]] = field(hash=False)  # per run: points, median/max |error| %
+
+    def __post_init__(self) -> None:
+        for dtype, p in self.sharpness.items():
+            if not (math.isfinite(p) and p >= 1.0):
+                raise ValueError(f"step sharpness ({dtype}) must be >= 1, got {p}")
+
+    def for_dtype(self, compute_dtype: str) -> float | None:
+        return self.sharpness.get(_dtype_key(compute_dtype))
+
+
 @dataclass(frozen=True, slots=True)
 class KernelProfile:
     """One part's measured kernels: GEMM efficiencies keyed by compute dtype ("bf16" covers fp16),
@@ -134,9 +161,10 @@ class KernelProfile:
     attention_source: str  # measured on which part, by what
     attention_residuals: Mapping[str, Mapping[str, float]] = field(hash=False)  # "prefill", "decode"
     collectives: CollectiveProfile | None = None
+    steps: StepFit | None = None  # whole steps measured on the part
 
     def for_dtype(self, compute_dtype: str) -> GemmEfficiency | None:
-        return self.gemm.get("bf16" if compute_dtype in ("bf16", "fp16") else compute_dtype)
+        return self.gemm.get(_dtype_key(compute_dtype))
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,6 +192,7 @@ def _residuals(data: Mapping[str, Mapping[str, float]]) -> Mapping[str, Mapping[
 def parse_profile(data: Mapping[str, Any]) -> KernelProfile:
     attention = data["attention"]
     collectives = data.get("collectives")
+    steps = data.get("steps")
     return KernelProfile(
         gemm=MappingProxyType({k: GemmEfficiency(**v) for k, v in data["gemm"].items()}),
         source=data["source"],
@@ -184,6 +213,15 @@ def parse_profile(data: Mapping[str, Any]) -> KernelProfile:
             source=collectives["source"],
             ref=collectives["ref"],
             fits=tuple(CollectiveFit(**f) for f in collectives["fits"]),
+        ),
+        steps=None
+        if steps is None
+        else StepFit(
+            sharpness=MappingProxyType(dict(steps["sharpness"])),
+            source=steps["source"],
+            ref=steps["ref"],
+            fitted=steps["fitted"],
+            residuals=_residuals(steps["residuals"]),
         ),
     )
 

@@ -308,7 +308,7 @@ def test_the_search_from_the_estimate_answers_as_the_one_from_one(monkeypatch):
     from_one = plan_one(job)
     assert levels[0] > 64 and len(levels) < len(from_one.capacity["levels"]) - 4
     assert [lv["load"] for lv in from_one.capacity["levels"]][:3] == [1, 2, 4]
-    assert row.capacity_concurrency == from_one.capacity_concurrency == 75
+    assert row.capacity_concurrency == from_one.capacity_concurrency == 80
     assert row.tokens_per_s_per_device == from_one.tokens_per_s_per_device
 
 

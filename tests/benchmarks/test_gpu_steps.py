@@ -86,7 +86,7 @@ def test_the_seeds_h100_figures_on_a_measured_h100():
     """The seed: Llama 3.1 8B in BF16 on one H100 makes ~150 tokens/s at batch 1 and ~4,500 tokens/s
     at batch 64 with 2K contexts. Each layer compiled and the step one CUDA graph, as a fast engine
     runs it: 138 and 5,161 tokens/s, each within 15% of the seed's; and `servelab roofline`'s
-    defaults (7.04 and 13.44 ms a step) price both steps within 10%."""
+    defaults (7.04 and 13.28 ms a step) price both steps within 10%."""
     from servelab.cost.roofline import Roofline
     from servelab.spec.hardware import get_hardware
     from servelab.spec.model import get_model

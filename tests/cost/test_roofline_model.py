@@ -70,7 +70,7 @@ def test_breakdown_is_consistent():
     assert s.time_s == pytest.approx(
         overlap(s.compute_time_s, s.memory_time_s, r.overlap_sharpness) + s.comm_time_s + s.overhead_s
     )
-    # near the ridge the two sides overlap imperfectly (H100's measured GEMMs): above max(), below the sum
+    # near the ridge the two sides overlap imperfectly (H100's measured steps): above max(), below the sum
     assert max(s.compute_time_s, s.memory_time_s) < s.time_s - s.comm_time_s - s.overhead_s
     assert s.time_s - s.comm_time_s - s.overhead_s < s.compute_time_s + s.memory_time_s
     eff = r.efficiency

@@ -91,5 +91,5 @@ def test_prefill_is_compute_bound_and_grows_with_prompt_length(roofline):
     # attention makes prefill FLOPs superlinear in the prompt length
     assert long.flops > 8 * short.flops
     # near-proportional to the tokens once compute-bound: the layers' fixed cost and the imperfect
-    # overlap of a 512-token step's loads and math (H100's measured GEMMs) keep it under 8x
+    # overlap of a 512-token step's loads and math (H100's measured steps) keep it under 8x
     assert 6 * short.time_s < long.time_s < 8 * short.time_s
