@@ -13,7 +13,7 @@ import functools
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, TypedDict
@@ -37,11 +37,13 @@ from servelab.units import parse_str_list
 from servelab.workload import WorkloadSpec
 
 if TYPE_CHECKING:
+    from servelab.core.config import ResolvedSchedulerConfig
     from servelab.cost.profile import ProfileStepCost
     from servelab.cost.speculative import Acceptance
     from servelab.sim import SimResult
     from servelab.spec.hardware import HardwareSpec
     from servelab.spec.model import ModelSpec
+    from servelab.workload.spec import RequestSpec
 
 # Measured requests per client in a capacity level, and the fewest a level measures.
 REQUESTS_PER_CLIENT = 4
@@ -185,10 +187,9 @@ def plan_one(job: PlanJob) -> PlanRow:
 
 
 def _plan_one(job: PlanJob) -> PlanRow:
-    from servelab.core.kv_groups import pages_for
     from servelab.cost.memory import MemoryPlan
     from servelab.sim import SimConfig, simulate
-    from servelab.sim.runner import build_cost_model, engine_sim_config, kv_slots_needed, scheduler_config
+    from servelab.sim.runner import build_cost_model, engine_sim_config, scheduler_config
     from servelab.spec.hardware import get_hardware
     from servelab.spec.model import resolve_model
 
@@ -264,26 +265,10 @@ def _plan_one(job: PlanJob) -> PlanRow:
         return LevelRun(result.steady_or_whole)
 
     # Clients beyond what runs at once only queue: they add TTFT, no throughput, and are not users.
-    # So the search stops at the most sequences that can run, measured there exactly, whichever
-    # is lowest of: the scheduler's cap; the requests whose KV fits at once at full length (the
-    # workload's mean request, with its pages at full length in every KV group, a sliding-window
-    # group's only its window's); and what the token budget keeps running (the mean request's
-    # prompt past its shared prefix). Users who think are in flight only E2E / (E2E + think) of
-    # the time (Little's law), so as many more of them fit; E2E is at least one user's alone.
-    blocks_per_request = statistics.fmean(
-        pages_for(sched.kv_group_windows, kv_slots_needed(r.prompt_tokens, r.output_tokens), sched.block_size)
-        for r in requests
-    )
-    kv_wall = max(1, int(sched.num_blocks // blocks_per_request))
-    budget_wall = sched.budget_running(
-        statistics.fmean(r.prompt_tokens - min(r.prefix_tokens, r.prompt_tokens) for r in requests),
-        statistics.fmean(r.output_tokens for r in requests),
-    )
-    walls: dict[Ceiling, int] = {
-        "max-num-seqs": max_num_seqs,
-        "kv-cache": kv_wall,
-        "max-num-batched-tokens": budget_wall,
-    }
+    # So the search stops at the most sequences that can run, measured there exactly. Users who
+    # think are in flight only E2E / (E2E + think) of the time (Little's law), so as many more of
+    # them fit; E2E is at least one user's alone.
+    walls = running_walls(sched, requests)
     ceiling = min(walls, key=walls.__getitem__)  # the first of equals
     row.max_running = walls[ceiling]
     try:
@@ -339,6 +324,28 @@ def _plan_one(job: PlanJob) -> PlanRow:
     row.binding = binding_limit(result, observed, max_num_seqs=max_num_seqs, request_tokens=longest, ceiling=ceiling,
                                 budget_tokens=sched.max_num_batched_tokens)  # fmt: skip
     return row
+
+
+def running_walls(sched: ResolvedSchedulerConfig, requests: Sequence[RequestSpec]) -> dict[Ceiling, int]:
+    """The most sequences of these requests that run at once on one replica, by the limit that sets
+    it: the scheduler's cap; the requests whose KV fits at once at full length (the mean request,
+    with its pages at full length in every KV group, a sliding-window group's only its window's);
+    and what the token budget keeps running (the mean request's prompt past its shared prefix)."""
+    from servelab.core.kv_groups import pages_for
+    from servelab.sim.runner import kv_slots_needed
+
+    blocks_per_request = statistics.fmean(
+        pages_for(sched.kv_group_windows, kv_slots_needed(r.prompt_tokens, r.output_tokens), sched.block_size)
+        for r in requests
+    )
+    return {
+        "max-num-seqs": sched.max_num_seqs,
+        "kv-cache": max(1, int(sched.num_blocks // blocks_per_request)),
+        "max-num-batched-tokens": sched.budget_running(
+            statistics.fmean(r.prompt_tokens - min(r.prefix_tokens, r.prompt_tokens) for r in requests),
+            statistics.fmean(r.output_tokens for r in requests),
+        ),
+    }
 
 
 def alone_bounds(cost, requests: list, block_size: int) -> tuple[float, float | None]:  # noqa: ANN001

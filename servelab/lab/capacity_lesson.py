@@ -318,27 +318,22 @@ def capacity(p: Params, planner: CapacityPlanner) -> dict[str, Any] | JSONRespon
 
 
 def most_running(s: Any, hardware: Any, prompt_len: int, output_len: int, max_num_seqs: int | None = None) -> int:
-    """What runs at once on `hardware`, as `servelab plan`'s ceiling counts it: requests of these
-    lengths whose KV fits at full length at the engine's memory share, at most `max_num_seqs`
-    (default: the engine profile's) and what its token budget keeps running; 0 where the weights
-    do not fit."""
-    from servelab.core.config import SchedulerConfig
-    from servelab.cost import MemoryPlan
-    from servelab.sim.engine_profiles import engine_profile
+    """What runs at once on `hardware`, as `servelab plan`'s ceiling counts it (`running_walls`):
+    requests of these lengths whose KV pages fit at full length in the engine's pool, at most
+    `max_num_seqs` (default: the engine profile's) and what its token budget keeps running; 0
+    where the weights do not fit."""
+    from servelab.bench.planner import running_walls
+    from servelab.sim.runner import engine_sim_config, scheduler_config
+    from servelab.workload.spec import RequestSpec
 
-    w, k = s.weight_dtype, s.kv_dtype
+    overrides = None if max_num_seqs is None else {"max_num_seqs": max_num_seqs}
     try:
-        settings = engine_profile(s.engine_profile).settings(s.model, hardware, tp=s.tp, weight_dtype=w,
-                                                             kv_cache_dtype=k)  # fmt: skip
-        memory = MemoryPlan(s.model, hardware, w, k, s.tp, settings.memory_fraction)
+        config = engine_sim_config(s.engine_profile, scheduler=overrides, model=s.model, hardware=hardware, tp=s.tp,
+                                   weight_dtype=s.weight_dtype, kv_cache_dtype=s.kv_dtype)  # fmt: skip
+        sched = scheduler_config(config)
     except ServelabError:
         return 0
-    if not memory.weights_fit:
-        return 0
-    scheduler = SchedulerConfig(**settings.scheduler)
-    cap = scheduler.max_num_seqs if max_num_seqs is None else max_num_seqs
-    budget = scheduler.budget_running(prompt_len, output_len)
-    return max(0, min(memory.max_batch(prompt_len + output_len - 1), cap, budget))
+    return min(running_walls(sched, [RequestSpec(0, None, prompt_len, output_len)]).values())
 
 
 def memory_cap_argv(s: Any, hardware: list[str], prompt_len: int, output_len: int,

@@ -636,7 +636,8 @@ def test_a_bar_capped_by_the_memory_budget_says_so_and_is_the_plans(monkeypatch,
 
 def test_a_kv_bound_bar_is_measured_at_the_kv_limit():
     from servelab.bench.planner import plan_one
-    from servelab.lab.capacity_lesson import PlanKey, _jobs
+    from servelab.lab.capacity_lesson import MAX_NUM_SEQS, PlanKey, _jobs, most_running
+    from servelab.spec import HARDWARE
 
     # An L4 keeps ~42k tokens of Llama-3.1-8B KV after the weights: ten 4,160-token requests.
     key = PlanKey("llama-3.1-8b", "bfloat16", "bfloat16", 1, "servelab", 500.0, 20_000.0, 4096, 64)
@@ -644,6 +645,8 @@ def test_a_kv_bound_bar_is_measured_at_the_kv_limit():
     b = row.binding
     assert b.limit == "kv-cache" and row.capacity_concurrency == row.max_running == b.peak_running
     assert b.preemptions == 0 and row.capacity["levels"][-1]["load"] == row.max_running
+    # The lab's count of what runs at once (its bounds, its memory-budget cap) is the plan's ceiling.
+    assert most_running(key.setup(), HARDWARE["l4"], 4096, 64, MAX_NUM_SEQS) == row.max_running
 
 
 def test_capacity_answers_at_once_with_upper_bounds_then_simulations():
