@@ -6,8 +6,9 @@ each step's tokens carry only so many decodes beside the prompts joining them)?
 The planner's search stops at the most sequences that can run at once (the lowest of the three),
 so a search that never failed is bound by that ceiling, measured at the ceiling itself; clients
 beyond it would only queue. A search that failed is judged on its first
-failing level: bound by max-num-seqs or the KV cache when clients waited for a slot or for memory
-there (with think time a level can offer more clients than run), else by the target it missed.
+failing level: bound by max-num-seqs, the KV cache or the token budget when clients waited for a
+slot, for memory or for admission there (with think time a level can offer more clients than
+run), else by the target it missed.
 """
 
 from __future__ import annotations
@@ -66,10 +67,12 @@ def binding_limit(
     request_tokens: int,
     ceiling: Ceiling = "search-maximum",
     budget_tokens: int | None = None,
+    budget_running: int | None = None,
 ) -> Binding | None:
     """`request_tokens`: the longest request's prompt + output, what one more sequence needs in
     the KV cache; `ceiling`: what set the search's maximum load; `budget_tokens`: the
-    scheduler's --max-num-batched-tokens. None when no load met the
+    scheduler's --max-num-batched-tokens, and `budget_running` what it keeps running (the mean
+    request, by Little's law: `SchedulerConfig.budget_running`). None when no load met the
     targets (nothing was bound)."""
     if result.best is None:
         return None
@@ -118,6 +121,14 @@ def binding_limit(
         detail = (
             f"{kv}: at concurrency {load} it peaked at {seen.peak_kv_usage:.0%} with {seen.peak_running} "
             f"sequences running (< --max-num-seqs {max_num_seqs}), {seen.preemptions} preemptions"
+        )
+    elif budget_running is not None and load > budget_running and seen.peak_running >= budget_running:
+        # The running count moves around the budget's: a batch that reached it saturated the budget.
+        limit = "max-num-batched-tokens"
+        detail = (
+            f"the token budget (--max-num-batched-tokens {budget_tokens}): at concurrency {load} the running batch "
+            f"peaked at {seen.peak_running} sequences, past the {budget_running} its tokens per step carry beside the "
+            f"prompts joining them, and the other clients' prompts waited for admission"
         )
     else:
         missed = missed_targets(level.summary, result.slo, result.percentile)

@@ -322,7 +322,8 @@ def _plan_one(job: PlanJob) -> PlanRow:
         return row
     fill_row(row, result, job, extra)
     row.binding = binding_limit(result, observed, max_num_seqs=max_num_seqs, request_tokens=longest, ceiling=ceiling,
-                                budget_tokens=sched.max_num_batched_tokens)  # fmt: skip
+                                budget_tokens=sched.max_num_batched_tokens,
+                                budget_running=walls["max-num-batched-tokens"])  # fmt: skip
     return row
 
 

@@ -70,3 +70,30 @@ def test_plan_cli_says_the_think_time(capsys):
     assert cli_main([*argv, "--think-time", "500ms"]) == 0
     out = capsys.readouterr().out
     assert "concurrency = users, think time 500 ms" in out and "lockstep" in out
+
+
+def test_users_who_wait_for_the_token_budget_are_bound_by_it():
+    """With think time the search offers more users than run at once; where the running batch
+    reached what the token budget keeps running and the TTFT target broke, the budget binds: a
+    budget twice as large serves about half as many users again."""
+    from servelab.core.config import SchedulerConfig
+
+    def row(budget: int):  # noqa: ANN202
+        return plan_one(
+            PlanJob(
+                model="llama-3.1-8b",
+                hardware="h100-sxm",
+                tp=1,
+                slo=SLO(tpot_s=0.030, ttft_s=0.300),
+                percentile=90,
+                workload={**WORKLOAD, "think_time_s": 2.0, "think_time_dist": "exponential"},
+                scheduler=SchedulerConfig(max_num_batched_tokens=budget),
+            )
+        )
+
+    small, large = row(512), row(1024)
+    b = small.binding
+    assert small.max_running == SchedulerConfig(max_num_batched_tokens=512).budget_running(256, 64) == 104
+    assert b.limit == "max-num-batched-tokens" and b.at_concurrency > b.peak_running >= small.max_running
+    assert "the token budget (--max-num-batched-tokens 512)" in b.detail and "waited for admission" in b.detail
+    assert large.capacity_concurrency > 1.4 * small.capacity_concurrency
