@@ -18,7 +18,7 @@ modern sets are priced with the preset of each point's engine.
 
 The fit is least squares on relative error with every term non-negative (fractions are fitted as
 1/fraction >= 1, so none exceeds the datasheet). A step's time is overlap(compute, memory) + added
-terms, the p-norm of the part's measured GEMMs (max() where none was measured). The p-norm is
+terms, the p-norm of the part's measured steps or GEMMs (max() where none was measured). The p-norm is
 homogeneous of degree 1, so at the current parameters it equals w_c·compute + w_m·memory with
 w = (side / time)^(p-1) (for max(), 1 on the binding side); the fit holds those weights, solves,
 and repeats until the parameters stop moving.

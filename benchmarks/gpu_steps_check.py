@@ -78,10 +78,13 @@ def fit_step_sharpness(runs: dict[str, dict], dtype: str = "bf16") -> tuple[floa
     end-to-end Efficiency defaults, least squares on log time, each run weighted alike (each is one
     engine's way of running the same steps); and each run's residuals at it and at the sharpness
     of the part's GEMMs."""
+    devices = {data["device"] for data in runs.values()}
+    assert len(devices) == 1, f"one part's runs, got {sorted(devices)}"
+    (device,) = devices
+    hw = get_hardware(HARDWARE.get(device, device))
+    gemm_p = measured_gemm(hw, dtype).sharpness  # type: ignore[union-attr]
     priced: dict[str, list[tuple[Roofline, list[tuple[int, int]], float]]] = {}
-    gemm_p = math.inf
     for name, data in runs.items():
-        hw = get_hardware(HARDWARE.get(data["device"], data["device"]))
         priced[name] = []
         for r in data["steps"]:
             if "graph_s" not in r or r["dtype"] != dtype:
@@ -89,7 +92,6 @@ def fit_step_sharpness(runs: dict[str, dict], dtype: str = "bf16") -> tuple[floa
             model = dataclasses.replace(get_model(r["model"]), num_layers=r["layers"])
             roof = Roofline(model, hw, weight_dtype=dtype, kv_dtype="bf16")
             priced[name].append((roof, step_shape(r), r["graph_s"]))
-        gemm_p = measured_gemm(hw, dtype).sharpness  # type: ignore[union-attr]
 
     def errors(rows: list, p: float) -> list[float]:
         out = []

@@ -151,6 +151,7 @@ def build(args: argparse.Namespace) -> tuple[Any, list[int]]:  # (Roofline, batc
 def rows(roofline: Any, batches: list[int], context: int, prompt_len: int | None) -> list[dict[str, Any]]:
     plan = roofline.memory
     prefill = roofline.prefill(prompt_len) if prompt_len else None
+    end_to_end_p = float("inf") if roofline.gemm is not None else roofline.overlap_sharpness
     out = []
     for batch in batches:
         cost = roofline.decode(batch, context)
@@ -175,9 +176,10 @@ def rows(roofline: Any, batches: list[int], context: int, prompt_len: int | None
             "peak_compute_time_s": cost.peak_compute_time_s,
             "peak_memory_time_s": cost.peak_memory_time_s,
             "parameter_source": roofline.parameter_source,
-            # the p of the compute/memory p-norm; None: max() (no measured GEMMs on this part)
-            "overlap_sharpness": None if roofline.overlap_sharpness == float("inf") else roofline.overlap_sharpness,
-            "overlap_source": roofline.overlap_source or None,  # fitted on measured steps or GEMMs
+            # the p of the compute/memory p-norm and what it was fitted on; None: max() (nothing measured on
+            # the part or its architecture), or the measured kernels' path, which sums each kernel's own time
+            "overlap_sharpness": None if end_to_end_p == float("inf") else end_to_end_p,
+            "overlap_source": None if end_to_end_p == float("inf") else roofline.overlap_source,
             # rows a linear layer's GEMM computes at once (1: no rounding); a MoE expert's share rounds up too
             "gemm_tile_tokens": roofline.tile_tokens,
             "extrapolation": list(roofline.extrapolation),

@@ -2,7 +2,7 @@
 
 A step moves bytes (the weights once, every sequence's KV cache, the new KV, activations) and
 does FLOPs (2 per active parameter per token, plus attention). Its time is the two sides at
-achievable rates, combined as the part's measured GEMMs combine them, plus tensor-parallel
+achievable rates, combined as the part's measured steps or GEMMs combine them, plus tensor-parallel
 all-reduces and fixed overheads:
 
     compute = flops / (peak_flops × compute_fraction[format])
@@ -11,9 +11,9 @@ all-reduces and fixed overheads:
               + all-reduce time + step_overhead_s + num_layers × per_layer_overhead_s + num_seqs × per_seq_overhead_s
 
 p is the overlap sharpness fitted on whole steps measured on the part (H100, H200 in BF16), else
-that of the GEMMs measured on it or its architecture (`overlap_sharpness`); inf, i.e. max(compute,
+that of the GEMMs measured on it or its architecture (`step_overlap`); inf, i.e. max(compute,
 memory), where none was measured. The same GEMMs' tile sets the linear
-layers' FLOPs: a GEMM of M rows runs whole tiles of `tile_tokens` rows (`gemm_tile_tokens`), and a
+layers' FLOPs: a GEMM of M rows runs whole tiles of `tile_tokens` rows (`step_overlap`), and a
 MoE layer's expert GEMMs each see their share of the step's tokens, T·k / (experts hit), not T.
 
 With `measured_kernels=True`, a part with measured kernels for the weight format (A100, H100,
@@ -44,7 +44,7 @@ from servelab.errors import InvalidArgument
 from servelab.spec.dtypes import ACTIVATION_BYTES, DEFAULT_DTYPE
 from servelab.spec.dtypes import kv_dtype as _kv_dtype
 from servelab.spec.dtypes import weight_dtype as _weight_dtype
-from servelab.spec.hardware import HardwareSpec, measured_gemm, measured_step_sharpness
+from servelab.spec.hardware import HardwareSpec, measured_part
 from servelab.spec.kernels import AttentionEfficiency, CollectiveFit, GemmEfficiency
 from servelab.spec.model import ModelSpec
 
@@ -52,7 +52,8 @@ from servelab.spec.model import ModelSpec
 def overlap(compute_s: float, memory_s: float, sharpness: float) -> float:
     """A step's time from its compute and memory sides: their p-norm, which tends to max() as the
     sharpness grows. Near the ridge neither the loads nor the math hide fully behind the other
-    (measured GEMMs: sharpness 1.6 to 6 on A100, H100 and H200, servelab/spec/kernel_fits.json)."""
+    (measured steps and GEMMs: sharpness 1.65 to 6.14 on A100, H100 and H200,
+    servelab/spec/kernel_fits.json)."""
     if sharpness == math.inf:
         return compute_s if compute_s > memory_s else memory_s
     if compute_s <= 0.0 or memory_s <= 0.0:
@@ -60,44 +61,35 @@ def overlap(compute_s: float, memory_s: float, sharpness: float) -> float:
     return (compute_s**sharpness + memory_s**sharpness) ** (1.0 / sharpness)
 
 
-def _step_dtype(hardware: HardwareSpec, compute_dtype: str) -> str | None:
-    """The compute dtype whose measured GEMMs price a step of this one: its own where measured on
-    the part or its architecture, else the 16-bit ones (such weights run 16-bit math), else None."""
-    return next((d for d in (compute_dtype, "bf16") if measured_gemm(hardware, d) is not None), None)
+@dataclass(frozen=True, slots=True)
+class StepOverlap:
+    """How a step's compute and memory sides combine on a part: the p-norm's sharpness (inf:
+    max()), the linear layers' GEMM tile in rows, and what they were measured on ("" for max())."""
+
+    sharpness: float
+    tile_tokens: int
+    source: str
 
 
-def _step_gemm(hardware: HardwareSpec, compute_dtype: str) -> GemmEfficiency | None:
-    dtype = _step_dtype(hardware, compute_dtype)
-    return None if dtype is None else measured_gemm(hardware, dtype)
-
-
-def overlap_sharpness(hardware: HardwareSpec, compute_dtype: str) -> float:
-    """How sharply a step's compute and memory sides overlap on this part: fitted on whole steps
-    measured on it, where they were (a step is many kernels, each bound on its own side, so it need
-    not overlap as any one GEMM does); else the sharpness of the GEMMs measured for the compute
-    dtype on it or its architecture (else its 16-bit ones); else inf (max(), the plain roofline)."""
-    dtype = _step_dtype(hardware, compute_dtype)
-    if dtype is None:
-        return math.inf
-    gemm = measured_gemm(hardware, dtype)
-    assert gemm is not None
-    return measured_step_sharpness(hardware, dtype) or gemm.sharpness
-
-
-def overlap_source(hardware: HardwareSpec, compute_dtype: str) -> str:
-    """What `overlap_sharpness` was fitted on: "measured steps", "measured GEMMs", or "" (max())."""
-    dtype = _step_dtype(hardware, compute_dtype)
-    if dtype is None:
-        return ""
-    return "measured steps" if measured_step_sharpness(hardware, dtype) is not None else "measured GEMMs"
-
-
-def gemm_tile_tokens(hardware: HardwareSpec, compute_dtype: str) -> int:
-    """Rows a linear layer's GEMM computes in one tile on this part: the tile of the GEMMs measured
-    for the step's compute dtype (H200: 32 rows in BF16; 128 in FP8 on both Hoppers), 1 (no
-    padding) where none was measured or the fit found no step."""
-    gemm = _step_gemm(hardware, compute_dtype)
-    return 1 if gemm is None else gemm.tile_tokens
+def step_overlap(hardware: HardwareSpec, compute_dtype: str) -> StepOverlap:
+    """The measured overlap for a step of this compute dtype: that dtype's GEMMs where measured on
+    the part or its architecture, else the 16-bit ones (weight-only formats dequantize to 16-bit
+    math); its sharpness fitted on whole steps measured there where they were (a step is many
+    kernels, each bound on its own side, so it need not overlap as any one GEMM does), else the
+    GEMMs' own; the tile is the GEMMs' (H200: 32 rows in BF16; 128 in FP8 on both Hoppers). Where
+    nothing was measured, the plain roofline: max() and no tile."""
+    for dtype in (compute_dtype, "bf16"):
+        part = measured_part(hardware, dtype)
+        if part is None or part.kernels is None:
+            continue
+        gemm = part.kernels.for_dtype(dtype)
+        assert gemm is not None
+        steps = None if part.kernels.steps is None else part.kernels.steps.for_dtype(dtype)
+        where = "" if part.name == hardware.name else f" on {part.name}"
+        if steps is not None:
+            return StepOverlap(steps, gemm.tile_tokens, f"measured steps{where}")
+        return StepOverlap(gemm.sharpness, gemm.tile_tokens, f"measured GEMMs{where}")
+    return StepOverlap(math.inf, 1, "")
 
 
 def tiled_rows(rows: float, tile_tokens: int) -> float:
@@ -157,7 +149,7 @@ class Efficiency:
     - formats: per quantized weight format (`int8`, `int4`, `fp8`), its kernels' own fractions;
       formats not listed (BF16, FP16, FP32, GGUF blocks) use the two above.
 
-    How the compute and memory sides overlap is the part's, not the engine's: `overlap_sharpness`.
+    How the compute and memory sides overlap is the part's, not the engine's: `step_overlap`.
     """
 
     bandwidth_fraction: float = 0.91
@@ -266,13 +258,15 @@ def extrapolation(
 ) -> tuple[str, ...]:
     """Why a prediction for this deployment rests on no kernel measured for it (empty: it does)."""
     k = hardware.kernels
+    wdt = _weight_dtype(weight_dtype)
     if k is None:
+        fit = step_overlap(hardware, wdt.compute_dtype)
+        combined = "by max()" if fit.sharpness == math.inf else f"as the p-norm of the {fit.source}"
         return (
             f"{hardware.name} has no measured kernels: its datasheet peaks at the fractions fitted on "
-            "A100 and H100 runs, compute and memory combined by max()",
+            f"A100 and H100 runs, compute and memory combined {combined}",
         )
     reasons = []
-    wdt = _weight_dtype(weight_dtype)
     if _measured_gemm(hardware, wdt.compute_dtype, wdt.bytes_per_element) is None:
         reasons.append(
             f"no measured {weight_dtype} kernels on {hardware.name} (measured: "
@@ -378,7 +372,8 @@ class Roofline:
         # MoE layer's experts each over their share of the tokens (an expert at 32 of a 128-token
         # prompt's rows computes a whole 128-row tile). `_expert_flops_per_row`: one token through
         # one expert in every MoE layer; the rest of `_flops_per_token` sees every token.
-        self.tile_tokens = gemm_tile_tokens(hardware, wdt.compute_dtype)
+        overlap_fit = step_overlap(hardware, wdt.compute_dtype)
+        self.tile_tokens = overlap_fit.tile_tokens
         self._expert_flops_per_row = 2.0 * m.num_moe_layers * m.expert_params_per_layer / tp
         self._shared_flops_per_token = self._flops_per_token - m.num_active_experts * self._expert_flops_per_row
         self._tiled_flops_cache: dict[int, float] = {}
@@ -441,8 +436,8 @@ class Roofline:
             self._allreduces_per_step = 0
             self._comm_s_per_token = self._comm_s_per_step = 0.0
         self._overhead_s = eff.step_overhead_s + m.num_layers * eff.per_layer_overhead_s
-        self.overlap_sharpness = overlap_sharpness(hardware, wdt.compute_dtype)
-        self.overlap_source = overlap_source(hardware, wdt.compute_dtype)
+        self.overlap_sharpness = overlap_fit.sharpness
+        self.overlap_source = overlap_fit.source
         self._per_seq_s = eff.per_seq_overhead_s
 
         if self.gemm is not None:

@@ -321,8 +321,9 @@ def most_running(s: Any, hardware: Any, prompt_len: int, output_len: int, max_nu
     """What runs at once on `hardware`, as `servelab plan`'s ceiling counts it (`running_walls`):
     requests of these lengths whose KV pages fit at full length in the engine's pool, at most
     `max_num_seqs` (default: the engine profile's) and what its token budget keeps running; 0
-    where the weights do not fit."""
+    where the weights, or they and one such request, do not fit."""
     from servelab.bench.planner import running_walls
+    from servelab.cost import MemoryPlan
     from servelab.sim.runner import engine_sim_config, scheduler_config
     from servelab.workload.spec import RequestSpec
 
@@ -330,6 +331,10 @@ def most_running(s: Any, hardware: Any, prompt_len: int, output_len: int, max_nu
     try:
         config = engine_sim_config(s.engine_profile, scheduler=overrides, model=s.model, hardware=hardware, tp=s.tp,
                                    weight_dtype=s.weight_dtype, kv_cache_dtype=s.kv_dtype)  # fmt: skip
+        # As plan_one: one request at full length must fit beside the weights.
+        MemoryPlan(s.model, hardware, s.weight_dtype, s.kv_dtype, s.tp, config.memory_fraction).require_fit(
+            1, prompt_len + output_len
+        )
         sched = scheduler_config(config)
     except ServelabError:
         return 0

@@ -134,7 +134,7 @@ for _name, _profile in load_fits().items():
 del _name, _profile
 
 
-def _measured_part(hardware: HardwareSpec, compute_dtype: str) -> HardwareSpec | None:
+def measured_part(hardware: HardwareSpec, compute_dtype: str) -> HardwareSpec | None:
     """The part whose GEMMs were measured for this compute dtype: the part itself, else a catalog
     part of the same architecture (the same SMs run the same kernels: a hardware file of a Hopper
     part takes the H100's), else None."""
@@ -146,16 +146,8 @@ def _measured_part(hardware: HardwareSpec, compute_dtype: str) -> HardwareSpec |
 
 def measured_gemm(hardware: HardwareSpec, compute_dtype: str) -> GemmEfficiency | None:
     """The GEMM fit measured for this compute dtype on the part or its architecture, else None."""
-    part = _measured_part(hardware, compute_dtype)
+    part = measured_part(hardware, compute_dtype)
     return None if part is None or part.kernels is None else part.kernels.for_dtype(compute_dtype)
-
-
-def measured_step_sharpness(hardware: HardwareSpec, compute_dtype: str) -> float | None:
-    """The whole-step overlap sharpness fitted for this compute dtype on the part whose GEMMs
-    `measured_gemm` takes, where whole steps were measured there, else None."""
-    part = _measured_part(hardware, compute_dtype)
-    steps = None if part is None or part.kernels is None else part.kernels.steps
-    return None if steps is None else steps.for_dtype(compute_dtype)
 
 
 def get_hardware(name: str) -> HardwareSpec:

@@ -10,7 +10,7 @@ import pytest
 
 from servelab.cost import Roofline
 from servelab.cost.operators import operator_costs
-from servelab.cost.roofline import gemm_tile_tokens, overlap, tiled_rows
+from servelab.cost.roofline import overlap, step_overlap, tiled_rows
 from servelab.spec import get_hardware, get_model
 
 MIXTRAL = get_model("mixtral-8x7b")
@@ -26,13 +26,13 @@ def test_tiled_rows_pads_to_whole_tiles_and_a_tile_of_one_pads_nothing():
 
 def test_the_tile_is_the_measured_gemms_and_one_where_none_was_measured():
     h200 = get_hardware("h200")
-    assert gemm_tile_tokens(h200, "fp8") == h200.kernels.gemm["fp8"].tile_tokens == 128
-    assert gemm_tile_tokens(h200, "bf16") == h200.kernels.gemm["bf16"].tile_tokens == 32
+    assert step_overlap(h200, "fp8").tile_tokens == h200.kernels.gemm["fp8"].tile_tokens == 128
+    assert step_overlap(h200, "bf16").tile_tokens == h200.kernels.gemm["bf16"].tile_tokens == 32
     h100 = get_hardware("h100-sxm")
-    assert gemm_tile_tokens(h100, "fp8") == h100.kernels.gemm["fp8"].tile_tokens == 128
-    assert gemm_tile_tokens(h100, "bf16") == 1  # Vidur's H100 fit found no step
-    assert gemm_tile_tokens(get_hardware("a100-80gb"), "bf16") == 1  # Vidur's A100 fit found no step
-    assert gemm_tile_tokens(get_hardware("l40s"), "fp8") == 1  # nothing measured on Ada
+    assert step_overlap(h100, "fp8").tile_tokens == h100.kernels.gemm["fp8"].tile_tokens == 128
+    assert step_overlap(h100, "bf16").tile_tokens == 1  # Vidur's H100 fit found no step
+    assert step_overlap(get_hardware("a100-80gb"), "bf16").tile_tokens == 1  # Vidur's A100 fit found no step
+    assert step_overlap(get_hardware("l40s"), "fp8").tile_tokens == 1  # nothing measured on Ada
 
 
 def test_a_short_moe_prefill_pays_each_experts_tile_by_hand():

@@ -319,7 +319,7 @@ def test_an_engine_preset_fits_the_links_rate_the_defaults_hold_it():
     assert PRESETS["trtllm"].interconnect_fraction < fp.HELD["interconnect_fraction"]
 
 
-# ---- the overlap of compute and memory is the part's measured GEMMs' ---------------------------
+# ---- the overlap of compute and memory is the part's measured steps' or GEMMs' ----------------
 def test_the_overlap_sharpness_is_the_parts_measured_steps_else_its_gemms(tmp_path):
     import json
 
@@ -355,7 +355,12 @@ def test_the_overlap_sharpness_is_the_parts_measured_steps_else_its_gemms(tmp_pa
     ):
         path = tmp_path / f"part-{arch or 'none'}.json"
         path.write_text(json.dumps({**body, "architecture": arch}))
-        assert Roofline(get_model("llama-3.1-8b"), get_hardware(str(path)), dtype).overlap_sharpness == expected
+        r = Roofline(get_model("llama-3.1-8b"), get_hardware(str(path)), dtype)
+        assert r.overlap_sharpness == expected
+        # Its first line says what it borrows: the part it takes the overlap from, or max().
+        source = {"fp8": "measured GEMMs on h100-sxm", "bf16": "measured steps on h100-sxm"}[dtype] if arch else ""
+        assert r.overlap_source == source
+        assert r.extrapolation[0].endswith(f"combined as the p-norm of the {source}" if arch else "combined by max()")
 
 
 def test_the_step_sharpness_is_the_fit_to_the_parts_measured_steps():

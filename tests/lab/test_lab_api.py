@@ -645,8 +645,12 @@ def test_a_kv_bound_bar_is_measured_at_the_kv_limit():
     b = row.binding
     assert b.limit == "kv-cache" and row.capacity_concurrency == row.max_running == b.peak_running
     assert b.preemptions == 0 and row.capacity["levels"][-1]["load"] == row.max_running
-    # The lab's count of what runs at once (its bounds, its memory-budget cap) is the plan's ceiling.
+    # The lab's count of what runs at once (its bounds, its memory-budget cap) is the plan's ceiling,
+    # and none where one request at full length does not fit beside the weights, as plan says.
     assert most_running(key.setup(), HARDWARE["l4"], 4096, 64, MAX_NUM_SEQS) == row.max_running
+    long = PlanKey("llama-3.1-70b", "bfloat16", "bfloat16", 2, "servelab", 500.0, 20_000.0, 32768, 4096)
+    assert most_running(long.setup(), HARDWARE["h100-sxm"], 32768, 4096, MAX_NUM_SEQS) == 0
+    assert not plan_one(next(j for j in _jobs(long) if j.hardware == "h100-sxm")).fits
 
 
 def test_capacity_answers_at_once_with_upper_bounds_then_simulations():
