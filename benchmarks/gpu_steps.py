@@ -5,6 +5,7 @@ fits of benchmarks/gpu_kernels.py summed into a step, against the step measured.
 
     python benchmarks/gpu_steps.py --out gpu_steps.json                  # on a CUDA device
     python benchmarks/gpu_steps.py --compile --out gpu_steps_compiled.json  # each layer compiled
+    python benchmarks/gpu_steps.py --mixed --out gpu_steps_mixed.json    # prompt chunks beside decodes
     python benchmarks/gpu_steps.py --device cpu --quick --out x.json     # the same code on a CPU
 
 The model is written here in plain PyTorch, weights random (timing does not depend on their
@@ -73,6 +74,21 @@ COMPILED_PLAN = [
         ("llama-3.1-70b", "bf16", 16),
         ("llama-3.1-8b", "fp8", None),
     )
+]
+# --mixed: prompt chunks beside decode batches, the steps a serving engine runs under load and the
+# ones that pin how compute and memory overlap in a step (the end-to-end roofline's sharpness).
+MIXED_PLAN = [
+    (
+        "llama-3.1-8b",
+        "bf16",
+        None,
+        [],
+        [],
+        [],
+        [(c, b, x) for c in (128, 512, 2048) for b in (16, 64, 128) for x in (512, 2048)],
+    ),
+    ("llama-3.1-70b", "bf16", 16, [], [], [], [(c, b, 2048) for c in (128, 512, 2048) for b in (16, 128)]),
+    ("llama-3.1-8b", "fp8", None, [], [], [], [(c, b, 2048) for c in (128, 2048) for b in (16, 128)]),
 ]
 QUICK_PLAN = [("tiny", "bf16", None, [16, 64], [1, 4], [32, 128], [(16, 4, 32)])]
 MAX_KV_BYTES = 72 << 30
@@ -280,7 +296,11 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="each layer through torch.compile, on fewer shapes (COMPILED_PLAN); CUDA only",
     )
+    ap.add_argument("--mixed", action="store_true", help="only mixed steps, prompt chunks beside decodes (MIXED_PLAN)")
     args = ap.parse_args(argv)
+    if args.compile and args.mixed:
+        print("gpu_steps: --compile and --mixed are two plans; run them one at a time", file=sys.stderr)
+        return 2
     if args.compile and args.device != "cuda":
         print("gpu_steps: --compile times Inductor's GPU kernels; it needs --device cuda", file=sys.stderr)
         return 2
@@ -289,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dev = torch.device(args.device)
     torch.manual_seed(0)
-    plan = QUICK_PLAN if args.quick else COMPILED_PLAN if args.compile else FULL_PLAN
+    plan = QUICK_PLAN if args.quick else COMPILED_PLAN if args.compile else MIXED_PLAN if args.mixed else FULL_PLAN
     result: dict = dict(torch=torch.__version__, device=torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
                         quick=args.quick, repeats=args.repeats,
                         models={name: asdict(MODELS[name]) for name, *_ in plan})  # fmt: skip

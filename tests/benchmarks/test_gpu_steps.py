@@ -106,3 +106,18 @@ def test_the_seeds_h100_figures_on_a_measured_h100():
 def test_compile_needs_a_gpu(tmp_path, capsys):
     assert gpu_steps.main(["--device", "cpu", "--compile", "--out", str(tmp_path / "x.json")]) == 2
     assert "--compile" in capsys.readouterr().err
+
+
+def test_the_mixed_plan_is_prompt_chunks_beside_decodes(tmp_path, capsys):
+    """--mixed: only steps that carry a prompt chunk and decodes at once (28 across three models),
+    the steps that pin a part's end-to-end overlap; it is a plan of its own, not a --compile one."""
+    steps = [(name, dtype, p) for name, dtype, _, pre, dec, ctx, mixed in gpu_steps.MIXED_PLAN for p in mixed]
+    assert all(not pre and not dec and not ctx for _, _, _, pre, dec, ctx, _ in gpu_steps.MIXED_PLAN)
+    assert len(steps) == 28 and all(c > 0 and b > 0 and x > 0 for _, _, (c, b, x) in steps)
+    assert {(n, d) for n, d, _ in steps} == {
+        ("llama-3.1-8b", "bf16"),
+        ("llama-3.1-70b", "bf16"),
+        ("llama-3.1-8b", "fp8"),
+    }
+    assert gpu_steps.main(["--device", "cpu", "--compile", "--mixed", "--out", str(tmp_path / "x.json")]) == 2
+    assert "one at a time" in capsys.readouterr().err
