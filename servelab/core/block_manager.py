@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Collection
-from operator import itemgetter
+from operator import invert, itemgetter
 
 from servelab.core.kv_groups import FULL
 from servelab.core.sequence import Sequence
@@ -384,11 +384,32 @@ class BlockManager:
         new_hashes = hashes[start:num_full]
         new_blocks = table[start:num_full]
         holders = list(map(self._hash_to_block.setdefault, new_hashes, new_blocks))
-        for block, h, holder in zip(new_blocks, new_hashes, holders):
-            if holder == block:  # else another copy of this prefix was published first
-                block_hash[block] = h
+        if holders == new_blocks:  # all published here: record them in one C pass
+            list(map(block_hash.__setitem__, new_blocks, new_hashes))
+        else:
+            for block, h, holder in zip(new_blocks, new_hashes, holders):
+                if holder == block:  # else another copy of this prefix was published first
+                    block_hash[block] = h
         if seq.group_tables:
             self._publish_groups(seq, start, num_full)
+
+    def commit_unreachable_blocks(self, seq: Sequence) -> None:
+        """commit_computed_blocks for a finished sequence whose blocks past the committed ones no
+        lookup can reach (the simulator's requests with prompt tokens of their own, whose blocks
+        hash like no other request's): each is published under a key of its own, -1 - its id, a
+        value no chain hash takes barring a 64-bit coincidence, with no hash computed; free() then
+        files it with the cached blocks, to be evicted in LRU order like any published block."""
+        num_full = seq.num_computed_tokens // self.block_size
+        start = seq.prefix.num_committed
+        if num_full <= start:
+            return
+        seq.prefix.num_committed = num_full
+        if not self.enable_prefix_caching:
+            return
+        blocks = seq.block_table[start:num_full]
+        keys = list(map(invert, blocks))
+        self._hash_to_block.update(zip(keys, blocks))
+        list(map(self._block_hash.__setitem__, blocks, keys))
 
     def commit_next_block(self, seq: Sequence, tokens_hash: int) -> None:
         """Publish seq's next full block, whose tokens hash to `tokens_hash` (the hash of their

@@ -8,7 +8,7 @@ function `plan --plot` draws. Capacity at the TPOT target is read off the line: 
 
 Sized for a simulator lesson's 2 s answer: the engine profile's own sequence cap (256 for
 servelab), not the capacity lesson's 4,096, at most MAX_ACCELERATORS accelerators, and defaults
-(two accelerators, 1,024 + 128 tokens, TPOT 30 ms) whose plans cost about 1.8 CPU-seconds
+(two accelerators, 1,024 + 128 tokens, TPOT 30 ms) whose plans cost about 0.9 CPU-seconds
 together (docs/lab.md). Each accelerator's plan is cached, so changing one re-plans only it.
 """
 

@@ -94,6 +94,12 @@ class StepTrace:
         return StepTrace(*(array(column.typecode, column) for column in columns))
 
 
+def _has_own_tokens(spec: RequestSpec) -> bool:
+    """Whether simulated_prompt gives the request tokens of its own: then no other request's
+    blocks hash like its blocks from there on (SimSequence.unique_chain)."""
+    return spec.prompt_tokens > spec.prefix_tokens
+
+
 @dataclass(slots=True, eq=False)
 class _Request:
     spec: RequestSpec
@@ -425,6 +431,7 @@ class ClusterRun:
         self.live[rid] = req
         max_tokens = 1 if sim.disagg else spec.output_tokens
         seq = SimSequence(rid, ids, self.params(max_tokens), arrival_s=t)
+        seq.unique_chain = _has_own_tokens(spec)
         seq.prefix.hashes = list(hashes)  # the prefix cache would compute the same identities
         replica = sim.entry_router.pick(sim.entry_pool, hashes)
         req.prefill_replica = replica
@@ -464,6 +471,7 @@ class ClusterRun:
                 seq.request_id, req.prompt_token_ids, self.params(req.spec.output_tokens), arrival_s=req.sent_s
             )
             decode_seq.prefix.hashes = list(req.prompt_block_hashes)
+            decode_seq.unique_chain = _has_own_tokens(req.spec)
             cached = len(decode.scheduler.block_manager.find_cached_prefix(decode_seq)) * sim.block_size
             nbytes = (
                 0.0 if sim.kv_bytes is None else max(0.0, sim.kv_bytes(req.spec.prompt_tokens) - sim.kv_bytes(cached))

@@ -11,6 +11,14 @@ ordinary entry again only when it is preempted, aborted or cut by the token budg
 point its tokens, token times and computed count catch up from the clock. The decisions and
 timestamps are exactly those of the core Scheduler (tests/sim/test_implicit_decodes.py compares
 them); a step costs the few sequences that need attention instead of every running one.
+
+A sequence whose prompt has tokens of its own (`SimSequence.unique_chain`: every request of the
+simulator's workloads) generates blocks no other sequence's lookup can meet, so update() does not
+publish them as they fill: they are published together when it leaves implicit mode, under their
+chain hashes if it lives on (preempted, it may recompute them from the cache), and, when it
+finishes, under keys of their own with no hash computed (`commit_unreachable_blocks`), so that
+they still join the prefix cache's LRU as the core Scheduler's published blocks do. Only the
+count of cached blocks (`num_cached_blocks`) differs while such sequences run.
 """
 
 from __future__ import annotations
@@ -38,11 +46,19 @@ class SimSequence(Sequence):
     filled and that takes a new one next step."""
 
     implicit_from: int = field(default=-1, init=False, repr=False)
+    # While implicit: its context at tick c is implicit_offset + c, and at tick implicit_finish it
+    # reaches its length limit (the tick before its context would).
+    implicit_offset: int = field(default=0, init=False, repr=False)
+    implicit_finish: int = field(default=0, init=False, repr=False)
     implicit_wake: int = field(default=-1, init=False, repr=False)
     implicit_needs_block: bool = field(default=False, init=False, repr=False)
     # Set at admission: the token count at which it stops by length, or 0 if the implicit token
     # would stop it (an EOS or stop id): such a sequence never runs implicitly.
     implicit_limit: int = field(default=0, init=False, repr=False)
+    # Set by the simulator where the prompt has tokens of its own: no other sequence's blocks can
+    # hash like its blocks from there on, so no lookup meets a block it generates while it runs
+    # implicitly, and its filled blocks are published together when it leaves implicit mode.
+    unique_chain: bool = field(default=False, init=False, repr=False)
 
 
 @dataclass(slots=True)
@@ -128,6 +144,8 @@ class ImplicitDecodeScheduler(Scheduler):
         # Implicit decodes whose block filled, met in a row: they take their blocks together
         # before the next explicit entry (the budget cannot stop the loop among them uncut).
         group: list[SimSequence] = []
+        if not cutting and not self._explicit:
+            group, seqs = list(seqs), ()  # only those: one group
         for seq in seqs:
             if budget <= 0:
                 break
@@ -255,22 +273,24 @@ class ImplicitDecodeScheduler(Scheduler):
         """_take_block for each of `seqs` (implicit decodes whose block filled, in `running` order,
         with no other entry between them): in one go when the pool has a block for each, so that
         none preempts, else one by one. False if one was preempted itself (nothing more runs)."""
-        bs = self.config.block_size
-        ends = [len(seq.token_ids) + tick - seq.implicit_from for seq in seqs]  # contexts at `tick`
-        # Each needs exactly one more block, as append_slots would count.
-        if all(-(-end // bs) == len(seq.block_table) + 1 for seq, end in zip(seqs, ends)) and (
-            self.block_manager.append_block_each(seqs)
-        ):
+        # Each filled its last block at the last tick (update() marked it then, and this is the
+        # next schedule), so it needs exactly one more, as append_slots would count, and that one
+        # fills a block's worth of ticks later unless it finishes first.
+        if self.block_manager.append_block_each(seqs):
+            fills = tick - 1 + self.config.block_size
             wakes = self._wake
-            for seq, end in zip(seqs, ends):  # _schedule_wake, inlined: one pass over many
+            bucket: list[SimSequence] = []
+            for seq in seqs:  # _schedule_wake, inlined: one pass over many
                 seq.implicit_needs_block = False
-                wake = tick + min(len(seq.block_table) * bs - end, seq.implicit_limit - end - 1)
-                seq.implicit_wake = wake
-                bucket = wakes.get(wake)
-                if bucket is None:
-                    wakes[wake] = [seq]
+                finish = seq.implicit_finish
+                if finish < fills:
+                    seq.implicit_wake = finish
+                    wakes.setdefault(finish, []).append(seq)
                 else:
+                    seq.implicit_wake = fills
                     bucket.append(seq)
+            if bucket:
+                wakes.setdefault(fills, []).extend(bucket)
             return True
         for seq in seqs:
             # One preempted by an earlier one's block is explicit now, and not running: as the
@@ -283,18 +303,17 @@ class ImplicitDecodeScheduler(Scheduler):
         """An implicit sequence whose block filled last step takes a new one, as the core loop
         would (preempting from the tail if the pool is short), and waits for its next event.
         False if it was preempted itself."""
-        end = len(seq.token_ids) + tick - seq.implicit_from
+        end = seq.implicit_offset + tick
         if not self.block_manager.append_slots(seq, end) and not self._preempt_until_fits(seq, end, preempted):
             return False
         seq.implicit_needs_block = False
-        self._schedule_wake(seq, tick, end)
+        self._schedule_wake(seq)
         return True
 
-    def _schedule_wake(self, seq: SimSequence, tick: int, end: int) -> None:
-        """File an implicit sequence, whose context at `tick` is `end`, under the tick of its next
-        event: its last block fills (update publishes it; the next step needs a new one) or it
-        reaches its length limit, one tick before its context would."""
-        wake = tick + min(len(seq.block_table) * self.config.block_size - end, seq.implicit_limit - end - 1)
+    def _schedule_wake(self, seq: SimSequence) -> None:
+        """File an implicit sequence under the tick of its next event: its last block fills
+        (update publishes it; the next step needs a new one) or it reaches its length limit."""
+        wake = min(len(seq.block_table) * self.config.block_size - seq.implicit_offset, seq.implicit_finish)
         seq.implicit_wake = wake
         bucket = self._wake.get(wake)
         if bucket is None:
@@ -322,14 +341,15 @@ class ImplicitDecodeScheduler(Scheduler):
         commit_next_block = self.block_manager.commit_next_block
         needs_block = self._needs_block
         for seq in seqs:
-            num_known = len(seq.token_ids)
-            end = num_known + tick - seq.implicit_from  # its computed count after this step
-            if end >= (seq.prefix.num_committed + 1) * bs:  # its last block filled: publish it
-                if end - bs >= num_known:
-                    commit_next_block(seq, full_block_hash)
-                else:
-                    commit_next_block(seq, hash((*seq.token_ids[end - bs :], *repeat(token, end - num_known))))
-            if end + 1 >= seq.implicit_limit:
+            if not seq.unique_chain:  # else published when it leaves implicit mode (_catch_up)
+                end = seq.implicit_offset + tick  # its computed count after this step
+                if end >= (seq.prefix.num_committed + 1) * bs:  # its last block filled: publish it
+                    num_known = len(seq.token_ids)
+                    if end - bs >= num_known:
+                        commit_next_block(seq, full_block_hash)
+                    else:
+                        commit_next_block(seq, hash((*seq.token_ids[end - bs :], *repeat(token, end - num_known))))
+            if tick >= seq.implicit_finish:
                 # The implicit token cannot stop it: only the length limit ends it.
                 self._finish(seq, FinishReason.LENGTH, now)  # catches it up, this step's token included
                 finished.append(seq)
@@ -370,6 +390,14 @@ class ImplicitDecodeScheduler(Scheduler):
             token_ids.extend(repeat(self._token, gained))
             seq.token_times_s.extend(clock[start:])
             seq.num_computed_tokens = num_known - 1 + gained
+            if not seq.unique_chain:
+                pass  # update() published each block as it filled
+            elif seq.num_computed_tokens + 1 < seq.implicit_limit:
+                self.block_manager.commit_computed_blocks(seq)  # the blocks it filled meanwhile
+            else:
+                # At its length limit it is finishing (update() finishes it at this very tick, and
+                # nothing else catches one up there): no lookup will look for its blocks.
+                self.block_manager.commit_unreachable_blocks(seq)
 
     def _go_implicit(self, seq: SimSequence, tick: int, num_known: int) -> bool:
         """Run a running decode implicitly from `tick`, at which its context is `num_known`
@@ -382,9 +410,11 @@ class ImplicitDecodeScheduler(Scheduler):
         ):
             return False  # it needs a block or stops at this very step: the core loops handle that
         seq.implicit_from = tick
+        seq.implicit_offset = offset = num_known - tick
+        seq.implicit_finish = seq.implicit_limit - 1 - offset
         self._num_implicit += 1
-        self._implicit_base += num_known - tick
-        self._schedule_wake(seq, tick, num_known)
+        self._implicit_base += offset
+        self._schedule_wake(seq)
         self._explicit.remove(seq)
         return True
 

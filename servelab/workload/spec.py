@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass, field
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -251,18 +252,28 @@ class WorkloadSpec:
         prefix_len = int(self.shared_prefix_fraction * self.input_dist.mean)
         prefix = np.minimum(prefix_len, prompt - 1)
         groups = self._rng(_STREAM_GROUPS).integers(self.num_prefix_groups, size=n)
+        # Plain Python numbers in one C pass each (indexing numpy arrays per request costs more).
+        columns = (
+            repeat(None, n) if arrivals is None else np.asarray(arrivals, dtype=np.float64).tolist(),
+            np.asarray(prompt).astype(np.int64).tolist(),
+            np.asarray(output).astype(np.int64).tolist(),
+            prefix.astype(np.int64).tolist(),
+            groups.tolist(),
+            texts,
+            np.asarray(thinks, dtype=np.float64).tolist(),
+        )
         return [
             RequestSpec(
                 index=i,
-                arrival_s=None if arrivals is None else float(arrivals[i]),
-                prompt_tokens=int(prompt[i]),
-                output_tokens=int(output[i]),
-                prefix_tokens=int(prefix[i]),
-                prefix_group=int(groups[i]),
-                prompt_text=texts[i],
-                think_s=float(thinks[i]),
+                arrival_s=arrival,
+                prompt_tokens=p,
+                output_tokens=o,
+                prefix_tokens=pre,
+                prefix_group=g,
+                prompt_text=text,
+                think_s=think,
             )
-            for i in range(n)
+            for i, (arrival, p, o, pre, g, text, think) in enumerate(zip(*columns))
         ]
 
     def _from_trace(self, trace: str) -> list[RequestSpec]:

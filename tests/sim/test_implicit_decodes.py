@@ -367,11 +367,13 @@ def outcome(result) -> tuple:
     )
 
 
-@pytest.mark.parametrize("case", ["shared-prefix", "preempting", "disaggregated"])
-def test_the_simulator_gives_the_core_schedulers_results(case):
+@pytest.mark.parametrize("case", ["shared-prefix", "preempting", "disaggregated", "evicting"])
+def test_the_simulator_gives_the_core_schedulers_results(case, monkeypatch):
     # The same seeded workloads through ClusterSim twice: with ImplicitDecodeScheduler (the
     # roofline offers time_from_totals) and with the core Scheduler (ShapeOnly hides it). Every
-    # record, token time and trace row must be the same.
+    # record, token time and trace row must be the same, and so must every block manager's
+    # prefix-cache counters at the end (ImplicitDecodeScheduler publishes the blocks a prompt of
+    # its own generates when the sequence leaves implicit mode, the core Scheduler as each fills).
     from servelab.sim import SimConfig, simulate
     from servelab.sim.cluster import ClusterSim
     from servelab.sim.runner import build_cost_model, scheduler_config
@@ -398,17 +400,53 @@ def test_the_simulator_gives_the_core_schedulers_results(case):
             SimConfig(disagg=(1, 1)),
             WorkloadSpec(80, rate=30.0, input_len="512", output_len="1-150", shared_prefix_fraction=0.25, seed=13),
         ),
+        # A pool that evicts published blocks and preempts, under prefixes shared whole (no
+        # prompt of its own: identical generated blocks) and in part.
+        "evicting": (
+            SimConfig(scheduler=SchedulerConfig(num_blocks=120, block_size=16, max_num_batched_tokens=256)),
+            WorkloadSpec(
+                90,
+                rate=None,
+                concurrency=12,
+                input_len="17-160",
+                output_len="40-260",
+                shared_prefix_fraction=0.9,
+                num_prefix_groups=2,
+                seed=14,
+            ),
+        ),
     }[case]
     roofline = build_cost_model(config)
     sched = scheduler_config(config)
     assert type(ClusterSim({"mixed": (1, sched)}, roofline).replicas[0].scheduler) is ImplicitDecodeScheduler
     assert type(ClusterSim({"mixed": (1, sched)}, ShapeOnly(roofline)).replicas[0].scheduler) is Scheduler
+    managers: list[BlockManager] = []
+    init = BlockManager.__init__
+
+    def recorded(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        managers.append(self)
+
+    monkeypatch.setattr(BlockManager, "__init__", recorded)
+
+    def counters() -> list[tuple[int, ...]]:
+        out = [
+            (bm.prefix_cache_hits, bm.prefix_cache_queries, bm.num_evictions, bm.num_cached_blocks) for bm in managers
+        ]
+        managers.clear()
+        return out
+
     fast = simulate(config, workload)
+    fast_counters = counters()
     plain = simulate(replace(config, cost_model=ShapeOnly(roofline)), workload)
     assert fast.num_steps == plain.num_steps
     assert outcome(fast) == outcome(plain)
-    if case == "preempting":
+    assert fast_counters == counters()
+    if case in ("preempting", "evicting"):
         assert sum(r["preemptions"] for r in fast.replica_stats) > 0
+    if case == "evicting":
+        hits, _, evictions, _ = fast_counters[0]
+        assert hits > 0 and evictions > 0
 
 
 def test_it_runs_only_sequences_that_carry_the_implicit_state():
