@@ -61,7 +61,16 @@ def time_split(config: SimConfig, workload: WorkloadSpec) -> tuple[dict[str, flo
         (cluster, "simulated_prompt", "prompts (workload)"),
     ] + [
         (BlockManager, name, "block manager")
-        for name in ("find_cached_prefix", "allocate", "append_slots", "commit_computed_blocks", "free")
+        for name in (
+            "find_cached_prefix",
+            "allocate",
+            "append_slots",
+            "append_block_each",
+            "commit_computed_blocks",
+            "commit_next_block",
+            "commit_unreachable_blocks",
+            "free",
+        )
     ]
     originals = [(owner, name, getattr(owner, name)) for owner, name, _ in targets]
 

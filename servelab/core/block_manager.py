@@ -8,7 +8,9 @@ its parent block's hash, so equal hashes mean equal prefixes (up to a 64-bit has
 same trade vLLM's builtin hash makes). When a sequence's block fills and its KV is computed, the
 block is published under its hash. A new sequence looks its full blocks up in order and reuses
 every hit, computing only the rest. A block whose last owner is freed keeps its hash and stays
-reusable ("cached free") until it is evicted to make room, least recently used first.
+reusable ("cached free") until it is evicted to make room, least recently used first. (The
+simulator's implicit decodes publish the blocks a request generates when it stops decoding
+implicitly: sim/implicit_decodes.py.)
 
 Free blocks live in two pools: never-hashed blocks (any order) are handed out first, so cached
 content is evicted only when nothing else is free; cached free blocks sit in an LRU order.
@@ -394,11 +396,12 @@ class BlockManager:
             self._publish_groups(seq, start, num_full)
 
     def commit_unreachable_blocks(self, seq: Sequence) -> None:
-        """commit_computed_blocks for a finished sequence whose blocks past the committed ones no
-        lookup can reach (the simulator's requests with prompt tokens of their own, whose blocks
-        hash like no other request's): each is published under a key of its own, -1 - its id, a
-        value no chain hash takes barring a 64-bit coincidence, with no hash computed; free() then
-        files it with the cached blocks, to be evicted in LRU order like any published block."""
+        """commit_computed_blocks for a finishing sequence (before its free()) whose blocks past
+        the committed ones no lookup can reach (the simulator's requests with prompt tokens of
+        their own, whose blocks hash like no other request's): each is published under a key of
+        its own, -1 - its id, a value no chain hash takes barring a 64-bit coincidence, with no
+        hash computed; free() then files it with the cached blocks, to be evicted in LRU order
+        like any published block."""
         num_full = seq.num_computed_tokens // self.block_size
         start = seq.prefix.num_committed
         if num_full <= start:

@@ -38,7 +38,7 @@ from servelab.sim.executor import SimExecutor, StepCostModel
 from servelab.sim.implicit_decodes import ImplicitDecodeScheduler, SimSequence
 from servelab.sim.speculative import RequestAcceptances, Speculation, SpeculativeSimExecutor, propose
 from servelab.core.router import Router
-from servelab.workload import RequestSpec, simulated_prompt
+from servelab.workload import RequestSpec, has_own_tokens, simulated_prompt
 
 CHECK_EVERY_EVENTS = 1024  # a few milliseconds of simulation between a run's `check` calls
 
@@ -94,12 +94,6 @@ class StepTrace:
         return StepTrace(*(array(column.typecode, column) for column in columns))
 
 
-def _has_own_tokens(spec: RequestSpec) -> bool:
-    """Whether simulated_prompt gives the request tokens of its own: then no other request's
-    blocks hash like its blocks from there on (SimSequence.unique_chain)."""
-    return spec.prompt_tokens > spec.prefix_tokens
-
-
 @dataclass(slots=True, eq=False)
 class _Request:
     spec: RequestSpec
@@ -150,9 +144,11 @@ class ClusterSim:
         self.pools: dict[str, list[Replica]] = {}
         # Every simulated token is this id, so steady decodes can run implicitly; that needs a
         # cost model that prices a step from its sums (the roofline does). A speculative decode
-        # advances by a drawn number of tokens a step, which implicit decodes cannot express.
+        # advances by a drawn number of tokens a step, and a sliding-window group frees pages as
+        # a decode moves on, neither of which implicit decodes express.
         token = 1
-        implicit = getattr(cost_model, "time_from_totals", None) is not None and speculation is None
+        windowed = any(w is not None for _, config in pools.values() for w in config.resolve().kv_group_windows)
+        implicit = getattr(cost_model, "time_from_totals", None) is not None and speculation is None and not windowed
         self.drafts = [token] * speculation.k if speculation is not None else None
         # Each request's acceptance; with no per-request profile a step's coverage is one number.
         acceptances = None if speculation is None else RequestAcceptances(speculation.acceptance, f"{seed}:acceptance")
@@ -431,7 +427,7 @@ class ClusterRun:
         self.live[rid] = req
         max_tokens = 1 if sim.disagg else spec.output_tokens
         seq = SimSequence(rid, ids, self.params(max_tokens), arrival_s=t)
-        seq.unique_chain = _has_own_tokens(spec)
+        seq.unique_chain = has_own_tokens(spec)
         seq.prefix.hashes = list(hashes)  # the prefix cache would compute the same identities
         replica = sim.entry_router.pick(sim.entry_pool, hashes)
         req.prefill_replica = replica
@@ -471,7 +467,7 @@ class ClusterRun:
                 seq.request_id, req.prompt_token_ids, self.params(req.spec.output_tokens), arrival_s=req.sent_s
             )
             decode_seq.prefix.hashes = list(req.prompt_block_hashes)
-            decode_seq.unique_chain = _has_own_tokens(req.spec)
+            decode_seq.unique_chain = has_own_tokens(req.spec)
             cached = len(decode.scheduler.block_manager.find_cached_prefix(decode_seq)) * sim.block_size
             nbytes = (
                 0.0 if sim.kv_bytes is None else max(0.0, sim.kv_bytes(req.spec.prompt_tokens) - sim.kv_bytes(cached))

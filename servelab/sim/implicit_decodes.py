@@ -5,20 +5,24 @@ decode's next steps are predictable: one token a step, no new block until its la
 no stop until its length limit. Such a sequence leaves the per-step loops: the plan carries it
 as a count and a context sum, and every step that runs it appends one time to the scheduler's
 implicit clock. It is touched only when something happens to it, in the order the core
-Scheduler's loops would touch it: `update()` publishes its block when the block fills (or
-finishes it at its length limit), and the next `schedule()` gives it a new block. It becomes an
-ordinary entry again only when it is preempted, aborted or cut by the token budget, at which
-point its tokens, token times and computed count catch up from the clock. The decisions and
-timestamps are exactly those of the core Scheduler (tests/sim/test_implicit_decodes.py compares
-them); a step costs the few sequences that need attention instead of every running one.
+Scheduler's loops would touch it: `update()` marks it when its block fills (or finishes it at
+its length limit), and the next `schedule()` gives it a new block. It becomes an ordinary entry
+again only when it is preempted, aborted or cut by the token budget, at which point its tokens,
+token times and computed count catch up from the clock. The decisions and timestamps are exactly
+those of the core Scheduler (tests/sim/test_implicit_decodes.py compares them); a step costs the
+few sequences that need attention instead of every running one.
 
-A sequence whose prompt has tokens of its own (`SimSequence.unique_chain`: every request of the
-simulator's workloads) generates blocks no other sequence's lookup can meet, so update() does not
-publish them as they fill: they are published together when it leaves implicit mode, under their
-chain hashes if it lives on (preempted, it may recompute them from the cache), and, when it
-finishes, under keys of their own with no hash computed (`commit_unreachable_blocks`), so that
-they still join the prefix cache's LRU as the core Scheduler's published blocks do. Only the
-count of cached blocks (`num_cached_blocks`) differs while such sequences run.
+A filled block is published when it fills, as the core Scheduler does, unless the sequence's
+prompt has tokens of its own (`SimSequence.unique_chain`: every request of the simulator's
+workloads, whose index is its own in the run; `simulate` checks). Then no other sequence's
+lookup can meet the blocks it generates, and they are published together when it leaves
+implicit mode: under their chain hashes if it lives on (preempted, it may recompute them from
+the cache), and when it finishes under keys of their own with no hash computed
+(`commit_unreachable_blocks`), so that they still join the prefix cache's LRU as published
+blocks. Decisions, records and the prefix-cache counters stay the core Scheduler's; what lags
+while such a sequence runs implicitly is bookkeeping no decision reads: its
+`prefix.num_committed` and `prefix.hashes` (sync() brings them up to date) and the cached-block
+count (`num_cached_blocks`); a finished one's blocks stay under their own keys until evicted.
 """
 
 from __future__ import annotations
@@ -312,7 +316,7 @@ class ImplicitDecodeScheduler(Scheduler):
 
     def _schedule_wake(self, seq: SimSequence) -> None:
         """File an implicit sequence under the tick of its next event: its last block fills
-        (update publishes it; the next step needs a new one) or it reaches its length limit."""
+        (update() marks it; the next step needs a new one) or it reaches its length limit."""
         wake = min(len(seq.block_table) * self.config.block_size - seq.implicit_offset, seq.implicit_finish)
         seq.implicit_wake = wake
         bucket = self._wake.get(wake)
@@ -333,7 +337,8 @@ class ImplicitDecodeScheduler(Scheduler):
         self, seqs: Iterable[SimSequence], now: float, finished: list[Sequence], outputs: list[RequestOutput]
     ) -> None:
         """update() at implicit sequences' event tick, in the step's order: publish the block that
-        filled, and finish each at its length limit or mark it for a new block."""
+        filled (unless that waits: `unique_chain`), and finish each at its length limit or mark
+        it for a new block."""
         tick = len(self._clock) - 1
         token = self._token
         bs = self.config.block_size

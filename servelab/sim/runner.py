@@ -441,6 +441,10 @@ def simulate(
         seed = 0
     if not requests:
         raise InvalidArgument("the workload has no requests")
+    indices = [r.index for r in requests]
+    if min(indices) < 0 or len(set(indices)) < len(indices):
+        # A request's index names it (its records, its simulated prompt's own tokens and blocks).
+        raise InvalidArgument("each request needs its own index >= 0: the list repeats one or holds a negative one")
     closed_loop = requests[0].arrival_s is None
     if closed_loop and concurrency is None:
         raise InvalidArgument("requests without arrival times need a concurrency (closed loop)")

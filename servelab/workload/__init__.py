@@ -5,7 +5,7 @@ from servelab.workload.arrivals import ArrivalProcess
 from servelab.workload.datasets import estimate_tokens, load_sharegpt, load_trace
 from servelab.workload.lengths import LengthDist
 from servelab.workload.spec import RequestSpec, WorkloadSpec
-from servelab.workload.tokens import simulated_prompt, token_ids_for
+from servelab.workload.tokens import has_own_tokens, simulated_prompt, token_ids_for
 
 __all__ = [
     "ArrivalProcess",
@@ -14,6 +14,7 @@ __all__ = [
     "WorkloadSpec",
     "add_workload_arguments",
     "estimate_tokens",
+    "has_own_tokens",
     "load_sharegpt",
     "load_trace",
     "simulated_prompt",

@@ -273,7 +273,7 @@ class WorkloadSpec:
                 prompt_text=text,
                 think_s=think,
             )
-            for i, (arrival, p, o, pre, g, text, think) in enumerate(zip(*columns))
+            for i, (arrival, p, o, pre, g, text, think) in enumerate(zip(*columns, strict=True))
         ]
 
     def _from_trace(self, trace: str) -> list[RequestSpec]:

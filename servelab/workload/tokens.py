@@ -45,6 +45,12 @@ def token_ids_for(spec: RequestSpec, vocab_size: int, seed: int = 0) -> list[int
     return prefix + suffix
 
 
+def has_own_tokens(spec: RequestSpec) -> bool:
+    """Whether simulated_prompt gives the request tokens of its own: then, its index being unique
+    in the run, no other request's blocks hash like its blocks from there on."""
+    return spec.prompt_tokens > spec.prefix_tokens
+
+
 def simulated_prompt(spec: RequestSpec, block_size: int, seed: int = 0) -> tuple[list[int], list[int]]:
     """The simulator's prompt: stand-in token ids and the hash of every full block, for the prefix
     cache, without drawing a token per position.

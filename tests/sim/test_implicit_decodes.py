@@ -20,7 +20,7 @@ from servelab.core.config import ADMISSIONS, POLICIES, SchedulerConfig
 from servelab.core.plan import StepResult
 from servelab.core.scheduler import Scheduler
 from servelab.core.sequence import FinishReason, SamplingParams, Sequence, SequenceStatus
-from servelab.errors import ServelabError
+from servelab.errors import InvalidArgument, ServelabError
 from servelab.sim import SimConfig, simulate
 from servelab.sim.implicit_decodes import ImplicitDecodeScheduler, ImplicitStepPlan, SimSequence
 from servelab.workload import WorkloadSpec
@@ -42,9 +42,12 @@ def build(workload: list[dict], cls: type[Sequence] = SimSequence) -> list[Seque
         # the prefix cache's first-published-wins rule then depends on the order of commits.
         own = [100 + (i * 13 + j) % 50 for j in range(w["prompt_len"])] if w["own"] else []
         prompt = (w["prefix"] + own) or [5]
-        seqs.append(
-            cls(f"r{i}", prompt, params, arrival_s=w["arrival_s"], priority=w["priority"], eos_token_ids=w["eos"])
-        )
+        seq = cls(f"r{i}", prompt, params, arrival_s=w["arrival_s"], priority=w["priority"], eos_token_ids=w["eos"])
+        if isinstance(seq, SimSequence):
+            # Own tokens are unique per request here (13 i mod 50 differs for the 16 at most), so
+            # its generated blocks are published late, as the simulator's requests' are.
+            seq.unique_chain = bool(own)
+        seqs.append(seq)
     return seqs
 
 
@@ -367,7 +370,14 @@ def outcome(result) -> tuple:
     )
 
 
-@pytest.mark.parametrize("case", ["shared-prefix", "preempting", "disaggregated", "evicting"])
+def _whole_shared(specs):
+    """Every third request's prompt shared whole (no token of its own): at one prompt length those
+    of a group are one prompt and generate the same blocks, which must be published as they fill
+    (a preempted one recomputes from the others')."""
+    return [replace(s, prefix_tokens=s.prompt_tokens) if s.index % 3 == 0 else s for s in specs]
+
+
+@pytest.mark.parametrize("case", ["shared-prefix", "preempting", "disaggregated", "evicting", "whole-shared"])
 def test_the_simulator_gives_the_core_schedulers_results(case, monkeypatch):
     # The same seeded workloads through ClusterSim twice: with ImplicitDecodeScheduler (the
     # roofline offers time_from_totals) and with the core Scheduler (ShapeOnly hides it). Every
@@ -400,8 +410,8 @@ def test_the_simulator_gives_the_core_schedulers_results(case, monkeypatch):
             SimConfig(disagg=(1, 1)),
             WorkloadSpec(80, rate=30.0, input_len="512", output_len="1-150", shared_prefix_fraction=0.25, seed=13),
         ),
-        # A pool that evicts published blocks and preempts, under prefixes shared whole (no
-        # prompt of its own: identical generated blocks) and in part.
+        # A pool that evicts published blocks and preempts, under prefixes shared by most of
+        # each prompt.
         "evicting": (
             SimConfig(scheduler=SchedulerConfig(num_blocks=120, block_size=16, max_num_batched_tokens=256)),
             WorkloadSpec(
@@ -413,6 +423,14 @@ def test_the_simulator_gives_the_core_schedulers_results(case, monkeypatch):
                 shared_prefix_fraction=0.9,
                 num_prefix_groups=2,
                 seed=14,
+            ),
+        ),
+        "whole-shared": (
+            SimConfig(scheduler=SchedulerConfig(num_blocks=100, block_size=16, max_num_batched_tokens=256)),
+            _whole_shared(
+                WorkloadSpec(
+                    90, rate=None, concurrency=12, input_len="64", output_len="40-200", num_prefix_groups=2, seed=15
+                ).generate()
             ),
         ),
     }[case]
@@ -436,17 +454,39 @@ def test_the_simulator_gives_the_core_schedulers_results(case, monkeypatch):
         managers.clear()
         return out
 
-    fast = simulate(config, workload)
+    concurrency = 12 if case == "whole-shared" else None
+    fast = simulate(config, workload, concurrency=concurrency)
     fast_counters = counters()
-    plain = simulate(replace(config, cost_model=ShapeOnly(roofline)), workload)
+    plain = simulate(replace(config, cost_model=ShapeOnly(roofline)), workload, concurrency=concurrency)
     assert fast.num_steps == plain.num_steps
     assert outcome(fast) == outcome(plain)
     assert fast_counters == counters()
-    if case in ("preempting", "evicting"):
+    if case in ("preempting", "evicting", "whole-shared"):
         assert sum(r["preemptions"] for r in fast.replica_stats) > 0
-    if case == "evicting":
+    if case in ("evicting", "whole-shared"):
         hits, _, evictions, _ = fast_counters[0]
         assert hits > 0 and evictions > 0
+
+
+def test_a_request_list_gives_each_request_its_own_index():
+    # A request's simulated prompt is built from its index: two with one index would share the
+    # blocks the simulator takes for a request's own.
+    specs = WorkloadSpec(4, rate=None, concurrency=2, input_len="40", output_len="20").generate()
+    for bad in (specs[:3] + [replace(specs[3], index=0)], specs[:3] + [replace(specs[3], index=-2)]):
+        with pytest.raises(InvalidArgument, match="its own index"):
+            simulate(SimConfig(), bad, concurrency=2)
+
+
+def test_sliding_window_models_run_the_core_scheduler():
+    # A sliding-window group frees pages as a decode moves on, which implicit decodes do not
+    # express: such a model runs the core Scheduler even under a cost model priced from sums.
+    from servelab.sim.cluster import ClusterSim
+    from servelab.sim.runner import build_cost_model, scheduler_config
+
+    windowed = scheduler_config(SimConfig(model="gemma-3-1b"))
+    assert any(w is not None for w in windowed.kv_group_windows)
+    priced_from_sums = build_cost_model(SimConfig())
+    assert type(ClusterSim({"mixed": (1, windowed)}, priced_from_sums).replicas[0].scheduler) is Scheduler
 
 
 def test_it_runs_only_sequences_that_carry_the_implicit_state():
