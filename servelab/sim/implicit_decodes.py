@@ -149,7 +149,7 @@ class ImplicitDecodeScheduler(Scheduler):
         # before the next explicit entry (the budget cannot stop the loop among them uncut).
         group: list[SimSequence] = []
         if not cutting and not self._explicit:
-            group, seqs = list(seqs), ()  # only those: one group
+            group, seqs = seqs, []  # only those (a list of their own): one group
         for seq in seqs:
             if budget <= 0:
                 break
@@ -251,7 +251,7 @@ class ImplicitDecodeScheduler(Scheduler):
 
     # ---- implicit decodes ----------------------------------------------------------------------
 
-    def _step_order(self, budget: int) -> tuple[Iterable[SimSequence], bool]:
+    def _step_order(self, budget: int) -> tuple[list[SimSequence], bool]:
         """The sequences the running loop must visit, in `running` order, and whether the token
         budget may cut the step short. If every running sequence's whole need fits the budget,
         only the explicit ones and the implicit ones that need a block are visited; otherwise
@@ -386,7 +386,7 @@ class ImplicitDecodeScheduler(Scheduler):
         token_ids = seq.token_ids
         num_known = len(token_ids)
         self._num_implicit -= 1
-        self._implicit_base -= num_known - start
+        self._implicit_base -= seq.implicit_offset
         seq.implicit_from = -1
         seq.implicit_needs_block = False
         clock = self._clock
@@ -395,14 +395,13 @@ class ImplicitDecodeScheduler(Scheduler):
             token_ids.extend(repeat(self._token, gained))
             seq.token_times_s.extend(clock[start:])
             seq.num_computed_tokens = num_known - 1 + gained
-            if not seq.unique_chain:
-                pass  # update() published each block as it filled
-            elif seq.num_computed_tokens + 1 < seq.implicit_limit:
-                self.block_manager.commit_computed_blocks(seq)  # the blocks it filled meanwhile
-            else:
-                # At its length limit it is finishing (update() finishes it at this very tick, and
-                # nothing else catches one up there): no lookup will look for its blocks.
-                self.block_manager.commit_unreachable_blocks(seq)
+            if seq.unique_chain:  # else update() published each block as it filled
+                if len(clock) <= seq.implicit_finish:
+                    self.block_manager.commit_computed_blocks(seq)  # it lives on: the blocks it filled
+                else:
+                    # Past its finish tick it is finishing (update() finishes it at that tick, and
+                    # nothing else catches one up there): no lookup will look for its blocks.
+                    self.block_manager.commit_unreachable_blocks(seq)
 
     def _go_implicit(self, seq: SimSequence, tick: int, num_known: int) -> bool:
         """Run a running decode implicitly from `tick`, at which its context is `num_known`
